@@ -1,0 +1,65 @@
+"""nnsight-lorsa: Low-Rank Sparse Attention (Lorsa) and friends as nnsight envoys.
+
+Torch-only primitives (no nnsight needed to import or run them)::
+
+    from nnsight_lorsa import Lorsa, LorsaConfig, RotaryConfig, save_lorsa, load_lorsa
+
+nnsight integration (imported on first use)::
+
+    from nnsight_lorsa import LorsaSet
+    lorsa = LorsaSet(model, {15: my_lorsa})
+    with model.trace(prompt):
+        site = lorsa.replace(layer=15)
+
+See README.md and docs/ for the guided tour.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    LayerOutOfRangeError,
+    LorsaError,
+    ShapeError,
+    TraceOrderError,
+    UnsupportedArchitectureError,
+)
+from .modules.hook_point import HookPoint
+from .modules.lorsa import Lorsa, LorsaCache
+from .modules.lorsa_config import LorsaConfig
+from .modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported lazily so that `import nnsight_lorsa` needs torch only
+_LAZY = {
+    "LorsaSet": ".envoy.lorsa_set",
+    "get_adapter": ".adapters.registry",
+    "ArchitectureAdapter": ".adapters.base",
+    "MHSAWeights": ".adapters.base",
+    "mhsa_forward": ".adapters.base",
+    "save_lorsa": ".formats.lorsa_format",
+    "load_lorsa": ".formats.lorsa_format",
+    "load_llamascopium_lorsa": ".formats.llamascopium",
+    "LorsaTrainer": ".training.trainer",
+    "TrainConfig": ".training.trainer",
+    "attention_activations": ".training.activations",
+    "evaluate_lorsa": ".training.evaluate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'nnsight_lorsa' has no attribute {name!r}")
+
+
+__all__ = [
+    "CheckpointError", "ConfigMismatchError", "HookPoint", "LayerOutOfRangeError", "Lorsa", "LorsaCache",
+    "LorsaConfig", "LorsaError", "RotaryConfig", "ShapeError", "TraceOrderError",
+    "UnsupportedArchitectureError", "apply_rotary", "rotary_cos_sin", *_LAZY,
+]

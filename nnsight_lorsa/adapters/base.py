@@ -1,0 +1,249 @@
+"""Architecture adapters: where a model family keeps what the replacement modules need.
+
+An adapter answers, for one model family: where the decoder layers are; where a layer's
+attention reads its input hidden states (after the pre-attention norm) and writes its output
+(after the output projection); how it rotates queries and keys (:class:`RotaryConfig`); its
+attention scale, GQA layout and QK-norm; and the MHSA weights in the head-major layout of the
+transformer-circuits framework (seed ``001_…``: ``W_Q^h, W_K^h, W_V^h: (d_model, d_head)``,
+``W_O^h: (d_head, d_model)``).
+
+Adapters need torch and transformers only (no nnsight), so they also run on an NDIF server.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._typing import Float
+from ..errors import LayerOutOfRangeError, UnsupportedArchitectureError
+from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
+
+
+@dataclass
+class MHSAWeights:
+    """One layer's multi-head self-attention in head-major form.
+
+    Attributes:
+        W_Q: ``(n_heads, d_model, head_dim)``; ``b_Q: (n_heads, head_dim)``.
+        W_K, W_V: ``(n_kv_heads, d_model, head_dim)``; ``b_K, b_V: (n_kv_heads, head_dim)``
+            (``n_kv_heads < n_heads`` under GQA: query head ``h`` reads KV head ``h // (n_heads/n_kv)``).
+        W_O: ``(n_heads, head_dim, d_model)``; ``b_O: (d_model,)``.
+        q_norm, k_norm: QK-norm weights ``(head_dim,)`` (Qwen3) or None; ``qk_norm_eps`` their eps.
+        rotary: RoPE of the layer, None without rotary (GPT-2).
+        scale: scores are multiplied by this (``1/sqrt(head_dim)`` for the supported families;
+            GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``).
+        sliding_window: if set, query ``i`` attends only to keys ``j`` with ``i - window < j <= i``
+            (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3 ``sliding_attention`` layers).
+    """
+
+    W_Q: torch.Tensor
+    b_Q: torch.Tensor
+    W_K: torch.Tensor
+    b_K: torch.Tensor
+    W_V: torch.Tensor
+    b_V: torch.Tensor
+    W_O: torch.Tensor
+    b_O: torch.Tensor
+    rotary: RotaryConfig | None
+    scale: float
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_eps: float = 1e-6
+    sliding_window: int | None = None
+
+    @property
+    def n_heads(self) -> int:
+        return self.W_Q.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.W_K.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.W_Q.shape[2]
+
+    @property
+    def d_model(self) -> int:
+        return self.W_Q.shape[1]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x.to(dtype)
+
+
+def mhsa_forward(
+    w: MHSAWeights,
+    x: Float[torch.Tensor, "batch pos d_model"],
+    positions: torch.Tensor | None = None,
+    *,
+    per_head: bool = False,
+) -> Float[torch.Tensor, "batch pos d_model"] | Float[torch.Tensor, "batch pos n_heads d_model"]:
+    """Recompute causal MHSA from its pieces (eager, no padding mask).
+
+    ``x``: the attention's input ``(batch, pos, d_model)``; ``positions``: ``(pos,)`` or
+    ``(batch, pos)`` token positions for RoPE (default ``arange(pos)``). Follows transformers'
+    ``eager_attention_forward``: QK-norm, then RoPE, scores ``q·k * scale``, causal (and
+    sliding-window) mask, softmax, ``z @ W_O + b_O``.
+
+    Returns the attention output ``(batch, pos, d_model)`` including ``b_O``, or with
+    ``per_head=True`` each head's contribution ``(batch, pos, n_heads, d_model)`` (without
+    ``b_O``; they sum to the output minus ``b_O``).
+    """
+    b, s, _ = x.shape
+    q = torch.einsum("bsd,hde->bhse", x, w.W_Q) + w.b_Q[None, :, None]
+    k = torch.einsum("bsd,hde->bhse", x, w.W_K) + w.b_K[None, :, None]
+    v = torch.einsum("bsd,hde->bhse", x, w.W_V) + w.b_V[None, :, None]
+    if w.q_norm is not None and w.k_norm is not None:
+        q, k = _rms(q, w.q_norm, w.qk_norm_eps), _rms(k, w.k_norm, w.qk_norm_eps)
+    if w.rotary is not None:
+        pos = torch.arange(s, device=x.device) if positions is None else positions
+        cos, sin = rotary_cos_sin(w.rotary, pos)
+        q = apply_rotary(q, cos, sin, w.rotary.interleaved)
+        k = apply_rotary(k, cos, sin, w.rotary.interleaved)
+    rep = w.n_heads // w.n_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) * w.scale
+    causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+    if w.sliding_window is not None:
+        causal = causal.triu(-(w.sliding_window - 1))  # key j > query i - window
+    pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    z = pattern @ v  # (b, h, s, e)
+    if per_head:
+        return torch.einsum("bhse,hed->bshd", z, w.W_O)
+    return torch.einsum("bhse,hed->bsd", z, w.W_O) + w.b_O
+
+
+class ArchitectureAdapter(ABC):
+    """Where one model family keeps its attention (and the rest of a decoder layer).
+
+    Paths are dotted module paths from the Hugging Face ``*ForCausalLM`` root (the same paths
+    nnsight envoys use below the wrapper: ``model.<path>``).
+    """
+
+    #: transformers ``config.model_type`` values this adapter serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: short family name stored in checkpoints.
+    family: ClassVar[str] = ""
+
+    # ---- structure ------------------------------------------------------
+    layers_path: ClassVar[str] = ""
+    attention_name: ClassVar[str] = ""
+    mlp_name: ClassVar[str] = ""
+    embed_path: ClassVar[str] = ""
+    final_norm_path: ClassVar[str] = ""
+    lm_head_path: ClassVar[str] = "lm_head"
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def d_model(self) -> int:
+        return int(self.config.hidden_size)
+
+    def check_layer(self, layer: int) -> int:
+        """Return ``layer`` as an ``int`` if in ``[0, n_layers)``; else raise :class:`LayerOutOfRangeError`.
+
+        Integer-likes (``numpy.int64``, 0-d integer tensors) are accepted; bools, floats and
+        negative indices are not.
+        """
+        try:
+            index = None if isinstance(layer, bool) else operator.index(layer)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < self.n_layers:
+            raise LayerOutOfRangeError(
+                f"layer {layer!r} is out of range for a {self.n_layers}-layer {self.family} model"
+                f" (valid: 0..{self.n_layers - 1})"
+            )
+        return index
+
+    def layer_path(self, layer: int) -> str:
+        return f"{self.layers_path}.{self.check_layer(layer)}"
+
+    def attention_path(self, layer: int) -> str:
+        return f"{self.layer_path(layer)}.{self.attention_name}"
+
+    def mlp_path(self, layer: int) -> str:
+        return f"{self.layer_path(layer)}.{self.mlp_name}"
+
+    @staticmethod
+    def get_module(root: nn.Module, path: str) -> nn.Module:
+        """``root.get_submodule(path)`` with a clear error naming the missing piece."""
+        try:
+            return root.get_submodule(path)
+        except AttributeError as e:
+            raise UnsupportedArchitectureError(
+                f"{type(root).__name__} has no module at {path!r}: {e}"
+            ) from e
+
+    def attention_module(self, root: nn.Module, layer: int) -> nn.Module:
+        return self.get_module(root, self.attention_path(layer))
+
+    # ---- the attention module's call --------------------------------------
+    @abstractmethod
+    def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The hidden states ``(batch, pos, d_model)`` the attention module was called with."""
+
+    def attention_positions(self, args: tuple, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
+        """Token positions of the call, ``(batch, pos)`` or ``(pos,)`` (default ``arange(pos)``)."""
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = kwargs.get("cache_position")
+        return torch.arange(x.shape[1], device=x.device) if pos is None else pos
+
+    def attention_mask(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The ``(batch, 1, pos, pos)`` mask the attention was called with, or None (plain causal)."""
+        mask = kwargs.get("attention_mask")
+        return mask if isinstance(mask, torch.Tensor) and mask.dim() == 4 else None
+
+    def attention_output(self, output: Any) -> torch.Tensor:
+        """The attention output ``(batch, pos, d_model)`` inside the module's return value."""
+        return output[0] if isinstance(output, tuple) else output
+
+    def with_attention_output(self, output: Any, new: torch.Tensor) -> Any:
+        """The module's return value with its attention output replaced by ``new``."""
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    # ---- weights -----------------------------------------------------------
+    @abstractmethod
+    def rotary_config(self) -> RotaryConfig | None:
+        """The model's RoPE, derived from its config (None without rotary)."""
+
+    @abstractmethod
+    def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
+        """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""
+
+    @staticmethod
+    def rope_parameters(config: Any) -> dict[str, Any]:
+        """transformers-5 ``rope_parameters`` (or transformers-4 ``rope_theta``/``rope_scaling``)."""
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict) and params:
+            return dict(params)
+        scaling = dict(getattr(config, "rope_scaling", None) or {})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return scaling
+
+    def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool) -> RotaryConfig:
+        params = self.rope_parameters(self.config)
+        rope_type = params.get("rope_type", "default")
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        scaling = {k: float(v) for k, v in params.items() if k in keys and v is not None}
+        return RotaryConfig(
+            head_dim=head_dim, rotary_dim=rotary_dim, base=float(params.get("rope_theta", 10000.0)),
+            interleaved=interleaved, rope_type=rope_type, scaling=scaling,
+        )

@@ -1,0 +1,43 @@
+"""Pick the adapter for a model: by ``config.model_type``, with a clear error otherwise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedArchitectureError
+from .base import ArchitectureAdapter
+from .gpt2 import GPT2Adapter
+from .llama import LlamaAdapter
+from .neox import GPTNeoXAdapter
+
+ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter, GPT2Adapter)
+
+
+def _config_of(model: Any) -> Any:
+    config = getattr(model, "config", None)
+    if config is None and hasattr(model, "_module"):
+        config = getattr(model._module, "config", None)
+    return config
+
+
+def get_adapter(model_or_config: Any) -> ArchitectureAdapter:
+    """The adapter for a Hugging Face model, an nnsight-wrapped model, or a transformers config.
+
+    Raises:
+        UnsupportedArchitectureError: no adapter serves the model's ``model_type`` (the message
+            lists the supported ones), or the object has no transformers config.
+    """
+    config = model_or_config if hasattr(model_or_config, "model_type") else _config_of(model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        raise UnsupportedArchitectureError(
+            f"{type(model_or_config).__name__} has no transformers config with a model_type"
+        )
+    for adapter in ADAPTERS:
+        if model_type in adapter.model_types:
+            return adapter(config)
+    supported = sorted(t for a in ADAPTERS for t in a.model_types)
+    raise UnsupportedArchitectureError(
+        f"no adapter for model_type {model_type!r}; supported: {supported}. An adapter says where the "
+        "attention reads its input and writes its output, and how it applies RoPE (see docs/adapters.md)."
+    )

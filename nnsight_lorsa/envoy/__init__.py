@@ -1,0 +1,1 @@
+"""nnsight integration: splicing replacement modules into a trace (needs nnsight)."""

@@ -1,0 +1,174 @@
+"""``LorsaSet``: the per-layer Lorsas of one nnsight model, spliced in with ``replace``.
+
+>>> lorsa = LorsaSet(model, {2: lorsa_layer2})           # doctest: +SKIP
+>>> with model.trace(prompt):                              # doctest: +SKIP
+...     site = lorsa.replace(layer=2)                      # MHSA output -> Lorsa output
+...     z = site.hook_z.output.save()                      # (batch, pos, n_ov_heads)
+...     site.hook_z.output[:, :, 7] = 0                    # ablate head 7
+...     logits = model.lm_head.output.save()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapters.base import ArchitectureAdapter
+from ..adapters.registry import get_adapter
+from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError
+from ..modules.lorsa import Lorsa
+from .splice import SpliceSite, splice
+
+
+def _check_not_cached_step(layer: int) -> Any:
+    def check(args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values")
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length(layer) > 0:
+            raise LorsaError(
+                "replace() runs Lorsa on whole sequences and has no KV cache: it cannot replace "
+                "a cached generation step. Use model.trace on the full sequence instead of generate."
+            )
+
+    return check
+
+
+class LorsaSet:
+    """The Lorsas of one model, keyed by layer; ``replace(layer=L)`` splices them into a trace.
+
+    Args:
+        model: an nnsight ``TransformersModel``/``LanguageModel`` (the root envoy).
+        lorsas: ``{layer: Lorsa}``; each must fit the model (``d_model``; ``cfg.layer`` if set).
+
+    Raises:
+        UnsupportedArchitectureError: the model family has no adapter.
+        LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
+        ConfigMismatchError: a Lorsa whose ``d_model`` (or recorded layer) differs from the model's.
+    """
+
+    def __init__(self, model: Any, lorsas: Mapping[int, Lorsa] | None = None,
+                 adapter: ArchitectureAdapter | None = None) -> None:
+        self.model = model
+        self.adapter = adapter if adapter is not None else get_adapter(model)
+        self._lorsas: dict[int, Lorsa] = {}
+        for layer, module in (lorsas or {}).items():
+            self[layer] = module
+
+    # ---------------------------------------------------------------- mapping
+    def __setitem__(self, layer: int, module: Lorsa) -> None:
+        self.adapter.check_layer(layer)
+        cfg = module.cfg
+        if cfg.d_model != self.adapter.d_model:
+            raise ConfigMismatchError(
+                f"Lorsa for layer {layer} has d_model={cfg.d_model}, the model has {self.adapter.d_model}"
+            )
+        if cfg.layer is not None and cfg.layer != layer:
+            raise ConfigMismatchError(f"Lorsa was trained for layer {cfg.layer}, not layer {layer}")
+        self._lorsas[layer] = module
+
+    def __getitem__(self, layer: int) -> Lorsa:
+        if layer not in self._lorsas:
+            raise LayerOutOfRangeError(f"no Lorsa for layer {layer}; this set has layers {self.layers}")
+        return self._lorsas[layer]
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self._lorsas
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self._lorsas)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self._lorsas)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{layer}: {self._lorsas[layer].cfg.n_ov_heads} heads" for layer in self.layers)
+        return f"LorsaSet({self.adapter.family}, {{{parts}}})"
+
+    # ------------------------------------------------------------------- io
+    def save(self, directory: str | Path) -> None:
+        """Write ``directory/layer_{L}/`` per Lorsa (safetensors + JSON, :func:`save_lorsa`)."""
+        from ..formats.lorsa_format import save_lorsa
+
+        for layer in self.layers:
+            save_lorsa(self._lorsas[layer], Path(directory) / f"layer_{layer}")
+
+    @classmethod
+    def load(cls, model: Any, directory: str | Path, *, device: Any = None) -> LorsaSet:
+        """Load every ``directory/layer_{L}/`` written by :meth:`save`.
+
+        Raises:
+            CheckpointError: no ``layer_*`` directory, or a malformed checkpoint.
+        """
+        from ..errors import CheckpointError
+        from ..formats.lorsa_format import load_lorsa
+
+        dirs = sorted(Path(directory).glob("layer_*"))
+        if not dirs:
+            raise CheckpointError(f"{directory}: no layer_<L> checkpoint directories")
+        lorsas = {}
+        for d in dirs:
+            try:
+                layer = int(d.name.removeprefix("layer_"))
+            except ValueError as e:
+                raise CheckpointError(f"{d}: directory name is not layer_<int>") from e
+            lorsas[layer] = load_lorsa(d, device=device)
+        return cls(model, lorsas)
+
+    # -------------------------------------------------------------- splicing
+    def site(self, layer: int) -> SpliceSite:
+        """How layer ``layer``'s attention is spliced (its path, input and output handling)."""
+        adapter = self.adapter
+
+        def call(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+            x = adapter.attention_input(args, kwargs)
+            positions = adapter.attention_positions(args, kwargs, x)
+            mask = adapter.attention_mask(args, kwargs)
+            dtype = module.W_O.dtype
+            return module(x.to(dtype), positions, mask).to(x.dtype)
+
+        return SpliceSite(
+            site_path=adapter.attention_path(layer),
+            attach_name="lorsa",
+            call=call,
+            get_output=adapter.attention_output,
+            set_output=adapter.with_attention_output,
+            check_call=_check_not_cached_step(layer),
+        )
+
+    def replace(self, layer: int | Iterable[int] | None = None, *, error: bool = False) -> Any:
+        """Replace the MHSA output of ``layer`` by its Lorsa's output, in the current trace only.
+
+        Call inside ``model.trace(...)`` before anything at or after that layer is read. Returns
+        the Lorsa's envoy (a dict ``{layer: envoy}`` for several layers; all layers of the set
+        when ``layer`` is None), whose children ``hook_q, hook_k`` ``(batch, n_qk_heads, pos,
+        d_qk_head)``, ``hook_v, hook_z_pre, hook_z`` ``(batch, pos, n_ov_heads)``, ``hook_out``
+        ``(batch, pos, d_model)`` and ``hook_error`` can be read and edited in the same trace.
+
+        Args:
+            layer: layer index, several, or None for every layer of the set.
+            error: add the exact error term ``MHSA − Lorsa`` (through ``hook_error``): the
+                model's outputs are then those of the unmodified model (fp32 < 1e-5), while
+                edits to the Lorsa's internals still change them (the error is held fixed).
+
+        Raises:
+            LayerOutOfRangeError: no Lorsa for ``layer`` / outside the model.
+            TraceOrderError: the model already ran that layer's attention in this pass.
+            ValueError: called outside a trace.
+        """
+        if layer is None:
+            layers: list[int] = self.layers
+        elif isinstance(layer, int):
+            layers = [layer]
+        else:
+            layers = list(layer)
+        envoys = {}
+        for L in layers:
+            module = self[L]
+            envoys[L] = splice(self.model, self.site(L), module, error=error)
+        return envoys[layers[0]] if isinstance(layer, int) else envoys

@@ -1,0 +1,35 @@
+"""Exceptions raised by nnsight-lorsa.
+
+Every error names the problem (the key, the shape, the layer, the architecture) so that a
+caller can fix its input; nothing is half-applied when one is raised.
+"""
+
+from __future__ import annotations
+
+
+class LorsaError(Exception):
+    """Base class of every exception raised by this package."""
+
+
+class ShapeError(LorsaError, ValueError):
+    """A tensor has the wrong shape or dtype for the module it is given to (e.g. wrong d_model)."""
+
+
+class LayerOutOfRangeError(LorsaError, IndexError):
+    """A layer index is outside ``[0, n_layers)`` of the model, or no replacement exists for it."""
+
+
+class UnsupportedArchitectureError(LorsaError, NotImplementedError):
+    """The model family has no adapter, or lacks a piece an adapter needs (named in the message)."""
+
+
+class CheckpointError(LorsaError, ValueError):
+    """A checkpoint is malformed (missing file, missing/unknown tensor, wrong shape, bad config)."""
+
+
+class ConfigMismatchError(LorsaError, ValueError):
+    """A replacement module does not fit the model it is attached to (d_model, head_dim, layer)."""
+
+
+class TraceOrderError(LorsaError, RuntimeError):
+    """A replacement was requested after the model already ran past the site it replaces."""

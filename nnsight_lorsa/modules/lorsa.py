@@ -1,0 +1,349 @@
+"""Low-Rank Sparse Attention (Lorsa): many rank-1 OV heads sharing grouped QK heads, top-k sparse.
+
+Lorsa paper (seed ``000_…``) §3: for OV head ``h`` with QK head ``g(h) = h // G``,
+
+    A^g     = softmax_causal((x W_Q^g + b_Q^g)(x W_K^g + b_K^g)^T / attn_scale)   (RoPE on q, k)
+    v^h     = x w_v^h + b_v^h                                   (one scalar per token)
+    z^h_i   = sum_{j<=i} A^g_ij v^h_j                            (head activation, §3.1)
+    out_i   = sum_{h in topk_i(ReLU(z_i))} z^h_i w_o^h + b_D     (top-k over heads per token)
+
+With ``‖w_o^h‖ = 1`` (footnote 1, kept by :meth:`Lorsa.normalize_decoder_`) ``z^h`` is the norm of
+head ``h``'s output. All ``n_ov_heads`` z are computed by ONE ``scaled_dot_product_attention``
+call: the ``G`` OV heads of a QK head are that head's value dimension (no per-head loop).
+
+Parameter names and shapes follow the Lorsa authors' code (OpenMOSS Llamascopium ``lorsa.py``):
+``W_Q, W_K: (n_qk, d_model, d_qk)``, ``b_Q, b_K: (n_qk, d_qk)``, ``W_V, W_O: (n_ov, d_model)``,
+``b_V: (n_ov,)``, ``b_D: (d_model,)``, and ``ln_q.w, ln_k.w: (n_qk, d_qk)`` with QK-norm.
+
+Needs torch only. Internals pass through :class:`HookPoint` children so that, attached to an
+nnsight model, each is an envoy (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z_pre``, ``hook_z``,
+``hook_out``; ``hook_error`` carries the error term when spliced into a model with ``error=True``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._typing import Bool, Float, Int
+from ..errors import ShapeError
+from .hook_point import HookPoint
+from .lorsa_config import LorsaConfig
+from .rotary import apply_rotary, rotary_cos_sin
+
+if TYPE_CHECKING:
+    from ..adapters.base import MHSAWeights
+
+
+class PerHeadRMSNorm(nn.Module):
+    """RMSNorm over the last dim of ``(batch, heads, seq, d_head)`` with a weight per head.
+
+    ``w: (n_heads, d_head)``; computed in fp32 like transformers' ``LlamaRMSNorm`` (Qwen3 QK-norm).
+    """
+
+    def __init__(self, n_heads: int, d_head: int, eps: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n_heads, d_head))
+        self.eps = eps
+
+    def forward(self, x: Float[torch.Tensor, "batch heads seq d"]) -> Float[torch.Tensor, "batch heads seq d"]:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w[:, None, :] * x.to(dtype)
+
+
+@dataclass
+class LorsaCache:
+    """Internals of one Lorsa forward, returned with ``return_cache=True``.
+
+    Attributes:
+        z_pre: ``(batch, pos, n_ov_heads)`` head activations before ReLU/top-k.
+        z: ``(batch, pos, n_ov_heads)`` head activations after ReLU + top-k (zeros elsewhere).
+        topk_indices: ``(batch, pos, top_k)`` int64 indices of the kept heads (active if ``z > 0``).
+        out: ``(batch, pos, d_model)`` Lorsa output.
+    """
+
+    z_pre: torch.Tensor
+    z: torch.Tensor
+    topk_indices: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def active(self) -> torch.Tensor:
+        """``(batch, pos, n_ov_heads)`` bool: heads kept by top-k with a positive activation."""
+        return self.z > 0
+
+
+class Lorsa(nn.Module):
+    """A Lorsa layer; see the module docstring for the equations.
+
+    ``forward(x, positions=None, attn_mask=None)`` maps the attention's input hidden states
+    ``x: (batch, pos, d_model)`` (after the pre-attention norm) to ``(batch, pos, d_model)``,
+    the approximation of the attention's output (after the output projection).
+
+    Raises:
+        ShapeError: ``x`` is not ``(batch, pos, d_model)`` or positions/mask do not fit.
+    """
+
+    def __init__(self, cfg: LorsaConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        kw = {"device": device, "dtype": dtype}
+        h, d, e, n = cfg.n_qk_heads, cfg.d_model, cfg.d_qk_head, cfg.n_ov_heads
+        self.W_Q = nn.Parameter(torch.empty(h, d, e, **kw))
+        self.W_K = nn.Parameter(torch.empty(h, d, e, **kw))
+        self.b_Q = nn.Parameter(torch.zeros(h, e, **kw))
+        self.b_K = nn.Parameter(torch.zeros(h, e, **kw))
+        self.W_V = nn.Parameter(torch.empty(n, d, **kw))
+        self.b_V = nn.Parameter(torch.zeros(n, **kw))
+        self.W_O = nn.Parameter(torch.empty(n, d, **kw))
+        if cfg.use_decoder_bias:
+            self.b_D = nn.Parameter(torch.zeros(d, **kw))
+        else:
+            self.register_parameter("b_D", None)
+        if cfg.qk_norm:
+            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
+            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_z_pre = HookPoint()
+        self.hook_z = HookPoint()
+        self.hook_out = HookPoint()
+        # the error term (MHSA output − Lorsa output) when spliced with error=True; unused by forward
+        self.hook_error = HookPoint()
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random init as the reference implementation: xavier QK, N(0, 1/n_ov) W_V, unit-norm W_O."""
+        for w in (self.W_Q, self.W_K):
+            fan = w.shape[1] + w.shape[2]
+            w.normal_(0.0, (2.0 / fan) ** 0.5, generator=generator)
+        self.W_V.normal_(0.0, self.cfg.n_ov_heads ** -0.5, generator=generator)
+        self.W_O.normal_(0.0, self.cfg.d_model ** -0.5, generator=generator)
+        for b in (self.b_Q, self.b_K, self.b_V):
+            b.zero_()
+        if self.b_D is not None:
+            self.b_D.zero_()
+        self.normalize_decoder_()
+
+    @torch.no_grad()
+    def init_from_mhsa(self, mhsa: MHSAWeights, generator: torch.Generator | None = None) -> None:
+        """Initialise from the target MHSA (Lorsa paper App. B.3).
+
+        QK: each MHSA head's ``W_Q``/``W_K`` (KV heads expanded for GQA) is copied to the
+        ``n_qk_heads / n_heads`` consecutive QK heads that replace it, with biases and QK-norm
+        weights. OV: OV head ``h`` (in QK group ``g``, which descends from MHSA head ``m``) gets a
+        random rank-1 slice of head ``m``'s OV circuit, ``w_v = W_V^m u``, ``w_o ∝ u W_O^m``
+        with ``u ~ N(0, I)``, then ``w_o`` is normalised (the norm moves into ``w_v``).
+
+        Raises:
+            ShapeError: ``d_model``/``d_qk_head`` differ from the MHSA's, or ``n_qk_heads`` is
+                not a multiple of its head count.
+        """
+        cfg = self.cfg
+        n_heads, d_model, head_dim = mhsa.W_Q.shape
+        if d_model != cfg.d_model or head_dim != cfg.d_qk_head:
+            raise ShapeError(
+                f"MHSA has d_model={d_model}, head_dim={head_dim}; Lorsa has d_model={cfg.d_model}, "
+                f"d_qk_head={cfg.d_qk_head} (App. B: d_qk_head must equal the MHSA head size)"
+            )
+        if cfg.n_qk_heads % n_heads:
+            raise ShapeError(f"n_qk_heads ({cfg.n_qk_heads}) must be a multiple of the MHSA's {n_heads} heads")
+        rep = cfg.n_qk_heads // n_heads
+        kv_rep = n_heads // mhsa.W_K.shape[0]
+        W_K = mhsa.W_K.repeat_interleave(kv_rep, 0)
+        b_K = mhsa.b_K.repeat_interleave(kv_rep, 0)
+        dev, dt = self.W_Q.device, self.W_Q.dtype
+        self.W_Q.copy_(mhsa.W_Q.repeat_interleave(rep, 0).to(dev, dt))
+        self.W_K.copy_(W_K.repeat_interleave(rep, 0).to(dev, dt))
+        self.b_Q.copy_(mhsa.b_Q.repeat_interleave(rep, 0).to(dev, dt))
+        self.b_K.copy_(b_K.repeat_interleave(rep, 0).to(dev, dt))
+        if cfg.qk_norm:
+            if mhsa.q_norm is None or mhsa.k_norm is None:
+                raise ShapeError("Lorsa has qk_norm=True but the MHSA has no QK-norm weights")
+            self.ln_q.w.copy_(mhsa.q_norm.expand(n_heads, head_dim).repeat_interleave(rep, 0).to(dev, dt))
+            self.ln_k.w.copy_(mhsa.k_norm.expand(n_heads, head_dim).repeat_interleave(rep, 0).to(dev, dt))
+        W_V = mhsa.W_V.repeat_interleave(kv_rep, 0)  # (n_heads, d_model, head_dim)
+        mhsa_of_ov = torch.arange(cfg.n_ov_heads) // cfg.group_size // rep
+        u = torch.randn(cfg.n_ov_heads, head_dim, generator=generator, dtype=torch.float32)
+        w_v = torch.einsum("ndh,nh->nd", W_V[mhsa_of_ov].float(), u)
+        w_o = torch.einsum("nh,nhd->nd", u, mhsa.W_O[mhsa_of_ov].float())
+        self.W_V.copy_(w_v.to(dev, dt))
+        self.W_O.copy_(w_o.to(dev, dt))
+        self.b_V.zero_()
+        self.normalize_decoder_()
+
+    @torch.no_grad()
+    def normalize_decoder_(self) -> None:
+        """Rescale so every ``‖w_o^h‖ = 1``, moving the norm into ``w_v^h, b_v^h`` (footnote 1).
+
+        The output is unchanged (up to rounding): ``z^h`` scales by the norm, ``w_o^h`` by its inverse.
+        """
+        norm = self.W_O.norm(dim=1).clamp_min(1e-12)
+        self.W_O.div_(norm[:, None])
+        self.W_V.mul_(norm[:, None])
+        self.b_V.mul_(norm)
+
+    # --------------------------------------------------------------- forward
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
+            raise ShapeError(
+                f"Lorsa expects x of shape (batch, pos, d_model={self.cfg.d_model}), got {tuple(x.shape)}"
+            )
+
+    def _positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        seq = x.shape[1]
+        if positions is None:
+            return torch.arange(seq, device=x.device)
+        if positions.shape[-1] != seq or positions.dim() > 2:
+            raise ShapeError(f"positions must be (pos,) or (batch, pos) with pos={seq}, got {tuple(positions.shape)}")
+        return positions.to(x.device)
+
+    def qk(
+        self, x: Float[torch.Tensor, "batch pos d_model"], positions: Int[torch.Tensor, "*b pos"] | None = None
+    ) -> tuple[Float[torch.Tensor, "batch n_qk pos d_qk"], Float[torch.Tensor, "batch n_qk pos d_qk"]]:
+        """Queries and keys ``(batch, n_qk_heads, pos, d_qk_head)``: projection, QK-norm, RoPE."""
+        self._check_input(x)
+        q = torch.einsum("bsd,hde->bhse", x, self.W_Q) + self.b_Q[None, :, None, :]
+        k = torch.einsum("bsd,hde->bhse", x, self.W_K) + self.b_K[None, :, None, :]
+        if self.cfg.qk_norm:
+            q, k = self.ln_q(q), self.ln_k(k)
+        if self.cfg.rotary is not None:
+            cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions))
+            q = apply_rotary(q, cos, sin, self.cfg.rotary.interleaved)
+            k = apply_rotary(k, cos, sin, self.cfg.rotary.interleaved)
+        return q, k
+
+    def values(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos n_ov"]:
+        """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``."""
+        return x @ self.W_V.T + self.b_V
+
+    def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor | None:
+        """A ``(batch|1, 1, pos, pos)`` mask for SDPA (True = may attend), or None for plain causal."""
+        if attn_mask is None:
+            return None
+        if attn_mask.dim() == 2:  # (batch, pos) key padding mask, 1 = real token
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            attn_mask = causal[None, None] & attn_mask.bool()[:, None, None, :]
+        if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (seq, seq):
+            raise ShapeError(f"attn_mask must be (batch, pos) or (batch, 1, pos, pos), got {tuple(attn_mask.shape)}")
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+        # a query that may attend nowhere (a left-pad row) attends to itself instead of giving NaN
+        eye = torch.eye(seq, dtype=torch.bool, device=device)[None, None]
+        return attn_mask | (~attn_mask.any(-1, keepdim=True) & eye)
+
+    def attention_scores_softmax(
+        self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> Float[torch.Tensor, "batch n_qk pos pos"]:
+        """Explicit causal softmax patterns ``A`` from q, k (what SDPA computes implicitly)."""
+        seq = q.shape[-2]
+        scores = q @ k.transpose(-1, -2) / self.cfg.attn_scale
+        mask = self._mask(attn_mask, seq, q.device)
+        if mask is None:
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+    def compute_z_pre(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        positions: Int[torch.Tensor, "*b pos"] | None = None,
+        attn_mask: Bool[torch.Tensor, "..."] | None = None,
+    ) -> Float[torch.Tensor, "batch pos n_ov"]:
+        """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``."""
+        b, s, _ = x.shape
+        q, k = self.qk(x, positions)
+        q, k = self.hook_q(q), self.hook_k(k)
+        v = self.hook_v(self.values(x))
+        g = self.cfg.group_size
+        v = v.view(b, s, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, s, G): OV heads as value dim
+        mask = self._mask(attn_mask, s, x.device)
+        z = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / self.cfg.attn_scale
+        )
+        return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads)
+
+    def activation(
+        self, z_pre: Float[torch.Tensor, "batch pos n_ov"], top_k: int | None = None
+    ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
+        """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros."""
+        k = self.cfg.top_k if top_k is None else top_k
+        vals, idx = z_pre.topk(k, dim=-1, sorted=False)
+        z = torch.zeros_like(z_pre).scatter(-1, idx, vals.relu())
+        return z, idx
+
+    def decode(self, z: Float[torch.Tensor, "batch pos n_ov"]) -> Float[torch.Tensor, "batch pos d_model"]:
+        """``out = z W_O + b_D``."""
+        out = z @ self.W_O
+        return out if self.b_D is None else out + self.b_D
+
+    def forward(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        positions: Int[torch.Tensor, "*b pos"] | None = None,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        return_cache: bool = False,
+        top_k: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, LorsaCache]:
+        """Lorsa output ``(batch, pos, d_model)``; with ``return_cache`` also a :class:`LorsaCache`.
+
+        Args:
+            x: attention input hidden states (after the pre-attention norm).
+            positions: token positions ``(pos,)`` or ``(batch, pos)`` for RoPE; default ``arange(pos)``.
+            attn_mask: ``(batch, pos)`` key-padding mask (1 = token) or ``(batch, 1, pos, pos)``
+                (bool True = may attend, or additive float); default causal.
+            top_k: overrides ``cfg.top_k`` (k annealing during training).
+        """
+        z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
+        z, idx = self.activation(z_pre, top_k)
+        z = self.hook_z(z)
+        out = self.hook_out(self.decode(z))
+        if return_cache:
+            return out, LorsaCache(z_pre=z_pre, z=z, topk_indices=idx, out=out)
+        return out
+
+    # -------------------------------------------------------------- analysis
+    @torch.no_grad()
+    def attention_pattern(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        qk_heads: list[int] | torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> Float[torch.Tensor, "batch heads pos pos"]:
+        """Attention patterns ``A`` of the chosen QK heads (all by default): ``(batch, heads, q_pos, k_pos)``."""
+        q, k = self.qk(x, positions)
+        if qk_heads is not None:
+            idx = torch.as_tensor(qk_heads, device=q.device)
+            q, k = q[:, idx], k[:, idx]
+        return self.attention_scores_softmax(q, k, attn_mask)
+
+    @torch.no_grad()
+    def z_pattern(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        ov_heads: list[int] | torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> Float[torch.Tensor, "batch heads pos pos"]:
+        """z-patterns (Lorsa paper §5.1): ``zp[b, n, i, j] = A^{g(h_n)}_ij v^{h_n}_j``.
+
+        Per-key contributions to head ``h_n``'s pre-activation at query ``i``; summing over ``j``
+        gives ``z_pre`` exactly (and ``z`` wherever the head is active).
+        """
+        heads = torch.as_tensor(ov_heads, device=x.device, dtype=torch.long)
+        if heads.numel() and (heads.min() < 0 or heads.max() >= self.cfg.n_ov_heads):
+            raise ShapeError(f"ov_heads must be in [0, {self.cfg.n_ov_heads}), got {heads.tolist()}")
+        pattern = self.attention_pattern(x, heads // self.cfg.group_size, positions, attn_mask)
+        v = self.values(x)[..., heads]  # (b, s, n)
+        return pattern * v.transpose(1, 2)[:, :, None, :]

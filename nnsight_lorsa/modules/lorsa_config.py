@@ -1,0 +1,86 @@
+"""Configuration of a Lorsa (Low-Rank Sparse Attention) module (Lorsa paper §3, App. A–B)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError
+from .rotary import RotaryConfig
+
+
+@dataclass
+class LorsaConfig:
+    """Shape and settings of one Lorsa layer.
+
+    Attributes:
+        d_model: residual width of the target model.
+        n_qk_heads: number of QK heads; each is shared by ``n_ov_heads // n_qk_heads`` OV heads.
+        d_qk_head: QK head size; equals the target MHSA head size (App. B: never smaller).
+        n_ov_heads: number of rank-1 OV heads ``H_Lorsa`` (6K for Pythia-160M, 32K for Llama-3.1-8B).
+        top_k: heads kept active per token after ReLU (64 / 128 in the paper).
+        rotary: how queries and keys rotate (``None`` for models without RoPE, e.g. GPT-2).
+        attn_scale: scores are divided by this; default ``sqrt(d_qk_head)``.
+        qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3); ``qk_norm_eps`` its epsilon.
+        use_decoder_bias: whether the output has the bias ``b_D``.
+        layer: index of the target layer (metadata; checked when attached).
+        architecture: target model family (metadata, e.g. ``"llama"``).
+        extra: free-form metadata carried through save/load (e.g. training metrics).
+    """
+
+    d_model: int
+    n_qk_heads: int
+    d_qk_head: int
+    n_ov_heads: int
+    top_k: int
+    rotary: RotaryConfig | None = None
+    attn_scale: float | None = None
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
+    use_decoder_bias: bool = True
+    layer: int | None = None
+    architecture: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_qk_heads", "d_qk_head", "n_ov_heads", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise CheckpointError(f"LorsaConfig.{name} must be a positive int, got {value!r}")
+        if self.n_ov_heads % self.n_qk_heads:
+            raise CheckpointError(
+                f"n_ov_heads ({self.n_ov_heads}) must be a multiple of n_qk_heads ({self.n_qk_heads})"
+            )
+        if self.top_k > self.n_ov_heads:
+            raise CheckpointError(f"top_k ({self.top_k}) exceeds n_ov_heads ({self.n_ov_heads})")
+        if self.rotary is not None and self.rotary.head_dim != self.d_qk_head:
+            raise CheckpointError(
+                f"rotary.head_dim ({self.rotary.head_dim}) != d_qk_head ({self.d_qk_head})"
+            )
+        if self.attn_scale is None:
+            self.attn_scale = math.sqrt(self.d_qk_head)
+
+    @property
+    def group_size(self) -> int:
+        """OV heads per QK head, ``G = n_ov_heads / n_qk_heads``."""
+        return self.n_ov_heads // self.n_qk_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rotary"] = None if self.rotary is None else self.rotary.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LorsaConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CheckpointError(f"unknown LorsaConfig keys {unknown}")
+        d = dict(d)
+        if d.get("rotary") is not None:
+            d["rotary"] = RotaryConfig.from_dict(d["rotary"])
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise CheckpointError(f"malformed LorsaConfig: {e}") from e

@@ -1,0 +1,137 @@
+"""Rotary position embeddings (RoPE), computed exactly as the target model computes them.
+
+Lorsa applies RoPE to its QK heads "in the same way as the target model" (Lorsa paper App. A).
+This module covers the variants of the supported families: half-split pairs (Llama, Qwen,
+GPT-NeoX: dimension ``i`` rotates with ``i + rotary_dim/2``), interleaved/adjacent pairs
+(GPT-J: ``2i`` with ``2i+1``), partial rotary (GPT-NeoX ``rotary_pct``: only the first
+``rotary_dim`` of ``head_dim`` dimensions rotate) and the frequency scalings ``linear`` and
+``llama3`` (Llama-3.1's NTK-by-parts). The arithmetic follows ``transformers.modeling_rope_utils``
+operation for operation so that fp32 results agree with the model's own cos/sin bit for bit.
+
+Needs torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from .._typing import Float, Int
+
+from ..errors import UnsupportedArchitectureError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    """How a model rotates its queries and keys.
+
+    Attributes:
+        head_dim: size of one QK head (the rotated vectors' last dimension).
+        rotary_dim: how many leading dimensions of a head rotate (``head_dim`` unless partial rotary).
+        base: RoPE base ``theta`` (inverse frequencies ``base ** (-2i / rotary_dim)``).
+        interleaved: ``True`` for GPT-J adjacent pairs, ``False`` for half-split pairs (Llama, NeoX).
+        rope_type: ``"default"``, ``"linear"`` or ``"llama3"``.
+        scaling: the rope-type's parameters (``factor``; for llama3 also ``low_freq_factor``,
+            ``high_freq_factor``, ``original_max_position_embeddings``).
+        attention_scaling: factor multiplied into cos and sin (1.0 for the supported types).
+    """
+
+    head_dim: int
+    rotary_dim: int
+    base: float = 10000.0
+    interleaved: bool = False
+    rope_type: str = "default"
+    scaling: dict[str, float] = field(default_factory=dict)
+    attention_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope_type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
+        required = {"linear": ("factor",), "llama3": (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]
+        if missing:
+            raise ValueError(f"rope_type {self.rope_type!r} needs scaling parameters {missing}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RotaryConfig:
+        return cls(**{**d, "scaling": dict(d.get("scaling") or {})})
+
+
+def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:
+    """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (
+        cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+    )
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / cfg.scaling["factor"]
+    elif cfg.rope_type == "llama3":
+        factor = cfg.scaling["factor"]
+        low, high = cfg.scaling["low_freq_factor"], cfg.scaling["high_freq_factor"]
+        old_len = cfg.scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotary_cos_sin(
+    cfg: RotaryConfig, positions: Int[torch.Tensor, "*batch seq"], device: torch.device | None = None
+) -> tuple[Float[torch.Tensor, "*batch seq rotary_dim"], Float[torch.Tensor, "*batch seq rotary_dim"]]:
+    """cos and sin ``(*batch, seq, rotary_dim)`` float32 for integer ``positions``.
+
+    Half-split layout repeats the frequencies as ``[f, f]`` (transformers' ``cat((freqs, freqs))``);
+    interleaved layout as ``[f0, f0, f1, f1, ...]``.
+    """
+    inv_freq = rotary_inv_freq(cfg, device=positions.device if device is None else device)
+    freqs = positions[..., None].float() * inv_freq
+    emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling
+
+
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    x: Float[torch.Tensor, "batch heads seq head_dim"],
+    cos: Float[torch.Tensor, "*batch seq rotary_dim"],
+    sin: Float[torch.Tensor, "*batch seq rotary_dim"],
+    interleaved: bool = False,
+) -> Float[torch.Tensor, "batch heads seq head_dim"]:
+    """Rotate the first ``rotary_dim`` dims of each head: ``x·cos + rotate(x)·sin``; the rest pass.
+
+    ``cos``/``sin`` are ``(seq, rotary_dim)`` or ``(batch, seq, rotary_dim)``; they are cast to
+    ``x.dtype`` first, as transformers does.
+    """
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate(x, interleaved) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate(x_rot, interleaved) * sin, x_pass), dim=-1)

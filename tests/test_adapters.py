@@ -1,0 +1,357 @@
+"""Architecture adapters against tiny random transformers models (fp32, CPU, no downloads).
+
+For every supported family the adapter's view of a layer -- its input hidden states, positions,
+output and head-major MHSA weights -- must reproduce the model's own attention output
+(``mhsa_forward``), its own rotary cos/sin, and give an exact QK copy to ``Lorsa.init_from_mhsa``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, mhsa_forward
+from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
+from nnsight_lorsa.adapters.llama import LlamaAdapter
+from nnsight_lorsa.adapters.neox import GPTNeoXAdapter
+from nnsight_lorsa.adapters.registry import get_adapter
+from nnsight_lorsa.errors import LayerOutOfRangeError, UnsupportedArchitectureError
+from nnsight_lorsa.modules.lorsa import Lorsa
+from nnsight_lorsa.modules.lorsa_config import LorsaConfig
+from nnsight_lorsa.modules.rotary import rotary_cos_sin
+
+D_MODEL, N_HEADS, N_LAYERS, VOCAB, BATCH, SEQ = 64, 4, 2, 128, 2, 12
+LAYER = 1
+TOL = 1e-5
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+_COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
+           "vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 128}
+
+
+def _config(family: str) -> transformers.PretrainedConfig:
+    if family == "llama":  # GQA + llama3 (NTK-by-parts) rope scaling
+        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters=dict(LLAMA3_ROPE))
+    if family == "llama_linear":  # transformers-4 style rope_scaling, still accepted by transformers 5
+        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=4,
+                                        rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=500.0)
+    if family == "mistral":  # sliding window on every layer, shorter than SEQ
+        return transformers.MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=5)
+    if family == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2)
+    if family == "qwen2_sliding":  # layer 1 is a sliding_attention layer (max_window_layers=1)
+        return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=4, max_window_layers=1)
+    if family == "qwen3":  # QK-norm, explicit head_dim
+        return transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=16)
+    if family == "neox":  # per-head interleaved fused QKV, partial rotary 0.25
+        return transformers.GPTNeoXConfig(**_COMMON, rotary_pct=0.25, rotary_emb_base=10000)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
+                                       n_positions=128)
+    if family == "gpt2_inv":  # scale /= layer_idx + 1, reordered/upcast eager attention
+        return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
+                                       n_positions=128, scale_attn_by_inverse_layer_idx=True,
+                                       reorder_and_upcast_attn=True)
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv"]
+ROTARY_FAMILIES = [f for f in FAMILIES if not f.startswith("gpt2")]
+ADAPTER_OF = {"llama": LlamaAdapter, "llama_linear": LlamaAdapter, "mistral": LlamaAdapter,
+              "qwen2": LlamaAdapter, "qwen2_sliding": LlamaAdapter, "qwen3": LlamaAdapter,
+              "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter}
+
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+def tiny_model(family: str, attn: str = "eager") -> torch.nn.Module:
+    """A random fp32 model; weights, biases and norm gains all non-trivial (cached per family/impl)."""
+    key = (family, attn)
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(family), attn_implementation=attn,
+                                                 dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
+                if "norm" in name or ".ln_" in name:
+                    p.copy_(1.0 + 0.2 * noise if name.endswith("weight") else 0.1 * noise)
+                else:
+                    p.copy_(0.15 * noise)
+        _MODELS[key] = model.eval()
+    return _MODELS[key]
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ)[None] + torch.tensor([[0], [7]])  # per-row offsets
+    return ids, positions
+
+
+def capture_attention(model, adapter: ArchitectureAdapter, layer: int = LAYER):
+    """Run the model; return (args, kwargs, output) of layer ``layer``'s attention call."""
+    seen = {}
+
+    def hook(module, args, kwargs, output):
+        seen.update(args=args, kwargs=kwargs, output=output)
+
+    handle = adapter.attention_module(model, layer).register_forward_hook(hook, with_kwargs=True)
+    ids, positions = _inputs()
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=positions)
+    finally:
+        handle.remove()
+    return seen["args"], seen["kwargs"], seen["output"]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_get_adapter_picks_family(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    assert type(adapter) is ADAPTER_OF[family]
+    assert type(get_adapter(model.config)) is ADAPTER_OF[family]
+    assert adapter.n_layers == N_LAYERS and adapter.d_model == D_MODEL
+    for path in (adapter.embed_path, adapter.final_norm_path, adapter.lm_head_path,
+                 adapter.attention_path(LAYER), adapter.mlp_path(LAYER)):
+        assert isinstance(adapter.get_module(model, path), torch.nn.Module), path
+    if isinstance(adapter, GPT2Adapter):
+        assert isinstance(adapter.get_module(model, adapter.pos_embed_path), torch.nn.Embedding)
+        assert adapter.rotary_config() is None
+    with pytest.raises(UnsupportedArchitectureError, match="no_such_module"):
+        adapter.get_module(model, "no_such_module")
+
+
+def test_get_adapter_unsupported_names_model_type():
+    bert = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=64, vocab_size=50)
+    with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
+        get_adapter(bert)
+    with pytest.raises(UnsupportedArchitectureError, match="made_up_arch"):
+        get_adapter(types.SimpleNamespace(model_type="made_up_arch"))
+    with pytest.raises(UnsupportedArchitectureError, match="made_up_arch"):
+        get_adapter(types.SimpleNamespace(config=types.SimpleNamespace(model_type="made_up_arch")))
+    with pytest.raises(UnsupportedArchitectureError):
+        get_adapter(object())
+
+
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2"])
+def test_check_layer(family):
+    adapter = get_adapter(_config(family))
+    assert adapter.check_layer(0) == 0 and adapter.check_layer(N_LAYERS - 1) == N_LAYERS - 1
+    assert adapter.check_layer(np.int64(1)) == 1
+    for bad in (N_LAYERS, -1, True, 1.0, "1"):
+        with pytest.raises(LayerOutOfRangeError):
+            adapter.check_layer(bad)
+    with pytest.raises(LayerOutOfRangeError):
+        adapter.attention_path(N_LAYERS)
+    with pytest.raises(LayerOutOfRangeError):
+        adapter.mhsa_weights(tiny_model(family), -1)
+
+
+# --------------------------------------------------------------------------- MHSA recompute
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mhsa_forward_matches_model_attention(family, attn):
+    model = tiny_model(family, attn)
+    adapter = get_adapter(model)
+    args, kwargs, output = capture_attention(model, adapter)
+    x = adapter.attention_input(args, kwargs)
+    assert x.shape == (BATCH, SEQ, D_MODEL)
+    positions = adapter.attention_positions(args, kwargs, x)
+    if family in ROTARY_FAMILIES:  # the position_ids given to the model reach the adapter
+        assert torch.equal(positions.expand(BATCH, SEQ), _inputs()[1])
+    w = adapter.mhsa_weights(model, LAYER)
+    assert isinstance(w, MHSAWeights) and w.d_model == D_MODEL
+
+    expected = adapter.attention_output(output)
+    assert expected.shape == (BATCH, SEQ, D_MODEL)
+    got = mhsa_forward(w, x, positions)
+    assert (got - expected).abs().max().item() < TOL
+
+    per_head = mhsa_forward(w, x, positions, per_head=True)
+    assert per_head.shape == (BATCH, SEQ, w.n_heads, D_MODEL)
+    assert (per_head.sum(2) + w.b_O - expected).abs().max().item() < TOL
+
+
+def test_positions_and_window_matter():
+    """Guards against a vacuous pass: wrong positions / no sliding window give a different output."""
+    model = tiny_model("qwen2_sliding")
+    adapter = get_adapter(model)
+    args, kwargs, output = capture_attention(model, adapter)
+    x = adapter.attention_input(args, kwargs)
+    positions = adapter.attention_positions(args, kwargs, x)
+    w = adapter.mhsa_weights(model, LAYER)
+    assert w.sliding_window == 4 and adapter.mhsa_weights(model, 0).sliding_window is None
+    expected = adapter.attention_output(output)
+    assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
+    # RoPE is relative: a per-row offset changes nothing, stretched positions do.
+    assert (mhsa_forward(w, x, None) - expected).abs().max() < TOL
+    assert (mhsa_forward(w, x, 2 * positions) - expected).abs().max() > 1e-3
+    full = MHSAWeights(**{**w.__dict__, "sliding_window": None})
+    assert (mhsa_forward(full, x, positions) - expected).abs().max() > 1e-3
+
+
+def test_gpt2_inverse_layer_scale():
+    adapter = get_adapter(_config("gpt2_inv"))
+    head_dim = D_MODEL // N_HEADS
+    assert adapter.attention_scale(0) == pytest.approx(head_dim ** -0.5)
+    assert adapter.attention_scale(1) == pytest.approx(head_dim ** -0.5 / 2)
+    assert adapter.mhsa_weights(tiny_model("gpt2_inv"), 1).scale == pytest.approx(head_dim ** -0.5 / 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_with_attention_output_round_trips(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    args, kwargs, output = capture_attention(model, adapter)
+    old = adapter.attention_output(output)
+    new = torch.randn_like(old)
+    replaced = adapter.with_attention_output(output, new)
+    assert adapter.attention_output(replaced) is new
+    assert type(replaced) is type(output)
+    if isinstance(output, tuple):
+        assert len(replaced) == len(output)
+        assert all(a is b for a, b in zip(replaced[1:], output[1:]))
+    assert adapter.attention_output(adapter.with_attention_output(replaced, old)) is old
+
+    # Returned from a forward hook, the replacement is what the model uses downstream.
+    ids, positions = _inputs()
+    with torch.no_grad():
+        clean = model(input_ids=ids, position_ids=positions).logits
+    module = adapter.attention_module(model, LAYER)
+
+    def run(fn):
+        handle = module.register_forward_hook(lambda m, a, k, o: adapter.with_attention_output(o, fn(a, k, o)),
+                                              with_kwargs=True)
+        try:
+            with torch.no_grad():
+                return model(input_ids=ids, position_ids=positions).logits
+        finally:
+            handle.remove()
+
+    w = adapter.mhsa_weights(model, LAYER)
+
+    def recompute(a, k, o):
+        x = adapter.attention_input(a, k)
+        return mhsa_forward(w, x, adapter.attention_positions(a, k, x))
+
+    assert (run(recompute) - clean).abs().max() < 1e-4
+    assert (run(lambda a, k, o: torch.zeros_like(adapter.attention_output(o))) - clean).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def _rotary_module(model):
+    return model.gpt_neox.rotary_emb if hasattr(model, "gpt_neox") else model.model.rotary_emb
+
+
+@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+def test_rotary_cos_sin_matches_model(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    cfg = adapter.rotary_config()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    head_dim = getattr(model.config, "head_dim", None) or head_dim
+    assert cfg.head_dim == head_dim and not cfg.interleaved
+    if family == "neox":
+        assert cfg.rotary_dim == int(head_dim * 0.25) == 4
+    if family == "llama":
+        assert cfg.rope_type == "llama3" and cfg.scaling["original_max_position_embeddings"] == 32
+    positions = torch.stack([torch.arange(40), torch.arange(40) + 90])
+    x = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos_ref, sin_ref = _rotary_module(model)(x, positions)
+    cos, sin = rotary_cos_sin(cfg, positions)
+    assert cos.shape == cos_ref.shape == (2, 40, cfg.rotary_dim)
+    assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6
+
+
+def test_neox_rotary_fraction_from_config_variants():
+    cfg5 = transformers.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, rotary_pct=0.5, rotary_emb_base=500)
+    adapter = GPTNeoXAdapter(cfg5)
+    assert adapter.rotary_fraction() == 0.5
+    assert adapter.rotary_config().rotary_dim == 8 and adapter.rotary_config().base == 500.0
+    legacy = types.SimpleNamespace(model_type="gpt_neox", hidden_size=64, num_attention_heads=4,
+                                   num_hidden_layers=2, rotary_pct=0.25, rotary_emb_base=300,
+                                   rope_scaling=None)
+    adapter = GPTNeoXAdapter(legacy)  # transformers-4 style attributes
+    assert adapter.rotary_config().rotary_dim == 4 and adapter.rotary_config().base == 300.0
+
+
+# --------------------------------------------------------------------------- Lorsa init (App. B.3)
+
+
+def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
+    """The model's own rotated queries ``(b, n_heads, s, e)`` and keys ``(b, n_kv, s, e)``."""
+    attn = get_adapter(model).attention_module(model, LAYER)
+    b, s, _ = x.shape
+    if family == "gpt2":
+        q, k, _ = attn.c_attn(x).split(D_MODEL, dim=2)
+        return (q.view(b, s, N_HEADS, -1).transpose(1, 2), k.view(b, s, N_HEADS, -1).transpose(1, 2))
+    cos, sin = _rotary_module(model)(x, positions)
+    if family == "neox":
+        from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+        qkv = attn.query_key_value(x).view(b, s, N_HEADS, -1).transpose(1, 2)
+        q, k, _ = qkv.chunk(3, dim=-1)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim = attn.head_dim
+    q = attn.q_proj(x).view(b, s, -1, head_dim)
+    k = attn.k_proj(x).view(b, s, -1, head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2"])
+def test_lorsa_init_from_mhsa_copies_qk(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    w = adapter.mhsa_weights(model, LAYER)
+    qk_rep = 2
+    cfg = LorsaConfig(
+        d_model=D_MODEL, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=qk_rep * w.n_heads * 4,
+        top_k=4, rotary=adapter.rotary_config(), qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
+        layer=LAYER, architecture=adapter.family,
+    )
+    lorsa = Lorsa(cfg)
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(0))
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=g)
+    _, positions = _inputs()
+    with torch.no_grad():
+        q, k = lorsa.qk(x, positions)
+        q_ref, k_ref = _reference_qk(family, model, x, positions)
+    assert q.shape == (BATCH, cfg.n_qk_heads, SEQ, w.head_dim)
+    kv_group = w.n_heads // w.n_kv_heads
+    for j in range(cfg.n_qk_heads):
+        h = j // qk_rep
+        assert (q[:, j] - q_ref[:, h]).abs().max() < TOL, (j, h)
+        assert (k[:, j] - k_ref[:, h // kv_group]).abs().max() < TOL, (j, h)
+    # Each OV head descends from MHSA head (head // G) // qk_rep: its w_v lies in that head's V span.
+    W_V = w.W_V.repeat_interleave(kv_group, 0)  # (n_heads, d_model, head_dim)
+    for ov in (0, cfg.n_ov_heads - 1):
+        m = ov // cfg.group_size // qk_rep
+        sol = torch.linalg.lstsq(W_V[m], lorsa.W_V[ov].detach()[:, None]).solution
+        assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4

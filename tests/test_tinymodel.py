@@ -1,0 +1,110 @@
+"""Tests for the embedded default model (nnsight_lorsa.tinymodel and its packaged asset)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nnsight_lorsa.tinymodel import (
+    BOS_ID,
+    EOS_ID,
+    corpus_cross_entropy,
+    default_corpus_path,
+    default_model_dir,
+    tiny_llama_config,
+    train_tiny_llama,
+    train_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def asset():
+    path = default_model_dir()
+    info = json.loads((path / "training.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok, info
+
+
+def test_packaged_asset_loads_offline_and_beats_uniform(asset):
+    model, tok, info = asset
+    assert sum(f.stat().st_size for f in default_model_dir().iterdir()) < 10 * 2**20
+
+    # Tokenizer: BOS prepended, EOS/pad set, lossless round trip.
+    enc = tok("hello")
+    assert enc.input_ids[0] == BOS_ID == tok.bos_token_id
+    assert tok.eos_token_id == tok.pad_token_id == EOS_ID
+    assert tok.decode(tok("ROMEO:\nWherefore art thou").input_ids, skip_special_tokens=True) == (
+        "ROMEO:\nWherefore art thou"
+    )
+
+    # Architecture: Llama-3 style GQA and llama3 rope actually used by the rotary embedding.
+    cfg = model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 32)
+    assert cfg.rope_parameters["rope_type"] == "llama3"
+    assert model.model.rotary_emb.rope_type == "llama3"
+
+    # Held-out slice (inside the validation split): CE near the recorded val CE, far below uniform.
+    text = default_corpus_path().read_text(encoding="utf-8")
+    assert info["val_chars"] > 2000
+    ids = tok(text[-2000:], add_special_tokens=False).input_ids
+    ce = corpus_cross_entropy(model, ids, seq_len=info["seq_len"])
+    uniform = math.log(len(tok))
+    assert info["uniform_ce"] == pytest.approx(uniform)
+    assert ce < info["val_ce"] + 0.5
+    assert ce < uniform - 2.0
+
+
+def test_packaged_asset_copies_repeated_sequences(asset):
+    """Induction-like copying: a repeated random token sequence is much easier the second time."""
+    model, tok, _ = asset
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(2, len(tok), (4, 40), generator=g)
+    x = torch.cat([torch.full((4, 1), BOS_ID), seq, seq], dim=1)
+    with torch.no_grad():
+        logp = model(input_ids=x).logits.log_softmax(-1)
+    nll = -logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]
+    first, second = nll[:, 5:40].mean().item(), nll[:, 45:].mean().item()
+    assert second < first - 1.0, (first, second)
+
+
+def test_train_tiny_llama_few_steps_produces_loadable_dir(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(default_corpus_path().read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    out = tmp_path / "model"
+    info = train_tiny_llama(
+        corpus, out, steps=3, seq_len=16, batch_size=2, vocab_size=300, progress=False, eval_batches=4
+    )
+    assert info["steps"] == 3 and info["tokens_seen"] == 3 * 2 * 16
+    assert math.isfinite(info["val_ce"]) and math.isfinite(info["train_loss"])
+    assert json.loads((out / "training.json").read_text())["val_ce"] == pytest.approx(info["val_ce"])
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    enc = tok(["First Citizen:", "to be"], padding=True, return_tensors="pt")
+    assert enc.input_ids.shape[0] == 2 and (enc.input_ids[:, 0] == EOS_ID).any()  # left padding
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape == (*enc.input_ids.shape, 300)
+
+
+def test_train_tokenizer_special_tokens_and_errors():
+    tok = train_tokenizer("the quick brown fox jumps over the lazy dog\n" * 50, vocab_size=300)
+    assert tok.token_to_id("<|bos|>") == BOS_ID and tok.token_to_id("<|endoftext|>") == EOS_ID
+    enc = tok.encode("the fox")
+    assert enc.ids[0] == BOS_ID
+    assert tok.decode(enc.ids) == "the fox"
+    with pytest.raises(ValueError):
+        train_tokenizer("abc", vocab_size=100)
+
+
+def test_tiny_llama_config_llama3_rope():
+    cfg = tiny_llama_config(512)
+    assert cfg.rope_parameters["rope_type"] == "llama3"
+    assert cfg.rope_parameters["original_max_position_embeddings"] == 64 < cfg.max_position_embeddings
+    with pytest.raises(ValueError):
+        tiny_llama_config(512, rope_original_max_position_embeddings=1024)
