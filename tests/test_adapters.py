@@ -228,7 +228,7 @@ def test_with_attention_output_round_trips(family):
     assert type(replaced) is type(output)
     if isinstance(output, tuple):
         assert len(replaced) == len(output)
-        assert all(a is b for a, b in zip(replaced[1:], output[1:]))
+        assert all(a is b for a, b in zip(replaced[1:], output[1:], strict=True))
     assert adapter.attention_output(adapter.with_attention_output(replaced, old)) is old
 
     # Returned from a forward hook, the replacement is what the model uses downstream.
@@ -238,8 +238,10 @@ def test_with_attention_output_round_trips(family):
     module = adapter.attention_module(model, LAYER)
 
     def run(fn):
-        handle = module.register_forward_hook(lambda m, a, k, o: adapter.with_attention_output(o, fn(a, k, o)),
-                                              with_kwargs=True)
+        def hook(m, a, k, o):
+            return adapter.with_attention_output(o, fn(a, k, o))
+
+        handle = module.register_forward_hook(hook, with_kwargs=True)
         try:
             with torch.no_grad():
                 return model(input_ids=ids, position_ids=positions).logits
@@ -285,7 +287,8 @@ def test_rotary_cos_sin_matches_model(family):
 
 
 def test_neox_rotary_fraction_from_config_variants():
-    cfg5 = transformers.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, rotary_pct=0.5, rotary_emb_base=500)
+    cfg5 = transformers.GPTNeoXConfig(hidden_size=64, num_attention_heads=4, rotary_pct=0.5,
+                                      rotary_emb_base=500)
     adapter = GPTNeoXAdapter(cfg5)
     assert adapter.rotary_fraction() == 0.5
     assert adapter.rotary_config().rotary_dim == 8 and adapter.rotary_config().base == 500.0
@@ -330,7 +333,8 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
     w = adapter.mhsa_weights(model, LAYER)
     qk_rep = 2
     cfg = LorsaConfig(
-        d_model=D_MODEL, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=qk_rep * w.n_heads * 4,
+        d_model=D_MODEL, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim,
+        n_ov_heads=qk_rep * w.n_heads * 4,
         top_k=4, rotary=adapter.rotary_config(), qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
         layer=LAYER, architecture=adapter.family,
     )

@@ -128,6 +128,9 @@ def _make_body(site: SpliceSite, module: nn.Module, site_envoy: Any, interleaver
             original = site_envoy.output
             true_out = site.get_output(original)
             clean = None
+            # workers served alongside this one at the site's output may have parked since the
+            # interleaver last indexed who waits where; re-index so the module's internals reach them
+            interleaver._reindex_parked()
             if error and any(p is not None and p.startswith(prefix) for p in interleaver.parked):
                 # some worker may edit the module's internals: the error term must come from
                 # an unedited pass, run with this trace stood down (nothing served or edited)

@@ -1,0 +1,151 @@
+"""Attention activations collected through nnsight, batch by batch (never the whole set in memory).
+
+A Lorsa for layer ``L`` is trained on pairs (Lorsa paper §3.2): input = the hidden states the
+attention reads (after the pre-attention norm), target = the attention output (after the
+output projection). :class:`TokenDataset` cuts a corpus into fixed-length windows that start
+with BOS; :class:`AttentionActivationSource` maps a batch index to that batch's activations by
+running the model under ``model.trace`` up to layer ``L`` (``tracer.stop()`` skips the rest), so
+a training run can resume at any batch without replaying earlier ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import nnsight
+import torch
+
+from .._typing import Bool, Float, Int
+from ..adapters.base import ArchitectureAdapter
+from ..adapters.registry import get_adapter
+from ..envoy.splice import resolve_envoy
+
+
+@dataclass
+class AttentionBatch:
+    """One batch of attention activations.
+
+    Attributes:
+        x: ``(batch, pos, d_model)`` attention input hidden states (after the pre-attention norm).
+        y: ``(batch, pos, d_model)`` attention output (after the output projection).
+        positions: ``(batch, pos)`` or ``(pos,)`` token positions (for RoPE).
+        loss_mask: ``(batch, pos)`` bool, False at BOS and padding (excluded from the loss).
+        attn_mask: ``(batch, pos)`` 1 = real token (key padding), or None when unpadded.
+    """
+
+    x: Float[torch.Tensor, "batch pos d_model"]
+    y: Float[torch.Tensor, "batch pos d_model"]
+    positions: Int[torch.Tensor, "..."]
+    loss_mask: Bool[torch.Tensor, "batch pos"]
+    attn_mask: torch.Tensor | None = None
+
+
+class ActivationSource(Protocol):
+    """Deterministic map from a batch index to an :class:`AttentionBatch` (resumable streams)."""
+
+    def __call__(self, index: int) -> AttentionBatch: ...
+
+
+class TokenDataset:
+    """A corpus cut into ``(n_windows, seq_len)`` token windows, each starting with BOS.
+
+    Args:
+        tokens: ``(n_windows, seq_len)`` int64 token ids.
+    """
+
+    def __init__(self, tokens: Int[torch.Tensor, "n seq"]) -> None:
+        if tokens.dim() != 2 or tokens.shape[0] == 0:
+            raise ValueError(f"tokens must be a non-empty (n_windows, seq_len) tensor, got {tuple(tokens.shape)}")
+        self.tokens = tokens
+
+    @classmethod
+    def from_text(cls, tokenizer: Any, text: str, seq_len: int, bos_token_id: int | None = None) -> TokenDataset:
+        """Tokenize ``text`` once (no special tokens) and cut it into windows of ``seq_len``.
+
+        Each window is ``[BOS] + seq_len-1`` corpus tokens (BOS from the tokenizer unless given).
+        """
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id if bos_token_id is None else bos_token_id
+        body = seq_len - 1 if bos is not None else seq_len
+        n = len(ids) // body
+        if n == 0:
+            raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {seq_len}")
+        t = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)
+        if bos is not None:
+            t = torch.cat([torch.full((n, 1), bos, dtype=torch.long), t], dim=1)
+        return cls(t)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    def split(self, holdout_fraction: float) -> tuple[TokenDataset, TokenDataset]:
+        """(train, held-out): the last ``holdout_fraction`` of windows are held out."""
+        n_hold = max(1, int(len(self) * holdout_fraction))
+        return TokenDataset(self.tokens[:-n_hold]), TokenDataset(self.tokens[-n_hold:])
+
+    def batch(self, index: int, batch_size: int, seed: int = 0) -> Int[torch.Tensor, "batch seq"]:
+        """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``)."""
+        per_epoch = max(1, len(self) // batch_size)
+        epoch, k = divmod(index, per_epoch)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(self), generator=g)
+        return self.tokens[perm[k * batch_size:(k + 1) * batch_size]]
+
+
+@torch.no_grad()
+def attention_activations(
+    model: Any,
+    layer: int,
+    input_ids: Int[torch.Tensor, "batch pos"],
+    attention_mask: torch.Tensor | None = None,
+    adapter: ArchitectureAdapter | None = None,
+) -> AttentionBatch:
+    """Run ``model`` under ``model.trace`` and return layer ``layer``'s attention input and output.
+
+    The trace stops right after the attention, so later layers are not computed.
+
+    Raises:
+        LayerOutOfRangeError: ``layer`` outside the model.
+    """
+    adapter = get_adapter(model) if adapter is None else adapter
+    attn = resolve_envoy(model, adapter.attention_path(layer))
+    inputs: dict[str, Any] = {"input_ids": input_ids}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    with model.trace(inputs, use_cache=False) as tracer:
+        args, kwargs = attn.inputs
+        x = adapter.attention_input(args, kwargs)
+        saved_x = nnsight.save(x)
+        saved_pos = nnsight.save(adapter.attention_positions(args, kwargs, x))
+        saved_y = nnsight.save(adapter.attention_output(attn.output))
+        tracer.stop()
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    loss_mask = real.clone()
+    loss_mask[:, 0] = False  # BOS (attention sink): excluded from the loss
+    return AttentionBatch(x=saved_x, y=saved_y, positions=saved_pos, loss_mask=loss_mask, attn_mask=attention_mask)
+
+
+class AttentionActivationSource:
+    """Batch ``i`` = layer ``layer``'s attention activations on token batch ``i`` of ``dataset``.
+
+    Args:
+        model: nnsight-wrapped model. layer: target layer. dataset: :class:`TokenDataset`.
+        batch_size: windows per batch. seed: shuffling seed.
+    """
+
+    def __init__(self, model: Any, layer: int, dataset: TokenDataset, batch_size: int, seed: int = 0) -> None:
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.layer = self.adapter.check_layer(layer)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def __call__(self, index: int) -> AttentionBatch:
+        ids = self.dataset.batch(index, self.batch_size, self.seed)
+        return attention_activations(self.model, self.layer, ids, adapter=self.adapter)
