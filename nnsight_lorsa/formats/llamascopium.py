@@ -460,7 +460,9 @@ def load_llamascopium_lorsa(
     cfg.extra = {
         "llamascopium": {
             **settings,
-            "dataset_average_activation_norm": norms or None,
+            # non-finite values (their uninitialised torch.empty(())) are recorded as None
+            "dataset_average_activation_norm": {h: v if math.isfinite(v) else None for h, v in norms.items()}
+            or None,
             "dataset_norm_folded_by_loader": not folded,
             "decoder_norm_folded_by_loader": settings["sparsity_include_decoder_norm"],
             "source_config": raw,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._typing import Bool, Float, Int
+from .._typing import Float, Int
 from ..errors import ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
@@ -257,7 +257,7 @@ class Lorsa(nn.Module):
         self,
         x: Float[torch.Tensor, "batch pos d_model"],
         positions: Int[torch.Tensor, "*b pos"] | None = None,
-        attn_mask: Bool[torch.Tensor, "..."] | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> Float[torch.Tensor, "batch pos n_ov"]:
         """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``."""
         b, s, _ = x.shape

@@ -1,0 +1,17 @@
+"""Test configuration: runtime shape/type checking of the package (jaxtyping + beartype).
+
+The import hook must be installed before anything imports ``nnsight_lorsa``; the package itself
+never imports beartype (code that may run on an NDIF server must not need it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from jaxtyping import install_import_hook
+
+sys.path.insert(0, os.path.dirname(__file__))
+install_import_hook("nnsight_lorsa", "beartype.beartype")
+torch.set_num_threads(min(2, torch.get_num_threads()))

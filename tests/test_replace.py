@@ -1,0 +1,220 @@
+"""``LorsaSet.replace`` inside nnsight traces: exactness, internals, edits, cleanup, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from tiny import FAMILIES, random_ids, tiny_nnsight
+
+from nnsight_lorsa import (
+    ConfigMismatchError,
+    LayerOutOfRangeError,
+    Lorsa,
+    LorsaConfig,
+    LorsaSet,
+    TraceOrderError,
+    get_adapter,
+)
+
+LAYER = 1
+
+
+def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
+    w = adapter.mhsa_weights(hf, layer)
+    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=2 * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=16 * w.n_heads,
+                      top_k=8, rotary=w.rotary, attn_scale=1.0 / w.scale, qk_norm=w.q_norm is not None,
+                      qk_norm_eps=w.qk_norm_eps, layer=layer)
+    lorsa = Lorsa(cfg)
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        lorsa.b_D.normal_(0, 0.1)
+    return lorsa
+
+
+@contextlib.contextmanager
+def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None):
+    """Reference: the same splice with plain PyTorch forward hooks (no nnsight)."""
+    handles = []
+    for layer, lorsa in lorsas.items():
+        def hook(module, args, kwargs, output, lorsa=lorsa):
+            x = adapter.attention_input(args, kwargs)
+            z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
+                                        adapter.attention_mask(args, kwargs))
+            z, _ = lorsa.activation(z_pre)
+            if edit is not None:
+                z = edit(z)
+            return adapter.with_attention_output(output, lorsa.decode(z))
+        handles.append(adapter.attention_module(hf, layer).register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.fixture(params=FAMILIES)
+def setup(request):
+    model, hf = tiny_nnsight(request.param)
+    adapter = get_adapter(model)
+    return model, hf, adapter, LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+
+
+@torch.no_grad()
+def test_error_term_reproduces_logits(setup):
+    model, hf, adapter, lorsas = setup
+    ids = random_ids()
+    ref = hf(ids).logits
+    with model.trace(ids):
+        lorsas.replace(layer=LAYER, error=True)
+        logits = model.lm_head.output.save() if hasattr(model, "lm_head") else None
+    assert (logits - ref).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_replace_matches_hooked_reference_and_changes_output(setup):
+    model, hf, adapter, lorsas = setup
+    ids = random_ids()
+    ref = hf(ids).logits
+    with hooked(hf, adapter, {LAYER: lorsas[LAYER]}):
+        want = hf(ids).logits
+    with model.trace(ids):
+        site = lorsas.replace(layer=LAYER)
+        z = site.hook_z.output.save()
+        out = site.hook_out.output.save()
+        logits = model.lm_head.output.save()
+    assert (logits - want).abs().max() < 1e-5
+    assert (logits - ref).abs().max() > 1e-3  # the replacement is not the MHSA
+    assert z.shape == (2, 10, lorsas[LAYER].cfg.n_ov_heads)
+    assert ((z > 0).sum(-1) <= lorsas[LAYER].cfg.top_k).all()
+    assert out.shape == (2, 10, adapter.d_model)
+
+
+@torch.no_grad()
+def test_edit_heads_in_trace_matches_reference(setup):
+    model, hf, adapter, lorsas = setup
+    ids = random_ids()
+
+    def edit(z):
+        z = z.clone()
+        z[:, :, 3] = 0
+        z[:, :, 5] += 2.0
+        return z
+
+    with hooked(hf, adapter, {LAYER: lorsas[LAYER]}, edit=edit):
+        want = hf(ids).logits
+    with model.trace(ids):
+        site = lorsas.replace(layer=LAYER)
+        site.hook_z.output[:, :, 3] = 0
+        site.hook_z.output[:, :, 5] += 2.0
+        logits = model.lm_head.output.save()
+    assert (logits - want).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_error_term_is_held_fixed_under_edits(setup):
+    """With error=True an edit changes the output by exactly the edited Lorsa's change."""
+    model, hf, adapter, lorsas = setup
+    ids = random_ids()
+    ref = hf(ids).logits
+    lorsa = lorsas[LAYER]
+    captured = {}
+
+    def capture(module, args, kwargs, output):
+        captured["x"] = adapter.attention_input(args, kwargs)
+        captured["out"] = adapter.attention_output(output)
+        captured["pos"] = adapter.attention_positions(args, kwargs, captured["x"])
+
+    h = adapter.attention_module(hf, LAYER).register_forward_hook(capture, with_kwargs=True)
+    hf(ids)
+    h.remove()
+    z, _ = lorsa.activation(lorsa.compute_z_pre(captured["x"], captured["pos"]))
+    z_edit = z.clone()
+    z_edit[:, :, 0] = 3.0
+    delta = lorsa.decode(z_edit) - lorsa.decode(z)
+
+    def add_delta(module, args, output):
+        return adapter.with_attention_output(output, adapter.attention_output(output) + delta)
+
+    h = adapter.attention_module(hf, LAYER).register_forward_hook(add_delta)
+    want = hf(ids).logits
+    h.remove()
+    with model.trace(ids):
+        site = lorsas.replace(layer=LAYER, error=True)
+        site.hook_z.output[:, :, 0] = 3.0
+        err = site.hook_error.output.save()
+        logits = model.lm_head.output.save()
+    assert (logits - want).abs().max() < 1e-4
+    assert (logits - ref).abs().max() > 1e-3
+    assert (err - (captured["out"] - lorsa.decode(z))).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_several_layers_and_invokes():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model, {0: make_lorsa(hf, adapter, 0), 2: make_lorsa(hf, adapter, 2)})
+    ids = random_ids(batch=3)
+    with hooked(hf, adapter, {0: lorsas[0], 2: lorsas[2]}):
+        want = hf(ids).logits
+    with model.trace() as tracer:
+        with tracer.invoke(ids[:1]):
+            sites = lorsas.replace()  # every layer of the set, for the whole batch
+            z0 = sites[0].hook_z.output.save()
+            first = model.lm_head.output.save()
+        with tracer.invoke(ids[1:]):
+            z2 = sites[2].hook_z.output.save()
+            rest = model.lm_head.output.save()
+    assert z0.shape[0] == 1 and z2.shape[0] == 2
+    assert (torch.cat([first, rest]) - want).abs().max() < 1e-5
+
+
+def _state(hf):
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
+    return hooks, sorted(n for n, _ in hf.named_modules()), sorted(hf.state_dict())
+
+
+@torch.no_grad()
+def test_nothing_survives_the_trace_even_on_error(setup):
+    model, hf, adapter, lorsas = setup
+    ids = random_ids()
+    before = _state(hf)
+    ref = hf(ids).logits
+    with model.trace(ids):
+        lorsas.replace(layer=LAYER).hook_z.output.save()
+    assert _state(hf) == before
+    assert torch.equal(hf(ids).logits, ref)
+    with pytest.raises(RuntimeError, match="boom"), model.trace(ids):
+        lorsas.replace(layer=LAYER)
+        model.lm_head.output.save()
+        raise RuntimeError("boom")
+    assert _state(hf) == before
+    assert torch.equal(hf(ids).logits, ref)
+    lorsa = lorsas[LAYER]
+    assert all("forward" not in m.__dict__ for m in lorsa.modules())  # nnsight's controller removed
+
+
+@torch.no_grad()
+def test_replace_after_layer_ran_is_a_clear_error():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+    with pytest.raises(TraceOrderError, match="already ran"), model.trace(random_ids()):
+        model.model.layers[2].output.save()
+        lorsas.replace(layer=LAYER)
+
+
+def test_bad_layers_and_shapes():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter)
+    with pytest.raises(LayerOutOfRangeError, match="out of range"):
+        LorsaSet(model, {7: lorsa})
+    with pytest.raises(ConfigMismatchError, match="layer 1"):
+        LorsaSet(model, {2: lorsa})  # trained for layer 1
+    wrong = Lorsa(LorsaConfig(d_model=32, n_qk_heads=2, d_qk_head=16, n_ov_heads=8, top_k=2))
+    with pytest.raises(ConfigMismatchError, match="d_model=32"):
+        LorsaSet(model, {1: wrong})
+    with pytest.raises(LayerOutOfRangeError, match="no Lorsa for layer 0"):
+        LorsaSet(model, {1: lorsa})[0]
