@@ -28,7 +28,7 @@ theirs                             ours
 ``d_sae`` or                       ``n_ov_heads`` (their ``n_ov_heads`` property is ``d_sae``)
 ``int(d_model*expansion_factor)``
 ``n_qk_heads``, ``d_qk_head``      same
-``act_fn == "topk"``, ``top_k``    ``top_k`` (ReLU then keep the top ``k`` per token)
+``act_fn == "topk"``, ``top_k``    ``top_k`` (ReLU, then the top ``current_k = top_k`` per token)
 ``act_fn == "relu"``               ``top_k = n_ov_heads`` (top-all of ReLU = ReLU, exact)
 ``attn_scale`` (None→√d_qk_head)   ``attn_scale`` (scores are divided by it)
 ``use_post_qk_ln`` + ``"RMS"``     ``qk_norm=True``; ``eps`` → ``qk_norm_eps``
@@ -73,7 +73,8 @@ Activation scale and decoder norm (what the loader folds into the weights)
   heads by ``z_h·‖W_O[h]‖`` and return ``acts_h = topk(relu(z·‖W_O‖))_h / ‖W_O[h]‖``. We
   apply their ``transform_to_unit_decoder_norm`` (``W_O /= n``, ``W_V *= n``, ``b_V *= n``)
   so that our plain top-k selects the same heads; the output is unchanged and our head
-  activation ``z_h`` equals their ``acts_h · ‖W_O[h]‖`` (the norm of the head's output).
+  activation ``z_h`` equals their ``acts_h · ‖W_O[h]‖`` (the norm of the head's output; ``W_O``
+  as in their ``"inference"`` mode, i.e. after the dataset-norm fold).
 
 Telling folded from unfolded weights (``weights_folded=None``, the default)
 ---------------------------------------------------------------------------

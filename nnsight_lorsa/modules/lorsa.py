@@ -213,8 +213,13 @@ class Lorsa(nn.Module):
     ) -> tuple[Float[torch.Tensor, "batch n_qk pos d_qk"], Float[torch.Tensor, "batch n_qk pos d_qk"]]:
         """Queries and keys ``(batch, n_qk_heads, pos, d_qk_head)``: projection, QK-norm, RoPE."""
         self._check_input(x)
-        q = torch.einsum("bsd,hde->bhse", x, self.W_Q) + self.b_Q[None, :, None, :]
-        k = torch.einsum("bsd,hde->bhse", x, self.W_K) + self.b_K[None, :, None, :]
+        b, s, d = x.shape
+        h, e = self.cfg.n_qk_heads, self.cfg.d_qk_head
+        # one fused (d_model -> 2·n_qk·d_qk) matmul with the biases added by addmm
+        w = torch.cat([self.W_Q, self.W_K], 0).permute(1, 0, 2).reshape(d, 2 * h * e)
+        bias = torch.cat([self.b_Q, self.b_K], 0).reshape(2 * h * e)
+        qk = torch.addmm(bias, x.reshape(b * s, d), w).view(b, s, 2, h, e)
+        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.ln_q(q), self.ln_k(k)
         if self.cfg.rotary is not None:
@@ -225,7 +230,7 @@ class Lorsa(nn.Module):
 
     def values(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos n_ov"]:
         """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``."""
-        return x @ self.W_V.T + self.b_V
+        return F.linear(x, self.W_V, self.b_V)
 
     def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor | None:
         """A ``(batch|1, 1, pos, pos)`` mask for SDPA (True = may attend), or None for plain causal."""
@@ -283,8 +288,9 @@ class Lorsa(nn.Module):
 
     def decode(self, z: Float[torch.Tensor, "batch pos n_ov"]) -> Float[torch.Tensor, "batch pos d_model"]:
         """``out = z W_O + b_D``."""
-        out = z @ self.W_O
-        return out if self.b_D is None else out + self.b_D
+        if self.b_D is None:
+            return z @ self.W_O
+        return torch.addmm(self.b_D, z.reshape(-1, z.shape[-1]), self.W_O).view(*z.shape[:-1], -1)
 
     def forward(
         self,

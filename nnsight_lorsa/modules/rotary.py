@@ -107,14 +107,6 @@ def rotary_cos_sin(
     return emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling
 
 
-def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((-x2, x1), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rotary(
     x: Float[torch.Tensor, "batch heads seq head_dim"],
     cos: Float[torch.Tensor, "*batch seq rotary_dim"],
@@ -131,7 +123,20 @@ def apply_rotary(
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + _rotate(x, interleaved) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + _rotate(x_rot, interleaved) * sin, x_pass), dim=-1)
+    # pairs (x1, x2) rotate by angle t: (x1·cos t − x2·sin t, x2·cos t + x1·sin t), which is
+    # transformers' ``x·cos + rotate_half(x)·sin`` written without the concatenation
+    if interleaved:
+        x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
+    else:
+        half = rot // 2
+        x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
+    out = torch.empty_like(x)
+    if interleaved:
+        out[..., 0:rot:2] = x1 * c - x2 * s
+        out[..., 1:rot:2] = x2 * c + x1 * s
+    else:
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:rot] = x2 * c + x1 * s
+    if rot < x.shape[-1]:
+        out[..., rot:] = x[..., rot:]
+    return out

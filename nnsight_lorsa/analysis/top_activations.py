@@ -1,0 +1,77 @@
+"""Top-activating contexts of every Lorsa head over a corpus, streaming with bounded memory.
+
+For each of the ``n_ov_heads`` heads keep the ``n_top`` largest activations ``z`` seen so far
+with their (window, position): memory ``O(n_ov_heads × n_top)`` whatever the corpus size
+(Lorsa paper §5.1 "top activations"; the dashboards of Fig. 4 are built from these).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._typing import Float
+
+
+@dataclass
+class TopActivations:
+    """Running top-``n_top`` activations per head.
+
+    Attributes:
+        values: ``(n_heads, n_top)`` activations, descending (``-inf`` where fewer were seen).
+        window: ``(n_heads, n_top)`` int64 window (row) index in the corpus, ``-1`` if empty.
+        position: ``(n_heads, n_top)`` int64 token position in the window.
+        count: ``(n_heads,)`` int64 number of tokens where the head was active (``z > 0``).
+        n_tokens: tokens seen.
+    """
+
+    values: torch.Tensor
+    window: torch.Tensor
+    position: torch.Tensor
+    count: torch.Tensor
+    n_tokens: int = 0
+
+    @classmethod
+    def empty(cls, n_heads: int, n_top: int) -> TopActivations:
+        return cls(
+            values=torch.full((n_heads, n_top), float("-inf")),
+            window=torch.full((n_heads, n_top), -1, dtype=torch.long),
+            position=torch.full((n_heads, n_top), -1, dtype=torch.long),
+            count=torch.zeros(n_heads, dtype=torch.long),
+        )
+
+    @torch.no_grad()
+    def update(self, z: Float[torch.Tensor, "batch pos n_heads"], first_window: int,
+               keep: torch.Tensor | None = None) -> None:
+        """Merge a batch of activations; ``first_window`` is the corpus index of ``z[0]``.
+
+        ``keep``: optional ``(batch, pos)`` bool mask of tokens to consider (e.g. not BOS).
+        """
+        b, s, n = z.shape
+        z = z.detach().float().cpu()
+        if keep is not None:
+            z = z.masked_fill(~keep.cpu()[..., None], float("-inf"))
+        flat = z.reshape(b * s, n)
+        self.count += (flat > 0).sum(0)
+        self.n_tokens += int((keep.sum() if keep is not None else b * s))
+        m = min(self.values.shape[1], b * s)
+        vals, idx = flat.topk(m, dim=0)  # (m, n)
+        cand_v = torch.cat([self.values, vals.T], dim=1)
+        cand_w = torch.cat([self.window, (idx // s + first_window).T], dim=1)
+        cand_p = torch.cat([self.position, (idx % s).T], dim=1)
+        top_v, order = cand_v.topk(self.values.shape[1], dim=1)
+        self.values = top_v
+        self.window = cand_w.gather(1, order)
+        self.position = cand_p.gather(1, order)
+
+    @property
+    def frequency(self) -> torch.Tensor:
+        """``(n_heads,)`` fraction of tokens on which each head is active."""
+        return self.count.float() / max(self.n_tokens, 1)
+
+    def top_heads(self, n: int) -> list[int]:
+        """The ``n`` heads with the largest maximum activation among heads that fired at all."""
+        score = self.values[:, 0].clone()
+        score[self.count == 0] = float("-inf")
+        return score.topk(min(n, score.numel())).indices.tolist()

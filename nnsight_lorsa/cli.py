@@ -1,0 +1,44 @@
+"""Command line: ``nnsight-lorsa demo`` (the main job) and ``nnsight-lorsa build-model``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .demo import DemoConfig
+
+    parser = argparse.ArgumentParser(prog="nnsight-lorsa", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a Lorsa on one layer, splice it into a trace, report FVU/L0/CE")
+    defaults = DemoConfig()
+    demo.add_argument("--model", dest="model_dir", help="local Hugging Face model directory (default: embedded)")
+    demo.add_argument("--text", dest="text_path", help="text file to train and evaluate on (default: embedded)")
+    for f in fields(DemoConfig):
+        if f.name in ("model_dir", "text_path", "progress"):
+            continue
+        default = getattr(defaults, f.name)
+        kind = int if isinstance(default, int) or f.name in ("layer", "n_ov_heads") else (
+            float if isinstance(default, float) else str)
+        demo.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default)
+    demo.add_argument("--no-progress", dest="progress", action="store_false")
+    build = sub.add_parser("build-model", help="retrain the embedded tinyshakespeare model")
+    build.add_argument("--steps", type=int, default=1500)
+    build.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in fields(DemoConfig)})
+        run_demo(cfg)
+        return 0
+    from .tinymodel import default_corpus_path, train_tiny_llama
+
+    train_tiny_llama(default_corpus_path(), args.out, steps=args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
