@@ -11,7 +11,7 @@ a training run can resume at any batch without replaying earlier ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import nnsight
 import torch
@@ -41,6 +41,7 @@ class AttentionBatch:
     attn_mask: torch.Tensor | None = None
 
 
+@runtime_checkable
 class ActivationSource(Protocol):
     """Deterministic map from a batch index to an :class:`AttentionBatch` (resumable streams)."""
 

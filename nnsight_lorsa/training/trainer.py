@@ -237,6 +237,9 @@ class LorsaTrainer:
                 raise CheckpointError(f"{d / 'optimizer.safetensors'}: unknown parameter {name!r}")
             trainer.optimizer.state[params[name]][slot] = value
         trainer.tokens_since_fired = load_file(str(d / "state.safetensors"))["tokens_since_fired"]
-        for _ in range(trainer.step):  # LambdaLR has no state beyond the step count
-            trainer.scheduler.step()
+        # LambdaLR has no state beyond its step count: set it and the LR it implies
+        trainer.scheduler.last_epoch = trainer.step
+        for group, base, fn in zip(trainer.optimizer.param_groups, trainer.scheduler.base_lrs,
+                                   trainer.scheduler.lr_lambdas):
+            group["lr"] = base * fn(trainer.step)
         return trainer

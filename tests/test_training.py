@@ -1,0 +1,152 @@
+"""Training a Lorsa on activations collected through nnsight; metrics; exact resume; evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import random_ids, tiny_nnsight
+
+from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.training.activations import AttentionActivationSource, TokenDataset, attention_activations
+from nnsight_lorsa.training.evaluate import evaluate_lorsa
+from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
+from nnsight_lorsa.training.schedule import wsd_lr_factor
+from nnsight_lorsa.training.trainer import LorsaTrainer, TrainConfig
+
+LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    data = TokenDataset(random_ids(batch=48, seq=16, seed=3))
+    return model, hf, adapter, data
+
+
+def new_lorsa(adapter, seed=0) -> Lorsa:
+    torch.manual_seed(seed)
+    cfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=8, d_qk_head=16, n_ov_heads=256, top_k=8,
+                      rotary=adapter.rotary_config(), layer=LAYER)
+    return Lorsa(cfg)
+
+
+def test_wsd_schedule():
+    factors = [wsd_lr_factor(s, 100, warmup_frac=0.1, decay_frac=0.2) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == 1.0
+    assert all(f == 1.0 for f in factors[10:80])
+    assert factors[-1] == pytest.approx(0.0) and factors[85] < factors[80]
+
+
+def test_fvu_accumulator_matches_one_shot():
+    g = torch.Generator().manual_seed(0)
+    y, y_hat = torch.randn(100, 8, generator=g) + 3, torch.randn(100, 8, generator=g) + 3
+    acc = FVUAccumulator()
+    for i in range(0, 100, 30):
+        acc.update(y[i:i + 30], y_hat[i:i + 30])
+    assert acc.value() == pytest.approx(float(fvu(y, y_hat)), rel=1e-6)
+    assert float(fvu(y, y.mean(0, keepdim=True).expand_as(y))) == pytest.approx(1.0)
+
+
+@torch.no_grad()
+def test_activations_match_the_model(setup):
+    model, hf, adapter, data = setup
+    ids = data.tokens[:2]
+    seen = {}
+
+    def hook(m, a, kw, out):
+        seen["x"], seen["y"] = adapter.attention_input(a, kw), adapter.attention_output(out)
+
+    h = adapter.attention_module(hf, LAYER).register_forward_hook(hook, with_kwargs=True)
+    hf(ids)
+    h.remove()
+    batch = attention_activations(model, LAYER, ids, adapter=adapter)
+    assert torch.equal(batch.x, seen["x"]) and torch.equal(batch.y, seen["y"])
+    assert not batch.loss_mask[:, 0].any() and batch.loss_mask[:, 1:].all()
+
+
+def test_training_reduces_fvu_and_folding_is_exact(setup):
+    model, hf, adapter, data = setup
+    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
+    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=40, lr=1e-2, log_every=1),
+                           mhsa=adapter.mhsa_weights(hf, LAYER))
+    history = trainer.train(progress=False)
+    assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
+    assert all(h["l0"] <= 8 for h in history)
+    # folded weights act on raw activations exactly as the trained ones act on scaled ones
+    batch = source(0)
+    folded = trainer.folded_lorsa()
+    with torch.no_grad():
+        want = trainer.lorsa(batch.x * trainer.s_in, batch.positions) / trainer.s_out
+        got = folded(batch.x, batch.positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
+
+
+def test_checkpoint_resumes_bit_exactly(setup, tmp_path):
+    model, hf, adapter, data = setup
+    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
+    config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)  # small: AuxK is active too
+    straight = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(**config))
+    straight.train(progress=False)
+    first = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(**config))
+    first.train(3, progress=False)
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed = LorsaTrainer.resume(tmp_path / "ckpt", source)
+    assert resumed.step == 3
+    resumed.train(progress=False)
+    for (name, a), b in zip(straight.lorsa.state_dict().items(), resumed.lorsa.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
+
+
+def test_resume_rejects_broken_checkpoints(setup, tmp_path):
+    model, hf, adapter, data = setup
+    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
+    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=2))
+    trainer.train(progress=False)
+    trainer.save_checkpoint(tmp_path)
+    meta = json.loads((tmp_path / "trainer.json").read_text())
+    meta["lorsa_config"]["n_ov_heads"] = 128
+    (tmp_path / "trainer.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="does not match"):
+        LorsaTrainer.resume(tmp_path, source)
+    (tmp_path / "state.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="state.safetensors"):
+        LorsaTrainer.resume(tmp_path, source)
+
+
+def test_auxk_trains_dead_heads(setup):
+    model, hf, adapter, data = setup
+    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
+    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1))
+    trainer.estimate_norms()
+    batch = source(0)
+    trainer.loss(batch)  # counts firing: with threshold 1 every head that did not fire is dead
+    loss, metrics = trainer.loss(batch)
+    assert metrics["dead_frac"] > 0 and metrics["aux"] > 0
+    loss.backward()
+    dead = trainer.tokens_since_fired >= 1
+    assert trainer.lorsa.W_V.grad[dead].abs().sum() > 0
+
+
+@torch.no_grad()
+def test_evaluation_numbers_match_direct_computation(setup):
+    model, hf, adapter, data = setup
+    lorsa = new_lorsa(adapter)
+    lorsa.init_from_mhsa(adapter.mhsa_weights(hf, LAYER))
+    ev = evaluate_lorsa(LorsaSet(model, {LAYER: lorsa}), LAYER, TokenDataset(data.tokens[:8]), batch_size=4)
+    ids = data.tokens[:8]
+    logits = hf(ids).logits
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert ev.ce_orig == pytest.approx(float(ce), rel=1e-5)
+    attn = adapter.attention_module(hf, LAYER)
+    h = attn.register_forward_hook(lambda m, a, out: adapter.with_attention_output(
+        out, torch.zeros_like(adapter.attention_output(out))))
+    ce_zero = F.cross_entropy(hf(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    h.remove()
+    assert ev.ce_zero == pytest.approx(float(ce_zero), rel=1e-5)
+    assert ev.n_tokens == 8 * 15 and 0 < ev.l0 <= 8 and 0 <= ev.dead_frac <= 1 and ev.fvu > 0
