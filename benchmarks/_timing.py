@@ -6,8 +6,9 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ def write(name: str, payload: dict[str, Any]) -> Path:
 
 
 def table(rows: list[tuple], header: tuple) -> str:
-    cols = list(zip(header, *rows))
+    cols = list(zip(header, *rows, strict=True))
     widths = [max(len(str(c)) for c in col) for col in cols]
-    line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))
+    line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True))
     return "\n".join([line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])

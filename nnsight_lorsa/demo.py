@@ -105,7 +105,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     ev = evaluate_lorsa(lorsas, layer, heldout, batch_size=cfg.batch_size)
     numbers = summarize(ev)
-    print("\nheld-out evaluation ({} tokens):".format(ev.n_tokens))
+    print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")
     print(f"  CE orig {ev.ce_orig:.4f}   CE lorsa {ev.ce_lorsa:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
           f"(CE recovered {ev.ce_recovered:.1%})")
@@ -136,7 +136,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"\ntop {cfg.n_show} heads (by max activation) on held-out text:")
     for h in top.top_heads(cfg.n_show):
         print(f"  head {h} (QK group {h // lcfg.group_size}, active on {top.frequency[h]:.2%} of tokens)")
-        for v, w, p in zip(top.values[h].tolist(), top.window[h].tolist(), top.position[h].tolist()):
+        for v, w, p in zip(top.values[h].tolist(), top.window[h].tolist(), top.position[h].tolist(), strict=True):
             if w < 0:
                 continue
             ids = heldout.tokens[w]

@@ -98,7 +98,7 @@ def test_checkpoint_resumes_bit_exactly(setup, tmp_path):
     resumed = LorsaTrainer.resume(tmp_path / "ckpt", source)
     assert resumed.step == 3
     resumed.train(progress=False)
-    for (name, a), b in zip(straight.lorsa.state_dict().items(), resumed.lorsa.state_dict().values()):
+    for (name, a), b in zip(straight.lorsa.state_dict().items(), resumed.lorsa.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
 

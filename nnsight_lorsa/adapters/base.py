@@ -154,7 +154,7 @@ class ArchitectureAdapter(ABC):
     def d_model(self) -> int:
         return int(self.config.hidden_size)
 
-    def check_layer(self, layer: object) -> int:
+    def check_layer(self, layer: Any) -> int:
         """Return ``layer`` as an ``int`` if in ``[0, n_layers)``; else raise :class:`LayerOutOfRangeError`.
 
         Integer-likes (``numpy.int64``, 0-d integer tensors) are accepted; bools, floats and

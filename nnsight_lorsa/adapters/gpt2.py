@@ -19,7 +19,7 @@ attention_mask=..., use_cache=..., **kwargs)`` -- hidden states are the first PO
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ class GPT2Adapter(ArchitectureAdapter):
         ``W_Q, W_K, W_V: (n_heads, d_model, head_dim)``; ``W_O: (n_heads, head_dim, d_model)``;
         ``b_O = c_proj.bias (d_model,)``.
         """
-        attn = self.attention_module(root, layer)
+        attn: Any = self.attention_module(root, layer)
         if getattr(attn, "is_cross_attention", False):
             raise UnsupportedArchitectureError(
                 f"{self.family}: {self.attention_path(layer)} is cross-attention"

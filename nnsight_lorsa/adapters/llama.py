@@ -15,7 +15,7 @@ on the layers whose ``config.layer_types[i] == "sliding_attention"`` (``use_slid
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ class LlamaAdapter(ArchitectureAdapter):
         """``W_Q: (n_heads, d_model, head_dim)``, ``W_K/W_V: (n_kv_heads, d_model, head_dim)``,
         ``W_O: (n_heads, head_dim, d_model)`` from ``q_proj``/``k_proj``/``v_proj``/``o_proj``
         (missing biases as zeros), Qwen3 ``q_norm``/``k_norm`` weights ``(head_dim,)``."""
-        attn = self.attention_module(root, layer)
+        attn: Any = self.attention_module(root, layer)
         c, e = self.config, self.head_dim
         n_kv = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
         W_Q, b_Q = _heads(attn.q_proj, c.num_attention_heads, e)

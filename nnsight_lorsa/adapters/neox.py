@@ -29,7 +29,7 @@ The LM head is ``lm_head`` in transformers 5 but ``embed_out`` in transformers 4
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import transformers
@@ -105,7 +105,7 @@ class GPTNeoXAdapter(ArchitectureAdapter):
         ``W_Q, W_K, W_V: (n_heads, d_model, head_dim)``, ``b_*: (n_heads, head_dim)`` (zeros
         without ``attention_bias``); ``W_O: (n_heads, head_dim, d_model)``, ``b_O: (d_model,)``.
         """
-        attn = self.attention_module(root, layer)
+        attn: Any = self.attention_module(root, layer)
         n, e, d = self.n_heads, self.head_dim, self.d_model
         w = attn.query_key_value.weight.detach()  # (3*d_model, d_model)
         if w.shape != (3 * d, d):

@@ -54,7 +54,7 @@ class TopActivations:
             z = z.masked_fill(~keep.cpu()[..., None], float("-inf"))
         flat = z.reshape(b * s, n)
         self.count += (flat > 0).sum(0)
-        self.n_tokens += int((keep.sum() if keep is not None else b * s))
+        self.n_tokens += int(keep.sum() if keep is not None else b * s)
         m = min(self.values.shape[1], b * s)
         vals, idx = flat.topk(m, dim=0)  # (m, n)
         cand_v = torch.cat([self.values, vals.T], dim=1)

@@ -129,7 +129,7 @@ class LorsaSet:
             x = adapter.attention_input(args, kwargs)
             positions = adapter.attention_positions(args, kwargs, x)
             mask = adapter.attention_mask(args, kwargs)
-            dtype = module.W_O.dtype
+            dtype = next(module.parameters()).dtype
             return module(x.to(dtype), positions, mask).to(x.dtype)
 
         return SpliceSite(

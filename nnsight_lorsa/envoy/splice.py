@@ -21,14 +21,15 @@ body are narrowed to its invoke's rows by nnsight as usual.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from nnsight.intervention.source import STATE
 from torch import nn
 
-from ..errors import TraceOrderError
+from ..errors import LorsaError, TraceOrderError
 from .worker import current_worker, find_worker, spawn_worker
 
 
@@ -98,6 +99,8 @@ def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = Fals
         TraceOrderError: the model already ran the site in this forward pass, or the site
             already holds a different child under ``site.attach_name``.
     """
+    if error and not isinstance(getattr(module, "hook_error", None), nn.Module):
+        raise LorsaError(f"{type(module).__name__} has no hook_error child module: it cannot carry an error term")
     me = current_worker("splice")
     interleaver = me.interleaver
     site_envoy = resolve_envoy(root, site.site_path)
@@ -143,7 +146,7 @@ def _make_body(site: SpliceSite, module: nn.Module, site_envoy: Any, interleaver
             live = site.call(module, args, kwargs)  # observed: internals served to the trace
             if error:
                 err = true_out - (live if clean is None else clean)
-                live = live + module.hook_error(err.detach())
+                live = live + module.get_submodule("hook_error")(err.detach())
             site_envoy.output = site.set_output(original, live)
         finally:
             _detach(site_envoy, site.attach_name, module)

@@ -12,7 +12,8 @@ the trace ends, normally or by an error — so nothing it sets up outlives the t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nnsight.intervention.interleaver import Mediator
 

@@ -23,7 +23,7 @@ nnsight model, each is an envoy (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,7 @@ class Lorsa(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        kw = {"device": device, "dtype": dtype}
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         h, d, e, n = cfg.n_qk_heads, cfg.d_model, cfg.d_qk_head, cfg.n_ov_heads
         self.W_Q = nn.Parameter(torch.empty(h, d, e, **kw))
         self.W_K = nn.Parameter(torch.empty(h, d, e, **kw))
@@ -252,7 +252,7 @@ class Lorsa(nn.Module):
     ) -> Float[torch.Tensor, "batch n_qk pos pos"]:
         """Explicit causal softmax patterns ``A`` from q, k (what SDPA computes implicitly)."""
         seq = q.shape[-2]
-        scores = q @ k.transpose(-1, -2) / self.cfg.attn_scale
+        scores = q @ k.transpose(-1, -2) / self.cfg.scale
         mask = self._mask(attn_mask, seq, q.device)
         if mask is None:
             mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
@@ -273,7 +273,7 @@ class Lorsa(nn.Module):
         v = v.view(b, s, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, s, G): OV heads as value dim
         mask = self._mask(attn_mask, s, x.device)
         z = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / self.cfg.attn_scale
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / self.cfg.scale
         )
         return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads)
 

@@ -62,6 +62,11 @@ class LorsaConfig:
             self.attn_scale = math.sqrt(self.d_qk_head)
 
     @property
+    def scale(self) -> float:
+        """The divisor of attention scores (``attn_scale``, resolved to ``sqrt(d_qk_head)`` by default)."""
+        return float(self.attn_scale if self.attn_scale is not None else math.sqrt(self.d_qk_head))
+
+    @property
     def group_size(self) -> int:
         """OV heads per QK head, ``G = n_ov_heads / n_qk_heads``."""
         return self.n_ov_heads // self.n_qk_heads

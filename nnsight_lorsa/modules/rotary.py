@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from .._typing import Float, Int
 
+from .._typing import Float, Int
 from ..errors import UnsupportedArchitectureError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

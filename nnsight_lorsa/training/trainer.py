@@ -146,7 +146,7 @@ class LorsaTrainer:
         self.scheduler.step()
         self.lorsa.normalize_decoder_()
         self.step += 1
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
 
     def train(self, steps: int | None = None, *, progress: bool = True,
@@ -191,7 +191,8 @@ class LorsaTrainer:
         """Write ``trainer.json`` + ``lorsa.safetensors`` + ``optimizer.safetensors`` + ``state.safetensors``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.lorsa.state_dict().items()}, str(d / "lorsa.safetensors"))
+        weights = {k: v.detach().contiguous() for k, v in self.lorsa.state_dict().items()}
+        save_file(weights, str(d / "lorsa.safetensors"))
         names = {id(p): n for n, p in self.lorsa.named_parameters()}
         opt_tensors: dict[str, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
@@ -240,6 +241,6 @@ class LorsaTrainer:
         # LambdaLR has no state beyond its step count: set it and the LR it implies
         trainer.scheduler.last_epoch = trainer.step
         for group, base, fn in zip(trainer.optimizer.param_groups, trainer.scheduler.base_lrs,
-                                   trainer.scheduler.lr_lambdas):
+                                   trainer.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(trainer.step)
         return trainer
