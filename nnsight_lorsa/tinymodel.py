@@ -180,6 +180,27 @@ def _windows_with_bos(ids: torch.Tensor, starts: torch.Tensor, seq_len: int) -> 
     return torch.cat([bos, body], dim=1)
 
 
+def _repeat_augment(x: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
+    """Turn a random ``fraction`` of the rows of a ``[batch, seq]`` BOS-first batch into repeats, in place.
+
+    A chosen row ``[BOS] + w`` becomes ``[BOS] + w[:k] + w[:k] + w[k : len(w) - k]`` with ``k`` uniform in
+    ``[min(8, len(w) // 2), len(w) // 2]``: a natural-text segment, its exact repetition, then its natural
+    continuation. Predicting the second copy rewards in-context copying (induction heads), which plain
+    next-token training on a corpus this small does not produce within a CPU-sized budget.
+    """
+    n = x.shape[1] - 1
+    k_max = n // 2
+    if fraction <= 0.0 or k_max < 1:
+        return x
+    k_min = max(1, min(8, k_max))
+    rows = (torch.rand(x.shape[0], generator=gen) < fraction).nonzero().flatten().tolist()
+    for r in rows:
+        k = int(torch.randint(k_min, k_max + 1, (1,), generator=gen))
+        w = x[r, 1:].clone()
+        x[r, 1:] = torch.cat([w[:k], w[:k], w[k : n - k]])
+    return x
+
+
 @torch.no_grad()
 def corpus_cross_entropy(
     model: PreTrainedModel,
@@ -251,6 +272,7 @@ def train_tiny_llama(
     vocab_size: int = 1024,
     warmup_steps: int | None = None,
     weight_decay: float = 0.1,
+    repeat_fraction: float = 0.25,
     eval_batches: int | None = None,
     eval_every: int | None = None,
     progress: bool = True,
@@ -280,6 +302,9 @@ def train_tiny_llama(
         vocab_size: BPE vocabulary size.
         warmup_steps: defaults to ``max(1, min(100, steps // 10))``.
         weight_decay: AdamW weight decay for 2-D weights.
+        repeat_fraction: fraction of training sequences in which a natural-text segment is immediately
+            repeated (see ``_repeat_augment``) so that the model learns induction-style copying; 0 disables.
+            Validation always uses plain, unmodified text.
         eval_batches: cap on validation windows (``None``: the whole held-out split).
         eval_every: also measure the validation CE every this many steps (recorded as ``val_curve``);
             ``None`` measures it only at the end.
@@ -300,6 +325,8 @@ def train_tiny_llama(
     t0 = time.perf_counter()
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if not 0.0 <= repeat_fraction <= 1.0:
+        raise ValueError(f"repeat_fraction must be in [0, 1], got {repeat_fraction}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     max_pos = 512
@@ -350,7 +377,7 @@ def train_tiny_llama(
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, lr, warmup)
         starts = torch.randint(0, n_starts, (batch_size,), generator=gen)
-        x = _windows_with_bos(train_ids, starts, seq_len)
+        x = _repeat_augment(_windows_with_bos(train_ids, starts, seq_len), repeat_fraction, gen)
         logits = model(input_ids=x).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -402,6 +429,7 @@ def train_tiny_llama(
         "lr": lr,
         "warmup_steps": warmup,
         "weight_decay": weight_decay,
+        "repeat_fraction": repeat_fraction,
         "seed": seed,
         "val_fraction": val_fraction,
         "train_loss": sum(tail) / len(tail),
@@ -431,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--repeat-fraction", type=float, default=0.25, help="share of repeated-segment sequences")
     p.add_argument("--eval-every", type=int, default=None, help="log validation CE every N steps")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads value")
     p.add_argument("--no-progress", action="store_true")
@@ -449,6 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
         val_fraction=args.val_fraction,
         vocab_size=args.vocab_size,
         eval_every=args.eval_every,
+        repeat_fraction=args.repeat_fraction,
         progress=not args.no_progress,
         command=shlex.join(["python", "-m", "nnsight_lorsa.tinymodel", *raw_argv]),
     )

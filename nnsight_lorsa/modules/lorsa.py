@@ -186,7 +186,10 @@ class Lorsa(nn.Module):
     def normalize_decoder_(self) -> None:
         """Rescale so every ``‖w_o^h‖ = 1``, moving the norm into ``w_v^h, b_v^h`` (footnote 1).
 
-        The output is unchanged (up to rounding): ``z^h`` scales by the norm, ``w_o^h`` by its inverse.
+        Each head's contribution ``z^h w_o^h`` is unchanged; the top-k afterwards ranks heads by
+        ``z^h ‖w_o^h‖`` (their output norms; Llamascopium's ``sparsity_include_decoder_norm``), so the
+        output is unchanged whenever that ranking is (always when all norms are equal, as after
+        training, where ``w_o`` is renormalised after every step).
         """
         norm = self.W_O.norm(dim=1).clamp_min(1e-12)
         self.W_O.div_(norm[:, None])
@@ -265,6 +268,7 @@ class Lorsa(nn.Module):
         attn_mask: torch.Tensor | None = None,
     ) -> Float[torch.Tensor, "batch pos n_ov"]:
         """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``."""
+        self._check_input(x)
         b, s, _ = x.shape
         q, k = self.qk(x, positions)
         q, k = self.hook_q(q), self.hook_k(k)

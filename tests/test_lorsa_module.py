@@ -1,0 +1,139 @@
+"""The torch-only Lorsa module against an explicit per-head reference (paper §3, Algorithm 1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from jaxtyping import TypeCheckError
+
+from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, RotaryConfig, ShapeError
+
+ROPE = RotaryConfig(head_dim=8, rotary_dim=8, base=10000.0, rope_type="llama3",
+                    scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 16})
+
+
+def make(qk_norm: bool = False, rotary: RotaryConfig | None = ROPE, seed: int = 0) -> Lorsa:
+    torch.manual_seed(seed)
+    cfg = LorsaConfig(d_model=24, n_qk_heads=3, d_qk_head=8, n_ov_heads=48, top_k=5, rotary=rotary, qk_norm=qk_norm)
+    lorsa = Lorsa(cfg)
+    with torch.no_grad():
+        for p in lorsa.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return lorsa
+
+
+def reference(lorsa: Lorsa, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 of the paper: every OV head computed on its own, with an explicit softmax."""
+    cfg = lorsa.cfg
+    b, s, _ = x.shape
+    q_all, k_all = lorsa.qk(x)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    z_pre = torch.zeros(b, s, cfg.n_ov_heads)
+    for h in range(cfg.n_ov_heads):
+        g = h // cfg.group_size
+        scores = q_all[:, g] @ k_all[:, g].transpose(-1, -2) / cfg.scale
+        pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        v = x @ lorsa.W_V[h] + lorsa.b_V[h]
+        z_pre[:, :, h] = (pattern @ v[..., None])[..., 0]
+    acts = z_pre.relu()
+    keep = torch.zeros_like(acts, dtype=torch.bool).scatter(-1, z_pre.topk(cfg.top_k, -1).indices, True)
+    z = acts * keep
+    return z_pre, z @ lorsa.W_O + lorsa.b_D
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("rotary", [ROPE, None], ids=["rope", "no-rope"])
+@torch.no_grad()
+def test_forward_matches_per_head_reference(qk_norm, rotary):
+    lorsa = make(qk_norm, rotary)
+    x = torch.randn(2, 11, 24)
+    out, cache = lorsa(x, return_cache=True)
+    z_pre, want = reference(lorsa, x)
+    assert (cache.z_pre - z_pre).abs().max() < 1e-5
+    assert (out - want).abs().max() < 1e-5
+    assert ((cache.z > 0).sum(-1) <= 5).all()
+    assert torch.equal(cache.active, cache.z > 0)
+
+
+@torch.no_grad()
+def test_z_pattern_sums_to_z_and_patterns_are_causal():
+    lorsa = make()
+    x = torch.randn(1, 9, 24)
+    _, cache = lorsa(x, return_cache=True)
+    heads = [0, 17, 47]
+    zp = lorsa.z_pattern(x, heads)
+    assert zp.shape == (1, 3, 9, 9)
+    assert (zp.sum(-1) - cache.z_pre[..., heads].transpose(1, 2)).abs().max() < 1e-5
+    active = cache.z[..., heads].transpose(1, 2) > 0
+    assert (zp.sum(-1)[active] - cache.z[..., heads].transpose(1, 2)[active]).abs().max() < 1e-5
+    pattern = lorsa.attention_pattern(x, qk_heads=[1])
+    assert torch.allclose(pattern.sum(-1), torch.ones(1, 1, 9))
+    assert (pattern.triu(1) == 0).all()
+    with pytest.raises(ShapeError, match="ov_heads"):
+        lorsa.z_pattern(x, [48])
+
+
+@torch.no_grad()
+def test_unit_decoder_reparametrisation():
+    lorsa = make()
+    lorsa.normalize_decoder_()
+    x = torch.randn(2, 6, 24)
+    before = lorsa(x)
+    lorsa.W_O.mul_(3.0)  # the same function with ‖w_o‖ = 3: normalising moves the norm back into w_v, b_v
+    lorsa.W_V.div_(3.0)
+    lorsa.b_V.div_(3.0)
+    lorsa.normalize_decoder_()
+    assert torch.allclose(lorsa.W_O.norm(dim=1), torch.ones(48), atol=1e-6)
+    assert (lorsa(x) - before).abs().max() < 1e-5
+    # per-head norms: afterwards heads are ranked by their output norm z·‖w_o‖
+    scale = torch.rand(48) + 0.5
+    lorsa.W_O.mul_(scale[:, None])
+    z_pre = lorsa.compute_z_pre(x)
+    keep = torch.zeros_like(z_pre, dtype=torch.bool).scatter(-1, (z_pre * scale).topk(5, -1).indices, True)
+    want = (z_pre.relu() * keep) @ lorsa.W_O + lorsa.b_D
+    lorsa.normalize_decoder_()
+    assert (lorsa(x) - want).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_key_padding_mask_isolates_left_padding():
+    lorsa = make()
+    x = torch.randn(1, 7, 24)
+    padded = torch.cat([torch.randn(1, 3, 24) * 5, x], dim=1)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = lorsa(padded, positions, mask)
+    assert (out[:, 3:] - lorsa(x)).abs().max() < 1e-5
+    assert torch.isfinite(out).all()
+
+
+def test_bad_shapes_and_configs_raise_clear_errors():
+    lorsa = make()
+    with pytest.raises(ShapeError, match="d_model=24"):
+        lorsa(torch.randn(2, 5, 23))
+    with pytest.raises((ShapeError, TypeCheckError), match="pos"):  # jaxtyping's check fires first in tests
+        lorsa(torch.randn(2, 5, 24), torch.arange(4))
+    with pytest.raises(CheckpointError, match="multiple of n_qk_heads"):
+        LorsaConfig(d_model=8, n_qk_heads=3, d_qk_head=4, n_ov_heads=10, top_k=2)
+    with pytest.raises(CheckpointError, match="top_k"):
+        LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=4, top_k=5)
+    with pytest.raises(CheckpointError, match="rotary.head_dim"):
+        LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=4, top_k=2, rotary=ROPE)
+
+
+def test_primitives_import_and_run_without_nnsight():
+    code = (
+        "import sys, torch\n"
+        "from nnsight_lorsa import Lorsa, LorsaConfig, save_lorsa, load_lorsa, get_adapter\n"
+        "out = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))(torch.randn(1, 3, 8))\n"
+        "assert out.shape == (1, 3, 8)\n"
+        "assert 'nnsight' not in sys.modules, sorted(m for m in sys.modules if 'nnsight' in m)\n"
+        "from nnsight_lorsa import ShapeError\n"
+        "try:\n    Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))(torch.randn(3, 8))\n"
+        "except ShapeError as e:\n    assert 'd_model=8' in str(e)\nelse:\n    raise AssertionError('no ShapeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
