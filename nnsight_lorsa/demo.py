@@ -27,7 +27,7 @@ class DemoConfig:
     layer: int | None = None  # default: the middle layer
     seq_len: int = 128
     batch_size: int = 16
-    steps: int = 600
+    steps: int = 1500
     n_ov_heads: int | None = None  # default: 8 * d_model (the paper's ratio)
     qk_heads_per_mhsa_head: int = 4
     top_k: int = 16

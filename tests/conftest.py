@@ -15,3 +15,10 @@ from jaxtyping import install_import_hook
 sys.path.insert(0, os.path.dirname(__file__))
 install_import_hook("nnsight_lorsa", "beartype.beartype")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# Import (and so type-check-decorate) the package before anything imports nnsight: decorating a
+# module's functions after nnsight has patched torch trips beartype ("unhashable instancemethod").
+import nnsight_lorsa  # noqa: E402,F401
+import nnsight_lorsa.envoy.lorsa_set  # noqa: E402,F401
+import nnsight_lorsa.training.evaluate  # noqa: E402,F401
+import nnsight_lorsa.training.trainer  # noqa: E402,F401

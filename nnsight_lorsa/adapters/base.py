@@ -194,9 +194,23 @@ class ArchitectureAdapter(ABC):
         return self.get_module(root, self.attention_path(layer))
 
     # ---- the attention module's call --------------------------------------
-    @abstractmethod
+    @property
+    def n_heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        """Head size: ``config.head_dim`` where the family has one, else ``d_model // n_heads``."""
+        return int(getattr(self.config, "head_dim", None) or self.d_model // self.n_heads)
+
     def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The hidden states ``(batch, pos, d_model)`` the attention module was called with."""
+        """The hidden states ``(batch, pos, d_model)`` the attention module was called with
+        (keyword ``hidden_states`` as Llama's decoder layer passes it, or the first positional
+        argument as GPT-2's and GPT-NeoX's do)."""
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(x, torch.Tensor):
+            raise UnsupportedArchitectureError(f"{self.family}: attention was called without hidden_states")
+        return x
 
     def attention_positions(self, args: tuple, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
         """Token positions of the call, ``(batch, pos)`` or ``(pos,)`` (default ``arange(pos)``)."""

@@ -43,21 +43,14 @@ class GPT2Adapter(ArchitectureAdapter):
     attention_norm_name = "ln_1"
 
     @property
-    def n_heads(self) -> int:
-        return int(self.config.num_attention_heads)
-
-    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """``hidden_states (batch, pos, d_model)``: ``args[0]`` (as ``GPT2Block`` calls it) or keyword."""
-        x = kwargs.get("hidden_states", args[0] if args else None)
-        if not isinstance(x, torch.Tensor):
-            raise UnsupportedArchitectureError(f"{self.family}: attention was called without hidden_states")
+        """``hidden_states (batch, pos, d_model)``; cross-attention calls are refused."""
         if kwargs.get("encoder_hidden_states") is not None:
             raise UnsupportedArchitectureError(f"{self.family}: cross-attention calls are not supported")
-        return x
+        return super().attention_input(args, kwargs)
 
     def rotary_config(self) -> RotaryConfig | None:
         """GPT-2 has no RoPE (learned absolute positions at ``transformer.wpe``)."""

@@ -20,7 +20,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..errors import UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig
 from .base import ArchitectureAdapter, MHSAWeights
 
@@ -42,17 +41,6 @@ class LlamaAdapter(ArchitectureAdapter):
     embed_path = "model.embed_tokens"
     final_norm_path = "model.norm"
     attention_norm_name = "input_layernorm"
-
-    @property
-    def head_dim(self) -> int:
-        c = self.config
-        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-
-    def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        x = kwargs.get("hidden_states", args[0] if args else None)
-        if not isinstance(x, torch.Tensor):
-            raise UnsupportedArchitectureError(f"{self.family}: attention was called without hidden_states")
-        return x
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding-window size of layer ``layer``'s attention, or None (full causal)."""

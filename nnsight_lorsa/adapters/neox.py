@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import torch
 import transformers
 from torch import nn
 
@@ -61,19 +60,8 @@ class GPTNeoXAdapter(ArchitectureAdapter):
     attention_norm_name = "input_layernorm"
 
     @property
-    def n_heads(self) -> int:
-        return int(self.config.num_attention_heads)
-
-    @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """``hidden_states (batch, pos, d_model)``: ``args[0]`` (as ``GPTNeoXLayer`` calls it) or keyword."""
-        x = kwargs.get("hidden_states", args[0] if args else None)
-        if not isinstance(x, torch.Tensor):
-            raise UnsupportedArchitectureError(f"{self.family}: attention was called without hidden_states")
-        return x
+        return self.d_model // self.n_heads  # NeoX has no head_dim field
 
     def rotary_fraction(self) -> float:
         """Fraction of each head that rotates: ``rope_parameters["partial_rotary_factor"]``

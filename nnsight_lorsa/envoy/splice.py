@@ -115,7 +115,11 @@ def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = Fals
         )
     envoy = _attach(site_envoy, site.attach_name, module)
     prefix = f"{envoy.path}."
-    spawn_worker(interleaver, _make_body(site, module, site_envoy, interleaver, prefix, error), tag)
+    try:
+        spawn_worker(interleaver, _make_body(site, module, site_envoy, interleaver, prefix, error), tag)
+    except BaseException:
+        _detach(site_envoy, site.attach_name, module)
+        raise
     return envoy
 
 
