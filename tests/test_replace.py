@@ -218,3 +218,45 @@ def test_bad_layers_and_shapes():
         LorsaSet(model, {1: wrong})
     with pytest.raises(LayerOutOfRangeError, match="no Lorsa for layer 0"):
         LorsaSet(model, {1: lorsa})[0]
+
+
+REMOTE_LOCAL_SCRIPT = """
+import sys, torch, nnsight, nnsight_lorsa
+from tiny import random_ids, tiny_nnsight
+from test_replace import LAYER, make_lorsa
+from nnsight_lorsa import LorsaSet, get_adapter
+model, hf = tiny_nnsight("llama")
+adapter = get_adapter(model)
+lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+ids = random_ids()
+nnsight.register(nnsight_lorsa)
+with model.trace(ids):
+    site = lorsas.replace(layer=LAYER)
+    site.hook_z.output[:, :, 2] = 0
+    z_local = nnsight.save(site.hook_z.output)
+    logits_local = nnsight.save(model.lm_head.output)
+with model.trace(ids, remote="local"):
+    site = lorsas.replace(layer=LAYER)
+    site.hook_z.output[:, :, 2] = 0
+    z = nnsight.save(site.hook_z.output)
+    logits = nnsight.save(model.lm_head.output)
+assert torch.equal(z, z_local) and torch.equal(logits, logits_local), (z - z_local).abs().max()
+assert "lorsa" not in dict(adapter.attention_module(hf, LAYER).named_children())
+print("ok")
+"""
+
+
+def test_replace_under_nnsight_remote_local_simulation():
+    """nnsight's LocalSimulationBackend serializes the trace (our code by value) and runs it back.
+
+    Run in a fresh interpreter without the test-time type-checking hook: its wrappers are not
+    picklable, and remote code must not depend on them anyway.
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("ok")
