@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from nnsight.intervention.source import STATE
+from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
 from ..errors import LorsaError, TraceOrderError
@@ -67,7 +67,8 @@ def resolve_envoy(root: Any, path: str) -> Any:
 def _strip_nnsight(module: nn.Module) -> None:
     """Undo nnsight's per-module instrumentation (controller forward + state) on a detached module."""
     for sub in module.modules():
-        sub.__dict__.pop("forward", None)
+        if isinstance(sub.__dict__.get("forward"), Controller):
+            del sub.__dict__["forward"]
         sub.__dict__.pop(STATE, None)
 
 
@@ -80,11 +81,12 @@ def _attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
     return getattr(site_envoy, name)
 
 
-def _detach(site_envoy: Any, name: str, module: nn.Module) -> None:
+def _detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
     if site_envoy._module._modules.get(name) is module:
         del site_envoy._module._modules[name]
         site_envoy._drop_envoy(name)
-    _strip_nnsight(module)
+    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
+        _strip_nnsight(module)
 
 
 def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = False) -> Any:
@@ -113,18 +115,19 @@ def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = Fals
             f"cannot replace {site.site_path}: the model already ran it in this forward pass; "
             "call replace() before reading anything at or after that site"
         )
+    instrumented_before = STATE in module.__dict__
     envoy = _attach(site_envoy, site.attach_name, module)
-    prefix = f"{envoy.path}."
+    body = _make_body(site, module, site_envoy, interleaver, f"{envoy.path}.", error, instrumented_before)
     try:
-        spawn_worker(interleaver, _make_body(site, module, site_envoy, interleaver, prefix, error), tag)
+        spawn_worker(interleaver, body, tag)
     except BaseException:
-        _detach(site_envoy, site.attach_name, module)
+        _detach(site_envoy, site.attach_name, module, instrumented_before)
         raise
     return envoy
 
 
 def _make_body(site: SpliceSite, module: nn.Module, site_envoy: Any, interleaver: Any, prefix: str,
-               error: bool) -> Callable[[], None]:
+               error: bool, instrumented_before: bool) -> Callable[[], None]:
     """The worker's body: park on the site's input and output, run the replacement, swap."""
 
     def body() -> None:
@@ -153,6 +156,6 @@ def _make_body(site: SpliceSite, module: nn.Module, site_envoy: Any, interleaver
                 live = live + module.get_submodule("hook_error")(err.detach())
             site_envoy.output = site.set_output(original, live)
         finally:
-            _detach(site_envoy, site.attach_name, module)
+            _detach(site_envoy, site.attach_name, module, instrumented_before)
 
     return body
