@@ -49,6 +49,23 @@ _LAZY = {
     "TrainConfig": ".training.trainer",
     "attention_activations": ".training.activations",
     "evaluate_lorsa": ".training.evaluate",
+    "SparseCoder": ".modules.sparse_coder",
+    "SparseCoderConfig": ".modules.sparse_coder",
+    "SparseAutoencoder": ".modules.sae",
+    "SAEConfig": ".modules.sae",
+    "Transcoder": ".modules.transcoder",
+    "SkipTranscoder": ".modules.transcoder",
+    "TranscoderConfig": ".modules.transcoder",
+    "CrossLayerTranscoder": ".modules.clt",
+    "CLTConfig": ".modules.clt",
+    "ReLU": ".modules.activations",
+    "TopK": ".modules.activations",
+    "BatchTopK": ".modules.activations",
+    "JumpReLU": ".modules.activations",
+    "make_activation": ".modules.activations",
+    "TranscoderSet": ".envoy.transcoder_set",
+    "SAESet": ".envoy.sae_set",
+    "CLTSet": ".envoy.clt_set",
 }
 
 

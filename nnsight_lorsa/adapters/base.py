@@ -232,6 +232,30 @@ class ArchitectureAdapter(ABC):
         """The module's return value with its attention output replaced by ``new``."""
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
+    # ---- the MLP module's call ----------------------------------------------
+    def mlp_module(self, root: nn.Module, layer: int) -> nn.Module:
+        return self.get_module(root, self.mlp_path(layer))
+
+    def mlp_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The hidden states ``(batch, pos, d_model)`` the MLP was called with: the output of the
+        pre-MLP norm, passed as the first positional argument by every supported family
+        (transformers 5: ``LlamaDecoderLayer``/Qwen2/Qwen3 ``self.mlp(hidden_states)`` after
+        ``post_attention_layernorm``; ``GPT2Block`` ``self.mlp(ln_2(h))``; ``GPTNeoXLayer``
+        ``self.mlp(post_attention_layernorm(·))``, of the layer input under parallel residual)."""
+        x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+        if not isinstance(x, torch.Tensor):
+            raise UnsupportedArchitectureError(f"{self.family}: the MLP was called without hidden states")
+        return x
+
+    def mlp_output(self, output: Any) -> torch.Tensor:
+        """The MLP output ``(batch, pos, d_model)`` inside the module's return value (a tensor in
+        the supported families; the first element of a tuple otherwise, e.g. MoE blocks)."""
+        return output[0] if isinstance(output, tuple) else output
+
+    def with_mlp_output(self, output: Any, new: torch.Tensor) -> Any:
+        """The MLP's return value with its output replaced by ``new``."""
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
     # ---- weights -----------------------------------------------------------
     @abstractmethod
     def rotary_config(self) -> RotaryConfig | None:

@@ -50,7 +50,7 @@ class GPT2Adapter(ArchitectureAdapter):
         """``hidden_states (batch, pos, d_model)``; cross-attention calls are refused."""
         if kwargs.get("encoder_hidden_states") is not None:
             raise UnsupportedArchitectureError(f"{self.family}: cross-attention calls are not supported")
-        return super().attention_input(args, kwargs)
+        return super(GPT2Adapter, self).attention_input(args, kwargs)
 
     def rotary_config(self) -> RotaryConfig | None:
         """GPT-2 has no RoPE (learned absolute positions at ``transformer.wpe``)."""

@@ -129,8 +129,10 @@ class LorsaSet:
             x = adapter.attention_input(args, kwargs)
             positions = adapter.attention_positions(args, kwargs, x)
             mask = adapter.attention_mask(args, kwargs)
-            dtype = next(module.parameters()).dtype
-            return module(x.to(dtype), positions, mask).to(x.dtype)
+            param = next(module.parameters())
+            if param.device != x.device:  # e.g. a Lorsa shipped from a CPU client to a GPU server
+                module.to(x.device)
+            return module(x.to(param.dtype), positions, mask).to(x.dtype)
 
         return SpliceSite(
             site_path=adapter.attention_path(layer),

@@ -26,7 +26,7 @@ class FunctionWorker(Mediator):
     """
 
     def __init__(self, fn: Callable[[], None], tag: Any) -> None:
-        super().__init__(None, {}, {})
+        super(FunctionWorker, self).__init__(None, {}, {})
         self.fn = fn
         self.tag = tag
         self.batch_group = None

@@ -46,7 +46,7 @@ class PerHeadRMSNorm(nn.Module):
     """
 
     def __init__(self, n_heads: int, d_head: int, eps: float) -> None:
-        super().__init__()
+        super(PerHeadRMSNorm, self).__init__()
         self.w = nn.Parameter(torch.ones(n_heads, d_head))
         self.eps = eps
 
@@ -92,7 +92,7 @@ class Lorsa(nn.Module):
 
     def __init__(self, cfg: LorsaConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__()
+        super(Lorsa, self).__init__()
         self.cfg = cfg
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         h, d, e, n = cfg.n_qk_heads, cfg.d_model, cfg.d_qk_head, cfg.n_ov_heads

@@ -1,0 +1,103 @@
+"""``CLTSet``: a cross-layer transcoder spliced into every MLP of one nnsight model with ``replace``.
+
+Usage::
+
+    clt = CLTSet(model, cross_layer_transcoder)
+    with model.trace(prompt):
+        site = clt.replace()                              # MLP outputs -> CLT reconstructions
+        acts0 = site.hook_sae_acts_post[0].output.save()  # layer-0 features (batch, pos, d_sae)
+        site.hook_sae_acts_post[0].output[:, :, 5] = 0    # removed from every layer it writes to
+        logits = model.lm_head.output.save()
+
+The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``); MLP ``l'``'s output
+is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (seed ``004_…`` §7.1). This needs
+one worker that visits the MLPs in order and carries the features forward:
+:func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)``, the CLT mounted at
+the root as ``model.clt``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..adapters.base import ArchitectureAdapter
+from ..adapters.registry import get_adapter
+from ..errors import ConfigMismatchError
+from ..modules.clt import CrossLayerTranscoder
+from .splice_chain import SpliceChain, splice_chain
+
+
+class CLTSet:
+    """A :class:`CrossLayerTranscoder` bound to a model whose first ``n_layers`` MLPs it replaces.
+
+    CLT layer ``l`` is model layer ``l``.
+
+    Args:
+        model: an nnsight ``TransformersModel``/``LanguageModel``.
+        clt: the cross-layer transcoder.
+
+    Raises:
+        UnsupportedArchitectureError: the model family has no adapter.
+        ConfigMismatchError: the CLT's ``d_model`` differs from the model's, or it spans more
+            layers than the model has.
+    """
+
+    attach_name = "clt"
+
+    def __init__(self, model: Any, clt: CrossLayerTranscoder, adapter: ArchitectureAdapter | None = None) -> None:
+        self.model = model
+        self.adapter = adapter if adapter is not None else get_adapter(model)
+        if clt.cfg.d_in != self.adapter.d_model:
+            raise ConfigMismatchError(f"CLT has d_model={clt.cfg.d_in}, the model has {self.adapter.d_model}")
+        if clt.n_layers > self.adapter.n_layers:
+            raise ConfigMismatchError(f"CLT spans {clt.n_layers} layers, the model has {self.adapter.n_layers}")
+        self.clt = clt
+
+    def __repr__(self) -> str:
+        return f"CLTSet({self.adapter.family}, n_layers={self.clt.n_layers}, d_sae={self.clt.cfg.d_sae})"
+
+    def site(self) -> SpliceChain:
+        """The chain of MLP sites ``0 … n_layers−1`` and the per-layer step."""
+        adapter = self.adapter
+
+        def step(module: torch.nn.Module, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
+                 acts: dict) -> torch.Tensor:
+            assert isinstance(module, CrossLayerTranscoder)
+            x = adapter.mlp_input(args, kwargs)
+            xm = x.to(module.W_enc.dtype)
+            acts[layer] = module.encode_layer(xm, layer)
+            out = module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
+            return out.to(x.dtype)
+
+        return SpliceChain(
+            site_paths=tuple(adapter.mlp_path(layer) for layer in range(self.clt.n_layers)),
+            attach_path="",
+            attach_name=self.attach_name,
+            step=step,
+            get_output=adapter.mlp_output,
+            set_output=adapter.with_mlp_output,
+            error_hook=lambda module, layer: module.get_submodule(f"hook_error.{layer}"),
+        )
+
+    def replace(self, *, error: bool = False) -> Any:
+        """Replace the output of every MLP ``0 … n_layers−1`` by the CLT's, in the current trace only.
+
+        Call inside ``model.trace(...)`` before anything at or after layer 0's MLP is read.
+        Returns the CLT's envoy (``model.clt``), whose per-layer children
+        ``hook_sae_acts_pre[l]``, ``hook_sae_acts_post[l]`` (layer ``l``'s features,
+        ``(batch, pos, d_sae)``), ``hook_sae_recons[l]`` (MLP ``l``'s replacement) and
+        ``hook_error[l]`` can be read and edited in layer order. An edit to layer ``l``'s
+        features changes every MLP output ``l' ≥ l``.
+
+        Args:
+            error: add at every MLP the exact error term ``MLP_l − CLT_l`` computed without edits
+                (through ``hook_error[l]``): the model's outputs are then the unmodified model's,
+                while edits to the features still change them (the errors are held fixed).
+
+        Raises:
+            TraceOrderError: the model already ran one of the MLPs in this pass.
+            ValueError: called outside a trace.
+        """
+        return splice_chain(self.model, self.site(), self.clt, error=error)

@@ -1,0 +1,98 @@
+"""``ReplacementSet``: replacement modules of one nnsight model, keyed by where they go.
+
+The shared shape of :class:`~.transcoder_set.TranscoderSet` (keyed by layer) and
+:class:`~.sae_set.SAESet` (keyed by site path): a read-only mapping checked on insertion, and
+``replace(key=None, error=False)`` that splices one, several or all of them into the current
+trace. Subclasses say how a key and module are checked (:meth:`ReplacementSet.check`) and how
+one is spliced (:meth:`ReplacementSet.splice_one`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+from torch import nn
+
+from ..adapters.base import ArchitectureAdapter
+from ..adapters.registry import get_adapter
+
+K = TypeVar("K")
+M = TypeVar("M", bound=nn.Module)
+
+
+class ReplacementSet(Mapping[K, M], Generic[K, M]):
+    """Replacement modules of ``model`` keyed by ``K``; see the module docstring.
+
+    Args:
+        model: an nnsight ``TransformersModel``/``LanguageModel`` (the root envoy).
+        modules: ``{key: module}``, each checked by :meth:`check`.
+        adapter: the model family's adapter (default: :func:`get_adapter`).
+    """
+
+    #: what one key is (``int`` layers, ``str`` paths): ``replace(key)`` returns one envoy for it.
+    key_type: type = object
+    #: what the set holds, for messages.
+    what: str = "replacement"
+
+    def __init__(self, model: Any, modules: Mapping[K, M] | None = None,
+                 adapter: ArchitectureAdapter | None = None) -> None:
+        self.model, self.adapter = model, adapter or get_adapter(model)
+        self._by_key: dict[K, M] = {}
+        self.update(modules or {})
+
+    # ------------------------------------------------------------ subclasses
+    def check(self, key: Any, module: M) -> K:
+        """Validate ``(key, module)`` for this model and return the normalised key."""
+        return key
+
+    def missing(self, key: Any) -> Exception:
+        """The error for a key the set has no module for."""
+        return KeyError(f"no {self.what} for {key!r}; this set has {list(self)}")
+
+    def splice_one(self, key: K, module: M, error: bool) -> Any:
+        """Splice ``module`` at ``key`` into the current trace; return its envoy."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- mapping
+    def __setitem__(self, key: K, module: M) -> None:
+        self._by_key[self.check(key, module)] = module
+
+    def update(self, modules: Mapping[K, M]) -> None:
+        """Add (or replace) several modules, each checked as by ``set[key] = module``."""
+        for key, module in modules.items():
+            self[key] = module
+
+    def __getitem__(self, key: K) -> M:
+        try:
+            return self._by_key[key]
+        except (KeyError, TypeError):
+            raise self.missing(key) from None
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return key in self._by_key
+        except TypeError:
+            return False
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(sorted(self._by_key))  # type: ignore[type-var]
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{key!r}: {type(self._by_key[key]).__name__}" for key in self)
+        return f"{type(self).__name__}({self.adapter.family}, {{{body}}})"
+
+    # -------------------------------------------------------------- splicing
+    def replace(self, key: K | Iterable[K] | None = None, *, error: bool = False) -> Any:
+        """Splice the module(s) at ``key`` (one, several, or all when None) into the current trace.
+
+        Returns the module's envoy for a single key, else a dict ``{key: envoy}``. See the
+        subclass for what is replaced and the envoys' children.
+        """
+        single = isinstance(key, self.key_type) or (key is not None and not isinstance(key, Iterable))
+        keys: list[Any] = list(self) if key is None else [key] if single else list(key)  # type: ignore[arg-type]
+        envoys = {k: self.splice_one(k, self[k], error) for k in keys}
+        return envoys[keys[0]] if single else envoys

@@ -1,0 +1,131 @@
+"""``SAESet``: SAEs on module outputs of one nnsight model, spliced in with ``replace``.
+
+Usage::
+
+    saes = SAESet(model, {"model.layers.1": sae})
+    with model.trace(prompt):
+        site = saes.replace("model.layers.1")           # residual stream after layer 1 -> SAE(·)
+        acts = site.hook_sae_acts_post.output.save()    # the features, (batch, pos, d_sae)
+        site.hook_sae_acts_post.output[:, :, 3] = 0     # ablate feature 3
+        logits = model.lm_head.output.save()
+
+A site is any module path (below the nnsight root, as envoys name it) whose OUTPUT the SAE
+reconstructs: a decoder layer's output is the residual stream after that layer (a tensor in
+transformers 5), an attention module's is ``(attn_output, weights)`` (the first element is
+replaced). The splice is :func:`.splice_chain.splice_chain` with one site (the SAE needs the
+site's output, which :func:`.splice.splice` does not pass); the SAE is mounted as ``<site>.sae``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigMismatchError, ShapeError
+from ..modules.sae import SparseAutoencoder
+from .replacement_set import ReplacementSet
+from .splice_chain import SpliceChain, splice_chain
+from .transcoder_set import run_on_input_dtype
+
+
+def site_output(output: Any) -> torch.Tensor:
+    """The tensor a site returns: the output itself, or the first element of a tuple/list."""
+    value = output[0] if isinstance(output, (tuple, list)) and output else output
+    if not isinstance(value, torch.Tensor):
+        raise ShapeError(f"an SAE site must return a tensor or a tuple starting with one, got {type(output).__name__}")
+    return value
+
+
+def with_site_output(output: Any, new: torch.Tensor) -> Any:
+    """The site's return value with its tensor replaced by ``new``."""
+    return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+
+
+def _sae_step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
+              state: dict) -> torch.Tensor:
+    return run_on_input_dtype(module, true_out)
+
+
+class SAESet(ReplacementSet[str, SparseAutoencoder]):
+    """The SAEs of one model, keyed by site path; ``replace(site)`` splices them into a trace.
+
+    Args:
+        model: an nnsight ``TransformersModel``/``LanguageModel``.
+        saes: ``{site_path: SparseAutoencoder}``, e.g. ``{"model.layers.3": sae}``.
+
+    Raises:
+        ConfigMismatchError: the model has no module at a site path, or the site is one whose
+            width is known (a decoder layer, its attention or MLP, the embedding) and differs
+            from the SAE's ``d_in``. Other sites are checked when the trace runs (:class:`ShapeError`).
+    """
+
+    key_type = str
+    what = "SAE"
+
+    def __init__(self, model: Any, saes: dict[str, SparseAutoencoder] | None = None, adapter: Any = None) -> None:
+        super(SAESet, self).__init__(model, saes, adapter)
+
+    def known_width(self, path: str) -> int | None:
+        """``d_model`` for the residual-width sites of the adapter, None for others."""
+        a = self.adapter
+        layer = rf"{re.escape(a.layers_path)}\.\d+"
+        parts = (a.attention_name, a.mlp_name)
+        pattern = rf"{layer}(\.({'|'.join(re.escape(p) for p in parts if p)}))?"
+        if re.fullmatch(pattern, path) or path == a.embed_path:
+            return a.d_model
+        return None
+
+    def check(self, key: Any, module: SparseAutoencoder) -> str:
+        if not isinstance(key, str) or not key:
+            raise ConfigMismatchError(f"an SAE site is a module path (str), got {key!r}")
+        try:
+            self.model._module.get_submodule(key)
+        except AttributeError as e:
+            raise ConfigMismatchError(f"{type(self.model._module).__name__} has no module at {key!r}: {e}") from e
+        width = self.known_width(key)
+        if width is not None and module.cfg.d_in != width:
+            raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
+        return key
+
+    def site(self, path: str) -> SpliceChain:
+        """How the output of ``path`` is spliced."""
+        return SpliceChain(
+            site_paths=(path,),
+            attach_path=path,
+            attach_name="sae",
+            step=_sae_step,
+            get_output=site_output,
+            set_output=with_site_output,
+            error_hook=lambda module, i: module.get_submodule("hook_error"),
+        )
+
+    def splice_one(self, key: str, module: SparseAutoencoder, error: bool) -> Any:
+        return splice_chain(self.model, self.site(key), module, error=error)
+
+    def replace(self, site: str | Iterable[str] | None = None, *, error: bool = False) -> Any:  # type: ignore[override]
+        """Replace the output of ``site`` by its SAE's reconstruction, in the current trace only.
+
+        Call inside ``model.trace(...)`` before anything at or after the site is read. Returns
+        the SAE's envoy (a dict ``{site: envoy}`` for several; all sites when None), whose
+        children ``hook_sae_acts_pre``, ``hook_sae_acts_post`` (features ``(batch, pos, d_sae)``),
+        ``hook_sae_recons`` (the reconstruction) and ``hook_error`` can be read and edited.
+
+        Args:
+            site: a site path of the set, several, or None for all.
+            error: add the exact error term ``x − SAE(x)`` (through ``hook_error``): the model's
+                outputs are then the unmodified model's (fp32 < 1e-5), while edits to the
+                features still change them (the error is held fixed).
+
+        Raises:
+            ConfigMismatchError: no SAE at ``site``.
+            ShapeError: (when the trace runs) the site's output is not ``(…, d_in)``.
+            TraceOrderError: the model already ran the site in this pass.
+            ValueError: called outside a trace.
+        """
+        return super(SAESet, self).replace(site, error=error)
+
+    def missing(self, key: Any) -> Exception:
+        return ConfigMismatchError(f"no SAE at site {key!r}; this set has {list(self)}")

@@ -1,0 +1,153 @@
+"""Splice one replacement into several sites of a traced model, in execution order, for one trace.
+
+The generalisation of :func:`.splice.splice` that SAEs and cross-layer transcoders need, on the
+same mechanism (attach the module so its hook points are envoys of this trace, a per-trace
+worker from :mod:`.worker` that parks on the sites and swaps their outputs, detach when the
+worker ends, even if the trace raised). It differs in two ways:
+
+* the replacement visits the sites of :attr:`SpliceChain.site_paths` one after the other and
+  carries a ``state`` dict from one to the next — a cross-layer transcoder encodes MLP ``l``'s
+  input at site ``l`` and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output;
+* each step also receives the site's true output — an SAE reconstructs it.
+
+Error terms (``error=True``): at every site, ``e_i = true_output_i − clean_i`` goes through the
+module's ``error_hook(module, i)``, where ``clean_i`` is the replacement computed without edits
+(the state of the clean pass holds clean features of earlier sites). Without edits the model's
+outputs are reproduced (up to fp rounding); edits to the module's internals at any site change
+every later site's output by exactly the edited replacement's change. Until some intervention
+may edit the module's internals the clean pass is the live one; from the first site where one
+may, the clean pass runs separately with the trace stood down (nothing served or edited).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from nnsight.intervention.source import STATE
+from torch import nn
+
+from ..errors import LorsaError, TraceOrderError
+from .splice import _attach, _detach, resolve_envoy
+from .worker import current_worker, find_worker, spawn_worker
+
+#: ``(module, i, args, kwargs, true_output, state) -> output``: the replacement's output at site ``i``.
+Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SpliceChain:
+    """Where and how a replacement is spliced into a sequence of sites.
+
+    Attributes:
+        site_paths: envoy paths of the modules whose outputs are replaced, in the order the
+            model runs them, e.g. ``("model.layers.0.mlp", "model.layers.1.mlp")``.
+        attach_path: envoy path the module is mounted under (``""``: the root model).
+        attach_name: child name it is mounted as, e.g. ``"clt"``.
+        step: :data:`Step`; ``state`` is a dict private to one pass (live or clean) that the
+            step may add entries to (it must not mutate values it stored at earlier sites).
+        get_output: the tensor to replace, from a site's return value.
+        set_output: a site's return value with that tensor replaced.
+        error_hook: ``(module, i) -> nn.Module`` carrying site ``i``'s error term.
+        check_call: optional ``(args, kwargs) -> None`` raising on unsupported calls.
+    """
+
+    site_paths: tuple[str, ...]
+    attach_path: str
+    attach_name: str
+    step: Step
+    get_output: Callable[[Any], torch.Tensor]
+    set_output: Callable[[Any, torch.Tensor], Any]
+    error_hook: Callable[[nn.Module, int], nn.Module]
+    check_call: Callable[[tuple, dict], None] | None = None
+
+
+def _stood_down(interleaver: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run ``fn`` with the trace stood down: the module's internals are neither served nor edited."""
+    was = interleaver.interleaving
+    interleaver.interleaving = False
+    try:
+        return fn()
+    finally:
+        interleaver.interleaving = was
+
+
+def _may_edit(interleaver: Any, prefix: str) -> bool:
+    """Whether some worker waits on the module's internals (so may edit them)."""
+    # workers served alongside this one may have parked since the interleaver last indexed who
+    # waits where; re-index so the module's internals reach them
+    interleaver._reindex_parked()
+    return any(p is not None and p.startswith(prefix) for p in interleaver.parked)
+
+
+def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: bool = False) -> Any:
+    """Replace the outputs of ``chain``'s sites by ``module``'s for the current trace; return its envoy.
+
+    Must be called inside a ``model.trace(...)`` body before the model reaches the first site.
+    Calling it again for the same chain in the same trace returns the same envoy and splices once.
+
+    Raises:
+        ValueError: called outside a trace.
+        LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
+        TraceOrderError: the model already ran one of the sites in this forward pass, or the
+            parent already holds a different child under ``chain.attach_name``.
+    """
+    if not chain.site_paths:
+        raise LorsaError("a splice chain needs at least one site")
+    for i in range(len(chain.site_paths)) if error else ():
+        try:
+            hook = chain.error_hook(module, i)
+        except (AttributeError, IndexError):
+            hook = None
+        if not isinstance(hook, nn.Module):
+            raise LorsaError(f"{type(module).__name__} has no error hook module for site {i}: "
+                             "it cannot carry an error term")
+    me = current_worker("splice_chain")
+    interleaver = me.interleaver
+    parent = resolve_envoy(root, chain.attach_path) if chain.attach_path else root
+    tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
+    if find_worker(interleaver, tag) is not None:
+        return getattr(parent, chain.attach_name)
+    sites = [resolve_envoy(root, path) for path in chain.site_paths]
+    for path, site in zip(chain.site_paths, sites, strict=True):
+        ran = interleaver.counts.get(f"{site.path}.input", 0) - me.counts_at_start.get(f"{site.path}.input", 0)
+        if ran > 0:
+            raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
+                                  "call replace() before reading anything at or after that site")
+    # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
+    detach = partial(_detach, parent, chain.attach_name, module, STATE in module.__dict__)
+    envoy = _attach(parent, chain.attach_name, module)
+
+    def body() -> None:
+        live: dict = {}
+        clean: dict = {}
+        diverged = False  # whether the clean pass must run apart from the live one
+        try:
+            for i, site in enumerate(sites):
+                args, kwargs = site.inputs
+                if chain.check_call is not None:
+                    chain.check_call(args, kwargs)
+                original = site.output
+                true_out = chain.get_output(original)
+                diverged = diverged or (error and _may_edit(interleaver, f"{envoy.path}."))
+                clean_out = None
+                if diverged:
+                    clean_out = _stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+                out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+                if error:
+                    if clean_out is None:  # nothing could edit so far: the clean pass is the live one
+                        clean, clean_out = dict(live), out
+                    out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
+                site.output = chain.set_output(original, out)
+        finally:
+            detach()
+
+    try:
+        spawn_worker(interleaver, body, tag)
+    except BaseException:
+        detach()
+        raise
+    return envoy

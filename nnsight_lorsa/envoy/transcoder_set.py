@@ -1,0 +1,110 @@
+"""``TranscoderSet``: per-layer (skip) transcoders of one nnsight model, spliced into MLPs with ``replace``.
+
+Usage::
+
+    tcs = TranscoderSet(model, {1: transcoder_layer1})
+    with model.trace(prompt):
+        site = tcs.replace(layer=1)                     # MLP output -> transcoder output
+        acts = site.hook_sae_acts_post.output.save()    # the features, (batch, pos, d_sae)
+        site.hook_sae_acts_post.output[:, :, 7] = 0     # ablate feature 7
+        logits = model.lm_head.output.save()
+
+A transcoder reads what the MLP is called with (the hidden states after the pre-MLP norm:
+``adapter.mlp_input``) and replaces what it returns (``adapter.mlp_output``); the splice is
+:func:`.splice.splice` at ``adapter.mlp_path(layer)``, the transcoder mounted as ``<mlp>.transcoder``.
+Works per position, so also on KV-cached generation steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigMismatchError, LayerOutOfRangeError
+from ..modules.transcoder import Transcoder
+from .replacement_set import ReplacementSet
+from .splice import SpliceSite, splice
+
+
+def run_on_input_dtype(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` computed in the module's dtype and returned in ``x``'s."""
+    dtype = next(module.parameters()).dtype
+    return module(x.to(dtype)).to(x.dtype)
+
+
+class TranscoderSet(ReplacementSet[int, Transcoder]):
+    """The transcoders of one model, keyed by layer; ``replace(layer=L)`` splices them into a trace.
+
+    Args:
+        model: an nnsight ``TransformersModel``/``LanguageModel``.
+        transcoders: ``{layer: Transcoder | SkipTranscoder}``.
+
+    Raises:
+        UnsupportedArchitectureError: the model family has no adapter.
+        LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
+        ConfigMismatchError: ``d_in``/``d_out`` differ from the model's ``d_model``, or the
+            transcoder records another layer.
+    """
+
+    key_type = int
+    what = "transcoder"
+
+    def __init__(self, model: Any, transcoders: dict[int, Transcoder] | None = None, adapter: Any = None) -> None:
+        super(TranscoderSet, self).__init__(model, transcoders, adapter)
+
+    def check(self, key: Any, module: Transcoder) -> int:
+        layer = self.adapter.check_layer(key)
+        d = self.adapter.d_model
+        cfg = module.cfg
+        if cfg.d_in != d or module.d_out != d:
+            raise ConfigMismatchError(
+                f"transcoder for layer {layer} maps d_in={cfg.d_in} -> d_out={module.d_out}; the MLPs map {d} -> {d}"
+            )
+        if getattr(cfg, "layer", None) not in (None, layer):
+            raise ConfigMismatchError(f"transcoder was trained for layer {cfg.layer}, not layer {layer}")
+        return layer
+
+    def missing(self, key: Any) -> Exception:
+        return LayerOutOfRangeError(f"no transcoder for layer {key!r}; this set has layers {list(self)}")
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self)
+
+    def site(self, layer: int) -> SpliceSite:
+        """How layer ``layer``'s MLP is spliced (its path, input and output handling)."""
+        adapter = self.adapter
+        return SpliceSite(
+            site_path=adapter.mlp_path(layer),
+            attach_name="transcoder",
+            call=lambda module, args, kwargs: run_on_input_dtype(module, adapter.mlp_input(args, kwargs)),
+            get_output=adapter.mlp_output,
+            set_output=adapter.with_mlp_output,
+        )
+
+    def splice_one(self, key: int, module: Transcoder, error: bool) -> Any:
+        return splice(self.model, self.site(key), module, error=error)
+
+    def replace(self, layer: int | Iterable[int] | None = None, *, error: bool = False) -> Any:  # type: ignore[override]
+        """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only.
+
+        Call inside ``model.trace(...)`` before anything at or after that layer's MLP is read.
+        Returns the transcoder's envoy (a dict ``{layer: envoy}`` for several layers; all layers
+        of the set when ``layer`` is None), whose children ``hook_sae_acts_pre``,
+        ``hook_sae_acts_post`` (the features, ``(batch, pos, d_sae)``), ``hook_sae_recons`` (the
+        output, ``(batch, pos, d_model)``) and ``hook_error`` can be read and edited in the trace.
+
+        Args:
+            layer: layer index, several, or None for every layer of the set.
+            error: add the exact error term ``MLP − transcoder`` (through ``hook_error``): the
+                model's outputs are then the unmodified model's (fp32 < 1e-5), while edits to the
+                features still change them (the error is held fixed).
+
+        Raises:
+            LayerOutOfRangeError: no transcoder for ``layer``.
+            TraceOrderError: the model already ran that layer's MLP in this pass.
+            ValueError: called outside a trace.
+        """
+        return super(TranscoderSet, self).replace(layer, error=error)

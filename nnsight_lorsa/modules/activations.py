@@ -1,0 +1,247 @@
+"""Activation functions of sparse dictionaries (SAEs, transcoders, CLTs) as small ``nn.Module`` s.
+
+Each maps pre-activations ``(*batch, d_sae)`` to non-negative, sparse feature activations of the
+same shape (zeros where a feature is off):
+
+* :class:`ReLU` — ``max(0, x)``; sparsity comes from an L1 penalty in training (seed ``004_…``
+  §6.1–6.2; Bricken et al. 2023, *Towards Monosemanticity*).
+* :class:`TopK` — keep the ``k`` largest pre-activations per row, ReLU'd (Makhzani & Frey 2013;
+  Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; EleutherAI sparsify).
+* :class:`BatchTopK` — in training keep the ``k · n_rows`` largest activations over the whole
+  batch; at inference a threshold estimated in training (Bussmann et al. 2024, *BatchTopK Sparse
+  Autoencoders*, arXiv:2412.06410); :meth:`BatchTopK.to_jumprelu` exports it as a JumpReLU.
+* :class:`JumpReLU` — ``x · H(x − θ)`` with a learned per-feature threshold ``θ``; trained with
+  straight-through pseudo-derivatives for ``θ`` built on a rectangle kernel of bandwidth ``ε``
+  (Rajamanoharan et al. 2024, *Jumping Ahead: Improving Reconstruction Fidelity with JumpReLU
+  Sparse Autoencoders*, arXiv:2407.14435, eqs. 11–12; the CLT activation, seed ``004_…`` §7.1).
+
+:func:`make_activation` builds one from a config name and parameters (the small registry SAELens
+keeps per architecture: ``"relu"`` = SAELens ``standard``, ``"topk"``, ``"batchtopk"``, ``"jumprelu"``).
+Needs torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._typing import Float
+from ..errors import CheckpointError
+
+
+def _topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` with all but its ``k`` largest entries along the last dim set to zero, then ReLU'd."""
+    vals, idx = x.topk(min(k, x.shape[-1]), dim=-1, sorted=False)
+    return torch.zeros_like(x).scatter(-1, idx, vals.relu())
+
+
+def _rectangle(u: torch.Tensor) -> torch.Tensor:
+    """The rectangle kernel ``K(u) = 1[-1/2 < u < 1/2]`` (Rajamanoharan et al. 2024, §3)."""
+    return ((u > -0.5) & (u < 0.5)).to(u.dtype)
+
+
+class _JumpReLUFunction(torch.autograd.Function):
+    """``x · H(x − θ)``; backward: ``∂/∂x = H(x − θ)``, ``∂/∂θ = −(θ/ε) K((x − θ)/ε)`` (eq. 11)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+        return x * (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, threshold = ctx.saved_tensors
+        eps = ctx.bandwidth
+        grad_x = grad * (x > threshold).to(grad.dtype)
+        grad_t = -(threshold / eps) * _rectangle((x - threshold) / eps) * grad
+        return grad_x, grad_t.sum_to_size(threshold.shape), None
+
+
+class _StepFunction(torch.autograd.Function):
+    """``H(x − θ)``; backward: ``∂/∂x = 0``, ``∂/∂θ = −(1/ε) K((x − θ)/ε)`` (eq. 12)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
+        ctx.save_for_backward(x, threshold)
+        ctx.bandwidth = bandwidth
+        return (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, threshold = ctx.saved_tensors
+        eps = ctx.bandwidth
+        grad_t = -(1.0 / eps) * _rectangle((x - threshold) / eps) * grad
+        return torch.zeros_like(x), grad_t.sum_to_size(threshold.shape), None
+
+
+class ReLU(nn.Module):
+    """``max(0, x)``: the activation of L1-penalised SAEs (seed ``004_…`` §6.1)."""
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        return torch.relu(x)
+
+
+class TopK(nn.Module):
+    """Keep the ``k`` largest pre-activations of each row (last dim), ReLU'd; zeros elsewhere.
+
+    Gao et al. 2024 (arXiv:2406.04093), EleutherAI sparsify, SAELens ``topk``. Gradients flow to
+    the kept entries only. Ties at the k-th value are broken by ``torch.topk``.
+    """
+
+    def __init__(self, k: int) -> None:
+        super(TopK, self).__init__()
+        if not isinstance(k, int) or k <= 0:
+            raise CheckpointError(f"TopK needs a positive int k, got {k!r}")
+        self.k = k
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        return _topk_mask(x, self.k)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
+class JumpReLU(nn.Module):
+    """``JumpReLU_θ(x) = x · H(x − θ)`` with a learned threshold ``θ: (d_sae,)``.
+
+    Rajamanoharan et al. 2024 (arXiv:2407.14435): the output gets the ordinary derivative in
+    ``x`` (``H(x − θ)``) and the straight-through pseudo-derivative
+    ``∂/∂θ = −(θ/ε) K((x − θ)/ε)`` with the rectangle kernel ``K`` of bandwidth ``ε``
+    (eq. 11); :meth:`l0` is the differentiable L0 ``Σ H(x − θ)`` with ``∂/∂θ = −(1/ε) K(…)``
+    (eq. 12), for the sparsity loss. Used by Gemma Scope and by CLTs (seed ``004_…`` §7.1).
+
+    Args:
+        d_sae: number of features (size of ``threshold``).
+        threshold: initial threshold, a float for every feature or a ``(d_sae,)`` tensor.
+        bandwidth: ``ε`` of the pseudo-derivatives (the paper uses 0.001).
+    """
+
+    def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
+        super(JumpReLU, self).__init__()
+        if bandwidth <= 0:
+            raise CheckpointError(f"JumpReLU bandwidth must be positive, got {bandwidth}")
+        theta = torch.as_tensor(threshold, dtype=torch.float32)
+        if theta.dim() > 1 or (theta.dim() == 1 and theta.shape[0] != d_sae):
+            raise CheckpointError(f"JumpReLU threshold must be a float or ({d_sae},), got {tuple(theta.shape)}")
+        self.threshold = nn.Parameter(theta.expand(d_sae).clone())
+        self.bandwidth = float(bandwidth)
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        return _JumpReLUFunction.apply(x, self.threshold.to(x.dtype), self.bandwidth)
+
+    def l0(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch"]:
+        """Active features per row, ``Σ_i H(x_i − θ_i)``, differentiable in ``θ`` (eq. 12)."""
+        return _StepFunction.apply(x, self.threshold.to(x.dtype), self.bandwidth).sum(-1)
+
+    def extra_repr(self) -> str:
+        return f"d_sae={self.threshold.shape[0]}, bandwidth={self.bandwidth}"
+
+
+class BatchTopK(nn.Module):
+    """Batch top-k (Bussmann et al. 2024, arXiv:2412.06410).
+
+    Training (``self.training``): over the flattened batch of ``n`` rows, keep the ``k · n``
+    largest ReLU'd pre-activations (so rows may have more or fewer than ``k`` active features,
+    ``k`` on average), and update the inference threshold ``θ`` with the smallest kept positive
+    activation (first batch: set; then an exponential moving average of rate ``threshold_lr``,
+    as SAELens's ``topk_threshold``).
+
+    Inference (eval mode): ``x · 1[x > θ]`` per row — independent of the rest of the batch, as
+    the paper prescribes. Until a threshold has been estimated (``n_updates == 0``) and none was
+    set, eval mode falls back to the batch rule. :meth:`to_jumprelu` exports ``θ`` as the
+    per-feature threshold of an equivalent :class:`JumpReLU`.
+
+    Args:
+        k: mean number of active features per row.
+        d_sae: number of features (for :meth:`to_jumprelu`).
+        threshold_lr: EMA rate of the threshold estimate.
+    """
+
+    threshold: torch.Tensor
+    n_updates: torch.Tensor
+
+    def __init__(self, k: int, d_sae: int, threshold_lr: float = 0.01) -> None:
+        super(BatchTopK, self).__init__()
+        if not isinstance(k, int) or k <= 0:
+            raise CheckpointError(f"BatchTopK needs a positive int k, got {k!r}")
+        self.k = k
+        self.d_sae = d_sae
+        self.threshold_lr = float(threshold_lr)
+        self.register_buffer("threshold", torch.zeros(()))
+        self.register_buffer("n_updates", torch.zeros((), dtype=torch.long))
+
+    def batch_topk(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """The training rule: keep the ``k · n_rows`` largest ReLU'd entries of the whole batch."""
+        flat = x.reshape(-1)
+        n_rows = flat.numel() // x.shape[-1] if x.shape[-1] else 0
+        keep = min(self.k * n_rows, flat.numel())
+        vals, idx = flat.relu().topk(keep, sorted=False)
+        return torch.zeros_like(flat).scatter(0, idx, vals).view_as(x)
+
+    @torch.no_grad()
+    def update_threshold(self, acts: torch.Tensor) -> None:
+        """Fold the smallest positive kept activation of a batch into the threshold estimate."""
+        positive = acts[acts > 0]
+        if positive.numel() == 0:
+            return
+        smallest = positive.min().to(self.threshold.dtype)
+        if int(self.n_updates) == 0:
+            self.threshold.copy_(smallest)
+        else:
+            self.threshold.lerp_(smallest, self.threshold_lr)
+        self.n_updates += 1
+
+    def set_threshold(self, value: float) -> None:
+        """Set ``θ`` (e.g. measured on held-out data) and use it at inference from now on."""
+        self.threshold.fill_(float(value))
+        self.n_updates.fill_(max(1, int(self.n_updates)))
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        if self.training or int(self.n_updates) == 0:
+            acts = self.batch_topk(x)
+            if self.training:
+                self.update_threshold(acts.detach())
+            return acts
+        return x * (x > self.threshold.to(x.dtype)).to(x.dtype)
+
+    def to_jumprelu(self, bandwidth: float = 1e-3) -> JumpReLU:
+        """A :class:`JumpReLU` with per-feature threshold ``θ`` (all equal): the inference rule.
+
+        Identical outputs to this module in eval mode (for ``θ ≥ 0``, ``x · 1[x > θ]``).
+        """
+        return JumpReLU(self.d_sae, threshold=float(self.threshold), bandwidth=bandwidth).to(self.threshold.device)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}, d_sae={self.d_sae}, threshold={float(self.threshold):.4g}"
+
+
+#: config names of the activations, as stored in ``SAEConfig.activation``.
+ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu")
+
+
+def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = None) -> nn.Module:
+    """Build the activation ``name`` for ``d_sae`` features from config parameters.
+
+    ``"relu"`` (no parameters), ``"topk"`` (``k``), ``"batchtopk"`` (``k``, ``threshold_lr``),
+    ``"jumprelu"`` (``threshold``, ``bandwidth``).
+
+    Raises:
+        CheckpointError: unknown name, or parameters the activation does not take.
+    """
+    params = dict(params or {})
+    try:
+        if name == "relu":
+            return ReLU(**params)
+        if name == "topk":
+            return TopK(**params)
+        if name == "batchtopk":
+            return BatchTopK(d_sae=d_sae, **params)
+        if name == "jumprelu":
+            return JumpReLU(d_sae, **params)
+    except TypeError as e:
+        raise CheckpointError(f"bad parameters {params} for activation {name!r}: {e}") from e
+    raise CheckpointError(f"unknown activation {name!r}; known: {list(ACTIVATIONS)}")

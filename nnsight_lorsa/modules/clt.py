@@ -1,0 +1,184 @@
+"""Cross-layer transcoder (CLT): features read one layer's MLP input and write to every later MLP output.
+
+Seed ``004_…`` §7.1 (Ameisen et al. 2025, *Circuit Tracing*; Lindsey et al. 2024, *Sparse
+Crosscoders*). For layers ``l = 0 … n_layers−1``, with ``x_l`` the MLP input of layer ``l``::
+
+    acts_l = σ_l(x_l W_enc[l] + b_enc[l])                          (*batch, d_sae)
+    ŷ_l'   = Σ_{l ≤ l'} acts_l W_dec_l[:, l' − l] + b_dec[l'] (+ x_l' W_skip[l']ᵀ)   ≈ MLP output l'
+
+Parameters: ``W_enc (n_layers, d_model, d_sae)`` and ``b_enc (n_layers, d_sae)`` (each layer as
+an SAE encoder, SAELens orientation; circuit-tracer's per-layer ``W_enc_{l}`` is ``W_enc[l]ᵀ``),
+``W_dec_{l} (d_sae, n_layers − l, d_model)`` — circuit-tracer's layout: feature ``i`` of layer
+``l`` writes ``W_dec_{l}[i, j]`` to layer ``l + j`` — and ``b_dec (n_layers, d_model)``; with
+``skip=True`` also ``W_skip (n_layers, d_model, d_model)`` (each ``(d_out, d_in)`` like
+:class:`~.transcoder.SkipTranscoder`; circuit-tracer stores the transpose). One activation per
+layer (``activation.{l}``; a JumpReLU's threshold is ``activation.{l}.threshold``).
+
+Hook points, one per layer (``nn.ModuleList`` of :class:`HookPoint`): ``hook_sae_acts_pre[l]``,
+``hook_sae_acts_post[l]`` (layer ``l``'s features), ``hook_sae_recons[l]`` (``ŷ_l``) and
+``hook_error[l]`` (``MLP_l − ŷ_l`` when spliced with ``error=True``). The encoder and decoder
+steps are those of every sparse coder (:func:`~.sparse_coder.encode_with`, :func:`~.sparse_coder.affine`).
+Needs torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._typing import Float
+from ..errors import LayerOutOfRangeError, ShapeError
+from .activations import make_activation
+from .hook_point import HookPoint
+from .sparse_coder import SparseCoderConfig, affine, check_last_dim, encode_with, init_dictionary_
+
+
+@dataclass(kw_only=True)
+class CLTConfig(SparseCoderConfig):
+    """Config of a :class:`CrossLayerTranscoder` (``d_in`` is the model's ``d_model``).
+
+    Attributes:
+        n_layers: layers spanned (CLT layer ``l`` is model layer ``l``).
+        skip: add a per-layer linear skip path ``x_l W_skip[l]ᵀ``.
+    """
+
+    n_layers: int
+    skip: bool = False
+
+    _sizes: ClassVar[tuple[str, ...]] = ("d_in", "d_sae", "n_layers")
+
+    @property
+    def d_model(self) -> int:
+        return self.d_in
+
+
+def _hooks(n: int) -> nn.ModuleList:
+    return nn.ModuleList(HookPoint() for _ in range(n))
+
+
+class CrossLayerTranscoder(nn.Module):
+    """A CLT over ``n_layers`` MLPs; see the module docstring for the equations and layout.
+
+    Per layer (what a replacement spliced into a model runs, one MLP at a time):
+    :meth:`encode_layer` ``x_l -> acts_l`` and :meth:`reconstruct_layer` ``(acts_0..acts_l', x_l') -> ŷ_l'``.
+    Stacked (all layers at once): :meth:`encode`, :meth:`decode`, :meth:`forward` on
+    ``(n_layers, *batch, ·)`` tensors.
+
+    Raises:
+        ShapeError: inputs of the wrong width or layer count.
+        LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
+    """
+
+    _kind: ClassVar[str] = "CrossLayerTranscoder"
+
+    def __init__(self, cfg: CLTConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super(CrossLayerTranscoder, self).__init__()
+        n, d, f = cfg.n_layers, cfg.d_in, cfg.d_sae
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.cfg = cfg
+        self.W_enc = nn.Parameter(torch.empty(n, d, f, **kw))
+        self.b_enc = nn.Parameter(torch.zeros(n, f, **kw))
+        for layer in range(n):
+            self.register_parameter(f"W_dec_{layer}", nn.Parameter(torch.empty(f, n - layer, d, **kw)))
+        self.b_dec = nn.Parameter(torch.zeros(n, d, **kw))
+        if cfg.skip:
+            self.W_skip = nn.Parameter(torch.zeros(n, d, d, **kw))
+        else:
+            self.register_parameter("W_skip", None)
+        self.activation = nn.ModuleList(make_activation(cfg.activation, f, cfg.activation_params).to(**kw)
+                                        for _ in range(n))
+        self.hook_sae_acts_pre = _hooks(n)
+        self.hook_sae_acts_post = _hooks(n)
+        self.hook_sae_recons = _hooks(n)
+        self.hook_error = _hooks(n)  # error terms when spliced with error=True; unused by forward
+        self.reset_parameters()
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Per source layer: unit-norm random decoder rows over all its targets, encoder from them;
+        zero biases."""
+        for layer in range(self.cfg.n_layers):
+            init_dictionary_(self.W_enc[layer], self.W_dec(layer).view(self.cfg.d_sae, -1), generator)
+        for bias in (self.b_enc, self.b_dec):
+            bias.zero_()
+
+    def W_dec(self, layer: int) -> Float[torch.Tensor, "d_sae n_out d_model"]:
+        """``W_dec_{layer}: (d_sae, n_layers − layer, d_model)``."""
+        return getattr(self, f"W_dec_{self._check_layer(layer)}")
+
+    def _check_layer(self, layer: int) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.cfg.n_layers:
+            raise LayerOutOfRangeError(f"layer {layer!r} is out of range for a {self.cfg.n_layers}-layer CLT")
+        return layer
+
+    # ------------------------------------------------------------- per layer
+    def encode_layer(self, x: Float[torch.Tensor, "*batch d_model"], layer: int) -> Float[torch.Tensor, "*batch d_sae"]:
+        """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
+        self._check_layer(layer)
+        check_last_dim(x, self.cfg.d_in, self._kind, "x")
+        return encode_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
+                           self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
+
+    def decode_layer(self, acts: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
+        """``Σ_{l ≤ layer} acts[l] W_dec_l[:, layer − l] + b_dec[layer]``: ``(*batch, d_model)``.
+
+        ``acts``: the features of layers ``0 … layer`` (at least ``layer + 1`` tensors ``(*batch, d_sae)``).
+        """
+        self._check_layer(layer)
+        if len(acts) <= layer:
+            raise ShapeError(f"decoding layer {layer} needs the features of layers 0..{layer}, got {len(acts)}")
+        out = affine(acts[layer], self.W_dec(layer)[:, 0], self.b_dec[layer])
+        for source in range(layer):
+            out = out + acts[source] @ self.W_dec(source)[:, layer - source]
+        return out
+
+    def reconstruct_layer(self, acts: Sequence[torch.Tensor], layer: int,
+                          x: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`decode_layer` plus the skip path of ``x`` (layer ``layer``'s MLP input), through
+        ``hook_sae_recons[layer]``: the CLT's prediction of MLP output ``layer``, ``(*batch, d_model)``."""
+        out = self.decode_layer(acts, layer)
+        if self.W_skip is not None:
+            if x is None:
+                raise ShapeError("this CLT has a skip connection: reconstruct_layer needs the MLP input x")
+            out = out + x @ self.W_skip[layer].T
+        return self.hook_sae_recons[layer](out)
+
+    # --------------------------------------------------------------- stacked
+    def _check_stacked(self, t: torch.Tensor, width: int, what: str) -> None:
+        if t.dim() < 3 or t.shape[0] != self.cfg.n_layers or t.shape[-1] != width:
+            raise ShapeError(f"{self._kind} expects {what} of shape (n_layers={self.cfg.n_layers}, *batch, "
+                             f"{width}), got {tuple(t.shape)}")
+
+    def encode(
+        self, xs: Float[torch.Tensor, "n_layers *batch d_model"]
+    ) -> Float[torch.Tensor, "n_layers *batch d_sae"]:
+        """Every layer's features from the stacked MLP inputs ``xs``."""
+        self._check_stacked(xs, self.cfg.d_in, "xs")
+        return torch.stack([self.encode_layer(xs[layer], layer) for layer in range(self.cfg.n_layers)])
+
+    def decode(self, acts: Float[torch.Tensor, "n_layers *batch d_sae"],
+               xs: torch.Tensor | None = None) -> Float[torch.Tensor, "n_layers *batch d_model"]:
+        """Every layer's reconstruction ``ŷ_l`` (``xs``, the MLP inputs, needed only with a skip path)."""
+        self._check_stacked(acts, self.cfg.d_sae, "acts")
+        per_layer = list(acts.unbind(0))
+        return torch.stack([self.reconstruct_layer(per_layer, layer, None if xs is None else xs[layer])
+                            for layer in range(self.cfg.n_layers)])
+
+    def forward(
+        self, xs: Float[torch.Tensor, "n_layers *batch d_model"]
+    ) -> Float[torch.Tensor, "n_layers *batch d_model"]:
+        """``decode(encode(xs), xs)``: the predicted MLP outputs of every layer."""
+        return self.decode(self.encode(xs), xs)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return f"n_layers={c.n_layers}, d_model={c.d_in}, d_sae={c.d_sae}, skip={c.skip}"

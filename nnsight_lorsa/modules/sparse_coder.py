@@ -1,0 +1,220 @@
+"""What SAEs, transcoders and cross-layer transcoders share: config, encoder, decoder, hook points.
+
+A *sparse coder* reads ``x: (*batch, d_in)``, computes feature activations
+
+    acts_pre = x W_enc + b_enc            (*batch, d_sae)
+    acts     = σ(acts_pre)                σ from :mod:`.activations` (ReLU, TopK, BatchTopK, JumpReLU)
+
+and writes ``acts W_dec + b_dec: (*batch, d_out)`` (seed ``004_…`` §6.1 with SAELens v6 names and
+layouts: ``W_enc (d_in, d_sae)``, ``b_enc (d_sae,)``, ``W_dec (d_sae, d_out)``, ``b_dec (d_out,)``;
+row ``i`` of ``W_dec`` is feature ``i``'s direction). :class:`SparseCoder` is the base of
+:class:`~.sae.SparseAutoencoder` (``d_out = d_in``, optional ``b_dec`` centering) and of
+:class:`~.transcoder.Transcoder` / :class:`~.transcoder.SkipTranscoder`; :func:`encode_with` and
+:func:`affine` are the same steps for each layer of a :class:`~.clt.CrossLayerTranscoder`.
+
+Values pass through :class:`HookPoint` children — ``hook_sae_acts_pre``, ``hook_sae_acts_post``
+(the features), ``hook_sae_recons`` (the output) and ``hook_error`` (the error term when spliced
+into a model with ``error=True``) — so that attached to an nnsight model each is an envoy.
+Needs torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._typing import Float
+from ..errors import CheckpointError, ShapeError
+from .activations import ACTIVATIONS, BatchTopK, JumpReLU, make_activation
+from .hook_point import HookPoint
+
+
+@dataclass
+class SparseCoderConfig:
+    """Shape and activation of a sparse coder (fields common to SAEs, transcoders and CLTs).
+
+    Attributes:
+        d_in: width of the input (the model's ``d_model`` at the site read).
+        d_sae: number of features (per layer for a CLT).
+        activation: ``"relu"``, ``"topk"``, ``"batchtopk"`` or ``"jumprelu"`` (:mod:`.activations`).
+        activation_params: its parameters, e.g. ``{"k": 32}`` or ``{"bandwidth": 0.001}``.
+        extra: free-form metadata (training metrics, provenance).
+    """
+
+    d_in: int
+    d_sae: int
+    activation: str = "relu"
+    activation_params: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    #: positive-int fields checked by ``__post_init__`` (subclasses extend it).
+    _sizes: ClassVar[tuple[str, ...]] = ("d_in", "d_sae")
+
+    def __post_init__(self) -> None:
+        for name in self._sizes:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CheckpointError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise CheckpointError(f"unknown activation {self.activation!r}; known: {list(ACTIVATIONS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Any:
+        """Inverse of :meth:`to_dict`. Raises :class:`CheckpointError` on unknown or missing keys."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise CheckpointError(f"{cls.__name__}: unknown keys {unknown}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise CheckpointError(f"{cls.__name__}: {e}") from e
+
+
+def check_last_dim(x: torch.Tensor, size: int, who: str, what: str) -> None:
+    """Raise :class:`ShapeError` unless ``x`` is ``(*batch, size)`` with at least one batch dim."""
+    if x.dim() < 2 or x.shape[-1] != size:
+        raise ShapeError(f"{who} expects {what} of shape (*batch, {size}), got {tuple(x.shape)}")
+
+
+def affine(x: Float[torch.Tensor, "*batch d"], W: Float[torch.Tensor, "d e"],
+           b: Float[torch.Tensor, " e"]) -> Float[torch.Tensor, "*batch e"]:
+    """``x W + b`` over the last dim, as one ``addmm``."""
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
+
+
+def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"], b_enc: Float[torch.Tensor, " f"],
+                activation: nn.Module, hook_pre: nn.Module, hook_post: nn.Module) -> Float[torch.Tensor, "*batch f"]:
+    """``hook_post(σ(hook_pre(x W_enc + b_enc)))``: the encoder of every sparse coder."""
+    return hook_post(activation(hook_pre(affine(x, W_enc, b_enc))))
+
+
+@torch.no_grad()
+def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Random init: unit-norm decoder rows (seed ``004_…`` §6.3), encoder = decoder transposed.
+
+    ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``; where ``d_in != d_out`` (transcoders)
+    the encoder gets its own draw of the same scale (SAELens initialises ``W_enc = W_decᵀ``).
+    """
+    d_sae, d_out = W_dec.shape
+    W_dec.copy_(torch.randn(d_sae, d_out, generator=generator, dtype=torch.float32).to(W_dec))
+    W_dec.div_(W_dec.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    if W_enc.shape == W_dec.T.shape:
+        W_enc.copy_(W_dec.T)
+    else:
+        draw = torch.randn(*W_enc.shape, generator=generator, dtype=torch.float32)
+        W_enc.copy_((draw / draw.norm(dim=0, keepdim=True).clamp_min(1e-12)).to(W_enc))
+
+
+class SparseCoder(nn.Module):
+    """``x (*batch, d_in) -> acts (*batch, d_sae) -> out (*batch, d_out)``; see the module docstring.
+
+    ``d_out`` is ``cfg.d_out`` where the config has one (transcoders), else ``d_in`` (SAEs).
+    Subclasses set ``_kind`` (used in messages) and may override :meth:`encoder_input` (SAE
+    centering) and :meth:`skip` (skip transcoders).
+
+    Raises:
+        ShapeError: an input whose last dim is not ``d_in`` (``d_sae`` for :meth:`decode`).
+    """
+
+    _kind: ClassVar[str] = "SparseCoder"
+
+    def __init__(self, cfg: SparseCoderConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super(SparseCoder, self).__init__()
+        self.cfg = cfg
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.d_out: int = getattr(cfg, "d_out", None) or cfg.d_in
+        self.W_enc = nn.Parameter(torch.empty(cfg.d_in, cfg.d_sae, **kw))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
+        self.W_dec = nn.Parameter(torch.empty(cfg.d_sae, self.d_out, **kw))
+        self.b_dec = nn.Parameter(torch.zeros(self.d_out, **kw))
+        self.reset_parameters()
+        self.activation = make_activation(cfg.activation, cfg.d_sae, cfg.activation_params).to(**kw)
+        self.hook_sae_acts_pre = HookPoint()  # x W_enc + b_enc        (*batch, d_sae)
+        self.hook_sae_acts_post = HookPoint()  # the features σ(·)      (*batch, d_sae)
+        self.hook_sae_recons = HookPoint()  # the output               (*batch, d_out)
+        self.hook_error = HookPoint()  # true site output − output when spliced with error=True
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Unit-norm random decoder rows, encoder from the decoder, zero biases (:func:`init_dictionary_`)."""
+        init_dictionary_(self.W_enc, self.W_dec, generator)
+        self.b_enc.zero_()
+        self.b_dec.zero_()
+
+    @property
+    def d_in(self) -> int:
+        return self.cfg.d_in
+
+    @property
+    def d_sae(self) -> int:
+        return self.cfg.d_sae
+
+    # --------------------------------------------------------------- forward
+    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the encoder multiplies (``x`` itself; SAEs may subtract ``b_dec``)."""
+        return x
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A linear path added to the output (None: no skip connection)."""
+        return None
+
+    def encode(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """Feature activations ``σ(x W_enc + b_enc)`` (through ``hook_sae_acts_pre``/``_post``).
+
+        Raises:
+            ShapeError: ``x`` is not ``(*batch, d_in)``.
+        """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x")
+        return encode_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
+                           self.hook_sae_acts_pre, self.hook_sae_acts_post)
+
+    def decode(self, acts: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_out"]:
+        """``acts W_dec + b_dec`` (no skip path, no hook)."""
+        check_last_dim(acts, self.cfg.d_sae, self._kind, "acts")
+        return affine(acts, self.W_dec, self.b_dec)
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_out"]:
+        """``decode(encode(x)) (+ skip(x))``, through ``hook_sae_recons``."""
+        out = self.decode(self.encode(x))
+        skip = self.skip(x)
+        return self.hook_sae_recons(out if skip is None else out + skip)
+
+    # ------------------------------------------------------------- utilities
+    @torch.no_grad()
+    def fold_decoder_norm_(self) -> None:
+        """Rescale so every decoder row has unit norm, moving the norm into the encoder.
+
+        ``W_dec[i] /= n_i``, ``W_enc[:, i] *= n_i``, ``b_enc[i] *= n_i`` (and a JumpReLU threshold
+        ``θ_i *= n_i``): exact for ReLU and JumpReLU (``acts_i`` scales by ``n_i``, so each
+        feature's contribution is unchanged). For (Batch)TopK the ranking of features may change.
+        SAELens ``fold_W_dec_norm``.
+        """
+        norm = self.W_dec.norm(dim=-1).clamp_min(1e-12)
+        self.W_dec.div_(norm[:, None])
+        self.W_enc.mul_(norm[None, :])
+        self.b_enc.mul_(norm)
+        if isinstance(self.activation, JumpReLU):
+            self.activation.threshold.mul_(norm)
+
+    def to_jumprelu_(self, bandwidth: float = 1e-3) -> None:
+        """Swap a :class:`BatchTopK` activation for its inference :class:`JumpReLU` (in place; cfg too).
+
+        Raises:
+            CheckpointError: the activation is not BatchTopK.
+        """
+        if not isinstance(self.activation, BatchTopK):
+            raise CheckpointError(f"{self._kind} activation is {self.cfg.activation!r}, not 'batchtopk'")
+        self.activation = self.activation.to_jumprelu(bandwidth)
+        self.cfg = dataclasses.replace(self.cfg, activation="jumprelu", activation_params={"bandwidth": bandwidth})
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.cfg.d_in}, d_sae={self.cfg.d_sae}, d_out={self.d_out}"

@@ -1,0 +1,507 @@
+"""Preparing nnsight-lorsa objects for remote execution on NDIF (``model.trace(..., remote=True)``).
+
+A remote trace ships its ``with``-block as source plus every object the block names, pickled by
+nnsight's serializer (``nnsight.intervention.serialization``); the model itself is referenced by
+name and never sent. A :class:`~nnsight_lorsa.LorsaSet` named in the block travels **by value**:
+its Lorsa weights as tensors, and this package's classes and functions as source (the server
+does not have ``nnsight_lorsa`` installed). This module makes that explicit and cheap:
+
+- :func:`register` ships this package by value (``nnsight.register``) and makes ``remote=True``
+  measure every request before sending it (:class:`MeasuredRemoteBackend`);
+- :func:`for_remote` keeps only the layers a trace uses, cast to the model's dtype;
+- :func:`payload_report` / :func:`check_payload` count what an object adds to a request, tensor
+  by tensor, and raise :class:`PayloadTooLargeError` (naming the largest tensors) above a cap;
+- :func:`remote_backend` builds a measured backend by hand, also as a dry run that keeps the
+  exact request bytes instead of sending them.
+
+>>> import torch
+>>> from nnsight_lorsa import Lorsa, LorsaConfig
+>>> cfg = LorsaConfig(d_model=4096, n_qk_heads=32, d_qk_head=128, n_ov_heads=32768, top_k=128)
+>>> payload_report(Lorsa(cfg, device="meta", dtype=torch.bfloat16)).total_tensor_bytes
+604069888
+
+See ``docs/remote.md`` for the NDIF walk-through (Llama-3.1-8B) and the two-phase mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from nnsight.intervention.backends.remote import RemoteBackend
+from torch import nn
+
+from .envoy.lorsa_set import LorsaSet
+from .envoy.splice import resolve_envoy
+from .errors import LayerOutOfRangeError, LorsaError
+from .modules.lorsa import Lorsa
+
+#: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
+CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
+#: Default payload cap when ``NNSIGHT_LORSA_MAX_PAYLOAD`` is unset: 1 GiB (one bf16 Llama-3.1-8B layer fits).
+DEFAULT_CAP_BYTES = 1 << 30
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class PayloadTooLargeError(LorsaError, ValueError):
+    """A remote request would exceed the payload cap; the message names the largest tensors.
+
+    Attributes:
+        report: the :class:`PayloadReport` that was measured.
+        cap_bytes: the cap it exceeded.
+    """
+
+    def __init__(self, message: str, report: PayloadReport, cap_bytes: int) -> None:
+        super().__init__(message)
+        self.report = report
+        self.cap_bytes = cap_bytes
+
+
+# ------------------------------------------------------------------ registration
+def register(*, guard: bool = True) -> None:
+    """Prepare this process for remote traces that use nnsight-lorsa.
+
+    1. ``nnsight.register(nnsight_lorsa)``: ship this package's classes and functions by value
+       (as source). An editable install looks installed to nnsight, so it is not registered
+       automatically, and the NDIF server does not have the package.
+    2. With ``guard`` (default), make ``model.trace(..., remote=True)`` and
+       ``model.session(remote=True)`` build a :class:`MeasuredRemoteBackend`: each request is
+       measured before it is sent (printed with nnsight's remote logging; ``tracer.backend.report``
+       afterwards) and refused above :func:`default_cap_bytes`. It replaces the ``RemoteBackend``
+       name in ``nnsight.intervention.backends.remote`` by a subclass; :func:`unregister` undoes it.
+
+    Call it before the trace (nnsight decides how to pickle at serialization time).
+    """
+    import nnsight
+
+    nnsight.register(sys.modules[__package__])
+    if guard:
+        from nnsight.intervention.backends import remote as remote_backends
+
+        remote_backends.RemoteBackend = MeasuredRemoteBackend
+
+
+def unregister() -> None:
+    """Undo :func:`register`: nnsight's own ``RemoteBackend`` again, and this package by reference."""
+    from cloudpickle import unregister_pickle_by_value
+    from nnsight.intervention.backends import remote as remote_backends
+
+    remote_backends.RemoteBackend = RemoteBackend
+    with contextlib.suppress(ValueError):  # not registered
+        unregister_pickle_by_value(sys.modules[__package__])
+
+
+# ------------------------------------------------------------------ measuring
+@dataclass(frozen=True)
+class TensorSize:
+    """One tensor an object would add to a request.
+
+    Attributes:
+        name: where it sits, e.g. ``"lorsas[15].W_V"``.
+        shape: its shape.
+        dtype: its dtype, e.g. ``"torch.bfloat16"``.
+        nbytes: bytes pickling ships for it: its whole storage (a view ships its base tensor's
+            storage), 0 if an earlier tensor of the report already shipped that storage.
+        layer: the Lorsa layer it belongs to, when it belongs to a :class:`LorsaSet`.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    layer: int | None = None
+
+
+@dataclass(frozen=True)
+class PayloadReport:
+    """What an object (or a request) sends: its tensors, largest first, and optionally the exact size.
+
+    Attributes:
+        tensors: the tensors found, largest first.
+        serialized_bytes: the exact payload length from nnsight's serializer, when measured
+            (``payload_report(..., serialize=True)``, or a request sent through
+            :class:`MeasuredRemoteBackend`), else None.
+        compressed: whether ``serialized_bytes`` is after nnsight's zstd compression.
+    """
+
+    tensors: tuple[TensorSize, ...]
+    serialized_bytes: int | None = None
+    compressed: bool | None = None
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        """Bytes of tensor data (each storage counted once)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        """The serialized size when measured, else the tensor bytes (what the cap is checked against)."""
+        return self.serialized_bytes if self.serialized_bytes is not None else self.total_tensor_bytes
+
+    @property
+    def by_layer(self) -> dict[int | None, int]:
+        """Tensor bytes per Lorsa layer (key None: tensors outside a LorsaSet)."""
+        out: dict[int | None, int] = {}
+        for t in self.tensors:
+            out[t.layer] = out.get(t.layer, 0) + t.nbytes
+        return out
+
+    def largest(self, n: int = 5) -> list[TensorSize]:
+        """The ``n`` largest tensors."""
+        return list(self.tensors[:n])
+
+    def format(self, n: int = 5) -> str:
+        """A short human-readable summary: totals, bytes per layer, the ``n`` largest tensors."""
+        lines = [f"tensors: {format_bytes(self.total_tensor_bytes)} in {len(self.tensors)} tensors"]
+        if self.serialized_bytes is not None:
+            how = "zstd-compressed" if self.compressed else "uncompressed"
+            lines.append(f"serialized request: {format_bytes(self.serialized_bytes)} ({how}, nnsight's serializer)")
+        layers = {k: v for k, v in self.by_layer.items() if k is not None}
+        if layers:
+            lines.append("per layer: " + ", ".join(f"{k}: {format_bytes(v)}" for k, v in sorted(layers.items())))
+        for t in self.largest(n):
+            lines.append(f"  {t.name:<32} {format_bytes(t.nbytes):>10}  {'x'.join(map(str, t.shape))} {t.dtype}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def format_bytes(n: int) -> str:
+    """``604069888`` -> ``"604.1 MB"`` (decimal units)."""
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"1.5GB"`` / ``"512MiB"`` / ``"1000000"`` / ``1000000`` -> bytes.
+
+    Raises:
+        ValueError: an unknown unit or a malformed number.
+    """
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if m is None or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a byte count (e.g. 1000000, 1.5GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def default_cap_bytes() -> int:
+    """The payload cap: ``$NNSIGHT_LORSA_MAX_PAYLOAD`` if set, else :data:`DEFAULT_CAP_BYTES` (1 GiB)."""
+    value = os.environ.get(CAP_ENV)
+    return DEFAULT_CAP_BYTES if not value else parse_bytes(value)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    if t.device.type == "meta":
+        return None  # no data: each tensor counted on its own
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    if t.device.type == "meta":
+        return t.numel() * t.element_size()
+    return t.untyped_storage().nbytes()
+
+
+def _is_reference(obj: Any) -> bool:
+    """Objects nnsight sends by reference (persistent id: the model's modules) or not at all (envoys)."""
+    if isinstance(obj, nn.Module) and "_persistent_id" in obj.__dict__:
+        return True
+    return type(obj).__module__.startswith("nnsight.")
+
+
+def _named_tensors(obj: Any, name: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    """``(name, tensor, layer)`` for the tensors pickling ``obj`` would ship (model weights excluded)."""
+    if depth > 6 or _is_reference(obj):
+        return
+    if isinstance(obj, torch.Tensor):
+        yield name, obj, None
+    elif isinstance(obj, LorsaSet):
+        for layer in obj.layers:
+            for sub, t, _ in _named_tensors(obj[layer], f"{name}[{layer}]", depth + 1):
+                yield sub, t, layer
+    elif isinstance(obj, nn.Module):
+        for sub, t in (*obj.named_parameters(), *obj.named_buffers()):
+            yield f"{name}.{sub}", t, None
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _named_tensors(value, f"{name}[{key!r}]", depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _named_tensors(value, f"{name}[{i}]", depth + 1)
+
+
+def _report_from(items: Iterable[tuple[str, torch.Tensor, int | None]]) -> PayloadReport:
+    seen: set[tuple[str, int]] = set()
+    sizes = []
+    for name, t, layer in items:
+        key = _storage_key(t)
+        nbytes = 0 if key is not None and key in seen else _storage_bytes(t)
+        if key is not None:
+            seen.add(key)
+        sizes.append(TensorSize(name, tuple(t.shape), str(t.dtype), nbytes, layer))
+    sizes.sort(key=lambda s: -s.nbytes)
+    return PayloadReport(tuple(sizes))
+
+
+def serialized_size(obj: Any, *, compress: bool | None = None) -> int:
+    """Bytes of ``obj`` pickled by nnsight's serializer (``nnsight.intervention.serialization.dumps``).
+
+    ``compress`` (default: ``nnsight.CONFIG.API.COMPRESS``) applies the same zstd level-6
+    compression as ``RequestModel.serialize``. Call :func:`register` first so that this package's
+    code is counted by value, as a remote request ships it. Needs ``obj`` to be picklable by
+    cloudpickle (not, e.g., under the test suite's beartype import hook).
+    """
+    from nnsight import CONFIG
+    from nnsight.intervention.serialization import dumps
+
+    data = dumps(obj)
+    if CONFIG.API.COMPRESS if compress is None else compress:
+        import zstandard
+
+        data = zstandard.ZstdCompressor(level=6).compress(data)
+    return len(data)
+
+
+def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, serialize: bool = False,
+                   name: str | None = None) -> PayloadReport:
+    """What sending ``obj`` with a remote request costs, tensor by tensor.
+
+    Args:
+        obj: a :class:`LorsaSet`, a module (a :class:`Lorsa`), a tensor, or a dict/list/tuple of
+            those. Model weights (modules nnsight sends by reference) and envoys count 0.
+        layers: with a LorsaSet, only these layers (what :func:`for_remote` would keep).
+        serialize: also measure the exact size with nnsight's serializer
+            (:func:`serialized_size`; includes this package's source when :func:`register` was called).
+        name: how to name ``obj`` in the report (default ``"lorsas"`` for a LorsaSet, else ``"obj"``).
+
+    Raises:
+        LayerOutOfRangeError: a layer the LorsaSet does not have.
+        ValueError: ``layers`` given for something other than a LorsaSet.
+    """
+    if layers is not None:
+        if not isinstance(obj, LorsaSet):
+            raise ValueError(f"layers= applies to a LorsaSet, not to {type(obj).__name__}")
+        obj = _select(obj, layers)
+    label = name or ("lorsas" if isinstance(obj, LorsaSet) else "obj")
+    report = _report_from(_named_tensors(obj, label))
+    if serialize:
+        from nnsight import CONFIG
+
+        report = replace(report, serialized_bytes=serialized_size(obj), compressed=bool(CONFIG.API.COMPRESS))
+    return report
+
+
+def _too_large(report: PayloadReport, cap_bytes: int, what: str) -> PayloadTooLargeError:
+    largest = "; ".join(
+        f"{t.name} {format_bytes(t.nbytes)} ({'x'.join(map(str, t.shape))} {t.dtype})" for t in report.largest(5)
+    )
+    layers = {k: v for k, v in report.by_layer.items() if k is not None}
+    per_layer = (" Per layer: " + ", ".join(f"{k}: {format_bytes(v)}" for k, v in sorted(layers.items())) + "."
+                 if layers else "")
+    return PayloadTooLargeError(
+        f"{what} is {format_bytes(report.total_bytes)} ({report.total_bytes} bytes), above the cap of "
+        f"{format_bytes(cap_bytes)} ({cap_bytes} bytes). Largest tensors: {largest or 'none'}.{per_layer} "
+        "Send only the layers the trace uses, in the model's dtype (nnsight_lorsa.remote.for_remote(lorsas, "
+        "layers=[...], dtype=torch.bfloat16)), use the two-phase mode (docs/remote.md), or raise the cap "
+        f"(cap_bytes=..., or ${CAP_ENV}).",
+        report,
+        cap_bytes,
+    )
+
+
+def check_payload(obj: Any, cap_bytes: int | str | None = None, layers: int | Iterable[int] | None = None, *,
+                  serialize: bool = False) -> PayloadReport:
+    """:func:`payload_report`, raising if it exceeds ``cap_bytes``; returns the report otherwise.
+
+    Args:
+        cap_bytes: the cap (int bytes or ``"1.5GB"``); default :func:`default_cap_bytes`.
+
+    Raises:
+        PayloadTooLargeError: above the cap; the message names the five largest tensors and the
+            bytes per layer.
+    """
+    cap = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
+    report = payload_report(obj, layers, serialize=serialize)
+    if report.total_bytes > cap:
+        raise _too_large(report, cap, "the payload")
+    return report
+
+
+# ------------------------------------------------------------------ what to send
+def _layer_list(lorsa_set: LorsaSet, layers: int | Iterable[int] | None) -> list[int]:
+    chosen = lorsa_set.layers if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    for layer in chosen:
+        if layer not in lorsa_set:
+            raise LayerOutOfRangeError(f"no Lorsa for layer {layer}; this set has layers {lorsa_set.layers}")
+    return chosen
+
+
+def _select(lorsa_set: LorsaSet, layers: int | Iterable[int]) -> LorsaSet:
+    chosen = _layer_list(lorsa_set, layers)
+    return LorsaSet(lorsa_set.model, {layer: lorsa_set[layer] for layer in chosen}, adapter=lorsa_set.adapter)
+
+
+def model_dtype(lorsa_set: LorsaSet, layer: int | None = None) -> torch.dtype:
+    """The floating dtype of the model's attention at ``layer`` (default: the set's first layer)."""
+    layer = lorsa_set.layers[0] if layer is None else layer
+    attention = resolve_envoy(lorsa_set.model, lorsa_set.adapter.attention_path(layer))._module
+    for p in attention.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _cast_copy(lorsa: Lorsa, dtype: torch.dtype) -> Lorsa:
+    """A fresh Lorsa (no nnsight state, no persistent id) with ``lorsa``'s weights in ``dtype``."""
+    state = {k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in lorsa.state_dict().items()}
+    copy = type(lorsa)(lorsa.cfg, device="meta")
+    copy.load_state_dict(state, assign=True)
+    leftover = [k for k, t in (*copy.named_parameters(), *copy.named_buffers()) if t.device.type == "meta"]
+    if leftover:
+        raise LorsaError(f"cannot copy {type(lorsa).__name__}: {leftover} are not in its state_dict")
+    return copy.train(lorsa.training)
+
+
+def for_remote(lorsa_set: LorsaSet, layers: int | Iterable[int] | None = None,
+               dtype: torch.dtype | None = None) -> LorsaSet:
+    """A LorsaSet with only ``layers``, its weights cast to ``dtype``, ready to name in a remote trace.
+
+    The copies are fresh modules (no nnsight instrumentation, nothing nnsight would send by
+    reference); when ``dtype`` equals a weight's dtype the copy shares its storage (no memory).
+
+    Args:
+        lorsa_set: the full set.
+        layers: the layers the trace replaces (default: all).
+        dtype: default the model's dtype (:func:`model_dtype`). NDIF runs models in bfloat16; a
+            client model built on the meta device without ``dtype=torch.bfloat16`` reports float32,
+            so pass ``torch.bfloat16`` explicitly there.
+
+    Raises:
+        LayerOutOfRangeError: a layer the set does not have.
+    """
+    chosen = _layer_list(lorsa_set, layers)
+    target = dtype if dtype is not None else model_dtype(lorsa_set, chosen[0] if chosen else None)
+    copies = {layer: _cast_copy(lorsa_set[layer], target) for layer in chosen}
+    return LorsaSet(lorsa_set.model, copies, adapter=lorsa_set.adapter)
+
+
+# ------------------------------------------------------------------ requests
+def request_report(tracer: Any) -> PayloadReport:
+    """The tensors a captured trace (or session) would ship: those reachable from the names its block reads.
+
+    Uses nnsight's own reduction of the block (``reduce_block``: the globals and locals the
+    block's source references), so it sees what ``RequestModel.serialize`` will pickle.
+    """
+    from nnsight.intervention.serialization import reduce_block
+
+    frame = tracer.info.frame
+    _, used_globals, used_locals = reduce_block(tracer.node, frame.f_globals, dict(frame.f_locals))
+    names = {**used_globals, **used_locals}
+    return _report_from(item for key in sorted(names) for item in _named_tensors(names[key], key))
+
+
+class MeasuredRemoteBackend(RemoteBackend):
+    """nnsight's ``RemoteBackend`` that measures each request before sending it, and caps it.
+
+    Before serializing: the tensors the block references are counted (:func:`request_report`)
+    and the request is refused if they alone exceed the cap. After serializing with nnsight's
+    own ``RequestModel.serialize``: the exact payload length is recorded (``self.report``,
+    ``self.payload_bytes``), printed when nnsight's remote logging is on (or ``verbose``), and
+    checked against the cap again. With ``dry_run`` nothing is sent: the exact bytes stay in
+    ``self.blob`` and the envelope (``RequestModel``) in ``self.envelope``.
+
+    Args:
+        model_key: the NDIF model key (``model.to_model_key()``).
+        cap_bytes: the cap (int or ``"1.5GB"``), default :func:`default_cap_bytes`.
+        dry_run: serialize and keep the bytes; send nothing (the trace's saves stay unset).
+        **kwargs: ``host``, ``api_key``, ``env``, ``blocking``, ``job_id``, ``verbose`` as for
+            ``RemoteBackend``.
+
+    Raises (when the trace exits):
+        PayloadTooLargeError: the request exceeds the cap.
+    """
+
+    def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(model_key, *args, **kwargs)
+        self.cap_bytes = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
+        self.dry_run = dry_run
+        self.report: PayloadReport | None = None
+        self.payload_bytes: int | None = None
+        self.blob: bytes | None = None
+        self.envelope: Any = None
+
+    def _serialize(self, tracer: Any) -> bytes:
+        report = request_report(tracer)
+        self.report = report
+        if report.total_tensor_bytes > self.cap_bytes:
+            raise _too_large(report, self.cap_bytes, "this remote request (tensor data, before serializing)")
+        blob = super()._serialize(tracer)
+        report = replace(report, serialized_bytes=len(blob), compressed=bool(self.compress))
+        self.report, self.payload_bytes = report, len(blob)
+        if self.display.enabled or self.verbose:
+            top = report.largest(1)
+            print(f"[nnsight-lorsa] request payload {format_bytes(len(blob))} ({'zstd' if self.compress else 'raw'}); "
+                  f"tensor data {format_bytes(report.total_tensor_bytes)}"
+                  + (f", largest {top[0].name} {format_bytes(top[0].nbytes)}" if top else ""))
+        if len(blob) > self.cap_bytes:
+            raise _too_large(report, self.cap_bytes, "this remote request")
+        return blob
+
+    def request(self, request: Any, tracer: Any) -> Any:
+        if self.dry_run:
+            self.blob, self.envelope = self._serialize(tracer), request
+            return None
+        return super().request(request, tracer)
+
+    def submit(self, tracer: Any) -> None:
+        if self.dry_run:
+            from nnsight.schema.request import RequestModel
+
+            self.blob = self._serialize(tracer)
+            self.envelope = RequestModel(model_key=self.model_key, compress=self.compress, env=self.env)
+            return None
+        return super().submit(tracer)
+
+
+def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: bool = False,
+                   model_key: str | None = None, **kwargs: Any) -> MeasuredRemoteBackend:
+    """A :class:`MeasuredRemoteBackend` for ``model``: ``model.trace(prompt, backend=remote_backend(model))``.
+
+    Args:
+        model: the nnsight model (its key and per-request env are read from it).
+        cap_bytes: payload cap; default :func:`default_cap_bytes`.
+        dry_run: keep the exact request bytes in ``backend.blob`` instead of sending them.
+        model_key: override ``model.to_model_key()`` (a dry run of a model that has none,
+            e.g. one built from an in-memory module, gets ``"local:unknown"``).
+        **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
+    """
+    if model_key is None:
+        try:
+            model_key = model.to_model_key()
+        except Exception:
+            if not dry_run:
+                raise
+            model_key = "local:unknown"
+    return MeasuredRemoteBackend(model_key, env=model._remoteable_get_env(), cap_bytes=cap_bytes, dry_run=dry_run,
+                                 **kwargs)
+
+
+__all__ = [
+    "CAP_ENV", "DEFAULT_CAP_BYTES", "MeasuredRemoteBackend", "PayloadReport", "PayloadTooLargeError", "TensorSize",
+    "check_payload", "default_cap_bytes", "for_remote", "format_bytes", "model_dtype", "parse_bytes",
+    "payload_report", "register", "remote_backend", "request_report", "serialized_size", "unregister",
+]

@@ -1,0 +1,591 @@
+"""SAEs, (skip) transcoders and cross-layer transcoders: modules vs formulas, and in-trace replacement."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from test_replace import _state, hooked, make_lorsa
+from tiny import random_ids, tiny_nnsight
+
+from nnsight_lorsa import (
+    BatchTopK,
+    CheckpointError,
+    CLTConfig,
+    CLTSet,
+    ConfigMismatchError,
+    CrossLayerTranscoder,
+    JumpReLU,
+    LayerOutOfRangeError,
+    LorsaError,
+    LorsaSet,
+    ReLU,
+    SAEConfig,
+    SAESet,
+    ShapeError,
+    SkipTranscoder,
+    SparseAutoencoder,
+    TopK,
+    TraceOrderError,
+    Transcoder,
+    TranscoderConfig,
+    TranscoderSet,
+    get_adapter,
+    make_activation,
+)
+
+FAMILIES = ("llama", "neox", "gpt2")
+LAYER = 1
+D = 64  # tiny models' d_model
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-zero biases / skip weights, thresholds in (0, 0.5): nothing hides behind zeros."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("threshold"):
+            p.copy_(0.5 * torch.rand(p.shape, generator=g))
+        else:
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module
+
+
+def make_transcoder(skip: bool = True, seed: int = 0, **cfg) -> Transcoder:
+    torch.manual_seed(seed)
+    kw = {"d_in": D, "d_sae": 128, "activation": "topk", "activation_params": {"k": 8}, **cfg}
+    return randomize_((SkipTranscoder if skip else Transcoder)(TranscoderConfig(**kw)), seed)
+
+
+def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
+    torch.manual_seed(seed)
+    kw = {"d_in": D, "d_sae": 128, "activation": "jumprelu", **cfg}
+    return randomize_(SparseAutoencoder(SAEConfig(**kw)), seed)
+
+
+def make_clt(n_layers: int = 3, skip: bool = False, seed: int = 0) -> CrossLayerTranscoder:
+    torch.manual_seed(seed)
+    cfg = CLTConfig(d_in=D, d_sae=48, n_layers=n_layers, activation="jumprelu", skip=skip)
+    return randomize_(CrossLayerTranscoder(cfg), seed)
+
+
+def dense_ref(coder, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit formula: ``acts = σ((x − b_dec?) W_enc + b_enc)``, ``out = acts W_dec + b_dec (+ x W_skipᵀ)``."""
+    cfg = coder.cfg
+    xin = x - coder.b_dec if getattr(cfg, "apply_b_dec_to_input", False) else x
+    pre = xin @ coder.W_enc + coder.b_enc
+    if cfg.activation == "relu":
+        acts = pre.clamp_min(0)
+    elif cfg.activation == "jumprelu":
+        acts = torch.where(pre > coder.activation.threshold, pre, 0.0)
+    else:  # topk: the k largest per row, ReLU'd
+        k = cfg.activation_params["k"]
+        kth = pre.topk(k, -1).values[..., -1:]
+        acts = torch.where(pre >= kth, pre, 0.0).clamp_min(0)
+    out = acts @ coder.W_dec + coder.b_dec
+    if hasattr(coder, "W_skip"):
+        out = out + x @ coder.W_skip.T
+    return acts, out
+
+
+# ----------------------------------------------------------------- modules
+@pytest.mark.parametrize("activation,params", [("relu", {}), ("topk", {"k": 5}), ("jumprelu", {})])
+@pytest.mark.parametrize("centre", [True, False])
+@torch.no_grad()
+def test_sae_matches_formula(activation, params, centre):
+    sae = make_sae(d_in=24, d_sae=40, activation=activation, activation_params=params, apply_b_dec_to_input=centre)
+    x = torch.randn(3, 7, 24)
+    acts, out = dense_ref(sae, x)
+    assert torch.allclose(sae.encode(x), acts, atol=1e-6)
+    assert torch.allclose(sae.decode(acts), acts @ sae.W_dec + sae.b_dec, atol=1e-6)
+    assert torch.allclose(sae(x), out, atol=1e-5)
+    assert sae.W_enc.shape == (24, 40) and sae.W_dec.shape == (40, 24) and sae.b_dec.shape == (24,)
+    assert torch.allclose(sae(x[0, 0][None]), out[0, 0][None], atol=1e-5)  # any batch shape
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@torch.no_grad()
+def test_transcoders_match_formula(skip):
+    tc = make_transcoder(skip=skip, d_in=24, d_out=16, d_sae=40)
+    x = torch.randn(2, 5, 24)
+    acts, out = dense_ref(tc, x)
+    assert tc.W_dec.shape == (40, 16) and (not skip or tc.W_skip.shape == (16, 24))
+    assert torch.allclose(tc.encode(x), acts, atol=1e-6)
+    assert torch.allclose(tc(x), out, atol=1e-5)
+    assert ((tc.encode(x) > 0).sum(-1) <= 8).all()
+
+
+@torch.no_grad()
+def test_fold_decoder_norm_and_batchtopk_export_keep_outputs():
+    sae = make_sae(d_in=16, d_sae=32)  # jumprelu
+    x = torch.randn(4, 16)
+    before = sae(x)
+    sae.fold_decoder_norm_()
+    assert torch.allclose(sae.W_dec.norm(dim=-1), torch.ones(32), atol=1e-6)
+    assert torch.allclose(sae(x), before, atol=1e-5)
+    btk = make_sae(d_in=16, d_sae=32, activation="batchtopk", activation_params={"k": 4})
+    btk.train()
+    btk(torch.randn(64, 16))
+    btk.eval()
+    before = btk(x)
+    btk.to_jumprelu_()
+    assert isinstance(btk.activation, JumpReLU) and btk.cfg.activation == "jumprelu"
+    assert torch.equal(btk(x), before)
+    with pytest.raises(CheckpointError, match="not 'batchtopk'"):
+        btk.to_jumprelu_()
+
+
+def clt_reference(clt: CrossLayerTranscoder, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed 004 §7.1 term by term: every (source, target) pair decoded on its own."""
+    n = clt.n_layers
+    acts = []
+    for layer in range(n):
+        pre = xs[layer] @ clt.W_enc[layer] + clt.b_enc[layer]
+        acts.append(torch.where(pre > clt.activation[layer].threshold, pre, 0.0))
+    outs = []
+    for target in range(n):
+        out = clt.b_dec[target].expand_as(xs[target]).clone()
+        for source in range(target + 1):
+            out = out + acts[source] @ getattr(clt, f"W_dec_{source}")[:, target - source, :]
+        if clt.W_skip is not None:
+            out = out + xs[target] @ clt.W_skip[target].T
+        outs.append(out)
+    return torch.stack(acts), torch.stack(outs)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@torch.no_grad()
+def test_clt_matches_formula_and_layout(skip):
+    clt = make_clt(n_layers=4, skip=skip)
+    assert [getattr(clt, f"W_dec_{layer}").shape for layer in range(4)] == [(48, 4 - layer, D) for layer in range(4)]
+    assert clt.W_enc.shape == (4, D, 48) and clt.b_dec.shape == (4, D)
+    xs = torch.randn(4, 2, 5, D)
+    acts, outs = clt_reference(clt, xs)
+    assert (acts > 0).any() and (acts == 0).any()
+    assert torch.allclose(clt.encode(xs), acts, atol=1e-6)
+    assert torch.allclose(clt(xs), outs, atol=1e-5)
+    per_layer = [clt.encode_layer(xs[layer], layer) for layer in range(4)]
+    assert torch.allclose(clt.reconstruct_layer(per_layer, 2, xs[2]), outs[2], atol=1e-5)
+
+
+def test_module_bad_input():
+    sae = make_sae()
+    with pytest.raises(ShapeError, match=r"\(\*batch, 64\)"):
+        sae(torch.randn(2, 3, 32))
+    with pytest.raises(ShapeError):
+        sae.decode(torch.randn(2, 3, 64))
+    clt = make_clt()
+    with pytest.raises(LayerOutOfRangeError):
+        clt.encode_layer(torch.randn(2, D), 3)
+    with pytest.raises(ShapeError, match="n_layers=3"):
+        clt(torch.randn(2, 2, 4, D))
+    with pytest.raises(ShapeError, match="layers 0..2"):
+        clt.decode_layer([torch.zeros(1, 48)], 2)
+    with pytest.raises(CheckpointError, match="unknown activation"):
+        SAEConfig(d_in=4, d_sae=8, activation="gelu")
+    with pytest.raises(CheckpointError, match="d_sae"):
+        SAEConfig(d_in=4, d_sae=0)
+    with pytest.raises(CheckpointError, match="bad parameters"):
+        make_activation("topk", 8, {"kk": 3})
+    assert TranscoderConfig.from_dict(TranscoderConfig(d_in=4, d_sae=8).to_dict()).d_out == 4
+    with pytest.raises(CheckpointError, match="unknown keys"):
+        SAEConfig.from_dict({"d_in": 4, "d_sae": 8, "oops": 1})
+
+
+# ------------------------------------------------------------- activations
+def test_relu_and_topk():
+    x = torch.randn(4, 6, 20, requires_grad=True)
+    assert torch.equal(ReLU()(x), x.relu())
+    y = TopK(3)(x)
+    kth = x.detach().topk(3, -1).values[..., -1:]
+    assert torch.equal(y, torch.where(x >= kth, x, 0.0).relu())
+    assert ((y != 0).sum(-1) <= 3).all()
+    y.sum().backward()
+    assert torch.equal(x.grad, ((x >= kth) & (x > 0)).float())  # gradient to kept entries only
+    assert torch.equal(TopK(2)(torch.tensor([[-1.0, -2.0, -3.0]])), torch.zeros(1, 3))  # ReLU'd
+
+
+def test_batchtopk_training_inference_and_export():
+    torch.manual_seed(0)
+    act = make_activation("batchtopk", 30, {"k": 4, "threshold_lr": 0.5})
+    assert isinstance(act, BatchTopK)
+    x = torch.randn(16, 30)
+    y = act(x)  # training mode: k·n over the whole batch
+    assert int((y > 0).sum()) == 4 * 16
+    kept = x.flatten().topk(4 * 16).values
+    assert torch.equal(torch.sort(y[y > 0]).values, torch.sort(kept).values)
+    per_row = (y > 0).sum(-1)
+    assert per_row.float().mean() == 4 and per_row.max() > per_row.min()  # rows vary
+    assert float(act.threshold) == pytest.approx(float(kept.min()))
+    first = float(act.threshold)
+    x2 = torch.randn(16, 30)
+    y2 = act(x2)
+    assert float(act.threshold) == pytest.approx(0.5 * first + 0.5 * float(y2[y2 > 0].min()))
+    act.eval()  # inference: per-row threshold, independent of the batch
+    z = torch.randn(5, 30)
+    theta = float(act.threshold)
+    assert torch.equal(act(z), torch.where(z > theta, z, 0.0))
+    assert torch.equal(act(z[:2]), act(z)[:2])
+    jump = act.to_jumprelu()
+    assert jump.threshold.shape == (30,) and torch.all(jump.threshold == theta)
+    assert torch.equal(jump(z), act(z))
+    fresh = BatchTopK(2, 30).eval()  # no estimate yet: the batch rule
+    assert int((fresh(z) > 0).sum()) == 2 * 5
+    fresh.set_threshold(0.25)
+    assert torch.equal(fresh(z), torch.where(z > 0.25, z, 0.0))
+
+
+def test_jumprelu_forward_and_straight_through_gradients():
+    eps = 0.1
+    act = JumpReLU(3, threshold=torch.tensor([0.2, 0.5, 0.8]), bandwidth=eps)
+    x = torch.tensor([[0.1, 0.52, 0.9], [0.25, 0.3, 0.79], [-1.0, 0.46, 0.84]], requires_grad=True)
+    y = act(x)
+    theta = act.threshold.detach()
+    assert torch.equal(y, torch.where(x > theta, x, 0.0))
+    g = torch.randn(3, 3)
+    y.backward(g)
+    rect = ((x - theta).abs() < eps / 2).float()
+    assert torch.allclose(x.grad, g * (x > theta).float())
+    assert torch.allclose(act.threshold.grad, (-(theta / eps) * rect * g).sum(0))  # eq. 11
+    act.threshold.grad = None
+    l0 = act.l0(x)
+    assert torch.equal(l0, (x > theta).float().sum(-1))
+    l0.sum().backward()
+    assert torch.allclose(act.threshold.grad, (-(1 / eps) * rect).sum(0))  # eq. 12
+
+
+def test_jumprelu_pseudo_gradients_estimate_the_true_derivative():
+    """For x ~ U(0, 1): d/dθ E[H(x − θ)] = −p(θ) = −1 and d/dθ E[x H(x − θ)] = −θ p(θ) = −θ."""
+    torch.manual_seed(0)
+    x = torch.rand(200_000, 2)
+    act = JumpReLU(2, threshold=torch.tensor([0.3, 0.6]), bandwidth=0.05)
+    act.l0(x).mean().backward()
+    assert torch.allclose(act.threshold.grad, torch.tensor([-1.0, -1.0]), atol=0.05)
+    act.threshold.grad = None
+    act(x).sum(-1).mean().backward()
+    assert torch.allclose(act.threshold.grad, torch.tensor([-0.3, -0.6]), atol=0.05)
+
+
+# ------------------------------------------------------------ in a trace
+@contextlib.contextmanager
+def forward_hooks(*pairs):
+    handles = [module.register_forward_hook(fn, with_kwargs=True) for module, fn in pairs]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def coder_hook(coder, *, reads_output: bool, edit=None, error: bool = False, seen: list | None = None):
+    """Plain-PyTorch reference of a spliced SAE/transcoder: edited output (+ error from the clean one)."""
+    def hook(module, args, kwargs, output):
+        true = output[0] if isinstance(output, tuple) else output
+        x = true if reads_output else args[0]
+        acts = coder.encode(x)
+        if seen is not None:
+            seen.append(acts)
+        live = acts if edit is None else edit(acts.clone())
+        skip = coder.skip(x)
+        out = coder.decode(live) + (0 if skip is None else skip)
+        if error:
+            out = out + (true - (coder.decode(acts) + (0 if skip is None else skip)))
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+    return hook
+
+
+def clt_hooks(hf, adapter, clt, edit=None, error: bool = False):
+    """Reference CLT splice: hooks on every MLP sharing the features of earlier layers."""
+    clean, live = [], []
+
+    def make(layer):
+        def hook(module, args, kwargs, output):
+            x = args[0]
+            acts = clt.encode_layer(x, layer)
+            clean.append(acts)
+            live.append(acts if edit is None else edit(layer, acts.clone()))
+            out = clt.reconstruct_layer(live, layer, x)
+            return out + (output - clt.reconstruct_layer(clean, layer, x)) if error else out
+        return hook
+
+    return forward_hooks(*[(adapter.mlp_module(hf, layer), make(layer)) for layer in range(clt.n_layers)])
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request):
+    model, hf = tiny_nnsight(request.param)
+    return model, hf, get_adapter(model)
+
+
+def zero_feature(f):
+    def edit(acts):
+        acts[..., f] = 0
+        return acts
+    return edit
+
+
+def busiest(acts: torch.Tensor) -> int:
+    return int((acts > 0).flatten(0, -2).sum(0).argmax())
+
+
+@torch.no_grad()
+def test_transcoder_in_trace(fam):
+    model, hf, adapter = fam
+    tc = make_transcoder()
+    tcs = TranscoderSet(model, {LAYER: tc})
+    ids = random_ids()
+    ref = hf(ids).logits
+    seen: list = []
+    with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, seen=seen))):
+        hf(ids)
+    f = busiest(seen[0])
+    for error in (False, True):
+        for edit in (None, zero_feature(f)):
+            with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, edit=edit,
+                                                                            error=error))):
+                want = hf(ids).logits
+            with model.trace(ids):
+                site = tcs.replace(layer=LAYER, error=error)
+                acts = site.hook_sae_acts_post.output.clone().save()
+                if edit is not None:
+                    site.hook_sae_acts_post.output[:, :, f] = 0
+                logits = model.lm_head.output.save()
+            assert torch.allclose(acts, seen[0], atol=1e-6)
+            assert (logits - want).abs().max() < 1e-5, (error, edit)
+            if error and edit is None:
+                assert (logits - ref).abs().max() < 1e-5
+            else:
+                assert (logits - ref).abs().max() > 1e-4  # the replacement (or the edit) shows
+
+
+@torch.no_grad()
+def test_sae_on_residual_stream_in_trace(fam):
+    model, hf, adapter = fam
+    site_path = adapter.layer_path(LAYER)
+    sae = make_sae()
+    saes = SAESet(model, {site_path: sae})
+    layer = adapter.get_module(hf, site_path)
+    ids = random_ids()
+    ref = hf(ids).logits
+    seen: list = []
+    with forward_hooks((layer, coder_hook(sae, reads_output=True, seen=seen))):
+        hf(ids)
+    f = busiest(seen[0])
+    for error in (False, True):
+        for edit in (None, zero_feature(f)):
+            with forward_hooks((layer, coder_hook(sae, reads_output=True, edit=edit, error=error))):
+                want = hf(ids).logits
+            with model.trace(ids):
+                site = saes.replace(site_path, error=error)
+                acts = site.hook_sae_acts_post.output.clone().save()
+                if edit is not None:
+                    site.hook_sae_acts_post.output[:, :, f] = 0
+                recons = site.hook_sae_recons.output.save()
+                logits = model.lm_head.output.save()
+            assert torch.allclose(acts, seen[0], atol=1e-6) and recons.shape == (2, 10, D)
+            assert (logits - want).abs().max() < 1e-5, (error, edit)
+            assert ((logits - ref).abs().max() < 1e-5) == (error and edit is None)
+
+
+@torch.no_grad()
+def test_sae_on_tuple_output_site_and_several_invokes():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    path = adapter.attention_path(LAYER)  # returns (attn_output, attn_weights)
+    sae = make_sae(activation="topk", activation_params={"k": 6})
+    saes = SAESet(model, {path: sae})
+    ids = random_ids(batch=3)
+    with forward_hooks((adapter.attention_module(hf, LAYER), coder_hook(sae, reads_output=True))):
+        want = hf(ids).logits
+    with model.trace() as tracer:
+        with tracer.invoke(ids[:1]):
+            site = saes.replace()[path]
+            first = model.lm_head.output.save()
+        with tracer.invoke(ids[1:]):
+            acts = site.hook_sae_acts_post.output.save()
+            rest = model.lm_head.output.save()
+    assert acts.shape == (2, 10, 128) and ((acts > 0).sum(-1) <= 6).all()
+    assert (torch.cat([first, rest]) - want).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_clt_in_trace(fam):
+    model, hf, adapter = fam
+    clt = make_clt(skip=True)
+    clts = CLTSet(model, clt)
+    ids = random_ids()
+    ref = hf(ids).logits
+    with model.trace(ids):
+        site = clts.replace()
+        acts0 = site.hook_sae_acts_post[0].output.save()
+        model.lm_head.output.save()
+    f = busiest(acts0)
+
+    def edit(layer, acts):
+        if layer == 0:
+            acts[..., f] = 0
+        return acts
+
+    for error in (False, True):
+        for ed in (None, edit):
+            with clt_hooks(hf, adapter, clt, edit=ed, error=error):
+                want = hf(ids).logits
+            with model.trace(ids):
+                site = clts.replace(error=error)
+                a0 = site.hook_sae_acts_post[0].output.clone().save()
+                if ed is not None:
+                    site.hook_sae_acts_post[0].output[:, :, f] = 0
+                a2 = site.hook_sae_acts_post[2].output.save()
+                recons = site.hook_sae_recons[2].output.save()
+                logits = model.lm_head.output.save()
+            assert torch.equal(a0, acts0) and a2.shape == (2, 10, 48) and recons.shape == (2, 10, D)
+            assert (logits - want).abs().max() < 1e-5, (error, ed)
+            assert ((logits - ref).abs().max() < 1e-5) == (error and ed is None)
+
+
+@torch.no_grad()
+def test_clt_edit_propagates_with_errors_held_fixed():
+    """Zeroing layer-0 feature f: MLP 0 moves by exactly −a·W_dec_0[f, 0]; at layer 1 the error is
+    the true MLP minus the CLT computed with the *unedited* layer-0 features (the clean state)."""
+    model, hf = tiny_nnsight("llama")
+    clt = make_clt()
+    clts = CLTSet(model, clt)
+    ids = random_ids()
+    with model.trace(ids):
+        site = clts.replace(error=True)
+        a0 = site.hook_sae_acts_post[0].output.clone().save()
+        resid0 = model.model.layers[1].input.save()
+    f = busiest(a0)
+    with model.trace(ids):
+        site = clts.replace(error=True)
+        site.hook_sae_acts_post[0].output[:, :, f] = 0
+        resid0_edit = model.model.layers[1].input.save()
+        x1 = model.model.layers[1].mlp.input.save()
+        recons1 = site.hook_sae_recons[1].output.save()
+        err1 = site.hook_error[1].output.save()
+    delta0 = -a0[..., f:f + 1] * clt.W_dec_0[f, 0]
+    assert delta0.abs().max() > 1e-3
+    assert torch.allclose(resid0_edit - resid0, delta0, atol=1e-5)
+    a1 = clt.encode_layer(x1, 1)
+    a0_edit = a0.clone()
+    a0_edit[..., f] = 0
+    assert torch.allclose(recons1, clt.reconstruct_layer([a0_edit, a1], 1), atol=1e-5)
+    true1 = hf.model.layers[1].mlp(x1)
+    assert torch.allclose(err1, true1 - clt.reconstruct_layer([a0, a1], 1), atol=1e-5)
+
+
+def test_nothing_survives_the_trace_even_on_error():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    tc, sae, clt = make_transcoder(), make_sae(), make_clt()
+    tcs, saes, clts = TranscoderSet(model, {LAYER: tc}), SAESet(model, {"model.layers.1": sae}), CLTSet(model, clt)
+    ids = random_ids()
+    before = _state(hf)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    for fail in (False, True):
+        with pytest.raises(RuntimeError, match="boom") if fail else contextlib.nullcontext(), model.trace(ids):
+            tc_site = tcs.replace(layer=LAYER)
+            sae_site = saes.replace("model.layers.1", error=True)
+            clts.replace(error=True)
+            tc_site.hook_sae_acts_post.output.save()
+            sae_site.hook_error.output.save()
+            model.lm_head.output.save()
+            if fail:
+                raise RuntimeError("boom")
+        assert _state(hf) == before
+        assert "clt" not in dict(model._module.named_children())
+        with torch.no_grad():
+            assert torch.equal(hf(ids).logits, ref)
+        for module in (tc, sae, clt):
+            assert all("forward" not in m.__dict__ for m in module.modules())
+    assert adapter.n_layers == 3
+
+
+@pytest.mark.parametrize("mlps", ["transcoders", "clt"])
+@torch.no_grad()
+def test_complete_replacement_model_in_one_trace(fam, mlps):
+    """Lorsa at every attention, transcoders (or a CLT) at every MLP, an SAE on the last residual."""
+    model, hf, adapter = fam
+    layers = list(range(adapter.n_layers))
+    lorsas = LorsaSet(model, {layer: make_lorsa(hf, adapter, layer, seed=layer) for layer in layers})
+    tcs = TranscoderSet(model, {layer: make_transcoder(seed=layer, layer=layer) for layer in layers})
+    clts = CLTSet(model, make_clt())
+    last = adapter.layer_path(layers[-1])
+    saes = SAESet(model, {last: make_sae()})
+    ids = random_ids()
+    ref = hf(ids).logits
+    mlp_ref = (clt_hooks(hf, adapter, clts.clt) if mlps == "clt" else
+               forward_hooks(*[(adapter.mlp_module(hf, layer), coder_hook(tcs[layer], reads_output=False))
+                               for layer in layers]))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(hooked(hf, adapter, {layer: lorsas[layer] for layer in layers}))
+        stack.enter_context(mlp_ref)
+        stack.enter_context(forward_hooks((adapter.get_module(hf, last), coder_hook(saes[last], reads_output=True))))
+        want = hf(ids).logits
+    for error in (False, True):
+        with model.trace(ids):
+            lorsas.replace(error=error)
+            if mlps == "clt":
+                clts.replace(error=error)
+            else:
+                tcs.replace(error=error)
+            site = saes.replace(last, error=error)
+            acts = site.hook_sae_acts_post.output.save()
+            logits = model.lm_head.output.save()
+        assert acts.shape == (2, 10, 128)
+        if error:
+            assert (logits - ref).abs().max() < 1e-5
+        else:
+            assert (logits - want).abs().max() < 1e-4
+            assert (logits - ref).abs().max() > 1e-2
+
+
+def test_bad_input_raises_package_errors():
+    model, hf = tiny_nnsight("llama")
+    with pytest.raises(ConfigMismatchError, match="d_in=32"):
+        TranscoderSet(model, {1: make_transcoder(d_in=32)})
+    with pytest.raises(ConfigMismatchError, match="d_out=32"):
+        TranscoderSet(model, {1: make_transcoder(d_out=32)})
+    with pytest.raises(ConfigMismatchError, match="layer 2"):
+        TranscoderSet(model, {1: make_transcoder(layer=2)})
+    with pytest.raises(LayerOutOfRangeError, match="out of range"):
+        TranscoderSet(model, {3: make_transcoder()})
+    tcs = TranscoderSet(model, {1: make_transcoder()})
+    with pytest.raises(LayerOutOfRangeError, match="no transcoder for layer 0"):
+        tcs[0]
+    assert 1 in tcs and 0 not in tcs and tcs.layers == [1] and len(tcs) == 1
+    with pytest.raises(ConfigMismatchError, match="no module at 'model.layers.7'"):
+        SAESet(model, {"model.layers.7": make_sae()})
+    with pytest.raises(ConfigMismatchError, match="d_in=32"):
+        SAESet(model, {"model.layers.1.mlp": make_sae(d_in=32)})
+    with pytest.raises(ConfigMismatchError, match="no SAE at site"):
+        SAESet(model, {})["model.layers.1"]
+    with pytest.raises(ConfigMismatchError, match="d_model=32"):
+        CLTSet(model, CrossLayerTranscoder(CLTConfig(d_in=32, d_sae=8, n_layers=2)))
+    with pytest.raises(ConfigMismatchError, match="spans 4 layers"):
+        CLTSet(model, make_clt(n_layers=4))
+    odd = SAESet(model, {"model.layers.1.mlp.gate_proj": make_sae()})  # width 128, known only at run time
+    with pytest.raises(ShapeError, match=r"\(\*batch, 64\)"), model.trace(random_ids()):
+        odd.replace("model.layers.1.mlp.gate_proj")
+        model.lm_head.output.save()
+    clts = CLTSet(model, make_clt())
+    with pytest.raises(TraceOrderError, match="already ran"), model.trace(random_ids()):
+        model.model.layers[1].output.save()
+        clts.replace()
+    with pytest.raises(TraceOrderError, match="already ran"), model.trace(random_ids()):
+        model.model.layers[1].output.save()
+        tcs.replace(layer=1)
+    assert _state(hf) == _state(tiny_nnsight("llama")[1])
+
+
+def test_splice_chain_refuses_an_error_term_without_error_hook():
+    from nnsight_lorsa.envoy.splice_chain import SpliceChain, splice_chain
+
+    model, _ = tiny_nnsight("llama")
+    chain = SpliceChain(site_paths=("model.layers.0",), attach_path="model.layers.0", attach_name="x",
+                        step=lambda m, i, a, k, out, state: out, get_output=lambda o: o,
+                        set_output=lambda o, new: new, error_hook=lambda m, i: m.get_submodule("hook_error"))
+    with pytest.raises(LorsaError, match="cannot carry an error term"), model.trace(random_ids()):
+        splice_chain(model, chain, torch.nn.Identity(), error=True)
