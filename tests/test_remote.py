@@ -57,20 +57,8 @@ NDIF_DESERIALIZATION_WHITELIST = {
     "concurrent", "io", "_frozen_importlib_external", "_frozen_importlib", "pickle", "cloudpickle", "copyreg",
     "transformers_modules",
 }
-#: Modules our shipped objects resolve that are outside that whitelist, and why (see the xfail below).
-KNOWN_WHITELIST_GAPS = {
-    "abc": "ArchitectureAdapter(ABC) in nnsight_lorsa/adapters/base.py (its metaclass abc.ABCMeta)",
-    "pathlib": "the Path global of nnsight_lorsa/envoy/lorsa_set.py (LorsaSet.save/load signatures)",
-    "_thread": "the __repr__ wrapper dataclasses generates for our by-value dataclasses",
-}
 #: Imports our shipped code may make while running on the server.
 SERVER_RUNTIME_IMPORTS = {"torch", "numpy", "einops", "transformers", "nnsight"}
-SUPER_BUG = "__class__ cell not found"
-SUPER_BUG_REASON = (
-    "nnsight_lorsa/envoy/worker.py: FunctionWorker.__init__ calls bare super(); a class shipped by value is "
-    "rebuilt from source on the server, without a __class__ cell (nnsight docs, remote-trace.md gotchas). "
-    "Fix: super(FunctionWorker, self).__init__(None, {}, {}) (likewise adapters/gpt2.py attention_input)."
-)
 
 
 def build_model(seed: int = 0, dtype: str = "float32") -> tuple[Any, Any]:
@@ -357,9 +345,7 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
         # nothing of ours, jaxtyping or beartype was imported server-side, and nothing stayed attached
         assert resp["blocked_loaded"] == [], resp["blocked_loaded"]
         assert resp["extra_modules"] == [] and resp["hooks"] == 0, resp
-        assert _non_whitelisted(resp["resolved_modules"]) <= set(KNOWN_WHITELIST_GAPS), resp["resolved_modules"]
-        if resp["error"] and SUPER_BUG in resp["error"]:
-            pytest.xfail(SUPER_BUG_REASON)
+        assert _non_whitelisted(resp["resolved_modules"]) == set(), resp["resolved_modules"]
         assert resp["error"] is None, resp["traceback"]
         bad = [i for i in resp["runtime_imports"] if i[0].split(".")[0] not in SERVER_RUNTIME_IMPORTS]
         assert not bad, bad
@@ -369,9 +355,8 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
     assert out["compressed"] and 0 < out["payload_bytes"] < 200_000
 
 
-@pytest.mark.xfail(strict=True, reason="; ".join(f"{k}: {v}" for k, v in KNOWN_WHITELIST_GAPS.items()))
 def test_request_resolves_only_ndif_whitelisted_modules(replace_loopback: dict) -> None:
-    """NDIF unpickles requests under a module whitelist; ours still needs a few stdlib modules outside it."""
+    """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it."""
     assert _non_whitelisted(replace_loopback["replace"]["resolved_modules"]) == set()
 
 
@@ -435,12 +420,7 @@ def test_ndif_doc_blocks_run_against_the_loopback() -> None:
     setups = [b for kind, b in blocks if kind == "ndif-setup"]
     assert len(setups) == 1 and len(blocks) >= 4
     assert {"model", "lorsas", "prompt", "layer", "head"} <= _assigned_names(setups[0]) & _assigned_names(DOC_SETUP)
-    try:
-        out = run_client(DOC_CLIENT)
-    except AssertionError as e:
-        if SUPER_BUG in str(e):
-            pytest.xfail(SUPER_BUG_REASON)
-        raise
+    out = run_client(DOC_CLIENT)
     assert out["blocks"] == len(blocks)
 
 

@@ -13,20 +13,20 @@ Adapters need torch and transformers only (no nnsight), so they also run on an N
 from __future__ import annotations
 
 import operator
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import LayerOutOfRangeError, UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
 
 
-@dataclass
-class MHSAWeights:
+@dataclass(repr=False)
+class MHSAWeights(FieldsRepr):
     """One layer's multi-head self-attention in head-major form.
 
     Attributes:
@@ -123,8 +123,11 @@ def mhsa_forward(
     return torch.einsum("bhse,hed->bsd", z, w.W_O) + w.b_O
 
 
-class ArchitectureAdapter(ABC):
+class ArchitectureAdapter:
     """Where one model family keeps its attention (and the rest of a decoder layer).
+
+    Subclasses implement :meth:`rotary_config` and :meth:`mhsa_weights` (a plain base class, not an
+    ``abc.ABC``: adapters travel by value to NDIF servers, whose unpickler does not allow ``abc``).
 
     Paths are dotted module paths from the Hugging Face ``*ForCausalLM`` root (the same paths
     nnsight envoys use below the wrapper: ``model.<path>``).
@@ -257,13 +260,13 @@ class ArchitectureAdapter(ABC):
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
     # ---- weights -----------------------------------------------------------
-    @abstractmethod
     def rotary_config(self) -> RotaryConfig | None:
         """The model's RoPE, derived from its config (None without rotary)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement rotary_config")
 
-    @abstractmethod
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement mhsa_weights")
 
     @staticmethod
     def rope_parameters(config: Any) -> dict[str, Any]:

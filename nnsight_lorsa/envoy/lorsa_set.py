@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,20 +91,24 @@ class LorsaSet:
         return f"LorsaSet({self.adapter.family}, {{{parts}}})"
 
     # ------------------------------------------------------------------- io
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | os.PathLike[str]) -> None:
         """Write ``directory/layer_{L}/`` per Lorsa (safetensors + JSON, :func:`save_lorsa`)."""
+        from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
+
         from ..formats.lorsa_format import save_lorsa
 
         for layer in self.layers:
             save_lorsa(self._lorsas[layer], Path(directory) / f"layer_{layer}")
 
     @classmethod
-    def load(cls, model: Any, directory: str | Path, *, device: Any = None) -> LorsaSet:
+    def load(cls, model: Any, directory: str | os.PathLike[str], *, device: Any = None) -> LorsaSet:
         """Load every ``directory/layer_{L}/`` written by :meth:`save`.
 
         Raises:
             CheckpointError: no ``layer_*`` directory, or a malformed checkpoint.
         """
+        from pathlib import Path
+
         from ..errors import CheckpointError
         from ..formats.lorsa_format import load_lorsa
 

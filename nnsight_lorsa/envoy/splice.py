@@ -29,12 +29,13 @@ import torch
 from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
+from .._repr import FieldsRepr
 from ..errors import LorsaError, TraceOrderError
 from .worker import current_worker, find_worker, spawn_worker
 
 
-@dataclass(frozen=True)
-class SpliceSite:
+@dataclass(frozen=True, repr=False)
+class SpliceSite(FieldsRepr):
     """Where and how a replacement is spliced.
 
     Attributes:

@@ -30,6 +30,7 @@ import torch
 from nnsight.intervention.source import STATE
 from torch import nn
 
+from .._repr import FieldsRepr
 from ..errors import LorsaError, TraceOrderError
 from .splice import _attach, _detach, resolve_envoy
 from .worker import current_worker, find_worker, spawn_worker
@@ -38,8 +39,8 @@ from .worker import current_worker, find_worker, spawn_worker
 Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class SpliceChain:
+@dataclass(frozen=True, repr=False)
+class SpliceChain(FieldsRepr):
     """Where and how a replacement is spliced into a sequence of sites.
 
     Attributes:

@@ -37,7 +37,7 @@ from .hook_point import HookPoint
 from .sparse_coder import SparseCoderConfig, affine, check_last_dim, encode_with, init_dictionary_
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, repr=False)
 class CLTConfig(SparseCoderConfig):
     """Config of a :class:`CrossLayerTranscoder` (``d_in`` is the model's ``d_model``).
 

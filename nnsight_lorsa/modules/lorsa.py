@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ShapeError
 from .hook_point import HookPoint
@@ -57,8 +58,8 @@ class PerHeadRMSNorm(nn.Module):
         return self.w[:, None, :] * x.to(dtype)
 
 
-@dataclass
-class LorsaCache:
+@dataclass(repr=False)
+class LorsaCache(FieldsRepr):
     """Internals of one Lorsa forward, returned with ``return_cache=True``.
 
     Attributes:

@@ -6,12 +6,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._repr import FieldsRepr
 from ..errors import CheckpointError
 from .rotary import RotaryConfig
 
 
-@dataclass
-class LorsaConfig:
+@dataclass(repr=False)
+class LorsaConfig(FieldsRepr):
     """Shape and settings of one Lorsa layer.
 
     Attributes:

@@ -19,14 +19,15 @@ from typing import Any
 
 import torch
 
+from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import UnsupportedArchitectureError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-@dataclass(frozen=True)
-class RotaryConfig:
+@dataclass(frozen=True, repr=False)
+class RotaryConfig(FieldsRepr):
     """How a model rotates its queries and keys.
 
     Attributes:

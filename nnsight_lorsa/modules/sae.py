@@ -24,7 +24,7 @@ import torch
 from .sparse_coder import SparseCoder, SparseCoderConfig
 
 
-@dataclass
+@dataclass(repr=False)
 class SAEConfig(SparseCoderConfig):
     """Config of a :class:`SparseAutoencoder` (see :class:`SparseCoderConfig` for the shared fields).
 

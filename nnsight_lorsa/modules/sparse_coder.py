@@ -27,14 +27,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import CheckpointError, ShapeError
 from .activations import ACTIVATIONS, BatchTopK, JumpReLU, make_activation
 from .hook_point import HookPoint
 
 
-@dataclass
-class SparseCoderConfig:
+@dataclass(repr=False)
+class SparseCoderConfig(FieldsRepr):
     """Shape and activation of a sparse coder (fields common to SAEs, transcoders and CLTs).
 
     Attributes:

@@ -31,7 +31,7 @@ from .._typing import Float
 from .sparse_coder import SparseCoder, SparseCoderConfig
 
 
-@dataclass
+@dataclass(repr=False)
 class TranscoderConfig(SparseCoderConfig):
     """Config of a :class:`Transcoder` / :class:`SkipTranscoder`.
 
