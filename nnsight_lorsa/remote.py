@@ -38,7 +38,7 @@ from nnsight.intervention.backends.remote import RemoteBackend
 from torch import nn
 
 from .envoy.lorsa_set import LorsaSet
-from .envoy.splice import resolve_envoy
+from .envoy.mount import resolve_envoy
 from .errors import LayerOutOfRangeError, LorsaError
 from .modules.lorsa import Lorsa
 

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
 from .._repr import FieldsRepr
-from ..errors import LorsaError, TraceOrderError
-from .worker import current_worker, find_worker, spawn_worker
+from .splice_chain import SpliceChain, splice_chain
 
 
 @dataclass(frozen=True, repr=False)
@@ -57,106 +55,26 @@ class SpliceSite(FieldsRepr):
     check_call: Callable[[tuple, dict], None] | None = None
 
 
-def resolve_envoy(root: Any, path: str) -> Any:
-    """The envoy at dotted ``path`` below the nnsight root envoy."""
-    envoy = root
-    for part in path.split("."):
-        envoy = getattr(envoy, part)
-    return envoy
-
-
-def _strip_nnsight(module: nn.Module) -> None:
-    """Undo nnsight's per-module instrumentation (controller forward + state) on a detached module."""
-    for sub in module.modules():
-        if isinstance(sub.__dict__.get("forward"), Controller):
-            del sub.__dict__["forward"]
-        sub.__dict__.pop(STATE, None)
-
-
-def _attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
-    existing = site_envoy._module._modules.get(name)
-    if existing is not None and existing is not module:
-        raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
-    if existing is None:
-        setattr(site_envoy, name, module)
-    return getattr(site_envoy, name)
-
-
-def _detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
-    if site_envoy._module._modules.get(name) is module:
-        del site_envoy._module._modules[name]
-        site_envoy._drop_envoy(name)
-    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
-        _strip_nnsight(module)
-
-
 def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = False) -> Any:
     """Replace ``site``'s output by ``module``'s for the current trace; return the module's envoy.
 
     Must be called inside a ``model.trace(...)`` body before the model reaches the site.
     Calling it again for the same site in the same trace (e.g. from a second invoke) returns
-    the same envoy and splices once.
+    the same envoy and splices once. A one-site :func:`~.splice_chain.splice_chain`, with the
+    module mounted under the site's own module and its error term through ``module.hook_error``.
 
     Raises:
         ValueError: called outside a trace.
+        LorsaError: ``error=True`` and the module has no ``hook_error`` child.
         TraceOrderError: the model already ran the site in this forward pass, or the site
             already holds a different child under ``site.attach_name``.
     """
-    if error and not isinstance(getattr(module, "hook_error", None), nn.Module):
-        raise LorsaError(f"{type(module).__name__} has no hook_error child module: it cannot carry an error term")
-    me = current_worker("splice")
-    interleaver = me.interleaver
-    site_envoy = resolve_envoy(root, site.site_path)
-    tag = ("nnsight_lorsa.splice", site.site_path, site.attach_name)
-    if find_worker(interleaver, tag) is not None:
-        return getattr(site_envoy, site.attach_name)
-    location = f"{site_envoy.path}.input"
-    if interleaver.counts.get(location, 0) - me.counts_at_start.get(location, 0) > 0:
-        raise TraceOrderError(
-            f"cannot replace {site.site_path}: the model already ran it in this forward pass; "
-            "call replace() before reading anything at or after that site"
-        )
-    instrumented_before = STATE in module.__dict__
-    envoy = _attach(site_envoy, site.attach_name, module)
-    body = _make_body(site, module, site_envoy, interleaver, f"{envoy.path}.", error, instrumented_before)
-    try:
-        spawn_worker(interleaver, body, tag)
-    except BaseException:
-        _detach(site_envoy, site.attach_name, module, instrumented_before)
-        raise
-    return envoy
+    def step(module: nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor, state: dict) -> torch.Tensor:
+        return site.call(module, args, kwargs)
 
-
-def _make_body(site: SpliceSite, module: nn.Module, site_envoy: Any, interleaver: Any, prefix: str,
-               error: bool, instrumented_before: bool) -> Callable[[], None]:
-    """The worker's body: park on the site's input and output, run the replacement, swap."""
-
-    def body() -> None:
-        try:
-            args, kwargs = site_envoy.inputs
-            if site.check_call is not None:
-                site.check_call(args, kwargs)
-            original = site_envoy.output
-            true_out = site.get_output(original)
-            clean = None
-            # workers served alongside this one at the site's output may have parked since the
-            # interleaver last indexed who waits where; re-index so the module's internals reach them
-            interleaver._reindex_parked()
-            if error and any(p is not None and p.startswith(prefix) for p in interleaver.parked):
-                # some worker may edit the module's internals: the error term must come from
-                # an unedited pass, run with this trace stood down (nothing served or edited)
-                was = interleaver.interleaving
-                interleaver.interleaving = False
-                try:
-                    clean = site.call(module, args, kwargs)
-                finally:
-                    interleaver.interleaving = was
-            live = site.call(module, args, kwargs)  # observed: internals served to the trace
-            if error:
-                err = true_out - (live if clean is None else clean)
-                live = live + module.get_submodule("hook_error")(err.detach())
-            site_envoy.output = site.set_output(original, live)
-        finally:
-            _detach(site_envoy, site.attach_name, module, instrumented_before)
-
-    return body
+    chain = SpliceChain(
+        site_paths=(site.site_path,), attach_path=site.site_path, attach_name=site.attach_name, step=step,
+        get_output=site.get_output, set_output=site.set_output,
+        error_hook=lambda module, i: module.get_submodule("hook_error"), check_call=site.check_call,
+    )
+    return splice_chain(root, chain, module, error=error)

@@ -32,7 +32,7 @@ from torch import nn
 
 from .._repr import FieldsRepr
 from ..errors import LorsaError, TraceOrderError
-from .splice import _attach, _detach, resolve_envoy
+from .mount import attach, detach, resolve_envoy
 from .worker import current_worker, find_worker, spawn_worker
 
 #: ``(module, i, args, kwargs, true_output, state) -> output``: the replacement's output at site ``i``.
@@ -119,8 +119,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
-    detach = partial(_detach, parent, chain.attach_name, module, STATE in module.__dict__)
-    envoy = _attach(parent, chain.attach_name, module)
+    undo = partial(detach, parent, chain.attach_name, module, STATE in module.__dict__)
+    envoy = attach(parent, chain.attach_name, module)
 
     def body() -> None:
         live: dict = {}
@@ -133,7 +133,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                     chain.check_call(args, kwargs)
                 original = site.output
                 true_out = chain.get_output(original)
-                diverged = diverged or (error and _may_edit(interleaver, f"{envoy.path}."))
+                may_edit = _may_edit(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
+                diverged = diverged or (error and may_edit)
                 clean_out = None
                 if diverged:
                     clean_out = _stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
@@ -144,11 +145,11 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                     out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
                 site.output = chain.set_output(original, out)
         finally:
-            detach()
+            undo()
 
     try:
         spawn_worker(interleaver, body, tag)
     except BaseException:
-        detach()
+        undo()
         raise
     return envoy

@@ -19,7 +19,7 @@ import torch
 from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..envoy.splice import resolve_envoy
+from ..envoy.mount import resolve_envoy
 
 
 @dataclass

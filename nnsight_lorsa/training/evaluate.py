@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..envoy.lorsa_set import LorsaSet
-from ..envoy.splice import resolve_envoy
+from ..envoy.mount import resolve_envoy
 from .activations import TokenDataset
 from .metrics import FVUAccumulator
 
