@@ -1,0 +1,252 @@
+"""SAELens v6 checkpoints: ``cfg.json`` + ``sae_weights.safetensors`` -> our SAE / transcoder modules.
+
+Layout (SAELens ``sae_lens/saes/sae.py`` ``SAE.save_model``; ``SAEConfig.to_dict`` adds
+``architecture`` and ``metadata``)::
+
+    cfg.json                 {"architecture": ..., "d_in", "d_sae", ["d_out"], ["k",
+                              "rescale_acts_by_decoder_norm"], "apply_b_dec_to_input",
+                              "normalize_activations", "reshape_activations", "dtype", "device",
+                              "metadata": {"hook_name": "blocks.3.hook_resid_post", ...}}
+    sae_weights.safetensors  W_enc (d_in, d_sae), b_enc (d_sae), W_dec (d_sae, d_out), b_dec (d_out),
+                             [threshold (d_sae)] (jumprelu*), [W_skip (d_out, d_in)] (*skip_transcoder)
+
+Architectures (``sae_lens/saes/*.py``) and what we build:
+
+==========================  =================================================  ==========================
+SAELens ``architecture``    their forward                                      ours
+==========================  =================================================  ==========================
+``standard``                ``relu((x − b_dec·a) W_enc + b_enc) W_dec + b_dec``  SparseAutoencoder, relu
+``topk``                    TopK(k) of the same pre-activations (ReLU'd)        SparseAutoencoder, topk
+``jumprelu``                ``relu(pre) · 1[pre > threshold]``                  SparseAutoencoder, jumprelu
+``transcoder``              ``relu(x W_enc + b_enc) W_dec + b_dec``            Transcoder, relu
+``skip_transcoder``         … ``+ x W_skipᵀ``                                   SkipTranscoder, relu
+``jumprelu_transcoder``     JumpReLU transcoder                                Transcoder, jumprelu
+``jumprelu_skip_transcoder``  JumpReLU + skip                                  SkipTranscoder, jumprelu
+==========================  =================================================  ==========================
+
+(``a`` = ``apply_b_dec_to_input``.) Exact conversions: a JumpReLU threshold ``θ < 0`` becomes
+``max(θ, 0)`` (``relu(x)·1[x > θ] = x·1[x > max(θ, 0)]``); a TopK SAE with
+``rescale_acts_by_decoder_norm`` (pre-activations times ``‖W_dec[i]‖``, decoder rows divided by it)
+is folded with :meth:`~nnsight_lorsa.modules.sparse_coder.SparseCoder.fold_decoder_norm_`.
+
+``normalize_activations``: ``"none"``; ``"expected_average_only_in"`` means the SAE expects inputs
+multiplied by a dataset-wide scalar ``s`` (kept in SAELens's pretrained-SAE directory, not in the
+files). Pass ``norm_scaling_factor=s`` and we fold it as SAELens ``fold_activation_norm_scaling_factor``
+does (``W_enc *= s``, ``W_dec /= s``, ``b_dec /= s``) so the module takes raw activations; without it
+the weights stay unfolded (a warning; ``cfg.extra["saelens"]["norm_folded"]`` is False).
+``"constant_norm_rescale"`` and ``"layer_norm"`` normalise per token at run time, which our modules do
+not: :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`.
+
+Hook names map to our sites with :func:`~.hook_sites.transformer_lens_hook_site`
+(``cfg.extra["saelens"]["site"]``; ``SAEConfig.hook`` is the module path when an adapter is given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..modules.sae import SAEConfig, SparseAutoencoder
+from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from .hook_sites import transformer_lens_hook_site
+from .lorsa_format import load_safetensors, read_json_object, read_safetensors_header, resolve_checkpoint_dir
+from .sparse_coder_format import build_module, check_d_model
+
+CFG_FILE = "cfg.json"
+WEIGHTS_FILE = "sae_weights.safetensors"
+
+#: SAELens architecture -> (kind, activation)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "standard": ("sae", "relu"),
+    "topk": ("sae", "topk"),
+    "jumprelu": ("sae", "jumprelu"),
+    "transcoder": ("transcoder", "relu"),
+    "skip_transcoder": ("skip_transcoder", "relu"),
+    "jumprelu_transcoder": ("transcoder", "jumprelu"),
+    "jumprelu_skip_transcoder": ("skip_transcoder", "jumprelu"),
+}
+
+__all__ = ["ARCHITECTURES", "load_saelens", "save_saelens"]
+
+
+def _int(raw: dict[str, Any], key: str, path: Path) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CheckpointError(f"{path}: key {key!r} must be a positive int, got {value!r}")
+    return value
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    arch = raw.get("architecture")
+    if arch is None:  # pre-v6 configs: SAELens handle_config_defaulting
+        arch = "topk" if raw.get("activation_fn") == "topk" or raw.get("activation_fn_str") == "topk" else "standard"
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path}: key 'architecture' is {arch!r}; supported SAELens architectures: {list(ARCHITECTURES)}")
+    return str(arch)
+
+
+def load_saelens(
+    directory: str | os.PathLike[str],
+    *,
+    norm_scaling_factor: float | None = None,
+    d_model: int | None = None,
+    adapter: Any = None,
+    subfolder: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    local_files_only: bool = False,
+    revision: str | None = None,
+) -> SparseAutoencoder | Transcoder:
+    """Load a SAELens v6 SAE / transcoder directory (or hub repo id + ``subfolder``) as our module.
+
+    Args:
+        directory: local directory with ``cfg.json`` and ``sae_weights.safetensors``, or a hub repo id.
+        norm_scaling_factor: the ``s`` of ``normalize_activations="expected_average_only_in"`` (folded).
+        d_model: the model's width; a checkpoint whose ``d_in`` differs raises ConfigMismatchError.
+        adapter: an :class:`~nnsight_lorsa.adapters.base.ArchitectureAdapter` to resolve the hook site.
+        subfolder: folder inside a hub repo (SAELens releases keep one folder per SAE id).
+        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
+        local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
+
+    Returns:
+        :class:`SparseAutoencoder`, :class:`Transcoder` or :class:`SkipTranscoder` in eval mode;
+        ``cfg.extra["saelens"]`` records the source settings, hook name and site.
+
+    Raises:
+        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape.
+        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+        ConfigMismatchError: ``d_model`` given and different from ``d_in``.
+    """
+    prefix = f"{subfolder}/" if subfolder else ""
+    path = resolve_checkpoint_dir(directory, allow_patterns=[prefix + CFG_FILE, prefix + WEIGHTS_FILE],
+                                  subfolder=subfolder, local_files_only=local_files_only, revision=revision)
+    cfg_path, weights_path = path / CFG_FILE, path / WEIGHTS_FILE
+    raw = read_json_object(cfg_path)
+    arch = _architecture(raw, cfg_path)
+    kind, activation = ARCHITECTURES[arch]
+    d_in, d_sae = _int(raw, "d_in", cfg_path), _int(raw, "d_sae", cfg_path)
+    d_out = _int(raw, "d_out", cfg_path) if kind != "sae" else d_in
+    check_d_model(d_in, d_model, cfg_path, "d_in")
+    norm = raw.get("normalize_activations", "none") or "none"
+    if norm in ("constant_norm_rescale", "layer_norm"):
+        raise UnsupportedArchitectureError(
+            f"{cfg_path}: key 'normalize_activations' is {norm!r} (per-token run-time normalisation), "
+            "which our modules do not reproduce")
+    if norm not in ("none", "expected_average_only_in"):
+        raise UnsupportedArchitectureError(f"{cfg_path}: key 'normalize_activations' is {norm!r}; "
+                                           "supported: 'none', 'expected_average_only_in'")
+    metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
+    hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
+    site = None
+    if isinstance(hook_name, str):
+        try:
+            site = transformer_lens_hook_site(hook_name, adapter)
+        except UnsupportedArchitectureError:
+            site = None
+
+    shapes, _ = read_safetensors_header(weights_path)
+    state = load_safetensors(weights_path)
+    if "log_threshold" in state and "threshold" not in state:
+        state["threshold"] = state.pop("log_threshold").exp()
+    if "threshold" in state:
+        state["activation.threshold"] = state.pop("threshold").clamp_min(0)
+    params: dict[str, Any] = {}
+    if activation == "topk":
+        params["k"] = _int(raw, "k", cfg_path)
+    stored = shapes.get("W_enc")
+    src = f"{cfg_path.name} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"
+    extra = {"saelens": {
+        "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
+        "norm_folded": False, "apply_b_dec_to_input": bool(raw.get("apply_b_dec_to_input", kind == "sae")),
+        "reshape_activations": raw.get("reshape_activations", "none"),
+        "site": None if site is None else {"layer": site.layer, "site": site.site,
+                                           "module_path": site.module_path, "io": site.io},
+    }}
+    module: SparseAutoencoder | Transcoder
+    if kind == "sae":
+        scfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
+                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
+                         hook=(site.module_path if site is not None and site.module_path else hook_name))
+        module = build_module(lambda: SparseAutoencoder(scfg), state, weights_path, src, device=device,
+                              dtype=dtype or (state["W_enc"].dtype if stored else None))
+    else:
+        if raw.get("apply_b_dec_to_input"):
+            raise CheckpointError(f"{cfg_path}: key 'apply_b_dec_to_input' is true, which SAELens forbids "
+                                  "for transcoders")
+        tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
+                                extra=extra, layer=None if site is None else site.layer)
+        cls = SkipTranscoder if kind == "skip_transcoder" else Transcoder
+        module = build_module(lambda: cls(tcfg), state, weights_path, src, device=device,
+                              dtype=dtype or (state["W_enc"].dtype if stored else None))
+    if activation == "topk" and raw.get("rescale_acts_by_decoder_norm"):
+        module.fold_decoder_norm_()
+        extra["saelens"]["folded_decoder_norm"] = True
+    if norm == "expected_average_only_in":
+        if norm_scaling_factor is None:
+            warnings.warn(f"{cfg_path}: normalize_activations is 'expected_average_only_in' but no "
+                          "norm_scaling_factor was given; the module expects inputs scaled by it", stacklevel=2)
+        else:
+            with torch.no_grad():
+                s = float(norm_scaling_factor)
+                module.W_enc.mul_(s)
+                module.W_dec.div_(s)
+                module.b_dec.div_(s)
+            extra["saelens"]["norm_folded"] = True
+            extra["saelens"]["norm_scaling_factor"] = float(norm_scaling_factor)
+    return module
+
+
+_ARCH_OF = {("sae", "relu"): "standard", ("sae", "topk"): "topk", ("sae", "jumprelu"): "jumprelu",
+            ("transcoder", "relu"): "transcoder", ("skip_transcoder", "relu"): "skip_transcoder",
+            ("transcoder", "jumprelu"): "jumprelu_transcoder",
+            ("skip_transcoder", "jumprelu"): "jumprelu_skip_transcoder"}
+
+
+def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.PathLike[str], *,
+                 hook_name: str | None = None, model_name: str | None = None) -> Path:
+    """Write ``module`` in SAELens v6 layout (``cfg.json`` + ``sae_weights.safetensors``).
+
+    Raises:
+        UnsupportedArchitectureError: an activation SAELens has no inference architecture for here
+            (batchtopk: export with ``module.to_jumprelu_()`` first), or a negative JumpReLU threshold.
+    """
+    from safetensors.torch import save_file
+
+    kind = "skip_transcoder" if isinstance(module, SkipTranscoder) else (
+        "transcoder" if isinstance(module, Transcoder) else "sae")
+    arch = _ARCH_OF.get((kind, module.cfg.activation))
+    if arch is None:
+        raise UnsupportedArchitectureError(f"no SAELens architecture for a {kind} with activation "
+                                           f"{module.cfg.activation!r}")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    if "activation.threshold" in state and bool((state["activation.threshold"] < 0).any()):
+        raise UnsupportedArchitectureError(
+            "activation.threshold has negative entries: SAELens's JumpReLU is relu(x)·1[x > θ], ours x·1[x > θ]; "
+            "they agree only for θ ≥ 0 (clamp the threshold first)")
+    if "activation.threshold" in state:
+        state["threshold"] = state.pop("activation.threshold")
+    state = {k: v for k, v in state.items() if not k.startswith("activation.")}
+    dtype = str(state["W_enc"].dtype).removeprefix("torch.")
+    cfg: dict[str, Any] = {
+        "architecture": arch, "d_in": module.cfg.d_in, "d_sae": module.cfg.d_sae, "dtype": dtype, "device": "cpu",
+        "apply_b_dec_to_input": bool(getattr(module.cfg, "apply_b_dec_to_input", False)),
+        "normalize_activations": "none", "reshape_activations": "none",
+        "metadata": {"hook_name": hook_name, "model_name": model_name},
+    }
+    if kind != "sae":
+        cfg["d_out"] = module.d_out
+    if arch == "topk":
+        cfg["k"] = module.cfg.activation_params["k"]
+        cfg["rescale_acts_by_decoder_norm"] = False
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / WEIGHTS_FILE))
+    (path / CFG_FILE).write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    return path

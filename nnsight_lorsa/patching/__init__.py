@@ -1,0 +1,10 @@
+"""Causal interventions on MHSA heads, Lorsa heads and SAE/transcoder features (seed 004 §10)."""
+
+from .interventions import ablate, mean_activations, patch, read, scale, steer
+from .metrics import logit_difference, relative_effect
+from .targets import Bound, Feature, LorsaHead, MHSAHead, Resolver, Target, TargetIndexError
+
+__all__ = [
+    "Bound", "Feature", "LorsaHead", "MHSAHead", "Resolver", "Target", "TargetIndexError", "ablate",
+    "logit_difference", "mean_activations", "patch", "read", "relative_effect", "scale", "steer",
+]

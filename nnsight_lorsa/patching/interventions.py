@@ -1,0 +1,101 @@
+"""Interventions to call inside a ``model.trace`` body; each edits its target's activation in place.
+
+>>> r = Resolver(model, lorsa=lorsa_set)                       # doctest: +SKIP
+>>> with model.trace(ids):                                      # doctest: +SKIP
+...     ablate(r(MHSAHead(1, 2)))                               # zero an MHSA head
+...     scale(r(LorsaHead(2, 17)), 2.0)                         # double a Lorsa head's z
+...     logits = model.lm_head.output.save()
+
+Several interventions in one body must come in the model's execution order (earlier layers
+first; in a layer MHSA head < Lorsa head < transcoder feature < SAE feature on the layer
+output): :meth:`Resolver.sort` orders targets that way. Inside ``tracer.invoke`` they act on
+that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list; None:
+all); values are per position: ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from ..errors import ConfigMismatchError
+from .targets import Bound, Positions, Resolver, Target, index_at
+
+
+def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
+    if not isinstance(target, Bound):
+        raise ConfigMismatchError(f"bind targets first: resolver(target), got {target!r}")
+    tensor, cols = target.location()
+    return tensor, index_at(cols, positions)
+
+
+def read(target: Bound, positions: Positions = None) -> torch.Tensor:
+    """The target's current value (a saved copy): ``(batch, n_pos[, head_dim])``."""
+    tensor, idx = _loc(target, positions)
+    return tensor[idx].clone().save()
+
+
+def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = None,
+           positions: Positions = None) -> None:
+    """Set the target to 0 (``mode="zero"``) or to its mean (``mode="mean"``).
+
+    ``means``: a tensor (the target's mean value) or the mapping returned by
+    :func:`mean_activations` (keyed by target).
+    """
+    tensor, idx = _loc(target, positions)
+    if mode == "zero":
+        tensor[idx] = 0
+        return
+    if mode != "mean":
+        raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
+    if isinstance(means, Mapping):
+        if target.target not in means:
+            raise ConfigMismatchError(f"no mean for {target.target}")
+        means = means[target.target]
+    if means is None:
+        raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
+    target.resolver.check_values(target.target, torch.as_tensor(means))
+    tensor[idx] = torch.as_tensor(means).to(tensor.dtype)
+
+
+def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
+    """Multiply the target by ``alpha`` (``-alpha`` inhibits, seed 004 §10.1)."""
+    tensor, idx = _loc(target, positions)
+    tensor[idx] = tensor[idx] * alpha
+
+
+def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
+    """Add ``delta`` (a number, or a ``head_dim`` vector for MHSA heads) to the target."""
+    tensor, idx = _loc(target, positions)
+    if isinstance(delta, torch.Tensor):
+        target.resolver.check_values(target.target, delta)
+        delta = delta.to(tensor.dtype)
+    tensor[idx] = tensor[idx] + delta
+
+
+def patch(target: Bound, source_values: torch.Tensor, positions: Positions = None) -> None:
+    """Overwrite the target by ``source_values`` (e.g. read from another prompt's run)."""
+    target.resolver.check_values(target.target, source_values)
+    tensor, idx = _loc(target, positions)
+    tensor[idx] = source_values.to(tensor.dtype)
+
+
+def mean_activations(resolver: Resolver, targets: Iterable[Target], prompts: Any,
+                     per_position: bool = False) -> dict[Target, torch.Tensor]:
+    """Mean value of each target over a reference set ``prompts`` (token ids or text).
+
+    Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
+    the batch only (``(pos[, head_dim])``; the prompts must then share one length).
+    """
+    ordered = resolver.sort(targets)
+    for t in ordered:
+        resolver.check(t)
+    saved = {}
+    with torch.no_grad(), resolver.model.trace(prompts):
+        resolver.prepare(ordered)
+        for t in ordered:
+            saved[t] = read(Bound(t, resolver))
+    dims = (0,) if per_position else (0, 1)
+    return {t: v.float().mean(dims).to(v.dtype) for t, v in saved.items()}

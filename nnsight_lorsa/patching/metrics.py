@@ -1,0 +1,31 @@
+"""Behavioural metrics on logits (seed 004 §4.4) and the relative effect of an intervention (§10.4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _ids(ids: Any, batch: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(ids, device=device).long()
+    return t.expand(batch) if t.ndim == 0 else t
+
+
+def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> torch.Tensor:
+    """``logit[correct] − logit[incorrect]`` at ``position``, per batch row: ``(batch,)``.
+
+    Args:
+        logits: ``(batch, pos, vocab)``.
+        correct_ids, incorrect_ids: a token id or one per row ``(batch,)``.
+    """
+    last = logits[:, position, :].float()
+    rows = torch.arange(last.shape[0], device=last.device)
+    n = last.shape[0]
+    return last[rows, _ids(correct_ids, n, last.device)] - last[rows, _ids(incorrect_ids, n, last.device)]
+
+
+def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float) -> torch.Tensor:
+    """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect."""
+    b = torch.as_tensor(baseline, dtype=torch.float32)
+    return (b - torch.as_tensor(intervened, dtype=torch.float32)) / b
