@@ -125,10 +125,8 @@ def attention_activations(
         saved_pos = nnsight.save(adapter.attention_positions(args, kwargs, x))
         saved_y = nnsight.save(adapter.attention_output(attn.output))
         tracer.stop()
-    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    loss_mask = real.clone()
-    loss_mask[:, 0] = False  # BOS (attention sink): excluded from the loss
-    return AttentionBatch(x=saved_x, y=saved_y, positions=saved_pos, loss_mask=loss_mask, attn_mask=attention_mask)
+    return AttentionBatch(x=saved_x, y=saved_y, positions=saved_pos, loss_mask=loss_mask_for(input_ids, attention_mask),
+                          attn_mask=attention_mask)
 
 
 class AttentionActivationSource:
@@ -150,3 +148,118 @@ class AttentionActivationSource:
     def __call__(self, index: int) -> AttentionBatch:
         ids = self.dataset.batch(index, self.batch_size, self.seed)
         return attention_activations(self.model, self.layer, ids, adapter=self.adapter)
+
+
+# --------------------------------------------------------------------------- any site
+@dataclass
+class SiteBatch:
+    """One batch of (input, target) activations for a sparse coder (SAE: input = target).
+
+    Attributes:
+        x: ``(batch, pos, d_in)`` what the dictionary reads.
+        y: ``(batch, pos, d_out)`` what it reconstructs.
+        loss_mask: ``(batch, pos)`` bool, False at BOS and padding.
+    """
+
+    x: Float[torch.Tensor, "batch pos d_in"]
+    y: Float[torch.Tensor, "batch pos d_out"]
+    loss_mask: Bool[torch.Tensor, "batch pos"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """A value in the forward pass: the ``"input"`` (first argument) or ``"output"`` (first element
+    if a tuple) of the module at ``path`` (envoy path below the nnsight root, e.g. ``"model.layers.2"``)."""
+
+    path: str
+    kind: str = "output"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("input", "output"):
+            raise ValueError(f"Site.kind must be 'input' or 'output', got {self.kind!r}")
+
+    @classmethod
+    def mlp_input(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
+        """What layer ``layer``'s MLP reads (after the pre-MLP norm): a transcoder's input."""
+        return cls(adapter.mlp_path(adapter.check_layer(layer)), "input")
+
+    @classmethod
+    def mlp_output(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
+        """What layer ``layer``'s MLP returns: a transcoder's target."""
+        return cls(adapter.mlp_path(adapter.check_layer(layer)), "output")
+
+    @classmethod
+    def resid_post(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
+        """The residual stream after decoder layer ``layer`` (its output)."""
+        return cls(adapter.layer_path(adapter.check_layer(layer)), "output")
+
+
+def _read_site(envoy: Any, site: Site, adapter: ArchitectureAdapter) -> Any:
+    if site.kind == "input":
+        args, kwargs = envoy.inputs
+        return adapter.mlp_input(args, kwargs)  # first positional argument / hidden_states
+    out = envoy.output
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def loss_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(batch, pos)`` bool: real tokens except BOS (column 0)."""
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    loss_mask = real.clone()
+    loss_mask[:, 0] = False
+    return loss_mask
+
+
+@torch.no_grad()
+def site_activations(model: Any, input_site: Site, target_site: Site, input_ids: Int[torch.Tensor, "batch pos"],
+                     attention_mask: torch.Tensor | None = None,
+                     adapter: ArchitectureAdapter | None = None) -> SiteBatch:
+    """Run ``model`` under one ``model.trace`` and return ``(input_site, target_site)`` values.
+
+    The sites are read in execution order (input first) and the trace stops after the target.
+    """
+    adapter = get_adapter(model) if adapter is None else adapter
+    inputs: dict[str, Any] = {"input_ids": input_ids}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    with model.trace(inputs, use_cache=False) as tracer:
+        saved_x = nnsight.save(_read_site(resolve_envoy(model, input_site.path), input_site, adapter))
+        if target_site == input_site:
+            saved_y = saved_x
+        else:
+            saved_y = nnsight.save(_read_site(resolve_envoy(model, target_site.path), target_site, adapter))
+        tracer.stop()
+    return SiteBatch(x=saved_x, y=saved_y, loss_mask=loss_mask_for(input_ids, attention_mask))
+
+
+class SiteActivationSource:
+    """Batch ``i`` = (``input_site``, ``target_site``) activations on token batch ``i`` of ``dataset``.
+
+    SAE on the residual after layer 2: ``SiteActivationSource(model, Site("model.layers.2"),
+    Site("model.layers.2"), data, 16)``; transcoder of layer 1: :meth:`transcoder`.
+    """
+
+    def __init__(self, model: Any, input_site: Site, target_site: Site, dataset: TokenDataset, batch_size: int,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.input_site, self.target_site = input_site, target_site
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+
+    @classmethod
+    def transcoder(cls, model: Any, layer: int, dataset: TokenDataset, batch_size: int,
+                   seed: int = 0) -> SiteActivationSource:
+        """Input = layer ``layer``'s MLP input, target = its output."""
+        a = get_adapter(model)
+        return cls(model, Site.mlp_input(a, layer), Site.mlp_output(a, layer), dataset, batch_size, seed)
+
+    @classmethod
+    def sae(cls, model: Any, site: Site, dataset: TokenDataset, batch_size: int, seed: int = 0) -> SiteActivationSource:
+        """Input = target = ``site``."""
+        return cls(model, site, site, dataset, batch_size, seed)
+
+    def __call__(self, index: int) -> SiteBatch:
+        ids = self.dataset.batch(index, self.batch_size, self.seed)
+        return site_activations(self.model, self.input_site, self.target_site, ids, adapter=self.adapter)

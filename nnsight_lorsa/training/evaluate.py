@@ -1,15 +1,17 @@
-"""Evaluate a Lorsa spliced into its model: FVU, L0, dead heads and next-token CE.
+"""Evaluate a dictionary spliced into its model: FVU, L0, dead latents, next-token CE and KL.
 
-For each held-out batch, three nnsight traces: the unmodified model (``CE_orig``), the model
-with the layer's MHSA output replaced by the Lorsa (``CE_lorsa``, via ``LorsaSet.replace``), and
-with that attention output zeroed (``CE_zero``). The fraction of CE recovered,
-``(CE_zero − CE_lorsa) / (CE_zero − CE_orig)``, is SAELens' "CE loss score" for attention.
-FVU and L0 are measured on the same trace as ``CE_lorsa`` (MHSA output read before the
-Lorsa's internals, then the Lorsa's ``hook_z``/``hook_out``).
+For each held-out batch, three nnsight traces: the unmodified model (``CE_orig``; the site's true
+value is read there), the model with the site replaced by the dictionary (``CE_spliced``, via
+``LorsaSet.replace`` / ``TranscoderSet.replace`` / ``SAESet.replace``; its features and output
+are read there) and with the site zero-ablated (``CE_zero``). The fraction of CE recovered,
+``(CE_zero − CE_spliced) / (CE_zero − CE_orig)``, is SAELens' "CE loss score"; ``kl`` is the mean
+KL(original ‖ spliced) of the next-token distributions. :func:`evaluate_spliced` is the loop,
+:func:`evaluate_lorsa`, :func:`evaluate_transcoder` and :func:`evaluate_sae` say what the site is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 
 from ..envoy.lorsa_set import LorsaSet
 from ..envoy.mount import resolve_envoy
+from ..envoy.sae_set import SAESet, site_output, with_site_output
+from ..envoy.transcoder_set import TranscoderSet
 from .activations import TokenDataset
 from .metrics import FVUAccumulator
 
@@ -50,6 +54,85 @@ def _ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
     return float(lp), ids[:, 1:].numel()
 
 
+@dataclass
+class SplicedEvaluation:
+    """Evaluation numbers of any spliced dictionary (CE and KL in nats per predicted token)."""
+
+    fvu: float
+    l0: float
+    dead_frac: float
+    ce_orig: float
+    ce_spliced: float
+    ce_zero: float
+    kl: float
+    n_tokens: int
+
+    @property
+    def ce_recovered(self) -> float:
+        """``(CE_zero − CE_spliced) / (CE_zero − CE_orig)``."""
+        return (self.ce_zero - self.ce_spliced) / (self.ce_zero - self.ce_orig)
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "ce_recovered": self.ce_recovered}
+
+
+def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
+    """Summed KL(p ‖ q) over the predicting positions ``[:, :-1]``."""
+    lp = logits_p[:, :-1].float().log_softmax(-1)
+    lq = logits_q[:, :-1].float().log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+@torch.no_grad()
+def evaluate_spliced(model: Any, lm_head_path: str, dataset: TokenDataset, n_latents: int, *,
+                     read_target: Callable[[], Any], splice: Callable[[], tuple[Any, Any]],
+                     zero_ablate: Callable[[], None], batch_size: int = 8,
+                     max_batches: int | None = None) -> SplicedEvaluation:
+    """The evaluation loop. Inside the respective traces, ``read_target()`` returns the site's
+    true value, ``splice()`` splices the dictionary and returns ``(features, output)`` proxies, and
+    ``zero_ablate()`` zeroes the site. BOS positions (column 0) are excluded from FVU/L0; a latent
+    is dead if it never fires on the set."""
+    acc = FVUAccumulator()
+    sums = {"orig": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
+    n_tok = 0
+    l0_sum, l0_n = 0.0, 0
+    fired = torch.zeros(n_latents, dtype=torch.bool)
+    n_batches = (len(dataset) + batch_size - 1) // batch_size
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    for i in range(n_batches):
+        ids = dataset.tokens[i * batch_size:(i + 1) * batch_size]
+        lm_head = resolve_envoy(model, lm_head_path)
+        with model.trace(ids, use_cache=False):
+            target = nnsight.save(read_target())
+            logits_orig = nnsight.save(lm_head.output)
+        with model.trace(ids, use_cache=False):
+            acts_proxy, out_proxy = splice()
+            z = nnsight.save(acts_proxy)
+            out = nnsight.save(out_proxy)
+            logits_spliced = nnsight.save(lm_head.output)
+        with model.trace(ids, use_cache=False):
+            zero_ablate()
+            logits_zero = nnsight.save(lm_head.output)
+        for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
+            ce, n = _ce(logits, ids)
+            sums[key] += ce
+        sums["kl"] += _kl(logits_orig, logits_spliced)
+        n_tok += n
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        keep[:, 0] = False
+        acc.update(target[keep].float(), out[keep].float())
+        active = z[keep] > 0
+        l0_sum += float(active.sum())
+        l0_n += active.shape[0]
+        fired |= active.any(0)
+    return SplicedEvaluation(
+        fvu=acc.value(), l0=l0_sum / max(l0_n, 1), dead_frac=float((~fired).float().mean()),
+        ce_orig=sums["orig"] / n_tok, ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok,
+        kl=sums["kl"] / n_tok, n_tokens=n_tok,
+    )
+
+
 @torch.no_grad()
 def evaluate_lorsa(lorsas: LorsaSet, layer: int, dataset: TokenDataset, *, batch_size: int = 8,
                    max_batches: int | None = None) -> LorsaEvaluation:
@@ -59,49 +142,65 @@ def evaluate_lorsa(lorsas: LorsaSet, layer: int, dataset: TokenDataset, *, batch
     """
     model, adapter = lorsas.model, lorsas.adapter
     attn_path = adapter.attention_path(layer)
-    lm_head_path = adapter.lm_head_path
-    acc = FVUAccumulator()
-    sums = {"orig": 0.0, "lorsa": 0.0, "zero": 0.0}
-    n_tok = 0
-    l0_sum, l0_n = 0.0, 0
-    fired = torch.zeros(lorsas[layer].cfg.n_ov_heads, dtype=torch.bool)
-    n_batches = (len(dataset) + batch_size - 1) // batch_size
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    for i in range(n_batches):
-        ids = dataset.tokens[i * batch_size:(i + 1) * batch_size]
+
+    def splice() -> tuple[Any, Any]:
+        site = lorsas.replace(layer)
+        return site.hook_z.output, site.hook_out.output
+
+    def zero_ablate() -> None:
         attn = resolve_envoy(model, attn_path)
-        lm_head = resolve_envoy(model, lm_head_path)
-        with model.trace(ids, use_cache=False):
-            logits_orig = nnsight.save(lm_head.output)
-        with model.trace(ids, use_cache=False):
-            site = lorsas.replace(layer)  # before any read at the layer; then the MHSA output is
-            mhsa = nnsight.save(adapter.attention_output(attn.output))  # served before the Lorsa runs
-            z = nnsight.save(site.hook_z.output)
-            out = nnsight.save(site.hook_out.output)
-            logits_lorsa = nnsight.save(lm_head.output)
-        with model.trace(ids, use_cache=False):
-            original = attn.output
-            attn.output = adapter.with_attention_output(original, torch.zeros_like(adapter.attention_output(original)))
-            logits_zero = nnsight.save(lm_head.output)
-        for key, logits in (("orig", logits_orig), ("lorsa", logits_lorsa), ("zero", logits_zero)):
-            ce, n = _ce(logits, ids)
-            sums[key] += ce
-        n_tok += n
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        keep[:, 0] = False
-        acc.update(mhsa[keep].float(), out[keep].float())
-        active = z[keep] > 0
-        l0_sum += float(active.sum())
-        l0_n += active.shape[0]
-        fired |= active.any(0)
-    return LorsaEvaluation(
-        fvu=acc.value(), l0=l0_sum / max(l0_n, 1), dead_frac=float((~fired).float().mean()),
-        ce_orig=sums["orig"] / n_tok, ce_lorsa=sums["lorsa"] / n_tok, ce_zero=sums["zero"] / n_tok,
-        n_tokens=n_tok,
-    )
+        original = attn.output
+        attn.output = adapter.with_attention_output(original, torch.zeros_like(adapter.attention_output(original)))
+
+    ev = evaluate_spliced(
+        model, adapter.lm_head_path, dataset, lorsas[layer].cfg.n_ov_heads,
+        read_target=lambda: adapter.attention_output(resolve_envoy(model, attn_path).output),
+        splice=splice, zero_ablate=zero_ablate, batch_size=batch_size, max_batches=max_batches)
+    return LorsaEvaluation(fvu=ev.fvu, l0=ev.l0, dead_frac=ev.dead_frac, ce_orig=ev.ce_orig,
+                           ce_lorsa=ev.ce_spliced, ce_zero=ev.ce_zero, n_tokens=ev.n_tokens)
 
 
-def summarize(ev: LorsaEvaluation) -> dict[str, Any]:
+def _dictionary_splice(site: Any) -> tuple[Any, Any]:
+    return site.hook_sae_acts_post.output, site.hook_sae_recons.output
+
+
+@torch.no_grad()
+def evaluate_transcoder(transcoders: TranscoderSet, layer: int, dataset: TokenDataset, *, batch_size: int = 8,
+                        max_batches: int | None = None) -> SplicedEvaluation:
+    """Evaluate the transcoder of ``layer`` (MLP output replaced; zero-ablation = MLP output zeroed)."""
+    model, adapter = transcoders.model, transcoders.adapter
+    mlp_path = adapter.mlp_path(layer)
+
+    def zero_ablate() -> None:
+        mlp = resolve_envoy(model, mlp_path)
+        original = mlp.output
+        mlp.output = adapter.with_mlp_output(original, torch.zeros_like(adapter.mlp_output(original)))
+
+    return evaluate_spliced(
+        model, adapter.lm_head_path, dataset, transcoders[layer].cfg.d_sae,
+        read_target=lambda: adapter.mlp_output(resolve_envoy(model, mlp_path).output),
+        splice=lambda: _dictionary_splice(transcoders.replace(layer)), zero_ablate=zero_ablate,
+        batch_size=batch_size, max_batches=max_batches)
+
+
+@torch.no_grad()
+def evaluate_sae(saes: SAESet, site: str, dataset: TokenDataset, *, batch_size: int = 8,
+                 max_batches: int | None = None) -> SplicedEvaluation:
+    """Evaluate the SAE at ``site`` (its output replaced; zero-ablation = the output zeroed)."""
+    model = saes.model
+
+    def zero_ablate() -> None:
+        env = resolve_envoy(model, site)
+        original = env.output
+        env.output = with_site_output(original, torch.zeros_like(site_output(original)))
+
+    return evaluate_spliced(
+        model, saes.adapter.lm_head_path, dataset, saes[site].cfg.d_sae,
+        read_target=lambda: site_output(resolve_envoy(model, site).output),
+        splice=lambda: _dictionary_splice(saes.replace(site)), zero_ablate=zero_ablate,
+        batch_size=batch_size, max_batches=max_batches)
+
+
+def summarize(ev: LorsaEvaluation | SplicedEvaluation) -> dict[str, Any]:
     """Rounded numbers for printing/JSON."""
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in ev.to_dict().items()}

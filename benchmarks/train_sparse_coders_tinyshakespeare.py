@@ -1,0 +1,94 @@
+"""Train TopK transcoders on every MLP and a TopK SAE on the layer-2 residual of the embedded
+tinyshakespeare Llama, then evaluate them spliced into the model on held-out windows.
+
+    python benchmarks/train_sparse_coders_tinyshakespeare.py [--steps 1200] [--d-sae 1024] [--k 16]
+
+Same data and held-out split as ``nnsight-lorsa demo`` (the last 64 windows of 128 tokens). Writes
+``benchmarks/results/sparse_coders_tinyshakespeare.json`` (command, settings, numbers per dictionary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nnsight_lorsa import get_adapter
+from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy.sae_set import SAESet
+from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+from nnsight_lorsa.tinymodel import default_corpus_path
+from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset
+from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder, summarize
+from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--d-sae", type=int, default=1024)
+    p.add_argument("--k", type=int, default=16)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--sae-layer", type=int, default=2)
+    p.add_argument("--heldout-windows", type=int, default=64)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sparse_coders_tinyshakespeare.json"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    t0 = time.time()
+    model = load_model()
+    adapter = get_adapter(model)
+    text = Path(default_corpus_path()).read_text(encoding="utf-8")
+    data = TokenDataset.from_text(model.tokenizer, text, args.seq_len)
+    train, heldout = data.split(min(0.2, args.heldout_windows / len(data)))
+    d = adapter.d_model
+    params = {"k": args.k}
+    jobs: list[tuple[str, SparseCoderTrainer]] = []
+    for layer in range(adapter.n_layers):
+        tc = Transcoder(TranscoderConfig(d_in=d, d_sae=args.d_sae, activation="topk", activation_params=params,
+                                         layer=layer))
+        src = SiteActivationSource.transcoder(model, layer, train, args.batch_size)
+        jobs.append((f"transcoder L{layer}", SparseCoderTrainer(tc, src, SparseCoderTrainConfig(
+            total_steps=args.steps, lr=args.lr))))
+    site = adapter.layer_path(args.sae_layer)
+    sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=args.d_sae, activation="topk", activation_params=params, hook=site))
+    src = SiteActivationSource.sae(model, Site(site), train, args.batch_size)
+    sae_config = SparseCoderTrainConfig(total_steps=args.steps, lr=args.lr)
+    jobs.append((f"SAE {site}", SparseCoderTrainer(sae, src, sae_config)))
+    results = []
+    for name, trainer in jobs:
+        t = time.time()
+        trainer.train(progress=not args.no_progress)
+        t_train = time.time() - t
+        coder = trainer.folded()
+        if isinstance(coder, Transcoder):
+            layer = coder.cfg.layer
+            assert layer is not None
+            ev = evaluate_transcoder(TranscoderSet(model, {layer: coder}), layer, heldout)
+        else:
+            ev = evaluate_sae(SAESet(model, {site: coder}), site, heldout)
+        t_eval = time.time() - t - t_train
+        row = {"dictionary": name, "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
+               "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), **summarize(ev)}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    out = {"command": "python " + " ".join(sys.argv), "steps": args.steps, "batch_size": args.batch_size,
+           "seq_len": args.seq_len, "d_sae": args.d_sae, "k": args.k, "lr": args.lr,
+           "train_tokens_per_dictionary": args.steps * args.batch_size * args.seq_len,
+           "heldout_windows": len(heldout), "total_seconds": round(time.time() - t0, 1), "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"total {out['total_seconds']} s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Train SAEs and (skip-)transcoders with the Lorsa trainer's core (:class:`~.trainer.TrainerCore`).
+
+Objective (normalised space ``x · s_in -> y · s_out``, dataset-norm factors as for a Lorsa):
+``‖y − ŷ‖²`` summed over the feature dim and averaged over non-BOS, non-pad tokens, plus the
+method's sparsity term:
+
+* ``"relu"`` — L1 weighted by the decoder norms, ``l1_coef · Σ_i acts_i ‖W_dec[i]‖`` (Bricken
+  et al. 2023; SAELens ``standard``);
+* ``"topk"`` / ``"batchtopk"`` — no penalty; AuxK against dead latents (Gao et al. 2024);
+* ``"jumprelu"`` — ``l0_coef · Σ_i H(pre_i − θ_i)`` through the straight-through estimator of
+  :meth:`~..modules.activations.JumpReLU.l0` (Rajamanoharan et al. 2024).
+
+Decoder rows are kept at unit norm after every step for ReLU+L1, TopK and BatchTopK (SAELens,
+sparsify); not for JumpReLU (set ``normalize_decoder`` to override). :meth:`SparseCoderTrainer.folded`
+returns a copy acting on raw activations; checkpoints resume bit-exactly, as for a Lorsa.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..modules.activations import BatchTopK, JumpReLU, TopK
+from ..modules.sae import SAEConfig, SparseAutoencoder
+from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
+from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from .activations import SiteActivationSource, SiteBatch
+from .metrics import fvu
+from .trainer import TrainConfig, TrainerCore
+
+_CLASSES: dict[str, tuple[type[SparseCoder], type[SparseCoderConfig]]] = {
+    "SparseAutoencoder": (SparseAutoencoder, SAEConfig),
+    "Transcoder": (Transcoder, TranscoderConfig),
+    "SkipTranscoder": (SkipTranscoder, TranscoderConfig),
+}
+
+
+@dataclass
+class SparseCoderTrainConfig(TrainConfig):
+    """:class:`TrainConfig` plus the sparsity coefficients of the sparse-coder losses.
+
+    Attributes:
+        l1_coef: weight of the decoder-norm-weighted L1 (ReLU coders).
+        l0_coef: weight of the L0 penalty (JumpReLU coders).
+        normalize_decoder: keep unit-norm decoder rows (None: yes except for JumpReLU).
+    """
+
+    l1_coef: float = 1e-3
+    l0_coef: float = 1e-3
+    normalize_decoder: bool | None = None
+
+
+class SparseCoderTrainer(TrainerCore):
+    """Trains an SAE / transcoder / skip transcoder ``coder`` on batches from ``source``.
+
+    Args:
+        coder: the module (modified in place; training-space weights).
+        source: batch index -> :class:`~.activations.SiteBatch` (e.g. :class:`SiteActivationSource`).
+        config: :class:`SparseCoderTrainConfig`.
+    """
+
+    desc = "sparse coder"
+    weights_file = "coder.safetensors"
+    config_key = "coder_config"
+
+    def __init__(self, coder: SparseCoder, source: SiteActivationSource | Any,
+                 config: SparseCoderTrainConfig) -> None:
+        super().__init__(coder, source, config)
+        self.coder = coder
+        self.config: SparseCoderTrainConfig = config
+        coder.train()
+
+    @staticmethod
+    def n_latents(module: Any) -> int:
+        return int(module.cfg.d_sae)
+
+    @classmethod
+    def config_class(cls) -> type:
+        return SparseCoderTrainConfig
+
+    @property
+    def normalize_decoder(self) -> bool:
+        if self.config.normalize_decoder is not None:
+            return self.config.normalize_decoder
+        return not isinstance(self.coder.activation, JumpReLU)
+
+    def after_norms(self) -> None:
+        # an SAE reconstructs its input: one scale factor, so that b_dec centring folds exactly
+        if isinstance(self.coder, SparseAutoencoder):
+            self.s_out = self.s_in
+
+    @torch.no_grad()
+    def post_step(self) -> None:
+        if self.normalize_decoder:
+            W = self.coder.W_dec
+            W.div_(W.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
+    def module_config(self) -> dict[str, Any]:
+        return {"class": type(self.coder).__name__, **self.coder.cfg.to_dict()}
+
+    @classmethod
+    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        d = dict(meta[cls.config_key])
+        module_cls, cfg_cls = _CLASSES[d.pop("class")]
+        return module_cls(cfg_cls.from_dict(d))
+
+    # -------------------------------------------------------------- step
+    def loss(self, batch: SiteBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss on one batch (normalised space) and its metrics (FVU, L0, dead fraction, aux, sparsity)."""
+        assert self.s_in is not None and self.s_out is not None
+        coder = self.coder
+        mask = batch.loss_mask
+        x = batch.x[mask].to(coder.W_dec.dtype) * self.s_in
+        y = batch.y[mask].to(coder.W_dec.dtype) * self.s_out
+        pre = affine(coder.encoder_input(x), coder.W_enc, coder.b_enc)
+        acts = coder.activation(pre)
+        out = coder.decode(acts)
+        skip = coder.skip(x)
+        if skip is not None:
+            out = out + skip
+        err = y - out
+        mse = err.pow(2).sum(-1).mean()
+        loss = mse
+        active = acts > 0
+        dead = self.count_firing(active, x.shape[0])
+        sparsity = torch.zeros((), dtype=mse.dtype)
+        aux = torch.zeros((), dtype=mse.dtype)
+        act = coder.activation
+        if isinstance(act, (TopK, BatchTopK)):
+            aux = self.aux_k_loss(pre, dead, err, coder.W_dec, 2 * act.k)
+            if self.config.aux_k_coef > 0 and dead.any():
+                loss = loss + self.config.aux_k_coef * aux
+        elif isinstance(act, JumpReLU):
+            sparsity = act.l0(pre).mean()
+            loss = loss + self.config.l0_coef * sparsity
+        else:  # ReLU + decoder-norm-weighted L1
+            sparsity = (acts * coder.W_dec.norm(dim=-1)).sum(-1).mean()
+            loss = loss + self.config.l1_coef * sparsity
+        metrics = {
+            "loss": float(loss.detach()),
+            "mse": float(mse.detach()),
+            "fvu": float(fvu(y, out.detach())),
+            "l0": float(active.sum(-1).float().mean()),
+            "dead_frac": float(dead.float().mean()),
+            "aux": float(aux.detach()),
+            "sparsity": float(sparsity.detach()),
+        }
+        return loss, metrics
+
+    # ----------------------------------------------------------- results
+    @torch.no_grad()
+    def folded(self) -> SparseCoder:
+        """A copy acting on raw activations: ``f_raw(x) = f(x · s_in) / s_out`` (eval mode).
+
+        ``W_enc *= s_in`` (pre-activations unchanged, so the same features fire), ``W_dec, b_dec
+        /= s_out``, ``W_skip *= s_in / s_out``; an SAE's ``b_dec`` centring uses ``s_in = s_out``.
+        Then decoder rows are renormalised (:meth:`~..modules.sparse_coder.SparseCoder.fold_decoder_norm_`)
+        for ReLU/JumpReLU, and for TopK (all rows share one norm, so the ranking is unchanged);
+        a BatchTopK keeps its rows at ``1/s_out`` so that its threshold stays valid.
+        """
+        if self.s_in is None or self.s_out is None:
+            raise RuntimeError("norms are not estimated yet: train first")
+        out = copy.deepcopy(self.coder).eval()
+        out.W_enc.mul_(self.s_in)
+        out.W_dec.div_(self.s_out)
+        out.b_dec.div_(self.s_out)
+        if isinstance(out, SkipTranscoder):
+            out.W_skip.mul_(self.s_in / self.s_out)
+        if not isinstance(out.activation, BatchTopK):
+            out.fold_decoder_norm_()
+        return out

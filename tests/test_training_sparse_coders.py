@@ -1,0 +1,195 @@
+"""Training SAEs and (skip-)transcoders with the shared trainer core; folding; exact resume; evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import random_ids, tiny_nnsight
+
+from nnsight_lorsa import get_adapter
+from nnsight_lorsa.envoy.sae_set import SAESet
+from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, site_activations
+from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder
+from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+
+LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    data = TokenDataset(random_ids(batch=48, seq=16, seed=3))
+    return model, hf, adapter, data
+
+
+def new_transcoder(adapter, activation="topk", params=None, skip=False, seed=0) -> Transcoder:
+    torch.manual_seed(seed)
+    cfg = TranscoderConfig(d_in=adapter.d_model, d_sae=256, activation=activation,
+                           activation_params={"k": 8} if params is None else params, layer=LAYER)
+    return (SkipTranscoder if skip else Transcoder)(cfg)
+
+
+def new_sae(adapter, activation="relu", params=None, seed=0) -> SparseAutoencoder:
+    torch.manual_seed(seed)
+    return SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=256, activation=activation,
+                                       activation_params=params or {}, hook=adapter.layer_path(LAYER)))
+
+
+@torch.no_grad()
+def test_site_activations_match_the_model(setup):
+    model, hf, adapter, data = setup
+    ids = data.tokens[:2]
+    seen = {}
+    mlp = adapter.mlp_module(hf, LAYER)
+    h1 = mlp.register_forward_hook(lambda m, a, out: seen.update(x=a[0], y=out))
+    h2 = adapter.get_module(hf, adapter.layer_path(LAYER)).register_forward_hook(
+        lambda m, a, out: seen.update(r=out[0] if isinstance(out, tuple) else out))
+    hf(ids)
+    h1.remove()
+    h2.remove()
+    b = site_activations(model, Site.mlp_input(adapter, LAYER), Site.mlp_output(adapter, LAYER), ids, adapter=adapter)
+    assert torch.equal(b.x, seen["x"]) and torch.equal(b.y, seen["y"])
+    assert not b.loss_mask[:, 0].any() and b.loss_mask[:, 1:].all()
+    site = Site.resid_post(adapter, LAYER)
+    b = site_activations(model, site, site, ids, adapter=adapter)
+    assert torch.equal(b.x, seen["r"]) and b.y is b.x
+
+
+def _check_folded(trainer, batch):
+    folded = trainer.folded()
+    coder = trainer.coder.eval()
+    with torch.no_grad():
+        want = coder(batch.x * trainer.s_in) / trainer.s_out
+        got = folded(batch.x)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    return folded
+
+
+def test_topk_transcoder_training_reduces_fvu_and_folds_exactly(setup):
+    model, hf, adapter, data = setup
+    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    trainer = SparseCoderTrainer(new_transcoder(adapter), source,
+                                 SparseCoderTrainConfig(total_steps=40, lr=1e-2, log_every=1))
+    history = trainer.train(progress=False)
+    assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
+    assert all(h["l0"] <= 8 for h in history)
+    assert torch.allclose(trainer.coder.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+    folded = _check_folded(trainer, source(0))
+    assert torch.allclose(folded.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+
+
+def test_relu_l1_sae_training_reduces_fvu_and_folds_exactly(setup):
+    model, hf, adapter, data = setup
+    source = SiteActivationSource.sae(model, Site.resid_post(adapter, LAYER), data, batch_size=8)
+    trainer = SparseCoderTrainer(new_sae(adapter), source,
+                                 SparseCoderTrainConfig(total_steps=40, lr=1e-2, l1_coef=1e-3, log_every=1))
+    history = trainer.train(progress=False)
+    assert trainer.s_in == trainer.s_out
+    assert history[-1]["fvu"] < 0.5 * history[0]["fvu"] and history[-1]["sparsity"] > 0
+    _check_folded(trainer, source(0))
+
+
+@pytest.mark.parametrize("kind", ["jumprelu", "batchtopk", "skip"])
+def test_other_methods_train_and_fold(setup, kind):
+    model, hf, adapter, data = setup
+    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    if kind == "jumprelu":
+        coder = new_transcoder(adapter, "jumprelu", {"threshold": 0.05, "bandwidth": 0.05})
+    elif kind == "batchtopk":
+        coder = new_transcoder(adapter, "batchtopk", {"k": 8})
+    else:
+        coder = new_transcoder(adapter, skip=True)
+    trainer = SparseCoderTrainer(coder, source, SparseCoderTrainConfig(total_steps=10, lr=1e-2, log_every=1))
+    theta0 = coder.activation.threshold.detach().clone() if kind == "jumprelu" else None
+    history = trainer.train(progress=False)
+    assert history[-1]["fvu"] < history[0]["fvu"]
+    if theta0 is not None:  # the L0 penalty reaches the threshold through the STE
+        assert not torch.equal(theta0, coder.activation.threshold) and history[-1]["sparsity"] > 0
+    _check_folded(trainer, source(0))
+
+
+@pytest.mark.parametrize("kind", ["topk", "jumprelu"])
+def test_checkpoint_resumes_bit_exactly(setup, tmp_path, kind):
+    model, hf, adapter, data = setup
+    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    make = (lambda: new_transcoder(adapter)) if kind == "topk" else (
+        lambda: new_transcoder(adapter, "jumprelu", {"threshold": 0.05, "bandwidth": 0.05}, skip=True))
+    config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)  # small: AuxK is active too
+    straight = SparseCoderTrainer(make(), source, SparseCoderTrainConfig(**config))
+    straight.train(progress=False)
+    first = SparseCoderTrainer(make(), source, SparseCoderTrainConfig(**config))
+    first.train(3, progress=False)
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed = SparseCoderTrainer.resume(tmp_path / "ckpt", source)
+    assert resumed.step == 3 and type(resumed.coder) is type(straight.coder)
+    resumed.train(progress=False)
+    for (name, a), b in zip(straight.coder.state_dict().items(), resumed.coder.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
+    assert straight.config.history[-1] == resumed.config.history[-1]
+
+
+def _direct_ce(hf, ids, module=None, fn=None):
+    h = module.register_forward_hook(fn) if module is not None else None
+    logits = hf(ids).logits
+    if h is not None:
+        h.remove()
+    return logits, float(F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
+
+
+@torch.no_grad()
+def test_transcoder_evaluation_matches_direct_computation(setup):
+    model, hf, adapter, data = setup
+    tc = new_transcoder(adapter).eval()
+    ids = data.tokens[:8]
+    ev = evaluate_transcoder(TranscoderSet(model, {LAYER: tc}), LAYER, TokenDataset(ids), batch_size=4)
+    mlp = adapter.mlp_module(hf, LAYER)
+    logits_o, ce_o = _direct_ce(hf, ids)
+    seen = {}
+
+    def replace(m, a, out):
+        seen.setdefault("y", []).append(out)
+        seen.setdefault("acts", []).append(tc.encode(a[0]))
+        return tc(a[0])
+
+    logits_s, ce_s = _direct_ce(hf, ids, mlp, replace)
+    _, ce_z = _direct_ce(hf, ids, mlp, lambda m, a, out: torch.zeros_like(out))
+    assert ev.ce_orig == pytest.approx(ce_o, rel=1e-5)
+    assert ev.ce_spliced == pytest.approx(ce_s, rel=1e-5)
+    assert ev.ce_zero == pytest.approx(ce_z, rel=1e-5)
+    lp, lq = logits_o[:, :-1].log_softmax(-1), logits_s[:, :-1].log_softmax(-1)
+    assert ev.kl == pytest.approx(float((lp.exp() * (lp - lq)).sum(-1).mean()), rel=1e-4)
+    y, acts = seen["y"][0][:, 1:], seen["acts"][0][:, 1:]
+    recon = tc.decode(acts)
+    resid = (y - recon).pow(2).sum()
+    total = (y.flatten(0, 1) - y.flatten(0, 1).mean(0)).pow(2).sum()
+    assert ev.fvu == pytest.approx(float(resid / total), rel=1e-4)
+    assert ev.l0 == pytest.approx(8.0) and ev.n_tokens == 8 * 15
+    assert ev.dead_frac == pytest.approx(float(((acts > 0).flatten(0, 1).any(0) == 0).float().mean()))
+
+
+@torch.no_grad()
+def test_sae_evaluation_matches_direct_computation(setup):
+    model, hf, adapter, data = setup
+    sae = new_sae(adapter, "topk", {"k": 8}).eval()
+    site = adapter.layer_path(LAYER)
+    ids = data.tokens[:8]
+    ev = evaluate_sae(SAESet(model, {site: sae}), site, TokenDataset(ids), batch_size=8)
+    layer = adapter.get_module(hf, site)
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def swap(out, new):
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+
+    _, ce_o = _direct_ce(hf, ids)
+    _, ce_s = _direct_ce(hf, ids, layer, lambda m, a, out: swap(out, sae(first(out))))
+    _, ce_z = _direct_ce(hf, ids, layer, lambda m, a, out: swap(out, torch.zeros_like(first(out))))
+    assert (ev.ce_orig, ev.ce_spliced, ev.ce_zero) == pytest.approx((ce_o, ce_s, ce_z), rel=1e-5)
+    assert ev.kl > 0 and ev.l0 == pytest.approx(8.0)
