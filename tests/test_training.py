@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import random_ids, tiny_nnsight
+from tiny import tiny_training_setup
 
-from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, LorsaSet
 from nnsight_lorsa.training.activations import AttentionActivationSource, TokenDataset, attention_activations
 from nnsight_lorsa.training.evaluate import evaluate_lorsa
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
@@ -21,10 +21,7 @@ LAYER = 1
 
 @pytest.fixture(scope="module")
 def setup():
-    model, hf = tiny_nnsight("llama")
-    adapter = get_adapter(model)
-    data = TokenDataset(random_ids(batch=48, seq=16, seed=3))
-    return model, hf, adapter, data
+    return tiny_training_setup()
 
 
 def new_lorsa(adapter, seed=0) -> Lorsa:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import random_ids, tiny_nnsight
+from tiny import tiny_training_setup
 
-from nnsight_lorsa import get_adapter
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
@@ -21,10 +20,7 @@ LAYER = 1
 
 @pytest.fixture(scope="module")
 def setup():
-    model, hf = tiny_nnsight("llama")
-    adapter = get_adapter(model)
-    data = TokenDataset(random_ids(batch=48, seq=16, seed=3))
-    return model, hf, adapter, data
+    return tiny_training_setup()
 
 
 def new_transcoder(adapter, activation="topk", params=None, skip=False, seed=0) -> Transcoder:
