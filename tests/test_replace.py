@@ -68,7 +68,7 @@ def test_error_term_reproduces_logits(setup):
     ref = hf(ids).logits
     with model.trace(ids):
         lorsas.replace(layer=LAYER, error=True)
-        logits = model.lm_head.output.save() if hasattr(model, "lm_head") else None
+        logits = model.lm_head.output.save()
     assert (logits - ref).abs().max() < 1e-5
 
 
