@@ -119,22 +119,25 @@ def frozen_mhsa(
 class PositionSlots:
     """Nodes grouped by token position, for dense per-position matmuls instead of gathers.
 
-    Node ``i`` (sorted by position, as the layout numbers them) sits at ``(pos[i], slot[i])`` of a
-    ``(n_pos, width)`` grid, ``width`` = the most nodes at one position (a TopK coder's ``k``).
-    Writing ``Σ_i c_i v_i`` into each position and reading ``x_{pos_i}·u_i`` then become batched
-    matmuls over positions ``(pos, batch, width) @ (pos, width, d)`` — ``batch·n·d`` work, no
-    ``(batch, n, d)`` temporaries — which is what makes one backward per batch of targets cheap.
+    Node ``i`` sits at ``(pos[i], slot[i])`` of a ``(n_pos, width)`` grid, ``width`` = the most
+    nodes at one position (a TopK coder's ``k``). Writing ``Σ_i c_i v_i`` into each position and
+    reading ``x_{pos_i}·u_i`` then become batched matmuls over positions ``(pos, batch, width) @
+    (pos, width, d)`` — ``batch·n·d`` work, no ``(batch, n, d)`` temporaries — which is what makes
+    one backward per batch of targets cheap. ``pos`` may be any group id (e.g. a Lorsa head's OV
+    index: then ``read`` takes ``x: (batch, n_heads, pos)`` and a grid of pattern rows).
 
     Args:
-        pos: ``(n,)`` int64 positions, non-decreasing.
-        n_pos: number of positions.
+        pos: ``(n,)`` int64 group ids (token positions) in ``[0, n_pos)``, any order.
+        n_pos: number of groups.
     """
 
     def __init__(self, pos: Int[torch.Tensor, " n"], n_pos: int) -> None:
         n = pos.numel()
         counts = torch.bincount(pos, minlength=n_pos) if n else torch.zeros(n_pos, dtype=torch.long)
         starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(n, device=pos.device) - starts[pos]
+        order = torch.argsort(pos, stable=True)  # identity for sorted positions
+        slot = torch.empty_like(pos)
+        slot[order] = torch.arange(n, device=pos.device) - starts[pos[order]]
         self.n_pos, self.width = n_pos, max(int(counts.max()) if n else 0, 1)
         self.flat = pos * self.width + slot
 

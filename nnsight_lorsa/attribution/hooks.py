@@ -70,6 +70,5 @@ def attribute_with_hooks(hf: nn.Module, adapter: ArchitectureAdapter, layout: La
     finally:
         for h in handles:
             h.remove()
-    T = frozen.targets()
-    backward_rows(T, M, scheduler, batch_size, _autograd_backward)
-    return T[0].detach()
+    backward_rows(frozen, M, scheduler, batch_size, _autograd_backward)
+    return frozen.targets()[0].detach()

@@ -86,10 +86,10 @@ class QKFrozenReplacement(FrozenReplacement):
             self.k, self.k_bias = _frozen_side(self, lorsa, x, positions, self.probe, "k")
         return super(QKFrozenReplacement, self).attention(layer, x, positions, true_out)
 
-    def targets(self) -> torch.Tensor:
-        """``(batch, 2·d_qk)``: the query's coordinates then the key's."""
+    def target_pieces(self) -> list[torch.Tensor]:
+        """The query's coordinates ``(batch, d_qk)``, then the key's."""
         assert self.q is not None and self.k is not None
-        return torch.cat([self.q, self.k], dim=1)
+        return [self.q, self.k]
 
 
 @dataclass(repr=False)

@@ -67,10 +67,11 @@ class FrozenReplacement:
         stored); ``self.patterns`` overrides (``"store"`` / ``"sdpa"``)."""
         return self.patterns == "store" or (self.patterns == "auto" and x.device.type == "cpu")
 
-    def slots(self, key: str, pos: torch.Tensor) -> PositionSlots:
-        """The :class:`~.frozen.PositionSlots` of one site's nodes (cached)."""
+    def slots(self, key: str, pos: torch.Tensor, n_groups: int | None = None) -> PositionSlots:
+        """The :class:`~.frozen.PositionSlots` of one site's nodes (cached); groups: the prompt's
+        positions, or ``n_groups`` other ids."""
         if key not in self._slots:
-            self._slots[key] = PositionSlots(pos, self.layout.n_pos)
+            self._slots[key] = PositionSlots(pos, self.layout.n_pos if n_groups is None else n_groups)
         return self._slots[key]
 
     def grid(self, key: str, slots: PositionSlots, vectors: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -138,24 +139,43 @@ class FrozenReplacement:
         # targets: z_pre of each active head through its frozen QK pattern
         if n:
             mult_v = column(M, lay.bias.get("lorsa_v"))
-            b_v = lorsa.b_V.to(x.dtype) * (mult_v[:, 0] if mult_v is not None else 1.0)
-            v = F.linear(x, lorsa.W_V.to(x.dtype)) + (b_v[:, None] if b_v.dim() == 2 else b_v)
-            b, g = x.shape[0], lorsa.cfg.group_size
-            v = v.view(b, p, lorsa.cfg.n_qk_heads, g).transpose(1, 2)  # OV heads as each QK head's value dim
-            if self.store_patterns(x):  # one stored copy of the patterns (1, n_qk, pos, pos)
-                pattern = self.const(f"L{layer}.lorsa.pattern", lambda: lorsa.attention_pattern(
-                    x[:1].to(lorsa.W_V.dtype), None, first(positions)).to(x.dtype))
-                z_all = pattern @ v
+            if self.store_patterns(x):
+                self._features.append(self.lorsa_z_pre(layer, x, positions, mult_v))
             else:  # constant queries/keys through SDPA: no pattern stored
+                b_v = lorsa.b_V.to(x.dtype) * (mult_v[:, 0] if mult_v is not None else 1.0)
+                v = F.linear(x, lorsa.W_V.to(x.dtype)) + (b_v[:, None] if b_v.dim() == 2 else b_v)
+                b, g = x.shape[0], lorsa.cfg.group_size
+                v = v.view(b, p, lorsa.cfg.n_qk_heads, g).transpose(1, 2)  # OV heads as each QK head's value dim
                 q = self.const(f"L{layer}.lorsa.q", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[0])
                 k = self.const(f"L{layer}.lorsa.k", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[1])
                 z_all = F.scaled_dot_product_attention(q.to(x.dtype).expand(b, -1, -1, -1), k.to(x.dtype).expand(
                     b, -1, -1, -1), v, is_causal=True, scale=1.0 / lorsa.cfg.scale)
-            # all heads' z_pre (b, pos, n_ov) — memory linear in pos — then the active ones
-            z_all = z_all.transpose(1, 2).reshape(b, p, lorsa.cfg.n_ov_heads)
-            z_pre = z_all[:, lay.lorsa_pos.to(x.device), lay.lorsa_head.to(x.device)]
-            self._features.append(z_pre)
+                # all heads' z_pre (b, pos, n_ov) — memory linear in pos — then the active ones
+                z_all = z_all.transpose(1, 2).reshape(b, p, lorsa.cfg.n_ov_heads)
+                self._features.append(z_all[:, lay.lorsa_pos.to(x.device), lay.lorsa_head.to(x.device)])
         return out.to(true_out.dtype)
+
+    def lorsa_z_pre(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                    mult_v: torch.Tensor | None) -> Float[torch.Tensor, "batch n"]:
+        """The active heads' ``z_pre[n] = Σ_j A^{g(h_n)}[i_n, j] v_j^{h_n}`` (Lorsa §3.1) from their
+        frozen pattern rows: values only for the heads active somewhere, one ``(heads, batch, pos) @
+        (heads, pos, width)`` matmul — ``batch·n·pos`` work, so a backward costs no more than the nodes
+        it reads (not all ``n_ov_heads`` at every position). Rows kept: ``(n, pos)``."""
+        lay = self.layout.layers[layer]
+        lorsa = lay.lorsa
+        heads, pos = lay.lorsa_head.to(x.device), lay.lorsa_pos.to(x.device)
+        uniq, col = torch.unique(heads, return_inverse=True)
+        slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
+
+        def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
+            pattern = lorsa.attention_pattern(x[:1].to(lorsa.W_V.dtype), None, first(positions))
+            return pattern[0, heads // lorsa.cfg.group_size, pos][None]
+
+        grid = self.grid(f"L{layer}.lorsa.rows", slots,
+                         lambda: self.const(f"L{layer}.lorsa.rows", rows)[0].to(x.dtype))
+        b_v = lorsa.b_V.to(x.dtype)[uniq]
+        v = F.linear(x, lorsa.W_V.to(x.dtype)[uniq]) + (b_v * mult_v if mult_v is not None else b_v)  # (b, pos, u)
+        return slots.read(v.transpose(1, 2), grid)
 
     def mlp(self, layer: int, x: torch.Tensor, true_out: torch.Tensor) -> torch.Tensor:
         """The MLP output: the writes of every transcoder feature that decodes into this layer (its own,
@@ -201,17 +221,45 @@ class FrozenReplacement:
         return out.to(true_out.dtype)
 
     def unembed(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``x W_Uᵀ + b_U``; records the demeaned logits of the target tokens at the last position."""
+        """``x W_Uᵀ + b_U``; records the demeaned logits of the target tokens at the last position,
+        ``x_last·(W_U[t] − mean_v W_U[v]) + (b_U[t] − mean b_U)``, from the last position alone (a
+        backward from them never touches the ``(batch, pos, vocab)`` logits)."""
         bias = getattr(lm_head, "bias", None)
         weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
-        logits = F.linear(x, weight) + scaled(bias, column(self.M, self.layout.bias.get("lm_head")))
-        last = logits[:, -1]
-        self._logits = last[:, self.layout.logit_tokens.to(last.device)] - last.mean(-1, keepdim=True)
+        mult = column(self.M, self.layout.bias.get("lm_head"))
+        logits = F.linear(x, weight) + scaled(bias, mult)
+        tokens = self.layout.logit_tokens.to(x.device)
+        w = weight[tokens] - weight.mean(0)
+        b = None if bias is None else bias[tokens] - bias.mean()
+        self._logits = F.linear(x[:, -1], w) + scaled(b, None if mult is None else mult[:, 0])
         return logits.to(x.dtype)
 
     # ---------------------------------------------------------------- targets
-    def targets(self) -> Float[torch.Tensor, "batch n_targets"]:
-        """``(batch, n_features + n_logits)``: feature pre-activations (node order), then demeaned logits."""
+    def target_pieces(self) -> list[torch.Tensor]:
+        """The targets as recorded, in node order: ``(batch, n_i)`` per site, then the logits."""
         if self._logits is None:
             raise RuntimeError("the frozen forward has not reached the unembedding")
-        return torch.cat([*self._features, self._logits], dim=1)
+        return [*self._features, self._logits]
+
+    def targets(self) -> Float[torch.Tensor, "batch n_targets"]:
+        """``(batch, n_features + n_logits)``: feature pre-activations (node order), then demeaned logits."""
+        return torch.cat(self.target_pieces(), dim=1)
+
+    def objective(self, rows: list[int]) -> torch.Tensor:
+        """``Σ_b T[b, rows[b]]`` — the scalar whose gradient injects target ``rows[b]`` into batch row
+        ``b`` — built from the pieces of :meth:`target_pieces` that hold one of ``rows`` only: the
+        backward then starts at the highest such site and never runs through the layers above it."""
+        r = torch.as_tensor(rows)
+        b = torch.arange(len(rows))
+        total: torch.Tensor | None = None
+        start = 0
+        for piece in self.target_pieces():
+            end = start + piece.shape[1]
+            sel = (r >= start) & (r < end)
+            if bool(sel.any()):
+                term = piece[b[sel].to(piece.device), (r[sel] - start).to(piece.device)].sum()
+                total = term if total is None else total + term
+            start = end
+        if total is None:
+            raise IndexError(f"target rows {rows} out of range [0, {start})")
+        return total

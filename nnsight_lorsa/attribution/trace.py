@@ -79,12 +79,6 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
     head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), head.input)
 
 
-def injected(T: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The scalar whose gradient is target ``rows[b]`` in batch row ``b``: ``Σ_b T[b, rows[b]]``."""
-    b = torch.arange(len(rows), device=T.device)
-    return T[b, torch.as_tensor(rows, device=T.device)].sum()
-
-
 def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
     """fp64 for an fp64 model, else fp32 (edges of a bf16/fp16 model still accumulate in fp32)."""
     return torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
@@ -100,12 +94,13 @@ def nnsight_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torc
     M.grad = None
 
 
-def backward_rows(T: torch.Tensor, M: torch.Tensor, scheduler: Any, batch_size: int,
+def backward_rows(frozen: FrozenReplacement, M: torch.Tensor, scheduler: Any, batch_size: int,
                   backward: Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], None]], None]) -> None:
-    """Inject one target per batch row, ``batch_size`` at a time, until ``scheduler`` has no more rows."""
+    """Inject one target per batch row (:meth:`FrozenReplacement.objective`), ``batch_size`` at a
+    time, until ``scheduler`` has no more rows."""
     rows = scheduler.next_rows(batch_size)
     while rows:
-        backward(injected(T, rows), M, functools.partial(_record, scheduler, rows))
+        backward(frozen.objective(rows), M, functools.partial(_record, scheduler, rows))
         rows = scheduler.next_rows(batch_size)
 
 
@@ -129,7 +124,7 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
         frozen = make(layout, M, mhsa)
         frozen_forward_body(model, adapter, frozen)
         T = frozen.targets()
-        backward_rows(T, M, scheduler, batch_size, nnsight_backward)
+        backward_rows(frozen, M, scheduler, batch_size, nnsight_backward)
         result = nnsight.save((T[0].detach(), scheduler.done, scheduler.rows))
     values, scheduler.done, scheduler.rows = result
     return values
