@@ -409,3 +409,55 @@ def test_pruned_while_built_equals_dense_pruning(llama):
     assert h.edge_sum_error("mass").max() < 1e-6
     with pytest.raises(ConfigMismatchError, match="keep_mass needs"):
         attribute(model, ids, keep_mass=0.9)
+
+
+def test_position_slots_take_groups_in_any_order():
+    """``PositionSlots`` over unsorted group ids (a Lorsa head's OV index) writes and reads like a loop."""
+    from nnsight_lorsa.attribution.frozen import PositionSlots
+
+    g = torch.Generator().manual_seed(0)
+    groups = torch.tensor([3, 0, 3, 1, 0, 3, 2])
+    slots = PositionSlots(groups, 5)
+    vec = torch.randn(7, 6, generator=g)
+    coeff = torch.randn(2, 7, generator=g)
+    x = torch.randn(2, 5, 6, generator=g)
+    grid = slots.grid(vec)
+    want = torch.zeros(2, 5, 6).index_add(1, groups, coeff[:, :, None] * vec[None])
+    assert torch.allclose(slots.write(coeff, grid), want, atol=1e-6)
+    assert torch.allclose(slots.read(x, grid), (x[:, groups] * vec[None]).sum(-1), atol=1e-6)
+
+
+def test_objective_injects_only_the_targeted_sites(llama):
+    """``FrozenReplacement.objective`` (backward from the targeted sites only) gives the same
+    gradient as injecting through all targets, and a batch of lowest-layer targets never reaches
+    the unembedding."""
+    from nnsight_lorsa.attribution.attribute import prepare
+    from nnsight_lorsa.attribution.hooks import install_frozen_hooks
+    from nnsight_lorsa.attribution.replacement import FrozenReplacement
+
+    model, hf, lorsas, tcs, ids, _ = llama
+    layout, mhsa, adapter = prepare(model, ids, lorsas=lorsas, transcoders=tcs)
+    M = torch.ones(4, layout.n_sources, requires_grad=True)
+    frozen = FrozenReplacement(layout, M, mhsa)
+    handles = install_frozen_hooks(hf, adapter, frozen)
+    try:
+        hf(layout.tokens[None].expand(4, -1), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    T = frozen.targets()
+    n0 = frozen.target_pieces()[0].shape[1]
+    for rows in ([0, n0 - 1, n0, layout.n_targets - 1], [1, 2, 0, 1]):
+        ref = torch.autograd.grad(T[torch.arange(4), torch.tensor(rows)].sum(), M, retain_graph=True)[0]
+        got = torch.autograd.grad(frozen.objective(rows), M, retain_graph=True)[0]
+        assert torch.equal(got, ref)
+    seen, stack = set(), [frozen.objective([0, 1, 2, 3]).grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    assert frozen.target_pieces()[-1].grad_fn not in seen  # the logits' graph is not traversed
+    with pytest.raises(IndexError):
+        frozen.objective([layout.n_targets])

@@ -25,6 +25,7 @@ from .layout import Layout, build_layout
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
 from .sparse_graph import assemble_pruned
+from .sparse_rows import SparseRows
 from .trace import attribute_in_trace, clean_pass
 
 
@@ -89,7 +90,7 @@ def prepare(model: Any, prompt: Any, *, lorsas: Any = None, transcoders: Any = N
 
 def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prompt: str, meta: dict[str, Any]) -> Graph:
     """The :class:`Graph` over the visited features and every error/embedding/bias/logit node."""
-    targets, rows = scheduler.matrix()
+    targets = torch.tensor(scheduler.done, dtype=torch.long)
     nf, ns = layout.n_features, layout.n_sources
     visited = torch.zeros(nf, dtype=torch.bool)
     visited[targets[targets < nf]] = True
@@ -99,15 +100,22 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     node_ids = torch.cat([src_ids, torch.arange(ns, ns + n_logits)])
     new_index = torch.full((ns + n_logits,), -1, dtype=torch.long)
     new_index[node_ids] = torch.arange(node_ids.numel())
-    n = node_ids.numel()
-    adjacency = torch.zeros(n, n, dtype=rows.dtype)
-    row_node = torch.where(targets < nf, targets, ns + targets - nf)
-    adjacency[new_index[row_node][:, None], new_index[src_ids][None, :]] = rows[:, src_ids]
-    all_values = torch.full((ns + n_logits,), float("nan"), dtype=rows.dtype)
+    n, k = node_ids.numel(), src_ids.numel()
+    row_at = new_index[torch.where(targets < nf, targets, ns + targets - nf)]
+    first = scheduler.rows[0] if scheduler.rows else None
+    dtype = values.dtype if first is None else (first.val if isinstance(first, SparseRows) else first).dtype
+    adjacency = torch.zeros(n, n, dtype=dtype)
+    start = 0
+    for chunk in scheduler.rows:  # chunk by chunk: no (rows, sources) copy of all rows at once
+        dense = chunk.dense() if isinstance(chunk, SparseRows) else chunk
+        # the kept sources are the first columns, in order: a row scatter, no (rows × sources) index grid
+        adjacency[row_at[start:start + dense.shape[0]], :k] = dense if k == ns else dense[:, src_ids]
+        start += dense.shape[0]
+    all_values = torch.full((ns + n_logits,), float("nan"), dtype=dtype)
     all_values[:nf] = values[:nf].cpu()
     all_values[ns:] = values[nf:].cpu()
     computed = torch.zeros(n, dtype=torch.bool)
-    computed[new_index[row_node]] = True
+    computed[row_at] = True
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids), adjacency=adjacency,
                  values=all_values[node_ids], logit_probs=layout.logit_probs, feature_rows=computed,
                  layout_ids=node_ids, prompt=prompt, meta=meta)
