@@ -1,7 +1,7 @@
 """Attribution-graph cost on the tinyshakespeare replacement model (Lorsa on layer 2, TopK
 transcoders on every MLP): batched vs naive, nnsight-traced vs PyTorch hooks, memory vs length.
 
-    python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3]
+    python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3] [--threads 1]
 
 (a) ``attribute(..., engine="nnsight", batch_size=B)``: the frozen pass and all backward passes in
 one ``model.trace``, one target per batch row; (b) the same with PyTorch hooks on the bare model;
@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timing runs")
     ap.add_argument("--memory-lengths", default="16,32,64,128,256")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sparse-child", action="store_true", help=argparse.SUPPRESS)
@@ -87,6 +88,7 @@ def main() -> None:
     if args.memory_child is not None:
         memory_child(args.memory_child, args.batch, args.sparse_child)
         return
+    torch.set_num_threads(args.threads)
     model = load_model()
     lorsas, tcs = replacement(model)
     ids = prompt_ids(model, args.seq)
@@ -94,7 +96,8 @@ def main() -> None:
     def run(engine: str, batch: int):
         return lambda: attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, engine=engine)
 
-    out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch}
+    out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
+                 "threads": args.threads}
     if not args.skip_timing:
         g = run("nnsight", args.batch)()
         rows = int(g.feature_rows.sum())
@@ -105,7 +108,8 @@ def main() -> None:
         naive_s = time.perf_counter() - t
         assert torch.allclose(naive.adjacency, g.adjacency, atol=1e-5), "naive and batched graphs differ"
         nn_s, hk_s = timed["nnsight batched"]["median_s"], timed["hooks batched"]["median_s"]
-        print(f"prompt {args.seq} tokens, {rows} target rows ({g.summary()}), batch {args.batch}")
+        print(f"prompt {args.seq} tokens, {rows} target rows ({g.summary()}), batch {args.batch}, "
+              f"{args.threads} thread(s)")
         print(table([("naive (1 backward per target, hooks)", f"{naive_s:.2f}", f"{naive_s / nn_s:.1f}x"),
                      (f"batched hooks (B={args.batch})", f"{hk_s:.2f}", f"{hk_s / nn_s:.2f}x"),
                      (f"batched nnsight (B={args.batch})", f"{nn_s:.2f}", "1.00x")],
@@ -126,7 +130,7 @@ def main() -> None:
                 ("tokens", "rows", "sources", "dense: peak MB", "edge rows MB", "adjacency MB",
                  f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "kept nodes", "stored entries")))
     out.update({"memory": memory, "memory_prune_to": sparse})
-    name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else "")
+    name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else f"_threads{args.threads}")
     print(f"-> {write(name, out)}")
 
 

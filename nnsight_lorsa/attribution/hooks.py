@@ -26,12 +26,29 @@ def _autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[to
 
 
 def install_frozen_hooks(hf: nn.Module, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> list[Any]:
-    """Forward hooks that make ``hf``'s forward the frozen replacement model's; returns the handles."""
+    """Forward hooks that make ``hf``'s forward the frozen replacement model's; returns the handles.
+
+    As :func:`.trace.frozen_forward_body`: the MLPs and the unembedding run on batch row 0 only (a
+    pre-hook cuts their first input to it and keeps the whole one for the frozen model)."""
     get = adapter.get_module
     handles = []
+    full: dict[str, torch.Tensor] = {}
 
     def on(path: str, fn: Any) -> None:
         handles.append(get(hf, path).register_forward_hook(fn, with_kwargs=True))
+
+    def row0(path: str) -> None:  # run the module on batch row 0; keep the full first input
+        def pre(m: nn.Module, a: tuple, k: dict) -> tuple[tuple, dict] | None:
+            if not a:  # not called positionally: run it whole
+                return None
+            full[path] = a[0]
+            return (a[0][:1], *a[1:]), k
+
+        handles.append(get(hf, path).register_forward_pre_hook(pre, with_kwargs=True))
+
+    def whole(path: str, a: tuple, k: dict) -> torch.Tensor:  # the full first input row0 kept (or the input)
+        x = full.pop(path, None)
+        return x if x is not None else (a[0] if a else next(iter(k.values())))
 
     on(adapter.embed_path, lambda m, a, k, o: frozen.embed(o))
     pos_path = getattr(adapter, "pos_embed_path", None)
@@ -48,12 +65,15 @@ def install_frozen_hooks(hf: nn.Module, adapter: ArchitectureAdapter, frozen: Fr
         on(adapter.attention_path(layer), attn)
         on(adapter.mlp_norm_path(layer), lambda m, a, k, o, layer=layer: frozen.norm(m, a[0], layer, "mlp_norm"))
 
-        def mlp(m: nn.Module, a: tuple, k: dict, o: Any, layer: int = layer) -> Any:
-            return adapter.with_mlp_output(o, frozen.mlp(layer, adapter.mlp_input(a, k), adapter.mlp_output(o)))
+        def mlp(m: nn.Module, a: tuple, k: dict, o: Any, path: str = adapter.mlp_path(layer), layer: int = layer
+                ) -> Any:
+            return adapter.with_mlp_output(o, frozen.mlp(layer, whole(path, a, k), adapter.mlp_output(o)))
 
+        row0(adapter.mlp_path(layer))
         on(adapter.mlp_path(layer), mlp)
     on(adapter.final_norm_path, lambda m, a, k, o: frozen.norm(m, a[0], None, "final_norm"))
-    on(adapter.lm_head_path, lambda m, a, k, o: frozen.unembed(m, a[0]))
+    row0(adapter.lm_head_path)
+    on(adapter.lm_head_path, lambda m, a, k, o: frozen.unembed(m, whole(adapter.lm_head_path, a, k)))
     return handles
 
 

@@ -47,7 +47,9 @@ def clean_pass(
 
 def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> None:
     """Inside a trace over ``batch`` copies of the prompt: swap every site's output for the frozen
-    replacement model's, in forward order."""
+    replacement model's, in forward order. The MLPs and the unembedding run on batch row 0 only
+    (their input is cut to it: row 0's MLP output is what the error nodes need, and nothing needs the
+    original logits), so the ``batch`` copies cost the model's forward once plus the frozen model."""
     root = model._module
     emb = resolve_envoy(model, adapter.embed_path)
     emb.output = frozen.embed(emb.output)
@@ -70,13 +72,16 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
                                   layer, "mlp_norm")
         mlp = resolve_envoy(model, adapter.mlp_path(layer))
         args, kwargs = mlp.inputs
+        x = adapter.mlp_input(args, kwargs)  # the first input (every supported family)
+        mlp.input = x[:1]
         out = mlp.output
-        new = frozen.mlp(layer, adapter.mlp_input(args, kwargs), adapter.mlp_output(out))
-        mlp.output = adapter.with_mlp_output(out, new)
+        mlp.output = adapter.with_mlp_output(out, frozen.mlp(layer, x, adapter.mlp_output(out)))
     final = resolve_envoy(model, adapter.final_norm_path)
     final.output = frozen.norm(adapter.get_module(root, adapter.final_norm_path), final.input, None, "final_norm")
     head = resolve_envoy(model, adapter.lm_head_path)
-    head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), head.input)
+    x = head.input
+    head.input = x[:1]
+    head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), x)
 
 
 def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
