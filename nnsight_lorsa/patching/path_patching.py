@@ -2,7 +2,10 @@
 
 Lorsa paper (seed ``000_…``) §6: "path patching ablates [a head's] output and allows the influence
 to propagate only through residual connections and MLPs (but not through other attention heads)";
-the method of Wang et al. (2023, IOI) and Conmy et al. (2023). For every sender (group):
+the method of Wang et al. (2023, IOI) and Conmy et al. (2023). Senders are MHSA heads (o_proj's
+input columns), Lorsa heads (``hook_z``) and SAE / transcoder features (``hook_sae_acts_post`` of
+the spliced SAE / transcoder, whose output then changes by ``Δa · W_dec[i]``: the error term is
+held), alone or in groups patched together. For every sender (group):
 
 1. the *clean* prompt runs as is (invoke A) and records the output of every attention site
    after the sender — the attention output projection's output (``o_proj`` / ``dense`` /
@@ -15,15 +18,30 @@ the method of Wang et al. (2023, IOI) and Conmy et al. (2023). For every sender 
    records the receivers' q/k/v inputs, and a last clean run (invoke D) patches just those into
    the receivers; everything after them runs normally (Wang et al.'s sender → receiver paths).
 
+"Later" starts at the first layer whose attention runs after the sender (:func:`_place`): layer
+L + 1 for heads and transcoder features of layer L and for SAEs on layer L's output (the residual
+stream after it, ``hook_resid_pre`` of L + 1), attention output, MLP norm or MLP output; 0 for an
+SAE on the embedding; L for one on layer L's attention norm (which feeds only that attention, so
+its effect reaches the logits only through receivers of layer L). Every attention site from
+there on is frozen, and receivers must sit in such a layer. In a group, freezing starts after its
+earliest sender and spares the senders themselves (Wang et al.: every non-sender head is frozen):
+a layer holding sender heads is frozen through its per-head values (o_proj's input / ``hook_z``)
+with the senders then set. SAE senders inside the attention or MLP modules (e.g. ``q_proj``) are
+refused, as is a group that would freeze an MHSA sender's layer whose Lorsa is spliced (the
+error term mixes the two). All of it is checked before the model runs.
+
 All invokes of a chunk of senders share one ``model.trace`` (nnsight batches them into one
 forward; ``tracer.barrier`` hands values between invokes at the module where they are made).
+Every Lorsa and SAE/transcoder site of the call is spliced in every chunk.
 
 The metric is the logit difference by default; :class:`PathPatchingResult` gives it per sender
-and prompt, the clean (and corrupt) baselines and the effect ``clean − patched``.
+and prompt (``(n_groups, batch)``), the clean (and corrupt) baselines ``(batch,)`` and the effect
+``clean − patched``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -113,18 +131,73 @@ class _Site(FieldsRepr):
     name: str = ""
 
 
-def _lorsa_layers(resolver: Resolver, targets: Sequence[Any]) -> set[int]:
-    return {t.layer for t in targets if isinstance(t, LorsaHead)}
+# execution steps inside layer L (the first element of a site's key is the layer): the q/k/v
+# projections' outputs 0.5, o_proj's input 1.0 and output 1.2, a spliced Lorsa's hook_q/k/v 1.4,
+# hook_z 1.5, hook_out 1.8, hook_error 1.9 (the Lorsa runs once the attention has); SAE sites
+# below; a transcoder's features 2.5 (computed once the MLP it replaces has run)
+_SAE_STEPS = {"attention_norm_name": 0.2, "attention_name": 1.95, "mlp_norm_name": 2.2, "mlp_name": 2.6}
+
+
+def _place(resolver: Resolver, t: Target) -> tuple[tuple[float, float], int]:
+    """``((layer, step), first)``: where the model computes sender ``t`` (the site order above)
+    and ``first``, the first layer whose attention runs after ``t`` (it reads the changed residual
+    stream): a head's or a transcoder feature's layer + 1; for SAE features, by site: the embedding
+    → 0, layer L's attention norm (``hook_resid_pre`` of L is layer L−1's output) → L, layer L's
+    attention output, MLP norm, MLP output or output (the residual stream after it) → L + 1, the
+    final norm → ``n_layers`` (no attention after it).
+
+    Raises:
+        ConfigMismatchError: an SAE site path patching cannot place (inside the attention or MLP
+            module, or outside the decoder layers other than the embeddings and final norm).
+    """
+    a = resolver.adapter
+    if isinstance(t, (MHSAHead, LorsaHead)):
+        return (float(t.layer), 1.0 if isinstance(t, MHSAHead) else 1.5), t.layer + 1
+    if t.kind == "transcoder":
+        layer = int(t.site)
+        return (float(layer), 2.5), layer + 1
+    path = str(t.site)
+    if path == a.embed_path:
+        return (-1.0, 0.0), 0
+    if path == getattr(a, "pos_embed_path", None):
+        return (-1.0, 0.1), 0
+    if path == a.final_norm_path:
+        return (float(a.n_layers), 0.0), a.n_layers
+    m = re.fullmatch(rf"{re.escape(a.layers_path)}\.(\d+)(?:\.(.+))?", path)
+    if m is not None and int(m.group(1)) < a.n_layers:
+        layer, sub = int(m.group(1)), m.group(2)
+        if sub is None:
+            return (float(layer), 3.0), layer + 1
+        for attr, step in _SAE_STEPS.items():
+            if getattr(a, attr) and sub == getattr(a, attr):
+                return (float(layer), step), layer if attr == "attention_norm_name" else layer + 1
+    names = ", ".join(f"{a.layers_path}.L.{getattr(a, n)}" for n in _SAE_STEPS if getattr(a, n))
+    raise ConfigMismatchError(
+        f"path patching cannot place an SAE sender at {path!r} relative to the attention sites; SAE senders "
+        f"sit on {a.embed_path}, {a.layers_path}.L (a layer's output), {names} or {a.final_norm_path}")
+
+
+def _sender_layers(group: tuple[Target, ...]) -> dict[int, list[Target]]:
+    out: dict[int, list[Target]] = {}
+    for t in group:
+        if isinstance(t, (MHSAHead, LorsaHead)):
+            out.setdefault(t.layer, []).append(t)
+    return out
 
 
 class _Plan:
-    """Which sites each invoke reads or writes, in execution order (validated, nothing runs)."""
+    """Which sites each invoke reads or writes, in execution order (validated, nothing runs).
+
+    ``lorsa_layers``: every Lorsa layer of the whole call (spliced, with its SAE/transcoder sites,
+    in every chunk, so that the clean run is the same model in all of them).
+    """
 
     def __init__(self, resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
-                 freeze: bool) -> None:
+                 freeze: bool, lorsa_layers: set[int]) -> None:
         self.resolver = resolver
         a = resolver.adapter
-        self.lorsa_layers = _lorsa_layers(resolver, [t for g in groups for t in g] + [r.head for r in receivers])
+        self.lorsa_layers = lorsa_layers
+        self.coders: dict[_Site, Feature] = {}
         sites: dict[tuple, _Site] = {}
 
         def add(site: _Site) -> _Site:
@@ -135,15 +208,23 @@ class _Plan:
         self.freeze_sites: list[list[_Site]] = []
         last = a.n_layers if not receivers else max(r.head.layer for r in receivers)
         for g in groups:
-            first = max(t.layer if isinstance(t, (MHSAHead, LorsaHead)) else _feature_layer(resolver, t) for t in g)
+            # Wang et al.: every attention site after the group's earliest sender is frozen, except the
+            # senders: a layer holding sender heads is frozen through its per-head values (o_proj's
+            # input, hook_z), where the senders are then set
+            first = min(_place(resolver, t)[1] for t in g)
+            heads = _sender_layers(g)
             frozen: list[_Site] = []
-            for layer in range(first + 1, last) if freeze else ():
+            for layer in range(first, last) if freeze else ():
                 if layer in self.lorsa_layers:
-                    frozen.append(add(_Site((layer, 1.8, 0), "lorsa_out", layer)))
+                    if any(isinstance(t, MHSAHead) for t in heads.get(layer, ())):
+                        raise ConfigMismatchError(f"an MHSA sender in spliced Lorsa layer {layer} of group {g}")
+                    kind, step = ("lorsa_z", 1.5) if layer in heads else ("lorsa_out", 1.8)
+                    frozen.append(add(_Site((layer, step, 0), kind, layer)))
                     if resolver.error:
                         frozen.append(add(_Site((layer, 1.9, 0), "lorsa_err", layer)))
                 else:
-                    frozen.append(add(_Site((layer, 1.2, 0), "proj_out", layer)))
+                    kind, step = ("proj_in", 1.0) if layer in heads else ("proj_out", 1.2)
+                    frozen.append(add(_Site((layer, step, 0), kind, layer)))
             self.freeze_sites.append(frozen)
         self.sites = sorted(sites.values(), key=lambda s: s.key)
 
@@ -152,8 +233,10 @@ class _Plan:
             return _Site((t.layer, 1.0, 0), "proj_in", t.layer)
         if isinstance(t, LorsaHead):
             return _Site((t.layer, 1.5, 0), "lorsa_z", t.layer)
-        order = self.resolver.order(t)
-        return _Site((order[0], order[1], 0), "coder", int(order[0]), f"{t.kind}:{t.site}")
+        (layer, step), _ = _place(self.resolver, t)
+        site = _Site((layer, step, 0), "coder", int(layer), f"{t.kind}:{t.site}")
+        self.coders.setdefault(site, t)
+        return site
 
     def _receiver_site(self, r: HeadInput) -> _Site:
         step = {"q": 0, "k": 1, "v": 2}[r.which]
@@ -171,16 +254,23 @@ class _Plan:
             return resolve_envoy(r.model, r.output_projection_path(site.layer)).output
         if site.kind == "qkv":
             return resolve_envoy(r.model, f"{a.attention_path(site.layer)}.{QKV_PROJECTIONS[site.name]}").output
-        if site.kind.startswith("lorsa"):
-            envoy = r.lorsa.replace(site.layer, error=r.error)
-            hook = {"lorsa_z": "hook_z", "lorsa_out": "hook_out", "lorsa_err": "hook_error",
-                    "lorsa_qkv": f"hook_{site.name}"}[site.kind]
-            return getattr(envoy, hook).output
-        raise ConfigMismatchError(f"features cannot be path-patching sites here: {site}")
+        if site.kind == "coder":  # hook_sae_acts_post of the spliced SAE / transcoder
+            return r.location(self.coders[site])[0]
+        envoy = r.lorsa.replace(site.layer, error=r.error)
+        hook = {"lorsa_z": "hook_z", "lorsa_out": "hook_out", "lorsa_err": "hook_error",
+                "lorsa_qkv": f"hook_{site.name}"}[site.kind]
+        return getattr(envoy, hook).output
 
 
-def _feature_layer(resolver: Resolver, t: Feature) -> int:
-    return int(resolver.order(t)[0])
+def _splice_all(resolver: Resolver, lorsa_layers: set[int], features: list[Feature]) -> None:
+    """Splice every Lorsa layer and SAE/transcoder site of the call (first invoke, before any read)."""
+    todo: list[tuple[tuple[float, float], Any]] = [((float(layer), 1.3), layer) for layer in lorsa_layers]
+    todo += [(_place(resolver, f)[0], f) for f in features]
+    for _, item in sorted(todo, key=lambda x: x[0]):
+        if isinstance(item, Feature):
+            (resolver.saes if item.kind == "sae" else resolver.transcoders).replace(item.site, error=resolver.error)
+        else:
+            resolver.lorsa.replace(item, error=resolver.error)
 
 
 def _receiver_index(resolver: Resolver, r: HeadInput) -> tuple:
@@ -208,16 +298,25 @@ def _cols(resolver: Resolver, t: Target) -> tuple:
     return (t.index,)
 
 
+def _call_splices(groups: list[tuple[Target, ...]], receivers: list[HeadInput]) -> tuple[set[int], list[Feature]]:
+    """The Lorsa layers and the SAE/transcoder sites (one feature each) the whole call splices."""
+    targets = [t for g in groups for t in g] + [r.head for r in receivers]
+    features: dict[tuple, Feature] = {}
+    for t in targets:
+        if isinstance(t, Feature):
+            features.setdefault((t.kind, t.site), t)
+    return {t.layer for t in targets if isinstance(t, LorsaHead)}, list(features.values())
+
+
 def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
-           mode: str, means: Any, clean: Any, corrupt: Any) -> None:
+           mode: str, means: Any, clean: Any, corrupt: Any, freeze: bool) -> None:
     a = resolver.adapter
     for g in groups:
         if not g:
             raise ConfigMismatchError("an empty sender group")
         for t in g:
             resolver.check(t)
-            if isinstance(t, Feature):
-                raise ConfigMismatchError(f"path patching takes MHSA or Lorsa head senders, got {t}")
+            _place(resolver, t)
             if mode == "mean":
                 if not isinstance(means, dict) or t not in means:
                     raise ConfigMismatchError(f"mode='mean' needs means[{t}] (see mean_activations)")
@@ -227,6 +326,8 @@ def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list
             raise ConfigMismatchError(f"receivers are HeadInput(head, 'q'|'k'|'v'), got {r!r}")
         if r.which not in ("q", "k", "v"):
             raise ConfigMismatchError(f"HeadInput.which must be 'q', 'k' or 'v', got {r.which!r}")
+        if not isinstance(r.head, (MHSAHead, LorsaHead)):
+            raise ConfigMismatchError(f"a receiver is an MHSA or Lorsa head's input, got {r.head!r}")
         resolver.check(r.head)
         if isinstance(r.head, MHSAHead):
             attn = a.attention_module(resolver.model._module, r.head.layer)
@@ -236,9 +337,28 @@ def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list
                     "separate q/k/v projections (Llama, Mistral, Qwen)")
         for g in groups:
             for t in g:
-                sender_layer = t.layer  # type: ignore[union-attr]
-                if r.head.layer <= sender_layer:
-                    raise ConfigMismatchError(f"receiver {r} must be in a later layer than sender {t}")
+                first = _place(resolver, t)[1]
+                if r.head.layer < first:
+                    raise ConfigMismatchError(
+                        f"receiver {r} must be in a later layer than sender {t}: the first attention after "
+                        f"that sender is layer {first}")
+    lorsa_layers, features = _call_splices(groups, receivers)
+    replaced_by = {1.95: ("Lorsa", lorsa_layers),  # an SAE on an attention / MLP output the call also replaces
+                   2.6: ("transcoder", {int(f.site) for f in features if f.kind == "transcoder"})}
+    for f in features:
+        (layer, step), _ = _place(resolver, f)
+        what, layers = replaced_by.get(step, ("", set())) if f.kind == "sae" else ("", set())
+        if int(layer) in layers:
+            raise ConfigMismatchError(f"an SAE sender at {f.site!r} reads the output that layer {int(layer)}'s {what} "
+                                      "replaces in this call: path-patch them in separate calls")
+    for g in groups if freeze else ():
+        first = min(_place(resolver, t)[1] for t in g)
+        for t in g:
+            if isinstance(t, MHSAHead) and t.layer >= first and t.layer in lorsa_layers:
+                raise ConfigMismatchError(
+                    f"sender group {g}: {t} sits in layer {t.layer}, whose Lorsa this call splices, after an earlier "
+                    "sender of the group; that layer's attention cannot be frozen around an MHSA head (the error "
+                    "term mixes them): path-patch the group in a call without Lorsa heads of that layer")
     if mode not in ("patch", "zero", "mean"):
         raise ConfigMismatchError(f"mode must be 'patch', 'zero' or 'mean', got {mode!r}")
     if mode == "patch":
@@ -258,16 +378,20 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
     Lorsa paper §6 / Wang et al. (2023): the sender takes its value from ``corrupt``
     (``mode="patch"``), or 0 / its mean (``mode="zero"`` / ``"mean"`` with ``means`` from
     :func:`~.interventions.mean_activations`), at ``positions`` (None: all); every attention site
-    after the sender is frozen to its clean output, so the change flows only through the
-    residual stream and MLPs. With ``receivers`` the change reaches only those heads' q/k/v
-    inputs (at all positions), and the model runs normally after them.
+    after the sender (after a group's earliest sender, the senders excepted; see the module
+    docstring for what "after" is for features) is frozen to its clean output, so the change
+    flows only through the residual stream and MLPs. With ``receivers`` the change reaches only
+    those heads' q/k/v inputs (at all positions), and the model runs normally after them.
 
     Args:
-        resolver: the model and its sets; a Lorsa of a sender's/receiver's layer is spliced (with
-            the error term if ``resolver.error``), and a spliced Lorsa site is frozen through its
-            ``hook_out`` (and ``hook_error``).
+        resolver: the model and its sets; a Lorsa of a sender's/receiver's layer and the SAE /
+            transcoder of a feature sender are spliced (with the error term if ``resolver.error``),
+            and a spliced Lorsa site is frozen through its ``hook_out`` (and ``hook_error``).
         clean: token ids ``(batch, pos)`` (or prompts).
-        senders: :class:`~.targets.MHSAHead` / :class:`~.targets.LorsaHead`, or tuples of them.
+        senders: :class:`~.targets.MHSAHead` / :class:`~.targets.LorsaHead` /
+            :class:`~.targets.Feature` (SAE or transcoder), or tuples of them (mixed kinds allowed).
+        means: ``{target: mean}`` (``()`` or ``(pos,)`` per feature / Lorsa head, ``(…, head_dim)``
+            per MHSA head), ``mode="mean"``.
         corrupt: token ids of the same shape (``mode="patch"``).
         receivers: :class:`HeadInput` receivers (default: the logits).
         metric: logits ``(batch, pos, vocab)`` → ``(batch,)``; default the logit difference of
@@ -280,8 +404,11 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
         :class:`PathPatchingResult` (metric ``(n_groups, batch)`` and baselines ``(batch,)``).
 
     Raises:
-        ConfigMismatchError: a feature sender, a receiver not after every sender, MHSA receivers
-            on a fused-QKV family, bad mode / missing means or corrupt prompts.
+        ConfigMismatchError: a receiver not in a layer after every sender of a group, an SAE
+            sender site path patching cannot place (inside the attention / MLP module) or whose
+            output a Lorsa / transcoder of the call also replaces, an MHSA sender in a spliced
+            Lorsa layer after an earlier sender of its group, a feature whose set is missing,
+            MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts.
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes differ,
             means of the wrong width. All raised before the model runs.
     """
@@ -289,7 +416,8 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
         tuple(resolver.sort(g)) if isinstance(g, (list, tuple)) else (g,) for g in senders  # type: ignore[misc]
     ]
     recv = list(receivers)
-    _check(resolver, groups, recv, mode, means, clean, corrupt)
+    _check(resolver, groups, recv, mode, means, clean, corrupt, freeze)
+    lorsa_layers, features = _call_splices(groups, recv)
     score = make_metric(metric, correct_ids, incorrect_ids)
     clean_m: torch.Tensor | None = None
     corrupt_m: torch.Tensor | None = None
@@ -297,7 +425,8 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
     with torch.no_grad():
         for start in range(0, len(groups), groups_per_trace):
             chunk = groups[start:start + groups_per_trace]
-            logits = _run_chunk(resolver, chunk, recv, clean, corrupt, mode, means, positions, freeze)
+            logits = _run_chunk(resolver, chunk, recv, clean, corrupt, mode, means, positions, freeze,
+                                lorsa_layers, features)
             if clean_m is None:
                 clean_m = score(logits["clean"])
                 corrupt_m = score(logits["corrupt"]) if "corrupt" in logits else None
@@ -307,8 +436,9 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
 
 
 def _run_chunk(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput], clean: Any,
-               corrupt: Any, mode: str, means: Any, positions: Positions, freeze: bool) -> dict[str, Any]:
-    plan = _Plan(resolver, groups, receivers, freeze)
+               corrupt: Any, mode: str, means: Any, positions: Positions, freeze: bool, lorsa_layers: set[int],
+               features: list[Feature]) -> dict[str, Any]:
+    plan = _Plan(resolver, groups, receivers, freeze, lorsa_layers)
     model = resolver.model
     # invoke roles: A clean (source of frozen values), B corrupt (source of sender values),
     # C_i sender-patched clean run, D_i receiver-patched clean run
@@ -332,8 +462,7 @@ def _run_chunk(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: 
             prompts = corrupt if role == "B" else clean
             with tracer.invoke(prompts):
                 if n == 0:
-                    for layer in sorted(plan.lorsa_layers):
-                        resolver.lorsa.replace(layer, error=resolver.error)
+                    _splice_all(resolver, lorsa_layers, features)
                 for site, barrier in zip(plan.sites, barriers, strict=True):
                     _before(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, recv_sites)
                     barrier()
@@ -370,6 +499,8 @@ def _after(role: str, gi: int, site: _Site, plan: _Plan, shared: dict, groups: l
            recv_idx: list[tuple], mode: str, means: Any) -> None:
     """Edits (and receiver reads) an invoke makes at ``site`` after the barrier."""
     if role == "C":
+        if site in frozen_by[gi]:  # first the clean value, then (a sender layer's per-head site) the senders
+            plan.tensor(site)[:] = shared[("A", site)]
         if site in sender_by[gi]:
             tensor = plan.tensor(site)
             for t, s, idx in zip(groups[gi], plan.sender_sites[gi], sender_idx[gi], strict=True):
@@ -381,8 +512,6 @@ def _after(role: str, gi: int, site: _Site, plan: _Plan, shared: dict, groups: l
                     tensor[idx] = 0
                 else:
                     tensor[idx] = torch.as_tensor(means[t]).to(tensor.dtype)
-        elif site in frozen_by[gi]:
-            plan.tensor(site)[:] = shared[("A", site)]
     elif role == "D" and site in plan.receiver_sites:
         tensor = plan.tensor(site)
         src = shared[("C", gi, site)]
