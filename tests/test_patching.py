@@ -192,6 +192,12 @@ def test_feature_interventions_match_hook_reference():
     assert (logits - want).abs().max() < 1e-5
     order = r.sort([Feature("model.layers.1", 4), Feature(0, 7, kind="transcoder"), MHSAHead(1, 0)])
     assert order == [Feature(0, 7, kind="transcoder"), MHSAHead(1, 0), Feature("model.layers.1", 4)]
+    # an SAE on a norm output runs where the norm does: before the attention / between attention and MLP
+    a = r.adapter
+    norms = r.sort([Feature(a.mlp_norm_path(1), 2), MHSAHead(1, 0), Feature(a.attention_norm_path(1), 3),
+                    Feature(0, 7, kind="transcoder")])
+    assert norms == [Feature(0, 7, kind="transcoder"), Feature(a.attention_norm_path(1), 3), MHSAHead(1, 0),
+                     Feature(a.mlp_norm_path(1), 2)]
 
 
 @torch.no_grad()

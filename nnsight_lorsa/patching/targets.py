@@ -192,9 +192,13 @@ class Resolver:
         m = re.match(rf"{re.escape(a.layers_path)}\.(\d+)(\.(.*))?$", path)
         if m is None:
             return (float(a.n_layers), 0.0)
-        sub = m.group(3) or ""
+        layer, sub = int(m.group(1)), m.group(3) or ""
+        if path == a.attention_norm_path(layer):  # computed before the layer's attention
+            return (float(layer), 0.5)
+        if path == a.mlp_norm_path(layer):  # between the attention and the MLP
+            return (float(layer), 2.0)
         step = 1.6 if sub.startswith(a.attention_name) else 2.6 if a.mlp_name and sub.startswith(a.mlp_name) else 3.0
-        return (float(m.group(1)), step)
+        return (float(layer), step)
 
     def sort(self, targets: Iterable[Target]) -> list[Target]:
         return sorted(targets, key=self.order)
