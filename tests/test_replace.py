@@ -196,6 +196,29 @@ def test_nothing_survives_the_trace_even_on_error(setup):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("error", [False, True])
+def test_tracer_stop_after_reading_leaves_nothing_behind(error):
+    """``tracer.stop()`` right after reading the Lorsa (the model does not run on) works, and
+    the next traces that splice it again are served (nnsight's envoy registry kept the hook
+    points of a stopped splice: OutOfOrderError on ``hook_z`` in the following trace)."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+    ids = random_ids()
+    with model.trace(ids):
+        z_full = lorsas.replace(layer=LAYER, error=error).hook_z.output.save()
+    for _ in range(2):
+        with model.trace(ids) as tracer:
+            z = lorsas.replace(layer=LAYER, error=error).hook_z.output.save()
+            tracer.stop()
+        assert torch.equal(z, z_full)
+    with model.trace(ids):
+        z_again = lorsas.replace(layer=LAYER, error=not error).hook_z.output.save()
+    assert torch.equal(z_again, z_full)
+    assert "lorsa" not in dict(adapter.attention_module(hf, LAYER).named_children())
+
+
+@torch.no_grad()
 def test_replace_after_layer_ran_is_a_clear_error():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)

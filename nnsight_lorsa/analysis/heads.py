@@ -189,7 +189,8 @@ def collect_top_activations(model: Any, lorsa_set: Any, layer: int, tokens: torc
     keep = torch.ones(tokens.shape, dtype=torch.bool)
     keep[:, 0] = False
     for i in range(0, tokens.shape[0], batch_size):
-        with model.trace(tokens[i:i + batch_size], use_cache=False):
+        with model.trace(tokens[i:i + batch_size], use_cache=False) as tracer:
             z = nnsight.save(lorsa_set.replace(layer=layer, error=True).hook_z.output)
+            tracer.stop()  # nothing after the Lorsa is needed
         top.update(z, i, keep[i:i + batch_size])
     return top

@@ -47,5 +47,14 @@ def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: b
     if site_envoy._module._modules.get(name) is module:
         del site_envoy._module._modules[name]
         site_envoy._drop_envoy(name)
+    # nnsight forgets the dropped envoy's own registration only; a descendant's (a hook point's)
+    # would make the next trace that mounts the module alias the stale envoy (seen after
+    # ``tracer.stop()``: OutOfOrderError on ``hook_z`` in the following trace)
+    registry = site_envoy.interleaver.envoys
+    prefix = f"{site_envoy.path}.{name}."
+    for sub in module.modules():
+        envoy = registry.get(id(sub))
+        if envoy is not None and f"{envoy.path}.".startswith(prefix):
+            del registry[id(sub)]
     if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
         strip_nnsight(module)
