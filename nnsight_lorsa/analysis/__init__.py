@@ -1,1 +1,5 @@
 """analysis."""
+
+from .qk_ablation import QKFeatureImpacts, qk_feature_impacts
+
+__all__ = ["QKFeatureImpacts", "qk_feature_impacts"]

@@ -1,0 +1,182 @@
+"""Lorsa paper App. F.1 on the embedded tinyshakespeare model: which SAE features of the layer-2 attention input
+drive the Q and K of the induction Lorsa heads (H802, H777; both read QK head 12).
+
+    OMP_NUM_THREADS=1 python benchmarks/qk_feature_ablation_tinyshakespeare.py [--heads 802 777] [--windows 256]
+
+No SAE on the attention input is packaged (``nnsight_lorsa/assets`` has the Lorsa and MLP transcoders only), so
+the first run trains a TopK SAE on the output of ``model.layers.2.input_layernorm`` (= the Lorsa's input) with
+the repo's ``SparseCoderTrainer`` and caches it under ``.cache/`` (git-ignored); later runs load it
+(``--retrain`` to redo). The last ``--windows`` windows of the corpus are held out from the SAE's training
+and are the analysis corpus. Writes ``benchmarks/results/qk_feature_ablation_tinyshakespeare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import table, write  # noqa: E402
+
+from nnsight_lorsa import LorsaSet, get_adapter  # noqa: E402
+from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
+from nnsight_lorsa.demo import load_model  # noqa: E402
+from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
+from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder, save_sparse_coder  # noqa: E402
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
+from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir  # noqa: E402
+from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, attention_activations  # noqa: E402
+from nnsight_lorsa.training.evaluate import evaluate_sae, summarize  # noqa: E402
+from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer  # noqa: E402
+
+LAYER = 2
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[SparseAutoencoder, dict]:
+    adapter = get_adapter(model)
+    site = adapter.attention_norm_path(LAYER)  # its output is what the attention (and the Lorsa) reads
+    cache = Path(args.sae_dir)
+    info: dict = {"site": site + " (output)", "dir": str(cache.relative_to(ROOT) if cache.is_relative_to(ROOT)
+                                                           else cache)}
+    if (cache / "config.json").exists() and not args.retrain:
+        sae = load_sparse_coder(cache)
+        info.update({**json.loads((cache / "train_info.json").read_text()), "trained_now": False})
+    else:
+        sae = SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=args.d_sae, activation="topk",
+                                          activation_params={"k": args.k}, hook=site))
+        source = SiteActivationSource.sae(model, Site(site), train, args.batch_size)
+        trainer = SparseCoderTrainer(sae, source, SparseCoderTrainConfig(total_steps=args.steps, lr=args.lr))
+        t = time.time()
+        trainer.train(progress=False)
+        sae = trainer.folded()
+        save_sparse_coder(sae, cache)
+        train = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+                 "train_windows": len(train), "train_seconds": round(time.time() - t, 1),
+                 "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4)}
+        (cache / "train_info.json").write_text(json.dumps({"train": train}))
+        info.update({"train": train, "trained_now": True})
+    sae.eval()
+    ev = evaluate_sae(SAESet(model, {site: sae}), site, heldout, max_batches=args.eval_batches)
+    info.update({"d_sae": sae.cfg.d_sae, "activation": sae.cfg.activation, **sae.cfg.activation_params,
+                 "heldout_eval": {k: v for k, v in summarize(ev).items()
+                                  if k in ("fvu", "l0", "dead_frac", "ce_orig", "ce_spliced", "ce_zero",
+                                           "ce_recovered", "kl", "n_tokens")}})
+    return sae, info
+
+
+def context(tok, ids: torch.Tensor, pos: int, width: int = 10) -> str:
+    left = tok.decode(ids[max(1, pos - width):pos])
+    return (left + "[[" + tok.decode(ids[pos:pos + 1]) + "]]").replace("\n", "⏎")
+
+
+@torch.no_grad()
+def feature_token_stats(model, sae, tokens: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n_features, vocab)`` counts of the token at / the token before the positions where each feature is
+    active, over the analysis corpus (BOS positions left out)."""
+    vocab = max(len(model.tokenizer), int(tokens.max()) + 1)
+    at = torch.zeros(sae.cfg.d_sae, vocab, dtype=torch.long)
+    before = torch.zeros_like(at)
+    for i in range(0, tokens.shape[0], batch_size):
+        ids = tokens[i:i + batch_size]
+        acts = sae.encode(attention_activations(model, LAYER, ids).x)
+        acts[:, 0] = 0
+        b, s, f = acts.nonzero(as_tuple=True)
+        at.index_put_((f, ids[b, s]), torch.ones_like(f), accumulate=True)
+        before.index_put_((f, ids[b, s - 1]), torch.ones_like(f), accumulate=True)
+    return at, before
+
+
+def top_tokens(tok, counts: torch.Tensor, n: int = 3) -> list[str]:
+    return [tok.decode([int(t)]) for t in counts.topk(n).indices if counts[t] > 0]
+
+
+@torch.no_grad()
+def describe(model, lorsa, sae, tokens, counts, res, side: str, n: int) -> list[dict]:
+    """Top-``n`` features of one side with the token context of their maximum (for K: also the key position
+    where the feature is active that carries the most original attention)."""
+    tok = model.tokenizer
+    g = res.qk_head
+    rows = []
+    top = res.top_query_features(n) if side == "q" else res.top_key_features(n)
+    for f, kl, w, i in top:
+        ids = tokens[w]
+        row = {"feature": f, "max_kl": kl, "window": w, "position": i, "context": context(tok, ids, i),
+               "count": int((res.q_count if side == "q" else res.k_count)[f]),
+               "fires_on": top_tokens(tok, counts[0][f]), "fires_after": top_tokens(tok, counts[1][f]),
+               "frequency": round(float(counts[0][f].sum()) / res.n_tokens, 4)}  # of the non-BOS tokens
+        if side == "k":
+            act = attention_activations(model, LAYER, ids[None])
+            a = sae.encode(act.x)[0, : i + 1, f]
+            pattern = lorsa.attention_pattern(act.x, [g], act.positions)[0, 0, i, : i + 1]
+            keys = (a > 0).nonzero().flatten()
+            j = int(keys[pattern[keys].argmax()])
+            row.update({"n_keys": int(keys.numel()), "key_position": j, "key_attention": round(float(pattern[j]), 3),
+                        "key_context": context(tok, ids, j, 6)})
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", type=int, nargs="+", default=[802, 777])
+    p.add_argument("--windows", type=int, default=256, help="analysis windows (the last of the corpus)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--steps", type=int, default=800, help="SAE training steps (if not cached)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--d-sae", type=int, default=1024)
+    p.add_argument("--k", type=int, default=16)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--sae-dir", default=str(ROOT / ".cache" / "qk_ablation_sae_tinyshakespeare_L2_attn_in"))
+    p.add_argument("--retrain", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    model = load_model()
+    lorsas = LorsaSet.load(model, default_lorsa_dir())
+    lorsa = lorsas[LAYER]
+    data = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8"), args.seq_len)
+    train, heldout = data.split(args.windows / len(data))
+    sae, sae_info = get_sae(model, train, heldout, args)
+    print(f"SAE on {sae_info['site']}: {sae_info}", flush=True)
+    tokens = heldout.tokens
+    counts = feature_token_stats(model, sae, tokens, 16)
+    heads = []
+    for head in args.heads:
+        t = time.time()
+        res = qk_feature_impacts(model, lorsas, LAYER, head, sae, tokens, batch_size=16)
+        seconds = time.time() - t
+        out = {"head": head, "qk_head": res.qk_head, "n_activations": res.n_activations, "n_tokens": res.n_tokens,
+               "seconds": round(seconds, 1),
+               "features_with_q_impact": int((res.q_kl > 1e-6).sum()),
+               "features_with_k_impact": int((res.k_kl > 1e-6).sum())}
+        for side in ("q", "k"):
+            out[f"top_{side}"] = describe(model, lorsa, sae, tokens, counts, res, side, args.top)
+        heads.append(out)
+        print(f"\nLorsa L{LAYER}.H{head} (QK head {res.qk_head}): active at {res.n_activations} of {res.n_tokens} "
+              f"tokens; {seconds:.1f} s", flush=True)
+        print("Q (feature ablated at the query):")
+        print(table([(r["feature"], f"{r['max_kl']:.4f}", r["count"], f"{r['frequency']:.1%}",
+                      " ".join(map(repr, r["fires_on"])), r["context"][-36:]) for r in out["top_q"]],
+                    ("feature", "max KL", "n", "freq", "fires on", "context of the max (query in [[ ]])")))
+        print("K (feature ablated at every key):")
+        print(table([(r["feature"], f"{r['max_kl']:.4f}", r["count"], f"{r['frequency']:.1%}",
+                      " ".join(map(repr, r["fires_on"])), r["context"][-28:],
+                      f"{r['key_context'][-18:]} A={r['key_attention']}") for r in out["top_k"]],
+                    ("feature", "max KL", "n", "freq", "fires on", "query context", "key (most attended)")))
+    path = write("qk_feature_ablation_tinyshakespeare", {
+        "command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv), "layer": LAYER,
+        "analysis_windows": len(heldout), "seq_len": args.seq_len, "sae": sae_info, "heads": heads,
+        "total_seconds": round(time.time() - t0, 1)})
+    print(f"\ntotal {time.time() - t0:.1f} s -> {path}")
+
+
+if __name__ == "__main__":
+    main()

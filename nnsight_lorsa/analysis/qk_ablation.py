@@ -1,0 +1,297 @@
+"""Impact of SAE features on a Lorsa head's Q and K by ablation (Lorsa paper App. F.1).
+
+For an OV head ``h`` of the Lorsa of ``layer`` (QK head ``g = h // G``) and an SAE on the Lorsa's
+input with decoder rows ``d_f`` and activations ``a_f``, at every *activation location* of the
+head (window ``b``, query position ``i`` with ``z^h_i > 0`` after top-k):
+
+* **Q impact of f**: the query is recomputed from ``x_i − a_f(x_i) d_f`` (keys untouched), and
+  the head's pattern row ``A^g_i`` is compared with the ablated one, ``KL(A_i ‖ A'_i)``.
+  Only features active at the query position can change it.
+* **K impact of f**: every key ``j ≤ i`` is recomputed from ``x_j − a_f(x_j) d_f`` (the query
+  untouched). Only features active at some key position ``j ≤ i`` can change the row.
+
+The impact of ``f`` is the **maximum** KL over all activation locations of the head in the corpus
+(with where it occurred). The query/key projections are affine, so the ablation is
+``q_raw − a_f (d_f W_Q^g)`` before QK-norm and RoPE, which are then applied exactly as the Lorsa
+module applies them; everything is vectorised over (location, feature) pairs, one window at a time.
+
+:func:`qk_feature_impacts` streams ``(n_windows, pos)`` token windows through nnsight batch by
+batch (the attention input collected by :func:`~nnsight_lorsa.training.activations.attention_activations`,
+which stops the model after the attention); memory is bounded by ``batch_size`` and ``chunk``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._repr import FieldsRepr
+from .._typing import Float, Int
+from ..errors import ConfigMismatchError, ShapeError
+from ..modules.rotary import apply_rotary, rotary_cos_sin
+
+__all__ = ["QKFeatureImpacts", "qk_feature_impacts"]
+
+
+@dataclass(repr=False)
+class QKFeatureImpacts(FieldsRepr):
+    """Per-feature maximum KL of a Lorsa head's attention pattern under ablation (App. F.1).
+
+    Attributes:
+        layer, head: the Lorsa layer and OV head; ``qk_head`` its QK head.
+        q_kl: ``(n_features,)`` max over the head's activations of ``KL(A_i ‖ A'_i)`` with the
+            feature removed from the query's input (0 where never present at an activation).
+        q_window, q_position: ``(n_features,)`` int64 window and query position of that maximum
+            (``-1`` where the feature was never present at a query position of an activation).
+        q_count: ``(n_features,)`` int64 activations at whose query position the feature was active.
+        k_kl, k_window, k_position, k_count: the same with the feature removed from every key
+            (present = active at some key position ``j ≤ i``); the position is the query's.
+        n_activations: activation locations of the head evaluated. n_tokens: tokens seen.
+    """
+
+    layer: int
+    head: int
+    qk_head: int
+    q_kl: torch.Tensor
+    q_window: torch.Tensor
+    q_position: torch.Tensor
+    q_count: torch.Tensor
+    k_kl: torch.Tensor
+    k_window: torch.Tensor
+    k_position: torch.Tensor
+    k_count: torch.Tensor
+    n_activations: int = 0
+    n_tokens: int = 0
+
+    @classmethod
+    def empty(cls, layer: int, head: int, qk_head: int, n_features: int) -> QKFeatureImpacts:
+        def z() -> torch.Tensor:
+            return torch.zeros(n_features, dtype=torch.float32)
+
+        def minus() -> torch.Tensor:
+            return torch.full((n_features,), -1, dtype=torch.long)
+
+        def count() -> torch.Tensor:
+            return torch.zeros(n_features, dtype=torch.long)
+
+        return cls(layer, head, qk_head, z(), minus(), minus(), count(), z(), minus(), minus(), count())
+
+    def _top(self, side: str, n: int) -> list[tuple[int, float, int, int]]:
+        kl, win, pos, cnt = (getattr(self, f"{side}_{a}") for a in ("kl", "window", "position", "count"))
+        score = torch.where(cnt > 0, kl, torch.tensor(float("-inf")))
+        vals, idx = score.topk(min(n, int((cnt > 0).sum())))
+        return [(int(f), float(v), int(win[f]), int(pos[f])) for v, f in zip(vals, idx, strict=True)]
+
+    def top_query_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
+        """The ``n`` features with the largest impact on Q: ``[(feature, max KL, window, position), …]``."""
+        return self._top("q", n)
+
+    def top_key_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
+        """The ``n`` features with the largest impact on K: ``[(feature, max KL, window, query position), …]``."""
+        return self._top("k", n)
+
+    @torch.no_grad()
+    def update(self, side: str, kl: Float[torch.Tensor, " m"], feature: Int[torch.Tensor, " m"],
+               window: Int[torch.Tensor, " m"], position: Int[torch.Tensor, " m"]) -> None:
+        """Merge ``m`` evaluated (activation, feature) pairs of ``side`` (``"q"`` or ``"k"``)."""
+        if kl.numel() == 0:
+            return
+        kl, feature, window, position = (t.detach().cpu() for t in (kl, feature, window, position))
+        best, best_w, best_p, cnt = (getattr(self, f"{side}_{a}") for a in ("kl", "window", "position", "count"))
+        cnt += torch.bincount(feature, minlength=cnt.numel())
+        # per feature, the pair with the largest KL (the first one among ties, deterministically)
+        order = kl.argsort(descending=True, stable=True)
+        order = order[feature[order].argsort(stable=True)]
+        f = feature[order]
+        first = torch.ones_like(f, dtype=torch.bool)
+        first[1:] = f[1:] != f[:-1]
+        pick = order[first]
+        f, v = feature[pick], kl[pick].float()
+        better = (v > best[f]) | (best_w[f] < 0)
+        f, pick = f[better], pick[better]
+        best[f] = kl[pick].float()
+        best_w[f] = window[pick]
+        best_p[f] = position[pick]
+
+
+def _project(lorsa: Any, g: int, raw: torch.Tensor, positions: torch.Tensor, side: str) -> torch.Tensor:
+    """QK-norm and RoPE of QK head ``g`` applied to ``raw = x W^g + b^g`` rows ``(n, d_qk)`` at ``positions (n,)``,
+    with the arithmetic of :meth:`Lorsa.qk` (and :class:`PerHeadRMSNorm` for head ``g``)."""
+    cfg = lorsa.cfg
+    out = raw
+    if cfg.qk_norm:
+        ln = lorsa.ln_q if side == "q" else lorsa.ln_k
+        dtype = out.dtype
+        v = out.to(torch.float32)
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + ln.eps)
+        out = ln.w[g] * v.to(dtype)
+    if cfg.rotary is not None:
+        cos, sin = rotary_cos_sin(cfg.rotary, positions)
+        out = apply_rotary(out[None, None], cos, sin, cfg.rotary.interleaved)[0, 0]
+    return out
+
+
+def _kl_rows(logp: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``KL(p ‖ softmax(scores))`` over the last dim, restricted to ``valid`` keys; ``logp`` the reference
+    log-pattern (``-inf`` off ``valid``), float64. The softmax runs in float64 so that rounding does not add a
+    first-order term to the KL (float32 gives ~1e-7 for identical patterns); clamped at 0."""
+    logq = scores.double().masked_fill(~valid, float("-inf")).log_softmax(-1)
+    term = torch.where(valid, logp.exp() * (logp - logq), torch.zeros((), dtype=logp.dtype))
+    return term.sum(-1).clamp_min(0.0)
+
+
+def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor, features: Any,
+           batch_size: int) -> tuple[Any, torch.Tensor | None]:
+    lorsa = lorsa_set[layer]  # LayerOutOfRangeError: no Lorsa at this layer
+    n_ov, d_model = lorsa.cfg.n_ov_heads, lorsa.cfg.d_model
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < n_ov:
+        raise ShapeError(f"head {head!r} out of range [0, {n_ov}) of the Lorsa of layer {layer}")
+    w_dec = getattr(sae, "W_dec", None)
+    d_in = getattr(getattr(sae, "cfg", None), "d_in", None)
+    if w_dec is None or w_dec.dim() != 2 or w_dec.shape[1] != d_model or d_in != d_model:
+        shape = None if w_dec is None else tuple(w_dec.shape)
+        raise ConfigMismatchError(
+            f"the SAE must read and write the Lorsa input of width d_model={d_model}; it has d_in={d_in}, "
+            f"W_dec {shape}"
+        )
+    if tokens.dim() != 2 or tokens.shape[1] < 1:
+        raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    keep = None
+    if features is not None:
+        idx = torch.as_tensor(features, dtype=torch.long).reshape(-1)
+        n = w_dec.shape[0]
+        if idx.numel() and (idx.min() < 0 or idx.max() >= n):
+            raise ShapeError(f"features must be in [0, {n}), got {idx.tolist()}")
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[idx] = True
+    return lorsa, keep
+
+
+@torch.no_grad()
+def qk_feature_impacts(
+    model: Any,
+    lorsa_set: Any,
+    layer: int,
+    head: int,
+    sae: Any,
+    tokens: torch.Tensor,
+    *,
+    batch_size: int = 8,
+    features: Any = None,
+    skip_first: bool = True,
+    chunk: int = 1 << 22,
+) -> QKFeatureImpacts:
+    """App. F.1: each SAE feature's maximum impact on Lorsa head ``head``'s Q and K over ``tokens``.
+
+    Args:
+        model: nnsight-wrapped model. lorsa_set: a :class:`~nnsight_lorsa.LorsaSet` with a Lorsa at ``layer``.
+        head: OV head index of that Lorsa.
+        sae: a sparse coder on the Lorsa input (``encode``, ``W_dec (n_features, d_model)``; e.g. a
+            :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` on the pre-attention norm's output).
+        tokens: ``(n_windows, pos)`` unpadded token windows (BOS first), streamed ``batch_size`` at a time.
+        features: only evaluate these feature indices (default: every feature that is active).
+        skip_first: ignore activations at position 0 (BOS; its pattern row has a single entry).
+        chunk: bound on the elements of one ablated-score tensor (memory knob).
+
+    Returns:
+        :class:`QKFeatureImpacts` (per feature: max KL for Q and for K, where, and how often present).
+
+    Raises:
+        LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
+        range, ``tokens`` not 2-D. ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
+        All before the model runs.
+    """
+    from ..adapters.registry import get_adapter
+    from ..training.activations import attention_activations
+
+    lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
+    adapter = get_adapter(model)
+    cfg = lorsa.cfg
+    g = head // cfg.group_size
+    n_feat = sae.W_dec.shape[0]
+    result = QKFeatureImpacts.empty(layer, head, g, n_feat)
+    w_q, w_k = lorsa.W_Q[g].float(), lorsa.W_K[g].float()  # (d, e)
+    b_q, b_k = lorsa.b_Q[g].float(), lorsa.b_K[g].float()
+    w_dec = sae.W_dec.float()
+    dq, dk = w_dec @ w_q, w_dec @ w_k  # (n_features, e): each feature's direction in raw q / k
+    sae_dtype = sae.W_dec.dtype
+    lorsa_dtype = lorsa.W_Q.dtype
+    scale = cfg.scale
+    for start in range(0, tokens.shape[0], batch_size):
+        ids = tokens[start:start + batch_size]
+        act = attention_activations(model, layer, ids, adapter=adapter)
+        x = act.x.float()
+        bsz, seq, _ = x.shape
+        pos = act.positions.reshape(-1, seq).expand(bsz, seq).to(x.device)
+        _, cache = lorsa(act.x.to(lorsa_dtype), act.positions, return_cache=True)
+        loc = cache.z[..., head] > 0  # (b, s) activation locations
+        if skip_first:
+            loc[:, 0] = False
+        result.n_tokens += bsz * (seq - 1 if skip_first else seq)
+        if not loc.any():
+            continue
+        acts = sae.encode(act.x.to(sae_dtype)).float()  # (b, s, n_features)
+        if keep is not None:
+            acts = acts * keep.to(acts.device)
+        q_raw, k_raw = x @ w_q + b_q, x @ w_k + b_k  # (b, s, e)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        for b in range(bsz):
+            qi = loc[b].nonzero().flatten()  # query positions of the activations in this window
+            if qi.numel() == 0:
+                continue
+            result.n_activations += int(qi.numel())
+            q = _project(lorsa, g, q_raw[b], pos[b], "q")  # (s, e)
+            k = _project(lorsa, g, k_raw[b], pos[b], "k")
+            valid = causal[qi]  # (p, s)
+            scores = q[qi] @ k.T / scale
+            logp = scores.double().masked_fill(~valid, float("-inf")).log_softmax(-1)  # original rows log A_i
+            _q_side(result, lorsa, g, acts[b], qi, q_raw[b], pos[b], k, logp, valid, dq, scale, start + b, chunk)
+            _k_side(result, lorsa, g, acts[b], qi, q[qi], k_raw[b], pos[b], scores, logp, valid, dk, scale,
+                    start + b, chunk)
+    return result
+
+
+def _q_side(result: QKFeatureImpacts, lorsa: Any, g: int, acts: torch.Tensor, qi: torch.Tensor,
+            q_raw: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor,
+            dq: torch.Tensor, scale: float, window: int, chunk: int) -> None:
+    """Q ablation: every (activation p, feature f active at its query position) pair, ``step`` pairs at a time."""
+    p_idx, f_idx = acts[qi].nonzero(as_tuple=True)
+    step = max(1, chunk // k.shape[0])
+    for s0 in range(0, p_idx.numel(), step):
+        p, f = p_idx[s0:s0 + step], f_idx[s0:s0 + step]
+        i = qi[p]
+        raw = q_raw[i] - acts[i, f][:, None] * dq[f]
+        q_abl = _project(lorsa, g, raw, pos[i], "q")  # (m, e)
+        kl = _kl_rows(logp[p], q_abl @ k.T / scale, valid[p])
+        result.update("q", kl, f, torch.full_like(f, window), i)
+
+
+def _k_side(result: QKFeatureImpacts, lorsa: Any, g: int, acts: torch.Tensor, qi: torch.Tensor, q: torch.Tensor,
+            k_raw: torch.Tensor, pos: torch.Tensor, scores: torch.Tensor, logp: torch.Tensor, valid: torch.Tensor,
+            dk: torch.Tensor, scale: float, window: int, chunk: int) -> None:
+    """K ablation: for each feature active at a key ``j ≤ max(qi)``, the keys at its positions are
+    recomputed and substituted into every activation's score row; ``step`` features at a time."""
+    last = int(qi.max()) + 1
+    present = acts[:last] != 0  # (j, f)
+    feats = present.any(0).nonzero().flatten()
+    if feats.numel() == 0:
+        return
+    upto = present.cummax(0).values[qi]  # (p, f): f active at some key j <= i_p
+    n_p, seq = scores.shape
+    step = max(1, chunk // (n_p * seq))
+    for s0 in range(0, feats.numel(), step):
+        fs = feats[s0:s0 + step]
+        j_idx, local = present[:, fs].nonzero(as_tuple=True)  # (key position, index into fs)
+        f = fs[local]
+        raw = k_raw[j_idx] - acts[j_idx, f][:, None] * dk[f]
+        k_abl = _project(lorsa, g, raw, pos[j_idx], "k")  # (m, e)
+        abl = scores.expand(fs.numel(), n_p, seq).clone()  # (n_f, p, s)
+        abl[local, :, j_idx] = (q @ k_abl.T / scale).T  # the ablated keys' columns
+        kl = _kl_rows(logp[None], abl, valid[None])  # (n_f, p)
+        mask = upto[:, fs].T  # (n_f, p): pairs where the feature is present
+        fi, pi = mask.nonzero(as_tuple=True)
+        result.update("k", kl[fi, pi], fs[fi], torch.full_like(fi, window), qi[pi])

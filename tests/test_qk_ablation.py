@@ -1,0 +1,231 @@
+"""App. F.1 QK feature ablation: exact against the Lorsa module's own pattern functions on edited inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_replace import LAYER, make_lorsa
+from tiny import random_ids, tiny_nnsight
+
+from nnsight_lorsa import ConfigMismatchError, LayerOutOfRangeError, LorsaSet, ShapeError, get_adapter
+from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.training.activations import attention_activations
+
+
+def sharp_setup(family: str):
+    """Tiny model + a Lorsa whose QK weights are scaled up (peaked patterns, large KLs)."""
+    model, hf = tiny_nnsight(family)
+    lorsa = make_lorsa(hf, get_adapter(model))
+    with torch.no_grad():
+        lorsa.W_Q.mul_(6.0)
+        lorsa.W_K.mul_(6.0)
+    return model, hf, lorsa, LorsaSet(model, {LAYER: lorsa})
+
+
+def busiest_head(model, lorsa, tokens) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(head, x, positions, activation mask (b, s) without BOS) for the head active most often."""
+    act = attention_activations(model, LAYER, tokens)
+    _, cache = lorsa(act.x, act.positions, return_cache=True)
+    active = cache.z > 0
+    active[:, 0] = False
+    head = int(active.sum((0, 1)).argmax())
+    return head, act.x, act.positions, active[..., head]
+
+
+def rows(lorsa, head: int, x_q: torch.Tensor, x_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Reference pattern of the head's QK head with queries from ``x_q`` and keys from ``x_k``, computed
+    with the module's ``qk`` and ``attention_scores_softmax``: ``(b, s, s)``."""
+    g = head // lorsa.cfg.group_size
+    q, _ = lorsa.qk(x_q, positions)
+    _, k = lorsa.qk(x_k, positions)
+    return lorsa.attention_scores_softmax(q[:, [g]], k[:, [g]], None)[:, 0]
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, p * (p.log() - q.log()), torch.zeros(())).sum(-1)
+
+
+def reference_max(values: torch.Tensor, where: torch.Tensor) -> float:
+    return float(values[where].max()) if where.any() else 0.0
+
+
+class FixedCodes(SparseAutoencoder):
+    """An 'SAE' whose code is a fixed ``(b, s, n)`` table (so we choose where each feature is active)."""
+
+    def __init__(self, codes: torch.Tensor, W_dec: torch.Tensor) -> None:
+        super().__init__(SAEConfig(d_in=W_dec.shape[1], d_sae=W_dec.shape[0]))
+        self.codes = codes
+        with torch.no_grad():
+            self.W_dec.copy_(W_dec)
+
+    def encode(self, x):
+        assert x.shape[:2] == self.codes.shape[:2]
+        return self.codes.clone()
+
+
+def coordinate_sae(d: int) -> SparseAutoencoder:
+    """ReLU SAE with ``W_enc = [I, −I]``, ``W_dec = [I; −I]``: feature ``c`` is ``relu(x_c)`` along ``e_c``,
+    feature ``d + c`` is ``relu(−x_c)`` along ``−e_c`` — ablating either zeroes coordinate ``c``."""
+    sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=2 * d, activation="relu"))
+    eye = torch.eye(d)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.cat([eye, -eye], 1))
+        sae.W_dec.copy_(torch.cat([eye, -eye], 0))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    return sae
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])  # llama3 RoPE + GQA, QK-norm, no rotary
+@torch.no_grad()
+def test_kl_equals_reference_on_edited_inputs(family):
+    model, hf, lorsa, ls = sharp_setup(family)
+    tokens = random_ids(batch=3, seq=10, seed=5)
+    head, x, positions, active = busiest_head(model, lorsa, tokens)
+    d = lorsa.cfg.d_model
+    sae = coordinate_sae(d)
+    res = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, batch_size=2)
+    assert res.n_activations == int(active.sum()) > 0 and res.n_tokens == 3 * 9
+    assert res.qk_head == head // lorsa.cfg.group_size
+    base = rows(lorsa, head, x, x, positions)
+    q_ref, k_ref = torch.zeros(2 * d), torch.zeros(2 * d)
+    q_loc = {}
+    for f in range(2 * d):
+        c, sign = f % d, 1.0 if f < d else -1.0
+        on = sign * x[..., c] > 0                              # where feature f is active
+        x_edit = x.clone()
+        x_edit[..., c] = torch.where(on, torch.zeros(()), x[..., c])   # the known input edit
+        kl_q = kl(base, rows(lorsa, head, x_edit, x, positions))      # queries edited, keys not
+        kl_k = kl(base, rows(lorsa, head, x, x_edit, positions))      # keys edited, queries not
+        q_ref[f] = reference_max(kl_q, active & on)
+        k_ref[f] = reference_max(kl_k, active & (on.cummax(1).values))
+        if (active & on).any():
+            q_loc[f] = (active & on) & (kl_q == kl_q[active & on].max())
+        assert res.q_count[f] == int((active & on).sum())
+        assert res.k_count[f] == int((active & on.cummax(1).values).sum())
+    torch.testing.assert_close(res.q_kl, q_ref, atol=2e-6, rtol=1e-3)
+    torch.testing.assert_close(res.k_kl, k_ref, atol=2e-6, rtol=1e-3)
+    assert q_ref.max() > 2e-3 and k_ref.max() > 2e-3          # the test is not comparing zeros
+    for f, where in q_loc.items():                             # the reported location is a maximum
+        if q_ref[f] > 1e-3:
+            b, i = int(res.q_window[f]), int(res.q_position[f])
+            assert where[b, i] or abs(float(res.q_kl[f]) - q_ref[f]) < 1e-4
+    # chunking and batching do not change anything
+    again = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, batch_size=3, chunk=7)
+    torch.testing.assert_close(again.q_kl, res.q_kl, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(again.k_kl, res.k_kl, atol=1e-6, rtol=1e-5)
+    assert torch.equal(again.q_count, res.q_count) and torch.equal(again.k_count, res.k_count)
+    top = res.top_query_features(3)
+    assert [t[0] for t in top] == res.q_kl.topk(3).indices.tolist() and top[0][1] == float(res.q_kl.max())
+
+
+def _span_directions(lorsa, g: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Unit directions: orthogonal to W_Q^g and W_K^g; in W_Q's column span ⟂ W_K; in W_K's span ⟂ W_Q."""
+    wq, wk = lorsa.W_Q[g].double(), lorsa.W_K[g].double()     # (d, e)
+    gen = torch.Generator().manual_seed(seed)
+
+    def perp(v, basis):
+        qb, _ = torch.linalg.qr(basis)
+        return v - qb @ (qb.T @ v)
+
+    d = wq.shape[0]
+    r = torch.randn(d, dtype=torch.float64, generator=gen)
+    out = {"none": perp(r, torch.cat([wq, wk], 1)),
+           "q_only": perp(wq @ torch.randn(wq.shape[1], dtype=torch.float64, generator=gen), wk),
+           "k_only": perp(wk @ torch.randn(wk.shape[1], dtype=torch.float64, generator=gen), wq)}
+    return {k: (v / v.norm()).float() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_orthogonal_feature_has_no_impact_aligned_one_does(family):
+    model, hf, lorsa, ls = sharp_setup(family)
+    tokens = random_ids(batch=3, seq=10, seed=5)
+    head, x, positions, active = busiest_head(model, lorsa, tokens)
+    dirs = _span_directions(lorsa, head // lorsa.cfg.group_size)
+    w_dec = torch.stack([dirs["none"], dirs["q_only"], dirs["k_only"], dirs["q_only"] + dirs["k_only"]])
+    x_norm = float(x.norm(dim=-1).mean())
+    codes = torch.full((*x.shape[:2], 4), x_norm)              # every feature active everywhere
+    res = qk_feature_impacts(model, ls, LAYER, head, FixedCodes(codes, w_dec), tokens, batch_size=4)
+    n = res.n_activations
+    assert res.q_count.tolist() == [n] * 4 and res.k_count.tolist() == [n] * 4
+    assert res.q_kl[0] < 1e-9 and res.k_kl[0] < 1e-9          # orthogonal to both: no impact
+    assert res.q_kl[1] > 1e-3 and res.k_kl[1] < 1e-9          # only on Q
+    assert res.q_kl[2] < 1e-9 and res.k_kl[2] > 1e-3          # only on K
+    assert res.q_kl[3] > 1e-3 and res.k_kl[3] > 1e-3
+    assert [t[0] for t in res.top_key_features(2)] == res.k_kl.topk(2).indices.tolist()
+
+
+@torch.no_grad()
+def test_feature_only_at_key_positions_has_no_q_impact():
+    model, hf, lorsa, ls = sharp_setup("llama")
+    tokens = random_ids(batch=3, seq=10, seed=5)
+    head, x, positions, active = busiest_head(model, lorsa, tokens)
+    g = head // lorsa.cfg.group_size
+    direction = (lorsa.W_Q[g] @ torch.randn(lorsa.cfg.d_qk_head) + lorsa.W_K[g] @ torch.randn(lorsa.cfg.d_qk_head))
+    direction = direction / direction.norm()
+    where = ~active                                            # never at an activation's query position
+    where[:, 0] = True
+    codes = (where.float() * float(x.norm(dim=-1).mean()))[..., None]
+    res = qk_feature_impacts(model, ls, LAYER, head, FixedCodes(codes, direction[None]), tokens, batch_size=3)
+    assert res.q_count[0] == 0 and res.q_kl[0] == 0 and res.q_window[0] == -1
+    present = where.cummax(1).values & active
+    assert res.k_count[0] == int(present.sum())
+    x_edit = x - codes * direction                             # the feature removed where it is active
+    k_ref = kl(rows(lorsa, head, x, x, positions), rows(lorsa, head, x, x_edit, positions))
+    torch.testing.assert_close(res.k_kl[0], k_ref[present].max(), atol=2e-6, rtol=1e-3)
+    assert res.k_kl[0] > 1e-3
+    b, i = int(res.k_window[0]), int(res.k_position[0])
+    assert present[b, i] and abs(float(k_ref[b, i]) - float(res.k_kl[0])) < 1e-4
+
+
+def test_update_keeps_the_first_maximum_per_feature():
+    r = QKFeatureImpacts.empty(0, 0, 0, 4)
+    r.update("q", torch.tensor([0.1, 0.5, 0.5, 0.2]), torch.tensor([1, 1, 1, 3]), torch.tensor([0, 0, 1, 2]),
+             torch.tensor([4, 5, 6, 7]))
+    r.update("q", torch.tensor([0.3, 0.0]), torch.tensor([3, 2]), torch.tensor([5, 6]), torch.tensor([1, 2]))
+    assert r.q_kl.tolist() == pytest.approx([0, 0.5, 0.0, 0.3])
+    assert r.q_window.tolist() == [-1, 0, 6, 5] and r.q_position.tolist() == [-1, 5, 2, 1]
+    assert r.q_count.tolist() == [0, 3, 1, 2]
+    assert [f for f, *_ in r.top_query_features(10)] == [1, 3, 2] and r.top_key_features(5) == []
+
+
+@torch.no_grad()
+def test_bad_input_raises_before_the_model_runs():
+    model, hf = tiny_nnsight("llama")
+    lorsa = make_lorsa(hf, get_adapter(model))
+    ls = LorsaSet(model, {LAYER: lorsa})
+    sae = coordinate_sae(lorsa.cfg.d_model)
+    calls = []
+    handle = hf.model.embed_tokens.register_forward_pre_hook(lambda *a: calls.append(1))
+    tokens = random_ids(batch=2, seq=6)
+    try:
+        with pytest.raises(ShapeError, match="head"):
+            qk_feature_impacts(model, ls, LAYER, lorsa.cfg.n_ov_heads, sae, tokens)
+        with pytest.raises(ShapeError, match="head"):
+            qk_feature_impacts(model, ls, LAYER, -1, sae, tokens)
+        with pytest.raises(LayerOutOfRangeError, match="no Lorsa for layer 2"):
+            qk_feature_impacts(model, ls, LAYER + 1, 0, sae, tokens)
+        with pytest.raises(ConfigMismatchError, match="d_model=64"):
+            qk_feature_impacts(model, ls, LAYER, 0, SparseAutoencoder(SAEConfig(d_in=32, d_sae=8)), tokens)
+        with pytest.raises(ShapeError, match="tokens"):
+            qk_feature_impacts(model, ls, LAYER, 0, sae, tokens[0])
+        with pytest.raises(ShapeError, match="features"):
+            qk_feature_impacts(model, ls, LAYER, 0, sae, tokens, features=[0, 128])
+        assert calls == []
+        # a feature subset evaluates only those features (and the model does run)
+        head = int(lorsa(attention_activations(model, LAYER, tokens).x, return_cache=True)[1].z[:, 1:].sum((0, 1))
+                   .argmax())
+        calls.clear()
+        full = qk_feature_impacts(model, ls, LAYER, head, sae, tokens)
+        assert calls and full.n_activations > 0
+        pick = [f for f, *_ in full.top_query_features(2)]
+        res = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, features=pick)
+        assert set(((res.q_count + res.k_count) > 0).nonzero().flatten().tolist()) == set(pick)
+        for name in ("q_count", "k_count", "q_window", "k_position"):
+            assert torch.equal(getattr(res, name)[pick], getattr(full, name)[pick])
+        torch.testing.assert_close(res.q_kl[pick], full.q_kl[pick], atol=1e-9, rtol=1e-5)
+        torch.testing.assert_close(res.k_kl[pick], full.k_kl[pick], atol=1e-9, rtol=1e-5)
+    finally:
+        handle.remove()
