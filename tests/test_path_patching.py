@@ -240,6 +240,13 @@ def feature_acts(hf, ids, module, coder, read_x):
     return coder.encode(rec["x"])
 
 
+def layer0_transcoder_acts(hf, adapter, tcs, clean, corrupt):
+    """``(transcoder, mlp module, clean features, corrupt features)`` of layer 0's transcoder."""
+    tc, mlp = tcs[0], adapter.mlp_module(hf, 0)
+    return tc, mlp, feature_acts(hf, clean, mlp, tc, mlp_in(adapter)), feature_acts(hf, corrupt, mlp, tc,
+                                                                                 mlp_in(adapter))
+
+
 def feature_edit(module, coder, index, value, read_x):
     """Hook setting feature ``index`` to ``value`` (error term held: output += decode(edited) − decode(acts))."""
     def hook(m, args, kwargs, out):
@@ -273,9 +280,7 @@ def test_transcoder_feature_sender_matches_hook_reference(llama, coders, mode):
     model, hf, adapter = llama
     r, tcs, _ = coders
     clean, corrupt = prompts()
-    tc, mlp = tcs[0], adapter.mlp_module(hf, 0)
-    a_clean = feature_acts(hf, clean, mlp, tc, mlp_in(adapter))
-    a_corrupt = feature_acts(hf, corrupt, mlp, tc, mlp_in(adapter))
+    tc, mlp, a_clean, a_corrupt = layer0_transcoder_acts(hf, adapter, tcs, clean, corrupt)
     i = most_changed(a_clean, a_corrupt) if mode == "patch" else most_changed(a_clean, 0 * a_clean)
     feat = Feature(0, i, kind="transcoder")
     means = mean_activations(r, [feat], corrupt) if mode == "mean" else None
@@ -360,9 +365,7 @@ def test_groups_mixing_heads_and_features_match_hook_reference(llama, coders):
     model, hf, adapter = llama
     r, tcs, _ = coders
     clean, corrupt = prompts()
-    tc, mlp = tcs[0], adapter.mlp_module(hf, 0)
-    a_clean = feature_acts(hf, clean, mlp, tc, mlp_in(adapter))
-    a_corrupt = feature_acts(hf, corrupt, mlp, tc, mlp_in(adapter))
+    tc, mlp, a_clean, a_corrupt = layer0_transcoder_acts(hf, adapter, tcs, clean, corrupt)
     i = most_changed(a_clean, a_corrupt)
     d = adapter.head_dim
     rec, bad = clean_o_proj(hf, clean), clean_o_proj(hf, corrupt)
