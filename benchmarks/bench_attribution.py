@@ -26,6 +26,9 @@ from _timing import table, time_interleaved, write  # noqa: E402
 
 from nnsight_lorsa import LorsaSet  # noqa: E402
 from nnsight_lorsa.attribution import attribute  # noqa: E402
+from nnsight_lorsa.attribution.attribute import prepare  # noqa: E402
+from nnsight_lorsa.attribution.hooks import install_frozen_hooks  # noqa: E402
+from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder  # noqa: E402
 from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
@@ -74,6 +77,54 @@ def memory_child(seq: int, batch: int, sparse: bool) -> None:
                       "adjacency_mb": g.n_nodes ** 2 * 4 / 2**20, "multipliers_mb": 2 * batch * n_sources * 4 / 2**20}))
 
 
+def _saved_storages(roots: list) -> dict[int, int]:
+    """``{storage pointer: bytes}`` of every tensor the autograd graph below ``roots`` keeps for backward."""
+    seen, stack, out = set(), list(roots), {}
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for name in dir(fn):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(fn, name)
+            except RuntimeError:  # freed or not a tensor
+                continue
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, batches: tuple[int, int] = (1, 5)) -> dict:
+    """What the frozen forward keeps for the backward passes, measured by walking its autograd graph:
+    bytes per prompt copy (the slope between two batch sizes) and the batch-independent part
+    (one copy of the constants: patterns or queries/keys, pattern rows, decoder/encoder grids)."""
+    hf = model._module
+    params = {p.untyped_storage().data_ptr() for m in [hf, *(lorsas[k] for k in lorsas), *tcs.values()]
+              for p in m.parameters()}
+    layout, mhsa, adapter = prepare(model, ids, lorsas=lorsas, transcoders=tcs)
+    total = []
+    for b in batches:
+        M = torch.ones(b, layout.n_sources, requires_grad=True)
+        frozen = FrozenReplacement(layout, M, mhsa, patterns=patterns)
+        handles = install_frozen_hooks(hf, adapter, frozen)
+        try:
+            hf(layout.tokens[None].expand(b, -1), use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        stored = _saved_storages([t.grad_fn for t in frozen.target_pieces()])
+        total.append(sum(v for k, v in stored.items() if k not in params))
+    per_copy = (total[1] - total[0]) / (batches[1] - batches[0])
+    return {"seq": int(ids.numel()), "patterns": patterns, "per_copy_mb": per_copy / 2**20,
+            "per_copy_per_token_kb": per_copy / ids.numel() / 1024, "shared_mb": (total[0] - per_copy) / 2**20,
+            "layers": model._module.config.num_hidden_layers, "d_model": model._module.config.hidden_size}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=64)
@@ -84,6 +135,7 @@ def main() -> None:
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sparse-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-timing", action="store_true", help="only the memory table")
+    ap.add_argument("--saved-lengths", default="", help="prompt lengths for the saved-for-backward table")
     args = ap.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child, args.batch, args.sparse_child)
@@ -118,6 +170,17 @@ def main() -> None:
               "(target >= 10)")
         out.update({"rows": rows, "summary": g.summary(), "naive_s": naive_s, "timed": timed,
                     "naive_over_nnsight": naive_s / nn_s, "nnsight_over_hooks": nn_s / hk_s})
+    saved = [saved_per_copy(model, lorsas, tcs, prompt_ids(model, n), mode)
+             for n in [int(s) for s in args.saved_lengths.split(",") if s] for mode in ("store", "sdpa")]
+    if saved:
+        print(table([(m["seq"], m["patterns"], f"{m['per_copy_mb']:.2f}", f"{m['per_copy_per_token_kb']:.1f}",
+                      f"{m['per_copy_per_token_kb'] * 1024 / (4 * m['layers'] * m['d_model']):.2f}",
+                      f"{m['shared_mb']:.2f}") for m in saved],
+                    ("tokens", "patterns", "per copy MB", "per copy per token KB", "÷ (layers·d_model·4 B)",
+                     "shared MB")))
+        print(f"-> {write('attribution_tinyshakespeare_saved', {'command': out['command'], 'saved': saved})}")
+        if not args.memory_lengths:
+            return
     memory, sparse = [], []
     for seq in [int(s) for s in args.memory_lengths.split(",") if s]:
         for flag, into in (([], memory), (["--sparse-child"], sparse)):

@@ -107,13 +107,23 @@ def frozen_mhsa(
     b_v = w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)
     v = mhsa_values(w, x, b_v)
     if isinstance(frozen, torch.Tensor):
-        z = frozen @ v
+        z = shared_matmul(frozen, v)
     else:
         q, k = frozen
         mask = None if w.sliding_window is None else mhsa_mask(w, x.shape[1], x.device)
         z = F.scaled_dot_product_attention(q.expand(b, -1, -1, -1), k.expand(b, -1, -1, -1), v, attn_mask=mask,
                                            is_causal=mask is None, scale=w.scale)
     return torch.einsum("bhse,hed->bsd", z, w.W_O) + scaled(w.b_O, mult_o)
+
+
+def shared_matmul(a: Float[torch.Tensor, "1 h p q"], v: Float[torch.Tensor, "batch h q e"]
+                  ) -> Float[torch.Tensor, "batch h p e"]:
+    """``a @ v`` for ``a`` shared by every batch row, as one ``(h, p, q) @ (h, q, batch·e)`` matmul:
+    a broadcast ``a @ v`` expands ``a`` to ``(batch, h, p, q)`` and keeps that copy for the backward
+    — ``h·p²`` per copy of the prompt; here ``a`` is kept once."""
+    b, h, q, e = v.shape
+    z = a[0] @ v.permute(1, 2, 0, 3).reshape(h, q, b * e)
+    return z.view(h, a.shape[-2], b, e).permute(2, 0, 1, 3)
 
 
 class PositionSlots:
