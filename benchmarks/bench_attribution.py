@@ -145,8 +145,9 @@ def main() -> None:
     lorsas, tcs = replacement(model)
     ids = prompt_ids(model, args.seq)
 
-    def run(engine: str, batch: int):
-        return lambda: attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, engine=engine)
+    def run(engine: str, batch: int, node_vectors: str = "auto"):
+        return lambda: attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, engine=engine,
+                                 node_vectors=node_vectors)
 
     out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
                  "threads": args.threads}
@@ -154,17 +155,22 @@ def main() -> None:
         g = run("nnsight", args.batch)()
         rows = int(g.feature_rows.sum())
         timed = time_interleaved({"nnsight batched": run("nnsight", args.batch),
-                                  "hooks batched": run("hooks", args.batch)}, repeats=args.repeats, warmup=1)
+                                  "hooks batched": run("hooks", args.batch),
+                                  "nnsight batched, gathered": run("nnsight", args.batch, "gather")},
+                                 repeats=args.repeats, warmup=1)
         t = time.perf_counter()
         naive = run("hooks", 1)()
         naive_s = time.perf_counter() - t
         assert torch.allclose(naive.adjacency, g.adjacency, atol=1e-5), "naive and batched graphs differ"
         nn_s, hk_s = timed["nnsight batched"]["median_s"], timed["hooks batched"]["median_s"]
+        ga_s = timed["nnsight batched, gathered"]["median_s"]
         print(f"prompt {args.seq} tokens, {rows} target rows ({g.summary()}), batch {args.batch}, "
               f"{args.threads} thread(s)")
         print(table([("naive (1 backward per target, hooks)", f"{naive_s:.2f}", f"{naive_s / nn_s:.1f}x"),
                      (f"batched hooks (B={args.batch})", f"{hk_s:.2f}", f"{hk_s / nn_s:.2f}x"),
-                     (f"batched nnsight (B={args.batch})", f"{nn_s:.2f}", "1.00x")],
+                     (f"batched nnsight (B={args.batch})", f"{nn_s:.2f}", "1.00x"),
+                     (f"batched nnsight, node_vectors='gather' (B={args.batch})", f"{ga_s:.2f}",
+                      f"{ga_s / nn_s:.2f}x")],
                     ("method", "seconds", "vs nnsight batched")))
         print(f"nnsight / hooks = {nn_s / hk_s:.3f} (target <= 1.3); naive / nnsight = {naive_s / nn_s:.1f} "
               "(target >= 10)")

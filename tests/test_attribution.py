@@ -371,6 +371,8 @@ local = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32)
 nnsight.register(nnsight_lorsa)
 remote = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, remote="local")
 assert torch.equal(local.adjacency, remote.adjacency), (local.adjacency - remote.adjacency).abs().max()
+gathered = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="gather", remote="local")
+assert torch.allclose(gathered.adjacency, local.adjacency, atol=1e-5), (gathered.adjacency - local.adjacency).abs().max()
 assert torch.equal(local.nodes.kind, remote.nodes.kind)
 print("ok", int(remote.feature_rows.sum()))
 """
@@ -461,3 +463,47 @@ def test_objective_injects_only_the_targeted_sites(llama):
     assert frozen.target_pieces()[-1].grad_fn not in seen  # the logits' graph is not traversed
     with pytest.raises(IndexError):
         frozen.objective([layout.n_targets])
+
+
+def test_gathered_node_vectors_equal_the_grid(monkeypatch):
+    """``node_vectors="gather"`` (rows gathered chunk by chunk in every pass, a custom autograd
+    function) gives the grid's graph — transcoders, a Lorsa and a CLT — and its own edges still sum."""
+    import nnsight_lorsa.attribution.node_io as node_io
+    from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
+
+    monkeypatch.setattr(node_io, "CHUNK_ELEMENTS", 32 * 64 * 3)  # several chunks per site
+    model, _, lorsas, tcs = setup("llama")
+    ids = random_ids(1, 8, seed=6)[0]
+    grid = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="grid")
+    gath = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="gather")
+    assert torch.allclose(gath.adjacency, grid.adjacency, atol=1e-5 * float(grid.adjacency.abs().max()))
+    assert gath.edge_sum_error("mass").max() < 1e-6
+    clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk", activation_params={"k": 5}))
+    a = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32, node_vectors="grid")
+    b = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32, node_vectors="gather")
+    assert torch.allclose(a.adjacency, b.adjacency, atol=1e-5 * float(a.adjacency.abs().max()))
+    with pytest.raises(ConfigMismatchError, match="node_vectors"):
+        attribute(model, ids, lorsas=lorsas, transcoders=tcs, node_vectors="dense")
+
+
+def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
+    """Forward and backward of the gathered writer/reader equal the grid's (fp64, several chunks)."""
+    import nnsight_lorsa.attribution.node_io as node_io
+    from nnsight_lorsa.attribution.frozen import PositionSlots
+
+    monkeypatch.setattr(node_io, "CHUNK_ELEMENTS", 3 * 5 * 2)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(11, 5, dtype=torch.float64, generator=g)
+    idx = torch.tensor([3, 7, 3, 0, 10, 7, 1])
+    pos = torch.tensor([0, 0, 1, 2, 2, 2, 4])
+    grid = node_io.GridNodes(PositionSlots(pos, 6), PositionSlots(pos, 6).grid(W[idx]))
+    gath = node_io.GatheredNodes(W, idx, pos, 6, torch.float64)
+    coeff = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    x = torch.randn(3, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    for fn, inp in ((lambda io: io.write(coeff), coeff), (lambda io: io.read(x), x)):
+        out_g, out_h = fn(grid), fn(gath)
+        assert torch.allclose(out_g, out_h)
+        up = torch.randn(out_g.shape, dtype=torch.float64, generator=g)
+        assert torch.allclose(torch.autograd.grad(out_g, inp, up)[0], torch.autograd.grad(out_h, inp, up)[0])
+    assert node_io.choose("auto", 10, 8, torch.float32) == "grid"
+    assert node_io.choose("auto", 2**20, 4096, torch.bfloat16) == "gather"

@@ -135,6 +135,7 @@ def attribute(
     progress: bool = False,
     engine: str = "nnsight",
     patterns: str = "auto",
+    node_vectors: str = "auto",
     remote: Any = False,
     prune_to: tuple[float, float] | None = None,
     keep_mass: float | None = None,
@@ -162,6 +163,10 @@ def attribute(
         patterns: frozen attention from stored patterns (``"store"``, fastest, ``n_heads·pos²`` memory
             per layer) or from stored queries/keys through SDPA (``"sdpa"``, for long prompts on GPU);
             ``"auto"``: store on CPU, SDPA on GPU.
+        node_vectors: the active nodes' decoder rows / ``w_o`` / encoder columns copied onto
+            per-position grids (``"grid"``, fastest, ``n·d_model`` numbers kept per site) or gathered
+            from the weights chunk by chunk in every pass (``"gather"``, nothing kept per node; for
+            long prompts of large models); ``"auto"``: grid while a site's copy is ≤ 256 MiB.
         prune_to: ``(node_threshold, edge_threshold)``: return the influence-pruned graph, built from
             sparse rows without a dense ``n_nodes²`` adjacency (:mod:`.sparse_graph`; each target's
             edges from pruned nodes go into ``graph.residual``). For long prompts.
@@ -185,7 +190,9 @@ def attribute(
         raise ConfigMismatchError(f"engine must be 'nnsight' or 'hooks', got {engine!r}")
     if patterns not in ("auto", "store", "sdpa"):
         raise ConfigMismatchError(f"patterns must be 'auto', 'store' or 'sdpa', got {patterns!r}")
-    make = functools.partial(FrozenReplacement, patterns=patterns)
+    if node_vectors not in ("auto", "grid", "gather"):
+        raise ConfigMismatchError(f"node_vectors must be 'auto', 'grid' or 'gather', got {node_vectors!r}")
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors)
     if remote and engine != "nnsight":
         raise ConfigMismatchError("remote attribution needs engine='nnsight'")
     layout, mhsa, adapter = prepare(model, prompt, lorsas=lorsas, transcoders=transcoders, logit_tokens=logit_tokens,
@@ -208,7 +215,8 @@ def attribute(
         bar.close()
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(_as_dict(lorsas, "LorsaSet")),
             "transcoder_layers": sorted(_as_dict(transcoders, "TranscoderSet")), "batch_size": batch_size,
-            "max_feature_nodes": max_feature_nodes, "engine": engine, "patterns": patterns}
+            "max_feature_nodes": max_feature_nodes, "engine": engine, "patterns": patterns,
+            "node_vectors": node_vectors}
     text = prompt if isinstance(prompt, str) else ""
     if prune_to is not None:
         return assemble_pruned(layout, scheduler, values, node_threshold=prune_to[0], edge_threshold=prune_to[1],

@@ -12,7 +12,6 @@ torch only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +23,7 @@ from ..adapters.base import mhsa_pattern, mhsa_qk
 from .coders import decoders
 from .frozen import PositionSlots, column, frozen_mhsa, frozen_norm, norm_scale, per_position, scaled
 from .layout import Layout
-
-
-def _rows(w: torch.Tensor, index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``w[index]`` in ``like``'s dtype and device."""
-    return w.to(like.dtype)[index.to(like.device)]
+from .node_io import GatheredNodes, GridNodes, choose
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -48,15 +43,22 @@ class FrozenReplacement:
             new dict, filled by this forward).
         patterns: ``"auto"`` (store attention patterns on CPU, only queries/keys on GPU), ``"store"``
             or ``"sdpa"`` (see :func:`.frozen.frozen_mhsa`).
+        node_vectors: ``"grid"`` (decoder rows / ``w_o`` / encoder columns of the active nodes copied
+            onto per-position grids: fastest, ``n·d_model`` kept per site), ``"gather"`` (gathered from
+            the weights chunk by chunk in every pass: nothing kept per node) or ``"auto"`` (grid while a
+            site's copy fits :data:`.node_io.GRID_BUDGET_BYTES`); see :mod:`.node_io`.
     """
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any],
-                 constants: dict[str, torch.Tensor] | None = None, patterns: str = "auto") -> None:
+                 constants: dict[str, torch.Tensor] | None = None, patterns: str = "auto",
+                 node_vectors: str = "auto") -> None:
         self.layout = layout
         self.M = M
         self.mhsa = mhsa
         self.constants: dict[str, torch.Tensor] = {} if constants is None else constants
         self.patterns = patterns
+        self.node_vectors = node_vectors
+        self._nodes: dict[str, GridNodes | GatheredNodes] = {}
         self._slots: dict[str, PositionSlots] = {}
         self._grids: dict[str, torch.Tensor] = {}
         self._features: list[torch.Tensor] = []
@@ -74,8 +76,22 @@ class FrozenReplacement:
             self._slots[key] = PositionSlots(pos, self.layout.n_pos if n_groups is None else n_groups)
         return self._slots[key]
 
+    def nodes(self, key: str, slot_key: str, pos: torch.Tensor, W: torch.Tensor, idx: torch.Tensor,
+              like: torch.Tensor) -> GridNodes | GatheredNodes:
+        """Writer/reader of the nodes at positions ``pos`` whose vectors are ``W[idx]`` (cached per
+        ``key``; ``slot_key`` names the position grid, shared by sites with the same nodes)."""
+        if key not in self._nodes:
+            pos, idx = pos.to(like.device), idx.to(like.device)
+            if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype) == "grid":
+                slots = self.slots(slot_key, pos)
+                with torch.no_grad():
+                    self._nodes[key] = GridNodes(slots, slots.grid(W.detach()[idx].to(like.dtype)))
+            else:
+                self._nodes[key] = GatheredNodes(W, idx, pos, self.layout.n_pos, like.dtype)
+        return self._nodes[key]
+
     def grid(self, key: str, slots: PositionSlots, vectors: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Constant per-node vectors (decoder rows, encoder columns) on the slot grid (cached)."""
+        """Constant per-node vectors (e.g. pattern rows) on the slot grid (cached)."""
         if key not in self._grids:
             with torch.no_grad():
                 self._grids[key] = slots.grid(vectors().detach())
@@ -121,15 +137,13 @@ class FrozenReplacement:
             return out.to(true_out.dtype)
         lorsa = lay.lorsa
         n, p = lay.lorsa_pos.numel(), self.layout.n_pos
-        w_o = lorsa.W_O.to(x.dtype)
         z = lay.lorsa_z.to(x)
-        slots = self.slots(f"L{layer}.lorsa", lay.lorsa_pos.to(x.device))
-        grid = self.grid(f"L{layer}.lorsa.w_o", slots, lambda: w_o[lay.lorsa_head.to(x.device)])
-        heads = slots.write(z * M[:, lay.lorsa_start:lay.lorsa_start + n], grid)
+        io = self.nodes(f"L{layer}.lorsa.w_o", f"L{layer}.lorsa", lay.lorsa_pos, lorsa.W_O, lay.lorsa_head, x)
+        heads = io.write(z * M[:, lay.lorsa_start:lay.lorsa_start + n])
         b_d = lorsa.b_D.to(x.dtype) if lorsa.b_D is not None else None
 
         def error() -> torch.Tensor:
-            clean = slots.write(z[None], grid)
+            clean = io.write(z[None])
             return true_out[:1] - (clean + (b_d if b_d is not None else 0.0))
 
         err = self.const(f"L{layer}.attn.error", error)
@@ -192,17 +206,15 @@ class FrozenReplacement:
             w_dec = None if src.transcoder is None else decoders(src.transcoder, src.layer).get(layer)
             if w_dec is None or not src.tc_pos.numel():
                 continue
-            slots = self.slots(f"L{src.layer}.tc", src.tc_pos.to(x.device))
-            rows: Callable[[], torch.Tensor] = functools.partial(_rows, w_dec, src.tc_feat, x)
-            grid = self.grid(f"L{src.layer}.tc.w_dec->{layer}", slots, rows)
+            io = self.nodes(f"L{src.layer}.tc.w_dec->{layer}", f"L{src.layer}.tc", src.tc_pos, w_dec, src.tc_feat, x)
             act = src.tc_act.to(x)
-            writes.append(slots.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()], grid))
-            clean.append((slots, act, grid))
+            writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
+            clean.append((io, act))
         skip = tc.skip(x.to(tc.W_enc.dtype))
         b_dec = tc.b_dec.to(x.dtype)
 
         def error() -> torch.Tensor:
-            recon = sum((s.write(a[None], g) for s, a, g in clean), torch.zeros_like(true_out[:1])) + b_dec
+            recon = sum((w.write(a[None]) for w, a in clean), torch.zeros_like(true_out[:1])) + b_dec
             return true_out[:1] - (recon if skip is None else recon + skip[:1].to(x.dtype))
 
         err = self.const(f"L{layer}.mlp.error", error)
@@ -212,9 +224,8 @@ class FrozenReplacement:
             out = out + skip.to(x.dtype)
         n = lay.tc_pos.numel()
         if n:
-            slots = self.slots(f"L{layer}.tc", lay.tc_pos.to(x.device))
-            w_enc = self.grid(f"L{layer}.tc.w_enc", slots, lambda: tc.W_enc.T.to(x.dtype)[lay.tc_feat.to(x.device)])
-            pre = slots.read(tc.encoder_input(x.to(tc.W_enc.dtype)).to(x.dtype), w_enc)
+            io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
+            pre = io.read(tc.encoder_input(x.to(tc.W_enc.dtype)).to(x.dtype))
             mult = column(M, lay.bias.get("tc_enc"))
             b_enc = tc.b_enc[lay.tc_feat][None]
             self._features.append((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype))
