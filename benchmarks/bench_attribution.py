@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -187,18 +188,24 @@ def main() -> None:
         print(f"-> {write('attribution_tinyshakespeare_saved', {'command': out['command'], 'saved': saved})}")
         if not args.memory_lengths:
             return
-    memory, sparse = [], []
+    memory, sparse, trimmed = [], [], []
+    # the same child under glibc's default allocator and with a fixed 1 MiB mmap threshold (large
+    # buffers returned to the OS on free), which separates live memory from the allocator's retention
+    fixed = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
     for seq in [int(s) for s in args.memory_lengths.split(",") if s]:
-        for flag, into in (([], memory), (["--sparse-child"], sparse)):
+        for flag, env, into in (([], None, memory), (["--sparse-child"], None, sparse), (["--sparse-child"], fixed,
+                                                                                          trimmed)):
             res = subprocess.run([sys.executable, __file__, "--memory-child", str(seq), "--batch", str(args.batch),
-                                  *flag], capture_output=True, text=True, check=True)
+                                  *flag], capture_output=True, text=True, check=True, env=env)
             into.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(table([(m["seq"], m["rows"], m["n_sources"], f"{m['peak_rss_growth_mb']:.0f}", f"{m['edge_rows_mb']:.0f}",
-                  f"{m['adjacency_mb']:.0f}", f"{p['peak_rss_growth_mb']:.0f}", p["kept_nodes"], p["stored_entries"])
-                 for m, p in zip(memory, sparse, strict=True)],
+                  f"{m['adjacency_mb']:.0f}", f"{p['peak_rss_growth_mb']:.0f}", f"{t['peak_rss_growth_mb']:.0f}",
+                  p["kept_nodes"], p["stored_entries"])
+                 for m, p, t in zip(memory, sparse, trimmed, strict=True)],
                 ("tokens", "rows", "sources", "dense: peak MB", "edge rows MB", "adjacency MB",
-                 f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "kept nodes", "stored entries")))
-    out.update({"memory": memory, "memory_prune_to": sparse})
+                 f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "same, 1 MiB mmap threshold: peak MB", "kept nodes",
+                 "stored entries")))
+    out.update({"memory": memory, "memory_prune_to": sparse, "memory_prune_to_mmap_1mib": trimmed})
     name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else f"_threads{args.threads}")
     print(f"-> {write(name, out)}")
 
