@@ -100,7 +100,8 @@ def _saved_storages(roots: list) -> dict[int, int]:
     return out
 
 
-def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, batches: tuple[int, int] = (1, 5)) -> dict:
+def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, node_vectors: str,
+                   batches: tuple[int, int] = (1, 5)) -> dict:
     """What the frozen forward keeps for the backward passes, measured by walking its autograd graph:
     bytes per prompt copy (the slope between two batch sizes) and the batch-independent part
     (one copy of the constants: patterns or queries/keys, pattern rows, decoder/encoder grids)."""
@@ -111,7 +112,7 @@ def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, batches
     total = []
     for b in batches:
         M = torch.ones(b, layout.n_sources, requires_grad=True)
-        frozen = FrozenReplacement(layout, M, mhsa, patterns=patterns)
+        frozen = FrozenReplacement(layout, M, mhsa, patterns=patterns, node_vectors=node_vectors)
         handles = install_frozen_hooks(hf, adapter, frozen)
         try:
             hf(layout.tokens[None].expand(b, -1), use_cache=False)
@@ -121,7 +122,8 @@ def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, batches
         stored = _saved_storages([t.grad_fn for t in frozen.target_pieces()])
         total.append(sum(v for k, v in stored.items() if k not in params))
     per_copy = (total[1] - total[0]) / (batches[1] - batches[0])
-    return {"seq": int(ids.numel()), "patterns": patterns, "per_copy_mb": per_copy / 2**20,
+    return {"seq": int(ids.numel()), "patterns": patterns, "node_vectors": node_vectors,
+            "per_copy_mb": per_copy / 2**20,
             "per_copy_per_token_kb": per_copy / ids.numel() / 1024, "shared_mb": (total[0] - per_copy) / 2**20,
             "layers": model._module.config.num_hidden_layers, "d_model": model._module.config.hidden_size}
 
@@ -177,14 +179,16 @@ def main() -> None:
               "(target >= 10)")
         out.update({"rows": rows, "summary": g.summary(), "naive_s": naive_s, "timed": timed,
                     "naive_over_nnsight": naive_s / nn_s, "nnsight_over_hooks": nn_s / hk_s})
-    saved = [saved_per_copy(model, lorsas, tcs, prompt_ids(model, n), mode)
-             for n in [int(s) for s in args.saved_lengths.split(",") if s] for mode in ("store", "sdpa")]
+    saved = [saved_per_copy(model, lorsas, tcs, prompt_ids(model, n), *mode)
+             for n in [int(s) for s in args.saved_lengths.split(",") if s]
+             for mode in (("store", "grid"), ("sdpa", "grid"), ("sdpa", "gather"))]
     if saved:
-        print(table([(m["seq"], m["patterns"], f"{m['per_copy_mb']:.2f}", f"{m['per_copy_per_token_kb']:.1f}",
+        print(table([(m["seq"], m["patterns"], m["node_vectors"], f"{m['per_copy_mb']:.2f}",
+                      f"{m['per_copy_per_token_kb']:.1f}",
                       f"{m['per_copy_per_token_kb'] * 1024 / (4 * m['layers'] * m['d_model']):.2f}",
                       f"{m['shared_mb']:.2f}") for m in saved],
-                    ("tokens", "patterns", "per copy MB", "per copy per token KB", "÷ (layers·d_model·4 B)",
-                     "shared MB")))
+                    ("tokens", "patterns", "node vectors", "per copy MB", "per copy per token KB",
+                     "÷ (layers·d_model·4 B)", "shared MB")))
         print(f"-> {write('attribution_tinyshakespeare_saved', {'command': out['command'], 'saved': saved})}")
         if not args.memory_lengths:
             return

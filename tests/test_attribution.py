@@ -120,8 +120,12 @@ def test_nnsight_and_hook_engines_agree(llama):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_sdpa_frozen_attention_equals_stored_patterns(family):
-    """The long-prompt path (constant queries/keys through SDPA, no stored pattern) gives the same graph."""
+def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
+    """The long-prompt path (constant queries/keys: SDPA for MHSA, Lorsa pattern rows recomputed in
+    chunks of nodes in every pass — several chunks here) gives the same graph."""
+    import nnsight_lorsa.attribution.lorsa_rows as lorsa_rows
+
+    monkeypatch.setattr(lorsa_rows, "CHUNK_ELEMENTS", 32 * 8 * 3)
     model, _, lorsas, tcs = setup(family)
     ids = random_ids(1, 8, seed=4)[0]
     a = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, patterns="store")

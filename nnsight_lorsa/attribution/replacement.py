@@ -23,6 +23,7 @@ from ..adapters.base import mhsa_pattern, mhsa_qk
 from .coders import decoders
 from .frozen import PositionSlots, column, frozen_mhsa, frozen_norm, norm_scale, per_position, scaled
 from .layout import Layout
+from .lorsa_rows import PatternRows, z_pre
 from .node_io import GatheredNodes, GridNodes, choose
 
 
@@ -152,43 +153,35 @@ class FrozenReplacement:
         out = out + per_position(err, M[:, e0:e0 + p])
         # targets: z_pre of each active head through its frozen QK pattern
         if n:
-            mult_v = column(M, lay.bias.get("lorsa_v"))
-            if self.store_patterns(x):
-                self._features.append(self.lorsa_z_pre(layer, x, positions, mult_v))
-            else:  # constant queries/keys through SDPA: no pattern stored
-                b_v = lorsa.b_V.to(x.dtype) * (mult_v[:, 0] if mult_v is not None else 1.0)
-                v = F.linear(x, lorsa.W_V.to(x.dtype)) + (b_v[:, None] if b_v.dim() == 2 else b_v)
-                b, g = x.shape[0], lorsa.cfg.group_size
-                v = v.view(b, p, lorsa.cfg.n_qk_heads, g).transpose(1, 2)  # OV heads as each QK head's value dim
-                q = self.const(f"L{layer}.lorsa.q", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[0])
-                k = self.const(f"L{layer}.lorsa.k", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[1])
-                z_all = F.scaled_dot_product_attention(q.to(x.dtype).expand(b, -1, -1, -1), k.to(x.dtype).expand(
-                    b, -1, -1, -1), v, is_causal=True, scale=1.0 / lorsa.cfg.scale)
-                # all heads' z_pre (b, pos, n_ov) — memory linear in pos — then the active ones
-                z_all = z_all.transpose(1, 2).reshape(b, p, lorsa.cfg.n_ov_heads)
-                self._features.append(z_all[:, lay.lorsa_pos.to(x.device), lay.lorsa_head.to(x.device)])
+            self._features.append(self.lorsa_z_pre(layer, x, positions, column(M, lay.bias.get("lorsa_v"))))
         return out.to(true_out.dtype)
 
     def lorsa_z_pre(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
                     mult_v: torch.Tensor | None) -> Float[torch.Tensor, "batch n"]:
-        """The active heads' ``z_pre[n] = Σ_j A^{g(h_n)}[i_n, j] v_j^{h_n}`` (Lorsa §3.1) from their
-        frozen pattern rows: values only for the heads active somewhere, one ``(heads, batch, pos) @
-        (heads, pos, width)`` matmul — ``batch·n·pos`` work, so a backward costs no more than the nodes
-        it reads (not all ``n_ov_heads`` at every position). Rows kept: ``(n, pos)``."""
+        """The active heads' ``z_pre[n] = Σ_j A^{g(h_n)}[i_n, j] v_j^{h_n}`` (Lorsa §3.1), with values
+        only for the OV heads active somewhere. Stored patterns (CPU): every node's pattern row kept,
+        one ``(heads, batch, pos) @ (heads, pos, width)`` matmul (``batch·n·pos`` work). Otherwise the
+        rows are recomputed from the frozen queries/keys in every pass (:mod:`.lorsa_rows`): nothing
+        kept per node or per prompt copy."""
         lay = self.layout.layers[layer]
         lorsa = lay.lorsa
         heads, pos = lay.lorsa_head.to(x.device), lay.lorsa_pos.to(x.device)
         uniq, col = torch.unique(heads, return_inverse=True)
+        b_v = lorsa.b_V.to(x.dtype)[uniq]
+        v = F.linear(x, lorsa.W_V.to(x.dtype)[uniq]) + (b_v * mult_v if mult_v is not None else b_v)  # (b, pos, u)
+        group = heads // lorsa.cfg.group_size
+        if not self.store_patterns(x):
+            q = self.const(f"L{layer}.lorsa.q", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[0])
+            k = self.const(f"L{layer}.lorsa.k", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[1])
+            return z_pre(v, PatternRows(q[0], k[0], group, pos, lorsa.cfg.scale), col)
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
             pattern = lorsa.attention_pattern(x[:1].to(lorsa.W_V.dtype), None, first(positions))
-            return pattern[0, heads // lorsa.cfg.group_size, pos][None]
+            return pattern[0, group, pos][None]
 
         grid = self.grid(f"L{layer}.lorsa.rows", slots,
                          lambda: self.const(f"L{layer}.lorsa.rows", rows)[0].to(x.dtype))
-        b_v = lorsa.b_V.to(x.dtype)[uniq]
-        v = F.linear(x, lorsa.W_V.to(x.dtype)[uniq]) + (b_v * mult_v if mult_v is not None else b_v)  # (b, pos, u)
         return slots.read(v.transpose(1, 2), grid)
 
     def mlp(self, layer: int, x: torch.Tensor, true_out: torch.Tensor) -> torch.Tensor:
