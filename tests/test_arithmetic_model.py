@@ -51,8 +51,9 @@ def test_arithmetic_task_prompts(am, tok):
         assert c == num0 + a + b  # the whole answer is the first answer token
         assert w != c and num0 <= w <= num0 + am.MAX_NUMBER
     assert task.corrupt.shape == task.clean.shape
-    # above 188 the wrong answer falls back to <unk> (the builder takes any distinct first token)
-    assert int(arithmetic_task(tok, [(99, 99)]).incorrect_ids[0]) == tok.unk_token_id
+    # above 188 ``sum + 10`` has no token: the builder skips the <unk> fallback for the next wrong sum
+    wrong = int(arithmetic_task(tok, [(99, 99)]).incorrect_ids[0])
+    assert wrong != tok.unk_token_id and tok.decode([wrong]).strip() == "197"
     assert (task.corrupt[:, 3] != task.clean[:, 3]).all()
 
 

@@ -231,6 +231,12 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
 
 
 # ------------------------------------------------------------------ arithmetic
+def _spells(tokenizer: Any, token: int, number: int) -> bool:
+    """Whether ``token`` decodes to the start of ``number``'s digits (not an unknown-token fallback)."""
+    text = tokenizer.decode([token]).strip()
+    return bool(text) and str(number).startswith(text)
+
+
 def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[int], int, int]:
     """(prompt ids, first token of the answer, first token of a wrong answer) or raise.
 
@@ -246,9 +252,12 @@ def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[i
         while len(full) > len(prompt) + 1 and not tokenizer.decode(full[len(prompt):len(prompt) + 1]).strip():
             prompt.append(full[len(prompt)])
         ans = full[len(prompt)]
+        if not _spells(tokenizer, ans, total):  # e.g. an unknown-token fallback
+            continue
         for wrong in (total + 10, total + 1, total - 1, total + 50, total - 50, total + 100, total // 2 + 1):
             w = _encode(tokenizer, text + sep + str(wrong))
-            if wrong >= 0 and w[:len(prompt)] == prompt and len(w) > len(prompt) and w[len(prompt)] != ans:
+            if (wrong >= 0 and w[:len(prompt)] == prompt and len(w) > len(prompt) and w[len(prompt)] != ans
+                    and _spells(tokenizer, w[len(prompt)], wrong)):
                 return prompt, ans, w[len(prompt)]
     raise TaskTokenizationError(f"arithmetic: {text!r} + answer does not tokenize with the prompt as a prefix "
                                 "and a distinct first answer token")
