@@ -22,7 +22,7 @@ class SparseRows(FieldsRepr):
     """Rows in COO form.
 
     Attributes:
-        row, col: ``(nnz,)`` int64 — row (computation order) and source column of each kept edge.
+        row, col: ``(nnz,)`` int32 — row (computation order) and source column of each kept edge.
         val: ``(nnz,)`` the edge values.
         residual: ``(n_rows,)`` float64 — exact signed sum of each row's dropped edges.
         abs_total: ``(n_rows,)`` float64 — ``Σ |edges|`` of each full row (for row normalisation).
@@ -56,14 +56,16 @@ class SparseRows(FieldsRepr):
         r, c = keep.nonzero(as_tuple=True)
         val = g[r, c]
         kept = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device).index_add(0, r, val.double())
-        return SparseRows(row=(r + start).cpu(), col=c.cpu(), val=val.cpu(), residual=(g.double().sum(1) - kept).cpu(),
+        # int32 copies: ``nonzero`` returns views of one (nnz, 2) int64 buffer, 16 B per entry kept alive
+        return SparseRows(row=(r + start).to("cpu", torch.int32), col=c.to("cpu", torch.int32), val=val.cpu(),
+                          residual=(g.double().sum(1) - kept).cpu(),
                           abs_total=abs_total.cpu(), n_rows=g.shape[0], n_cols=g.shape[1], start=start)
 
     @staticmethod
     def cat(chunks: list[SparseRows], n_cols: int) -> SparseRows:
         """Concatenate consecutive chunks (their ``row`` numbers global, the first starting at 0)."""
         if not chunks:
-            z = torch.zeros(0, dtype=torch.long)
+            z = torch.zeros(0, dtype=torch.int32)
             return SparseRows(z, z, torch.zeros(0), torch.zeros(0, dtype=torch.float64),
                               torch.zeros(0, dtype=torch.float64), 0, n_cols)
         return SparseRows(row=torch.cat([c.row for c in chunks]), col=torch.cat([c.col for c in chunks]),
