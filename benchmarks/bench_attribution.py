@@ -202,13 +202,15 @@ def main() -> None:
             res = subprocess.run([sys.executable, __file__, "--memory-child", str(seq), "--batch", str(args.batch),
                                   *flag], capture_output=True, text=True, check=True, env=env)
             into.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    print(table([(m["seq"], m["rows"], m["n_sources"], f"{m['peak_rss_growth_mb']:.0f}", f"{m['edge_rows_mb']:.0f}",
-                  f"{m['adjacency_mb']:.0f}", f"{p['peak_rss_growth_mb']:.0f}", f"{t['peak_rss_growth_mb']:.0f}",
-                  p["kept_nodes"], p["stored_entries"])
-                 for m, p, t in zip(memory, sparse, trimmed, strict=True)],
-                ("tokens", "rows", "sources", "dense: peak MB", "edge rows MB", "adjacency MB",
-                 f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "same, 1 MiB mmap threshold: peak MB", "kept nodes",
-                 "stored entries")))
+    if memory:
+        print(table([(m["seq"], m["rows"], m["n_sources"], f"{m['peak_rss_growth_mb']:.0f}",
+                      f"{m['edge_rows_mb']:.0f}", f"{m['adjacency_mb']:.0f}", f"{p['peak_rss_growth_mb']:.0f}",
+                      f"{t['peak_rss_growth_mb']:.0f}",
+                      p["kept_nodes"], p["stored_entries"])
+                     for m, p, t in zip(memory, sparse, trimmed, strict=True)],
+                    ("tokens", "rows", "sources", "dense: peak MB", "edge rows MB", "adjacency MB",
+                     f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "same, 1 MiB mmap threshold: peak MB",
+                     "kept nodes", "stored entries")))
     out.update({"memory": memory, "memory_prune_to": sparse, "memory_prune_to_mmap_1mib": trimmed})
     name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else f"_threads{args.threads}")
     print(f"-> {write(name, out)}")
