@@ -9,8 +9,11 @@ import torch
 from browser import render_dom, require_chromium, screenshot
 
 from nnsight_lorsa import LorsaSet
-from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation
+from nnsight_lorsa.analysis import qk_feature_impacts
+from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_feature_cosines
 from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.errors import ConfigMismatchError
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir
 from nnsight_lorsa.training.activations import TokenDataset
 from nnsight_lorsa.viz.dashboard import head_dashboard_data, render_dashboard, write_dashboard
@@ -26,8 +29,13 @@ def dashboard_data():
     top = collect_top_activations(model, ls, 2, tokens, n_top=4)
     corr = mhsa_correlation(model, ls, 2, tokens)
     head = top.top_heads(1)[0]
+    torch.manual_seed(0)  # an untrained SAE on the Lorsa input: the App. F sections only need features
+    sae = SparseAutoencoder(SAEConfig(d_in=128, d_sae=64, activation="topk", activation_params={"k": 8}))
+    qk = qk_feature_impacts(model, ls, 2, head, sae, tokens[:4], batch_size=2)
+    ov = ov_feature_cosines(ls[2], head, sae_in_decoder=sae.W_dec, sae_out_encoder=sae.W_enc.T, k=3)
     return head_dashboard_data(model, ls, 2, head, top, tokens, n_contexts=4, correlation=corr,
-                               extra={"note": "a <b>test</b> & </script>"})
+                               extra={"note": "a <b>test</b> & </script>"}, qk_features=qk, ov_features=ov,
+                               n_features=3)
 
 
 def test_dashboard_renders_in_chromium(dashboard_data, tmp_path):
@@ -42,10 +50,27 @@ def test_dashboard_renders_in_chromium(dashboard_data, tmp_path):
     assert len(re.findall(r'class="ctx"', dom)) == len(d["contexts"]) > 0
     assert dom.count('class="tok query"') == len(d["contexts"])
     assert len(re.findall(r"<tr>", dom)) == len(d["logit_lens"]) + len(d.get("mhsa", []))
+    aspects = [r["aspect"] for r in d["sae_features"]]           # the four aspects of App. F
+    assert set(aspects) == {"Q", "K", "V", "O"} and aspects.count("V") == aspects.count("O") == 3
+    for aspect in "QKVO":
+        assert len(re.findall(rf'<tr class="aspect-{aspect}">', dom)) == aspects.count(aspect)
     assert "a &lt;b&gt;test&lt;/b&gt; &amp; &lt;/script&gt;" in dom   # escaped, did not break the page
     assert f"{100 * d['frequency']:.2f}% of" in dom
     png = screenshot(path, tmp_path / "head.png", size=(1000, 700))
     assert png.stat().st_size > 5000
+
+
+def test_dashboard_refuses_another_heads_qk_features(dashboard_data):
+    model = load_model()
+    ls = LorsaSet.load(model, default_lorsa_dir())
+    tokens = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8")[:4000],
+                                    48).tokens[:2]
+    top = collect_top_activations(model, ls, 2, tokens, n_top=2)
+    head = dashboard_data["head"]
+    sae = SparseAutoencoder(SAEConfig(d_in=128, d_sae=16, activation="topk", activation_params={"k": 2}))
+    other = qk_feature_impacts(model, ls, 2, (head + 1) % ls[2].cfg.n_ov_heads, sae, tokens, batch_size=2)
+    with pytest.raises(ConfigMismatchError, match="qk_features"):
+        head_dashboard_data(model, ls, 2, head, top, tokens, qk_features=other)
 
 
 def test_render_is_self_contained(dashboard_data):

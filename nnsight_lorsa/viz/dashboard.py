@@ -3,7 +3,10 @@
 :func:`head_dashboard_data` collects, for one head: its top-activating contexts with the
 z-pattern of the top activation (``zp[j] = A_ij v_j``: each earlier token's contribution to the
 head's activation at the query token, paper §5.1), the OV logit lens (tokens the head promotes),
-its activation frequency and, optionally, its correlated MHSA heads (App. E.1).
+its activation frequency and, optionally, its correlated MHSA heads (App. E.1) and the SAE features
+that move its Q and K (App. F.1, :func:`~nnsight_lorsa.analysis.qk_ablation.qk_feature_impacts`) or
+align with its ``w_v`` / ``w_o`` (App. F.2, :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines`) —
+the four aspects the paper's dashboards show.
 :func:`render_dashboard` turns that JSON-able dict into one HTML file whose inline script builds
 the page (no network, no external assets).
 """
@@ -19,13 +22,15 @@ import torch
 
 from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
+from ..errors import ConfigMismatchError
 from ..training.activations import attention_activations
 
 
 @torch.no_grad()
 def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: TopActivations,
                         tokens: torch.Tensor, *, n_contexts: int = 8, window: int = 24, lens_k: int = 10,
-                        correlation: MHSACorrelation | None = None, extra: dict[str, Any] | None = None
+                        correlation: MHSACorrelation | None = None, extra: dict[str, Any] | None = None,
+                        qk_features: Any = None, ov_features: dict[str, Any] | None = None, n_features: int = 8
                         ) -> dict[str, Any]:
     """Everything the dashboard of Lorsa head ``(layer, head)`` shows, as a JSON-able dict.
 
@@ -34,6 +39,13 @@ def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: 
             ``(n_windows, pos)`` (its window indices index ``tokens``).
         window: tokens of context shown before the query token.
         extra: free-form entries shown in the header (e.g. path-patching effect).
+        qk_features: a :class:`~nnsight_lorsa.analysis.qk_ablation.QKFeatureImpacts` of this head
+            (App. F.1: max KL of its pattern with a feature ablated from Q / from K).
+        ov_features: :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines` of this head (App. F.2).
+        n_features: features listed per aspect.
+
+    Raises:
+        ConfigMismatchError: ``qk_features`` of another layer or head.
     """
     lorsa = lorsa_set[layer]
     tok = model.tokenizer
@@ -65,6 +77,23 @@ def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: 
         data["mhsa"] = [{"head": f"L{layer}.{m}", "fraction": round(float(frac[m]), 3)}
                         for m in frac.argsort(descending=True).tolist()]
         data["heads_spanned"] = int(correlation.heads_spanned()[head])
+    features: list[dict[str, Any]] = []
+    if qk_features is not None:
+        if (qk_features.layer, qk_features.head) != (layer, head):
+            raise ConfigMismatchError(f"qk_features are for L{qk_features.layer}.H{qk_features.head}, "
+                                      f"not L{layer}.H{head}")
+        for aspect, rows in (("Q", qk_features.top_query_features(n_features)),
+                             ("K", qk_features.top_key_features(n_features))):
+            features += [{"aspect": aspect, "feature": f, "score": round(v, 4), "measure": "max KL"}
+                         for f, v, _, _ in rows]
+    for aspect in ("v", "o"):
+        if ov_features is not None and aspect in ov_features:
+            vals, idx = ov_features[aspect]
+            features += [{"aspect": aspect.upper(), "feature": int(i), "score": round(float(v), 4),
+                          "measure": "cosine"} for v, i in zip(vals[:n_features].tolist(), idx[:n_features].tolist(),
+                                                                strict=True)]
+    if features:
+        data["sae_features"] = features
     return data
 
 
@@ -117,6 +146,14 @@ if (d.mhsa) {
   const t = el('table', {id: 'mhsa'});
   for (const r of d.mhsa) { const tr = el('tr'); tr.appendChild(el('td', {}, r.head));
     tr.appendChild(el('td', {}, r.fraction.toFixed(3))); t.appendChild(tr); }
+  root.appendChild(t);
+}
+if (d.sae_features) {
+  root.appendChild(el('h2', {}, 'SAE features by aspect (Q, K: ablation KL, App. F.1; V, O: cosine, App. F.2)'));
+  const t = el('table', {id: 'sae-features'});
+  for (const r of d.sae_features) { const tr = el('tr', {className: 'aspect-' + r.aspect});
+    tr.appendChild(el('td', {}, r.aspect)); tr.appendChild(el('td', {}, 'feature ' + r.feature));
+    tr.appendChild(el('td', {}, r.measure + ' ' + r.score.toFixed(4))); t.appendChild(tr); }
   root.appendChild(t);
 }
 document.body.setAttribute('data-rendered', 'yes');
