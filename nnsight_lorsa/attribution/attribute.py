@@ -160,9 +160,10 @@ def attribute(
         engine: ``"nnsight"`` (both passes' frozen forward and backward inside ``model.trace``) or
             ``"hooks"`` (the frozen pass with PyTorch hooks on the underlying model — the reference
             the nnsight path is benchmarked against; same numbers).
-        patterns: frozen attention from stored patterns (``"store"``, fastest, ``n_heads·pos²`` memory
-            per layer) or from stored queries/keys through SDPA (``"sdpa"``, for long prompts on GPU);
-            ``"auto"``: store on CPU, SDPA on GPU.
+        patterns: frozen attention from stored patterns (``"store"``, fastest: ``n_heads·pos²`` per MHSA
+            layer, ``n·pos`` pattern rows per Lorsa layer) or from stored queries/keys (``"sdpa"``, for
+            long prompts on GPU: SDPA for MHSA, Lorsa targets' pattern rows recomputed in chunks in every
+            pass, :mod:`.lorsa_rows`); ``"auto"``: store on CPU, SDPA on GPU.
         node_vectors: the active nodes' decoder rows / ``w_o`` / encoder columns copied onto
             per-position grids (``"grid"``, fastest, ``n·d_model`` numbers kept per site) or gathered
             from the weights chunk by chunk in every pass (``"gather"``, nothing kept per node; for
