@@ -511,3 +511,44 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
         assert torch.allclose(torch.autograd.grad(out_g, inp, up)[0], torch.autograd.grad(out_h, inp, up)[0])
     assert node_io.choose("auto", 10, 8, torch.float32) == "grid"
     assert node_io.choose("auto", 2**20, 4096, torch.bfloat16) == "gather"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2"])
+def test_attribution_from_a_cache_equals_the_traced_graph(family):
+    """``attribute_from_cache``: the frozen model wired as plain tensor code from a cache of one clean
+    trace (no model forward) gives the traced graph — sequential and parallel (NeoX) residuals, GPT-2's
+    position embeddings; and it runs on the bare Hugging Face model."""
+    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
+
+    model, hf, lorsas, tcs = setup("neox" if family == "neox_sequential" else family)
+    if family == "neox_sequential":
+        hf.config.use_parallel_residual = False
+        for layer in hf.gpt_neox.layers:
+            layer.use_parallel_residual = False
+    ids = random_ids(1, 8, seed=7)[0]
+    traced = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40)
+    cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs)
+    calls = []
+    handle = hf.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cached = attribute_from_cache(hf, cache, lorsas=lorsas, transcoders=tcs, batch_size=40)
+    finally:
+        handle.remove()
+    assert not calls  # the model's forward never ran
+    assert torch.equal(cached.layout_ids, traced.layout_ids)
+    assert torch.allclose(cached.adjacency, traced.adjacency, atol=1e-5 * float(traced.adjacency.abs().max()))
+    assert cached.edge_sum_error("mass").max() < 1e-6
+
+
+def test_attribution_from_a_bad_cache_raises(llama):
+    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
+
+    model, hf, lorsas, tcs, ids, _ = llama
+    cache = cache_for_attribution(model, ids, lorsas=lorsas)  # made without the transcoder layers
+    with pytest.raises(ConfigMismatchError, match="mlp_in"):
+        attribute_from_cache(model, cache, lorsas=lorsas, transcoders=tcs)
+    cache.mlp_out[0] = cache.mlp_out[0][:, :-1]
+    with pytest.raises(ShapeError, match="mlp_out"):
+        attribute_from_cache(model, cache, lorsas=lorsas)
+    with pytest.raises(ConfigMismatchError, match="keep_mass"):
+        attribute_from_cache(model, cache, lorsas=lorsas, keep_mass=0.5)

@@ -9,7 +9,7 @@ heads are active), then the frozen pass with batched backward (:mod:`.trace`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
 
 def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[int, Any],
                         transcoders: dict[int, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
-    """The modules :func:`.layout.build_layout` needs, and the frozen MHSA weights by layer."""
-    root = model._module
+    """The modules :func:`.layout.build_layout` needs, and the frozen MHSA weights by layer (``model``:
+    an nnsight model or the bare Hugging Face one)."""
+    root = getattr(model, "_module", model)
     for layer in [*lorsas, *transcoders]:
         adapter.check_layer(layer)
     mhsa = {layer: adapter.mhsa_weights(root, layer) for layer in range(adapter.n_layers) if layer not in lorsas}
@@ -185,41 +186,60 @@ def attribute(
         UnsupportedArchitectureError, LayerOutOfRangeError, ConfigMismatchError, ShapeError: bad
             model, layers, modules or prompt — before the model runs.
     """
-    if batch_size < 1:
-        raise ConfigMismatchError(f"batch_size must be >= 1, got {batch_size}")
+    check_options(batch_size=batch_size, patterns=patterns, node_vectors=node_vectors, prune_to=prune_to,
+                  keep_mass=keep_mass)
     if engine not in ("nnsight", "hooks"):
         raise ConfigMismatchError(f"engine must be 'nnsight' or 'hooks', got {engine!r}")
-    if patterns not in ("auto", "store", "sdpa"):
-        raise ConfigMismatchError(f"patterns must be 'auto', 'store' or 'sdpa', got {patterns!r}")
-    if node_vectors not in ("auto", "grid", "gather"):
-        raise ConfigMismatchError(f"node_vectors must be 'auto', 'grid' or 'gather', got {node_vectors!r}")
-    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors)
     if remote and engine != "nnsight":
         raise ConfigMismatchError("remote attribution needs engine='nnsight'")
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors)
     layout, mhsa, adapter = prepare(model, prompt, lorsas=lorsas, transcoders=transcoders, logit_tokens=logit_tokens,
                                     desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, remote=remote)
-    bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
-               desc="attribution rows", disable=not progress)
-    sparse = prune_to is not None
-    if keep_mass is not None and not sparse:
-        raise ConfigMismatchError("keep_mass needs prune_to=(node_threshold, edge_threshold)")
-    if keep_mass is not None and not 0.0 < keep_mass <= 1.0:
-        raise ConfigMismatchError(f"keep_mass must be in (0, 1], got {keep_mass}")
-    scheduler = RowScheduler(layout, max_feature_nodes, None if remote else bar,
-                             keep_mass=(1.0 if keep_mass is None else keep_mass) if sparse else None)
-    try:
+
+    def run(scheduler: RowScheduler) -> torch.Tensor:
         if engine == "nnsight":
-            values = attribute_in_trace(model, adapter, layout, mhsa, scheduler, batch_size, make=make, remote=remote)
-        else:
-            values = attribute_with_hooks(model._module, adapter, layout, mhsa, scheduler, batch_size, make=make)
-    finally:
-        bar.close()
+            return attribute_in_trace(model, adapter, layout, mhsa, scheduler, batch_size, make=make, remote=remote)
+        return attribute_with_hooks(model._module, adapter, layout, mhsa, scheduler, batch_size, make=make)
+
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(_as_dict(lorsas, "LorsaSet")),
             "transcoder_layers": sorted(_as_dict(transcoders, "TranscoderSet")), "batch_size": batch_size,
             "max_feature_nodes": max_feature_nodes, "engine": engine, "patterns": patterns,
             "node_vectors": node_vectors}
-    text = prompt if isinstance(prompt, str) else ""
+    return compute_graph(layout, run, max_feature_nodes=max_feature_nodes, progress=progress and not remote,
+                         prune_to=prune_to, keep_mass=keep_mass, prompt=prompt if isinstance(prompt, str) else "",
+                         meta=meta)
+
+
+def check_options(*, batch_size: int, patterns: str, node_vectors: str, prune_to: tuple[float, float] | None,
+                  keep_mass: float | None) -> None:
+    """Raise :class:`ConfigMismatchError` for a bad option of :func:`attribute` (before anything runs)."""
+    if batch_size < 1:
+        raise ConfigMismatchError(f"batch_size must be >= 1, got {batch_size}")
+    if patterns not in ("auto", "store", "sdpa"):
+        raise ConfigMismatchError(f"patterns must be 'auto', 'store' or 'sdpa', got {patterns!r}")
+    if node_vectors not in ("auto", "grid", "gather"):
+        raise ConfigMismatchError(f"node_vectors must be 'auto', 'grid' or 'gather', got {node_vectors!r}")
+    if keep_mass is not None and prune_to is None:
+        raise ConfigMismatchError("keep_mass needs prune_to=(node_threshold, edge_threshold)")
+    if keep_mass is not None and not 0.0 < keep_mass <= 1.0:
+        raise ConfigMismatchError(f"keep_mass must be in (0, 1], got {keep_mass}")
+
+
+def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *, max_feature_nodes: int | None,
+                  progress: bool, prune_to: tuple[float, float] | None, keep_mass: float | None, prompt: str,
+                  meta: dict[str, Any]) -> Graph:
+    """Schedule the target rows, let ``run(scheduler)`` compute them (returning the target values),
+    and assemble the dense or pruned :class:`Graph`."""
+    bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
+               desc="attribution rows", disable=not progress)
+    sparse = prune_to is not None
+    scheduler = RowScheduler(layout, max_feature_nodes, bar if progress else None,
+                             keep_mass=(1.0 if keep_mass is None else keep_mass) if sparse else None)
+    try:
+        values = run(scheduler)
+    finally:
+        bar.close()
     if prune_to is not None:
         return assemble_pruned(layout, scheduler, values, node_threshold=prune_to[0], edge_threshold=prune_to[1],
-                               prompt=text, meta=meta)
-    return assemble(layout, scheduler, values, text, meta)
+                               prompt=prompt, meta=meta)
+    return assemble(layout, scheduler, values, prompt, meta)
