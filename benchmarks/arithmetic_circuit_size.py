@@ -22,7 +22,6 @@ Writes ``benchmarks/results/arithmetic_circuit_size.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -30,18 +29,24 @@ import time
 from pathlib import Path
 
 import torch
+from _synthetic import (
+    active_lorsa_heads,
+    circuit_sizes,
+    layer_patching,
+    logits_of,
+    lorsa_argparser,
+    lorsa_last_position_effects,
+    open_model,
+)
+from _synthetic import train_lorsa as train_lorsa_on
 from _timing import table, write
 from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 
-from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
-from nnsight_lorsa.demo import load_model
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, logit_difference, mean_activations, path_patching
-from nnsight_lorsa.patching.circuit import circuit_size
-from nnsight_lorsa.patching.experiments import ablation_effect, activation_patching, head_swap
+from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa.patching import MHSAHead, Resolver, logit_difference
+from nnsight_lorsa.patching.experiments import ablation_effect, head_swap
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
-from nnsight_lorsa.training.activations import AttentionActivationSource, TokenDataset, attention_activations
-from nnsight_lorsa.training.evaluate import evaluate_lorsa, summarize
-from nnsight_lorsa.training.trainer import LorsaTrainer, TrainConfig
+from nnsight_lorsa.training.activations import attention_activations
 from nnsight_lorsa.viz.figures import plot_operand_grid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,14 +59,6 @@ def task_pairs(n: int, seed: int = 0) -> list[tuple[int, int]]:
     _, held = split_pairs()
     pool = [(a, b) for a, b in held if a >= 10 and b >= 10 and a + b <= 188]
     return random.Random(seed).sample(pool, n)
-
-
-def logits_of(model, ids: torch.Tensor, lorsas: LorsaSet | None = None, layer: int = 0) -> torch.Tensor:
-    with torch.no_grad(), model.trace(ids):
-        if lorsas is not None:
-            lorsas.replace(layer, error=False)
-        out = model.lm_head.output.save()
-    return out
 
 
 def accuracy(model, pairs: list[tuple[int, int]], lorsas: LorsaSet | None = None, layer: int = 0) -> float:
@@ -110,54 +107,23 @@ def variance_explained(grid: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def train_lorsa(model, layer: int, steps: int, n_ov: int, top_k: int, retrain: bool) -> tuple[Lorsa, dict]:
-    adapter = get_adapter(model)
-    mhsa = adapter.mhsa_weights(model._module, layer)
-    path = LORSA_CACHE / f"layer_{layer}"
+def train_lorsa(model, layer: int, steps: int, n_ov: int, top_k: int, retrain: bool) -> tuple[LorsaSet, dict]:
     train_pairs, held = split_pairs()
     gen = torch.Generator().manual_seed(7)
     train_rows, _ = equation_rows(torch.tensor(train_pairs), 8192, gen)
     held_rows, _ = equation_rows(torch.tensor(held), 256, gen)
-    if path.exists() and (LORSA_CACHE / "train.json").exists() and not retrain:
-        lorsas = LorsaSet.load(model, LORSA_CACHE)
-        info = json.loads((LORSA_CACHE / "train.json").read_text())
-        return lorsas, info
-    t0 = time.time()
-    lcfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * 4, d_qk_head=mhsa.head_dim,
-                       n_ov_heads=n_ov, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
-                       qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer,
-                       architecture=adapter.family)
-    source = AttentionActivationSource(model, layer, TokenDataset(train_rows), 32, seed=0)
-    trainer = LorsaTrainer(Lorsa(lcfg), source, TrainConfig(total_steps=steps, lr=4e-3), mhsa=mhsa)
-    trainer.train(progress=False)
-    lorsas = LorsaSet(model, {layer: trainer.folded_lorsa()})
-    lorsas.save(LORSA_CACHE)
-    ev = evaluate_lorsa(lorsas, layer, TokenDataset(held_rows), batch_size=64)
-    info = {"layer": layer, "n_qk_heads": lcfg.n_qk_heads, "n_ov_heads": n_ov, "top_k": top_k, "steps": steps,
-            "batch_rows": 32, "row_tokens": 1 + 6 * EQS_PER_ROW, "train_seconds": round(time.time() - t0, 1),
-            "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), "heldout_eval": summarize(ev)}
-    (LORSA_CACHE / "train.json").write_text(json.dumps(info, indent=1))
-    return lorsas, info
+    return train_lorsa_on(model, layer, train_rows, held_rows, LORSA_CACHE, steps=steps, n_ov=n_ov, top_k=top_k,
+                          retrain=retrain, extra={"row_tokens": 1 + 6 * EQS_PER_ROW})
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--retrain-lorsa", action="store_true")
-    p.add_argument("--lorsa-steps", type=int, default=3000)
-    p.add_argument("--n-ov", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
+    p = lorsa_argparser(__doc__ or "")
     p.add_argument("--layer", type=int, default=None, help="Lorsa layer (default: the layer path patching picks)")
-    p.add_argument("--n-prompts", type=int, default=32)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     t0 = time.time()
-    model_dir = load_or_train(CACHE)
-    model = load_model(str(model_dir))
+    model, info = open_model(load_or_train(CACHE))
     tok = model.tokenizer
-    adapter = get_adapter(model)
-    n_layers, n_heads = adapter.n_layers, adapter.n_heads
-    info = json.loads((model_dir / "training.json").read_text())
+    n_layers = get_adapter(model).n_layers
     _, held = split_pairs()
     res: dict = {"command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv), "model": {
         k: info[k] for k in ("layers", "d_model", "heads", "n_params", "steps", "heldout_accuracy", "train_accuracy",
@@ -175,26 +141,7 @@ def main() -> None:
           f"(min {clean_ld.min():.3f}), corrupt LD {corrupt_ld.mean():.3f}")
 
     # 1. which layer moves the operands to '='
-    r0 = Resolver(model)
-    heads = [MHSAHead(layer, h) for layer in range(n_layers) for h in range(n_heads)]
-    groups = [tuple(MHSAHead(layer, h) for h in range(n_heads)) for layer in range(n_layers)]
-    ap = activation_patching(r0, task.clean, task.corrupt, groups, correct_ids=task.correct_ids,
-                             incorrect_ids=task.incorrect_ids)
-    pp = path_patching(r0, task.clean, heads, corrupt=task.corrupt, correct_ids=task.correct_ids,
-                       incorrect_ids=task.incorrect_ids, positions=-1)
-    pp_all = path_patching(r0, task.clean, heads, corrupt=task.corrupt, correct_ids=task.correct_ids,
-                           incorrect_ids=task.incorrect_ids)
-    layer_rows = [(f"layer {i}", round(float(ap.normalized[i].mean()), 3)) for i in range(n_layers)]
-    print("\nactivation patching clean -> corrupt (op2 changed), all heads of a layer, normalized:")
-    print(table(layer_rows, ("heads patched", "recovered")))
-    head_rows = [(f"L{h.layer}H{h.head}", round(float(pp.normalized[i].mean()), 3),
-                  round(float(pp_all.normalized[i].mean()), 3)) for i, h in enumerate(heads)]
-    print("\npath patching each MHSA head (corrupt value, later attention frozen), normalized effect:")
-    print(table(head_rows, ("head", "at '=' only", "all positions")))
-    res["layer_patching"] = {"activation_patching_layer_normalized": dict(layer_rows),
-                             "path_patching_head_normalized": {h: {"eq_position": e, "all_positions": a}
-                                                               for h, e, a in head_rows}}
-    by_layer = pp.normalized.mean(-1).view(n_layers, n_heads).sum(-1)
+    res["layer_patching"], by_layer = layer_patching(model, task, "op2 changed", last=("eq_position", "at '=' only"))
     layer = int(by_layer.argmax()) if args.layer is None else args.layer
     res["lorsa_layer"] = layer
     print(f"-> Lorsa layer {layer} (sum of its heads' path-patching effect at '=': "
@@ -210,42 +157,12 @@ def main() -> None:
     print(f"\nLorsa layer {layer}: {json.dumps(linfo)}")
 
     # 3. circuit size
-    r = Resolver(model, lorsa=lorsas, error=False)
-    with torch.no_grad(), model.trace(task.clean):
-        z = lorsas.replace(layer, error=False).hook_z.output.save()
-    active = (z[:, 1:] > 0).any(0).any(0).nonzero().flatten().tolist()
-    lheads = [LorsaHead(layer, h) for h in active]
-    mh = [MHSAHead(layer, h) for h in range(n_heads)]
-    means = mean_activations(Resolver(model), mh, task.corrupt)
-    sizes, cs_l = {}, None
-    for label, resolver, comps, mode in (("mhsa_mean", Resolver(model), mh, "mean"),
-                                         ("mhsa_zero", Resolver(model), mh, "zero"),
-                                         ("lorsa_zero", r, lheads, "zero")):
-        cs = circuit_size(resolver, task, comps, mode=mode, means=means if mode == "mean" else None)
-        sizes[label] = {"n_components": len(comps), "global_k": cs.global_k,
-                        "per_prompt_k_mean": round(float(cs.per_prompt_k.float().mean()), 2),
-                        "per_prompt_k_median": float(cs.per_prompt_k.float().median()),
-                        "per_prompt_k_max": int(cs.per_prompt_k.max()),
-                        "metric_all": round(float(cs.metric_all.mean()), 3),
-                        "metric_none": round(float(cs.metric_none.mean()), 3),
-                        "global_curve": {int(k): round(float(f), 3) for k, f in zip(cs.ks, cs.global_curve, strict=True)
-                                         if int(k) <= 16}}
-        if label == "lorsa_zero":
-            cs_l = cs
-    res["circuit_size"] = sizes
-    print(f"\ncircuit size, 90% of the clean logit difference, layer {layer} ({len(task)} prompts):")
-    print(table([(k, v["n_components"], v["global_k"], v["per_prompt_k_mean"], v["per_prompt_k_max"],
-                  v["metric_all"], v["metric_none"]) for k, v in sizes.items()],
-                ("components", "n", "global k", "mean k/prompt", "max k", "LD all", "LD none")))
-    assert cs_l is not None
+    lheads = active_lorsa_heads(model, lorsas, layer, task.clean)
+    res["circuit_size"], cs_l = circuit_sizes(model, task, layer, lorsas, lheads)
     mean_score = cs_l.scores.mean(0)
     # the heads' direct role at '=': path patching (later attention frozen) at the last position only,
     # zero-ablated (op1 and op2 heads alike) and patched from the op2-corrupted prompts
-    ppz = path_patching(r, task.clean, lheads, mode="zero", correct_ids=task.correct_ids,
-                        incorrect_ids=task.incorrect_ids, positions=-1)
-    ppc = path_patching(r, task.clean, lheads, corrupt=task.corrupt, correct_ids=task.correct_ids,
-                        incorrect_ids=task.incorrect_ids, positions=-1)
-    eff_z, eff_c = ppz.effect.mean(-1), ppc.effect.mean(-1)
+    eff_z, eff_c = lorsa_last_position_effects(model, task, lorsas, lheads)
     order = eff_z.argsort(descending=True)
     top = [lheads[int(i)].head for i in order[:6]]
     res["lorsa_top_heads"] = [{"head": lheads[int(i)].head, "pp_zero_at_eq": round(float(eff_z[i]), 3),

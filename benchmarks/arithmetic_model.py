@@ -20,23 +20,19 @@ accuracy is exact match of the argmax answer after ``[BOS] a + b =``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import random
-import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from _synthetic import UNK_TOKEN, model_main, train_answer_lm, versions, wrap_tokenizer
+from _synthetic import load_or_train as cached_model
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from nnsight_lorsa.tinymodel import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, tiny_llama_config
+from nnsight_lorsa.tinymodel import BOS_ID, BOS_TOKEN, EOS_TOKEN
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "arithmetic-llama"
-UNK_TOKEN = "<unk>"
 MAX_OPERAND = 99
 MAX_NUMBER = 2 * MAX_OPERAND  # 198
 SEP = ";"
@@ -54,12 +50,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = vocabulary()
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1", special_tokens=[(BOS_TOKEN, BOS_ID)])
-    assert vocab[BOS_TOKEN] == BOS_ID and vocab[EOS_TOKEN] == EOS_ID
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-                                   pad_token=EOS_TOKEN, unk_token=UNK_TOKEN, padding_side="left",
-                                   model_max_length=64)
+    return wrap_tokenizer(tok, vocab)
 
 
 def number_id(n: int) -> int:
@@ -115,60 +106,19 @@ def accuracy(model: LlamaForCausalLM, pairs: list[tuple[int, int]], batch_size: 
 def train(out_dir: Path = CACHE, *, steps: int = 3000, batch_size: int = 128, lr: float = 3e-3,
           layers: int = 2, d_model: int = 128, heads: int = 4, seed: int = 0, command: str = "") -> dict:
     """Train the adder and save model + tokenizer + ``training.json`` to ``out_dir``."""
-    import transformers
-
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
     tok = build_tokenizer()
-    config = tiny_llama_config(len(vocabulary()), hidden_size=d_model, intermediate_size=4 * d_model,
-                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                               head_dim=d_model // heads, max_position_embeddings=64,
-                               rope_original_max_position_embeddings=32)
-    model = LlamaForCausalLM(config)
     train_pairs, held = split_pairs()
     tp = torch.tensor(train_pairs)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(seed)
-    warm = 100
-    curve = []
-    losses: list[float] = []
-    for step in range(steps):
-        cos = 0.5 * (1 + math.cos(math.pi * (step - warm) / (steps - warm)))
-        f = (step + 1) / warm if step < warm else 0.1 + 0.9 * cos
-        for g in opt.param_groups:
-            g["lr"] = lr * f
-        model.train()
-        x, mask = equation_rows(tp, batch_size, gen)
-        logits = model(input_ids=x).logits[:, :-1]
-        m = mask[:, 1:]
-        loss = F.cross_entropy(logits[m], x[:, 1:][m])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if (step + 1) % 250 == 0 or step + 1 == steps:
-            acc = accuracy(model, held)
-            curve.append([step + 1, round(sum(losses[-50:]) / len(losses[-50:]), 4), round(acc, 4)])
-            print(f"step {step + 1}: answer CE {curve[-1][1]:.4f}  held-out acc {acc:.4f}  "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    wall = time.perf_counter() - t0
-    model.eval()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
+    model, tr = train_answer_lm(out_dir, tok, len(vocabulary()), lambda gen: equation_rows(tp, batch_size, gen),
+                                lambda m: {"held-out acc": accuracy(m, held)}, steps=steps, lr=lr, layers=layers,
+                                d_model=d_model, heads=heads, seed=seed)
     info = {
         "command": command, "steps": steps, "batch_size": batch_size, "eqs_per_row": EQS_PER_ROW, "lr": lr,
         "layers": layers, "d_model": d_model, "heads": heads, "seed": seed,
-        "n_params": sum(p.numel() for p in model.parameters()), "vocab_size": len(vocabulary()),
-        "train_pairs": len(train_pairs), "heldout_pairs": len(held),
-        "answer_ce_last50": round(sum(losses[-50:]) / 50, 4),
+        "n_params": tr["n_params"], "vocab_size": len(vocabulary()),
+        "train_pairs": len(train_pairs), "heldout_pairs": len(held), "answer_ce_last50": tr["answer_ce_last50"],
         "heldout_accuracy": accuracy(model, held), "train_accuracy": accuracy(model, train_pairs),
-        "curve_step_ce_acc": curve, "wall_seconds": round(wall, 1), "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+        "curve_step_ce_acc": tr["curve"], "wall_seconds": tr["wall_seconds"], **versions(),
     }
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
@@ -176,30 +126,12 @@ def train(out_dir: Path = CACHE, *, steps: int = 3000, batch_size: int = 128, lr
 
 def load_or_train(out_dir: Path = CACHE, retrain: bool = False, **kw) -> Path:
     """The cached model directory, training it first if missing (or ``retrain``)."""
-    if retrain or not (out_dir / "training.json").exists():
-        train(out_dir, **kw)
-    return out_dir
+    return cached_model(out_dir, train, retrain, **kw)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--retrain", action="store_true")
-    p.add_argument("--out", type=Path, default=CACHE)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
-    if args.retrain or not (args.out / "training.json").exists():
-        train(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr, layers=args.layers,
-              d_model=args.d_model, heads=args.heads, command=cmd)
-    info = json.loads((args.out / "training.json").read_text())
-    print(json.dumps({k: info[k] for k in ("steps", "n_params", "heldout_accuracy", "train_accuracy",
-                                           "wall_seconds")}))
+    model_main(__doc__ or "", CACHE, train, 3000,
+               ("steps", "n_params", "heldout_accuracy", "train_accuracy", "wall_seconds"))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "arithmetic_mode
 
 @pytest.fixture(scope="module")
 def am():
+    if str(_PATH.parent) not in sys.path:  # it imports the shared benchmarks/_synthetic.py
+        sys.path.insert(0, str(_PATH.parent))
     spec = importlib.util.spec_from_file_location("arithmetic_model", _PATH)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
