@@ -1,7 +1,7 @@
 """Attribution-graph cost on the tinyshakespeare replacement model (Lorsa on layer 2, TopK
 transcoders on every MLP): batched vs naive, nnsight-traced vs PyTorch hooks, memory vs length.
 
-    python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3] [--threads 1]
+    python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3] [--threads 1] [--device cuda]
 
 (a) ``attribute(..., engine="nnsight", batch_size=B)``: the frozen pass and all backward passes in
 one ``model.trace``, one target per batch row; (b) the same with PyTorch hooks on the bare model;
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timing runs")
+    ap.add_argument("--device", default="cpu", help="device of the timing runs (e.g. cuda; memory tables are CPU)")
     ap.add_argument("--memory-lengths", default="16,32,64,128,256")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sparse-child", action="store_true", help=argparse.SUPPRESS)
@@ -146,6 +147,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_model()
     lorsas, tcs = replacement(model)
+    if args.device != "cpu":  # the model, its Lorsa and the transcoders on the device; graphs come back to the host
+        model._module.to(args.device)
+        for layer in lorsas:
+            lorsas[layer].to(args.device)
+        tcs = {layer: tc.to(args.device) for layer, tc in tcs.items()}
     ids = prompt_ids(model, args.seq)
 
     def run(engine: str, batch: int, node_vectors: str = "auto"):
@@ -153,7 +159,7 @@ def main() -> None:
                                  node_vectors=node_vectors)
 
     out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
-                 "threads": args.threads}
+                 "threads": args.threads, "device": args.device}
     if not args.skip_timing:
         g = run("nnsight", args.batch)()
         rows = int(g.feature_rows.sum())
@@ -168,7 +174,7 @@ def main() -> None:
         nn_s, hk_s = timed["nnsight batched"]["median_s"], timed["hooks batched"]["median_s"]
         ga_s = timed["nnsight batched, gathered"]["median_s"]
         print(f"prompt {args.seq} tokens, {rows} target rows ({g.summary()}), batch {args.batch}, "
-              f"{args.threads} thread(s)")
+              f"{args.threads} thread(s), {args.device}")
         print(table([("naive (1 backward per target, hooks)", f"{naive_s:.2f}", f"{naive_s / nn_s:.1f}x"),
                      (f"batched hooks (B={args.batch})", f"{hk_s:.2f}", f"{hk_s / nn_s:.2f}x"),
                      (f"batched nnsight (B={args.batch})", f"{nn_s:.2f}", "1.00x"),
@@ -212,7 +218,8 @@ def main() -> None:
                      f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "same, 1 MiB mmap threshold: peak MB",
                      "kept nodes", "stored entries")))
     out.update({"memory": memory, "memory_prune_to": sparse, "memory_prune_to_mmap_1mib": trimmed})
-    name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else f"_threads{args.threads}")
+    suffix = f"_threads{args.threads}" if args.device == "cpu" else f"_{args.device}"
+    name = "attribution_tinyshakespeare" + ("_memory" if args.skip_timing else suffix)
     print(f"-> {write(name, out)}")
 
 
