@@ -69,6 +69,29 @@ def test_tasks_on_the_tinyshakespeare_bpe(shakespeare_tok):
     assert g.shape == (12, 12) and g[3, 7] == 307 and not g.isnan().any()
 
 
+def test_ioi_orders_and_greater_than_years(shakespeare_tok):
+    """IOI in both of Wang et al.'s patterns (the IO named first or second); greater-than from chosen
+    start years; bad values raise before anything is built."""
+    from nnsight_lorsa.errors import ConfigMismatchError
+
+    tok = shakespeare_tok
+    mixed = ioi_task(tok, n_prompts=6, order="mixed", seed=2)
+    for m in mixed.meta:
+        io, s = m["io"].strip(), m["s"].strip()
+        first = m["text"].index(io) < m["text"].index(s)
+        assert first == (m["order"] == "ABBA") and m["text"].count(s) == 2
+    assert [m["order"] for m in mixed.meta] == ["BABA", "ABBA"] * 3
+    assert all(m["order"] == "ABBA" for m in ioi_task(tok, n_prompts=3, order="ABBA").meta)
+    with pytest.raises(ConfigMismatchError, match="order"):
+        ioi_task(tok, order="AABB")
+    gt = greater_than_task(tok, n_prompts=8, years=[23, 57])          # final-digit form: decade, digit
+    assert {m["text"].split("year ")[1][:4] for m in gt.meta} <= {"1323", "1357"}
+    with pytest.raises(ConfigMismatchError, match="years"):
+        greater_than_task(tok, years=[40])                             # last digit 0: no "one less" digit
+    with pytest.raises(ConfigMismatchError, match="years"):
+        greater_than_task(tok, years=[])
+
+
 @torch.no_grad()
 def test_circuit_size_matches_manual_keep_only():
     model, hf = tiny_nnsight("llama")

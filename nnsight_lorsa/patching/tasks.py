@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._repr import FieldsRepr
-from ..errors import LorsaError
+from ..errors import ConfigMismatchError, LorsaError
 
 IOI_TEMPLATES = (
     "Then, [B] and [A] went to the park. [S] gave a ball to",
@@ -152,9 +152,13 @@ def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^
 
 # ------------------------------------------------------------------ IOI
 def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATES[0],
-             names: Sequence[str] = NAMES, seed: int = 0) -> TaskBatch:
+             names: Sequence[str] = NAMES, seed: int = 0, order: str = "BABA") -> TaskBatch:
     """Indirect object identification (seed ``003_…`` App. A.2): "Then, [B] and [A] went to the
     park. [S] gave a ball to" with S = B; the answer is the indirect object A, the distractor S.
+
+    ``order``: ``"BABA"`` (the subject named first, as above), ``"ABBA"`` (the indirect object named
+    first: "Then, A and B went … B gave a ball to") or ``"mixed"`` (alternating, Wang et al.'s two
+    patterns) — so that "the second name" is not the answer of every prompt.
 
     Corrupt ("ABC") prompts put three other names in the slots, so the clean IO/S logit difference
     has no support there. One ``template`` per batch (prompts must share a length; see
@@ -164,14 +168,19 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
     Raises:
         TaskTokenizationError: fewer than 5 single-token names, or a template whose clean and
             corrupt prompts tokenize to different lengths.
+        ConfigMismatchError: an unknown ``order``.
     """
+    if order not in ("BABA", "ABBA", "mixed"):
+        raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
     pool = name_tokens(tokenizer, names, min_count=5)
     rng = random.Random(seed)
     bos = _bos(tokenizer)
     clean, corrupt, correct, incorrect, meta = [], [], [], [], []
-    for _ in range(n_prompts):
+    for k in range(n_prompts):
         (a, ta), (b, tb), (c, _), (d, _), (e, _) = rng.sample(pool, 5)
-        text = template.replace("[A]", a.strip()).replace("[B]", b.strip()).replace("[S]", b.strip())
+        abba = order == "ABBA" or (order == "mixed" and k % 2 == 1)
+        first, second = (a, b) if abba else (b, a)  # the names in the [B] and [A] slots
+        text = template.replace("[B]", first.strip()).replace("[A]", second.strip()).replace("[S]", b.strip())
         text_c = template.replace("[A]", c.strip()).replace("[B]", d.strip()).replace("[S]", e.strip())
         ids, ids_c = _encode(tokenizer, text), _encode(tokenizer, text_c)
         if len(ids) != len(ids_c):
@@ -181,14 +190,14 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         corrupt.append(bos + ids_c)
         correct.append(ta)
         incorrect.append(tb)
-        meta.append({"text": text, "io": a, "s": b, "corrupt_text": text_c})
+        meta.append({"text": text, "io": a, "s": b, "order": "ABBA" if abba else "BABA", "corrupt_text": text_c})
     return TaskBatch("ioi", _stack(clean, "IOI"), _stack(corrupt, "IOI"), torch.tensor(correct),
                      torch.tensor(incorrect), meta)
 
 
 # ------------------------------------------------------------------ greater-than
 def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, century: int = 13,
-                      noun: str = "war") -> TaskBatch:
+                      noun: str = "war", years: Sequence[int] | None = None) -> TaskBatch:
     """Greater-than (seed ``003_…`` App. A.1): "The war lasted from the year 1363 to 13" → "64"…"99".
 
     If the tokenizer has every two-digit number as a single token after the century prefix, the
@@ -196,25 +205,36 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
     tokenizers, like Llama-3's or the tinyshakespeare BPE) the prompt ends one digit later —
     "from the year 1363 to 136" — and the answer is the final digit (correct ``Y+1``, incorrect
     ``Y−1``; the App. A.1 simplification for LLaMA). One ``noun`` per batch (see :data:`NOUNS`).
-    Corrupt prompts start in year ``..01`` / ``..0``.
+    Corrupt prompts start in year ``..01`` / ``..0``. ``years``: the start years' last two digits to
+    draw from (e.g. held-out ones; default all usable: 02–97, or with one-digit answers those with a
+    last digit 1–8 and a decade digit 1–9).
 
     Raises:
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts.
+        ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
     """
     rng = random.Random(seed)
     bos = _bos(tokenizer)
     two = [single_token(tokenizer, f"{y:02d}") for y in range(100)]
     prefix_ok = _encode(tokenizer, f" {century}63")[-1:] == [two[63]] if two[63] is not None else False
     clean, corrupt, correct, incorrect, meta = [], [], [], [], []
+    two_digit = all(t is not None for t in two) and prefix_ok
+    usable = [yy for yy in range(100) if (2 <= yy <= 97 if two_digit else 1 <= yy % 10 <= 8 and yy >= 10)]
+    pool = usable if years is None else [int(y) for y in years]
+    if not pool or any(y not in usable for y in pool):
+        raise ConfigMismatchError(f"greater-than years must be in {usable[0]:02d}–{usable[-1]:02d}"
+                                  f"{'' if two_digit else ' with a last digit 1–8'}, got {list(pool)}")
     for _ in range(n_prompts):
-        if all(t is not None for t in two) and prefix_ok:
-            yy = rng.randrange(2, 98)
+        if two_digit:
+            yy = rng.randrange(2, 98) if years is None else rng.choice(pool)
             text = f"The {noun} lasted from the year {century}{yy:02d} to {century}"
             text_c = f"The {noun} lasted from the year {century}01 to {century}"
             c_id, i_id = two[yy + 1], two[yy - 1]
         else:
-            y = rng.randrange(1, 9)
-            decade = rng.randrange(1, 10)
+            if years is None:
+                y, decade = rng.randrange(1, 9), rng.randrange(1, 10)
+            else:
+                decade, y = divmod(rng.choice(pool), 10)
             text = f"The {noun} lasted from the year {century}{decade}{y} to {century}{decade}"
             text_c = f"The {noun} lasted from the year {century}{decade}0 to {century}{decade}"
             c_id, i_id = single_token(tokenizer, str(y + 1)), single_token(tokenizer, str(y - 1))
