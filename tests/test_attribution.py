@@ -552,3 +552,25 @@ def test_attribution_from_a_bad_cache_raises(llama):
         attribute_from_cache(model, cache, lorsas=lorsas)
     with pytest.raises(ConfigMismatchError, match="keep_mass"):
         attribute_from_cache(model, cache, lorsas=lorsas, keep_mass=0.5)
+
+
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "qwen2"])
+def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
+    """A bf16 model: the traced graph runs (biased families used to mix fp32 bias terms into bf16
+    attention) with sums to ~1 % of a row's mass; ``attribute_from_cache(dtype=torch.float32)`` computes
+    the same model's graph with sums exact to fp32 rounding, on copies (the user's modules stay bf16)."""
+    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
+
+    model, hf, lorsas, tcs = setup(family)
+    hf.to(torch.bfloat16)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(torch.bfloat16)
+    ids = random_ids(1, 8, seed=7)[0]
+    traced = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40)
+    assert traced.edge_sum_error("mass").max() < 5e-2
+    cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs)
+    exact = attribute_from_cache(model, cache, lorsas=lorsas, transcoders=tcs, batch_size=40, dtype=torch.float32)
+    assert exact.adjacency.dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
+    assert exact.edge_sum_error("mass").max() < traced.edge_sum_error("mass").max() / 100
+    assert torch.equal(exact.layout_ids, traced.layout_ids)
+    assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())

@@ -10,10 +10,17 @@ attention and unembedding of the model, the Lorsas and transcoders — wiring
 :class:`.replacement.FrozenReplacement`'s sites into decoder blocks itself (sequential residual,
 or GPT-NeoX's parallel one), with one autograd backward per batch of targets. No model forward runs;
 the cache can come from anywhere (a remote trace, disk). Same arithmetic, same graph (tested).
+
+Because no model code runs on the residual stream, the frozen model can also run in another dtype
+than the model's: ``dtype=torch.float32`` for a bf16 model gives edges whose sums hold to fp32
+rounding instead of bf16's (the constants — norm scales, patterns, errors — still come from the
+model's own bf16 forward, so the graph is that of the bf16 model, computed exactly).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +34,7 @@ from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
 from ..patching.targets import resolve_envoy
 from .attribute import _as_dict, check_options, compute_graph, replacement_modules, tokenize
+from .coders import LayerCoder
 from .graph import Graph
 from .hooks import _autograd_backward
 from .layout import build_layout
@@ -159,11 +167,15 @@ def attribute_from_cache(
     node_vectors: str = "auto",
     prune_to: tuple[float, float] | None = None,
     keep_mass: float | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Graph:
     """:func:`.attribute.attribute` from an :class:`AttributionCache`, without running the model.
 
     ``model``: the nnsight model or the bare Hugging Face one (its norms, attention weights and
-    unembedding are used; its forward is not). Other arguments as :func:`.attribute.attribute`.
+    unembedding are used; its forward is not). ``dtype``: the frozen model's compute dtype (default
+    the model's); ``torch.float32`` for a bf16/fp16 model makes the edge sums exact to fp32 rounding
+    (the Lorsas, transcoders and attention weights are used as copies in that dtype). Other arguments
+    as :func:`.attribute.attribute`.
 
     Raises:
         ConfigMismatchError: bad options, or a cache without the replacement layers' tensors.
@@ -175,7 +187,11 @@ def attribute_from_cache(
     root = getattr(model, "_module", model)
     lor, tcs = _as_dict(lorsas, "LorsaSet"), _as_dict(transcoders, "TranscoderSet")
     _check_cache(cache, adapter, lor, tcs)
+    if dtype is not None and dtype != next(root.parameters()).dtype:
+        cache, lor, tcs = _in_dtype(cache, dtype), _copies(lor, dtype), _copies(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
+    if dtype is not None:
+        mhsa = {layer: _weights_in(w, dtype) for layer, w in mhsa.items()}
     layout = build_layout(cache.tokens, {layer: (cache.attn_in[layer], cache.positions) for layer in lor},
                           cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
                           logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
@@ -183,7 +199,8 @@ def attribute_from_cache(
     device = next(root.parameters()).device
 
     def run(scheduler: RowScheduler) -> torch.Tensor:
-        M = torch.ones(batch_size, layout.n_sources, device=device, dtype=multiplier_dtype(root), requires_grad=True)
+        m_dtype = multiplier_dtype(root) if dtype is None else torch.promote_types(multiplier_dtype(root), dtype)
+        M = torch.ones(batch_size, layout.n_sources, device=device, dtype=m_dtype, requires_grad=True)
         frozen = make(layout, M, mhsa)
         frozen_forward_cached(root, adapter, frozen, cache, batch_size)
         backward_rows(frozen, M, scheduler, batch_size, _autograd_backward)
@@ -191,6 +208,38 @@ def attribute_from_cache(
 
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(lor), "transcoder_layers": sorted(tcs),
             "batch_size": batch_size, "max_feature_nodes": max_feature_nodes, "engine": "cache",
-            "patterns": patterns, "node_vectors": node_vectors}
+            "patterns": patterns, "node_vectors": node_vectors, "dtype": str(dtype or next(root.parameters()).dtype)}
     return compute_graph(layout, run, max_feature_nodes=max_feature_nodes, progress=progress, prune_to=prune_to,
                          keep_mass=keep_mass, prompt="", meta=meta)
+
+
+def _in_dtype(cache: AttributionCache, dtype: torch.dtype) -> AttributionCache:
+    """The cache with its floating tensors in ``dtype``."""
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return AttributionCache(tokens=cache.tokens, embeddings=cast(cache.embeddings), positions=cache.positions,
+                            last_logits=cast(cache.last_logits),
+                            **{name: {k: cast(v) for k, v in getattr(cache, name).items()}
+                               for name in ("attn_in", "attn_out", "mlp_in", "mlp_out")})
+
+
+def _copies(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
+    """Copies of replacement modules in ``dtype`` (a cross-layer transcoder's per-layer views share one copy)."""
+    clts: dict[int, Any] = {}
+    out: dict[int, Any] = {}
+    for layer, m in modules.items():
+        if isinstance(m, LayerCoder):
+            if id(m.clt) not in clts:
+                clts[id(m.clt)] = copy.deepcopy(m.clt).to(dtype)
+            out[layer] = LayerCoder(clts[id(m.clt)], m.layer)
+        else:
+            out[layer] = copy.deepcopy(m).to(dtype)
+    return out
+
+
+def _weights_in(w: Any, dtype: torch.dtype) -> Any:
+    """:class:`~nnsight_lorsa.adapters.base.MHSAWeights` with its floating tensors in ``dtype``."""
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dtype) for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)
+                                     and getattr(w, f.name).is_floating_point()})

@@ -104,12 +104,12 @@ def frozen_mhsa(
     only path from ``x``. ``mult_v``, ``mult_o``: ``(batch, 1, 1)``.
     """
     b = x.shape[0]
-    b_v = w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)
+    b_v = (w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)).to(x.dtype)
     v = mhsa_values(w, x, b_v)
     if isinstance(frozen, torch.Tensor):
-        z = shared_matmul(frozen, v)
+        z = shared_matmul(frozen.to(v.dtype), v)  # patterns may be kept in fp32 for a bf16 model
     else:
-        q, k = frozen
+        q, k = (t.to(v.dtype) for t in frozen)
         mask = None if w.sliding_window is None else mhsa_mask(w, x.shape[1], x.device)
         z = F.scaled_dot_product_attention(q.expand(b, -1, -1, -1), k.expand(b, -1, -1, -1), v, attn_mask=mask,
                                            is_causal=mask is None, scale=w.scale)

@@ -231,10 +231,10 @@ class FrozenReplacement:
         bias = getattr(lm_head, "bias", None)
         weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
         mult = column(self.M, self.layout.bias.get("lm_head"))
-        logits = F.linear(x, weight) + scaled(bias, mult)
+        logits = F.linear(x.to(weight.dtype), weight) + scaled(bias, mult)  # the output, in the model's dtype
         tokens = self.layout.logit_tokens.to(x.device)
-        w = weight[tokens] - weight.mean(0)
-        b = None if bias is None else bias[tokens] - bias.mean()
+        w = weight[tokens].to(x.dtype) - weight.mean(0, dtype=x.dtype)  # targets in the frozen model's dtype
+        b = None if bias is None else bias[tokens].to(x.dtype) - bias.mean(dtype=x.dtype)
         self._logits = F.linear(x[:, -1], w) + scaled(b, None if mult is None else mult[:, 0])
         return logits.to(x.dtype)
 
