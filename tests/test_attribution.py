@@ -378,6 +378,10 @@ assert torch.equal(local.adjacency, remote.adjacency), (local.adjacency - remote
 gathered = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="gather", remote="local")
 assert torch.allclose(gathered.adjacency, local.adjacency, atol=1e-5), (gathered.adjacency - local.adjacency).abs()
 assert torch.equal(local.nodes.kind, remote.nodes.kind)
+from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
+cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs, remote="local")
+cached = attribute_from_cache(hf, cache, lorsas=lorsas, transcoders=tcs, batch_size=32)
+assert torch.allclose(cached.adjacency, local.adjacency, atol=1e-5), (cached.adjacency - local.adjacency).abs()
 print("ok", int(remote.feature_rows.sum()))
 """
 
