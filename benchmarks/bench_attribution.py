@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import table, time_interleaved, write  # noqa: E402
@@ -183,6 +184,18 @@ def main() -> None:
                     ("method", "seconds", "vs nnsight batched")))
         print(f"nnsight / hooks = {nn_s / hk_s:.3f} (target <= 1.3); naive / nnsight = {naive_s / nn_s:.1f} "
               "(target >= 10)")
+        # the matrix arithmetic each method does (torch's FLOP counter: matmul-like ops) and its rate
+        flops = {}
+        for label, batch in (("batched", args.batch), ("naive", 1)):
+            with FlopCounterMode(display=False) as counter:
+                run("hooks", batch)()
+            flops[label] = counter.get_total_flops()
+        rate = flops["batched"] / hk_s
+        print(f"matmul GFLOP: batched {flops['batched'] / 1e9:.1f} ({rate / 1e9:.0f} GFLOP/s), naive "
+              f"{flops['naive'] / 1e9:.1f}: at the batched rate the naive arithmetic alone takes "
+              f"{flops['naive'] / rate:.2f} s, a ceiling of {naive_s / (flops['naive'] / rate):.1f}x for any batching")
+        out.update({"gflop_batched": flops["batched"] / 1e9, "gflop_naive": flops["naive"] / 1e9,
+                    "batched_gflop_per_s": rate / 1e9})
         out.update({"rows": rows, "summary": g.summary(), "naive_s": naive_s, "timed": timed,
                     "naive_over_nnsight": naive_s / nn_s, "nnsight_over_hooks": nn_s / hk_s})
     saved = [saved_per_copy(model, lorsas, tcs, prompt_ids(model, n), *mode)
