@@ -42,15 +42,13 @@ from ..adapters.registry import get_adapter
 from ..envoy.clt_set import CLTSet
 from ..envoy.mount import resolve_envoy
 from ..errors import CheckpointError, ConfigMismatchError, ShapeError
-from ..modules.activations import JumpReLU
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sparse_coder import affine
 from .activation_cache import ActivationCache, CachedSiteSource, read_sites
 from .activations import Site, TokenDataset, loss_mask_for
 from .evaluate import CERecovered, accumulate_ce
 from .metrics import FVUAccumulator, fvu
-from .sparse_coders import SparseCoderTrainConfig, sparsity_terms
-from .trainer import TrainerCore
+from .sparse_coders import DictionaryTrainer, SparseCoderTrainConfig, sparsity_terms
 
 
 @dataclass
@@ -142,7 +140,7 @@ class CachedCLTSource:
                         loss_mask=batches[0].loss_mask)
 
 
-class CLTTrainer(TrainerCore):
+class CLTTrainer(DictionaryTrainer):
     """Trains a :class:`~..modules.clt.CrossLayerTranscoder` on :class:`CLTBatch` es; see the module docstring.
 
     Args:
@@ -184,15 +182,9 @@ class CLTTrainer(TrainerCore):
     def n_latents(module: Any) -> int:
         return int(module.cfg.n_layers * module.cfg.d_sae)
 
-    @classmethod
-    def config_class(cls) -> type:
-        return SparseCoderTrainConfig
-
     @property
-    def normalize_decoder(self) -> bool:
-        if self.config.normalize_decoder is not None:
-            return self.config.normalize_decoder
-        return not isinstance(self.clt.activation[0], JumpReLU)
+    def activation_fn(self) -> Any:
+        return self.clt.activation[0]
 
     def module_config(self) -> dict[str, Any]:
         return self.clt.cfg.to_dict()

@@ -101,7 +101,28 @@ def step_metrics(loss: torch.Tensor, mse: torch.Tensor, y: torch.Tensor, out: to
             "sparsity": float(sparsity.detach())}
 
 
-class SparseCoderTrainer(TrainerCore):
+class DictionaryTrainer(TrainerCore):
+    """What the sparse-coder and cross-layer-transcoder trainers share: their config class, and
+    unit-norm decoder columns by default unless the activation is a JumpReLU (whose threshold sets
+    the scale)."""
+
+    @classmethod
+    def config_class(cls) -> type:
+        return SparseCoderTrainConfig
+
+    @property
+    def activation_fn(self) -> Any:
+        """The coder's activation function (a CLT's first layer's: they are all of one kind)."""
+        raise NotImplementedError
+
+    @property
+    def normalize_decoder(self) -> bool:
+        if self.config.normalize_decoder is not None:
+            return self.config.normalize_decoder
+        return not isinstance(self.activation_fn, JumpReLU)
+
+
+class SparseCoderTrainer(DictionaryTrainer):
     """Trains an SAE / transcoder / skip transcoder ``coder`` on batches from ``source``.
 
     Args:
@@ -125,15 +146,9 @@ class SparseCoderTrainer(TrainerCore):
     def n_latents(module: Any) -> int:
         return int(module.cfg.d_sae)
 
-    @classmethod
-    def config_class(cls) -> type:
-        return SparseCoderTrainConfig
-
     @property
-    def normalize_decoder(self) -> bool:
-        if self.config.normalize_decoder is not None:
-            return self.config.normalize_decoder
-        return not isinstance(self.coder.activation, JumpReLU)
+    def activation_fn(self) -> Any:
+        return self.coder.activation
 
     def after_norms(self) -> None:
         # an SAE reconstructs its input: one scale factor, so that b_dec centring folds exactly
