@@ -182,12 +182,7 @@ class SparseCoderTrainer(DictionaryTrainer):
             return self._sparse_loss(x, y)
         pre = affine(coder.encoder_input(x), coder.W_enc, coder.b_enc)
         acts = coder.activation(pre)
-        out = coder.decode(acts)
-        skip = coder.skip(x)
-        if skip is not None:
-            out = out + skip
-        err = y - out
-        mse = err.pow(2).sum(-1).mean()
+        out, err, mse = self._reconstruction(x, y, coder.decode(acts))
         loss = mse
         active = acts > 0
         dead = self.count_firing(active, x.shape[0])
@@ -196,16 +191,19 @@ class SparseCoderTrainer(DictionaryTrainer):
             loss = loss + penalty
         return loss, step_metrics(loss, mse, y, out, float(active.sum(-1).float().mean()), dead, aux, sparsity)
 
+    def _reconstruction(self, x: torch.Tensor, y: torch.Tensor, decoded: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(output, error, MSE)``: the decoded features plus the skip path, against the target ``y``."""
+        skip = self.coder.skip(x)
+        out = decoded if skip is None else decoded + skip
+        err = y - out
+        return out, err, err.pow(2).sum(-1).mean()
+
     def _sparse_loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """:meth:`loss` of a TopK / BatchTopK coder through the sparse kernels (:mod:`~..modules.sparse_decode`)."""
         coder = self.coder
         pre, acts = coder.encode_sparse(x)
-        out = coder.decode_sparse(acts)
-        skip = coder.skip(x)
-        if skip is not None:
-            out = out + skip
-        err = y - out
-        mse = err.pow(2).sum(-1).mean()
+        out, err, mse = self._reconstruction(x, y, coder.decode_sparse(acts))
         loss = mse
         dead = self.count_fired(acts.fired(), x.shape[0])
         act: Any = coder.activation
