@@ -17,7 +17,32 @@ from .layout import Layout
 from .sparse_rows import SparseRows
 
 
-class RowScheduler:
+class RowStore:
+    """Computed edge rows, in computation order: ``done[i]`` is the target of the ``i``-th row; a
+    chunk of rows is stored dense, or sparse with ``keep_mass`` (a :class:`SparseRows`)."""
+
+    def __init__(self, n_sources: int, keep_mass: float | None = None, progress: Any = None) -> None:
+        self.n_sources, self.keep_mass, self.progress = n_sources, keep_mass, progress
+        self.done: list[int] = []
+        self.rows: list[torch.Tensor | SparseRows] = []
+
+    def record(self, rows: list[int], grads: torch.Tensor) -> None:
+        """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row (dense, or sparse
+        with ``keep_mass``: a :class:`SparseRows` chunk)."""
+        start = len(self.done)
+        self.done.extend(rows)
+        self.rows.append(grads.cpu() if self.keep_mass is None else SparseRows.of(grads, self.keep_mass, start))
+        if self.progress is not None:
+            self.progress.update(len(rows))
+
+    def matrix(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row_targets (n,), rows (n, n_sources))`` computed so far, in computation order (dense)."""
+        rows = [c.dense() if isinstance(c, SparseRows) else c for c in self.rows]
+        return torch.tensor(self.done, dtype=torch.long), torch.cat(rows) if rows else torch.zeros(
+            0, self.n_sources)
+
+
+class RowScheduler(RowStore):
     """Hands out batches of target rows and stores the computed edge rows.
 
     Target row ``r < n_features`` is feature node ``r``; ``r ≥ n_features`` is logit ``r − n_features``.
@@ -33,12 +58,9 @@ class RowScheduler:
 
     def __init__(self, layout: Layout, max_feature_nodes: int | None = None, progress: Any = None,
                  keep_mass: float | None = None) -> None:
+        super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress)
         self.layout = layout
-        self.keep_mass = keep_mass
         self.budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
-        self.progress = progress
-        self.done: list[int] = []
-        self.rows: list[torch.Tensor | SparseRows] = []
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
         self._visited = torch.zeros(layout.n_features, dtype=torch.bool)
 
@@ -65,15 +87,6 @@ class RowScheduler:
         self._visited[picked] = True
         return picked
 
-    def record(self, rows: list[int], grads: torch.Tensor) -> None:
-        """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row (dense, or sparse
-        with ``keep_mass``: a :class:`SparseRows` chunk)."""
-        start = len(self.done)
-        self.done.extend(rows)
-        self.rows.append(grads.cpu() if self.keep_mass is None else SparseRows.of(grads, self.keep_mass, start))
-        if self.progress is not None:
-            self.progress.update(len(rows))
-
     def sparse(self) -> SparseRows:
         """All rows computed so far as one :class:`SparseRows` (dense rows converted exactly)."""
         chunks: list[SparseRows] = []
@@ -82,12 +95,6 @@ class RowScheduler:
             chunks.append(c if isinstance(c, SparseRows) else SparseRows.of(c, None, offset))
             offset += chunks[-1].n_rows
         return SparseRows.cat(chunks, self.layout.n_sources)
-
-    def matrix(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(row_targets (n,), rows (n, n_sources))`` computed so far, in computation order (dense)."""
-        rows = [c.dense() if isinstance(c, SparseRows) else c for c in self.rows]
-        return torch.tensor(self.done, dtype=torch.long), torch.cat(rows) if rows else torch.zeros(
-            0, self.layout.n_sources)
 
     def row_nodes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(node (n,), logit weight (n,))`` of each computed row (node ids: sources, then logits)."""
@@ -108,24 +115,14 @@ class RowScheduler:
         return influence(rows, node, weight.to(rows.dtype))[:self.layout.n_features]
 
 
-class FixedRows:
+class FixedRows(RowStore):
     """Every one of ``n`` target rows, in order (no logits first, no budget): for probes such as
     the query/key coordinates of :mod:`.qk`."""
 
     def __init__(self, n: int, n_sources: int) -> None:
-        self.n, self.n_sources = n, n_sources
-        self.done: list[int] = []
-        self.rows: list[torch.Tensor] = []
+        super(FixedRows, self).__init__(n_sources)
+        self.n = n
 
     def next_rows(self, batch: int) -> list[int]:
         start = len(self.done)
         return list(range(start, min(start + batch, self.n)))
-
-    def record(self, rows: list[int], grads: torch.Tensor) -> None:
-        self.done.extend(rows)
-        self.rows.append(grads.cpu())
-
-    def matrix(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(row ids, (n, n_sources))``."""
-        return torch.tensor(self.done, dtype=torch.long), torch.cat(self.rows) if self.rows else torch.zeros(
-            0, self.n_sources)
