@@ -561,8 +561,9 @@ def test_attribution_from_a_bad_cache_raises(llama):
 @pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "qwen2"])
 def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     """A bf16 model: the traced graph runs (biased families used to mix fp32 bias terms into bf16
-    attention) with sums to ~1 % of a row's mass; ``attribute_from_cache(dtype=torch.float32)`` computes
-    the same model's graph with sums exact to fp32 rounding, on copies (the user's modules stay bf16)."""
+    attention) with sums to ~1 % of a row's mass; ``dtype=torch.float32`` — traced (nnsight and
+    hooks) or from a cache — computes the same model's graph with sums exact to fp32 rounding, on
+    copies (the user's modules stay bf16)."""
     from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
 
     model, hf, lorsas, tcs = setup(family)
@@ -577,4 +578,13 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     assert exact.adjacency.dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
     assert exact.edge_sum_error("mass").max() < traced.edge_sum_error("mass").max() / 100
     assert torch.equal(exact.layout_ids, traced.layout_ids)
+    # the traced path in fp32 too (both engines): exact sums, and the cache's graph up to where the
+    # two linearise (the traced one at its own fp32 stream, the cache at the bf16 forward's): ~1e-3 of
+    # the largest edge, against 1e-2–1e-1 for the bf16 graph
+    scale = float(exact.adjacency.abs().max())
+    for engine in ("nnsight", "hooks"):
+        fp32 = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40, dtype=torch.float32, engine=engine)
+        assert fp32.edge_sum_error("mass").max() < 1e-6, engine
+        gap = float((fp32.adjacency - exact.adjacency).abs().max())
+        assert gap < 3e-3 * scale and gap < float((traced.adjacency - exact.adjacency).abs().max()) / 3, engine
     assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())

@@ -22,6 +22,7 @@ from .coders import as_layer_coders
 from .graph import Graph
 from .hooks import attribute_with_hooks
 from .layout import Layout, build_layout
+from .precision import copies_in, weights_in
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
 from .sparse_graph import assemble_pruned
@@ -140,6 +141,7 @@ def attribute(
     remote: Any = False,
     prune_to: tuple[float, float] | None = None,
     keep_mass: float | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Graph:
     """The attribution graph of ``prompt`` over the replacement model, computed in nnsight traces.
 
@@ -175,6 +177,10 @@ def attribute(
         keep_mass: with ``prune_to``, store each row's largest edges up to this fraction of its
             absolute mass (default 1: every non-zero edge) — the rest is summed exactly into the
             residual.
+        dtype: the frozen model's compute dtype (default the model's). ``torch.float32`` for a
+            bf16/fp16 model makes the edge sums exact to fp32 rounding instead of ~1 % (fp32 copies of
+            the Lorsas, transcoders and MHSA weights; the model's modules still run in their dtype on
+            one prompt copy for the frozen constants; :mod:`.precision`).
         remote: passed to both ``model.trace`` calls (``True``: run on NDIF after
             :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).
             The replacement modules travel by value; the edge rows come back as saved values.
@@ -192,19 +198,23 @@ def attribute(
         raise ConfigMismatchError(f"engine must be 'nnsight' or 'hooks', got {engine!r}")
     if remote and engine != "nnsight":
         raise ConfigMismatchError("remote attribution needs engine='nnsight'")
-    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors)
-    layout, mhsa, adapter = prepare(model, prompt, lorsas=lorsas, transcoders=transcoders, logit_tokens=logit_tokens,
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
+    lor, tcs = _as_dict(lorsas, "LorsaSet"), _as_dict(transcoders, "TranscoderSet")
+    if dtype is not None:
+        lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
+    layout, mhsa, adapter = prepare(model, prompt, lorsas=lor, transcoders=tcs, logit_tokens=logit_tokens,
                                     desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, remote=remote)
+    if dtype is not None:
+        mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
 
     def run(scheduler: RowScheduler) -> torch.Tensor:
         if engine == "nnsight":
             return attribute_in_trace(model, adapter, layout, mhsa, scheduler, batch_size, make=make, remote=remote)
         return attribute_with_hooks(model._module, adapter, layout, mhsa, scheduler, batch_size, make=make)
 
-    meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(_as_dict(lorsas, "LorsaSet")),
-            "transcoder_layers": sorted(_as_dict(transcoders, "TranscoderSet")), "batch_size": batch_size,
-            "max_feature_nodes": max_feature_nodes, "engine": engine, "patterns": patterns,
-            "node_vectors": node_vectors}
+    meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(lor), "transcoder_layers": sorted(tcs),
+            "batch_size": batch_size, "max_feature_nodes": max_feature_nodes, "engine": engine, "patterns": patterns,
+            "node_vectors": node_vectors, "dtype": str(dtype or next(model._module.parameters()).dtype)}
     return compute_graph(layout, run, max_feature_nodes=max_feature_nodes, progress=progress and not remote,
                          prune_to=prune_to, keep_mass=keep_mass, prompt=prompt if isinstance(prompt, str) else "",
                          meta=meta)

@@ -19,8 +19,6 @@ model's own bf16 forward, so the graph is that of the bf16 model, computed exact
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +32,10 @@ from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
 from ..patching.targets import resolve_envoy
 from .attribute import _as_dict, check_options, compute_graph, replacement_modules, tokenize
-from .coders import LayerCoder
 from .graph import Graph
 from .hooks import _autograd_backward
 from .layout import build_layout
+from .precision import copies_in, weights_in
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
 from .trace import backward_rows, multiplier_dtype
@@ -188,14 +186,14 @@ def attribute_from_cache(
     lor, tcs = _as_dict(lorsas, "LorsaSet"), _as_dict(transcoders, "TranscoderSet")
     _check_cache(cache, adapter, lor, tcs)
     if dtype is not None and dtype != next(root.parameters()).dtype:
-        cache, lor, tcs = _in_dtype(cache, dtype), _copies(lor, dtype), _copies(tcs, dtype)
+        cache, lor, tcs = _in_dtype(cache, dtype), copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
-        mhsa = {layer: _weights_in(w, dtype) for layer, w in mhsa.items()}
+        mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
     layout = build_layout(cache.tokens, {layer: (cache.attn_in[layer], cache.positions) for layer in lor},
                           cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
                           logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
-    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors)
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     device = next(root.parameters()).device
 
     def run(scheduler: RowScheduler) -> torch.Tensor:
@@ -222,24 +220,3 @@ def _in_dtype(cache: AttributionCache, dtype: torch.dtype) -> AttributionCache:
                             last_logits=cast(cache.last_logits),
                             **{name: {k: cast(v) for k, v in getattr(cache, name).items()}
                                for name in ("attn_in", "attn_out", "mlp_in", "mlp_out")})
-
-
-def _copies(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
-    """Copies of replacement modules in ``dtype`` (a cross-layer transcoder's per-layer views share one copy)."""
-    clts: dict[int, Any] = {}
-    out: dict[int, Any] = {}
-    for layer, m in modules.items():
-        if isinstance(m, LayerCoder):
-            if id(m.clt) not in clts:
-                clts[id(m.clt)] = copy.deepcopy(m.clt).to(dtype)
-            out[layer] = LayerCoder(clts[id(m.clt)], m.layer)
-        else:
-            out[layer] = copy.deepcopy(m).to(dtype)
-    return out
-
-
-def _weights_in(w: Any, dtype: torch.dtype) -> Any:
-    """:class:`~nnsight_lorsa.adapters.base.MHSAWeights` with its floating tensors in ``dtype``."""
-    return dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dtype) for f in dataclasses.fields(w)
-                                     if isinstance(getattr(w, f.name), torch.Tensor)
-                                     and getattr(w, f.name).is_floating_point()})

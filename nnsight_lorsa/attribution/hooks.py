@@ -18,7 +18,7 @@ from ..adapters.base import ArchitectureAdapter
 from .layout import Layout
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
-from .trace import backward_rows, multiplier_dtype
+from .trace import backward_rows, call_input, first_row, multiplier_dtype
 
 
 def _autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:
@@ -26,36 +26,39 @@ def _autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[to
 
 
 def install_frozen_hooks(hf: nn.Module, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> list[Any]:
-    """Forward hooks that make ``hf``'s forward the frozen replacement model's; returns the handles.
+    """Hooks that make ``hf``'s forward the frozen replacement model's; returns the handles.
 
-    As :func:`.trace.frozen_forward_body`: the MLPs and the unembedding run on batch row 0 only (a
-    pre-hook cuts their first input to it and keeps the whole one for the frozen model)."""
+    As :func:`.trace.frozen_forward_body`: a pre-hook keeps each replaced module's full call and
+    runs the module on batch row 0 in the model's dtype (:func:`.trace.first_row`); its forward hook
+    returns the frozen model's output, computed from the full call."""
     get = adapter.get_module
     handles = []
-    full: dict[str, torch.Tensor] = {}
+    calls: dict[str, tuple[tuple, dict]] = {}
+    batch, dtype = frozen.M.shape[0], next(hf.parameters()).dtype
 
-    def on(path: str, fn: Any) -> None:
-        handles.append(get(hf, path).register_forward_hook(fn, with_kwargs=True))
+    def on(path: str, fn: Any) -> None:  # fn(module, full args, full kwargs, row-0 output) -> output
+        def pre(m: nn.Module, a: tuple, k: dict) -> tuple[tuple, dict]:
+            calls[path] = (a, k)
+            return first_row(a, k, batch, dtype)
 
-    def row0(path: str) -> None:  # run the module on batch row 0; keep the full first input
-        def pre(m: nn.Module, a: tuple, k: dict) -> tuple[tuple, dict] | None:
-            if not a:  # not called positionally: run it whole
-                return None
-            full[path] = a[0]
-            return (a[0][:1], *a[1:]), k
+        def post(m: nn.Module, a: tuple, k: dict, o: Any) -> Any:
+            full_a, full_k = calls.pop(path)
+            return fn(m, full_a, full_k, o)
 
-        handles.append(get(hf, path).register_forward_pre_hook(pre, with_kwargs=True))
+        module = get(hf, path)
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    def whole(path: str, a: tuple, k: dict) -> torch.Tensor:  # the full first input row0 kept (or the input)
-        x = full.pop(path, None)
-        return x if x is not None else (a[0] if a else next(iter(k.values())))
+    def on_embedding(path: str) -> None:
+        handles.append(get(hf, path).register_forward_hook(lambda m, a, o: frozen.embed(o)))
 
-    on(adapter.embed_path, lambda m, a, k, o: frozen.embed(o))
+    on_embedding(adapter.embed_path)
     pos_path = getattr(adapter, "pos_embed_path", None)
     if pos_path:
-        on(pos_path, lambda m, a, k, o: frozen.embed(o))
+        on_embedding(pos_path)
     for layer in range(adapter.n_layers):
-        on(adapter.attention_norm_path(layer), lambda m, a, k, o, layer=layer: frozen.norm(m, a[0], layer, "attn_norm"))
+        on(adapter.attention_norm_path(layer),
+           lambda m, a, k, o, layer=layer: frozen.norm(m, call_input(a, k), layer, "attn_norm"))
 
         def attn(m: nn.Module, a: tuple, k: dict, o: Any, layer: int = layer) -> Any:
             x = adapter.attention_input(a, k)
@@ -63,17 +66,12 @@ def install_frozen_hooks(hf: nn.Module, adapter: ArchitectureAdapter, frozen: Fr
             return adapter.with_attention_output(o, new)
 
         on(adapter.attention_path(layer), attn)
-        on(adapter.mlp_norm_path(layer), lambda m, a, k, o, layer=layer: frozen.norm(m, a[0], layer, "mlp_norm"))
-
-        def mlp(m: nn.Module, a: tuple, k: dict, o: Any, path: str = adapter.mlp_path(layer), layer: int = layer
-                ) -> Any:
-            return adapter.with_mlp_output(o, frozen.mlp(layer, whole(path, a, k), adapter.mlp_output(o)))
-
-        row0(adapter.mlp_path(layer))
-        on(adapter.mlp_path(layer), mlp)
-    on(adapter.final_norm_path, lambda m, a, k, o: frozen.norm(m, a[0], None, "final_norm"))
-    row0(adapter.lm_head_path)
-    on(adapter.lm_head_path, lambda m, a, k, o: frozen.unembed(m, whole(adapter.lm_head_path, a, k)))
+        on(adapter.mlp_norm_path(layer),
+           lambda m, a, k, o, layer=layer: frozen.norm(m, call_input(a, k), layer, "mlp_norm"))
+        on(adapter.mlp_path(layer), lambda m, a, k, o, layer=layer: adapter.with_mlp_output(
+            o, frozen.mlp(layer, adapter.mlp_input(a, k), adapter.mlp_output(o))))
+    on(adapter.final_norm_path, lambda m, a, k, o: frozen.norm(m, call_input(a, k), None, "final_norm"))
+    on(adapter.lm_head_path, lambda m, a, k, o: frozen.unembed(m, call_input(a, k)))
     return handles
 
 

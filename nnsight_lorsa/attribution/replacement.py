@@ -48,17 +48,21 @@ class FrozenReplacement:
             onto per-position grids: fastest, ``n·d_model`` kept per site), ``"gather"`` (gathered from
             the weights chunk by chunk in every pass: nothing kept per node) or ``"auto"`` (grid while a
             site's copy fits :data:`.node_io.GRID_BUDGET_BYTES`); see :mod:`.node_io`.
+        dtype: what the frozen model computes and writes into the residual stream in (default: the
+            model's); e.g. fp32 for a bf16 model, with the replacement modules and MHSA weights given
+            in it (:mod:`.precision`).
     """
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any],
                  constants: dict[str, torch.Tensor] | None = None, patterns: str = "auto",
-                 node_vectors: str = "auto") -> None:
+                 node_vectors: str = "auto", dtype: torch.dtype | None = None) -> None:
         self.layout = layout
         self.M = M
         self.mhsa = mhsa
         self.constants: dict[str, torch.Tensor] = {} if constants is None else constants
         self.patterns = patterns
         self.node_vectors = node_vectors
+        self.dtype = dtype
         self._nodes: dict[str, GridNodes | GatheredNodes] = {}
         self._slots: dict[str, PositionSlots] = {}
         self._grids: dict[str, torch.Tensor] = {}
@@ -113,7 +117,7 @@ class FrozenReplacement:
     def embed(self, e: Float[torch.Tensor, "batch pos d"]) -> torch.Tensor:
         """Token (and, for GPT-2, position) embeddings, one node per position."""
         lay = self.layout
-        return (e * self.M[:, lay.emb_start:lay.emb_start + lay.n_pos, None]).to(e.dtype)
+        return (e * self.M[:, lay.emb_start:lay.emb_start + lay.n_pos, None]).to(self.dtype or e.dtype)
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor, layer: int | None, role: str) -> torch.Tensor:
         """A frozen norm (``role``: ``attn_norm`` / ``mlp_norm``; ``layer=None``: the final norm)."""
@@ -135,7 +139,7 @@ class FrozenReplacement:
                 frozen = (self.const(f"L{layer}.attn.q", lambda: mhsa_qk(w, x[:1], first(positions))[0]),
                           self.const(f"L{layer}.attn.k", lambda: mhsa_qk(w, x[:1], first(positions))[1]))
             out = frozen_mhsa(w, x, frozen, column(M, lay.bias.get("attn_v")), column(M, lay.bias.get("attn_o")))
-            return out.to(true_out.dtype)
+            return out.to(self.dtype or true_out.dtype)
         lorsa = lay.lorsa
         n, p = lay.lorsa_pos.numel(), self.layout.n_pos
         z = lay.lorsa_z.to(x)
@@ -154,7 +158,7 @@ class FrozenReplacement:
         # targets: z_pre of each active head through its frozen QK pattern
         if n:
             self._features.append(self.lorsa_z_pre(layer, x, positions, column(M, lay.bias.get("lorsa_v"))))
-        return out.to(true_out.dtype)
+        return out.to(self.dtype or true_out.dtype)
 
     def lorsa_z_pre(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
                     mult_v: torch.Tensor | None) -> Float[torch.Tensor, "batch n"]:
@@ -193,7 +197,8 @@ class FrozenReplacement:
         err_mult = M[:, lay.mlp_err_start:lay.mlp_err_start + p]
         tc = lay.transcoder
         if tc is None:
-            return per_position(self.const(f"L{layer}.mlp.error", lambda: true_out[:1]), err_mult).to(true_out.dtype)
+            err = self.const(f"L{layer}.mlp.error", lambda: true_out[:1])
+            return per_position(err, err_mult).to(self.dtype or true_out.dtype)
         writes, clean = [], []
         for src in self.layout.layers[:layer + 1]:
             w_dec = None if src.transcoder is None else decoders(src.transcoder, src.layer).get(layer)
@@ -222,7 +227,7 @@ class FrozenReplacement:
             mult = column(M, lay.bias.get("tc_enc"))
             b_enc = tc.b_enc[lay.tc_feat][None]
             self._features.append((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype))
-        return out.to(true_out.dtype)
+        return out.to(self.dtype or true_out.dtype)
 
     def unembed(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x W_Uᵀ + b_U``; records the demeaned logits of the target tokens at the last position,

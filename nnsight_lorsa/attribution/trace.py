@@ -45,12 +45,45 @@ def clean_pass(
     return dict(attn), dict(mlp), last
 
 
+def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """A module call cut to batch row 0 in the model's dtype: every tensor of ≥ 2 dimensions with a
+    leading ``batch`` dimension sliced to its first row (tuples of them too, e.g. RoPE's ``(cos, sin)``),
+    every floating one cast to ``dtype``. The frozen pass runs the model's own modules on this: their
+    row-0 output is all it needs (the errors' true outputs), and the frozen model may compute in
+    another dtype than theirs."""
+    def cut(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if batch > 1 and v.dim() >= 2 and v.shape[0] == batch:
+                v = v[:1]
+            return v.to(dtype) if v.is_floating_point() else v
+        return tuple(cut(t) for t in v) if isinstance(v, tuple) else v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The first input of a module call (first positional, else first keyword)."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> None:
     """Inside a trace over ``batch`` copies of the prompt: swap every site's output for the frozen
-    replacement model's, in forward order. The MLPs and the unembedding run on batch row 0 only
-    (their input is cut to it: row 0's MLP output is what the error nodes need, and nothing needs the
-    original logits), so the ``batch`` copies cost the model's forward once plus the frozen model."""
+    replacement model's, in forward order. Every replaced module (norms, attention, MLPs, unembedding)
+    runs on batch row 0 only, in the model's dtype (:func:`first_row`), so the ``batch`` copies cost
+    the model's forward once plus the frozen model, which may compute in another dtype."""
     root = model._module
+    batch, dtype = frozen.M.shape[0], next(root.parameters()).dtype
+
+    def site(path: str) -> tuple[Any, tuple, dict]:
+        envoy = resolve_envoy(model, path)
+        args, kwargs = envoy.inputs
+        envoy.inputs = first_row(args, kwargs, batch, dtype)
+        return envoy, args, kwargs
+
+    def norm(path: str, layer: int | None, role: str) -> None:
+        envoy, args, kwargs = site(path)
+        envoy.output = frozen.norm(adapter.get_module(root, path), call_input(args, kwargs), layer, role)
+
     emb = resolve_envoy(model, adapter.embed_path)
     emb.output = frozen.embed(emb.output)
     pos_path = getattr(adapter, "pos_embed_path", None)
@@ -58,30 +91,20 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
         wpe = resolve_envoy(model, pos_path)
         wpe.output = frozen.embed(wpe.output)
     for layer in range(adapter.n_layers):
-        norm = resolve_envoy(model, adapter.attention_norm_path(layer))
-        norm.output = frozen.norm(adapter.get_module(root, adapter.attention_norm_path(layer)), norm.input,
-                                  layer, "attn_norm")
-        attn = resolve_envoy(model, adapter.attention_path(layer))
-        args, kwargs = attn.inputs
+        norm(adapter.attention_norm_path(layer), layer, "attn_norm")
+        attn, args, kwargs = site(adapter.attention_path(layer))
         x = adapter.attention_input(args, kwargs)
         out = attn.output
         new = frozen.attention(layer, x, adapter.attention_positions(args, kwargs, x), adapter.attention_output(out))
         attn.output = adapter.with_attention_output(out, new)
-        norm = resolve_envoy(model, adapter.mlp_norm_path(layer))
-        norm.output = frozen.norm(adapter.get_module(root, adapter.mlp_norm_path(layer)), norm.input,
-                                  layer, "mlp_norm")
-        mlp = resolve_envoy(model, adapter.mlp_path(layer))
-        args, kwargs = mlp.inputs
-        x = adapter.mlp_input(args, kwargs)  # the first input (every supported family)
-        mlp.input = x[:1]
+        norm(adapter.mlp_norm_path(layer), layer, "mlp_norm")
+        mlp, args, kwargs = site(adapter.mlp_path(layer))
         out = mlp.output
-        mlp.output = adapter.with_mlp_output(out, frozen.mlp(layer, x, adapter.mlp_output(out)))
-    final = resolve_envoy(model, adapter.final_norm_path)
-    final.output = frozen.norm(adapter.get_module(root, adapter.final_norm_path), final.input, None, "final_norm")
-    head = resolve_envoy(model, adapter.lm_head_path)
-    x = head.input
-    head.input = x[:1]
-    head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), x)
+        mlp.output = adapter.with_mlp_output(out, frozen.mlp(layer, adapter.mlp_input(args, kwargs),
+                                                             adapter.mlp_output(out)))
+    norm(adapter.final_norm_path, None, "final_norm")
+    head, args, kwargs = site(adapter.lm_head_path)
+    head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), call_input(args, kwargs))
 
 
 def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
