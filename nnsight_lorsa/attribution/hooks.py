@@ -18,7 +18,7 @@ from ..adapters.base import ArchitectureAdapter
 from .layout import Layout
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
-from .trace import backward_rows, call_input, first_row, multiplier_dtype
+from .trace import backward_rows, first_row, frozen_output, frozen_sites, multiplier_dtype
 
 
 def _autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:
@@ -49,29 +49,11 @@ def install_frozen_hooks(hf: nn.Module, adapter: ArchitectureAdapter, frozen: Fr
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    def on_embedding(path: str) -> None:
-        handles.append(get(hf, path).register_forward_hook(lambda m, a, o: frozen.embed(o)))
-
-    on_embedding(adapter.embed_path)
-    pos_path = getattr(adapter, "pos_embed_path", None)
-    if pos_path:
-        on_embedding(pos_path)
-    for layer in range(adapter.n_layers):
-        on(adapter.attention_norm_path(layer),
-           lambda m, a, k, o, layer=layer: frozen.norm(m, call_input(a, k), layer, "attn_norm"))
-
-        def attn(m: nn.Module, a: tuple, k: dict, o: Any, layer: int = layer) -> Any:
-            x = adapter.attention_input(a, k)
-            new = frozen.attention(layer, x, adapter.attention_positions(a, k, x), adapter.attention_output(o))
-            return adapter.with_attention_output(o, new)
-
-        on(adapter.attention_path(layer), attn)
-        on(adapter.mlp_norm_path(layer),
-           lambda m, a, k, o, layer=layer: frozen.norm(m, call_input(a, k), layer, "mlp_norm"))
-        on(adapter.mlp_path(layer), lambda m, a, k, o, layer=layer: adapter.with_mlp_output(
-            o, frozen.mlp(layer, adapter.mlp_input(a, k), adapter.mlp_output(o))))
-    on(adapter.final_norm_path, lambda m, a, k, o: frozen.norm(m, call_input(a, k), None, "final_norm"))
-    on(adapter.lm_head_path, lambda m, a, k, o: frozen.unembed(m, call_input(a, k)))
+    for path in (adapter.embed_path, getattr(adapter, "pos_embed_path", None)):
+        if path:
+            handles.append(get(hf, path).register_forward_hook(lambda m, a, o: frozen.embed(o)))
+    for site in frozen_sites(adapter):
+        on(site.path, lambda m, a, k, o, site=site: frozen_output(frozen, adapter, site, m, a, k, o))
     return handles
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nnsight
@@ -66,6 +67,47 @@ def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else next(iter(kwargs.values()))
 
 
+@dataclass(frozen=True)
+class FrozenSite:
+    """A module whose output the frozen pass replaces: ``kind`` ``"norm"`` (``role`` ``attn_norm`` /
+    ``mlp_norm`` / ``final_norm``), ``"attention"``, ``"mlp"`` or ``"head"`` (the unembedding)."""
+
+    path: str
+    kind: str
+    layer: int | None = None
+    role: str = ""
+
+
+def frozen_sites(adapter: ArchitectureAdapter) -> list[FrozenSite]:
+    """The replaced modules in forward order (the embeddings are scaled in place, not replaced)."""
+    sites = []
+    for layer in range(adapter.n_layers):
+        sites += [FrozenSite(adapter.attention_norm_path(layer), "norm", layer, "attn_norm"),
+                  FrozenSite(adapter.attention_path(layer), "attention", layer),
+                  FrozenSite(adapter.mlp_norm_path(layer), "norm", layer, "mlp_norm"),
+                  FrozenSite(adapter.mlp_path(layer), "mlp", layer)]
+    return [*sites, FrozenSite(adapter.final_norm_path, "norm", None, "final_norm"),
+            FrozenSite(adapter.lm_head_path, "head")]
+
+
+def frozen_output(frozen: FrozenReplacement, adapter: ArchitectureAdapter, site: FrozenSite, module: torch.nn.Module,
+                  args: tuple, kwargs: dict, out: Any) -> Any:
+    """What the frozen model returns at ``site``, from the module's full call ``(args, kwargs)`` and its
+    (row-0) output ``out`` — shared by the nnsight and the PyTorch-hook drivers."""
+    if site.kind == "norm":
+        return frozen.norm(module, call_input(args, kwargs), site.layer, site.role)
+    if site.kind == "head":
+        return frozen.unembed(module, call_input(args, kwargs))
+    assert site.layer is not None
+    if site.kind == "attention":
+        x = adapter.attention_input(args, kwargs)
+        new = frozen.attention(site.layer, x, adapter.attention_positions(args, kwargs, x),
+                               adapter.attention_output(out))
+        return adapter.with_attention_output(out, new)
+    new = frozen.mlp(site.layer, adapter.mlp_input(args, kwargs), adapter.mlp_output(out))
+    return adapter.with_mlp_output(out, new)
+
+
 def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> None:
     """Inside a trace over ``batch`` copies of the prompt: swap every site's output for the frozen
     replacement model's, in forward order. Every replaced module (norms, attention, MLPs, unembedding)
@@ -73,38 +115,16 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
     the model's forward once plus the frozen model, which may compute in another dtype."""
     root = model._module
     batch, dtype = frozen.M.shape[0], next(root.parameters()).dtype
-
-    def site(path: str) -> tuple[Any, tuple, dict]:
-        envoy = resolve_envoy(model, path)
+    for path in (adapter.embed_path, getattr(adapter, "pos_embed_path", None)):
+        if path:
+            emb = resolve_envoy(model, path)
+            emb.output = frozen.embed(emb.output)
+    for site in frozen_sites(adapter):
+        envoy = resolve_envoy(model, site.path)
         args, kwargs = envoy.inputs
         envoy.inputs = first_row(args, kwargs, batch, dtype)
-        return envoy, args, kwargs
-
-    def norm(path: str, layer: int | None, role: str) -> None:
-        envoy, args, kwargs = site(path)
-        envoy.output = frozen.norm(adapter.get_module(root, path), call_input(args, kwargs), layer, role)
-
-    emb = resolve_envoy(model, adapter.embed_path)
-    emb.output = frozen.embed(emb.output)
-    pos_path = getattr(adapter, "pos_embed_path", None)
-    if pos_path:
-        wpe = resolve_envoy(model, pos_path)
-        wpe.output = frozen.embed(wpe.output)
-    for layer in range(adapter.n_layers):
-        norm(adapter.attention_norm_path(layer), layer, "attn_norm")
-        attn, args, kwargs = site(adapter.attention_path(layer))
-        x = adapter.attention_input(args, kwargs)
-        out = attn.output
-        new = frozen.attention(layer, x, adapter.attention_positions(args, kwargs, x), adapter.attention_output(out))
-        attn.output = adapter.with_attention_output(out, new)
-        norm(adapter.mlp_norm_path(layer), layer, "mlp_norm")
-        mlp, args, kwargs = site(adapter.mlp_path(layer))
-        out = mlp.output
-        mlp.output = adapter.with_mlp_output(out, frozen.mlp(layer, adapter.mlp_input(args, kwargs),
-                                                             adapter.mlp_output(out)))
-    norm(adapter.final_norm_path, None, "final_norm")
-    head, args, kwargs = site(adapter.lm_head_path)
-    head.output = frozen.unembed(adapter.get_module(root, adapter.lm_head_path), call_input(args, kwargs))
+        envoy.output = frozen_output(frozen, adapter, site, adapter.get_module(root, site.path), args, kwargs,
+                                     envoy.output)
 
 
 def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
