@@ -147,3 +147,28 @@ def test_evaluation_numbers_match_direct_computation(setup):
     h.remove()
     assert ev.ce_zero == pytest.approx(float(ce_zero), rel=1e-5)
     assert ev.n_tokens == 8 * 15 and 0 < ev.l0 <= 8 and 0 <= ev.dead_frac <= 1 and ev.fvu > 0
+
+
+def test_evaluation_counts_only_the_target_mask(setup):
+    """``TokenDataset(target_mask=…)``: CE/KL over the masked predictions only (e.g. a task's answers),
+    equal to the direct computation on them; an all-true mask is the default; bad shapes raise."""
+    model, hf, adapter, data = setup
+    lorsa = new_lorsa(adapter)
+    lorsa.init_from_mhsa(adapter.mhsa_weights(hf, LAYER))
+    ids = data.tokens[:8]
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 5] = mask[::2, 11] = True
+    lorsas = LorsaSet(model, {LAYER: lorsa})
+    ev = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids, target_mask=mask), batch_size=4)
+    logits = hf(ids).logits
+    keep = mask[:, 1:]
+    ce = F.cross_entropy(logits[:, :-1][keep], ids[:, 1:][keep])
+    assert ev.n_tokens == int(mask.sum()) == 12 and ev.ce_orig == pytest.approx(float(ce), rel=1e-5)
+    full = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids), batch_size=4)
+    ones = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids, target_mask=torch.ones_like(mask)), batch_size=4)
+    assert ones.ce_orig == pytest.approx(full.ce_orig) and ones.n_tokens == full.n_tokens
+    assert ev.ce_orig != pytest.approx(full.ce_orig)
+    train, held = TokenDataset(ids, target_mask=mask).split(0.25)
+    assert held.target_mask is not None and torch.equal(held.target_mask, mask[-2:])
+    with pytest.raises(ValueError, match="target_mask"):
+        TokenDataset(ids, target_mask=mask[:, :-1])

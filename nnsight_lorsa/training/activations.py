@@ -53,12 +53,21 @@ class TokenDataset:
 
     Args:
         tokens: ``(n_windows, seq_len)`` int64 token ids.
+        target_mask: optional ``(n_windows, seq_len)`` bool — the tokens whose prediction counts in
+            the evaluations' CE and KL (e.g. only the answers of a task dataset; column 0 is never
+            predicted); default all.
+
+    Raises:
+        ValueError: ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
     """
 
-    def __init__(self, tokens: Int[torch.Tensor, "n seq"]) -> None:
+    def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None) -> None:
         if tokens.dim() != 2 or tokens.shape[0] == 0:
             raise ValueError(f"tokens must be a non-empty (n_windows, seq_len) tensor, got {tuple(tokens.shape)}")
+        if target_mask is not None and tuple(target_mask.shape) != tuple(tokens.shape):
+            raise ValueError(f"target_mask must be {tuple(tokens.shape)} like tokens, got {tuple(target_mask.shape)}")
         self.tokens = tokens
+        self.target_mask = None if target_mask is None else target_mask.bool()
 
     @classmethod
     def from_text(cls, tokenizer: Any, text: str, seq_len: int, bos_token_id: int | None = None) -> TokenDataset:
@@ -87,7 +96,13 @@ class TokenDataset:
     def split(self, holdout_fraction: float) -> tuple[TokenDataset, TokenDataset]:
         """(train, held-out): the last ``holdout_fraction`` of windows are held out."""
         n_hold = max(1, int(len(self) * holdout_fraction))
-        return TokenDataset(self.tokens[:-n_hold]), TokenDataset(self.tokens[-n_hold:])
+        m = self.target_mask
+        return (TokenDataset(self.tokens[:-n_hold], None if m is None else m[:-n_hold]),
+                TokenDataset(self.tokens[-n_hold:], None if m is None else m[-n_hold:]))
+
+    def targets(self, start: int, stop: int) -> torch.Tensor | None:
+        """``target_mask`` of windows ``start:stop`` (None: every token counts)."""
+        return None if self.target_mask is None else self.target_mask[start:stop]
 
     def batch(self, index: int, batch_size: int, seed: int = 0) -> Int[torch.Tensor, "batch seq"]:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``)."""

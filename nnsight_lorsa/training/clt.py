@@ -394,7 +394,8 @@ def evaluate_clt(clt_set: CLTSet, heldout: TokenDataset, *, batch_size: int = 8,
                 original = env.output
                 env.output = adapter.with_mlp_output(original, torch.zeros_like(adapter.mlp_output(original)))
             logits_zero = nnsight.save(lm_head.output)
-        n_tok += accumulate_ce(sums, ids, logits_orig, logits_spliced, logits_zero)
+        n_tok += accumulate_ce(sums, ids, logits_orig, logits_spliced, logits_zero,
+                               heldout.targets(i * batch_size, (i + 1) * batch_size))
         keep = loss_mask_for(ids, None)
         dtype = clt.W_enc.dtype
         x = torch.stack([t[keep] for t in xs]).to(dtype)

@@ -48,10 +48,17 @@ class LorsaEvaluation:
         return {**asdict(self), "ce_recovered": self.ce_recovered}
 
 
-def _ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token CE over all positions (targets ``ids[:, 1:]``) and the token count."""
-    lp = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
-    return float(lp), ids[:, 1:].numel()
+def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """``(batch, pos−1)`` bool: which next-token predictions count (targets ``ids[:, 1:]``)."""
+    return torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:].to(ids.device)
+
+
+def _ce(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[float, int]:
+    """Summed next-token CE over the counted predictions (targets ``ids[:, 1:]`` where ``mask``) and
+    their count."""
+    keep = _predicted(mask, ids)
+    lp = F.cross_entropy(logits[:, :-1][keep].float(), ids[:, 1:][keep], reduction="sum")
+    return float(lp), int(keep.sum())
 
 
 class CERecovered:
@@ -85,21 +92,22 @@ class SplicedEvaluation(CERecovered):
 
 
 def accumulate_ce(sums: dict[str, float], ids: torch.Tensor, logits_orig: torch.Tensor,
-                  logits_spliced: torch.Tensor, logits_zero: torch.Tensor) -> int:
-    """Add one batch's summed CE (``orig``/``spliced``/``zero``) and KL(orig ‖ spliced) to ``sums``;
-    returns the number of predicted tokens."""
+                  logits_spliced: torch.Tensor, logits_zero: torch.Tensor, mask: torch.Tensor | None = None) -> int:
+    """Add one batch's summed CE (``orig``/``spliced``/``zero``) and KL(orig ‖ spliced) to ``sums``,
+    over the predictions ``mask`` counts (:attr:`TokenDataset.target_mask`; default all); returns
+    their number."""
     n = 0
     for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
-        ce, n = _ce(logits, ids)
+        ce, n = _ce(logits, ids, mask)
         sums[key] += ce
-    sums["kl"] += _kl(logits_orig, logits_spliced)
+    sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
     return n
 
 
-def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> float:
-    """Summed KL(p ‖ q) over the predicting positions ``[:, :-1]``."""
-    lp = logits_p[:, :-1].float().log_softmax(-1)
-    lq = logits_q[:, :-1].float().log_softmax(-1)
+def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> float:
+    """Summed KL(p ‖ q) over the counted predicting positions (``keep`` over ``[:, :-1]``)."""
+    lp = logits_p[:, :-1][keep].float().log_softmax(-1)
+    lq = logits_q[:, :-1][keep].float().log_softmax(-1)
     return float((lp.exp() * (lp - lq)).sum())
 
 
@@ -134,7 +142,8 @@ def evaluate_spliced(model: Any, lm_head_path: str, dataset: TokenDataset, n_lat
         with model.trace(ids, use_cache=False):
             zero_ablate()
             logits_zero = nnsight.save(lm_head.output)
-        n_tok += accumulate_ce(sums, ids, logits_orig, logits_spliced, logits_zero)
+        n_tok += accumulate_ce(sums, ids, logits_orig, logits_spliced, logits_zero,
+                               dataset.targets(i * batch_size, (i + 1) * batch_size))
         keep = torch.ones_like(ids, dtype=torch.bool)
         keep[:, 0] = False
         acc.update(target[keep].float(), out[keep].float())
