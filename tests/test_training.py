@@ -160,7 +160,8 @@ def test_evaluation_counts_only_the_target_mask(setup):
     mask[:, 5] = mask[::2, 11] = True
     lorsas = LorsaSet(model, {LAYER: lorsa})
     ev = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids, target_mask=mask), batch_size=4)
-    logits = hf(ids).logits
+    with torch.no_grad():
+        logits = hf(ids).logits
     keep = mask[:, 1:]
     ce = F.cross_entropy(logits[:, :-1][keep], ids[:, 1:][keep])
     assert ev.n_tokens == int(mask.sum()) == 12 and ev.ce_orig == pytest.approx(float(ce), rel=1e-5)
