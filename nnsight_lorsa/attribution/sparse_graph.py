@@ -36,7 +36,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     in_graph = visited.clone()
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
     rows_local = sp.local_rows()
-    entry_node = row_node[rows_local]
+    entry_node = row_node.to(torch.int32)[rows_local]  # int32 per stored entry, as the columns
     in_graph_entry = in_graph[sp.col]
     # 1. node influence on the graph (unvisited features are not graph nodes, as in the dense path)
     infl_src = sp.influence(row_node, lw_row, keep=in_graph_entry)
