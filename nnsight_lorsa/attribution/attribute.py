@@ -18,16 +18,17 @@ from tqdm.auto import tqdm
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
+from .clean import clean_pass, layout_of
 from .coders import as_layer_coders
 from .graph import Graph
 from .hooks import attribute_with_hooks
-from .layout import Layout, build_layout
+from .layout import Layout
 from .precision import copies_in, weights_in
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
 from .sparse_graph import assemble_pruned
 from .sparse_rows import SparseRows
-from .trace import attribute_in_trace, clean_pass
+from .trace import attribute_in_trace
 
 
 def _as_dict(modules: Any, what: str) -> dict[int, Any]:
@@ -84,9 +85,9 @@ def prepare(model: Any, prompt: Any, *, lorsas: Any = None, transcoders: Any = N
     lor, tcs = _as_dict(lorsas, "LorsaSet"), _as_dict(transcoders, "TranscoderSet")
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     ids = tokenize(model, prompt)
-    attn_in, mlp_in, last = clean_pass(model, adapter, ids[None], list(lor), list(tcs), remote=remote)
-    layout = build_layout(ids, attn_in, mlp_in, last, modules, n_layers=adapter.n_layers,
-                          logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
+    cache = clean_pass(model, adapter, ids, list(lor), list(tcs), remote=remote)
+    layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
+                       max_n_logits=max_n_logits)
     return layout, mhsa, adapter
 
 

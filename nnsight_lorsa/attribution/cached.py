@@ -20,57 +20,28 @@ model's own bf16 forward, so the graph is that of the bf16 model, computed exact
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any
 
-import nnsight
 import torch
 
-from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
-from ..patching.targets import resolve_envoy
 from .attribute import _as_dict, check_options, compute_graph, replacement_modules, tokenize
+from .clean import AttributionCache, clean_pass, layout_of
 from .graph import Graph
 from .hooks import _autograd_backward
-from .layout import build_layout
 from .precision import copies_in, weights_in
 from .replacement import FrozenReplacement
 from .schedule import RowScheduler
 from .trace import backward_rows, multiplier_dtype
 
 
-@dataclass(repr=False)
-class AttributionCache(FieldsRepr):
-    """What the frozen replacement model takes from one prompt (batch row 0 of a clean forward).
-
-    Attributes:
-        tokens: ``(pos,)`` int64 input ids.
-        embeddings: ``(1, pos, d_model)`` the residual stream's start (token + position embeddings).
-        positions: token positions the attention was called with, ``(1, pos)`` or ``(pos,)``.
-        attn_in, attn_out: ``{layer: (1, pos, d_model)}`` attention input and output of each
-            layer with a Lorsa (the layout's active heads; its error nodes).
-        mlp_in: ``{layer: (1, pos, d_model)}`` MLP input of each layer with a transcoder.
-        mlp_out: ``{layer: (1, pos, d_model)}`` every layer's MLP output (error nodes).
-        last_logits: ``(vocab,)`` the logits at the last position (the logit targets).
-    """
-
-    tokens: torch.Tensor
-    embeddings: torch.Tensor
-    positions: torch.Tensor
-    last_logits: torch.Tensor
-    attn_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    attn_out: dict[int, torch.Tensor] = field(default_factory=dict)
-    mlp_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    mlp_out: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
 @torch.no_grad()
 def cache_for_attribution(model: Any, prompt: Any, *, lorsas: Any = None, transcoders: Any = None,
                           remote: Any = False) -> AttributionCache:
-    """One clean ``model.trace`` saving the :class:`AttributionCache` of ``prompt`` for the given
-    replacement layers (``remote`` as in :func:`.attribute.attribute`).
+    """One clean ``model.trace`` saving the :class:`~.clean.AttributionCache` of ``prompt`` for the
+    given replacement layers, in full (``remote`` as in :func:`.attribute.attribute`).
 
     Raises:
         UnsupportedArchitectureError, LayerOutOfRangeError, ShapeError: bad model, layers or prompt.
@@ -79,38 +50,7 @@ def cache_for_attribution(model: Any, prompt: Any, *, lorsas: Any = None, transc
     lor, tcs = _as_dict(lorsas, "LorsaSet"), _as_dict(transcoders, "TranscoderSet")
     for layer in [*lor, *tcs]:
         adapter.check_layer(layer)
-    ids = tokenize(model, prompt)
-    pos_path = getattr(adapter, "pos_embed_path", None)
-    with model.trace(ids[None], use_cache=False, remote=remote):
-        emb = resolve_envoy(model, adapter.embed_path).output
-        if pos_path:
-            emb = emb + resolve_envoy(model, pos_path).output
-        attn_in: dict[int, Any] = {}
-        attn_out: dict[int, Any] = {}
-        mlp_in: dict[int, Any] = {}
-        mlp_out: dict[int, Any] = {}
-        positions = None
-        for layer in range(adapter.n_layers):
-            attn = resolve_envoy(model, adapter.attention_path(layer))
-            if layer == 0 or layer in lor:
-                args, kwargs = attn.inputs
-                x = adapter.attention_input(args, kwargs)
-                if layer == 0:
-                    positions = adapter.attention_positions(args, kwargs, x)
-                if layer in lor:
-                    attn_in[layer] = x
-                    attn_out[layer] = adapter.attention_output(attn.output)
-            mlp = resolve_envoy(model, adapter.mlp_path(layer))
-            if layer in tcs:
-                args, kwargs = mlp.inputs
-                mlp_in[layer] = adapter.mlp_input(args, kwargs)
-            mlp_out[layer] = adapter.mlp_output(mlp.output)
-        last = resolve_envoy(model, adapter.lm_head_path).output[0, -1]
-        saved = nnsight.save((emb, positions, attn_in, attn_out, mlp_in, mlp_out, last))
-    emb, positions, attn_in, attn_out, mlp_in, mlp_out, last = saved
-    return AttributionCache(tokens=ids.cpu(), embeddings=emb, positions=positions, last_logits=last,
-                            attn_in=dict(attn_in), attn_out=dict(attn_out), mlp_in=dict(mlp_in),
-                            mlp_out=dict(mlp_out))
+    return clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote, full=True)
 
 
 def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, frozen: FrozenReplacement,
@@ -120,6 +60,7 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
     ``h += attn(norm₁ h) + mlp(norm₂ h)``; then the final norm and the unembedding."""
     get = adapter.get_module
     parallel = bool(getattr(adapter.config, "use_parallel_residual", False))
+    assert cache.embeddings is not None, "a full cache (cache_for_attribution) is needed"
     h = frozen.embed(cache.embeddings.expand(batch, -1, -1))
     for layer in range(adapter.n_layers):
         x = frozen.norm(get(root, adapter.attention_norm_path(layer)), h, layer, "attn_norm")
@@ -190,9 +131,8 @@ def attribute_from_cache(
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
         mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
-    layout = build_layout(cache.tokens, {layer: (cache.attn_in[layer], cache.positions) for layer in lor},
-                          cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
-                          logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
+    layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
+                       max_n_logits=max_n_logits)
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     device = next(root.parameters()).device
 

@@ -24,28 +24,6 @@ from .layout import Layout
 from .replacement import FrozenReplacement
 
 
-def clean_pass(
-    model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lorsa_layers: list[int], tc_layers: list[int],
-    remote: Any = False,
-) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, torch.Tensor], torch.Tensor]:
-    """``(attn_inputs, mlp_inputs, last_logits)`` of the unmodified model on ``ids: (1, pos)``."""
-    with torch.no_grad(), model.trace(ids, use_cache=False, remote=remote):
-        attn_in: dict[int, Any] = {}
-        mlp_in: dict[int, Any] = {}
-        for layer in range(adapter.n_layers):
-            if layer in lorsa_layers:
-                args, kwargs = resolve_envoy(model, adapter.attention_path(layer)).inputs
-                x = adapter.attention_input(args, kwargs)
-                attn_in[layer] = (x, adapter.attention_positions(args, kwargs, x))
-            if layer in tc_layers:
-                args, kwargs = resolve_envoy(model, adapter.mlp_path(layer)).inputs
-                mlp_in[layer] = adapter.mlp_input(args, kwargs)
-        # one saved value: on a remote server the dicts above are not the caller's
-        result = nnsight.save((attn_in, mlp_in, resolve_envoy(model, adapter.lm_head_path).output[0, -1]))
-    attn, mlp, last = result
-    return dict(attn), dict(mlp), last
-
-
 def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
     """A module call cut to batch row 0 in the model's dtype: every tensor of ≥ 2 dimensions with a
     leading ``batch`` dimension sliced to its first row (tuples of them too, e.g. RoPE's ``(cos, sin)``),
