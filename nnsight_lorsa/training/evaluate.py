@@ -27,27 +27,6 @@ from .activations import TokenDataset
 from .metrics import FVUAccumulator
 
 
-@dataclass
-class LorsaEvaluation:
-    """Evaluation numbers (CE in nats per predicted token)."""
-
-    fvu: float
-    l0: float
-    dead_frac: float
-    ce_orig: float
-    ce_lorsa: float
-    ce_zero: float
-    n_tokens: int
-
-    @property
-    def ce_recovered(self) -> float:
-        """``(CE_zero − CE_lorsa) / (CE_zero − CE_orig)``: 1 = as good as the MHSA, 0 = as zero-ablation."""
-        return (self.ce_zero - self.ce_lorsa) / (self.ce_zero - self.ce_orig)
-
-    def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "ce_recovered": self.ce_recovered}
-
-
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """``(batch, pos−1)`` bool: which next-token predictions count (targets ``ids[:, 1:]``)."""
     return torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:].to(ids.device)
@@ -75,6 +54,25 @@ class CERecovered:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ce_recovered": self.ce_recovered}  # type: ignore[call-overload]
+
+
+@dataclass
+class LorsaEvaluation(CERecovered):
+    """Evaluation numbers (CE in nats per predicted token); ``ce_recovered``: 1 = as good as the
+    MHSA, 0 = as zero-ablation."""
+
+    fvu: float
+    l0: float
+    dead_frac: float
+    ce_orig: float
+    ce_lorsa: float
+    ce_zero: float
+    n_tokens: int
+
+    @property
+    def ce_spliced(self) -> float:  # type: ignore[override]
+        """The Lorsa-spliced CE (``ce_lorsa``), as :class:`CERecovered` reads it."""
+        return self.ce_lorsa
 
 
 @dataclass
