@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, processors
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, mean_activations, path_patching
+from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, mean_activations, path_patching
 from nnsight_lorsa.patching.circuit import CircuitSize, circuit_size
 from nnsight_lorsa.patching.experiments import activation_patching
 from nnsight_lorsa.patching.tasks import TaskBatch
@@ -211,7 +211,7 @@ def layer_patching(model, task: TaskBatch, what: str, last: tuple[str, str] = ("
     Returns ``(result dict, per-layer sum of the heads' last-position path-patching effect)``."""
     adapter = get_adapter(model)
     n_layers, n_heads = adapter.n_layers, adapter.n_heads
-    r0 = Resolver(model)
+    r0 = ReplacementModel(model)
     heads = [MHSAHead(layer, h) for layer in range(n_layers) for h in range(n_heads)]
     groups = [tuple(MHSAHead(layer, h) for h in range(n_heads)) for layer in range(n_layers)]
     kw = {"correct_ids": task.correct_ids, "incorrect_ids": task.incorrect_ids}
@@ -241,12 +241,12 @@ def circuit_sizes(model, task: TaskBatch, layer: int, lorsas: LorsaSet,
                   lheads: list[LorsaHead]) -> tuple[dict[str, dict], CircuitSize]:
     """``circuit_size`` (90 %) for the MHSA heads of ``layer`` (mean over the corrupt prompts, and zero)
     and for ``lheads`` (zero, ``error=False``); printed. Returns ``(sizes, the Lorsa CircuitSize)``."""
-    r = Resolver(model, lorsa=lorsas, error=False)
+    r = ReplacementModel(model, lorsas=lorsas, error=False)
     mh = [MHSAHead(layer, h) for h in range(get_adapter(model).n_heads)]
-    means = mean_activations(Resolver(model), mh, task.corrupt)
+    means = mean_activations(ReplacementModel(model), mh, task.corrupt)
     sizes, cs_l = {}, None
-    for label, resolver, comps, mode in (("mhsa_mean", Resolver(model), mh, "mean"),
-                                         ("mhsa_zero", Resolver(model), mh, "zero"),
+    for label, resolver, comps, mode in (("mhsa_mean", ReplacementModel(model), mh, "mean"),
+                                         ("mhsa_zero", ReplacementModel(model), mh, "zero"),
                                          ("lorsa_zero", r, lheads, "zero")):
         cs = circuit_size(resolver, task, comps, mode=mode, means=means if mode == "mean" else None)
         sizes[label] = {"n_components": len(comps), "global_k": cs.global_k,
@@ -272,7 +272,7 @@ def lorsa_last_position_effects(model, task: TaskBatch, lorsas: LorsaSet,
     """The heads' direct role at the last position: path patching (later attention frozen, ``error=False``)
     there only, zero-ablated and patched from the corrupt prompts. Returns the batch-mean effects
     ``(zero (n,), corrupt (n,))`` (logit difference lost)."""
-    r = Resolver(model, lorsa=lorsas, error=False)
+    r = ReplacementModel(model, lorsas=lorsas, error=False)
     kw = {"correct_ids": task.correct_ids, "incorrect_ids": task.incorrect_ids, "positions": -1}
     ppz = path_patching(r, task.clean, lheads, mode="zero", **kw)
     ppc = path_patching(r, task.clean, lheads, corrupt=task.corrupt, **kw)

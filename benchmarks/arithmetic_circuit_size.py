@@ -43,7 +43,7 @@ from _timing import table, write
 from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.patching import MHSAHead, Resolver, logit_difference
+from nnsight_lorsa.patching import MHSAHead, ReplacementModel, logit_difference
 from nnsight_lorsa.patching.experiments import ablation_effect, head_swap
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
 from nnsight_lorsa.training.activations import attention_activations
@@ -77,7 +77,7 @@ def answer_ce(model, pairs: list[tuple[int, int]], layer: int, lorsas: LorsaSet 
     def ce(logits: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits[:, -1].float(), y, reduction="none")
 
-    r = Resolver(model)
+    r = ReplacementModel(model)
     abl = ablation_effect(r, task.clean, [MHSAHead(layer, h) for h in range(get_adapter(model).n_heads)], metric=ce)
     out = {"ce_orig": float(abl.baseline.mean()), "ce_zero": float(abl.ablated.mean())}
     if lorsas is not None:
@@ -210,7 +210,8 @@ def main() -> None:
     if len(op2_heads) >= 2:
         a_h, b_h = op2_heads[:2]
         # with the error term, so that the unedited run is the model itself
-        base, edited = head_swap(Resolver(model, lorsa=lorsas, error=True), layer, a_h, b_h, task.clean, swap=True)
+        rm = ReplacementModel(model, lorsas=lorsas, error=True)
+        base, edited = head_swap(rm, layer, a_h, b_h, task.clean, swap=True)
         pb, pe = base[:, -1].argmax(-1), edited[:, -1].argmax(-1)
         num0 = number_id(0)
         res["head_swap"] = {"heads": [a_h, b_h], "changed_frac": round(float((pb != pe).float().mean()), 3),

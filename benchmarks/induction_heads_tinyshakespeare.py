@@ -28,7 +28,7 @@ import torch
 from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_logit_lens
 from nnsight_lorsa.demo import load_model
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, logit_difference, mean_activations
+from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.experiments import head_swap
 from nnsight_lorsa.patching.path_patching import HeadInput, path_patching
@@ -49,7 +49,7 @@ def main() -> dict:
     torch.manual_seed(0)
     model = load_model()
     lorsa = LorsaSet.load(model, default_lorsa_dir())
-    r = Resolver(model, lorsa=lorsa)
+    r = ReplacementModel(model, lorsas=lorsa)
     tok = model.tokenizer
     words = [i for i in range(len(tok)) if re.fullmatch(r" ?[A-Za-z]{2,}", tok.decode([i]))]
     task = induction_task(tok, n_prompts=16, seq_len=12, seed=0, token_pool=words)

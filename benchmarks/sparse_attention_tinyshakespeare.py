@@ -98,9 +98,9 @@ def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len:
     from transformers import AutoTokenizer
 
     from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy.targets import MHSAHead, ReplacementModel
     from nnsight_lorsa.patching.circuit import circuit_size
     from nnsight_lorsa.patching.interventions import mean_activations
-    from nnsight_lorsa.patching.targets import MHSAHead, Resolver
     from nnsight_lorsa.patching.tasks import induction_task
     from nnsight_lorsa.sparse_attention import edge_statistics, load_gates
 
@@ -111,7 +111,7 @@ def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len:
         model = load_model(path)
         if name == "sparse":
             load_gates(model, path)
-        res = Resolver(model)
+        res = ReplacementModel(model)
         heads = [MHSAHead(layer, h) for layer in range(res.adapter.n_layers) for h in range(res.adapter.n_heads)]
         means = mean_activations(res, heads, task.corrupt) if name == "dense" else None
         cs = circuit_size(res, task, heads, method="patching", mode="mean" if name == "dense" else "zero",

@@ -22,7 +22,7 @@ import torch
 
 from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.demo import load_model
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, logit_difference, mean_activations
+from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.tasks import TaskTokenizationError, arithmetic_task, greater_than_task, ioi_task
 from nnsight_lorsa.tinymodel import default_lorsa_dir
@@ -42,7 +42,7 @@ def main() -> None:
     model = load_model()
     tok = model.tokenizer
     lorsa = LorsaSet.load(model, default_lorsa_dir())
-    r = Resolver(model, lorsa=lorsa)
+    r = ReplacementModel(model, lorsas=lorsa)
     builders = {"ioi": lambda: ioi_task(tok, 16), "greater_than": lambda: greater_than_task(tok, 16),
                 "arithmetic": lambda: arithmetic_task(tok, [(a, b) for a in range(10, 26, 2) for b in (11, 13)])}
     results: dict = {"command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)}

@@ -38,7 +38,6 @@ from nnsight.intervention.backends.remote import RemoteBackend
 from torch import nn
 
 from .envoy.lorsa_set import LorsaSet
-from .envoy.mount import resolve_envoy
 from .errors import LayerOutOfRangeError, LorsaError
 from .modules.lorsa import Lorsa
 
@@ -357,7 +356,7 @@ def _select(lorsa_set: LorsaSet, layers: int | Iterable[int]) -> LorsaSet:
 def model_dtype(lorsa_set: LorsaSet, layer: int | None = None) -> torch.dtype:
     """The floating dtype of the model's attention at ``layer`` (default: the set's first layer)."""
     layer = lorsa_set.layers[0] if layer is None else layer
-    attention = resolve_envoy(lorsa_set.model, lorsa_set.adapter.attention_path(layer))._module
+    attention = lorsa_set.model.get(lorsa_set.adapter.attention_path(layer))._module
     for p in attention.parameters():
         if p.is_floating_point():
             return p.dtype

@@ -286,7 +286,7 @@ def test_circuit_metrics_match_single_ablations(llama):
     from nnsight_lorsa import TranscoderSet
     from nnsight_lorsa.attribution import circuit_metrics, prune
     from nnsight_lorsa.attribution.circuit_metrics import spearman
-    from nnsight_lorsa.patching import Feature, LorsaHead, Resolver, ablate
+    from nnsight_lorsa.patching import Feature, LorsaHead, ReplacementModel, ablate
 
     model, hf, lorsas, tcs, ids, g = llama
     lset, tset = LorsaSet(model, lorsas), TranscoderSet(model, tcs)
@@ -302,7 +302,7 @@ def test_circuit_metrics_match_single_ablations(llama):
     n = g.nodes
     target = LorsaHead(int(n.layer[i]), int(n.index[i])) if int(n.kind[i]) == LORSA else \
         Feature(int(n.layer[i]), int(n.index[i]), "transcoder")
-    r = Resolver(model, lorsa=lset, transcoders=tset)
+    r = ReplacementModel(model, lorsas=lset, transcoders=tset)
     with torch.no_grad(), model.trace(ids[None]):
         r.prepare([target])
         ablate(r(target), positions=int(n.pos[i]))

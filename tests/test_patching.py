@@ -21,7 +21,7 @@ from nnsight_lorsa.patching import (
     Feature,
     LorsaHead,
     MHSAHead,
-    Resolver,
+    ReplacementModel,
     TargetIndexError,
     ablate,
     logit_difference,
@@ -58,7 +58,7 @@ def with_proj_edit(hf, adapter, family, layer, edit):
 def test_mhsa_interventions_match_hook_reference(family):
     model, hf = tiny_nnsight(family)
     adapter = get_adapter(model)
-    r = Resolver(model)
+    r = ReplacementModel(model)
     d = adapter.head_dim
     ids = random_ids()
     delta = torch.randn(d)
@@ -90,7 +90,7 @@ def test_mhsa_interventions_match_hook_reference(family):
 def test_mean_ablation_and_read():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
-    r = Resolver(model)
+    r = ReplacementModel(model)
     d = adapter.head_dim
     ref_ids, ids = random_ids(batch=4, seed=3), random_ids()
     seen = {}
@@ -122,7 +122,7 @@ def test_lorsa_head_interventions_match_hooked_reference():
     adapter = get_adapter(model)
     lorsa = make_lorsa(hf, adapter)
     lorsas = LorsaSet(model, {1: lorsa})
-    r = Resolver(model, lorsa=lorsas, error=False)
+    r = ReplacementModel(model, lorsas=lorsas, error=False)
     ids = random_ids()
 
     def edit(z):
@@ -165,7 +165,7 @@ def test_feature_interventions_match_hook_reference():
     tc = make_transcoder(skip=False)
     saes = SAESet(model, {"model.layers.1": sae})
     tcs = TranscoderSet(model, {0: tc})
-    r = Resolver(model, saes=saes, transcoders=tcs, error=False)
+    r = ReplacementModel(model, saes=saes, transcoders=tcs, error=False)
     ids = random_ids()
 
     def tc_hook(module, args, kwargs, output):
@@ -204,7 +204,7 @@ def test_feature_interventions_match_hook_reference():
 def test_interventions_compose_with_invokes():
     """An edit in one invoke changes that invoke's rows only; batches of several rows work."""
     model, hf = tiny_nnsight("llama")
-    r = Resolver(model)
+    r = ReplacementModel(model)
     ids = random_ids(batch=3)
     ref = hf(ids).logits
     with model.trace(ids[1:]):
@@ -226,7 +226,7 @@ def test_self_patching_changes_nothing():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
     lorsas = LorsaSet(model, {1: make_lorsa(hf, adapter)})
-    r = Resolver(model, lorsa=lorsas)  # error=True: spliced Lorsa reproduces the model
+    r = ReplacementModel(model, lorsas=lorsas)  # error=True: spliced Lorsa reproduces the model
     ids = random_ids()
     heads = [MHSAHead(1, h) for h in range(N_HEADS)]
     lheads = [LorsaHead(1, h) for h in range(0, 64, 16)]
@@ -240,7 +240,7 @@ def test_patching_clean_into_corrupt_restores_later_positions():
     """Tokens differ at position J only: patching every head of every layer at all other positions
     makes every later position's residual (hence logits) the clean one."""
     model, hf = tiny_nnsight("llama")
-    r = Resolver(model)
+    r = ReplacementModel(model)
     clean = random_ids()
     corrupt = clean.clone()
     J = 4
@@ -272,7 +272,7 @@ def test_bad_targets_raise_before_the_model_runs():
     saes = SAESet(model, {"model.layers.1": make_sae()})
     calls = []
     hf.register_forward_pre_hook(lambda m, a: calls.append(1))
-    r = Resolver(model, lorsa=lorsas, saes=saes)
+    r = ReplacementModel(model, lorsas=lorsas, saes=saes)
     ids = random_ids()
     with pytest.raises(TargetIndexError, match="out of range"):
         r(MHSAHead(1, N_HEADS))
@@ -283,7 +283,7 @@ def test_bad_targets_raise_before_the_model_runs():
     with pytest.raises(LayerOutOfRangeError, match="no Lorsa for layer 0"):
         r(LorsaHead(0, 0))
     with pytest.raises(ConfigMismatchError, match="needs a LorsaSet"):
-        Resolver(model)(LorsaHead(1, 0))
+        ReplacementModel(model)(LorsaHead(1, 0))
     with pytest.raises(ConfigMismatchError, match="no SAE at site"):
         r(Feature("model.layers.2", 0))
     with pytest.raises(TargetIndexError):
@@ -317,7 +317,7 @@ def test_metrics_and_random_control():
                        torch.tensor([0.0, 9.0]))
     assert torch.allclose(relative_effect(torch.tensor(2.0), torch.tensor(0.5)), torch.tensor(0.75))
     model, hf = tiny_nnsight("llama")
-    r = Resolver(model)
+    r = ReplacementModel(model)
     ids = random_ids()
     pool = [MHSAHead(layer, h) for layer in range(N_LAYERS) for h in range(N_HEADS)]
     ctl = random_ablation_control(r, ids, pool, 2, n_samples=3, correct_ids=5, incorrect_ids=6)
@@ -335,7 +335,7 @@ def test_induction_drops_when_ablating_top_patched_heads():
 
     model = load_model()
     lorsas = LorsaSet.load(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
-    r = Resolver(model, lorsa=lorsas)
+    r = ReplacementModel(model, lorsas=lorsas)
     g = torch.Generator().manual_seed(0)
     B, L, V = 8, 24, model.config.vocab_size
     seq = torch.randint(10, V, (B, L), generator=g)
@@ -367,10 +367,10 @@ import nnsight_lorsa
 from tiny import random_ids, tiny_nnsight
 from test_replace import make_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, ablate, steer
+from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, ablate, steer
 model, hf = tiny_nnsight("llama")
 lorsas = LorsaSet(model, {1: make_lorsa(hf, get_adapter(model), 1)})
-r = Resolver(model, lorsa=lorsas)
+r = ReplacementModel(model, lorsas=lorsas)
 ids = random_ids()
 targets = [MHSAHead(0, 1), LorsaHead(1, 3), LorsaHead(1, 9)]
 def run(remote):
@@ -402,3 +402,33 @@ def test_interventions_under_nnsight_remote_local_simulation():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+@torch.no_grad()
+def test_replacement_model_splices_every_set_and_reproduces_the_model():
+    """``ReplacementModel.replace()`` splices Lorsas, transcoders and SAEs together in one trace; with
+    error terms the logits are the model's (relative bound 1e-5 of max |logit|, fp32), without them they move."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    rm = ReplacementModel(model, lorsas={1: make_lorsa(hf, adapter, 1)}, transcoders={0: make_transcoder()},
+                          saes={"model.layers.2": make_sae()})
+    assert isinstance(rm.lorsas, LorsaSet) and isinstance(rm.transcoders, TranscoderSet)
+    ids = random_ids()
+    want = hf(ids).logits
+    with rm.trace(ids):
+        sites = rm.replace()
+        acts = sites["transcoders"][0].hook_sae_acts_post.output.save()  # read in execution order
+        z = sites["lorsas"][1].hook_z.output.save()
+        sae_acts = sites["saes"]["model.layers.2"].hook_sae_acts_post.output.save()
+        got = model.lm_head.output.save()
+    assert z.shape[-1] == rm.lorsas[1].cfg.n_ov_heads and acts.shape[-1] == sae_acts.shape[-1] == 128
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with rm.trace(ids):
+        rm.replace(error=False)
+        bare = model.lm_head.output.save()
+    assert (bare - want).abs().max() > 1e-3 * want.abs().max()
+    other, _ = tiny_nnsight("llama")
+    with pytest.raises(ConfigMismatchError, match="another model"):
+        ReplacementModel(model, lorsas=LorsaSet(other, {}))
+    with pytest.raises(ConfigMismatchError, match="must be a"):
+        ReplacementModel(model, saes=[make_sae()])

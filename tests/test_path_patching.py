@@ -15,7 +15,7 @@ from nnsight_lorsa.patching import (
     Feature,
     LorsaHead,
     MHSAHead,
-    Resolver,
+    ReplacementModel,
     TargetIndexError,
     logit_difference,
     mean_activations,
@@ -102,7 +102,7 @@ def prompts():
 @torch.no_grad()
 def test_path_to_logits_matches_hook_reference_and_differs_from_total(llama):
     model, hf, adapter = llama
-    r = Resolver(model)
+    r = ReplacementModel(model)
     clean, corrupt = prompts()
     senders = [MHSAHead(0, 1), MHSAHead(1, 2), MHSAHead(N_LAYERS - 1, 3)]
     res = path_patching(r, clean, senders, corrupt=corrupt, metric=metric, groups_per_trace=2)
@@ -126,7 +126,7 @@ def test_path_to_logits_matches_hook_reference_and_differs_from_total(llama):
 @torch.no_grad()
 def test_receiver_q_input_matches_reference(llama):
     model, hf, adapter = llama
-    r = Resolver(model)
+    r = ReplacementModel(model)
     clean, corrupt = prompts()
     res = path_patching(r, clean, [MHSAHead(0, 2)], corrupt=corrupt, metric=metric,
                         receivers=[HeadInput(MHSAHead(2, 1), "q")])
@@ -140,7 +140,7 @@ def test_receiver_q_input_matches_reference(llama):
 def test_lorsa_sender_zero_ablation_matches_reference(llama):
     model, hf, adapter = llama
     lorsa = make_lorsa(hf, adapter)
-    r = Resolver(model, lorsa=LorsaSet(model, {LAYER: lorsa}))
+    r = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
     clean, corrupt = prompts()
     # the head most active on the last position of row 0
     captured = {}
@@ -159,13 +159,13 @@ def test_lorsa_sender_zero_ablation_matches_reference(llama):
     torch.testing.assert_close(res.patched[0], want, atol=1e-4, rtol=1e-4)
     assert (res.patched[0] - res.clean).abs().max() > 1e-4
     # an MHSA sender before the spliced Lorsa: its site is frozen via hook_out + hook_error, same as plain MHSA
-    plain = path_patching(Resolver(model), clean, [MHSAHead(0, 1)], mode="zero", metric=metric)
+    plain = path_patching(ReplacementModel(model), clean, [MHSAHead(0, 1)], mode="zero", metric=metric)
     torch.testing.assert_close(res.patched[1], plain.patched[0], atol=1e-4, rtol=1e-4)
 
 
 def test_bad_targets_raise_before_running(llama):
     model, hf, adapter = llama
-    r = Resolver(model)
+    r = ReplacementModel(model)
     clean, corrupt = prompts()
     calls = []
     h = hf.register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -188,7 +188,7 @@ def test_bad_targets_raise_before_running(llama):
     assert not calls
     gpt2, _ = tiny_nnsight("gpt2")
     with pytest.raises(ConfigMismatchError):
-        path_patching(Resolver(gpt2), clean, [MHSAHead(0, 0)], corrupt=corrupt, metric=metric,
+        path_patching(ReplacementModel(gpt2), clean, [MHSAHead(0, 0)], corrupt=corrupt, metric=metric,
                       receivers=[HeadInput(MHSAHead(2, 0), "q")])
 
 
@@ -270,7 +270,7 @@ def coders(llama):
     saes = {"model.layers.0": make_sae(seed=5), f"model.layers.{N_LAYERS - 1}": make_sae(seed=6),
             "model.layers.1.input_layernorm": make_sae(seed=7), "model.layers.0.self_attn": make_sae(seed=8),
             "model.layers.0.post_attention_layernorm": make_sae(seed=9), "model.layers.0.mlp": make_sae(seed=10)}
-    r = Resolver(model, saes=SAESet(model, saes), transcoders=TranscoderSet(model, tcs))
+    r = ReplacementModel(model, saes=SAESet(model, saes), transcoders=TranscoderSet(model, tcs))
     return r, tcs, saes
 
 
@@ -386,7 +386,7 @@ def test_groups_mixing_heads_and_features_match_hook_reference(llama, coders):
 
     # a Lorsa head with an SAE feature before it (zero mode): hook_z frozen but the head, hook_error frozen
     lorsa = make_lorsa(hf, adapter)
-    rl = Resolver(model, lorsa=LorsaSet(model, {LAYER: lorsa}), saes=r.saes)
+    rl = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}), saes=r.saes)
     sae, site = r.saes["model.layers.0"], hf.get_submodule("model.layers.0")
     j = most_changed(feature_acts(hf, clean, site, sae, site_out), 0)
     captured = {}
@@ -429,15 +429,18 @@ def test_bad_feature_senders_raise_before_running(llama, coders):
         with pytest.raises(ConfigMismatchError, match="means"):
             path_patching(r, clean, [Feature(0, 3, kind="transcoder")], mode="mean", means={}, metric=metric)
         with pytest.raises(ConfigMismatchError, match="TranscoderSet"):
-            path_patching(Resolver(model), clean, [Feature(0, 3, kind="transcoder")], mode="zero", metric=metric)
-        inner = Resolver(model, saes=SAESet(model, {"model.layers.1.self_attn.q_proj": make_sae()}))
+            path_patching(ReplacementModel(model), clean, [Feature(0, 3, kind="transcoder")], mode="zero",
+                          metric=metric)
+        inner = ReplacementModel(model, saes=SAESet(model, {"model.layers.1.self_attn.q_proj": make_sae()}))
         with pytest.raises(ConfigMismatchError, match="cannot place"):  # inside the attention module
             path_patching(inner, clean, [Feature("model.layers.1.self_attn.q_proj", 0)], mode="zero", metric=metric)
-        both = Resolver(model, saes=SAESet(model, {"model.layers.0.mlp": make_sae()}), transcoders=r.transcoders)
+        both = ReplacementModel(model, saes=SAESet(model, {"model.layers.0.mlp": make_sae()}),
+                                transcoders=r.transcoders)
         with pytest.raises(ConfigMismatchError, match="separate calls"):  # both replace layer 0's MLP output
             path_patching(both, clean, [Feature("model.layers.0.mlp", 0), Feature(0, 3, kind="transcoder")],
                           mode="zero", metric=metric)
-        lr = Resolver(model, lorsa=LorsaSet(model, {LAYER: make_lorsa(hf, adapter)}), transcoders=r.transcoders)
+        lr = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: make_lorsa(hf, adapter)}),
+                              transcoders=r.transcoders)
         with pytest.raises(ConfigMismatchError, match="cannot be frozen around an MHSA head"):
             path_patching(lr, clean, [(Feature(0, 3, kind="transcoder"), MHSAHead(LAYER, 0)), LorsaHead(LAYER, 0)],
                           mode="zero", metric=metric)

@@ -9,7 +9,7 @@ from tiny import N_HEADS, N_LAYERS, tiny_nnsight, tiny_tokenizer
 
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.demo import load_model
-from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, TargetIndexError
+from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, TargetIndexError
 from nnsight_lorsa.patching.circuit import circuit_size, component_scores
 from nnsight_lorsa.patching.experiments import ablation_effect
 from nnsight_lorsa.patching.tasks import (
@@ -97,7 +97,7 @@ def test_circuit_size_matches_manual_keep_only():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
     lorsa = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
-    r = Resolver(model, lorsa=lorsa)
+    r = ReplacementModel(model, lorsas=lorsa)
     task = induction_task(model.tokenizer, n_prompts=3, seq_len=6, seed=0)
     heads = [MHSAHead(layer, h) for layer in range(N_LAYERS) for h in range(N_HEADS)]
     cs = circuit_size(r, task, heads)

@@ -2,7 +2,7 @@
 
 The circuit is the pruned graph's feature nodes (transcoder features and Lorsa heads, each at its
 position). Ablations run in the *real* model with the replacements spliced with their error terms
-(:class:`~nnsight_lorsa.patching.Resolver`, ``error=True``): an unedited run is the model itself,
+(:class:`~nnsight_lorsa.patching.ReplacementModel`, ``error=True``): an unedited run is the model itself,
 and zeroing a feature propagates through everything downstream, nonlinearities included.
 
 - completeness (§11.1): ``1 − Δℓ(all circuit features ablated) / Δℓ(baseline)``;
@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from .._repr import FieldsRepr
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import Bound, Feature, LorsaHead
 from ..patching.experiments import logits_envoy
 from ..patching.interventions import ablate
-from ..patching.targets import Bound, Feature, LorsaHead, Resolver
 from .graph import Graph
 from .nodes import LORSA, TRANSCODER
 from .prune import PruneResult
@@ -67,19 +68,19 @@ def _targets(graph: Graph, node_ids: torch.Tensor) -> list[tuple[Any, int]]:
     return out
 
 
-def _delta(resolver: Resolver, ids: torch.Tensor, ablations: list[list[tuple[Any, int]]], token: int,
+def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[list[tuple[Any, int]]], token: int,
            incorrect: int | None) -> torch.Tensor:
     """Δℓ for each ablation set (one invoke each; the empty set is the baseline)."""
-    model = resolver.model
+    model = replacement.model
     saved = []
     with torch.no_grad(), model.trace() as tracer:
         for group in ablations:
             with tracer.invoke(ids[None]):
-                ordered = sorted(group, key=lambda tp: resolver.order(tp[0]))
-                resolver.prepare([t for t, _ in ordered])
+                ordered = sorted(group, key=lambda tp: replacement.order(tp[0]))
+                replacement.prepare([t for t, _ in ordered])
                 for target, pos in ordered:
-                    ablate(Bound(target, resolver), "zero", None, pos)
-                saved.append(logits_envoy(resolver).output[0, -1].save())
+                    ablate(Bound(target, replacement), "zero", None, pos)
+                saved.append(logits_envoy(replacement).output[0, -1].save())
     out = []
     for last in saved:
         if incorrect is None:
@@ -96,15 +97,15 @@ def circuit_metrics(model: Any, graph: Graph, pruned: PruneResult, *, lorsas: An
     ``lorsas``/``transcoders``: the :class:`~nnsight_lorsa.LorsaSet` / :class:`~nnsight_lorsa.TranscoderSet`
     the graph was built with.
     """
-    resolver = Resolver(model, lorsa=lorsas, transcoders=transcoders, error=True)
+    replacement = ReplacementModel(model, lorsas=lorsas, transcoders=transcoders, error=True)
     kind = graph.nodes.kind
     nodes = (pruned.node_mask & ((kind == TRANSCODER) | (kind == LORSA))).nonzero().flatten()
     token = int(graph.nodes.index[graph.logit_ids[graph.logit_probs.argmax()]])
     members = _targets(graph, nodes)
     ids = graph.tokens
-    base, whole = _delta(resolver, ids, [[], members], token, incorrect_token).tolist()
+    base, whole = _delta(replacement, ids, [[], members], token, incorrect_token).tolist()
     singles = [[m] for m in members]
-    effects = torch.cat([base - _delta(resolver, ids, singles[i:i + chunk], token, incorrect_token)
+    effects = torch.cat([base - _delta(replacement, ids, singles[i:i + chunk], token, incorrect_token)
                          for i in range(0, len(singles), chunk)]) if singles else torch.zeros(0)
     attribution = pruned.node_influence[nodes].float()
     completeness = 1.0 - whole / base if base != 0 else float("nan")

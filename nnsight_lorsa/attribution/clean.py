@@ -18,7 +18,6 @@ import torch
 
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
-from ..patching.targets import resolve_envoy
 from .layout import Layout, build_layout
 
 
@@ -59,16 +58,16 @@ def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lors
     with model.trace(ids[None], use_cache=False, remote=remote):
         emb = None
         if full:
-            emb = resolve_envoy(model, adapter.embed_path).output
+            emb = model.get(adapter.embed_path).output
             if pos_path:
-                emb = emb + resolve_envoy(model, pos_path).output
+                emb = emb + model.get(pos_path).output
         attn_in: dict[int, Any] = {}
         attn_out: dict[int, Any] = {}
         mlp_in: dict[int, Any] = {}
         mlp_out: dict[int, Any] = {}
         positions = None
         for layer in range(adapter.n_layers):
-            attn = resolve_envoy(model, adapter.attention_path(layer))
+            attn = model.get(adapter.attention_path(layer))
             if layer == 0 or layer in lorsa_layers:
                 args, kwargs = attn.inputs
                 x = adapter.attention_input(args, kwargs)
@@ -78,13 +77,13 @@ def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lors
                     attn_in[layer] = x
                     if full:
                         attn_out[layer] = adapter.attention_output(attn.output)
-            mlp = resolve_envoy(model, adapter.mlp_path(layer))
+            mlp = model.get(adapter.mlp_path(layer))
             if layer in tc_layers:
                 args, kwargs = mlp.inputs
                 mlp_in[layer] = adapter.mlp_input(args, kwargs)
             if full:
                 mlp_out[layer] = adapter.mlp_output(mlp.output)
-        last = resolve_envoy(model, adapter.lm_head_path).output[0, -1]
+        last = model.get(adapter.lm_head_path).output[0, -1]
         # one saved value: on a remote server the dicts above are not the caller's
         saved = nnsight.save((emb, positions, attn_in, attn_out, mlp_in, mlp_out, last))
     emb, positions, attn_in, attn_out, mlp_in, mlp_out, last = saved

@@ -19,7 +19,6 @@ import nnsight
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..patching.targets import resolve_envoy
 from .layout import Layout
 from .replacement import FrozenReplacement
 
@@ -95,10 +94,10 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
     batch, dtype = frozen.M.shape[0], next(root.parameters()).dtype
     for path in (adapter.embed_path, getattr(adapter, "pos_embed_path", None)):
         if path:
-            emb = resolve_envoy(model, path)
+            emb = model.get(path)
             emb.output = frozen.embed(emb.output)
     for site in frozen_sites(adapter):
-        envoy = resolve_envoy(model, site.path)
+        envoy = model.get(site.path)
         args, kwargs = envoy.inputs
         envoy.inputs = first_row(args, kwargs, batch, dtype)
         envoy.output = frozen_output(frozen, adapter, site, adapter.get_module(root, site.path), args, kwargs,
@@ -169,6 +168,6 @@ def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa
         with torch.no_grad(), model.trace(ids, use_cache=False):
             frozen = FrozenReplacement(layout, mult.to(model.device, ones.dtype), mhsa, constants)
             frozen_forward_body(model, adapter, frozen)
-            logits = nnsight.save(resolve_envoy(model, adapter.lm_head_path).output)
+            logits = nnsight.save(model.get(adapter.lm_head_path).output)
             T = nnsight.save(frozen.targets())
     return logits, T

@@ -5,7 +5,7 @@ The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP) 
 
 1. attaches the replacement module as a child of the site's module (``<site>.<name>``), so
    it and its :class:`HookPoint` children are envoys of this trace;
-2. starts a per-trace worker (:mod:`.worker`) that parks on the site's input and output, calls
+2. starts a per-trace worker (:mod:`.nnsight_internals`) that parks on the site's input and output, calls
    the replacement *observed* (its internals are served to the trace body, which can read and
    edit them), and swaps the site's output for the replacement's;
 3. with ``error=True`` adds the error term ``e = site_output − replacement_clean`` through the

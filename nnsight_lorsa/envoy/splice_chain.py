@@ -2,7 +2,7 @@
 
 The generalisation of :func:`.splice.splice` that SAEs and cross-layer transcoders need, on the
 same mechanism (attach the module so its hook points are envoys of this trace, a per-trace
-worker from :mod:`.worker` that parks on the sites and swaps their outputs, detach when the
+worker from :mod:`.nnsight_internals` that parks on the sites and swaps their outputs, detach when the
 worker ends, even if the trace raised). It differs in two ways:
 
 * the replacement visits the sites of :attr:`SpliceChain.site_paths` one after the other and
@@ -27,13 +27,21 @@ from functools import partial
 from typing import Any
 
 import torch
-from nnsight.intervention.source import STATE
 from torch import nn
 
 from .._repr import FieldsRepr
 from ..errors import LorsaError, TraceOrderError
-from .mount import attach, detach, resolve_envoy
-from .worker import current_worker, find_worker, spawn_worker
+from .nnsight_internals import (
+    attach,
+    current_worker,
+    detach,
+    find_worker,
+    is_instrumented,
+    ran_since_start,
+    spawn_worker,
+    stood_down,
+    waiting_under,
+)
 
 #: ``(module, i, args, kwargs, true_output, state) -> output``: the replacement's output at site ``i``.
 Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
@@ -66,24 +74,6 @@ class SpliceChain(FieldsRepr):
     check_call: Callable[[tuple, dict], None] | None = None
 
 
-def _stood_down(interleaver: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run ``fn`` with the trace stood down: the module's internals are neither served nor edited."""
-    was = interleaver.interleaving
-    interleaver.interleaving = False
-    try:
-        return fn()
-    finally:
-        interleaver.interleaving = was
-
-
-def _may_edit(interleaver: Any, prefix: str) -> bool:
-    """Whether some worker waits on the module's internals (so may edit them)."""
-    # workers served alongside this one may have parked since the interleaver last indexed who
-    # waits where; re-index so the module's internals reach them
-    interleaver._reindex_parked()
-    return any(p is not None and p.startswith(prefix) for p in interleaver.parked)
-
-
 def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: bool = False) -> Any:
     """Replace the outputs of ``chain``'s sites by ``module``'s for the current trace; return its envoy.
 
@@ -108,18 +98,17 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                              "it cannot carry an error term")
     me = current_worker("splice_chain")
     interleaver = me.interleaver
-    parent = resolve_envoy(root, chain.attach_path) if chain.attach_path else root
+    parent = root.get(chain.attach_path) if chain.attach_path else root
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
     if find_worker(interleaver, tag) is not None:
         return getattr(parent, chain.attach_name)
-    sites = [resolve_envoy(root, path) for path in chain.site_paths]
+    sites = [root.get(path) for path in chain.site_paths]
     for path, site in zip(chain.site_paths, sites, strict=True):
-        ran = interleaver.counts.get(f"{site.path}.input", 0) - me.counts_at_start.get(f"{site.path}.input", 0)
-        if ran > 0:
+        if ran_since_start(me, site.path) > 0:
             raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
-    undo = partial(detach, parent, chain.attach_name, module, STATE in module.__dict__)
+    undo = partial(detach, parent, chain.attach_name, module, is_instrumented(module))
     envoy = attach(parent, chain.attach_name, module)
 
     def body() -> None:
@@ -133,11 +122,11 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                     chain.check_call(args, kwargs)
                 original = site.output
                 true_out = chain.get_output(original)
-                may_edit = _may_edit(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
+                may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
                 diverged = diverged or (error and may_edit)
                 clean_out = None
                 if diverged:
-                    clean_out = _stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+                    clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
                 out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
                 if error:
                     if clean_out is None:  # nothing could edit so far: the clean pass is the live one

@@ -22,9 +22,10 @@ from typing import Any, Literal
 import torch
 
 from .._repr import FieldsRepr
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ConfigMismatchError
 from .experiments import activation_patching, logits_envoy, make_metric
-from .targets import LorsaHead, MHSAHead, Resolver, resolve_envoy
 from .tasks import TaskBatch
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -65,13 +66,13 @@ class CircuitSize(FieldsRepr):
         return [self.components[int(i)] for i in order[:self.global_k]]
 
 
-def _check_components(resolver: Resolver, components: Sequence[Component]) -> None:
+def _check_components(replacement: ReplacementModel, components: Sequence[Component]) -> None:
     if not components:
         raise ConfigMismatchError("circuit_size needs at least one component")
     for c in components:
         if not isinstance(c, (MHSAHead, LorsaHead)):
             raise ConfigMismatchError(f"circuit components are MHSAHead / LorsaHead, got {c!r}")
-        resolver.check(c)
+        replacement.check(c)
 
 
 def _fill(c: Component, mode: str, means: Any) -> Any:
@@ -82,10 +83,10 @@ def _fill(c: Component, mode: str, means: Any) -> Any:
     return means[c]
 
 
-def _keep_only(resolver: Resolver, components: Sequence[Component], keep: torch.Tensor, mode: str,
+def _keep_only(replacement: ReplacementModel, components: Sequence[Component], keep: torch.Tensor, mode: str,
                means: Any) -> None:
     """In a trace body: ablate, per row, the components with ``keep[row, i] == False``."""
-    a = resolver.adapter
+    a = replacement.adapter
     d = a.head_dim
     by_site: dict[tuple[str, int], list[int]] = {}
     for i, c in enumerate(components):
@@ -93,7 +94,7 @@ def _keep_only(resolver: Resolver, components: Sequence[Component], keep: torch.
     for (kind, layer), idx in sorted(by_site.items(), key=lambda kv: (kv[0][1], kv[0][0] == "lorsa")):
         k = keep[:, idx].float()  # (batch, m)
         if kind == "mhsa":
-            tensor = resolve_envoy(resolver.model, resolver.output_projection_path(layer)).input
+            tensor = replacement.model.get(replacement.output_projection_path(layer)).input
             for j, i in enumerate(idx):
                 c = components[i]
                 cols = slice(c.head * d, (c.head + 1) * d)
@@ -101,14 +102,14 @@ def _keep_only(resolver: Resolver, components: Sequence[Component], keep: torch.
                 fill = torch.as_tensor(_fill(c, mode, means), dtype=tensor.dtype)
                 tensor[:, :, cols] = tensor[:, :, cols] * kj + (1 - kj) * fill
         else:
-            z = resolver.lorsa.replace(layer, error=resolver.error).hook_z.output
+            z = replacement.lorsas.replace(layer, error=replacement.error).hook_z.output
             heads = [components[i].head for i in idx]
             fill = torch.tensor([float(_fill(components[i], mode, means)) for i in idx], dtype=z.dtype)
             kk = k[:, None, :].to(z.dtype)
             z[:, :, heads] = z[:, :, heads] * kk + (1 - kk) * fill
 
 
-def _keep_runs(resolver: Resolver, prompts: torch.Tensor, components: Sequence[Component],
+def _keep_runs(replacement: ReplacementModel, prompts: torch.Tensor, components: Sequence[Component],
                keeps: list[torch.Tensor], mode: str, means: Any, per_trace: int = 8) -> list[torch.Tensor]:
     """Logits of ``prompts`` for each keep mask ``(batch, n)`` (one invoke each)."""
     outs: list[torch.Tensor] = []
@@ -116,19 +117,19 @@ def _keep_runs(resolver: Resolver, prompts: torch.Tensor, components: Sequence[C
     for start in range(0, len(keeps), per_trace):
         chunk = keeps[start:start + per_trace]
         saved: list[torch.Tensor] = []
-        with torch.no_grad(), resolver.model.trace() as tracer:
+        with torch.no_grad(), replacement.model.trace() as tracer:
             for n, keep in enumerate(chunk):
                 with tracer.invoke(prompts):
                     if n == 0:
                         for layer in lorsa_layers:
-                            resolver.lorsa.replace(layer, error=resolver.error)
-                    _keep_only(resolver, components, keep, mode, means)
-                    saved.append(logits_envoy(resolver).output.save())
+                            replacement.lorsas.replace(layer, error=replacement.error)
+                    _keep_only(replacement, components, keep, mode, means)
+                    saved.append(logits_envoy(replacement).output.save())
         outs += saved
     return outs
 
 
-def component_scores(resolver: Resolver, task: TaskBatch, components: Sequence[Component], *,
+def component_scores(replacement: ReplacementModel, task: TaskBatch, components: Sequence[Component], *,
                      method: Literal["ablation", "patching"] = "ablation", mode: Literal["zero", "mean"] = "zero",
                      means: Any = None, metric: Metric | None = None, per_trace: int = 16) -> torch.Tensor:
     """Per-prompt importance ``(batch, n)`` of each component (larger = more important).
@@ -137,10 +138,10 @@ def component_scores(resolver: Resolver, task: TaskBatch, components: Sequence[C
     (a Lorsa head with ``z = 0`` on every token of the batch is skipped: its zero-ablation is exact
     identity, score 0). ``"patching"``: activation patching clean → corrupt, ``m_patched − m_corrupt``.
     """
-    _check_components(resolver, components)
+    _check_components(replacement, components)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if method == "patching":
-        res = activation_patching(resolver, task.clean, task.corrupt, list(components), metric=score,
+        res = activation_patching(replacement, task.clean, task.corrupt, list(components), metric=score,
                                   groups_per_trace=per_trace)
         return (res.patched - res.corrupt[None]).T
     if method != "ablation":
@@ -148,7 +149,8 @@ def component_scores(resolver: Resolver, task: TaskBatch, components: Sequence[C
     n, b = len(components), len(task)
     run = list(range(n))
     if mode == "zero" and any(isinstance(c, LorsaHead) for c in components):
-        active = _lorsa_active(resolver, task.clean, sorted({c.layer for c in components if isinstance(c, LorsaHead)}))
+        lorsa_layers = sorted({c.layer for c in components if isinstance(c, LorsaHead)})
+        active = _lorsa_active(replacement, task.clean, lorsa_layers)
         run = [i for i, c in enumerate(components) if not isinstance(c, LorsaHead) or bool(active[c.layer][c.head])]
     keeps = []
     for i in run:
@@ -156,7 +158,7 @@ def component_scores(resolver: Resolver, task: TaskBatch, components: Sequence[C
         keep[:, i] = False
         keeps.append(keep)
     full = torch.ones(b, n, dtype=torch.bool)
-    logits = _keep_runs(resolver, task.clean, components, [full, *keeps], mode, means, per_trace)
+    logits = _keep_runs(replacement, task.clean, components, [full, *keeps], mode, means, per_trace)
     base = score(logits[0])
     out = torch.zeros(b, n)
     for i, lg in zip(run, logits[1:], strict=True):
@@ -164,11 +166,12 @@ def component_scores(resolver: Resolver, task: TaskBatch, components: Sequence[C
     return out
 
 
-def _lorsa_active(resolver: Resolver, prompts: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+def _lorsa_active(replacement: ReplacementModel, prompts: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
     saved = {}
-    with torch.no_grad(), resolver.model.trace(prompts):
+    with torch.no_grad(), replacement.model.trace(prompts):
         for layer in layers:
-            saved[layer] = (resolver.lorsa.replace(layer, error=resolver.error).hook_z.output > 0).any(1).any(0).save()
+            z = replacement.lorsas.replace(layer, error=replacement.error).hook_z.output
+            saved[layer] = (z > 0).any(1).any(0).save()
     return saved
 
 
@@ -182,7 +185,7 @@ def default_ks(n: int) -> list[int]:
     return ks
 
 
-def circuit_size(resolver: Resolver, task: TaskBatch, components: Sequence[Component], *,
+def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Sequence[Component], *,
                  scores: torch.Tensor | None = None, method: Literal["ablation", "patching"] = "ablation",
                  threshold: float = 0.9, mode: Literal["zero", "mean"] = "zero", means: Any = None,
                  ks: Sequence[int] | None = None, metric: Metric | None = None) -> CircuitSize:
@@ -200,11 +203,11 @@ def circuit_size(resolver: Resolver, task: TaskBatch, components: Sequence[Compo
         ConfigMismatchError: no/unknown components, mean mode without means, bad ``ks``.
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
     """
-    _check_components(resolver, components)
+    _check_components(replacement, components)
     n, b = len(components), len(task)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if scores is None:
-        scores = component_scores(resolver, task, components, method=method, mode=mode, means=means, metric=score)
+        scores = component_scores(replacement, task, components, method=method, mode=mode, means=means, metric=score)
     if tuple(scores.shape) != (b, n):
         raise ConfigMismatchError(f"scores must be (batch={b}, n={n}), got {tuple(scores.shape)}")
     kk = sorted(set(default_ks(n) if ks is None else ks) | {0, n})
@@ -219,7 +222,7 @@ def circuit_size(resolver: Resolver, task: TaskBatch, components: Sequence[Compo
         kg = torch.zeros(b, n, dtype=torch.bool)
         kg[:, rank_g[:k]] = True
         keeps += [kp, kg]
-    logits = _keep_runs(resolver, task.clean, components, keeps, mode, means)
+    logits = _keep_runs(replacement, task.clean, components, keeps, mode, means)
     m = torch.stack([score(x) for x in logits]).view(len(kk), 2, b)
     mp, mg = m[:, 0], m[:, 1]
     i0, i_all = 0, len(kk) - 1

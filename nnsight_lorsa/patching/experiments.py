@@ -18,17 +18,18 @@ from typing import Any, Literal
 
 import torch
 
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
 from ..errors import ConfigMismatchError, ShapeError
 from .interventions import ablate, patch, read
 from .metrics import logit_difference, relative_effect
-from .targets import Bound, LorsaHead, Positions, Resolver, Target, positions_index, resolve_envoy
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
 
-def logits_envoy(resolver: Resolver) -> Any:
+def logits_envoy(replacement: ReplacementModel) -> Any:
     """The LM head's envoy (its output are the logits)."""
-    return resolve_envoy(resolver.model, resolver.adapter.lm_head_path)
+    return replacement.model.get(replacement.adapter.lm_head_path)
 
 
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
@@ -39,12 +40,12 @@ def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, pos
     return lambda logits: logit_difference(logits, correct_ids, incorrect_ids, position)
 
 
-def _groups(resolver: Resolver, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:
+def _groups(replacement: ReplacementModel, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:
     groups: list[tuple[Target, ...]] = []
     for g in targets:
-        group: tuple[Target, ...] = tuple(resolver.sort(g)) if isinstance(g, (list, tuple)) else (g,)  # type: ignore[arg-type,assignment]
+        group: tuple[Target, ...] = tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,)  # type: ignore[arg-type,assignment]
         for t in group:
-            resolver.check(t)
+            replacement.check(t)
         groups.append(group)
     return groups
 
@@ -69,8 +70,9 @@ class PatchingResult:
         return [self.groups[int(i)] for i in order[:k]]
 
 
-def activation_patching(resolver: Resolver, clean: Any, corrupt: Any, targets: Sequence[Target | Sequence[Target]],
-                        *, metric: Metric | None = None, correct_ids: Any = None, incorrect_ids: Any = None,
+def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
+                        targets: Sequence[Target | Sequence[Target]], *, metric: Metric | None = None,
+                        correct_ids: Any = None, incorrect_ids: Any = None,
                         positions: Positions = None, groups_per_trace: int = 8) -> PatchingResult:
     """Patch each target (or group of targets) from the ``clean`` run into the ``corrupt`` run.
 
@@ -78,7 +80,7 @@ def activation_patching(resolver: Resolver, clean: Any, corrupt: Any, targets: S
     own ``tracer.invoke`` (``groups_per_trace`` invokes batched per trace).
 
     Args:
-        resolver: the model and its sets (:class:`~.targets.Resolver`).
+        replacement: the model and its sets (:class:`~.targets.ReplacementModel`).
         clean, corrupt: token ids ``(batch, pos)`` of the same shape (or prompts of equal length).
         targets: targets, or tuples of targets patched together.
         positions: positions patched (None: all).
@@ -86,49 +88,49 @@ def activation_patching(resolver: Resolver, clean: Any, corrupt: Any, targets: S
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
     """
-    groups = _groups(resolver, targets)
+    groups = _groups(replacement, targets)
     score = make_metric(metric, correct_ids, incorrect_ids)
     if isinstance(clean, torch.Tensor) and isinstance(corrupt, torch.Tensor) and clean.shape != corrupt.shape:
         raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} token ids differ in shape")
-    every = resolver.sort({t for g in groups for t in g})
+    every = replacement.sort({t for g in groups for t in g})
     with torch.no_grad():
-        values, clean_logits = _read_all(resolver, clean, every, positions)
-        corrupt_logits = _run(resolver, corrupt)
+        values, clean_logits = _read_all(replacement, clean, every, positions)
+        corrupt_logits = _run(replacement, corrupt)
         patched = []
         for start in range(0, len(groups), groups_per_trace):
-            outs = _patched_runs(resolver, corrupt, groups[start:start + groups_per_trace], values, positions)
+            outs = _patched_runs(replacement, corrupt, groups[start:start + groups_per_trace], values, positions)
             patched += [score(o) for o in outs]
     return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched))
 
 
-def _read_all(resolver: Resolver, prompts: Any, targets: list[Target],
+def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target],
               positions: Positions) -> tuple[dict[Target, torch.Tensor], torch.Tensor]:
     values = {}
-    with resolver.model.trace(prompts):
-        resolver.prepare(targets)
+    with replacement.model.trace(prompts):
+        replacement.prepare(targets)
         for t in targets:
-            values[t] = read(Bound(t, resolver), positions)
-        logits = logits_envoy(resolver).output.save()
+            values[t] = read(Bound(t, replacement), positions)
+        logits = logits_envoy(replacement).output.save()
     return values, logits
 
 
-def _run(resolver: Resolver, prompts: Any) -> torch.Tensor:
-    with resolver.model.trace(prompts):
-        logits = logits_envoy(resolver).output.save()
+def _run(replacement: ReplacementModel, prompts: Any) -> torch.Tensor:
+    with replacement.model.trace(prompts):
+        logits = logits_envoy(replacement).output.save()
     return logits
 
 
-def _patched_runs(resolver: Resolver, prompts: Any, groups: list[tuple[Target, ...]],
+def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tuple[Target, ...]],
                   values: dict[Target, torch.Tensor], positions: Positions) -> list[torch.Tensor]:
     outs = []
-    with resolver.model.trace() as tracer:
+    with replacement.model.trace() as tracer:
         for i, group in enumerate(groups):
             with tracer.invoke(prompts):
                 if i == 0:
-                    resolver.prepare(t for g in groups for t in g)
+                    replacement.prepare(t for g in groups for t in g)
                 for t in group:
-                    patch(Bound(t, resolver), values[t], positions)
-                outs.append(logits_envoy(resolver).output.save())
+                    patch(Bound(t, replacement), values[t], positions)
+                outs.append(logits_envoy(replacement).output.save())
     return outs
 
 
@@ -144,23 +146,24 @@ class AblationResult:
         return relative_effect(self.baseline, self.ablated)
 
 
-def ablation_effect(resolver: Resolver, prompts: Any, targets: Sequence[Target], *, metric: Metric | None = None,
-                    correct_ids: Any = None, incorrect_ids: Any = None, mode: Literal["zero", "mean"] = "zero",
+def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequence[Target], *,
+                    metric: Metric | None = None, correct_ids: Any = None, incorrect_ids: Any = None,
+                    mode: Literal["zero", "mean"] = "zero",
                     means: Any = None, positions: Positions = None) -> AblationResult:
     """Ablate ``targets`` together on ``prompts``; the metric before and after."""
     score = make_metric(metric, correct_ids, incorrect_ids)
-    ordered = resolver.sort(targets)
+    ordered = replacement.sort(targets)
     for t in ordered:
-        resolver.check(t)
-    model = resolver.model
+        replacement.check(t)
+    model = replacement.model
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
-            base = logits_envoy(resolver).output.save()
+            base = logits_envoy(replacement).output.save()
         with tracer.invoke(prompts):
-            resolver.prepare(ordered)
+            replacement.prepare(ordered)
             for t in ordered:
-                ablate(Bound(t, resolver), mode, means, positions)
-            edited = logits_envoy(resolver).output.save()
+                ablate(Bound(t, replacement), mode, means, positions)
+            edited = logits_envoy(replacement).output.save()
     return AblationResult(score(base), score(edited))
 
 
@@ -178,7 +181,7 @@ class RandomControl:
         return relative_effect(self.baseline.mean(), self.samples.mean(-1))
 
 
-def random_ablation_control(resolver: Resolver, prompts: Any, pool: Sequence[Target], k: int, *,
+def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: Sequence[Target], k: int, *,
                             n_samples: int = 10, seed: int = 0, metric: Metric | None = None,
                             correct_ids: Any = None, incorrect_ids: Any = None,
                             mode: Literal["zero", "mean"] = "zero", means: Any = None,
@@ -188,12 +191,12 @@ def random_ablation_control(resolver: Resolver, prompts: Any, pool: Sequence[Tar
     if not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k} must be in [1, {len(pool)}] (the pool's size)")
     for t in pool:
-        resolver.check(t)
+        replacement.check(t)
     gen = torch.Generator().manual_seed(seed)
     draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:k]) for _ in range(n_samples)]
     samples, baseline = [], None
     for draw in draws:
-        res = ablation_effect(resolver, prompts, draw, metric=metric, correct_ids=correct_ids,
+        res = ablation_effect(replacement, prompts, draw, metric=metric, correct_ids=correct_ids,
                               incorrect_ids=incorrect_ids, mode=mode, means=means, positions=positions)
         baseline = res.baseline
         samples.append(res.ablated)
@@ -201,28 +204,28 @@ def random_ablation_control(resolver: Resolver, prompts: Any, pool: Sequence[Tar
     return RandomControl(baseline, torch.stack(samples), draws)
 
 
-def head_swap(resolver: Resolver, layer: int, from_head: int, to_head: int, prompts: Any, *,
+def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head: int, prompts: Any, *,
               positions: Positions = -1, swap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Lorsa App. D.4: set ``from_head``'s z to 0 at ``positions`` and give its value to ``to_head``.
 
     With ``swap=True`` the two heads exchange their z (the same as swapping their ``w_o``).
-    Needs a resolver with a LorsaSet; the error term follows ``resolver.error``.
+    Needs a replacement with a LorsaSet; the error term follows ``replacement.error``.
 
     Returns:
         ``(baseline_logits, swapped_logits)``, both ``(batch, pos, vocab)``.
     """
-    src, dst = resolver(LorsaHead(layer, from_head)), resolver(LorsaHead(layer, to_head))
-    model = resolver.model
+    src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
+    model = replacement.model
     pos = positions_index(positions)
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
-            base = logits_envoy(resolver).output.save()
+            base = logits_envoy(replacement).output.save()
         with tracer.invoke(prompts):
             z, _ = src.location()
             z_from = z[:, pos, from_head].clone()
             z_to = z[:, pos, to_head].clone()
             z[:, pos, from_head] = z_to if swap else 0
             z[:, pos, to_head] = z_from
-            edited = logits_envoy(resolver).output.save()
+            edited = logits_envoy(replacement).output.save()
     del dst
     return base, edited

@@ -1,6 +1,6 @@
 """Interventions to call inside a ``model.trace`` body; each edits its target's activation in place.
 
->>> r = Resolver(model, lorsa=lorsa_set)                       # doctest: +SKIP
+>>> r = ReplacementModel(model, lorsa=lorsa_set)                       # doctest: +SKIP
 >>> with model.trace(ids):                                      # doctest: +SKIP
 ...     ablate(r(MHSAHead(1, 2)))                               # zero an MHSA head
 ...     scale(r(LorsaHead(2, 17)), 2.0)                         # double a Lorsa head's z
@@ -8,7 +8,7 @@
 
 Several interventions in one body must come in the model's execution order (earlier layers
 first; in a layer MHSA head < Lorsa head < transcoder feature < SAE feature on the layer
-output): :meth:`Resolver.sort` orders targets that way. Inside ``tracer.invoke`` they act on
+output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.invoke`` they act on
 that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list; None:
 all); values are per position: ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 """
@@ -20,13 +20,14 @@ from typing import Any, Literal
 
 import torch
 
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ConfigMismatchError
-from .targets import Bound, Positions, Resolver, Target, index_at
 
 
 def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
     if not isinstance(target, Bound):
-        raise ConfigMismatchError(f"bind targets first: resolver(target), got {target!r}")
+        raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
     tensor, cols = target.location()
     return tensor, index_at(cols, positions)
 
@@ -56,7 +57,7 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
         means = means[target.target]
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
-    target.resolver.check_values(target.target, torch.as_tensor(means))
+    target.replacement.check_values(target.target, torch.as_tensor(means))
     tensor[idx] = torch.as_tensor(means).to(tensor.dtype)
 
 
@@ -70,32 +71,32 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
     """Add ``delta`` (a number, or a ``head_dim`` vector for MHSA heads) to the target."""
     tensor, idx = _loc(target, positions)
     if isinstance(delta, torch.Tensor):
-        target.resolver.check_values(target.target, delta)
+        target.replacement.check_values(target.target, delta)
         delta = delta.to(tensor.dtype)
     tensor[idx] = tensor[idx] + delta
 
 
 def patch(target: Bound, source_values: torch.Tensor, positions: Positions = None) -> None:
     """Overwrite the target by ``source_values`` (e.g. read from another prompt's run)."""
-    target.resolver.check_values(target.target, source_values)
+    target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
     tensor[idx] = source_values.to(tensor.dtype)
 
 
-def mean_activations(resolver: Resolver, targets: Iterable[Target], prompts: Any,
+def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], prompts: Any,
                      per_position: bool = False) -> dict[Target, torch.Tensor]:
     """Mean value of each target over a reference set ``prompts`` (token ids or text).
 
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
     the batch only (``(pos[, head_dim])``; the prompts must then share one length).
     """
-    ordered = resolver.sort(targets)
+    ordered = replacement.sort(targets)
     for t in ordered:
-        resolver.check(t)
+        replacement.check(t)
     saved = {}
-    with torch.no_grad(), resolver.model.trace(prompts):
-        resolver.prepare(ordered)
+    with torch.no_grad(), replacement.model.trace(prompts):
+        replacement.prepare(ordered)
         for t in ordered:
-            saved[t] = read(Bound(t, resolver))
+            saved[t] = read(Bound(t, replacement))
     dims = (0,) if per_position else (0, 1)
     return {t: v.float().mean(dims).to(v.dtype) for t, v in saved.items()}

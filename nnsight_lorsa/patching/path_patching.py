@@ -49,10 +49,11 @@ from typing import Any, Literal
 import torch
 
 from .._repr import FieldsRepr
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ConfigMismatchError, ShapeError
 from .experiments import logits_envoy, make_metric
 from .metrics import relative_effect
-from .targets import Feature, LorsaHead, MHSAHead, Positions, Resolver, Target, index_at, resolve_envoy
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 Projection = Literal["q", "k", "v"]
@@ -138,7 +139,7 @@ class _Site(FieldsRepr):
 _SAE_STEPS = {"attention_norm_name": 0.2, "attention_name": 1.95, "mlp_norm_name": 2.2, "mlp_name": 2.6}
 
 
-def _place(resolver: Resolver, t: Target) -> tuple[tuple[float, float], int]:
+def _place(replacement: ReplacementModel, t: Target) -> tuple[tuple[float, float], int]:
     """``((layer, step), first)``: where the model computes sender ``t`` (the site order above)
     and ``first``, the first layer whose attention runs after ``t`` (it reads the changed residual
     stream): a head's or a transcoder feature's layer + 1; for SAE features, by site: the embedding
@@ -150,7 +151,7 @@ def _place(resolver: Resolver, t: Target) -> tuple[tuple[float, float], int]:
         ConfigMismatchError: an SAE site path patching cannot place (inside the attention or MLP
             module, or outside the decoder layers other than the embeddings and final norm).
     """
-    a = resolver.adapter
+    a = replacement.adapter
     if isinstance(t, (MHSAHead, LorsaHead)):
         return (float(t.layer), 1.0 if isinstance(t, MHSAHead) else 1.5), t.layer + 1
     if t.kind == "transcoder":
@@ -192,10 +193,10 @@ class _Plan:
     in every chunk, so that the clean run is the same model in all of them).
     """
 
-    def __init__(self, resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
+    def __init__(self, replacement: ReplacementModel, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
                  freeze: bool, lorsa_layers: set[int]) -> None:
-        self.resolver = resolver
-        a = resolver.adapter
+        self.replacement = replacement
+        a = replacement.adapter
         self.lorsa_layers = lorsa_layers
         self.coders: dict[_Site, Feature] = {}
         sites: dict[tuple, _Site] = {}
@@ -211,7 +212,7 @@ class _Plan:
             # Wang et al.: every attention site after the group's earliest sender is frozen, except the
             # senders: a layer holding sender heads is frozen through its per-head values (o_proj's
             # input, hook_z), where the senders are then set
-            first = min(_place(resolver, t)[1] for t in g)
+            first = min(_place(replacement, t)[1] for t in g)
             heads = _sender_layers(g)
             frozen: list[_Site] = []
             for layer in range(first, last) if freeze else ():
@@ -220,7 +221,7 @@ class _Plan:
                         raise ConfigMismatchError(f"an MHSA sender in spliced Lorsa layer {layer} of group {g}")
                     kind, step = ("lorsa_z", 1.5) if layer in heads else ("lorsa_out", 1.8)
                     frozen.append(add(_Site((layer, step, 0), kind, layer)))
-                    if resolver.error:
+                    if replacement.error:
                         frozen.append(add(_Site((layer, 1.9, 0), "lorsa_err", layer)))
                 else:
                     kind, step = ("proj_in", 1.0) if layer in heads else ("proj_out", 1.2)
@@ -233,7 +234,7 @@ class _Plan:
             return _Site((t.layer, 1.0, 0), "proj_in", t.layer)
         if isinstance(t, LorsaHead):
             return _Site((t.layer, 1.5, 0), "lorsa_z", t.layer)
-        (layer, step), _ = _place(self.resolver, t)
+        (layer, step), _ = _place(self.replacement, t)
         site = _Site((layer, step, 0), "coder", int(layer), f"{t.kind}:{t.site}")
         self.coders.setdefault(site, t)
         return site
@@ -247,35 +248,36 @@ class _Plan:
     # ------------------------------------------------------------ in a trace
     def tensor(self, site: _Site) -> Any:
         """The (batch, …) value at ``site`` inside a trace body (narrowed to the current invoke)."""
-        r, a = self.resolver, self.resolver.adapter
+        r, a = self.replacement, self.replacement.adapter
         if site.kind == "proj_in":
-            return resolve_envoy(r.model, r.output_projection_path(site.layer)).input
+            return r.model.get(r.output_projection_path(site.layer)).input
         if site.kind == "proj_out":
-            return resolve_envoy(r.model, r.output_projection_path(site.layer)).output
+            return r.model.get(r.output_projection_path(site.layer)).output
         if site.kind == "qkv":
-            return resolve_envoy(r.model, f"{a.attention_path(site.layer)}.{QKV_PROJECTIONS[site.name]}").output
+            return r.model.get(f"{a.attention_path(site.layer)}.{QKV_PROJECTIONS[site.name]}").output
         if site.kind == "coder":  # hook_sae_acts_post of the spliced SAE / transcoder
             return r.location(self.coders[site])[0]
-        envoy = r.lorsa.replace(site.layer, error=r.error)
+        envoy = r.lorsas.replace(site.layer, error=r.error)
         hook = {"lorsa_z": "hook_z", "lorsa_out": "hook_out", "lorsa_err": "hook_error",
                 "lorsa_qkv": f"hook_{site.name}"}[site.kind]
         return getattr(envoy, hook).output
 
 
-def _splice_all(resolver: Resolver, lorsa_layers: set[int], features: list[Feature]) -> None:
+def _splice_all(replacement: ReplacementModel, lorsa_layers: set[int], features: list[Feature]) -> None:
     """Splice every Lorsa layer and SAE/transcoder site of the call (first invoke, before any read)."""
     todo: list[tuple[tuple[float, float], Any]] = [((float(layer), 1.3), layer) for layer in lorsa_layers]
-    todo += [(_place(resolver, f)[0], f) for f in features]
+    todo += [(_place(replacement, f)[0], f) for f in features]
     for _, item in sorted(todo, key=lambda x: x[0]):
         if isinstance(item, Feature):
-            (resolver.saes if item.kind == "sae" else resolver.transcoders).replace(item.site, error=resolver.error)
+            coders = replacement.saes if item.kind == "sae" else replacement.transcoders
+            coders.replace(item.site, error=replacement.error)
         else:
-            resolver.lorsa.replace(item, error=resolver.error)
+            replacement.lorsas.replace(item, error=replacement.error)
 
 
-def _receiver_index(resolver: Resolver, r: HeadInput) -> tuple:
+def _receiver_index(replacement: ReplacementModel, r: HeadInput) -> tuple:
     """Index into the receiver site's tensor (batch first) selecting this receiver's slice."""
-    a = resolver.adapter
+    a = replacement.adapter
     if isinstance(r.head, MHSAHead):
         d = a.head_dim
         h = r.head.head
@@ -283,15 +285,15 @@ def _receiver_index(resolver: Resolver, r: HeadInput) -> tuple:
             n_kv = int(getattr(a.config, "num_key_value_heads", None) or a.n_heads)
             h = h // (a.n_heads // n_kv)
         return (slice(None), slice(None), slice(h * d, (h + 1) * d))
-    cfg = resolver.lorsa[r.head.layer].cfg
+    cfg = replacement.lorsas[r.head.layer].cfg
     if r.which == "v":
         return (slice(None), slice(None), r.head.head)
     return (slice(None), r.head.head // cfg.group_size)  # hook_q/hook_k: (batch, n_qk, pos, d)
 
 
-def _cols(resolver: Resolver, t: Target) -> tuple:
+def _cols(replacement: ReplacementModel, t: Target) -> tuple:
     if isinstance(t, MHSAHead):
-        d = resolver.adapter.head_dim
+        d = replacement.adapter.head_dim
         return (slice(t.head * d, (t.head + 1) * d),)
     if isinstance(t, LorsaHead):
         return (t.head,)
@@ -308,19 +310,19 @@ def _call_splices(groups: list[tuple[Target, ...]], receivers: list[HeadInput]) 
     return {t.layer for t in targets if isinstance(t, LorsaHead)}, list(features.values())
 
 
-def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
+def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], receivers: list[HeadInput],
            mode: str, means: Any, clean: Any, corrupt: Any, freeze: bool) -> None:
-    a = resolver.adapter
+    a = replacement.adapter
     for g in groups:
         if not g:
             raise ConfigMismatchError("an empty sender group")
         for t in g:
-            resolver.check(t)
-            _place(resolver, t)
+            replacement.check(t)
+            _place(replacement, t)
             if mode == "mean":
                 if not isinstance(means, dict) or t not in means:
                     raise ConfigMismatchError(f"mode='mean' needs means[{t}] (see mean_activations)")
-                resolver.check_values(t, torch.as_tensor(means[t]))
+                replacement.check_values(t, torch.as_tensor(means[t]))
     for r in receivers:
         if not isinstance(r, HeadInput):
             raise ConfigMismatchError(f"receivers are HeadInput(head, 'q'|'k'|'v'), got {r!r}")
@@ -328,16 +330,16 @@ def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list
             raise ConfigMismatchError(f"HeadInput.which must be 'q', 'k' or 'v', got {r.which!r}")
         if not isinstance(r.head, (MHSAHead, LorsaHead)):
             raise ConfigMismatchError(f"a receiver is an MHSA or Lorsa head's input, got {r.head!r}")
-        resolver.check(r.head)
+        replacement.check(r.head)
         if isinstance(r.head, MHSAHead):
-            attn = a.attention_module(resolver.model._module, r.head.layer)
+            attn = a.attention_module(replacement.model._module, r.head.layer)
             if not isinstance(getattr(attn, QKV_PROJECTIONS[r.which], None), torch.nn.Module):
                 raise ConfigMismatchError(
                     f"{a.family} attention has no separate {QKV_PROJECTIONS[r.which]}: MHSA receivers need "
                     "separate q/k/v projections (Llama, Mistral, Qwen)")
         for g in groups:
             for t in g:
-                first = _place(resolver, t)[1]
+                first = _place(replacement, t)[1]
                 if r.head.layer < first:
                     raise ConfigMismatchError(
                         f"receiver {r} must be in a later layer than sender {t}: the first attention after "
@@ -346,13 +348,13 @@ def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list
     replaced_by = {1.95: ("Lorsa", lorsa_layers),  # an SAE on an attention / MLP output the call also replaces
                    2.6: ("transcoder", {int(f.site) for f in features if f.kind == "transcoder"})}
     for f in features:
-        (layer, step), _ = _place(resolver, f)
+        (layer, step), _ = _place(replacement, f)
         what, layers = replaced_by.get(step, ("", set())) if f.kind == "sae" else ("", set())
         if int(layer) in layers:
             raise ConfigMismatchError(f"an SAE sender at {f.site!r} reads the output that layer {int(layer)}'s {what} "
                                       "replaces in this call: path-patch them in separate calls")
     for g in groups if freeze else ():
-        first = min(_place(resolver, t)[1] for t in g)
+        first = min(_place(replacement, t)[1] for t in g)
         for t in g:
             if isinstance(t, MHSAHead) and t.layer >= first and t.layer in lorsa_layers:
                 raise ConfigMismatchError(
@@ -368,7 +370,7 @@ def _check(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list
             raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} differ in shape")
 
 
-def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Sequence[Target]], *,
+def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[Target | Sequence[Target]], *,
                   corrupt: Any = None, mode: Literal["patch", "zero", "mean"] = "patch", means: Any = None,
                   receivers: Sequence[HeadInput] = (), metric: Metric | None = None, correct_ids: Any = None,
                   incorrect_ids: Any = None, positions: Positions = None, freeze: bool = True,
@@ -384,8 +386,8 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
     those heads' q/k/v inputs (at all positions), and the model runs normally after them.
 
     Args:
-        resolver: the model and its sets; a Lorsa of a sender's/receiver's layer and the SAE /
-            transcoder of a feature sender are spliced (with the error term if ``resolver.error``),
+        replacement: the model and its sets; a Lorsa of a sender's/receiver's layer and the SAE /
+            transcoder of a feature sender are spliced (with the error term if ``replacement.error``),
             and a spliced Lorsa site is frozen through its ``hook_out`` (and ``hook_error``).
         clean: token ids ``(batch, pos)`` (or prompts).
         senders: :class:`~.targets.MHSAHead` / :class:`~.targets.LorsaHead` /
@@ -413,10 +415,10 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
             means of the wrong width. All raised before the model runs.
     """
     groups: list[tuple[Target, ...]] = [
-        tuple(resolver.sort(g)) if isinstance(g, (list, tuple)) else (g,) for g in senders  # type: ignore[misc]
+        tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,) for g in senders  # type: ignore[misc]
     ]
     recv = list(receivers)
-    _check(resolver, groups, recv, mode, means, clean, corrupt, freeze)
+    _check(replacement, groups, recv, mode, means, clean, corrupt, freeze)
     lorsa_layers, features = _call_splices(groups, recv)
     score = make_metric(metric, correct_ids, incorrect_ids)
     clean_m: torch.Tensor | None = None
@@ -425,7 +427,7 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
     with torch.no_grad():
         for start in range(0, len(groups), groups_per_trace):
             chunk = groups[start:start + groups_per_trace]
-            logits = _run_chunk(resolver, chunk, recv, clean, corrupt, mode, means, positions, freeze,
+            logits = _run_chunk(replacement, chunk, recv, clean, corrupt, mode, means, positions, freeze,
                                 lorsa_layers, features)
             if clean_m is None:
                 clean_m = score(logits["clean"])
@@ -435,11 +437,11 @@ def path_patching(resolver: Resolver, clean: Any, senders: Sequence[Target | Seq
     return PathPatchingResult(groups, recv, clean_m, corrupt_m, torch.stack(patched))
 
 
-def _run_chunk(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: list[HeadInput], clean: Any,
+def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], receivers: list[HeadInput], clean: Any,
                corrupt: Any, mode: str, means: Any, positions: Positions, freeze: bool, lorsa_layers: set[int],
                features: list[Feature]) -> dict[str, Any]:
-    plan = _Plan(resolver, groups, receivers, freeze, lorsa_layers)
-    model = resolver.model
+    plan = _Plan(replacement, groups, receivers, freeze, lorsa_layers)
+    model = replacement.model
     # invoke roles: A clean (source of frozen values), B corrupt (source of sender values),
     # C_i sender-patched clean run, D_i receiver-patched clean run
     roles: list[tuple[str, int]] = [("A", -1)]
@@ -451,8 +453,8 @@ def _run_chunk(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: 
     frozen_by = [set(fs) for fs in plan.freeze_sites]
     sender_by = [dict.fromkeys(ss) for ss in plan.sender_sites]
     recv_sites = set(plan.receiver_sites)
-    recv_idx = [_receiver_index(resolver, r) for r in receivers]
-    sender_idx = [[index_at(_cols(resolver, t), positions) for t in g] for g in groups]
+    recv_idx = [_receiver_index(replacement, r) for r in receivers]
+    sender_idx = [[index_at(_cols(replacement, t), positions) for t in g] for g in groups]
     out: dict[str, Any] = {"patched": [None] * len(groups)}
     saved: list[torch.Tensor] = []
     shared: dict[Any, Any] = {}  # values handed between invokes (keyed by role/site)
@@ -462,13 +464,13 @@ def _run_chunk(resolver: Resolver, groups: list[tuple[Target, ...]], receivers: 
             prompts = corrupt if role == "B" else clean
             with tracer.invoke(prompts):
                 if n == 0:
-                    _splice_all(resolver, lorsa_layers, features)
+                    _splice_all(replacement, lorsa_layers, features)
                 for site, barrier in zip(plan.sites, barriers, strict=True):
                     _before(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, recv_sites)
                     barrier()
                     _after(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, receivers,
                            recv_idx, mode, means)
-                saved.append(logits_envoy(resolver).output.save())
+                saved.append(logits_envoy(replacement).output.save())
     for (role, gi), logits in zip(roles, saved, strict=True):
         if role == "A":
             out["clean"] = logits

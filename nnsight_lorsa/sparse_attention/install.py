@@ -93,9 +93,9 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
     for layer, attn in zip(gates, modules, strict=True):
         gates[layer].train(attn.training)
         if _is_envoy(model):
-            from ..envoy.mount import attach, resolve_envoy
+            from ..envoy.nnsight_internals import attach
 
-            attach(resolve_envoy(model, adapter.attention_path(layer)), GATE_NAME, gates[layer])
+            attach(model.get(adapter.attention_path(layer)), GATE_NAME, gates[layer])
         else:
             attn.add_module(GATE_NAME, gates[layer])
     return gates
@@ -114,11 +114,11 @@ def uninstall_gated_attention(model: Any) -> None:
     for layer in range(adapter.n_layers):
         attn = adapter.attention_module(hf, layer)
         if _is_envoy(model):
-            from ..envoy.mount import detach, resolve_envoy
+            from ..envoy.nnsight_internals import detach
 
             gate = attn._modules[GATE_NAME]
             assert gate is not None
-            detach(resolve_envoy(model, adapter.attention_path(layer)), GATE_NAME, gate, True)
+            detach(model.get(adapter.attention_path(layer)), GATE_NAME, gate, True)
         else:
             del attn._modules[GATE_NAME]
     _set_attn_implementation(hf, getattr(hf, _DENSE_ATTR))

@@ -35,7 +35,6 @@ from torch import nn
 
 from .._typing import Int
 from ..adapters.registry import get_adapter
-from ..envoy.mount import resolve_envoy
 from ..errors import ActivationCacheError
 from .activations import Site, SiteBatch, TokenDataset, _read_site, loss_mask_for
 
@@ -121,7 +120,7 @@ def read_sites(model: Any, sites: Mapping[str, Site], input_ids: Int[torch.Tenso
     with model.trace(inputs, use_cache=False) as tracer:
         for _, s in ordered:
             if s not in saved:
-                saved[s] = nnsight.save(_read_site(resolve_envoy(model, s.path), s, adapter))
+                saved[s] = nnsight.save(_read_site(model.get(s.path), s, adapter))
         tracer.stop()
     return {name: saved[s] for name, s in sites.items()}
 

@@ -19,7 +19,6 @@ import torch
 from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..envoy.mount import resolve_envoy
 
 
 @dataclass
@@ -129,7 +128,7 @@ def attention_activations(
         LayerOutOfRangeError: ``layer`` outside the model.
     """
     adapter = get_adapter(model) if adapter is None else adapter
-    attn = resolve_envoy(model, adapter.attention_path(layer))
+    attn = model.get(adapter.attention_path(layer))
     inputs: dict[str, Any] = {"input_ids": input_ids}
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask
@@ -238,11 +237,11 @@ def site_activations(model: Any, input_site: Site, target_site: Site, input_ids:
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask
     with model.trace(inputs, use_cache=False) as tracer:
-        saved_x = nnsight.save(_read_site(resolve_envoy(model, input_site.path), input_site, adapter))
+        saved_x = nnsight.save(_read_site(model.get(input_site.path), input_site, adapter))
         if target_site == input_site:
             saved_y = saved_x
         else:
-            saved_y = nnsight.save(_read_site(resolve_envoy(model, target_site.path), target_site, adapter))
+            saved_y = nnsight.save(_read_site(model.get(target_site.path), target_site, adapter))
         tracer.stop()
     return SiteBatch(x=saved_x, y=saved_y, loss_mask=loss_mask_for(input_ids, attention_mask))
 

@@ -40,7 +40,6 @@ import torch
 from .._typing import Bool, Float
 from ..adapters.registry import get_adapter
 from ..envoy.clt_set import CLTSet
-from ..envoy.mount import resolve_envoy
 from ..errors import CheckpointError, ConfigMismatchError, ShapeError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sparse_coder import affine
@@ -375,12 +374,12 @@ def evaluate_clt(clt_set: CLTSet, heldout: TokenDataset, *, batch_size: int = 8,
         n_batches = min(n_batches, max_batches)
     for i in range(n_batches):
         ids = heldout.tokens[i * batch_size:(i + 1) * batch_size]
-        lm_head = resolve_envoy(model, adapter.lm_head_path)
+        lm_head = model.get(adapter.lm_head_path)
         xs: list[Any] = []
         ys: list[Any] = []
         with model.trace(ids, use_cache=False):
             for path in mlps:
-                env = resolve_envoy(model, path)
+                env = model.get(path)
                 args, kwargs = env.inputs
                 xs.append(nnsight.save(adapter.mlp_input(args, kwargs)))
                 ys.append(nnsight.save(adapter.mlp_output(env.output)))
@@ -390,7 +389,7 @@ def evaluate_clt(clt_set: CLTSet, heldout: TokenDataset, *, batch_size: int = 8,
             logits_spliced = nnsight.save(lm_head.output)
         with model.trace(ids, use_cache=False):
             for path in mlps:
-                env = resolve_envoy(model, path)
+                env = model.get(path)
                 original = env.output
                 env.output = adapter.with_mlp_output(original, torch.zeros_like(adapter.mlp_output(original)))
             logits_zero = nnsight.save(lm_head.output)

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from ..envoy.lorsa_set import LorsaSet
-from ..envoy.mount import resolve_envoy
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
 from .activations import TokenDataset
@@ -128,7 +127,7 @@ def evaluate_spliced(model: Any, lm_head_path: str, dataset: TokenDataset, n_lat
         n_batches = min(n_batches, max_batches)
     for i in range(n_batches):
         ids = dataset.tokens[i * batch_size:(i + 1) * batch_size]
-        lm_head = resolve_envoy(model, lm_head_path)
+        lm_head = model.get(lm_head_path)
         with model.trace(ids, use_cache=False):
             target = nnsight.save(read_target())
             logits_orig = nnsight.save(lm_head.output)
@@ -171,13 +170,13 @@ def evaluate_lorsa(lorsas: LorsaSet, layer: int, dataset: TokenDataset, *, batch
         return site.hook_z.output, site.hook_out.output
 
     def zero_ablate() -> None:
-        attn = resolve_envoy(model, attn_path)
+        attn = model.get(attn_path)
         original = attn.output
         attn.output = adapter.with_attention_output(original, torch.zeros_like(adapter.attention_output(original)))
 
     ev = evaluate_spliced(
         model, adapter.lm_head_path, dataset, lorsas[layer].cfg.n_ov_heads,
-        read_target=lambda: adapter.attention_output(resolve_envoy(model, attn_path).output),
+        read_target=lambda: adapter.attention_output(model.get(attn_path).output),
         splice=splice, zero_ablate=zero_ablate, batch_size=batch_size, max_batches=max_batches)
     return LorsaEvaluation(fvu=ev.fvu, l0=ev.l0, dead_frac=ev.dead_frac, ce_orig=ev.ce_orig,
                            ce_lorsa=ev.ce_spliced, ce_zero=ev.ce_zero, n_tokens=ev.n_tokens)
@@ -195,13 +194,13 @@ def evaluate_transcoder(transcoders: TranscoderSet, layer: int, dataset: TokenDa
     mlp_path = adapter.mlp_path(layer)
 
     def zero_ablate() -> None:
-        mlp = resolve_envoy(model, mlp_path)
+        mlp = model.get(mlp_path)
         original = mlp.output
         mlp.output = adapter.with_mlp_output(original, torch.zeros_like(adapter.mlp_output(original)))
 
     return evaluate_spliced(
         model, adapter.lm_head_path, dataset, transcoders[layer].cfg.d_sae,
-        read_target=lambda: adapter.mlp_output(resolve_envoy(model, mlp_path).output),
+        read_target=lambda: adapter.mlp_output(model.get(mlp_path).output),
         splice=lambda: _dictionary_splice(transcoders.replace(layer)), zero_ablate=zero_ablate,
         batch_size=batch_size, max_batches=max_batches)
 
@@ -213,13 +212,13 @@ def evaluate_sae(saes: SAESet, site: str, dataset: TokenDataset, *, batch_size: 
     model = saes.model
 
     def zero_ablate() -> None:
-        env = resolve_envoy(model, site)
+        env = model.get(site)
         original = env.output
         env.output = with_site_output(original, torch.zeros_like(site_output(original)))
 
     return evaluate_spliced(
         model, saes.adapter.lm_head_path, dataset, saes[site].cfg.d_sae,
-        read_target=lambda: site_output(resolve_envoy(model, site).output),
+        read_target=lambda: site_output(model.get(site).output),
         splice=lambda: _dictionary_splice(saes.replace(site)), zero_ablate=zero_ablate,
         batch_size=batch_size, max_batches=max_batches)
 

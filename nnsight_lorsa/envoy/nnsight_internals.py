@@ -1,0 +1,148 @@
+"""Every use of nnsight's private internals in this package, in one module.
+
+Checked against nnsight 0.8.1 (``nnsight>=0.8.1,<0.9`` in pyproject.toml): the names below are not
+part of nnsight's documented API (``Envoy``, ``.input``/``.output``, ``trace``, ``save``), so a new
+nnsight version is checked here and nowhere else. What is used:
+
+* ``nnsight.intervention.source.STATE`` / ``Controller`` — nnsight's per-module instrumentation, removed
+  from a replacement module when it is unmounted (:func:`strip_nnsight`);
+* ``Envoy._drop_envoy``, ``Envoy._module``, ``interleaver.envoys`` — unmounting a child envoy (:func:`detach`);
+* ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
+  ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
+  ``Mediator.counts_at_start`` — a per-trace worker that runs a replacement in step with the model.
+
+Mounting: a replacement module becomes an envoy of the running trace by being attached as a child
+of a model module (nnsight mirrors it and instruments it with its controller); when its trace ends
+it is detached and nnsight's per-module instrumentation is removed again, unless the module
+already carried it before (a module the user wrapped elsewhere is left alone).
+
+Workers: nnsight runs each intervention block as a *mediator* (a greenlet that parks on the
+locations it reads or writes). A replacement module's internals are observable only when the
+module is called from a *different* worker than the one reading them (nnsight docs,
+``patterns/sae-and-auxiliary-modules.md``: "the edit runs the SAE call, and the trace body
+parks on sae.encoder.output"). ``model.edit()`` gives such a worker but persists across
+traces; :func:`spawn_worker` gives one for the current trace only: it is added to the running
+interleaver, parks like any intervention, and is unwound by nnsight's own ``cancel()`` when
+the trace ends, normally or by an error — so nothing it sets up outlives the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.source import STATE, Controller
+from torch import nn
+
+from ..errors import TraceOrderError
+
+
+def strip_nnsight(module: nn.Module) -> None:
+    """Undo nnsight's per-module instrumentation (controller forward + state) on a detached module."""
+    for sub in module.modules():
+        if isinstance(sub.__dict__.get("forward"), Controller):
+            del sub.__dict__["forward"]
+        sub.__dict__.pop(STATE, None)
+
+
+def attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
+    """Mount ``module`` as ``site_envoy.<name>`` and return its envoy (raises if the name is taken)."""
+    existing = site_envoy._module._modules.get(name)
+    if existing is not None and existing is not module:
+        raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
+    if existing is None:
+        setattr(site_envoy, name, module)
+    return getattr(site_envoy, name)
+
+
+def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
+    """Unmount ``module`` and, unless it was instrumented before :func:`attach`, strip nnsight's controllers."""
+    if site_envoy._module._modules.get(name) is module:
+        del site_envoy._module._modules[name]
+        site_envoy._drop_envoy(name)
+    # nnsight forgets the dropped envoy's own registration only; a descendant's (a hook point's)
+    # would make the next trace that mounts the module alias the stale envoy (seen after
+    # ``tracer.stop()``: OutOfOrderError on ``hook_z`` in the following trace)
+    registry = site_envoy.interleaver.envoys
+    prefix = f"{site_envoy.path}.{name}."
+    for sub in module.modules():
+        envoy = registry.get(id(sub))
+        if envoy is not None and f"{envoy.path}.".startswith(prefix):
+            del registry[id(sub)]
+    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
+        strip_nnsight(module)
+
+
+def is_instrumented(module: nn.Module) -> bool:
+    """Whether nnsight has instrumented ``module`` already (then unmounting leaves it so)."""
+    return STATE in module.__dict__
+
+
+# ------------------------------------------------------------------ workers
+class FunctionWorker(Mediator):
+    """A :class:`~nnsight.intervention.interleaver.Mediator` whose body is ``fn()``.
+
+    ``batch_group`` is None: the worker sees the whole batch (all invokes), like an edit.
+    ``tag`` identifies what it does (used to find an existing worker for the same site).
+    """
+
+    def __init__(self, fn: Callable[[], None], tag: Any) -> None:
+        super(FunctionWorker, self).__init__(None, {}, {})
+        self.fn = fn
+        self.tag = tag
+        self.batch_group = None
+
+    def _run(self) -> None:
+        self.fn()
+
+
+def current_worker(what: str) -> Mediator:
+    """The intervention worker running now (raises ``ValueError`` outside a trace)."""
+    return Mediator.current(what)
+
+
+def find_worker(interleaver: Any, tag: Any) -> FunctionWorker | None:
+    """The live :class:`FunctionWorker` with ``tag`` in this run, if any."""
+    for mediator in interleaver.mediators:
+        if isinstance(mediator, FunctionWorker) and mediator.tag == tag and mediator.alive:
+            return mediator
+    return None
+
+
+def spawn_worker(interleaver: Any, fn: Callable[[], None], tag: Any) -> FunctionWorker:
+    """Start ``fn`` as a worker of the running trace; it runs until it first parks.
+
+    Must be called from inside an intervention (a trace body). The worker is appended to the
+    interleaver's mediators, so nnsight serves it, checks it for dangling requests after the
+    run and unwinds it (``GreenletExit``, running its ``finally`` blocks) in ``cancel()``.
+    """
+    worker = FunctionWorker(fn, tag)
+    interleaver.mediators.append(worker)
+    worker.start(interleaver)
+    interleaver._reindex_parked()
+    return worker
+
+
+def stood_down(interleaver: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` with the trace stood down: module values are neither served nor edited."""
+    was = interleaver.interleaving
+    interleaver.interleaving = False
+    try:
+        return fn()
+    finally:
+        interleaver.interleaving = was
+
+
+def waiting_under(interleaver: Any, prefix: str) -> bool:
+    """Whether some worker of the run waits on a location under envoy path ``prefix``."""
+    # workers served alongside this one may have parked since the interleaver last indexed who
+    # waits where; re-index so the module's internals reach them
+    interleaver._reindex_parked()
+    return any(p is not None and p.startswith(prefix) for p in interleaver.parked)
+
+
+def ran_since_start(worker: Mediator, envoy_path: str) -> int:
+    """How often the module at ``envoy_path`` was called in this forward pass since ``worker`` started."""
+    key = f"{envoy_path}.input"
+    return worker.interleaver.counts.get(key, 0) - worker.counts_at_start.get(key, 0)

@@ -1,0 +1,256 @@
+"""``ReplacementModel``: one nnsight model and the replacement modules that stand in for its parts.
+
+The one argument that attribution, patching, analysis, dashboards and remote runs take (the
+nnsight-native counterpart of circuit-tracer's ``ReplacementModel``,
+``circuit_tracer/replacement_model.py``): Lorsas for attention layers, transcoders (per layer) or
+a cross-layer transcoder for MLPs, and SAEs at hook sites, all bound to the same model::
+
+    rm = ReplacementModel(model, lorsas=lorsa_set, transcoders=transcoder_set)
+    with rm.trace(prompt):
+        sites = rm.replace()                       # every replacement spliced, error terms on
+        z = nnsight.save(sites["lorsas"][2].hook_z.output)
+
+It also knows what can be pointed at in that model: ``rm(target)`` validates an
+:class:`~.targets.MHSAHead`, :class:`~.targets.LorsaHead` or :class:`~.targets.Feature` before
+anything runs and returns a :class:`~.targets.Bound` target for the interventions of
+:mod:`nnsight_lorsa.patching`; inside a trace :meth:`ReplacementModel.location` finds the
+tensor it lives in.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..adapters.base import ArchitectureAdapter
+from ..adapters.registry import get_adapter
+from ..errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
+from ..modules.clt import CrossLayerTranscoder
+from .clt_set import CLTSet
+from .lorsa_set import LorsaSet
+from .sae_set import SAESet
+from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
+from .transcoder_set import TranscoderSet
+
+#: names of the attention output projection, per family (its input is per-head, head-major)
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj")
+
+
+def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, set_type: type, what: str) -> Any:
+    """``value`` as a replacement set of ``model``: a set of this model as it is, a mapping wrapped."""
+    if value is None or isinstance(value, set_type):
+        if value is not None and getattr(value, "model", model) is not model:
+            raise ConfigMismatchError(f"the {what} belong to another model than this ReplacementModel's")
+        return value
+    if isinstance(value, Mapping):
+        return set_type(model, dict(value), adapter=adapter)
+    raise ConfigMismatchError(f"{what} must be a {set_type.__name__} or a mapping, got {type(value).__name__}")
+
+
+class ReplacementModel:
+    """An nnsight model and its replacement modules (see the module docstring).
+
+    Args:
+        model: the nnsight ``LanguageModel`` / ``TransformersModel`` (the root envoy).
+        lorsas: a :class:`~.lorsa_set.LorsaSet` of ``model`` or ``{layer: Lorsa}``.
+        transcoders: a :class:`~.transcoder_set.TranscoderSet` of ``model`` or ``{layer: Transcoder}``,
+            or a :class:`~.clt_set.CLTSet` / :class:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder`.
+        saes: an :class:`~.sae_set.SAESet` of ``model`` or ``{site path: SAE}``.
+        error: splice replacements with their error terms (default True), so that an unedited
+            run reproduces the model and only an edit changes it (seed ``004_…`` §9.4).
+        adapter: the model family's adapter (default :func:`~nnsight_lorsa.adapters.registry.get_adapter`).
+
+    Attributes:
+        model, adapter, lorsas, transcoders, saes, error: as given (mappings wrapped in their sets).
+
+    Raises:
+        UnsupportedArchitectureError: the model family has no adapter.
+        ConfigMismatchError: a set bound to another model, or a value of the wrong type.
+        LayerOutOfRangeError: a module keyed by a layer the model does not have.
+    """
+
+    def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
+                 error: bool = True, adapter: ArchitectureAdapter | None = None) -> None:
+        self.model = model
+        self.adapter = adapter if adapter is not None else get_adapter(model)
+        self.lorsas: Any = _bound_set(model, self.adapter, lorsas, LorsaSet, "lorsas")
+        if isinstance(transcoders, CrossLayerTranscoder):
+            transcoders = CLTSet(model, transcoders, adapter=self.adapter)
+        self.transcoders: Any = (
+            transcoders if isinstance(transcoders, CLTSet)
+            else _bound_set(model, self.adapter, transcoders, TranscoderSet, "transcoders"))
+        self.saes: Any = _bound_set(model, self.adapter, saes, SAESet, "saes")
+        self.error = bool(error)
+
+    def __repr__(self) -> str:
+        parts = [f"{name}={value!r}" for name, value in
+                 (("lorsas", self.lorsas), ("transcoders", self.transcoders), ("saes", self.saes)) if value is not None]
+        return f"ReplacementModel({self.adapter.family}, {', '.join(parts) or 'no replacements'}, error={self.error})"
+
+    # ------------------------------------------------------------ running
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.trace(...)`` of the underlying nnsight model (nothing is spliced until :meth:`replace`)."""
+        return self.model.trace(*args, **kwargs)
+
+    def replace(self, *, error: bool | None = None) -> dict[str, Any]:
+        """Inside a trace body: splice every replacement this bundle holds, in the order the model runs them.
+
+        Returns ``{"lorsas": {layer: envoy}, "transcoders": {layer: envoy} | envoy (CLT),
+        "saes": {site: envoy}}`` for the sets present. ``error`` defaults to :attr:`error`.
+
+        Raises:
+            TraceOrderError: called after the model reached one of the sites in this forward pass.
+            ValueError: called outside a trace.
+        """
+        err = self.error if error is None else bool(error)
+        keyed: list[tuple[tuple[float, float], str, Any]] = []
+        for layer in self.lorsas or ():
+            keyed.append((self.order(LorsaHead(layer, 0)), "lorsas", layer))
+        if isinstance(self.transcoders, TranscoderSet):
+            for layer in self.transcoders:
+                keyed.append((self.order(Feature(layer, 0, kind="transcoder")), "transcoders", layer))
+        for site in self.saes or ():
+            keyed.append((self.order(Feature(site, 0)), "saes", site))
+        out: dict[str, Any] = {name: {} for name, s in (("lorsas", self.lorsas), ("saes", self.saes)) if s is not None}
+        if isinstance(self.transcoders, CLTSet):
+            out["transcoders"] = self.transcoders.replace(error=err)
+        elif self.transcoders is not None:
+            out["transcoders"] = {}
+        for _, kind, key in sorted(keyed, key=lambda e: e[0]):
+            out[kind][key] = getattr(self, kind).replace(key, error=err)
+        return out
+
+    # ------------------------------------------------------------ targets
+    def __call__(self, target: Target) -> Bound:
+        """``target`` checked against this model (:meth:`check`) and bound to it, for the interventions."""
+        self.check(target)
+        return Bound(target, self)
+
+    def bind_all(self, targets: Iterable[Target]) -> list[Bound]:
+        return [self(t) for t in targets]
+
+    def output_projection_path(self, layer: int) -> str:
+        """Module path of layer ``layer``'s attention output projection (its input is head-major)."""
+        attn_path = self.adapter.attention_path(layer)
+        attn = self.adapter.get_module(self.model._module, attn_path)
+        for name in OUTPUT_PROJECTIONS:
+            if isinstance(getattr(attn, name, None), torch.nn.Module):
+                return f"{attn_path}.{name}"
+        raise ConfigMismatchError(f"{attn_path} has none of the output projections {OUTPUT_PROJECTIONS}")
+
+    def check(self, target: Any) -> None:
+        """Raise if ``target`` does not exist in this model / these sets (nothing runs).
+
+        Raises:
+            LayerOutOfRangeError: the layer is outside the model, or the set has no module there.
+            TargetIndexError: the head/feature index is outside its range.
+            ConfigMismatchError: unknown SAE site, no set for the target's kind, unknown target type.
+        """
+        if isinstance(target, MHSAHead):
+            self.adapter.check_layer(target.layer)
+            self.output_projection_path(target.layer)
+            check_index(target.head, self.adapter.n_heads, f"MHSA head of layer {target.layer}")
+        elif isinstance(target, LorsaHead):
+            if self.lorsas is None:
+                raise ConfigMismatchError(f"{target} needs a LorsaSet: ReplacementModel(model, lorsas=...)")
+            n = self.lorsas[target.layer].cfg.n_ov_heads  # LayerOutOfRangeError when missing
+            check_index(target.head, n, f"Lorsa head of layer {target.layer}")
+        elif isinstance(target, Feature):
+            n = self._coder(target).cfg.d_sae
+            check_index(target.index, n, f"{target.kind} feature at {target.site!r}")
+        else:
+            raise ConfigMismatchError(f"not an intervention target: {target!r}")
+
+    def _coder(self, target: Feature) -> Any:
+        if target.kind == "sae":
+            if self.saes is None:
+                raise ConfigMismatchError(f"{target} needs an SAESet: ReplacementModel(model, saes=...)")
+            return self.saes[target.site]
+        if target.kind == "transcoder":
+            if self.transcoders is None:
+                raise ConfigMismatchError(f"{target} needs a TranscoderSet: ReplacementModel(model, transcoders=...)")
+            if isinstance(self.transcoders, CLTSet):
+                raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention "
+                                          "targets; use per-layer transcoders")
+            if not isinstance(target.site, int):
+                raise LayerOutOfRangeError(f"a transcoder feature's site is a layer (int), got {target.site!r}")
+            return self.transcoders[target.site]
+        raise ConfigMismatchError(f"Feature kind must be 'sae' or 'transcoder', got {target.kind!r}")
+
+    def width(self, target: Target) -> int | None:
+        """Size of the last axis of one position's value: ``head_dim`` for MHSA heads, None (scalar) else."""
+        return self.adapter.head_dim if isinstance(target, MHSAHead) else None
+
+    def check_values(self, target: Target, values: torch.Tensor) -> None:
+        """Raise :class:`ShapeError` if ``values`` cannot be one target's per-position value(s)."""
+        if not isinstance(values, torch.Tensor):
+            return
+        width = self.width(target)
+        if width is None:
+            if values.ndim > 2:
+                raise ShapeError(f"values for {target} are scalars per (batch, pos): got shape {tuple(values.shape)}")
+        elif values.ndim == 0 or values.shape[-1] != width or values.ndim > 3:
+            raise ShapeError(f"values for {target} must end in head_dim={width}: got shape {tuple(values.shape)}")
+
+    # ------------------------------------------------------------ ordering
+    def order(self, target: Target) -> tuple[float, float]:
+        """Where the model computes ``target`` (layer, step): interventions in one trace body must
+        run in this order (nnsight serves module values in execution order)."""
+        if isinstance(target, MHSAHead):
+            return (float(target.layer), 1.0)
+        if isinstance(target, LorsaHead):
+            return (float(target.layer), 1.5)
+        if target.kind == "transcoder":
+            return (float(target.site), 2.5)
+        path = str(target.site)
+        a = self.adapter
+        if path == a.embed_path:
+            return (-1.0, 0.0)
+        m = re.match(rf"{re.escape(a.layers_path)}\.(\d+)(\.(.*))?$", path)
+        if m is None:
+            return (float(a.n_layers), 0.0)
+        layer, sub = int(m.group(1)), m.group(3) or ""
+        if path == a.attention_norm_path(layer):  # computed before the layer's attention
+            return (float(layer), 0.5)
+        if path == a.mlp_norm_path(layer):  # between the attention and the MLP
+            return (float(layer), 2.0)
+        step = 1.6 if sub.startswith(a.attention_name) else 2.6 if a.mlp_name and sub.startswith(a.mlp_name) else 3.0
+        return (float(layer), step)
+
+    def sort(self, targets: Iterable[Target]) -> list[Target]:
+        return sorted(targets, key=self.order)
+
+    # ------------------------------------------------------------ in a trace
+    def prepare(self, targets: Iterable[Target]) -> None:
+        """Inside a trace body, before any intervention: splice every Lorsa / SAE / transcoder the
+        targets need. A Lorsa must be spliced before anything inside its attention is read (e.g. an
+        MHSA head of the same layer); splicing is idempotent within one trace."""
+        for t in self.sort(set(targets)):
+            if isinstance(t, LorsaHead):
+                self._set(t).replace(t.layer, error=self.error)
+            elif isinstance(t, Feature):
+                self._set(t).replace(t.site, error=self.error)
+
+    def _set(self, target: LorsaHead | Feature) -> Any:
+        return self.lorsas if isinstance(target, LorsaHead) else self.saes if target.kind == "sae" else self.transcoders
+
+    def location(self, target: Target) -> tuple[Any, tuple]:
+        """Inside a trace body: ``(tensor, index)`` such that ``tensor[index]`` is the target's value.
+
+        MHSA heads: the output projection's input ``(batch, pos, n_heads*head_dim)`` and the head's
+        columns; Lorsa heads: ``hook_z`` output and the head; features: ``hook_sae_acts_post``.
+        The index is ``(..., positions?, cols)`` without the position axis; see
+        :func:`~.targets.index_at`.
+        """
+        if isinstance(target, MHSAHead):
+            d = self.adapter.head_dim
+            proj = self.model.get(self.output_projection_path(target.layer))
+            return proj.input, (slice(target.head * d, (target.head + 1) * d),)
+        if isinstance(target, LorsaHead):
+            site = self._set(target).replace(target.layer, error=self.error)
+            return site.hook_z.output, (target.head,)
+        site = self._set(target).replace(target.site, error=self.error)
+        return site.hook_sae_acts_post.output, (target.index,)

@@ -1,0 +1,94 @@
+"""What an intervention acts on: MHSA heads, Lorsa heads and SAE/transcoder features.
+
+Targets are plain frozen dataclasses (hashable, usable as dict keys)::
+
+    MHSAHead(layer=2, head=1)            # columns head*head_dim:(head+1)*head_dim of o_proj's input
+    LorsaHead(layer=2, head=17)          # hook_z[..., 17] of LorsaSet.replace(2)
+    Feature("model.layers.1", 5)         # SAE feature 5 at that site (hook_sae_acts_post)
+    Feature(1, 5, kind="transcoder")     # transcoder feature 5 of layer 1's MLP
+
+A :class:`~.replacement_model.ReplacementModel` knows the model and its replacement sets; it
+validates targets before any model runs (:meth:`~.replacement_model.ReplacementModel.check`) and,
+inside a trace body, finds the tensor a target lives in
+(:meth:`~.replacement_model.ReplacementModel.location`). ``replacement(target)`` gives a
+:class:`Bound` target, which the interventions of :mod:`nnsight_lorsa.patching` take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ..errors import LorsaError
+
+if TYPE_CHECKING:
+    from .replacement_model import ReplacementModel
+
+class TargetIndexError(LorsaError, IndexError):
+    """A head or feature index is outside ``[0, n)`` of what it indexes."""
+
+
+@dataclass(frozen=True)
+class MHSAHead:
+    """Head ``head`` of layer ``layer``'s multi-head self-attention."""
+
+    layer: int
+    head: int
+
+
+@dataclass(frozen=True)
+class LorsaHead:
+    """Head ``head`` (an OV head, i.e. a column of ``hook_z``) of the Lorsa of ``layer``."""
+
+    layer: int
+    head: int
+
+
+@dataclass(frozen=True)
+class Feature:
+    """Feature ``index`` of an SAE (``site`` a module path) or transcoder (``site`` a layer)."""
+
+    site: str | int
+    index: int
+    kind: Literal["sae", "transcoder"] = "sae"
+
+
+Target = MHSAHead | LorsaHead | Feature
+Positions = int | slice | list | torch.Tensor | None
+
+
+def positions_index(positions: Positions) -> Any:
+    """The index along the position axis: all positions for None."""
+    if positions is None:
+        return slice(None)
+    if isinstance(positions, torch.Tensor):
+        return positions.tolist()
+    return positions
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A validated target together with the :class:`~.replacement_model.ReplacementModel` that finds
+    it in a trace."""
+
+    target: Target
+    replacement: ReplacementModel
+
+    def location(self) -> tuple[Any, tuple]:
+        return self.replacement.location(self.target)
+
+    @property
+    def width(self) -> int | None:
+        return self.replacement.width(self.target)
+
+
+def index_at(cols: tuple, positions: Positions) -> tuple:
+    """``(batch, positions, cols)`` index into a ``(batch, pos, …)`` tensor."""
+    return (slice(None), positions_index(positions), *cols)
+
+
+def check_index(i: Any, n: int, what: str) -> None:
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        raise TargetIndexError(f"{what} index {i!r} is out of range [0, {n})")
