@@ -31,6 +31,11 @@ class ConfigMismatchError(LorsaError, ValueError):
     """A replacement module does not fit the model it is attached to (d_model, head_dim, layer)."""
 
 
+class ArgumentError(LorsaError, TypeError, ValueError):
+    """A public function was given an argument of the wrong type or an empty / meaningless value
+    (e.g. ``replace(layer=2.0)``, ``replace(layer=[])``); the message names the argument."""
+
+
 class TraceOrderError(LorsaError, RuntimeError):
     """A replacement was requested after the model already ran past the site it replaces."""
 

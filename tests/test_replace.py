@@ -283,3 +283,28 @@ def test_replace_under_nnsight_remote_local_simulation():
     done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_SCRIPT], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_replace_refuses_bad_keys_and_calls_outside_a_trace_with_named_errors():
+    from test_sae_transcoder import make_transcoder
+
+    from nnsight_lorsa import TranscoderSet
+    from nnsight_lorsa.errors import ArgumentError, TraceOrderError
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+    tcs = TranscoderSet(model, {0: make_transcoder()})
+    for bad in (2.0, "2", True, [], [1.5]):
+        for s in (lorsas, tcs):
+            with pytest.raises(ArgumentError, match="layer index|names nothing"), model.trace(random_ids()):
+                s.replace(bad)
+    for s in (lorsas, tcs):
+        with pytest.raises(TraceOrderError, match="inside a model.trace"):
+            s.replace(LAYER if s is lorsas else 0)
+    import numpy as np
+
+    with model.trace(random_ids()):  # numpy / tensor integers are layer indices too
+        one = lorsas.replace(np.int64(LAYER))
+        z = one.hook_z.output.save()
+    assert z.shape[-1] == lorsas[LAYER].cfg.n_ov_heads

@@ -1,1 +1,21 @@
-"""nnsight integration: splicing replacement modules into a trace (needs nnsight)."""
+"""The nnsight glue: replacement modules spliced into a trace, their internals as envoys (needs nnsight).
+
+* :class:`ReplacementModel` — a model and its replacements in one object, the argument that
+  attribution, patching, analysis and dashboards take; ``replace()`` splices all of them.
+* The sets, one per kind, each with ``replace(...)`` inside a trace and ``from_pretrained`` /
+  ``save``: :class:`LorsaSet` (attention), :class:`TranscoderSet` (MLPs), :class:`CLTSet`
+  (all MLPs, one cross-layer transcoder), :class:`SAESet` (any module's output).
+* Targets of interventions: :class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`.
+
+Mechanism: :mod:`.splice_chain` (one replacement over one or several sites, error terms), every
+use of nnsight's private internals in :mod:`.nnsight_internals`. See docs/nnsight.md.
+"""
+
+from .clt_set import CLTSet
+from .lorsa_set import LorsaSet
+from .replacement_model import ReplacementModel
+from .sae_set import SAESet
+from .targets import Feature, LorsaHead, MHSAHead
+from .transcoder_set import TranscoderSet
+
+__all__ = ["CLTSet", "Feature", "LorsaHead", "LorsaSet", "MHSAHead", "ReplacementModel", "SAESet", "TranscoderSet"]

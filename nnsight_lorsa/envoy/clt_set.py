@@ -98,6 +98,6 @@ class CLTSet:
 
         Raises:
             TraceOrderError: the model already ran one of the MLPs in this pass.
-            ValueError: called outside a trace.
+            TraceOrderError: called outside a trace.
         """
         return splice_chain(self.model, self.site(), self.clt, error=error)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError
 from ..modules.lorsa import Lorsa
+from .replacement_set import replace_keys
 from .splice import SpliceSite, splice
 
 
@@ -147,7 +148,7 @@ class LorsaSet:
             check_call=_check_not_cached_step(layer),
         )
 
-    def replace(self, layer: int | Iterable[int] | None = None, *, error: bool = False) -> Any:
+    def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MHSA output of ``layer`` by its Lorsa's output, in the current trace only.
 
         Call inside ``model.trace(...)`` before anything at or after that layer is read. Returns
@@ -165,16 +166,12 @@ class LorsaSet:
         Raises:
             LayerOutOfRangeError: no Lorsa for ``layer`` / outside the model.
             TraceOrderError: the model already ran that layer's attention in this pass.
-            ValueError: called outside a trace.
+            TraceOrderError: called outside a trace.
+            ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
-        if layer is None:
-            layers: list[int] = self.layers
-        elif isinstance(layer, int):
-            layers = [layer]
-        else:
-            layers = list(layer)
+        layers, single = replace_keys(layer, int, self.layers, "LorsaSet.replace(layer=...)")
         envoys = {}
         for L in layers:
             module = self[L]
             envoys[L] = splice(self.model, self.site(L), module, error=error)
-        return envoys[layers[0]] if isinstance(layer, int) else envoys
+        return envoys[layers[0]] if single else envoys

@@ -98,8 +98,16 @@ class FunctionWorker(Mediator):
 
 
 def current_worker(what: str) -> Mediator:
-    """The intervention worker running now (raises ``ValueError`` outside a trace)."""
-    return Mediator.current(what)
+    """The intervention worker running now.
+
+    Raises:
+        TraceOrderError: not inside a ``model.trace(...)`` / ``model.generate(...)`` body.
+    """
+    try:
+        return Mediator.current(what)
+    except ValueError as e:  # nnsight: "Cannot access `<what>` outside of interleaving."
+        raise TraceOrderError(f"{what}() must be called inside a model.trace(...) body, before the model "
+                              "reaches the site it replaces") from e
 
 
 def find_worker(interleaver: Any, tag: Any) -> FunctionWorker | None:

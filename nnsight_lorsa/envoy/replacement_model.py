@@ -103,7 +103,7 @@ class ReplacementModel:
 
         Raises:
             TraceOrderError: called after the model reached one of the sites in this forward pass.
-            ValueError: called outside a trace.
+            TraceOrderError: called outside a trace.
         """
         err = self.error if error is None else bool(error)
         keyed: list[tuple[tuple[float, float], str, Any]] = []

@@ -9,6 +9,7 @@ one is spliced (:meth:`ReplacementSet.splice_one`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -16,9 +17,43 @@ from torch import nn
 
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
+from ..errors import ArgumentError
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
+
+
+def _one_key(key: Any, key_type: type, what: str) -> Any:
+    if key_type is int:
+        if isinstance(key, (bool, float, str, bytes)):
+            raise ArgumentError(f"{what} must be an int layer index, got {key!r} ({type(key).__name__})")
+        try:
+            return operator.index(key)  # ints, numpy integers, 0-d integer tensors
+        except TypeError:
+            raise ArgumentError(f"{what} must be an int layer index, got {key!r} ({type(key).__name__})") from None
+    if key_type is str and not isinstance(key, str):
+        raise ArgumentError(f"{what} must be a module path (str), got {key!r} ({type(key).__name__})")
+    return key
+
+
+def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[list, bool]:
+    """The keys ``replace(key)`` names, and whether it named one (then it returns one envoy, else a dict).
+
+    ``key``: one key, an iterable of keys, or None for ``all_keys``.
+
+    Raises:
+        ArgumentError: a key of the wrong type (``2.0``, ``"2"``, ``True`` for a layer) or an empty iterable.
+    """
+    if key is None:
+        return list(all_keys), False
+    if isinstance(key, key_type) and not isinstance(key, bool):
+        return [key], True
+    if isinstance(key, Iterable) and not isinstance(key, (str, bytes)):
+        keys = [_one_key(k, key_type, what) for k in key]
+        if not keys:
+            raise ArgumentError(f"{what}: an empty list names nothing to replace (None replaces every one)")
+        return keys, False
+    return [_one_key(key, key_type, what)], True
 
 
 class ReplacementSet(Mapping[K, M], Generic[K, M]):
@@ -86,13 +121,12 @@ class ReplacementSet(Mapping[K, M], Generic[K, M]):
         return f"{type(self).__name__}({self.adapter.family}, {{{body}}})"
 
     # -------------------------------------------------------------- splicing
-    def replace(self, key: K | Iterable[K] | None = None, *, error: bool = False) -> Any:
+    def replace(self, key: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Splice the module(s) at ``key`` (one, several, or all when None) into the current trace.
 
         Returns the module's envoy for a single key, else a dict ``{key: envoy}``. See the
         subclass for what is replaced and the envoys' children.
         """
-        single = isinstance(key, self.key_type) or (key is not None and not isinstance(key, Iterable))
-        keys: list[Any] = list(self) if key is None else [key] if single else list(key)  # type: ignore[arg-type]
+        keys, single = replace_keys(key, self.key_type, list(self), f"{type(self).__name__}.replace")
         envoys = {k: self.splice_one(k, self[k], error) for k in keys}
         return envoys[keys[0]] if single else envoys

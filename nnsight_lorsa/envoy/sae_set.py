@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -106,7 +105,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
     def splice_one(self, key: str, module: SparseAutoencoder, error: bool) -> Any:
         return splice_chain(self.model, self.site(key), module, error=error)
 
-    def replace(self, site: str | Iterable[str] | None = None, *, error: bool = False) -> Any:  # type: ignore[override]
+    def replace(self, site: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the output of ``site`` by its SAE's reconstruction, in the current trace only.
 
         Call inside ``model.trace(...)`` before anything at or after the site is read. Returns
@@ -124,7 +123,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             ConfigMismatchError: no SAE at ``site``.
             ShapeError: (when the trace runs) the site's output is not ``(…, d_in)``.
             TraceOrderError: the model already ran the site in this pass.
-            ValueError: called outside a trace.
+            TraceOrderError: called outside a trace.
+            ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
         return super(SAESet, self).replace(site, error=error)
 

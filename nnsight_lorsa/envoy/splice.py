@@ -64,7 +64,7 @@ def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = Fals
     module mounted under the site's own module and its error term through ``module.hook_error``.
 
     Raises:
-        ValueError: called outside a trace.
+        TraceOrderError: called outside a trace.
         LorsaError: ``error=True`` and the module has no ``hook_error`` child.
         TraceOrderError: the model already ran the site in this forward pass, or the site
             already holds a different child under ``site.attach_name``.

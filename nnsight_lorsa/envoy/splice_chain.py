@@ -81,7 +81,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     Calling it again for the same chain in the same trace returns the same envoy and splices once.
 
     Raises:
-        ValueError: called outside a trace.
+        TraceOrderError: called outside a trace.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass, or the
             parent already holds a different child under ``chain.attach_name``.

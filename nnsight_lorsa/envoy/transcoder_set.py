@@ -17,7 +17,6 @@ Works per position, so also on KV-cached generation steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -87,7 +86,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     def splice_one(self, key: int, module: Transcoder, error: bool) -> Any:
         return splice(self.model, self.site(key), module, error=error)
 
-    def replace(self, layer: int | Iterable[int] | None = None, *, error: bool = False) -> Any:  # type: ignore[override]
+    def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only.
 
         Call inside ``model.trace(...)`` before anything at or after that layer's MLP is read.
@@ -105,7 +104,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         Raises:
             LayerOutOfRangeError: no transcoder for ``layer``.
             TraceOrderError: the model already ran that layer's MLP in this pass.
-            ValueError: called outside a trace.
+            TraceOrderError: called outside a trace.
+            ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
         return super(TranscoderSet, self).replace(layer, error=error)
 

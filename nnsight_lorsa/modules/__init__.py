@@ -1,1 +1,23 @@
-"""modules."""
+"""The replacement modules as plain PyTorch (torch only: no nnsight needed to import or run them).
+
+* :class:`Lorsa` (+ :class:`LorsaConfig`, :class:`RotaryConfig`) — Low-Rank Sparse Attention: many
+  rank-1-OV heads sharing grouped QK heads, top-k sparse per token (Lorsa paper §3, App. A–B).
+* Sparse coders on one dictionary core (:class:`~.sparse_coder.SparseCoder`): :class:`SparseAutoencoder`,
+  :class:`Transcoder`, :class:`SkipTranscoder`, :class:`CrossLayerTranscoder` (seed ``004_…`` §2–7),
+  with the activations :class:`ReLU`, :class:`TopK`, :class:`BatchTopK`, :class:`JumpReLU`.
+* :class:`HookPoint` — the identity module whose envoy exposes an internal (``hook_z``, ``hook_sae_acts_post`` …).
+"""
+
+from .activations import BatchTopK, JumpReLU, ReLU, TopK
+from .clt import CLTConfig, CrossLayerTranscoder
+from .hook_point import HookPoint
+from .lorsa import Lorsa
+from .lorsa_config import LorsaConfig
+from .rotary import RotaryConfig
+from .sae import SAEConfig, SparseAutoencoder
+from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+
+__all__ = [
+    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "ReLU",
+    "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder", "TranscoderConfig",
+]
