@@ -43,7 +43,7 @@ def main() -> None:
     t0 = time.time()
     model = load_model()
     tok = model.tokenizer
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tcs = TranscoderSet(model, {int(p.name.split("_")[1]): load_sparse_coder(p)
                                 for p in sorted(default_transcoder_dir().glob("layer_*"))})
     ids = tok(PROMPT, return_tensors="pt")["input_ids"][0]

@@ -39,7 +39,7 @@ SPARSE_KEEP_MASS = 0.99
 
 
 def replacement(model):
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tcs = {int(p.name.split("_")[1]): load_sparse_coder(p) for p in sorted(default_transcoder_dir().glob("layer_*"))}
     return lorsas, tcs
 

@@ -140,7 +140,7 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.time()
     model = load_model()
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     lorsa = lorsas[LAYER]
     data = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8"), args.seq_len)
     train, heldout = data.split(args.windows / len(data))
