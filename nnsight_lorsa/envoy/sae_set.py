@@ -140,7 +140,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         or ``{site_path: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
         set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
         :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
-        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``, ``device``, ``dtype``, …).
+        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``,
+        ``device``, ``dtype``, …).
         The site of each SAE is read from its file (SAELens / llamascopium hook names such as
         ``blocks.3.hook_resid_post``, sparsify hookpoints, our ``SAEConfig.hook``) and mapped to this
         model's module paths (``hook_resid_pre`` of layer L is the output of layer L−1).

@@ -118,7 +118,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         or ``{layer: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
         set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
         :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
-        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``, ``device``, ``dtype``, …).
+        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``,
+        ``device``, ``dtype``, …).
         The layer of each transcoder is read from its file (``TranscoderConfig.layer``, SAELens /
         llamascopium hook names, sparsify hookpoints, circuit-tracer layer files).
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +213,7 @@ def build_transcoders(parsed: Parsed, states: dict[int, dict[str, torch.Tensor]]
     for layer, (file, tcfg, _, src) in parsed.settings["layers"].items():
         ours = states[layer]
         cls: type[Transcoder] = SkipTranscoder if "W_skip" in ours else Transcoder
-        transcoders[layer] = build_module(lambda c=cls, t=tcfg: c(t), ours, file, src, device=device,
+        transcoders[layer] = build_module(partial(cls, tcfg), ours, file, src, device=device,
                                           dtype=dtype or ours["W_enc"].dtype)
     cfg = parsed.settings["yaml"]
     return CircuitTracerTranscoders(transcoders, cfg.get("feature_input_hook"), cfg.get("feature_output_hook"),
@@ -314,9 +315,7 @@ def build_clt(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.d
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    ccfg = parsed.config
-    return build_module(lambda: CrossLayerTranscoder(ccfg), state, parsed.directory, parsed.settings["source"],
-                        device=device, dtype=dtype or state["W_enc"].dtype)
+    return parsed.build_module(CrossLayerTranscoder, state, "", device=device, dtype=dtype or state["W_enc"].dtype)
 
 
 CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_weights, build_clt)

@@ -125,7 +125,6 @@ from ..modules.rotary import RotaryConfig, rotary_cos_sin
 from .files import load_safetensors, read_json_object
 from .reader import Parsed, Reader, read
 from .validate import (
-    build_module,
     check_scalar,
     check_tensor_inventory,
     check_tensors,
@@ -295,7 +294,7 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
         raise CheckpointError(f"{path}: {e}") from e
     settings["act_fn"] = act_fn
     folded = settings["norm_activation"] == "inference" if weights_folded is None else bool(weights_folded)
-    return Parsed(directory, cfg, {**settings, "folded": folded, "source_config": raw})
+    return Parsed(directory, cfg, {**settings, "folded": folded, "source_config": raw, "source": CONFIG_FILE})
 
 
 def _check_buffers(
@@ -432,9 +431,8 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    cfg = parsed.config
-    return build_module(lambda: Lorsa(cfg), state, parsed.directory / WEIGHTS_FILE, CONFIG_FILE, device=device,
-                        dtype=parsed.settings["stored_dtype"] if dtype is None else dtype)
+    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device,
+                               dtype=dtype or parsed.settings["stored_dtype"])
 
 
 READER = Reader("llamascopium_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

@@ -54,7 +54,7 @@ from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, check_scalar, check_tensor_inventory, config_size, scaled_size
+from .validate import check_d_model, check_scalar, check_tensor_inventory, config_size, scaled_size
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -172,10 +172,9 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    cfg = parsed.config
-    cls = Transcoder if isinstance(cfg, TranscoderConfig) else SparseAutoencoder
-    return build_module(lambda: cls(cfg), state, parsed.directory / WEIGHTS_FILE,  # type: ignore[no-any-return]
-                        parsed.settings["source"], device=device, dtype=dtype or state["W_enc"].dtype)
+    cls = Transcoder if isinstance(parsed.config, TranscoderConfig) else SparseAutoencoder
+    return parsed.build_module(cls, state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
+                               dtype=dtype or state["W_enc"].dtype)
 
 
 READER = Reader("llamascopium_sae", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

@@ -36,7 +36,7 @@ from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_size, check_tensor_inventory
+from .validate import check_size, check_tensor_inventory
 
 FORMAT_TAG = "nnsight-lorsa"
 FORMAT_VERSION = 1
@@ -107,7 +107,7 @@ def parse_config(directory: Path) -> Parsed:
         if key in cfg_dict:
             check_size(cfg_dict[key], path, f"config.{key}")
     try:
-        return Parsed(directory, LorsaConfig.from_dict(cfg_dict))
+        return Parsed(directory, LorsaConfig.from_dict(cfg_dict), {"source": CONFIG_FILE})
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{path}: key 'config': {e}") from e
     except (CheckpointError, ValueError, TypeError) as e:
@@ -140,9 +140,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: a non-floating or non-finite tensor (:func:`.validate.build_module`).
     """
-    cfg = parsed.config
-    return build_module(lambda: Lorsa(cfg), state, parsed.directory / WEIGHTS_FILE, CONFIG_FILE, device=device,
-                        dtype=state["W_Q"].dtype if dtype is None else dtype)
+    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device, dtype=dtype or state["W_Q"].dtype)
 
 
 READER = Reader("nnsight_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .files import resolve_checkpoint_dir
+from .validate import build_module
 
 __all__ = ["Parsed", "Reader", "read", "read_dir"]
 
@@ -30,6 +31,14 @@ class Parsed:
     directory: Path
     config: Any
     settings: dict[str, Any] = field(default_factory=dict)
+
+    def build_module(self, cls: Callable[[Any], Any], state: dict[str, torch.Tensor], file: str, *,
+                     device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+        """``cls(config)`` with ``state`` through :func:`.validate.build_module`, errors naming
+        ``directory/file`` and ``settings["source"]`` (what the shapes were derived from)."""
+        cfg = self.config
+        return build_module(lambda: cls(cfg), state, self.directory / file, self.settings.get("source", file),
+                            device=device, dtype=dtype)
 
 
 @dataclass(frozen=True)

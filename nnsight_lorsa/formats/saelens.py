@@ -72,7 +72,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, config_size, config_value
+from .validate import check_d_model, config_size, config_value
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -215,11 +215,9 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
         CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
     """
     cfg, settings = parsed.config, parsed.settings
-    weights_path, cfg_path = parsed.directory / WEIGHTS_FILE, parsed.directory / CFG_FILE
     cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
-    module: SparseAutoencoder | Transcoder = build_module(
-        lambda: cls(cfg), state, weights_path, settings["source"], device=device,
-        dtype=dtype or (state["W_enc"].dtype if "W_enc" in state else None))
+    module: SparseAutoencoder | Transcoder = parsed.build_module(
+        cls, state, WEIGHTS_FILE, device=device, dtype=dtype or (state["W_enc"].dtype if "W_enc" in state else None))
     extra = cfg.extra["saelens"]
     if settings["fold_decoder_norm"]:
         module.fold_decoder_norm_()
@@ -227,7 +225,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     s = settings["norm_scaling_factor"]
     if extra["normalize_activations"] == "expected_average_only_in":
         if s is None:
-            warnings.warn(f"{cfg_path}: normalize_activations is 'expected_average_only_in' but no "
+            warnings.warn(f"{parsed.directory / CFG_FILE}: normalize_activations is 'expected_average_only_in' but no "
                           "norm_scaling_factor was given; the module expects inputs scaled by it", stacklevel=4)
         else:
             with torch.no_grad():

@@ -30,7 +30,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, check_size
+from .validate import check_d_model, check_size
 
 FORMAT_TAG = "nnsight-lorsa-sparse-coder"
 FORMAT_VERSION = 1
@@ -110,7 +110,7 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     except CheckpointError as e:
         raise CheckpointError(f"{config_path}: key 'config': {e}") from e
     check_d_model(cfg.d_in, d_model, config_path, "config.d_in")
-    return Parsed(directory, cfg, {"kind": kind})
+    return Parsed(directory, cfg, {"kind": kind, "source": f"{CONFIG_FILE} ({kind})"})
 
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
@@ -131,11 +131,9 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
     """
-    kind, cfg = parsed.settings["kind"], parsed.config
-    cls = KINDS[kind][0]
     first = state.get("W_enc")
-    return build_module(lambda: cls(cfg), state, parsed.directory / WEIGHTS_FILE, f"{CONFIG_FILE} ({kind})",
-                        device=device, dtype=dtype or (first.dtype if first is not None else None))
+    return parsed.build_module(KINDS[parsed.settings["kind"]][0], state, WEIGHTS_FILE, device=device,
+                               dtype=dtype or (first.dtype if first is not None else None))
 
 
 READER = Reader("nnsight_lorsa_sparse_coder", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

@@ -39,7 +39,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, check_tensor_inventory, config_size, scaled_size
+from .validate import check_d_model, check_tensor_inventory, config_size, scaled_size
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae.safetensors"
@@ -121,9 +121,8 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    cls, cfg = parsed.settings["cls"], parsed.config
-    return build_module(lambda: cls(cfg), state, parsed.directory / WEIGHTS_FILE, parsed.settings["source"],  # type: ignore[no-any-return]
-                        device=device, dtype=dtype or state["W_enc"].dtype)
+    return parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
+                               dtype=dtype or state["W_enc"].dtype)
 
 
 READER = Reader("sparsify", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
