@@ -548,3 +548,30 @@ def test_llamascopium_sae_bad_input(tmp_path: Path) -> None:
     (tmp_path / "d" / "config.json").write_text(json.dumps({"sae_type": "clt", "d_model": D}))
     with pytest.raises(UnsupportedArchitectureError, match=r"config\.json.*'sae_type'.*clt"):
         load_llamascopium_sae(tmp_path / "d")
+
+
+# ============================================================================ sets through formats.load
+def test_clt_set_from_pretrained(tmp_path: Path) -> None:
+    from tiny import tiny_nnsight
+
+    from nnsight_lorsa import CLTSet
+    from nnsight_lorsa.adapters.registry import get_adapter
+    from nnsight_lorsa.formats import save
+
+    model, _ = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    clt = CrossLayerTranscoder(CLTConfig(d_in=adapter.d_model, d_sae=8, n_layers=adapter.n_layers,
+                                         activation="jumprelu"))
+    with torch.no_grad():
+        for p in clt.parameters():
+            p.add_(torch.randn(p.shape, generator=_g(3)) * 0.1)
+    save(clt, tmp_path / "ours")
+    save(clt, tmp_path / "ct", format="circuit_tracer")
+    x = torch.randn(2, 3, adapter.d_model, generator=_g(4))
+    for sub in ("ours", "ct"):
+        loaded = CLTSet.from_pretrained(model, tmp_path / sub).clt
+        assert loaded.n_layers == adapter.n_layers
+        _close(loaded.encode_layer(x, 0), clt.encode_layer(x, 0))
+    save(SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=8)), tmp_path / "sae")
+    with pytest.raises(ConfigMismatchError, match="not a cross-layer transcoder"):
+        CLTSet.from_pretrained(model, tmp_path / "sae")
