@@ -228,6 +228,37 @@ def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     }
 
 
+def _activation(raw: dict[str, Any], path: Path, n_ov: int) -> tuple[str, int]:
+    """``(act_fn, top_k)``: ``topk`` keeps ``top_k``, ``relu`` is top-all."""
+    act_fn = config_value(raw, "act_fn", path, str, "relu").lower()
+    if act_fn == "topk":
+        return act_fn, config_size(raw, "top_k", path, 50)
+    if act_fn == "relu":
+        return act_fn, n_ov
+    raise UnsupportedArchitectureError(
+        f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
+    )
+
+
+def _attention(raw: dict[str, Any], path: Path) -> tuple[bool, float | None]:
+    """``(qk_norm, attn_scale)``: RMS QK-norm only; a positive finite scale or None."""
+    qk_norm = config_value(raw, "use_post_qk_ln", path, bool, False)
+    if qk_norm:
+        norm_type = raw.get("normalization_type")
+        if norm_type == "LN":
+            raise UnsupportedArchitectureError(
+                f"{path}: normalization_type='LN' (LayerNorm QK-norm) is not supported"
+            )
+        if norm_type != "RMS":
+            raise CheckpointError(
+                f"{path}: use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}"
+            )
+    attn_scale = config_value(raw, "attn_scale", path, float, None)
+    if attn_scale is not None and not attn_scale > 0:
+        raise CheckpointError(f"{path}: key 'attn_scale' must be a positive number, got {attn_scale!r}")
+    return qk_norm, attn_scale
+
+
 def parse_config(directory: Path, *, layer: int | None = None, weights_folded: bool | None = None) -> Parsed:
     """``config.json`` -> ``Parsed(directory, LorsaConfig, settings)`` (field mapping: module docstring).
 
@@ -244,29 +275,8 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
     d_qk = config_size(raw, "d_qk_head", path)
     n_ov = _n_ov_heads(raw, path, d_model)
     settings = _settings(raw, path)
-    act_fn = config_value(raw, "act_fn", path, str, "relu").lower()
-    if act_fn == "topk":
-        top_k = config_size(raw, "top_k", path, 50)
-    elif act_fn == "relu":
-        top_k = n_ov
-    else:
-        raise UnsupportedArchitectureError(
-            f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
-        )
-    qk_norm = config_value(raw, "use_post_qk_ln", path, bool, False)
-    if qk_norm:
-        norm_type = raw.get("normalization_type")
-        if norm_type == "LN":
-            raise UnsupportedArchitectureError(
-                f"{path}: normalization_type='LN' (LayerNorm QK-norm) is not supported"
-            )
-        if norm_type != "RMS":
-            raise CheckpointError(
-                f"{path}: use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}"
-            )
-    attn_scale = config_value(raw, "attn_scale", path, float, None)
-    if attn_scale is not None and not attn_scale > 0:
-        raise CheckpointError(f"{path}: key 'attn_scale' must be a positive number, got {attn_scale!r}")
+    act_fn, top_k = _activation(raw, path, n_ov)
+    qk_norm, attn_scale = _attention(raw, path)
 
     found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)", settings["hook_point_in"])
     inferred = int(found.group(1)) if found else None
