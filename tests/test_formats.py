@@ -708,8 +708,9 @@ def saelens_dir(tmp_path):
         ({"d_sae": 16.0}, ["'d_sae'", "positive int"]),  # a float is not a size either
         ({"d_in": -8}, ["'d_in'", "positive int"]),
         ({"d_sae": 10**12}, ["'d_sae'", "largest size"]),  # absurd: refused before allocation
+        ({"apply_b_dec_to_input": 1}, ["'apply_b_dec_to_input'", "bool"]),  # an int is not a bool either
     ],
-    ids=["bool-size", "non-integral-size", "float-size", "negative-size", "absurd-size"],
+    ids=["bool-size", "non-integral-size", "float-size", "negative-size", "absurd-size", "int-flag"],
 )
 def test_validation_config_sizes(saelens_dir, over, needles):
     _edit_json(saelens_dir / "cfg.json", **over)

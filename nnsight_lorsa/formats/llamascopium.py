@@ -152,7 +152,7 @@ __all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "load_llamascopium_
 
 
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
-    d_sae = config_size(raw, "d_sae", path, None) if raw.get("d_sae") is not None else None
+    d_sae = config_size(raw, "d_sae", path) if raw.get("d_sae") is not None else None
     if raw.get("expansion_factor") is not None:
         n_ov = scaled_size(d_model, config_value(raw, "expansion_factor", path, float), path, "expansion_factor")
         if d_sae is not None and d_sae != n_ov:
@@ -224,7 +224,7 @@ def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         "n_ctx": config_size(raw, "n_ctx", path),
         "norm_activation": norm_activation,
         "sparsity_include_decoder_norm": config_value(raw, "sparsity_include_decoder_norm", path, bool, True),
-        "skip_bos": bool(raw.get("skip_bos", False)),
+        "skip_bos": config_value(raw, "skip_bos", path, bool, False),
     }
 
 

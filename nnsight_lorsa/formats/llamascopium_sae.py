@@ -54,7 +54,7 @@ from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_scalar, check_tensor_inventory, config_size, scaled_size
+from .validate import check_d_model, check_scalar, check_tensor_inventory, config_size, config_value, scaled_size
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -85,7 +85,7 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     act = raw.get("act_fn", "relu")
     if act not in ("relu", "topk", "jumprelu"):
         raise UnsupportedArchitectureError(f"{cfg_path}: key 'act_fn' is {act!r}; supported: relu, topk, jumprelu")
-    if raw.get("use_glu_encoder"):
+    if config_value(raw, "use_glu_encoder", cfg_path, bool, False):
         raise UnsupportedArchitectureError(f"{cfg_path}: key 'use_glu_encoder' is true (not supported)")
     norm = raw.get("norm_activation", "dataset-wise")
     if norm not in ("dataset-wise", "inference"):
@@ -94,12 +94,12 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     hook_in, hook_out = raw.get("hook_point_in"), raw.get("hook_point_out")
     if not isinstance(hook_in, str) or not isinstance(hook_out, str):
         raise CheckpointError(f"{cfg_path}: keys 'hook_point_in'/'hook_point_out' must be strings")
-    use_bias = bool(raw.get("use_decoder_bias", True))
+    use_bias = config_value(raw, "use_decoder_bias", cfg_path, bool, True)
     params: dict[str, Any] = {"k": config_size(raw, "top_k", cfg_path, 50)} if act == "topk" else {}
     site_in = site_record(hook_in, adapter)
     extra = {"llamascopium": {
         "hook_point_in": hook_in, "hook_point_out": hook_out, "norm_activation": norm,
-        "sparsity_include_decoder_norm": bool(raw.get("sparsity_include_decoder_norm", True)),
+        "sparsity_include_decoder_norm": config_value(raw, "sparsity_include_decoder_norm", cfg_path, bool, True),
         "site_in": site_in, "site_out": site_record(hook_out, adapter),
         "config": {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }}

@@ -155,29 +155,31 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     if norm_scaling_factor is not None:
         norm_scaling_factor = config_value({"norm_scaling_factor": norm_scaling_factor}, "norm_scaling_factor",
                                            cfg_path, float)
+    apply_b_dec = config_value(raw, "apply_b_dec_to_input", cfg_path, bool, None)
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
     site = site_record(hook_name, adapter)
     params = _activation_params(raw, cfg_path, arch, activation)
     extra = {"saelens": {
         "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
-        "norm_folded": False, "apply_b_dec_to_input": bool(raw.get("apply_b_dec_to_input", kind == "sae")),
+        "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
         "reshape_activations": raw.get("reshape_activations", "none"), "site": site,
     }}
     cfg: SAEConfig | TranscoderConfig
     if kind == "sae":
         cfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
-                        apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
+                        apply_b_dec_to_input=apply_b_dec is not False,
                         hook=(site or {}).get("module_path") or hook_name)
     else:
-        if raw.get("apply_b_dec_to_input"):
+        if apply_b_dec:
             raise CheckpointError(f"{cfg_path}: key 'apply_b_dec_to_input' is true, which SAELens forbids "
                                   "for transcoders")
         cfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
-        "fold_decoder_norm": activation in ("topk", "batchtopk") and bool(raw.get("rescale_acts_by_decoder_norm")),
+        "fold_decoder_norm": activation in ("topk", "batchtopk") and config_value(
+            raw, "rescale_acts_by_decoder_norm", cfg_path, bool, False),
         "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
 

@@ -39,7 +39,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_tensor_inventory, config_size, scaled_size
+from .validate import check_d_model, check_tensor_inventory, config_size, config_value, scaled_size
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae.safetensors"
@@ -68,7 +68,8 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
         num_latents = config_size(raw, "num_latents", cfg_path)
     else:
         num_latents = scaled_size(d_in, raw.get("expansion_factor"), cfg_path, "expansion_factor")
-    transcode, skip = bool(raw.get("transcode", False)), bool(raw.get("skip_connection", False))
+    transcode = config_value(raw, "transcode", cfg_path, bool, False)
+    skip = config_value(raw, "skip_connection", cfg_path, bool, False)
     if skip and not transcode:
         raise UnsupportedArchitectureError(f"{cfg_path}: key 'skip_connection' on an SAE (transcode=false) "
                                            "has no equivalent module here")

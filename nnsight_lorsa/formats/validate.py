@@ -95,10 +95,10 @@ def config_size(raw: Mapping[str, Any], key: str, path: Path | str, default: Any
         CheckpointError: missing without a default, not a positive int, above ``maximum``.
     """
     value = raw.get(key)
-    if value is None and default is not _REQUIRED:
-        return int(default)
     if value is None:
-        raise CheckpointError(f"{path}: required key {key!r} is missing or null")
+        if default is _REQUIRED:
+            raise CheckpointError(f"{path}: required key {key!r} is missing or null")
+        return int(default)
     return check_size(value, path, key, maximum=maximum)
 
 
