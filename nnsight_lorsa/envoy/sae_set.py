@@ -136,7 +136,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
                         **kwargs: Any) -> SAESet:
         """Load SAEs from checkpoint files and attach each at the site its file names.
 
-        ``sources``: a checkpoint directory (or hub repo id with an explicit ``format``), several,
+        ``sources``: a checkpoint directory (or hub repo id), several,
         or ``{site_path: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
         set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
         :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,

@@ -114,7 +114,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
                         **kwargs: Any) -> TranscoderSet:
         """Load transcoders from checkpoint files and attach each at the layer its file names.
 
-        ``sources``: a checkpoint directory (or hub repo id with an explicit ``format``), several,
+        ``sources``: a checkpoint directory (or hub repo id), several,
         or ``{layer: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
         set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
         :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
