@@ -117,6 +117,7 @@ class LorsaSet:
             ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
                 for a layer; a Lorsa that does not fit the model.
         """
+        import os  # local: os is not on NDIF's unpickling whitelist (the class travels by value)
         import re
 
         from ..formats.registry import load_all
