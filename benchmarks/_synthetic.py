@@ -183,7 +183,7 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     adapter = get_adapter(model)
     mhsa = adapter.mhsa_weights(model._module, layer)
     if (cache / f"layer_{layer}").exists() and (cache / "train.json").exists() and not retrain:
-        return LorsaSet.load(model, cache), json.loads((cache / "train.json").read_text())
+        return LorsaSet.from_pretrained(model, cache), json.loads((cache / "train.json").read_text())
     t0 = time.time()
     lcfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * 4, d_qk_head=mhsa.head_dim,
                        n_ov_heads=n_ov, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,

@@ -30,7 +30,7 @@ from nnsight_lorsa.attribution.qk import qk_attribution
 from nnsight_lorsa.attribution.viewer import render_html
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
-from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder
+from nnsight_lorsa.formats import load
 from nnsight_lorsa.tinymodel import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.viz.graph_plot import plot_graph
 
@@ -43,8 +43,8 @@ def main() -> None:
     t0 = time.time()
     model = load_model()
     tok = model.tokenizer
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
-    tcs = TranscoderSet(model, {int(p.name.split("_")[1]): load_sparse_coder(p)
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    tcs = TranscoderSet(model, {int(p.name.split("_")[1]): load(p)
                                 for p in sorted(default_transcoder_dir().glob("layer_*"))})
     ids = tok(PROMPT, return_tensors="pt")["input_ids"][0]
     ctx, answer = ids[:-1], int(ids[-1])

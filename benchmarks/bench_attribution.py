@@ -32,15 +32,15 @@ from nnsight_lorsa.attribution.attribute import prepare  # noqa: E402
 from nnsight_lorsa.attribution.hooks import install_frozen_hooks  # noqa: E402
 from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
-from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder  # noqa: E402
+from nnsight_lorsa.formats import load  # noqa: E402
 from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
 
 SPARSE_KEEP_MASS = 0.99
 
 
 def replacement(model):
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
-    tcs = {int(p.name.split("_")[1]): load_sparse_coder(p) for p in sorted(default_transcoder_dir().glob("layer_*"))}
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    tcs = {int(p.name.split("_")[1]): load(p) for p in sorted(default_transcoder_dir().glob("layer_*"))}
     return lorsas, tcs
 
 

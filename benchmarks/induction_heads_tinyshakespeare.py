@@ -48,7 +48,7 @@ def main() -> dict:
     t0 = time.time()
     torch.manual_seed(0)
     model = load_model()
-    lorsa = LorsaSet.load(model, default_lorsa_dir())
+    lorsa = LorsaSet.from_pretrained(model, default_lorsa_dir())
     r = ReplacementModel(model, lorsas=lorsa)
     tok = model.tokenizer
     words = [i for i in range(len(tok)) if re.fullmatch(r" ?[A-Za-z]{2,}", tok.decode([i]))]

@@ -27,7 +27,7 @@ from nnsight_lorsa import LorsaSet, get_adapter  # noqa: E402
 from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
-from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder, save_sparse_coder  # noqa: E402
+from nnsight_lorsa.formats import load, save  # noqa: E402
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
 from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir  # noqa: E402
 from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, attention_activations  # noqa: E402
@@ -45,7 +45,7 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
     info: dict = {"site": site + " (output)", "dir": str(cache.relative_to(ROOT) if cache.is_relative_to(ROOT)
                                                            else cache)}
     if (cache / "config.json").exists() and not args.retrain:
-        sae = load_sparse_coder(cache)
+        sae = load(cache)
         info.update({**json.loads((cache / "train_info.json").read_text()), "trained_now": False})
     else:
         sae = SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=args.d_sae, activation="topk",
@@ -55,7 +55,7 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
         t = time.time()
         trainer.train(progress=False)
         sae = trainer.folded()
-        save_sparse_coder(sae, cache)
+        save(sae, cache)
         train = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                  "train_windows": len(train), "train_seconds": round(time.time() - t, 1),
                  "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4)}
@@ -140,7 +140,7 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.time()
     model = load_model()
-    lorsas = LorsaSet.load(model, default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     lorsa = lorsas[LAYER]
     data = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8"), args.seq_len)
     train, heldout = data.split(args.windows / len(data))

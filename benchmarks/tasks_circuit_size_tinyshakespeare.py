@@ -41,7 +41,7 @@ def main() -> None:
     t0 = time.time()
     model = load_model()
     tok = model.tokenizer
-    lorsa = LorsaSet.load(model, default_lorsa_dir())
+    lorsa = LorsaSet.from_pretrained(model, default_lorsa_dir())
     r = ReplacementModel(model, lorsas=lorsa)
     builders = {"ioi": lambda: ioi_task(tok, 16), "greater_than": lambda: greater_than_task(tok, 16),
                 "arithmetic": lambda: arithmetic_task(tok, [(a, b) for a in range(10, 26, 2) for b in (11, 13)])}

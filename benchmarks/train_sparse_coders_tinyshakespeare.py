@@ -21,7 +21,7 @@ from nnsight_lorsa import get_adapter
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
-from nnsight_lorsa.formats.sparse_coder_format import save_sparse_coder
+from nnsight_lorsa.formats import save
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
 from nnsight_lorsa.tinymodel import default_corpus_path
@@ -82,7 +82,7 @@ def main() -> None:
             assert layer is not None
             ev = evaluate_transcoder(TranscoderSet(model, {layer: coder}), layer, heldout)
             if args.save_dir:
-                save_sparse_coder(coder, Path(args.save_dir) / f"layer_{layer}")
+                save(coder, Path(args.save_dir) / f"layer_{layer}")
         else:
             ev = evaluate_sae(SAESet(model, {site: coder}), site, heldout)
         t_eval = time.time() - t - t_train

@@ -42,3 +42,8 @@ class TraceOrderError(LorsaError, RuntimeError):
 
 class ActivationCacheError(CheckpointError):
     """An on-disk activation cache is malformed or does not match what it is used for (model, site, width)."""
+
+
+class FormatDetectionError(CheckpointError):
+    """No checkpoint format, or more than one, matches the files at a path (the message lists the
+    formats, the files each looks for, and what the path holds); pass ``format=`` to choose one."""

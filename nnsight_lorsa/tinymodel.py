@@ -74,7 +74,8 @@ def default_model_dir() -> Path:
 
 
 def default_lorsa_dir() -> Path:
-    """The packaged Lorsa for layer 2 of the default model (``LorsaSet.load(model, default_lorsa_dir())``)."""
+    """The packaged Lorsa for layer 2 of the default model
+    (``LorsaSet.from_pretrained(model, default_lorsa_dir())``)."""
     return _ASSETS / "tinyshakespeare-llama-lorsa"
 
 

@@ -206,7 +206,7 @@ def test_trained_model_graph_is_exact():
     from nnsight_lorsa.demo import load_model
 
     model = load_model()
-    lorsas = LorsaSet.load(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
     g = attribute(model, "ROMEO:\nBut soft, what light", lorsas=lorsas, batch_size=64)
     assert g.summary()["lorsa_heads"] > 0
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32

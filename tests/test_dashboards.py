@@ -23,7 +23,7 @@ from nnsight_lorsa.viz.figures import plot_heads_spanned, plot_operand_grid, plo
 @pytest.fixture(scope="module")
 def dashboard_data():
     model = load_model()
-    ls = LorsaSet.load(model, default_lorsa_dir())
+    ls = LorsaSet.from_pretrained(model, default_lorsa_dir())
     text = default_corpus_path().read_text(encoding="utf-8")[:20000]
     tokens = TokenDataset.from_text(model.tokenizer, text, 48).tokens[:12]
     top = collect_top_activations(model, ls, 2, tokens, n_top=4)
@@ -62,7 +62,7 @@ def test_dashboard_renders_in_chromium(dashboard_data, tmp_path):
 
 def test_dashboard_refuses_another_heads_qk_features(dashboard_data):
     model = load_model()
-    ls = LorsaSet.load(model, default_lorsa_dir())
+    ls = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tokens = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8")[:4000],
                                     48).tokens[:2]
     top = collect_top_activations(model, ls, 2, tokens, n_top=2)

@@ -591,3 +591,201 @@ def test_llamascopium_files_and_layer(tmp_path):
         load_llamascopium_lorsa(path)
     with pytest.raises(CheckpointError, match="repo id"):
         load_llamascopium_lorsa(str(tmp_path / "a" / "b"))
+
+
+# =============================================================================== the front door
+# formats.load / formats.save / the registry, and the validation layer every reader goes through.
+from nnsight_lorsa.errors import ConfigMismatchError, FormatDetectionError  # noqa: E402
+from nnsight_lorsa.formats import FORMATS, detect_format, load, load_all, save  # noqa: E402
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
+
+
+def _sae(**cfg) -> SparseAutoencoder:
+    torch.manual_seed(0)
+    m = SparseAutoencoder(SAEConfig(d_in=8, d_sae=16, **cfg))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    return m
+
+
+def _edit_json(path: Path, **over) -> None:
+    raw = json.loads(path.read_text())
+    target = raw["config"] if "config" in raw and isinstance(raw["config"], dict) else raw
+    target.update(over)
+    path.write_text(json.dumps(raw))
+
+
+def _raises_naming(error, fn, *needles):
+    with pytest.raises(error) as info:
+        fn()
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    return info.value
+
+
+def test_load_detects_every_format_and_save_writes_them(tmp_path):
+    lorsa, _ = _our_config(), None
+    m = Lorsa(lorsa)
+    sae = _sae(activation="topk", activation_params={"k": 4})
+    save(m, tmp_path / "lorsa")
+    save(sae, tmp_path / "ours")
+    save(sae, tmp_path / "saelens", format="saelens", hook_name="blocks.1.hook_resid_post")
+    save(sae, tmp_path / "run" / "layers.1", format="sparsify")
+    expected = {"lorsa": "nnsight_lorsa", "ours": "nnsight_lorsa", "saelens": "saelens",
+                "run/layers.1": "sparsify"}
+    x = torch.randn(2, 3, 8)
+    for sub, fmt in expected.items():
+        assert detect_format(tmp_path / sub) == fmt
+        loaded = load(tmp_path / sub)
+        if sub == "lorsa":
+            assert isinstance(loaded, Lorsa) and loaded.cfg == m.cfg
+        else:
+            assert isinstance(loaded, SparseAutoencoder)
+            assert torch.allclose(loaded(x), sae(x), atol=1e-6)
+    # explicit format= bypasses detection; a run folder loads by hookpoint
+    assert isinstance(load(tmp_path / "saelens", format="saelens"), SparseAutoencoder)
+    assert list(load_all(tmp_path / "run")) == ["layers.1"]
+    assert set(FORMATS) == {"nnsight_lorsa", "llamascopium", "saelens", "sparsify", "circuit_tracer"}
+
+
+def test_load_detection_errors_list_what_was_looked_for(tmp_path):
+    (tmp_path / "empty").mkdir()
+    err = _raises_naming(FormatDetectionError, lambda: load(tmp_path / "empty"), "empty",
+                         "cfg.json + sae.safetensors", "config.json + model.safetensors", "config.yaml")
+    assert isinstance(err, CheckpointError)
+    save(_sae(activation="topk", activation_params={"k": 4}), tmp_path / "both", format="sparsify")
+    (tmp_path / "both" / "sae_weights.safetensors").write_bytes((tmp_path / "both" / "sae.safetensors").read_bytes())
+    _raises_naming(FormatDetectionError, lambda: load(tmp_path / "both"), "ambiguous", "saelens", "sparsify")
+    assert isinstance(load(tmp_path / "both", format="sparsify"), SparseAutoencoder)
+    _raises_naming(UnsupportedArchitectureError, lambda: load(tmp_path / "both", format="pickle"), "pickle")
+
+
+def test_load_options_and_save_errors(tmp_path):
+    sae = _sae()
+    save(sae, tmp_path / "s", format="saelens")
+    _raises_naming(ConfigMismatchError, lambda: load(tmp_path / "s", d_model=9), "cfg.json", "d_in")
+    save(Lorsa(_our_config()), tmp_path / "l")
+    assert isinstance(load(tmp_path / "l", d_model=16, adapter=None), Lorsa)  # shared options: ignored
+    with pytest.raises(TypeError, match="norm_scaling_factor"):
+        load(tmp_path / "l", norm_scaling_factor=2.0)
+    with pytest.raises(TypeError, match="Lorsa"):
+        save(Lorsa(_our_config()), tmp_path / "x", format="saelens")
+    _raises_naming(UnsupportedArchitectureError, lambda: save(sae, tmp_path / "x", format="llamascopium"),
+                   "read-only")
+
+
+def test_load_hub_repo_id_fetches_then_detects(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    snapshot = tmp_path / "snap"
+    save(_sae(), snapshot / "blocks.1", format="saelens", hook_name="blocks.1.hook_resid_post")
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns, local_files_only, revision):
+        calls.append((repo_id, sorted(allow_patterns), revision))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    loaded = load("org/saes:blocks.1", revision="main")
+    assert isinstance(loaded, SparseAutoencoder)
+    repo_id, patterns, revision = calls[0]
+    assert repo_id == "org/saes" and revision == "main"
+    assert "blocks.1/cfg.json" in patterns and "blocks.1/sae_weights.safetensors" in patterns
+
+
+# --------------------------------------------------------------------------- the validation layer
+@pytest.fixture
+def saelens_dir(tmp_path):
+    return save(_sae(), tmp_path / "sae", format="saelens")
+
+
+@pytest.mark.parametrize(
+    ("over", "needles"),
+    [
+        ({"d_sae": True}, ["'d_sae'", "positive int", "True"]),  # bool is not int
+        ({"d_sae": 2.5}, ["'d_sae'", "positive int", "2.5"]),  # non-integral
+        ({"d_sae": 16.0}, ["'d_sae'", "positive int"]),  # a float is not a size either
+        ({"d_in": -8}, ["'d_in'", "positive int"]),
+        ({"d_sae": 10**12}, ["'d_sae'", "largest size"]),  # absurd: refused before allocation
+        ({"apply_b_dec_to_input": 1}, ["'apply_b_dec_to_input'", "bool"]),  # an int is not a bool either
+    ],
+    ids=["bool-size", "non-integral-size", "float-size", "negative-size", "absurd-size", "int-flag"],
+)
+def test_validation_config_sizes(saelens_dir, over, needles):
+    _edit_json(saelens_dir / "cfg.json", **over)
+    _raises_naming(CheckpointError, lambda: load(saelens_dir), "cfg.json", *needles)
+
+
+def test_validation_our_config_sizes(saved):
+    _, path = saved
+    _rewrite_config(path, lambda r: r["config"].update(n_qk_heads=True))
+    _raises_naming(CheckpointError, lambda: load(path), "config.json", "'config.n_qk_heads'", "True")
+    _rewrite_config(path, lambda r: r["config"].update(n_qk_heads=2, n_ov_heads=1 << 30))
+    _raises_naming(CheckpointError, lambda: load(path), "config.json", "'config.n_ov_heads'", "largest size")
+
+
+def test_validation_non_finite_tensors(saved, saelens_dir):
+    _, path = saved
+    _rewrite_tensors(path, lambda t: t["W_V"].view(-1).__setitem__(3, float("nan")))
+    _raises_naming(CheckpointError, lambda: load(path), "model.safetensors", "'W_V'", "non-finite")
+    tensors = load_file(str(saelens_dir / "sae_weights.safetensors"))
+    tensors["b_enc"][0] = float("inf")
+    save_file(tensors, str(saelens_dir / "sae_weights.safetensors"))
+    _raises_naming(CheckpointError, lambda: load(saelens_dir), "sae_weights.safetensors", "'b_enc'", "non-finite")
+
+
+def test_validation_wrong_shape_and_dtype(saelens_dir):
+    tensors = load_file(str(saelens_dir / "sae_weights.safetensors"))
+    tensors["W_dec"] = torch.zeros(16, 9)
+    save_file(tensors, str(saelens_dir / "sae_weights.safetensors"))
+    _raises_naming(CheckpointError, lambda: load(saelens_dir), "sae_weights.safetensors", "'W_dec'", "(16, 9)",
+                   "(16, 8)")
+    tensors["W_dec"] = torch.zeros(16, 8, dtype=torch.int64)
+    save_file(tensors, str(saelens_dir / "sae_weights.safetensors"))
+    _raises_naming(CheckpointError, lambda: load(saelens_dir), "sae_weights.safetensors", "'W_dec'", "dtype")
+
+
+def test_validation_float_fields_and_scalars(tmp_path, saelens_dir):
+    _raises_naming(CheckpointError, lambda: load(saelens_dir, norm_scaling_factor=float("nan")), "cfg.json",
+                   "'norm_scaling_factor'", "finite")
+    cfg = _their_config()
+    path = _write_their_checkpoint(tmp_path / "lls", cfg, _their_params(cfg))
+    _rewrite_llamascopium_config(path, attn_scale=float("inf"))
+    _raises_naming(CheckpointError, lambda: load(path), "config.json", "'attn_scale'", "finite")
+    _rewrite_llamascopium_config(path, attn_scale=None, n_qk_heads=True)
+    _raises_naming(CheckpointError, lambda: load(path), "config.json", "'n_qk_heads'", "True")
+
+
+def test_hook_sites_imports_no_loader():
+    import ast
+
+    import nnsight_lorsa.formats.hook_sites as hook_sites
+
+    tree = ast.parse(Path(hook_sites.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    loaders = {"circuit_tracer", "llamascopium", "llamascopium_sae", "lorsa_format", "saelens",
+               "sparse_coder_format", "sparsify", "registry", "reader"}
+    assert not {m for m in imported if m and m.split(".")[-1] in loaders}, imported
+
+
+def test_lorsa_set_from_pretrained(tmp_path):
+    from nnsight_lorsa import LorsaSet
+    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.tinymodel import default_lorsa_dir
+
+    model = load_model()
+    whole = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    one = LorsaSet.from_pretrained(model, default_lorsa_dir() / "layer_2")  # the layer from cfg.layer
+    explicit = LorsaSet.from_pretrained(model, {2: default_lorsa_dir() / "layer_2"}, dtype=torch.float64)
+    assert whole.layers == one.layers == explicit.layers == [2]
+    assert explicit[2].W_Q.dtype == torch.float64
+    whole.save(tmp_path / "set")
+    again = LorsaSet.from_pretrained(model, tmp_path / "set")
+    assert torch.equal(again[2].W_O, whole[2].W_O)
+    with pytest.raises(ConfigMismatchError, match="second Lorsa"):
+        LorsaSet.from_pretrained(model, [default_lorsa_dir(), tmp_path / "set"])
+    save(_sae(), tmp_path / "notlorsa" / "layer_1")
+    with pytest.raises(ConfigMismatchError, match="not a Lorsa"):
+        LorsaSet.from_pretrained(model, tmp_path / "notlorsa")

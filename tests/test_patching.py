@@ -334,7 +334,7 @@ def test_induction_drops_when_ablating_top_patched_heads():
     from nnsight_lorsa.demo import load_model
 
     model = load_model()
-    lorsas = LorsaSet.load(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
     r = ReplacementModel(model, lorsas=lorsas)
     g = torch.Generator().manual_seed(0)
     B, L, V = 8, 24, model.config.vocab_size

@@ -16,8 +16,8 @@ import yaml
 from safetensors.torch import save_file
 
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, UnsupportedArchitectureError
+from nnsight_lorsa.formats import load, load_all
 from nnsight_lorsa.formats.circuit_tracer import (
-    load_circuit_tracer,
     load_circuit_tracer_clt,
     load_circuit_tracer_transcoders,
     save_circuit_tracer_clt,
@@ -26,7 +26,7 @@ from nnsight_lorsa.formats.circuit_tracer import (
 from nnsight_lorsa.formats.hook_sites import sparsify_hookpoint_site, transformer_lens_hook_site
 from nnsight_lorsa.formats.saelens import load_saelens, save_saelens
 from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder, save_sparse_coder
-from nnsight_lorsa.formats.sparsify import load_sparsify, load_sparsify_many, save_sparsify
+from nnsight_lorsa.formats.sparsify import load_sparsify, save_sparsify
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
@@ -296,7 +296,7 @@ def test_sparsify_many_and_bad_input(tmp_path: Path) -> None:
     _sparsify_files(tmp_path / "layers.0", transcode=False, skip=False)
     _sparsify_files(tmp_path / "layers.10", transcode=False, skip=False, seed=1)
     _sparsify_files(tmp_path / "layers.2", transcode=False, skip=False, seed=2)
-    assert list(load_sparsify_many(tmp_path)) == ["layers.0", "layers.2", "layers.10"]
+    assert list(load_all(tmp_path, format="sparsify")) == ["layers.0", "layers.2", "layers.10"]
     with pytest.raises(ConfigMismatchError, match=r"cfg\.json.*d_in"):
         load_sparsify(tmp_path / "layers.0", d_model=4)
     _sparsify_files(tmp_path / "g", transcode=False, skip=False, extra_cfg={"activation": "groupmax"})
@@ -346,7 +346,7 @@ def _ct_slt_ref(st: dict, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("skip,jump", [(False, False), (True, True)])
 def test_circuit_tracer_transcoder_set(tmp_path: Path, skip: bool, jump: bool) -> None:
     states = _ct_set_files(tmp_path, 3, skip=skip, jump=jump)
-    ts = load_circuit_tracer(tmp_path, d_model=D)
+    ts = load(tmp_path, format="circuit_tracer", d_model=D)
     assert len(ts) == 3 and ts.feature_input_hook == "mlp.hook_in" and ts.scan == "tiny-scan"
     x = torch.randn(4, D, generator=_g(6))
     for layer, st in enumerate(states):
@@ -399,7 +399,7 @@ def _ct_clt_ref(ref: dict, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("skip,jump", [(False, False), (True, True)])
 def test_circuit_tracer_clt(tmp_path: Path, skip: bool, jump: bool) -> None:
     ref = _ct_clt_files(tmp_path, 3, skip=skip, jump=jump)
-    clt = load_circuit_tracer(tmp_path)
+    clt = load(tmp_path, format="circuit_tracer")
     assert isinstance(clt, CrossLayerTranscoder) and clt.cfg.skip == skip
     assert clt.cfg.extra["circuit_tracer"]["feature_output_hook"] == "hook_mlp_out"
     x = torch.randn(3, 5, D, generator=_g(7))
@@ -427,7 +427,7 @@ def test_circuit_tracer_bad_input(tmp_path: Path) -> None:
         load_circuit_tracer_transcoders(tmp_path / "c")
     (tmp_path / "c" / "config.yaml").write_text("model_kind: spline_clt\n")
     with pytest.raises(UnsupportedArchitectureError, match=r"config\.yaml.*spline_clt"):
-        load_circuit_tracer(tmp_path / "c")
+        load(tmp_path / "c", format="circuit_tracer")
 
 
 # ============================================================================ our own format
@@ -548,3 +548,30 @@ def test_llamascopium_sae_bad_input(tmp_path: Path) -> None:
     (tmp_path / "d" / "config.json").write_text(json.dumps({"sae_type": "clt", "d_model": D}))
     with pytest.raises(UnsupportedArchitectureError, match=r"config\.json.*'sae_type'.*clt"):
         load_llamascopium_sae(tmp_path / "d")
+
+
+# ============================================================================ sets through formats.load
+def test_clt_set_from_pretrained(tmp_path: Path) -> None:
+    from tiny import tiny_nnsight
+
+    from nnsight_lorsa import CLTSet
+    from nnsight_lorsa.adapters.registry import get_adapter
+    from nnsight_lorsa.formats import save
+
+    model, _ = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    clt = CrossLayerTranscoder(CLTConfig(d_in=adapter.d_model, d_sae=8, n_layers=adapter.n_layers,
+                                         activation="jumprelu"))
+    with torch.no_grad():
+        for p in clt.parameters():
+            p.add_(torch.randn(p.shape, generator=_g(3)) * 0.1)
+    save(clt, tmp_path / "ours")
+    save(clt, tmp_path / "ct", format="circuit_tracer")
+    x = torch.randn(2, 3, adapter.d_model, generator=_g(4))
+    for sub in ("ours", "ct"):
+        loaded = CLTSet.from_pretrained(model, tmp_path / sub).clt
+        assert loaded.n_layers == adapter.n_layers
+        _close(loaded.encode_layer(x, 0), clt.encode_layer(x, 0))
+    save(SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=8)), tmp_path / "sae")
+    with pytest.raises(ConfigMismatchError, match="not a cross-layer transcoder"):
+        CLTSet.from_pretrained(model, tmp_path / "sae")

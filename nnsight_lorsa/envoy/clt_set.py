@@ -55,6 +55,27 @@ class CLTSet:
             raise ConfigMismatchError(f"CLT spans {clt.n_layers} layers, the model has {self.adapter.n_layers}")
         self.clt = clt
 
+    @classmethod
+    def from_pretrained(cls, model: Any, path_or_repo_id: Any, *, format: str = "auto", adapter: Any = None,
+                        **kwargs: Any) -> CLTSet:
+        """Load a cross-layer transcoder (through ``formats.load``: ours or circuit-tracer's) and bind it.
+
+        ``path_or_repo_id``: a checkpoint directory or hub repo id; ``format``: ``"auto"`` (from the
+        files), ``"nnsight_lorsa"`` or ``"circuit_tracer"``; ``kwargs`` go to the reader (``device``,
+        ``dtype``, ``revision``, …).
+
+        Raises:
+            CheckpointError: no recognisable checkpoint, a malformed one.
+            ConfigMismatchError: the checkpoint holds no CLT, or one that does not fit the model.
+        """
+        from ..formats.registry import load
+
+        adapter = get_adapter(model) if adapter is None else adapter
+        clt = load(path_or_repo_id, format=format, d_model=adapter.d_model, **kwargs)
+        if not isinstance(clt, CrossLayerTranscoder):
+            raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
+        return cls(model, clt, adapter)
+
     def __repr__(self) -> str:
         return f"CLTSet({self.adapter.family}, n_layers={self.clt.n_layers}, d_sae={self.clt.cfg.d_sae})"
 

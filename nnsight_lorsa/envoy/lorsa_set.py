@@ -93,37 +93,51 @@ class LorsaSet:
 
     # ------------------------------------------------------------------- io
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write ``directory/layer_{L}/`` per Lorsa (safetensors + JSON, :func:`save_lorsa`)."""
+        """Write ``directory/layer_{L}/`` per Lorsa (safetensors + JSON, ``formats.save`` in the
+        ``"nnsight_lorsa"`` format); :meth:`from_pretrained` reads it back."""
         from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
 
-        from ..formats.lorsa_format import save_lorsa
+        from ..formats.registry import save
 
         for layer in self.layers:
-            save_lorsa(self._lorsas[layer], Path(directory) / f"layer_{layer}")
+            save(self._lorsas[layer], Path(directory) / f"layer_{layer}")
 
     @classmethod
-    def load(cls, model: Any, directory: str | os.PathLike[str], *, device: Any = None) -> LorsaSet:
-        """Load every ``directory/layer_{L}/`` written by :meth:`save`.
+    def from_pretrained(cls, model: Any, sources: Any, *, format: str = "auto", adapter: Any = None,
+                        **kwargs: Any) -> LorsaSet:
+        """Load Lorsas from checkpoints (through ``formats.load``) and attach each at its layer.
+
+        ``sources``: a directory written by :meth:`save` (one ``layer_<L>/`` per layer), one Lorsa
+        checkpoint (local directory or hub repo id, e.g. ``"org/repo:name"`` for Llamascopium),
+        several, or ``{layer: source}``. ``format``: ``"auto"`` (from the files), ``"nnsight_lorsa"``
+        or ``"llamascopium"``; ``kwargs`` go to the reader (``device``, ``dtype``, ``weights_folded``,
+        ``revision``, …). The layer is the folder's ``layer_<L>`` name, else the checkpoint's ``cfg.layer``.
 
         Raises:
-            CheckpointError: no ``layer_*`` directory, or a malformed checkpoint.
+            CheckpointError: no recognisable checkpoint (``FormatDetectionError``), a malformed one.
+            ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
+                for a layer; a Lorsa that does not fit the model.
         """
-        from pathlib import Path
+        import os  # local: os is not on NDIF's unpickling whitelist (the class travels by value)
+        import re
 
-        from ..errors import CheckpointError
-        from ..formats.lorsa_format import load_lorsa
+        from ..formats.registry import load_all
 
-        dirs = sorted(Path(directory).glob("layer_*"))
-        if not dirs:
-            raise CheckpointError(f"{directory}: no layer_<L> checkpoint directories")
-        lorsas = {}
-        for d in dirs:
-            try:
-                layer = int(d.name.removeprefix("layer_"))
-            except ValueError as e:
-                raise CheckpointError(f"{d}: directory name is not layer_<int>") from e
-            lorsas[layer] = load_lorsa(d, device=device)
-        return cls(model, lorsas)
+        items = sources.items() if isinstance(sources, Mapping) else [
+            (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
+        lorsas: dict[int, Lorsa] = {}
+        for key, src in items:
+            for name, module in load_all(src, format=format, **kwargs).items():
+                if not isinstance(module, Lorsa):
+                    raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not a Lorsa")
+                named = re.fullmatch(r"layer_(\d+)", name)
+                layer = key if key is not None else int(named.group(1)) if named else module.cfg.layer
+                if layer is None:
+                    raise ConfigMismatchError(f"{src}: {name} names no layer; pass {{layer: {str(src)!r}}}")
+                if layer in lorsas:
+                    raise ConfigMismatchError(f"{src}: a second Lorsa for layer {layer}")
+                lorsas[layer] = module
+        return cls(model, lorsas, adapter)
 
     # -------------------------------------------------------------- splicing
     def site(self, layer: int) -> SpliceSite:

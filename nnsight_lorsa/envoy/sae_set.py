@@ -136,11 +136,12 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
                         **kwargs: Any) -> SAESet:
         """Load SAEs from checkpoint files and attach each at the site its file names.
 
-        ``sources``: a checkpoint directory (or hub repo id with an explicit ``format``), several,
+        ``sources``: a checkpoint directory (or hub repo id), several,
         or ``{site_path: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
-        set). ``format``: ``"auto"`` (from the files, :func:`~..formats.hook_sites.detect_format`),
-        ``"saelens"``, ``"sparsify"``, ``"llamascopium"``, ``"ours"``, ``"circuit_tracer"``; ``kwargs`` go
-        to the loader (``norm_scaling_factor``, ``device``, ``dtype``, …).
+        set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
+        :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
+        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``,
+        ``device``, ``dtype``, …).
         The site of each SAE is read from its file (SAELens / llamascopium hook names such as
         ``blocks.3.hook_resid_post``, sparsify hookpoints, our ``SAEConfig.hook``) and mapped to this
         model's module paths (``hook_resid_pre`` of layer L is the output of layer L−1).
@@ -151,14 +152,15 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             CheckpointError, UnsupportedArchitectureError: from the loaders.
         """
         from ..adapters.registry import get_adapter
-        from ..formats.hook_sites import load_sparse_coders, sae_site_path
+        from ..formats.hook_sites import sae_site_path
+        from ..formats.registry import load_all
 
         adapter = get_adapter(model) if adapter is None else adapter
         items = sources.items() if isinstance(sources, dict) else [
             (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
         saes: dict[str, SparseAutoencoder] = {}
         for key, src in items:
-            for module in load_sparse_coders(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs):
+            for module in load_all(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs).values():
                 if not isinstance(module, SparseAutoencoder):
                     raise ConfigMismatchError(f"{src}: holds a {type(module).__name__}, not an SAE (use TranscoderSet)")
                 site = key if key is not None else sae_site_path(module, adapter)

@@ -114,11 +114,12 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
                         **kwargs: Any) -> TranscoderSet:
         """Load transcoders from checkpoint files and attach each at the layer its file names.
 
-        ``sources``: a checkpoint directory (or hub repo id with an explicit ``format``), several,
+        ``sources``: a checkpoint directory (or hub repo id), several,
         or ``{layer: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
-        set). ``format``: ``"auto"`` (from the files, :func:`~..formats.hook_sites.detect_format`),
-        ``"saelens"``, ``"sparsify"``, ``"llamascopium"``, ``"ours"``, ``"circuit_tracer"``; ``kwargs`` go
-        to the loader (``norm_scaling_factor``, ``device``, ``dtype``, …).
+        set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
+        :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
+        ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``,
+        ``device``, ``dtype``, …).
         The layer of each transcoder is read from its file (``TranscoderConfig.layer``, SAELens /
         llamascopium hook names, sparsify hookpoints, circuit-tracer layer files).
 
@@ -131,14 +132,15 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         import os
 
         from ..adapters.registry import get_adapter
-        from ..formats.hook_sites import load_sparse_coders, transcoder_layer
+        from ..formats.hook_sites import transcoder_layer
+        from ..formats.registry import load_all
 
         adapter = get_adapter(model) if adapter is None else adapter
         items = sources.items() if isinstance(sources, dict) else [
             (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
         tcs: dict[int, Transcoder] = {}
         for key, src in items:
-            for module in load_sparse_coders(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs):
+            for module in load_all(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs).values():
                 if not isinstance(module, Transcoder):
                     raise ConfigMismatchError(f"{src}: holds a {type(module).__name__}, not a transcoder (use SAESet)")
                 layer = key if key is not None else transcoder_layer(module)

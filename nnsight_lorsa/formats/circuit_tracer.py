@@ -18,6 +18,10 @@ Cross-layer transcoders (``transcoder/cross_layer_transcoder.py``, ``to_safetens
     ``W_dec_{i} (d_sae, n_layers − i, d_model)`` (our layout). ``n_layers`` = number of ``W_enc_*`` files.
 
 Never reads their ``.npz`` (Gemma Scope) files or anything pickled.
+
+Two readers (:class:`~.reader.Reader`), :data:`TRANSCODERS_READER` and :data:`CLT_READER`, each in
+three steps (``parse_*_config`` from ``config.yaml`` and the safetensors headers, ``load_*_weights``,
+``build_*``); :func:`choose_reader` picks one by ``model_kind`` (or, without one, by the files).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +38,16 @@ import torch
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from .lorsa_format import check_tensor_inventory, load_safetensors, read_safetensors_header, resolve_checkpoint_dir
-from .sparse_coder_format import build_module, check_d_model
+from .files import load_safetensors, read_safetensors_header, read_yaml_object
+from .reader import Parsed, Reader, read
+from .validate import build_module, check_d_model, check_size, check_tensor_inventory, config_size
 
 CONFIG_FILE = "config.yaml"
+HUB_FILES = (CONFIG_FILE, "*.safetensors")
+KINDS = ("transcoder_set", "cross_layer_transcoder")
 
-__all__ = ["CircuitTracerTranscoders", "load_circuit_tracer", "load_circuit_tracer_clt",
-           "load_circuit_tracer_transcoders", "read_circuit_tracer_config", "save_circuit_tracer_clt",
-           "save_circuit_tracer_transcoders"]
+__all__ = ["CLT_READER", "TRANSCODERS_READER", "CircuitTracerTranscoders", "choose_reader", "load_circuit_tracer_clt",
+           "load_circuit_tracer_transcoders", "save_circuit_tracer_clt", "save_circuit_tracer_transcoders"]
 
 
 @dataclass
@@ -60,30 +67,6 @@ class CircuitTracerTranscoders:
         return len(self.transcoders)
 
 
-def read_circuit_tracer_config(path: Path) -> dict[str, Any]:
-    """``config.yaml`` as a dict (``{}`` when absent); CheckpointError naming the file otherwise."""
-    if not path.is_file():
-        return {}
-    try:
-        import yaml
-    except ImportError as e:  # pragma: no cover - pyyaml is a dependency
-        raise CheckpointError(f"{path}: reading it needs PyYAML (pip install pyyaml)") from e
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable YAML ({e})") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a mapping, got {type(data).__name__}")
-    return data
-
-
-def _resolve(directory: str | os.PathLike[str], local_files_only: bool, revision: str | None) -> Path:
-    return resolve_checkpoint_dir(directory, allow_patterns=[CONFIG_FILE, "*.safetensors"],
-                                  local_files_only=local_files_only, revision=revision)
-
-
 def _numbered(path: Path, pattern: str) -> dict[int, Path]:
     rx = re.compile(pattern)
     found = {int(m.group(1)): p for p in path.iterdir() if (m := rx.fullmatch(p.name))}
@@ -94,6 +77,32 @@ def _numbered(path: Path, pattern: str) -> dict[int, Path]:
 
 def _hooks(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: cfg.get(k) for k in ("model_kind", "model_name", "feature_input_hook", "feature_output_hook", "scan")}
+
+
+def _model_kind(directory: Path, expected: str) -> dict[str, Any]:
+    config_path = directory / CONFIG_FILE
+    cfg = read_yaml_object(config_path)
+    kind = cfg.get("model_kind", expected)
+    if kind != expected:
+        raise UnsupportedArchitectureError(f"{config_path}: key 'model_kind' is {kind!r}, expected {expected!r}")
+    return cfg
+
+
+def choose_reader(directory: Path) -> Reader:
+    """:data:`CLT_READER` or :data:`TRANSCODERS_READER`, by ``model_kind`` in ``config.yaml`` (or,
+    without one, by whether ``W_enc_0.safetensors`` exists).
+
+    Raises:
+        CheckpointError: unreadable ``config.yaml``.
+        UnsupportedArchitectureError: another ``model_kind`` (naming ``config.yaml``).
+    """
+    kind = read_yaml_object(directory / CONFIG_FILE).get("model_kind")
+    if kind is None:
+        kind = "cross_layer_transcoder" if (directory / "W_enc_0.safetensors").is_file() else "transcoder_set"
+    if kind not in KINDS:
+        raise UnsupportedArchitectureError(f"{directory / CONFIG_FILE}: key 'model_kind' is {kind!r}; supported: "
+                                           "'transcoder_set', 'cross_layer_transcoder'")
+    return CLT_READER if kind == "cross_layer_transcoder" else TRANSCODERS_READER
 
 
 # --------------------------------------------------------------------------- per-layer transcoders
@@ -123,116 +132,155 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
     return files
 
 
-def load_circuit_tracer_transcoders(
-    directory: str | os.PathLike[str],
-    *,
-    d_model: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> CircuitTracerTranscoders:
+def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any], cfg: dict[str, Any],
+                  d_model: int | None) -> tuple[TranscoderConfig, dict[str, tuple[int, ...]], str]:
+    """One layer file's :class:`TranscoderConfig`, expected shapes and source note, from its header."""
+    shapes, _ = read_safetensors_header(file)
+    if "W_enc" not in shapes or len(shapes["W_enc"]) != 2:
+        raise CheckpointError(f"{file}: missing tensor 'W_enc' (d_sae, d_model), found {sorted(shapes)}")
+    d_sae, d_in = (check_size(n, file, f"W_enc.shape[{i}]") for i, n in enumerate(shapes["W_enc"]))
+    check_d_model(d_in, d_model, file, "W_enc.shape[1]")
+    d_out = shapes["b_dec"][0] if len(shapes.get("b_dec", ())) == 1 else d_in
+    activation = "jumprelu" if "threshold" in shapes else act_name
+    expected = {"W_enc": (d_sae, d_in), "W_dec": (d_sae, d_out), "b_enc": (d_sae,), "b_dec": (d_out,)}
+    if "W_skip" in shapes:
+        expected["W_skip"] = (d_out, d_in)
+    if activation == "jumprelu":
+        expected["threshold"] = (d_sae,)
+    src = f"W_enc of {file.name} (d_sae={d_sae}, d_model={d_in})"
+    check_tensor_inventory(file, shapes, expected, src)
+    tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation,
+                            activation_params=params if activation == "topk" else {},
+                            layer=layer, extra={"circuit_tracer": {**_hooks(cfg), "file": file.name}})
+    return tcfg, expected, src
+
+
+def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> Parsed:
+    """``config.yaml`` and every layer file's header -> ``Parsed(directory, {layer: TranscoderConfig}, …)``.
+
+    Raises:
+        CheckpointError: bad YAML, a missing file or tensor, a wrong shape (naming file and key),
+            layers that do not cover 0..n-1, a ``k`` that is not a positive int for ``topk``.
+        UnsupportedArchitectureError: another ``model_kind``, an ``activation`` we cannot build.
+        ConfigMismatchError: ``d_model`` given and different from the files'.
+    """
+    config_path = directory / CONFIG_FILE
+    cfg = _model_kind(directory, "transcoder_set")
+    act_name = cfg.get("activation") or "relu"
+    act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name)
+    if act_name not in ("relu", "topk", "jumprelu"):
+        raise UnsupportedArchitectureError(f"{config_path}: key 'activation' is {act_name!r}; "
+                                           "supported: relu, topk, jump_relu")
+    params = {"k": config_size(cfg, "k", config_path)} if act_name == "topk" else {}
+    layers: dict[int, Any] = {}
+    for layer, file in sorted(_layer_files(directory, cfg, config_path).items()):
+        layers[layer] = (file, *_layer_config(file, layer, act_name, params, cfg, d_model))
+    if sorted(layers) != list(range(len(layers))):
+        raise CheckpointError(f"{directory}: transcoders must cover layers 0..n-1, found {sorted(layers)}")
+    return Parsed(directory, {layer: entry[1] for layer, entry in layers.items()},
+                  {"layers": layers, "yaml": cfg})
+
+
+def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[str, torch.Tensor]]:
+    """Every ``layer_{i}.safetensors`` in our layout (``W_enc`` transposed; ``threshold`` ->
+    ``activation.threshold``), by layer.
+
+    Raises:
+        CheckpointError: an unreadable file.
+    """
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for layer, (file, tcfg, _, _) in parsed.settings["layers"].items():
+        state = load_safetensors(file)
+        ours = {"W_enc": state["W_enc"].T.contiguous(), "b_enc": state["b_enc"], "W_dec": state["W_dec"],
+                "b_dec": state["b_dec"]}
+        if "W_skip" in state:
+            ours["W_skip"] = state["W_skip"]
+        if tcfg.activation == "jumprelu":
+            ours["activation.threshold"] = state["threshold"]
+        out[layer] = ours
+    return out
+
+
+def build_transcoders(parsed: Parsed, states: dict[int, dict[str, torch.Tensor]], *,
+                      device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None) -> CircuitTracerTranscoders:
+    """One :class:`Transcoder` / :class:`SkipTranscoder` per layer, in a :class:`CircuitTracerTranscoders`.
+
+    Raises:
+        CheckpointError: non-floating or non-finite tensor (naming the layer file and key).
+    """
+    transcoders: dict[int, Transcoder] = {}
+    for layer, (file, tcfg, _, src) in parsed.settings["layers"].items():
+        ours = states[layer]
+        cls: type[Transcoder] = SkipTranscoder if "W_skip" in ours else Transcoder
+        transcoders[layer] = build_module(partial(cls, tcfg), ours, file, src, device=device,
+                                          dtype=dtype or ours["W_enc"].dtype)
+    cfg = parsed.settings["yaml"]
+    return CircuitTracerTranscoders(transcoders, cfg.get("feature_input_hook"), cfg.get("feature_output_hook"),
+                                    cfg.get("scan"), cfg)
+
+
+TRANSCODERS_READER = Reader("circuit_tracer_transcoders", HUB_FILES, parse_transcoders_config,
+                            load_transcoders_weights, build_transcoders)
+
+
+def load_circuit_tracer_transcoders(directory: str | os.PathLike[str], **kwargs: Any) -> CircuitTracerTranscoders:
     """Load a circuit-tracer per-layer transcoder set (``config.yaml`` + ``layer_{i}.safetensors``).
+
+    Source: circuit-tracer ``transcoder/single_layer_transcoder.py`` (module docstring).
+    ``kwargs``: ``d_model``, ``device``, ``dtype``, ``subfolder``, ``local_files_only``, ``revision``.
+
+    Returns:
+        ``transcoders[layer]``: ``W_enc (d_model, d_sae)`` (theirs transposed), ``W_dec (d_sae, d_out)``.
 
     Raises:
         CheckpointError: a missing file or tensor, a wrong shape (naming file and key), bad YAML.
         UnsupportedArchitectureError: an ``activation`` in ``config.yaml`` we cannot build.
         ConfigMismatchError: ``d_model`` given and different from the files'.
     """
-    path = _resolve(directory, local_files_only, revision)
-    config_path = path / CONFIG_FILE
-    cfg = read_circuit_tracer_config(config_path)
-    kind = cfg.get("model_kind", "transcoder_set")
-    if kind != "transcoder_set":
-        raise UnsupportedArchitectureError(f"{config_path}: key 'model_kind' is {kind!r}, expected 'transcoder_set'")
-    act_name = cfg.get("activation") or "relu"
-    act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name)
-    if act_name not in ("relu", "topk", "jumprelu"):
-        raise UnsupportedArchitectureError(f"{config_path}: key 'activation' is {act_name!r}; "
-                                           "supported: relu, topk, jump_relu")
-    transcoders: dict[int, Transcoder] = {}
-    for layer, file in sorted(_layer_files(path, cfg, config_path).items()):
-        shapes, _ = read_safetensors_header(file)
-        if "W_enc" not in shapes or len(shapes["W_enc"]) != 2:
-            raise CheckpointError(f"{file}: missing tensor 'W_enc' (d_sae, d_model), found {sorted(shapes)}")
-        d_sae, d_in = shapes["W_enc"]
-        check_d_model(d_in, d_model, file, "W_enc.shape[1]")
-        d_out = shapes["b_dec"][0] if len(shapes.get("b_dec", ())) == 1 else d_in
-        activation = "jumprelu" if "threshold" in shapes else act_name
-        expected = {"W_enc": (d_sae, d_in), "W_dec": (d_sae, d_out), "b_enc": (d_sae,), "b_dec": (d_out,)}
-        if "W_skip" in shapes:
-            expected["W_skip"] = (d_out, d_in)
-        if activation == "jumprelu":
-            expected["threshold"] = (d_sae,)
-        src = f"W_enc of {file.name} (d_sae={d_sae}, d_model={d_in})"
-        check_tensor_inventory(file, shapes, expected, src)
-        state = load_safetensors(file)
-        ours = {"W_enc": state["W_enc"].T.contiguous(), "b_enc": state["b_enc"], "W_dec": state["W_dec"],
-                "b_dec": state["b_dec"]}
-        if "W_skip" in state:
-            ours["W_skip"] = state["W_skip"]
-        if activation == "jumprelu":
-            ours["activation.threshold"] = state["threshold"]
-        params: dict[str, Any] = {}
-        if activation == "topk":
-            k = cfg.get("k")
-            if not isinstance(k, int) or k <= 0:
-                raise CheckpointError(f"{config_path}: key 'k' must be a positive int for activation 'topk'")
-            params["k"] = k
-        tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
-                                layer=layer, extra={"circuit_tracer": {**_hooks(cfg), "file": file.name}})
-        cls: type[Transcoder] = SkipTranscoder if "W_skip" in ours else Transcoder
-        transcoders[layer] = _build_transcoder(cls, tcfg, ours, file, src, device, dtype or ours["W_enc"].dtype)
-    if sorted(transcoders) != list(range(len(transcoders))):
-        raise CheckpointError(f"{path}: transcoders must cover layers 0..n-1, found {sorted(transcoders)}")
-    return CircuitTracerTranscoders(transcoders, cfg.get("feature_input_hook"), cfg.get("feature_output_hook"),
-                                    cfg.get("scan"), cfg)
-
-
-def _build_transcoder(cls: type[Transcoder], tcfg: TranscoderConfig, state: dict[str, torch.Tensor], file: Path,
-                      src: str, device: torch.device | str | None, dtype: torch.dtype) -> Transcoder:
-    return build_module(lambda: cls(tcfg), state, file, src, device=device, dtype=dtype)
+    return read(TRANSCODERS_READER, directory, **kwargs)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- cross-layer transcoders
-def load_circuit_tracer_clt(
-    directory: str | os.PathLike[str],
-    *,
-    d_model: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> CrossLayerTranscoder:
-    """Load a circuit-tracer CLT (``W_enc_{i}.safetensors`` + ``W_dec_{i}.safetensors``) as ours.
+def parse_clt_config(directory: Path, *, d_model: int | None = None) -> Parsed:
+    """``config.yaml`` and ``W_enc_0.safetensors``'s header -> ``Parsed(directory, CLTConfig, …)``.
 
     Raises:
-        CheckpointError: a missing file or tensor, a wrong shape (naming file and key), layers
-            that disagree on JumpReLU thresholds or skip weights.
+        CheckpointError: bad YAML, no ``W_enc_<i>`` files (or not numbered 0..n-1), no ``W_enc_0`` tensor.
+        UnsupportedArchitectureError: another ``model_kind``.
         ConfigMismatchError: ``d_model`` given and different from the files'.
     """
-    path = _resolve(directory, local_files_only, revision)
-    config_path = path / CONFIG_FILE
-    cfg = read_circuit_tracer_config(config_path)
-    kind = cfg.get("model_kind", "cross_layer_transcoder")
-    if kind != "cross_layer_transcoder":
-        raise UnsupportedArchitectureError(
-            f"{config_path}: key 'model_kind' is {kind!r}, expected 'cross_layer_transcoder'")
-    enc_files = _numbered(path, r"W_enc_(\d+)\.safetensors")
+    cfg = _model_kind(directory, "cross_layer_transcoder")
+    enc_files = _numbered(directory, r"W_enc_(\d+)\.safetensors")
     if not enc_files:
-        raise CheckpointError(f"{path}: no W_enc_<i>.safetensors files")
+        raise CheckpointError(f"{directory}: no W_enc_<i>.safetensors files")
     n = len(enc_files)
     shapes0, _ = read_safetensors_header(enc_files[0])
     if len(shapes0.get("W_enc_0", ())) != 2:
         raise CheckpointError(f"{enc_files[0]}: missing tensor 'W_enc_0' (d_sae, d_model), found {sorted(shapes0)}")
-    d_sae, d = shapes0["W_enc_0"]
+    d_sae, d = (check_size(k, enc_files[0], f"W_enc_0.shape[{i}]") for i, k in enumerate(shapes0["W_enc_0"]))
     check_d_model(d, d_model, enc_files[0], "W_enc_0.shape[1]")
     has_threshold, has_skip = "threshold_0" in shapes0, "W_skip_0" in shapes0
-    src = f"W_enc_0 of {enc_files[0].name} (d_sae={d_sae}, d_model={d}, n_layers={n})"
+    ccfg = CLTConfig(d_in=d, d_sae=d_sae, n_layers=n, skip=has_skip,
+                     activation="jumprelu" if has_threshold else "relu",
+                     extra={"circuit_tracer": _hooks(cfg)})
+    return Parsed(directory, ccfg, {
+        "enc_files": enc_files, "source": f"W_enc_0 of {enc_files[0].name} (d_sae={d_sae}, d_model={d}, n_layers={n})"})
+
+
+def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """Every ``W_enc_{i}`` / ``W_dec_{i}`` file, checked against ``W_enc_0``'s sizes and stacked in our layout.
+
+    Raises:
+        CheckpointError: a missing file or tensor, a wrong shape (naming file and key).
+    """
+    ccfg, src = parsed.config, parsed.settings["source"]
+    n, d, d_sae = ccfg.n_layers, ccfg.d_in, ccfg.d_sae
+    has_threshold, has_skip = ccfg.activation == "jumprelu", ccfg.skip
     ours: dict[str, torch.Tensor] = {}
     W_enc, b_enc, b_dec, W_skip = [], [], [], []
     for i in range(n):
-        file = enc_files[i]
+        file = parsed.settings["enc_files"][i]
         expected = {f"W_enc_{i}": (d_sae, d), f"b_enc_{i}": (d_sae,), f"b_dec_{i}": (d,)}
         if has_threshold:
             expected[f"threshold_{i}"] = (d_sae,)
@@ -248,7 +296,7 @@ def load_circuit_tracer_clt(
             ours[f"activation.{i}.threshold"] = state[f"threshold_{i}"]
         if has_skip:
             W_skip.append(state[f"W_skip_{i}"].T)
-        dec_file = path / f"W_dec_{i}.safetensors"
+        dec_file = directory / f"W_dec_{i}.safetensors"
         dec_shapes, _ = read_safetensors_header(dec_file)
         check_tensor_inventory(dec_file, dec_shapes, {f"W_dec_{i}": (d_sae, n - i, d)}, src)
         ours[f"W_dec_{i}"] = load_safetensors(dec_file)[f"W_dec_{i}"]
@@ -257,28 +305,37 @@ def load_circuit_tracer_clt(
     ours["b_dec"] = torch.stack(b_dec)
     if has_skip:
         ours["W_skip"] = torch.stack(W_skip)
-    ccfg = CLTConfig(d_in=d, d_sae=d_sae, n_layers=n, skip=has_skip,
-                     activation="jumprelu" if has_threshold else "relu",
-                     extra={"circuit_tracer": _hooks(cfg)})
-    return build_module(lambda: CrossLayerTranscoder(ccfg), ours, path, src, device=device,
-                        dtype=dtype or ours["W_enc"].dtype)
+    return ours
 
 
-def load_circuit_tracer(
-    directory: str | os.PathLike[str], **kwargs: Any
-) -> CircuitTracerTranscoders | CrossLayerTranscoder:
-    """:func:`load_circuit_tracer_clt` or :func:`load_circuit_tracer_transcoders`, by ``model_kind`` in
-    ``config.yaml`` (or, without one, by which files exist)."""
-    path = _resolve(directory, kwargs.pop("local_files_only", False), kwargs.pop("revision", None))
-    kind = read_circuit_tracer_config(path / CONFIG_FILE).get("model_kind")
-    if kind is None:
-        kind = "cross_layer_transcoder" if (path / "W_enc_0.safetensors").is_file() else "transcoder_set"
-    if kind == "cross_layer_transcoder":
-        return load_circuit_tracer_clt(path, **kwargs)
-    if kind == "transcoder_set":
-        return load_circuit_tracer_transcoders(path, **kwargs)
-    raise UnsupportedArchitectureError(f"{path / CONFIG_FILE}: key 'model_kind' is {kind!r}; supported: "
-                                       "'transcoder_set', 'cross_layer_transcoder'")
+def build_clt(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> CrossLayerTranscoder:
+    """Our :class:`CrossLayerTranscoder` with the stacked ``state``.
+
+    Raises:
+        CheckpointError: non-floating or non-finite tensor.
+    """
+    return parsed.build_module(CrossLayerTranscoder, state, "", device=device, dtype=dtype or state["W_enc"].dtype)
+
+
+CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_weights, build_clt)
+
+
+def load_circuit_tracer_clt(directory: str | os.PathLike[str], **kwargs: Any) -> CrossLayerTranscoder:
+    """Load a circuit-tracer CLT (``W_enc_{i}.safetensors`` + ``W_dec_{i}.safetensors``) as ours.
+
+    Source: circuit-tracer ``transcoder/cross_layer_transcoder.py`` (module docstring).
+    ``kwargs``: ``d_model``, ``device``, ``dtype``, ``subfolder``, ``local_files_only``, ``revision``.
+
+    Returns:
+        ``W_enc (n_layers, d_model, d_sae)``, ``W_dec(i) (d_sae, n_layers − i, d_model)``.
+
+    Raises:
+        CheckpointError: a missing file or tensor, a wrong shape (naming file and key), layers
+            that disagree on JumpReLU thresholds or skip weights.
+        ConfigMismatchError: ``d_model`` given and different from the files'.
+    """
+    return read(CLT_READER, directory, **kwargs)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- writers

@@ -20,22 +20,20 @@ sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``
 
 Loaded modules keep the site they were trained on (``cfg.extra[<format>]["site"]``, ``SAEConfig.hook``,
 ``TranscoderConfig.layer``); :func:`sae_site_path` and :func:`transcoder_layer` read it back so that
-``SAESet.from_pretrained`` / ``TranscoderSet.from_pretrained`` attach each file where it belongs, and
-:func:`detect_format` / :func:`load_sparse_coders` pick the loader from the files in a directory.
+``SAESet.from_pretrained`` / ``TranscoderSet.from_pretrained`` attach each file where it belongs.
+This module imports no loader (the loaders import it; format detection lives in :mod:`.registry`).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ConfigMismatchError, UnsupportedArchitectureError
+from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["HookSite", "detect_format", "load_sparse_coders", "sae_site_path", "sparsify_hookpoint_site",
-           "transcoder_layer", "transformer_lens_hook_site"]
+__all__ = ["HookSite", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
+           "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,10 @@ class HookSite:
     site: str
     module_path: str | None
     io: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record a loader keeps in ``cfg.extra[<format>]["site"]``."""
+        return {"layer": self.layer, "site": self.site, "module_path": self.module_path, "io": self.io}
 
 
 _TL = re.compile(r"^blocks\.(\d+)\.(.+)$")
@@ -101,6 +103,19 @@ def sparsify_hookpoint_site(hookpoint: str, *, transcode: bool, adapter: Any = N
     if transcode:
         return _site(layer, "mlp_in", "mlp", "input", adapter)
     return _site(layer, "mlp_out", "mlp", "output", adapter)
+
+
+def site_record(hook: Any, adapter: Any = None, *, sparsify_transcode: bool | None = None) -> dict[str, Any] | None:
+    """:meth:`HookSite.as_dict` of a TransformerLens hook name (or, with ``sparsify_transcode`` set,
+    a sparsify hookpoint); None for a non-string or a hook outside the module table."""
+    if not isinstance(hook, str):
+        return None
+    try:
+        if sparsify_transcode is None:
+            return transformer_lens_hook_site(hook, adapter).as_dict()
+        return sparsify_hookpoint_site(hook, transcode=sparsify_transcode, adapter=adapter).as_dict()
+    except UnsupportedArchitectureError:
+        return None
 
 
 # ------------------------------------------------------------------ loaded modules -> sites
@@ -158,71 +173,3 @@ def transcoder_layer(module: Any) -> int | None:
         if isinstance(site.get("layer"), int):
             return int(site["layer"])
     return None
-
-
-# ------------------------------------------------------------------ format detection
-#: format -> the files that identify it in a directory
-FORMAT_FILES: dict[str, tuple[str, ...]] = {
-    "ours": ("config.json", "model.safetensors"),
-    "saelens": ("cfg.json", "sae_weights.safetensors"),
-    "sparsify": ("cfg.json", "sae.safetensors"),
-    "llamascopium": ("config.json", "sae_weights.safetensors"),
-    "circuit_tracer": ("config.yaml",),
-}
-
-
-def detect_format(directory: str | os.PathLike[str]) -> str:
-    """The checkpoint format of a local directory, from its files (:data:`FORMAT_FILES`).
-
-    Raises:
-        CheckpointError: no known set of files (the directory and what it holds are named).
-    """
-    d = Path(directory)
-    for fmt, files in FORMAT_FILES.items():
-        if all((d / f).is_file() for f in files):
-            return fmt
-    held = sorted(p.name for p in d.iterdir())[:12] if d.is_dir() else "nothing (not a directory)"
-    raise CheckpointError(f"{d}: no known sparse-coder checkpoint files (ours, SAELens, sparsify, llamascopium, "
-                          f"circuit-tracer); it holds {held}")
-
-
-def load_sparse_coders(directory: str | os.PathLike[str], *, format: str = "auto", adapter: Any = None,
-                       d_model: int | None = None, **kwargs: Any) -> list[Any]:
-    """Every SAE / transcoder in a checkpoint directory, with the loader of its format.
-
-    ``format="auto"`` detects it (:func:`detect_format`); a directory whose subfolders are
-    checkpoints (a sparsify run, one folder per hookpoint) yields one module per subfolder; a
-    circuit-tracer transcoder set yields one per layer. ``kwargs`` go to the loader (e.g.
-    ``norm_scaling_factor``, ``device``, ``dtype``, ``subfolder`` / ``revision`` for hub ids with an
-    explicit ``format``).
-
-    Raises:
-        CheckpointError: no recognisable files; the loader's errors otherwise.
-    """
-    from .circuit_tracer import load_circuit_tracer_transcoders
-    from .llamascopium_sae import load_llamascopium_sae
-    from .saelens import load_saelens
-    from .sparse_coder_format import load_sparse_coder
-    from .sparsify import load_sparsify
-
-    d = Path(directory)
-    if format == "auto":
-        try:
-            format = detect_format(d)
-        except CheckpointError:
-            subs = sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
-            found = [p for p in subs if any(all((p / f).is_file() for f in fs) for fs in FORMAT_FILES.values())]
-            if not found:
-                raise
-            return [m for p in found for m in load_sparse_coders(p, adapter=adapter, d_model=d_model, **kwargs)]
-    if format == "saelens":
-        return [load_saelens(directory, adapter=adapter, d_model=d_model, **kwargs)]
-    if format == "sparsify":
-        return [load_sparsify(directory, adapter=adapter, d_model=d_model, **kwargs)]
-    if format == "llamascopium":
-        return [load_llamascopium_sae(directory, adapter=adapter, d_model=d_model, **kwargs)]
-    if format == "ours":
-        return [load_sparse_coder(directory, d_model=d_model, **kwargs)]
-    if format == "circuit_tracer":
-        return list(load_circuit_tracer_transcoders(directory, d_model=d_model, **kwargs).transcoders.values())
-    raise UnsupportedArchitectureError(f"unknown checkpoint format {format!r}; known: {['auto', *FORMAT_FILES]}")

@@ -16,7 +16,9 @@ formerly published as ``lm-saes`` (OpenMOSS/Language-Model-SAEs, ``lm_saes/lorsa
     ``.dcp`` variants are refused here: this loader reads JSON and safetensors only.
 
 On the hub their layout is ``<repo_id>/<name>/{config.json,sae_weights.safetensors}``, addressed
-as ``"repo_id:name"``; :func:`load_llamascopium_lorsa` accepts that form too.
+as ``"repo_id:name"``; :func:`load_llamascopium_lorsa` (and ``formats.load``) accepts that form too.
+Reader steps (:class:`~.reader.Reader`): :func:`parse_config`, :func:`load_weights` (buffers checked,
+the folds below), :func:`build`.
 
 Field mapping (their ``config.json`` → our :class:`LorsaConfig`)
 -------------------------------------------------------------------
@@ -111,6 +113,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,12 +122,15 @@ from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from ..modules.rotary import RotaryConfig, rotary_cos_sin
-from .lorsa_format import (
-    build_lorsa,
+from .files import load_safetensors, read_json_object
+from .reader import Parsed, Reader, read
+from .validate import (
+    check_scalar,
     check_tensor_inventory,
-    load_safetensors,
-    read_json_object,
-    resolve_checkpoint_dir,
+    check_tensors,
+    config_size,
+    config_value,
+    scaled_size,
 )
 
 CONFIG_FILE = "config.json"
@@ -141,75 +147,53 @@ _REFUSED_WEIGHT_FILES = (
 )
 _N_CHECK = 128  # positions of the rotary/mask buffers compared with the config
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "load_llamascopium_lorsa"]
+__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "load_llamascopium_lorsa", "load_weights",
+           "parse_config"]
 
 
-def _get(
-    raw: dict[str, Any], key: str, path: os.PathLike[str], kind: type | tuple[type, ...], default: Any = ...
-) -> Any:
-    value = raw.get(key)
-    if value is None:  # absent, or JSON null (pydantic dumps unset optionals as null)
-        if default is ...:
-            raise CheckpointError(f"{path}: required key {key!r} is missing or null")
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-    if not ok:
-        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise CheckpointError(f"{path}: key {key!r} must be {names}, got {value!r}")
-    return value
-
-
-def _n_ov_heads(raw: dict[str, Any], path: os.PathLike[str], d_model: int) -> int:
-    d_sae = _get(raw, "d_sae", path, int, None)
-    factor = _get(raw, "expansion_factor", path, float, None)
-    if factor is not None:
-        product = d_model * factor
-        if abs(product - round(product)) > 1e-6:
-            raise CheckpointError(f"{path}: d_model * expansion_factor = {product} is not an integer")
-        if d_sae is not None and d_sae != round(product):
+def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
+    d_sae = config_size(raw, "d_sae", path) if raw.get("d_sae") is not None else None
+    if raw.get("expansion_factor") is not None:
+        n_ov = scaled_size(d_model, config_value(raw, "expansion_factor", path, float), path, "expansion_factor")
+        if d_sae is not None and d_sae != n_ov:
             raise CheckpointError(
-                f"{path}: key 'd_sae' ({d_sae}) disagrees with d_model * expansion_factor ({product})"
+                f"{path}: key 'd_sae' ({d_sae}) disagrees with d_model * expansion_factor ({n_ov})"
             )
-        return int(round(product))
+        return n_ov
     if d_sae is None:
         raise CheckpointError(f"{path}: needs 'expansion_factor' (or 'd_sae') to know the number of OV heads")
     return d_sae
 
 
-def _rotary(raw: dict[str, Any], path: os.PathLike[str], d_qk_head: int) -> RotaryConfig | None:
-    kind = _get(raw, "positional_embedding_type", path, str, "rotary")
+def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | None:
+    kind = config_value(raw, "positional_embedding_type", path, str, "rotary")
     if kind == "none":
         return None
     if kind != "rotary":
         raise UnsupportedArchitectureError(f"{path}: positional_embedding_type {kind!r} is not supported")
-    if _get(raw, "rotary_scale", path, int, 1) != 1:
+    if config_value(raw, "rotary_scale", path, int, 1) != 1:
         raise UnsupportedArchitectureError(
             f"{path}: rotary_scale={raw['rotary_scale']} (q/k repeat_interleave before RoPE) is not supported"
         )
-    rotary_dim = _get(raw, "rotary_dim", path, int)
+    rotary_dim = config_size(raw, "rotary_dim", path)
     if not 0 < rotary_dim <= d_qk_head or rotary_dim % 2:
         raise CheckpointError(
             f"{path}: key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head={d_qk_head}]"
         )
-    base = float(_get(raw, "rotary_base", path, (int, float), 10000))
-    interleaved = _get(raw, "rotary_adjacent_pairs", path, bool, True)
-    if _get(raw, "use_NTK_by_parts_rope", path, bool, False):
+    base = float(config_value(raw, "rotary_base", path, (int, float), 10000))
+    interleaved = config_value(raw, "rotary_adjacent_pairs", path, bool, True)
+    if config_value(raw, "use_NTK_by_parts_rope", path, bool, False):
         scaling = {
-            "factor": _get(raw, "NTK_by_parts_factor", path, float, 1.0),
-            "low_freq_factor": _get(raw, "NTK_by_parts_low_freq_factor", path, float, 1.0),
-            "high_freq_factor": _get(raw, "NTK_by_parts_high_freq_factor", path, float, 1.0),
-            "original_max_position_embeddings": _get(raw, "old_context_len", path, int, 2048),
+            "factor": config_value(raw, "NTK_by_parts_factor", path, float, 1.0),
+            "low_freq_factor": config_value(raw, "NTK_by_parts_low_freq_factor", path, float, 1.0),
+            "high_freq_factor": config_value(raw, "NTK_by_parts_high_freq_factor", path, float, 1.0),
+            "original_max_position_embeddings": config_size(raw, "old_context_len", path, 2048),
         }
         return RotaryConfig(d_qk_head, rotary_dim, base, interleaved, "llama3", scaling)
     return RotaryConfig(d_qk_head, rotary_dim, base, interleaved)
 
 
-def _parse_config(
-    raw: dict[str, Any], path: os.PathLike[str], layer: int | None
-) -> tuple[LorsaConfig, dict[str, Any]]:
-    """Our LorsaConfig and the Llamascopium settings the loader still needs."""
+def _check_supported(raw: dict[str, Any], path: Path) -> None:
     sae_type = raw.get("sae_type")
     if sae_type != "lorsa":
         raise CheckpointError(f"{path}: key 'sae_type' is {sae_type!r}, expected 'lorsa'")
@@ -218,36 +202,47 @@ def _parse_config(
             raise UnsupportedArchitectureError(
                 f"{path}: {key}=true (chess-fork Lorsa variant) is not supported"
             )
-    attn_type = _get(raw, "attn_type", path, str, "global")
+    attn_type = config_value(raw, "attn_type", path, str, "global")
     if attn_type != "global":
         raise UnsupportedArchitectureError(
             f"{path}: attn_type={attn_type!r} (window_size={raw.get('window_size')}) is not supported; "
             "only global causal attention"
         )
-    d_model = _get(raw, "d_model", path, int)
-    n_qk = _get(raw, "n_qk_heads", path, int)
-    d_qk = _get(raw, "d_qk_head", path, int)
-    n_ov = _n_ov_heads(raw, path, d_model)
-    n_ctx = _get(raw, "n_ctx", path, int)
-    hook_in = _get(raw, "hook_point_in", path, str)
-    hook_out = _get(raw, "hook_point_out", path, str)
 
-    act_fn = _get(raw, "act_fn", path, str, "relu").lower()
-    if act_fn == "topk":
-        top_k = _get(raw, "top_k", path, int, 50)
-    elif act_fn == "relu":
-        top_k = n_ov
-    else:
-        raise UnsupportedArchitectureError(
-            f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
-        )
-    norm_activation = _get(raw, "norm_activation", path, str, "dataset-wise")
+
+def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The Llamascopium settings the weight step still needs (validated)."""
+    norm_activation = config_value(raw, "norm_activation", path, str, "dataset-wise")
     if norm_activation not in ("dataset-wise", "inference"):
         raise UnsupportedArchitectureError(
             f"{path}: norm_activation={norm_activation!r} rescales each input by its own norm and cannot be "
             "folded into fixed weights; only 'dataset-wise' and 'inference' are supported"
         )
-    qk_norm = _get(raw, "use_post_qk_ln", path, bool, False)
+    return {
+        "hook_point_in": config_value(raw, "hook_point_in", path, str),
+        "hook_point_out": config_value(raw, "hook_point_out", path, str),
+        "n_ctx": config_size(raw, "n_ctx", path),
+        "norm_activation": norm_activation,
+        "sparsity_include_decoder_norm": config_value(raw, "sparsity_include_decoder_norm", path, bool, True),
+        "skip_bos": config_value(raw, "skip_bos", path, bool, False),
+    }
+
+
+def _activation(raw: dict[str, Any], path: Path, n_ov: int) -> tuple[str, int]:
+    """``(act_fn, top_k)``: ``topk`` keeps ``top_k``, ``relu`` is top-all."""
+    act_fn = config_value(raw, "act_fn", path, str, "relu").lower()
+    if act_fn == "topk":
+        return act_fn, config_size(raw, "top_k", path, 50)
+    if act_fn == "relu":
+        return act_fn, n_ov
+    raise UnsupportedArchitectureError(
+        f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
+    )
+
+
+def _attention(raw: dict[str, Any], path: Path) -> tuple[bool, float | None]:
+    """``(qk_norm, attn_scale)``: RMS QK-norm only; a positive finite scale or None."""
+    qk_norm = config_value(raw, "use_post_qk_ln", path, bool, False)
     if qk_norm:
         norm_type = raw.get("normalization_type")
         if norm_type == "LN":
@@ -258,25 +253,37 @@ def _parse_config(
             raise CheckpointError(
                 f"{path}: use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}"
             )
-    attn_scale = _get(raw, "attn_scale", path, float, None)
-    if attn_scale is not None and not (math.isfinite(attn_scale) and attn_scale > 0):
+    attn_scale = config_value(raw, "attn_scale", path, float, None)
+    if attn_scale is not None and not attn_scale > 0:
         raise CheckpointError(f"{path}: key 'attn_scale' must be a positive number, got {attn_scale!r}")
+    return qk_norm, attn_scale
 
-    found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)", hook_in)
+
+def parse_config(directory: Path, *, layer: int | None = None, weights_folded: bool | None = None) -> Parsed:
+    """``config.json`` -> ``Parsed(directory, LorsaConfig, settings)`` (field mapping: module docstring).
+
+    Raises:
+        CheckpointError: missing/unparsable file, a missing key, a field of the wrong type, a size
+            that is not a positive int, ``layer`` contradicting ``hook_point_in``.
+        UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
+    """
+    path = directory / CONFIG_FILE
+    raw = read_json_object(path)
+    _check_supported(raw, path)
+    d_model = config_size(raw, "d_model", path)
+    n_qk = config_size(raw, "n_qk_heads", path)
+    d_qk = config_size(raw, "d_qk_head", path)
+    n_ov = _n_ov_heads(raw, path, d_model)
+    settings = _settings(raw, path)
+    act_fn, top_k = _activation(raw, path, n_ov)
+    qk_norm, attn_scale = _attention(raw, path)
+
+    found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)", settings["hook_point_in"])
     inferred = int(found.group(1)) if found else None
     if layer is not None and inferred is not None and layer != inferred:
         raise CheckpointError(
-            f"{path}: layer={layer} was requested but hook_point_in {hook_in!r} is layer {inferred}"
+            f"{path}: layer={layer} was requested but hook_point_in {settings['hook_point_in']!r} is layer {inferred}"
         )
-    settings = {
-        "hook_point_in": hook_in,
-        "hook_point_out": hook_out,
-        "n_ctx": n_ctx,
-        "act_fn": act_fn,
-        "norm_activation": norm_activation,
-        "sparsity_include_decoder_norm": _get(raw, "sparsity_include_decoder_norm", path, bool, True),
-        "skip_bos": bool(raw.get("skip_bos", False)),
-    }
     try:
         cfg = LorsaConfig(
             d_model=d_model,
@@ -287,15 +294,17 @@ def _parse_config(
             rotary=_rotary(raw, path, d_qk),
             attn_scale=attn_scale,
             qk_norm=qk_norm,
-            qk_norm_eps=_get(raw, "eps", path, float, 1e-6),
-            use_decoder_bias=_get(raw, "use_decoder_bias", path, bool, True),
+            qk_norm_eps=config_value(raw, "eps", path, float, 1e-6),
+            use_decoder_bias=config_value(raw, "use_decoder_bias", path, bool, True),
             layer=layer if layer is not None else inferred,
         )
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{path}: {e}") from e
     except (CheckpointError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from e
-    return cfg, settings
+    settings["act_fn"] = act_fn
+    folded = settings["norm_activation"] == "inference" if weights_folded is None else bool(weights_folded)
+    return Parsed(directory, cfg, {**settings, "folded": folded, "source_config": raw, "source": CONFIG_FILE})
 
 
 def _check_buffers(
@@ -344,68 +353,11 @@ def _check_buffers(
                 )
 
 
-def load_llamascopium_lorsa(
-    directory: str | os.PathLike[str],
-    *,
-    layer: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    weights_folded: bool | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> Lorsa:
-    """Load a Llamascopium / lm-saes Lorsa checkpoint as our :class:`Lorsa` (see the module docstring).
-
-    Args:
-        directory: a checkpoint directory (``config.json`` + ``sae_weights.safetensors``), or on
-            the hub ``"repo_id:name"`` (their layout) or ``"repo_id"`` (files at the root).
-        layer: target layer index stored in ``cfg.layer``; default parsed from ``hook_point_in``
-            (``blocks.<L>.…``). A value contradicting ``hook_point_in`` raises.
-        device: where the parameters go (default CPU).
-        dtype: parameter dtype (default: the stored dtype of ``W_Q``). Folding runs in fp32 or wider.
-        weights_folded: whether the dataset-wise activation norm is already folded into the
-            weights; ``None`` applies the rule of the module docstring (``"inference"`` → folded,
-            ``"dataset-wise"`` → fold the stored norms). Pass ``True`` for a Llamascopium
-            training output saved with ``fold_activation_scale=True`` (stale config).
-        local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
-
-    Returns:
-        The module in eval mode; ``ours(x_raw)`` reproduces their output on raw (un-normalised)
-        activations. ``cfg.extra["llamascopium"]`` records the source settings and what was folded.
-
-    Raises:
-        CheckpointError: missing/unparsable file, missing/unexpected tensor, wrong shape, buffers
-            disagreeing with the config, missing or invalid norm scalars when a fold is needed.
-        UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
-    """
-    source = os.fspath(directory)
-    subfolder = None
-    if not isinstance(directory, os.PathLike) and not os.path.exists(source) and ":" in source:
-        source, subfolder = source.split(":", 1)
-    prefix = f"{subfolder}/" if subfolder else ""
-    path = resolve_checkpoint_dir(
-        directory if subfolder is None else source,
-        allow_patterns=[prefix + CONFIG_FILE, prefix + WEIGHTS_FILE],
-        subfolder=subfolder,
-        local_files_only=local_files_only,
-        revision=revision,
-    )
-    config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-    raw = read_json_object(config_path)
-    cfg, settings = _parse_config(raw, config_path, layer)
-    if not weights_path.is_file():
-        others = [name for name in _REFUSED_WEIGHT_FILES if (path / name).exists()]
-        hint = (
-            f"; found {others}, which this loader does not read (pickle/DCP or training layout)"
-            if others
-            else ""
-        )
-        raise CheckpointError(f"{weights_path}: file not found{hint}")
-    state = load_safetensors(weights_path)
-
-    # ---- inventory: parameters required, buffers validated, norm scalars split off
-    norms_raw = {k[len(NORM_PREFIX) :]: v for k, v in state.items() if k.startswith(NORM_PREFIX)}
-    for hook, value in norms_raw.items():
+def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaConfig,
+                 n_ctx: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(params, norm scalars by hook)``: parameters checked against ``cfg``, buffers validated."""
+    norms = {k[len(NORM_PREFIX) :]: v for k, v in state.items() if k.startswith(NORM_PREFIX)}
+    for hook, value in norms.items():
         if value.numel() != 1:
             raise CheckpointError(
                 f"{weights_path}: tensor {NORM_PREFIX + hook!r} should be a scalar, "
@@ -420,33 +372,41 @@ def load_llamascopium_lorsa(
     check_tensor_inventory(
         weights_path, {k: tuple(v.shape) for k, v in params.items()}, expected, source=CONFIG_FILE
     )
-    for key, tensor in params.items():
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{weights_path}: tensor {key!r} has non-floating dtype {tensor.dtype}")
-    _check_buffers(weights_path, state, cfg, settings["n_ctx"])
+    check_tensors(weights_path, params)
+    _check_buffers(weights_path, state, cfg, n_ctx)
+    return params, norms
 
-    # ---- fold the dataset-wise activation norm and the decoder norm
-    target_dtype = params["W_Q"].dtype if dtype is None else dtype
+
+def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """``sae_weights.safetensors`` checked (tensors, buffers), then the dataset-norm and decoder-norm
+    folds (module docstring) in fp32 or wider; records what was folded in ``cfg.extra["llamascopium"]``.
+
+    Raises:
+        CheckpointError: missing file (naming the pickle/DCP files it does not read), missing/unexpected
+            tensor, wrong shape, non-floating/non-finite parameter, buffers disagreeing with the config,
+            missing or invalid norm scalars when a fold is needed.
+        UnsupportedArchitectureError: a non-causal ``mask`` buffer.
+    """
+    cfg, settings = parsed.config, parsed.settings
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        others = [name for name in _REFUSED_WEIGHT_FILES if (directory / name).exists()]
+        hint = f"; found {others}, which this loader does not read (pickle/DCP or training layout)" if others else ""
+        raise CheckpointError(f"{weights_path}: file not found{hint}")
+    params, norms_raw = _split_state(weights_path, load_safetensors(weights_path), cfg, settings["n_ctx"])
+
+    settings["stored_dtype"] = params["W_Q"].dtype
     work_dtype = torch.promote_types(params["W_Q"].dtype, torch.float32)
     w = {k: v.to(work_dtype) for k, v in params.items()}
-    folded = settings["norm_activation"] == "inference" if weights_folded is None else bool(weights_folded)
     norms = {hook: float(v.reshape(())) for hook, v in norms_raw.items()}
-    if not folded:
+    if not settings["folded"]:
         scales = {}
         for role in ("hook_point_in", "hook_point_out"):
             hook = settings[role]
-            if hook not in norms:
-                raise CheckpointError(
-                    f"{weights_path}: tensor {NORM_PREFIX + hook!r} is missing but config.json says "
-                    f"norm_activation={settings['norm_activation']!r} (unfolded weights); pass "
-                    "weights_folded=True if the weights are known to be folded already"
-                )
-            if not (math.isfinite(norms[hook]) and norms[hook] > 0):
-                raise CheckpointError(
-                    f"{weights_path}: tensor {NORM_PREFIX + hook!r} = {norms[hook]!r} "
-                    "is not a positive finite norm"
-                )
-            scales[role] = math.sqrt(cfg.d_model) / norms[hook]
+            norm = check_scalar(norms_raw.get(hook), weights_path, NORM_PREFIX + hook,
+                                f" (config.json says norm_activation={settings['norm_activation']!r}: unfolded "
+                                "weights; pass weights_folded=True if they are known to be folded already)")
+            scales[role] = math.sqrt(cfg.d_model) / norm
         for key in ("W_Q", "W_K", "W_V"):
             w[key] = w[key] * scales["hook_point_in"]
         for key in ("W_O", "b_D"):
@@ -458,15 +418,61 @@ def load_llamascopium_lorsa(
         w["W_V"] = w["W_V"] * dec[:, None]
         w["b_V"] = w["b_V"] * dec
 
+    keep = ("hook_point_in", "hook_point_out", "n_ctx", "act_fn", "norm_activation",
+            "sparsity_include_decoder_norm", "skip_bos")
     cfg.extra = {
         "llamascopium": {
-            **settings,
+            **{k: settings[k] for k in keep},
             # non-finite values (their uninitialised torch.empty(())) are recorded as None
             "dataset_average_activation_norm": {h: v if math.isfinite(v) else None for h, v in norms.items()}
             or None,
-            "dataset_norm_folded_by_loader": not folded,
+            "dataset_norm_folded_by_loader": not settings["folded"],
             "decoder_norm_folded_by_loader": settings["sparsity_include_decoder_norm"],
-            "source_config": raw,
+            "source_config": settings["source_config"],
         }
     }
-    return build_lorsa(cfg, w, device=device, dtype=target_dtype)
+    return w
+
+
+def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None) -> Lorsa:
+    """Our :class:`Lorsa` with the folded ``state`` (``dtype`` default: the stored dtype of ``W_Q``).
+
+    Raises:
+        CheckpointError: non-floating or non-finite tensor.
+    """
+    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device,
+                               dtype=dtype or parsed.settings["stored_dtype"])
+
+
+READER = Reader("llamascopium_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+
+
+def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) -> Lorsa:
+    """Load a Llamascopium / lm-saes Lorsa checkpoint as our :class:`Lorsa` (see the module docstring).
+
+    Source: OpenMOSS Llamascopium ``llamascopium.models.lorsa.LowRankSparseAttention`` (formerly
+    ``lm_saes/models/lorsa.py``). Same as ``formats.load(directory, format="llamascopium")`` for
+    ``sae_type: lorsa``.
+
+    Args:
+        directory: a checkpoint directory (``config.json`` + ``sae_weights.safetensors``), or on
+            the hub ``"repo_id:name"`` (their layout) or ``"repo_id"`` (files at the root).
+        kwargs: ``layer`` (target layer stored in ``cfg.layer``; default parsed from ``hook_point_in``
+            ``blocks.<L>.…``; a contradicting value raises), ``device`` (default CPU), ``dtype``
+            (default: the stored dtype of ``W_Q``; folding runs in fp32 or wider), ``weights_folded``
+            (whether the dataset-wise norm is already folded; ``None`` applies the rule of the module
+            docstring; pass ``True`` for a training output saved with ``fold_activation_scale=True``),
+            ``subfolder``, ``local_files_only`` / ``revision`` (``huggingface_hub.snapshot_download``).
+
+    Returns:
+        The module in eval mode (``W_Q (n_qk_heads, d_model, d_qk_head)``, ``W_O (n_ov_heads, d_model)``);
+        ``ours(x_raw)`` reproduces their output on raw (un-normalised) activations.
+        ``cfg.extra["llamascopium"]`` records the source settings and what was folded.
+
+    Raises:
+        CheckpointError: missing/unparsable file, missing/unexpected tensor, wrong shape, buffers
+            disagreeing with the config, missing or invalid norm scalars when a fold is needed.
+        UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
+    """
+    return read(READER, directory, **kwargs)  # type: ignore[no-any-return]

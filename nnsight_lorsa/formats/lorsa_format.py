@@ -13,9 +13,13 @@ Loading never unpickles anything: only JSON and safetensors are read. Every prob
 file, bad JSON, wrong format tag, missing/unexpected tensor, a shape that disagrees with the
 config) raises :class:`~nnsight_lorsa.errors.CheckpointError` naming the file and the key.
 
-``load_lorsa`` also accepts a Hugging Face hub repo id: a string that is not an existing local
-path is validated as a repo id and fetched with ``huggingface_hub.snapshot_download`` (only
-``config.json`` and ``model.safetensors``). ``huggingface_hub`` is imported only then.
+``load_lorsa`` (and :func:`~nnsight_lorsa.formats.load`) also accepts a Hugging Face hub repo id:
+a string that is not an existing local path is validated as a repo id and fetched with
+``huggingface_hub.snapshot_download`` (only ``config.json`` and ``model.safetensors``).
+``huggingface_hub`` is imported only then.
+
+Reader steps (:class:`~.reader.Reader`): :func:`parse_config` -> :class:`LorsaConfig`,
+:func:`load_weights` -> state dict, :func:`build` -> :class:`Lorsa`.
 """
 
 from __future__ import annotations
@@ -30,147 +34,21 @@ import torch
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
+from .files import load_safetensors, read_json_object, read_safetensors_header
+from .reader import Parsed, Reader, read
+from .validate import check_size, check_tensor_inventory
 
 FORMAT_TAG = "nnsight-lorsa"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+_SIZES = ("d_model", "n_qk_heads", "d_qk_head", "n_ov_heads", "top_k")
 
-__all__ = ["CONFIG_FILE", "FORMAT_TAG", "FORMAT_VERSION", "WEIGHTS_FILE", "load_lorsa", "save_lorsa"]
-
-
-# --------------------------------------------------------------------------- shared helpers
-def resolve_checkpoint_dir(
-    source: str | os.PathLike[str],
-    *,
-    allow_patterns: list[str],
-    subfolder: str | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> Path:
-    """A local checkpoint directory for ``source``: a local directory, or a downloaded hub snapshot.
-
-    ``source`` is used as a local directory when it exists (or is a :class:`~pathlib.Path`).
-    Otherwise it must be a valid Hugging Face repo id; the files matching ``allow_patterns``
-    are fetched with ``huggingface_hub.snapshot_download`` (``local_files_only`` and
-    ``revision`` passed through) and ``snapshot/subfolder`` is returned.
-
-    Raises:
-        CheckpointError: the path is a file, a :class:`Path` that does not exist, a string that
-            is neither a directory nor a valid repo id, or the download failed.
-    """
-    local = Path(source)
-    if isinstance(source, Path) or local.exists():
-        if not local.exists():
-            raise CheckpointError(f"checkpoint directory {str(local)!r} does not exist")
-        if not local.is_dir():
-            raise CheckpointError(f"{str(local)!r} is a file; expected a checkpoint directory")
-        return local
-    repo_id = os.fspath(source)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise CheckpointError(
-            f"{repo_id!r} is neither an existing local directory nor a valid Hugging Face repo id ({e})"
-        ) from e
-    try:
-        snapshot = snapshot_download(
-            repo_id=repo_id,
-            allow_patterns=allow_patterns,
-            local_files_only=local_files_only,
-            revision=revision,
-        )
-    except Exception as e:  # network, auth, missing repo, offline cache miss: all end the load
-        raise CheckpointError(
-            f"{repo_id!r} is not a local directory and could not be fetched from the Hugging Face hub "
-            f"(local_files_only={local_files_only}): {type(e).__name__}: {e}"
-        ) from e
-    path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
-    if not path.is_dir():
-        raise CheckpointError(f"hub repo {repo_id!r} has no folder {subfolder!r}")
-    return path
+__all__ = ["CONFIG_FILE", "FORMAT_TAG", "FORMAT_VERSION", "READER", "WEIGHTS_FILE", "build",
+           "load_lorsa", "load_weights", "parse_config", "save_lorsa"]
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """Parse ``path`` as a JSON object; CheckpointError naming the file otherwise."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """``(shapes, metadata)`` from a safetensors file's header, without reading the tensors."""
-    from safetensors import safe_open
-
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
-            metadata = dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
-    return shapes, metadata
-
-
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file, on CPU."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot load tensors ({type(e).__name__}: {e})") from e
-
-
-def check_tensor_inventory(
-    path: Path, found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], source: str
-) -> None:
-    """Raise CheckpointError naming ``path`` and the keys when ``found`` differs from ``expected``."""
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    for key in sorted(set(found) & set(expected)):
-        if tuple(found[key]) != tuple(expected[key]):
-            problems.append(
-                f"tensor {key!r} has shape {tuple(found[key])} but {source} implies {tuple(expected[key])}"
-            )
-    if problems:
-        raise CheckpointError(f"{path}: " + "; ".join(problems))
-
-
-def build_lorsa(
-    cfg: LorsaConfig,
-    state: dict[str, torch.Tensor],
-    *,
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
-) -> Lorsa:
-    """A Lorsa with ``state`` loaded (strict), allocated directly on ``device`` without random init."""
-    module = Lorsa(cfg, device="meta", dtype=dtype)
-    module.to_empty(device=torch.device("cpu") if device is None else device)
-    with torch.no_grad():
-        module.load_state_dict(state, strict=True)
-    return module.eval()
-
-
-# --------------------------------------------------------------------------- public API
+# --------------------------------------------------------------------------- writer
 def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     """Write ``lorsa`` to ``directory`` (created if needed) as ``config.json`` + ``model.safetensors``.
 
@@ -205,7 +83,16 @@ def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     return out
 
 
-def _parse_config(path: Path) -> LorsaConfig:
+# --------------------------------------------------------------------------- reader
+def parse_config(directory: Path) -> Parsed:
+    """``config.json`` of ``directory``: ``Parsed(directory, LorsaConfig)`` (tag, version, sizes validated).
+
+    Raises:
+        CheckpointError: missing/invalid JSON, wrong ``format`` / ``version``, a size that is not
+            a positive int (``config.<key>``), an invalid config (naming the file and the key).
+        UnsupportedArchitectureError: an unsupported RoPE type.
+    """
+    path = directory / CONFIG_FILE
     raw = read_json_object(path)
     if raw.get("format") != FORMAT_TAG:
         raise CheckpointError(f"{path}: key 'format' is {raw.get('format')!r}, expected {FORMAT_TAG!r}")
@@ -216,57 +103,68 @@ def _parse_config(path: Path) -> LorsaConfig:
     cfg_dict = raw.get("config")
     if not isinstance(cfg_dict, dict):
         raise CheckpointError(f"{path}: key 'config' must be a JSON object, got {type(cfg_dict).__name__}")
+    for key in _SIZES:
+        if key in cfg_dict:
+            check_size(cfg_dict[key], path, f"config.{key}")
     try:
-        return LorsaConfig.from_dict(cfg_dict)
+        return Parsed(directory, LorsaConfig.from_dict(cfg_dict), {"source": CONFIG_FILE})
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{path}: key 'config': {e}") from e
     except (CheckpointError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: key 'config' is invalid: {e}") from e
 
 
-def load_lorsa(
-    directory: str | os.PathLike[str],
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> Lorsa:
-    """Load a Lorsa written by :func:`save_lorsa` from a local directory or a hub repo id.
-
-    Args:
-        directory: checkpoint directory, or a Hugging Face repo id (``"org/name"``) when no such
-            local path exists.
-        device: where the parameters go (default CPU).
-        dtype: parameter dtype (default: the dtype stored for ``W_Q``).
-        local_files_only, revision: passed to ``huggingface_hub.snapshot_download`` for repo ids.
-
-    Returns:
-        The module in eval mode.
+def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """``model.safetensors``: header tag and tensor shapes checked against the config before loading.
 
     Raises:
-        CheckpointError: missing file, bad JSON, wrong format tag/version, invalid config,
-            missing/unexpected tensor, shape or dtype disagreeing with the config (the message
-            names the file and the key), or an invalid/unfetchable repo id.
-        UnsupportedArchitectureError: the config names an unsupported RoPE type.
+        CheckpointError: missing/corrupt file, wrong header ``format``, missing/unexpected tensor,
+            a shape disagreeing with ``config.json``.
     """
-    path = resolve_checkpoint_dir(
-        directory,
-        allow_patterns=[CONFIG_FILE, WEIGHTS_FILE],
-        local_files_only=local_files_only,
-        revision=revision,
-    )
-    cfg = _parse_config(path / CONFIG_FILE)
-    weights = path / WEIGHTS_FILE
+    weights = directory / WEIGHTS_FILE
     shapes, metadata = read_safetensors_header(weights)
     if metadata.get("format", FORMAT_TAG) != FORMAT_TAG:
         raise CheckpointError(
             f"{weights}: header metadata 'format' is {metadata['format']!r}, expected {FORMAT_TAG!r}"
         )
-    expected = {k: tuple(v.shape) for k, v in Lorsa(cfg, device="meta").state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in Lorsa(parsed.config, device="meta").state_dict().items()}
     check_tensor_inventory(weights, shapes, expected, source=CONFIG_FILE)
-    state = load_safetensors(weights)
-    for key, tensor in state.items():
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{weights}: tensor {key!r} has non-floating dtype {tensor.dtype}")
-    return build_lorsa(cfg, state, device=device, dtype=state["W_Q"].dtype if dtype is None else dtype)
+    return load_safetensors(weights)
+
+
+def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None) -> Lorsa:
+    """The :class:`Lorsa` of the parsed config with ``state``, allocated on ``device`` (default CPU)
+    without random init (``dtype`` default: the stored dtype of ``W_Q``); in eval mode.
+
+    Raises:
+        CheckpointError: a non-floating or non-finite tensor (:func:`.validate.build_module`).
+    """
+    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device, dtype=dtype or state["W_Q"].dtype)
+
+
+READER = Reader("nnsight_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+
+
+def load_lorsa(directory: str | os.PathLike[str], **kwargs: Any) -> Lorsa:
+    """Load a Lorsa written by :func:`save_lorsa` from a local directory or a hub repo id.
+
+    Source: this package's own format (module docstring). Same as
+    ``formats.load(directory, format="nnsight_lorsa")`` for a Lorsa checkpoint.
+
+    Args:
+        directory: checkpoint directory, or a Hugging Face repo id (``"org/name"``) when no such
+            local path exists.
+        kwargs: ``device`` (default CPU), ``dtype`` (default: the dtype stored for ``W_Q``),
+            ``subfolder``, ``local_files_only`` / ``revision`` (``huggingface_hub.snapshot_download``).
+
+    Returns:
+        The module in eval mode; ``W_Q (n_qk_heads, d_model, d_qk_head)`` … as in :class:`Lorsa`.
+
+    Raises:
+        CheckpointError: missing file, bad JSON, wrong format tag/version, invalid config,
+            missing/unexpected tensor, shape, dtype or non-finite values disagreeing with the
+            config (the message names the file and the key), or an invalid/unfetchable repo id.
+        UnsupportedArchitectureError: the config names an unsupported RoPE type.
+    """
+    return read(READER, directory, **kwargs)  # type: ignore[no-any-return]

@@ -50,6 +50,10 @@ not: :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`.
 
 Hook names map to our sites with :func:`~.hook_sites.transformer_lens_hook_site`
 (``cfg.extra["saelens"]["site"]``; ``SAEConfig.hook`` is the module path when an adapter is given).
+
+Reader steps (:class:`~.reader.Reader`): :func:`parse_config` (``cfg.json`` -> ``SAEConfig`` /
+``TranscoderConfig``), :func:`load_weights` (gated / batchtopk / threshold conversions), :func:`build`
+(decoder-norm and activation-norm folds).
 """
 
 from __future__ import annotations
@@ -65,9 +69,10 @@ import torch
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from .hook_sites import transformer_lens_hook_site
-from .lorsa_format import load_safetensors, read_json_object, read_safetensors_header, resolve_checkpoint_dir
-from .sparse_coder_format import build_module, check_d_model
+from .files import load_safetensors, read_json_object, read_safetensors_header
+from .hook_sites import site_record
+from .reader import Parsed, Reader, read
+from .validate import check_d_model, config_size, config_value
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -85,14 +90,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gated": ("sae", "jumprelu"),
 }
 
-__all__ = ["ARCHITECTURES", "load_saelens", "save_saelens"]
-
-
-def _int(raw: dict[str, Any], key: str, path: Path) -> int:
-    value = raw.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CheckpointError(f"{path}: key {key!r} must be a positive int, got {value!r}")
-    return value
+__all__ = ["ARCHITECTURES", "READER", "build", "load_saelens", "load_weights", "parse_config", "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
@@ -105,66 +103,96 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
     return str(arch)
 
 
-def load_saelens(
-    directory: str | os.PathLike[str],
-    *,
-    norm_scaling_factor: float | None = None,
-    d_model: int | None = None,
-    adapter: Any = None,
-    subfolder: str | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> SparseAutoencoder | Transcoder:
-    """Load a SAELens v6 SAE / transcoder directory (or hub repo id + ``subfolder``) as our module.
-
-    Args:
-        directory: local directory with ``cfg.json`` and ``sae_weights.safetensors``, or a hub repo id.
-        norm_scaling_factor: the ``s`` of ``normalize_activations="expected_average_only_in"`` (folded).
-        d_model: the model's width; a checkpoint whose ``d_in`` differs raises ConfigMismatchError.
-        adapter: an :class:`~nnsight_lorsa.adapters.base.ArchitectureAdapter` to resolve the hook site.
-        subfolder: folder inside a hub repo (SAELens releases keep one folder per SAE id).
-        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
-        local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
-
-    Returns:
-        :class:`SparseAutoencoder`, :class:`Transcoder` or :class:`SkipTranscoder` in eval mode;
-        ``cfg.extra["saelens"]`` records the source settings, hook name and site.
-
-    Raises:
-        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape.
-        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
-        ConfigMismatchError: ``d_model`` given and different from ``d_in``.
-    """
-    prefix = f"{subfolder}/" if subfolder else ""
-    path = resolve_checkpoint_dir(directory, allow_patterns=[prefix + CFG_FILE, prefix + WEIGHTS_FILE],
-                                  subfolder=subfolder, local_files_only=local_files_only, revision=revision)
-    cfg_path, weights_path = path / CFG_FILE, path / WEIGHTS_FILE
-    raw = read_json_object(cfg_path)
-    arch = _architecture(raw, cfg_path)
-    kind, activation = ARCHITECTURES[arch]
-    d_in, d_sae = _int(raw, "d_in", cfg_path), _int(raw, "d_sae", cfg_path)
-    d_out = _int(raw, "d_out", cfg_path) if kind != "sae" else d_in
-    check_d_model(d_in, d_model, cfg_path, "d_in")
+def _normalization(raw: dict[str, Any], path: Path) -> str:
     norm = raw.get("normalize_activations", "none") or "none"
     if norm in ("constant_norm_rescale", "layer_norm"):
         raise UnsupportedArchitectureError(
-            f"{cfg_path}: key 'normalize_activations' is {norm!r} (per-token run-time normalisation), "
+            f"{path}: key 'normalize_activations' is {norm!r} (per-token run-time normalisation), "
             "which our modules do not reproduce")
     if norm not in ("none", "expected_average_only_in"):
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'normalize_activations' is {norm!r}; "
+        raise UnsupportedArchitectureError(f"{path}: key 'normalize_activations' is {norm!r}; "
                                            "supported: 'none', 'expected_average_only_in'")
+    return str(norm)
+
+
+def _activation_params(raw: dict[str, Any], path: Path, arch: str, activation: str) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if activation == "topk":
+        params["k"] = config_size(raw, "k", path)
+    if activation == "batchtopk":
+        k = raw.get("k")
+        if isinstance(k, float) and k.is_integer():
+            k = int(k)
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+            raise UnsupportedArchitectureError(f"{path}: key 'k' is {k!r}; our BatchTopK needs a positive "
+                                               "whole number")
+        params["k"] = k
+        if "topk_threshold_lr" in raw:
+            params["threshold_lr"] = config_value(raw, "topk_threshold_lr", path, float)
+    if arch == "gated":
+        params["bandwidth"] = 1e-3
+    return params
+
+
+def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d_model: int | None = None,
+                 adapter: Any = None) -> Parsed:
+    """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)`` (module docstring).
+
+    Raises:
+        CheckpointError: missing file/key, a size that is not a positive int, a transcoder with
+            ``apply_b_dec_to_input``, a non-finite ``norm_scaling_factor``.
+        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+        ConfigMismatchError: ``d_model`` given and different from ``d_in``.
+    """
+    cfg_path = directory / CFG_FILE
+    raw = read_json_object(cfg_path)
+    arch = _architecture(raw, cfg_path)
+    kind, activation = ARCHITECTURES[arch]
+    d_in, d_sae = config_size(raw, "d_in", cfg_path), config_size(raw, "d_sae", cfg_path)
+    d_out = config_size(raw, "d_out", cfg_path) if kind != "sae" else d_in
+    check_d_model(d_in, d_model, cfg_path, "d_in")
+    norm = _normalization(raw, cfg_path)
+    if norm_scaling_factor is not None:
+        norm_scaling_factor = config_value({"norm_scaling_factor": norm_scaling_factor}, "norm_scaling_factor",
+                                           cfg_path, float)
+    apply_b_dec = config_value(raw, "apply_b_dec_to_input", cfg_path, bool, None)
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
-    site = None
-    if isinstance(hook_name, str):
-        try:
-            site = transformer_lens_hook_site(hook_name, adapter)
-        except UnsupportedArchitectureError:
-            site = None
+    site = site_record(hook_name, adapter)
+    params = _activation_params(raw, cfg_path, arch, activation)
+    extra = {"saelens": {
+        "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
+        "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
+        "reshape_activations": raw.get("reshape_activations", "none"), "site": site,
+    }}
+    cfg: SAEConfig | TranscoderConfig
+    if kind == "sae":
+        cfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
+                        apply_b_dec_to_input=apply_b_dec is not False,
+                        hook=(site or {}).get("module_path") or hook_name)
+    else:
+        if apply_b_dec:
+            raise CheckpointError(f"{cfg_path}: key 'apply_b_dec_to_input' is true, which SAELens forbids "
+                                  "for transcoders")
+        cfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
+                               extra=extra, layer=None if site is None else site["layer"])
+    return Parsed(directory, cfg, {
+        "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
+        "fold_decoder_norm": activation in ("topk", "batchtopk") and config_value(
+            raw, "rescale_acts_by_decoder_norm", cfg_path, bool, False),
+        "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
-    shapes, _ = read_safetensors_header(weights_path)
+
+def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """``sae_weights.safetensors`` in our names: gated -> JumpReLU, ``topk_threshold`` -> BatchTopK
+    threshold, ``log_threshold`` / ``threshold`` -> ``activation.threshold`` (clamped to ≥ 0).
+
+    Raises:
+        CheckpointError: a missing/corrupt file, a tensor the architecture needs.
+    """
+    weights_path = directory / WEIGHTS_FILE
+    arch = parsed.settings["architecture"]
+    read_safetensors_header(weights_path)
     state = load_safetensors(weights_path)
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
@@ -178,62 +206,66 @@ def load_saelens(
         state["threshold"] = state.pop("log_threshold").exp()
     if "threshold" in state:
         state["activation.threshold"] = state.pop("threshold").clamp_min(0)
-    params: dict[str, Any] = {}
-    if activation == "topk":
-        params["k"] = _int(raw, "k", cfg_path)
-    if activation == "batchtopk":
-        k = raw.get("k")
-        if isinstance(k, float) and k.is_integer():
-            k = int(k)
-        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
-            raise UnsupportedArchitectureError(f"{cfg_path}: key 'k' is {k!r}; our BatchTopK needs a positive "
-                                               "whole number")
-        params["k"] = k
-        if "topk_threshold_lr" in raw:
-            params["threshold_lr"] = float(raw["topk_threshold_lr"])
-    if arch == "gated":
-        params["bandwidth"] = 1e-3
-    stored = shapes.get("W_enc")
-    src = f"{cfg_path.name} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"
-    extra = {"saelens": {
-        "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
-        "norm_folded": False, "apply_b_dec_to_input": bool(raw.get("apply_b_dec_to_input", kind == "sae")),
-        "reshape_activations": raw.get("reshape_activations", "none"),
-        "site": None if site is None else {"layer": site.layer, "site": site.site,
-                                           "module_path": site.module_path, "io": site.io},
-    }}
-    module: SparseAutoencoder | Transcoder
-    if kind == "sae":
-        scfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
-                         apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
-                         hook=(site.module_path if site is not None and site.module_path else hook_name))
-        module = build_module(lambda: SparseAutoencoder(scfg), state, weights_path, src, device=device,
-                              dtype=dtype or (state["W_enc"].dtype if stored else None))
-    else:
-        if raw.get("apply_b_dec_to_input"):
-            raise CheckpointError(f"{cfg_path}: key 'apply_b_dec_to_input' is true, which SAELens forbids "
-                                  "for transcoders")
-        tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
-                                extra=extra, layer=None if site is None else site.layer)
-        cls = SkipTranscoder if kind == "skip_transcoder" else Transcoder
-        module = build_module(lambda: cls(tcfg), state, weights_path, src, device=device,
-                              dtype=dtype or (state["W_enc"].dtype if stored else None))
-    if activation in ("topk", "batchtopk") and raw.get("rescale_acts_by_decoder_norm"):
+    return state
+
+
+def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None) -> SparseAutoencoder | Transcoder:
+    """Our module with ``state``, then SAELens's folds (decoder norm; ``norm_scaling_factor``).
+
+    Raises:
+        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
+    """
+    cfg, settings = parsed.config, parsed.settings
+    cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
+    module: SparseAutoencoder | Transcoder = parsed.build_module(
+        cls, state, WEIGHTS_FILE, device=device, dtype=dtype or (state["W_enc"].dtype if "W_enc" in state else None))
+    extra = cfg.extra["saelens"]
+    if settings["fold_decoder_norm"]:
         module.fold_decoder_norm_()
-        extra["saelens"]["folded_decoder_norm"] = True
-    if norm == "expected_average_only_in":
-        if norm_scaling_factor is None:
-            warnings.warn(f"{cfg_path}: normalize_activations is 'expected_average_only_in' but no "
-                          "norm_scaling_factor was given; the module expects inputs scaled by it", stacklevel=2)
+        extra["folded_decoder_norm"] = True
+    s = settings["norm_scaling_factor"]
+    if extra["normalize_activations"] == "expected_average_only_in":
+        if s is None:
+            warnings.warn(f"{parsed.directory / CFG_FILE}: normalize_activations is 'expected_average_only_in' but no "
+                          "norm_scaling_factor was given; the module expects inputs scaled by it", stacklevel=4)
         else:
             with torch.no_grad():
-                s = float(norm_scaling_factor)
                 module.W_enc.mul_(s)
                 module.W_dec.div_(s)
                 module.b_dec.div_(s)
-            extra["saelens"]["norm_folded"] = True
-            extra["saelens"]["norm_scaling_factor"] = float(norm_scaling_factor)
+            extra["norm_folded"] = True
+            extra["norm_scaling_factor"] = s
     return module
+
+
+READER = Reader("saelens", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+
+
+def load_saelens(directory: str | os.PathLike[str], **kwargs: Any) -> SparseAutoencoder | Transcoder:
+    """Load a SAELens v6 SAE / transcoder directory (or hub repo id + ``subfolder``) as our module.
+
+    Source: SAELens ``sae_lens/saes/sae.py`` (``SAE.save_model``), ``sae_lens/saes/*.py`` (module
+    docstring). Same as ``formats.load(directory, format="saelens")``.
+
+    Args:
+        directory: local directory with ``cfg.json`` and ``sae_weights.safetensors``, or a hub repo id.
+        kwargs: ``norm_scaling_factor`` (the ``s`` of ``normalize_activations="expected_average_only_in"``,
+            folded), ``d_model`` (the model's width; a different ``d_in`` raises), ``adapter`` (resolves
+            the hook site), ``subfolder`` (SAELens releases keep one folder per SAE id), ``device`` /
+            ``dtype`` (default CPU, the stored dtype), ``local_files_only`` / ``revision``.
+
+    Returns:
+        :class:`SparseAutoencoder`, :class:`Transcoder` or :class:`SkipTranscoder` in eval mode
+        (``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``); ``cfg.extra["saelens"]`` records the
+        source settings, hook name and site.
+
+    Raises:
+        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, non-finite values.
+        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+        ConfigMismatchError: ``d_model`` given and different from ``d_in``.
+    """
+    return read(READER, directory, **kwargs)  # type: ignore[no-any-return]
 
 
 def _gated_to_jumprelu(state: dict[str, torch.Tensor], path: Path) -> None:

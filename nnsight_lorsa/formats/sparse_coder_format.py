@@ -1,4 +1,4 @@
-"""Our own on-disk format for SAEs, transcoders and CLTs, plus helpers shared by the SAE-family loaders.
+"""Our own on-disk format for SAEs, transcoders and CLTs.
 
 A checkpoint is a directory with two files (the layout of :mod:`.lorsa_format`):
 
@@ -10,33 +10,27 @@ A checkpoint is a directory with two files (the layout of :mod:`.lorsa_format`):
     per layer for a CLT), contiguous CPU tensors. HookPoints carry no state.
 
 Only JSON and safetensors are read (never pickle). Every problem raises
-:class:`~nnsight_lorsa.errors.CheckpointError` naming the file and the key. The loaders of other
-formats (:mod:`.saelens`, :mod:`.sparsify`, :mod:`.circuit_tracer`) build their modules with
-:func:`build_module`: allocated on the meta device (no random init), the tensor inventory checked
-against the module's own state dict, then loaded strictly.
+:class:`~nnsight_lorsa.errors.CheckpointError` naming the file and the key. Reader steps
+(:class:`~.reader.Reader`): :func:`parse_config`, :func:`load_weights`, :func:`build`.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, ConfigMismatchError
+from ..errors import CheckpointError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from .lorsa_format import (
-    check_tensor_inventory,
-    load_safetensors,
-    read_json_object,
-    read_safetensors_header,
-    resolve_checkpoint_dir,
-)
+from .files import load_safetensors, read_json_object, read_safetensors_header
+from .reader import Parsed, Reader, read
+from .validate import check_d_model, check_size
 
 FORMAT_TAG = "nnsight-lorsa-sparse-coder"
 FORMAT_VERSION = 1
@@ -44,7 +38,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 SparseModule = SparseAutoencoder | Transcoder | SkipTranscoder | CrossLayerTranscoder
-M = TypeVar("M", bound=nn.Module)
 
 #: kind tag -> (module class, config class)
 KINDS: dict[str, tuple[type[nn.Module], type[Any]]] = {
@@ -54,41 +47,8 @@ KINDS: dict[str, tuple[type[nn.Module], type[Any]]] = {
     "clt": (CrossLayerTranscoder, CLTConfig),
 }
 
-__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "build_module", "check_d_model", "load_sparse_coder",
-           "save_sparse_coder"]
-
-
-def build_module(
-    factory: Callable[[], M],
-    state: Mapping[str, torch.Tensor],
-    path: Path,
-    source: str,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> M:
-    """``factory()`` built on the meta device, checked against ``state`` (file ``path``), then loaded.
-
-    Raises:
-        CheckpointError: a missing or unexpected tensor, or one whose shape differs from what
-            ``source`` (the config, named in the message) implies — naming ``path`` and the key.
-    """
-    with torch.device("meta"):
-        module = factory()
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    check_tensor_inventory(path, {k: tuple(v.shape) for k, v in state.items()}, expected, source)
-    if dtype is not None:
-        module = module.to(dtype)
-    module.to_empty(device=torch.device("cpu") if device is None else device)
-    with torch.no_grad():
-        module.load_state_dict(dict(state), strict=True)
-    return module.eval()
-
-
-def check_d_model(found: int, expected: int | None, path: Path, key: str) -> None:
-    """ConfigMismatchError naming ``path`` and ``key`` when ``expected`` is given and differs."""
-    if expected is not None and found != expected:
-        raise ConfigMismatchError(f"{path}: {key} = {found} but the model's d_model is {expected}")
+__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "load_sparse_coder", "load_weights",
+           "parse_config", "save_sparse_coder"]
 
 
 def _kind_of(module: nn.Module) -> str:
@@ -104,9 +64,11 @@ def _kind_of(module: nn.Module) -> str:
 
 
 def save_sparse_coder(module: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write an SAE / (skip) transcoder / CLT as ``config.json`` + ``model.safetensors``; returns the dir."""
-    import json
+    """Write an SAE / (skip) transcoder / CLT as ``config.json`` + ``model.safetensors``; returns the dir.
 
+    Raises:
+        CheckpointError: ``module`` is none of those.
+    """
     from safetensors.torch import save_file
 
     kind = _kind_of(module)
@@ -120,24 +82,15 @@ def save_sparse_coder(module: nn.Module, directory: str | os.PathLike[str]) -> P
     return path
 
 
-def load_sparse_coder(
-    directory: str | os.PathLike[str],
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    d_model: int | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> Any:
-    """Inverse of :func:`save_sparse_coder` (a local directory or a hub repo id), in eval mode.
+def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
+    """``config.json``: ``Parsed(directory, SAEConfig | TranscoderConfig | CLTConfig, {"kind"})``.
 
     Raises:
-        CheckpointError: missing file, wrong format tag/version/kind, bad config, tensor problems.
+        CheckpointError: missing file, wrong format tag/version/kind, a bad config or size
+            (``config.<key>``).
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's ``d_in``.
     """
-    path = resolve_checkpoint_dir(directory, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE],
-                                  local_files_only=local_files_only, revision=revision)
-    config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    config_path = directory / CONFIG_FILE
     doc = read_json_object(config_path)
     if doc.get("format") != FORMAT_TAG:
         raise CheckpointError(f"{config_path}: key 'format' is {doc.get('format')!r}, expected {FORMAT_TAG!r}")
@@ -146,17 +99,59 @@ def load_sparse_coder(
     kind = doc.get("kind")
     if kind not in KINDS:
         raise CheckpointError(f"{config_path}: key 'kind' is {kind!r}; known: {sorted(KINDS)}")
-    cls, cfg_cls = KINDS[kind]
     raw_cfg = doc.get("config")
     if not isinstance(raw_cfg, dict):
         raise CheckpointError(f"{config_path}: key 'config' must be an object")
+    for key in ("d_in", "d_sae", "d_out", "n_layers"):
+        if raw_cfg.get(key) is not None:
+            check_size(raw_cfg[key], config_path, f"config.{key}")
     try:
-        cfg = cfg_cls.from_dict(raw_cfg)
+        cfg = KINDS[kind][1].from_dict(raw_cfg)
     except CheckpointError as e:
         raise CheckpointError(f"{config_path}: key 'config': {e}") from e
     check_d_model(cfg.d_in, d_model, config_path, "config.d_in")
-    read_safetensors_header(weights_path)  # clear error for a missing/corrupt file
-    state = load_safetensors(weights_path)
+    return Parsed(directory, cfg, {"kind": kind, "source": f"{CONFIG_FILE} ({kind})"})
+
+
+def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` (header read first: a clear error for a missing or corrupt file).
+
+    Raises:
+        CheckpointError: missing or unreadable file.
+    """
+    weights_path = directory / WEIGHTS_FILE
+    read_safetensors_header(weights_path)
+    return load_safetensors(weights_path)
+
+
+def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None) -> Any:
+    """The module of the parsed kind with ``state`` (``dtype`` default: the stored dtype of ``W_enc``).
+
+    Raises:
+        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
+    """
     first = state.get("W_enc")
-    return build_module(lambda: cls(cfg), state, weights_path, f"{config_path.name} ({kind})",
-                        device=device, dtype=dtype or (first.dtype if first is not None else None))
+    return parsed.build_module(KINDS[parsed.settings["kind"]][0], state, WEIGHTS_FILE, device=device,
+                               dtype=dtype or (first.dtype if first is not None else None))
+
+
+READER = Reader("nnsight_lorsa_sparse_coder", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+
+
+def load_sparse_coder(directory: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Inverse of :func:`save_sparse_coder` (a local directory or a hub repo id), in eval mode.
+
+    Source: this package's own format (module docstring); same as
+    ``formats.load(directory, format="nnsight_lorsa")`` for a sparse-coder checkpoint.
+    ``kwargs``: ``d_model``, ``device``, ``dtype``, ``subfolder``, ``local_files_only``, ``revision``.
+
+    Returns:
+        :class:`SparseAutoencoder`, :class:`Transcoder`, :class:`SkipTranscoder` or
+        :class:`CrossLayerTranscoder` (``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``, …).
+
+    Raises:
+        CheckpointError: missing file, wrong format tag/version/kind, bad config, tensor problems.
+        ConfigMismatchError: ``d_model`` given and different from the checkpoint's ``d_in``.
+    """
+    return read(READER, directory, **kwargs)

@@ -19,6 +19,9 @@ Ours: ``W_enc = encoder.weightᵀ``, the rest as stored; an SAE is a :class:`Spa
 (``apply_b_dec_to_input=True``, topk), a transcoder a :class:`Transcoder` or, with a skip
 connection, a :class:`SkipTranscoder`. An SAE with ``W_skip`` is rejected
 (UnsupportedArchitectureError), as is ``activation="groupmax"``.
+
+Reader steps (:class:`~.reader.Reader`): :func:`parse_config`, :func:`load_weights`, :func:`build`.
+A run directory (one folder per hookpoint) is loaded with ``formats.load_all(run, format="sparsify")``.
 """
 
 from __future__ import annotations
@@ -30,114 +33,126 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from .hook_sites import sparsify_hookpoint_site
-from .lorsa_format import check_tensor_inventory, load_safetensors, read_json_object, resolve_checkpoint_dir
-from .sparse_coder_format import build_module, check_d_model
+from .files import load_safetensors, read_json_object
+from .hook_sites import site_record
+from .reader import Parsed, Reader, read
+from .validate import check_d_model, check_tensor_inventory, config_size, config_value, scaled_size
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae.safetensors"
 
-__all__ = ["load_sparsify", "load_sparsify_many", "save_sparsify"]
+__all__ = ["READER", "build", "load_sparsify", "load_weights", "parse_config", "save_sparsify"]
 
 
-def load_sparsify(
-    directory: str | os.PathLike[str],
-    *,
-    hookpoint: str | None = None,
-    d_model: int | None = None,
-    adapter: Any = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    local_files_only: bool = False,
-    revision: str | None = None,
-) -> SparseAutoencoder | Transcoder:
-    """Load one sparsify sparse coder (a hookpoint directory, or a hub repo id + ``hookpoint``).
-
-    Args:
-        directory: the hookpoint directory (``cfg.json`` + ``sae.safetensors``), its parent with
-            ``hookpoint``, or a hub repo id (with ``hookpoint`` for multi-hookpoint repos).
-        hookpoint: the subfolder, e.g. ``"layers.3.mlp"``; default: the directory's own name.
-        d_model: the model's width; a different ``d_in`` raises ConfigMismatchError.
-        adapter: resolves the hookpoint to our module path (``cfg.extra["sparsify"]["site"]``).
+def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = None) -> Parsed:
+    """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)``; the hookpoint
+    is the directory's name.
 
     Raises:
-        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape.
-        UnsupportedArchitectureError: ``activation`` other than ``"topk"``, or an SAE with ``W_skip``.
+        CheckpointError: missing file/key, ``d_in`` / ``k`` / latent count not a positive int.
+        UnsupportedArchitectureError: ``activation`` other than ``"topk"``, or an SAE with a skip connection.
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
-    prefix = f"{hookpoint}/" if hookpoint else ""
-    local = Path(directory)
-    if hookpoint and (isinstance(directory, Path) or local.exists()):
-        path = resolve_checkpoint_dir(local / hookpoint, allow_patterns=[])
-    else:
-        path = resolve_checkpoint_dir(directory, allow_patterns=[prefix + CFG_FILE, prefix + WEIGHTS_FILE],
-                                      subfolder=hookpoint, local_files_only=local_files_only, revision=revision)
-    cfg_path, weights_path = path / CFG_FILE, path / WEIGHTS_FILE
+    cfg_path = directory / CFG_FILE
     raw = read_json_object(cfg_path)
-    d_in = raw.get("d_in")
-    if not isinstance(d_in, int) or isinstance(d_in, bool) or d_in <= 0:
-        raise CheckpointError(f"{cfg_path}: key 'd_in' must be a positive int, got {d_in!r}")
+    d_in = config_size(raw, "d_in", cfg_path)
     check_d_model(d_in, d_model, cfg_path, "d_in")
     activation = raw.get("activation", "topk")
     if activation != "topk":
         raise UnsupportedArchitectureError(f"{cfg_path}: key 'activation' is {activation!r}; supported: 'topk'")
-    k = raw.get("k")
-    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
-        raise CheckpointError(f"{cfg_path}: key 'k' must be a positive int, got {k!r}")
-    num_latents = raw.get("num_latents") or d_in * int(raw.get("expansion_factor") or 0)
-    if not isinstance(num_latents, int) or num_latents <= 0:
-        raise CheckpointError(f"{cfg_path}: keys 'num_latents'/'expansion_factor' give no latent count")
-    transcode, skip = bool(raw.get("transcode", False)), bool(raw.get("skip_connection", False))
+    k = config_size(raw, "k", cfg_path)
+    if raw.get("num_latents"):  # 0 / absent: d_in · expansion_factor
+        num_latents = config_size(raw, "num_latents", cfg_path)
+    else:
+        num_latents = scaled_size(d_in, raw.get("expansion_factor"), cfg_path, "expansion_factor")
+    transcode = config_value(raw, "transcode", cfg_path, bool, False)
+    skip = config_value(raw, "skip_connection", cfg_path, bool, False)
     if skip and not transcode:
         raise UnsupportedArchitectureError(f"{cfg_path}: key 'skip_connection' on an SAE (transcode=false) "
                                            "has no equivalent module here")
+    name = directory.name
+    site = site_record(name, adapter, sparsify_transcode=transcode)
+    extra = {"sparsify": {
+        "hookpoint": name, "transcode": transcode, "skip_connection": skip,
+        "config": {key: v for key, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        "site": site,
+    }}
+    cfg: SAEConfig | TranscoderConfig
+    if not transcode:
+        cfg = SAEConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
+                        extra=extra, apply_b_dec_to_input=True, hook=(site or {}).get("module_path") or name)
+    else:
+        cfg = TranscoderConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
+                               extra=extra, layer=None if site is None else site["layer"])
+    return Parsed(directory, cfg, {
+        "cls": SkipTranscoder if skip else (Transcoder if transcode else SparseAutoencoder),
+        "source": f"{CFG_FILE} (d_in={d_in}, num_latents={num_latents}, skip_connection={skip})"})
+
+
+def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
+    """``sae.safetensors`` checked against the config, in our layout (``W_enc = encoder.weightᵀ``).
+
+    Raises:
+        CheckpointError: missing file, missing/unexpected tensor, wrong shape.
+    """
+    weights_path = directory / WEIGHTS_FILE
+    cfg = parsed.config
+    d_in, num_latents, skip = cfg.d_in, cfg.d_sae, parsed.settings["cls"] is SkipTranscoder
     state = load_safetensors(weights_path)
     expected = {"encoder.weight": (num_latents, d_in), "encoder.bias": (num_latents,),
                 "W_dec": (num_latents, d_in), "b_dec": (d_in,)}
     if skip:
         expected["W_skip"] = (d_in, d_in)
-    src = f"{cfg_path.name} (d_in={d_in}, num_latents={num_latents}, skip_connection={skip})"
-    check_tensor_inventory(weights_path, {n: tuple(t.shape) for n, t in state.items()}, expected, src)
+    check_tensor_inventory(weights_path, {n: tuple(t.shape) for n, t in state.items()}, expected,
+                           parsed.settings["source"])
     ours = {"W_enc": state["encoder.weight"].T.contiguous(), "b_enc": state["encoder.bias"],
             "W_dec": state["W_dec"], "b_dec": state["b_dec"]}
     if skip:
         ours["W_skip"] = state["W_skip"]
-    name = hookpoint or path.name
-    try:
-        site = sparsify_hookpoint_site(name, transcode=transcode, adapter=adapter)
-    except UnsupportedArchitectureError:
-        site = None
-    extra = {"sparsify": {
-        "hookpoint": name, "transcode": transcode, "skip_connection": skip,
-        "config": {key: v for key, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        "site": None if site is None else {"layer": site.layer, "site": site.site,
-                                           "module_path": site.module_path, "io": site.io},
-    }}
-    dt = dtype or ours["W_enc"].dtype
-    if not transcode:
-        scfg = SAEConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
-                         extra=extra, apply_b_dec_to_input=True,
-                         hook=site.module_path if site is not None and site.module_path else name)
-        return build_module(lambda: SparseAutoencoder(scfg), ours, weights_path, src, device=device, dtype=dt)
-    tcfg = TranscoderConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
-                            extra=extra, layer=None if site is None else site.layer)
-    cls = SkipTranscoder if skip else Transcoder
-    return build_module(lambda: cls(tcfg), ours, weights_path, src, device=device, dtype=dt)
+    return ours
 
 
-def load_sparsify_many(directory: str | os.PathLike[str], **kwargs: Any) -> dict[str, SparseAutoencoder | Transcoder]:
-    """Every hookpoint subfolder (with a ``cfg.json``) of a local sparsify run directory, by name."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory")
-    names = sorted((p.name for p in root.iterdir() if (p / CFG_FILE).is_file()),
-                   key=lambda s: [int(t) if t.isdigit() else t for t in s.split(".")])
-    if not names:
-        raise CheckpointError(f"{root}: no hookpoint folders with {CFG_FILE}")
-    return {name: load_sparsify(root, hookpoint=name, **kwargs) for name in names}
+def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
+          dtype: torch.dtype | None = None) -> SparseAutoencoder | Transcoder:
+    """Our :class:`SparseAutoencoder` / :class:`Transcoder` / :class:`SkipTranscoder` with ``state``.
+
+    Raises:
+        CheckpointError: non-floating or non-finite tensor.
+    """
+    return parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
+                               dtype=dtype or state["W_enc"].dtype)
+
+
+READER = Reader("sparsify", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+
+
+def load_sparsify(directory: str | os.PathLike[str], *, hookpoint: str | None = None,
+                  **kwargs: Any) -> SparseAutoencoder | Transcoder:
+    """Load one sparsify sparse coder (a hookpoint directory, or a hub repo id + ``hookpoint``).
+
+    Source: sparsify ``sparsify/sparse_coder.py`` (``SparseCoder.save_to_disk``; module docstring).
+    Same as ``formats.load(directory, format="sparsify", subfolder=hookpoint)``.
+
+    Args:
+        directory: the hookpoint directory (``cfg.json`` + ``sae.safetensors``), its parent with
+            ``hookpoint``, or a hub repo id (with ``hookpoint`` for multi-hookpoint repos).
+        hookpoint: the subfolder, e.g. ``"layers.3.mlp"``; default: the directory's own name.
+        kwargs: ``d_model`` (a different ``d_in`` raises), ``adapter`` (resolves the hookpoint to our
+            module path, ``cfg.extra["sparsify"]["site"]``), ``device``, ``dtype``,
+            ``local_files_only``, ``revision``.
+
+    Returns:
+        The module in eval mode: ``W_enc (d_in, num_latents)``, ``W_dec (num_latents, d_in)``.
+
+    Raises:
+        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, non-finite values.
+        UnsupportedArchitectureError: ``activation`` other than ``"topk"``, or an SAE with ``W_skip``.
+        ConfigMismatchError: ``d_model`` given and different from ``d_in``.
+    """
+    return read(READER, directory, subfolder=hookpoint, **kwargs)  # type: ignore[no-any-return]
 
 
 def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.PathLike[str]) -> Path:

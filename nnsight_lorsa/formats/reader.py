@@ -1,0 +1,103 @@
+"""A checkpoint reader in three steps, the shape every format module follows (after SAELens's
+``loading/pretrained_sae_loaders.py``): ``parse_config(path, **options)`` -> our config objects,
+``load_weights(path, config)`` -> a state dict in our layout, ``build(config, state, device=, dtype=)``
+-> the module (through :func:`.validate.build_module`). :func:`read` resolves a local directory or
+hub repo id and runs the three steps; the registry (:mod:`.registry`) picks the reader by format.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .files import resolve_checkpoint_dir
+from .validate import build_module
+
+__all__ = ["Parsed", "Reader", "read", "read_dir"]
+
+
+@dataclass
+class Parsed:
+    """What ``parse_config`` returns: the checkpoint ``directory``, our ``config`` object
+    (:class:`~nnsight_lorsa.modules.lorsa_config.LorsaConfig`, ``SAEConfig``, …) and the
+    format's own ``settings`` that the weight step still needs (hook names, folds, files)."""
+
+    directory: Path
+    config: Any
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def build_module(self, cls: Callable[[Any], Any], state: dict[str, torch.Tensor], file: str, *,
+                     device: torch.device | str | None, dtype: torch.dtype | None) -> Any:
+        """``cls(config)`` with ``state`` through :func:`.validate.build_module`, errors naming
+        ``directory/file`` and ``settings["source"]`` (what the shapes were derived from)."""
+        cfg = self.config
+        return build_module(lambda: cls(cfg), state, self.directory / file, self.settings.get("source", file),
+                            device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One on-disk layout and how it becomes our module.
+
+    Attributes:
+        name: what it reads, e.g. ``"saelens"``, ``"llamascopium_lorsa"``.
+        hub_files: the files to fetch from a hub snapshot (glob patterns, relative to the folder).
+        parse_config: ``(path, **options) -> Parsed`` (validated, nothing allocated).
+        load_weights: ``(path, parsed) -> state`` (tensors in our names and layout).
+        build: ``(parsed, state, *, device, dtype) -> module`` (validated against the module).
+    """
+
+    name: str
+    hub_files: tuple[str, ...]
+    parse_config: Callable[..., Any]
+    load_weights: Callable[[Path, Any], Any]
+    build: Callable[..., Any]
+
+    @property
+    def options(self) -> frozenset[str]:
+        """The keyword options ``parse_config`` takes (beyond the path)."""
+        params = list(inspect.signature(self.parse_config).parameters.values())[1:]
+        return frozenset(p.name for p in params)
+
+
+def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = None,
+             dtype: torch.dtype | None = None, **options: Any) -> Any:
+    """Run ``reader``'s three steps on the local directory ``path``.
+
+    Raises:
+        TypeError: an option ``reader.parse_config`` does not take.
+        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the steps.
+    """
+    unknown = sorted(set(options) - reader.options)
+    if unknown:
+        raise TypeError(f"the {reader.name} reader takes no option {unknown}; it takes {sorted(reader.options)}")
+    config = reader.parse_config(path, **options)
+    state = reader.load_weights(path, config)
+    return reader.build(config, state, device=device, dtype=dtype)
+
+
+def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | None = None,
+         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+         local_files_only: bool = False, revision: str | None = None, **options: Any) -> Any:
+    """``reader`` applied to a local directory or a hub repo id (``"org/name"``, ``"org/name:folder"``).
+
+    Args:
+        source: checkpoint directory, or a Hugging Face repo id when no such local path exists.
+        subfolder: a folder inside ``source`` (local or hub).
+        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
+        local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
+        options: the reader's own (``d_model``, ``adapter``, ``norm_scaling_factor``, …).
+
+    Raises:
+        CheckpointError: an unusable source (see :func:`.files.resolve_checkpoint_dir`) or file.
+        TypeError: an unknown option.
+    """
+    path = resolve_checkpoint_dir(source, allow_patterns=list(reader.hub_files), subfolder=subfolder,
+                                  local_files_only=local_files_only, revision=revision)
+    return read_dir(reader, path, device=device, dtype=dtype, **options)

@@ -1,0 +1,274 @@
+"""The format registry: one :func:`load` that detects the format, one :func:`save` that writes one.
+
+Each :class:`Format` names the files that identify it (``detect``), the readers it holds
+(:class:`~.reader.Reader`: ``parse_config`` -> ``load_weights`` -> ``build``) and how it picks one
+(``choose``), and its writers by object type. Detection rules (a local directory):
+
+==================  ==========================================================  =============================
+format              files that identify it                                      reader chosen by
+==================  ==========================================================  =============================
+``nnsight_lorsa``   ``config.json`` + ``model.safetensors``                     ``config.json`` ``format`` tag
+``llamascopium``    ``config.json`` + ``sae_weights.safetensors``               ``config.json`` ``sae_type``
+``saelens``         ``cfg.json`` + ``sae_weights.safetensors``                  (one reader)
+``sparsify``        ``cfg.json`` + ``sae.safetensors``                          (one reader)
+``circuit_tracer``  ``config.yaml``, or ``layer_0.safetensors`` / ``W_enc_0…``  ``config.yaml`` ``model_kind``
+==================  ==========================================================  =============================
+
+No match, or more than one, raises :class:`~nnsight_lorsa.errors.FormatDetectionError` listing
+what was looked for; ``format=`` skips detection. A hub repo id is fetched first (the files every
+candidate format reads, under ``subfolder`` or ``"repo_id:subfolder"``) and detected in the snapshot.
+:func:`load_all` loads every checkpoint of a folder (a sparsify run, a ``LorsaSet.save`` directory,
+a circuit-tracer transcoder set) by name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FormatDetectionError, UnsupportedArchitectureError
+from ..modules.clt import CrossLayerTranscoder
+from ..modules.lorsa import Lorsa
+from ..modules.sae import SparseAutoencoder
+from ..modules.transcoder import Transcoder
+from . import circuit_tracer, llamascopium, llamascopium_sae, lorsa_format, saelens, sparse_coder_format, sparsify
+from .files import read_json_object, resolve_checkpoint_dir
+from .reader import Reader, read_dir
+
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "detect_format", "load", "load_all", "register_format", "save"]
+
+#: what :func:`save` writes unless told otherwise
+DEFAULT_FORMAT = "nnsight_lorsa"
+#: options every sparse-coder reader may take; dropped where the chosen reader does not
+_SHARED_OPTIONS = frozenset({"adapter", "d_model"})
+
+
+@dataclass(frozen=True)
+class Format:
+    """A checkpoint format: how to recognise it, its readers and its writers.
+
+    Attributes:
+        name: the ``format=`` name.
+        looks_for: the files that identify it (for messages and docs).
+        detect: ``(directory) -> bool`` from the files present.
+        readers: the :class:`Reader` s it holds.
+        choose: ``(directory) -> Reader`` among ``readers`` (may raise a named error).
+        writers: ``(types, write)`` pairs; ``write(obj, directory, **options) -> Path``.
+    """
+
+    name: str
+    looks_for: str
+    detect: Callable[[Path], bool]
+    readers: tuple[Reader, ...]
+    choose: Callable[[Path], Reader]
+    writers: tuple[tuple[type | tuple[type, ...], Callable[..., Path]], ...] = ()
+
+    @property
+    def hub_files(self) -> list[str]:
+        """The files to fetch from a hub snapshot for any of its readers."""
+        return sorted({f for r in self.readers for f in r.hub_files})
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register_format(fmt: Format) -> Format:
+    """Add (or replace) ``fmt`` in :data:`FORMATS`; returns it."""
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def _files(*names: str) -> Callable[[Path], bool]:
+    return lambda d: all((d / n).is_file() for n in names)
+
+
+def _by_config_key(config: str, key: str, readers: dict[Any, Reader], default: Reader) -> Callable[[Path], Reader]:
+    def choose(directory: Path) -> Reader:
+        return readers.get(read_json_object(directory / config).get(key), default)
+    return choose
+
+
+def _one(reader: Reader) -> Callable[[Path], Reader]:
+    return lambda _: reader
+
+
+def _save_transcoder_set(obj: Any, directory: str | os.PathLike[str], **options: Any) -> Path:
+    transcoders = obj.transcoders if isinstance(obj, circuit_tracer.CircuitTracerTranscoders) else obj
+    return circuit_tracer.save_circuit_tracer_transcoders(transcoders, directory, **options)
+
+
+_SPARSE = (SparseAutoencoder, Transcoder)
+register_format(Format(
+    "nnsight_lorsa", "config.json + model.safetensors",
+    _files(lorsa_format.CONFIG_FILE, lorsa_format.WEIGHTS_FILE),
+    (lorsa_format.READER, sparse_coder_format.READER),
+    _by_config_key("config.json", "format", {lorsa_format.FORMAT_TAG: lorsa_format.READER},
+                   sparse_coder_format.READER),
+    ((Lorsa, lorsa_format.save_lorsa), ((*_SPARSE, CrossLayerTranscoder), sparse_coder_format.save_sparse_coder))))
+register_format(Format(
+    "llamascopium", "config.json + sae_weights.safetensors",
+    _files(llamascopium.CONFIG_FILE, llamascopium.WEIGHTS_FILE),
+    (llamascopium.READER, llamascopium_sae.READER),
+    _by_config_key("config.json", "sae_type", {"lorsa": llamascopium.READER}, llamascopium_sae.READER)))
+register_format(Format(
+    "saelens", "cfg.json + sae_weights.safetensors", _files(saelens.CFG_FILE, saelens.WEIGHTS_FILE),
+    (saelens.READER,), _one(saelens.READER), ((_SPARSE, saelens.save_saelens),)))
+register_format(Format(
+    "sparsify", "cfg.json + sae.safetensors", _files(sparsify.CFG_FILE, sparsify.WEIGHTS_FILE),
+    (sparsify.READER,), _one(sparsify.READER), ((_SPARSE, sparsify.save_sparsify),)))
+register_format(Format(
+    "circuit_tracer", "config.yaml, or layer_0.safetensors / W_enc_0.safetensors",
+    lambda d: any((d / n).is_file() for n in ("config.yaml", "layer_0.safetensors", "W_enc_0.safetensors")),
+    (circuit_tracer.TRANSCODERS_READER, circuit_tracer.CLT_READER), circuit_tracer.choose_reader,
+    ((CrossLayerTranscoder, circuit_tracer.save_circuit_tracer_clt),
+     ((dict, circuit_tracer.CircuitTracerTranscoders), _save_transcoder_set))))
+
+
+def _format(name: str) -> Format:
+    if name not in FORMATS:
+        raise UnsupportedArchitectureError(f"unknown checkpoint format {name!r}; known: {['auto', *FORMATS]}")
+    return FORMATS[name]
+
+
+def _looked_for() -> str:
+    return "; ".join(f"{f.name}: {f.looks_for}" for f in FORMATS.values())
+
+
+def detect_format(directory: str | os.PathLike[str]) -> str:
+    """The format of a local checkpoint directory, from its files (module table).
+
+    Raises:
+        FormatDetectionError: no format matches, or several do (the message lists the formats, the
+            files each looks for, and what the directory holds).
+    """
+    d = Path(directory)
+    found = [f.name for f in FORMATS.values() if d.is_dir() and f.detect(d)]
+    if len(found) == 1:
+        return found[0]
+    held = sorted(p.name for p in d.iterdir())[:12] if d.is_dir() else "nothing (not a directory)"
+    if found:
+        raise FormatDetectionError(f"{d}: ambiguous checkpoint files: they match formats {found} "
+                                   f"({_looked_for()}); it holds {held}; pass format= one of {found}")
+    raise FormatDetectionError(f"{d}: no known sparse-coder checkpoint files (nor a Lorsa's); looked for "
+                               f"{_looked_for()}; it holds {held}")
+
+
+def load(
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    format: str = "auto",
+    subfolder: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    local_files_only: bool = False,
+    revision: str | None = None,
+    **options: Any,
+) -> Any:
+    """Load one checkpoint of any registered format as our module.
+
+    Args:
+        path_or_repo_id: a local checkpoint directory, or a Hugging Face repo id (``"org/name"``,
+            ``"org/name:folder"``) when no such local path exists.
+        format: ``"auto"`` (detect, module table) or a name in :data:`FORMATS` (``"nnsight_lorsa"``,
+            ``"llamascopium"``, ``"saelens"``, ``"sparsify"``, ``"circuit_tracer"``).
+        subfolder: a folder inside ``path_or_repo_id`` (local or hub; a sparsify hookpoint, a SAELens id).
+        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
+        local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
+        options: the reader's own: ``d_model`` and ``adapter`` (sparse coders; dropped for readers that
+            take neither), ``norm_scaling_factor`` (saelens), ``weights_folded`` (llamascopium),
+            ``layer`` (llamascopium Lorsa).
+
+    Returns:
+        :class:`~nnsight_lorsa.modules.lorsa.Lorsa`, :class:`SparseAutoencoder`, :class:`Transcoder`
+        (or ``SkipTranscoder``), :class:`CrossLayerTranscoder`, or a
+        :class:`~.circuit_tracer.CircuitTracerTranscoders` (a circuit-tracer per-layer set), in eval mode.
+
+    Raises:
+        FormatDetectionError: ``format="auto"`` and no format, or several, match the files.
+        UnsupportedArchitectureError: an unknown ``format``; a setting our modules cannot reproduce.
+        CheckpointError: an unusable source or file (naming the file and the key).
+        ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
+        TypeError: an option the chosen reader does not take.
+    """
+    fmt = None if format == "auto" else _format(format)
+    patterns = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
+    path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=patterns, subfolder=subfolder,
+                                  local_files_only=local_files_only, revision=revision)
+    fmt = fmt or FORMATS[detect_format(path)]
+    reader = fmt.choose(path)
+    options = {k: v for k, v in options.items() if k in reader.options or k not in _SHARED_OPTIONS}
+    return read_dir(reader, path, device=device, dtype=dtype, **options)
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _named(name: str, obj: Any) -> dict[str, Any]:
+    if isinstance(obj, circuit_tracer.CircuitTracerTranscoders):
+        return {f"{name}/layer_{layer}": tc for layer, tc in sorted(obj.transcoders.items())}
+    return {name: obj}
+
+
+def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> dict[str, Any]:
+    """Every module of a checkpoint folder, by name: the folder itself when it is a checkpoint, else
+    each subfolder that is one (a sparsify run, a ``LorsaSet.save`` directory), in natural order.
+
+    A circuit-tracer transcoder set yields one entry per layer (``"<name>/layer_<i>"``); a hub repo
+    id is one checkpoint (:func:`load`). ``kwargs`` go to :func:`load`.
+
+    Returns:
+        ``{name: module}`` (``name`` = the folder's name).
+
+    Raises:
+        FormatDetectionError: neither the folder nor any subfolder holds a recognisable checkpoint.
+        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers.
+    """
+    d = Path(directory)
+    local = isinstance(directory, Path) or d.exists()
+    if not local or kwargs.get("subfolder"):
+        return _named(d.name, load(directory, format=format, **kwargs))
+    fmt = None if format == "auto" else _format(format)
+    try:
+        if fmt is None:
+            detect_format(d)
+        elif not (d.is_dir() and fmt.detect(d)):
+            raise FormatDetectionError(f"{d}: no {fmt.name} checkpoint files ({fmt.looks_for})")
+    except FormatDetectionError:
+        subs = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: _natural(p.name)) if d.is_dir() else []
+        found = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))]
+        if not found:
+            raise
+        return {name: m for p in found for name, m in _named(p.name, load(p, format=format, **kwargs)).items()}
+    return _named(d.name, load(d, format=format, **kwargs))
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT, **options: Any) -> Path:
+    """Write ``obj`` to the directory ``path`` (created if needed) in ``format``; returns the directory.
+
+    Writers: ``"nnsight_lorsa"`` (default): a Lorsa, SAE, (skip) transcoder or CLT; ``"saelens"``
+    and ``"sparsify"``: an SAE or transcoder; ``"circuit_tracer"``: a CLT, or ``{layer: transcoder}``
+    / a :class:`~.circuit_tracer.CircuitTracerTranscoders`. ``options`` go to the writer (e.g.
+    ``hook_name=`` for SAELens, ``feature_input_hook=`` for circuit-tracer).
+
+    Raises:
+        UnsupportedArchitectureError: an unknown format, one without a writer, or a module the
+            format cannot express (e.g. a non-TopK coder for sparsify).
+        TypeError: an object the format does not write.
+        CheckpointError: a config that is not JSON-serialisable.
+    """
+    fmt = _format(format)
+    if not fmt.writers:
+        raise UnsupportedArchitectureError(f"format {format!r} is read-only; writable: "
+                                           f"{[f.name for f in FORMATS.values() if f.writers]}")
+    for types, write in fmt.writers:
+        if isinstance(obj, types):
+            return write(obj, path, **options)
+    raise TypeError(f"format {format!r} does not write a {type(obj).__name__}")
+
