@@ -20,7 +20,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError
 from ..modules.lorsa import Lorsa
-from .replacement_set import replace_keys
+from .replacement_set import load_keyed, replace_keys
 from .splice import SpliceSite, splice
 
 
@@ -118,25 +118,13 @@ class LorsaSet:
             ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
                 for a layer; a Lorsa that does not fit the model.
         """
-        import os  # local: os is not on NDIF's unpickling whitelist (the class travels by value)
         import re
 
-        from ..formats.registry import load_all
+        def layer_of(name: str, module: Lorsa) -> int | None:
+            named = re.fullmatch(r"layer_(\d+)", name)
+            return int(named.group(1)) if named else module.cfg.layer
 
-        items = sources.items() if isinstance(sources, Mapping) else [
-            (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
-        lorsas: dict[int, Lorsa] = {}
-        for key, src in items:
-            for name, module in load_all(src, format=format, **kwargs).items():
-                if not isinstance(module, Lorsa):
-                    raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not a Lorsa")
-                named = re.fullmatch(r"layer_(\d+)", name)
-                layer = key if key is not None else int(named.group(1)) if named else module.cfg.layer
-                if layer is None:
-                    raise ConfigMismatchError(f"{src}: {name} names no layer; pass {{layer: {str(src)!r}}}")
-                if layer in lorsas:
-                    raise ConfigMismatchError(f"{src}: a second Lorsa for layer {layer}")
-                lorsas[layer] = module
+        lorsas = load_keyed(sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer", **kwargs)
         return cls(model, lorsas, adapter)
 
     # -------------------------------------------------------------- splicing

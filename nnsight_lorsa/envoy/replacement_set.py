@@ -10,14 +10,14 @@ one is spliced (:meth:`ReplacementSet.splice_one`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from torch import nn
 
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ConfigMismatchError
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
@@ -54,6 +54,39 @@ def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[l
             raise ArgumentError(f"{what}: an empty list names nothing to replace (None replaces every one)")
         return keys, False
     return [_one_key(key, key_type, what)], True
+
+
+def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any], *, format: str, noun: str,
+               key_name: str, hint: str = "", **kwargs: Any) -> dict:
+    """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
+
+    ``sources``: one checkpoint (directory or hub repo id), several, or ``{key: source}``;
+    ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
+    names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind.
+
+    Raises:
+        ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
+            ``{key: source}``), two modules for one key.
+        CheckpointError, UnsupportedArchitectureError: from the readers.
+    """
+    import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
+
+    from ..formats.registry import load_all
+
+    items = sources.items() if isinstance(sources, Mapping) else [
+        (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
+    found: dict = {}
+    for key, src in items:
+        for name, module in load_all(src, format=format, **kwargs).items():
+            if not isinstance(module, module_type):
+                raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
+            k = key if key is not None else key_of(name, module)
+            if k is None:
+                raise ConfigMismatchError(f"{src}: {name} names no {key_name}; pass {{{key_name}: {str(src)!r}}}")
+            if k in found:
+                raise ConfigMismatchError(f"{src}: a second {noun.split(maxsplit=1)[-1]} for {key_name} {k!r}")
+            found[k] = module
+    return found
 
 
 class ReplacementSet(Mapping[K, M], Generic[K, M]):

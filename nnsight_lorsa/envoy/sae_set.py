@@ -18,7 +18,6 @@ site's output, which :func:`.splice.splice` does not pass); the SAE is mounted a
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 
 from ..errors import ConfigMismatchError, ShapeError
 from ..modules.sae import SparseAutoencoder
-from .replacement_set import ReplacementSet
+from .replacement_set import ReplacementSet, load_keyed
 from .splice_chain import SpliceChain, splice_chain
 from .transcoder_set import run_on_input_dtype
 
@@ -153,20 +152,9 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         """
         from ..adapters.registry import get_adapter
         from ..formats.hook_sites import sae_site_path
-        from ..formats.registry import load_all
 
         adapter = get_adapter(model) if adapter is None else adapter
-        items = sources.items() if isinstance(sources, dict) else [
-            (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
-        saes: dict[str, SparseAutoencoder] = {}
-        for key, src in items:
-            for module in load_all(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs).values():
-                if not isinstance(module, SparseAutoencoder):
-                    raise ConfigMismatchError(f"{src}: holds a {type(module).__name__}, not an SAE (use TranscoderSet)")
-                site = key if key is not None else sae_site_path(module, adapter)
-                if site is None:
-                    raise ConfigMismatchError(f"{src}: the file names no hook site; pass {{site_path: {str(src)!r}}}")
-                if site in saes:
-                    raise ConfigMismatchError(f"{src}: a second SAE for site {site!r}")
-                saes[site] = module
+        saes = load_keyed(sources, SparseAutoencoder, lambda name, m: sae_site_path(m, adapter), format=format,
+                          noun="an SAE", hint=" (use TranscoderSet)", key_name="hook site", adapter=adapter,
+                          d_model=adapter.d_model, **kwargs)
         return cls(model, saes, adapter)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
 from ..modules.transcoder import Transcoder
-from .replacement_set import ReplacementSet
+from .replacement_set import ReplacementSet, load_keyed
 from .splice import SpliceSite, splice
 
 
@@ -129,24 +129,12 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             LayerOutOfRangeError: a layer the model does not have.
             CheckpointError, UnsupportedArchitectureError: from the loaders.
         """
-        import os
 
         from ..adapters.registry import get_adapter
         from ..formats.hook_sites import transcoder_layer
-        from ..formats.registry import load_all
 
         adapter = get_adapter(model) if adapter is None else adapter
-        items = sources.items() if isinstance(sources, dict) else [
-            (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
-        tcs: dict[int, Transcoder] = {}
-        for key, src in items:
-            for module in load_all(src, format=format, adapter=adapter, d_model=adapter.d_model, **kwargs).values():
-                if not isinstance(module, Transcoder):
-                    raise ConfigMismatchError(f"{src}: holds a {type(module).__name__}, not a transcoder (use SAESet)")
-                layer = key if key is not None else transcoder_layer(module)
-                if layer is None:
-                    raise ConfigMismatchError(f"{src}: the file names no layer; pass {{layer: {str(src)!r}}}")
-                if layer in tcs:
-                    raise ConfigMismatchError(f"{src}: a second transcoder for layer {layer}")
-                tcs[layer] = module
+        tcs = load_keyed(sources, Transcoder, lambda name, m: transcoder_layer(m), format=format,
+                         noun="a transcoder", hint=" (use SAESet)", key_name="layer", adapter=adapter,
+                         d_model=adapter.d_model, **kwargs)
         return cls(model, tcs, adapter)
