@@ -87,7 +87,7 @@ _LAZY = {
     "path_patching": ".patching.path_patching",
     "attribute": ".attribution.attribute",
     "Graph": ".attribution.graph",
-    "prune": ".attribution.prune",
+    "prune": ".attribution.scores",
     "qk_attribution": ".attribution.qk",
     "install_gated_attention": ".sparse_attention.install",
     "train_sparse_attention": ".sparse_attention.train",

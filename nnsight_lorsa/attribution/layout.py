@@ -5,7 +5,7 @@ from which the Lorsa heads' ``z`` and the transcoders' feature activations on th
 computed (with error terms the replacement model reproduces the model exactly, so the clean
 pass *is* the unmodified model). Those activations, the top-k/threshold choices they embody, and
 the token list are then frozen; :class:`Layout` numbers every source node, which is also its
-column in the multiplier matrix ``M`` of :mod:`.frozen`.
+column in the multiplier matrix ``M`` of :mod:`.frozen`. torch only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..errors import ConfigMismatchError
-from .nodes import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 
 
 @dataclass(repr=False)
