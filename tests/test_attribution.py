@@ -180,8 +180,8 @@ def test_bad_input_raises_before_running(llama):
         attribute(rm(model), ids, memory="dense")
     with pytest.raises(ConfigMismatchError, match="patterns"):
         build_graph(rm(model), ids, memory=("dense", "grid"))
-    with pytest.raises(ConfigMismatchError, match="prune"):
-        attribute(rm(model), ids, prune=0.8)
+    with pytest.raises(ConfigMismatchError, match="node_threshold"):
+        attribute(rm(model), ids, prune=PruneConfig(node_threshold=1.5))
     with pytest.raises(ShapeError):
         attribute(rm(model), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ConfigMismatchError, match="logit tokens"):

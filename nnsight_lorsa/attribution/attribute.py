@@ -90,11 +90,11 @@ def attribute(
         row ``t`` sums to, with ``residual[t]``).
 
     Raises:
-        ConfigMismatchError: a bad option, ``remote`` with a cache, or a cache without the
+        ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``),
+            a logit token outside the vocabulary, ``remote`` with a cache, or a cache without the
             replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
-        LayerOutOfRangeError: a logit token outside the vocabulary (ConfigMismatchError) or a bad
-            layer — all before the model runs.
+        All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
     return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,

@@ -179,7 +179,16 @@ def find_threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
 
 
 def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
-    """Influence pruning (see the module docstring).
+    """Influence pruning of a full graph (module docstring; circuit-tracer's ``prune_graph``,
+    ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings).
+
+    Args:
+        graph: a :class:`~.graph.Graph` with its dense ``(n_nodes, n_nodes)`` adjacency.
+        node_threshold: fraction of the total node influence the kept nodes hold.
+        edge_threshold: fraction of the total edge score the kept edges hold.
+
+    Returns:
+        :class:`PruneResult` (masks over the graph's nodes and ``[target, source]`` edges).
 
     Raises:
         ValueError: a threshold outside ``[0, 1]``.
@@ -216,7 +225,8 @@ def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.9
 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
-    """``(replacement_score, completeness_score)`` of the (unpruned) graph; see the module docstring."""
+    """``(replacement_score, completeness_score)``, both in ``[0, 1]``, of the unpruned graph (module
+    docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``)."""
     kind = graph.nodes.kind
     error = (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     inputs = (kind == EMBEDDING) | (kind == BIAS)
