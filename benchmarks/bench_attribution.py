@@ -163,6 +163,9 @@ def main() -> None:
     def run(engine: str, batch: int, node_vectors: str = "auto"):
         if engine == "hooks":
             return lambda: attribute_with_hooks(rm, ids, batch_size=batch, memory=("auto", node_vectors))
+        if node_vectors == "auto":
+            return lambda: attribute(rm, ids, batch_size=batch)
+        # gathered node vectors with the patterns "auto" picks: the private mixed form of memory=
         return lambda: build_graph(rm, ids, batch_size=batch, memory=("auto", node_vectors))
 
     out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
