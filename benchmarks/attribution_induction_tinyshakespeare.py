@@ -21,13 +21,17 @@ from pathlib import Path
 import nnsight
 import torch
 
-from nnsight_lorsa import LorsaSet
-from nnsight_lorsa.attribution import LORSA, TRANSCODER, attribute
-from nnsight_lorsa.attribution.circuit_metrics import circuit_metrics
-from nnsight_lorsa.attribution.neuronpedia import save_neuronpedia
-from nnsight_lorsa.attribution.prune import graph_scores, prune
-from nnsight_lorsa.attribution.qk import qk_attribution
-from nnsight_lorsa.attribution.viewer import render_html
+from nnsight_lorsa import LorsaSet, ReplacementModel
+from nnsight_lorsa.attribution import (
+    attribute,
+    circuit_metrics,
+    graph_scores,
+    prune,
+    qk_attribution,
+    render_html,
+    save_neuronpedia,
+)
+from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats import load
@@ -46,11 +50,12 @@ def main() -> None:
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tcs = TranscoderSet(model, {int(p.name.split("_")[1]): load(p)
                                 for p in sorted(default_transcoder_dir().glob("layer_*"))})
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
     ids = tok(PROMPT, return_tensors="pt")["input_ids"][0]
     ctx, answer = ids[:-1], int(ids[-1])
     tokens = [tok.decode([i]) for i in ctx.tolist()]
     t = time.time()
-    g = attribute(model, ctx, lorsas=lorsas, transcoders=tcs, batch_size=64, progress=True)
+    g = attribute(rm, ctx, batch_size=64, progress=True)
     graph_s = time.time() - t
     pr = prune(g)
     replacement, completeness = graph_scores(g)
@@ -82,8 +87,7 @@ def main() -> None:
             x = nnsight.save(kwargs.get("hidden_states", args[0] if args else None))
         zp = lorsas[2].z_pattern(x, [head])[0, 0, -1]
         key = int(zp.argmax())
-        r = qk_attribution(model, ctx, lorsas=lorsas, transcoders=tcs, layer=2, head=head, query_pos=len(ctx) - 1,
-                           key_pos=key)
+        r = qk_attribution(rm, ctx, layer=2, head=head, query_pos=len(ctx) - 1, key_pos=key)
         qk = {"head": head, "query_pos": len(ctx) - 1, "key_pos": key, "key_token": tokens[key],
               "z_pattern_top_keys": [(int(j), tokens[int(j)], round(float(zp[j]), 4))
                                      for j in zp.abs().topk(3).indices],
@@ -92,7 +96,7 @@ def main() -> None:
         print(f"Lorsa head {head} at the last token attends most to {key} {tokens[key]!r}; "
               f"score {r.score:.4f} = Σ pairs {float(r.pairs.sum()):.4f}; top pairs {qk['top_pairs'][:4]}")
     t = time.time()
-    cm = circuit_metrics(model, g, pr, lorsas=lorsas, transcoders=tcs)
+    cm = circuit_metrics(rm, g, pr)
     metrics_s = time.time() - t
     print(f"circuit ({len(cm.nodes)} features/heads): completeness {cm.completeness:.3f} "
           f"(Δℓ {cm.baseline:.3f} → {cm.ablated:.3f} ablated), minimal fraction {cm.minimal_fraction:.3f}, "

@@ -3,9 +3,10 @@ transcoders on every MLP): batched vs naive, nnsight-traced vs PyTorch hooks, me
 
     python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3] [--threads 1] [--device cuda]
 
-(a) ``attribute(..., engine="nnsight", batch_size=B)``: the frozen pass and all backward passes in
-one ``model.trace``, one target per batch row; (b) the same with PyTorch hooks on the bare model;
-(c) the naive method: one backward pass per target node (hooks, batch 1). Same prompt, same run.
+(a) ``attribute(replacement, prompt, batch_size=B)``: the frozen pass and all backward passes in
+one ``model.trace``, one target per batch row; (b) the same with PyTorch hooks on the bare model
+(the reference engine of ``tests/attribution_reference.py``); (c) the naive method: one backward
+pass per target node (hooks, batch 1). Same prompt, same run.
 Memory: peak RSS growth (Linux ``VmHWM``, reset before the call) of a fresh process per prompt
 length (``--memory-lengths``), next to the formula's terms (docs/attribution.md).
 """
@@ -24,13 +25,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the PyTorch-hook reference engine
 from _timing import table, time_interleaved, write  # noqa: E402
+from attribution_reference import attribute_with_hooks, install_frozen_hooks  # noqa: E402
 
-from nnsight_lorsa import LorsaSet  # noqa: E402
-from nnsight_lorsa.attribution import attribute  # noqa: E402
-from nnsight_lorsa.attribution.attribute import prepare  # noqa: E402
-from nnsight_lorsa.attribution.hooks import install_frozen_hooks  # noqa: E402
+from nnsight_lorsa import LorsaSet, ReplacementModel  # noqa: E402
+from nnsight_lorsa.attribution import PruneConfig, attribute  # noqa: E402
+from nnsight_lorsa.attribution.attribute import build_graph  # noqa: E402
 from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
+from nnsight_lorsa.attribution.trace import prepare  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.formats import load  # noqa: E402
 from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
@@ -58,13 +61,13 @@ def _status_kb(field: str) -> int:
 
 def memory_child(seq: int, batch: int, sparse: bool) -> None:
     model = load_model()
-    lorsas, tcs = replacement(model)
+    rm = ReplacementModel(model, **dict(zip(("lorsas", "transcoders"), replacement(model), strict=True)))
     ids = prompt_ids(model, seq)
-    attribute(model, ids[:8], lorsas=lorsas, transcoders=tcs, batch_size=batch)  # warm up allocator/imports
+    attribute(rm, ids[:8], batch_size=batch)  # warm up allocator/imports
     before = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS (Linux)
-    kw = {"prune_to": (0.8, 0.98), "keep_mass": SPARSE_KEEP_MASS} if sparse else {}
-    g = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, **kw)
+    prune = PruneConfig(0.8, 0.98, keep_mass=SPARSE_KEEP_MASS) if sparse else None
+    g = attribute(rm, ids, batch_size=batch, prune=prune)
     after = _status_kb("VmHWM")
     if sparse:
         print(json.dumps({"seq": seq, "mode": "prune_to", "peak_rss_growth_mb": (after - before) / 1024,
@@ -109,7 +112,8 @@ def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, node_ve
     hf = model._module
     params = {p.untyped_storage().data_ptr() for m in [hf, *(lorsas[k] for k in lorsas), *tcs.values()]
               for p in m.parameters()}
-    layout, mhsa, adapter = prepare(model, ids, lorsas=lorsas, transcoders=tcs)
+    prepared = prepare(ReplacementModel(model, lorsas=lorsas, transcoders=tcs), ids)
+    layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     total = []
     for b in batches:
         M = torch.ones(b, layout.n_sources, requires_grad=True)
@@ -154,10 +158,15 @@ def main() -> None:
             lorsas[layer].to(args.device)
         tcs = {layer: tc.to(args.device) for layer, tc in tcs.items()}
     ids = prompt_ids(model, args.seq)
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
 
     def run(engine: str, batch: int, node_vectors: str = "auto"):
-        return lambda: attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, engine=engine,
-                                 node_vectors=node_vectors)
+        if engine == "hooks":
+            return lambda: attribute_with_hooks(rm, ids, batch_size=batch, memory=("auto", node_vectors))
+        if node_vectors == "auto":
+            return lambda: attribute(rm, ids, batch_size=batch)
+        # gathered node vectors with the patterns "auto" picks: the private mixed form of memory=
+        return lambda: build_graph(rm, ids, batch_size=batch, memory=("auto", node_vectors))
 
     out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
                  "threads": args.threads, "device": args.device}
@@ -179,7 +188,7 @@ def main() -> None:
         print(table([("naive (1 backward per target, hooks)", f"{naive_s:.2f}", f"{naive_s / nn_s:.1f}x"),
                      (f"batched hooks (B={args.batch})", f"{hk_s:.2f}", f"{hk_s / nn_s:.2f}x"),
                      (f"batched nnsight (B={args.batch})", f"{nn_s:.2f}", "1.00x"),
-                     (f"batched nnsight, node_vectors='gather' (B={args.batch})", f"{ga_s:.2f}",
+                     (f"batched nnsight, gathered node vectors (B={args.batch})", f"{ga_s:.2f}",
                       f"{ga_s / nn_s:.2f}x")],
                     ("method", "seconds", "vs nnsight batched")))
         print(f"nnsight / hooks = {nn_s / hk_s:.3f} (target <= 1.3); naive / nnsight = {naive_s / nn_s:.1f} "
@@ -228,7 +237,7 @@ def main() -> None:
                       p["kept_nodes"], p["stored_entries"])
                      for m, p, t in zip(memory, sparse, trimmed, strict=True)],
                     ("tokens", "rows", "sources", "dense: peak MB", "edge rows MB", "adjacency MB",
-                     f"prune_to (keep {SPARSE_KEEP_MASS}): peak MB", "same, 1 MiB mmap threshold: peak MB",
+                     f"prune=, keep_mass {SPARSE_KEEP_MASS}: peak MB", "same, 1 MiB mmap threshold: peak MB",
                      "kept nodes", "stored entries")))
     out.update({"memory": memory, "memory_prune_to": sparse, "memory_prune_to_mmap_1mib": trimmed})
     suffix = f"_threads{args.threads}" if args.device == "cpu" else f"_{args.device}"

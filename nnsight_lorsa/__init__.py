@@ -19,6 +19,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from ._version import __version__ as __version__
 from .errors import (
     CheckpointError,
     ConfigMismatchError,
@@ -32,8 +33,6 @@ from .modules.hook_point import HookPoint
 from .modules.lorsa import Lorsa, LorsaCache
 from .modules.lorsa_config import LorsaConfig
 from .modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
-
-__version__ = "0.1.0"
 
 # name -> module that defines it; imported lazily so that `import nnsight_lorsa` needs torch only
 _LAZY = {
@@ -85,7 +84,7 @@ _LAZY = {
     "path_patching": ".patching.path_patching",
     "attribute": ".attribution.attribute",
     "Graph": ".attribution.graph",
-    "prune": ".attribution.prune",
+    "prune": ".attribution.scores",
     "qk_attribution": ".attribution.qk",
     "install_gated_attention": ".sparse_attention.install",
     "train_sparse_attention": ".sparse_attention.train",

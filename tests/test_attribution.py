@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attribution_reference import attribute_with_hooks
 from test_replace import make_lorsa
 from tiny import random_ids, tiny_nnsight
 
 import nnsight_lorsa
-from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.attribution import (
-    ATTN_ERROR,
-    BIAS,
-    EMBEDDING,
-    LOGIT,
-    LORSA,
-    MLP_ERROR,
-    TRANSCODER,
-    Graph,
-    attribute,
-)
-from nnsight_lorsa.attribution.verify import intervention_edges, replacement_logits
+from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
+from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
+from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
+from nnsight_lorsa.attribution.scores import intervention_edges, replacement_logits
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
@@ -42,6 +35,11 @@ def make_transcoders(layers, d_model=64, seed=0, skip_layer=None):
     return out
 
 
+def rm(model, lorsas=None, transcoders=None):
+    """The replacement bundle every attribution entry point takes."""
+    return ReplacementModel(model, lorsas=lorsas, transcoders=transcoders)
+
+
 def setup(family):
     model, hf = tiny_nnsight(family)
     adapter = get_adapter(model)
@@ -54,14 +52,14 @@ def setup(family):
 def llama():
     model, hf, lorsas, tcs = setup("llama")
     ids = random_ids(1, 9, seed=5)[0]
-    return model, hf, lorsas, tcs, ids, attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=48)
+    return model, hf, lorsas, tcs, ids, attribute(rm(model, lorsas, tcs), ids, batch_size=48)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2"])
 def test_incoming_edges_sum_to_node_values(family):
     """Check 1: every feature, Lorsa-head and logit node's incoming edges sum to its value."""
     model, _, lorsas, tcs = setup(family)
-    g = attribute(model, random_ids(1, 8, seed=2)[0], lorsas=lorsas, transcoders=tcs, batch_size=40)
+    g = attribute(rm(model, lorsas, tcs), random_ids(1, 8, seed=2)[0], batch_size=40)
     kinds = g.nodes.kind[g.feature_rows]
     assert {TRANSCODER, LORSA, LOGIT} <= set(kinds.tolist())
     assert int(g.feature_rows.sum()) == len(g.feature_ids) + len(g.logit_ids)
@@ -83,7 +81,7 @@ def test_edge_sums_are_exact_up_to_rounding_in_float64():
     hf.double()
     for m in [*lorsas.values(), *tcs.values()]:
         m.double()
-    g = attribute(model, random_ids(1, 8, seed=2)[0], lorsas=lorsas, transcoders=tcs, batch_size=40)
+    g = attribute(rm(model, lorsas, tcs), random_ids(1, 8, seed=2)[0], batch_size=40)
     assert g.adjacency.dtype == torch.float64
     assert g.edge_sum_error().max() < 1e-10
 
@@ -96,7 +94,7 @@ def test_edges_equal_interventions(llama):
     others = ((k == EMBEDDING) | (k == MLP_ERROR) | (k == ATTN_ERROR) | (k == BIAS)).nonzero().flatten()
     feats = g.feature_ids[torch.randperm(len(g.feature_ids), generator=torch.Generator().manual_seed(0))[:24]]
     src = torch.cat([others, feats])
-    by_intervention, from_graph = intervention_edges(model, g, src, lorsas=lorsas, transcoders=tcs)
+    by_intervention, from_graph = intervention_edges(rm(model, lorsas, tcs), g, src)
     scale = from_graph.abs().max()
     assert scale > 0
     assert (by_intervention - from_graph).abs().max() < 1e-5 * max(1.0, float(scale))
@@ -108,13 +106,13 @@ def test_replacement_with_errors_reproduces_the_logits(llama):
     model, hf, lorsas, tcs, ids, _ = llama
     with torch.no_grad():
         ref = hf(ids[None]).logits
-    got = replacement_logits(model, ids, lorsas=lorsas, transcoders=tcs)
+    got = replacement_logits(rm(model, lorsas, tcs), ids)
     assert (got - ref).abs().max() < 1e-5
 
 
 def test_nnsight_and_hook_engines_agree(llama):
     model, _, lorsas, tcs, ids, g = llama
-    g2 = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=13, engine="hooks")
+    g2 = attribute_with_hooks(rm(model, lorsas, tcs), ids, batch_size=13)
     assert torch.allclose(g.adjacency, g2.adjacency, atol=1e-5)
     assert torch.equal(g.nodes.kind, g2.nodes.kind)
 
@@ -123,13 +121,14 @@ def test_nnsight_and_hook_engines_agree(llama):
 def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     """The long-prompt path (constant queries/keys: SDPA for MHSA, Lorsa pattern rows recomputed in
     chunks of nodes in every pass — several chunks here) gives the same graph."""
-    import nnsight_lorsa.attribution.lorsa_rows as lorsa_rows
+    import nnsight_lorsa.attribution.frozen as frozen
 
-    monkeypatch.setattr(lorsa_rows, "CHUNK_ELEMENTS", 32 * 8 * 3)
+    monkeypatch.setattr(frozen, "ROW_CHUNK_ELEMENTS", 32 * 8 * 3)
     model, _, lorsas, tcs = setup(family)
     ids = random_ids(1, 8, seed=4)[0]
-    a = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, patterns="store")
-    b = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, patterns="sdpa")
+    # (patterns, node_vectors): the patterns alone change (the private mixed form of memory=)
+    a = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("store", "auto"))
+    b = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("sdpa", "auto"))
     assert torch.allclose(a.adjacency, b.adjacency, atol=1e-5 * float(a.adjacency.abs().max()))
     assert b.edge_sum_error("mass").max() < 1e-6
 
@@ -139,7 +138,7 @@ def test_attribution_leaves_the_model_untouched(llama):
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     with torch.no_grad():
         ref = hf(ids[None]).logits
-    attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=64)
+    attribute(rm(model, lorsas, tcs), ids, batch_size=64)
     assert all(p.grad is None for p in hf.parameters())
     assert all(m._forward_hooks == {} and m._forward_pre_hooks == {} for m in hf.modules())
     assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
@@ -149,7 +148,7 @@ def test_attribution_leaves_the_model_untouched(llama):
 
 def test_max_feature_nodes_keeps_the_most_influential(llama):
     model, _, lorsas, tcs, ids, full = llama
-    g = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=8, max_feature_nodes=12)
+    g = attribute(rm(model, lorsas, tcs), ids, batch_size=8, max_feature_nodes=12)
     assert len(g.feature_ids) == 12
     # logit rows do not depend on the budget (same sources, same edges)
     cols = g.layout_ids
@@ -164,7 +163,7 @@ def test_max_feature_nodes_keeps_the_most_influential(llama):
 
 def test_custom_logit_tokens_and_progress(llama):
     model, _, lorsas, tcs, ids, _ = llama
-    g = attribute(model, ids, lorsas=lorsas, transcoders=tcs, logit_tokens=[3, 7], progress=True)
+    g = attribute(rm(model, lorsas, tcs), ids, logit_tokens=[3, 7], progress=True)
     assert g.nodes.index[g.logit_ids].tolist() == [3, 7]
     assert g.edge_sum_error("mass").max() < 1e-6
 
@@ -172,19 +171,23 @@ def test_custom_logit_tokens_and_progress(llama):
 def test_bad_input_raises_before_running(llama):
     model, hf, lorsas, tcs, ids, _ = llama
     with pytest.raises(LayerOutOfRangeError):
-        attribute(model, ids, lorsas={7: lorsas[1]})
+        attribute(rm(model, {7: lorsas[1]}), ids)
     with pytest.raises(ConfigMismatchError, match="batch_size"):
-        attribute(model, ids, batch_size=0)
-    with pytest.raises(ConfigMismatchError, match="engine"):
-        attribute(model, ids, engine="jax")
+        attribute(rm(model), ids, batch_size=0)
+    with pytest.raises(TypeError, match="engine"):  # the engine follows from the input
+        attribute(rm(model), ids, engine="hooks")
+    with pytest.raises(ConfigMismatchError, match="memory"):
+        attribute(rm(model), ids, memory="dense")
     with pytest.raises(ConfigMismatchError, match="patterns"):
-        attribute(model, ids, patterns="dense")
+        build_graph(rm(model), ids, memory=("dense", "grid"))
+    with pytest.raises(ConfigMismatchError, match="node_threshold"):
+        attribute(rm(model), ids, prune=PruneConfig(node_threshold=1.5))
     with pytest.raises(ShapeError):
-        attribute(model, torch.zeros(2, 3, dtype=torch.long))
+        attribute(rm(model), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ConfigMismatchError, match="logit tokens"):
-        attribute(model, ids, logit_tokens=[10_000])
+        attribute(rm(model), ids, logit_tokens=[10_000])
     with pytest.raises(ConfigMismatchError, match="mapping"):
-        attribute(model, ids, transcoders=[tcs[0]])
+        attribute(rm(model, transcoders=[tcs[0]]), ids)
 
 
 def test_graph_save_load_round_trip(llama, tmp_path):
@@ -207,7 +210,7 @@ def test_trained_model_graph_is_exact():
 
     model = load_model()
     lorsas = LorsaSet.from_pretrained(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
-    g = attribute(model, "ROMEO:\nBut soft, what light", lorsas=lorsas, batch_size=64)
+    g = attribute(rm(model, lorsas), "ROMEO:\nBut soft, what light", batch_size=64)
     assert g.summary()["lorsa_heads"] > 0
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32
 
@@ -222,7 +225,7 @@ def test_qk_pairs_sum_to_the_attention_score(family):
     for m in [*lorsas.values(), *tcs.values()]:
         m.double()
     ids = random_ids(1, 8, seed=2)[0]
-    r = qk_attribution(model, ids, lorsas=lorsas, transcoders=tcs, layer=1, head=37, query_pos=6, key_pos=2)
+    r = qk_attribution(rm(model, lorsas, tcs), ids, layer=1, head=37, query_pos=6, key_pos=2)
     adapter = get_adapter(model)
     hooked = {}
     handle = adapter.attention_module(hf, 1).register_forward_pre_hook(
@@ -253,11 +256,11 @@ def test_qk_attribution_bad_input():
     model, _, lorsas, tcs = setup("llama")
     ids = random_ids(1, 6, seed=2)[0]
     with pytest.raises(LayerOutOfRangeError, match="no Lorsa"):
-        qk_attribution(model, ids, lorsas=lorsas, layer=0, head=0, query_pos=3, key_pos=1)
+        qk_attribution(rm(model, lorsas), ids, layer=0, head=0, query_pos=3, key_pos=1)
     with pytest.raises(ShapeError, match="key_pos"):
-        qk_attribution(model, ids, lorsas=lorsas, layer=1, head=0, query_pos=1, key_pos=3)
+        qk_attribution(rm(model, lorsas), ids, layer=1, head=0, query_pos=1, key_pos=3)
     with pytest.raises(ShapeError, match="head"):
-        qk_attribution(model, ids, lorsas=lorsas, layer=1, head=10_000, query_pos=3, key_pos=1)
+        qk_attribution(rm(model, lorsas), ids, layer=1, head=10_000, query_pos=3, key_pos=1)
 
 
 def test_prune_and_scores(llama):
@@ -285,13 +288,13 @@ def test_prune_and_scores(llama):
 def test_circuit_metrics_match_single_ablations(llama):
     from nnsight_lorsa import TranscoderSet
     from nnsight_lorsa.attribution import circuit_metrics, prune
-    from nnsight_lorsa.attribution.circuit_metrics import spearman
+    from nnsight_lorsa.attribution.scores import spearman
     from nnsight_lorsa.patching import Feature, LorsaHead, ReplacementModel, ablate
 
     model, hf, lorsas, tcs, ids, g = llama
     lset, tset = LorsaSet(model, lorsas), TranscoderSet(model, tcs)
     pr = prune(g)
-    cm = circuit_metrics(model, g, pr, lorsas=lset, transcoders=tset)
+    cm = circuit_metrics(rm(model, lset, tset), g, pr)
     assert len(cm.effects) == len(cm.nodes) > 0
     token = int(g.nodes.index[g.logit_ids[g.logit_probs.argmax()]])
     with torch.no_grad():
@@ -339,21 +342,21 @@ def test_cross_layer_transcoder_graph_is_exact(skip):
         if skip:
             clt.W_skip.copy_(0.05 * torch.randn(clt.W_skip.shape, generator=g_))
     ids = random_ids(1, 7, seed=3)[0]
-    g = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32)
+    g = attribute(rm(model, lorsas, clt), ids, batch_size=32)
     assert g.summary()["features"] == 3 * 7 * 5
     assert g.edge_sum_error("mass").max() < 1e-6 and g.edge_sum_error().median() < 1e-5
     # a layer-0 feature's direct effect on a layer-2 feature includes its layer-2 decoder write
     src = g.ids_of(TRANSCODER)[g.nodes.layer[g.ids_of(TRANSCODER)] == 0]
-    by_intervention, from_graph = intervention_edges(model, g, src[:6], lorsas=lorsas, transcoders=clt)
+    by_intervention, from_graph = intervention_edges(rm(model, lorsas, clt), g, src[:6])
     assert (by_intervention - from_graph).abs().max() < 1e-5 * max(1.0, float(from_graph.abs().max()))
     with torch.no_grad():
         ref = hf(ids[None]).logits
-    assert (replacement_logits(model, ids, lorsas=lorsas, transcoders=clt) - ref).abs().max() < 1e-5
+    assert (replacement_logits(rm(model, lorsas, clt), ids) - ref).abs().max() < 1e-5
     # the cross-layer writes are in the edges: silencing layer 0's decoders into layers 1-2 changes
     # the edges out of layer-0 features (into later features and logits), not the edges into them
     with torch.no_grad():
         clt.W_dec(0)[:, 1:] = 0
-    h = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32)
+    h = attribute(rm(model, lorsas, clt), ids, batch_size=32)
     logits_rows = g.logit_ids
     assert not torch.allclose(g.adjacency[logits_rows][:, src], h.adjacency[logits_rows][:, src], atol=1e-4)
     assert torch.allclose(g.adjacency[src], h.adjacency[src], atol=1e-5)
@@ -365,22 +368,23 @@ import nnsight_lorsa
 from tiny import random_ids, tiny_nnsight
 from test_attribution import make_transcoders
 from test_replace import make_lorsa
-from nnsight_lorsa import get_adapter
-from nnsight_lorsa.attribution import attribute
+from nnsight_lorsa import ReplacementModel, get_adapter
+from nnsight_lorsa.attribution import attribute, cache_for_attribution
+from nnsight_lorsa.attribution.attribute import build_graph
 model, hf = tiny_nnsight("llama")
 lorsas = {1: make_lorsa(hf, get_adapter(model), 1)}
 tcs = make_transcoders((0, 2))
+r = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
 ids = random_ids(1, 7, seed=5)[0]
-local = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32)
+local = attribute(r, ids, batch_size=32)
 nnsight.register(nnsight_lorsa)
-remote = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, remote="local")
+remote = attribute(r, ids, batch_size=32, remote="local")
 assert torch.equal(local.adjacency, remote.adjacency), (local.adjacency - remote.adjacency).abs().max()
-gathered = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="gather", remote="local")
+gathered = build_graph(r, ids, batch_size=32, memory=("auto", "gather"), remote="local")
 assert torch.allclose(gathered.adjacency, local.adjacency, atol=1e-5), (gathered.adjacency - local.adjacency).abs()
 assert torch.equal(local.nodes.kind, remote.nodes.kind)
-from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
-cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs, remote="local")
-cached = attribute_from_cache(hf, cache, lorsas=lorsas, transcoders=tcs, batch_size=32)
+cache = cache_for_attribution(r, ids, remote="local")
+cached = attribute(ReplacementModel(hf, lorsas=lorsas, transcoders=tcs), cache, batch_size=32)
 assert torch.allclose(cached.adjacency, local.adjacency, atol=1e-5), (cached.adjacency - local.adjacency).abs()
 print("ok", int(remote.feature_rows.sum()))
 """
@@ -401,24 +405,24 @@ def test_attribution_under_nnsight_remote_local_simulation():
 
 
 def test_pruned_while_built_equals_dense_pruning(llama):
-    """prune_to: the graph assembled from sparse rows keeps exactly the nodes dense pruning keeps,
+    """prune=: the graph assembled from sparse rows keeps exactly the nodes dense pruning keeps,
     with the same edges among them; the edges of dropped nodes go into the residual, so the sums
     still hold; dropping small entries (keep_mass < 1) moves them into the residual too."""
     from nnsight_lorsa.attribution import prune
 
     model, _, lorsas, tcs, ids, full = llama
     pr = prune(full)
-    g = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=48, prune_to=(0.8, 0.98))
+    g = attribute(rm(model, lorsas, tcs), ids, batch_size=48, prune=(0.8, 0.98))
     assert torch.equal(g.layout_ids, full.layout_ids[pr.node_mask])
     keep = pr.node_mask.nonzero().flatten()
     assert torch.allclose(g.adjacency, full.adjacency[keep][:, keep], atol=1e-6)
     assert g.residual.abs().sum() > 0
     assert g.edge_sum_error("mass").max() < 1e-6 and g.edge_sum_error().median() < 1e-5
-    h = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=48, prune_to=(0.8, 0.98), keep_mass=0.9)
+    h = attribute(rm(model, lorsas, tcs), ids, batch_size=48, prune=PruneConfig(0.8, 0.98, keep_mass=0.9))
     assert h.meta["pruned"]["stored_entries"] < 0.7 * g.meta["pruned"]["stored_entries"]
     assert h.edge_sum_error("mass").max() < 1e-6
-    with pytest.raises(ConfigMismatchError, match="keep_mass needs"):
-        attribute(model, ids, keep_mass=0.9)
+    with pytest.raises(ConfigMismatchError, match="keep_mass"):
+        attribute(rm(model), ids, prune=PruneConfig(0.8, 0.98, keep_mass=0.0))
 
 
 def test_position_slots_take_groups_in_any_order():
@@ -441,12 +445,14 @@ def test_objective_injects_only_the_targeted_sites(llama):
     """``FrozenReplacement.objective`` (backward from the targeted sites only) gives the same
     gradient as injecting through all targets, and a batch of lowest-layer targets never reaches
     the unembedding."""
-    from nnsight_lorsa.attribution.attribute import prepare
-    from nnsight_lorsa.attribution.hooks import install_frozen_hooks
+    from attribution_reference import install_frozen_hooks
+
     from nnsight_lorsa.attribution.replacement import FrozenReplacement
+    from nnsight_lorsa.attribution.trace import prepare
 
     model, hf, lorsas, tcs, ids, _ = llama
-    layout, mhsa, adapter = prepare(model, ids, lorsas=lorsas, transcoders=tcs)
+    prepared = prepare(rm(model, lorsas, tcs), ids)
+    layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     M = torch.ones(4, layout.n_sources, requires_grad=True)
     frozen = FrozenReplacement(layout, M, mhsa)
     handles = install_frozen_hooks(hf, adapter, frozen)
@@ -474,32 +480,33 @@ def test_objective_injects_only_the_targeted_sites(llama):
 
 
 def test_gathered_node_vectors_equal_the_grid(monkeypatch):
-    """``node_vectors="gather"`` (rows gathered chunk by chunk in every pass, a custom autograd
-    function) gives the grid's graph — transcoders, a Lorsa and a CLT — and its own edges still sum."""
-    import nnsight_lorsa.attribution.node_io as node_io
+    """Gathered node vectors (rows gathered chunk by chunk in every pass, a custom autograd
+    function; ``memory="lean"``'s) give the grid's graph — transcoders, a Lorsa and a CLT — and their
+    own edges still sum. The node vectors alone change (the private mixed form of ``memory=``)."""
+    import nnsight_lorsa.attribution.frozen as frozen
     from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 
-    monkeypatch.setattr(node_io, "CHUNK_ELEMENTS", 32 * 64 * 3)  # several chunks per site
+    monkeypatch.setattr(frozen, "NODE_CHUNK_ELEMENTS", 32 * 64 * 3)  # several chunks per site
     model, _, lorsas, tcs = setup("llama")
     ids = random_ids(1, 8, seed=6)[0]
-    grid = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="grid")
-    gath = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=32, node_vectors="gather")
+    grid = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "grid"))
+    gath = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "gather"))
     assert torch.allclose(gath.adjacency, grid.adjacency, atol=1e-5 * float(grid.adjacency.abs().max()))
     assert gath.edge_sum_error("mass").max() < 1e-6
     clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk", activation_params={"k": 5}))
-    a = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32, node_vectors="grid")
-    b = attribute(model, ids, lorsas=lorsas, transcoders=clt, batch_size=32, node_vectors="gather")
+    a = build_graph(rm(model, lorsas, clt), ids, batch_size=32, memory=("auto", "grid"))
+    b = build_graph(rm(model, lorsas, clt), ids, batch_size=32, memory=("auto", "gather"))
     assert torch.allclose(a.adjacency, b.adjacency, atol=1e-5 * float(a.adjacency.abs().max()))
     with pytest.raises(ConfigMismatchError, match="node_vectors"):
-        attribute(model, ids, lorsas=lorsas, transcoders=tcs, node_vectors="dense")
+        build_graph(rm(model, lorsas, tcs), ids, memory=("auto", "dense"))
 
 
 def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
     """Forward and backward of the gathered writer/reader equal the grid's (fp64, several chunks)."""
-    import nnsight_lorsa.attribution.node_io as node_io
+    import nnsight_lorsa.attribution.frozen as node_io
     from nnsight_lorsa.attribution.frozen import PositionSlots
 
-    monkeypatch.setattr(node_io, "CHUNK_ELEMENTS", 3 * 5 * 2)
+    monkeypatch.setattr(node_io, "NODE_CHUNK_ELEMENTS", 3 * 5 * 2)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(11, 5, dtype=torch.float64, generator=g)
     idx = torch.tensor([3, 7, 3, 0, 10, 7, 1])
@@ -519,23 +526,21 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2"])
 def test_attribution_from_a_cache_equals_the_traced_graph(family):
-    """``attribute_from_cache``: the frozen model wired as plain tensor code from a cache of one clean
-    trace (no model forward) gives the traced graph — sequential and parallel (NeoX) residuals, GPT-2's
-    position embeddings; and it runs on the bare Hugging Face model."""
-    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
-
+    """``attribute(replacement, cache)``: the frozen model wired as plain tensor code from a cache of
+    one clean trace (no model forward) gives the traced graph — sequential and parallel (NeoX)
+    residuals, GPT-2's position embeddings; and it runs on the bare Hugging Face model."""
     model, hf, lorsas, tcs = setup("neox" if family == "neox_sequential" else family)
     if family == "neox_sequential":
         hf.config.use_parallel_residual = False
         for layer in hf.gpt_neox.layers:
             layer.use_parallel_residual = False
     ids = random_ids(1, 8, seed=7)[0]
-    traced = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40)
-    cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs)
+    traced = attribute(rm(model, lorsas, tcs), ids, batch_size=40)
+    cache = cache_for_attribution(rm(model, lorsas, tcs), ids)
     calls = []
     handle = hf.register_forward_hook(lambda *a: calls.append(1))
     try:
-        cached = attribute_from_cache(hf, cache, lorsas=lorsas, transcoders=tcs, batch_size=40)
+        cached = attribute(rm(hf, lorsas, tcs), cache, batch_size=40)
     finally:
         handle.remove()
     assert not calls  # the model's forward never ran
@@ -545,17 +550,17 @@ def test_attribution_from_a_cache_equals_the_traced_graph(family):
 
 
 def test_attribution_from_a_bad_cache_raises(llama):
-    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
-
     model, hf, lorsas, tcs, ids, _ = llama
-    cache = cache_for_attribution(model, ids, lorsas=lorsas)  # made without the transcoder layers
+    cache = cache_for_attribution(rm(model, lorsas), ids)  # made without the transcoder layers
     with pytest.raises(ConfigMismatchError, match="mlp_in"):
-        attribute_from_cache(model, cache, lorsas=lorsas, transcoders=tcs)
+        attribute(rm(model, lorsas, tcs), cache)
+    with pytest.raises(ConfigMismatchError, match="remote"):
+        attribute(rm(model, lorsas), cache, remote=True)
     cache.mlp_out[0] = cache.mlp_out[0][:, :-1]
     with pytest.raises(ShapeError, match="mlp_out"):
-        attribute_from_cache(model, cache, lorsas=lorsas)
-    with pytest.raises(ConfigMismatchError, match="keep_mass"):
-        attribute_from_cache(model, cache, lorsas=lorsas, keep_mass=0.5)
+        attribute(rm(model, lorsas), cache)
+    with pytest.raises(ConfigMismatchError, match="memory"):
+        attribute(rm(model, lorsas), cache, memory="dense")
 
 
 @pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "qwen2"])
@@ -564,17 +569,15 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     attention) with sums to ~1 % of a row's mass; ``dtype=torch.float32`` — traced (nnsight and
     hooks) or from a cache — computes the same model's graph with sums exact to fp32 rounding, on
     copies (the user's modules stay bf16)."""
-    from nnsight_lorsa.attribution.cached import attribute_from_cache, cache_for_attribution
-
     model, hf, lorsas, tcs = setup(family)
     hf.to(torch.bfloat16)
     for m in [*lorsas.values(), *tcs.values()]:
         m.to(torch.bfloat16)
     ids = random_ids(1, 8, seed=7)[0]
-    traced = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40)
+    traced = attribute(rm(model, lorsas, tcs), ids, batch_size=40)
     assert traced.edge_sum_error("mass").max() < 5e-2
-    cache = cache_for_attribution(model, ids, lorsas=lorsas, transcoders=tcs)
-    exact = attribute_from_cache(model, cache, lorsas=lorsas, transcoders=tcs, batch_size=40, dtype=torch.float32)
+    cache = cache_for_attribution(rm(model, lorsas, tcs), ids)
+    exact = attribute(rm(model, lorsas, tcs), cache, batch_size=40, dtype=torch.float32)
     assert exact.adjacency.dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
     assert exact.edge_sum_error("mass").max() < traced.edge_sum_error("mass").max() / 100
     assert torch.equal(exact.layout_ids, traced.layout_ids)
@@ -582,8 +585,8 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     # two linearise (the traced one at its own fp32 stream, the cache at the bf16 forward's): ~1e-3 of
     # the largest edge, against 1e-2–1e-1 for the bf16 graph
     scale = float(exact.adjacency.abs().max())
-    for engine in ("nnsight", "hooks"):
-        fp32 = attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=40, dtype=torch.float32, engine=engine)
+    for engine, run in (("nnsight", attribute), ("hooks", attribute_with_hooks)):
+        fp32 = run(rm(model, lorsas, tcs), ids, batch_size=40, dtype=torch.float32)
         assert fp32.edge_sum_error("mass").max() < 1e-6, engine
         gap = float((fp32.adjacency - exact.adjacency).abs().max())
         assert gap < 3e-3 * scale and gap < float((traced.adjacency - exact.adjacency).abs().max()) / 3, engine

@@ -11,13 +11,12 @@ from html.parser import HTMLParser
 import pytest
 import torch
 from browser import _run, render_dom, require_chromium
-from test_attribution import setup
+from test_attribution import rm, setup
 from tiny import random_ids
 
-from nnsight_lorsa.attribution import EMBEDDING, LOGIT, LORSA, TRANSCODER, attribute
-from nnsight_lorsa.attribution.neuronpedia import node_ids, save_neuronpedia, to_neuronpedia
-from nnsight_lorsa.attribution.prune import prune
-from nnsight_lorsa.attribution.viewer import embed_json, render_html
+from nnsight_lorsa.attribution import attribute, prune, render_html, save_neuronpedia, to_neuronpedia
+from nnsight_lorsa.attribution.export import embed_json, node_ids
+from nnsight_lorsa.attribution.graph import EMBEDDING, LOGIT, LORSA, TRANSCODER
 
 EVIL = "</script><script>alert(1)</script>"
 NODE_KEYS = {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId", "clerp", "influence",
@@ -27,7 +26,7 @@ NODE_KEYS = {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId
 @pytest.fixture(scope="module")
 def built():
     model, _, lorsas, tcs = setup("llama")
-    g = attribute(model, random_ids(1, 9, seed=5)[0], lorsas=lorsas, transcoders=tcs, batch_size=48)
+    g = attribute(rm(model, lorsas, tcs), random_ids(1, 9, seed=5)[0], batch_size=48)
     pr = prune(g)
     return model.tokenizer, g, pr, to_neuronpedia(g, pr, slug="tiny-llama", tokenizer=model.tokenizer)
 

@@ -262,8 +262,10 @@ def loopback(server: LoopbackServer) -> None:
 
 
 def run_client(script: str, timeout: int = 240) -> dict:
-    """Run ``script`` in a fresh interpreter (no type-checking hook); it prints one JSON line last."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    """Run ``script`` in a fresh interpreter (no type-checking hook); it prints one JSON line last. The
+    checkout under test comes first on its path (an editable install may point at another worktree)."""
+    path = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=tempfile.gettempdir())
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,24 +1,31 @@
-"""Frozen-Jacobian attribution graphs over the replacement model (Lorsa + transcoders), exact to
-the bias (paper ``004_…`` §9–11, GUIDE §4).
+"""Attribution graphs over the replacement model (Lorsa + transcoders), exact to the bias.
 
-``attribute`` builds a :class:`Graph` (``attribute_from_cache`` the same from an
-:class:`AttributionCache` of tensors, without running the model); ``prune`` / ``graph_scores`` apply circuit-tracer's
-influence rules; ``qk_attribution`` decomposes a Lorsa head's attention score into node pairs;
-``circuit_metrics`` ablates the pruned circuit in the real model; ``to_neuronpedia`` /
-``render_html`` export it. Check functions live in :mod:`.verify`.
+Frozen-Jacobian attribution in the sense of circuit-tracer (paper ``004_…`` §9–11; Ameisen et al.
+2025, ``circuit_tracer/attribution/attribute.py``): with patterns, norm scales and activations
+frozen at the prompt's values, the replacement model is linear in its nodes' writes, and every
+target's incoming edges sum to its value — bias nodes included. One front door::
+
+    rm = ReplacementModel(model, lorsas=lorsa_set, transcoders=transcoder_set)
+    graph = attribute(rm, "ROMEO:\\nBut soft, what")              # nnsight engine (two traces)
+    cache = cache_for_attribution(rm, "ROMEO:\\nBut soft, what")  # one clean trace, saved
+    same = attribute(rm, cache)                                   # cached engine, no model forward
+    kept = prune(graph)                                           # or attribute(..., prune=PruneConfig())
+
+``memory="auto" | "fast" | "lean"`` trades speed for memory on long prompts; ``prune=`` prunes
+while building (no dense ``n_nodes²`` adjacency). ``graph_scores`` / ``circuit_metrics`` score a
+graph and its circuit, ``qk_attribution`` decomposes a Lorsa head's attention score into node
+pairs, ``to_neuronpedia`` / ``save_neuronpedia`` / ``render_html`` export it. Node kinds are
+``Graph.TRANSCODER`` … ``Graph.LOGIT`` (also constants of :mod:`.graph`); the exactness checks
+are :func:`.scores.intervention_edges` and :func:`.scores.replacement_logits`.
 """
 
-from .attribute import attribute
-from .cached import AttributionCache, attribute_from_cache, cache_for_attribution
-from .circuit_metrics import CircuitMetrics, circuit_metrics
+from .attribute import attribute, cache_for_attribution
+from .export import render_html, save_neuronpedia, to_neuronpedia
 from .graph import Graph
-from .neuronpedia import save_neuronpedia, to_neuronpedia
-from .nodes import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
-from .prune import PruneResult, graph_scores, prune
 from .qk import QKAttribution, qk_attribution
-from .viewer import render_html
+from .scores import CircuitMetrics, PruneConfig, PruneResult, circuit_metrics, graph_scores, prune
+from .trace import AttributionCache
 
-__all__ = ["ATTN_ERROR", "BIAS", "EMBEDDING", "LOGIT", "LORSA", "MLP_ERROR", "TRANSCODER", "AttributionCache",
-           "CircuitMetrics", "Graph", "NodeTable", "PruneResult", "QKAttribution", "attribute", "attribute_from_cache",
+__all__ = ["AttributionCache", "CircuitMetrics", "Graph", "PruneConfig", "PruneResult", "QKAttribution", "attribute",
            "cache_for_attribution", "circuit_metrics", "graph_scores", "prune", "qk_attribution", "render_html",
            "save_neuronpedia", "to_neuronpedia"]

@@ -1,4 +1,4 @@
-"""The frozen linear replacement model, one site at a time (paper ``004_…`` §9.4, GUIDE §4).
+"""The frozen linear replacement model's arithmetic, one site at a time (paper ``004_…`` §9.4, GUIDE §4).
 
 With attention patterns (MHSA and Lorsa QK), normalisation scales, activation functions and
 top-k selections frozen at their values on the prompt, the replacement model is *linear* in the
@@ -14,13 +14,32 @@ Each function maps a site's (frozen-normalised) input to the output the frozen m
 there, and, where the site holds target nodes, their pre-activations. The frozen quantities
 (norm scales, patterns, error vectors) are constants computed once on the prompt: the same
 functions then also run the *intervened* frozen model (a multiplier raised), where they must not
-follow the changed inputs. Row ``b`` of the batch is
-one copy of the prompt; ``M[b]`` carries the gradients of the target injected into row ``b``.
+follow the changed inputs. Row ``b`` of the batch is one copy of the prompt; ``M[b]`` carries the
+gradients of the target injected into row ``b``.
+
+How node vectors are written and read (the ``memory`` setting of :func:`.attribute.attribute`):
+a node ``i`` at token position ``pos_i`` with vector ``w_i = W[idx_i]`` (a transcoder feature's
+decoder row, a Lorsa head's ``w_o``, an encoder column ``W_enc[:, f]``) is *written*
+``out[b, p] = Σ_{i at p} c[b, i] · w_i`` and *read* ``pre[b, i] = x[b, pos_i] · w_i``, each the
+other's transpose in the backward pass. :class:`GridNodes` copies the vectors once onto a
+per-position grid (:class:`PositionSlots`) and runs one batched matmul over positions (fastest;
+``n·d_model`` numbers kept per site, 2 GB per layer for 4096 tokens × 64 features × 4096 dims in
+bf16); :class:`GatheredNodes` gathers the rows from ``W`` chunk by chunk in the forward and again in
+the backward (a custom autograd function; nothing per node kept beyond the indices).
+:func:`choose` picks the grid while it fits :data:`GRID_BUDGET_BYTES`.
+
+Active Lorsa heads' ``z_pre`` without stored pattern rows (:class:`PatternRows`, :func:`z_pre`):
+a head node ``n`` (OV head ``h_n`` of QK head ``g_n`` at query position ``i_n``) has
+``z_pre[n] = Σ_j A^{g_n}[i_n, j] · v_j^{h_n}`` (Lorsa paper §3.1); keeping every node's pattern row
+costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in chunks of nodes —
+per QK head one ``(chunk, d_qk) @ (d_qk, pos)`` matmul — in the forward and again in the backward.
 
 torch only (these functions run inside a trace, also on an NDIF server).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -173,3 +192,165 @@ class PositionSlots:
 def per_position(err: Float[torch.Tensor, "b pos d"], mult: Float[torch.Tensor, "batch pos"]) -> torch.Tensor:
     """An error term with one multiplier per position (one error node per module and position)."""
     return err.detach() * mult[:, :, None]
+
+
+#: ``"auto"`` keeps a site's grid up to this many bytes, and gathers above it
+GRID_BUDGET_BYTES = 256 * 2**20
+#: elements of one gathered ``(batch, chunk, d_model)`` temporary (grid-less node vectors)
+NODE_CHUNK_ELEMENTS = 2**22
+
+
+def _chunk(batch: int, d: int) -> int:
+    return max(1, NODE_CHUNK_ELEMENTS // max(1, batch * d))
+
+
+def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, n_pos: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``out[b, p] = Σ_{i at p} coeff[b, i] · W[idx_i]``, ``(batch, n_pos, d)`` in ``dtype``."""
+    b, n = coeff.shape
+    out = torch.zeros(b, n_pos, W.shape[-1], dtype=dtype, device=coeff.device)
+    step = _chunk(b, W.shape[-1])
+    for s in range(0, n, step):
+        rows = W[idx[s:s + step]].to(dtype)
+        out.index_add_(1, pos[s:s + step], coeff[:, s:s + step, None].to(dtype) * rows[None])
+    return out
+
+
+def gather_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``out[b, i] = x[b, pos_i] · W[idx_i]``, ``(batch, n)`` in ``x``'s dtype."""
+    b, n = x.shape[0], idx.numel()
+    step = _chunk(b, W.shape[-1])
+    parts = [(x[:, pos[s:s + step]] * W[idx[s:s + step]].to(x.dtype)[None]).sum(-1) for s in range(0, n, step)]
+    return torch.cat(parts, dim=1) if parts else x.new_zeros(b, 0)
+
+
+class _Write(torch.autograd.Function):
+    """:func:`gather_write` with gradient to ``coeff`` only (``W`` is a constant of the frozen model)."""
+
+    @staticmethod
+    def forward(ctx: Any, coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor,
+                n_pos: int, dtype: torch.dtype) -> torch.Tensor:
+        ctx.W, ctx.idx, ctx.pos, ctx.coeff_dtype = W, idx, pos, coeff.dtype
+        return gather_write(coeff, W, idx, pos, n_pos, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return gather_read(grad, ctx.W, ctx.idx, ctx.pos).to(ctx.coeff_dtype), None, None, None, None, None
+
+
+class _Read(torch.autograd.Function):
+    """:func:`gather_read` with gradient to ``x`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        ctx.W, ctx.idx, ctx.pos, ctx.n_pos, ctx.x_dtype = W, idx, pos, x.shape[1], x.dtype
+        return gather_read(x, W, idx, pos)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return gather_write(grad, ctx.W, ctx.idx, ctx.pos, ctx.n_pos, ctx.x_dtype), None, None, None
+
+
+class GridNodes:
+    """Node vectors on a :class:`PositionSlots` grid (one ``(n, d)`` copy, kept)."""
+
+    def __init__(self, slots: PositionSlots, grid: Float[torch.Tensor, "pos width d"]) -> None:
+        self.slots, self.grid = slots, grid
+
+    def write(self, coeff: Float[torch.Tensor, "batch n"]) -> Float[torch.Tensor, "batch pos d"]:
+        return self.slots.write(coeff, self.grid)
+
+    def read(self, x: Float[torch.Tensor, "batch pos d"]) -> Float[torch.Tensor, "batch n"]:
+        return self.slots.read(x, self.grid)
+
+
+class GatheredNodes:
+    """Node vectors gathered from ``W`` chunk by chunk, in the forward and again in the backward.
+
+    Args:
+        W: ``(rows, d)`` the matrix whose row ``idx_i`` is node ``i``'s vector (detached).
+        idx: ``(n,)`` int64 row of each node.
+        pos: ``(n,)`` int64 token position of each node.
+        n_pos: number of positions.
+        dtype: the dtype of the written output (the model's).
+    """
+
+    def __init__(self, W: torch.Tensor, idx: Int[torch.Tensor, " n"], pos: Int[torch.Tensor, " n"], n_pos: int,
+                 dtype: torch.dtype) -> None:
+        self.W, self.idx, self.pos, self.n_pos, self.dtype = W.detach(), idx, pos, n_pos, dtype
+
+    def write(self, coeff: Float[torch.Tensor, "batch n"]) -> Float[torch.Tensor, "batch pos d"]:
+        return _Write.apply(coeff, self.W, self.idx, self.pos, self.n_pos, self.dtype)
+
+    def read(self, x: Float[torch.Tensor, "batch pos d"]) -> Float[torch.Tensor, "batch n"]:
+        return _Read.apply(x, self.W, self.idx, self.pos)
+
+
+def choose(mode: str, n: int, d: int, dtype: torch.dtype) -> str:
+    """``"grid"`` or ``"gather"`` for a site of ``n`` nodes: ``mode`` itself, or for ``"auto"`` the grid
+    while ``n·d`` numbers fit :data:`GRID_BUDGET_BYTES`."""
+    if mode != "auto":
+        return mode
+    return "grid" if n * d * torch.empty((), dtype=dtype).element_size() <= GRID_BUDGET_BYTES else "gather"
+
+
+#: elements of one ``(batch, pos, chunk)`` gathered-values temporary (recomputed Lorsa pattern rows)
+ROW_CHUNK_ELEMENTS = 2**22
+
+
+class PatternRows:
+    """The nodes' pattern rows, computed on demand from frozen queries and keys.
+
+    Args:
+        q, k: ``(n_qk, pos, d_qk)`` frozen queries and keys (QK-norm and RoPE applied).
+        group: ``(n,)`` QK head of each node; ``qpos``: ``(n,)`` its query position.
+        scale: the divisor of the scores (``LorsaConfig.scale``).
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, group: Int[torch.Tensor, " n"], qpos: Int[torch.Tensor, " n"],
+                 scale: float) -> None:
+        self.q, self.k, self.qpos, self.scale = q, k, qpos, scale
+        order = torch.argsort(group, stable=True)
+        counts = torch.bincount(group, minlength=q.shape[0]).tolist()
+        self.by_group = [(g, nodes) for g, nodes in enumerate(order.split(counts)) if nodes.numel()]
+
+    def chunks(self, batch: int) -> list[tuple[int, torch.Tensor]]:
+        """``(qk head, node indices)`` chunks with ``batch·pos·len(nodes)`` ≤ :data:`ROW_CHUNK_ELEMENTS`."""
+        step = max(1, ROW_CHUNK_ELEMENTS // max(1, batch * self.q.shape[1]))
+        return [(g, part) for g, nodes in self.by_group for part in nodes.split(step)]
+
+    def rows(self, g: int, nodes: torch.Tensor, dtype: torch.dtype) -> Float[torch.Tensor, "m pos"]:
+        """Pattern rows of ``nodes`` (all of QK head ``g``): causal softmax in fp32, cast to ``dtype``."""
+        qpos = self.qpos[nodes]
+        scores = (self.q[g, qpos].float() @ self.k[g].float().T) / self.scale
+        future = torch.arange(self.k.shape[1], device=scores.device)[None] > qpos[:, None]
+        return scores.masked_fill(future, float("-inf")).softmax(-1).to(dtype)
+
+
+class _ZPre(torch.autograd.Function):
+    """``z_pre[b, n] = rows_n · v[b, :, col_n]`` with gradient to ``v`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, v: torch.Tensor, rows: PatternRows, col: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.col, ctx.shape = rows, col, v.shape
+        out = v.new_zeros(v.shape[0], col.numel())
+        for g, nodes in rows.chunks(v.shape[0]):
+            r = rows.rows(g, nodes, v.dtype)
+            out[:, nodes] = torch.einsum("mp,bpm->bm", r, v[:, :, col[nodes]])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        rows, col = ctx.rows, ctx.col
+        grad_v = grad.new_zeros(ctx.shape)
+        for g, nodes in rows.chunks(grad.shape[0]):
+            r = rows.rows(g, nodes, grad.dtype)
+            grad_v.index_add_(2, col[nodes], r.T[None] * grad[:, None, nodes])
+        return grad_v, None, None
+
+
+def z_pre(v: Float[torch.Tensor, "batch pos u"], rows: PatternRows, col: Int[torch.Tensor, " n"]
+          ) -> Float[torch.Tensor, "batch n"]:
+    """The nodes' ``z_pre`` from ``v``: the values of the OV heads active somewhere (column ``col_n``
+    is node ``n``'s head), through their recomputed pattern rows."""
+    return _ZPre.apply(v, rows, col)

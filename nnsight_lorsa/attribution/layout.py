@@ -5,7 +5,7 @@ from which the Lorsa heads' ``z`` and the transcoders' feature activations on th
 computed (with error terms the replacement model reproduces the model exactly, so the clean
 pass *is* the unmodified model). Those activations, the top-k/threshold choices they embody, and
 the token list are then frozen; :class:`Layout` numbers every source node, which is also its
-column in the multiplier matrix ``M`` of :mod:`.frozen`.
+column in the multiplier matrix ``M`` of :mod:`.frozen`. torch only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..errors import ConfigMismatchError
-from .nodes import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 
 
 @dataclass(repr=False)
@@ -188,28 +188,22 @@ def build_layout(
             col += 1
             return col - 1
 
-        for lay in layers:
+        for lay in layers:  # in forward order: (role, name, bias) of each bias the layer adds
             l_ = lay.layer
-            if _nonzero(norm_biases.get(f"L{l_}.attn_norm")):
-                lay.bias["attn_norm"] = add(f"L{l_}.attn_norm.bias", l_)
+            biases = [("attn_norm", f"L{l_}.attn_norm.bias", norm_biases.get(f"L{l_}.attn_norm"))]
             if lay.lorsa is not None:
-                if _nonzero(lay.lorsa.b_V):
-                    lay.bias["lorsa_v"] = add(f"L{l_}.lorsa.b_V", l_)
-                if _nonzero(lay.lorsa.b_D):
-                    lay.bias["lorsa_d"] = add(f"L{l_}.lorsa.b_D", l_)
+                lorsa = lay.lorsa
+                biases += [("lorsa_v", f"L{l_}.lorsa.b_V", lorsa.b_V), ("lorsa_d", f"L{l_}.lorsa.b_D", lorsa.b_D)]
             else:
                 b_v, b_o = attn_biases.get(l_, (None, None))
-                if _nonzero(b_v):
-                    lay.bias["attn_v"] = add(f"L{l_}.attn.b_V", l_)
-                if _nonzero(b_o):
-                    lay.bias["attn_o"] = add(f"L{l_}.attn.b_O", l_)
-            if _nonzero(norm_biases.get(f"L{l_}.mlp_norm")):
-                lay.bias["mlp_norm"] = add(f"L{l_}.mlp_norm.bias", l_)
+                biases += [("attn_v", f"L{l_}.attn.b_V", b_v), ("attn_o", f"L{l_}.attn.b_O", b_o)]
+            biases.append(("mlp_norm", f"L{l_}.mlp_norm.bias", norm_biases.get(f"L{l_}.mlp_norm")))
             if lay.transcoder is not None:
-                if _nonzero(lay.transcoder.b_dec):
-                    lay.bias["tc_dec"] = add(f"L{l_}.transcoder.b_dec", l_)
-                if _nonzero(lay.transcoder.b_enc):
-                    lay.bias["tc_enc"] = add(f"L{l_}.transcoder.b_enc", l_)
+                tc, name = lay.transcoder, f"L{l_}.transcoder"
+                biases += [("tc_dec", f"{name}.b_dec", tc.b_dec), ("tc_enc", f"{name}.b_enc", tc.b_enc)]
+            for role, name, bias in biases:
+                if _nonzero(bias):
+                    lay.bias[role] = add(name, l_)
         top: dict[str, int] = {}
         if _nonzero(norm_biases.get("final_norm")):
             top["final_norm"] = add("final_norm.bias", n_layers)

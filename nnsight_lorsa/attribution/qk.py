@@ -24,12 +24,11 @@ import torch
 from .._repr import FieldsRepr
 from ..errors import LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
-from .attribute import prepare
+from .graph import NodeTable
 from .layout import Layout
-from .nodes import NodeTable
 from .replacement import FrozenReplacement
-from .schedule import FixedRows
-from .trace import attribute_in_trace
+from .rows import FixedRows
+from .trace import attribute_in_trace, prepare
 
 
 @dataclass(repr=False)
@@ -134,16 +133,28 @@ class QKAttribution(FieldsRepr):
         return [(self.label(int(i) // m), self.label(int(i) % m), float(flat[i])) for i in idx]
 
 
-def qk_attribution(model: Any, prompt: Any, *, lorsas: Any, layer: int, head: int, query_pos: int, key_pos: int,
-                   transcoders: Any = None, batch_size: int | None = None) -> QKAttribution:
+def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, query_pos: int, key_pos: int,
+                   batch_size: int | None = None) -> QKAttribution:
     """Decompose Lorsa OV head ``head``'s attention score from ``query_pos`` to ``key_pos``
     (its QK group ``head // group_size``) into pairs of graph nodes; see the module docstring.
+
+    Args:
+        replacement: a :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` with a Lorsa
+            at ``layer`` (its transcoders, if any, make transcoder features candidate nodes).
+        prompt: text or ``(pos,)`` token ids.
+        layer, head: the Lorsa layer and OV head; query_pos, key_pos: token positions.
+        batch_size: backward rows per pass (default ``2·d_qk``: one pass).
+
+    Returns:
+        :class:`QKAttribution` (``pairs`` in pre-softmax score units, summing to ``score``).
 
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
     """
-    layout, mhsa, adapter = prepare(model, prompt, lorsas=lorsas, transcoders=transcoders)
+    model = replacement.model
+    prepared = prepare(replacement, prompt)
+    layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     lorsa = layout.layers[adapter.check_layer(layer)].lorsa
     if lorsa is None:
         raise LayerOutOfRangeError(f"no Lorsa at layer {layer}")

@@ -1,17 +1,28 @@
-"""The frozen replacement model's forward, site by site, with every node's multiplier.
+"""The frozen replacement model: which modules replace which parts, and its forward with every
+node's multiplier (paper ``004_…`` §9.4; GUIDE §4).
 
 :class:`FrozenReplacement` is called at each site of the model in forward order (by the nnsight
-driver in :mod:`.trace` or the PyTorch-hook driver in :mod:`.hooks` — the same arithmetic): it
-returns what the frozen model writes there and records the target pre-activations. Afterwards
+engine in :mod:`.trace`, by the cached engine in :mod:`.cached` — the same arithmetic): it returns
+what the frozen model writes there and records the target pre-activations. Afterwards
 ``targets()`` is ``T: (batch, n_targets)``: the pre-activations of every feature node (a
 transcoder feature's ``x·W_enc[:, f] + b_enc[f]``; a Lorsa head's ``z_pre = Σ_j A_ij v_j``,
-Lorsa §3.1) followed by the demeaned logits of the target tokens (``004_…`` §9.4).
+Lorsa §3.1) followed by the demeaned logits of the target tokens.
+
+The MLP replacements are seen per layer (:class:`LayerCoder`): a per-layer (skip) transcoder at
+layer ``l`` writes only into MLP output ``l``; a cross-layer transcoder's layer-``l`` features write
+into every MLP output ``l' ≥ l`` (seed ``004_…`` §7.1), one node whose multiplier scales all its
+writes. In another dtype than the model's (``dtype=torch.float32`` for a bf16 model) the Lorsas,
+transcoders and frozen MHSA weights are used as copies (:func:`copies_in`, :func:`weights_in`; the
+user's modules are untouched), while the model's own modules still run in bf16 on batch row 0 for
+the frozen constants: edge sums are then exact to fp32 rounding instead of ~1 % of a row's mass.
 
 torch only.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +30,24 @@ import torch
 import torch.nn.functional as F
 
 from .._typing import Float
-from ..adapters.base import mhsa_pattern, mhsa_qk
-from .coders import decoders
-from .frozen import PositionSlots, column, frozen_mhsa, frozen_norm, norm_scale, per_position, scaled
+from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
+from ..errors import ConfigMismatchError
+from ..modules.clt import CrossLayerTranscoder
+from .frozen import (
+    GatheredNodes,
+    GridNodes,
+    PatternRows,
+    PositionSlots,
+    choose,
+    column,
+    frozen_mhsa,
+    frozen_norm,
+    norm_scale,
+    per_position,
+    scaled,
+    z_pre,
+)
 from .layout import Layout
-from .lorsa_rows import PatternRows, z_pre
-from .node_io import GatheredNodes, GridNodes, choose
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -43,14 +66,14 @@ class FrozenReplacement:
             earlier forward over the same prompt, to run an intervened model with them (default: a
             new dict, filled by this forward).
         patterns: ``"auto"`` (store attention patterns on CPU, only queries/keys on GPU), ``"store"``
-            or ``"sdpa"`` (see :func:`.frozen.frozen_mhsa`).
+            or ``"sdpa"`` (see :func:`.frozen.frozen_mhsa`); the first half of :func:`memory_modes`.
         node_vectors: ``"grid"`` (decoder rows / ``w_o`` / encoder columns of the active nodes copied
             onto per-position grids: fastest, ``n·d_model`` kept per site), ``"gather"`` (gathered from
             the weights chunk by chunk in every pass: nothing kept per node) or ``"auto"`` (grid while a
-            site's copy fits :data:`.node_io.GRID_BUDGET_BYTES`); see :mod:`.node_io`.
+            site's copy fits :data:`.frozen.GRID_BUDGET_BYTES`); see :mod:`.frozen`.
         dtype: what the frozen model computes and writes into the residual stream in (default: the
             model's); e.g. fp32 for a bf16 model, with the replacement modules and MHSA weights given
-            in it (:mod:`.precision`).
+            in it (:func:`copies_in`, :func:`weights_in`).
     """
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any],
@@ -165,7 +188,7 @@ class FrozenReplacement:
         """The active heads' ``z_pre[n] = Σ_j A^{g(h_n)}[i_n, j] v_j^{h_n}`` (Lorsa §3.1), with values
         only for the OV heads active somewhere. Stored patterns (CPU): every node's pattern row kept,
         one ``(heads, batch, pos) @ (heads, pos, width)`` matmul (``batch·n·pos`` work). Otherwise the
-        rows are recomputed from the frozen queries/keys in every pass (:mod:`.lorsa_rows`): nothing
+        rows are recomputed from the frozen queries/keys in every pass (:class:`.frozen.PatternRows`): nothing
         kept per node or per prompt copy."""
         lay = self.layout.layers[layer]
         lorsa = lay.lorsa
@@ -272,3 +295,123 @@ class FrozenReplacement:
         if total is None:
             raise IndexError(f"target rows {rows} out of range [0, {start})")
         return total
+
+
+class LayerCoder:
+    """Layer ``layer`` of a CLT, seen as a transcoder (encoder at ``layer``; ``b_dec``/skip of MLP ``layer``)."""
+
+    def __init__(self, clt: CrossLayerTranscoder, layer: int) -> None:
+        self.clt, self.layer = clt, layer
+        self.W_enc = clt.W_enc[layer]
+        self.b_enc = clt.b_enc[layer]
+        self.b_dec = clt.b_dec[layer]
+
+    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``(*batch, d_sae)`` layer ``layer``'s features (the CLT's own encoder, activation included)."""
+        return self.clt.encode_layer(x, self.layer)
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
+        W = self.clt.W_skip
+        return None if W is None else x @ W[self.layer].T.to(x.dtype)
+
+    def decoders(self) -> dict[int, torch.Tensor]:
+        """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}``."""
+        W = self.clt.W_dec(self.layer)
+        return {self.layer + j: W[:, j] for j in range(W.shape[1])}
+
+
+def decoders(coder: Any, layer: int) -> dict[int, torch.Tensor]:
+    """Target layers and decoder matrices of the MLP replacement at ``layer`` (a transcoder: itself)."""
+    return coder.decoders() if isinstance(coder, LayerCoder) else {layer: coder.W_dec}
+
+
+def as_layer_coders(transcoders: Any) -> dict[int, Any] | None:
+    """``{layer: LayerCoder}`` for a :class:`CrossLayerTranscoder` or a ``CLTSet``; None otherwise."""
+    clt = getattr(transcoders, "clt", transcoders)
+    if isinstance(clt, CrossLayerTranscoder):
+        return {layer: LayerCoder(clt, layer) for layer in range(clt.n_layers)}
+    return None
+
+
+def copies_in(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
+    """Copies of ``{layer: replacement module}`` in ``dtype`` (a cross-layer transcoder's per-layer
+    views share one copy of it)."""
+    clts: dict[int, Any] = {}
+    out: dict[int, Any] = {}
+    for layer, m in modules.items():
+        if isinstance(m, LayerCoder):
+            if id(m.clt) not in clts:
+                clts[id(m.clt)] = copy.deepcopy(m.clt).to(dtype)
+            out[layer] = LayerCoder(clts[id(m.clt)], m.layer)
+        else:
+            out[layer] = copy.deepcopy(m).to(dtype)
+    return out
+
+
+def weights_in(w: Any, dtype: torch.dtype) -> Any:
+    """:class:`~nnsight_lorsa.adapters.base.MHSAWeights` with its floating tensors in ``dtype``."""
+    return dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dtype) for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)
+                                     and getattr(w, f.name).is_floating_point()})
+
+
+#: the (patterns, node_vectors) pair of each ``memory`` setting of :func:`.attribute.attribute`
+MEMORY_MODES = {"auto": ("auto", "auto"), "fast": ("store", "grid"), "lean": ("sdpa", "gather")}
+
+
+def memory_modes(memory: str | tuple[str, str]) -> tuple[str, str]:
+    """``(patterns, node_vectors)`` of :class:`FrozenReplacement` for a ``memory`` setting: ``"fast"``
+    stored patterns + grid node vectors, ``"lean"`` SDPA from frozen queries/keys + gathered node
+    vectors, ``"auto"`` each decided per device / site. A pair is passed through (checked): the mixed
+    combinations, for tests and benchmarks only.
+
+    Raises:
+        ConfigMismatchError: an unknown setting.
+    """
+    if isinstance(memory, tuple):
+        patterns, node_vectors = memory
+        if patterns not in ("auto", "store", "sdpa") or node_vectors not in ("auto", "grid", "gather"):
+            raise ConfigMismatchError("memory as a (patterns, node_vectors) pair must be (auto|store|sdpa, "
+                                      f"auto|grid|gather), got {memory!r}")
+        return patterns, node_vectors
+    if memory not in MEMORY_MODES:
+        raise ConfigMismatchError(f"memory must be 'auto', 'fast' or 'lean', got {memory!r}")
+    return MEMORY_MODES[memory]
+
+
+def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``({layer: Lorsa}, {layer: transcoder or LayerCoder})`` of a
+    :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` (a cross-layer transcoder as one
+    :class:`LayerCoder` per layer)."""
+    lorsas = replacement.lorsas
+    lor = {} if lorsas is None else {int(k): lorsas[k] for k in lorsas}
+    tcs = replacement.transcoders
+    coders = as_layer_coders(tcs) if tcs is not None else None
+    if coders is None:
+        coders = {} if tcs is None else {int(k): tcs[k] for k in tcs}
+    return lor, coders
+
+
+def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[int, Any],
+                        transcoders: dict[int, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
+    """The modules :func:`.layout.build_layout` needs, and the frozen MHSA weights by layer (``model``:
+    an nnsight model or the bare Hugging Face one)."""
+    root = getattr(model, "_module", model)
+    for layer in [*lorsas, *transcoders]:
+        adapter.check_layer(layer)
+    mhsa = {layer: adapter.mhsa_weights(root, layer) for layer in range(adapter.n_layers) if layer not in lorsas}
+
+    def bias(path: str) -> Any:
+        return getattr(adapter.get_module(root, path), "bias", None)
+
+    norm_biases: dict[str, Any] = {"final_norm": bias(adapter.final_norm_path)}
+    for layer in range(adapter.n_layers):
+        norm_biases[f"L{layer}.attn_norm"] = bias(adapter.attention_norm_path(layer))
+        norm_biases[f"L{layer}.mlp_norm"] = bias(adapter.mlp_norm_path(layer))
+    modules = {"lorsas": lorsas, "transcoders": transcoders, "norm_biases": norm_biases,
+               "attn_biases": {layer: (w.b_V, w.b_O) for layer, w in mhsa.items()},
+               "lm_head_bias": bias(adapter.lm_head_path)}
+    return modules, mhsa

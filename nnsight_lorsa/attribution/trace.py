@@ -1,26 +1,168 @@
-"""Attribution inside ``model.trace(...)``: the clean pass and the frozen pass with batched backward.
+"""The nnsight engine: attribution inside ``model.trace(...)`` — the clean pass and the frozen pass
+with batched backward (paper ``004_…`` §9.4; circuit-tracer's ``circuit_tracer/attribution/attribute.py``
+does the same with TransformerLens hooks).
 
-Both passes are ordinary nnsight traces over the user's model: the clean pass saves the inputs of
-the replaced modules; the frozen pass swaps every norm, attention, MLP and the unembedding output
-for :class:`.replacement.FrozenReplacement`'s and then, inside the same trace, runs one backward
-per batch of targets through nnsight's backward context (``with obj.backward(): M.grad``), with
-the gradients injected one target per batch row. Nothing is attached to the model and no
-parameter gets a ``.grad`` (``backward(inputs=[M])``).
+Both passes are ordinary nnsight traces over the user's model. The *clean pass*
+(:func:`clean_pass`) runs the unmodified model once and saves what the frozen replacement model
+takes from the prompt as an :class:`AttributionCache`: lean for :func:`.attribute.attribute` on a
+prompt (the inputs the layout needs, the last logits, the attention positions; the error nodes'
+true outputs come from the frozen pass), full for :func:`.attribute.cache_for_attribution` (the
+residual stream's start and every replaced module's output too, so that the cached engine,
+:mod:`.cached`, needs no model forward). The *frozen pass* (:func:`attribute_in_trace`) swaps
+every norm, attention, MLP and the unembedding output for
+:class:`.replacement.FrozenReplacement`'s and then, inside the same trace, runs one backward per
+batch of targets through nnsight's backward context (``with obj.backward(): M.grad``), with the
+gradients injected one target per batch row. Nothing is attached to the model and no parameter
+gets a ``.grad`` (``backward(inputs=[M])``). torch + nnsight only (runs remotely).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nnsight
 import torch
 
+from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
-from .layout import Layout
-from .replacement import FrozenReplacement
+from ..errors import ShapeError
+from .layout import Layout, build_layout
+from .replacement import FrozenReplacement, copies_in, layer_modules, replacement_modules, weights_in
+
+
+@dataclass(repr=False)
+class AttributionCache(FieldsRepr):
+    """What the frozen replacement model takes from one prompt (batch row 0 of a clean forward).
+
+    Attributes:
+        tokens: ``(pos,)`` int64 input ids.
+        positions: token positions the attention was called with, ``(1, pos)`` or ``(pos,)``.
+        last_logits: ``(vocab,)`` the logits at the last position (the logit targets).
+        embeddings: ``(1, pos, d_model)`` the residual stream's start (token + position embeddings);
+            None from a lean pass.
+        attn_in: ``{layer: (1, pos, d_model)}`` attention input of each layer with a Lorsa (its
+            active heads); ``attn_out`` its output (error nodes; empty from a lean pass).
+        mlp_in: ``{layer: (1, pos, d_model)}`` MLP input of each layer with a transcoder.
+        mlp_out: ``{layer: (1, pos, d_model)}`` every layer's MLP output (error nodes; empty from a
+            lean pass).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    last_logits: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    attn_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    attn_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_out: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lorsa_layers: list[int],
+               tc_layers: list[int], *, remote: Any = False, full: bool = False) -> AttributionCache:
+    """One ``model.trace`` of the unmodified model on ``ids: (pos,)`` (``remote`` as in
+    :func:`.attribute.attribute`); returns its :class:`AttributionCache`. ``full`` also saves the
+    embeddings and the replaced modules' outputs (a lean pass downloads only what the layout needs)."""
+    pos_path = getattr(adapter, "pos_embed_path", None)
+    with model.trace(ids[None], use_cache=False, remote=remote):
+        emb = None
+        if full:
+            emb = model.get(adapter.embed_path).output
+            if pos_path:
+                emb = emb + model.get(pos_path).output
+        attn_in: dict[int, Any] = {}
+        attn_out: dict[int, Any] = {}
+        mlp_in: dict[int, Any] = {}
+        mlp_out: dict[int, Any] = {}
+        positions = None
+        for layer in range(adapter.n_layers):
+            attn = model.get(adapter.attention_path(layer))
+            if layer == 0 or layer in lorsa_layers:
+                args, kwargs = attn.inputs
+                x = adapter.attention_input(args, kwargs)
+                if layer == 0:
+                    positions = adapter.attention_positions(args, kwargs, x)
+                if layer in lorsa_layers:
+                    attn_in[layer] = x
+                    if full:
+                        attn_out[layer] = adapter.attention_output(attn.output)
+            mlp = model.get(adapter.mlp_path(layer))
+            if layer in tc_layers:
+                args, kwargs = mlp.inputs
+                mlp_in[layer] = adapter.mlp_input(args, kwargs)
+            if full:
+                mlp_out[layer] = adapter.mlp_output(mlp.output)
+        last = model.get(adapter.lm_head_path).output[0, -1]
+        # one saved value: on a remote server the dicts above are not the caller's
+        saved = nnsight.save((emb, positions, attn_in, attn_out, mlp_in, mlp_out, last))
+    emb, positions, attn_in, attn_out, mlp_in, mlp_out, last = saved
+    return AttributionCache(tokens=ids.cpu(), positions=positions, last_logits=last, embeddings=emb,
+                            attn_in=dict(attn_in), attn_out=dict(attn_out), mlp_in=dict(mlp_in),
+                            mlp_out=dict(mlp_out))
+
+
+def tokenize(model: Any, prompt: Any) -> torch.Tensor:
+    """``(pos,)`` int64 ids of a prompt (a string, through the model's tokenizer, or ids).
+
+    Raises:
+        ShapeError: not one non-empty sequence.
+    """
+    if isinstance(prompt, str):
+        ids = model.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+    else:
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ShapeError(f"a prompt must be one sequence of token ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+@dataclass
+class Prepared:
+    """What every engine needs before its frozen pass: the prompt's :class:`~.layout.Layout`, the
+    frozen MHSA weights ``{layer: MHSAWeights}`` of the layers without a Lorsa, the model's adapter,
+    and the replacement modules ``{layer: module}`` (copies in ``dtype`` where one was asked)."""
+
+    layout: Layout
+    mhsa: dict[int, Any]
+    adapter: ArchitectureAdapter
+    lorsas: dict[int, Any]
+    transcoders: dict[int, Any]
+
+
+def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_logit_prob: float = 0.95,
+            max_n_logits: int = 10, remote: Any = False, dtype: torch.dtype | None = None,
+            cache: AttributionCache | None = None) -> Prepared:
+    """The clean pass over ``prompt`` (text or ids) and the layout of its nodes — or, with ``cache``
+    (``prompt`` then ignored), the layout from that cache without running the model.
+
+    Raises:
+        LayerOutOfRangeError, ShapeError: bad layers or prompt — before the model runs.
+    """
+    model, adapter = replacement.model, replacement.adapter
+    lor, tcs = layer_modules(replacement)
+    if dtype is not None and dtype != next(getattr(model, "_module", model).parameters()).dtype:
+        lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
+    modules, mhsa = replacement_modules(model, adapter, lor, tcs)
+    if dtype is not None:
+        mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
+    if cache is None:
+        cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
+    layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
+                       max_n_logits=max_n_logits)
+    return Prepared(layout, mhsa, adapter, lor, tcs)
+
+
+def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
+              logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10) -> Layout:
+    """The prompt's nodes (:func:`.layout.build_layout`) from a clean pass's cache."""
+    return build_layout(cache.tokens, {layer: (x, cache.positions) for layer, x in cache.attn_in.items()},
+                        cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
+                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
 
 
 def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -70,7 +212,8 @@ def frozen_sites(adapter: ArchitectureAdapter) -> list[FrozenSite]:
 def frozen_output(frozen: FrozenReplacement, adapter: ArchitectureAdapter, site: FrozenSite, module: torch.nn.Module,
                   args: tuple, kwargs: dict, out: Any) -> Any:
     """What the frozen model returns at ``site``, from the module's full call ``(args, kwargs)`` and its
-    (row-0) output ``out`` — shared by the nnsight and the PyTorch-hook drivers."""
+    (row-0) output ``out`` — shared by the nnsight driver here and the PyTorch-hook reference
+    (``tests/attribution_reference.py``)."""
     if site.kind == "norm":
         return frozen.norm(module, call_input(args, kwargs), site.layer, site.role)
     if site.kind == "head":
@@ -107,6 +250,11 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
 def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
     """fp64 for an fp64 model, else fp32 (edges of a bf16/fp16 model still accumulate in fp32)."""
     return torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
+
+
+def autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:
+    """``consume(∂obj/∂M)`` with plain autograd (outside a trace), keeping the graph for the next batch."""
+    consume(torch.autograd.grad(obj, M, retain_graph=True)[0])
 
 
 def nnsight_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:

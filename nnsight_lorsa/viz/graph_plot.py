@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from ..attribution.graph import Graph
-from ..attribution.nodes import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
-from ..attribution.prune import PruneResult
+from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from ..attribution.scores import PruneResult
 
 _STYLE = {TRANSCODER: ("tab:green", "o", "transcoder feature"), LORSA: ("tab:purple", "D", "Lorsa head"),
           MLP_ERROR: ("0.55", "s", "MLP error"), ATTN_ERROR: ("0.75", "s", "Lorsa error"),
