@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _timing import table
+from _timing import script, table
 from tokenizers import Tokenizer, processors
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, mean_activations, path_patching
 from nnsight_lorsa.patching.circuit import CircuitSize, circuit_size
 from nnsight_lorsa.patching.experiments import activation_patching
 from nnsight_lorsa.patching.tasks import TaskBatch
-from nnsight_lorsa.tinymodel import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, tiny_llama_config
 
 UNK_TOKEN = "<unk>"
 
@@ -61,6 +61,7 @@ def train_answer_lm(out_dir: Path, tok: PreTrainedTokenizerFast, vocab_size: int
     """
     t0 = time.perf_counter()
     torch.manual_seed(seed)
+    tiny_llama_config = script("tinymodel").tiny_llama_config  # the embedded model's config, scaled
     config = tiny_llama_config(vocab_size, hidden_size=d_model, intermediate_size=4 * d_model,
                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                head_dim=d_model // heads, max_position_embeddings=64,

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def script(name: str) -> ModuleType:
+    """Import the repository script ``scripts/{name}.py`` (not part of the package), e.g. the embedded
+    model's builder ``script("tinymodel")``."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 7, warmup: int = 2) -> dict[str, dict]:

@@ -22,6 +22,7 @@ import nnsight
 import torch
 
 from nnsight_lorsa import LorsaSet
+from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.attribution import LORSA, TRANSCODER, attribute
 from nnsight_lorsa.attribution.circuit_metrics import circuit_metrics
 from nnsight_lorsa.attribution.neuronpedia import save_neuronpedia
@@ -31,7 +32,6 @@ from nnsight_lorsa.attribution.viewer import render_html
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder
-from nnsight_lorsa.tinymodel import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.viz.graph_plot import plot_graph
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import table, time_interleaved, write  # noqa: E402
 
 from nnsight_lorsa import LorsaSet  # noqa: E402
+from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
 from nnsight_lorsa.attribution import attribute  # noqa: E402
 from nnsight_lorsa.attribution.attribute import prepare  # noqa: E402
 from nnsight_lorsa.attribution.hooks import install_frozen_hooks  # noqa: E402
 from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder  # noqa: E402
-from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
 
 SPARSE_KEEP_MASS = 0.99
 

@@ -25,11 +25,11 @@ from _timing import table, write  # noqa: E402
 
 from nnsight_lorsa import LorsaSet, get_adapter  # noqa: E402
 from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
+from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
 from nnsight_lorsa.formats.sparse_coder_format import load_sparse_coder, save_sparse_coder  # noqa: E402
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
-from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir  # noqa: E402
 from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, attention_activations  # noqa: E402
 from nnsight_lorsa.training.evaluate import evaluate_sae, summarize  # noqa: E402
 from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer  # noqa: E402

@@ -1,6 +1,6 @@
 """Sparse-attention post-training (paper 003) on the tinyshakespeare models: CE and active edges.
 
-Held-out split = the last 5% of the corpus characters, as in ``nnsight_lorsa.tinymodel``. Reports the
+Held-out split = the last 5% of the corpus characters, as in ``scripts/tinymodel.py``. Reports the
 dense model's held-out CE (τ), the dense model under top-k attention (k = 1, 2, 4; paper Fig. 2a),
 then post-trains with the GECO constraint ``CE <= τ_train`` (τ_train = the base model's CE on training
 windows, the paper's choice) and reports held-out CE and the fraction of active edges (eval mode,
@@ -22,12 +22,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from _timing import script
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def split_ids(tokenizer, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    from nnsight_lorsa.tinymodel import default_corpus_path
+    from nnsight_lorsa.assets import default_corpus_path
 
     text = default_corpus_path().read_text(encoding="utf-8")
     cut = int(len(text) * (1.0 - val_fraction))
@@ -36,7 +37,7 @@ def split_ids(tokenizer, val_fraction: float = 0.05) -> tuple[torch.Tensor, torc
 
 
 def train_gpt2(out: Path, steps: int, warmup_steps: int, seq_len: int, batch_size: int) -> dict:
-    """A GPT-2-architecture model trained with the embedded Llama's recipe (nnsight_lorsa.tinymodel).
+    """A GPT-2-architecture model trained with the embedded Llama's recipe (scripts/tinymodel.py).
 
     Same tokenizer (copied from the Llama asset: trained on the same split), same induction warm-up,
     same repeat augmentation, AdamW and schedule; dims matched to the Llama (d 128, 4 layers, 4 heads).
@@ -45,15 +46,16 @@ def train_gpt2(out: Path, steps: int, warmup_steps: int, seq_len: int, batch_siz
     import torch.nn.functional as F
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from nnsight_lorsa import tinymodel as tm
+    from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_model_dir
 
+    tm = script("tinymodel")
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tm.default_model_dir())
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
     train_ids, val_ids = split_ids(tok)
     cfg = GPT2Config(vocab_size=len(tok), n_positions=512, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tm.BOS_ID, eos_token_id=tm.EOS_ID,
-                     pad_token_id=tm.EOS_ID)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                     pad_token_id=EOS_ID)
     model = GPT2LMHeadModel(cfg)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -185,10 +187,10 @@ def main() -> None:
     import nnsight
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nnsight_lorsa.assets import default_model_dir
     from nnsight_lorsa.sparse_attention import install_gated_attention, load_gates, set_gate_mode
     from nnsight_lorsa.sparse_attention.io import save_sparse_model
     from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig, evaluate_sparse
-    from nnsight_lorsa.tinymodel import default_model_dir
 
     t0 = time.perf_counter()
     model_dir = str(args.model or default_model_dir())
@@ -214,11 +216,10 @@ def main() -> None:
                             gate_lr=args.gate_lr, init_bias=args.init_bias, geco_lr=args.geco_lr,
                             max_lambda=args.max_lambda, lora_rank=args.lora_rank, target_margin=args.target_margin,
                             decay_fraction=args.decay_fraction, recover_fraction=args.recover_fraction)
-    from nnsight_lorsa import tinymodel
-
     augment = None
     if args.repeat_fraction > 0:
-        augment = lambda x, g: tinymodel._repeat_augment(x, args.repeat_fraction, g)  # noqa: E731
+        repeat_augment = script("tinymodel")._repeat_augment
+        augment = lambda x, g: repeat_augment(x, args.repeat_fraction, g)  # noqa: E731
     trainer = SparseAttentionTrainer(model, train_ids, cfg, augment=augment)
     curve = []
     t_train = time.perf_counter()

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from nnsight_lorsa import LorsaSet
+from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, Resolver, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.tasks import TaskTokenizationError, arithmetic_task, greater_than_task, ioi_task
-from nnsight_lorsa.tinymodel import default_lorsa_dir
 
 LAYER = 2
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from nnsight_lorsa import get_adapter
+from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats.sparse_coder_format import save_sparse_coder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
-from nnsight_lorsa.tinymodel import default_corpus_path
 from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset
 from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder, summarize
 from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer

@@ -8,7 +8,6 @@ import torch
 from test_replace import make_lorsa
 from tiny import random_ids, tiny_nnsight
 
-import nnsight_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.attribution import (
     ATTN_ERROR,
@@ -203,10 +202,11 @@ def test_graph_save_load_round_trip(llama, tmp_path):
 
 def test_trained_model_graph_is_exact():
     """The trained tinyshakespeare Llama with its trained Lorsa (layer 2): edges sum to values."""
+    from nnsight_lorsa.assets import default_lorsa_dir
     from nnsight_lorsa.demo import load_model
 
     model = load_model()
-    lorsas = LorsaSet.load(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
+    lorsas = LorsaSet.load(model, default_lorsa_dir())
     g = attribute(model, "ROMEO:\nBut soft, what light", lorsas=lorsas, batch_size=64)
     assert g.summary()["lorsa_heads"] > 0
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32
