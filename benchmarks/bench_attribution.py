@@ -17,14 +17,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import arg, command, parser, start, table, time_interleaved, time_once, write  # noqa: E402
 
 from nnsight_lorsa import LorsaSet  # noqa: E402
 from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
@@ -130,22 +129,15 @@ def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, node_ve
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timing runs")
-    ap.add_argument("--device", default="cpu", help="device of the timing runs (e.g. cuda; memory tables are CPU)")
-    ap.add_argument("--memory-lengths", default="16,32,64,128,256")
-    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sparse-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--skip-timing", action="store_true", help="only the memory table")
-    ap.add_argument("--saved-lengths", default="", help="prompt lengths for the saved-for-backward table")
-    args = ap.parse_args()
+    args = parser(__doc__, seq=64, batch=64, repeats=3, threads=1,
+                  device=arg("cpu", "device of the timing runs (e.g. cuda; memory tables are CPU)"),
+                  memory_lengths="16,32,64,128,256", memory_child=arg(None, argparse.SUPPRESS, type=int),
+                  sparse_child=arg(False, argparse.SUPPRESS), skip_timing=arg(False, "only the memory table"),
+                  saved_lengths=arg("", "prompt lengths for the saved-for-backward table")).parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child, args.batch, args.sparse_child)
         return
-    torch.set_num_threads(args.threads)
+    start(args, seed=None)
     model = load_model()
     lorsas, tcs = replacement(model)
     if args.device != "cpu":  # the model, its Lorsa and the transcoders on the device; graphs come back to the host
@@ -159,7 +151,7 @@ def main() -> None:
         return lambda: attribute(model, ids, lorsas=lorsas, transcoders=tcs, batch_size=batch, engine=engine,
                                  node_vectors=node_vectors)
 
-    out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
+    out: dict = {"command": command(), "seq": args.seq, "batch": args.batch,
                  "threads": args.threads, "device": args.device}
     if not args.skip_timing:
         g = run("nnsight", args.batch)()
@@ -168,9 +160,7 @@ def main() -> None:
                                   "hooks batched": run("hooks", args.batch),
                                   "nnsight batched, gathered": run("nnsight", args.batch, "gather")},
                                  repeats=args.repeats, warmup=1)
-        t = time.perf_counter()
-        naive = run("hooks", 1)()
-        naive_s = time.perf_counter() - t
+        naive, naive_s = time_once(run("hooks", 1))
         assert torch.allclose(naive.adjacency, g.adjacency, atol=1e-5), "naive and batched graphs differ"
         nn_s, hk_s = timed["nnsight batched"]["median_s"], timed["hooks batched"]["median_s"]
         ga_s = timed["nnsight batched, gathered"]["median_s"]
