@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,16 +22,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _timing import table
+from _timing import arg, command, parser, script, start, table, write_json
 from tokenizers import Tokenizer, processors
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, mean_activations, path_patching
 from nnsight_lorsa.patching.circuit import CircuitSize, circuit_size
 from nnsight_lorsa.patching.experiments import activation_patching
 from nnsight_lorsa.patching.tasks import TaskBatch
-from nnsight_lorsa.tinymodel import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, tiny_llama_config
 
 UNK_TOKEN = "<unk>"
 
@@ -61,6 +60,7 @@ def train_answer_lm(out_dir: Path, tok: PreTrainedTokenizerFast, vocab_size: int
     """
     t0 = time.perf_counter()
     torch.manual_seed(seed)
+    tiny_llama_config = script("tinymodel").tiny_llama_config  # the embedded model's config, scaled
     config = tiny_llama_config(vocab_size, hidden_size=d_model, intermediate_size=4 * d_model,
                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                head_dim=d_model // heads, max_position_embeddings=64,
@@ -117,18 +117,10 @@ def model_main(doc: str, cache: Path, train: Callable[..., dict], steps: int, su
     """The model builders' command line: ``[--retrain] [--out DIR] [--steps N] [--batch-size N] [--lr X]
     [--layers N] [--d-model N] [--heads N]``; trains if needed and prints the ``summary`` keys of
     ``training.json``."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--retrain", action="store_true")
-    p.add_argument("--out", type=Path, default=cache)
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    cmd = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
+    args = parser(doc, retrain=False, out=arg(cache, "model directory", type=Path), steps=steps, batch_size=128,
+                  lr=3e-3, layers=2, d_model=128, heads=4).parse_args()
+    start(threads=1, seed=None)
+    cmd = command("OMP_NUM_THREADS=1")
     load_or_train(args.out, train, args.retrain, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                   layers=args.layers, d_model=args.d_model, heads=args.heads, command=cmd)
     info = json.loads((args.out / "training.json").read_text())
@@ -143,23 +135,17 @@ def versions() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ measurement side
-def lorsa_argparser(doc: str) -> argparse.ArgumentParser:
-    """The measurement scripts' options: ``--retrain-lorsa --lorsa-steps --n-ov --top-k --n-prompts``."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--retrain-lorsa", action="store_true")
-    p.add_argument("--lorsa-steps", type=int, default=3000)
-    p.add_argument("--n-ov", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--n-prompts", type=int, default=32)
-    return p
+def lorsa_argparser(doc: str, **options: Any) -> argparse.ArgumentParser:
+    """The measurement scripts' options: ``--retrain-lorsa --lorsa-steps --n-ov --top-k --n-prompts``, then
+    ``options`` (as in ``_timing.parser``)."""
+    return parser(doc, retrain_lorsa=False, lorsa_steps=3000, n_ov=256, top_k=8, n_prompts=32, **options)
 
 
 def open_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     """One thread, seed 0; the nnsight model in ``model_dir`` and its ``training.json``."""
     from nnsight_lorsa.demo import load_model
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    start(threads=1)
     return load_model(str(model_dir)), json.loads((model_dir / "training.json").read_text())
 
 
@@ -184,7 +170,7 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     mhsa = adapter.mhsa_weights(model._module, layer)
     if (cache / f"layer_{layer}").exists() and (cache / "train.json").exists() and not retrain:
         return LorsaSet.from_pretrained(model, cache), json.loads((cache / "train.json").read_text())
-    t0 = time.time()
+    t0 = time.perf_counter()
     lcfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * 4, d_qk_head=mhsa.head_dim,
                        n_ov_heads=n_ov, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
                        qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer,
@@ -196,9 +182,9 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     lorsas.save(cache)
     ev = evaluate_lorsa(lorsas, layer, TokenDataset(held_rows), batch_size=64)
     info = {"layer": layer, "n_qk_heads": lcfg.n_qk_heads, "n_ov_heads": n_ov, "top_k": top_k, "steps": steps,
-            "batch_rows": 32, **(extra or {}), "train_seconds": round(time.time() - t0, 1),
+            "batch_rows": 32, **(extra or {}), "train_seconds": round(time.perf_counter() - t0, 1),
             "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), "heldout_eval": summarize(ev)}
-    (cache / "train.json").write_text(json.dumps(info, indent=1))
+    write_json(cache / "train.json", info)
     return lorsas, info
 
 

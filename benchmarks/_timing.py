@@ -1,18 +1,109 @@
-"""Shared timing helpers for the benchmarks: interleaved repeats, medians, JSON output."""
+"""The benchmarks' one shared helper: common command-line options, start-up, timing, JSON output.
+
+Every ``benchmarks/*.py`` declares its flags with :func:`parser` (keyword defaults become ``--kebab-case``
+options; the common ones, ``threads``, ``repeats``, ``warmup``, ``device``, ``dtype``, ``out``, get one help
+text), starts with :func:`start` (torch threads and seed), times with :func:`time_interleaved` (medians of
+interleaved repeats) or :func:`time_once` (one run), and writes its JSON with :func:`write` / :func:`write_json`.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+# help of the options several benchmarks share
+COMMON_HELP = {
+    "threads": "torch CPU threads (torch.set_num_threads)",
+    "repeats": "timed repeats of each variant, interleaved; medians reported",
+    "warmup": "untimed warm-up runs of each variant",
+    "device": "torch device of the timed runs (cpu, cuda)",
+    "dtype": "torch dtype name (float32, bfloat16, ...)",
+    "out": "output JSON path",
+}
+
+
+def arg(default: Any = None, help: str | None = None, **kw: Any) -> dict[str, Any]:
+    """One option for :func:`parser` when a bare default is not enough: ``arg(None, type=int)``,
+    ``arg(0.0, "what it does")``, ``arg(nargs="+", type=int, default=[1, 2])``. The type is the default's."""
+    spec: dict[str, Any] = {"default": default, **kw}
+    if help is not None:
+        spec["help"] = help
+    if isinstance(default, bool) and "action" not in kw:
+        spec["action"] = "store_false" if default else "store_true"
+    elif default is not None and "type" not in kw and "action" not in kw:
+        spec["type"] = type(default[0]) if isinstance(default, list) else type(default)
+    return spec
+
+
+def parser(doc: str | None = None, **options: Any) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` (description: the first line of ``doc``) with one ``--name-with-dashes`` option
+    per keyword: a bare value is the default (its type the option's type; ``False`` a flag), an :func:`arg`
+    dict is passed to ``add_argument``. ``parser(__doc__, threads=1, repeats=7, seq=256)``."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0] if doc else None)
+    for name, value in options.items():
+        spec = value if isinstance(value, dict) else arg(value)
+        if "help" not in spec and name in COMMON_HELP:
+            spec = {**spec, "help": COMMON_HELP[name]}
+        p.add_argument("--" + name.replace("_", "-"), **spec)
+    return p
+
+
+def start(args: argparse.Namespace | None = None, *, seed: int | None = 0, threads: int | None = None) -> float:
+    """A benchmark's common start: torch CPU threads (``args.threads`` if the script has ``--threads``, else
+    ``threads``; unchanged if neither), ``torch.manual_seed(seed)`` (unless ``None``). Returns the
+    ``time.perf_counter()`` start for wall times."""
+    n = getattr(args, "threads", None) if args is not None else None
+    n = threads if n is None else n
+    if n is not None:
+        torch.set_num_threads(n)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return time.perf_counter()
+
+
+def command(env: str = "") -> str:
+    """How the benchmark was launched, for its JSON: ``[env ]python <argv...>``."""
+    return (f"{env} " if env else "") + "python " + " ".join(sys.argv)
+
+
+def script(name: str) -> ModuleType:
+    """Import the repository script ``scripts/{name}.py`` (not part of the package), e.g. the embedded
+    model's builder ``script("tinymodel")``."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
+
+
+def embedded(seed: int | None = 0) -> tuple[Any, Any]:
+    """Seeded, the embedded tinyshakespeare model (nnsight, offline) and its packaged Lorsa (layer 2)."""
+    from nnsight_lorsa import LorsaSet
+    from nnsight_lorsa.assets import default_lorsa_dir
+    from nnsight_lorsa.demo import load_model
+
+    start(seed=seed)
+    model = load_model()
+    return model, LorsaSet.from_pretrained(model, default_lorsa_dir())
+
+
+def time_once(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``(fn(), seconds)`` of one run (for what is too slow to repeat)."""
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 7, warmup: int = 2) -> dict[str, dict]:
@@ -23,9 +114,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 7, warmup
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(time_once(fn)[1])
     return {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": len(v)} for k, v in times.items()}
 
 
@@ -34,11 +123,17 @@ def environment() -> dict[str, Any]:
             "processor": platform.processor(), "cuda": torch.cuda.is_available()}
 
 
-def write(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({**payload, "environment": environment()}, indent=1))
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """``payload`` as indented JSON at ``path`` (parent directories created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def write(name: str, payload: dict[str, Any]) -> Path:
+    """``results/{name}.json``: ``payload`` plus the ``environment`` (torch version, threads, machine)."""
+    return write_json(RESULTS / f"{name}.json", {**payload, "environment": environment()})
 
 
 def table(rows: list[tuple], header: tuple) -> str:

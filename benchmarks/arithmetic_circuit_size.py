@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from _synthetic import (
     open_model,
 )
 from _synthetic import train_lorsa as train_lorsa_on
-from _timing import table, write
+from _timing import arg, command, table, write
 from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -117,15 +116,14 @@ def train_lorsa(model, layer: int, steps: int, n_ov: int, top_k: int, retrain: b
 
 
 def main() -> None:
-    p = lorsa_argparser(__doc__ or "")
-    p.add_argument("--layer", type=int, default=None, help="Lorsa layer (default: the layer path patching picks)")
-    args = p.parse_args()
-    t0 = time.time()
+    args = lorsa_argparser(__doc__ or "", layer=arg(None, "Lorsa layer (default: the layer path patching picks)",
+                                                    type=int)).parse_args()
+    t0 = time.perf_counter()
     model, info = open_model(load_or_train(CACHE))
     tok = model.tokenizer
     n_layers = get_adapter(model).n_layers
     _, held = split_pairs()
-    res: dict = {"command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv), "model": {
+    res: dict = {"command": command("OMP_NUM_THREADS=1"), "model": {
         k: info[k] for k in ("layers", "d_model", "heads", "n_params", "steps", "heldout_accuracy", "train_accuracy",
                              "wall_seconds")}}
     res["model"]["heldout_accuracy_nnsight"] = accuracy(model, held)
@@ -219,7 +217,7 @@ def main() -> None:
                             "examples": [{"prompt": tok.decode(task.clean[i, 1:]), "before": int(pb[i]) - num0,
                                           "after": int(pe[i]) - num0} for i in range(6)]}
         print(f"head swap {a_h} <-> {b_h}: {json.dumps(res['head_swap'])}")
-    res["total_seconds"] = round(time.time() - t0, 1)
+    res["total_seconds"] = round(time.perf_counter() - t0, 1)
     out = write("arithmetic_circuit_size", res)
     print(f"-> {out}")
 

@@ -30,7 +30,7 @@ from _synthetic import load_or_train as cached_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from nnsight_lorsa.tinymodel import BOS_ID, BOS_TOKEN, EOS_TOKEN
+from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_TOKEN
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "arithmetic-llama"
 MAX_OPERAND = 99
@@ -46,7 +46,7 @@ def vocabulary() -> dict[str, int]:
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The word-level tokenizer (BOS prepended when encoding with special tokens, as the tinymodel's)."""
+    """The word-level tokenizer (BOS prepended when encoding with special tokens, as the embedded model's)."""
     vocab = vocabulary()
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -13,15 +13,16 @@ the Neuronpedia JSON and ``benchmarks/results/attribution_induction.json``.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import nnsight
 import torch
+from _timing import RESULTS, embedded, write_json
 
 from nnsight_lorsa import LorsaSet, ReplacementModel
+from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.attribution import (
     attribute,
     circuit_metrics,
@@ -32,10 +33,8 @@ from nnsight_lorsa.attribution import (
     save_neuronpedia,
 )
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
-from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats import load
-from nnsight_lorsa.tinymodel import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.viz.graph_plot import plot_graph
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +42,8 @@ PROMPT = "BRUTUS:\nGood morrow, Zandrofel, I pray you, walk with me.\nCASSIUS:\n
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    t0 = time.time()
-    model = load_model()
+    t0 = time.perf_counter()
+    model, lorsas = embedded()
     tok = model.tokenizer
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tcs = TranscoderSet(model, {int(p.name.split("_")[1]): load(p)
@@ -54,9 +52,9 @@ def main() -> None:
     ids = tok(PROMPT, return_tensors="pt")["input_ids"][0]
     ctx, answer = ids[:-1], int(ids[-1])
     tokens = [tok.decode([i]) for i in ctx.tolist()]
-    t = time.time()
+    t = time.perf_counter()
     g = attribute(rm, ctx, batch_size=64, progress=True)
-    graph_s = time.time() - t
+    graph_s = time.perf_counter() - t
     pr = prune(g)
     replacement, completeness = graph_scores(g)
     kept = int(pr.node_mask.sum())
@@ -95,9 +93,9 @@ def main() -> None:
               "top_pairs": [(a_, b_, round(v, 4)) for a_, b_, v in r.top_pairs(8)]}
         print(f"Lorsa head {head} at the last token attends most to {key} {tokens[key]!r}; "
               f"score {r.score:.4f} = Σ pairs {float(r.pairs.sum()):.4f}; top pairs {qk['top_pairs'][:4]}")
-    t = time.time()
+    t = time.perf_counter()
     cm = circuit_metrics(rm, g, pr)
-    metrics_s = time.time() - t
+    metrics_s = time.perf_counter() - t
     print(f"circuit ({len(cm.nodes)} features/heads): completeness {cm.completeness:.3f} "
           f"(Δℓ {cm.baseline:.3f} → {cm.ablated:.3f} ablated), minimal fraction {cm.minimal_fraction:.3f}, "
           f"faithfulness ρ {cm.faithfulness:.3f}  [{metrics_s:.1f} s]")
@@ -118,9 +116,8 @@ def main() -> None:
            "qk": qk, "circuit": {"n": len(cm.nodes), "completeness": cm.completeness, "baseline": cm.baseline,
                                  "ablated": cm.ablated, "minimal_fraction": cm.minimal_fraction,
                                  "faithfulness_spearman": cm.faithfulness},
-           "total_seconds": time.time() - t0}
-    path = ROOT / "benchmarks" / "results" / "attribution_induction.json"
-    path.write_text(json.dumps(out, indent=1))
+           "total_seconds": time.perf_counter() - t0}
+    path = write_json(RESULTS / "attribution_induction.json", out)
     print(f"-> {path}")
 
 

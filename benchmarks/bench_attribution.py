@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,17 +25,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the PyTorch-hook reference engine
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import arg, command, parser, start, table, time_interleaved, time_once, write  # noqa: E402
 from attribution_reference import attribute_with_hooks, install_frozen_hooks  # noqa: E402
 
 from nnsight_lorsa import LorsaSet, ReplacementModel  # noqa: E402
+from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
 from nnsight_lorsa.attribution import PruneConfig, attribute  # noqa: E402
 from nnsight_lorsa.attribution.attribute import build_graph  # noqa: E402
 from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
 from nnsight_lorsa.attribution.trace import prepare  # noqa: E402
 from nnsight_lorsa.demo import load_model  # noqa: E402
 from nnsight_lorsa.formats import load  # noqa: E402
-from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
 
 SPARSE_KEEP_MASS = 0.99
 
@@ -134,22 +133,15 @@ def saved_per_copy(model, lorsas, tcs, ids: torch.Tensor, patterns: str, node_ve
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for the timing runs")
-    ap.add_argument("--device", default="cpu", help="device of the timing runs (e.g. cuda; memory tables are CPU)")
-    ap.add_argument("--memory-lengths", default="16,32,64,128,256")
-    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sparse-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--skip-timing", action="store_true", help="only the memory table")
-    ap.add_argument("--saved-lengths", default="", help="prompt lengths for the saved-for-backward table")
-    args = ap.parse_args()
+    args = parser(__doc__, seq=64, batch=64, repeats=3, threads=1,
+                  device=arg("cpu", "device of the timing runs (e.g. cuda; memory tables are CPU)"),
+                  memory_lengths="16,32,64,128,256", memory_child=arg(None, argparse.SUPPRESS, type=int),
+                  sparse_child=arg(False, argparse.SUPPRESS), skip_timing=arg(False, "only the memory table"),
+                  saved_lengths=arg("", "prompt lengths for the saved-for-backward table")).parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child, args.batch, args.sparse_child)
         return
-    torch.set_num_threads(args.threads)
+    start(args, seed=None)
     model = load_model()
     lorsas, tcs = replacement(model)
     if args.device != "cpu":  # the model, its Lorsa and the transcoders on the device; graphs come back to the host
@@ -168,7 +160,7 @@ def main() -> None:
         # gathered node vectors with the patterns "auto" picks: the private mixed form of memory=
         return lambda: build_graph(rm, ids, batch_size=batch, memory=("auto", node_vectors))
 
-    out: dict = {"command": "python " + " ".join(sys.argv), "seq": args.seq, "batch": args.batch,
+    out: dict = {"command": command(), "seq": args.seq, "batch": args.batch,
                  "threads": args.threads, "device": args.device}
     if not args.skip_timing:
         g = run("nnsight", args.batch)()
@@ -177,9 +169,7 @@ def main() -> None:
                                   "hooks batched": run("hooks", args.batch),
                                   "nnsight batched, gathered": run("nnsight", args.batch, "gather")},
                                  repeats=args.repeats, warmup=1)
-        t = time.perf_counter()
-        naive = run("hooks", 1)()
-        naive_s = time.perf_counter() - t
+        naive, naive_s = time_once(run("hooks", 1))
         assert torch.allclose(naive.adjacency, g.adjacency, atol=1e-5), "naive and batched graphs differ"
         nn_s, hk_s = timed["nnsight batched"]["median_s"], timed["hooks batched"]["median_s"]
         ga_s = timed["nnsight batched, gathered"]["median_s"]

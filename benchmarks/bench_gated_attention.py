@@ -11,14 +11,13 @@ counted with ``torch.autograd.graph.saved_tensors_hooks``), i.e. the activation 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import parser, start, table, time_interleaved, write  # noqa: E402
 
 
 def saved_bytes(fn) -> int:
@@ -35,13 +34,8 @@ def saved_bytes(fn) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parser(__doc__, batch=4, seq=256, repeats=7, threads=1).parse_args()
+    start(args)
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
@@ -50,7 +44,6 @@ def main() -> None:
     register_gated_attention()
     cfg = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                       intermediate_size=2048, num_hidden_layers=1, vocab_size=128)
-    torch.manual_seed(0)
     attn = LlamaAttention(cfg, layer_idx=0)
     attn.add_module("gate", AttentionGate(12, init_bias=2.0))
     b, s = args.batch, args.seq

@@ -11,7 +11,6 @@ head separately (its own softmax pattern); it is timed on a slice of heads and e
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,20 +18,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import parser, start, table, time_interleaved, write  # noqa: E402
 
 from nnsight_lorsa import Lorsa, LorsaConfig, RotaryConfig  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--algo1-heads", type=int, default=96)
-    args = ap.parse_args()
+    args = parser(__doc__, device="cpu", dtype="float32", batch=4, seq=256, repeats=7, algo1_heads=96).parse_args()
+    start(args)
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
     d, n_qk, e, n_ov, k = 768, 96, 64, 6144, 64
     cfg = LorsaConfig(d_model=d, n_qk_heads=n_qk, d_qk_head=e, n_ov_heads=n_ov, top_k=k,

@@ -19,31 +19,21 @@ in training). Both variants are also checked for equal outputs and gradients.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import command, parser, start, table, time_interleaved, write  # noqa: E402
 
 from nnsight_lorsa.modules.sparse_decode import SparseActs, sparse_decode, topk_indices  # noqa: E402
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--d-sae", type=int, default=24576)
-    ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    args = parser(__doc__, threads=1, d_model=768, d_sae=24576, k=64, tokens=4096, repeats=7, warmup=1).parse_args()
+    start(args)
     d, f, k, n = args.d_model, args.d_sae, args.k, args.tokens
     tc = Transcoder(TranscoderConfig(d_in=d, d_sae=f, activation="topk", activation_params={"k": k}))
     with torch.no_grad():
@@ -136,7 +126,7 @@ def main() -> None:
                            "ratio (min)")))
     print(f"max |out diff| {check['max_abs_out_diff']:.2e}; max |grad diff| {check['max_abs_grad_diff']}")
     path = write(f"topk_transcoder_cpu_threads{args.threads}", {
-        "command": "OMP_NUM_THREADS=1 python benchmarks/bench_topk_transcoder.py " + " ".join(sys.argv[1:]),
+        "command": command("OMP_NUM_THREADS=1"),
         "shape": {"d_model": d, "d_sae": f, "k": k, "tokens": n, "dtype": "float32"},
         "timings": timings, "speedup_dense_over_ours": ratios, "speedup_dense_over_ours_min": ratios_min,
         "check": check,

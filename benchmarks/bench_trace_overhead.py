@@ -10,7 +10,6 @@ only saves the logits vs a plain forward, to separate nnsight's own per-trace co
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -21,22 +20,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from _timing import table, time_interleaved, write  # noqa: E402
+from _timing import parser, start, table, time_interleaved, write  # noqa: E402
 from tiny import tiny_tokenizer  # noqa: E402
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--n-ov", type=int, default=6144)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
-    torch.manual_seed(0)
+    args = parser(__doc__, d_model=768, layers=4, seq=256, batch=4, n_ov=6144, repeats=9).parse_args()
+    start(args)
     d, heads = args.d_model, args.d_model // 64
     cfg = transformers.LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=heads,
                                    num_hidden_layers=args.layers, intermediate_size=4 * d, vocab_size=4096,

@@ -24,31 +24,28 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import RESULTS, embedded, write_json
 
-from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_logit_lens
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.experiments import head_swap
 from nnsight_lorsa.patching.path_patching import HeadInput, path_patching
 from nnsight_lorsa.patching.tasks import induction_task
-from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir
 from nnsight_lorsa.training.activations import TokenDataset, attention_activations
 from nnsight_lorsa.viz.dashboard import head_dashboard_data, write_dashboard
 from nnsight_lorsa.viz.figures import plot_heads_spanned, plot_z_pattern
 
 ROOT = Path(__file__).resolve().parents[1]
 FIG = ROOT / "docs" / "figures"
-OUT = ROOT / "benchmarks" / "results" / "induction_heads_tinyshakespeare.json"
+OUT = RESULTS / "induction_heads_tinyshakespeare.json"
 LAYER = 2
 
 
 def main() -> dict:
-    t0 = time.time()
-    torch.manual_seed(0)
-    model = load_model()
-    lorsa = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    t0 = time.perf_counter()
+    model, lorsa = embedded()
     r = ReplacementModel(model, lorsas=lorsa)
     tok = model.tokenizer
     words = [i for i in range(len(tok)) if re.fullmatch(r" ?[A-Za-z]{2,}", tok.decode([i]))]
@@ -72,7 +69,7 @@ def main() -> dict:
                        receivers=[HeadInput(MHSAHead(3, h), "k") for h in range(4)])
     res["mhsa_path_effect_via_layer3_keys"] = {f"L{t[0].layer}.{t[0].head}": round(float(e), 3)
                                                for t, e in zip(rk.senders, rk.effect.mean(-1), strict=True)}
-    t1 = time.time()
+    t1 = time.perf_counter()
     with torch.no_grad(), model.trace(torch.cat([task.clean, task.corrupt])):
         z = lorsa.replace(LAYER, error=True).hook_z.output.save()
     active = ((z[:, 1:] > 0).any(0).any(0)).nonzero().flatten().tolist()
@@ -81,7 +78,7 @@ def main() -> dict:
     eff = lp.effect.mean(-1)
     order = eff.argsort(descending=True).tolist()
     res["lorsa_candidates"] = len(lheads)
-    res["lorsa_path_patching_seconds"] = round(time.time() - t1, 1)
+    res["lorsa_path_patching_seconds"] = round(time.perf_counter() - t1, 1)
     res["lorsa_top_path_effect"] = [{"head": lheads[i].head, "effect": round(float(eff[i]), 3),
                                      "normalized": round(float(lp.normalized[i].mean()), 3)} for i in order[:10]]
     res["lorsa_path_effect_sum"] = round(float(eff.sum()), 3)
@@ -139,9 +136,8 @@ def main() -> dict:
     zp = lorsa[LAYER].z_pattern(act.x.float(), [top_heads[0]], act.positions)[0, 0]
     plot_z_pattern(zp, [tok.decode([int(t)]) for t in task.clean[0]], FIG / f"z_pattern_L{LAYER}_H{top_heads[0]}.png",
                    title=f"Lorsa L{LAYER}.H{top_heads[0]} on an induction prompt")
-    res["seconds"] = round(time.time() - t0, 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(res, indent=1))
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    write_json(OUT, res)
     return res
 
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import _synthetic as syn
 import ioi_greater_than_model as igt
 import torch
-from _timing import table, write
+from _timing import command, table, write
 from ioi_greater_than_model import CACHE, HELD_NAMES, HELD_YEARS, load_or_train, start_year
 
 from nnsight_lorsa import LorsaSet
@@ -141,11 +140,11 @@ def describe_heads(model, lorsas: LorsaSet, layer: int, task: TaskBatch, heads: 
 
 def main() -> None:
     args = syn.lorsa_argparser(__doc__ or "").parse_args()
-    t0 = time.time()
+    t0 = time.perf_counter()
     model, info = syn.open_model(load_or_train(CACHE))
     tok = model.tokenizer
     held = igt.heldout_tasks(tok)
-    res: dict = {"command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv), "model": {
+    res: dict = {"command": command("OMP_NUM_THREADS=1"), "model": {
         k: info[k] for k in ("layers", "d_model", "heads", "n_params", "steps", "wall_seconds", "held_names",
                              "held_years", "heldout")}}
     res["model"]["heldout_nnsight"] = heldout_metrics(model, held)
@@ -219,7 +218,7 @@ def main() -> None:
         mh = sorted(tr["layer_patching"]["path_patching_head_normalized"].items(),
                     key=lambda kv: -kv[1]["last_position"])
         tr["mhsa_top_heads"] = [{"head": h, **v} for h, v in mh[:4]]
-    res["total_seconds"] = round(time.time() - t0, 1)
+    res["total_seconds"] = round(time.perf_counter() - t0, 1)
     out = write("ioi_greater_than_circuit_size", res)
     print(f"-> {out}")
 

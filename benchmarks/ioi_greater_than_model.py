@@ -45,8 +45,8 @@ from _synthetic import load_or_train as cached_model
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from nnsight_lorsa.assets import BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching.tasks import IOI_TEMPLATES, NAMES, NOUNS, TaskBatch, greater_than_task, ioi_task
-from nnsight_lorsa.tinymodel import BOS_TOKEN, EOS_ID, EOS_TOKEN
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "ioi-greater-than-llama"
 SPLIT = r" ?[A-Za-z]+| ?\d\d|\d|[^\sA-Za-z\d]+|\s+"

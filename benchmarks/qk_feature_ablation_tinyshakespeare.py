@@ -12,7 +12,6 @@ and are the analysis corpus. Writes ``benchmarks/results/qk_feature_ablation_tin
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -21,15 +20,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import table, write  # noqa: E402
+from _timing import arg, command, embedded, parser, table, write  # noqa: E402
 
-from nnsight_lorsa import LorsaSet, get_adapter  # noqa: E402
+from nnsight_lorsa import get_adapter  # noqa: E402
 from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
-from nnsight_lorsa.demo import load_model  # noqa: E402
+from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
 from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
 from nnsight_lorsa.formats import load, save  # noqa: E402
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
-from nnsight_lorsa.tinymodel import default_corpus_path, default_lorsa_dir  # noqa: E402
 from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, attention_activations  # noqa: E402
 from nnsight_lorsa.training.evaluate import evaluate_sae, summarize  # noqa: E402
 from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer  # noqa: E402
@@ -52,12 +50,12 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
                                           activation_params={"k": args.k}, hook=site))
         source = SiteActivationSource.sae(model, Site(site), train, args.batch_size)
         trainer = SparseCoderTrainer(sae, source, SparseCoderTrainConfig(total_steps=args.steps, lr=args.lr))
-        t = time.time()
+        t = time.perf_counter()
         trainer.train(progress=False)
         sae = trainer.folded()
         save(sae, cache)
         train = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-                 "train_windows": len(train), "train_seconds": round(time.time() - t, 1),
+                 "train_windows": len(train), "train_seconds": round(time.perf_counter() - t, 1),
                  "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4)}
         (cache / "train_info.json").write_text(json.dumps({"train": train}))
         info.update({"train": train, "trained_now": True})
@@ -123,24 +121,13 @@ def describe(model, lorsa, sae, tokens, counts, res, side: str, n: int) -> list[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=int, nargs="+", default=[802, 777])
-    p.add_argument("--windows", type=int, default=256, help="analysis windows (the last of the corpus)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--steps", type=int, default=800, help="SAE training steps (if not cached)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--d-sae", type=int, default=1024)
-    p.add_argument("--k", type=int, default=16)
-    p.add_argument("--lr", type=float, default=4e-3)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--sae-dir", default=str(ROOT / ".cache" / "qk_ablation_sae_tinyshakespeare_L2_attn_in"))
-    p.add_argument("--retrain", action="store_true")
-    args = p.parse_args()
-    torch.manual_seed(0)
-    t0 = time.time()
-    model = load_model()
-    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    args = parser(__doc__, heads=arg([802, 777], nargs="+"),
+                  windows=arg(256, "analysis windows (the last of the corpus)"), seq_len=128, top=10,
+                  steps=arg(800, "SAE training steps (if not cached)"), batch_size=16, d_sae=1024, k=16, lr=4e-3,
+                  eval_batches=8, sae_dir=str(ROOT / ".cache" / "qk_ablation_sae_tinyshakespeare_L2_attn_in"),
+                  retrain=False).parse_args()
+    t0 = time.perf_counter()
+    model, lorsas = embedded()
     lorsa = lorsas[LAYER]
     data = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8"), args.seq_len)
     train, heldout = data.split(args.windows / len(data))
@@ -150,9 +137,9 @@ def main() -> None:
     counts = feature_token_stats(model, sae, tokens, 16)
     heads = []
     for head in args.heads:
-        t = time.time()
+        t = time.perf_counter()
         res = qk_feature_impacts(model, lorsas, LAYER, head, sae, tokens, batch_size=16)
-        seconds = time.time() - t
+        seconds = time.perf_counter() - t
         out = {"head": head, "qk_head": res.qk_head, "n_activations": res.n_activations, "n_tokens": res.n_tokens,
                "seconds": round(seconds, 1),
                "features_with_q_impact": int((res.q_kl > 1e-6).sum()),
@@ -172,10 +159,10 @@ def main() -> None:
                       f"{r['key_context'][-18:]} A={r['key_attention']}") for r in out["top_k"]],
                     ("feature", "max KL", "n", "freq", "fires on", "query context", "key (most attended)")))
     path = write("qk_feature_ablation_tinyshakespeare", {
-        "command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv), "layer": LAYER,
+        "command": command("OMP_NUM_THREADS=1"), "layer": LAYER,
         "analysis_windows": len(heldout), "seq_len": args.seq_len, "sae": sae_info, "heads": heads,
-        "total_seconds": round(time.time() - t0, 1)})
-    print(f"\ntotal {time.time() - t0:.1f} s -> {path}")
+        "total_seconds": round(time.perf_counter() - t0, 1)})
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s -> {path}")
 
 
 if __name__ == "__main__":

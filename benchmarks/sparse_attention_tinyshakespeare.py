@@ -1,6 +1,6 @@
 """Sparse-attention post-training (paper 003) on the tinyshakespeare models: CE and active edges.
 
-Held-out split = the last 5% of the corpus characters, as in ``nnsight_lorsa.tinymodel``. Reports the
+Held-out split = the last 5% of the corpus characters, as in ``scripts/tinymodel.py``. Reports the
 dense model's held-out CE (τ), the dense model under top-k attention (k = 1, 2, 4; paper Fig. 2a),
 then post-trains with the GECO constraint ``CE <= τ_train`` (τ_train = the base model's CE on training
 windows, the paper's choice) and reports held-out CE and the fraction of active edges (eval mode,
@@ -13,7 +13,6 @@ deterministic gates). The trained model is saved (HF directory + gates) and relo
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -22,12 +21,11 @@ import warnings
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
+from _timing import RESULTS, arg, parser, script, start, write_json
 
 
 def split_ids(tokenizer, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    from nnsight_lorsa.tinymodel import default_corpus_path
+    from nnsight_lorsa.assets import default_corpus_path
 
     text = default_corpus_path().read_text(encoding="utf-8")
     cut = int(len(text) * (1.0 - val_fraction))
@@ -36,7 +34,7 @@ def split_ids(tokenizer, val_fraction: float = 0.05) -> tuple[torch.Tensor, torc
 
 
 def train_gpt2(out: Path, steps: int, warmup_steps: int, seq_len: int, batch_size: int) -> dict:
-    """A GPT-2-architecture model trained with the embedded Llama's recipe (nnsight_lorsa.tinymodel).
+    """A GPT-2-architecture model trained with the embedded Llama's recipe (scripts/tinymodel.py).
 
     Same tokenizer (copied from the Llama asset: trained on the same split), same induction warm-up,
     same repeat augmentation, AdamW and schedule; dims matched to the Llama (d 128, 4 layers, 4 heads).
@@ -45,15 +43,16 @@ def train_gpt2(out: Path, steps: int, warmup_steps: int, seq_len: int, batch_siz
     import torch.nn.functional as F
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from nnsight_lorsa import tinymodel as tm
+    from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_model_dir
 
+    tm = script("tinymodel")
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tm.default_model_dir())
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
     train_ids, val_ids = split_ids(tok)
     cfg = GPT2Config(vocab_size=len(tok), n_positions=512, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tm.BOS_ID, eos_token_id=tm.EOS_ID,
-                     pad_token_id=tm.EOS_ID)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                     pad_token_id=EOS_ID)
     model = GPT2LMHeadModel(cfg)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -142,38 +141,24 @@ def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded Llama)")
-    ap.add_argument("--train-gpt2", type=Path, default=None, help="train the GPT-2-architecture model here, exit")
-    ap.add_argument("--gpt2-steps", type=int, default=600)
-    ap.add_argument("--gpt2-warmup-steps", type=int, default=600)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--gate-lr", type=float, default=0.03)
-    ap.add_argument("--init-bias", type=float, default=5.0)
-    ap.add_argument("--geco-lr", type=float, default=1.0)
-    ap.add_argument("--max-lambda", type=float, default=100.0)
-    ap.add_argument("--lora-rank", type=int, default=None)
-    ap.add_argument("--target-margin", type=float, default=0.0, help="constraint CE <= tau_train - margin")
-    ap.add_argument("--repeat-fraction", type=float, default=0.0,
-                    help="share of training windows with a repeated segment (tinymodel's augmentation)")
-    ap.add_argument("--recover-fraction", type=float, default=0.0, help="final share of steps: CE only, fixed gates")
-    ap.add_argument("--decay-fraction", type=float, default=0.0, help="final share of steps with linear LR decay")
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--out", type=Path, default=None, help="save the sparse model here (default: a temp dir)")
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--circuit", nargs=2, metavar=("DENSE_DIR", "SPARSE_DIR"), default=None,
-                    help="only measure induction circuit sizes of a dense and a saved sparse model")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
+    args = parser(
+        __doc__, model=arg(None, "HF model directory (default: the embedded Llama)"),
+        train_gpt2=arg(None, "train the GPT-2-architecture model here, exit", type=Path), gpt2_steps=600,
+        gpt2_warmup_steps=600, steps=1500, seq_len=64, batch_size=16, lr=1e-3, gate_lr=0.03, init_bias=5.0,
+        geco_lr=1.0, max_lambda=100.0, lora_rank=arg(None, type=int),
+        target_margin=arg(0.0, "constraint CE <= tau_train - margin"),
+        repeat_fraction=arg(0.0, "share of training windows with a repeated segment (tinymodel's augmentation)"),
+        recover_fraction=arg(0.0, "final share of steps: CE only, fixed gates"),
+        decay_fraction=arg(0.0, "final share of steps with linear LR decay"), eval_every=250,
+        out=arg(None, "save the sparse model here (default: a temp dir)", type=Path), tag=arg(None),
+        circuit=arg(None, "only measure induction circuit sizes of a dense and a saved sparse model", nargs=2,
+                    metavar=("DENSE_DIR", "SPARSE_DIR"))).parse_args()
+    start(args, threads=1, seed=None)
     warnings.simplefilter("ignore")
     if args.circuit is not None:
         res = circuit_sizes(*args.circuit)
         res["command"] = shlex.join(["python", *sys.argv])
-        path = RESULTS / f"sparse_attention_circuit_{args.tag or 'llama'}.json"
-        path.write_text(json.dumps(res, indent=1))
+        path = write_json(RESULTS / f"sparse_attention_circuit_{args.tag or 'llama'}.json", res)
         print(f"wrote {path}")
         return
     if args.train_gpt2 is not None:
@@ -185,10 +170,10 @@ def main() -> None:
     import nnsight
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nnsight_lorsa.assets import default_model_dir
     from nnsight_lorsa.sparse_attention import install_gated_attention, load_gates, set_gate_mode
     from nnsight_lorsa.sparse_attention.io import save_sparse_model
     from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig, evaluate_sparse
-    from nnsight_lorsa.tinymodel import default_model_dir
 
     t0 = time.perf_counter()
     model_dir = str(args.model or default_model_dir())
@@ -214,11 +199,10 @@ def main() -> None:
                             gate_lr=args.gate_lr, init_bias=args.init_bias, geco_lr=args.geco_lr,
                             max_lambda=args.max_lambda, lora_rank=args.lora_rank, target_margin=args.target_margin,
                             decay_fraction=args.decay_fraction, recover_fraction=args.recover_fraction)
-    from nnsight_lorsa import tinymodel
-
     augment = None
     if args.repeat_fraction > 0:
-        augment = lambda x, g: tinymodel._repeat_augment(x, args.repeat_fraction, g)  # noqa: E731
+        repeat_augment = script("tinymodel")._repeat_augment
+        augment = lambda x, g: repeat_augment(x, args.repeat_fraction, g)  # noqa: E731
     trainer = SparseAttentionTrainer(model, train_ids, cfg, augment=augment)
     curve = []
     t_train = time.perf_counter()
@@ -256,9 +240,8 @@ def main() -> None:
         "train_seconds": train_seconds,
         "wall_seconds": time.perf_counter() - t0, "saved_to": str(out), "torch_threads": torch.get_num_threads(),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"sparse_attention_tinyshakespeare_{args.tag or arch}.json"
-    (RESULTS / name).write_text(json.dumps(payload, indent=1))
+    write_json(RESULTS / name, payload)
     print(json.dumps({k: payload[k] for k in ("tau_heldout_ce", "topk_dense_model", "targets")}, indent=1))
     print(f"sparse: CE {final['ce']:.4f} (tau {dense['ce']:.4f}), active {final['active_fraction']:.3%}; "
           f"wrote {RESULTS / name}")

@@ -14,18 +14,14 @@ the numbers say how little of each behaviour it has, not how a real model solves
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
+from _timing import RESULTS, command, embedded, write_json
 
-from nnsight_lorsa import LorsaSet
-from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.tasks import TaskTokenizationError, arithmetic_task, greater_than_task, ioi_task
-from nnsight_lorsa.tinymodel import default_lorsa_dir
 
 LAYER = 2
 
@@ -37,15 +33,13 @@ def logit_diff(model, r, prompts, task) -> float:
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    t0 = time.time()
-    model = load_model()
+    t0 = time.perf_counter()
+    model, lorsa = embedded()
     tok = model.tokenizer
-    lorsa = LorsaSet.from_pretrained(model, default_lorsa_dir())
     r = ReplacementModel(model, lorsas=lorsa)
     builders = {"ioi": lambda: ioi_task(tok, 16), "greater_than": lambda: greater_than_task(tok, 16),
                 "arithmetic": lambda: arithmetic_task(tok, [(a, b) for a in range(10, 26, 2) for b in (11, 13)])}
-    results: dict = {"command": "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)}
+    results: dict = {"command": command("OMP_NUM_THREADS=1")}
     for name, build in builders.items():
         try:
             task = build()
@@ -71,9 +65,8 @@ def main() -> None:
         res["circuit_size"] = sizes
         results[name] = res
         print(name, json.dumps(res))
-    results["total_seconds"] = round(time.time() - t0, 1)
-    out = Path(__file__).parent / "results" / "tasks_circuit_size_tinyshakespeare.json"
-    out.write_text(json.dumps(results, indent=1))
+    results["total_seconds"] = round(time.perf_counter() - t0, 1)
+    out = write_json(RESULTS / "tasks_circuit_size_tinyshakespeare.json", results)
     print(f"-> {out}")
 
 

@@ -9,46 +9,33 @@ Same data and held-out split as ``nnsight-lorsa demo`` (the last 64 windows of 1
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-import torch
+from _timing import RESULTS, arg, parser, start
 
 from nnsight_lorsa import get_adapter
+from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats import save
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
-from nnsight_lorsa.tinymodel import default_corpus_path
 from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset
 from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder, summarize
 from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-sae", type=int, default=1024)
-    p.add_argument("--k", type=int, default=16)
-    p.add_argument("--lr", type=float, default=4e-3)
-    p.add_argument("--sae-layer", type=int, default=2)
-    p.add_argument("--heldout-windows", type=int, default=64)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sparse_coders_tinyshakespeare.json"))
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--save-dir", default=None,
-                   help="also save the folded transcoders as DIR/layer_{L} (our safetensors+JSON format); "
-                        "the packaged ones: nnsight_lorsa/assets/tinyshakespeare-llama-transcoders")
-    p.add_argument("--no-sae", action="store_true", help="train only the transcoders")
-    args = p.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args = parser(__doc__, steps=1200, batch_size=16, seq_len=128, d_sae=1024, k=16, lr=4e-3, sae_layer=2,
+                  heldout_windows=64, out=str(RESULTS / "sparse_coders_tinyshakespeare.json"), no_progress=False,
+                  save_dir=arg(None, "also save the folded transcoders as DIR/layer_{L} (our safetensors+JSON "
+                               "format); the packaged ones: nnsight_lorsa/assets/tinyshakespeare-llama-transcoders"),
+                  no_sae=arg(False, "train only the transcoders")).parse_args()
+    start(args)
     t0 = time.time()
     model = load_model()
     adapter = get_adapter(model)

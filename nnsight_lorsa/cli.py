@@ -1,4 +1,7 @@
-"""Command line: ``nnsight-lorsa demo`` (the main job) and ``nnsight-lorsa build-model``."""
+"""Command line: ``nnsight-lorsa demo`` (the main job), the package's only command line.
+
+The embedded model is rebuilt by ``python scripts/tinymodel.py`` in the source repository (not installed).
+"""
 
 from __future__ import annotations
 
@@ -24,19 +27,11 @@ def main(argv: list[str] | None = None) -> int:
             float if isinstance(default, float) else str)
         demo.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default)
     demo.add_argument("--no-progress", dest="progress", action="store_false")
-    build = sub.add_parser("build-model", help="retrain the embedded tinyshakespeare model")
-    build.add_argument("--steps", type=int, default=1500)
-    build.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run_demo
+    from .demo import run_demo
 
-        cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in fields(DemoConfig)})
-        run_demo(cfg)
-        return 0
-    from .tinymodel import default_corpus_path, train_tiny_llama
-
-    train_tiny_llama(default_corpus_path(), args.out, steps=args.steps)
+    cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in fields(DemoConfig)})
+    run_demo(cfg)
     return 0
 
 

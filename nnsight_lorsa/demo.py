@@ -48,7 +48,7 @@ def load_model(model_dir: str | None = None) -> Any:
     from nnsight import TransformersModel
     from transformers import AutoTokenizer
 
-    from .tinymodel import default_model_dir
+    from .assets import default_model_dir
 
     path = str(model_dir or default_model_dir())
     with warnings.catch_warnings():
@@ -69,10 +69,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Train, evaluate, splice and inspect; return (and optionally write) the measured numbers."""
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations
+    from .assets import default_corpus_path
     from .envoy.lorsa_set import LorsaSet
     from .modules.lorsa import Lorsa
     from .modules.lorsa_config import LorsaConfig
-    from .tinymodel import default_corpus_path
     from .training.activations import AttentionActivationSource, TokenDataset, attention_activations
     from .training.evaluate import evaluate_lorsa, summarize
     from .training.trainer import LorsaTrainer, TrainConfig

@@ -9,8 +9,8 @@ from attribution_reference import attribute_with_hooks
 from test_replace import make_lorsa
 from tiny import random_ids, tiny_nnsight
 
-import nnsight_lorsa
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
+from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
 from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
@@ -209,7 +209,7 @@ def test_trained_model_graph_is_exact():
     from nnsight_lorsa.demo import load_model
 
     model = load_model()
-    lorsas = LorsaSet.from_pretrained(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     g = attribute(rm(model, lorsas), "ROMEO:\nBut soft, what light", batch_size=64)
     assert g.summary()["lorsa_heads"] > 0
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32

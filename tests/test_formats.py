@@ -772,8 +772,8 @@ def test_hook_sites_imports_no_loader():
 
 def test_lorsa_set_from_pretrained(tmp_path):
     from nnsight_lorsa import LorsaSet
+    from nnsight_lorsa.assets import default_lorsa_dir
     from nnsight_lorsa.demo import load_model
-    from nnsight_lorsa.tinymodel import default_lorsa_dir
 
     model = load_model()
     whole = LorsaSet.from_pretrained(model, default_lorsa_dir())

@@ -330,11 +330,11 @@ def test_metrics_and_random_control():
 @torch.no_grad()
 def test_induction_drops_when_ablating_top_patched_heads():
     """Embedded model: logit(repeated token) − logit(distractor) on a repeated random sequence."""
-    import nnsight_lorsa
+    from nnsight_lorsa.assets import default_lorsa_dir
     from nnsight_lorsa.demo import load_model
 
     model = load_model()
-    lorsas = LorsaSet.from_pretrained(model, nnsight_lorsa.tinymodel.default_lorsa_dir())
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     r = ReplacementModel(model, lorsas=lorsas)
     g = torch.Generator().manual_seed(0)
     B, L, V = 8, 24, model.config.vocab_size

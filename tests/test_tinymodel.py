@@ -1,24 +1,36 @@
-"""Tests for the embedded default model (nnsight_lorsa.tinymodel and its packaged asset)."""
+"""Tests for the embedded default model: its packaged asset (located by nnsight_lorsa.assets) and the
+script that builds it (scripts/tinymodel.py, outside the installed package)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nnsight_lorsa.tinymodel import (
-    BOS_ID,
-    EOS_ID,
-    corpus_cross_entropy,
-    default_corpus_path,
-    default_model_dir,
-    tiny_llama_config,
-    train_tiny_llama,
-    train_tokenizer,
-)
+from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_corpus_path, default_model_dir
+
+_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tinymodel.py"
+
+
+def _load_builder():
+    """The builder script, imported from its path (it is not part of the package)."""
+    spec = importlib.util.spec_from_file_location("tinymodel", _SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_tm = _load_builder()
+corpus_cross_entropy = _tm.corpus_cross_entropy
+tiny_llama_config = _tm.tiny_llama_config
+train_tiny_llama = _tm.train_tiny_llama
+train_tokenizer = _tm.train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ class SparseAttentionTrainer:
         config: :class:`SparseTrainConfig`.
         augment: optional ``(batch, generator) -> batch`` applied to every sampled training batch
             (and to the batches that measure τ), drawing randomness only from the given generator
-            (e.g. ``nnsight_lorsa.tinymodel._repeat_augment`` to keep in-context copying in the data).
+            (e.g. ``_repeat_augment`` of ``scripts/tinymodel.py`` to keep in-context copying in the data).
 
     Raises:
         GateConfigError: stream shorter than ``seq_len``; ImportError: ``lora_rank`` without ``peft``.

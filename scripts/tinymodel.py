@@ -1,13 +1,15 @@
 """Build the embedded default model: a tiny Llama-architecture LM trained on tinyshakespeare.
 
 The package ships a small (~1.3M parameter) ``LlamaForCausalLM`` plus its byte-level BPE tokenizer under
-``nnsight_lorsa/assets/tinyshakespeare-llama`` so that demos and tests run offline. This module holds
-everything needed to rebuild that asset from the packaged corpus::
+``nnsight_lorsa/assets/tinyshakespeare-llama`` so that demos and tests run offline (the package locates it
+with ``nnsight_lorsa.assets``; ``nnsight_lorsa.demo.load_model()`` loads it). This script, which is not part
+of the installed package, holds everything needed to rebuild that asset from the packaged corpus::
 
-    python -m nnsight_lorsa.tinymodel --steps 1000 --seq-len 256 --batch-size 16 --threads 2 \
+    python scripts/tinymodel.py --steps 1000 --seq-len 256 --batch-size 16 --threads 2 \
         --out nnsight_lorsa/assets/tinyshakespeare-llama
 
-(the exact command and measured numbers of the shipped asset are in its ``training.json``).
+(the measured numbers of the shipped asset are in its ``training.json``, whose ``command`` records the same
+run under this script's former name, ``python -m nnsight_lorsa.tinymodel``).
 
 The architecture mirrors Llama-3 at toy scale: RMSNorm, SwiGLU MLP, grouped-query attention (4 query
 heads sharing 2 key/value heads) and ``llama3``-type rotary position embedding frequency scaling.
@@ -41,53 +43,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, default_corpus_path, default_model_dir
+
 __all__ = [
-    "BOS_TOKEN",
-    "EOS_TOKEN",
-    "BOS_ID",
-    "EOS_ID",
     "train_tokenizer",
     "tiny_llama_config",
     "corpus_cross_entropy",
     "train_tiny_llama",
-    "default_model_dir",
-    "default_corpus_path",
     "main",
 ]
-
-BOS_TOKEN = "<|bos|>"
-EOS_TOKEN = "<|endoftext|>"
-BOS_ID = 0
-EOS_ID = 1
-
-_ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-def default_model_dir() -> Path:
-    """Directory of the packaged default model (``nnsight_lorsa/assets/tinyshakespeare-llama``).
-
-    It is a normal Hugging Face model directory (``config.json``, ``model.safetensors``, tokenizer files
-    and ``training.json``) loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer``.
-    The path is returned whether or not it exists; it exists in any installed copy of the package.
-    """
-    return _ASSETS / "tinyshakespeare-llama"
-
-
-def default_lorsa_dir() -> Path:
-    """The packaged Lorsa for layer 2 of the default model
-    (``LorsaSet.from_pretrained(model, default_lorsa_dir())``)."""
-    return _ASSETS / "tinyshakespeare-llama-lorsa"
-
-
-def default_transcoder_dir() -> Path:
-    """The packaged TopK transcoders for every MLP of the default model (``layer_{L}`` subdirectories in our
-    safetensors+JSON format; trained by ``benchmarks/train_sparse_coders_tinyshakespeare.py --save-dir``)."""
-    return _ASSETS / "tinyshakespeare-llama-transcoders"
-
-
-def default_corpus_path() -> Path:
-    """Path of the packaged training corpus ``nnsight_lorsa/assets/tinyshakespeare.txt`` (~1.1 MB UTF-8)."""
-    return _ASSETS / "tinyshakespeare.txt"
 
 
 def train_tokenizer(text: str, vocab_size: int = 1024) -> Tokenizer:
@@ -551,8 +515,8 @@ def train_tiny_llama(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """CLI: ``python -m nnsight_lorsa.tinymodel --steps N --out DIR`` (rebuilds the packaged asset)."""
-    p = argparse.ArgumentParser(prog="python -m nnsight_lorsa.tinymodel", description=__doc__.split("\n")[0])
+    """CLI: ``python scripts/tinymodel.py --steps N --out DIR`` (rebuilds the packaged asset)."""
+    p = argparse.ArgumentParser(prog="python scripts/tinymodel.py", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--out", type=Path, default=default_model_dir(), help="output model directory")
     p.add_argument("--corpus", type=Path, default=default_corpus_path(), help="UTF-8 training text")
@@ -585,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
         repeat_fraction=args.repeat_fraction,
         induction_warmup_steps=args.induction_warmup_steps,
         progress=not args.no_progress,
-        command=shlex.join(["python", "-m", "nnsight_lorsa.tinymodel", *raw_argv]),
+        command=shlex.join(["python", "scripts/tinymodel.py", *raw_argv]),
     )
     print(json.dumps({k: info[k] for k in ("steps", "tokens_seen", "train_loss", "val_ce", "wall_seconds")}))
     return info
