@@ -8,7 +8,8 @@ does not have ``nnsight_lorsa`` installed). This module makes that explicit and 
 
 - :func:`register` ships this package by value (``nnsight.register``) and makes ``remote=True``
   measure every request before sending it (:class:`MeasuredRemoteBackend`);
-- :func:`for_remote` keeps only the layers a trace uses, cast to the model's dtype;
+- :func:`for_remote` keeps only the layers a trace uses of a
+  :class:`~nnsight_lorsa.ReplacementModel`, cast to the model's dtype;
 - :func:`payload_report` / :func:`check_payload` count what an object adds to a request, tensor
   by tensor, and raise :class:`PayloadTooLargeError` (naming the largest tensors) above a cap;
 - :func:`remote_backend` builds a measured backend by hand, also as a dry run that keeps the
@@ -37,9 +38,12 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 from torch import nn
 
+from .envoy.clt_set import CLTSet
 from .envoy.lorsa_set import LorsaSet
+from .envoy.replacement_model import ReplacementModel
+from .envoy.sae_set import SAESet
+from .envoy.transcoder_set import TranscoderSet
 from .errors import LayerOutOfRangeError, LorsaError
-from .modules.lorsa import Lorsa
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
 CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
@@ -227,10 +231,19 @@ def _named_tensors(obj: Any, name: str, depth: int = 0) -> Iterator[tuple[str, t
         return
     if isinstance(obj, torch.Tensor):
         yield name, obj, None
-    elif isinstance(obj, LorsaSet):
-        for layer in obj.layers:
+    elif isinstance(obj, ReplacementModel):
+        for part in ("lorsas", "transcoders", "saes"):
+            if getattr(obj, part) is not None:
+                yield from _named_tensors(getattr(obj, part), part, depth + 1)
+    elif isinstance(obj, (LorsaSet, TranscoderSet)):
+        for layer in obj:
             for sub, t, _ in _named_tensors(obj[layer], f"{name}[{layer}]", depth + 1):
                 yield sub, t, layer
+    elif isinstance(obj, SAESet):
+        for site in obj:
+            yield from _named_tensors(obj[site], f"{name}[{site!r}]", depth + 1)
+    elif isinstance(obj, CLTSet):
+        yield from _named_tensors(obj.clt, f"{name}.clt", depth + 1)
     elif isinstance(obj, nn.Module):
         for sub, t in (*obj.named_parameters(), *obj.named_buffers()):
             yield f"{name}.{sub}", t, None
@@ -279,21 +292,26 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
     """What sending ``obj`` with a remote request costs, tensor by tensor.
 
     Args:
-        obj: a :class:`LorsaSet`, a module (a :class:`Lorsa`), a tensor, or a dict/list/tuple of
-            those. Model weights (modules nnsight sends by reference) and envoys count 0.
-        layers: with a LorsaSet, only these layers (what :func:`for_remote` would keep).
+        obj: a :class:`~nnsight_lorsa.ReplacementModel`, a replacement set, a module (a
+            :class:`Lorsa`), a tensor, or a dict/list/tuple of those. Model weights (modules nnsight
+            sends by reference) and envoys count 0.
+        layers: with a ReplacementModel or a LorsaSet, only these layers (what :func:`for_remote`
+            would keep).
         serialize: also measure the exact size with nnsight's serializer
             (:func:`serialized_size`; includes this package's source when :func:`register` was called).
         name: how to name ``obj`` in the report (default ``"lorsas"`` for a LorsaSet, else ``"obj"``).
 
     Raises:
         LayerOutOfRangeError: a layer the LorsaSet does not have.
-        ValueError: ``layers`` given for something other than a LorsaSet.
+        ValueError: ``layers`` given for something other than a ReplacementModel or a LorsaSet.
     """
     if layers is not None:
-        if not isinstance(obj, LorsaSet):
-            raise ValueError(f"layers= applies to a LorsaSet, not to {type(obj).__name__}")
-        obj = _select(obj, layers)
+        if isinstance(obj, ReplacementModel):
+            obj = _select(obj, layers)
+        elif isinstance(obj, LorsaSet):
+            obj = _select(ReplacementModel(obj.model, lorsas=obj, adapter=obj.adapter), layers).lorsas
+        else:
+            raise ValueError(f"layers= applies to a ReplacementModel or a LorsaSet, not to {type(obj).__name__}")
     label = name or ("lorsas" if isinstance(obj, LorsaSet) else "obj")
     report = _report_from(_named_tensors(obj, label))
     if serialize:
@@ -313,7 +331,7 @@ def _too_large(report: PayloadReport, cap_bytes: int, what: str) -> PayloadTooLa
     return PayloadTooLargeError(
         f"{what} is {format_bytes(report.total_bytes)} ({report.total_bytes} bytes), above the cap of "
         f"{format_bytes(cap_bytes)} ({cap_bytes} bytes). Largest tensors: {largest or 'none'}.{per_layer} "
-        "Send only the layers the trace uses, in the model's dtype (nnsight_lorsa.remote.for_remote(lorsas, "
+        "Send only the layers the trace uses, in the model's dtype (nnsight_lorsa.remote.for_remote(replacement, "
         "layers=[...], dtype=torch.bfloat16)), use the two-phase mode (docs/remote.md), or raise the cap "
         f"(cap_bytes=..., or ${CAP_ENV}).",
         report,
@@ -340,61 +358,79 @@ def check_payload(obj: Any, cap_bytes: int | str | None = None, layers: int | It
 
 
 # ------------------------------------------------------------------ what to send
-def _layer_list(lorsa_set: LorsaSet, layers: int | Iterable[int] | None) -> list[int]:
-    chosen = lorsa_set.layers if layers is None else [layers] if isinstance(layers, int) else list(layers)
+def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
+    lorsas, tcs = replacement.lorsas, replacement.transcoders
+    have = sorted({*(lorsas or ()), *(tcs if isinstance(tcs, TranscoderSet) else ())})
+    chosen = have if layers is None else [layers] if isinstance(layers, int) else list(layers)
     for layer in chosen:
-        if layer not in lorsa_set:
-            raise LayerOutOfRangeError(f"no Lorsa for layer {layer}; this set has layers {lorsa_set.layers}")
+        if layer not in have:
+            raise LayerOutOfRangeError(f"no Lorsa or transcoder for layer {layer}; this ReplacementModel has layers "
+                                       f"{have}")
     return chosen
 
 
-def _select(lorsa_set: LorsaSet, layers: int | Iterable[int]) -> LorsaSet:
-    chosen = _layer_list(lorsa_set, layers)
-    return LorsaSet(lorsa_set.model, {layer: lorsa_set[layer] for layer in chosen}, adapter=lorsa_set.adapter)
+def _select(replacement: ReplacementModel, layers: int | Iterable[int] | None,
+            copy: Any = None) -> ReplacementModel:
+    """``replacement`` with its per-layer sets cut to ``layers``, each module passed through ``copy``."""
+    chosen = _layer_list(replacement, layers)
+    keep = copy if copy is not None else (lambda m: m)
+
+    def per_layer(s: Any) -> Any:
+        return None if s is None else {layer: keep(s[layer]) for layer in chosen if layer in s}
+
+    tcs = replacement.transcoders
+    transcoders = (CLTSet(replacement.model, keep(tcs.clt), adapter=replacement.adapter) if isinstance(tcs, CLTSet)
+                   else per_layer(tcs))
+    saes = None if replacement.saes is None else {site: keep(replacement.saes[site]) for site in replacement.saes}
+    return ReplacementModel(replacement.model, lorsas=per_layer(replacement.lorsas), transcoders=transcoders,
+                            saes=saes, error=replacement.error, adapter=replacement.adapter)
 
 
-def model_dtype(lorsa_set: LorsaSet, layer: int | None = None) -> torch.dtype:
-    """The floating dtype of the model's attention at ``layer`` (default: the set's first layer)."""
-    layer = lorsa_set.layers[0] if layer is None else layer
-    attention = lorsa_set.model.get(lorsa_set.adapter.attention_path(layer))._module
+def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torch.dtype:
+    """The floating dtype of the model's attention at ``layer`` (default: the first replaced layer, else 0)."""
+    if layer is None:
+        replaced = _layer_list(replacement, None)
+        layer = replaced[0] if replaced else 0
+    attention = replacement.model.get(replacement.adapter.attention_path(layer))._module
     for p in attention.parameters():
         if p.is_floating_point():
             return p.dtype
     return torch.get_default_dtype()
 
 
-def _cast_copy(lorsa: Lorsa, dtype: torch.dtype) -> Lorsa:
-    """A fresh Lorsa (no nnsight state, no persistent id) with ``lorsa``'s weights in ``dtype``."""
-    state = {k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in lorsa.state_dict().items()}
-    copy = type(lorsa)(lorsa.cfg, device="meta")
+def _cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A fresh module (no nnsight state, no persistent id) with ``module``'s weights in ``dtype``."""
+    state = {k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in module.state_dict().items()}
+    copy = type(module)(module.cfg, device="meta")  # type: ignore[call-arg]
     copy.load_state_dict(state, assign=True)
     leftover = [k for k, t in (*copy.named_parameters(), *copy.named_buffers()) if t.device.type == "meta"]
     if leftover:
-        raise LorsaError(f"cannot copy {type(lorsa).__name__}: {leftover} are not in its state_dict")
-    return copy.train(lorsa.training)
+        raise LorsaError(f"cannot copy {type(module).__name__}: {leftover} are not in its state_dict")
+    return copy.train(module.training)
 
 
-def for_remote(lorsa_set: LorsaSet, layers: int | Iterable[int] | None = None,
-               dtype: torch.dtype | None = None) -> LorsaSet:
-    """A LorsaSet with only ``layers``, its weights cast to ``dtype``, ready to name in a remote trace.
+def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None = None,
+               dtype: torch.dtype | None = None) -> ReplacementModel:
+    """A ReplacementModel with only the Lorsas / transcoders of ``layers``, every module cast to
+    ``dtype``, ready to name in a remote trace.
 
     The copies are fresh modules (no nnsight instrumentation, nothing nnsight would send by
     reference); when ``dtype`` equals a weight's dtype the copy shares its storage (no memory).
+    SAEs and a cross-layer transcoder are kept whole (cast).
 
     Args:
-        lorsa_set: the full set.
-        layers: the layers the trace replaces (default: all).
+        replacement: the model and its replacements.
+        layers: the layers the trace replaces (default: every layer with a Lorsa or transcoder).
         dtype: default the model's dtype (:func:`model_dtype`). NDIF runs models in bfloat16; a
             client model built on the meta device without ``dtype=torch.bfloat16`` reports float32,
             so pass ``torch.bfloat16`` explicitly there.
 
     Raises:
-        LayerOutOfRangeError: a layer the set does not have.
+        LayerOutOfRangeError: a layer with neither a Lorsa nor a transcoder.
     """
-    chosen = _layer_list(lorsa_set, layers)
-    target = dtype if dtype is not None else model_dtype(lorsa_set, chosen[0] if chosen else None)
-    copies = {layer: _cast_copy(lorsa_set[layer], target) for layer in chosen}
-    return LorsaSet(lorsa_set.model, copies, adapter=lorsa_set.adapter)
+    chosen = _layer_list(replacement, layers)
+    target = dtype if dtype is not None else model_dtype(replacement, chosen[0] if chosen else None)
+    return _select(replacement, chosen, copy=lambda m: _cast_copy(m, target))
 
 
 # ------------------------------------------------------------------ requests

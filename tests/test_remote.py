@@ -455,7 +455,10 @@ def test_for_remote_keeps_the_layers_asked_for_in_the_dtype_asked_for() -> None:
     from nnsight_lorsa.remote import for_remote, model_dtype, payload_report
 
     model, lorsas = _tiny_set()
-    sub = for_remote(lorsas, layers=[1], dtype=torch.bfloat16)
+    from nnsight_lorsa import ReplacementModel
+
+    rm = ReplacementModel(model, lorsas=lorsas)
+    sub = for_remote(rm, layers=[1], dtype=torch.bfloat16).lorsas
     assert sub.layers == [1] and sub.model is model
     assert sub[1] is not lorsas[1] and all(p.dtype == torch.bfloat16 for p in sub[1].parameters())
     assert torch.equal(sub[1].W_V, lorsas[1].W_V.to(torch.bfloat16))
@@ -463,11 +466,30 @@ def test_for_remote_keeps_the_layers_asked_for_in_the_dtype_asked_for() -> None:
     full, half = payload_report(lorsas), payload_report(sub)
     assert full.by_layer == {1: half.total_tensor_bytes * 2, 2: half.total_tensor_bytes * 2}
     assert payload_report(lorsas, layers=2).by_layer.keys() == {2}
-    same = for_remote(lorsas, 2)  # default: the model's dtype (float32 here): no copy of the data
-    assert model_dtype(lorsas) == torch.float32
+    same = for_remote(rm, 2).lorsas  # default: the model's dtype (float32 here): no copy of the data
+    assert model_dtype(rm) == torch.float32
     assert same[2].W_V.data_ptr() == lorsas[2].W_V.data_ptr() and same[2] is not lorsas[2]
     with pytest.raises(LayerOutOfRangeError, match="layer 0"):
-        for_remote(lorsas, [0])
+        for_remote(rm, [0])
+
+
+def test_for_remote_casts_every_replacement_of_the_bundle() -> None:
+    from test_sae_transcoder import make_sae, make_transcoder
+
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.remote import for_remote, payload_report
+
+    model, lorsas = _tiny_set()
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={0: make_transcoder(), 1: make_transcoder(seed=1)},
+                          saes={"model.layers.2": make_sae()})
+    sent = for_remote(rm, layers=[1], dtype=torch.bfloat16)
+    assert sent.lorsas.layers == [1] and list(sent.transcoders) == [1] and list(sent.saes) == ["model.layers.2"]
+    for module in (sent.lorsas[1], sent.transcoders[1], sent.saes["model.layers.2"]):
+        assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert torch.equal(sent.transcoders[1].W_enc, rm.transcoders[1].W_enc.to(torch.bfloat16))
+    names = {t.name for t in payload_report(sent).tensors}
+    assert {"lorsas[1].W_V", "transcoders[1].W_enc", "saes['model.layers.2'].W_enc"} <= names
+    assert payload_report(rm, layers=[1]).by_layer.keys() == {1, None}  # None: the SAE, kept whole
 
 
 def test_check_payload_names_the_largest_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -514,11 +536,11 @@ import json, torch, nnsight
 from nnsight.intervention.backends import remote as rb
 from test_remote import build_model
 from test_replace import make_lorsa
-from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.remote import MeasuredRemoteBackend, for_remote, payload_report, register, unregister
 model, hf = build_model()
 lorsas = LorsaSet(model, {1: make_lorsa(hf, get_adapter(model))})
-sub = for_remote(lorsas, 1, torch.bfloat16)
+sub = for_remote(ReplacementModel(model, lorsas=lorsas), 1, torch.bfloat16).lorsas
 by_reference = payload_report(sub, serialize=True).serialized_bytes
 register()
 patched = rb.RemoteBackend is MeasuredRemoteBackend
