@@ -24,7 +24,7 @@ from .._typing import Float
 from ..adapters.base import mhsa_forward
 from ..adapters.registry import get_adapter
 from ..errors import ShapeError
-from ..training.activations import attention_activations
+from ..envoy.read import attention_activations
 from .top_activations import TopActivations
 
 
