@@ -70,11 +70,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations
     from .envoy.lorsa_set import LorsaSet
+    from .envoy.read import attention_activations
     from .modules.lorsa import Lorsa
     from .modules.lorsa_config import LorsaConfig
     from .tinymodel import default_corpus_path
-    from .envoy.read import attention_activations
-    from .training import ActivationSource, TokenDataset, Trainer, TrainConfig, evaluate
+    from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
     torch.manual_seed(cfg.seed)
     t0 = time.time()
@@ -107,7 +107,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     numbers = ev.summary()
     print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")
-    print(f"  CE orig {ev.ce_orig:.4f}   CE spliced {ev.ce_spliced:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
+    print(f"  CE orig {ev.ce_orig:.4f}   CE lorsa {ev.ce_spliced:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
           f"(CE recovered {ev.ce_recovered:.1%})")
 
     # the flagship: replace MHSA by Lorsa inside a trace and read its heads there

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny import tiny_nnsight, tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ActivationCacheError, CheckpointError
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+from nnsight_lorsa.training import ActivationSource, TrainConfig, Trainer
 from nnsight_lorsa.training.activation_cache import ActivationCache, site_name, write_activation_cache
-from nnsight_lorsa.envoy.read import Site
-from nnsight_lorsa.training import ActivationSource, Trainer, TrainConfig
 
 
 @pytest.fixture(scope="module")

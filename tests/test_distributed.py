@@ -35,7 +35,7 @@ def global_batch(index: int):
 
 def make_trainer(kind: str = "topk"):
     from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
-    from nnsight_lorsa.training import Trainer, TrainConfig
+    from nnsight_lorsa.training import TrainConfig, Trainer
 
     torch.manual_seed(0)
     params = {"k": K} if kind == "topk" else {}

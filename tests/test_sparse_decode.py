@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny import tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.modules.activations import BatchTopK, TopK
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
@@ -17,8 +18,7 @@ from nnsight_lorsa.modules.sparse_decode import (
     topk_indices,
 )
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from nnsight_lorsa.envoy.read import Site
-from nnsight_lorsa.training import ActivationSource, Trainer, TrainConfig
+from nnsight_lorsa.training import ActivationSource, TrainConfig, Trainer
 
 N, D, F, K = 40, 16, 96, 6
 
@@ -140,7 +140,7 @@ def test_training_with_sparse_kernels_equals_dense_training(setup, kind):
         source = ActivationSource.sae(model, Site.mlp_input(adapter, 1), data, batch_size=8)
     batches = {i: source(i) for i in range(12)}
 
-    def make(sparse: bool) -> SparseCoderTrainer:
+    def make(sparse: bool) -> Trainer:
         torch.manual_seed(0)
         d = adapter.d_model
         if kind == "topk_transcoder":

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from tiny import tiny_training_setup
 
 from nnsight_lorsa.envoy.clt_set import CLTSet
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, ShapeError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
-from nnsight_lorsa.envoy.read import Site
-from nnsight_lorsa.training import ActivationSource, TokenDataset, Trainer, TrainConfig, evaluate
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 from nnsight_lorsa.training.activation_cache import write_activation_cache
 from nnsight_lorsa.training.activations import Batch
 

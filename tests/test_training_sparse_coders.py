@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from nnsight_lorsa.envoy.read import Site
-from nnsight_lorsa.training import ActivationSource, TokenDataset, Trainer, TrainConfig, evaluate
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
 LAYER = 1
 

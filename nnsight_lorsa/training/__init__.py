@@ -21,6 +21,6 @@ One front door for every module kind::
 
 from .activations import ActivationSource, TokenDataset
 from .evaluate import Evaluation, evaluate
-from .trainer import Trainer, TrainConfig
+from .trainer import TrainConfig, Trainer
 
 __all__ = ["ActivationSource", "Evaluation", "TokenDataset", "TrainConfig", "Trainer", "evaluate"]

@@ -182,7 +182,8 @@ def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
             raise ValueError("a CLTSet replaces every MLP at once: no at=")
         return _CLTProbe(replacements)
     if not isinstance(replacements, (LorsaSet, TranscoderSet, SAESet)):
-        raise TypeError(f"evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, got {type(replacements).__name__}")
+        raise TypeError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, "
+                        f"got {type(replacements).__name__}")
     if at is None:
         keys = list(replacements)
         if len(keys) != 1:
