@@ -133,7 +133,7 @@ class TokenDataset:
 
 
 
-SiteSpec = Site | Sequence[Site]
+_SiteSpec = Site | Sequence[Site]
 
 
 class ActivationSource:
@@ -158,7 +158,7 @@ class ActivationSource:
         ValueError: a live source without a dataset.
     """
 
-    def __init__(self, data: Any, x: SiteSpec, y: SiteSpec | None = None, dataset: TokenDataset | None = None,
+    def __init__(self, data: Any, x: _SiteSpec, y: _SiteSpec | None = None, dataset: TokenDataset | None = None,
                  batch_size: int = 16, seed: int = 0, *, positions: Site | None = None) -> None:
         from .activation_cache import ActivationCache
 
