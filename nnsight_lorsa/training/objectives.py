@@ -123,6 +123,11 @@ class _LorsaObjective(_Objective):
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
 
+    def check_source(self, source: Any) -> None:
+        if getattr(source, "stacked", False) or getattr(source, "positions_site", True) is None:
+            raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
+                                      "use ActivationSource.attention(model, layer, …)")
+
     def after_norms(self, t: Any) -> None:
         if self.mhsa is not None:
             lorsa = self.module
@@ -240,6 +245,11 @@ class _SparseCoderObjective(_DictionaryObjective):
 
     def n_latents(self) -> int:
         return int(self.module.cfg.d_sae)
+
+    def check_source(self, source: Any) -> None:
+        if getattr(source, "stacked", False):
+            raise ConfigMismatchError(f"a {type(self.module).__name__} reads one site: the source stacks "
+                                      f"{source.n_layers} (a CLT's source)")
 
     def activation_fn(self) -> Any:
         return self.module.activation

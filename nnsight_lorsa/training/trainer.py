@@ -90,7 +90,9 @@ class Trainer:
 
     Raises:
         TypeError: another module type. ConfigMismatchError: a CLT whose layer count / width differs
-            from the source's. ShapeError: (CLT, from the first step) a batch that does not fit.
+            from the source's, a stacked (CLT) source for another module, or a Lorsa on an
+            :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
+            first step) a batch that does not fit.
     """
 
     def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
