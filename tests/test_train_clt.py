@@ -175,3 +175,23 @@ def test_bad_input_raises_clear_errors(setup):
         with pytest.raises(ShapeError, match=what) as info:
             trainer.train(progress=False)
         assert isinstance(info.value, LorsaError)
+
+
+def test_one_front_door_rejects_mismatched_sources_and_sets(setup):
+    """The one Trainer / evaluate: a stacked (CLT) source for a transcoder, a transcoder source for a
+    Lorsa, an unknown module, and at= for a CLT raise before anything runs."""
+    from nnsight_lorsa import Lorsa, LorsaConfig
+    from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+
+    model, hf, adapter, data, source = setup
+    config = TrainConfig(total_steps=1)
+    tc = Transcoder(TranscoderConfig(d_in=adapter.d_model, d_sae=64, activation="topk", activation_params={"k": 4}))
+    with pytest.raises(ConfigMismatchError, match="reads one site"):
+        Trainer(tc, source, config)
+    lorsa = Lorsa(LorsaConfig(d_model=adapter.d_model, n_qk_heads=4, d_qk_head=16, n_ov_heads=32, top_k=4))
+    with pytest.raises(ConfigMismatchError, match="positions"):
+        Trainer(lorsa, ActivationSource.transcoder(model, 1, data, batch_size=8), config)
+    with pytest.raises(TypeError, match="cannot train"):
+        Trainer(torch.nn.Linear(2, 2), source, config)
+    with pytest.raises(ValueError, match="at="):
+        evaluate(CLTSet(model, new_clt(adapter)), TokenDataset(data.tokens[:2]), at=1)

@@ -132,7 +132,6 @@ class TokenDataset:
         return self.tokens[_window_ids(len(self), index, batch_size, seed)]
 
 
-
 _SiteSpec = Site | Sequence[Site]
 
 
@@ -144,10 +143,13 @@ class ActivationSource:
             site) or an :class:`~.activation_cache.ActivationCache` holding the sites (the same batches).
         x: the site the module reads, or a sequence of sites (stacked into ``(n_sites, batch, pos, d)``).
         y: the target site(s); default ``x`` (an SAE: ``batch.y is batch.x``).
-        dataset: the :class:`TokenDataset` (live); default for a cache: its windows.
+        dataset: the :class:`TokenDataset` (live); ignored for a cache, which holds its own windows.
         batch_size: windows per batch. seed: shuffling seed.
         positions: a ``"positions"`` site to read into :attr:`Batch.positions` (live only).
-        adapter: the model's adapter (default ``get_adapter(model)``; only used by the constructors).
+
+    The constructors :meth:`attention`, :meth:`transcoder`, :meth:`sae` and :meth:`clt` name the
+    sites of each module kind; on a cache they need ``adapter=`` (the model's
+    :class:`~..adapters.base.ArchitectureAdapter`) to name them.
 
     Attributes:
         n_layers, d_model: for a stacked source, the number of stacked sites and the width of the
@@ -155,7 +157,7 @@ class ActivationSource:
 
     Raises:
         ActivationCacheError: a site is not in the cache, or positions are asked of a cache.
-        ValueError: a live source without a dataset.
+        ValueError: a live source without a dataset; a constructor on a cache without ``adapter=``.
     """
 
     def __init__(self, data: Any, x: _SiteSpec, y: _SiteSpec | None = None, dataset: TokenDataset | None = None,
