@@ -4,7 +4,7 @@ Model side: :func:`wrap_tokenizer` (a ``tokenizers`` word-level tokenizer as the
 ``PreTrainedTokenizerFast`` the task builders and nnsight use) and :func:`train_answer_lm` (a tiny
 Llama trained with next-token CE on answer tokens only, warm-up + cosine AdamW, saved with its tokenizer).
 
-Measurement side: :func:`logits_of`, :func:`train_lorsa` (``LorsaTrainer`` on given token rows,
+Measurement side: :func:`logits_of`, :func:`train_lorsa` (``Trainer`` on given token rows,
 cached), :func:`layer_patching` (which layer's MHSA heads matter: activation patching per layer,
 path patching per head) and :func:`circuit_sizes` (seed 003 §4: MHSA heads mean/zero-ablated vs the
 Lorsa heads active on the task, zero-ablated, ``error=False``).
@@ -160,11 +160,9 @@ def logits_of(model, ids: torch.Tensor, lorsas: LorsaSet | None = None, layer: i
 
 def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Tensor, cache: Path, *, steps: int,
                 n_ov: int, top_k: int, retrain: bool, extra: dict[str, Any] | None = None) -> tuple[LorsaSet, dict]:
-    """A Lorsa on ``layer``'s attention (``LorsaTrainer``, 32 rows a batch, lr 4e-3), cached in ``cache``;
-    ``info`` has its config, ``train_seconds`` and ``evaluate_lorsa`` on ``held_rows`` (FVU, L0, dead, CE)."""
-    from nnsight_lorsa.training.activations import AttentionActivationSource, TokenDataset
-    from nnsight_lorsa.training.evaluate import evaluate_lorsa, summarize
-    from nnsight_lorsa.training.trainer import LorsaTrainer, TrainConfig
+    """A Lorsa on ``layer``'s attention (``Trainer``, 32 rows a batch, lr 4e-3), cached in ``cache``;
+    ``info`` has its config, ``train_seconds`` and ``evaluate`` on ``held_rows`` (FVU, L0, dead, CE)."""
+    from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
     adapter = get_adapter(model)
     mhsa = adapter.mhsa_weights(model._module, layer)
@@ -175,15 +173,17 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
                        n_ov_heads=n_ov, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
                        qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer,
                        architecture=adapter.family)
-    source = AttentionActivationSource(model, layer, TokenDataset(train_rows), 32, seed=0)
-    trainer = LorsaTrainer(Lorsa(lcfg), source, TrainConfig(total_steps=steps, lr=4e-3), mhsa=mhsa)
+    source = ActivationSource.attention(model, layer, TokenDataset(train_rows), 32, seed=0)
+    trainer = Trainer(Lorsa(lcfg), source, TrainConfig(total_steps=steps, lr=4e-3), mhsa=mhsa)
     trainer.train(progress=False)
-    lorsas = LorsaSet(model, {layer: trainer.folded_lorsa()})
+    folded = trainer.folded()
+    assert isinstance(folded, Lorsa)
+    lorsas = LorsaSet(model, {layer: folded})
     lorsas.save(cache)
-    ev = evaluate_lorsa(lorsas, layer, TokenDataset(held_rows), batch_size=64)
+    ev = evaluate(lorsas, TokenDataset(held_rows), at=layer, batch_size=64)
     info = {"layer": layer, "n_qk_heads": lcfg.n_qk_heads, "n_ov_heads": n_ov, "top_k": top_k, "steps": steps,
             "batch_rows": 32, **(extra or {}), "train_seconds": round(time.perf_counter() - t0, 1),
-            "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), "heldout_eval": summarize(ev)}
+            "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), "heldout_eval": ev.summary()}
     write_json(cache / "train.json", info)
     return lorsas, info
 

@@ -5,8 +5,8 @@ Uses the tiny adder of ``benchmarks/arithmetic_model.py`` (trained first if its 
 1. which layer's MHSA heads carry the operands to the ``=`` position — activation patching of each
    layer's heads together and path patching of each MHSA head (clean → op2-corrupted prompts,
    only at the ``=`` position; later attention frozen);
-2. a Lorsa on that layer's attention, trained with ``LorsaTrainer`` on equation rows (cached in
-   ``.cache/arithmetic-llama-lorsa``), evaluated by ``evaluate_lorsa`` (FVU, CE) and by held-out
+2. a Lorsa on that layer's attention, trained with ``Trainer`` on equation rows (cached in
+   ``.cache/arithmetic-llama-lorsa``), evaluated by ``evaluate`` (FVU, CE) and by held-out
    exact-match accuracy with the Lorsa spliced (``error=False``);
 3. ``circuit_size`` (seed 003 §4): the MHSA heads of that layer (mean-ablated over the corrupt
    prompts) vs its Lorsa heads active on the prompts (zero-ablated, ``error=False``);
@@ -42,10 +42,10 @@ from _timing import arg, command, table, write
 from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 
 from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import MHSAHead, ReplacementModel, logit_difference
 from nnsight_lorsa.patching.experiments import ablation_effect, head_swap
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
-from nnsight_lorsa.training.activations import attention_activations
 from nnsight_lorsa.viz.figures import plot_operand_grid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +81,8 @@ def answer_ce(model, pairs: list[tuple[int, int]], layer: int, lorsas: LorsaSet 
     out = {"ce_orig": float(abl.baseline.mean()), "ce_zero": float(abl.ablated.mean())}
     if lorsas is not None:
         lg = logits_of(model, task.clean, lorsas, layer)
-        out["ce_lorsa"] = float(ce(lg).mean())
-        out["ce_recovered"] = (out["ce_zero"] - out["ce_lorsa"]) / (out["ce_zero"] - out["ce_orig"])
+        out["ce_spliced"] = float(ce(lg).mean())
+        out["ce_recovered"] = (out["ce_zero"] - out["ce_spliced"]) / (out["ce_zero"] - out["ce_orig"])
         out["acc_lorsa"] = float((lg[:, -1].argmax(-1) == y).float().mean())
     out["acc_orig"] = float((logits_of(model, task.clean)[:, -1].argmax(-1) == y).float().mean())
     return {k: round(v, 4) for k, v in out.items()}

@@ -28,12 +28,13 @@ from _timing import RESULTS, embedded, write_json
 
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_logit_lens
 from nnsight_lorsa.assets import default_corpus_path
+from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.experiments import head_swap
 from nnsight_lorsa.patching.path_patching import HeadInput, path_patching
 from nnsight_lorsa.patching.tasks import induction_task
-from nnsight_lorsa.training.activations import TokenDataset, attention_activations
+from nnsight_lorsa.training import TokenDataset
 from nnsight_lorsa.viz.dashboard import head_dashboard_data, write_dashboard
 from nnsight_lorsa.viz.figures import plot_heads_spanned, plot_z_pattern
 

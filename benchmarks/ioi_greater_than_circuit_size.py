@@ -8,7 +8,7 @@ missing); for each task (``ioi_task``, template 0, both names held out; ``greate
 2. which layer's MHSA heads matter — activation patching of each layer's heads together and path
    patching of each MHSA head (clean → corrupt, later attention frozen) — as in
    ``benchmarks/arithmetic_circuit_size.py`` (shared code in ``benchmarks/_synthetic.py``);
-3. a Lorsa on that layer's attention (``LorsaTrainer`` on mixed task rows, cached in
+3. a Lorsa on that layer's attention (``Trainer`` on mixed task rows, cached in
    ``.cache/ioi-greater-than-llama-lorsa/layer<L>``): FVU, L0, dead fraction, and the task metrics
    with the Lorsa spliced (``error=False``);
 4. ``circuit_size`` (seed 003 §4, 90 %): the layer's MHSA heads (mean-ablated over the corrupt
@@ -38,9 +38,9 @@ from ioi_greater_than_model import CACHE, HELD_NAMES, HELD_YEARS, load_or_train,
 
 from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.analysis.heads import ov_logit_lens
+from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import logit_difference
 from nnsight_lorsa.patching.tasks import TaskBatch, greater_than_task, ioi_task
-from nnsight_lorsa.training.activations import attention_activations
 
 ROOT = Path(__file__).resolve().parent.parent
 LORSA_CACHE = ROOT / ".cache" / "ioi-greater-than-llama-lorsa"

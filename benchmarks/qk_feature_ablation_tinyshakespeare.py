@@ -5,7 +5,7 @@ drive the Q and K of the induction Lorsa heads (H802, H777; both read QK head 12
 
 No SAE on the attention input is packaged (``nnsight_lorsa/assets`` has the Lorsa and MLP transcoders only), so
 the first run trains a TopK SAE on the output of ``model.layers.2.input_layernorm`` (= the Lorsa's input) with
-the repo's ``SparseCoderTrainer`` and caches it under ``.cache/`` (git-ignored); later runs load it
+the repo's ``Trainer`` and caches it under ``.cache/`` (git-ignored); later runs load it
 (``--retrain`` to redo). The last ``--windows`` windows of the corpus are held out from the SAE's training
 and are the analysis corpus. Writes ``benchmarks/results/qk_feature_ablation_tinyshakespeare.json``.
 """
@@ -25,12 +25,11 @@ from _timing import arg, command, embedded, parser, table, write  # noqa: E402
 from nnsight_lorsa import get_adapter  # noqa: E402
 from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
 from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
+from nnsight_lorsa.envoy.read import Site, attention_activations  # noqa: E402
 from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
 from nnsight_lorsa.formats import load, save  # noqa: E402
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
-from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, attention_activations  # noqa: E402
-from nnsight_lorsa.training.evaluate import evaluate_sae, summarize  # noqa: E402
-from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer  # noqa: E402
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate  # noqa: E402
 
 LAYER = 2
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,11 +47,13 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
     else:
         sae = SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=args.d_sae, activation="topk",
                                           activation_params={"k": args.k}, hook=site))
-        source = SiteActivationSource.sae(model, Site(site), train, args.batch_size)
-        trainer = SparseCoderTrainer(sae, source, SparseCoderTrainConfig(total_steps=args.steps, lr=args.lr))
+        source = ActivationSource.sae(model, Site(site), train, args.batch_size)
+        trainer = Trainer(sae, source, TrainConfig(total_steps=args.steps, lr=args.lr))
         t = time.perf_counter()
         trainer.train(progress=False)
-        sae = trainer.folded()
+        folded = trainer.folded()
+        assert isinstance(folded, SparseAutoencoder)
+        sae = folded
         save(sae, cache)
         train = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                  "train_windows": len(train), "train_seconds": round(time.perf_counter() - t, 1),
@@ -60,9 +61,9 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
         (cache / "train_info.json").write_text(json.dumps({"train": train}))
         info.update({"train": train, "trained_now": True})
     sae.eval()
-    ev = evaluate_sae(SAESet(model, {site: sae}), site, heldout, max_batches=args.eval_batches)
+    ev = evaluate(SAESet(model, {site: sae}), heldout, max_batches=args.eval_batches)
     info.update({"d_sae": sae.cfg.d_sae, "activation": sae.cfg.activation, **sae.cfg.activation_params,
-                 "heldout_eval": {k: v for k, v in summarize(ev).items()
+                 "heldout_eval": {k: v for k, v in ev.summary().items()
                                   if k in ("fvu", "l0", "dead_frac", "ce_orig", "ce_spliced", "ce_zero",
                                            "ce_recovered", "kl", "n_tokens")}})
     return sae, info

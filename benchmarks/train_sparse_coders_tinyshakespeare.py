@@ -19,14 +19,13 @@ from _timing import RESULTS, arg, parser, start
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats import save
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
-from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset
-from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder, summarize
-from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
 
 def main() -> None:
@@ -44,20 +43,18 @@ def main() -> None:
     train, heldout = data.split(min(0.2, args.heldout_windows / len(data)))
     d = adapter.d_model
     params = {"k": args.k}
-    jobs: list[tuple[str, SparseCoderTrainer]] = []
+    jobs: list[tuple[str, Trainer]] = []
     for layer in range(adapter.n_layers):
         tc = Transcoder(TranscoderConfig(d_in=d, d_sae=args.d_sae, activation="topk", activation_params=params,
                                          layer=layer))
-        src = SiteActivationSource.transcoder(model, layer, train, args.batch_size)
-        jobs.append((f"transcoder L{layer}", SparseCoderTrainer(tc, src, SparseCoderTrainConfig(
-            total_steps=args.steps, lr=args.lr))))
+        src = ActivationSource.transcoder(model, layer, train, args.batch_size)
+        jobs.append((f"transcoder L{layer}", Trainer(tc, src, TrainConfig(total_steps=args.steps, lr=args.lr))))
     site = adapter.layer_path(args.sae_layer)
     if not args.no_sae:
         sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=args.d_sae, activation="topk", activation_params=params,
                                           hook=site))
-        src = SiteActivationSource.sae(model, Site(site), train, args.batch_size)
-        sae_config = SparseCoderTrainConfig(total_steps=args.steps, lr=args.lr)
-        jobs.append((f"SAE {site}", SparseCoderTrainer(sae, src, sae_config)))
+        src = ActivationSource.sae(model, Site(site), train, args.batch_size)
+        jobs.append((f"SAE {site}", Trainer(sae, src, TrainConfig(total_steps=args.steps, lr=args.lr))))
     results = []
     for name, trainer in jobs:
         t = time.time()
@@ -67,14 +64,15 @@ def main() -> None:
         if isinstance(coder, Transcoder):
             layer = coder.cfg.layer
             assert layer is not None
-            ev = evaluate_transcoder(TranscoderSet(model, {layer: coder}), layer, heldout)
+            ev = evaluate(TranscoderSet(model, {layer: coder}), heldout)
             if args.save_dir:
                 save(coder, Path(args.save_dir) / f"layer_{layer}")
         else:
-            ev = evaluate_sae(SAESet(model, {site: coder}), site, heldout)
+            assert isinstance(coder, SparseAutoencoder)
+            ev = evaluate(SAESet(model, {site: coder}), heldout)
         t_eval = time.time() - t - t_train
         row = {"dictionary": name, "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
-               "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), **summarize(ev)}
+               "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), **ev.summary()}
         print(json.dumps(row), flush=True)
         results.append(row)
     out = {"command": "python " + " ".join(sys.argv), "steps": args.steps, "batch_size": args.batch_size,

@@ -71,11 +71,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .analysis.top_activations import TopActivations
     from .assets import default_corpus_path
     from .envoy.lorsa_set import LorsaSet
+    from .envoy.read import attention_activations
     from .modules.lorsa import Lorsa
     from .modules.lorsa_config import LorsaConfig
-    from .training.activations import AttentionActivationSource, TokenDataset, attention_activations
-    from .training.evaluate import evaluate_lorsa, summarize
-    from .training.trainer import LorsaTrainer, TrainConfig
+    from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
     torch.manual_seed(cfg.seed)
     t0 = time.time()
@@ -96,18 +95,19 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({adapter.family}, {adapter.n_layers} layers, "
           f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
-    source = AttentionActivationSource(model, layer, train, cfg.batch_size, seed=cfg.seed)
-    trainer = LorsaTrainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
+    source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
+    trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
     trainer.train(progress=cfg.progress)
     t_train = time.time() - t0
-    folded = trainer.folded_lorsa()
+    folded = trainer.folded()
+    assert isinstance(folded, Lorsa)
     lorsas = LorsaSet(model, {layer: folded})
 
-    ev = evaluate_lorsa(lorsas, layer, heldout, batch_size=cfg.batch_size)
-    numbers = summarize(ev)
+    ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size)
+    numbers = ev.summary()
     print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")
-    print(f"  CE orig {ev.ce_orig:.4f}   CE lorsa {ev.ce_lorsa:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
+    print(f"  CE orig {ev.ce_orig:.4f}   CE lorsa {ev.ce_spliced:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
           f"(CE recovered {ev.ce_recovered:.1%})")
 
     # the flagship: replace MHSA by Lorsa inside a trace and read its heads there

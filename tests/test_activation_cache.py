@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny import tiny_nnsight, tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ActivationCacheError, CheckpointError
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+from nnsight_lorsa.training import ActivationSource, TrainConfig, Trainer
 from nnsight_lorsa.training.activation_cache import ActivationCache, site_name, write_activation_cache
-from nnsight_lorsa.training.activations import Site, SiteActivationSource
-from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +54,11 @@ def test_cached_stream_equals_live_stream(setup, cached, kind):
     model, hf, adapter, data = setup
     cache, _ = cached
     if kind == "transcoder":
-        live = SiteActivationSource.transcoder(model, 1, data, batch_size=8, seed=5)
-        stream = cache.source(Site.mlp_input(adapter, 1), Site.mlp_output(adapter, 1), batch_size=8, seed=5)
+        live = ActivationSource.transcoder(model, 1, data, batch_size=8, seed=5)
+        stream = ActivationSource.transcoder(cache, 1, batch_size=8, seed=5, adapter=adapter)
     else:
-        live = SiteActivationSource.sae(model, Site.resid_post(adapter, 1), data, batch_size=8, seed=5)
-        stream = cache.source(site_name(Site.resid_post(adapter, 1)), batch_size=8, seed=5)
+        live = ActivationSource.sae(model, Site.resid_post(adapter, 1), data, batch_size=8, seed=5)
+        stream = ActivationSource.sae(cache, Site.resid_post(adapter, 1), batch_size=8, seed=5)
     for i in (0, 1, 5, 6, 13):  # 6 batches per epoch: crosses epochs (new permutations)
         a, b = live(i), stream(i)
         assert torch.equal(a.loss_mask, b.loss_mask)
@@ -66,14 +66,14 @@ def test_cached_stream_equals_live_stream(setup, cached, kind):
         assert torch.allclose(a.x, b.x, atol=1e-6, rtol=0) and torch.allclose(a.y, b.y, atol=1e-6, rtol=0)
         if kind == "sae":
             assert b.y is b.x
-    assert not torch.equal(stream(0).x, cache.source(site_name(Site.resid_post(adapter, 1)), batch_size=8,
-                                                     seed=6)(0).x)  # the seed matters
+    assert not torch.equal(stream(0).x, ActivationSource.sae(cache, Site.resid_post(adapter, 1), batch_size=8,
+                                                             seed=6)(0).x)  # the seed matters
 
 
 def test_cached_shards_partition_each_batch(setup, cached):
     model, hf, adapter, data = setup
     cache, _ = cached
-    stream = cache.source(Site.mlp_input(adapter, 1), Site.mlp_output(adapter, 1), batch_size=8, seed=1)
+    stream = ActivationSource.transcoder(cache, 1, batch_size=8, seed=1, adapter=adapter)
     parts = [stream.shard(r, 3)(4) for r in range(3)]
     whole = stream(4)
     assert [p.x.shape[0] for p in parts] == [3, 3, 2]
@@ -89,14 +89,14 @@ def test_training_from_the_cache_equals_training_live(setup, cached):
         torch.manual_seed(0)
         tc = Transcoder(TranscoderConfig(d_in=adapter.d_model, d_sae=128, activation="topk",
                                          activation_params={"k": 4}))
-        trainer = SparseCoderTrainer(tc, source, SparseCoderTrainConfig(total_steps=5, lr=1e-2, norm_batches=2))
+        trainer = Trainer(tc, source, TrainConfig(total_steps=5, lr=1e-2, norm_batches=2))
         trainer.train(progress=False)
         return trainer
 
-    live = run(SiteActivationSource.transcoder(model, 1, data, batch_size=8))
-    from_cache = run(cache.source(Site.mlp_input(adapter, 1), Site.mlp_output(adapter, 1), batch_size=8))
+    live = run(ActivationSource.transcoder(model, 1, data, batch_size=8))
+    from_cache = run(ActivationSource.transcoder(cache, 1, batch_size=8, adapter=adapter))
     assert live.s_in == pytest.approx(from_cache.s_in, rel=1e-6)
-    for (name, a), b in zip(live.coder.state_dict().items(), from_cache.coder.state_dict().values(), strict=True):
+    for (name, a), b in zip(live.module.state_dict().items(), from_cache.module.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), name
 
 
@@ -108,7 +108,7 @@ def test_mismatches_raise_clear_errors(setup, cached, tmp_path):
     with pytest.raises(ActivationCacheError, match="is not cached"):
         ActivationCache(d, sites=[Site.mlp_input(adapter, 2)])
     with pytest.raises(ActivationCacheError, match="is not cached"):
-        cache.source("model.layers.0.mlp:input")
+        ActivationSource.sae(cache, Site("model.layers.0.mlp", "input"))
     name = site_name(Site.mlp_input(adapter, 1))
     with pytest.raises(ActivationCacheError, match=f"{name}.*d={adapter.d_model}, expected d=32"):
         ActivationCache(d, d={name: 32})

@@ -15,7 +15,7 @@ from nnsight_lorsa.analysis.heads import (
     ov_feature_cosines,
     ov_logit_lens,
 )
-from nnsight_lorsa.training.activations import attention_activations
+from nnsight_lorsa.envoy.read import attention_activations
 
 
 def test_oblique_coefficients_recover_known_mixtures():

@@ -15,7 +15,7 @@ from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
-from nnsight_lorsa.training.activations import TokenDataset
+from nnsight_lorsa.training import TokenDataset
 from nnsight_lorsa.viz.dashboard import head_dashboard_data, render_dashboard, write_dashboard
 from nnsight_lorsa.viz.figures import plot_heads_spanned, plot_operand_grid, plot_z_pattern
 

@@ -22,7 +22,7 @@ KINDS = ("topk", "relu")
 
 def global_batch(index: int):
     """Global batch ``index``: 6 windows x 9 positions; rows of unequal token counts (padding)."""
-    from nnsight_lorsa.training.activations import SiteBatch
+    from nnsight_lorsa.training.activations import Batch
 
     g = torch.Generator().manual_seed(1000 + index)
     x = torch.randn(6, 9, D, generator=g)
@@ -30,23 +30,23 @@ def global_batch(index: int):
     mask = torch.ones(6, 9, dtype=torch.bool)
     mask[:, 0] = False
     mask[4:, 6:] = False  # the second rank's windows are partly padding: unequal token counts
-    return SiteBatch(x=x, y=y, loss_mask=mask)
+    return Batch(x=x, y=y, loss_mask=mask)
 
 
 def make_trainer(kind: str = "topk"):
     from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
-    from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+    from nnsight_lorsa.training import TrainConfig, Trainer
 
     torch.manual_seed(0)
     params = {"k": K} if kind == "topk" else {}
     coder = SkipTranscoder(TranscoderConfig(d_in=D, d_sae=F, activation=kind, activation_params=params))
-    cfg = SparseCoderTrainConfig(total_steps=STEPS, lr=1e-2, norm_batches=2, dead_after_tokens=60,
-                                 warmup_frac=0.2, l1_coef=1e-2)
-    return SparseCoderTrainer(coder, global_batch, cfg)
+    cfg = TrainConfig(total_steps=STEPS, lr=1e-2, norm_batches=2, dead_after_tokens=60, warmup_frac=0.2,
+                      l1_coef=1e-2)
+    return Trainer(coder, global_batch, cfg)
 
 
 def state(trainer) -> dict[str, torch.Tensor]:
-    out = {k: v.detach().clone().contiguous() for k, v in trainer.coder.state_dict().items()}
+    out = {k: v.detach().clone().contiguous() for k, v in trainer.module.state_dict().items()}
     out["tokens_since_fired"] = trainer.tokens_since_fired.clone()
     return out
 
@@ -95,7 +95,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
         history, want = references[kind]
         if kind == "topk":
             assert any(h["aux"] > 0 for h in history)  # AuxK took part
-        assert not torch.equal(want["W_dec"], make_trainer(kind).coder.W_dec)  # training moved the weights
+        assert not torch.equal(want["W_dec"], make_trainer(kind).module.W_dec)  # training moved the weights
         for name, value in want.items():
             for r in range(2):
                 got = ranks[r][name]
@@ -108,9 +108,9 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
     b = global_batch(0)
     halves = [shard_batch(b, r, 2) for r in range(2)]
     assert torch.equal(torch.cat([h.x for h in halves]), b.x) and halves[0].x.shape[0] == 3
-    from nnsight_lorsa.training.activations import AttentionBatch
+    from nnsight_lorsa.training.activations import Batch
 
-    a = AttentionBatch(x=b.x, y=b.y, positions=torch.arange(9), loss_mask=b.loss_mask)
+    a = Batch(x=b.x, y=b.y, positions=torch.arange(9), loss_mask=b.loss_mask)
     half = shard_batch(a, 1, 2)
     assert torch.equal(half.positions, a.positions) and torch.equal(half.loss_mask, b.loss_mask[3:])
 
@@ -118,10 +118,10 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
 def test_live_source_shards_partition_the_global_batch():
     from tiny import tiny_training_setup
 
-    from nnsight_lorsa.training.activations import SiteActivationSource
+    from nnsight_lorsa.training import ActivationSource
 
     model, hf, adapter, data = tiny_training_setup()
-    full = SiteActivationSource.transcoder(model, 1, data, batch_size=6, seed=2)
+    full = ActivationSource.transcoder(model, 1, data, batch_size=6, seed=2)
     parts = [full.shard(r, 2)(3) for r in range(2)]
     whole = full(3)
     assert parts[0].x.shape[0] == 3

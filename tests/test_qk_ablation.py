@@ -9,8 +9,8 @@ from tiny import random_ids, tiny_nnsight
 
 from nnsight_lorsa import ConfigMismatchError, LayerOutOfRangeError, LorsaSet, ShapeError, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
+from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
-from nnsight_lorsa.training.activations import attention_activations
 
 
 def sharp_setup(family: str):

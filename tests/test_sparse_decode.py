@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny import tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.modules.activations import BatchTopK, TopK
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
@@ -17,8 +18,7 @@ from nnsight_lorsa.modules.sparse_decode import (
     topk_indices,
 )
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from nnsight_lorsa.training.activations import SiteActivationSource
-from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+from nnsight_lorsa.training import ActivationSource, TrainConfig, Trainer
 
 N, D, F, K = 40, 16, 96, 6
 
@@ -135,13 +135,12 @@ def setup():
 def test_training_with_sparse_kernels_equals_dense_training(setup, kind):
     model, hf, adapter, data = setup
     if kind == "topk_transcoder":
-        source = SiteActivationSource.transcoder(model, 1, data, batch_size=8)
+        source = ActivationSource.transcoder(model, 1, data, batch_size=8)
     else:
-        source = SiteActivationSource.sae(model, SiteActivationSource.transcoder(model, 1, data, 8).input_site,
-                                          data, batch_size=8)
+        source = ActivationSource.sae(model, Site.mlp_input(adapter, 1), data, batch_size=8)
     batches = {i: source(i) for i in range(12)}
 
-    def make(sparse: bool) -> SparseCoderTrainer:
+    def make(sparse: bool) -> Trainer:
         torch.manual_seed(0)
         d = adapter.d_model
         if kind == "topk_transcoder":
@@ -150,9 +149,8 @@ def test_training_with_sparse_kernels_equals_dense_training(setup, kind):
             coder = SparseAutoencoder(SAEConfig(d_in=d, d_sae=256, activation="batchtopk",
                                                 activation_params={"k": 8}))
         # dead_after_tokens small: AuxK is active from step 2 on
-        cfg = SparseCoderTrainConfig(total_steps=8, lr=1e-2, dead_after_tokens=100, log_every=1,
-                                     sparse_kernels=sparse)
-        return SparseCoderTrainer(coder, batches.__getitem__, cfg)
+        cfg = TrainConfig(total_steps=8, lr=1e-2, dead_after_tokens=100, log_every=1, sparse_kernels=sparse)
+        return Trainer(coder, batches.__getitem__, cfg)
 
     dense, fast = make(False), make(True)
     dense.train(progress=False)
@@ -161,6 +159,6 @@ def test_training_with_sparse_kernels_equals_dense_training(setup, kind):
     for h_d, h_f in zip(dense.config.history, fast.config.history, strict=True):
         for key in ("loss", "fvu", "l0", "dead_frac", "aux"):
             assert h_f[key] == pytest.approx(h_d[key], rel=1e-4, abs=1e-6), key
-    for (name, a), b in zip(dense.coder.state_dict().items(), fast.coder.state_dict().values(), strict=True):
+    for (name, a), b in zip(dense.module.state_dict().items(), fast.module.state_dict().values(), strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), name
     assert torch.equal(dense.tokens_since_fired, fast.tokens_since_fired)

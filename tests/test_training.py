@@ -10,11 +10,9 @@ import torch.nn.functional as F
 from tiny import tiny_training_setup
 
 from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, LorsaSet
-from nnsight_lorsa.training.activations import AttentionActivationSource, TokenDataset, attention_activations
-from nnsight_lorsa.training.evaluate import evaluate_lorsa
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
 from nnsight_lorsa.training.schedule import wsd_lr_factor
-from nnsight_lorsa.training.trainer import LorsaTrainer, TrainConfig
 
 LAYER = 1
 
@@ -60,24 +58,24 @@ def test_activations_match_the_model(setup):
     h = adapter.attention_module(hf, LAYER).register_forward_hook(hook, with_kwargs=True)
     hf(ids)
     h.remove()
-    batch = attention_activations(model, LAYER, ids, adapter=adapter)
+    batch = ActivationSource.attention(model, LAYER, data, batch_size=2).read(ids)
     assert torch.equal(batch.x, seen["x"]) and torch.equal(batch.y, seen["y"])
     assert not batch.loss_mask[:, 0].any() and batch.loss_mask[:, 1:].all()
 
 
 def test_training_reduces_fvu_and_folding_is_exact(setup):
     model, hf, adapter, data = setup
-    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
-    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=40, lr=1e-2, log_every=1),
-                           mhsa=adapter.mhsa_weights(hf, LAYER))
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=40, lr=1e-2, log_every=1),
+                      mhsa=adapter.mhsa_weights(hf, LAYER))
     history = trainer.train(progress=False)
     assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
     assert all(h["l0"] <= 8 for h in history)
     # folded weights act on raw activations exactly as the trained ones act on scaled ones
     batch = source(0)
-    folded = trainer.folded_lorsa()
+    folded = trainer.folded()
     with torch.no_grad():
-        want = trainer.lorsa(batch.x * trainer.s_in, batch.positions) / trainer.s_out
+        want = trainer.module(batch.x * trainer.s_in, batch.positions) / trainer.s_out
         got = folded(batch.x, batch.positions)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
@@ -85,41 +83,41 @@ def test_training_reduces_fvu_and_folding_is_exact(setup):
 
 def test_checkpoint_resumes_bit_exactly(setup, tmp_path):
     model, hf, adapter, data = setup
-    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
     config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)  # small: AuxK is active too
-    straight = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(**config))
+    straight = Trainer(new_lorsa(adapter), source, TrainConfig(**config))
     straight.train(progress=False)
-    first = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(**config))
+    first = Trainer(new_lorsa(adapter), source, TrainConfig(**config))
     first.train(3, progress=False)
     first.save_checkpoint(tmp_path / "ckpt")
-    resumed = LorsaTrainer.resume(tmp_path / "ckpt", source)
+    resumed = Trainer.resume(tmp_path / "ckpt", source)
     assert resumed.step == 3
     resumed.train(progress=False)
-    for (name, a), b in zip(straight.lorsa.state_dict().items(), resumed.lorsa.state_dict().values(), strict=True):
+    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
 
 
 def test_resume_rejects_broken_checkpoints(setup, tmp_path):
     model, hf, adapter, data = setup
-    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
-    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=2))
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=2))
     trainer.train(progress=False)
     trainer.save_checkpoint(tmp_path)
     meta = json.loads((tmp_path / "trainer.json").read_text())
     meta["lorsa_config"]["n_ov_heads"] = 128
     (tmp_path / "trainer.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="does not match"):
-        LorsaTrainer.resume(tmp_path, source)
+        Trainer.resume(tmp_path, source)
     (tmp_path / "state.safetensors").unlink()
     with pytest.raises(CheckpointError, match="state.safetensors"):
-        LorsaTrainer.resume(tmp_path, source)
+        Trainer.resume(tmp_path, source)
 
 
 def test_auxk_trains_dead_heads(setup):
     model, hf, adapter, data = setup
-    source = AttentionActivationSource(model, LAYER, data, batch_size=8)
-    trainer = LorsaTrainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1))
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1))
     trainer.estimate_norms()
     batch = source(0)
     trainer.loss(batch)  # counts firing: with threshold 1 every head that did not fire is dead
@@ -127,7 +125,7 @@ def test_auxk_trains_dead_heads(setup):
     assert metrics["dead_frac"] > 0 and metrics["aux"] > 0
     loss.backward()
     dead = trainer.tokens_since_fired >= 1
-    assert trainer.lorsa.W_V.grad[dead].abs().sum() > 0
+    assert trainer.module.W_V.grad[dead].abs().sum() > 0
 
 
 @torch.no_grad()
@@ -135,7 +133,7 @@ def test_evaluation_numbers_match_direct_computation(setup):
     model, hf, adapter, data = setup
     lorsa = new_lorsa(adapter)
     lorsa.init_from_mhsa(adapter.mhsa_weights(hf, LAYER))
-    ev = evaluate_lorsa(LorsaSet(model, {LAYER: lorsa}), LAYER, TokenDataset(data.tokens[:8]), batch_size=4)
+    ev = evaluate(LorsaSet(model, {LAYER: lorsa}), TokenDataset(data.tokens[:8]), at=LAYER, batch_size=4)
     ids = data.tokens[:8]
     logits = hf(ids).logits
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -159,14 +157,14 @@ def test_evaluation_counts_only_the_target_mask(setup):
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, 5] = mask[::2, 11] = True
     lorsas = LorsaSet(model, {LAYER: lorsa})
-    ev = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids, target_mask=mask), batch_size=4)
+    ev = evaluate(lorsas, TokenDataset(ids, target_mask=mask), at=LAYER, batch_size=4)
     with torch.no_grad():
         logits = hf(ids).logits
     keep = mask[:, 1:]
     ce = F.cross_entropy(logits[:, :-1][keep], ids[:, 1:][keep])
     assert ev.n_tokens == int(mask.sum()) == 12 and ev.ce_orig == pytest.approx(float(ce), rel=1e-5)
-    full = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids), batch_size=4)
-    ones = evaluate_lorsa(lorsas, LAYER, TokenDataset(ids, target_mask=torch.ones_like(mask)), batch_size=4)
+    full = evaluate(lorsas, TokenDataset(ids), at=LAYER, batch_size=4)
+    ones = evaluate(lorsas, TokenDataset(ids, target_mask=torch.ones_like(mask)), at=LAYER, batch_size=4)
     assert ones.ce_orig == pytest.approx(full.ce_orig) and ones.n_tokens == full.n_tokens
     assert ev.ce_orig != pytest.approx(full.ce_orig)
     train, held = TokenDataset(ids, target_mask=mask).split(0.25)

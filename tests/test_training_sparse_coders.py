@@ -7,13 +7,12 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_training_setup
 
+from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from nnsight_lorsa.training.activations import Site, SiteActivationSource, TokenDataset, site_activations
-from nnsight_lorsa.training.evaluate import evaluate_sae, evaluate_transcoder
-from nnsight_lorsa.training.sparse_coders import SparseCoderTrainConfig, SparseCoderTrainer
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
 LAYER = 1
 
@@ -48,17 +47,17 @@ def test_site_activations_match_the_model(setup):
     hf(ids)
     h1.remove()
     h2.remove()
-    b = site_activations(model, Site.mlp_input(adapter, LAYER), Site.mlp_output(adapter, LAYER), ids, adapter=adapter)
+    b = ActivationSource.transcoder(model, LAYER, data, batch_size=2).read(ids)
     assert torch.equal(b.x, seen["x"]) and torch.equal(b.y, seen["y"])
     assert not b.loss_mask[:, 0].any() and b.loss_mask[:, 1:].all()
     site = Site.resid_post(adapter, LAYER)
-    b = site_activations(model, site, site, ids, adapter=adapter)
+    b = ActivationSource.sae(model, site, data, batch_size=2).read(ids)
     assert torch.equal(b.x, seen["r"]) and b.y is b.x
 
 
 def _check_folded(trainer, batch):
     folded = trainer.folded()
-    coder = trainer.coder.eval()
+    coder = trainer.module.eval()
     with torch.no_grad():
         want = coder(batch.x * trainer.s_in) / trainer.s_out
         got = folded(batch.x)
@@ -68,22 +67,22 @@ def _check_folded(trainer, batch):
 
 def test_topk_transcoder_training_reduces_fvu_and_folds_exactly(setup):
     model, hf, adapter, data = setup
-    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
-    trainer = SparseCoderTrainer(new_transcoder(adapter), source,
-                                 SparseCoderTrainConfig(total_steps=40, lr=1e-2, log_every=1))
+    source = ActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_transcoder(adapter), source,
+                      TrainConfig(total_steps=40, lr=1e-2, log_every=1))
     history = trainer.train(progress=False)
     assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
     assert all(h["l0"] <= 8 for h in history)
-    assert torch.allclose(trainer.coder.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
+    assert torch.allclose(trainer.module.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
     folded = _check_folded(trainer, source(0))
     assert torch.allclose(folded.W_dec.norm(dim=1), torch.ones(256), atol=1e-5)
 
 
 def test_relu_l1_sae_training_reduces_fvu_and_folds_exactly(setup):
     model, hf, adapter, data = setup
-    source = SiteActivationSource.sae(model, Site.resid_post(adapter, LAYER), data, batch_size=8)
-    trainer = SparseCoderTrainer(new_sae(adapter), source,
-                                 SparseCoderTrainConfig(total_steps=40, lr=1e-2, l1_coef=1e-3, log_every=1))
+    source = ActivationSource.sae(model, Site.resid_post(adapter, LAYER), data, batch_size=8)
+    trainer = Trainer(new_sae(adapter), source,
+                      TrainConfig(total_steps=40, lr=1e-2, l1_coef=1e-3, log_every=1))
     history = trainer.train(progress=False)
     assert trainer.s_in == trainer.s_out
     assert history[-1]["fvu"] < 0.5 * history[0]["fvu"] and history[-1]["sparsity"] > 0
@@ -93,14 +92,14 @@ def test_relu_l1_sae_training_reduces_fvu_and_folds_exactly(setup):
 @pytest.mark.parametrize("kind", ["jumprelu", "batchtopk", "skip"])
 def test_other_methods_train_and_fold(setup, kind):
     model, hf, adapter, data = setup
-    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    source = ActivationSource.transcoder(model, LAYER, data, batch_size=8)
     if kind == "jumprelu":
         coder = new_transcoder(adapter, "jumprelu", {"threshold": 0.05, "bandwidth": 0.05})
     elif kind == "batchtopk":
         coder = new_transcoder(adapter, "batchtopk", {"k": 8})
     else:
         coder = new_transcoder(adapter, skip=True)
-    trainer = SparseCoderTrainer(coder, source, SparseCoderTrainConfig(total_steps=10, lr=1e-2, log_every=1))
+    trainer = Trainer(coder, source, TrainConfig(total_steps=10, lr=1e-2, log_every=1))
     theta0 = coder.activation.threshold.detach().clone() if kind == "jumprelu" else None
     history = trainer.train(progress=False)
     assert history[-1]["fvu"] < history[0]["fvu"]
@@ -112,19 +111,19 @@ def test_other_methods_train_and_fold(setup, kind):
 @pytest.mark.parametrize("kind", ["topk", "jumprelu"])
 def test_checkpoint_resumes_bit_exactly(setup, tmp_path, kind):
     model, hf, adapter, data = setup
-    source = SiteActivationSource.transcoder(model, LAYER, data, batch_size=8)
+    source = ActivationSource.transcoder(model, LAYER, data, batch_size=8)
     make = (lambda: new_transcoder(adapter)) if kind == "topk" else (
         lambda: new_transcoder(adapter, "jumprelu", {"threshold": 0.05, "bandwidth": 0.05}, skip=True))
     config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)  # small: AuxK is active too
-    straight = SparseCoderTrainer(make(), source, SparseCoderTrainConfig(**config))
+    straight = Trainer(make(), source, TrainConfig(**config))
     straight.train(progress=False)
-    first = SparseCoderTrainer(make(), source, SparseCoderTrainConfig(**config))
+    first = Trainer(make(), source, TrainConfig(**config))
     first.train(3, progress=False)
     first.save_checkpoint(tmp_path / "ckpt")
-    resumed = SparseCoderTrainer.resume(tmp_path / "ckpt", source)
-    assert resumed.step == 3 and type(resumed.coder) is type(straight.coder)
+    resumed = Trainer.resume(tmp_path / "ckpt", source)
+    assert resumed.step == 3 and type(resumed.module) is type(straight.module)
     resumed.train(progress=False)
-    for (name, a), b in zip(straight.coder.state_dict().items(), resumed.coder.state_dict().values(), strict=True):
+    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
     assert straight.config.history[-1] == resumed.config.history[-1]
@@ -143,7 +142,7 @@ def test_transcoder_evaluation_matches_direct_computation(setup):
     model, hf, adapter, data = setup
     tc = new_transcoder(adapter).eval()
     ids = data.tokens[:8]
-    ev = evaluate_transcoder(TranscoderSet(model, {LAYER: tc}), LAYER, TokenDataset(ids), batch_size=4)
+    ev = evaluate(TranscoderSet(model, {LAYER: tc}), TokenDataset(ids), at=LAYER, batch_size=4)
     mlp = adapter.mlp_module(hf, LAYER)
     logits_o, ce_o = _direct_ce(hf, ids)
     seen = {}
@@ -175,7 +174,7 @@ def test_sae_evaluation_matches_direct_computation(setup):
     sae = new_sae(adapter, "topk", {"k": 8}).eval()
     site = adapter.layer_path(LAYER)
     ids = data.tokens[:8]
-    ev = evaluate_sae(SAESet(model, {site: sae}), site, TokenDataset(ids), batch_size=8)
+    ev = evaluate(SAESet(model, {site: sae}), TokenDataset(ids), at=site, batch_size=8)
     layer = adapter.get_module(hf, site)
 
     def first(out):

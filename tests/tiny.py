@@ -85,7 +85,7 @@ def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:
 def tiny_training_setup():
     """(nnsight model, HF model, adapter, TokenDataset of 48 random windows × 16) for training tests."""
     from nnsight_lorsa import get_adapter
-    from nnsight_lorsa.training.activations import TokenDataset
+    from nnsight_lorsa.training import TokenDataset
 
     model, hf = tiny_nnsight("llama")
     return model, hf, get_adapter(model), TokenDataset(random_ids(batch=48, seq=16, seed=3))

@@ -23,8 +23,8 @@ from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import mhsa_forward
 from ..adapters.registry import get_adapter
+from ..envoy.read import attention_activations
 from ..errors import ShapeError
-from ..training.activations import attention_activations
 from .top_activations import TopActivations
 
 

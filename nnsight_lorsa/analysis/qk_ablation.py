@@ -16,7 +16,7 @@ The impact of ``f`` is the **maximum** KL over all activation locations of the h
 module applies them; everything is vectorised over (location, feature) pairs, one window at a time.
 
 :func:`qk_feature_impacts` streams ``(n_windows, pos)`` token windows through nnsight batch by
-batch (the attention input collected by :func:`~nnsight_lorsa.training.activations.attention_activations`,
+batch (the attention input collected by :func:`~nnsight_lorsa.envoy.read.attention_activations`,
 which stops the model after the attention); memory is bounded by ``batch_size`` and ``chunk``.
 """
 
@@ -206,7 +206,7 @@ def qk_feature_impacts(
         All before the model runs.
     """
     from ..adapters.registry import get_adapter
-    from ..training.activations import attention_activations
+    from ..envoy.read import attention_activations
 
     lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
     adapter = get_adapter(model)

@@ -1,8 +1,9 @@
 """On-disk activation cache: one pass over the model, several dictionaries trained from it.
 
 :func:`write_activation_cache` runs ``model.trace`` once per batch of windows of a
-:class:`~.activations.TokenDataset` and records the values of several :class:`~.activations.Site` s
-(e.g. the MLP input and output of every layer and a residual stream) into safetensors shards::
+:class:`~.activations.TokenDataset` and records the values of several :class:`~..envoy.read.Site` s
+(e.g. the MLP input and output of every layer and a residual stream; read by
+:func:`~..envoy.read.read_sites`) into safetensors shards::
 
     <dir>/manifest.json                 format, version, model name + config hash, dataset hash,
                                         seq_len, n_windows, n_tokens, n_loss_tokens, dtype,
@@ -10,13 +11,13 @@
     <dir>/shard_00000.safetensors       per window: "<site name>" (n, seq_len, d) for every site,
                                         "input_ids" (n, seq_len) int64, "loss_mask" (n, seq_len) bool
 
-Nothing is pickled (JSON + safetensors only). :class:`ActivationCache` opens a directory,
-checks the manifest against the shards (and against a model, sites and widths if given), and
-:meth:`ActivationCache.source` returns a :class:`CachedSiteSource`: batch ``i`` is the same
-:class:`~.activations.SiteBatch` that ``SiteActivationSource(model, input_site, target_site,
-dataset, batch_size, seed)`` computes live (the same seeded window permutation per epoch, the same
-values), so :class:`~.sparse_coders.SparseCoderTrainer` consumes either, and training from the
-cache gives the same dictionary as training live. Shards are memory-mapped and read window by window.
+Nothing is pickled (JSON + safetensors only). :class:`ActivationCache` opens a directory and
+checks the manifest against the shards (and against a model, sites and widths if given);
+``ActivationSource(cache, x, y, batch_size=…, seed=…)`` (:class:`~.activations.ActivationSource`)
+then yields batch ``i`` equal to what the live source with these arguments computes (the same
+seeded window permutation per epoch, the same values), so the trainer consumes either and training
+from the cache gives the same dictionary as training live. Shards are memory-mapped and read
+window by window.
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from .._typing import Int
-from ..adapters.registry import get_adapter
+from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
-from .activations import Site, SiteBatch, TokenDataset, _read_site, loss_mask_for
+from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"
 VERSION = 1
@@ -71,21 +70,6 @@ def tokens_hash(tokens: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _execution_order(root: nn.Module) -> dict[tuple[str, str], int]:
-    """Rank of each module's input (entered) and output (left) in a depth-first walk, children
-    in registration order: the order in which a trace must read the sites."""
-    order: dict[tuple[str, str], int] = {}
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        order[(prefix, "input")] = len(order)
-        for name, child in module.named_children():
-            visit(child, f"{prefix}.{name}" if prefix else name)
-        order[(prefix, "output")] = len(order)
-
-    visit(root, "")
-    return order
-
-
 def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Site]:
     named = dict(sites) if isinstance(sites, Mapping) else {site_name(s): s for s in sites}
     if not named:
@@ -95,34 +79,9 @@ def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Si
             raise ActivationCacheError(f"site {name!r} is {type(s).__name__}, not a Site")
         if name in ("input_ids", "loss_mask"):
             raise ActivationCacheError(f"site name {name!r} is reserved")
+        if s.kind == "positions":
+            raise ActivationCacheError(f"site {name!r}: positions are not cached (only inputs and outputs)")
     return named
-
-
-@torch.no_grad()
-def read_sites(model: Any, sites: Mapping[str, Site], input_ids: Int[torch.Tensor, "batch pos"],
-               attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The values of every site on ``input_ids`` from one ``model.trace`` (read in execution order;
-    the trace stops after the last one): ``{name: (batch, pos, d)}``.
-
-    Raises:
-        ActivationCacheError: a site path that is not a module of the model.
-    """
-    adapter = get_adapter(model)
-    order = _execution_order(model._module)
-    for name, s in sites.items():
-        if (s.path, s.kind) not in order:
-            raise ActivationCacheError(f"site {name!r}: {s.path!r} is not a module of the model")
-    ordered = sorted(sites.items(), key=lambda item: order[(item[1].path, item[1].kind)])
-    inputs: dict[str, Any] = {"input_ids": input_ids}
-    if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask
-    saved: dict[Site, Any] = {}
-    with model.trace(inputs, use_cache=False) as tracer:
-        for _, s in ordered:
-            if s not in saved:
-                saved[s] = nnsight.save(_read_site(model.get(s.path), s, adapter))
-        tracer.stop()
-    return {name: saved[s] for name, s in sites.items()}
 
 
 @torch.no_grad()
@@ -133,7 +92,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
 
     Args:
         model: nnsight-wrapped model. sites: ``{name: Site}`` or Sites (named by :func:`site_name`).
-        dataset: the windows (``[BOS] + …``, as for :class:`~.activations.SiteActivationSource`).
+        dataset: the windows (``[BOS] + …``, as for :class:`~.activations.ActivationSource`).
         directory: created if needed; must not hold a cache already.
         batch_size: windows per trace. windows_per_shard: windows per safetensors file.
         dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one).
@@ -171,7 +130,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     for start in range(0, len(dataset), batch_size):
         ids = tokens[start:start + batch_size]
         values = read_sites(model, named, ids)
-        mask = loss_mask_for(ids, None)
+        mask = _loss_mask(ids)
         n_loss += int(mask.sum())
         for name, v in values.items():
             widths.setdefault(name, int(v.shape[-1]))
@@ -247,7 +206,7 @@ class ActivationCache:
         return {n: Site(v["path"], v["kind"]) for n, v in self.manifest["sites"].items()}
 
     def site(self, site: str | Site) -> str:
-        """The cache name of ``site`` (a name or a :class:`~.activations.Site`).
+        """The cache name of ``site`` (a name or a :class:`~..envoy.read.Site`).
 
         Raises:
             ActivationCacheError: the site is not in the cache.
@@ -322,45 +281,3 @@ class ActivationCache:
     def dataset(self) -> TokenDataset:
         """The cached windows' token ids as a :class:`~.activations.TokenDataset`."""
         return TokenDataset(self.windows("input_ids", torch.arange(self.n_windows)))
-
-    def source(self, input_site: str | Site, target_site: str | Site | None = None, batch_size: int = 16,
-               seed: int = 0) -> CachedSiteSource:
-        """Batch index -> :class:`~.activations.SiteBatch` from the cache (``target_site`` default: the input,
-        an SAE); the same stream as :class:`~.activations.SiteActivationSource` with these arguments."""
-        return CachedSiteSource(self, input_site, input_site if target_site is None else target_site,
-                                batch_size, seed)
-
-
-class CachedSiteSource:
-    """Batch ``i`` of a cached (input, target) stream; see :meth:`ActivationCache.source`.
-
-    The windows of batch ``i`` are those :meth:`~.activations.TokenDataset.batch` picks (a seeded
-    permutation per epoch), so the stream equals the live one. :meth:`shard` restricts every
-    batch to one data-parallel rank's windows.
-    """
-
-    def __init__(self, cache: ActivationCache, input_site: str | Site, target_site: str | Site, batch_size: int,
-                 seed: int = 0, shard: tuple[int, int] = (0, 1)) -> None:
-        self.cache = cache
-        self.input_name, self.target_name = cache.site(input_site), cache.site(target_site)
-        self.input_site, self.target_site = cache.sites[self.input_name], cache.sites[self.target_name]
-        self.batch_size, self.seed = batch_size, seed
-        self._shard = shard
-        self._index = TokenDataset(torch.arange(cache.n_windows)[:, None])
-
-    def window_ids(self, index: int) -> Int[torch.Tensor, " n"]:
-        """The windows of batch ``index`` (this rank's part of it under :meth:`shard`)."""
-        ids = self._index.batch(index, self.batch_size, self.seed)[:, 0]
-        rank, world = self._shard
-        return ids.tensor_split(world)[rank]
-
-    def shard(self, rank: int, world: int) -> CachedSiteSource:
-        """The same stream restricted to rank ``rank``'s contiguous part of each batch (of ``world``)."""
-        return CachedSiteSource(self.cache, self.input_name, self.target_name, self.batch_size, self.seed,
-                                (rank, world))
-
-    def __call__(self, index: int) -> SiteBatch:
-        ids = self.window_ids(index)
-        x = self.cache.windows(self.input_name, ids)
-        y = x if self.target_name == self.input_name else self.cache.windows(self.target_name, ids)
-        return SiteBatch(x=x, y=y, loss_mask=self.cache.windows("loss_mask", ids))

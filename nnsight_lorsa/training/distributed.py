@@ -8,8 +8,9 @@ Every rank builds the same trainer (same module init, same source, same config),
 
 Batch ``i`` of the source is the *global* batch. Each rank trains on its contiguous part of it
 (``torch.tensor_split`` of the windows into ``world_size`` parts; sources with a ``shard(rank,
-world)`` method — :class:`~.activations.SiteActivationSource`, :class:`~.activation_cache.CachedSiteSource`
-— only compute / read that part). What makes the result equal to one process on the global batch
+world)`` method — :class:`~.activations.ActivationSource`, live or cached — only compute / read
+that part; a plain callable's batches are cut by :func:`shard_batch`, along dim 0, so a plain
+callable yielding stacked CLT batches must shard itself). What makes the result equal to one process on the global batch
 (tested on 2 CPU processes with gloo, parameters within ~1e-6):
 
 * DDP all-reduces (averages) the gradients in the backward; each rank's loss is scaled by
@@ -49,16 +50,6 @@ class _LossModule(nn.Module):
         return self._loss(batch)
 
 
-class _SlicedSource:
-    """Rank ``rank``'s contiguous part of every batch of ``source`` (fields sliced along dim 0)."""
-
-    def __init__(self, source: Any, rank: int, world: int) -> None:
-        self.source, self.rank, self.world = source, rank, world
-
-    def __call__(self, index: int) -> Any:
-        return shard_batch(self.source(index), self.rank, self.world)
-
-
 def shard_batch(batch: Any, rank: int, world: int) -> Any:
     """A copy of a batch dataclass with every ``(batch, pos, …)`` tensor field (≥ 2 dims) cut to rank
     ``rank``'s part of dim 0 (``tensor_split`` into ``world`` parts); other fields (e.g. shared
@@ -76,7 +67,7 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
 
 
 class DataParallel:
-    """Attach data-parallel training to a trainer (:class:`~.trainer.TrainerCore` subclass).
+    """Attach data-parallel training to a :class:`~.trainer.Trainer`.
 
     Args:
         trainer: built identically on every rank; its ``source`` yields global batches.
@@ -96,8 +87,11 @@ class DataParallel:
         self.trainer = trainer
         source = trainer.source
         shard = getattr(source, "shard", None)
-        self.source = shard(self.rank, self.world_size) if callable(shard) else _SlicedSource(
-            source, self.rank, self.world_size)
+        if callable(shard):
+            self.source = shard(self.rank, self.world_size)
+        else:  # a plain callable: compute the global batch, keep this rank's part
+            rank, world = self.rank, self.world_size
+            self.source = lambda index: shard_batch(source(index), rank, world)
         # DDP broadcasts rank 0's parameters and buffers now; buffers (BatchTopK thresholds) are
         # not re-broadcast at every forward
         # (torch 2.13 deprecates broadcast_buffers for forward_sync_buffers)

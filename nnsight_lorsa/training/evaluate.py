@@ -1,12 +1,13 @@
-"""Evaluate a dictionary spliced into its model: FVU, L0, dead latents, next-token CE and KL.
+"""Evaluate a trained module spliced into its model: FVU, L0, dead latents, next-token CE and KL.
 
-For each held-out batch, three nnsight traces: the unmodified model (``CE_orig``; the site's true
-value is read there), the model with the site replaced by the dictionary (``CE_spliced``, via
-``LorsaSet.replace`` / ``TranscoderSet.replace`` / ``SAESet.replace``; its features and output
-are read there) and with the site zero-ablated (``CE_zero``). The fraction of CE recovered,
-``(CE_zero − CE_spliced) / (CE_zero − CE_orig)``, is SAELens' "CE loss score"; ``kl`` is the mean
-KL(original ‖ spliced) of the next-token distributions. :func:`evaluate_spliced` is the loop,
-:func:`evaluate_lorsa`, :func:`evaluate_transcoder` and :func:`evaluate_sae` say what the site is.
+:func:`evaluate` takes a replacement set — :class:`~..envoy.lorsa_set.LorsaSet`,
+:class:`~..envoy.transcoder_set.TranscoderSet`, :class:`~..envoy.sae_set.SAESet` or
+:class:`~..envoy.clt_set.CLTSet` — and runs three nnsight traces per held-out batch: the unmodified
+model (``ce_orig``; the site's true value is read there), the model with the site replaced by the
+module (``ce_spliced``, via the set's ``replace``) and with the site zero-ablated (``ce_zero``).
+``ce_recovered = (ce_zero − ce_spliced) / (ce_zero − ce_orig)`` is SAELens' "CE loss score"; ``kl``
+is the mean KL(original ‖ spliced) of the next-token distributions. The metric names are the same
+for every module kind (:class:`Evaluation`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,50 @@ import nnsight
 import torch
 import torch.nn.functional as F
 
+from ..envoy.clt_set import CLTSet
 from ..envoy.lorsa_set import LorsaSet
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
-from .activations import TokenDataset
+from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` measures (CE and KL in nats per counted next-token prediction).
+
+    Attributes:
+        fvu: fraction of variance unexplained of the module's output against the site's true value
+            (non-BOS tokens) — a float, or for a CLT a list per layer (measured on the original
+            model's activations: layer ``l`` reconstructed from the true MLP inputs of layers ``0 … l``).
+        l0: mean number of active latents per token (float, or per layer for a CLT).
+        dead_frac: fraction of latents that never fire on the set (float, or per layer for a CLT).
+        ce_orig, ce_spliced, ce_zero: CE of the original model, with the module spliced in (every MLP
+            for a CLT), and with the site(s) zero-ablated.
+        kl: mean KL(original ‖ spliced). n_tokens: counted predictions.
+    """
+
+    fvu: float | list[float]
+    l0: float | list[float]
+    dead_frac: float | list[float]
+    ce_orig: float
+    ce_spliced: float
+    ce_zero: float
+    kl: float
+    n_tokens: int
+
+    @property
+    def ce_recovered(self) -> float:
+        """``(ce_zero − ce_spliced) / (ce_zero − ce_orig)``: 1 = as good as the original, 0 = as zero-ablation."""
+        return (self.ce_zero - self.ce_spliced) / (self.ce_zero - self.ce_orig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields plus ``ce_recovered``."""
+        return {**asdict(self), "ce_recovered": self.ce_recovered}
+
+    def summary(self) -> dict[str, Any]:
+        """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON)."""
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()}
 
 
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -32,73 +72,10 @@ def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _ce(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[float, int]:
-    """Summed next-token CE over the counted predictions (targets ``ids[:, 1:]`` where ``mask``) and
-    their count."""
+    """Summed next-token CE over the counted predictions and their count."""
     keep = _predicted(mask, ids)
     lp = F.cross_entropy(logits[:, :-1][keep].float(), ids[:, 1:][keep], reduction="sum")
     return float(lp), int(keep.sum())
-
-
-class CERecovered:
-    """``ce_recovered`` and ``to_dict`` for evaluation dataclasses with ``ce_orig``/``ce_spliced``/``ce_zero``."""
-
-    ce_orig: float
-    ce_spliced: float
-    ce_zero: float
-
-    @property
-    def ce_recovered(self) -> float:
-        """``(CE_zero − CE_spliced) / (CE_zero − CE_orig)``."""
-        return (self.ce_zero - self.ce_spliced) / (self.ce_zero - self.ce_orig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ce_recovered": self.ce_recovered}  # type: ignore[call-overload]
-
-
-@dataclass
-class LorsaEvaluation(CERecovered):
-    """Evaluation numbers (CE in nats per predicted token); ``ce_recovered``: 1 = as good as the
-    MHSA, 0 = as zero-ablation."""
-
-    fvu: float
-    l0: float
-    dead_frac: float
-    ce_orig: float
-    ce_lorsa: float
-    ce_zero: float
-    n_tokens: int
-
-    @property
-    def ce_spliced(self) -> float:  # type: ignore[override]
-        """The Lorsa-spliced CE (``ce_lorsa``), as :class:`CERecovered` reads it."""
-        return self.ce_lorsa
-
-
-@dataclass
-class SplicedEvaluation(CERecovered):
-    """Evaluation numbers of any spliced dictionary (CE and KL in nats per predicted token)."""
-
-    fvu: float
-    l0: float
-    dead_frac: float
-    ce_orig: float
-    ce_spliced: float
-    ce_zero: float
-    kl: float
-    n_tokens: int
-
-
-def accumulate_ce(sums: dict[str, float], ids: torch.Tensor, logits_orig: torch.Tensor,
-                  logits_spliced: torch.Tensor, logits_zero: torch.Tensor, mask: torch.Tensor | None = None) -> int:
-    """Add one batch's summed CE (``orig``/``spliced``/``zero``) and KL(orig ‖ spliced) to ``sums``,
-    over the predictions ``mask`` counts (:attr:`TokenDataset.target_mask`; default all); returns
-    their number."""
-    n = 0
-    for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
-        ce, n = _ce(logits, ids, mask)
-        sums[key] += ce
-    sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
-    return n
 
 
 def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> float:
@@ -108,20 +85,148 @@ def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> f
     return float((lp.exp() * (lp - lq)).sum())
 
 
+class _SiteProbe:
+    """One replaced site (a Lorsa's attention, a transcoder's MLP, an SAE's module): FVU and L0 from
+    the spliced trace's features and output against the true value read in the original trace.
+    (Values saved inside a trace are kept on the probe: nnsight hands back saved locals only.)"""
+
+    def __init__(self, model: Any, path: str, value: Callable[[Any], Any], with_value: Callable[[Any, Any], Any],
+                 n_latents: int, splice: Callable[[], tuple[Any, Any]]) -> None:
+        self.model, self.path, self.value, self.with_value = model, path, value, with_value
+        self.splice_fn = splice
+        self.acc = FVUAccumulator()
+        self.l0_sum, self.l0_n = 0.0, 0
+        self.fired = torch.zeros(n_latents, dtype=torch.bool)
+
+    def read(self) -> None:
+        self.target = nnsight.save(self.value(self.model.get(self.path).output))
+
+    def splice(self) -> None:
+        z, out = self.splice_fn()
+        self.z, self.out = nnsight.save(z), nnsight.save(out)
+
+    def zero(self) -> None:
+        env = self.model.get(self.path)
+        original = env.output
+        env.output = self.with_value(original, torch.zeros_like(self.value(original)))
+
+    def measure(self, ids: torch.Tensor) -> None:
+        keep = _loss_mask(ids)
+        self.acc.update(self.target[keep].float(), self.out[keep].float())
+        active = self.z[keep] > 0
+        self.l0_sum += float(active.sum())
+        self.l0_n += active.shape[0]
+        self.fired |= active.any(0)
+
+    def result(self) -> tuple[Any, Any, Any]:
+        return self.acc.value(), self.l0_sum / max(self.l0_n, 1), float((~self.fired).float().mean())
+
+
+class _CLTProbe:
+    """A CLT replacing every MLP: per-layer FVU / L0 / dead from the CLT run on the original model's
+    MLP inputs and outputs (the spliced trace changes later layers' inputs)."""
+
+    def __init__(self, clt_set: CLTSet) -> None:
+        self.model, self.adapter, self.clt, self.clt_set = clt_set.model, clt_set.adapter, clt_set.clt, clt_set
+        n = self.clt.n_layers
+        self.paths = [self.adapter.mlp_path(layer) for layer in range(n)]
+        self.accs = [FVUAccumulator() for _ in range(n)]
+        self.l0_sum = torch.zeros(n, dtype=torch.float64)
+        self.n_kept = 0
+        self.fired = torch.zeros(n, self.clt.cfg.d_sae, dtype=torch.bool)
+
+    def read(self) -> None:
+        self.xs: list[Any] = []
+        self.ys: list[Any] = []
+        for path in self.paths:
+            env = self.model.get(path)
+            args, kwargs = env.inputs
+            self.xs.append(nnsight.save(self.adapter.mlp_input(args, kwargs)))
+            self.ys.append(nnsight.save(self.adapter.mlp_output(env.output)))
+
+    def splice(self) -> None:
+        self.clt_set.replace()
+
+    def zero(self) -> None:
+        for path in self.paths:
+            env = self.model.get(path)
+            original = env.output
+            env.output = self.adapter.with_mlp_output(original, torch.zeros_like(self.adapter.mlp_output(original)))
+
+    def measure(self, ids: torch.Tensor) -> None:
+        xs, ys, clt = self.xs, self.ys, self.clt
+        keep = _loss_mask(ids)
+        x = torch.stack([t[keep] for t in xs]).to(clt.W_enc.dtype)
+        y = torch.stack([t[keep] for t in ys]).to(clt.W_enc.dtype)
+        acts = clt.encode(x)
+        recon = clt.decode(acts, x)
+        for layer, acc in enumerate(self.accs):
+            acc.update(y[layer].float(), recon[layer].float())
+        active = acts > 0
+        self.l0_sum += active.sum((1, 2)).double()
+        self.n_kept += x.shape[1]
+        self.fired |= active.any(1)
+
+    def result(self) -> tuple[Any, Any, Any]:
+        return ([a.value() for a in self.accs], [float(v) / max(self.n_kept, 1) for v in self.l0_sum],
+                [float(v) for v in (~self.fired).float().mean(1)])
+
+
+def _dictionary_splice(site: Any) -> tuple[Any, Any]:
+    return site.hook_sae_acts_post.output, site.hook_sae_recons.output
+
+
+def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
+    if isinstance(replacements, CLTSet):
+        if at is not None:
+            raise ValueError("a CLTSet replaces every MLP at once: no at=")
+        return _CLTProbe(replacements)
+    if not isinstance(replacements, (LorsaSet, TranscoderSet, SAESet)):
+        raise TypeError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, "
+                        f"got {type(replacements).__name__}")
+    if at is None:
+        keys = list(replacements)
+        if len(keys) != 1:
+            raise ValueError(f"the set holds {len(keys)} modules ({keys}): pass at=")
+        at = keys[0]
+    model, adapter = replacements.model, replacements.adapter
+    if isinstance(replacements, LorsaSet):
+        def lorsa_splice() -> tuple[Any, Any]:
+            site = replacements.replace(at)
+            return site.hook_z.output, site.hook_out.output
+
+        return _SiteProbe(model, adapter.attention_path(at), adapter.attention_output, adapter.with_attention_output,
+                          replacements[at].cfg.n_ov_heads, lorsa_splice)
+    if isinstance(replacements, TranscoderSet):
+        return _SiteProbe(model, adapter.mlp_path(at), adapter.mlp_output, adapter.with_mlp_output,
+                          replacements[at].cfg.d_sae, lambda: _dictionary_splice(replacements.replace(at)))
+    return _SiteProbe(model, at, site_output, with_site_output, replacements[at].cfg.d_sae,
+                      lambda: _dictionary_splice(replacements.replace(at)))
+
+
 @torch.no_grad()
-def evaluate_spliced(model: Any, lm_head_path: str, dataset: TokenDataset, n_latents: int, *,
-                     read_target: Callable[[], Any], splice: Callable[[], tuple[Any, Any]],
-                     zero_ablate: Callable[[], None], batch_size: int = 8,
-                     max_batches: int | None = None) -> SplicedEvaluation:
-    """The evaluation loop. Inside the respective traces, ``read_target()`` returns the site's
-    true value, ``splice()`` splices the dictionary and returns ``(features, output)`` proxies, and
-    ``zero_ablate()`` zeroes the site. BOS positions (column 0) are excluded from FVU/L0; a latent
-    is dead if it never fires on the set."""
-    acc = FVUAccumulator()
+def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: TokenDataset, *, at: Any = None,
+             batch_size: int = 8, max_batches: int | None = None) -> Evaluation:
+    """Evaluate a module spliced into its model on the windows of ``dataset`` (or its first
+    ``max_batches`` batches of ``batch_size``); use the folded module (:meth:`~.trainer.Trainer.folded`).
+
+    Args:
+        replacements: the module in its replacement set: a Lorsa (site: layer ``at``'s attention output),
+            transcoder (layer ``at``'s MLP output), SAE (the output of module path ``at``), or a CLT
+            (every MLP output at once; per-layer FVU / L0 / dead).
+        dataset: held-out windows; CE and KL count the predictions its ``target_mask`` keeps (default
+            all); BOS (column 0) is excluded from FVU / L0.
+        at: the layer (Lorsa, transcoder) or module path (SAE) to evaluate; default: the set's only one.
+
+    Raises:
+        ValueError: ``at`` missing while the set holds several modules, or given for a CLT.
+        TypeError: not one of these sets.
+    """
+    probe = _probe(replacements, at)
+    model = replacements.model
+    lm_head_path = replacements.adapter.lm_head_path
     sums = {"orig": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
     n_tok = 0
-    l0_sum, l0_n = 0.0, 0
-    fired = torch.zeros(n_latents, dtype=torch.bool)
     n_batches = (len(dataset) + batch_size - 1) // batch_size
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
@@ -129,100 +234,22 @@ def evaluate_spliced(model: Any, lm_head_path: str, dataset: TokenDataset, n_lat
         ids = dataset.tokens[i * batch_size:(i + 1) * batch_size]
         lm_head = model.get(lm_head_path)
         with model.trace(ids, use_cache=False):
-            target = nnsight.save(read_target())
+            probe.read()
             logits_orig = nnsight.save(lm_head.output)
         with model.trace(ids, use_cache=False):
-            acts_proxy, out_proxy = splice()
-            z = nnsight.save(acts_proxy)
-            out = nnsight.save(out_proxy)
+            probe.splice()
             logits_spliced = nnsight.save(lm_head.output)
         with model.trace(ids, use_cache=False):
-            zero_ablate()
+            probe.zero()
             logits_zero = nnsight.save(lm_head.output)
-        n_tok += accumulate_ce(sums, ids, logits_orig, logits_spliced, logits_zero,
-                               dataset.targets(i * batch_size, (i + 1) * batch_size))
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        keep[:, 0] = False
-        acc.update(target[keep].float(), out[keep].float())
-        active = z[keep] > 0
-        l0_sum += float(active.sum())
-        l0_n += active.shape[0]
-        fired |= active.any(0)
-    return SplicedEvaluation(
-        fvu=acc.value(), l0=l0_sum / max(l0_n, 1), dead_frac=float((~fired).float().mean()),
-        ce_orig=sums["orig"] / n_tok, ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok,
-        kl=sums["kl"] / n_tok, n_tokens=n_tok,
-    )
-
-
-@torch.no_grad()
-def evaluate_lorsa(lorsas: LorsaSet, layer: int, dataset: TokenDataset, *, batch_size: int = 8,
-                   max_batches: int | None = None) -> LorsaEvaluation:
-    """Evaluate the Lorsa of ``layer`` on every window of ``dataset`` (or ``max_batches`` batches).
-
-    BOS positions (column 0) are excluded from FVU/L0; a head is dead if it never fires on the set.
-    """
-    model, adapter = lorsas.model, lorsas.adapter
-    attn_path = adapter.attention_path(layer)
-
-    def splice() -> tuple[Any, Any]:
-        site = lorsas.replace(layer)
-        return site.hook_z.output, site.hook_out.output
-
-    def zero_ablate() -> None:
-        attn = model.get(attn_path)
-        original = attn.output
-        attn.output = adapter.with_attention_output(original, torch.zeros_like(adapter.attention_output(original)))
-
-    ev = evaluate_spliced(
-        model, adapter.lm_head_path, dataset, lorsas[layer].cfg.n_ov_heads,
-        read_target=lambda: adapter.attention_output(model.get(attn_path).output),
-        splice=splice, zero_ablate=zero_ablate, batch_size=batch_size, max_batches=max_batches)
-    return LorsaEvaluation(fvu=ev.fvu, l0=ev.l0, dead_frac=ev.dead_frac, ce_orig=ev.ce_orig,
-                           ce_lorsa=ev.ce_spliced, ce_zero=ev.ce_zero, n_tokens=ev.n_tokens)
-
-
-def _dictionary_splice(site: Any) -> tuple[Any, Any]:
-    return site.hook_sae_acts_post.output, site.hook_sae_recons.output
-
-
-@torch.no_grad()
-def evaluate_transcoder(transcoders: TranscoderSet, layer: int, dataset: TokenDataset, *, batch_size: int = 8,
-                        max_batches: int | None = None) -> SplicedEvaluation:
-    """Evaluate the transcoder of ``layer`` (MLP output replaced; zero-ablation = MLP output zeroed)."""
-    model, adapter = transcoders.model, transcoders.adapter
-    mlp_path = adapter.mlp_path(layer)
-
-    def zero_ablate() -> None:
-        mlp = model.get(mlp_path)
-        original = mlp.output
-        mlp.output = adapter.with_mlp_output(original, torch.zeros_like(adapter.mlp_output(original)))
-
-    return evaluate_spliced(
-        model, adapter.lm_head_path, dataset, transcoders[layer].cfg.d_sae,
-        read_target=lambda: adapter.mlp_output(model.get(mlp_path).output),
-        splice=lambda: _dictionary_splice(transcoders.replace(layer)), zero_ablate=zero_ablate,
-        batch_size=batch_size, max_batches=max_batches)
-
-
-@torch.no_grad()
-def evaluate_sae(saes: SAESet, site: str, dataset: TokenDataset, *, batch_size: int = 8,
-                 max_batches: int | None = None) -> SplicedEvaluation:
-    """Evaluate the SAE at ``site`` (its output replaced; zero-ablation = the output zeroed)."""
-    model = saes.model
-
-    def zero_ablate() -> None:
-        env = model.get(site)
-        original = env.output
-        env.output = with_site_output(original, torch.zeros_like(site_output(original)))
-
-    return evaluate_spliced(
-        model, saes.adapter.lm_head_path, dataset, saes[site].cfg.d_sae,
-        read_target=lambda: site_output(model.get(site).output),
-        splice=lambda: _dictionary_splice(saes.replace(site)), zero_ablate=zero_ablate,
-        batch_size=batch_size, max_batches=max_batches)
-
-
-def summarize(ev: LorsaEvaluation | SplicedEvaluation) -> dict[str, Any]:
-    """Rounded numbers for printing/JSON."""
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in ev.to_dict().items()}
+        mask = dataset.targets(i * batch_size, (i + 1) * batch_size)
+        for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
+            ce, n = _ce(logits, ids, mask)
+            sums[key] += ce
+        sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
+        n_tok += n
+        probe.measure(ids)
+    fvu, l0, dead = probe.result()
+    return Evaluation(fvu=fvu, l0=l0, dead_frac=dead, ce_orig=sums["orig"] / n_tok,
+                      ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok, kl=sums["kl"] / n_tok,
+                      n_tokens=n_tok)

@@ -8,12 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._typing import Bool, Float
-
-
-def masked_rows(t: torch.Tensor, mask: Bool[torch.Tensor, "batch pos"]) -> torch.Tensor:
-    """``(n_kept, ...)`` rows of a ``(batch, pos, ...)`` tensor where ``mask`` is True."""
-    return t[mask]
+from .._typing import Float
 
 
 def fvu(y: Float[torch.Tensor, "n d"], y_hat: Float[torch.Tensor, "n d"]) -> torch.Tensor:

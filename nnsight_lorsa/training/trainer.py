@@ -1,50 +1,57 @@
-"""Train a Lorsa on attention activations (Lorsa paper §3.2; GUIDE §2).
+"""One trainer for every module kind: Lorsa, SAE, (skip) transcoder, cross-layer transcoder.
 
-Objective: MSE between the Lorsa output and the MHSA output on non-BOS, non-pad tokens, with
-dataset-wise activation-norm scaling (inputs scaled by ``s_in = sqrt(d_model) / E‖x‖``, targets
-by ``s_out = sqrt(d_model) / E‖y‖``, estimated on the first ``norm_batches`` batches and folded
-into the weights by :meth:`LorsaTrainer.folded_lorsa`), Adam with a warmup–stable–decay LR,
-unit-norm ``w_o`` kept after every step (footnote 1), and AuxK against dead heads (Gao et al.
-2024): heads silent for ``dead_after_tokens`` tokens reconstruct the residual error with their
-own top-``aux_k``, weighted by ``aux_k_coef``.
+:class:`Trainer` draws batch ``i`` of an :class:`~.activations.ActivationSource` (or any callable
+``index -> Batch``) at step ``i`` and minimises the module's objective (:mod:`.objectives`, picked
+from the module's type: the loss terms, decoder constraint, norm scaling and folding) in the
+normalised space ``x · s_in -> y · s_out`` (dataset-wise factors ``s = sqrt(d) / E‖·‖`` estimated on
+the first ``norm_batches`` batches; per layer for a CLT), with Adam, a warmup–stable–decay LR,
+gradient clipping, dead-latent counters and AuxK (Gao et al. 2024: latents silent for
+``dead_after_tokens`` tokens reconstruct the residual error with their own top-``aux_k``, weighted
+by ``aux_k_coef``). :meth:`Trainer.folded` returns a copy of the module acting on raw activations.
 
-Checkpoints (:meth:`save_checkpoint` / :meth:`LorsaTrainer.resume`) hold the training-space
-weights, Adam state, dead-head counters and step as safetensors + JSON, and resume bit-exactly
-because batch ``i`` of an :class:`~.activations.ActivationSource` depends only on ``i``.
-
-What is not Lorsa-specific — the step loop, Adam + WSD, norm estimation, dead counters and AuxK,
-progress bar and checkpoints — is :class:`TrainerCore`, which :class:`~.sparse_coders.SparseCoderTrainer`
-(SAEs and transcoders) shares. Data parallelism (:mod:`.distributed`) hooks in through
-:attr:`TrainerCore.dist`: the loss of this rank's part of the global batch goes through DDP, and
-the dead counters (:meth:`TrainerCore.count_fired`) and batch means (:meth:`TrainerCore.batch_mean`)
-are combined over the ranks.
+Checkpoints (:meth:`Trainer.save_checkpoint` / :meth:`Trainer.resume`) hold the training-space
+weights, Adam state, dead counters, scale factors and step as safetensors + JSON, and resume
+bit-exactly because batch ``i`` depends only on ``i``. Data parallelism (:mod:`.distributed`) hooks
+in through :attr:`Trainer.dist`: the loss of this rank's part of the global batch goes through DDP,
+and the dead counters (:meth:`Trainer.count_fired`) and batch means (:meth:`Trainer.batch_mean`) are
+combined over the ranks.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
-from ..modules.lorsa import Lorsa
-from ..modules.lorsa_config import LorsaConfig
-from .activations import ActivationSource, AttentionBatch
-from .metrics import fvu
+from .activations import Batch
+from .objectives import _objective_class, _objective_for
 from .schedule import wsd_lr_factor
 
 
 @dataclass
 class TrainConfig:
-    """Optimisation settings. ``total_steps`` batches are drawn from the source, one per step."""
+    """Optimisation settings. ``total_steps`` batches are drawn from the source, one per step.
+
+    Attributes:
+        total_steps: steps (= batches) of the run. lr, betas: Adam. warmup_frac, decay_frac: the WSD
+            schedule's warmup and decay as fractions of ``total_steps``. grad_clip: max gradient norm
+            (0: none). norm_batches: batches the scale factors are estimated on.
+        aux_k: latents in AuxK (default ``2 · top_k``). aux_k_coef: AuxK weight (TopK / BatchTopK /
+            Lorsa). dead_after_tokens: tokens without firing after which a latent counts as dead.
+        l1_coef: weight of the decoder-norm-weighted L1 (ReLU dictionaries).
+        l0_coef: weight of the L0 penalty (JumpReLU dictionaries).
+        normalize_decoder: keep unit-norm dictionary decoder rows (None: yes except for JumpReLU).
+        sparse_kernels: train TopK / BatchTopK SAEs and transcoders through the sparse fast path
+            (False: the dense reference; same values and gradients up to summation order).
+        log_every: steps between entries of ``history`` (the logged metrics).
+    """
 
     total_steps: int
     lr: float = 2e-3
@@ -56,34 +63,51 @@ class TrainConfig:
     aux_k: int | None = None  # default: 2 * top_k
     aux_k_coef: float = 1.0 / 32
     dead_after_tokens: int = 20_000
+    l1_coef: float = 1e-3
+    l0_coef: float = 1e-3
+    normalize_decoder: bool | None = None
+    sparse_kernels: bool = True
     log_every: int = 10
     history: list[dict[str, float]] = field(default_factory=list, repr=False)
 
 
-_T = TypeVar("_T", bound="TrainerCore")
+class Trainer:
+    """Trains ``module`` in place (training-space weights) on batches from ``source``.
 
+    Args:
+        module: a :class:`~..modules.lorsa.Lorsa`, :class:`~..modules.sae.SparseAutoencoder`,
+            :class:`~..modules.transcoder.Transcoder` / ``SkipTranscoder`` or
+            :class:`~..modules.clt.CrossLayerTranscoder`; its type picks the objective (the
+            activation — TopK, BatchTopK, JumpReLU, ReLU — picks a dictionary's sparsity term).
+        source: batch index -> :class:`~.activations.Batch` (:class:`~.activations.ActivationSource`).
+        config: :class:`TrainConfig`.
+        mhsa: a Lorsa only: the MHSA weights to initialise QK from (App. B.3) once the norms are known.
 
-class TrainerCore:
-    """The training loop shared by :class:`LorsaTrainer` and sparse-coder trainers.
+    Attributes:
+        step: steps taken. s_in, s_out: the scale factors (None before the first step; a CLT's are
+            the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
+        tokens_since_fired: ``(n_latents,)`` int64 dead counters.
 
-    Subclasses set ``desc`` (progress bar), ``weights_file`` and ``config_key`` (checkpoint
-    names), and implement :meth:`loss`, :meth:`post_step` (decoder constraint),
-    :meth:`module_config` and :meth:`build_module` (rebuild the module from a checkpoint).
-    ``module`` is trained in place in the normalised space ``x · s_in -> y · s_out``.
+    Raises:
+        TypeError: another module type. ConfigMismatchError: a CLT whose layer count / width differs
+            from the source's, a stacked (CLT) source for another module, or a Lorsa on an
+            :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
+            first step) a batch that does not fit.
     """
 
-    desc: ClassVar[str] = "train"
-    weights_file: ClassVar[str] = "module.safetensors"
-    config_key: ClassVar[str] = "module_config"
-
-    def __init__(self, module: Any, source: Callable[[int], Any], config: Any) -> None:
-        self.module: torch.nn.Module = module
+    def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
+                 mhsa: Any = None) -> None:
+        self.objective = _objective_for(module, mhsa)
+        self.objective.check_source(source)
+        self.module = module
         self.source = source
         self.config = config
         self.step = 0
         self.s_in: float | None = None
         self.s_out: float | None = None
-        self.tokens_since_fired = torch.zeros(self.n_latents(module), dtype=torch.long)
+        self.s_in_layers: list[float] | None = None
+        self.s_out_layers: list[float] | None = None
+        self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long)
         #: data-parallel context (:class:`~.distributed.DataParallel`) or None; set by ``DataParallel(trainer)``
         self.dist: Any = None
         self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, betas=config.betas)
@@ -92,48 +116,35 @@ class TrainerCore:
             lambda s: wsd_lr_factor(s, config.total_steps, config.warmup_frac, config.decay_frac),
         )
 
-    # ------------------------------------------------------------- hooks
-    @staticmethod
-    def n_latents(module: Any) -> int:
-        """Number of latents (heads, features) whose firing is counted for AuxK."""
-        raise NotImplementedError
-
-    def loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
-
-    def post_step(self) -> None:
-        """Called after every optimizer step (e.g. renormalise decoder rows)."""
-
-    def after_norms(self) -> None:
-        """Called once the scale factors are known (e.g. initialisation that depends on them)."""
-
-    def module_config(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @classmethod
-    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------- setup
     @torch.no_grad()
     def estimate_norms(self) -> tuple[float, float]:
-        """Dataset-wise scale factors ``(s_in, s_out)`` from the first ``norm_batches`` batches:
-        ``s = sqrt(d) / E‖·‖`` over the loss-masked tokens."""
-        norms_x, norms_y = [], []
-        for i in range(self.config.norm_batches):
-            b = self.source(i)
-            norms_x.append(b.x[b.loss_mask].norm(dim=-1))
-            norms_y.append(b.y[b.loss_mask].norm(dim=-1))
-        self.s_in = math.sqrt(b.x.shape[-1]) / float(torch.cat(norms_x).mean())
-        self.s_out = math.sqrt(b.y.shape[-1]) / float(torch.cat(norms_y).mean())
-        self.after_norms()
+        """Estimate the scale factors on the first ``norm_batches`` batches (then the objective's
+        initialisation that depends on them, e.g. a Lorsa's QK from the MHSA); returns ``(s_in, s_out)``."""
+        self.objective.estimate_norms(self)
+        self.objective.after_norms(self)
+        assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
 
-    # -------------------------------------------------------------- loss helpers
-    def count_firing(self, active: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """Update the dead counters with ``active (n_tokens, n_latents)``; return the dead mask."""
-        return self.count_fired(active.any(0), n_tokens)
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``,
+        ``aux``, …); updates the dead counters.
 
+        Raises:
+            ShapeError: (CLT) the batch does not fit the module.
+        """
+        return self.objective.loss(self, batch)
+
+    @torch.no_grad()
+    def folded(self) -> torch.nn.Module:
+        """A copy of the module acting on raw activations: ``f_raw(x) = f(x · s_in) / s_out`` with the
+        scale factors folded into the weights (a dictionary in eval mode; see :mod:`.objectives`).
+
+        Raises:
+            RuntimeError: the norms are not estimated yet (no step taken).
+        """
+        return self.objective.fold(self)
+
+    # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Update the dead counters with ``fired (n_latents,)`` (latents active on some of the
         ``n_tokens`` tokens); return the dead mask. Under data parallelism (:attr:`dist`) both are
@@ -168,6 +179,7 @@ class TrainerCore:
 
     # -------------------------------------------------------------- step
     def train_step(self) -> dict[str, float]:
+        """One optimizer step on batch ``step`` (the scale factors are estimated first if needed); its metrics."""
         if self.s_in is None:
             self.estimate_norms()
         if self.dist is None:
@@ -180,7 +192,7 @@ class TrainerCore:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        self.post_step()
+        self.objective.post_step(self)
         self.step += 1
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
@@ -189,7 +201,7 @@ class TrainerCore:
               checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0) -> list[dict[str, float]]:
         """Run until ``steps`` more steps (default: to ``total_steps``); return the logged metrics."""
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
-        bar = tqdm(total=end - self.step, disable=not progress, desc=self.desc, dynamic_ncols=True)
+        bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
         while self.step < end:
             m = self.train_step()
             bar.update(1)
@@ -209,7 +221,7 @@ class TrainerCore:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
-        save_file(weights, str(d / self.weights_file))
+        save_file(weights, str(d / self.objective.weights_file))
         names = {id(p): n for n, p in self.module.named_parameters()}
         opt_tensors: dict[str, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
@@ -220,41 +232,45 @@ class TrainerCore:
         save_file({"tokens_since_fired": self.tokens_since_fired}, str(d / "state.safetensors"))
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
-                self.config_key: self.module_config(), "history": self.config.history}
+                self.objective.config_key: self.objective.module_config(), "history": self.config.history,
+                **self.objective.save_meta(self)}
         (d / "trainer.json").write_text(json.dumps(meta, indent=1))
 
-    @classmethod
-    def load_checkpoint(cls, directory: str | Path) -> tuple[dict[str, Any], Any, torch.nn.Module]:
-        """``(meta, train config, module with the saved weights)`` of a checkpoint directory.
+    @staticmethod
+    def load_checkpoint(directory: str | Path) -> tuple[dict[str, Any], TrainConfig, torch.nn.Module]:
+        """``(meta, train config, module with the saved weights)`` of a checkpoint directory (the
+        module's kind from the config entry ``trainer.json`` holds).
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
         """
         d = Path(directory)
-        for name in ("trainer.json", cls.weights_file, "optimizer.safetensors", "state.safetensors"):
+        if not (d / "trainer.json").is_file():
+            raise CheckpointError(f"{d / 'trainer.json'}: missing trainer checkpoint file")
+        try:
+            meta = json.loads((d / "trainer.json").read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
+        objective = _objective_class(meta, d / "trainer.json")
+        for name in (objective.weights_file, "optimizer.safetensors", "state.safetensors"):
             if not (d / name).is_file():
                 raise CheckpointError(f"{d / name}: missing trainer checkpoint file")
         try:
-            meta = json.loads((d / "trainer.json").read_text())
             tc = meta["train_config"]
             tc["betas"] = tuple(tc["betas"])
-            config = cls.config_class()(**tc, history=list(meta.get("history", [])))
-            module = cls.build_module(meta)
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            config = TrainConfig(**tc, history=list(meta.get("history", [])))
+            module = objective.build_module(meta)
+        except (KeyError, TypeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
         try:
-            module.load_state_dict(load_file(str(d / cls.weights_file)))
+            module.load_state_dict(load_file(str(d / objective.weights_file)))
         except RuntimeError as e:
-            raise CheckpointError(f"{d / cls.weights_file}: does not match the config ({e})") from e
+            raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
         return meta, config, module
 
     @classmethod
-    def config_class(cls) -> type:
-        return TrainConfig
-
-    @classmethod
-    def resume(cls: type[_T], directory: str | Path, source: Callable[[int], Any]) -> _T:
-        """Rebuild a trainer from :meth:`save_checkpoint` output; continues bit-exactly.
+    def resume(cls, directory: str | Path, source: Callable[[int], Batch]) -> Trainer:
+        """Rebuild a trainer from :meth:`save_checkpoint` output (any module kind); continues bit-exactly.
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
@@ -265,7 +281,11 @@ class TrainerCore:
         return trainer
 
     def restore_state(self, directory: str | Path, meta: dict[str, Any]) -> None:
-        """Load step, scale factors, Adam state, dead counters and the LR of a checkpoint."""
+        """Load step, scale factors, Adam state, dead counters and the LR of a checkpoint.
+
+        Raises:
+            CheckpointError: an unknown optimizer entry, or (CLT) missing per-layer scale factors.
+        """
         d = Path(directory)
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
         params = dict(self.module.named_parameters())
@@ -280,89 +300,4 @@ class TrainerCore:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
-
-
-class LorsaTrainer(TrainerCore):
-    """Trains ``lorsa`` on batches from ``source``.
-
-    Args:
-        lorsa: the module to train (modified in place; training-space weights).
-        source: batch index -> :class:`AttentionBatch`.
-        config: :class:`TrainConfig`.
-        mhsa: optional MHSA weights to initialise QK (App. B.3) once the norms are known.
-    """
-
-    desc = "Lorsa"
-    weights_file = "lorsa.safetensors"
-    config_key = "lorsa_config"
-
-    def __init__(self, lorsa: Lorsa, source: ActivationSource, config: TrainConfig, mhsa: Any = None) -> None:
-        super().__init__(lorsa, source, config)
-        self.lorsa = lorsa
-        self._mhsa = mhsa
-
-    @staticmethod
-    def n_latents(module: Any) -> int:
-        return int(module.cfg.n_ov_heads)
-
-    def after_norms(self) -> None:
-        if self._mhsa is not None:
-            assert self.s_in is not None
-            self.lorsa.init_from_mhsa(self._mhsa)
-            for w in (self.lorsa.W_Q, self.lorsa.W_K, self.lorsa.W_V):
-                w.div_(self.s_in)
-            self.lorsa.normalize_decoder_()
-
-    def post_step(self) -> None:
-        self.lorsa.normalize_decoder_()
-
-    def module_config(self) -> dict[str, Any]:
-        return self.lorsa.cfg.to_dict()
-
-    @classmethod
-    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
-        return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
-
-    # -------------------------------------------------------------- step
-    def loss(self, batch: AttentionBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss on one batch (normalised space) and its metrics (FVU, L0, aux loss)."""
-        assert self.s_in is not None and self.s_out is not None
-        lorsa = self.lorsa
-        x = batch.x.to(lorsa.W_O.dtype) * self.s_in
-        y = batch.y.to(lorsa.W_O.dtype) * self.s_out
-        out, cache = lorsa(x, batch.positions, batch.attn_mask, return_cache=True)
-        mask = batch.loss_mask
-        err = (y - out)[mask]
-        loss = err.pow(2).sum(-1).mean()
-        active = cache.z[mask] > 0
-        dead = self.count_firing(active, int(mask.sum()))
-        aux = self.aux_k_loss(cache.z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
-        if self.config.aux_k_coef > 0 and dead.any():
-            loss = loss + self.config.aux_k_coef * aux
-        metrics = {
-            "loss": float(loss.detach()),
-            "fvu": float(fvu(y[mask], out[mask].detach())),
-            "l0": float(active.sum(-1).float().mean()),
-            "dead_frac": float(dead.float().mean()),
-            "aux": float(aux.detach()),
-        }
-        return loss, metrics
-
-    # ----------------------------------------------------------- results
-    @torch.no_grad()
-    def folded_lorsa(self) -> Lorsa:
-        """A copy of the Lorsa acting on raw activations: norm scaling folded into the weights.
-
-        ``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
-        then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``).
-        """
-        if self.s_in is None or self.s_out is None:
-            raise RuntimeError("norms are not estimated yet: train first")
-        out = copy.deepcopy(self.lorsa)
-        for w in (out.W_Q, out.W_K, out.W_V):
-            w.mul_(self.s_in)
-        out.W_O.div_(self.s_out)
-        if out.b_D is not None:
-            out.b_D.div_(self.s_out)
-        out.normalize_decoder_()
-        return out
+        self.objective.restore_meta(self, meta, d / "trainer.json")

@@ -22,8 +22,8 @@ import torch
 
 from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
+from ..envoy.read import attention_activations
 from ..errors import ConfigMismatchError
-from ..training.activations import attention_activations
 
 
 @torch.no_grad()

@@ -1,0 +1,512 @@
+"""What is module-specific in training: one small objective per module kind, called by the trainer.
+
+An objective says how to scale the activations (dataset-norm factors), the loss terms, the
+decoder constraint after each step, how to fold the scaling into a copy acting on raw activations,
+and how a checkpoint names and rebuilds the module. :func:`_objective_for` picks it from the
+module's type; :class:`~.trainer.Trainer` owns everything else (step loop, Adam + WSD, dead
+counters, AuxK, checkpoints, data parallelism).
+
+* Lorsa (Lorsa paper §3.2, GUIDE §2): MSE of the Lorsa output against the MHSA output in the
+  normalised space ``x · s_in -> y · s_out``; AuxK against dead heads; unit-norm ``w_o`` after every
+  step (footnote 1); QK optionally initialised from the MHSA once the norms are known (App. B.3).
+* SAE / transcoder / skip transcoder: ``‖y − ŷ‖²`` plus the activation's sparsity term
+  (:func:`_sparsity_terms`): AuxK for TopK / BatchTopK (Gao et al. 2024), ``l0_coef`` · L0 through
+  the straight-through estimator for JumpReLU (Rajamanoharan et al. 2024), decoder-norm-weighted
+  L1 for ReLU (Bricken et al. 2023). TopK / BatchTopK train through the sparse kernels of
+  :mod:`~..modules.sparse_decode` (``TrainConfig.sparse_kernels``; same values and gradients up to
+  summation order). An SAE uses one scale factor (``s_out = s_in``) so that ``b_dec`` centring folds.
+* CLT (seed ``004_…`` §7.1, Ameisen et al. 2025): Σ over layers of the per-layer transcoder loss with
+  per-layer scale factors, plus per source layer the sparsity term with its decoder over all the
+  layers it writes to (flattened), as Ameisen et al. weight the sparsity by the concatenated decoder
+  norm. Dense path only (no sparse kernels).
+
+Decoder rows are kept at unit norm for every dictionary except JumpReLU ones (``normalize_decoder``
+overrides).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import CheckpointError, ConfigMismatchError, ShapeError
+from ..modules.activations import BatchTopK, JumpReLU, TopK
+from ..modules.clt import CLTConfig, CrossLayerTranscoder
+from ..modules.lorsa import Lorsa
+from ..modules.lorsa_config import LorsaConfig
+from ..modules.sae import SAEConfig, SparseAutoencoder
+from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
+from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
+from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from .activations import Batch
+from .metrics import fvu
+
+Metrics = dict[str, float]
+
+
+class _Objective:
+    """Base objective: one scale factor for inputs and one for targets (``s = sqrt(d) / E‖·‖`` over
+    the loss-masked tokens of the first ``norm_batches`` batches)."""
+
+    desc: ClassVar[str] = "train"
+    weights_file: ClassVar[str] = "module.safetensors"
+    config_key: ClassVar[str] = "module_config"
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def n_latents(self) -> int:
+        """Number of latents (heads, features) whose firing the dead counters follow."""
+        raise NotImplementedError
+
+    def check_source(self, source: Any) -> None:
+        """Raise when ``source`` visibly does not fit the module (default: nothing to check)."""
+
+    @torch.no_grad()
+    def estimate_norms(self, t: Any) -> None:
+        """Set ``t.s_in`` / ``t.s_out`` from the first ``norm_batches`` batches of ``t.source``."""
+        norms_x, norms_y = [], []
+        for i in range(t.config.norm_batches):
+            b = t.source(i)
+            norms_x.append(b.x[b.loss_mask].norm(dim=-1))
+            norms_y.append(b.y[b.loss_mask].norm(dim=-1))
+        t.s_in = math.sqrt(b.x.shape[-1]) / float(torch.cat(norms_x).mean())
+        t.s_out = math.sqrt(b.y.shape[-1]) / float(torch.cat(norms_y).mean())
+
+    def after_norms(self, t: Any) -> None:
+        """Called once the scale factors are known (initialisation that depends on them)."""
+
+    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …)."""
+        raise NotImplementedError
+
+    def post_step(self, t: Any) -> None:
+        """Called after every optimizer step (the decoder constraint)."""
+
+    def fold(self, t: Any) -> torch.nn.Module:
+        """A copy of the module acting on raw activations (scale factors folded into the weights)."""
+        raise NotImplementedError
+
+    def module_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def save_meta(self, t: Any) -> dict[str, Any]:
+        """Extra ``trainer.json`` entries."""
+        return {}
+
+    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+        """Load what :meth:`save_meta` wrote."""
+
+
+def _require_norms(t: Any) -> None:
+    if t.s_in is None or t.s_out is None:
+        raise RuntimeError("norms are not estimated yet: train first")
+
+
+# --------------------------------------------------------------------------- Lorsa
+class _LorsaObjective(_Objective):
+    desc = "Lorsa"
+    weights_file = "lorsa.safetensors"
+    config_key = "lorsa_config"
+
+    def __init__(self, module: Lorsa, mhsa: Any = None) -> None:
+        super().__init__(module)
+        self.mhsa = mhsa
+
+    def n_latents(self) -> int:
+        return int(self.module.cfg.n_ov_heads)
+
+    def check_source(self, source: Any) -> None:
+        if getattr(source, "stacked", False) or getattr(source, "positions_site", True) is None:
+            raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
+                                      "use ActivationSource.attention(model, layer, …)")
+
+    def after_norms(self, t: Any) -> None:
+        if self.mhsa is not None:
+            lorsa = self.module
+            lorsa.init_from_mhsa(self.mhsa)
+            for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
+                w.div_(t.s_in)
+            lorsa.normalize_decoder_()
+
+    def post_step(self, t: Any) -> None:
+        self.module.normalize_decoder_()
+
+    def module_config(self) -> dict[str, Any]:
+        return self.module.cfg.to_dict()
+
+    @classmethod
+    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
+
+    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        lorsa = self.module
+        x = batch.x.to(lorsa.W_O.dtype) * t.s_in
+        y = batch.y.to(lorsa.W_O.dtype) * t.s_out
+        out, cache = lorsa(x, batch.positions, batch.attn_mask, return_cache=True)
+        mask = batch.loss_mask
+        err = (y - out)[mask]
+        loss = err.pow(2).sum(-1).mean()
+        active = cache.z[mask] > 0
+        dead = t.count_fired(active.any(0), int(mask.sum()))
+        aux = t.aux_k_loss(cache.z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
+        if t.config.aux_k_coef > 0 and dead.any():
+            loss = loss + t.config.aux_k_coef * aux
+        return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
+                      "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
+                      "aux": float(aux.detach())}
+
+    @torch.no_grad()
+    def fold(self, t: Any) -> Lorsa:
+        """``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
+        then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``)."""
+        _require_norms(t)
+        out = copy.deepcopy(self.module)
+        for w in (out.W_Q, out.W_K, out.W_V):
+            w.mul_(t.s_in)
+        out.W_O.div_(t.s_out)
+        if out.b_D is not None:
+            out.b_D.div_(t.s_out)
+        out.normalize_decoder_()
+        return out
+
+
+# --------------------------------------------------------------------------- dictionaries
+def _sparsity_terms(t: Any, act: torch.nn.Module, pre: torch.Tensor, acts: torch.Tensor, dead: torch.Tensor,
+                    err: torch.Tensor, W_dec: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The sparsity part of a dense dictionary loss: ``(penalty or None, aux, sparsity)``.
+
+    ``pre, acts (n, d_sae)`` pre-activations and activations of ``act``; ``dead (d_sae,)`` the dead
+    mask; ``err (n, d_out)`` the error ``y − ŷ``; ``W_dec (d_sae, d_out)`` the decoder (a CLT passes a
+    source layer's decoder over all its targets, flattened, and the matching error). ``penalty`` is
+    what the loss adds: TopK / BatchTopK — ``aux_k_coef · AuxK`` when some latent is dead; JumpReLU —
+    ``l0_coef · mean L0`` (straight-through); ReLU — ``l1_coef · Σ acts_i ‖W_dec[i]‖``. ``aux`` and
+    ``sparsity`` are the unweighted terms (zero where they do not apply).
+    """
+    config = t.config
+    sparsity = torch.zeros((), dtype=pre.dtype)
+    aux = torch.zeros((), dtype=pre.dtype)
+    penalty: torch.Tensor | None = None
+    if isinstance(act, (TopK, BatchTopK)):
+        aux = t.aux_k_loss(pre, dead, err, W_dec, 2 * act.k)
+        if config.aux_k_coef > 0 and dead.any():
+            penalty = config.aux_k_coef * aux
+    elif isinstance(act, JumpReLU):
+        sparsity = act.l0(pre).mean()
+        penalty = config.l0_coef * sparsity
+    else:  # ReLU + decoder-norm-weighted L1
+        sparsity = (acts * W_dec.norm(dim=-1)).sum(-1).mean()
+        penalty = config.l1_coef * sparsity
+    return penalty, aux, sparsity
+
+
+def _step_metrics(loss: torch.Tensor, mse: torch.Tensor, y: torch.Tensor, out: torch.Tensor, l0: float,
+                  dead: torch.Tensor, aux: torch.Tensor, sparsity: torch.Tensor) -> Metrics:
+    return {"loss": float(loss.detach()), "mse": float(mse.detach()), "fvu": float(fvu(y, out.detach())),
+            "l0": l0, "dead_frac": float(dead.float().mean()), "aux": float(aux.detach()),
+            "sparsity": float(sparsity.detach())}
+
+
+class _DictionaryObjective(_Objective):
+    """Unit-norm decoder rows unless the activation is a JumpReLU (``normalize_decoder`` overrides);
+    the module is put in training mode (BatchTopK's batch rule and threshold updates)."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__(module)
+        module.train()
+
+    def activation_fn(self) -> Any:
+        raise NotImplementedError
+
+    def normalize_decoder(self, t: Any) -> bool:
+        if t.config.normalize_decoder is not None:
+            return bool(t.config.normalize_decoder)
+        return not isinstance(self.activation_fn(), JumpReLU)
+
+
+_CODER_CLASSES: dict[str, tuple[type[SparseCoder], type[SparseCoderConfig]]] = {
+    "SparseAutoencoder": (SparseAutoencoder, SAEConfig),
+    "Transcoder": (Transcoder, TranscoderConfig),
+    "SkipTranscoder": (SkipTranscoder, TranscoderConfig),
+}
+
+
+class _SparseCoderObjective(_DictionaryObjective):
+    desc = "sparse coder"
+    weights_file = "coder.safetensors"
+    config_key = "coder_config"
+
+    def n_latents(self) -> int:
+        return int(self.module.cfg.d_sae)
+
+    def check_source(self, source: Any) -> None:
+        if getattr(source, "stacked", False):
+            raise ConfigMismatchError(f"a {type(self.module).__name__} reads one site: the source stacks "
+                                      f"{source.n_layers} (a CLT's source)")
+
+    def activation_fn(self) -> Any:
+        return self.module.activation
+
+    def after_norms(self, t: Any) -> None:
+        # an SAE reconstructs its input: one scale factor, so that b_dec centring folds exactly
+        if isinstance(self.module, SparseAutoencoder):
+            t.s_out = t.s_in
+
+    @torch.no_grad()
+    def post_step(self, t: Any) -> None:
+        if self.normalize_decoder(t):
+            W = self.module.W_dec
+            W.div_(W.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+
+    def module_config(self) -> dict[str, Any]:
+        return {"class": type(self.module).__name__, **self.module.cfg.to_dict()}
+
+    @classmethod
+    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        d = dict(meta[cls.config_key])
+        module_cls, cfg_cls = _CODER_CLASSES[d.pop("class")]
+        return module_cls(cfg_cls.from_dict(d))
+
+    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        coder = self.module
+        mask = batch.loss_mask
+        x = batch.x[mask].to(coder.W_dec.dtype) * t.s_in
+        y = batch.y[mask].to(coder.W_dec.dtype) * t.s_out
+        if t.config.sparse_kernels and coder.supports_sparse:
+            return self._sparse_loss(t, x, y)
+        pre = affine(coder.encoder_input(x), coder.W_enc, coder.b_enc)
+        acts = coder.activation(pre)
+        out, err, mse = self._reconstruction(x, y, coder.decode(acts))
+        loss = mse
+        active = acts > 0
+        dead = t.count_fired(active.any(0), x.shape[0])
+        penalty, aux, sparsity = _sparsity_terms(t, coder.activation, pre, acts, dead, err, coder.W_dec)
+        if penalty is not None:
+            loss = loss + penalty
+        return loss, _step_metrics(loss, mse, y, out, float(active.sum(-1).float().mean()), dead, aux, sparsity)
+
+    def _reconstruction(self, x: torch.Tensor, y: torch.Tensor, decoded: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(output, error, MSE)``: the decoded features plus the skip path, against the target ``y``."""
+        skip = self.module.skip(x)
+        out = decoded if skip is None else decoded + skip
+        err = y - out
+        return out, err, err.pow(2).sum(-1).mean()
+
+    def _sparse_loss(self, t: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+        """:meth:`loss` of a TopK / BatchTopK coder through the sparse kernels (:mod:`~..modules.sparse_decode`)."""
+        coder = self.module
+        pre, acts = coder.encode_sparse(x)
+        out, err, mse = self._reconstruction(x, y, coder.decode_sparse(acts))
+        loss = mse
+        dead = t.count_fired(acts.fired(), x.shape[0])
+        act: Any = coder.activation
+        aux = torch.zeros((), dtype=mse.dtype)
+        if dead.any() and t.config.aux_k_coef > 0:
+            # AuxK (as Trainer.aux_k_loss): the dead latents' top-k_aux reconstruct the error
+            k_aux = min(t.config.aux_k or 2 * act.k, int(dead.sum()))
+            idx = pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1).indices
+            rows = torch.arange(pre.shape[0], device=pre.device).repeat_interleave(k_aux)
+            cols = idx.reshape(-1)
+            offsets = torch.arange(0, rows.numel(), k_aux, device=pre.device)
+            vals = gathered_preact(coder.encoder_input(x), coder.W_enc, coder.b_enc, rows, cols, offsets, pre).relu()
+            z_aux = SparseActs(rows=rows, cols=cols, vals=vals, offsets=offsets, d_sae=coder.cfg.d_sae)
+            e = err.detach()
+            aux = ((sparse_decode(z_aux, coder.W_dec) - e).pow(2).sum(-1).mean()
+                   / t.batch_mean(e.pow(2).sum(-1)).clamp_min(1e-12))
+            loss = loss + t.config.aux_k_coef * aux
+        return loss, _step_metrics(loss, mse, y, out, acts.l0(), dead, aux, torch.zeros(()))
+
+    @torch.no_grad()
+    def fold(self, t: Any) -> SparseCoder:
+        """``f_raw(x) = f(x · s_in) / s_out`` (eval mode): ``W_enc *= s_in`` (the same features fire),
+        ``W_dec, b_dec /= s_out``, ``W_skip *= s_in / s_out``; then decoder rows are renormalised
+        (:meth:`~..modules.sparse_coder.SparseCoder.fold_decoder_norm_`) except for BatchTopK, whose rows
+        stay at ``1/s_out`` so that its threshold stays valid."""
+        _require_norms(t)
+        out = copy.deepcopy(self.module).eval()
+        out.W_enc.mul_(t.s_in)
+        out.W_dec.div_(t.s_out)
+        out.b_dec.div_(t.s_out)
+        if isinstance(out, SkipTranscoder):
+            out.W_skip.mul_(t.s_in / t.s_out)
+        if not isinstance(out.activation, BatchTopK):
+            out.fold_decoder_norm_()
+        return out
+
+
+# --------------------------------------------------------------------------- CLT
+class _CLTObjective(_DictionaryObjective):
+    """Per-layer scale factors ``t.s_in_layers`` / ``t.s_out_layers`` (``t.s_in`` / ``t.s_out``: their means)."""
+
+    desc = "CLT"
+    weights_file = "clt.safetensors"
+    config_key = "clt_config"
+
+    def n_latents(self) -> int:
+        return int(self.module.cfg.n_layers * self.module.cfg.d_sae)
+
+    def activation_fn(self) -> Any:
+        return self.module.activation[0]
+
+    def module_config(self) -> dict[str, Any]:
+        return self.module.cfg.to_dict()
+
+    @classmethod
+    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        return CrossLayerTranscoder(CLTConfig.from_dict(dict(meta[cls.config_key])))
+
+    def check_source(self, source: Any) -> None:
+        clt = self.module
+        n_src, d_src = getattr(source, "n_layers", None), getattr(source, "d_model", None)
+        if n_src is not None and n_src != clt.n_layers:
+            raise ConfigMismatchError(f"the CLT spans {clt.n_layers} layers, the activation source {n_src}")
+        if d_src is not None and d_src != clt.cfg.d_in:
+            raise ConfigMismatchError(f"the CLT has d_model={clt.cfg.d_in}, the activation source {d_src}")
+
+    def check_batch(self, batch: Batch) -> None:
+        """Raise :class:`~..errors.ShapeError` unless ``batch.x`` / ``batch.y`` are
+        ``(n_layers, batch, pos, d_model)`` of this CLT and ``loss_mask`` is ``(batch, pos)``."""
+        c = self.module.cfg
+        for name, v in (("x", batch.x), ("y", batch.y)):
+            if v.dim() != 4 or v.shape[0] != c.n_layers or v.shape[-1] != c.d_in:
+                raise ShapeError(f"CLT training batch: {name} must be (n_layers={c.n_layers}, batch, pos, "
+                                 f"d_model={c.d_in}), got {tuple(v.shape)}")
+        if batch.x.shape != batch.y.shape or tuple(batch.loss_mask.shape) != tuple(batch.x.shape[1:3]):
+            raise ShapeError(f"CLT training batch: x {tuple(batch.x.shape)}, y {tuple(batch.y.shape)} and "
+                             f"loss_mask {tuple(batch.loss_mask.shape)} disagree")
+
+    @torch.no_grad()
+    def estimate_norms(self, t: Any) -> None:
+        norms_x, norms_y = [], []
+        for i in range(t.config.norm_batches):
+            b = t.source(i)
+            self.check_batch(b)
+            norms_x.append(b.x[:, b.loss_mask].norm(dim=-1))
+            norms_y.append(b.y[:, b.loss_mask].norm(dim=-1))
+        root_d = math.sqrt(self.module.cfg.d_in)
+        t.s_in_layers = [root_d / float(v) for v in torch.cat(norms_x, 1).mean(1)]
+        t.s_out_layers = [root_d / float(v) for v in torch.cat(norms_y, 1).mean(1)]
+        t.s_in = sum(t.s_in_layers) / len(t.s_in_layers)
+        t.s_out = sum(t.s_out_layers) / len(t.s_out_layers)
+
+    @staticmethod
+    def _scales(t: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if t.s_in_layers is None or t.s_out_layers is None:
+            raise RuntimeError("norms are not estimated yet: train first")
+        return (torch.tensor(t.s_in_layers, dtype=dtype)[:, None, None],
+                torch.tensor(t.s_out_layers, dtype=dtype)[:, None, None])
+
+    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+        """``mse`` / ``aux`` / ``sparsity`` summed over layers, ``fvu`` / ``l0`` their means (per layer as
+        ``fvu_{l}`` / ``l0_{l}``), ``dead_frac`` over all ``n_layers · d_sae`` features."""
+        self.check_batch(batch)
+        clt = self.module
+        dtype = clt.W_enc.dtype
+        s_in, s_out = self._scales(t, dtype)
+        mask = batch.loss_mask
+        x = batch.x[:, mask].to(dtype) * s_in                        # (n_layers, n, d_model)
+        y = batch.y[:, mask].to(dtype) * s_out
+        n_layers, n_tok = x.shape[0], x.shape[1]
+        pres = [affine(x[layer], clt.W_enc[layer], clt.b_enc[layer]) for layer in range(n_layers)]
+        acts = torch.stack([clt.activation[layer](pres[layer]) for layer in range(n_layers)])
+        out = clt.decode(acts, x)
+        err = y - out
+        mse = err.pow(2).sum(-1).mean(-1).sum()
+        loss = mse
+        active = acts > 0
+        dead = t.count_fired(active.any(1).reshape(-1), n_tok).view(n_layers, -1)
+        aux = torch.zeros((), dtype=mse.dtype)
+        sparsity = torch.zeros((), dtype=mse.dtype)
+        for layer in range(n_layers):
+            # a source layer's features write to layers layer..n_layers-1: decoder and error over all of them
+            err_l = err[layer:].transpose(0, 1).reshape(n_tok, -1)
+            W_l = clt.W_dec(layer).reshape(clt.cfg.d_sae, -1)
+            penalty, aux_l, sparsity_l = _sparsity_terms(t, clt.activation[layer], pres[layer], acts[layer],
+                                                         dead[layer], err_l, W_l)
+            if penalty is not None:
+                loss = loss + penalty
+            aux = aux + aux_l.detach()
+            sparsity = sparsity + sparsity_l.detach()
+        out_d = out.detach()
+        fvus = [float(fvu(y[layer], out_d[layer])) for layer in range(n_layers)]
+        l0s = [float(v) for v in active.sum(-1).float().mean(-1)]
+        metrics = {"loss": float(loss.detach()), "mse": float(mse.detach()), "fvu": sum(fvus) / n_layers,
+                   "l0": sum(l0s) / n_layers, "dead_frac": float(dead.float().mean()), "aux": float(aux),
+                   "sparsity": float(sparsity)}
+        metrics.update({f"fvu_{layer}": v for layer, v in enumerate(fvus)})
+        metrics.update({f"l0_{layer}": v for layer, v in enumerate(l0s)})
+        return loss, metrics
+
+    @torch.no_grad()
+    def post_step(self, t: Any) -> None:
+        if self.normalize_decoder(t):
+            for layer in range(self.module.n_layers):
+                W = self.module.W_dec(layer)
+                W.div_(W.flatten(1).norm(dim=-1)[:, None, None].clamp_min(1e-12))
+
+    def save_meta(self, t: Any) -> dict[str, Any]:
+        return {"s_in_layers": t.s_in_layers, "s_out_layers": t.s_out_layers}
+
+    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+        s_in, s_out = meta.get("s_in_layers"), meta.get("s_out_layers")
+        n = self.module.n_layers
+        complete = isinstance(s_in, list) and isinstance(s_out, list) and len(s_in) == len(s_out) == n
+        if (s_in is not None or s_out is not None or t.step > 0) and not complete:
+            raise CheckpointError(f"{path}: needs s_in_layers and s_out_layers with {n} entries each")
+        t.s_in_layers, t.s_out_layers = s_in, s_out
+
+    @torch.no_grad()
+    def fold(self, t: Any) -> CrossLayerTranscoder:
+        """``ŷ_raw_l' = ŷ_l'(x · s_in) / s_out[l']`` (eval mode): ``W_enc[l] *= s_in[l]`` (the same
+        features fire with the same values, so thresholds stay valid), ``W_dec_l[:, l' − l] /= s_out[l']``,
+        ``b_dec[l] /= s_out[l]``, ``W_skip[l] *= s_in[l] / s_out[l]``; decoder rows are not renormalised."""
+        s_in, s_out = self._scales(t, self.module.W_enc.dtype)
+        out = copy.deepcopy(self.module).eval()
+        out.W_enc.mul_(s_in)
+        for layer in range(out.n_layers):
+            out.W_dec(layer).div_(s_out[layer:, 0, 0][None, :, None])
+        out.b_dec.div_(s_out[:, 0])
+        if out.W_skip is not None:
+            out.W_skip.mul_(s_in / s_out)
+        return out
+
+
+_OBJECTIVES: tuple[type[_Objective], ...] = (_LorsaObjective, _SparseCoderObjective, _CLTObjective)
+
+
+def _objective_for(module: Any, mhsa: Any = None) -> _Objective:
+    """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT).
+
+    Raises:
+        TypeError: another module type, or ``mhsa`` given for a non-Lorsa.
+    """
+    if isinstance(module, Lorsa):
+        return _LorsaObjective(module, mhsa)
+    if mhsa is not None:
+        raise TypeError("mhsa= initialises a Lorsa's QK; the module is a " + type(module).__name__)
+    if isinstance(module, SparseCoder):
+        return _SparseCoderObjective(module)
+    if isinstance(module, CrossLayerTranscoder):
+        return _CLTObjective(module)
+    raise TypeError(f"cannot train a {type(module).__name__}: expected a Lorsa, SparseAutoencoder, "
+                    "Transcoder, SkipTranscoder or CrossLayerTranscoder")
+
+
+def _objective_class(meta: dict[str, Any], path: Any) -> type[_Objective]:
+    """The objective class whose ``config_key`` a checkpoint's ``trainer.json`` holds.
+
+    Raises:
+        CheckpointError: none of them.
+    """
+    for cls in _OBJECTIVES:
+        if cls.config_key in meta:
+            return cls
+    raise CheckpointError(f"{path}: malformed (no lorsa_config, coder_config or clt_config)")
