@@ -10,6 +10,10 @@ worker ends, even if the trace raised). It differs in two ways:
   input at site ``l`` and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output;
 * each step also receives the site's true output — an SAE reconstructs it.
 
+The worker serves every forward pass of the run, in order: one for ``model.trace``, one per
+generated token for ``model.generate`` (the prompt, then each cached decoding step), so the
+replacement applies to every token; it ends quietly when the run is over.
+
 Error terms (``error=True``): at every site, ``e_i = true_output_i − clean_i`` goes through the
 module's ``error_hook(module, i)``, where ``clean_i`` is the replacement computed without edits
 (the state of the clean pass holds clean features of earlier sites). Without edits the model's
@@ -21,6 +25,7 @@ may, the clean pass runs separately with the trace stood down (nothing served or
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,6 +42,8 @@ from .nnsight_internals import (
     detach,
     find_worker,
     is_instrumented,
+    park_or_end,
+    pinned_step,
     ran_since_start,
     spawn_worker,
     stood_down,
@@ -57,7 +64,9 @@ class SpliceChain(FieldsRepr):
         attach_path: envoy path the module is mounted under (``""``: the root model).
         attach_name: child name it is mounted as, e.g. ``"clt"``.
         step: :data:`Step`; ``state`` is a dict private to one pass (live or clean) that the
-            step may add entries to (it must not mutate values it stored at earlier sites).
+            step may add entries to (it must not mutate values it stored at earlier sites). It
+            lives as long as the trace: the forward passes of a run (the steps of a generation)
+            share it, e.g. a Lorsa's :class:`~..modules.lorsa.LorsaKV` of the earlier tokens.
         get_output: the tensor to replace, from a site's return value.
         set_output: a site's return value with that tensor replaced.
         error_hook: ``(module, i) -> nn.Module`` carrying site ``i``'s error term.
@@ -105,6 +114,12 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     sites = [root.get(path) for path in chain.site_paths]
     for path, site in zip(chain.site_paths, sites, strict=True):
         if ran_since_start(me, site.path) > 0:
+            if pinned_step(me) != 0:  # in a tracer.iter[...] loop, past the first step
+                raise TraceOrderError(
+                    f"cannot replace {path} from a later generation step (tracer.iter / tracer.all): the "
+                    "model already ran it for the earlier steps, which would keep their unreplaced output. "
+                    "Call replace() once before the loop: it applies to every step of the generation; "
+                    "read and edit its hook points inside the loop")
             raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
@@ -116,25 +131,39 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         clean: dict = {}
         diverged = False  # whether the clean pass must run apart from the live one
         try:
-            for i, site in enumerate(sites):
-                args, kwargs = site.inputs
-                if chain.check_call is not None:
-                    chain.check_call(args, kwargs)
-                original = site.output
-                true_out = chain.get_output(original)
-                may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
-                diverged = diverged or (error and may_edit)
-                clean_out = None
-                if diverged:
-                    clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
-                out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
-                if error:
-                    if clean_out is None:  # nothing could edit so far: the clean pass is the live one
-                        clean, clean_out = dict(live), out
-                    out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
-                site.output = chain.set_output(original, out)
+            for forward in itertools.count():  # every forward pass of the run: each generation step
+                for i, site in enumerate(sites):
+                    if forward > 0 and i == 0:
+                        more, call = park_or_end(lambda site=site: site.inputs)
+                        if not more:  # the run is over (no further step)
+                            return
+                        args, kwargs = call
+                    else:
+                        args, kwargs = site.inputs
+                    diverged = serve(i, site, args, kwargs, live, clean, diverged)
         finally:
             undo()
+
+    def serve(i: int, site: Any, args: tuple, kwargs: dict, live: dict, clean: dict, diverged: bool) -> bool:
+        """Swap site ``i``'s output in this forward pass; return whether the clean pass now runs apart."""
+        if chain.check_call is not None:
+            chain.check_call(args, kwargs)
+        original = site.output
+        true_out = chain.get_output(original)
+        may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
+        diverged = diverged or (error and may_edit)
+        clean_out = None
+        if diverged:
+            clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+        out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+        if error:
+            if clean_out is None:  # nothing could edit so far: the clean pass is the live one
+                clean.clear()
+                clean.update(live)
+                clean_out = out
+            out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
+        site.output = chain.set_output(original, out)
+        return diverged
 
     try:
         spawn_worker(interleaver, body, tag)
