@@ -93,7 +93,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         TraceOrderError: called outside a trace.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass, or the
-            parent already holds a different child under ``chain.attach_name``.
+            parent already holds a different child under ``chain.attach_name``; or first called
+            inside ``tracer.iter[...]`` at a step after the first (the splice serves every step).
     """
     if not chain.site_paths:
         raise LorsaError("a splice chain needs at least one site")
@@ -111,15 +112,15 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
     if find_worker(interleaver, tag) is not None:
         return getattr(parent, chain.attach_name)
+    if pinned_step(me) != 0:  # first called in a tracer.iter[...] loop, at a step after the first
+        raise TraceOrderError(
+            f"cannot start replacing {chain.site_paths[0]} at a later generation step (tracer.iter / "
+            "tracer.all): a replacement serves every forward pass of the trace, so it cannot leave the "
+            "earlier steps out. Call replace() once before the loop (it applies to every step of the "
+            "generation) and read or edit its hook points inside the loop")
     sites = [root.get(path) for path in chain.site_paths]
     for path, site in zip(chain.site_paths, sites, strict=True):
         if ran_since_start(me, site.path) > 0:
-            if pinned_step(me) != 0:  # in a tracer.iter[...] loop, past the first step
-                raise TraceOrderError(
-                    f"cannot replace {path} from a later generation step (tracer.iter / tracer.all): the "
-                    "model already ran it for the earlier steps, which would keep their unreplaced output. "
-                    "Call replace() once before the loop: it applies to every step of the generation; "
-                    "read and edit its hook points inside the loop")
             raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
