@@ -198,10 +198,10 @@ def test_lorsa_unsupported_decoding_raises_before_any_token(kwargs):
     model, _, lorsa = lorsa_set("llama")
     ids = random_ids(1, 6)
     reached = []
-    with pytest.raises(UnsupportedGenerationError, match="num_beams=1"):
-        with model.generate(ids, max_new_tokens=3, pad_token_id=1, **kwargs):
-            lorsa.replace(layer=LAYER)
-            reached.append(nnsight.save(model.lm_head.output))
+    with pytest.raises(UnsupportedGenerationError, match="num_beams=1"), model.generate(
+            ids, max_new_tokens=3, pad_token_id=1, **kwargs):
+        lorsa.replace(layer=LAYER)
+        reached.append(nnsight.save(model.lm_head.output))
     assert not reached  # raised from replace(), before the model ran
 
 
@@ -210,10 +210,10 @@ def test_lorsa_beams_from_the_checkpoint_config_raise_before_the_result():
     hf.generation_config.num_beams = 2
     try:
         result = []
-        with pytest.raises(UnsupportedGenerationError, match="beam search"):
-            with model.generate(random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
-                lorsa.replace(layer=LAYER)
-                result.append(nnsight.save(tracer.result))
+        with pytest.raises(UnsupportedGenerationError, match="beam search"), model.generate(
+                random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
+            lorsa.replace(layer=LAYER)
+            result.append(nnsight.save(tracer.result))
         assert not result
     finally:
         hf.generation_config.num_beams = 1
@@ -222,16 +222,15 @@ def test_lorsa_beams_from_the_checkpoint_config_raise_before_the_result():
 def test_replace_at_a_later_iter_step_says_to_call_it_before_the_loop():
     model, _, lorsa = lorsa_set("llama")
     for steps in ("iter[1:3]", "after step 0"):
-        with pytest.raises(TraceOrderError, match="before the loop"):
-            with model.generate(random_ids(1, 6), **GEN) as tracer:
-                if steps == "iter[1:3]":
-                    for _ in tracer.iter[1:3]:
+        with pytest.raises(TraceOrderError, match="before the loop"), model.generate(random_ids(1, 6), **GEN) as tracer:
+            if steps == "iter[1:3]":
+                for _ in tracer.iter[1:3]:
+                    lorsa.replace(layer=LAYER)
+            else:
+                for step in tracer.iter[:3]:
+                    if step == 1:
                         lorsa.replace(layer=LAYER)
-                else:
-                    for step in tracer.iter[:3]:
-                        if step == 1:
-                            lorsa.replace(layer=LAYER)
-                        nnsight.save(model.lm_head.output)
+                    nnsight.save(model.lm_head.output)
 
 
 def test_replace_inside_iter_from_step_zero_serves_every_step():

@@ -24,7 +24,6 @@ from .nnsight_internals import current_worker, run_kwargs
 from .replacement_set import load_keyed, replace_keys
 from .splice_chain import SpliceChain, splice_chain
 
-
 #: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a
 #: Lorsa's own cache cannot follow (beams are reordered between steps; contrastive search and
 #: prompt-lookup / assisted decoding re-run candidate tokens)

@@ -25,7 +25,6 @@ may, the clean pass runs separately with the trace stood down (nothing served or
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -132,16 +131,18 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         clean: dict = {}
         diverged = False  # whether the clean pass must run apart from the live one
         try:
-            for forward in itertools.count():  # every forward pass of the run: each generation step
+            first = True
+            while True:  # every forward pass of the run: each generation step
                 for i, site in enumerate(sites):
-                    if forward > 0 and i == 0:
-                        more, call = park_or_end(lambda site=site: site.inputs)
+                    if not first and i == 0:
+                        more, call = park_or_end(partial(getattr, site, "inputs"))
                         if not more:  # the run is over (no further step)
                             return
                         args, kwargs = call
                     else:
                         args, kwargs = site.inputs
                     diverged = serve(i, site, args, kwargs, live, clean, diverged)
+                first = False
         finally:
             undo()
 

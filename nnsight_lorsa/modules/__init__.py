@@ -18,6 +18,7 @@ from .sae import SAEConfig, SparseAutoencoder
 from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
 __all__ = [
-    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV", "ReLU",
-    "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder", "TranscoderConfig",
+    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV",
+    "ReLU", "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder",
+    "TranscoderConfig",
 ]
