@@ -13,10 +13,10 @@ import nnsight
 import pytest
 import torch
 from test_replace import make_lorsa
-from test_sae_transcoder import make_sae, make_transcoder
+from test_sae_transcoder import make_clt, make_sae, make_transcoder
 from tiny import random_ids, tiny_nnsight
 
-from nnsight_lorsa import LorsaSet, SAESet, TraceOrderError, TranscoderSet, get_adapter
+from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TraceOrderError, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import UnsupportedGenerationError
 
 LAYER = 1
@@ -73,8 +73,8 @@ def lorsa_set(family: str, attn: str = "eager"):
     return model, hf, LorsaSet(model, {LAYER: make_lorsa(hf, adapter, LAYER)})
 
 
-@pytest.mark.parametrize(("family", "attn"), [("llama", "eager"), ("llama", "sdpa"), ("neox", "eager"),
-                                              ("gpt2", "sdpa")])
+@pytest.mark.parametrize(("family", "attn"), [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "eager"),
+                                              ("neox", "eager"), ("gpt2", "sdpa")])
 def test_lorsa_generate_matches_no_cache_loop(family, attn):
     model, hf, lorsa = lorsa_set(family, attn)
     ids = random_ids(2, 6)
@@ -244,3 +244,41 @@ def test_replace_inside_iter_from_step_zero_serves_every_step():
             logits.append(model.lm_head.output[:, -1].clone())
         out = nnsight.save(tracer.result)
     assert_same(out, logits, seq, ref)
+
+
+def test_cross_layer_transcoder_generate_matches_no_cache_loop():
+    model, _ = tiny_nnsight("llama")
+    clt = CLTSet(model, make_clt())
+    ids = random_ids(2, 6)
+
+    def edit(site):
+        site.hook_sae_acts_post[0].output[..., 5] += 4.0
+
+    seq, ref = no_cache_loop(model, ids, lambda: edit(clt.replace()))
+    out, logits = generated(model, ids, lambda: clt.replace(), each_step=edit)
+    assert_same(out, logits, seq, ref)
+
+
+def test_lorsa_generate_without_kv_cache_matches_loop():
+    """``use_cache=False``: every step is a whole-sequence forward; the Lorsa starts afresh each time."""
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+    setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup)
+    with model.generate(ids, **GEN, use_cache=False) as tracer:
+        setup()
+        logits = nnsight.save([])
+        for _ in tracer.iter[:STEPS]:
+            logits.append(model.lm_head.output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    assert_same(out, logits, seq, ref)
+
+
+def test_transcoder_under_beam_search_is_allowed():
+    """Per-token replacements follow any decoding strategy: beams need no cache of their own."""
+    model, _ = tiny_nnsight("llama")
+    tcs = TranscoderSet(model, {LAYER: make_transcoder()})
+    with model.generate(random_ids(1, 6), max_new_tokens=3, num_beams=2, pad_token_id=1) as tracer:
+        tcs.replace(layer=LAYER)
+        out = nnsight.save(tracer.result)
+    assert out.shape == (1, 9)
