@@ -15,6 +15,10 @@ Parameter names and shapes follow the Lorsa authors' code (OpenMOSS Llamascopium
 ``W_Q, W_K: (n_qk, d_model, d_qk)``, ``b_Q, b_K: (n_qk, d_qk)``, ``W_V, W_O: (n_ov, d_model)``,
 ``b_V: (n_ov,)``, ``b_D: (d_model,)``, and ``ln_q.w, ln_k.w: (n_qk, d_qk)`` with QK-norm.
 
+Decoding: :meth:`Lorsa.forward_step` runs the newest positions against a :class:`LorsaKV` (the keys
+per QK head and scalar values per OV head of the earlier positions), exactly what :meth:`Lorsa.forward`
+on the whole sequence gives at those positions — the Lorsa's own KV cache for generation.
+
 Needs torch only. Internals pass through :class:`HookPoint` children so that, attached to an
 nnsight model, each is an envoy (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z_pre``, ``hook_z``,
 ``hook_out``; ``hook_error`` carries the error term when spliced into a model with ``error=True``).
@@ -112,7 +116,9 @@ class Lorsa(nn.Module):
 
     ``forward(x, positions=None, attn_mask=None)`` maps the attention's input hidden states
     ``x: (batch, pos, d_model)`` (after the pre-attention norm) to ``(batch, pos, d_model)``,
-    the approximation of the attention's output (after the output projection).
+    the approximation of the attention's output (after the output projection);
+    ``forward_step(x, positions, attn_mask, past)`` does the same for the newest positions of a
+    sequence whose earlier keys and values are in ``past`` (a :class:`LorsaKV`), for decoding.
 
     Raises:
         ShapeError: ``x`` is not ``(batch, pos, d_model)`` or positions/mask do not fit.
