@@ -40,6 +40,11 @@ class TraceOrderError(LorsaError, RuntimeError):
     """A replacement was requested after the model already ran past the site it replaces."""
 
 
+class UnsupportedGenerationError(TraceOrderError):
+    """A replacement cannot follow this generation (e.g. a Lorsa under beam search); raised before
+    a token is returned, never a silently unreplaced one. The message names what to use instead."""
+
+
 class ActivationCacheError(CheckpointError):
     """An on-disk activation cache is malformed or does not match what it is used for (model, site, width)."""
 

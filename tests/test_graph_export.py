@@ -14,7 +14,7 @@ from browser import _run, render_dom, require_chromium
 from test_attribution import rm, setup
 from tiny import random_ids
 
-from nnsight_lorsa.attribution import attribute, prune, render_html, save_neuronpedia, to_neuronpedia
+from nnsight_lorsa.attribution import TrustedHTML, attribute, prune, render_html, save_neuronpedia, to_neuronpedia
 from nnsight_lorsa.attribution.export import embed_json, node_ids
 from nnsight_lorsa.attribution.graph import EMBEDDING, LOGIT, LORSA, TRANSCODER
 
@@ -162,7 +162,7 @@ def _details(d):
     z = torch.tensor([[1.0, 0.0], [0.25, -0.5]])
     return lorsa, {lorsa: [{"contexts": [("But soft, what light", 3.5), ("through yonder", 1.25)]},
                            {"heatmap": z, "rows": ["q0", "q1"], "cols": ["k0", "k1"], "title": "z pattern"},
-                           "<em class='custom-snippet'>head note</em>"]}
+                           TrustedHTML("<em class='custom-snippet'>head note</em>")]}
 
 
 def test_viewer_renders_nodes_links_tokens_and_panel(built, tmp_path):
@@ -237,6 +237,33 @@ def test_hostile_token_strings_are_escaped(built, tmp_path):
     assert EVIL in dom.text_by_id["panel"]  # a {"text": …} detail is text too
     assert sum(t == "script" for t, _ in dom.elements) == 2
     assert sum(t == "circle" for t, _ in dom.elements) == len(data["graph"]["nodes"]) > 0
+
+
+HOSTILE = ["<script>alert('details')</script>", "<img src=x onerror=alert('details')>"]
+
+
+def test_detail_strings_are_text_unless_trusted(built, tmp_path):
+    """A plain string (bare or as {"html": str}) is escaped text; markup only through TrustedHTML."""
+    tok, g, pr, d = built
+    node = d["nodes"][0]["node_id"]
+    trusted = TrustedHTML("<em class='trusted-snippet'>opted in</em>")
+    html = render_html(g, pr, tokenizer=tok, path=tmp_path / "details.html", clicked=node,
+                       details={node: [HOSTILE[0], {"html": HOSTILE[1]}, trusted]})
+    assert all(evil not in html for evil in HOSTILE)
+    assert "<img" not in html and "<script>alert" not in html
+    assert html.count("<script") == 2  # the page's own two scripts only
+    payload = re.search(r"<script type='application/json' id='graph-data'>(.*?)</script>", html, re.S).group(1)
+    blocks = json.loads(payload)["details"][node]
+    assert blocks == [{"type": "text", "text": HOSTILE[0]}, {"type": "text", "text": HOSTILE[1]},
+                      {"type": "html", "html": str(trusted)}]
+    assert "\\u003cem class='trusted-snippet'\\u003e" in payload  # escaped in the JSON, inserted by the viewer
+    require_chromium()
+    dom = parse(render_dom(tmp_path / "details.html"))
+    panel = dom.text_by_id["panel"]
+    assert all(evil in panel for evil in HOSTILE)  # displayed as text …
+    assert not any(t == "img" for t, _ in dom.elements)  # … never an element
+    assert sum(t == "script" for t, _ in dom.elements) == 2
+    assert any(t == "em" and a.get("class") == "trusted-snippet" for t, a in dom.elements)  # the opt-in renders
 
 
 def test_embed_json_and_bad_inputs(built):

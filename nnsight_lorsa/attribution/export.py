@@ -29,8 +29,8 @@ column on the left), one row per Neuronpedia sublayer (embeddings at the bottom,
 links as lines whose width is proportional to ``|weight|`` (green positive, red negative), nodes
 coloured by kind. Clicking a node opens a side panel with its label, activation, influence, its
 strongest incoming and outgoing links and optional per-node details (top activating contexts, a
-Lorsa head's z pattern, any HTML). Opening the file with ``#node=<node_id>`` opens that node's panel
-on load.
+Lorsa head's z pattern, text; HTML only as :class:`TrustedHTML`). Opening the file with
+``#node=<node_id>`` opens that node's panel on load.
 
 SVG elements carry ``data-node-id`` (``circle.node``) and ``data-source`` / ``data-target``
 (``line.link``) attributes; the side panel is ``#panel``.
@@ -277,14 +277,35 @@ def _heatmap(values: Any, rows: Sequence[str] | None = None, cols: Sequence[str]
     return {"type": "heatmap", "title": title, "rows": r, "cols": c, "values": vals}
 
 
+class TrustedHTML(str):
+    """An HTML snippet the caller vouches for: :func:`render_html` inserts it into the page as is.
+
+    Every other string in ``details`` (a bare ``str``, ``{"text": …}``, ``{"html": str}``) is shown as
+    text — escaped, never run. Wrap only markup you wrote yourself (not token strings, model
+    outputs or anything read from a file of unknown origin)::
+
+        details = {node_id: TrustedHTML("<em>copies the previous token</em>")}
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"TrustedHTML({str.__repr__(self)})"
+
+
 def _detail_block(item: Any) -> dict[str, Any]:
-    if isinstance(item, str):
-        return {"type": "html", "html": item}
+    if isinstance(item, TrustedHTML):
+        return {"type": "html", "html": str(item)}
+    if isinstance(item, str):  # not vouched for: text
+        return {"type": "text", "text": str(item)}
     if isinstance(item, torch.Tensor):
         return _heatmap(item)
     if isinstance(item, Mapping):
         if "html" in item:
-            return {"type": "html", "html": str(item["html"])}
+            value = item["html"]
+            if isinstance(value, TrustedHTML):
+                return {"type": "html", "html": str(value)}
+            return {"type": "text", "text": str(value)}
         if "text" in item:
             return {"type": "text", "text": str(item["text"])}
         if "contexts" in item:
@@ -489,9 +510,11 @@ def render_html(
             thresholds, or ``node_threshold`` / ``edge_threshold`` in ``export_kwargs``).
         tokenizer: decodes the prompt and logit tokens (default labels ``tok{id}``).
         details: optional ``{node_id: entry}`` shown in a node's panel (node ids as
-            :func:`node_ids`). An entry is one of, or a list of: a ``str`` — an HTML
-            snippet inserted as is (trusted: escape untrusted text yourself or use ``{"text": …}``);
-            ``{"text": str}`` — shown as plain text; a list of ``(context, activation)`` pairs or
+            :func:`node_ids`). An entry is one of, or a list of: a :class:`TrustedHTML` (or
+            ``{"html": TrustedHTML(…)}``) — an HTML snippet inserted as is, the only way to put
+            markup in the page; a plain ``str``, ``{"text": str}`` or ``{"html": str}`` — shown as
+            text (escaped: ``<script>`` or ``<img onerror=…>`` in it is displayed, never run); a list
+            of ``(context, activation)`` pairs or
             ``{"contexts": [...], "title": str}`` — a table of top activating contexts, shaded by
             activation; a 1-/2-D tensor or ``{"heatmap": values, "rows": labels, "cols": labels,
             "title": str}`` — a heatmap (e.g. a Lorsa head's z pattern, query × key positions).

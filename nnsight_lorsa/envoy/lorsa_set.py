@@ -18,22 +18,52 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError
-from ..modules.lorsa import Lorsa
+from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
+from ..modules.lorsa import Lorsa, LorsaKV
+from .nnsight_internals import current_worker, run_kwargs
 from .replacement_set import load_keyed, replace_keys
-from .splice import SpliceSite, splice
+from .splice_chain import SpliceChain, splice_chain
+
+#: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a
+#: Lorsa's own cache cannot follow (beams are reordered between steps; contrastive search and
+#: prompt-lookup / assisted decoding re-run candidate tokens)
+_UNSUPPORTED_GENERATION = {
+    "num_beams": "beam search (num_beams > 1) reorders the KV cache between steps",
+    "num_beam_groups": "group beam search reorders the KV cache between steps",
+    "penalty_alpha": "contrastive search re-runs candidate tokens against the KV cache",
+    "assistant_model": "assisted decoding verifies draft tokens and rolls the KV cache back",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding verifies draft tokens and rolls the KV cache back",
+}
 
 
-def _check_not_cached_step(layer: int) -> Any:
-    def check(args: tuple, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values")
-        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length(layer) > 0:
-            raise LorsaError(
-                "replace() runs Lorsa on whole sequences and has no KV cache: it cannot replace "
-                "a cached generation step. Use model.trace on the full sequence instead of generate."
-            )
+def check_generation(kwargs: Mapping[str, Any], config: Any = None) -> None:
+    """Raise :class:`UnsupportedGenerationError` for ``generate`` settings a Lorsa cannot follow.
 
-    return check
+    ``kwargs``: the traced call's keyword arguments; ``config``: the model's own
+    ``generation_config`` (consulted for what ``kwargs`` leave unset).
+    """
+    given = kwargs.get("generation_config")
+    for name, why in _UNSUPPORTED_GENERATION.items():
+        value = kwargs.get(name)
+        if value is None and given is not None:
+            value = getattr(given, name, None)
+        if value is None and config is not None:
+            value = getattr(config, name, None)
+        if not value or (name in ("num_beams", "num_beam_groups") and value == 1):
+            continue
+        raise UnsupportedGenerationError(
+            f"LorsaSet.replace cannot follow {name}={value!r} in generate(): {why}, and a Lorsa keeps its "
+            "own keys and values of the earlier tokens. Use greedy or sampled decoding (num_beams=1, no "
+            "assistant / prompt lookup / contrastive search), or run model.trace on each full sequence; "
+            "transcoders and SAEs (per token) work with every decoding strategy")
+
+
+def _cache_length(kwargs: dict, layer: int) -> int | None:
+    """Length of the model's KV cache for ``layer`` (None: the call has no cache)."""
+    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return None
+    return int(cache.get_seq_length(layer))
 
 
 class LorsaSet:
@@ -128,32 +158,75 @@ class LorsaSet:
         return cls(model, lorsas, adapter)
 
     # -------------------------------------------------------------- splicing
-    def site(self, layer: int) -> SpliceSite:
-        """How layer ``layer``'s attention is spliced (its path, input and output handling)."""
-        adapter = self.adapter
+    def site(self, layer: int, generation: Mapping[str, Any] | None = None) -> SpliceChain:
+        """How layer ``layer``'s attention is spliced (its path, input and output handling).
 
-        def call(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        The step runs the Lorsa on the positions the attention is called with, attending to the
+        earlier positions of the run through a :class:`~..modules.lorsa.LorsaKV` kept in the
+        splice's per-trace state (``state["kv"]``): the prompt's forward starts it, each cached
+        generation step extends it. Its length follows the model's own KV cache for the layer
+        (reset when that is empty, cropped when the model rolled its cache back).
+        ``generation``: the traced call's keyword arguments (checked at the first cached step
+        together with the model's ``generation_config``, :func:`check_generation`).
+
+        Raises (when the trace runs):
+            UnsupportedGenerationError: a cached step under a decoding strategy it cannot follow.
+            LorsaError: the model's KV cache holds positions this Lorsa did not see (a generation
+                continued from a ``past_key_values`` made outside the trace).
+        """
+        adapter = self.adapter
+        hf_config = getattr(getattr(self.model, "_module", None), "generation_config", None)
+        run_kwargs = dict(generation or {})
+
+        def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
+                 state: dict) -> torch.Tensor:
+            assert isinstance(module, Lorsa)
             x = adapter.attention_input(args, kwargs)
             positions = adapter.attention_positions(args, kwargs, x)
             mask = adapter.attention_mask(args, kwargs)
             param = next(module.parameters())
             if param.device != x.device:  # e.g. a Lorsa shipped from a CPU client to a GPU server
                 module.to(x.device)
-            return module(x.to(param.dtype), positions, mask).to(x.dtype)
+            cached = _cache_length(kwargs, layer)
+            # the model's cache is updated by the attention call, which ran before this step
+            past_len = 0 if cached is None else max(cached - x.shape[1], 0)
+            past: LorsaKV | None = state.get("kv")
+            if past_len == 0:
+                past = None
+            else:
+                if not state.get("checked"):
+                    check_generation(run_kwargs, hf_config)
+                    state["checked"] = True
+                if past is None or past.length < past_len or past.v.shape[0] != x.shape[0]:
+                    have = 0 if past is None else past.length
+                    raise LorsaError(
+                        f"layer {layer}: the model's KV cache holds {past_len} earlier positions, the Lorsa saw "
+                        f"{have} (batch {x.shape[0]}); replace() must see every forward pass of a generation "
+                        "from its prompt on (do not pass past_key_values made outside the trace)")
+                if past.length > past_len:  # the model rolled its cache back
+                    past = past.crop(past_len)
+            if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
+                raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
+                                 f"{past_len} cached + {x.shape[1]} new positions")
+            out, state["kv"] = module.forward_step(x.to(param.dtype), positions, mask, past)
+            return out.to(x.dtype)
 
-        return SpliceSite(
-            site_path=adapter.attention_path(layer),
+        return SpliceChain(
+            site_paths=(adapter.attention_path(layer),),
+            attach_path=adapter.attention_path(layer),
             attach_name="lorsa",
-            call=call,
+            step=step,
             get_output=adapter.attention_output,
             set_output=adapter.with_attention_output,
-            check_call=_check_not_cached_step(layer),
+            error_hook=lambda module, i: module.get_submodule("hook_error"),
         )
 
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MHSA output of ``layer`` by its Lorsa's output, in the current trace only.
 
-        Call inside ``model.trace(...)`` before anything at or after that layer is read. Returns
+        Call inside ``model.trace(...)`` or ``model.generate(...)`` before anything at or after that
+        layer is read; in a generation it replaces the output for every token (the Lorsa keeps a
+        :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). Returns
         the Lorsa's envoy (a dict ``{layer: envoy}`` for several layers; all layers of the set
         when ``layer`` is None), whose children ``hook_q, hook_k`` ``(batch, n_qk_heads, pos,
         d_qk_head)``, ``hook_v, hook_z_pre, hook_z`` ``(batch, pos, n_ov_heads)``, ``hook_out``
@@ -167,13 +240,19 @@ class LorsaSet:
 
         Raises:
             LayerOutOfRangeError: no Lorsa for ``layer`` / outside the model.
-            TraceOrderError: the model already ran that layer's attention in this pass.
+            TraceOrderError: the model already ran that layer's attention in this pass (also: called
+                inside ``tracer.iter[...]`` at a step after the first).
             TraceOrderError: called outside a trace.
+            UnsupportedGenerationError: inside ``model.generate`` with beam search, contrastive search,
+                assisted or prompt-lookup decoding (here, or at the first cached step when the
+                setting comes from the model's ``generation_config``).
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
         layers, single = replace_keys(layer, int, self.layers, "LorsaSet.replace(layer=...)")
+        generation = run_kwargs(current_worker("LorsaSet.replace").interleaver)
+        check_generation(generation)
         envoys = {}
         for L in layers:
             module = self[L]
-            envoys[L] = splice(self.model, self.site(L), module, error=error)
+            envoys[L] = splice_chain(self.model, self.site(L, generation), module, error=error)
         return envoys[layers[0]] if single else envoys

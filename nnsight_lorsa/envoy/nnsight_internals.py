@@ -9,7 +9,12 @@ nnsight version is checked here and nowhere else. What is used:
 * ``Envoy._drop_envoy``, ``Envoy._module``, ``interleaver.envoys`` — unmounting a child envoy (:func:`detach`);
 * ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
   ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
-  ``Mediator.counts_at_start`` — a per-trace worker that runs a replacement in step with the model.
+  ``Mediator.counts_at_start`` / ``Mediator.iteration`` — a per-trace worker that runs a replacement in
+  step with the model, on every forward pass of the run (each step of a generation);
+* ``nnsight.intervention.interleaver.OutOfOrderError`` — thrown into a worker still parked when the run
+  is over (:func:`park_or_end`);
+* ``interleaver.batcher.kwargs`` / ``extra_kwargs`` — the keyword arguments of the traced call
+  (``generate``'s ``num_beams`` …, :func:`run_kwargs`).
 
 Mounting: a replacement module becomes an envoy of the running trace by being attached as a child
 of a model module (nnsight mirrors it and instruments it with its controller); when its trace ends
@@ -31,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
@@ -94,6 +99,10 @@ class FunctionWorker(Mediator):
         self.batch_group = None
 
     def _run(self) -> None:
+        # relaxed (nnsight's ``iteration = None``): each request binds to the next visit of its
+        # location, so the worker follows the model through every forward pass of the run
+        # (every step of a generation) instead of only the first
+        self.iteration = None
         self.fn()
 
 
@@ -154,3 +163,32 @@ def ran_since_start(worker: Mediator, envoy_path: str) -> int:
     """How often the module at ``envoy_path`` was called in this forward pass since ``worker`` started."""
     key = f"{envoy_path}.input"
     return worker.interleaver.counts.get(key, 0) - worker.counts_at_start.get(key, 0)
+
+
+def park_or_end(read: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, read())``, or ``(False, None)`` when the run ended while the worker waited in ``read``.
+
+    nnsight throws ``OutOfOrderError`` into a worker still parked once the model has finished
+    (``Interleaver.check_dangling_mediators``); a worker that waits for a *next* forward pass
+    which never comes (the last step of a generation, or a one-pass trace) ends quietly with this.
+    """
+    try:
+        return True, read()
+    except OutOfOrderError:
+        return False, None
+
+
+def run_kwargs(interleaver: Any) -> dict:
+    """The keyword arguments of the traced call (``model.generate(prompt, num_beams=2)``: ``num_beams``).
+
+    Known before the model runs (the trace body starts first); ``{}`` when nnsight keeps none.
+    """
+    batcher = getattr(interleaver, "batcher", None)
+    if batcher is None:
+        return {}
+    return {**getattr(batcher, "kwargs", {}), **getattr(batcher, "extra_kwargs", {})}
+
+
+def pinned_step(worker: Mediator) -> int | None:
+    """The generation step a trace body's worker is in: its ``tracer.iter`` pin, None when relaxed."""
+    return worker.iteration

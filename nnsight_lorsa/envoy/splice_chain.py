@@ -10,6 +10,10 @@ worker ends, even if the trace raised). It differs in two ways:
   input at site ``l`` and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output;
 * each step also receives the site's true output — an SAE reconstructs it.
 
+The worker serves every forward pass of the run, in order: one for ``model.trace``, one per
+generated token for ``model.generate`` (the prompt, then each cached decoding step), so the
+replacement applies to every token; it ends quietly when the run is over.
+
 Error terms (``error=True``): at every site, ``e_i = true_output_i − clean_i`` goes through the
 module's ``error_hook(module, i)``, where ``clean_i`` is the replacement computed without edits
 (the state of the clean pass holds clean features of earlier sites). Without edits the model's
@@ -37,6 +41,8 @@ from .nnsight_internals import (
     detach,
     find_worker,
     is_instrumented,
+    park_or_end,
+    pinned_step,
     ran_since_start,
     spawn_worker,
     stood_down,
@@ -57,7 +63,9 @@ class SpliceChain(FieldsRepr):
         attach_path: envoy path the module is mounted under (``""``: the root model).
         attach_name: child name it is mounted as, e.g. ``"clt"``.
         step: :data:`Step`; ``state`` is a dict private to one pass (live or clean) that the
-            step may add entries to (it must not mutate values it stored at earlier sites).
+            step may add entries to (it must not mutate values it stored at earlier sites). It
+            lives as long as the trace: the forward passes of a run (the steps of a generation)
+            share it, e.g. a Lorsa's :class:`~..modules.lorsa.LorsaKV` of the earlier tokens.
         get_output: the tensor to replace, from a site's return value.
         set_output: a site's return value with that tensor replaced.
         error_hook: ``(module, i) -> nn.Module`` carrying site ``i``'s error term.
@@ -84,7 +92,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         TraceOrderError: called outside a trace.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass, or the
-            parent already holds a different child under ``chain.attach_name``.
+            parent already holds a different child under ``chain.attach_name``; or first called
+            inside ``tracer.iter[...]`` at a step after the first (the splice serves every step).
     """
     if not chain.site_paths:
         raise LorsaError("a splice chain needs at least one site")
@@ -102,6 +111,12 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
     if find_worker(interleaver, tag) is not None:
         return getattr(parent, chain.attach_name)
+    if pinned_step(me) != 0:  # first called in a tracer.iter[...] loop, at a step after the first
+        raise TraceOrderError(
+            f"cannot start replacing {chain.site_paths[0]} at a later generation step (tracer.iter / "
+            "tracer.all): a replacement serves every forward pass of the trace, so it cannot leave the "
+            "earlier steps out. Call replace() once before the loop (it applies to every step of the "
+            "generation) and read or edit its hook points inside the loop")
     sites = [root.get(path) for path in chain.site_paths]
     for path, site in zip(chain.site_paths, sites, strict=True):
         if ran_since_start(me, site.path) > 0:
@@ -116,25 +131,41 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         clean: dict = {}
         diverged = False  # whether the clean pass must run apart from the live one
         try:
-            for i, site in enumerate(sites):
-                args, kwargs = site.inputs
-                if chain.check_call is not None:
-                    chain.check_call(args, kwargs)
-                original = site.output
-                true_out = chain.get_output(original)
-                may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
-                diverged = diverged or (error and may_edit)
-                clean_out = None
-                if diverged:
-                    clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
-                out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
-                if error:
-                    if clean_out is None:  # nothing could edit so far: the clean pass is the live one
-                        clean, clean_out = dict(live), out
-                    out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
-                site.output = chain.set_output(original, out)
+            first = True
+            while True:  # every forward pass of the run: each generation step
+                for i, site in enumerate(sites):
+                    if not first and i == 0:
+                        more, call = park_or_end(partial(getattr, site, "inputs"))
+                        if not more:  # the run is over (no further step)
+                            return
+                        args, kwargs = call
+                    else:
+                        args, kwargs = site.inputs
+                    diverged = serve(i, site, args, kwargs, live, clean, diverged)
+                first = False
         finally:
             undo()
+
+    def serve(i: int, site: Any, args: tuple, kwargs: dict, live: dict, clean: dict, diverged: bool) -> bool:
+        """Swap site ``i``'s output in this forward pass; return whether the clean pass now runs apart."""
+        if chain.check_call is not None:
+            chain.check_call(args, kwargs)
+        original = site.output
+        true_out = chain.get_output(original)
+        may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
+        diverged = diverged or (error and may_edit)
+        clean_out = None
+        if diverged:
+            clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+        out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+        if error:
+            if clean_out is None:  # nothing could edit so far: the clean pass is the live one
+                clean.clear()
+                clean.update(live)
+                clean_out = out
+            out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
+        site.output = chain.set_output(original, out)
+        return diverged
 
     try:
         spawn_worker(interleaver, body, tag)

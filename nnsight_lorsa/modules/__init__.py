@@ -11,13 +11,14 @@
 from .activations import BatchTopK, JumpReLU, ReLU, TopK
 from .clt import CLTConfig, CrossLayerTranscoder
 from .hook_point import HookPoint
-from .lorsa import Lorsa
+from .lorsa import Lorsa, LorsaKV
 from .lorsa_config import LorsaConfig
 from .rotary import RotaryConfig
 from .sae import SAEConfig, SparseAutoencoder
 from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
 __all__ = [
-    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "ReLU",
-    "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder", "TranscoderConfig",
+    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV",
+    "ReLU", "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder",
+    "TranscoderConfig",
 ]

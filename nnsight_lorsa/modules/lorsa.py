@@ -15,6 +15,10 @@ Parameter names and shapes follow the Lorsa authors' code (OpenMOSS Llamascopium
 ``W_Q, W_K: (n_qk, d_model, d_qk)``, ``b_Q, b_K: (n_qk, d_qk)``, ``W_V, W_O: (n_ov, d_model)``,
 ``b_V: (n_ov,)``, ``b_D: (d_model,)``, and ``ln_q.w, ln_k.w: (n_qk, d_qk)`` with QK-norm.
 
+Decoding: :meth:`Lorsa.forward_step` runs the newest positions against a :class:`LorsaKV` (the keys
+per QK head and scalar values per OV head of the earlier positions), exactly what :meth:`Lorsa.forward`
+on the whole sequence gives at those positions — the Lorsa's own KV cache for generation.
+
 Needs torch only. Internals pass through :class:`HookPoint` children so that, attached to an
 nnsight model, each is an envoy (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z_pre``, ``hook_z``,
 ``hook_out``; ``hook_error`` carries the error term when spliced into a model with ``error=True``).
@@ -58,6 +62,33 @@ class PerHeadRMSNorm(nn.Module):
         return self.w[:, None, :] * x.to(dtype)
 
 
+@dataclass(frozen=True, repr=False)
+class LorsaKV(FieldsRepr):
+    """The keys and values of the positions a Lorsa has seen so far in one decoding run.
+
+    What :meth:`Lorsa.forward_step` attends to besides the positions it is called with (the
+    Lorsa analogue of a transformer's KV cache; exact: the same keys and values a
+    whole-sequence forward computes). Immutable: each step returns a new one.
+
+    Attributes:
+        k: rotated keys per QK head, ``(batch, n_qk_heads, past, d_qk_head)`` (after ``hook_k``).
+        v: scalar values per OV head, ``(batch, past, n_ov_heads)`` (after ``hook_v``).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """How many positions it holds (``past``)."""
+        return int(self.v.shape[1])
+
+    def crop(self, length: int) -> LorsaKV:
+        """The first ``length`` positions (a decoder that rolled its own cache back, e.g. rejected
+        draft tokens of assisted decoding)."""
+        return LorsaKV(self.k[:, :, :length], self.v[:, :length])
+
+
 @dataclass(repr=False)
 class LorsaCache(FieldsRepr):
     """Internals of one Lorsa forward, returned with ``return_cache=True``.
@@ -85,7 +116,9 @@ class Lorsa(nn.Module):
 
     ``forward(x, positions=None, attn_mask=None)`` maps the attention's input hidden states
     ``x: (batch, pos, d_model)`` (after the pre-attention norm) to ``(batch, pos, d_model)``,
-    the approximation of the attention's output (after the output projection).
+    the approximation of the attention's output (after the output projection);
+    ``forward_step(x, positions, attn_mask, past)`` does the same for the newest positions of a
+    sequence whose earlier keys and values are in ``past`` (a :class:`LorsaKV`), for decoding.
 
     Raises:
         ShapeError: ``x`` is not ``(batch, pos, d_model)`` or positions/mask do not fit.
@@ -236,20 +269,30 @@ class Lorsa(nn.Module):
         """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``."""
         return F.linear(x, self.W_V, self.b_V)
 
-    def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device) -> torch.Tensor | None:
-        """A ``(batch|1, 1, pos, pos)`` mask for SDPA (True = may attend), or None for plain causal."""
+    def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device,
+              n_keys: int | None = None) -> torch.Tensor | None:
+        """A ``(batch|1, 1, pos, keys)`` mask for SDPA (True = may attend), or None for plain causal.
+
+        ``n_keys`` (default ``seq``): the keys attended to, the last ``seq`` of them being the
+        queries' own positions (``keys − seq`` earlier positions come from a :class:`LorsaKV`).
+        """
+        keys = seq if n_keys is None else n_keys
+        offset = keys - seq
         if attn_mask is None:
-            return None
-        if attn_mask.dim() == 2:  # (batch, pos) key padding mask, 1 = real token
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            if offset == 0 or seq == 1:  # plain causal / one query that sees every key
+                return None
+            return torch.ones(seq, keys, dtype=torch.bool, device=device).tril(offset)[None, None]
+        if attn_mask.dim() == 2:  # (batch, keys) key padding mask, 1 = real token
+            causal = torch.ones(seq, keys, dtype=torch.bool, device=device).tril(offset)
             attn_mask = causal[None, None] & attn_mask.bool()[:, None, None, :]
-        if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (seq, seq):
-            raise ShapeError(f"attn_mask must be (batch, pos) or (batch, 1, pos, pos), got {tuple(attn_mask.shape)}")
+        if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (seq, keys):
+            raise ShapeError(f"attn_mask must be (batch, keys) or (batch, 1, pos, keys) with pos={seq}, "
+                             f"keys={keys}, got {tuple(attn_mask.shape)}")
         if attn_mask.dtype != torch.bool:
             attn_mask = attn_mask > torch.finfo(attn_mask.dtype).min / 2
         # a query that may attend nowhere (a left-pad row) attends to itself instead of giving NaN
-        eye = torch.eye(seq, dtype=torch.bool, device=device)[None, None]
-        return attn_mask | (~attn_mask.any(-1, keepdim=True) & eye)
+        eye = (torch.arange(keys, device=device)[None] == torch.arange(seq, device=device)[:, None] + offset)
+        return attn_mask | (~attn_mask.any(-1, keepdim=True) & eye[None, None])
 
     def attention_scores_softmax(
         self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None
@@ -269,18 +312,29 @@ class Lorsa(nn.Module):
         attn_mask: torch.Tensor | None = None,
     ) -> Float[torch.Tensor, "batch pos n_ov"]:
         """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``."""
+        return self._z_pre_kv(x, positions, attn_mask, None)[0]
+
+    def _z_pre_kv(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                  past: LorsaKV | None) -> tuple[torch.Tensor, LorsaKV]:
+        """``z_pre`` of ``x``'s positions attending to ``past`` and themselves, and the extended :class:`LorsaKV`."""
         self._check_input(x)
         b, s, _ = x.shape
         q, k = self.qk(x, positions)
         q, k = self.hook_q(q), self.hook_k(k)
         v = self.hook_v(self.values(x))
+        if past is not None:
+            if past.v.shape[0] != b:
+                raise ShapeError(f"LorsaKV holds batch {past.v.shape[0]}, x has batch {b}")
+            k = torch.cat([past.k.to(k.dtype), k], 2)
+            v = torch.cat([past.v.to(v.dtype), v], 1)
+        keys = v.shape[1]
         g = self.cfg.group_size
-        v = v.view(b, s, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, s, G): OV heads as value dim
-        mask = self._mask(attn_mask, s, x.device)
+        vh = v.view(b, keys, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, keys, G): OV heads as value dim
+        mask = self._mask(attn_mask, s, x.device, keys)
         z = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / self.cfg.scale
+            q, k, vh, attn_mask=mask, is_causal=mask is None and keys == s, scale=1.0 / self.cfg.scale
         )
-        return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads)
+        return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads), LorsaKV(k, v)
 
     def activation(
         self, z_pre: Float[torch.Tensor, "batch pos n_ov"], top_k: int | None = None
@@ -322,6 +376,42 @@ class Lorsa(nn.Module):
         if return_cache:
             return out, LorsaCache(z_pre=z_pre, z=z, topk_indices=idx, out=out)
         return out
+
+    def forward_step(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        positions: Int[torch.Tensor, "*b pos"] | None = None,
+        attn_mask: torch.Tensor | None = None,
+        past: LorsaKV | None = None,
+    ) -> tuple[Float[torch.Tensor, "batch pos d_model"], LorsaKV]:
+        """One decoding step: the output at ``x``'s positions, attending to ``past`` and to themselves.
+
+        ``x`` holds the newest ``pos`` positions of the sequence (one token per generation step,
+        the whole prompt on the first), ``past`` the keys and values of the ``past`` positions
+        before them (None: there are none). Exact: the output equals the last ``pos`` positions
+        of :meth:`forward` on the whole sequence (up to fp rounding of the attention's shape).
+        The hook points see this step's positions only (``hook_q``, ``hook_k``:
+        ``(batch, n_qk_heads, pos, d_qk_head)``; ``hook_v``, ``hook_z``: ``(batch, pos, n_ov_heads)``);
+        the returned :class:`LorsaKV` holds the keys and values after the hooks (edits included).
+
+        Args:
+            positions: ``(pos,)`` or ``(batch, pos)`` positions of ``x``'s tokens for RoPE
+                (default ``past … past+pos−1``).
+            attn_mask: ``(batch, past+pos)`` key-padding mask or ``(batch, 1, pos, past+pos)``;
+                default causal.
+
+        Returns:
+            ``(out (batch, pos, d_model), LorsaKV with past+pos positions)``.
+
+        Raises:
+            ShapeError: ``x`` not ``(batch, pos, d_model)``, a mask or ``past`` that does not fit.
+        """
+        if positions is None and past is not None:
+            positions = torch.arange(past.length, past.length + x.shape[1], device=x.device)
+        z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past)
+        z, _ = self.activation(self.hook_z_pre(z_pre))
+        out = self.hook_out(self.decode(self.hook_z(z)))
+        return out, kv
 
     # -------------------------------------------------------------- analysis
     @torch.no_grad()

@@ -1,0 +1,284 @@
+"""Replacements inside ``model.generate``: every generated token is replaced, exactly.
+
+The reference is a loop with no KV cache: at each step ``model.trace(full_sequence)`` with the
+same ``replace`` (and the same edit), the next token the argmax of the last position. Generation
+must give the same tokens, and its per-step logits must agree to ``REL`` of max |logit| (fp32;
+what differs is only the attention's shape — one query against cached keys instead of the whole
+square — so the rounding, ~1e-7 observed).
+"""
+
+from __future__ import annotations
+
+import nnsight
+import pytest
+import torch
+from test_replace import make_lorsa
+from test_sae_transcoder import make_clt, make_sae, make_transcoder
+from tiny import random_ids, tiny_nnsight
+
+from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TraceOrderError, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import UnsupportedGenerationError
+
+LAYER = 1
+STEPS = 5
+HEAD = 7
+REL = 1e-5  # per-step logits: max |generate − loop| ≤ REL · max |loop| (fp32)
+GEN = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False, "pad_token_id": 1}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().abs().max() / b.detach().abs().max())
+
+
+def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: torch.Tensor | None = None):
+    """Greedy decoding with a full-sequence ``model.trace`` per step: (sequence, [logits of each step])."""
+    seq, logits = ids, []
+    for _ in range(steps):
+        kwargs = {}
+        if mask is not None:  # left padding: positions as generate computes them
+            kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+        with model.trace(seq, **kwargs):
+            setup()
+            last = nnsight.save(model.lm_head.output[:, -1])
+        logits.append(last)
+        seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return seq, logits
+
+
+def generated(model, inputs, setup, each_step=None, steps: int = STEPS):
+    """``model.generate`` with ``setup()`` before the first step and ``each_step(envoys)`` at every step."""
+    with model.generate(inputs, **{**GEN, "max_new_tokens": steps, "min_new_tokens": steps}) as tracer:
+        envoys = setup()
+        logits = nnsight.save([])
+        for _ in tracer.iter[:steps]:
+            if each_step is not None:
+                each_step(envoys)
+            logits.append(model.lm_head.output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    return out, logits
+
+
+def assert_same(out, logits, seq, ref_logits):
+    assert len(logits) == len(ref_logits) == STEPS
+    assert torch.equal(out, seq)
+    for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+        assert rel_err(a, b) <= REL, f"step {step}: {rel_err(a, b):.2e}"
+
+
+def lorsa_set(family: str, attn: str = "eager"):
+    model, hf = tiny_nnsight(family, attn=attn)
+    adapter = get_adapter(model)
+    return model, hf, LorsaSet(model, {LAYER: make_lorsa(hf, adapter, LAYER)})
+
+
+@pytest.mark.parametrize(("family", "attn"), [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "eager"),
+                                              ("neox", "eager"), ("gpt2", "sdpa")])
+def test_lorsa_generate_matches_no_cache_loop(family, attn):
+    model, hf, lorsa = lorsa_set(family, attn)
+    ids = random_ids(2, 6)
+    setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup)
+    out, logits = generated(model, ids, setup)
+    assert_same(out, logits, seq, ref)
+    # the Lorsa changes the output (the test would pass trivially otherwise) …
+    plain, _ = generated(model, ids, lambda: None)
+    assert not torch.equal(plain, out)
+    # … and nothing survives the trace
+    assert "lorsa" not in dict(lorsa.adapter.attention_module(hf, LAYER).named_children())
+
+
+def test_lorsa_generate_left_padded_batch():
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 1
+    setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup, mask=mask)
+    out, logits = generated(model, {"input_ids": ids, "attention_mask": mask}, setup)
+    assert_same(out, logits, seq, ref)
+
+
+def test_lorsa_steering_every_step_matches_loop():
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+
+    def setup_edit():
+        site = lorsa.replace(layer=LAYER)
+        site.hook_z.output[..., HEAD] = 0
+        site.hook_z.output[..., HEAD + 1] += 2.0
+
+    def edit(site):
+        site.hook_z.output[..., HEAD] = 0
+        site.hook_z.output[..., HEAD + 1] += 2.0
+
+    seq, ref = no_cache_loop(model, ids, setup_edit)
+    out, logits = generated(model, ids, lambda: lorsa.replace(layer=LAYER), each_step=edit)
+    assert_same(out, logits, seq, ref)
+    unedited, _ = generated(model, ids, lambda: lorsa.replace(layer=LAYER))
+    assert not torch.equal(unedited, out)
+
+
+def test_lorsa_edit_on_keys_and_values_matches_loop():
+    """An edit to what later tokens attend to (the keys, the values) is kept in the LorsaKV."""
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(1, 6)
+
+    def edit(site):
+        site.hook_k.output[:, 0] *= 0.5  # (in the order the Lorsa computes them)
+        site.hook_v.output[..., HEAD] = 0
+
+    def setup_edit():
+        edit(lorsa.replace(layer=LAYER))
+
+    seq, ref = no_cache_loop(model, ids, setup_edit)
+    out, logits = generated(model, ids, lambda: lorsa.replace(layer=LAYER), each_step=edit)
+    assert_same(out, logits, seq, ref)
+
+
+def test_lorsa_error_term_generates_the_unmodified_model():
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+    plain, plain_logits = generated(model, ids, lambda: None)
+    out, logits = generated(model, ids, lambda: lorsa.replace(layer=LAYER, error=True))
+    assert_same(out, logits, plain, plain_logits)
+
+
+def test_lorsa_error_term_with_steering_matches_loop():
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+
+    def edit(site):
+        site.hook_z.output[..., HEAD] += 3.0
+
+    seq, ref = no_cache_loop(model, ids, lambda: edit(lorsa.replace(layer=LAYER, error=True)))
+    out, logits = generated(model, ids, lambda: lorsa.replace(layer=LAYER, error=True), each_step=edit)
+    assert_same(out, logits, seq, ref)
+
+
+def test_transcoder_generate_matches_no_cache_loop():
+    model, _ = tiny_nnsight("llama")
+    tcs = TranscoderSet(model, {LAYER: make_transcoder()})
+    ids = random_ids(2, 6)
+    setup = lambda: tcs.replace(layer=LAYER)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup)
+    out, logits = generated(model, ids, setup)
+    assert_same(out, logits, seq, ref)
+    plain, _ = generated(model, ids, lambda: None)
+    assert not torch.equal(plain, out)
+
+    def edit(site):
+        site.hook_sae_acts_post.output[..., 3] += 5.0
+
+    seq, ref = no_cache_loop(model, ids, lambda: edit(tcs.replace(layer=LAYER)))
+    out, logits = generated(model, ids, lambda: tcs.replace(layer=LAYER), each_step=edit)
+    assert_same(out, logits, seq, ref)
+
+
+def test_sae_generate_matches_no_cache_loop():
+    model, _ = tiny_nnsight("gpt2")
+    path = f"{get_adapter(model).layers_path}.{LAYER}"
+    saes = SAESet(model, {path: make_sae()})
+    ids = random_ids(2, 6)
+    setup = lambda: saes.replace(path)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup)
+    out, logits = generated(model, ids, setup)
+    assert_same(out, logits, seq, ref)
+    plain, plain_logits = generated(model, ids, lambda: None)
+    assert not torch.equal(plain, out)
+    out, logits = generated(model, ids, lambda: saes.replace(path, error=True))
+    assert_same(out, logits, plain, plain_logits)
+
+
+@pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 1.0},
+                                    {"penalty_alpha": 0.6, "top_k": 4}])
+def test_lorsa_unsupported_decoding_raises_before_any_token(kwargs):
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(1, 6)
+    reached = []
+    with pytest.raises(UnsupportedGenerationError, match="num_beams=1"), model.generate(
+            ids, max_new_tokens=3, pad_token_id=1, **kwargs):
+        lorsa.replace(layer=LAYER)
+        reached.append(nnsight.save(model.lm_head.output))
+    assert not reached  # raised from replace(), before the model ran
+
+
+def test_lorsa_beams_from_the_checkpoint_config_raise_before_the_result():
+    model, hf, lorsa = lorsa_set("llama")
+    hf.generation_config.num_beams = 2
+    try:
+        result = []
+        with pytest.raises(UnsupportedGenerationError, match="beam search"), model.generate(
+                random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
+            lorsa.replace(layer=LAYER)
+            result.append(nnsight.save(tracer.result))
+        assert not result
+    finally:
+        hf.generation_config.num_beams = 1
+
+
+def test_replace_at_a_later_iter_step_says_to_call_it_before_the_loop():
+    model, _, lorsa = lorsa_set("llama")
+    for steps in ("iter[1:3]", "after step 0"):
+        with pytest.raises(TraceOrderError, match="before the loop"), model.generate(random_ids(1, 6), **GEN) as tracer:
+            if steps == "iter[1:3]":
+                for _ in tracer.iter[1:3]:
+                    lorsa.replace(layer=LAYER)
+            else:
+                for step in tracer.iter[:3]:
+                    if step == 1:
+                        lorsa.replace(layer=LAYER)
+                    nnsight.save(model.lm_head.output)
+
+
+def test_replace_inside_iter_from_step_zero_serves_every_step():
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+    seq, ref = no_cache_loop(model, ids, lambda: lorsa.replace(layer=LAYER))
+    with model.generate(ids, **GEN) as tracer:
+        logits = nnsight.save([])
+        for _ in tracer.iter[:STEPS]:
+            lorsa.replace(layer=LAYER)  # the same splice at every step
+            logits.append(model.lm_head.output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    assert_same(out, logits, seq, ref)
+
+
+def test_cross_layer_transcoder_generate_matches_no_cache_loop():
+    model, _ = tiny_nnsight("llama")
+    clt = CLTSet(model, make_clt())
+    ids = random_ids(2, 6)
+
+    def edit(site):
+        site.hook_sae_acts_post[0].output[..., 5] += 4.0
+
+    seq, ref = no_cache_loop(model, ids, lambda: edit(clt.replace()))
+    out, logits = generated(model, ids, lambda: clt.replace(), each_step=edit)
+    assert_same(out, logits, seq, ref)
+
+
+def test_lorsa_generate_without_kv_cache_matches_loop():
+    """``use_cache=False``: every step is a whole-sequence forward; the Lorsa starts afresh each time."""
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+    setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
+    seq, ref = no_cache_loop(model, ids, setup)
+    with model.generate(ids, **GEN, use_cache=False) as tracer:
+        setup()
+        logits = nnsight.save([])
+        for _ in tracer.iter[:STEPS]:
+            logits.append(model.lm_head.output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    assert_same(out, logits, seq, ref)
+
+
+def test_transcoder_under_beam_search_is_allowed():
+    """Per-token replacements follow any decoding strategy: beams need no cache of their own."""
+    model, _ = tiny_nnsight("llama")
+    tcs = TranscoderSet(model, {LAYER: make_transcoder()})
+    with model.generate(random_ids(1, 6), max_new_tokens=3, num_beams=2, pad_token_id=1) as tracer:
+        tcs.replace(layer=LAYER)
+        out = nnsight.save(tracer.result)
+    assert out.shape == (1, 9)
