@@ -20,7 +20,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import parser, start, table, time_interleaved, write  # noqa: E402
 
-from nnsight_lorsa import Lorsa, LorsaConfig, RotaryConfig  # noqa: E402
+from nnsight_lorsa import Lorsa, LorsaConfig  # noqa: E402
+from nnsight_lorsa.modules import RotaryConfig
 
 
 def main() -> None:

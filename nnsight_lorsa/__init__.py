@@ -1,17 +1,30 @@
-"""nnsight-lorsa: Low-Rank Sparse Attention (Lorsa) and friends as nnsight envoys.
+"""nnsight-lorsa: look inside attention with nnsight — Lorsa, transcoders and SAEs as envoys.
 
-Torch-only primitives (no nnsight needed to import or run them)::
+The workflows in twenty names (everything else lives in the subpackages, each with its own
+``__all__``: :mod:`.modules`, :mod:`.adapters`, :mod:`.envoy`, :mod:`.formats`, :mod:`.training`,
+:mod:`.attribution`, :mod:`.patching`, :mod:`.analysis`, :mod:`.viz`, :mod:`.sparse_attention`,
+:mod:`.remote`, :mod:`.errors`)::
 
-    from nnsight_lorsa import Lorsa, LorsaConfig, RotaryConfig, save_lorsa, load_lorsa
+    from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, load
 
-nnsight integration (imported on first use)::
-
-    from nnsight_lorsa import LorsaSet
-    lorsa = LorsaSet(model, {15: my_lorsa})
+    lorsas = LorsaSet.from_pretrained(model, "checkpoints/lorsa")   # or load(path) for one module
     with model.trace(prompt):
-        site = lorsa.replace(layer=15)
+        site = lorsas.replace(layer=15)                  # MHSA output -> Lorsa output, this trace only
+        z = nnsight.save(site.hook_z.output)             # (batch, pos, n_ov_heads)
+    graph = attribute(ReplacementModel(model, lorsas=lorsas), prompt)
 
-See README.md and docs/ for the guided tour.
+* modules (torch only): :class:`Lorsa`, :class:`LorsaConfig`, :class:`SparseAutoencoder`,
+  :class:`Transcoder`, :class:`CrossLayerTranscoder`;
+* nnsight glue: :class:`LorsaSet`, :class:`TranscoderSet`, :class:`SAESet`, :class:`CLTSet`, and
+  :class:`ReplacementModel` (a model and its replacements: the argument of attribution, patching,
+  analysis and remote); :func:`get_adapter` (the model family's adapter);
+* files: :func:`load` / :func:`save` (ours, Llamascopium, SAELens, sparsify, circuit-tracer);
+* attribution: :func:`attribute` → :class:`Graph`;
+* training: :class:`Trainer`, :class:`TrainConfig`, :class:`TokenDataset`, :func:`evaluate`;
+* :class:`LorsaError`, the base class of every error raised here (all in :mod:`.errors`).
+
+``import nnsight_lorsa`` needs torch only: names that need nnsight load on first use.
+See README.md and docs/ (docs/architecture.md for the layout).
 """
 
 from __future__ import annotations
@@ -20,75 +33,31 @@ from importlib import import_module
 from typing import Any
 
 from ._version import __version__ as __version__
-from .errors import (
-    CheckpointError,
-    ConfigMismatchError,
-    LayerOutOfRangeError,
-    LorsaError,
-    ShapeError,
-    TraceOrderError,
-    UnsupportedArchitectureError,
+from .errors import LorsaError
+from .formats.registry import (  # eager: nnsight mounts a `save` on every object, which a lazy name would lose to
+    load,
+    save,
 )
-from .modules.hook_point import HookPoint
-from .modules.lorsa import Lorsa, LorsaCache
+from .modules.clt import CrossLayerTranscoder
+from .modules.lorsa import Lorsa
 from .modules.lorsa_config import LorsaConfig
-from .modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
+from .modules.sae import SparseAutoencoder
+from .modules.transcoder import Transcoder
 
-# name -> module that defines it; imported lazily so that `import nnsight_lorsa` needs torch only
+# name -> module that defines it; imported on first use so that `import nnsight_lorsa` needs torch only
 _LAZY = {
     "LorsaSet": ".envoy.lorsa_set",
-    "get_adapter": ".adapters.registry",
-    "ArchitectureAdapter": ".adapters.base",
-    "MHSAWeights": ".adapters.base",
-    "mhsa_forward": ".adapters.base",
-    "save_lorsa": ".formats.lorsa_format",
-    "load_lorsa": ".formats.lorsa_format",
-    "load_llamascopium_lorsa": ".formats.llamascopium",
-    "save_sparse_coder": ".formats.sparse_coder_format",
-    "load_sparse_coder": ".formats.sparse_coder_format",
-    "load_llamascopium_sae": ".formats.llamascopium_sae",
-    "load_saelens": ".formats.saelens",
-    "save_saelens": ".formats.saelens",
-    "load_sparsify": ".formats.sparsify",
-    "save_sparsify": ".formats.sparsify",
-    "load_circuit_tracer_transcoders": ".formats.circuit_tracer",
-    "load_circuit_tracer_clt": ".formats.circuit_tracer",
-    "save_circuit_tracer_clt": ".formats.circuit_tracer",
-    "save_circuit_tracer_transcoders": ".formats.circuit_tracer",
-    "Trainer": ".training.trainer",
-    "TrainConfig": ".training.trainer",
-    "attention_activations": ".envoy.read",
-    "evaluate": ".training.evaluate",
-    "SparseCoder": ".modules.sparse_coder",
-    "SparseCoderConfig": ".modules.sparse_coder",
-    "SparseAutoencoder": ".modules.sae",
-    "SAEConfig": ".modules.sae",
-    "Transcoder": ".modules.transcoder",
-    "SkipTranscoder": ".modules.transcoder",
-    "TranscoderConfig": ".modules.transcoder",
-    "CrossLayerTranscoder": ".modules.clt",
-    "CLTConfig": ".modules.clt",
-    "ReLU": ".modules.activations",
-    "TopK": ".modules.activations",
-    "BatchTopK": ".modules.activations",
-    "JumpReLU": ".modules.activations",
-    "make_activation": ".modules.activations",
     "TranscoderSet": ".envoy.transcoder_set",
     "SAESet": ".envoy.sae_set",
     "CLTSet": ".envoy.clt_set",
     "ReplacementModel": ".envoy.replacement_model",
-    "MHSAHead": ".envoy.targets",
-    "LorsaHead": ".envoy.targets",
-    "Feature": ".envoy.targets",
-    "activation_patching": ".patching.experiments",
-    "path_patching": ".patching.path_patching",
+    "get_adapter": ".adapters.registry",
     "attribute": ".attribution.attribute",
     "Graph": ".attribution.graph",
-    "prune": ".attribution.scores",
-    "qk_attribution": ".attribution.qk",
-    "install_gated_attention": ".sparse_attention.install",
-    "train_sparse_attention": ".sparse_attention.train",
-    "load_gates": ".sparse_attention.io",
+    "Trainer": ".training.trainer",
+    "TrainConfig": ".training.trainer",
+    "TokenDataset": ".training.dataset",
+    "evaluate": ".training.evaluate",
 }
 
 
@@ -98,8 +67,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nnsight_lorsa' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = [
-    "CheckpointError", "ConfigMismatchError", "HookPoint", "LayerOutOfRangeError", "Lorsa", "LorsaCache",
-    "LorsaConfig", "LorsaError", "RotaryConfig", "ShapeError", "TraceOrderError",
-    "UnsupportedArchitectureError", "apply_rotary", "rotary_cos_sin", *_LAZY,
+    "CLTSet", "CrossLayerTranscoder", "Graph", "Lorsa", "LorsaConfig", "LorsaError", "LorsaSet", "ReplacementModel",
+    "SAESet", "SparseAutoencoder", "TokenDataset", "TrainConfig", "Trainer", "Transcoder", "TranscoderSet",
+    "attribute", "evaluate", "get_adapter", "load", "save",
 ]

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["DemoConfig", "load_model", "run_demo"]
+
 
 @dataclass
 class DemoConfig:

@@ -52,3 +52,8 @@ class ActivationCacheError(CheckpointError):
 class FormatDetectionError(CheckpointError):
     """No checkpoint format, or more than one, matches the files at a path (the message lists the
     formats, the files each looks for, and what the path holds); pass ``format=`` to choose one."""
+
+
+__all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConfigMismatchError", "FormatDetectionError",
+           "LayerOutOfRangeError", "LorsaError", "ShapeError", "TraceOrderError", "UnsupportedArchitectureError",
+           "UnsupportedGenerationError"]

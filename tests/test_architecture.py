@@ -94,3 +94,31 @@ def test_no_import_cycles():
     for n in graph:
         if n not in seen:
             visit(n, [])
+
+
+def test_the_top_level_is_small_and_tab_completes():
+    import nnsight_lorsa
+
+    assert len(nnsight_lorsa.__all__) <= 20
+    assert set(nnsight_lorsa.__all__) <= set(dir(nnsight_lorsa))  # the lazy names too
+    for name in nnsight_lorsa.__all__:
+        assert getattr(nnsight_lorsa, name) is not None
+    with pytest.raises(AttributeError):
+        nnsight_lorsa.Resolver  # noqa: B018
+    import nnsight  # noqa: F401  (nnsight mounts a `save` on every object: ours must still win)
+    from nnsight_lorsa.formats.registry import load, save
+
+    assert nnsight_lorsa.save is save and nnsight_lorsa.load is load
+
+
+SUBPACKAGES = ["adapters", "analysis", "attribution", "envoy", "formats", "modules", "patching", "sparse_attention",
+               "training", "viz"]
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_every_subpackage_has_a_docstring_and_an_all(name):
+    import importlib
+
+    module = importlib.import_module(f"nnsight_lorsa.{name}")
+    assert len((module.__doc__ or "").split()) >= 15, f"{name}: no real docstring"
+    assert module.__all__ and all(hasattr(module, n) for n in module.__all__)

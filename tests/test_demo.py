@@ -33,7 +33,7 @@ def test_demo_runs_on_a_local_model_dir_and_text_file(tmp_path, capsys):
 
 
 def test_demo_rejects_a_layer_out_of_range(tmp_path):
-    from nnsight_lorsa import LayerOutOfRangeError
+    from nnsight_lorsa.errors import LayerOutOfRangeError
 
     model_dir = tmp_path / "model"
     tiny_hf_model("llama").save_pretrained(model_dir)

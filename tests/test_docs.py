@@ -24,3 +24,21 @@ def test_doc_code_blocks_run(path: Path) -> None:
             exec(compile(block, filename, "exec"), namespace)
         except Exception as e:  # pragma: no cover - the message is the point
             raise AssertionError(f"{path.name}, python block {i} failed: {e!r}\n{block}") from e
+
+
+def test_readme_and_docs_import_only_public_names():
+    """Every ``from nnsight_lorsa… import name`` in a Python block of README/docs names a public name: one in
+    the ``__all__`` of the top level or of the subpackage it is imported from (no module paths below that)."""
+    import importlib
+    import re
+
+    bad = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python[^\n]*\n(.*?)```", path.read_text(), re.S):
+            for m in re.finditer(r"^\s*from (nnsight_lorsa[\w.]*) import ([^\n(#]*)", block, re.M):
+                module = importlib.import_module(m.group(1))
+                for name in (n.strip().split(" as ")[0] for n in m.group(2).split(",")):
+                    if name and (m.group(1).count(".") > 1 or name not in getattr(module, "__all__", ())):
+                        bad.append(f"{path.name}: from {m.group(1)} import {name}")
+    assert not bad, bad
+

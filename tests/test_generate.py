@@ -16,8 +16,8 @@ from test_replace import make_lorsa
 from test_sae_transcoder import make_clt, make_sae, make_transcoder
 from tiny import random_ids, tiny_nnsight
 
-from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TraceOrderError, TranscoderSet, get_adapter
-from nnsight_lorsa.errors import UnsupportedGenerationError
+from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import TraceOrderError, UnsupportedGenerationError
 
 LAYER = 1
 STEPS = 5

@@ -9,7 +9,9 @@ import pytest
 import torch
 from jaxtyping import TypeCheckError
 
-from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, RotaryConfig, ShapeError
+from nnsight_lorsa import Lorsa, LorsaConfig
+from nnsight_lorsa.errors import CheckpointError, ShapeError
+from nnsight_lorsa.modules import RotaryConfig
 
 ROPE = RotaryConfig(head_dim=8, rotary_dim=8, base=10000.0, rope_type="llama3",
                     scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -128,11 +130,12 @@ def test_bad_shapes_and_configs_raise_clear_errors():
 def test_primitives_import_and_run_without_nnsight():
     code = (
         "import sys, torch\n"
-        "from nnsight_lorsa import Lorsa, LorsaConfig, save_lorsa, load_lorsa, get_adapter\n"
+        "from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter, load, save\n"
+        "from nnsight_lorsa.formats import save_lorsa, load_lorsa\n"
         "out = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))(torch.randn(1, 3, 8))\n"
         "assert out.shape == (1, 3, 8)\n"
         "assert 'nnsight' not in sys.modules, sorted(m for m in sys.modules if 'nnsight' in m)\n"
-        "from nnsight_lorsa import ShapeError\n"
+        "from nnsight_lorsa.errors import ShapeError\n"
         "try:\n    Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))(torch.randn(3, 8))\n"
         "except ShapeError as e:\n    assert 'd_model=8' in str(e)\nelse:\n    raise AssertionError('no ShapeError')\n"
     )

@@ -8,15 +8,8 @@ from test_replace import hooked, make_lorsa
 from test_sae_transcoder import make_sae, make_transcoder
 from tiny import N_HEADS, N_LAYERS, random_ids, tiny_nnsight
 
-from nnsight_lorsa import (
-    ConfigMismatchError,
-    LayerOutOfRangeError,
-    LorsaSet,
-    SAESet,
-    ShapeError,
-    TranscoderSet,
-    get_adapter,
-)
+from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
 from nnsight_lorsa.patching import (
     Feature,
     LorsaHead,

@@ -10,7 +10,8 @@ from test_replace import LAYER, make_lorsa
 from test_sae_transcoder import make_sae, make_transcoder
 from tiny import N_LAYERS, random_ids, tiny_nnsight
 
-from nnsight_lorsa import ConfigMismatchError, LorsaSet, SAESet, ShapeError, TranscoderSet, get_adapter
+from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import ConfigMismatchError, ShapeError
 from nnsight_lorsa.patching import (
     Feature,
     LorsaHead,

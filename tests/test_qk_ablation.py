@@ -7,9 +7,10 @@ import torch
 from test_replace import LAYER, make_lorsa
 from tiny import random_ids, tiny_nnsight
 
-from nnsight_lorsa import ConfigMismatchError, LayerOutOfRangeError, LorsaSet, ShapeError, get_adapter
+from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
 from nnsight_lorsa.envoy.read import attention_activations
+from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 
 

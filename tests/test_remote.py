@@ -451,7 +451,7 @@ def test_payload_of_a_llama31_8b_layer_is_counted_exactly() -> None:
 
 
 def test_for_remote_keeps_the_layers_asked_for_in_the_dtype_asked_for() -> None:
-    from nnsight_lorsa import LayerOutOfRangeError
+    from nnsight_lorsa.errors import LayerOutOfRangeError
     from nnsight_lorsa.remote import for_remote, model_dtype, payload_report
 
     model, lorsas = _tiny_set()

@@ -8,15 +8,8 @@ import pytest
 import torch
 from tiny import FAMILIES, random_ids, tiny_nnsight
 
-from nnsight_lorsa import (
-    ConfigMismatchError,
-    LayerOutOfRangeError,
-    Lorsa,
-    LorsaConfig,
-    LorsaSet,
-    TraceOrderError,
-    get_adapter,
-)
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, TraceOrderError
 
 LAYER = 1
 

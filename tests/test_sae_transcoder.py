@@ -10,28 +10,26 @@ from test_replace import _state, hooked, make_lorsa
 from tiny import random_ids, tiny_nnsight
 
 from nnsight_lorsa import (
-    BatchTopK,
-    CheckpointError,
-    CLTConfig,
     CLTSet,
-    ConfigMismatchError,
     CrossLayerTranscoder,
-    JumpReLU,
-    LayerOutOfRangeError,
     LorsaError,
     LorsaSet,
-    ReLU,
-    SAEConfig,
     SAESet,
-    ShapeError,
-    SkipTranscoder,
     SparseAutoencoder,
-    TopK,
-    TraceOrderError,
     Transcoder,
-    TranscoderConfig,
     TranscoderSet,
     get_adapter,
+)
+from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError, TraceOrderError
+from nnsight_lorsa.modules import (
+    BatchTopK,
+    CLTConfig,
+    JumpReLU,
+    ReLU,
+    SAEConfig,
+    SkipTranscoder,
+    TopK,
+    TranscoderConfig,
     make_activation,
 )
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from tiny import tiny_training_setup
 
-from nnsight_lorsa import CheckpointError, Lorsa, LorsaConfig, LorsaSet
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet
+from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
 from nnsight_lorsa.training.schedule import wsd_lr_factor

@@ -5,7 +5,8 @@
 * The sets, one per kind, each with ``replace(...)`` inside a trace and ``from_pretrained`` /
   ``save``: :class:`LorsaSet` (attention), :class:`TranscoderSet` (MLPs), :class:`CLTSet`
   (all MLPs, one cross-layer transcoder), :class:`SAESet` (any module's output).
-* Targets of interventions: :class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`.
+* Targets of interventions: :class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`; a place in the
+  model whose activations are read: :class:`Site` (:mod:`.read`).
 
 Mechanism: :mod:`.splice_chain` (one replacement over one or several sites, error terms), every
 use of nnsight's private internals in :mod:`.nnsight_internals`. See docs/nnsight.md.
@@ -13,9 +14,11 @@ use of nnsight's private internals in :mod:`.nnsight_internals`. See docs/nnsigh
 
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
+from .read import Site
 from .replacement_model import ReplacementModel
 from .sae_set import SAESet
 from .targets import Feature, LorsaHead, MHSAHead
 from .transcoder_set import TranscoderSet
 
-__all__ = ["CLTSet", "Feature", "LorsaHead", "LorsaSet", "MHSAHead", "ReplacementModel", "SAESet", "TranscoderSet"]
+__all__ = ["CLTSet", "Feature", "LorsaHead", "LorsaSet", "MHSAHead", "ReplacementModel", "SAESet", "Site",
+           "TranscoderSet"]

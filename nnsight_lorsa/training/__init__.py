@@ -19,9 +19,12 @@ One front door for every module kind::
   CE recovered and KL with the module spliced in; the same metric names for every module kind.
 """
 
+from .activation_cache import ActivationCache, write_activation_cache
 from .activations import ActivationSource
 from .dataset import TokenDataset
+from .distributed import DataParallel
 from .evaluate import Evaluation, evaluate
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["ActivationSource", "Evaluation", "TokenDataset", "TrainConfig", "Trainer", "evaluate"]
+__all__ = ["ActivationCache", "ActivationSource", "DataParallel", "Evaluation", "TokenDataset", "TrainConfig",
+           "Trainer", "evaluate", "write_activation_cache"]
