@@ -106,6 +106,7 @@ def test_the_top_level_is_small_and_tab_completes():
     with pytest.raises(AttributeError):
         nnsight_lorsa.Resolver  # noqa: B018
     import nnsight  # noqa: F401  (nnsight mounts a `save` on every object: ours must still win)
+
     from nnsight_lorsa.formats.registry import load, save
 
     assert nnsight_lorsa.save is save and nnsight_lorsa.load is load
