@@ -36,7 +36,7 @@ import torch
 from _timing import command, table, write
 from ioi_greater_than_model import CACHE, HELD_NAMES, HELD_YEARS, load_or_train, start_year
 
-from nnsight_lorsa import LorsaSet
+from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis.heads import ov_logit_lens
 from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import logit_difference
@@ -117,7 +117,8 @@ def describe_heads(model, lorsas: LorsaSet, layer: int, task: TaskBatch, heads: 
     zp = lorsas[layer].z_pattern(x, heads)[:, :, -1].abs()  # (b, heads, key pos)
     roles = key_roles(task, tok)
     names = sorted({r for row in roles for r in row})
-    _, _, ranked = ov_logit_lens(model, lorsas[layer], heads, k=len(tok), tokenizer=tok)  # every token, by logit
+    rm = ReplacementModel(model, lorsas=lorsas)
+    _, _, ranked = ov_logit_lens(rm, layer, heads, k=len(tok), tokenizer=tok)  # every token, by logit
     assert ranked is not None
     key = [m["io"].strip() if task.name == "ioi" else start_year(m["text"]) for m in task.meta]
     out = []

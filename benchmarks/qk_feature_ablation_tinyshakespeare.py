@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import arg, command, embedded, parser, table, write  # noqa: E402
 
-from nnsight_lorsa import get_adapter  # noqa: E402
+from nnsight_lorsa import ReplacementModel, get_adapter  # noqa: E402
 from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
 from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
 from nnsight_lorsa.envoy.read import Site, attention_activations  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
     heads = []
     for head in args.heads:
         t = time.perf_counter()
-        res = qk_feature_impacts(model, lorsas, LAYER, head, sae, tokens, batch_size=16)
+        res = qk_feature_impacts(ReplacementModel(model, lorsas=lorsas), LAYER, head, sae, tokens, batch_size=16)
         seconds = time.perf_counter() - t
         out = {"head": head, "qk_head": res.qk_head, "n_activations": res.n_activations, "n_tokens": res.n_tokens,
                "seconds": round(seconds, 1),

@@ -6,7 +6,7 @@ import torch
 from test_replace import LAYER, make_lorsa
 from tiny import random_ids, tiny_nnsight
 
-from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis.heads import (
     MHSACorrelation,
     collect_top_activations,
@@ -42,8 +42,9 @@ def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
     adapter = get_adapter(model)
     lorsa = make_lorsa(hf, adapter)
     ls = LorsaSet(model, {LAYER: lorsa})
+    rm = ReplacementModel(model, lorsas=ls)
     tokens = random_ids(batch=3, seq=9, seed=4)
-    corr = mhsa_correlation(model, ls, LAYER, tokens, batch_size=2)
+    corr = mhsa_correlation(rm, LAYER, tokens, batch_size=2)
     act = attention_activations(model, LAYER, tokens)
     _, cache = lorsa(act.x, act.positions, return_cache=True)
     active = (cache.z[:, 1:] > 0)
@@ -62,7 +63,7 @@ def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
             adapter.mhsa_weights(hf, LAYER), act.x, act.positions, per_head=True)[b, s][None]
         coef = oblique_coefficients(basis, per_head)[0]
         torch.testing.assert_close(corr.contrib[h], coef[(idx == h).nonzero()[0, 0]], atol=1e-4, rtol=1e-4)
-    vals, ids, strings = ov_logit_lens(model, lorsa, [3, 7], k=4)
+    vals, ids, strings = ov_logit_lens(rm, LAYER, [3, 7], k=4)
     want = (lorsa.W_O[[3, 7]] * hf.model.norm.weight) @ hf.lm_head.weight.T
     torch.testing.assert_close(vals, want.topk(4, -1).values)
     assert strings is not None and len(strings[0]) == 4
@@ -70,5 +71,5 @@ def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
     mat[6] = 2 * lorsa.W_V[5]
     cos = ov_feature_cosines(lorsa, 5, sae_in_decoder=mat, k=2)
     assert int(cos["v"][1][0]) == 6 and abs(float(cos["v"][0][0]) - 1) < 1e-5 and "o" not in cos
-    top = collect_top_activations(model, ls, LAYER, tokens, n_top=3)
+    top = collect_top_activations(rm, LAYER, tokens, n_top=3)
     assert top.n_tokens == 3 * 8 and torch.equal(top.count, corr.count)

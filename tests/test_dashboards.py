@@ -8,7 +8,7 @@ import pytest
 import torch
 from browser import render_dom, require_chromium, screenshot
 
-from nnsight_lorsa import LorsaSet
+from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis import qk_feature_impacts
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_feature_cosines
 from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir
@@ -24,16 +24,17 @@ from nnsight_lorsa.viz.figures import plot_heads_spanned, plot_operand_grid, plo
 def dashboard_data():
     model = load_model()
     ls = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    rm = ReplacementModel(model, lorsas=ls)
     text = default_corpus_path().read_text(encoding="utf-8")[:20000]
     tokens = TokenDataset.from_text(model.tokenizer, text, 48).tokens[:12]
-    top = collect_top_activations(model, ls, 2, tokens, n_top=4)
-    corr = mhsa_correlation(model, ls, 2, tokens)
+    top = collect_top_activations(rm, 2, tokens, n_top=4)
+    corr = mhsa_correlation(rm, 2, tokens)
     head = top.top_heads(1)[0]
     torch.manual_seed(0)  # an untrained SAE on the Lorsa input: the App. F sections only need features
     sae = SparseAutoencoder(SAEConfig(d_in=128, d_sae=64, activation="topk", activation_params={"k": 8}))
-    qk = qk_feature_impacts(model, ls, 2, head, sae, tokens[:4], batch_size=2)
+    qk = qk_feature_impacts(rm, 2, head, sae, tokens[:4], batch_size=2)
     ov = ov_feature_cosines(ls[2], head, sae_in_decoder=sae.W_dec, sae_out_encoder=sae.W_enc.T, k=3)
-    return head_dashboard_data(model, ls, 2, head, top, tokens, n_contexts=4, correlation=corr,
+    return head_dashboard_data(rm, 2, head, top, tokens, n_contexts=4, correlation=corr,
                                extra={"note": "a <b>test</b> & </script>"}, qk_features=qk, ov_features=ov,
                                n_features=3)
 
@@ -63,14 +64,15 @@ def test_dashboard_renders_in_chromium(dashboard_data, tmp_path):
 def test_dashboard_refuses_another_heads_qk_features(dashboard_data):
     model = load_model()
     ls = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    rm = ReplacementModel(model, lorsas=ls)
     tokens = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8")[:4000],
                                     48).tokens[:2]
-    top = collect_top_activations(model, ls, 2, tokens, n_top=2)
+    top = collect_top_activations(rm, 2, tokens, n_top=2)
     head = dashboard_data["head"]
     sae = SparseAutoencoder(SAEConfig(d_in=128, d_sae=16, activation="topk", activation_params={"k": 2}))
-    other = qk_feature_impacts(model, ls, 2, (head + 1) % ls[2].cfg.n_ov_heads, sae, tokens, batch_size=2)
+    other = qk_feature_impacts(rm, 2, (head + 1) % ls[2].cfg.n_ov_heads, sae, tokens, batch_size=2)
     with pytest.raises(ConfigMismatchError, match="qk_features"):
-        head_dashboard_data(model, ls, 2, head, top, tokens, qk_features=other)
+        head_dashboard_data(rm, 2, head, top, tokens, qk_features=other)
 
 
 def test_render_is_self_contained(dashboard_data):

@@ -7,7 +7,7 @@ import torch
 from test_replace import LAYER, make_lorsa
 from tiny import random_ids, tiny_nnsight
 
-from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
 from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
@@ -82,11 +82,12 @@ def coordinate_sae(d: int) -> SparseAutoencoder:
 @torch.no_grad()
 def test_kl_equals_reference_on_edited_inputs(family):
     model, hf, lorsa, ls = sharp_setup(family)
+    rm = ReplacementModel(model, lorsas=ls)
     tokens = random_ids(batch=3, seq=10, seed=5)
     head, x, positions, active = busiest_head(model, lorsa, tokens)
     d = lorsa.cfg.d_model
     sae = coordinate_sae(d)
-    res = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, batch_size=2)
+    res = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=2)
     assert res.n_activations == int(active.sum()) > 0 and res.n_tokens == 3 * 9
     assert res.qk_head == head // lorsa.cfg.group_size
     base = rows(lorsa, head, x, x, positions)
@@ -113,7 +114,7 @@ def test_kl_equals_reference_on_edited_inputs(family):
             b, i = int(res.q_window[f]), int(res.q_position[f])
             assert where[b, i] or abs(float(res.q_kl[f]) - q_ref[f]) < 1e-4
     # chunking and batching do not change anything
-    again = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, batch_size=3, chunk=7)
+    again = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=3, chunk=7)
     torch.testing.assert_close(again.q_kl, res.q_kl, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(again.k_kl, res.k_kl, atol=1e-6, rtol=1e-5)
     assert torch.equal(again.q_count, res.q_count) and torch.equal(again.k_count, res.k_count)
@@ -142,13 +143,14 @@ def _span_directions(lorsa, g: int, seed: int = 0) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def test_orthogonal_feature_has_no_impact_aligned_one_does(family):
     model, hf, lorsa, ls = sharp_setup(family)
+    rm = ReplacementModel(model, lorsas=ls)
     tokens = random_ids(batch=3, seq=10, seed=5)
     head, x, positions, active = busiest_head(model, lorsa, tokens)
     dirs = _span_directions(lorsa, head // lorsa.cfg.group_size)
     w_dec = torch.stack([dirs["none"], dirs["q_only"], dirs["k_only"], dirs["q_only"] + dirs["k_only"]])
     x_norm = float(x.norm(dim=-1).mean())
     codes = torch.full((*x.shape[:2], 4), x_norm)              # every feature active everywhere
-    res = qk_feature_impacts(model, ls, LAYER, head, FixedCodes(codes, w_dec), tokens, batch_size=4)
+    res = qk_feature_impacts(rm, LAYER, head, FixedCodes(codes, w_dec), tokens, batch_size=4)
     n = res.n_activations
     assert res.q_count.tolist() == [n] * 4 and res.k_count.tolist() == [n] * 4
     assert res.q_kl[0] < 1e-9 and res.k_kl[0] < 1e-9          # orthogonal to both: no impact
@@ -161,6 +163,7 @@ def test_orthogonal_feature_has_no_impact_aligned_one_does(family):
 @torch.no_grad()
 def test_feature_only_at_key_positions_has_no_q_impact():
     model, hf, lorsa, ls = sharp_setup("llama")
+    rm = ReplacementModel(model, lorsas=ls)
     tokens = random_ids(batch=3, seq=10, seed=5)
     head, x, positions, active = busiest_head(model, lorsa, tokens)
     g = head // lorsa.cfg.group_size
@@ -169,7 +172,7 @@ def test_feature_only_at_key_positions_has_no_q_impact():
     where = ~active                                            # never at an activation's query position
     where[:, 0] = True
     codes = (where.float() * float(x.norm(dim=-1).mean()))[..., None]
-    res = qk_feature_impacts(model, ls, LAYER, head, FixedCodes(codes, direction[None]), tokens, batch_size=3)
+    res = qk_feature_impacts(rm, LAYER, head, FixedCodes(codes, direction[None]), tokens, batch_size=3)
     assert res.q_count[0] == 0 and res.q_kl[0] == 0 and res.q_window[0] == -1
     present = where.cummax(1).values & active
     assert res.k_count[0] == int(present.sum())
@@ -197,32 +200,33 @@ def test_bad_input_raises_before_the_model_runs():
     model, hf = tiny_nnsight("llama")
     lorsa = make_lorsa(hf, get_adapter(model))
     ls = LorsaSet(model, {LAYER: lorsa})
+    rm = ReplacementModel(model, lorsas=ls)
     sae = coordinate_sae(lorsa.cfg.d_model)
     calls = []
     handle = hf.model.embed_tokens.register_forward_pre_hook(lambda *a: calls.append(1))
     tokens = random_ids(batch=2, seq=6)
     try:
         with pytest.raises(ShapeError, match="head"):
-            qk_feature_impacts(model, ls, LAYER, lorsa.cfg.n_ov_heads, sae, tokens)
+            qk_feature_impacts(rm, LAYER, lorsa.cfg.n_ov_heads, sae, tokens)
         with pytest.raises(ShapeError, match="head"):
-            qk_feature_impacts(model, ls, LAYER, -1, sae, tokens)
+            qk_feature_impacts(rm, LAYER, -1, sae, tokens)
         with pytest.raises(LayerOutOfRangeError, match="no Lorsa for layer 2"):
-            qk_feature_impacts(model, ls, LAYER + 1, 0, sae, tokens)
+            qk_feature_impacts(rm, LAYER + 1, 0, sae, tokens)
         with pytest.raises(ConfigMismatchError, match="d_model=64"):
-            qk_feature_impacts(model, ls, LAYER, 0, SparseAutoencoder(SAEConfig(d_in=32, d_sae=8)), tokens)
+            qk_feature_impacts(rm, LAYER, 0, SparseAutoencoder(SAEConfig(d_in=32, d_sae=8)), tokens)
         with pytest.raises(ShapeError, match="tokens"):
-            qk_feature_impacts(model, ls, LAYER, 0, sae, tokens[0])
+            qk_feature_impacts(rm, LAYER, 0, sae, tokens[0])
         with pytest.raises(ShapeError, match="features"):
-            qk_feature_impacts(model, ls, LAYER, 0, sae, tokens, features=[0, 128])
+            qk_feature_impacts(rm, LAYER, 0, sae, tokens, features=[0, 128])
         assert calls == []
         # a feature subset evaluates only those features (and the model does run)
         head = int(lorsa(attention_activations(model, LAYER, tokens).x, return_cache=True)[1].z[:, 1:].sum((0, 1))
                    .argmax())
         calls.clear()
-        full = qk_feature_impacts(model, ls, LAYER, head, sae, tokens)
+        full = qk_feature_impacts(rm, LAYER, head, sae, tokens)
         assert calls and full.n_activations > 0
         pick = [f for f, *_ in full.top_query_features(2)]
-        res = qk_feature_impacts(model, ls, LAYER, head, sae, tokens, features=pick)
+        res = qk_feature_impacts(rm, LAYER, head, sae, tokens, features=pick)
         assert set(((res.q_count + res.k_count) > 0).nonzero().flatten().tolist()) == set(pick)
         for name in ("q_count", "k_count", "q_window", "k_position"):
             assert torch.equal(getattr(res, name)[pick], getattr(full, name)[pick])

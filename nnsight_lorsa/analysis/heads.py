@@ -74,7 +74,16 @@ class MHSACorrelation(FieldsRepr):
 
 
 @torch.no_grad()
-def mhsa_correlation(model: Any, lorsa_set: Any, layer: int, tokens: torch.Tensor, *, batch_size: int = 8,
+def lorsas_of(replacement: Any) -> Any:
+    """``replacement.lorsas`` (the :class:`~nnsight_lorsa.ReplacementModel`'s LorsaSet), or a named error."""
+    from ..errors import ConfigMismatchError
+
+    if getattr(replacement, "lorsas", None) is None:
+        raise ConfigMismatchError("head analysis needs Lorsas: pass ReplacementModel(model, lorsas=...)")
+    return replacement.lorsas
+
+
+def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batch_size: int = 8,
                      skip_first: bool = True) -> MHSACorrelation:
     """Oblique-projection correlation of every Lorsa head of ``layer`` to the MHSA heads (App. E.1).
 
@@ -85,7 +94,9 @@ def mhsa_correlation(model: Any, lorsa_set: Any, layer: int, tokens: torch.Tenso
 
     Raises:
         ShapeError: ``tokens`` is not ``(n, pos)``. LayerOutOfRangeError: no Lorsa at ``layer``.
+        ConfigMismatchError: ``replacement`` has no Lorsas.
     """
+    model, lorsa_set = replacement.model, lorsas_of(replacement)
     if tokens.dim() != 2:
         raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
     adapter = get_adapter(model)
@@ -123,7 +134,7 @@ def _module(model: Any, path: str) -> Any:
 
 
 @torch.no_grad()
-def ov_logit_lens(model: Any, lorsa: Any, heads: Any = None, k: int = 10,
+def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
                   tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor, list[list[str]] | None]:
     """Tokens each Lorsa head promotes through its OV circuit (Lorsa paper Fig. 4, "Logits via OV").
 
@@ -135,7 +146,9 @@ def ov_logit_lens(model: Any, lorsa: Any, heads: Any = None, k: int = 10,
 
     Raises:
         ShapeError: the unembedding does not match ``d_model``.
+        LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
     """
+    model, lorsa = replacement.model, lorsas_of(replacement)[layer]
     adapter = get_adapter(model)
     w_u = _module(model, adapter.lm_head_path).weight  # (vocab, d)
     norm = _module(model, adapter.final_norm_path)
@@ -179,11 +192,12 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
 
 
 @torch.no_grad()
-def collect_top_activations(model: Any, lorsa_set: Any, layer: int, tokens: torch.Tensor, *, n_top: int = 8,
+def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, *, n_top: int = 8,
                             batch_size: int = 8) -> TopActivations:
     """Stream ``tokens`` ``(n_windows, pos)`` through the model with the Lorsa of ``layer`` spliced
     (error term on, so later layers see the true model) and keep every head's top ``n_top``
     activations and its activation frequency (BOS excluded). Memory ``O(n_ov_heads · n_top)``."""
+    model, lorsa_set = replacement.model, lorsas_of(replacement)
     n_ov = lorsa_set[layer].cfg.n_ov_heads
     top = TopActivations.empty(n_ov, n_top)
     keep = torch.ones(tokens.shape, dtype=torch.bool)

@@ -173,8 +173,7 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
 
 @torch.no_grad()
 def qk_feature_impacts(
-    model: Any,
-    lorsa_set: Any,
+    replacement: Any,
     layer: int,
     head: int,
     sae: Any,
@@ -188,7 +187,7 @@ def qk_feature_impacts(
     """App. F.1: each SAE feature's maximum impact on Lorsa head ``head``'s Q and K over ``tokens``.
 
     Args:
-        model: nnsight-wrapped model. lorsa_set: a :class:`~nnsight_lorsa.LorsaSet` with a Lorsa at ``layer``.
+        replacement: a :class:`~nnsight_lorsa.ReplacementModel` with a Lorsa at ``layer``.
         head: OV head index of that Lorsa.
         sae: a sparse coder on the Lorsa input (``encode``, ``W_dec (n_features, d_model)``; e.g. a
             :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` on the pre-attention norm's output).
@@ -207,7 +206,9 @@ def qk_feature_impacts(
     """
     from ..adapters.registry import get_adapter
     from ..envoy.read import attention_activations
+    from .heads import lorsas_of
 
+    model, lorsa_set = replacement.model, lorsas_of(replacement)
     lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
     adapter = get_adapter(model)
     cfg = lorsa.cfg

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from ..analysis.heads import MHSACorrelation, ov_logit_lens
+from ..analysis.heads import MHSACorrelation, lorsas_of, ov_logit_lens
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
 from ..errors import ConfigMismatchError
 
 
 @torch.no_grad()
-def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: TopActivations,
+def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivations,
                         tokens: torch.Tensor, *, n_contexts: int = 8, window: int = 24, lens_k: int = 10,
                         correlation: MHSACorrelation | None = None, extra: dict[str, Any] | None = None,
                         qk_features: Any = None, ov_features: dict[str, Any] | None = None, n_features: int = 8
@@ -47,7 +47,7 @@ def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: 
     Raises:
         ConfigMismatchError: ``qk_features`` of another layer or head.
     """
-    lorsa = lorsa_set[layer]
+    model, lorsa = replacement.model, lorsas_of(replacement)[layer]
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
     for v, w, p in zip(top.values[head].tolist(), top.window[head].tolist(), top.position[head].tolist(), strict=True):
@@ -62,7 +62,7 @@ def head_dashboard_data(model: Any, lorsa_set: Any, layer: int, head: int, top: 
             "tokens": [tok.decode([int(t)]) for t in ids[start:p + 1]],
             "contrib": [round(float(c), 4) for c in zp[start:]],
         })
-    vals, ids_, strings = ov_logit_lens(model, lorsa, [head], lens_k)
+    vals, ids_, strings = ov_logit_lens(replacement, layer, [head], lens_k)
     data: dict[str, Any] = {
         "title": f"Lorsa L{layer}.H{head}", "layer": layer, "head": head,
         "qk_head": head // lorsa.cfg.group_size, "frequency": float(top.frequency[head]),
