@@ -107,7 +107,7 @@ def main() -> dict:
     base, swapped = head_swap(r, LAYER, h, to, task.clean)
     ld_base = logit_difference(base, task.correct_ids, task.incorrect_ids)
     ld_swap = logit_difference(swapped, task.correct_ids, task.incorrect_ids)
-    _, _, lens_from = ov_logit_lens(ReplacementModel(model, lorsas=lorsa), LAYER, [h, to], 5)
+    _, _, lens_from = ov_logit_lens(r, LAYER, [h, to], 5)
     res["head_swap"] = {"from": h, "to": to, "logit_diff_before": round(float(ld_base.mean()), 3),
                         "logit_diff_after": round(float(ld_swap.mean()), 3),
                         "from_promotes": lens_from[0] if lens_from else None,
@@ -116,8 +116,8 @@ def main() -> dict:
     # 4. dashboards, z-pattern, Fig. 13
     text = default_corpus_path().read_text(encoding="utf-8")
     corpus = TokenDataset.from_text(tok, text[:200_000], 64).tokens[:96]
-    top = collect_top_activations(ReplacementModel(model, lorsas=lorsa), LAYER, corpus, n_top=8)
-    corr = mhsa_correlation(ReplacementModel(model, lorsas=lorsa), LAYER, corpus)
+    top = collect_top_activations(r, LAYER, corpus, n_top=8)
+    corr = mhsa_correlation(r, LAYER, corpus)
     spanned = corr.heads_spanned()
     act_sp = spanned[spanned > 0]
     res["heads_spanned"] = {"active_heads": int(act_sp.numel()),
@@ -129,7 +129,7 @@ def main() -> dict:
     pages = []
     for rank, head in enumerate(top_heads):
         i = order[rank]
-        data = head_dashboard_data(ReplacementModel(model, lorsas=lorsa), LAYER, head, top, corpus, correlation=corr,
+        data = head_dashboard_data(r, LAYER, head, top, corpus, correlation=corr,
                                    extra={"induction path effect": f"{float(eff[i]):.3f}"})
         pages.append(str(write_dashboard(FIG / f"lorsa_L{LAYER}_H{head}.html", data).relative_to(ROOT)))
     res["dashboards"] = pages
