@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from tiny import tiny_nnsight, tiny_training_setup
+from helpers import tiny_nnsight, tiny_training_setup
 
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ActivationCacheError, CheckpointError

@@ -6,51 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 from attribution_reference import attribute_with_hooks
-from test_replace import make_lorsa
-from tiny import random_ids, tiny_nnsight
+from helpers import attribution_setup, random_ids, rm
 
-from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
+from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
 from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.attribution.scores import intervention_edges, replacement_logits
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError
-from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-
-
-def make_transcoders(layers, d_model=64, seed=0, skip_layer=None):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for layer in layers:
-        cls = SkipTranscoder if layer == skip_layer else Transcoder
-        act = ("jumprelu", {"threshold": 0.05}) if layer == skip_layer else ("topk", {"k": 6})
-        tc = cls(TranscoderConfig(d_in=d_model, d_sae=192, activation=act[0], activation_params=act[1], layer=layer))
-        with torch.no_grad():
-            tc.b_dec.copy_(0.1 * torch.randn(d_model, generator=g))
-            tc.b_enc.copy_(0.1 * torch.randn(192, generator=g))
-            if isinstance(tc, SkipTranscoder):
-                tc.W_skip.copy_(0.05 * torch.randn(d_model, d_model, generator=g))
-        out[layer] = tc
-    return out
-
-
-def rm(model, lorsas=None, transcoders=None):
-    """The replacement bundle every attribution entry point takes."""
-    return ReplacementModel(model, lorsas=lorsas, transcoders=transcoders)
-
-
-def setup(family):
-    model, hf = tiny_nnsight(family)
-    adapter = get_adapter(model)
-    lorsas = {1: make_lorsa(hf, adapter, 1)}
-    # layer 1 keeps no transcoder (its MLP becomes error nodes); layer 2 has a skip transcoder
-    return model, hf, lorsas, make_transcoders((0, 2), skip_layer=2)
 
 
 @pytest.fixture(scope="module")
 def llama():
-    model, hf, lorsas, tcs = setup("llama")
+    model, hf, lorsas, tcs = attribution_setup("llama")
     ids = random_ids(1, 9, seed=5)[0]
     return model, hf, lorsas, tcs, ids, attribute(rm(model, lorsas, tcs), ids, batch_size=48)
 
@@ -58,7 +27,7 @@ def llama():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2"])
 def test_incoming_edges_sum_to_node_values(family):
     """Check 1: every feature, Lorsa-head and logit node's incoming edges sum to its value."""
-    model, _, lorsas, tcs = setup(family)
+    model, _, lorsas, tcs = attribution_setup(family)
     g = attribute(rm(model, lorsas, tcs), random_ids(1, 8, seed=2)[0], batch_size=40)
     kinds = g.nodes.kind[g.feature_rows]
     assert {TRANSCODER, LORSA, LOGIT} <= set(kinds.tolist())
@@ -77,7 +46,7 @@ def test_incoming_edges_sum_to_node_values(family):
 
 def test_edge_sums_are_exact_up_to_rounding_in_float64():
     """The same graph in fp64: the sums hold to 1e-10 of the value — the fp32 residual is rounding."""
-    model, hf, lorsas, tcs = setup("llama")
+    model, hf, lorsas, tcs = attribution_setup("llama")
     hf.double()
     for m in [*lorsas.values(), *tcs.values()]:
         m.double()
@@ -124,7 +93,7 @@ def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     import nnsight_lorsa.attribution.frozen as frozen
 
     monkeypatch.setattr(frozen, "ROW_CHUNK_ELEMENTS", 32 * 8 * 3)
-    model, _, lorsas, tcs = setup(family)
+    model, _, lorsas, tcs = attribution_setup(family)
     ids = random_ids(1, 8, seed=4)[0]
     # (patterns, node_vectors): the patterns alone change (the private mixed form of memory=)
     a = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("store", "auto"))
@@ -220,7 +189,7 @@ def test_qk_pairs_sum_to_the_attention_score(family):
     """QK attribution: node pairs sum to the Lorsa head's score, which is the Lorsa's own q·k/scale."""
     from nnsight_lorsa.attribution.qk import qk_attribution
 
-    model, hf, lorsas, tcs = setup(family)
+    model, hf, lorsas, tcs = attribution_setup(family)
     hf.double()
     for m in [*lorsas.values(), *tcs.values()]:
         m.double()
@@ -253,7 +222,7 @@ def test_qk_pairs_sum_to_the_attention_score(family):
 def test_qk_attribution_bad_input():
     from nnsight_lorsa.attribution.qk import qk_attribution
 
-    model, _, lorsas, tcs = setup("llama")
+    model, _, lorsas, tcs = attribution_setup("llama")
     ids = random_ids(1, 6, seed=2)[0]
     with pytest.raises(LayerOutOfRangeError, match="no Lorsa"):
         qk_attribution(rm(model, lorsas), ids, layer=0, head=0, query_pos=3, key_pos=1)
@@ -332,7 +301,7 @@ def test_cross_layer_transcoder_graph_is_exact(skip):
     the replacement model with errors is the model."""
     from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 
-    model, hf, lorsas, _ = setup("llama")
+    model, hf, lorsas, _ = attribution_setup("llama")
     clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk",
                                          activation_params={"k": 5}, skip=skip))
     g_ = torch.Generator().manual_seed(1)
@@ -365,9 +334,9 @@ def test_cross_layer_transcoder_graph_is_exact(skip):
 REMOTE_LOCAL_ATTRIBUTION = r"""
 import sys, torch, nnsight
 import nnsight_lorsa
-from tiny import random_ids, tiny_nnsight
-from test_attribution import make_transcoders
-from test_replace import make_lorsa
+from helpers import random_ids, tiny_nnsight
+from helpers import attribution_setup, make_transcoders
+from helpers import make_lorsa
 from nnsight_lorsa import ReplacementModel, get_adapter
 from nnsight_lorsa.attribution import attribute, cache_for_attribution
 from nnsight_lorsa.attribution.attribute import build_graph
@@ -487,7 +456,7 @@ def test_gathered_node_vectors_equal_the_grid(monkeypatch):
     from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 
     monkeypatch.setattr(frozen, "NODE_CHUNK_ELEMENTS", 32 * 64 * 3)  # several chunks per site
-    model, _, lorsas, tcs = setup("llama")
+    model, _, lorsas, tcs = attribution_setup("llama")
     ids = random_ids(1, 8, seed=6)[0]
     grid = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "grid"))
     gath = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "gather"))
@@ -529,7 +498,7 @@ def test_attribution_from_a_cache_equals_the_traced_graph(family):
     """``attribute(replacement, cache)``: the frozen model wired as plain tensor code from a cache of
     one clean trace (no model forward) gives the traced graph — sequential and parallel (NeoX)
     residuals, GPT-2's position embeddings; and it runs on the bare Hugging Face model."""
-    model, hf, lorsas, tcs = setup("neox" if family == "neox_sequential" else family)
+    model, hf, lorsas, tcs = attribution_setup("neox" if family == "neox_sequential" else family)
     if family == "neox_sequential":
         hf.config.use_parallel_residual = False
         for layer in hf.gpt_neox.layers:
@@ -569,7 +538,7 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     attention) with sums to ~1 % of a row's mass; ``dtype=torch.float32`` — traced (nnsight and
     hooks) or from a cache — computes the same model's graph with sums exact to fp32 rounding, on
     copies (the user's modules stay bf16)."""
-    model, hf, lorsas, tcs = setup(family)
+    model, hf, lorsas, tcs = attribution_setup(family)
     hf.to(torch.bfloat16)
     for m in [*lorsas.values(), *tcs.values()]:
         m.to(torch.bfloat16)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from browser import render_dom, require_chromium, screenshot
+from helpers import render_dom, require_chromium, screenshot
 
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis import qk_feature_impacts

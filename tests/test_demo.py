@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny import tiny_hf_model, tiny_tokenizer
+from helpers import tiny_hf_model, tiny_tokenizer
 
 from nnsight_lorsa.cli import main
 

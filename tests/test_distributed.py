@@ -116,7 +116,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
 
 
 def test_live_source_shards_partition_the_global_batch():
-    from tiny import tiny_training_setup
+    from helpers import tiny_training_setup
 
     from nnsight_lorsa.training import ActivationSource
 

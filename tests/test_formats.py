@@ -371,7 +371,7 @@ def _reference_forward(
     return out, acts
 
 
-def _state(path: Path) -> dict[str, torch.Tensor]:
+def module_state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "sae_weights.safetensors"))
 
 
@@ -418,7 +418,7 @@ def test_llamascopium_matches_reference(tmp_path, variant):
     torch.manual_seed(2)
     for seq in (1, 9, N_CTX):
         x = torch.randn(3, seq, D_MODEL)
-        ref_out, ref_acts = _reference_forward(cfg, _state(path), x)
+        ref_out, ref_acts = _reference_forward(cfg, module_state(path), x)
         out, cache = ours(x, return_cache=True)
         assert (out - ref_out).abs().max().item() < TOL, variant
         # same heads active; our head activation = theirs x ||W_O[h]|| when the gate includes it
@@ -439,11 +439,11 @@ def test_llamascopium_dataset_norm_is_folded(tmp_path):
     s_in, s_out = math.sqrt(D_MODEL) / norms[HOOK_IN], math.sqrt(D_MODEL) / norms[HOOK_OUT]
     torch.manual_seed(4)
     x = 2.0 * torch.randn(2, 11, D_MODEL)  # raw (un-normalised) activations
-    ref, _ = _reference_forward(cfg, _state(path), x * s_in)
+    ref, _ = _reference_forward(cfg, module_state(path), x * s_in)
     assert (ours(x) - ref / s_out).abs().max().item() < TOL
     # weights_folded=True: the same files are taken as already folded -> no rescaling at all
     as_folded = load_llamascopium_lorsa(path, weights_folded=True)
-    ref_raw, _ = _reference_forward(cfg, _state(path), x)
+    ref_raw, _ = _reference_forward(cfg, module_state(path), x)
     assert (as_folded(x) - ref_raw).abs().max().item() < TOL
     assert not as_folded.cfg.extra["llamascopium"]["dataset_norm_folded_by_loader"]
 
@@ -454,7 +454,7 @@ def test_llamascopium_inference_ignores_norm_scalars(tmp_path):
     path = _write_their_checkpoint(tmp_path / "inf", cfg, _their_params(cfg))
     ours = load_llamascopium_lorsa(path)
     x = torch.randn(1, 6, D_MODEL)
-    assert (ours(x) - _reference_forward(cfg, _state(path), x)[0]).abs().max().item() < TOL
+    assert (ours(x) - _reference_forward(cfg, module_state(path), x)[0]).abs().max().item() < TOL
     # but unfolding with garbage norms is refused
     with pytest.raises(CheckpointError, match="positive finite norm"):
         load_llamascopium_lorsa(path, weights_folded=False)

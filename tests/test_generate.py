@@ -12,9 +12,7 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from test_replace import make_lorsa
-from test_sae_transcoder import make_clt, make_sae, make_transcoder
-from tiny import random_ids, tiny_nnsight
+from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
 from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import TraceOrderError, UnsupportedGenerationError

@@ -10,9 +10,7 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from browser import _run, render_dom, require_chromium
-from test_attribution import rm, setup
-from tiny import random_ids
+from helpers import attribution_setup, random_ids, render_dom, require_chromium, rm, run_chromium
 
 from nnsight_lorsa.attribution import TrustedHTML, attribute, prune, render_html, save_neuronpedia, to_neuronpedia
 from nnsight_lorsa.attribution.export import embed_json, node_ids
@@ -25,7 +23,7 @@ NODE_KEYS = {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId
 
 @pytest.fixture(scope="module")
 def built():
-    model, _, lorsas, tcs = setup("llama")
+    model, _, lorsas, tcs = attribution_setup("llama")
     g = attribute(rm(model, lorsas, tcs), random_ids(1, 9, seed=5)[0], batch_size=48)
     pr = prune(g)
     return model.tokenizer, g, pr, to_neuronpedia(g, pr, slug="tiny-llama", tokenizer=model.tokenizer)
@@ -206,7 +204,7 @@ def test_viewer_hash_opens_node(built, tmp_path):
     plain = parse(render_dom(path))
     assert "Click a node" in plain.text_by_id["panel"]
     uri = path.resolve().as_uri() + "#node=" + target["node_id"]
-    dom = parse(_run(["--dump-dom", uri], 60.0).stdout)
+    dom = parse(run_chromium(["--dump-dom", uri], 60.0).stdout)
     assert dom.text_by_id["panel-title"] == target["clerp"]
     assert "probability" in dom.text_by_id["panel"]
 

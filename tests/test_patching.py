@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_replace import hooked, make_lorsa
-from test_sae_transcoder import make_sae, make_transcoder
-from tiny import N_HEADS, N_LAYERS, random_ids, tiny_nnsight
+from helpers import N_HEADS, N_LAYERS, hooked, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
@@ -357,8 +355,8 @@ def test_induction_drops_when_ablating_top_patched_heads():
 REMOTE_LOCAL_PATCHING = r"""
 import torch, nnsight
 import nnsight_lorsa
-from tiny import random_ids, tiny_nnsight
-from test_replace import make_lorsa
+from helpers import random_ids, tiny_nnsight
+from helpers import make_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, ablate, steer
 model, hf = tiny_nnsight("llama")

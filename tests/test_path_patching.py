@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_replace import LAYER, make_lorsa
-from test_sae_transcoder import make_sae, make_transcoder
-from tiny import N_LAYERS, random_ids, tiny_nnsight
+from helpers import LAYER, N_LAYERS, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, ShapeError

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_replace import LAYER, make_lorsa
-from tiny import random_ids, tiny_nnsight
+from helpers import LAYER, make_lorsa, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts

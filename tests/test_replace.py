@@ -2,49 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from tiny import FAMILIES, random_ids, tiny_nnsight
+from helpers import FAMILIES, LAYER, hooked, make_lorsa, module_state, random_ids, tiny_nnsight
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, TraceOrderError
-
-LAYER = 1
-
-
-def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
-    w = adapter.mhsa_weights(hf, layer)
-    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=2 * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=16 * w.n_heads,
-                      top_k=8, rotary=w.rotary, attn_scale=1.0 / w.scale, qk_norm=w.q_norm is not None,
-                      qk_norm_eps=w.qk_norm_eps, layer=layer)
-    lorsa = Lorsa(cfg)
-    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        lorsa.b_D.normal_(0, 0.1)
-    return lorsa
-
-
-@contextlib.contextmanager
-def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None):
-    """Reference: the same splice with plain PyTorch forward hooks (no nnsight)."""
-    handles = []
-    for layer, lorsa in lorsas.items():
-        def hook(module, args, kwargs, output, lorsa=lorsa):
-            x = adapter.attention_input(args, kwargs)
-            z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
-                                        adapter.attention_mask(args, kwargs))
-            z, _ = lorsa.activation(z_pre)
-            if edit is not None:
-                z = edit(z)
-            return adapter.with_attention_output(output, lorsa.decode(z))
-        handles.append(adapter.attention_module(hf, layer).register_forward_hook(hook, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @pytest.fixture(params=FAMILIES)
@@ -163,26 +126,22 @@ def test_several_layers_and_invokes():
     assert (torch.cat([first, rest]) - want).abs().max() < 1e-5
 
 
-def _state(hf):
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
-    return hooks, sorted(n for n, _ in hf.named_modules()), sorted(hf.state_dict())
-
 
 @torch.no_grad()
 def test_nothing_survives_the_trace_even_on_error(setup):
     model, hf, adapter, lorsas = setup
     ids = random_ids()
-    before = _state(hf)
+    before = module_state(hf)
     ref = hf(ids).logits
     with model.trace(ids):
         lorsas.replace(layer=LAYER).hook_z.output.save()
-    assert _state(hf) == before
+    assert module_state(hf) == before
     assert torch.equal(hf(ids).logits, ref)
     with pytest.raises(RuntimeError, match="boom"), model.trace(ids):
         lorsas.replace(layer=LAYER)
         model.lm_head.output.save()
         raise RuntimeError("boom")
-    assert _state(hf) == before
+    assert module_state(hf) == before
     assert torch.equal(hf(ids).logits, ref)
     lorsa = lorsas[LAYER]
     assert all("forward" not in m.__dict__ for m in lorsa.modules())  # nnsight's controller removed
@@ -238,8 +197,8 @@ def test_bad_layers_and_shapes():
 
 REMOTE_LOCAL_SCRIPT = """
 import sys, torch, nnsight, nnsight_lorsa
-from tiny import random_ids, tiny_nnsight
-from test_replace import LAYER, make_lorsa
+from helpers import random_ids, tiny_nnsight
+from helpers import LAYER, make_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
 model, hf = tiny_nnsight("llama")
 adapter = get_adapter(model)
@@ -279,7 +238,7 @@ def test_replace_under_nnsight_remote_local_simulation():
 
 
 def test_replace_refuses_bad_keys_and_calls_outside_a_trace_with_named_errors():
-    from test_sae_transcoder import make_transcoder
+    from helpers import make_transcoder
 
     from nnsight_lorsa import TranscoderSet
     from nnsight_lorsa.errors import ArgumentError, TraceOrderError

@@ -552,7 +552,7 @@ def test_llamascopium_sae_bad_input(tmp_path: Path) -> None:
 
 # ============================================================================ sets through formats.load
 def test_clt_set_from_pretrained(tmp_path: Path) -> None:
-    from tiny import tiny_nnsight
+    from helpers import tiny_nnsight
 
     from nnsight_lorsa import CLTSet
     from nnsight_lorsa.adapters.registry import get_adapter

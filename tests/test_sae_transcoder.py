@@ -6,8 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from test_replace import _state, hooked, make_lorsa
-from tiny import random_ids, tiny_nnsight
+from helpers import D, hooked, make_clt, make_lorsa, make_sae, make_transcoder, module_state, random_ids, tiny_nnsight
 
 from nnsight_lorsa import (
     CLTSet,
@@ -15,8 +14,6 @@ from nnsight_lorsa import (
     LorsaError,
     LorsaSet,
     SAESet,
-    SparseAutoencoder,
-    Transcoder,
     TranscoderSet,
     get_adapter,
 )
@@ -27,7 +24,6 @@ from nnsight_lorsa.modules import (
     JumpReLU,
     ReLU,
     SAEConfig,
-    SkipTranscoder,
     TopK,
     TranscoderConfig,
     make_activation,
@@ -35,37 +31,7 @@ from nnsight_lorsa.modules import (
 
 FAMILIES = ("llama", "neox", "gpt2")
 LAYER = 1
-D = 64  # tiny models' d_model
 
-
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Non-zero biases / skip weights, thresholds in (0, 0.5): nothing hides behind zeros."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in module.named_parameters():
-        if name.endswith("threshold"):
-            p.copy_(0.5 * torch.rand(p.shape, generator=g))
-        else:
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return module
-
-
-def make_transcoder(skip: bool = True, seed: int = 0, **cfg) -> Transcoder:
-    torch.manual_seed(seed)
-    kw = {"d_in": D, "d_sae": 128, "activation": "topk", "activation_params": {"k": 8}, **cfg}
-    return randomize_((SkipTranscoder if skip else Transcoder)(TranscoderConfig(**kw)), seed)
-
-
-def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
-    torch.manual_seed(seed)
-    kw = {"d_in": D, "d_sae": 128, "activation": "jumprelu", **cfg}
-    return randomize_(SparseAutoencoder(SAEConfig(**kw)), seed)
-
-
-def make_clt(n_layers: int = 3, skip: bool = False, seed: int = 0) -> CrossLayerTranscoder:
-    torch.manual_seed(seed)
-    cfg = CLTConfig(d_in=D, d_sae=48, n_layers=n_layers, activation="jumprelu", skip=skip)
-    return randomize_(CrossLayerTranscoder(cfg), seed)
 
 
 def dense_ref(coder, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,7 +445,7 @@ def test_nothing_survives_the_trace_even_on_error():
     tc, sae, clt = make_transcoder(), make_sae(), make_clt()
     tcs, saes, clts = TranscoderSet(model, {LAYER: tc}), SAESet(model, {"model.layers.1": sae}), CLTSet(model, clt)
     ids = random_ids()
-    before = _state(hf)
+    before = module_state(hf)
     with torch.no_grad():
         ref = hf(ids).logits
     for fail in (False, True):
@@ -492,7 +458,7 @@ def test_nothing_survives_the_trace_even_on_error():
             model.lm_head.output.save()
             if fail:
                 raise RuntimeError("boom")
-        assert _state(hf) == before
+        assert module_state(hf) == before
         assert "clt" not in dict(model._module.named_children())
         with torch.no_grad():
             assert torch.equal(hf(ids).logits, ref)
@@ -575,7 +541,7 @@ def test_bad_input_raises_package_errors():
     with pytest.raises(TraceOrderError, match="already ran"), model.trace(random_ids()):
         model.model.layers[1].output.save()
         tcs.replace(layer=1)
-    assert _state(hf) == _state(tiny_nnsight("llama")[1])
+    assert module_state(hf) == module_state(tiny_nnsight("llama")[1])
 
 
 def test_splice_chain_refuses_an_error_term_without_error_hook():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from tiny import FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
+from helpers import FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
 
 from nnsight_lorsa.errors import CheckpointError, LorsaError, UnsupportedArchitectureError
 from nnsight_lorsa.sparse_attention import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_training_setup
+from helpers import tiny_training_setup
 
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import CheckpointError

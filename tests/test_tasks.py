@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_replace import LAYER, make_lorsa
-from tiny import N_HEADS, N_LAYERS, tiny_nnsight, tiny_tokenizer
+from helpers import LAYER, N_HEADS, N_LAYERS, make_lorsa, tiny_nnsight, tiny_tokenizer
 
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.demo import load_model

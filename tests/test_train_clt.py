@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_training_setup
+from helpers import tiny_training_setup
 
 from nnsight_lorsa.envoy.clt_set import CLTSet
 from nnsight_lorsa.envoy.read import Site

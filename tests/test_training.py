@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import tiny_training_setup
+from helpers import tiny_training_setup
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet
 from nnsight_lorsa.errors import CheckpointError

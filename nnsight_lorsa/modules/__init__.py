@@ -8,7 +8,7 @@
 * :class:`HookPoint` — the identity module whose envoy exposes an internal (``hook_z``, ``hook_sae_acts_post`` …).
 """
 
-from .activations import BatchTopK, JumpReLU, ReLU, TopK
+from .activations import BatchTopK, JumpReLU, ReLU, TopK, make_activation
 from .clt import CLTConfig, CrossLayerTranscoder
 from .hook_point import HookPoint
 from .lorsa import Lorsa, LorsaKV

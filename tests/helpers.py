@@ -1,0 +1,275 @@
+"""Shared test helpers: tiny random models of every supported family with a local tokenizer, factories for
+Lorsas, SAEs, transcoders and CLTs, plain-PyTorch-hook references, and headless Chromium for rendered pages.
+
+Nothing is downloaded: configs are built in code, weights are random (biases and norm gains randomised too, so
+that a mistake in their handling cannot hide behind zeros and ones). No test module imports another: what
+several tests share lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # nnsight_lorsa is imported inside the factories: the loopback server imports this
+    from nnsight_lorsa import Lorsa  # module for the tiny models and must not load nnsight_lorsa
+    from nnsight_lorsa.modules import CrossLayerTranscoder, SparseAutoencoder, Transcoder
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+VOCAB = 128
+D_MODEL = 64
+N_HEADS = 4
+N_LAYERS = 3
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+_COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
+           "vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 128}
+
+FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2")
+
+
+def tiny_config(family: str) -> transformers.PretrainedConfig:
+    if family == "llama":  # GQA + llama3 rope scaling, like Llama-3.1-8B
+        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters=dict(LLAMA3_ROPE))
+    if family == "qwen2":
+        return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=16)
+    if family == "neox":
+        return transformers.GPTNeoXConfig(**_COMMON, rotary_pct=0.25, rotary_emb_base=10000)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
+                                       n_positions=128)
+    raise KeyError(family)
+
+
+@torch.no_grad()
+def tiny_hf_model(family: str, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = tiny_config(family)
+    cfg._attn_implementation = attn
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name or "ln" in name.split(".")[-2:][0]:
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ``<bos>``=0, ``<eos>``=1 (also pad), then ``w2 … w{vocab-1}``."""
+    words = {"<bos>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<eos>", padding_side="left")
+
+
+def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager"):
+    """(nnsight TransformersModel, underlying HF model) for a tiny random model."""
+    from nnsight import TransformersModel
+
+    hf = tiny_hf_model(family, seed, attn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer())
+    return model, hf
+
+
+def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, seq), generator=g)
+    ids[:, 0] = 0
+    return ids
+
+
+def tiny_training_setup():
+    """(nnsight model, HF model, adapter, TokenDataset of 48 random windows × 16) for training tests."""
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.training import TokenDataset
+
+    model, hf = tiny_nnsight("llama")
+    return model, hf, get_adapter(model), TokenDataset(random_ids(batch=48, seq=16, seed=3))
+
+
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=5000",
+]
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def require_chromium() -> str:
+    path = chromium_path()
+    if path is None:
+        pytest.skip("headless Chromium not installed (.ci/run installs Debian's chromium)")
+    return path
+
+
+def run_chromium(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    exe = require_chromium()
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [exe, *FLAGS, f"--user-data-dir={profile}", *args],
+            capture_output=True, text=True, timeout=timeout, check=True,
+        )
+
+
+def render_dom(html_file: Path, timeout: float = 60.0) -> str:
+    """The page's DOM after its scripts ran (``chromium --dump-dom``)."""
+    return run_chromium(["--dump-dom", Path(html_file).resolve().as_uri()], timeout).stdout
+
+
+def screenshot(html_file: Path, png_file: Path, size: tuple[int, int] = (1200, 800), timeout: float = 60.0) -> Path:
+    """Render ``html_file`` to ``png_file`` (returns it); fails if Chromium wrote nothing."""
+    run_chromium([f"--screenshot={Path(png_file).resolve()}", f"--window-size={size[0]},{size[1]}",
+          Path(html_file).resolve().as_uri()], timeout)
+    if not Path(png_file).exists() or Path(png_file).stat().st_size == 0:
+        raise AssertionError(f"Chromium wrote no screenshot for {html_file}")
+    return Path(png_file)
+
+
+LAYER = 1
+
+
+def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
+    from nnsight_lorsa import Lorsa, LorsaConfig
+
+    w = adapter.mhsa_weights(hf, layer)
+    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=2 * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=16 * w.n_heads,
+                      top_k=8, rotary=w.rotary, attn_scale=1.0 / w.scale, qk_norm=w.q_norm is not None,
+                      qk_norm_eps=w.qk_norm_eps, layer=layer)
+    lorsa = Lorsa(cfg)
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        lorsa.b_D.normal_(0, 0.1)
+    return lorsa
+
+
+@contextlib.contextmanager
+def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None):
+    """Reference: the same splice with plain PyTorch forward hooks (no nnsight)."""
+    handles = []
+    for layer, lorsa in lorsas.items():
+        def hook(module, args, kwargs, output, lorsa=lorsa):
+            x = adapter.attention_input(args, kwargs)
+            z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
+                                        adapter.attention_mask(args, kwargs))
+            z, _ = lorsa.activation(z_pre)
+            if edit is not None:
+                z = edit(z)
+            return adapter.with_attention_output(output, lorsa.decode(z))
+        handles.append(adapter.attention_module(hf, layer).register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def module_state(hf):
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
+    return hooks, sorted(n for n, _ in hf.named_modules()), sorted(hf.state_dict())
+
+
+D = 64  # tiny models' d_model
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-zero biases / skip weights, thresholds in (0, 0.5): nothing hides behind zeros."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if name.endswith("threshold"):
+            p.copy_(0.5 * torch.rand(p.shape, generator=g))
+        else:
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module
+
+
+def make_transcoder(skip: bool = True, seed: int = 0, **cfg) -> Transcoder:
+    from nnsight_lorsa.modules import SkipTranscoder, Transcoder, TranscoderConfig
+
+    torch.manual_seed(seed)
+    kw = {"d_in": D, "d_sae": 128, "activation": "topk", "activation_params": {"k": 8}, **cfg}
+    return randomize_((SkipTranscoder if skip else Transcoder)(TranscoderConfig(**kw)), seed)
+
+
+def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
+    from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
+
+    torch.manual_seed(seed)
+    kw = {"d_in": D, "d_sae": 128, "activation": "jumprelu", **cfg}
+    return randomize_(SparseAutoencoder(SAEConfig(**kw)), seed)
+
+
+def make_clt(n_layers: int = 3, skip: bool = False, seed: int = 0) -> CrossLayerTranscoder:
+    from nnsight_lorsa.modules import CLTConfig, CrossLayerTranscoder
+
+    torch.manual_seed(seed)
+    cfg = CLTConfig(d_in=D, d_sae=48, n_layers=n_layers, activation="jumprelu", skip=skip)
+    return randomize_(CrossLayerTranscoder(cfg), seed)
+
+
+def make_transcoders(layers, d_model=64, seed=0, skip_layer=None):
+    from nnsight_lorsa.modules import SkipTranscoder, Transcoder, TranscoderConfig
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in layers:
+        cls = SkipTranscoder if layer == skip_layer else Transcoder
+        act = ("jumprelu", {"threshold": 0.05}) if layer == skip_layer else ("topk", {"k": 6})
+        tc = cls(TranscoderConfig(d_in=d_model, d_sae=192, activation=act[0], activation_params=act[1], layer=layer))
+        with torch.no_grad():
+            tc.b_dec.copy_(0.1 * torch.randn(d_model, generator=g))
+            tc.b_enc.copy_(0.1 * torch.randn(192, generator=g))
+            if isinstance(tc, SkipTranscoder):
+                tc.W_skip.copy_(0.05 * torch.randn(d_model, d_model, generator=g))
+        out[layer] = tc
+    return out
+
+
+def rm(model, lorsas=None, transcoders=None):
+    """The replacement bundle every attribution entry point takes."""
+    from nnsight_lorsa import ReplacementModel
+
+    return ReplacementModel(model, lorsas=lorsas, transcoders=transcoders)
+
+
+def attribution_setup(family):
+    from nnsight_lorsa import get_adapter
+
+    model, hf = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    lorsas = {1: make_lorsa(hf, adapter, 1)}
+    # layer 1 keeps no transcoder (its MLP becomes error nodes); layer 2 has a skip transcoder
+    return model, hf, lorsas, make_transcoders((0, 2), skip_layer=2)
