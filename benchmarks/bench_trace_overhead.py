@@ -21,7 +21,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from _timing import parser, start, table, time_interleaved, write  # noqa: E402
-from tiny import tiny_tokenizer  # noqa: E402
+from helpers import tiny_tokenizer  # noqa: E402
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter  # noqa: E402
 

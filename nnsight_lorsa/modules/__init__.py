@@ -20,5 +20,5 @@ from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 __all__ = [
     "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV",
     "ReLU", "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder",
-    "TranscoderConfig",
+    "TranscoderConfig", "make_activation",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import N_HEADS, N_LAYERS, hooked, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
+from helpers import N_HEADS, N_LAYERS, TESTS, hooked, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
@@ -388,7 +388,7 @@ def test_interventions_under_nnsight_remote_local_simulation():
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_PATCHING], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

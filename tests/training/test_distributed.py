@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from helpers import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parents[1]
 D, F, K, STEPS = 24, 96, 4, 6
 KINDS = ("topk", "relu")
 
@@ -74,7 +73,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
 
     from nnsight_lorsa.training.distributed import shard_batch
 
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     init, out = str(tmp_path / "init"), str(tmp_path / "rank")
     args = [[sys.executable, __file__, str(r), "2", init, f"{out}{r}"] for r in range(2)]

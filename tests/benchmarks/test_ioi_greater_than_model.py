@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 import random
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from nnsight_lorsa.patching.tasks import (
     IOI_TEMPLATES,
@@ -24,7 +24,7 @@ from nnsight_lorsa.patching.tasks import (
     single_token,
 )
 
-_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+_BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")

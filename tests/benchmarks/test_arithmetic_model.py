@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "arithmetic_model.py"
+_PATH = ROOT / "benchmarks" / "arithmetic_model.py"
 
 
 @pytest.fixture(scope="module")

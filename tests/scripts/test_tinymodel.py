@@ -6,15 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_corpus_path, default_model_dir
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tinymodel.py"
+_SCRIPT = ROOT / "scripts" / "tinymodel.py"
 
 
 def _load_builder():

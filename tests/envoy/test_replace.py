@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, LAYER, hooked, make_lorsa, module_state, random_ids, tiny_nnsight
+from helpers import FAMILIES, LAYER, TESTS, hooked, make_lorsa, module_state, random_ids, tiny_nnsight
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, TraceOrderError
@@ -231,7 +231,7 @@ def test_replace_under_nnsight_remote_local_simulation():
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_SCRIPT], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attribution_reference import attribute_with_hooks
-from helpers import attribution_setup, random_ids, rm
+from helpers import TESTS, attribution_setup, random_ids, rm
 
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_lorsa_dir
@@ -366,7 +366,7 @@ def test_attribution_under_nnsight_remote_local_simulation():
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_ATTRIBUTION], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
