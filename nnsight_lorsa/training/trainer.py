@@ -11,7 +11,9 @@ by ``aux_k_coef``). :meth:`Trainer.folded` returns a copy of the module acting o
 
 Checkpoints (:meth:`Trainer.save_checkpoint` / :meth:`Trainer.resume`) hold the training-space
 weights, Adam state, dead counters, scale factors and step as safetensors + JSON, and resume
-bit-exactly because batch ``i`` depends only on ``i``. Data parallelism (:mod:`.distributed`) hooks
+bit-exactly because batch ``i`` depends only on ``i``. A save is atomic and a load verified
+(:mod:`._checkpoint_io`: temporary sibling, fsync, rename; a sha256 manifest written last).
+Data parallelism (:mod:`.distributed`) hooks
 in through :attr:`Trainer.dist`: the loss of this rank's part of the global batch goes through DDP,
 and the dead counters (:meth:`Trainer.count_fired`) and batch means (:meth:`Trainer.batch_mean`) are
 combined over the ranks.
@@ -26,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from ._checkpoint_io import verified_checkpoint, write_checkpoint
 from .activations import Batch
 from .objectives import _objective_class, _objective_for
 from .schedule import wsd_lr_factor
@@ -217,44 +221,57 @@ class Trainer:
 
     # -------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str | Path) -> None:
-        """Write ``trainer.json`` + weights + ``optimizer.safetensors`` + ``state.safetensors``."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        """Write ``trainer.json`` + weights + ``optimizer.safetensors`` + ``state.safetensors`` +
+        ``manifest.json`` (each file's size and sha256), atomically: into ``<directory>.tmp-<pid>``,
+        fsynced, then renamed into place; the previous checkpoint at ``directory`` stays until the
+        new one is complete.
+
+        Raises:
+            CheckpointError: ``directory`` exists and is neither empty nor a checkpoint.
+        """
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
-        save_file(weights, str(d / self.objective.weights_file))
         names = {id(p): n for n, p in self.module.named_parameters()}
         opt_tensors: dict[str, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in self.optimizer.state.get(p, {}).items():
                     opt_tensors[f"{names[id(p)]}.{key}"] = value.detach().clone().contiguous()
-        save_file(opt_tensors, str(d / "optimizer.safetensors"))
-        save_file({"tokens_since_fired": self.tokens_since_fired}, str(d / "state.safetensors"))
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,
                 **self.objective.save_meta(self)}
-        (d / "trainer.json").write_text(json.dumps(meta, indent=1))
+        write_checkpoint(directory, {
+            self.objective.weights_file: save_safetensors(weights),
+            "optimizer.safetensors": save_safetensors(opt_tensors),
+            "state.safetensors": save_safetensors({"tokens_since_fired": self.tokens_since_fired.contiguous()}),
+            "trainer.json": json.dumps(meta, indent=1).encode(),
+        })
 
     @staticmethod
     def load_checkpoint(directory: str | Path) -> tuple[dict[str, Any], TrainConfig, torch.nn.Module]:
         """``(meta, train config, module with the saved weights)`` of a checkpoint directory (the
-        module's kind from the config entry ``trainer.json`` holds).
+        module's kind from the config entry ``trainer.json`` holds). Every file is first checked
+        against ``manifest.json``; ``<directory>.old`` is used when ``directory`` is missing (a save
+        interrupted between its renames).
 
         Raises:
-            CheckpointError: a file is missing or does not match the recorded configuration.
+            CheckpointError: the manifest is missing or corrupt (also: a checkpoint written before
+                manifests existed), a file is missing, truncated or altered (the message names it),
+                or a file does not match the recorded configuration.
         """
-        d = Path(directory)
-        if not (d / "trainer.json").is_file():
-            raise CheckpointError(f"{d / 'trainer.json'}: missing trainer checkpoint file")
+        return Trainer._load(directory)[1:]
+
+    @staticmethod
+    def _load(directory: str | Path) -> tuple[Path, dict[str, Any], TrainConfig, torch.nn.Module]:
+        d, listed = verified_checkpoint(directory, ("trainer.json",))
         try:
             meta = json.loads((d / "trainer.json").read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
         objective = _objective_class(meta, d / "trainer.json")
         for name in (objective.weights_file, "optimizer.safetensors", "state.safetensors"):
-            if not (d / name).is_file():
-                raise CheckpointError(f"{d / name}: missing trainer checkpoint file")
+            if name not in listed:
+                raise CheckpointError(f"{d / name}: missing trainer checkpoint file (not in the manifest)")
         try:
             tc = meta["train_config"]
             tc["betas"] = tuple(tc["betas"])
@@ -266,7 +283,7 @@ class Trainer:
             module.load_state_dict(load_file(str(d / objective.weights_file)))
         except RuntimeError as e:
             raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
-        return meta, config, module
+        return d, meta, config, module
 
     @classmethod
     def resume(cls, directory: str | Path, source: Callable[[int], Batch]) -> Trainer:
@@ -275,18 +292,22 @@ class Trainer:
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
         """
-        meta, config, module = cls.load_checkpoint(directory)
+        d, meta, config, module = cls._load(directory)
         trainer = cls(module, source, config)
-        trainer.restore_state(directory, meta)
+        trainer._restore_state(d, meta)
         return trainer
 
     def restore_state(self, directory: str | Path, meta: dict[str, Any]) -> None:
         """Load step, scale factors, Adam state, dead counters and the LR of a checkpoint.
 
         Raises:
-            CheckpointError: an unknown optimizer entry, or (CLT) missing per-layer scale factors.
+            CheckpointError: a file missing or failing the manifest check, an unknown optimizer entry,
+                or (CLT) missing per-layer scale factors.
         """
-        d = Path(directory)
+        d, _ = verified_checkpoint(directory, ("trainer.json", "optimizer.safetensors", "state.safetensors"))
+        self._restore_state(d, meta)
+
+    def _restore_state(self, d: Path, meta: dict[str, Any]) -> None:
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
         params = dict(self.module.named_parameters())
         for key, value in load_file(str(d / "optimizer.safetensors")).items():
