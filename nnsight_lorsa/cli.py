@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a Lorsa on one layer, splice it into a trace, report FVU/L0/CE")
     defaults = DemoConfig()
     demo.add_argument("--model", dest="model_dir", help="local Hugging Face model directory (default: embedded)")
-    demo.add_argument("--text", dest="text_path", help="text file to train and evaluate on (default: embedded)")
+    demo.add_argument("--text", dest="text_path",
+                      help="text file to train and evaluate on, cut into documents on the tokenizer's EOS text "
+                           "(else blank lines): one window from each document's start (default: embedded corpus)")
     for f in fields(DemoConfig):
         if f.name in ("model_dir", "text_path", "progress"):
             continue

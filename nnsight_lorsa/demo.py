@@ -2,7 +2,9 @@
 
 ``nnsight-lorsa demo`` runs end to end offline on the embedded default (a small Llama-architecture
 model trained on tinyshakespeare, shipped in ``nnsight_lorsa/assets``); ``--model DIR`` and
-``--text FILE`` take a local Hugging Face model directory and a text file instead.
+``--text FILE`` take a local Hugging Face model directory and a text file instead (cut into documents on
+the tokenizer's EOS text, e.g. ``<|endoftext|>``, else on blank lines: one window from each document's
+start, with the model's BOS, short documents padded and their padding left out of CE).
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     adapter = get_adapter(model)
     layer = adapter.n_layers // 2 if cfg.layer is None else adapter.check_layer(cfg.layer)
     text = Path(cfg.text_path or default_corpus_path()).read_text(encoding="utf-8")
-    data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len)
+    # the embedded corpus is one document (consecutive windows, the numbers in docs/training.md);
+    # a --text file is cut into documents (EOS text, else blank lines), one window at each start
+    data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len, config=model.config,
+                                  document_separator="auto" if cfg.text_path else None)
     train, heldout = data.split(min(0.2, cfg.heldout_windows / len(data)))
     mhsa = adapter.mhsa_weights(model._module, layer)
     n_ov = cfg.n_ov_heads or 8 * adapter.d_model
@@ -95,7 +100,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     )
     lorsa = Lorsa(lcfg)
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({adapter.family}, {adapter.n_layers} layers, "
-          f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens")
+          f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"
+          f"{' (one per document, from its start)' if data.target_mask is not None else ''}")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
     trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
@@ -127,8 +133,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     # top heads with their top-activating contexts and z-patterns
     top = TopActivations.empty(n_ov, n_top=3)
-    keep = torch.ones(heldout.tokens.shape, dtype=torch.bool)
-    keep[:, 0] = False
+    keep = torch.ones(heldout.tokens.shape, dtype=torch.bool) if heldout.target_mask is None \
+        else heldout.target_mask.clone()
+    keep[:, 0] = False  # BOS and padding never shown
     for i in range(0, len(heldout), cfg.batch_size):
         ids = heldout.tokens[i:i + cfg.batch_size]
         with model.trace(ids, use_cache=False):

@@ -16,13 +16,15 @@ def test_demo_runs_on_a_local_model_dir_and_text_file(tmp_path, capsys):
     tiny_tokenizer().save_pretrained(model_dir)
     text = tmp_path / "corpus.txt"
     words = [f"w{2 + (i * 7919) % 120}" for i in range(3000)]
-    text.write_text(" ".join(words))
+    docs = [" ".join(words[i:i + 10 + i % 37]) for i in range(0, 3000, 50)]  # 60 documents, 10-46 words
+    text.write_text(" <eos> ".join(docs))  # the tokenizer's EOS text separates them
     out = tmp_path / "out"
     code = main(["demo", "--model", str(model_dir), "--text", str(text), "--steps", "6", "--seq-len", "32",
                  "--batch-size", "4", "--heldout-windows", "8", "--n-show", "2", "--out-dir", str(out),
                  "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
+    assert "corpus: 60 windows x 32 tokens (one per document, from its start)" in printed
     for needle in ("FVU", "L0", "dead heads", "CE orig", "CE lorsa", "CE zero-ablated", "lorsa.replace(layer=1)",
                    "z-pattern"):
         assert needle in printed
@@ -39,6 +41,6 @@ def test_demo_rejects_a_layer_out_of_range(tmp_path):
     tiny_hf_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     text = tmp_path / "corpus.txt"
-    text.write_text(" ".join(f"w{i % 100 + 2}" for i in range(500)))
+    text.write_text(" ".join(f"w{i % 100 + 2}" for i in range(500)))  # one document: consecutive windows
     with pytest.raises(LayerOutOfRangeError):
         main(["demo", "--model", str(model_dir), "--text", str(text), "--layer", "9", "--no-progress"])

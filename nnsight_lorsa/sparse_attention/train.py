@@ -59,6 +59,8 @@ class SparseTrainConfig:
     ``recover_fraction``: over that last fraction of ``steps`` the gates are deterministic (as at
     evaluation, so no gradient reaches them) and the loss is the CE alone: the model adapts to its
     final edge set (not in the paper; 0 disables).
+    ``bos_id``: the id every window starts with; default (None) the model's own BOS, from its
+    tokenizer, else its config's ``bos_token_id`` (:func:`resolve_bos_id`).
     """
 
     steps: int = 300
@@ -83,7 +85,7 @@ class SparseTrainConfig:
     lora_rank: int | None = None
     lora_alpha: int = 16
     seed: int = 0
-    bos_id: int = 0
+    bos_id: int | None = None
 
 
 @dataclass
@@ -97,8 +99,25 @@ class StepRecord:
     active_fraction: float
 
 
+def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
+    """The BOS id windows start with: ``bos_id`` if given, else the model's tokenizer's
+    ``bos_token_id`` (an nnsight model's ``tokenizer``), else its config's ``bos_token_id``.
+
+    Raises:
+        GateConfigError: none of them gives one (pass ``bos_id``: every window starts with BOS).
+    """
+    if bos_id is not None:
+        return int(bos_id)
+    for src in (getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None)):
+        bos = getattr(src, "bos_token_id", None)
+        if isinstance(bos, int):
+            return bos
+    raise GateConfigError("the model has no BOS id (neither its tokenizer nor its config's bos_token_id); "
+                          "windows start with BOS: pass bos_id")
+
+
 def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, gen: torch.Generator,
-                   bos_id: int = 0) -> Int[torch.Tensor, "batch seq"]:
+                   bos_id: int) -> Int[torch.Tensor, "batch seq"]:
     """``(batch_size, seq_len)`` windows: BOS then ``seq_len - 1`` consecutive tokens from random starts."""
     starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=gen)
     body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
@@ -107,17 +126,19 @@ def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, 
 
 @torch.no_grad()
 def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"], seq_len: int = 64, batch_size: int = 16,
-                    max_windows: int | None = None, bos_id: int = 0) -> dict[str, Any]:
+                    max_windows: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
     """Held-out CE and edge fractions of a gated model in eval mode (deterministic gates).
 
     The stream is cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
-    ``[BOS] + window`` (every token predicted once). Works in every gate mode (``topk`` and
+    ``[BOS] + window`` (every token predicted once; BOS: ``bos_id``, default the model's own, see
+    :func:`resolve_bos_id`). Works in every gate mode (``topk`` and
     ``dense`` report their kept edges as active).
 
     Returns:
         ``ce`` (nats/token), ``active_fraction`` and ``expected_fraction`` (over all layers, heads and
         allowed edges), ``active_fraction_per_head`` (``[layer][head]``), ``windows``, ``tokens``.
     """
+    bos = resolve_bos_id(model, bos_id)
     hf = hf_model(model)
     was_training = hf.training
     hf.eval()
@@ -128,7 +149,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"], seq_len: int
     if n < 1:
         raise GateConfigError(f"need at least {body} tokens for one window, got {token_ids.numel()}")
     windows = token_ids[: n * body].view(n, body)
-    windows = torch.cat([torch.full((n, 1), bos_id, dtype=torch.long), windows], dim=1)
+    windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
     nll, count = 0.0, 0
     exp = act = pos = None
     device = next(hf.parameters()).device
@@ -161,13 +182,15 @@ class SparseAttentionTrainer:
             (e.g. ``_repeat_augment`` of ``scripts/tinymodel.py`` to keep in-context copying in the data).
 
     Raises:
-        GateConfigError: stream shorter than ``seq_len``; ImportError: ``lora_rank`` without ``peft``.
+        GateConfigError: stream shorter than ``seq_len``, or no BOS id (``config.bos_id`` None and the
+            model's tokenizer and config have none); ImportError: ``lora_rank`` without ``peft``.
     """
 
     def __init__(self, model: Any, train_ids: Int[torch.Tensor, " n"], config: SparseTrainConfig,
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> None:
         self.config = config
         self.augment = augment
+        self.bos_id = resolve_bos_id(model, config.bos_id)
         self.hf = hf_model(model)
         self.train_ids = train_ids.long().flatten()
         if self.train_ids.numel() < config.seq_len:
@@ -212,7 +235,7 @@ class SparseAttentionTrainer:
         self.hf.eval()
         total = 0.0
         for _ in range(max(1, n_batches)):
-            x = sample_windows(self.train_ids, self.config.batch_size, self.config.seq_len, gen, self.config.bos_id)
+            x = sample_windows(self.train_ids, self.config.batch_size, self.config.seq_len, gen, self.bos_id)
             if self.augment is not None:
                 x = self.augment(x, gen)
             logits = self.hf(input_ids=x.to(self._device)).logits[:, :-1]
@@ -238,7 +261,7 @@ class SparseAttentionTrainer:
         if recovering:
             for gate in get_gates(self.hf).values():
                 gate.eval()
-        x = sample_windows(self.train_ids, cfg.batch_size, cfg.seq_len, self.gen, cfg.bos_id)
+        x = sample_windows(self.train_ids, cfg.batch_size, cfg.seq_len, self.gen, self.bos_id)
         if self.augment is not None:
             x = self.augment(x, self.gen)
         x = x.to(self._device)

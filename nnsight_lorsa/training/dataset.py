@@ -1,8 +1,10 @@
-"""Token windows of a corpus, each starting with BOS: what activations are collected on and
+"""Token windows of a corpus, each starting with BOS (one corpus cut into consecutive windows, or
+one window per document): what activations are collected on and
 evaluations run on (:class:`TokenDataset`), and the loss mask of a batch of windows."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,6 +18,17 @@ def _loss_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     loss_mask = real.clone()
     loss_mask[:, 0] = False
     return loss_mask
+
+
+def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
+    """The model's BOS id: ``given``, else the tokenizer's, else ``config.bos_token_id``, else None."""
+    if given is not None:
+        return int(given)
+    for src in (tokenizer, config):
+        bos = getattr(src, "bos_token_id", None)
+        if isinstance(bos, int):
+            return bos
+    return None
 
 
 class TokenDataset:
@@ -40,13 +53,35 @@ class TokenDataset:
         self.target_mask = None if target_mask is None else target_mask.bool()
 
     @classmethod
-    def from_text(cls, tokenizer: Any, text: str, seq_len: int, bos_token_id: int | None = None) -> TokenDataset:
-        """Tokenize ``text`` once (no special tokens) and cut it into windows of ``seq_len``.
+    def from_text(cls, tokenizer: Any, text: str, seq_len: int, bos_token_id: int | None = None, *,
+                  document_separator: str | None = None, config: Any = None) -> TokenDataset:
+        """Windows of ``seq_len`` tokens from ``text``.
 
-        Each window is ``[BOS] + seq_len-1`` corpus tokens (BOS from the tokenizer unless given).
+        ``document_separator=None`` (default): ``text`` is one document, tokenized once (no special
+        tokens) and cut into consecutive windows ``[BOS] + seq_len-1`` tokens (the tail shorter than a
+        window is dropped). Right for a corpus that is one long text (the embedded tinyshakespeare);
+        wrong for a file of many documents (stories, articles): windows would then start mid-document,
+        where the model was never trained, and its CE would be inflated — use a separator.
+
+        ``document_separator`` given: ``text`` is split on it into documents (empty ones dropped) and
+        handed to :meth:`from_documents` (one window per document, starting at its start). ``"auto"``
+        splits on the tokenizer's EOS text (e.g. ``"<|endoftext|>"``) when it occurs in ``text``,
+        otherwise on blank lines; if that finds a single document, ``text`` is that one document
+        (consecutive windows, as with ``None``).
+
+        BOS: ``bos_token_id`` if given, else the tokenizer's, else ``config.bos_token_id`` (the model
+        config); if none exists no BOS is prepended (windows then start with the text's first token).
         """
+        if document_separator is not None:
+            sep = document_separator
+            if sep == "auto":
+                eos = getattr(tokenizer, "eos_token", None)
+                sep = eos if isinstance(eos, str) and eos and eos in text else "\n\n"
+            docs = [d for d in (d.strip() for d in text.split(sep)) if d]
+            if len(docs) > 1 or document_separator != "auto":
+                return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        bos = tokenizer.bos_token_id if bos_token_id is None else bos_token_id
+        bos = _bos_id(tokenizer, config, bos_token_id)
         body = seq_len - 1 if bos is not None else seq_len
         n = len(ids) // body
         if n == 0:
@@ -55,6 +90,51 @@ class TokenDataset:
         if bos is not None:
             t = torch.cat([torch.full((n, 1), bos, dtype=torch.long), t], dim=1)
         return cls(t)
+
+    @classmethod
+    def from_documents(cls, tokenizer: Any, documents: Sequence[str], seq_len: int, *,
+                       bos_token_id: int | None = None, pad_token_id: int | None = None,
+                       config: Any = None) -> TokenDataset:
+        """One window per document, starting at the document's start, as language models are trained.
+
+        Each window is ``[BOS] + `` the document's first ``seq_len-1`` tokens (tokenized without special
+        tokens; a longer document is truncated). A shorter document is padded on the right to
+        ``seq_len`` and its padding is left out of ``target_mask``, so the evaluations' CE and KL count
+        only the predictions of real tokens (right padding under causal attention leaves the real
+        tokens' activations untouched). FVU / L0 in :func:`~.evaluate.evaluate` and the activations a
+        trainer reads still include the padded positions: keep ``seq_len`` near the documents' length.
+
+        Args:
+            tokenizer: a Hugging Face tokenizer.
+            documents: the texts; empty ones (no tokens) are skipped.
+            seq_len: window length (BOS included).
+            bos_token_id: BOS id; default the tokenizer's, else ``config.bos_token_id``; if neither
+                exists no BOS is prepended (each window starts with the document's first token).
+            pad_token_id: padding id; default the tokenizer's pad id, else its EOS id, else 0 (padding
+                is masked out of CE / KL either way).
+            config: the model config (e.g. ``model.config``), consulted for the BOS id only.
+
+        Raises:
+            ValueError: no document has a token.
+        """
+        bos = _bos_id(tokenizer, config, bos_token_id)
+        pad = pad_token_id
+        if pad is None:
+            pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None)
+        pad = 0 if pad is None else int(pad)
+        head = [] if bos is None else [bos]
+        rows, masks = [], []
+        for doc in documents:
+            ids = head + list(tokenizer(doc, add_special_tokens=False)["input_ids"])[: seq_len - len(head)]
+            if len(ids) == len(head):
+                continue
+            rows.append(ids + [pad] * (seq_len - len(ids)))
+            masks.append([True] * len(ids) + [False] * (seq_len - len(ids)))
+        if not rows:
+            raise ValueError("no document has a token")
+        return cls(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -324,9 +324,11 @@ def test_evaluate_sparse_reports_ce_and_edges() -> None:
     model = tiny_hf_model("qwen2")
     install_gated_attention(model, init_bias=30.0)
     stream = torch.randint(2, 128, (200,), generator=torch.Generator().manual_seed(0))
-    dense = evaluate_sparse(model, stream, seq_len=16, batch_size=8)
+    with pytest.raises(GateConfigError, match="no BOS id"):  # Qwen2's config has no bos_token_id
+        evaluate_sparse(model, stream, seq_len=16, batch_size=8)
+    dense = evaluate_sparse(model, stream, seq_len=16, batch_size=8, bos_id=0)
     set_gate_mode(model, "topk", top_k=1)
-    top1 = evaluate_sparse(model, stream, seq_len=16, batch_size=8)
+    top1 = evaluate_sparse(model, stream, seq_len=16, batch_size=8, bos_id=0)
     assert dense["active_fraction"] == 1.0 and top1["active_fraction"] == pytest.approx(16 / (16 * 17 / 2))
     assert top1["ce"] != dense["ce"] and dense["tokens"] == top1["tokens"] == 13 * 15
 
@@ -346,6 +348,28 @@ def test_loose_constraint_sparsifies_and_train_function_resumes(tmp_path) -> Non
     assert s2.steps == 8 and [r.ce for r in s2.history] == [r.ce for r in summary.history]
     for (n, a), (_, b) in zip(model.named_parameters(), resumed.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_bos_id_defaults_to_the_models_own() -> None:
+    from nnsight_lorsa.sparse_attention.train import resolve_bos_id
+
+    hf = tiny_hf_model("llama")
+    hf.config.bos_token_id = 5
+    stream = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0))
+    cfg = SparseTrainConfig(steps=1, batch_size=4, seq_len=16, target_ce=100.0)
+    assert cfg.bos_id is None
+    tr = SparseAttentionTrainer(hf, stream, cfg)
+    assert tr.bos_id == 5
+    assert resolve_bos_id(hf, 7) == 7
+    captured = []
+    hook = tr.hf.register_forward_pre_hook(lambda _m, _a, kw: captured.append(kw["input_ids"][:, 0]),
+                                           with_kwargs=True)
+    tr.train_step()
+    hook.remove()
+    assert (captured[0] == 5).all()
+    hf.config.bos_token_id = None
+    with pytest.raises(GateConfigError, match="no BOS id"):
+        SparseAttentionTrainer(hf, stream, cfg)
 
 
 def test_recovery_phase_freezes_gates_and_trains_the_model_on_ce() -> None:
