@@ -34,7 +34,7 @@ def test_readme_and_docs_import_only_public_names():
 
     bad = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for block in re.findall(r"```python[^\n]*\n(.*?)```", path.read_text(), re.S):
+        for block in re.findall(r"```[a-z]*[^\n]*\n(.*?)```", path.read_text(), re.S):  # python and shell heredocs
             for m in re.finditer(r"^\s*from (nnsight_lorsa[\w.]*) import ([^\n(#]*)", block, re.M):
                 module = importlib.import_module(m.group(1))
                 for name in (n.strip().split(" as ")[0] for n in m.group(2).split(",")):
