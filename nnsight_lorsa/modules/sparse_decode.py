@@ -68,12 +68,6 @@ class SparseActs:
         return float((self.vals > 0).sum()) / max(1, self.n_rows)
 
 
-def rows_from_offsets(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
-    """``(nnz,)`` row index of every entry given the row starts ``offsets (n_rows,)``."""
-    sizes = torch.diff(offsets, append=offsets.new_tensor([nnz]))
-    return torch.repeat_interleave(torch.arange(offsets.shape[0], device=offsets.device), sizes)
-
-
 def topk_indices(pre: Float[torch.Tensor, "n d_sae"], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(rows, cols, offsets)`` of the ``k`` largest entries of every row (the :class:`~.activations.TopK` rule).
 
