@@ -37,20 +37,74 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_SCRIPTS = ROOT / "scripts" / "peer_fixtures"
 FIXTURES = ROOT / "tests" / "fixtures" / "peers"
 
 
+def _write_ours(module: Any, case: Path, fmt: str, d_in: int, **options: Any) -> None:
+    """``save(module, case, format=fmt)`` + ``ours_outputs.safetensors`` (x, feature_acts, sae_out, l0)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nnsight_lorsa.formats import save
+
+    save(module, case, format=fmt, **options)
+    x = torch.randn(8, d_in, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        acts = module.encode(x)
+        ref = {"x": x, "feature_acts": acts, "sae_out": module(x), "l0": (acts != 0).sum(-1)}
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(case / "ours_outputs.safetensors"))
+
+
+def _random_(module: Any, seed: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        threshold = getattr(module.activation, "threshold", None)
+        if isinstance(threshold, torch.Tensor):
+            threshold.abs_()
+    return module.eval()
+
+
 def _reverse_saelens(out: Path) -> None:
-    from peer_fixtures_reverse import write_reverse  # type: ignore[import-not-found]
-    write_reverse("saelens", out)
+    """Our SAEs / transcoders of every activation SAELens reads, in SAELens layout."""
+    from nnsight_lorsa.modules import SAEConfig, SkipTranscoder, SparseAutoencoder, Transcoder, TranscoderConfig
+
+    d, f, hook = 16, 48, "blocks.1.hook_resid_post"
+    for i, (name, module) in enumerate({
+        "sae_relu": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f)),
+        "sae_relu_no_b_dec_in": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, apply_b_dec_to_input=False)),
+        "sae_topk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="topk", activation_params={"k": 4})),
+        "sae_jumprelu": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="jumprelu")),
+        "sae_abstopk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="abstopk",
+                                                   activation_params={"k": 4})),
+        "transcoder_relu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
+        "transcoder_jumprelu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12, activation="jumprelu")),
+        "skip_transcoder_relu": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
+        "skip_transcoder_jumprelu": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12, activation="jumprelu")),
+    }.items()):
+        _write_ours(_random_(module, i), out / name, "saelens", d, hook_name=hook)
 
 
 def _reverse_sparsify(out: Path) -> None:
-    from peer_fixtures_reverse import write_reverse  # type: ignore[import-not-found]
-    write_reverse("sparsify", out)
+    """Our coders of every kind sparsify reads, in sparsify layout."""
+    from nnsight_lorsa.modules import SAEConfig, SkipTranscoder, SparseAutoencoder, Transcoder, TranscoderConfig
+
+    d, f, topk, groupmax = 16, 64, {"activation": "topk", "activation_params": {"k": 4}}, {
+        "activation": "groupmax", "activation_params": {"k": 4}}
+    for i, (name, module) in enumerate({
+        "sae_topk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+        "sae_groupmax": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, **groupmax)),  # type: ignore[arg-type]
+        "transcoder_topk": Transcoder(TranscoderConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+        "skip_transcoder_topk": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+    }.items()):
+        _write_ours(_random_(module, i), out / name, "sparsify", d)
 
 
 #: peer -> (our env) writer of ``OUT_DIR/reverse/<case>/`` (our ``save`` in the peer's format)
@@ -71,7 +125,6 @@ def make(peer: str, python: str, out: Path) -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     if peer in REVERSE:
-        sys.path.insert(0, str(PEER_SCRIPTS))
         REVERSE[peer](out / "reverse")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the peer env never sees our package
     subprocess.run([python, str(script), str(out)], check=True, env=env, cwd=ROOT)
