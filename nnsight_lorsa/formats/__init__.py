@@ -32,13 +32,24 @@ from .circuit_tracer import (
 from .llamascopium import load_llamascopium_lorsa
 from .llamascopium_sae import load_llamascopium_sae
 from .lorsa_format import load_lorsa, save_lorsa
-from .registry import DEFAULT_FORMAT, FORMATS, Format, detect_format, load, load_all, register_format, save
+from .registry import (
+    DEFAULT_FORMAT,
+    FORMATS,
+    Format,
+    LoadedModules,
+    PartialLoadWarning,
+    detect_format,
+    load,
+    load_all,
+    register_format,
+    save,
+)
 from .saelens import load_saelens, save_saelens
 from .sparse_coder_format import load_sparse_coder, save_sparse_coder
 from .sparsify import load_sparsify, save_sparsify
 
 __all__ = [
-    "DEFAULT_FORMAT", "FORMATS", "Format", "detect_format", "load", "load_all", "register_format", "save",
+    "DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load", "load_all", "register_format", "save",
     "load_circuit_tracer_clt", "load_circuit_tracer_transcoders", "load_llamascopium_lorsa", "load_llamascopium_sae",
     "load_lorsa", "load_saelens", "load_sparse_coder", "load_sparsify",
     "save_circuit_tracer_clt", "save_circuit_tracer_transcoders", "save_lorsa", "save_saelens", "save_sparse_coder",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FormatDetectionError, UnsupportedArchitectureError
+from ..errors import FormatDetectionError, LorsaError, UnsupportedArchitectureError
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
 from ..modules.sae import SparseAutoencoder
@@ -41,7 +42,8 @@ from . import circuit_tracer, llamascopium, llamascopium_sae, lorsa_format, sael
 from .files import read_json_object, resolve_checkpoint_dir
 from .reader import Reader, read_dir
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "detect_format", "load", "load_all", "register_format", "save"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
+           "load_all", "register_format", "save"]
 
 #: what :func:`save` writes unless told otherwise
 DEFAULT_FORMAT = "nnsight_lorsa"
@@ -216,24 +218,60 @@ def _named(name: str, obj: Any) -> dict[str, Any]:
     return {name: obj}
 
 
-def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> dict[str, Any]:
+class PartialLoadWarning(UserWarning):
+    """:func:`load_all` loaded some subfolders of a folder and not others.
+
+    Attributes:
+        directory: the folder.
+        failures: ``{subfolder name: the named error it raised}``.
+    """
+
+    def __init__(self, directory: Path, failures: dict[str, Exception]) -> None:
+        self.directory = directory
+        self.failures = failures
+        listed = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures.items())
+        super().__init__(f"{directory}: {len(failures)} subfolder(s) not loaded: {listed}")
+
+
+class LoadedModules(dict[str, Any]):
+    """What :func:`load_all` returns: ``{name: module}``, plus ``failures``
+    (``{subfolder name: error}``; empty when everything loaded)."""
+
+    failures: dict[str, Exception]
+
+
+#: file names that mark a subfolder as meant to be a checkpoint (a failure there is reported)
+def _checkpoint_like(p: Path) -> bool:
+    names = {n for f in FORMATS.values() for n in f.hub_files if "*" not in n}
+    return any((p / n).is_file() for n in names) or any(p.glob("*.safetensors"))
+
+
+def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> LoadedModules:
     """Every module of a checkpoint folder, by name: the folder itself when it is a checkpoint, else
     each subfolder that is one (a sparsify run, a ``LorsaSet.save`` directory), in natural order.
 
     A circuit-tracer transcoder set yields one entry per layer (``"<name>/layer_<i>"``); a hub repo
-    id is one checkpoint (:func:`load`). ``kwargs`` go to :func:`load`.
+    id is one checkpoint (:func:`load`). ``kwargs`` go to :func:`load`. In a folder of checkpoints,
+    a subfolder that holds checkpoint files but fails to load (an unsupported architecture, a
+    missing weights file) does not stop the others: it is listed in the result's ``failures`` and
+    in one :class:`PartialLoadWarning`.
 
     Returns:
-        ``{name: module}`` (``name`` = the folder's name).
+        :class:`LoadedModules` ``{name: module}`` (``name`` = the folder's name) with ``failures``.
 
     Raises:
         FormatDetectionError: neither the folder nor any subfolder holds a recognisable checkpoint.
-        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers.
+        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers, when
+            the folder itself is the checkpoint, or when no subfolder loaded (the first subfolder's
+            error, with every failure listed in the message).
     """
     d = Path(directory)
     local = isinstance(directory, Path) or d.exists()
+    result = LoadedModules()
+    result.failures = {}
     if not local or kwargs.get("subfolder"):
-        return _named(d.name, load(directory, format=format, **kwargs))
+        result.update(_named(d.name, load(directory, format=format, **kwargs)))
+        return result
     fmt = None if format == "auto" else _format(format)
     try:
         if fmt is None:
@@ -242,11 +280,24 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
             raise FormatDetectionError(f"{d}: no {fmt.name} checkpoint files ({fmt.looks_for})")
     except FormatDetectionError:
         subs = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: _natural(p.name)) if d.is_dir() else []
-        found = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))]
-        if not found:
+        candidates = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))
+                      or _checkpoint_like(p)]
+        if not candidates:
             raise
-        return {name: m for p in found for name, m in _named(p.name, load(p, format=format, **kwargs)).items()}
-    return _named(d.name, load(d, format=format, **kwargs))
+        for p in candidates:
+            try:
+                result.update(_named(p.name, load(p, format=format, **kwargs)))
+            except LorsaError as e:
+                result.failures[p.name] = e
+        if result.failures:
+            warning = PartialLoadWarning(d, result.failures)
+            if not result:
+                first = next(iter(result.failures.values()))
+                raise type(first)(str(warning)) from first
+            warnings.warn(warning, stacklevel=2)
+        return result
+    result.update(_named(d.name, load(d, format=format, **kwargs)))
+    return result
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT, **options: Any) -> Path:
