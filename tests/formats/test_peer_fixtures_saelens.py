@@ -36,7 +36,7 @@ def _name(case: Path) -> str:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
 def _check(module: torch.nn.Module, ref: dict[str, torch.Tensor]) -> None:
