@@ -25,7 +25,7 @@ from ..envoy.lorsa_set import LorsaSet
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
 from .dataset import TokenDataset, _loss_mask
-from .metrics import FVUAccumulator
+from .metrics import FVUAccumulator, ShrinkageAccumulator
 
 
 @dataclass
@@ -41,6 +41,9 @@ class Evaluation:
         ce_orig, ce_spliced, ce_zero: CE of the original model, with the module spliced in (every MLP
             for a CLT), and with the site(s) zero-ablated.
         kl: mean KL(original ‖ spliced). n_tokens: counted predictions.
+        l2_norm_in, l2_norm_out, l2_ratio, relative_reconstruction_bias, feature_density: SAELens's
+            shrinkage and density metrics of the module's output against the site's true value
+            (non-BOS tokens; :class:`~.metrics.ShrinkageAccumulator`); ``None`` for a CLT.
     """
 
     fvu: float | list[float]
@@ -51,6 +54,11 @@ class Evaluation:
     ce_zero: float
     kl: float
     n_tokens: int
+    l2_norm_in: float | None = None
+    l2_norm_out: float | None = None
+    l2_ratio: float | None = None
+    relative_reconstruction_bias: float | None = None
+    feature_density: list[float] | None = None
 
     @property
     def ce_recovered(self) -> float:
@@ -62,8 +70,10 @@ class Evaluation:
         return {**asdict(self), "ce_recovered": self.ce_recovered}
 
     def summary(self) -> dict[str, Any]:
-        """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON)."""
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()}
+        """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON), without the
+        per-feature ``feature_density``."""
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()
+                if k != "feature_density"}
 
 
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -95,6 +105,7 @@ class _SiteProbe:
         self.model, self.path, self.value, self.with_value = model, path, value, with_value
         self.splice_fn = splice
         self.acc = FVUAccumulator()
+        self.shrinkage = ShrinkageAccumulator(n_latents)
         self.l0_sum, self.l0_n = 0.0, 0
         self.fired = torch.zeros(n_latents, dtype=torch.bool)
 
@@ -113,6 +124,7 @@ class _SiteProbe:
     def measure(self, ids: torch.Tensor) -> None:
         keep = _loss_mask(ids)
         self.acc.update(self.target[keep].float(), self.out[keep].float())
+        self.shrinkage.update(self.target[keep], self.out[keep], self.z[keep])
         active = self.z[keep] > 0
         self.l0_sum += float(active.sum())
         self.l0_n += active.shape[0]
@@ -250,6 +262,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
         n_tok += n
         probe.measure(ids)
     fvu, l0, dead = probe.result()
+    shrinkage: dict[str, Any] = probe.shrinkage.value() if isinstance(probe, _SiteProbe) else {}
     return Evaluation(fvu=fvu, l0=l0, dead_frac=dead, ce_orig=sums["orig"] / n_tok,
                       ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok, kl=sums["kl"] / n_tok,
-                      n_tokens=n_tok)
+                      n_tokens=n_tok, **shrinkage)
