@@ -33,12 +33,21 @@ from typing import Any
 
 import torch
 
-from ..errors import FormatDetectionError, LorsaError, UnsupportedArchitectureError
+from ..errors import ArgumentError, FormatDetectionError, LorsaError, UnsupportedArchitectureError
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
 from ..modules.sae import SparseAutoencoder
 from ..modules.transcoder import Transcoder
-from . import circuit_tracer, llamascopium, llamascopium_sae, lorsa_format, saelens, sparse_coder_format, sparsify
+from . import (
+    circuit_tracer,
+    llamascopium,
+    llamascopium_sae,
+    lorsa_format,
+    saelens,
+    saelens_releases,
+    sparse_coder_format,
+    sparsify,
+)
 from .files import read_json_object, resolve_checkpoint_dir
 from .reader import Reader, read_dir
 
@@ -163,6 +172,7 @@ def detect_format(directory: str | os.PathLike[str]) -> str:
 
 def load(
     path_or_repo_id: str | os.PathLike[str],
+    sae_id: str | None = None,
     *,
     format: str = "auto",
     subfolder: str | None = None,
@@ -176,7 +186,12 @@ def load(
 
     Args:
         path_or_repo_id: a local checkpoint directory, or a Hugging Face repo id (``"org/name"``,
-            ``"org/name:folder"``) when no such local path exists.
+            ``"org/name:folder"``) when no such local path exists; with ``sae_id``: a SAELens
+            release name.
+        sae_id: an SAE id of the SAELens release ``path_or_repo_id`` (``SAE.from_pretrained(release,
+            sae_id)``): resolved through SAELens's registry (:mod:`.saelens_releases`; the installed
+            sae-lens's, or ``release_registry=<pretrained_saes.yaml>``), loaded as ``"saelens"`` with
+            the registry's ``norm_scaling_factor`` (unless given) and ``config_overrides``.
         format: ``"auto"`` (detect, module table) or a name in :data:`FORMATS` (``"nnsight_lorsa"``,
             ``"llamascopium"``, ``"saelens"``, ``"sparsify"``, ``"circuit_tracer"``).
         subfolder: a folder inside ``path_or_repo_id`` (local or hub; a sparsify hookpoint, a SAELens id).
@@ -184,7 +199,7 @@ def load(
         local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
         options: the reader's own: ``d_model`` and ``adapter`` (sparse coders; dropped for readers that
             take neither), ``norm_scaling_factor`` (saelens), ``weights_folded`` (llamascopium),
-            ``layer`` (llamascopium Lorsa).
+            ``layer`` (llamascopium Lorsa); ``release_registry`` (with ``sae_id``).
 
     Returns:
         :class:`~nnsight_lorsa.modules.lorsa.Lorsa`, :class:`SparseAutoencoder`, :class:`Transcoder`
@@ -197,7 +212,13 @@ def load(
         CheckpointError: an unusable source or file (naming the file and the key).
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
         TypeError: an option the chosen reader does not take.
+        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``.
     """
+    if sae_id is not None:
+        return _load_release(str(path_or_repo_id), sae_id, format=format, subfolder=subfolder, device=device,
+                             dtype=dtype, local_files_only=local_files_only, revision=revision, **options)
+    if "release_registry" in options:
+        raise ArgumentError("release_registry= applies to a SAELens (release, sae_id); no sae_id was given")
     fmt = None if format == "auto" else _format(format)
     patterns = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
     path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=patterns, subfolder=subfolder,
@@ -206,6 +227,22 @@ def load(
     reader = fmt.choose(path)
     options = {k: v for k, v in options.items() if k in reader.options or k not in _SHARED_OPTIONS}
     return read_dir(reader, path, device=device, dtype=dtype, **options)
+
+
+def _load_release(release: str, sae_id: str, *, format: str, subfolder: str | None,
+                  release_registry: str | os.PathLike[str] | None = None, **options: Any) -> Any:
+    """:func:`load` of a SAELens ``(release, sae_id)`` (:mod:`.saelens_releases`)."""
+    if subfolder is not None or format not in ("auto", "saelens"):
+        raise ArgumentError(f"load({release!r}, {sae_id!r}): a SAELens release names its repo folder and format; "
+                            f"got subfolder={subfolder!r}, format={format!r}")
+    entry = saelens_releases.resolve_release(release, sae_id, registry=release_registry)
+    if entry.norm_scaling_factor is not None:
+        options.setdefault("norm_scaling_factor", entry.norm_scaling_factor)
+    if entry.config_overrides:
+        options.setdefault("config_overrides", entry.config_overrides)
+    module = load(entry.repo_id, format="saelens", subfolder=entry.path, **options)
+    module.cfg.extra["saelens"].update(release=release, sae_id=sae_id, repo_id=entry.repo_id, path=entry.path)
+    return module
 
 
 def _natural(name: str) -> list[Any]:

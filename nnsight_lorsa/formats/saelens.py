@@ -208,7 +208,7 @@ def _activation_params(raw: dict[str, Any], path: Path, arch: str, activation: s
 
 
 def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d_model: int | None = None,
-                 adapter: Any = None) -> Parsed:
+                 adapter: Any = None, config_overrides: dict[str, Any] | None = None) -> Parsed:
     """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)`` (module docstring).
 
     Raises:
@@ -218,7 +218,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     cfg_path = directory / CFG_FILE
-    raw = read_json_object(cfg_path)
+    raw = {**read_json_object(cfg_path), **(config_overrides or {})}  # overrides: a SAELens release's
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
     d_in, d_sae = config_size(raw, "d_in", cfg_path), config_size(raw, "d_sae", cfg_path)

@@ -160,6 +160,28 @@ def trainer_run(out: Path, name: str, arch: str, normalize: str, seed: int, **cf
         save_reference(ckpt, **_inference_outputs(tsae))
 
 
+def registry(out: Path) -> None:
+    """``registry/pretrained_saes.yaml``: entries copied from the installed SAELens's release registry
+    (the first SAE or two of a few releases: one with ``norm_scaling_factor`` s, one with
+    ``config_overrides``, two that need converters) plus ``tiny-random-saes``, a release of two of
+    the cases above whose ``norm_scaling_factor`` is the ``s`` their reference folded. ``repo_id``
+    ``LOCAL/…``: the test points it at a local directory laid out as the hub repo."""
+    from importlib.resources import files
+
+    import yaml
+
+    data = yaml.safe_load(files("sae_lens").joinpath("pretrained_saes.yaml").read_text())
+    keep = {name: {**data[name], "saes": data[name]["saes"][:n]} for name, n in (
+        ("gpt2-small-mlp-tm", 2), ("gpt2-small-attn-out-v5-32k", 1), ("gemma-scope-2b-pt-res-canonical", 1),
+        ("gpt2-small-hook-z-kk", 1))}
+    keep["tiny-random-saes"] = {"conversion_func": None, "model": "tiny-random", "repo_id": "LOCAL/tiny-random-saes",
+                                "saes": [{"id": HOOK, "path": "norm_expected_average_only_in", "norm_scaling_factor": 2.5},
+                                         {"id": f"{HOOK}.topk", "path": "topk_rescale"}]}
+    (out / "registry").mkdir()
+    header = f"# written by scripts/peer_fixtures/saelens.py from sae-lens {version('sae-lens')}'s registry\n"
+    (out / "registry" / "pretrained_saes.yaml").write_text(header + yaml.safe_dump(keep, sort_keys=True))
+
+
 def reverse(out: Path) -> None:
     """Load each case our ``save(..., format="saelens")`` wrote in SAELens and compare."""
     cases = reverse_cases(out)
@@ -206,7 +228,7 @@ def main(out: Path) -> None:
     for norm in ("layer_norm", "constant_norm_rescale", "covariance_whitening"):
         inference(out, f"norm_{norm}", "standard", next(seed), normalize_activations=norm)
     inference(out, "norm_layer_norm_topk", "topk", next(seed), k=K, normalize_activations="layer_norm")
-    inference_expected_average(out, next(seed))
+    inference_expected_average(out, next(seed))  # s = 2.5, as registry() records
     for arch, extra in (("temporal", {"n_heads": 2, "bottleneck_factor": 2}),
                         ("matching_pursuit", {"max_iterations": 4})):
         try:
@@ -223,6 +245,7 @@ def main(out: Path) -> None:
              matryoshka_widths=[16, 32, D_SAE])
     trainer_run(out, "trainer_topk_expected_average", "topk", "expected_average_only_in", next(seed), k=K)
     trainer_run(out, "trainer_standard_whitening", "standard", "covariance_whitening", next(seed))
+    registry(out)
     (out / "peer.json").write_text(json.dumps({"peer": "sae-lens", "version": version("sae-lens"),
                                                "torch": torch.__version__}, indent=1) + "\n")
     reverse(out)
