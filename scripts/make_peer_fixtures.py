@@ -84,6 +84,10 @@ def _reverse_saelens(out: Path) -> None:
         "sae_jumprelu": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="jumprelu")),
         "sae_abstopk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="abstopk",
                                                    activation_params={"k": 4})),
+        "sae_relu_layer_norm": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, normalize_activations="layer_norm")),
+        "sae_topk_constant_norm_rescale": SparseAutoencoder(SAEConfig(
+            d_in=d, d_sae=f, activation="topk", activation_params={"k": 4},
+            normalize_activations="constant_norm_rescale")),
         "transcoder_relu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
         "transcoder_jumprelu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12, activation="jumprelu")),
         "skip_transcoder_relu": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
