@@ -103,7 +103,8 @@ REFUSED: dict[str, str] = {
 SCALER_FILE = "activation_scaler.json"
 WHITENING_FILE = "activation_whitening.safetensors"
 
-__all__ = ["ARCHITECTURES", "READER", "REFUSED", "build", "load_saelens", "load_weights", "parse_config", "save_saelens"]
+__all__ = ["ARCHITECTURES", "READER", "REFUSED", "build", "load_saelens", "load_weights", "parse_config",
+           "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
@@ -127,7 +128,7 @@ def _infer_architecture(raw: dict[str, Any], path: Path) -> str:
     """
     tensors, _ = read_safetensors_header(path.parent / WEIGHTS_FILE)
     act = raw.get("activation_fn", raw.get("activation_fn_str"))
-    kwargs = raw.get("activation_fn_kwargs") if isinstance(raw.get("activation_fn_kwargs"), dict) else {}
+    kwargs: dict[str, Any] = raw["activation_fn_kwargs"] if isinstance(raw.get("activation_fn_kwargs"), dict) else {}
     evidence: dict[str, set[str]] = {}
     if {"b_gate", "r_mag", "b_mag"} <= set(tensors):
         evidence["tensors b_gate, r_mag, b_mag"] = {"gated"}

@@ -19,7 +19,8 @@ from .sae import SAEConfig, SparseAutoencoder
 from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
 __all__ = [
-    "AbsTopK", "BatchTopK", "CLTConfig", "GroupMax", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV",
+    "AbsTopK", "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "GroupMax", "HookPoint", "JumpReLU", "Lorsa",
+    "LorsaConfig", "LorsaKV",
     "ReLU", "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder",
     "TranscoderConfig", "make_activation",
 ]

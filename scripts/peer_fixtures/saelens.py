@@ -32,7 +32,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    OURS_OUTPUTS,
     fixed_inputs,
     load_ours_outputs,
     max_rel,
@@ -41,7 +40,6 @@ from _common import (  # noqa: E402
     save_reference,
     write_reverse_result,
 )
-
 from sae_lens import SAE  # noqa: E402
 from sae_lens.registry import get_sae_class, get_sae_training_class  # noqa: E402
 from sae_lens.saes.sae import TrainingSAE  # noqa: E402
@@ -174,9 +172,10 @@ def registry(out: Path) -> None:
     keep = {name: {**data[name], "saes": data[name]["saes"][:n]} for name, n in (
         ("gpt2-small-mlp-tm", 2), ("gpt2-small-attn-out-v5-32k", 1), ("gemma-scope-2b-pt-res-canonical", 1),
         ("gpt2-small-hook-z-kk", 1))}
+    saes = [{"id": HOOK, "path": "norm_expected_average_only_in", "norm_scaling_factor": 2.5},
+            {"id": f"{HOOK}.topk", "path": "topk_rescale"}]
     keep["tiny-random-saes"] = {"conversion_func": None, "model": "tiny-random", "repo_id": "LOCAL/tiny-random-saes",
-                                "saes": [{"id": HOOK, "path": "norm_expected_average_only_in", "norm_scaling_factor": 2.5},
-                                         {"id": f"{HOOK}.topk", "path": "topk_rescale"}]}
+                                "saes": saes}
     (out / "registry").mkdir()
     header = f"# written by scripts/peer_fixtures/saelens.py from sae-lens {version('sae-lens')}'s registry\n"
     (out / "registry" / "pretrained_saes.yaml").write_text(header + yaml.safe_dump(keep, sort_keys=True))
@@ -211,8 +210,7 @@ def main(out: Path) -> None:
         if p.is_dir() and p.name != "reverse":
             shutil.rmtree(p)
     seed = iter(range(1000))
-    md = {"apply_b_dec_to_input": True}
-    inference(out, "standard", "standard", next(seed), **md)
+    inference(out, "standard", "standard", next(seed), apply_b_dec_to_input=True)
     inference(out, "standard_no_b_dec_in", "standard", next(seed), apply_b_dec_to_input=False)
     inference(out, "gated", "gated", next(seed))
     inference(out, "jumprelu", "jumprelu", next(seed))
@@ -255,4 +253,3 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     main(Path(sys.argv[1]))
-    assert OURS_OUTPUTS  # used by _common readers
