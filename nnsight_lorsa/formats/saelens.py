@@ -24,29 +24,53 @@ SAELens ``architecture``    their forward                                      o
 ``jumprelu_skip_transcoder``  JumpReLU + skip                                  SkipTranscoder, jumprelu
 ``batchtopk`` (training)    BatchTopK(k) of the ReLU'd pre-activations; the    SparseAutoencoder, batchtopk
                             buffer ``topk_threshold`` is the inference θ       (eval: ``x·1[x > θ]``)
+``matryoshka_batchtopk``    the same tensors and inference rule as batchtopk   SparseAutoencoder, batchtopk
+``abstopk``                 the k largest ``|pre|``, signed (no ReLU)           SparseAutoencoder, abstopk
 ``gated``                   ``1[x̃ W_enc + b_gate > 0] ·                         SparseAutoencoder, jumprelu
                             relu(x̃ (W_enc ⊙ exp(r_mag)) + b_mag)``             (exact conversion below)
 ==========================  =================================================  ==========================
+
+Refused with :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError` (:data:`REFUSED`):
+``temporal`` (attends over the sequence) and ``matching_pursuit`` (iterative encoder).
 
 (``a`` = ``apply_b_dec_to_input``.) A gated SAE (Rajamanoharan et al. 2024, arXiv:2404.16014;
 ``sae_lens/saes/gated_sae.py``) is a JumpReLU SAE: with ``m = x̃ (W_enc ⊙ exp(r_mag)) + b_mag``,
 the gate ``x̃ W_enc + b_gate > 0`` is ``m > b_mag − exp(r_mag) ⊙ b_gate`` (``exp(r_mag) > 0``), so
 ``W_enc ← W_enc ⊙ exp(r_mag)``, ``b_enc ← b_mag``, ``θ ← max(b_mag − exp(r_mag) ⊙ b_gate, 0)``.
-A ``batchtopk`` file is a SAELens *training* checkpoint (SAELens saves BatchTopK SAEs for inference
-as ``jumprelu``); ``k`` must be a whole number, ``topk_threshold`` becomes our BatchTopK threshold
-(used in eval mode; ``to_jumprelu_()`` exports it) and ``topk_threshold_lr`` its EMA rate.
-Exact conversions: a JumpReLU threshold ``θ < 0`` becomes
-``max(θ, 0)`` (``relu(x)·1[x > θ] = x·1[x > max(θ, 0)]``); a TopK SAE with
+A ``batchtopk`` / ``matryoshka_batchtopk`` file is a SAELens *training* checkpoint (SAELens saves
+them for inference as ``jumprelu``); ``k`` must be a whole number, ``topk_threshold`` becomes our
+BatchTopK threshold (used in eval mode; ``to_jumprelu_()`` exports it) and ``topk_threshold_lr``
+its EMA rate. Exact conversions: a JumpReLU threshold ``θ < 0`` becomes
+``max(θ, 0)`` (``relu(x)·1[x > θ] = x·1[x > max(θ, 0)]``); a (Abs/Batch)TopK SAE with
 ``rescale_acts_by_decoder_norm`` (pre-activations times ``‖W_dec[i]‖``, decoder rows divided by it)
 is folded with :meth:`~nnsight_lorsa.modules.sparse_coder.SparseCoder.fold_decoder_norm_`.
 
-``normalize_activations``: ``"none"``; ``"expected_average_only_in"`` means the SAE expects inputs
-multiplied by a dataset-wide scalar ``s`` (kept in SAELens's pretrained-SAE directory, not in the
-files). Pass ``norm_scaling_factor=s`` and we fold it as SAELens ``fold_activation_norm_scaling_factor``
-does (``W_enc *= s``, ``W_dec /= s``, ``b_dec /= s``) so the module takes raw activations; without it
-the weights stay unfolded (a warning; ``cfg.extra["saelens"]["norm_folded"]`` is False).
-``"constant_norm_rescale"`` and ``"layer_norm"`` normalise per token at run time, which our modules do
-not: :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`.
+A ``cfg.json`` without ``architecture`` (pre-v6 files, hand-written configs) is inferred only
+where the evidence leaves one architecture: ``activation_fn[_str]`` (+ ``activation_fn_kwargs.k``
+for topk, SAELens ``handle_pre_6_0_config``), a top-level ``k``, and the tensors (``b_gate``/
+``r_mag``/``b_mag`` gated, ``threshold`` jumprelu, ``topk_threshold`` batchtopk). A v6 topk config
+stripped of ``architecture`` could be topk or abstopk (same tensors): ``CheckpointError``.
+
+``normalize_activations`` (``sae_lens/saes/sae.py``):
+
+* ``"none"``;
+* ``"expected_average_only_in"``: the SAE expects inputs multiplied by a dataset-wide scalar ``s``
+  (kept in SAELens's release registry, :mod:`.saelens_releases`, or in a trainer checkpoint's
+  ``activation_scaler.json``, which is read when present). Pass ``norm_scaling_factor=s`` (or load
+  by release name) and we fold it as SAELens ``fold_activation_norm_scaling_factor`` does
+  (``W_enc *= s``, ``W_dec /= s``, ``b_dec /= s``; a rescaled BatchTopK threshold ``/= s``) so the
+  module takes raw activations; without it the weights stay unfolded (a warning;
+  ``cfg.extra["saelens"]["norm_folded"]`` is False);
+* ``"covariance_whitening"``: a trainer checkpoint holds the whitening ``mean``, ``matrix`` and
+  ``inverse_matrix`` in ``activation_whitening.safetensors``; folded exactly as SAELens's trainer
+  does at the end (``fold_activation_whitening``). Without that file the statistics are not in the
+  files: ``UnsupportedArchitectureError``;
+* ``"constant_norm_rescale"``, ``"layer_norm"``: per-token run-time normalisation, reproduced by our
+  SAE (``SAEConfig.normalize_activations``, :mod:`~nnsight_lorsa.modules.sae`); on a transcoder:
+  ``UnsupportedArchitectureError``.
+
+Folds run in SAELens's order: data statistics (whitening, ``s``) first, then the decoder norm.
+``config_overrides=`` (a dict merged over ``cfg.json``) is how a release's overrides arrive.
 
 Hook names map to our sites with :func:`~.hook_sites.transformer_lens_hook_site`
 (``cfg.extra["saelens"]["site"]``; ``SAEConfig.hook`` is the module path when an adapter is given).
@@ -214,8 +238,10 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
 
     Raises:
         CheckpointError: missing file/key, a size that is not a positive int, a transcoder with
-            ``apply_b_dec_to_input``, a non-finite ``norm_scaling_factor``.
-        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+            ``apply_b_dec_to_input``, a non-finite ``norm_scaling_factor``, no ``architecture`` and the
+            evidence allows several.
+        UnsupportedArchitectureError: unknown or refused ``architecture`` (:data:`REFUSED`); a normalisation
+            the files cannot reproduce (covariance_whitening without its statistics, run-time on a transcoder).
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     cfg_path = directory / CFG_FILE
@@ -366,7 +392,7 @@ def load_saelens(directory: str | os.PathLike[str], **kwargs: Any) -> SparseAuto
 
     Raises:
         CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, non-finite values.
-        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+        UnsupportedArchitectureError: unknown or refused ``architecture``; an unreproducible normalisation.
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     return read(READER, directory, **kwargs)  # type: ignore[no-any-return]
