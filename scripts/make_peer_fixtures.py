@@ -24,6 +24,9 @@ safetensors), never nnsight-lorsa. Steps for ``--peer NAME``:
    own outputs) and, when ``OUT_DIR/reverse/`` exists, loads each reverse case in the peer and writes
    ``OUT_DIR/reverse/result.json`` (per case: pass/fail and the max relative error).
 
+``python scripts/make_peer_fixtures.py --peer NAME --measure`` (our env only) prints each case's
+relative error against the peer's outputs (the numbers in docs/formats.md).
+
 ``tests/formats/test_peer_fixtures_<peer>.py`` loads every case with ``nnsight_lorsa.formats.load``
 (format detected) without the peer installed. No pickles are written: safetensors and JSON only.
 """
@@ -133,13 +136,61 @@ def make(peer: str, python: str, out: Path) -> None:
     subprocess.run([python, str(script), str(out)], check=True, env=env, cwd=ROOT)
 
 
+def measure(out: Path) -> dict[str, Any]:
+    """(our env) Load every case under ``out`` (a folder with ``cfg.json``, ``reverse/`` aside) with
+    ``nnsight_lorsa.formats.load`` and print its relative max error on ``encode`` / ``forward``
+    against ``reference.safetensors`` (or the named error that refused it); returns the worst per dtype."""
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+
+    from nnsight_lorsa.errors import LorsaError
+    from nnsight_lorsa.formats import load
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+    worst: dict[str, Any] = {}
+    for case in sorted(p.parent for p in out.rglob("cfg.json") if "reverse" not in p.relative_to(out).parts):
+        name = case.relative_to(out).as_posix()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                has_ref = (case / "reference.safetensors").is_file()
+                ref = load_file(str(case / "reference.safetensors")) if has_ref else {}
+                kw = {"norm_scaling_factor": float(ref["norm_scaling_factor"])} if "norm_scaling_factor" in ref else {}
+                module = load(case, **kw)
+        except LorsaError as e:
+            print(f"{name}: refused, {type(e).__name__}: {e}")
+            continue
+        with torch.no_grad():
+            acts, y = module.encode(ref["x"]), module(ref["x"])
+        errs = (rel(acts, ref["feature_acts"]), rel(y, ref["sae_out"]))
+        same_l0 = torch.equal((acts != 0).sum(-1), ref["l0"])
+        print(f"{name}: encode {errs[0]:.1e}  forward {errs[1]:.1e}  same L0 {same_l0}")
+        key = str(ref["x"].dtype).removeprefix("torch.")
+        prev = worst.get(key, [0.0, 0.0, True])
+        worst[key] = [max(prev[0], errs[0]), max(prev[1], errs[1]), prev[2] and same_l0]
+    print("worst (encode, forward, all L0 equal) by dtype:", worst)
+    return worst
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", required=True, help=f"one of {peers()}")
-    parser.add_argument("--python", required=True, help="the python of a venv with that peer installed")
+    parser.add_argument("--python", help="the python of a venv with that peer installed")
     parser.add_argument("--out", type=Path, default=None, help="default: tests/fixtures/peers/<peer>")
+    parser.add_argument("--measure", action="store_true",
+                        help="only load the existing fixtures in our env and print each case's error")
     args = parser.parse_args(argv)
-    make(args.peer, args.python, args.out or FIXTURES / args.peer)
+    out = args.out or FIXTURES / args.peer
+    if args.measure:
+        measure(out)
+        return
+    if not args.python:
+        parser.error("--python is required to regenerate fixtures")
+    make(args.peer, args.python, out)
 
 
 if __name__ == "__main__":
