@@ -277,8 +277,9 @@ class LoadedModules(dict[str, Any]):
     failures: dict[str, Exception]
 
 
-#: file names that mark a subfolder as meant to be a checkpoint (a failure there is reported)
 def _checkpoint_like(p: Path) -> bool:
+    """Whether ``p`` holds files a format reads (then it is meant to be a checkpoint, and a failure
+    to load it is reported rather than skipped)."""
     names = {n for f in FORMATS.values() for n in f.hub_files if "*" not in n}
     return any((p / n).is_file() for n in names) or any(p.glob("*.safetensors"))
 

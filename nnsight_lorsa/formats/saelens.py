@@ -314,10 +314,11 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> SparseAutoencoder | Transcoder:
-    """Our module with ``state``, then SAELens's folds (decoder norm; ``norm_scaling_factor``).
+    """Our module with ``state``, then SAELens's folds (whitening, ``norm_scaling_factor``, decoder norm).
 
     Raises:
-        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
+        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor
+            (also in ``activation_whitening.safetensors``).
     """
     cfg, settings = parsed.config, parsed.settings
     cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
@@ -360,6 +361,9 @@ def _fold_whitening(module: SparseAutoencoder | Transcoder, path: Path) -> None:
     expected = {"mean": (d,), "matrix": (d, d), "inverse_matrix": (d, d)}
     check_tensor_inventory(path, {k: tuple(v.shape) for k, v in stats.items()}, expected,
                            "covariance_whitening statistics")
+    bad = [k for k, v in stats.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{path}: tensors {bad} have non-finite values (NaN/inf)")
     mean, M, M_inv = (stats[k].double() for k in ("mean", "matrix", "inverse_matrix"))
     W_enc = M @ module.W_enc.double()
     module.W_enc.copy_(W_enc)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from nnsight_lorsa.errors import CheckpointError, UnsupportedArchitectureError
-from nnsight_lorsa.formats import load
+from nnsight_lorsa.formats import load, load_all, save
+from nnsight_lorsa.training import TrainConfig, Trainer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "saelens"
 CASES = sorted(p.parent for p in FIXTURES.rglob("cfg.json") if "reverse" not in p.relative_to(FIXTURES).parts)
@@ -115,3 +116,34 @@ def test_reverse_direction_passed_in_sae_lens() -> None:
     for case in cases:  # and the files there still load in our own reader
         ours = load_file(str(FIXTURES / "reverse" / case / "ours_outputs.safetensors"))
         _check(load(FIXTURES / "reverse" / case), ours)
+
+
+def test_trainer_run_directory_loads_every_checkpoint() -> None:
+    modules = load_all(FIXTURES / "trainer_topk_expected_average")
+    assert list(modules) == ["128", "final_192"] and modules.failures == {}
+    assert modules["128"].cfg.extra["saelens"]["norm_folded"]  # from its activation_scaler.json
+    for name, module in modules.items():
+        _check(module, load_file(str(FIXTURES / "trainer_topk_expected_average" / name / "reference.safetensors")))
+
+
+def test_normalized_sae_round_trips_and_is_not_trained(tmp_path: Path) -> None:
+    module = load(FIXTURES / "norm_layer_norm")
+    assert module.cfg.normalize_activations == "layer_norm" and not module.supports_sparse
+    ref = load_file(str(FIXTURES / "norm_layer_norm" / "reference.safetensors"))
+    for fmt in ("nnsight_lorsa", "saelens"):
+        _check(load(save(module, tmp_path / fmt, format=fmt)), ref)
+    with pytest.raises(UnsupportedArchitectureError, match="normalize_activations='layer_norm'"):
+        Trainer(module, lambda step: None, TrainConfig(total_steps=1))
+
+
+def test_whitening_statistics_are_checked(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "trainer_standard_whitening" / "128", d)
+    stats = load_file(str(d / "activation_whitening.safetensors"))
+    stats["mean"][0] = float("nan")
+    save_file(stats, str(d / "activation_whitening.safetensors"))
+    with pytest.raises(CheckpointError, match=r"activation_whitening\.safetensors.*\['mean'\].*non-finite"):
+        load(d)
+    (d / "activation_whitening.safetensors").unlink()
+    with pytest.raises(UnsupportedArchitectureError, match="covariance_whitening"):
+        load(d)
