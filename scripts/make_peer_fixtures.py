@@ -28,7 +28,7 @@ safetensors), never nnsight-lorsa. Steps for ``--peer NAME``:
 relative error against the peer's outputs (the numbers in docs/formats.md).
 
 ``tests/formats/test_peer_fixtures_<peer>.py`` loads every case with ``nnsight_lorsa.formats.load``
-(format detected) without the peer installed. No pickles are written: safetensors and JSON only.
+(format detected) without the peer installed. No pickles are written: safetensors, JSON and YAML only.
 """
 
 from __future__ import annotations
