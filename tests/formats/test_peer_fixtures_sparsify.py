@@ -50,6 +50,7 @@ def _check(module: torch.nn.Module, ref: dict[str, torch.Tensor], out_key: str =
 def test_fixtures_present() -> None:
     assert len(CASES) >= 15, CASES
     assert set(REFUSED) <= {_name(c) for c in CASES}, "a REFUSED entry has no fixture"
+    assert json.loads((FIXTURES / "peer.json").read_text())["peer"] == "eai-sparsify"  # written by the peer's own code
 
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
