@@ -34,7 +34,7 @@ class Evaluation:
 
     Attributes:
         fvu: fraction of variance unexplained of the module's output against the site's true value
-            (the dataset's kept positions, BOS excluded) — a float, or for a CLT a list per layer (measured on the original
+            (kept positions, no BOS) — a float, or for a CLT a list per layer (measured on the original
             model's activations: layer ``l`` reconstructed from the true MLP inputs of layers ``0 … l``).
         l0: mean number of active latents per token (float, or per layer for a CLT).
         dead_frac: fraction of latents that never fire on the set (float, or per layer for a CLT).

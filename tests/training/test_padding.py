@@ -81,7 +81,7 @@ def test_training_ignores_padding(setup, kind):
         else:
             source = ActivationSource.transcoder(model, LAYER, data, batch_size=4)
             runs[name] = _train(make_transcoder(skip=False), source)
-    (t_real, h_real), (t_pad, h_pad), (t_bad, h_bad) = runs["real"], runs["padded"], runs["unmasked"]
+    (t_real, h_real), (t_pad, h_pad), (t_bad, _) = runs["real"], runs["padded"], runs["unmasked"]
     assert _close(t_pad.s_in, t_real.s_in) and _close(t_pad.s_out, t_real.s_out)
     for a, b in zip(h_pad, h_real, strict=True):
         for key in ("loss", "fvu", "l0", "dead_frac"):
