@@ -26,6 +26,7 @@ rename, sha256 manifest) and resume bit-exactly.
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -247,6 +248,9 @@ class SparseAttentionTrainer:
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> None:
         self.config = config
         self.augment = augment
+        slack = config.max_initial_slack
+        if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
+            raise GateConfigError(f"max_initial_slack must be a finite number >= 0, got {slack!r}")
         self.bos_id = resolve_bos_id(model, config.bos_id)
         self.hf = hf_model(model)
         self.dataset: TokenDataset | None = None

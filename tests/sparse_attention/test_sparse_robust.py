@@ -170,6 +170,9 @@ def test_vacuous_constraint_raises_by_default_and_warns_when_allowed(docs):
         SparseAttentionTrainer(_model(), docs, _cfg(target_ce=1.2 * base, target_margin=0.15 * base))
     with pytest.raises(VacuousConstraintError):
         SparseAttentionTrainer(_model(), docs, _cfg(target_ce=1.2 * base, max_initial_slack=0.1))
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(GateConfigError, match="max_initial_slack"):
+            SparseAttentionTrainer(_model(), docs, _cfg(max_initial_slack=bad))
 
 
 def test_windows_must_fit_the_config_and_start_with_the_models_bos(docs):
