@@ -34,7 +34,7 @@ class Evaluation:
 
     Attributes:
         fvu: fraction of variance unexplained of the module's output against the site's true value
-            (non-BOS tokens) — a float, or for a CLT a list per layer (measured on the original
+            (kept positions, no BOS) — a float, or for a CLT a list per layer (measured on the original
             model's activations: layer ``l`` reconstructed from the true MLP inputs of layers ``0 … l``).
         l0: mean number of active latents per token (float, or per layer for a CLT).
         dead_frac: fraction of latents that never fire on the set (float, or per layer for a CLT).
@@ -121,8 +121,8 @@ class _SiteProbe:
         original = env.output
         env.output = self.with_value(original, torch.zeros_like(self.value(original)))
 
-    def measure(self, ids: torch.Tensor) -> None:
-        keep = _loss_mask(ids)
+    def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        keep = _loss_mask(ids, mask)
         self.acc.update(self.target[keep].float(), self.out[keep].float())
         self.shrinkage.update(self.target[keep], self.out[keep], self.z[keep])
         active = self.z[keep] > 0
@@ -165,9 +165,9 @@ class _CLTProbe:
             original = env.output
             env.output = self.adapter.with_mlp_output(original, torch.zeros_like(self.adapter.mlp_output(original)))
 
-    def measure(self, ids: torch.Tensor) -> None:
+    def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         xs, ys, clt = self.xs, self.ys, self.clt
-        keep = _loss_mask(ids)
+        keep = _loss_mask(ids, mask)
         x = torch.stack([t[keep] for t in xs]).to(clt.W_enc.dtype)
         y = torch.stack([t[keep] for t in ys]).to(clt.W_enc.dtype)
         acts = clt.encode(x)
@@ -226,8 +226,9 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
         replacements: the module in its replacement set: a Lorsa (site: layer ``at``'s attention output),
             transcoder (layer ``at``'s MLP output), SAE (the output of module path ``at``), or a CLT
             (every MLP output at once; per-layer FVU / L0 / dead).
-        dataset: held-out windows; CE and KL count the predictions its ``target_mask`` keeps (default
-            all); BOS (column 0) is excluded from FVU / L0.
+        dataset: held-out windows; its ``target_mask`` (default all) says what counts everywhere:
+            CE and KL count the predictions of kept tokens, FVU / L0 / dead fraction the kept
+            positions (padding counts nowhere); BOS (column 0) is excluded from FVU / L0 / dead.
         at: the layer (Lorsa, transcoder) or module path (SAE) to evaluate; default: the set's only one.
 
     Raises:
@@ -260,7 +261,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
             sums[key] += ce
         sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
         n_tok += n
-        probe.measure(ids)
+        probe.measure(ids, mask)
     fvu, l0, dead = probe.result()
     shrinkage: dict[str, Any] = probe.shrinkage.value() if isinstance(probe, _SiteProbe) else {}
     return Evaluation(fvu=fvu, l0=l0, dead_frac=dead, ce_orig=sums["orig"] / n_tok,
