@@ -43,7 +43,7 @@ class Evaluation:
         kl: mean KL(original ‖ spliced). n_tokens: counted predictions.
         l2_norm_in, l2_norm_out, l2_ratio, relative_reconstruction_bias, feature_density: SAELens's
             shrinkage and density metrics of the module's output against the site's true value
-            (non-BOS tokens; :class:`~.metrics.ShrinkageAccumulator`); ``None`` for a CLT.
+            (the tokens FVU counts; :class:`~.metrics.ShrinkageAccumulator`); ``None`` for a CLT.
     """
 
     fvu: float | list[float]
