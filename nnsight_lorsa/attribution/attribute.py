@@ -19,13 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigMismatchError
+from .budget import estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout
 from .replacement import FrozenReplacement, layer_modules, memory_modes
 from .rows import RowScheduler, assemble, assemble_pruned
 from .scores import PruneConfig
-from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
+from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, multiplier_dtype, prepare, tokenize
 
 #: ``frozen_pass(prepared, scheduler, batch_size, make)`` → target values: fills the scheduler with edge rows
 FrozenPass = Callable[[Prepared, RowScheduler, int, Callable[..., FrozenReplacement]], torch.Tensor]
@@ -45,6 +46,7 @@ def attribute(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     remote: Any = False,
+    max_memory: int | None = None,
 ) -> Graph:
     """The attribution graph of ``prompt`` over the replacement model.
 
@@ -84,6 +86,9 @@ def attribute(
         remote: for a prompt, passed to both ``model.trace`` calls (``True``: run on NDIF after
             :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).
             The replacement modules travel by value; the edge rows come back as saved values.
+        max_memory: a budget in bytes (host memory for a CPU model, device memory otherwise): the batch
+            is the largest ``≤ batch_size`` that :func:`.budget.estimate_memory`'s model fits in it
+            (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``.
 
     Returns:
         :class:`Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
@@ -94,18 +99,21 @@ def attribute(
             a logit token outside the vocabulary, ``remote`` with a cache, or a cache without the
             replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
+        MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
     return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
-                       memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote)
+                       memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote,
+                       max_memory=max_memory)
 
 
 def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,
                 logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
                 memory: str | tuple[str, str] = "auto", prune: PruneConfig | tuple[float, float] | None = None,
                 dtype: torch.dtype | None = None, progress: bool = False, remote: Any = False,
-                frozen_pass: FrozenPass | None = None, engine: str | None = None) -> Graph:
+                frozen_pass: FrozenPass | None = None, engine: str | None = None,
+                max_memory: int | None = None) -> Graph:
     """:func:`attribute` with the internals open: ``memory`` may also be a ``(patterns, node_vectors)``
     pair (:func:`.replacement.memory_modes`; the mixed combinations), and ``frozen_pass`` replaces
     the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the tests), its graph
@@ -141,6 +149,10 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
+    if max_memory is not None:
+        info = estimate_info(replacement, prepared, patterns, config is not None, dtype)
+        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
+        batch_size = largest_batch(est, max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": max_feature_nodes, "engine": engine or "nnsight",
@@ -149,6 +161,32 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     return compute_graph(prepared.layout, run, max_feature_nodes=max_feature_nodes,
                          progress=progress and not remote, prune=config,
                          prompt=prompt if isinstance(prompt, str) else "", meta=meta)
+
+
+def estimate_info(replacement: Any, prepared: Prepared, patterns: str, prune: bool,
+                  dtype: torch.dtype | None) -> dict[str, Any]:
+    """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
+    root = getattr(replacement.model, "_module", replacement.model)
+    param = next(root.parameters())
+    device = param.device.type
+    return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
+            "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
+            "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
+            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
+            "device": device}
+
+
+def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", prune: Any = None,
+                        dtype: torch.dtype | None = None) -> tuple[Layout, dict[str, Any]]:
+    """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
+    :func:`.budget.estimate_memory`."""
+    patterns, _ = memory_modes(memory)
+    config = PruneConfig.of(prune)
+    if isinstance(prompt, AttributionCache):
+        prepared = prepare(replacement, None, cache=prompt)
+    else:
+        prepared = prepare(replacement, prompt)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, config is not None, dtype)
 
 
 @torch.no_grad()

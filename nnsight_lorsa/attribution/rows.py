@@ -26,6 +26,7 @@ the values come from the forward and the edges from the backward passes. torch o
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,28 @@ from .scores import find_threshold, influence_series
 #: never sit in the heap between the per-batch temporaries (which then reuse the same heap space);
 #: pages of a block not yet written are not resident
 BLOCK_ENTRIES = 2**24
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Each batch of rows frees its temporaries (gradients, masks, indices: megabytes) while a few small
+    long-lived allocations land between them; glibc then keeps the holes resident and the process's
+    peak grows with every batch although the live data does not (measured: 2.7 MB per batch at 128
+    tokens, 0.8 MB of it stored entries). Called once per batch, it keeps the peak at the live data."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # pragma: no cover - a platform without a C library handle
+        return None
+
+
+_LIBC = _libc()
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
 CHUNK_ENTRIES = 2**20
 
@@ -135,6 +158,8 @@ class SparseRows:
                 e1 = min(e0 + CHUNK_ENTRIES, block.fill)
                 row = torch.searchsorted(ends, torch.arange(e0, e1), right=True) + block.row_start
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
+                del row
+                release_free_memory()  # the chunk's temporaries: not left resident between kept results
 
     def dense(self) -> Float[torch.Tensor, "n s"]:
         """The kept entries as a dense ``(n_rows, n_cols)`` matrix (dropped ones 0)."""
@@ -208,6 +233,7 @@ class RowStore:
         else:
             assert isinstance(self.rows, SparseRows)
             self.rows.append(grads, self.keep_mass)
+        release_free_memory()
         if self.progress is not None:
             self.progress.update(len(rows))
 
