@@ -18,8 +18,10 @@ Every measurement is a fresh process (the variants interleaved per length and re
 batch_size=B)`` (their dense graph). The JSON (``benchmarks/results/attribution_vs_circuit_tracer.json``)
 also records :func:`nnsight_lorsa.attribution.estimate_memory`'s prediction for each of our runs.
 
-Edge agreement: the edges of our pruned graph between nodes both graphs have (features and MLP errors
-off position 0 — circuit-tracer zeroes both there — embeddings, logits), against circuit-tracer's
+Ours runs with ``zero_positions=1`` (no feature nodes at position 0, the BOS token, as circuit-tracer), so
+both graphs have the same feature nodes (the JSON records both counts). Edge agreement: the edges of our
+pruned graph between nodes both graphs have (features, MLP errors off position 0 — circuit-tracer's error
+there carries nothing, ours position 0's whole MLP output — embeddings, logits), against circuit-tracer's
 adjacency at the same nodes: max |difference| / max |edge|.
 """
 
@@ -50,16 +52,15 @@ def _reset_peak() -> int:
 
 
 # ----------------------------------------------------------------------------- circuit-tracer (its venv)
-def ct_child(work: Path, seq: int, batch: int) -> None:
+def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) -> None:
     """In circuit-tracer's venv: build its replacement model from our files, attribute, report."""
     import torch
+    from circuit_tracer import ReplacementModel, attribute
+    from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
     from safetensors.torch import load_file
     from transformer_lens import HookedTransformerConfig
     from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from circuit_tracer import ReplacementModel, attribute
-    from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
 
     torch.set_num_threads(1)
     model_dir = ROOT / "nnsight_lorsa/assets/tinyshakespeare-llama"
@@ -102,7 +103,9 @@ def ct_child(work: Path, seq: int, batch: int) -> None:
         w = load_file(str(tc_dir / f"layer_{layer}" / "model.safetensors"))
         tc = SingleLayerTranscoder(meta["d_in"], meta["d_sae"], TopK(meta["activation_params"]["k"]), layer,
                                    dtype=torch.float32, device=torch.device("cpu"))
-        tc.W_enc.data = w["W_enc"].T.contiguous()
+        # circuit-tracer reads ``ln2.hook_normalized``, before TransformerLens applies the norm's weight;
+        # ours read the MLP input after it: the weight folded into the encoder gives the same pre-activations
+        tc.W_enc.data = (w["W_enc"].T * state[f"blocks.{layer}.ln2.w"][None, :]).contiguous()
         tc.W_dec.data = w["W_dec"].contiguous()
         tc.b_enc.data, tc.b_dec.data = w["b_enc"], w["b_dec"]
         tcs[layer] = tc
@@ -131,7 +134,7 @@ def ct_child(work: Path, seq: int, batch: int) -> None:
     attribute(ids[:8], model, batch_size=batch)  # warm-up, as ours
     before = _reset_peak()
     t0 = time.perf_counter()
-    g = attribute(ids, model, batch_size=batch)
+    g = attribute(ids, model, batch_size=batch, max_feature_nodes=max_feature_nodes)
     seconds = time.perf_counter() - t0
     peak = (_peak_kb() - before) / 1024
     out = {"system": "circuit-tracer", "seq": seq, "batch": batch, "seconds": seconds, "peak_rss_growth_mb": peak,
@@ -146,7 +149,7 @@ def ct_child(work: Path, seq: int, batch: int) -> None:
         n_f = len(feats)
         err0, emb0 = n_f, n_f + n_layers * n_pos
         logit0 = emb0 + n_pos
-        tokens = [t.token_id if hasattr(t, "token_id") else int(t) for t in g.logit_targets]
+        tokens = [int(t.vocab_idx) for t in g.logit_targets]
         index = []
         for kind, layer, pos, idx in ours.tolist():
             if kind == 0:
@@ -178,7 +181,7 @@ def _replacement():
     return model, ReplacementModel(model, transcoders=tcs)
 
 
-def ours_child(work: Path, seq: int, batch: int, mode: str) -> None:
+def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: int | None) -> None:
     import torch
 
     from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
@@ -187,15 +190,18 @@ def ours_child(work: Path, seq: int, batch: int, mode: str) -> None:
     model, rm = _replacement()
     ids = torch.load(work / f"ids_{seq}.pt", weights_only=True)
     prune = PruneConfig(0.8, 0.98) if mode == "pruned" else None
-    predicted = estimate_memory(rm, ids, batch_size=batch, prune=prune)
-    attribute(rm, ids[:8], batch_size=batch)  # warm-up (imports, allocator)
+    # zero_positions=1: no features at position 0 (the BOS token), as circuit-tracer's graphs
+    predicted = estimate_memory(rm, ids, batch_size=batch, prune=prune, zero_positions=1,
+                                max_feature_nodes=max_feature_nodes)
+    attribute(rm, ids[:8], batch_size=batch, zero_positions=1)  # warm-up (imports, allocator)
     before = _reset_peak()
     t0 = time.perf_counter()
-    g = attribute(rm, ids, batch_size=batch, prune=prune)
+    g = attribute(rm, ids, batch_size=batch, prune=prune, zero_positions=1, max_feature_nodes=max_feature_nodes)
     seconds = time.perf_counter() - t0
     peak = (_peak_kb() - before) / 1024
     out = {"system": f"ours ({mode})", "seq": seq, "batch": batch, "seconds": seconds, "peak_rss_growth_mb": peak,
-           "n_nodes": g.n_nodes, "predicted_host_mb": predicted.host_bytes / 2**20,
+           "n_nodes": g.n_nodes, "n_features": predicted.terms["n_rows"] - len(g.logit_ids),
+           "predicted_host_mb": predicted.host_bytes / 2**20,
            "predicted_over_measured": predicted.host_bytes / 2**20 / peak,
            "max_edge_sum_error": float(g.edge_sum_error("mass").max())}
     if mode == "pruned":
@@ -214,7 +220,7 @@ def agreement(work: Path, seq: int) -> dict:
     nodes = torch.load(work / f"ours_nodes_{seq}.pt", weights_only=True)
     ours = torch.load(work / f"ours_adj_{seq}.pt", weights_only=True)
     kind, pos = nodes[:, 0], nodes[:, 2]
-    shared = (sub["index"] >= 0) & ~(((kind == 0) | (kind == 2)) & (pos == 0))
+    shared = (sub["index"] >= 0) & ~((kind == 2) & (pos == 0))  # circuit-tracer's error at 0 carries nothing
     s = shared.nonzero().flatten()
     a, b = ours[s][:, s].double(), sub["adjacency"][s][:, s].double()
     scale = float(a.abs().max())
@@ -230,13 +236,16 @@ def main() -> None:
     args = parser(__doc__, lengths="32,64,128,256,512", batch=64, repeats=1,
                   ct_python=arg("/work/scratch/peers/ct/bin/python", "circuit-tracer's venv python"),
                   child=arg(None, argparse_suppress()), seq=arg(0, argparse_suppress()),
-                  work=arg("", argparse_suppress())).parse_args()
+                  work=arg("", argparse_suppress()),
+                  max_feature_nodes=arg(0, "feature rows of both (circuit-tracer's influence order); 0: all"),
+                  name=arg("attribution_vs_circuit_tracer", "result JSON name")).parse_args()
+    mfn = args.max_feature_nodes or None
     if args.child:
         work = Path(args.work)
         if args.child == "ct":
-            ct_child(work, args.seq, args.batch)
+            ct_child(work, args.seq, args.batch, mfn)
         else:
-            ours_child(work, args.seq, args.batch, args.child)
+            ours_child(work, args.seq, args.batch, args.child, mfn)
         return
     import torch
 
@@ -259,7 +268,8 @@ def main() -> None:
             for child in ("pruned", "dense", "ct"):  # pruned first: circuit-tracer's run reads its nodes
                 python = args.ct_python if child == "ct" else sys.executable
                 res = subprocess.run([python, __file__, "--child", child, "--seq", str(seq), "--batch",
-                                      str(args.batch), "--work", str(work)], capture_output=True, text=True,
+                                      str(args.batch), "--work", str(work), "--max-feature-nodes",
+                                      str(args.max_feature_nodes)], capture_output=True, text=True,
                                      env=env if child != "ct" else {**os.environ, "PYTHONPATH": ""})
                 if res.returncode != 0:
                     raise RuntimeError(f"{child} @ {seq} failed:\n{res.stderr[-3000:]}")
@@ -284,8 +294,9 @@ def main() -> None:
             row[f"{mode}_predicted_ratio"] = med(f"ours ({mode})", "predicted_over_measured")
         rows.append(row)
         print(json.dumps(row))
-    out = {"command": command(), "batch": args.batch, "threads": 1, "runs": runs, "agreement": agree, "table": rows}
-    print(f"-> {write('attribution_vs_circuit_tracer', out)}")
+    out = {"command": command(), "batch": args.batch, "threads": 1, "max_feature_nodes": mfn, "runs": runs,
+           "agreement": agree, "table": rows}
+    print(f"-> {write(args.name, out)}")
 
 
 def argparse_suppress() -> str:

@@ -18,7 +18,8 @@ per edge:
   counted exactly from the graph's structure: a feature at layer ``l``, position ``p`` has an edge
   from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
   mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
-  from the embeddings ``≤ p`` and every bias node; a logit from every source;
+  from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
+  the last attention, and from those after it at the last position;
 * *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries,
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`).
 
@@ -78,7 +79,6 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
     # sources per (site, position): site 0 the embeddings, 2l+1 layer l's attention, 2l+2 its MLP
     count = torch.zeros(2 * n_layers + 1, P, dtype=torch.float64)
     count[0] += 1
-    n_bias = sum(len(lay.bias) for lay in layout.layers) + len(layout.bias)
     for lay in layout.layers:
         a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
         count[a].index_add_(0, lay.lorsa_pos, torch.ones(lay.lorsa_pos.numel(), dtype=torch.float64))
@@ -87,19 +87,35 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
         count[m].index_add_(0, lay.tc_pos, torch.ones(lay.tc_pos.numel(), dtype=torch.float64))
         count[m] += 1
     before = count.cumsum(0).cumsum(1)  # [s, p]: sources at sites ≤ s, positions ≤ p
+    # bias nodes (one per bias vector, over all positions): an edge to every target downstream of it; a
+    # transcoder's b_enc only to its own layer's features (the activations are frozen)
+    downstream = [0] * (2 * n_layers + 2)  # biases reaching site s's targets: Lorsa 2l+1, transcoder 2l+2
+    for lay in layout.layers:
+        a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
+        for role in lay.bias:
+            first = a if role in ("attn_norm", "lorsa_v") else m
+            last = m if role == "tc_enc" else 2 * n_layers + 1
+            for site in range(first, last + 1):
+                downstream[site] += 1
     total = 0.0
     n_feature_rows = 0
     for lay in layout.layers:
         a = 2 * lay.layer + 1
         if lay.lorsa_pos.numel():
-            total += float(before[a - 1, lay.lorsa_pos].sum()) + n_bias * lay.lorsa_pos.numel()
+            total += float(before[a - 1, lay.lorsa_pos].sum()) + downstream[a] * lay.lorsa_pos.numel()
             n_feature_rows += lay.lorsa_pos.numel()
         if lay.tc_pos.numel():
-            total += float((before[a - 1, lay.tc_pos] + count[a, lay.tc_pos]).sum()) + n_bias * lay.tc_pos.numel()
+            reach = before[a - 1, lay.tc_pos] + count[a, lay.tc_pos]
+            total += float(reach.sum()) + downstream[a + 1] * lay.tc_pos.numel()
             n_feature_rows += lay.tc_pos.numel()
     if rows is not None and n_feature_rows:
         total = total / n_feature_rows * min(rows, n_feature_rows)
-    return int(total + layout.n_logits * layout.n_sources)
+    # a logit reads the last position after the last attention: everything written before that attention
+    # at any position, what is written at or after it only at the last position
+    last = 2 * n_layers - 1
+    n_bias = sum(len(lay.bias) - ("tc_enc" in lay.bias) for lay in layout.layers) + len(layout.bias)
+    per_logit = float(before[last - 1, P - 1]) + float(count[last:, P - 1].sum()) + n_bias
+    return int(total + layout.n_logits * per_logit)
 
 
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
@@ -163,14 +179,14 @@ def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, de
 
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
                     prune: Any = None, max_feature_nodes: int | None = None,
-                    dtype: torch.dtype | None = None) -> MemoryEstimate:
+                    dtype: torch.dtype | None = None, zero_positions: int = 0) -> MemoryEstimate:
     """Predict the peak host and device memory of ``attribute(replacement, prompt, ...)`` with the same
     settings, from one clean forward (the prompt's active nodes) and the model's shapes — nothing is
     attributed. See the module docstring for the terms; measured within 20 % at 64–512 tokens on the
     embedded model (``benchmarks/attribution_vs_circuit_tracer.py``).
 
     Args:
-        replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype: as
+        replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions: as
             :func:`.attribute.attribute`.
 
     Returns:
@@ -182,5 +198,6 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     """
     from .attribute import layout_for_estimate
 
-    layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype)
+    layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype,
+                                       zero_positions=zero_positions)
     return estimate_layout(layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
