@@ -124,7 +124,8 @@ def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) ->
     tok_dir.mkdir(exist_ok=True)
     (tok_dir / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     model.set_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(tok_dir)), default_padding_side="right")
     ids = torch.load(work / f"ids_{seq}.pt", weights_only=True)
     ref = torch.load(work / f"logits_{seq}.pt", weights_only=True)
@@ -281,7 +282,7 @@ def main() -> None:
         print(json.dumps(agree[-1]), flush=True)
     rows = []
     for seq in lengths:
-        def med(system: str, key: str) -> float:
+        def med(system: str, key: str, seq: int = seq) -> float:
             vals = sorted(r[key] for r in runs if r["seq"] == seq and r["system"] == system)
             return vals[len(vals) // 2]
         ct_mb, ct_s = med("circuit-tracer", "peak_rss_growth_mb"), med("circuit-tracer", "seconds")

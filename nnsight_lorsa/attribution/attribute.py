@@ -169,7 +169,7 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
     if max_memory is not None:
-        info = estimate_info(replacement, prepared, patterns, config is not None, dtype)
+        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
         est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
         batch_size = largest_batch(est, max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
@@ -185,7 +185,7 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     return graph
 
 
-def estimate_info(replacement: Any, prepared: Prepared, patterns: str, prune: bool,
+def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
                   dtype: torch.dtype | None) -> dict[str, Any]:
     """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
     root = getattr(replacement.model, "_module", replacement.model)
@@ -194,6 +194,7 @@ def estimate_info(replacement: Any, prepared: Prepared, patterns: str, prune: bo
     return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
             "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
             "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
+            "node_vectors": node_vectors,
             "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
             "device": device}
 
@@ -202,13 +203,13 @@ def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", 
                         dtype: torch.dtype | None = None, zero_positions: int = 0) -> tuple[Layout, dict[str, Any]]:
     """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
     :func:`.budget.estimate_memory`."""
-    patterns, _ = memory_modes(memory)
+    patterns, node_vectors = memory_modes(memory)
     config = PruneConfig.of(prune)
     if isinstance(prompt, AttributionCache):
         prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
     else:
         prepared = prepare(replacement, prompt, zero_positions=zero_positions)
-    return prepared.layout, estimate_info(replacement, prepared, patterns, config is not None, dtype)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..errors import MemoryBudgetError
+from .frozen import choose
 from .layout import Layout
 from .rows import CHUNK_ENTRIES
 
@@ -120,7 +121,8 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
 
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
                     prune: bool, max_feature_nodes: int | None = None, store_patterns: bool = True,
-                    model_itemsize: int = 4, edge_itemsize: int = 4, device: str = "cpu") -> MemoryEstimate:
+                    node_vectors: str = "auto", model_itemsize: int = 4, edge_itemsize: int = 4,
+                    device: str = "cpu") -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
     MHSA layer); see the module docstring for the terms."""
     P, S = layout.n_pos, layout.n_sources
@@ -128,10 +130,15 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     n_rows = budget + layout.n_logits
     per_copy = int(PER_COPY_NUMBERS * n_layers * d_model * P * model_itemsize + ROW_BUFFERS * S * edge_itemsize)
     shared = 0
+
+    def grid(n: int) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
+        return n * d_model * model_itemsize if choose(node_vectors, n, d_model, dtype) == "grid" else 0
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
-        shared += n_l * d_model * model_itemsize + (n_l * P * model_itemsize if store_patterns else 0)
-        shared += 2 * lay.tc_pos.numel() * d_model * model_itemsize
+        shared += grid(n_l) + (n_l * P * model_itemsize if store_patterns else 0)
+        shared += 2 * grid(lay.tc_pos.numel())
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
     sparse = prune or budget < layout.n_features

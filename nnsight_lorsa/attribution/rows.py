@@ -26,6 +26,7 @@ the values come from the forward and the edges from the backward passes. torch o
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ def release_free_memory() -> None:
     Each batch of rows frees its temporaries (gradients, masks, indices: megabytes) while a few small
     long-lived allocations land between them; glibc then keeps the holes resident and the process's
     peak grows with every batch although the live data does not (measured: 2.7 MB per batch at 128
-    tokens, 0.8 MB of it stored entries). Called once per batch, it keeps the peak at the live data."""
+    tokens, 0.8 MB of it stored entries). Called every :data:`TRIM_EVERY` batches (a call walks the
+    heap: ~50 ms at a few hundred MB), it keeps the peak near the live data."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
@@ -65,6 +67,8 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
+#: batches of rows between two :func:`release_free_memory` calls
+TRIM_EVERY = 8
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
 CHUNK_ENTRIES = 2**20
 
@@ -147,19 +151,20 @@ class SparseRows:
     def chunks(self, row_scale: torch.Tensor | None = None
                ) -> Iterator[tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]]:
         """``(row (k,) int64, col (k,) int64, val (k,))`` of the stored entries, ≤ :data:`CHUNK_ENTRIES`
-        at a time, in storage order. With ``row_scale: (n_rows,)``, blocks whose rows are all 0 there
-        are skipped (they would contribute nothing)."""
+        at a time, in storage order. With ``row_scale: (n_rows,)``, chunks whose rows are all 0 there
+        are skipped (they would contribute nothing: an influence pass then reads only the rows that
+        carry weight — in node order, one layer's)."""
         for block in self.blocks:
-            n_rows = len(block.ends)
-            if row_scale is not None and not bool(row_scale[block.row_start:block.row_start + n_rows].any()):
-                continue
             ends = torch.tensor(block.ends, dtype=torch.long)
             for e0 in range(0, block.fill, CHUNK_ENTRIES):
                 e1 = min(e0 + CHUNK_ENTRIES, block.fill)
+                if row_scale is not None:  # the chunk's rows (rows are contiguous): skip it if all are 0
+                    r0 = block.row_start + bisect.bisect_right(block.ends, e0)
+                    r1 = block.row_start + bisect.bisect_right(block.ends, e1 - 1)
+                    if not bool(row_scale[r0:r1 + 1].any()):
+                        continue
                 row = torch.searchsorted(ends, torch.arange(e0, e1), right=True) + block.row_start
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
-                del row
-                release_free_memory()  # the chunk's temporaries: not left resident between kept results
 
     def dense(self) -> Float[torch.Tensor, "n s"]:
         """The kept entries as a dense ``(n_rows, n_cols)`` matrix (dropped ones 0)."""
@@ -182,6 +187,8 @@ class SparseRows:
         mass — or, with ``node_mask: (≥ n_cols,)`` bool, only over the entries between two nodes of the
         mask (source ``col`` and target ``row_node[row]``), each row normalised by those entries' mass.
         Chunked; float64 accumulation."""
+        if node_mask is not None and bool(node_mask.all()):
+            node_mask = None  # every node: the full rows
         if node_mask is None:
             den = self.abs_total
         else:
@@ -233,7 +240,8 @@ class RowStore:
         else:
             assert isinstance(self.rows, SparseRows)
             self.rows.append(grads, self.keep_mass)
-        release_free_memory()
+        if len(self.done) % (TRIM_EVERY * len(rows)) < len(rows):
+            release_free_memory()
         if self.progress is not None:
             self.progress.update(len(rows))
 
@@ -402,6 +410,8 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         among = node_mask[col] & node_mask[row_node[row]]
         outside.index_add_(0, row[~among], val[~among].double())
         parts.append((row[among], col[among], val[among]))
+        del row, col, val, among
+        release_free_memory()  # the chunk's temporaries: not left resident between the kept parts
     e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True)) if parts else (
         torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=values.dtype))
     del parts
