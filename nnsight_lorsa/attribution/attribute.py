@@ -12,6 +12,7 @@ frozen pass with batched backward (:mod:`.trace`); an :class:`~.trace.Attributio
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from .graph import Graph
 from .layout import Layout
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
-from .rows import RowScheduler, assemble, assemble_pruned
+from .rows import RowScheduler, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, multiplier_dtype, prepare, tokenize
 
@@ -242,6 +243,8 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
+    gc.collect()  # the frozen pass's graph (reference cycles through the trace) and its heap pages go
+    release_free_memory()  # before the assembly allocates
     if prune is not None:
         return assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)

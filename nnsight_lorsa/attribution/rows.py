@@ -70,7 +70,7 @@ _LIBC = _libc()
 #: batches of rows between two :func:`release_free_memory` calls
 TRIM_EVERY = 8
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
-CHUNK_ENTRIES = 2**20
+CHUNK_ENTRIES = 2**18
 
 
 @dataclass
