@@ -243,8 +243,9 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
-    gc.collect()  # the frozen pass's graph (reference cycles through the trace) and its heap pages go
-    release_free_memory()  # before the assembly allocates
+    if prune is not None or max_feature_nodes is not None:  # the assembly allocates: first the frozen
+        gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
+        release_free_memory()
     if prune is not None:
         return assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)

@@ -132,8 +132,11 @@ class SparseRows:
         r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
         del keep
         val = g[r, c]
-        kept = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device).index_add(0, r, val.double())
-        self._residual.append((g.sum(1, dtype=torch.float64) - kept).cpu())
+        if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
+            self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64))
+        else:
+            kept = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device).index_add(0, r, val.double())
+            self._residual.append((g.sum(1, dtype=torch.float64) - kept).cpu())
         self._abs_total.append(abs_total.cpu())
         n = int(val.numel())
         block = self.blocks[-1] if self.blocks else None
@@ -155,7 +158,6 @@ class SparseRows:
         are skipped (they would contribute nothing: an influence pass then reads only the rows that
         carry weight — in node order, one layer's)."""
         for block in self.blocks:
-            ends = torch.tensor(block.ends, dtype=torch.long)
             for e0 in range(0, block.fill, CHUNK_ENTRIES):
                 e1 = min(e0 + CHUNK_ENTRIES, block.fill)
                 if row_scale is not None:  # the chunk's rows (rows are contiguous): skip it if all are 0
@@ -163,7 +165,7 @@ class SparseRows:
                     r1 = block.row_start + bisect.bisect_right(block.ends, e1 - 1)
                     if not bool(row_scale[r0:r1 + 1].any()):
                         continue
-                row = torch.searchsorted(ends, torch.arange(e0, e1), right=True) + block.row_start
+                row = _rows_of(block.ends, e0, e1) + block.row_start
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
 
     def dense(self) -> Float[torch.Tensor, "n s"]:
@@ -209,6 +211,13 @@ class SparseRows:
             return out
 
         return influence_series(propagate, row_node, row_weight.double(), self.n_cols, max_iter)
+
+
+def _rows_of(ends: list[int], e0: int, e1: int) -> torch.Tensor:
+    """Block-local row of each entry ``e0 … e1 − 1`` (row ``i`` ends at ``ends[i]``; rows are contiguous)."""
+    r0, r1 = bisect.bisect_right(ends, e0), bisect.bisect_right(ends, e1 - 1)
+    bounds = torch.tensor([e0, *ends[r0:r1], e1], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(r0, r1 + 1), bounds.diff())
 
 
 class RowStore:
