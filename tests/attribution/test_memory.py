@@ -96,3 +96,49 @@ def test_batched_qk_tracing_inside_attribute_sums_to_the_scores(setup, tmp_path)
     assert all(torch.equal(back.qk[k_], v) for k_, v in qk.items())
     data = to_neuronpedia(g, prune_graph(g), slug="qk")
     assert len(data["qk_tracing"]) == 3 and data["qk_tracing"][0]["pairs"]
+
+
+def test_sparse_rows_across_blocks_and_chunks(monkeypatch):
+    """Rows stored across several blocks and read in chunks that split rows: the same matrix, row sums
+    and influence as the dense rows (``scores.influence``)."""
+    from nnsight_lorsa.attribution import rows as rows_module
+    from nnsight_lorsa.attribution.scores import influence
+
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 16)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 7)
+    g = torch.Generator().manual_seed(0)
+    n_rows, n_cols = 9, 12
+    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.4)
+    dense[3] = 0  # an empty row
+    sp = rows_module.SparseRows(n_cols)
+    for a, b in ((0, 2), (2, 5), (5, 9)):
+        sp.append(dense[a:b])
+    assert len(sp.blocks) > 1 and sp.nnz == int((dense != 0).sum())
+    assert torch.equal(sp.dense(), dense)
+    assert torch.allclose(sp.row_sums(), dense.double().sum(1))
+    # an acyclic graph: row r is node r + 3 (columns 0..2 are sources only); the last rows carry weight
+    row_node = torch.arange(n_rows) + 3
+    dag = dense * (torch.arange(n_cols)[None] < row_node[:, None])
+    sp = rows_module.SparseRows(n_cols)
+    sp.append(dag)
+    weight = torch.zeros(n_rows, dtype=torch.float64)
+    weight[-2:] = torch.tensor([0.7, 0.3], dtype=torch.float64)
+    assert torch.allclose(sp.influence(row_node, weight), influence(dag.double(), row_node, weight))
+    mask = torch.ones(n_cols, dtype=torch.bool)
+    mask[4] = False
+    restricted = dag.double() * (mask[None] & mask[row_node][:, None])
+    assert torch.allclose(sp.influence(row_node, weight, node_mask=mask), influence(restricted, row_node, weight))
+
+
+def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch):
+    from nnsight_lorsa.attribution import prune
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 997)
+    r, ids, full = setup
+    pr = prune(full)
+    g = attribute(r, ids, batch_size=32, prune=(0.8, 0.98))
+    assert torch.equal(g.layout_ids, full.layout_ids[pr.node_mask])
+    keep = pr.node_mask.nonzero().flatten()
+    assert torch.allclose(g.adjacency, full.adjacency[keep][:, keep], atol=1e-6)
+    assert g.edge_sum_error("mass").max() < 1e-6
