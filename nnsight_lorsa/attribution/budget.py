@@ -11,8 +11,9 @@ per edge:
   transient gradients), and the multipliers, their gradient and the per-batch row temporaries,
   :data:`ROW_BUFFERS` ``·S`` edges per copy;
 * *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
-  rows ``n_l·P`` (stored patterns, CPU), node vectors on grids ``n_l·d`` per site (decoder rows,
-  encoder columns, Lorsa ``w_o``);
+  rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
+  replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
+  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
 * *rows* (host): the full graph's rows go straight into its adjacency, ``N²`` edges; pruning while
   building (or a feature budget) stores the non-zero entries, 4 B + an edge each — their number
   counted exactly from the graph's structure: a feature at layer ``l``, position ``p`` has an edge
@@ -140,6 +141,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         n_l = lay.lorsa_pos.numel()
         shared += grid(n_l) + (n_l * P * model_itemsize if store_patterns else 0)
         shared += 2 * grid(lay.tc_pos.numel())
+        # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
+        shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
+        if lay.lorsa is not None and not store_patterns:
+            shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * model_itemsize
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
     sparse = prune or budget < layout.n_features
