@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigMismatchError
-from .budget import estimate_layout, largest_batch
+from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout
@@ -28,7 +28,7 @@ from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
 from .rows import RowScheduler, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
-from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, multiplier_dtype, prepare, tokenize
+from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
 
 #: pair terms kept per traced Lorsa head (``attribute(..., qk_heads=)``; llamascopium's ``qk_topk`` default)
 QK_TOP_PAIRS = 10
@@ -184,33 +184,6 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     if qk_heads:
         graph.qk = qk_for_graph(replacement, prepared, graph, qk_heads, QK_TOP_PAIRS, batch_size)
     return graph
-
-
-def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
-                  dtype: torch.dtype | None) -> dict[str, Any]:
-    """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
-    root = getattr(replacement.model, "_module", replacement.model)
-    param = next(root.parameters())
-    device = param.device.type
-    return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
-            "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
-            "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
-            "node_vectors": node_vectors,
-            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
-            "device": device}
-
-
-def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", prune: Any = None,
-                        dtype: torch.dtype | None = None, zero_positions: int = 0) -> tuple[Layout, dict[str, Any]]:
-    """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
-    :func:`.budget.estimate_memory`."""
-    patterns, node_vectors = memory_modes(memory)
-    config = PruneConfig.of(prune)
-    if isinstance(prompt, AttributionCache):
-        prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
-    else:
-        prepared = prepare(replacement, prompt, zero_positions=zero_positions)
-    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
 
 
 @torch.no_grad()

@@ -40,7 +40,10 @@ from .._repr import FieldsRepr
 from ..errors import MemoryBudgetError
 from .frozen import choose
 from .layout import Layout
+from .replacement import memory_modes
 from .rows import CHUNK_ENTRIES
+from .scores import PruneConfig
+from .trace import AttributionCache, Prepared, multiplier_dtype, prepare
 
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
 #: (measured slope over the batch size, embedded model, 128 tokens: 2.3 MB per copy)
@@ -190,6 +193,33 @@ def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, de
     return int(b)
 
 
+def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
+                  dtype: torch.dtype | None) -> dict[str, Any]:
+    """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
+    root = getattr(replacement.model, "_module", replacement.model)
+    param = next(root.parameters())
+    device = param.device.type
+    return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
+            "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
+            "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
+            "node_vectors": node_vectors,
+            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
+            "device": device}
+
+
+def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", prune: Any = None,
+                        dtype: torch.dtype | None = None, zero_positions: int = 0) -> tuple[Layout, dict[str, Any]]:
+    """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
+    :func:`.budget.estimate_memory`."""
+    patterns, node_vectors = memory_modes(memory)
+    config = PruneConfig.of(prune)
+    if isinstance(prompt, AttributionCache):
+        prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
+    else:
+        prepared = prepare(replacement, prompt, zero_positions=zero_positions)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+
+
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
                     prune: Any = None, max_feature_nodes: int | None = None,
                     dtype: torch.dtype | None = None, zero_positions: int = 0) -> MemoryEstimate:
@@ -209,8 +239,6 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
         LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
         ConfigMismatchError: an unknown ``memory`` or bad ``prune``.
     """
-    from .attribute import layout_for_estimate
-
     layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype,
                                        zero_positions=zero_positions)
     return estimate_layout(layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
