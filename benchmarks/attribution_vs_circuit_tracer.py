@@ -12,7 +12,8 @@ model's config — llama3 RoPE as NTK-by-parts — with the weights converted by
 transcoders handed over as its ``SingleLayerTranscoder`` with a TopK activation).
 
 Every measurement is a fresh process (the variants interleaved per length and repeat): the peak RSS growth
-(Linux ``VmHWM`` reset just before the call) and the wall time of one ``attribute`` call. Ours:
+(Linux ``VmHWM`` reset just before the call), the wall time and the process CPU time (one thread: the work
+itself, not the waiting on a loaded machine) of one ``attribute`` call. Ours:
 ``attribute(rm, ids, batch_size=B)`` (the dense graph, ``"dense"``), ``prune=PruneConfig(0.8, 0.98)``
 (the pruned graph from sparse rows, equal to dense pruning, ``"pruned"``). Theirs: ``attribute(ids, model,
 batch_size=B)`` (their dense graph). The JSON (``benchmarks/results/attribution_vs_circuit_tracer.json``)
@@ -134,12 +135,13 @@ def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) ->
     logit_err = float((logits - ref).abs().max() / ref.abs().max())
     attribute(ids[:8], model, batch_size=batch)  # warm-up, as ours
     before = _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     g = attribute(ids, model, batch_size=batch, max_feature_nodes=max_feature_nodes)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = (_peak_kb() - before) / 1024
-    out = {"system": "circuit-tracer", "seq": seq, "batch": batch, "seconds": seconds, "peak_rss_growth_mb": peak,
-           "n_nodes": int(g.adjacency_matrix.shape[0]), "n_features": int(len(g.active_features)),
+    out = {"system": "circuit-tracer", "seq": seq, "batch": batch, "seconds": seconds, "cpu_seconds": cpu,
+           "peak_rss_growth_mb": peak, "n_nodes": int(g.adjacency_matrix.shape[0]),
+           "n_features": int(len(g.active_features)),
            "model_logits_rel_err": logit_err}
     nodes_file = work / f"ours_nodes_{seq}.pt"
     if nodes_file.exists():  # the submatrix at our pruned graph's nodes (after the measurement)
@@ -196,11 +198,12 @@ def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: i
                                 max_feature_nodes=max_feature_nodes)
     attribute(rm, ids[:8], batch_size=batch, zero_positions=1)  # warm-up (imports, allocator)
     before = _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     g = attribute(rm, ids, batch_size=batch, prune=prune, zero_positions=1, max_feature_nodes=max_feature_nodes)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = (_peak_kb() - before) / 1024
-    out = {"system": f"ours ({mode})", "seq": seq, "batch": batch, "seconds": seconds, "peak_rss_growth_mb": peak,
+    out = {"system": f"ours ({mode})", "seq": seq, "batch": batch, "seconds": seconds, "cpu_seconds": cpu,
+           "peak_rss_growth_mb": peak,
            "n_nodes": g.n_nodes, "n_features": predicted.terms["n_rows"] - len(g.logit_ids),
            "predicted_host_mb": predicted.host_bytes / 2**20,
            "predicted_over_measured": predicted.host_bytes / 2**20 / peak,
