@@ -134,7 +134,7 @@ def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch)
     from nnsight_lorsa.attribution import prune
     from nnsight_lorsa.attribution import rows as rows_module
 
-    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 997)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 4999)
     r, ids, full = setup
     pr = prune(full)
     g = attribute(r, ids, batch_size=32, prune=(0.8, 0.98))
