@@ -31,6 +31,10 @@ class ConfigMismatchError(LorsaError, ValueError):
     """A replacement module does not fit the model it is attached to (d_model, head_dim, layer)."""
 
 
+class MemoryBudgetError(ConfigMismatchError):
+    """An attribution cannot fit the memory budget it was given (``attribute(..., max_memory=...)``)."""
+
+
 class ArgumentError(LorsaError, TypeError, ValueError):
     """A public function was given an argument of the wrong type or an empty / meaningless value
     (e.g. ``replace(layer=2.0)``, ``replace(layer=[])``); the message names the argument."""

@@ -12,6 +12,7 @@ frozen pass with batched backward (:mod:`.trace`); an :class:`~.trace.Attributio
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +20,18 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigMismatchError
+from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout
+from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
-from .rows import RowScheduler, assemble, assemble_pruned
+from .rows import RowScheduler, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
 
+#: pair terms kept per traced Lorsa head (``attribute(..., qk_heads=)``; llamascopium's ``qk_topk`` default)
+QK_TOP_PAIRS = 10
 #: ``frozen_pass(prepared, scheduler, batch_size, make)`` → target values: fills the scheduler with edge rows
 FrozenPass = Callable[[Prepared, RowScheduler, int, Callable[..., FrozenReplacement]], torch.Tensor]
 
@@ -45,6 +50,9 @@ def attribute(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     remote: Any = False,
+    max_memory: int | None = None,
+    zero_positions: int = 0,
+    qk_heads: int = 0,
 ) -> Graph:
     """The attribution graph of ``prompt`` over the replacement model.
 
@@ -84,28 +92,46 @@ def attribute(
         remote: for a prompt, passed to both ``model.trace`` calls (``True``: run on NDIF after
             :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).
             The replacement modules travel by value; the edge rows come back as saved values.
+        max_memory: a budget in bytes (host memory for a CPU model, device memory otherwise): the batch
+            is the largest ``≤ batch_size`` that :func:`.budget.estimate_memory`'s model fits in it
+            (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``.
+        zero_positions: the first this many positions get no feature or Lorsa-head nodes; their
+            transcoder / Lorsa outputs are carried by those positions' error nodes, so sums stay exact.
+            Default 0: every position has its features (BOS included). ``1`` matches circuit-tracer's
+            graphs node for node (it zeroes the features at position 0, the BOS token; its error
+            nodes there carry nothing, ours the position's whole MLP / attention output).
+        qk_heads: QK tracing of the graph's this many most influential Lorsa heads (distinct QK head
+            and query; each at the key it attends to most), batched in one more frozen pass: their
+            attention scores decomposed into (query-side node, key-side node) pairs, stored in
+            ``graph.qk`` (:func:`.qk.qk_for_graph`: top 10 pairs, both marginals, and each score's
+            ``|Σ pairs − score| / Σ |pairs|``), saved with the graph and exported. A prompt only.
 
     Returns:
         :class:`Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
         row ``t`` sums to, with ``residual[t]``).
 
     Raises:
-        ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``),
+        ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``, a
+            ``zero_positions`` outside ``[0, pos)``),
             a logit token outside the vocabulary, ``remote`` with a cache, or a cache without the
             replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
+        MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
+        ConfigMismatchError: ``qk_heads`` with a cache or ``remote``.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
     return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
-                       memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote)
+                       memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote,
+                       max_memory=max_memory, zero_positions=zero_positions, qk_heads=qk_heads)
 
 
 def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,
                 logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
                 memory: str | tuple[str, str] = "auto", prune: PruneConfig | tuple[float, float] | None = None,
                 dtype: torch.dtype | None = None, progress: bool = False, remote: Any = False,
-                frozen_pass: FrozenPass | None = None, engine: str | None = None) -> Graph:
+                frozen_pass: FrozenPass | None = None, engine: str | None = None,
+                max_memory: int | None = None, zero_positions: int = 0, qk_heads: int = 0) -> Graph:
     """:func:`attribute` with the internals open: ``memory`` may also be a ``(patterns, node_vectors)``
     pair (:func:`.replacement.memory_modes`; the mixed combinations), and ``frozen_pass`` replaces
     the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the tests), its graph
@@ -117,11 +143,13 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     cached = isinstance(prompt, AttributionCache)
     if cached and remote:
         raise ConfigMismatchError("remote runs a prompt's traces on the server; a cache is attributed here")
+    if qk_heads and (cached or remote):
+        raise ConfigMismatchError("qk_heads traces a prompt locally: not with a cache or remote")
     model, adapter = replacement.model, replacement.adapter
     root = getattr(model, "_module", model)
     model_dtype = next(root.parameters()).dtype
     options = {"logit_tokens": logit_tokens, "desired_logit_prob": desired_logit_prob, "max_n_logits": max_n_logits,
-               "dtype": dtype}
+               "dtype": dtype, "zero_positions": zero_positions}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:
@@ -141,14 +169,21 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
+    if max_memory is not None:
+        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
+        batch_size = largest_batch(est, max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": max_feature_nodes, "engine": engine or "nnsight",
             "memory": memory if isinstance(memory, str) else "custom", "patterns": patterns,
-            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype)}
-    return compute_graph(prepared.layout, run, max_feature_nodes=max_feature_nodes,
-                         progress=progress and not remote, prune=config,
-                         prompt=prompt if isinstance(prompt, str) else "", meta=meta)
+            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": zero_positions}
+    graph = compute_graph(prepared.layout, run, max_feature_nodes=max_feature_nodes,
+                          progress=progress and not remote, prune=config,
+                          prompt=prompt if isinstance(prompt, str) else "", meta=meta)
+    if qk_heads:
+        graph.qk = qk_for_graph(replacement, prepared, graph, qk_heads, QK_TOP_PAIRS, batch_size)
+    return graph
 
 
 @torch.no_grad()
@@ -181,6 +216,9 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
+    if prune is not None or max_feature_nodes is not None:  # the assembly allocates: first the frozen
+        gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
+        release_free_memory()
     if prune is not None:
         return assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)

@@ -226,7 +226,19 @@ def to_neuronpedia(
     }
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "", "sg_pos": "",
                "sparsityThreshold": float(sparsity_threshold)}
-    return {"metadata": metadata, "qParams": qparams, "nodes": nodes, "links": links}
+    out = {"metadata": metadata, "qParams": qparams, "nodes": nodes, "links": links}
+    if graph.qk:  # QK tracing of the top Lorsa heads (attribute(..., qk_heads=n)); -1: a node outside the graph
+        def qk_node(i: int) -> str | None:
+            return "bias" if i == N else ids[i] if i >= 0 else None
+
+        out["qk_tracing"] = [
+            {"node_id": ids[int(pr[0])], "layer": int(pr[1]), "qk_head": int(pr[2]), "query_pos": int(pr[3]),
+             "key_pos": int(pr[4]), "score": float(sc), "pair_sum_error": float(err),
+             "pairs": [{"query": qk_node(int(a)), "key": qk_node(int(b)), "value": float(v)}
+                       for (a, b), v in zip(pi.tolist(), pv.tolist(), strict=True) if v != 0]}
+            for pr, sc, err, pi, pv in zip(graph.qk["probe"], graph.qk["score"], graph.qk["pair_sum_error"],
+                                           graph.qk["pair_index"], graph.qk["pair_value"], strict=True)]
+    return out
 
 
 def save_neuronpedia(

@@ -125,6 +125,8 @@ class Graph(FieldsRepr):
         residual: ``(n_nodes,)`` the part of each target's value carried by edges that are not in
             the graph (0 for a full graph; for a graph pruned while it was built — ``attribute(...,
             prune=PruneConfig(...))`` — the summed edges from dropped nodes and dropped entries).
+        qk: QK tracing of the top Lorsa heads (``attribute(..., qk_heads=n)``; :func:`.qk.qk_for_graph`
+            names the tensors), empty otherwise.
     """
 
     tokens: torch.Tensor
@@ -137,6 +139,7 @@ class Graph(FieldsRepr):
     prompt: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     residual: torch.Tensor | None = None
+    qk: dict[str, torch.Tensor] = field(default_factory=dict)
 
     #: the node kinds of ``nodes.kind`` (module constants of the same names), e.g. ``g.ids_of(Graph.LORSA)``
     TRANSCODER: ClassVar[int] = TRANSCODER
@@ -191,6 +194,7 @@ class Graph(FieldsRepr):
                    "residual": self.residual,
                    "node_kind": n.kind, "node_layer": n.layer, "node_pos": n.pos, "node_index": n.index,
                    "node_activation": n.activation}
+        tensors.update({f"qk.{k}": v for k, v in self.qk.items()})
         save_file({k: v.contiguous().cpu() for k, v in tensors.items() if v is not None}, str(d / "graph.safetensors"))
         (d / "graph.json").write_text(json.dumps({"format": GRAPH_FORMAT, "prompt": self.prompt,
                                                   "bias_names": n.bias_names, "meta": self.meta}, indent=1))
@@ -227,7 +231,7 @@ class Graph(FieldsRepr):
         return cls(tokens=t["tokens"], nodes=nodes, adjacency=t["adjacency"], values=t["values"],
                    logit_probs=t["logit_probs"], feature_rows=t["feature_rows"].bool(),
                    layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=info.get("prompt", ""),
-                   meta=info.get("meta", {}))
+                   meta=info.get("meta", {}), qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
 
     def summary(self) -> dict[str, int]:
         """Node counts by kind and the number of non-zero edges."""

@@ -121,6 +121,7 @@ def build_layout(
     logit_tokens: Any = None,
     desired_logit_prob: float = 0.95,
     max_n_logits: int = 10,
+    zero_positions: int = 0,
 ) -> Layout:
     """Number every node of the prompt.
 
@@ -134,8 +135,17 @@ def build_layout(
             (``{layer: (b_V, b_O)}`` of the frozen MHSA layers), ``norm_biases``
             (``{name: tensor | None}`` for ``L{l}.attn_norm``, ``L{l}.mlp_norm``, ``final_norm``),
             ``lm_head_bias``.
+        zero_positions: the first this many positions get no feature / Lorsa-head nodes: their
+            transcoder and Lorsa outputs are carried by those positions' error nodes (circuit-tracer
+            zeroes position 0, the BOS token, in its graphs). Sums stay exact.
+
+    Raises:
+        ConfigMismatchError: ``zero_positions`` not an int in ``[0, pos)``, or bad ``logit_tokens``.
     """
     n_pos = int(tokens.numel())
+    if not isinstance(zero_positions, int) or isinstance(zero_positions, bool) or not 0 <= zero_positions < n_pos:
+        raise ConfigMismatchError(f"zero_positions must be an int in [0, {n_pos}) for this {n_pos}-token prompt, "
+                                  f"got {zero_positions!r}")
     lorsas, transcoders = modules.get("lorsas", {}), modules.get("transcoders", {})
     norm_biases, attn_biases = modules.get("norm_biases", {}), modules.get("attn_biases", {})
     layers: list[LayerLayout] = []
@@ -149,6 +159,7 @@ def build_layout(
                 x, positions = attn_inputs[layer]
                 _, cache = lorsa(x.to(lorsa.W_V.dtype), positions, return_cache=True)
                 z = cache.z[0]
+                z = z * (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
                 pos, head = (z > 0).nonzero(as_tuple=True)
                 lay.lorsa, lay.lorsa_pos, lay.lorsa_head, lay.lorsa_z = lorsa, pos, head, z[pos, head]
                 lay.lorsa_start = col
@@ -157,6 +168,7 @@ def build_layout(
             if layer in transcoders:
                 tc = transcoders[layer]
                 acts = tc.encode(mlp_inputs[layer].to(tc.W_enc.dtype))[0]
+                acts = acts * (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
                 pos, feat = (acts != 0).nonzero(as_tuple=True)
                 lay.transcoder, lay.tc_pos, lay.tc_feat, lay.tc_act = tc, pos, feat, acts[pos, feat]
                 lay.tc_start = col

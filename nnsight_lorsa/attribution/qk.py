@@ -26,19 +26,20 @@ from ..errors import LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
 from .graph import NodeTable
 from .layout import Layout
-from .replacement import FrozenReplacement
+from .replacement import FrozenReplacement, first
 from .rows import FixedRows
 from .trace import attribute_in_trace, prepare
 
 
 @dataclass(repr=False)
 class QKProbe(FieldsRepr):
-    """Which score to decompose: Lorsa at ``layer``, QK group ``group``, query ``query_pos``, key ``key_pos``."""
+    """Which score to decompose: Lorsa at ``layer``, QK group ``group``, query ``query_pos``, key ``key_pos``
+    (-1: the key the head attends to most from ``query_pos``, resolved in the frozen pass)."""
 
     layer: int
     group: int
     query_pos: int
-    key_pos: int
+    key_pos: int = -1
 
 
 def _frozen_side(frozen: FrozenReplacement, lorsa: Any, x: torch.Tensor, positions: torch.Tensor, probe: QKProbe,
@@ -68,27 +69,35 @@ def _frozen_side(frozen: FrozenReplacement, lorsa: Any, x: torch.Tensor, positio
 
 
 class QKFrozenReplacement(FrozenReplacement):
-    """The frozen forward that, at the probed Lorsa layer, records the query and key vectors."""
+    """The frozen forward that, at each probed Lorsa layer, records every probe's query and key vectors;
+    its targets are ``[q_1, k_1, q_2, k_2, …]`` (``d_qk`` coordinates each)."""
 
-    def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probe: QKProbe) -> None:
+    def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe]) -> None:
         super(QKFrozenReplacement, self).__init__(layout, M, mhsa)
-        self.probe = probe
-        self.q: torch.Tensor | None = None
-        self.k: torch.Tensor | None = None
-        self.q_bias: torch.Tensor | None = None
-        self.k_bias: torch.Tensor | None = None
+        self.probes = probes
+        self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(probes)
 
     def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, true_out: torch.Tensor) -> torch.Tensor:
-        if layer == self.probe.layer:
-            lorsa = self.layout.layers[layer].lorsa
-            self.q, self.q_bias = _frozen_side(self, lorsa, x, positions, self.probe, "q")
-            self.k, self.k_bias = _frozen_side(self, lorsa, x, positions, self.probe, "k")
+        lorsa = self.layout.layers[layer].lorsa
+        for i, probe in enumerate(self.probes):
+            if probe.layer != layer:
+                continue
+            if probe.key_pos < 0:  # the key the head attends to most: from the prompt copy (row 0)
+                with torch.no_grad():
+                    pattern = lorsa.attention_pattern(x[:1].to(lorsa.W_V.dtype), None, first(positions))
+                probe.key_pos = int(pattern[0, probe.group, probe.query_pos].argmax())
+            q, q_bias = _frozen_side(self, lorsa, x, positions, probe, "q")
+            k, k_bias = _frozen_side(self, lorsa, x, positions, probe, "k")
+            self.sides[i] = (q, q_bias, k, k_bias)
         return super(QKFrozenReplacement, self).attention(layer, x, positions, true_out)
 
     def target_pieces(self) -> list[torch.Tensor]:
-        """The query's coordinates ``(batch, d_qk)``, then the key's."""
-        assert self.q is not None and self.k is not None
-        return [self.q, self.k]
+        """Each probe's query coordinates ``(batch, d_qk)``, then its key's."""
+        out = []
+        for side in self.sides:
+            assert side is not None
+            out += [side[0], side[2]]
+        return out
 
 
 @dataclass(repr=False)
@@ -152,9 +161,8 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
     """
-    model = replacement.model
     prepared = prepare(replacement, prompt)
-    layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
+    layout, adapter = prepared.layout, prepared.adapter
     lorsa = layout.layers[adapter.check_layer(layer)].lorsa
     if lorsa is None:
         raise LayerOutOfRangeError(f"no Lorsa at layer {layer}")
@@ -164,24 +172,118 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     if not (0 <= key_pos <= query_pos < n):
         raise ShapeError(f"need 0 <= key_pos <= query_pos < {n}, got key_pos={key_pos}, query_pos={query_pos}")
     probe = QKProbe(layer, head // lorsa.cfg.group_size, query_pos, key_pos)
-    d = lorsa.cfg.d_qk_head
-    rows = FixedRows(2 * d, layout.n_sources)
+    [(query, key, score)] = trace_probes(replacement, prepared, [probe], batch_size or 2 * lorsa.cfg.d_qk_head)
+    nodes = layout.nodes.select(torch.arange(layout.n_sources))
+    return QKAttribution(nodes=nodes, query=query, key=key, pairs=query @ key.T / float(lorsa.cfg.scale),
+                         score=score, probe=probe)
+
+
+def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """Every probe's ``(query (n_sources + 1, d_qk), key (n_sources + 1, d_qk), score)`` (as
+    :class:`QKAttribution`'s; last rows the ``b_Q``/``b_K`` terms) from one frozen pass: ``2·d_qk``
+    backward rows per probe, ``batch_size`` at a time. ``prepared``: the prompt's
+    :class:`~.trace.Prepared`; a probe's ``key_pos`` -1 is resolved (in place) to the key its head
+    attends to most."""
+    layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
+    dims = [layout.layers[p.layer].lorsa.cfg.d_qk_head for p in probes]
+    rows = FixedRows(2 * sum(dims), layout.n_sources)
     extra: dict[str, Any] = {}
 
     def make(layout_: Layout, M: torch.Tensor, mhsa_: dict[int, Any]) -> FrozenReplacement:
-        frozen = QKFrozenReplacement(layout_, M, mhsa_, probe)
+        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes)
         extra["frozen"] = frozen
         return frozen
 
-    values = attribute_in_trace(model, adapter, layout, mhsa, rows, batch_size or 2 * d, make=make)
+    values = attribute_in_trace(replacement.model, adapter, layout, mhsa, rows, batch_size, make=make)
     frozen = extra["frozen"]
     _, grads = rows.matrix()
-    q_bias = frozen.q_bias.detach().to(grads.dtype).cpu()
-    k_bias = frozen.k_bias.detach().to(grads.dtype).cpu()
-    query = torch.cat([grads[:d].T, q_bias[None]])
-    key = torch.cat([grads[d:].T, k_bias[None]])
-    scale = float(lorsa.cfg.scale)
-    pairs = query @ key.T / scale
-    score = float(values[:d].double() @ values[d:].double()) / scale
-    nodes = layout.nodes.select(torch.arange(layout.n_sources))
-    return QKAttribution(nodes=nodes, query=query, key=key, pairs=pairs, score=score, probe=probe)
+    out = []
+    start = 0
+    for probe, d, side in zip(probes, dims, frozen.sides, strict=True):
+        lorsa = layout.layers[probe.layer].lorsa
+        q_bias, k_bias = side[1].detach().to(grads.dtype).cpu(), side[3].detach().to(grads.dtype).cpu()
+        query = torch.cat([grads[start:start + d].T, q_bias[None]])
+        key = torch.cat([grads[start + d:start + 2 * d].T, k_bias[None]])
+        scale = float(lorsa.cfg.scale)
+        score = float(values[start:start + d].double() @ values[start + d:start + 2 * d].double()) / scale
+        out.append((query, key, score))
+        start += 2 * d
+    return out
+
+
+#: ``Graph.qk`` tensor names (``graph.safetensors`` keys ``qk.<name>``)
+QK_FIELDS = ("probe", "score", "pair_sum_error", "pair_index", "pair_value", "query_marginal", "key_marginal")
+
+
+def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chunk: int = 1024
+              ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """The ``k`` largest ``|query_a·key_b| / scale`` pair terms ``((k, 2) indices, (k,) values)``, and the
+    sums ``Σ pairs`` and ``Σ |pairs|`` — in query chunks, without the ``(n+1)²`` pair matrix."""
+    best_v = query.new_zeros(0)
+    best_i = torch.zeros(0, 2, dtype=torch.long)
+    total, mass = 0.0, 0.0
+    for a0 in range(0, query.shape[0], chunk):
+        block = query[a0:a0 + chunk] @ key.T / scale
+        total += float(block.double().sum())
+        mass += float(block.double().abs().sum())
+        flat = block.flatten()
+        top = flat.abs().topk(min(k, flat.numel())).indices
+        idx = torch.stack([top // key.shape[0] + a0, top % key.shape[0]], 1)
+        best_v, best_i = torch.cat([best_v, flat[top]]), torch.cat([best_i, idx])
+        keep = best_v.abs().topk(min(k, best_v.numel())).indices
+        best_v, best_i = best_v[keep], best_i[keep]
+    return best_i, best_v, total, mass
+
+
+def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int
+                 ) -> dict[str, torch.Tensor]:
+    """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
+    head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
+    ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``
+    = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check); ``pair_index (n, k, 2)`` = the ``k`` largest
+    pair terms' (query-side, key-side) graph nodes (``-1``: a node not in the graph; ``n_nodes``: the
+    ``b_Q``/``b_K`` term), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
+    over the graph's nodes (last: the bias term). Llamascopium's ``circuits/attribution.py`` does the same."""
+    from .scores import node_influence
+
+    heads = graph.ids_of(graph.LORSA)
+    if n_heads <= 0 or heads.numel() == 0:
+        return {}
+    infl = node_influence(graph)[heads]
+    order = heads[infl.argsort(descending=True)]
+    layout = prepared.layout
+    probes: list[QKProbe] = []
+    nodes: list[int] = []
+    seen = set()
+    for i in order.tolist():
+        layer, pos, head = int(graph.nodes.layer[i]), int(graph.nodes.pos[i]), int(graph.nodes.index[i])
+        group = head // layout.layers[layer].lorsa.cfg.group_size
+        if (layer, group, pos) not in seen:
+            seen.add((layer, group, pos))
+            probes.append(QKProbe(layer, group, pos))
+            nodes.append(i)
+        if len(probes) == n_heads:
+            break
+    traced = trace_probes(replacement, prepared, probes, batch_size)
+    n_nodes = graph.n_nodes
+    to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long)
+    is_src = graph.layout_ids < layout.n_sources
+    to_graph[graph.layout_ids[is_src]] = is_src.nonzero().flatten()
+    to_graph[-1] = n_nodes
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in QK_FIELDS}
+    for node, probe, (query, key, score) in zip(nodes, probes, traced, strict=True):
+        scale = float(layout.layers[probe.layer].lorsa.cfg.scale)
+        idx, val, total, mass = top_pairs(query, key, scale, k)
+        out["probe"].append(torch.tensor([node, probe.layer, probe.group, probe.query_pos, probe.key_pos]))
+        out["score"].append(torch.tensor(score, dtype=torch.float64))
+        out["pair_sum_error"].append(torch.tensor(abs(total - score) / max(mass, 1e-30), dtype=torch.float64))
+        out["pair_index"].append(torch.nn.functional.pad(to_graph[idx], (0, 0, 0, k - idx.shape[0]), value=-1))
+        out["pair_value"].append(torch.nn.functional.pad(val, (0, k - val.shape[0])))
+        for name, side, other in (("query_marginal", query, key), ("key_marginal", key, query)):
+            m = side @ other.sum(0) / scale  # Σ over the other side
+            row = torch.zeros(n_nodes + 1, dtype=m.dtype)
+            keep = to_graph >= 0
+            row[to_graph[keep]] = m[keep]
+            out[name].append(row)
+    return {name: torch.stack(v) for name, v in out.items()}

@@ -255,11 +255,18 @@ class FrozenReplacement:
     def unembed(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x W_Uᵀ + b_U``; records the demeaned logits of the target tokens at the last position,
         ``x_last·(W_U[t] − mean_v W_U[v]) + (b_U[t] − mean b_U)``, from the last position alone (a
-        backward from them never touches the ``(batch, pos, vocab)`` logits)."""
+        backward from them never touches the ``(batch, pos, vocab)`` logits). While attributing
+        (``M.requires_grad``: all multipliers 1, so every row has the same values) the returned logits
+        are row 0's broadcast over the batch; with other multipliers (an intervention) each row's own."""
         bias = getattr(lm_head, "bias", None)
         weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
         mult = column(self.M, self.layout.bias.get("lm_head"))
-        logits = F.linear(x.to(weight.dtype), weight) + scaled(bias, mult)  # the output, in the model's dtype
+        if self.M.requires_grad:  # attribution: every multiplier 1, every batch row the same prompt copy —
+            # the output (nothing is differentiated through it) is row 0's, broadcast: no (batch, pos, vocab) tensor
+            with torch.no_grad():
+                logits = (F.linear(x[:1].to(weight.dtype), weight) + scaled(bias, None)).expand(x.shape[0], -1, -1)
+        else:
+            logits = F.linear(x.to(weight.dtype), weight) + scaled(bias, mult)  # the output, in the model's dtype
         tokens = self.layout.logit_tokens.to(x.device)
         w = weight[tokens].to(x.dtype) - weight.mean(0, dtype=x.dtype)  # targets in the frozen model's dtype
         b = None if bias is None else bias[tokens].to(x.dtype) - bias.mean(dtype=x.dtype)

@@ -352,7 +352,8 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     targets in node order. ``replacement`` must be the one the graph was built with.
     """
     logit_tokens = graph.nodes.index[graph.logit_ids]
-    prepared = prepare(replacement, graph.tokens, logit_tokens=logit_tokens)
+    prepared = prepare(replacement, graph.tokens, logit_tokens=logit_tokens,
+                       zero_positions=int(graph.meta.get("zero_positions", 0)))
     layout, mhsa, adapter, model = prepared.layout, prepared.mhsa, prepared.adapter, replacement.model
     rows = graph.feature_rows.nonzero().flatten()
     col_of = {int(n): i for i, n in enumerate(layout_target_nodes(layout))}

@@ -136,7 +136,7 @@ class Prepared:
 
 def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_logit_prob: float = 0.95,
             max_n_logits: int = 10, remote: Any = False, dtype: torch.dtype | None = None,
-            cache: AttributionCache | None = None) -> Prepared:
+            cache: AttributionCache | None = None, zero_positions: int = 0) -> Prepared:
     """The clean pass over ``prompt`` (text or ids) and the layout of its nodes — or, with ``cache``
     (``prompt`` then ignored), the layout from that cache without running the model.
 
@@ -153,16 +153,18 @@ def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_
     if cache is None:
         cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
     layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
-                       max_n_logits=max_n_logits)
+                       max_n_logits=max_n_logits, zero_positions=zero_positions)
     return Prepared(layout, mhsa, adapter, lor, tcs)
 
 
 def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
-              logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10) -> Layout:
+              logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
+              zero_positions: int = 0) -> Layout:
     """The prompt's nodes (:func:`.layout.build_layout`) from a clean pass's cache."""
     return build_layout(cache.tokens, {layer: (x, cache.positions) for layer, x in cache.attn_in.items()},
                         cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
-                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits)
+                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
+                        zero_positions=zero_positions)
 
 
 def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:

@@ -1,0 +1,244 @@
+"""The memory model of :func:`.attribute.attribute`: what one call will hold at its peak, before it runs,
+and the batch size that keeps it under a budget (``attribute(..., max_memory=...)``).
+
+The terms, from the prompt's nodes (its :class:`~.layout.Layout`: one clean forward, no attribution)
+and the model's shapes — ``P`` tokens, ``L`` layers, ``d`` = ``d_model``, ``S`` sources, ``N = S +
+n_logits`` nodes, batch ``B``, ``b`` bytes per number of the frozen model, 4 B (fp32) or 8 B (fp64)
+per edge:
+
+* *frozen pass, per prompt copy* (device): ``c·L·d·P·b`` with ``c`` = :data:`PER_COPY_NUMBERS`
+  (measured: the tensors the frozen forward keeps for the backward, 3.3·L·d·P, plus one backward's
+  transient gradients), and the multipliers, their gradient and the per-batch row temporaries,
+  :data:`ROW_BUFFERS` ``·S`` edges per copy;
+* *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
+  rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
+  replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
+  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
+* *rows* (host): the full graph's rows go straight into its adjacency, ``N²`` edges; pruning while
+  building (or a feature budget) stores the non-zero entries, 4 B + an edge each — their number
+  counted exactly from the graph's structure: a feature at layer ``l``, position ``p`` has an edge
+  from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
+  mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
+  from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
+  the last attention, and from those after it at the last position;
+* *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries,
+  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`).
+
+Peak = rows + max(frozen pass, pruning). The coefficients are measured on the embedded model
+(``benchmarks/attribution_vs_circuit_tracer.py`` records predicted/measured for every run); on a GPU the
+frozen pass is device memory and the rows host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._repr import FieldsRepr
+from ..errors import MemoryBudgetError
+from .frozen import choose
+from .layout import Layout
+from .replacement import memory_modes
+from .rows import CHUNK_ENTRIES
+from .scores import PruneConfig
+from .trace import AttributionCache, Prepared, multiplier_dtype, prepare
+
+#: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
+#: (measured slope over the batch size, embedded model, 128 tokens: 2.3 MB per copy)
+PER_COPY_NUMBERS = 8.5
+#: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries
+ROW_BUFFERS = 5
+#: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
+#: measured 92 MB at 2^20 entries)
+PRUNE_BYTES_PER_CHUNK_ENTRY = 96
+#: fixed cost of a call (clean pass, layout, nnsight) in bytes
+FIXED_BYTES = 16 * 2**20
+
+
+@dataclass(repr=False)
+class MemoryEstimate(FieldsRepr):
+    """What one :func:`.attribute.attribute` call is predicted to hold at its peak.
+
+    Attributes:
+        host_bytes: peak host memory (on a CPU model: everything).
+        device_bytes: peak memory of the frozen pass on the model's device (on a CPU model, part of
+            ``host_bytes``).
+        batch_size: the batch the estimate is for.
+        terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``fixed``)
+            and counts (``n_sources``, ``n_rows``, ``stored_entries``).
+    """
+
+    host_bytes: int
+    device_bytes: int
+    batch_size: int
+    terms: dict[str, int] = field(default_factory=dict)
+
+
+def structural_entries(layout: Layout, rows: int | None = None) -> int:
+    """The number of non-zero edges of the graph's rows, from its structure alone (module docstring):
+    every feature row and every logit row; with ``rows`` (a feature budget), the feature rows' average
+    times ``rows``."""
+    P = layout.n_pos
+    n_layers = len(layout.layers)
+    # sources per (site, position): site 0 the embeddings, 2l+1 layer l's attention, 2l+2 its MLP
+    count = torch.zeros(2 * n_layers + 1, P, dtype=torch.float64)
+    count[0] += 1
+    for lay in layout.layers:
+        a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
+        count[a].index_add_(0, lay.lorsa_pos, torch.ones(lay.lorsa_pos.numel(), dtype=torch.float64))
+        if lay.attn_err_start is not None:
+            count[a] += 1
+        count[m].index_add_(0, lay.tc_pos, torch.ones(lay.tc_pos.numel(), dtype=torch.float64))
+        count[m] += 1
+    before = count.cumsum(0).cumsum(1)  # [s, p]: sources at sites ≤ s, positions ≤ p
+    # bias nodes (one per bias vector, over all positions): an edge to every target downstream of it; a
+    # transcoder's b_enc only to its own layer's features (the activations are frozen)
+    downstream = [0] * (2 * n_layers + 2)  # biases reaching site s's targets: Lorsa 2l+1, transcoder 2l+2
+    for lay in layout.layers:
+        a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
+        for role in lay.bias:
+            first = a if role in ("attn_norm", "lorsa_v") else m
+            last = m if role == "tc_enc" else 2 * n_layers + 1
+            for site in range(first, last + 1):
+                downstream[site] += 1
+    total = 0.0
+    n_feature_rows = 0
+    for lay in layout.layers:
+        a = 2 * lay.layer + 1
+        if lay.lorsa_pos.numel():
+            total += float(before[a - 1, lay.lorsa_pos].sum()) + downstream[a] * lay.lorsa_pos.numel()
+            n_feature_rows += lay.lorsa_pos.numel()
+        if lay.tc_pos.numel():
+            reach = before[a - 1, lay.tc_pos] + count[a, lay.tc_pos]
+            total += float(reach.sum()) + downstream[a + 1] * lay.tc_pos.numel()
+            n_feature_rows += lay.tc_pos.numel()
+    if rows is not None and n_feature_rows:
+        total = total / n_feature_rows * min(rows, n_feature_rows)
+    # a logit reads the last position after the last attention: everything written before that attention
+    # at any position, what is written at or after it only at the last position
+    last = 2 * n_layers - 1
+    n_bias = sum(len(lay.bias) - ("tc_enc" in lay.bias) for lay in layout.layers) + len(layout.bias)
+    per_logit = float(before[last - 1, P - 1]) + float(count[last:, P - 1].sum()) + n_bias
+    return int(total + layout.n_logits * per_logit)
+
+
+def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
+                    prune: bool, max_feature_nodes: int | None = None, store_patterns: bool = True,
+                    node_vectors: str = "auto", model_itemsize: int = 4, edge_itemsize: int = 4,
+                    device: str = "cpu") -> MemoryEstimate:
+    """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
+    MHSA layer); see the module docstring for the terms."""
+    P, S = layout.n_pos, layout.n_sources
+    budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
+    n_rows = budget + layout.n_logits
+    per_copy = int(PER_COPY_NUMBERS * n_layers * d_model * P * model_itemsize + ROW_BUFFERS * S * edge_itemsize)
+    shared = 0
+
+    def grid(n: int) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
+        return n * d_model * model_itemsize if choose(node_vectors, n, d_model, dtype) == "grid" else 0
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
+    for lay in layout.layers:
+        n_l = lay.lorsa_pos.numel()
+        shared += grid(n_l) + (n_l * P * model_itemsize if store_patterns else 0)
+        shared += 2 * grid(lay.tc_pos.numel())
+        # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
+        shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
+        if lay.lorsa is not None and not store_patterns:
+            shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * model_itemsize
+    if store_patterns:
+        shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
+    sparse = prune or budget < layout.n_features
+    entries = structural_entries(layout, budget if budget < layout.n_features else None) if sparse else 0
+    if prune:
+        rows = entries * (4 + edge_itemsize)
+    elif sparse:  # stored sparse, then the dense graph over the visited features
+        n = S - (layout.n_features - budget) + layout.n_logits
+        rows = entries * (4 + edge_itemsize) + n * n * edge_itemsize
+    else:
+        rows = (S + layout.n_logits) ** 2 * edge_itemsize
+    pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) if prune else 0
+    frozen = per_copy * batch_size + shared
+    terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
+             "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries}
+    if device == "cpu":
+        host = rows + max(frozen, pruning) + FIXED_BYTES
+        return MemoryEstimate(host, frozen, batch_size, terms)
+    return MemoryEstimate(rows + pruning + FIXED_BYTES, frozen, batch_size, terms)
+
+
+def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, device: str = "cpu") -> int:
+    """The largest batch ``≤ batch_size`` whose estimate fits ``max_memory`` bytes (host memory on a
+    CPU model, the device's otherwise).
+
+    Raises:
+        MemoryBudgetError: not even batch 1 fits; the message lists the terms.
+    """
+    t = estimate.terms
+    per_copy, shared = t["frozen_per_copy"], t["frozen_shared"]
+    if device == "cpu":  # rows + max(frozen pass, pruning) + fixed
+        rest = t["rows"] + t["fixed"]
+        b = (max_memory - rest - shared) // max(1, per_copy) if max_memory >= rest + t["pruning"] else 0
+    else:
+        b = (max_memory - shared) // max(1, per_copy)
+    b = min(batch_size, b)
+    if b < 1:
+        mib = {k: round(v / 2**20, 1) for k, v in t.items() if k not in ("n_sources", "n_rows", "stored_entries")}
+        raise MemoryBudgetError(f"attribution needs more than max_memory={max_memory / 2**20:.0f} MiB even at batch 1 "
+                                f"(terms in MiB: {mib}; {t['n_sources']} sources, {t['n_rows']} rows, "
+                                f"{t['stored_entries']} stored entries): prune while building (prune=), a smaller "
+                                "keep_mass, max_feature_nodes, or memory='lean'")
+    return int(b)
+
+
+def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
+                  dtype: torch.dtype | None) -> dict[str, Any]:
+    """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
+    root = getattr(replacement.model, "_module", replacement.model)
+    param = next(root.parameters())
+    device = param.device.type
+    return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
+            "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
+            "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
+            "node_vectors": node_vectors,
+            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
+            "device": device}
+
+
+def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", prune: Any = None,
+                        dtype: torch.dtype | None = None, zero_positions: int = 0) -> tuple[Layout, dict[str, Any]]:
+    """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
+    :func:`.budget.estimate_memory`."""
+    patterns, node_vectors = memory_modes(memory)
+    config = PruneConfig.of(prune)
+    if isinstance(prompt, AttributionCache):
+        prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
+    else:
+        prepared = prepare(replacement, prompt, zero_positions=zero_positions)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+
+
+def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
+                    prune: Any = None, max_feature_nodes: int | None = None,
+                    dtype: torch.dtype | None = None, zero_positions: int = 0) -> MemoryEstimate:
+    """Predict the peak host and device memory of ``attribute(replacement, prompt, ...)`` with the same
+    settings, from one clean forward (the prompt's active nodes) and the model's shapes — nothing is
+    attributed. See the module docstring for the terms; measured within 20 % at 64–512 tokens on the
+    embedded model (``benchmarks/attribution_vs_circuit_tracer.py``).
+
+    Args:
+        replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions: as
+            :func:`.attribute.attribute`.
+
+    Returns:
+        :class:`MemoryEstimate` (bytes).
+
+    Raises:
+        LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
+        ConfigMismatchError: an unknown ``memory`` or bad ``prune``.
+    """
+    layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype,
+                                       zero_positions=zero_positions)
+    return estimate_layout(layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)

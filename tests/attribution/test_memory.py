@@ -1,0 +1,144 @@
+"""Attribution memory: the memory model's arithmetic (monotone, consistent with its terms and with the
+graph's structure), the batch ``max_memory`` picks, and ``zero_positions`` (circuit-tracer's BOS
+convention) keeping the sums exact. Measured peaks are in ``benchmarks/attribution_vs_circuit_tracer.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import attribution_setup, random_ids, rm
+
+from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, estimate_memory
+from nnsight_lorsa.attribution.budget import structural_entries
+from nnsight_lorsa.attribution.graph import LORSA, MLP_ERROR, TRANSCODER
+from nnsight_lorsa.attribution.trace import prepare
+from nnsight_lorsa.errors import ConfigMismatchError, MemoryBudgetError
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, _, lorsas, tcs = attribution_setup("llama")
+    r, ids = rm(model, lorsas, tcs), random_ids(1, 10, seed=3)[0]
+    return r, ids, attribute(r, ids, batch_size=32)
+
+
+def test_structural_entry_count_matches_the_graph(setup):
+    """The rows' non-zero count predicted from the structure is the full graph's, to 1 %."""
+    r, ids, g = setup
+    predicted = structural_entries(prepare(r, ids).layout)
+    nnz = int((g.adjacency != 0).sum())
+    assert abs(predicted - nnz) <= 0.01 * nnz, (predicted, nnz)
+
+
+def test_estimate_is_monotone_and_consistent(setup):
+    r, ids, _ = setup
+    small, large = (estimate_memory(r, ids, batch_size=b) for b in (4, 64))
+    assert isinstance(small, MemoryEstimate)
+    t = large.terms
+    assert large.host_bytes - small.host_bytes == 60 * t["frozen_per_copy"]  # linear in the batch
+    assert large.device_bytes == 64 * t["frozen_per_copy"] + t["frozen_shared"]
+    assert large.host_bytes == t["rows"] + max(large.device_bytes, t["pruning"]) + t["fixed"]  # CPU: one memory
+    n_logits = t["n_rows"] - prepare(r, ids).layout.n_features
+    assert t["rows"] == (t["n_sources"] + n_logits) ** 2 * 4  # the dense graph: N² fp32
+    pruned = estimate_memory(r, ids, batch_size=64, prune=PruneConfig())
+    assert pruned.terms["rows"] == 8 * pruned.terms["stored_entries"] < t["rows"]  # 8 B per stored entry
+    longer = estimate_memory(r, torch.cat([ids, ids]), batch_size=64)
+    assert longer.host_bytes > large.host_bytes and longer.terms["frozen_per_copy"] > t["frozen_per_copy"]
+    budget = estimate_memory(r, ids, batch_size=64, max_feature_nodes=5, prune=PruneConfig())
+    assert budget.terms["stored_entries"] < pruned.terms["stored_entries"]
+
+
+def test_max_memory_picks_the_batch_or_refuses(setup):
+    r, ids, ref = setup
+    est = estimate_memory(r, ids, batch_size=8)
+    g = attribute(r, ids, batch_size=64, max_memory=est.host_bytes)
+    assert g.meta["batch_size"] == 8
+    assert torch.allclose(g.adjacency, ref.adjacency, atol=1e-6)  # the batch changes nothing but memory
+    with pytest.raises(MemoryBudgetError, match="max_memory"):
+        attribute(r, ids, max_memory=est.terms["rows"] // 2)
+
+
+def test_zero_positions_drops_the_first_features_and_keeps_sums_exact(setup):
+    r, ids, full = setup
+    g = attribute(r, ids, batch_size=32, zero_positions=1)
+    feats = (g.nodes.kind == TRANSCODER) | (g.nodes.kind == LORSA)
+    assert int(feats.sum()) > 0 and not bool((g.nodes.pos[feats] == 0).any())
+    assert bool((full.nodes.pos[full.feature_ids] == 0).any())
+    assert g.edge_sum_error("mass").max() < 1e-6  # position 0's MLP/Lorsa output is in its error nodes
+    # the other features' values and the logits are unchanged
+    assert torch.allclose(g.values[g.logit_ids], full.values[full.logit_ids], atol=1e-5)
+    err0 = ((g.nodes.kind == MLP_ERROR) & (g.nodes.pos == 0)).nonzero().flatten()
+    assert g.adjacency[:, err0].abs().sum() > 0
+    with pytest.raises(ConfigMismatchError, match="zero_positions"):
+        attribute(r, ids, zero_positions=len(ids))
+
+
+def test_batched_qk_tracing_inside_attribute_sums_to_the_scores(setup, tmp_path):
+    """``attribute(..., qk_heads=n)``: the top Lorsa heads' scores decomposed in one batched pass; each
+    decomposition sums to its attention score (relative to the pairs' mass), equals the one-head
+    ``qk_attribution``, and is saved, loaded and exported with the graph."""
+    from nnsight_lorsa.attribution import Graph, qk_attribution, to_neuronpedia
+    from nnsight_lorsa.attribution import prune as prune_graph
+
+    r, ids, _ = setup
+    g = attribute(r, ids, batch_size=32, qk_heads=3)
+    qk = g.qk
+    assert qk["probe"].shape == (3, 5) and qk["pair_index"].shape == (3, 10, 2)
+    assert float(qk["pair_sum_error"].max()) < 1e-5
+    # the marginals sum to the score too
+    assert torch.allclose(qk["query_marginal"].sum(1).double(), qk["score"], rtol=1e-4, atol=1e-5)
+    node, layer, group, q, k = qk["probe"][0].tolist()
+    head = int(g.nodes.index[node])
+    one = qk_attribution(r, ids, layer=layer, head=head, query_pos=q, key_pos=k)
+    assert abs(one.score - float(qk["score"][0])) < 1e-5 * max(1.0, abs(one.score))
+    assert abs(float(one.pairs.abs().max()) - float(qk["pair_value"][0].abs().max())) < 1e-5
+    back = Graph.load(g.save(tmp_path / "g"))
+    assert all(torch.equal(back.qk[k_], v) for k_, v in qk.items())
+    data = to_neuronpedia(g, prune_graph(g), slug="qk")
+    assert len(data["qk_tracing"]) == 3 and data["qk_tracing"][0]["pairs"]
+
+
+def test_sparse_rows_across_blocks_and_chunks(monkeypatch):
+    """Rows stored across several blocks and read in chunks that split rows: the same matrix, row sums
+    and influence as the dense rows (``scores.influence``)."""
+    from nnsight_lorsa.attribution import rows as rows_module
+    from nnsight_lorsa.attribution.scores import influence
+
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 16)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 7)
+    g = torch.Generator().manual_seed(0)
+    n_rows, n_cols = 9, 12
+    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.4)
+    dense[3] = 0  # an empty row
+    sp = rows_module.SparseRows(n_cols)
+    for a, b in ((0, 2), (2, 5), (5, 9)):
+        sp.append(dense[a:b])
+    assert len(sp.blocks) > 1 and sp.nnz == int((dense != 0).sum())
+    assert torch.equal(sp.dense(), dense)
+    assert torch.allclose(sp.row_sums(), dense.double().sum(1))
+    # an acyclic graph: row r is node r + 3 (columns 0..2 are sources only); the last rows carry weight
+    row_node = torch.arange(n_rows) + 3
+    dag = dense * (torch.arange(n_cols)[None] < row_node[:, None])
+    sp = rows_module.SparseRows(n_cols)
+    sp.append(dag)
+    weight = torch.zeros(n_rows, dtype=torch.float64)
+    weight[-2:] = torch.tensor([0.7, 0.3], dtype=torch.float64)
+    assert torch.allclose(sp.influence(row_node, weight), influence(dag.double(), row_node, weight))
+    mask = torch.ones(n_cols, dtype=torch.bool)
+    mask[4] = False
+    restricted = dag.double() * (mask[None] & mask[row_node][:, None])
+    assert torch.allclose(sp.influence(row_node, weight, node_mask=mask), influence(restricted, row_node, weight))
+
+
+def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch):
+    from nnsight_lorsa.attribution import prune
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 4999)
+    r, ids, full = setup
+    pr = prune(full)
+    g = attribute(r, ids, batch_size=32, prune=(0.8, 0.98))
+    assert torch.equal(g.layout_ids, full.layout_ids[pr.node_mask])
+    keep = pr.node_mask.nonzero().flatten()
+    assert torch.allclose(g.adjacency, full.adjacency[keep][:, keep], atol=1e-6)
+    assert g.edge_sum_error("mass").max() < 1e-6
