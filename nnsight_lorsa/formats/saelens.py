@@ -66,13 +66,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, config_size, config_value
+from .validate import check_d_model, check_file_tensors, config_size, config_value
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -95,9 +95,13 @@ __all__ = ["ARCHITECTURES", "READER", "build", "load_saelens", "load_weights", "
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
     arch = raw.get("architecture")
-    if arch is None:  # pre-v6 configs: SAELens handle_config_defaulting
-        arch = "topk" if raw.get("activation_fn") == "topk" or raw.get("activation_fn_str") == "topk" else "standard"
-    if arch not in ARCHITECTURES:
+    if arch is None:  # pre-v6 configs: SAELens handle_config_defaulting, from the activation function
+        legacy = raw.get("activation_fn", raw.get("activation_fn_str"))
+        if legacy is None:  # nothing says which forward: guessing "standard" would change a TopK SAE's outputs
+            raise CheckpointError(f"{path}: key 'architecture' is missing (and no pre-v6 'activation_fn'); "
+                                  f"add one of {list(ARCHITECTURES)}")
+        arch = "topk" if legacy == "topk" else "standard"
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: key 'architecture' is {arch!r}; supported SAELens architectures: {list(ARCHITECTURES)}")
     return str(arch)
@@ -194,6 +198,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     arch = parsed.settings["architecture"]
     read_safetensors_header(weights_path)
     state = load_safetensors(weights_path)
+    check_file_tensors(weights_path, state)
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
     if arch == "batchtopk":
@@ -302,6 +307,9 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     """
     from safetensors.torch import save_file
 
+    for name, value in (("hook_name", hook_name), ("model_name", model_name)):
+        if value is not None and not isinstance(value, str):
+            raise ArgumentError(f"save_saelens({name}=...) must be a string or None, got {value!r}")
     kind = "skip_transcoder" if isinstance(module, SkipTranscoder) else (
         "transcoder" if isinstance(module, Transcoder) else "sae")
     arch = _ARCH_OF.get((kind, module.cfg.activation))

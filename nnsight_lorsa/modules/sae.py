@@ -36,6 +36,8 @@ class SAEConfig(SparseCoderConfig):
     apply_b_dec_to_input: bool = True
     hook: str | None = None
 
+    _flags: ClassVar[dict[str, type]] = {"apply_b_dec_to_input": bool}
+
 
 class SparseAutoencoder(SparseCoder):
     """An SAE on ``d_in``-wide activations; see the module docstring for the equations.
