@@ -40,7 +40,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import traceback
 import warnings
 from collections import Counter
@@ -233,11 +232,11 @@ def edit_yaml(file: Path, keys: tuple[str, ...], value: Any) -> None:
 
 def edit_tensor(file: Path, key: str, how: str) -> None:
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(file), framework="pt") as f:
         meta = f.metadata()
-        st = {k: f.get_tensor(k) for k in f.keys()}
+    st = load_file(str(file))
     t = st[key]
     if how in ("nan", "inf") and not t.is_floating_point():
         t = t.float()  # integer / bool tensors: the bad value comes with a float dtype
@@ -453,6 +452,14 @@ def _key_needle(keys: tuple[str, ...]) -> str:
     return keys[-1]
 
 
+def _equal_to(ref: Any) -> Callable[[Any], bool]:
+    return lambda m: same_module(m, ref)
+
+
+def _same_type(ref: Any) -> Callable[[Any], bool]:
+    return lambda m: type(m) is type(ref)
+
+
 def loader_cases(fixtures: dict[str, Path], refs: dict[str, Any]) -> list[Case]:
     from nnsight_lorsa.formats import load
 
@@ -469,9 +476,9 @@ def loader_cases(fixtures: dict[str, Path], refs: dict[str, Any]) -> list[Case]:
             return run
 
         ref = refs[name]
-        ok = (lambda ref: lambda m: same_module(m, ref))(ref)
+        ok = _equal_to(ref)
         edit = edit_yaml if spec.get("yaml") else edit_json
-        loads = (lambda ref: lambda m: type(m) is type(ref))(ref)
+        loads = _same_type(ref)
         for keys, values in spec["keys"].items():
             for label, value in values.items():
                 defaulted = label in ("missing", "null") and keys in spec.get("defaults", ())
@@ -536,7 +543,8 @@ def graph_cases(root: Path) -> list[Case]:
     ok = lambda g: _same_graph(g, ref)  # noqa: E731
     cases = []
     for how in CONFIG_CORRUPTIONS:
-        cases.append(Case(f"graph/graph.json:{how}", "graph", make(lambda d, how=how: corrupt_file(d / "graph.json", how)),
+        cases.append(Case(f"graph/graph.json:{how}", "graph",
+                          make(lambda d, how=how: corrupt_file(d / "graph.json", how)),
                           needles=("graph.json",)))
     for how in WEIGHT_CORRUPTIONS:
         cases.append(Case(f"graph/graph.safetensors:{how}", "graph",
@@ -598,9 +606,11 @@ def gate_cases(root: Path) -> list[Case]:
               "model_type": {"other": "gpt2", "int": 3}, "bogus": {"extra": 1}}
     for key, table in values.items():
         for label, value in table.items():
-            defaulted = key in ("temperature", "mode") and label in ("missing", "null")  # the saved values are the defaults
+            # the saved values are the defaults
+            defaulted = key in ("temperature", "mode") and label in ("missing", "null")
             cases.append(Case(f"gates/json/{key}={label}", "gates",
-                              make(lambda d, key=key, value=value: edit_json(d / "sparse_attention.json", (key,), value)),
+                              make(lambda d, key=key, value=value: edit_json(d / "sparse_attention.json", (key,),
+                                                                             value)),
                               check=ok if defaulted else None,
                               needles=("sparse_attention.json",)))
     for how in CONFIG_CORRUPTIONS:
@@ -613,7 +623,8 @@ def gate_cases(root: Path) -> list[Case]:
                           needles=("sparse_attention.safetensors",)))
     for how in ("nan", "inf", "int", "shrink", "missing"):
         cases.append(Case(f"gates/tensor/layers.0.bias:{how}", "gates",
-                          make(lambda d, how=how: edit_tensor(d / "sparse_attention.safetensors", "layers.0.bias", how)),
+                          make(lambda d, how=how: edit_tensor(d / "sparse_attention.safetensors", "layers.0.bias",
+                                                              how)),
                           needles=("sparse_attention.safetensors", "layers.0.bias")))
     return cases
 
@@ -712,7 +723,8 @@ def api_cases(root: Path) -> list[Case]:
                       lambda tmp: ReplacementModel(other, lorsas=lorsas), needles=("lorsas",), model=other_hf))
     for label, value in {"list": [lorsa], "module": lorsa, "string": "lorsas", "int": 3}.items():
         cases.append(Case(f"api/ReplacementModel(lorsas={label})", "api",
-                          lambda tmp, value=value: ReplacementModel(model, lorsas=value), needles=("lorsas",), model=hf))
+                          lambda tmp, value=value: ReplacementModel(model, lorsas=value), needles=("lorsas",),
+                          model=hf))
     for label, value in {"lorsa": lorsa, "list": [1], "string": "tc"}.items():
         cases.append(Case(f"api/ReplacementModel(transcoders={label})", "api",
                           lambda tmp, value=value: ReplacementModel(model, transcoders=value),
@@ -730,7 +742,8 @@ def api_cases(root: Path) -> list[Case]:
         "batch_size=0": {"batch_size": 0}, "batch_size=-2": {"batch_size": -2}, "batch_size=2.5": {"batch_size": 2.5},
         "batch_size=True": {"batch_size": True}, "max_feature_nodes=0": {"max_feature_nodes": 0},
         "max_feature_nodes=-1": {"max_feature_nodes": -1}, "max_feature_nodes=1.5": {"max_feature_nodes": 1.5},
-        "desired_logit_prob=1.5": {"desired_logit_prob": 1.5}, "desired_logit_prob=nan": {"desired_logit_prob": math.nan},
+        "desired_logit_prob=1.5": {"desired_logit_prob": 1.5},
+        "desired_logit_prob=nan": {"desired_logit_prob": math.nan},
         "desired_logit_prob=0": {"desired_logit_prob": 0.0}, "max_n_logits=0": {"max_n_logits": 0},
         "max_n_logits=2.5": {"max_n_logits": 2.5}, "memory=fastest": {"memory": "fastest"},
         "logit_tokens=[999]": {"logit_tokens": [999]}, "logit_tokens=[-1]": {"logit_tokens": [-1]},
@@ -771,7 +784,8 @@ def api_cases(root: Path) -> list[Case]:
     for label, kw in {"num_beams=2": {"num_beams": 2}, "penalty_alpha": {"penalty_alpha": 0.6, "top_k": 4},
                       "num_beam_groups": {"num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 1.0}}.items():
         cases.append(Case(f"api/generate({label}) with a Lorsa", "api",
-                          traced(lambda: lorsas.replace(LAYER), kind="generate", max_new_tokens=2, pad_token_id=1, **kw),
+                          traced(lambda: lorsas.replace(LAYER), kind="generate", max_new_tokens=2, pad_token_id=1,
+                                 **kw),
                           needles=("num_beams=1",), model=hf))
 
     def beams_in_config(tmp: Path) -> Any:

@@ -94,6 +94,10 @@ def attribute(
             a logit token outside the vocabulary, ``remote`` with a cache, or a cache without the
             replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
+        ArgumentError: a wrongly typed argument, token ids that are not integers or outside the
+            vocabulary (:func:`check_arguments`).
+        MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
+        ConcurrentTraceError: another thread is tracing the model now.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
     check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
@@ -106,9 +110,10 @@ def attribute(
 def _count(value: Any, name: str, none_ok: bool = False) -> None:
     if none_ok and value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ArgumentError(f"attribute({name}=...) must be an int >= 1{' or None' if none_ok else ''}, "
-                            f"got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentError(f"attribute({name}=...) must be an int{' or None' if none_ok else ''}, got {value!r}")
+    if value < 1:
+        raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
 
 
 def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any, desired_logit_prob: Any,
@@ -116,9 +121,10 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
     """:func:`attribute`'s argument checks, before anything runs.
 
     Raises:
-        ArgumentError: ``replacement`` not a :class:`ReplacementModel`; a count that is not an int >= 1
-            (``batch_size``, ``max_n_logits``, ``max_feature_nodes`` unless None); ``desired_logit_prob``
-            outside ``(0, 1]``; a non-floating ``dtype``; ``remote`` other than a bool or ``"local"``.
+        ArgumentError: ``replacement`` not a :class:`ReplacementModel`; a count that is not an int
+            (``batch_size``, ``max_n_logits``, ``max_feature_nodes`` unless None), ``desired_logit_prob``
+            not a number; a non-floating ``dtype``; ``remote`` other than a bool or ``"local"``.
+        ConfigMismatchError: a count below 1, ``desired_logit_prob`` outside ``(0, 1]``.
         ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
     """
     from ..envoy import ReplacementModel
@@ -130,9 +136,10 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
     _count(batch_size, "batch_size")
     _count(max_n_logits, "max_n_logits")
     _count(max_feature_nodes, "max_feature_nodes", none_ok=True)
-    if (not isinstance(desired_logit_prob, (int, float)) or isinstance(desired_logit_prob, bool)
-            or not 0.0 < desired_logit_prob <= 1.0):
-        raise ArgumentError(f"attribute(desired_logit_prob=...) must be in (0, 1], got {desired_logit_prob!r}")
+    if not isinstance(desired_logit_prob, (int, float)) or isinstance(desired_logit_prob, bool):
+        raise ArgumentError(f"attribute(desired_logit_prob=...) must be a number, got {desired_logit_prob!r}")
+    if not 0.0 < desired_logit_prob <= 1.0:
+        raise ConfigMismatchError(f"attribute(desired_logit_prob=...) must be in (0, 1], got {desired_logit_prob!r}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {dtype!r}")
     if not (isinstance(remote, bool) or remote == "local"):

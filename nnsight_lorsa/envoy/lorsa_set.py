@@ -238,7 +238,7 @@ class LorsaSet:
         Args:
             layer: layer index, several, or None for every layer of the set.
             error: add the exact error term ``MHSA − Lorsa`` (through ``hook_error``): the
-                model's outputs are then those of the unmodified model (fp32 < 1e-5), while
+                model's outputs are then those of the unmodified model (fp32: ≤ 1e-5 · max |logit|), while
                 edits to the Lorsa's internals still change them (the error is held fixed).
 
         Raises:

@@ -43,7 +43,8 @@ class IdsOnlyTokenizer(PreTrainedTokenizerFast):  # type: ignore[misc]
     ids_only = True
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise _missing(f"{type(self).__name__} asked to encode text", self.init_kwargs.get("where", "no tokenizer files"))
+        where = self.init_kwargs.get("where", "no tokenizer files")
+        raise _missing(f"{type(self).__name__} asked to encode text", where)
 
     __call__ = encode = encode_plus = batch_encode_plus = tokenize = _refuse
 

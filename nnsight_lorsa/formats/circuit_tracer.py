@@ -130,7 +130,8 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                 raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; only .safetensors "
                                       "files are read")
             if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
-                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has layer {layer!r}; expected an int >= 0")
+                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has layer {layer!r}; "
+                                      "expected an int >= 0")
             if layer in files:
                 raise CheckpointError(f"{config_path}: key 'transcoders' lists layer {layer} twice")
             files[layer] = path / name

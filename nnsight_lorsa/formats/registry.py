@@ -271,6 +271,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
     for types, write in fmt.writers:
         if isinstance(obj, types):
             return write(obj, path, **options)
-    raise ArgumentError(f"format {format!r} does not write a {type(obj).__name__}; it writes "
-                        f"{[getattr(t, '__name__', t) for types, _ in fmt.writers for t in (types if isinstance(types, tuple) else (types,))]}")
+    writes = [getattr(t, "__name__", t) for types, _ in fmt.writers
+              for t in (types if isinstance(types, tuple) else (types,))]
+    raise ArgumentError(f"format {format!r} does not write a {type(obj).__name__}; it writes {writes}")
 

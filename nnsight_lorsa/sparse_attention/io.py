@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 
 from ..adapters.registry import get_adapter
 from .attention import GATE_NAME
-from .gate import GATE_MODES
 from .errors import CheckpointError
+from .gate import GATE_MODES
 from .install import get_gates, hf_model, install_gated_attention
 
 CONFIG_FILE = "sparse_attention.json"
