@@ -210,6 +210,9 @@ class Graph(FieldsRepr):
 
         d = Path(directory)
         info_path, tensors_path = d / "graph.json", d / "graph.safetensors"
+        for path in (info_path, tensors_path):
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (not a directory written by Graph.save)")
         info = read_json_object(info_path)
         if info.get("format") != GRAPH_FORMAT:
             raise CheckpointError(f"{info_path}: key 'format' is {info.get('format')!r}, expected {GRAPH_FORMAT!r}")
