@@ -17,8 +17,10 @@ nnsight version is checked here and nowhere else. What is used:
   (``generate``'s ``num_beams`` …, :func:`run_kwargs`);
 * ``Envoy.interleave``'s frame (its ``fn`` local, found through the worker greenlet's parents) — which
   model method the trace runs (``"generate"`` or the forward, :func:`traced_method`);
-* ``Envoy.interleaver``, ``Mediator.worker`` (a greenlet) — whether another thread is running a trace
-  of the same model (:func:`check_one_thread`; nnsight's greenlets are bound to their thread).
+* ``Envoy.interleaver``, ``Mediator.worker`` (a greenlet) and ``getcurrent`` as the interleaver module
+  imports it from greenlet — whether another thread is running a trace of the same model
+  (:func:`check_one_thread`; nnsight's greenlets are bound to their thread), and which worker is
+  running (:func:`park_or_end`).
 
 Mounting: a replacement module becomes an envoy of the running trace by being attached as a child
 of a model module (nnsight mirrors it and instruments it with its controller); when its trace ends
@@ -187,9 +189,7 @@ def park_or_end(read: Callable[[], Any]) -> tuple[bool, Any]:
         # only the end of the run for *this* worker: a trace body parked on a replacement's internals
         # that the run never reached (an out-of-order read) dies with its own OutOfOrderError, which
         # greenlet hands to the worker that last resumed it — this one — and which must stand
-        import greenlet
-
-        me = getattr(greenlet.getcurrent(), "mediator", lambda: None)()
+        me = getattr(_current_greenlet(), "mediator", lambda: None)()
         pending = getattr(me, "pending", None)
         if pending is not None and f"'{pending}'" not in str(e):
             raise
@@ -212,21 +212,26 @@ def pinned_step(worker: Mediator) -> int | None:
     return worker.iteration
 
 
+def _current_greenlet() -> Any:
+    """The running greenlet, through nnsight's module (so that code shipped to NDIF names no ``greenlet``
+    module: the server's unpickling and import whitelists have nnsight, not greenlet)."""
+    from nnsight.intervention import interleaver
+
+    return interleaver.getcurrent()
+
+
 def traced_method(interleaver: Any) -> str | None:
     """The name of the model method the running trace of ``interleaver`` calls (``"generate"`` for
     ``model.generate(...)``, ``"_call"`` for ``model.trace(...)``); None when it cannot be told (e.g. on
     a remote server). Called from a trace body's worker: the caller's thread is suspended in
-    ``Envoy.interleave(fn, ...)``, a parent of the worker greenlet."""
-    import sys
-
-    import greenlet
+    ``Envoy.interleave(fn, ...)``, a parent of the worker greenlet. (Only nnsight is imported: this
+    runs on NDIF servers too, whose import whitelist has neither ``greenlet`` nor ``sys``.)"""
     from nnsight.intervention.envoy import Envoy
 
     code = Envoy.interleave.__code__
-    current = greenlet.getcurrent()
-    g: Any = current
+    g: Any = _current_greenlet().parent
     while g is not None:
-        frame = sys._getframe() if g is current else g.gr_frame
+        frame = g.gr_frame
         while frame is not None:
             if frame.f_code is code and getattr(frame.f_locals.get("self"), "interleaver", None) is interleaver:
                 fn = frame.f_locals.get("fn")
@@ -252,12 +257,10 @@ def check_one_thread(model: Any, what: str) -> None:
     means two threads share the model's one interleaver, which nnsight does not support (it fails
     with "parent cannot be on a different thread" or corrupts the other thread's run).
     """
-    import greenlet
-
     interleaver = getattr(model, "interleaver", None)
     if interleaver is None:
         return
-    here = _thread_root(greenlet.getcurrent())
+    here = _thread_root(_current_greenlet())
     live = [m.worker for m in list(interleaver.mediators) if getattr(m, "worker", None) is not None
             and not m.worker.dead]
     other = [w for w in live if _thread_root(w) is not here]
