@@ -56,18 +56,23 @@ class DemoConfig:
 def load_model(model_dir: str | None = None) -> Any:
     """An nnsight ``TransformersModel`` from a local Hugging Face directory (default: the embedded one).
 
-    Loads offline (``HF_HUB_OFFLINE=1`` unless already set): nothing is downloaded.
+    Loads offline (``HF_HUB_OFFLINE=1`` unless already set): nothing is downloaded. A directory without
+    tokenizer files loads too (:func:`nnsight_lorsa.envoy.tokens.load_tokenizer`): token ids then work
+    everywhere, text raises :class:`~nnsight_lorsa.errors.MissingTokenizerError`.
+
+    Raises:
+        MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from nnsight import TransformersModel
-    from transformers import AutoTokenizer
 
     from .assets import default_model_dir
+    from .envoy.tokens import load_tokenizer
 
     path = str(model_dir or default_model_dir())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
         return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True,
                                  dtype=torch.float32, device="cpu")
 

@@ -49,6 +49,18 @@ class UnsupportedGenerationError(TraceOrderError):
     a token is returned, never a silently unreplaced one. The message names what to use instead."""
 
 
+class ConcurrentTraceError(TraceOrderError):
+    """Two threads traced one nnsight model at the same time. nnsight runs a trace's intervention code
+    in greenlets bound to the thread that started it and keeps one interleaver per model, so traces of
+    one model are per-thread: run them one after another (a lock around the ``with`` block) or give
+    each thread its own model object (nnsight docs: one trace at a time per model)."""
+
+
+class MissingTokenizerError(LorsaError, ValueError):
+    """Text was given where the model has no tokenizer (a model directory without tokenizer files), or
+    its tokenizer files cannot be loaded; the message says what is missing. Token ids work without one."""
+
+
 class ActivationCacheError(CheckpointError):
     """An on-disk activation cache is malformed or does not match what it is used for (model, site, width)."""
 
@@ -58,6 +70,6 @@ class FormatDetectionError(CheckpointError):
     formats, the files each looks for, and what the path holds); pass ``format=`` to choose one."""
 
 
-__all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConfigMismatchError", "FormatDetectionError",
-           "LayerOutOfRangeError", "LorsaError", "ShapeError", "TraceOrderError", "UnsupportedArchitectureError",
-           "UnsupportedGenerationError"]
+__all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
+           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "ShapeError",
+           "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError"]

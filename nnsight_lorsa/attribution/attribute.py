@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError
 from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
@@ -118,12 +118,58 @@ def attribute(
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
         MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
         ConfigMismatchError: ``qk_heads`` with a cache or ``remote``.
+        ArgumentError: a wrongly typed argument, token ids that are not integers or outside the
+            vocabulary (:func:`check_arguments`).
+        MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
+        ConcurrentTraceError: another thread is tracing the model now.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
+    check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
+                    desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, dtype=dtype, remote=remote)
     return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
                        memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote,
                        max_memory=max_memory, zero_positions=zero_positions, qk_heads=qk_heads)
+
+
+def _count(value: Any, name: str, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentError(f"attribute({name}=...) must be an int{' or None' if none_ok else ''}, got {value!r}")
+    if value < 1:
+        raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
+
+
+def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any, desired_logit_prob: Any,
+                    max_n_logits: Any, dtype: Any, remote: Any) -> None:
+    """:func:`attribute`'s argument checks, before anything runs.
+
+    Raises:
+        ArgumentError: ``replacement`` not a :class:`ReplacementModel`; a count that is not an int
+            (``batch_size``, ``max_n_logits``, ``max_feature_nodes`` unless None), ``desired_logit_prob``
+            not a number; a non-floating ``dtype``; ``remote`` other than a bool or ``"local"``.
+        ConfigMismatchError: a count below 1, ``desired_logit_prob`` outside ``(0, 1]``.
+        ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
+    """
+    from ..envoy import ReplacementModel
+    from ..envoy.nnsight_internals import check_one_thread
+
+    if not isinstance(replacement, ReplacementModel):
+        raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
+                            f"transcoders=...), got a {type(replacement).__name__}")
+    _count(batch_size, "batch_size")
+    _count(max_n_logits, "max_n_logits")
+    _count(max_feature_nodes, "max_feature_nodes", none_ok=True)
+    if not isinstance(desired_logit_prob, (int, float)) or isinstance(desired_logit_prob, bool):
+        raise ArgumentError(f"attribute(desired_logit_prob=...) must be a number, got {desired_logit_prob!r}")
+    if not 0.0 < desired_logit_prob <= 1.0:
+        raise ConfigMismatchError(f"attribute(desired_logit_prob=...) must be in (0, 1], got {desired_logit_prob!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {dtype!r}")
+    if not (isinstance(remote, bool) or remote == "local"):
+        raise ArgumentError(f"attribute(remote=...) must be True, False or 'local', got {remote!r}")
+    check_one_thread(replacement.model, "attribute")
 
 
 def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .._repr import FieldsRepr
 from ..errors import CheckpointError
@@ -202,36 +202,42 @@ class Graph(FieldsRepr):
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Graph:
-        """Read a graph written by :meth:`save`.
+        """Read a graph written by :meth:`save`, every field checked before the graph is built.
 
         Raises:
-            CheckpointError: a missing file or tensor, another format, or inconsistent sizes.
+            CheckpointError: a missing or unreadable file, another format, a missing tensor, a tensor
+                of the wrong dtype or shape, non-finite values, node kinds / layers / positions /
+                indices outside their ranges, probabilities outside [0, 1], or ``graph.json`` fields
+                of the wrong type — naming the file and the key.
         """
+        from ..formats.files import load_safetensors, read_json_object
+
         d = Path(directory)
-        for name in ("graph.safetensors", "graph.json"):
-            if not (d / name).is_file():
-                raise CheckpointError(f"{d / name}: missing")
-        info = json.loads((d / "graph.json").read_text())
+        info_path, tensors_path = d / "graph.json", d / "graph.safetensors"
+        for path in (info_path, tensors_path):
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (not a directory written by Graph.save)")
+        info = read_json_object(info_path)
         if info.get("format") != GRAPH_FORMAT:
-            raise CheckpointError(f"{d / 'graph.json'}: format {info.get('format')!r}, expected {GRAPH_FORMAT!r}")
-        t = load_file(str(d / "graph.safetensors"))
-        need = ("tokens", "adjacency", "values", "logit_probs", "feature_rows", "layout_ids", "node_kind", "node_layer",
-                "node_pos", "node_index", "node_activation")
-        for k in need:
-            if k not in t:
-                raise CheckpointError(f"{d / 'graph.safetensors'}: missing tensor {k!r}")
-        n = t["node_kind"].numel()
-        if t["adjacency"].shape != (n, n) or t["values"].numel() != n:
-            raise CheckpointError(f"{d / 'graph.safetensors'}: adjacency {tuple(t['adjacency'].shape)} does not fit "
-                                  f"{n} nodes")
+            raise CheckpointError(f"{info_path}: key 'format' is {info.get('format')!r}, expected {GRAPH_FORMAT!r}")
+        prompt, bias_names, meta = info.get("prompt", ""), info.get("bias_names", []), info.get("meta")
+        if not isinstance(prompt, str):
+            raise CheckpointError(f"{info_path}: key 'prompt' must be a string, got {prompt!r}")
+        if not isinstance(bias_names, list) or not all(isinstance(b, str) for b in bias_names):
+            raise CheckpointError(f"{info_path}: key 'bias_names' must be a list of strings, got {bias_names!r}")
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{info_path}: key 'meta' must be an object, got {meta!r}")
+        t = load_safetensors(tensors_path)
+        _check_graph_tensors(tensors_path, t)
         nodes = NodeTable(t["node_kind"], t["node_layer"], t["node_pos"], t["node_index"], t["node_activation"],
-                          list(info.get("bias_names", [])))
+                          list(bias_names))
         if int((nodes.kind == BIAS).sum()) != len(nodes.bias_names):
-            raise CheckpointError(f"{d / 'graph.json'}: bias_names do not match the bias nodes")
+            raise CheckpointError(f"{info_path}: key 'bias_names' has {len(nodes.bias_names)} names for "
+                                  f"{int((nodes.kind == BIAS).sum())} bias nodes")
         return cls(tokens=t["tokens"], nodes=nodes, adjacency=t["adjacency"], values=t["values"],
                    logit_probs=t["logit_probs"], feature_rows=t["feature_rows"].bool(),
-                   layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=info.get("prompt", ""),
-                   meta=info.get("meta", {}), qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
+                   layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=prompt, meta=meta,
+                   qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
 
     def summary(self) -> dict[str, int]:
         """Node counts by kind and the number of non-zero edges."""
@@ -240,3 +246,62 @@ class Graph(FieldsRepr):
                 "errors": int(((k == MLP_ERROR) | (k == ATTN_ERROR)).sum()), "embeddings": int((k == EMBEDDING).sum()),
                 "biases": int((k == BIAS).sum()), "logits": int((k == LOGIT).sum()),
                 "edges": int((self.adjacency != 0).sum())}
+
+
+_GRAPH_INTS = ("tokens", "layout_ids", "node_kind", "node_layer", "node_pos", "node_index")
+_GRAPH_FLOATS = ("adjacency", "values", "logit_probs", "node_activation", "residual")
+
+
+def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
+    """:meth:`Graph.load`'s tensor checks (module docstring of :class:`Graph`): dtypes, shapes, ranges."""
+    def bad(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {key!r} {why}")
+
+    for key in (*_GRAPH_INTS, *_GRAPH_FLOATS, "feature_rows"):
+        if key not in t:
+            if key == "residual":
+                continue
+            raise bad(key, "is missing")
+        v = t[key]
+        if v.dim() != (2 if key == "adjacency" else 1):
+            raise bad(key, f"has shape {tuple(v.shape)}; expected {'(n, n)' if key == 'adjacency' else 'one axis'}")
+        if key in _GRAPH_INTS and (v.is_floating_point() or v.dtype == torch.bool):
+            raise bad(key, f"has dtype {v.dtype}; expected integers")
+        if key in _GRAPH_FLOATS and not v.is_floating_point():
+            raise bad(key, f"has dtype {v.dtype}; expected floats")
+        if key == "feature_rows" and (v.is_floating_point() or not bool(((v == 0) | (v == 1)).all())):
+            raise bad(key, f"has dtype {v.dtype} / values other than 0 and 1; expected booleans")
+    n, kind = t["node_kind"].numel(), t["node_kind"]
+    for key in ("values", "feature_rows", "layout_ids", "residual", "node_layer", "node_pos", "node_index",
+                "node_activation"):
+        if key in t and t[key].numel() != n:
+            raise bad(key, f"has {t[key].numel()} entries for {n} nodes")
+    if tuple(t["adjacency"].shape) != (n, n):
+        raise bad("adjacency", f"has shape {tuple(t['adjacency'].shape)}; expected ({n}, {n}) for {n} nodes")
+    for key in ("adjacency", "logit_probs", "node_activation", "residual"):
+        if key in t and not bool(torch.isfinite(t[key]).all()):
+            raise bad(key, "has non-finite values (NaN/inf)")
+    values, rows = t["values"], t["feature_rows"].bool()
+    if bool(torch.isinf(values).any()) or bool(values[rows].isnan().any()):
+        raise bad("values", "has infinite values, or NaN at computed rows")
+    if not bool(((kind >= 0) & (kind < len(KIND_NAMES))).all()):
+        raise bad("node_kind", f"has kinds outside [0, {len(KIND_NAMES)})")
+    layer, pos, n_pos = t["node_layer"], t["node_pos"], t["tokens"].numel()
+    logits = kind == LOGIT
+    top = int(layer[logits].max()) if bool(logits.any()) else int(layer.max()) if n else -1
+    if bool(logits.any()) and bool((layer[logits] != top).any()):
+        raise bad("node_layer", "differs between logit nodes")
+    if not bool(((layer >= -1) & (layer <= top)).all()) or bool((layer[kind == EMBEDDING] != -1).any()):
+        raise bad("node_layer", f"has layers outside [-1, {top}] (embeddings -1, logits {top})")
+    bias = kind == BIAS
+    if bool((pos[bias] != -1).any()) or not bool(((pos[~bias] >= 0) & (pos[~bias] < n_pos)).all()):
+        raise bad("node_pos", f"has positions outside [0, {n_pos}) (-1 only for bias nodes)")
+    if bool((t["node_index"] < -1).any()) or bool((t["tokens"] < 0).any()) or bool((t["layout_ids"] < 0).any()):
+        raise bad("node_index" if bool((t["node_index"] < -1).any()) else
+                  "tokens" if bool((t["tokens"] < 0).any()) else "layout_ids", "has negative entries")
+    for key, v in t.items():
+        if key.startswith("qk.") and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise bad(key, "has non-finite values (NaN/inf)")
+    probs = t["logit_probs"]
+    if probs.numel() != int(logits.sum()) or not bool(((probs >= 0) & (probs <= 1)).all()):
+        raise bad("logit_probs", f"must hold one probability in [0, 1] per logit node ({int(logits.sum())})")

@@ -100,9 +100,13 @@ def top_p_logits(logits: torch.Tensor, desired_prob: float = 0.95, max_n: int = 
     defaults), or the given ``tokens``."""
     probs = logits.float().softmax(-1)
     if tokens is not None:
-        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        raw = torch.as_tensor(tokens)
+        if raw.is_floating_point() or raw.dtype == torch.bool:
+            raise ConfigMismatchError(f"logit tokens (logit_tokens=...) must be integer ids, got {tokens!r}")
+        ids = raw.long().reshape(-1)
         if ids.numel() == 0 or ids.min() < 0 or ids.max() >= probs.numel():
-            raise ConfigMismatchError(f"logit tokens must be ids in [0, {probs.numel()}), got {ids.tolist()}")
+            raise ConfigMismatchError(f"logit tokens (logit_tokens=...) must be ids in [0, {probs.numel()}), "
+                                      f"got {ids.tolist()}")
         return ids, probs[ids]
     p, ids = probs.sort(descending=True)
     n = int((p.cumsum(0) < desired_prob).sum()) + 1

@@ -140,7 +140,7 @@ class PruneConfig:
     def __post_init__(self) -> None:
         for name in ("node_threshold", "edge_threshold"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigMismatchError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise ConfigMismatchError(f"prune: {name} must be in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.keep_mass <= 1.0:
             raise ConfigMismatchError(f"keep_mass must be in (0, 1], got {self.keep_mass}")
 
@@ -153,7 +153,8 @@ class PruneConfig:
         """
         if prune is None or isinstance(prune, PruneConfig):
             return prune
-        if isinstance(prune, tuple) and len(prune) == 2:
+        if isinstance(prune, tuple) and len(prune) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in prune):
             return cls(float(prune[0]), float(prune[1]))
         raise ConfigMismatchError(f"prune must be a PruneConfig or (node_threshold, edge_threshold), got {prune!r}")
 

@@ -28,7 +28,8 @@ import torch
 
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
-from ..errors import ShapeError
+from ..envoy.tokens import tokenizer_of
+from ..errors import ArgumentError, ShapeError
 from .layout import Layout, build_layout
 from .replacement import FrozenReplacement, copies_in, layer_modules, replacement_modules, weights_in
 
@@ -109,15 +110,28 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
 
     Raises:
         ShapeError: not one non-empty sequence.
+        ArgumentError: ids that are not integers, or outside the model's vocabulary.
+        MissingTokenizerError: a string prompt for a model loaded without a tokenizer.
     """
     if isinstance(prompt, str):
-        ids = model.tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+        ids = tokenizer_of(model, "attribute(prompt=<text>)")(prompt, return_tensors="pt")["input_ids"][0]
     else:
-        ids = torch.as_tensor(prompt, dtype=torch.long)
+        try:
+            raw = torch.as_tensor(prompt)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ArgumentError(f"a prompt must be text or token ids, got {type(prompt).__name__}: {e}") from e
+        if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
+            raise ArgumentError(f"prompt token ids must be integers, got dtype {raw.dtype}")
+        ids = raw.long()
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ShapeError(f"a prompt must be one sequence of token ids, got shape {tuple(ids.shape)}")
+    embed = getattr(getattr(model, "_module", model), "get_input_embeddings", lambda: None)()
+    vocab = getattr(embed, "num_embeddings", None)
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ArgumentError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary), got "
+                            f"min {int(ids.min())}, max {int(ids.max())}")
     return ids
 
 

@@ -8,6 +8,9 @@
 * Targets of interventions: :class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`; a place in the
   model whose activations are read: :class:`Site` (:mod:`.read`).
 
+Models without a tokenizer: :func:`load_tokenizer` (:mod:`.tokens`) gives ``TransformersModel`` a
+stand-in that takes token ids everywhere and refuses text with ``MissingTokenizerError``.
+
 Mechanism: :mod:`.splice_chain` (one replacement over one or several sites, error terms), every
 use of nnsight's private internals in :mod:`.nnsight_internals`. See docs/nnsight.md.
 """
@@ -18,7 +21,8 @@ from .read import Site
 from .replacement_model import ReplacementModel
 from .sae_set import SAESet
 from .targets import Feature, LorsaHead, MHSAHead
+from .tokens import load_tokenizer
 from .transcoder_set import TranscoderSet
 
 __all__ = ["CLTSet", "Feature", "LorsaHead", "LorsaSet", "MHSAHead", "ReplacementModel", "SAESet", "Site",
-           "TranscoderSet"]
+           "TranscoderSet", "load_tokenizer"]

@@ -26,6 +26,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..modules.clt import CrossLayerTranscoder
+from .replacement_set import check_flag
 from .splice_chain import SpliceChain, splice_chain
 
 
@@ -49,6 +50,9 @@ class CLTSet:
     def __init__(self, model: Any, clt: CrossLayerTranscoder, adapter: ArchitectureAdapter | None = None) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
+        if not isinstance(clt, CrossLayerTranscoder):
+            raise ConfigMismatchError(f"CLTSet holds one CrossLayerTranscoder, got a {type(clt).__name__} "
+                                      "(per-layer transcoders go in a TranscoderSet)")
         if clt.cfg.d_in != self.adapter.d_model:
             raise ConfigMismatchError(f"CLT has d_model={clt.cfg.d_in}, the model has {self.adapter.d_model}")
         if clt.n_layers > self.adapter.n_layers:
@@ -121,4 +125,4 @@ class CLTSet:
             TraceOrderError: the model already ran one of the MLPs in this pass.
             TraceOrderError: called outside a trace.
         """
-        return splice_chain(self.model, self.site(), self.clt, error=error)
+        return splice_chain(self.model, self.site(), self.clt, error=check_flag(error, "error", "CLTSet.replace"))

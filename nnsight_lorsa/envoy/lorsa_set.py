@@ -20,8 +20,8 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..modules.lorsa import Lorsa, LorsaKV
-from .nnsight_internals import current_worker, run_kwargs
-from .replacement_set import load_keyed, replace_keys
+from .nnsight_internals import current_worker, run_kwargs, traced_method
+from .replacement_set import check_flag, load_keyed, replace_keys
 from .splice_chain import SpliceChain, splice_chain
 
 #: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a
@@ -89,6 +89,9 @@ class LorsaSet:
 
     # ---------------------------------------------------------------- mapping
     def __setitem__(self, layer: int, module: Lorsa) -> None:
+        if not isinstance(module, Lorsa):
+            raise ConfigMismatchError(f"LorsaSet holds Lorsa modules; got a {type(module).__name__} for layer "
+                                      f"{layer!r} (transcoders go in a TranscoderSet, SAEs in an SAESet)")
         self.adapter.check_layer(layer)
         cfg = module.cfg
         if cfg.d_model != self.adapter.d_model:
@@ -235,7 +238,7 @@ class LorsaSet:
         Args:
             layer: layer index, several, or None for every layer of the set.
             error: add the exact error term ``MHSA − Lorsa`` (through ``hook_error``): the
-                model's outputs are then those of the unmodified model (fp32 < 1e-5), while
+                model's outputs are then those of the unmodified model (fp32: ≤ 1e-5 · max |logit|), while
                 edits to the Lorsa's internals still change them (the error is held fixed).
 
         Raises:
@@ -244,13 +247,19 @@ class LorsaSet:
                 inside ``tracer.iter[...]`` at a step after the first).
             TraceOrderError: called outside a trace.
             UnsupportedGenerationError: inside ``model.generate`` with beam search, contrastive search,
-                assisted or prompt-lookup decoding (here, or at the first cached step when the
-                setting comes from the model's ``generation_config``).
+                assisted or prompt-lookup decoding — here, before the model runs, also when the setting
+                comes from the model's ``generation_config`` (where the traced method cannot be told,
+                e.g. on a server, at the first cached step).
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
+        check_flag(error, "error", "LorsaSet.replace")
         layers, single = replace_keys(layer, int, self.layers, "LorsaSet.replace(layer=...)")
-        generation = run_kwargs(current_worker("LorsaSet.replace").interleaver)
-        check_generation(generation)
+        interleaver = current_worker("LorsaSet.replace").interleaver
+        generation = run_kwargs(interleaver)
+        # a generate() takes what its kwargs leave unset from the model's generation_config: check both
+        # now, before the first token (in a plain trace the generation_config plays no part)
+        hf_config = getattr(getattr(self.model, "_module", None), "generation_config", None)
+        check_generation(generation, hf_config if traced_method(interleaver) == "generate" else None)
         envoys = {}
         for L in layers:
             module = self[L]

@@ -14,7 +14,13 @@ nnsight version is checked here and nowhere else. What is used:
 * ``nnsight.intervention.interleaver.OutOfOrderError`` — thrown into a worker still parked when the run
   is over (:func:`park_or_end`);
 * ``interleaver.batcher.kwargs`` / ``extra_kwargs`` — the keyword arguments of the traced call
-  (``generate``'s ``num_beams`` …, :func:`run_kwargs`).
+  (``generate``'s ``num_beams`` …, :func:`run_kwargs`);
+* ``Envoy.interleave``'s frame (its ``fn`` local, found through the worker greenlet's parents) — which
+  model method the trace runs (``"generate"`` or the forward, :func:`traced_method`);
+* ``Envoy.interleaver``, ``Mediator.worker`` (a greenlet) and ``getcurrent`` as the interleaver module
+  imports it from greenlet — whether another thread is running a trace of the same model
+  (:func:`check_one_thread`; nnsight's greenlets are bound to their thread), and which worker is
+  running (:func:`park_or_end`).
 
 Mounting: a replacement module becomes an envoy of the running trace by being attached as a child
 of a model module (nnsight mirrors it and instruments it with its controller); when its trace ends
@@ -40,7 +46,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
-from ..errors import TraceOrderError
+from ..errors import ConcurrentTraceError, TraceOrderError
 
 
 def strip_nnsight(module: nn.Module) -> None:
@@ -111,12 +117,15 @@ def current_worker(what: str) -> Mediator:
 
     Raises:
         TraceOrderError: not inside a ``model.trace(...)`` / ``model.generate(...)`` body.
+        ConcurrentTraceError: another thread is running a trace of the same model (:func:`check_one_thread`).
     """
     try:
-        return Mediator.current(what)
+        worker = Mediator.current(what)
     except ValueError as e:  # nnsight: "Cannot access `<what>` outside of interleaving."
         raise TraceOrderError(f"{what}() must be called inside a model.trace(...) body, before the model "
                               "reaches the site it replaces") from e
+    check_one_thread(worker, what)
+    return worker
 
 
 def find_worker(interleaver: Any, tag: Any) -> FunctionWorker | None:
@@ -171,10 +180,19 @@ def park_or_end(read: Callable[[], Any]) -> tuple[bool, Any]:
     nnsight throws ``OutOfOrderError`` into a worker still parked once the model has finished
     (``Interleaver.check_dangling_mediators``); a worker that waits for a *next* forward pass
     which never comes (the last step of a generation, or a one-pass trace) ends quietly with this.
+    An ``OutOfOrderError`` about another worker's request (``Mediator.pending``, in the message)
+    passes through.
     """
     try:
         return True, read()
-    except OutOfOrderError:
+    except OutOfOrderError as e:
+        # only the end of the run for *this* worker: a trace body parked on a replacement's internals
+        # that the run never reached (an out-of-order read) dies with its own OutOfOrderError, which
+        # greenlet hands to the worker that last resumed it — this one — and which must stand
+        me = getattr(_current_greenlet(), "mediator", lambda: None)()
+        pending = getattr(me, "pending", None)
+        if pending is not None and f"'{pending}'" not in str(e):
+            raise
         return False, None
 
 
@@ -192,3 +210,64 @@ def run_kwargs(interleaver: Any) -> dict:
 def pinned_step(worker: Mediator) -> int | None:
     """The generation step a trace body's worker is in: its ``tracer.iter`` pin, None when relaxed."""
     return worker.iteration
+
+
+def _current_greenlet() -> Any:
+    """The running greenlet, through nnsight's module (so that code shipped to NDIF names no ``greenlet``
+    module: the server's unpickling and import whitelists have nnsight, not greenlet)."""
+    from nnsight.intervention import interleaver
+
+    return interleaver.getcurrent()
+
+
+def traced_method(interleaver: Any) -> str | None:
+    """The name of the model method the running trace of ``interleaver`` calls (``"generate"`` for
+    ``model.generate(...)``, ``"_call"`` for ``model.trace(...)``); None when it cannot be told (e.g. on
+    a remote server). Called from a trace body's worker: the caller's thread is suspended in
+    ``Envoy.interleave(fn, ...)``, a parent of the worker greenlet. (Only nnsight is imported: this
+    runs on NDIF servers too, whose import whitelist has neither ``greenlet`` nor ``sys``.)"""
+    from nnsight.intervention.envoy import Envoy
+
+    code = Envoy.interleave.__code__
+    g: Any = _current_greenlet().parent
+    while g is not None:
+        frame = g.gr_frame
+        while frame is not None:
+            if frame.f_code is code and getattr(frame.f_locals.get("self"), "interleaver", None) is interleaver:
+                fn = frame.f_locals.get("fn")
+                return fn if isinstance(fn, str) else getattr(fn, "__name__", None)
+            frame = frame.f_back
+        g = g.parent
+    return None
+
+
+def _thread_root(g: Any) -> Any:
+    """The main greenlet of the thread ``g`` belongs to (greenlets never change thread)."""
+    while g.parent is not None:
+        g = g.parent
+    return g
+
+
+def check_one_thread(model: Any, what: str) -> None:
+    """Raise :class:`ConcurrentTraceError` when another thread is running a trace of ``model`` (an
+    envoy, or a worker of one of its traces) now.
+
+    Looks at the live workers of the model's interleaver: a worker greenlet belongs to the thread that
+    started its trace; one from another thread (or a run in progress without one from this thread)
+    means two threads share the model's one interleaver, which nnsight does not support (it fails
+    with "parent cannot be on a different thread" or corrupts the other thread's run).
+    """
+    interleaver = getattr(model, "interleaver", None)
+    if interleaver is None:
+        return
+    here = _thread_root(_current_greenlet())
+    live = [m.worker for m in list(interleaver.mediators) if getattr(m, "worker", None) is not None
+            and not m.worker.dead]
+    other = [w for w in live if _thread_root(w) is not here]
+    if other or (interleaver.interleaving and not live):
+        raise ConcurrentTraceError(
+            f"{what}: another thread is running a trace of this model right now. nnsight traces are "
+            "per-thread (one interleaver per model; its intervention greenlets belong to the thread that "
+            "started the trace), so two threads cannot trace one model at once. Run the traces one after "
+            "another (e.g. a threading.Lock around each `with model.trace(...)` block) or give each thread "
+            "its own model object.")

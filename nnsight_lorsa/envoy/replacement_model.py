@@ -31,6 +31,8 @@ from ..errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
 from ..modules.clt import CrossLayerTranscoder
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
+from .nnsight_internals import check_one_thread
+from .replacement_set import check_flag
 from .sae_set import SAESet
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
 from .transcoder_set import TranscoderSet
@@ -92,7 +94,13 @@ class ReplacementModel:
 
     # ------------------------------------------------------------ running
     def trace(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.trace(...)`` of the underlying nnsight model (nothing is spliced until :meth:`replace`)."""
+        """``model.trace(...)`` of the underlying nnsight model (nothing is spliced until :meth:`replace`).
+
+        Raises:
+            ConcurrentTraceError: another thread is running a trace of the same model (nnsight traces are
+                per-thread; docs/nnsight.md).
+        """
+        check_one_thread(self.model, "ReplacementModel.trace")
         return self.model.trace(*args, **kwargs)
 
     def replace(self, *, error: bool | None = None) -> dict[str, Any]:
@@ -105,7 +113,7 @@ class ReplacementModel:
             TraceOrderError: called after the model reached one of the sites in this forward pass.
             TraceOrderError: called outside a trace.
         """
-        err = self.error if error is None else bool(error)
+        err = self.error if error is None else check_flag(error, "error", "ReplacementModel.replace")
         keyed: list[tuple[tuple[float, float], str, Any]] = []
         for layer in self.lorsas or ():
             keyed.append((self.order(LorsaHead(layer, 0)), "lorsas", layer))

@@ -25,7 +25,7 @@ M = TypeVar("M", bound=nn.Module)
 
 def _one_key(key: Any, key_type: type, what: str) -> Any:
     if key_type is int:
-        if isinstance(key, (bool, float, str, bytes)):
+        if isinstance(key, (bool, float, str, bytes)) or getattr(key, "ndim", 0) != 0:
             raise ArgumentError(f"{what} must be an int layer index, got {key!r} ({type(key).__name__})")
         try:
             return operator.index(key)  # ints, numpy integers, 0-d integer tensors
@@ -34,6 +34,13 @@ def _one_key(key: Any, key_type: type, what: str) -> Any:
     if key_type is str and not isinstance(key, str):
         raise ArgumentError(f"{what} must be a module path (str), got {key!r} ({type(key).__name__})")
     return key
+
+
+def check_flag(value: Any, name: str, what: str) -> bool:
+    """``value`` if it is a ``bool`` (``error=True``), else :class:`ArgumentError` naming ``what(name=...)``."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{what}({name}=...) must be True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[list, bool]:
@@ -48,7 +55,9 @@ def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[l
         return list(all_keys), False
     if isinstance(key, key_type) and not isinstance(key, bool):
         return [key], True
-    if isinstance(key, Iterable) and not isinstance(key, (str, bytes)):
+    if isinstance(key, Mapping):
+        raise ArgumentError(f"{what}: got a mapping {key!r}; pass one key or a list of keys")
+    if isinstance(key, Iterable) and not isinstance(key, (str, bytes)) and getattr(key, "ndim", 1) != 0:
         keys = [_one_key(k, key_type, what) for k in key]
         if not keys:
             raise ArgumentError(f"{what}: an empty list names nothing to replace (None replaces every one)")
@@ -76,6 +85,7 @@ def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any
     items = sources.items() if isinstance(sources, Mapping) else [
         (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
     found: dict = {}
+    names: dict = {}
     for key, src in items:
         for name, module in load_all(src, format=format, **kwargs).items():
             if not isinstance(module, module_type):
@@ -84,8 +94,9 @@ def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any
             if k is None:
                 raise ConfigMismatchError(f"{src}: {name} names no {key_name}; pass {{{key_name}: {str(src)!r}}}")
             if k in found:
-                raise ConfigMismatchError(f"{src}: a second {noun.split(maxsplit=1)[-1]} for {key_name} {k!r}")
-            found[k] = module
+                raise ConfigMismatchError(f"{src}: {name} is a second {noun.split(maxsplit=1)[-1]} for {key_name} "
+                                          f"{k!r} (the first came from {names[k]}); keep one")
+            found[k], names[k] = module, name
     return found
 
 
@@ -160,6 +171,7 @@ class ReplacementSet(Mapping[K, M], Generic[K, M]):
         Returns the module's envoy for a single key, else a dict ``{key: envoy}``. See the
         subclass for what is replaced and the envoys' children.
         """
+        check_flag(error, "error", f"{type(self).__name__}.replace")
         keys, single = replace_keys(key, self.key_type, list(self), f"{type(self).__name__}.replace")
         envoys = {k: self.splice_one(k, self[k], error) for k in keys}
         return envoys[keys[0]] if single else envoys

@@ -115,7 +115,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         Args:
             site: a site path of the set, several, or None for all.
             error: add the exact error term ``x − SAE(x)`` (through ``hook_error``): the model's
-                outputs are then the unmodified model's (fp32 < 1e-5), while edits to the
+                outputs are then the unmodified model's (fp32: ≤ 1e-5 · max |logit|), while edits to the
                 features still change them (the error is held fixed).
 
         Raises:

@@ -98,7 +98,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         Args:
             layer: layer index, several, or None for every layer of the set.
             error: add the exact error term ``MLP − transcoder`` (through ``hook_error``): the
-                model's outputs are then the unmodified model's (fp32 < 1e-5), while edits to the
+                model's outputs are then the unmodified model's (fp32: ≤ 1e-5 · max |logit|), while edits to the
                 features still change them (the error is held fixed).
 
         Raises:

@@ -40,7 +40,7 @@ from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, check_size, check_tensor_inventory, config_size
+from .validate import build_module, check_d_model, check_file_tensors, check_size, check_tensor_inventory, config_size
 
 CONFIG_FILE = "config.yaml"
 HUB_FILES = (CONFIG_FILE, "*.safetensors")
@@ -97,6 +97,9 @@ def choose_reader(directory: Path) -> Reader:
         UnsupportedArchitectureError: another ``model_kind`` (naming ``config.yaml``).
     """
     kind = read_yaml_object(directory / CONFIG_FILE).get("model_kind")
+    if not isinstance(kind, (str, type(None))):
+        raise UnsupportedArchitectureError(f"{directory / CONFIG_FILE}: key 'model_kind' is {kind!r}; supported: "
+                                           "'transcoder_set', 'cross_layer_transcoder'")
     if kind is None:
         kind = "cross_layer_transcoder" if (directory / "W_enc_0.safetensors").is_file() else "transcoder_set"
     if kind not in KINDS:
@@ -108,6 +111,8 @@ def choose_reader(directory: Path) -> Reader:
 # --------------------------------------------------------------------------- per-layer transcoders
 def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int, Path]:
     listed = cfg.get("transcoders")
+    if listed is not None and not isinstance(listed, list):
+        raise CheckpointError(f"{config_path}: key 'transcoders' must be a list of files, got {listed!r}")
     if isinstance(listed, list) and listed:
         files: dict[int, Path] = {}
         for i, entry in enumerate(listed):
@@ -124,7 +129,12 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
             if not name.endswith(".safetensors"):
                 raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; only .safetensors "
                                       "files are read")
-            files[int(layer)] = path / name
+            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has layer {layer!r}; "
+                                      "expected an int >= 0")
+            if layer in files:
+                raise CheckpointError(f"{config_path}: key 'transcoders' lists layer {layer} twice")
+            files[layer] = path / name
         return files
     files = _numbered(path, r"layer_(\d+)\.safetensors")
     if not files:
@@ -167,7 +177,7 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
     config_path = directory / CONFIG_FILE
     cfg = _model_kind(directory, "transcoder_set")
     act_name = cfg.get("activation") or "relu"
-    act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name)
+    act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name) if isinstance(act_name, str) else act_name
     if act_name not in ("relu", "topk", "jumprelu"):
         raise UnsupportedArchitectureError(f"{config_path}: key 'activation' is {act_name!r}; "
                                            "supported: relu, topk, jump_relu")
@@ -177,6 +187,10 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
         layers[layer] = (file, *_layer_config(file, layer, act_name, params, cfg, d_model))
     if sorted(layers) != list(range(len(layers))):
         raise CheckpointError(f"{directory}: transcoders must cover layers 0..n-1, found {sorted(layers)}")
+    widths = {layer: (entry[1].d_in, entry[1].d_out) for layer, entry in layers.items()}
+    if len(set(widths.values())) > 1:
+        raise CheckpointError(f"{directory}: the layer files disagree on (d_model, d_out) (from W_enc / b_dec): "
+                              + ", ".join(f"{layers[k][0].name} {v}" for k, v in sorted(widths.items())))
     return Parsed(directory, {layer: entry[1] for layer, entry in layers.items()},
                   {"layers": layers, "yaml": cfg})
 
@@ -191,6 +205,7 @@ def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[
     out: dict[int, dict[str, torch.Tensor]] = {}
     for layer, (file, tcfg, _, _) in parsed.settings["layers"].items():
         state = load_safetensors(file)
+        check_file_tensors(file, state)
         ours = {"W_enc": state["W_enc"].T.contiguous(), "b_enc": state["b_enc"], "W_dec": state["W_dec"],
                 "b_dec": state["b_dec"]}
         if "W_skip" in state:
@@ -289,6 +304,7 @@ def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]
         shapes, _ = read_safetensors_header(file)
         check_tensor_inventory(file, shapes, expected, src)
         state = load_safetensors(file)
+        check_file_tensors(file, state)
         W_enc.append(state[f"W_enc_{i}"].T)
         b_enc.append(state[f"b_enc_{i}"])
         b_dec.append(state[f"b_dec_{i}"])
@@ -299,7 +315,9 @@ def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]
         dec_file = directory / f"W_dec_{i}.safetensors"
         dec_shapes, _ = read_safetensors_header(dec_file)
         check_tensor_inventory(dec_file, dec_shapes, {f"W_dec_{i}": (d_sae, n - i, d)}, src)
-        ours[f"W_dec_{i}"] = load_safetensors(dec_file)[f"W_dec_{i}"]
+        dec = load_safetensors(dec_file)
+        check_file_tensors(dec_file, dec)
+        ours[f"W_dec_{i}"] = dec[f"W_dec_{i}"]
     ours["W_enc"] = torch.stack(W_enc)
     ours["b_enc"] = torch.stack(b_enc)
     ours["b_dec"] = torch.stack(b_dec)

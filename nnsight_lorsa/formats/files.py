@@ -99,6 +99,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from e
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from e
+    except RecursionError as e:  # e.g. "[[[[…]]]]" nested deeper than the interpreter's stack
+        raise CheckpointError(f"{path}: JSON nested too deeply to parse") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -116,7 +118,7 @@ def read_yaml_object(path: Path) -> dict[str, Any]:
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+    except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not readable YAML ({e})") from e
     if data is None:
         return {}

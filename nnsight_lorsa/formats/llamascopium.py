@@ -181,6 +181,8 @@ def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | N
             f"{path}: key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head={d_qk_head}]"
         )
     base = float(config_value(raw, "rotary_base", path, (int, float), 10000))
+    if not base > 0:
+        raise CheckpointError(f"{path}: key 'rotary_base' must be a positive number, got {base!r}")
     interleaved = config_value(raw, "rotary_adjacent_pairs", path, bool, True)
     if config_value(raw, "use_NTK_by_parts_rope", path, bool, False):
         scaling = {

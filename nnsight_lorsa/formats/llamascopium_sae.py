@@ -54,7 +54,15 @@ from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_scalar, check_tensor_inventory, config_size, config_value, scaled_size
+from .validate import (
+    check_d_model,
+    check_file_tensors,
+    check_scalar,
+    check_tensor_inventory,
+    config_size,
+    config_value,
+    scaled_size,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -129,6 +137,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     d, f, act, use_bias = cfg.d_in, cfg.d_sae, cfg.activation, settings["use_bias"]
     extra = cfg.extra["llamascopium"]
     state = load_safetensors(weights_path)
+    check_file_tensors(weights_path, state, exempt=(NORM_PREFIX, *_IGNORED))
     norms = {k[len(NORM_PREFIX):]: state.pop(k) for k in list(state) if k.startswith(NORM_PREFIX)}
     for k in _IGNORED:
         state.pop(k, None)

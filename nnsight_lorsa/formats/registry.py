@@ -101,7 +101,8 @@ def _files(*names: str) -> Callable[[Path], bool]:
 
 def _by_config_key(config: str, key: str, readers: dict[Any, Reader], default: Reader) -> Callable[[Path], Reader]:
     def choose(directory: Path) -> Reader:
-        return readers.get(read_json_object(directory / config).get(key), default)
+        value = read_json_object(directory / config).get(key)
+        return readers.get(value, default) if isinstance(value, str) else default
     return choose
 
 
@@ -349,7 +350,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
     Raises:
         UnsupportedArchitectureError: an unknown format, one without a writer, or a module the
             format cannot express (e.g. a non-TopK coder for sparsify).
-        TypeError: an object the format does not write.
+        ArgumentError: an object the format does not write (a ``TypeError``).
         CheckpointError: a config that is not JSON-serialisable.
     """
     fmt = _format(format)
@@ -359,5 +360,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
     for types, write in fmt.writers:
         if isinstance(obj, types):
             return write(obj, path, **options)
-    raise TypeError(f"format {format!r} does not write a {type(obj).__name__}")
+    writes = [getattr(t, "__name__", t) for types, _ in fmt.writers
+              for t in (types if isinstance(types, tuple) else (types,))]
+    raise ArgumentError(f"format {format!r} does not write a {type(obj).__name__}; it writes {writes}")
 

@@ -90,13 +90,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_tensor_inventory, config_size, config_value
+from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -135,6 +135,8 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
     arch = raw.get("architecture")
     if arch is None:
         arch = _infer_architecture(raw, path)
+    if not isinstance(arch, str):
+        raise UnsupportedArchitectureError(f"{path}: key 'architecture' must be a string, got {arch!r}")
     if arch in REFUSED:
         raise UnsupportedArchitectureError(f"{path}: key 'architecture' is {arch!r}: {REFUSED[arch]}")
     if arch not in ARCHITECTURES:
@@ -297,6 +299,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     arch = parsed.settings["architecture"]
     read_safetensors_header(weights_path)
     state = load_safetensors(weights_path)
+    check_file_tensors(weights_path, state)
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
     if parsed.config.activation == "batchtopk":  # batchtopk, matryoshka_batchtopk
@@ -436,6 +439,9 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     """
     from safetensors.torch import save_file
 
+    for name, value in (("hook_name", hook_name), ("model_name", model_name)):
+        if value is not None and not isinstance(value, str):
+            raise ArgumentError(f"save_saelens({name}=...) must be a string or None, got {value!r}")
     kind = "skip_transcoder" if isinstance(module, SkipTranscoder) else (
         "transcoder" if isinstance(module, Transcoder) else "sae")
     arch = _ARCH_OF.get((kind, module.cfg.activation))

@@ -97,7 +97,7 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     if doc.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{config_path}: key 'version' is {doc.get('version')!r}, expected {FORMAT_VERSION}")
     kind = doc.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise CheckpointError(f"{config_path}: key 'kind' is {kind!r}; known: {sorted(KINDS)}")
     raw_cfg = doc.get("config")
     if not isinstance(raw_cfg, dict):

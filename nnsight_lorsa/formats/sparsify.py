@@ -49,7 +49,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_tensor_inventory, config_size, config_value, scaled_size
+from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value, scaled_size
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae.safetensors"
@@ -114,6 +114,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     cfg = parsed.config
     d_in, num_latents, skip = cfg.d_in, cfg.d_sae, parsed.settings["cls"] is SkipTranscoder
     state = load_safetensors(weights_path)
+    check_file_tensors(weights_path, state)
     expected = {"encoder.weight": (num_latents, d_in), "encoder.bias": (num_latents,),
                 "W_dec": (num_latents, d_in), "b_dec": (d_in,)}
     if skip:

@@ -12,7 +12,9 @@ Config fields (from ``config.json`` / ``cfg.json`` / ``config.yaml``):
 Tensors (from safetensors files), before a module is built:
 
 * :func:`check_tensor_inventory` — missing / unexpected tensors and shapes against the config.
-* :func:`check_tensors` — floating dtypes where the module holds floats, every value finite.
+* :func:`check_tensors` — floating dtypes where the module holds floats, every value finite;
+  :func:`check_file_tensors` — the same on a file's tensors under the file's own names (before a
+  reader renames, transposes or folds them).
 * :func:`check_scalar` — 0-d statistics (e.g. dataset norms) finite and positive.
 * :func:`build_module` — all of the above against the module's own state dict, then the module is
   allocated (no random init) and loaded strictly.
@@ -40,8 +42,8 @@ MAX_SIZE = 1 << 24
 M = TypeVar("M", bound=nn.Module)
 _REQUIRED: Any = ...
 
-__all__ = ["MAX_SIZE", "build_module", "check_d_model", "check_scalar", "check_size", "check_tensor_inventory",
-           "check_tensors", "config_size", "config_value", "scaled_size"]
+__all__ = ["MAX_SIZE", "build_module", "check_d_model", "check_file_tensors", "check_scalar", "check_size",
+           "check_tensor_inventory", "check_tensors", "config_size", "config_value", "scaled_size"]
 
 
 def _type_name(kind: type | tuple[type, ...]) -> str:
@@ -146,7 +148,7 @@ def check_tensor_inventory(
 
     Raises:
         CheckpointError: ``"{path}: missing tensors [...]; unexpected tensors [...]; tensor 'k' has
-            shape (…) but {source} implies (…)"`` (every problem in one message).
+            shape (…) but {source} implies (…) (expected from {source})"`` (every problem in one message).
     """
     problems = []
     missing = sorted(set(expected) - set(found))
@@ -161,7 +163,7 @@ def check_tensor_inventory(
                 f"tensor {key!r} has shape {tuple(found[key])} but {source} implies {tuple(expected[key])}"
             )
     if problems:
-        raise CheckpointError(f"{path}: " + "; ".join(problems))
+        raise CheckpointError(f"{path}: " + "; ".join(problems) + f" (expected from {source})")
 
 
 def check_tensors(path: Path | str, state: Mapping[str, torch.Tensor],
@@ -182,6 +184,16 @@ def check_tensors(path: Path | str, state: Mapping[str, torch.Tensor],
                 raise CheckpointError(f"{path}: tensor {key!r} has {bad} non-finite values (NaN/inf)")
 
 
+def check_file_tensors(path: Path | str, state: Mapping[str, torch.Tensor], exempt: tuple[str, ...] = ()) -> None:
+    """Every tensor of a file (``state``, the file's own names) floating and finite, except the keys
+    starting with one of ``exempt`` (buffers such as a causal mask or an unset norm placeholder).
+
+    Raises:
+        CheckpointError: ``"{path}: tensor {key!r} has non-floating dtype …"`` / ``"… non-finite values"``.
+    """
+    check_tensors(path, {k: v for k, v in state.items() if not k.startswith(exempt)})
+
+
 def build_module(
     factory: Callable[[], M],
     state: Mapping[str, torch.Tensor],
@@ -200,8 +212,11 @@ def build_module(
             (the config, named in the message) implies, a non-floating or non-finite tensor —
             naming ``path`` and the key.
     """
-    with torch.device("meta"):
-        module = factory()
+    try:
+        with torch.device("meta"):
+            module = factory()
+    except CheckpointError as e:  # a config the module refuses (e.g. activation parameters): name the source
+        raise CheckpointError(f"{path}: {source} does not describe a valid module: {e}") from e
     reference = module.state_dict()
     check_tensor_inventory(path, {k: tuple(v.shape) for k, v in state.items()},
                            {k: tuple(v.shape) for k, v in reference.items()}, source)

@@ -100,7 +100,7 @@ class TopK(nn.Module):
 
     def __init__(self, k: int) -> None:
         super(TopK, self).__init__()
-        if not isinstance(k, int) or k <= 0:
+        if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
             raise CheckpointError(f"TopK needs a positive int k, got {k!r}")
         self.k = k
 
@@ -312,7 +312,12 @@ def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = No
     Raises:
         CheckpointError: unknown name, or parameters the activation does not take.
     """
+    if params is not None and not isinstance(params, Mapping):
+        raise CheckpointError(f"activation_params of {name!r} must be a mapping, got {params!r}")
     params = dict(params or {})
+    k = params.get("k")
+    if name in ("topk", "batchtopk") and isinstance(k, int) and not isinstance(k, bool) and k > d_sae:
+        raise CheckpointError(f"{name} k = {k} exceeds the number of features d_sae = {d_sae}")
     try:
         if name == "relu":
             return ReLU(**params)

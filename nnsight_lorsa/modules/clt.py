@@ -50,6 +50,7 @@ class CLTConfig(SparseCoderConfig):
     skip: bool = False
 
     _sizes: ClassVar[tuple[str, ...]] = ("d_in", "d_sae", "n_layers")
+    _flags: ClassVar[dict[str, type]] = {"skip": bool}
 
     @property
     def d_model(self) -> int:

@@ -47,8 +47,22 @@ class LorsaConfig(FieldsRepr):
     def __post_init__(self) -> None:
         for name in ("d_model", "n_qk_heads", "d_qk_head", "n_ov_heads", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise CheckpointError(f"LorsaConfig.{name} must be a positive int, got {value!r}")
+        for name in ("qk_norm", "use_decoder_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(f"LorsaConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("attn_scale", "qk_norm_eps"):
+            value = getattr(self, name)
+            if value is None and name == "attn_scale":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise CheckpointError(f"LorsaConfig.{name} must be a positive finite number, got {value!r}")
+        if self.layer is not None and (not isinstance(self.layer, int) or isinstance(self.layer, bool)
+                                       or self.layer < 0):
+            raise CheckpointError(f"LorsaConfig.layer must be a layer index (int >= 0) or None, got {self.layer!r}")
+        if self.rotary is not None and not isinstance(self.rotary, RotaryConfig):
+            raise CheckpointError(f"LorsaConfig.rotary must be a RotaryConfig or None, got {self.rotary!r}")
         if self.n_ov_heads % self.n_qk_heads:
             raise CheckpointError(
                 f"n_ov_heads ({self.n_ov_heads}) must be a multiple of n_qk_heads ({self.n_qk_heads})"
@@ -85,6 +99,8 @@ class LorsaConfig(FieldsRepr):
             raise CheckpointError(f"unknown LorsaConfig keys {unknown}")
         d = dict(d)
         if d.get("rotary") is not None:
+            if not isinstance(d["rotary"], dict):
+                raise CheckpointError(f"LorsaConfig.rotary must be a mapping or None, got {d['rotary']!r}")
             d["rotary"] = RotaryConfig.from_dict(d["rotary"])
         try:
             return cls(**d)

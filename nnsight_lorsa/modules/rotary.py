@@ -50,7 +50,21 @@ class RotaryConfig(FieldsRepr):
     attention_scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+        for name in ("head_dim", "rotary_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"RotaryConfig.{name} must be an int, got {value!r}")
+        for name in ("base", "attention_scaling"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"RotaryConfig.{name} must be a positive finite number, got {value!r}")
+        if not isinstance(self.interleaved, bool):
+            raise ValueError(f"RotaryConfig.interleaved must be a bool, got {self.interleaved!r}")
+        if not isinstance(self.scaling, dict) or any(
+                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0
+                for v in self.scaling.values()):
+            raise ValueError(f"RotaryConfig.scaling must map names to positive finite numbers, got {self.scaling!r}")
+        if not isinstance(self.rope_type, str) or self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
                 f"rope_type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
@@ -69,7 +83,8 @@ class RotaryConfig(FieldsRepr):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RotaryConfig:
-        return cls(**{**d, "scaling": dict(d.get("scaling") or {})})
+        scaling = d.get("scaling") or {}
+        return cls(**{**d, "scaling": dict(scaling) if isinstance(scaling, dict) else scaling})
 
 
 def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:

@@ -59,6 +59,8 @@ class SAEConfig(SparseCoderConfig):
             raise CheckpointError(f"SAEConfig.normalize_activations is {self.normalize_activations!r}; "
                                   f"known: {list(NORMALIZATIONS)}")
 
+    _flags: ClassVar[dict[str, type]] = {"apply_b_dec_to_input": bool}
+
 
 class SparseAutoencoder(SparseCoder):
     """An SAE on ``d_in``-wide activations; see the module docstring for the equations.

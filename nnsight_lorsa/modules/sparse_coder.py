@@ -56,14 +56,23 @@ class SparseCoderConfig(FieldsRepr):
 
     #: positive-int fields checked by ``__post_init__`` (subclasses extend it).
     _sizes: ClassVar[tuple[str, ...]] = ("d_in", "d_sae")
+    #: other typed fields checked by ``__post_init__`` (``bool`` is never an ``int``), per subclass
+    _flags: ClassVar[dict[str, type]] = {}
 
     def __post_init__(self) -> None:
         for name in self._sizes:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise CheckpointError(f"{type(self).__name__}.{name} must be a positive int, got {value!r}")
-        if self.activation not in ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise CheckpointError(f"unknown activation {self.activation!r}; known: {list(ACTIVATIONS)}")
+        if not isinstance(self.activation_params, dict):
+            raise CheckpointError(f"{type(self).__name__}.activation_params must be a mapping, "
+                                  f"got {self.activation_params!r}")
+        for name, kind in self._flags.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise CheckpointError(f"{type(self).__name__}.{name} must be {kind.__name__}, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -148,11 +148,18 @@ def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:
     Raises:
         GateConfigError: unknown mode or ``top_k < 1``; GateNotInstalledError: no gates.
     """
-    for gate in get_gates(model).values():
-        gate.mode = mode
-        if top_k is not None:
-            gate.top_k = int(top_k)
-        gate.check()
+    gates = list(get_gates(model).values())
+    before = [(gate.mode, gate.top_k) for gate in gates]
+    try:
+        for gate in gates:
+            gate.mode = mode
+            if top_k is not None:
+                gate.top_k = int(top_k)
+            gate.check()
+    except Exception:  # nothing half-applied: every gate keeps its previous settings
+        for gate, (old_mode, old_k) in zip(gates, before, strict=True):
+            gate.mode, gate.top_k = old_mode, old_k
+        raise
 
 
 @dataclass

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..adapters.registry import get_adapter
 from .attention import GATE_NAME
 from .errors import CheckpointError
+from .gate import GATE_MODES
 from .install import get_gates, hf_model, install_gated_attention
 
 CONFIG_FILE = "sparse_attention.json"
@@ -68,20 +69,39 @@ def save_gates(model: Any, directory: str | Path, training: dict[str, Any] | Non
 
 
 def read_gate_config(directory: str | Path) -> GateConfig:
-    """Parse ``sparse_attention.json``.
+    """Parse ``sparse_attention.json`` (every field type- and range-checked, through the formats'
+    validation layer).
 
     Raises:
-        CheckpointError: missing file, wrong format or unknown keys.
+        CheckpointError: missing or unreadable file, wrong format, unknown keys, a field of the wrong
+            type or out of range (naming the file and the key).
     """
+    from ..formats.files import read_json_object
+    from ..formats.validate import config_size, config_value
+
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} not found (not a directory written by save_sparse_model/save_gates)")
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw = read_json_object(path)
     known = {f.name for f in fields(GateConfig)}
     unknown = set(raw) - known
     if unknown or raw.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {raw.get('format')!r}, unknown keys {sorted(unknown)}")
-    return GateConfig(**raw)
+        raise CheckpointError(f"{path}: key 'format' is {raw.get('format')!r} (expected {FORMAT!r}), "
+                              f"unknown keys {sorted(unknown)}")
+    if config_value(raw, "format_version", path, int, FORMAT_VERSION) != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: key 'format_version' is {raw['format_version']!r}; this package reads "
+                              f"{FORMAT_VERSION}")
+    temperature = config_value(raw, "temperature", path, float, 1.0)
+    if temperature <= 0:
+        raise CheckpointError(f"{path}: key 'temperature' must be positive, got {temperature!r}")
+    mode = config_value(raw, "mode", path, str, "gated")
+    if mode not in GATE_MODES:
+        raise CheckpointError(f"{path}: key 'mode' is {mode!r}; expected one of {GATE_MODES}")
+    training = config_value(raw, "training", path, dict, None)
+    return GateConfig(model_type=config_value(raw, "model_type", path, str),
+                      n_layers=config_size(raw, "n_layers", path), n_heads=config_size(raw, "n_heads", path),
+                      temperature=temperature, mode=mode, top_k=config_size(raw, "top_k", path, 1),
+                      training=training)
 
 
 def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
@@ -91,25 +111,28 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
         ``{layer: gate}``.
 
     Raises:
-        CheckpointError: missing/malformed files, or the gates do not fit the model (model type,
-            layer or head count, tensor names or shapes).
+        CheckpointError: missing/malformed files (a non-finite or non-float bias included), or the
+            gates do not fit the model (model type, layer or head count, tensor names or shapes).
     """
+    from ..formats.files import load_safetensors
+    from ..formats.validate import check_file_tensors
+
     cfg = read_gate_config(directory)
     hf = hf_model(model)
     adapter = get_adapter(hf)
     if cfg.model_type != hf.config.model_type or cfg.n_layers != adapter.n_layers or cfg.n_heads != adapter.n_heads:
         raise CheckpointError(
-            f"gates for a {cfg.model_type} model with {cfg.n_layers} layers x {cfg.n_heads} heads do not fit a "
-            f"{hf.config.model_type} model with {adapter.n_layers} layers x {adapter.n_heads} heads"
+            f"{Path(directory) / CONFIG_FILE}: gates for a {cfg.model_type} model with {cfg.n_layers} layers x "
+            f"{cfg.n_heads} heads do not fit a {hf.config.model_type} model with {adapter.n_layers} layers x "
+            f"{adapter.n_heads} heads"
         )
     wpath = Path(directory) / WEIGHTS_FILE
-    if not wpath.is_file():
-        raise CheckpointError(f"{wpath} not found")
-    tensors = load_file(str(wpath))
+    tensors = load_safetensors(wpath)
     expected = {f"layers.{layer}.bias" for layer in range(cfg.n_layers)}
     if set(tensors) != expected or any(t.shape != (cfg.n_heads,) for t in tensors.values()):
         raise CheckpointError(f"{wpath}: expected tensors {sorted(expected)} of shape ({cfg.n_heads},), got "
                               f"{ {k: tuple(v.shape) for k, v in tensors.items()} }")
+    check_file_tensors(wpath, tensors)
     gates = install_gated_attention(model, temperature=cfg.temperature, mode=cfg.mode, top_k=cfg.top_k)
     with torch.no_grad():
         for layer, gate in gates.items():

@@ -203,16 +203,23 @@ def test_lorsa_unsupported_decoding_raises_before_any_token(kwargs):
     assert not reached  # raised from replace(), before the model ran
 
 
-def test_lorsa_beams_from_the_checkpoint_config_raise_before_the_result():
+def test_lorsa_beams_from_the_checkpoint_config_raise_before_any_token():
+    """num_beams > 1 set only in the model's generation_config (no generate kwarg) is refused by
+    replace() itself, before the model runs, like the explicit kwarg; a plain trace ignores it."""
     model, hf, lorsa = lorsa_set("llama")
     hf.generation_config.num_beams = 2
     try:
-        result = []
-        with pytest.raises(UnsupportedGenerationError, match="beam search"), model.generate(
+        reached = []
+        with pytest.raises(UnsupportedGenerationError, match="num_beams=2.*beam search"), model.generate(
                 random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
             lorsa.replace(layer=LAYER)
-            result.append(nnsight.save(tracer.result))
-        assert not result
+            reached.append(nnsight.save(model.lm_head.output))
+            reached.append(nnsight.save(tracer.result))
+        assert not reached  # raised from replace(), before the first forward pass
+        with model.trace(random_ids(1, 6)):  # generation settings play no part in a trace
+            lorsa.replace(layer=LAYER)
+            logits = nnsight.save(model.lm_head.output)
+        assert logits.shape == (1, 6, hf.config.vocab_size)
     finally:
         hf.generation_config.num_beams = 1
 

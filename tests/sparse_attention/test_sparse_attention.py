@@ -309,6 +309,7 @@ def test_bad_input_raises_clear_errors(tmp_path) -> None:
         install_gated_attention(model)
     with pytest.raises(GateConfigError):
         set_gate_mode(model, "topk", top_k=0)
+    assert all(g.mode == "gated" and g.top_k == 1 for g in get_gates(model).values())  # nothing half-applied
     q = torch.zeros(1, 4, 3, 16)
     with pytest.raises(GateNotInstalledError):
         gated_attention_forward(torch.nn.Module(), q, q, q, None, 0.25)
