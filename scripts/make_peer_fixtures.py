@@ -53,8 +53,14 @@ def _reverse_sparsify(out: Path) -> None:
     write_reverse("sparsify", out)
 
 
+def _reverse_circuit_tracer(out: Path) -> None:
+    from _reverse_circuit_tracer import write_reverse  # type: ignore[import-not-found]
+    write_reverse(out)
+
+
 #: peer -> (our env) writer of ``OUT_DIR/reverse/<case>/`` (our ``save`` in the peer's format)
-REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify}
+REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify,
+                                               "circuit_tracer": _reverse_circuit_tracer}
 
 
 def peers() -> list[str]:
