@@ -18,6 +18,10 @@ Writes under ``OUT_DIR`` (default ``tests/fixtures/peers/circuit_tracer``):
   ``tokenizer.json``), its per-layer transcoders (``transcoders/``), and circuit-tracer's own graph JSON
   for a prompt (``circuit_tracer_graph.json``: TransformerLens backend, ``attribute`` +
   ``create_graph_files``) — the reference for our export's node ids.
+* ``frontend/``: circuit-tracer's graph frontend (``circuit_tracer/frontend/assets``: ``index.html``,
+  ``util.js``, ``style.css``, ``attribution_graph/``, ``feature_examples/``, its MIT ``LICENSE``), copied
+  from the installed package; the libraries it loads from CDNs come from the npm registry
+  (``tests/fixtures/npm/package.json``).
 * ``reverse/result.json`` (when ``OUT_DIR/reverse/`` holds cases our ``save`` wrote): each case loaded
   with circuit-tracer's loaders and compared with our outputs (``ours_outputs.safetensors``).
 """
@@ -166,6 +170,20 @@ def write_limits(out: Path, tmp: Path) -> None:
     (out / "limits.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
+def copy_frontend(out: Path) -> None:
+    import shutil
+
+    import circuit_tracer.frontend
+
+    assets = Path(circuit_tracer.frontend.__file__).parent / "assets"
+    dest = out / "frontend"
+    for name in ("index.html", "util.js", "style.css", "LICENSE"):
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(assets / name, dest / name)
+    for sub in ("attribution_graph", "feature_examples"):
+        shutil.copytree(assets / sub, dest / sub, ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def check_reverse(out: Path) -> None:
     """Load each case our ``save(format='circuit_tracer')`` wrote with circuit-tracer and compare."""
     cases = reverse_cases(out)
@@ -202,6 +220,7 @@ def main() -> None:
         from _circuit_tracer_graph import write_graph  # the graph half, in its own file
 
         write_graph(out / "graph")
+    copy_frontend(out)
     check_reverse(out)
 
 
