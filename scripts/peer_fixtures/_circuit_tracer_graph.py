@@ -28,8 +28,9 @@ from transformer_lens import HookedTransformerConfig
 from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-WORDS = ("the cat sat on mat dog ran to park a big small red blue and was is it he she they saw "
-         "found went home tree house bird sang song day night").split()
+WORDS = ('the', 'cat', 'sat', 'on', 'mat', 'dog', 'ran', 'to', 'park', 'a', 'big', 'small', 'red', 'blue',
+         'and', 'was', 'is', 'it', 'he', 'she', 'they', 'saw', 'found', 'went', 'home', 'tree', 'house',
+         'bird', 'sang', 'song', 'day', 'night')
 PROMPT = "the cat sat on the mat and the dog ran to the"
 D_MODEL, N_LAYERS, N_HEADS, D_TC = 16, 2, 2, 32
 SETTINGS = {"max_n_logits": 3, "desired_logit_prob": 0.95, "batch_size": 64, "node_threshold": 1.0,

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
-
 from helpers import rope_kwargs
+from transformers import AutoModelForCausalLM
 
 from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
