@@ -22,11 +22,10 @@ Extensions for what circuit-tracer's graphs do not have — the ``A`` / ``B`` pr
 from every id above, and negative ``feature`` values keep the frontend's ``{layer}_{feature}_{ctx}``
 keys distinct:
 
-=================  ======================  ===========  ====================  ==================
-Lorsa head ``h``   ``A{L}_{h}_{p}``        ``L``        ``-2 - 2·cantor(L, h)`` ``A{L}_{h}-0``
-Lorsa error        ``AE_{L}_{p}``          ``L``        ``-1``                ``AE_{L}-{p}``
-bias ``b``         ``B_{b}_0``             ``L`` / ``n``  ``-3 - 2·b``        ``B_{b}-0``
-=================  ======================  ===========  ====================  ==================
+* Lorsa head ``h``: ``node_id`` ``A{L}_{h}_{p}``, ``layer`` ``L``, ``feature`` ``-2 - 2·cantor(L, h)``,
+  ``jsNodeId`` ``A{L}_{h}-0``;
+* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-1``, ``AE_{L}-{p}``;
+* bias ``b``: ``B_{b}_0``, ``L`` (``n`` for the final norm / unembedding), ``-3 - 2·b``, ``B_{b}-0``.
 
 A Lorsa head of layer ``L`` shares the row of layer ``L``'s transcoder features (circuit-tracer's
 frontend draws one row per integer ``layer``); bias nodes sum over positions and sit at ``ctx_idx`` 0
