@@ -37,6 +37,7 @@ import argparse
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,16 @@ def _reverse_sparsify(out: Path) -> None:
         _write_ours(_random_(module, i), out / name, "sparsify", d)
 
 
+def _reverse_circuit_tracer(out: Path) -> None:
+    """Our transcoder sets and CLTs in circuit-tracer layout (``scripts/peer_fixtures/_reverse_circuit_tracer.py``)."""
+    sys.path.insert(0, str(PEER_SCRIPTS))
+    from _reverse_circuit_tracer import write_reverse  # type: ignore[import-not-found]
+    write_reverse(out)
+
+
 #: peer -> (our env) writer of ``OUT_DIR/reverse/<case>/`` (our ``save`` in the peer's format)
-REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify}
+REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify,
+                                               "circuit_tracer": _reverse_circuit_tracer}
 
 
 def peers() -> list[str]:

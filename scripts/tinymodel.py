@@ -189,6 +189,28 @@ def _repeat_augment(x: torch.Tensor, fraction: float, gen: torch.Generator) -> t
 
 
 @torch.no_grad()
+
+def readable_by_transformers_4(model_dir: Path) -> None:
+    """Make a transformers-5 model directory load identically on transformers 4.56+ as well.
+
+    transformers 5 writes RoPE only as ``rope_parameters`` and names the tokenizer class
+    ``TokenizersBackend``; transformers 4 reads ``rope_theta`` + ``rope_scaling`` (it would silently run
+    unscaled RoPE) and knows ``PreTrainedTokenizerFast`` (the same fast tokenizer; transformers 5 maps that
+    name to ``TokenizersBackend``). Adds the transformers-4 keys next to the transformers-5 ones.
+    """
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    params = cfg.get("rope_parameters") or {}
+    if params:
+        cfg["rope_theta"] = params["rope_theta"]
+        cfg["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tok_path = model_dir / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text())
+    if tok.get("tokenizer_class") == "TokenizersBackend":
+        tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tok_path.write_text(json.dumps(tok, indent=2) + "\n")
+
 def corpus_cross_entropy(
     model: PreTrainedModel,
     token_ids: torch.Tensor | list[int],
@@ -473,6 +495,7 @@ def train_tiny_llama(
         model_max_length=max_pos,
     )
     hf_tok.save_pretrained(out_dir)
+    readable_by_transformers_4(out_dir)
 
     tail = losses[-min(50, len(losses)) :]
     info = {

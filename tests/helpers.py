@@ -44,9 +44,17 @@ _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_l
 FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2")
 
 
+def rope_kwargs(params: dict) -> dict:
+    """RoPE settings as the installed transformers reads them: ``rope_parameters`` (5) or
+    ``rope_theta`` + ``rope_scaling`` (4)."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": dict(params)}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": {k: v for k, v in params.items() if k != "rope_theta"}}
+
+
 def tiny_config(family: str) -> transformers.PretrainedConfig:
     if family == "llama":  # GQA + llama3 rope scaling, like Llama-3.1-8B
-        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters=dict(LLAMA3_ROPE))
+        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, **rope_kwargs(LLAMA3_ROPE))
     if family == "qwen2":
         return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2)
     if family == "qwen3":

@@ -2,30 +2,44 @@
 
 The file is the one Neuronpedia's graph frontend (and circuit-tracer's local server) reads:
 ``{"metadata", "qParams", "nodes", "links"}`` with the field names of circuit-tracer's
-``frontend/graph_models.py``. Conventions (where this package's graphs differ from circuit-tracer's):
+``frontend/graph_models.py``. Ids follow circuit-tracer 0.5.0 exactly (``Node.feature_node`` /
+``error_node`` / ``token_node`` / ``logit_node`` there; ``n`` = the model's number of layers, ``L`` a
+layer, ``p`` a position), so a graph of the same model, transcoders and prompt gets the same ids from
+both (``tests/attribution/test_circuit_tracer_ids.py``):
 
-* ``layer`` is a *sublayer* index, as Lorsa graphs in OpenMOSS's lm-saes do: ``2 L`` for layer
-  ``L``'s attention (Lorsa heads, Lorsa / attention errors, attention biases), ``2 L + 1`` for its
-  MLP (transcoder features, MLP errors, MLP biases), ``"E"`` for embeddings, ``2 n_layers`` for the
-  final-norm / unembedding biases and ``2 n_layers + 1`` for logits (circuit-tracer puts logits one
-  past ``n_layers`` too). A Lorsa head and a transcoder feature of the same layer thus never share
-  an id, and the frontend draws attention below the MLP of the same layer.
-* ``node_id``: features and Lorsa heads ``"{sublayer}_{index}_{pos}"``, errors
-  ``"{sublayer}_-1_{pos}"``, embeddings ``"E_{token_id}_{pos}"``, logits
-  ``"{2 n_layers + 1}_{token_id}_{pos}"`` (as circuit-tracer), bias nodes ``"B_{bias_index}_0"``
-  (bias nodes sum over positions; they are placed at ``ctx_idx`` 0).
-* ``feature_type``: :data:`.graph.KIND_NAMES` (``"lorsa"`` for Lorsa heads, ``"bias"`` for biases).
-* ``feature``: the Cantor pairing of (sublayer, index) for features (unique over the graph, as
-  circuit-tracer's default), ``-1`` for errors, the position for embeddings, the token id for
-  logits, the bias index for biases.
-* ``influence``: the node's *cumulative* influence rank score (:attr:`.scores.PruneResult.cumulative`,
-  what circuit-tracer writes there); ``activation``: feature activation / Lorsa head ``z``, the
-  error vector's norm for error nodes, ``None`` for the rest.
+=================  ======================  ===========  ====================  ==================
+node               ``node_id``             ``layer``    ``feature``           ``jsNodeId``
+=================  ======================  ===========  ====================  ==================
+transcoder feature ``{L}_{f}_{p}``         ``L``        ``cantor(L, f)``      ``{L}_{f}-0``
+MLP error          ``0_{L}_{p}``           ``L``        ``-1``                ``{L}_{p}-0``
+embedding          ``E_{token}_{p}``       ``E``        ``p``                 ``E_{token}-{p}``
+logit              ``{n+1}_{token}_{p}``   ``n+1``      ``token``             ``L_{token}-{p}``
+=================  ======================  ===========  ====================  ==================
+
+(circuit-tracer's MLP error id ``0_{L}_{p}`` can equal a layer-0 feature's ``0_{f}_{p}`` when
+``f == L``; both tools then write two nodes with one id, and :func:`to_neuronpedia` warns, naming them.)
+Extensions for what circuit-tracer's graphs do not have — the ``A`` / ``B`` prefixes keep them apart
+from every id above, and negative ``feature`` values keep the frontend's ``{layer}_{feature}_{ctx}``
+keys distinct:
+
+* Lorsa head ``h``: ``node_id`` ``A{L}_{h}_{p}``, ``layer`` ``L``, ``feature`` ``-2 - 2·cantor(L, h)``,
+  ``jsNodeId`` ``A{L}_{h}-0``;
+* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-1``, ``AE_{L}-{p}``;
+* bias ``b``: ``B_{b}_0``, ``L`` (``n`` for the final norm / unembedding), ``-3 - 2·b``, ``B_{b}-0``.
+
+A Lorsa head of layer ``L`` shares the row of layer ``L``'s transcoder features (circuit-tracer's
+frontend draws one row per integer ``layer``); bias nodes sum over positions and sit at ``ctx_idx`` 0
+(the final-norm / unembedding biases at ``layer`` ``n``).
+``feature_type``: :data:`.graph.KIND_NAMES`. ``influence``: the node's *cumulative* influence rank
+score (:attr:`.scores.PruneResult.cumulative`, what circuit-tracer writes there); ``activation``:
+feature activation / Lorsa head ``z``, the error vector's norm for error nodes (circuit-tracer: None),
+``None`` for the rest. ``metadata.prompt``: the graph's prompt, or — for a graph built from token
+ids — ``tokenizer.decode(tokens)`` (as circuit-tracer's ``attribute`` does).
 
 :func:`render_html` (below) draws the nodes :func:`to_neuronpedia` exports as one self-contained
 HTML page: one column per
 token position (the tokens label the x axis; bias nodes, which sum over positions, get their own
-column on the left), one row per Neuronpedia sublayer (embeddings at the bottom, logits on top),
+column on the left), one row per layer's attention and one per its MLP (embeddings at the bottom, logits on top),
 links as lines whose width is proportional to ``|weight|`` (green positive, red negative), nodes
 coloured by kind. Clicking a node opens a side panel with its label, activation, influence, its
 strongest incoming and outgoing links and optional per-node details (top activating contexts, a
@@ -43,6 +57,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,42 +100,42 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([int(token_id)]))
 
 
-def sublayer(graph: Graph, i: int, n_layers: int) -> str:
-    """Node ``i``'s Neuronpedia ``layer`` string (see the module docstring)."""
+def layer_name(graph: Graph, i: int, n_layers: int) -> str:
+    """Node ``i``'s Neuronpedia ``layer`` string (module docstring): ``"E"``, the layer, or ``n_layers + 1``
+    for logits (``n_layers`` for the final-norm / unembedding biases)."""
     n = graph.nodes
     kind, layer = int(n.kind[i]), int(n.layer[i])
     if kind == EMBEDDING:
         return "E"
     if kind == LOGIT:
-        return str(2 * n_layers + 1)
-    if kind in (LORSA, ATTN_ERROR):
-        return str(2 * layer)
-    if kind in (TRANSCODER, MLP_ERROR):
-        return str(2 * layer + 1)
-    # bias: attention-side biases at 2L, MLP-side at 2L + 1, final norm / lm_head at 2 n_layers
-    if layer >= n_layers:
-        return str(2 * n_layers)
-    name = n.bias_names[int(n.index[i])]
-    return str(2 * layer + (1 if (".mlp" in name or ".transcoder" in name) else 0))
+        return str(n_layers + 1)
+    return str(min(layer, n_layers))
+
+
+def _ids(graph: Graph, i: int, n_layers: int, last: int) -> tuple[str, int, str]:
+    """``(node_id, feature, jsNodeId)`` of node ``i`` (module docstring's tables)."""
+    n = graph.nodes
+    kind, pos, idx, layer = int(n.kind[i]), int(n.pos[i]), int(n.index[i]), int(n.layer[i])
+    if kind == TRANSCODER:
+        return f"{layer}_{idx}_{pos}", _cantor(layer, idx), f"{layer}_{idx}-0"
+    if kind == MLP_ERROR:
+        return f"0_{layer}_{pos}", -1, f"{layer}_{pos}-0"
+    if kind == EMBEDDING:
+        return f"E_{idx}_{pos}", pos, f"E_{idx}-{pos}"
+    if kind == LOGIT:
+        return f"{n_layers + 1}_{idx}_{last}", idx, f"L_{idx}-{last}"
+    if kind == LORSA:
+        return f"A{layer}_{idx}_{pos}", -2 - 2 * _cantor(layer, idx), f"A{layer}_{idx}-0"
+    if kind == ATTN_ERROR:
+        return f"AE_{layer}_{pos}", -1, f"AE_{layer}-{pos}"
+    return f"B_{idx}_0", -3 - 2 * idx, f"B_{idx}-0"  # bias
 
 
 def node_ids(graph: Graph) -> list[str]:
-    """The Neuronpedia ``node_id`` of every node of ``graph`` (``(n_nodes,)`` strings, all distinct)."""
-    n, L = graph.nodes, n_layers_of(graph)
-    last = int(graph.tokens.numel()) - 1
-    out = []
-    for i in range(len(n)):
-        kind, pos, idx = int(n.kind[i]), int(n.pos[i]), int(n.index[i])
-        sub = sublayer(graph, i, L)
-        if kind == BIAS:
-            out.append(f"B_{idx}_0")
-        elif kind in (MLP_ERROR, ATTN_ERROR):
-            out.append(f"{sub}_-1_{pos}")
-        elif kind == LOGIT:
-            out.append(f"{sub}_{idx}_{last}")
-        else:  # features, Lorsa heads, embeddings (sub == "E")
-            out.append(f"{sub}_{idx}_{pos}")
-    return out
+    """The Neuronpedia ``node_id`` of every node of ``graph`` (``(n_nodes,)`` strings; circuit-tracer's
+    scheme, module docstring — distinct except where circuit-tracer's own MLP-error ids collide)."""
+    L, last = n_layers_of(graph), int(graph.tokens.numel()) - 1
+    return [_ids(graph, i, L, last)[0] for i in range(graph.n_nodes)]
 
 
 def _num(x: float) -> float | None:
@@ -172,7 +187,9 @@ def to_neuronpedia(
         raise ValueError(f"prune result masks {tuple(prune_result.node_mask.shape)} / "
                          f"{tuple(prune_result.edge_mask.shape)} do not fit a graph of {N} nodes")
     n, L = graph.nodes, n_layers_of(graph)
-    ids = node_ids(graph)
+    last = int(graph.tokens.numel()) - 1
+    triples = [_ids(graph, i, L, last) for i in range(N)]
+    ids = [t[0] for t in triples]
     kept = prune_result.node_mask.bool()
     edges = prune_result.edge_mask.bool() & kept[:, None] & kept[None, :]
     targets, sources = edges.nonzero(as_tuple=True)
@@ -191,33 +208,39 @@ def to_neuronpedia(
         kind = int(n.kind[i])
         if not bool(kept[i]) or (i not in connected and kind not in (EMBEDDING, LOGIT)):
             continue
-        sub, pos, idx = sublayer(graph, i, L), int(n.pos[i]), int(n.index[i])
+        pos, idx = int(n.pos[i]), int(n.index[i])
+        node_id, feature, js_id = triples[i]
         act = float(n.activation[i])
-        node: dict[str, Any] = {"node_id": ids[i], "feature": idx, "layer": sub, "ctx_idx": pos,
-                                "feature_type": KIND_NAMES[kind], "jsNodeId": ids[i], "clerp": n.label(i),
-                                "influence": _num(float(cumulative[i])), "activation": None,
+        node: dict[str, Any] = {"node_id": node_id, "feature": feature, "layer": layer_name(graph, i, L),
+                                "ctx_idx": pos, "feature_type": KIND_NAMES[kind], "jsNodeId": js_id,
+                                "clerp": n.label(i), "influence": _num(float(cumulative[i])), "activation": None,
                                 "is_target_logit": False, "token_prob": 0.0, "reverse_ctx_idx": 0, "run_idx": 0}
-        if kind in (TRANSCODER, LORSA):
-            node.update(feature=_cantor(int(sub), idx), jsNodeId=f"{sub}_{idx}-0", activation=_num(act))
-        elif kind in (MLP_ERROR, ATTN_ERROR):
-            node.update(feature=-1, jsNodeId=f"{sub}_-1-{pos}", activation=_num(act))
+        if kind in (TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR):
+            node.update(activation=_num(act))
         elif kind == EMBEDDING:
-            node.update(feature=pos, jsNodeId=f"E_{idx}-{pos}", clerp=f"Emb: {tokens[pos]!r}")
+            node.update(clerp=f"Emb: {tokens[pos]!r}")
         elif kind == BIAS:
-            node.update(ctx_idx=0, jsNodeId=f"B_{idx}-0", clerp=f"Bias {n.bias_names[idx]}")
+            node.update(ctx_idx=0, clerp=f"Bias {n.bias_names[idx]}")
         else:  # logit
             p = probs.get(i, 0.0)
             tok = decode_token(tokenizer, idx)
-            node.update(ctx_idx=n_pos - 1, jsNodeId=f"L_{idx}-{n_pos - 1}", token_prob=p,
-                        is_target_logit=i == top_logit, clerp=f'Output "{tok}" (p={p:.3f})')
+            node.update(ctx_idx=n_pos - 1, token_prob=p, is_target_logit=i == top_logit,
+                        clerp=f'Output "{tok}" (p={p:.3f})')
         nodes.append(node)
+    seen: dict[str, int] = {}
+    for node in nodes:
+        seen[node["node_id"]] = seen.get(node["node_id"], 0) + 1
+    if dups := sorted(k for k, c in seen.items() if c > 1):
+        warnings.warn(f"node ids {dups} are shared by a layer-0 transcoder feature and an MLP error node "
+                      "(circuit-tracer's id scheme, followed exactly: error '0_{layer}_{pos}' vs feature "
+                      "'0_{feature}_{pos}'); viewers keyed by node_id show one of each pair", stacklevel=2)
 
     metadata = {
         "slug": slug,
         "scan": scan if scan is not None else str(graph.meta.get("model_type", "unknown")),
         "transcoder_list": [],
         "prompt_tokens": tokens,
-        "prompt": graph.prompt,
+        "prompt": graph.prompt or (str(tokenizer.decode(graph.tokens.tolist())) if tokenizer is not None else ""),
         "node_threshold": float(node_threshold),
         "schema_version": SCHEMA_VERSION,
         "info": {"creator_name": creator_name, "creator_url": "", "source_urls": [],
@@ -375,22 +398,26 @@ function el(tag, attrs, parent, ns){
   if (parent) parent.appendChild(e); return e;
 }
 function txt(tag, text, parent, attrs){ const e = el(tag, attrs, parent); e.textContent = text; return e; }
-// rows: sublayers, "E" at the bottom; columns: bias column + one per token
-const layerKey = l => l === 'E' ? -1 : +l;
+// rows: per layer an attention row (Lorsa heads, Lorsa errors, attention-side biases) below an MLP row,
+// "E" at the bottom, logits on top; columns: bias column + one per token
 const logitLayer = Math.max(-1, ...g.nodes.filter(n => n.feature_type === 'logit').map(n => +n.layer));
-function rowName(l){
-  if (l === 'E') return 'emb';
-  const s = +l;
+const isAttn = n => n.feature_type === 'lorsa' || n.feature_type === 'lorsa error' ||
+  (n.feature_type === 'bias' && !/\.(mlp|transcoder)/.test(n.clerp) && +n.layer < logitLayer - 1);
+const rowKey = n => n.layer === 'E' ? 'E' : n.layer + (isAttn(n) ? 'a' : 'm');
+const rowOrder = k => k === 'E' ? -1 : 2 * parseInt(k) + (k.endsWith('a') ? 0 : 1);
+function rowName(k){
+  if (k === 'E') return 'emb';
+  const s = parseInt(k);
   if (s === logitLayer) return 'logits';
   if (s === logitLayer - 1) return 'final';
-  return 'L' + Math.floor(s / 2) + (s % 2 ? ' mlp' : ' attn');
+  return 'L' + s + (k.endsWith('a') ? ' attn' : ' mlp');
 }
-const layers = [...new Set(g.nodes.map(n => n.layer))].sort((a,b) => layerKey(a) - layerKey(b));
+const layers = [...new Set(g.nodes.map(rowKey))].sort((a,b) => rowOrder(a) - rowOrder(b));
 const hasBias = g.nodes.some(n => n.feature_type === 'bias');
 const col = n => n.feature_type === 'bias' ? 0 : n.ctx_idx + (hasBias ? 1 : 0);
 const nCols = tokens.length + (hasBias ? 1 : 0);
 const cells = {};
-g.nodes.forEach(n => { const k = n.layer + '|' + col(n); (cells[k] = cells[k] || []).push(n); });
+g.nodes.forEach(n => { const k = rowKey(n) + '|' + col(n); (cells[k] = cells[k] || []).push(n); });
 let maxCell = 1; for (const k in cells) maxCell = Math.max(maxCell, cells[k].length);
 const colW = Math.max(70, Math.min(maxCell, 12) * 13 + 20), rowH = 54, left = 70, top = 20, R = 5;
 const W = left + nCols * colW + 20, H = top + layers.length * rowH + 60;

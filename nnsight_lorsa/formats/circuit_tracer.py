@@ -10,11 +10,15 @@ Read from ``decoderesearch/circuit-tracer``:
 Per-layer transcoders, ``layer_{i}.safetensors`` (``transcoder/single_layer_transcoder.py``)
     ``W_enc (d_sae, d_model)`` (``F.linear(x, W_enc, b_enc)``: the transpose of ours),
     ``W_dec (d_sae, d_model)``, ``b_enc (d_sae)``, ``b_dec (d_model)``, optional ``W_skip (d_model, d_model)``
-    applied as ``x @ W_skip.T`` (our layout), optional ``threshold (d_sae)`` (JumpReLU ``x·1[x > θ]``).
+    applied as ``x @ W_skip.T`` (our layout), optional ``activation_function.threshold (d_sae)`` (JumpReLU
+    ``x·1[x > θ]``; the key ``SingleLayerTranscoder.to_safetensors`` writes and ``load_relu_transcoder``
+    reads; a bare ``threshold``, which nnsight-lorsa wrote before 0.1.1, is read too). No key or config
+    entry expresses TopK: ``load_relu_transcoder`` builds ReLU or JumpReLU only.
 Cross-layer transcoders (``transcoder/cross_layer_transcoder.py``, ``to_safetensors`` / ``_load_state_dict``)
     ``W_enc_{i}.safetensors``: ``W_enc_{i} (d_sae, d_model)`` (ours ``W_enc[i]ᵀ``), ``b_enc_{i} (d_sae)``,
     ``b_dec_{i} (d_model)``, optional ``threshold_{i} (d_sae)`` and ``W_skip_{i} (d_model, d_model)``
-    applied as ``x @ W_skip_{i}`` (ours ``W_skip[i] = W_skip_{i}ᵀ``); ``W_dec_{i}.safetensors``:
+    applied as ``x @ W_skip_{i}`` (ours ``W_skip[i] = W_skip_{i}ᵀ``; circuit-tracer 0.5.0 neither writes
+    nor reads ``W_skip_{i}``, so :func:`save_circuit_tracer_clt` refuses skip CLTs); ``W_dec_{i}.safetensors``:
     ``W_dec_{i} (d_sae, n_layers − i, d_model)`` (our layout). ``n_layers`` = number of ``W_enc_*`` files.
 
 Never reads their ``.npz`` (Gemma Scope) files or anything pickled.
@@ -43,6 +47,10 @@ from .reader import Parsed, Reader, read
 from .validate import build_module, check_d_model, check_file_tensors, check_size, check_tensor_inventory, config_size
 
 CONFIG_FILE = "config.yaml"
+#: the JumpReLU threshold's key in a per-layer file (circuit-tracer's ``JumpReLU`` module is the
+#: transcoder's ``activation_function``); :data:`LEGACY_THRESHOLD_KEY` is read too
+THRESHOLD_KEY = "activation_function.threshold"
+LEGACY_THRESHOLD_KEY = "threshold"
 HUB_FILES = (CONFIG_FILE, "*.safetensors")
 KINDS = ("transcoder_set", "cross_layer_transcoder")
 
@@ -151,12 +159,19 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
     d_sae, d_in = (check_size(n, file, f"W_enc.shape[{i}]") for i, n in enumerate(shapes["W_enc"]))
     check_d_model(d_in, d_model, file, "W_enc.shape[1]")
     d_out = shapes["b_dec"][0] if len(shapes.get("b_dec", ())) == 1 else d_in
-    activation = "jumprelu" if "threshold" in shapes else act_name
+    threshold_keys = [k for k in (THRESHOLD_KEY, LEGACY_THRESHOLD_KEY) if k in shapes]
+    if len(threshold_keys) > 1:
+        raise CheckpointError(f"{file}: both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
+                              "transcoder has one threshold tensor")
+    activation = "jumprelu" if threshold_keys else act_name
     expected = {"W_enc": (d_sae, d_in), "W_dec": (d_sae, d_out), "b_enc": (d_sae,), "b_dec": (d_out,)}
     if "W_skip" in shapes:
         expected["W_skip"] = (d_out, d_in)
     if activation == "jumprelu":
-        expected["threshold"] = (d_sae,)
+        if not threshold_keys:
+            raise CheckpointError(f"{file}: {CONFIG_FILE} says 'jump_relu' but the file has no "
+                                  f"{THRESHOLD_KEY!r} tensor")
+        expected[threshold_keys[0]] = (d_sae,)
     src = f"W_enc of {file.name} (d_sae={d_sae}, d_model={d_in})"
     check_tensor_inventory(file, shapes, expected, src)
     tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation,
@@ -211,7 +226,7 @@ def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[
         if "W_skip" in state:
             ours["W_skip"] = state["W_skip"]
         if tcfg.activation == "jumprelu":
-            ours["activation.threshold"] = state["threshold"]
+            ours["activation.threshold"] = state[THRESHOLD_KEY if THRESHOLD_KEY in state else LEGACY_THRESHOLD_KEY]
         out[layer] = ours
     return out
 
@@ -366,15 +381,22 @@ def _write_yaml(path: Path, cfg: dict[str, Any]) -> None:
 def save_circuit_tracer_clt(clt: CrossLayerTranscoder, directory: str | os.PathLike[str], *,
                             feature_input_hook: str = "hook_resid_mid",
                             feature_output_hook: str = "hook_mlp_out") -> Path:
-    """Write ``clt`` as circuit-tracer's ``CrossLayerTranscoder.to_safetensors`` does (+ ``config.yaml``).
+    """Write ``clt`` as circuit-tracer's ``CrossLayerTranscoder.to_safetensors`` does (+ ``config.yaml``):
+    what its ``load_clt`` reads back (checked by ``scripts/peer_fixtures/circuit_tracer.py``).
 
     Raises:
-        UnsupportedArchitectureError: an activation other than relu / jumprelu.
+        UnsupportedArchitectureError: an activation other than relu / jumprelu; a CLT with a skip path
+            (circuit-tracer 0.5.0's ``load_clt`` does not read ``W_skip_{i}``: it would drop the skip
+            silently — save it with ``format="nnsight_lorsa"``).
     """
     from safetensors.torch import save_file
 
     if clt.cfg.activation not in ("relu", "jumprelu"):
         raise UnsupportedArchitectureError(f"circuit-tracer CLTs are relu or jump_relu, not {clt.cfg.activation!r}")
+    if clt.W_skip is not None:
+        raise UnsupportedArchitectureError("a CLT with a skip path cannot be saved for circuit-tracer: its load_clt "
+                                           "(0.5.0) does not read W_skip_{i} and would drop the skip silently; "
+                                           "save it with format='nnsight_lorsa'")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     for i in range(clt.n_layers):
@@ -394,10 +416,15 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
                                     feature_input_hook: str = "mlp.hook_in",
                                     feature_output_hook: str = "mlp.hook_out",
                                     model_name: str | None = None) -> Path:
-    """Write per-layer transcoders as ``layer_{i}.safetensors`` + ``config.yaml`` (circuit-tracer layout).
+    """Write per-layer transcoders as ``layer_{i}.safetensors`` + ``config.yaml`` (circuit-tracer layout):
+    the keys ``SingleLayerTranscoder.to_safetensors`` writes (JumpReLU threshold as
+    :data:`THRESHOLD_KEY`), what its ``load_transcoder_set`` reads back (checked by
+    ``scripts/peer_fixtures/circuit_tracer.py``).
 
     Raises:
-        UnsupportedArchitectureError: an activation other than relu / jumprelu.
+        UnsupportedArchitectureError: an activation other than relu / jumprelu. TopK in particular:
+            circuit-tracer 0.5.0's files have no key or config entry for ``k`` (``load_relu_transcoder``
+            builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU.
     """
     from safetensors.torch import save_file
 
@@ -405,12 +432,15 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
     path.mkdir(parents=True, exist_ok=True)
     for layer, tc in sorted(transcoders.items()):
         if tc.cfg.activation not in ("relu", "jumprelu"):
-            raise UnsupportedArchitectureError(f"layer {layer}: activation {tc.cfg.activation!r} not exportable")
+            raise UnsupportedArchitectureError(
+                f"layer {layer}: activation {tc.cfg.activation!r} cannot be saved for circuit-tracer: its "
+                "transcoder files (0.5.0) express relu or jump_relu only (load_relu_transcoder reads no k), so it "
+                "would load there as ReLU; save it with format='nnsight_lorsa' or 'saelens'")
         state = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
         if isinstance(tc, SkipTranscoder):
             state["W_skip"] = tc.W_skip
         if tc.cfg.activation == "jumprelu":
-            state["threshold"] = getattr(tc.activation, "threshold")  # noqa: B009
+            state[THRESHOLD_KEY] = getattr(tc.activation, "threshold")  # noqa: B009
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
                   str(path / f"layer_{layer}.safetensors"))
     _write_yaml(path, {"model_kind": "transcoder_set", "model_name": model_name,

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import rope_kwargs
 from transformers import AutoModelForCausalLM
 
-from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, mhsa_forward
+from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
 from nnsight_lorsa.adapters.llama import LlamaAdapter
 from nnsight_lorsa.adapters.neox import GPTNeoXAdapter
 from nnsight_lorsa.adapters.registry import get_adapter
-from nnsight_lorsa.errors import LayerOutOfRangeError, UnsupportedArchitectureError
+from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
 from nnsight_lorsa.modules.lorsa import Lorsa
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig
 from nnsight_lorsa.modules.rotary import rotary_cos_sin
@@ -39,7 +40,7 @@ _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_l
 
 def _config(family: str) -> transformers.PretrainedConfig:
     if family == "llama":  # GQA + llama3 (NTK-by-parts) rope scaling
-        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters=dict(LLAMA3_ROPE))
+        return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, **rope_kwargs(LLAMA3_ROPE))
     if family == "llama_linear":  # transformers-4 style rope_scaling, still accepted by transformers 5
         return transformers.LlamaConfig(**_COMMON, num_key_value_heads=4,
                                         rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=500.0)
@@ -359,3 +360,21 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         m = ov // cfg.group_size // qk_rep
         sol = torch.linalg.lstsq(W_V[m], lorsa.W_V[ov].detach()[:, None]).solution
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
+
+
+def test_rope_settings_a_transformers_4_model_would_ignore_are_refused() -> None:
+    """transformers 4 reads ``rope_scaling`` / ``rope_theta`` only: a transformers-5 ``rope_parameters``
+    alone (its model would run unscaled RoPE) is a named error there; both keys, or transformers 5, pass."""
+    v5_only = types.SimpleNamespace(rope_parameters=dict(LLAMA3_ROPE), rope_scaling=None, rope_theta=10000.0)
+    with pytest.raises(ConfigMismatchError, match=r"rope_parameters.*transformers 4\.x ignores.*rope_scaling"):
+        check_rope_read(v5_only, transformers_major=4)
+    check_rope_read(v5_only, transformers_major=5)
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    both = types.SimpleNamespace(rope_parameters=dict(LLAMA3_ROPE), rope_scaling=scaling, rope_theta=10000.0)
+    check_rope_read(both, transformers_major=4)
+    other_theta = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                                        rope_scaling=None, rope_theta=10000.0)
+    with pytest.raises(ConfigMismatchError, match="rope_theta=10000"):
+        check_rope_read(other_theta, transformers_major=4)
+    # the adapter checks on construction, with the installed transformers
+    LlamaAdapter(transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, **rope_kwargs(LLAMA3_ROPE)))

@@ -119,19 +119,27 @@ def test_schema_links_and_weights(built, tmp_path):
         assert n["token_prob"] == pytest.approx(p) and n["ctx_idx"] == g.tokens.numel() - 1
         assert n["feature"] == int(g.nodes.index[i])
 
-    # Lorsa heads are their own feature type, on even (attention) sublayers; transcoders on odd ones
+    # circuit-tracer's layer numbers (layer L, logits n_layers + 1); Lorsa heads their own feature type
+    # and id prefix (the documented extension), with negative feature keys distinct from every feature's
     lorsa = [n for n in d["nodes"] if n["feature_type"] == "lorsa"]
     assert lorsa, "no Lorsa head survived pruning"
+    n_layers = int(g.nodes.layer[g.logit_ids[0]])
     for n in d["nodes"]:
         i = index[n["node_id"]]
-        kind = int(g.nodes.kind[i])
+        kind, layer, idx = int(g.nodes.kind[i]), int(g.nodes.layer[i]), int(g.nodes.index[i])
         if kind == LORSA:
-            assert n["layer"] == str(2 * int(g.nodes.layer[i])) and n["activation"] == pytest.approx(
-                float(g.nodes.activation[i]))
+            assert n["layer"] == str(layer) and n["activation"] == pytest.approx(float(g.nodes.activation[i]))
+            assert n["node_id"] == f"A{layer}_{idx}_{n['ctx_idx']}" and n["feature"] <= -2
         elif kind == TRANSCODER:
-            assert n["layer"] == str(2 * int(g.nodes.layer[i]) + 1) and n["feature_type"] == "cross layer transcoder"
+            assert n["layer"] == str(layer) and n["feature_type"] == "cross layer transcoder"
+            assert n["node_id"] == f"{layer}_{idx}_{n['ctx_idx']}" and n["jsNodeId"] == f"{layer}_{idx}-0"
+            assert n["feature"] == (layer + idx) * (layer + idx + 1) // 2 + idx
         elif kind == EMBEDDING:
             assert n["layer"] == "E" and n["node_id"] == f"E_{int(g.tokens[n['ctx_idx']])}_{n['ctx_idx']}"
+        elif kind == LOGIT:
+            assert n["layer"] == str(n_layers + 1) and n["node_id"].startswith(f"{n_layers + 1}_{idx}_")
+    keys = [(n["layer"], n["feature"], n["ctx_idx"]) for n in d["nodes"] if "error" not in n["feature_type"]]
+    assert len(keys) == len(set(keys))  # the frontend's featureId
     assert any(n["feature_type"] == "bias" for n in d["nodes"])
 
     # strict JSON on disk, same content

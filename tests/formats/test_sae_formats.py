@@ -325,7 +325,7 @@ def _ct_set_files(tmp: Path, n: int, *, skip: bool, jump: bool) -> list[dict]:
         if skip:
             st["W_skip"] = _rand(D, D, g=g)
         if jump:
-            st["threshold"] = _rand(F, g=g, scale=0.3).abs()
+            st["activation_function.threshold"] = _rand(F, g=g, scale=0.3).abs()
         save_file(st, str(tmp / f"layer_{layer}.safetensors"))
         states.append(st)
     (tmp / "config.yaml").write_text(yaml.safe_dump({
@@ -338,7 +338,8 @@ def _ct_set_files(tmp: Path, n: int, *, skip: bool, jump: bool) -> list[dict]:
 def _ct_slt_ref(st: dict, x: torch.Tensor) -> torch.Tensor:
     """SingleLayerTranscoder.forward: F.linear(x, W_enc, b_enc) -> act -> @ W_dec + b_dec (+ x @ W_skip.T)."""
     pre = torch.nn.functional.linear(x, st["W_enc"], st["b_enc"])
-    acts = pre * (pre > st["threshold"]) if "threshold" in st else pre.relu()
+    th = st.get("activation_function.threshold")
+    acts = pre * (pre > th) if th is not None else pre.relu()
     out = acts @ st["W_dec"] + st["b_dec"]
     return out + x @ st["W_skip"].T if "W_skip" in st else out
 
@@ -404,6 +405,10 @@ def test_circuit_tracer_clt(tmp_path: Path, skip: bool, jump: bool) -> None:
     assert clt.cfg.extra["circuit_tracer"]["feature_output_hook"] == "hook_mlp_out"
     x = torch.randn(3, 5, D, generator=_g(7))
     _close(clt(x), _ct_clt_ref(ref, x))
+    if skip:  # circuit-tracer 0.5.0's load_clt reads no W_skip_{i}: refused rather than dropped there
+        with pytest.raises(UnsupportedArchitectureError, match="skip"):
+            save_circuit_tracer_clt(clt, tmp_path / "rt")
+        return
     again = load_circuit_tracer_clt(save_circuit_tracer_clt(clt, tmp_path / "rt"))
     _close(again(x), clt(x))
 
@@ -428,6 +433,20 @@ def test_circuit_tracer_bad_input(tmp_path: Path) -> None:
     (tmp_path / "c" / "config.yaml").write_text("model_kind: spline_clt\n")
     with pytest.raises(UnsupportedArchitectureError, match=r"config\.yaml.*spline_clt"):
         load(tmp_path / "c", format="circuit_tracer")
+    # JumpReLU threshold: circuit-tracer's key, or the bare key nnsight-lorsa wrote before; never both
+    states = _ct_set_files(tmp_path / "d", 1, skip=False, jump=True)
+    th = states[0].pop("activation_function.threshold")
+    save_file({**states[0], "threshold": th}, str(tmp_path / "d" / "layer_0.safetensors"))
+    x = torch.randn(4, D, generator=_g(6))
+    _close(load_circuit_tracer_transcoders(tmp_path / "d")[0](x),
+           _ct_slt_ref({**states[0], "activation_function.threshold": th}, x))
+    save_file({**states[0], "threshold": th, "activation_function.threshold": th.clone()},
+              str(tmp_path / "d" / "layer_0.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layer_0\.safetensors.*both"):
+        load_circuit_tracer_transcoders(tmp_path / "d")
+    topk = Transcoder(TranscoderConfig(d_in=D, d_sae=F, activation="topk", activation_params={"k": 2}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"layer 0.*'topk'.*circuit-tracer.*no k"):
+        save_circuit_tracer_transcoders({0: topk}, tmp_path / "e")
 
 
 # ============================================================================ our own format

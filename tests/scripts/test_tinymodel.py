@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -141,3 +142,26 @@ def test_tiny_llama_config_llama3_rope():
     assert cfg.rope_parameters["original_max_position_embeddings"] == 64 < cfg.max_position_embeddings
     with pytest.raises(ValueError):
         tiny_llama_config(512, rope_original_max_position_embeddings=1024)
+
+
+def test_embedded_model_reads_the_same_on_transformers_4_and_5(tmp_path):
+    """The asset carries RoPE both as transformers 5 reads it (``rope_parameters``) and as transformers 4
+    does (``rope_theta`` + ``rope_scaling``), and names its tokenizer ``PreTrainedTokenizerFast`` (known
+    to both); ``readable_by_transformers_4`` adds exactly that to a transformers-5 save."""
+    from nnsight_lorsa.adapters.base import check_rope_read
+
+    d = default_model_dir()
+    cfg = json.loads((d / "config.json").read_text())
+    rp = cfg["rope_parameters"]
+    assert rp["rope_type"] == "llama3" and cfg["rope_theta"] == rp["rope_theta"]
+    assert cfg["rope_scaling"] == {k: v for k, v in rp.items() if k != "rope_theta"}
+    assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # transformers 4 keeps the JSON keys as attributes and runs rope_scaling / rope_theta: the same RoPE
+    check_rope_read(types.SimpleNamespace(**cfg), transformers_major=4)
+    # the script's post-save step, on a transformers-5 save
+    (tmp_path / "config.json").write_text(json.dumps({"rope_parameters": rp}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
+    _tm.readable_by_transformers_4(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["rope_scaling"] == cfg["rope_scaling"] and written["rope_theta"] == rp["rope_theta"]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"

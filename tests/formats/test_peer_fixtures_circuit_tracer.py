@@ -1,0 +1,94 @@
+"""Files written by circuit-tracer 0.5.0's own code (``tests/fixtures/peers/circuit_tracer/``, from
+``scripts/peer_fixtures/circuit_tracer.py``) load with our ``load`` and reproduce circuit-tracer's own
+outputs; what its format cannot express is refused by name; our ``save`` in its format loads in
+circuit-tracer (``reverse/result.json``, written by circuit-tracer's loaders). No circuit-tracer here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nnsight_lorsa.errors import UnsupportedArchitectureError
+from nnsight_lorsa.formats import load, save
+from nnsight_lorsa.formats.circuit_tracer import CircuitTracerTranscoders
+from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "circuit_tracer"
+SETS = ["transcoders_relu", "transcoders_jumprelu", "transcoders_skip", "transcoders_jumprelu_skip"]
+CLTS = ["clt_relu", "clt_jumprelu"]
+REL = 1e-5  # fp32, same arithmetic up to summation order
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("case", SETS)
+def test_transcoder_set_matches_circuit_tracer(case: str) -> None:
+    ref = load_file(str(FIX / case / "reference.safetensors"))
+    ts = load(FIX / case)  # format detected
+    assert isinstance(ts, CircuitTracerTranscoders) and len(ts) == 2
+    assert ts.feature_input_hook == "mlp.hook_in" and ts.scan == "tiny-scan"
+    x = ref["x"]
+    for i in range(2):
+        tc = ts[i]
+        assert isinstance(tc, SkipTranscoder) == ("skip" in case)
+        assert tc.cfg.activation == ("jumprelu" if "jumprelu" in case else "relu")
+        with torch.no_grad():
+            acts = tc.encode(x)
+            assert _rel(acts, ref[f"encode_{i}"]) <= REL
+            assert torch.equal(acts > 0, ref[f"encode_{i}"] > 0)  # same active features
+            decoded = tc.decode(acts) + (tc.skip(x) if isinstance(tc, SkipTranscoder) else 0)
+            assert _rel(decoded, ref[f"decode_{i}"]) <= REL  # circuit-tracer's decode adds the skip
+            assert _rel(tc(x), ref[f"forward_{i}"]) <= REL
+        if "jumprelu" in case:  # thresholds that actually cut: some pre-activations > 0 are zeroed
+            pre = x @ tc.W_enc + tc.b_enc
+            assert bool(((pre > 0) & (acts == 0)).any())
+
+
+@pytest.mark.parametrize("case", CLTS)
+def test_clt_matches_circuit_tracer(case: str) -> None:
+    ref = load_file(str(FIX / case / "reference.safetensors"))
+    clt = load(FIX / case)
+    assert isinstance(clt, CrossLayerTranscoder) and clt.n_layers == 3
+    assert clt.cfg.activation == ("jumprelu" if "jumprelu" in case else "relu")
+    with torch.no_grad():
+        assert _rel(clt.encode(ref["x"]), ref["encode"]) <= REL
+        assert _rel(clt(ref["x"]), ref["forward"]) <= REL
+
+
+def test_what_circuit_tracer_cannot_express_is_refused(tmp_path: Path) -> None:
+    """circuit-tracer's own save + load turn a TopK transcoder into a ReLU one and drop a CLT's skip
+    (``limits.json``, measured with its code); our ``save`` refuses both by name instead."""
+    limits = json.loads((FIX / "limits.json").read_text())
+    assert limits["topk"]["reloaded_activation"] == "relu" and limits["topk"]["max_rel_forward_after_reload"] > 0.01
+    assert limits["clt_skip"]["reloaded_has_skip"] is False
+    assert limits["clt_skip"]["max_rel_forward_after_reload"] > 0.01
+    topk = Transcoder(TranscoderConfig(d_in=8, d_sae=16, activation="topk", activation_params={"k": 4}))
+    with pytest.raises(UnsupportedArchitectureError, match="topk"):
+        save({0: topk}, tmp_path / "topk", format="circuit_tracer")
+    clt = CrossLayerTranscoder(CLTConfig(d_in=8, d_sae=16, n_layers=3, skip=True))
+    with pytest.raises(UnsupportedArchitectureError, match="skip"):
+        save(clt, tmp_path / "clt", format="circuit_tracer")
+
+
+def test_our_files_load_in_circuit_tracer() -> None:
+    """``reverse/``: what our ``save(format="circuit_tracer")`` wrote, loaded by circuit-tracer's own
+    ``load_transcoder_set`` / ``load_clt`` and compared with our outputs there (``result.json``)."""
+    result = json.loads((FIX / "reverse" / "result.json").read_text())
+    assert set(result["cases"]) == {"transcoders_relu", "transcoders_jumprelu", "transcoders_jumprelu_skip",
+                                     *CLTS}
+    assert result["pass"] is True
+    for name, r in result["cases"].items():
+        assert r["pass"] and r["max_rel"] <= REL, name
+    # the JumpReLU files carry circuit-tracer's key, and our own reader still reads them
+    keys = load_file(str(FIX / "reverse" / "transcoders_jumprelu" / "layer_0.safetensors")).keys()
+    assert "activation_function.threshold" in keys and "threshold" not in keys
+    ours = load_file(str(FIX / "reverse" / "transcoders_jumprelu" / "ours_outputs.safetensors"))
+    with torch.no_grad():
+        assert _rel(load(FIX / "reverse" / "transcoders_jumprelu")[0](ours["x"]), ours["forward_0"]) <= REL
