@@ -42,6 +42,7 @@ from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
+from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, revive_dead
 from .metrics import fvu
 
 Metrics = dict[str, float]
@@ -112,32 +113,47 @@ def _require_norms(t: Any) -> None:
 
 # --------------------------------------------------------------------------- Lorsa
 class _LorsaObjective(_Objective):
+    """A Lorsa's objective; the Lorsa-specific recipe (initialisation, k annealing, ranking, dead-head
+    remedy) is a :class:`~.lorsa_recipe.LorsaRecipe` (:mod:`.lorsa_recipe`)."""
+
     desc = "Lorsa"
     weights_file = "lorsa.safetensors"
     config_key = "lorsa_config"
 
-    def __init__(self, module: Lorsa, mhsa: Any = None) -> None:
+    def __init__(self, module: Lorsa, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
         super().__init__(module)
         self.mhsa = mhsa
+        self.recipe = recipe or LorsaRecipe()
+        self.init_info: dict[str, float] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
 
     def check_source(self, source: Any) -> None:
-        if getattr(source, "stacked", False) or getattr(source, "positions_site", True) is None:
+        # a cached source has no positions: the Lorsa's default arange(pos) (windows start at position 0)
+        no_positions = getattr(source, "positions_site", True) is None and getattr(source, "cache", None) is None
+        if getattr(source, "stacked", False) or no_positions:
             raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
-                                      "use ActivationSource.attention(model, layer, …)")
+                                      "use ActivationSource.attention(model, layer, …) or an activation cache")
+
+    def top_k(self, t: Any) -> int:
+        """The top-k in force at the trainer's step (k annealing)."""
+        return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
 
     def after_norms(self, t: Any) -> None:
-        if self.mhsa is not None:
-            lorsa = self.module
-            lorsa.init_from_mhsa(self.mhsa)
-            for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
-                w.div_(t.s_in)
-            lorsa.normalize_decoder_()
+        b = t.source(0)
+        self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
+                                    mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t))
 
     def post_step(self, t: Any) -> None:
-        self.module.normalize_decoder_()
+        if self._last is not None:
+            scores, dead, k = self._last
+            self._last = None
+            norms = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
+            revive_dead(self.module, scores, dead, k, self.recipe.revive_margin, norms)
+        if not self.recipe.rank_by_decoder_norm:
+            self.module.normalize_decoder_()
 
     def module_config(self) -> dict[str, Any]:
         return self.module.cfg.to_dict()
@@ -146,22 +162,49 @@ class _LorsaObjective(_Objective):
     def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
+    def save_meta(self, t: Any) -> dict[str, Any]:
+        return {"lorsa_recipe": self.recipe.to_dict()}
+
+    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+        if "lorsa_recipe" in meta:
+            self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        lorsa = self.module
+        lorsa, recipe = self.module, self.recipe
         x = batch.x.to(lorsa.W_O.dtype) * t.s_in
         y = batch.y.to(lorsa.W_O.dtype) * t.s_out
-        out, cache = lorsa(x, batch.positions, batch.attn_mask, return_cache=True)
+        k = self.top_k(t)
+        z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
+        if recipe.rank_by_decoder_norm:  # rank by output norm z·‖w_o‖ (w_o not renormalised)
+            norms = lorsa.W_O.detach().norm(dim=1)
+            idx = (z_pre.detach() * norms).topk(k, dim=-1).indices
+            z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        else:
+            z, _ = lorsa.activation(z_pre, k)
+        out = lorsa.decode(z)
         mask = batch.loss_mask
         err = (y - out)[mask]
-        loss = err.pow(2).sum(-1).mean()
-        active = cache.z[mask] > 0
+        mse = err.pow(2).sum(-1).mean()
+        loss = mse
+        active = z[mask] > 0
         dead = t.count_fired(active.any(0), int(mask.sum()))
-        aux = t.aux_k_loss(cache.z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
-        if t.config.aux_k_coef > 0 and dead.any():
-            loss = loss + t.config.aux_k_coef * aux
+        aux = torch.zeros((), dtype=mse.dtype)
+        remedy = recipe.dead_remedy
+        if remedy == "auxk":
+            aux = t.aux_k_loss(z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
+            if t.config.aux_k_coef > 0 and dead.any():
+                loss = loss + t.config.aux_k_coef * aux
+        elif remedy == "ghost" and dead.any() and recipe.ghost_coef > 0:
+            aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
+            loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
+        elif remedy == "revive" and dead.any():
+            scores = z_pre[mask].detach()
+            if recipe.rank_by_decoder_norm:
+                scores = scores * lorsa.W_O.detach().norm(dim=1)
+            self._last = (scores, dead.clone(), k)
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
-                      "aux": float(aux.detach())}
+                      "aux": float(aux.detach()), "k": float(k)}
 
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
@@ -482,16 +525,16 @@ class _CLTObjective(_DictionaryObjective):
 _OBJECTIVES: tuple[type[_Objective], ...] = (_LorsaObjective, _SparseCoderObjective, _CLTObjective)
 
 
-def _objective_for(module: Any, mhsa: Any = None) -> _Objective:
+def _objective_for(module: Any, mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> _Objective:
     """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT).
 
     Raises:
-        TypeError: another module type, or ``mhsa`` given for a non-Lorsa.
+        TypeError: another module type, or ``mhsa`` / ``lorsa_recipe`` given for a non-Lorsa.
     """
     if isinstance(module, Lorsa):
-        return _LorsaObjective(module, mhsa)
-    if mhsa is not None:
-        raise TypeError("mhsa= initialises a Lorsa's QK; the module is a " + type(module).__name__)
+        return _LorsaObjective(module, mhsa, lorsa_recipe)
+    if mhsa is not None or lorsa_recipe is not None:
+        raise TypeError("mhsa= and lorsa_recipe= are for a Lorsa; the module is a " + type(module).__name__)
     if isinstance(module, SparseCoder):
         return _SparseCoderObjective(module)
     if isinstance(module, CrossLayerTranscoder):

@@ -1,0 +1,254 @@
+"""How a Lorsa is trained beyond the shared loop: data-driven initialisation, k annealing, ranking,
+and a dead-head remedy that works through ReLU and top-k.
+
+:class:`LorsaRecipe` holds the settings (the defaults are the recipe measured best in
+``benchmarks/lorsa_recipe.py``; each mechanism can be switched off for ablations);
+:func:`init_lorsa` is the one initialisation a :class:`~.trainer.Trainer` runs for a Lorsa once the
+scale factors are known, in the normalised space ``x · s_in -> y · s_out``:
+
+1. QK copied from the MHSA (Lorsa paper App. B.3; :meth:`~..modules.lorsa.Lorsa.init_from_mhsa`).
+2. OV (``ov_init``): ``"value_svd"`` — the Lorsa authors' ``init_W_V_with_active_subspace_per_head``
+   (Llamascopium ``models/lorsa.py``): each OV head's ``w_v`` a random combination of the top
+   ``d_head`` principal directions (SVD, demeaned) of its MHSA head's values ``x W_V^m W_V^mᵀ`` on one
+   batch, and ``w_o = w_v W_V^m W_O^m`` (the OV circuit's image of ``w_v``); ``"output_svd"`` — the
+   converse: ``w_o`` a random combination of the principal directions of the MHSA head's *outputs*
+   ``A^m x W_V^m W_O^m`` and ``w_v = w_o (W_V^m W_O^m)ᵀ``; ``"mhsa"`` — random rank-1 slices
+   ``w_v = W_V^m u``, ``w_o = u W_O^m`` (the former default); ``"random"`` — the module's random init.
+3. ``b_V`` centring (``center_b_v``, the authors' ``init_encoder_bias_with_mean_hidden_pre``).
+4. Output scale and ``b_D`` (``scale_init``, ``b_d_init``): ReLU and top-k are positively
+   homogeneous in the values, so scaling ``w_v, b_v`` by ``c > 0`` scales every head's output by ``c``
+   and keeps the selection: ``out(c) = c D + b_D``. The MSE-optimal ``c`` and ``b_D = ȳ − c D̄`` on the
+   batch have a closed form — the exact optimum of the authors' grid search over the initial decoder
+   norm (``initializer.py::initialization_search``), from one forward pass.
+
+Training (in the Lorsa objective): k annealing from ``k_anneal_from`` down to ``top_k`` over the
+first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); optional
+ranking by ``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``);
+and a dead-head remedy (``dead_remedy``):
+
+* ``"ghost"`` — ghost grads (Jermyn & Templeton 2024, Anthropic circuits update): dead heads
+  reconstruct the residual error with ``exp(z_pre)`` (positive, with a gradient at any
+  pre-activation), rescaled to half the error's norm; weighted by ``ghost_coef``.
+* ``"revive"`` — after each step, a dead head's ``b_V`` (which shifts its ``z_pre`` at every token,
+  attention rows summing to 1) is raised by its gap to the top-k threshold on its best token of the
+  batch (plus ``revive_margin`` of the typical active ``z``), so that it is selected there and gets
+  gradient again.
+* ``"auxk"`` — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``; cannot revive a head
+  whose pre-activation is negative everywhere); ``"none"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigMismatchError
+from ..modules.lorsa import Lorsa
+
+if TYPE_CHECKING:
+    from ..adapters.base import MHSAWeights
+
+__all__ = ["LorsaRecipe", "init_lorsa", "k_schedule"]
+
+_OV_INITS = ("value_svd", "output_svd", "mhsa", "random")
+_REMEDIES = ("revive", "ghost", "auxk", "none")
+
+
+@dataclass
+class LorsaRecipe:
+    """Lorsa-specific training settings (saved in checkpoints with the trainer state).
+
+    Attributes:
+        ov_init: ``"value_svd"`` | ``"output_svd"`` | ``"mhsa"`` | ``"random"`` (module docstring);
+            with no MHSA given the module's random OV init is kept.
+        center_b_v: subtract each head's mean pre-activation on the init batch from ``b_V``.
+        scale_init: set the output scale to its MSE optimum on the init batch (closed form).
+        b_d_init: set ``b_D`` to the data mean (minus the heads' mean output at the chosen scale).
+        init_windows: windows of batch 0 used by the initialisation (None: all).
+        k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
+        k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
+        rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
+            during training (folding renormalises exactly).
+        dead_remedy: ``"revive"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
+        ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
+            revived head is pushed, as a fraction of the mean active ``z``.
+    """
+
+    ov_init: str = "value_svd"
+    center_b_v: bool = False
+    scale_init: bool = True
+    b_d_init: bool = True
+    init_windows: int | None = None
+    k_anneal_from: int | None = None
+    k_anneal_frac: float = 0.3
+    rank_by_decoder_norm: bool = False
+    dead_remedy: str = "revive"
+    ghost_coef: float = 1.0
+    revive_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.ov_init not in _OV_INITS:
+            raise ConfigMismatchError(f"LorsaRecipe.ov_init must be one of {_OV_INITS}, got {self.ov_init!r}")
+        if self.dead_remedy not in _REMEDIES:
+            raise ConfigMismatchError(f"LorsaRecipe.dead_remedy must be one of {_REMEDIES}, got {self.dead_remedy!r}")
+        if not 0.0 <= self.k_anneal_frac <= 1.0:
+            raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LorsaRecipe:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:
+    """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
+    ``k_anneal_frac · total_steps`` (rounded up), ``top_k`` after; ``top_k`` without annealing."""
+    k0 = recipe.k_anneal_from
+    if k0 is None or k0 <= top_k:
+        return top_k
+    span = recipe.k_anneal_frac * total_steps
+    if span <= 0 or step >= span:
+        return top_k
+    return max(top_k, math.ceil(k0 + (top_k - k0) * step / span))
+
+
+def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:
+    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values (tokens, d)``."""
+    v = values.double()
+    v = v - v.mean(0, keepdim=True)
+    _, _, vh = torch.linalg.svd(v, full_matrices=False)
+    return vh[:n].float()
+
+
+@torch.no_grad()
+def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, s_in: float, s_out: float, mode: str,
+             generator: torch.Generator | None) -> None:
+    """OV by ``mode`` (``"value_svd"`` / ``"output_svd"``) in the normalised space, from ``x (b, s, d)``."""
+    cfg = lorsa.cfg
+    n_heads = mhsa.n_heads
+    rep = cfg.n_qk_heads // n_heads
+    per_head = cfg.n_ov_heads // n_heads
+    kv_rep = n_heads // mhsa.W_K.shape[0]
+    W_V = mhsa.W_V.repeat_interleave(kv_rep, 0).float() / s_in           # acts on x·s_in
+    W_O = mhsa.W_O.float() * s_out                                       # writes y·s_out
+    xf = x.reshape(-1, x.shape[-1]).float()
+    new_v, new_o = [], []
+    for m in range(n_heads):
+        ov = W_V[m] @ W_O[m]                                             # (d_model, d_model)
+        c = torch.randn(per_head, cfg.d_qk_head, generator=generator)
+        if mode == "value_svd":
+            basis = _principal_directions(xf @ W_V[m] @ W_V[m].T, cfg.d_qk_head)
+            w_v = c @ basis
+            w_o = w_v @ ov
+        else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
+            pattern = lorsa.attention_pattern(x, qk_heads=[m * rep])[:, 0]      # (b, s, s)
+            out = (pattern @ (x.float() @ W_V[m])) @ W_O[m]
+            basis = _principal_directions(out.reshape(-1, out.shape[-1]), cfg.d_qk_head)
+            w_o = c @ basis
+            w_v = w_o @ ov.T
+        new_v.append(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        new_o.append(w_o / w_o.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    lorsa.W_V.copy_(torch.cat(new_v).to(lorsa.W_V))
+    lorsa.W_O.copy_(torch.cat(new_o).to(lorsa.W_O))
+    lorsa.b_V.zero_()
+
+
+@torch.no_grad()
+def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.Tensor, *, s_in: float,
+               s_out: float, mhsa: MHSAWeights | None = None, recipe: LorsaRecipe | None = None,
+               top_k: int | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
+    """Initialise ``lorsa`` (training-space weights) from the MHSA and one batch; see the module docstring.
+
+    Args:
+        lorsa: the Lorsa to initialise in place (it acts on ``x · s_in`` and writes ``y · s_out``).
+        x, y: ``(batch, pos, d_model)`` raw attention input / output of one batch.
+        loss_mask: ``(batch, pos)`` bool, the tokens that count (BOS and padding excluded).
+        s_in, s_out: the trainer's dataset-norm factors. mhsa: the layer's MHSA (None: QK and OV
+            keep their random init). recipe: the settings (default :class:`LorsaRecipe`).
+        top_k: the k in force at step 0 (k annealing), default ``cfg.top_k``.
+
+    Returns:
+        ``{"scale": c, "fvu_init": FVU on the batch after the initialisation}``.
+
+    Raises:
+        ShapeError: an MHSA that does not fit the Lorsa (:meth:`~..modules.lorsa.Lorsa.init_from_mhsa`).
+    """
+    recipe = recipe or LorsaRecipe()
+    if recipe.init_windows is not None:
+        x, y, loss_mask = x[:recipe.init_windows], y[:recipe.init_windows], loss_mask[:recipe.init_windows]
+    xn = x.to(lorsa.W_O.dtype) * s_in
+    yn = y.to(lorsa.W_O.dtype) * s_out
+    if mhsa is not None:
+        lorsa.init_from_mhsa(mhsa, generator=generator)
+        for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
+            w.div_(s_in)
+        if recipe.ov_init in ("value_svd", "output_svd"):
+            _init_ov(lorsa, mhsa, xn, s_in, s_out, recipe.ov_init, generator)
+        elif recipe.ov_init == "random":
+            lorsa.W_V.normal_(0.0, lorsa.cfg.n_ov_heads ** -0.5, generator=generator)
+            lorsa.W_O.normal_(0.0, lorsa.cfg.d_model ** -0.5, generator=generator)
+            lorsa.b_V.zero_()
+        lorsa.normalize_decoder_()
+    if recipe.center_b_v:
+        z_pre = lorsa.compute_z_pre(xn)[loss_mask]
+        lorsa.b_V.sub_(z_pre.mean(0))
+    scale = 1.0
+    if recipe.scale_init or recipe.b_d_init:
+        if lorsa.b_D is not None:
+            lorsa.b_D.zero_()
+        z, _ = lorsa.activation(lorsa.compute_z_pre(xn), top_k)
+        D = (z @ lorsa.W_O)[loss_mask].double()
+        t = yn[loss_mask].double()
+        fit_bias = recipe.b_d_init and lorsa.b_D is not None
+        Dc = D - D.mean(0) if fit_bias else D
+        tc = t - t.mean(0) if fit_bias else t
+        if recipe.scale_init:
+            denom = float(Dc.pow(2).sum())
+            scale = float((Dc * tc).sum()) / denom if denom > 0 else 1.0
+            if not scale > 0:  # no positive scale helps: keep the heads as they are
+                scale = 1.0
+            lorsa.W_V.mul_(scale)
+            lorsa.b_V.mul_(scale)
+        if fit_bias:
+            assert lorsa.b_D is not None
+            lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))
+    out = lorsa(xn, top_k=top_k)
+    err = (yn - out)[loss_mask]
+    fvu0 = float(err.pow(2).sum() / (yn[loss_mask] - yn[loss_mask].mean(0)).pow(2).sum().clamp_min(1e-30))
+    return {"scale": scale, "fvu_init": fvu0}
+
+
+def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+    """Ghost-grads loss: dead heads' ``exp(z_pre)`` decode the error ``err (n, d)`` (detached), rescaled
+    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool."""
+    e = err.detach()
+    zd = z_pre[:, dead]
+    ghost = torch.exp(zd - zd.detach().amax(-1, keepdim=True).clamp_min(0)) @ W_O[dead]
+    scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
+    return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
+
+
+@torch.no_grad()
+def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, margin: float,
+                norms: torch.Tensor | None = None) -> int:
+    """Raise ``b_V`` of the ``dead (n_ov,)`` heads by their gap to the top-``k`` threshold on their best
+    token of ``z_pre (n, n_ov)`` (the training-space ranking scores of the last batch: pre-activations,
+    or ``z_pre · ‖w_o‖`` with ``norms (n_ov,)`` the decoder norms), plus ``margin`` times the mean
+    active score; returns how many heads were moved."""
+    if not bool(dead.any()):
+        return 0
+    top = z_pre.topk(k, dim=-1).values
+    threshold = top[:, -1].clamp_min(0)                                  # must beat the k-th and be > 0
+    gap = (threshold[:, None] - z_pre[:, dead]).amin(0)                   # (n_dead,)
+    push = gap.clamp_min(0) + margin * top.clamp_min(0).mean()
+    if norms is not None:
+        push = push / norms[dead].clamp_min(1e-12)
+    idx = dead.nonzero().flatten()
+    lorsa.b_V[idx] += push.to(lorsa.b_V.dtype)
+    return int(idx.numel())
