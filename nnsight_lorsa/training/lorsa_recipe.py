@@ -33,6 +33,11 @@ and a dead-head remedy (``dead_remedy``):
   attention rows summing to 1) is raised by its gap to the top-k threshold on its best token of the
   batch (plus ``revive_margin`` of the typical active ``z``), so that it is selected there and gets
   gradient again.
+* ``"resample"`` — dead heads are re-initialised toward high-error tokens (Bricken et al. 2023's
+  resampling, adapted to attention): token ``i`` drawn with probability ``∝ ‖err_i‖²``, ``w_o`` the
+  error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input at
+  ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
+  where that projection exceeds half of token ``i``'s, Adam state of those rows reset; each head at most once per dead window.
 * ``"auxk"`` — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``; cannot revive a head
   whose pre-activation is negative everywhere); ``"none"``.
 """
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["LorsaRecipe", "init_lorsa", "k_schedule"]
 
 _OV_INITS = ("value_svd", "output_svd", "mhsa", "random")
-_REMEDIES = ("revive", "ghost", "auxk", "none")
+_REMEDIES = ("revive", "resample", "ghost", "auxk", "none")
 
 
 @dataclass
@@ -252,3 +257,38 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
     idx = dead.nonzero().flatten()
     lorsa.b_V[idx] += push.to(lorsa.b_V.dtype)
     return int(idx.numel())
+
+
+@torch.no_grad()
+def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: torch.Tensor, dead: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Re-initialise the ``dead (n_ov,)`` heads toward high-error tokens of one batch (module docstring).
+
+    ``x (b, s, d)`` the training-space input, ``err (b, s, d)`` the error ``y − ŷ`` (training space),
+    ``loss_mask (b, s)``. Returns the indices of the re-initialised heads.
+    """
+    idx = dead.nonzero().flatten()
+    if idx.numel() == 0:
+        return idx
+    pos = loss_mask.nonzero()                                            # (n, 2) token coordinates
+    e = err[loss_mask].float()
+    weights = e.pow(2).sum(-1)
+    if not bool(torch.isfinite(weights).all()) or float(weights.sum()) <= 0:
+        return idx[:0]
+    pick = torch.multinomial(weights / weights.sum(), idx.numel(), replacement=True, generator=generator)
+    groups = idx // lorsa.cfg.group_size
+    pattern = lorsa.attention_pattern(x)                                  # (b, n_qk, s, s)
+    xbar = pattern @ x[:, None].float()                                   # (b, n_qk, s, d): attended input
+    mu = (xbar * loss_mask[:, None, :, None]).sum((0, 2)) / loss_mask.sum()   # (n_qk, d): mean over tokens
+    b_i, s_i = pos[pick, 0], pos[pick, 1]
+    dirs = xbar[b_i, groups, s_i] - mu[groups]                           # (n_dead, d)
+    alive = ~dead
+    norm = lorsa.W_V[alive].norm(dim=-1).median() if bool(alive.any()) else lorsa.W_V.norm(dim=-1).median()
+    w_v = dirs / dirs.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norm.float()   # a typical live head's norm
+    e_pick = e[pick]
+    # z_t = (x̄_t − μ)·w_v + b_v: the head fires where the projection exceeds half of token i's
+    proj = (dirs * w_v).sum(-1)
+    lorsa.W_V[idx] = w_v.to(lorsa.W_V)
+    lorsa.b_V[idx] = (-(mu[groups] * w_v).sum(-1) - 0.5 * proj).to(lorsa.b_V)
+    lorsa.W_O[idx] = (e_pick / e_pick.norm(dim=-1, keepdim=True).clamp_min(1e-12)).to(lorsa.W_O)
+    return idx

@@ -42,7 +42,7 @@ from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
-from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, revive_dead
+from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
 
 Metrics = dict[str, float]
@@ -126,6 +126,7 @@ class _LorsaObjective(_Objective):
         self.recipe = recipe or LorsaRecipe()
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
@@ -152,6 +153,16 @@ class _LorsaObjective(_Objective):
             self._last = None
             norms = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
             revive_dead(self.module, scores, dead, k, self.recipe.revive_margin, norms)
+        if self._resample is not None:
+            x, err, mask, dead = self._resample
+            self._resample = None
+            g = torch.Generator().manual_seed(t.step)
+            idx = resample_dead(self.module, x, err, mask, dead, g)
+            for p in (self.module.W_V, self.module.b_V, self.module.W_O):  # fresh Adam moments for those rows
+                for v in t.optimizer.state.get(p, {}).values():
+                    if v.dim() and v.shape[0] == self.module.cfg.n_ov_heads:
+                        v[idx] = 0
+            t.tokens_since_fired[idx] = 0
         if not self.recipe.rank_by_decoder_norm:
             self.module.normalize_decoder_()
 
@@ -202,6 +213,8 @@ class _LorsaObjective(_Objective):
             if recipe.rank_by_decoder_norm:
                 scores = scores * lorsa.W_O.detach().norm(dim=1)
             self._last = (scores, dead.clone(), k)
+        elif remedy == "resample" and dead.any():
+            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
                       "aux": float(aux.detach()), "k": float(k)}
