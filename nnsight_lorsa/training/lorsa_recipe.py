@@ -241,22 +241,33 @@ def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: 
 
 @torch.no_grad()
 def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, margin: float,
-                norms: torch.Tensor | None = None) -> int:
-    """Raise ``b_V`` of the ``dead (n_ov,)`` heads by their gap to the top-``k`` threshold on their best
-    token of ``z_pre (n, n_ov)`` (the training-space ranking scores of the last batch: pre-activations,
-    or ``z_pre · ‖w_o‖`` with ``norms (n_ov,)`` the decoder norms), plus ``margin`` times the mean
-    active score; returns how many heads were moved."""
-    if not bool(dead.any()):
-        return 0
-    top = z_pre.topk(k, dim=-1).values
-    threshold = top[:, -1].clamp_min(0)                                  # must beat the k-th and be > 0
-    gap = (threshold[:, None] - z_pre[:, dead]).amin(0)                   # (n_dead,)
-    push = gap.clamp_min(0) + margin * top.clamp_min(0).mean()
-    if norms is not None:
-        push = push / norms[dead].clamp_min(1e-12)
+                norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Move the ``dead (n_ov,)`` heads back into the top-``k`` on their best token of one batch.
+
+    ``z_pre (n, n_ov)``: the training-space pre-activations of the batch's tokens; ``norms (n_ov,)``:
+    the decoder norms when heads are ranked by ``z · ‖w_o‖`` (else None). A dead head's ``w_v, b_v``
+    are first scaled down to at most the median live head's ``‖w_v‖`` (so that repeated revivals
+    cannot grow them), then ``b_v`` is raised by the gap to the top-``k`` threshold at its best token
+    plus ``margin`` times the mean selected score. Returns the indices of the moved heads (the caller
+    resets their dead counters and optimiser state, so each head is moved at most once per dead window).
+    """
     idx = dead.nonzero().flatten()
-    lorsa.b_V[idx] += push.to(lorsa.b_V.dtype)
-    return int(idx.numel())
+    if idx.numel() == 0:
+        return idx
+    scores = z_pre if norms is None else z_pre * norms
+    top = scores.topk(k, dim=-1).values
+    threshold = top[:, -1].clamp_min(0)                                  # must beat the k-th and be > 0
+    w_norm = lorsa.W_V.norm(dim=1)
+    alive = ~dead
+    cap = w_norm[alive].median() if bool(alive.any()) else w_norm.median()
+    f = (cap / w_norm[idx].clamp_min(1e-12)).clamp(max=1.0)
+    z_dead = f * z_pre[:, idx]                                           # after scaling w_v and b_v by f
+    unit = torch.ones_like(f) if norms is None else norms[idx].clamp_min(1e-12)
+    gap = (threshold[:, None] / unit - z_dead).amin(0)
+    push = gap.clamp_min(0) + margin * top.clamp_min(0).mean() / unit
+    lorsa.W_V[idx] *= f[:, None].to(lorsa.W_V.dtype)
+    lorsa.b_V[idx] = (f * lorsa.b_V[idx] + push).to(lorsa.b_V.dtype)
+    return idx
 
 
 @torch.no_grad()

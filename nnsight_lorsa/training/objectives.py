@@ -148,23 +148,24 @@ class _LorsaObjective(_Objective):
                                     mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t))
 
     def post_step(self, t: Any) -> None:
+        lorsa = self.module
+        moved = None
         if self._last is not None:
-            scores, dead, k = self._last
-            self._last = None
-            norms = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
-            revive_dead(self.module, scores, dead, k, self.recipe.revive_margin, norms)
+            z_pre, dead, k = self._last
+            norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
+            moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms)
         if self._resample is not None:
             x, err, mask, dead = self._resample
-            self._resample = None
-            g = torch.Generator().manual_seed(t.step)
-            idx = resample_dead(self.module, x, err, mask, dead, g)
-            for p in (self.module.W_V, self.module.b_V, self.module.W_O):  # fresh Adam moments for those rows
+            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
+        self._last = self._resample = None
+        if moved is not None and moved.numel():
+            for p in (lorsa.W_V, lorsa.b_V, lorsa.W_O):  # fresh Adam moments for those heads
                 for v in t.optimizer.state.get(p, {}).values():
-                    if v.dim() and v.shape[0] == self.module.cfg.n_ov_heads:
-                        v[idx] = 0
-            t.tokens_since_fired[idx] = 0
+                    if v.dim() and v.shape[0] == lorsa.cfg.n_ov_heads:
+                        v[moved] = 0
+            t.tokens_since_fired[moved] = 0  # a full dead window before the next move
         if not self.recipe.rank_by_decoder_norm:
-            self.module.normalize_decoder_()
+            lorsa.normalize_decoder_()
 
     def module_config(self) -> dict[str, Any]:
         return self.module.cfg.to_dict()
@@ -209,10 +210,7 @@ class _LorsaObjective(_Objective):
             aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
             loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
         elif remedy == "revive" and dead.any():
-            scores = z_pre[mask].detach()
-            if recipe.rank_by_decoder_norm:
-                scores = scores * lorsa.W_O.detach().norm(dim=1)
-            self._last = (scores, dead.clone(), k)
+            self._last = (z_pre[mask].detach(), dead.clone(), k)
         elif remedy == "resample" and dead.any():
             self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
