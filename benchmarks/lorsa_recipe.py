@@ -6,7 +6,8 @@ every variant trains from the same cached batches (same seed) and is measured on
 windows: FVU, L0 and dead fraction (heads never active on the held-out tokens) from the cached
 activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa spliced in), and wall time.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 100 --out benchmarks/results/lorsa_recipe_ablation.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 100 \
+        --out benchmarks/results/lorsa_recipe_ablation.json
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --variants recipe,old_demo --ce
 
 ``--export DIR`` writes the cached batches as safetensors for the llamascopium head-to-head
@@ -16,6 +17,7 @@ activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa splice
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -27,8 +29,16 @@ from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.read import Site
-from nnsight_lorsa.training import (ActivationCache, ActivationSource, LorsaRecipe, TokenDataset, TrainConfig,
-                                    Trainer, evaluate, write_activation_cache)
+from nnsight_lorsa.training import (
+    ActivationCache,
+    ActivationSource,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    evaluate,
+    write_activation_cache,
+)
 
 # name -> (TrainConfig overrides, LorsaRecipe overrides, QK/OV from the MHSA)
 OLD = {"ov_init": "mhsa", "scale_init": False, "b_d_init": False, "dead_remedy": "auxk"}
@@ -55,10 +65,8 @@ def parse_variant(spec: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
         k, v = item.split("=")
         val: Any = None if v == "None" else (v == "True" if v in ("True", "False") else v)
         if isinstance(val, str):
-            try:
+            with contextlib.suppress(ValueError):
                 val = int(val) if val.lstrip("-").isdigit() else float(val)
-            except ValueError:
-                pass
         (train if k in tc_fields else recipe)[k] = val
     return train, recipe, mhsa
 
@@ -93,7 +101,8 @@ def heldout_metrics(lorsa: Lorsa, cache: ActivationCache) -> dict[str, float]:
         m = mask[i:i + 16]
         sse += float((y[i:i + 16] - out)[m].double().pow(2).sum())
         act = c.active[m]
-        l0 += float(act.sum()); n += act.shape[0]
+        l0 += float(act.sum())
+        n += act.shape[0]
         fired |= act.any(0)
     tot = float((ys - ys.mean(0)).pow(2).sum())
     return {"fvu": sse / tot, "l0": l0 / n, "dead_frac": 1.0 - float(fired.float().mean()), "n_tokens": int(n)}

@@ -24,22 +24,28 @@ scale factors are known, in the normalised space ``x · s_in -> y · s_out``:
 Training (in the Lorsa objective): k annealing from ``k_anneal_from`` down to ``top_k`` over the
 first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); optional
 ranking by ``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``);
-and a dead-head remedy (``dead_remedy``):
+and a dead-head remedy (``dead_remedy``, applied during the first ``remedy_until`` of the steps; a
+head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firing):
 
+* ``"auxk"`` (default) — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``, Gao et al.
+  2024); it cannot revive a head whose pre-activation is negative everywhere.
 * ``"ghost"`` — ghost grads (Jermyn & Templeton 2024, Anthropic circuits update): dead heads
   reconstruct the residual error with ``exp(z_pre)`` (positive, with a gradient at any
-  pre-activation), rescaled to half the error's norm; weighted by ``ghost_coef``.
-* ``"revive"`` — after each step, a dead head's ``b_V`` (which shifts its ``z_pre`` at every token,
-  attention rows summing to 1) is raised by its gap to the top-k threshold on its best token of the
-  batch (plus ``revive_margin`` of the typical active ``z``), so that it is selected there and gets
-  gradient again.
+  pre-activation), rescaled to half the error's norm; weighted by ``ghost_coef`` relative to the MSE.
+* ``"revive"`` — after a step, a dead head's ``w_v, b_v`` are capped at the median live head's
+  ``‖w_v‖`` and ``b_v`` (which shifts ``z_pre`` at every token, attention rows summing to 1) is raised
+  by the head's gap to the top-k threshold on its best token of the batch (plus ``revive_margin``);
+  with ``revive_aim`` its ``w_o`` is pointed at that token's error. Its Adam moments and dead counter
+  are reset (at most one move per dead window).
 * ``"resample"`` — dead heads are re-initialised toward high-error tokens (Bricken et al. 2023's
   resampling, adapted to attention): token ``i`` drawn with probability ``∝ ‖err_i‖²``, ``w_o`` the
-  error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input at
-  ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
-  where that projection exceeds half of token ``i``'s, Adam state of those rows reset; each head at most once per dead window.
-* ``"auxk"`` — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``; cannot revive a head
-  whose pre-activation is negative everywhere); ``"none"``.
+  error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
+  at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
+  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
+* ``"none"``.
+
+Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
+(the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
 """
 
 from __future__ import annotations
@@ -77,9 +83,11 @@ class LorsaRecipe:
         k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
             during training (folding renormalises exactly).
-        dead_remedy: ``"revive"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
+        dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
+        remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
-            revived head is pushed, as a fraction of the mean active ``z``.
+            revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
+            head's ``w_o`` is also pointed at the error of its best token.
     """
 
     ov_init: str = "value_svd"
@@ -90,9 +98,11 @@ class LorsaRecipe:
     k_anneal_from: int | None = None
     k_anneal_frac: float = 0.3
     rank_by_decoder_norm: bool = False
-    dead_remedy: str = "revive"
+    dead_remedy: str = "auxk"
+    remedy_until: float = 1.0
     ghost_coef: float = 1.0
     revive_margin: float = 0.05
+    revive_aim: bool = False
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:
@@ -241,7 +251,7 @@ def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: 
 
 @torch.no_grad()
 def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, margin: float,
-                norms: torch.Tensor | None = None) -> torch.Tensor:
+                norms: torch.Tensor | None = None, err: torch.Tensor | None = None) -> torch.Tensor:
     """Move the ``dead (n_ov,)`` heads back into the top-``k`` on their best token of one batch.
 
     ``z_pre (n, n_ov)``: the training-space pre-activations of the batch's tokens; ``norms (n_ov,)``:
@@ -250,6 +260,7 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
     cannot grow them), then ``b_v`` is raised by the gap to the top-``k`` threshold at its best token
     plus ``margin`` times the mean selected score. Returns the indices of the moved heads (the caller
     resets their dead counters and optimiser state, so each head is moved at most once per dead window).
+    With ``err (n, d)`` (the batch's errors), ``w_o`` is set to the error direction at that token.
     """
     idx = dead.nonzero().flatten()
     if idx.numel() == 0:
@@ -263,10 +274,14 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
     f = (cap / w_norm[idx].clamp_min(1e-12)).clamp(max=1.0)
     z_dead = f * z_pre[:, idx]                                           # after scaling w_v and b_v by f
     unit = torch.ones_like(f) if norms is None else norms[idx].clamp_min(1e-12)
-    gap = (threshold[:, None] / unit - z_dead).amin(0)
+    gap, best = (threshold[:, None] / unit - z_dead).min(0)
     push = gap.clamp_min(0) + margin * top.clamp_min(0).mean() / unit
     lorsa.W_V[idx] *= f[:, None].to(lorsa.W_V.dtype)
     lorsa.b_V[idx] = (f * lorsa.b_V[idx] + push).to(lorsa.b_V.dtype)
+    if err is not None:
+        e = err[best].float()
+        lorsa.W_O[idx] = (e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12) * lorsa.W_O[idx].norm(dim=-1,
+                          keepdim=True)).to(lorsa.W_O)
     return idx
 
 

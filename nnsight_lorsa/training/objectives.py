@@ -125,7 +125,7 @@ class _LorsaObjective(_Objective):
         self.mhsa = mhsa
         self.recipe = recipe or LorsaRecipe()
         self.init_info: dict[str, float] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def n_latents(self) -> int:
@@ -151,9 +151,10 @@ class _LorsaObjective(_Objective):
         lorsa = self.module
         moved = None
         if self._last is not None:
-            z_pre, dead, k = self._last
+            z_pre, dead, k, err = self._last
             norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
-            moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms)
+            moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
+                                err if self.recipe.revive_aim else None)
         if self._resample is not None:
             x, err, mask, dead = self._resample
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
@@ -201,7 +202,7 @@ class _LorsaObjective(_Objective):
         active = z[mask] > 0
         dead = t.count_fired(active.any(0), int(mask.sum()))
         aux = torch.zeros((), dtype=mse.dtype)
-        remedy = recipe.dead_remedy
+        remedy = recipe.dead_remedy if t.step < recipe.remedy_until * t.config.total_steps else "none"
         if remedy == "auxk":
             aux = t.aux_k_loss(z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
             if t.config.aux_k_coef > 0 and dead.any():
@@ -210,7 +211,7 @@ class _LorsaObjective(_Objective):
             aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
             loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
         elif remedy == "revive" and dead.any():
-            self._last = (z_pre[mask].detach(), dead.clone(), k)
+            self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():
             self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),

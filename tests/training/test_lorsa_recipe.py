@@ -9,8 +9,15 @@ from helpers import tiny_training_setup
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ConfigMismatchError
-from nnsight_lorsa.training import (ActivationCache, ActivationSource, LorsaRecipe, TokenDataset, TrainConfig,
-                                    Trainer, write_activation_cache)
+from nnsight_lorsa.training import (
+    ActivationCache,
+    ActivationSource,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    write_activation_cache,
+)
 from nnsight_lorsa.training.lorsa_recipe import init_lorsa, k_schedule, resample_dead
 
 LAYER = 1
