@@ -1,5 +1,8 @@
 """Command line: ``nnsight-lorsa demo`` (the main job), the package's only command line.
 
+Bad arguments (checked before any work, :func:`~.demo.run_demo`) print a usage error and exit with
+status 2; another named error (e.g. a layer outside the model) prints its message and exits with 1.
+
 The embedded model is rebuilt by ``python scripts/tinymodel.py`` in the source repository (not installed).
 """
 
@@ -31,9 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     from .demo import run_demo
+    from .errors import ArgumentError, LorsaError
 
     cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in fields(DemoConfig)})
-    run_demo(cfg)
+    try:
+        run_demo(cfg)
+    except ArgumentError as e:  # checked before any work: argparse's usage error and status
+        demo.error(str(e))
+    except LorsaError as e:
+        print(f"nnsight-lorsa demo: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

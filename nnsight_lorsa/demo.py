@@ -7,11 +7,19 @@ the tokenizer's EOS text, e.g. ``<|endoftext|>``, else on blank lines: one windo
 start, with the model's BOS, short documents padded and their padding left out of CE).
 The Lorsa trains with the default :class:`~.training.LorsaRecipe` (QK and OV from the MHSA and one
 batch, closed-form output scale and ``b_D``; docs/training.md, "The Lorsa training recipe").
+
+Every argument and the output directory are checked before any work (:func:`run_demo` raises
+:class:`~.errors.ArgumentError`; the command line prints the message and exits with status 2): sizes
+are positive (``seq_len >= 2``), the output directory is created and a probe file written and removed,
+and — once the model's config is known, before the Lorsa exists — the Lorsa's shape fits the model and
+its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory.
+With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
@@ -21,12 +29,14 @@ from typing import Any
 
 import torch
 
+from .errors import ArgumentError
+
 __all__ = ["DemoConfig", "load_model", "run_demo"]
 
 
 @dataclass
 class DemoConfig:
-    """What the demo trains and how long."""
+    """What the demo trains and how long (checked by :func:`run_demo` before any work)."""
 
     model_dir: str | None = None
     text_path: str | None = None
@@ -64,6 +74,95 @@ def load_model(model_dir: str | None = None) -> Any:
                                  dtype=torch.float32, device="cpu")
 
 
+_POSITIVE = ("seq_len", "batch_size", "steps", "qk_heads_per_mhsa_head", "top_k", "heldout_windows")
+
+
+def _check_config(cfg: DemoConfig) -> None:
+    """Sizes, paths and numbers of ``cfg`` that can be checked without the model.
+
+    Raises:
+        ArgumentError: a non-positive or non-integer size (``seq_len < 2``), a negative ``layer`` or
+            ``n_show``, a non-finite or non-positive ``lr``, a missing model directory or text file.
+    """
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in _POSITIVE:
+        v = getattr(cfg, name)
+        if not is_int(v) or v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if cfg.seq_len < 2:
+        raise ArgumentError(f"--seq-len must be at least 2 (BOS and one predicted token), got {cfg.seq_len}")
+    if cfg.n_ov_heads is not None and (not is_int(cfg.n_ov_heads) or cfg.n_ov_heads < 1):
+        raise ArgumentError(f"--n-ov-heads must be a positive integer, got {cfg.n_ov_heads!r}")
+    if cfg.layer is not None and (not is_int(cfg.layer) or cfg.layer < 0):
+        raise ArgumentError(f"--layer must be a non-negative integer, got {cfg.layer!r}")
+    if not is_int(cfg.n_show) or cfg.n_show < 0:
+        raise ArgumentError(f"--n-show must be a non-negative integer, got {cfg.n_show!r}")
+    if not is_int(cfg.seed):
+        raise ArgumentError(f"--seed must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise ArgumentError(f"--lr must be a positive finite number, got {cfg.lr!r}")
+    if cfg.model_dir is not None and not Path(cfg.model_dir).is_dir():
+        raise ArgumentError(f"--model {cfg.model_dir}: not a directory (a local Hugging Face model directory)")
+    if cfg.text_path is not None and not Path(cfg.text_path).is_file():
+        raise ArgumentError(f"--text {cfg.text_path}: no such file")
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` (with parents) and write and remove a probe file in it.
+
+    Raises:
+        ArgumentError: it cannot be created or written (the OS error says why).
+    """
+    out = Path(out_dir)
+    probe = out / f".nnsight-lorsa-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        raise ArgumentError(f"--out-dir {out_dir}: cannot be created or written ({e.strerror or e}); "
+                            "nothing was trained") from e
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _training_bytes(d_model: int, n_qk: int, d_qk: int, n_ov: int, batch: int, seq: int) -> int:
+    """A lower bound on the memory (bytes, fp32) that training a Lorsa of this shape needs: weights,
+    gradients and Adam's two moments (4 copies of ``2·n_qk·d_qk·d_model + 2·n_ov·d_model`` parameters)
+    plus one batch's per-head activations (value, pre-activation, activation: ``3·batch·seq·n_ov``)
+    and QK patterns (``batch·n_qk·seq²``)."""
+    params = 2 * n_qk * d_qk * d_model + 2 * n_ov * d_model
+    return 4 * (4 * params + 3 * batch * seq * n_ov + batch * n_qk * seq * seq)
+
+
+def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int) -> None:
+    """The Lorsa's shape against the model and the machine's memory, before anything is allocated.
+
+    Raises:
+        ArgumentError: ``n_ov_heads`` not a multiple of the QK head count, ``top_k > n_ov_heads``, or a
+            training that needs more than this machine's physical memory (:func:`_training_bytes`).
+    """
+    if n_ov % n_qk:
+        raise ArgumentError(f"--n-ov-heads {n_ov} must be a multiple of the {n_qk} QK heads "
+                            "(the model's heads x --qk-heads-per-mhsa-head)")
+    if cfg.top_k > n_ov:
+        raise ArgumentError(f"--top-k {cfg.top_k} exceeds the {n_ov} OV heads")
+    need, have = _training_bytes(d_model, n_qk, d_qk, n_ov, cfg.batch_size, cfg.seq_len), _memory_bytes()
+    if have is not None and need > have:
+        raise ArgumentError(f"training this Lorsa ({n_ov} OV heads, {n_qk} QK heads x {d_qk}, d_model {d_model}, "
+                            f"batch {cfg.batch_size} x {cfg.seq_len} tokens) needs at least {need / 2**30:.3g} GiB, "
+                            f"more than this machine's {have / 2**30:.3g} GiB: lower --n-ov-heads, "
+                            "--qk-heads-per-mhsa-head, --batch-size or --seq-len")
+
+
 def _context(tokenizer: Any, ids: torch.Tensor, pos: int, width: int = 12) -> str:
     left = tokenizer.decode(ids[max(1, pos - width):pos])
     tok = tokenizer.decode(ids[pos:pos + 1])
@@ -72,7 +171,16 @@ def _context(tokenizer: Any, ids: torch.Tensor, pos: int, width: int = 12) -> st
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Train, evaluate, splice and inspect; return (and optionally write) the measured numbers."""
+    """Train, evaluate, splice and inspect; return (and optionally write) the measured numbers.
+
+    With ``cfg.out_dir``: the trained (folded) Lorsa is saved to ``out_dir/lorsa`` as soon as training
+    ends and ``out_dir/demo_results.json`` holds the training numbers, then the evaluation's once it
+    completes — a failure later does not lose the training.
+
+    Raises:
+        ArgumentError: a bad setting (see the module docstring), before any work.
+        LayerOutOfRangeError: ``cfg.layer`` outside the model.
+    """
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations
     from .assets import default_corpus_path
@@ -82,19 +190,30 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .modules.lorsa_config import LorsaConfig
     from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
+    _check_config(cfg)
+    out = None if cfg.out_dir is None else Path(cfg.out_dir)
+    if cfg.out_dir is not None:
+        _check_out_dir(cfg.out_dir)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     model = load_model(cfg.model_dir)
     adapter = get_adapter(model)
     layer = adapter.n_layers // 2 if cfg.layer is None else adapter.check_layer(cfg.layer)
+    mhsa = adapter.mhsa_weights(model._module, layer)
+    n_ov = cfg.n_ov_heads or 8 * adapter.d_model
+    _check_sizes(cfg, adapter.d_model, mhsa.n_heads * cfg.qk_heads_per_mhsa_head, mhsa.head_dim, n_ov)
     text = Path(cfg.text_path or default_corpus_path()).read_text(encoding="utf-8")
     # the embedded corpus is one document (consecutive windows, the numbers in docs/training.md);
     # a --text file is cut into documents (EOS text, else blank lines), one window at each start
-    data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len, config=model.config,
-                                  document_separator="auto" if cfg.text_path else None)
+    try:
+        data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len, config=model.config,
+                                      document_separator="auto" if cfg.text_path else None)
+    except ValueError as e:  # too short for one window, or no document with a token
+        raise ArgumentError(f"--text {cfg.text_path or default_corpus_path()}: {e}") from e
+    if len(data) < 2:
+        raise ArgumentError(f"the text gives {len(data)} window of {cfg.seq_len} tokens; training and a held-out "
+                            "split need at least 2: use a longer text or a smaller --seq-len")
     train, heldout = data.split(min(0.2, cfg.heldout_windows / len(data)))
-    mhsa = adapter.mhsa_weights(model._module, layer)
-    n_ov = cfg.n_ov_heads or 8 * adapter.d_model
     lcfg = LorsaConfig(
         d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * cfg.qk_heads_per_mhsa_head, d_qk_head=mhsa.head_dim,
         n_ov_heads=n_ov, top_k=cfg.top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
@@ -112,6 +231,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     folded = trainer.folded()
     assert isinstance(folded, Lorsa)
     lorsas = LorsaSet(model, {layer: folded})
+    result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": cfg.steps,
+                              "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1),
+                              "train_history": trainer.config.history[-1:]}
+    if out is not None:  # the training is kept whatever happens next
+        lorsas.save(out / "lorsa")
+        (out / "demo_results.json").write_text(json.dumps(result, indent=1))
+        print(f"saved the trained Lorsa to {out / 'lorsa'}")
 
     ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size)
     numbers = ev.summary()
@@ -158,13 +284,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             print(f"    z={v:6.2f}  {_context(model.tokenizer, ids, p)}")
             print(f"             z-pattern (key, offset, contribution): {contrib}")
             shown.append({"head": h, "z": v, "window": w, "position": p})
-    result = {"layer": layer, "config": lcfg.to_dict(), "steps": cfg.steps, "batch_size": cfg.batch_size,
-              "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1), "total_seconds": round(time.time() - t0, 1),
-              "eval": numbers, "top_heads": shown}
+    result.update({"total_seconds": round(time.time() - t0, 1), "eval": numbers, "top_heads": shown})
     print(f"\ntotal time {result['total_seconds']} s (training {result['train_seconds']} s)")
-    if cfg.out_dir:
-        out = Path(cfg.out_dir)
-        lorsas.save(out / "lorsa")
+    if out is not None:
         (out / "demo_results.json").write_text(json.dumps(result, indent=1))
-        print(f"saved Lorsa and results to {out}")
+        print(f"saved the results to {out / 'demo_results.json'}")
     return result

@@ -8,6 +8,7 @@ import pytest
 from helpers import tiny_hf_model, tiny_tokenizer
 
 from nnsight_lorsa.cli import main
+from nnsight_lorsa.demo import DemoConfig, run_demo
 
 
 def test_demo_runs_on_a_local_model_dir_and_text_file(tmp_path, capsys):
@@ -34,7 +35,7 @@ def test_demo_runs_on_a_local_model_dir_and_text_file(tmp_path, capsys):
     assert (out / "lorsa" / "layer_1" / "model.safetensors").is_file()
 
 
-def test_demo_rejects_a_layer_out_of_range(tmp_path):
+def test_demo_rejects_a_layer_out_of_range(tmp_path, capsys):
     from nnsight_lorsa.errors import LayerOutOfRangeError
 
     model_dir = tmp_path / "model"
@@ -43,4 +44,112 @@ def test_demo_rejects_a_layer_out_of_range(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text(" ".join(f"w{i % 100 + 2}" for i in range(500)))  # one document: consecutive windows
     with pytest.raises(LayerOutOfRangeError):
-        main(["demo", "--model", str(model_dir), "--text", str(text), "--layer", "9", "--no-progress"])
+        run_demo(DemoConfig(model_dir=str(model_dir), text_path=str(text), layer=9, progress=False))
+    assert main(["demo", "--model", str(model_dir), "--text", str(text), "--layer", "9", "--no-progress"]) == 1
+    assert "LayerOutOfRangeError" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- arguments checked before any work
+@pytest.fixture
+def local_model(tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_hf_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(f"w{i % 100 + 2}" for i in range(800)))  # one document: consecutive windows
+    return ["--model", str(model_dir), "--text", str(text), "--no-progress"]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if the demo loads a model or builds a Lorsa."""
+    import nnsight_lorsa.demo
+    from nnsight_lorsa.modules.lorsa import Lorsa
+
+    def fail(*a, **k):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(nnsight_lorsa.demo, "load_model", fail)
+    monkeypatch.setattr(Lorsa, "__init__", fail)
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--seq-len", "1"], "--seq-len"), (["--seq-len", "0"], "--seq-len"), (["--batch-size", "0"], "--batch-size"),
+    (["--steps", "0"], "--steps"), (["--steps", "-5"], "--steps"), (["--top-k", "0"], "--top-k"),
+    (["--n-ov-heads", "0"], "--n-ov-heads"), (["--layer", "-1"], "--layer"), (["--lr", "nan"], "--lr"),
+    (["--lr", "0"], "--lr"), (["--heldout-windows", "0"], "--heldout-windows"), (["--n-show", "-1"], "--n-show"),
+    (["--qk-heads-per-mhsa-head", "0"], "--qk-heads-per-mhsa-head"), (["--model", "/nonexistent/dir"], "--model"),
+    (["--text", "/nonexistent/file.txt"], "--text"),
+])
+def test_bad_arguments_exit_2_before_any_work(args, flag, no_work, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *args, "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+
+
+def test_an_unwritable_out_dir_is_refused_before_any_work(tmp_path, no_work, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--out-dir", str(blocker / "out"), "--no-progress"])
+    assert info.value.code == 2 and "--out-dir" in capsys.readouterr().err
+    ok = tmp_path / "new" / "out"
+    from nnsight_lorsa.demo import _check_out_dir
+
+    _check_out_dir(str(ok))  # created, probed, left empty
+    assert ok.is_dir() and not any(ok.iterdir())
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--n-ov-heads", str(10**12)], "GiB"),                     # ~PB of weights: refused from the memory bound
+    (["--seq-len", str(10**7), "--batch-size", "64"], "GiB"),    # QK patterns of 10^7 x 10^7
+    (["--n-ov-heads", "100"], "multiple"),                      # 100 OV heads over 16 QK heads
+])
+def test_sizes_that_do_not_fit_are_refused_before_the_lorsa_exists(local_model, args, needle, monkeypatch, capsys):
+    from nnsight_lorsa.modules.lorsa import Lorsa
+
+    def fail(*a, **k):
+        raise AssertionError("the Lorsa was allocated")
+
+    monkeypatch.setattr(Lorsa, "__init__", fail)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *local_model, *args])
+    assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_memory_bound_comes_from_the_machine_not_the_model():
+    from nnsight_lorsa.demo import _memory_bytes, _training_bytes
+
+    have = _memory_bytes()
+    assert have is not None and have > 2**28
+    # a Llama-3-8B-sized Lorsa (d_model 4096, 8 x 4096 OV heads) needs GiBs, far above the tiny model's
+    assert _training_bytes(4096, 128, 128, 8 * 4096, 16, 256) > 2**30
+
+
+def test_a_failure_in_evaluation_keeps_the_trained_lorsa(local_model, tmp_path, monkeypatch):
+    import importlib
+
+    training = importlib.import_module("nnsight_lorsa.training")
+
+    def broken(*a, **k):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(training, "evaluate", broken)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        main(["demo", *local_model, "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--out-dir", str(out)])
+    assert (out / "lorsa" / "layer_1" / "model.safetensors").is_file()
+    saved = json.loads((out / "demo_results.json").read_text())
+    assert saved["steps"] == 2 and "eval" not in saved
+
+
+def test_the_installed_command_exits_2_with_a_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nnsight_lorsa.cli", "demo", "--batch-size", "0"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and "--batch-size must be a positive integer" in r.stderr and "Traceback" not in r.stderr

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +33,26 @@ from typing import Any
 
 import torch
 
-from ..errors import FormatDetectionError, UnsupportedArchitectureError
+from ..errors import ArgumentError, FormatDetectionError, LorsaError, UnsupportedArchitectureError
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
 from ..modules.sae import SparseAutoencoder
 from ..modules.transcoder import Transcoder
-from . import circuit_tracer, llamascopium, llamascopium_sae, lorsa_format, saelens, sparse_coder_format, sparsify
+from . import (
+    circuit_tracer,
+    llamascopium,
+    llamascopium_sae,
+    lorsa_format,
+    saelens,
+    saelens_releases,
+    sparse_coder_format,
+    sparsify,
+)
 from .files import read_json_object, resolve_checkpoint_dir
 from .reader import Reader, read_dir
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "detect_format", "load", "load_all", "register_format", "save"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
+           "load_all", "register_format", "save"]
 
 #: what :func:`save` writes unless told otherwise
 DEFAULT_FORMAT = "nnsight_lorsa"
@@ -161,6 +172,7 @@ def detect_format(directory: str | os.PathLike[str]) -> str:
 
 def load(
     path_or_repo_id: str | os.PathLike[str],
+    sae_id: str | None = None,
     *,
     format: str = "auto",
     subfolder: str | None = None,
@@ -174,7 +186,12 @@ def load(
 
     Args:
         path_or_repo_id: a local checkpoint directory, or a Hugging Face repo id (``"org/name"``,
-            ``"org/name:folder"``) when no such local path exists.
+            ``"org/name:folder"``) when no such local path exists; with ``sae_id``: a SAELens
+            release name.
+        sae_id: an SAE id of the SAELens release ``path_or_repo_id`` (``SAE.from_pretrained(release,
+            sae_id)``): resolved through SAELens's registry (:mod:`.saelens_releases`; the installed
+            sae-lens's, or ``release_registry=<pretrained_saes.yaml>``), loaded as ``"saelens"`` with
+            the registry's ``norm_scaling_factor`` (unless given) and ``config_overrides``.
         format: ``"auto"`` (detect, module table) or a name in :data:`FORMATS` (``"nnsight_lorsa"``,
             ``"llamascopium"``, ``"saelens"``, ``"sparsify"``, ``"circuit_tracer"``).
         subfolder: a folder inside ``path_or_repo_id`` (local or hub; a sparsify hookpoint, a SAELens id).
@@ -182,7 +199,7 @@ def load(
         local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
         options: the reader's own: ``d_model`` and ``adapter`` (sparse coders; dropped for readers that
             take neither), ``norm_scaling_factor`` (saelens), ``weights_folded`` (llamascopium),
-            ``layer`` (llamascopium Lorsa).
+            ``layer`` (llamascopium Lorsa); ``release_registry`` (with ``sae_id``).
 
     Returns:
         :class:`~nnsight_lorsa.modules.lorsa.Lorsa`, :class:`SparseAutoencoder`, :class:`Transcoder`
@@ -195,7 +212,13 @@ def load(
         CheckpointError: an unusable source or file (naming the file and the key).
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
         TypeError: an option the chosen reader does not take.
+        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``.
     """
+    if sae_id is not None:
+        return _load_release(str(path_or_repo_id), sae_id, format=format, subfolder=subfolder, device=device,
+                             dtype=dtype, local_files_only=local_files_only, revision=revision, **options)
+    if "release_registry" in options:
+        raise ArgumentError("release_registry= applies to a SAELens (release, sae_id); no sae_id was given")
     fmt = None if format == "auto" else _format(format)
     patterns = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
     path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=patterns, subfolder=subfolder,
@@ -204,6 +227,22 @@ def load(
     reader = fmt.choose(path)
     options = {k: v for k, v in options.items() if k in reader.options or k not in _SHARED_OPTIONS}
     return read_dir(reader, path, device=device, dtype=dtype, **options)
+
+
+def _load_release(release: str, sae_id: str, *, format: str, subfolder: str | None,
+                  release_registry: str | os.PathLike[str] | None = None, **options: Any) -> Any:
+    """:func:`load` of a SAELens ``(release, sae_id)`` (:mod:`.saelens_releases`)."""
+    if subfolder is not None or format not in ("auto", "saelens"):
+        raise ArgumentError(f"load({release!r}, {sae_id!r}): a SAELens release names its repo folder and format; "
+                            f"got subfolder={subfolder!r}, format={format!r}")
+    entry = saelens_releases.resolve_release(release, sae_id, registry=release_registry)
+    if entry.norm_scaling_factor is not None:
+        options.setdefault("norm_scaling_factor", entry.norm_scaling_factor)
+    if entry.config_overrides:
+        options.setdefault("config_overrides", entry.config_overrides)
+    module = load(entry.repo_id, format="saelens", subfolder=entry.path, **options)
+    module.cfg.extra["saelens"].update(release=release, sae_id=sae_id, repo_id=entry.repo_id, path=entry.path)
+    return module
 
 
 def _natural(name: str) -> list[Any]:
@@ -216,24 +255,61 @@ def _named(name: str, obj: Any) -> dict[str, Any]:
     return {name: obj}
 
 
-def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> dict[str, Any]:
+class PartialLoadWarning(UserWarning):
+    """:func:`load_all` loaded some subfolders of a folder and not others.
+
+    Attributes:
+        directory: the folder.
+        failures: ``{subfolder name: the named error it raised}``.
+    """
+
+    def __init__(self, directory: Path, failures: dict[str, Exception]) -> None:
+        self.directory = directory
+        self.failures = failures
+        listed = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures.items())
+        super().__init__(f"{directory}: {len(failures)} subfolder(s) not loaded: {listed}")
+
+
+class LoadedModules(dict[str, Any]):
+    """What :func:`load_all` returns: ``{name: module}``, plus ``failures``
+    (``{subfolder name: error}``; empty when everything loaded)."""
+
+    failures: dict[str, Exception]
+
+
+def _checkpoint_like(p: Path) -> bool:
+    """Whether ``p`` holds files a format reads (then it is meant to be a checkpoint, and a failure
+    to load it is reported rather than skipped)."""
+    names = {n for f in FORMATS.values() for n in f.hub_files if "*" not in n}
+    return any((p / n).is_file() for n in names) or any(p.glob("*.safetensors"))
+
+
+def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> LoadedModules:
     """Every module of a checkpoint folder, by name: the folder itself when it is a checkpoint, else
     each subfolder that is one (a sparsify run, a ``LorsaSet.save`` directory), in natural order.
 
     A circuit-tracer transcoder set yields one entry per layer (``"<name>/layer_<i>"``); a hub repo
-    id is one checkpoint (:func:`load`). ``kwargs`` go to :func:`load`.
+    id is one checkpoint (:func:`load`). ``kwargs`` go to :func:`load`. In a folder of checkpoints,
+    a subfolder that holds checkpoint files but fails to load (an unsupported architecture, a
+    missing weights file) does not stop the others: it is listed in the result's ``failures`` and
+    in one :class:`PartialLoadWarning`.
 
     Returns:
-        ``{name: module}`` (``name`` = the folder's name).
+        :class:`LoadedModules` ``{name: module}`` (``name`` = the folder's name) with ``failures``.
 
     Raises:
         FormatDetectionError: neither the folder nor any subfolder holds a recognisable checkpoint.
-        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers.
+        CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers, when
+            the folder itself is the checkpoint, or when no subfolder loaded (the first subfolder's
+            error, with every failure listed in the message).
     """
     d = Path(directory)
     local = isinstance(directory, Path) or d.exists()
+    result = LoadedModules()
+    result.failures = {}
     if not local or kwargs.get("subfolder"):
-        return _named(d.name, load(directory, format=format, **kwargs))
+        result.update(_named(d.name, load(directory, format=format, **kwargs)))
+        return result
     fmt = None if format == "auto" else _format(format)
     try:
         if fmt is None:
@@ -242,11 +318,24 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
             raise FormatDetectionError(f"{d}: no {fmt.name} checkpoint files ({fmt.looks_for})")
     except FormatDetectionError:
         subs = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: _natural(p.name)) if d.is_dir() else []
-        found = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))]
-        if not found:
+        candidates = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))
+                      or _checkpoint_like(p)]
+        if not candidates:
             raise
-        return {name: m for p in found for name, m in _named(p.name, load(p, format=format, **kwargs)).items()}
-    return _named(d.name, load(d, format=format, **kwargs))
+        for p in candidates:
+            try:
+                result.update(_named(p.name, load(p, format=format, **kwargs)))
+            except LorsaError as e:
+                result.failures[p.name] = e
+        if result.failures:
+            warning = PartialLoadWarning(d, result.failures)
+            if not result:
+                first = next(iter(result.failures.values()))
+                raise type(first)(str(warning)) from first
+            warnings.warn(warning, stacklevel=2)
+        return result
+    result.update(_named(d.name, load(d, format=format, **kwargs)))
+    return result
 
 
 def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT, **options: Any) -> Path:

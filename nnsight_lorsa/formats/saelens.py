@@ -24,29 +24,53 @@ SAELens ``architecture``    their forward                                      o
 ``jumprelu_skip_transcoder``  JumpReLU + skip                                  SkipTranscoder, jumprelu
 ``batchtopk`` (training)    BatchTopK(k) of the ReLU'd pre-activations; the    SparseAutoencoder, batchtopk
                             buffer ``topk_threshold`` is the inference θ       (eval: ``x·1[x > θ]``)
+``matryoshka_batchtopk``    the same tensors and inference rule as batchtopk   SparseAutoencoder, batchtopk
+``abstopk``                 the k largest ``|pre|``, signed (no ReLU)           SparseAutoencoder, abstopk
 ``gated``                   ``1[x̃ W_enc + b_gate > 0] ·                         SparseAutoencoder, jumprelu
                             relu(x̃ (W_enc ⊙ exp(r_mag)) + b_mag)``             (exact conversion below)
 ==========================  =================================================  ==========================
+
+Refused with :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError` (:data:`REFUSED`):
+``temporal`` (attends over the sequence) and ``matching_pursuit`` (iterative encoder).
 
 (``a`` = ``apply_b_dec_to_input``.) A gated SAE (Rajamanoharan et al. 2024, arXiv:2404.16014;
 ``sae_lens/saes/gated_sae.py``) is a JumpReLU SAE: with ``m = x̃ (W_enc ⊙ exp(r_mag)) + b_mag``,
 the gate ``x̃ W_enc + b_gate > 0`` is ``m > b_mag − exp(r_mag) ⊙ b_gate`` (``exp(r_mag) > 0``), so
 ``W_enc ← W_enc ⊙ exp(r_mag)``, ``b_enc ← b_mag``, ``θ ← max(b_mag − exp(r_mag) ⊙ b_gate, 0)``.
-A ``batchtopk`` file is a SAELens *training* checkpoint (SAELens saves BatchTopK SAEs for inference
-as ``jumprelu``); ``k`` must be a whole number, ``topk_threshold`` becomes our BatchTopK threshold
-(used in eval mode; ``to_jumprelu_()`` exports it) and ``topk_threshold_lr`` its EMA rate.
-Exact conversions: a JumpReLU threshold ``θ < 0`` becomes
-``max(θ, 0)`` (``relu(x)·1[x > θ] = x·1[x > max(θ, 0)]``); a TopK SAE with
+A ``batchtopk`` / ``matryoshka_batchtopk`` file is a SAELens *training* checkpoint (SAELens saves
+them for inference as ``jumprelu``); ``k`` must be a whole number, ``topk_threshold`` becomes our
+BatchTopK threshold (used in eval mode; ``to_jumprelu_()`` exports it) and ``topk_threshold_lr``
+its EMA rate. Exact conversions: a JumpReLU threshold ``θ < 0`` becomes
+``max(θ, 0)`` (``relu(x)·1[x > θ] = x·1[x > max(θ, 0)]``); a (Abs/Batch)TopK SAE with
 ``rescale_acts_by_decoder_norm`` (pre-activations times ``‖W_dec[i]‖``, decoder rows divided by it)
 is folded with :meth:`~nnsight_lorsa.modules.sparse_coder.SparseCoder.fold_decoder_norm_`.
 
-``normalize_activations``: ``"none"``; ``"expected_average_only_in"`` means the SAE expects inputs
-multiplied by a dataset-wide scalar ``s`` (kept in SAELens's pretrained-SAE directory, not in the
-files). Pass ``norm_scaling_factor=s`` and we fold it as SAELens ``fold_activation_norm_scaling_factor``
-does (``W_enc *= s``, ``W_dec /= s``, ``b_dec /= s``) so the module takes raw activations; without it
-the weights stay unfolded (a warning; ``cfg.extra["saelens"]["norm_folded"]`` is False).
-``"constant_norm_rescale"`` and ``"layer_norm"`` normalise per token at run time, which our modules do
-not: :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`.
+A ``cfg.json`` without ``architecture`` (pre-v6 files, hand-written configs) is inferred only
+where the evidence leaves one architecture: ``activation_fn[_str]`` (+ ``activation_fn_kwargs.k``
+for topk, SAELens ``handle_pre_6_0_config``), a top-level ``k``, and the tensors (``b_gate``/
+``r_mag``/``b_mag`` gated, ``threshold`` jumprelu, ``topk_threshold`` batchtopk). A v6 topk config
+stripped of ``architecture`` could be topk or abstopk (same tensors): ``CheckpointError``.
+
+``normalize_activations`` (``sae_lens/saes/sae.py``):
+
+* ``"none"``;
+* ``"expected_average_only_in"``: the SAE expects inputs multiplied by a dataset-wide scalar ``s``
+  (kept in SAELens's release registry, :mod:`.saelens_releases`, or in a trainer checkpoint's
+  ``activation_scaler.json``, which is read when present). Pass ``norm_scaling_factor=s`` (or load
+  by release name) and we fold it as SAELens ``fold_activation_norm_scaling_factor`` does
+  (``W_enc *= s``, ``W_dec /= s``, ``b_dec /= s``; a rescaled BatchTopK threshold ``/= s``) so the
+  module takes raw activations; without it the weights stay unfolded (a warning;
+  ``cfg.extra["saelens"]["norm_folded"]`` is False);
+* ``"covariance_whitening"``: a trainer checkpoint holds the whitening ``mean``, ``matrix`` and
+  ``inverse_matrix`` in ``activation_whitening.safetensors``; folded exactly as SAELens's trainer
+  does at the end (``fold_activation_whitening``). Without that file the statistics are not in the
+  files: ``UnsupportedArchitectureError``;
+* ``"constant_norm_rescale"``, ``"layer_norm"``: per-token run-time normalisation, reproduced by our
+  SAE (``SAEConfig.normalize_activations``, :mod:`~nnsight_lorsa.modules.sae`); on a transcoder:
+  ``UnsupportedArchitectureError``.
+
+Folds run in SAELens's order: data statistics (whitening, ``s``) first, then the decoder norm.
+``config_overrides=`` (a dict merged over ``cfg.json``) is how a release's overrides arrive.
 
 Hook names map to our sites with :func:`~.hook_sites.transformer_lens_hook_site`
 (``cfg.extra["saelens"]["site"]``; ``SAEConfig.hook`` is the module path when an adapter is given).
@@ -72,7 +96,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, config_size, config_value
+from .validate import check_d_model, check_tensor_inventory, config_size, config_value
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -87,37 +111,111 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "jumprelu_transcoder": ("transcoder", "jumprelu"),
     "jumprelu_skip_transcoder": ("skip_transcoder", "jumprelu"),
     "batchtopk": ("sae", "batchtopk"),
+    "matryoshka_batchtopk": ("sae", "batchtopk"),
+    "abstopk": ("sae", "abstopk"),
     "gated": ("sae", "jumprelu"),
 }
 
-__all__ = ["ARCHITECTURES", "READER", "build", "load_saelens", "load_weights", "parse_config", "save_saelens"]
+#: SAELens architectures refused, and why
+REFUSED: dict[str, str] = {
+    "temporal": "its encoder attends over the token sequence (sae_lens/saes/temporal_sae.py), not one "
+                "affine map + activation per token",
+    "matching_pursuit": "its encoder is iterative greedy matching pursuit (sae_lens/saes/matching_pursuit_sae.py), "
+                        "not one affine map + activation",
+}
+#: trainer-checkpoint files (``sae_lens/training/activation_scaler.py``)
+SCALER_FILE = "activation_scaler.json"
+WHITENING_FILE = "activation_whitening.safetensors"
+
+__all__ = ["ARCHITECTURES", "READER", "REFUSED", "build", "load_saelens", "load_weights", "parse_config",
+           "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
     arch = raw.get("architecture")
-    if arch is None:  # pre-v6 configs: SAELens handle_config_defaulting
-        arch = "topk" if raw.get("activation_fn") == "topk" or raw.get("activation_fn_str") == "topk" else "standard"
+    if arch is None:
+        arch = _infer_architecture(raw, path)
+    if arch in REFUSED:
+        raise UnsupportedArchitectureError(f"{path}: key 'architecture' is {arch!r}: {REFUSED[arch]}")
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: key 'architecture' is {arch!r}; supported SAELens architectures: {list(ARCHITECTURES)}")
     return str(arch)
 
 
-def _normalization(raw: dict[str, Any], path: Path) -> str:
+def _infer_architecture(raw: dict[str, Any], path: Path) -> str:
+    """The architecture of a ``cfg.json`` without one, only where the config and the tensors leave one
+    choice (SAELens ``handle_pre_6_0_config``: ``activation_fn[_str]`` + ``activation_fn_kwargs.k``).
+
+    Raises:
+        CheckpointError: the evidence allows several architectures, or contradicts itself.
+    """
+    tensors, _ = read_safetensors_header(path.parent / WEIGHTS_FILE)
+    act = raw.get("activation_fn", raw.get("activation_fn_str"))
+    kwargs: dict[str, Any] = raw["activation_fn_kwargs"] if isinstance(raw.get("activation_fn_kwargs"), dict) else {}
+    evidence: dict[str, set[str]] = {}
+    if {"b_gate", "r_mag", "b_mag"} <= set(tensors):
+        evidence["tensors b_gate, r_mag, b_mag"] = {"gated"}
+    if "threshold" in tensors or "log_threshold" in tensors:
+        evidence["tensor threshold"] = {"jumprelu"}
+    if "topk_threshold" in tensors:
+        evidence["tensor topk_threshold"] = {"batchtopk"}
+    if not evidence:
+        evidence["no gate/threshold tensors"] = {"standard", "topk", "abstopk"}
+    if "W_skip" in tensors or "d_out" in raw:
+        evidence["a transcoder's W_skip / d_out"] = set()  # transcoders always name their architecture
+    if act is not None:
+        evidence[f"activation_fn {act!r}"] = {"relu": {"standard", "gated"}, "jumprelu": {"jumprelu"},
+                                              "topk": {"topk"} if kwargs.get("k") is not None else set()
+                                              }.get(str(act), set())
+    if "k" in raw:
+        evidence["key 'k'"] = {"topk", "abstopk", "batchtopk"}
+    elif act is None:
+        evidence["no activation_fn, no k"] = {"standard", "gated", "jumprelu"}
+    candidates = set.intersection(*evidence.values())
+    if len(candidates) != 1:
+        raise CheckpointError(
+            f"{path}: no key 'architecture', and the config and tensors do not determine one (evidence: "
+            f"{'; '.join(f'{k} -> {sorted(v)}' for k, v in evidence.items())}); add \"architecture\" to {CFG_FILE}")
+    arch = candidates.pop()
+    if arch == "topk" and "k" not in raw:
+        raw["k"] = kwargs["k"]
+    return arch
+
+
+def _normalization(raw: dict[str, Any], path: Path, kind: str) -> str:
     norm = raw.get("normalize_activations", "none") or "none"
-    if norm in ("constant_norm_rescale", "layer_norm"):
+    if norm in ("constant_norm_rescale", "layer_norm") and kind != "sae":
         raise UnsupportedArchitectureError(
-            f"{path}: key 'normalize_activations' is {norm!r} (per-token run-time normalisation), "
-            "which our modules do not reproduce")
-    if norm not in ("none", "expected_average_only_in"):
-        raise UnsupportedArchitectureError(f"{path}: key 'normalize_activations' is {norm!r}; "
-                                           "supported: 'none', 'expected_average_only_in'")
+            f"{path}: key 'normalize_activations' is {norm!r} on a transcoder; our transcoders do not normalise "
+            "their input at run time (SAEs do)")
+    if norm == "covariance_whitening" and not (path.parent / WHITENING_FILE).is_file():
+        raise UnsupportedArchitectureError(
+            f"{path}: key 'normalize_activations' is 'covariance_whitening' but {WHITENING_FILE} (the mean and "
+            "whitening matrices SAELens's trainer estimated from data) is not beside it; the weights expect "
+            "whitened inputs, which these files cannot reproduce")
+    if norm not in ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm",
+                    "covariance_whitening"):
+        raise UnsupportedArchitectureError(f"{path}: key 'normalize_activations' is {norm!r}; supported: 'none', "
+                                           "'expected_average_only_in', 'constant_norm_rescale', 'layer_norm', "
+                                           "'covariance_whitening' (with its statistics file)")
     return str(norm)
+
+
+def _scaler_factor(directory: Path) -> float | None:
+    """The ``scaling_factor`` a SAELens trainer checkpoint's ``activation_scaler.json`` records, if any."""
+    path = directory / SCALER_FILE
+    if not path.is_file():
+        return None
+    value = read_json_object(path).get("scaling_factor")
+    return None if value is None else config_value({"scaling_factor": value}, "scaling_factor", path, float)
 
 
 def _activation_params(raw: dict[str, Any], path: Path, arch: str, activation: str) -> dict[str, Any]:
     params: dict[str, Any] = {}
     if activation == "topk":
+        params["k"] = config_size(raw, "k", path)
+    if activation == "abstopk":
         params["k"] = config_size(raw, "k", path)
     if activation == "batchtopk":
         k = raw.get("k")
@@ -135,23 +233,27 @@ def _activation_params(raw: dict[str, Any], path: Path, arch: str, activation: s
 
 
 def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d_model: int | None = None,
-                 adapter: Any = None) -> Parsed:
+                 adapter: Any = None, config_overrides: dict[str, Any] | None = None) -> Parsed:
     """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)`` (module docstring).
 
     Raises:
         CheckpointError: missing file/key, a size that is not a positive int, a transcoder with
-            ``apply_b_dec_to_input``, a non-finite ``norm_scaling_factor``.
-        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+            ``apply_b_dec_to_input``, a non-finite ``norm_scaling_factor``, no ``architecture`` and the
+            evidence allows several.
+        UnsupportedArchitectureError: unknown or refused ``architecture`` (:data:`REFUSED`); a normalisation
+            the files cannot reproduce (covariance_whitening without its statistics, run-time on a transcoder).
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     cfg_path = directory / CFG_FILE
-    raw = read_json_object(cfg_path)
+    raw = {**read_json_object(cfg_path), **(config_overrides or {})}  # overrides: a SAELens release's
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
     d_in, d_sae = config_size(raw, "d_in", cfg_path), config_size(raw, "d_sae", cfg_path)
     d_out = config_size(raw, "d_out", cfg_path) if kind != "sae" else d_in
     check_d_model(d_in, d_model, cfg_path, "d_in")
-    norm = _normalization(raw, cfg_path)
+    norm = _normalization(raw, cfg_path, kind)
+    if norm_scaling_factor is None and norm == "expected_average_only_in":
+        norm_scaling_factor = _scaler_factor(directory)
     if norm_scaling_factor is not None:
         norm_scaling_factor = config_value({"norm_scaling_factor": norm_scaling_factor}, "norm_scaling_factor",
                                            cfg_path, float)
@@ -169,6 +271,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     if kind == "sae":
         cfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
                         apply_b_dec_to_input=apply_b_dec is not False,
+                        normalize_activations=norm if norm in ("constant_norm_rescale", "layer_norm") else "none",
                         hook=(site or {}).get("module_path") or hook_name)
     else:
         if apply_b_dec:
@@ -178,7 +281,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
-        "fold_decoder_norm": activation in ("topk", "batchtopk") and config_value(
+        "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and config_value(
             raw, "rescale_acts_by_decoder_norm", cfg_path, bool, False),
         "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
@@ -196,9 +299,9 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     state = load_safetensors(weights_path)
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
-    if arch == "batchtopk":
+    if parsed.config.activation == "batchtopk":  # batchtopk, matryoshka_batchtopk
         if "topk_threshold" not in state:
-            raise CheckpointError(f"{weights_path}: missing tensor 'topk_threshold' (architecture 'batchtopk')")
+            raise CheckpointError(f"{weights_path}: missing tensor 'topk_threshold' (architecture {arch!r})")
         theta = state.pop("topk_threshold").reshape(())
         state["activation.threshold"] = theta.to(state["W_enc"].dtype if "W_enc" in state else torch.float32)
         state["activation.n_updates"] = torch.ones((), dtype=torch.long)
@@ -211,32 +314,63 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> SparseAutoencoder | Transcoder:
-    """Our module with ``state``, then SAELens's folds (decoder norm; ``norm_scaling_factor``).
+    """Our module with ``state``, then SAELens's folds (whitening, ``norm_scaling_factor``, decoder norm).
 
     Raises:
-        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
+        CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor
+            (also in ``activation_whitening.safetensors``).
     """
     cfg, settings = parsed.config, parsed.settings
     cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
     module: SparseAutoencoder | Transcoder = parsed.build_module(
         cls, state, WEIGHTS_FILE, device=device, dtype=dtype or (state["W_enc"].dtype if "W_enc" in state else None))
     extra = cfg.extra["saelens"]
-    if settings["fold_decoder_norm"]:
-        module.fold_decoder_norm_()
-        extra["folded_decoder_norm"] = True
+    # SAELens's order: its trainer folds the data statistics first, its inference export the decoder norm
+    if extra["normalize_activations"] == "covariance_whitening":
+        _fold_whitening(module, parsed.directory / WHITENING_FILE)
+        extra["norm_folded"] = True
     s = settings["norm_scaling_factor"]
     if extra["normalize_activations"] == "expected_average_only_in":
         if s is None:
             warnings.warn(f"{parsed.directory / CFG_FILE}: normalize_activations is 'expected_average_only_in' but no "
-                          "norm_scaling_factor was given; the module expects inputs scaled by it", stacklevel=4)
+                          "norm_scaling_factor was given (nor an activation_scaler.json beside it); the module "
+                          "expects inputs scaled by it", stacklevel=4)
         else:
             with torch.no_grad():
                 module.W_enc.mul_(s)
                 module.W_dec.div_(s)
                 module.b_dec.div_(s)
+                threshold = getattr(module.activation, "threshold", None)
+                if settings["fold_decoder_norm"] and cfg.activation == "batchtopk" and threshold is not None:
+                    threshold.div_(s)  # in units of pre · ‖W_dec‖ (BatchTopKTrainingSAE.fold_…)
             extra["norm_folded"] = True
             extra["norm_scaling_factor"] = s
+    if settings["fold_decoder_norm"]:
+        module.fold_decoder_norm_()
+        extra["folded_decoder_norm"] = True
     return module
+
+
+@torch.no_grad()
+def _fold_whitening(module: SparseAutoencoder | Transcoder, path: Path) -> None:
+    """SAELens ``SAE.fold_activation_whitening`` with the trainer's ``mean``, ``matrix`` ``M`` and
+    ``inverse_matrix`` ``M⁻¹``: ``W_enc ← M W_enc``, ``b_enc −= mean·W_enc`` (no ``b_dec`` centring),
+    ``W_dec ← W_dec M⁻¹``, ``b_dec ← b_dec M⁻¹ + mean`` (exact; float64 arithmetic)."""
+    stats = load_safetensors(path)
+    d = module.cfg.d_in
+    expected = {"mean": (d,), "matrix": (d, d), "inverse_matrix": (d, d)}
+    check_tensor_inventory(path, {k: tuple(v.shape) for k, v in stats.items()}, expected,
+                           "covariance_whitening statistics")
+    bad = [k for k, v in stats.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{path}: tensors {bad} have non-finite values (NaN/inf)")
+    mean, M, M_inv = (stats[k].double() for k in ("mean", "matrix", "inverse_matrix"))
+    W_enc = M @ module.W_enc.double()
+    module.W_enc.copy_(W_enc)
+    if not getattr(module.cfg, "apply_b_dec_to_input", False):
+        module.b_enc.sub_((mean @ W_enc).to(module.b_enc.dtype))
+    module.W_dec.copy_(module.W_dec.double() @ M_inv)
+    module.b_dec.copy_(module.b_dec.double() @ M_inv + mean)
 
 
 READER = Reader("saelens", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
@@ -262,7 +396,7 @@ def load_saelens(directory: str | os.PathLike[str], **kwargs: Any) -> SparseAuto
 
     Raises:
         CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, non-finite values.
-        UnsupportedArchitectureError: unknown ``architecture`` or run-time normalisation.
+        UnsupportedArchitectureError: unknown or refused ``architecture``; an unreproducible normalisation.
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     return read(READER, directory, **kwargs)  # type: ignore[no-any-return]
@@ -289,7 +423,7 @@ def _gated_to_jumprelu(state: dict[str, torch.Tensor], path: Path) -> None:
 _ARCH_OF = {("sae", "relu"): "standard", ("sae", "topk"): "topk", ("sae", "jumprelu"): "jumprelu",
             ("transcoder", "relu"): "transcoder", ("skip_transcoder", "relu"): "skip_transcoder",
             ("transcoder", "jumprelu"): "jumprelu_transcoder",
-            ("skip_transcoder", "jumprelu"): "jumprelu_skip_transcoder"}
+            ("skip_transcoder", "jumprelu"): "jumprelu_skip_transcoder", ("sae", "abstopk"): "abstopk"}
 
 
 def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.PathLike[str], *,
@@ -320,12 +454,12 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     cfg: dict[str, Any] = {
         "architecture": arch, "d_in": module.cfg.d_in, "d_sae": module.cfg.d_sae, "dtype": dtype, "device": "cpu",
         "apply_b_dec_to_input": bool(getattr(module.cfg, "apply_b_dec_to_input", False)),
-        "normalize_activations": "none", "reshape_activations": "none",
+        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": "none",
         "metadata": {"hook_name": hook_name, "model_name": model_name},
     }
     if kind != "sae":
         cfg["d_out"] = module.d_out
-    if arch == "topk":
+    if arch in ("topk", "abstopk"):
         cfg["k"] = module.cfg.activation_params["k"]
         cfg["rescale_acts_by_decoder_norm"] = False
     path = Path(directory)

@@ -12,13 +12,23 @@ hookpoint, e.g. ``layers.3`` or ``layers.3.mlp``)::
 Their forward (``encode``/``decode``/``forward``, ``fused_encoder``)::
 
     x̃    = x − b_dec  (SAE)   |   x  (transcode=True)
-    acts = TopK_k(relu(x̃ encoder.weightᵀ + encoder.bias))
+    acts = TopK_k(relu(x̃ encoder.weightᵀ + encoder.bias))      (activation="topk")
+         | GroupMax_k(relu(…))   the max of each of k contiguous groups of num_latents/k ("groupmax")
     out  = acts W_dec + b_dec  (+ x W_skipᵀ with skip_connection)
 
 Ours: ``W_enc = encoder.weightᵀ``, the rest as stored; an SAE is a :class:`SparseAutoencoder`
-(``apply_b_dec_to_input=True``, topk), a transcoder a :class:`Transcoder` or, with a skip
-connection, a :class:`SkipTranscoder`. An SAE with ``W_skip`` is rejected
-(UnsupportedArchitectureError), as is ``activation="groupmax"``.
+(``apply_b_dec_to_input=True``), a transcoder a :class:`Transcoder` or, with a skip connection, a
+:class:`SkipTranscoder`; the activation is our ``"topk"`` or ``"groupmax"``
+(:class:`~nnsight_lorsa.modules.activations.GroupMax`). An SAE with a skip connection (centred
+encoder input, skip path on the raw input) is the exact :class:`SkipTranscoder` with
+``b_enc ← encoder.bias − b_dec · encoder.weightᵀ`` (``cfg.extra["sparsify"]["transcode"]`` stays
+False).
+
+``multi_topk``: a training option (an extra loss on the top-4k reconstruction). sparsify's
+``forward()`` of such a coder returns that top-4k reconstruction (and top-4k latents) as
+``sae_out``; its ``encode`` / ``decode`` — what it hooks into a model — use ``k``. We load the
+``k`` coder (``cfg.extra["sparsify"]["multi_topk"]`` records the flag); ``module.activation.k = 4 * k``
+reproduces ``forward()``'s output (skip path aside: sparsify's 4k ``sae_out`` omits ``W_skip``).
 
 Reader steps (:class:`~.reader.Reader`): :func:`parse_config`, :func:`load_weights`, :func:`build`.
 A run directory (one folder per hookpoint) is loaded with ``formats.load_all(run, format="sparsify")``.
@@ -33,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedArchitectureError
+from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
@@ -53,7 +63,7 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
 
     Raises:
         CheckpointError: missing file/key, ``d_in`` / ``k`` / latent count not a positive int.
-        UnsupportedArchitectureError: ``activation`` other than ``"topk"``, or an SAE with a skip connection.
+        UnsupportedArchitectureError: ``activation`` other than ``"topk"`` / ``"groupmax"``.
         ConfigMismatchError: ``d_model`` given and different from ``d_in``.
     """
     cfg_path = directory / CFG_FILE
@@ -61,8 +71,9 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
     d_in = config_size(raw, "d_in", cfg_path)
     check_d_model(d_in, d_model, cfg_path, "d_in")
     activation = raw.get("activation", "topk")
-    if activation != "topk":
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'activation' is {activation!r}; supported: 'topk'")
+    if activation not in ("topk", "groupmax"):
+        raise UnsupportedArchitectureError(f"{cfg_path}: key 'activation' is {activation!r}; "
+                                           "supported: 'topk', 'groupmax'")
     k = config_size(raw, "k", cfg_path)
     if raw.get("num_latents"):  # 0 / absent: d_in · expansion_factor
         num_latents = config_size(raw, "num_latents", cfg_path)
@@ -70,25 +81,26 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
         num_latents = scaled_size(d_in, raw.get("expansion_factor"), cfg_path, "expansion_factor")
     transcode = config_value(raw, "transcode", cfg_path, bool, False)
     skip = config_value(raw, "skip_connection", cfg_path, bool, False)
-    if skip and not transcode:
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'skip_connection' on an SAE (transcode=false) "
-                                           "has no equivalent module here")
+    if activation == "groupmax" and num_latents % k:
+        raise CheckpointError(f"{cfg_path}: 'groupmax' needs num_latents={num_latents} to be a multiple of k={k}")
     name = directory.name
     site = site_record(name, adapter, sparsify_transcode=transcode)
     extra = {"sparsify": {
         "hookpoint": name, "transcode": transcode, "skip_connection": skip,
+        "multi_topk": config_value(raw, "multi_topk", cfg_path, bool, False),
         "config": {key: v for key, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
         "site": site,
     }}
     cfg: SAEConfig | TranscoderConfig
-    if not transcode:
-        cfg = SAEConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
+    if not transcode and not skip:
+        cfg = SAEConfig(d_in=d_in, d_sae=num_latents, activation=activation, activation_params={"k": k},
                         extra=extra, apply_b_dec_to_input=True, hook=(site or {}).get("module_path") or name)
-    else:
-        cfg = TranscoderConfig(d_in=d_in, d_sae=num_latents, activation="topk", activation_params={"k": k},
+    else:  # an SAE with a skip connection is a skip transcoder with b_dec folded into b_enc (docstring)
+        cfg = TranscoderConfig(d_in=d_in, d_sae=num_latents, activation=activation, activation_params={"k": k},
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "cls": SkipTranscoder if skip else (Transcoder if transcode else SparseAutoencoder),
+        "fold_b_dec": skip and not transcode,
         "source": f"{CFG_FILE} (d_in={d_in}, num_latents={num_latents}, skip_connection={skip})"})
 
 
@@ -112,6 +124,9 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             "W_dec": state["W_dec"], "b_dec": state["b_dec"]}
     if skip:
         ours["W_skip"] = state["W_skip"]
+    if parsed.settings["fold_b_dec"]:  # x̃ = x − b_dec: (x − b_dec) Wᵀ + b = x Wᵀ + (b − b_dec Wᵀ)
+        ours["b_enc"] = (state["encoder.bias"].double()
+                         - state["b_dec"].double() @ state["encoder.weight"].double().T).to(state["encoder.bias"].dtype)
     return ours
 
 
@@ -159,15 +174,16 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
     """Write a TopK SAE / transcoder in sparsify layout (``cfg.json`` + ``sae.safetensors``).
 
     Raises:
-        UnsupportedArchitectureError: not TopK, an SAE without ``b_dec`` centering, or ``d_out != d_in``.
+        UnsupportedArchitectureError: not TopK / GroupMax, an SAE without ``b_dec`` centering, or ``d_out != d_in``.
     """
     from safetensors.torch import save_file
 
     cfg: Any = module.cfg
     transcode = isinstance(module, Transcoder)
-    if cfg.activation != "topk" or module.d_out != cfg.d_in or (
+    if cfg.activation not in ("topk", "groupmax") or module.d_out != cfg.d_in or (
             not transcode and not getattr(cfg, "apply_b_dec_to_input", True)):
-        raise UnsupportedArchitectureError("sparsify stores TopK coders with d_out = d_in (SAEs centred by b_dec)")
+        raise UnsupportedArchitectureError("sparsify stores TopK / GroupMax coders with d_out = d_in (SAEs centred "
+                                           f"by b_dec); got activation {cfg.activation!r}, d_out={module.d_out}")
     state = {"encoder.weight": module.W_enc.detach().T, "encoder.bias": module.b_enc.detach(),
              "W_dec": module.W_dec.detach(), "b_dec": module.b_dec.detach()}
     skip = isinstance(module, SkipTranscoder)
@@ -176,7 +192,7 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(path / WEIGHTS_FILE))
-    doc = {"activation": "topk", "expansion_factor": 32, "normalize_decoder": True, "num_latents": cfg.d_sae,
+    doc = {"activation": cfg.activation, "expansion_factor": 32, "normalize_decoder": True, "num_latents": cfg.d_sae,
            "k": cfg.activation_params["k"], "multi_topk": False, "skip_connection": skip, "transcode": transcode,
            "d_in": cfg.d_in}
     (path / CFG_FILE).write_text(json.dumps(doc), encoding="utf-8")

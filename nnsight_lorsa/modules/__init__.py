@@ -4,11 +4,12 @@
   rank-1-OV heads sharing grouped QK heads, top-k sparse per token (Lorsa paper §3, App. A–B).
 * Sparse coders on one dictionary core (:class:`~.sparse_coder.SparseCoder`): :class:`SparseAutoencoder`,
   :class:`Transcoder`, :class:`SkipTranscoder`, :class:`CrossLayerTranscoder` (seed ``004_…`` §2–7),
-  with the activations :class:`ReLU`, :class:`TopK`, :class:`BatchTopK`, :class:`JumpReLU`.
+  with the activations :class:`ReLU`, :class:`TopK`, :class:`BatchTopK`, :class:`JumpReLU`,
+  :class:`AbsTopK`, :class:`GroupMax`.
 * :class:`HookPoint` — the identity module whose envoy exposes an internal (``hook_z``, ``hook_sae_acts_post`` …).
 """
 
-from .activations import BatchTopK, JumpReLU, ReLU, TopK, make_activation
+from .activations import AbsTopK, BatchTopK, GroupMax, JumpReLU, ReLU, TopK, make_activation
 from .clt import CLTConfig, CrossLayerTranscoder
 from .hook_point import HookPoint
 from .lorsa import Lorsa, LorsaKV
@@ -18,7 +19,8 @@ from .sae import SAEConfig, SparseAutoencoder
 from .transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
 __all__ = [
-    "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "HookPoint", "JumpReLU", "Lorsa", "LorsaConfig", "LorsaKV",
+    "AbsTopK", "BatchTopK", "CLTConfig", "CrossLayerTranscoder", "GroupMax", "HookPoint", "JumpReLU", "Lorsa",
+    "LorsaConfig", "LorsaKV",
     "ReLU", "RotaryConfig", "SAEConfig", "SkipTranscoder", "SparseAutoencoder", "TopK", "Transcoder",
     "TranscoderConfig", "make_activation",
 ]

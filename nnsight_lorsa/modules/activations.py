@@ -1,7 +1,7 @@
 """Activation functions of sparse dictionaries (SAEs, transcoders, CLTs) as small ``nn.Module`` s.
 
-Each maps pre-activations ``(*batch, d_sae)`` to non-negative, sparse feature activations of the
-same shape (zeros where a feature is off):
+Each maps pre-activations ``(*batch, d_sae)`` to sparse feature activations of the same shape (zeros
+where a feature is off; non-negative except :class:`AbsTopK`):
 
 * :class:`ReLU` — ``max(0, x)``; sparsity comes from an L1 penalty in training (seed ``004_…``
   §6.1–6.2; Bricken et al. 2023, *Towards Monosemanticity*).
@@ -14,6 +14,11 @@ same shape (zeros where a feature is off):
   straight-through pseudo-derivatives for ``θ`` built on a rectangle kernel of bandwidth ``ε``
   (Rajamanoharan et al. 2024, *Jumping Ahead: Improving Reconstruction Fidelity with JumpReLU
   Sparse Autoencoders*, arXiv:2407.14435, eqs. 11–12; the CLT activation, seed ``004_…`` §7.1).
+* :class:`AbsTopK` — keep the ``k`` pre-activations of largest magnitude per row, signed (no ReLU)
+  (SAELens ``abstopk``; "AbsTopK", arXiv:2510.00404).
+* :class:`GroupMax` — split the ``d_sae`` features into ``k`` contiguous groups and keep each
+  group's largest ReLU'd pre-activation (EleutherAI sparsify ``activation="groupmax"``,
+  ``sparsify/fused_encoder.py``).
 
 :func:`make_activation` builds one from a config name and parameters (the small registry SAELens
 keeps per architecture: ``"relu"`` = SAELens ``standard``, ``"topk"``, ``"batchtopk"``, ``"jumprelu"``).
@@ -251,15 +256,58 @@ class BatchTopK(nn.Module):
         return f"k={self.k}, d_sae={self.d_sae}, threshold={float(self.threshold):.4g}"
 
 
+class AbsTopK(nn.Module):
+    """Keep the ``k`` entries of largest ``|x|`` per row (last dim) with their sign; zeros elsewhere.
+
+    SAELens ``abstopk`` (``sae_lens/saes/abstopk_sae.py``; arXiv:2510.00404): features may fire
+    negative. Ties at the k-th magnitude are broken by ``torch.topk``.
+    """
+
+    def __init__(self, k: int) -> None:
+        super(AbsTopK, self).__init__()
+        if not isinstance(k, int) or k <= 0:
+            raise CheckpointError(f"AbsTopK needs a positive int k, got {k!r}")
+        self.k = k
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        idx = x.abs().topk(min(self.k, x.shape[-1]), dim=-1, sorted=False).indices
+        return torch.zeros_like(x).scatter(-1, idx, x.gather(-1, idx))
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
+class GroupMax(nn.Module):
+    """The largest ReLU'd pre-activation of each of ``k`` contiguous feature groups; zeros elsewhere.
+
+    EleutherAI sparsify ``groupmax`` (``sparsify/fused_encoder.py``: ``relu(x).unflatten(-1, (k, -1))
+    .max(-1)``): ``d_sae`` must be a multiple of ``k``; a row has at most ``k`` active features.
+    """
+
+    def __init__(self, k: int, d_sae: int) -> None:
+        super(GroupMax, self).__init__()
+        if not isinstance(k, int) or k <= 0 or d_sae % k:
+            raise CheckpointError(f"GroupMax needs a positive int k dividing d_sae={d_sae}, got {k!r}")
+        self.k = k
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        vals, idx = x.relu().unflatten(-1, (self.k, -1)).max(dim=-1)
+        idx = idx + torch.arange(0, x.shape[-1], x.shape[-1] // self.k, device=x.device)
+        return torch.zeros_like(x).scatter(-1, idx, vals)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
 #: config names of the activations, as stored in ``SAEConfig.activation``.
-ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu")
+ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "abstopk", "groupmax")
 
 
 def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = None) -> nn.Module:
     """Build the activation ``name`` for ``d_sae`` features from config parameters.
 
     ``"relu"`` (no parameters), ``"topk"`` (``k``), ``"batchtopk"`` (``k``, ``threshold_lr``),
-    ``"jumprelu"`` (``threshold``, ``bandwidth``).
+    ``"jumprelu"`` (``threshold``, ``bandwidth``), ``"abstopk"`` (``k``), ``"groupmax"`` (``k``).
 
     Raises:
         CheckpointError: unknown name, or parameters the activation does not take.
@@ -274,6 +322,10 @@ def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = No
             return BatchTopK(d_sae=d_sae, **params)
         if name == "jumprelu":
             return JumpReLU(d_sae, **params)
+        if name == "abstopk":
+            return AbsTopK(**params)
+        if name == "groupmax":
+            return GroupMax(d_sae=d_sae, **params)
     except TypeError as e:
         raise CheckpointError(f"bad parameters {params} for activation {name!r}: {e}") from e
     raise CheckpointError(f"unknown activation {name!r}; known: {list(ACTIVATIONS)}")

@@ -8,6 +8,15 @@ architectures)::
     acts     = σ(acts_pre)                     ReLU / TopK / BatchTopK / JumpReLU
     x̂        = acts W_dec + b_dec              (*batch, d_in)
 
+Run-time input normalisation (``cfg.normalize_activations``, SAELens ``sae_lens/saes/sae.py``
+``_setup_activation_normalization``; per token, not foldable into the weights)::
+
+    "constant_norm_rescale"   x ← x · c,  c = √d_in / ‖x‖;            x̂ ← x̂ / c
+    "layer_norm"              x ← (x − μ) / (σ + 1e-5), σ the unbiased std;  x̂ ← x̂ · σ + μ
+
+``encode`` sees the normalised input, ``forward`` returns ``x̂`` in the input's own scale;
+``decode`` alone stays in the normalised space (it has no input to take the scale from).
+
 Parameters (SAELens names): ``W_enc (d_in, d_sae)``, ``b_enc (d_sae,)``, ``W_dec (d_sae, d_in)``,
 ``b_dec (d_in,)``; a JumpReLU's threshold is ``activation.threshold (d_sae,)`` (SAELens: ``threshold``).
 Hook points: ``hook_sae_acts_pre``, ``hook_sae_acts_post`` (the features), ``hook_sae_recons``
@@ -21,7 +30,12 @@ from typing import ClassVar
 
 import torch
 
+from .._typing import Float
+from ..errors import CheckpointError
 from .sparse_coder import SparseCoder, SparseCoderConfig
+
+#: ``SAEConfig.normalize_activations`` values (module docstring)
+NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 
 
 @dataclass(repr=False)
@@ -31,10 +45,19 @@ class SAEConfig(SparseCoderConfig):
     Attributes:
         apply_b_dec_to_input: subtract ``b_dec`` from the input before encoding (SAELens default).
         hook: the site the SAE was trained on (metadata, e.g. ``"model.layers.3"``).
+        normalize_activations: per-token input normalisation, one of :data:`NORMALIZATIONS`
+            (module docstring; SAELens's name and values).
     """
 
     apply_b_dec_to_input: bool = True
     hook: str | None = None
+    normalize_activations: str = "none"
+
+    def __post_init__(self) -> None:
+        super(SAEConfig, self).__post_init__()
+        if self.normalize_activations not in NORMALIZATIONS:
+            raise CheckpointError(f"SAEConfig.normalize_activations is {self.normalize_activations!r}; "
+                                  f"known: {list(NORMALIZATIONS)}")
 
 
 class SparseAutoencoder(SparseCoder):
@@ -48,5 +71,38 @@ class SparseAutoencoder(SparseCoder):
     cfg: SAEConfig
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
-        """``x − b_dec`` if ``cfg.apply_b_dec_to_input`` else ``x``."""
+        """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``."""
+        x = self.normalize(x)
         return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
+
+    def normalize(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
+        """``x`` under ``cfg.normalize_activations`` (identity for ``"none"``)."""
+        mode = self.cfg.normalize_activations
+        if mode == "constant_norm_rescale":
+            return x * (self.cfg.d_in ** 0.5 / x.norm(dim=-1, keepdim=True))
+        if mode == "layer_norm":
+            centred = x - x.mean(dim=-1, keepdim=True)
+            return centred / (centred.std(dim=-1, keepdim=True) + 1e-5)
+        return x
+
+    def denormalize(self, x: Float[torch.Tensor, "*batch d_in"],
+                    out: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
+        """A reconstruction ``out`` of ``normalize(x)`` back in ``x``'s scale (identity for ``"none"``)."""
+        mode = self.cfg.normalize_activations
+        if mode == "constant_norm_rescale":
+            return out * (x.norm(dim=-1, keepdim=True) / self.cfg.d_in ** 0.5)
+        if mode == "layer_norm":
+            mu = x.mean(dim=-1, keepdim=True)
+            return out * (x - mu).std(dim=-1, keepdim=True) + mu
+        return out
+
+    def forward(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
+        """``denormalize(x, decode(encode(x)))``, through ``hook_sae_recons``."""
+        if self.cfg.normalize_activations == "none":
+            return super(SparseAutoencoder, self).forward(x)
+        return self.hook_sae_recons(self.denormalize(x, self.decode(self.encode(x))))
+
+    @property
+    def supports_sparse(self) -> bool:
+        """As :attr:`SparseCoder.supports_sparse`, and no run-time normalisation."""
+        return self.cfg.normalize_activations == "none" and super(SparseAutoencoder, self).supports_sparse

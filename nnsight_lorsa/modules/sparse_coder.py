@@ -42,7 +42,8 @@ class SparseCoderConfig(FieldsRepr):
     Attributes:
         d_in: width of the input (the model's ``d_model`` at the site read).
         d_sae: number of features (per layer for a CLT).
-        activation: ``"relu"``, ``"topk"``, ``"batchtopk"`` or ``"jumprelu"`` (:mod:`.activations`).
+        activation: ``"relu"``, ``"topk"``, ``"batchtopk"``, ``"jumprelu"``, ``"abstopk"`` or
+            ``"groupmax"`` (:mod:`.activations`).
         activation_params: its parameters, e.g. ``{"k": 32}`` or ``{"bandwidth": 0.001}``.
         extra: free-form metadata (training metrics, provenance).
     """

@@ -10,7 +10,7 @@ See docs/sparse_attention.md.
 from __future__ import annotations
 
 from .attention import ATTN_IMPLEMENTATION, gated_attention_forward, register_gated_attention
-from .errors import GateConfigError, GateNotInstalledError
+from .errors import GateConfigError, GateNotInstalledError, VacuousConstraintError
 from .gate import GATE_MODES, AttentionGate
 from .geco import GECO
 from .install import (
@@ -50,4 +50,5 @@ __all__ = [
     "set_gate_mode",
     "train_sparse_attention",
     "uninstall_gated_attention",
+    "VacuousConstraintError",
 ]

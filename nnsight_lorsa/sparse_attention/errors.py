@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..errors import CheckpointError, LorsaError, UnsupportedArchitectureError
 
-__all__ = ["CheckpointError", "GateConfigError", "GateNotInstalledError", "UnsupportedArchitectureError"]
+__all__ = ["CheckpointError", "GateConfigError", "GateNotInstalledError", "UnsupportedArchitectureError",
+           "VacuousConstraintError"]
 
 
 class GateConfigError(LorsaError, ValueError):
@@ -13,3 +14,9 @@ class GateConfigError(LorsaError, ValueError):
 
 class GateNotInstalledError(LorsaError, RuntimeError):
     """Gated attention ran (or was queried) on an attention module that carries no ``gate``."""
+
+
+class VacuousConstraintError(GateConfigError):
+    """The sparse-attention constraint ``CE <= τ`` holds from step 0 by a vacuous margin: the base
+    model's CE on the training windows is more than ``max_initial_slack`` of it below τ (e.g. τ measured
+    on other windows), so training would close gates with no check on CE."""

@@ -1,24 +1,34 @@
 """Sparse-attention post-training: minimise expected edges subject to ``CE <= τ`` (paper ``003_…`` §3.2).
 
-Each step draws ``batch_size`` random windows ``[BOS] + (seq_len - 1)`` tokens from a training token
-stream, runs the gated model in training mode (hard straight-through gate samples), and descends the
-Lagrangian (Eq. 5)
+Each step draws a batch of training windows — batch ``i`` of a
+:class:`~..training.dataset.TokenDataset` (one window per document from its start, padding out of its
+``target_mask``: what a corpus of documents needs), or ``batch_size`` random windows ``[BOS] +
+(seq_len - 1)`` tokens of a token stream that is one long text — runs the gated model in training
+mode (hard straight-through gate samples), and descends the Lagrangian (Eq. 5)
 
     L = E|A| / N_allowed  +  λ (CE − τ)
 
 where ``E|A|/N_allowed`` is the expected fraction of open edges over all layers, heads and allowed
 (causal) query-key pairs (Eq. 3, normalised so that λ is on a nats scale) and λ follows the GECO rule
-(:class:`~.geco.GECO`). Full fine-tuning (AdamW; the gate biases get their own learning rate) or
+(:class:`~.geco.GECO`). CE counts the predictions the windows' ``target_mask`` keeps, for τ and for
+the constraint alike. At the start the base model's CE on the training windows is measured; a τ that
+is slack by more than ``max_initial_slack`` of it (the constraint would hold from step 0 and only
+sparsity would be optimised) raises :class:`~.errors.VacuousConstraintError` unless
+``allow_slack_constraint``. Full fine-tuning (AdamW; the gate biases get their own learning rate) or
 LoRA (``peft``, ``lora_rank``; the LoRA matrices and gate biases train, the rest is frozen).
 
 Checkpoints (``checkpoint.safetensors`` + ``checkpoint.json``: trainable parameters, AdamW state,
-GECO state, the data and global RNG states, the step and the history) resume bit-exactly.
+GECO state, the data and global RNG states, the step and the history) are written atomically and
+verified on load by :mod:`~..training._checkpoint_io` (the trainer's own: temporary sibling, fsync,
+rename, sha256 manifest) and resume bit-exactly.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +36,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._typing import Int
-from .errors import CheckpointError, GateConfigError, GateNotInstalledError
+from ..training._checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
+from ..training.dataset import TokenDataset, _window_ids
+from .errors import CheckpointError, GateConfigError, GateNotInstalledError, VacuousConstraintError
 from .geco import GECO
 from .install import (
     edge_statistics,
@@ -61,6 +74,12 @@ class SparseTrainConfig:
     final edge set (not in the paper; 0 disables).
     ``bos_id``: the id every window starts with; default (None) the model's own BOS, from its
     tokenizer, else its config's ``bos_token_id`` (:func:`resolve_bos_id`).
+    ``max_initial_slack``: the vacuous-constraint bound. At the start the base model's CE on the
+    training windows (``base_ce``, eval mode) is measured; ``slack = (τ − target_margin) − base_ce``
+    (nats). ``slack > max_initial_slack · base_ce`` (default: τ more than 10% above the base CE) means
+    the constraint holds from step 0 by a wide margin: GECO only lowers λ and the gates close as far
+    as sparsity pushes them, whatever the CE. That raises :class:`~.errors.VacuousConstraintError`;
+    ``allow_slack_constraint=True`` (experts: a deliberately loose τ) makes it a warning.
     """
 
     steps: int = 300
@@ -86,6 +105,8 @@ class SparseTrainConfig:
     lora_alpha: int = 16
     seed: int = 0
     bos_id: int | None = None
+    max_initial_slack: float = 0.1
+    allow_slack_constraint: bool = False
 
 
 @dataclass
@@ -124,40 +145,64 @@ def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, 
     return torch.cat([torch.full((batch_size, 1), bos_id, dtype=torch.long), body], dim=1)
 
 
+def _ce_sum(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Summed next-token CE of ``logits (batch, pos, vocab)`` for targets ``x[:, 1:]`` over the
+    predictions ``mask[:, 1:]`` keeps (all when None), and their count."""
+    logits = logits[:, :-1].float()
+    targets = x[:, 1:]
+    if mask is not None:
+        keep = mask[:, 1:].to(x.device, torch.bool)
+        logits, targets = logits[keep], targets[keep]
+    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    return F.cross_entropy(logits, targets, reduction="sum"), int(targets.numel())
+
+
 @torch.no_grad()
-def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"], seq_len: int = 64, batch_size: int = 16,
-                    max_windows: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
+def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDataset, seq_len: int = 64,
+                    batch_size: int = 16, max_windows: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
     """Held-out CE and edge fractions of a gated model in eval mode (deterministic gates).
 
-    The stream is cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
+    ``token_ids`` a :class:`~..training.dataset.TokenDataset`: its windows as they are (e.g. one per
+    document, :meth:`~..training.dataset.TokenDataset.from_documents`), CE over the predictions its
+    ``target_mask`` keeps (padding excluded); ``seq_len`` and ``bos_id`` are not used. A 1-D stream
+    (one long text): cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
     ``[BOS] + window`` (every token predicted once; BOS: ``bos_id``, default the model's own, see
-    :func:`resolve_bos_id`). Works in every gate mode (``topk`` and
-    ``dense`` report their kept edges as active).
+    :func:`resolve_bos_id`). Works in every gate mode (``topk`` and ``dense`` report their kept edges
+    as active). Edge fractions count every position of the windows (padding included).
 
     Returns:
         ``ce`` (nats/token), ``active_fraction`` and ``expected_fraction`` (over all layers, heads and
         allowed edges), ``active_fraction_per_head`` (``[layer][head]``), ``windows``, ``tokens``.
+
+    Raises:
+        GateConfigError: a stream shorter than one window, or no BOS id for a stream.
     """
-    bos = resolve_bos_id(model, bos_id)
     hf = hf_model(model)
+    mask: torch.Tensor | None = None
+    if isinstance(token_ids, TokenDataset):
+        n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)
+        windows = token_ids.tokens[:n]
+        mask = token_ids.targets(0, n)
+    else:
+        bos = resolve_bos_id(model, bos_id)
+        body = seq_len - 1
+        n = token_ids.numel() // body
+        if max_windows is not None:
+            n = min(n, max_windows)
+        if n < 1:
+            raise GateConfigError(f"need at least {body} tokens for one window, got {token_ids.numel()}")
+        windows = token_ids[: n * body].view(n, body)
+        windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
     was_training = hf.training
     hf.eval()
-    body = seq_len - 1
-    n = token_ids.numel() // body
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n < 1:
-        raise GateConfigError(f"need at least {body} tokens for one window, got {token_ids.numel()}")
-    windows = token_ids[: n * body].view(n, body)
-    windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
     nll, count = 0.0, 0
     exp = act = pos = None
     device = next(hf.parameters()).device
-    for x in windows.split(batch_size):
-        x = x.to(device)
-        logits = hf(input_ids=x).logits[:, :-1].float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
-        count += x[:, 1:].numel()
+    for i in range(0, n, batch_size):
+        x = windows[i:i + batch_size].to(device)
+        ce, k = _ce_sum(hf(input_ids=x).logits, x, None if mask is None else mask[i:i + batch_size])
+        nll += ce.item()
+        count += k
         st = edge_statistics(hf)
         exp = st.expected if exp is None else exp + st.expected
         act = st.active if act is None else act + st.active
@@ -175,26 +220,57 @@ class SparseAttentionTrainer:
     Args:
         model: a transformers ``*ForCausalLM`` (or nnsight model wrapping one); gated attention is
             installed with ``config.init_bias`` unless the model already has gates.
-        train_ids: 1-D training token stream (no BOS), at least ``seq_len`` tokens.
+        train_ids: the training windows — a :class:`~..training.dataset.TokenDataset` (batch ``i`` =
+            its batch ``i`` of ``config.batch_size`` windows with ``config.seed``; its ``seq_len`` must
+            be ``config.seq_len``, every window must start with the model's BOS, CE counts its
+            ``target_mask``: use :meth:`~..training.dataset.TokenDataset.from_documents` for a corpus
+            of documents) — or a 1-D token stream (no BOS) that is one long text, at least ``seq_len``
+            tokens, sampled as random ``[BOS] + (seq_len - 1)`` windows.
         config: :class:`SparseTrainConfig`.
         augment: optional ``(batch, generator) -> batch`` applied to every sampled training batch
             (and to the batches that measure τ), drawing randomness only from the given generator
             (e.g. ``_repeat_augment`` of ``scripts/tinymodel.py`` to keep in-context copying in the data).
 
+    Attributes:
+        base_ce: the base model's CE on the training windows at the start (eval mode; τ itself when
+            ``target_ce`` is None). step, history, geco (τ: ``geco.target``).
+
     Raises:
-        GateConfigError: stream shorter than ``seq_len``, or no BOS id (``config.bos_id`` None and the
-            model's tokenizer and config have none); ImportError: ``lora_rank`` without ``peft``.
+        GateConfigError: stream shorter than ``seq_len``; a dataset whose ``seq_len`` differs from
+            ``config.seq_len`` or whose windows do not start with the model's BOS; no BOS id
+            (``config.bos_id`` None and the model's tokenizer and config have none).
+        VacuousConstraintError: τ slack by more than ``max_initial_slack · base_ce`` at the start
+            (see :class:`SparseTrainConfig`), unless ``allow_slack_constraint``.
+        ImportError: ``lora_rank`` without ``peft``.
     """
 
-    def __init__(self, model: Any, train_ids: Int[torch.Tensor, " n"], config: SparseTrainConfig,
+    def __init__(self, model: Any, train_ids: Int[torch.Tensor, " n"] | TokenDataset, config: SparseTrainConfig,
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> None:
         self.config = config
         self.augment = augment
+        slack = config.max_initial_slack
+        if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
+            raise GateConfigError(f"max_initial_slack must be a finite number >= 0, got {slack!r}")
         self.bos_id = resolve_bos_id(model, config.bos_id)
         self.hf = hf_model(model)
-        self.train_ids = train_ids.long().flatten()
-        if self.train_ids.numel() < config.seq_len:
-            raise GateConfigError(f"training stream has {self.train_ids.numel()} tokens < seq_len {config.seq_len}")
+        self.dataset: TokenDataset | None = None
+        if isinstance(train_ids, TokenDataset):
+            self.dataset = train_ids
+            if train_ids.seq_len != config.seq_len:
+                raise GateConfigError(f"the training dataset's windows have {train_ids.seq_len} tokens, "
+                                      f"config.seq_len is {config.seq_len}: make them equal")
+            bad = (train_ids.tokens[:, 0] != self.bos_id).nonzero().flatten()
+            if bad.numel():
+                first = int(bad[0])
+                raise GateConfigError(f"training window {first} starts with id {int(train_ids.tokens[first, 0])}, "
+                                      f"not the model's BOS id {self.bos_id} ({bad.numel()} such windows): build the "
+                                      "dataset with the model's BOS (TokenDataset.from_documents(..., config=...))")
+            self.train_ids = train_ids.tokens
+        else:
+            self.train_ids = train_ids.long().flatten()
+            if self.train_ids.numel() < config.seq_len:
+                raise GateConfigError(f"training stream has {self.train_ids.numel()} tokens < seq_len "
+                                      f"{config.seq_len}")
         torch.manual_seed(config.seed)
         try:
             get_gates(self.hf)
@@ -219,29 +295,62 @@ class SparseAttentionTrainer:
         self.gen = torch.Generator().manual_seed(config.seed)
         self.step = 0
         self.history: list[StepRecord] = []
-        target = config.target_ce if config.target_ce is not None else self.measure_train_ce(config.target_batches)
-        target -= config.target_margin
+        self.base_ce = self.measure_train_ce(config.target_batches)
+        target = (self.base_ce if config.target_ce is None else config.target_ce) - config.target_margin
+        self._check_slack(target)
         self.geco = GECO(target, lr=config.geco_lr, ema=config.geco_ema, init_lambda=config.init_lambda,
                          min_lambda=config.min_lambda, max_lambda=config.max_lambda)
 
+    def _check_slack(self, target: float) -> None:
+        """Raise (or warn) when the constraint ``CE <= target`` holds from step 0 by a vacuous margin."""
+        cfg = self.config
+        slack = target - self.base_ce
+        if slack <= cfg.max_initial_slack * self.base_ce:
+            return
+        msg = (f"the constraint CE <= {target:.4f} (τ − target_margin) is slack by {slack:.4f} nats at step 0: "
+               f"the base model's CE on the training windows is {self.base_ce:.4f}, more than max_initial_slack="
+               f"{cfg.max_initial_slack} of it below τ, so the gates would close with no check on CE. Measure τ "
+               "on the same windows as the training (target_ce=None does) — for a corpus of documents, windows at "
+               "document starts (TokenDataset.from_documents) — or set allow_slack_constraint=True if the loose "
+               "τ is intended")
+        if not cfg.allow_slack_constraint:
+            raise VacuousConstraintError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+    def _batch(self, index: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(windows, target_mask or None)`` of training batch ``index``: the dataset's batch ``index``,
+        or random stream windows drawn from ``gen``; ``augment`` applied (drawing from ``gen``)."""
+        cfg = self.config
+        mask = None
+        if self.dataset is not None:
+            ids = _window_ids(len(self.dataset), index, cfg.batch_size, cfg.seed)
+            x = self.dataset.tokens[ids]
+            mask = None if self.dataset.target_mask is None else self.dataset.target_mask[ids]
+        else:
+            x = sample_windows(self.train_ids, cfg.batch_size, cfg.seq_len, gen, self.bos_id)
+        if self.augment is not None:
+            x = self.augment(x, gen)
+        return x.to(self._device), mask
+
     @torch.no_grad()
     def measure_train_ce(self, n_batches: int) -> float:
-        """Mean CE (nats/token) of the current model on ``n_batches`` training batches, eval mode.
-
-        Uses its own generator (seed ``config.seed + 1``) so the training batches are unaffected.
+        """CE (nats per counted prediction) of the current model on ``n_batches`` training batches,
+        eval mode: the dataset's first ``n_batches`` batches (those steps ``0 … n_batches−1`` train on,
+        counting its ``target_mask``), or stream windows from a generator of its own (seed
+        ``config.seed + 1``, so the training batches are unaffected).
         """
         gen = torch.Generator().manual_seed(self.config.seed + 1)
         was = self.hf.training
         self.hf.eval()
-        total = 0.0
-        for _ in range(max(1, n_batches)):
-            x = sample_windows(self.train_ids, self.config.batch_size, self.config.seq_len, gen, self.bos_id)
-            if self.augment is not None:
-                x = self.augment(x, gen)
-            logits = self.hf(input_ids=x.to(self._device)).logits[:, :-1]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1).to(self._device)).item()
+        total, count = 0.0, 0
+        for i in range(max(1, n_batches)):
+            x, mask = self._batch(i, gen)
+            ce, n = _ce_sum(self.hf(input_ids=x).logits, x, mask)
+            total, count = total + ce.item(), count + n
         self.hf.train(was)
-        return total / max(1, n_batches)
+        if count == 0:
+            raise GateConfigError("the training windows have no counted prediction (target_mask)")
+        return total / count
 
     @property
     def _device(self) -> torch.device:
@@ -261,12 +370,9 @@ class SparseAttentionTrainer:
         if recovering:
             for gate in get_gates(self.hf).values():
                 gate.eval()
-        x = sample_windows(self.train_ids, cfg.batch_size, cfg.seq_len, self.gen, self.bos_id)
-        if self.augment is not None:
-            x = self.augment(x, self.gen)
-        x = x.to(self._device)
-        logits = self.hf(input_ids=x).logits[:, :-1]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        x, mask = self._batch(self.step, self.gen)
+        ce_sum, n = _ce_sum(self.hf(input_ids=x).logits, x, mask)
+        ce = ce_sum / max(n, 1)
         density = expected_edge_fraction(self.hf)
         loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
         self.optimizer.zero_grad(set_to_none=True)
@@ -303,9 +409,14 @@ class SparseAttentionTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Write ``checkpoint.safetensors`` (parameters, AdamW state, RNG states) + ``checkpoint.json``."""
+        """Write ``checkpoint.safetensors`` (parameters, AdamW state, RNG states) + ``checkpoint.json`` +
+        ``manifest.json`` (sizes, sha256) atomically (:func:`~..training._checkpoint_io.write_checkpoint`:
+        the previous checkpoint at ``directory`` stays until the new one is complete).
+
+        Raises:
+            CheckpointError: ``directory`` exists and is neither empty nor a checkpoint.
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         params = dict(self.hf.named_parameters())
         tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().cpu().contiguous()
                                             for n in self.param_names}
@@ -315,41 +426,51 @@ class SparseAttentionTrainer:
                 tensors[f"optim.{idx}.{key}"] = torch.as_tensor(val).detach().cpu().contiguous()
         tensors["rng.global"] = torch.get_rng_state()
         tensors["rng.data"] = self.gen.get_state()
-        save_file(tensors, str(directory / CHECKPOINT_TENSORS))
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt["param_groups"]]
         meta = {"step": self.step, "config": asdict(self.config), "geco": self.geco.state_dict(),
                 "param_names": self.param_names, "param_groups": groups,
                 "optim_keys": {str(i): sorted(st) for i, st in opt["state"].items()},
                 "history": [asdict(r) for r in self.history]}
-        (directory / CHECKPOINT_JSON).write_text(json.dumps(meta) + "\n", encoding="utf-8")
+        write_checkpoint(directory, {CHECKPOINT_TENSORS: save_safetensors(tensors),
+                                     CHECKPOINT_JSON: (json.dumps(meta) + "\n").encode()})
         return directory
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore a :meth:`save_checkpoint` directory into this trainer (same model and config).
 
+        Every file is first checked against ``manifest.json`` (``<directory>.old`` is used when
+        ``directory`` is missing: a save interrupted between its renames).
+
         Raises:
-            CheckpointError: missing files, or parameter names that do not match this trainer's.
+            CheckpointError: no checkpoint there; the manifest missing or corrupt (also a checkpoint
+                written before manifests existed); a file missing, truncated or altered (named); or
+                parameter names / entries that do not match this trainer's.
         """
-        directory = Path(directory)
-        tpath, jpath = directory / CHECKPOINT_TENSORS, directory / CHECKPOINT_JSON
-        if not tpath.is_file() or not jpath.is_file():
-            raise CheckpointError(f"{directory} has no {CHECKPOINT_TENSORS} / {CHECKPOINT_JSON}")
-        meta = json.loads(jpath.read_text(encoding="utf-8"))
-        if meta["param_names"] != self.param_names:
-            raise CheckpointError(f"{directory}: checkpoint parameters do not match the trainer's (LoRA vs full?)")
+        d, _ = verified_checkpoint(directory, (CHECKPOINT_TENSORS, CHECKPOINT_JSON))
+        tpath, jpath = d / CHECKPOINT_TENSORS, d / CHECKPOINT_JSON
+        try:
+            meta = json.loads(jpath.read_text(encoding="utf-8"))
+            names = meta["param_names"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{jpath}: malformed ({e!r})") from e
+        if names != self.param_names:
+            raise CheckpointError(f"{jpath}: checkpoint parameters do not match the trainer's (LoRA vs full?)")
         tensors = load_file(str(tpath))
         params = dict(self.hf.named_parameters())
-        with torch.no_grad():
-            for n in self.param_names:
-                params[n].copy_(tensors[f"param.{n}"])
-        state = {int(i): {k: tensors[f"optim.{i}.{k}"] for k in keys} for i, keys in meta["optim_keys"].items()}
-        groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        torch.set_rng_state(tensors["rng.global"])
-        self.gen.set_state(tensors["rng.data"])
-        self.geco.load_state_dict(meta["geco"])
-        self.step = int(meta["step"])
-        self.history = [StepRecord(**r) for r in meta["history"]]
+        try:
+            with torch.no_grad():
+                for n in self.param_names:
+                    params[n].copy_(tensors[f"param.{n}"])
+            state = {int(i): {k: tensors[f"optim.{i}.{k}"] for k in keys} for i, keys in meta["optim_keys"].items()}
+            groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            torch.set_rng_state(tensors["rng.global"])
+            self.gen.set_state(tensors["rng.data"])
+            self.geco.load_state_dict(meta["geco"])
+            self.step = int(meta["step"])
+            self.history = [StepRecord(**r) for r in meta["history"]]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{d}: checkpoint does not fit this trainer ({e!r})") from e
 
     def finished_model(self) -> Any:
         """The trained transformers model with gates, in eval mode (LoRA merged into the weights)."""
@@ -364,23 +485,27 @@ class TrainingSummary:
     """What :func:`train_sparse_attention` measured (CE in nats/token, fractions of allowed edges)."""
 
     target_ce: float
+    base_ce: float
     steps: int
     wall_seconds: float
     history: list[StepRecord] = field(default_factory=list)
 
 
-def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"], config: SparseTrainConfig,
+def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | TokenDataset, config: SparseTrainConfig,
                            progress: bool = True, checkpoint_dir: str | Path | None = None,
                            checkpoint_every: int | None = None) -> tuple[Any, TrainingSummary]:
     """Post-train ``model`` to sparse attention (paper ``003_…`` §3.2); returns ``(model, summary)``.
 
-    Resumes from ``checkpoint_dir`` if it holds a checkpoint. The returned model is the trained
+    ``train_ids``: a :class:`~..training.dataset.TokenDataset` or a 1-D stream, as
+    :class:`SparseAttentionTrainer`. Resumes from ``checkpoint_dir`` if it is a non-empty directory
+    (a checkpoint that fails verification raises :class:`~..errors.CheckpointError`). The returned model is the trained
     transformers model with gates, in eval mode (LoRA merged).
     """
     t0 = time.perf_counter()
     trainer = SparseAttentionTrainer(model, train_ids, config)
-    if checkpoint_dir is not None and (Path(checkpoint_dir) / CHECKPOINT_JSON).is_file():
+    if checkpoint_dir is not None and checkpoint_exists(checkpoint_dir):
         trainer.load_checkpoint(checkpoint_dir)
     trainer.train(progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
-    summary = TrainingSummary(trainer.geco.target, trainer.step, time.perf_counter() - t0, trainer.history)
+    summary = TrainingSummary(trainer.geco.target, trainer.base_ce, trainer.step, time.perf_counter() - t0,
+                              trainer.history)
     return trainer.finished_model(), summary

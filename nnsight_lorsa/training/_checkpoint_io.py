@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoint directories (used by :class:`~.trainer.Trainer`).
+"""Atomic, verified checkpoint directories (used by :class:`~.trainer.Trainer` and the sparse-attention
+trainer, :class:`~..sparse_attention.train.SparseAttentionTrainer`).
 
 A save writes every file into a sibling ``<dir>.tmp-<pid>``, fsyncs each file, writes
 ``manifest.json`` (each file's size and sha256) last, fsyncs the directory, and only then swaps it
@@ -41,9 +42,10 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _is_replaceable(d: Path) -> bool:
-    """An existing directory we may swap out: empty, or a checkpoint (ours, with or without manifest)."""
-    return not any(d.iterdir()) or (d / MANIFEST).is_file() or (d / "trainer.json").is_file()
+def _is_replaceable(d: Path, names: tuple[str, ...]) -> bool:
+    """An existing directory we may swap out: empty, or a checkpoint (with a manifest, or an older one
+    holding ``trainer.json`` or one of the ``names`` this save writes)."""
+    return not any(d.iterdir()) or any((d / n).is_file() for n in (MANIFEST, "trainer.json", *names))
 
 
 def write_checkpoint(directory: str | Path, files: dict[str, bytes]) -> None:
@@ -53,7 +55,7 @@ def write_checkpoint(directory: str | Path, files: dict[str, bytes]) -> None:
         CheckpointError: ``directory`` exists and holds something other than a checkpoint.
     """
     d = Path(directory)
-    if d.exists() and (not d.is_dir() or not _is_replaceable(d)):
+    if d.exists() and (not d.is_dir() or not _is_replaceable(d, tuple(files))):
         raise CheckpointError(f"{d}: exists and is not a checkpoint directory; refusing to replace it")
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = d.with_name(f"{d.name}.tmp-{os.getpid()}")
@@ -96,6 +98,13 @@ def _remove_stale_temporaries(d: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         except PermissionError:  # alive, someone else's
             pass
+
+
+def checkpoint_exists(directory: str | Path) -> bool:
+    """Whether ``directory`` (or ``<directory>.old``, a save interrupted between its renames) holds
+    something a resume must read: a non-empty directory (:func:`verified_checkpoint` then checks it)."""
+    d = Path(directory)
+    return any(p.is_dir() and any(p.iterdir()) for p in (d, d.with_name(f"{d.name}.old")))
 
 
 def verified_checkpoint(directory: str | Path, required: tuple[str, ...] = ()) -> tuple[Path, set[str]]:

@@ -130,7 +130,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     for start in range(0, len(dataset), batch_size):
         ids = tokens[start:start + batch_size]
         values = read_sites(model, named, ids)
-        mask = _loss_mask(ids)
+        mask = _loss_mask(ids, dataset.targets(start, start + batch_size))
         n_loss += int(mask.sum())
         for name, v in values.items():
             widths.setdefault(name, int(v.shape[-1]))

@@ -43,7 +43,8 @@ class Batch:
         x: what the module reads, ``(batch, pos, d_in)`` — or ``(n_sites, batch, pos, d_in)`` for a
             stacked source (a CLT: every layer's MLP input).
         y: what it reconstructs, shaped like ``x`` (``d_out`` last); the same tensor as ``x`` for an SAE.
-        loss_mask: ``(batch, pos)`` bool, False at BOS (column 0) and padding: excluded from the loss.
+        loss_mask: ``(batch, pos)`` bool, False at BOS (column 0) and wherever the dataset's
+            ``target_mask`` is False (padding): excluded from the loss, scale factors and dead counters.
         positions: ``(batch, pos)`` or ``(pos,)`` token positions (RoPE; a Lorsa's source), else None.
         attn_mask: ``(batch, pos)`` 1 = real token (key padding), or None when unpadded.
     """
@@ -191,8 +192,10 @@ class ActivationSource:
         y = x if self.y_sites == self.x_sites else pick(self.y_sites)
         return Batch(x=x, y=y, loss_mask=loss_mask, positions=positions)
 
-    def read(self, input_ids: Int[torch.Tensor, "batch pos"]) -> Batch:
-        """The batch of these sites on the token windows ``input_ids`` (live sources only).
+    def read(self, input_ids: Int[torch.Tensor, "batch pos"], target_mask: torch.Tensor | None = None) -> Batch:
+        """The batch of these sites on the token windows ``input_ids`` (live sources only);
+        ``target_mask`` ``(batch, pos)`` bool: the positions that count (default all but BOS), as
+        :attr:`~.dataset.TokenDataset.target_mask`.
 
         Raises:
             ActivationCacheError: a cached source.
@@ -205,12 +208,13 @@ class ActivationSource:
         got = read_sites(self.data, sites, input_ids, adapter=self.adapter)
         values = {s: got[name] for name, s in sites.items()}
         positions = got["positions"] if self.positions_site is not None else None
-        return self._assemble(values, _loss_mask(input_ids), positions)
+        return self._assemble(values, _loss_mask(input_ids, target_mask), positions)
 
     def __call__(self, index: int) -> Batch:
         ids = self.window_ids(index)
         if self.cache is None:
             assert self.dataset is not None
-            return self.read(self.dataset.tokens[ids])
+            mask = self.dataset.target_mask
+            return self.read(self.dataset.tokens[ids], None if mask is None else mask[ids])
         values = {s: self.cache.windows(name, ids) for s, name in self._names.items()}
         return self._assemble(values, self.cache.windows("loss_mask", ids), None)

@@ -12,9 +12,11 @@ import torch
 from .._typing import Int
 
 
-def _loss_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``(batch, pos)`` bool: real tokens except BOS (column 0)."""
-    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(batch, pos)`` bool: the positions whose activations count — ``target_mask`` (default every
+    position; False at padding) except BOS (column 0)."""
+    real = torch.ones_like(input_ids, dtype=torch.bool) if target_mask is None else target_mask.to(
+        input_ids.device, torch.bool)
     loss_mask = real.clone()
     loss_mask[:, 0] = False
     return loss_mask
@@ -36,9 +38,12 @@ class TokenDataset:
 
     Args:
         tokens: ``(n_windows, seq_len)`` int64 token ids.
-        target_mask: optional ``(n_windows, seq_len)`` bool — the tokens whose prediction counts in
-            the evaluations' CE and KL (e.g. only the answers of a task dataset; column 0 is never
-            predicted); default all.
+        target_mask: optional ``(n_windows, seq_len)`` bool — the positions that count (default all):
+            the prediction of a kept token counts in the evaluations' CE and KL, and the activations at
+            a kept position count in training (loss, scale factors, dead counters) and in FVU / L0 /
+            dead fraction (BOS, column 0, never does). False at padding (:meth:`from_documents`) or
+            outside the answers of a task dataset. Padding must sit on the right of the real tokens
+            (causal attention then leaves the real tokens' activations untouched).
 
     Raises:
         ValueError: ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.

@@ -25,7 +25,7 @@ from ..envoy.lorsa_set import LorsaSet
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
 from .dataset import TokenDataset, _loss_mask
-from .metrics import FVUAccumulator
+from .metrics import FVUAccumulator, ShrinkageAccumulator
 
 
 @dataclass
@@ -34,13 +34,16 @@ class Evaluation:
 
     Attributes:
         fvu: fraction of variance unexplained of the module's output against the site's true value
-            (non-BOS tokens) — a float, or for a CLT a list per layer (measured on the original
+            (kept positions, no BOS) — a float, or for a CLT a list per layer (measured on the original
             model's activations: layer ``l`` reconstructed from the true MLP inputs of layers ``0 … l``).
         l0: mean number of active latents per token (float, or per layer for a CLT).
         dead_frac: fraction of latents that never fire on the set (float, or per layer for a CLT).
         ce_orig, ce_spliced, ce_zero: CE of the original model, with the module spliced in (every MLP
             for a CLT), and with the site(s) zero-ablated.
         kl: mean KL(original ‖ spliced). n_tokens: counted predictions.
+        l2_norm_in, l2_norm_out, l2_ratio, relative_reconstruction_bias, feature_density: SAELens's
+            shrinkage and density metrics of the module's output against the site's true value
+            (the tokens FVU counts; :class:`~.metrics.ShrinkageAccumulator`); ``None`` for a CLT.
     """
 
     fvu: float | list[float]
@@ -51,6 +54,11 @@ class Evaluation:
     ce_zero: float
     kl: float
     n_tokens: int
+    l2_norm_in: float | None = None
+    l2_norm_out: float | None = None
+    l2_ratio: float | None = None
+    relative_reconstruction_bias: float | None = None
+    feature_density: list[float] | None = None
 
     @property
     def ce_recovered(self) -> float:
@@ -62,8 +70,10 @@ class Evaluation:
         return {**asdict(self), "ce_recovered": self.ce_recovered}
 
     def summary(self) -> dict[str, Any]:
-        """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON)."""
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()}
+        """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON), without the
+        per-feature ``feature_density``."""
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()
+                if k != "feature_density"}
 
 
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -95,6 +105,7 @@ class _SiteProbe:
         self.model, self.path, self.value, self.with_value = model, path, value, with_value
         self.splice_fn = splice
         self.acc = FVUAccumulator()
+        self.shrinkage = ShrinkageAccumulator(n_latents)
         self.l0_sum, self.l0_n = 0.0, 0
         self.fired = torch.zeros(n_latents, dtype=torch.bool)
 
@@ -110,9 +121,10 @@ class _SiteProbe:
         original = env.output
         env.output = self.with_value(original, torch.zeros_like(self.value(original)))
 
-    def measure(self, ids: torch.Tensor) -> None:
-        keep = _loss_mask(ids)
+    def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        keep = _loss_mask(ids, mask)
         self.acc.update(self.target[keep].float(), self.out[keep].float())
+        self.shrinkage.update(self.target[keep], self.out[keep], self.z[keep])
         active = self.z[keep] > 0
         self.l0_sum += float(active.sum())
         self.l0_n += active.shape[0]
@@ -153,9 +165,9 @@ class _CLTProbe:
             original = env.output
             env.output = self.adapter.with_mlp_output(original, torch.zeros_like(self.adapter.mlp_output(original)))
 
-    def measure(self, ids: torch.Tensor) -> None:
+    def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         xs, ys, clt = self.xs, self.ys, self.clt
-        keep = _loss_mask(ids)
+        keep = _loss_mask(ids, mask)
         x = torch.stack([t[keep] for t in xs]).to(clt.W_enc.dtype)
         y = torch.stack([t[keep] for t in ys]).to(clt.W_enc.dtype)
         acts = clt.encode(x)
@@ -214,8 +226,9 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
         replacements: the module in its replacement set: a Lorsa (site: layer ``at``'s attention output),
             transcoder (layer ``at``'s MLP output), SAE (the output of module path ``at``), or a CLT
             (every MLP output at once; per-layer FVU / L0 / dead).
-        dataset: held-out windows; CE and KL count the predictions its ``target_mask`` keeps (default
-            all); BOS (column 0) is excluded from FVU / L0.
+        dataset: held-out windows; its ``target_mask`` (default all) says what counts everywhere:
+            CE and KL count the predictions of kept tokens, FVU / L0 / dead fraction the kept
+            positions (padding counts nowhere); BOS (column 0) is excluded from FVU / L0 / dead.
         at: the layer (Lorsa, transcoder) or module path (SAE) to evaluate; default: the set's only one.
 
     Raises:
@@ -248,8 +261,9 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
             sums[key] += ce
         sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
         n_tok += n
-        probe.measure(ids)
+        probe.measure(ids, mask)
     fvu, l0, dead = probe.result()
+    shrinkage: dict[str, Any] = probe.shrinkage.value() if isinstance(probe, _SiteProbe) else {}
     return Evaluation(fvu=fvu, l0=l0, dead_frac=dead, ce_orig=sums["orig"] / n_tok,
                       ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok, kl=sums["kl"] / n_tok,
-                      n_tokens=n_tok)
+                      n_tokens=n_tok, **shrinkage)

@@ -39,3 +39,45 @@ class FVUAccumulator:
             return float("nan")
         total = self.sum_y2 - float(self.sum_y.pow(2).sum()) / self.n
         return self.sse / max(total, 1e-30)
+
+
+class ShrinkageAccumulator:
+    """SAELens's shrinkage and density metrics over many batches (``sae_lens/evals.py``,
+    ``get_sparsity_and_variance_metrics``), with their names:
+
+    * ``l2_norm_in`` / ``l2_norm_out``: mean ``‖y‖`` / ``‖ŷ‖`` per token;
+    * ``l2_ratio``: mean ``‖ŷ‖ / ‖y‖`` per token (``‖y‖ < 1e-4`` divides by 1, as SAELens);
+    * ``relative_reconstruction_bias``: ``E‖ŷ‖² / E⟨y, ŷ⟩`` (Rajamanoharan et al. 2024,
+      arXiv:2404.16014 eq. 10; 1 = unbiased, < 1 = shrinkage), over all tokens at once (SAELens
+      averages per-batch ratios: equal for one batch);
+    * ``feature_density``: per feature, the fraction of tokens where it is non-zero (``!= 0``, so
+      signed AbsTopK features count).
+    """
+
+    def __init__(self, n_latents: int) -> None:
+        self.n = 0
+        self.sums = {"l2_norm_in": 0.0, "l2_norm_out": 0.0, "l2_ratio": 0.0, "out_sq": 0.0, "dot": 0.0}
+        self.fires = torch.zeros(n_latents, dtype=torch.float64)
+
+    def update(self, y: Float[torch.Tensor, "n d"], y_hat: Float[torch.Tensor, "n d"],
+               acts: Float[torch.Tensor, "n f"]) -> None:
+        y, y_hat = y.double(), y_hat.double()
+        norm_in, norm_out = y.norm(dim=-1), y_hat.norm(dim=-1)
+        self.n += y.shape[0]
+        self.sums["l2_norm_in"] += float(norm_in.sum())
+        self.sums["l2_norm_out"] += float(norm_out.sum())
+        self.sums["l2_ratio"] += float((norm_out / torch.where(norm_in.abs() < 1e-4, 1.0, norm_in)).sum())
+        self.sums["out_sq"] += float(norm_out.pow(2).sum())
+        self.sums["dot"] += float((y * y_hat).sum())
+        self.fires += (acts != 0).sum(0).to(self.fires)
+
+    def value(self) -> dict[str, float | list[float]]:
+        """``{"l2_norm_in", "l2_norm_out", "l2_ratio", "relative_reconstruction_bias", "feature_density"}``
+        (NaN / empty-set densities of 0 before any update)."""
+        n = max(self.n, 1)
+        nan = float("nan")
+        return {"l2_norm_in": self.sums["l2_norm_in"] / n if self.n else nan,
+                "l2_norm_out": self.sums["l2_norm_out"] / n if self.n else nan,
+                "l2_ratio": self.sums["l2_ratio"] / n if self.n else nan,
+                "relative_reconstruction_bias": self.sums["out_sq"] / self.sums["dot"] if self.sums["dot"] else nan,
+                "feature_density": (self.fires / n).tolist()}

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import CheckpointError, ConfigMismatchError, ShapeError
+from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
 from ..modules.activations import BatchTopK, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
@@ -297,6 +297,13 @@ class _SparseCoderObjective(_DictionaryObjective):
     desc = "sparse coder"
     weights_file = "coder.safetensors"
     config_key = "coder_config"
+
+    def __init__(self, module: Any) -> None:
+        norm = getattr(module.cfg, "normalize_activations", "none")
+        if norm != "none":  # the loss below reconstructs x itself, not its normalised form
+            raise UnsupportedArchitectureError(f"training an SAE with normalize_activations={norm!r} (a run-time "
+                                               "per-token normalisation, for loaded SAELens files) is not supported")
+        super().__init__(module)
 
     def n_latents(self) -> int:
         return int(self.module.cfg.d_sae)

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ._checkpoint_io import verified_checkpoint, write_checkpoint
 from .activations import Batch
 from .lorsa_recipe import LorsaRecipe
@@ -205,8 +205,21 @@ class Trainer:
         return metrics
 
     def train(self, steps: int | None = None, *, progress: bool = True,
-              checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0) -> list[dict[str, float]]:
-        """Run until ``steps`` more steps (default: to ``total_steps``); return the logged metrics."""
+              checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
+              on_log: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Run until ``steps`` more steps (default: to ``total_steps``); return the logged metrics.
+
+        ``steps`` bounds this call (a long run in slices: ``train(1000)`` at a time, each resumable);
+        ``on_log`` is called with every ``history`` entry as it is logged (every ``log_every`` steps and
+        the last; with ``step``), e.g. to print or stop a run without the progress bar.
+
+        Raises:
+            ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
+        """
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
+            raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+            raise ArgumentError(f"checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
         while self.step < end:
@@ -217,6 +230,8 @@ class Trainer:
                 self.config.history.append(m)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
                                 dead=f"{m['dead_frac']:.2f}")
+                if on_log is not None:
+                    on_log(m)
             if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
                 self.save_checkpoint(checkpoint_dir)
         bar.close()

@@ -163,8 +163,8 @@ def test_saelens_bad_input(tmp_path: Path) -> None:
     _saelens_files(tmp_path / "b", "temporal")
     with pytest.raises(UnsupportedArchitectureError, match=r"cfg\.json.*'architecture'.*temporal"):
         load_saelens(tmp_path / "b")
-    _saelens_files(tmp_path / "c", "standard", extra_cfg={"normalize_activations": "layer_norm"})
-    with pytest.raises(UnsupportedArchitectureError, match="layer_norm"):
+    _saelens_files(tmp_path / "c", "standard", extra_cfg={"normalize_activations": "covariance_whitening"})
+    with pytest.raises(UnsupportedArchitectureError, match="covariance_whitening.*activation_whitening"):
         load_saelens(tmp_path / "c")
     _, st = _saelens_files(tmp_path / "d", "jumprelu")
     del st["threshold"]
@@ -299,8 +299,8 @@ def test_sparsify_many_and_bad_input(tmp_path: Path) -> None:
     assert list(load_all(tmp_path, format="sparsify")) == ["layers.0", "layers.2", "layers.10"]
     with pytest.raises(ConfigMismatchError, match=r"cfg\.json.*d_in"):
         load_sparsify(tmp_path / "layers.0", d_model=4)
-    _sparsify_files(tmp_path / "g", transcode=False, skip=False, extra_cfg={"activation": "groupmax"})
-    with pytest.raises(UnsupportedArchitectureError, match="groupmax"):
+    _sparsify_files(tmp_path / "g", transcode=False, skip=False, extra_cfg={"activation": "groupmax", "k": 7})
+    with pytest.raises(CheckpointError, match="groupmax.*multiple of k=7"):
         load_sparsify(tmp_path / "g")
     _, st = _sparsify_files(tmp_path / "m", transcode=True, skip=True)
     del st["W_skip"]

@@ -173,3 +173,18 @@ def test_evaluation_counts_only_the_target_mask(setup):
     assert held.target_mask is not None and torch.equal(held.target_mask, mask[-2:])
     with pytest.raises(ValueError, match="target_mask"):
         TokenDataset(ids, target_mask=mask[:, :-1])
+
+
+def test_train_can_be_bounded_and_watched_without_a_progress_bar(setup):
+    from nnsight_lorsa.errors import ArgumentError
+
+    model, hf, adapter, data = setup
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=100, log_every=2))
+    seen = []
+    trainer.train(5, progress=False, on_log=seen.append)
+    assert trainer.step == 5 and [m["step"] for m in seen] == [2, 4, 5] and seen == trainer.config.history
+    for bad in (-1, True):  # (a float is refused too; under the tests' type checker, by it)
+        with pytest.raises(ArgumentError, match="steps"):
+            trainer.train(bad, progress=False)
+    assert trainer.step == 5

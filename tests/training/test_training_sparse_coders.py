@@ -188,3 +188,26 @@ def test_sae_evaluation_matches_direct_computation(setup):
     _, ce_z = _direct_ce(hf, ids, layer, lambda m, a, out: swap(out, torch.zeros_like(first(out))))
     assert (ev.ce_orig, ev.ce_spliced, ev.ce_zero) == pytest.approx((ce_o, ce_s, ce_z), rel=1e-5)
     assert ev.kl > 0 and ev.l0 == pytest.approx(8.0)
+
+
+def test_sae_evaluation_shrinkage_matches_direct_computation(setup):
+    model, hf, adapter, data = setup
+    sae = new_sae(adapter, "topk", {"k": 8}).eval()
+    site = adapter.layer_path(LAYER)
+    ids = data.tokens[:4]
+    ev = evaluate(SAESet(model, {site: sae}), TokenDataset(ids), at=site, batch_size=4)
+    seen = []
+    handle = adapter.get_module(hf, site).register_forward_hook(
+        lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        hf(ids)
+    handle.remove()
+    y = seen[0][:, 1:].reshape(-1, seen[0].shape[-1]).double()  # BOS left out, as evaluate does
+    with torch.no_grad():
+        y_hat, acts = sae(y.float()).double(), sae.encode(y.float())
+    assert ev.l2_ratio == pytest.approx(float((y_hat.norm(dim=-1) / y.norm(dim=-1)).mean()), rel=1e-4)
+    assert ev.relative_reconstruction_bias == pytest.approx(
+        float(y_hat.norm(dim=-1).pow(2).mean() / (y * y_hat).sum(-1).mean()), rel=1e-4)
+    assert ev.feature_density == pytest.approx((acts != 0).double().mean(0).tolist(), abs=1e-9)
+    assert sum(ev.feature_density) == pytest.approx(ev.l0)
+    assert "feature_density" not in ev.summary()

@@ -1,0 +1,134 @@
+"""SAELens's release registry: ``(release, sae_id)`` -> hub repo, folder and recorded settings.
+
+SAELens users load pretrained SAEs as ``SAE.from_pretrained(release, sae_id)``; the names resolve
+through ``sae_lens/pretrained_saes.yaml`` (``sae_lens/loading/pretrained_saes_directory.py``)::
+
+    <release>:
+      repo_id: org/name              the Hugging Face repo
+      conversion_func: null | name   null: SAELens's own layout (cfg.json + sae_weights.safetensors)
+      config_overrides: {...}        merged over each cfg.json (optional)
+      saes:
+      - id: blocks.0.hook_mlp_out    the sae_id
+        path: folder/in/repo         the folder of that SAE
+        norm_scaling_factor: 1.05    for normalize_activations = "expected_average_only_in" (optional)
+
+:func:`resolve_release` reads that file — the one inside the installed ``sae-lens`` (optional extra
+``pip install nnsight-lorsa[saelens]``; found without importing it), or any file in that format
+given as ``registry=`` — and ``formats.load(release, sae_id)`` loads the SAE with our SAELens
+reader, folding the recorded ``norm_scaling_factor`` as ``from_pretrained`` does. Releases whose
+files need one of SAELens's converters (``conversion_func`` not null: Gemma Scope ``.npz``,
+dictionary_learning, …) are refused by name; where one of our formats reads those files,
+``load(repo_id, subfolder=path, format=...)`` loads them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, UnsupportedArchitectureError
+
+REGISTRY_FILE = "pretrained_saes.yaml"
+
+__all__ = ["REGISTRY_FILE", "SAELensRelease", "installed_registry", "resolve_release"]
+
+
+@dataclass(frozen=True)
+class SAELensRelease:
+    """One SAE of a SAELens release, as its registry records it.
+
+    Attributes:
+        release, sae_id: the names ``SAE.from_pretrained`` takes.
+        repo_id: the Hugging Face repo (or a local directory laid out as it).
+        path: the SAE's folder in the repo.
+        norm_scaling_factor: the dataset-wide input scale of ``expected_average_only_in`` SAEs, if recorded.
+        config_overrides: keys merged over the SAE's ``cfg.json``.
+    """
+
+    release: str
+    sae_id: str
+    repo_id: str
+    path: str
+    norm_scaling_factor: float | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def installed_registry() -> Path:
+    """``pretrained_saes.yaml`` of the installed ``sae-lens`` (located, not imported).
+
+    Raises:
+        CheckpointError: sae-lens is not installed (``pip install nnsight-lorsa[saelens]``), or its
+            package holds no registry file.
+    """
+    spec = importlib.util.find_spec("sae_lens")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("SAELens release names need SAELens's registry: install it with "
+                              "`pip install nnsight-lorsa[saelens]`, or pass release_registry=<a "
+                              f"{REGISTRY_FILE} path>")
+    path = Path(next(iter(spec.submodule_search_locations))) / REGISTRY_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: the installed sae-lens has no release registry file")
+    return path
+
+
+@lru_cache(maxsize=4)
+def _read(path: Path, mtime: float) -> dict[str, Any]:
+    import yaml
+
+    with path.open(encoding="utf-8") as f:
+        data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a SAELens release registry (expected a mapping of releases)")
+    return data
+
+
+def resolve_release(release: str, sae_id: str, *,
+                    registry: str | os.PathLike[str] | None = None) -> SAELensRelease:
+    """Look ``(release, sae_id)`` up in SAELens's registry (module docstring).
+
+    Args:
+        release: a release name, e.g. ``"gpt2-small-res-jb"``.
+        sae_id: an SAE id of that release, e.g. ``"blocks.8.hook_resid_pre"``.
+        registry: a ``pretrained_saes.yaml`` (default: the installed sae-lens's, :func:`installed_registry`).
+
+    Raises:
+        CheckpointError: no registry, an unknown release or sae_id (the message lists some valid
+            ones), an entry without ``repo_id`` / ``path``.
+        UnsupportedArchitectureError: the release needs a SAELens converter (``conversion_func``), or
+            the SAE is a pickle (``.pt``), which we never load.
+    """
+    path = Path(registry) if registry is not None else installed_registry()
+    if not path.is_file():
+        raise CheckpointError(f"{path}: release registry not found")
+    data = _read(path.resolve(), path.stat().st_mtime)
+    entry = data.get(release)
+    if not isinstance(entry, dict):
+        near = sorted(r for r in data if release.split("-")[0] in r)[:8] or sorted(data)[:8]
+        raise CheckpointError(f"{path}: no release {release!r}; e.g. {near}")
+    saes = {s.get("id"): s for s in entry.get("saes", []) if isinstance(s, dict)}
+    if sae_id not in saes:
+        raise CheckpointError(f"{path}: release {release!r} has no sae_id {sae_id!r}; valid ids include "
+                              f"{list(saes)[:8]}")
+    converter = entry.get("conversion_func")
+    if converter is not None:
+        raise UnsupportedArchitectureError(
+            f"release {release!r} needs SAELens's converter {converter!r} (its files are not in SAELens's own "
+            f"layout); if one of our formats reads them, use load({entry.get('repo_id')!r}, "
+            f"subfolder={str(saes[sae_id].get('path'))!r}, format=...)")
+    sae = saes[sae_id]
+    repo_id, folder = entry.get("repo_id"), sae.get("path")
+    if not isinstance(repo_id, str) or folder is None:
+        raise CheckpointError(f"{path}: release {release!r} / {sae_id!r} lacks 'repo_id' or 'path'")
+    folder = str(folder)
+    if folder.endswith((".pt", ".pth", ".pkl")):
+        raise UnsupportedArchitectureError(f"release {release!r} / {sae_id!r} is the pickle {folder!r}; "
+                                           "pickles are never loaded")
+    factor = sae.get("norm_scaling_factor")
+    overrides = entry.get("config_overrides") or {}
+    return SAELensRelease(release=release, sae_id=sae_id, repo_id=repo_id, path=folder,
+                          norm_scaling_factor=None if factor is None else float(factor),
+                          config_overrides=dict(overrides) if isinstance(overrides, dict) else {})

@@ -1,0 +1,197 @@
+"""Regenerate the peer fixtures under ``tests/fixtures/peers/<peer>/``: files written by each peer
+library's OWN code (tiny random weights), the peer's own outputs on fixed inputs, and the reverse
+direction (what our ``save(..., format=<peer>)`` writes, loaded by the peer and compared).
+
+The peers are never dependencies of nnsight-lorsa: each lives in its own virtual environment::
+
+    python -m venv V; V/bin/pip install torch==2.13.0; V/bin/pip install <peer>
+
+with ``<peer>`` one of ``sae-lens`` (saelens), ``eai-sparsify`` (sparsify), ``circuit-tracer``
+(circuit_tracer), ``llamascopium`` (llamascopium). Then, from the repository root, in OUR environment
+(the one with nnsight-lorsa installed)::
+
+    python scripts/make_peer_fixtures.py --peer saelens --python V/bin/python
+
+Layout: one script per peer, ``scripts/peer_fixtures/<peer>.py``, run as
+``<venv>/bin/python scripts/peer_fixtures/<peer>.py OUT_DIR``; it imports only the peer (and torch /
+safetensors), never nnsight-lorsa. Steps for ``--peer NAME``:
+
+1. (our env) if this file has a reverse writer for NAME (:data:`REVERSE`), it saves our modules in
+   NAME's format under ``OUT_DIR/reverse/<case>/`` with our outputs on fixed inputs
+   (``ours_outputs.safetensors``);
+2. (peer env) ``scripts/peer_fixtures/NAME.py OUT_DIR`` writes one folder per fixture case
+   ``OUT_DIR/<case>/`` (the peer's files + ``reference.safetensors``: the inputs ``x`` and the peer's
+   own outputs) and, when ``OUT_DIR/reverse/`` exists, loads each reverse case in the peer and writes
+   ``OUT_DIR/reverse/result.json`` (per case: pass/fail and the max relative error).
+
+``python scripts/make_peer_fixtures.py --peer NAME --measure`` (our env only) prints each case's
+relative error against the peer's outputs (the numbers in docs/formats.md).
+
+``tests/formats/test_peer_fixtures_<peer>.py`` loads every case with ``nnsight_lorsa.formats.load``
+(format detected) without the peer installed. No pickles are written: safetensors, JSON and YAML only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_SCRIPTS = ROOT / "scripts" / "peer_fixtures"
+FIXTURES = ROOT / "tests" / "fixtures" / "peers"
+
+
+def _write_ours(module: Any, case: Path, fmt: str, d_in: int, **options: Any) -> None:
+    """``save(module, case, format=fmt)`` + ``ours_outputs.safetensors`` (x, feature_acts, sae_out, l0)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nnsight_lorsa.formats import save
+
+    save(module, case, format=fmt, **options)
+    x = torch.randn(8, d_in, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        acts = module.encode(x)
+        ref = {"x": x, "feature_acts": acts, "sae_out": module(x), "l0": (acts != 0).sum(-1)}
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(case / "ours_outputs.safetensors"))
+
+
+def _random_(module: Any, seed: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        threshold = getattr(module.activation, "threshold", None)
+        if isinstance(threshold, torch.Tensor):
+            threshold.abs_()
+    return module.eval()
+
+
+def _reverse_saelens(out: Path) -> None:
+    """Our SAEs / transcoders of every activation SAELens reads, in SAELens layout."""
+    from nnsight_lorsa.modules import SAEConfig, SkipTranscoder, SparseAutoencoder, Transcoder, TranscoderConfig
+
+    d, f, hook = 16, 48, "blocks.1.hook_resid_post"
+    for i, (name, module) in enumerate({
+        "sae_relu": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f)),
+        "sae_relu_no_b_dec_in": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, apply_b_dec_to_input=False)),
+        "sae_topk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="topk", activation_params={"k": 4})),
+        "sae_jumprelu": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="jumprelu")),
+        "sae_abstopk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation="abstopk",
+                                                   activation_params={"k": 4})),
+        "sae_relu_layer_norm": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, normalize_activations="layer_norm")),
+        "sae_topk_constant_norm_rescale": SparseAutoencoder(SAEConfig(
+            d_in=d, d_sae=f, activation="topk", activation_params={"k": 4},
+            normalize_activations="constant_norm_rescale")),
+        "transcoder_relu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
+        "transcoder_jumprelu": Transcoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12, activation="jumprelu")),
+        "skip_transcoder_relu": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12)),
+        "skip_transcoder_jumprelu": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, d_out=12, activation="jumprelu")),
+    }.items()):
+        _write_ours(_random_(module, i), out / name, "saelens", d, hook_name=hook)
+
+
+def _reverse_sparsify(out: Path) -> None:
+    """Our coders of every kind sparsify reads, in sparsify layout."""
+    from nnsight_lorsa.modules import SAEConfig, SkipTranscoder, SparseAutoencoder, Transcoder, TranscoderConfig
+
+    d, f, topk, groupmax = 16, 64, {"activation": "topk", "activation_params": {"k": 4}}, {
+        "activation": "groupmax", "activation_params": {"k": 4}}
+    for i, (name, module) in enumerate({
+        "sae_topk": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+        "sae_groupmax": SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, **groupmax)),  # type: ignore[arg-type]
+        "transcoder_topk": Transcoder(TranscoderConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+        "skip_transcoder_topk": SkipTranscoder(TranscoderConfig(d_in=d, d_sae=f, **topk)),  # type: ignore[arg-type]
+    }.items()):
+        _write_ours(_random_(module, i), out / name, "sparsify", d)
+
+
+#: peer -> (our env) writer of ``OUT_DIR/reverse/<case>/`` (our ``save`` in the peer's format)
+REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify}
+
+
+def peers() -> list[str]:
+    """The peers that have a fixture script (``scripts/peer_fixtures/<peer>.py``)."""
+    return sorted(p.stem for p in PEER_SCRIPTS.glob("*.py") if not p.stem.startswith("_"))
+
+
+def make(peer: str, python: str, out: Path) -> None:
+    """Regenerate ``out`` (default ``tests/fixtures/peers/<peer>``) for ``peer`` with the peer's ``python``."""
+    script = PEER_SCRIPTS / f"{peer}.py"
+    if not script.is_file():
+        raise SystemExit(f"no fixture script {script}; peers with one: {peers()}")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    if peer in REVERSE:
+        REVERSE[peer](out / "reverse")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the peer env never sees our package
+    subprocess.run([python, str(script), str(out)], check=True, env=env, cwd=ROOT)
+
+
+def measure(out: Path) -> dict[str, Any]:
+    """(our env) Load every case under ``out`` (a folder with ``cfg.json``, ``reverse/`` aside) with
+    ``nnsight_lorsa.formats.load`` and print its relative max error on ``encode`` / ``forward``
+    against ``reference.safetensors`` (or the named error that refused it); returns the worst per dtype."""
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+
+    from nnsight_lorsa.errors import LorsaError
+    from nnsight_lorsa.formats import load
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+    worst: dict[str, Any] = {}
+    for case in sorted(p.parent for p in out.rglob("cfg.json") if "reverse" not in p.relative_to(out).parts):
+        name = case.relative_to(out).as_posix()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                has_ref = (case / "reference.safetensors").is_file()
+                ref = load_file(str(case / "reference.safetensors")) if has_ref else {}
+                kw = {"norm_scaling_factor": float(ref["norm_scaling_factor"])} if "norm_scaling_factor" in ref else {}
+                module = load(case, **kw)
+        except LorsaError as e:
+            print(f"{name}: refused, {type(e).__name__}: {e}")
+            continue
+        with torch.no_grad():
+            acts, y = module.encode(ref["x"]), module(ref["x"])
+        errs = (rel(acts, ref["feature_acts"]), rel(y, ref["sae_out"]))
+        same_l0 = torch.equal((acts != 0).sum(-1), ref["l0"])
+        print(f"{name}: encode {errs[0]:.1e}  forward {errs[1]:.1e}  same L0 {same_l0}")
+        key = str(ref["x"].dtype).removeprefix("torch.")
+        prev = worst.get(key, [0.0, 0.0, True])
+        worst[key] = [max(prev[0], errs[0]), max(prev[1], errs[1]), prev[2] and same_l0]
+    print("worst (encode, forward, all L0 equal) by dtype:", worst)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", required=True, help=f"one of {peers()}")
+    parser.add_argument("--python", help="the python of a venv with that peer installed")
+    parser.add_argument("--out", type=Path, default=None, help="default: tests/fixtures/peers/<peer>")
+    parser.add_argument("--measure", action="store_true",
+                        help="only load the existing fixtures in our env and print each case's error")
+    args = parser.parse_args(argv)
+    out = args.out or FIXTURES / args.peer
+    if args.measure:
+        measure(out)
+        return
+    if not args.python:
+        parser.error("--python is required to regenerate fixtures")
+    make(args.peer, args.python, out)
+
+
+if __name__ == "__main__":
+    main()
