@@ -142,9 +142,11 @@ def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, s_in: float, s_out: float, mode: str,
-             generator: torch.Generator | None) -> None:
-    """OV by ``mode`` (``"value_svd"`` / ``"output_svd"``) in the normalised space, from ``x (b, s, d)``."""
+def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, loss_mask: torch.Tensor, s_in: float, s_out: float,
+             mode: str, generator: torch.Generator | None, positions: torch.Tensor | None = None,
+             attn_mask: torch.Tensor | None = None) -> None:
+    """OV by ``mode`` (``"value_svd"`` / ``"output_svd"``) in the normalised space, from the ``loss_mask``
+    tokens of ``x (b, s, d)``."""
     cfg = lorsa.cfg
     n_heads = mhsa.n_heads
     rep = cfg.n_qk_heads // n_heads
@@ -152,7 +154,7 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, s_in: float, s_ou
     kv_rep = n_heads // mhsa.W_K.shape[0]
     W_V = mhsa.W_V.repeat_interleave(kv_rep, 0).float() / s_in           # acts on x·s_in
     W_O = mhsa.W_O.float() * s_out                                       # writes y·s_out
-    xf = x.reshape(-1, x.shape[-1]).float()
+    xf = x[loss_mask].float()                                            # the counted tokens only
     new_v, new_o = [], []
     for m in range(n_heads):
         ov = W_V[m] @ W_O[m]                                             # (d_model, d_model)
@@ -162,9 +164,9 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, s_in: float, s_ou
             w_v = c @ basis
             w_o = w_v @ ov
         else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
-            pattern = lorsa.attention_pattern(x, qk_heads=[m * rep])[:, 0]      # (b, s, s)
+            pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0]   # (b, s, s)
             out = (pattern @ (x.float() @ W_V[m])) @ W_O[m]
-            basis = _principal_directions(out.reshape(-1, out.shape[-1]), cfg.d_qk_head)
+            basis = _principal_directions(out[loss_mask], cfg.d_qk_head)
             w_o = c @ basis
             w_v = w_o @ ov.T
         new_v.append(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
@@ -177,7 +179,8 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, s_in: float, s_ou
 @torch.no_grad()
 def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.Tensor, *, s_in: float,
                s_out: float, mhsa: MHSAWeights | None = None, recipe: LorsaRecipe | None = None,
-               top_k: int | None = None, generator: torch.Generator | None = None) -> dict[str, float]:
+               top_k: int | None = None, generator: torch.Generator | None = None,
+               positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> dict[str, float]:
     """Initialise ``lorsa`` (training-space weights) from the MHSA and one batch; see the module docstring.
 
     Args:
@@ -187,6 +190,7 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
         s_in, s_out: the trainer's dataset-norm factors. mhsa: the layer's MHSA (None: QK and OV
             keep their random init). recipe: the settings (default :class:`LorsaRecipe`).
         top_k: the k in force at step 0 (k annealing), default ``cfg.top_k``.
+        positions, attn_mask: the batch's RoPE positions and key-padding mask (as for the Lorsa forward).
 
     Returns:
         ``{"scale": c, "fvu_init": FVU on the batch after the initialisation}``.
@@ -196,7 +200,12 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
     """
     recipe = recipe or LorsaRecipe()
     if recipe.init_windows is not None:
-        x, y, loss_mask = x[:recipe.init_windows], y[:recipe.init_windows], loss_mask[:recipe.init_windows]
+        n = recipe.init_windows
+        x, y, loss_mask = x[:n], y[:n], loss_mask[:n]
+        if positions is not None and positions.dim() == 2:
+            positions = positions[:n]
+        if attn_mask is not None:
+            attn_mask = attn_mask[:n]
     xn = x.to(lorsa.W_O.dtype) * s_in
     yn = y.to(lorsa.W_O.dtype) * s_out
     if mhsa is not None:
@@ -204,20 +213,20 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
         for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
             w.div_(s_in)
         if recipe.ov_init in ("value_svd", "output_svd"):
-            _init_ov(lorsa, mhsa, xn, s_in, s_out, recipe.ov_init, generator)
+            _init_ov(lorsa, mhsa, xn, loss_mask, s_in, s_out, recipe.ov_init, generator, positions, attn_mask)
         elif recipe.ov_init == "random":
             lorsa.W_V.normal_(0.0, lorsa.cfg.n_ov_heads ** -0.5, generator=generator)
             lorsa.W_O.normal_(0.0, lorsa.cfg.d_model ** -0.5, generator=generator)
             lorsa.b_V.zero_()
         lorsa.normalize_decoder_()
     if recipe.center_b_v:
-        z_pre = lorsa.compute_z_pre(xn)[loss_mask]
+        z_pre = lorsa.compute_z_pre(xn, positions, attn_mask)[loss_mask]
         lorsa.b_V.sub_(z_pre.mean(0))
     scale = 1.0
     if recipe.scale_init or recipe.b_d_init:
         if lorsa.b_D is not None:
             lorsa.b_D.zero_()
-        z, _ = lorsa.activation(lorsa.compute_z_pre(xn), top_k)
+        z, _ = lorsa.activation(lorsa.compute_z_pre(xn, positions, attn_mask), top_k)
         D = (z @ lorsa.W_O)[loss_mask].double()
         t = yn[loss_mask].double()
         fit_bias = recipe.b_d_init and lorsa.b_D is not None
@@ -233,7 +242,7 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
         if fit_bias:
             assert lorsa.b_D is not None
             lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))
-    out = lorsa(xn, top_k=top_k)
+    out = lorsa(xn, positions, attn_mask, top_k=top_k)
     err = (yn - out)[loss_mask]
     fvu0 = float(err.pow(2).sum() / (yn[loss_mask] - yn[loss_mask].mean(0)).pow(2).sum().clamp_min(1e-30))
     return {"scale": scale, "fvu_init": fvu0}

@@ -145,7 +145,8 @@ class _LorsaObjective(_Objective):
     def after_norms(self, t: Any) -> None:
         b = t.source(0)
         self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
-                                    mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t))
+                                    mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
+                                    positions=b.positions, attn_mask=b.attn_mask)
 
     def post_step(self, t: Any) -> None:
         lorsa = self.module
