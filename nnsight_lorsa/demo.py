@@ -5,6 +5,8 @@ model trained on tinyshakespeare, shipped in ``nnsight_lorsa/assets``); ``--mode
 ``--text FILE`` take a local Hugging Face model directory and a text file instead (cut into documents on
 the tokenizer's EOS text, e.g. ``<|endoftext|>``, else on blank lines: one window from each document's
 start, with the model's BOS, short documents padded and their padding left out of CE).
+The Lorsa trains with the default :class:`~.training.LorsaRecipe` (QK and OV from the MHSA and one
+batch, closed-form output scale and ``b_D``; docs/training.md, "The Lorsa training recipe").
 
 Every argument and the output directory are checked before any work (:func:`run_demo` raises
 :class:`~.errors.ArgumentError`; the command line prints the message and exits with status 2): sizes

@@ -24,7 +24,8 @@ from .activations import ActivationSource
 from .dataset import TokenDataset
 from .distributed import DataParallel
 from .evaluate import Evaluation, evaluate
+from .lorsa_recipe import LorsaRecipe
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["ActivationCache", "ActivationSource", "DataParallel", "Evaluation", "TokenDataset", "TrainConfig",
-           "Trainer", "evaluate", "write_activation_cache"]
+__all__ = ["ActivationCache", "ActivationSource", "DataParallel", "Evaluation", "LorsaRecipe", "TokenDataset",
+           "TrainConfig", "Trainer", "evaluate", "write_activation_cache"]

@@ -42,6 +42,7 @@ from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
+from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
 
 Metrics = dict[str, float]
@@ -112,32 +113,61 @@ def _require_norms(t: Any) -> None:
 
 # --------------------------------------------------------------------------- Lorsa
 class _LorsaObjective(_Objective):
+    """A Lorsa's objective; the Lorsa-specific recipe (initialisation, k annealing, ranking, dead-head
+    remedy) is a :class:`~.lorsa_recipe.LorsaRecipe` (:mod:`.lorsa_recipe`)."""
+
     desc = "Lorsa"
     weights_file = "lorsa.safetensors"
     config_key = "lorsa_config"
 
-    def __init__(self, module: Lorsa, mhsa: Any = None) -> None:
+    def __init__(self, module: Lorsa, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
         super().__init__(module)
         self.mhsa = mhsa
+        self.recipe = recipe or LorsaRecipe()
+        self.init_info: dict[str, float] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
+        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
 
     def check_source(self, source: Any) -> None:
-        if getattr(source, "stacked", False) or getattr(source, "positions_site", True) is None:
+        # a cached source has no positions: the Lorsa's default arange(pos) (windows start at position 0)
+        no_positions = getattr(source, "positions_site", True) is None and getattr(source, "cache", None) is None
+        if getattr(source, "stacked", False) or no_positions:
             raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
-                                      "use ActivationSource.attention(model, layer, …)")
+                                      "use ActivationSource.attention(model, layer, …) or an activation cache")
+
+    def top_k(self, t: Any) -> int:
+        """The top-k in force at the trainer's step (k annealing)."""
+        return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
 
     def after_norms(self, t: Any) -> None:
-        if self.mhsa is not None:
-            lorsa = self.module
-            lorsa.init_from_mhsa(self.mhsa)
-            for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
-                w.div_(t.s_in)
-            lorsa.normalize_decoder_()
+        b = t.source(0)
+        self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
+                                    mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
+                                    positions=b.positions, attn_mask=b.attn_mask)
 
     def post_step(self, t: Any) -> None:
-        self.module.normalize_decoder_()
+        lorsa = self.module
+        moved = None
+        if self._last is not None:
+            z_pre, dead, k, err = self._last
+            norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
+            moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
+                                err if self.recipe.revive_aim else None)
+        if self._resample is not None:
+            x, err, mask, dead = self._resample
+            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
+        self._last = self._resample = None
+        if moved is not None and moved.numel():
+            for p in (lorsa.W_V, lorsa.b_V, lorsa.W_O):  # fresh Adam moments for those heads
+                for v in t.optimizer.state.get(p, {}).values():
+                    if v.dim() and v.shape[0] == lorsa.cfg.n_ov_heads:
+                        v[moved] = 0
+            t.tokens_since_fired[moved] = 0  # a full dead window before the next move
+        if not self.recipe.rank_by_decoder_norm:
+            lorsa.normalize_decoder_()
 
     def module_config(self) -> dict[str, Any]:
         return self.module.cfg.to_dict()
@@ -146,22 +176,48 @@ class _LorsaObjective(_Objective):
     def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
+    def save_meta(self, t: Any) -> dict[str, Any]:
+        return {"lorsa_recipe": self.recipe.to_dict()}
+
+    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+        if "lorsa_recipe" in meta:
+            self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        lorsa = self.module
+        lorsa, recipe = self.module, self.recipe
         x = batch.x.to(lorsa.W_O.dtype) * t.s_in
         y = batch.y.to(lorsa.W_O.dtype) * t.s_out
-        out, cache = lorsa(x, batch.positions, batch.attn_mask, return_cache=True)
+        k = self.top_k(t)
+        z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
+        if recipe.rank_by_decoder_norm:  # rank by output norm z·‖w_o‖ (w_o not renormalised)
+            norms = lorsa.W_O.detach().norm(dim=1)
+            idx = (z_pre.detach() * norms).topk(k, dim=-1).indices
+            z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        else:
+            z, _ = lorsa.activation(z_pre, k)
+        out = lorsa.decode(z)
         mask = batch.loss_mask
         err = (y - out)[mask]
-        loss = err.pow(2).sum(-1).mean()
-        active = cache.z[mask] > 0
+        mse = err.pow(2).sum(-1).mean()
+        loss = mse
+        active = z[mask] > 0
         dead = t.count_fired(active.any(0), int(mask.sum()))
-        aux = t.aux_k_loss(cache.z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
-        if t.config.aux_k_coef > 0 and dead.any():
-            loss = loss + t.config.aux_k_coef * aux
+        aux = torch.zeros((), dtype=mse.dtype)
+        remedy = recipe.dead_remedy if t.step < recipe.remedy_until * t.config.total_steps else "none"
+        if remedy == "auxk":
+            aux = t.aux_k_loss(z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
+            if t.config.aux_k_coef > 0 and dead.any():
+                loss = loss + t.config.aux_k_coef * aux
+        elif remedy == "ghost" and dead.any() and recipe.ghost_coef > 0:
+            aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
+            loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
+        elif remedy == "revive" and dead.any():
+            self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
+        elif remedy == "resample" and dead.any():
+            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
-                      "aux": float(aux.detach())}
+                      "aux": float(aux.detach()), "k": float(k)}
 
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
@@ -489,16 +545,16 @@ class _CLTObjective(_DictionaryObjective):
 _OBJECTIVES: tuple[type[_Objective], ...] = (_LorsaObjective, _SparseCoderObjective, _CLTObjective)
 
 
-def _objective_for(module: Any, mhsa: Any = None) -> _Objective:
+def _objective_for(module: Any, mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> _Objective:
     """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT).
 
     Raises:
-        TypeError: another module type, or ``mhsa`` given for a non-Lorsa.
+        TypeError: another module type, or ``mhsa`` / ``lorsa_recipe`` given for a non-Lorsa.
     """
     if isinstance(module, Lorsa):
-        return _LorsaObjective(module, mhsa)
-    if mhsa is not None:
-        raise TypeError("mhsa= initialises a Lorsa's QK; the module is a " + type(module).__name__)
+        return _LorsaObjective(module, mhsa, lorsa_recipe)
+    if mhsa is not None or lorsa_recipe is not None:
+        raise TypeError("mhsa= and lorsa_recipe= are for a Lorsa; the module is a " + type(module).__name__)
     if isinstance(module, SparseCoder):
         return _SparseCoderObjective(module)
     if isinstance(module, CrossLayerTranscoder):

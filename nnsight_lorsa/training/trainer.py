@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..errors import ArgumentError, CheckpointError
 from ._checkpoint_io import verified_checkpoint, write_checkpoint
 from .activations import Batch
+from .lorsa_recipe import LorsaRecipe
 from .objectives import _objective_class, _objective_for
 from .schedule import wsd_lr_factor
 
@@ -85,7 +86,9 @@ class Trainer:
             activation — TopK, BatchTopK, JumpReLU, ReLU — picks a dictionary's sparsity term).
         source: batch index -> :class:`~.activations.Batch` (:class:`~.activations.ActivationSource`).
         config: :class:`TrainConfig`.
-        mhsa: a Lorsa only: the MHSA weights to initialise QK from (App. B.3) once the norms are known.
+        mhsa: a Lorsa only: the MHSA weights to initialise QK and OV from (App. B.3) once the norms are known.
+        lorsa_recipe: a Lorsa only: its initialisation, k annealing, ranking and dead-head remedy
+            (:class:`~.lorsa_recipe.LorsaRecipe`; default: the measured recipe). Saved in checkpoints.
 
     Attributes:
         step: steps taken. s_in, s_out: the scale factors (None before the first step; a CLT's are
@@ -100,8 +103,8 @@ class Trainer:
     """
 
     def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
-                 mhsa: Any = None) -> None:
-        self.objective = _objective_for(module, mhsa)
+                 mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> None:
+        self.objective = _objective_for(module, mhsa, lorsa_recipe)
         self.objective.check_source(source)
         self.module = module
         self.source = source

@@ -11,7 +11,7 @@ from helpers import tiny_training_setup
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet
 from nnsight_lorsa.errors import CheckpointError
-from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
+from nnsight_lorsa.training import ActivationSource, LorsaRecipe, TokenDataset, TrainConfig, Trainer, evaluate
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
 from nnsight_lorsa.training.schedule import wsd_lr_factor
 
@@ -118,7 +118,8 @@ def test_resume_rejects_broken_checkpoints(setup, tmp_path):
 def test_auxk_trains_dead_heads(setup):
     model, hf, adapter, data = setup
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
-    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1))
+    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1),
+                      lorsa_recipe=LorsaRecipe(dead_remedy="auxk"))
     trainer.estimate_norms()
     batch = source(0)
     trainer.loss(batch)  # counts firing: with threshold 1 every head that did not fire is dead

@@ -1,0 +1,167 @@
+"""Lorsa training recipe: each mechanism on/off, trained from one activation cache.
+
+The embedded model's layer-``L`` attention input/output is cached once (``write_activation_cache``)
+for the training windows and the held-out windows of the demo (the last 64 windows × 128 tokens);
+every variant trains from the same cached batches (same seed) and is measured on the held-out
+windows: FVU, L0 and dead fraction (heads never active on the held-out tokens) from the cached
+activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa spliced in), and wall time.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 100 \
+        --out benchmarks/results/lorsa_recipe_ablation.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --variants recipe,old_demo --ce
+
+``--export DIR`` writes the cached batches as safetensors for the llamascopium head-to-head
+(``benchmarks/lorsa_llamascopium.py``, run in the llamascopium venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.assets import default_corpus_path
+from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy.read import Site
+from nnsight_lorsa.training import (
+    ActivationCache,
+    ActivationSource,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    evaluate,
+    write_activation_cache,
+)
+
+# name -> (TrainConfig overrides, LorsaRecipe overrides, QK/OV from the MHSA)
+OLD = {"ov_init": "mhsa", "scale_init": False, "b_d_init": False, "dead_remedy": "auxk"}
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
+    "old_demo": ({"lr": 4e-3}, OLD, True),                                  # the former default
+    "old_lr1e-3": ({"lr": 1e-3}, OLD, True),
+    "old+scale": ({"lr": 4e-3}, {**OLD, "scale_init": True, "b_d_init": True}, True),
+    "random_ov+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "random", "scale_init": True, "b_d_init": True}, True),
+    "value_svd": ({"lr": 4e-3}, {**OLD, "ov_init": "value_svd"}, True),
+    "value_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "value_svd", "scale_init": True, "b_d_init": True}, True),
+    "output_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "output_svd", "scale_init": True, "b_d_init": True}, True),
+    "recipe": ({}, {}, True),
+}
+
+
+def parse_variant(spec: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """A named variant, or ``recipe:key=value,...`` overriding TrainConfig / LorsaRecipe fields."""
+    if spec in VARIANTS:
+        return VARIANTS[spec]
+    base, _, rest = spec.partition(":")
+    train, recipe, mhsa = (dict(d) if isinstance(d, dict) else d for d in VARIANTS[base])
+    tc_fields = set(TrainConfig.__dataclass_fields__)
+    for item in filter(None, rest.split(";")):
+        k, v = item.split("=")
+        val: Any = None if v == "None" else (v == "True" if v in ("True", "False") else v)
+        if isinstance(val, str):
+            with contextlib.suppress(ValueError):
+                val = int(val) if val.lstrip("-").isdigit() else float(val)
+        (train if k in tc_fields else recipe)[k] = val
+    return train, recipe, mhsa
+
+
+def caches(model: Any, layer: int, root: Path) -> tuple[ActivationCache, ActivationCache, TokenDataset]:
+    a = get_adapter(model)
+    data = TokenDataset.from_text(model.tokenizer, Path(default_corpus_path()).read_text(encoding="utf-8"), 128,
+                                  config=model.config)
+    train, heldout = data.split(min(0.2, 64 / len(data)))
+    sites = {"x": Site.attn_input(a, layer), "y": Site.attn_output(a, layer)}
+    out = []
+    for name, ds in (("train", train), ("heldout", heldout)):
+        d = root / f"L{layer}_{name}"
+        if not (d / "manifest.json").exists():
+            write_activation_cache(model, sites, ds, d, batch_size=32, windows_per_shard=1024)
+        cache = ActivationCache(d, model=model)
+        cache.check_dataset(ds)
+        out.append(cache)
+    return out[0], out[1], heldout
+
+
+@torch.no_grad()
+def heldout_metrics(lorsa: Lorsa, cache: ActivationCache) -> dict[str, float]:
+    ids = torch.arange(cache.n_windows)
+    x, y, mask = cache.windows("x", ids), cache.windows("y", ids), cache.windows("loss_mask", ids)
+    sse = tot = 0.0
+    l0 = n = 0.0
+    fired = torch.zeros(lorsa.cfg.n_ov_heads, dtype=torch.bool)
+    ys = y[mask].double()
+    for i in range(0, len(ids), 16):
+        out, c = lorsa(x[i:i + 16], return_cache=True)
+        m = mask[i:i + 16]
+        sse += float((y[i:i + 16] - out)[m].double().pow(2).sum())
+        act = c.active[m]
+        l0 += float(act.sum())
+        n += act.shape[0]
+        fired |= act.any(0)
+    tot = float((ys - ys.mean(0)).pow(2).sum())
+    return {"fvu": sse / tot, "l0": l0 / n, "dead_frac": 1.0 - float(fired.float().mean()), "n_tokens": int(n)}
+
+
+def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache, held: ActivationCache,
+                heldout: TokenDataset, steps: int, ce: bool, n_ov: int, top_k: int, seed: int) -> dict[str, Any]:
+    tc_over, recipe_over, use_mhsa = parse_variant(name)
+    a = get_adapter(model)
+    mhsa = a.mhsa_weights(model._module, layer)
+    torch.manual_seed(seed)
+    cfg = LorsaConfig(d_model=a.d_model, n_qk_heads=4 * mhsa.n_heads, d_qk_head=mhsa.head_dim, n_ov_heads=n_ov,
+                      top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale, layer=layer)
+    lorsa = Lorsa(cfg)
+    source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
+                              seed=seed)
+    t0 = time.time()
+    trainer = Trainer(lorsa, source, TrainConfig(total_steps=steps, **tc_over), mhsa=mhsa if use_mhsa else None,
+                      lorsa_recipe=LorsaRecipe(**recipe_over))
+    trainer.train(progress=False)
+    wall = time.time() - t0
+    folded = trainer.folded()
+    assert isinstance(folded, Lorsa)
+    row: dict[str, Any] = {"variant": name, "steps": steps, "train_tokens": steps * 16 * 128, "train_s": round(wall, 1),
+                           "train_config": tc_over, "recipe": LorsaRecipe(**recipe_over).to_dict(),
+                           "init": trainer.objective.init_info,  # type: ignore[attr-defined]
+                           "fvu_at": {h["step"]: round(h["fvu"], 4) for h in trainer.config.history
+                                      if h["step"] in (10, 20, 50, 100, 200, 400, 600)}}
+    row.update(heldout_metrics(folded, held))
+    if ce:
+        ev = evaluate(LorsaSet(model, {layer: folded}), heldout, at=layer, batch_size=16)
+        row.update(ce_orig=ev.ce_orig, ce_spliced=ev.ce_spliced, ce_zero=ev.ce_zero, ce_recovered=ev.ce_recovered)
+    print(json.dumps({k: row[k] for k in row if k not in ("recipe", "train_config")}), flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", type=int, default=2)
+    p.add_argument("--steps", type=int, default=600, help="600 × 16 × 128 = 1.23M tokens (the issue's budget)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; 'recipe:k=v;k=v' overrides")
+    p.add_argument("--n-ov", type=int, default=1024)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ce", action="store_true")
+    p.add_argument("--cache-dir", default="/tmp/nnsight_lorsa_recipe_cache")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model = load_model()
+    train_cache, held, heldout = caches(model, args.layer, Path(args.cache_dir))
+    rows = [run_variant(v, model, args.layer, train_cache, held, heldout, args.steps, args.ce, args.n_ov, args.top_k,
+                        args.seed) for v in args.variants.split(",")]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"layer": args.layer, "steps": args.steps, "n_ov_heads": args.n_ov,
+                                              "top_k": args.top_k, "heldout_windows": held.n_windows,
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""How a Lorsa is trained beyond the shared loop: data-driven initialisation, k annealing, ranking,
+and a dead-head remedy that works through ReLU and top-k.
+
+:class:`LorsaRecipe` holds the settings (the defaults are the recipe measured best in
+``benchmarks/lorsa_recipe.py``; each mechanism can be switched off for ablations);
+:func:`init_lorsa` is the one initialisation a :class:`~.trainer.Trainer` runs for a Lorsa once the
+scale factors are known, in the normalised space ``x · s_in -> y · s_out``:
+
+1. QK copied from the MHSA (Lorsa paper App. B.3; :meth:`~..modules.lorsa.Lorsa.init_from_mhsa`).
+2. OV (``ov_init``): ``"value_svd"`` — the Lorsa authors' ``init_W_V_with_active_subspace_per_head``
+   (Llamascopium ``models/lorsa.py``): each OV head's ``w_v`` a random combination of the top
+   ``d_head`` principal directions (SVD, demeaned) of its MHSA head's values ``x W_V^m W_V^mᵀ`` on one
+   batch, and ``w_o = w_v W_V^m W_O^m`` (the OV circuit's image of ``w_v``); ``"output_svd"`` — the
+   converse: ``w_o`` a random combination of the principal directions of the MHSA head's *outputs*
+   ``A^m x W_V^m W_O^m`` and ``w_v = w_o (W_V^m W_O^m)ᵀ``; ``"mhsa"`` — random rank-1 slices
+   ``w_v = W_V^m u``, ``w_o = u W_O^m`` (the former default); ``"random"`` — the module's random init.
+3. ``b_V`` centring (``center_b_v``, the authors' ``init_encoder_bias_with_mean_hidden_pre``).
+4. Output scale and ``b_D`` (``scale_init``, ``b_d_init``): ReLU and top-k are positively
+   homogeneous in the values, so scaling ``w_v, b_v`` by ``c > 0`` scales every head's output by ``c``
+   and keeps the selection: ``out(c) = c D + b_D``. The MSE-optimal ``c`` and ``b_D = ȳ − c D̄`` on the
+   batch have a closed form — the exact optimum of the authors' grid search over the initial decoder
+   norm (``initializer.py::initialization_search``), from one forward pass.
+
+Training (in the Lorsa objective): k annealing from ``k_anneal_from`` down to ``top_k`` over the
+first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); optional
+ranking by ``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``);
+and a dead-head remedy (``dead_remedy``, applied during the first ``remedy_until`` of the steps; a
+head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firing):
+
+* ``"auxk"`` (default) — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``, Gao et al.
+  2024); it cannot revive a head whose pre-activation is negative everywhere.
+* ``"ghost"`` — ghost grads (Jermyn & Templeton 2024, Anthropic circuits update): dead heads
+  reconstruct the residual error with ``exp(z_pre)`` (positive, with a gradient at any
+  pre-activation), rescaled to half the error's norm; weighted by ``ghost_coef`` relative to the MSE.
+* ``"revive"`` — after a step, a dead head's ``w_v, b_v`` are capped at the median live head's
+  ``‖w_v‖`` and ``b_v`` (which shifts ``z_pre`` at every token, attention rows summing to 1) is raised
+  by the head's gap to the top-k threshold on its best token of the batch (plus ``revive_margin``);
+  with ``revive_aim`` its ``w_o`` is pointed at that token's error. Its Adam moments and dead counter
+  are reset (at most one move per dead window).
+* ``"resample"`` — dead heads are re-initialised toward high-error tokens (Bricken et al. 2023's
+  resampling, adapted to attention): token ``i`` drawn with probability ``∝ ‖err_i‖²``, ``w_o`` the
+  error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
+  at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
+  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
+* ``"none"``.
+
+Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
+(the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import ConfigMismatchError
+from ..modules.lorsa import Lorsa
+
+if TYPE_CHECKING:
+    from ..adapters.base import MHSAWeights
+
+__all__ = ["LorsaRecipe", "init_lorsa", "k_schedule"]
+
+_OV_INITS = ("value_svd", "output_svd", "mhsa", "random")
+_REMEDIES = ("revive", "resample", "ghost", "auxk", "none")
+
+
+@dataclass
+class LorsaRecipe:
+    """Lorsa-specific training settings (saved in checkpoints with the trainer state).
+
+    Attributes:
+        ov_init: ``"value_svd"`` | ``"output_svd"`` | ``"mhsa"`` | ``"random"`` (module docstring);
+            with no MHSA given the module's random OV init is kept.
+        center_b_v: subtract each head's mean pre-activation on the init batch from ``b_V``.
+        scale_init: set the output scale to its MSE optimum on the init batch (closed form).
+        b_d_init: set ``b_D`` to the data mean (minus the heads' mean output at the chosen scale).
+        init_windows: windows of batch 0 used by the initialisation (None: all).
+        k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
+        k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
+        rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
+            during training (folding renormalises exactly).
+        dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
+        remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
+        ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
+            revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
+            head's ``w_o`` is also pointed at the error of its best token.
+    """
+
+    ov_init: str = "value_svd"
+    center_b_v: bool = False
+    scale_init: bool = True
+    b_d_init: bool = True
+    init_windows: int | None = None
+    k_anneal_from: int | None = None
+    k_anneal_frac: float = 0.3
+    rank_by_decoder_norm: bool = False
+    dead_remedy: str = "auxk"
+    remedy_until: float = 1.0
+    ghost_coef: float = 1.0
+    revive_margin: float = 0.05
+    revive_aim: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ov_init not in _OV_INITS:
+            raise ConfigMismatchError(f"LorsaRecipe.ov_init must be one of {_OV_INITS}, got {self.ov_init!r}")
+        if self.dead_remedy not in _REMEDIES:
+            raise ConfigMismatchError(f"LorsaRecipe.dead_remedy must be one of {_REMEDIES}, got {self.dead_remedy!r}")
+        if not 0.0 <= self.k_anneal_frac <= 1.0:
+            raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LorsaRecipe:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:
+    """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
+    ``k_anneal_frac · total_steps`` (rounded up), ``top_k`` after; ``top_k`` without annealing."""
+    k0 = recipe.k_anneal_from
+    if k0 is None or k0 <= top_k:
+        return top_k
+    span = recipe.k_anneal_frac * total_steps
+    if span <= 0 or step >= span:
+        return top_k
+    return max(top_k, math.ceil(k0 + (top_k - k0) * step / span))
+
+
+def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:
+    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values (tokens, d)``."""
+    v = values.double()
+    v = v - v.mean(0, keepdim=True)
+    _, _, vh = torch.linalg.svd(v, full_matrices=False)
+    return vh[:n].float()
+
+
+@torch.no_grad()
+def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, loss_mask: torch.Tensor, s_in: float, s_out: float,
+             mode: str, generator: torch.Generator | None, positions: torch.Tensor | None = None,
+             attn_mask: torch.Tensor | None = None) -> None:
+    """OV by ``mode`` (``"value_svd"`` / ``"output_svd"``) in the normalised space, from the ``loss_mask``
+    tokens of ``x (b, s, d)``."""
+    cfg = lorsa.cfg
+    n_heads = mhsa.n_heads
+    rep = cfg.n_qk_heads // n_heads
+    per_head = cfg.n_ov_heads // n_heads
+    kv_rep = n_heads // mhsa.W_K.shape[0]
+    W_V = mhsa.W_V.repeat_interleave(kv_rep, 0).float() / s_in           # acts on x·s_in
+    W_O = mhsa.W_O.float() * s_out                                       # writes y·s_out
+    xf = x[loss_mask].float()                                            # the counted tokens only
+    new_v, new_o = [], []
+    for m in range(n_heads):
+        ov = W_V[m] @ W_O[m]                                             # (d_model, d_model)
+        c = torch.randn(per_head, cfg.d_qk_head, generator=generator)
+        if mode == "value_svd":
+            basis = _principal_directions(xf @ W_V[m] @ W_V[m].T, cfg.d_qk_head)
+            w_v = c @ basis
+            w_o = w_v @ ov
+        else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
+            pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0]   # (b, s, s)
+            out = (pattern @ (x.float() @ W_V[m])) @ W_O[m]
+            basis = _principal_directions(out[loss_mask], cfg.d_qk_head)
+            w_o = c @ basis
+            w_v = w_o @ ov.T
+        new_v.append(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        new_o.append(w_o / w_o.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    lorsa.W_V.copy_(torch.cat(new_v).to(lorsa.W_V))
+    lorsa.W_O.copy_(torch.cat(new_o).to(lorsa.W_O))
+    lorsa.b_V.zero_()
+
+
+@torch.no_grad()
+def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.Tensor, *, s_in: float,
+               s_out: float, mhsa: MHSAWeights | None = None, recipe: LorsaRecipe | None = None,
+               top_k: int | None = None, generator: torch.Generator | None = None,
+               positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> dict[str, float]:
+    """Initialise ``lorsa`` (training-space weights) from the MHSA and one batch; see the module docstring.
+
+    Args:
+        lorsa: the Lorsa to initialise in place (it acts on ``x · s_in`` and writes ``y · s_out``).
+        x, y: ``(batch, pos, d_model)`` raw attention input / output of one batch.
+        loss_mask: ``(batch, pos)`` bool, the tokens that count (BOS and padding excluded).
+        s_in, s_out: the trainer's dataset-norm factors. mhsa: the layer's MHSA (None: QK and OV
+            keep their random init). recipe: the settings (default :class:`LorsaRecipe`).
+        top_k: the k in force at step 0 (k annealing), default ``cfg.top_k``.
+        positions, attn_mask: the batch's RoPE positions and key-padding mask (as for the Lorsa forward).
+
+    Returns:
+        ``{"scale": c, "fvu_init": FVU on the batch after the initialisation}``.
+
+    Raises:
+        ShapeError: an MHSA that does not fit the Lorsa (:meth:`~..modules.lorsa.Lorsa.init_from_mhsa`).
+    """
+    recipe = recipe or LorsaRecipe()
+    if recipe.init_windows is not None:
+        n = recipe.init_windows
+        x, y, loss_mask = x[:n], y[:n], loss_mask[:n]
+        if positions is not None and positions.dim() == 2:
+            positions = positions[:n]
+        if attn_mask is not None:
+            attn_mask = attn_mask[:n]
+    xn = x.to(lorsa.W_O.dtype) * s_in
+    yn = y.to(lorsa.W_O.dtype) * s_out
+    if mhsa is not None:
+        lorsa.init_from_mhsa(mhsa, generator=generator)
+        for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
+            w.div_(s_in)
+        if recipe.ov_init in ("value_svd", "output_svd"):
+            _init_ov(lorsa, mhsa, xn, loss_mask, s_in, s_out, recipe.ov_init, generator, positions, attn_mask)
+        elif recipe.ov_init == "random":
+            lorsa.W_V.normal_(0.0, lorsa.cfg.n_ov_heads ** -0.5, generator=generator)
+            lorsa.W_O.normal_(0.0, lorsa.cfg.d_model ** -0.5, generator=generator)
+            lorsa.b_V.zero_()
+        lorsa.normalize_decoder_()
+    if recipe.center_b_v:
+        z_pre = lorsa.compute_z_pre(xn, positions, attn_mask)[loss_mask]
+        lorsa.b_V.sub_(z_pre.mean(0))
+    scale = 1.0
+    if recipe.scale_init or recipe.b_d_init:
+        if lorsa.b_D is not None:
+            lorsa.b_D.zero_()
+        z, _ = lorsa.activation(lorsa.compute_z_pre(xn, positions, attn_mask), top_k)
+        D = (z @ lorsa.W_O)[loss_mask].double()
+        t = yn[loss_mask].double()
+        fit_bias = recipe.b_d_init and lorsa.b_D is not None
+        Dc = D - D.mean(0) if fit_bias else D
+        tc = t - t.mean(0) if fit_bias else t
+        if recipe.scale_init:
+            denom = float(Dc.pow(2).sum())
+            scale = float((Dc * tc).sum()) / denom if denom > 0 else 1.0
+            if not scale > 0:  # no positive scale helps: keep the heads as they are
+                scale = 1.0
+            lorsa.W_V.mul_(scale)
+            lorsa.b_V.mul_(scale)
+        if fit_bias:
+            assert lorsa.b_D is not None
+            lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))
+    out = lorsa(xn, positions, attn_mask, top_k=top_k)
+    err = (yn - out)[loss_mask]
+    fvu0 = float(err.pow(2).sum() / (yn[loss_mask] - yn[loss_mask].mean(0)).pow(2).sum().clamp_min(1e-30))
+    return {"scale": scale, "fvu_init": fvu0}
+
+
+def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+    """Ghost-grads loss: dead heads' ``exp(z_pre)`` decode the error ``err (n, d)`` (detached), rescaled
+    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool."""
+    e = err.detach()
+    zd = z_pre[:, dead]
+    ghost = torch.exp(zd - zd.detach().amax(-1, keepdim=True).clamp_min(0)) @ W_O[dead]
+    scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
+    return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
+
+
+@torch.no_grad()
+def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, margin: float,
+                norms: torch.Tensor | None = None, err: torch.Tensor | None = None) -> torch.Tensor:
+    """Move the ``dead (n_ov,)`` heads back into the top-``k`` on their best token of one batch.
+
+    ``z_pre (n, n_ov)``: the training-space pre-activations of the batch's tokens; ``norms (n_ov,)``:
+    the decoder norms when heads are ranked by ``z · ‖w_o‖`` (else None). A dead head's ``w_v, b_v``
+    are first scaled down to at most the median live head's ``‖w_v‖`` (so that repeated revivals
+    cannot grow them), then ``b_v`` is raised by the gap to the top-``k`` threshold at its best token
+    plus ``margin`` times the mean selected score. Returns the indices of the moved heads (the caller
+    resets their dead counters and optimiser state, so each head is moved at most once per dead window).
+    With ``err (n, d)`` (the batch's errors), ``w_o`` is set to the error direction at that token.
+    """
+    idx = dead.nonzero().flatten()
+    if idx.numel() == 0:
+        return idx
+    scores = z_pre if norms is None else z_pre * norms
+    top = scores.topk(k, dim=-1).values
+    threshold = top[:, -1].clamp_min(0)                                  # must beat the k-th and be > 0
+    w_norm = lorsa.W_V.norm(dim=1)
+    alive = ~dead
+    cap = w_norm[alive].median() if bool(alive.any()) else w_norm.median()
+    f = (cap / w_norm[idx].clamp_min(1e-12)).clamp(max=1.0)
+    z_dead = f * z_pre[:, idx]                                           # after scaling w_v and b_v by f
+    unit = torch.ones_like(f) if norms is None else norms[idx].clamp_min(1e-12)
+    gap, best = (threshold[:, None] / unit - z_dead).min(0)
+    push = gap.clamp_min(0) + margin * top.clamp_min(0).mean() / unit
+    lorsa.W_V[idx] *= f[:, None].to(lorsa.W_V.dtype)
+    lorsa.b_V[idx] = (f * lorsa.b_V[idx] + push).to(lorsa.b_V.dtype)
+    if err is not None:
+        e = err[best].float()
+        lorsa.W_O[idx] = (e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12) * lorsa.W_O[idx].norm(dim=-1,
+                          keepdim=True)).to(lorsa.W_O)
+    return idx
+
+
+@torch.no_grad()
+def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: torch.Tensor, dead: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Re-initialise the ``dead (n_ov,)`` heads toward high-error tokens of one batch (module docstring).
+
+    ``x (b, s, d)`` the training-space input, ``err (b, s, d)`` the error ``y − ŷ`` (training space),
+    ``loss_mask (b, s)``. Returns the indices of the re-initialised heads.
+    """
+    idx = dead.nonzero().flatten()
+    if idx.numel() == 0:
+        return idx
+    pos = loss_mask.nonzero()                                            # (n, 2) token coordinates
+    e = err[loss_mask].float()
+    weights = e.pow(2).sum(-1)
+    if not bool(torch.isfinite(weights).all()) or float(weights.sum()) <= 0:
+        return idx[:0]
+    pick = torch.multinomial(weights / weights.sum(), idx.numel(), replacement=True, generator=generator)
+    groups = idx // lorsa.cfg.group_size
+    pattern = lorsa.attention_pattern(x)                                  # (b, n_qk, s, s)
+    xbar = pattern @ x[:, None].float()                                   # (b, n_qk, s, d): attended input
+    mu = (xbar * loss_mask[:, None, :, None]).sum((0, 2)) / loss_mask.sum()   # (n_qk, d): mean over tokens
+    b_i, s_i = pos[pick, 0], pos[pick, 1]
+    dirs = xbar[b_i, groups, s_i] - mu[groups]                           # (n_dead, d)
+    alive = ~dead
+    norm = lorsa.W_V[alive].norm(dim=-1).median() if bool(alive.any()) else lorsa.W_V.norm(dim=-1).median()
+    w_v = dirs / dirs.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norm.float()   # a typical live head's norm
+    e_pick = e[pick]
+    # z_t = (x̄_t − μ)·w_v + b_v: the head fires where the projection exceeds half of token i's
+    proj = (dirs * w_v).sum(-1)
+    lorsa.W_V[idx] = w_v.to(lorsa.W_V)
+    lorsa.b_V[idx] = (-(mu[groups] * w_v).sum(-1) - 0.5 * proj).to(lorsa.b_V)
+    lorsa.W_O[idx] = (e_pick / e_pick.norm(dim=-1, keepdim=True).clamp_min(1e-12)).to(lorsa.W_O)
+    return idx

@@ -1,0 +1,189 @@
+"""The Lorsa recipe: data-driven initialisation, k annealing, ranking by z·‖w_o‖, dead-head remedies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_training_setup
+
+from nnsight_lorsa import Lorsa, LorsaConfig
+from nnsight_lorsa.envoy.read import Site
+from nnsight_lorsa.errors import ConfigMismatchError
+from nnsight_lorsa.training import (
+    ActivationCache,
+    ActivationSource,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    write_activation_cache,
+)
+from nnsight_lorsa.training.lorsa_recipe import init_lorsa, k_schedule, resample_dead
+
+LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return tiny_training_setup()
+
+
+def new_lorsa(adapter, mhsa, seed=0, top_k=8) -> Lorsa:
+    torch.manual_seed(seed)
+    cfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=2 * mhsa.n_heads, d_qk_head=mhsa.head_dim,
+                      n_ov_heads=32 * mhsa.n_heads, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
+                      layer=LAYER)
+    return Lorsa(cfg)
+
+
+def _norms(source):
+    b = source(0)
+    x, y = b.x[b.loss_mask], b.y[b.loss_mask]
+    return b, x.shape[-1] ** 0.5 / float(x.norm(dim=-1).mean()), y.shape[-1] ** 0.5 / float(y.norm(dim=-1).mean())
+
+
+def test_k_schedule_anneals_to_top_k():
+    r = LorsaRecipe(k_anneal_from=64, k_anneal_frac=0.25)
+    ks = [k_schedule(s, 100, 16, r) for s in range(100)]
+    assert ks[0] == 64 and ks[25:] == [16] * 75
+    assert all(a >= b for a, b in zip(ks, ks[1:], strict=False)) and 16 < ks[12] < 64
+    assert [k_schedule(s, 100, 16, LorsaRecipe()) for s in (0, 50)] == [16, 16]
+    with pytest.raises(ConfigMismatchError, match="dead_remedy"):
+        LorsaRecipe(dead_remedy="resurrect")
+
+
+@pytest.mark.parametrize("ov_init", ["value_svd", "output_svd"])
+def test_data_driven_init_beats_random_init(setup, ov_init):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    b, s_in, s_out = _norms(ActivationSource.attention(model, LAYER, data, batch_size=16))
+    lorsa = new_lorsa(adapter, mhsa)
+    info = init_lorsa(lorsa, b.x, b.y, b.loss_mask, s_in=s_in, s_out=s_out, mhsa=mhsa,
+                      recipe=LorsaRecipe(ov_init=ov_init), generator=torch.Generator().manual_seed(0))
+    assert lorsa.W_V.shape == (lorsa.cfg.n_ov_heads, adapter.d_model)
+    assert torch.allclose(lorsa.W_O.norm(dim=1), torch.ones(lorsa.cfg.n_ov_heads), atol=1e-5)
+    # w_v of an OV head lies in its MHSA head's value subspace (the column space of W_V^m)
+    kv = mhsa.W_V.repeat_interleave(mhsa.n_heads // mhsa.W_K.shape[0], 0)
+    per = lorsa.cfg.n_ov_heads // mhsa.n_heads
+    for m in range(mhsa.n_heads):
+        q, _ = torch.linalg.qr(kv[m].float())
+        w = lorsa.W_V[m * per:(m + 1) * per]
+        assert (w - (w @ q) @ q.T).norm() < 1e-4 * w.norm()
+    rand = new_lorsa(adapter, mhsa)
+    rand_info = init_lorsa(rand, b.x, b.y, b.loss_mask, s_in=s_in, s_out=s_out, mhsa=None,
+                           recipe=LorsaRecipe(scale_init=False, b_d_init=False))
+    assert info["fvu_init"] < 1.0 and info["fvu_init"] < 0.5 * rand_info["fvu_init"]
+
+
+def test_closed_form_scale_is_the_mse_optimum(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    b, s_in, s_out = _norms(ActivationSource.attention(model, LAYER, data, batch_size=16))
+    lorsa = new_lorsa(adapter, mhsa)
+    init_lorsa(lorsa, b.x, b.y, b.loss_mask, s_in=s_in, s_out=s_out, mhsa=mhsa)
+    xn, yn = b.x * s_in, b.y * s_out
+
+    @torch.no_grad()
+    def mse(c):
+        z, _ = lorsa.activation(lorsa.compute_z_pre(xn) * c)
+        return float((yn - lorsa.decode(z))[b.loss_mask].pow(2).sum(-1).mean())
+
+    best = mse(1.0)
+    assert best < mse(0.9) and best < mse(1.1)
+
+
+def test_revive_makes_a_dead_head_fire_and_auxk_does_not(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    fired = {}
+    for remedy in ("revive", "auxk"):
+        trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=4, lr=1e-3, dead_after_tokens=1),
+                          mhsa=mhsa, lorsa_recipe=LorsaRecipe(dead_remedy=remedy))
+        trainer.estimate_norms()
+        with torch.no_grad():
+            trainer.module.b_V[0] = -1e3  # head 0: negative pre-activation everywhere
+        trainer.train(2, progress=False)
+        b = source(2)
+        with torch.no_grad():
+            _, cache = trainer.module(b.x * trainer.s_in, return_cache=True)
+        fired[remedy] = bool(cache.active[..., 0][b.loss_mask].any())
+    assert fired == {"revive": True, "auxk": False}
+
+
+def test_ghost_grads_reach_heads_with_negative_preactivation(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=4, dead_after_tokens=1),
+                      mhsa=mhsa, lorsa_recipe=LorsaRecipe(dead_remedy="ghost"))
+    trainer.estimate_norms()
+    with torch.no_grad():
+        trainer.module.b_V[0] = -20.0
+    batch = source(0)
+    trainer.loss(batch)
+    loss, metrics = trainer.loss(batch)
+    assert metrics["aux"] > 0
+    loss.backward()
+    assert trainer.module.W_V.grad[0].abs().sum() > 0 and trainer.module.b_V.grad[0] != 0
+
+
+def test_rank_by_decoder_norm_folds_exactly_and_anneals_k(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    recipe = LorsaRecipe(rank_by_decoder_norm=True, k_anneal_from=24, k_anneal_frac=0.5)
+    trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=8, lr=1e-2, log_every=1), mhsa=mhsa,
+                      lorsa_recipe=recipe)
+    history = trainer.train(progress=False)
+    assert [h["k"] for h in history][0] > 8 and history[-1]["k"] == 8 and history[-1]["l0"] <= 8
+    norms = trainer.module.W_O.norm(dim=1)
+    assert (norms - 1).abs().max() > 1e-3  # not renormalised during training
+    batch = source(0)
+    with torch.no_grad():
+        xn = batch.x * trainer.s_in
+        z_pre = trainer.module.compute_z_pre(xn, batch.positions)
+        idx = (z_pre * norms).topk(8, dim=-1).indices
+        z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        want = trainer.module.decode(z) / trainer.s_out
+        got = trainer.folded()(batch.x, batch.positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_lorsa_trains_from_an_activation_cache(setup, tmp_path):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    small = TokenDataset(data.tokens[:16])
+    write_activation_cache(model, [Site.attn_input(adapter, LAYER), Site.attn_output(adapter, LAYER)], small,
+                           tmp_path, batch_size=8)
+    live = ActivationSource.attention(model, LAYER, small, batch_size=8)
+    cached = ActivationSource(ActivationCache(tmp_path), Site.attn_input(adapter, LAYER),
+                              Site.attn_output(adapter, LAYER), batch_size=8)
+    out = []
+    for source in (live, cached):
+        trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=3), mhsa=mhsa)
+        trainer.train(progress=False)
+        out.append(trainer.module.W_V.detach())
+    assert torch.allclose(out[0], out[1], atol=1e-5)
+
+
+def test_resample_points_dead_heads_at_high_error_tokens(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    b, s_in, s_out = _norms(ActivationSource.attention(model, LAYER, data, batch_size=8))
+    lorsa = new_lorsa(adapter, mhsa)
+    init_lorsa(lorsa, b.x, b.y, b.loss_mask, s_in=s_in, s_out=s_out, mhsa=mhsa)
+    xn, yn = b.x * s_in, b.y * s_out
+    dead = torch.zeros(lorsa.cfg.n_ov_heads, dtype=torch.bool)
+    dead[[0, 5, 40]] = True
+    with torch.no_grad():
+        lorsa.b_V[dead] = -1e3
+        err = yn - lorsa(xn)
+        idx = resample_dead(lorsa, xn, err, b.loss_mask, dead, torch.Generator().manual_seed(0))
+        z_pre = lorsa.compute_z_pre(xn)[b.loss_mask]
+    assert idx.tolist() == [0, 5, 40]
+    assert torch.allclose(lorsa.W_O[idx].norm(dim=1), torch.ones(3), atol=1e-5)
+    # each w_o is the error direction at some token, and the head has a positive pre-activation somewhere
+    cos = torch.nn.functional.normalize(err[b.loss_mask], dim=-1) @ lorsa.W_O[idx].T
+    assert (cos.amax(0) > 1 - 1e-4).all() and (z_pre[:, idx] > 0).any(0).all()
+    assert (z_pre[:, idx] > 0).float().mean() < 0.5  # selective: fires on a minority of tokens
