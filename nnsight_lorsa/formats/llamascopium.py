@@ -110,6 +110,7 @@ with the k-th value, ours keeps exactly ``k``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -135,6 +136,7 @@ from .validate import (
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
+TRAINER_STATE_FILE = "trainer.pt"  # their Trainer.save_checkpoint's pickle: only its presence is checked
 NORM_PREFIX = "dataset_average_activation_norm."
 # buffers their module registers (validated when present) or that some versions add (ignored)
 _CHECKED_BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")
@@ -145,10 +147,11 @@ _REFUSED_WEIGHT_FILES = (
     "checkpoints/pruned.safetensors",
     "checkpoints/final.safetensors",
 )
+_QK_TENSORS = ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w")  # last dim d_qk_head
 _N_CHECK = 128  # positions of the rotary/mask buffers compared with the config
 
-__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "load_llamascopium_lorsa", "load_weights",
-           "parse_config"]
+__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "is_trainer_checkpoint", "load_llamascopium_lorsa",
+           "load_weights", "parse_config"]
 
 
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
@@ -171,14 +174,10 @@ def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | N
         return None
     if kind != "rotary":
         raise UnsupportedArchitectureError(f"{path}: positional_embedding_type {kind!r} is not supported")
-    if config_value(raw, "rotary_scale", path, int, 1) != 1:
-        raise UnsupportedArchitectureError(
-            f"{path}: rotary_scale={raw['rotary_scale']} (q/k repeat_interleave before RoPE) is not supported"
-        )
     rotary_dim = config_size(raw, "rotary_dim", path)
     if not 0 < rotary_dim <= d_qk_head or rotary_dim % 2:
         raise CheckpointError(
-            f"{path}: key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head={d_qk_head}]"
+            f"{path}: key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head*rotary_scale={d_qk_head}]"
         )
     base = float(config_value(raw, "rotary_base", path, (int, float), 10000))
     if not base > 0:
@@ -261,6 +260,32 @@ def _attention(raw: dict[str, Any], path: Path) -> tuple[bool, float | None]:
     return qk_norm, attn_scale
 
 
+def is_trainer_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` is one of their ``Trainer.save_checkpoint`` folders: it holds
+    ``trainer.pt`` (always written there, never by ``save_pretrained``) or is ``checkpoints/step_<N>``."""
+    return (directory / TRAINER_STATE_FILE).exists() or (
+        re.fullmatch(r"step_\d+", directory.name) is not None and directory.parent.name == "checkpoints")
+
+
+def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool | None, path: Path) -> bool:
+    """The folding rule of the module docstring; raises on the one case the files cannot decide."""
+    if weights_folded is not None:
+        return bool(weights_folded)
+    if norm_activation == "inference":
+        return True
+    if is_trainer_checkpoint(directory):
+        return False
+    raise CheckpointError(
+        f"{path}: norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded. "
+        "llamascopium's train_lorsa writes this config.json before training and at the end folds the weights "
+        "(save_pretrained(fold_activation_scale=True), its default) without rewriting it; save_pretrained() or "
+        "push_to_hub() of an unfolded Lorsa writes the same two files with unfolded weights, and nothing in the "
+        "files tells them apart. Pass weights_folded=True for a training run's output directory, "
+        "weights_folded=False for an unfolded save (a trainer checkpoint checkpoints/step_<N>/ with trainer.pt "
+        "is read as unfolded without asking)"
+    )
+
+
 def parse_config(directory: Path, *, layer: int | None = None, weights_folded: bool | None = None) -> Parsed:
     """``config.json`` -> ``Parsed(directory, LorsaConfig, settings)`` (field mapping: module docstring).
 
@@ -274,11 +299,15 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
     _check_supported(raw, path)
     d_model = config_size(raw, "d_model", path)
     n_qk = config_size(raw, "n_qk_heads", path)
-    d_qk = config_size(raw, "d_qk_head", path)
+    d_qk_stored = config_size(raw, "d_qk_head", path)
+    rotary_scale = config_size(raw, "rotary_scale", path, 1)
+    d_qk = d_qk_stored * rotary_scale  # their _apply_rotary repeat_interleaves q and k by rotary_scale
     n_ov = _n_ov_heads(raw, path, d_model)
     settings = _settings(raw, path)
     act_fn, top_k = _activation(raw, path, n_ov)
     qk_norm, attn_scale = _attention(raw, path)
+    if attn_scale is None:  # their default, from the stored (not the repeated) head size
+        attn_scale = math.sqrt(d_qk_stored)
 
     found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)", settings["hook_point_in"])
     inferred = int(found.group(1)) if found else None
@@ -305,7 +334,8 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
     except (CheckpointError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from e
     settings["act_fn"] = act_fn
-    folded = settings["norm_activation"] == "inference" if weights_folded is None else bool(weights_folded)
+    settings["rotary_scale"] = rotary_scale
+    folded = _weights_folded(directory, settings["norm_activation"], weights_folded, path)
     return Parsed(directory, cfg, {**settings, "folded": folded, "source_config": raw, "source": CONFIG_FILE})
 
 
@@ -356,7 +386,7 @@ def _check_buffers(
 
 
 def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaConfig,
-                 n_ctx: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 n_ctx: int, rotary_scale: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(params, norm scalars by hook)``: parameters checked against ``cfg``, buffers validated."""
     norms = {k[len(NORM_PREFIX) :]: v for k, v in state.items() if k.startswith(NORM_PREFIX)}
     for hook, value in norms.items():
@@ -370,6 +400,10 @@ def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaC
         for k, v in state.items()
         if not k.startswith(NORM_PREFIX) and k not in _CHECKED_BUFFERS + _IGNORED_BUFFERS
     }
+    if rotary_scale > 1:  # exact: q·k over repeated dims, RMS of a repeated vector is unchanged
+        for key in _QK_TENSORS:
+            if key in params and params[key].dim() >= 1:
+                params[key] = params[key].repeat_interleave(rotary_scale, dim=-1)
     expected = {k: tuple(v.shape) for k, v in Lorsa(cfg, device="meta").state_dict().items()}
     check_tensor_inventory(
         weights_path, {k: tuple(v.shape) for k, v in params.items()}, expected, source=CONFIG_FILE
@@ -395,7 +429,12 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
         others = [name for name in _REFUSED_WEIGHT_FILES if (directory / name).exists()]
         hint = f"; found {others}, which this loader does not read (pickle/DCP or training layout)" if others else ""
         raise CheckpointError(f"{weights_path}: file not found{hint}")
-    params, norms_raw = _split_state(weights_path, load_safetensors(weights_path), cfg, settings["n_ctx"])
+    state = load_safetensors(weights_path)
+    params, norms_raw = _split_state(weights_path, state, cfg, settings["n_ctx"], settings["rotary_scale"])
+    table = state.get("rotary_cos")
+    if cfg.rotary is not None and table is not None and table.dtype in (torch.bfloat16, torch.float16):
+        # their reload uses the stored low-precision tables (load_state_dict overwrites the buffers)
+        cfg.rotary = dataclasses.replace(cfg.rotary, table_dtype=str(table.dtype).removeprefix("torch."))
 
     settings["stored_dtype"] = params["W_Q"].dtype
     work_dtype = torch.promote_types(params["W_Q"].dtype, torch.float32)
@@ -421,7 +460,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
         w["b_V"] = w["b_V"] * dec
 
     keep = ("hook_point_in", "hook_point_out", "n_ctx", "act_fn", "norm_activation",
-            "sparsity_include_decoder_norm", "skip_bos")
+            "sparsity_include_decoder_norm", "skip_bos", "rotary_scale")
     cfg.extra = {
         "llamascopium": {
             **{k: settings[k] for k in keep},

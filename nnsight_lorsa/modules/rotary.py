@@ -39,6 +39,9 @@ class RotaryConfig(FieldsRepr):
         scaling: the rope-type's parameters (``factor``; for llama3 also ``low_freq_factor``,
             ``high_freq_factor``, ``original_max_position_embeddings``).
         attention_scaling: factor multiplied into cos and sin (1.0 for the supported types).
+        table_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: cos and sin are rounded to
+            this dtype (then used in float32 or the input's dtype), for checkpoints whose author code
+            reads its rotary tables back from a file stored in that precision (Llamascopium).
     """
 
     head_dim: int
@@ -48,6 +51,7 @@ class RotaryConfig(FieldsRepr):
     rope_type: str = "default"
     scaling: dict[str, float] = field(default_factory=dict)
     attention_scaling: float = 1.0
+    table_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "rotary_dim"):
@@ -72,6 +76,8 @@ class RotaryConfig(FieldsRepr):
             raise ValueError(
                 f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
+        if self.table_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
         required = {"linear": ("factor",), "llama3": (
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]
@@ -120,7 +126,11 @@ def rotary_cos_sin(
     inv_freq = rotary_inv_freq(cfg, device=positions.device if device is None else device)
     freqs = positions[..., None].float() * inv_freq
     emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling
+    cos, sin = emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling
+    if cfg.table_dtype is not None:
+        rounded = getattr(torch, cfg.table_dtype)
+        cos, sin = cos.to(rounded).float(), sin.to(rounded).float()
+    return cos, sin
 
 
 def apply_rotary(

@@ -432,7 +432,10 @@ def test_llamascopium_dataset_norm_is_folded(tmp_path):
     params = _their_params(cfg, seed=3)
     norms = {HOOK_IN: 7.5, HOOK_OUT: 0.8}
     path = _write_their_checkpoint(tmp_path / "dw", cfg, params, norms=norms)
-    ours = load_llamascopium_lorsa(path)
+    # a top-level dataset-wise folder is ambiguous (train_lorsa folds without rewriting config.json)
+    with pytest.raises(CheckpointError, match="does not say whether the weights"):
+        load_llamascopium_lorsa(path)
+    ours = load_llamascopium_lorsa(path, weights_folded=False)
     info = ours.cfg.extra["llamascopium"]
     assert info["dataset_norm_folded_by_loader"]
     assert info["dataset_average_activation_norm"] == pytest.approx(norms)  # stored as fp32 scalars
@@ -510,7 +513,8 @@ def _write(tmp_path, name, cfg_over=None, edit_params=None, **kw):
         ),
         (
             "no-norms",
-            lambda t: _write(t, "e", {"norm_activation": "dataset-wise"}),
+            # a trainer checkpoint folder: read as unfolded, so the missing scalars are reported
+            lambda t: _write(t, "e/checkpoints/step_1", {"norm_activation": "dataset-wise"}),
             CheckpointError,
             [HOOK_IN],
         ),
@@ -540,8 +544,8 @@ def _write(tmp_path, name, cfg_over=None, edit_params=None, **kw):
         ),
         (
             "rotary-scale",
-            lambda t: _write(t, "j", {"rotary_scale": 2}),
-            UnsupportedArchitectureError,
+            lambda t: _write(t, "j", {"rotary_scale": 0}),  # 2 is supported (tests/formats/test_peer_fixtures_llamascopium.py)
+            CheckpointError,
             ["rotary_scale"],
         ),
         ("no-d-model", lambda t: _write(t, "k", {"d_model": None}), CheckpointError, ["'d_model'"]),

@@ -1,0 +1,186 @@
+"""Llamascopium Lorsa fixtures, written by OpenMOSS llamascopium itself (run in a venv with
+``llamascopium`` installed, never nnsight-lorsa)::
+
+    python -m venv V; V/bin/pip install torch==2.13.0; V/bin/pip install llamascopium==2.0.0b34
+    V/bin/python scripts/peer_fixtures/llamascopium.py OUT_DIR
+
+One folder per case under ``OUT_DIR``, each holding what llamascopium's own code wrote
+(``config.json`` via ``LorsaConfig.save_hyperparameters``, ``sae_weights.safetensors`` via
+``save_pretrained`` / ``Trainer.save_checkpoint``) and ``reference.safetensors``, computed from
+llamascopium's OWN reload of that folder (``SparseDictionary.from_pretrained``):
+
+``x (2, S, d_model)``
+    fixed fp32 inputs (raw, un-normalised activations).
+``out``
+    the raw-space output: for ``norm_activation="dataset-wise"`` their pipeline
+    ``decode(encode(x·s_in)) / s_out`` with ``s = compute_norm_factor(x, hook)``; for
+    ``"inference"`` plainly ``forward(x)``.
+``head_act``
+    their ``encode`` output times their decoder norm, in raw output units
+    (``feature_acts · ‖W_O‖ / s_out``): the norm of each head's output, which is what our
+    ``Lorsa`` head activation ``z`` is after the decoder-norm fold.
+``active``
+    ``feature_acts != 0`` (which heads fire per token).
+``out_fp32``, ``head_act_fp32``, ``active_fp32`` (bf16 files only)
+    the same from their ``from_pretrained(..., dtype=torch.float32)`` of the bf16 file, on the same
+    (bf16-valued) ``x``: weights upcast exactly, and the rotary tables are the bf16 ones stored in the file (``load_state_dict``
+    overwrites the buffers their ``__init__`` computed).
+
+The case ``train_lorsa_output`` is written by the exact sequence of llamascopium's
+``runners/train.py::train_lorsa``: ``sae.cfg.save_hyperparameters(exp_result_path)`` BEFORE
+training (config says ``"dataset-wise"``), training (here: the norm scalars set and random weights),
+then ``sae.save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
+``TrainLorsaSettings.fold_activation_scale``), which folds the weights in place and does not rewrite
+``config.json``. Its reference is the trained module's own outputs (in memory, before the save:
+the raw→raw map the user trained); ``reload_out`` is what their own ``from_pretrained`` + dataset-wise
+pipeline computes from the files (the norm applied twice).
+
+``checkpoints/step_3``: ``Trainer.save_checkpoint`` (config + unfolded weights; its pickled
+``trainer.pt`` is deleted, an empty marker of the same name is kept).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # this file is named like the peer
+from llamascopium.models.lorsa import LorsaConfig, LowRankSparseAttention  # noqa: E402
+from llamascopium.models.sparse_dictionary import SparseDictionary  # noqa: E402
+
+sys.path.append(str(HERE))
+from _common import randomize_, save_reference  # noqa: E402
+
+D, SEQ, N_CTX = 16, 12, 32
+HOOK_IN, HOOK_OUT = "blocks.1.ln1.hook_normalized", "blocks.1.hook_attn_out"
+NORMS = {HOOK_IN: 3.7, HOOK_OUT: 0.9}
+
+
+def make(dtype: torch.dtype = torch.float32, seed: int = 0, **cfg: Any) -> LowRankSparseAttention:
+    kw: dict[str, Any] = dict(sae_type="lorsa", d_model=D, expansion_factor=2, n_qk_heads=4, d_qk_head=8,
+                              rotary_dim=8, n_ctx=N_CTX, hook_point_in=HOOK_IN, hook_point_out=HOOK_OUT,
+                              act_fn="topk", top_k=5, device="cpu", dtype=dtype)
+    kw.update(cfg)
+    sae = LowRankSparseAttention(LorsaConfig(**kw))
+    # random parameters only (the buffers mask/IGNORE/rotary tables stay as their __init__ built them)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sae.named_parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.3).to(p.dtype))
+    if sae.cfg.norm_activation == "dataset-wise":
+        sae.set_dataset_average_activation_norm(dict(NORMS))
+    return sae
+
+
+def inputs() -> torch.Tensor:
+    return torch.randn(2, SEQ, D, generator=torch.Generator().manual_seed(1)) * 2.0
+
+
+@torch.no_grad()
+def outputs(sae: LowRankSparseAttention, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Their raw-space pipeline (module docstring)."""
+    x = x.to(sae.cfg.dtype)
+    if sae.cfg.norm_activation == "inference":
+        s_in = s_out = torch.tensor(1.0)
+    else:
+        s_in = sae.compute_norm_factor(x, HOOK_IN)
+        s_out = sae.compute_norm_factor(x, HOOK_OUT)  # dataset-wise: a constant, x only gives the dtype
+    acts = sae.encode(x * s_in)
+    out = sae.decode(acts) / s_out
+    dec = sae.decoder_norm() / s_out
+    return {"x": x, "out": out, "head_act": acts * dec, "active": acts != 0}
+
+
+def write_config(sae: LowRankSparseAttention, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    sae.cfg.save_hyperparameters(folder)
+
+
+def saved(out: Path, name: str, sae: LowRankSparseAttention, note: str) -> None:
+    """``save_pretrained`` + ``save_hyperparameters`` (what their ``push_to_hub`` writes), reference from
+    their reload."""
+    folder = out / name
+    sae.save_pretrained(folder)
+    write_config(sae, folder)
+    again = SparseDictionary.from_pretrained(str(folder), device="cpu", dtype=sae.cfg.dtype)
+    ref = outputs(again, inputs())
+    if sae.cfg.dtype != torch.float32:  # also their fp32 reload of the same file (stored rotary tables upcast)
+        wide = SparseDictionary.from_pretrained(str(folder), device="cpu", dtype=torch.float32)
+        ref.update({f"{k}_fp32": v for k, v in outputs(wide, ref["x"].float()).items() if k != "x"})
+    save_reference(folder, **ref)
+    CASES[name] = note
+
+
+CASES: dict[str, str] = {}
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    x = inputs()
+    saved(out, "save_pretrained_dataset_wise", make(seed=0),
+          "save_pretrained (no fold) + save_hyperparameters: dataset-wise config, unfolded weights")
+    folded = SparseDictionary.from_pretrained(str(out / "save_pretrained_dataset_wise"), device="cpu",
+                                              fold_activation_scale=True)
+    saved(out, "folded_inference", folded,
+          "from_pretrained(fold_activation_scale=True) then save: config says inference")
+    saved(out, "relu_neox_qknorm", make(seed=2, act_fn="relu", rotary_adjacent_pairs=False, use_post_qk_ln=True,
+                                        normalization_type="RMS", norm_activation="inference"),
+          "ReLU, NeoX half-split RoPE, RMS QK-norm, inference")
+    saved(out, "bf16", make(dtype=torch.bfloat16, seed=3, norm_activation="inference"),
+          "bf16 Lorsa (bf16 rotary tables in the file), inference")
+    saved(out, "bf16_dataset_wise", make(dtype=torch.bfloat16, seed=4),
+          "bf16 Lorsa, dataset-wise, unfolded")
+    saved(out, "rotary_scale_2", make(seed=5, rotary_scale=2, rotary_dim=16, norm_activation="inference"),
+          "rotary_scale=2 (q/k repeat_interleave before RoPE), inference")
+    saved(out, "ntk_by_parts", make(seed=6, use_NTK_by_parts_rope=True, NTK_by_parts_factor=8.0,
+                                    NTK_by_parts_low_freq_factor=1.0, NTK_by_parts_high_freq_factor=4.0,
+                                    old_context_len=8, norm_activation="inference"),
+          "llama3 NTK-by-parts RoPE, inference")
+    saved(out, "jumprelu", make(seed=7, act_fn="jumprelu", norm_activation="inference"), "JumpReLU Lorsa")
+    saved(out, "batchtopk", make(seed=8, act_fn="batchtopk", norm_activation="inference"), "BatchTopK Lorsa")
+    saved(out, "token_wise", make(seed=9, norm_activation="token-wise"), "token-wise norm")
+
+    # train_lorsa's sequence (module docstring)
+    trained = make(seed=10)
+    run = out / "train_lorsa_output"
+    write_config(trained, run)  # before training
+    with torch.no_grad():
+        live = outputs(trained, x)  # the trained module, dataset-wise, in memory
+    trained.save_pretrained(run, fold_activation_scale=True)
+    again = SparseDictionary.from_pretrained(str(run), device="cpu")
+    with torch.no_grad():
+        live["reload_out"] = outputs(again, x)["out"]
+    save_reference(run, **live)
+    CASES["train_lorsa_output"] = ("train_lorsa: config.json written before training (dataset-wise), then "
+                                   "save_pretrained(fold_activation_scale=True)")
+
+    # Trainer.save_checkpoint: checkpoints/step_N/{config.json, sae_weights.safetensors, trainer.pt}
+    from llamascopium.trainer import Trainer, TrainerConfig
+
+    ckpt_sae = make(seed=11)
+    trainer = Trainer(TrainerConfig(exp_result_path=str(run), total_training_tokens=1000))
+    trainer.cur_step = 3
+    trainer.save_checkpoint(ckpt_sae, run)
+    step = run / "checkpoints" / "step_3"
+    for pickled in step.glob("*.pt"):
+        pickled.unlink()
+        pickled.touch()  # an empty marker: the layout their trainer writes, without the pickle
+    again = SparseDictionary.from_pretrained(str(step), device="cpu")
+    save_reference(step, **outputs(again, x))
+    CASES["train_lorsa_output/checkpoints/step_3"] = "Trainer.save_checkpoint: config + unfolded weights"
+
+    (out / "peer.json").write_text(json.dumps(
+        {"peer": "llamascopium", "version": version("llamascopium"), "torch": torch.__version__,
+         "cases": CASES, "norms": NORMS, "sqrt_d_model": math.sqrt(D)}, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
