@@ -57,11 +57,20 @@ RMSNorm ``x / sqrt(mean(x²) + eps) * w`` on q and k (QK-norm *before* RoPE), Ro
 ``h // (n_ov/n_qk)``), then the activation and ``out = acts W_O + b_D``.
 
 Unsupported (raise :class:`UnsupportedArchitectureError`): ``attn_type == "local"`` (sliding
-window), ``normalization_type == "LN"`` QK-norm, ``rotary_scale != 1``, ``act_fn`` other than
-``topk``/``relu`` (``jumprelu`` has learned thresholds, ``batchtopk`` is batch-dependent),
-``norm_activation`` ``"token-wise"``/``"batch-wise"`` (input-dependent scaling), and the chess
-fork's ``use_smolgen``/``use_learnable_attn_scale``. Anything malformed raises
-:class:`CheckpointError` naming the file and key.
+window), ``normalization_type == "LN"`` QK-norm, ``act_fn`` other than ``topk``/``relu``
+(``jumprelu`` has learned thresholds, ``batchtopk`` is batch-dependent), ``norm_activation``
+``"token-wise"``/``"batch-wise"`` (input-dependent scaling), and the chess fork's
+``use_smolgen``/``use_learnable_attn_scale``. Anything malformed raises :class:`CheckpointError`
+naming the file and key.
+
+``rotary_scale = r``: their ``_apply_rotary`` does ``q.repeat_interleave(r, -1)`` (and on k) before
+RoPE, so attention runs on heads of size ``d_qk_head·r``. We load that exactly by repeating
+``W_Q W_K b_Q b_K ln_q.w ln_k.w`` along the head dimension (``d_qk_head *= r``; the RMS of a repeated
+vector is unchanged) and keeping their ``attn_scale`` (``√d_qk_head`` of the stored size by default).
+
+bf16/fp16 files: their reload uses the low-precision ``rotary_cos``/``rotary_sin`` stored in the
+file (``load_state_dict`` overwrites the buffers); the loader sets ``RotaryConfig.table_dtype`` to
+that dtype so our cos/sin are rounded the same way.
 
 Activation scale and decoder norm (what the loader folds into the weights)
 ---------------------------------------------------------------------------
@@ -81,24 +90,23 @@ Activation scale and decoder norm (what the loader folds into the weights)
 Telling folded from unfolded weights (``weights_folded=None``, the default)
 ---------------------------------------------------------------------------
 The files carry no explicit "folded" flag, and ``full_state_dict`` writes the norm scalars
-*even after* folding. The rule, from their code:
+*even after* folding. The rule, from their code (llamascopium 2.0.0b34):
 
 1. ``norm_activation == "inference"`` → folded (folding sets this; a config written after the
    fold says so). The norm scalars are ignored.
-2. ``norm_activation == "dataset-wise"`` → **not folded**: the loader folds the
+2. ``norm_activation == "dataset-wise"`` in a trainer checkpoint folder (:func:`is_trainer_checkpoint`:
+   ``trainer.pt`` present or ``checkpoints/step_<N>/``) → **not folded**: ``Trainer.save_checkpoint``
+   writes config and unfolded weights together; the loader folds the
    ``dataset_average_activation_norm.<hook_point_in/out>`` scalars in (they must be present,
-   finite and positive). This is what their own loaders assume: ``lm_saes``
-   ``from_pretrained(fold_activation_scale=True)`` folds exactly such checkpoints, and
-   ``standardize_parameters_of_dataset_norm`` asserts ``norm_activation == "dataset-wise"``;
-   ``save_pretrained`` in ``lm_saes`` never folds, and ``Trainer.save_checkpoint``
-   (``checkpoints/step_N/``) writes config and unfolded weights together.
-3. The stale-config exception: Llamascopium's ``runners/train.py::train_sae`` writes
-   ``exp_result_path/config.json`` *before* training (still ``"dataset-wise"``) and finally
-   calls ``save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
-   ``TrainSAESettings.fold_activation_scale``), which folds the weights without rewriting
-   ``config.json``. Nothing in the files distinguishes this from case 2, so pass
-   ``weights_folded=True`` for such a training output directory (its top-level
-   ``sae_weights.safetensors``). ``weights_folded=True/False`` always overrides the rule.
+   finite and positive).
+3. ``norm_activation == "dataset-wise"`` anywhere else → :class:`CheckpointError`. ``runners/train.py
+   ::train_lorsa`` writes ``exp_result_path/config.json`` *before* training (still ``"dataset-wise"``)
+   and finally calls ``save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
+   ``TrainLorsaSettings.fold_activation_scale``), which folds the weights without rewriting
+   ``config.json``; ``save_pretrained()``/``push_to_hub()`` of an unfolded Lorsa write the same two
+   files with unfolded weights. Nothing in the files tells them apart, so the caller passes
+   ``weights_folded=True`` (a training output) or ``False`` (an unfolded save).
+   ``weights_folded=True/False`` always overrides the rule.
 
 Other differences from their implementation: their rotary tables and mask stop at ``n_ctx``
 (longer inputs fail there; ours has no limit); they compute angles as ``pos / (1/inv_freq)``
@@ -503,7 +511,8 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
             ``blocks.<L>.…``; a contradicting value raises), ``device`` (default CPU), ``dtype``
             (default: the stored dtype of ``W_Q``; folding runs in fp32 or wider), ``weights_folded``
             (whether the dataset-wise norm is already folded; ``None`` applies the rule of the module
-            docstring; pass ``True`` for a training output saved with ``fold_activation_scale=True``),
+            docstring, which refuses a ``"dataset-wise"`` file outside a trainer checkpoint; pass
+            ``True`` for a ``train_lorsa`` output, ``False`` for an unfolded ``save_pretrained``),
             ``subfolder``, ``local_files_only`` / ``revision`` (``huggingface_hub.snapshot_download``).
 
     Returns:
@@ -513,7 +522,8 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
 
     Raises:
         CheckpointError: missing/unparsable file, missing/unexpected tensor, wrong shape, buffers
-            disagreeing with the config, missing or invalid norm scalars when a fold is needed.
+            disagreeing with the config, missing or invalid norm scalars when a fold is needed, a
+            ``"dataset-wise"`` file whose folding the files cannot decide (rule 3 of the module docstring).
         UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
     """
     return read(READER, directory, **kwargs)  # type: ignore[no-any-return]

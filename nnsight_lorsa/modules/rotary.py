@@ -77,7 +77,8 @@ class RotaryConfig(FieldsRepr):
                 f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
         if self.table_dtype not in (None, "bfloat16", "float16"):
-            raise ValueError(f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
+            raise ValueError(
+                f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
         required = {"linear": ("factor",), "llama3": (
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]

@@ -23,8 +23,8 @@ llamascopium's OWN reload of that folder (``SparseDictionary.from_pretrained``):
     ``feature_acts != 0`` (which heads fire per token).
 ``out_fp32``, ``head_act_fp32``, ``active_fp32`` (bf16 files only)
     the same from their ``from_pretrained(..., dtype=torch.float32)`` of the bf16 file, on the same
-    (bf16-valued) ``x``: weights upcast exactly, and the rotary tables are the bf16 ones stored in the file (``load_state_dict``
-    overwrites the buffers their ``__init__`` computed).
+    (bf16-valued) ``x``: weights upcast exactly, and the rotary tables are the bf16 ones stored in
+    the file (``load_state_dict`` overwrites the buffers their ``__init__`` computed).
 
 The case ``train_lorsa_output`` is written by the exact sequence of llamascopium's
 ``runners/train.py::train_lorsa``: ``sae.cfg.save_hyperparameters(exp_result_path)`` BEFORE
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -57,7 +56,7 @@ from llamascopium.models.lorsa import LorsaConfig, LowRankSparseAttention  # noq
 from llamascopium.models.sparse_dictionary import SparseDictionary  # noqa: E402
 
 sys.path.append(str(HERE))
-from _common import randomize_, save_reference  # noqa: E402
+from _common import save_reference  # noqa: E402
 
 D, SEQ, N_CTX = 16, 12, 32
 HOOK_IN, HOOK_OUT = "blocks.1.ln1.hook_normalized", "blocks.1.hook_attn_out"

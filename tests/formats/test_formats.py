@@ -544,7 +544,8 @@ def _write(tmp_path, name, cfg_over=None, edit_params=None, **kw):
         ),
         (
             "rotary-scale",
-            lambda t: _write(t, "j", {"rotary_scale": 0}),  # 2 is supported (tests/formats/test_peer_fixtures_llamascopium.py)
+            # rotary_scale=2 is supported (tests/formats/test_peer_fixtures_llamascopium.py)
+            lambda t: _write(t, "j", {"rotary_scale": 0}),
             CheckpointError,
             ["rotary_scale"],
         ),
