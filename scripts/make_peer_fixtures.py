@@ -121,9 +121,40 @@ def _reverse_circuit_tracer(out: Path) -> None:
     write_reverse(out)
 
 
+def _reverse_llamascopium(out: Path) -> None:
+    """Our Lorsas (RoPE layouts, QK-norm, llama3 RoPE, no RoPE) in Llamascopium layout, with our outputs
+    ``x (2, 12, d)``, ``out``, ``z`` (head activations) in ``ours_outputs.safetensors``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nnsight_lorsa.formats import save
+    from nnsight_lorsa.modules import Lorsa, LorsaConfig, RotaryConfig
+
+    d = 16
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+    cases = {
+        "adjacent": LorsaConfig(d_model=d, n_qk_heads=4, d_qk_head=8, n_ov_heads=32, top_k=5, layer=1,
+                                rotary=RotaryConfig(8, 8, 10000.0, True)),
+        "neox_partial_qknorm": LorsaConfig(d_model=d, n_qk_heads=2, d_qk_head=8, n_ov_heads=24, top_k=4, layer=0,
+                                           rotary=RotaryConfig(8, 4, 500000.0, False), qk_norm=True),
+        "llama3": LorsaConfig(d_model=d, n_qk_heads=4, d_qk_head=8, n_ov_heads=32, top_k=6, layer=2,
+                              rotary=RotaryConfig(8, 8, 10000.0, False, "llama3", llama3)),
+        "no_rope_no_bias": LorsaConfig(d_model=d, n_qk_heads=4, d_qk_head=4, n_ov_heads=16, top_k=3, layer=0,
+                                       use_decoder_bias=False),
+    }
+    for i, (name, cfg) in enumerate(cases.items()):
+        module = _random_(Lorsa(cfg), i)
+        save(module, out / name, format="llamascopium", n_ctx=32)
+        x = torch.randn(2, 12, d, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            y, cache = module(x, return_cache=True)
+        save_file({"x": x, "out": y, "z": cache.z}, str(out / name / "ours_outputs.safetensors"))
+
+
 #: peer -> (our env) writer of ``OUT_DIR/reverse/<case>/`` (our ``save`` in the peer's format)
 REVERSE: dict[str, Callable[[Path], None]] = {"saelens": _reverse_saelens, "sparsify": _reverse_sparsify,
-                                               "circuit_tracer": _reverse_circuit_tracer}
+                                               "circuit_tracer": _reverse_circuit_tracer,
+                                               "llamascopium": _reverse_llamascopium}
 
 
 def peers() -> list[str]:

@@ -119,6 +119,7 @@ with the k-th value, ours keeps exactly ``k``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -159,7 +160,7 @@ _QK_TENSORS = ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w")  # last dim d_qk_
 _N_CHECK = 128  # positions of the rotary/mask buffers compared with the config
 
 __all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "is_trainer_checkpoint", "load_llamascopium_lorsa",
-           "load_weights", "parse_config"]
+           "load_weights", "parse_config", "save_llamascopium_lorsa"]
 
 
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
@@ -527,3 +528,77 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
         UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
     """
     return read(READER, directory, **kwargs)  # type: ignore[no-any-return]
+
+
+def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, hook_point_in: str | None = None,
+                            hook_point_out: str | None = None, n_ctx: int | None = None) -> Path:
+    """Write ``lorsa`` as Llamascopium does (``config.json`` + ``sae_weights.safetensors``), readable by
+    their ``SparseDictionary.from_pretrained`` and by :func:`load_llamascopium_lorsa`.
+
+    The config says ``norm_activation: "inference"`` (our weights map raw activations) and
+    ``sparsity_include_decoder_norm: false`` (our top-k ranks ``z`` itself); the buffers ``mask``,
+    ``IGNORE``, ``rotary_sin/cos`` ``(n_ctx, rotary_dim)`` are written as their ``__init__`` builds them
+    (tables in fp32 angles, cast to the weights' dtype). ``hook_point_in/out`` and ``n_ctx`` default to
+    ``cfg.extra["llamascopium"]`` (a Lorsa loaded from their files), else TransformerLens names of
+    ``cfg.layer`` (``blocks.<L>.ln1.hook_normalized`` / ``blocks.<L>.hook_attn_out``) and 2048.
+
+    Raises:
+        UnsupportedArchitectureError: RoPE their config cannot express (``rope_type`` other than
+            default/llama3, ``attention_scaling != 1``, a non-integer base).
+        ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them.
+    """
+    from safetensors.torch import save_file
+
+    from ..errors import ArgumentError
+
+    cfg = lorsa.cfg
+    known = cfg.extra.get("llamascopium", {}) if isinstance(cfg.extra, dict) else {}
+    if hook_point_in is None or hook_point_out is None:
+        if "hook_point_in" in known and "hook_point_out" in known:
+            hook_point_in = hook_point_in or known["hook_point_in"]
+            hook_point_out = hook_point_out or known["hook_point_out"]
+        elif cfg.layer is not None:
+            hook_point_in = hook_point_in or f"blocks.{cfg.layer}.ln1.hook_normalized"
+            hook_point_out = hook_point_out or f"blocks.{cfg.layer}.hook_attn_out"
+        else:
+            raise ArgumentError("save(format='llamascopium') needs hook_point_in= and hook_point_out= "
+                                "(cfg.layer is None and cfg.extra has no llamascopium hook points)")
+    n_ctx = int(n_ctx or known.get("n_ctx") or 2048)
+    expansion = cfg.n_ov_heads / cfg.d_model
+    while int(cfg.d_model * expansion) < cfg.n_ov_heads:  # their d_sae = int(d_model * expansion_factor)
+        expansion = math.nextafter(expansion, math.inf)
+    doc: dict[str, Any] = {
+        "sae_type": "lorsa", "d_model": cfg.d_model, "expansion_factor": expansion,
+        "use_decoder_bias": cfg.use_decoder_bias, "act_fn": "topk", "top_k": cfg.top_k,
+        "norm_activation": "inference", "sparsity_include_decoder_norm": False,
+        "hook_point_in": hook_point_in, "hook_point_out": hook_point_out,
+        "n_qk_heads": cfg.n_qk_heads, "d_qk_head": cfg.d_qk_head, "n_ctx": n_ctx, "rotary_scale": 1,
+        "attn_scale": cfg.scale, "use_post_qk_ln": cfg.qk_norm, "normalization_type": "RMS" if cfg.qk_norm else None,
+        "eps": cfg.qk_norm_eps, "positional_embedding_type": "none" if cfg.rotary is None else "rotary",
+    }
+    dtype = lorsa.W_Q.dtype
+    state = {k: v.detach().to("cpu").contiguous() for k, v in lorsa.state_dict().items()}
+    state["mask"] = torch.ones(n_ctx, n_ctx, dtype=torch.bool).tril()
+    state["IGNORE"] = torch.tensor(-torch.inf)
+    rot = cfg.rotary
+    if rot is not None:
+        if rot.rope_type not in ("default", "llama3") or rot.attention_scaling != 1 or float(rot.base) != int(rot.base):
+            raise UnsupportedArchitectureError(
+                f"Llamascopium's config cannot express rope_type={rot.rope_type!r}, "
+                f"attention_scaling={rot.attention_scaling}, base={rot.base} (default/llama3 RoPE, integer base)")
+        doc.update(rotary_dim=rot.rotary_dim, rotary_base=int(rot.base), rotary_adjacent_pairs=rot.interleaved,
+                   use_NTK_by_parts_rope=rot.rope_type == "llama3")
+        if rot.rope_type == "llama3":
+            doc.update(NTK_by_parts_factor=rot.scaling["factor"],
+                       NTK_by_parts_low_freq_factor=rot.scaling["low_freq_factor"],
+                       NTK_by_parts_high_freq_factor=rot.scaling["high_freq_factor"],
+                       old_context_len=int(rot.scaling["original_max_position_embeddings"]))
+        cos, sin = rotary_cos_sin(rot, torch.arange(n_ctx))
+        state["rotary_cos"], state["rotary_sin"] = cos.to(dtype), sin.to(dtype)
+    else:
+        doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / WEIGHTS_FILE), {"format": "pt"})
+    (path / CONFIG_FILE).write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    return path

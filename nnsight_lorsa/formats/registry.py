@@ -127,7 +127,8 @@ register_format(Format(
     "llamascopium", "config.json + sae_weights.safetensors",
     _files(llamascopium.CONFIG_FILE, llamascopium.WEIGHTS_FILE),
     (llamascopium.READER, llamascopium_sae.READER),
-    _by_config_key("config.json", "sae_type", {"lorsa": llamascopium.READER}, llamascopium_sae.READER)))
+    _by_config_key("config.json", "sae_type", {"lorsa": llamascopium.READER}, llamascopium_sae.READER),
+    ((Lorsa, llamascopium.save_llamascopium_lorsa),)))
 register_format(Format(
     "saelens", "cfg.json + sae_weights.safetensors", _files(saelens.CFG_FILE, saelens.WEIGHTS_FILE),
     (saelens.READER,), _one(saelens.READER), ((_SPARSE, saelens.save_saelens),)))

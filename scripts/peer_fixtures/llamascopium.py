@@ -35,6 +35,10 @@ then ``sae.save_pretrained(exp_result_path, fold_activation_scale=True)`` (the d
 the raw→raw map the user trained); ``reload_out`` is what their own ``from_pretrained`` + dataset-wise
 pipeline computes from the files (the norm applied twice).
 
+Reverse direction: each ``OUT_DIR/reverse/<case>/`` (written by OUR ``save(..., format="llamascopium")``
+with ``ours_outputs.safetensors``) is loaded with their ``from_pretrained`` and compared;
+``OUT_DIR/reverse/result.json`` records the result.
+
 ``checkpoints/step_3``: ``Trainer.save_checkpoint`` (config + unfolded weights; its pickled
 ``trainer.pt`` is deleted, an empty marker of the same name is kept).
 """
@@ -56,7 +60,13 @@ from llamascopium.models.lorsa import LorsaConfig, LowRankSparseAttention  # noq
 from llamascopium.models.sparse_dictionary import SparseDictionary  # noqa: E402
 
 sys.path.append(str(HERE))
-from _common import save_reference  # noqa: E402
+from _common import (  # noqa: E402
+    load_ours_outputs,
+    max_rel,
+    reverse_cases,
+    save_reference,
+    write_reverse_result,
+)
 
 D, SEQ, N_CTX = 16, 12, 32
 HOOK_IN, HOOK_OUT = "blocks.1.ln1.hook_normalized", "blocks.1.hook_attn_out"
@@ -176,9 +186,33 @@ def main(out: Path) -> None:
     save_reference(step, **outputs(again, x))
     CASES["train_lorsa_output/checkpoints/step_3"] = "Trainer.save_checkpoint: config + unfolded weights"
 
+    reverse(out)
     (out / "peer.json").write_text(json.dumps(
         {"peer": "llamascopium", "version": version("llamascopium"), "torch": torch.__version__,
          "cases": CASES, "norms": NORMS, "sqrt_d_model": math.sqrt(D)}, indent=1, sort_keys=True) + "\n")
+
+
+@torch.no_grad()
+def reverse(out: Path) -> None:
+    """Each ``OUT_DIR/reverse/<case>/`` (our ``save(..., format="llamascopium")``) loaded with their
+    ``SparseDictionary.from_pretrained`` and run on our ``x``; bound 1e-5 relative on the output and
+    on the head activations (their ``encode`` = our ``z``: the file says ``sparsity_include_decoder_norm:
+    false``), and the same active heads."""
+    results: dict[str, Any] = {}
+    for case in reverse_cases(out):
+        ours = load_ours_outputs(case)
+        try:
+            sae = SparseDictionary.from_pretrained(str(case), device="cpu")
+            acts = sae.encode(ours["x"])
+            y = sae.decode(acts)
+            r = {"out_max_rel": max_rel(y, ours["out"]), "z_max_rel": max_rel(acts, ours["z"]),
+                 "same_active": bool(torch.equal(acts != 0, ours["z"] != 0))}
+            r["pass"] = r["out_max_rel"] <= 1e-5 and r["z_max_rel"] <= 1e-5 and r["same_active"]
+        except Exception as e:  # recorded, so the test names the case that failed
+            r = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+        results[case.name] = r
+    if results:
+        write_reverse_result(out, results)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from nnsight_lorsa.errors import CheckpointError, UnsupportedArchitectureError
 from nnsight_lorsa.formats import load
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "llamascopium"
-CASES = sorted(p.parent for p in FIXTURES.rglob("config.json"))
+CASES = sorted(p.parent for p in FIXTURES.rglob("config.json") if "reverse" not in p.relative_to(FIXTURES).parts)
 AMBIGUOUS = "does not say whether the weights in sae_weights.safetensors are folded"
 #: case -> (error, what the message must say)
 REFUSED: dict[str, tuple[type[Exception], str]] = {
@@ -115,3 +115,36 @@ def test_rotary_scale_is_expanded_exactly() -> None:
     cfg = json.loads((FIXTURES / "rotary_scale_2" / "config.json").read_text())
     assert module.cfg.d_qk_head == cfg["d_qk_head"] * cfg["rotary_scale"] == 16
     assert module.cfg.extra["llamascopium"]["rotary_scale"] == 2
+
+
+def test_reverse_direction_passed_in_llamascopium() -> None:
+    """``scripts/peer_fixtures/llamascopium.py`` loaded each of our ``save(..., format="llamascopium")``
+    outputs with their ``SparseDictionary.from_pretrained`` and compared (bound 1e-5 relative on the
+    output and head activations, same active heads); its record must cover every case, and our own
+    loader must read the same files back."""
+    result = json.loads((FIXTURES / "reverse" / "result.json").read_text())
+    cases = {p.name for p in (FIXTURES / "reverse").iterdir() if p.is_dir()}
+    assert result["pass"] is True
+    assert set(result["cases"]) == cases and len(cases) >= 4
+    assert all(r["pass"] and r["out_max_rel"] <= 1e-5 and r["z_max_rel"] <= 1e-5 and r["same_active"]
+               for r in result["cases"].values())
+    for case in sorted(cases):
+        ours = load_file(str(FIXTURES / "reverse" / case / "ours_outputs.safetensors"))
+        module = load(FIXTURES / "reverse" / case)  # "inference": no ambiguity
+        with torch.no_grad():
+            out, cache = module(ours["x"], return_cache=True)
+        assert _rel(out, ours["out"]) <= BOUND and _rel(cache.z, ours["z"]) <= BOUND
+
+
+def test_writer_refuses_what_their_config_cannot_say(tmp_path: Path) -> None:
+    from nnsight_lorsa.errors import ArgumentError
+    from nnsight_lorsa.formats import save
+    from nnsight_lorsa.modules import Lorsa, LorsaConfig, RotaryConfig
+
+    no_layer = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))
+    with pytest.raises(ArgumentError, match="hook_point_in"):
+        save(no_layer, tmp_path / "a", format="llamascopium")
+    linear = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2, layer=0,
+                               rotary=RotaryConfig(4, 4, 10000.0, False, "linear", {"factor": 2.0})))
+    with pytest.raises(UnsupportedArchitectureError, match="rope_type='linear'"):
+        save(linear, tmp_path / "b", format="llamascopium")
