@@ -345,8 +345,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
 
     Writers: ``"nnsight_lorsa"`` (default): a Lorsa, SAE, (skip) transcoder or CLT; ``"saelens"``
     and ``"sparsify"``: an SAE or transcoder; ``"circuit_tracer"``: a CLT, or ``{layer: transcoder}``
-    / a :class:`~.circuit_tracer.CircuitTracerTranscoders`. ``options`` go to the writer (e.g.
-    ``hook_name=`` for SAELens, ``feature_input_hook=`` for circuit-tracer).
+    / a :class:`~.circuit_tracer.CircuitTracerTranscoders`; ``"llamascopium"``: a Lorsa. ``options`` go
+    to the writer (e.g. ``hook_name=`` for SAELens, ``feature_input_hook=`` for circuit-tracer,
+    ``hook_point_in=`` / ``hook_point_out=`` / ``n_ctx=`` for Llamascopium).
 
     Raises:
         UnsupportedArchitectureError: an unknown format, one without a writer, or a module the

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nnsight_lorsa.errors import CheckpointError, UnsupportedArchitectureError
+from nnsight_lorsa.errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
 from nnsight_lorsa.formats import load_llamascopium_lorsa, load_lorsa, save_lorsa
 from nnsight_lorsa.modules.lorsa import Lorsa
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig
@@ -676,8 +676,9 @@ def test_load_options_and_save_errors(tmp_path):
         load(tmp_path / "l", norm_scaling_factor=2.0)
     with pytest.raises(TypeError, match="Lorsa"):
         save(Lorsa(_our_config()), tmp_path / "x", format="saelens")
-    _raises_naming(UnsupportedArchitectureError, lambda: save(sae, tmp_path / "x", format="llamascopium"),
-                   "read-only")
+    # llamascopium writes Lorsas only (their SAE format is read-only)
+    _raises_naming(ArgumentError, lambda: save(sae, tmp_path / "x", format="llamascopium"),
+                   "SparseAutoencoder", "Lorsa")
 
 
 def test_load_hub_repo_id_fetches_then_detects(tmp_path, monkeypatch):
