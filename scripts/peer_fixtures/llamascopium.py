@@ -28,8 +28,9 @@ llamascopium's OWN reload of that folder (``SparseDictionary.from_pretrained``):
 
 The case ``train_lorsa_output`` is written by the exact sequence of llamascopium's
 ``runners/train.py::train_lorsa``: ``sae.cfg.save_hyperparameters(exp_result_path)`` BEFORE
-training (config says ``"dataset-wise"``), training (here: the norm scalars set and random weights),
-then ``sae.save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
+training (config says ``"dataset-wise"``), their ``Trainer.fit`` (10 steps on a tiny random
+activation stream; the norm scalars set as their ``Initializer`` would), then
+``sae.save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
 ``TrainLorsaSettings.fold_activation_scale``), which folds the weights in place and does not rewrite
 ``config.json``. Its reference is the trained module's own outputs (in memory, before the save:
 the raw→raw map the user trained); ``reload_out`` is what their own ``from_pretrained`` + dataset-wise
@@ -39,8 +40,9 @@ Reverse direction: each ``OUT_DIR/reverse/<case>/`` (written by OUR ``save(..., 
 with ``ours_outputs.safetensors``) is loaded with their ``from_pretrained`` and compared;
 ``OUT_DIR/reverse/result.json`` records the result.
 
-``checkpoints/step_3``: ``Trainer.save_checkpoint`` (config + unfolded weights; its pickled
-``trainer.pt`` is deleted, an empty marker of the same name is kept).
+``train_lorsa_output/checkpoints/step_10``: their ``Trainer.save_checkpoint`` of the trained module
+(config + unfolded weights; its pickled ``trainer.pt`` / ``optimizer.pt`` are emptied: the file
+names are kept as markers, the pickles are not committed).
 """
 
 from __future__ import annotations
@@ -157,34 +159,39 @@ def main(out: Path) -> None:
     saved(out, "batchtopk", make(seed=8, act_fn="batchtopk", norm_activation="inference"), "BatchTopK Lorsa")
     saved(out, "token_wise", make(seed=9, norm_activation="token-wise"), "token-wise norm")
 
-    # train_lorsa's sequence (module docstring)
-    trained = make(seed=10)
-    run = out / "train_lorsa_output"
-    write_config(trained, run)  # before training
-    with torch.no_grad():
-        live = outputs(trained, x)  # the trained module, dataset-wise, in memory
-    trained.save_pretrained(run, fold_activation_scale=True)
-    again = SparseDictionary.from_pretrained(str(run), device="cpu")
-    with torch.no_grad():
-        live["reload_out"] = outputs(again, x)["out"]
-    save_reference(run, **live)
-    CASES["train_lorsa_output"] = ("train_lorsa: config.json written before training (dataset-wise), then "
-                                   "save_pretrained(fold_activation_scale=True)")
-
-    # Trainer.save_checkpoint: checkpoints/step_N/{config.json, sae_weights.safetensors, trainer.pt}
+    # train_lorsa's sequence (module docstring), with their own Trainer.fit on a tiny activation stream
     from llamascopium.trainer import Trainer, TrainerConfig
 
-    ckpt_sae = make(seed=11)
-    trainer = Trainer(TrainerConfig(exp_result_path=str(run), total_training_tokens=1000))
-    trainer.cur_step = 3
-    trainer.save_checkpoint(ckpt_sae, run)
-    step = run / "checkpoints" / "step_3"
+    trained = make(seed=10)
+    run = out / "train_lorsa_output"
+    write_config(trained, run)  # runners/train.py: sae.cfg.save_hyperparameters(exp_result_path) before fit
+    g = torch.Generator().manual_seed(12)
+    batches = [{HOOK_IN: torch.randn(4, SEQ, D, generator=g) * NORMS[HOOK_IN] / math.sqrt(D),
+                HOOK_OUT: torch.randn(4, SEQ, D, generator=g) * NORMS[HOOK_OUT] / math.sqrt(D),
+                "tokens": torch.randint(0, 50, (4, SEQ), generator=g), "mask": torch.ones(4, SEQ, dtype=torch.bool)}
+               for _ in range(12)]
+    trainer = Trainer(TrainerConfig(exp_result_path=str(run), total_training_tokens=4 * SEQ * 10, lr=1e-2,
+                                    lr_warm_up_steps=1, lr_cool_down_steps=1, l1_coefficient_warmup_steps=1,
+                                    k_warmup_steps=1, initial_k=5, skip_metrics_calculation=True))
+    end_of_stream = trainer.fit(sae=trained, activation_stream=iter(batches), eval_fn=None, wandb_logger=None)
+    assert not end_of_stream and trainer.cur_step == 10, (end_of_stream, trainer.cur_step)
+    # a trainer checkpoint of the trained (unfolded) module: checkpoints/step_10/{config.json, weights, trainer.pt}
+    trainer.save_checkpoint(trained, run)
+    step = run / "checkpoints" / f"step_{trainer.cur_step}"
     for pickled in step.glob("*.pt"):
         pickled.unlink()
         pickled.touch()  # an empty marker: the layout their trainer writes, without the pickle
     again = SparseDictionary.from_pretrained(str(step), device="cpu")
     save_reference(step, **outputs(again, x))
-    CASES["train_lorsa_output/checkpoints/step_3"] = "Trainer.save_checkpoint: config + unfolded weights"
+    CASES[f"train_lorsa_output/checkpoints/step_{trainer.cur_step}"] = (
+        "Trainer.save_checkpoint after Trainer.fit: config + unfolded weights")
+    live = outputs(trained, x)  # the trained module, dataset-wise, in memory
+    trained.save_pretrained(run, fold_activation_scale=True)  # train_lorsa's end (not end_of_stream)
+    again = SparseDictionary.from_pretrained(str(run), device="cpu")
+    live["reload_out"] = outputs(again, x)["out"]
+    save_reference(run, **live)
+    CASES["train_lorsa_output"] = ("train_lorsa: config.json written before Trainer.fit (dataset-wise), then "
+                                   "save_pretrained(fold_activation_scale=True)")
 
     reverse(out)
     (out / "peer.json").write_text(json.dumps(
