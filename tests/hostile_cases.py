@@ -430,8 +430,9 @@ LOADERS: dict[str, dict[str, Any]] = {
                                     "bad_entry": [{"layer": "x", "filepath": "layer_0.safetensors"},
                                                   {"layer": 1, "filepath": "layer_1.safetensors"}]},
                  ("k",): {"float": 2.5}},
-        "tensors": ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"),
-        "optional": ("threshold",),  # a layer file without one is a ReLU transcoder (circuit-tracer's rule)
+        # circuit-tracer's own key for the JumpReLU threshold (what our save writes, as it does)
+        "tensors": ("W_enc", "b_enc", "W_dec", "b_dec", "activation_function.threshold"),
+        "optional": ("activation_function.threshold",),  # without one: a ReLU transcoder (circuit-tracer's rule)
         "defaults": {("model_kind",), ("activation",)},
     },
     "ct_clt": {

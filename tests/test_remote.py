@@ -100,6 +100,7 @@ out["replace"]["diff_z"] = diff(first["saves"], "z", local["z"])
 out["replace"]["diff_logits"] = diff(first["saves"], "logits", local["logits"])
 out["replace"]["equal"] = bool(first["saves"]) and all(torch.equal(first["saves"][k], local[k]) for k in local)
 out["error_term"]["diff_logits_vs_clean"] = diff(second["saves"], "logits_err", clean)
+out["error_term"]["max_abs_logit"] = float(clean.float().abs().max())
 print(json.dumps(out))
 '''
 
@@ -126,7 +127,9 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
         bad = [i for i in resp["runtime_imports"] if i[0].split(".")[0] not in SERVER_RUNTIME_IMPORTS]
         assert not bad, bad
     assert out["replace"]["equal"], (out["replace"]["diff_z"], out["replace"]["diff_logits"])
-    assert out["error_term"]["diff_logits_vs_clean"] < 1e-5
+    # the stated bound (docs/nnsight.md): max |Δlogit| <= 1e-5 · max |logit| in fp32
+    err = out["error_term"]
+    assert err["diff_logits_vs_clean"] <= 1e-5 * err["max_abs_logit"], err
     assert out["attached_locally"] == []
     assert out["compressed"] and 0 < out["payload_bytes"] < 200_000
 

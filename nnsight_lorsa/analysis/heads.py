@@ -73,16 +73,6 @@ class MHSACorrelation(FieldsRepr):
         return torch.where(self.count > 0, n, torch.zeros_like(n))
 
 
-@torch.no_grad()
-def lorsas_of(replacement: Any) -> Any:
-    """``replacement.lorsas`` (the :class:`~nnsight_lorsa.ReplacementModel`'s LorsaSet), or a named error."""
-    from ..errors import ConfigMismatchError
-
-    if getattr(replacement, "lorsas", None) is None:
-        raise ConfigMismatchError("head analysis needs Lorsas: pass ReplacementModel(model, lorsas=...)")
-    return replacement.lorsas
-
-
 def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batch_size: int = 8,
                      skip_first: bool = True) -> MHSACorrelation:
     """Oblique-projection correlation of every Lorsa head of ``layer`` to the MHSA heads (App. E.1).
@@ -96,7 +86,7 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
         ShapeError: ``tokens`` is not ``(n, pos)``. LayerOutOfRangeError: no Lorsa at ``layer``.
         ConfigMismatchError: ``replacement`` has no Lorsas.
     """
-    model, lorsa_set = replacement.model, lorsas_of(replacement)
+    model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     if tokens.dim() != 2:
         raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
     adapter = get_adapter(model)
@@ -148,7 +138,7 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
         ShapeError: the unembedding does not match ``d_model``.
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
     """
-    model, lorsa = replacement.model, lorsas_of(replacement)[layer]
+    model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     adapter = get_adapter(model)
     w_u = _module(model, adapter.lm_head_path).weight  # (vocab, d)
     norm = _module(model, adapter.final_norm_path)
@@ -197,7 +187,7 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     """Stream ``tokens`` ``(n_windows, pos)`` through the model with the Lorsa of ``layer`` spliced
     (error term on, so later layers see the true model) and keep every head's top ``n_top``
     activations and its activation frequency (BOS excluded). Memory ``O(n_ov_heads · n_top)``."""
-    model, lorsa_set = replacement.model, lorsas_of(replacement)
+    model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     n_ov = lorsa_set[layer].cfg.n_ov_heads
     top = TopActivations.empty(n_ov, n_top)
     keep = torch.ones(tokens.shape, dtype=torch.bool)

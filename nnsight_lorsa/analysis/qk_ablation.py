@@ -206,9 +206,8 @@ def qk_feature_impacts(
     """
     from ..adapters.registry import get_adapter
     from ..envoy.read import attention_activations
-    from .heads import lorsas_of
 
-    model, lorsa_set = replacement.model, lorsas_of(replacement)
+    model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
     adapter = get_adapter(model)
     cfg = lorsa.cfg

@@ -149,6 +149,19 @@ class ReplacementModel:
                 return f"{attn_path}.{name}"
         raise ConfigMismatchError(f"{attn_path} has none of the output projections {OUTPUT_PROJECTIONS}")
 
+    def require(self, kind: str, user: object) -> Any:
+        """The held set of ``kind`` (``"lorsas"``, ``"transcoders"`` or ``"saes"``) for ``user``.
+
+        Raises:
+            ConfigMismatchError: this ReplacementModel holds no set of that kind (the message names
+                ``user`` and the argument to pass).
+        """
+        value = getattr(self, kind)
+        if value is None:
+            set_name = {"lorsas": "a LorsaSet", "transcoders": "a TranscoderSet", "saes": "an SAESet"}[kind]
+            raise ConfigMismatchError(f"{user} needs {set_name}: ReplacementModel(model, {kind}=...)")
+        return value
+
     def check(self, target: Any) -> None:
         """Raise if ``target`` does not exist in this model / these sets (nothing runs).
 
@@ -162,9 +175,7 @@ class ReplacementModel:
             self.output_projection_path(target.layer)
             check_index(target.head, self.adapter.n_heads, f"MHSA head of layer {target.layer}")
         elif isinstance(target, LorsaHead):
-            if self.lorsas is None:
-                raise ConfigMismatchError(f"{target} needs a LorsaSet: ReplacementModel(model, lorsas=...)")
-            n = self.lorsas[target.layer].cfg.n_ov_heads  # LayerOutOfRangeError when missing
+            n = self.require("lorsas", target)[target.layer].cfg.n_ov_heads  # LayerOutOfRangeError when missing
             check_index(target.head, n, f"Lorsa head of layer {target.layer}")
         elif isinstance(target, Feature):
             n = self._coder(target).cfg.d_sae
@@ -174,13 +185,9 @@ class ReplacementModel:
 
     def _coder(self, target: Feature) -> Any:
         if target.kind == "sae":
-            if self.saes is None:
-                raise ConfigMismatchError(f"{target} needs an SAESet: ReplacementModel(model, saes=...)")
-            return self.saes[target.site]
+            return self.require("saes", target)[target.site]
         if target.kind == "transcoder":
-            if self.transcoders is None:
-                raise ConfigMismatchError(f"{target} needs a TranscoderSet: ReplacementModel(model, transcoders=...)")
-            if isinstance(self.transcoders, CLTSet):
+            if isinstance(self.require("transcoders", target), CLTSet):
                 raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention "
                                           "targets; use per-layer transcoders")
             if not isinstance(target.site, int):

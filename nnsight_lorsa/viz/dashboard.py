@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..analysis.heads import MHSACorrelation, lorsas_of, ov_logit_lens
+from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
 from ..errors import ConfigMismatchError
@@ -47,7 +47,7 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     Raises:
         ConfigMismatchError: ``qk_features`` of another layer or head.
     """
-    model, lorsa = replacement.model, lorsas_of(replacement)[layer]
+    model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
     for v, w, p in zip(top.values[head].tolist(), top.window[head].tolist(), top.position[head].tolist(), strict=True):

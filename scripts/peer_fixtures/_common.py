@@ -5,6 +5,7 @@ imports this module."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,38 @@ def write_reverse_result(out: Path, results: dict[str, Any]) -> None:
     """``out/reverse/result.json``: ``{"peer": ..., "cases": {case: {"pass": bool, ...}}, "pass": all}``."""
     doc = {"cases": results, "pass": bool(results) and all(r.get("pass") for r in results.values())}
     (out / REVERSE_DIR / REVERSE_RESULT).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def fresh_output_dir(out: Path) -> None:
+    """Create ``out`` and remove the peer's case folders in it, keeping what our env wrote (``reverse/``)."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.iterdir():
+        if p.is_dir() and p.name != REVERSE_DIR:
+            shutil.rmtree(p)
+
+
+def run_reverse(out: Path, load_and_run: Callable[[Path, torch.Tensor], tuple[dict[str, torch.Tensor], dict]],
+                tol: float = 1e-5) -> None:
+    """The reverse check of a sparse coder: for each case our ``save`` wrote under ``out/reverse``, the
+    peer loads it and runs it on our inputs (``load_and_run(case_dir, x) -> (outputs, extra record)``,
+    outputs with ``feature_acts``, ``sae_out``, ``l0``); encode and forward must agree within ``tol``
+    relative and L0 exactly. A failure is recorded in ``result.json`` (the test reads it), not hidden."""
+    cases = reverse_cases(out)
+    if not cases:
+        return
+    results: dict[str, Any] = {}
+    for case in cases:
+        ours = load_ours_outputs(case)
+        try:
+            got, extra = load_and_run(case, ours["x"])
+            r = {**extra, "encode_max_rel": max_rel(got["feature_acts"], ours["feature_acts"]),
+                 "forward_max_rel": max_rel(got["sae_out"], ours["sae_out"]),
+                 "same_l0": bool(torch.equal(got["l0"], ours["l0"]))}
+            r["pass"] = r["encode_max_rel"] <= tol and r["forward_max_rel"] <= tol and r["same_l0"]
+        except Exception as e:  # recorded, not hidden: the test reads result.json
+            r = {"pass": False, "error": f"{type(e).__name__}: {e}"}
+        results[case.name] = r
+    write_reverse_result(out, results)
+    print(json.dumps(results, indent=1))

@@ -21,7 +21,6 @@ with ``ours_outputs.safetensors``) is loaded with ``SparseCoder.load_from_disk``
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -36,12 +35,10 @@ from sparsify import SparseCoder, SparseCoderConfig  # noqa: E402
 sys.path.append(str(HERE))
 from _common import (  # noqa: E402
     fixed_inputs,
-    load_ours_outputs,
-    max_rel,
+    fresh_output_dir,
     randomize_,
-    reverse_cases,
+    run_reverse,
     save_reference,
-    write_reverse_result,
 )
 
 D_IN, N_LATENTS, K = 16, 64, 4
@@ -93,31 +90,12 @@ def trainer_run(out: Path) -> None:
 
 
 def reverse(out: Path) -> None:
-    cases = reverse_cases(out)
-    if not cases:
-        return
-    results: dict[str, Any] = {}
-    for c in cases:
-        ours = load_ours_outputs(c)
-        try:
-            coder = SparseCoder.load_from_disk(c)
-            got = outputs(coder, ours["x"])
-            r = {"encode_max_rel": max_rel(got["feature_acts"], ours["feature_acts"]),
-                 "forward_max_rel": max_rel(got["sae_out"], ours["sae_out"]),
-                 "same_l0": bool(torch.equal(got["l0"], ours["l0"]))}
-            r["pass"] = r["encode_max_rel"] <= 1e-5 and r["forward_max_rel"] <= 1e-5 and r["same_l0"]
-        except Exception as e:  # recorded, not hidden: the test reads result.json
-            r = {"pass": False, "error": f"{type(e).__name__}: {e}"}
-        results[c.name] = r
-    write_reverse_result(out, results)
-    print(json.dumps(results, indent=1))
+    """Load each case our ``save(..., format="sparsify")`` wrote in sparsify and compare."""
+    run_reverse(out, lambda case, x: (outputs(SparseCoder.load_from_disk(case), x), {}))
 
 
 def main(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.iterdir():  # regenerate the peer's cases, keep what our env wrote (reverse/)
-        if p.is_dir() and p.name != "reverse":
-            shutil.rmtree(p)
+    fresh_output_dir(out)
     case(out, "sae", 1)
     case(out, "sae_unnormalized_decoder", 2, normalize_decoder=False)
     case(out, "transcoder", 3, transcode=True)

@@ -72,3 +72,20 @@ def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
     assert int(cos["v"][1][0]) == 6 and abs(float(cos["v"][0][0]) - 1) < 1e-5 and "o" not in cos
     top = collect_top_activations(rm, LAYER, tokens, n_top=3)
     assert top.n_tokens == 3 * 8 and torch.equal(top.count, corr.count)
+
+
+def test_head_analysis_without_lorsas_names_what_to_pass():
+    """Every head analysis reads the Lorsas through ReplacementModel.require: one check, one message."""
+    import pytest
+
+    from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation, ov_logit_lens
+    from nnsight_lorsa.errors import ConfigMismatchError
+
+    model, _ = tiny_nnsight("llama")
+    rm = ReplacementModel(model)
+    for call in (lambda: mhsa_correlation(rm, LAYER, random_ids(1, 8)),
+                 lambda: ov_logit_lens(rm, LAYER, [0]),
+                 lambda: collect_top_activations(rm, LAYER, random_ids(1, 8))):
+        with pytest.raises(ConfigMismatchError,
+                           match=r"head analysis needs a LorsaSet: ReplacementModel\(model, lorsas=\.\.\.\)"):
+            call()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peer_reference import PEER_FIXTURES, rel_error
 from safetensors.torch import load_file
 
 from nnsight_lorsa.errors import UnsupportedArchitectureError
@@ -18,14 +19,10 @@ from nnsight_lorsa.formats.circuit_tracer import CircuitTracerTranscoders
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 
-FIX = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "circuit_tracer"
+FIX = PEER_FIXTURES / "circuit_tracer"
 SETS = ["transcoders_relu", "transcoders_jumprelu", "transcoders_skip", "transcoders_jumprelu_skip"]
 CLTS = ["clt_relu", "clt_jumprelu"]
 REL = 1e-5  # fp32, same arithmetic up to summation order
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("case", SETS)
@@ -41,11 +38,11 @@ def test_transcoder_set_matches_circuit_tracer(case: str) -> None:
         assert tc.cfg.activation == ("jumprelu" if "jumprelu" in case else "relu")
         with torch.no_grad():
             acts = tc.encode(x)
-            assert _rel(acts, ref[f"encode_{i}"]) <= REL
+            assert rel_error(acts, ref[f"encode_{i}"]) <= REL
             assert torch.equal(acts > 0, ref[f"encode_{i}"] > 0)  # same active features
             decoded = tc.decode(acts) + (tc.skip(x) if isinstance(tc, SkipTranscoder) else 0)
-            assert _rel(decoded, ref[f"decode_{i}"]) <= REL  # circuit-tracer's decode adds the skip
-            assert _rel(tc(x), ref[f"forward_{i}"]) <= REL
+            assert rel_error(decoded, ref[f"decode_{i}"]) <= REL  # circuit-tracer's decode adds the skip
+            assert rel_error(tc(x), ref[f"forward_{i}"]) <= REL
         if "jumprelu" in case:  # thresholds that actually cut: some pre-activations > 0 are zeroed
             pre = x @ tc.W_enc + tc.b_enc
             assert bool(((pre > 0) & (acts == 0)).any())
@@ -58,8 +55,8 @@ def test_clt_matches_circuit_tracer(case: str) -> None:
     assert isinstance(clt, CrossLayerTranscoder) and clt.n_layers == 3
     assert clt.cfg.activation == ("jumprelu" if "jumprelu" in case else "relu")
     with torch.no_grad():
-        assert _rel(clt.encode(ref["x"]), ref["encode"]) <= REL
-        assert _rel(clt(ref["x"]), ref["forward"]) <= REL
+        assert rel_error(clt.encode(ref["x"]), ref["encode"]) <= REL
+        assert rel_error(clt(ref["x"]), ref["forward"]) <= REL
 
 
 def test_what_circuit_tracer_cannot_express_is_refused(tmp_path: Path) -> None:
@@ -91,4 +88,4 @@ def test_our_files_load_in_circuit_tracer() -> None:
     assert "activation_function.threshold" in keys and "threshold" not in keys
     ours = load_file(str(FIX / "reverse" / "transcoders_jumprelu" / "ours_outputs.safetensors"))
     with torch.no_grad():
-        assert _rel(load(FIX / "reverse" / "transcoders_jumprelu")[0](ours["x"]), ours["forward_0"]) <= REL
+        assert rel_error(load(FIX / "reverse" / "transcoders_jumprelu")[0](ours["x"]), ours["forward_0"]) <= REL

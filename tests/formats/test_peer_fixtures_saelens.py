@@ -14,16 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from peer_reference import PEER_FIXTURES, case_name, cases, check_case, check_coder
 from safetensors.torch import load_file, save_file
 
 from nnsight_lorsa.errors import CheckpointError, UnsupportedArchitectureError
 from nnsight_lorsa.formats import load, load_all, save
 from nnsight_lorsa.training import TrainConfig, Trainer
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "saelens"
-CASES = sorted(p.parent for p in FIXTURES.rglob("cfg.json") if "reverse" not in p.relative_to(FIXTURES).parts)
-BOUND = 1e-5
+FIXTURES = PEER_FIXTURES / "saelens"
+CASES = cases(FIXTURES)
 #: case -> (error, what the message must say)
 REFUSED: dict[str, tuple[type[Exception], str]] = {
     "temporal": (UnsupportedArchitectureError, "attends over the token sequence"),
@@ -33,20 +32,7 @@ REFUSED: dict[str, tuple[type[Exception], str]] = {
 
 
 def _name(case: Path) -> str:
-    return case.relative_to(FIXTURES).as_posix()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
-
-
-def _check(module: torch.nn.Module, ref: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        acts = module.encode(ref["x"])  # type: ignore[operator]
-        out = module(ref["x"])
-    assert _rel(acts, ref["feature_acts"]) <= BOUND
-    assert _rel(out, ref["sae_out"]) <= BOUND
-    assert torch.equal((acts != 0).sum(-1), ref["l0"])
+    return case_name(FIXTURES, case)
 
 
 def test_fixtures_present() -> None:
@@ -57,15 +43,7 @@ def test_fixtures_present() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_peer_file(case: Path) -> None:
-    name = _name(case)
-    if name in REFUSED:
-        error, says = REFUSED[name]
-        with pytest.raises(error, match=says):
-            load(case)
-        return
-    ref = load_file(str(case / "reference.safetensors"))
-    options = {"norm_scaling_factor": float(ref["norm_scaling_factor"])} if "norm_scaling_factor" in ref else {}
-    _check(load(case, **options), ref)
+    check_case(FIXTURES, case, REFUSED)
 
 
 def test_expected_average_without_factor_warns() -> None:
@@ -86,7 +64,7 @@ def _without_architecture(src: Path, dst: Path, **changes: object) -> Path:
 @pytest.mark.parametrize("case", ["standard", "gated", "jumprelu", "train_batchtopk"])
 def test_architecture_inferred_when_unambiguous(case: str, tmp_path: Path) -> None:
     d = _without_architecture(FIXTURES / case, tmp_path / case)
-    _check(load(d), load_file(str(d / "reference.safetensors")))
+    check_coder(load(d), load_file(str(d / "reference.safetensors")))
 
 
 def test_pre_v6_topk_config_is_topk(tmp_path: Path) -> None:
@@ -94,7 +72,7 @@ def test_pre_v6_topk_config_is_topk(tmp_path: Path) -> None:
                               activation_fn_kwargs={"k": 4})
     module = load(d)
     assert module.cfg.activation == "topk"
-    _check(module, load_file(str(d / "reference.safetensors")))
+    check_coder(module, load_file(str(d / "reference.safetensors")))
 
 
 @pytest.mark.parametrize("changes", [{}, {"activation_fn": "topk", "k": None}, {"activation_fn": "relu"}])
@@ -116,7 +94,7 @@ def test_reverse_direction_passed_in_sae_lens() -> None:
                for r in result["cases"].values())
     for case in cases:  # and the files there still load in our own reader
         ours = load_file(str(FIXTURES / "reverse" / case / "ours_outputs.safetensors"))
-        _check(load(FIXTURES / "reverse" / case), ours)
+        check_coder(load(FIXTURES / "reverse" / case), ours)
 
 
 def test_trainer_run_directory_loads_every_checkpoint() -> None:
@@ -124,7 +102,7 @@ def test_trainer_run_directory_loads_every_checkpoint() -> None:
     assert list(modules) == ["128", "final_192"] and modules.failures == {}
     assert modules["128"].cfg.extra["saelens"]["norm_folded"]  # from its activation_scaler.json
     for name, module in modules.items():
-        _check(module, load_file(str(FIXTURES / "trainer_topk_expected_average" / name / "reference.safetensors")))
+        check_coder(module, load_file(str(FIXTURES / "trainer_topk_expected_average" / name / "reference.safetensors")))
 
 
 def test_normalized_sae_round_trips_and_is_not_trained(tmp_path: Path) -> None:
@@ -132,7 +110,7 @@ def test_normalized_sae_round_trips_and_is_not_trained(tmp_path: Path) -> None:
     assert module.cfg.normalize_activations == "layer_norm" and not module.supports_sparse
     ref = load_file(str(FIXTURES / "norm_layer_norm" / "reference.safetensors"))
     for fmt in ("nnsight_lorsa", "saelens"):
-        _check(load(save(module, tmp_path / fmt, format=fmt)), ref)
+        check_coder(load(save(module, tmp_path / fmt, format=fmt)), ref)
     with pytest.raises(UnsupportedArchitectureError, match="normalize_activations='layer_norm'"):
         Trainer(module, lambda step: None, TrainConfig(total_steps=1))
 

@@ -14,15 +14,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
+from peer_reference import PEER_FIXTURES, case_name, cases, check_case, check_coder, rel_error
 from safetensors.torch import load_file
 
 from nnsight_lorsa.errors import FormatDetectionError
 from nnsight_lorsa.formats import PartialLoadWarning, load, load_all
 from nnsight_lorsa.modules import SkipTranscoder
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "sparsify"
-CASES = sorted(p.parent for p in FIXTURES.rglob("cfg.json") if "reverse" not in p.relative_to(FIXTURES).parts)
+FIXTURES = PEER_FIXTURES / "sparsify"
+CASES = cases(FIXTURES)
 #: case -> (error, what the message must say)
 REFUSED: dict[str, tuple[type[Exception], str]] = {
     "run_mixed/layers.3": (FormatDetectionError, "no known sparse-coder checkpoint files"),  # no sae.safetensors
@@ -30,21 +30,7 @@ REFUSED: dict[str, tuple[type[Exception], str]] = {
 
 
 def _name(case: Path) -> str:
-    return case.relative_to(FIXTURES).as_posix()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
-
-
-def _check(module: torch.nn.Module, ref: dict[str, torch.Tensor], out_key: str = "sae_out") -> None:
-    bound = 2e-2 if ref["x"].dtype == torch.bfloat16 else 1e-5
-    with torch.no_grad():
-        acts = module.encode(ref["x"])  # type: ignore[operator]
-        out = module(ref["x"])
-    assert _rel(acts, ref["feature_acts"]) <= bound
-    assert _rel(out, ref[out_key]) <= bound
-    assert torch.equal((acts != 0).sum(-1), ref["l0"])
+    return case_name(FIXTURES, case)
 
 
 def test_fixtures_present() -> None:
@@ -55,19 +41,7 @@ def test_fixtures_present() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_peer_file(case: Path) -> None:
-    name = _name(case)
-    if name in REFUSED:
-        error, says = REFUSED[name]
-        with pytest.raises(error, match=says):
-            load(case)
-        return
-    module = load(case)
-    ref = load_file(str(case / "reference.safetensors"))
-    _check(module, ref)
-    cfg = json.loads((case / "cfg.json").read_text())
-    assert module.cfg.activation == cfg["activation"]
-    if not cfg["skip_connection"] and not cfg["multi_topk"]:  # sparsify's forward() is decode(encode(x))
-        assert _rel(module(ref["x"]), ref["forward_out"]) <= (2e-2 if ref["x"].dtype == torch.bfloat16 else 1e-5)
+    check_case(FIXTURES, case, REFUSED)
 
 
 def test_sae_with_skip_is_an_exact_skip_transcoder() -> None:
@@ -80,9 +54,9 @@ def test_multi_topk_forward_is_the_top_4k_reconstruction() -> None:
     module = load(FIXTURES / "multi_topk")
     ref = load_file(str(FIXTURES / "multi_topk" / "reference.safetensors"))
     assert module.cfg.extra["sparsify"]["multi_topk"] is True
-    assert _rel(module(ref["x"]), ref["forward_out"]) > 1e-3  # k and 4k differ on these inputs
+    assert rel_error(module(ref["x"]), ref["forward_out"]) > 1e-3  # k and 4k differ on these inputs
     module.activation.k = 4 * module.activation.k
-    assert _rel(module(ref["x"]), ref["forward_out"]) <= 1e-5
+    assert rel_error(module(ref["x"]), ref["forward_out"]) <= 1e-5
 
 
 def test_trainer_run_directory_loads_every_hookpoint() -> None:
@@ -91,7 +65,7 @@ def test_trainer_run_directory_loads_every_hookpoint() -> None:
         modules = load_all(FIXTURES / "run")
     assert list(modules) == ["layers.0", "layers.1"] and modules.failures == {}
     for name, module in modules.items():
-        _check(module, load_file(str(FIXTURES / "run" / name / "reference.safetensors")))
+        check_coder(module, load_file(str(FIXTURES / "run" / name / "reference.safetensors")))
 
 
 def test_run_directory_reports_the_folder_that_failed() -> None:
@@ -101,7 +75,7 @@ def test_run_directory_reports_the_folder_that_failed() -> None:
     assert list(modules.failures) == ["layers.3"] and isinstance(modules.failures["layers.3"], FormatDetectionError)
     assert record[0].message.failures == modules.failures  # type: ignore[union-attr]
     for name, module in modules.items():
-        _check(module, load_file(str(FIXTURES / "run_mixed" / name / "reference.safetensors")))
+        check_coder(module, load_file(str(FIXTURES / "run_mixed" / name / "reference.safetensors")))
 
 
 def test_reverse_direction_passed_in_sparsify() -> None:
@@ -115,4 +89,4 @@ def test_reverse_direction_passed_in_sparsify() -> None:
                for r in result["cases"].values())
     for case in cases:
         ours = load_file(str(FIXTURES / "reverse" / case / "ours_outputs.safetensors"))
-        _check(load(FIXTURES / "reverse" / case), ours)
+        check_coder(load(FIXTURES / "reverse" / case), ours)
