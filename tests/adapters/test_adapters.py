@@ -130,6 +130,8 @@ def test_get_adapter_picks_family(family):
     for path in (adapter.embed_path, adapter.final_norm_path, adapter.lm_head_path,
                  adapter.attention_path(LAYER), adapter.mlp_path(LAYER)):
         assert isinstance(adapter.get_module(model, path), torch.nn.Module), path
+    # the unembedding is found by what the model exposes, not by a name (GPT-NeoX: embed_out / lm_head)
+    assert adapter.get_module(model, adapter.lm_head_path) is model.get_output_embeddings()
     if isinstance(adapter, GPT2Adapter):
         assert isinstance(adapter.get_module(model, adapter.pos_embed_path), torch.nn.Embedding)
         assert adapter.rotary_config() is None

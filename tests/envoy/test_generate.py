@@ -12,7 +12,7 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
+from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight, unembed
 
 from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import TraceOrderError, UnsupportedGenerationError
@@ -37,7 +37,7 @@ def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: tor
             kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
         with model.trace(seq, **kwargs):
             setup()
-            last = nnsight.save(model.lm_head.output[:, -1])
+            last = nnsight.save(unembed(model).output[:, -1])
         logits.append(last)
         seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
         if mask is not None:
@@ -53,7 +53,7 @@ def generated(model, inputs, setup, each_step=None, steps: int = STEPS):
         for _ in tracer.iter[:steps]:
             if each_step is not None:
                 each_step(envoys)
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     return out, logits
 
@@ -199,7 +199,7 @@ def test_lorsa_unsupported_decoding_raises_before_any_token(kwargs):
     with pytest.raises(UnsupportedGenerationError, match="num_beams=1"), model.generate(
             ids, max_new_tokens=3, pad_token_id=1, **kwargs):
         lorsa.replace(layer=LAYER)
-        reached.append(nnsight.save(model.lm_head.output))
+        reached.append(nnsight.save(unembed(model).output))
     assert not reached  # raised from replace(), before the model ran
 
 
@@ -213,12 +213,12 @@ def test_lorsa_beams_from_the_checkpoint_config_raise_before_any_token():
         with pytest.raises(UnsupportedGenerationError, match="num_beams=2.*beam search"), model.generate(
                 random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
             lorsa.replace(layer=LAYER)
-            reached.append(nnsight.save(model.lm_head.output))
+            reached.append(nnsight.save(unembed(model).output))
             reached.append(nnsight.save(tracer.result))
         assert not reached  # raised from replace(), before the first forward pass
         with model.trace(random_ids(1, 6)):  # generation settings play no part in a trace
             lorsa.replace(layer=LAYER)
-            logits = nnsight.save(model.lm_head.output)
+            logits = nnsight.save(unembed(model).output)
         assert logits.shape == (1, 6, hf.config.vocab_size)
     finally:
         hf.generation_config.num_beams = 1
@@ -235,7 +235,7 @@ def test_replace_at_a_later_iter_step_says_to_call_it_before_the_loop():
                 for step in tracer.iter[:3]:
                     if step == 1:
                         lorsa.replace(layer=LAYER)
-                    nnsight.save(model.lm_head.output)
+                    nnsight.save(unembed(model).output)
 
 
 def test_replace_inside_iter_from_step_zero_serves_every_step():
@@ -246,7 +246,7 @@ def test_replace_inside_iter_from_step_zero_serves_every_step():
         logits = nnsight.save([])
         for _ in tracer.iter[:STEPS]:
             lorsa.replace(layer=LAYER)  # the same splice at every step
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     assert_same(out, logits, seq, ref)
 
@@ -274,7 +274,7 @@ def test_lorsa_generate_without_kv_cache_matches_loop():
         setup()
         logits = nnsight.save([])
         for _ in tracer.iter[:STEPS]:
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     assert_same(out, logits, seq, ref)
 
