@@ -12,6 +12,7 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
+import transformers
 from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight, unembed
 
 from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TranscoderSet, get_adapter
@@ -28,13 +29,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().max() / b.detach().abs().max())
 
 
-def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: torch.Tensor | None = None):
-    """Greedy decoding with a full-sequence ``model.trace`` per step: (sequence, [logits of each step])."""
+def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None):
+    """Greedy decoding with a full-sequence ``model.trace`` per step: (sequence, [logits of each step]).
+
+    ``positions``: ``(batch, pos + steps)`` position ids to run at (default: counted from the mask)."""
     seq, logits = ids, []
     for _ in range(steps):
         kwargs = {}
         if mask is not None:  # left padding: positions as generate computes them
-            kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+            pos = (mask.cumsum(-1) - 1).clamp_min(0) if positions is None else positions[:, :seq.shape[1]]
+            kwargs = {"attention_mask": mask, "position_ids": pos}
         with model.trace(seq, **kwargs):
             setup()
             last = nnsight.save(unembed(model).output[:, -1])
@@ -88,14 +93,29 @@ def test_lorsa_generate_matches_no_cache_loop(family, attn):
 
 
 def test_lorsa_generate_left_padded_batch():
-    model, _, lorsa = lorsa_set("llama")
+    """The reference runs at the positions generate fed the model (recorded): nnsight 0.8.1 supplies
+    mask-counted ``position_ids`` for a left-padded batch, and transformers 4.x's ``generate`` then
+    repeats the last given position at every later step instead of advancing it (the plain model too,
+    no Lorsa involved); transformers 5 advances them."""
+    model, hf, lorsa = lorsa_set("llama")
     ids = random_ids(2, 7)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     ids[1, :3] = 1
     setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
-    seq, ref = no_cache_loop(model, ids, setup, mask=mask)
-    out, logits = generated(model, {"input_ids": ids, "attention_mask": mask}, setup)
+    fed: list[torch.Tensor] = []
+    hook = hf.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["position_ids"].clone()), with_kwargs=True)
+    try:
+        out, logits = generated(model, {"input_ids": ids, "attention_mask": mask}, setup)
+    finally:
+        hook.remove()
+    assert len(fed) == STEPS and fed[0].shape == ids.shape
+    positions = torch.cat(fed, 1)
+    full_mask = torch.cat([mask, torch.ones(2, STEPS - 1, dtype=mask.dtype)], 1)
+    if not torch.equal(positions, (full_mask.cumsum(-1) - 1).clamp_min(0)):
+        assert int(transformers.__version__.split(".")[0]) < 5, positions  # the known transformers-4 behaviour
+    seq, ref = no_cache_loop(model, ids, setup, mask=mask, positions=positions)
     assert_same(out, logits, seq, ref)
 
 
