@@ -258,7 +258,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     with model.trace(prompt):
         site = lorsas.replace(layer=layer)
         z = nnsight.save(site.hook_z.output)
-        logits = nnsight.save(model.lm_head.output)
+        logits = nnsight.save(model.get(lorsas.adapter.lm_head_path).output)
     next_tok = model.tokenizer.decode(logits[0, -1].argmax())
     active = (z[0, -1] > 0).nonzero().flatten().tolist()
     print(f"\nwith model.trace(prompt): lorsa.replace(layer={layer}) -> next token {next_tok!r}; "

@@ -196,7 +196,9 @@ def readable_by_transformers_4(model_dir: Path) -> None:
     transformers 5 writes RoPE only as ``rope_parameters`` and names the tokenizer class
     ``TokenizersBackend``; transformers 4 reads ``rope_theta`` + ``rope_scaling`` (it would silently run
     unscaled RoPE) and knows ``PreTrainedTokenizerFast`` (the same fast tokenizer; transformers 5 maps that
-    name to ``TokenizersBackend``). Adds the transformers-4 keys next to the transformers-5 ones.
+    name to ``TokenizersBackend``), whose default ``model_input_names`` add ``token_type_ids``, which a
+    causal LM's ``generate`` rejects; transformers 5 defaults to ``input_ids`` + ``attention_mask``. Adds
+    the transformers-4 keys next to the transformers-5 ones.
     """
     cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -209,7 +211,8 @@ def readable_by_transformers_4(model_dir: Path) -> None:
     tok = json.loads(tok_path.read_text())
     if tok.get("tokenizer_class") == "TokenizersBackend":
         tok["tokenizer_class"] = "PreTrainedTokenizerFast"
-        tok_path.write_text(json.dumps(tok, indent=2) + "\n")
+    tok.setdefault("model_input_names", ["input_ids", "attention_mask"])
+    tok_path.write_text(json.dumps(tok, indent=2) + "\n")
 
 def corpus_cross_entropy(
     model: PreTrainedModel,

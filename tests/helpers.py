@@ -99,6 +99,13 @@ def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager"):
     return model, hf
 
 
+def unembed(model):
+    """The envoy of the model's unembedding (``lm_head``, or GPT-NeoX's ``embed_out`` on older transformers)."""
+    from nnsight_lorsa import get_adapter
+
+    return model.get(get_adapter(model).lm_head_path)
+
+
 def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, VOCAB, (batch, seq), generator=g)

@@ -209,7 +209,9 @@ class ArchitectureAdapter:
     mlp_name: ClassVar[str] = ""
     embed_path: ClassVar[str] = ""
     final_norm_path: ClassVar[str] = ""
-    lm_head_path: ClassVar[str] = "lm_head"
+    #: the unembedding; :func:`~nnsight_lorsa.adapters.get_adapter` sets it per model from the model's
+    #: ``get_output_embeddings()`` (the class value is the default for an adapter built from a config).
+    lm_head_path: str = "lm_head"
     #: names (inside a decoder layer) of the norms before the attention and before the MLP
     attention_norm_name: ClassVar[str] = ""
     mlp_norm_name: ClassVar[str] = ""

@@ -9,7 +9,11 @@ No rotary: positions enter through the learned position embeddings ``transformer
 the token embeddings before the first layer.
 
 Scale (``GPT2Attention.__init__``): ``head_dim ** -0.5`` if ``config.scale_attn_weights`` (else 1),
-divided by ``layer_idx + 1`` if ``config.scale_attn_by_inverse_layer_idx``.
+divided by ``layer_idx + 1`` if ``config.scale_attn_by_inverse_layer_idx``. Recent transformers keep it
+as ``GPT2Attention.scaling`` and pass it to every attention implementation; older ones (4.x, without
+``scaling``) apply both settings only in eager attention -- their SDPA uses ``head_dim ** -0.5``
+whatever the config says -- so such a model under a non-eager implementation is refused
+(``ConfigMismatchError``) rather than recomputed with a scale it does not run.
 ``reorder_and_upcast_attn`` changes only the order of fp operations (same function).
 
 Call (transformers 5, ``GPT2Block.forward``): ``self.attn(hidden_states, past_key_values=...,
@@ -24,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..errors import UnsupportedArchitectureError
+from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig
 from .base import ArchitectureAdapter, MHSAWeights
 
@@ -65,6 +69,21 @@ class GPT2Adapter(ArchitectureAdapter):
             scale /= float(self.check_layer(layer) + 1)
         return scale
 
+    def _check_scale_applied(self, attn: Any, layer: int) -> None:
+        """Refuse a config scale that the model's (pre-``scaling``) non-eager attention ignores."""
+        impl = getattr(getattr(attn, "config", self.config), "_attn_implementation", None) or "eager"
+        c = self.config
+        ignored = [name for name, set_ in (
+            ("scale_attn_by_inverse_layer_idx=True", getattr(c, "scale_attn_by_inverse_layer_idx", False)),
+            ("scale_attn_weights=False", not getattr(c, "scale_attn_weights", True))) if set_]
+        if impl != "eager" and ignored:
+            raise ConfigMismatchError(
+                f"{self.family}: {self.attention_path(layer)} runs {impl!r} attention, which in this transformers "
+                f"ignores {', '.join(ignored)} (its scale is head_dim ** -0.5 whatever the config says), so the "
+                "model does not compute what its config describes. Load it with attn_implementation='eager' "
+                "(or use a transformers whose GPT2Attention has `scaling`)."
+            )
+
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Head-major weights from ``c_attn``/``c_proj`` (Conv1D, weight ``(in, out)``).
 
@@ -88,7 +107,11 @@ class GPT2Adapter(ArchitectureAdapter):
         o = attn.c_proj.weight.detach()  # (n_heads*head_dim, d_model)
         W_O = o.view(n, e, d)
         b_O = attn.c_proj.bias.detach() if attn.c_proj.bias is not None else o.new_zeros(d)
-        scale = float(getattr(attn, "scaling", self.attention_scale(layer)))
+        if hasattr(attn, "scaling"):  # the scale every attention implementation of this transformers uses
+            scale = float(attn.scaling)
+        else:
+            self._check_scale_applied(attn, layer)
+            scale = self.attention_scale(layer)
         return MHSAWeights(
             W_Q=Ws[0], b_Q=bs[0], W_K=Ws[1], b_K=bs[1], W_V=Ws[2], b_V=bs[2], W_O=W_O, b_O=b_O,
             rotary=None, scale=scale,

@@ -23,7 +23,9 @@ Call (``GPTNeoXLayer.forward``): ``self.attention(input_layernorm(h), attention_
 position_ids=..., layer_past=..., use_cache=..., position_embeddings=(cos, sin), **kwargs)``:
 hidden states are the first POSITIONAL argument; returns ``(attn_output, attn_weights)``.
 
-The LM head is ``lm_head`` in transformers 5 but ``embed_out`` in transformers 4.
+The LM head is ``embed_out`` up to transformers 5.x (early) and ``lm_head`` later; :func:`get_adapter` takes
+the path from the model's own ``get_output_embeddings()``, the version guess below is only the default
+of an adapter built from a bare config.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ class GPTNeoXAdapter(ArchitectureAdapter):
     mlp_name = "mlp"
     embed_path = "gpt_neox.embed_in"
     final_norm_path = "gpt_neox.final_layer_norm"
-    #: ``embed_out`` before transformers 5 renamed it to ``lm_head``.
+    #: default for an adapter built from a bare config; ``get_adapter(model)`` reads the model's own
+    #: ``get_output_embeddings()`` (``embed_out`` in transformers 4 and 5.0, ``lm_head`` later).
     lm_head_path = "lm_head" if _transformers_major() >= 5 else "embed_out"
-    legacy_lm_head_path: ClassVar[str] = "embed_out"
     attention_norm_name = "input_layernorm"
     mlp_norm_name = "post_attention_layernorm"
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from ..errors import UnsupportedArchitectureError
 from .base import ArchitectureAdapter
 from .gpt2 import GPT2Adapter
@@ -20,8 +22,22 @@ def _config_of(model: Any) -> Any:
     return config
 
 
+def _unembedding_path(model: Any) -> str | None:
+    """Dotted path of ``model.get_output_embeddings()`` (Hugging Face or nnsight-wrapped), else None."""
+    module = getattr(model, "_module", model)
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None
+    return next((name for name, m in module.named_modules() if m is head and name), None)
+
+
 def get_adapter(model_or_config: Any) -> ArchitectureAdapter:
     """The adapter for a Hugging Face model, an nnsight-wrapped model, or a transformers config.
+
+    Given a model, ``lm_head_path`` is where the model's ``get_output_embeddings()`` lives (GPT-NeoX:
+    ``embed_out`` or ``lm_head`` depending on the transformers version); given a config, the adapter's
+    default.
 
     Raises:
         UnsupportedArchitectureError: no adapter serves the model's ``model_type`` (the message
@@ -35,7 +51,11 @@ def get_adapter(model_or_config: Any) -> ArchitectureAdapter:
         )
     for adapter in ADAPTERS:
         if model_type in adapter.model_types:
-            return adapter(config)
+            found = adapter(config)
+            path = _unembedding_path(model_or_config)
+            if path is not None:
+                found.lm_head_path = path
+            return found
     supported = sorted(t for a in ADAPTERS for t in a.model_types)
     raise UnsupportedArchitectureError(
         f"no adapter for model_type {model_type!r}; supported: {supported}. An adapter says where the "

@@ -65,7 +65,7 @@ def ids_only_tokenizer(vocab_size: int, *, bos_token_id: int | None = None, eos_
 
     pad = pad_token_id if pad_token_id is not None else eos_token_id
     return IdsOnlyTokenizer(tokenizer_object=core, bos_token=tok(bos_token_id), eos_token=tok(eos_token_id),
-                            pad_token=tok(pad), where=where)
+                            pad_token=tok(pad), where=where, model_input_names=["input_ids", "attention_mask"])
 
 
 def _first_id(value: Any) -> int | None:

@@ -7,6 +7,7 @@ output and head-major MHSA weights -- must reproduce the model's own attention o
 
 from __future__ import annotations
 
+import copy
 import types
 
 import numpy as np
@@ -130,6 +131,8 @@ def test_get_adapter_picks_family(family):
     for path in (adapter.embed_path, adapter.final_norm_path, adapter.lm_head_path,
                  adapter.attention_path(LAYER), adapter.mlp_path(LAYER)):
         assert isinstance(adapter.get_module(model, path), torch.nn.Module), path
+    # the unembedding is found by what the model exposes, not by a name (GPT-NeoX: embed_out / lm_head)
+    assert adapter.get_module(model, adapter.lm_head_path) is model.get_output_embeddings()
     if isinstance(adapter, GPT2Adapter):
         assert isinstance(adapter.get_module(model, adapter.pos_embed_path), torch.nn.Embedding)
         assert adapter.rotary_config() is None
@@ -178,6 +181,10 @@ def test_mhsa_forward_matches_model_attention(family, attn):
     positions = adapter.attention_positions(args, kwargs, x)
     if family in ROTARY_FAMILIES:  # the position_ids given to the model reach the adapter
         assert torch.equal(positions.expand(BATCH, SEQ), _inputs()[1])
+    if family == "gpt2_inv" and attn != "eager" and not hasattr(adapter.attention_module(model, LAYER), "scaling"):
+        with pytest.raises(ConfigMismatchError, match="scale_attn_by_inverse_layer_idx"):
+            adapter.mhsa_weights(model, LAYER)  # transformers 4.x: its SDPA ignores the layer scale
+        return
     w = adapter.mhsa_weights(model, LAYER)
     assert isinstance(w, MHSAWeights) and w.d_model == D_MODEL
 
@@ -215,6 +222,17 @@ def test_gpt2_inverse_layer_scale():
     assert adapter.attention_scale(0) == pytest.approx(head_dim ** -0.5)
     assert adapter.attention_scale(1) == pytest.approx(head_dim ** -0.5 / 2)
     assert adapter.mhsa_weights(tiny_model("gpt2_inv"), 1).scale == pytest.approx(head_dim ** -0.5 / 2)
+    # a GPT2Attention without `scaling` (transformers 4.x): eager applies the config, SDPA ignores it
+    for attn, refused in (("eager", False), ("sdpa", True)):
+        model = copy.deepcopy(tiny_model("gpt2_inv", attn))  # the cached one stays intact
+        module = adapter.attention_module(model, 1)
+        if hasattr(module, "scaling"):
+            del module.scaling
+        if refused:
+            with pytest.raises(ConfigMismatchError, match="attn_implementation='eager'"):
+                adapter.mhsa_weights(model, 1)
+        else:
+            assert adapter.mhsa_weights(model, 1).scale == pytest.approx(head_dim ** -0.5 / 2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, make_lorsa, make_sae, make_transcoders, tiny_nnsight
+from helpers import FAMILIES, make_lorsa, make_sae, make_transcoders, tiny_nnsight, unembed
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
 
@@ -16,10 +16,10 @@ BOUND = 1e-5
 
 def _relative_error(model, rm, ids) -> float:
     with torch.no_grad(), model.trace(ids):
-        plain = model.lm_head.output.save()
+        plain = unembed(model).output.save()
     with torch.no_grad(), rm.trace(ids):
         rm.replace()
-        replaced = model.lm_head.output.save()
+        replaced = unembed(model).output.save()
     return float((replaced - plain).abs().max() / plain.abs().max())
 
 

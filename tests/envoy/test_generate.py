@@ -12,7 +12,8 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
+import transformers
+from helpers import make_clt, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight, unembed
 
 from nnsight_lorsa import CLTSet, LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import TraceOrderError, UnsupportedGenerationError
@@ -28,16 +29,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().abs().max() / b.detach().abs().max())
 
 
-def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: torch.Tensor | None = None):
-    """Greedy decoding with a full-sequence ``model.trace`` per step: (sequence, [logits of each step])."""
+def no_cache_loop(model, ids: torch.Tensor, setup, steps: int = STEPS, mask: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None):
+    """Greedy decoding with a full-sequence ``model.trace`` per step: (sequence, [logits of each step]).
+
+    ``positions``: ``(batch, pos + steps)`` position ids to run at (default: counted from the mask)."""
     seq, logits = ids, []
     for _ in range(steps):
         kwargs = {}
         if mask is not None:  # left padding: positions as generate computes them
-            kwargs = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+            pos = (mask.cumsum(-1) - 1).clamp_min(0) if positions is None else positions[:, :seq.shape[1]]
+            kwargs = {"attention_mask": mask, "position_ids": pos}
         with model.trace(seq, **kwargs):
             setup()
-            last = nnsight.save(model.lm_head.output[:, -1])
+            last = nnsight.save(unembed(model).output[:, -1])
         logits.append(last)
         seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
         if mask is not None:
@@ -53,7 +58,7 @@ def generated(model, inputs, setup, each_step=None, steps: int = STEPS):
         for _ in tracer.iter[:steps]:
             if each_step is not None:
                 each_step(envoys)
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     return out, logits
 
@@ -88,14 +93,29 @@ def test_lorsa_generate_matches_no_cache_loop(family, attn):
 
 
 def test_lorsa_generate_left_padded_batch():
-    model, _, lorsa = lorsa_set("llama")
+    """The reference runs at the positions generate fed the model (recorded): nnsight 0.8.1 supplies
+    mask-counted ``position_ids`` for a left-padded batch, and transformers 4.x's ``generate`` then
+    repeats the last given position at every later step instead of advancing it (the plain model too,
+    no Lorsa involved); transformers 5 advances them."""
+    model, hf, lorsa = lorsa_set("llama")
     ids = random_ids(2, 7)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     ids[1, :3] = 1
     setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
-    seq, ref = no_cache_loop(model, ids, setup, mask=mask)
-    out, logits = generated(model, {"input_ids": ids, "attention_mask": mask}, setup)
+    fed: list[torch.Tensor] = []
+    hook = hf.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["position_ids"].clone()), with_kwargs=True)
+    try:
+        out, logits = generated(model, {"input_ids": ids, "attention_mask": mask}, setup)
+    finally:
+        hook.remove()
+    assert len(fed) == STEPS and fed[0].shape == ids.shape
+    positions = torch.cat(fed, 1)
+    full_mask = torch.cat([mask, torch.ones(2, STEPS - 1, dtype=mask.dtype)], 1)
+    if not torch.equal(positions, (full_mask.cumsum(-1) - 1).clamp_min(0)):
+        assert int(transformers.__version__.split(".")[0]) < 5, positions  # the known transformers-4 behaviour
+    seq, ref = no_cache_loop(model, ids, setup, mask=mask, positions=positions)
     assert_same(out, logits, seq, ref)
 
 
@@ -199,7 +219,7 @@ def test_lorsa_unsupported_decoding_raises_before_any_token(kwargs):
     with pytest.raises(UnsupportedGenerationError, match="num_beams=1"), model.generate(
             ids, max_new_tokens=3, pad_token_id=1, **kwargs):
         lorsa.replace(layer=LAYER)
-        reached.append(nnsight.save(model.lm_head.output))
+        reached.append(nnsight.save(unembed(model).output))
     assert not reached  # raised from replace(), before the model ran
 
 
@@ -213,12 +233,12 @@ def test_lorsa_beams_from_the_checkpoint_config_raise_before_any_token():
         with pytest.raises(UnsupportedGenerationError, match="num_beams=2.*beam search"), model.generate(
                 random_ids(1, 6), max_new_tokens=3, pad_token_id=1) as tracer:
             lorsa.replace(layer=LAYER)
-            reached.append(nnsight.save(model.lm_head.output))
+            reached.append(nnsight.save(unembed(model).output))
             reached.append(nnsight.save(tracer.result))
         assert not reached  # raised from replace(), before the first forward pass
         with model.trace(random_ids(1, 6)):  # generation settings play no part in a trace
             lorsa.replace(layer=LAYER)
-            logits = nnsight.save(model.lm_head.output)
+            logits = nnsight.save(unembed(model).output)
         assert logits.shape == (1, 6, hf.config.vocab_size)
     finally:
         hf.generation_config.num_beams = 1
@@ -235,7 +255,7 @@ def test_replace_at_a_later_iter_step_says_to_call_it_before_the_loop():
                 for step in tracer.iter[:3]:
                     if step == 1:
                         lorsa.replace(layer=LAYER)
-                    nnsight.save(model.lm_head.output)
+                    nnsight.save(unembed(model).output)
 
 
 def test_replace_inside_iter_from_step_zero_serves_every_step():
@@ -246,7 +266,7 @@ def test_replace_inside_iter_from_step_zero_serves_every_step():
         logits = nnsight.save([])
         for _ in tracer.iter[:STEPS]:
             lorsa.replace(layer=LAYER)  # the same splice at every step
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     assert_same(out, logits, seq, ref)
 
@@ -274,7 +294,7 @@ def test_lorsa_generate_without_kv_cache_matches_loop():
         setup()
         logits = nnsight.save([])
         for _ in tracer.iter[:STEPS]:
-            logits.append(model.lm_head.output[:, -1].clone())
+            logits.append(unembed(model).output[:, -1].clone())
         out = nnsight.save(tracer.result)
     assert_same(out, logits, seq, ref)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, LAYER, TESTS, hooked, make_lorsa, module_state, random_ids, tiny_nnsight
+from helpers import FAMILIES, LAYER, TESTS, hooked, make_lorsa, module_state, random_ids, tiny_nnsight, unembed
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, TraceOrderError
@@ -24,7 +24,7 @@ def test_error_term_reproduces_logits(setup):
     ref = hf(ids).logits
     with model.trace(ids):
         lorsas.replace(layer=LAYER, error=True)
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - ref).abs().max() <= 1e-5 * ref.abs().max()  # the relative bound (test_exactness.py)
 
 
@@ -39,7 +39,7 @@ def test_replace_matches_hooked_reference_and_changes_output(setup):
         site = lorsas.replace(layer=LAYER)
         z = site.hook_z.output.save()
         out = site.hook_out.output.save()
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
     assert (logits - ref).abs().max() > 1e-3  # the replacement is not the MHSA
     assert z.shape == (2, 10, lorsas[LAYER].cfg.n_ov_heads)
@@ -64,7 +64,7 @@ def test_edit_heads_in_trace_matches_reference(setup):
         site = lorsas.replace(layer=LAYER)
         site.hook_z.output[:, :, 3] = 0
         site.hook_z.output[:, :, 5] += 2.0
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
 
 
@@ -100,7 +100,7 @@ def test_error_term_is_held_fixed_under_edits(setup):
         site = lorsas.replace(layer=LAYER, error=True)
         site.hook_z.output[:, :, 0] = 3.0
         err = site.hook_error.output.save()
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-4
     assert (logits - ref).abs().max() > 1e-3
     assert (err - (captured["out"] - lorsa.decode(z))).abs().max() < 1e-5
@@ -118,10 +118,10 @@ def test_several_layers_and_invokes():
         with tracer.invoke(ids[:1]):
             sites = lorsas.replace()  # every layer of the set, for the whole batch
             z0 = sites[0].hook_z.output.save()
-            first = model.lm_head.output.save()
+            first = unembed(model).output.save()
         with tracer.invoke(ids[1:]):
             z2 = sites[2].hook_z.output.save()
-            rest = model.lm_head.output.save()
+            rest = unembed(model).output.save()
     assert z0.shape[0] == 1 and z2.shape[0] == 2
     assert (torch.cat([first, rest]) - want).abs().max() < 1e-5
 
@@ -139,7 +139,7 @@ def test_nothing_survives_the_trace_even_on_error(setup):
     assert torch.equal(hf(ids).logits, ref)
     with pytest.raises(RuntimeError, match="boom"), model.trace(ids):
         lorsas.replace(layer=LAYER)
-        model.lm_head.output.save()
+        unembed(model).output.save()
         raise RuntimeError("boom")
     assert module_state(hf) == before
     assert torch.equal(hf(ids).logits, ref)
@@ -197,7 +197,7 @@ def test_bad_layers_and_shapes():
 
 REMOTE_LOCAL_SCRIPT = """
 import sys, torch, nnsight, nnsight_lorsa
-from helpers import random_ids, tiny_nnsight
+from helpers import random_ids, tiny_nnsight, unembed
 from helpers import LAYER, make_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
 model, hf = tiny_nnsight("llama")
@@ -209,12 +209,12 @@ with model.trace(ids):
     site = lorsas.replace(layer=LAYER)
     site.hook_z.output[:, :, 2] = 0
     z_local = nnsight.save(site.hook_z.output)
-    logits_local = nnsight.save(model.lm_head.output)
+    logits_local = nnsight.save(unembed(model).output)
 with model.trace(ids, remote="local"):
     site = lorsas.replace(layer=LAYER)
     site.hook_z.output[:, :, 2] = 0
     z = nnsight.save(site.hook_z.output)
-    logits = nnsight.save(model.lm_head.output)
+    logits = nnsight.save(unembed(model).output)
 assert torch.equal(z, z_local) and torch.equal(logits, logits_local), (z - z_local).abs().max()
 assert "lorsa" not in dict(adapter.attention_module(hf, LAYER).named_children())
 print("ok")

@@ -6,7 +6,18 @@ import contextlib
 
 import pytest
 import torch
-from helpers import D, hooked, make_clt, make_lorsa, make_sae, make_transcoder, module_state, random_ids, tiny_nnsight
+from helpers import (
+    D,
+    hooked,
+    make_clt,
+    make_lorsa,
+    make_sae,
+    make_transcoder,
+    module_state,
+    random_ids,
+    tiny_nnsight,
+    unembed,
+)
 
 from nnsight_lorsa import (
     CLTSet,
@@ -314,7 +325,7 @@ def test_transcoder_in_trace(fam):
                 acts = site.hook_sae_acts_post.output.clone().save()
                 if edit is not None:
                     site.hook_sae_acts_post.output[:, :, f] = 0
-                logits = model.lm_head.output.save()
+                logits = unembed(model).output.save()
             assert torch.allclose(acts, seen[0], atol=1e-6)
             assert (logits - want).abs().max() < 1e-5, (error, edit)
             if error and edit is None:
@@ -346,7 +357,7 @@ def test_sae_on_residual_stream_in_trace(fam):
                 if edit is not None:
                     site.hook_sae_acts_post.output[:, :, f] = 0
                 recons = site.hook_sae_recons.output.save()
-                logits = model.lm_head.output.save()
+                logits = unembed(model).output.save()
             assert torch.allclose(acts, seen[0], atol=1e-6) and recons.shape == (2, 10, D)
             assert (logits - want).abs().max() < 1e-5, (error, edit)
             assert ((logits - ref).abs().max() < 1e-5) == (error and edit is None)
@@ -365,10 +376,10 @@ def test_sae_on_tuple_output_site_and_several_invokes():
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
             site = saes.replace()[path]
-            first = model.lm_head.output.save()
+            first = unembed(model).output.save()
         with tracer.invoke(ids[1:]):
             acts = site.hook_sae_acts_post.output.save()
-            rest = model.lm_head.output.save()
+            rest = unembed(model).output.save()
     assert acts.shape == (2, 10, 128) and ((acts > 0).sum(-1) <= 6).all()
     assert (torch.cat([first, rest]) - want).abs().max() < 1e-5
 
@@ -383,7 +394,7 @@ def test_clt_in_trace(fam):
     with model.trace(ids):
         site = clts.replace()
         acts0 = site.hook_sae_acts_post[0].output.save()
-        model.lm_head.output.save()
+        unembed(model).output.save()
     f = busiest(acts0)
 
     def edit(layer, acts):
@@ -402,7 +413,7 @@ def test_clt_in_trace(fam):
                     site.hook_sae_acts_post[0].output[:, :, f] = 0
                 a2 = site.hook_sae_acts_post[2].output.save()
                 recons = site.hook_sae_recons[2].output.save()
-                logits = model.lm_head.output.save()
+                logits = unembed(model).output.save()
             assert torch.equal(a0, acts0) and a2.shape == (2, 10, 48) and recons.shape == (2, 10, D)
             assert (logits - want).abs().max() < 1e-5, (error, ed)
             assert ((logits - ref).abs().max() < 1e-5) == (error and ed is None)
@@ -455,7 +466,7 @@ def test_nothing_survives_the_trace_even_on_error():
             clts.replace(error=True)
             tc_site.hook_sae_acts_post.output.save()
             sae_site.hook_error.output.save()
-            model.lm_head.output.save()
+            unembed(model).output.save()
             if fail:
                 raise RuntimeError("boom")
         assert module_state(hf) == before
@@ -497,7 +508,7 @@ def test_complete_replacement_model_in_one_trace(fam, mlps):
                 tcs.replace(error=error)
             site = saes.replace(last, error=error)
             acts = site.hook_sae_acts_post.output.save()
-            logits = model.lm_head.output.save()
+            logits = unembed(model).output.save()
         assert acts.shape == (2, 10, 128)
         if error:
             assert (logits - ref).abs().max() < 1e-5
@@ -533,7 +544,7 @@ def test_bad_input_raises_package_errors():
     odd = SAESet(model, {"model.layers.1.mlp.gate_proj": make_sae()})  # width 128, known only at run time
     with pytest.raises(ShapeError, match=r"\(\*batch, 64\)"), model.trace(random_ids()):
         odd.replace("model.layers.1.mlp.gate_proj")
-        model.lm_head.output.save()
+        unembed(model).output.save()
     clts = CLTSet(model, make_clt())
     with pytest.raises(TraceOrderError, match="already ran"), model.trace(random_ids()):
         model.model.layers[1].output.save()
@@ -579,7 +590,7 @@ def test_from_pretrained_attaches_at_the_sites_the_files_name(tmp_path):
     assert list(explicit) == ["model.layers.2"]
     with model.trace(random_ids()):
         s.replace("model.layers.1")
-        out = model.lm_head.output.save()
+        out = unembed(model).output.save()
     assert out.shape[-1] == hf.config.vocab_size
 
     tcs = {i: make_transcoder(skip=False, seed=i, activation="relu", activation_params={}).eval() for i in range(3)}

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import N_HEADS, N_LAYERS, TESTS, hooked, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
+from helpers import (
+    N_HEADS,
+    N_LAYERS,
+    TESTS,
+    hooked,
+    make_lorsa,
+    make_sae,
+    make_transcoder,
+    random_ids,
+    tiny_nnsight,
+    unembed,
+)
 
 from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
@@ -72,7 +83,7 @@ def test_mhsa_interventions_match_hook_reference(family):
         ablate(r(MHSAHead(0, 2)))
         scale(r(MHSAHead(2, 0)), -2.0, positions=[1, 3])
         steer(r(MHSAHead(2, 1)), delta)
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
     assert (logits - hf(ids).logits).abs().max() > 1e-4
 
@@ -102,7 +113,7 @@ def test_mean_ablation_and_read():
     with model.trace(ids):
         ablate(r(MHSAHead(1, 3)), "mean", means)
         after = read(r(MHSAHead(1, 3)), positions=-1)
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
     assert torch.allclose(after, want_mean.expand(2, d))
 
@@ -129,7 +140,7 @@ def test_lorsa_head_interventions_match_hooked_reference():
         ablate(r(LorsaHead(1, 3)))
         scale(r(LorsaHead(1, 5)), 3.0, positions=-1)
         steer(r(LorsaHead(1, 6)), 0.5)
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
 
     # head swap (App. D.4): z[from] -> 0, z[to] <- old z[from], at the last position
@@ -179,7 +190,7 @@ def test_feature_interventions_match_hook_reference():
     with model.trace(ids):
         ablate(r(Feature(0, 7, kind="transcoder")))  # layer 0's MLP runs before layer 1's output
         steer(r(Feature("model.layers.1", 4)), 1.5)
-        logits = model.lm_head.output.save()
+        logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
     order = r.sort([Feature("model.layers.1", 4), Feature(0, 7, kind="transcoder"), MHSAHead(1, 0)])
     assert order == [Feature(0, 7, kind="transcoder"), MHSAHead(1, 0), Feature("model.layers.1", 4)]
@@ -200,13 +211,13 @@ def test_interventions_compose_with_invokes():
     ref = hf(ids).logits
     with model.trace(ids[1:]):
         ablate(r(MHSAHead(1, 0)))
-        alone = model.lm_head.output.save()
+        alone = unembed(model).output.save()
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
-            first = model.lm_head.output.save()
+            first = unembed(model).output.save()
         with tracer.invoke(ids[1:]):
             ablate(r(MHSAHead(1, 0)))
-            rest = model.lm_head.output.save()
+            rest = unembed(model).output.save()
     assert (first - ref[:1]).abs().max() < 1e-5
     assert (rest - alone).abs().max() < 1e-5
     assert (rest - ref[1:]).abs().max() > 1e-4
@@ -296,7 +307,7 @@ def test_bad_targets_raise_before_the_model_runs():
     assert calls == []  # nothing ran
     with pytest.raises(ShapeError), model.trace(ids):  # a bad patch inside a trace: raised by the trace
         patch(r(MHSAHead(1, 0)), torch.zeros(2, 10, 3))
-        model.lm_head.output.save()
+        unembed(model).output.save()
 
 
 @torch.no_grad()
@@ -355,7 +366,7 @@ def test_induction_drops_when_ablating_top_patched_heads():
 REMOTE_LOCAL_PATCHING = r"""
 import torch, nnsight
 import nnsight_lorsa
-from helpers import random_ids, tiny_nnsight
+from helpers import random_ids, tiny_nnsight, unembed
 from helpers import make_lorsa
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, ablate, steer
@@ -370,7 +381,7 @@ def run(remote):
         ablate(r(targets[0]))
         ablate(r(targets[1]), positions=-1)
         steer(r(targets[2]), 0.5)
-        logits = nnsight.save(model.lm_head.output)
+        logits = nnsight.save(unembed(model).output)
     return logits
 local = run(False)
 nnsight.register(nnsight_lorsa)
@@ -411,12 +422,12 @@ def test_replacement_model_splices_every_set_and_reproduces_the_model():
         acts = sites["transcoders"][0].hook_sae_acts_post.output.save()  # read in execution order
         z = sites["lorsas"][1].hook_z.output.save()
         sae_acts = sites["saes"]["model.layers.2"].hook_sae_acts_post.output.save()
-        got = model.lm_head.output.save()
+        got = unembed(model).output.save()
     assert z.shape[-1] == rm.lorsas[1].cfg.n_ov_heads and acts.shape[-1] == sae_acts.shape[-1] == 128
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     with rm.trace(ids):
         rm.replace(error=False)
-        bare = model.lm_head.output.save()
+        bare = unembed(model).output.save()
     assert (bare - want).abs().max() > 1e-3 * want.abs().max()
     other, _ = tiny_nnsight("llama")
     with pytest.raises(ConfigMismatchError, match="another model"):

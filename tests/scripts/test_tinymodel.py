@@ -164,4 +164,11 @@ def test_embedded_model_reads_the_same_on_transformers_4_and_5(tmp_path):
     _tm.readable_by_transformers_4(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["rope_scaling"] == cfg["rope_scaling"] and written["rope_theta"] == rp["rope_theta"]
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tok["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tok["model_input_names"] == ["input_ids", "attention_mask"]
+    # the installed transformers' tokenizer gives only what a causal LM's generate takes (transformers 4's
+    # PreTrainedTokenizerFast would add token_type_ids without model_input_names)
+    from nnsight_lorsa.envoy.tokens import load_tokenizer
+
+    assert list(load_tokenizer(d)("to be or not", return_tensors="pt")) == ["input_ids", "attention_mask"]
