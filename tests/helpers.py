@@ -288,3 +288,27 @@ def attribution_setup(family):
     lorsas = {1: make_lorsa(hf, adapter, 1)}
     # layer 1 keeps no transcoder (its MLP becomes error nodes); layer 2 has a skip transcoder
     return model, hf, lorsas, make_transcoders((0, 2), skip_layer=2)
+
+
+def check_resume_bit_exact(make, source, ckpt: Path, check_resumed=None):
+    """Train ``make()`` 6 steps straight, and 3 steps + checkpoint + :meth:`Trainer.resume` + 3 more:
+    the two runs must end bit-equal (state dict, dead counters, last history entry). ``check_resumed(
+    straight, first, resumed)`` runs right after the resume (before its steps). Returns the straight
+    trainer. Small ``dead_after_tokens`` so AuxK is active too."""
+    from nnsight_lorsa.training import TrainConfig, Trainer
+
+    config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)
+    straight = Trainer(make(), source, TrainConfig(**config))
+    straight.train(progress=False)
+    first = Trainer(make(), source, TrainConfig(**config))
+    first.train(3, progress=False)
+    first.save_checkpoint(ckpt)
+    resumed = Trainer.resume(ckpt, source)
+    if check_resumed is not None:
+        check_resumed(straight, first, resumed)
+    resumed.train(progress=False)
+    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
+    assert straight.config.history[-1] == resumed.config.history[-1]
+    return straight

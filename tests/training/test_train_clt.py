@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_training_setup
+from helpers import check_resume_bit_exact, tiny_training_setup
 
 from nnsight_lorsa.envoy.clt_set import CLTSet
 from nnsight_lorsa.envoy.read import Site
@@ -98,21 +98,12 @@ def test_checkpoint_resumes_bit_exactly(setup, tmp_path, kind):
     model, hf, adapter, data, source = setup
     make = (lambda: new_clt(adapter)) if kind == "topk" else (
         lambda: new_clt(adapter, "jumprelu", {"threshold": 0.05, "bandwidth": 0.05}, skip=True))
-    config = dict(total_steps=6, lr=1e-2, dead_after_tokens=50)  # small: AuxK is active too
-    straight = Trainer(make(), source, TrainConfig(**config))
-    straight.train(progress=False)
-    first = Trainer(make(), source, TrainConfig(**config))
-    first.train(3, progress=False)
-    first.save_checkpoint(tmp_path / "ckpt")
-    resumed = Trainer.resume(tmp_path / "ckpt", source)
-    assert resumed.step == 3 and resumed.s_in_layers == first.s_in_layers
-    resumed.train(progress=False)
+    def at_resume(straight, first, resumed):
+        assert resumed.step == 3 and resumed.s_in_layers == first.s_in_layers
+
+    straight = check_resume_bit_exact(make, source, tmp_path / "ckpt", at_resume)
     if kind == "topk":
         assert any(h["aux"] > 0 for h in straight.config.history)
-    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
-    assert straight.config.history[-1] == resumed.config.history[-1]
 
 
 def test_trained_clt_splices_and_evaluates(setup):
