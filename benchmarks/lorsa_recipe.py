@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import shlex
 import sys
@@ -173,18 +174,22 @@ def main() -> None:
         info = Path(name, "training.json")
         models[name] = {"model_type": model.config.model_type, "n_layers": n_layers,
                         "training": json.loads(info.read_text()) if name != "embedded" and info.exists() else None}
-        root = Path(args.cache_dir) if name == "embedded" else Path(args.cache_dir) / Path(name).resolve().name
+        root = Path(args.cache_dir)
+        if name != "embedded":  # one cache per weights file: a retrained model with the same config gets a new one
+            digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(name).glob("*.safetensors"))))
+            root = root / f"{Path(name).resolve().name}-{digest.hexdigest()[:12]}"
         for layer in layers:
             train_cache, held, heldout = caches(model, layer, root)
             for v in args.variants.split(","):
                 rows.append({"model": name, **run_variant(v, model, layer, train_cache, held, heldout, args.steps,
                                                           args.ce, args.n_ov, args.top_k, args.seed)})
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"command": shlex.join(["python", *sys.argv]), "models": models,
-                                              "layer": int(args.layer) if args.layer.isdigit() else args.layer,
-                                              "steps": args.steps, "n_ov_heads": args.n_ov, "top_k": args.top_k,
-                                              "heldout_windows": held.n_windows, "rows": rows}, indent=1))
+                if args.out:  # after every row: a long run stopped early keeps what it measured
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(
+                        {"command": shlex.join(["python", *sys.argv]), "models": models,
+                         "layer": int(args.layer) if args.layer.isdigit() else args.layer, "steps": args.steps,
+                         "n_ov_heads": args.n_ov, "top_k": args.top_k, "heldout_windows": held.n_windows,
+                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
