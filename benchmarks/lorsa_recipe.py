@@ -138,7 +138,8 @@ def export(model: Any, layer: int, train_cache: ActivationCache, held: Activatio
     save_file({k: getattr(mhsa, k).detach().float().contiguous()
                for k in ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O")}, str(out / "mhsa.safetensors"))
     rot = mhsa.rotary
-    meta = {"layer": layer, "d_model": a.d_model, "n_heads": int(mhsa.W_Q.shape[0]), "n_kv_heads": int(mhsa.W_K.shape[0]),
+    meta = {"layer": layer, "d_model": a.d_model, "n_heads": int(mhsa.W_Q.shape[0]),
+            "n_kv_heads": int(mhsa.W_K.shape[0]),
             "head_dim": int(mhsa.W_Q.shape[-1]), "scale": mhsa.scale, "seq_len": int(train_cache.manifest["seq_len"]),
             "n_qk_heads": 4 * int(mhsa.W_Q.shape[0]), "d_qk_head": int(mhsa.W_Q.shape[-1]), "n_ov_heads": n_ov,
             "top_k": top_k, "steps": steps, "batch_size": 16, "seed": seed,
