@@ -7,7 +7,7 @@ imports only llamascopium, torch and safetensors, the ``measure`` step only our 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --export DIR
     # 2. their venv: build, initialise, train and save each variant with llamascopium's own code
     OMP_NUM_THREADS=1 /work/scratch/peers/llamascopium/bin/python benchmarks/lorsa_llamascopium.py train DIR \\
-        --variants doc_lr4e-3,doc_lr2e-4,doc_auxk_kanneal_lr4e-3
+        --variants doc_lr4e-3,doc_lr2e-4,doc_auxk_kanneal_lr4e-3,random_lr4e-3,doc_lr2e-4_warmup5000
     # 3. ours: load each saved Lorsa with our loader, held-out FVU / L0 / dead (lorsa_recipe.heldout_metrics)
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_llamascopium.py measure DIR \\
         --out benchmarks/results/lorsa_llamascopium.json
@@ -27,12 +27,13 @@ What ``train`` runs, per variant (llamascopium ``src/llamascopium/``):
   is off: ``LowRankSparseAttention`` is not ``EncoderInitializable`` and the default ``True`` fails
   their assertion), ``calculate_activation_norm`` on the first 8 batches, ``init_lorsa_with_mhsa``,
   ``init_W_V_with_active_subspace_per_head`` on batch 0, ``Initializer.initialization_search`` (the grid
-  search over the decoder norm) on batch 0. ``--init random`` skips the MHSA steps.
+  search over the decoder norm) on batch 0. The ``random_*`` variants skip the two MHSA steps.
 * Their ``trainer.py::Trainer.fit`` on batches ``0 … steps−1`` in our order (``{hook_in: x, hook_out: y,
   "tokens", "mask": loss_mask}``; ``total_training_tokens = steps · 16 · seq_len``): their loss
   (masked mean of the per-token squared error in normalised space), Adam, their ``constantwithwarmup``
   schedule (warm-up ``--warmup``, default 5% of the steps like ours — their default 5000 steps would
-  never reach the peak lr in 600 — then a 20% cool-down to 1/32), k annealing from ``initial_k``
+  never reach the peak lr in 600; variant ``doc_lr2e-4_warmup5000`` keeps it — then a 20% cool-down to
+  1/32), k annealing from ``initial_k``
   over ``k_warmup_steps``, AuxK with ``auxk_coefficient``/``dead_threshold``/``k_aux``;
   ``amp_dtype=float32`` (their pythia Lorsa example; CPU).
 * Saved as ``runners/train.py::train_lorsa`` saves: ``cfg.save_hyperparameters`` before ``fit``, then
@@ -61,6 +62,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "doc_auxk_kanneal_lr4e-3": {"init": "documented", "lr": 4e-3, "auxk_coefficient": 1 / 32,
                                 "dead_threshold": 20_000, "initial_k": 64, "k_warmup_steps": 0.1},
     "random_lr4e-3": {"init": "random", "lr": 4e-3},
+    "doc_lr2e-4_warmup5000": {"init": "documented", "lr": 2e-4, "lr_warm_up_steps": 5000},  # their default warm-up
 }
 
 
@@ -155,6 +157,7 @@ def train_variant(name: str, spec: dict[str, Any], meta: dict[str, Any], train: 
     run = out / "runs" / name
     run.mkdir(parents=True, exist_ok=True)
     tc = {k: v for k, v in spec.items() if k != "init"}
+    warmup = tc.pop("lr_warm_up_steps", warmup)
     trainer = Trainer(TrainerConfig(exp_result_path=str(run), total_training_tokens=steps * 16 * meta["seq_len"],
                                     lr_warm_up_steps=warmup, amp_dtype=torch.float32, skip_metrics_calculation=True,
                                     n_checkpoints=0, initial_k=tc.pop("initial_k", meta["top_k"]), **tc))
