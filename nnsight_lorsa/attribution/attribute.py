@@ -216,7 +216,8 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
     if max_memory is not None:
-        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
+                             config.keep_mass if config is not None else 1.0)
         est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
         batch_size = largest_batch(est, max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
