@@ -26,7 +26,7 @@ from .graph import Graph
 from .layout import Layout
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
-from .rows import RowScheduler, assemble, assemble_pruned, release_free_memory
+from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
 
@@ -263,7 +263,7 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
-    if prune is not None or max_feature_nodes is not None:  # the assembly allocates: first the frozen
+    if isinstance(scheduler.rows, SparseRows):  # the assembly of sparse rows allocates: first the frozen
         gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
         release_free_memory()
     if prune is not None:

@@ -18,7 +18,8 @@ per edge:
   ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.graph.BlockAdjacency`:
   per target (site, position), the sources upstream of it — an edge each, counted exactly from the
   layout; ~0.2·``N²`` on the embedded model); a feature budget or ``keep_mass < 1`` stores the
-  non-zero entries sparse, 4 B + an edge each — their number counted exactly from the graph's structure: a feature at layer ``l``, position ``p`` has an edge
+  non-zero entries sparse, 4 B + an edge each — their number counted exactly from the graph's
+  structure: a feature at layer ``l``, position ``p`` has an edge
   from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
   mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
   from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
