@@ -318,15 +318,18 @@ def main() -> None:
     rows = []
     for seq in lengths:
         def med(system: str, key: str, seq: int = seq) -> float:
-            vals = sorted(r[key] for r in runs if r["seq"] == seq and r["system"] == system)
+            vals = sorted(r[key] for r in runs if r["seq"] == seq and r["system"] == system and key in r)
             return vals[len(vals) // 2] if vals else float("nan")
         ct_mb, ct_s = med("circuit-tracer", "peak_rss_growth_mb"), med("circuit-tracer", "seconds")
-        row = {"seq": seq, "ct_mb": ct_mb, "ct_s": ct_s}
+        ct_cpu = med("circuit-tracer", "cpu_seconds")
+        row = {"seq": seq, "ct_mb": ct_mb, "ct_s": ct_s, "ct_cpu_s": ct_cpu}
         for mode in ("dense", "pruned"):
             row[f"{mode}_mb"] = med(f"ours ({mode})", "peak_rss_growth_mb")
             row[f"{mode}_s"] = med(f"ours ({mode})", "seconds")
+            row[f"{mode}_cpu_s"] = med(f"ours ({mode})", "cpu_seconds")
             row[f"{mode}_mem_ratio"] = row[f"{mode}_mb"] / ct_mb
             row[f"{mode}_time_ratio"] = row[f"{mode}_s"] / ct_s
+            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_s"] / ct_cpu  # one thread: the work, not the waiting
             row[f"{mode}_predicted_ratio"] = med(f"ours ({mode})", "predicted_over_measured")
         rows.append(row)
         print(json.dumps(row))
