@@ -263,7 +263,7 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
-    if isinstance(scheduler.rows, SparseRows):  # the assembly of sparse rows allocates: first the frozen
+    if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen
         gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
         release_free_memory()
     if prune is not None:

@@ -211,22 +211,27 @@ class BlockAdjacency:
         cells = self._cell_of_row[rows]
         if bool((cells < 0).any()) or g.shape[1] != self.n_sources:
             raise ValueError(f"rows {rows.tolist()} / {g.shape[1]} columns do not fit this adjacency")
+        kept = 0
         for cell in cells.unique().tolist():
             at = (cells == cell).nonzero().flatten()
             cols = self.cols(cell)
-            part = g[at]
+            part = g[at[:, None], cols[None, :]]
             block = self.blocks[cell]
             if block is None:
                 block = self.blocks[cell] = torch.zeros(self.cell_rows[cell].numel(), cols.numel(), dtype=self.dtype)
-            block[self._slot[rows[at]]] = part[:, cols].to(self.dtype)
-            part[:, cols] = 0
-            if bool(part.any()):
-                bad = part.nonzero()[0]
-                raise UnsupportedArchitectureError(
-                    f"attribution row of node {int(rows[at[bad[0]]])} (site {int(self.cell_site[cell])}, position "
-                    f"{int(self.cell_pos[cell])}) has an edge from source {int(bad[1])} (site "
-                    f"{int(self._src_site[bad[1]])}, position {int(self._src_pos[bad[1]])}): later than the target. "
-                    "The full graph's block storage assumes a causal decoder; use prune= (sparse rows) for this model")
+            block[self._slot[rows[at]]] = part.to(self.dtype)
+            kept += int(part.count_nonzero())
+        if kept != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
+            for i, cell in enumerate(cells.tolist()):
+                outside = g[i].clone()
+                outside[self.cols(cell)] = 0
+                if bool(outside.any()):
+                    src = int(outside.nonzero()[0])
+                    raise UnsupportedArchitectureError(
+                        f"attribution row of node {int(rows[i])} (site {int(self.cell_site[cell])}, position "
+                        f"{int(self.cell_pos[cell])}) has an edge from source {src} (site {int(self._src_site[src])}, "
+                        f"position {int(self._src_pos[src])}): later than the target. The full graph's block "
+                        "storage assumes a causal decoder; use prune=PruneConfig(keep_mass<1) (sparse rows) here")
 
     # ------------------------------------------------------------------ reading
     def items(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
