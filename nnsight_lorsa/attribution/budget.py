@@ -57,8 +57,9 @@ ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
-#: fixed cost of a call (clean pass, layout, nnsight) in bytes
-FIXED_BYTES = 16 * 2**20
+#: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–12 MB at
+#: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
+FIXED_BYTES = 8 * 2**20
 
 
 @dataclass(repr=False)
