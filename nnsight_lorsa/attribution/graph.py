@@ -231,7 +231,8 @@ class BlockAdjacency:
                         f"attribution row of node {int(rows[i])} (site {int(self.cell_site[cell])}, position "
                         f"{int(self.cell_pos[cell])}) has an edge from source {src} (site {int(self._src_site[src])}, "
                         f"position {int(self._src_pos[src])}): later than the target. The full graph's block "
-                        "storage assumes a causal decoder; use prune=PruneConfig(keep_mass<1) (sparse rows) here")
+                        "storage assumes a causal decoder; sparse rows store any edge: max_feature_nodes= or "
+                        "prune=PruneConfig(..., keep_mass=0.999)")
 
     # ------------------------------------------------------------------ reading
     def items(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
