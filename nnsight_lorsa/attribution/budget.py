@@ -57,7 +57,7 @@ ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
-#: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–12 MB at
+#: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
 FIXED_BYTES = 8 * 2**20
 
