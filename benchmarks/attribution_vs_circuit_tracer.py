@@ -1,7 +1,13 @@
 """Attribution vs circuit-tracer: time, peak memory and edge agreement on the same graph.
 
     python benchmarks/attribution_vs_circuit_tracer.py [--lengths 32,64,128,256,512] [--batch 64] [--repeats 1]
-        [--ct-python /work/scratch/peers/ct/bin/python]
+        [--ct-python /work/scratch/peers/ct/bin/python] [--work DIR] [--systems pruned,dense,ct] [--parallel]
+
+``--work DIR`` keeps the prompts and every child's result there (``run_{system}_{seq}_{repeat}.json``); a
+result already there is reused, not rerun — for long lengths run in pieces (circuit-tracer at 512 tokens takes
+tens of minutes on 2 cores). ``--parallel``: circuit-tracer's child runs beside ours (it waits, after its
+measurement, for our pruned graph's nodes to read its submatrix there) — the memory numbers are unaffected,
+the wall times are then contended (the CPU times less so).
 
 Same model (the embedded tinyshakespeare Llama), same transcoders (the packaged TopK transcoders on all
 four MLPs, no Lorsa: circuit-tracer has none), same prompts (the corpus at 20 000 characters, cut to each
@@ -144,6 +150,10 @@ def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) ->
            "n_features": int(len(g.active_features)),
            "model_logits_rel_err": logit_err}
     nodes_file = work / f"ours_nodes_{seq}.pt"
+    for _ in range(int(os.environ.get("CT_WAIT_NODES_S", "0")) // 10):  # --parallel: our pruned child's nodes
+        if nodes_file.exists() and (work / f"run_pruned_{seq}_0.json").exists():
+            break
+        time.sleep(10)
     if nodes_file.exists():  # the submatrix at our pruned graph's nodes (after the measurement)
         ours = torch.load(nodes_file, weights_only=True)  # (n, 4): kind, layer, pos, index (ours)
         n_pos, n_layers = len(ids), cfg.n_layers
@@ -240,7 +250,9 @@ def main() -> None:
     args = parser(__doc__, lengths="32,64,128,256,512", batch=64, repeats=1,
                   ct_python=arg("/work/scratch/peers/ct/bin/python", "circuit-tracer's venv python"),
                   child=arg(None, argparse_suppress()), seq=arg(0, argparse_suppress()),
-                  work=arg("", argparse_suppress()),
+                  work=arg("", "keep prompts and child results here; results there are reused"),
+                  systems=arg("pruned,dense,ct", "children to run (pruned before ct: ct reads its nodes)"),
+                  parallel=arg(False, "run circuit-tracer's child beside ours"),
                   max_feature_nodes=arg(0, "feature rows of both (circuit-tracer's influence order); 0: all"),
                   name=arg("attribution_vs_circuit_tracer", "result JSON name")).parse_args()
     mfn = args.max_feature_nodes or None
@@ -254,7 +266,8 @@ def main() -> None:
     import torch
 
     lengths = [int(s) for s in args.lengths.split(",") if s]
-    work = Path(tempfile.mkdtemp(prefix="attr_vs_ct_"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="attr_vs_ct_"))
+    work.mkdir(parents=True, exist_ok=True)
     model, rm = _replacement()
     text = (ROOT / "nnsight_lorsa/assets/tinyshakespeare.txt").read_text(encoding="utf-8")[20_000:40_000]
     all_ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0]
@@ -267,34 +280,56 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     runs: list[dict] = []
     agree: list[dict] = []
+    systems = args.systems.split(",")
+
+    def launch(child: str, seq: int) -> subprocess.Popen:
+        python = args.ct_python if child == "ct" else sys.executable
+        ct_env = {**os.environ, "PYTHONPATH": "", "CT_WAIT_NODES_S": str(6 * 3600 if args.parallel else 0)}
+        return subprocess.Popen([python, __file__, "--child", child, "--seq", str(seq), "--batch",
+                                 str(args.batch), "--work", str(work), "--max-feature-nodes",
+                                 str(args.max_feature_nodes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env if child != "ct" else ct_env)
+
+    def finish(proc: subprocess.Popen, child: str, seq: int, rep: int) -> None:
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{child} @ {seq} failed:\n{err[-3000:]}")
+        r = {**json.loads(out.strip().splitlines()[-1]), "repeat": rep}
+        (work / f"run_{child}_{seq}_{rep}.json").write_text(json.dumps(r))
+
     for seq in lengths:
         for rep in range(args.repeats):
-            for child in ("pruned", "dense", "ct"):  # pruned first: circuit-tracer's run reads its nodes
-                python = args.ct_python if child == "ct" else sys.executable
-                res = subprocess.run([python, __file__, "--child", child, "--seq", str(seq), "--batch",
-                                      str(args.batch), "--work", str(work), "--max-feature-nodes",
-                                      str(args.max_feature_nodes)], capture_output=True, text=True,
-                                     env=env if child != "ct" else {**os.environ, "PYTHONPATH": ""})
-                if res.returncode != 0:
-                    raise RuntimeError(f"{child} @ {seq} failed:\n{res.stderr[-3000:]}")
-                r = json.loads(res.stdout.strip().splitlines()[-1])
-                r["repeat"] = rep
-                runs.append(r)
-                print(json.dumps(r), flush=True)
-        agree.append(agreement(work, seq))
-        print(json.dumps(agree[-1]), flush=True)
+            todo = [c for c in ("pruned", "dense", "ct")  # pruned first: circuit-tracer's run reads its nodes
+                    if c in systems and not (work / f"run_{c}_{seq}_{rep}.json").exists()]
+            ct = launch("ct", seq) if args.parallel and "ct" in todo else None
+            for child in todo:
+                if child != "ct" or ct is None:
+                    finish(launch(child, seq), child, seq, rep)
+            if ct is not None:
+                finish(ct, "ct", seq, rep)
+            for child in ("pruned", "dense", "ct"):
+                f = work / f"run_{child}_{seq}_{rep}.json"
+                if f.exists():
+                    runs.append(json.loads(f.read_text()))
+                    print(json.dumps(runs[-1]), flush=True)
+        if (work / f"ct_sub_{seq}.pt").exists():
+            agree.append(agreement(work, seq))
+            print(json.dumps(agree[-1]), flush=True)
     rows = []
     for seq in lengths:
         def med(system: str, key: str, seq: int = seq) -> float:
-            vals = sorted(r[key] for r in runs if r["seq"] == seq and r["system"] == system)
-            return vals[len(vals) // 2]
+            vals = sorted(r[key] for r in runs if r["seq"] == seq and r["system"] == system and key in r)
+            return vals[len(vals) // 2] if vals else float("nan")
         ct_mb, ct_s = med("circuit-tracer", "peak_rss_growth_mb"), med("circuit-tracer", "seconds")
-        row = {"seq": seq, "ct_mb": ct_mb, "ct_s": ct_s}
+        ct_cpu = med("circuit-tracer", "cpu_seconds")
+        row = {"seq": seq, "ct_mb": ct_mb, "ct_s": ct_s, "ct_cpu_s": ct_cpu}
         for mode in ("dense", "pruned"):
             row[f"{mode}_mb"] = med(f"ours ({mode})", "peak_rss_growth_mb")
             row[f"{mode}_s"] = med(f"ours ({mode})", "seconds")
+            row[f"{mode}_cpu_s"] = med(f"ours ({mode})", "cpu_seconds")
             row[f"{mode}_mem_ratio"] = row[f"{mode}_mb"] / ct_mb
             row[f"{mode}_time_ratio"] = row[f"{mode}_s"] / ct_s
+            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_s"] / ct_cpu  # one thread: the work, not the waiting
             row[f"{mode}_predicted_ratio"] = med(f"ours ({mode})", "predicted_over_measured")
         rows.append(row)
         print(json.dumps(row))

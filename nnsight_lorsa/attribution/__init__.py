@@ -22,11 +22,12 @@ are :func:`.scores.intervention_edges` and :func:`.scores.replacement_logits`.
 from .attribute import attribute, cache_for_attribution
 from .budget import MemoryEstimate, estimate_memory
 from .export import TrustedHTML, render_html, save_neuronpedia, to_neuronpedia
-from .graph import Graph
+from .graph import BlockAdjacency, Graph
 from .qk import QKAttribution, qk_attribution
 from .scores import CircuitMetrics, PruneConfig, PruneResult, circuit_metrics, graph_scores, prune
 from .trace import AttributionCache
 
-__all__ = ["AttributionCache", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig", "PruneResult",
-           "QKAttribution", "TrustedHTML", "attribute", "cache_for_attribution", "circuit_metrics", "estimate_memory",
-           "graph_scores", "prune", "qk_attribution", "render_html", "save_neuronpedia", "to_neuronpedia"]
+__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig",
+           "PruneResult", "QKAttribution", "TrustedHTML", "attribute", "cache_for_attribution", "circuit_metrics",
+           "estimate_memory", "graph_scores", "prune", "qk_attribution", "render_html", "save_neuronpedia",
+           "to_neuronpedia"]

@@ -26,7 +26,7 @@ from .graph import Graph
 from .layout import Layout
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
-from .rows import RowScheduler, assemble, assemble_pruned, release_free_memory
+from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
 
@@ -216,7 +216,8 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
     if max_memory is not None:
-        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
+                             config.keep_mass if config is not None else 1.0)
         est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
         batch_size = largest_batch(est, max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
@@ -262,7 +263,7 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
-    if prune is not None or max_feature_nodes is not None:  # the assembly allocates: first the frozen
+    if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen
         gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
         release_free_memory()
     if prune is not None:

@@ -14,15 +14,19 @@ per edge:
   rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
   replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
   ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
-* *rows* (host): the full graph's rows go straight into its adjacency, ``N²`` edges; pruning while
-  building (or a feature budget) stores the non-zero entries, 4 B + an edge each — their number
-  counted exactly from the graph's structure: a feature at layer ``l``, position ``p`` has an edge
+* *rows* (host): every row with every entry — the full graph, and pruning while building with
+  ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.graph.BlockAdjacency`:
+  per target (site, position), the sources upstream of it — an edge each, counted exactly from the
+  layout; ~0.2·``N²`` on the embedded model); a feature budget or ``keep_mass < 1`` stores the
+  non-zero entries sparse, 4 B + an edge each — their number counted exactly from the graph's
+  structure: a feature at layer ``l``, position ``p`` has an edge
   from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
   mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
   from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
   the last attention, and from those after it at the last position;
-* *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries,
-  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`).
+* *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
+  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`); over the
+  blocks, one cell's (a few MB: not counted).
 
 Peak = rows + max(frozen pass, pruning). The coefficients are measured on the embedded model
 (``benchmarks/attribution_vs_circuit_tracer.py`` records predicted/measured for every run); on a GPU the
@@ -41,7 +45,7 @@ from ..errors import MemoryBudgetError
 from .frozen import choose
 from .layout import Layout
 from .replacement import memory_modes
-from .rows import CHUNK_ENTRIES
+from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare
 
@@ -53,8 +57,9 @@ ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
-#: fixed cost of a call (clean pass, layout, nnsight) in bytes
-FIXED_BYTES = 16 * 2**20
+#: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
+#: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
+FIXED_BYTES = 8 * 2**20
 
 
 @dataclass(repr=False)
@@ -125,7 +130,8 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
 
 
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
-                    prune: bool, max_feature_nodes: int | None = None, store_patterns: bool = True,
+                    prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
+                    store_patterns: bool = True,
                     node_vectors: str = "auto", model_itemsize: int = 4, edge_itemsize: int = 4,
                     device: str = "cpu") -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
@@ -150,16 +156,16 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * model_itemsize
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
-    sparse = prune or budget < layout.n_features
-    entries = structural_entries(layout, budget if budget < layout.n_features else None) if sparse else 0
-    if prune:
+    if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
+        entries = full_graph_blocks(layout, torch.float32).entries()
+        rows, pruning = entries * edge_itemsize, 0  # pruning them: per-cell temporaries, a few MB
+    else:  # sparse rows (keep_mass < 1 or a feature budget): the non-zero entries, 4 B column + value
+        entries = structural_entries(layout, budget if budget < layout.n_features else None)
         rows = entries * (4 + edge_itemsize)
-    elif sparse:  # stored sparse, then the dense graph over the visited features
-        n = S - (layout.n_features - budget) + layout.n_logits
-        rows = entries * (4 + edge_itemsize) + n * n * edge_itemsize
-    else:
-        rows = (S + layout.n_logits) ** 2 * edge_itemsize
-    pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) if prune else 0
+        if not prune:  # then the dense graph over the visited features
+            n = S - (layout.n_features - budget) + layout.n_logits
+            rows += n * n * edge_itemsize
+        pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) if prune else 0
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
              "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries}
@@ -194,13 +200,14 @@ def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, de
 
 
 def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
-                  dtype: torch.dtype | None) -> dict[str, Any]:
+                  dtype: torch.dtype | None, keep_mass: float = 1.0) -> dict[str, Any]:
     """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
     root = getattr(replacement.model, "_module", replacement.model)
     param = next(root.parameters())
     device = param.device.type
     return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
             "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
+            "keep_mass": keep_mass,
             "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
             "node_vectors": node_vectors,
             "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
@@ -217,7 +224,8 @@ def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", 
         prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
     else:
         prepared = prepare(replacement, prompt, zero_positions=zero_positions)
-    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
+                                          config.keep_mass if config is not None else 1.0)
 
 
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors.torch import save_file
 
 from .._repr import FieldsRepr
-from ..errors import CheckpointError
+from .._typing import Float
+from ..errors import CheckpointError, UnsupportedArchitectureError
 
 #: node kinds (``NodeTable.kind``), with their Neuronpedia ``feature_type`` names
 TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR, EMBEDDING, BIAS, LOGIT = range(7)
@@ -75,6 +77,22 @@ class NodeTable(FieldsRepr):
             return f"logit tok{idx}"
         return f"{SHORT_NAMES[k]} L{layer} {'h' if k == LORSA else 'f'}{idx} @{pos}"
 
+    def sites(self) -> torch.Tensor:
+        """``(n,)`` int64 each node's site in the residual stream's order: embeddings 0, layer ``l``'s
+        attention nodes (Lorsa heads, attention errors) ``2l + 1``, its MLP nodes (transcoder features,
+        MLP errors) ``2l + 2``, logits after every layer; biases ``-1`` (no site: a source of every
+        target). A target depends only on sources at an earlier site (:class:`BlockAdjacency`)."""
+        k, layer = self.kind, self.layer
+        site = torch.full_like(layer, -1)
+        site[k == EMBEDDING] = 0
+        attn = (k == LORSA) | (k == ATTN_ERROR)
+        mlp = (k == TRANSCODER) | (k == MLP_ERROR)
+        site[attn] = 2 * layer[attn] + 1
+        site[mlp] = 2 * layer[mlp] + 2
+        logit = k == LOGIT
+        site[logit] = 2 * layer[logit] + 3
+        return site
+
     def select(self, keep: torch.Tensor) -> NodeTable:
         """The nodes where the bool mask / index tensor ``keep`` selects."""
         return NodeTable(self.kind[keep], self.layer[keep], self.pos[keep], self.index[keep],
@@ -100,6 +118,147 @@ class NodeTable(FieldsRepr):
                          full(index), act, list(bias_names or []))
 
 
+class BlockAdjacency:
+    """An ``(n, n)`` adjacency stored by its causal blocks: only the entries that can be non-zero.
+
+    A target's value in the frozen replacement model depends only on sources upstream of it: at an
+    earlier site (:meth:`NodeTable.sites`; the residual stream is written in order) and at a position
+    ``≤`` its own (causal attention), plus the bias nodes (no position; kept for every target).
+    Everything else in circuit-tracer's dense ``n_nodes²`` matrix is a structural zero — the rows of
+    errors, embeddings and biases, the columns of later layers and later positions: about 80 % of it
+    on a 4-layer model. The target rows are grouped into *cells* of equal (site, position) — all rows
+    of a cell have the same possible sources — with one dense ``(rows, possible sources)`` block per
+    cell: ``4 B`` (fp32) per possible edge instead of ``4 B · n²``. A cell's columns (:meth:`cols`)
+    are the sources at an earlier site ordered by (position, node) — so the columns of cell ``(s, p)``
+    are a prefix of that order — then the bias nodes. Exact: every entry that could be non-zero is
+    stored, and each row is checked as it is written to have nothing outside its block (else
+    :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`); :meth:`dense` gives the ``(n, n)`` matrix.
+
+    Args:
+        site: ``(n,)`` int64 each node's site (:meth:`NodeTable.sites`: ``-1`` a source of every
+            target); ``n`` nodes, sources first.
+        pos: ``(n,)`` int64 each node's position.
+        n_sources: the columns that can be sources (the first ``n_sources`` nodes).
+        rows: ``(r,)`` int64 the node ids of the rows that will be written (targets).
+        dtype: the edges' dtype.
+    """
+
+    def __init__(self, site: torch.Tensor, pos: torch.Tensor, n_sources: int, rows: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.n, self.n_sources, self.dtype = int(site.numel()), n_sources, dtype
+        self._src_site, self._src_pos = site[:n_sources], pos[:n_sources]
+        self._free = (self._src_site < 0).nonzero().flatten()  # biases: a source of every target
+        rows = rows.long()
+        row_site, row_pos = site[rows], pos[rows]
+        key = row_site * (int(pos.max()) + 2 if self.n else 1) + row_pos
+        uniq, cell = key.unique(return_inverse=True)
+        self._cell_of_row = torch.full((self.n,), -1, dtype=torch.long)
+        self._cell_of_row[rows] = cell
+        order = cell.argsort(stable=True)
+        counts = torch.bincount(cell, minlength=uniq.numel())
+        self.cell_rows = list(rows[order].split(counts.tolist()))  # each cell's rows, ascending node ids
+        self._slot = torch.zeros(self.n, dtype=torch.long)  # a row's place in its cell's block
+        for r in self.cell_rows:
+            self._slot[r] = torch.arange(r.numel())
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+        first = order[starts] if rows.numel() else order
+        self.cell_site, self.cell_pos = row_site[first], row_pos[first]
+        # per target site: the sources at earlier sites by (position, node); a cell takes a prefix
+        self._upstream: dict[int, torch.Tensor] = {}
+        k = torch.zeros(len(self.cell_rows), dtype=torch.long)
+        for s in self.cell_site.unique().tolist():
+            src = ((self._src_site >= 0) & (self._src_site < s)).nonzero().flatten()
+            src = src[self._src_pos[src].argsort(stable=True)]
+            self._upstream[s] = src
+            at = (self.cell_site == s).nonzero().flatten()
+            k[at] = torch.searchsorted(self._src_pos[src].contiguous(), self.cell_pos[at].contiguous(), right=True)
+        self._prefix = k
+        self.blocks: list[torch.Tensor | None] = [None] * len(self.cell_rows)
+
+    # ------------------------------------------------------------------ structure
+    def cols(self, cell: int) -> torch.Tensor:
+        """``(c,)`` int64 the source columns of cell ``cell``'s block, in the block's order."""
+        return torch.cat([self._upstream[int(self.cell_site[cell])][:int(self._prefix[cell])], self._free])
+
+    def n_cols(self) -> torch.Tensor:
+        """``(n_cells,)`` the number of columns of each cell's block (without building them)."""
+        return self._prefix + self._free.numel()
+
+    def entries(self) -> int:
+        """Stored entries once every row is written (``Σ`` rows × columns over the cells)."""
+        sizes = torch.tensor([r.numel() for r in self.cell_rows], dtype=torch.long)
+        return int((sizes * self.n_cols()).sum())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.blocks if b is not None)
+
+    # ------------------------------------------------------------------ writing
+    def write(self, rows: torch.Tensor, grads: Float[torch.Tensor, "b s"]) -> None:
+        """Store ``grads[i]`` as row ``rows[i]`` (node ids of this adjacency's rows; ``grads``: the
+        ``n_sources`` columns).
+
+        Raises:
+            UnsupportedArchitectureError: a row has a non-zero entry outside its block — an edge from a
+                later position or site, which a causal decoder's frozen replacement model cannot have.
+        """
+        rows = rows.long().cpu()
+        g = grads.detach().cpu()
+        cells = self._cell_of_row[rows]
+        if bool((cells < 0).any()) or g.shape[1] != self.n_sources:
+            raise ValueError(f"rows {rows.tolist()} / {g.shape[1]} columns do not fit this adjacency")
+        kept = 0
+        for cell in cells.unique().tolist():
+            at = (cells == cell).nonzero().flatten()
+            cols = self.cols(cell)
+            part = g[at[:, None], cols[None, :]]
+            block = self.blocks[cell]
+            if block is None:
+                block = self.blocks[cell] = torch.zeros(self.cell_rows[cell].numel(), cols.numel(), dtype=self.dtype)
+            block[self._slot[rows[at]]] = part.to(self.dtype)
+            kept += int(part.count_nonzero())
+        if kept != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
+            for i, cell in enumerate(cells.tolist()):
+                outside = g[i].clone()
+                outside[self.cols(cell)] = 0
+                if bool(outside.any()):
+                    src = int(outside.nonzero()[0])
+                    raise UnsupportedArchitectureError(
+                        f"attribution row of node {int(rows[i])} (site {int(self.cell_site[cell])}, position "
+                        f"{int(self.cell_pos[cell])}) has an edge from source {src} (site {int(self._src_site[src])}, "
+                        f"position {int(self._src_pos[src])}): later than the target. The full graph's block "
+                        "storage assumes a causal decoder; sparse rows store any edge: max_feature_nodes= or "
+                        "prune=PruneConfig(..., keep_mass=0.999)")
+
+    # ------------------------------------------------------------------ reading
+    def items(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(rows (r,), cols (c,), block (r, c))`` of every written cell: ``A[rows[i], cols[j]] = block[i, j]``."""
+        for cell, block in enumerate(self.blocks):
+            if block is not None:
+                yield self.cell_rows[cell], self.cols(cell), block
+
+    def dense(self) -> Float[torch.Tensor, "n n"]:
+        """The ``(n, n)`` matrix (``4 B · n²`` at fp32; zeros outside the blocks)."""
+        out = torch.zeros(self.n, self.n, dtype=self.dtype)
+        for rows, cols, block in self.items():
+            out[rows[:, None], cols[None, :]] = block
+        return out
+
+    def row_sums(self, rows: torch.Tensor, absolute: bool = False) -> Float[torch.Tensor, " r"]:
+        """``(r,)`` float64 ``Σ_s A[t, s]`` (or ``Σ_s |A[t, s]|``) of the node ids ``rows``."""
+        sums = torch.zeros(self.n, dtype=torch.float64)
+        for r, _, block in self.items():
+            sums[r] = (block.abs() if absolute else block).sum(1, dtype=torch.float64)
+        return sums[rows.long()]
+
+    def count_nonzero(self) -> int:
+        return sum(int((b != 0).sum()) for b in self.blocks if b is not None)
+
+
 GRAPH_FORMAT = "nnsight-lorsa-graph/1"
 
 
@@ -112,7 +271,13 @@ class Graph(FieldsRepr):
         nodes: the :class:`NodeTable` (``[features | errors | embeddings | biases | logits]``).
         adjacency: ``(n_nodes, n_nodes)`` float32, ``adjacency[t, s]`` = direct effect of source
             ``s`` on target ``t``'s pre-activation (for logits: the demeaned logit) in the frozen
-            replacement model. Rows of sources only (errors, embeddings, biases) are zero.
+            replacement model. Rows of sources only (errors, embeddings, biases) are zero. The full
+            graph of :func:`.attribute.attribute` keeps only its causal blocks
+            (:attr:`block_adjacency`, :class:`BlockAdjacency`: the entries that can be non-zero, ~20 % of
+            ``n_nodes²`` on a 4-layer model); the first read of ``adjacency`` builds the dense matrix
+            (``4 B · n_nodes²`` at fp32 — 1.2 GB at 256 tokens of the embedded model) and the graph
+            keeps it instead of the blocks. :meth:`edge_sum_error`, :meth:`summary` and
+            :attr:`n_edges` read the blocks without it.
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -131,7 +296,10 @@ class Graph(FieldsRepr):
 
     tokens: torch.Tensor
     nodes: NodeTable
-    adjacency: torch.Tensor
+    if TYPE_CHECKING:  # reads give the dense matrix (a property, below the class)
+        adjacency: torch.Tensor
+    else:  # the constructor takes either; blocks are densified on the first read
+        adjacency: torch.Tensor | BlockAdjacency = field(repr=False)
     values: torch.Tensor
     logit_probs: torch.Tensor
     feature_rows: torch.Tensor
@@ -152,7 +320,31 @@ class Graph(FieldsRepr):
 
     def __post_init__(self) -> None:
         if self.residual is None:
-            self.residual = torch.zeros(len(self.nodes), dtype=self.adjacency.dtype)
+            self.residual = torch.zeros(len(self.nodes), dtype=self._adjacency.dtype)
+
+    def _hold(self, value: torch.Tensor | BlockAdjacency) -> None:
+        """What ``adjacency`` holds: the dense matrix or the causal blocks."""
+        self._adjacency: torch.Tensor | BlockAdjacency = value
+
+    @property
+    def block_adjacency(self) -> BlockAdjacency | None:
+        """The adjacency's causal blocks (:class:`BlockAdjacency`) while the graph keeps them
+        (a full graph of :func:`.attribute.attribute` until ``adjacency`` is first read), else None."""
+        a = self._adjacency
+        return None if isinstance(a, torch.Tensor) else a
+
+    @property
+    def n_edges(self) -> int:
+        """The number of non-zero edges (from the blocks, if kept: no dense matrix)."""
+        a = self._adjacency
+        return int((a != 0).sum()) if isinstance(a, torch.Tensor) else a.count_nonzero()
+
+    def _row_sums(self, rows: torch.Tensor, absolute: bool) -> torch.Tensor:
+        a = self._adjacency
+        if isinstance(a, torch.Tensor):
+            A = a[rows].double()
+            return (A.abs() if absolute else A).sum(-1)
+        return a.row_sums(rows, absolute)
 
     @property
     def n_nodes(self) -> int:
@@ -177,11 +369,10 @@ class Graph(FieldsRepr):
         the scale of fp rounding in a sum of terms that may cancel). ``(n_rows,)``, 0 up to rounding."""
         rows = self.feature_rows.nonzero().flatten()
         v = self.values[rows].double()
-        A = self.adjacency[rows].double()
         assert self.residual is not None
         r = self.residual[rows].double()
-        den = v.abs() if relative_to == "value" else A.abs().sum(-1) + r.abs()
-        return (A.sum(-1) + r - v).abs() / den.clamp_min(1e-12)
+        den = v.abs() if relative_to == "value" else self._row_sums(rows, True) + r.abs()
+        return (self._row_sums(rows, False) + r - v).abs() / den.clamp_min(1e-12)
 
     # -------------------------------------------------------------- save/load
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -189,7 +380,9 @@ class Graph(FieldsRepr):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         n = self.nodes
-        tensors = {"tokens": self.tokens, "adjacency": self.adjacency.contiguous(), "values": self.values,
+        a = self._adjacency  # blocks: a dense copy for the file, not kept
+        tensors = {"tokens": self.tokens, "adjacency": a.contiguous() if isinstance(a, torch.Tensor) else a.dense(),
+                   "values": self.values,
                    "logit_probs": self.logit_probs, "feature_rows": self.feature_rows, "layout_ids": self.layout_ids,
                    "residual": self.residual,
                    "node_kind": n.kind, "node_layer": n.layer, "node_pos": n.pos, "node_index": n.index,
@@ -245,7 +438,25 @@ class Graph(FieldsRepr):
         return {"features": int((k == TRANSCODER).sum()), "lorsa_heads": int((k == LORSA).sum()),
                 "errors": int(((k == MLP_ERROR) | (k == ATTN_ERROR)).sum()), "embeddings": int((k == EMBEDDING).sum()),
                 "biases": int((k == BIAS).sum()), "logits": int((k == LOGIT).sum()),
-                "edges": int((self.adjacency != 0).sum())}
+                "edges": self.n_edges}
+
+
+def _get_adjacency(self: Graph) -> torch.Tensor:
+    a = self._adjacency
+    if not isinstance(a, torch.Tensor):  # the blocks, densified once; the graph keeps the dense matrix instead
+        a = a.dense()
+        self._hold(a)
+    return a
+
+
+def _set_adjacency(self: Graph, value: torch.Tensor | BlockAdjacency) -> None:
+    self._hold(value)
+
+
+# ``Graph.adjacency`` is a dataclass field (the constructor's ``adjacency=``) read through this property
+Graph.adjacency = property(_get_adjacency, _set_adjacency,  # type: ignore[assignment,method-assign]
+                           doc="The dense ``(n_nodes, n_nodes)`` adjacency (built from the causal blocks on first "
+                               "read; see the class).")
 
 
 _GRAPH_INTS = ("tokens", "layout_ids", "node_kind", "node_layer", "node_pos", "node_index")

@@ -8,8 +8,9 @@ estimated from the rows computed so far (circuit-tracer's influence-ordered sele
 feature row is computed in node order (:class:`RowScheduler`).
 
 *Storage*, as each batch of rows is computed (nothing per row kept twice): the full graph's rows go
-straight into its ``(n_nodes, n_nodes)`` adjacency; otherwise (a feature budget, or pruning while
-building) into :class:`SparseRows` — 8 B per kept entry in large blocks — where a row keeps its
+straight into its adjacency, stored by causal blocks (:class:`.graph.BlockAdjacency`: only the
+entries that can be non-zero, ~20 % of ``n_nodes²`` on the embedded model); otherwise (a feature
+budget, or pruning while building) into :class:`SparseRows` — 8 B per kept entry in large blocks — where a row keeps its
 non-zero entries, or its largest ``|edges|`` up to a fraction ``keep_mass`` of its absolute mass;
 the signed sum of the dropped entries is kept exactly as the row's ``residual``, so ``Σ kept +
 residual`` still equals the target's value.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from .._typing import Float, Int
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, BlockAdjacency, Graph
 from .layout import Layout
 from .scores import find_threshold, influence_series
 
@@ -224,15 +226,18 @@ class RowStore:
     """Computed edge rows, in computation order: ``done[i]`` is the target of the ``i``-th row.
 
     Rows go, as each batch is computed, either into a dense matrix of ``dense_shape`` at the row
-    :meth:`position` says (the full graph's adjacency itself: no second copy of the rows), or sparse
-    into a :class:`SparseRows` (``keep_mass`` as there; None keeps every non-zero entry)."""
+    :meth:`position` says, or into the full graph's :class:`.graph.BlockAdjacency` made by ``blocks(dtype)``
+    (at the row :meth:`position` says: the graph's adjacency itself, no second copy of the rows), or
+    sparse into a :class:`SparseRows` (``keep_mass`` as there; None keeps every non-zero entry)."""
 
     def __init__(self, n_sources: int, keep_mass: float | None = None, progress: Any = None,
-                 dense_shape: tuple[int, int] | None = None) -> None:
+                 dense_shape: tuple[int, int] | None = None, blocks: Any = None) -> None:
         self.n_sources, self.keep_mass, self.progress = n_sources, keep_mass, progress
         self.dense_shape = dense_shape
+        self._make_blocks = blocks
         self.done: list[int] = []
-        self.rows: torch.Tensor | SparseRows | None = None if dense_shape is not None else SparseRows(n_sources)
+        self.rows: torch.Tensor | SparseRows | BlockAdjacency | None = (
+            None if dense_shape is not None or blocks is not None else SparseRows(n_sources))
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """Where rows ``rows`` go in the dense matrix (here: their numbers)."""
@@ -241,7 +246,12 @@ class RowStore:
     def record(self, rows: list[int], grads: torch.Tensor) -> None:
         """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row."""
         self.done.extend(rows)
-        if self.dense_shape is not None:
+        if self._make_blocks is not None:
+            if self.rows is None:
+                self.rows = self._make_blocks(grads.dtype)
+            assert isinstance(self.rows, BlockAdjacency)
+            self.rows.write(self.position(rows), grads)
+        elif self.dense_shape is not None:
             if self.rows is None:
                 self.rows = torch.zeros(self.dense_shape, dtype=grads.dtype)
             assert isinstance(self.rows, torch.Tensor)
@@ -261,7 +271,8 @@ class RowStore:
             return done, self.rows.dense()
         if self.rows is None:
             return done, torch.zeros(0, self.n_sources)
-        return done, self.rows[self.position(self.done), :self.n_sources]
+        dense = self.rows.dense() if isinstance(self.rows, BlockAdjacency) else self.rows
+        return done, dense[self.position(self.done), :self.n_sources]
 
 
 class RowScheduler(RowStore):
@@ -269,8 +280,8 @@ class RowScheduler(RowStore):
 
     Target row ``r < n_features`` is feature node ``r``; ``r ≥ n_features`` is logit ``r − n_features``.
     When every row is computed and none is dropped (``max_feature_nodes`` None, ``keep_mass`` None),
-    the rows are written straight into the full graph's ``(n_nodes, n_nodes)`` adjacency; otherwise
-    they are stored sparse (:class:`SparseRows`).
+    the rows are written straight into the full graph's adjacency (:class:`.graph.BlockAdjacency`, its
+    causal blocks); otherwise they are stored sparse (:class:`SparseRows`).
 
     Args:
         layout: the prompt's nodes.
@@ -284,9 +295,9 @@ class RowScheduler(RowStore):
     def __init__(self, layout: Layout, max_feature_nodes: int | None = None, progress: Any = None,
                  keep_mass: float | None = None) -> None:
         budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
-        n_all = layout.n_sources + layout.n_logits
-        dense = (n_all, n_all) if keep_mass is None and budget == layout.n_features else None
-        super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress, dense_shape=dense)
+        full = (keep_mass is None or keep_mass >= 1.0) and budget == layout.n_features
+        super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress,
+                                           blocks=functools.partial(full_graph_blocks, layout) if full else None)
         self.layout = layout
         self.budget = budget
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
@@ -346,6 +357,13 @@ class RowScheduler(RowStore):
         return self.sparse().influence(node, weight)[:self.layout.n_features]
 
 
+def full_graph_blocks(layout: Layout, dtype: torch.dtype) -> BlockAdjacency:
+    """The full graph's adjacency (every node of ``layout``), rows: every feature and logit."""
+    ns = layout.n_sources
+    targets = torch.cat([torch.arange(layout.n_features), torch.arange(ns, ns + layout.n_logits)])
+    return BlockAdjacency(layout.nodes.sites(), layout.nodes.pos, ns, targets, dtype)
+
+
 class FixedRows(RowStore):
     """Every one of ``n`` target rows, in order (no logits first, no budget), dense: for probes such
     as the query/key coordinates of :mod:`.qk`."""
@@ -374,11 +392,12 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     n = node_ids.numel()
     row_at = new_index[scheduler.position(scheduler.done)]
     rows = scheduler.rows
-    if isinstance(rows, torch.Tensor) and rows.shape == (n, n):  # written in place: every node kept, in order
+    adjacency: torch.Tensor | BlockAdjacency
+    if isinstance(rows, BlockAdjacency) and rows.shape == (n, n):  # written in place: every node kept, in order
         adjacency = rows
     else:
-        dtype = values.dtype if rows is None or isinstance(rows, torch.Tensor) else (
-            rows.blocks[0].val.dtype if rows.blocks else values.dtype)
+        dtype = rows.blocks[0].val.dtype if isinstance(rows, SparseRows) and rows.blocks else (
+            rows.dtype if isinstance(rows, (torch.Tensor, BlockAdjacency)) else values.dtype)
         adjacency = torch.zeros(n, n, dtype=dtype)
         for row, col, val in scheduler.sparse().chunks():  # chunk by chunk: no (rows, sources) copy
             k = keep_src[col]
@@ -388,7 +407,8 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     all_values[ns:] = values[nf:].cpu()
     computed = torch.zeros(n, dtype=torch.bool)
     computed[row_at] = True
-    return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids), adjacency=adjacency,
+    return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids),
+                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified on first read
                  values=all_values[node_ids], logit_probs=layout.logit_probs, feature_rows=computed,
                  layout_ids=node_ids, prompt=prompt, meta=meta)
 
@@ -399,39 +419,52 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     passes over the stored entries (node influence, then the entries among the kept nodes); the edge
     scores and the dangling-node loop run on those few entries only."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
-    sp = scheduler.sparse()
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
     n_all = ns + nl
+    n_rows = row_node.numel()
     visited = torch.zeros(n_all, dtype=torch.bool)
     visited[row_node] = True
     in_graph = visited.clone()
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
-    # 1. node influence on the graph (unvisited features are not graph nodes, as in the dense path)
-    infl = torch.cat([sp.influence(row_node, lw_row, node_mask=in_graph), torch.zeros(nl, dtype=torch.float64)])
-    infl[~in_graph] = 0
     always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT)
-    node_mask = in_graph & ((infl >= find_threshold(infl[in_graph], node_threshold)) | always)
-    # the entries among the node-pruned graph's nodes, and each row's sum of everything else
-    outside = sp.residual.clone()
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for row, col, val in sp.chunks():
-        among = node_mask[col] & node_mask[row_node[row]]
-        outside.index_add_(0, row[~among], val[~among].double())
-        parts.append((row[among], col[among], val[among]))
-        del row, col, val, among
-        release_free_memory()  # the chunk's temporaries: not left resident between the kept parts
-    e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True)) if parts else (
-        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=values.dtype))
-    del parts
+    store = scheduler.rows
+    if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks
+        assert bool(in_graph.all())
+        # 1. node influence on the graph
+        infl = torch.cat([_block_influence(store, row_node, lw_row), torch.zeros(nl, dtype=torch.float64)])
+        node_mask = infl >= find_threshold(infl, node_threshold)
+        node_mask |= always
+        # the entries among the node-pruned graph's nodes, and each row's sum of everything else
+        e_row, e_col, e_val, outside = _block_entries_among(store, row_node, node_mask)
+        stored = store.entries()
+    else:
+        sp = scheduler.sparse()
+        # 1. node influence on the graph (unvisited features are not graph nodes, as in the dense path)
+        infl = torch.cat([sp.influence(row_node, lw_row, node_mask=in_graph), torch.zeros(nl, dtype=torch.float64)])
+        infl[~in_graph] = 0
+        node_mask = in_graph & ((infl >= find_threshold(infl[in_graph], node_threshold)) | always)
+        # the entries among the node-pruned graph's nodes, and each row's sum of everything else
+        outside = sp.residual.clone()
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for row, col, val in sp.chunks():
+            among = node_mask[col] & node_mask[row_node[row]]
+            outside.index_add_(0, row[~among], val[~among].double())
+            parts.append((row[among], col[among], val[among]))
+            del row, col, val, among
+            release_free_memory()  # the chunk's temporaries: not left resident between the kept parts
+        e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True)) if parts else (
+            torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=values.dtype))
+        del parts
+        stored = sp.nnz
     entry_node = row_node[e_row]
     # 2. edge scores on the node-pruned matrix
     lw = torch.zeros(n_all, dtype=torch.float64)
     lw[row_node] = lw_row
     alive = e_val != 0
-    infl_pruned = torch.cat([_coo_influence(e_row[alive], e_col[alive], e_val[alive], row_node, lw_row, sp.n_rows,
-                                            sp.n_cols), torch.zeros(nl, dtype=torch.float64)])
-    den = torch.zeros(sp.n_rows, dtype=torch.float64).index_add(0, e_row[alive], e_val[alive].double().abs())
+    infl_pruned = torch.cat([_coo_influence(e_row[alive], e_col[alive], e_val[alive], row_node, lw_row, n_rows,
+                                            ns), torch.zeros(nl, dtype=torch.float64)])
+    den = torch.zeros(n_rows, dtype=torch.float64).index_add(0, e_row[alive], e_val[alive].double().abs())
     score = torch.zeros(e_val.numel(), dtype=torch.float64)
     score[alive] = e_val[alive].double().abs() / den[e_row[alive]].clamp_min(1e-30) * (
         infl_pruned + lw)[entry_node[alive]]
@@ -469,10 +502,52 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     all_values[:nf] = values[:nf].cpu()
     all_values[ns:] = values[nf:].cpu()
     meta = {**meta, "pruned": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
-                               "keep_mass": scheduler.keep_mass, "stored_entries": int(sp.nnz)}}
+                               "keep_mass": scheduler.keep_mass, "stored_entries": int(stored)}}
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept), adjacency=adjacency, values=all_values[kept],
                  logit_probs=layout.logit_probs, feature_rows=computed, layout_ids=kept, prompt=prompt, meta=meta,
                  residual=residual.to(adjacency.dtype))
+
+
+def _block_influence(blocks: BlockAdjacency, row_node: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
+    """:meth:`SparseRows.influence` (every node) over the causal blocks: ``(n_sources,)`` float64, each row
+    normalised by its absolute mass; one ``(weighted rows) @ |block|`` product per cell and step."""
+    inv = 1.0 / blocks.row_sums(torch.arange(blocks.n), absolute=True).clamp_min(1e-30)
+
+    def propagate(w: torch.Tensor) -> torch.Tensor:
+        scale = torch.zeros(blocks.n, dtype=torch.float64)
+        scale[row_node] = w.double() * inv[row_node]
+        out = torch.zeros(blocks.n_sources, dtype=torch.float64)
+        for rows, cols, block in blocks.items():
+            s = scale[rows]
+            live = s.nonzero().flatten()
+            if live.numel():
+                out.index_add_(0, cols, s[live] @ block[live].abs().double())
+        return out
+
+    return influence_series(propagate, row_node, row_weight.double(), blocks.n_sources)
+
+
+def _block_entries_among(blocks: BlockAdjacency, row_node: torch.Tensor, node_mask: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row, col, val, outside)``: the non-zero entries between two nodes of ``node_mask`` (``row``: the
+    row's place in ``row_node``), and each row's (float64) sum of every other entry."""
+    at = torch.full((blocks.n,), -1, dtype=torch.long)
+    at[row_node] = torch.arange(row_node.numel())
+    outside = torch.zeros(row_node.numel(), dtype=torch.float64)
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for rows, cols, block in blocks.items():
+        rk, ck = node_mask[rows].nonzero().flatten(), node_mask[cols].nonzero().flatten()
+        sub = block[rk][:, ck]
+        among = torch.zeros(rows.numel(), dtype=torch.float64)
+        among[rk] = sub.sum(1, dtype=torch.float64)
+        outside[at[rows]] = block.sum(1, dtype=torch.float64) - among
+        i, j = sub.nonzero(as_tuple=True)
+        parts.append((at[rows[rk[i]]], cols[ck[j]], sub[i, j]))
+    if not parts:
+        return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=blocks.dtype),
+                outside)
+    e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True))
+    return e_row, e_col, e_val, outside
 
 
 def _coo_influence(row: torch.Tensor, col: torch.Tensor, val: torch.Tensor, row_node: torch.Tensor,

@@ -12,7 +12,7 @@ from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, es
 from nnsight_lorsa.attribution.budget import structural_entries
 from nnsight_lorsa.attribution.graph import LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.attribution.trace import prepare
-from nnsight_lorsa.errors import ConfigMismatchError, MemoryBudgetError
+from nnsight_lorsa.errors import ConfigMismatchError, MemoryBudgetError, UnsupportedArchitectureError
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +39,41 @@ def test_estimate_is_monotone_and_consistent(setup):
     assert large.device_bytes == 64 * t["frozen_per_copy"] + t["frozen_shared"]
     assert large.host_bytes == t["rows"] + max(large.device_bytes, t["pruning"]) + t["fixed"]  # CPU: one memory
     n_logits = t["n_rows"] - prepare(r, ids).layout.n_features
-    assert t["rows"] == (t["n_sources"] + n_logits) ** 2 * 4  # the dense graph: N² fp32
+    # the full graph: its causal blocks, 4 B per possible edge — what the graph holds — well under N² fp32
+    assert t["rows"] == 4 * t["stored_entries"]
+    assert t["rows"] < 0.5 * (t["n_sources"] + n_logits) ** 2 * 4
     pruned = estimate_memory(r, ids, batch_size=64, prune=PruneConfig())
-    assert pruned.terms["rows"] == 8 * pruned.terms["stored_entries"] < t["rows"]  # 8 B per stored entry
+    assert pruned.terms["rows"] == t["rows"]  # keep_mass=1: the same blocks
+    sparse = estimate_memory(r, ids, batch_size=64, prune=PruneConfig(keep_mass=0.9))
+    assert sparse.terms["rows"] == 8 * sparse.terms["stored_entries"]  # 8 B per stored entry
     longer = estimate_memory(r, torch.cat([ids, ids]), batch_size=64)
     assert longer.host_bytes > large.host_bytes and longer.terms["frozen_per_copy"] > t["frozen_per_copy"]
     budget = estimate_memory(r, ids, batch_size=64, max_feature_nodes=5, prune=PruneConfig())
     assert budget.terms["stored_entries"] < pruned.terms["stored_entries"]
+
+
+def test_block_adjacency_holds_every_edge_and_refuses_a_later_source(setup):
+    """The full graph keeps its causal blocks until ``adjacency`` is read: every non-zero edge is inside
+    them (the dense matrix built from them has the same sums and edge count), and a row with an edge
+    from a later position is refused, not dropped."""
+    r, ids, _ = setup
+    g = attribute(r, ids, batch_size=32)
+    blocks = g.block_adjacency
+    assert blocks is not None and blocks.entries() < 0.5 * g.n_nodes ** 2
+    assert blocks.nbytes == estimate_memory(r, ids).terms["rows"]  # the memory model's rows term, exactly
+    n_edges, err = g.n_edges, g.edge_sum_error("mass")
+    dense = g.adjacency  # built once; the graph keeps it instead of the blocks
+    assert g.block_adjacency is None and g.adjacency is dense
+    assert n_edges == int((dense != 0).sum()) and torch.allclose(g.edge_sum_error("mass"), err, atol=1e-12)
+    assert err.max() < 1e-6
+    rows = g.feature_rows.nonzero().flatten()
+    first = int(rows[(g.nodes.pos[rows] == 0)][0])  # a feature at position 0
+    later = int(((g.nodes.kind == MLP_ERROR) & (g.nodes.pos == 1)).nonzero()[0])  # a source at position 1
+    bad = dense[[first]].clone()
+    bad[0, later] = 1.0
+    fresh = type(blocks)(g.nodes.sites(), g.nodes.pos, blocks.n_sources, rows, torch.float32)
+    with pytest.raises(UnsupportedArchitectureError, match="later than the target"):
+        fresh.write(torch.tensor([first]), bad[:, :blocks.n_sources])
 
 
 def test_max_memory_picks_the_batch_or_refuses(setup):
