@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 __all__ = ["LorsaRecipe", "init_lorsa", "k_schedule"]
 
 _OV_INITS = ("value_svd", "output_svd", "mhsa", "random")
-_REMEDIES = ("revive", "resample", "ghost", "auxk", "none")
+_REMEDIES = ("balance", "revive", "resample", "ghost", "auxk", "none")
 
 
 @dataclass
@@ -103,6 +103,10 @@ class LorsaRecipe:
     ghost_coef: float = 1.0
     revive_margin: float = 0.05
     revive_aim: bool = False
+    balance_floor: float = 0.1
+    balance_rate: float = 0.05
+    balance_ema: float = 0.1
+    balance_max: float = 8.0
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:

@@ -127,6 +127,10 @@ class _LorsaObjective(_Objective):
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.log_gain: torch.Tensor | None = None      # (n_ov,) selection log-gains (dead_remedy="balance")
+        self.freq: torch.Tensor | None = None          # (n_ov,) EMA of each head's firing rate
+        self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._gain_at_stop: torch.Tensor | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
@@ -156,6 +160,8 @@ class _LorsaObjective(_Objective):
             norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
             moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
                                 err if self.recipe.revive_aim else None)
+        if self._fired is not None:
+            self._balance(t)
         if self._resample is not None:
             x, err, mask, dead = self._resample
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
@@ -189,9 +195,9 @@ class _LorsaObjective(_Objective):
         y = batch.y.to(lorsa.W_O.dtype) * t.s_out
         k = self.top_k(t)
         z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
-        if recipe.rank_by_decoder_norm:  # rank by output norm z·‖w_o‖ (w_o not renormalised)
-            norms = lorsa.W_O.detach().norm(dim=1)
-            idx = (z_pre.detach() * norms).topk(k, dim=-1).indices
+        gain = self.selection_gain()
+        if gain is not None:  # rank by z·g (g = ‖w_o‖ and/or the balancing gain; folded exactly)
+            idx = (z_pre.detach() * gain).topk(k, dim=-1).indices
             z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
         else:
             z, _ = lorsa.activation(z_pre, k)
@@ -215,9 +221,49 @@ class _LorsaObjective(_Objective):
             self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():
             self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
+        if recipe.dead_remedy == "balance":
+            zp = z_pre.detach()[mask]
+            self._fired = (active.sum(0), zp.amax(0), int(mask.sum()))
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
                       "aux": float(aux.detach()), "k": float(k)}
+
+    def selection_gain(self) -> torch.Tensor | None:
+        """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""
+        g = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
+        if self.log_gain is not None:
+            e = self.log_gain.exp()
+            g = e if g is None else g * e
+        return g
+
+    @torch.no_grad()
+    def _balance(self, t: Any) -> None:
+        assert self._fired is not None
+        counts, zmax, n = self._fired
+        self._fired = None
+        r = self.recipe
+        lorsa = self.module
+        n_ov = lorsa.cfg.n_ov_heads
+        if self.log_gain is None:
+            self.log_gain = torch.zeros(n_ov)
+            self.freq = torch.full((n_ov,), lorsa.cfg.top_k / n_ov)
+        assert self.freq is not None
+        self.freq.mul_(1 - r.balance_ema).add_(r.balance_ema * counts.float() / max(n, 1))
+        total = t.config.total_steps
+        stop = r.remedy_until * total
+        if t.step < stop:
+            target = r.balance_floor * lorsa.cfg.top_k / n_ov
+            under = self.freq < target
+            self.log_gain.add_(torch.where(under, r.balance_rate, -r.balance_rate)).clamp_(0.0, r.balance_max)
+            # a head whose z_pre is negative on every token cannot be helped by a gain: raise b_V
+            never = under & (zmax <= 0) & (self.log_gain >= r.balance_max)
+            if bool(never.any()):
+                lorsa.b_V[never] += (-zmax[never] + 1e-3 * zmax.clamp_min(0).max()).to(lorsa.b_V)
+        else:
+            if self._gain_at_stop is None:
+                self._gain_at_stop = self.log_gain.clone()
+            frac = max(0.0, (total - t.step - 1) / max(total - stop, 1))
+            self.log_gain.copy_(self._gain_at_stop * frac)
 
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
@@ -231,6 +277,11 @@ class _LorsaObjective(_Objective):
         if out.b_D is not None:
             out.b_D.div_(t.s_out)
         out.normalize_decoder_()
+        if self.log_gain is not None and bool((self.log_gain != 0).any()):
+            g = self.log_gain.exp().to(out.W_V)
+            out.W_V.mul_(g[:, None])
+            out.b_V.mul_(g)
+            out.W_O.div_(g[:, None])
         return out
 
 
