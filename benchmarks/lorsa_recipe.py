@@ -10,8 +10,9 @@ activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa splice
         --out benchmarks/results/lorsa_recipe_ablation.json
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --variants recipe,old_demo --ce
 
-``--export DIR`` writes the cached batches as safetensors for the llamascopium head-to-head
-(``benchmarks/lorsa_llamascopium.py``, run in the llamascopium venv).
+``--export DIR`` writes the training windows, the batch order and the held-out windows as
+safetensors (:func:`export`) for the llamascopium head-to-head (``benchmarks/lorsa_llamascopium.py``,
+run in the llamascopium venv), then exits without training.
 """
 
 from __future__ import annotations
@@ -108,6 +109,48 @@ def heldout_metrics(lorsa: Lorsa, cache: ActivationCache) -> dict[str, float]:
     return {"fvu": sse / tot, "l0": l0 / n, "dead_frac": 1.0 - float(fired.float().mean()), "n_tokens": int(n)}
 
 
+def export(model: Any, layer: int, train_cache: ActivationCache, held: ActivationCache, steps: int, n_ov: int,
+           top_k: int, seed: int, out: Path) -> None:
+    """The layer's training batches and held-out windows, for a trainer outside this package.
+
+    ``train.safetensors``: ``x`` (attention input), ``y`` (attention output) ``(n_windows, seq, d_model)``
+    float32 and ``loss_mask`` ``(n_windows, seq)`` bool of every training window, and ``batch_windows``
+    ``(steps, 16)`` int64: batch ``i`` is windows ``batch_windows[i]`` in that order — exactly what
+    ``ActivationSource(train_cache, ..., batch_size=16, seed=seed)(i)`` yields (positions are
+    ``0..seq-1``: a cached source has none). ``heldout.safetensors``: ``x``, ``y``, ``loss_mask`` of the
+    held-out windows. ``mhsa.safetensors``: the layer's MHSA in head-major form (``W_Q (n_heads, d_model,
+    head_dim)``, ``W_K W_V (n_kv_heads, …)``, ``W_O (n_heads, head_dim, d_model)``, biases).
+    ``meta.json``: dims, the Lorsa's settings (as :func:`run_variant` builds it), rotary, scale.
+    """
+    from safetensors.torch import save_file
+
+    a = get_adapter(model)
+    mhsa = a.mhsa_weights(model._module, layer)
+    source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
+                              seed=seed)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, cache in (("train", train_cache), ("heldout", held)):
+        ids = torch.arange(cache.n_windows)
+        tensors = {k: cache.windows(k, ids).contiguous() for k in ("x", "y", "loss_mask")}
+        if name == "train":
+            tensors["batch_windows"] = torch.stack([source.window_ids(i) for i in range(steps)])
+        save_file(tensors, str(out / f"{name}.safetensors"))
+    save_file({k: getattr(mhsa, k).detach().float().contiguous()
+               for k in ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O", "b_O")}, str(out / "mhsa.safetensors"))
+    rot = mhsa.rotary
+    meta = {"layer": layer, "d_model": a.d_model, "n_heads": int(mhsa.W_Q.shape[0]),
+            "n_kv_heads": int(mhsa.W_K.shape[0]),
+            "head_dim": int(mhsa.W_Q.shape[-1]), "scale": mhsa.scale, "seq_len": int(train_cache.manifest["seq_len"]),
+            "n_qk_heads": 4 * int(mhsa.W_Q.shape[0]), "d_qk_head": int(mhsa.W_Q.shape[-1]), "n_ov_heads": n_ov,
+            "top_k": top_k, "steps": steps, "batch_size": 16, "seed": seed,
+            "rotary": None if rot is None else {"rotary_dim": rot.rotary_dim, "base": rot.base,
+                                                 "interleaved": rot.interleaved, "rope_type": rot.rope_type,
+                                                 "scaling": rot.scaling},
+            "train_windows": train_cache.n_windows, "heldout_windows": held.n_windows,
+            "model": train_cache.manifest["model"]}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
 def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache, held: ActivationCache,
                 heldout: TokenDataset, steps: int, ce: bool, n_ov: int, top_k: int, seed: int) -> dict[str, Any]:
     tc_over, recipe_over, use_mhsa = parse_variant(name)
@@ -150,10 +193,14 @@ def main() -> None:
     p.add_argument("--ce", action="store_true")
     p.add_argument("--cache-dir", default="/tmp/nnsight_lorsa_recipe_cache")
     p.add_argument("--out", default=None)
+    p.add_argument("--export", default=None, metavar="DIR", help="write the batches (export()) and exit")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = load_model()
     train_cache, held, heldout = caches(model, args.layer, Path(args.cache_dir))
+    if args.export:
+        export(model, args.layer, train_cache, held, args.steps, args.n_ov, args.top_k, args.seed, Path(args.export))
+        return
     rows = [run_variant(v, model, args.layer, train_cache, held, heldout, args.steps, args.ce, args.n_ov, args.top_k,
                         args.seed) for v in args.variants.split(",")]
     if args.out:
