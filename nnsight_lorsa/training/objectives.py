@@ -42,7 +42,7 @@ from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
-from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
+from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
 
 Metrics = dict[str, float]
@@ -127,10 +127,8 @@ class _LorsaObjective(_Objective):
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.log_gain: torch.Tensor | None = None      # (n_ov,) selection log-gains (dead_remedy="balance")
-        self.freq: torch.Tensor | None = None          # (n_ov,) EMA of each head's firing rate
+        self.balance: HeadBalance | None = None        # dead_remedy="balance"
         self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self._gain_at_stop: torch.Tensor | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
@@ -161,7 +159,11 @@ class _LorsaObjective(_Objective):
             moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
                                 err if self.recipe.revive_aim else None)
         if self._fired is not None:
-            self._balance(t)
+            counts, z_max, n = self._fired
+            if self.balance is None:
+                self.balance = HeadBalance(lorsa.cfg.n_ov_heads, lorsa.cfg.top_k)
+            self.balance.update(lorsa, self.recipe, counts, z_max, n, t.step, t.config.total_steps)
+            self._fired = None
         if self._resample is not None:
             x, err, mask, dead = self._resample
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
@@ -183,11 +185,17 @@ class _LorsaObjective(_Objective):
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
     def save_meta(self, t: Any) -> dict[str, Any]:
-        return {"lorsa_recipe": self.recipe.to_dict()}
+        meta: dict[str, Any] = {"lorsa_recipe": self.recipe.to_dict()}
+        if self.balance is not None:
+            meta["head_balance"] = self.balance.to_dict()
+        return meta
 
     def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
         if "lorsa_recipe" in meta:
             self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+        if "head_balance" in meta:
+            cfg = self.module.cfg
+            self.balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe
@@ -223,7 +231,9 @@ class _LorsaObjective(_Objective):
             self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
         if recipe.dead_remedy == "balance":
             zp = z_pre.detach()[mask]
-            self._fired = (active.sum(0), zp.amax(0), int(mask.sum()))
+            z_max = zp.amax(0) if zp.shape[0] else torch.full_like(z_pre[0, 0], -torch.inf)
+            stats = (active.sum(0), z_max, int(mask.sum()))
+            self._fired = stats if t.dist is None else t.dist.combine_counts(*stats)
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
                       "aux": float(aux.detach()), "k": float(k)}
@@ -231,39 +241,10 @@ class _LorsaObjective(_Objective):
     def selection_gain(self) -> torch.Tensor | None:
         """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""
         g = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
-        if self.log_gain is not None:
-            e = self.log_gain.exp()
+        if self.balance is not None:
+            e = self.balance.gain().to(self.module.W_O.device)
             g = e if g is None else g * e
         return g
-
-    @torch.no_grad()
-    def _balance(self, t: Any) -> None:
-        assert self._fired is not None
-        counts, zmax, n = self._fired
-        self._fired = None
-        r = self.recipe
-        lorsa = self.module
-        n_ov = lorsa.cfg.n_ov_heads
-        if self.log_gain is None:
-            self.log_gain = torch.zeros(n_ov)
-            self.freq = torch.full((n_ov,), lorsa.cfg.top_k / n_ov)
-        assert self.freq is not None
-        self.freq.mul_(1 - r.balance_ema).add_(r.balance_ema * counts.float() / max(n, 1))
-        total = t.config.total_steps
-        stop = r.remedy_until * total
-        if t.step < stop:
-            target = r.balance_floor * lorsa.cfg.top_k / n_ov
-            under = self.freq < target
-            self.log_gain.add_(torch.where(under, r.balance_rate, -r.balance_rate)).clamp_(0.0, r.balance_max)
-            # a head whose z_pre is negative on every token cannot be helped by a gain: raise b_V
-            never = under & (zmax <= 0) & (self.log_gain >= r.balance_max)
-            if bool(never.any()):
-                lorsa.b_V[never] += (-zmax[never] + 1e-3 * zmax.clamp_min(0).max()).to(lorsa.b_V)
-        else:
-            if self._gain_at_stop is None:
-                self._gain_at_stop = self.log_gain.clone()
-            frac = max(0.0, (total - t.step - 1) / max(total - stop, 1))
-            self.log_gain.copy_(self._gain_at_stop * frac)
 
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
@@ -277,8 +258,8 @@ class _LorsaObjective(_Objective):
         if out.b_D is not None:
             out.b_D.div_(t.s_out)
         out.normalize_decoder_()
-        if self.log_gain is not None and bool((self.log_gain != 0).any()):
-            g = self.log_gain.exp().to(out.W_V)
+        if self.balance is not None and bool((self.balance.log_gain != 0).any()):
+            g = self.balance.gain().to(out.W_V)
             out.W_V.mul_(g[:, None])
             out.b_V.mul_(g)
             out.W_O.div_(g[:, None])
