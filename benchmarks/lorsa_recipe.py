@@ -1,7 +1,8 @@
 """Lorsa training recipe: each mechanism on/off, trained from one activation cache.
 
-The embedded model's layer-``L`` attention input/output is cached once (``write_activation_cache``)
-for the training windows and the held-out windows of the demo (the last 64 windows × 128 tokens);
+A model's layer-``L`` attention input/output (the embedded model's by default; ``--model DIR`` any Hugging
+Face directory our adapters support) is cached once (``write_activation_cache``) for the training
+windows and the held-out windows of the demo (the last 64 windows × 128 tokens of the bundled corpus);
 every variant trains from the same cached batches (same seed) and is measured on the held-out
 windows: FVU, L0 and dead fraction (heads never active on the held-out tokens) from the cached
 activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa spliced in), and wall time.
@@ -9,6 +10,11 @@ activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa splice
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 100 \
         --out benchmarks/results/lorsa_recipe_ablation.json
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --variants recipe,old_demo --ce
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --model /tmp/ts-gpt2,/tmp/ts-neox \
+        --layer all --ce --variants 'recipe:lr=0.004'    # every layer of other models (benchmarks/_tiny_models.py)
+
+The Lorsa is configured from the layer's MHSA (``mhsa_weights``): ``n_qk_heads = 4 × n_heads``,
+``d_qk_head = head_dim``, its rotary (none for GPT-2), score scale and QK-norm.
 
 ``--export DIR`` writes the training windows, the batch order and the held-out windows as
 safetensors (:func:`export`) for the llamascopium head-to-head (``benchmarks/lorsa_llamascopium.py``,
@@ -19,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -189,7 +198,8 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
     mhsa = a.mhsa_weights(model._module, layer)
     torch.manual_seed(seed)
     cfg = LorsaConfig(d_model=a.d_model, n_qk_heads=4 * mhsa.n_heads, d_qk_head=mhsa.head_dim, n_ov_heads=n_ov,
-                      top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale, layer=layer)
+                      top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale, qk_norm=mhsa.q_norm is not None,
+                      qk_norm_eps=mhsa.qk_norm_eps, layer=layer)
     lorsa = Lorsa(cfg)
     source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
                               seed=seed)
@@ -200,7 +210,8 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
     wall = time.time() - t0
     folded = trainer.folded()
     assert isinstance(folded, Lorsa)
-    row: dict[str, Any] = {"variant": name, "steps": steps, "train_tokens": steps * 16 * 128, "train_s": round(wall, 1),
+    row: dict[str, Any] = {"variant": name, "layer": layer, "steps": steps, "train_tokens": steps * 16 * 128,
+                           "train_s": round(wall, 1),
                            "train_config": tc_over, "recipe": LorsaRecipe(**recipe_over).to_dict(),
                            "init": trainer.objective.init_info,  # type: ignore[attr-defined]
                            "fvu_at": {h["step"]: round(h["fvu"], 4) for h in trainer.config.history
@@ -215,7 +226,9 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layer", type=int, default=2)
+    p.add_argument("--model", default="embedded",
+                   help="comma-separated Hugging Face model directories, run one after the other ('embedded': ours)")
+    p.add_argument("--layer", default="2", help="a layer, comma-separated layers, or 'all' (every layer of each model)")
     p.add_argument("--steps", type=int, default=600, help="600 × 16 × 128 = 1.23M tokens (the issue's budget)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; 'recipe:k=v;k=v' overrides")
     p.add_argument("--n-ov", type=int, default=1024)
@@ -227,18 +240,36 @@ def main() -> None:
     p.add_argument("--export", default=None, metavar="DIR", help="write the batches (export()) and exit")
     args = p.parse_args()
     torch.set_num_threads(1)
-    model = load_model()
-    train_cache, held, heldout = caches(model, args.layer, Path(args.cache_dir))
-    if args.export:
-        export(model, args.layer, train_cache, held, args.steps, args.n_ov, args.top_k, args.seed, Path(args.export))
-        return
-    rows = [run_variant(v, model, args.layer, train_cache, held, heldout, args.steps, args.ce, args.n_ov, args.top_k,
-                        args.seed) for v in args.variants.split(",")]
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"layer": args.layer, "steps": args.steps, "n_ov_heads": args.n_ov,
-                                              "top_k": args.top_k, "heldout_windows": held.n_windows,
-                                              "rows": rows}, indent=1))
+    if args.export and ("," in args.model or not args.layer.isdigit()):
+        p.error("--export writes one model's one layer: give one --model and one --layer")
+    rows: list[dict[str, Any]] = []
+    models: dict[str, Any] = {}
+    for name in args.model.split(","):
+        model = load_model(None if name == "embedded" else name)
+        n_layers = get_adapter(model).n_layers
+        layers = range(n_layers) if args.layer == "all" else [int(s) for s in args.layer.split(",")]
+        info = Path(name, "training.json")
+        models[name] = {"model_type": model.config.model_type, "n_layers": n_layers,
+                        "training": json.loads(info.read_text()) if name != "embedded" and info.exists() else None}
+        root = Path(args.cache_dir)
+        if name != "embedded":  # one cache per weights file: a retrained model with the same config gets a new one
+            digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(name).glob("*.safetensors"))))
+            root = root / f"{Path(name).resolve().name}-{digest.hexdigest()[:12]}"
+        for layer in layers:
+            train_cache, held, heldout = caches(model, layer, root)
+            if args.export:
+                export(model, layer, train_cache, held, args.steps, args.n_ov, args.top_k, args.seed, Path(args.export))
+                return
+            for v in args.variants.split(","):
+                rows.append({"model": name, **run_variant(v, model, layer, train_cache, held, heldout, args.steps,
+                                                          args.ce, args.n_ov, args.top_k, args.seed)})
+                if args.out:  # after every row: a long run stopped early keeps what it measured
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(
+                        {"command": shlex.join(["python", *sys.argv]), "models": models,
+                         "layer": int(args.layer) if args.layer.isdigit() else args.layer, "steps": args.steps,
+                         "n_ov_heads": args.n_ov, "top_k": args.top_k, "heldout_windows": held.n_windows,
+                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -22,68 +22,7 @@ from pathlib import Path
 
 import torch
 from _timing import RESULTS, arg, parser, script, start, write_json
-
-
-def split_ids(tokenizer, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    from nnsight_lorsa.assets import default_corpus_path
-
-    text = default_corpus_path().read_text(encoding="utf-8")
-    cut = int(len(text) * (1.0 - val_fraction))
-    enc = lambda t: torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731
-    return enc(text[:cut]), enc(text[cut:])
-
-
-def train_gpt2(out: Path, steps: int, warmup_steps: int, seq_len: int, batch_size: int) -> dict:
-    """A GPT-2-architecture model trained with the embedded Llama's recipe (scripts/tinymodel.py).
-
-    Same tokenizer (copied from the Llama asset: trained on the same split), same induction warm-up,
-    same repeat augmentation, AdamW and schedule; dims matched to the Llama (d 128, 4 layers, 4 heads).
-    Shorter than the Llama's run (CPU budget), so its CE is higher.
-    """
-    import torch.nn.functional as F
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-    from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_model_dir
-
-    tm = script("tinymodel")
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(default_model_dir())
-    train_ids, val_ids = split_ids(tok)
-    cfg = GPT2Config(vocab_size=len(tok), n_positions=512, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-                     pad_token_id=EOS_ID)
-    model = GPT2LMHeadModel(cfg)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-3, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(0)
-    warm, warm_ce = tm._induction_warmup(model, warmup_steps, gen, progress=True)
-    n_starts = train_ids.numel() - (seq_len - 1) + 1
-    model.train()
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = tm._lr_at(step, steps, 3e-3, max(1, min(100, steps // 10)))
-        starts = torch.randint(0, n_starts, (batch_size,), generator=gen)
-        x = tm._repeat_augment(tm._windows_with_bos(train_ids, starts, seq_len), 0.5, gen)
-        logits = model(input_ids=x).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0:
-            print(f"step {step} loss {loss.item():.3f}", flush=True)
-    model.eval()
-    val_ce = tm.corpus_cross_entropy(model, val_ids, seq_len=seq_len)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    info = {"steps": steps, "induction_warmup_steps": warm, "induction_warmup_second_copy_ce": warm_ce,
-            "seq_len": seq_len, "batch_size": batch_size, "val_ce": val_ce, "wall_seconds": time.perf_counter() - t0}
-    (out / "training.json").write_text(json.dumps(info, indent=1))
-    return info
+from _tiny_models import split_ids, train_tiny
 
 
 def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len: int = 20) -> dict:
@@ -143,7 +82,8 @@ def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len:
 def main() -> None:
     args = parser(
         __doc__, model=arg(None, "HF model directory (default: the embedded Llama)"),
-        train_gpt2=arg(None, "train the GPT-2-architecture model here, exit", type=Path), gpt2_steps=600,
+        train_gpt2=arg(None, "train the GPT-2-architecture model here (benchmarks/_tiny_models.py), exit",
+                       type=Path), gpt2_steps=600,
         gpt2_warmup_steps=600, steps=1500, seq_len=64, batch_size=16, lr=1e-3, gate_lr=0.03, init_bias=5.0,
         geco_lr=1.0, max_lambda=100.0, lora_rank=arg(None, type=int),
         target_margin=arg(0.0, "constraint CE <= tau_train - margin"),
@@ -162,7 +102,7 @@ def main() -> None:
         print(f"wrote {path}")
         return
     if args.train_gpt2 is not None:
-        print(json.dumps(train_gpt2(args.train_gpt2, args.gpt2_steps, args.gpt2_warmup_steps, 128, 16)))
+        print(json.dumps(train_tiny("gpt2", args.train_gpt2, args.gpt2_steps, args.gpt2_warmup_steps, 128, 16)))
         return
 
     import tempfile

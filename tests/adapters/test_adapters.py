@@ -380,6 +380,38 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3"])
+def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
+    """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,
+    QK-norm), and initialised with ``init_from_mhsa`` has every QK head's attention pattern equal to its
+    MHSA head's in the model's own eager attention: GPT-2 (Conv1D fused QKV, learned positions: no
+    rotary; ``gpt2_inv``: score scale / (layer + 1)), GPT-NeoX (partial rotary, per-head interleaved
+    fused QKV), Llama (GQA, llama3 RoPE scaling), Qwen3 (QK-norm)."""
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    args, kwargs, output = capture_attention(model, adapter)
+    x = adapter.attention_input(args, kwargs)
+    positions = adapter.attention_positions(args, kwargs, x)
+    expected = output[1]  # eager attention weights (batch, n_heads, q, k)
+    assert expected.shape == (BATCH, N_HEADS, SEQ, SEQ)
+    w = adapter.mhsa_weights(model, LAYER)
+    assert (w.rotary is None) == family.startswith("gpt2")
+    if family == "neox":
+        assert w.rotary is not None and w.rotary.rotary_dim == w.head_dim // 4  # rotary_pct 0.25
+    qk_rep = 4
+    cfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim,
+                      n_ov_heads=qk_rep * w.n_heads * 2, top_k=4, rotary=w.rotary, attn_scale=1.0 / w.scale,
+                      qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps, layer=LAYER)
+    lorsa = Lorsa(cfg)
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(0))
+    got = lorsa.attention_pattern(x, positions=positions)
+    assert got.shape == (BATCH, cfg.n_qk_heads, SEQ, SEQ)
+    ref = expected.repeat_interleave(qk_rep, 1)  # QK head j copies MHSA head j // qk_rep
+    assert (got - ref).abs().max().item() < TOL
+    # not trivially uniform: the heads attend differently
+    assert (expected[:, 0] - expected[:, 1]).abs().max().item() > 1e-2
+
+
 def test_rope_settings_a_transformers_4_model_would_ignore_are_refused() -> None:
     """transformers 4 reads ``rope_scaling`` / ``rope_theta`` only: a transformers-5 ``rope_parameters``
     alone (its model would run unscaled RoPE) is a named error there; both keys, or transformers 5, pass."""
