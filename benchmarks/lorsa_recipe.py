@@ -39,6 +39,7 @@ from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.read import Site
+from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import (
     ActivationCache,
     ActivationSource,
@@ -160,8 +161,38 @@ def export(model: Any, layer: int, train_cache: ActivationCache, held: Activatio
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
+def run_sae_baseline(model: Any, layer: int, train_cache: ActivationCache, held: ActivationCache, steps: int,
+                     n_latents: int, top_k: int, seed: int, lr: float = 4e-3) -> dict[str, Any]:
+    """Variant ``sae_topk``: a TopK SAE (``n_latents``, k ``top_k``) on the attention *output* itself,
+    trained by the same trainer on the same batches — how many latents a dictionary of that size keeps
+    alive on this data when nothing Lorsa-specific (attention patterns, OV heads) is involved."""
+    a = get_adapter(model)
+    torch.manual_seed(seed)
+    sae = SparseAutoencoder(SAEConfig(d_in=a.d_model, d_sae=n_latents, activation="topk",
+                                      activation_params={"k": top_k}, hook=Site.attn_output(a, layer).path))
+    source = ActivationSource.sae(train_cache, Site.attn_output(a, layer), batch_size=16, seed=seed)
+    t0 = time.time()
+    trainer = Trainer(sae, source, TrainConfig(total_steps=steps, lr=lr))
+    trainer.train(progress=False)
+    wall = time.time() - t0
+    folded = trainer.folded()
+    ids = torch.arange(held.n_windows)
+    y = held.windows("y", ids)[held.windows("loss_mask", ids)]
+    with torch.no_grad():
+        out, acts = folded(y), folded.encode(y)
+    yd = y.double()
+    row = {"variant": "sae_topk", "layer": layer, "steps": steps, "train_s": round(wall, 1), "lr": lr,
+           "fvu": float((yd - out.double()).pow(2).sum() / (yd - yd.mean(0)).pow(2).sum()),
+           "l0": float((acts > 0).sum(-1).float().mean()), "dead_frac": float(((acts > 0).sum(0) == 0).float().mean()),
+           "n_tokens": int(y.shape[0])}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache, held: ActivationCache,
                 heldout: TokenDataset, steps: int, ce: bool, n_ov: int, top_k: int, seed: int) -> dict[str, Any]:
+    if name == "sae_topk":
+        return run_sae_baseline(model, layer, train_cache, held, steps, n_ov, top_k, seed)
     tc_over, recipe_over, use_mhsa = parse_variant(name)
     a = get_adapter(model)
     mhsa = a.mhsa_weights(model._module, layer)

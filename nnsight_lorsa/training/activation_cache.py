@@ -50,16 +50,45 @@ def site_name(site: Site) -> str:
     return f"{site.path}:{site.kind}"
 
 
+def _weights_hash(hf: Any) -> str:
+    """SHA-256 over every parameter's name, shape, dtype and up to 4096 evenly strided values ("" when a
+    parameter is not materialised, e.g. on the meta device of a model not yet dispatched)."""
+    named = getattr(hf, "named_parameters", None)
+    if named is None:
+        return ""
+    h = hashlib.sha256()
+    for name, p in named():
+        if p.is_meta:
+            return ""
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(flat[::step].to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _config_hashes(config: Any) -> tuple[str, str]:
+    """``(hash, legacy hash)`` of a transformers config: SHA-256 of its JSON with sorted keys
+    (``to_json_string(use_diff=False)``) without ``_name_or_path``, and with it (as caches written by
+    0.x before the path was dropped recorded it)."""
+    legacy = config.to_json_string(use_diff=False)
+    d = json.loads(legacy)
+    d.pop("_name_or_path", None)
+    text = json.dumps(d, indent=2, sort_keys=True) + "\n"
+    return hashlib.sha256(text.encode()).hexdigest(), hashlib.sha256(legacy.encode()).hexdigest()
+
+
 def model_fingerprint(model: Any) -> dict[str, str]:
-    """``{"name", "config_hash"}`` of an nnsight (or HF) model: ``name_or_path`` and the SHA-256 of
-    its config as JSON with sorted keys (transformers' ``to_json_string(use_diff=False)``)."""
+    """``{"name", "config_hash", "weights_hash"}`` of an nnsight (or HF) model: ``name_or_path``
+    (informative), the SHA-256 of its config without the path (:func:`_config_hashes`) and of a strided
+    sample of its weights (:func:`_weights_hash`; tells a retrained or other checkpoint with the same
+    config apart, not one edited weight)."""
     hf = getattr(model, "_module", model)
     config = getattr(hf, "config", None)
     if config is None:
-        return {"name": type(hf).__name__, "config_hash": ""}
-    text = config.to_json_string(use_diff=False)
+        return {"name": type(hf).__name__, "config_hash": "", "weights_hash": _weights_hash(hf)}
     return {"name": str(getattr(config, "_name_or_path", "") or type(hf).__name__),
-            "config_hash": hashlib.sha256(text.encode()).hexdigest()}
+            "config_hash": _config_hashes(config)[0], "weights_hash": _weights_hash(hf)}
 
 
 def tokens_hash(tokens: torch.Tensor) -> str:
@@ -225,12 +254,21 @@ class ActivationCache:
         return int(self.manifest["sites"][self.site(site)]["d"])
 
     def check_model(self, model: Any) -> None:
-        """Raise :class:`ActivationCacheError` unless the cache was written from ``model`` (name, config hash)."""
+        """Raise :class:`ActivationCacheError` unless the cache was written from ``model``: same config
+        hash, and same weights hash where both sides have one (a cache written before weights were
+        hashed, or a model whose weights are not materialised, is checked by its config only). The
+        name (``name_or_path``) is informative: the same model loaded from another folder passes."""
         want, have = self.manifest["model"], model_fingerprint(model)
-        if want != have:
-            raise ActivationCacheError(f"{self.directory / MANIFEST}: written from model {want['name']!r} "
-                                       f"(config {want['config_hash'][:12]}), not {have['name']!r} "
-                                       f"(config {have['config_hash'][:12]})")
+        w_want, w_have = want.get("weights_hash", ""), have["weights_hash"]
+        config = getattr(getattr(model, "_module", model), "config", None)
+        same_config = want.get("config_hash") == have["config_hash"] or (
+            config is not None and want.get("config_hash") == _config_hashes(config)[1])
+        if not same_config or (w_want and w_have and w_want != w_have):
+            what = "configs" if not same_config else "weights"
+            raise ActivationCacheError(f"{self.directory / MANIFEST}: written from model {want.get('name')!r} "
+                                       f"(config {str(want.get('config_hash'))[:12]}, weights {w_want[:12] or '?'}), "
+                                       f"not from {have['name']!r} (config {have['config_hash'][:12]}, weights "
+                                       f"{w_have[:12] or '?'}): their {what} differ")
 
     def check_dataset(self, dataset: TokenDataset) -> None:
         """Raise :class:`ActivationCacheError` unless the cache holds exactly ``dataset``'s windows."""

@@ -111,6 +111,14 @@ class DataParallel:
         n = self._all_reduce(torch.tensor([n_tokens], dtype=torch.long))
         return f.bool(), int(n)
 
+    def combine_counts(self, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics."""
+        c = self._all_reduce(counts.to(torch.float64))
+        z = self._all_reduce(z_max.detach().clone(), dist.ReduceOp.MAX)
+        n = self._all_reduce(torch.tensor([n_tokens], dtype=torch.long))
+        return c, z, int(n)
+
     def global_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch."""
         t = torch.stack([total.detach().to(torch.float64).reshape(()), torch.tensor(float(count), dtype=torch.float64)])

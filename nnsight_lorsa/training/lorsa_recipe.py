@@ -42,6 +42,16 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
   at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
   where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
+* ``"balance"`` — frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
+  router, made multiplicative so that it folds): the top-k ranks heads by ``z_pre · g_h`` (the output
+  still uses ``z``), and each head's log-gain ``log g_h ∈ [0, balance_max]`` rises by
+  ``balance_rate`` per step while its firing rate (an EMA, ``balance_ema``) is below
+  ``balance_floor · k / n_ov`` and falls by ``balance_rate`` otherwise; a head under the floor at the
+  largest gain whose ``z_pre`` is negative on every token of the batch gets ``b_V`` raised to fire
+  there. After ``remedy_until`` the gains decay linearly to 1 by the last step; if they are still on
+  (``remedy_until = 1``) folding moves them into the weights exactly (``w_v, b_v ·= g``,
+  ``w_o /= g``), so the folded Lorsa's ``‖w_o^h‖ = 1/g_h`` and its ``z^h`` is the output norm times
+  ``g_h``.
 * ``"none"``.
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
@@ -56,16 +66,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigMismatchError
+from ..errors import CheckpointError, ConfigMismatchError
 from ..modules.lorsa import Lorsa
 
 if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights
 
-__all__ = ["LorsaRecipe", "init_lorsa", "k_schedule"]
+__all__ = ["HeadBalance", "LorsaRecipe", "init_lorsa", "k_schedule"]
 
 _OV_INITS = ("value_svd", "output_svd", "mhsa", "random")
-_REMEDIES = ("revive", "resample", "ghost", "auxk", "none")
+_REMEDIES = ("balance", "revive", "resample", "ghost", "auxk", "none")
 
 
 @dataclass
@@ -103,12 +113,21 @@ class LorsaRecipe:
     ghost_coef: float = 1.0
     revive_margin: float = 0.05
     revive_aim: bool = False
+    balance_floor: float = 0.1
+    balance_rate: float = 0.05
+    balance_ema: float = 0.1
+    balance_max: float = 8.0
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:
             raise ConfigMismatchError(f"LorsaRecipe.ov_init must be one of {_OV_INITS}, got {self.ov_init!r}")
         if self.dead_remedy not in _REMEDIES:
             raise ConfigMismatchError(f"LorsaRecipe.dead_remedy must be one of {_REMEDIES}, got {self.dead_remedy!r}")
+        for name, lo, hi in (("balance_floor", 0.0, 1.0), ("balance_ema", 0.0, 1.0), ("balance_rate", 0.0, math.inf),
+                             ("balance_max", 0.0, math.inf)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
+                raise ConfigMismatchError(f"LorsaRecipe.{name} must be a number in ({lo}, {hi}], got {v!r}")
         if not 0.0 <= self.k_anneal_frac <= 1.0:
             raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
 
@@ -131,6 +150,64 @@ def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> 
     if span <= 0 or step >= span:
         return top_k
     return max(top_k, math.ceil(k0 + (top_k - k0) * step / span))
+
+
+class HeadBalance:
+    """State of the ``"balance"`` remedy (module docstring): per-head log-gains and firing-rate EMA.
+
+    ``log_gain, freq``: ``(n_ov,)`` float32; ``at_stop``: the log-gains when the remedy stopped
+    (the decay starts from them), or None. Saved in checkpoints as lists (:meth:`to_dict`).
+    """
+
+    def __init__(self, n_ov: int, top_k: int) -> None:
+        self.log_gain = torch.zeros(n_ov)
+        self.freq = torch.full((n_ov,), top_k / n_ov)
+        self.at_stop: torch.Tensor | None = None
+
+    def gain(self) -> torch.Tensor:
+        """``g = exp(log_gain)``, ``(n_ov,)``."""
+        return self.log_gain.exp()
+
+    @torch.no_grad()
+    def update(self, lorsa: Lorsa, recipe: LorsaRecipe, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int,
+               step: int, total_steps: int) -> None:
+        """One step: ``counts (n_ov,)`` firings and ``z_max (n_ov,)`` largest ``z_pre`` over the batch's
+        ``n_tokens`` counted tokens; ``step`` the step just taken (0-based)."""
+        self.freq.mul_(1 - recipe.balance_ema).add_(recipe.balance_ema * counts.float().cpu() / max(n_tokens, 1))
+        stop = recipe.remedy_until * total_steps
+        if step < stop:
+            floor = recipe.balance_floor * lorsa.cfg.top_k / lorsa.cfg.n_ov_heads
+            under = self.freq < floor
+            self.log_gain.add_(torch.where(under, recipe.balance_rate, -recipe.balance_rate))
+            self.log_gain.clamp_(0.0, recipe.balance_max)
+            z_max = z_max.float().cpu()
+            stuck = under & (z_max <= 0) & (self.log_gain >= recipe.balance_max)
+            if bool(stuck.any()):  # no gain helps a head that is negative everywhere: raise its b_V
+                lift = -z_max[stuck] + 1e-3 * float(z_max.clamp_min(0).max())
+                lorsa.b_V[stuck.to(lorsa.b_V.device)] += lift.to(lorsa.b_V)
+        else:
+            if self.at_stop is None:
+                self.at_stop = self.log_gain.clone()
+            self.log_gain.copy_(self.at_stop * max(0.0, (total_steps - step - 1) / max(total_steps - stop, 1.0)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"log_gain": self.log_gain.tolist(), "freq": self.freq.tolist(),
+                "at_stop": None if self.at_stop is None else self.at_stop.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], n_ov: int, top_k: int, where: str) -> HeadBalance:
+        """Rebuild from :meth:`to_dict`; raises CheckpointError naming ``where`` if it does not fit."""
+        out = cls(n_ov, top_k)
+        try:
+            out.log_gain = torch.tensor(d["log_gain"], dtype=torch.float32)
+            out.freq = torch.tensor(d["freq"], dtype=torch.float32)
+            out.at_stop = None if d.get("at_stop") is None else torch.tensor(d["at_stop"], dtype=torch.float32)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: head_balance is malformed ({e})") from None
+        for t in (out.log_gain, out.freq, out.at_stop):
+            if t is not None and (t.shape != (n_ov,) or not bool(torch.isfinite(t).all())):
+                raise CheckpointError(f"{where}: head_balance must hold {n_ov} finite values per entry")
+        return out
 
 
 def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:

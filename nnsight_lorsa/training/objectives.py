@@ -42,7 +42,7 @@ from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
-from .lorsa_recipe import LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
+from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
 
 Metrics = dict[str, float]
@@ -127,6 +127,8 @@ class _LorsaObjective(_Objective):
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.balance: HeadBalance | None = None        # dead_remedy="balance"
+        self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_ov_heads)
@@ -156,6 +158,12 @@ class _LorsaObjective(_Objective):
             norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
             moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
                                 err if self.recipe.revive_aim else None)
+        if self._fired is not None:
+            counts, z_max, n = self._fired
+            if self.balance is None:
+                self.balance = HeadBalance(lorsa.cfg.n_ov_heads, lorsa.cfg.top_k)
+            self.balance.update(lorsa, self.recipe, counts, z_max, n, t.step, t.config.total_steps)
+            self._fired = None
         if self._resample is not None:
             x, err, mask, dead = self._resample
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
@@ -177,11 +185,17 @@ class _LorsaObjective(_Objective):
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
     def save_meta(self, t: Any) -> dict[str, Any]:
-        return {"lorsa_recipe": self.recipe.to_dict()}
+        meta: dict[str, Any] = {"lorsa_recipe": self.recipe.to_dict()}
+        if self.balance is not None:
+            meta["head_balance"] = self.balance.to_dict()
+        return meta
 
     def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
         if "lorsa_recipe" in meta:
             self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+        if "head_balance" in meta:
+            cfg = self.module.cfg
+            self.balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe
@@ -189,9 +203,9 @@ class _LorsaObjective(_Objective):
         y = batch.y.to(lorsa.W_O.dtype) * t.s_out
         k = self.top_k(t)
         z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
-        if recipe.rank_by_decoder_norm:  # rank by output norm z·‖w_o‖ (w_o not renormalised)
-            norms = lorsa.W_O.detach().norm(dim=1)
-            idx = (z_pre.detach() * norms).topk(k, dim=-1).indices
+        gain = self.selection_gain()
+        if gain is not None:  # rank by z·g (g = ‖w_o‖ and/or the balancing gain; folded exactly)
+            idx = (z_pre.detach() * gain).topk(k, dim=-1).indices
             z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
         else:
             z, _ = lorsa.activation(z_pre, k)
@@ -215,9 +229,22 @@ class _LorsaObjective(_Objective):
             self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():
             self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
+        if recipe.dead_remedy == "balance":
+            zp = z_pre.detach()[mask]
+            z_max = zp.amax(0) if zp.shape[0] else torch.full_like(z_pre[0, 0], -torch.inf)
+            stats = (active.sum(0), z_max, int(mask.sum()))
+            self._fired = stats if t.dist is None else t.dist.combine_counts(*stats)
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
                       "aux": float(aux.detach()), "k": float(k)}
+
+    def selection_gain(self) -> torch.Tensor | None:
+        """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""
+        g = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
+        if self.balance is not None:
+            e = self.balance.gain().to(self.module.W_O.device)
+            g = e if g is None else g * e
+        return g
 
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
@@ -231,6 +258,11 @@ class _LorsaObjective(_Objective):
         if out.b_D is not None:
             out.b_D.div_(t.s_out)
         out.normalize_decoder_()
+        if self.balance is not None and bool((self.balance.log_gain != 0).any()):
+            g = self.balance.gain().to(out.W_V)
+            out.W_V.mul_(g[:, None])
+            out.b_V.mul_(g)
+            out.W_O.div_(g[:, None])
         return out
 
 

@@ -134,3 +134,24 @@ def test_mismatches_raise_clear_errors(setup, cached, tmp_path):
         ActivationCache(broken)
     with pytest.raises(ActivationCacheError, match="no activation-cache manifest"):
         ActivationCache(tmp_path)
+
+
+def test_cache_refuses_a_model_with_other_weights_and_accepts_a_moved_one(setup, cached):
+    model, hf, adapter, data = setup
+    cache, _ = cached
+    w = hf.model.layers[0].self_attn.q_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.add_(0.01 * torch.randn_like(w))  # same config, other weights (a retrained checkpoint)
+        with pytest.raises(ActivationCacheError, match="weights differ"):
+            cache.check_model(model)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    old = hf.config._name_or_path
+    try:
+        hf.config._name_or_path = "/elsewhere/same-model"  # the same model loaded from another folder
+        cache.check_model(model)
+    finally:
+        hf.config._name_or_path = old

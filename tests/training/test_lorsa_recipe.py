@@ -187,3 +187,72 @@ def test_resample_points_dead_heads_at_high_error_tokens(setup):
     cos = torch.nn.functional.normalize(err[b.loss_mask], dim=-1) @ lorsa.W_O[idx].T
     assert (cos.amax(0) > 1 - 1e-4).all() and (z_pre[:, idx] > 0).any(0).all()
     assert (z_pre[:, idx] > 0).float().mean() < 0.5  # selective: fires on a minority of tokens
+
+
+def _balanced(adapter, mhsa, source, **recipe):
+    recipe = {"dead_remedy": "balance", "balance_floor": 1.0, "balance_rate": 0.5, **recipe}
+    return Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=6, lr=1e-2, log_every=1), mhsa=mhsa,
+                   lorsa_recipe=LorsaRecipe(**recipe))
+
+
+def test_balance_gains_rank_heads_and_fold_exactly(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = _balanced(adapter, mhsa, source)
+    trainer.train(4, progress=False)
+    balance = trainer.objective.balance
+    gain = balance.gain()
+    under = balance.freq < trainer.module.cfg.top_k / trainer.module.cfg.n_ov_heads
+    assert gain.max() > 1.5 and (gain[~under] < gain.max()).any()
+    batch = source(4)
+    with torch.no_grad():
+        z_pre = trainer.module.compute_z_pre(batch.x * trainer.s_in, batch.positions)
+        idx = (z_pre * gain).topk(8, dim=-1).indices
+        z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        want = trainer.module.decode(z) / trainer.s_out
+        plain = trainer.module.decode(trainer.module.activation(z_pre)[0]) / trainer.s_out
+        got = trainer.folded()(batch.x, batch.positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    assert (plain - want).abs().max() > 1e-2 * want.abs().max()  # the gains do change the selection
+
+
+def test_balance_lifts_a_head_negative_everywhere_and_decays_after_remedy_until(setup):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = _balanced(adapter, mhsa, source, balance_max=0.5, remedy_until=0.5)
+    trainer.estimate_norms()
+    with torch.no_grad():
+        trainer.module.b_V[0] = -1e3
+    trainer.train(2, progress=False)
+    batch = source(2)
+    with torch.no_grad():
+        z_pre = trainer.module.compute_z_pre(batch.x * trainer.s_in, batch.positions)
+    assert (z_pre[..., 0][batch.loss_mask] > 0).any()
+    trainer.train(progress=False)  # steps 3..5 after remedy_until: the gains decay to 1 by the last step
+    assert torch.equal(trainer.objective.balance.log_gain, torch.zeros_like(trainer.objective.balance.log_gain))
+
+
+def test_balance_state_resumes_bit_exact(setup, tmp_path):
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    straight = _balanced(adapter, mhsa, source)
+    straight.train(progress=False)
+    first = _balanced(adapter, mhsa, source)
+    first.train(3, progress=False)
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed = Trainer.resume(tmp_path / "ckpt", source)
+    assert torch.equal(resumed.objective.balance.log_gain, first.objective.balance.log_gain)
+    resumed.train(progress=False)
+    for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(straight.objective.balance.log_gain, resumed.objective.balance.log_gain)
+
+
+@pytest.mark.parametrize("field,value", [("balance_floor", 0.0), ("balance_floor", 1.5), ("balance_rate", float("nan")),
+                                         ("balance_ema", 0.0), ("balance_max", -1.0)])
+def test_balance_settings_are_checked(field, value):
+    with pytest.raises(ConfigMismatchError, match=field):
+        LorsaRecipe(**{field: value})
