@@ -69,7 +69,6 @@ def train_tiny(arch: str, out: Path, steps: int, warmup_steps: int, seq_len: int
     than the Llama's run (CPU budget), so its CE is higher. Returns (and writes to ``out/training.json``)
     the held-out CE (``val_ce``, nats/token, ``corpus_cross_entropy``) and the unigram baseline's.
     """
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nnsight_lorsa.assets import default_model_dir
@@ -94,14 +93,9 @@ def train_tiny(arch: str, out: Path, steps: int, warmup_steps: int, seq_len: int
             g["lr"] = tm._lr_at(step, steps, 3e-3, max(1, min(100, steps // 10)))
         starts = torch.randint(0, n_starts, (batch_size,), generator=gen)
         x = tm._repeat_augment(tm._windows_with_bos(train_ids, starts, seq_len), 0.5, gen)
-        logits = model(input_ids=x).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = tm.lm_step(model, opt, x)
         if step % 100 == 0:
-            print(f"step {step} loss {loss.item():.3f}", flush=True)
+            print(f"step {step} loss {loss:.3f}", flush=True)
     model.eval()
     val_ce = tm.corpus_cross_entropy(model, val_ids, seq_len=seq_len)
     out.mkdir(parents=True, exist_ok=True)

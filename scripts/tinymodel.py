@@ -263,6 +263,17 @@ def corpus_cross_entropy(
     return total_nll / total_n
 
 
+def lm_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    """One next-token step on ``x (batch, seq)``: CE, backward, gradient clipping at 1, ``opt.step()``; the loss."""
+    logits = model(input_ids=x).logits[:, :-1]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss.item())
+
+
 def _lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
     """Linear warmup for ``warmup`` steps, then cosine decay from ``lr`` to ``min_ratio * lr``."""
     if step < warmup:
@@ -466,13 +477,7 @@ def train_tiny_llama(
             group["lr"] = _lr_at(step, steps, lr, warmup)
         starts = torch.randint(0, n_starts, (batch_size,), generator=gen)
         x = _repeat_augment(_windows_with_bos(train_ids, starts, seq_len), repeat_fraction, gen)
-        logits = model(input_ids=x).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(lm_step(model, opt, x))
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             val_curve.append((step + 1, corpus_cross_entropy(model, eval_ids, seq_len=seq_len)))
             bar.write(f"step {step + 1}: val CE {val_curve[-1][1]:.4f} nats/token")
