@@ -156,13 +156,15 @@ def mhsa_pattern(
 
 
 def mhsa_values(
-    w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], b_V: torch.Tensor | None = None
+    w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], b_V: torch.Tensor | None = None,
+    *, repeat_kv: bool = True,
 ) -> Float[torch.Tensor, "batch n_heads pos head_dim"]:
-    """Per-query-head values ``v = x W_V + b_V`` (KV heads repeated under GQA); ``b_V`` overrides
-    ``w.b_V`` (e.g. scaled by an attribution multiplier, broadcastable to ``(batch, n_kv, 1, head_dim)``)."""
+    """Per-query-head values ``v = x W_V + b_V`` (KV heads repeated under GQA; with ``repeat_kv=False``
+    one per KV head, ``(batch, n_kv_heads, pos, head_dim)``); ``b_V`` overrides ``w.b_V`` (e.g. scaled
+    by an attribution multiplier, broadcastable to ``(batch, n_kv, 1, head_dim)``)."""
     bias = w.b_V[None, :, None] if b_V is None else b_V
     v = torch.einsum("bsd,hde->bhse", x, w.W_V) + bias
-    return v.repeat_interleave(w.n_heads // w.n_kv_heads, 1)
+    return v.repeat_interleave(w.n_heads // w.n_kv_heads, 1) if repeat_kv else v
 
 
 def mhsa_forward(

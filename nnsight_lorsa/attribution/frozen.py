@@ -103,6 +103,8 @@ def frozen_norm(
             out = out * w
         return out + scaled(getattr(norm, "bias", None), bias_mult)
     assert w is not None  # checked by norm_scale
+    if x.dtype == scale.dtype:  # fp32/fp64: one multiply by the fused (pos, d) factor, half the backward work
+        return x * (scale * w.to(x.dtype))
     return w * (_upcast(x) * scale).to(x.dtype)
 
 
@@ -124,10 +126,11 @@ def frozen_mhsa(
     """
     b = x.shape[0]
     b_v = (w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)).to(x.dtype)
-    v = mhsa_values(w, x, b_v)
-    if isinstance(frozen, torch.Tensor):
+    if isinstance(frozen, torch.Tensor):  # GQA: one value per KV head, the pattern grouped by KV head
+        v = mhsa_values(w, x, b_v, repeat_kv=False)
         z = shared_matmul(frozen.to(v.dtype), v)  # patterns may be kept in fp32 for a bf16 model
     else:
+        v = mhsa_values(w, x, b_v)
         q, k = (t.to(v.dtype) for t in frozen)
         mask = None if w.sliding_window is None else mhsa_mask(w, x.shape[1], x.device)
         z = F.scaled_dot_product_attention(q.expand(b, -1, -1, -1), k.expand(b, -1, -1, -1), v, attn_mask=mask,
@@ -135,14 +138,17 @@ def frozen_mhsa(
     return torch.einsum("bhse,hed->bsd", z, w.W_O) + scaled(w.b_O, mult_o)
 
 
-def shared_matmul(a: Float[torch.Tensor, "1 h p q"], v: Float[torch.Tensor, "batch h q e"]
+def shared_matmul(a: Float[torch.Tensor, "1 h p q"], v: Float[torch.Tensor, "batch g q e"]
                   ) -> Float[torch.Tensor, "batch h p e"]:
-    """``a @ v`` for ``a`` shared by every batch row, as one ``(h, p, q) @ (h, q, batch·e)`` matmul:
+    """``a @ v`` for ``a`` shared by every batch row, as one ``(g, (h/g)·p, q) @ (g, q, batch·e)`` matmul:
     a broadcast ``a @ v`` expands ``a`` to ``(batch, h, p, q)`` and keeps that copy for the backward
-    — ``h·p²`` per copy of the prompt; here ``a`` is kept once."""
-    b, h, q, e = v.shape
-    z = a[0] @ v.permute(1, 2, 0, 3).reshape(h, q, b * e)
-    return z.view(h, a.shape[-2], b, e).permute(2, 0, 1, 3)
+    — ``h·p²`` per copy of the prompt; here ``a`` is kept once. ``v`` has ``g`` heads, ``g`` dividing
+    ``h``: query head ``i`` reads value head ``i // (h/g)`` (GQA without repeating the values, so the
+    backward has no sum over the copies)."""
+    b, g, q, e = v.shape
+    h, p = a.shape[1], a.shape[-2]
+    z = a[0].reshape(g, (h // g) * p, q) @ v.permute(1, 2, 0, 3).reshape(g, q, b * e)
+    return z.view(h, p, b, e).permute(2, 0, 1, 3)
 
 
 class PositionSlots:
