@@ -95,7 +95,8 @@ def frozen_norm(
 ) -> Float[torch.Tensor, "batch pos d"]:
     """A LayerNorm or RMSNorm with its scale frozen to ``scale`` (:func:`norm_scale` on the prompt):
     linear in ``x``. ``LayerNorm: (x − mean x)·scale·γ + β·mult``; ``RMSNorm: x·scale·γ`` (fp32 as
-    transformers' ``LlamaRMSNorm``). At the prompt's own ``x`` the value is the module's output."""
+    transformers' ``LlamaRMSNorm``; for an fp32/fp64 ``x`` one multiply by the fused ``scale·γ``,
+    equal up to rounding order). At the prompt's own ``x`` the value is the module's output."""
     w = getattr(norm, "weight", None)
     if _is_layer_norm(norm):
         out = (x - x.mean(-1, keepdim=True)) * scale.to(x.dtype)
