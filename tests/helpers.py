@@ -44,6 +44,22 @@ _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_l
 FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2")
 
 
+def load_script(path: Path, name: str):
+    """A script outside the package (``benchmarks/…``, ``scripts/…``) imported from its path as module
+    ``name`` (registered in ``sys.modules``; its folder on ``sys.path`` for its sibling imports)."""
+    import importlib.util
+    import sys
+
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def rope_kwargs(params: dict) -> dict:
     """RoPE settings as the installed transformers reads them: ``rope_parameters`` (5) or
     ``rope_theta`` + ``rope_scaling`` (4)."""

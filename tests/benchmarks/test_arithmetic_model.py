@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, load_script
 
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
 
@@ -16,14 +13,7 @@ _PATH = ROOT / "benchmarks" / "arithmetic_model.py"
 
 @pytest.fixture(scope="module")
 def am():
-    if str(_PATH.parent) not in sys.path:  # it imports the shared benchmarks/_synthetic.py
-        sys.path.insert(0, str(_PATH.parent))
-    spec = importlib.util.spec_from_file_location("arithmetic_model", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["arithmetic_model"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(_PATH, "arithmetic_model")  # it imports the shared benchmarks/_synthetic.py
 
 
 @pytest.fixture(scope="module")

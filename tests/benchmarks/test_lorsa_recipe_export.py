@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
-from helpers import ROOT, tiny_training_setup
+from helpers import ROOT, load_script, tiny_training_setup
 from safetensors.torch import load_file
 
 from nnsight_lorsa.envoy.read import Site
@@ -20,12 +18,7 @@ _PATH = ROOT / "benchmarks" / "lorsa_recipe.py"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("lorsa_recipe_bench", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["lorsa_recipe_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(_PATH, "lorsa_recipe_bench")
 
 
 def test_export_matches_the_source(recipe, tmp_path):

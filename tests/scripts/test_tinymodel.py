@@ -3,14 +3,13 @@ script that builds it (scripts/tinymodel.py, outside the installed package)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import types
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, load_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_corpus_path, default_model_dir
@@ -18,16 +17,7 @@ from nnsight_lorsa.assets import BOS_ID, EOS_ID, default_corpus_path, default_mo
 _SCRIPT = ROOT / "scripts" / "tinymodel.py"
 
 
-def _load_builder():
-    """The builder script, imported from its path (it is not part of the package)."""
-    spec = importlib.util.spec_from_file_location("tinymodel", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_tm = _load_builder()
+_tm = load_script(_SCRIPT, "tinymodel")  # the builder script (not part of the package)
 corpus_cross_entropy = _tm.corpus_cross_entropy
 tiny_llama_config = _tm.tiny_llama_config
 train_tiny_llama = _tm.train_tiny_llama
