@@ -249,7 +249,8 @@ class _LorsaObjective(_Objective):
     @torch.no_grad()
     def fold(self, t: Any) -> Lorsa:
         """``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
-        then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``)."""
+        then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``); balancing gains still on
+        (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``."""
         _require_norms(t)
         out = copy.deepcopy(self.module)
         for w in (out.W_Q, out.W_K, out.W_V):
