@@ -59,8 +59,10 @@ def check_generation(kwargs: Mapping[str, Any], config: Any = None) -> None:
 
 
 def _cache_length(kwargs: dict, layer: int) -> int | None:
-    """Length of the model's KV cache for ``layer`` (None: the call has no cache)."""
-    cache = kwargs.get("past_key_values", kwargs.get("layer_past"))
+    """Length of the model's KV cache for ``layer`` (None: the call has no cache). The attention's
+    cache argument is ``cache`` from transformers 5.24 (``past_key_values`` before; GPT-2 on 4.x:
+    ``layer_past``)."""
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "layer_past") if kwargs.get(k) is not None), None)
     if cache is None or not hasattr(cache, "get_seq_length"):
         return None
     return int(cache.get_seq_length(layer))
