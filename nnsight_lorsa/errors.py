@@ -35,6 +35,12 @@ class MemoryBudgetError(ConfigMismatchError):
     """An attribution cannot fit the memory budget it was given (``attribute(..., max_memory=...)``)."""
 
 
+class PlacementError(ConfigMismatchError):
+    """A module or tensor is on a device (or in a dtype) where the computation cannot run: e.g. a
+    replacement whose weights were never materialised (``meta``) spliced into a model on CUDA, or
+    tensors of one call on two devices; the message names which module or tensor is where."""
+
+
 class ArgumentError(LorsaError, TypeError, ValueError):
     """A public function was given an argument of the wrong type or an empty / meaningless value
     (e.g. ``replace(layer=2.0)``, ``replace(layer=[])``); the message names the argument."""
@@ -71,5 +77,5 @@ class FormatDetectionError(CheckpointError):
 
 
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "ShapeError",
+           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "PlacementError", "ShapeError",
            "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError"]

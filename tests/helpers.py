@@ -104,11 +104,19 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
                                    pad_token="<eos>", padding_side="left")
 
 
-def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager"):
-    """(nnsight TransformersModel, underlying HF model) for a tiny random model."""
+#: the devices a device-parametrised test runs on: the CPU always, CUDA as a ``gpu``-marked case
+#: skipped where torch sees no CUDA device (``pytest.mark.parametrize("device", DEVICES)``).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager", device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+    """(nnsight TransformersModel, underlying HF model) for a tiny random model on ``device`` in ``dtype``
+    (its weights drawn in fp32 on the CPU, then moved and cast: the same model on every device)."""
     from nnsight import TransformersModel
 
-    hf = tiny_hf_model(family, seed, attn)
+    hf = tiny_hf_model(family, seed, attn).to(device=device, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer())
