@@ -55,9 +55,12 @@ class DemoConfig:
     progress: bool = True
 
 
-def load_model(model_dir: str | None = None) -> Any:
+def load_model(model_dir: str | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Any:
     """An nnsight ``TransformersModel`` from a local Hugging Face directory (default: the embedded one).
 
+    ``device``: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``, or ``"auto"`` to spread a
+    large model over the visible GPUs through ``device_map="auto"``); ``dtype``: the weights' dtype.
     Loads offline (``HF_HUB_OFFLINE=1`` unless already set): nothing is downloaded. A directory without
     tokenizer files loads too (:func:`nnsight_lorsa.envoy.tokens.load_tokenizer`): token ids then work
     everywhere, text raises :class:`~nnsight_lorsa.errors.MissingTokenizerError`.
@@ -75,8 +78,9 @@ def load_model(model_dir: str | None = None) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
+        where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
         return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True,
-                                 dtype=torch.float32, device="cpu")
+                                 dtype=dtype, **where)
 
 
 _POSITIVE = ("seq_len", "batch_size", "steps", "qk_heads_per_mhsa_head", "top_k", "heldout_windows")

@@ -77,5 +77,5 @@ class FormatDetectionError(CheckpointError):
 
 
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "PlacementError", "ShapeError",
-           "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError"]
+           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "PlacementError",
+           "ShapeError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError"]

@@ -26,8 +26,8 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..modules.clt import CrossLayerTranscoder
-from .replacement_set import check_flag
-from .splice_chain import SpliceChain, splice_chain
+from .replacement_set import check_flag, site_placement
+from .splice_chain import SpliceChain, module_input, place, splice_chain
 
 
 class CLTSet:
@@ -57,6 +57,9 @@ class CLTSet:
             raise ConfigMismatchError(f"CLT has d_model={clt.cfg.d_in}, the model has {self.adapter.d_model}")
         if clt.n_layers > self.adapter.n_layers:
             raise ConfigMismatchError(f"CLT spans {clt.n_layers} layers, the model has {self.adapter.n_layers}")
+        device, _ = site_placement(model, self.adapter.mlp_path(0))
+        if device is not None:  # the CLT runs where its first MLP does (the splice moves outputs to each MLP's device)
+            place(clt, device, self.adapter.mlp_path(0))
         self.clt = clt
 
     @classmethod
@@ -75,6 +78,8 @@ class CLTSet:
         from ..formats.registry import load
 
         adapter = get_adapter(model) if adapter is None else adapter
+        if kwargs.get("dtype") is None:
+            kwargs["dtype"] = site_placement(model, "")[1]
         clt = load(path_or_repo_id, format=format, d_model=adapter.d_model, **kwargs)
         if not isinstance(clt, CrossLayerTranscoder):
             raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
@@ -90,11 +95,9 @@ class CLTSet:
         def step(module: torch.nn.Module, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  acts: dict) -> torch.Tensor:
             assert isinstance(module, CrossLayerTranscoder)
-            x = adapter.mlp_input(args, kwargs)
-            xm = x.to(module.W_enc.dtype)
+            xm = module_input(module, adapter.mlp_input(args, kwargs))  # the CLT's device and dtype
             acts[layer] = module.encode_layer(xm, layer)
-            out = module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
-            return out.to(x.dtype)
+            return module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
 
         return SpliceChain(
             site_paths=tuple(adapter.mlp_path(layer) for layer in range(self.clt.n_layers)),

@@ -11,18 +11,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..modules.lorsa import Lorsa, LorsaKV
 from .nnsight_internals import current_worker, run_kwargs, traced_method
-from .replacement_set import check_flag, load_keyed, replace_keys
-from .splice_chain import SpliceChain, splice_chain
+from .replacement_set import ReplacementSet, check_flag, load_keyed, replace_keys
+from .splice_chain import SpliceChain, module_input, splice_chain
 
 #: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a
 #: Lorsa's own cache cannot follow (beams are reordered between steps; contrastive search and
@@ -68,33 +67,34 @@ def _cache_length(kwargs: dict, layer: int) -> int | None:
     return int(cache.get_seq_length(layer))
 
 
-class LorsaSet:
+class LorsaSet(ReplacementSet[int, Lorsa]):
     """The Lorsas of one model, keyed by layer; ``replace(layer=L)`` splices them into a trace.
 
     Args:
         model: an nnsight ``TransformersModel``/``LanguageModel`` (the root envoy).
-        lorsas: ``{layer: Lorsa}``; each must fit the model (``d_model``; ``cfg.layer`` if set).
+        lorsas: ``{layer: Lorsa}``; each must fit the model (``d_model``; ``cfg.layer`` if set). Each is
+            moved (in place) to the device of its layer's attention once the model's weights are loaded
+            (:meth:`~.replacement_set.ReplacementSet.place`); its dtype is kept.
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter.
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
         ConfigMismatchError: a Lorsa whose ``d_model`` (or recorded layer) differs from the model's.
+        PlacementError: a Lorsa on the meta device (never materialised) for a model whose weights are loaded.
     """
+
+    key_type = int
+    what = "Lorsa"
 
     def __init__(self, model: Any, lorsas: Mapping[int, Lorsa] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:
-        self.model = model
-        self.adapter = adapter if adapter is not None else get_adapter(model)
-        self._lorsas: dict[int, Lorsa] = {}
-        for layer, module in (lorsas or {}).items():
-            self[layer] = module
+        super(LorsaSet, self).__init__(model, lorsas, adapter)
 
-    # ---------------------------------------------------------------- mapping
-    def __setitem__(self, layer: int, module: Lorsa) -> None:
+    def check(self, key: Any, module: Lorsa) -> int:
         if not isinstance(module, Lorsa):
             raise ConfigMismatchError(f"LorsaSet holds Lorsa modules; got a {type(module).__name__} for layer "
-                                      f"{layer!r} (transcoders go in a TranscoderSet, SAEs in an SAESet)")
-        self.adapter.check_layer(layer)
+                                      f"{key!r} (transcoders go in a TranscoderSet, SAEs in an SAESet)")
+        layer = self.adapter.check_layer(key)
         cfg = module.cfg
         if cfg.d_model != self.adapter.d_model:
             raise ConfigMismatchError(
@@ -102,28 +102,20 @@ class LorsaSet:
             )
         if cfg.layer is not None and cfg.layer != layer:
             raise ConfigMismatchError(f"Lorsa was trained for layer {cfg.layer}, not layer {layer}")
-        self._lorsas[layer] = module
+        return layer
 
-    def __getitem__(self, layer: int) -> Lorsa:
-        if layer not in self._lorsas:
-            raise LayerOutOfRangeError(f"no Lorsa for layer {layer}; this set has layers {self.layers}")
-        return self._lorsas[layer]
+    def missing(self, key: Any) -> Exception:
+        return LayerOutOfRangeError(f"no Lorsa for layer {key!r}; this set has layers {self.layers}")
 
-    def __contains__(self, layer: object) -> bool:
-        return layer in self._lorsas
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.layers)
-
-    def __len__(self) -> int:
-        return len(self._lorsas)
+    def site_path(self, key: int) -> str:
+        return self.adapter.attention_path(key)
 
     @property
     def layers(self) -> list[int]:
-        return sorted(self._lorsas)
+        return list(self)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{layer}: {self._lorsas[layer].cfg.n_ov_heads} heads" for layer in self.layers)
+        parts = ", ".join(f"{layer}: {self[layer].cfg.n_ov_heads} heads" for layer in self.layers)
         return f"LorsaSet({self.adapter.family}, {{{parts}}})"
 
     # ------------------------------------------------------------------- io
@@ -135,7 +127,7 @@ class LorsaSet:
         from ..formats.registry import save
 
         for layer in self.layers:
-            save(self._lorsas[layer], Path(directory) / f"layer_{layer}")
+            save(self[layer], Path(directory) / f"layer_{layer}")
 
     @classmethod
     def from_pretrained(cls, model: Any, sources: Any, *, format: str = "auto", adapter: Any = None,
@@ -159,7 +151,7 @@ class LorsaSet:
             named = re.fullmatch(r"layer_(\d+)", name)
             return int(named.group(1)) if named else module.cfg.layer
 
-        lorsas = load_keyed(sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer", **kwargs)
+        lorsas = load_keyed(model, sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer", **kwargs)
         return cls(model, lorsas, adapter)
 
     # -------------------------------------------------------------- splicing
@@ -186,12 +178,10 @@ class LorsaSet:
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
             assert isinstance(module, Lorsa)
-            x = adapter.attention_input(args, kwargs)
-            positions = adapter.attention_positions(args, kwargs, x)
+            x = module_input(module, adapter.attention_input(args, kwargs))  # the Lorsa's device and dtype
+            positions = adapter.attention_positions(args, kwargs, x).to(x.device)
             mask = adapter.attention_mask(args, kwargs)
-            param = next(module.parameters())
-            if param.device != x.device:  # e.g. a Lorsa shipped from a CPU client to a GPU server
-                module.to(x.device)
+            mask = None if mask is None else mask.to(x.device)
             cached = _cache_length(kwargs, layer)
             # the model's cache is updated by the attention call, which ran before this step
             past_len = 0 if cached is None else max(cached - x.shape[1], 0)
@@ -213,8 +203,8 @@ class LorsaSet:
             if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
                 raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
                                  f"{past_len} cached + {x.shape[1]} new positions")
-            out, state["kv"] = module.forward_step(x.to(param.dtype), positions, mask, past)
-            return out.to(x.dtype)
+            out, state["kv"] = module.forward_step(x, positions, mask, past)
+            return out  # the splice casts it to the attention's device and dtype
 
         return SpliceChain(
             site_paths=(adapter.attention_path(layer),),
@@ -240,7 +230,8 @@ class LorsaSet:
         Args:
             layer: layer index, several, or None for every layer of the set.
             error: add the exact error term ``MHSA − Lorsa`` (through ``hook_error``): the
-                model's outputs are then those of the unmodified model (fp32: ≤ 1e-5 · max |logit|), while
+                model's outputs are then those of the unmodified model (bit for bit,
+                every dtype), while
                 edits to the Lorsa's internals still change them (the error is held fixed).
 
         Raises:

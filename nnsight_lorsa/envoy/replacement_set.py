@@ -13,11 +13,13 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+import torch
 from torch import nn
 
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
+from .splice_chain import place
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
@@ -65,13 +67,35 @@ def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[l
     return [_one_key(key, key_type, what)], True
 
 
-def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any], *, format: str, noun: str,
-               key_name: str, hint: str = "", **kwargs: Any) -> dict:
+def site_placement(model: Any, path: str) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device and floating dtype of the module at envoy path ``path`` of ``model`` (nnsight root).
+
+    Read from the module's first parameter, else its nearest ancestor's that has one (a hook point
+    has none), else the model's. ``(None, None)`` where the model has no parameters; the device is
+    None while the weights are not loaded yet (``meta``: nnsight loads them at the first trace).
+    """
+    root = getattr(model, "_module", model)
+    parts = path.split(".") if path else []
+    for depth in range(len(parts), -1, -1):
+        try:
+            module = root.get_submodule(".".join(parts[:depth]))
+        except AttributeError:
+            continue
+        param = next((p for p in module.parameters() if p.is_floating_point()), None)
+        if param is not None:
+            return (None if param.device.type == "meta" else param.device), param.dtype
+    return None, None
+
+
+def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[str, Any], Any], *, format: str,
+               noun: str, key_name: str, hint: str = "", **kwargs: Any) -> dict:
     """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
 
     ``sources``: one checkpoint (directory or hub repo id), several, or ``{key: source}``;
     ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
-    names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind.
+    names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
+    are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's); the
+    set then puts each on its site's device.
 
     Raises:
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
@@ -82,6 +106,8 @@ def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any
 
     from ..formats.registry import load_all
 
+    if kwargs.get("dtype") is None:
+        kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
         (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
     found: dict = {}
@@ -100,7 +126,7 @@ def load_keyed(sources: Any, module_type: type, key_of: Callable[[str, Any], Any
     return found
 
 
-class ReplacementSet(Mapping[K, M], Generic[K, M]):
+class ReplacementSet(Generic[K, M]):
     """Replacement modules of ``model`` keyed by ``K``; see the module docstring.
 
     Args:
@@ -129,13 +155,39 @@ class ReplacementSet(Mapping[K, M], Generic[K, M]):
         """The error for a key the set has no module for."""
         return KeyError(f"no {self.what} for {key!r}; this set has {list(self)}")
 
+    def site_path(self, key: K) -> str:
+        """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- placement
+    def place(self, key: K | None = None) -> None:
+        """Move the module at ``key`` (every module when None), in place, to its site's device.
+
+        Its dtype is kept (the splice casts inputs and outputs at the boundary; ``module.to(dtype)``
+        casts it). A no-op for a site whose weights are not loaded yet (``meta``): the splice then
+        places the module when the trace first reaches the site. Called on insertion; call it again
+        after moving the model.
+
+        Raises:
+            PlacementError: the module is on ``meta`` (never materialised) or cannot be moved.
+        """
+        for k in [key] if key is not None else list(self):
+            module = self._by_key[k]
+            device, _ = site_placement(self.model, self.site_path(k))
+            if device is not None:
+                place(module, device, self.site_path(k))
+
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace; return its envoy."""
         raise NotImplementedError
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
-        self._by_key[self.check(key, module)] = module
+        k = self.check(key, module)
+        device, _ = site_placement(self.model, self.site_path(k))
+        if device is not None:  # before insertion: a module that cannot be placed is not added
+            place(module, device, self.site_path(k))
+        self._by_key[k] = module
 
     def update(self, modules: Mapping[K, M]) -> None:
         """Add (or replace) several modules, each checked as by ``set[key] = module``."""
@@ -159,6 +211,20 @@ class ReplacementSet(Mapping[K, M], Generic[K, M]):
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    # the read-only mapping protocol by hand: a collections.abc base would make a request that ships a
+    # set by value resolve ``abc``, which NDIF's unpickling whitelist does not hold
+    def keys(self) -> list[K]:
+        return list(self)
+
+    def values(self) -> list[M]:
+        return [self._by_key[k] for k in self]
+
+    def items(self) -> list[tuple[K, M]]:
+        return [(k, self._by_key[k]) for k in self]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._by_key[key] if key in self else default
 
     def __repr__(self) -> str:
         body = ", ".join(f"{key!r}: {type(self._by_key[key]).__name__}" for key in self)

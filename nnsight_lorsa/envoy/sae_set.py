@@ -27,7 +27,7 @@ from ..errors import ConfigMismatchError, ShapeError
 from ..modules.sae import SparseAutoencoder
 from .replacement_set import ReplacementSet, load_keyed
 from .splice_chain import SpliceChain, splice_chain
-from .transcoder_set import run_on_input_dtype
+from .transcoder_set import run_on_module
 
 
 def site_output(output: Any) -> torch.Tensor:
@@ -45,7 +45,7 @@ def with_site_output(output: Any, new: torch.Tensor) -> Any:
 
 def _sae_step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
               state: dict) -> torch.Tensor:
-    return run_on_input_dtype(module, true_out)
+    return run_on_module(module, true_out)
 
 
 class SAESet(ReplacementSet[str, SparseAutoencoder]):
@@ -89,6 +89,9 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
         return key
 
+    def site_path(self, key: str) -> str:
+        return key
+
     def site(self, path: str) -> SpliceChain:
         """How the output of ``path`` is spliced."""
         return SpliceChain(
@@ -115,7 +118,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         Args:
             site: a site path of the set, several, or None for all.
             error: add the exact error term ``x − SAE(x)`` (through ``hook_error``): the model's
-                outputs are then the unmodified model's (fp32: ≤ 1e-5 · max |logit|), while edits to the
+                outputs are then the unmodified model's (bit for bit,
+                every dtype), while edits to the
                 features still change them (the error is held fixed).
 
         Raises:
@@ -154,7 +158,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         from ..formats.hook_sites import sae_site_path
 
         adapter = get_adapter(model) if adapter is None else adapter
-        saes = load_keyed(sources, SparseAutoencoder, lambda name, m: sae_site_path(m, adapter), format=format,
+        saes = load_keyed(model, sources, SparseAutoencoder, lambda name, m: sae_site_path(m, adapter), format=format,
                           noun="an SAE", hint=" (use TranscoderSet)", key_name="hook site", adapter=adapter,
                           d_model=adapter.d_model, **kwargs)
         return cls(model, saes, adapter)

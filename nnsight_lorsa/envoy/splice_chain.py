@@ -16,11 +16,21 @@ replacement applies to every token; it ends quietly when the run is over.
 
 Error terms (``error=True``): at every site, ``e_i = true_output_i − clean_i`` goes through the
 module's ``error_hook(module, i)``, where ``clean_i`` is the replacement computed without edits
-(the state of the clean pass holds clean features of earlier sites). Without edits the model's
-outputs are reproduced (up to fp rounding); edits to the module's internals at any site change
-every later site's output by exactly the edited replacement's change. Until some intervention
-may edit the module's internals the clean pass is the live one; from the first site where one
-may, the clean pass runs separately with the trace stood down (nothing served or edited).
+(the state of the clean pass holds clean features of earlier sites). The site then returns
+``true_i + (out_i − clean_i) + (hook_error(e_i) − e_i)``, summed in fp32 and cast to the site's
+dtype: without edits that is ``true_i`` **bit for bit** in every dtype (bf16 and fp16 included: the
+error term is never rounded to the model's dtype), and an edit to the module's internals at any site
+changes every later site's output by exactly the edited replacement's change. ``hook_error`` carries
+``e_i`` in fp32, on the site's device. Until some intervention may edit the module's internals the
+clean pass is the live one; from the first site where one may, the clean pass runs separately with
+the trace stood down (nothing served or edited).
+
+Placement (one rule for every replacement kind): the module runs on the device of the first site it
+serves — a module elsewhere is moved there (``module.to(device)``, in place, once) when it is first
+served — and in its own dtype; a step casts the site's input to the module's device and dtype
+(:func:`module_input`), and the replacement's output is cast back to the site's device and dtype
+before it is returned into the model. A module whose weights were never materialised (``meta``) raises
+:class:`~..errors.PlacementError` naming the module and the device the site runs on.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import torch
 from torch import nn
 
 from .._repr import FieldsRepr
-from ..errors import LorsaError, TraceOrderError
+from ..errors import LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
     attach,
     current_worker,
@@ -51,6 +61,55 @@ from .nnsight_internals import (
 
 #: ``(module, i, args, kwargs, true_output, state) -> output``: the replacement's output at site ``i``.
 Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
+
+
+def place(module: nn.Module, device: torch.device, where: str) -> None:
+    """Move ``module`` (in place) to ``device`` unless it is there; ``where`` names the site in errors.
+
+    Raises:
+        PlacementError: the module's tensors are on ``meta`` (never materialised) or on several
+            devices, or the move fails.
+    """
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if devices == {device} or not devices:
+        return
+    name = type(module).__name__
+    if any(d.type == "meta" for d in devices):
+        raise PlacementError(f"the {name} for {where} has its weights on the meta device (never loaded or "
+                             f"materialised) while the model runs that site on {device}; load it with "
+                             "formats.load / from_pretrained or initialise it before replace()")
+    if device.type == "meta":
+        raise PlacementError(f"{where} runs on the meta device (the model's weights are not loaded); the {name} "
+                             f"is on {sorted(map(str, devices))}: dispatch the model before tracing with it")
+    try:
+        module.to(device)
+    except (RuntimeError, NotImplementedError) as e:
+        raise PlacementError(f"cannot move the {name} for {where} from {sorted(map(str, devices))} to "
+                             f"{device}, where the model runs that site: {e}") from e
+
+
+def module_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` on ``module``'s device and in its dtype (its first floating parameter's): a step's input."""
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if param is None:
+        return x
+    return x.to(device=param.device, dtype=param.dtype)
+
+
+def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,
+               hook: nn.Module) -> torch.Tensor:
+    """The site's output with the error term: ``true + (out − clean) + (hook(e) − e)``, ``e = true − clean``.
+
+    Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device: without edits
+    (``out`` is ``clean``, ``hook`` returns ``e``) the result is ``true_out`` bit for bit. Gradients
+    reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out`` (held fixed).
+    """
+    work = torch.promote_types(true_out.dtype, torch.float32)
+    true = true_out.detach().to(work)
+    clean = clean_out.detach().to(device=true.device, dtype=work)
+    e = true - clean
+    hooked = hook(e.clone())  # an edit in place (``hook_error.output[:] = …``) must not change ``e``
+    return (true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e)).to(true_out.dtype)
 
 
 @dataclass(frozen=True, repr=False)
@@ -152,6 +211,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             chain.check_call(args, kwargs)
         original = site.output
         true_out = chain.get_output(original)
+        if i == 0:
+            place(module, true_out.device, chain.site_paths[0])
         may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
         diverged = diverged or (error and may_edit)
         clean_out = None
@@ -163,7 +224,9 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 clean.clear()
                 clean.update(live)
                 clean_out = out
-            out = out + chain.error_hook(module, i)((true_out - clean_out).detach())
+            out = with_error(true_out, out, clean_out, chain.error_hook(module, i))
+        else:
+            out = out.to(device=true_out.device, dtype=true_out.dtype)
         site.output = chain.set_output(original, out)
         return diverged
 

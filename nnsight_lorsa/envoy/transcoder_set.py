@@ -25,12 +25,12 @@ from ..errors import ConfigMismatchError, LayerOutOfRangeError
 from ..modules.transcoder import Transcoder
 from .replacement_set import ReplacementSet, load_keyed
 from .splice import SpliceSite, splice
+from .splice_chain import module_input
 
 
-def run_on_input_dtype(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` computed in the module's dtype and returned in ``x``'s."""
-    dtype = next(module.parameters()).dtype
-    return module(x.to(dtype)).to(x.dtype)
+def run_on_module(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` with ``x`` cast to the module's device and dtype (the splice casts the result back)."""
+    return module(module_input(module, x))
 
 
 class TranscoderSet(ReplacementSet[int, Transcoder]):
@@ -68,6 +68,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     def missing(self, key: Any) -> Exception:
         return LayerOutOfRangeError(f"no transcoder for layer {key!r}; this set has layers {list(self)}")
 
+    def site_path(self, key: int) -> str:
+        return self.adapter.mlp_path(key)
+
     @property
     def layers(self) -> list[int]:
         return list(self)
@@ -78,7 +81,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         return SpliceSite(
             site_path=adapter.mlp_path(layer),
             attach_name="transcoder",
-            call=lambda module, args, kwargs: run_on_input_dtype(module, adapter.mlp_input(args, kwargs)),
+            call=lambda module, args, kwargs: run_on_module(module, adapter.mlp_input(args, kwargs)),
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
         )
@@ -98,7 +101,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         Args:
             layer: layer index, several, or None for every layer of the set.
             error: add the exact error term ``MLP − transcoder`` (through ``hook_error``): the
-                model's outputs are then the unmodified model's (fp32: ≤ 1e-5 · max |logit|), while edits to the
+                model's outputs are then the unmodified model's (bit for bit,
+                every dtype), while edits to the
                 features still change them (the error is held fixed).
 
         Raises:
@@ -134,7 +138,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         from ..formats.hook_sites import transcoder_layer
 
         adapter = get_adapter(model) if adapter is None else adapter
-        tcs = load_keyed(sources, Transcoder, lambda name, m: transcoder_layer(m), format=format,
+        tcs = load_keyed(model, sources, Transcoder, lambda name, m: transcoder_layer(m), format=format,
                          noun="a transcoder", hint=" (use SAESet)", key_name="layer", adapter=adapter,
                          d_model=adapter.d_model, **kwargs)
         return cls(model, tcs, adapter)

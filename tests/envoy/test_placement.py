@@ -1,0 +1,230 @@
+"""Device and dtype placement of every replacement kind, and bit-exact error terms in every dtype.
+
+The contract (``envoy/splice_chain.py``): a set puts each module on its site's device (its dtype
+kept), the splice casts inputs to the module's device and dtype and outputs back to the site's, and
+``error=True`` returns the site's true output bit for bit when nothing is edited (the error term is
+summed in fp32, never rounded to a bf16/fp16 model's dtype). Each case runs on the CPU and, as a
+``gpu`` case, on CUDA where torch sees it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    DEVICES,
+    LAYER,
+    make_clt,
+    make_lorsa,
+    make_sae,
+    make_transcoders,
+    tiny_hf_model,
+    tiny_nnsight,
+    unembed,
+)
+
+from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import PlacementError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _modules(family: str) -> tuple[dict, dict, dict]:
+    """Lorsas, transcoders and SAEs made in fp32 on the CPU from the fp32 twin of the test model."""
+    hf = tiny_hf_model(family)
+    adapter = get_adapter(hf)
+    lorsas = {layer: make_lorsa(hf, adapter, layer) for layer in range(adapter.n_layers)}
+    return lorsas, make_transcoders(range(adapter.n_layers), skip_layer=1), {adapter.attention_norm_path(0): make_sae()}
+
+
+def _logits(model, ids, rm=None, edit=None):
+    with torch.no_grad(), model.trace(ids):
+        if rm is not None:
+            sites = rm.replace()
+            if edit is not None:
+                edit(sites)
+        out = unembed(model).output.save()
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("module_dtype", ["fp32", "model"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_error_terms_give_the_plain_logits_bit_for_bit(device, dtype, module_dtype, family):
+    lorsas, tcs, saes = _modules(family)
+    model, _ = tiny_nnsight(family, device=device, dtype=dtype)
+    cast = dtype if module_dtype == "model" else torch.float32
+    for m in (*lorsas.values(), *tcs.values(), *saes.values()):
+        m.to(cast)
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs, saes=saes, error=True)
+    for m in (*lorsas.values(), *tcs.values(), *saes.values()):  # placed on the layer's device, dtype kept
+        assert {p.device.type for p in m.parameters()} == {torch.device(device).type}
+        assert {p.dtype for p in m.parameters()} == {cast}
+    ids = torch.randint(2, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    plain = _logits(model, ids)
+    replaced = _logits(model, ids, rm)
+    assert replaced.dtype == plain.dtype == dtype
+    assert torch.equal(replaced, plain)
+    rm.error = False  # not vacuous: the replacements do change the logits
+    assert not torch.equal(_logits(model, ids, rm), plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_layer_transcoder_error_terms_are_bit_exact(device, dtype):
+    model, _ = tiny_nnsight("llama", device=device, dtype=dtype)
+    clt = make_clt()  # fp32 on the CPU: the set moves it to layer 0's device
+    rm = ReplacementModel(model, transcoders=CLTSet(model, clt), error=True)
+    assert clt.W_enc.device.type == torch.device(device).type and clt.W_enc.dtype == torch.float32
+    ids = torch.randint(2, 128, (1, 16), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(_logits(model, ids, rm), _logits(model, ids))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_head_ablation_under_error_terms_matches_the_hook_reference(device, dtype):
+    """``error=True`` + zeroing Lorsa heads: the attention returns ``MHSA + (edited Lorsa − clean Lorsa)``
+    summed in fp32 and cast to the model's dtype — the same sum by a plain PyTorch hook on the same model
+    gives the same logits (relative bound 1e-6 of max |logit|: the same operations in the same order)."""
+    lorsas, _, _ = _modules("llama")
+    lorsa = lorsas[LAYER]
+    heads = torch.arange(0, lorsa.cfg.n_ov_heads, 3)
+    ids = torch.randint(2, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    model, hf = tiny_nnsight("llama", device=device, dtype=dtype)
+    adapter = get_adapter(model)
+    lorsa.to(device)
+
+    def exact_hook(module, args, kwargs, output):
+        x = adapter.attention_input(args, kwargs).float()
+        pos = adapter.attention_positions(args, kwargs, x)
+        z, _ = lorsa.activation(lorsa.compute_z_pre(x, pos, adapter.attention_mask(args, kwargs)))
+        edited = z.clone()
+        edited[..., heads] = 0
+        true = adapter.attention_output(output)
+        out = (true.float() + (lorsa.decode(edited) - lorsa.decode(z))).to(true.dtype)
+        return adapter.with_attention_output(output, out)
+
+    h = adapter.attention_module(hf, LAYER).register_forward_hook(exact_hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = hf(ids.to(device)).logits.float()
+    finally:
+        h.remove()
+    with torch.no_grad():
+        plain = hf(ids.to(device)).logits.float()
+    assert (want - plain).abs().max() > 1e-2 * plain.abs().max()  # the edit matters
+
+    rm = ReplacementModel(model, lorsas={LAYER: lorsa}, error=True)
+
+    def edit(sites):
+        sites["lorsas"][LAYER].hook_z.output[..., heads] = 0
+
+    got = _logits(model, ids, rm, edit).float()
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= 1e-6, (dtype, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_error_node_is_carried_in_fp32_on_the_site_device(device):
+    model, hf = tiny_nnsight("llama", device=device, dtype=torch.bfloat16)
+    lorsas, _, _ = _modules("llama")
+    lorsa = lorsas[LAYER]
+    ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), model.trace(ids):
+        site = LorsaSet(model, {LAYER: lorsa}).replace(layer=LAYER, error=True)
+        out = site.hook_out.output.save()
+        err = site.hook_error.output.save()
+        mhsa = model.model.layers[LAYER].self_attn.output[0].save()
+    assert err.dtype == torch.float32 and err.device.type == torch.device(device).type
+    # MHSA = Lorsa + error, exactly in fp32 arithmetic on the bf16 MHSA output
+    assert float((out.float() + err - mhsa.float()).abs().max()) <= 1e-6 * float(mhsa.float().abs().max())
+    assert float(err.abs().max()) > 1e-3 * float(mhsa.float().abs().max())  # a real error term
+
+
+def test_a_meta_module_raises_placement_error_naming_it():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter, LAYER).to("meta")
+    with pytest.raises(PlacementError, match=r"Lorsa for model.layers.1.self_attn.*meta"):
+        LorsaSet(model, {LAYER: lorsa})
+    with pytest.raises(PlacementError, match=r"Transcoder for model.layers.0.mlp.*meta"):
+        TranscoderSet(model, {0: make_transcoders([0])[0].to("meta")})
+    with pytest.raises(PlacementError, match=r"SparseAutoencoder.*meta"):
+        SAESet(model, {"model.layers.0": make_sae().to("meta")})
+    with pytest.raises(PlacementError, match=r"CrossLayerTranscoder.*meta"):
+        CLTSet(model, make_clt().to("meta"))
+
+
+def test_a_module_made_meta_after_insertion_raises_at_the_splice_and_leaves_the_model_clean():
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter, LAYER)
+    lorsas = LorsaSet(model, {LAYER: lorsa})
+    lorsa.to("meta")
+    before = sorted(n for n, _ in hf.named_modules())
+    with pytest.raises(PlacementError, match="meta"), model.trace(torch.tensor([[0, 5, 6, 7]])):
+        lorsas.replace(layer=LAYER)
+        unembed(model).output.save()
+    assert sorted(n for n, _ in hf.named_modules()) == before
+
+
+def test_an_undispatched_model_places_the_modules_at_the_first_trace(tmp_path):
+    """nnsight loads a model's weights lazily (``dispatch=False``: ``meta`` until the first trace): the
+    set keeps the modules where they are, the splice places them when the trace reaches their site."""
+    import warnings
+
+    from nnsight import TransformersModel
+
+    from nnsight_lorsa.assets import default_lorsa_dir, default_model_dir
+    from nnsight_lorsa.envoy.tokens import load_tokenizer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = str(default_model_dir())
+        lazy = TransformersModel(path, task="text-generation", tokenizer=load_tokenizer(path), dispatch=False,
+                                 dtype=torch.float32, device="cpu")
+    assert next(lazy._module.parameters()).device.type == "meta"
+    lorsas = LorsaSet.from_pretrained(lazy, default_lorsa_dir())
+    layer = lorsas.layers[0]
+    assert lorsas[layer].W_Q.device.type == "cpu" and lorsas[layer].W_Q.dtype == torch.float32
+    ids = torch.tensor([[0, 10, 11, 12, 13]])
+    with torch.no_grad(), lazy.trace(ids):
+        lorsas.replace(layer=layer, error=True)
+        got = lazy.lm_head.output.save()
+    with torch.no_grad(), lazy.trace(ids):
+        plain = lazy.lm_head.output.save()
+    assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_from_pretrained_reads_modules_in_the_model_dtype_unless_told(dtype):
+    from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
+    from nnsight_lorsa.demo import load_model
+
+    model = load_model(dtype=dtype)
+    lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
+    tcs = TranscoderSet.from_pretrained(model, default_transcoder_dir())
+    assert {p.dtype for m in (*lorsas.values(), *tcs.values()) for p in m.parameters()} == {dtype}
+    kept = LorsaSet.from_pretrained(model, default_lorsa_dir(), dtype=torch.float32)
+    assert {p.dtype for m in kept.values() for p in m.parameters()} == {torch.float32}
+    ids = torch.tensor([[0, 10, 11, 12, 13, 14, 15]])
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs, error=True)
+    assert torch.equal(_logits(model, ids, rm), _logits(model, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_set_follows_the_model_to_cuda_and_back():
+    model, hf = tiny_nnsight("llama")
+    lorsas, tcs, _ = _modules("llama")
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs, error=True)
+    ids = torch.randint(2, 128, (1, 16), generator=torch.Generator().manual_seed(8))
+    cpu = _logits(model, ids, rm)
+    hf.to("cuda")
+    rm.lorsas.place()
+    rm.transcoders.place()
+    assert all(p.is_cuda for m in (*lorsas.values(), *tcs.values()) for p in m.parameters())
+    got = _logits(model, ids, rm)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), cpu, rtol=1e-4, atol=1e-4 * float(cpu.abs().max()))
