@@ -43,6 +43,7 @@ import torch
 from .._repr import FieldsRepr
 from ..errors import MemoryBudgetError
 from .frozen import choose
+from .graph import HOST
 from .layout import Layout
 from .replacement import memory_modes
 from .rows import CHUNK_ENTRIES, full_graph_blocks
@@ -88,14 +89,14 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
     P = layout.n_pos
     n_layers = len(layout.layers)
     # sources per (site, position): site 0 the embeddings, 2l+1 layer l's attention, 2l+2 its MLP
-    count = torch.zeros(2 * n_layers + 1, P, dtype=torch.float64)
+    count = torch.zeros(2 * n_layers + 1, P, dtype=torch.float64, device=HOST)
     count[0] += 1
     for lay in layout.layers:
         a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
-        count[a].index_add_(0, lay.lorsa_pos, torch.ones(lay.lorsa_pos.numel(), dtype=torch.float64))
+        count[a].index_add_(0, lay.lorsa_pos, torch.ones(lay.lorsa_pos.numel(), dtype=torch.float64, device=HOST))
         if lay.attn_err_start is not None:
             count[a] += 1
-        count[m].index_add_(0, lay.tc_pos, torch.ones(lay.tc_pos.numel(), dtype=torch.float64))
+        count[m].index_add_(0, lay.tc_pos, torch.ones(lay.tc_pos.numel(), dtype=torch.float64, device=HOST))
         count[m] += 1
     before = count.cumsum(0).cumsum(1)  # [s, p]: sources at sites ≤ s, positions ≤ p
     # bias nodes (one per bias vector, over all positions): an edge to every target downstream of it; a

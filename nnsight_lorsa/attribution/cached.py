@@ -39,15 +39,26 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
     get = adapter.get_module
     parallel = bool(getattr(adapter.config, "use_parallel_residual", False))
     assert cache.embeddings is not None, "a full cache (cache_for_attribution) is needed"
-    h = frozen.embed(cache.embeddings.expand(batch, -1, -1))
+    h = frozen.embed(cache.embeddings.to(frozen.M.device).expand(batch, -1, -1))
     for layer in range(adapter.n_layers):
+        # each layer runs where its weights are (a model over several devices): the stream and the cached
+        # tensors go there; a cache loaded on the CPU goes to the model's device
+        at = device_of(get(root, adapter.attention_path(layer)), h.device)
+        h = h.to(at)
         x = frozen.norm(get(root, adapter.attention_norm_path(layer)), h, layer, "attn_norm")
-        a = frozen.attention(layer, x, cache.positions, cache.attn_out.get(layer, x))
+        a = frozen.attention(layer, x, cache.positions.to(at), cache.attn_out.get(layer, x).to(at))
         after = h if parallel else h + a
         y = frozen.norm(get(root, adapter.mlp_norm_path(layer)), after, layer, "mlp_norm")
-        h = after + frozen.mlp(layer, y, cache.mlp_out[layer]) + (a if parallel else 0.0)
-    x = frozen.norm(get(root, adapter.final_norm_path), h, None, "final_norm")
-    frozen.unembed(get(root, adapter.lm_head_path), x)
+        h = after + frozen.mlp(layer, y, cache.mlp_out[layer].to(at)) + (a if parallel else 0.0)
+    lm_head = get(root, adapter.lm_head_path)
+    x = frozen.norm(get(root, adapter.final_norm_path), h.to(device_of(lm_head, h.device)), None, "final_norm")
+    frozen.unembed(lm_head, x)
+
+
+def device_of(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """The device of ``module``'s first parameter (``default`` without parameters)."""
+    p = next(module.parameters(), None)
+    return default if p is None else p.device
 
 
 def check_cache(cache: AttributionCache, adapter: ArchitectureAdapter, lorsas: dict[int, Any],

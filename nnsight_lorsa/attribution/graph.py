@@ -32,6 +32,9 @@ TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR, EMBEDDING, BIAS, LOGIT = range(7)
 KIND_NAMES = ("cross layer transcoder", "lorsa", "mlp reconstruction error", "lorsa error",
               "embedding", "bias", "logit")
 SHORT_NAMES = ("tc", "lorsa", "mlp_err", "attn_err", "emb", "bias", "logit")
+#: where a graph, its node tables and its stored rows live, whatever the model's device: the host
+#: (the frozen pass runs on the model's device; its rows are copied here as each batch is computed)
+HOST = torch.device("cpu")
 
 
 @dataclass(repr=False)
@@ -100,21 +103,27 @@ class NodeTable(FieldsRepr):
 
     @staticmethod
     def cat(tables: list[NodeTable]) -> NodeTable:
+        """The tables one after another, on the host (a node table lives on the CPU whatever the model's
+        device)."""
         names = tables[0].bias_names if tables else []
-        kind, layer, pos, index, activation = (torch.cat([getattr(t, f) for t in tables]) for f in
+        kind, layer, pos, index, activation = (torch.cat([getattr(t, f).to(HOST) for t in tables]) for f in
                                                ("kind", "layer", "pos", "index", "activation"))
         return NodeTable(kind, layer, pos, index, activation, list(names))
 
     @staticmethod
     def make(kind: int, layer: torch.Tensor | int, pos: torch.Tensor, index: torch.Tensor | int,
              activation: torch.Tensor | None = None, bias_names: list[str] | None = None) -> NodeTable:
+        """A table of ``pos.numel()`` nodes of one kind, on the host (tensors from any device are copied)."""
         n = pos.numel()
 
         def full(v: torch.Tensor | int) -> torch.Tensor:
-            return v.long().reshape(n) if isinstance(v, torch.Tensor) else torch.full((n,), v, dtype=torch.long)
+            if isinstance(v, torch.Tensor):
+                return v.detach().to(HOST, torch.long).reshape(n)
+            return torch.full((n,), v, dtype=torch.long, device=HOST)
 
-        act = torch.zeros(n) if activation is None else activation.detach().float().reshape(n).cpu()
-        return NodeTable(torch.full((n,), kind, dtype=torch.long), full(layer), pos.long().reshape(n).cpu(),
+        act = (torch.zeros(n, device=HOST) if activation is None
+               else activation.detach().to(HOST, torch.float32).reshape(n))
+        return NodeTable(torch.full((n,), kind, dtype=torch.long, device=HOST), full(layer), full(pos),
                          full(index), act, list(bias_names or []))
 
 
@@ -152,20 +161,20 @@ class BlockAdjacency:
         row_site, row_pos = site[rows], pos[rows]
         key = row_site * (int(pos.max()) + 2 if self.n else 1) + row_pos
         uniq, cell = key.unique(return_inverse=True)
-        self._cell_of_row = torch.full((self.n,), -1, dtype=torch.long)
+        self._cell_of_row = torch.full((self.n,), -1, dtype=torch.long, device=HOST)
         self._cell_of_row[rows] = cell
         order = cell.argsort(stable=True)
         counts = torch.bincount(cell, minlength=uniq.numel())
         self.cell_rows = list(rows[order].split(counts.tolist()))  # each cell's rows, ascending node ids
-        self._slot = torch.zeros(self.n, dtype=torch.long)  # a row's place in its cell's block
+        self._slot = torch.zeros(self.n, dtype=torch.long, device=HOST)  # a row's place in its cell's block
         for r in self.cell_rows:
-            self._slot[r] = torch.arange(r.numel())
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)[:-1]])
+            self._slot[r] = torch.arange(r.numel(), device=HOST)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), counts.cumsum(0)[:-1]])
         first = order[starts] if rows.numel() else order
         self.cell_site, self.cell_pos = row_site[first], row_pos[first]
         # per target site: the sources at earlier sites by (position, node); a cell takes a prefix
         self._upstream: dict[int, torch.Tensor] = {}
-        k = torch.zeros(len(self.cell_rows), dtype=torch.long)
+        k = torch.zeros(len(self.cell_rows), dtype=torch.long, device=HOST)
         for s in self.cell_site.unique().tolist():
             src = ((self._src_site >= 0) & (self._src_site < s)).nonzero().flatten()
             src = src[self._src_pos[src].argsort(stable=True)]
@@ -186,7 +195,7 @@ class BlockAdjacency:
 
     def entries(self) -> int:
         """Stored entries once every row is written (``Σ`` rows × columns over the cells)."""
-        sizes = torch.tensor([r.numel() for r in self.cell_rows], dtype=torch.long)
+        sizes = torch.tensor([r.numel() for r in self.cell_rows], dtype=torch.long, device=HOST)
         return int((sizes * self.n_cols()).sum())
 
     @property
@@ -206,8 +215,8 @@ class BlockAdjacency:
             UnsupportedArchitectureError: a row has a non-zero entry outside its block — an edge from a
                 later position or site, which a causal decoder's frozen replacement model cannot have.
         """
-        rows = rows.long().cpu()
-        g = grads.detach().cpu()
+        rows = rows.to(HOST, torch.long)
+        g = grads.detach().to(HOST)  # the rows of a batch, from the model's device
         cells = self._cell_of_row[rows]
         if bool((cells < 0).any()) or g.shape[1] != self.n_sources:
             raise ValueError(f"rows {rows.tolist()} / {g.shape[1]} columns do not fit this adjacency")
@@ -218,7 +227,8 @@ class BlockAdjacency:
             part = g[at[:, None], cols[None, :]]
             block = self.blocks[cell]
             if block is None:
-                block = self.blocks[cell] = torch.zeros(self.cell_rows[cell].numel(), cols.numel(), dtype=self.dtype)
+                block = self.blocks[cell] = torch.zeros(self.cell_rows[cell].numel(), cols.numel(), dtype=self.dtype,
+                                                        device=HOST)
             block[self._slot[rows[at]]] = part.to(self.dtype)
             kept += int(part.count_nonzero())
         if kept != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
@@ -243,14 +253,14 @@ class BlockAdjacency:
 
     def dense(self) -> Float[torch.Tensor, "n n"]:
         """The ``(n, n)`` matrix (``4 B · n²`` at fp32; zeros outside the blocks)."""
-        out = torch.zeros(self.n, self.n, dtype=self.dtype)
+        out = torch.zeros(self.n, self.n, dtype=self.dtype, device=HOST)
         for rows, cols, block in self.items():
             out[rows[:, None], cols[None, :]] = block
         return out
 
     def row_sums(self, rows: torch.Tensor, absolute: bool = False) -> Float[torch.Tensor, " r"]:
         """``(r,)`` float64 ``Σ_s A[t, s]`` (or ``Σ_s |A[t, s]|``) of the node ids ``rows``."""
-        sums = torch.zeros(self.n, dtype=torch.float64)
+        sums = torch.zeros(self.n, dtype=torch.float64, device=HOST)
         for r, _, block in self.items():
             sums[r] = (block.abs() if absolute else block).sum(1, dtype=torch.float64)
         return sums[rows.long()]
@@ -320,7 +330,7 @@ class Graph(FieldsRepr):
 
     def __post_init__(self) -> None:
         if self.residual is None:
-            self.residual = torch.zeros(len(self.nodes), dtype=self._adjacency.dtype)
+            self.residual = torch.zeros(len(self.nodes), dtype=self._adjacency.dtype, device=HOST)
 
     def _hold(self, value: torch.Tensor | BlockAdjacency) -> None:
         """What ``adjacency`` holds: the dense matrix or the causal blocks."""

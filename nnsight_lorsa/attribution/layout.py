@@ -17,7 +17,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..errors import ConfigMismatchError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 
 
 @dataclass(repr=False)
@@ -34,15 +34,15 @@ class LayerLayout(FieldsRepr):
 
     layer: int
     lorsa: Any = None
-    lorsa_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    lorsa_head: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    lorsa_z: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    lorsa_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    lorsa_head: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    lorsa_z: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device=HOST))
     lorsa_start: int = 0
     attn_err_start: int | None = None
     transcoder: Any = None
-    tc_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    tc_feat: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    tc_act: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    tc_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    tc_feat: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    tc_act: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device=HOST))
     tc_start: int = 0
     mlp_err_start: int = 0
     bias: dict[str, int] = field(default_factory=dict)
@@ -50,7 +50,8 @@ class LayerLayout(FieldsRepr):
 
 @dataclass(repr=False)
 class Layout(FieldsRepr):
-    """All nodes of one prompt's graph and their multiplier columns.
+    """All nodes of one prompt's graph and their multiplier columns. Its tensors (and its layers') live on
+    the host (:data:`.graph.HOST`), whatever the model's device: the frozen pass copies what it needs.
 
     Attributes:
         tokens: ``(pos,)`` int64 input ids.
@@ -98,9 +99,9 @@ def top_p_logits(logits: torch.Tensor, desired_prob: float = 0.95, max_n: int = 
     """Target tokens and their probabilities at the last position: the most likely tokens until
     their cumulative probability reaches ``desired_prob`` (at most ``max_n``; circuit-tracer's
     defaults), or the given ``tokens``."""
-    probs = logits.float().softmax(-1)
+    probs = logits.detach().to(HOST, torch.float32).softmax(-1)
     if tokens is not None:
-        raw = torch.as_tensor(tokens)
+        raw = torch.as_tensor(tokens, device=HOST)
         if raw.is_floating_point() or raw.dtype == torch.bool:
             raise ConfigMismatchError(f"logit tokens (logit_tokens=...) must be integer ids, got {tokens!r}")
         ids = raw.long().reshape(-1)
@@ -161,27 +162,31 @@ def build_layout(
             if layer in lorsas:
                 lorsa = lorsas[layer]
                 x, positions = attn_inputs[layer]
-                _, cache = lorsa(x.to(lorsa.W_V.dtype), positions, return_cache=True)
+                w = lorsa.W_V  # the Lorsa runs where its weights are: its inputs go there, the nodes to the host
+                _, cache = lorsa(x.to(w.device, w.dtype), positions.to(w.device), return_cache=True)
                 z = cache.z[0]
                 z = z * (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
                 pos, head = (z > 0).nonzero(as_tuple=True)
-                lay.lorsa, lay.lorsa_pos, lay.lorsa_head, lay.lorsa_z = lorsa, pos, head, z[pos, head]
+                lay.lorsa, lay.lorsa_pos, lay.lorsa_head = lorsa, pos.to(HOST), head.to(HOST)
+                lay.lorsa_z = z[pos, head].to(HOST)
                 lay.lorsa_start = col
                 col += pos.numel()
                 feats.append(NodeTable.make(LORSA, layer, pos, head, lay.lorsa_z))
             if layer in transcoders:
                 tc = transcoders[layer]
-                acts = tc.encode(mlp_inputs[layer].to(tc.W_enc.dtype))[0]
+                w = tc.W_enc
+                acts = tc.encode(mlp_inputs[layer].to(w.device, w.dtype))[0]
                 acts = acts * (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
                 pos, feat = (acts != 0).nonzero(as_tuple=True)
-                lay.transcoder, lay.tc_pos, lay.tc_feat, lay.tc_act = tc, pos, feat, acts[pos, feat]
+                lay.transcoder, lay.tc_pos, lay.tc_feat = tc, pos.to(HOST), feat.to(HOST)
+                lay.tc_act = acts[pos, feat].to(HOST)
                 lay.tc_start = col
                 col += pos.numel()
                 feats.append(NodeTable.make(TRANSCODER, layer, pos, feat, lay.tc_act))
             layers.append(lay)
         n_features = col
         errors: list[NodeTable] = []
-        ar = torch.arange(n_pos)
+        ar = torch.arange(n_pos, device=HOST)
         for lay in layers:
             if lay.lorsa is not None:
                 lay.attn_err_start = col
@@ -225,11 +230,11 @@ def build_layout(
             top["final_norm"] = add("final_norm.bias", n_layers)
         if _nonzero(modules.get("lm_head_bias")):
             top["lm_head"] = add("lm_head.bias", n_layers)
-        bias_nodes = NodeTable.make(BIAS, torch.tensor(bias_layers, dtype=torch.long),
-                                    torch.full((len(names),), -1), torch.arange(len(names)))
+        bias_nodes = NodeTable.make(BIAS, torch.tensor(bias_layers, dtype=torch.long, device=HOST),
+                                    torch.full((len(names),), -1, device=HOST), torch.arange(len(names), device=HOST))
         ids, probs = top_p_logits(last_logits, desired_logit_prob, max_n_logits, logit_tokens)
-        logits = NodeTable.make(LOGIT, n_layers, torch.full((ids.numel(),), n_pos - 1), ids, probs)
+        logits = NodeTable.make(LOGIT, n_layers, torch.full((ids.numel(),), n_pos - 1, device=HOST), ids, probs)
         nodes = NodeTable.cat([*feats, *errors, emb, bias_nodes, logits])
         nodes.bias_names = names
-    return Layout(tokens=tokens.cpu(), layers=layers, emb_start=emb_start, n_sources=col, n_features=n_features,
-                  bias=top, logit_tokens=ids.cpu(), logit_probs=probs.cpu(), nodes=nodes)
+    return Layout(tokens=tokens.to(HOST), layers=layers, emb_start=emb_start, n_sources=col, n_features=n_features,
+                  bias=top, logit_tokens=ids, logit_probs=probs, nodes=nodes)

@@ -24,9 +24,9 @@ import torch
 from .._repr import FieldsRepr
 from ..errors import LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
-from .graph import NodeTable
+from .graph import HOST, NodeTable
 from .layout import Layout
-from .replacement import FrozenReplacement, first
+from .replacement import FrozenReplacement, first, into, on
 from .rows import FixedRows
 from .trace import attribute_in_trace, prepare
 
@@ -47,15 +47,16 @@ def _frozen_side(frozen: FrozenReplacement, lorsa: Any, x: torch.Tensor, positio
     """``(vector (batch, d_qk), bias part (d_qk,))`` of the query (``side="q"``) or key at its position."""
     g = probe.group
     pos = probe.query_pos if side == "q" else probe.key_pos
-    W = (lorsa.W_Q if side == "q" else lorsa.W_K)[g].to(x.dtype)
-    b = (lorsa.b_Q if side == "q" else lorsa.b_K)[g].to(x.dtype)
+    W = on((lorsa.W_Q if side == "q" else lorsa.W_K)[g], x)  # the Lorsa's weights where the site's input is
+    b = on((lorsa.b_Q if side == "q" else lorsa.b_K)[g], x)
     pre = x[:, pos] @ W + b  # (batch, d_qk)
     bias = b[None]
     if lorsa.cfg.qk_norm:
         norm = lorsa.ln_q if side == "q" else lorsa.ln_k
         key = f"L{probe.layer}.lorsa.{side}norm.{g}.{pos}"
         scale = frozen.const(key, lambda: torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + norm.eps))
-        pre, bias = norm.w[g].to(x.dtype) * pre * scale, norm.w[g].to(x.dtype) * bias * scale[:1]
+        w_norm = on(norm.w[g], x)
+        pre, bias = w_norm * pre * scale, w_norm * bias * scale[:1]
     if lorsa.cfg.rotary is not None:
         p = positions.reshape(-1, positions.shape[-1])[0, pos:pos + 1]
         cos, sin = rotary_cos_sin(lorsa.cfg.rotary, p)
@@ -83,8 +84,9 @@ class QKFrozenReplacement(FrozenReplacement):
             if probe.layer != layer:
                 continue
             if probe.key_pos < 0:  # the key the head attends to most: from the prompt copy (row 0)
-                with torch.no_grad():
-                    pattern = lorsa.attention_pattern(x[:1].to(lorsa.W_V.dtype), None, first(positions))
+                with torch.no_grad():  # run where the Lorsa is
+                    pattern = lorsa.attention_pattern(into(x[:1], lorsa.W_V), None,
+                                                      first(positions).to(lorsa.W_V.device))
                 probe.key_pos = int(pattern[0, probe.group, probe.query_pos].argmax())
             q, q_bias = _frozen_side(self, lorsa, x, positions, probe, "q")
             k, k_bias = _frozen_side(self, lorsa, x, positions, probe, "k")
@@ -97,7 +99,7 @@ class QKFrozenReplacement(FrozenReplacement):
         for side in self.sides:
             assert side is not None
             out += [side[0], side[2]]
-        return out
+        return [t.to(self.M.device) for t in out]
 
 
 @dataclass(repr=False)
@@ -173,7 +175,7 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
         raise ShapeError(f"need 0 <= key_pos <= query_pos < {n}, got key_pos={key_pos}, query_pos={query_pos}")
     probe = QKProbe(layer, head // lorsa.cfg.group_size, query_pos, key_pos)
     [(query, key, score)] = trace_probes(replacement, prepared, [probe], batch_size or 2 * lorsa.cfg.d_qk_head)
-    nodes = layout.nodes.select(torch.arange(layout.n_sources))
+    nodes = layout.nodes.select(torch.arange(layout.n_sources, device=HOST))
     return QKAttribution(nodes=nodes, query=query, key=key, pairs=query @ key.T / float(lorsa.cfg.scale),
                          score=score, probe=probe)
 
@@ -202,11 +204,12 @@ def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_s
     start = 0
     for probe, d, side in zip(probes, dims, frozen.sides, strict=True):
         lorsa = layout.layers[probe.layer].lorsa
-        q_bias, k_bias = side[1].detach().to(grads.dtype).cpu(), side[3].detach().to(grads.dtype).cpu()
+        q_bias, k_bias = side[1].detach().to(HOST, grads.dtype), side[3].detach().to(HOST, grads.dtype)
         query = torch.cat([grads[start:start + d].T, q_bias[None]])
         key = torch.cat([grads[start + d:start + 2 * d].T, k_bias[None]])
         scale = float(lorsa.cfg.scale)
-        score = float(values[start:start + d].double() @ values[start + d:start + 2 * d].double()) / scale
+        qv, kv = values[start:start + d].double(), values[start + d:start + 2 * d].double()
+        score = float(qv @ kv) / scale
         out.append((query, key, score))
         start += 2 * d
     return out
@@ -221,7 +224,7 @@ def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chun
     """The ``k`` largest ``|query_a·key_b| / scale`` pair terms ``((k, 2) indices, (k,) values)``, and the
     sums ``Σ pairs`` and ``Σ |pairs|`` — in query chunks, without the ``(n+1)²`` pair matrix."""
     best_v = query.new_zeros(0)
-    best_i = torch.zeros(0, 2, dtype=torch.long)
+    best_i = torch.zeros(0, 2, dtype=torch.long, device=HOST)
     total, mass = 0.0, 0.0
     for a0 in range(0, query.shape[0], chunk):
         block = query[a0:a0 + chunk] @ key.T / scale
@@ -267,7 +270,7 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
             break
     traced = trace_probes(replacement, prepared, probes, batch_size)
     n_nodes = graph.n_nodes
-    to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long)
+    to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long, device=HOST)
     is_src = graph.layout_ids < layout.n_sources
     to_graph[graph.layout_ids[is_src]] = is_src.nonzero().flatten()
     to_graph[-1] = n_nodes
@@ -275,14 +278,15 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
     for node, probe, (query, key, score) in zip(nodes, probes, traced, strict=True):
         scale = float(layout.layers[probe.layer].lorsa.cfg.scale)
         idx, val, total, mass = top_pairs(query, key, scale, k)
-        out["probe"].append(torch.tensor([node, probe.layer, probe.group, probe.query_pos, probe.key_pos]))
-        out["score"].append(torch.tensor(score, dtype=torch.float64))
-        out["pair_sum_error"].append(torch.tensor(abs(total - score) / max(mass, 1e-30), dtype=torch.float64))
+        out["probe"].append(torch.tensor([node, probe.layer, probe.group, probe.query_pos, probe.key_pos], device=HOST))
+        out["score"].append(torch.tensor(score, dtype=torch.float64, device=HOST))
+        out["pair_sum_error"].append(torch.tensor(abs(total - score) / max(mass, 1e-30), dtype=torch.float64,
+                                                 device=HOST))
         out["pair_index"].append(torch.nn.functional.pad(to_graph[idx], (0, 0, 0, k - idx.shape[0]), value=-1))
         out["pair_value"].append(torch.nn.functional.pad(val, (0, k - val.shape[0])))
         for name, side, other in (("query_marginal", query, key), ("key_marginal", key, query)):
             m = side @ other.sum(0) / scale  # Σ over the other side
-            row = torch.zeros(n_nodes + 1, dtype=m.dtype)
+            row = torch.zeros(n_nodes + 1, dtype=m.dtype, device=HOST)
             keep = to_graph >= 0
             row[to_graph[keep]] = m[keep]
             out[name].append(row)

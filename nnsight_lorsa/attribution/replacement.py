@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
-from ..errors import ConfigMismatchError
+from ..errors import ConfigMismatchError, PlacementError
 from ..modules.clt import CrossLayerTranscoder
 from .frozen import (
     GatheredNodes,
@@ -53,6 +53,18 @@ from .layout import Layout
 def first(positions: torch.Tensor) -> torch.Tensor:
     """Positions of batch row 0 (``(pos,)`` positions are shared already)."""
     return positions[:1] if positions.dim() == 2 else positions
+
+
+def on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A constant of a replacement module (weight, bias) on ``like``'s device and in its dtype: the frozen
+    model computes where the site's input is (a no-op where they agree)."""
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def into(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` moved to a module's boundary: the device and dtype of its ``weight`` (the module runs where it
+    is; its result is moved back by the caller)."""
+    return x.to(device=weight.device, dtype=weight.dtype)
 
 
 class FrozenReplacement:
@@ -91,6 +103,21 @@ class FrozenReplacement:
         self._grids: dict[str, torch.Tensor] = {}
         self._features: list[torch.Tensor] = []
         self._logits: torch.Tensor | None = None
+        self._M_on: dict[torch.device, torch.Tensor] = {M.device: M}
+        self._mhsa_on: dict[int, Any] = {}
+
+    def mult(self, device: torch.device) -> torch.Tensor:
+        """The multipliers on ``device`` (a site's device: one copy per device of a model spread over several,
+        made once; the gradient flows back to ``M``)."""
+        if device not in self._M_on:
+            self._M_on[device] = self.M.to(device)
+        return self._M_on[device]
+
+    def mhsa_on(self, layer: int, device: torch.device) -> Any:
+        """The frozen MHSA weights of ``layer`` on ``device`` (copied once where they are elsewhere)."""
+        if layer not in self._mhsa_on:
+            self._mhsa_on[layer] = weights_in(self.mhsa[layer], device=device)
+        return self._mhsa_on[layer]
 
     def store_patterns(self, x: torch.Tensor) -> bool:
         """Keep attention patterns (CPU: fastest backward) or only queries/keys (GPU: SDPA, no pattern
@@ -109,13 +136,14 @@ class FrozenReplacement:
         """Writer/reader of the nodes at positions ``pos`` whose vectors are ``W[idx]`` (cached per
         ``key``; ``slot_key`` names the position grid, shared by sites with the same nodes)."""
         if key not in self._nodes:
-            pos, idx = pos.to(like.device), idx.to(like.device)
+            pos = pos.to(like.device)
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype) == "grid":
                 slots = self.slots(slot_key, pos)
-                with torch.no_grad():
-                    self._nodes[key] = GridNodes(slots, slots.grid(W.detach()[idx].to(like.dtype)))
-            else:
-                self._nodes[key] = GatheredNodes(W, idx, pos, self.layout.n_pos, like.dtype)
+                with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site
+                    self._nodes[key] = GridNodes(slots, slots.grid(on(W.detach()[idx.to(W.device)], like)))
+            else:  # W is read in every pass: a copy on the site's device where it is elsewhere
+                self._nodes[key] = GatheredNodes(W.detach().to(like.device), idx.to(like.device), pos,
+                                                 self.layout.n_pos, like.dtype)
         return self._nodes[key]
 
     def grid(self, key: str, slots: PositionSlots, vectors: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -140,21 +168,22 @@ class FrozenReplacement:
     def embed(self, e: Float[torch.Tensor, "batch pos d"]) -> torch.Tensor:
         """Token (and, for GPT-2, position) embeddings, one node per position."""
         lay = self.layout
-        return (e * self.M[:, lay.emb_start:lay.emb_start + lay.n_pos, None]).to(self.dtype or e.dtype)
+        return (e * self.mult(e.device)[:, lay.emb_start:lay.emb_start + lay.n_pos, None]).to(self.dtype or e.dtype)
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor, layer: int | None, role: str) -> torch.Tensor:
         """A frozen norm (``role``: ``attn_norm`` / ``mlp_norm``; ``layer=None``: the final norm)."""
         bias = self.layout.bias if layer is None else self.layout.layers[layer].bias
         scale = self.const(f"L{layer}.{role}.scale", lambda: norm_scale(module, x[:1]))
-        out = frozen_norm(module, x, scale, column(self.M, bias.get("final_norm" if layer is None else role)))
+        mult = column(self.mult(x.device), bias.get("final_norm" if layer is None else role))
+        out = frozen_norm(module, x, scale, mult)
         return out.to(x.dtype)
 
     def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor, true_out: torch.Tensor) -> torch.Tensor:
         """The attention output: Lorsa heads + Lorsa error + ``b_D``, or a frozen-pattern MHSA."""
         lay = self.layout.layers[layer]
-        M = self.M
+        M = self.mult(x.device)
         if lay.lorsa is None:
-            w = self.mhsa[layer]
+            w = self.mhsa_on(layer, x.device)
             frozen: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
             if self.store_patterns(x):
                 frozen = self.const(f"L{layer}.attn.pattern", lambda: mhsa_pattern(w, x[:1], first(positions)))
@@ -168,7 +197,7 @@ class FrozenReplacement:
         z = lay.lorsa_z.to(x)
         io = self.nodes(f"L{layer}.lorsa.w_o", f"L{layer}.lorsa", lay.lorsa_pos, lorsa.W_O, lay.lorsa_head, x)
         heads = io.write(z * M[:, lay.lorsa_start:lay.lorsa_start + n])
-        b_d = lorsa.b_D.to(x.dtype) if lorsa.b_D is not None else None
+        b_d = on(lorsa.b_D, x) if lorsa.b_D is not None else None
 
         def error() -> torch.Tensor:
             clean = io.write(z[None])
@@ -194,18 +223,26 @@ class FrozenReplacement:
         lorsa = lay.lorsa
         heads, pos = lay.lorsa_head.to(x.device), lay.lorsa_pos.to(x.device)
         uniq, col = torch.unique(heads, return_inverse=True)
-        b_v = lorsa.b_V.to(x.dtype)[uniq]
-        v = F.linear(x, lorsa.W_V.to(x.dtype)[uniq]) + (b_v * mult_v if mult_v is not None else b_v)  # (b, pos, u)
+        W_V = lorsa.W_V
+        at = uniq.to(W_V.device)
+        b_v = on(lorsa.b_V[at], x)
+        # the bias term in the site's dtype: an fp32 multiplier would promote v (bf16/fp16 models)
+        v = F.linear(x, on(W_V[at], x)) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
         group = heads // lorsa.cfg.group_size
+
+        def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
+            q_, k_ = lorsa.qk(into(x[:1], W_V), first(positions).to(W_V.device))
+            return q_.to(x.device), k_.to(x.device)
+
         if not self.store_patterns(x):
-            q = self.const(f"L{layer}.lorsa.q", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[0])
-            k = self.const(f"L{layer}.lorsa.k", lambda: lorsa.qk(x[:1].to(lorsa.W_V.dtype), first(positions))[1])
+            q = self.const(f"L{layer}.lorsa.q", lambda: qk()[0])
+            k = self.const(f"L{layer}.lorsa.k", lambda: qk()[1])
             return z_pre(v, PatternRows(q[0], k[0], group, pos, lorsa.cfg.scale), col)
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
-            pattern = lorsa.attention_pattern(x[:1].to(lorsa.W_V.dtype), None, first(positions))
-            return pattern[0, group, pos][None]
+            pattern = lorsa.attention_pattern(into(x[:1], W_V), None, first(positions).to(W_V.device))
+            return pattern.to(x.device)[0, group, pos][None]
 
         grid = self.grid(f"L{layer}.lorsa.rows", slots,
                          lambda: self.const(f"L{layer}.lorsa.rows", rows)[0].to(x.dtype))
@@ -216,7 +253,7 @@ class FrozenReplacement:
         and a CLT's earlier layers') + skip path + ``b_dec`` + error — or one error node per position
         holding the whole MLP output, where nothing replaces it. Records the layer's feature targets."""
         lay = self.layout.layers[layer]
-        M, p = self.M, self.layout.n_pos
+        M, p = self.mult(x.device), self.layout.n_pos
         err_mult = M[:, lay.mlp_err_start:lay.mlp_err_start + p]
         tc = lay.transcoder
         if tc is None:
@@ -231,24 +268,25 @@ class FrozenReplacement:
             act = src.tc_act.to(x)
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))
-        skip = tc.skip(x.to(tc.W_enc.dtype))
-        b_dec = tc.b_dec.to(x.dtype)
+        skip = tc.skip(into(x, tc.W_enc))
+        skip = None if skip is None else skip.to(x)  # run where the transcoder is, moved back to the site
+        b_dec = on(tc.b_dec, x)
 
         def error() -> torch.Tensor:
             recon = sum((w.write(a[None]) for w, a in clean), torch.zeros_like(true_out[:1])) + b_dec
-            return true_out[:1] - (recon if skip is None else recon + skip[:1].to(x.dtype))
+            return true_out[:1] - (recon if skip is None else recon + skip[:1])
 
         err = self.const(f"L{layer}.mlp.error", error)
         out = sum(writes, torch.zeros_like(x)) + scaled(b_dec, column(M, lay.bias.get("tc_dec")))
         out = out + per_position(err, err_mult)
         if skip is not None:
-            out = out + skip.to(x.dtype)
+            out = out + skip
         n = lay.tc_pos.numel()
         if n:
             io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
-            pre = io.read(tc.encoder_input(x.to(tc.W_enc.dtype)).to(x.dtype))
+            pre = io.read(tc.encoder_input(into(x, tc.W_enc)).to(x))
             mult = column(M, lay.bias.get("tc_enc"))
-            b_enc = tc.b_enc[lay.tc_feat][None]
+            b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
             self._features.append((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype))
         return out.to(self.dtype or true_out.dtype)
 
@@ -260,16 +298,18 @@ class FrozenReplacement:
         are row 0's broadcast over the batch; with other multipliers (an intervention) each row's own."""
         bias = getattr(lm_head, "bias", None)
         weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
-        mult = column(self.M, self.layout.bias.get("lm_head"))
+        key = self.layout.bias.get("lm_head")
         if self.M.requires_grad:  # attribution: every multiplier 1, every batch row the same prompt copy —
             # the output (nothing is differentiated through it) is row 0's, broadcast: no (batch, pos, vocab) tensor
             with torch.no_grad():
-                logits = (F.linear(x[:1].to(weight.dtype), weight) + scaled(bias, None)).expand(x.shape[0], -1, -1)
-        else:
-            logits = F.linear(x.to(weight.dtype), weight) + scaled(bias, mult)  # the output, in the model's dtype
-        tokens = self.layout.logit_tokens.to(x.device)
-        w = weight[tokens].to(x.dtype) - weight.mean(0, dtype=x.dtype)  # targets in the frozen model's dtype
-        b = None if bias is None else bias[tokens].to(x.dtype) - bias.mean(dtype=x.dtype)
+                logits = (F.linear(into(x[:1], weight), weight) + scaled(bias, None)).expand(x.shape[0], -1, -1)
+        else:  # the output, in the model's dtype, where the unembedding is
+            logits = F.linear(into(x, weight), weight) + scaled(bias, column(self.mult(weight.device), key))
+        tokens = self.layout.logit_tokens.to(weight.device)
+        # targets in the frozen model's dtype, on the site's device
+        w = (weight[tokens].to(x.dtype) - weight.mean(0, dtype=x.dtype)).to(x.device)
+        b = None if bias is None else (bias[tokens].to(x.dtype) - bias.mean(dtype=x.dtype)).to(x.device)
+        mult = column(self.mult(x.device), key)
         self._logits = F.linear(x[:, -1], w) + scaled(b, None if mult is None else mult[:, 0])
         return logits.to(x.dtype)
 
@@ -278,7 +318,7 @@ class FrozenReplacement:
         """The targets as recorded, in node order: ``(batch, n_i)`` per site, then the logits."""
         if self._logits is None:
             raise RuntimeError("the frozen forward has not reached the unembedding")
-        return [*self._features, self._logits]
+        return [t.to(self.M.device) for t in (*self._features, self._logits)]  # sites on other devices: to M's
 
     def targets(self) -> Float[torch.Tensor, "batch n_targets"]:
         """``(batch, n_features + n_logits)``: feature pre-activations (node order), then demeaned logits."""
@@ -358,11 +398,14 @@ def copies_in(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
     return out
 
 
-def weights_in(w: Any, dtype: torch.dtype) -> Any:
-    """:class:`~nnsight_lorsa.adapters.base.MHSAWeights` with its floating tensors in ``dtype``."""
-    return dataclasses.replace(w, **{f.name: getattr(w, f.name).to(dtype) for f in dataclasses.fields(w)
-                                     if isinstance(getattr(w, f.name), torch.Tensor)
-                                     and getattr(w, f.name).is_floating_point()})
+def weights_in(w: Any, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Any:
+    """:class:`~nnsight_lorsa.adapters.base.MHSAWeights` with its floating tensors in ``dtype`` and every
+    tensor on ``device`` (None: as they are)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+    return dataclasses.replace(w, **{f.name: move(getattr(w, f.name)) for f in dataclasses.fields(w)
+                                     if isinstance(getattr(w, f.name), torch.Tensor)})
 
 
 #: the (patterns, node_vectors) pair of each ``memory`` setting of :func:`.attribute.attribute`
@@ -422,3 +465,35 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
                "attn_biases": {layer: (w.b_V, w.b_O) for layer, w in mhsa.items()},
                "lm_head_bias": bias(adapter.lm_head_path)}
     return modules, mhsa
+
+
+def _where(module: Any) -> str:
+    devices = sorted({str(p.device) for p in module.parameters()}) if isinstance(module, torch.nn.Module) else []
+    return ", ".join(devices) or "nowhere (no parameters)"
+
+
+def check_placement(root: torch.nn.Module, lorsas: dict[int, Any], transcoders: dict[int, Any],
+                    model_weights: bool = True) -> None:
+    """Refuse a placement the frozen pass cannot run with, before anything runs. Replacement modules may sit
+    on another device than their layer, and the model on several devices (``device_map="auto"``): every
+    module's inputs are moved to its device and dtype, its results back. What cannot work is a module
+    without weights to read: parameters on the ``meta`` device (never materialised, or offloaded by
+    accelerate — the frozen pass reads the model's norm, attention and unembedding weights directly);
+    ``model_weights=False`` checks the replacement modules only (a remote model is a meta-device copy).
+
+    Raises:
+        PlacementError: naming the module and where its parameters are.
+    """
+    model_at = _where(root)
+    for name, param in root.named_parameters() if model_weights else ():
+        if param.device.type == "meta":
+            raise PlacementError(f"the model's parameter {name!r} is on the meta device (offloaded or never loaded); "
+                                 "attribution reads the model's weights directly: load the model onto real devices "
+                                 "(device_map without disk/CPU offload)")
+    for kind, modules in (("Lorsa", lorsas), ("transcoder", transcoders)):
+        for layer, m in modules.items():
+            module = m.clt if isinstance(m, LayerCoder) else m
+            if isinstance(module, torch.nn.Module) and any(p.device.type == "meta" for p in module.parameters()):
+                raise PlacementError(f"the {kind} at layer {layer} is on {_where(module)} (its weights were never "
+                                     f"materialised) while the model is on {model_at}: load its weights onto a "
+                                     "real device")

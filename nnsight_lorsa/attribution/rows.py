@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .._typing import Float, Int
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, BlockAdjacency, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, BlockAdjacency, Graph
 from .layout import Layout
 from .scores import find_threshold, influence_series
 
@@ -111,14 +111,15 @@ class SparseRows:
 
     @property
     def residual(self) -> Float[torch.Tensor, " n"]:
-        return torch.cat(self._residual) if self._residual else torch.zeros(0, dtype=torch.float64)
+        return torch.cat(self._residual) if self._residual else torch.zeros(0, dtype=torch.float64, device=HOST)
 
     @property
     def abs_total(self) -> Float[torch.Tensor, " n"]:
-        return torch.cat(self._abs_total) if self._abs_total else torch.zeros(0, dtype=torch.float64)
+        return torch.cat(self._abs_total) if self._abs_total else torch.zeros(0, dtype=torch.float64, device=HOST)
 
     def append(self, grads: Float[torch.Tensor, "b s"], keep_mass: float | None = None) -> None:
-        """Store ``grads`` as the next rows (``keep_mass`` None or ≥ 1: every non-zero entry)."""
+        """Store ``grads`` as the next rows (``keep_mass`` None or ≥ 1: every non-zero entry). ``grads`` may
+        be on the model's device: which entries to keep is decided there, the kept ones are copied to the host."""
         g = grads.detach()
         a = g.abs()
         abs_total = a.sum(1, dtype=torch.float64)
@@ -134,20 +135,22 @@ class SparseRows:
         r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
         del keep
         val = g[r, c]
+        counts, c, host_val = counts.to(HOST), c.to(HOST), val.to(HOST)
         if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
-            self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64))
+            self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64, device=HOST))
         else:
             kept = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device).index_add(0, r, val.double())
-            self._residual.append((g.sum(1, dtype=torch.float64) - kept).cpu())
-        self._abs_total.append(abs_total.cpu())
+            self._residual.append((g.sum(1, dtype=torch.float64) - kept).to(HOST))
+        self._abs_total.append(abs_total.to(HOST))
         n = int(val.numel())
         block = self.blocks[-1] if self.blocks else None
         if block is None or block.fill + n > block.col.numel() or block.val.dtype != val.dtype:
             cap = max(BLOCK_ENTRIES, n)
-            block = _Block(torch.empty(cap, dtype=torch.int32), torch.empty(cap, dtype=val.dtype), self.n_rows)
+            block = _Block(torch.empty(cap, dtype=torch.int32, device=HOST),
+                           torch.empty(cap, dtype=val.dtype, device=HOST), self.n_rows)
             self.blocks.append(block)
         block.col[block.fill:block.fill + n] = c
-        block.val[block.fill:block.fill + n] = val
+        block.val[block.fill:block.fill + n] = host_val
         block.ends.extend((block.fill + counts.cumsum(0)).tolist())
         block.fill += n
         self.n_rows += g.shape[0]
@@ -173,14 +176,14 @@ class SparseRows:
     def dense(self) -> Float[torch.Tensor, "n s"]:
         """The kept entries as a dense ``(n_rows, n_cols)`` matrix (dropped ones 0)."""
         dtype = self.blocks[0].val.dtype if self.blocks else torch.float32
-        out = torch.zeros(self.n_rows, self.n_cols, dtype=dtype)
+        out = torch.zeros(self.n_rows, self.n_cols, dtype=dtype, device=HOST)
         for row, col, val in self.chunks():
             out[row, col] = val
         return out
 
     def row_sums(self) -> Float[torch.Tensor, " n"]:
         """``Σ kept + residual`` per row (float64): the full rows' sums."""
-        out = torch.zeros(self.n_rows, dtype=torch.float64)
+        out = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
         for row, _, val in self.chunks():
             out.index_add_(0, row, val.double())
         return out + self.residual
@@ -196,7 +199,7 @@ class SparseRows:
         if node_mask is None:
             den = self.abs_total
         else:
-            den = torch.zeros(self.n_rows, dtype=torch.float64)
+            den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
             for row, col, val in self.chunks():
                 k = node_mask[col] & node_mask[row_node[row]]
                 den.index_add_(0, row[k], val[k].double().abs())
@@ -204,7 +207,7 @@ class SparseRows:
 
         def propagate(w: torch.Tensor) -> torch.Tensor:
             scale = w.double() * inv  # w[r] · |v| / den[r] = (w / den)[r] · |v|
-            out = torch.zeros(self.n_cols, dtype=torch.float64)
+            out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
             for row, col, val in self.chunks(scale):
                 contrib = scale[row] * val.double().abs()
                 if node_mask is not None:
@@ -218,8 +221,8 @@ class SparseRows:
 def _rows_of(ends: list[int], e0: int, e1: int) -> torch.Tensor:
     """Block-local row of each entry ``e0 … e1 − 1`` (row ``i`` ends at ``ends[i]``; rows are contiguous)."""
     r0, r1 = bisect.bisect_right(ends, e0), bisect.bisect_right(ends, e1 - 1)
-    bounds = torch.tensor([e0, *ends[r0:r1], e1], dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(r0, r1 + 1), bounds.diff())
+    bounds = torch.tensor([e0, *ends[r0:r1], e1], dtype=torch.long, device=HOST)
+    return torch.repeat_interleave(torch.arange(r0, r1 + 1, device=HOST), bounds.diff())
 
 
 class RowStore:
@@ -253,9 +256,9 @@ class RowStore:
             self.rows.write(self.position(rows), grads)
         elif self.dense_shape is not None:
             if self.rows is None:
-                self.rows = torch.zeros(self.dense_shape, dtype=grads.dtype)
+                self.rows = torch.zeros(self.dense_shape, dtype=grads.dtype, device=HOST)
             assert isinstance(self.rows, torch.Tensor)
-            self.rows[self.position(rows), :grads.shape[1]] = grads.cpu()
+            self.rows[self.position(rows), :grads.shape[1]] = grads.to(HOST)
         else:
             assert isinstance(self.rows, SparseRows)
             self.rows.append(grads, self.keep_mass)
@@ -266,11 +269,11 @@ class RowStore:
 
     def matrix(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row_targets (n,), rows (n, n_sources))`` computed so far, in computation order (dense)."""
-        done = torch.tensor(self.done, dtype=torch.long)
+        done = torch.tensor(self.done, dtype=torch.long, device=HOST)
         if isinstance(self.rows, SparseRows):
             return done, self.rows.dense()
         if self.rows is None:
-            return done, torch.zeros(0, self.n_sources)
+            return done, torch.zeros(0, self.n_sources, device=HOST)
         dense = self.rows.dense() if isinstance(self.rows, BlockAdjacency) else self.rows
         return done, dense[self.position(self.done), :self.n_sources]
 
@@ -301,7 +304,7 @@ class RowScheduler(RowStore):
         self.layout = layout
         self.budget = budget
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
-        self._visited = torch.zeros(layout.n_features, dtype=torch.bool)
+        self._visited = torch.zeros(layout.n_features, dtype=torch.bool, device=HOST)
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
@@ -344,11 +347,11 @@ class RowScheduler(RowStore):
     def row_nodes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(node (n,), logit weight (n,))`` of each computed row (node ids: sources, then logits)."""
         lay = self.layout
-        targets = torch.tensor(self.done, dtype=torch.long)
+        targets = torch.tensor(self.done, dtype=torch.long, device=HOST)
         node = self.position(self.done)
         weight = torch.where(targets >= lay.n_features,
-                             lay.logit_probs[(targets - lay.n_features).clamp_min(0)].double(), torch.zeros((),
-                                                                                                   dtype=torch.float64))
+                             lay.logit_probs[(targets - lay.n_features).clamp_min(0)].double(),
+                             torch.zeros((), dtype=torch.float64, device=HOST))
         return node, weight
 
     def feature_influence(self) -> torch.Tensor:
@@ -360,7 +363,8 @@ class RowScheduler(RowStore):
 def full_graph_blocks(layout: Layout, dtype: torch.dtype) -> BlockAdjacency:
     """The full graph's adjacency (every node of ``layout``), rows: every feature and logit."""
     ns = layout.n_sources
-    targets = torch.cat([torch.arange(layout.n_features), torch.arange(ns, ns + layout.n_logits)])
+    targets = torch.cat([torch.arange(layout.n_features, device=HOST),
+                         torch.arange(ns, ns + layout.n_logits, device=HOST)])
     return BlockAdjacency(layout.nodes.sites(), layout.nodes.pos, ns, targets, dtype)
 
 
@@ -379,16 +383,16 @@ class FixedRows(RowStore):
 
 def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prompt: str, meta: dict[str, Any]) -> Graph:
     """The :class:`Graph` over the visited features and every error/embedding/bias/logit node."""
-    targets = torch.tensor(scheduler.done, dtype=torch.long)
+    targets = torch.tensor(scheduler.done, dtype=torch.long, device=HOST)
     nf, ns = layout.n_features, layout.n_sources
-    visited = torch.zeros(nf, dtype=torch.bool)
+    visited = torch.zeros(nf, dtype=torch.bool, device=HOST)
     visited[targets[targets < nf]] = True
-    keep_src = torch.cat([visited, torch.ones(ns - nf, dtype=torch.bool)])
+    keep_src = torch.cat([visited, torch.ones(ns - nf, dtype=torch.bool, device=HOST)])
     src_ids = keep_src.nonzero().flatten()
     n_logits = layout.n_logits
-    node_ids = torch.cat([src_ids, torch.arange(ns, ns + n_logits)])
-    new_index = torch.full((ns + n_logits,), -1, dtype=torch.long)
-    new_index[node_ids] = torch.arange(node_ids.numel())
+    node_ids = torch.cat([src_ids, torch.arange(ns, ns + n_logits, device=HOST)])
+    new_index = torch.full((ns + n_logits,), -1, dtype=torch.long, device=HOST)
+    new_index[node_ids] = torch.arange(node_ids.numel(), device=HOST)
     n = node_ids.numel()
     row_at = new_index[scheduler.position(scheduler.done)]
     rows = scheduler.rows
@@ -398,14 +402,14 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     else:
         dtype = rows.blocks[0].val.dtype if isinstance(rows, SparseRows) and rows.blocks else (
             rows.dtype if isinstance(rows, (torch.Tensor, BlockAdjacency)) else values.dtype)
-        adjacency = torch.zeros(n, n, dtype=dtype)
+        adjacency = torch.zeros(n, n, dtype=dtype, device=HOST)
         for row, col, val in scheduler.sparse().chunks():  # chunk by chunk: no (rows, sources) copy
             k = keep_src[col]
             adjacency[row_at[row[k]], new_index[col[k]]] = val[k]
-    all_values = torch.full((ns + n_logits,), float("nan"), dtype=adjacency.dtype)
-    all_values[:nf] = values[:nf].cpu()
-    all_values[ns:] = values[nf:].cpu()
-    computed = torch.zeros(n, dtype=torch.bool)
+    all_values = torch.full((ns + n_logits,), float("nan"), dtype=adjacency.dtype, device=HOST)
+    all_values[:nf] = values[:nf].to(HOST)
+    all_values[ns:] = values[nf:].to(HOST)
+    computed = torch.zeros(n, dtype=torch.bool, device=HOST)
     computed[row_at] = True
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids),
                  adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified on first read
@@ -423,7 +427,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     kind = layout.nodes.kind
     n_all = ns + nl
     n_rows = row_node.numel()
-    visited = torch.zeros(n_all, dtype=torch.bool)
+    visited = torch.zeros(n_all, dtype=torch.bool, device=HOST)
     visited[row_node] = True
     in_graph = visited.clone()
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
@@ -432,7 +436,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks
         assert bool(in_graph.all())
         # 1. node influence on the graph
-        infl = torch.cat([_block_influence(store, row_node, lw_row), torch.zeros(nl, dtype=torch.float64)])
+        infl = torch.cat([_block_influence(store, row_node, lw_row), torch.zeros(nl, dtype=torch.float64, device=HOST)])
         node_mask = infl >= find_threshold(infl, node_threshold)
         node_mask |= always
         # the entries among the node-pruned graph's nodes, and each row's sum of everything else
@@ -441,7 +445,8 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     else:
         sp = scheduler.sparse()
         # 1. node influence on the graph (unvisited features are not graph nodes, as in the dense path)
-        infl = torch.cat([sp.influence(row_node, lw_row, node_mask=in_graph), torch.zeros(nl, dtype=torch.float64)])
+        infl = torch.cat([sp.influence(row_node, lw_row, node_mask=in_graph),
+                          torch.zeros(nl, dtype=torch.float64, device=HOST)])
         infl[~in_graph] = 0
         node_mask = in_graph & ((infl >= find_threshold(infl[in_graph], node_threshold)) | always)
         # the entries among the node-pruned graph's nodes, and each row's sum of everything else
@@ -454,18 +459,19 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
             del row, col, val, among
             release_free_memory()  # the chunk's temporaries: not left resident between the kept parts
         e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True)) if parts else (
-            torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=values.dtype))
+            torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
+            torch.zeros(0, dtype=values.dtype, device=HOST))
         del parts
         stored = sp.nnz
     entry_node = row_node[e_row]
     # 2. edge scores on the node-pruned matrix
-    lw = torch.zeros(n_all, dtype=torch.float64)
+    lw = torch.zeros(n_all, dtype=torch.float64, device=HOST)
     lw[row_node] = lw_row
     alive = e_val != 0
     infl_pruned = torch.cat([_coo_influence(e_row[alive], e_col[alive], e_val[alive], row_node, lw_row, n_rows,
-                                            ns), torch.zeros(nl, dtype=torch.float64)])
-    den = torch.zeros(n_rows, dtype=torch.float64).index_add(0, e_row[alive], e_val[alive].double().abs())
-    score = torch.zeros(e_val.numel(), dtype=torch.float64)
+                                            ns), torch.zeros(nl, dtype=torch.float64, device=HOST)])
+    den = torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, e_row[alive], e_val[alive].double().abs())
+    score = torch.zeros(e_val.numel(), dtype=torch.float64, device=HOST)
     score[alive] = e_val[alive].double().abs() / den[e_row[alive]].clamp_min(1e-30) * (
         infl_pruned + lw)[entry_node[alive]]
     edge = alive & (score >= find_threshold(score[alive], edge_threshold)) if bool(alive.any()) else alive
@@ -474,9 +480,9 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     prunable = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     while True:
         old = node_mask.clone()
-        has_out = torch.zeros(n_all, dtype=torch.bool)
+        has_out = torch.zeros(n_all, dtype=torch.bool, device=HOST)
         has_out[e_col[edge]] = True
-        has_in = torch.zeros(n_all, dtype=torch.bool)
+        has_in = torch.zeros(n_all, dtype=torch.bool, device=HOST)
         has_in[entry_node[edge]] = True
         node_mask &= ~prunable | has_out
         node_mask &= ~feature | has_in
@@ -486,21 +492,21 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
             break
     # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
     kept = node_mask.nonzero().flatten()
-    index = torch.full((n_all,), -1, dtype=torch.long)
-    index[kept] = torch.arange(kept.numel())
+    index = torch.full((n_all,), -1, dtype=torch.long, device=HOST)
+    index[kept] = torch.arange(kept.numel(), device=HOST)
     n = kept.numel()
     among = node_mask[e_col] & node_mask[entry_node]
-    adjacency = torch.zeros(n, n, dtype=e_val.dtype)
+    adjacency = torch.zeros(n, n, dtype=e_val.dtype, device=HOST)
     adjacency[index[entry_node[among]], index[e_col[among]]] = e_val[among]
     outside.index_add_(0, e_row[~among], e_val[~among].double())
-    residual = torch.zeros(n, dtype=torch.float64)
-    computed = torch.zeros(n, dtype=torch.bool)
+    residual = torch.zeros(n, dtype=torch.float64, device=HOST)
+    computed = torch.zeros(n, dtype=torch.bool, device=HOST)
     row_kept = node_mask[row_node]
     residual[index[row_node[row_kept]]] = outside[row_kept]
     computed[index[row_node[row_kept]]] = True
-    all_values = torch.full((n_all,), float("nan"), dtype=values.dtype)
-    all_values[:nf] = values[:nf].cpu()
-    all_values[ns:] = values[nf:].cpu()
+    all_values = torch.full((n_all,), float("nan"), dtype=values.dtype, device=HOST)
+    all_values[:nf] = values[:nf].to(HOST)
+    all_values[ns:] = values[nf:].to(HOST)
     meta = {**meta, "pruned": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                                "keep_mass": scheduler.keep_mass, "stored_entries": int(stored)}}
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept), adjacency=adjacency, values=all_values[kept],
@@ -511,12 +517,12 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
 def _block_influence(blocks: BlockAdjacency, row_node: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
     """:meth:`SparseRows.influence` (every node) over the causal blocks: ``(n_sources,)`` float64, each row
     normalised by its absolute mass; one ``(weighted rows) @ |block|`` product per cell and step."""
-    inv = 1.0 / blocks.row_sums(torch.arange(blocks.n), absolute=True).clamp_min(1e-30)
+    inv = 1.0 / blocks.row_sums(torch.arange(blocks.n, device=HOST), absolute=True).clamp_min(1e-30)
 
     def propagate(w: torch.Tensor) -> torch.Tensor:
-        scale = torch.zeros(blocks.n, dtype=torch.float64)
+        scale = torch.zeros(blocks.n, dtype=torch.float64, device=HOST)
         scale[row_node] = w.double() * inv[row_node]
-        out = torch.zeros(blocks.n_sources, dtype=torch.float64)
+        out = torch.zeros(blocks.n_sources, dtype=torch.float64, device=HOST)
         for rows, cols, block in blocks.items():
             s = scale[rows]
             live = s.nonzero().flatten()
@@ -531,20 +537,21 @@ def _block_entries_among(blocks: BlockAdjacency, row_node: torch.Tensor, node_ma
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(row, col, val, outside)``: the non-zero entries between two nodes of ``node_mask`` (``row``: the
     row's place in ``row_node``), and each row's (float64) sum of every other entry."""
-    at = torch.full((blocks.n,), -1, dtype=torch.long)
-    at[row_node] = torch.arange(row_node.numel())
-    outside = torch.zeros(row_node.numel(), dtype=torch.float64)
+    at = torch.full((blocks.n,), -1, dtype=torch.long, device=HOST)
+    at[row_node] = torch.arange(row_node.numel(), device=HOST)
+    outside = torch.zeros(row_node.numel(), dtype=torch.float64, device=HOST)
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for rows, cols, block in blocks.items():
         rk, ck = node_mask[rows].nonzero().flatten(), node_mask[cols].nonzero().flatten()
         sub = block[rk][:, ck]
-        among = torch.zeros(rows.numel(), dtype=torch.float64)
+        among = torch.zeros(rows.numel(), dtype=torch.float64, device=HOST)
         among[rk] = sub.sum(1, dtype=torch.float64)
         outside[at[rows]] = block.sum(1, dtype=torch.float64) - among
         i, j = sub.nonzero(as_tuple=True)
         parts.append((at[rows[rk[i]]], cols[ck[j]], sub[i, j]))
     if not parts:
-        return (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=blocks.dtype),
+        return (torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
+                torch.zeros(0, dtype=blocks.dtype, device=HOST),
                 outside)
     e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True))
     return e_row, e_col, e_val, outside
@@ -554,9 +561,9 @@ def _coo_influence(row: torch.Tensor, col: torch.Tensor, val: torch.Tensor, row_
                    row_weight: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
     """:func:`.scores.influence` of the few entries ``(row, col, val)``, rows normalised by their mass."""
     a = val.double().abs()
-    a = a / torch.zeros(n_rows, dtype=torch.float64).index_add(0, row, a)[row].clamp_min(1e-30)
+    a = a / torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, row, a)[row].clamp_min(1e-30)
 
     def propagate(w: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n_cols, dtype=torch.float64).index_add(0, col, w.double()[row] * a)
+        return torch.zeros(n_cols, dtype=torch.float64, device=HOST).index_add(0, col, w.double()[row] * a)
 
     return influence_series(propagate, row_node, row_weight.double(), n_cols)

@@ -49,7 +49,7 @@ from .._typing import Float, Int
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, index_at
 from ..errors import ConfigMismatchError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .layout import Layout
 from .trace import frozen_logits, prepare
 
@@ -365,7 +365,7 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
         M = torch.ones(chunk.numel() + 1, layout.n_sources)
         M[torch.arange(1, chunk.numel() + 1), chunk] += 1.0
         _, T = frozen_logits(model, adapter, layout, mhsa, M)
-        out.append((T[1:] - T[:1]).T[target_cols])
+        out.append((T[1:] - T[:1]).T.to(HOST)[target_cols])
     return torch.cat(out, dim=1), graph.adjacency[rows][:, sources]
 
 

@@ -31,7 +31,14 @@ from ..adapters.base import ArchitectureAdapter
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError
 from .layout import Layout, build_layout
-from .replacement import FrozenReplacement, copies_in, layer_modules, replacement_modules, weights_in
+from .replacement import (
+    FrozenReplacement,
+    check_placement,
+    copies_in,
+    layer_modules,
+    replacement_modules,
+    weights_in,
+)
 
 
 @dataclass(repr=False)
@@ -156,9 +163,12 @@ def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_
 
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt — before the model runs.
+        PlacementError: a replacement module (or, unless ``remote``, the model) with weights on the
+            ``meta`` device (:func:`.replacement.check_placement`).
     """
     model, adapter = replacement.model, replacement.adapter
     lor, tcs = layer_modules(replacement)
+    check_placement(getattr(model, "_module", model), lor, tcs, model_weights=not remote)
     if dtype is not None and dtype != next(getattr(model, "_module", model).parameters()).dtype:
         lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)

@@ -1,0 +1,251 @@
+"""Attribution with the model on CUDA (device-parametrised: the CUDA cases run where torch sees a GPU) and
+in bf16/fp16 (on the CPU): every result is compared with the CPU fp32 graph of the same model (issue 21).
+
+Stated bounds (docs/attribution.md, "bf16 models"), each row's error relative to its absolute edge
+mass ``Σ_s |A[t, s]|`` (``Graph.edge_sum_error("mass")``; value-relative fails for tiny values whose
+terms cancel):
+
+* edge sums: fp32 (and ``dtype=torch.float32`` on a bf16/fp16 model) ``< 1e-6``; bf16 ``< 2e-2``; fp16 ``< 3e-3``;
+* the graph of a bf16/fp16 model against the fp32 model's: at least 99 % of the nodes shared, every shared
+  value within :data:`VALUE_GAP` of its row's mass, and (fp16) over the shared rows and columns
+  ``Σ|ΔA| / Σ|A|`` below :data:`GRAPH_GAP`;
+* on a device against the CPU (fp32): the same nodes, values within 1e-4 of each row's mass, ``Σ|ΔA| / Σ|A|``
+  per row below 1e-3.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import DEVICES, attribution_setup, random_ids, rm
+
+from nnsight_lorsa.attribution import PruneConfig, attribute, cache_for_attribution, estimate_memory, to_neuronpedia
+from nnsight_lorsa.attribution.graph import Graph
+from nnsight_lorsa.attribution.replacement import layer_modules
+from nnsight_lorsa.errors import PlacementError
+
+#: max over rows of |Σ edges − value| / Σ |edges|, by the dtype the frozen model computes in
+SUM_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+#: Σ|ΔA| / Σ|A| over the nodes shared with the fp32 model's graph, by the model's dtype (fp16 only: a bf16
+#: model's layer-2 feature rows here differ from the fp32 model's by O(their mass), in the bf16 model's own
+#: frozen forward — dtype=torch.float32 too — while its values agree to VALUE_GAP; see the issue-21 report)
+GRAPH_GAP = {torch.float16: 1e-2}
+#: max |Δ value| / Σ |edges of the fp32 row| over the shared rows, by the model's dtype
+VALUE_GAP = {torch.bfloat16: 5e-2, torch.float16: 5e-3}
+
+IDS = random_ids(1, 8, seed=7)[0]
+
+
+def setup(device: str = "cpu", model_dtype: torch.dtype = torch.float32, module_dtype: torch.dtype | None = None,
+          module_device: str | None = None):
+    """The tiny Llama with a Lorsa (random ``b_V``: its bias node is in the graph) and transcoders, moved to
+    ``device`` in ``model_dtype``; the replacement modules to ``module_device`` (default ``device``) in
+    ``module_dtype`` (default the model's)."""
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    with torch.no_grad():
+        for lorsa in lorsas.values():
+            lorsa.b_V.copy_(0.1 * torch.randn(lorsa.b_V.shape, generator=torch.Generator().manual_seed(3)))
+    hf.to(device=device, dtype=model_dtype)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(device=module_device or device, dtype=module_dtype or model_dtype)
+    return rm(model, lorsas, tcs)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Graph:
+    """The CPU fp32 graph every other graph is compared with."""
+    return attribute(setup(), IDS, batch_size=40)
+
+
+def shared(g: Graph, ref: Graph) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Graph indices of the nodes ``g`` and ``ref`` share (``(a, b)``), and the fraction of ``ref``'s nodes shared."""
+    at = {int(v): i for i, v in enumerate(g.layout_ids)}
+    both = [(at[int(v)], j) for j, v in enumerate(ref.layout_ids) if int(v) in at]
+    a, b = (torch.tensor(t) for t in zip(*both, strict=True))
+    return a, b, len(both) / max(len(ref.layout_ids), len(g.layout_ids))
+
+
+def gaps(g: Graph, ref: Graph) -> dict[str, float]:
+    """How far ``g`` is from ``ref`` over their shared nodes (module docstring): ``shared`` fraction,
+    ``graph`` = Σ|ΔA|/Σ|A|, ``row`` = max over rows of the same per row, ``value`` = max |Δvalue| / row mass."""
+    a, b, frac = shared(g, ref)
+    rows = g.feature_rows[a] & ref.feature_rows[b]
+    A, R = g.adjacency[a][:, a][rows].double(), ref.adjacency[b][:, b][rows].double()
+    mass = R.abs().sum(1).clamp_min(1e-12)
+    d = (A - R).abs()
+    value = (g.values[a][rows].double() - ref.values[b][rows].double()).abs() / mass
+    return {"shared": frac, "graph": float(d.sum() / R.abs().sum()), "row": float((d.sum(1) / mass).max()),
+            "value": float(value.max())}
+
+
+def assert_same_graph(g: Graph, ref: Graph, what: str) -> None:
+    """A device's fp32 graph against the CPU's: same nodes, values and edges up to fp32 rounding."""
+    assert torch.equal(g.layout_ids, ref.layout_ids), what
+    assert torch.equal(g.nodes.kind, ref.nodes.kind) and torch.equal(g.tokens, ref.tokens), what
+    for t in (g.adjacency, g.values, g.nodes.kind, g.nodes.activation, g.layout_ids, g.feature_rows):
+        assert t.device.type == "cpu", what  # the graph lives on the host whatever the model's device
+    gap = gaps(g, ref)
+    assert gap["value"] < 1e-4 and gap["row"] < 1e-3, (what, gap)
+    assert g.edge_sum_error("mass").max() < SUM_BOUND[torch.float32], what
+
+
+# ---------------------------------------------------------------------------------------------- devices
+@pytest.mark.parametrize("memory", ["auto", "lean", "fast"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_attribute_on_device_equals_the_cpu_graph(device, memory, reference):
+    """Each memory mode on the device gives the CPU fp32 graph (lean/fast: SDPA/gathered or stored/grid)."""
+    g = attribute(setup(device), IDS, batch_size=40, memory=memory)
+    assert_same_graph(g, reference, f"{device} {memory}")
+    assert g.meta["dtype"] == "torch.float32"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pruned_and_budgeted_attribution_on_device(device):
+    """Pruning while building (sparse rows, ``keep_mass < 1``) and a feature budget on the device: the
+    same graph as on the CPU, and each kept row's edges + residual still sum to its value."""
+    kw = {"batch_size": 16, "max_feature_nodes": 30, "prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}
+    cpu = attribute(setup(), IDS, **kw)
+    g = attribute(setup(device), IDS, **kw)
+    assert g.residual is not None and g.residual.device.type == "cpu"
+    assert torch.equal(g.layout_ids, cpu.layout_ids)
+    assert g.edge_sum_error("mass").max() < 1e-5
+    assert torch.allclose(g.values, cpu.values, rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert (g.adjacency - cpu.adjacency).abs().max() < 1e-3 * cpu.adjacency.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_memory_and_zero_positions_on_device(device):
+    """``max_memory`` picks the batch from the device's estimate; ``zero_positions`` on the device equals
+    the CPU's graph."""
+    rep = setup(device)
+    est = estimate_memory(rep, IDS, batch_size=8, zero_positions=1)
+    budget = est.device_bytes if device != "cpu" else est.host_bytes
+    g = attribute(rep, IDS, batch_size=40, max_memory=budget, zero_positions=1)
+    assert 1 <= g.meta["batch_size"] <= 8
+    cpu = attribute(setup(), IDS, batch_size=40, zero_positions=1)
+    assert_same_graph(g, cpu, f"{device} zero_positions")
+    assert int(g.nodes.pos[g.feature_ids].min()) >= 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_heads_on_device(device, reference):
+    """QK tracing on the device: the same probes, scores and pair sums as on the CPU."""
+    cpu = attribute(setup(), IDS, batch_size=40, qk_heads=2)
+    g = attribute(setup(device), IDS, batch_size=40, qk_heads=2)
+    assert set(g.qk) == set(cpu.qk) and len(g.qk) > 0
+    assert all(t.device.type == "cpu" for t in g.qk.values())
+    assert torch.equal(g.qk["probe"], cpu.qk["probe"])
+    assert torch.allclose(g.qk["score"], cpu.qk["score"], rtol=1e-4, atol=1e-4)
+    assert float(g.qk["pair_sum_error"].max()) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
+    """The counts do not depend on the device; on a GPU ``device_bytes`` is the frozen pass and
+    ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both."""
+    cpu = estimate_memory(setup(), IDS, batch_size=8, memory="lean")
+    est = estimate_memory(setup(device), IDS, batch_size=8, memory="lean")
+    for key in ("n_sources", "n_rows", "stored_entries", "rows", "frozen_per_copy"):
+        assert est.terms[key] == cpu.terms[key], key
+    t = est.terms
+    assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
+    if device == "cpu":
+        assert est.host_bytes == t["rows"] + max(est.device_bytes, t["pruning"]) + t["fixed"]
+    else:
+        assert est.host_bytes == t["rows"] + t["pruning"] + t["fixed"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_export_from_a_device_graph(device, reference, tmp_path):
+    """A device's graph saves, loads and exports (Neuronpedia JSON) as the CPU's."""
+    g = attribute(setup(device), IDS, batch_size=40)
+    loaded = Graph.load(g.save(tmp_path / "g"))
+    assert torch.equal(loaded.adjacency, g.adjacency)
+    a, b = (to_neuronpedia(x, slug="t") for x in (loaded, reference))
+    assert [n["node_id"] for n in a["nodes"]] == [n["node_id"] for n in b["nodes"]]
+    wa = {(e["source"], e["target"]): e["weight"] for e in a["links"]}
+    wb = {(e["source"], e["target"]): e["weight"] for e in b["links"]}
+    shared_links = wa.keys() & wb.keys()
+    assert len(shared_links) >= 0.98 * max(len(wa), len(wb))
+    scale = max(abs(w) for w in wb.values())
+    assert max(abs(wa[k] - wb[k]) for k in shared_links) < 1e-3 * scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_engine_on_device_and_from_a_host_cache(device, reference):
+    """The cached engine with the model on the device: from a cache made there, and from the same cache
+    moved to the CPU (as loaded from disk) — both the CPU's graph."""
+    rep = setup(device)
+    cache = cache_for_attribution(rep, IDS)
+    g = attribute(rep, cache, batch_size=40)
+    assert_same_graph(g, reference, f"{device} cache")
+    host = copy.copy(cache)
+    host.embeddings = cache.embeddings.cpu()
+    host.positions, host.last_logits = cache.positions.cpu(), cache.last_logits.cpu()
+    for name in ("attn_in", "attn_out", "mlp_in", "mlp_out"):
+        setattr(host, name, {k: v.cpu() for k, v in getattr(cache, name).items()})
+    assert_same_graph(attribute(rep, host, batch_size=40), reference, f"{device} host cache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replacement_modules_on_another_device_than_the_model(device, reference):
+    """Lorsa and transcoders left on the CPU with the model on the device (and the reverse): inputs go to
+    each module's device at its boundary, results back — the same graph."""
+    other = "cpu" if device != "cpu" else device
+    g = attribute(setup(device, module_device=other), IDS, batch_size=40)
+    assert_same_graph(g, reference, f"model {device}, modules {other}")
+    g = attribute(setup("cpu", module_device=device), IDS, batch_size=40, memory="lean")
+    assert_same_graph(g, reference, f"model cpu, modules {device}")
+
+
+def test_replacement_module_without_weights_raises_placement_error():
+    """A Lorsa never materialised (``meta``) is refused before anything runs, naming it and where it is."""
+    model, _, lorsas, tcs = attribution_setup("llama")
+    lorsas[1] = lorsas[1].to("meta")
+    with pytest.raises(PlacementError, match=r"Lorsa at layer 1 is on meta.*model is on cpu"):
+        attribute(rm(model, lorsas, tcs), IDS, batch_size=40)
+    with pytest.raises(PlacementError, match="Lorsa at layer 1"):
+        estimate_memory(rm(model, lorsas, tcs), IDS)
+
+
+# ----------------------------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("module_dtype", [None, torch.float32], ids=["modules_same", "modules_fp32"])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_models_hold_the_stated_bounds(model_dtype, module_dtype, reference):
+    """A bf16/fp16 model (its Lorsa/transcoders in its dtype or fp32): attribution runs by default, its
+    edge sums hold the dtype's bound, ``dtype=torch.float32`` the fp32 bound; both graphs are close to
+    the fp32 model's (module docstring). The user's modules keep their dtypes."""
+    rep = setup("cpu", model_dtype, module_dtype)
+    g = attribute(rep, IDS, batch_size=40)
+    assert g.meta["dtype"] == str(model_dtype)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < SUM_BOUND[model_dtype], err
+    exact = attribute(rep, IDS, batch_size=40, dtype=torch.float32)
+    exact_err = float(exact.edge_sum_error("mass").max())
+    assert exact_err < SUM_BOUND[torch.float32] and exact_err < err / 100, (exact_err, err)
+    for graph in (g, exact):
+        gap = gaps(graph, reference)
+        assert gap["shared"] >= 0.99, gap
+        assert gap["value"] < VALUE_GAP[model_dtype], gap
+        if model_dtype in GRAPH_GAP:
+            assert gap["graph"] < GRAPH_GAP[model_dtype], gap
+    assert all(p.dtype == model_dtype for p in rep.model._module.parameters())
+    lorsas, tcs = layer_modules(rep)
+    assert all(p.dtype == (module_dtype or model_dtype) for m in [*lorsas.values(), *tcs.values()]
+               for p in m.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fp32_model_computed_in_half_precision(dtype, reference):
+    """``attribute(..., dtype=torch.float16 / bfloat16)`` on an fp32 model (used to fail in the Lorsa's
+    ``b_V`` term): the half-precision bound on the sums, and close to the fp32 graph."""
+    g = attribute(setup(), IDS, batch_size=40, dtype=dtype)
+    assert g.meta["dtype"] == str(dtype)
+    assert float(g.edge_sum_error("mass").max()) < SUM_BOUND[dtype]
+    assert float(g.edge_sum_error("mass").max()) > SUM_BOUND[torch.float32]  # really computed in half precision
+    gap = gaps(g, reference)
+    assert gap["shared"] >= 0.99 and gap["value"] < VALUE_GAP[dtype], gap
+    if dtype in GRAPH_GAP:
+        assert gap["graph"] < GRAPH_GAP[dtype], gap
