@@ -203,11 +203,15 @@ def test_replacement_modules_on_another_device_than_the_model(device, reference)
 def test_replacement_module_without_weights_raises_placement_error():
     """A Lorsa never materialised (``meta``) is refused before anything runs, naming it and where it is."""
     model, _, lorsas, tcs = attribution_setup("llama")
-    lorsas[1] = lorsas[1].to("meta")
+    with pytest.raises(PlacementError, match=r"Lorsa for model.layers.1.self_attn.*meta"):  # the set refuses it
+        rm(model, {1: lorsas[1].to("meta")}, tcs)
+    model, _, lorsas, tcs = attribution_setup("llama")
+    bundle = rm(model, lorsas, tcs)
+    lorsas[1].to("meta")  # made meta after the set placed it: attribution refuses it before running
     with pytest.raises(PlacementError, match=r"Lorsa at layer 1 is on meta.*model is on cpu"):
-        attribute(rm(model, lorsas, tcs), IDS, batch_size=40)
+        attribute(bundle, IDS, batch_size=40)
     with pytest.raises(PlacementError, match="Lorsa at layer 1"):
-        estimate_memory(rm(model, lorsas, tcs), IDS)
+        estimate_memory(bundle, IDS)
 
 
 # ----------------------------------------------------------------------------------------------- dtypes
