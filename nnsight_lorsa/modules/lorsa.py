@@ -63,9 +63,10 @@ class PerHeadRMSNorm(nn.Module):
     ``w: (n_heads, d_head)``; computed in fp32 like transformers' ``LlamaRMSNorm`` (Qwen3 QK-norm).
     """
 
-    def __init__(self, n_heads: int, d_head: int, eps: float) -> None:
+    def __init__(self, n_heads: int, d_head: int, eps: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super(PerHeadRMSNorm, self).__init__()
-        self.w = nn.Parameter(torch.ones(n_heads, d_head))
+        self.w = nn.Parameter(torch.ones(n_heads, d_head, device=device, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: Float[torch.Tensor, "batch heads seq d"]) -> Float[torch.Tensor, "batch heads seq d"]:
@@ -155,8 +156,8 @@ class Lorsa(nn.Module):
         else:
             self.register_parameter("b_D", None)
         if cfg.qk_norm:
-            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
-            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
+            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
+            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
