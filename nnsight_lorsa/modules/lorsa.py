@@ -35,7 +35,7 @@ from torch import nn
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import ShapeError
+from ..errors import PlacementError, ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
 from .rotary import apply_rotary, rotary_cos_sin
@@ -44,15 +44,29 @@ if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights
 
 
+@torch.no_grad()
+def _normal_(w: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    """Fill ``w`` with ``N(0, std²)`` drawn on ``generator``'s device (the CPU without one) in ``w``'s
+    dtype, then copied: the same values whichever device ``w`` is on (``meta``: left unset)."""
+    if w.is_meta:
+        return
+    device = generator.device if generator is not None else torch.device("cpu")
+    if w.device == device:
+        w.normal_(0.0, std, generator=generator)
+    else:
+        w.copy_(torch.empty(w.shape, dtype=w.dtype, device=device).normal_(0.0, std, generator=generator))
+
+
 class PerHeadRMSNorm(nn.Module):
     """RMSNorm over the last dim of ``(batch, heads, seq, d_head)`` with a weight per head.
 
     ``w: (n_heads, d_head)``; computed in fp32 like transformers' ``LlamaRMSNorm`` (Qwen3 QK-norm).
     """
 
-    def __init__(self, n_heads: int, d_head: int, eps: float) -> None:
+    def __init__(self, n_heads: int, d_head: int, eps: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super(PerHeadRMSNorm, self).__init__()
-        self.w = nn.Parameter(torch.ones(n_heads, d_head))
+        self.w = nn.Parameter(torch.ones(n_heads, d_head, device=device, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: Float[torch.Tensor, "batch heads seq d"]) -> Float[torch.Tensor, "batch heads seq d"]:
@@ -142,8 +156,8 @@ class Lorsa(nn.Module):
         else:
             self.register_parameter("b_D", None)
         if cfg.qk_norm:
-            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
-            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps).to(**kw)
+            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
+            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -157,12 +171,17 @@ class Lorsa(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Random init as the reference implementation: xavier QK, N(0, 1/n_ov) W_V, unit-norm W_O."""
+        """Random init as the reference implementation: xavier QK, N(0, 1/n_ov) W_V, unit-norm W_O.
+
+        The draws are made on ``generator``'s device (the CPU's default generator without one) in the
+        parameters' dtype, then copied to the parameters' device: a Lorsa on CUDA gets the same init as
+        on the CPU. Parameters on ``meta`` are left unset.
+        """
         for w in (self.W_Q, self.W_K):
             fan = w.shape[1] + w.shape[2]
-            w.normal_(0.0, (2.0 / fan) ** 0.5, generator=generator)
-        self.W_V.normal_(0.0, self.cfg.n_ov_heads ** -0.5, generator=generator)
-        self.W_O.normal_(0.0, self.cfg.d_model ** -0.5, generator=generator)
+            _normal_(w, (2.0 / fan) ** 0.5, generator)
+        _normal_(self.W_V, self.cfg.n_ov_heads ** -0.5, generator)
+        _normal_(self.W_O, self.cfg.d_model ** -0.5, generator)
         for b in (self.b_Q, self.b_K, self.b_V):
             b.zero_()
         if self.b_D is not None:
@@ -179,9 +198,17 @@ class Lorsa(nn.Module):
         random rank-1 slice of head ``m``'s OV circuit, ``w_v = W_V^m u``, ``w_o ∝ u W_O^m``
         with ``u ~ N(0, I)``, then ``w_o`` is normalised (the norm moves into ``w_v``).
 
+        Devices and dtypes: the MHSA weights may be on any device and in any float dtype (e.g. the
+        model's bf16 weights on CUDA) and the Lorsa on another; the OV products are computed in fp32 on
+        the MHSA's device, one MHSA head at a time (no intermediate larger than ``1/n_heads`` of ``W_V``
+        in fp32), and written into the Lorsa's parameters in their device and dtype. ``u`` is drawn on
+        ``generator``'s device (the CPU's default generator without one), so the init does not depend
+        on where the Lorsa or the MHSA live.
+
         Raises:
             ShapeError: ``d_model``/``d_qk_head`` differ from the MHSA's, or ``n_qk_heads`` is
                 not a multiple of its head count.
+            PlacementError: the Lorsa's parameters or the MHSA weights are on ``meta`` (not materialised).
         """
         cfg = self.cfg
         n_heads, d_model, head_dim = mhsa.W_Q.shape
@@ -192,27 +219,37 @@ class Lorsa(nn.Module):
             )
         if cfg.n_qk_heads % n_heads:
             raise ShapeError(f"n_qk_heads ({cfg.n_qk_heads}) must be a multiple of the MHSA's {n_heads} heads")
+        if self.W_Q.is_meta:
+            raise PlacementError("Lorsa.init_from_mhsa: the Lorsa's parameters are on the meta device "
+                                 "(not materialised): build it on a real device, or call to_empty(device=…) first")
+        for name in ("W_Q", "W_K", "W_V", "W_O"):
+            if getattr(mhsa, name).is_meta:
+                raise PlacementError(f"Lorsa.init_from_mhsa: the MHSA weight {name} is on the meta device "
+                                     "(the model is not materialised yet: dispatch it first)")
         rep = cfg.n_qk_heads // n_heads
-        kv_rep = n_heads // mhsa.W_K.shape[0]
-        W_K = mhsa.W_K.repeat_interleave(kv_rep, 0)
-        b_K = mhsa.b_K.repeat_interleave(kv_rep, 0)
-        dev, dt = self.W_Q.device, self.W_Q.dtype
-        self.W_Q.copy_(mhsa.W_Q.repeat_interleave(rep, 0).to(dev, dt))
-        self.W_K.copy_(W_K.repeat_interleave(rep, 0).to(dev, dt))
-        self.b_Q.copy_(mhsa.b_Q.repeat_interleave(rep, 0).to(dev, dt))
-        self.b_K.copy_(b_K.repeat_interleave(rep, 0).to(dev, dt))
+        n_kv = mhsa.W_K.shape[0]
+        kv_rep = n_heads // n_kv
+        # QK: broadcast copies into views (n_heads | n_kv, copies, …): no repeated intermediate
+        self.W_Q.view(n_heads, rep, d_model, head_dim).copy_(mhsa.W_Q[:, None])
+        self.W_K.view(n_kv, kv_rep * rep, d_model, head_dim).copy_(mhsa.W_K[:, None])
+        self.b_Q.view(n_heads, rep, head_dim).copy_(mhsa.b_Q[:, None])
+        self.b_K.view(n_kv, kv_rep * rep, head_dim).copy_(mhsa.b_K[:, None])
         if cfg.qk_norm:
             if mhsa.q_norm is None or mhsa.k_norm is None:
                 raise ShapeError("Lorsa has qk_norm=True but the MHSA has no QK-norm weights")
-            self.ln_q.w.copy_(mhsa.q_norm.expand(n_heads, head_dim).repeat_interleave(rep, 0).to(dev, dt))
-            self.ln_k.w.copy_(mhsa.k_norm.expand(n_heads, head_dim).repeat_interleave(rep, 0).to(dev, dt))
-        W_V = mhsa.W_V.repeat_interleave(kv_rep, 0)  # (n_heads, d_model, head_dim)
-        mhsa_of_ov = torch.arange(cfg.n_ov_heads) // cfg.group_size // rep
-        u = torch.randn(cfg.n_ov_heads, head_dim, generator=generator, dtype=torch.float32)
-        w_v = torch.einsum("ndh,nh->nd", W_V[mhsa_of_ov].float(), u)
-        w_o = torch.einsum("nh,nhd->nd", u, mhsa.W_O[mhsa_of_ov].float())
-        self.W_V.copy_(w_v.to(dev, dt))
-        self.W_O.copy_(w_o.to(dev, dt))
+            self.ln_q.w.view(n_heads, rep, head_dim).copy_(mhsa.q_norm.expand(n_heads, head_dim)[:, None])
+            self.ln_k.w.view(n_heads, rep, head_dim).copy_(mhsa.k_norm.expand(n_heads, head_dim)[:, None])
+        # OV: the OV heads of MHSA head m are the contiguous block [m·per_head, (m+1)·per_head)
+        # (mhsa_of_ov = arange(n_ov) // G // rep); u drawn at once (as before: the same draws)
+        per_head = cfg.n_ov_heads // n_heads
+        where = mhsa.W_V.device
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        u = torch.randn(cfg.n_ov_heads, head_dim, generator=generator, dtype=torch.float32, device=gen_device)
+        for m in range(n_heads):
+            rows = slice(m * per_head, (m + 1) * per_head)
+            u_m = u[rows].to(where)
+            self.W_V[rows].copy_(u_m @ mhsa.W_V[m // kv_rep].float().T)   # w_v = W_V^m u: (per_head, d_model)
+            self.W_O[rows].copy_(u_m @ mhsa.W_O[m].float())                # w_o = u W_O^m
         self.b_V.zero_()
         self.normalize_decoder_()
 

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from .._typing import Int
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
+from ._placement import model_device
 from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"
@@ -93,7 +94,7 @@ def model_fingerprint(model: Any) -> dict[str, str]:
 
 def tokens_hash(tokens: torch.Tensor) -> str:
     """SHA-256 of a token tensor's int64 bytes and shape (identifies the dataset a cache was written from)."""
-    t = tokens.to(torch.int64).contiguous()
+    t = tokens.to("cpu", torch.int64).contiguous()
     h = hashlib.sha256(str(tuple(t.shape)).encode())
     h.update(t.numpy().tobytes())
     return h.hexdigest()
@@ -124,12 +125,17 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         dataset: the windows (``[BOS] + …``, as for :class:`~.activations.ActivationSource`).
         directory: created if needed; must not hold a cache already.
         batch_size: windows per trace. windows_per_shard: windows per safetensors file.
-        dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one).
+        dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one
+            of an fp32 model; a bf16 / fp16 model's activations are stored cast to it).
+
+    Devices: the model runs where it is (each batch of windows is moved to its device); the
+    activations are copied to the CPU and written there, and the cache reads back CPU tensors.
 
     Raises:
         ActivationCacheError: no sites, a reserved or unknown site, or ``directory`` already holds a cache.
     """
     named = _normalise_sites(sites)
+    device = model_device(model)
     if batch_size <= 0 or windows_per_shard <= 0:
         raise ActivationCacheError("batch_size and windows_per_shard must be positive")
     dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)
@@ -158,13 +164,13 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     shard_start = 0
     for start in range(0, len(dataset), batch_size):
         ids = tokens[start:start + batch_size]
-        values = read_sites(model, named, ids)
+        values = read_sites(model, named, ids.to(device))
         mask = _loss_mask(ids, dataset.targets(start, start + batch_size))
         n_loss += int(mask.sum())
         for name, v in values.items():
             widths.setdefault(name, int(v.shape[-1]))
             pending.setdefault(name, []).append(v.detach().to("cpu", dtype))
-        pending.setdefault("input_ids", []).append(ids.to(torch.int64))
+        pending.setdefault("input_ids", []).append(ids.to("cpu", torch.int64))
         pending.setdefault("loss_mask", []).append(mask)
         pending_n += ids.shape[0]
         if pending_n >= windows_per_shard:

@@ -31,6 +31,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
+from ._placement import model_device
 from .activation_cache import ActivationCache
 from .dataset import TokenDataset, _loss_mask, _window_ids
 
@@ -70,6 +71,11 @@ class ActivationSource:
         dataset: the :class:`TokenDataset` (live); ignored for a cache, which holds its own windows.
         batch_size: windows per batch. seed: shuffling seed.
         positions: a ``"positions"`` site to read into :attr:`Batch.positions` (live only).
+
+    Devices and dtypes: a live source runs the model where it is (the windows are moved to the
+    model's device) and returns ``x`` / ``y`` / ``positions`` on the model's device in its dtype, the
+    ``loss_mask`` on the CPU; a cached source returns CPU tensors in the cache's storage dtype. The
+    :class:`~.trainer.Trainer` moves every batch to the trained module's device and dtype.
 
     The constructors :meth:`attention`, :meth:`transcoder`, :meth:`sae` and :meth:`clt` name the
     sites of each module kind; on a cache they need ``adapter=`` (the model's
@@ -195,17 +201,19 @@ class ActivationSource:
     def read(self, input_ids: Int[torch.Tensor, "batch pos"], target_mask: torch.Tensor | None = None) -> Batch:
         """The batch of these sites on the token windows ``input_ids`` (live sources only);
         ``target_mask`` ``(batch, pos)`` bool: the positions that count (default all but BOS), as
-        :attr:`~.dataset.TokenDataset.target_mask`.
+        :attr:`~.dataset.TokenDataset.target_mask`. ``input_ids`` may be on any device (moved to the
+        model's); the batch's activations are on the model's device, its ``loss_mask`` on ``input_ids``'.
 
         Raises:
             ActivationCacheError: a cached source.
+            PlacementError: the model is on the meta device (not dispatched).
         """
         if self.cache is not None:
             raise ActivationCacheError("a cached source reads its own windows: call source(index)")
         sites = {f"s{i}": s for i, s in enumerate(dict.fromkeys((*self.x_sites, *self.y_sites)))}
         if self.positions_site is not None:
             sites["positions"] = self.positions_site
-        got = read_sites(self.data, sites, input_ids, adapter=self.adapter)
+        got = read_sites(self.data, sites, input_ids.to(model_device(self.data)), adapter=self.adapter)
         values = {s: got[name] for name, s in sites.items()}
         positions = got["positions"] if self.positions_site is not None else None
         return self._assemble(values, _loss_mask(input_ids, target_mask), positions)

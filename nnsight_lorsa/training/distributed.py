@@ -24,7 +24,9 @@ callable yielding stacked CLT batches must shard itself). What makes the result 
 
 Not identical: BatchTopK picks its ``k · n`` activations per rank (its batch is the shard), and
 the logged metrics (FVU, L0, …) are rank-local. Save checkpoints from one rank (all hold the same
-state). Needs torch only (plus the trainer's own imports).
+state). Devices: the collectives run where the backend needs them (NCCL: the current CUDA device;
+gloo and others: the CPU), whatever device the module and the combined tensors are on; results come
+back on the inputs' devices. Needs torch only (plus the trainer's own imports).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class DataParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed.init_process_group(...) first")
         self.group = process_group
+        #: where the collectives' tensors go: NCCL reduces CUDA tensors only, gloo (and the rest) CPU ones
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend(process_group) == "nccl" else torch.device("cpu"))
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.trainer = trainer
@@ -102,26 +107,31 @@ class DataParallel:
         trainer.dist = self
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
-        return t
+        """``t`` reduced over the ranks, on ``t``'s device (reduced on :attr:`device`)."""
+        buf = t.to(self.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
+        return buf.to(t.device)
+
+    def _count(self, n: int) -> int:
+        """``Σ_ranks n``."""
+        return int(self._all_reduce(torch.tensor([n], dtype=torch.long, device=self.device)))
 
     def combine_firing(self, fired: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, int]:
         """``(fired on any rank, tokens on all ranks)`` for the dead-latent counters."""
         f = self._all_reduce(fired.to(torch.int32), dist.ReduceOp.MAX)
-        n = self._all_reduce(torch.tensor([n_tokens], dtype=torch.long))
-        return f.bool(), int(n)
+        return f.bool(), self._count(n_tokens)
 
     def combine_counts(self, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics."""
         c = self._all_reduce(counts.to(torch.float64))
         z = self._all_reduce(z_max.detach().clone(), dist.ReduceOp.MAX)
-        n = self._all_reduce(torch.tensor([n_tokens], dtype=torch.long))
-        return c, z, int(n)
+        return c, z, self._count(n_tokens)
 
     def global_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch."""
-        t = torch.stack([total.detach().to(torch.float64).reshape(()), torch.tensor(float(count), dtype=torch.float64)])
+        t = torch.stack([total.detach().to(torch.float64).reshape(()),
+                         torch.tensor(float(count), dtype=torch.float64, device=total.device)])
         t = self._all_reduce(t)
         return (t[0] / t[1]).to(total.dtype)
 
@@ -131,6 +141,6 @@ class DataParallel:
         batch = self.source(step)
         mask = getattr(batch, "loss_mask", None)
         n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
-        n_global = int(self._all_reduce(torch.tensor([n_local], dtype=torch.long)))
+        n_global = self._count(n_local)
         loss, metrics = self.ddp(batch)
         return loss * (n_local * self.world_size / max(1, n_global)), metrics

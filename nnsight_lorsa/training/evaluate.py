@@ -24,6 +24,7 @@ from ..envoy.clt_set import CLTSet
 from ..envoy.lorsa_set import LorsaSet
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
+from ._placement import model_device
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator
 
@@ -82,16 +83,18 @@ def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _ce(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[float, int]:
-    """Summed next-token CE over the counted predictions and their count."""
+    """Summed next-token CE over the counted predictions and their count (fp32, on the logits' device)."""
+    ids = ids.to(logits.device)
     keep = _predicted(mask, ids)
     lp = F.cross_entropy(logits[:, :-1][keep].float(), ids[:, 1:][keep], reduction="sum")
     return float(lp), int(keep.sum())
 
 
 def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> float:
-    """Summed KL(p ‖ q) over the counted predicting positions (``keep`` over ``[:, :-1]``)."""
+    """Summed KL(p ‖ q) over the counted predicting positions (``keep`` over ``[:, :-1]``), in fp32."""
+    keep = keep.to(logits_p.device)
     lp = logits_p[:, :-1][keep].float().log_softmax(-1)
-    lq = logits_q[:, :-1][keep].float().log_softmax(-1)
+    lq = logits_q[:, :-1][keep.to(logits_q.device)].float().log_softmax(-1).to(lp.device)
     return float((lp.exp() * (lp - lq)).sum())
 
 
@@ -107,7 +110,7 @@ class _SiteProbe:
         self.acc = FVUAccumulator()
         self.shrinkage = ShrinkageAccumulator(n_latents)
         self.l0_sum, self.l0_n = 0.0, 0
-        self.fired = torch.zeros(n_latents, dtype=torch.bool)
+        self.fired = torch.zeros(n_latents, dtype=torch.bool, device="cpu")  # host-side
 
     def read(self) -> None:
         self.target = nnsight.save(self.value(self.model.get(self.path).output))
@@ -123,12 +126,17 @@ class _SiteProbe:
 
     def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         keep = _loss_mask(ids, mask)
-        self.acc.update(self.target[keep].float(), self.out[keep].float())
-        self.shrinkage.update(self.target[keep], self.out[keep], self.z[keep])
-        active = self.z[keep] > 0
+        # the true value on the model's device, the module's output and features on the module's:
+        # compared on the model's device in fp32 (the accumulators' own precision is fp64)
+        target = self.target[keep.to(self.target.device)]
+        out = self.out[keep.to(self.out.device)].to(target.device)
+        z = self.z[keep.to(self.z.device)]
+        self.acc.update(target.float(), out.float())
+        self.shrinkage.update(target, out, z)
+        active = z > 0
         self.l0_sum += float(active.sum())
         self.l0_n += active.shape[0]
-        self.fired |= active.any(0)
+        self.fired |= active.any(0).cpu()
 
     def result(self) -> tuple[Any, Any, Any]:
         return self.acc.value(), self.l0_sum / max(self.l0_n, 1), float((~self.fired).float().mean())
@@ -143,9 +151,9 @@ class _CLTProbe:
         n = self.clt.n_layers
         self.paths = [self.adapter.mlp_path(layer) for layer in range(n)]
         self.accs = [FVUAccumulator() for _ in range(n)]
-        self.l0_sum = torch.zeros(n, dtype=torch.float64)
+        self.l0_sum = torch.zeros(n, dtype=torch.float64, device="cpu")  # host-side
         self.n_kept = 0
-        self.fired = torch.zeros(n, self.clt.cfg.d_sae, dtype=torch.bool)
+        self.fired = torch.zeros(n, self.clt.cfg.d_sae, dtype=torch.bool, device="cpu")
 
     def read(self) -> None:
         self.xs: list[Any] = []
@@ -168,16 +176,17 @@ class _CLTProbe:
     def measure(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         xs, ys, clt = self.xs, self.ys, self.clt
         keep = _loss_mask(ids, mask)
-        x = torch.stack([t[keep] for t in xs]).to(clt.W_enc.dtype)
-        y = torch.stack([t[keep] for t in ys]).to(clt.W_enc.dtype)
+        dev = clt.W_enc.device  # the CLT runs on its device in its dtype; FVU against y in fp32 there
+        x = torch.stack([t[keep.to(t.device)].to(dev) for t in xs]).to(clt.W_enc.dtype)
+        y = torch.stack([t[keep.to(t.device)].to(dev) for t in ys])
         acts = clt.encode(x)
         recon = clt.decode(acts, x)
         for layer, acc in enumerate(self.accs):
             acc.update(y[layer].float(), recon[layer].float())
         active = acts > 0
-        self.l0_sum += active.sum((1, 2)).double()
+        self.l0_sum += active.sum((1, 2)).double().cpu()
         self.n_kept += x.shape[1]
-        self.fired |= active.any(1)
+        self.fired |= active.any(1).cpu()
 
     def result(self) -> tuple[Any, Any, Any]:
         return ([a.value() for a in self.accs], [float(v) / max(self.n_kept, 1) for v in self.l0_sum],
@@ -231,12 +240,19 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
             positions (padding counts nowhere); BOS (column 0) is excluded from FVU / L0 / dead.
         at: the layer (Lorsa, transcoder) or module path (SAE) to evaluate; default: the set's only one.
 
+    Devices and dtypes: the model may be on any device in any float dtype and the module on its own
+    device and dtype (e.g. an fp32 module on a bf16 model); the token windows are moved to the
+    model's device, and CE, KL and FVU are computed in fp32 (FVU and the shrinkage metrics
+    accumulated in fp64). The result holds Python floats.
+
     Raises:
         ValueError: ``at`` missing while the set holds several modules, or given for a CLT.
         TypeError: not one of these sets.
+        PlacementError: the model is on the meta device (not dispatched).
     """
     probe = _probe(replacements, at)
     model = replacements.model
+    device = model_device(model)
     lm_head_path = replacements.adapter.lm_head_path
     sums = {"orig": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
     n_tok = 0
@@ -244,7 +260,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     for i in range(n_batches):
-        ids = dataset.tokens[i * batch_size:(i + 1) * batch_size]
+        ids = dataset.tokens[i * batch_size:(i + 1) * batch_size].to(device)
         lm_head = model.get(lm_head_path)
         with model.trace(ids, use_cache=False):
             probe.read()

@@ -67,7 +67,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import CheckpointError, ConfigMismatchError
-from ..modules.lorsa import Lorsa
+from ..modules.lorsa import Lorsa, _normal_
+from ._placement import f32
 
 if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights
@@ -155,13 +156,14 @@ def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> 
 class HeadBalance:
     """State of the ``"balance"`` remedy (module docstring): per-head log-gains and firing-rate EMA.
 
-    ``log_gain, freq``: ``(n_ov,)`` float32; ``at_stop``: the log-gains when the remedy stopped
-    (the decay starts from them), or None. Saved in checkpoints as lists (:meth:`to_dict`).
+    ``log_gain, freq``: ``(n_ov,)`` float32, host-side on the CPU whatever the Lorsa's device (moved
+    to it where used); ``at_stop``: the log-gains when the remedy stopped (the decay starts from them),
+    or None. Saved in checkpoints as lists (:meth:`to_dict`).
     """
 
     def __init__(self, n_ov: int, top_k: int) -> None:
-        self.log_gain = torch.zeros(n_ov)
-        self.freq = torch.full((n_ov,), top_k / n_ov)
+        self.log_gain = torch.zeros(n_ov, device="cpu")
+        self.freq = torch.full((n_ov,), top_k / n_ov, device="cpu")
         self.at_stop: torch.Tensor | None = None
 
     def gain(self) -> torch.Tensor:
@@ -199,9 +201,10 @@ class HeadBalance:
         """Rebuild from :meth:`to_dict`; raises CheckpointError naming ``where`` if it does not fit."""
         out = cls(n_ov, top_k)
         try:
-            out.log_gain = torch.tensor(d["log_gain"], dtype=torch.float32)
-            out.freq = torch.tensor(d["freq"], dtype=torch.float32)
-            out.at_stop = None if d.get("at_stop") is None else torch.tensor(d["at_stop"], dtype=torch.float32)
+            out.log_gain = torch.tensor(d["log_gain"], dtype=torch.float32, device="cpu")
+            out.freq = torch.tensor(d["freq"], dtype=torch.float32, device="cpu")
+            out.at_stop = None if d.get("at_stop") is None else torch.tensor(d["at_stop"], dtype=torch.float32,
+                                                                                device="cpu")
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: head_balance is malformed ({e})") from None
         for t in (out.log_gain, out.freq, out.at_stop):
@@ -223,33 +226,35 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, loss_mask: torch.
              mode: str, generator: torch.Generator | None, positions: torch.Tensor | None = None,
              attn_mask: torch.Tensor | None = None) -> None:
     """OV by ``mode`` (``"value_svd"`` / ``"output_svd"``) in the normalised space, from the ``loss_mask``
-    tokens of ``x (b, s, d)``."""
+    tokens of ``x (b, s, d)`` (on the Lorsa's device). Computed in fp32 on ``x``'s device one MHSA
+    head at a time (the MHSA weights of that head moved there), each head's ``w_v, w_o`` written into
+    the Lorsa's rows directly; ``c`` drawn on ``generator``'s device (the CPU without one)."""
     cfg = lorsa.cfg
     n_heads = mhsa.n_heads
     rep = cfg.n_qk_heads // n_heads
     per_head = cfg.n_ov_heads // n_heads
     kv_rep = n_heads // mhsa.W_K.shape[0]
-    W_V = mhsa.W_V.repeat_interleave(kv_rep, 0).float() / s_in           # acts on x·s_in
-    W_O = mhsa.W_O.float() * s_out                                       # writes y·s_out
+    where = x.device
+    gen_device = generator.device if generator is not None else torch.device("cpu")
     xf = x[loss_mask].float()                                            # the counted tokens only
-    new_v, new_o = [], []
     for m in range(n_heads):
-        ov = W_V[m] @ W_O[m]                                             # (d_model, d_model)
-        c = torch.randn(per_head, cfg.d_qk_head, generator=generator)
+        W_V = mhsa.W_V[m // kv_rep].to(where, torch.float32) / s_in      # acts on x·s_in
+        W_O = mhsa.W_O[m].to(where, torch.float32) * s_out               # writes y·s_out
+        ov = W_V @ W_O                                                   # (d_model, d_model)
+        c = torch.randn(per_head, cfg.d_qk_head, generator=generator, device=gen_device).to(where)
         if mode == "value_svd":
-            basis = _principal_directions(xf @ W_V[m] @ W_V[m].T, cfg.d_qk_head)
+            basis = _principal_directions(xf @ W_V @ W_V.T, cfg.d_qk_head)
             w_v = c @ basis
             w_o = w_v @ ov
         else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
-            pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0]   # (b, s, s)
-            out = (pattern @ (x.float() @ W_V[m])) @ W_O[m]
+            pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0].float()   # (b, s, s)
+            out = (pattern @ (x.float() @ W_V)) @ W_O
             basis = _principal_directions(out[loss_mask], cfg.d_qk_head)
             w_o = c @ basis
             w_v = w_o @ ov.T
-        new_v.append(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
-        new_o.append(w_o / w_o.norm(dim=1, keepdim=True).clamp_min(1e-12))
-    lorsa.W_V.copy_(torch.cat(new_v).to(lorsa.W_V))
-    lorsa.W_O.copy_(torch.cat(new_o).to(lorsa.W_O))
+        rows = slice(m * per_head, (m + 1) * per_head)
+        lorsa.W_V[rows].copy_(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        lorsa.W_O[rows].copy_(w_o / w_o.norm(dim=1, keepdim=True).clamp_min(1e-12))
     lorsa.b_V.zero_()
 
 
@@ -262,12 +267,14 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
 
     Args:
         lorsa: the Lorsa to initialise in place (it acts on ``x · s_in`` and writes ``y · s_out``).
-        x, y: ``(batch, pos, d_model)`` raw attention input / output of one batch.
+        x, y: ``(batch, pos, d_model)`` raw attention input / output of one batch (any device and float
+            dtype: moved to the Lorsa's device and cast to its dtype; the fits are computed in fp32 / fp64).
         loss_mask: ``(batch, pos)`` bool, the tokens that count (BOS and padding excluded).
         s_in, s_out: the trainer's dataset-norm factors. mhsa: the layer's MHSA (None: QK and OV
             keep their random init). recipe: the settings (default :class:`LorsaRecipe`).
         top_k: the k in force at step 0 (k annealing), default ``cfg.top_k``.
         positions, attn_mask: the batch's RoPE positions and key-padding mask (as for the Lorsa forward).
+        generator: the random draws' generator (its device; default the CPU's): the same init on every device.
 
     Returns:
         ``{"scale": c, "fvu_init": FVU on the batch after the initialisation}``.
@@ -283,8 +290,12 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
             positions = positions[:n]
         if attn_mask is not None:
             attn_mask = attn_mask[:n]
-    xn = x.to(lorsa.W_O.dtype) * s_in
-    yn = y.to(lorsa.W_O.dtype) * s_out
+    dev, dt = lorsa.W_O.device, lorsa.W_O.dtype
+    loss_mask = loss_mask.to(dev)
+    positions = None if positions is None else positions.to(dev)
+    attn_mask = None if attn_mask is None else attn_mask.to(dev)
+    xn = x.to(dev, dt) * s_in
+    yn = y.to(dev, dt) * s_out
     if mhsa is not None:
         lorsa.init_from_mhsa(mhsa, generator=generator)
         for w in (lorsa.W_Q, lorsa.W_K, lorsa.W_V):
@@ -292,8 +303,8 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
         if recipe.ov_init in ("value_svd", "output_svd"):
             _init_ov(lorsa, mhsa, xn, loss_mask, s_in, s_out, recipe.ov_init, generator, positions, attn_mask)
         elif recipe.ov_init == "random":
-            lorsa.W_V.normal_(0.0, lorsa.cfg.n_ov_heads ** -0.5, generator=generator)
-            lorsa.W_O.normal_(0.0, lorsa.cfg.d_model ** -0.5, generator=generator)
+            _normal_(lorsa.W_V, lorsa.cfg.n_ov_heads ** -0.5, generator)
+            _normal_(lorsa.W_O, lorsa.cfg.d_model ** -0.5, generator)
             lorsa.b_V.zero_()
         lorsa.normalize_decoder_()
     if recipe.center_b_v:
@@ -319,9 +330,10 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
         if fit_bias:
             assert lorsa.b_D is not None
             lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))
-    out = lorsa(xn, positions, attn_mask, top_k=top_k)
-    err = (yn - out)[loss_mask]
-    fvu0 = float(err.pow(2).sum() / (yn[loss_mask] - yn[loss_mask].mean(0)).pow(2).sum().clamp_min(1e-30))
+    out = f32(lorsa(xn, positions, attn_mask, top_k=top_k))
+    yf = f32(yn)
+    err = (yf - out)[loss_mask]
+    fvu0 = float(err.pow(2).sum() / (yf[loss_mask] - yf[loss_mask].mean(0)).pow(2).sum().clamp_min(1e-30))
     return {"scale": scale, "fvu_init": fvu0}
 
 
@@ -377,7 +389,9 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     """Re-initialise the ``dead (n_ov,)`` heads toward high-error tokens of one batch (module docstring).
 
     ``x (b, s, d)`` the training-space input, ``err (b, s, d)`` the error ``y − ŷ`` (training space),
-    ``loss_mask (b, s)``. Returns the indices of the re-initialised heads.
+    ``loss_mask (b, s)`` (all on the Lorsa's device). The tokens are drawn on ``generator``'s device
+    (the CPU without one), so the draw does not depend on the Lorsa's. Returns the indices of the
+    re-initialised heads.
     """
     idx = dead.nonzero().flatten()
     if idx.numel() == 0:
@@ -387,10 +401,12 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     weights = e.pow(2).sum(-1)
     if not bool(torch.isfinite(weights).all()) or float(weights.sum()) <= 0:
         return idx[:0]
-    pick = torch.multinomial(weights / weights.sum(), idx.numel(), replacement=True, generator=generator)
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    pick = torch.multinomial((weights / weights.sum()).to(gen_device), idx.numel(), replacement=True,
+                             generator=generator).to(weights.device)
     groups = idx // lorsa.cfg.group_size
     pattern = lorsa.attention_pattern(x)                                  # (b, n_qk, s, s)
-    xbar = pattern @ x[:, None].float()                                   # (b, n_qk, s, d): attended input
+    xbar = pattern.float() @ x[:, None].float()                                  # (b, n_qk, s, d): attended input
     mu = (xbar * loss_mask[:, None, :, None]).sum((0, 2)) / loss_mask.sum()   # (n_qk, d): mean over tokens
     b_i, s_i = pos[pick, 0], pos[pick, 1]
     dirs = xbar[b_i, groups, s_i] - mu[groups]                           # (n_dead, d)

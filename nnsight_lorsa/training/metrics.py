@@ -12,7 +12,14 @@ from .._typing import Float
 
 
 def fvu(y: Float[torch.Tensor, "n d"], y_hat: Float[torch.Tensor, "n d"]) -> torch.Tensor:
-    """Fraction of variance unexplained over rows (a scalar tensor); 1.0 predicts the mean."""
+    """Fraction of variance unexplained over rows (a scalar tensor); 1.0 predicts the mean.
+
+    Computed in (at least) fp32 on ``y``'s device (``y_hat`` is moved there): bf16 / fp16 inputs
+    are upcast first.
+    """
+    if y.dtype not in (torch.float32, torch.float64):
+        y = y.float()
+    y_hat = y_hat.to(device=y.device, dtype=y.dtype)
     resid = (y - y_hat).pow(2).sum()
     total = (y - y.mean(0, keepdim=True)).pow(2).sum().clamp_min(1e-30)
     return resid / total
@@ -57,7 +64,7 @@ class ShrinkageAccumulator:
     def __init__(self, n_latents: int) -> None:
         self.n = 0
         self.sums = {"l2_norm_in": 0.0, "l2_norm_out": 0.0, "l2_ratio": 0.0, "out_sq": 0.0, "dot": 0.0}
-        self.fires = torch.zeros(n_latents, dtype=torch.float64)
+        self.fires = torch.zeros(n_latents, dtype=torch.float64, device="cpu")  # host-side counts
 
     def update(self, y: Float[torch.Tensor, "n d"], y_hat: Float[torch.Tensor, "n d"],
                acts: Float[torch.Tensor, "n f"]) -> None:

@@ -41,6 +41,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from ._placement import f32, to_module
 from .activations import Batch
 from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
@@ -70,10 +71,11 @@ class _Objective:
     def estimate_norms(self, t: Any) -> None:
         """Set ``t.s_in`` / ``t.s_out`` from the first ``norm_batches`` batches of ``t.source``."""
         norms_x, norms_y = [], []
-        for i in range(t.config.norm_batches):
+        for i in range(t.config.norm_batches):  # in fp32 on the activations' device
             b = t.source(i)
-            norms_x.append(b.x[b.loss_mask].norm(dim=-1))
-            norms_y.append(b.y[b.loss_mask].norm(dim=-1))
+            mask = b.loss_mask.to(b.x.device)
+            norms_x.append(f32(b.x[mask]).norm(dim=-1))
+            norms_y.append(f32(b.y[mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
         t.s_in = math.sqrt(b.x.shape[-1]) / float(torch.cat(norms_x).mean())
         t.s_out = math.sqrt(b.y.shape[-1]) / float(torch.cat(norms_y).mean())
 
@@ -145,7 +147,8 @@ class _LorsaObjective(_Objective):
         return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
 
     def after_norms(self, t: Any) -> None:
-        b = t.source(0)
+        lorsa = self.module
+        b = to_module(t.source(0), lorsa.W_O.device, lorsa.W_O.dtype)
         self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
                                     mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
                                     positions=b.positions, attn_mask=b.attn_mask)
@@ -166,7 +169,7 @@ class _LorsaObjective(_Objective):
             self._fired = None
         if self._resample is not None:
             x, err, mask, dead = self._resample
-            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(t.step))
+            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step))
         self._last = self._resample = None
         if moved is not None and moved.numel():
             for p in (lorsa.W_V, lorsa.b_V, lorsa.W_O):  # fresh Adam moments for those heads
@@ -199,8 +202,9 @@ class _LorsaObjective(_Objective):
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe
-        x = batch.x.to(lorsa.W_O.dtype) * t.s_in
-        y = batch.y.to(lorsa.W_O.dtype) * t.s_out
+        batch = to_module(batch, lorsa.W_O.device, lorsa.W_O.dtype)
+        x = batch.x * t.s_in
+        y = batch.y * t.s_out
         k = self.top_k(t)
         z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
         gain = self.selection_gain()
@@ -211,12 +215,12 @@ class _LorsaObjective(_Objective):
             z, _ = lorsa.activation(z_pre, k)
         out = lorsa.decode(z)
         mask = batch.loss_mask
-        err = (y - out)[mask]
+        err = (f32(y) - f32(out))[mask]                                   # the loss in fp32
         mse = err.pow(2).sum(-1).mean()
         loss = mse
         active = z[mask] > 0
         dead = t.count_fired(active.any(0), int(mask.sum()))
-        aux = torch.zeros((), dtype=mse.dtype)
+        aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         remedy = recipe.dead_remedy if t.step < recipe.remedy_until * t.config.total_steps else "none"
         if remedy == "auxk":
             aux = t.aux_k_loss(z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
@@ -280,18 +284,18 @@ def _sparsity_terms(t: Any, act: torch.nn.Module, pre: torch.Tensor, acts: torch
     ``sparsity`` are the unweighted terms (zero where they do not apply).
     """
     config = t.config
-    sparsity = torch.zeros((), dtype=pre.dtype)
-    aux = torch.zeros((), dtype=pre.dtype)
+    sparsity = torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
+    aux = torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
     penalty: torch.Tensor | None = None
     if isinstance(act, (TopK, BatchTopK)):
         aux = t.aux_k_loss(pre, dead, err, W_dec, 2 * act.k)
         if config.aux_k_coef > 0 and dead.any():
             penalty = config.aux_k_coef * aux
     elif isinstance(act, JumpReLU):
-        sparsity = act.l0(pre).mean()
+        sparsity = f32(act.l0(pre)).mean()
         penalty = config.l0_coef * sparsity
     else:  # ReLU + decoder-norm-weighted L1
-        sparsity = (acts * W_dec.norm(dim=-1)).sum(-1).mean()
+        sparsity = f32(acts * W_dec.norm(dim=-1)).sum(-1).mean()
         penalty = config.l1_coef * sparsity
     return penalty, aux, sparsity
 
@@ -372,9 +376,10 @@ class _SparseCoderObjective(_DictionaryObjective):
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         coder = self.module
+        batch = to_module(batch, coder.W_dec.device, coder.W_dec.dtype)
         mask = batch.loss_mask
-        x = batch.x[mask].to(coder.W_dec.dtype) * t.s_in
-        y = batch.y[mask].to(coder.W_dec.dtype) * t.s_out
+        x = batch.x[mask] * t.s_in
+        y = batch.y[mask] * t.s_out
         if t.config.sparse_kernels and coder.supports_sparse:
             return self._sparse_loss(t, x, y)
         pre = affine(coder.encoder_input(x), coder.W_enc, coder.b_enc)
@@ -390,10 +395,11 @@ class _SparseCoderObjective(_DictionaryObjective):
 
     def _reconstruction(self, x: torch.Tensor, y: torch.Tensor, decoded: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(output, error, MSE)``: the decoded features plus the skip path, against the target ``y``."""
+        """``(output, error, MSE)``: the decoded features plus the skip path, against the target ``y``
+        (error and MSE in fp32)."""
         skip = self.module.skip(x)
         out = decoded if skip is None else decoded + skip
-        err = y - out
+        err = f32(y) - f32(out)
         return out, err, err.pow(2).sum(-1).mean()
 
     def _sparse_loss(self, t: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
@@ -404,7 +410,7 @@ class _SparseCoderObjective(_DictionaryObjective):
         loss = mse
         dead = t.count_fired(acts.fired(), x.shape[0])
         act: Any = coder.activation
-        aux = torch.zeros((), dtype=mse.dtype)
+        aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         if dead.any() and t.config.aux_k_coef > 0:
             # AuxK (as Trainer.aux_k_loss): the dead latents' top-k_aux reconstruct the error
             k_aux = min(t.config.aux_k or 2 * act.k, int(dead.sum()))
@@ -415,10 +421,10 @@ class _SparseCoderObjective(_DictionaryObjective):
             vals = gathered_preact(coder.encoder_input(x), coder.W_enc, coder.b_enc, rows, cols, offsets, pre).relu()
             z_aux = SparseActs(rows=rows, cols=cols, vals=vals, offsets=offsets, d_sae=coder.cfg.d_sae)
             e = err.detach()
-            aux = ((sparse_decode(z_aux, coder.W_dec) - e).pow(2).sum(-1).mean()
+            aux = ((f32(sparse_decode(z_aux, coder.W_dec)) - e).pow(2).sum(-1).mean()
                    / t.batch_mean(e.pow(2).sum(-1)).clamp_min(1e-12))
             loss = loss + t.config.aux_k_coef * aux
-        return loss, _step_metrics(loss, mse, y, out, acts.l0(), dead, aux, torch.zeros(()))
+        return loss, _step_metrics(loss, mse, y, out, acts.l0(), dead, aux, torch.zeros((), device=mse.device))
 
     @torch.no_grad()
     def fold(self, t: Any) -> SparseCoder:
@@ -482,11 +488,12 @@ class _CLTObjective(_DictionaryObjective):
     @torch.no_grad()
     def estimate_norms(self, t: Any) -> None:
         norms_x, norms_y = [], []
-        for i in range(t.config.norm_batches):
+        for i in range(t.config.norm_batches):  # in fp32 on the activations' device
             b = t.source(i)
             self.check_batch(b)
-            norms_x.append(b.x[:, b.loss_mask].norm(dim=-1))
-            norms_y.append(b.y[:, b.loss_mask].norm(dim=-1))
+            mask = b.loss_mask.to(b.x.device)
+            norms_x.append(f32(b.x[:, mask]).norm(dim=-1))
+            norms_y.append(f32(b.y[:, mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
         root_d = math.sqrt(self.module.cfg.d_in)
         t.s_in_layers = [root_d / float(v) for v in torch.cat(norms_x, 1).mean(1)]
         t.s_out_layers = [root_d / float(v) for v in torch.cat(norms_y, 1).mean(1)]
@@ -494,33 +501,35 @@ class _CLTObjective(_DictionaryObjective):
         t.s_out = sum(t.s_out_layers) / len(t.s_out_layers)
 
     @staticmethod
-    def _scales(t: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scales(t: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s_in, s_out)`` per layer, ``(n_layers, 1, 1)`` in ``like``'s dtype on its device."""
         if t.s_in_layers is None or t.s_out_layers is None:
             raise RuntimeError("norms are not estimated yet: train first")
-        return (torch.tensor(t.s_in_layers, dtype=dtype)[:, None, None],
-                torch.tensor(t.s_out_layers, dtype=dtype)[:, None, None])
+        kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
+        return (torch.tensor(t.s_in_layers, **kw)[:, None, None],
+                torch.tensor(t.s_out_layers, **kw)[:, None, None])
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """``mse`` / ``aux`` / ``sparsity`` summed over layers, ``fvu`` / ``l0`` their means (per layer as
         ``fvu_{l}`` / ``l0_{l}``), ``dead_frac`` over all ``n_layers · d_sae`` features."""
         self.check_batch(batch)
         clt = self.module
-        dtype = clt.W_enc.dtype
-        s_in, s_out = self._scales(t, dtype)
+        batch = to_module(batch, clt.W_enc.device, clt.W_enc.dtype)
+        s_in, s_out = self._scales(t, clt.W_enc)
         mask = batch.loss_mask
-        x = batch.x[:, mask].to(dtype) * s_in                        # (n_layers, n, d_model)
-        y = batch.y[:, mask].to(dtype) * s_out
+        x = batch.x[:, mask] * s_in                                  # (n_layers, n, d_model)
+        y = batch.y[:, mask] * s_out
         n_layers, n_tok = x.shape[0], x.shape[1]
         pres = [affine(x[layer], clt.W_enc[layer], clt.b_enc[layer]) for layer in range(n_layers)]
         acts = torch.stack([clt.activation[layer](pres[layer]) for layer in range(n_layers)])
         out = clt.decode(acts, x)
-        err = y - out
+        err = f32(y) - f32(out)                                      # the loss in fp32
         mse = err.pow(2).sum(-1).mean(-1).sum()
         loss = mse
         active = acts > 0
         dead = t.count_fired(active.any(1).reshape(-1), n_tok).view(n_layers, -1)
-        aux = torch.zeros((), dtype=mse.dtype)
-        sparsity = torch.zeros((), dtype=mse.dtype)
+        aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
+        sparsity = torch.zeros((), dtype=mse.dtype, device=mse.device)
         for layer in range(n_layers):
             # a source layer's features write to layers layer..n_layers-1: decoder and error over all of them
             err_l = err[layer:].transpose(0, 1).reshape(n_tok, -1)
@@ -564,7 +573,7 @@ class _CLTObjective(_DictionaryObjective):
         """``ŷ_raw_l' = ŷ_l'(x · s_in) / s_out[l']`` (eval mode): ``W_enc[l] *= s_in[l]`` (the same
         features fire with the same values, so thresholds stay valid), ``W_dec_l[:, l' − l] /= s_out[l']``,
         ``b_dec[l] /= s_out[l]``, ``W_skip[l] *= s_in[l] / s_out[l]``; decoder rows are not renormalised."""
-        s_in, s_out = self._scales(t, self.module.W_enc.dtype)
+        s_in, s_out = self._scales(t, self.module.W_enc)
         out = copy.deepcopy(self.module).eval()
         out.W_enc.mul_(s_in)
         for layer in range(out.n_layers):

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ArgumentError, CheckpointError
 from ._checkpoint_io import verified_checkpoint, write_checkpoint
+from ._placement import f32, module_placement
 from .activations import Batch
 from .lorsa_recipe import LorsaRecipe
 from .objectives import _objective_class, _objective_for
@@ -93,10 +94,17 @@ class Trainer:
     Attributes:
         step: steps taken. s_in, s_out: the scale factors (None before the first step; a CLT's are
             the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
-        tokens_since_fired: ``(n_latents,)`` int64 dead counters.
+        tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
+
+    Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype, the model
+    that produced the activations on another device and in another dtype (e.g. a bf16 model on CUDA
+    with an fp32 module): every batch is moved to the module's device and cast to its dtype at the
+    module boundary, losses and logged metrics are computed in fp32, and an MHSA given as ``mhsa``
+    may live where the model does.
 
     Raises:
-        TypeError: another module type. ConfigMismatchError: a CLT whose layer count / width differs
+        TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
+            on several devices. ConfigMismatchError: a CLT whose layer count / width differs
             from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
             first step) a batch that does not fit.
@@ -104,6 +112,7 @@ class Trainer:
 
     def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
                  mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> None:
+        device, _ = module_placement(module)
         self.objective = _objective_for(module, mhsa, lorsa_recipe)
         self.objective.check_source(source)
         self.module = module
@@ -114,7 +123,7 @@ class Trainer:
         self.s_out: float | None = None
         self.s_in_layers: list[float] | None = None
         self.s_out_layers: list[float] | None = None
-        self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long)
+        self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long, device=device)
         #: data-parallel context (:class:`~.distributed.DataParallel`) or None; set by ``DataParallel(trainer)``
         self.dist: Any = None
         self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, betas=config.betas)
@@ -154,12 +163,15 @@ class Trainer:
     # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """Update the dead counters with ``fired (n_latents,)`` (latents active on some of the
-        ``n_tokens`` tokens); return the dead mask. Under data parallelism (:attr:`dist`) both are
-        first combined over the ranks, so every rank keeps the counters of the global batch."""
+        ``n_tokens`` tokens); return the dead mask, on ``fired``'s device (the counters follow it
+        there). Under data parallelism (:attr:`dist`) both are first combined over the ranks, so every
+        rank keeps the counters of the global batch."""
         if self.dist is not None:
             fired, n_tokens = self.dist.combine_firing(fired, n_tokens)
+        if self.tokens_since_fired.device != fired.device:
+            self.tokens_since_fired = self.tokens_since_fired.to(fired.device)
         self.tokens_since_fired += n_tokens
-        self.tokens_since_fired[fired.to(self.tokens_since_fired.device)] = 0
+        self.tokens_since_fired[fired] = 0
         return self.tokens_since_fired >= self.config.dead_after_tokens
 
     def aux_k_loss(self, pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_dec: torch.Tensor,
@@ -167,15 +179,16 @@ class Trainer:
         """AuxK (Gao et al. 2024): dead latents' top-``aux_k`` (ReLU'd) reconstruct the error ``err``.
 
         ``pre (n, n_latents)`` pre-activations, ``W_dec (n_latents, d)``; normalised by ``‖err‖²``.
-        Zero when nothing is dead or ``aux_k_coef`` is 0.
+        Zero when nothing is dead or ``aux_k_coef`` is 0. All on one device; computed in fp32 (a
+        scalar on ``pre``'s device).
         """
         if not dead.any() or self.config.aux_k_coef <= 0:
-            return torch.zeros((), dtype=pre.dtype)
+            return torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
         k_aux = min(self.config.aux_k or default_k, int(dead.sum()))
         vals, idx = pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1)
         z_aux = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
-        e = err.detach()
-        return (z_aux @ W_dec - e).pow(2).sum(-1).mean() / self.batch_mean(e.pow(2).sum(-1)).clamp_min(1e-12)
+        e = f32(err.detach())
+        return (f32(z_aux @ W_dec) - e).pow(2).sum(-1).mean() / self.batch_mean(e.pow(2).sum(-1)).clamp_min(1e-12)
 
     def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of per-token ``values (n,)`` over the batch, without gradient — over the *global*
@@ -304,13 +317,20 @@ class Trainer:
         return d, meta, config, module
 
     @classmethod
-    def resume(cls, directory: str | Path, source: Callable[[int], Batch]) -> Trainer:
+    def resume(cls, directory: str | Path, source: Callable[[int], Batch], *,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Trainer:
         """Rebuild a trainer from :meth:`save_checkpoint` output (any module kind); continues bit-exactly.
+
+        ``device``, ``dtype``: where and in which dtype the module is trained from now on (and with it
+        the Adam moments and dead counters); default the CPU and fp32 (the module is rebuilt from its
+        config and the saved weights copied in).
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
         """
         d, meta, config, module = cls._load(directory)
+        if device is not None or dtype is not None:
+            module = module.to(device=device, dtype=dtype)
         trainer = cls(module, source, config)
         trainer._restore_state(d, meta)
         return trainer
@@ -332,8 +352,12 @@ class Trainer:
             name, _, slot = key.rpartition(".")
             if name not in params:
                 raise CheckpointError(f"{d / 'optimizer.safetensors'}: unknown parameter {name!r}")
-            self.optimizer.state[params[name]][slot] = value
-        self.tokens_since_fired = load_file(str(d / "state.safetensors"))["tokens_since_fired"]
+            p = params[name]
+            if slot != "step":  # as Optimizer.load_state_dict: moments on the parameter's device and dtype
+                value = value.to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype)
+            self.optimizer.state[p][slot] = value
+        counters = load_file(str(d / "state.safetensors"))["tokens_since_fired"]
+        self.tokens_since_fired = counters.to(self.tokens_since_fired.device)
         # LambdaLR has no state beyond its step count: set it and the LR it implies
         self.scheduler.last_epoch = self.step
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
