@@ -13,15 +13,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import nnsight
 import torch
 
+from .._placement import HOST, host_f32, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
-from ..adapters.base import mhsa_forward
+from ..adapters.base import MHSAWeights, mhsa_forward
 from ..adapters.registry import get_adapter
 from ..envoy.read import attention_activations
 from ..errors import ShapeError
@@ -35,11 +37,13 @@ def oblique_coefficients(
 
     The oblique projection of each target vector onto the span of the ``k`` (generally
     non-orthogonal) basis vectors of the same row ``n``; zero or dependent basis vectors get the
-    minimum-norm solution (``gelsd``).
+    minimum-norm solution (``gelsd``). Solved in float64 on the CPU (CUDA's ``lstsq`` has only
+    ``gels``, which assumes full rank: inactive heads among the top-k are zero basis vectors); the
+    coefficients are returned in fp32 on ``basis``'s device.
     """
-    a = basis.transpose(1, 2).double()  # (n, d, k)
-    b = targets.transpose(1, 2).double()  # (n, d, m)
-    return torch.linalg.lstsq(a, b, driver="gelsd").solution.float()
+    a = basis.transpose(1, 2).to(device=HOST, dtype=torch.float64)  # (n, d, k)
+    b = targets.transpose(1, 2).to(device=HOST, dtype=torch.float64)  # (n, d, m)
+    return torch.linalg.lstsq(a, b, driver="gelsd").solution.to(device=basis.device, dtype=torch.float32)
 
 
 @dataclass(repr=False)
@@ -82,31 +86,37 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     active Lorsa heads' outputs ``z_h w_o^h`` (:func:`oblique_coefficients`), and the coefficient
     is added to ``contrib[h, m]``; averaged per Lorsa head over its active tokens.
 
+    Runs on the Lorsa's device in fp32 (the MHSA weights and activations are moved there and cast; the
+    Lorsa sees its input in its own dtype); the result is on the CPU.
+
     Raises:
         ShapeError: ``tokens`` is not ``(n, pos)``. LayerOutOfRangeError: no Lorsa at ``layer``.
-        ConfigMismatchError: ``replacement`` has no Lorsas.
+        ConfigMismatchError: ``replacement`` has no Lorsas. PlacementError: the Lorsa is on ``meta``.
     """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     if tokens.dim() != 2:
         raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
     adapter = get_adapter(model)
     lorsa = lorsa_set[layer]
-    w = adapter.mhsa_weights(model._module, layer)
+    device, _ = placement(lorsa, f"the Lorsa of layer {layer}")
+    w = _weights_f32(adapter.mhsa_weights(model._module, layer), device)
     n_ov, n_heads = lorsa.cfg.n_ov_heads, w.n_heads
-    contrib = torch.zeros(n_ov, n_heads, dtype=torch.float64)
-    count = torch.zeros(n_ov, dtype=torch.long)
+    contrib = torch.zeros(n_ov, n_heads, dtype=torch.float64, device=device)
+    count = torch.zeros(n_ov, dtype=torch.long, device=device)
     n_tokens = 0
+    w_o = lorsa.W_O.float()
     for i in range(0, tokens.shape[0], batch_size):
         act = attention_activations(model, layer, tokens[i:i + batch_size], adapter=adapter)
-        x = act.x.float()
-        per_head = mhsa_forward(w, x, act.positions, per_head=True)  # (b, s, H, d)
-        _, cache = lorsa(x, act.positions, return_cache=True)
+        x = act.x.to(device=device, dtype=torch.float32)
+        positions = act.positions.to(device)
+        per_head = mhsa_forward(w, x, positions, per_head=True)  # (b, s, H, d)
+        _, cache = lorsa(to_module(act.x, lorsa, f"the Lorsa of layer {layer}"), positions, return_cache=True)
         if skip_first:
             per_head, z, idx = per_head[:, 1:], cache.z[:, 1:], cache.topk_indices[:, 1:]
         else:
             z, idx = cache.z, cache.topk_indices
-        zk = z.gather(-1, idx)  # (b, s, k)
-        basis = zk[..., None] * lorsa.W_O[idx]  # (b, s, k, d)
+        zk = z.gather(-1, idx).float()  # (b, s, k)
+        basis = zk[..., None] * w_o[idx]  # (b, s, k, d)
         k, d = idx.shape[-1], x.shape[-1]
         coef = oblique_coefficients(basis.reshape(-1, k, d), per_head.reshape(-1, n_heads, d))  # (N, k, H)
         active = (zk > 0).reshape(-1, k)
@@ -115,7 +125,18 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
         count += torch.bincount(flat_idx, minlength=n_ov)
         n_tokens += int(active.shape[0])
     mean = contrib / count.clamp_min(1)[:, None]
-    return MHSACorrelation(mean.float(), count, n_tokens)
+    return MHSACorrelation(host_f32(mean), count.to(HOST), n_tokens)
+
+
+def _weights_f32(w: MHSAWeights, device: torch.device) -> MHSAWeights:
+    """``w`` with every tensor on ``device`` in fp32 (the analysis runs there)."""
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=torch.float32)
+
+    return dataclasses.replace(w, W_Q=f(w.W_Q), b_Q=f(w.b_Q), W_K=f(w.W_K), b_K=f(w.b_K), W_V=f(w.W_V),
+                               b_V=f(w.b_V), W_O=f(w.W_O), b_O=f(w.b_O),
+                               q_norm=None if w.q_norm is None else f(w.q_norm),
+                               k_norm=None if w.k_norm is None else f(w.k_norm))
 
 
 def _module(model: Any, path: str) -> Any:
@@ -131,26 +152,33 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     ``logits_h = W_U (g ⊙ w_o^h)`` with ``g`` the final norm's gain (the normalisation itself only
     rescales a single direction; a LayerNorm's bias is not part of the head's direction).
 
+    Computed in fp32 on the unembedding's device (the Lorsa's ``w_o`` rows are moved there);
+    returned on the CPU.
+
     Returns:
         ``(values (n, k), token_ids (n, k), token strings or None)`` for the ``n`` heads (all by default).
 
     Raises:
         ShapeError: the unembedding does not match ``d_model``.
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
+        PlacementError: the unembedding or the Lorsa is on ``meta``.
     """
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     adapter = get_adapter(model)
     w_u = _module(model, adapter.lm_head_path).weight  # (vocab, d)
+    device, _ = placement(w_u, f"the unembedding {adapter.lm_head_path}")
+    placement(lorsa, f"the Lorsa of layer {layer}")
     norm = _module(model, adapter.final_norm_path)
     gain = getattr(norm, "weight", None)
-    idx = torch.arange(lorsa.cfg.n_ov_heads) if heads is None else torch.as_tensor(heads).reshape(-1)
-    w_o = lorsa.W_O[idx].float()
+    idx = (torch.arange(lorsa.cfg.n_ov_heads, device=lorsa.W_O.device) if heads is None
+           else torch.as_tensor(heads).reshape(-1).to(lorsa.W_O.device))
+    w_o = lorsa.W_O[idx].to(device=device, dtype=torch.float32)
     if w_u.shape[1] != w_o.shape[1]:
         raise ShapeError(f"unembedding is {tuple(w_u.shape)}, Lorsa d_model {w_o.shape[1]}")
     if gain is not None:
-        w_o = w_o * gain.float()
+        w_o = w_o * gain.to(device=device, dtype=torch.float32)
     logits = w_o @ w_u.float().T
-    vals, ids = logits.topk(k, dim=-1)
+    vals, ids = (t.to(HOST) for t in logits.topk(k, dim=-1))
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     strings = [[tok.decode([int(t)]) for t in row] for row in ids] if tok is not None else None
     return vals, ids, strings
@@ -167,7 +195,8 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
             (cosine with ``w_o^h``: the features the head writes).
 
     Returns:
-        ``{"v": (values, indices), "o": (values, indices)}`` with the top-``k`` cosines present.
+        ``{"v": (values, indices), "o": (values, indices)}`` with the top-``k`` cosines present (fp32,
+        on the CPU; computed on the SAE matrix's device, the Lorsa's vector moved there).
     """
     out: dict[str, Any] = {}
     for name, vec, mat in (("v", lorsa.W_V[head], sae_in_decoder), ("o", lorsa.W_O[head], sae_out_encoder)):
@@ -175,9 +204,11 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
             continue
         if mat.shape[-1] != vec.shape[0]:
             raise ShapeError(f"SAE rows must be (n_features, d_model={vec.shape[0]}), got {tuple(mat.shape)}")
-        cos = torch.nn.functional.cosine_similarity(mat.float(), vec.float()[None], dim=-1)
+        device, _ = placement(mat, f"the SAE rows for {name!r}")
+        cos = torch.nn.functional.cosine_similarity(mat.float(), vec.to(device=device, dtype=torch.float32)[None],
+                                                    dim=-1)
         v, i = cos.topk(min(k, cos.numel()))
-        out[name] = (v, i)
+        out[name] = (v.to(HOST), i.to(HOST))
     return out
 
 
@@ -190,7 +221,7 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     n_ov = lorsa_set[layer].cfg.n_ov_heads
     top = TopActivations.empty(n_ov, n_top)
-    keep = torch.ones(tokens.shape, dtype=torch.bool)
+    keep = torch.ones(tokens.shape, dtype=torch.bool, device=HOST)  # host-side, like the table it feeds
     keep[:, 0] = False
     for i in range(0, tokens.shape[0], batch_size):
         with model.trace(tokens[i:i + batch_size], use_cache=False) as tracer:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._placement import placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ConfigMismatchError, ShapeError
@@ -67,20 +68,21 @@ class QKFeatureImpacts(FieldsRepr):
 
     @classmethod
     def empty(cls, layer: int, head: int, qk_head: int, n_features: int) -> QKFeatureImpacts:
+        # host-side tables: update() brings each evaluated batch to the CPU
         def z() -> torch.Tensor:
-            return torch.zeros(n_features, dtype=torch.float32)
+            return torch.zeros(n_features, dtype=torch.float32, device="cpu")
 
         def minus() -> torch.Tensor:
-            return torch.full((n_features,), -1, dtype=torch.long)
+            return torch.full((n_features,), -1, dtype=torch.long, device="cpu")
 
         def count() -> torch.Tensor:
-            return torch.zeros(n_features, dtype=torch.long)
+            return torch.zeros(n_features, dtype=torch.long, device="cpu")
 
         return cls(layer, head, qk_head, z(), minus(), minus(), count(), z(), minus(), minus(), count())
 
     def _top(self, side: str, n: int) -> list[tuple[int, float, int, int]]:
         kl, win, pos, cnt = (getattr(self, f"{side}_{a}") for a in ("kl", "window", "position", "count"))
-        score = torch.where(cnt > 0, kl, torch.tensor(float("-inf")))
+        score = kl.masked_fill(cnt <= 0, float("-inf"))
         vals, idx = score.topk(min(n, int((cnt > 0).sum())))
         return [(int(f), float(v), int(win[f]), int(pos[f])) for v, f in zip(vals, idx, strict=True)]
 
@@ -138,7 +140,7 @@ def _kl_rows(logp: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> t
     log-pattern (``-inf`` off ``valid``), float64. The softmax runs in float64 so that rounding does not add a
     first-order term to the KL (float32 gives ~1e-7 for identical patterns); clamped at 0."""
     logq = scores.double().masked_fill(~valid, float("-inf")).log_softmax(-1)
-    term = torch.where(valid, logp.exp() * (logp - logq), torch.zeros((), dtype=logp.dtype))
+    term = torch.where(valid, logp.exp() * (logp - logq), torch.zeros((), dtype=logp.dtype, device=logp.device))
     return term.sum(-1).clamp_min(0.0)
 
 
@@ -166,7 +168,7 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
         n = w_dec.shape[0]
         if idx.numel() and (idx.min() < 0 or idx.max() >= n):
             raise ShapeError(f"features must be in [0, {n}), got {idx.tolist()}")
-        keep = torch.zeros(n, dtype=torch.bool)
+        keep = torch.zeros(n, dtype=torch.bool, device="cpu")  # moved to the activations' device where used
         keep[idx] = True
     return lorsa, keep
 
@@ -202,7 +204,10 @@ def qk_feature_impacts(
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
         range, ``tokens`` not 2-D. ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
-        All before the model runs.
+        PlacementError: the Lorsa or the SAE is on ``meta``. All before the model runs.
+
+    The ablations run on the Lorsa's device in fp32 (the attention input and the SAE's activations are
+    moved there; the Lorsa and the SAE each see their input in their own dtype); the result is on the CPU.
     """
     from ..adapters.registry import get_adapter
     from ..envoy.read import attention_activations
@@ -214,27 +219,30 @@ def qk_feature_impacts(
     g = head // cfg.group_size
     n_feat = sae.W_dec.shape[0]
     result = QKFeatureImpacts.empty(layer, head, g, n_feat)
+    lorsa_name = f"the Lorsa of layer {layer}"
+    device, _ = placement(lorsa, lorsa_name)  # everything below runs on the Lorsa's device, in fp32
+    placement(sae, "the SAE")
     w_q, w_k = lorsa.W_Q[g].float(), lorsa.W_K[g].float()  # (d, e)
     b_q, b_k = lorsa.b_Q[g].float(), lorsa.b_K[g].float()
-    w_dec = sae.W_dec.float()
+    w_dec = sae.W_dec.to(device=device, dtype=torch.float32)
     dq, dk = w_dec @ w_q, w_dec @ w_k  # (n_features, e): each feature's direction in raw q / k
-    sae_dtype = sae.W_dec.dtype
-    lorsa_dtype = lorsa.W_Q.dtype
     scale = cfg.scale
     for start in range(0, tokens.shape[0], batch_size):
         ids = tokens[start:start + batch_size]
         act = attention_activations(model, layer, ids, adapter=adapter)
-        x = act.x.float()
+        x = act.x.to(device=device, dtype=torch.float32)
         bsz, seq, _ = x.shape
-        pos = act.positions.reshape(-1, seq).expand(bsz, seq).to(x.device)
-        _, cache = lorsa(act.x.to(lorsa_dtype), act.positions, return_cache=True)
+        positions = act.positions.to(device)
+        pos = positions.reshape(-1, seq).expand(bsz, seq)
+        _, cache = lorsa(to_module(act.x, lorsa, lorsa_name), positions, return_cache=True)
         loc = cache.z[..., head] > 0  # (b, s) activation locations
         if skip_first:
             loc[:, 0] = False
         result.n_tokens += bsz * (seq - 1 if skip_first else seq)
         if not loc.any():
             continue
-        acts = sae.encode(act.x.to(sae_dtype)).float()  # (b, s, n_features)
+        # the SAE encodes on its own device, in its dtype; its activations join the rest in fp32
+        acts = sae.encode(to_module(act.x, sae, "the SAE")).to(device=device, dtype=torch.float32)
         if keep is not None:
             acts = acts * keep.to(acts.device)
         q_raw, k_raw = x @ w_q + b_q, x @ w_k + b_k  # (b, s, e)

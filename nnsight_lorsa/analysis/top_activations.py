@@ -34,11 +34,12 @@ class TopActivations:
 
     @classmethod
     def empty(cls, n_heads: int, n_top: int) -> TopActivations:
+        # host-side tables: update() brings each batch's activations to the CPU
         return cls(
-            values=torch.full((n_heads, n_top), float("-inf")),
-            window=torch.full((n_heads, n_top), -1, dtype=torch.long),
-            position=torch.full((n_heads, n_top), -1, dtype=torch.long),
-            count=torch.zeros(n_heads, dtype=torch.long),
+            values=torch.full((n_heads, n_top), float("-inf"), dtype=torch.float32, device="cpu"),
+            window=torch.full((n_heads, n_top), -1, dtype=torch.long, device="cpu"),
+            position=torch.full((n_heads, n_top), -1, dtype=torch.long, device="cpu"),
+            count=torch.zeros(n_heads, dtype=torch.long, device="cpu"),
         )
 
     @torch.no_grad()
@@ -46,7 +47,8 @@ class TopActivations:
                keep: torch.Tensor | None = None) -> None:
         """Merge a batch of activations; ``first_window`` is the corpus index of ``z[0]``.
 
-        ``keep``: optional ``(batch, pos)`` bool mask of tokens to consider (e.g. not BOS).
+        ``keep``: optional ``(batch, pos)`` bool mask of tokens to consider (e.g. not BOS). Both may be
+        on any device and ``z`` in any dtype: they are compared in fp32 on the CPU, where the table lives.
         """
         b, s, n = z.shape
         z = z.detach().float().cpu()

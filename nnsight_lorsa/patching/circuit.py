@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import LorsaHead, MHSAHead
@@ -85,27 +86,31 @@ def _fill(c: Component, mode: str, means: Any) -> Any:
 
 def _keep_only(replacement: ReplacementModel, components: Sequence[Component], keep: torch.Tensor, mode: str,
                means: Any) -> None:
-    """In a trace body: ablate, per row, the components with ``keep[row, i] == False``."""
+    """In a trace body: ablate, per row, the components with ``keep[row, i] == False``.
+
+    ``keep`` and the means may be on any device: each site's mask and fill are moved to that site's
+    tensor (device and dtype)."""
     a = replacement.adapter
     d = a.head_dim
     by_site: dict[tuple[str, int], list[int]] = {}
     for i, c in enumerate(components):
         by_site.setdefault(("mhsa" if isinstance(c, MHSAHead) else "lorsa", c.layer), []).append(i)
     for (kind, layer), idx in sorted(by_site.items(), key=lambda kv: (kv[0][1], kv[0][0] == "lorsa")):
-        k = keep[:, idx].float()  # (batch, m)
+        k = keep[:, idx]  # (batch, m) bool
         if kind == "mhsa":
             tensor = replacement.model.get(replacement.output_projection_path(layer)).input
             for j, i in enumerate(idx):
                 c = components[i]
                 cols = slice(c.head * d, (c.head + 1) * d)
-                kj = k[:, j, None, None].to(tensor.dtype)
-                fill = torch.as_tensor(_fill(c, mode, means), dtype=tensor.dtype)
+                kj = k[:, j, None, None].to(device=tensor.device, dtype=tensor.dtype)
+                fill = like(_fill(c, mode, means), tensor)
                 tensor[:, :, cols] = tensor[:, :, cols] * kj + (1 - kj) * fill
         else:
             z = replacement.lorsas.replace(layer, error=replacement.error).hook_z.output
             heads = [components[i].head for i in idx]
-            fill = torch.tensor([float(_fill(components[i], mode, means)) for i in idx], dtype=z.dtype)
-            kk = k[:, None, :].to(z.dtype)
+            fill = torch.stack([torch.as_tensor(_fill(components[i], mode, means)).to(device=z.device, dtype=z.dtype)
+                                .reshape(()) for i in idx])
+            kk = k[:, None, :].to(device=z.device, dtype=z.dtype)
             z[:, :, heads] = z[:, :, heads] * kk + (1 - kk) * fill
 
 
@@ -152,15 +157,15 @@ def component_scores(replacement: ReplacementModel, task: TaskBatch, components:
         lorsa_layers = sorted({c.layer for c in components if isinstance(c, LorsaHead)})
         active = _lorsa_active(replacement, task.clean, lorsa_layers)
         run = [i for i, c in enumerate(components) if not isinstance(c, LorsaHead) or bool(active[c.layer][c.head])]
-    keeps = []
+    keeps = []  # host-side masks: _keep_only moves each to the site it edits
     for i in run:
-        keep = torch.ones(b, n, dtype=torch.bool)
+        keep = torch.ones(b, n, dtype=torch.bool, device=HOST)
         keep[:, i] = False
         keeps.append(keep)
-    full = torch.ones(b, n, dtype=torch.bool)
+    full = torch.ones(b, n, dtype=torch.bool, device=HOST)
     logits = _keep_runs(replacement, task.clean, components, [full, *keeps], mode, means, per_trace)
     base = score(logits[0])
-    out = torch.zeros(b, n)
+    out = torch.zeros(b, n, dtype=torch.float32, device=HOST)
     for i, lg in zip(run, logits[1:], strict=True):
         out[:, i] = base - score(lg)
     return out
@@ -172,7 +177,7 @@ def _lorsa_active(replacement: ReplacementModel, prompts: torch.Tensor, layers: 
         for layer in layers:
             z = replacement.lorsas.replace(layer, error=replacement.error).hook_z.output
             saved[layer] = (z > 0).any(1).any(0).save()
-    return saved
+    return {layer: active.to(HOST) for layer, active in saved.items()}
 
 
 def default_ks(n: int) -> list[int]:
@@ -194,7 +199,8 @@ def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Seq
     Seed ``003_…`` §4 / Fig. 3: rank by ``scores`` ``(batch, n)`` (default :func:`component_scores`
     with ``method``), keep only the top-``k`` (others ablated with ``mode``) on the clean prompts,
     and report the recovered fraction ``f(k)`` (module docstring) for each ``k`` of ``ks``
-    (default :func:`default_ks`). Components outside the list are left alone.
+    (default :func:`default_ks`). Components outside the list are left alone. Scores, curves and
+metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the model's device.
 
     Returns:
         :class:`CircuitSize`; ``per_prompt_k: (batch,)``, ``global_k``, the curves ``(K, batch)``, ``(K,)``.
@@ -210,6 +216,7 @@ def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Seq
         scores = component_scores(replacement, task, components, method=method, mode=mode, means=means, metric=score)
     if tuple(scores.shape) != (b, n):
         raise ConfigMismatchError(f"scores must be (batch={b}, n={n}), got {tuple(scores.shape)}")
+    scores = host_f32(scores)  # the rankings and curves are host-side tables
     kk = sorted(set(default_ks(n) if ks is None else ks) | {0, n})
     if kk[0] < 0 or kk[-1] > n:
         raise ConfigMismatchError(f"ks must lie in [0, {n}]")
@@ -217,9 +224,9 @@ def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Seq
     rank_g = scores.mean(0).argsort(descending=True)
     keeps = []
     for k in kk:
-        kp = torch.zeros(b, n, dtype=torch.bool)
+        kp = torch.zeros(b, n, dtype=torch.bool, device=HOST)
         kp.scatter_(1, rank_p[:, :k], True)
-        kg = torch.zeros(b, n, dtype=torch.bool)
+        kg = torch.zeros(b, n, dtype=torch.bool, device=HOST)
         kg[:, rank_g[:k]] = True
         keeps += [kp, kg]
     logits = _keep_runs(replacement, task.clean, components, keeps, mode, means)
@@ -228,9 +235,9 @@ def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Seq
     i0, i_all = 0, len(kk) - 1
     per = (mp - mp[i0]) / (mp[i_all] - mp[i0])
     glob = (mg.mean(1) - mg[i0].mean()) / (mg[i_all].mean() - mg[i0].mean())
-    kt = torch.tensor(kk)
+    kt = torch.tensor(kk, device=HOST)
     reached = per >= threshold  # (K, b)
-    first = torch.where(reached.any(0), reached.float().argmax(0), torch.full((b,), len(kk) - 1))
+    first = torch.where(reached.any(0), reached.float().argmax(0), torch.full((b,), len(kk) - 1, device=HOST))
     greached = (glob >= threshold).nonzero()
     gk = int(kt[int(greached[0])]) if len(greached) else n
     return CircuitSize(list(components), scores, kt, per, glob, kt[first], gk, threshold, mp[i_all], mp[i0])

@@ -6,7 +6,8 @@
 * :func:`head_swap`: set a Lorsa head's z to 0 and give its value to another head (App. D.4).
 
 A metric maps logits ``(batch, pos, vocab)`` to ``(batch,)``; by default
-:func:`~.metrics.logit_difference` with ``correct_ids``/``incorrect_ids``. Path patching:
+:func:`~.metrics.logit_difference` with ``correct_ids``/``incorrect_ids``. Metric values (and every
+result built from them) are fp32 tensors on the CPU, whatever the model's device and dtype. Path patching:
 :mod:`.path_patching`; circuit size: :mod:`.circuit`; task builders: :mod:`.tasks`.
 """
 
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
 from ..errors import ConfigMismatchError, ShapeError
@@ -33,11 +35,15 @@ def logits_envoy(replacement: ReplacementModel) -> Any:
 
 
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
+    """The metric of an experiment: ``metric``, or the logit difference of ``correct_ids`` vs
+    ``incorrect_ids`` at ``position``; its values are returned in fp32 on the CPU (the logits it reads
+    stay where the model put them)."""
     if metric is not None:
-        return metric
+        user = metric
+        return lambda logits: host_f32(user(logits))
     if correct_ids is None or incorrect_ids is None:
         raise ConfigMismatchError("give metric= or both correct_ids= and incorrect_ids=")
-    return lambda logits: logit_difference(logits, correct_ids, incorrect_ids, position)
+    return lambda logits: host_f32(logit_difference(logits, correct_ids, incorrect_ids, position))
 
 
 def _groups(replacement: ReplacementModel, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:
@@ -192,8 +198,9 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
         raise ConfigMismatchError(f"k={k} must be in [1, {len(pool)}] (the pool's size)")
     for t in pool:
         replacement.check(t)
-    gen = torch.Generator().manual_seed(seed)
-    draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen)[:k]) for _ in range(n_samples)]
+    gen = torch.Generator(device=HOST).manual_seed(seed)  # draws on the CPU: the same on every device
+    draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen, device=HOST)[:k])
+             for _ in range(n_samples)]
     samples, baseline = [], None
     for draw in draws:
         res = ablation_effect(replacement, prompts, draw, metric=metric, correct_ids=correct_ids,

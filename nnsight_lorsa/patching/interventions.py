@@ -11,6 +11,9 @@ first; in a layer MHSA head < Lorsa head < transcoder feature < SAE feature on t
 output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.invoke`` they act on
 that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list; None:
 all); values are per position: ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
+Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
+the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
+may stay on the CPU: nnsight moves a trace's input tensors to the model's device).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._placement import like
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ConfigMismatchError
@@ -58,7 +62,7 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
     target.replacement.check_values(target.target, torch.as_tensor(means))
-    tensor[idx] = torch.as_tensor(means).to(tensor.dtype)
+    tensor[idx] = like(means, tensor)  # on the target's device, in its dtype (means may come from anywhere)
 
 
 def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
@@ -72,7 +76,7 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
     tensor, idx = _loc(target, positions)
     if isinstance(delta, torch.Tensor):
         target.replacement.check_values(target.target, delta)
-        delta = delta.to(tensor.dtype)
+        delta = delta.to(device=tensor.device, dtype=tensor.dtype)
     tensor[idx] = tensor[idx] + delta
 
 
@@ -80,7 +84,7 @@ def patch(target: Bound, source_values: torch.Tensor, positions: Positions = Non
     """Overwrite the target by ``source_values`` (e.g. read from another prompt's run)."""
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
-    tensor[idx] = source_values.to(tensor.dtype)
+    tensor[idx] = torch.as_tensor(source_values).to(device=tensor.device, dtype=tensor.dtype)
 
 
 def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], prompts: Any,
@@ -88,7 +92,9 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     """Mean value of each target over a reference set ``prompts`` (token ids or text).
 
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
-    the batch only (``(pos[, head_dim])``; the prompts must then share one length).
+    the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
+    averaged in fp32 and returned on the device and in the dtype of the values they average (the
+    model's, or a spliced module's); :func:`ablate` moves them to wherever they are written.
     """
     ordered = replacement.sort(targets)
     for t in ordered:

@@ -13,7 +13,8 @@ def _ids(ids: Any, batch: int, device: torch.device) -> torch.Tensor:
 
 
 def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> torch.Tensor:
-    """``logit[correct] − logit[incorrect]`` at ``position``, per batch row: ``(batch,)``.
+    """``logit[correct] − logit[incorrect]`` at ``position``, per batch row: ``(batch,)``, in fp32 on
+    the logits' device (the ids may be on any device).
 
     Args:
         logits: ``(batch, pos, vocab)``.
@@ -26,6 +27,9 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
 
 
 def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float) -> torch.Tensor:
-    """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect."""
-    b = torch.as_tensor(baseline, dtype=torch.float32)
-    return (b - torch.as_tensor(intervened, dtype=torch.float32)) / b
+    """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect.
+
+    In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU)."""
+    b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
+                                                                                            device="cpu")
+    return (b - torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)) / b

@@ -36,7 +36,8 @@ Every Lorsa and SAE/transcoder site of the call is spliced in every chunk.
 
 The metric is the logit difference by default; :class:`PathPatchingResult` gives it per sender
 and prompt (``(n_groups, batch)``), the clean (and corrupt) baselines ``(batch,)`` and the effect
-``clean − patched``.
+``clean − patched``, fp32 on the CPU. Values handed between invokes stay on the model's device
+(one forward); means may be on any device and are moved to the site they are written to.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
@@ -513,7 +515,7 @@ def _after(role: str, gi: int, site: _Site, plan: _Plan, shared: dict, groups: l
                 elif mode == "zero":
                     tensor[idx] = 0
                 else:
-                    tensor[idx] = torch.as_tensor(means[t]).to(tensor.dtype)
+                    tensor[idx] = like(means[t], tensor)
     elif role == "D" and site in plan.receiver_sites:
         tensor = plan.tensor(site)
         src = shared[("C", gi, site)]

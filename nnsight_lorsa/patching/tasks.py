@@ -46,7 +46,8 @@ class TaskBatch(FieldsRepr):
 
     Attributes:
         name: the task.
-        clean, corrupt: ``(batch, pos)`` int64 token ids (same shape; BOS first if the tokenizer adds one).
+        clean, corrupt: ``(batch, pos)`` int64 token ids (same shape; BOS first if the tokenizer adds one),
+            on the CPU as built (``model.trace`` moves them to the model's device; :meth:`to` moves them all).
         correct_ids, incorrect_ids: ``(batch,)`` int64 next-token ids compared at the last position.
         meta: one dict per prompt (text, operands, names ...).
     """
@@ -61,11 +62,18 @@ class TaskBatch(FieldsRepr):
     def __len__(self) -> int:
         return int(self.clean.shape[0])
 
+    def to(self, device: str | torch.device) -> TaskBatch:
+        """The same batch with its four id tensors on ``device``."""
+        return TaskBatch(self.name, self.clean.to(device), self.corrupt.to(device), self.correct_ids.to(device),
+                         self.incorrect_ids.to(device), list(self.meta))
+
     def select(self, rows: Any) -> TaskBatch:
         """The sub-batch ``rows`` (an index, slice or list)."""
-        idx = torch.arange(len(self))[rows]
-        return TaskBatch(self.name, self.clean[idx], self.corrupt[idx], self.correct_ids[idx],
-                         self.incorrect_ids[idx], [self.meta[int(i)] for i in idx])
+        idx = torch.arange(len(self), device="cpu")[rows]
+        on = self.clean.device
+        return TaskBatch(self.name, self.clean[idx.to(on)], self.corrupt[idx.to(self.corrupt.device)],
+                         self.correct_ids[idx.to(self.correct_ids.device)],
+                         self.incorrect_ids[idx.to(self.incorrect_ids.device)], [self.meta[int(i)] for i in idx])
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -89,7 +97,13 @@ def _stack(rows: list[list[int]], what: str) -> torch.Tensor:
     lengths = {len(r) for r in rows}
     if len(lengths) != 1:
         raise TaskTokenizationError(f"{what}: prompts tokenize to different lengths {sorted(lengths)}")
-    return torch.tensor(rows, dtype=torch.long)
+    return _host_ids(rows)
+
+
+def _host_ids(rows: Any) -> torch.Tensor:
+    """Token ids as an int64 tensor on the CPU (host-side: nnsight moves a trace's inputs to the
+    model's device; the metrics move the answer ids to the logits' device)."""
+    return torch.tensor(rows, dtype=torch.long, device="cpu")
 
 
 # ------------------------------------------------------------------ induction
@@ -125,8 +139,8 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
         correct.append(seq[-1])
         incorrect.append(other)
         meta.append({"sequence": seq})
-    return TaskBatch("induction", torch.tensor(clean), torch.tensor(corrupt), torch.tensor(correct),
-                     torch.tensor(incorrect), meta)
+    return TaskBatch("induction", _host_ids(clean), _host_ids(corrupt), _host_ids(correct),
+                     _host_ids(incorrect), meta)
 
 
 def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^ [A-Z][a-z]+$",
@@ -191,8 +205,8 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         correct.append(ta)
         incorrect.append(tb)
         meta.append({"text": text, "io": a, "s": b, "order": "ABBA" if abba else "BABA", "corrupt_text": text_c})
-    return TaskBatch("ioi", _stack(clean, "IOI"), _stack(corrupt, "IOI"), torch.tensor(correct),
-                     torch.tensor(incorrect), meta)
+    return TaskBatch("ioi", _stack(clean, "IOI"), _stack(corrupt, "IOI"), _host_ids(correct),
+                     _host_ids(incorrect), meta)
 
 
 # ------------------------------------------------------------------ greater-than
@@ -247,7 +261,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
         incorrect.append(i_id)
         meta.append({"text": text, "corrupt_text": text_c})
     return TaskBatch("greater_than", _stack(clean, "greater-than"), _stack(corrupt, "greater-than"),
-                     torch.tensor(correct), torch.tensor(incorrect), meta)
+                     _host_ids(correct), _host_ids(incorrect), meta)
 
 
 # ------------------------------------------------------------------ arithmetic
@@ -307,7 +321,7 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         incorrect.append(wrong)
         meta.append({"op1": a, "op2": b, "corrupt_op2": b2})
     return TaskBatch("arithmetic", _stack(clean, "arithmetic"), _stack(corrupt, "arithmetic"),
-                     torch.tensor(correct), torch.tensor(incorrect), meta)
+                     _host_ids(correct), _host_ids(incorrect), meta)
 
 
 @dataclass(repr=False)
@@ -324,14 +338,16 @@ class ArithmeticGrid(FieldsRepr):
     groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     def assemble(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per-group values ``(m, …)`` → a grid ``(n, n, …)`` indexed ``[op1, op2]`` (by operand rank)."""
+        """Per-group values ``(m, …)`` (any device or dtype) → an fp32 CPU grid ``(n, n, …)`` indexed
+        ``[op1, op2]`` (by operand rank)."""
         rank = {v: i for i, v in enumerate(self.operands)}
         first = values[0]
-        grid = torch.full((len(self.operands), len(self.operands), *first.shape[1:]), float("nan"))
+        grid = torch.full((len(self.operands), len(self.operands), *first.shape[1:]), float("nan"),
+                          dtype=torch.float32, device="cpu")  # a host-side table, whatever the values' device
         for (_, a, b), v in zip(self.groups, values, strict=True):
-            ia = torch.tensor([rank[int(x)] for x in a])
-            ib = torch.tensor([rank[int(x)] for x in b])
-            grid[ia, ib] = v.float()
+            ia = torch.tensor([rank[int(x)] for x in a], device="cpu")
+            ib = torch.tensor([rank[int(x)] for x in b], device="cpu")
+            grid[ia, ib] = v.detach().to(device="cpu", dtype=torch.float32)
         return grid
 
 
@@ -347,6 +363,6 @@ def arithmetic_grid(tokenizer: Any, operands: Sequence[int] = range(100), *,
             if len(ids) <= len(bos):
                 raise TaskTokenizationError(f"empty prompt for {a}, {b}")
             by_len.setdefault(len(ids), []).append((ids, a, b))
-    groups = [(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
-               torch.tensor([r[2] for r in rows])) for _, rows in sorted(by_len.items())]
+    groups = [(_host_ids([r[0] for r in rows]), _host_ids([r[1] for r in rows]),
+               _host_ids([r[2] for r in rows])) for _, rows in sorted(by_len.items())]
     return ArithmeticGrid(list(operands), groups)

@@ -33,9 +33,9 @@ class AttentionGate(nn.Module):
     ``(batch, heads, q_len, k_len)`` and ``valid`` the boolean mask of allowed edges (broadcastable
     to the same shape; ``True`` = the causal/padding mask lets the query see the key). ``A`` has the
     shape of ``scores``, values in ``{0, 1}`` (float, the scores' dtype) and is 0 wherever ``valid``
-    is ``False``. The gate logit is ``scores + bias[head]``.
+    is ``False``. The gate logit is ``scores + bias[head]``, computed in fp32.
 
-    After each call the module keeps (detached, per head, summed over batch and allowed edges):
+    After each call the module keeps (detached, fp32, per head, summed over batch and allowed edges):
     ``expected_edges`` (Σσ(logit), Eq. 3), ``possible_edges`` (number of allowed edges) and
     ``expected_edges_grad`` (the same sum, *not* detached, for the sparsity loss). The attention
     function adds ``active_edges`` (non-zero entries of the gate matrix it multiplied with, i.e. after
@@ -85,16 +85,24 @@ class AttentionGate(nn.Module):
         return f"n_heads={self.n_heads}, mode={self.mode!r}, temperature={self.temperature}, top_k={self.top_k}"
 
     def logits(self, scores: Float[torch.Tensor, "batch heads q k"]) -> Float[torch.Tensor, "batch heads q k"]:
-        """Gate logits ``scores + bias[head]`` (paper Eq. 1 inside the sigmoid)."""
+        """Gate logits ``scores + bias[head]`` (paper Eq. 1 inside the sigmoid), in fp32 on the scores'
+        device whatever the model's dtype (a bf16/fp16 logit would quantise the gate's decision and its
+        noise)."""
         if scores.shape[1] != self.n_heads:
             raise GateConfigError(f"scores have {scores.shape[1]} heads, the gate has {self.n_heads}")
-        return scores + self.bias.to(scores.dtype)[None, :, None, None]
+        bias = self.bias.to(device=scores.device, dtype=torch.float32)
+        return scores.to(torch.float32) + bias[None, :, None, None]
 
     def forward(self, scores: Float[torch.Tensor, "batch heads q k"],
                 valid: Bool[torch.Tensor, "*b"]) -> Float[torch.Tensor, "batch heads q k"]:
-        """The gate matrix ``A`` (see the class docstring) and the edge statistics of this call."""
+        """The gate matrix ``A`` (see the class docstring) and the edge statistics of this call.
+
+        The gate is computed in fp32 and returned in the scores' dtype (exact: its values are 0 and 1);
+        the edge statistics are fp32 (a bf16 count of thousands of edges is not exact; an fp16 one
+        overflows past 65504). The training noise is drawn on the scores' device.
+        """
         self.check()
-        valid = valid.expand_as(scores)
+        valid = valid.to(scores.device).expand_as(scores)
         logits = self.logits(scores)
         if self.mode == "gated" and torch.is_grad_enabled():
             expected = torch.sigmoid(logits).masked_fill(~valid, 0.0).sum(dim=(0, 2, 3))
@@ -104,7 +112,7 @@ class AttentionGate(nn.Module):
                 expected = torch.sigmoid(logits).masked_fill(~valid, 0.0).sum(dim=(0, 2, 3))
             self.expected_edges_grad = None
         self.expected_edges = expected.detach()
-        self.possible_edges = valid.sum(dim=(0, 2, 3)).to(scores.dtype)
+        self.possible_edges = valid.sum(dim=(0, 2, 3)).to(torch.float32)
         zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
         if self.mode == "dense":
             return torch.where(valid, torch.ones_like(scores), zero)
@@ -115,11 +123,11 @@ class AttentionGate(nn.Module):
             keep = torch.zeros_like(valid).scatter(-1, idx, True) & valid
             return torch.where(keep, torch.ones_like(scores), zero)
         if self.training:
-            u = torch.rand_like(logits).clamp(1e-6, 1.0 - 1e-6)
+            u = torch.rand_like(logits).clamp(1e-6, 1.0 - 1e-6)  # fp32: 1 - 1e-6 is not 1.0
             noisy = logits + torch.log(u) - torch.log1p(-u)
             soft = torch.sigmoid(noisy / self.temperature)
-            hard = (noisy > 0).to(scores.dtype)
+            hard = (noisy > 0).to(torch.float32)
             gate = hard + (soft - soft.detach())  # straight-through: forward hard, backward soft
         else:
-            gate = (logits > 0).to(scores.dtype)
-        return torch.where(valid, gate, zero)
+            gate = (logits > 0).to(torch.float32)
+        return torch.where(valid, gate.to(scores.dtype), zero)

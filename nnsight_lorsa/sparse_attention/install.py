@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._placement import placement
 from ..adapters.registry import get_adapter
 from .attention import ATTN_IMPLEMENTATION, GATE_NAME, register_gated_attention
 from .errors import GateConfigError, GateNotInstalledError, UnsupportedArchitectureError
@@ -51,13 +52,25 @@ def _set_attn_implementation(hf: Any, name: str) -> None:
         raise UnsupportedArchitectureError(f"{type(hf).__name__} refused attention implementation {name!r}")
 
 
+def _module_device(module: nn.Module, root: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (else ``root``'s).
+
+    Raises:
+        PlacementError: that parameter is on ``meta`` (the model's weights were never loaded).
+    """
+    has_params = next(module.parameters(), None) is not None
+    device, _ = placement(module if has_params else root, type(module).__name__)
+    return device
+
+
 def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature: float = 1.0,
                             mode: str = "gated", top_k: int = 1) -> dict[int, AttentionGate]:
     """Attach one :class:`AttentionGate` per layer and switch the model to gated attention.
 
     Paper ``003_…`` §3.1 (Eq. 1-2), footnote 1: the bias starts at ``init_bias`` so that all gates
     are open at initialisation (``init_bias = 30`` reproduces the original model to fp32 rounding;
-    smaller values let the gates learn faster). The gates are created on the model's device, fp32.
+    smaller values let the gates learn faster). Each gate is created in fp32 on its attention module's
+    device (the gate computes in fp32 whatever the model's dtype).
 
     Args:
         model: a transformers ``*ForCausalLM`` or an nnsight model wrapping one (dispatched here
@@ -71,6 +84,7 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
         UnsupportedArchitectureError: no adapter for the model family, or the model does not use
             transformers' attention interface.
         GateConfigError: gates are already installed, or a bad gate setting.
+        PlacementError: the model's weights are on the ``meta`` device.
     """
     if _is_envoy(model) and getattr(model, "dispatched", True) is False:
         model.dispatch()  # an nnsight model loaded lazily: attach to the real weights, not the meta ones
@@ -80,10 +94,10 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
         raise GateConfigError("gated attention is already installed on this model (uninstall it first)")
     register_gated_attention()
     n_heads = adapter.n_heads
-    device = next(hf.parameters()).device
-    gates = {layer: AttentionGate(n_heads, init_bias, temperature, mode, top_k).to(device)
-             for layer in range(adapter.n_layers)}
-    modules = [adapter.attention_module(hf, layer) for layer in gates]  # raises before any change
+    modules = [adapter.attention_module(hf, layer) for layer in range(adapter.n_layers)]  # raises before any change
+    # each gate on its attention module's device (a model split over devices keeps each layer's gate with it)
+    gates = {layer: AttentionGate(n_heads, init_bias, temperature, mode, top_k).to(_module_device(attn, hf))
+             for layer, attn in enumerate(modules)}
     for layer, attn in zip(gates, modules, strict=True):
         if GATE_NAME in attn._modules:
             raise GateConfigError(f"attention module of layer {layer} already has a child named {GATE_NAME!r}")
@@ -203,7 +217,8 @@ def edge_statistics(model: Any) -> EdgeStatistics:
 
 
 def expected_edge_fraction(model: Any) -> torch.Tensor:
-    """Differentiable Σ_layers Σ_heads Σσ(logit) / Σ allowed edges of the last forward (training loss).
+    """Differentiable Σ_layers Σ_heads Σσ(logit) / Σ allowed edges of the last forward (training loss),
+    fp32 on the first layer's gate's device.
 
     Raises:
         GateNotInstalledError: no gates, or the last forward ran without gradients or not in
@@ -214,8 +229,8 @@ def expected_edge_fraction(model: Any) -> torch.Tensor:
     for layer, gate in get_gates(model).items():
         if gate.expected_edges_grad is None or gate.possible_edges is None:
             raise GateNotInstalledError(f"the gate of layer {layer} did not run with gradients in 'gated' mode")
-        s = gate.expected_edges_grad.sum()
-        num = s if num is None else num + s
+        s = gate.expected_edges_grad.sum().float()
+        num = s if num is None else num + s.to(num.device)  # fp32, on the first layer's device
         den += float(gate.possible_edges.sum())
     assert num is not None
     return num / max(den, 1.0)

@@ -139,19 +139,23 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
 
 def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, gen: torch.Generator,
                    bos_id: int) -> Int[torch.Tensor, "batch seq"]:
-    """``(batch_size, seq_len)`` windows: BOS then ``seq_len - 1`` consecutive tokens from random starts."""
-    starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=gen)
+    """``(batch_size, seq_len)`` windows: BOS then ``seq_len - 1`` consecutive tokens from random starts.
+
+    The starts are drawn on ``gen`` (a CPU generator: the same windows on every device); the windows are
+    on ``ids``' device."""
+    starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=gen, device=gen.device)
     body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
-    return torch.cat([torch.full((batch_size, 1), bos_id, dtype=torch.long), body], dim=1)
+    return torch.cat([torch.full((batch_size, 1), bos_id, dtype=torch.long, device=ids.device), body], dim=1)
 
 
 def _ce_sum(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """Summed next-token CE of ``logits (batch, pos, vocab)`` for targets ``x[:, 1:]`` over the
-    predictions ``mask[:, 1:]`` keeps (all when None), and their count."""
+    predictions ``mask[:, 1:]`` keeps (all when None), and their count: fp32, on the logits' device
+    (the targets and the mask are moved there; a model split over devices puts its logits on the last)."""
     logits = logits[:, :-1].float()
-    targets = x[:, 1:]
+    targets = x[:, 1:].to(logits.device)
     if mask is not None:
-        keep = mask[:, 1:].to(x.device, torch.bool)
+        keep = mask[:, 1:].to(logits.device, torch.bool)
         logits, targets = logits[keep], targets[keep]
     logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     return F.cross_entropy(logits, targets, reduction="sum"), int(targets.numel())
@@ -192,7 +196,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         if n < 1:
             raise GateConfigError(f"need at least {body} tokens for one window, got {token_ids.numel()}")
         windows = token_ids[: n * body].view(n, body)
-        windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long), windows], dim=1)
+        windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device=windows.device), windows], dim=1)
     was_training = hf.training
     hf.eval()
     nll, count = 0.0, 0
@@ -292,7 +296,7 @@ class SparseAttentionTrainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": others, "lr": config.lr, "weight_decay": config.weight_decay},
              {"params": gate_params, "lr": config.gate_lr, "weight_decay": 0.0}], betas=(0.9, 0.95))
-        self.gen = torch.Generator().manual_seed(config.seed)
+        self.gen = torch.Generator(device="cpu").manual_seed(config.seed)  # data draws: CPU, the same on every device
         self.step = 0
         self.history: list[StepRecord] = []
         self.base_ce = self.measure_train_ce(config.target_batches)
@@ -339,7 +343,7 @@ class SparseAttentionTrainer:
         counting its ``target_mask``), or stream windows from a generator of its own (seed
         ``config.seed + 1``, so the training batches are unaffected).
         """
-        gen = torch.Generator().manual_seed(self.config.seed + 1)
+        gen = torch.Generator(device="cpu").manual_seed(self.config.seed + 1)
         was = self.hf.training
         self.hf.eval()
         total, count = 0.0, 0
@@ -355,6 +359,10 @@ class SparseAttentionTrainer:
     @property
     def _device(self) -> torch.device:
         return next(self.hf.parameters()).device
+
+    def _cuda_devices(self) -> list[int]:
+        """Indices of the CUDA devices the model's parameters are on (their RNG states go in checkpoints)."""
+        return sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
 
     def train_step(self) -> StepRecord:
         """One optimiser step on the Lagrangian and one GECO step; returns its :class:`StepRecord`."""
@@ -373,7 +381,7 @@ class SparseAttentionTrainer:
         x, mask = self._batch(self.step, self.gen)
         ce_sum, n = _ce_sum(self.hf(input_ids=x).logits, x, mask)
         ce = ce_sum / max(n, 1)
-        density = expected_edge_fraction(self.hf)
+        density = expected_edge_fraction(self.hf).to(ce.device)
         loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -426,6 +434,8 @@ class SparseAttentionTrainer:
                 tensors[f"optim.{idx}.{key}"] = torch.as_tensor(val).detach().cpu().contiguous()
         tensors["rng.global"] = torch.get_rng_state()
         tensors["rng.data"] = self.gen.get_state()
+        for index in self._cuda_devices():  # the gates draw their training noise on their own device
+            tensors[f"rng.cuda.{index}"] = torch.cuda.get_rng_state(index)
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt["param_groups"]]
         meta = {"step": self.step, "config": asdict(self.config), "geco": self.geco.state_dict(),
                 "param_names": self.param_names, "param_groups": groups,
@@ -466,6 +476,9 @@ class SparseAttentionTrainer:
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
             torch.set_rng_state(tensors["rng.global"])
             self.gen.set_state(tensors["rng.data"])
+            for index in self._cuda_devices():
+                if f"rng.cuda.{index}" in tensors:
+                    torch.cuda.set_rng_state(tensors[f"rng.cuda.{index}"], index)
             self.geco.load_state_dict(meta["geco"])
             self.step = int(meta["step"])
             self.history = [StepRecord(**r) for r in meta["history"]]

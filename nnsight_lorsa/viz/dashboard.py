@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._placement import to_module
 from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
@@ -44,8 +45,11 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         ov_features: :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines` of this head (App. F.2).
         n_features: features listed per aspect.
 
+    The model, the Lorsa and ``tokens`` may each be on any device and in any dtype: the z-patterns are
+    computed on the Lorsa's device and every number is read back to the host.
+
     Raises:
-        ConfigMismatchError: ``qk_features`` of another layer or head.
+        ConfigMismatchError: ``qk_features`` of another layer or head. PlacementError: the Lorsa is on ``meta``.
     """
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     tok = model.tokenizer
@@ -55,7 +59,8 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
             continue
         ids = tokens[w]
         act = attention_activations(model, layer, ids[None])
-        zp = lorsa.z_pattern(act.x.float(), [head], act.positions)[0, 0, p, : p + 1]
+        x_in = to_module(act.x, lorsa, f"the Lorsa of layer {layer}")  # on the Lorsa's device, in its dtype
+        zp = lorsa.z_pattern(x_in, [head], act.positions.to(x_in.device))[0, 0, p, : p + 1].float().cpu()
         start = max(0, p - window)
         contexts.append({
             "z": round(float(v), 4), "window": int(w), "position": int(p),

@@ -57,7 +57,8 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
 
 def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "") -> Path:
     """Fig. 13: how many MHSA heads each Lorsa head spans (``n`` of App. E.2; 0 = never active, dropped)."""
-    n = n_spanned[n_spanned > 0].long()
+    n = n_spanned.detach().cpu()
+    n = n[n > 0].long()
     counts = torch.bincount(n, minlength=int(n.max()) + 1 if n.numel() else 1)[1:]
     frac = counts.float() / max(int(n.numel()), 1)
     fig, ax = plt.subplots(figsize=(4.5, 3.2))

@@ -36,7 +36,7 @@ def node_xy(graph: Graph, n_layers: int) -> torch.Tensor:
     for cell in key.unique():
         idx = (key == cell).nonzero().flatten()
         if len(idx) > 1:
-            x[idx] += torch.linspace(-0.3, 0.3, len(idx))
+            x[idx] += torch.linspace(-0.3, 0.3, len(idx), device=x.device)
     return torch.stack([x, y], 1)
 
 
