@@ -1,4 +1,5 @@
-"""Where tensors live: the device and dtype rules of the patching, analysis, viz and sparse-attention code.
+"""Where tensors live: the one device and dtype rule of the package (splice, training, patching, analysis,
+viz, sparse attention; attribution keeps its graph on :data:`HOST` too).
 
 * Every tensor the package creates takes its device (and dtype) from an argument or an existing tensor.
 * Small host-side tables (results, counters, top-k tables) are created on the CPU and say so.
@@ -25,27 +26,86 @@ from .errors import PlacementError
 HOST = torch.device("cpu")
 
 
-def placement(module: Any, name: str) -> tuple[torch.device, torch.dtype]:
+def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch.dtype]:
     """``(device, dtype)`` of ``module``'s first floating-point parameter (``module`` a ``nn.Module`` or a
-    tensor).
+    tensor); ``name`` names it in errors (default: its type).
 
     Raises:
-        PlacementError: the module has no parameters, or they are on the ``meta`` device.
+        PlacementError: the module has no parameters, they are on the ``meta`` device (never
+            materialised), or on several devices; the message names the module and where they are.
     """
+    what = name or type(module).__name__
     if isinstance(module, torch.Tensor):
         t: torch.Tensor | None = module
+        devices = {module.device}
     else:
         params = list(module.parameters()) if hasattr(module, "parameters") else []
         t = next((p for p in params if p.is_floating_point()), params[0] if params else None)
+        devices = {p.device for p in params}
     if t is None:
-        raise PlacementError(f"{name} ({type(module).__name__}) has no parameters to place a computation on")
-    if t.device.type == "meta":
-        raise PlacementError(f"{name} ({type(module).__name__}) is on the meta device (its weights were never "
-                             "loaded): move it to the model's device, e.g. module.to('cuda'), before using it")
+        raise PlacementError(f"{what} ({type(module).__name__}) has no parameters to place a computation on")
+    if any(d.type == "meta" for d in devices):
+        raise PlacementError(f"{what} ({type(module).__name__}) is on the meta device (its weights were never "
+                             "loaded): load or initialise it on a real device, e.g. module.to('cuda'), before using it")
+    if len(devices) > 1:
+        raise PlacementError(f"{what} ({type(module).__name__}) has parameters on several devices "
+                             f"{sorted(map(str, devices))}: move it to one device")
     return t.device, t.dtype
 
 
-def to_module(x: torch.Tensor, module: Any, name: str) -> torch.Tensor:
+def place(module: torch.nn.Module, device: torch.device, where: str) -> None:
+    """Move ``module`` (in place) to ``device`` unless it is there; ``where`` names its site in errors.
+
+    Raises:
+        PlacementError: the module's tensors are on ``meta`` (never materialised), ``device`` is
+            ``meta`` (the model's weights are not loaded), or the move fails.
+    """
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    if devices == {device} or not devices:
+        return
+    name = type(module).__name__
+    if any(d.type == "meta" for d in devices):
+        raise PlacementError(f"the {name} for {where} has its weights on the meta device (never loaded or "
+                             f"materialised) while the model runs that site on {device}; load it with "
+                             "formats.load / from_pretrained or initialise it before replace()")
+    if device.type == "meta":
+        raise PlacementError(f"{where} runs on the meta device (the model's weights are not loaded); the {name} "
+                             f"is on {sorted(map(str, devices))}: dispatch the model before tracing with it")
+    try:
+        module.to(device)
+    except (RuntimeError, NotImplementedError) as e:
+        raise PlacementError(f"cannot move the {name} for {where} from {sorted(map(str, devices))} to "
+                             f"{device}, where the model runs that site: {e}") from e
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of an nnsight (or HF) model's first parameter (where its input ids must go). An
+    nnsight model not dispatched yet (weights on ``meta``) is dispatched first, as its first trace would.
+
+    Raises:
+        PlacementError: the model's parameters are still on ``meta`` (it cannot be dispatched).
+    """
+    hf = getattr(model, "_module", model)
+    p = next(iter(hf.parameters()), None)
+    if p is not None and p.is_meta and callable(getattr(model, "dispatch", None)) \
+            and not getattr(model, "dispatched", True):
+        model.dispatch()
+        hf = getattr(model, "_module", model)
+        p = next(iter(hf.parameters()), None)
+    if p is None:
+        return HOST
+    if p.is_meta:
+        raise PlacementError(f"the model {type(hf).__name__} is on the meta device: dispatch it (load its "
+                             "weights) before reading activations")
+    return p.device
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least fp32 (fp16 / bf16 upcast; fp32 and fp64 unchanged): for losses and metrics."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
     """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts)."""
     device, dtype = placement(module, name)
     return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
@@ -66,4 +126,4 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "host_f32", "like", "placement", "to_module"]
+__all__ = ["HOST", "f32", "host_f32", "like", "model_device", "place", "placement", "to_module"]

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
+from .._placement import place, to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..modules.clt import CrossLayerTranscoder
 from .replacement_set import check_flag, site_placement
-from .splice_chain import SpliceChain, module_input, place, splice_chain
+from .splice_chain import SpliceChain, splice_chain
 
 
 class CLTSet:
@@ -95,7 +96,7 @@ class CLTSet:
         def step(module: torch.nn.Module, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  acts: dict) -> torch.Tensor:
             assert isinstance(module, CrossLayerTranscoder)
-            xm = module_input(module, adapter.mlp_input(args, kwargs))  # the CLT's device and dtype
+            xm = to_module(adapter.mlp_input(args, kwargs), module)  # the CLT's device and dtype
             acts[layer] = module.encode_layer(xm, layer)
             return module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
 

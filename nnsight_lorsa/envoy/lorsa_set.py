@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from .._placement import to_module
 from ..adapters.base import ArchitectureAdapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..modules.lorsa import Lorsa, LorsaKV
 from .nnsight_internals import current_worker, run_kwargs, traced_method
 from .replacement_set import ReplacementSet, check_flag, load_keyed, replace_keys
-from .splice_chain import SpliceChain, module_input, splice_chain
+from .splice_chain import SpliceChain, splice_chain
 
 #: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a
 #: Lorsa's own cache cannot follow (beams are reordered between steps; contrastive search and
@@ -178,7 +179,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
             assert isinstance(module, Lorsa)
-            x = module_input(module, adapter.attention_input(args, kwargs))  # the Lorsa's device and dtype
+            x = to_module(adapter.attention_input(args, kwargs), module)  # the Lorsa's device and dtype
             positions = adapter.attention_positions(args, kwargs, x).to(x.device)
             mask = adapter.attention_mask(args, kwargs)
             mask = None if mask is None else mask.to(x.device)

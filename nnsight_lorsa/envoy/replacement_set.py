@@ -16,10 +16,10 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from .._placement import place
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
-from .splice_chain import place
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)

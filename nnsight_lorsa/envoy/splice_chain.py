@@ -28,7 +28,7 @@ the trace stood down (nothing served or edited).
 Placement (one rule for every replacement kind): the module runs on the device of the first site it
 serves — a module elsewhere is moved there (``module.to(device)``, in place, once) when it is first
 served — and in its own dtype; a step casts the site's input to the module's device and dtype
-(:func:`module_input`), and the replacement's output is cast back to the site's device and dtype
+(:func:`~.._placement.to_module`), and the replacement's output is cast back to the site's device and dtype
 before it is returned into the model. A module whose weights were never materialised (``meta``) raises
 :class:`~..errors.PlacementError` naming the module and the device the site runs on.
 """
@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._placement import place
 from .._repr import FieldsRepr
-from ..errors import LorsaError, PlacementError, TraceOrderError
+from ..errors import LorsaError, TraceOrderError
 from .nnsight_internals import (
     attach,
     current_worker,
@@ -61,39 +62,6 @@ from .nnsight_internals import (
 
 #: ``(module, i, args, kwargs, true_output, state) -> output``: the replacement's output at site ``i``.
 Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
-
-
-def place(module: nn.Module, device: torch.device, where: str) -> None:
-    """Move ``module`` (in place) to ``device`` unless it is there; ``where`` names the site in errors.
-
-    Raises:
-        PlacementError: the module's tensors are on ``meta`` (never materialised) or on several
-            devices, or the move fails.
-    """
-    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-    if devices == {device} or not devices:
-        return
-    name = type(module).__name__
-    if any(d.type == "meta" for d in devices):
-        raise PlacementError(f"the {name} for {where} has its weights on the meta device (never loaded or "
-                             f"materialised) while the model runs that site on {device}; load it with "
-                             "formats.load / from_pretrained or initialise it before replace()")
-    if device.type == "meta":
-        raise PlacementError(f"{where} runs on the meta device (the model's weights are not loaded); the {name} "
-                             f"is on {sorted(map(str, devices))}: dispatch the model before tracing with it")
-    try:
-        module.to(device)
-    except (RuntimeError, NotImplementedError) as e:
-        raise PlacementError(f"cannot move the {name} for {where} from {sorted(map(str, devices))} to "
-                             f"{device}, where the model runs that site: {e}") from e
-
-
-def module_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x`` on ``module``'s device and in its dtype (its first floating parameter's): a step's input."""
-    param = next((p for p in module.parameters() if p.is_floating_point()), None)
-    if param is None:
-        return x
-    return x.to(device=param.device, dtype=param.dtype)
 
 
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,

@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
+from .._placement import to_module
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
 from ..modules.transcoder import Transcoder
 from .replacement_set import ReplacementSet, load_keyed
 from .splice import SpliceSite, splice
-from .splice_chain import module_input
 
 
 def run_on_module(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` with ``x`` cast to the module's device and dtype (the splice casts the result back)."""
-    return module(module_input(module, x))
+    return module(to_module(x, module))
 
 
 class TranscoderSet(ReplacementSet[int, Transcoder]):

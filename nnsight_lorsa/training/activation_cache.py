@@ -32,10 +32,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .._placement import model_device
 from .._typing import Int
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
-from ._placement import model_device
 from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"

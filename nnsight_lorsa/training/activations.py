@@ -20,18 +20,19 @@ batch without replaying earlier ones. What a module reads and writes (Lorsa pape
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._placement import model_device
 from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
-from ._placement import model_device
 from .activation_cache import ActivationCache
 from .dataset import TokenDataset, _loss_mask, _window_ids
 
@@ -55,6 +56,19 @@ class Batch:
     loss_mask: Bool[torch.Tensor, "batch pos"]
     positions: Int[torch.Tensor, "..."] | None = None
     attn_mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        """This batch on ``device`` with ``x`` / ``y`` in ``dtype`` (a module's boundary; an SAE batch's
+        shared ``y is x`` stays shared), masks and positions moved only; ``self`` when nothing changes."""
+        x = self.x.to(device=device, dtype=dtype)
+        y = x if self.y is self.x else self.y.to(device=device, dtype=dtype)
+        fields: dict[str, Any] = {"x": x, "y": y}
+        for name in ("loss_mask", "positions", "attn_mask"):
+            value = getattr(self, name)
+            fields[name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        if all(fields[k] is getattr(self, k) for k in fields):
+            return self
+        return dataclasses.replace(self, **fields)
 
 
 _SiteSpec = Site | Sequence[Site]

@@ -20,11 +20,11 @@ import nnsight
 import torch
 import torch.nn.functional as F
 
+from .._placement import model_device
 from ..envoy.clt_set import CLTSet
 from ..envoy.lorsa_set import LorsaSet
 from ..envoy.sae_set import SAESet, site_output, with_site_output
 from ..envoy.transcoder_set import TranscoderSet
-from ._placement import model_device
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator
 

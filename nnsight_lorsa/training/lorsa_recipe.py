@@ -66,9 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError
 from ..modules.lorsa import Lorsa, _normal_
-from ._placement import f32
 
 if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights

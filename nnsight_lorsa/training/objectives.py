@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
 from ..modules.activations import BatchTopK, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
@@ -41,7 +42,6 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from ._placement import f32, to_module
 from .activations import Batch
 from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
 from .metrics import fvu
@@ -148,7 +148,7 @@ class _LorsaObjective(_Objective):
 
     def after_norms(self, t: Any) -> None:
         lorsa = self.module
-        b = to_module(t.source(0), lorsa.W_O.device, lorsa.W_O.dtype)
+        b = t.source(0).to(lorsa.W_O.device, lorsa.W_O.dtype)
         self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
                                     mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
                                     positions=b.positions, attn_mask=b.attn_mask)
@@ -202,7 +202,7 @@ class _LorsaObjective(_Objective):
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe
-        batch = to_module(batch, lorsa.W_O.device, lorsa.W_O.dtype)
+        batch = batch.to(lorsa.W_O.device, lorsa.W_O.dtype)
         x = batch.x * t.s_in
         y = batch.y * t.s_out
         k = self.top_k(t)
@@ -376,7 +376,7 @@ class _SparseCoderObjective(_DictionaryObjective):
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         coder = self.module
-        batch = to_module(batch, coder.W_dec.device, coder.W_dec.dtype)
+        batch = batch.to(coder.W_dec.device, coder.W_dec.dtype)
         mask = batch.loss_mask
         x = batch.x[mask] * t.s_in
         y = batch.y[mask] * t.s_out
@@ -514,7 +514,7 @@ class _CLTObjective(_DictionaryObjective):
         ``fvu_{l}`` / ``l0_{l}``), ``dead_frac`` over all ``n_layers · d_sae`` features."""
         self.check_batch(batch)
         clt = self.module
-        batch = to_module(batch, clt.W_enc.device, clt.W_enc.dtype)
+        batch = batch.to(clt.W_enc.device, clt.W_enc.dtype)
         s_in, s_out = self._scales(t, clt.W_enc)
         mask = batch.loss_mask
         x = batch.x[:, mask] * s_in                                  # (n_layers, n, d_model)

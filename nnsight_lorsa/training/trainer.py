@@ -32,9 +32,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
+from .._placement import f32, placement
 from ..errors import ArgumentError, CheckpointError
 from ._checkpoint_io import verified_checkpoint, write_checkpoint
-from ._placement import f32, module_placement
 from .activations import Batch
 from .lorsa_recipe import LorsaRecipe
 from .objectives import _objective_class, _objective_for
@@ -112,7 +112,7 @@ class Trainer:
 
     def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
                  mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> None:
-        device, _ = module_placement(module)
+        device, _ = placement(module)
         self.objective = _objective_for(module, mhsa, lorsa_recipe)
         self.objective.check_source(source)
         self.module = module
