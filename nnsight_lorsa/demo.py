@@ -52,6 +52,8 @@ class DemoConfig:
     n_show: int = 5
     out_dir: str | None = None
     seed: int = 0
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", or "auto" (device_map="auto" over the visible GPUs)
+    dtype: str = "float32"  # the model's weights: float32, bfloat16 or float16 (the Lorsa trains in fp32)
     progress: bool = True
 
 
@@ -83,6 +85,7 @@ def load_model(model_dir: str | None = None, *, device: str | torch.device = "cp
                                  dtype=dtype, **where)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _POSITIVE = ("seq_len", "batch_size", "steps", "qk_heads_per_mhsa_head", "top_k", "heldout_windows")
 
 
@@ -112,6 +115,17 @@ def _check_config(cfg: DemoConfig) -> None:
         raise ArgumentError(f"--seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise ArgumentError(f"--lr must be a positive finite number, got {cfg.lr!r}")
+    if cfg.dtype not in _DTYPES:
+        raise ArgumentError(f"--dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
+    if cfg.device != "auto":
+        try:
+            device = torch.device(cfg.device)
+        except (RuntimeError, TypeError) as e:
+            raise ArgumentError(f"--device {cfg.device!r} is not a device (cpu, cuda, cuda:1, auto): {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ArgumentError(f"--device {cfg.device}: torch sees no CUDA device here (torch {torch.__version__})")
+        if device.type not in ("cpu", "cuda"):
+            raise ArgumentError(f"--device {cfg.device}: the demo runs on cpu or cuda")
     if cfg.model_dir is not None and not Path(cfg.model_dir).is_dir():
         raise ArgumentError(f"--model {cfg.model_dir}: not a directory (a local Hugging Face model directory)")
     if cfg.text_path is not None and not Path(cfg.text_path).is_file():
@@ -205,7 +219,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _check_out_dir(cfg.out_dir)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    model = load_model(cfg.model_dir)
+    model = load_model(cfg.model_dir, device=cfg.device, dtype=_DTYPES[cfg.dtype])
     adapter = get_adapter(model)
     layer = adapter.n_layers // 2 if cfg.layer is None else adapter.check_layer(cfg.layer)
     mhsa = adapter.mhsa_weights(model._module, layer)
@@ -228,7 +242,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         n_ov_heads=n_ov, top_k=cfg.top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
         qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer, architecture=adapter.family,
     )
-    lorsa = Lorsa(lcfg)
+    lorsa = Lorsa(lcfg, device=mhsa.W_O.device)  # fp32, on its layer's device
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({adapter.family}, {adapter.n_layers} layers, "
           f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"
           f"{' (one per document, from its start)' if data.target_mask is not None else ''}")
@@ -270,7 +284,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     # top heads with their top-activating contexts and z-patterns
     top = TopActivations.empty(n_ov, n_top=3)
-    keep = torch.ones(heldout.tokens.shape, dtype=torch.bool) if heldout.target_mask is None \
+    keep = torch.ones_like(heldout.tokens, dtype=torch.bool) if heldout.target_mask is None \
         else heldout.target_mask.clone()
     keep[:, 0] = False  # BOS and padding never shown
     for i in range(0, len(heldout), cfg.batch_size):
@@ -287,7 +301,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 continue
             ids = heldout.tokens[w]
             act = attention_activations(model, layer, ids[None], adapter=adapter)
-            zp = folded.z_pattern(act.x, [h], act.positions)[0, 0, p, : p + 1]
+            zp = folded.z_pattern(act.x.to(folded.W_O), [h], act.positions)[0, 0, p, : p + 1].cpu()
             keys = zp.abs().topk(min(3, p + 1)).indices.tolist()
             contrib = ", ".join(f"{model.tokenizer.decode(ids[k:k + 1])!r}@{k - p}:{zp[k]:+.2f}" for k in keys)
             print(f"    z={v:6.2f}  {_context(model.tokenizer, ids, p)}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_hf_model, tiny_tokenizer
+import torch
+from helpers import DEVICES, tiny_hf_model, tiny_tokenizer
 
 from nnsight_lorsa.cli import main
 from nnsight_lorsa.demo import DemoConfig, run_demo
@@ -79,7 +80,9 @@ def no_work(monkeypatch):
     (["--n-ov-heads", "0"], "--n-ov-heads"), (["--layer", "-1"], "--layer"), (["--lr", "nan"], "--lr"),
     (["--lr", "0"], "--lr"), (["--heldout-windows", "0"], "--heldout-windows"), (["--n-show", "-1"], "--n-show"),
     (["--qk-heads-per-mhsa-head", "0"], "--qk-heads-per-mhsa-head"), (["--model", "/nonexistent/dir"], "--model"),
-    (["--text", "/nonexistent/file.txt"], "--text"),
+    (["--text", "/nonexistent/file.txt"], "--text"), (["--dtype", "int8"], "--dtype"), (["--device", "tpu"], "--device"),
+    (["--device", "nonsense:x"], "--device"),
+    *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]),
 ])
 def test_bad_arguments_exit_2_before_any_work(args, flag, no_work, capsys):
     with pytest.raises(SystemExit) as info:
@@ -153,3 +156,20 @@ def test_the_installed_command_exits_2_with_a_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "nnsight_lorsa.cli", "demo", "--batch-size", "0"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 2 and "--batch-size must be a positive integer" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_demo_runs_with_a_low_precision_model(local_model, tmp_path, device, dtype, capsys):
+    """``--device`` / ``--dtype``: the model in bf16 / fp16 on the device, the Lorsa trained in fp32 beside it;
+    the held-out numbers are finite and the trained Lorsa is saved in fp32."""
+    out = tmp_path / "out"
+    code = main(["demo", *local_model, "--steps", "4", "--seq-len", "16", "--batch-size", "4",
+                 "--heldout-windows", "4", "--n-show", "1", "--device", device, "--dtype", dtype,
+                 "--out-dir", str(out)])
+    assert code == 0, capsys.readouterr().err
+    ev = json.loads((out / "demo_results.json").read_text())["eval"]
+    assert all(ev[k] == ev[k] and abs(ev[k]) < 1e6 for k in ("fvu", "l0", "ce_orig", "ce_spliced")), ev
+    from nnsight_lorsa import load
+
+    assert load(out / "lorsa" / "layer_1").W_O.dtype == torch.float32

@@ -171,7 +171,7 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     norm = _module(model, adapter.final_norm_path)
     gain = getattr(norm, "weight", None)
     idx = (torch.arange(lorsa.cfg.n_ov_heads, device=lorsa.W_O.device) if heads is None
-           else torch.as_tensor(heads).reshape(-1).to(lorsa.W_O.device))
+           else torch.as_tensor(heads, device=lorsa.W_O.device).reshape(-1))
     w_o = lorsa.W_O[idx].to(device=device, dtype=torch.float32)
     if w_u.shape[1] != w_o.shape[1]:
         raise ShapeError(f"unembedding is {tuple(w_u.shape)}, Lorsa d_model {w_o.shape[1]}")

@@ -164,7 +164,7 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     keep = None
     if features is not None:
-        idx = torch.as_tensor(features, dtype=torch.long).reshape(-1)
+        idx = torch.as_tensor(features, dtype=torch.long, device="cpu").reshape(-1)
         n = w_dec.shape[0]
         if idx.numel() and (idx.min() < 0 or idx.max() >= n):
             raise ShapeError(f"features must be in [0, {n}), got {idx.tolist()}")

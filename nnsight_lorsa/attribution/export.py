@@ -299,7 +299,7 @@ def embed_json(data: Any) -> str:
 
 def _heatmap(values: Any, rows: Sequence[str] | None = None, cols: Sequence[str] | None = None,
              title: str = "") -> dict[str, Any]:
-    v = torch.as_tensor(values, dtype=torch.float32)
+    v = torch.as_tensor(values, dtype=torch.float32, device="cpu")
     if v.dim() == 1:
         v = v[None]
     if v.dim() != 2:

@@ -171,7 +171,7 @@ class PositionSlots:
 
     def __init__(self, pos: Int[torch.Tensor, " n"], n_pos: int) -> None:
         n = pos.numel()
-        counts = torch.bincount(pos, minlength=n_pos) if n else torch.zeros(n_pos, dtype=torch.long)
+        counts = torch.bincount(pos, minlength=n_pos) if n else torch.zeros(n_pos, dtype=torch.long, device=pos.device)
         starts = torch.cumsum(counts, 0) - counts
         order = torch.argsort(pos, stable=True)  # identity for sorted positions
         slot = torch.empty_like(pos)
@@ -300,7 +300,8 @@ def choose(mode: str, n: int, d: int, dtype: torch.dtype) -> str:
     while ``n·d`` numbers fit :data:`GRID_BUDGET_BYTES`."""
     if mode != "auto":
         return mode
-    return "grid" if n * d * torch.empty((), dtype=dtype).element_size() <= GRID_BUDGET_BYTES else "gather"
+    size = torch.empty((), dtype=dtype, device="meta").element_size()
+    return "grid" if n * d * size <= GRID_BUDGET_BYTES else "gather"
 
 
 #: elements of one ``(batch, pos, chunk)`` gathered-values temporary (recomputed Lorsa pattern rows)

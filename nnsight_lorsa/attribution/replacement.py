@@ -328,8 +328,8 @@ class FrozenReplacement:
         """``Σ_b T[b, rows[b]]`` — the scalar whose gradient injects target ``rows[b]`` into batch row
         ``b`` — built from the pieces of :meth:`target_pieces` that hold one of ``rows`` only: the
         backward then starts at the highest such site and never runs through the layers above it."""
-        r = torch.as_tensor(rows)
-        b = torch.arange(len(rows))
+        r = torch.as_tensor(rows, device="cpu")  # host indices (they index device tensors too)
+        b = torch.arange(len(rows), device="cpu")
         total: torch.Tensor | None = None
         start = 0
         for piece in self.target_pieces():

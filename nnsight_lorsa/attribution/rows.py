@@ -244,7 +244,7 @@ class RowStore:
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """Where rows ``rows`` go in the dense matrix (here: their numbers)."""
-        return torch.as_tensor(rows, dtype=torch.long)
+        return torch.as_tensor(rows, dtype=torch.long, device=HOST)
 
     def record(self, rows: list[int], grads: torch.Tensor) -> None:
         """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row."""
@@ -308,7 +308,7 @@ class RowScheduler(RowStore):
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
-        t = torch.as_tensor(rows, dtype=torch.long)
+        t = torch.as_tensor(rows, dtype=torch.long, device=HOST)
         lay = self.layout
         return torch.where(t < lay.n_features, t, lay.n_sources + t - lay.n_features)
 
@@ -396,6 +396,7 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     n = node_ids.numel()
     row_at = new_index[scheduler.position(scheduler.done)]
     rows = scheduler.rows
+    residual = torch.zeros(n, dtype=torch.float64, device=HOST)
     adjacency: torch.Tensor | BlockAdjacency
     if isinstance(rows, BlockAdjacency) and rows.shape == (n, n):  # written in place: every node kept, in order
         adjacency = rows
@@ -406,6 +407,9 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
         for row, col, val in scheduler.sparse().chunks():  # chunk by chunk: no (rows, sources) copy
             k = keep_src[col]
             adjacency[row_at[row[k]], new_index[col[k]]] = val[k]
+            # edges from features never visited (a max_feature_nodes budget) are not nodes of the graph:
+            # their exact sum goes to the row's residual, so Σ adjacency[t] + residual[t] = value[t] still
+            residual.index_add_(0, row_at[row[~k]], val[~k].double())
     all_values = torch.full((ns + n_logits,), float("nan"), dtype=adjacency.dtype, device=HOST)
     all_values[:nf] = values[:nf].to(HOST)
     all_values[ns:] = values[nf:].to(HOST)
@@ -414,7 +418,7 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids),
                  adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified on first read
                  values=all_values[node_ids], logit_probs=layout.logit_probs, feature_rows=computed,
-                 layout_ids=node_ids, prompt=prompt, meta=meta)
+                 layout_ids=node_ids, prompt=prompt, meta=meta, residual=residual.to(adjacency.dtype))
 
 
 def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, *, node_threshold: float,

@@ -161,7 +161,7 @@ class PruneConfig:
 
 def logit_weights(graph: Graph) -> torch.Tensor:
     """``(n_nodes,)``: the logit probabilities on logit nodes, 0 elsewhere."""
-    w = torch.zeros(graph.n_nodes, dtype=graph.adjacency.dtype)
+    w = torch.zeros(graph.n_nodes, dtype=graph.adjacency.dtype, device=HOST)
     w[graph.logit_ids] = graph.logit_probs.to(w.dtype)
     return w
 
@@ -169,14 +169,15 @@ def logit_weights(graph: Graph) -> torch.Tensor:
 def node_influence(graph: Graph, adjacency: torch.Tensor | None = None) -> torch.Tensor:
     """``(n_nodes,)`` influence of every node on the logits (``w Σ_k Â^k``, k ≥ 1)."""
     A = graph.adjacency if adjacency is None else adjacency
-    return influence(A, torch.arange(graph.n_nodes), logit_weights(graph))
+    return influence(A, torch.arange(graph.n_nodes, device=HOST), logit_weights(graph))
 
 
 def find_threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     """The score above which the top scores hold ``fraction`` of the total (circuit-tracer's rule)."""
     s = scores.flatten().sort(descending=True).values
     cum = s.cumsum(0) / s.sum().clamp_min(1e-30)
-    return s[min(int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype))), s.numel() - 1)]
+    at = torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype, device=cum.device))
+    return s[min(int(at), s.numel() - 1)]
 
 
 def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
@@ -328,7 +329,7 @@ def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneRe
     base, whole = _delta(replacement, ids, [[], members], token, incorrect_token).tolist()
     singles = [[m] for m in members]
     effects = torch.cat([base - _delta(replacement, ids, singles[i:i + chunk], token, incorrect_token)
-                         for i in range(0, len(singles), chunk)]) if singles else torch.zeros(0)
+                         for i in range(0, len(singles), chunk)]) if singles else torch.zeros(0, device=HOST)
     attribution = pruned.node_influence[nodes].float()
     completeness = 1.0 - whole / base if base != 0 else float("nan")
     minimal = float((effects.abs() >= min_effect * abs(base)).float().mean()) if len(effects) else float("nan")
@@ -340,7 +341,7 @@ def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneRe
 def layout_target_nodes(layout: Layout) -> torch.Tensor:
     """Layout node index of each target row (features, then logits)."""
     nf, ns = layout.n_features, layout.n_sources
-    return torch.cat([torch.arange(nf), torch.arange(ns, ns + layout.n_logits)])
+    return torch.cat([torch.arange(nf, device=HOST), torch.arange(ns, ns + layout.n_logits, device=HOST)])
 
 
 def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: torch.Tensor, *,
@@ -358,12 +359,12 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     layout, mhsa, adapter, model = prepared.layout, prepared.mhsa, prepared.adapter, replacement.model
     rows = graph.feature_rows.nonzero().flatten()
     col_of = {int(n): i for i, n in enumerate(layout_target_nodes(layout))}
-    target_cols = torch.tensor([col_of[int(graph.layout_ids[r])] for r in rows])
+    target_cols = torch.tensor([col_of[int(graph.layout_ids[r])] for r in rows], device=HOST)
     src_cols = graph.layout_ids[sources]
     out = []
     for chunk in src_cols.split(batch_size):
-        M = torch.ones(chunk.numel() + 1, layout.n_sources)
-        M[torch.arange(1, chunk.numel() + 1), chunk] += 1.0
+        M = torch.ones(chunk.numel() + 1, layout.n_sources, device=HOST)  # the frozen pass moves it
+        M[torch.arange(1, chunk.numel() + 1, device=HOST), chunk] += 1.0
         _, T = frozen_logits(model, adapter, layout, mhsa, M)
         out.append((T[1:] - T[:1]).T.to(HOST)[target_cols])
     return torch.cat(out, dim=1), graph.adjacency[rows][:, sources]

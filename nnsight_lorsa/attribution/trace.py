@@ -124,7 +124,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
         ids = tokenizer_of(model, "attribute(prompt=<text>)")(prompt, return_tensors="pt")["input_ids"][0]
     else:
         try:
-            raw = torch.as_tensor(prompt)
+            raw = torch.as_tensor(prompt, device="cpu")
         except (TypeError, ValueError, RuntimeError) as e:
             raise ArgumentError(f"a prompt must be text or token ids, got {type(prompt).__name__}: {e}") from e
         if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
@@ -336,7 +336,7 @@ def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa
     (error nodes included); raising ``M[b, s]`` by 1 adds source ``s``'s contribution once more, the
     intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``."""
     constants: dict[str, torch.Tensor] = {}
-    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(model._module))
+    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(model._module), device="cpu")
     for mult in (ones, ones if M is None else M):
         ids = layout.tokens[None].expand(mult.shape[0], -1).to(model.device)
         with torch.no_grad(), model.trace(ids, use_cache=False):

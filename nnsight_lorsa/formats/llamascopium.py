@@ -363,7 +363,7 @@ def _check_buffers(
                 f"{path}: buffer 'mask' has shape {tuple(mask.shape)}, config n_ctx={n_ctx}"
             )
         m = min(n_ctx, _N_CHECK)
-        if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool).tril()):
+        if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()):
             raise UnsupportedArchitectureError(
                 f"{path}: buffer 'mask' is not the plain causal mask "
                 "(local/windowed attention is not supported)"
@@ -382,7 +382,7 @@ def _check_buffers(
                 f"{(n_ctx, cfg.rotary.rotary_dim)}"
             )
     m = min(n_ctx, _N_CHECK)
-    cos, sin = rotary_cos_sin(cfg.rotary, torch.arange(m))
+    cos, sin = rotary_cos_sin(cfg.rotary, torch.arange(m, device="cpu"))
     for key, ours in (("rotary_cos", cos), ("rotary_sin", sin)):
         if key in state:
             err = (state[key][:m].float() - ours).abs().max().item()
@@ -578,8 +578,8 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     }
     dtype = lorsa.W_Q.dtype
     state = {k: v.detach().to("cpu").contiguous() for k, v in lorsa.state_dict().items()}
-    state["mask"] = torch.ones(n_ctx, n_ctx, dtype=torch.bool).tril()
-    state["IGNORE"] = torch.tensor(-torch.inf)
+    state["mask"] = torch.ones(n_ctx, n_ctx, dtype=torch.bool, device="cpu").tril()
+    state["IGNORE"] = torch.tensor(-torch.inf, device="cpu")
     rot = cfg.rotary
     if rot is not None:
         if rot.rope_type not in ("default", "llama3") or rot.attention_scaling != 1 or float(rot.base) != int(rot.base):
@@ -593,7 +593,7 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
                        NTK_by_parts_low_freq_factor=rot.scaling["low_freq_factor"],
                        NTK_by_parts_high_freq_factor=rot.scaling["high_freq_factor"],
                        old_context_len=int(rot.scaling["original_max_position_embeddings"]))
-        cos, sin = rotary_cos_sin(rot, torch.arange(n_ctx))
+        cos, sin = rotary_cos_sin(rot, torch.arange(n_ctx, device="cpu"))
         state["rotary_cos"], state["rotary_sin"] = cos.to(dtype), sin.to(dtype)
     else:
         doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE

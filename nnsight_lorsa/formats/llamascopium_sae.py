@@ -151,7 +151,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
     work = torch.float64
     W_E, b_E, W_D = (state[k].to(work) for k in ("W_E", "b_E", "W_D"))
-    b_D = state["b_D"].to(work) if use_bias else torch.zeros(d, dtype=work)
+    b_D = state["b_D"].to(work) if use_bias else torch.zeros(d, dtype=work, device=W_E.device)
     theta = state[THRESHOLD_KEY].to(work).exp() if act == "jumprelu" else None
     scales: dict[str, float] = {}
     if not settings["folded"]:

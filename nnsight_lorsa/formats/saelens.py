@@ -307,7 +307,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{weights_path}: missing tensor 'topk_threshold' (architecture {arch!r})")
         theta = state.pop("topk_threshold").reshape(())
         state["activation.threshold"] = theta.to(state["W_enc"].dtype if "W_enc" in state else torch.float32)
-        state["activation.n_updates"] = torch.ones((), dtype=torch.long)
+        state["activation.n_updates"] = torch.ones((), dtype=torch.long, device=theta.device)
     if "log_threshold" in state and "threshold" not in state:
         state["threshold"] = state.pop("log_threshold").exp()
     if "threshold" in state:

@@ -139,7 +139,7 @@ class JumpReLU(nn.Module):
         super(JumpReLU, self).__init__()
         if bandwidth <= 0:
             raise CheckpointError(f"JumpReLU bandwidth must be positive, got {bandwidth}")
-        theta = torch.as_tensor(threshold, dtype=torch.float32)
+        theta = torch.as_tensor(threshold, dtype=torch.float32, device="cpu")  # moved with the module
         if theta.dim() > 1 or (theta.dim() == 1 and theta.shape[0] != d_sae):
             raise CheckpointError(f"JumpReLU threshold must be a float or ({d_sae},), got {tuple(theta.shape)}")
         self.threshold = nn.Parameter(theta.expand(d_sae).clone())
@@ -186,8 +186,8 @@ class BatchTopK(nn.Module):
         self.k = k
         self.d_sae = d_sae
         self.threshold_lr = float(threshold_lr)
-        self.register_buffer("threshold", torch.zeros(()))
-        self.register_buffer("n_updates", torch.zeros((), dtype=torch.long))
+        self.register_buffer("threshold", torch.zeros((), device="cpu"))  # moved with the module
+        self.register_buffer("n_updates", torch.zeros((), dtype=torch.long, device="cpu"))
 
     def batch_topk(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
         """The training rule: keep the ``k · n_rows`` largest ReLU'd entries of the whole batch."""

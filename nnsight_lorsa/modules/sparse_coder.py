@@ -121,7 +121,8 @@ def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.
     if W_enc.shape == W_dec.T.shape:
         W_enc.copy_(W_dec.T)
     else:
-        draw = torch.randn(*W_enc.shape, generator=generator, dtype=torch.float32)
+        draw = torch.randn(*W_enc.shape, generator=generator, dtype=torch.float32,
+                           device=generator.device if generator is not None else "cpu")
         W_enc.copy_((draw / draw.norm(dim=0, keepdim=True).clamp_min(1e-12)).to(W_enc))
 
 

@@ -61,7 +61,7 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
         means = means[target.target]
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
-    target.replacement.check_values(target.target, torch.as_tensor(means))
+    target.replacement.check_values(target.target, torch.as_tensor(means, device="cpu"))
     tensor[idx] = like(means, tensor)  # on the target's device, in its dtype (means may come from anywhere)
 
 

@@ -324,7 +324,7 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
             if mode == "mean":
                 if not isinstance(means, dict) or t not in means:
                     raise ConfigMismatchError(f"mode='mean' needs means[{t}] (see mean_activations)")
-                replacement.check_values(t, torch.as_tensor(means[t]))
+                replacement.check_values(t, torch.as_tensor(means[t], device="cpu"))
     for r in receivers:
         if not isinstance(r, HeadInput):
             raise ConfigMismatchError(f"receivers are HeadInput(head, 'q'|'k'|'v'), got {r!r}")

@@ -58,7 +58,7 @@ class AttentionGate(nn.Module):
         super(AttentionGate, self).__init__()
         if n_heads < 1:
             raise GateConfigError(f"n_heads must be >= 1, got {n_heads}")
-        self.bias = nn.Parameter(torch.full((n_heads,), float(init_bias)))
+        self.bias = nn.Parameter(torch.full((n_heads,), float(init_bias), device="cpu"))  # placed by install
         self.temperature = float(temperature)
         self.mode = mode
         self.top_k = int(top_k)

@@ -431,7 +431,7 @@ class SparseAttentionTrainer:
         opt = self.optimizer.state_dict()
         for idx, st in opt["state"].items():
             for key, val in st.items():
-                tensors[f"optim.{idx}.{key}"] = torch.as_tensor(val).detach().cpu().contiguous()
+                tensors[f"optim.{idx}.{key}"] = torch.as_tensor(val, device="cpu").detach().contiguous()
         tensors["rng.global"] = torch.get_rng_state()
         tensors["rng.data"] = self.gen.get_state()
         for index in self._cuda_devices():  # the gates draw their training noise on their own device

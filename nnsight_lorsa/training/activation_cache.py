@@ -216,7 +216,7 @@ class ActivationCache:
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
         self._handles: dict[str, Any] = {}
         self._check_shards()
-        self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long)
+        self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
             self.check_model(model)
         for s in sites or ():
@@ -324,4 +324,4 @@ class ActivationCache:
 
     def dataset(self) -> TokenDataset:
         """The cached windows' token ids as a :class:`~.activations.TokenDataset`."""
-        return TokenDataset(self.windows("input_ids", torch.arange(self.n_windows)))
+        return TokenDataset(self.windows("input_ids", torch.arange(self.n_windows, device="cpu")))

@@ -91,9 +91,9 @@ class TokenDataset:
         n = len(ids) // body
         if n == 0:
             raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {seq_len}")
-        t = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)
+        t = torch.tensor(ids[: n * body], dtype=torch.long, device="cpu").view(n, body)
         if bos is not None:
-            t = torch.cat([torch.full((n, 1), bos, dtype=torch.long), t], dim=1)
+            t = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device="cpu"), t], dim=1)
         return cls(t)
 
     @classmethod
@@ -139,7 +139,8 @@ class TokenDataset:
             masks.append([True] * len(ids) + [False] * (seq_len - len(ids)))
         if not rows:
             raise ValueError("no document has a token")
-        return cls(torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool))
+        return cls(torch.tensor(rows, dtype=torch.long, device="cpu"),
+                   torch.tensor(masks, dtype=torch.bool, device="cpu"))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -170,5 +171,5 @@ def _window_ids(n_windows: int, index: int, batch_size: int, seed: int) -> Int[t
     permutation each epoch (``seed * 1_000_003 + epoch``), cut into ``n_windows // batch_size`` batches."""
     per_epoch = max(1, n_windows // batch_size)
     epoch, k = divmod(index, per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n_windows, generator=g)[k * batch_size:(k + 1) * batch_size]
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_windows, generator=g, device="cpu")[k * batch_size:(k + 1) * batch_size]

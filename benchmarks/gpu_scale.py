@@ -1,0 +1,290 @@
+"""Llama-3.1-8B shape on one GPU: Lorsa forward vs floor, replace vs plain trace, training and attribution.
+
+Random bf16 weights built directly on the device (nothing downloaded): Llama-3.1-8B's shapes (32 layers,
+d_model 4096, GQA 32/8 heads of 128, llama3 RoPE, vocab 128256) and the Lorsa paper's Table 1 Lorsa
+(32K QK heads in groups of 128 = 256 independent QK heads of 128, 32K OV heads, top-k 128), TopK
+transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
+
+(a) the Lorsa module's forward against its floor (Q/K/V projections + ONE SDPA call with the OV heads as
+    value dimension + the output projection) — goal <= 1.25;
+(b) ``LorsaSet.replace(layer=15)`` inside ``model.trace`` against the plain trace — goal <= 1.10;
+(c) Lorsa training throughput (tokens/s): the model forward that reads the activations + the Lorsa
+    fwd+bwd+AdamW step, next to the bare step on fixed activations;
+(d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
+    device memory next to ``estimate_memory``'s prediction, and time per batch of target rows next to the
+    floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets).
+
+    python benchmarks/gpu_scale.py                        # the 8B shape on cuda (H100/H200)
+    python benchmarks/gpu_scale.py --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
+
+Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import RESULTS, arg, parser, start, time_interleaved, write_json  # noqa: E402
+
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, get_adapter  # noqa: E402
+
+#: the two scales: the 8B shape of issue 21 and a CPU smoke shape that exercises every code path
+SCALES: dict[str, dict[str, Any]] = {
+    "8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv=8, d_mlp=14336, vocab=128256, n_qk=256, n_ov=32768,
+               top_k=128, d_tc=32768, k_tc=64, layer=15, batch_fwd=1, train_batch=8, train_seq=2048),
+    "tiny": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=128, vocab=256, n_qk=8, n_ov=256, top_k=8,
+                 d_tc=256, k_tc=8, layer=1, batch_fwd=1, train_batch=2, train_seq=32),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_reset(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+
+def build(s: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(nnsight model, HF model): a random Llama with the scale's shapes, built on ``device`` in ``dtype``."""
+    from nnsight import TransformersModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nnsight_lorsa.envoy.tokens import ids_only_tokenizer
+
+    cfg = LlamaConfig(hidden_size=s["d_model"], intermediate_size=s["d_mlp"], num_hidden_layers=s["n_layers"],
+                      num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv"], vocab_size=s["vocab"],
+                      max_position_embeddings=max(8192, s["train_seq"]), rms_norm_eps=1e-5,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      rope_theta=500000.0, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformersModel(hf, task="text-generation", tokenizer=ids_only_tokenizer(s["vocab"])), hf
+
+
+def paper_lorsa(s: dict[str, Any], adapter: Any, hf: Any, layer: int, device: torch.device,
+                dtype: torch.dtype) -> Lorsa:
+    """The Lorsa of Table 1 for ``layer``, initialised from its MHSA (per MHSA head: no n_ov-sized gather)."""
+    w = adapter.mhsa_weights(hf, layer)
+    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=s["n_qk"], d_qk_head=w.head_dim, n_ov_heads=s["n_ov"],
+                      top_k=s["top_k"], rotary=w.rotary, attn_scale=1.0 / w.scale, layer=layer)
+    lorsa = Lorsa(cfg, device=device, dtype=dtype)
+    lorsa.init_from_mhsa(w, generator=torch.Generator(device="cpu").manual_seed(layer))
+    return lorsa
+
+
+def forward_vs_floor(lorsa: Lorsa, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+    """(a): the Lorsa forward against one SDPA call with the same shapes and the dense projections."""
+    cfg, dev = lorsa.cfg, x.device
+    b, n, d = x.shape
+    h, e, g = cfg.n_qk_heads, cfg.d_qk_head, cfg.n_ov_heads // cfg.n_qk_heads
+    Wq = lorsa.W_Q.detach().permute(1, 0, 2).reshape(d, h * e)
+    Wk = lorsa.W_K.detach().permute(1, 0, 2).reshape(d, h * e)
+    Wv, Wo = lorsa.W_V.detach().T.contiguous(), lorsa.W_O.detach()
+
+    @torch.no_grad()
+    def floor() -> None:
+        q = (x @ Wq).view(b, n, h, e).transpose(1, 2)
+        k = (x @ Wk).view(b, n, h, e).transpose(1, 2)
+        v = (x @ Wv).view(b, n, h, g).transpose(1, 2)
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1)
+        _ = z @ Wo
+        sync(dev)
+
+    @torch.no_grad()
+    def ours() -> None:
+        lorsa(x)
+        sync(dev)
+
+    res = time_interleaved({"floor": floor, "lorsa": ours}, repeats=repeats)
+    return {**res, "ratio": res["lorsa"]["median_s"] / res["floor"]["median_s"], "goal": 1.25}
+
+
+def replace_vs_trace(model: Any, lorsas: LorsaSet, ids: torch.Tensor, layer: int, repeats: int) -> dict[str, Any]:
+    """(b): ``replace(layer)`` in a trace against the plain trace (same save)."""
+    import nnsight
+
+    dev = next(model._module.parameters()).device
+
+    @torch.no_grad()
+    def plain() -> None:
+        with model.trace(ids):
+            nnsight.save(model.lm_head.output)
+        sync(dev)
+
+    @torch.no_grad()
+    def replaced() -> None:
+        with model.trace(ids):
+            lorsas.replace(layer=layer)
+            nnsight.save(model.lm_head.output)
+        sync(dev)
+
+    res = time_interleaved({"plain_trace": plain, "replace": replaced}, repeats=repeats)
+    return {**res, "ratio": res["replace"]["median_s"] / res["plain_trace"]["median_s"], "goal": 1.10}
+
+
+def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -> dict[str, Any]:
+    """(c): tokens/s of a Lorsa step with the activations read from the model, and of the bare step."""
+    from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer
+
+    dev = lorsa.W_O.device
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, s["vocab"], ((steps + 2) * s["train_batch"], s["train_seq"]), generator=g)
+    data = TokenDataset(ids)
+    source = ActivationSource.attention(model, s["layer"], data, s["train_batch"], seed=0)
+    trainer = Trainer(lorsa, source, TrainConfig(total_steps=steps + 1, lr=1e-4))
+    trainer.train_step()  # warm-up (also the norm estimate and the first batch)
+    sync(dev)
+    peak_reset(dev)
+    t = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    sync(dev)
+    with_model = time.perf_counter() - t
+    batch = source(0)
+    t = time.perf_counter()
+    for _ in range(steps):  # the bare step on fixed activations: loss, backward, optimizer
+        loss, _ = trainer.loss(batch)
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    sync(dev)
+    bare = time.perf_counter() - t
+    tokens = steps * s["train_batch"] * s["train_seq"]
+    return {"tokens_per_s_with_model": tokens / with_model, "tokens_per_s_bare_step": tokens / bare,
+            "peak_bytes": peak_bytes(dev), "steps": steps, "batch": [s["train_batch"], s["train_seq"]]}
+
+
+def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> float:
+    """Seconds of the floor of one attribution batch: forward of ``batch`` prompt copies with the
+    embeddings requiring grad, one backward from ``batch`` targets (median)."""
+    dev = next(hf.parameters()).device
+
+    def run() -> None:
+        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(batch, -1, -1).clone().requires_grad_(True)
+        logits = hf(inputs_embeds=emb).logits[:, -1]
+        logits[torch.arange(batch, device=dev), torch.arange(batch, device=dev)].sum().backward()
+        sync(dev)
+
+    return time_interleaved({"floor": run}, repeats=repeats, warmup=1)["floor"]["median_s"]
+
+
+def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
+                vocab: int) -> list[dict[str, Any]]:
+    """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor."""
+    from nnsight_lorsa import attribute
+    from nnsight_lorsa.attribution import estimate_memory
+
+    dev = next(hf.parameters()).device
+    resident = peak_bytes(dev)
+    out = []
+    for n in tokens:
+        ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
+        est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
+        floor = attribution_floor(hf, ids, batch, repeats)
+        peak_reset(dev)
+        before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
+        try:
+            t = time.perf_counter()
+            graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+            sync(dev)
+            seconds = time.perf_counter() - t
+        except torch.cuda.OutOfMemoryError as e:
+            out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300], "estimate_device_bytes": est.device_bytes})
+            continue
+        peak = peak_bytes(dev)
+        n_rows = int(graph.feature_rows.sum()) + len(graph.logit_ids)
+        batches = -(-n_rows // batch)
+        out.append({
+            "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
+            "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
+            "per_row_vs_floor": seconds / batches / floor,
+            "device_peak_above_resident": None if peak is None or before is None else peak - before,
+            "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
+            "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
+        })
+        del graph
+    return out
+
+
+def main() -> None:
+    args = parser(__doc__, scale=arg("8b", choices=sorted(SCALES)), device="cuda", dtype="bfloat16",
+                  tokens=arg(nargs="+", type=int, default=[512, 1024, 2048, 4096]), seq=2048, repeats=5,
+                  train_steps=5, attr_batch=4, attr_rows=64, skip=arg(nargs="*", default=[], type=str,
+                                                                       help="parts to skip: a b c d"),
+                  out=arg(None, type=str)).parse_args()
+    start(args)
+    s, dev, dt = SCALES[args.scale], torch.device(args.device), getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    result: dict[str, Any] = {"scale": args.scale, "shapes": s, "device": name, "dtype": args.dtype,
+                              "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+    model, hf = build(s, dev, dt)
+    adapter = get_adapter(model)
+    layer = s["layer"]
+    lorsa = paper_lorsa(s, adapter, hf, layer, dev, dt)
+    result["lorsa_bytes"] = sum(p.numel() * p.element_size() for p in lorsa.parameters())
+    seq = min(args.seq, s["train_seq"]) if args.scale == "tiny" else args.seq
+    x = torch.randn(s["batch_fwd"], seq, s["d_model"], device=dev, dtype=dt)
+    if "a" not in args.skip:
+        result["a_forward_vs_floor"] = forward_vs_floor(lorsa, x, args.repeats)
+        print("(a) Lorsa forward / floor:", round(result["a_forward_vs_floor"]["ratio"], 3))
+    ids = torch.randint(0, s["vocab"], (s["batch_fwd"], seq), generator=torch.Generator(device="cpu").manual_seed(1))
+    lorsas = LorsaSet(model, {layer: lorsa})
+    if "b" not in args.skip:
+        result["b_replace_vs_trace"] = replace_vs_trace(model, lorsas, ids, layer, args.repeats)
+        print("(b) replace / plain trace:", round(result["b_replace_vs_trace"]["ratio"], 3))
+    if "c" not in args.skip:
+        trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
+        result["c_training"] = training(model, hf, trained, s, args.train_steps)
+        print("(c) training tokens/s:", {k: round(v) for k, v in result["c_training"].items()
+                                         if k.startswith("tokens")})
+        del trained
+    if "d" not in args.skip:
+        from nnsight_lorsa.modules import Transcoder, TranscoderConfig
+
+        all_lorsas = {L: (lorsa if L == layer else paper_lorsa(s, adapter, hf, L, dev, dt))
+                      for L in range(s["n_layers"])}
+        tcs = {}
+        for L in range(s["n_layers"]):
+            tc = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
+                                             activation_params={"k": s["k_tc"]}, layer=L), device=dev, dtype=dt)
+            tcs[L] = tc
+        rm = ReplacementModel(model, lorsas=all_lorsas, transcoders=tcs)
+        peak_reset(dev)
+        result["d_attribution"] = attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats,
+                                              s["vocab"])
+        for row in result["d_attribution"]:
+            print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    safe = "".join(c if c.isalnum() else "_" for c in name)
+    path = write_json(args.out or RESULTS / f"gpu_scale_{args.scale}_{safe}.json", result)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
