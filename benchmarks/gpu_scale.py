@@ -216,7 +216,8 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             sync(dev)
             seconds = time.perf_counter() - t
         except torch.cuda.OutOfMemoryError as e:
-            out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300], "estimate_device_bytes": est.device_bytes})
+            out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300],
+                        "estimate_device_bytes": est.device_bytes})
             continue
         peak = peak_bytes(dev)
         n_rows = int(graph.feature_rows.sum()) + len(graph.logit_ids)
@@ -268,7 +269,7 @@ def main() -> None:
     if "d" not in args.skip:
         from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
-        all_lorsas = {L: (lorsa if L == layer else paper_lorsa(s, adapter, hf, L, dev, dt))
+        all_lorsas = {L: (lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt))
                       for L in range(s["n_layers"])}
         tcs = {}
         for L in range(s["n_layers"]):

@@ -80,8 +80,8 @@ def no_work(monkeypatch):
     (["--n-ov-heads", "0"], "--n-ov-heads"), (["--layer", "-1"], "--layer"), (["--lr", "nan"], "--lr"),
     (["--lr", "0"], "--lr"), (["--heldout-windows", "0"], "--heldout-windows"), (["--n-show", "-1"], "--n-show"),
     (["--qk-heads-per-mhsa-head", "0"], "--qk-heads-per-mhsa-head"), (["--model", "/nonexistent/dir"], "--model"),
-    (["--text", "/nonexistent/file.txt"], "--text"), (["--dtype", "int8"], "--dtype"), (["--device", "tpu"], "--device"),
-    (["--device", "nonsense:x"], "--device"),
+    (["--text", "/nonexistent/file.txt"], "--text"), (["--dtype", "int8"], "--dtype"),
+    (["--device", "tpu"], "--device"), (["--device", "nonsense:x"], "--device"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]),
 ])
 def test_bad_arguments_exit_2_before_any_work(args, flag, no_work, capsys):
