@@ -1,0 +1,27 @@
+"""``benchmarks/gpu_scale.py`` (the 8B-shape GPU benchmark of issue 21) runs end to end at its tiny scale on
+the CPU, so that the script a GPU session runs is known to work before that session spends device time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import ROOT
+
+
+def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
+    out = tmp_path / "gpu_scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_scale.py"), "--scale", "tiny", "--device",
+                           "cpu", "--dtype", "float32", "--tokens", "16", "--repeats", "1", "--train-steps", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["scale"] == "tiny"
+    assert result["a_forward_vs_floor"]["ratio"] > 0 and result["b_replace_vs_trace"]["ratio"] > 0
+    assert result["c_training"]["tokens_per_s_with_model"] > 0
+    (row,) = result["d_attribution"]
+    assert row["tokens"] == 16 and row["target_rows"] > 0 and row["estimate_device_bytes"] > 0
+    assert row["edge_sum_error_max"] < 1e-5  # fp32: every row sums to its value (feature budget included)
