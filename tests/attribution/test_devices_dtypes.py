@@ -7,7 +7,7 @@ terms cancel):
 
 * edge sums: fp32 (and ``dtype=torch.float32`` on a bf16/fp16 model) ``< 1e-6``; bf16 ``< 2e-2``; fp16 ``< 3e-3``;
 * the graph of a bf16/fp16 model against the fp32 model's: at least 99 % of the nodes shared, every shared
-  value within :data:`VALUE_GAP` of its row's mass, and (fp16) over the shared rows and columns
+  value within :data:`VALUE_GAP` of its row's mass, and over the shared rows and columns
   ``Σ|ΔA| / Σ|A|`` below :data:`GRAPH_GAP`;
 * on a device against the CPU (fp32): the same nodes, values within 1e-4 of each row's mass, ``Σ|ΔA| / Σ|A|``
   per row below 1e-3.
@@ -28,10 +28,9 @@ from nnsight_lorsa.errors import PlacementError
 
 #: max over rows of |Σ edges − value| / Σ |edges|, by the dtype the frozen model computes in
 SUM_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
-#: Σ|ΔA| / Σ|A| over the nodes shared with the fp32 model's graph, by the model's dtype (fp16 only: a bf16
-#: model's layer-2 feature rows here differ from the fp32 model's by O(their mass), in the bf16 model's own
-#: frozen forward — dtype=torch.float32 too — while its values agree to VALUE_GAP; see the issue-21 report)
-GRAPH_GAP = {torch.float16: 1e-2}
+#: Σ|ΔA| / Σ|A| over the nodes shared with the fp32 model's graph (matched by kind, layer, position and
+#: index), by the model's dtype: measured up to 1.9e-2 (bf16) and 1.3e-3 (fp16) (default compute dtype)
+GRAPH_GAP = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
 #: max |Δ value| / Σ |edges of the fp32 row| over the shared rows, by the model's dtype
 VALUE_GAP = {torch.bfloat16: 5e-2, torch.float16: 5e-3}
 
@@ -61,8 +60,14 @@ def reference() -> Graph:
 
 def shared(g: Graph, ref: Graph) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Graph indices of the nodes ``g`` and ``ref`` share (``(a, b)``), and the fraction of ``ref``'s nodes shared."""
-    at = {int(v): i for i, v in enumerate(g.layout_ids)}
-    both = [(at[int(v)], j) for j, v in enumerate(ref.layout_ids) if int(v) in at]
+    # a node is (kind, layer, position, index): layout ids number each prompt's active nodes and differ
+    # between graphs whose active sets differ (a bf16 model activates other features than an fp32 one)
+    def keys(graph: Graph) -> list[tuple[int, ...]]:
+        n = graph.nodes
+        return list(zip(n.kind.tolist(), n.layer.tolist(), n.pos.tolist(), n.index.tolist(), strict=True))
+
+    at = {k: i for i, k in enumerate(keys(g))}
+    both = [(at[k], j) for j, k in enumerate(keys(ref)) if k in at]
     a, b = (torch.tensor(t) for t in zip(*both, strict=True))
     return a, b, len(both) / max(len(ref.layout_ids), len(g.layout_ids))
 
