@@ -169,10 +169,8 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     if (cache / f"layer_{layer}").exists() and (cache / "train.json").exists() and not retrain:
         return LorsaSet.from_pretrained(model, cache), json.loads((cache / "train.json").read_text())
     t0 = time.perf_counter()
-    lcfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * 4, d_qk_head=mhsa.head_dim,
-                       n_ov_heads=n_ov, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
-                       qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer,
-                       architecture=adapter.family)
+    lcfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=n_ov, top_k=top_k, qk_heads_per_mhsa_head=4, layer=layer,
+                                 architecture=adapter.family)
     source = ActivationSource.attention(model, layer, TokenDataset(train_rows), 32, seed=0)
     trainer = Trainer(Lorsa(lcfg), source, TrainConfig(total_steps=steps, lr=4e-3), mhsa=mhsa)
     trainer.train(progress=False)

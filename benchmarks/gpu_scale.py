@@ -92,8 +92,8 @@ def paper_lorsa(s: dict[str, Any], adapter: Any, hf: Any, layer: int, device: to
                 dtype: torch.dtype) -> Lorsa:
     """The Lorsa of Table 1 for ``layer``, initialised from its MHSA (per MHSA head: no n_ov-sized gather)."""
     w = adapter.mhsa_weights(hf, layer)
-    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=s["n_qk"], d_qk_head=w.head_dim, n_ov_heads=s["n_ov"],
-                      top_k=s["top_k"], rotary=w.rotary, attn_scale=1.0 / w.scale, layer=layer)
+    cfg = LorsaConfig.from_mhsa(w, n_ov_heads=s["n_ov"], top_k=s["top_k"],
+                                qk_heads_per_mhsa_head=s["n_qk"] // w.n_heads, layer=layer)
     lorsa = Lorsa(cfg, device=device, dtype=dtype)
     lorsa.init_from_mhsa(w, generator=torch.Generator(device="cpu").manual_seed(layer))
     return lorsa

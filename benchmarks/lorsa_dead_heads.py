@@ -33,8 +33,7 @@ def main() -> None:
     a = get_adapter(model)
     mhsa = a.mhsa_weights(model._module, layer)
     torch.manual_seed(0)
-    cfg = LorsaConfig(d_model=a.d_model, n_qk_heads=4 * mhsa.n_heads, d_qk_head=mhsa.head_dim, n_ov_heads=1024,
-                      top_k=16, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale, layer=layer)
+    cfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=1024, top_k=16, qk_heads_per_mhsa_head=4, layer=layer)
     source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
                               seed=0)
     trainer = Trainer(Lorsa(cfg), source, TrainConfig(total_steps=steps, **tc), mhsa=mhsa,

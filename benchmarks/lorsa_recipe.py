@@ -197,9 +197,7 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
     a = get_adapter(model)
     mhsa = a.mhsa_weights(model._module, layer)
     torch.manual_seed(seed)
-    cfg = LorsaConfig(d_model=a.d_model, n_qk_heads=4 * mhsa.n_heads, d_qk_head=mhsa.head_dim, n_ov_heads=n_ov,
-                      top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale, qk_norm=mhsa.q_norm is not None,
-                      qk_norm_eps=mhsa.qk_norm_eps, layer=layer)
+    cfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=n_ov, top_k=top_k, qk_heads_per_mhsa_head=4, layer=layer)
     lorsa = Lorsa(cfg)
     source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
                               seed=seed)

@@ -237,11 +237,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         raise ArgumentError(f"the text gives {len(data)} window of {cfg.seq_len} tokens; training and a held-out "
                             "split need at least 2: use a longer text or a smaller --seq-len")
     train, heldout = data.split(min(0.2, cfg.heldout_windows / len(data)))
-    lcfg = LorsaConfig(
-        d_model=adapter.d_model, n_qk_heads=mhsa.n_heads * cfg.qk_heads_per_mhsa_head, d_qk_head=mhsa.head_dim,
-        n_ov_heads=n_ov, top_k=cfg.top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
-        qk_norm=mhsa.q_norm is not None, qk_norm_eps=mhsa.qk_norm_eps, layer=layer, architecture=adapter.family,
-    )
+    lcfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=n_ov, top_k=cfg.top_k,
+                                 qk_heads_per_mhsa_head=cfg.qk_heads_per_mhsa_head, layer=layer,
+                                 architecture=adapter.family)
     lorsa = Lorsa(lcfg, device=mhsa.W_O.device)  # fp32, on its layer's device
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({adapter.family}, {adapter.n_layers} layers, "
           f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"

@@ -204,9 +204,7 @@ def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
     from nnsight_lorsa import Lorsa, LorsaConfig
 
     w = adapter.mhsa_weights(hf, layer)
-    cfg = LorsaConfig(d_model=w.d_model, n_qk_heads=2 * w.n_heads, d_qk_head=w.head_dim, n_ov_heads=16 * w.n_heads,
-                      top_k=8, rotary=w.rotary, attn_scale=1.0 / w.scale, qk_norm=w.q_norm is not None,
-                      qk_norm_eps=w.qk_norm_eps, layer=layer)
+    cfg = LorsaConfig.from_mhsa(w, n_ov_heads=16 * w.n_heads, top_k=8, qk_heads_per_mhsa_head=2, layer=layer)
     lorsa = Lorsa(cfg)
     lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -86,6 +86,25 @@ class LorsaConfig(FieldsRepr):
         """OV heads per QK head, ``G = n_ov_heads / n_qk_heads``."""
         return self.n_ov_heads // self.n_qk_heads
 
+    @classmethod
+    def from_mhsa(cls, mhsa: Any, *, n_ov_heads: int, top_k: int, qk_heads_per_mhsa_head: int = 1,
+                  layer: int | None = None, architecture: str | None = None) -> LorsaConfig:
+        """The config of a Lorsa for the MHSA ``mhsa`` (an :class:`~nnsight_lorsa.adapters.base.MHSAWeights`:
+        ``adapter.mhsa_weights(model, layer)``), the one place a config is derived from an MHSA.
+
+        Taken from the MHSA: ``d_model``; ``d_qk_head`` = its head dimension (the paper's rule, App. B.1: the
+        QK dimension is never below the MHSA's); its RoPE (``rotary``), score scale and QK norm.
+        ``n_qk_heads = qk_heads_per_mhsa_head · mhsa.n_heads`` (Table 1: 256 independent QK heads for
+        Llama-3.1-8B's 32, i.e. 8); ``n_ov_heads`` and ``top_k`` as given (Table 1: 32K and 128).
+
+        Raises:
+            CheckpointError: sizes that do not divide (see the class).
+        """
+        return cls(d_model=int(mhsa.d_model), n_qk_heads=qk_heads_per_mhsa_head * int(mhsa.n_heads),
+                   d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k, rotary=mhsa.rotary,
+                   attn_scale=1.0 / float(mhsa.scale), qk_norm=mhsa.q_norm is not None,
+                   qk_norm_eps=float(mhsa.qk_norm_eps), layer=layer, architecture=architecture)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["rotary"] = None if self.rotary is None else self.rotary.to_dict()

@@ -399,9 +399,8 @@ def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     if family == "neox":
         assert w.rotary is not None and w.rotary.rotary_dim == w.head_dim // 4  # rotary_pct 0.25
     qk_rep = 4
-    cfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim,
-                      n_ov_heads=qk_rep * w.n_heads * 2, top_k=4, rotary=w.rotary, attn_scale=1.0 / w.scale,
-                      qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps, layer=LAYER)
+    cfg = LorsaConfig.from_mhsa(w, n_ov_heads=qk_rep * w.n_heads * 2, top_k=4, qk_heads_per_mhsa_head=qk_rep,
+                                layer=LAYER)
     lorsa = Lorsa(cfg)
     lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(0))
     got = lorsa.attention_pattern(x, positions=positions)

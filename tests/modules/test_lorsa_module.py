@@ -140,3 +140,22 @@ def test_primitives_import_and_run_without_nnsight():
         "except ShapeError as e:\n    assert 'd_model=8' in str(e)\nelse:\n    raise AssertionError('no ShapeError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2"])
+def test_config_from_mhsa_takes_every_field_from_the_mhsa(family):
+    """``LorsaConfig.from_mhsa``: the one derivation of a Lorsa's config from an MHSA (shape, RoPE, scale,
+    QK norm), so that a Lorsa initialised from it reproduces the MHSA's QK scores."""
+    from helpers import tiny_hf_model
+
+    from nnsight_lorsa import get_adapter
+
+    hf = tiny_hf_model(family)
+    w = get_adapter(hf).mhsa_weights(hf, 1)
+    cfg = LorsaConfig.from_mhsa(w, n_ov_heads=8 * w.n_heads, top_k=4, qk_heads_per_mhsa_head=2, layer=1,
+                                architecture=family)
+    assert (cfg.d_model, cfg.n_qk_heads, cfg.d_qk_head, cfg.n_ov_heads) == (w.d_model, 2 * w.n_heads, w.head_dim,
+                                                                           8 * w.n_heads)
+    assert cfg.rotary == w.rotary and cfg.scale == pytest.approx(1.0 / w.scale)
+    assert cfg.qk_norm == (w.q_norm is not None) and cfg.qk_norm_eps == w.qk_norm_eps
+    assert (cfg.layer, cfg.architecture) == (1, family)

@@ -30,9 +30,8 @@ def setup():
 
 def new_lorsa(adapter, mhsa, seed=0, top_k=8) -> Lorsa:
     torch.manual_seed(seed)
-    cfg = LorsaConfig(d_model=adapter.d_model, n_qk_heads=2 * mhsa.n_heads, d_qk_head=mhsa.head_dim,
-                      n_ov_heads=32 * mhsa.n_heads, top_k=top_k, rotary=mhsa.rotary, attn_scale=1.0 / mhsa.scale,
-                      layer=LAYER)
+    cfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=32 * mhsa.n_heads, top_k=top_k, qk_heads_per_mhsa_head=2,
+                                layer=LAYER)
     return Lorsa(cfg)
 
 
