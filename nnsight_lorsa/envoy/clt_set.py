@@ -18,6 +18,7 @@ the root as ``model.clt``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -58,10 +59,8 @@ class CLTSet:
             raise ConfigMismatchError(f"CLT has d_model={clt.cfg.d_in}, the model has {self.adapter.d_model}")
         if clt.n_layers > self.adapter.n_layers:
             raise ConfigMismatchError(f"CLT spans {clt.n_layers} layers, the model has {self.adapter.n_layers}")
-        device, _ = site_placement(model, self.adapter.mlp_path(0))
-        if device is not None:  # the CLT runs where its first MLP does (the splice moves outputs to each MLP's device)
-            place(clt, device, self.adapter.mlp_path(0))
         self.clt = clt
+        self.place()  # the CLT runs where its first MLP does (the splice moves outputs to each MLP's device)
 
     @classmethod
     def from_pretrained(cls, model: Any, path_or_repo_id: Any, *, format: str = "auto", adapter: Any = None,
@@ -85,6 +84,19 @@ class CLTSet:
         if not isinstance(clt, CrossLayerTranscoder):
             raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
         return cls(model, clt, adapter)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the CLT to ``directory`` (``formats.save``, the ``"nnsight_lorsa"`` format);
+        :meth:`from_pretrained` reads it back."""
+        from ..formats.registry import save
+
+        save(self.clt, directory)
+
+    def place(self) -> None:
+        """Move the CLT (in place) to the device of the first MLP it replaces (after moving the model)."""
+        device, _ = site_placement(self.model, self.adapter.mlp_path(0))
+        if device is not None:
+            place(self.clt, device, self.adapter.mlp_path(0))
 
     def __repr__(self) -> str:
         return f"CLTSet({self.adapter.family}, n_layers={self.clt.n_layers}, d_sae={self.clt.cfg.d_sae})"

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,22 +119,13 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         return f"LorsaSet({self.adapter.family}, {{{parts}}})"
 
     # ------------------------------------------------------------------- io
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write ``directory/layer_{L}/`` per Lorsa (safetensors + JSON, ``formats.save`` in the
-        ``"nnsight_lorsa"`` format); :meth:`from_pretrained` reads it back."""
-        from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
-
-        from ..formats.registry import save
-
-        for layer in self.layers:
-            save(self[layer], Path(directory) / f"layer_{layer}")
-
     @classmethod
     def from_pretrained(cls, model: Any, sources: Any, *, format: str = "auto", adapter: Any = None,
                         **kwargs: Any) -> LorsaSet:
         """Load Lorsas from checkpoints (through ``formats.load``) and attach each at its layer.
 
-        ``sources``: a directory written by :meth:`save` (one ``layer_<L>/`` per layer), one Lorsa
+        ``sources``: a directory written by :meth:`~.replacement_set.ReplacementSet.save` (one ``layer_<L>/``
+        per layer), one Lorsa
         checkpoint (local directory or hub repo id, e.g. ``"org/repo:name"`` for Llamascopium),
         several, or ``{layer: source}``. ``format``: ``"auto"`` (from the files), ``"nnsight_lorsa"``
         or ``"llamascopium"``; ``kwargs`` go to the reader (``device``, ``dtype``, ``weights_folded``,
@@ -146,14 +136,15 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
                 for a layer; a Lorsa that does not fit the model.
         """
-        import re
+        out = cls(model, {}, adapter)
 
         def layer_of(name: str, module: Lorsa) -> int | None:
-            named = re.fullmatch(r"layer_(\d+)", name)
-            return int(named.group(1)) if named else module.cfg.layer
+            named = out.key_of_folder(name)
+            return named if named is not None else module.cfg.layer
 
-        lorsas = load_keyed(model, sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer", **kwargs)
-        return cls(model, lorsas, adapter)
+        out.update(load_keyed(model, sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer",
+                              **kwargs))
+        return out
 
     # -------------------------------------------------------------- splicing
     def site(self, layer: int, generation: Mapping[str, Any] | None = None) -> SpliceChain:

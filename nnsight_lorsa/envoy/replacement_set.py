@@ -10,6 +10,7 @@ one is spliced (:meth:`ReplacementSet.splice_one`).
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -158,6 +159,36 @@ class ReplacementSet(Generic[K, M]):
     def site_path(self, key: K) -> str:
         """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
         raise NotImplementedError
+
+    # -------------------------------------------------------------------- io
+    def folder(self, key: K) -> str:
+        """The subfolder :meth:`save` writes the module at ``key`` to: ``layer_<L>`` for a layer, the site
+        path itself (``model.layers.3``) for a site."""
+        return f"layer_{key}" if self.key_type is int else str(key)
+
+    def key_of_folder(self, name: str) -> Any:
+        """The key a :meth:`save` subfolder ``name`` stands for, or None (then the file's own record counts)."""
+        import re  # local: re is not on NDIF's unpickling whitelist (the sets travel by value)
+
+        if self.key_type is int:
+            named = re.fullmatch(r"layer_(\d+)", name)
+            return int(named.group(1)) if named else None
+        try:
+            getattr(self.model, "_module", self.model).get_submodule(name)
+        except AttributeError:
+            return None
+        return name
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write each module to ``directory/<folder(key)>/`` (safetensors + JSON, ``formats.save`` in the
+        ``"nnsight_lorsa"`` format); the set's ``from_pretrained`` reads the directory back, each module at
+        its key, on its site's device (the model's dtype unless given ``dtype=``)."""
+        from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
+
+        from ..formats.registry import save
+
+        for key in self:
+            save(self[key], Path(directory) / self.folder(key))
 
     # ------------------------------------------------------------- placement
     def place(self, key: K | None = None) -> None:

@@ -158,7 +158,13 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         from ..formats.hook_sites import sae_site_path
 
         adapter = get_adapter(model) if adapter is None else adapter
-        saes = load_keyed(model, sources, SparseAutoencoder, lambda name, m: sae_site_path(m, adapter), format=format,
-                          noun="an SAE", hint=" (use TranscoderSet)", key_name="hook site", adapter=adapter,
-                          d_model=adapter.d_model, **kwargs)
-        return cls(model, saes, adapter)
+        out = cls(model, {}, adapter)
+
+        def site_of(name: str, module: SparseAutoencoder) -> str | None:
+            named = out.key_of_folder(name)
+            return named if named is not None else sae_site_path(module, adapter)
+
+        out.update(load_keyed(model, sources, SparseAutoencoder, site_of, format=format, noun="an SAE",
+                              hint=" (use TranscoderSet)", key_name="hook site", adapter=adapter,
+                              d_model=adapter.d_model, **kwargs))
+        return out

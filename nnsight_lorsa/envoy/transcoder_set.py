@@ -138,7 +138,13 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         from ..formats.hook_sites import transcoder_layer
 
         adapter = get_adapter(model) if adapter is None else adapter
-        tcs = load_keyed(model, sources, Transcoder, lambda name, m: transcoder_layer(m), format=format,
-                         noun="a transcoder", hint=" (use SAESet)", key_name="layer", adapter=adapter,
-                         d_model=adapter.d_model, **kwargs)
-        return cls(model, tcs, adapter)
+        out = cls(model, {}, adapter)
+
+        def layer_of(name: str, module: Transcoder) -> int | None:
+            named = out.key_of_folder(name)
+            return named if named is not None else transcoder_layer(module)
+
+        out.update(load_keyed(model, sources, Transcoder, layer_of, format=format, noun="a transcoder",
+                              hint=" (use SAESet)", key_name="layer", adapter=adapter, d_model=adapter.d_model,
+                              **kwargs))
+        return out

@@ -228,3 +228,26 @@ def test_a_set_follows_the_model_to_cuda_and_back():
     got = _logits(model, ids, rm)
     assert got.is_cuda
     torch.testing.assert_close(got.cpu(), cpu, rtol=1e-4, atol=1e-4 * float(cpu.abs().max()))
+
+
+def test_every_set_saves_and_loads_back_at_its_keys(tmp_path):
+    """One ``save`` for every kind (``ReplacementSet.save``; ``CLTSet.save``): each module comes back at its
+    key from its folder name (``layer_<L>``, the site path), with equal weights."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas, tcs, _ = _modules("llama")
+    for m in tcs.values():
+        m.cfg.layer = None  # the folder name alone says where it goes
+    sets = {"lorsas": LorsaSet(model, lorsas), "tcs": TranscoderSet(model, tcs),
+            "saes": SAESet(model, {"model.layers.0": make_sae(), adapter.attention_norm_path(1): make_sae(seed=1)})}
+    for name, s in sets.items():
+        s.save(tmp_path / name)
+        back = type(s).from_pretrained(model, tmp_path / name)
+        assert list(back) == list(s), name
+        for key in s:
+            a, b = s[key].state_dict(), back[key].state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, key)
+    clt = CLTSet(model, make_clt())
+    clt.save(tmp_path / "clt")
+    back_clt = CLTSet.from_pretrained(model, tmp_path / "clt")
+    assert all(torch.equal(v, back_clt.clt.state_dict()[k]) for k, v in clt.clt.state_dict().items())
