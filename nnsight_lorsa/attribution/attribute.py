@@ -28,7 +28,7 @@ from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
-from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, tokenize
+from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
 
 #: pair terms kept per traced Lorsa head (``attribute(..., qk_heads=)``; llamascopium's ``qk_topk`` default)
 QK_TOP_PAIRS = 10
@@ -122,6 +122,7 @@ def attribute(
             vocabulary (:func:`check_arguments`).
         MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
         ConcurrentTraceError: another thread is tracing the model now.
+        TraceOrderError: called inside a ``model.trace`` / ``generate`` body (:func:`refuse_inside_trace`).
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
     check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
@@ -155,6 +156,7 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
     from ..envoy import ReplacementModel
     from ..envoy.nnsight_internals import check_one_thread
 
+    refuse_inside_trace("attribute")
     if not isinstance(replacement, ReplacementModel):
         raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
                             f"transcoders=...), got a {type(replacement).__name__}")

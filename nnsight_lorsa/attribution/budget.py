@@ -48,7 +48,7 @@ from .layout import Layout
 from .replacement import memory_modes
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .scores import PruneConfig
-from .trace import AttributionCache, Prepared, multiplier_dtype, prepare
+from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
 #: (measured slope over the batch size, embedded model, 128 tokens: 2.3 MB per copy)
@@ -248,6 +248,7 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
         LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
         ConfigMismatchError: an unknown ``memory`` or bad ``prune``.
     """
+    refuse_inside_trace("estimate_memory")
     layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype,
                                        zero_positions=zero_positions)
     return estimate_layout(layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)

@@ -29,7 +29,7 @@ import torch
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
 from ..envoy.tokens import tokenizer_of
-from ..errors import ArgumentError, ShapeError
+from ..errors import ArgumentError, ShapeError, TraceOrderError
 from .layout import Layout, build_layout
 from .replacement import (
     FrozenReplacement,
@@ -345,3 +345,22 @@ def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa
             logits = nnsight.save(model.get(adapter.lm_head_path).output)
             T = nnsight.save(frozen.targets())
     return logits, T
+
+
+def refuse_inside_trace(what: str) -> None:
+    """Raise :class:`~..errors.TraceOrderError` when called inside a ``model.trace`` / ``generate`` body.
+
+    ``attribute`` and ``estimate_memory`` run their own traces of the clean model; nnsight cannot open a
+    trace inside a running one (it used to end in nnsight's ``AttributeError: 'NoneType' object has no
+    attribute 'event'``). Inside ``model.session()`` they work.
+    """
+    from ..envoy.nnsight_internals import current_worker
+
+    try:
+        current_worker(what)
+    except TraceOrderError:
+        return  # not inside a trace body: fine
+    raise TraceOrderError(
+        f"{what}(replacement, prompt) runs its own traces of the clean model and cannot be called inside a "
+        f"model.trace(...) / generate(...) body: call it before or after the trace (or inside model.session()). "
+        "The graph of an intervened forward pass is not available yet (issue 24)")

@@ -45,7 +45,7 @@ from torch import nn
 
 from .._placement import place
 from .._repr import FieldsRepr
-from ..errors import LorsaError, TraceOrderError
+from ..errors import ArgumentError, LorsaError, TraceOrderError
 from .nnsight_internals import (
     attach,
     current_worker,
@@ -113,10 +113,12 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     """Replace the outputs of ``chain``'s sites by ``module``'s for the current trace; return its envoy.
 
     Must be called inside a ``model.trace(...)`` body before the model reaches the first site.
-    Calling it again for the same chain in the same trace returns the same envoy and splices once.
+    Calling it again for the same chain in the same trace (the same module and ``error``, e.g. from a
+    second invoke) returns the same envoy and splices once.
 
     Raises:
         TraceOrderError: called outside a trace.
+        ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass, or the
             parent already holds a different child under ``chain.attach_name``; or first called
@@ -136,7 +138,15 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     interleaver = me.interleaver
     parent = root.get(chain.attach_path) if chain.attach_path else root
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
-    if find_worker(interleaver, tag) is not None:
+    existing = find_worker(interleaver, tag)
+    if existing is not None:
+        spliced, spliced_error = getattr(existing, "spec", (module, error))
+        if spliced is not module or spliced_error != error:
+            what = (f"error={spliced_error}" if spliced is module else f"another {type(spliced).__name__}")
+            raise ArgumentError(
+                f"{chain.site_paths[0]} is already replaced in this trace ({what}); a site is spliced once per "
+                f"trace, so this second replace(..., error={error}) would be ignored. Call replace() once per "
+                "site with the module and error flag you want (a new trace for another setting)")
         return getattr(parent, chain.attach_name)
     if pinned_step(me) != 0:  # first called in a tracer.iter[...] loop, at a step after the first
         raise TraceOrderError(
@@ -199,7 +209,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         return diverged
 
     try:
-        spawn_worker(interleaver, body, tag)
+        spawn_worker(interleaver, body, tag).spec = (module, error)
     except BaseException:
         undo()
         raise

@@ -572,3 +572,25 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
         gap = float((fp32.adjacency - exact.adjacency).abs().max())
         assert gap < 3e-3 * scale and gap < float((traced.adjacency - exact.adjacency).abs().max()) / 3, engine
     assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())
+
+
+def test_attribute_inside_a_trace_body_names_what_to_do(llama):
+    """``attribute`` / ``estimate_memory`` run their own traces: inside a trace body they raise our
+    TraceOrderError (was nnsight's ``AttributeError: 'NoneType' object has no attribute 'event'``), and the
+    model is left as it was; inside ``model.session()`` they work."""
+    from helpers import module_state
+
+    from nnsight_lorsa.attribution import estimate_memory
+    from nnsight_lorsa.errors import TraceOrderError
+
+    model, hf, lorsas, tcs, ids, full = llama
+    before = module_state(hf)
+    for fn in (attribute, estimate_memory):
+        with pytest.raises(TraceOrderError, match=rf"{fn.__name__}\(replacement, prompt\) runs its own traces"), \
+                model.trace(ids[None]):
+            fn(rm(model, lorsas, tcs), ids)
+    assert module_state(hf) == before
+    graphs = []
+    with model.session():
+        graphs.append(attribute(rm(model, lorsas, tcs), ids, batch_size=64))
+    assert torch.equal(graphs[0].adjacency, full.adjacency)

@@ -260,3 +260,33 @@ def test_replace_refuses_bad_keys_and_calls_outside_a_trace_with_named_errors():
         one = lorsas.replace(np.int64(LAYER))
         z = one.hook_z.output.save()
     assert z.shape[-1] == lorsas[LAYER].cfg.n_ov_heads
+
+
+@pytest.mark.parametrize("second", ["other_error_flag", "other_module", "same"])
+def test_a_second_replace_of_a_site_in_one_trace_must_agree_with_the_first(second):
+    """A site is spliced once per trace: a second ``replace`` of it with another ``error`` flag or another
+    module raises (it used to be ignored silently: the first won); the same call again returns the same envoy."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, adapter)})
+    others = LorsaSet(model, {LAYER: make_lorsa(hf, adapter, seed=1)})
+    before = module_state(hf)
+    ids = random_ids(1, 8)
+    if second == "same":
+        with torch.no_grad(), model.trace(ids):
+            a = lorsas.replace(layer=LAYER, error=True)
+            b = lorsas.replace(layer=LAYER, error=True)
+            assert a.path == b.path
+            unembed(model).output.save()
+    else:
+        with pytest.raises(ArgumentError, match=r"self_attn is already replaced in this trace"), \
+                torch.no_grad(), model.trace(ids):
+            lorsas.replace(layer=LAYER, error=True)
+            if second == "other_error_flag":
+                lorsas.replace(layer=LAYER, error=False)
+            else:
+                others.replace(layer=LAYER, error=True)
+            unembed(model).output.save()
+    assert module_state(hf) == before
