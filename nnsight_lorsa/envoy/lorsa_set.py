@@ -195,7 +195,10 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
                 raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
                                  f"{past_len} cached + {x.shape[1]} new positions")
-            out, state["kv"] = module.forward_step(x, positions, mask, past)
+            holder: dict = {}
+            # the module itself (not forward_step): its envoy's .input / .output are served in the trace
+            out = module(x, positions, mask, past=past, kv_out=holder)
+            state["kv"] = holder["kv"]
             return out  # the splice casts it to the attention's device and dtype
 
         return SpliceChain(

@@ -396,6 +396,8 @@ class Lorsa(nn.Module):
         *,
         return_cache: bool = False,
         top_k: int | None = None,
+        past: LorsaKV | None = None,
+        kv_out: dict | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, LorsaCache]:
         """Lorsa output ``(batch, pos, d_model)``; with ``return_cache`` also a :class:`LorsaCache`.
 
@@ -405,7 +407,18 @@ class Lorsa(nn.Module):
             attn_mask: ``(batch, pos)`` key-padding mask (1 = token) or ``(batch, 1, pos, pos)``
                 (bool True = may attend, or additive float); default causal.
             top_k: overrides ``cfg.top_k`` (k annealing during training).
+            past, kv_out: a decoding step (:meth:`forward_step`): ``x`` attends to ``past`` too, and the
+                new :class:`LorsaKV` is stored as ``kv_out["kv"]`` — so that a splice calls the module
+                itself (its envoy's ``.input`` / ``.output`` are then served in a trace) and still keeps
+                the keys and values. Not with ``return_cache`` / ``top_k``.
         """
+        if past is not None or kv_out is not None:
+            if return_cache or top_k is not None:
+                raise ShapeError("Lorsa.forward: past / kv_out (a decoding step) do not take return_cache or top_k")
+            out, kv = self.forward_step(x, positions, attn_mask, past)
+            if kv_out is not None:
+                kv_out["kv"] = kv
+            return out
         z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
         z, idx = self.activation(z_pre, top_k)
         z = self.hook_z(z)

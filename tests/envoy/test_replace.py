@@ -290,3 +290,21 @@ def test_a_second_replace_of_a_site_in_one_trace_must_agree_with_the_first(secon
                 others.replace(layer=LAYER, error=True)
             unembed(model).output.save()
     assert module_state(hf) == before
+
+
+def test_the_lorsa_envoy_serves_its_own_input_and_output():
+    """The envoy ``replace`` returns is a whole envoy: ``.input`` is the attention input the Lorsa reads and
+    ``.output`` its output (what ``hook_out`` carries); both were a misleading OutOfOrderError before."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter)
+    ids = random_ids(1, 8)
+    with torch.no_grad(), model.trace(ids):
+        site = LorsaSet(model, {LAYER: lorsa}).replace(layer=LAYER)
+        x = site.input.save()
+        hook_out = site.hook_out.output.save()
+        out = site.output.save()
+    with torch.no_grad():
+        want = lorsa(x)
+    assert x.shape == (1, 8, adapter.d_model)
+    assert torch.equal(out, hook_out) and torch.allclose(out, want, rtol=1e-5, atol=1e-6)
