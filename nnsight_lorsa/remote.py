@@ -41,8 +41,7 @@ from torch import nn
 from .envoy.clt_set import CLTSet
 from .envoy.lorsa_set import LorsaSet
 from .envoy.replacement_model import ReplacementModel
-from .envoy.sae_set import SAESet
-from .envoy.transcoder_set import TranscoderSet
+from .envoy.replacement_set import ReplacementSet
 from .errors import LayerOutOfRangeError, LorsaError
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
@@ -235,15 +234,10 @@ def _named_tensors(obj: Any, name: str, depth: int = 0) -> Iterator[tuple[str, t
         for part in ("lorsas", "transcoders", "saes"):
             if getattr(obj, part) is not None:
                 yield from _named_tensors(getattr(obj, part), part, depth + 1)
-    elif isinstance(obj, (LorsaSet, TranscoderSet)):
-        for layer in obj:
-            for sub, t, _ in _named_tensors(obj[layer], f"{name}[{layer}]", depth + 1):
-                yield sub, t, layer
-    elif isinstance(obj, SAESet):
-        for site in obj:
-            yield from _named_tensors(obj[site], f"{name}[{site!r}]", depth + 1)
-    elif isinstance(obj, CLTSet):
-        yield from _named_tensors(obj.clt, f"{name}.clt", depth + 1)
+    elif isinstance(obj, (ReplacementSet, CLTSet)):  # every replacement kind, through the set contract
+        for key, module in obj.items():
+            for sub, t, _ in _named_tensors(module, f"{name}{obj.label(key)}", depth + 1):
+                yield sub, t, (key if isinstance(key, int) else None)
     elif isinstance(obj, nn.Module):
         for sub, t in (*obj.named_parameters(), *obj.named_buffers()):
             yield f"{name}.{sub}", t, None
@@ -359,8 +353,8 @@ def check_payload(obj: Any, cap_bytes: int | str | None = None, layers: int | It
 
 # ------------------------------------------------------------------ what to send
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
-    lorsas, tcs = replacement.lorsas, replacement.transcoders
-    have = sorted({*(lorsas or ()), *(tcs if isinstance(tcs, TranscoderSet) else ())})
+    have = sorted({k for s in (replacement.lorsas, replacement.transcoders, replacement.saes) if s is not None
+                   for k, _ in s.items() if isinstance(k, int)})
     chosen = have if layers is None else [layers] if isinstance(layers, int) else list(layers)
     for layer in chosen:
         if layer not in have:
@@ -373,17 +367,12 @@ def _select(replacement: ReplacementModel, layers: int | Iterable[int] | None,
             copy: Any = None) -> ReplacementModel:
     """``replacement`` with its per-layer sets cut to ``layers``, each module passed through ``copy``."""
     chosen = _layer_list(replacement, layers)
-    keep = copy if copy is not None else (lambda m: m)
 
-    def per_layer(s: Any) -> Any:
-        return None if s is None else {layer: keep(s[layer]) for layer in chosen if layer in s}
+    def cut(s: Any) -> Any:
+        return None if s is None else s.subset(chosen, copy)
 
-    tcs = replacement.transcoders
-    transcoders = (CLTSet(replacement.model, keep(tcs.clt), adapter=replacement.adapter) if isinstance(tcs, CLTSet)
-                   else per_layer(tcs))
-    saes = None if replacement.saes is None else {site: keep(replacement.saes[site]) for site in replacement.saes}
-    return ReplacementModel(replacement.model, lorsas=per_layer(replacement.lorsas), transcoders=transcoders,
-                            saes=saes, error=replacement.error, adapter=replacement.adapter)
+    return ReplacementModel(replacement.model, lorsas=cut(replacement.lorsas), transcoders=cut(replacement.transcoders),
+                            saes=cut(replacement.saes), error=replacement.error, adapter=replacement.adapter)
 
 
 def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torch.dtype:

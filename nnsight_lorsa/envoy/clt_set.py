@@ -92,6 +92,19 @@ class CLTSet:
 
         save(self.clt, directory)
 
+    # the replacement-set contract (ReplacementSet's mapping, copy and labels): one key, the CLT
+    key_type = str
+
+    def items(self) -> list[tuple[str, CrossLayerTranscoder]]:
+        return [("clt", self.clt)]
+
+    def subset(self, keys: Any = None, transform: Any = None) -> CLTSet:
+        """This CLT (it spans every MLP, so ``keys`` selects nothing), passed through ``transform``."""
+        return CLTSet(self.model, self.clt if transform is None else transform(self.clt), self.adapter)
+
+    def label(self, key: str) -> str:
+        return ".clt"
+
     def place(self) -> None:
         """Move the CLT (in place) to the device of the first MLP it replaces (after moving the model)."""
         device, _ = site_placement(self.model, self.adapter.mlp_path(0))

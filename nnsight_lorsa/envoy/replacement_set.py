@@ -160,6 +160,23 @@ class ReplacementSet(Generic[K, M]):
         """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------ copy / cast
+    def subset(self, keys: Iterable[Any] | None = None, transform: Callable[[M], M] | None = None) -> Any:
+        """A set of the same kind and model holding the modules at ``keys`` (default: all; keys the set
+        lacks are skipped), each passed through ``transform`` (e.g. a copy cast to bf16 for a remote run).
+        A per-layer set keeps the layers among ``keys``; an SAE set (keyed by site path) keeps the sites
+        among them, or all when ``keys`` holds no site path."""
+        keep = transform if transform is not None else (lambda m: m)
+        wanted = None if keys is None else set(keys)
+        if wanted is not None and self.key_type is str and not any(isinstance(k, str) for k in wanted):
+            wanted = None  # layers select per-layer sets; SAEs (by site) travel whole
+        return type(self)(self.model, {k: keep(self[k]) for k in self if wanted is None or k in wanted},
+                          self.adapter)
+
+    def label(self, key: K) -> str:
+        """How the module at ``key`` is named in reports: ``[2]``, ``['model.layers.3']``."""
+        return f"[{key!r}]"
+
     # -------------------------------------------------------------------- io
     def folder(self, key: K) -> str:
         """The subfolder :meth:`save` writes the module at ``key`` to: ``layer_<L>`` for a layer, the site
