@@ -110,6 +110,12 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
     def site_path(self, key: int) -> str:
         return self.adapter.attention_path(key)
 
+    def n_latents(self, key: int) -> int:
+        return self[key].cfg.n_ov_heads
+
+    def latents_and_output(self, envoy: Any) -> tuple[Any, Any]:
+        return envoy.hook_z.output, envoy.hook_out.output
+
     @property
     def layers(self) -> list[int]:
         return list(self)

@@ -160,6 +160,12 @@ class ReplacementSet(Generic[K, M]):
         """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
         raise NotImplementedError
 
+    def site(self, key: K) -> Any:
+        """How the module at ``key`` is spliced: a :class:`~.splice_chain.SpliceChain` (or one-site
+        :class:`~.splice.SpliceSite`), whose ``get_output`` / ``set_output`` read and replace the
+        site's output."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ copy / cast
     def subset(self, keys: Iterable[Any] | None = None, transform: Callable[[M], M] | None = None) -> Any:
         """A set of the same kind and model holding the modules at ``keys`` (default: all; keys the set
@@ -172,6 +178,16 @@ class ReplacementSet(Generic[K, M]):
             wanted = None  # layers select per-layer sets; SAEs (by site) travel whole
         return type(self)(self.model, {k: keep(self[k]) for k in self if wanted is None or k in wanted},
                           self.adapter)
+
+    def n_latents(self, key: K) -> int:
+        """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size."""
+        module: Any = self[key]
+        return int(module.cfg.d_sae)
+
+    def latents_and_output(self, envoy: Any) -> tuple[Any, Any]:
+        """``(latents, output)`` envoy values of a spliced module (``replace``'s return): what ``evaluate``
+        reads for L0 / dead latents and FVU. Dictionaries: ``hook_sae_acts_post``, ``hook_sae_recons``."""
+        return envoy.hook_sae_acts_post.output, envoy.hook_sae_recons.output
 
     def label(self, key: K) -> str:
         """How the module at ``key`` is named in reports: ``[2]``, ``['model.layers.3']``."""

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from .._placement import model_device
 from ..envoy.clt_set import CLTSet
 from ..envoy.lorsa_set import LorsaSet
-from ..envoy.sae_set import SAESet, site_output, with_site_output
+from ..envoy.replacement_set import ReplacementSet
+from ..envoy.sae_set import SAESet
 from ..envoy.transcoder_set import TranscoderSet
+from ..errors import ArgumentError
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator
 
@@ -193,36 +195,23 @@ class _CLTProbe:
                 [float(v) for v in (~self.fired).float().mean(1)])
 
 
-def _dictionary_splice(site: Any) -> tuple[Any, Any]:
-    return site.hook_sae_acts_post.output, site.hook_sae_recons.output
-
-
 def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
     if isinstance(replacements, CLTSet):
         if at is not None:
-            raise ValueError("a CLTSet replaces every MLP at once: no at=")
+            raise ArgumentError("evaluate(at=...): a CLTSet replaces every MLP at once, it takes no at=")
         return _CLTProbe(replacements)
-    if not isinstance(replacements, (LorsaSet, TranscoderSet, SAESet)):
-        raise TypeError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, "
-                        f"got {type(replacements).__name__}")
+    if not isinstance(replacements, ReplacementSet):
+        raise ArgumentError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, "
+                            f"got {type(replacements).__name__}")
     if at is None:
         keys = list(replacements)
         if len(keys) != 1:
-            raise ValueError(f"the set holds {len(keys)} modules ({keys}): pass at=")
+            raise ArgumentError(f"evaluate: the set holds {len(keys)} modules ({keys}): pass at=")
         at = keys[0]
-    model, adapter = replacements.model, replacements.adapter
-    if isinstance(replacements, LorsaSet):
-        def lorsa_splice() -> tuple[Any, Any]:
-            site = replacements.replace(at)
-            return site.hook_z.output, site.hook_out.output
-
-        return _SiteProbe(model, adapter.attention_path(at), adapter.attention_output, adapter.with_attention_output,
-                          replacements[at].cfg.n_ov_heads, lorsa_splice)
-    if isinstance(replacements, TranscoderSet):
-        return _SiteProbe(model, adapter.mlp_path(at), adapter.mlp_output, adapter.with_mlp_output,
-                          replacements[at].cfg.d_sae, lambda: _dictionary_splice(replacements.replace(at)))
-    return _SiteProbe(model, at, site_output, with_site_output, replacements[at].cfg.d_sae,
-                      lambda: _dictionary_splice(replacements.replace(at)))
+    chain = replacements.site(at)  # where the module's output goes, for every kind (the set contract)
+    return _SiteProbe(replacements.model, replacements.site_path(at), chain.get_output, chain.set_output,
+                      replacements.n_latents(at),
+                      lambda: replacements.latents_and_output(replacements.replace(at)))
 
 
 @torch.no_grad()
@@ -246,8 +235,8 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
     accumulated in fp64). The result holds Python floats.
 
     Raises:
-        ValueError: ``at`` missing while the set holds several modules, or given for a CLT.
-        TypeError: not one of these sets.
+        ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
+            of these sets (a ``TypeError`` and a ``ValueError`` too).
         PlacementError: the model is on the meta device (not dispatched).
     """
     probe = _probe(replacements, at)
