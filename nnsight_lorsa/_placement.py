@@ -56,9 +56,10 @@ def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch
 def place(module: torch.nn.Module, device: torch.device, where: str) -> None:
     """Move ``module`` (in place) to ``device`` unless it is there; ``where`` names its site in errors.
 
+    ``device`` ``meta`` (a shape-only pass of a model whose weights are not loaded) moves nothing.
+
     Raises:
-        PlacementError: the module's tensors are on ``meta`` (never materialised), ``device`` is
-            ``meta`` (the model's weights are not loaded), or the move fails.
+        PlacementError: the module's tensors are on ``meta`` (never materialised), or the move fails.
     """
     devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
     if devices == {device} or not devices:
@@ -68,9 +69,8 @@ def place(module: torch.nn.Module, device: torch.device, where: str) -> None:
         raise PlacementError(f"the {name} for {where} has its weights on the meta device (never loaded or "
                              f"materialised) while the model runs that site on {device}; load it with "
                              "formats.load / from_pretrained or initialise it before replace()")
-    if device.type == "meta":
-        raise PlacementError(f"{where} runs on the meta device (the model's weights are not loaded); the {name} "
-                             f"is on {sorted(map(str, devices))}: dispatch the model before tracing with it")
+    if device.type == "meta":  # a shape-only pass (the model's weights not loaded): never move weights there
+        return
     try:
         module.to(device)
     except (RuntimeError, NotImplementedError) as e:
