@@ -42,12 +42,14 @@ from .envoy.clt_set import CLTSet
 from .envoy.lorsa_set import LorsaSet
 from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
-from .errors import LayerOutOfRangeError, LorsaError
+from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
 CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
-#: Default payload cap when ``NNSIGHT_LORSA_MAX_PAYLOAD`` is unset: 1 GiB (one bf16 Llama-3.1-8B layer fits).
-DEFAULT_CAP_BYTES = 1 << 30
+#: Default payload cap when ``NNSIGHT_LORSA_MAX_PAYLOAD`` is unset: 500 MB, under the 512 MB a request
+#: may take in the Redis queue NDIF's server puts requests in (Redis' default ``proto-max-bulk-len``);
+#: a larger request would be refused there, after the upload.
+DEFAULT_CAP_BYTES = 500_000_000
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -185,22 +187,30 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def parse_bytes(value: str | int) -> int:
-    """``"1.5GB"`` / ``"512MiB"`` / ``"1000000"`` / ``1000000`` -> bytes.
+def parse_bytes(value: Any) -> int:
+    """``"1.5GB"`` / ``"512MiB"`` / ``"1000000"`` / ``1000000`` -> bytes (a positive count).
 
     Raises:
-        ValueError: an unknown unit or a malformed number.
+        ArgumentError: (a ``ValueError`` and a ``TypeError``) an unknown unit, a malformed or non-positive
+            number, a bool, a float or any other type.
     """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ArgumentError(f"a byte count is an int or a string such as '1.5GB', got {value!r} "
+                            f"({type(value).__name__})")
     if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    if m is None or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a byte count (e.g. 1000000, 1.5GB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise ArgumentError(f"cannot read {value!r} as a byte count (e.g. 1000000, 1.5GB, 512MiB)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise ArgumentError(f"a byte count must be positive, got {value!r}")
+    return n
 
 
 def default_cap_bytes() -> int:
-    """The payload cap: ``$NNSIGHT_LORSA_MAX_PAYLOAD`` if set, else :data:`DEFAULT_CAP_BYTES` (1 GiB)."""
+    """The payload cap: ``$NNSIGHT_LORSA_MAX_PAYLOAD`` if set, else :data:`DEFAULT_CAP_BYTES` (500 MB)."""
     value = os.environ.get(CAP_ENV)
     return DEFAULT_CAP_BYTES if not value else parse_bytes(value)
 
@@ -333,7 +343,7 @@ def _too_large(report: PayloadReport, cap_bytes: int, what: str) -> PayloadTooLa
     )
 
 
-def check_payload(obj: Any, cap_bytes: int | str | None = None, layers: int | Iterable[int] | None = None, *,
+def check_payload(obj: Any, cap_bytes: Any = None, layers: int | Iterable[int] | None = None, *,
                   serialize: bool = False) -> PayloadReport:
     """:func:`payload_report`, raising if it exceeds ``cap_bytes``; returns the report otherwise.
 

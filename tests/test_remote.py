@@ -257,7 +257,7 @@ def test_check_payload_names_the_largest_tensors(monkeypatch: pytest.MonkeyPatch
     from nnsight_lorsa.remote import CAP_ENV, PayloadTooLargeError, check_payload, default_cap_bytes, parse_bytes
 
     _, lorsas = _tiny_set()
-    total = check_payload(lorsas).total_tensor_bytes  # default cap: 1 GiB
+    total = check_payload(lorsas).total_tensor_bytes  # default cap: 500 MB
     with pytest.raises(PayloadTooLargeError) as info:
         check_payload(lorsas, cap_bytes="100KB")
     message = str(info.value)
@@ -273,6 +273,26 @@ def test_check_payload_names_the_largest_tensors(monkeypatch: pytest.MonkeyPatch
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="byte count"):
         parse_bytes("3 parsecs")
+
+
+@pytest.mark.parametrize("bad", [-5, 0, True, False, 1.5, "0", "0.0GB", "-5", None, b"1GB", [1]])
+def test_a_cap_that_is_not_a_positive_byte_count_is_refused(bad, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap (``cap_bytes=`` or ``$NNSIGHT_LORSA_MAX_PAYLOAD``) is a positive byte count: -5, True and 0 were
+    accepted (every payload then refused, or none), 1.5 raised a raw TypeError."""
+    from nnsight_lorsa.errors import ArgumentError
+    from nnsight_lorsa.remote import CAP_ENV, DEFAULT_CAP_BYTES, check_payload, default_cap_bytes, parse_bytes
+
+    with pytest.raises(ArgumentError, match="byte count"):
+        parse_bytes(bad)
+    _, lorsas = _tiny_set()
+    if bad is not None:  # None: the default cap
+        with pytest.raises(ArgumentError, match="byte count"):
+            check_payload(lorsas, cap_bytes=bad)
+    if isinstance(bad, str):
+        monkeypatch.setenv(CAP_ENV, bad)
+        with pytest.raises(ArgumentError, match="byte count"):
+            default_cap_bytes()
+    assert DEFAULT_CAP_BYTES < 512 * 10**6  # under the Redis request limit of NDIF's queue
 
 
 def test_measured_backend_refuses_an_oversized_request_before_serializing() -> None:
