@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .scores import PruneResult, prune
 
@@ -570,6 +571,7 @@ def render_html(
     Raises:
         ValueError: a ``details`` entry of an unsupported form, ``clicked`` not among the drawn nodes,
             or :func:`to_neuronpedia`'s errors.
+        ArgumentError: a ``details`` key that is no node id of ``graph``.
     """
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)
@@ -578,7 +580,12 @@ def render_html(
         if clicked not in known:
             raise ValueError(f"clicked={clicked!r} is not an exported node")
         data["qParams"]["clickedId"] = clicked
-    blocks = {k: v for k, v in normalize_details(details).items() if k in known}
+    given = normalize_details(details)
+    unknown = sorted(set(given) - set(node_ids(graph)))
+    if unknown:  # a typo or another graph's ids: refused, never silently left out
+        raise ArgumentError(f"render_html(details=...): {len(unknown)} node id(s) not in this graph, e.g. "
+                            f"{unknown[:3]}; ids are node_ids(graph) (circuit-tracer's scheme, e.g. '2_145_5')")
+    blocks = {k: v for k, v in given.items() if k in known}  # nodes pruned from the drawing: nothing to show
     payload = embed_json({"graph": data, "details": blocks})
     page_title = html.escape(title if title is not None else (graph.prompt or "attribution graph"))
     n_nodes, n_links = len(data["nodes"]), len(data["links"])

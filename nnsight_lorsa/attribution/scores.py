@@ -48,7 +48,7 @@ from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, index_at
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .layout import Layout
 from .trace import frozen_logits, prepare
@@ -180,7 +180,7 @@ def find_threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     return s[min(int(at), s.numel() - 1)]
 
 
-def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
+def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float | int = 0.98) -> PruneResult:
     """Influence pruning of a full graph (module docstring; circuit-tracer's ``prune_graph``,
     ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings).
 
@@ -193,11 +193,11 @@ def prune(graph: Graph, node_threshold: float = 0.8, edge_threshold: float = 0.9
         :class:`PruneResult` (masks over the graph's nodes and ``[target, source]`` edges).
 
     Raises:
-        ValueError: a threshold outside ``[0, 1]``.
+        ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included).
     """
     for name, v in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise ArgumentError(f"prune({name}=...) must be a number in [0, 1], got {v!r}")
     kind = graph.nodes.kind
     always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT)
     feature = (kind == TRANSCODER) | (kind == LORSA)

@@ -14,7 +14,7 @@ the page (no network, no external assets).
 from __future__ import annotations
 
 import html
-import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +114,12 @@ _SCRIPT = """
 const d = JSON.parse(document.getElementById('head-data').textContent);
 const el = (t, a, txt) => { const e = document.createElement(t); Object.assign(e, a || {});
   if (txt !== undefined) e.textContent = txt; return e; };
+const fx = (v, n) => (typeof v === 'number' && isFinite(v)) ? v.toFixed(n) : 'n/a';  // null: a NaN / inf
 const root = document.getElementById('app');
 root.appendChild(el('h1', {}, d.title));
 const meta = el('div', {className: 'meta', id: 'meta'});
 meta.appendChild(el('span', {id: 'frequency'},
-  'active on ' + (100 * d.frequency).toFixed(2) + '% of ' + d.n_tokens + ' tokens'));
+  'active on ' + fx(d.frequency === null ? null : 100 * d.frequency, 2) + '% of ' + d.n_tokens + ' tokens'));
 meta.appendChild(el('span', {}, 'QK head ' + d.qk_head));
 if (d.heads_spanned !== undefined)
   meta.appendChild(el('span', {id: 'spanned'}, 'spans ' + d.heads_spanned + ' MHSA head(s)'));
@@ -128,11 +129,11 @@ root.appendChild(el('h2', {}, 'Top activations (z-pattern: contribution of each 
 const ctxs = el('div', {id: 'contexts'});
 for (const c of d.contexts) {
   const row = el('div', {className: 'ctx'});
-  row.appendChild(el('span', {className: 'z'}, 'z=' + c.z.toFixed(2)));
+  row.appendChild(el('span', {className: 'z'}, 'z=' + fx(c.z, 2)));
   const m = Math.max(1e-9, ...c.contrib.map(Math.abs));
   c.tokens.forEach((t, i) => {
     const s = el('span', {className: 'tok'}, t.replace(/\\n/g, '\\u23ce'));
-    const a = c.contrib[i] / m;
+    const a = (c.contrib[i] || 0) / m;
     s.style.background = a >= 0 ? `rgba(31,119,180,${a.toFixed(3)})` : `rgba(214,39,40,${(-a).toFixed(3)})`;
     s.title = 'contribution ' + c.contrib[i];
     if (i === c.tokens.length - 1) s.classList.add('query');
@@ -144,13 +145,13 @@ root.appendChild(ctxs);
 root.appendChild(el('h2', {}, 'Logits via OV (tokens the head promotes)'));
 const lens = el('table', {id: 'logit-lens'});
 for (const r of d.logit_lens) { const tr = el('tr'); tr.appendChild(el('td', {}, JSON.stringify(r.token)));
-  tr.appendChild(el('td', {}, r.logit.toFixed(3))); lens.appendChild(tr); }
+  tr.appendChild(el('td', {}, fx(r.logit, 3))); lens.appendChild(tr); }
 root.appendChild(lens);
 if (d.mhsa) {
   root.appendChild(el('h2', {}, 'Correlated MHSA heads (oblique projection, App. E.1)'));
   const t = el('table', {id: 'mhsa'});
   for (const r of d.mhsa) { const tr = el('tr'); tr.appendChild(el('td', {}, r.head));
-    tr.appendChild(el('td', {}, r.fraction.toFixed(3))); t.appendChild(tr); }
+    tr.appendChild(el('td', {}, fx(r.fraction, 3))); t.appendChild(tr); }
   root.appendChild(t);
 }
 if (d.sae_features) {
@@ -158,16 +159,34 @@ if (d.sae_features) {
   const t = el('table', {id: 'sae-features'});
   for (const r of d.sae_features) { const tr = el('tr', {className: 'aspect-' + r.aspect});
     tr.appendChild(el('td', {}, r.aspect)); tr.appendChild(el('td', {}, 'feature ' + r.feature));
-    tr.appendChild(el('td', {}, r.measure + ' ' + r.score.toFixed(4))); t.appendChild(tr); }
+    tr.appendChild(el('td', {}, r.measure + ' ' + fx(r.score, 4))); t.appendChild(tr); }
   root.appendChild(t);
 }
 document.body.setAttribute('data-rendered', 'yes');
 """
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by None (JSON ``null``, shown as "n/a")."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def render_dashboard(data: dict[str, Any]) -> str:
-    """One self-contained HTML page (inline CSS, JSON and script) for :func:`head_dashboard_data`'s dict."""
-    payload = json.dumps(data).replace("</", "<\\/")
+    """One self-contained HTML page (inline CSS, JSON and script) for :func:`head_dashboard_data`'s dict.
+
+    Any string (a title, an ``extra=`` field, a token) is inert: the JSON is embedded with ``<``, ``>``
+    and ``&`` escaped (:func:`~..attribution.export.embed_json`), so no ``</script>`` or ``<!--`` can end
+    or comment out the data; NaN / inf values are written as ``null`` and shown as "n/a" (they made the
+    page blank before)."""
+    from ..attribution.export import embed_json
+
+    payload = embed_json(_finite(data))
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(str(data.get('title', '')))}"
             f"</title><style>{_STYLE}</style></head><body><div id='app'></div>"
             f"<script type='application/json' id='head-data'>{payload}</script>"

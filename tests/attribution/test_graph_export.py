@@ -162,6 +162,29 @@ def test_default_prune_and_thresholds(built):
         to_neuronpedia(g, bad, slug="x")
 
 
+@pytest.mark.parametrize("bad", [True, False, -0.1, 1.5, float("nan"), float("inf")])
+def test_prune_refuses_a_threshold_that_is_not_a_fraction(built, bad):
+    """``edge_threshold=True`` was accepted as 1.0 (and NaN passed the range check as no comparison holds)."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    _, g, _, _ = built
+    for name in ("node_threshold", "edge_threshold"):
+        with pytest.raises(ArgumentError, match=name):
+            prune(g, **{name: bad})
+
+
+def test_render_html_refuses_details_for_nodes_the_graph_does_not_have(built):
+    """Unknown node ids in ``details=`` were dropped without a word; a pruned-away node of the graph is fine."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    tok, g, pr, d = built
+    drawn = {n["node_id"] for n in d["nodes"]}
+    pruned_away = next(i for i in node_ids(g) if i not in drawn)
+    render_html(g, pr, tokenizer=tok, details={pruned_away: "not drawn: nothing to show"})
+    with pytest.raises(ArgumentError, match=r"not in this graph.*'nope_1_2'"):
+        render_html(g, pr, tokenizer=tok, details={"nope_1_2": "a typo"})
+
+
 # ----------------------------------------------------------------------------- viewer
 def _details(d):
     lorsa = next(n["node_id"] for n in d["nodes"] if n["feature_type"] == "lorsa")

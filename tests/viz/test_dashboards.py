@@ -87,3 +87,26 @@ def test_figures(tmp_path):
            plot_heads_spanned(torch.tensor([0, 1, 1, 2, 3, 1]), tmp_path / "hist.png")]
     for p in out:
         assert p.exists() and p.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("hostile", ["<!--<script>", "</script><script>alert(1)</script>", "]]>&amp;<\u2028"])
+def test_hostile_strings_and_non_finite_numbers_still_render(dashboard_data, hostile, tmp_path):
+    """A ``<!--<script>`` in the title or an ``extra=`` field and a NaN / inf number gave a blank page
+    (only ``</`` was escaped; NaN is not JSON): now the strings show as text and the numbers as "n/a"."""
+    import copy
+
+    d = copy.deepcopy(dashboard_data)
+    d["title"] = f"head {hostile}"
+    d["extra"] = {"note": hostile}
+    d["frequency"] = float("nan")
+    d["contexts"][0]["z"] = float("inf")
+    d["logit_lens"][0]["logit"] = float("-inf")
+    page = render_dashboard(d)
+    data = page.split("id='head-data'>", 1)[1].split("</script>", 1)[0]
+    assert "<" not in data and "NaN" not in data and "Infinity" not in data  # inert, valid JSON
+    require_chromium()
+    path = write_dashboard(tmp_path / "hostile.html", d)
+    dom = render_dom(path)
+    assert 'data-rendered="yes"' in dom
+    assert "active on n/a% of" in dom and "z=n/a" in dom
+    assert len(re.findall(r'class="ctx"', dom)) == len(d["contexts"])
