@@ -143,7 +143,7 @@ def lorsa_argparser(doc: str, **options: Any) -> argparse.ArgumentParser:
 
 def open_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     """One thread, seed 0; the nnsight model in ``model_dir`` and its ``training.json``."""
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     start(threads=1)
     return load_model(str(model_dir)), json.loads((model_dir / "training.json").read_text())

@@ -92,7 +92,7 @@ def embedded(seed: int | None = 0) -> tuple[Any, Any]:
     """Seeded, the embedded tinyshakespeare model (nnsight, offline) and its packaged Lorsa (layer 2)."""
     from nnsight_lorsa import LorsaSet
     from nnsight_lorsa.assets import default_lorsa_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     start(seed=seed)
     model = load_model()

@@ -37,7 +37,7 @@ def child(seq: int, batch: int, mode: str) -> None:
     from nnsight_lorsa import ReplacementModel
     from nnsight_lorsa.assets import default_corpus_path, default_transcoder_dir
     from nnsight_lorsa.attribution import PruneConfig, attribute
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
     from nnsight_lorsa.formats import load
 
     engine = sys.modules["nnsight_lorsa.attribution.attribute"]

@@ -186,7 +186,7 @@ def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) ->
 def _replacement():
     from nnsight_lorsa import ReplacementModel
     from nnsight_lorsa.assets import default_transcoder_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
     from nnsight_lorsa.formats import load
 
     model = load_model()

@@ -34,7 +34,7 @@ from nnsight_lorsa.attribution import PruneConfig, attribute  # noqa: E402
 from nnsight_lorsa.attribution.attribute import build_graph  # noqa: E402
 from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
 from nnsight_lorsa.attribution.trace import prepare  # noqa: E402
-from nnsight_lorsa.demo import load_model  # noqa: E402
+from nnsight_lorsa.envoy import load_model  # noqa: E402
 from nnsight_lorsa.formats import load  # noqa: E402
 
 SPARSE_KEEP_MASS = 0.99

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lorsa_recipe as B  # noqa: E402
 
 from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter  # noqa: E402
-from nnsight_lorsa.demo import load_model  # noqa: E402
+from nnsight_lorsa.envoy import load_model  # noqa: E402
 from nnsight_lorsa.envoy.read import Site  # noqa: E402
 from nnsight_lorsa.training import ActivationSource, LorsaRecipe, TrainConfig, Trainer  # noqa: E402
 

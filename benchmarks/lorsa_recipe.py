@@ -37,7 +37,7 @@ import torch
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_corpus_path
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy import load_model
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import (

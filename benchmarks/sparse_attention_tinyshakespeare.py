@@ -35,7 +35,7 @@ def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len:
     """
     from transformers import AutoTokenizer
 
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
     from nnsight_lorsa.envoy.targets import MHSAHead, ReplacementModel
     from nnsight_lorsa.patching.circuit import circuit_size
     from nnsight_lorsa.patching.interventions import mean_activations

@@ -18,7 +18,7 @@ from _timing import RESULTS, arg, parser, start
 
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.assets import default_corpus_path
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy import load_model
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.sae_set import SAESet
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet

@@ -26,6 +26,17 @@ from .errors import PlacementError
 HOST = torch.device("cpu")
 
 
+def torch_module(model: Any) -> Any:
+    """``model`` as a torch module: itself, or the module an nnsight envoy wraps, reached through the
+    envoy's public attribute forwarding (``envoy.get_submodule("")`` runs the wrapped module's own
+    ``get_submodule``, which returns that module); anything else unchanged. The layers below ``envoy``
+    read no nnsight internals; above, ``envoy.nnsight_internals.hf_module`` gives the same module."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    get = getattr(model, "get_submodule", None)
+    return get("") if callable(get) else model
+
+
 def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch.dtype]:
     """``(device, dtype)`` of ``module``'s first floating-point parameter (``module`` a ``nn.Module`` or a
     tensor); ``name`` names it in errors (default: its type).
@@ -85,12 +96,12 @@ def model_device(model: Any) -> torch.device:
     Raises:
         PlacementError: the model's parameters are still on ``meta`` (it cannot be dispatched).
     """
-    hf = getattr(model, "_module", model)
+    hf = torch_module(model)
     p = next(iter(hf.parameters()), None)
     if p is not None and p.is_meta and callable(getattr(model, "dispatch", None)) \
             and not getattr(model, "dispatched", True):
         model.dispatch()
-        hf = getattr(model, "_module", model)
+        hf = torch_module(model)
         p = next(iter(hf.parameters()), None)
     if p is None:
         return HOST

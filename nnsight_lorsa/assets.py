@@ -3,7 +3,7 @@
 The package ships, under ``nnsight_lorsa/assets/``, a small (~1.3M parameter) Llama-architecture LM
 trained on tinyshakespeare (with its byte-level BPE tokenizer), a Lorsa for its layer 2, TopK transcoders
 for its MLPs and the training corpus, so that demos and tests run offline. This module only locates them
-(``nnsight_lorsa.demo.load_model()`` loads the model into nnsight); the script that built the model is
+(``nnsight_lorsa.envoy.load_model()`` loads the model into nnsight); the script that built the model is
 ``scripts/tinymodel.py`` in the source repository, not part of the installed package.
 """
 

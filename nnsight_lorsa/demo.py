@@ -22,13 +22,14 @@ import json
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .envoy.loading import load_model  # re-exported: the loader lives in the glue layer (envoy)
+from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError
 
 __all__ = ["DemoConfig", "load_model", "run_demo"]
@@ -55,34 +56,6 @@ class DemoConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", or "auto" (device_map="auto" over the visible GPUs)
     dtype: str = "float32"  # the model's weights: float32, bfloat16 or float16 (the Lorsa trains in fp32)
     progress: bool = True
-
-
-def load_model(model_dir: str | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Any:
-    """An nnsight ``TransformersModel`` from a local Hugging Face directory (default: the embedded one).
-
-    ``device``: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``, or ``"auto"`` to spread a
-    large model over the visible GPUs through ``device_map="auto"``); ``dtype``: the weights' dtype.
-    Loads offline (``HF_HUB_OFFLINE=1`` unless already set): nothing is downloaded. A directory without
-    tokenizer files loads too (:func:`nnsight_lorsa.envoy.tokens.load_tokenizer`): token ids then work
-    everywhere, text raises :class:`~nnsight_lorsa.errors.MissingTokenizerError`.
-
-    Raises:
-        MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from nnsight import TransformersModel
-
-    from .assets import default_model_dir
-    from .envoy.tokens import load_tokenizer
-
-    path = str(model_dir or default_model_dir())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
-        where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
-        return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True,
-                                 dtype=dtype, **where)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -222,7 +195,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     model = load_model(cfg.model_dir, device=cfg.device, dtype=_DTYPES[cfg.dtype])
     adapter = get_adapter(model)
     layer = adapter.n_layers // 2 if cfg.layer is None else adapter.check_layer(cfg.layer)
-    mhsa = adapter.mhsa_weights(model._module, layer)
+    mhsa = adapter.mhsa_weights(hf_module(model), layer)
     n_ov = cfg.n_ov_heads or 8 * adapter.d_model
     _check_sizes(cfg, adapter.d_model, mhsa.n_heads * cfg.qk_heads_per_mhsa_head, mhsa.head_dim, n_ov)
     text = Path(cfg.text_path or default_corpus_path()).read_text(encoding="utf-8")

@@ -35,11 +35,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from nnsight.intervention.backends.remote import RemoteBackend
 from torch import nn
 
 from .envoy.clt_set import CLTSet
 from .envoy.lorsa_set import LorsaSet
+from .envoy.nnsight_internals import (
+    SerializingRemoteBackend,
+    block_names,
+    hf_module,
+    install_remote_backend,
+    remote_env,
+    request_envelope,
+    sent_by_reference,
+    serialize,
+)
 from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
 from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
@@ -88,17 +97,14 @@ def register(*, guard: bool = True) -> None:
 
     nnsight.register(sys.modules[__package__])
     if guard:
-        from nnsight.intervention.backends import remote as remote_backends
-
-        remote_backends.RemoteBackend = MeasuredRemoteBackend
+        install_remote_backend(MeasuredRemoteBackend)
 
 
 def unregister() -> None:
     """Undo :func:`register`: nnsight's own ``RemoteBackend`` again, and this package by reference."""
     from cloudpickle import unregister_pickle_by_value
-    from nnsight.intervention.backends import remote as remote_backends
 
-    remote_backends.RemoteBackend = RemoteBackend
+    install_remote_backend(None)
     with contextlib.suppress(ValueError):  # not registered
         unregister_pickle_by_value(sys.modules[__package__])
 
@@ -229,7 +235,7 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 def _is_reference(obj: Any) -> bool:
     """Objects nnsight sends by reference (persistent id: the model's modules) or not at all (envoys)."""
-    if isinstance(obj, nn.Module) and "_persistent_id" in obj.__dict__:
+    if isinstance(obj, nn.Module) and sent_by_reference(obj):
         return True
     return type(obj).__module__.startswith("nnsight.")
 
@@ -281,9 +287,8 @@ def serialized_size(obj: Any, *, compress: bool | None = None) -> int:
     cloudpickle (not, e.g., under the test suite's beartype import hook).
     """
     from nnsight import CONFIG
-    from nnsight.intervention.serialization import dumps
 
-    data = dumps(obj)
+    data = serialize(obj)
     if CONFIG.API.COMPRESS if compress is None else compress:
         import zstandard
 
@@ -390,7 +395,7 @@ def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torc
     if layer is None:
         replaced = _layer_list(replacement, None)
         layer = replaced[0] if replaced else 0
-    attention = replacement.model.get(replacement.adapter.attention_path(layer))._module
+    attention = hf_module(replacement.model.get(replacement.adapter.attention_path(layer)))
     for p in attention.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -439,15 +444,11 @@ def request_report(tracer: Any) -> PayloadReport:
     Uses nnsight's own reduction of the block (``reduce_block``: the globals and locals the
     block's source references), so it sees what ``RequestModel.serialize`` will pickle.
     """
-    from nnsight.intervention.serialization import reduce_block
-
-    frame = tracer.info.frame
-    _, used_globals, used_locals = reduce_block(tracer.node, frame.f_globals, dict(frame.f_locals))
-    names = {**used_globals, **used_locals}
+    names = block_names(tracer)
     return _report_from(item for key in sorted(names) for item in _named_tensors(names[key], key))
 
 
-class MeasuredRemoteBackend(RemoteBackend):
+class MeasuredRemoteBackend(SerializingRemoteBackend):
     """nnsight's ``RemoteBackend`` that measures each request before sending it, and caps it.
 
     Before serializing: the tensors the block references are counted (:func:`request_report`)
@@ -478,12 +479,12 @@ class MeasuredRemoteBackend(RemoteBackend):
         self.blob: bytes | None = None
         self.envelope: Any = None
 
-    def _serialize(self, tracer: Any) -> bytes:
+    def serialize_request(self, tracer: Any) -> bytes:
         report = request_report(tracer)
         self.report = report
         if report.total_tensor_bytes > self.cap_bytes:
             raise _too_large(report, self.cap_bytes, "this remote request (tensor data, before serializing)")
-        blob = super()._serialize(tracer)
+        blob = super().serialize_request(tracer)
         report = replace(report, serialized_bytes=len(blob), compressed=bool(self.compress))
         self.report, self.payload_bytes = report, len(blob)
         if self.display.enabled or self.verbose:
@@ -497,16 +498,14 @@ class MeasuredRemoteBackend(RemoteBackend):
 
     def request(self, request: Any, tracer: Any) -> Any:
         if self.dry_run:
-            self.blob, self.envelope = self._serialize(tracer), request
+            self.blob, self.envelope = self.serialize_request(tracer), request
             return None
         return super().request(request, tracer)
 
     def submit(self, tracer: Any) -> None:
         if self.dry_run:
-            from nnsight.schema.request import RequestModel
-
-            self.blob = self._serialize(tracer)
-            self.envelope = RequestModel(model_key=self.model_key, compress=self.compress, env=self.env)
+            self.blob = self.serialize_request(tracer)
+            self.envelope = request_envelope(self.model_key, self.compress, self.env)
             return None
         return super().submit(tracer)
 
@@ -530,7 +529,7 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
             if not dry_run:
                 raise
             model_key = "local:unknown"
-    return MeasuredRemoteBackend(model_key, env=model._remoteable_get_env(), cap_bytes=cap_bytes, dry_run=dry_run,
+    return MeasuredRemoteBackend(model_key, env=remote_env(model), cap_bytes=cap_bytes, dry_run=dry_run,
                                  **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 The package ships a small (~1.3M parameter) ``LlamaForCausalLM`` plus its byte-level BPE tokenizer under
 ``nnsight_lorsa/assets/tinyshakespeare-llama`` so that demos and tests run offline (the package locates it
-with ``nnsight_lorsa.assets``; ``nnsight_lorsa.demo.load_model()`` loads it). This script, which is not part
+with ``nnsight_lorsa.assets``; ``nnsight_lorsa.envoy.load_model()`` loads it). This script, which is not part
 of the installed package, holds everything needed to rebuild that asset from the packaged corpus::
 
     python scripts/tinymodel.py --steps 1000 --seq-len 256 --batch-size 16 --threads 2 \

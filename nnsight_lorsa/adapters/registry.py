@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from .._placement import torch_module
 from ..errors import UnsupportedArchitectureError
 from .base import ArchitectureAdapter
 from .gpt2 import GPT2Adapter
@@ -17,14 +18,14 @@ ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter,
 
 def _config_of(model: Any) -> Any:
     config = getattr(model, "config", None)
-    if config is None and hasattr(model, "_module"):
-        config = getattr(model._module, "config", None)
+    if config is None:
+        config = getattr(torch_module(model), "config", None)
     return config
 
 
 def _unembedding_path(model: Any) -> str | None:
     """Dotted path of ``model.get_output_embeddings()`` (Hugging Face or nnsight-wrapped), else None."""
-    module = getattr(model, "_module", model)
+    module = torch_module(model)
     get = getattr(module, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not isinstance(head, nn.Module):

@@ -25,6 +25,7 @@ from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward
 from ..adapters.registry import get_adapter
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import attention_activations
 from ..errors import ShapeError
 from .top_activations import TopActivations
@@ -99,7 +100,7 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     adapter = get_adapter(model)
     lorsa = lorsa_set[layer]
     device, _ = placement(lorsa, f"the Lorsa of layer {layer}")
-    w = _weights_f32(adapter.mhsa_weights(model._module, layer), device)
+    w = _weights_f32(adapter.mhsa_weights(hf_module(model), layer), device)
     n_ov, n_heads = lorsa.cfg.n_ov_heads, w.n_heads
     contrib = torch.zeros(n_ov, n_heads, dtype=torch.float64, device=device)
     count = torch.zeros(n_ov, dtype=torch.long, device=device)
@@ -140,7 +141,7 @@ def _weights_f32(w: MHSAWeights, device: torch.device) -> MHSAWeights:
 
 
 def _module(model: Any, path: str) -> Any:
-    root = getattr(model, "_module", model)
+    root = hf_module(model)
     return root.get_submodule(path)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..envoy.nnsight_internals import hf_module
 from ..errors import ArgumentError, ConfigMismatchError
 from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
@@ -194,7 +195,7 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     if qk_heads and (cached or remote):
         raise ConfigMismatchError("qk_heads traces a prompt locally: not with a cache or remote")
     model, adapter = replacement.model, replacement.adapter
-    root = getattr(model, "_module", model)
+    root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
     options = {"logit_tokens": logit_tokens, "desired_logit_prob": desired_logit_prob, "max_n_logits": max_n_logits,
                "dtype": dtype, "zero_positions": zero_positions}

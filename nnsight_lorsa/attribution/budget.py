@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._repr import FieldsRepr
+from ..envoy.nnsight_internals import hf_module
 from ..errors import MemoryBudgetError
 from .frozen import choose
 from .graph import HOST
@@ -203,7 +204,7 @@ def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, de
 def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vectors: str, prune: bool,
                   dtype: torch.dtype | None, keep_mass: float = 1.0) -> dict[str, Any]:
     """The shapes :func:`.budget.estimate_layout` takes, from a prepared prompt."""
-    root = getattr(replacement.model, "_module", replacement.model)
+    root = hf_module(replacement.model)
     param = next(root.parameters())
     device = param.device.type
     return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,

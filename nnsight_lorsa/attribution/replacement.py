@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
+from ..envoy.nnsight_internals import hf_module
 from ..errors import ConfigMismatchError, PlacementError
 from ..modules.clt import CrossLayerTranscoder
 from .frozen import (
@@ -449,7 +450,7 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
                         transcoders: dict[int, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
     """The modules :func:`.layout.build_layout` needs, and the frozen MHSA weights by layer (``model``:
     an nnsight model or the bare Hugging Face one)."""
-    root = getattr(model, "_module", model)
+    root = hf_module(model)
     for layer in [*lorsas, *transcoders]:
         adapter.check_layer(layer)
     mhsa = {layer: adapter.mhsa_weights(root, layer) for layer in range(adapter.n_layers) if layer not in lorsas}

@@ -28,6 +28,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
 from .layout import Layout, build_layout
@@ -134,7 +135,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
             ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ShapeError(f"a prompt must be one sequence of token ids, got shape {tuple(ids.shape)}")
-    embed = getattr(getattr(model, "_module", model), "get_input_embeddings", lambda: None)()
+    embed = getattr(hf_module(model), "get_input_embeddings", lambda: None)()
     vocab = getattr(embed, "num_embeddings", None)
     if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ArgumentError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary), got "
@@ -168,8 +169,8 @@ def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_
     """
     model, adapter = replacement.model, replacement.adapter
     lor, tcs = layer_modules(replacement)
-    check_placement(getattr(model, "_module", model), lor, tcs, model_weights=not remote)
-    if dtype is not None and dtype != next(getattr(model, "_module", model).parameters()).dtype:
+    check_placement(hf_module(model), lor, tcs, model_weights=not remote)
+    if dtype is not None and dtype != next(hf_module(model).parameters()).dtype:
         lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
@@ -259,7 +260,7 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
     replacement model's, in forward order. Every replaced module (norms, attention, MLPs, unembedding)
     runs on batch row 0 only, in the model's dtype (:func:`first_row`), so the ``batch`` copies cost
     the model's forward once plus the frozen model, which may compute in another dtype."""
-    root = model._module
+    root = hf_module(model)
     batch, dtype = frozen.M.shape[0], next(root.parameters()).dtype
     for path in (adapter.embed_path, getattr(adapter, "pos_embed_path", None)):
         if path:
@@ -318,7 +319,7 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
     scheduler then runs on the server and its rows come back as a saved value."""
     ids = layout.tokens[None].expand(batch_size, -1).to(model.device)
     with model.trace(ids, use_cache=False):
-        M = torch.ones(batch_size, layout.n_sources, device=model.device, dtype=multiplier_dtype(model._module),
+        M = torch.ones(batch_size, layout.n_sources, device=model.device, dtype=multiplier_dtype(hf_module(model)),
                        requires_grad=True)
         frozen = make(layout, M, mhsa)
         frozen_forward_body(model, adapter, frozen)
@@ -336,7 +337,7 @@ def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa
     (error nodes included); raising ``M[b, s]`` by 1 adds source ``s``'s contribution once more, the
     intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``."""
     constants: dict[str, torch.Tensor] = {}
-    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(model._module), device="cpu")
+    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(hf_module(model)), device="cpu")
     for mult in (ones, ones if M is None else M):
         ids = layout.tokens[None].expand(mult.shape[0], -1).to(model.device)
         with torch.no_grad(), model.trace(ids, use_cache=False):

@@ -8,7 +8,8 @@
 * Targets of interventions: :class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`; a place in the
   model whose activations are read: :class:`Site` (:mod:`.read`).
 
-Models without a tokenizer: :func:`load_tokenizer` (:mod:`.tokens`) gives ``TransformersModel`` a
+Loading a local Hugging Face directory (default: the embedded model) offline: :func:`load_model`
+(:mod:`.loading`). Models without a tokenizer: :func:`load_tokenizer` (:mod:`.tokens`) gives ``TransformersModel`` a
 stand-in that takes token ids everywhere and refuses text with ``MissingTokenizerError``.
 
 Mechanism: :mod:`.splice_chain` (one replacement over one or several sites, error terms), every
@@ -16,6 +17,7 @@ use of nnsight's private internals in :mod:`.nnsight_internals`. See docs/nnsigh
 """
 
 from .clt_set import CLTSet
+from .loading import load_model
 from .lorsa_set import LorsaSet
 from .read import Site
 from .replacement_model import ReplacementModel
@@ -25,4 +27,4 @@ from .tokens import load_tokenizer
 from .transcoder_set import TranscoderSet
 
 __all__ = ["CLTSet", "Feature", "LorsaHead", "LorsaSet", "MHSAHead", "ReplacementModel", "SAESet", "Site",
-           "TranscoderSet", "load_tokenizer"]
+           "TranscoderSet", "load_model", "load_tokenizer"]

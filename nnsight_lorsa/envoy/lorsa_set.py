@@ -19,7 +19,7 @@ from .._placement import to_module
 from ..adapters.base import ArchitectureAdapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..modules.lorsa import Lorsa, LorsaKV
-from .nnsight_internals import current_worker, run_kwargs, traced_method
+from .nnsight_internals import current_worker, hf_module, run_kwargs, traced_method
 from .replacement_set import ReplacementSet, check_flag, load_keyed, replace_keys
 from .splice_chain import SpliceChain, splice_chain
 
@@ -170,7 +170,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 continued from a ``past_key_values`` made outside the trace).
         """
         adapter = self.adapter
-        hf_config = getattr(getattr(self.model, "_module", None), "generation_config", None)
+        hf_config = getattr(hf_module(self.model), "generation_config", None)
         run_kwargs = dict(generation or {})
 
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
@@ -252,7 +252,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         generation = run_kwargs(interleaver)
         # a generate() takes what its kwargs leave unset from the model's generation_config: check both
         # now, before the first token (in a plain trace the generation_config plays no part)
-        hf_config = getattr(getattr(self.model, "_module", None), "generation_config", None)
+        hf_config = getattr(hf_module(self.model), "generation_config", None)
         check_generation(generation, hf_config if traced_method(interleaver) == "generate" else None)
         envoys = {}
         for L in layers:

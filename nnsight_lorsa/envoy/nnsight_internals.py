@@ -35,6 +35,15 @@ parks on sae.encoder.output"). ``model.edit()`` gives such a worker but persists
 traces; :func:`spawn_worker` gives one for the current trace only: it is added to the running
 interleaver, parks like any intervention, and is unwound by nnsight's own ``cancel()`` when
 the trace ends, normally or by an error — so nothing it sets up outlives the trace.
+
+Also here: the torch module under an envoy (:func:`hf_module`, ``Envoy._module``: the layers below
+``envoy`` reach it through the envoy's public attribute forwarding instead, ``_placement.torch_module``),
+and what :mod:`nnsight_lorsa.remote` needs of nnsight's remote backend (its private ``_serialize``
+step, the ``RemoteBackend`` name it swaps, the block reduction, the request envelope, the model's
+``_remoteable_get_env``, the ``_persistent_id`` the pickler sends by reference).
+
+:data:`PRIVATE_NAMES` lists every such name with what it is; ``tests/envoy/test_nnsight_internals.py``
+walks it against the installed nnsight and names the version and the name when one has changed.
 """
 
 from __future__ import annotations
@@ -42,11 +51,89 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.source import STATE, Controller
 from torch import nn
 
 from ..errors import ConcurrentTraceError, TraceOrderError
+
+#: every private or internal nnsight name this package relies on, as ``(owner, name, kind)``: ``owner``
+#: a dotted module, class or function path; ``kind`` one of ``"class"``, ``"callable"`` (function, method
+#: or classmethod), ``"property"``, ``"constant"`` (a str), ``"instance attribute"`` (set on every
+#: instance of ``owner``), ``"local"`` (a local variable of the function ``owner``) or ``"in source"``
+#: (``name`` is spelled in ``owner``'s source: a key nnsight reads or writes by name). Checked against
+#: nnsight 0.8.1 by ``tests/envoy/test_nnsight_internals.py``.
+PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
+    # instrumentation of a module (strip_nnsight, is_instrumented)
+    ("nnsight.intervention.source", "STATE", "constant"),
+    ("nnsight.intervention.source", "Controller", "class"),
+    # mounting and unmounting a child envoy (attach, detach), the module under an envoy (hf_module)
+    ("nnsight.intervention.envoy.Envoy", "_module", "instance attribute"),
+    ("nnsight.intervention.envoy.Envoy", "_drop_envoy", "callable"),
+    ("nnsight.intervention.envoy.Envoy", "interleaver", "instance attribute"),
+    ("nnsight.intervention.envoy.Envoy", "path", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "envoys", "instance attribute"),
+    # workers (FunctionWorker, spawn_worker, stood_down, waiting_under, ran_since_start, park_or_end, ...)
+    ("nnsight.intervention.interleaver", "Mediator", "class"),
+    ("nnsight.intervention.interleaver", "OutOfOrderError", "class"),
+    ("nnsight.intervention.interleaver", "getcurrent", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "current", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "start", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "_run", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "alive", "property"),
+    ("nnsight.intervention.interleaver.Mediator", "interleaver", "instance attribute"),
+    ("nnsight.intervention.interleaver.Mediator", "batch_group", "instance attribute"),
+    ("nnsight.intervention.interleaver.Mediator", "worker", "instance attribute"),
+    ("nnsight.intervention.interleaver.Mediator", "pending", "instance attribute"),
+    ("nnsight.intervention.interleaver.Mediator", "iteration", "instance attribute"),
+    ("nnsight.intervention.interleaver.Mediator", "counts_at_start", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "_reindex_parked", "callable"),
+    ("nnsight.intervention.interleaver.Interleaver", "mediators", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "parked", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "interleaving", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "counts", "instance attribute"),
+    ("nnsight.intervention.interleaver.Interleaver", "batcher", "instance attribute"),
+    ("nnsight.intervention.batching.Batcher", "kwargs", "instance attribute"),
+    ("nnsight.intervention.batching.Batcher", "extra_kwargs", "instance attribute"),
+    ("nnsight.intervention.envoy.Envoy.interleave", "fn", "local"),
+    ("nnsight.intervention.envoy.Envoy.interleave", "self", "local"),
+    ("nnsight.modeling.transformers.TransformersModel", "_call", "callable"),  # what model.trace runs (traced_method)
+    # remote (nnsight_lorsa.remote through the functions below)
+    ("nnsight.intervention.backends.remote", "RemoteBackend", "class"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "_serialize", "callable"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "request", "callable"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "submit", "callable"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "model_key", "instance attribute"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "env", "instance attribute"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "compress", "instance attribute"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "verbose", "instance attribute"),
+    ("nnsight.intervention.backends.remote.RemoteBackend", "display", "instance attribute"),
+    ("nnsight.intervention.serialization", "dumps", "callable"),
+    ("nnsight.intervention.serialization", "reduce_block", "callable"),
+    ("nnsight.schema.request", "RequestModel", "class"),
+    ("nnsight.tracing.tracer.Tracer", "node", "instance attribute"),
+    ("nnsight.tracing.tracer.Tracer", "info", "instance attribute"),
+    ("nnsight.tracing.tracer.Tracer.Info", "frame", "instance attribute"),
+    ("nnsight.modeling.transformers.TransformersModel", "_remoteable_get_env", "callable"),
+    # the model's modules are sent by reference: Envoy.__getstate__ tags them, the pickler reads the tag
+    ("nnsight.intervention.envoy.Envoy.__getstate__", "_persistent_id", "in source"),
+    ("nnsight.intervention.serialization", "_persistent_id", "in source"),
+)
+
+#: the ``__dict__`` key nnsight's pickler sends by reference (``Envoy.__getstate__`` sets it on the model's modules)
+PERSISTENT_ID = "_persistent_id"
+
+
+def hf_module(model: Any) -> Any:
+    """The torch module an nnsight envoy wraps (``envoy._module``: for a model, the Hugging Face model),
+    or ``model`` itself when it is not an envoy (a plain ``nn.Module``)."""
+    return getattr(model, "_module", model)
+
+
+def is_envoy(obj: Any) -> bool:
+    """Whether ``obj`` wraps a torch module the way an nnsight envoy does."""
+    return isinstance(getattr(obj, "_module", None), nn.Module)
 
 
 def strip_nnsight(module: nn.Module) -> None:
@@ -59,7 +146,7 @@ def strip_nnsight(module: nn.Module) -> None:
 
 def attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
     """Mount ``module`` as ``site_envoy.<name>`` and return its envoy (raises if the name is taken)."""
-    existing = site_envoy._module._modules.get(name)
+    existing = hf_module(site_envoy)._modules.get(name)
     if existing is not None and existing is not module:
         raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
     if existing is None:
@@ -69,8 +156,8 @@ def attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
 
 def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
     """Unmount ``module`` and, unless it was instrumented before :func:`attach`, strip nnsight's controllers."""
-    if site_envoy._module._modules.get(name) is module:
-        del site_envoy._module._modules[name]
+    if hf_module(site_envoy)._modules.get(name) is module:
+        del hf_module(site_envoy)._modules[name]
         site_envoy._drop_envoy(name)
     # nnsight forgets the dropped envoy's own registration only; a descendant's (a hook point's)
     # would make the next trace that mounts the module alias the stale envoy (seen after
@@ -271,3 +358,60 @@ def check_one_thread(model: Any, what: str) -> None:
             "started the trace), so two threads cannot trace one model at once. Run the traces one after "
             "another (e.g. a threading.Lock around each `with model.trace(...)` block) or give each thread "
             "its own model object.")
+
+
+# ------------------------------------------------------------------ remote
+class SerializingRemoteBackend(RemoteBackend):
+    """nnsight's ``RemoteBackend`` with its private serialization step (``_serialize``: the request's
+    bytes, which ``request`` and ``submit`` call) under a public name, :meth:`serialize_request`, for a
+    subclass to measure or keep."""
+
+    def _serialize(self, tracer: Any) -> bytes:
+        return self.serialize_request(tracer)
+
+    def serialize_request(self, tracer: Any) -> bytes:
+        """The request's bytes, as nnsight serializes them (override to measure; call ``super()``)."""
+        return RemoteBackend._serialize(self, tracer)
+
+
+def install_remote_backend(cls: type | None) -> None:
+    """Make ``remote=True`` traces build ``cls`` (a ``RemoteBackend`` subclass): nnsight looks the name
+    ``RemoteBackend`` up in ``nnsight.intervention.backends.remote`` when it builds one; None: nnsight's own."""
+    from nnsight.intervention.backends import remote as remote_backends
+
+    remote_backends.RemoteBackend = RemoteBackend if cls is None else cls  # type: ignore[misc]
+
+
+def remote_env(model: Any) -> dict:
+    """The per-request environment nnsight sends with a remote request of ``model``."""
+    return model._remoteable_get_env()
+
+
+def sent_by_reference(module: nn.Module) -> bool:
+    """Whether nnsight's pickler sends ``module`` by reference (a module of the model, tagged with a
+    persistent id) rather than by value."""
+    return PERSISTENT_ID in module.__dict__
+
+
+def block_names(tracer: Any) -> dict[str, Any]:
+    """The globals and locals the captured block of ``tracer`` references, by name: what nnsight's
+    ``RequestModel.serialize`` will pickle (its own reduction, ``reduce_block``)."""
+    from nnsight.intervention.serialization import reduce_block
+
+    frame = tracer.info.frame
+    _, used_globals, used_locals = reduce_block(tracer.node, frame.f_globals, dict(frame.f_locals))
+    return {**used_globals, **used_locals}
+
+
+def serialize(obj: Any) -> bytes:
+    """``obj`` pickled by nnsight's serializer (``nnsight.intervention.serialization.dumps``)."""
+    from nnsight.intervention.serialization import dumps
+
+    return dumps(obj)
+
+
+def request_envelope(model_key: str, compress: bool, env: dict) -> Any:
+    """The envelope (``RequestModel``) nnsight sends with a request's bytes."""
+    from nnsight.schema.request import RequestModel
+
+    return RequestModel(model_key=model_key, compress=compress, env=env)

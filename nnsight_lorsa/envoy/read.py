@@ -26,6 +26,7 @@ from .._typing import Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ActivationCacheError
+from .nnsight_internals import hf_module
 
 _KINDS = ("input", "output", "positions")
 
@@ -129,7 +130,7 @@ def read_sites(model: Any, sites: Mapping[str, Site], input_ids: Int[torch.Tenso
         ActivationCacheError: a site path that is not a module of the model.
     """
     adapter = get_adapter(model) if adapter is None else adapter
-    order = _execution_order(model._module)
+    order = _execution_order(hf_module(model))
     for name, s in sites.items():
         if (s.path, "input" if s.kind == "positions" else s.kind) not in order:
             raise ActivationCacheError(f"site {name!r}: {s.path!r} is not a module of the model")

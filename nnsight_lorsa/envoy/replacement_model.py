@@ -31,7 +31,7 @@ from ..errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
 from ..modules.clt import CrossLayerTranscoder
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
-from .nnsight_internals import check_one_thread
+from .nnsight_internals import check_one_thread, hf_module
 from .replacement_set import check_flag
 from .sae_set import SAESet
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
@@ -143,7 +143,7 @@ class ReplacementModel:
     def output_projection_path(self, layer: int) -> str:
         """Module path of layer ``layer``'s attention output projection (its input is head-major)."""
         attn_path = self.adapter.attention_path(layer)
-        attn = self.adapter.get_module(self.model._module, attn_path)
+        attn = self.adapter.get_module(hf_module(self.model), attn_path)
         for name in OUTPUT_PROJECTIONS:
             if isinstance(getattr(attn, name, None), torch.nn.Module):
                 return f"{attn_path}.{name}"

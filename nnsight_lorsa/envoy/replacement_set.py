@@ -21,6 +21,7 @@ from .._placement import place
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
+from .nnsight_internals import hf_module
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
@@ -75,7 +76,7 @@ def site_placement(model: Any, path: str) -> tuple[torch.device | None, torch.dt
     has none), else the model's. ``(None, None)`` where the model has no parameters; the device is
     None while the weights are not loaded yet (``meta``: nnsight loads them at the first trace).
     """
-    root = getattr(model, "_module", model)
+    root = hf_module(model)
     parts = path.split(".") if path else []
     for depth in range(len(parts), -1, -1):
         try:
@@ -207,7 +208,7 @@ class ReplacementSet(Generic[K, M]):
             named = re.fullmatch(r"layer_(\d+)", name)
             return int(named.group(1)) if named else None
         try:
-            getattr(self.model, "_module", self.model).get_submodule(name)
+            hf_module(self.model).get_submodule(name)
         except AttributeError:
             return None
         return name

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigMismatchError, ShapeError
 from ..modules.sae import SparseAutoencoder
+from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
 from .splice_chain import SpliceChain, splice_chain
 from .transcoder_set import run_on_module
@@ -81,9 +82,9 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         if not isinstance(key, str) or not key:
             raise ConfigMismatchError(f"an SAE site is a module path (str), got {key!r}")
         try:
-            self.model._module.get_submodule(key)
+            hf_module(self.model).get_submodule(key)
         except AttributeError as e:
-            raise ConfigMismatchError(f"{type(self.model._module).__name__} has no module at {key!r}: {e}") from e
+            raise ConfigMismatchError(f"{type(hf_module(self.model)).__name__} has no module at {key!r}: {e}") from e
         width = self.known_width(key)
         if width is not None and module.cfg.d_in != width:
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")

@@ -7,7 +7,7 @@ sentencepiece or tiktoken"), which point the wrong way. :func:`load_tokenizer` g
 :class:`IdsOnlyTokenizer`: traces, generation, training (``TokenDataset(ids)``) and attribution take
 token ids as usual, and anything that must turn text into ids (``model.trace("text")``,
 ``attribute(rm, "text")``, ``TokenDataset.from_text``) raises
-:class:`~nnsight_lorsa.errors.MissingTokenizerError` naming what is missing. ``nnsight_lorsa.demo.load_model``
+:class:`~nnsight_lorsa.errors.MissingTokenizerError` naming what is missing. ``nnsight_lorsa.envoy.load_model``
 and the CLI load models this way.
 """
 
@@ -77,7 +77,7 @@ def _first_id(value: Any) -> int | None:
 def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     """The tokenizer of a local Hugging Face model directory: ``AutoTokenizer.from_pretrained``, or an
     :class:`IdsOnlyTokenizer` (vocabulary size and special ids from ``config.json``) when the directory
-    holds none of :data:`TOKENIZER_FILES`.
+    holds none of :data:`TOKENIZER_FILES`. Offline: both loads pass ``local_files_only=True``.
 
     Raises:
         MissingTokenizerError: tokenizer files exist but cannot be loaded (e.g. a SentencePiece model
@@ -88,14 +88,14 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     d = Path(directory)
     present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
     if not present:
-        config = AutoConfig.from_pretrained(str(d))
+        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
         text_config = getattr(config, "get_text_config", lambda: config)()
         return ids_only_tokenizer(int(text_config.vocab_size), bos_token_id=_first_id(text_config.bos_token_id),
                                   eos_token_id=_first_id(text_config.eos_token_id),
                                   pad_token_id=_first_id(getattr(text_config, "pad_token_id", None)),
                                   where=f"{d} has none of {list(TOKENIZER_FILES)}")
     try:
-        return AutoTokenizer.from_pretrained(str(d))
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # transformers raises many kinds here (missing optional packages, bad files)
         raise MissingTokenizerError(f"{d}: tokenizer files {present} could not be loaded ({type(e).__name__}: "
                                     f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); token ids "

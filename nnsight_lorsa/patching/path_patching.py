@@ -51,6 +51,7 @@ import torch
 
 from .._placement import like
 from .._repr import FieldsRepr
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ConfigMismatchError, ShapeError
@@ -334,7 +335,7 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
             raise ConfigMismatchError(f"a receiver is an MHSA or Lorsa head's input, got {r.head!r}")
         replacement.check(r.head)
         if isinstance(r.head, MHSAHead):
-            attn = a.attention_module(replacement.model._module, r.head.layer)
+            attn = a.attention_module(hf_module(replacement.model), r.head.layer)
             if not isinstance(getattr(attn, QKV_PROJECTIONS[r.which], None), torch.nn.Module):
                 raise ConfigMismatchError(
                     f"{a.family} attention has no separate {QKV_PROJECTIONS[r.which]}: MHSA receivers need "

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._placement import placement
 from ..adapters.registry import get_adapter
+from ..envoy.nnsight_internals import hf_module, is_envoy
 from .attention import ATTN_IMPLEMENTATION, GATE_NAME, register_gated_attention
 from .errors import GateConfigError, GateNotInstalledError, UnsupportedArchitectureError
 from .gate import AttentionGate
@@ -29,12 +30,11 @@ _DENSE_ATTR = "_nnsight_lorsa_dense_attn_implementation"
 
 def hf_model(model: Any) -> Any:
     """The Hugging Face module under an nnsight model (or ``model`` itself)."""
-    inner = getattr(model, "_module", None)
-    return inner if isinstance(inner, nn.Module) else model
+    return hf_module(model) if is_envoy(model) else model
 
 
 def _is_envoy(model: Any) -> bool:
-    return isinstance(getattr(model, "_module", None), nn.Module)
+    return is_envoy(model)
 
 
 def _set_attn_implementation(hf: Any, name: str) -> None:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from .._placement import model_device
 from .._typing import Int
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError
 from .dataset import TokenDataset, _loss_mask
@@ -84,7 +85,7 @@ def model_fingerprint(model: Any) -> dict[str, str]:
     (informative), the SHA-256 of its config without the path (:func:`_config_hashes`) and of a strided
     sample of its weights (:func:`_weights_hash`; tells a retrained or other checkpoint with the same
     config apart, not one edited weight)."""
-    hf = getattr(model, "_module", model)
+    hf = hf_module(model)
     config = getattr(hf, "config", None)
     if config is None:
         return {"name": type(hf).__name__, "config_hash": "", "weights_hash": _weights_hash(hf)}
@@ -266,7 +267,7 @@ class ActivationCache:
         name (``name_or_path``) is informative: the same model loaded from another folder passes."""
         want, have = self.manifest["model"], model_fingerprint(model)
         w_want, w_have = want.get("weights_hash", ""), have["weights_hash"]
-        config = getattr(getattr(model, "_module", model), "config", None)
+        config = getattr(hf_module(model), "config", None)
         same_config = want.get("config_hash") == have["config_hash"] or (
             config is not None and want.get("config_hash") == _config_hashes(config)[1])
         if not same_config or (w_want and w_have and w_want != w_have):

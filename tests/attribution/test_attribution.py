@@ -187,7 +187,7 @@ def test_graph_save_load_round_trip(llama, tmp_path):
 
 def test_trained_model_graph_is_exact():
     """The trained tinyshakespeare Llama with its trained Lorsa (layer 2): edges sum to values."""
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     model = load_model()
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())

@@ -44,7 +44,7 @@ def test_error_terms_reproduce_the_model_up_to_its_context_length(family):
 
 def test_embedded_model_with_its_lorsa_and_transcoders_at_its_context_length():
     from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     model = load_model()
     rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()),

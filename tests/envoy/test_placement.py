@@ -200,7 +200,7 @@ def test_an_undispatched_model_places_the_modules_at_the_first_trace(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_from_pretrained_reads_modules_in_the_model_dtype_unless_told(dtype):
     from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     model = load_model(dtype=dtype)
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())

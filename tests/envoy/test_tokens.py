@@ -1,4 +1,4 @@
-"""A model directory with weights and config but no tokenizer files loads (``demo.load_model``, the way
+"""A model directory with weights and config but no tokenizer files loads (``envoy.load_model``, the way
 the docs and the CLI load models) and works on token ids; text raises MissingTokenizerError saying what
 is missing; tokenizer files that cannot be loaded raise it too, naming them."""
 
@@ -12,7 +12,7 @@ import torch
 from helpers import LAYER, make_lorsa, make_transcoders, random_ids, tiny_hf_model
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy import load_model
 from nnsight_lorsa.envoy.tokens import IdsOnlyTokenizer
 from nnsight_lorsa.errors import MissingTokenizerError
 

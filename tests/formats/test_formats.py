@@ -779,7 +779,7 @@ def test_hook_sites_imports_no_loader():
 def test_lorsa_set_from_pretrained(tmp_path):
     from nnsight_lorsa import LorsaSet
     from nnsight_lorsa.assets import default_lorsa_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     model = load_model()
     whole = LorsaSet.from_pretrained(model, default_lorsa_dir())

@@ -333,7 +333,7 @@ def test_metrics_and_random_control():
 def test_induction_drops_when_ablating_top_patched_heads():
     """Embedded model: logit(repeated token) − logit(distractor) on a repeated random sequence."""
     from nnsight_lorsa.assets import default_lorsa_dir
-    from nnsight_lorsa.demo import load_model
+    from nnsight_lorsa.envoy import load_model
 
     model = load_model()
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())

@@ -7,7 +7,7 @@ import torch
 from helpers import LAYER, N_HEADS, N_LAYERS, make_lorsa, tiny_nnsight, tiny_tokenizer
 
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy import load_model
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, TargetIndexError
 from nnsight_lorsa.patching.circuit import circuit_size, component_scores
 from nnsight_lorsa.patching.experiments import ablation_effect

@@ -12,7 +12,7 @@ from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis import qk_feature_impacts
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_feature_cosines
 from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir
-from nnsight_lorsa.demo import load_model
+from nnsight_lorsa.envoy import load_model
 from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import TokenDataset

@@ -1,0 +1,55 @@
+"""Loading a model into nnsight: :func:`load_model`, a local Hugging Face directory (default: the embedded
+tinyshakespeare Llama) as a ``TransformersModel``, offline and without touching the process environment.
+
+Offline by argument, not by environment: ``local_files_only=True`` reaches every ``from_pretrained`` the
+load makes, so nothing is downloaded and ``os.environ`` (``HF_HUB_OFFLINE`` …) is left as it was:
+
+* the tokenizer: :func:`~.tokens.load_tokenizer` passes it to ``AutoTokenizer`` / ``AutoConfig``;
+* the config: loaded here with it, and handed to ``TransformersModel(..., config=...)``;
+* the weights: with a ``config``, nnsight 0.8.1 loads the model itself (``AutoModelForCausalLM.from_pretrained``
+  with every keyword transformers' ``pipeline()`` does not name, ``local_files_only`` among them) and wraps
+  it in the pipeline. Without one it hands the repository to ``pipeline(model=path, model_kwargs=...)``,
+  which with transformers 5 fails on ``local_files_only`` ("got multiple values": the pipeline passes its
+  own ``local_files_only=False`` to ``AutoConfig`` beside the model kwargs).
+
+The model is the same either way (same class, config, weights, dtype and device; the embedded model's
+logits are bit-identical, ``tests/envoy/test_loading.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["load_model"]
+
+
+def load_model(model_dir: str | None = None, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Any:
+    """An nnsight ``TransformersModel`` from a local Hugging Face directory (default: the embedded one).
+
+    ``device``: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``, or ``"auto"`` to spread a
+    large model over the visible GPUs through ``device_map="auto"``); ``dtype``: the weights' dtype.
+    Loads offline (``local_files_only=True``): nothing is downloaded, and the process environment is not
+    changed. A directory without tokenizer files loads too (:func:`~.tokens.load_tokenizer`): token ids
+    then work everywhere, text raises :class:`~nnsight_lorsa.errors.MissingTokenizerError`.
+
+    Raises:
+        MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
+    """
+    from nnsight import TransformersModel
+    from transformers import AutoConfig
+
+    from ..assets import default_model_dir
+    from .tokens import load_tokenizer
+
+    path = str(model_dir or default_model_dir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
+        return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True, dtype=dtype,
+                                 config=config, local_files_only=True, **where)
