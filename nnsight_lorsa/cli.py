@@ -1,7 +1,9 @@
 """Command line: ``nnsight-lorsa demo`` (the main job), the package's only command line.
 
 Bad arguments (checked before any work, :func:`~.demo.run_demo`) print a usage error and exit with
-status 2; another named error (e.g. a layer outside the model) prints its message and exits with 1.
+status 2; another named error (e.g. a layer outside the model, a training that turns non-finite —
+``NonFiniteError``, or batches with too few counted tokens — ``TooFewTokensError``) prints its message on
+one line and exits with 1, without a traceback.
 
 The embedded model is rebuilt by ``python scripts/tinymodel.py`` in the source repository (not installed).
 """

@@ -176,6 +176,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     Raises:
         ArgumentError: a bad setting (see the module docstring), before any work.
         LayerOutOfRangeError: ``cfg.layer`` outside the model.
+        TooFewTokensError: the first batch has fewer counted tokens than the Lorsa's ``d_qk_head`` (raise
+            ``batch_size`` or ``seq_len``), before the first step.
+        NonFiniteError: training turned non-finite (e.g. a far too large ``lr``); the message names the step
+            and the tensor.
     """
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations

@@ -76,6 +76,27 @@ class FormatDetectionError(CheckpointError):
     formats, the files each looks for, and what the path holds); pass ``format=`` to choose one."""
 
 
+class NonFiniteError(LorsaError, FloatingPointError):
+    """Training met a non-finite value — the loss, a gradient, the learning rate or a dataset-norm scale
+    factor — and stopped before it reached the weights. The message names the step and the tensor
+    (:attr:`step`, :attr:`tensor`); the trainer holds the state as it was before that step (weights,
+    Adam state, dead counters, step), so nothing is lost and a checkpoint on disk is the last good one."""
+
+    def __init__(self, message: str, *, step: int | None = None, tensor: str | None = None) -> None:
+        super().__init__(message)
+        #: the trainer's step at the failure (the batch index it was training on)
+        self.step = step
+        #: what was non-finite: ``"loss"``, ``"grad"``, ``"lr"``, ``"s_in"``, ``"s_out"``, …
+        self.tensor = tensor
+
+
+class TooFewTokensError(LorsaError, ValueError):
+    """A batch has too few counted tokens (``loss_mask`` True) for what training does with it: none in
+    the batches the scale factors are estimated on, or (the Lorsa recipe's OV initialisation) fewer than
+    ``d_qk_head`` in its first batch. Raised before the first step; the message says what to change."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "PlacementError",
-           "ShapeError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError"]
+           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "NonFiniteError",
+           "PlacementError", "ShapeError", "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError",
+           "UnsupportedGenerationError"]

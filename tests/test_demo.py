@@ -173,3 +173,28 @@ def test_demo_runs_with_a_low_precision_model(local_model, tmp_path, device, dty
     from nnsight_lorsa import load
 
     assert load(out / "lorsa" / "layer_1").W_O.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- training guards (issue 23)
+def test_a_diverging_lr_exits_1_with_a_one_line_message(local_model, capsys):
+    """``--lr 1e30`` is a finite positive number (accepted); training overflows at once and the run stops with
+    NonFiniteError naming the step and the tensor, status 1, one line, no traceback (it printed NaN metrics
+    and exited 0 before)."""
+    code = main(["demo", *local_model, "--lr", "1e30", "--steps", "20", "--seq-len", "16", "--batch-size", "4"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("nnsight-lorsa demo: error:")]
+    assert len(lines) == 1 and "NonFiniteError: step " in lines[0] and "Traceback" not in err, err
+    assert "the loss is nan" in lines[0] or "the gradient norm is" in lines[0], err
+
+
+def test_too_few_tokens_for_the_lorsa_init_exits_1_saying_what_to_raise(capsys):
+    """``nnsight-lorsa demo --batch-size 2 --seq-len 16`` (embedded model, d_qk_head 32): 2 x 15 counted tokens
+    in the first batch; the named error says to raise --batch-size or --seq-len (a raw shape error before)."""
+    code = main(["demo", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert ("TooFewTokensError: the Lorsa recipe's OV initialisation (ov_init='value_svd') needs at least "
+            "d_qk_head=32 counted tokens in the first batch; it has 30" in err), err
+    lines = [line for line in err.splitlines() if line.startswith("nnsight-lorsa demo: error:")]
+    assert len(lines) == 1 and "raise --batch-size or --seq-len" in lines[0] and "Traceback" not in err, err

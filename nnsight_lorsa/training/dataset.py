@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._typing import Int
+from ..errors import ArgumentError
 
 
 def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,6 +21,12 @@ def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None)
     loss_mask = real.clone()
     loss_mask[:, 0] = False
     return loss_mask
+
+
+def _vocab_size(config: Any) -> int | None:
+    """``config.vocab_size`` when it is a positive int, else None (unknown)."""
+    v = getattr(config, "vocab_size", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
@@ -45,17 +52,37 @@ class TokenDataset:
             outside the answers of a task dataset. Padding must sit on the right of the real tokens
             (causal attention then leaves the real tokens' activations untouched).
 
+        vocab_size: the model's vocabulary size, when known: every id must be below it (the
+            constructors from text pass ``config.vocab_size``). Kept by :meth:`split`.
+
     Raises:
         ValueError: ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
+        ArgumentError: (a ``ValueError`` and ``TypeError``) ``tokens`` not an integer tensor (float or
+            bool ids), a negative id, an id ``>= vocab_size``, or ``vocab_size`` not a positive int.
     """
 
-    def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None) -> None:
+    def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None, *,
+                 vocab_size: int | None = None) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() \
+                or tokens.dtype == torch.bool:
+            what = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ArgumentError(f"tokens must be an integer tensor of token ids, got {what}")
         if tokens.dim() != 2 or tokens.shape[0] == 0:
             raise ValueError(f"tokens must be a non-empty (n_windows, seq_len) tensor, got {tuple(tokens.shape)}")
         if target_mask is not None and tuple(target_mask.shape) != tuple(tokens.shape):
             raise ValueError(f"target_mask must be {tuple(tokens.shape)} like tokens, got {tuple(target_mask.shape)}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
+                                       or vocab_size < 1):
+            raise ArgumentError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        if tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0:
+                raise ArgumentError(f"tokens holds a negative token id ({low})")
+            if vocab_size is not None and high >= vocab_size:
+                raise ArgumentError(f"tokens holds token id {high}, outside the vocabulary of {vocab_size} ids")
         self.tokens = tokens
         self.target_mask = None if target_mask is None else target_mask.bool()
+        self.vocab_size = vocab_size
 
     @classmethod
     def from_text(cls, tokenizer: Any, text: str, seq_len: int, bos_token_id: int | None = None, *,
@@ -94,7 +121,7 @@ class TokenDataset:
         t = torch.tensor(ids[: n * body], dtype=torch.long, device="cpu").view(n, body)
         if bos is not None:
             t = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device="cpu"), t], dim=1)
-        return cls(t)
+        return cls(t, vocab_size=_vocab_size(config))
 
     @classmethod
     def from_documents(cls, tokenizer: Any, documents: Sequence[str], seq_len: int, *,
@@ -117,7 +144,8 @@ class TokenDataset:
                 exists no BOS is prepended (each window starts with the document's first token).
             pad_token_id: padding id; default the tokenizer's pad id, else its EOS id, else 0 (padding
                 is masked out of CE / KL either way).
-            config: the model config (e.g. ``model.config``), consulted for the BOS id only.
+            config: the model config (e.g. ``model.config``), consulted for the BOS id and the vocabulary
+                size (``vocab_size``: every id is checked to be below it).
 
         Raises:
             ValueError: no document has a token.
@@ -140,7 +168,7 @@ class TokenDataset:
         if not rows:
             raise ValueError("no document has a token")
         return cls(torch.tensor(rows, dtype=torch.long, device="cpu"),
-                   torch.tensor(masks, dtype=torch.bool, device="cpu"))
+                   torch.tensor(masks, dtype=torch.bool, device="cpu"), vocab_size=_vocab_size(config))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -153,8 +181,9 @@ class TokenDataset:
         """(train, held-out): the last ``holdout_fraction`` of windows are held out."""
         n_hold = max(1, int(len(self) * holdout_fraction))
         m = self.target_mask
-        return (TokenDataset(self.tokens[:-n_hold], None if m is None else m[:-n_hold]),
-                TokenDataset(self.tokens[-n_hold:], None if m is None else m[-n_hold:]))
+        v = self.vocab_size
+        return (TokenDataset(self.tokens[:-n_hold], None if m is None else m[:-n_hold], vocab_size=v),
+                TokenDataset(self.tokens[-n_hold:], None if m is None else m[-n_hold:], vocab_size=v))
 
     def targets(self, start: int, stop: int) -> torch.Tensor | None:
         """``target_mask`` of windows ``start:stop`` (None: every token counts)."""

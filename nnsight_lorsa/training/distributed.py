@@ -135,6 +135,11 @@ class DataParallel:
         t = self._all_reduce(t)
         return (t[0] / t[1]).to(total.dtype)
 
+    def all_finite(self, finite: torch.Tensor) -> torch.Tensor:
+        """A bool scalar: ``finite`` (this rank's bool scalar) is True on every rank — so that a
+        non-finite loss or gradient stops every rank at the same step (:meth:`~.trainer.Trainer.train_step`)."""
+        return self._all_reduce(finite.to(torch.int32).reshape(1), dist.ReduceOp.MIN).bool()[0]
+
     def loss(self, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's loss on its part of global batch ``step``, through DDP, scaled so that the
         averaged gradient is the global batch's."""

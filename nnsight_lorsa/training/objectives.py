@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._placement import f32
-from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
+from ..errors import CheckpointError, ConfigMismatchError, ShapeError, TooFewTokensError, UnsupportedArchitectureError
 from ..modules.activations import BatchTopK, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
@@ -69,18 +69,30 @@ class _Objective:
 
     @torch.no_grad()
     def estimate_norms(self, t: Any) -> None:
-        """Set ``t.s_in`` / ``t.s_out`` from the first ``norm_batches`` batches of ``t.source``."""
+        """Set ``t.s_in`` / ``t.s_out`` from the first ``norm_batches`` batches of ``t.source``.
+
+        Raises:
+            TooFewTokensError: those batches have no counted token.
+        """
         norms_x, norms_y = [], []
         for i in range(t.config.norm_batches):  # in fp32 on the activations' device
             b = t.source(i)
             mask = b.loss_mask.to(b.x.device)
             norms_x.append(f32(b.x[mask]).norm(dim=-1))
             norms_y.append(f32(b.y[mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
-        t.s_in = math.sqrt(b.x.shape[-1]) / float(torch.cat(norms_x).mean())
-        t.s_out = math.sqrt(b.y.shape[-1]) / float(torch.cat(norms_y).mean())
+        _require_tokens(t, sum(v.numel() for v in norms_x))
+        t.s_in = _ratio(math.sqrt(b.x.shape[-1]), float(torch.cat(norms_x).mean()))
+        t.s_out = _ratio(math.sqrt(b.y.shape[-1]), float(torch.cat(norms_y).mean()))
+
+    def check_init_batch(self, t: Any) -> None:
+        """Raise :class:`~..errors.TooFewTokensError` when :meth:`after_norms` cannot work on the batches
+        (called before it, the scale factors known; default: nothing needed)."""
 
     def after_norms(self, t: Any) -> None:
         """Called once the scale factors are known (initialisation that depends on them)."""
+
+    def discard_step(self, t: Any) -> None:
+        """Forget what :meth:`loss` recorded for :meth:`post_step` (the step was refused: non-finite)."""
 
     def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …)."""
@@ -106,6 +118,21 @@ class _Objective:
 
     def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
         """Load what :meth:`save_meta` wrote."""
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den``, ``inf`` / ``nan`` where Python's division would raise (``den`` zero): the trainer names it."""
+    return num / den if den != 0 else math.inf
+
+
+def _require_tokens(t: Any, n_tokens: int) -> None:
+    """Raise :class:`~..errors.TooFewTokensError` when the scale-factor batches count no token."""
+    if n_tokens == 0:
+        n = t.config.norm_batches
+        raise TooFewTokensError(f"the first {n} batch{'es' if n > 1 else ''} (norm_batches={n}) count no token: every "
+                                "loss_mask entry is False (BOS and padding are never counted; a target_mask that "
+                                "keeps nothing?): give windows with counted tokens (longer windows, a target_mask "
+                                "with True entries) or raise norm_batches")
 
 
 def _require_norms(t: Any) -> None:
@@ -145,6 +172,27 @@ class _LorsaObjective(_Objective):
     def top_k(self, t: Any) -> int:
         """The top-k in force at the trainer's step (k annealing)."""
         return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
+
+    def check_init_batch(self, t: Any) -> None:
+        """The recipe's initialisation fits on the counted tokens of batch 0 (its first ``init_windows``):
+        at least ``d_qk_head`` for the SVD OV initialisations (one basis vector per token), else at least one."""
+        b = t.source(0)
+        n_win = self.recipe.init_windows
+        mask = b.loss_mask if n_win is None else b.loss_mask[:n_win]
+        have = int(mask.sum())
+        svd = self.mhsa is not None and self.recipe.ov_init in ("value_svd", "output_svd")
+        need = int(self.module.cfg.d_qk_head) if svd else 1
+        if have < need:
+            why = (f"the Lorsa recipe's OV initialisation (ov_init={self.recipe.ov_init!r}) needs at least "
+                   f"d_qk_head={need} counted tokens" if svd
+                   else "the Lorsa recipe's initialisation needs a counted token")
+            windows = f"{mask.shape[0]} window{'s' if mask.shape[0] != 1 else ''} of {mask.shape[1]} positions"
+            raise TooFewTokensError(f"{why} in the first batch; it has {have} ({windows}; BOS and padding are not "
+                                    "counted): use more or longer windows per batch (the demo: raise --batch-size or "
+                                    "--seq-len)" + (", or LorsaRecipe(ov_init='mhsa')" if svd else ""))
+
+    def discard_step(self, t: Any) -> None:
+        self._last = self._resample = self._fired = None
 
     def after_norms(self, t: Any) -> None:
         lorsa = self.module
@@ -494,9 +542,10 @@ class _CLTObjective(_DictionaryObjective):
             mask = b.loss_mask.to(b.x.device)
             norms_x.append(f32(b.x[:, mask]).norm(dim=-1))
             norms_y.append(f32(b.y[:, mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
+        _require_tokens(t, sum(v.shape[1] for v in norms_x))
         root_d = math.sqrt(self.module.cfg.d_in)
-        t.s_in_layers = [root_d / float(v) for v in torch.cat(norms_x, 1).mean(1)]
-        t.s_out_layers = [root_d / float(v) for v in torch.cat(norms_y, 1).mean(1)]
+        t.s_in_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_x, 1).mean(1)]
+        t.s_out_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_y, 1).mean(1)]
         t.s_in = sum(t.s_in_layers) / len(t.s_in_layers)
         t.s_out = sum(t.s_out_layers) / len(t.s_out_layers)
 
@@ -532,7 +581,7 @@ class _CLTObjective(_DictionaryObjective):
         sparsity = torch.zeros((), dtype=mse.dtype, device=mse.device)
         for layer in range(n_layers):
             # a source layer's features write to layers layer..n_layers-1: decoder and error over all of them
-            err_l = err[layer:].transpose(0, 1).reshape(n_tok, -1)
+            err_l = err[layer:].transpose(0, 1).reshape(n_tok, (n_layers - layer) * err.shape[-1])
             W_l = clt.W_dec(layer).reshape(clt.cfg.d_sae, -1)
             penalty, aux_l, sparsity_l = _sparsity_terms(t, clt.activation[layer], pres[layer], acts[layer],
                                                          dead[layer], err_l, W_l)

@@ -22,6 +22,7 @@ combined over the ranks.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import f32, placement
-from ..errors import ArgumentError, CheckpointError
+from ..errors import ArgumentError, CheckpointError, NonFiniteError, TooFewTokensError
 from ._checkpoint_io import verified_checkpoint, write_checkpoint
 from .activations import Batch
 from .lorsa_recipe import LorsaRecipe
@@ -57,6 +58,9 @@ class TrainConfig:
         sparse_kernels: train TopK / BatchTopK SAEs and transcoders through the sparse fast path
             (False: the dense reference; same values and gradients up to summation order).
         log_every: steps between entries of ``history`` (the logged metrics).
+
+    Raises:
+        ArgumentError: a field of the wrong type or out of its range (:meth:`validate`), named with its value.
     """
 
     total_steps: int
@@ -75,6 +79,65 @@ class TrainConfig:
     sparse_kernels: bool = True
     log_every: int = 10
     history: list[dict[str, float]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (also run at construction, and by :class:`Trainer` on the config it is given).
+
+        Integers are ``int`` (``bool`` is not one), floats finite real numbers: ``total_steps``,
+        ``norm_batches``, ``log_every``, ``dead_after_tokens`` ≥ 1; ``aux_k`` None or ≥ 1; ``lr`` > 0;
+        ``betas`` two numbers in ``[0, 1)``; ``warmup_frac``, ``decay_frac`` in ``[0, 1]`` with
+        ``warmup_frac + decay_frac`` ≤ 1; ``grad_clip``, ``aux_k_coef``, ``l1_coef``, ``l0_coef`` ≥ 0;
+        ``normalize_decoder`` None or a bool; ``sparse_kernels`` a bool; ``history`` a list.
+
+        Raises:
+            ArgumentError: the first field that breaks its rule, named with its value.
+        """
+        for name in ("total_steps", "norm_batches", "log_every", "dead_after_tokens"):
+            _check_int(name, getattr(self, name))
+        if self.aux_k is not None:
+            _check_int("aux_k", self.aux_k)
+        _check_real("lr", self.lr, positive=True)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ArgumentError(f"TrainConfig.betas must be a pair of numbers in [0, 1), got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _check_real(f"betas[{i}]", b, upper=1.0, upper_open=True)
+        for name in ("warmup_frac", "decay_frac"):
+            _check_real(name, getattr(self, name), upper=1.0)
+        if self.warmup_frac + self.decay_frac > 1:
+            raise ArgumentError(f"TrainConfig.warmup_frac + decay_frac must be at most 1 (the warmup and the decay "
+                                f"are parts of one run), got warmup_frac={self.warmup_frac!r} + "
+                                f"decay_frac={self.decay_frac!r} = {self.warmup_frac + self.decay_frac!r}")
+        for name in ("grad_clip", "aux_k_coef", "l1_coef", "l0_coef"):
+            _check_real(name, getattr(self, name))
+        if self.normalize_decoder is not None and not isinstance(self.normalize_decoder, bool):
+            raise ArgumentError(f"TrainConfig.normalize_decoder must be None or a bool, got {self.normalize_decoder!r}")
+        if not isinstance(self.sparse_kernels, bool):
+            raise ArgumentError(f"TrainConfig.sparse_kernels must be a bool, got {self.sparse_kernels!r}")
+        if not isinstance(self.history, list):
+            raise ArgumentError(f"TrainConfig.history must be a list, got {type(self.history).__name__}")
+
+
+def _check_int(name: str, value: Any) -> None:
+    """``value`` an ``int`` (not a bool) ≥ 1, else :class:`ArgumentError` naming ``TrainConfig.<name>``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ArgumentError(f"TrainConfig.{name} must be a positive int, got {value!r}")
+
+
+def _check_real(name: str, value: Any, *, positive: bool = False, upper: float | None = None,
+                upper_open: bool = False) -> None:
+    """``value`` a finite real number (int or float, not a bool), ``> 0`` if ``positive`` else ``≥ 0``, and at
+    most ``upper`` (below it if ``upper_open``); else :class:`ArgumentError` naming ``TrainConfig.<name>``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ArgumentError(f"TrainConfig.{name} must be a finite number, got {value!r}")
+    low_ok = value > 0 if positive else value >= 0
+    high_ok = upper is None or (value < upper if upper_open else value <= upper)
+    if not (low_ok and high_ok):
+        lo = "(0" if positive else "[0"
+        hi = "inf)" if upper is None else (f"{upper:g})" if upper_open else f"{upper:g}]")
+        raise ArgumentError(f"TrainConfig.{name} must be in {lo}, {hi}, got {value!r}")
 
 
 class Trainer:
@@ -103,7 +166,8 @@ class Trainer:
     may live where the model does.
 
     Raises:
-        TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
+        ArgumentError: ``config`` not a valid :class:`TrainConfig` (a field set out of range after
+            construction). TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
             on several devices. ConfigMismatchError: a CLT whose layer count / width differs
             from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
@@ -112,6 +176,9 @@ class Trainer:
 
     def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
                  mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> None:
+        if not isinstance(config, TrainConfig):
+            raise ArgumentError(f"config must be a TrainConfig, got {type(config).__name__}")
+        config.validate()  # again: a field may have been set after construction
         device, _ = placement(module)
         self.objective = _objective_for(module, mhsa, lorsa_recipe)
         self.objective.check_source(source)
@@ -135,11 +202,40 @@ class Trainer:
     @torch.no_grad()
     def estimate_norms(self) -> tuple[float, float]:
         """Estimate the scale factors on the first ``norm_batches`` batches (then the objective's
-        initialisation that depends on them, e.g. a Lorsa's QK from the MHSA); returns ``(s_in, s_out)``."""
-        self.objective.estimate_norms(self)
+        initialisation that depends on them, e.g. a Lorsa's QK from the MHSA); returns ``(s_in, s_out)``.
+
+        Raises:
+            TooFewTokensError: no counted token (``loss_mask`` all False) in those batches, or (Lorsa)
+                fewer counted tokens in batch 0 than its initialisation needs; nothing is changed.
+            NonFiniteError: a scale factor is not a finite positive number (non-finite or all-zero
+                activations); the scale factors are left unset and the module unchanged.
+        """
+        try:
+            self.objective.estimate_norms(self)
+            self._check_scales()
+            self.objective.check_init_batch(self)
+        except (NonFiniteError, TooFewTokensError):
+            self.s_in = self.s_out = self.s_in_layers = self.s_out_layers = None
+            raise
         self.objective.after_norms(self)
         assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
+
+    def _check_scales(self) -> None:
+        """Raise :class:`NonFiniteError` unless every scale factor is a finite positive number."""
+        n = self.config.norm_batches
+        for name in ("s_in", "s_out", "s_in_layers", "s_out_layers"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                if v is None or (isinstance(v, float) and math.isfinite(v) and v > 0):
+                    continue
+                which = f"{name}[{i}]" if isinstance(value, list) else name
+                side = "inputs x" if name.startswith("s_in") else "targets y"
+                raise NonFiniteError(f"step {self.step}: the scale factor {which} = {v!r} (sqrt(d) / the mean norm "
+                                     f"of the {side} over the counted tokens of the first {n} batches) is not a "
+                                     f"finite positive number: the activations hold non-finite values or are all "
+                                     f"zero; nothing was trained", step=self.step, tensor=which)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``,
@@ -199,23 +295,108 @@ class Trainer:
 
     # -------------------------------------------------------------- step
     def train_step(self) -> dict[str, float]:
-        """One optimizer step on batch ``step`` (the scale factors are estimated first if needed); its metrics."""
+        """One optimizer step on batch ``step`` (the scale factors are estimated first if needed); its metrics.
+
+        Guarded: a non-finite loss (checked on the float the metrics already hold), gradient (through
+        the gradient norm that clipping computes anyway) or learning rate stops the step before the
+        optimizer changes anything, and the dead counters and the objective's per-step records are put
+        back — the trainer is left exactly as after step ``step - 1``.
+
+        Raises:
+            NonFiniteError: the loss, a gradient or the learning rate is not finite (the message names
+                the step and the tensor: the batch's non-finite activations, a parameter, …).
+            TooFewTokensError: see :meth:`estimate_norms` (first step only).
+        """
         if self.s_in is None:
             self.estimate_norms()
-        if self.dist is None:
-            loss, metrics = self.loss(self.source(self.step))
-        else:
-            loss, metrics = self.dist.loss(self.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.config.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.grad_clip)
+        counters = self.tokens_since_fired.clone()  # (n_latents,) ints: what count_fired changes
+        try:
+            if self.dist is None:
+                loss, metrics = self.loss(self.source(self.step))
+            else:
+                loss, metrics = self.dist.loss(self.step)
+            loss_value = metrics["loss"] if "loss" in metrics else float(loss.detach())
+            if self.dist is None and not math.isfinite(loss_value):  # before the backward: nothing to undo
+                raise self._non_finite("loss", loss_value)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            finite = torch.isfinite(norm)
+            if self.dist is not None:  # every rank stops, or none: the loss is rank-local, the gradients are not
+                finite = self.dist.all_finite(finite & torch.isfinite(loss.detach()))
+            if not bool(finite):
+                if not math.isfinite(loss_value):
+                    raise self._non_finite("loss", loss_value)
+                if not bool(torch.isfinite(norm)):
+                    raise self._non_finite("grad", float(norm))
+                raise self._non_finite("rank", loss_value)
+            for group in self.optimizer.param_groups:
+                if not math.isfinite(group["lr"]):
+                    raise self._non_finite("lr", group["lr"])
+        except NonFiniteError:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.tokens_since_fired = counters
+            self.objective.discard_step(self)
+            raise
+        if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.config.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()
         self.objective.post_step(self)
         self.step += 1
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
+
+    def _non_finite(self, what: str, value: float) -> NonFiniteError:
+        """The :class:`NonFiniteError` of step :attr:`step` for a non-finite ``what`` (``"loss"``, ``"grad"``,
+        ``"lr"``), naming what is found wrong: the learning rate, the parameters with non-finite gradients
+        or values, the batch's non-finite activations or empty loss mask (looked for only here, on the
+        failing step). :attr:`NonFiniteError.tensor` is the first of those (else ``what``)."""
+        k = self.step
+        causes: list[tuple[str, str]] = []
+        for i, g in enumerate(self.optimizer.param_groups):
+            if not math.isfinite(g["lr"]):
+                causes.append(("lr", f"the learning rate of param group {i} is {g['lr']!r}"))
+        for n, p in self.module.named_parameters():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                causes.append((f"{n}.grad", f"{n}.grad holds {int((~torch.isfinite(p.grad)).sum())} non-finite values"))
+        for n, p in self.module.named_parameters():
+            if not bool(torch.isfinite(p.detach()).all()):
+                causes.append((n, f"the weights {n} hold {int((~torch.isfinite(p.detach())).sum())} non-finite values"))
+        if what != "lr":
+            causes += self._batch_causes(k)
+        named = "; ".join(c for _, c in causes) if causes else \
+            "no input or weight is non-finite: the values overflowed (lower lr, or set grad_clip)"
+        label = {"loss": "the loss", "grad": "the gradient norm", "lr": "the learning rate",
+                 "rank": "this rank's loss"}[what]
+        if what == "rank":
+            named = "another rank's loss is non-finite"
+        kept = f"the trainer holds the state after step {k - 1} (weights, Adam state, dead counters: " \
+               "save_checkpoint() keeps it)"
+        if any(" (the weights" in c or c.startswith("the weights ") for _, c in causes):
+            kept = (f"the weights were already non-finite after step {k - 1} (its update overflowed: lower lr): "
+                    "resume from a checkpoint saved before (save_checkpoint refuses non-finite weights)")
+        return NonFiniteError(f"step {k}: {label} is {value!r} ({named}). Training stopped before the optimizer "
+                              f"step; {kept}", step=k, tensor=causes[0][0] if causes else what)
+
+    def _batch_causes(self, k: int) -> list[tuple[str, str]]:
+        """What is wrong with batch ``k`` (non-finite ``x`` / ``y`` values, no counted token); failing step only."""
+        try:
+            batch = self.source(k)
+        except Exception:  # the diagnosis must not hide the NonFiniteError
+            return []
+        causes = []
+        for name in ("x", "y"):
+            v = getattr(batch, name, None)
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                n_bad = int((~torch.isfinite(v)).sum())
+                if n_bad and not (name == "y" and v is batch.x):
+                    causes.append((f"batch.{name}", f"batch {k}'s {name} holds {n_bad} non-finite values"))
+        mask = getattr(batch, "loss_mask", None)
+        if isinstance(mask, torch.Tensor) and not bool(mask.any()):
+            causes.append(("batch.loss_mask", f"batch {k} has no counted token (its loss_mask is all False)"))
+        return causes
 
     def train(self, steps: int | None = None, *, progress: bool = True,
               checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0,
@@ -226,28 +407,35 @@ class Trainer:
         ``on_log`` is called with every ``history`` entry as it is logged (every ``log_every`` steps and
         the last; with ``step``), e.g. to print or stop a run without the progress bar.
 
+        A non-finite loss, gradient or learning rate stops the run (:meth:`train_step`) with the trainer
+        as after the last good step; the checkpoint in ``checkpoint_dir`` is then the last one saved
+        before it (nothing non-finite is written).
+
         Raises:
             ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
+            NonFiniteError, TooFewTokensError: see :meth:`train_step`.
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
-        if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 0:
             raise ArgumentError(f"checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
-        while self.step < end:
-            m = self.train_step()
-            bar.update(1)
-            if self.step % self.config.log_every == 0 or self.step == end:
-                m["step"] = self.step
-                self.config.history.append(m)
-                bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
-                                dead=f"{m['dead_frac']:.2f}")
-                if on_log is not None:
-                    on_log(m)
-            if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
-                self.save_checkpoint(checkpoint_dir)
-        bar.close()
+        try:
+            while self.step < end:
+                m = self.train_step()
+                bar.update(1)
+                if self.step % self.config.log_every == 0 or self.step == end:
+                    m["step"] = self.step
+                    self.config.history.append(m)
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
+                                    dead=f"{m['dead_frac']:.2f}")
+                    if on_log is not None:
+                        on_log(m)
+                if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
+                    self.save_checkpoint(checkpoint_dir)
+        finally:
+            bar.close()
         return self.config.history
 
     # -------------------------------------------------------- checkpoints
@@ -259,6 +447,8 @@ class Trainer:
 
         Raises:
             CheckpointError: ``directory`` exists and is neither empty nor a checkpoint.
+            NonFiniteError: a weight or Adam moment holds a non-finite value (named); nothing is written,
+                so the checkpoint already at ``directory`` (the last good one) stays.
         """
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         names = {id(p): n for n, p in self.module.named_parameters()}
@@ -267,6 +457,12 @@ class Trainer:
             for p in group["params"]:
                 for key, value in self.optimizer.state.get(p, {}).items():
                     opt_tensors[f"{names[id(p)]}.{key}"] = value.detach().clone().contiguous()
+        for kind, tensors in (("weights", weights), ("Adam state", opt_tensors)):
+            for name, value in tensors.items():
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise NonFiniteError(f"step {self.step}: the {kind} {name} hold non-finite values: not saved to "
+                                         f"{directory} (a checkpoint already there is kept)",
+                                         step=self.step, tensor=name)
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,

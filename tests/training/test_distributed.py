@@ -32,6 +32,17 @@ def global_batch(index: int):
     return Batch(x=x, y=y, loss_mask=mask)
 
 
+NAN_STEP = 3
+
+
+def nan_on_rank_1(index: int):
+    """:func:`global_batch` with a NaN at step ``NAN_STEP`` in the second rank's half only."""
+    b = global_batch(index)
+    if index == NAN_STEP:
+        b.x[4, 2, 0] = float("nan")
+    return b
+
+
 def make_trainer(kind: str = "topk"):
     from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
     from nnsight_lorsa.training import TrainConfig, Trainer
@@ -64,6 +75,16 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
             DataParallel(trainer)
             trainer.train(progress=False)
             save_file(state(trainer), f"{out_prefix}_{kind}.safetensors")
+        # a NaN in one rank's shard: every rank stops at that step (none waits in a collective), state kept
+        from nnsight_lorsa.errors import NonFiniteError
+
+        trainer = make_trainer("topk")
+        trainer.source = nan_on_rank_1
+        DataParallel(trainer)
+        try:
+            trainer.train(progress=False)
+        except NonFiniteError as e:
+            save_file({**state(trainer), "failed_at": torch.tensor([e.step])}, f"{out_prefix}_nan.safetensors")
     finally:
         dist.destroy_process_group()
 
@@ -103,6 +124,20 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
                 else:
                     assert torch.allclose(got, value, atol=2e-6, rtol=1e-5), (kind, name, r,
                                                                              float((got - value).abs().max()))
+    # NaN in rank 1's shard of batch NAN_STEP: both ranks raised NonFiniteError there, with the state of
+    # NAN_STEP steps (one process, the same global batches)
+    single = make_trainer("topk")
+    torch.set_num_threads(1)
+    try:
+        single.train(NAN_STEP, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    want = state(single)
+    for r in range(2):
+        got = load_file(str(tmp_path / f"rank{r}_nan.safetensors"))
+        assert int(got.pop("failed_at")) == NAN_STEP, r
+        for name, value in want.items():
+            assert torch.allclose(got[name], value, atol=2e-6, rtol=1e-5), (name, r)
     # the shards of a batch are its contiguous halves
     b = global_batch(0)
     halves = [shard_batch(b, r, 2) for r in range(2)]
