@@ -35,7 +35,8 @@ MANIFEST = "checksums.json"
 #: what the manifest's ``format`` key holds
 MANIFEST_FORMAT = 1
 
-__all__ = ["MANIFEST", "Staging", "atomic_directory", "atomic_file", "resolve", "verify", "verify_file"]
+__all__ = ["MANIFEST", "Staging", "atomic_directory", "atomic_file", "check", "manifest_of", "resolve", "verify",
+           "verify_file"]
 
 
 def _boundary(event: str) -> None:
@@ -328,6 +329,29 @@ def verify_file(directory: Path, name: str, size: int, sha256: str | None, manif
                               f"if you edited it on purpose, delete {manifest})")
 
 
+def manifest_of(directory: str | os.PathLike[str], *, manifest: str = MANIFEST) -> dict[str, tuple[int, str]] | None:
+    """``{name: (size, sha256)}`` from ``directory``'s manifest, or None when it has none.
+
+    Raises:
+        CheckpointError: the manifest is corrupt.
+    """
+    mpath = Path(directory) / manifest
+    if not mpath.is_file():
+        return None
+    return {name: (size, sha) for name, size, sha in _manifest_entries(mpath)}
+
+
+def check(directory: str | os.PathLike[str], entries: dict[str, tuple[int, str]], *, manifest: str = MANIFEST,
+          hashes: bool = True) -> None:
+    """Check the files of ``directory`` against ``entries`` (:func:`manifest_of`).
+
+    Raises:
+        CheckpointError: a file is missing, truncated or altered (naming it).
+    """
+    for name, (size, sha) in entries.items():
+        verify_file(Path(directory), name, size, sha if hashes else None, manifest)
+
+
 def verify(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, required: tuple[str, ...] = (),
            optional: bool = True, hashes: bool = True) -> dict[str, tuple[int, str]]:
     """Check every file listed in ``directory``'s manifest; return ``{name: (size, sha256)}``
@@ -338,17 +362,14 @@ def verify(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, requi
             ``required``, or a file is missing, truncated or altered (naming it).
     """
     d = Path(directory)
-    mpath = d / manifest
-    if not mpath.is_file():
+    entries = manifest_of(d, manifest=manifest)
+    if entries is None:
         if optional:
             return {}
-        raise CheckpointError(f"{mpath}: missing checkpoint manifest (an incomplete checkpoint, or one written "
-                              "before manifests existed; re-save it with this version)")
-    entries = _manifest_entries(mpath)
-    listed = {name for name, _, _ in entries}
+        raise CheckpointError(f"{d / manifest}: missing checkpoint manifest (an incomplete checkpoint, or one "
+                              "written before manifests existed; re-save it with this version)")
     for name in required:
-        if name not in listed:
+        if name not in entries:
             raise CheckpointError(f"{d / name}: missing checkpoint file (not listed in {manifest})")
-    for name, size, sha in entries:
-        verify_file(d, name, size, sha if hashes else None, manifest)
-    return {name: (size, sha) for name, size, sha in entries}
+    check(d, entries, manifest=manifest, hashes=hashes)
+    return entries
