@@ -164,9 +164,25 @@ def _link_tree(src: Path, dst: Path) -> None:
         link(str(src), str(dst))
 
 
-def _carry_over(old: Path, staging: Staging, manifest: str) -> None:
+def _carry_over(old: Path, staging: Staging, manifest: str, replace: bool) -> None:
     """Link into the staging directory the entries of ``old`` the new save neither writes nor replaces:
-    not the old manifest, nor a file it lists, nor a name the new save wrote."""
+    not the old manifest, nor a name the new save wrote, nor (``replace``) a file the old manifest
+    lists. Without ``replace`` the old manifest's entries of the files carried over are kept."""
+    if not replace:
+        try:
+            previous = manifest_of(old, manifest=manifest) or {}
+        except CheckpointError:
+            previous = {}
+        for entry in sorted(old.rglob("*")):
+            rel = entry.relative_to(old).as_posix()
+            if rel == manifest or (staging.path / rel).exists() or not (entry.is_file() or entry.is_symlink()):
+                continue
+            (staging.path / rel).parent.mkdir(parents=True, exist_ok=True)
+            _link_tree(entry, staging.path / rel)
+            if rel in previous:
+                size, sha = previous[rel]
+                staging.files[rel] = {"size": size, "sha256": sha}
+        return
     listed = _old_manifest_names(old, manifest) | {manifest}
     written_tops = {n.split("/", 1)[0] for n in staging.files} | {manifest}
     for entry in sorted(old.iterdir()):
@@ -214,14 +230,16 @@ def _target_dir(directory: str | os.PathLike[str]) -> Path:
 
 @contextmanager
 def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, carry: bool = True,
-                     replaceable: Callable[[Path], bool] | None = None,
+                     replace: bool = True, replaceable: Callable[[Path], bool] | None = None,
                      boundary: Callable[[str], Any] | None = None) -> Iterator[Staging]:
     """Stage a directory's files and swap it in as ``directory`` when the ``with`` block ends (module
     docstring); an exception in the block leaves ``directory`` untouched and removes the staging.
 
     Args:
         manifest: the manifest's file name. carry: link unrelated entries of the old directory into the
-            new one (training checkpoints: no). replaceable: ``(old directory) -> bool``; False refuses.
+            new one (training checkpoints: no). replace: the new save replaces every file the old
+            manifest lists (a module, a graph); False: only the files it writes (gates saved beside a
+            model), the others keep their manifest entries. replaceable: ``(old directory) -> bool``; False refuses.
         boundary: called after each step (default: this module's ``_boundary``, looked up at each call).
 
     Raises:
@@ -241,7 +259,7 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
         yield stage
         previous = d if d.is_dir() else old if old.is_dir() else None
         if carry and previous is not None:
-            _carry_over(previous, stage, manifest)
+            _carry_over(previous, stage, manifest, replace)
         text = json.dumps({"format": MANIFEST_FORMAT, "files": stage.files}, indent=1)
         with open(tmp / manifest, "wb") as f:
             f.write(text.encode())
