@@ -5,9 +5,9 @@ A save stages every file in a sibling ``<dir>.tmp-<pid>-<hex>``, fsyncs each fil
 (each file's size and sha256; :data:`MANIFEST`, or ``manifest.json`` for training checkpoints) last,
 fsyncs the directory, and only then swaps it in: ``<dir>`` → ``<dir>.old``, the staging directory →
 ``<dir>``, remove ``<dir>.old``. A crash (a kill, a power cut) at any point leaves either the previous
-complete directory or the new complete one, never a mix: :func:`resolve` reads ``<dir>.old`` when
-``<dir>`` is missing (a crash between the two renames), and a later save cleans up what a killed one
-left. Entries of an existing ``<dir>`` that the new save does not write and that the old manifest
+complete directory or the new complete one, never a mix: :func:`resolve` renames ``<dir>.old`` back
+when ``<dir>`` is missing (a crash between the two renames), and a later save cleans up what a killed
+one left. Entries of an existing ``<dir>`` that the new save does not write and that the old manifest
 does not list (a README, a model saved beside the gates, the subfolders of a set) are carried over
 into the new directory as hard links (copies where the filesystem has none).
 
@@ -201,18 +201,22 @@ def _carry_over(old: Path, staging: Staging, manifest: str, replace: bool) -> No
         _link_tree(entry, staging.path / entry.name)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # alive, someone else's; or not a pid
+        return True
+    return True
+
+
 def _remove_stale_temporaries(d: Path) -> None:
     """Remove ``<d>.tmp-<pid>[-<hex>]`` left by saves whose process is gone (killed mid-save)."""
     for tmp in d.parent.glob(f"{d.name}.tmp-*"):
         pid = tmp.name[len(d.name) + len(".tmp-"):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-        except (PermissionError, OverflowError):  # alive, someone else's; or not a pid
-            pass
 
 
 def _target_dir(directory: str | os.PathLike[str]) -> Path:
@@ -304,14 +308,30 @@ def atomic_file(path: str | os.PathLike[str], data: bytes) -> Path:
         raise
     _fsync_dir(p.parent)
     _boundary("rename:new")
+    for stale in p.parent.glob(f".{p.name}.tmp-*"):  # left by writes whose process is gone
+        pid = stale.name[len(p.name) + len("..tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     return p
 
 
 def resolve(directory: str | os.PathLike[str]) -> Path:
-    """``directory``, or ``<directory>.old`` when only that exists (a save killed between its renames)."""
+    """``directory``; when only ``<directory>.old`` exists (a save killed between its two renames), the
+    old directory is renamed back first (the interrupted save rolled back), or, while a live process's
+    save is between those renames, or where the rename fails (read-only), ``<directory>.old`` itself."""
     d = Path(directory)
     old = d.with_name(f"{d.name}.old")
-    return old if not d.exists() and old.is_dir() else d
+    if d.exists() or not old.is_dir():
+        return d
+    for tmp in d.parent.glob(f"{d.name}.tmp-*"):
+        pid = tmp.name[len(d.name) + len(".tmp-"):].split("-", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or _alive(int(pid))):
+            return old
+    try:
+        old.rename(d)
+    except OSError:
+        return d if d.is_dir() else old
+    return d
 
 
 def _manifest_entries(mpath: Path) -> list[tuple[str, int, str]]:

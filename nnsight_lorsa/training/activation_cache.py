@@ -232,6 +232,8 @@ class ActivationCache:
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
         self._handles: dict[str, Any] = {}
+        # every shard's size (a torn shard) before it is opened; the manifest's own checks come first
+        self._verify([f for f in self._checksums if f != MANIFEST], hashes=False)
         self._check_shards()
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
@@ -242,8 +244,7 @@ class ActivationCache:
             if self.width(name) != width:
                 raise ActivationCacheError(f"{path}: site {name!r} is cached with d={self.width(name)}, "
                                            f"expected d={width}")
-        self._verify(list(self._checksums), hashes=False)  # every file's size; the manifest's hash
-        self._verify([MANIFEST])
+        self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
 
     def _verify(self, files: list[str], hashes: bool = True) -> None:
         """Check ``files`` against ``checksums.json`` (when the cache has one; sha256 once per file)."""
@@ -337,7 +338,11 @@ class ActivationCache:
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for a corrupt header
+                raise ActivationCacheError(f"{self.directory / file}: not a readable safetensors shard "
+                                           f"({type(e).__name__}: {e})") from e
         return self._handles[file]
 
     # ------------------------------------------------------------ reading
