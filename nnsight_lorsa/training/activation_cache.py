@@ -232,8 +232,9 @@ class ActivationCache:
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
         self._handles: dict[str, Any] = {}
-        # every shard's size (a torn shard) before it is opened; the manifest's own checks come first
-        self._verify([f for f in self._checksums if f != MANIFEST], hashes=False)
+        # every present shard's size (a torn shard) before it is opened; the manifest's own checks, and
+        # its own message for a missing shard, come first
+        self._verify([f for f in self._checksums if f != MANIFEST and (self.directory / f).is_file()], hashes=False)
         self._check_shards()
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
@@ -244,6 +245,7 @@ class ActivationCache:
             if self.width(name) != width:
                 raise ActivationCacheError(f"{path}: site {name!r} is cached with d={self.width(name)}, "
                                            f"expected d={width}")
+        self._verify(list(self._checksums), hashes=False)  # every listed file is there, at its size
         self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
 
     def _verify(self, files: list[str], hashes: bool = True) -> None:
