@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from nnsight_lorsa._atomic import MANIFEST
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PASS = ("named_error", "correct")
@@ -472,6 +474,7 @@ def loader_cases(fixtures: dict[str, Path], refs: dict[str, Any]) -> list[Case]:
             def run(tmp: Path) -> Any:
                 d = tmp / base.name
                 shutil.copytree(base, d)
+                (d / MANIFEST).unlink(missing_ok=True)  # the readers on hand-edited files (no checksums.json)
                 mutate(d)
                 return load(d)
             return run
@@ -537,6 +540,7 @@ def graph_cases(root: Path) -> list[Case]:
         def run(tmp: Path) -> Any:
             d = tmp / "graph"
             shutil.copytree(base, d)
+            (d / MANIFEST).unlink(missing_ok=True)  # the readers on hand-edited files (no checksums.json)
             mutate(d)
             return Graph.load(d)
         return run
@@ -596,6 +600,7 @@ def gate_cases(root: Path) -> list[Case]:
         def run(tmp: Path) -> Any:
             d = tmp / "gates"
             shutil.copytree(base, d)
+            (d / MANIFEST).unlink(missing_ok=True)  # the readers on hand-edited files (no checksums.json)
             mutate(d)
             return load_gates(tiny_hf_model("llama"), d)
         return run

@@ -274,14 +274,15 @@ def save_neuronpedia(
     """Write :func:`to_neuronpedia`'s dict to ``path`` (a ``.json`` file; parents created); returns it.
 
     ``kwargs`` are :func:`to_neuronpedia`'s (``slug`` defaults to the file's stem). The JSON is strict
-    (no NaN / Infinity).
+    (no NaN / Infinity). Written atomically (:func:`nnsight_lorsa._atomic.atomic_file`: a sibling
+    temporary renamed over ``path``), so a crash leaves the old file or the new one.
     """
+    from .._atomic import atomic_file
+
     p = Path(path)
     kwargs.setdefault("slug", p.stem)
     data = to_neuronpedia(graph, prune_result, **kwargs)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, allow_nan=False, indent=1, ensure_ascii=False), encoding="utf-8")
-    return p
+    return atomic_file(p, json.dumps(data, allow_nan=False, indent=1, ensure_ascii=False).encode("utf-8"))
 
 
 def embed_json(data: Any) -> str:
@@ -596,7 +597,7 @@ def render_html(
             f"<script type='application/json' id='graph-data'>{payload}</script>"
             f"<script>{_SCRIPT}</script></body></html>\n")
     if path is not None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text, encoding="utf-8")
+        from .._atomic import atomic_file
+
+        atomic_file(path, text.encode("utf-8"))  # a sibling temporary renamed over `path`
     return text

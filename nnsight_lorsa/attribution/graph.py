@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors.torch import save_file
 
 from .._repr import FieldsRepr
 from .._typing import Float
@@ -386,10 +385,25 @@ class Graph(FieldsRepr):
 
     # -------------------------------------------------------------- save/load
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``graph.safetensors`` + ``graph.json`` into ``directory`` (created); returns it."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        """Write ``graph.safetensors`` + ``graph.json`` (+ ``checksums.json``) as ``directory``; returns it.
+
+        Atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): staged in a sibling and swapped in, so a
+        crash leaves the previous graph there or this one, never one's tensors with the other's prompt.
+        ``meta`` is checked before anything is written.
+
+        Raises:
+            ArgumentError: ``meta`` (or the prompt) is not JSON-serialisable (nothing is written).
+        """
+        from .._atomic import atomic_directory
+        from ..errors import ArgumentError
+
         n = self.nodes
+        try:
+            info = json.dumps({"format": GRAPH_FORMAT, "prompt": self.prompt, "bias_names": n.bias_names,
+                               "meta": self.meta}, indent=1)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ArgumentError(f"Graph.save: graph.meta must be JSON-serialisable (numbers, strings, lists, dicts); "
+                                f"{type(e).__name__}: {e}; nothing was written") from e
         a = self._adjacency  # blocks: a dense copy for the file, not kept
         tensors = {"tokens": self.tokens, "adjacency": a.contiguous() if isinstance(a, torch.Tensor) else a.dense(),
                    "values": self.values,
@@ -398,10 +412,11 @@ class Graph(FieldsRepr):
                    "node_kind": n.kind, "node_layer": n.layer, "node_pos": n.pos, "node_index": n.index,
                    "node_activation": n.activation}
         tensors.update({f"qk.{k}": v for k, v in self.qk.items()})
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items() if v is not None}, str(d / "graph.safetensors"))
-        (d / "graph.json").write_text(json.dumps({"format": GRAPH_FORMAT, "prompt": self.prompt,
-                                                  "bias_names": n.bias_names, "meta": self.meta}, indent=1))
-        return d
+        with atomic_directory(directory) as stage:
+            stage.save_tensors("graph.safetensors",
+                               {k: v.contiguous().cpu() for k, v in tensors.items() if v is not None})
+            stage.write_text("graph.json", info)
+        return Path(directory)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Graph:
@@ -411,11 +426,14 @@ class Graph(FieldsRepr):
             CheckpointError: a missing or unreadable file, another format, a missing tensor, a tensor
                 of the wrong dtype or shape, non-finite values, node kinds / layers / positions /
                 indices outside their ranges, probabilities outside [0, 1], or ``graph.json`` fields
-                of the wrong type — naming the file and the key.
+                of the wrong type — naming the file and the key; a file that differs from what
+                ``checksums.json`` records (truncated, altered).
         """
+        from .._atomic import check, manifest_of, resolve
         from ..formats.files import load_safetensors, read_json_object
 
-        d = Path(directory)
+        d = resolve(directory)  # `<directory>.old` when a save was killed between its two renames
+        entries = manifest_of(d)
         info_path, tensors_path = d / "graph.json", d / "graph.safetensors"
         for path in (info_path, tensors_path):
             if not path.is_file():
@@ -437,10 +455,13 @@ class Graph(FieldsRepr):
         if int((nodes.kind == BIAS).sum()) != len(nodes.bias_names):
             raise CheckpointError(f"{info_path}: key 'bias_names' has {len(nodes.bias_names)} names for "
                                   f"{int((nodes.kind == BIAS).sum())} bias nodes")
-        return cls(tokens=t["tokens"], nodes=nodes, adjacency=t["adjacency"], values=t["values"],
-                   logit_probs=t["logit_probs"], feature_rows=t["feature_rows"].bool(),
-                   layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=prompt, meta=meta,
-                   qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
+        graph = cls(tokens=t["tokens"], nodes=nodes, adjacency=t["adjacency"], values=t["values"],
+                    logit_probs=t["logit_probs"], feature_rows=t["feature_rows"].bool(),
+                    layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=prompt, meta=meta,
+                    qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
+        if entries is not None:  # after the field checks (their errors name the key), before returning
+            check(d, entries)
+        return graph
 
     def summary(self) -> dict[str, int]:
         """Node counts by kind and the number of non-zero edges."""

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import Staging, atomic_directory
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
@@ -372,10 +373,10 @@ def load_circuit_tracer_clt(directory: str | os.PathLike[str], **kwargs: Any) ->
 
 
 # --------------------------------------------------------------------------- writers
-def _write_yaml(path: Path, cfg: dict[str, Any]) -> None:
+def _write_yaml(stage: Staging, cfg: dict[str, Any]) -> None:
     import yaml
 
-    (path / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    stage.write_text(CONFIG_FILE, yaml.safe_dump(cfg, sort_keys=False))
 
 
 def save_circuit_tracer_clt(clt: CrossLayerTranscoder, directory: str | os.PathLike[str], *,
@@ -389,27 +390,24 @@ def save_circuit_tracer_clt(clt: CrossLayerTranscoder, directory: str | os.PathL
             (circuit-tracer 0.5.0's ``load_clt`` does not read ``W_skip_{i}``: it would drop the skip
             silently — save it with ``format="nnsight_lorsa"``).
     """
-    from safetensors.torch import save_file
-
     if clt.cfg.activation not in ("relu", "jumprelu"):
         raise UnsupportedArchitectureError(f"circuit-tracer CLTs are relu or jump_relu, not {clt.cfg.activation!r}")
     if clt.W_skip is not None:
         raise UnsupportedArchitectureError("a CLT with a skip path cannot be saved for circuit-tracer: its load_clt "
                                            "(0.5.0) does not read W_skip_{i} and would drop the skip silently; "
                                            "save it with format='nnsight_lorsa'")
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    for i in range(clt.n_layers):
-        enc = {f"W_enc_{i}": clt.W_enc[i].T, f"b_enc_{i}": clt.b_enc[i], f"b_dec_{i}": clt.b_dec[i]}
-        if clt.W_skip is not None:
-            enc[f"W_skip_{i}"] = clt.W_skip[i].T
-        if clt.cfg.activation == "jumprelu":
-            enc[f"threshold_{i}"] = getattr(clt.activation[i], "threshold")  # noqa: B009
-        save_file({k: v.detach().cpu().contiguous() for k, v in enc.items()}, str(path / f"W_enc_{i}.safetensors"))
-        save_file({f"W_dec_{i}": clt.W_dec(i).detach().cpu().contiguous()}, str(path / f"W_dec_{i}.safetensors"))
-    _write_yaml(path, {"model_kind": "cross_layer_transcoder", "feature_input_hook": feature_input_hook,
-                       "feature_output_hook": feature_output_hook})
-    return path
+    with atomic_directory(directory) as stage:
+        for i in range(clt.n_layers):
+            enc = {f"W_enc_{i}": clt.W_enc[i].T, f"b_enc_{i}": clt.b_enc[i], f"b_dec_{i}": clt.b_dec[i]}
+            if clt.W_skip is not None:
+                enc[f"W_skip_{i}"] = clt.W_skip[i].T
+            if clt.cfg.activation == "jumprelu":
+                enc[f"threshold_{i}"] = getattr(clt.activation[i], "threshold")  # noqa: B009
+            stage.save_tensors(f"W_enc_{i}.safetensors", {k: v.detach().cpu().contiguous() for k, v in enc.items()})
+            stage.save_tensors(f"W_dec_{i}.safetensors", {f"W_dec_{i}": clt.W_dec(i).detach().cpu().contiguous()})
+        _write_yaml(stage, {"model_kind": "cross_layer_transcoder", "feature_input_hook": feature_input_hook,
+                            "feature_output_hook": feature_output_hook})
+    return Path(directory)
 
 
 def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], directory: str | os.PathLike[str], *,
@@ -426,24 +424,22 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
             circuit-tracer 0.5.0's files have no key or config entry for ``k`` (``load_relu_transcoder``
             builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU.
     """
-    from safetensors.torch import save_file
-
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    for layer, tc in sorted(transcoders.items()):
+    for layer, tc in sorted(transcoders.items()):  # every input checked before anything is written
         if tc.cfg.activation not in ("relu", "jumprelu"):
             raise UnsupportedArchitectureError(
                 f"layer {layer}: activation {tc.cfg.activation!r} cannot be saved for circuit-tracer: its "
                 "transcoder files (0.5.0) express relu or jump_relu only (load_relu_transcoder reads no k), so it "
                 "would load there as ReLU; save it with format='nnsight_lorsa' or 'saelens'")
-        state = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
-        if isinstance(tc, SkipTranscoder):
-            state["W_skip"] = tc.W_skip
-        if tc.cfg.activation == "jumprelu":
-            state[THRESHOLD_KEY] = getattr(tc.activation, "threshold")  # noqa: B009
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
-                  str(path / f"layer_{layer}.safetensors"))
-    _write_yaml(path, {"model_kind": "transcoder_set", "model_name": model_name,
-                       "feature_input_hook": feature_input_hook, "feature_output_hook": feature_output_hook,
-                       "transcoders": [f"layer_{layer}.safetensors" for layer in sorted(transcoders)]})
-    return path
+    with atomic_directory(directory) as stage:
+        for layer, tc in sorted(transcoders.items()):
+            state = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
+            if isinstance(tc, SkipTranscoder):
+                state["W_skip"] = tc.W_skip
+            if tc.cfg.activation == "jumprelu":
+                state[THRESHOLD_KEY] = getattr(tc.activation, "threshold")  # noqa: B009
+            stage.save_tensors(f"layer_{layer}.safetensors",
+                               {k: v.detach().cpu().contiguous() for k, v in state.items()})
+        _write_yaml(stage, {"model_kind": "transcoder_set", "model_name": model_name,
+                            "feature_input_hook": feature_input_hook, "feature_output_hook": feature_output_hook,
+                            "transcoders": [f"layer_{layer}.safetensors" for layer in sorted(transcoders)]})
+    return Path(directory)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import resolve
 from ..errors import CheckpointError
 
 __all__ = ["load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
@@ -31,7 +32,8 @@ def resolve_checkpoint_dir(
 ) -> Path:
     """A local checkpoint directory for ``source``: a local directory, or a downloaded hub snapshot.
 
-    ``source`` is used as a local directory when it exists (or is a :class:`~pathlib.Path`);
+    ``source`` is used as a local directory when it exists (or is a :class:`~pathlib.Path`; or
+    ``<source>.old`` when only that exists: a save killed between its two renames, :mod:`.._atomic`);
     ``subfolder`` is then a folder inside it. Otherwise ``source`` must be a valid Hugging Face
     repo id, or ``"repo_id:subfolder"`` (the Llamascopium hub layout); the files matching
     ``allow_patterns`` (relative to ``subfolder``) are fetched with
@@ -43,7 +45,7 @@ def resolve_checkpoint_dir(
             is neither a directory nor a valid repo id, the download failed, or ``subfolder`` is
             not a folder there.
     """
-    local = Path(source)
+    local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
         if not local.exists():
             raise CheckpointError(f"checkpoint directory {str(local)!r} does not exist")

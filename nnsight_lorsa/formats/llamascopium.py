@@ -128,6 +128,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import atomic_directory
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
@@ -547,8 +548,6 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
             default/llama3, ``attention_scaling != 1``, a non-integer base).
         ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them.
     """
-    from safetensors.torch import save_file
-
     from ..errors import ArgumentError
 
     cfg = lorsa.cfg
@@ -597,8 +596,8 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
         state["rotary_cos"], state["rotary_sin"] = cos.to(dtype), sin.to(dtype)
     else:
         doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / WEIGHTS_FILE), {"format": "pt"})
-    (path / CONFIG_FILE).write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    return path
+    text = json.dumps(doc, indent=1)
+    with atomic_directory(directory) as stage:
+        stage.save_tensors(WEIGHTS_FILE, state, {"format": "pt"})
+        stage.write_text(CONFIG_FILE, text)
+    return Path(directory)

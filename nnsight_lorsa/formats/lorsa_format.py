@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import atomic_directory
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
@@ -52,19 +53,16 @@ __all__ = ["CONFIG_FILE", "FORMAT_TAG", "FORMAT_VERSION", "READER", "WEIGHTS_FIL
 def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     """Write ``lorsa`` to ``directory`` (created if needed) as ``config.json`` + ``model.safetensors``.
 
-    Existing files of the same names are replaced (each written to a temporary name first).
-    Returns the directory.
+    Atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): the files and a ``checksums.json``
+    manifest are staged in a sibling and swapped in, so a crash leaves the old checkpoint or the new
+    one, never a mix. Returns the directory.
 
     Raises:
         TypeError: ``lorsa`` is not a :class:`Lorsa`.
         CheckpointError: the config (e.g. ``extra``) is not JSON-serialisable.
     """
-    from safetensors.torch import save_file
-
     if not isinstance(lorsa, Lorsa):
         raise TypeError(f"save_lorsa expects a Lorsa module, got {type(lorsa).__name__}")
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     try:
         config_text = json.dumps(
             {"format": FORMAT_TAG, "version": FORMAT_VERSION, "config": lorsa.cfg.to_dict()},
@@ -74,13 +72,10 @@ def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"Lorsa config is not JSON-serialisable (check cfg.extra): {e}") from e
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in lorsa.state_dict().items()}
-    weights, config = out / WEIGHTS_FILE, out / CONFIG_FILE
-    tmp_w, tmp_c = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
-    save_file(tensors, str(tmp_w), metadata={"format": FORMAT_TAG, "version": str(FORMAT_VERSION)})
-    tmp_c.write_text(config_text + "\n", encoding="utf-8")
-    os.replace(tmp_w, weights)
-    os.replace(tmp_c, config)
-    return out
+    with atomic_directory(directory) as stage:
+        stage.save_tensors(WEIGHTS_FILE, tensors, metadata={"format": FORMAT_TAG, "version": str(FORMAT_VERSION)})
+        stage.write_text(CONFIG_FILE, config_text + "\n")
+    return Path(directory)
 
 
 # --------------------------------------------------------------------------- reader

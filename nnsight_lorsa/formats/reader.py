@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import check, manifest_of
 from .files import resolve_checkpoint_dir
 from .validate import build_module
 
@@ -70,16 +71,28 @@ def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = 
              dtype: torch.dtype | None = None, **options: Any) -> Any:
     """Run ``reader``'s three steps on the local directory ``path``.
 
+    Its ``checksums.json`` (written by every save of this package, :mod:`.._atomic`) is checked when
+    present, every listed file's size and sha256, before the module is returned: after the steps, so a
+    file the steps refuse (a hand-edited config with a bad key) gets their error, naming the key, and
+    a file they accept but that differs from what was saved (a flipped bit in a tensor, a torn or mixed
+    directory) gets the manifest's. The manifest is read before the steps and the files checked
+    against it after them, so a save swapped in while they ran is refused, not read as a mix.
+
     Raises:
         TypeError: an option ``reader.parse_config`` does not take.
+        CheckpointError: a file listed in ``checksums.json`` is missing, truncated or altered (named).
         CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the steps.
     """
     unknown = sorted(set(options) - reader.options)
     if unknown:
         raise TypeError(f"the {reader.name} reader takes no option {unknown}; it takes {sorted(reader.options)}")
+    entries = manifest_of(path)
     config = reader.parse_config(path, **options)
     state = reader.load_weights(path, config)
-    return reader.build(config, state, device=device, dtype=dtype)
+    module = reader.build(config, state, device=device, dtype=dtype)
+    if entries is not None:
+        check(path, entries)
+    return module
 
 
 def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | None = None,

@@ -90,6 +90,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import atomic_directory
 from ..errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
@@ -437,8 +438,6 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
         UnsupportedArchitectureError: an activation SAELens has no inference architecture for here
             (batchtopk: export with ``module.to_jumprelu_()`` first), or a negative JumpReLU threshold.
     """
-    from safetensors.torch import save_file
-
     for name, value in (("hook_name", hook_name), ("model_name", model_name)):
         if value is not None and not isinstance(value, str):
             raise ArgumentError(f"save_saelens({name}=...) must be a string or None, got {value!r}")
@@ -468,8 +467,8 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     if arch in ("topk", "abstopk"):
         cfg["k"] = module.cfg.activation_params["k"]
         cfg["rescale_acts_by_decoder_norm"] = False
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / WEIGHTS_FILE))
-    (path / CFG_FILE).write_text(json.dumps(cfg, indent=2), encoding="utf-8")
-    return path
+    text = json.dumps(cfg, indent=2)
+    with atomic_directory(directory) as stage:
+        stage.save_tensors(WEIGHTS_FILE, state)
+        stage.write_text(CFG_FILE, text)
+    return Path(directory)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._atomic import atomic_directory
 from ..errors import CheckpointError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sae import SAEConfig, SparseAutoencoder
@@ -69,17 +70,15 @@ def save_sparse_coder(module: nn.Module, directory: str | os.PathLike[str]) -> P
     Raises:
         CheckpointError: ``module`` is none of those.
     """
-    from safetensors.torch import save_file
-
     kind = _kind_of(module)
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": FORMAT_TAG, "version": str(FORMAT_VERSION)})
     cfg = getattr(module, "cfg").to_dict()  # noqa: B009
     doc = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "kind": kind, "config": cfg}
-    (path / CONFIG_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True), encoding="utf-8")
-    return path
+    text = json.dumps(doc, indent=2, sort_keys=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    with atomic_directory(directory) as stage:
+        stage.save_tensors(WEIGHTS_FILE, state, metadata={"format": FORMAT_TAG, "version": str(FORMAT_VERSION)})
+        stage.write_text(CONFIG_FILE, text)
+    return Path(directory)
 
 
 def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .._atomic import atomic_directory
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
@@ -177,8 +178,6 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
     Raises:
         UnsupportedArchitectureError: not TopK / GroupMax, an SAE without ``b_dec`` centering, or ``d_out != d_in``.
     """
-    from safetensors.torch import save_file
-
     cfg: Any = module.cfg
     transcode = isinstance(module, Transcoder)
     if cfg.activation not in ("topk", "groupmax") or module.d_out != cfg.d_in or (
@@ -190,11 +189,11 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
     skip = isinstance(module, SkipTranscoder)
     if skip:
         state["W_skip"] = module.state_dict()["W_skip"]
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to("cpu").contiguous() for k, v in state.items()}, str(path / WEIGHTS_FILE))
     doc = {"activation": cfg.activation, "expansion_factor": 32, "normalize_decoder": True, "num_latents": cfg.d_sae,
            "k": cfg.activation_params["k"], "multi_topk": False, "skip_connection": skip, "transcode": transcode,
            "d_in": cfg.d_in}
-    (path / CFG_FILE).write_text(json.dumps(doc), encoding="utf-8")
-    return path
+    text = json.dumps(doc)
+    with atomic_directory(directory) as stage:
+        stage.save_tensors(WEIGHTS_FILE, {k: v.to("cpu").contiguous() for k, v in state.items()})
+        stage.write_text(CFG_FILE, text)
+    return Path(directory)

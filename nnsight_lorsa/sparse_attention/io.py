@@ -6,7 +6,13 @@ Layout of a directory written by :func:`save_sparse_model`:
   fine-tuned weights *without* the gates, loadable by ``AutoModelForCausalLM`` or
   ``nnsight.LanguageModel`` (which then run ordinary dense attention);
 - ``sparse_attention.json``: the :class:`GateConfig`;
-- ``sparse_attention.safetensors``: one tensor ``layers.<L>.bias`` of shape ``(n_heads,)`` per layer.
+- ``sparse_attention.safetensors``: one tensor ``layers.<L>.bias`` of shape ``(n_heads,)`` per layer;
+- ``checksums.json``: every file's size and sha256.
+
+Both savers are atomic (:func:`nnsight_lorsa._atomic.atomic_directory`: staged in a sibling, swapped
+in), so a crash leaves the old directory or the new one; :func:`save_gates` into an existing directory
+replaces the gate files only (the model's files beside them are kept, with their checksums). The
+loaders check ``checksums.json`` when present.
 
 :func:`load_gates` puts the gates on such a model (HF or nnsight), :func:`load_sparse_model` does
 both steps for a plain transformers model.
@@ -20,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from .._atomic import Staging, atomic_directory, check, manifest_of, resolve
 from ..adapters.registry import get_adapter
 from .attention import GATE_NAME
 from .errors import CheckpointError
@@ -52,20 +58,35 @@ class GateConfig:
 def save_gates(model: Any, directory: str | Path, training: dict[str, Any] | None = None) -> Path:
     """Write ``sparse_attention.json`` and ``sparse_attention.safetensors`` for ``model``'s gates.
 
+    Atomic: the other files of ``directory`` (a model saved there) are kept.
+
     Raises:
         GateNotInstalledError: the model has no gates.
+        CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    stage_files = _gate_files(model, training)
+    with atomic_directory(directory, replace=False) as stage:
+        _write_gates(stage, stage_files)
+    return Path(directory)
+
+
+def _gate_files(model: Any, training: dict[str, Any] | None) -> tuple[dict[str, torch.Tensor], str]:
+    """``(tensors, config text)`` of the gates (everything checked before anything is written)."""
     hf = hf_model(model)
     gates = get_gates(model)
     first = gates[0]
     cfg = GateConfig(model_type=str(hf.config.model_type), n_layers=len(gates), n_heads=first.n_heads,
                      temperature=first.temperature, mode=first.mode, top_k=first.top_k, training=training)
-    save_file({f"layers.{layer}.bias": g.bias.detach().float().cpu().contiguous() for layer, g in gates.items()},
-              str(directory / WEIGHTS_FILE))
-    (directory / CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
-    return directory
+    try:
+        text = json.dumps(asdict(cfg), indent=2) + "\n"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"gate config is not JSON-serialisable (check training=): {e}") from e
+    return {f"layers.{layer}.bias": g.bias.detach().float().cpu().contiguous() for layer, g in gates.items()}, text
+
+
+def _write_gates(stage: Staging, files: tuple[dict[str, torch.Tensor], str]) -> None:
+    stage.save_tensors(WEIGHTS_FILE, files[0])
+    stage.write_text(CONFIG_FILE, files[1])
 
 
 def read_gate_config(directory: str | Path) -> GateConfig:
@@ -117,6 +138,8 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
     from ..formats.files import load_safetensors
     from ..formats.validate import check_file_tensors
 
+    directory = resolve(directory)  # `<directory>.old` when a save was killed between its two renames
+    entries = {k: v for k, v in (manifest_of(directory) or {}).items() if k in (CONFIG_FILE, WEIGHTS_FILE)}
     cfg = read_gate_config(directory)
     hf = hf_model(model)
     adapter = get_adapter(hf)
@@ -133,6 +156,7 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
         raise CheckpointError(f"{wpath}: expected tensors {sorted(expected)} of shape ({cfg.n_heads},), got "
                               f"{ {k: tuple(v.shape) for k, v in tensors.items()} }")
     check_file_tensors(wpath, tensors)
+    check(directory, entries)  # the gate files as saved (checksums.json), before the model is touched
     gates = install_gated_attention(model, temperature=cfg.temperature, mode=cfg.mode, top_k=cfg.top_k)
     with torch.no_grad():
         for layer, gate in gates.items():
@@ -147,30 +171,35 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
     The model's ``config.json`` records its original (dense) attention implementation, so plain
     transformers loads the directory as the fine-tuned dense model; :func:`load_gates` adds the gates.
 
+    Atomic: the Hugging Face files, the tokenizer's and the gates are staged together and swapped in.
+
     Raises:
         GateNotInstalledError: the model has no gates.
+        CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
     """
     from .install import _DENSE_ATTR
 
-    directory = Path(directory)
     hf = hf_model(model)
     gates = get_gates(model)
+    gate_files = _gate_files(model, training)
     adapter = get_adapter(hf)
     attns = [adapter.attention_module(hf, layer) for layer in gates]
     impl = hf.config._attn_implementation
-    try:  # take the gates off the module tree while transformers serialises it
-        for attn in attns:
-            del attn._modules[GATE_NAME]
-        hf.config._attn_implementation_internal = getattr(hf, _DENSE_ATTR)
-        hf.save_pretrained(directory, safe_serialization=True)
-    finally:
-        hf.config._attn_implementation_internal = impl
-        for attn, gate in zip(attns, gates.values(), strict=True):
-            attn._modules[GATE_NAME] = gate
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-    save_gates(model, directory, training=training)
-    return directory
+    with atomic_directory(directory) as stage:
+        try:  # take the gates off the module tree while transformers serialises it
+            for attn in attns:
+                del attn._modules[GATE_NAME]
+            hf.config._attn_implementation_internal = getattr(hf, _DENSE_ATTR)
+            hf.save_pretrained(stage.path, safe_serialization=True)
+        finally:
+            hf.config._attn_implementation_internal = impl
+            for attn, gate in zip(attns, gates.values(), strict=True):
+                attn._modules[GATE_NAME] = gate
+        if tokenizer is not None:
+            tokenizer.save_pretrained(stage.path)
+        stage.record_all()
+        _write_gates(stage, gate_files)
+    return Path(directory)
 
 
 def load_sparse_model(directory: str | Path, **from_pretrained_kwargs: Any) -> Any:
@@ -181,7 +210,11 @@ def load_sparse_model(directory: str | Path, **from_pretrained_kwargs: Any) -> A
     """
     from transformers import AutoModelForCausalLM
 
+    directory = resolve(directory)
+    entries = manifest_of(directory)
     kwargs = {"dtype": torch.float32, **from_pretrained_kwargs}
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
     load_gates(model, directory)
+    if entries is not None:
+        check(directory, entries)  # the model's files too, as saved
     return model

@@ -1,22 +1,20 @@
 """Atomic, verified checkpoint directories (used by :class:`~.trainer.Trainer` and the sparse-attention
-trainer, :class:`~..sparse_attention.train.SparseAttentionTrainer`).
+trainer, :class:`~..sparse_attention.train.SparseAttentionTrainer`), through the package's one atomic
+write path, :mod:`nnsight_lorsa._atomic`.
 
-A save writes every file into a sibling ``<dir>.tmp-<pid>``, fsyncs each file, writes
+A save writes every file into a sibling ``<dir>.tmp-<pid>-<hex>``, fsyncs each file, writes
 ``manifest.json`` (each file's size and sha256) last, fsyncs the directory, and only then swaps it
-in: ``<dir>`` → ``<dir>.old``, ``<dir>.tmp-<pid>`` → ``<dir>``, remove ``<dir>.old``. A crash at any
+in: ``<dir>`` → ``<dir>.old``, the temporary → ``<dir>``, remove ``<dir>.old``. A crash at any
 point leaves either the previous complete checkpoint or the new one. A load resolves ``<dir>`` (or
 ``<dir>.old`` when ``<dir>`` is missing, i.e. a crash between the two renames) and verifies every
-file against the manifest before anything is read.
+file against the manifest before anything is read; unlike a module's, a checkpoint's manifest is required.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
 from pathlib import Path
 
+from .._atomic import atomic_directory, resolve, verify
 from ..errors import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -27,19 +25,9 @@ def _boundary(event: str) -> None:
     the process at every file boundary."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _forward(event: str) -> None:
+    if not event.startswith("partial:"):
+        _boundary(event)
 
 
 def _is_replaceable(d: Path, names: tuple[str, ...]) -> bool:
@@ -54,50 +42,13 @@ def write_checkpoint(directory: str | Path, files: dict[str, bytes]) -> None:
     Raises:
         CheckpointError: ``directory`` exists and holds something other than a checkpoint.
     """
-    d = Path(directory)
-    if d.exists() and (not d.is_dir() or not _is_replaceable(d, tuple(files))):
-        raise CheckpointError(f"{d}: exists and is not a checkpoint directory; refusing to replace it")
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = d.with_name(f"{d.name}.tmp-{os.getpid()}")
-    old = d.with_name(f"{d.name}.old")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    manifest = {}
-    for name, data in files.items():
-        _write(tmp / name, data)
-        manifest[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _boundary(f"file:{name}")
-    _write(tmp / MANIFEST, json.dumps({"format": 1, "files": manifest}, indent=1).encode())
-    _boundary(f"file:{MANIFEST}")
-    _fsync_dir(tmp)
-    if d.exists():
-        if old.exists():  # a leftover of an earlier interrupted swap; `d` is complete
-            shutil.rmtree(old)
-        d.rename(old)
-        _boundary("rename:old")
-    tmp.rename(d)
-    _fsync_dir(d.parent)
-    _boundary("rename:new")
-    if old.exists():
-        shutil.rmtree(old)
-        _fsync_dir(d.parent)
-    _boundary("removed:old")
-    _remove_stale_temporaries(d)
-
-
-def _remove_stale_temporaries(d: Path) -> None:
-    """Remove ``<d>.tmp-<pid>`` left by saves whose process is gone (killed mid-save)."""
-    for tmp in d.parent.glob(f"{d.name}.tmp-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:  # alive, someone else's
-            pass
+    for name in files:
+        if Path(name).name != name:
+            raise CheckpointError(f"{name!r}: a checkpoint file name must not hold a folder")
+    with atomic_directory(directory, manifest=MANIFEST, carry=False, boundary=_forward,
+                           replaceable=lambda d: _is_replaceable(d, tuple(files))) as stage:
+        for name, data in files.items():
+            stage.write_bytes(name, data)
 
 
 def checkpoint_exists(directory: str | Path) -> bool:
@@ -116,39 +67,11 @@ def verified_checkpoint(directory: str | Path, required: tuple[str, ...] = ()) -
         CheckpointError: no checkpoint there, the manifest is absent or corrupt (e.g. a checkpoint
             written before manifests existed), or a file is missing, truncated or altered (named).
     """
-    d = Path(directory)
-    old = d.with_name(f"{d.name}.old")
-    if not d.is_dir() and old.is_dir():
-        d = old
+    d = resolve(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: no checkpoint directory")
-    mpath = d / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{mpath}: missing checkpoint manifest (an incomplete checkpoint, or one written "
-                              "before manifests existed; re-save it with this version)")
-    try:
-        files = json.loads(mpath.read_text())["files"]
-        entries = [(str(name), int(e["size"]), str(e["sha256"])) for name, e in files.items()]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{mpath}: corrupt checkpoint manifest ({e!r})") from e
-    listed = {name for name, _, _ in entries}
-    for name in required:
-        if name not in listed:
-            raise CheckpointError(f"{d / name}: missing checkpoint file (not listed in {MANIFEST})")
-    for name, size, sha in entries:
-        path = d / name
+    listed = verify(d, manifest=MANIFEST, required=required, optional=False)
+    for name in listed:
         if Path(name).name != name:
-            raise CheckpointError(f"{mpath}: corrupt checkpoint manifest (bad file name {name!r})")
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing checkpoint file (listed in {MANIFEST})")
-        actual = path.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"{path}: truncated or altered checkpoint file ({actual} bytes, "
-                                  f"{MANIFEST} records {size})")
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != sha:
-            raise CheckpointError(f"{path}: altered checkpoint file (sha256 differs from {MANIFEST})")
-    return d, listed
+            raise CheckpointError(f"{d / MANIFEST}: corrupt checkpoint manifest (bad file name {name!r})")
+    return d, set(listed)

@@ -11,6 +11,12 @@
     <dir>/shard_00000.safetensors       per window: "<site name>" (n, seq_len, d) for every site,
                                         "input_ids" (n, seq_len) int64, "loss_mask" (n, seq_len) bool
 
+The write is atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): the shards and the manifest are
+staged in a sibling directory with a ``checksums.json`` (every file's size and sha256) and swapped in
+at the end, so a killed run leaves no half-written cache. :class:`ActivationCache` checks every
+file's size and the manifest's sha256 when it opens the directory, and a shard's sha256 when its
+first window is read.
+
 Nothing is pickled (JSON + safetensors only). :class:`ActivationCache` opens a directory and
 checks the manifest against the shards (and against a model, sites and widths if given);
 ``ActivationSource(cache, x, y, batch_size=…, seed=…)`` (:class:`~.activations.ActivationSource`)
@@ -30,13 +36,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from .._atomic import Staging, atomic_directory, check, manifest_of, resolve
 from .._placement import model_device
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError
+from ..errors import ActivationCacheError, CheckpointError
 from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"
@@ -124,7 +130,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     Args:
         model: nnsight-wrapped model. sites: ``{name: Site}`` or Sites (named by :func:`site_name`).
         dataset: the windows (``[BOS] + …``, as for :class:`~.activations.ActivationSource`).
-        directory: created if needed; must not hold a cache already.
+        directory: created (atomically, when complete) if needed; must not hold a cache already.
         batch_size: windows per trace. windows_per_shard: windows per safetensors file.
         dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one
             of an fp32 model; a bf16 / fp16 model's activations are stored cast to it).
@@ -143,9 +149,16 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     if dtype_name is None:
         raise ActivationCacheError(f"unsupported cache dtype {dtype}; use one of {list(_DTYPES)}")
     d = Path(directory)
-    if (d / MANIFEST).exists():
-        raise ActivationCacheError(f"{d / MANIFEST} exists: a cache is already written there")
-    d.mkdir(parents=True, exist_ok=True)
+    if (resolve(d) / MANIFEST).exists():
+        raise ActivationCacheError(f"{resolve(d) / MANIFEST} exists: a cache is already written there")
+    with atomic_directory(d) as stage:
+        _write_shards(stage, model, named, dataset, device, batch_size, windows_per_shard, dtype, dtype_name)
+    return ActivationCache(d)
+
+
+def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: TokenDataset, device: Any,
+                  batch_size: int, windows_per_shard: int, dtype: torch.dtype, dtype_name: str) -> None:
+    """The shards and the manifest of :func:`write_activation_cache`, into the staging directory."""
     tokens = dataset.tokens
     widths: dict[str, int] = {}
     shards: list[dict[str, Any]] = []
@@ -158,7 +171,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         if pending_n == 0:
             return
         name = f"shard_{len(shards):05d}.safetensors"
-        save_file({k: torch.cat(v).contiguous() for k, v in pending.items()}, str(d / name))
+        stage.save_tensors(name, {k: torch.cat(v).contiguous() for k, v in pending.items()})
         shards.append({"file": name, "start": start, "n_windows": pending_n})
         pending, pending_n = {}, 0
 
@@ -185,8 +198,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         "sites": {name: {"path": s.path, "kind": s.kind, "d": widths[name]} for name, s in named.items()},
         "shards": shards,
     }
-    (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return ActivationCache(d)
+    stage.write_text(MANIFEST, json.dumps(manifest, indent=1))
 
 
 class ActivationCache:
@@ -203,7 +215,12 @@ class ActivationCache:
 
     def __init__(self, directory: str | Path, *, model: Any = None, sites: Iterable[str | Site] | None = None,
                  d: Mapping[str, int] | None = None) -> None:
-        self.directory = Path(directory)
+        self.directory = resolve(directory)  # `<directory>.old` when a write was killed between its renames
+        try:
+            self._checksums = manifest_of(self.directory) or {}
+        except CheckpointError as e:
+            raise ActivationCacheError(str(e)) from e
+        self._hashed: set[str] = set()
         path = self.directory / MANIFEST
         if not path.is_file():
             raise ActivationCacheError(f"{path}: no activation-cache manifest")
@@ -216,6 +233,9 @@ class ActivationCache:
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
         self._handles: dict[str, Any] = {}
+        # every present shard's size (a torn shard) before it is opened; the manifest's own checks, and
+        # its own message for a missing shard, come first
+        self._verify([f for f in self._checksums if f != MANIFEST and (self.directory / f).is_file()], hashes=False)
         self._check_shards()
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
@@ -226,6 +246,18 @@ class ActivationCache:
             if self.width(name) != width:
                 raise ActivationCacheError(f"{path}: site {name!r} is cached with d={self.width(name)}, "
                                            f"expected d={width}")
+        self._verify(list(self._checksums), hashes=False)  # every listed file is there, at its size
+        self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
+
+    def _verify(self, files: list[str], hashes: bool = True) -> None:
+        """Check ``files`` against ``checksums.json`` (when the cache has one; sha256 once per file)."""
+        todo = {f: self._checksums[f] for f in files if f in self._checksums and (not hashes or f not in self._hashed)}
+        try:
+            check(self.directory, todo, hashes=hashes)
+        except CheckpointError as e:
+            raise ActivationCacheError(str(e)) from e
+        if hashes:
+            self._hashed.update(files)
 
     # ------------------------------------------------------------ metadata
     @property
@@ -309,7 +341,11 @@ class ActivationCache:
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for a corrupt header
+                raise ActivationCacheError(f"{self.directory / file}: not a readable safetensors shard "
+                                           f"({type(e).__name__}: {e})") from e
         return self._handles[file]
 
     # ------------------------------------------------------------ reading
@@ -319,6 +355,8 @@ class ActivationCache:
         parts = []
         for w, s in zip(index.tolist(), shard_of.tolist(), strict=True):
             shard = self.manifest["shards"][s]
+            if shard["file"] not in self._hashed:
+                self._verify([shard["file"]])
             row = w - shard["start"]
             parts.append(self._handle(shard["file"]).get_slice(key)[row:row + 1])
         return torch.cat(parts)

@@ -194,8 +194,8 @@ def render_dashboard(data: dict[str, Any]) -> str:
 
 
 def write_dashboard(path: str | Path, data: dict[str, Any]) -> Path:
-    """Write :func:`render_dashboard` to ``path`` (parents created); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_dashboard(data), encoding="utf-8")
-    return path
+    """Write :func:`render_dashboard` to ``path`` (parents created; atomically: a sibling temporary
+    renamed over it); returns the path."""
+    from .._atomic import atomic_file
+
+    return atomic_file(path, render_dashboard(data).encode("utf-8"))

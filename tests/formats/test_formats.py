@@ -76,7 +76,7 @@ def saved(tmp_path: Path) -> tuple[Lorsa, Path]:
 
 def test_roundtrip_state_and_forward(saved):
     m, path = saved
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
     raw = json.loads((path / "config.json").read_text())
     assert raw["format"] == "nnsight-lorsa" and raw["version"] == 1
     loaded = load_lorsa(path)
