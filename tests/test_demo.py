@@ -198,3 +198,19 @@ def test_too_few_tokens_for_the_lorsa_init_exits_1_saying_what_to_raise(capsys):
             "d_qk_head=32 counted tokens in the first batch; it has 30" in err), err
     lines = [line for line in err.splitlines() if line.startswith("nnsight-lorsa demo: error:")]
     assert len(lines) == 1 and "raise --batch-size or --seq-len" in lines[0] and "Traceback" not in err, err
+
+
+def test_a_text_that_is_not_utf8_or_a_directory_that_is_no_model_exit_2_before_any_work(tmp_path, no_work, capsys):
+    """Were a ``UnicodeDecodeError`` / transformers traceback; now argparse's usage error naming the input."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    empty_model = tmp_path / "not_a_model"
+    empty_model.mkdir()
+    (empty_model / "config.json").write_text("{}")
+    for args, needle in ((["--text", str(latin)], "not UTF-8 text (byte 3"),
+                         (["--model", str(empty_model)], "no weights")):
+        with pytest.raises(SystemExit) as info:
+            main(["demo", *args, "--no-progress"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
