@@ -364,7 +364,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         (out / "demo_results.json").write_text(json.dumps(result, indent=1))
         print(f"saved the trained Lorsa to {out / 'lorsa'}")
 
-    ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size)
+    ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size, progress=None if cfg.progress else False)
     numbers = ev.summary()
     print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")
