@@ -14,6 +14,12 @@ are positive (``seq_len >= 2``), the output directory is created and a probe fil
 and — once the model's config is known, before the Lorsa exists — the Lorsa's shape fits the model and
 its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory.
 With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation.
+
+Ctrl-C during training stops at the end of the step under way (a second Ctrl-C stops at once): the
+trainer is checkpointed to ``out_dir/checkpoint`` (a new temporary directory without ``out_dir``) and
+the Lorsa trained so far saved beside it (``lorsa_interrupted/``); :func:`run_demo` then raises
+:class:`TrainingInterrupted` (a ``KeyboardInterrupt`` naming both), and the command line prints where they
+are and the command that resumes (``--resume DIR``) and exits with status 130.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +42,7 @@ from .envoy.loading import load_model  # re-exported: the loader lives in the gl
 from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError
 
-__all__ = ["DemoConfig", "load_model", "run_demo"]
+__all__ = ["DemoConfig", "TrainingInterrupted", "load_model", "run_demo"]
 
 
 @dataclass
@@ -56,6 +66,23 @@ class DemoConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", or "auto" (device_map="auto" over the visible GPUs)
     dtype: str = "float32"  # the model's weights: float32, bfloat16 or float16 (the Lorsa trains in fp32)
     progress: bool = True
+    threads: int | None = None  # torch's intra-op CPU threads (torch.set_num_threads); default: torch's own
+    resume: str | None = None  # a checkpoint written by an interrupted run (its directory): training continues
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the demo's training; what was trained is kept.
+
+    Attributes:
+        checkpoint: the trainer's checkpoint directory (``--resume`` it), or None when the interrupt came
+            before the first step (nothing trained, nothing saved).
+        lorsa: the Lorsa trained so far, saved with :meth:`~.envoy.lorsa_set.LorsaSet.save` (or None).
+        step: the steps taken.
+    """
+
+    def __init__(self, checkpoint: Path | None, lorsa: Path | None, step: int) -> None:
+        super().__init__(f"training interrupted after step {step}")
+        self.checkpoint, self.lorsa, self.step = checkpoint, lorsa, step
 
 
 #: below this difference (nats) between zero-ablated and original CE, "CE recovered" is not reported
@@ -87,6 +114,11 @@ def _check_config(cfg: DemoConfig) -> None:
         raise ArgumentError(f"--layer must be a non-negative integer, got {cfg.layer!r}")
     if not is_int(cfg.n_show) or cfg.n_show < 0:
         raise ArgumentError(f"--n-show must be a non-negative integer, got {cfg.n_show!r}")
+    if cfg.threads is not None and (not is_int(cfg.threads) or cfg.threads < 1):
+        raise ArgumentError(f"--threads must be a positive integer, got {cfg.threads!r}")
+    if cfg.resume is not None and not (Path(cfg.resume) / "trainer.json").is_file():
+        raise ArgumentError(f"--resume {cfg.resume}: not a demo checkpoint (no trainer.json); it is the directory "
+                            "an interrupted run printed")
     if not is_int(cfg.seed):
         raise ArgumentError(f"--seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
@@ -179,6 +211,58 @@ def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int)
                             "--qk-heads-per-mhsa-head, --batch-size or --seq-len")
 
 
+@contextmanager
+def _stop_at_step_end(trainer: Any) -> Iterator[None]:
+    """While training: the first Ctrl-C (SIGINT) makes the next step raise ``KeyboardInterrupt`` before it
+    starts, so the trainer is left exactly after a whole step; a second Ctrl-C interrupts at once (the
+    default). Outside the main thread (no signal handler can be set) Ctrl-C keeps its default."""
+    stop = False
+    step = trainer.train_step
+
+    def guarded() -> dict[str, float]:
+        if stop:
+            raise KeyboardInterrupt
+        return step()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal stop
+        if stop:
+            raise KeyboardInterrupt
+        stop = True
+        print("\ninterrupted: stopping after this step (Ctrl-C again to stop now)", flush=True)
+
+    trainer.train_step = guarded
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        trainer.train_step = step
+
+
+def _save_interrupted(trainer: Any, model: Any, layer: int, out: Path | None) -> TrainingInterrupted:
+    """Checkpoint ``trainer`` and save its folded Lorsa (in ``out`` or a new temporary directory)."""
+    from .envoy.lorsa_set import LorsaSet
+
+    if trainer.step == 0 or trainer.s_in is None:
+        return TrainingInterrupted(None, None, trainer.step)
+    where = out if out is not None else Path(tempfile.mkdtemp(prefix="nnsight-lorsa-interrupted-"))
+    trainer.save_checkpoint(where / "checkpoint")
+    LorsaSet(model, {layer: trainer.folded()}).save(where / "lorsa_interrupted")
+    return TrainingInterrupted(where / "checkpoint", where / "lorsa_interrupted", trainer.step)
+
+
+def _model_kind(config: Any, adapter: Any) -> str:
+    """The model's own ``model_type`` (``qwen2``), with the adapter family where it differs
+    (``qwen2, llama adapter``: Qwen2 and Mistral are served by the Llama adapter)."""
+    model_type = getattr(config, "model_type", None) or adapter.family
+    return model_type if model_type == adapter.family else f"{model_type}, {adapter.family} adapter"
+
+
 def _context(tokenizer: Any, ids: torch.Tensor, pos: int, width: int = 12) -> str:
     left = tokenizer.decode(ids[max(1, pos - width):pos])
     tok = tokenizer.decode(ids[pos:pos + 1])
@@ -200,6 +284,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             ``batch_size`` or ``seq_len``), before the first step.
         NonFiniteError: training turned non-finite (e.g. a far too large ``lr``); the message names the step
             and the tensor.
+        CheckpointError: ``cfg.resume`` is not a readable checkpoint of this layer's Lorsa.
+        TrainingInterrupted: Ctrl-C during training; the trainer was checkpointed first (see the module
+            docstring).
     """
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations
@@ -211,6 +298,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
     _check_config(cfg)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     out = None if cfg.out_dir is None else Path(cfg.out_dir)
     if cfg.out_dir is not None:
         _check_out_dir(cfg.out_dir)
@@ -241,18 +330,33 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                  qk_heads_per_mhsa_head=cfg.qk_heads_per_mhsa_head, layer=layer,
                                  architecture=adapter.family)
     lorsa = Lorsa(lcfg, device=mhsa.W_O.device)  # fp32, on its layer's device
-    print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({adapter.family}, {adapter.n_layers} layers, "
+    print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({_model_kind(model.config, adapter)}, "
+          f"{adapter.n_layers} layers, "
           f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"
           f"{' (one per document, from its start)' if data.target_mask is not None else ''}")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
-    trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
-    trainer.train(progress=cfg.progress)
+    if cfg.resume is None:
+        trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
+    else:
+        from .errors import CheckpointError
+
+        trainer = Trainer.resume(cfg.resume, source, device=mhsa.W_O.device)
+        saved = getattr(trainer.module, "cfg", None)
+        if not isinstance(trainer.module, Lorsa) or saved is None or saved.to_dict() != lcfg.to_dict():
+            raise CheckpointError(f"--resume {cfg.resume}: its Lorsa is not the one these arguments train "
+                                  "(give the interrupted run's --model, --text, --layer and Lorsa sizes)")
+        print(f"resuming from {cfg.resume} at step {trainer.step} of {trainer.config.total_steps}")
+    try:
+        with _stop_at_step_end(trainer):
+            trainer.train(progress=cfg.progress)
+    except KeyboardInterrupt:
+        raise _save_interrupted(trainer, model, layer, out) from None
     t_train = time.time() - t0
     folded = trainer.folded()
     assert isinstance(folded, Lorsa)
     lorsas = LorsaSet(model, {layer: folded})
-    result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": cfg.steps,
+    result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": trainer.config.total_steps,
                               "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1),
                               "train_history": trainer.config.history[-1:]}
     if out is not None:  # the training is kept whatever happens next
@@ -260,7 +364,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         (out / "demo_results.json").write_text(json.dumps(result, indent=1))
         print(f"saved the trained Lorsa to {out / 'lorsa'}")
 
-    ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size)
+    ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size, progress=None if cfg.progress else False)
     numbers = ev.summary()
     print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")

@@ -81,7 +81,8 @@ def no_work(monkeypatch):
     (["--lr", "0"], "--lr"), (["--heldout-windows", "0"], "--heldout-windows"), (["--n-show", "-1"], "--n-show"),
     (["--qk-heads-per-mhsa-head", "0"], "--qk-heads-per-mhsa-head"), (["--model", "/nonexistent/dir"], "--model"),
     (["--text", "/nonexistent/file.txt"], "--text"), (["--dtype", "int8"], "--dtype"),
-    (["--device", "tpu"], "--device"), (["--device", "nonsense:x"], "--device"),
+    (["--device", "tpu"], "--device"), (["--threads", "0"], "--threads"),
+    (["--resume", "/nonexistent"], "--resume"), (["--device", "nonsense:x"], "--device"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]),
 ])
 def test_bad_arguments_exit_2_before_any_work(args, flag, no_work, capsys):
@@ -214,3 +215,142 @@ def test_a_text_that_is_not_utf8_or_a_directory_that_is_no_model_exit_2_before_a
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------- issue 25: help, labels, threads, Ctrl-C
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_has_a_line_and_a_default_for_every_option_and_no_sphinx_markup(capsys):
+    from nnsight_lorsa.cli import _parser
+
+    top = _help(["--help"], capsys)
+    assert "nnsight-lorsa demo" in top and "130" in top
+    for markup in ("``", ":func:", ":class:", ":meth:", ":mod:"):
+        assert markup not in top, top
+    text = _help(["demo", "--help"], capsys)
+    assert "``" not in text and ":func:" not in text
+    _, demo = _parser()
+    options = [a for a in demo._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in options} >= {"model_dir", "text_path", "layer", "seq_len", "steps", "lr", "threads",
+                                         "resume", "progress"}
+    for action in options:
+        assert action.help and "(default: " in action.help, action.option_strings
+    for flag, default in (("--seq-len", "128"), ("--batch-size", "16"), ("--steps", "1500"), ("--lr", "0.004"),
+                          ("--dtype", "float32"), ("--device", "cpu")):
+        block = text[text.index("\n  " + flag + " "):]
+        block = " ".join(block[:block.index("\n  --", 1)].split())
+        assert f"(default: {default})" in block, block
+    assert "busy" in " ".join(text.split())  # --threads says when to lower it
+
+
+@pytest.mark.parametrize(("family", "label"), [("qwen2", "qwen2, llama adapter"), ("qwen3", "qwen3, llama adapter"),
+                                             ("llama", "llama"), ("gpt2", "gpt2"), ("neox", "gpt_neox")])
+def test_the_printout_names_the_models_own_type_and_the_adapter_where_it_differs(family, label):
+    """Qwen2 / Mistral models were printed as ``llama`` (the adapter family); now ``qwen2, llama adapter``."""
+    from helpers import tiny_config
+
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.demo import _model_kind
+
+    config = tiny_config(family)
+    assert _model_kind(config, get_adapter(config)) == label
+    mistral = __import__("transformers").MistralConfig()
+    assert _model_kind(mistral, get_adapter(mistral)) == "mistral, llama adapter"
+
+
+def test_the_demo_prints_the_models_type(local_model, capsys):
+    code = main(["demo", *local_model, "--steps", "1", "--seq-len", "16", "--batch-size", "4",
+                 "--heldout-windows", "4", "--n-show", "0"])
+    out = capsys.readouterr().out
+    assert code == 0 and "(llama, 3 layers, d_model 64)" in out, out
+
+
+def test_threads_sets_torchs_thread_count(local_model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    import nnsight_lorsa.demo
+
+    def stop(*a, **k):
+        raise RuntimeError("stop after the settings")
+
+    monkeypatch.setattr(nnsight_lorsa.demo, "load_model", stop)
+    with pytest.raises(RuntimeError, match="stop after"):
+        main(["demo", *local_model, "--threads", "1"])
+    assert calls == [1]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="stop after"):
+        main(["demo", *local_model])
+    assert calls == []  # the default leaves torch's own
+
+
+def _interrupt_at(monkeypatch, k: int) -> None:
+    from nnsight_lorsa.training import Trainer
+
+    step = Trainer.train_step
+
+    def interrupted(self):
+        if self.step == k:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+
+
+def test_ctrl_c_in_training_keeps_a_checkpoint_exits_130_and_the_printed_command_resumes(
+        local_model, tmp_path, monkeypatch, capsys):
+    import shlex
+
+    from nnsight_lorsa import load
+    from nnsight_lorsa.training import Trainer
+
+    out = tmp_path / "out"
+    args = ["demo", *local_model, "--steps", "6", "--seq-len", "16", "--batch-size", "4", "--heldout-windows", "4",
+            "--n-show", "1", "--out-dir", str(out)]
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 3)
+        code = main(args)
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "Traceback" not in err and "interrupted after step 3" in err, err
+    assert (out / "checkpoint" / "trainer.json").is_file()
+    assert Trainer.load_checkpoint(out / "checkpoint")[0]["step"] == 3
+    assert load(out / "lorsa_interrupted" / "layer_1").W_O.dtype == torch.float32
+    assert not (out / "demo_results.json").exists()  # no evaluation of an unfinished training
+    line = next(line for line in err.splitlines() if line.startswith("resume with: "))
+    command = shlex.split(line.removeprefix("resume with: "))
+    assert command[:2] == ["nnsight-lorsa", "demo"] and command[-2:] == ["--resume", str(out / "checkpoint")]
+    assert main(command[1:]) == 0  # the printed command finishes the run
+    printed = capsys.readouterr().out
+    assert "resuming from" in printed and "at step 3 of 6" in printed
+    result = json.loads((out / "demo_results.json").read_text())
+    assert result["steps"] == 6 and result["train_history"][-1]["step"] == 6
+
+
+def test_ctrl_c_without_out_dir_saves_to_a_temporary_directory(local_model, tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    made = tmp_path / "tmp-made"
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **k: (made.mkdir(), str(made))[1])
+    _interrupt_at(monkeypatch, 2)
+    assert main(["demo", *local_model, "--steps", "5", "--seq-len", "16", "--batch-size", "4"]) == 130
+    err = capsys.readouterr().err
+    assert str(made / "checkpoint") in err and (made / "checkpoint" / "trainer.json").is_file(), err
+    _interrupt_at(monkeypatch, 0)  # before the first step: nothing to keep, said
+    assert main(["demo", *local_model, "--steps", "5", "--seq-len", "16", "--batch-size", "4"]) == 130
+    assert "nothing trained" in capsys.readouterr().err
+
+
+def test_resuming_with_other_lorsa_arguments_is_refused(local_model, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 1)
+        assert main(["demo", *local_model, "--steps", "3", "--seq-len", "16", "--batch-size", "4",
+                     "--out-dir", str(out)]) == 130
+    code = main(["demo", *local_model, "--steps", "3", "--seq-len", "16", "--batch-size", "4", "--top-k", "8",
+                 "--resume", str(out / "checkpoint")])
+    assert code == 1 and "CheckpointError" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ArgumentError, ConfigMismatchError
 from .budget import estimate_info, estimate_layout, largest_batch
@@ -49,7 +50,7 @@ def attribute(
     memory: str = "auto",
     prune: PruneConfig | tuple[float, float] | None = None,
     dtype: torch.dtype | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     remote: Any = False,
     max_memory: int | None = None,
     zero_positions: int = 0,
@@ -89,7 +90,7 @@ def attribute(
             bf16/fp16 model makes the edge sums exact to fp32 rounding instead of ~1 % (fp32 copies of
             the Lorsas, transcoders and MHSA weights; the model's modules still run in their dtype on
             one prompt copy for the frozen constants).
-        progress: show a tqdm bar over target rows.
+        progress: show a tqdm bar over target rows; None (default): when stderr is a terminal.
         remote: for a prompt, passed to both ``model.trace`` calls (``True``: run on NDIF after
             :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).
             The replacement modules travel by value; the edge rows come back as saved values.
@@ -178,7 +179,7 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
 def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,
                 logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
                 memory: str | tuple[str, str] = "auto", prune: PruneConfig | tuple[float, float] | None = None,
-                dtype: torch.dtype | None = None, progress: bool = False, remote: Any = False,
+                dtype: torch.dtype | None = None, progress: bool | None = None, remote: Any = False,
                 frozen_pass: FrozenPass | None = None, engine: str | None = None,
                 max_memory: int | None = None, zero_positions: int = 0, qk_heads: int = 0) -> Graph:
     """:func:`attribute` with the internals open: ``memory`` may also be a ``(patterns, node_vectors)``
@@ -229,7 +230,7 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
             "memory": memory if isinstance(memory, str) else "custom", "patterns": patterns,
             "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": zero_positions}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=max_feature_nodes,
-                          progress=progress and not remote, prune=config,
+                          progress=show_progress(progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
     if qk_heads:
         graph.qk = qk_for_graph(replacement, prepared, graph, qk_heads, QK_TOP_PAIRS, batch_size)

@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from .._atomic import Staging, atomic_directory, check, manifest_of, resolve
 from .._placement import model_device
+from .._progress import show_progress
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
@@ -124,7 +126,7 @@ def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Si
 @torch.no_grad()
 def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site], dataset: TokenDataset,
                            directory: str | Path, *, batch_size: int = 16, windows_per_shard: int = 256,
-                           dtype: torch.dtype = torch.float32) -> ActivationCache:
+                           dtype: torch.dtype = torch.float32, progress: bool | None = None) -> ActivationCache:
     """Record ``sites`` on every window of ``dataset`` (in order) with one trace per batch; return the cache.
 
     Args:
@@ -134,6 +136,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         batch_size: windows per trace. windows_per_shard: windows per safetensors file.
         dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one
             of an fp32 model; a bf16 / fp16 model's activations are stored cast to it).
+        progress: a tqdm bar over the windows; None (default): when stderr is a terminal.
 
     Devices: the model runs where it is (each batch of windows is moved to its device); the
     activations are copied to the CPU and written there, and the cache reads back CPU tensors.
@@ -152,12 +155,14 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     if (resolve(d) / MANIFEST).exists():
         raise ActivationCacheError(f"{resolve(d) / MANIFEST} exists: a cache is already written there")
     with atomic_directory(d) as stage:
-        _write_shards(stage, model, named, dataset, device, batch_size, windows_per_shard, dtype, dtype_name)
+        _write_shards(stage, model, named, dataset, device, batch_size, windows_per_shard, dtype, dtype_name,
+                      show_progress(progress))
     return ActivationCache(d)
 
 
 def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: TokenDataset, device: Any,
-                  batch_size: int, windows_per_shard: int, dtype: torch.dtype, dtype_name: str) -> None:
+                  batch_size: int, windows_per_shard: int, dtype: torch.dtype, dtype_name: str,
+                  progress: bool = False) -> None:
     """The shards and the manifest of :func:`write_activation_cache`, into the staging directory."""
     tokens = dataset.tokens
     widths: dict[str, int] = {}
@@ -176,6 +181,7 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
         pending, pending_n = {}, 0
 
     shard_start = 0
+    bar = tqdm(total=len(dataset), desc="activation cache", unit="window", disable=not progress, dynamic_ncols=True)
     for start in range(0, len(dataset), batch_size):
         ids = tokens[start:start + batch_size]
         values = read_sites(model, named, ids.to(device))
@@ -187,10 +193,12 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
         pending.setdefault("input_ids", []).append(ids.to("cpu", torch.int64))
         pending.setdefault("loss_mask", []).append(mask)
         pending_n += ids.shape[0]
+        bar.update(ids.shape[0])
         if pending_n >= windows_per_shard:
             flush(shard_start)
             shard_start = start + ids.shape[0]
     flush(shard_start)
+    bar.close()
     manifest = {
         "format": FORMAT, "version": VERSION, "model": model_fingerprint(model),
         "dataset_hash": tokens_hash(tokens), "seq_len": dataset.seq_len, "n_windows": len(dataset),

@@ -40,6 +40,23 @@ def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
     return None
 
 
+def _token_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids without special tokens, for text that is cut into model-length windows next.
+
+    A Hugging Face tokenizer is called with ``verbose=False``: its "Token indices sequence length is longer
+    than the specified maximum sequence length" warning is about feeding the whole text to the model, which
+    never happens here (the ids are cut into ``seq_len`` windows). Only that call is quieted: the
+    tokenizer's other warnings, and this one on later calls elsewhere, still appear.
+    """
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedTokenizerBase = ()  # type: ignore[assignment,misc]  # noqa: N806
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class TokenDataset:
     """A corpus cut into ``(n_windows, seq_len)`` token windows, each starting with BOS.
 
@@ -112,7 +129,7 @@ class TokenDataset:
             docs = [d for d in (d.strip() for d in text.split(sep)) if d]
             if len(docs) > 1 or document_separator != "auto":
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
         bos = _bos_id(tokenizer, config, bos_token_id)
         body = seq_len - 1 if bos is not None else seq_len
         n = len(ids) // body
@@ -160,7 +177,7 @@ class TokenDataset:
         head = [] if bos is None else [bos]
         rows, masks = [], []
         for doc in documents:
-            ids = head + list(tokenizer(doc, add_special_tokens=False)["input_ids"])[: seq_len - len(head)]
+            ids = head + _token_ids(tokenizer, doc)[: seq_len - len(head)]
             if len(ids) == len(head):
                 continue
             rows.append(ids + [pad] * (seq_len - len(ids)))

@@ -19,8 +19,10 @@ from typing import Any
 import nnsight
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from .._placement import model_device
+from .._progress import show_progress
 from ..envoy.clt_set import CLTSet
 from ..envoy.lorsa_set import LorsaSet
 from ..envoy.replacement_set import ReplacementSet
@@ -216,7 +218,7 @@ def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
 
 @torch.no_grad()
 def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: TokenDataset, *, at: Any = None,
-             batch_size: int = 8, max_batches: int | None = None) -> Evaluation:
+             batch_size: int = 8, max_batches: int | None = None, progress: bool | None = None) -> Evaluation:
     """Evaluate a module spliced into its model on the windows of ``dataset`` (or its first
     ``max_batches`` batches of ``batch_size``); use the folded module (:meth:`~.trainer.Trainer.folded`).
 
@@ -228,6 +230,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
             CE and KL count the predictions of kept tokens, FVU / L0 / dead fraction the kept
             positions (padding counts nowhere); BOS (column 0) is excluded from FVU / L0 / dead.
         at: the layer (Lorsa, transcoder) or module path (SAE) to evaluate; default: the set's only one.
+        progress: a tqdm bar over the batches; None (default): when stderr is a terminal.
 
     Devices and dtypes: the model may be on any device in any float dtype and the module on its own
     device and dtype (e.g. an fp32 module on a bf16 model); the token windows are moved to the
@@ -248,7 +251,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
     n_batches = (len(dataset) + batch_size - 1) // batch_size
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
-    for i in range(n_batches):
+    for i in tqdm(range(n_batches), desc="evaluate", disable=not show_progress(progress), dynamic_ncols=True):
         ids = dataset.tokens[i * batch_size:(i + 1) * batch_size].to(device)
         lm_head = model.get(lm_head_path)
         with model.trace(ids, use_cache=False):

@@ -101,3 +101,41 @@ def test_auto_with_a_single_document_cuts_it_into_consecutive_windows() -> None:
                        TokenDataset.from_text(tok, text, 8).tokens)
     one = TokenDataset.from_text(tok, text, 8, document_separator="|")  # explicit: one document, one window
     assert one.tokens.tolist() == [[0, 2, 3, 4, 5, 6, 7, 8]]
+
+
+# --------------------------------------------------------------------------- issue 25: the length warning
+class _Records:
+    """Collects the records of transformers' library logger (it does not propagate to pytest's caplog)."""
+
+    def __enter__(self):
+        import logging
+
+        self.records: list[logging.LogRecord] = []
+        self.handler = logging.Handler(logging.DEBUG)
+        self.handler.emit = self.records.append  # type: ignore[method-assign]
+        self.logger = logging.getLogger("transformers")
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+
+def test_from_text_does_not_warn_that_the_whole_text_exceeds_the_models_length() -> None:
+    """The corpus is tokenized whole and then cut into windows: transformers' "Token indices sequence length is
+    longer than the specified maximum sequence length" warning (printed on every demo run) is not emitted by
+    ``from_text`` / ``from_documents``; the same tokenizer still warns when a long text is tokenized elsewhere."""
+    tok = bos3_tokenizer()
+    tok.model_max_length = 16
+    text = " ".join(f"w{4 + i % 100}" for i in range(400))  # 400 tokens > 16
+    with _Records() as rec:
+        data = TokenDataset.from_text(tok, text, 8)
+        docs = TokenDataset.from_documents(tok, [text, text], 8)
+    assert len(data) == 400 // 7 and len(docs) == 2
+    assert not [m for m in rec.messages() if "Token indices sequence length" in m], rec.messages()
+    with _Records() as rec:  # not silenced for good: a direct call on a long text still warns
+        tok(text, add_special_tokens=False)
+    assert any("Token indices sequence length is longer" in m for m in rec.messages()), rec.messages()
