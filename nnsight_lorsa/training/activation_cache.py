@@ -293,7 +293,8 @@ class ActivationCache:
             raise ActivationCacheError(f"{path}: key 'sites' must be a non-empty mapping, got {sites!r}")
         for name, v in sites.items():
             if (not isinstance(v, dict) or not isinstance(v.get("path"), str)
-                    or v.get("kind") not in ("input", "output") or not isinstance(v.get("d"), int) or isinstance(v.get("d"), bool) or v["d"] <= 0):
+                    or v.get("kind") not in ("input", "output") or not isinstance(v.get("d"), int)
+                    or isinstance(v.get("d"), bool) or v["d"] <= 0):
                 raise ActivationCacheError(f"{path}: key 'sites'[{name!r}] must be {{path: str, kind: 'input' | "
                                            f"'output', d: int > 0}}, got {v!r}")
         shards = m.get("shards")
