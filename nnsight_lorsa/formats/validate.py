@@ -51,7 +51,8 @@ _REQUIRED: Any = ...
 
 __all__ = ["LAYER_NAME", "MAX_SIZE", "adapter_families", "build_module", "check_d_model", "check_file_tensors",
            "check_mapping", "check_member_file", "check_scalar", "check_size", "check_tensor_inventory",
-           "check_tensors", "check_version", "config_size", "config_value", "layer_of_name", "looks_like_layer_name", "scaled_size"]
+           "check_tensors", "check_version", "config_size", "config_value", "layer_of_name", "looks_like_layer_name",
+           "scaled_size"]
 
 #: the one spelling of a layer in a file or folder name: ``layer_`` then ASCII digits
 LAYER_NAME = re.compile(r"layer_([0-9]+)", re.ASCII)
