@@ -100,7 +100,8 @@ def parse_config(directory: Path) -> Parsed:
     for key in _SIZES:
         if key in cfg_dict:
             check_size(cfg_dict[key], path, f"config.{key}")
-    check_mapping(cfg_dict, "extra", path)
+    if "extra" in cfg_dict:  # null: none (as an absent key)
+        cfg_dict = {**cfg_dict, "extra": check_mapping(cfg_dict, "extra", path)}
     arch = cfg_dict.get("architecture")
     if arch is not None and (not isinstance(arch, str) or arch not in adapter_families()):
         raise CheckpointError(f"{path}: key 'config.architecture' is {arch!r}; expected null or an adapter "

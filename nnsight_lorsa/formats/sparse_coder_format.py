@@ -103,7 +103,8 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     for key in ("d_in", "d_sae", "d_out", "n_layers"):
         if raw_cfg.get(key) is not None:
             check_size(raw_cfg[key], config_path, f"config.{key}")
-    check_mapping(raw_cfg, "extra", config_path)
+    if "extra" in raw_cfg:  # null: none (as an absent key)
+        raw_cfg = {**raw_cfg, "extra": check_mapping(raw_cfg, "extra", config_path)}
     try:
         cfg = KINDS[kind][1].from_dict(raw_cfg)
     except CheckpointError as e:
