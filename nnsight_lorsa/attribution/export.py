@@ -95,9 +95,19 @@ def n_layers_of(graph: Graph) -> int:
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:
-    """``tokenizer.decode([token_id])``, or ``"tok{token_id}"`` without a tokenizer."""
+    """``tokenizer.decode([token_id])``, or ``"tok{token_id}"`` without a tokenizer.
+
+    Raises:
+        ArgumentError: ``token_id`` outside the tokenizer's vocabulary ``[0, len(tokenizer))`` (a
+            tokenizer decodes it as ``''``, which would label the node with nothing).
+    """
     if tokenizer is None:
         return f"tok{token_id}"
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+    if isinstance(size, int) and not 0 <= int(token_id) < size:
+        raise ArgumentError(f"token id {int(token_id)} is outside the tokenizer's vocabulary [0, {size}) "
+                            "(it would decode as ''); pass the model's own tokenizer, or tokenizer=None for "
+                            "tok<id> labels")
     return str(tokenizer.decode([int(token_id)]))
 
 
@@ -180,6 +190,7 @@ def to_neuronpedia(
     Raises:
         ValueError: a graph without logit nodes, thresholds outside ``[0, 1]``, or a prune result whose
             masks do not fit the graph.
+        ArgumentError: a prompt or logit token id outside ``tokenizer``'s vocabulary.
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)

@@ -224,7 +224,7 @@ class ReplacementModel:
         a = self.adapter
         if path == a.embed_path:
             return (-1.0, 0.0)
-        m = re.match(rf"{re.escape(a.layers_path)}\.(\d+)(\.(.*))?$", path)
+        m = re.match(rf"{re.escape(a.layers_path)}\.([0-9]+)(\.(.*))?$", path)
         if m is None:
             return (float(a.n_layers), 0.0)
         layer, sub = int(m.group(1)), m.group(3) or ""

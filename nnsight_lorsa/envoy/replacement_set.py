@@ -201,12 +201,24 @@ class ReplacementSet(Generic[K, M]):
         return f"layer_{key}" if self.key_type is int else str(key)
 
     def key_of_folder(self, name: str) -> Any:
-        """The key a :meth:`save` subfolder ``name`` stands for, or None (then the file's own record counts)."""
-        import re  # local: re is not on NDIF's unpickling whitelist (the sets travel by value)
+        """The key a :meth:`save` subfolder ``name`` stands for, or None (then the file's own record counts).
 
+        Layers: only ``layer_<ASCII digits>`` names a layer (``layer_02`` is layer 2).
+
+        Raises:
+            ConfigMismatchError: a ``layer_…`` name with a digit that is not ``layer_<digits>``
+                (``layer_ 2``, ``layer_+2``, ``layer_2_``, ``layer_٢``): refused, not read as a layer
+                nor replaced by the file's own record.
+        """
         if self.key_type is int:
-            named = re.fullmatch(r"layer_(\d+)", name)
-            return int(named.group(1)) if named else None
+            # local: formats is not on NDIF's unpickling whitelist (the sets travel by value)
+            from ..formats.validate import layer_of_name, looks_like_layer_name
+
+            layer = layer_of_name(name)
+            if layer is None and looks_like_layer_name(name):
+                raise ConfigMismatchError(f"folder {name!r} is not a layer folder name: only layer_<digits> "
+                                          "(ASCII digits, nothing else) names a layer; rename it")
+            return layer
         try:
             hf_module(self.model).get_submodule(name)
         except AttributeError:

@@ -71,7 +71,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
     def known_width(self, path: str) -> int | None:
         """``d_model`` for the residual-width sites of the adapter, None for others."""
         a = self.adapter
-        layer = rf"{re.escape(a.layers_path)}\.\d+"
+        layer = rf"{re.escape(a.layers_path)}\.[0-9]+"
         parts = (a.attention_name, a.mlp_name)
         pattern = rf"{layer}(\.({'|'.join(re.escape(p) for p in parts if p)}))?"
         if re.fullmatch(pattern, path) or path == a.embed_path:

@@ -45,7 +45,16 @@ from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
 from .reader import Parsed, Reader, read
-from .validate import build_module, check_d_model, check_file_tensors, check_size, check_tensor_inventory, config_size
+from .validate import (
+    build_module,
+    check_d_model,
+    check_file_tensors,
+    check_size,
+    check_tensor_inventory,
+    config_size,
+    layer_of_name,
+    looks_like_layer_name,
+)
 
 CONFIG_FILE = "config.yaml"
 #: the JumpReLU threshold's key in a per-layer file (circuit-tracer's ``JumpReLU`` module is the
@@ -78,6 +87,12 @@ class CircuitTracerTranscoders:
 
 def _numbered(path: Path, pattern: str) -> dict[int, Path]:
     rx = re.compile(pattern)
+    if pattern.startswith("layer_"):
+        odd = sorted(p.name for p in path.iterdir() if looks_like_layer_name(p.name, ".safetensors")
+                     and p.name.endswith(".safetensors") and not rx.fullmatch(p.name))
+        if odd:
+            raise CheckpointError(f"{path}: files {odd} are not named layer_<digits>.safetensors (ASCII digits "
+                                  "only); rename or remove them")
     found = {int(m.group(1)): p for p in path.iterdir() if (m := rx.fullmatch(p.name))}
     if found and sorted(found) != list(range(len(found))):
         raise CheckpointError(f"{path}: files {pattern!r} must be numbered 0..n-1, found layers {sorted(found)}")
@@ -133,8 +148,11 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                 raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has no file path")
             name = ref.split("?")[0].rsplit("/", 1)[-1]
             if layer is None:
-                m = re.fullmatch(r"layer_(\d+)\.safetensors", name)
-                layer = int(m.group(1)) if m else i
+                if looks_like_layer_name(name, ".safetensors") and layer_of_name(name, ".safetensors") is None:
+                    raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; a layer file is "
+                                          "named layer_<digits>.safetensors (ASCII digits only)")
+                found = layer_of_name(name, ".safetensors")
+                layer = found if found is not None else i
             if not name.endswith(".safetensors"):
                 raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; only .safetensors "
                                       "files are read")
@@ -145,7 +163,7 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                 raise CheckpointError(f"{config_path}: key 'transcoders' lists layer {layer} twice")
             files[layer] = path / name
         return files
-    files = _numbered(path, r"layer_(\d+)\.safetensors")
+    files = _numbered(path, r"layer_([0-9]+)\.safetensors")
     if not files:
         raise CheckpointError(f"{path}: no layer_<i>.safetensors files (and no 'transcoders' in {CONFIG_FILE})")
     return files
@@ -282,7 +300,7 @@ def parse_clt_config(directory: Path, *, d_model: int | None = None) -> Parsed:
         ConfigMismatchError: ``d_model`` given and different from the files'.
     """
     cfg = _model_kind(directory, "cross_layer_transcoder")
-    enc_files = _numbered(directory, r"W_enc_(\d+)\.safetensors")
+    enc_files = _numbered(directory, r"W_enc_([0-9]+)\.safetensors")
     if not enc_files:
         raise CheckpointError(f"{directory}: no W_enc_<i>.safetensors files")
     n = len(enc_files)

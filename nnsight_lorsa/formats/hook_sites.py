@@ -51,7 +51,7 @@ class HookSite:
         return {"layer": self.layer, "site": self.site, "module_path": self.module_path, "io": self.io}
 
 
-_TL = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_TL = re.compile(r"^blocks\.([0-9]+)\.(.+)$")
 _TL_SITES = {
     "hook_resid_post": ("resid_post", "layer", "output"),
     "hook_resid_pre": ("resid_pre", "layer", "input"),
@@ -93,7 +93,7 @@ def sparsify_hookpoint_site(hookpoint: str, *, transcode: bool, adapter: Any = N
     Raises:
         UnsupportedArchitectureError: another hookpoint.
     """
-    m = re.match(r"^(?:.*\.)?(?:layers|h)\.(\d+)(\.mlp)?$", hookpoint)
+    m = re.match(r"^(?:.*\.)?(?:layers|h)\.([0-9]+)(\.mlp)?$", hookpoint)
     if m is None:
         raise UnsupportedArchitectureError(
             f"sparsify hookpoint {hookpoint!r} has no site mapping; known: layers.<L>, layers.<L>.mlp")

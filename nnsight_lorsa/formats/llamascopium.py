@@ -319,7 +319,7 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
     if attn_scale is None:  # their default, from the stored (not the repeated) head size
         attn_scale = math.sqrt(d_qk_stored)
 
-    found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)", settings["hook_point_in"])
+    found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.([0-9]+)(?:\.|$)", settings["hook_point_in"])
     inferred = int(found.group(1)) if found else None
     if layer is not None and inferred is not None and layer != inferred:
         raise CheckpointError(

@@ -37,7 +37,7 @@ from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import check_size, check_tensor_inventory
+from .validate import adapter_families, check_mapping, check_size, check_tensor_inventory, check_version
 
 FORMAT_TAG = "nnsight-lorsa"
 FORMAT_VERSION = 1
@@ -83,24 +83,29 @@ def parse_config(directory: Path) -> Parsed:
     """``config.json`` of ``directory``: ``Parsed(directory, LorsaConfig)`` (tag, version, sizes validated).
 
     Raises:
-        CheckpointError: missing/invalid JSON, wrong ``format`` / ``version``, a size that is not
-            a positive int (``config.<key>``), an invalid config (naming the file and the key).
+        CheckpointError: missing/invalid JSON, wrong ``format`` / ``version`` (``true`` is not 1), a
+            size that is not a positive int (``config.<key>``), an ``architecture`` that is neither
+            null nor an adapter family (``"llama"``, ``"gpt_neox"``, ``"gpt2"``), an ``extra`` that is
+            not a mapping, an invalid config (naming the file and the key).
         UnsupportedArchitectureError: an unsupported RoPE type.
     """
     path = directory / CONFIG_FILE
     raw = read_json_object(path)
     if raw.get("format") != FORMAT_TAG:
         raise CheckpointError(f"{path}: key 'format' is {raw.get('format')!r}, expected {FORMAT_TAG!r}")
-    if raw.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: key 'version' is {raw.get('version')!r}; this package reads version {FORMAT_VERSION}"
-        )
+    check_version(raw, path, FORMAT_VERSION)
     cfg_dict = raw.get("config")
     if not isinstance(cfg_dict, dict):
         raise CheckpointError(f"{path}: key 'config' must be a JSON object, got {type(cfg_dict).__name__}")
     for key in _SIZES:
         if key in cfg_dict:
             check_size(cfg_dict[key], path, f"config.{key}")
+    if "extra" in cfg_dict:  # null: none (as an absent key)
+        cfg_dict = {**cfg_dict, "extra": check_mapping(cfg_dict, "extra", path)}
+    arch = cfg_dict.get("architecture")
+    if arch is not None and (not isinstance(arch, str) or arch not in adapter_families()):
+        raise CheckpointError(f"{path}: key 'config.architecture' is {arch!r}; expected null or an adapter "
+                              f"family: {sorted(adapter_families())}")
     try:
         return Parsed(directory, LorsaConfig.from_dict(cfg_dict), {"source": CONFIG_FILE})
     except UnsupportedArchitectureError as e:

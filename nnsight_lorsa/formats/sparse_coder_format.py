@@ -31,7 +31,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_size
+from .validate import check_d_model, check_mapping, check_size, check_version
 
 FORMAT_TAG = "nnsight-lorsa-sparse-coder"
 FORMAT_VERSION = 1
@@ -85,16 +85,15 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     """``config.json``: ``Parsed(directory, SAEConfig | TranscoderConfig | CLTConfig, {"kind"})``.
 
     Raises:
-        CheckpointError: missing file, wrong format tag/version/kind, a bad config or size
-            (``config.<key>``).
+        CheckpointError: missing file, wrong format tag/version (an int; ``true`` is not 1)/kind, a bad
+            config or size (``config.<key>``), an ``extra`` that is not a mapping.
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's ``d_in``.
     """
     config_path = directory / CONFIG_FILE
     doc = read_json_object(config_path)
     if doc.get("format") != FORMAT_TAG:
         raise CheckpointError(f"{config_path}: key 'format' is {doc.get('format')!r}, expected {FORMAT_TAG!r}")
-    if doc.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{config_path}: key 'version' is {doc.get('version')!r}, expected {FORMAT_VERSION}")
+    check_version(doc, config_path, FORMAT_VERSION)
     kind = doc.get("kind")
     if not isinstance(kind, str) or kind not in KINDS:
         raise CheckpointError(f"{config_path}: key 'kind' is {kind!r}; known: {sorted(KINDS)}")
@@ -104,6 +103,8 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     for key in ("d_in", "d_sae", "d_out", "n_layers"):
         if raw_cfg.get(key) is not None:
             check_size(raw_cfg[key], config_path, f"config.{key}")
+    if "extra" in raw_cfg:  # null: none (as an absent key)
+        raw_cfg = {**raw_cfg, "extra": check_mapping(raw_cfg, "extra", config_path)}
     try:
         cfg = KINDS[kind][1].from_dict(raw_cfg)
     except CheckpointError as e:

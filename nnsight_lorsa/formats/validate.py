@@ -8,6 +8,11 @@ Config fields (from ``config.json`` / ``cfg.json`` / ``config.yaml``):
   in ``[1, MAX_SIZE]``, checked before anything is allocated; :func:`scaled_size` for
   ``d_model · expansion_factor``.
 * :func:`check_d_model` — the checkpoint's width against the model's.
+* :func:`check_version` — a format's ``version`` (an ``int``; ``true`` is not ``1``);
+  :func:`check_mapping` — a field that must be a JSON object (``extra``).
+* :func:`check_member_file` — a file name a manifest lists: relative, no ``..``, inside the directory.
+* :func:`layer_of_name` — the layer of a ``layer_<digits>`` name (ASCII digits only; ``layer_ 2``,
+  ``layer_+2``, ``layer_٢`` are refused, not read as 2).
 
 Tensors (from safetensors files), before a module is built:
 
@@ -27,6 +32,8 @@ file and names the key (``"…/cfg.json: key 'd_sae' must be a positive int, got
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,8 +49,13 @@ MAX_SIZE = 1 << 24
 M = TypeVar("M", bound=nn.Module)
 _REQUIRED: Any = ...
 
-__all__ = ["MAX_SIZE", "build_module", "check_d_model", "check_file_tensors", "check_scalar", "check_size",
-           "check_tensor_inventory", "check_tensors", "config_size", "config_value", "scaled_size"]
+__all__ = ["LAYER_NAME", "MAX_SIZE", "adapter_families", "build_module", "check_d_model", "check_file_tensors",
+           "check_mapping", "check_member_file", "check_scalar", "check_size", "check_tensor_inventory",
+           "check_tensors", "check_version", "config_size", "config_value", "layer_of_name", "looks_like_layer_name",
+           "scaled_size"]
+
+#: the one spelling of a layer in a file or folder name: ``layer_`` then ASCII digits
+LAYER_NAME = re.compile(r"layer_([0-9]+)", re.ASCII)
 
 
 def _type_name(kind: type | tuple[type, ...]) -> str:
@@ -127,6 +139,80 @@ def check_d_model(found: int, expected: int | None, path: Path | str, key: str) 
     """
     if expected is not None and found != expected:
         raise ConfigMismatchError(f"{path}: {key} = {found} but the model's d_model is {expected}")
+
+
+def check_version(raw: Mapping[str, Any], path: Path | str, expected: int, key: str = "version") -> int:
+    """``raw[key]`` must be the int ``expected`` (``true`` equals ``1`` in Python but is not a version).
+
+    Raises:
+        CheckpointError: ``"{path}: key 'version' is …; this package reads version {expected}"``.
+    """
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value != expected:
+        raise CheckpointError(f"{path}: key {key!r} is {value!r}; this package reads version {expected}")
+    return value
+
+
+def check_mapping(raw: Mapping[str, Any], key: str, path: Path | str, *, required: bool = False) -> dict[str, Any]:
+    """``raw[key]`` as a JSON object (``{}`` when absent or ``null`` unless ``required``).
+
+    Raises:
+        CheckpointError: ``"{path}: key {key!r} must be a JSON object (a mapping), got …"``.
+    """
+    value = raw.get(key)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: key {key!r} must be a JSON object (a mapping), got {value!r}")
+    return value
+
+
+def check_member_file(directory: Path, name: Any, path: Path | str, key: str,
+                      error: type[CheckpointError] = CheckpointError) -> Path:
+    """``directory / name`` for a file name a manifest (``path``) lists under ``key``: a non-empty
+    relative POSIX name without ``.`` / ``..`` parts or backslashes, whose real path (symlinks
+    followed) stays inside ``directory``.
+
+    Raises:
+        CheckpointError (or ``error``): ``"{directory / name}: key {key!r} …"`` / ``"{path}: key {key!r} …"``.
+    """
+    if not isinstance(name, str) or not name:
+        raise error(f"{path}: key {key!r} must be a file name, got {name!r}")
+    parts = name.split("/")
+    if name.startswith("/") or os.path.isabs(name) or "\\" in name or "\0" in name or any(
+            part in ("", ".", "..") for part in parts):
+        raise error(f"{path}: key {key!r} is {name!r}, not a relative file name inside {directory}")
+    target = directory / name
+    try:
+        real, root = target.resolve(), directory.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise error(f"{target}: key {key!r}: cannot resolve the path ({e})") from e
+    if real != root and root not in real.parents:
+        raise error(f"{target}: key {key!r} leads outside {directory} (to {real})")
+    return target
+
+
+def adapter_families() -> frozenset[str]:
+    """The adapter family names a checkpoint's ``architecture`` may hold (``ArchitectureAdapter.family``)."""
+    from ..adapters.registry import ADAPTERS  # local: the adapters import transformers
+
+    return frozenset(a.family for a in ADAPTERS)
+
+
+def layer_of_name(name: str, suffix: str = "") -> int | None:
+    """The layer of ``layer_<digits><suffix>`` (e.g. ``layer_2``, ``layer_02.safetensors``); None for
+    another name. Only ASCII digits count: ``int()`` would read ``layer_ 2``, ``layer_+2``,
+    ``layer_2_``, ``layer_٢`` as 2; those are None here (callers refuse or ignore them)."""
+    m = LAYER_NAME.fullmatch(name[:len(name) - len(suffix)] if suffix and name.endswith(suffix) else
+                             name if not suffix else "")
+    return int(m.group(1)) if m else None
+
+
+def looks_like_layer_name(name: str, suffix: str = "") -> bool:
+    """Whether ``name`` starts ``layer_`` and has a digit after it (``layer_ 2``, ``layer_+2``): a name
+    meant as a layer that :func:`layer_of_name` does not read."""
+    stem = name[:len(name) - len(suffix)] if suffix and name.endswith(suffix) else name
+    return stem.startswith("layer_") and any(c.isdigit() or c.isnumeric() for c in stem[len("layer_"):])
 
 
 def check_scalar(value: torch.Tensor | None, path: Path | str, key: str, why: str = "") -> float:

@@ -61,6 +61,11 @@ class LorsaConfig(FieldsRepr):
         if self.layer is not None and (not isinstance(self.layer, int) or isinstance(self.layer, bool)
                                        or self.layer < 0):
             raise CheckpointError(f"LorsaConfig.layer must be a layer index (int >= 0) or None, got {self.layer!r}")
+        if self.architecture is not None and not isinstance(self.architecture, str):
+            raise CheckpointError(f"LorsaConfig.architecture must be a model family name or None, got "
+                                  f"{self.architecture!r}")
+        if not isinstance(self.extra, dict):
+            raise CheckpointError(f"LorsaConfig.extra must be a mapping, got {self.extra!r}")
         if self.rotary is not None and not isinstance(self.rotary, RotaryConfig):
             raise CheckpointError(f"LorsaConfig.rotary must be a RotaryConfig or None, got {self.rotary!r}")
         if self.n_ov_heads % self.n_qk_heads:

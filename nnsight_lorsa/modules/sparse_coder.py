@@ -69,6 +69,8 @@ class SparseCoderConfig(FieldsRepr):
         if not isinstance(self.activation_params, dict):
             raise CheckpointError(f"{type(self).__name__}.activation_params must be a mapping, "
                                   f"got {self.activation_params!r}")
+        if not isinstance(self.extra, dict):
+            raise CheckpointError(f"{type(self).__name__}.extra must be a mapping, got {self.extra!r}")
         for name, kind in self._flags.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

@@ -167,7 +167,7 @@ def _place(replacement: ReplacementModel, t: Target) -> tuple[tuple[float, float
         return (-1.0, 0.1), 0
     if path == a.final_norm_path:
         return (float(a.n_layers), 0.0), a.n_layers
-    m = re.fullmatch(rf"{re.escape(a.layers_path)}\.(\d+)(?:\.(.+))?", path)
+    m = re.fullmatch(rf"{re.escape(a.layers_path)}\.([0-9]+)(?:\.(.+))?", path)
     if m is not None and int(m.group(1)) < a.n_layers:
         layer, sub = int(m.group(1)), m.group(2)
         if sub is None:

@@ -17,6 +17,17 @@ at the end, so a killed run leaves no half-written cache. :class:`ActivationCach
 file's size and the manifest's sha256 when it opens the directory, and a shard's sha256 when its
 first window is read.
 
+What a load refuses (:class:`~..errors.ActivationCacheError`, naming the file): a manifest field of
+the wrong type; a shard path that is absolute, has a ``..`` part or leads outside the directory
+(``formats.validate.check_member_file``); a shard listed twice; shards whose ``input_ids``, in
+manifest order, do not hash to the manifest's ``dataset_hash`` (and, per shard, to its own
+``tokens_sha256``: the swapped or foreign shard is named) — all when the cache is opened; and, when a
+shard's first window is read (or at :meth:`ActivationCache.verify`), a shard whose sha256 differs
+from ``checksums.json`` or from the manifest's own per-shard ``sha256`` (edited values, a shard
+copied from a cache of the same windows), or one holding NaN/inf. The write refuses non-finite
+activations. Caches written before the per-shard hashes existed load as before (their dataset hash,
+checksums and finiteness are still checked).
+
 Nothing is pickled (JSON + safetensors only). :class:`ActivationCache` opens a directory and
 checks the manifest against the shards (and against a model, sites and widths if given);
 ``ActivationSource(cache, x, y, batch_size=…, seed=…)`` (:class:`~.activations.ActivationSource`)
@@ -38,13 +49,15 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .._atomic import Staging, atomic_directory, check, manifest_of, resolve
+from .._atomic import MANIFEST as ATOMIC_MANIFEST
+from .._atomic import Staging, atomic_directory, check, manifest_of, resolve, verify_file
 from .._placement import model_device
 from .._progress import show_progress
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, CheckpointError
+from ..formats.validate import check_member_file
 from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"
@@ -107,6 +120,11 @@ def tokens_hash(tokens: torch.Tensor) -> str:
     h = hashlib.sha256(str(tuple(t.shape)).encode())
     h.update(t.numpy().tobytes())
     return h.hexdigest()
+
+
+def _ids_sha256(ids: torch.Tensor) -> str:
+    """SHA-256 of one shard's ``input_ids`` bytes (int64, row-major): the shard's part of the dataset hash."""
+    return hashlib.sha256(ids.to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
 def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Site]:
@@ -176,8 +194,10 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
         if pending_n == 0:
             return
         name = f"shard_{len(shards):05d}.safetensors"
-        stage.save_tensors(name, {k: torch.cat(v).contiguous() for k, v in pending.items()})
-        shards.append({"file": name, "start": start, "n_windows": pending_n})
+        tensors = {k: torch.cat(v).contiguous() for k, v in pending.items()}
+        stage.save_tensors(name, tensors)
+        shards.append({"file": name, "start": start, "n_windows": pending_n,
+                       "sha256": stage.files[name]["sha256"], "tokens_sha256": _ids_sha256(tensors["input_ids"])})
         pending, pending_n = {}, 0
 
     shard_start = 0
@@ -189,6 +209,10 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
         n_loss += int(mask.sum())
         for name, v in values.items():
             widths.setdefault(name, int(v.shape[-1]))
+            bad = int((~torch.isfinite(v.detach().to("cpu", dtype))).sum())
+            if bad:
+                raise ActivationCacheError(f"site {name!r} has {bad} non-finite values (NaN/inf) in windows "
+                                           f"{start}..{start + ids.shape[0] - 1} (as {dtype_name}); nothing written")
             pending.setdefault(name, []).append(v.detach().to("cpu", dtype))
         pending.setdefault("input_ids", []).append(ids.to("cpu", torch.int64))
         pending.setdefault("loss_mask", []).append(mask)
@@ -229,6 +253,7 @@ class ActivationCache:
         except CheckpointError as e:
             raise ActivationCacheError(str(e)) from e
         self._hashed: set[str] = set()
+        self._content_checked: set[str] = set()
         path = self.directory / MANIFEST
         if not path.is_file():
             raise ActivationCacheError(f"{path}: no activation-cache manifest")
@@ -236,15 +261,19 @@ class ActivationCache:
             self.manifest: dict[str, Any] = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ActivationCacheError(f"{path}: malformed JSON ({e})") from e
+        if not isinstance(self.manifest, dict):
+            raise ActivationCacheError(f"{path}: not a {FORMAT} manifest (a JSON {type(self.manifest).__name__})")
         m = self.manifest
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
+        if m.get("format") != FORMAT or m.get("version") != VERSION or isinstance(m.get("version"), bool):
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
+        self._check_manifest_fields(path)
         self._handles: dict[str, Any] = {}
         # every present shard's size (a torn shard) before it is opened; the manifest's own checks, and
         # its own message for a missing shard, come first
         self._verify([f for f in self._checksums if f != MANIFEST and (self.directory / f).is_file()], hashes=False)
         self._check_shards()
+        self._check_windows()
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
             self.check_model(model)
@@ -256,6 +285,107 @@ class ActivationCache:
                                            f"expected d={width}")
         self._verify(list(self._checksums), hashes=False)  # every listed file is there, at its size
         self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
+
+    def _check_manifest_fields(self, path: Path) -> None:
+        """The manifest's fields have their types, and every shard file lies inside the cache directory."""
+        m = self.manifest
+        for key in ("seq_len", "n_windows"):
+            if not isinstance(m.get(key), int) or isinstance(m.get(key), bool) or m[key] < 0:
+                raise ActivationCacheError(f"{path}: key {key!r} must be an int >= 0, got {m.get(key)!r}")
+        if not isinstance(m.get("dataset_hash"), str):
+            raise ActivationCacheError(f"{path}: key 'dataset_hash' must be a string, got {m.get('dataset_hash')!r}")
+        if not isinstance(m.get("model"), dict):
+            raise ActivationCacheError(f"{path}: key 'model' must be a mapping, got {m.get('model')!r}")
+        sites = m.get("sites")
+        if not isinstance(sites, dict) or not sites:
+            raise ActivationCacheError(f"{path}: key 'sites' must be a non-empty mapping, got {sites!r}")
+        for name, v in sites.items():
+            if (not isinstance(v, dict) or not isinstance(v.get("path"), str)
+                    or v.get("kind") not in ("input", "output") or not isinstance(v.get("d"), int)
+                    or isinstance(v.get("d"), bool) or v["d"] <= 0):
+                raise ActivationCacheError(f"{path}: key 'sites'[{name!r}] must be {{path: str, kind: 'input' | "
+                                           f"'output', d: int > 0}}, got {v!r}")
+        shards = m.get("shards")
+        if not isinstance(shards, list):
+            raise ActivationCacheError(f"{path}: key 'shards' must be a list, got {shards!r}")
+        seen: set[str] = set()
+        for i, shard in enumerate(shards):
+            where = f"shards[{i}]"
+            if not isinstance(shard, dict):
+                raise ActivationCacheError(f"{path}: key {where!r} must be a mapping, got {shard!r}")
+            check_member_file(self.directory, shard.get("file"), path, f"{where}.file", ActivationCacheError)
+            if shard["file"] in seen or shard["file"] in (MANIFEST, ATOMIC_MANIFEST):
+                raise ActivationCacheError(f"{path}: key '{where}.file' lists {shard['file']!r} twice (or a manifest)")
+            seen.add(shard["file"])
+            for key in ("start", "n_windows"):
+                value = shard.get(key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "n_windows" else 0):
+                    raise ActivationCacheError(f"{path}: key '{where}.{key}' must be an int >= "
+                                               f"{1 if key == 'n_windows' else 0}, got {value!r}")
+            for key in ("sha256", "tokens_sha256"):
+                if key in shard and not (isinstance(shard[key], str) and len(shard[key]) == 64):
+                    raise ActivationCacheError(f"{path}: key '{where}.{key}' must be a sha256 hex string, "
+                                               f"got {shard[key]!r}")
+
+    def _check_windows(self) -> None:
+        """Every shard's ``input_ids``, in manifest order, against the manifest's ``dataset_hash`` (and each
+        against its own ``tokens_sha256``, naming the shard): a swapped shard, or one copied from a cache of
+        other windows, is refused when the cache is opened."""
+        m = self.manifest
+        whole = hashlib.sha256(str((m["n_windows"], m["seq_len"])).encode())
+        for shard in m["shards"]:
+            ids = self._handle(shard["file"]).get_tensor("input_ids")
+            if ids.dtype != torch.int64:
+                raise ActivationCacheError(f"{self.directory / shard['file']}: tensor 'input_ids' has dtype "
+                                           f"{ids.dtype}, expected torch.int64")
+            raw = ids.contiguous().numpy().tobytes()
+            want = shard.get("tokens_sha256")
+            if want is not None and hashlib.sha256(raw).hexdigest() != want:
+                last = shard["start"] + shard["n_windows"] - 1
+                raise ActivationCacheError(f"{self.directory / shard['file']}: its windows are not the ones the "
+                                           f"manifest lists at windows {shard['start']}..{last} "
+                                           "(a shard swapped, or copied from another cache)")
+            whole.update(raw)
+        if whole.hexdigest() != m["dataset_hash"]:
+            raise ActivationCacheError(f"{self.directory / MANIFEST}: the shards' windows, in manifest order "
+                                       f"({[s['file'] for s in m['shards']]}), do not hash to the manifest's "
+                                       "dataset_hash (shards swapped, or copied from another cache)")
+
+    def _check_shard_content(self, file: str) -> None:
+        """A shard's sha256 (``checksums.json`` and the manifest's own entry) and finite activations;
+        once per shard, when its first window is read (or by :meth:`verify`)."""
+        self._verify([file])
+        shard = next(s for s in self.manifest["shards"] if s["file"] == file)
+        want = shard.get("sha256")
+        if want is not None:
+            try:
+                verify_file(self.directory, file, (self.directory / file).stat().st_size, want, MANIFEST)
+            except CheckpointError as e:
+                raise ActivationCacheError(f"{e} (the shard's sha256 in {MANIFEST}: a shard edited, swapped or "
+                                           "copied from another cache)") from e
+        h = self._handle(file)
+        for key in self.manifest["sites"]:
+            view = h.get_slice(key)
+            n = shard["n_windows"]
+            for row in range(0, n, 64):
+                part = view[row:min(n, row + 64)]
+                bad = int((~torch.isfinite(part)).sum())
+                if bad:
+                    raise ActivationCacheError(f"{self.directory / file}: tensor {key!r} has {bad} non-finite "
+                                               f"values (NaN/inf) in windows {shard['start'] + row}.."
+                                               f"{shard['start'] + min(n, row + 64) - 1}")
+        self._content_checked.add(file)
+
+    def verify(self) -> None:
+        """Check every shard now (sha256, finite values) instead of at its first read.
+
+        Raises:
+            ActivationCacheError: a shard altered, swapped, copied from another cache or holding NaN/inf
+                (naming the file).
+        """
+        for shard in self.manifest["shards"]:
+            if shard["file"] not in self._content_checked:
+                self._check_shard_content(shard["file"])
 
     def _verify(self, files: list[str], hashes: bool = True) -> None:
         """Check ``files`` against ``checksums.json`` (when the cache has one; sha256 once per file)."""
@@ -363,8 +493,8 @@ class ActivationCache:
         parts = []
         for w, s in zip(index.tolist(), shard_of.tolist(), strict=True):
             shard = self.manifest["shards"][s]
-            if shard["file"] not in self._hashed:
-                self._verify([shard["file"]])
+            if shard["file"] not in self._content_checked:
+                self._check_shard_content(shard["file"])
             row = w - shard["start"]
             parts.append(self._handle(shard["file"]).get_slice(key)[row:row + 1])
         return torch.cat(parts)

@@ -15,6 +15,7 @@ from helpers import attribution_setup, random_ids, render_dom, require_chromium,
 from nnsight_lorsa.attribution import TrustedHTML, attribute, prune, render_html, save_neuronpedia, to_neuronpedia
 from nnsight_lorsa.attribution.export import embed_json, node_ids
 from nnsight_lorsa.attribution.graph import EMBEDDING, LOGIT, LORSA, TRANSCODER
+from nnsight_lorsa.errors import ArgumentError
 
 EVIL = "</script><script>alert(1)</script>"
 NODE_KEYS = {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId", "clerp", "influence",
@@ -307,3 +308,19 @@ def test_embed_json_and_bad_inputs(built):
     with pytest.raises(ValueError, match="not an exported node"):
         render_html(g, pr, clicked="no-such-node")
 
+
+
+@pytest.mark.parametrize("where", ["prompt", "logit"])
+def test_a_token_id_beyond_the_vocabulary_is_refused_not_exported_as_empty(built, where):
+    """Issue 23, class 8: a token id past ``len(tokenizer)`` decoded as ``''``; now an ArgumentError naming it."""
+    tok, g, pr, _ = built
+    bad = len(tok) + 5
+    if where == "prompt":
+        g2 = dataclasses.replace(g, tokens=torch.cat([g.tokens[:-1], torch.tensor([bad])]))
+    else:
+        index = g.nodes.index.clone()
+        index[g.logit_ids[0]] = bad
+        g2 = dataclasses.replace(g, nodes=dataclasses.replace(g.nodes, index=index))
+    with pytest.raises(ArgumentError, match=rf"token id {bad} is outside the tokenizer's vocabulary \[0, {len(tok)}\)"):
+        to_neuronpedia(g2, pr, slug="x", tokenizer=tok)
+    assert to_neuronpedia(g2, pr, slug="x")["metadata"]["prompt_tokens"]  # without a tokenizer: tok<id> labels
