@@ -330,10 +330,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                  qk_heads_per_mhsa_head=cfg.qk_heads_per_mhsa_head, layer=layer,
                                  architecture=adapter.family)
     lorsa = Lorsa(lcfg, device=mhsa.W_O.device)  # fp32, on its layer's device
+    docs_note = " (one per document, from its start)"
+    if cfg.text_path and data.target_mask is not None:
+        from .training.dataset import auto_separator
+
+        docs_note += f", documents split on {auto_separator(model.tokenizer, text)!r}"
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({_model_kind(model.config, adapter)}, "
           f"{adapter.n_layers} layers, "
           f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"
-          f"{' (one per document, from its start)' if data.target_mask is not None else ''}")
+          f"{docs_note if data.target_mask is not None else ''}")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
     if cfg.resume is None:

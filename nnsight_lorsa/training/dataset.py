@@ -57,6 +57,21 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+#: end-of-text markers of common tokenizers, tried by ``document_separator="auto"`` after the tokenizer's own
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
+
+
+def auto_separator(tokenizer: Any, text: str) -> str:
+    """The separator ``document_separator="auto"`` splits ``text`` on: the tokenizer's EOS text if ``text``
+    holds it, else the first of :data:`END_OF_TEXT` it holds, else a blank line (``"\\n\\n"``). Blank lines
+    come last because they also separate paragraphs inside a document (a window would then start mid-document)."""
+    eos = getattr(tokenizer, "eos_token", None)
+    for marker in ([eos] if isinstance(eos, str) and eos else []) + list(END_OF_TEXT):
+        if marker in text:
+            return marker
+    return "\n\n"
+
+
 class TokenDataset:
     """A corpus cut into ``(n_windows, seq_len)`` token windows, each starting with BOS.
 
@@ -114,18 +129,17 @@ class TokenDataset:
 
         ``document_separator`` given: ``text`` is split on it into documents (empty ones dropped) and
         handed to :meth:`from_documents` (one window per document, starting at its start). ``"auto"``
-        splits on the tokenizer's EOS text (e.g. ``"<|endoftext|>"``) when it occurs in ``text``,
-        otherwise on blank lines; if that finds a single document, ``text`` is that one document
-        (consecutive windows, as with ``None``).
+        splits on the first end-of-text marker that occurs in ``text`` — the tokenizer's EOS text, then
+        the common ones of other tokenizers (:data:`END_OF_TEXT`: ``<|endoftext|>``, ``</s>``, …; a corpus
+        prepared for another model's tokenizer keeps its own marker) — and only when none occurs on blank
+        lines; if that finds a single document, ``text`` is that one document (consecutive windows, as
+        with ``None``). :func:`auto_separator` says which it picks.
 
         BOS: ``bos_token_id`` if given, else the tokenizer's, else ``config.bos_token_id`` (the model
         config); if none exists no BOS is prepended (windows then start with the text's first token).
         """
         if document_separator is not None:
-            sep = document_separator
-            if sep == "auto":
-                eos = getattr(tokenizer, "eos_token", None)
-                sep = eos if isinstance(eos, str) and eos and eos in text else "\n\n"
+            sep = document_separator if document_separator != "auto" else auto_separator(tokenizer, text)
             docs = [d for d in (d.strip() for d in text.split(sep)) if d]
             if len(docs) > 1 or document_separator != "auto":
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)

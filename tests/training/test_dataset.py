@@ -139,3 +139,24 @@ def test_from_text_does_not_warn_that_the_whole_text_exceeds_the_models_length()
     with _Records() as rec:  # not silenced for good: a direct call on a long text still warns
         tok(text, add_special_tokens=False)
     assert any("Token indices sequence length is longer" in m for m in rec.messages()), rec.messages()
+
+
+@pytest.mark.parametrize("marker", ["<|endoftext|>", "</s>", "<|end_of_text|>"])
+def test_auto_split_prefers_an_end_of_text_marker_over_paragraphs(marker):
+    """A corpus whose documents hold paragraphs (blank lines) and end with another tokenizer's end-of-text
+    marker: "auto" splits on the marker, so every window starts at a document's start — splitting on blank
+    lines started windows mid-document (the model's CE there is not its CE)."""
+    from helpers import tiny_tokenizer
+
+    from nnsight_lorsa.training.dataset import auto_separator
+
+    tok = tiny_tokenizer()  # its EOS text, "<eos>", does not occur below
+    docs = [f"w{2 + i} w3 w4\n\nw5 w6 w7\n\nw8 w9" for i in range(6)]
+    text = f" {marker} ".join(docs)
+    assert auto_separator(tok, text) == marker
+    data = TokenDataset.from_text(tok, text, 12, document_separator="auto")
+    assert len(data) == len(docs)
+    starts = [int(data.tokens[i, 1]) for i in range(len(docs))]  # after BOS: each document's first word
+    assert starts == [int(tok.convert_tokens_to_ids(f"w{2 + i}")) for i in range(len(docs))]
+    plain = "\n\n".join(docs)  # no marker: paragraphs are all there is to split on
+    assert auto_separator(tok, plain) == "\n\n"
