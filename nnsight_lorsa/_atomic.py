@@ -44,15 +44,8 @@ def _boundary(event: str) -> None:
     Crash-injection tests replace it to stop the process at every file boundary."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a directory's entries) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -127,7 +120,7 @@ class Staging:
         p = self.path / name
         if not p.is_file():
             raise CheckpointError(f"{p}: not written")
-        _fsync_file(p)
+        _fsync(p)
         self.files[name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
         self._boundary(f"file:{name}")
 
@@ -271,7 +264,7 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
             os.fsync(f.fileno())
         stage._boundary(f"file:{manifest}")
         for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
-            _fsync_dir(sub)
+            _fsync(sub)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -281,11 +274,11 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
         d.rename(old)
         stage._boundary("rename:old")
     tmp.rename(d)
-    _fsync_dir(d.parent)
+    _fsync(d.parent)
     stage._boundary("rename:new")
     if old.exists():
         shutil.rmtree(old)
-        _fsync_dir(d.parent)
+        _fsync(d.parent)
     stage._boundary("removed:old")
     _remove_stale_temporaries(d)
 
@@ -306,7 +299,7 @@ def atomic_file(path: str | os.PathLike[str], data: bytes) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(p.parent)
+    _fsync(p.parent)
     _boundary("rename:new")
     for stale in p.parent.glob(f".{p.name}.tmp-*"):  # left by writes whose process is gone
         pid = stale.name[len(p.name) + len("..tmp-"):].split("-", 1)[0]

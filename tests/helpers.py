@@ -334,3 +334,16 @@ def check_resume_bit_exact(make, source, ckpt: Path, check_resumed=None):
     assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
     assert straight.config.history[-1] == resumed.config.history[-1]
     return straight
+
+
+def recording_tqdm(monkeypatch, module) -> list[bool]:
+    """Replace ``module.tqdm`` by the real one, recording whether each bar it opens is disabled."""
+    real = module.tqdm
+    disabled: list[bool] = []
+
+    def record(*args, **kwargs):
+        disabled.append(bool(kwargs.get("disable", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "tqdm", record)
+    return disabled

@@ -57,6 +57,7 @@ from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, CheckpointError
+from ..formats.files import read_json_object
 from ..formats.validate import check_member_file
 from .dataset import TokenDataset, _loss_mask
 
@@ -257,12 +258,10 @@ class ActivationCache:
         path = self.directory / MANIFEST
         if not path.is_file():
             raise ActivationCacheError(f"{path}: no activation-cache manifest")
-        try:
-            self.manifest: dict[str, Any] = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ActivationCacheError(f"{path}: malformed JSON ({e})") from e
-        if not isinstance(self.manifest, dict):
-            raise ActivationCacheError(f"{path}: not a {FORMAT} manifest (a JSON {type(self.manifest).__name__})")
+        try:  # the one JSON reader of the file formats: missing, unreadable, not UTF-8, not JSON, not an object
+            self.manifest: dict[str, Any] = read_json_object(path)
+        except CheckpointError as e:
+            raise ActivationCacheError(f"{e} (not a {FORMAT} manifest)") from e
         m = self.manifest
         if m.get("format") != FORMAT or m.get("version") != VERSION or isinstance(m.get("version"), bool):
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers import attribution_setup, random_ids, rm
+from helpers import attribution_setup, random_ids, recording_tqdm, rm
 
 from nnsight_lorsa.attribution import attribute
 
@@ -23,14 +23,7 @@ def test_attribute_shows_a_bar_on_a_terminal_by_default(replacement, monkeypatch
     import importlib
 
     module = importlib.import_module("nnsight_lorsa.attribution.attribute")
-    real = module.tqdm
-    disabled: list[bool] = []
-
-    def record(*args, **kwargs):
-        disabled.append(bool(kwargs.get("disable", False)))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "tqdm", record)
+    disabled = recording_tqdm(monkeypatch, module)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     rm_, ids = replacement
     kwargs = {} if progress is None else {"progress": progress}

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 import pytest
-from helpers import LAYER, make_lorsa, tiny_training_setup
+from helpers import LAYER, make_lorsa, recording_tqdm, tiny_training_setup
 
 from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.envoy.read import Site
@@ -20,19 +20,6 @@ evaluate_module = importlib.import_module("nnsight_lorsa.training.evaluate")  # 
 @pytest.fixture(scope="module")
 def setup():
     return tiny_training_setup()
-
-
-def recording_tqdm(monkeypatch, module) -> list[bool]:
-    """Replace ``module.tqdm`` by the real one, recording whether each bar is disabled."""
-    real = module.tqdm
-    disabled: list[bool] = []
-
-    def record(*args, **kwargs):
-        disabled.append(bool(kwargs.get("disable", False)))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "tqdm", record)
-    return disabled
 
 
 @pytest.mark.parametrize(("tty", "progress", "shown"), [
