@@ -137,6 +137,30 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
                           "windows start with BOS: pass bos_id")
 
 
+def check_one_text(model: Any, ids: torch.Tensor) -> None:
+    """Refuse a 1-D stream that holds the model's EOS id: a concatenation of documents, not one long text.
+
+    Random stream windows of it would start mid-document, where the model's CE is not its CE, so both the
+    constraint τ (``target_ce=None`` measures it there) and the CE kept would mean nothing — whatever
+    ``target_ce`` is (an independent probe: held-out CE 3.00 → 5.80 with no error).
+
+    Raises:
+        GateConfigError: naming the EOS id, how often it occurs and what to pass instead.
+    """
+    eos = None
+    for src in (getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None)):
+        value = getattr(src, "eos_token_id", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            eos = value
+            break
+    count = 0 if eos is None else int((ids == eos).sum())
+    if count:
+        raise GateConfigError(
+            f"the training stream holds the model's EOS id {eos} {count} time(s): it is a corpus of documents, "
+            "and random windows of it start mid-document. Pass TokenDataset.from_documents(tokenizer, documents, "
+            "seq_len, config=model.config) (one window per document, from its start) instead of the stream")
+
+
 def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, gen: torch.Generator,
                    bos_id: int) -> Int[torch.Tensor, "batch seq"]:
     """``(batch_size, seq_len)`` windows: BOS then ``seq_len - 1`` consecutive tokens from random starts.
@@ -240,7 +264,8 @@ class SparseAttentionTrainer:
             ``target_ce`` is None). step, history, geco (τ: ``geco.target``).
 
     Raises:
-        GateConfigError: stream shorter than ``seq_len``; a dataset whose ``seq_len`` differs from
+        GateConfigError: stream shorter than ``seq_len``, or holding the model's EOS id (a corpus of
+            documents: :func:`check_one_text`); a dataset whose ``seq_len`` differs from
             ``config.seq_len`` or whose windows do not start with the model's BOS; no BOS id
             (``config.bos_id`` None and the model's tokenizer and config have none).
         VacuousConstraintError: τ slack by more than ``max_initial_slack · base_ce`` at the start
@@ -275,6 +300,7 @@ class SparseAttentionTrainer:
             if self.train_ids.numel() < config.seq_len:
                 raise GateConfigError(f"training stream has {self.train_ids.numel()} tokens < seq_len "
                                       f"{config.seq_len}")
+            check_one_text(model, self.train_ids)
         torch.manual_seed(config.seed)
         try:
             get_gates(self.hf)

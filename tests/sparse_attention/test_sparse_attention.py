@@ -230,7 +230,7 @@ def test_geco_lambda_moves_against_the_constraint() -> None:
 
 def _trainer(lora: bool = False) -> SparseAttentionTrainer:
     model = tiny_hf_model("llama", attn="eager")
-    stream = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     cfg = SparseTrainConfig(steps=4, batch_size=4, seq_len=16, init_bias=2.0, target_batches=1,
                             lora_rank=4 if lora else None)
     return SparseAttentionTrainer(model, stream, cfg)
@@ -324,7 +324,7 @@ def test_bad_input_raises_clear_errors(tmp_path) -> None:
 def test_evaluate_sparse_reports_ce_and_edges() -> None:
     model = tiny_hf_model("qwen2")
     install_gated_attention(model, init_bias=30.0)
-    stream = torch.randint(2, 128, (200,), generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(3, 128, (200,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     with pytest.raises(GateConfigError, match="no BOS id"):  # Qwen2's config has no bos_token_id
         evaluate_sparse(model, stream, seq_len=16, batch_size=8)
     dense = evaluate_sparse(model, stream, seq_len=16, batch_size=8, bos_id=0)
@@ -337,7 +337,7 @@ def test_evaluate_sparse_reports_ce_and_edges() -> None:
 def test_loose_constraint_sparsifies_and_train_function_resumes(tmp_path) -> None:
     from nnsight_lorsa.sparse_attention import train_sparse_attention
 
-    stream = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     cfg = SparseTrainConfig(steps=8, batch_size=4, seq_len=16, init_bias=2.0, gate_lr=0.1, target_ce=100.0,
                             allow_slack_constraint=True)  # a deliberately vacuous τ
     with pytest.warns(UserWarning, match="slack"):
@@ -358,7 +358,7 @@ def test_bos_id_defaults_to_the_models_own() -> None:
 
     hf = tiny_hf_model("llama")
     hf.config.bos_token_id = 5
-    stream = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     cfg = SparseTrainConfig(steps=1, batch_size=4, seq_len=16, target_batches=1)
     assert cfg.bos_id is None
     tr = SparseAttentionTrainer(hf, stream, cfg)
@@ -376,7 +376,7 @@ def test_bos_id_defaults_to_the_models_own() -> None:
 
 
 def test_recovery_phase_freezes_gates_and_trains_the_model_on_ce() -> None:
-    stream = torch.randint(2, 128, (400,), generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     cfg = SparseTrainConfig(steps=4, batch_size=4, seq_len=16, init_bias=1.0, target_batches=1, recover_fraction=0.5)
     tr = SparseAttentionTrainer(tiny_hf_model("llama"), stream, cfg)
     tr.train(2, progress=False)
@@ -385,3 +385,20 @@ def test_recovery_phase_freezes_gates_and_trains_the_model_on_ce() -> None:
     tr.train(2, progress=False)
     assert all(torch.equal(b, g.bias) for b, g in zip(bias, get_gates(tr.hf).values(), strict=True))
     assert not torch.equal(weight, tr.hf.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_a_stream_of_documents_is_refused_whatever_target_ce_is():
+    """A 1-D stream holding the model's EOS id is a corpus of documents: random windows of it start
+    mid-document, so τ and the CE kept would mean nothing (a probe: held-out CE 3.00 → 5.80, no error, since
+    the vacuous-constraint check cannot fire while target_ce keeps its default). Refused before training."""
+    from nnsight_lorsa.sparse_attention.errors import GateConfigError
+
+    model = tiny_hf_model("llama", attn="eager")
+    eos = model.config.eos_token_id
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))
+    stream[::50] = eos  # documents joined by EOS
+    for target_ce in (None, 99.0):
+        cfg = SparseTrainConfig(steps=1, batch_size=4, seq_len=16, target_batches=1, target_ce=target_ce,
+                                allow_slack_constraint=True)
+        with pytest.raises(GateConfigError, match=rf"holds the model's EOS id {eos} 8 time\(s\).*from_documents"):
+            SparseAttentionTrainer(model, stream, cfg)
