@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from ..errors import CheckpointError, LorsaError, UnsupportedArchitectureError
 
-__all__ = ["CheckpointError", "GateConfigError", "GateNotInstalledError", "UnsupportedArchitectureError",
-           "VacuousConstraintError"]
+__all__ = ["CheckpointError", "GateConfigError", "GateNotInstalledError", "HeldoutConstraintWarning",
+           "UnsupportedArchitectureError", "VacuousConstraintError"]
 
 
 class GateConfigError(LorsaError, ValueError):
     """A gate setting is invalid (unknown mode, non-positive temperature, ``top_k < 1``, head count)."""
+
+
+class HeldoutConstraintWarning(UserWarning):
+    """A sparse-attention model met its CE constraint on the training windows but not on held-out ones
+    (``train_sparse_attention(..., heldout=...)``; the summary's ``heldout_violation``)."""
 
 
 class GateNotInstalledError(LorsaError, RuntimeError):

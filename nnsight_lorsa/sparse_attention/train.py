@@ -43,7 +43,13 @@ from tqdm.auto import tqdm
 from .._typing import Int
 from ..training._checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
 from ..training.dataset import TokenDataset, _window_ids
-from .errors import CheckpointError, GateConfigError, GateNotInstalledError, VacuousConstraintError
+from .errors import (
+    CheckpointError,
+    GateConfigError,
+    GateNotInstalledError,
+    HeldoutConstraintWarning,
+    VacuousConstraintError,
+)
 from .geco import GECO
 from .install import (
     edge_statistics,
@@ -528,23 +534,53 @@ class TrainingSummary:
     steps: int
     wall_seconds: float
     history: list[StepRecord] = field(default_factory=list)
+    #: with ``heldout``: the held-out CE before training (gates open) and after (eval mode), and whether the
+    #: trained model breaks the constraint there: ``heldout_ce > heldout_base_ce + (τ − base_ce) + tolerance``
+    heldout_base_ce: float | None = None
+    heldout_ce: float | None = None
+    heldout_violation: bool | None = None
 
 
 def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | TokenDataset, config: SparseTrainConfig,
                            progress: bool = True, checkpoint_dir: str | Path | None = None,
-                           checkpoint_every: int | None = None) -> tuple[Any, TrainingSummary]:
+                           checkpoint_every: int | None = None, heldout: Any = None,
+                           heldout_tolerance: float = 0.05) -> tuple[Any, TrainingSummary]:
     """Post-train ``model`` to sparse attention (paper ``003_…`` §3.2); returns ``(model, summary)``.
 
     ``train_ids``: a :class:`~..training.dataset.TokenDataset` or a 1-D stream, as
     :class:`SparseAttentionTrainer`. Resumes from ``checkpoint_dir`` if it is a non-empty directory
     (a checkpoint that fails verification raises :class:`~..errors.CheckpointError`). The returned model is the trained
     transformers model with gates, in eval mode (LoRA merged).
+
+    ``heldout``: held-out windows (a ``TokenDataset`` or a stream, as :func:`evaluate_sparse`). Their CE is
+    measured before training (gates as installed, all open) and after, reported in the summary, and
+    checked against the constraint carried over to them: the trained model may lose at most
+    ``τ − base_ce`` (the training constraint's own allowance) plus ``heldout_tolerance`` nats there.
+    Training CE alone cannot show a model that fits its training windows and lost the rest (a probe:
+    training CE within τ, held-out 3.00 → 3.70). A violation is not silent: :class:`HeldoutConstraintWarning`
+    names both numbers, and ``summary.heldout_violation`` is True.
     """
     t0 = time.perf_counter()
     trainer = SparseAttentionTrainer(model, train_ids, config)
     if checkpoint_dir is not None and checkpoint_exists(checkpoint_dir):
         trainer.load_checkpoint(checkpoint_dir)
+    before = None
+    if heldout is not None:
+        before = float(evaluate_sparse(trainer.hf, heldout, seq_len=config.seq_len, bos_id=trainer.bos_id)["ce"])
     trainer.train(progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
     summary = TrainingSummary(trainer.geco.target, trainer.base_ce, trainer.step, time.perf_counter() - t0,
                               trainer.history)
-    return trainer.finished_model(), summary
+    finished = trainer.finished_model()
+    if heldout is not None and before is not None:
+        after = float(evaluate_sparse(finished, heldout, seq_len=config.seq_len, bos_id=trainer.bos_id)["ce"])
+        allowance = max(trainer.geco.target - trainer.base_ce, 0.0)
+        allowed = before + allowance + heldout_tolerance
+        summary.heldout_base_ce, summary.heldout_ce, summary.heldout_violation = before, after, after > allowed
+        if after > allowed:
+            warnings.warn(HeldoutConstraintWarning(
+                f"held-out CE {before:.4f} -> {after:.4f} nats: above the constraint carried over to the held-out "
+                f"windows ({allowed:.4f} = base {before:.4f} + allowance {allowance:.4f} + tolerance "
+                f"{heldout_tolerance}); the training CE met τ, the held-out text did not — train on windows like "
+                "the held-out ones (TokenDataset.from_documents for documents), or tighten target_margin"),
+                stacklevel=2)
+    return finished, summary

@@ -402,3 +402,25 @@ def test_a_stream_of_documents_is_refused_whatever_target_ce_is():
                                 allow_slack_constraint=True)
         with pytest.raises(GateConfigError, match=rf"holds the model's EOS id {eos} 8 time\(s\).*from_documents"):
             SparseAttentionTrainer(model, stream, cfg)
+
+
+def test_held_out_ce_is_reported_and_checked_against_the_constraint(monkeypatch) -> None:
+    """``heldout=``: the held-out CE before and after training is in the summary (equal to evaluate_sparse of
+    the returned model), and a rise beyond the constraint's allowance + tolerance is a named warning and
+    ``heldout_violation`` — training CE alone could not show it (a probe: held-out 3.00 → 3.70, no word)."""
+    import nnsight_lorsa.sparse_attention.train as train_module
+    from nnsight_lorsa.sparse_attention import evaluate_sparse, train_sparse_attention
+    from nnsight_lorsa.sparse_attention.errors import HeldoutConstraintWarning
+
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))
+    heldout = torch.randint(3, 128, (160,), generator=torch.Generator().manual_seed(1))
+    cfg = SparseTrainConfig(steps=2, batch_size=4, seq_len=16, target_batches=1)
+    model, summary = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False, heldout=heldout)
+    assert summary.heldout_ce == pytest.approx(float(evaluate_sparse(model, heldout, seq_len=16)["ce"]), rel=1e-6)
+    assert summary.heldout_base_ce is not None and summary.heldout_violation is not None
+    # the check itself: a held-out rise of 2.8 nats under a training allowance of ~0 is reported
+    ces = iter([3.0, 5.8])
+    monkeypatch.setattr(train_module, "evaluate_sparse", lambda *a, **k: {"ce": next(ces)})
+    with pytest.warns(HeldoutConstraintWarning, match=r"held-out CE 3.0000 -> 5.8000"):
+        _, bad = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False, heldout=heldout)
+    assert bad.heldout_violation is True and (bad.heldout_base_ce, bad.heldout_ce) == (3.0, 5.8)
