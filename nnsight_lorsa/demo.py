@@ -405,7 +405,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     # the flagship: replace MHSA by Lorsa inside a trace and read its heads there
     import nnsight
 
-    prompt = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    from .envoy.tokens import IdsOnlyTokenizer
+
+    prompt: Any = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    if isinstance(model.tokenizer, IdsOnlyTokenizer):  # no tokenizer: the first held-out window's ids
+        prompt = heldout.tokens[:1, : min(heldout.seq_len, 16)]
     with model.trace(prompt):
         site = lorsas.replace(layer=layer)
         z = nnsight.save(site.hook_z.output)
