@@ -29,14 +29,17 @@ def _vocab_size(config: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
-    """The model's BOS id: ``given``, else the tokenizer's, else ``config.bos_token_id``, else None."""
+def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name: str = "bos_token_id") -> int | None:
+    """The model's special token id ``name`` (``"bos_token_id"``, ``"eos_token_id"``): ``given`` if not
+    None, else the tokenizer's attribute ``name``, else the model config's, else None. The one rule for
+    the BOS every window starts with (:class:`TokenDataset`, sparse-attention training). An attribute
+    that is not an int (a list of EOS ids, ``True``) does not count."""
     if given is not None:
         return int(given)
     for src in (tokenizer, config):
-        bos = getattr(src, "bos_token_id", None)
-        if isinstance(bos, int):
-            return bos
+        value = getattr(src, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
 
 
@@ -144,15 +147,29 @@ class TokenDataset:
             if len(docs) > 1 or document_separator != "auto":
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
-        bos = _bos_id(tokenizer, config, bos_token_id)
-        body = seq_len - 1 if bos is not None else seq_len
-        n = len(ids) // body
+        return cls.from_ids(torch.tensor(ids, dtype=torch.long, device="cpu"), seq_len,
+                            special_token_id(tokenizer, config, bos_token_id), vocab_size=_vocab_size(config))
+
+    @classmethod
+    def from_ids(cls, ids: Int[torch.Tensor, " n"], seq_len: int, bos_token_id: int | None = None, *,
+                 vocab_size: int | None = None) -> TokenDataset:
+        """Consecutive windows of a token stream that is one text (no BOS in it): ``[BOS] + seq_len-1``
+        tokens each (``seq_len`` tokens when ``bos_token_id`` is None); the tail shorter than a window is
+        dropped. int64, on ``ids``' device.
+
+        Raises:
+            ValueError: fewer tokens than one window.
+            ArgumentError: see the class (non-integer ids, a negative one, one ``>= vocab_size``).
+        """
+        ids = ids.reshape(-1)
+        body = seq_len - 1 if bos_token_id is not None else seq_len
+        n = ids.numel() // body
         if n == 0:
-            raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {seq_len}")
-        t = torch.tensor(ids[: n * body], dtype=torch.long, device="cpu").view(n, body)
-        if bos is not None:
-            t = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device="cpu"), t], dim=1)
-        return cls(t, vocab_size=_vocab_size(config))
+            raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {seq_len}")
+        t = ids[: n * body].view(n, body)
+        if bos_token_id is not None:
+            t = torch.cat([torch.full((n, 1), bos_token_id, dtype=torch.long, device=ids.device), t], dim=1)
+        return cls(t, vocab_size=vocab_size)
 
     @classmethod
     def from_documents(cls, tokenizer: Any, documents: Sequence[str], seq_len: int, *,
@@ -181,7 +198,7 @@ class TokenDataset:
         Raises:
             ValueError: no document has a token.
         """
-        bos = _bos_id(tokenizer, config, bos_token_id)
+        bos = special_token_id(tokenizer, config, bos_token_id)
         pad = pad_token_id
         if pad is None:
             pad = getattr(tokenizer, "pad_token_id", None)
@@ -224,6 +241,25 @@ class TokenDataset:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``):
         the windows :func:`_window_ids` picks."""
         return self.tokens[_window_ids(len(self), index, batch_size, seed)]
+
+    def batch_targets(self, index: int, batch_size: int, seed: int = 0) -> torch.Tensor | None:
+        """``target_mask`` of :meth:`batch` ``(index, batch_size, seed)`` (None: every token counts)."""
+        m = self.target_mask
+        return None if m is None else m[_window_ids(len(self), index, batch_size, seed)]
+
+    @staticmethod
+    def sample_stream(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, generator: torch.Generator,
+                      bos_token_id: int) -> Int[torch.Tensor, "batch seq"]:
+        """``(batch_size, seq_len)`` random windows of a token stream that is one long text: BOS then
+        ``seq_len - 1`` consecutive tokens from random starts (what sparse-attention training draws from
+        a stream, where a :class:`TokenDataset` has fixed windows).
+
+        The starts are drawn on ``generator`` (a CPU generator: the same windows on every device); the
+        windows are on ``ids``' device (``ids``: 1-D, at least ``seq_len - 1`` tokens)."""
+        starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=generator,
+                               device=generator.device)
+        body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
+        return torch.cat([torch.full((batch_size, 1), bos_token_id, dtype=torch.long, device=ids.device), body], dim=1)
 
 
 def _window_ids(n_windows: int, index: int, batch_size: int, seed: int) -> Int[torch.Tensor, " batch"]:
