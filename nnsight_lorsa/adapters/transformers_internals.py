@@ -13,7 +13,7 @@ transformers version that changed them):
   attribute of the same name that is not a module is never taken for it).
 
 Callers: :mod:`nnsight_lorsa.sparse_attention` (installing gated attention, saving a gated model as a
-dense Hugging Face directory).
+dense Hugging Face directory) and the GPT-2 adapter (which scale the model's attention applies).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ __all__ = ["attn_implementation", "child", "children_removed", "remove_child", "
            "set_attn_implementation"]
 
 
-def attn_implementation(hf: Any) -> str:
-    """The attention implementation ``hf`` (a transformers ``PreTrainedModel``) runs now, e.g. ``"eager"``."""
-    return str(hf.config._attn_implementation)
+def attn_implementation(model_or_config: Any) -> str | None:
+    """The attention implementation a transformers model (or its config, or a module holding ``config``)
+    runs, e.g. ``"eager"``, ``"sdpa"``; None where the config does not say (transformers then uses eager)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "_attn_implementation", None)
 
 
 def set_attn_implementation(hf: Any, name: str) -> None:

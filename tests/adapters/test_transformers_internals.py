@@ -31,7 +31,8 @@ def test_the_private_names_exist():
 
 def test_switching_the_implementation_and_recording_another_for_a_save(tmp_path):
     hf = tiny_hf_model("llama")
-    assert ti.attn_implementation(hf) == "eager"
+    assert ti.attn_implementation(hf) == "eager" == ti.attn_implementation(hf.config)
+    assert ti.attn_implementation(object()) is None
     ti.set_attn_implementation(hf, "sdpa")
     assert ti.attn_implementation(hf) == "sdpa" and hf.model.layers[0].self_attn.config._attn_implementation == "sdpa"
     with ti.saved_attn_implementation(hf, "eager"):
