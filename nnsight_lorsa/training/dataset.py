@@ -30,14 +30,17 @@ def _vocab_size(config: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
-    """The model's BOS id: ``given``, else the tokenizer's, else ``config.bos_token_id``, else None."""
+def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name: str = "bos_token_id") -> int | None:
+    """The model's special token id ``name`` (``"bos_token_id"``, ``"eos_token_id"``): ``given`` if not
+    None, else the tokenizer's attribute ``name``, else the model config's, else None. The one rule for
+    the BOS every window starts with (:class:`TokenDataset`, sparse-attention training). An attribute
+    that is not an int (a list of EOS ids, ``True``) does not count."""
     if given is not None:
         return int(given)
     for src in (tokenizer, config):
-        bos = getattr(src, "bos_token_id", None)
-        if isinstance(bos, int):
-            return bos
+        value = getattr(src, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
 
 
@@ -220,7 +223,8 @@ class TokenDataset:
             if len(docs) > 1 or document_separator != "auto":
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
-        return cls._consecutive(ids, seq_len, _bos_id(tokenizer, config, bos_token_id), _vocab_size(config), "text")
+        bos = special_token_id(tokenizer, config, bos_token_id)
+        return cls._consecutive(ids, seq_len, bos, _vocab_size(config), "text")
 
     @classmethod
     def _consecutive(cls, ids: Sequence[int], seq_len: int, bos: int | None, vocab_size: int | None,
@@ -263,7 +267,7 @@ class TokenDataset:
             ValueError: no document has a token.
         """
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
-                                    _bos_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
+                                    special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
                                     _vocab_size(config))
 
     @classmethod
@@ -315,7 +319,7 @@ class TokenDataset:
         if ids.dim() not in (1, 2):
             raise ArgumentError(f"ids must be a 1-D token stream or a 2-D (documents, length) tensor, got "
                                 f"{ids.dim()}-D {tuple(ids.shape)}")
-        bos, vocab = _bos_id(tokenizer, config, bos_token_id), _vocab_size(config)
+        bos, vocab = special_token_id(tokenizer, config, bos_token_id), _vocab_size(config)
         pad = _pad_id(tokenizer, None, config)
         ids = ids.to("cpu", torch.long)
         if ids.numel() and int(ids.min()) < 0:
@@ -370,6 +374,25 @@ class TokenDataset:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``):
         the windows :func:`_window_ids` picks."""
         return self.tokens[_window_ids(len(self), index, batch_size, seed)]
+
+    def batch_targets(self, index: int, batch_size: int, seed: int = 0) -> torch.Tensor | None:
+        """``target_mask`` of :meth:`batch` ``(index, batch_size, seed)`` (None: every token counts)."""
+        m = self.target_mask
+        return None if m is None else m[_window_ids(len(self), index, batch_size, seed)]
+
+    @staticmethod
+    def sample_stream(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, generator: torch.Generator,
+                      bos_token_id: int) -> Int[torch.Tensor, "batch seq"]:
+        """``(batch_size, seq_len)`` random windows of a token stream that is one long text: BOS then
+        ``seq_len - 1`` consecutive tokens from random starts (what sparse-attention training draws from
+        a stream, where a :class:`TokenDataset` has fixed windows).
+
+        The starts are drawn on ``generator`` (a CPU generator: the same windows on every device); the
+        windows are on ``ids``' device (``ids``: 1-D, at least ``seq_len - 1`` tokens)."""
+        starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=generator,
+                               device=generator.device)
+        body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
+        return torch.cat([torch.full((batch_size, 1), bos_token_id, dtype=torch.long, device=ids.device), body], dim=1)
 
 
 def _window_ids(n_windows: int, index: int, batch_size: int, seed: int) -> Int[torch.Tensor, " batch"]:
