@@ -33,18 +33,13 @@ import torch
 from helpers import random_ids, tiny_nnsight
 from loopback import (
     DOC_SETUP,
-    NDIF_DESERIALIZATION_WHITELIST,
-    SERVER_RUNTIME_IMPORTS,
+    NDIF_DESERIALIZATION_MODULES,
+    NDIF_RUNTIME_MODULES,
+    REDIS_PROTO_MAX_BULK_LEN,
     doc_blocks,
+    module_allowed,
     run_client,
 )
-
-#: Roots of ``deserialization_modules`` + ``modules`` in NDIF's sandbox whitelist
-#: (``ndif-team/ndif``, ``src/ndif/services/ray/nn/security/whitelist.yaml``, as stored); unpickling
-#: a request there may resolve only these.
-#: Imports our shipped code may make while running on the server.
-
-
 
 # ---------------------------------------------------------------- (a) strict loopback: replace
 REPLACE_CLIENT = r'''
@@ -95,7 +90,7 @@ out = {"payload_bytes": len(backend.blob), "tensor_bytes": backend.report.total_
            n for n, _ in hf.named_modules() if "lorsa" in n)}
 for key, resp in (("replace", first), ("error_term", second)):
     out[key] = {k: resp[k] for k in ("error", "traceback", "resolved_modules", "runtime_imports", "extra_modules",
-                                     "hooks", "blocked_loaded")}
+                                     "hooks", "blocked_loaded", "refused", "queued_bytes")}
 out["replace"]["diff_z"] = diff(first["saves"], "z", local["z"])
 out["replace"]["diff_logits"] = diff(first["saves"], "logits", local["logits"])
 out["replace"]["equal"] = bool(first["saves"]) and all(torch.equal(first["saves"][k], local[k]) for k in local)
@@ -111,7 +106,8 @@ def replace_loopback() -> dict:
 
 
 def _non_whitelisted(modules: list[str]) -> set[str]:
-    return {m.split(".")[0] for m in modules} - NDIF_DESERIALIZATION_WHITELIST
+    """The modules (full dotted names) NDIF's unpickling whitelist does not allow."""
+    return {m for m in modules if not module_allowed(m, NDIF_DESERIALIZATION_MODULES)}
 
 
 def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) -> None:
@@ -124,8 +120,13 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
         assert resp["extra_modules"] == [] and resp["hooks"] == 0, resp
         assert _non_whitelisted(resp["resolved_modules"]) == set(), resp["resolved_modules"]
         assert resp["error"] is None, resp["traceback"]
-        bad = [i for i in resp["runtime_imports"] if i[0].split(".")[0] not in SERVER_RUNTIME_IMPORTS]
+        assert resp["refused"] == [], resp["refused"]  # no NDIF rule broken (whitelists, setattr, size)
+        bad = [i for i in resp["runtime_imports"] if not module_allowed(i[0], NDIF_RUNTIME_MODULES)]
         assert not bad, bad
+    # the queue's envelope around the body stays within what MeasuredRemoteBackend reserves for it
+    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES
+
+    assert 0 < out["replace"]["queued_bytes"] - out["payload_bytes"] < QUEUE_OVERHEAD_BYTES, out["replace"]
     assert out["replace"]["equal"], (out["replace"]["diff_z"], out["replace"]["diff_logits"])
     # the stated bound (docs/nnsight.md): max |Δlogit| <= 1e-5 · max |logit| in fp32
     err = out["error_term"]
@@ -137,6 +138,135 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
 def test_request_resolves_only_ndif_whitelisted_modules(replace_loopback: dict) -> None:
     """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it."""
     assert _non_whitelisted(replace_loopback["replace"]["resolved_modules"]) == set()
+
+
+# ---------------------------------------------------------------- the loopback's strictness itself
+STRICT_CLIENT = r"""
+import fractions, json, torch, nnsight
+from loopback import LoopbackServer, build_model
+from helpers import random_ids
+from nnsight_lorsa.remote import remote_backend
+
+LIMIT = 300_000
+server = LoopbackServer(max_request_bytes=LIMIT)
+model, hf = build_model()
+ids = random_ids()
+out = {}
+
+def send(name, backend):
+    resp = server.run(backend.blob, backend.envelope.model_dump())
+    out[name] = {k: resp[k] for k in ("error", "refused", "queued_bytes", "extra_modules", "resolved_modules")}
+    out[name]["saved"] = sorted(resp["saves"] or ())
+
+backend = remote_backend(model, dry_run=True)                  # control: a plain request passes
+with model.trace(ids, backend=backend):
+    logits = nnsight.save(model.lm_head.output)
+send("plain", backend)
+
+backend = remote_backend(model, dry_run=True)                  # an import the run-time whitelist lacks
+with model.trace(ids, backend=backend):
+    import pathlib
+    where = nnsight.save(str(pathlib.PurePosixPath("a") / "b"))
+send("runtime_import", backend)
+
+third = fractions.Fraction(1, 3)                               # unpickling resolves a module outside the list
+backend = remote_backend(model, dry_run=True)
+with model.trace(ids, backend=backend):
+    scaled = nnsight.save(model.lm_head.output * float(third))
+send("unpickle", backend)
+
+backend = remote_backend(model, dry_run=True)                  # a child module mounted on a module of the model
+with model.trace(ids, backend=backend):
+    model.model.layers[0].extra = torch.nn.Linear(2, 2)
+    mounted = nnsight.save(model.lm_head.output)
+send("mount", backend)
+
+big = torch.randn(100_000, generator=torch.Generator().manual_seed(0))  # 400 KB, incompressible: above LIMIT
+backend = remote_backend(model, dry_run=True)
+with model.trace(ids, backend=backend):
+    shifted = nnsight.save(model.lm_head.output + big[0])
+send("oversized", backend)
+out["oversized"]["blob"] = len(backend.blob)
+server.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def strict_loopback() -> dict:
+    return run_client(STRICT_CLIENT)
+
+
+def test_loopback_runs_a_plain_request(strict_loopback: dict) -> None:
+    """The control for the refusals below: a plain nnsight request passes every rule."""
+    plain = strict_loopback["plain"]
+    assert plain["error"] is None and plain["refused"] == [] and plain["saved"] == ["logits"], plain
+
+
+def test_loopback_refuses_an_import_outside_the_runtime_whitelist(strict_loopback: dict) -> None:
+    resp = strict_loopback["runtime_import"]
+    assert resp["error"] == "ImportError: Module pathlib is not whitelisted", resp
+    assert [r[:2] for r in resp["refused"]] == [["run-time import whitelist", "pathlib"]] and resp["saved"] == []
+
+
+def test_loopback_refuses_to_unpickle_a_module_outside_the_whitelist(strict_loopback: dict) -> None:
+    resp = strict_loopback["unpickle"]
+    assert resp["error"] == "ImportError: Module fractions is not whitelisted", resp
+    assert [r[:2] for r in resp["refused"]] == [["unpickling whitelist", "fractions"]] and resp["saved"] == []
+
+
+def test_loopback_refuses_a_module_mounted_on_the_model(strict_loopback: dict) -> None:
+    resp = strict_loopback["mount"]
+    assert resp["error"] == "AttributeError: Attribute 'extra' cannot be set after initialization", resp
+    assert resp["refused"][0][:2] == ["no setattr on the model's modules", "extra"] and resp["saved"] == []
+    assert resp["extra_modules"] == []
+
+
+def test_loopback_refuses_a_request_above_the_queue_limit(strict_loopback: dict) -> None:
+    resp = strict_loopback["oversized"]
+    assert resp["queued_bytes"] > 300_000 > strict_loopback["plain"]["queued_bytes"], resp
+    assert resp["error"].startswith("RuntimeError: ERR Protocol error: invalid bulk length"), resp
+    assert [r[0] for r in resp["refused"]] == ["request size limit"] and resp["saved"] == []
+    assert resp["resolved_modules"] == []  # refused before it was unpickled
+
+
+def test_ndif_rules_are_read_from_the_pinned_source() -> None:
+    """The lists' entry semantics (NDIF's ``WhitelistedModule.check`` + ``is_module_allowed``), and the limit."""
+    assert module_allowed("torch.nn.functional", NDIF_RUNTIME_MODULES)
+    assert not module_allowed("torch.hub", NDIF_RUNTIME_MODULES)  # a blocked submodule
+    assert module_allowed("nnsight", NDIF_RUNTIME_MODULES) and not module_allowed("nnsight.intervention",
+                                                                                     NDIF_RUNTIME_MODULES)
+    assert module_allowed("nnsight.intervention.source", NDIF_DESERIALIZATION_MODULES)
+    assert not module_allowed("abc", NDIF_DESERIALIZATION_MODULES) and not module_allowed("_thread",
+                                                                                           NDIF_DESERIALIZATION_MODULES)
+    assert not module_allowed("operator.x", NDIF_RUNTIME_MODULES) and not module_allowed("torchvision",
+                                                                                          NDIF_RUNTIME_MODULES)
+    from nnsight_lorsa.remote import DEFAULT_CAP_BYTES, NDIF_QUEUE_LIMIT_BYTES, QUEUE_OVERHEAD_BYTES
+
+    assert NDIF_QUEUE_LIMIT_BYTES == REDIS_PROTO_MAX_BULK_LEN == 536_870_912
+    assert DEFAULT_CAP_BYTES + QUEUE_OVERHEAD_BYTES < NDIF_QUEUE_LIMIT_BYTES
+
+
+def test_a_request_above_the_queue_limit_is_refused_before_sending() -> None:
+    """A cap set above NDIF's queue limit does not let a request through that the queue would refuse."""
+    import nnsight
+
+    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES, QueueLimitError, remote_backend
+
+    model, lorsas = _tiny_set()
+    limit = QUEUE_OVERHEAD_BYTES + 50_000  # a queue that takes 50 KB of request: the Lorsa is 99.8 KB
+    backend = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=limit)
+    with pytest.raises(QueueLimitError, match="proto-max-bulk-len") as info, model.trace(random_ids(),
+                                                                                          backend=backend):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert info.value.limit_bytes == 50_000 < info.value.request_bytes and backend.blob is None
+    assert "for_remote(replacement, layers=[...])" in str(info.value)
+    roomy = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=None)
+    with model.trace(random_ids(), backend=roomy):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert roomy.blob is not None and len(roomy.blob) > 50_000
 
 
 # ---------------------------------------------------------------- (c) the NDIF doc blocks, against the loopback
