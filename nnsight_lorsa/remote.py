@@ -52,6 +52,7 @@ from .envoy.nnsight_internals import (
 from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
 from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
+from .ndif_rules import NotWhitelistedError, check_request
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
 CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
@@ -488,17 +489,22 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         queue_limit_bytes: the largest request the server's queue takes (:data:`NDIF_QUEUE_LIMIT_BYTES`, NDIF's);
             a request above it less :data:`QUEUE_OVERHEAD_BYTES` is refused whatever the cap. None: no queue limit
             (a server of your own configured otherwise).
+        check_rules: read the serialized request's opcodes (never unpickling it) and refuse it when unpickling
+            would resolve a module outside NDIF's whitelist (:func:`~nnsight_lorsa.ndif_rules.check_request`).
         **kwargs: ``host``, ``api_key``, ``env``, ``blocking``, ``job_id``, ``verbose`` as for
             ``RemoteBackend``.
 
     Raises (when the trace exits, before anything is sent):
         PayloadTooLargeError: the request exceeds the cap.
         QueueLimitError: the request exceeds the queue's limit (a cap set above it).
+        NotWhitelistedError: the request names objects of modules NDIF does not unpickle.
     """
 
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
-                 queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES, **kwargs: Any) -> None:
+                 queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES, check_rules: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(model_key, *args, **kwargs)
+        self.check_rules = check_rules
         self.cap_bytes = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
         self.queue_limit_bytes = None if queue_limit_bytes is None else parse_bytes(queue_limit_bytes)
         self.dry_run = dry_run
@@ -532,6 +538,13 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
                 "(for_remote(replacement, layers=[...]) in one trace or session each), the model's dtype "
                 "(dtype=torch.bfloat16), or the two-phase mode (docs/remote.md); queue_limit_bytes=None for a server "
                 "with a larger queue.", len(blob), limit)
+        if self.check_rules:
+            data = blob
+            if self.compress:
+                import zstandard
+
+                data = zstandard.ZstdDecompressor().decompress(blob)
+            check_request(data)
         return blob
 
     def request(self, request: Any, tracer: Any) -> Any:
@@ -550,7 +563,7 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
 
 def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: bool = False,
                    model_key: str | None = None, queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES,
-                   **kwargs: Any) -> MeasuredRemoteBackend:
+                   check_rules: bool = True, **kwargs: Any) -> MeasuredRemoteBackend:
     """A :class:`MeasuredRemoteBackend` for ``model``: ``model.trace(prompt, backend=remote_backend(model))``.
 
     Args:
@@ -560,6 +573,7 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
         model_key: override ``model.to_model_key()`` (a dry run of a model that has none,
             e.g. one built from an in-memory module, gets ``"local:unknown"``).
         queue_limit_bytes: the server queue's limit (default NDIF's, :data:`NDIF_QUEUE_LIMIT_BYTES`; None: none).
+        check_rules: refuse a request NDIF would not unpickle, before sending it (:class:`MeasuredRemoteBackend`).
         **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
     """
     if model_key is None:
@@ -570,12 +584,12 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
                 raise
             model_key = "local:unknown"
     return MeasuredRemoteBackend(model_key, env=remote_env(model), cap_bytes=cap_bytes, dry_run=dry_run,
-                                 queue_limit_bytes=queue_limit_bytes, **kwargs)
+                                 queue_limit_bytes=queue_limit_bytes, check_rules=check_rules, **kwargs)
 
 
 __all__ = [
     "CAP_ENV", "DEFAULT_CAP_BYTES", "NDIF_QUEUE_LIMIT_BYTES", "QUEUE_OVERHEAD_BYTES", "MeasuredRemoteBackend",
-    "PayloadReport", "PayloadTooLargeError", "QueueLimitError", "TensorSize",
+    "NotWhitelistedError", "PayloadReport", "PayloadTooLargeError", "QueueLimitError", "TensorSize",
     "check_payload", "default_cap_bytes", "for_remote", "format_bytes", "model_dtype", "parse_bytes",
     "payload_report", "register", "remote_backend", "request_report", "serialized_size", "unregister",
 ]

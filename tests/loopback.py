@@ -1,6 +1,7 @@
 """A loopback that plays the NDIF server for tests/test_remote.py: a separate Python process that cannot
-import ``nnsight_lorsa``, ``jaxtyping`` or ``beartype`` and unpickles requests under NDIF's module whitelist
-(details in that test module's docstring); ``run_client`` runs a client script in a fresh interpreter."""
+import ``nnsight_lorsa``, ``jaxtyping`` or ``beartype`` and enforces NDIF's rules -- module whitelists at unpickling
+and at run time, no setattr on the model's modules, the queue's size limit (:class:`LoopbackServer`; details in
+that test module's docstring and docs/remote.md); ``run_client`` runs a client script in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -20,51 +21,29 @@ from typing import Any
 import torch
 from helpers import random_ids, tiny_nnsight  # noqa: F401
 
+from nnsight_lorsa.ndif_rules import (  # noqa: F401 - the lists and pins, for the tests
+    NDIF_DESERIALIZATION_MODULES,
+    NDIF_LIST_COMMIT,
+    NDIF_MECHANISM_COMMIT,
+    NDIF_RUNTIME_MODULES,
+    module_allowed,
+)
+
 TESTS = Path(__file__).resolve().parent
 
 
 DOC = TESTS.parent / "docs" / "remote.md"
 
 
-#: NDIF's public server source the rules below are read from (``github.com/ndif-team/ndif``), pinned:
-#: - the module lists: ``src/ndif/services/ray/nn/security/whitelist.yaml`` at :data:`NDIF_LIST_COMMIT` (the newest
-#:   stored version; it names nnsight's 0.8 module layout), read with the entry semantics of ``WhitelistedModule.check``
-#:   in ``src/ndif/services/ray/nn/security/whitelist.py`` at ``c7c84aac13136bf313279311b31c340407f7618c`` (strict: that
-#:   name only; not strict: the name and its submodules, minus ``blocked_submodules``) -- without that branch's
-#:   "OPEN SANDBOX" allowance of the whole standard library, which its own comments mark as branch-only;
-#: - the mechanisms, at :data:`NDIF_MECHANISM_COMMIT` (branch ``caden/cpu``): unpickling under
-#:   ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` (``deployments/modeling/base.py`` ``pre``), whose
-#:   ``find_class``, ``cloudpickle.subimport`` and ``dynamic_subimport`` refuse a module outside the list
-#:   (``nn/security/protected_environment.py``); execution under ``Protector(WHITELISTED_MODULES)`` whose
-#:   ``__import__`` hands back a module that raises ``ImportError: Module <name> is not whitelisted`` on use; every
-#:   module of the model wrapped by ``protect()`` (``nn/security/protected_objects.py``): setting an attribute raises
-#:   ``AttributeError: Attribute '<name>' cannot be set after initialization`` and ``.to`` raises ``ValueError``;
-#:   the API pushes ``pickle.dumps(backend_request)`` -- the request body plus its envelope -- onto a Redis list
-#:   (``src/services/api/src/app.py``), whose default ``proto-max-bulk-len`` is 512 MB (Redis units: 512 * 1024**2).
-NDIF_REPO = "ndif-team/ndif"
-NDIF_LIST_COMMIT = "b9e9fa65599443ed2ab6f1eb86d0da5325fe4bcf"
-NDIF_MECHANISM_COMMIT = "b7ac71f4e4a96fa95b1f155d613eba6069441db1"
-
-#: ``modules`` of whitelist.yaml: what code may import while the request runs, as
-#: ``(name, strict, blocked_submodules)``.
-NDIF_RUNTIME_MODULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = (
-    ("PIL", False, ()), ("re", False, ()), ("dataclasses", False, ()), ("builtins", True, ()),
-    ("torch", False, ("torch.multiprocessing", "torch.utils.cpp_extension", "torch.package", "torch.hub",
-                      "torch.utils.model_zoo")),
-    ("collections", False, ()), ("nnsight", True, ()), ("nnsight.intervention.envoy", False, ()),
-    ("nnsight.intervention.tracing.globals", False, ()), ("time", False, ()),
-    ("numpy", False, ("numpy.ctypeslib", "numpy.distutils")), ("sympy", False, ()), ("nnterp", False, ()),
-    ("math", False, ()), ("einops", False, ()), ("urllib3", False, ()), ("typing", False, ()),
-    ("_operator", True, ()), ("operator", True, ()), ("pandas", False, ()), ("enum", False, ()),
-    ("__future__", False, ()), ("diffusers", False, ()), ("transformers.modeling_utils", False, ()),
-    ("tqdm", False, ()), ("heapq", False, ()), ("json", False, ()), ("warnings", False, ()),
-    ("functools", False, ()),
-)
-#: ``deserialization_modules`` of whitelist.yaml: what unpickling may resolve besides :data:`NDIF_RUNTIME_MODULES`.
-NDIF_DESERIALIZATION_MODULES: tuple[tuple[str, bool, tuple[str, ...]], ...] = NDIF_RUNTIME_MODULES + (
-    ("pickle", False, ()), ("cloudpickle", False, ()), ("copyreg", False, ()), ("nnsight", False, ()),
-    ("transformers", False, ()), ("transformers_modules", False, ()),
-)
+#: NDIF's rules, read from its public server code at pinned commits (``nnsight_lorsa.ndif_rules`` has the module
+#: lists, their entry semantics and the sources; docs/remote.md "NDIF's rules"): unpickling under
+#: ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` -- ``find_class``, ``cloudpickle.subimport`` and
+#: ``dynamic_subimport`` refuse a module outside the list; execution under ``Protector(WHITELISTED_MODULES)``, whose
+#: ``__import__`` hands back a module that raises ``ImportError: Module <name> is not whitelisted`` on use; every
+#: module of the model wrapped by ``protect()``: setting an attribute raises ``AttributeError: Attribute '<name>'
+#: cannot be set after initialization`` and ``.to`` raises ``ValueError``; the API queues
+#: ``pickle.dumps(backend_request)`` -- body plus envelope -- on a Redis list, whose default ``proto-max-bulk-len``
+#: is 512 MB (Redis units: 512 * 1024**2 bytes).
 #: Run-time imports nnsight 0.8.1 itself makes in a *plain* request, as ``(caller file suffix, module)``: outside
 #: the pinned list, yet a server that runs nnsight must let them through (a string prompt is tokenized on the
 #: server: ``nnsight.modeling.processing.sanitize`` imports ``inspect``, ``transformers`` and
@@ -79,16 +58,6 @@ NNSIGHT_OWN_RUNTIME_IMPORTS: tuple[tuple[str, str], ...] = (
 #: Redis' default ``proto-max-bulk-len`` ("512mb", Redis units: 512 * 1024 * 1024 bytes): the largest value the
 #: queue takes; the loopback refuses a request whose queued form (``pickle.dumps`` of body + envelope) is larger.
 REDIS_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
-
-
-def module_allowed(name: str, entries: tuple[tuple[str, bool, tuple[str, ...]], ...]) -> bool:
-    """NDIF's ``is_module_allowed``: some entry allows ``name`` by its full dotted name, and no entry blocks it."""
-    def blocked(prefix: str) -> bool:
-        return name == prefix or name.startswith(prefix + ".")
-
-    if any(blocked(b) for _, _, bs in entries for b in bs):
-        return False
-    return any(name == n if strict else blocked(n) for n, strict, _ in entries)
 
 
 def build_model(seed: int = 0, dtype: str = "float32") -> tuple[Any, Any]:
@@ -337,7 +306,7 @@ class LoopbackServer:
     (``[rule, what, detail]`` for each rule the request broke), ``queued_bytes`` (the size of the request as the
     queue holds it), ``extra_modules``/``hooks`` left on the model, ``blocked_loaded``.
 
-    The rules (see :data:`NDIF_LIST_COMMIT`, :data:`NDIF_MECHANISM_COMMIT`): unpickling resolves only modules of
+    The rules (``nnsight_lorsa.ndif_rules``, sent to the server as JSON): unpickling resolves only modules of
     ``deserialization`` by full dotted name (``find_class``, ``cloudpickle.subimport``/``dynamic_subimport``);
     imports while the request runs, by any code, get only modules of ``runtime`` (others come back as an object
     that raises ``ImportError: Module <name> is not whitelisted`` on first use), but for the few nnsight itself

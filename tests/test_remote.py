@@ -85,7 +85,12 @@ def diff(saves, name, ref):
         return None
     return float((saves[name].float() - ref.float()).abs().max())
 
-out = {"payload_bytes": len(backend.blob), "tensor_bytes": backend.report.total_tensor_bytes,
+import zstandard
+from nnsight_lorsa.ndif_rules import pickled_modules
+
+scanned = {k: sorted(pickled_modules(zstandard.ZstdDecompressor().decompress(b.blob)))
+           for k, b in (("replace", backend), ("error_term", backend_err))}
+out = {"scanned": scanned, "payload_bytes": len(backend.blob), "tensor_bytes": backend.report.total_tensor_bytes,
        "compressed": backend.envelope.compress, "attached_locally": sorted(
            n for n, _ in hf.named_modules() if "lorsa" in n)}
 for key, resp in (("replace", first), ("error_term", second)):
@@ -136,8 +141,13 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
 
 
 def test_request_resolves_only_ndif_whitelisted_modules(replace_loopback: dict) -> None:
-    """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it."""
-    assert _non_whitelisted(replace_loopback["replace"]["resolved_modules"]) == set()
+    """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it; and the
+    client-side reading of the request's opcodes (``ndif_rules.pickled_modules``, what ``MeasuredRemoteBackend``
+    checks before sending) finds exactly the modules the server's unpickler resolved."""
+    for key in ("replace", "error_term"):
+        resolved = replace_loopback[key]["resolved_modules"]
+        assert _non_whitelisted(resolved) == set()
+        assert replace_loopback["scanned"][key] == resolved
 
 
 # ---------------------------------------------------------------- the loopback's strictness itself
@@ -145,7 +155,7 @@ STRICT_CLIENT = r"""
 import fractions, json, torch, nnsight
 from loopback import LoopbackServer, build_model
 from helpers import random_ids
-from nnsight_lorsa.remote import remote_backend
+from nnsight_lorsa.remote import NotWhitelistedError, remote_backend
 
 LIMIT = 300_000
 server = LoopbackServer(max_request_bytes=LIMIT)
@@ -170,7 +180,12 @@ with model.trace(ids, backend=backend):
 send("runtime_import", backend)
 
 third = fractions.Fraction(1, 3)                               # unpickling resolves a module outside the list
-backend = remote_backend(model, dry_run=True)
+try:                                                           # the client refuses it before sending ...
+    with model.trace(ids, backend=remote_backend(model, dry_run=True)):
+        scaled = nnsight.save(model.lm_head.output * float(third))
+except NotWhitelistedError as e:
+    out["client_refused"] = e.modules
+backend = remote_backend(model, dry_run=True, check_rules=False)   # ... and the server when it is sent anyway
 with model.trace(ids, backend=backend):
     scaled = nnsight.save(model.lm_head.output * float(third))
 send("unpickle", backend)
@@ -213,6 +228,7 @@ def test_loopback_refuses_to_unpickle_a_module_outside_the_whitelist(strict_loop
     resp = strict_loopback["unpickle"]
     assert resp["error"] == "ImportError: Module fractions is not whitelisted", resp
     assert [r[:2] for r in resp["refused"]] == [["unpickling whitelist", "fractions"]] and resp["saved"] == []
+    assert strict_loopback["client_refused"] == ["fractions"]  # MeasuredRemoteBackend refused it before sending
 
 
 def test_loopback_refuses_a_module_mounted_on_the_model(strict_loopback: dict) -> None:
@@ -251,7 +267,7 @@ def test_a_request_above_the_queue_limit_is_refused_before_sending() -> None:
     """A cap set above NDIF's queue limit does not let a request through that the queue would refuse."""
     import nnsight
 
-    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES, QueueLimitError, remote_backend
+    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES, NotWhitelistedError, QueueLimitError, remote_backend
 
     model, lorsas = _tiny_set()
     limit = QUEUE_OVERHEAD_BYTES + 50_000  # a queue that takes 50 KB of request: the Lorsa is 99.8 KB
@@ -263,10 +279,17 @@ def test_a_request_above_the_queue_limit_is_refused_before_sending() -> None:
     assert info.value.limit_bytes == 50_000 < info.value.request_bytes and backend.blob is None
     assert "for_remote(replacement, layers=[...])" in str(info.value)
     roomy = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=None)
-    with model.trace(random_ids(), backend=roomy):
+    # without register() the request names this package's modules, which NDIF does not have: refused before sending
+    with pytest.raises(NotWhitelistedError, match=r"call nnsight_lorsa\.remote\.register\(\)") as refused, \
+            model.trace(random_ids(), backend=roomy):
         lorsas.replace(layer=1)
         nnsight.save(model.lm_head.output)
-    assert roomy.blob is not None and len(roomy.blob) > 50_000
+    assert "nnsight_lorsa.modules.lorsa" in refused.value.modules and roomy.blob is None
+    unchecked = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=None, check_rules=False)
+    with model.trace(random_ids(), backend=unchecked):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert unchecked.blob is not None and len(unchecked.blob) > 50_000
 
 
 # ---------------------------------------------------------------- (c) the NDIF doc blocks, against the loopback
@@ -468,3 +491,22 @@ def test_register_ships_code_by_value_and_guards_remote_true() -> None:
     assert out["tensor_bytes"] == 49_920
     # by value the package's source travels too: tens of KB more than the by-reference pickle
     assert out["by_value"] > out["by_reference"] + 10_000
+
+
+def test_pickled_modules_reads_a_pickles_globals_without_unpickling_it() -> None:
+    """``GLOBAL`` (protocol 2), ``STACK_GLOBAL`` (protocol 5) and memoized repeats; a refused module is named."""
+    import collections
+    import fractions
+    import pickle
+
+    from nnsight_lorsa.ndif_rules import NotWhitelistedError, check_request, pickled_modules
+
+    for protocol in (2, 5):
+        data = pickle.dumps([fractions.Fraction(1, 3), collections.OrderedDict(), fractions.Fraction(2, 3)],
+                            protocol=protocol)
+        assert {"fractions", "collections"} <= pickled_modules(data) <= {"fractions", "collections", "builtins",
+                                                                          "copyreg", "__builtin__"}
+    with pytest.raises(NotWhitelistedError, match="fractions") as info:
+        check_request(pickle.dumps(fractions.Fraction(1, 3)))
+    assert info.value.modules == ["fractions"] and "Nothing was sent" in str(info.value)
+    assert check_request(pickle.dumps(collections.OrderedDict())) == {"collections"}

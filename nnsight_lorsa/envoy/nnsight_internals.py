@@ -8,7 +8,8 @@ nnsight version is checked here and nowhere else. What is used:
   from a replacement module when it is unmounted (:func:`strip_nnsight`);
 * ``Envoy(module, path=, interleaver=, parent=)``, ``Envoy._module``, ``interleaver.envoys``, ``Interleaver.instrument``
   / ``fragments`` and ``source.install_controller`` — an envoy for a replacement module that is not a child of
-  the model's modules (:func:`attach`, :func:`detach`);
+  the model's modules (:func:`attach`, :func:`detach`); ``Envoy._drop_envoy`` — unmounting a real child module
+  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention);
 * ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
   ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
   ``Mediator.counts_at_start`` / ``Mediator.iteration`` — a per-trace worker that runs a replacement in
@@ -76,6 +77,7 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     # mounting and unmounting a child envoy (attach, detach), the module under an envoy (hf_module)
     ("nnsight.intervention.envoy.Envoy", "_module", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "__init__", "callable"),
+    ("nnsight.intervention.envoy.Envoy", "_drop_envoy", "callable"),
     ("nnsight.intervention.source", "install_controller", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "instrument", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "fragments", "instance attribute"),
@@ -194,6 +196,37 @@ def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: b
         del site_envoy.__dict__[name]
     # the interleaver keeps one registration per module (a hook point's too); a stale one would make the next trace
     # that attaches the module alias the old envoy (seen after ``tracer.stop()``: OutOfOrderError on ``hook_z``)
+    registry = site_envoy.interleaver.envoys
+    prefix = f"{site_envoy.path}.{name}."
+    for sub in module.modules():
+        envoy = registry.get(id(sub))
+        if envoy is not None and f"{envoy.path}.".startswith(prefix):
+            del registry[id(sub)]
+    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
+        strip_nnsight(module)
+
+
+def mount(site_envoy: Any, name: str, module: nn.Module) -> Any:
+    """Mount ``module`` as a real child ``<site module>.<name>`` (``setattr`` on the envoy: nnsight adds it to the
+    torch module and mirrors it) and return its envoy; raises if the name is taken. For a lasting, local change of
+    the model (``install_gated_attention``), never inside a remote request: NDIF refuses ``setattr`` on the model's
+    modules (a splice uses :func:`attach`)."""
+    existing = hf_module(site_envoy)._modules.get(name)
+    if existing is not None and existing is not module:
+        raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
+    if existing is None:
+        setattr(site_envoy, name, module)
+    return getattr(site_envoy, name)
+
+
+def unmount(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
+    """Undo :func:`mount` and, unless ``module`` was instrumented before, strip nnsight's controllers."""
+    if hf_module(site_envoy)._modules.get(name) is module:
+        del hf_module(site_envoy)._modules[name]
+        site_envoy._drop_envoy(name)
+    # nnsight forgets the dropped envoy's own registration only; a descendant's (a hook point's)
+    # would make the next trace that mounts the module alias the stale envoy (seen after
+    # ``tracer.stop()``: OutOfOrderError on ``hook_z`` in the following trace)
     registry = site_envoy.interleaver.envoys
     prefix = f"{site_envoy.path}.{name}."
     for sub in module.modules():
