@@ -193,15 +193,14 @@ def protected_class(cls):
             raise AttributeError(f"Attribute '{name}' cannot be set after initialization")
         return cls.__delattr__(self, name)
 
-    def __getattribute__(self, name):
-        if name == "to" and PROTECTED[0]:
-            refused.append(["no .to on the model's modules", name, type(self).__name__])
-            raise ValueError(f"Attribute `{name}` cannot be accessed")
-        return cls.__getattribute__(self, name)
+    def to(self, *args, **kwargs):  # protect() refuses the attribute itself; a method is cheaper to override
+        if PROTECTED[0]:
+            refused.append(["no .to on the model's modules", "to", type(self).__name__])
+            raise ValueError("Attribute `to` cannot be accessed")
+        return cls.to(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__setattr__": __setattr__, "__delattr__": __delattr__,
-                                       "__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
+    return type(cls.__name__, (cls,), {"__setattr__": __setattr__, "__delattr__": __delattr__, "to": to,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 class ProtectedChildren(dict):

@@ -7,16 +7,21 @@ actor does with a request, using nnsight's own code for every step it can:
   raises ``ImportError`` for them), so everything our objects need must travel by value;
 - it builds its own model from the same seed (a tiny ``LlamaForCausalLM`` with Llama-3.1-8B's
   architecture: GQA, llama3 rope scaling), fresh, with nothing attached;
-- per request: ``model._remoteable_set_env(env)``, ``RequestModel.deserialize(blob,
-  model._remoteable_persistent_objects(), compress=...)``, ``tracer.execute(tracer.info.code)`` in a
-  trace scope, and it returns the saved values ``torch.save``-d, as the result blob is;
-- it records which modules unpickling resolves (to compare with NDIF's deserialization
-  whitelist), which imports our shipped code makes while running, and what is left attached to
-  the model afterwards.
+- per request, under NDIF's rules (pinned sources in ``nnsight_lorsa.ndif_rules`` and docs/remote.md, "NDIF's
+  rules"): a request larger than the queue takes (``pickle.dumps`` of body + envelope above
+  ``max_request_bytes``) is refused before it is unpickled; ``model._remoteable_set_env(env)``;
+  ``RequestModel.deserialize(blob, model._remoteable_persistent_objects(), compress=...)`` with an unpickler whose
+  ``find_class`` (and cloudpickle's ``subimport``/``dynamic_subimport``) refuse a module outside NDIF's unpickling
+  whitelist by full dotted name; ``tracer.execute(tracer.info.code)`` in a trace scope with ``builtins.__import__``
+  checking every import against the run-time whitelist (a refused module raises on first use, as NDIF's does) and
+  the model's modules refusing ``setattr``, a mounted child and ``.to`` (NDIF's ``protect()``); it returns the saved
+  values ``torch.save``-d, as the result blob is;
+- it records which modules unpickling resolves, every import made while running (with its caller), each rule a
+  request broke, and what is left attached to the model afterwards.
 
-What it does not reproduce (NDIF's source, ``ndif-team/ndif``): the Ray/queue/websocket transport,
-the ``Protector`` sandbox (import hook, stripped builtins, attribute guards, audit hook), the
-``ProtectedObject`` wrapping of the model's modules, the CUDA placement and bf16 autocast.
+What it does not reproduce: the Ray/queue/websocket transport, the ``ProtectedModule`` attribute checks on imported
+modules, the stripped builtins, the audit hook, the copies ``protect()`` hands out for tensor/list/dict attributes,
+the CUDA placement and bf16 autocast.
 
 The trace requests are serialized by nnsight itself: ``MeasuredRemoteBackend`` (a subclass of
 nnsight's ``RemoteBackend``) calls ``RemoteBackend._serialize`` -- ``pull_env()`` then
@@ -43,14 +48,15 @@ from loopback import (
 
 # ---------------------------------------------------------------- (a) strict loopback: replace
 REPLACE_CLIENT = r'''
-import json, torch, nnsight
+import fractions, json, torch, nnsight
 from loopback import LoopbackServer, build_model
 from helpers import make_lorsa
 from helpers import random_ids
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.remote import register, remote_backend
+from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
 
-server = LoopbackServer()
+LIMIT = 300_000  # the queue's limit (Redis proto-max-bulk-len), small: a replace request is ~0.1 MB
+server = LoopbackServer(max_request_bytes=LIMIT)
 model, hf = build_model()
 lorsas = LorsaSet(model, {1: make_lorsa(hf, get_adapter(model))})
 register()
@@ -78,6 +84,49 @@ with model.trace(ids, backend=backend_err):
     lorsas.replace(layer=1, error=True)
     logits_err = nnsight.save(model.lm_head.output)
 second = server.run(backend_err.blob, backend_err.envelope.model_dump())
+
+# ---- the loopback's strictness itself (the same server: its queue takes LIMIT bytes)
+strict = {}
+
+def send(name, sb):
+    resp = server.run(sb.blob, sb.envelope.model_dump())
+    strict[name] = {k: resp[k] for k in ("error", "refused", "queued_bytes", "extra_modules", "resolved_modules")}
+    strict[name]["saved"] = sorted(resp["saves"] or ())
+
+sb = remote_backend(model, dry_run=True)                  # control: a plain request passes
+with model.trace(ids, backend=sb):
+    logits = nnsight.save(model.lm_head.output)
+send("plain", sb)
+
+sb = remote_backend(model, dry_run=True)                  # an import the run-time whitelist lacks
+with model.trace(ids, backend=sb):
+    import pathlib
+    where = nnsight.save(str(pathlib.PurePosixPath("a") / "b"))
+send("runtime_import", sb)
+
+third = fractions.Fraction(1, 3)                               # unpickling resolves a module outside the list
+try:                                                           # the client refuses it before sending ...
+    with model.trace(ids, backend=remote_backend(model, dry_run=True)):
+        scaled = nnsight.save(model.lm_head.output * float(third))
+except NotWhitelistedError as e:
+    strict["client_refused"] = e.modules
+sb = remote_backend(model, dry_run=True, check_rules=False)   # ... and the server when it is sent anyway
+with model.trace(ids, backend=sb):
+    scaled = nnsight.save(model.lm_head.output * float(third))
+send("unpickle", sb)
+
+sb = remote_backend(model, dry_run=True)                  # a child module mounted on a module of the model
+with model.trace(ids, backend=sb):
+    model.model.layers[0].extra = torch.nn.Linear(2, 2)
+    mounted = nnsight.save(model.lm_head.output)
+send("mount", sb)
+
+big = torch.randn(100_000, generator=torch.Generator().manual_seed(0))  # 400 KB, incompressible: above LIMIT
+sb = remote_backend(model, dry_run=True)
+with model.trace(ids, backend=sb):
+    shifted = nnsight.save(model.lm_head.output + big[0])
+send("oversized", sb)
+strict["oversized"]["blob"] = len(sb.blob)
 server.close()
 
 def diff(saves, name, ref):
@@ -101,13 +150,20 @@ out["replace"]["diff_logits"] = diff(first["saves"], "logits", local["logits"])
 out["replace"]["equal"] = bool(first["saves"]) and all(torch.equal(first["saves"][k], local[k]) for k in local)
 out["error_term"]["diff_logits_vs_clean"] = diff(second["saves"], "logits_err", clean)
 out["error_term"]["max_abs_logit"] = float(clean.float().abs().max())
+out["strict"] = strict
 print(json.dumps(out))
 '''
 
 
 @pytest.fixture(scope="module")
 def replace_loopback() -> dict:
+    """One client and one loopback server (each a fresh interpreter) for the replace flow and the strictness checks."""
     return run_client(REPLACE_CLIENT)
+
+
+@pytest.fixture(scope="module")
+def strict_loopback(replace_loopback: dict) -> dict:
+    return replace_loopback["strict"]
 
 
 def _non_whitelisted(modules: list[str]) -> set[str]:
@@ -151,67 +207,6 @@ def test_request_resolves_only_ndif_whitelisted_modules(replace_loopback: dict) 
 
 
 # ---------------------------------------------------------------- the loopback's strictness itself
-STRICT_CLIENT = r"""
-import fractions, json, torch, nnsight
-from loopback import LoopbackServer, build_model
-from helpers import random_ids
-from nnsight_lorsa.remote import NotWhitelistedError, remote_backend
-
-LIMIT = 300_000
-server = LoopbackServer(max_request_bytes=LIMIT)
-model, hf = build_model()
-ids = random_ids()
-out = {}
-
-def send(name, backend):
-    resp = server.run(backend.blob, backend.envelope.model_dump())
-    out[name] = {k: resp[k] for k in ("error", "refused", "queued_bytes", "extra_modules", "resolved_modules")}
-    out[name]["saved"] = sorted(resp["saves"] or ())
-
-backend = remote_backend(model, dry_run=True)                  # control: a plain request passes
-with model.trace(ids, backend=backend):
-    logits = nnsight.save(model.lm_head.output)
-send("plain", backend)
-
-backend = remote_backend(model, dry_run=True)                  # an import the run-time whitelist lacks
-with model.trace(ids, backend=backend):
-    import pathlib
-    where = nnsight.save(str(pathlib.PurePosixPath("a") / "b"))
-send("runtime_import", backend)
-
-third = fractions.Fraction(1, 3)                               # unpickling resolves a module outside the list
-try:                                                           # the client refuses it before sending ...
-    with model.trace(ids, backend=remote_backend(model, dry_run=True)):
-        scaled = nnsight.save(model.lm_head.output * float(third))
-except NotWhitelistedError as e:
-    out["client_refused"] = e.modules
-backend = remote_backend(model, dry_run=True, check_rules=False)   # ... and the server when it is sent anyway
-with model.trace(ids, backend=backend):
-    scaled = nnsight.save(model.lm_head.output * float(third))
-send("unpickle", backend)
-
-backend = remote_backend(model, dry_run=True)                  # a child module mounted on a module of the model
-with model.trace(ids, backend=backend):
-    model.model.layers[0].extra = torch.nn.Linear(2, 2)
-    mounted = nnsight.save(model.lm_head.output)
-send("mount", backend)
-
-big = torch.randn(100_000, generator=torch.Generator().manual_seed(0))  # 400 KB, incompressible: above LIMIT
-backend = remote_backend(model, dry_run=True)
-with model.trace(ids, backend=backend):
-    shifted = nnsight.save(model.lm_head.output + big[0])
-send("oversized", backend)
-out["oversized"]["blob"] = len(backend.blob)
-server.close()
-print(json.dumps(out))
-"""
-
-
-@pytest.fixture(scope="module")
-def strict_loopback() -> dict:
-    return run_client(STRICT_CLIENT)
-
-
 def test_loopback_runs_a_plain_request(strict_loopback: dict) -> None:
     """The control for the refusals below: a plain nnsight request passes every rule."""
     plain = strict_loopback["plain"]
