@@ -505,3 +505,24 @@ def test_pickled_modules_reads_a_pickles_globals_without_unpickling_it() -> None
         check_request(pickle.dumps(fractions.Fraction(1, 3)))
     assert info.value.modules == ["fractions"] and "Nothing was sent" in str(info.value)
     assert check_request(pickle.dumps(collections.OrderedDict())) == {"collections"}
+
+
+def test_replace_leaves_the_models_modules_alone() -> None:
+    """NDIF refuses ``setattr`` on the model's modules: the Lorsa is an envoy of the trace, never a child module,
+    and its internals read as before."""
+    import nnsight
+
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+
+    model, lorsas = _tiny_set()
+    attention = hf_module(model).model.layers[1].self_attn
+    before = dict(attention._modules)
+    children = []
+    with model.trace(random_ids()):
+        site = lorsas.replace(layer=1)
+        children.append(sorted(attention._modules))
+        children.append(site.path)
+        z = nnsight.save(site.hook_z.output)
+    assert children == [sorted(before), "model.model.layers.1.self_attn.lorsa"] and "lorsa" not in before
+    assert attention._modules == before and z.shape[-1] == lorsas[1].cfg.n_ov_heads
+    assert "lorsa" not in model.model.layers[1].self_attn.__dict__  # the site's envoy forgot it after the trace
