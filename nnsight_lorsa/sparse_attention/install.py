@@ -90,9 +90,9 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
     for layer, attn in zip(gates, modules, strict=True):
         gates[layer].train(attn.training)
         if is_envoy(model):
-            from ..envoy.nnsight_internals import attach
+            from ..envoy.nnsight_internals import mount
 
-            attach(model.get(adapter.attention_path(layer)), GATE_NAME, gates[layer])
+            mount(model.get(adapter.attention_path(layer)), GATE_NAME, gates[layer])
         else:
             attn.add_module(GATE_NAME, gates[layer])
     return gates
@@ -111,11 +111,11 @@ def uninstall_gated_attention(model: Any) -> None:
     for layer in range(adapter.n_layers):
         attn = adapter.attention_module(hf, layer)
         if is_envoy(model):
-            from ..envoy.nnsight_internals import detach
+            from ..envoy.nnsight_internals import unmount
 
             gate = child(attn, GATE_NAME)
             assert gate is not None
-            detach(model.get(adapter.attention_path(layer)), GATE_NAME, gate, True)
+            unmount(model.get(adapter.attention_path(layer)), GATE_NAME, gate, True)
         else:
             remove_child(attn, GATE_NAME)
     set_attn_implementation(hf, getattr(hf, _DENSE_ATTR))
