@@ -1,10 +1,14 @@
 """``ReplacementSet``: replacement modules of one nnsight model, keyed by where they go.
 
-The shared shape of :class:`~.transcoder_set.TranscoderSet` (keyed by layer) and
-:class:`~.sae_set.SAESet` (keyed by site path): a read-only mapping checked on insertion, and
-``replace(key=None, error=False)`` that splices one, several or all of them into the current
-trace. Subclasses say how a key and module are checked (:meth:`ReplacementSet.check`) and how
-one is spliced (:meth:`ReplacementSet.splice_one`).
+The one contract of every replacement kind — :class:`~.lorsa_set.LorsaSet` and
+:class:`~.transcoder_set.TranscoderSet` (keyed by layer), :class:`~.sae_set.SAESet` (keyed by site
+path), :class:`~.clt_set.CLTSet` (one key, ``"clt"``): a read-only mapping checked on insertion
+(:attr:`~ReplacementSet.module_type`, :meth:`~ReplacementSet.check`), ``replace(key=None, error=False)``
+that splices one, several or all of them into the current trace (:meth:`~ReplacementSet.site`: the
+splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`),
+copy / cast (:meth:`~ReplacementSet.subset`), ``save`` / ``from_pretrained``, and the bundle's hooks
+(:attr:`~ReplacementSet.slot`, :meth:`~ReplacementSet.feature_module`, :meth:`~ReplacementSet.envoys`).
+Callers (the bundle, ``evaluate``, ``remote``) use these and never branch on the kind.
 """
 
 from __future__ import annotations
@@ -141,6 +145,11 @@ class ReplacementSet(Generic[K, M]):
     key_type: type = object
     #: what the set holds, for messages.
     what: str = "replacement"
+    #: the module class the set holds (checked on insertion); the kind registry
+    #: (:mod:`.replacement_model`) maps a module to its set through it.
+    module_type: type = nn.Module
+    #: the :class:`~.replacement_model.ReplacementModel` attribute a set of this kind is held in.
+    slot: str = ""
 
     def __init__(self, model: Any, modules: Mapping[K, M] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:
@@ -149,6 +158,11 @@ class ReplacementSet(Generic[K, M]):
         self.update(modules or {})
 
     # ------------------------------------------------------------ subclasses
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        """The message refusing ``module`` (not a :attr:`module_type`) at ``key``."""
+        return (f"{type(self).__name__} holds {self.module_type.__name__} modules; got a {type(module).__name__} "
+                f"for {key!r}")
+
     def check(self, key: Any, module: M) -> K:
         """Validate ``(key, module)`` for this model and return the normalised key."""
         return key
@@ -184,6 +198,20 @@ class ReplacementSet(Generic[K, M]):
         """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size."""
         module: Any = self[key]
         return int(module.cfg.d_sae)
+
+    def feature_module(self, target: Any) -> Any:
+        """The module whose latents a :class:`~.targets.Feature` ``target`` (``target.site``: a key) indexes.
+
+        Raises:
+            LayerOutOfRangeError, ConfigMismatchError: no module at ``target.site`` (the set's :meth:`missing`);
+            a CLT set always (its features are not intervention targets).
+        """
+        return self[target.site]
+
+    def envoys(self, spliced: dict[K, Any]) -> Any:
+        """What :meth:`~.replacement_model.ReplacementModel.replace` returns for this set, given the
+        envoys ``{key: envoy}`` of its spliced modules: that dict (a CLT set: its one envoy)."""
+        return spliced
 
     def latents_and_output(self, envoy: Any) -> tuple[Any, Any]:
         """``(latents, output)`` envoy values of a spliced module (``replace``'s return): what ``evaluate``
@@ -260,6 +288,8 @@ class ReplacementSet(Generic[K, M]):
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
+        if not isinstance(module, self.module_type):
+            raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
         device, _ = site_placement(self.model, self.site_path(k))
         if device is not None:  # before insertion: a module that cannot be placed is not added

@@ -64,6 +64,12 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
 
     key_type = str
     what = "SAE"
+    module_type = SparseAutoencoder
+    slot = "saes"
+
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"SAESet holds SparseAutoencoder modules; got a {type(module).__name__} for site {key!r} "
+                "(transcoders go in a TranscoderSet, Lorsas in a LorsaSet)")
 
     def __init__(self, model: Any, saes: dict[str, SparseAutoencoder] | None = None, adapter: Any = None) -> None:
         super(SAESet, self).__init__(model, saes, adapter)

@@ -49,6 +49,12 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     key_type = int
     what = "transcoder"
+    module_type = Transcoder
+    slot = "transcoders"
+
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"TranscoderSet holds Transcoder / SkipTranscoder modules; got a {type(module).__name__} for layer "
+                f"{key!r} (SAEs go in an SAESet, a cross-layer transcoder in a CLTSet)")
 
     def __init__(self, model: Any, transcoders: dict[int, Transcoder] | None = None, adapter: Any = None) -> None:
         super(TranscoderSet, self).__init__(model, transcoders, adapter)
@@ -74,6 +80,16 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     @property
     def layers(self) -> list[int]:
         return list(self)
+
+    def feature_module(self, target: Any) -> Transcoder:
+        """The transcoder at layer ``target.site``.
+
+        Raises:
+            LayerOutOfRangeError: ``target.site`` is not an int layer, or the set has no transcoder there.
+        """
+        if not isinstance(target.site, int):
+            raise LayerOutOfRangeError(f"a transcoder feature's site is a layer (int), got {target.site!r}")
+        return self[target.site]
 
     def site(self, layer: int) -> SpliceSite:
         """How layer ``layer``'s MLP is spliced (its path, input and output handling)."""
