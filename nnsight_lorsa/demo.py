@@ -295,7 +295,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .envoy.read import attention_activations
     from .modules.lorsa import Lorsa
     from .modules.lorsa_config import LorsaConfig
-    from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
+    from .training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer, evaluate
 
     _check_config(cfg)
     if cfg.threads is not None:
@@ -342,7 +342,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
     if cfg.resume is None:
-        trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
+        trainer = Trainer(LorsaObjective(lorsa, mhsa=mhsa), source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr))
     else:
         from .errors import CheckpointError
 

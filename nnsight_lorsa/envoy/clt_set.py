@@ -59,6 +59,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
     what = "cross-layer transcoder"
     module_type = CrossLayerTranscoder
     slot = "transcoders"
+    spans_layers = True
 
     def __init__(self, model: Any, clt: CrossLayerTranscoder, adapter: ArchitectureAdapter | None = None) -> None:
         super(CLTSet, self).__init__(model, {KEY: clt}, adapter)

@@ -150,6 +150,9 @@ class ReplacementSet(Generic[K, M]):
     module_type: type = nn.Module
     #: the :class:`~.replacement_model.ReplacementModel` attribute a set of this kind is held in.
     slot: str = ""
+    #: one module replaces every site of a chain at once (a CLT: every MLP), measured per layer by
+    #: ``evaluate``; False: each key is one site.
+    spans_layers: bool = False
 
     def __init__(self, model: Any, modules: Mapping[K, M] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:

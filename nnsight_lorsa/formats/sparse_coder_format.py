@@ -53,14 +53,11 @@ __all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "load_spa
 
 
 def _kind_of(module: nn.Module) -> str:
-    if isinstance(module, CrossLayerTranscoder):
-        return "clt"
-    if isinstance(module, SkipTranscoder):
-        return "skip_transcoder"
-    if isinstance(module, Transcoder):
-        return "transcoder"
-    if isinstance(module, SparseAutoencoder):
-        return "sae"
+    """The :data:`KINDS` tag of ``module``: its class's, else its nearest base class's in the table."""
+    tags = {cls: tag for tag, (cls, _) in KINDS.items()}
+    for cls in type(module).__mro__:
+        if cls in tags:
+            return tags[cls]
     raise CheckpointError(f"save_sparse_coder: cannot save a {type(module).__name__}")
 
 
