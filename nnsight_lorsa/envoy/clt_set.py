@@ -118,7 +118,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = site_placement(model, "")[1]
         clt = load(path_or_repo_id, format=format, d_model=adapter.d_model, **kwargs)
-        if not isinstance(clt, cls.module_type):
+        if not cls.holds(clt):
             raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
         return cls(model, clt, adapter)
 

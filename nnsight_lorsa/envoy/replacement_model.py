@@ -58,7 +58,7 @@ def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, slot: str) 
     if isinstance(value, Mapping):
         return kinds[0](model, dict(value), adapter=adapter)
     whole = _WHOLE.get(slot)
-    if whole is not None and isinstance(value, whole.module_type):
+    if whole is not None and whole.holds(value):
         return whole(model, value, adapter=adapter)
     raise ConfigMismatchError(f"{slot} must be a {kinds[0].__name__} or a mapping, got {type(value).__name__}")
 

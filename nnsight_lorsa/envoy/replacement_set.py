@@ -120,7 +120,7 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     names: dict = {}
     for key, src in items:
         for name, module in load_all(src, format=format, **kwargs).items():
-            if not isinstance(module, module_type):
+            if not isinstance(module, module_type):  # the set's kind (its ``module_type``)
                 raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
             k = key if key is not None else key_of(name, module)
             if k is None:
@@ -159,6 +159,11 @@ class ReplacementSet(Generic[K, M]):
         self.model, self.adapter = model, adapter or get_adapter(model)
         self._by_key: dict[K, M] = {}
         self.update(modules or {})
+
+    @classmethod
+    def holds(cls, module: Any) -> bool:
+        """Whether ``module`` is of the kind this set holds (a :attr:`module_type`): every set's one kind check."""
+        return isinstance(module, cls.module_type)
 
     # ------------------------------------------------------------ subclasses
     def wrong_kind(self, key: Any, module: Any) -> str:
@@ -291,7 +296,7 @@ class ReplacementSet(Generic[K, M]):
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
-        if not isinstance(module, self.module_type):
+        if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
         device, _ = site_placement(self.model, self.site_path(k))
