@@ -29,7 +29,7 @@ from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..modules.clt import CrossLayerTranscoder
 from .replacement_set import ReplacementSet, check_flag, site_placement
-from .splice_chain import SpliceChain, splice_chain
+from .splice_chain import SpliceChain
 
 #: the one key of a CLTSet
 KEY = "clt"
@@ -158,9 +158,6 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             set_output=adapter.with_mlp_output,
             error_hook=lambda module, layer: module.get_submodule(f"hook_error.{layer}"),
         )
-
-    def splice_one(self, key: str, module: CrossLayerTranscoder, error: bool) -> Any:
-        return splice_chain(self.model, self.site(key), module, error=error)
 
     def replace(self, key: Any = None, *, error: bool = False) -> Any:
         """Replace the output of every MLP ``0 … n_layers−1`` by the CLT's, in the current trace only.

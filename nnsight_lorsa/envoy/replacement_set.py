@@ -26,6 +26,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
 from .nnsight_internals import hf_module
+from .splice_chain import SpliceChain, splice_chain
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
@@ -183,10 +184,9 @@ class ReplacementSet(Generic[K, M]):
         """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
         raise NotImplementedError
 
-    def site(self, key: K) -> Any:
-        """How the module at ``key`` is spliced: a :class:`~.splice_chain.SpliceChain` (or one-site
-        :class:`~.splice.SpliceSite`), whose ``get_output`` / ``set_output`` read and replace the
-        site's output."""
+    def site(self, key: K) -> SpliceChain:
+        """How the module at ``key`` is spliced: a :class:`~.splice_chain.SpliceChain` (its sites, the step,
+        and ``get_output`` / ``set_output``, which read and replace a site's output)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ copy / cast
@@ -291,8 +291,8 @@ class ReplacementSet(Generic[K, M]):
                 place(module, device, self.site_path(k))
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
-        """Splice ``module`` at ``key`` into the current trace; return its envoy."""
-        raise NotImplementedError
+        """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
+        return splice_chain(self.model, self.site(key), module, error=error)
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
