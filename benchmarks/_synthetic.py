@@ -162,7 +162,7 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
                 n_ov: int, top_k: int, retrain: bool, extra: dict[str, Any] | None = None) -> tuple[LorsaSet, dict]:
     """A Lorsa on ``layer``'s attention (``Trainer``, 32 rows a batch, lr 4e-3), cached in ``cache``;
     ``info`` has its config, ``train_seconds`` and ``evaluate`` on ``held_rows`` (FVU, L0, dead, CE)."""
-    from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
+    from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer, evaluate
 
     adapter = get_adapter(model)
     mhsa = adapter.mhsa_weights(model._module, layer)
@@ -172,7 +172,7 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     lcfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=n_ov, top_k=top_k, qk_heads_per_mhsa_head=4, layer=layer,
                                  architecture=adapter.family)
     source = ActivationSource.attention(model, layer, TokenDataset(train_rows), 32, seed=0)
-    trainer = Trainer(Lorsa(lcfg), source, TrainConfig(total_steps=steps, lr=4e-3), mhsa=mhsa)
+    trainer = Trainer(LorsaObjective(Lorsa(lcfg), mhsa=mhsa), source, TrainConfig(total_steps=steps, lr=4e-3))
     trainer.train(progress=False)
     folded = trainer.folded()
     assert isinstance(folded, Lorsa)

@@ -33,7 +33,7 @@ from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
 from nnsight_lorsa.demo import DemoConfig, load_model  # noqa: E402
 from nnsight_lorsa.modules.lorsa import Lorsa  # noqa: E402
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig  # noqa: E402
-from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer  # noqa: E402
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer  # noqa: E402
 
 
 def unguarded_step(self: Trainer) -> dict[str, float]:
@@ -86,8 +86,8 @@ def main() -> None:
     trainers = {}
     for name in ("guarded", "unguarded"):
         torch.manual_seed(0)
-        trainers[name] = Trainer(Lorsa(lcfg, device=args.device), source,
-                                 TrainConfig(total_steps=demo.steps, lr=demo.lr), mhsa=mhsa)
+        trainers[name] = Trainer(LorsaObjective(Lorsa(lcfg, device=args.device), mhsa=mhsa),
+                                 source, TrainConfig(total_steps=demo.steps, lr=demo.lr))
         trainers[name].estimate_norms()  # the recipe's init draws from the global generator: seeded for each
     steps = {"guarded": Trainer.train_step, "unguarded": unguarded_step}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)

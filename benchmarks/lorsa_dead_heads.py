@@ -21,7 +21,7 @@ import lorsa_recipe as B  # noqa: E402
 from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter  # noqa: E402
 from nnsight_lorsa.envoy import load_model  # noqa: E402
 from nnsight_lorsa.envoy.read import Site  # noqa: E402
-from nnsight_lorsa.training import ActivationSource, LorsaRecipe, TrainConfig, Trainer  # noqa: E402
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, LorsaRecipe, TrainConfig, Trainer  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +36,8 @@ def main() -> None:
     cfg = LorsaConfig.from_mhsa(mhsa, n_ov_heads=1024, top_k=16, qk_heads_per_mhsa_head=4, layer=layer)
     source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
                               seed=0)
-    trainer = Trainer(Lorsa(cfg), source, TrainConfig(total_steps=steps, **tc), mhsa=mhsa,
-                      lorsa_recipe=LorsaRecipe(**rc))
+    trainer = Trainer(LorsaObjective(Lorsa(cfg), mhsa=mhsa, recipe=LorsaRecipe(**rc)),
+                      source, TrainConfig(total_steps=steps, **tc))
     ids = torch.arange(held.n_windows)
     X, Y, M = held.windows("x", ids), held.windows("y", ids), held.windows("loss_mask", ids)
 

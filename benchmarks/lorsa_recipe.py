@@ -43,6 +43,7 @@ from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import (
     ActivationCache,
     ActivationSource,
+    LorsaObjective,
     LorsaRecipe,
     TokenDataset,
     TrainConfig,
@@ -202,8 +203,8 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
     source = ActivationSource(train_cache, Site.attn_input(a, layer), Site.attn_output(a, layer), batch_size=16,
                               seed=seed)
     t0 = time.time()
-    trainer = Trainer(lorsa, source, TrainConfig(total_steps=steps, **tc_over), mhsa=mhsa if use_mhsa else None,
-                      lorsa_recipe=LorsaRecipe(**recipe_over))
+    trainer = Trainer(LorsaObjective(lorsa, mhsa=mhsa if use_mhsa else None, recipe=LorsaRecipe(**recipe_over)),
+                      source, TrainConfig(total_steps=steps, **tc_over))
     trainer.train(progress=False)
     wall = time.time() - t0
     folded = trainer.folded()

@@ -303,7 +303,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .envoy.read import attention_activations
     from .modules.lorsa import Lorsa
     from .modules.lorsa_config import LorsaConfig
-    from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
+    from .training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer, evaluate
 
     _check_config(cfg)
     token_file = None
@@ -364,13 +364,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
     if cfg.resume is None:
-        trainer = Trainer(lorsa, source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr), mhsa=mhsa)
+        trainer = Trainer(LorsaObjective(lorsa, mhsa=mhsa), source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr))
     else:
         from .errors import CheckpointError
 
         trainer = Trainer.resume(cfg.resume, source, device=mhsa.W_O.device)
         saved = getattr(trainer.module, "cfg", None)
-        if not isinstance(trainer.module, Lorsa) or saved is None or saved.to_dict() != lcfg.to_dict():
+        if saved is None or saved.to_dict() != lcfg.to_dict():  # another kind's config differs too
             raise CheckpointError(f"--resume {cfg.resume}: its Lorsa is not the one these arguments train "
                                   "(give the interrupted run's --model, --text, --layer and Lorsa sizes)")
         print(f"resuming from {cfg.resume} at step {trainer.step} of {trainer.config.total_steps}")
@@ -380,8 +380,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     except KeyboardInterrupt:
         raise _save_interrupted(trainer, model, layer, out) from None
     t_train = time.time() - t0
-    folded = trainer.folded()
-    assert isinstance(folded, Lorsa)
+    folded: Any = trainer.folded()  # the trained Lorsa (LorsaSet refuses another kind)
     lorsas = LorsaSet(model, {layer: folded})
     result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": trainer.config.total_steps,
                               "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1),

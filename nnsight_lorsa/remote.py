@@ -37,8 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .envoy.clt_set import CLTSet
-from .envoy.lorsa_set import LorsaSet
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
     block_names,
@@ -271,10 +269,9 @@ def _named_tensors(obj: Any, name: str, depth: int = 0) -> Iterator[tuple[str, t
     if isinstance(obj, torch.Tensor):
         yield name, obj, None
     elif isinstance(obj, ReplacementModel):
-        for part in ("lorsas", "transcoders", "saes"):
-            if getattr(obj, part) is not None:
-                yield from _named_tensors(getattr(obj, part), part, depth + 1)
-    elif isinstance(obj, (ReplacementSet, CLTSet)):  # every replacement kind, through the set contract
+        for slot, s in obj.sets():
+            yield from _named_tensors(s, slot, depth + 1)
+    elif isinstance(obj, ReplacementSet):  # every replacement kind, through the set contract
         for key, module in obj.items():
             for sub, t, _ in _named_tensors(module, f"{name}{obj.label(key)}", depth + 1):
                 yield sub, t, (key if isinstance(key, int) else None)
@@ -328,24 +325,28 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
         obj: a :class:`~nnsight_lorsa.ReplacementModel`, a replacement set, a module (a
             :class:`Lorsa`), a tensor, or a dict/list/tuple of those. Model weights (modules nnsight
             sends by reference) and envoys count 0.
-        layers: with a ReplacementModel or a LorsaSet, only these layers (what :func:`for_remote`
+        layers: with a ReplacementModel or a replacement set, only these layers (what :func:`for_remote`
             would keep).
         serialize: also measure the exact size with nnsight's serializer
             (:func:`serialized_size`; includes this package's source when :func:`register` was called).
-        name: how to name ``obj`` in the report (default ``"lorsas"`` for a LorsaSet, else ``"obj"``).
+        name: how to name ``obj`` in the report (default: a set's ``ReplacementModel`` attribute,
+            ``"lorsas"`` for a LorsaSet, ``"transcoders"``, ``"saes"``; else ``"obj"``).
 
     Raises:
-        LayerOutOfRangeError: a layer the LorsaSet does not have.
-        ValueError: ``layers`` given for something other than a ReplacementModel or a LorsaSet.
+        LayerOutOfRangeError: a layer the set does not have.
+        ValueError: ``layers`` given for something other than a ReplacementModel or a replacement set.
     """
     if layers is not None:
         if isinstance(obj, ReplacementModel):
             obj = _select(obj, layers)
-        elif isinstance(obj, LorsaSet):
-            obj = _select(ReplacementModel(obj.model, lorsas=obj, adapter=obj.adapter), layers).lorsas
+        elif isinstance(obj, ReplacementSet):
+            sets: dict[str, Any] = {obj.slot: obj}
+            bundle = ReplacementModel(obj.model, **sets, adapter=obj.adapter)
+            obj = getattr(_select(bundle, layers), obj.slot)
         else:
-            raise ValueError(f"layers= applies to a ReplacementModel or a LorsaSet, not to {type(obj).__name__}")
-    label = name or ("lorsas" if isinstance(obj, LorsaSet) else "obj")
+            raise ValueError(f"layers= applies to a ReplacementModel or a replacement set, not to "
+                             f"{type(obj).__name__}")
+    label = name or (obj.slot if isinstance(obj, ReplacementSet) else "obj")
     report = _report_from(_named_tensors(obj, label))
     if serialize:
         from nnsight import CONFIG
@@ -392,8 +393,7 @@ def check_payload(obj: Any, cap_bytes: Any = None, layers: int | Iterable[int] |
 
 # ------------------------------------------------------------------ what to send
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
-    have = sorted({k for s in (replacement.lorsas, replacement.transcoders, replacement.saes) if s is not None
-                   for k, _ in s.items() if isinstance(k, int)})
+    have = sorted({k for _, s in replacement.sets() for k in s if isinstance(k, int)})
     chosen = have if layers is None else [layers] if isinstance(layers, int) else list(layers)
     for layer in chosen:
         if layer not in have:
@@ -406,12 +406,7 @@ def _select(replacement: ReplacementModel, layers: int | Iterable[int] | None,
             copy: Any = None) -> ReplacementModel:
     """``replacement`` with its per-layer sets cut to ``layers``, each module passed through ``copy``."""
     chosen = _layer_list(replacement, layers)
-
-    def cut(s: Any) -> Any:
-        return None if s is None else s.subset(chosen, copy)
-
-    return ReplacementModel(replacement.model, lorsas=cut(replacement.lorsas), transcoders=cut(replacement.transcoders),
-                            saes=cut(replacement.saes), error=replacement.error, adapter=replacement.adapter)
+    return replacement.with_sets(lambda s: s.subset(chosen, copy))
 
 
 def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torch.dtype:

@@ -23,44 +23,81 @@ from typing import Any
 
 import torch
 
-from .._placement import place, to_module
+from .._placement import to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..modules.clt import CrossLayerTranscoder
-from .replacement_set import check_flag, site_placement
-from .splice_chain import SpliceChain, splice_chain
+from .replacement_set import ReplacementSet, check_flag, site_placement
+from .splice_chain import SpliceChain
+
+#: the one key of a CLTSet
+KEY = "clt"
 
 
-class CLTSet:
+class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
     """A :class:`CrossLayerTranscoder` bound to a model whose first ``n_layers`` MLPs it replaces.
 
-    CLT layer ``l`` is model layer ``l``.
+    CLT layer ``l`` is model layer ``l``. A :class:`~.replacement_set.ReplacementSet` with one key,
+    ``"clt"`` (the mapping, placement, copy and labels of every set); ``replace()`` returns the CLT's
+    one envoy.
 
     Args:
         model: an nnsight ``TransformersModel``/``LanguageModel``.
-        clt: the cross-layer transcoder.
+        clt: the cross-layer transcoder. It is moved (in place) to the device of the first MLP it
+            replaces once the model's weights are loaded; its dtype is kept.
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter.
-        ConfigMismatchError: the CLT's ``d_model`` differs from the model's, or it spans more
-            layers than the model has.
+        ConfigMismatchError: not a CrossLayerTranscoder; its ``d_model`` differs from the model's, or it
+            spans more layers than the model has.
+        PlacementError: a CLT on the meta device for a model whose weights are loaded.
     """
 
     attach_name = "clt"
+    key_type = str
+    what = "cross-layer transcoder"
+    module_type = CrossLayerTranscoder
+    slot = "transcoders"
+    spans_layers = True
 
     def __init__(self, model: Any, clt: CrossLayerTranscoder, adapter: ArchitectureAdapter | None = None) -> None:
-        self.model = model
-        self.adapter = adapter if adapter is not None else get_adapter(model)
-        if not isinstance(clt, CrossLayerTranscoder):
-            raise ConfigMismatchError(f"CLTSet holds one CrossLayerTranscoder, got a {type(clt).__name__} "
-                                      "(per-layer transcoders go in a TranscoderSet)")
-        if clt.cfg.d_in != self.adapter.d_model:
-            raise ConfigMismatchError(f"CLT has d_model={clt.cfg.d_in}, the model has {self.adapter.d_model}")
-        if clt.n_layers > self.adapter.n_layers:
-            raise ConfigMismatchError(f"CLT spans {clt.n_layers} layers, the model has {self.adapter.n_layers}")
-        self.clt = clt
-        self.place()  # the CLT runs where its first MLP does (the splice moves outputs to each MLP's device)
+        super(CLTSet, self).__init__(model, {KEY: clt}, adapter)
+
+    @property
+    def clt(self) -> CrossLayerTranscoder:
+        """The cross-layer transcoder."""
+        return self[KEY]
+
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"CLTSet holds one CrossLayerTranscoder, got a {type(module).__name__} "
+                "(per-layer transcoders go in a TranscoderSet)")
+
+    def check(self, key: Any, module: CrossLayerTranscoder) -> str:
+        if key != KEY:
+            raise ConfigMismatchError(f"a CLTSet holds one CLT under the key {KEY!r}, got {key!r}")
+        if module.cfg.d_in != self.adapter.d_model:
+            raise ConfigMismatchError(f"CLT has d_model={module.cfg.d_in}, the model has {self.adapter.d_model}")
+        if module.n_layers > self.adapter.n_layers:
+            raise ConfigMismatchError(f"CLT spans {module.n_layers} layers, the model has {self.adapter.n_layers}")
+        return KEY
+
+    def missing(self, key: Any) -> Exception:
+        return ConfigMismatchError(f"a CLTSet holds one CLT under the key {KEY!r}, not {key!r}")
+
+    def site_path(self, key: str = KEY) -> str:
+        return self.adapter.mlp_path(0)  # the CLT runs where its first MLP does
+
+    def n_latents(self, key: str = KEY) -> int:
+        """``n_layers · d_sae``: every layer's features."""
+        return int(self.clt.n_layers * self.clt.cfg.d_sae)
+
+    def feature_module(self, target: Any) -> Any:
+        raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets; "
+                                  "use per-layer transcoders")
+
+    def envoys(self, spliced: dict[str, Any]) -> Any:
+        return spliced[KEY]
 
     @classmethod
     def from_pretrained(cls, model: Any, path_or_repo_id: Any, *, format: str = "auto", adapter: Any = None,
@@ -81,7 +118,7 @@ class CLTSet:
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = site_placement(model, "")[1]
         clt = load(path_or_repo_id, format=format, d_model=adapter.d_model, **kwargs)
-        if not isinstance(clt, CrossLayerTranscoder):
+        if not cls.holds(clt):
             raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
         return cls(model, clt, adapter)
 
@@ -92,12 +129,6 @@ class CLTSet:
 
         save(self.clt, directory)
 
-    # the replacement-set contract (ReplacementSet's mapping, copy and labels): one key, the CLT
-    key_type = str
-
-    def items(self) -> list[tuple[str, CrossLayerTranscoder]]:
-        return [("clt", self.clt)]
-
     def subset(self, keys: Any = None, transform: Any = None) -> CLTSet:
         """This CLT (it spans every MLP, so ``keys`` selects nothing), passed through ``transform``."""
         return CLTSet(self.model, self.clt if transform is None else transform(self.clt), self.adapter)
@@ -105,22 +136,15 @@ class CLTSet:
     def label(self, key: str) -> str:
         return ".clt"
 
-    def place(self) -> None:
-        """Move the CLT (in place) to the device of the first MLP it replaces (after moving the model)."""
-        device, _ = site_placement(self.model, self.adapter.mlp_path(0))
-        if device is not None:
-            place(self.clt, device, self.adapter.mlp_path(0))
-
     def __repr__(self) -> str:
         return f"CLTSet({self.adapter.family}, n_layers={self.clt.n_layers}, d_sae={self.clt.cfg.d_sae})"
 
-    def site(self) -> SpliceChain:
+    def site(self, key: str = KEY) -> SpliceChain:
         """The chain of MLP sites ``0 … n_layers−1`` and the per-layer step."""
         adapter = self.adapter
 
-        def step(module: torch.nn.Module, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
+        def step(module: Any, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  acts: dict) -> torch.Tensor:
-            assert isinstance(module, CrossLayerTranscoder)
             xm = to_module(adapter.mlp_input(args, kwargs), module)  # the CLT's device and dtype
             acts[layer] = module.encode_layer(xm, layer)
             return module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
@@ -135,7 +159,7 @@ class CLTSet:
             error_hook=lambda module, layer: module.get_submodule(f"hook_error.{layer}"),
         )
 
-    def replace(self, *, error: bool = False) -> Any:
+    def replace(self, key: Any = None, *, error: bool = False) -> Any:
         """Replace the output of every MLP ``0 … n_layers−1`` by the CLT's, in the current trace only.
 
         Call inside ``model.trace(...)`` before anything at or after layer 0's MLP is read.
@@ -146,6 +170,7 @@ class CLTSet:
         features changes every MLP output ``l' ≥ l``.
 
         Args:
+            key: None or ``"clt"`` (the set's one key).
             error: add at every MLP the exact error term ``MLP_l − CLT_l`` computed without edits
                 (through ``hook_error[l]``): the model's outputs are then the unmodified model's,
                 while edits to the features still change them (the errors are held fixed).
@@ -154,4 +179,5 @@ class CLTSet:
             TraceOrderError: the model already ran one of the MLPs in this pass.
             TraceOrderError: called outside a trace.
         """
-        return splice_chain(self.model, self.site(), self.clt, error=check_flag(error, "error", "CLTSet.replace"))
+        check_flag(error, "error", "CLTSet.replace")
+        return self.splice_one(KEY, self[KEY if key is None else key], error)

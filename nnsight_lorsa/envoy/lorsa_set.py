@@ -85,15 +85,18 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
     key_type = int
     what = "Lorsa"
+    module_type = Lorsa
+    slot = "lorsas"
 
     def __init__(self, model: Any, lorsas: Mapping[int, Lorsa] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:
         super(LorsaSet, self).__init__(model, lorsas, adapter)
 
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"LorsaSet holds Lorsa modules; got a {type(module).__name__} for layer {key!r} (transcoders go "
+                "in a TranscoderSet, SAEs in an SAESet)")
+
     def check(self, key: Any, module: Lorsa) -> int:
-        if not isinstance(module, Lorsa):
-            raise ConfigMismatchError(f"LorsaSet holds Lorsa modules; got a {type(module).__name__} for layer "
-                                      f"{key!r} (transcoders go in a TranscoderSet, SAEs in an SAESet)")
         layer = self.adapter.check_layer(key)
         cfg = module.cfg
         if cfg.d_model != self.adapter.d_model:
@@ -175,7 +178,6 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
-            assert isinstance(module, Lorsa)
             x = to_module(adapter.attention_input(args, kwargs), module)  # the Lorsa's device and dtype
             positions = adapter.attention_positions(args, kwargs, x).to(x.device)
             mask = adapter.attention_mask(args, kwargs)

@@ -27,12 +27,11 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
-from ..modules.clt import CrossLayerTranscoder
+from ..errors import ConfigMismatchError, ShapeError
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
 from .nnsight_internals import check_one_thread, hf_module
-from .replacement_set import check_flag
+from .replacement_set import ReplacementSet, check_flag
 from .sae_set import SAESet
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
 from .transcoder_set import TranscoderSet
@@ -41,15 +40,27 @@ from .transcoder_set import TranscoderSet
 OUTPUT_PROJECTIONS = ("o_proj", "dense", "c_proj", "out_proj")
 
 
-def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, set_type: type, what: str) -> Any:
-    """``value`` as a replacement set of ``model``: a set of this model as it is, a mapping wrapped."""
-    if value is None or isinstance(value, set_type):
+#: The kind registry: each :class:`ReplacementModel` attribute (a set's ``slot``) and the set kinds it holds;
+#: a mapping given for it becomes the first, a single module the kind whose set holds one (a CLT: ``CLTSet``).
+SLOTS: dict[str, tuple[type[ReplacementSet], ...]] = {
+    "lorsas": (LorsaSet,), "transcoders": (TranscoderSet, CLTSet), "saes": (SAESet,)}
+_WHOLE: dict[str, type[CLTSet]] = {"transcoders": CLTSet}
+
+
+def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, slot: str) -> Any:
+    """``value`` as a replacement set of ``model`` for ``slot``: a set of this model as it is, a mapping
+    wrapped in the slot's set, a module that a one-module set holds (a CLT) bound in it."""
+    kinds = SLOTS[slot]
+    if value is None or isinstance(value, kinds):
         if value is not None and getattr(value, "model", model) is not model:
-            raise ConfigMismatchError(f"the {what} belong to another model than this ReplacementModel's")
+            raise ConfigMismatchError(f"the {slot} belong to another model than this ReplacementModel's")
         return value
     if isinstance(value, Mapping):
-        return set_type(model, dict(value), adapter=adapter)
-    raise ConfigMismatchError(f"{what} must be a {set_type.__name__} or a mapping, got {type(value).__name__}")
+        return kinds[0](model, dict(value), adapter=adapter)
+    whole = _WHOLE.get(slot)
+    if whole is not None and whole.holds(value):
+        return whole(model, value, adapter=adapter)
+    raise ConfigMismatchError(f"{slot} must be a {kinds[0].__name__} or a mapping, got {type(value).__name__}")
 
 
 class ReplacementModel:
@@ -78,18 +89,22 @@ class ReplacementModel:
                  error: bool = True, adapter: ArchitectureAdapter | None = None) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
-        self.lorsas: Any = _bound_set(model, self.adapter, lorsas, LorsaSet, "lorsas")
-        if isinstance(transcoders, CrossLayerTranscoder):
-            transcoders = CLTSet(model, transcoders, adapter=self.adapter)
-        self.transcoders: Any = (
-            transcoders if isinstance(transcoders, CLTSet)
-            else _bound_set(model, self.adapter, transcoders, TranscoderSet, "transcoders"))
-        self.saes: Any = _bound_set(model, self.adapter, saes, SAESet, "saes")
+        self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
+        self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
+        self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
         self.error = bool(error)
 
+    def sets(self) -> list[tuple[str, ReplacementSet]]:
+        """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``."""
+        return [(slot, getattr(self, slot)) for slot in SLOTS if getattr(self, slot) is not None]
+
+    def with_sets(self, transform: Any) -> ReplacementModel:
+        """A bundle of the same model, error flag and adapter holding ``transform(set)`` for each set."""
+        return ReplacementModel(self.model, **{slot: transform(s) for slot, s in self.sets()}, error=self.error,
+                                adapter=self.adapter)
+
     def __repr__(self) -> str:
-        parts = [f"{name}={value!r}" for name, value in
-                 (("lorsas", self.lorsas), ("transcoders", self.transcoders), ("saes", self.saes)) if value is not None]
+        parts = [f"{name}={value!r}" for name, value in self.sets()]
         return f"ReplacementModel({self.adapter.family}, {', '.join(parts) or 'no replacements'}, error={self.error})"
 
     # ------------------------------------------------------------ running
@@ -114,22 +129,13 @@ class ReplacementModel:
             TraceOrderError: called outside a trace.
         """
         err = self.error if error is None else check_flag(error, "error", "ReplacementModel.replace")
-        keyed: list[tuple[tuple[float, float], str, Any]] = []
-        for layer in self.lorsas or ():
-            keyed.append((self.order(LorsaHead(layer, 0)), "lorsas", layer))
-        if isinstance(self.transcoders, TranscoderSet):
-            for layer in self.transcoders:
-                keyed.append((self.order(Feature(layer, 0, kind="transcoder")), "transcoders", layer))
-        for site in self.saes or ():
-            keyed.append((self.order(Feature(site, 0)), "saes", site))
-        out: dict[str, Any] = {name: {} for name, s in (("lorsas", self.lorsas), ("saes", self.saes)) if s is not None}
-        if isinstance(self.transcoders, CLTSet):
-            out["transcoders"] = self.transcoders.replace(error=err)
-        elif self.transcoders is not None:
-            out["transcoders"] = {}
-        for _, kind, key in sorted(keyed, key=lambda e: e[0]):
-            out[kind][key] = getattr(self, kind).replace(key, error=err)
-        return out
+        held = self.sets()
+        # by the module each splice runs at first (ties: lorsas, transcoders, saes; the sort is stable)
+        keyed = [(self.order_path(s.site_path(key)), slot, key) for slot, s in held for key in s]
+        out: dict[str, dict] = {slot: {} for slot, _ in held}
+        for _, slot, key in sorted(keyed, key=lambda e: e[0]):
+            out[slot][key] = getattr(self, slot).replace(key, error=err)
+        return {slot: s.envoys(out[slot]) for slot, s in held}
 
     # ------------------------------------------------------------ targets
     def __call__(self, target: Target) -> Bound:
@@ -184,16 +190,10 @@ class ReplacementModel:
             raise ConfigMismatchError(f"not an intervention target: {target!r}")
 
     def _coder(self, target: Feature) -> Any:
-        if target.kind == "sae":
-            return self.require("saes", target)[target.site]
-        if target.kind == "transcoder":
-            if isinstance(self.require("transcoders", target), CLTSet):
-                raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention "
-                                          "targets; use per-layer transcoders")
-            if not isinstance(target.site, int):
-                raise LayerOutOfRangeError(f"a transcoder feature's site is a layer (int), got {target.site!r}")
-            return self.transcoders[target.site]
-        raise ConfigMismatchError(f"Feature kind must be 'sae' or 'transcoder', got {target.kind!r}")
+        slot = {"sae": "saes", "transcoder": "transcoders"}.get(target.kind)
+        if slot is None:
+            raise ConfigMismatchError(f"Feature kind must be 'sae' or 'transcoder', got {target.kind!r}")
+        return self.require(slot, target).feature_module(target)
 
     def width(self, target: Target) -> int | None:
         """Size of the last axis of one position's value: ``head_dim`` for MHSA heads, None (scalar) else."""
@@ -220,7 +220,10 @@ class ReplacementModel:
             return (float(target.layer), 1.5)
         if target.kind == "transcoder":
             return (float(target.site), 2.5)
-        path = str(target.site)
+        return self.order_path(str(target.site))
+
+    def order_path(self, path: str) -> tuple[float, float]:
+        """Where the model runs the module at envoy path ``path`` (layer, step), as :meth:`order`."""
         a = self.adapter
         if path == a.embed_path:
             return (-1.0, 0.0)

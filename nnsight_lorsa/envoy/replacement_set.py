@@ -1,10 +1,14 @@
 """``ReplacementSet``: replacement modules of one nnsight model, keyed by where they go.
 
-The shared shape of :class:`~.transcoder_set.TranscoderSet` (keyed by layer) and
-:class:`~.sae_set.SAESet` (keyed by site path): a read-only mapping checked on insertion, and
-``replace(key=None, error=False)`` that splices one, several or all of them into the current
-trace. Subclasses say how a key and module are checked (:meth:`ReplacementSet.check`) and how
-one is spliced (:meth:`ReplacementSet.splice_one`).
+The one contract of every replacement kind — :class:`~.lorsa_set.LorsaSet` and
+:class:`~.transcoder_set.TranscoderSet` (keyed by layer), :class:`~.sae_set.SAESet` (keyed by site
+path), :class:`~.clt_set.CLTSet` (one key, ``"clt"``): a read-only mapping checked on insertion
+(:attr:`~ReplacementSet.module_type`, :meth:`~ReplacementSet.check`), ``replace(key=None, error=False)``
+that splices one, several or all of them into the current trace (:meth:`~ReplacementSet.site`: the
+splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`),
+copy / cast (:meth:`~ReplacementSet.subset`), ``save`` / ``from_pretrained``, and the bundle's hooks
+(:attr:`~ReplacementSet.slot`, :meth:`~ReplacementSet.feature_module`, :meth:`~ReplacementSet.envoys`).
+Callers (the bundle, ``evaluate``, ``remote``) use these and never branch on the kind.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
 from .nnsight_internals import hf_module
+from .splice_chain import SpliceChain, splice_chain
 
 K = TypeVar("K")
 M = TypeVar("M", bound=nn.Module)
@@ -116,7 +121,7 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     names: dict = {}
     for key, src in items:
         for name, module in load_all(src, format=format, **kwargs).items():
-            if not isinstance(module, module_type):
+            if not isinstance(module, module_type):  # the set's kind (its ``module_type``)
                 raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
             k = key if key is not None else key_of(name, module)
             if k is None:
@@ -141,6 +146,14 @@ class ReplacementSet(Generic[K, M]):
     key_type: type = object
     #: what the set holds, for messages.
     what: str = "replacement"
+    #: the module class the set holds (checked on insertion); the kind registry
+    #: (:mod:`.replacement_model`) maps a module to its set through it.
+    module_type: type = nn.Module
+    #: the :class:`~.replacement_model.ReplacementModel` attribute a set of this kind is held in.
+    slot: str = ""
+    #: one module replaces every site of a chain at once (a CLT: every MLP), measured per layer by
+    #: ``evaluate``; False: each key is one site.
+    spans_layers: bool = False
 
     def __init__(self, model: Any, modules: Mapping[K, M] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:
@@ -148,7 +161,17 @@ class ReplacementSet(Generic[K, M]):
         self._by_key: dict[K, M] = {}
         self.update(modules or {})
 
+    @classmethod
+    def holds(cls, module: Any) -> bool:
+        """Whether ``module`` is of the kind this set holds (a :attr:`module_type`): every set's one kind check."""
+        return isinstance(module, cls.module_type)
+
     # ------------------------------------------------------------ subclasses
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        """The message refusing ``module`` (not a :attr:`module_type`) at ``key``."""
+        return (f"{type(self).__name__} holds {self.module_type.__name__} modules; got a {type(module).__name__} "
+                f"for {key!r}")
+
     def check(self, key: Any, module: M) -> K:
         """Validate ``(key, module)`` for this model and return the normalised key."""
         return key
@@ -161,10 +184,9 @@ class ReplacementSet(Generic[K, M]):
         """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
         raise NotImplementedError
 
-    def site(self, key: K) -> Any:
-        """How the module at ``key`` is spliced: a :class:`~.splice_chain.SpliceChain` (or one-site
-        :class:`~.splice.SpliceSite`), whose ``get_output`` / ``set_output`` read and replace the
-        site's output."""
+    def site(self, key: K) -> SpliceChain:
+        """How the module at ``key`` is spliced: a :class:`~.splice_chain.SpliceChain` (its sites, the step,
+        and ``get_output`` / ``set_output``, which read and replace a site's output)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ copy / cast
@@ -184,6 +206,20 @@ class ReplacementSet(Generic[K, M]):
         """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size."""
         module: Any = self[key]
         return int(module.cfg.d_sae)
+
+    def feature_module(self, target: Any) -> Any:
+        """The module whose latents a :class:`~.targets.Feature` ``target`` (``target.site``: a key) indexes.
+
+        Raises:
+            LayerOutOfRangeError, ConfigMismatchError: no module at ``target.site`` (the set's :meth:`missing`);
+            a CLT set always (its features are not intervention targets).
+        """
+        return self[target.site]
+
+    def envoys(self, spliced: dict[K, Any]) -> Any:
+        """What :meth:`~.replacement_model.ReplacementModel.replace` returns for this set, given the
+        envoys ``{key: envoy}`` of its spliced modules: that dict (a CLT set: its one envoy)."""
+        return spliced
 
     def latents_and_output(self, envoy: Any) -> tuple[Any, Any]:
         """``(latents, output)`` envoy values of a spliced module (``replace``'s return): what ``evaluate``
@@ -255,11 +291,13 @@ class ReplacementSet(Generic[K, M]):
                 place(module, device, self.site_path(k))
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
-        """Splice ``module`` at ``key`` into the current trace; return its envoy."""
-        raise NotImplementedError
+        """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
+        return splice_chain(self.model, self.site(key), module, error=error)
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
+        if not self.holds(module):
+            raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
         device, _ = site_placement(self.model, self.site_path(k))
         if device is not None:  # before insertion: a module that cannot be placed is not added

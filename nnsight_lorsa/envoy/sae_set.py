@@ -12,8 +12,8 @@ Usage::
 A site is any module path (below the nnsight root, as envoys name it) whose OUTPUT the SAE
 reconstructs: a decoder layer's output is the residual stream after that layer (a tensor in
 transformers 5), an attention module's is ``(attn_output, weights)`` (the first element is
-replaced). The splice is :func:`.splice_chain.splice_chain` with one site (the SAE needs the
-site's output, which :func:`.splice.splice` does not pass); the SAE is mounted as ``<site>.sae``.
+replaced). The splice is :func:`.splice_chain.splice_chain` with one site (the step reads the
+site's output); the SAE is mounted as ``<site>.sae``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..errors import ConfigMismatchError, ShapeError
 from ..modules.sae import SparseAutoencoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
-from .splice_chain import SpliceChain, splice_chain
+from .splice_chain import SpliceChain
 from .transcoder_set import run_on_module
 
 
@@ -64,6 +64,12 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
 
     key_type = str
     what = "SAE"
+    module_type = SparseAutoencoder
+    slot = "saes"
+
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"SAESet holds SparseAutoencoder modules; got a {type(module).__name__} for site {key!r} "
+                "(transcoders go in a TranscoderSet, Lorsas in a LorsaSet)")
 
     def __init__(self, model: Any, saes: dict[str, SparseAutoencoder] | None = None, adapter: Any = None) -> None:
         super(SAESet, self).__init__(model, saes, adapter)
@@ -104,9 +110,6 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             set_output=with_site_output,
             error_hook=lambda module, i: module.get_submodule("hook_error"),
         )
-
-    def splice_one(self, key: str, module: SparseAutoencoder, error: bool) -> Any:
-        return splice_chain(self.model, self.site(key), module, error=error)
 
     def replace(self, site: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the output of ``site`` by its SAE's reconstruction, in the current trace only.

@@ -17,15 +17,13 @@ inside a trace body, finds the tensor a target lives in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from .._repr import FieldsRepr
 from ..errors import LorsaError
 
-if TYPE_CHECKING:
-    from .replacement_model import ReplacementModel
 
 class TargetIndexError(LorsaError, IndexError):
     """A head or feature index is outside ``[0, n)`` of what it indexes."""
@@ -72,10 +70,10 @@ def positions_index(positions: Positions) -> Any:
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
 class Bound(FieldsRepr):
     """A validated target together with the :class:`~.replacement_model.ReplacementModel` that finds
-    it in a trace."""
+    it in a trace (typed ``Any`` here: the bundle imports this module, not the other way round)."""
 
     target: Target
-    replacement: ReplacementModel
+    replacement: Any
 
     def location(self) -> tuple[Any, tuple]:
         return self.replacement.location(self.target)

@@ -11,7 +11,8 @@ Usage::
 
 A transcoder reads what the MLP is called with (the hidden states after the pre-MLP norm:
 ``adapter.mlp_input``) and replaces what it returns (``adapter.mlp_output``); the splice is
-:func:`.splice.splice` at ``adapter.mlp_path(layer)``, the transcoder mounted as ``<mlp>.transcoder``.
+:func:`.splice_chain.splice_chain` over the one site ``adapter.mlp_path(layer)``, the transcoder mounted
+as ``<mlp>.transcoder``.
 Works per position, so also on KV-cached generation steps.
 """
 
@@ -25,7 +26,7 @@ from .._placement import to_module
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
 from ..modules.transcoder import Transcoder
 from .replacement_set import ReplacementSet, load_keyed
-from .splice import SpliceSite, splice
+from .splice_chain import SpliceChain
 
 
 def run_on_module(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,12 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     key_type = int
     what = "transcoder"
+    module_type = Transcoder
+    slot = "transcoders"
+
+    def wrong_kind(self, key: Any, module: Any) -> str:
+        return (f"TranscoderSet holds Transcoder / SkipTranscoder modules; got a {type(module).__name__} for layer "
+                f"{key!r} (SAEs go in an SAESet, a cross-layer transcoder in a CLTSet)")
 
     def __init__(self, model: Any, transcoders: dict[int, Transcoder] | None = None, adapter: Any = None) -> None:
         super(TranscoderSet, self).__init__(model, transcoders, adapter)
@@ -75,19 +82,33 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     def layers(self) -> list[int]:
         return list(self)
 
-    def site(self, layer: int) -> SpliceSite:
+    def feature_module(self, target: Any) -> Transcoder:
+        """The transcoder at layer ``target.site``.
+
+        Raises:
+            LayerOutOfRangeError: ``target.site`` is not an int layer, or the set has no transcoder there.
+        """
+        if not isinstance(target.site, int):
+            raise LayerOutOfRangeError(f"a transcoder feature's site is a layer (int), got {target.site!r}")
+        return self[target.site]
+
+    def site(self, layer: int) -> SpliceChain:
         """How layer ``layer``'s MLP is spliced (its path, input and output handling)."""
         adapter = self.adapter
-        return SpliceSite(
-            site_path=adapter.mlp_path(layer),
+
+        def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
+                 state: dict) -> torch.Tensor:
+            return run_on_module(module, adapter.mlp_input(args, kwargs))
+
+        return SpliceChain(
+            site_paths=(adapter.mlp_path(layer),),
+            attach_path=adapter.mlp_path(layer),
             attach_name="transcoder",
-            call=lambda module, args, kwargs: run_on_module(module, adapter.mlp_input(args, kwargs)),
+            step=step,
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
+            error_hook=lambda module, i: module.get_submodule("hook_error"),
         )
-
-    def splice_one(self, key: int, module: Transcoder, error: bool) -> Any:
-        return splice(self.model, self.site(key), module, error=error)
 
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only.

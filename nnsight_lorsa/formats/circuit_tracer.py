@@ -45,6 +45,7 @@ from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
 from .reader import Parsed, Reader, read
+from .sparse_coder_format import kind_of
 from .validate import (
     build_module,
     check_d_model,
@@ -450,8 +451,8 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
                 "would load there as ReLU; save it with format='nnsight_lorsa' or 'saelens'")
     with atomic_directory(directory) as stage:
         for layer, tc in sorted(transcoders.items()):
-            state = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
-            if isinstance(tc, SkipTranscoder):
+            state: dict[str, Any] = {"W_enc": tc.W_enc.T, "W_dec": tc.W_dec, "b_enc": tc.b_enc, "b_dec": tc.b_dec}
+            if kind_of(tc) == "skip_transcoder":
                 state["W_skip"] = tc.W_skip
             if tc.cfg.activation == "jumprelu":
                 state[THRESHOLD_KEY] = getattr(tc.activation, "threshold")  # noqa: B009

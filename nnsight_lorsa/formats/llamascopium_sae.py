@@ -72,6 +72,10 @@ _IGNORED = ("tokens_since_last_activation", "is_dead")
 
 __all__ = ["READER", "build", "load_llamascopium_sae", "load_weights", "parse_config"]
 
+#: the module a parsed config builds (a transcoder's config: a Transcoder; else an SAE)
+_MODULE_OF: dict[type, type[SparseAutoencoder] | type[Transcoder]] = {TranscoderConfig: Transcoder,
+                                                                        SAEConfig: SparseAutoencoder}
+
 
 def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model: int | None = None,
                  adapter: Any = None) -> Parsed:
@@ -181,7 +185,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    cls = Transcoder if isinstance(parsed.config, TranscoderConfig) else SparseAutoencoder
+    cls = _MODULE_OF.get(type(parsed.config), SparseAutoencoder)
     return parsed.build_module(cls, state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
                                dtype=dtype or state["W_enc"].dtype)
 

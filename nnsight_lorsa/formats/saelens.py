@@ -97,6 +97,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
+from .sparse_coder_format import kind_of
 from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value
 
 CFG_FILE = "cfg.json"
@@ -441,8 +442,7 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
     for name, value in (("hook_name", hook_name), ("model_name", model_name)):
         if value is not None and not isinstance(value, str):
             raise ArgumentError(f"save_saelens({name}=...) must be a string or None, got {value!r}")
-    kind = "skip_transcoder" if isinstance(module, SkipTranscoder) else (
-        "transcoder" if isinstance(module, Transcoder) else "sae")
+    kind = kind_of(module) or "sae"
     arch = _ARCH_OF.get((kind, module.cfg.activation))
     if arch is None:
         raise UnsupportedArchitectureError(f"no SAELens architecture for a {kind} with activation "

@@ -48,20 +48,22 @@ KINDS: dict[str, tuple[type[nn.Module], type[Any]]] = {
     "clt": (CrossLayerTranscoder, CLTConfig),
 }
 
-__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "load_sparse_coder", "load_weights",
-           "parse_config", "save_sparse_coder"]
+__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "kind_of", "load_sparse_coder",
+           "load_weights", "parse_config", "save_sparse_coder"]
+
+
+def kind_of(module: nn.Module) -> str | None:
+    """The :data:`KINDS` tag of ``module`` (``"sae"``, ``"transcoder"``, ``"skip_transcoder"``, ``"clt"``):
+    its class's, else its nearest base class's in the table; None for another module (a Lorsa)."""
+    tags = {cls: tag for tag, (cls, _) in KINDS.items()}
+    return next((tags[cls] for cls in type(module).__mro__ if cls in tags), None)
 
 
 def _kind_of(module: nn.Module) -> str:
-    if isinstance(module, CrossLayerTranscoder):
-        return "clt"
-    if isinstance(module, SkipTranscoder):
-        return "skip_transcoder"
-    if isinstance(module, Transcoder):
-        return "transcoder"
-    if isinstance(module, SparseAutoencoder):
-        return "sae"
-    raise CheckpointError(f"save_sparse_coder: cannot save a {type(module).__name__}")
+    kind = kind_of(module)
+    if kind is None:
+        raise CheckpointError(f"save_sparse_coder: cannot save a {type(module).__name__}")
+    return kind
 
 
 def save_sparse_coder(module: nn.Module, directory: str | os.PathLike[str]) -> Path:

@@ -50,6 +50,7 @@ from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
+from .sparse_coder_format import kind_of
 from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value, scaled_size
 
 CFG_FILE = "cfg.json"
@@ -179,14 +180,15 @@ def save_sparsify(module: SparseAutoencoder | Transcoder, directory: str | os.Pa
         UnsupportedArchitectureError: not TopK / GroupMax, an SAE without ``b_dec`` centering, or ``d_out != d_in``.
     """
     cfg: Any = module.cfg
-    transcode = isinstance(module, Transcoder)
+    kind = kind_of(module)
+    transcode = kind in ("transcoder", "skip_transcoder")
     if cfg.activation not in ("topk", "groupmax") or module.d_out != cfg.d_in or (
             not transcode and not getattr(cfg, "apply_b_dec_to_input", True)):
         raise UnsupportedArchitectureError("sparsify stores TopK / GroupMax coders with d_out = d_in (SAEs centred "
                                            f"by b_dec); got activation {cfg.activation!r}, d_out={module.d_out}")
     state = {"encoder.weight": module.W_enc.detach().T, "encoder.bias": module.b_enc.detach(),
              "W_dec": module.W_dec.detach(), "b_dec": module.b_dec.detach()}
-    skip = isinstance(module, SkipTranscoder)
+    skip = kind == "skip_transcoder"
     if skip:
         state["W_skip"] = module.state_dict()["W_skip"]
     doc = {"activation": cfg.activation, "expansion_factor": 32, "normalize_decoder": True, "num_latents": cfg.d_sae,

@@ -2,9 +2,12 @@
 
 :func:`evaluate` takes a replacement set — :class:`~..envoy.lorsa_set.LorsaSet`,
 :class:`~..envoy.transcoder_set.TranscoderSet`, :class:`~..envoy.sae_set.SAESet` or
-:class:`~..envoy.clt_set.CLTSet` — and runs three nnsight traces per held-out batch: the unmodified
-model (``ce_orig``; the site's true value is read there), the model with the site replaced by the
-module (``ce_spliced``, via the set's ``replace``) and with the site zero-ablated (``ce_zero``).
+:class:`~..envoy.clt_set.CLTSet`, through their shared contract
+(:class:`~..envoy.replacement_set.ReplacementSet`), or a
+:class:`~..envoy.replacement_model.ReplacementModel` holding one — and runs three nnsight traces
+per held-out batch: the unmodified model (``ce_orig``; the site's true value is read there), the
+model with the site replaced by the module (``ce_spliced``, via the set's ``replace``) and with the
+site zero-ablated (``ce_zero``).
 ``ce_recovered = (ce_zero − ce_spliced) / (ce_zero − ce_orig)`` is SAELens' "CE loss score"; ``kl``
 is the mean KL(original ‖ spliced) of the next-token distributions. The metric names are the same
 for every module kind (:class:`Evaluation`).
@@ -22,11 +25,8 @@ from tqdm.auto import tqdm
 
 from .._placement import model_device
 from .._progress import show_progress
-from ..envoy.clt_set import CLTSet
-from ..envoy.lorsa_set import LorsaSet
+from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
-from ..envoy.sae_set import SAESet
-from ..envoy.transcoder_set import TranscoderSet
 from ..errors import ArgumentError
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
@@ -136,12 +136,15 @@ class _SiteProbe:
     def result(self) -> tuple[Any, Any, Any]:
         return self.acc.value(), self.l0_sum / max(self.l0_n, 1), float((~self.fired).float().mean())
 
+    def shrinkage_metrics(self) -> dict[str, Any]:
+        return self.shrinkage.value()
+
 
 class _CLTProbe:
     """A CLT replacing every MLP: per-layer FVU / L0 / dead from the CLT run on the original model's
     MLP inputs and outputs (the spliced trace changes later layers' inputs)."""
 
-    def __init__(self, clt_set: CLTSet) -> None:
+    def __init__(self, clt_set: Any) -> None:
         self.model, self.adapter, self.clt, self.clt_set = clt_set.model, clt_set.adapter, clt_set.clt, clt_set
         n = self.clt.n_layers
         self.paths = [self.adapter.mlp_path(layer) for layer in range(n)]
@@ -187,15 +190,30 @@ class _CLTProbe:
         return ([a.value() for a in self.accs], [float(v) / max(self.n_kept, 1) for v in self.l0_sum],
                 [float(v) for v in (~self.fired).float().mean(1)])
 
+    def shrinkage_metrics(self) -> dict[str, Any]:
+        return {}  # SAELens's shrinkage metrics are per site: none for a CLT
 
-def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
-    if isinstance(replacements, CLTSet):
-        if at is not None:
-            raise ArgumentError("evaluate(at=...): a CLTSet replaces every MLP at once, it takes no at=")
-        return _CLTProbe(replacements)
+
+def _one_set(replacements: Any) -> ReplacementSet:
+    """The set to evaluate: ``replacements`` itself, or the one set a ReplacementModel holds."""
+    if isinstance(replacements, ReplacementModel):
+        held = replacements.sets()
+        if len(held) != 1:
+            raise ArgumentError(f"evaluate: the ReplacementModel holds {len(held)} sets ({[s for s, _ in held]}): "
+                                "pass the one to evaluate (rm.lorsas, rm.transcoders or rm.saes)")
+        return held[0][1]
     if not isinstance(replacements, ReplacementSet):
-        raise ArgumentError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet, "
-                            f"got {type(replacements).__name__}")
+        raise ArgumentError("evaluate needs a LorsaSet, TranscoderSet, SAESet or CLTSet (or a ReplacementModel "
+                            f"holding one), got {type(replacements).__name__}")
+    return replacements
+
+
+def _probe(replacements: ReplacementSet, at: Any) -> _SiteProbe | _CLTProbe:
+    if replacements.spans_layers:
+        if at is not None:
+            raise ArgumentError(f"evaluate(at=...): a {type(replacements).__name__} replaces every MLP at once, it "
+                                "takes no at=")
+        return _CLTProbe(replacements)
     if at is None:
         keys = list(replacements)
         if len(keys) != 1:
@@ -208,7 +226,7 @@ def _probe(replacements: Any, at: Any) -> _SiteProbe | _CLTProbe:
 
 
 @torch.no_grad()
-def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: TokenDataset, *, at: Any = None,
+def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenDataset, *, at: Any = None,
              batch_size: int = 8, max_batches: int | None = None, progress: bool | None = None) -> Evaluation:
     """Evaluate a module spliced into its model on the windows of ``dataset`` (or its first
     ``max_batches`` batches of ``batch_size``); use the folded module (:meth:`~.trainer.Trainer.folded`).
@@ -216,7 +234,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
     Args:
         replacements: the module in its replacement set: a Lorsa (site: layer ``at``'s attention output),
             transcoder (layer ``at``'s MLP output), SAE (the output of module path ``at``), or a CLT
-            (every MLP output at once; per-layer FVU / L0 / dead).
+            (every MLP output at once; per-layer FVU / L0 / dead); or a ReplacementModel holding one set.
         dataset: held-out windows; its ``target_mask`` (default all) says what counts everywhere:
             CE and KL count the predictions of kept tokens, FVU / L0 / dead fraction the kept
             positions (padding counts nowhere); BOS (column 0) is excluded from FVU / L0 / dead.
@@ -230,9 +248,10 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
 
     Raises:
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
-            of these sets (a ``TypeError`` and a ``ValueError`` too).
+            of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too).
         PlacementError: the model is on the meta device (not dispatched).
     """
+    replacements = _one_set(replacements)
     probe = _probe(replacements, at)
     model = replacements.model
     device = model_device(model)
@@ -262,7 +281,7 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
         n_tok += n
         probe.measure(ids, mask)
     fvu, l0, dead = probe.result()
-    shrinkage: dict[str, Any] = probe.shrinkage.value() if isinstance(probe, _SiteProbe) else {}
+    shrinkage = probe.shrinkage_metrics()
     return Evaluation(fvu=fvu, l0=l0, dead_frac=dead, ce_orig=sums["orig"] / n_tok,
                       ce_spliced=sums["spliced"] / n_tok, ce_zero=sums["zero"] / n_tok, kl=sums["kl"] / n_tok,
                       n_tokens=n_tok, **shrinkage)

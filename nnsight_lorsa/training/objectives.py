@@ -49,16 +49,82 @@ from .metrics import fvu
 Metrics = dict[str, float]
 
 
+class TrainingState:
+    """What an objective sees of its trainer (a narrow view, not the trainer): the step, the settings,
+    the batches, the dead counters and AuxK, and one change it may make (:meth:`reset_latents`).
+
+    Attributes (read-only): step (steps taken), config (:class:`~.trainer.TrainConfig`), dist (the
+    data-parallel context, :class:`~.distributed.DataParallel`, or None).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    @property
+    def step(self) -> int:
+        return int(self._trainer.step)
+
+    @property
+    def config(self) -> Any:
+        return self._trainer.config
+
+    @property
+    def dist(self) -> Any:
+        return self._trainer.dist
+
+    def source(self, index: int) -> Batch:
+        """Batch ``index`` of the trainer's source."""
+        return self._trainer.source(index)
+
+    def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """:meth:`~.trainer.Trainer.count_fired`: update the dead counters, return the dead mask."""
+        return self._trainer.count_fired(fired, n_tokens)
+
+    def aux_k_loss(self, pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_dec: torch.Tensor,
+                   default_k: int) -> torch.Tensor:
+        """:meth:`~.trainer.Trainer.aux_k_loss` (AuxK, fp32 scalar on ``pre``'s device)."""
+        return self._trainer.aux_k_loss(pre, dead, err, W_dec, default_k)
+
+    def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """:meth:`~.trainer.Trainer.batch_mean`: the (global) batch mean of per-token ``values``."""
+        return self._trainer.batch_mean(values)
+
+    def reset_latents(self, params: Any, moved: torch.Tensor) -> None:
+        """Latents ``moved`` (indices) start afresh: their rows of the Adam moments of ``params`` (those
+        whose first axis is the latent axis) are zeroed, and their dead counters restart (a full dead window)."""
+        n = self._trainer.tokens_since_fired.shape[0]
+        for p in params:
+            for v in self._trainer.optimizer.state.get(p, {}).values():
+                if v.dim() and v.shape[0] == n:
+                    v[moved] = 0
+        self._trainer.tokens_since_fired[moved] = 0
+
+
 class _Objective:
     """Base objective: one scale factor for inputs and one for targets (``s = sqrt(d) / E‖·‖`` over
-    the loss-masked tokens of the first ``norm_batches`` batches)."""
+    the loss-masked tokens of the first ``norm_batches`` batches).
+
+    Attributes:
+        module: the trained module. s_in, s_out: the scale factors (None until estimated; a CLT's are the
+            means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists, None for other kinds).
+    """
 
     desc: ClassVar[str] = "train"
     weights_file: ClassVar[str] = "module.safetensors"
     config_key: ClassVar[str] = "module_config"
+    #: the module class this objective trains (:func:`_objective_for` picks the first that fits)
+    module_type: ClassVar[type] = torch.nn.Module
 
     def __init__(self, module: Any) -> None:
         self.module = module
+        self.s_in: Any = None  # float | None (a float once estimated; the losses run after that)
+        self.s_out: Any = None
+        self.s_in_layers: list[float] | None = None
+        self.s_out_layers: list[float] | None = None
+
+    def reset_scales(self) -> None:
+        """Forget the scale factors (an estimate that failed)."""
+        self.s_in = self.s_out = self.s_in_layers = self.s_out_layers = None
 
     def n_latents(self) -> int:
         """Number of latents (heads, features) whose firing the dead counters follow."""
@@ -68,8 +134,8 @@ class _Objective:
         """Raise when ``source`` visibly does not fit the module (default: nothing to check)."""
 
     @torch.no_grad()
-    def estimate_norms(self, t: Any) -> None:
-        """Set ``t.s_in`` / ``t.s_out`` from the first ``norm_batches`` batches of ``t.source``.
+    def estimate_norms(self, t: TrainingState) -> None:
+        """Set :attr:`s_in` / :attr:`s_out` from the first ``norm_batches`` batches of ``t.source``.
 
         Raises:
             TooFewTokensError: those batches have no counted token.
@@ -81,27 +147,27 @@ class _Objective:
             norms_x.append(f32(b.x[mask]).norm(dim=-1))
             norms_y.append(f32(b.y[mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
         _require_tokens(t, sum(v.numel() for v in norms_x))
-        t.s_in = _ratio(math.sqrt(b.x.shape[-1]), float(torch.cat(norms_x).mean()))
-        t.s_out = _ratio(math.sqrt(b.y.shape[-1]), float(torch.cat(norms_y).mean()))
+        self.s_in = _ratio(math.sqrt(b.x.shape[-1]), float(torch.cat(norms_x).mean()))
+        self.s_out = _ratio(math.sqrt(b.y.shape[-1]), float(torch.cat(norms_y).mean()))
 
-    def check_init_batch(self, t: Any) -> None:
+    def check_init_batch(self, t: TrainingState) -> None:
         """Raise :class:`~..errors.TooFewTokensError` when :meth:`after_norms` cannot work on the batches
         (called before it, the scale factors known; default: nothing needed)."""
 
-    def after_norms(self, t: Any) -> None:
+    def after_norms(self, t: TrainingState) -> None:
         """Called once the scale factors are known (initialisation that depends on them)."""
 
-    def discard_step(self, t: Any) -> None:
+    def discard_step(self, t: TrainingState) -> None:
         """Forget what :meth:`loss` recorded for :meth:`post_step` (the step was refused: non-finite)."""
 
-    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …)."""
         raise NotImplementedError
 
-    def post_step(self, t: Any) -> None:
+    def post_step(self, t: TrainingState) -> None:
         """Called after every optimizer step (the decoder constraint)."""
 
-    def fold(self, t: Any) -> torch.nn.Module:
+    def fold(self, t: TrainingState) -> torch.nn.Module:
         """A copy of the module acting on raw activations (scale factors folded into the weights)."""
         raise NotImplementedError
 
@@ -112,11 +178,11 @@ class _Objective:
     def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
         raise NotImplementedError
 
-    def save_meta(self, t: Any) -> dict[str, Any]:
+    def save_meta(self, t: TrainingState) -> dict[str, Any]:
         """Extra ``trainer.json`` entries."""
         return {}
 
-    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+    def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
         """Load what :meth:`save_meta` wrote."""
 
 
@@ -125,7 +191,7 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den != 0 else math.inf
 
 
-def _require_tokens(t: Any, n_tokens: int) -> None:
+def _require_tokens(t: TrainingState, n_tokens: int) -> None:
     """Raise :class:`~..errors.TooFewTokensError` when the scale-factor batches count no token."""
     if n_tokens == 0:
         n = t.config.norm_batches
@@ -135,21 +201,37 @@ def _require_tokens(t: Any, n_tokens: int) -> None:
                                 "with True entries) or raise norm_batches")
 
 
-def _require_norms(t: Any) -> None:
-    if t.s_in is None or t.s_out is None:
+def _require_norms(objective: _Objective) -> None:
+    if objective.s_in is None or objective.s_out is None:
         raise RuntimeError("norms are not estimated yet: train first")
 
 
 # --------------------------------------------------------------------------- Lorsa
-class _LorsaObjective(_Objective):
+class LorsaObjective(_Objective):
     """A Lorsa's objective; the Lorsa-specific recipe (initialisation, k annealing, ranking, dead-head
-    remedy) is a :class:`~.lorsa_recipe.LorsaRecipe` (:mod:`.lorsa_recipe`)."""
+    remedy) is a :class:`~.lorsa_recipe.LorsaRecipe` (:mod:`.lorsa_recipe`).
+
+    Give it to the trainer in the module's place to set what only a Lorsa has
+    (``Trainer(LorsaObjective(lorsa, mhsa=..., recipe=...), source, config)``; a bare Lorsa gets the defaults).
+
+    Args:
+        module: the :class:`~..modules.lorsa.Lorsa` to train.
+        mhsa: the MHSA weights (``adapter.mhsa_weights(hf, layer)``) to initialise QK and OV from (App. B.3)
+            once the norms are known; may live where the model does. None: the recipe's data-driven init only.
+        recipe: its initialisation, k annealing, ranking and dead-head remedy (default: the measured
+            recipe). Saved in checkpoints (a resumed trainer takes the saved one).
+
+    Raises:
+        TypeError: ``module`` is not a Lorsa.
+    """
 
     desc = "Lorsa"
     weights_file = "lorsa.safetensors"
     config_key = "lorsa_config"
+    module_type = Lorsa
 
     def __init__(self, module: Lorsa, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
+        _check_module(type(self), module)
         super().__init__(module)
         self.mhsa = mhsa
         self.recipe = recipe or LorsaRecipe()
@@ -169,11 +251,11 @@ class _LorsaObjective(_Objective):
             raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
                                       "use ActivationSource.attention(model, layer, …) or an activation cache")
 
-    def top_k(self, t: Any) -> int:
+    def top_k(self, t: TrainingState) -> int:
         """The top-k in force at the trainer's step (k annealing)."""
         return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
 
-    def check_init_batch(self, t: Any) -> None:
+    def check_init_batch(self, t: TrainingState) -> None:
         """The recipe's initialisation fits on the counted tokens of batch 0 (its first ``init_windows``):
         at least ``d_qk_head`` for the SVD OV initialisations (one basis vector per token), else at least one."""
         b = t.source(0)
@@ -191,17 +273,17 @@ class _LorsaObjective(_Objective):
                                     "counted): use more or longer windows per batch (the demo: raise --batch-size or "
                                     "--seq-len)" + (", or LorsaRecipe(ov_init='mhsa')" if svd else ""))
 
-    def discard_step(self, t: Any) -> None:
+    def discard_step(self, t: TrainingState) -> None:
         self._last = self._resample = self._fired = None
 
-    def after_norms(self, t: Any) -> None:
+    def after_norms(self, t: TrainingState) -> None:
         lorsa = self.module
         b = t.source(0).to(lorsa.W_O.device, lorsa.W_O.dtype)
-        self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=t.s_in, s_out=t.s_out,
+        self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=self.s_in, s_out=self.s_out,
                                     mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
                                     positions=b.positions, attn_mask=b.attn_mask)
 
-    def post_step(self, t: Any) -> None:
+    def post_step(self, t: TrainingState) -> None:
         lorsa = self.module
         moved = None
         if self._last is not None:
@@ -220,11 +302,7 @@ class _LorsaObjective(_Objective):
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step))
         self._last = self._resample = None
         if moved is not None and moved.numel():
-            for p in (lorsa.W_V, lorsa.b_V, lorsa.W_O):  # fresh Adam moments for those heads
-                for v in t.optimizer.state.get(p, {}).values():
-                    if v.dim() and v.shape[0] == lorsa.cfg.n_ov_heads:
-                        v[moved] = 0
-            t.tokens_since_fired[moved] = 0  # a full dead window before the next move
+            t.reset_latents((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved)
         if not self.recipe.rank_by_decoder_norm:
             lorsa.normalize_decoder_()
 
@@ -235,24 +313,24 @@ class _LorsaObjective(_Objective):
     def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
-    def save_meta(self, t: Any) -> dict[str, Any]:
+    def save_meta(self, t: TrainingState) -> dict[str, Any]:
         meta: dict[str, Any] = {"lorsa_recipe": self.recipe.to_dict()}
         if self.balance is not None:
             meta["head_balance"] = self.balance.to_dict()
         return meta
 
-    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+    def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
         if "lorsa_recipe" in meta:
             self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
         if "head_balance" in meta:
             cfg = self.module.cfg
             self.balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
 
-    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe
         batch = batch.to(lorsa.W_O.device, lorsa.W_O.dtype)
-        x = batch.x * t.s_in
-        y = batch.y * t.s_out
+        x = batch.x * self.s_in
+        y = batch.y * self.s_out
         k = self.top_k(t)
         z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
         gain = self.selection_gain()
@@ -299,17 +377,17 @@ class _LorsaObjective(_Objective):
         return g
 
     @torch.no_grad()
-    def fold(self, t: Any) -> Lorsa:
+    def fold(self, t: TrainingState) -> Lorsa:
         """``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
         then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``); balancing gains still on
         (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``."""
-        _require_norms(t)
+        _require_norms(self)
         out = copy.deepcopy(self.module)
         for w in (out.W_Q, out.W_K, out.W_V):
-            w.mul_(t.s_in)
-        out.W_O.div_(t.s_out)
+            w.mul_(self.s_in)
+        out.W_O.div_(self.s_out)
         if out.b_D is not None:
-            out.b_D.div_(t.s_out)
+            out.b_D.div_(self.s_out)
         out.normalize_decoder_()
         if self.balance is not None and bool((self.balance.log_gain != 0).any()):
             g = self.balance.gain().to(out.W_V)
@@ -320,7 +398,7 @@ class _LorsaObjective(_Objective):
 
 
 # --------------------------------------------------------------------------- dictionaries
-def _sparsity_terms(t: Any, act: torch.nn.Module, pre: torch.Tensor, acts: torch.Tensor, dead: torch.Tensor,
+def _sparsity_terms(t: TrainingState, act: torch.nn.Module, pre: torch.Tensor, acts: torch.Tensor, dead: torch.Tensor,
                     err: torch.Tensor, W_dec: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The sparsity part of a dense dictionary loss: ``(penalty or None, aux, sparsity)``.
 
@@ -366,7 +444,7 @@ class _DictionaryObjective(_Objective):
     def activation_fn(self) -> Any:
         raise NotImplementedError
 
-    def normalize_decoder(self, t: Any) -> bool:
+    def normalize_decoder(self, t: TrainingState) -> bool:
         if t.config.normalize_decoder is not None:
             return bool(t.config.normalize_decoder)
         return not isinstance(self.activation_fn(), JumpReLU)
@@ -383,6 +461,7 @@ class _SparseCoderObjective(_DictionaryObjective):
     desc = "sparse coder"
     weights_file = "coder.safetensors"
     config_key = "coder_config"
+    module_type = SparseCoder
 
     def __init__(self, module: Any) -> None:
         norm = getattr(module.cfg, "normalize_activations", "none")
@@ -402,13 +481,8 @@ class _SparseCoderObjective(_DictionaryObjective):
     def activation_fn(self) -> Any:
         return self.module.activation
 
-    def after_norms(self, t: Any) -> None:
-        # an SAE reconstructs its input: one scale factor, so that b_dec centring folds exactly
-        if isinstance(self.module, SparseAutoencoder):
-            t.s_out = t.s_in
-
     @torch.no_grad()
-    def post_step(self, t: Any) -> None:
+    def post_step(self, t: TrainingState) -> None:
         if self.normalize_decoder(t):
             W = self.module.W_dec
             W.div_(W.norm(dim=-1, keepdim=True).clamp_min(1e-12))
@@ -422,12 +496,12 @@ class _SparseCoderObjective(_DictionaryObjective):
         module_cls, cfg_cls = _CODER_CLASSES[d.pop("class")]
         return module_cls(cfg_cls.from_dict(d))
 
-    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         coder = self.module
         batch = batch.to(coder.W_dec.device, coder.W_dec.dtype)
         mask = batch.loss_mask
-        x = batch.x[mask] * t.s_in
-        y = batch.y[mask] * t.s_out
+        x = batch.x[mask] * self.s_in
+        y = batch.y[mask] * self.s_out
         if t.config.sparse_kernels and coder.supports_sparse:
             return self._sparse_loss(t, x, y)
         pre = affine(coder.encoder_input(x), coder.W_enc, coder.b_enc)
@@ -450,7 +524,7 @@ class _SparseCoderObjective(_DictionaryObjective):
         err = f32(y) - f32(out)
         return out, err, err.pow(2).sum(-1).mean()
 
-    def _sparse_loss(self, t: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def _sparse_loss(self, t: TrainingState, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """:meth:`loss` of a TopK / BatchTopK coder through the sparse kernels (:mod:`~..modules.sparse_decode`)."""
         coder = self.module
         pre, acts = coder.encode_sparse(x)
@@ -475,30 +549,41 @@ class _SparseCoderObjective(_DictionaryObjective):
         return loss, _step_metrics(loss, mse, y, out, acts.l0(), dead, aux, torch.zeros((), device=mse.device))
 
     @torch.no_grad()
-    def fold(self, t: Any) -> SparseCoder:
+    def fold(self, t: TrainingState) -> SparseCoder:
         """``f_raw(x) = f(x · s_in) / s_out`` (eval mode): ``W_enc *= s_in`` (the same features fire),
         ``W_dec, b_dec /= s_out``, ``W_skip *= s_in / s_out``; then decoder rows are renormalised
         (:meth:`~..modules.sparse_coder.SparseCoder.fold_decoder_norm_`) except for BatchTopK, whose rows
         stay at ``1/s_out`` so that its threshold stays valid."""
-        _require_norms(t)
+        _require_norms(self)
         out = copy.deepcopy(self.module).eval()
-        out.W_enc.mul_(t.s_in)
-        out.W_dec.div_(t.s_out)
-        out.b_dec.div_(t.s_out)
-        if isinstance(out, SkipTranscoder):
-            out.W_skip.mul_(t.s_in / t.s_out)
+        out.W_enc.mul_(self.s_in)
+        out.W_dec.div_(self.s_out)
+        out.b_dec.div_(self.s_out)
+        if getattr(out, "W_skip", None) is not None:  # a skip transcoder's linear path
+            out.W_skip.mul_(self.s_in / self.s_out)
         if not isinstance(out.activation, BatchTopK):
             out.fold_decoder_norm_()
         return out
 
 
+class _SAEObjective(_SparseCoderObjective):
+    """An SAE reconstructs its input: one scale factor (``s_out = s_in``), so that ``b_dec`` centring folds exactly."""
+
+    module_type = SparseAutoencoder
+
+    def after_norms(self, t: TrainingState) -> None:
+        self.s_out = self.s_in
+
+
 # --------------------------------------------------------------------------- CLT
 class _CLTObjective(_DictionaryObjective):
-    """Per-layer scale factors ``t.s_in_layers`` / ``t.s_out_layers`` (``t.s_in`` / ``t.s_out``: their means)."""
+    """Per-layer scale factors :attr:`s_in_layers` / :attr:`s_out_layers` (:attr:`s_in` / :attr:`s_out`: their
+    means)."""
 
     desc = "CLT"
     weights_file = "clt.safetensors"
     config_key = "clt_config"
+    module_type = CrossLayerTranscoder
 
     def n_latents(self) -> int:
         return int(self.module.cfg.n_layers * self.module.cfg.d_sae)
@@ -534,7 +619,7 @@ class _CLTObjective(_DictionaryObjective):
                              f"loss_mask {tuple(batch.loss_mask.shape)} disagree")
 
     @torch.no_grad()
-    def estimate_norms(self, t: Any) -> None:
+    def estimate_norms(self, t: TrainingState) -> None:
         norms_x, norms_y = [], []
         for i in range(t.config.norm_batches):  # in fp32 on the activations' device
             b = t.source(i)
@@ -544,27 +629,26 @@ class _CLTObjective(_DictionaryObjective):
             norms_y.append(f32(b.y[:, mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
         _require_tokens(t, sum(v.shape[1] for v in norms_x))
         root_d = math.sqrt(self.module.cfg.d_in)
-        t.s_in_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_x, 1).mean(1)]
-        t.s_out_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_y, 1).mean(1)]
-        t.s_in = sum(t.s_in_layers) / len(t.s_in_layers)
-        t.s_out = sum(t.s_out_layers) / len(t.s_out_layers)
+        self.s_in_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_x, 1).mean(1)]
+        self.s_out_layers = [_ratio(root_d, float(v)) for v in torch.cat(norms_y, 1).mean(1)]
+        self.s_in = sum(self.s_in_layers) / len(self.s_in_layers)
+        self.s_out = sum(self.s_out_layers) / len(self.s_out_layers)
 
-    @staticmethod
-    def _scales(t: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scales(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s_in, s_out)`` per layer, ``(n_layers, 1, 1)`` in ``like``'s dtype on its device."""
-        if t.s_in_layers is None or t.s_out_layers is None:
+        if self.s_in_layers is None or self.s_out_layers is None:
             raise RuntimeError("norms are not estimated yet: train first")
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
-        return (torch.tensor(t.s_in_layers, **kw)[:, None, None],
-                torch.tensor(t.s_out_layers, **kw)[:, None, None])
+        return (torch.tensor(self.s_in_layers, **kw)[:, None, None],
+                torch.tensor(self.s_out_layers, **kw)[:, None, None])
 
-    def loss(self, t: Any, batch: Batch) -> tuple[torch.Tensor, Metrics]:
+    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """``mse`` / ``aux`` / ``sparsity`` summed over layers, ``fvu`` / ``l0`` their means (per layer as
         ``fvu_{l}`` / ``l0_{l}``), ``dead_frac`` over all ``n_layers · d_sae`` features."""
         self.check_batch(batch)
         clt = self.module
         batch = batch.to(clt.W_enc.device, clt.W_enc.dtype)
-        s_in, s_out = self._scales(t, clt.W_enc)
+        s_in, s_out = self._scales(clt.W_enc)
         mask = batch.loss_mask
         x = batch.x[:, mask] * s_in                                  # (n_layers, n, d_model)
         y = batch.y[:, mask] * s_out
@@ -600,29 +684,29 @@ class _CLTObjective(_DictionaryObjective):
         return loss, metrics
 
     @torch.no_grad()
-    def post_step(self, t: Any) -> None:
+    def post_step(self, t: TrainingState) -> None:
         if self.normalize_decoder(t):
             for layer in range(self.module.n_layers):
                 W = self.module.W_dec(layer)
                 W.div_(W.flatten(1).norm(dim=-1)[:, None, None].clamp_min(1e-12))
 
-    def save_meta(self, t: Any) -> dict[str, Any]:
-        return {"s_in_layers": t.s_in_layers, "s_out_layers": t.s_out_layers}
+    def save_meta(self, t: TrainingState) -> dict[str, Any]:
+        return {"s_in_layers": self.s_in_layers, "s_out_layers": self.s_out_layers}
 
-    def restore_meta(self, t: Any, meta: dict[str, Any], path: Any) -> None:
+    def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
         s_in, s_out = meta.get("s_in_layers"), meta.get("s_out_layers")
         n = self.module.n_layers
         complete = isinstance(s_in, list) and isinstance(s_out, list) and len(s_in) == len(s_out) == n
         if (s_in is not None or s_out is not None or t.step > 0) and not complete:
             raise CheckpointError(f"{path}: needs s_in_layers and s_out_layers with {n} entries each")
-        t.s_in_layers, t.s_out_layers = s_in, s_out
+        self.s_in_layers, self.s_out_layers = s_in, s_out
 
     @torch.no_grad()
-    def fold(self, t: Any) -> CrossLayerTranscoder:
+    def fold(self, t: TrainingState) -> CrossLayerTranscoder:
         """``ŷ_raw_l' = ŷ_l'(x · s_in) / s_out[l']`` (eval mode): ``W_enc[l] *= s_in[l]`` (the same
         features fire with the same values, so thresholds stay valid), ``W_dec_l[:, l' − l] /= s_out[l']``,
         ``b_dec[l] /= s_out[l]``, ``W_skip[l] *= s_in[l] / s_out[l]``; decoder rows are not renormalised."""
-        s_in, s_out = self._scales(t, self.module.W_enc)
+        s_in, s_out = self._scales(self.module.W_enc)
         out = copy.deepcopy(self.module).eval()
         out.W_enc.mul_(s_in)
         for layer in range(out.n_layers):
@@ -633,23 +717,29 @@ class _CLTObjective(_DictionaryObjective):
         return out
 
 
-_OBJECTIVES: tuple[type[_Objective], ...] = (_LorsaObjective, _SparseCoderObjective, _CLTObjective)
+#: the objective registry: module kind -> objective, the first whose ``module_type`` fits (an SAE before
+#: the other sparse coders)
+_OBJECTIVES: tuple[type[_Objective], ...] = (LorsaObjective, _SAEObjective, _SparseCoderObjective, _CLTObjective)
 
 
-def _objective_for(module: Any, mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> _Objective:
-    """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT).
+def _fits(cls: type[_Objective], module: Any) -> bool:
+    return isinstance(module, cls.module_type)
+
+
+def _check_module(cls: type[_Objective], module: Any) -> None:
+    if not _fits(cls, module):
+        raise TypeError(f"{cls.__name__} trains a {cls.module_type.__name__}, got a {type(module).__name__}")
+
+
+def _objective_for(module: Any) -> _Objective:
+    """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT), with its defaults.
 
     Raises:
-        TypeError: another module type, or ``mhsa`` / ``lorsa_recipe`` given for a non-Lorsa.
+        TypeError: another module type.
     """
-    if isinstance(module, Lorsa):
-        return _LorsaObjective(module, mhsa, lorsa_recipe)
-    if mhsa is not None or lorsa_recipe is not None:
-        raise TypeError("mhsa= and lorsa_recipe= are for a Lorsa; the module is a " + type(module).__name__)
-    if isinstance(module, SparseCoder):
-        return _SparseCoderObjective(module)
-    if isinstance(module, CrossLayerTranscoder):
-        return _CLTObjective(module)
+    for cls in _OBJECTIVES:
+        if _fits(cls, module):
+            return cls(module)
     raise TypeError(f"cannot train a {type(module).__name__}: expected a Lorsa, SparseAutoencoder, "
                     "Transcoder, SkipTranscoder or CrossLayerTranscoder")
 

@@ -37,8 +37,7 @@ from .._placement import f32, placement
 from ..errors import ArgumentError, CheckpointError, NonFiniteError, TooFewTokensError
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
-from .lorsa_recipe import LorsaRecipe
-from .objectives import _objective_class, _objective_for
+from .objectives import TrainingState, _Objective, _objective_class, _objective_for
 from .schedule import wsd_lr_factor
 
 
@@ -140,6 +139,19 @@ def _check_real(name: str, value: Any, *, positive: bool = False, upper: float |
         raise ArgumentError(f"TrainConfig.{name} must be in {lo}, {hi}, got {value!r}")
 
 
+class _ObjectiveField:
+    """A trainer attribute held by its objective (the scale factors): read and set there."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: Any = None) -> Any:
+        return self if trainer is None else getattr(trainer.objective, self.name)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(trainer.objective, self.name, value)
+
+
 class Trainer:
     """Trains ``module`` in place (training-space weights) on batches from ``source``.
 
@@ -148,15 +160,17 @@ class Trainer:
             :class:`~..modules.transcoder.Transcoder` / ``SkipTranscoder`` or
             :class:`~..modules.clt.CrossLayerTranscoder`; its type picks the objective (the
             activation — TopK, BatchTopK, JumpReLU, ReLU — picks a dictionary's sparsity term).
+            Or an objective holding the module with its own settings: a Lorsa's MHSA initialisation
+            and recipe go in :class:`~.objectives.LorsaObjective` (``LorsaObjective(lorsa, mhsa=...,
+            recipe=LorsaRecipe(...))``).
         source: batch index -> :class:`~.activations.Batch` (:class:`~.activations.ActivationSource`).
         config: :class:`TrainConfig`.
-        mhsa: a Lorsa only: the MHSA weights to initialise QK and OV from (App. B.3) once the norms are known.
-        lorsa_recipe: a Lorsa only: its initialisation, k annealing, ranking and dead-head remedy
-            (:class:`~.lorsa_recipe.LorsaRecipe`; default: the measured recipe). Saved in checkpoints.
 
     Attributes:
-        step: steps taken. s_in, s_out: the scale factors (None before the first step; a CLT's are
-            the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
+        objective: the module's objective (it owns the scale factors and the kind's state; it sees the
+            trainer through a :class:`~.objectives.TrainingState`).
+        step: steps taken. s_in, s_out: the scale factors (the objective's; None before the first step;
+            a CLT's are the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
         tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
 
     Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype, the model
@@ -174,26 +188,29 @@ class Trainer:
             first step) a batch that does not fit.
     """
 
-    def __init__(self, module: torch.nn.Module, source: Callable[[int], Batch], config: TrainConfig, *,
-                 mhsa: Any = None, lorsa_recipe: LorsaRecipe | None = None) -> None:
+    s_in = _ObjectiveField("s_in")
+    s_out = _ObjectiveField("s_out")
+    s_in_layers = _ObjectiveField("s_in_layers")
+    s_out_layers = _ObjectiveField("s_out_layers")
+
+    def __init__(self, module: torch.nn.Module | _Objective, source: Callable[[int], Batch],
+                 config: TrainConfig) -> None:
         if not isinstance(config, TrainConfig):
             raise ArgumentError(f"config must be a TrainConfig, got {type(config).__name__}")
         config.validate()  # again: a field may have been set after construction
-        device, _ = placement(module)
-        self.objective = _objective_for(module, mhsa, lorsa_recipe)
+        given, trained = (module, module.module) if isinstance(module, _Objective) else (None, module)
+        device, _ = placement(trained)
+        self.objective = given if given is not None else _objective_for(trained)
         self.objective.check_source(source)
-        self.module = module
+        self.state = TrainingState(self)
+        self.module = trained
         self.source = source
         self.config = config
         self.step = 0
-        self.s_in: float | None = None
-        self.s_out: float | None = None
-        self.s_in_layers: list[float] | None = None
-        self.s_out_layers: list[float] | None = None
         self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long, device=device)
         #: data-parallel context (:class:`~.distributed.DataParallel`) or None; set by ``DataParallel(trainer)``
         self.dist: Any = None
-        self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, betas=config.betas)
+        self.optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, betas=config.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: wsd_lr_factor(s, config.total_steps, config.warmup_frac, config.decay_frac),
@@ -211,13 +228,13 @@ class Trainer:
                 activations); the scale factors are left unset and the module unchanged.
         """
         try:
-            self.objective.estimate_norms(self)
+            self.objective.estimate_norms(self.state)
             self._check_scales()
-            self.objective.check_init_batch(self)
+            self.objective.check_init_batch(self.state)
         except (NonFiniteError, TooFewTokensError):
-            self.s_in = self.s_out = self.s_in_layers = self.s_out_layers = None
+            self.objective.reset_scales()
             raise
-        self.objective.after_norms(self)
+        self.objective.after_norms(self.state)
         assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
 
@@ -244,7 +261,7 @@ class Trainer:
         Raises:
             ShapeError: (CLT) the batch does not fit the module.
         """
-        return self.objective.loss(self, batch)
+        return self.objective.loss(self.state, batch)
 
     @torch.no_grad()
     def folded(self) -> torch.nn.Module:
@@ -254,7 +271,7 @@ class Trainer:
         Raises:
             RuntimeError: the norms are not estimated yet (no step taken).
         """
-        return self.objective.fold(self)
+        return self.objective.fold(self.state)
 
     # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -337,13 +354,13 @@ class Trainer:
         except NonFiniteError:
             self.optimizer.zero_grad(set_to_none=True)
             self.tokens_since_fired = counters
-            self.objective.discard_step(self)
+            self.objective.discard_step(self.state)
             raise
         if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
             torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.config.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()
-        self.objective.post_step(self)
+        self.objective.post_step(self.state)
         self.step += 1
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
@@ -466,7 +483,7 @@ class Trainer:
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,
-                **self.objective.save_meta(self)}
+                **self.objective.save_meta(self.state)}
         write_checkpoint(directory, {
             self.objective.weights_file: save_safetensors(weights),
             "optimizer.safetensors": save_safetensors(opt_tensors),
@@ -559,4 +576,4 @@ class Trainer:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
-        self.objective.restore_meta(self, meta, d / "trainer.json")
+        self.objective.restore_meta(self.state, meta, d / "trainer.json")

@@ -24,7 +24,7 @@ from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.lorsa import Lorsa
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
-from nnsight_lorsa.training import LorsaRecipe, TokenDataset, TrainConfig, Trainer
+from nnsight_lorsa.training import LorsaObjective, LorsaRecipe, TokenDataset, TrainConfig, Trainer
 from nnsight_lorsa.training.activations import Batch
 
 NAN, INF = float("nan"), float("inf")
@@ -169,7 +169,8 @@ KINDS = ("sae", "lorsa", "lorsa-balance", "clt")
 def make_trainer(kind: str, source: Any, **config: Any) -> Trainer:
     cfg = {"total_steps": 8, "lr": 1e-2, "norm_batches": 2, "dead_after_tokens": 40, "log_every": 1, **config}
     recipe = LorsaRecipe(dead_remedy="balance") if kind == "lorsa-balance" else None
-    return Trainer(make_module(kind.split("-")[0]), source, TrainConfig(**cfg), lorsa_recipe=recipe)
+    module = make_module(kind.split("-")[0])
+    return Trainer(module if recipe is None else LorsaObjective(module, recipe=recipe), source, TrainConfig(**cfg))
 
 
 def stacked(kind: str) -> int:
@@ -361,13 +362,13 @@ def test_the_lorsa_recipe_needs_d_qk_head_counted_tokens_in_its_first_batch():
         return Batch(x=torch.randn(windows, seq, d, generator=g), y=torch.randn(windows, seq, d, generator=g),
                      loss_mask=mask, positions=torch.arange(seq))
 
-    t = Trainer(Lorsa(cfg), source, TrainConfig(total_steps=2), mhsa=mhsa)
+    t = Trainer(LorsaObjective(Lorsa(cfg), mhsa=mhsa), source, TrainConfig(total_steps=2))
     before = snapshot(t)
     with pytest.raises(TooFewTokensError, match=rf"d_qk_head={need} counted tokens in the first batch; it has "
                                                 rf"{need - 1} .*raise --batch-size or --seq-len"):
         t.train(progress=False)
     assert_bit_equal(snapshot(t), before)
-    ok = Trainer(Lorsa(cfg), lambda i: source(i, windows=2), TrainConfig(total_steps=2), mhsa=mhsa)
+    ok = Trainer(LorsaObjective(Lorsa(cfg), mhsa=mhsa), lambda i: source(i, windows=2), TrainConfig(total_steps=2))
     ok.train(progress=False)  # 2 (need - 1) tokens: enough
     assert ok.step == 2
 

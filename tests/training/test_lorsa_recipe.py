@@ -12,6 +12,7 @@ from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.training import (
     ActivationCache,
     ActivationSource,
+    LorsaObjective,
     LorsaRecipe,
     TokenDataset,
     TrainConfig,
@@ -97,8 +98,8 @@ def test_revive_makes_a_dead_head_fire_and_auxk_does_not(setup):
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
     fired = {}
     for remedy in ("revive", "auxk"):
-        trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=4, lr=1e-3, dead_after_tokens=1),
-                          mhsa=mhsa, lorsa_recipe=LorsaRecipe(dead_remedy=remedy))
+        trainer = Trainer(LorsaObjective(new_lorsa(adapter, mhsa), mhsa=mhsa, recipe=LorsaRecipe(dead_remedy=remedy)),
+                          source, TrainConfig(total_steps=4, lr=1e-3, dead_after_tokens=1))
         trainer.estimate_norms()
         with torch.no_grad():
             trainer.module.b_V[0] = -1e3  # head 0: negative pre-activation everywhere
@@ -114,8 +115,8 @@ def test_ghost_grads_reach_heads_with_negative_preactivation(setup):
     model, hf, adapter, data = setup
     mhsa = adapter.mhsa_weights(hf, LAYER)
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
-    trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=4, dead_after_tokens=1),
-                      mhsa=mhsa, lorsa_recipe=LorsaRecipe(dead_remedy="ghost"))
+    trainer = Trainer(LorsaObjective(new_lorsa(adapter, mhsa), mhsa=mhsa, recipe=LorsaRecipe(dead_remedy="ghost")),
+                      source, TrainConfig(total_steps=4, dead_after_tokens=1))
     trainer.estimate_norms()
     with torch.no_grad():
         trainer.module.b_V[0] = -20.0
@@ -132,8 +133,8 @@ def test_rank_by_decoder_norm_folds_exactly_and_anneals_k(setup):
     mhsa = adapter.mhsa_weights(hf, LAYER)
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
     recipe = LorsaRecipe(rank_by_decoder_norm=True, k_anneal_from=24, k_anneal_frac=0.5)
-    trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=8, lr=1e-2, log_every=1), mhsa=mhsa,
-                      lorsa_recipe=recipe)
+    trainer = Trainer(LorsaObjective(new_lorsa(adapter, mhsa), mhsa=mhsa, recipe=recipe),
+                      source, TrainConfig(total_steps=8, lr=1e-2, log_every=1))
     history = trainer.train(progress=False)
     assert [h["k"] for h in history][0] > 8 and history[-1]["k"] == 8 and history[-1]["l0"] <= 8
     norms = trainer.module.W_O.norm(dim=1)
@@ -160,7 +161,7 @@ def test_lorsa_trains_from_an_activation_cache(setup, tmp_path):
                               Site.attn_output(adapter, LAYER), batch_size=8)
     out = []
     for source in (live, cached):
-        trainer = Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=3), mhsa=mhsa)
+        trainer = Trainer(LorsaObjective(new_lorsa(adapter, mhsa), mhsa=mhsa), source, TrainConfig(total_steps=3))
         trainer.train(progress=False)
         out.append(trainer.module.W_V.detach())
     assert torch.allclose(out[0], out[1], atol=1e-5)
@@ -190,8 +191,8 @@ def test_resample_points_dead_heads_at_high_error_tokens(setup):
 
 def _balanced(adapter, mhsa, source, **recipe):
     recipe = {"dead_remedy": "balance", "balance_floor": 1.0, "balance_rate": 0.5, **recipe}
-    return Trainer(new_lorsa(adapter, mhsa), source, TrainConfig(total_steps=6, lr=1e-2, log_every=1), mhsa=mhsa,
-                   lorsa_recipe=LorsaRecipe(**recipe))
+    return Trainer(LorsaObjective(new_lorsa(adapter, mhsa), mhsa=mhsa, recipe=LorsaRecipe(**recipe)),
+                   source, TrainConfig(total_steps=6, lr=1e-2, log_every=1))
 
 
 def test_balance_gains_rank_heads_and_fold_exactly(setup):

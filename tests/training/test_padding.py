@@ -10,7 +10,7 @@ from helpers import make_clt, make_lorsa, make_transcoder, random_ids, tiny_trai
 
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.envoy import CLTSet, LorsaSet, Site, TranscoderSet
-from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer, evaluate
 from nnsight_lorsa.training.activation_cache import write_activation_cache
 
 LAYER = 1
@@ -65,8 +65,8 @@ def _lorsa(adapter):
 
 
 def _train(module, source, mhsa=None):
-    trainer = Trainer(module, source, TrainConfig(total_steps=3, lr=1e-2, log_every=1, norm_batches=2,
-                                                  dead_after_tokens=30), mhsa=mhsa)
+    trainer = Trainer(module if mhsa is None else LorsaObjective(module, mhsa=mhsa), source,
+                      TrainConfig(total_steps=3, lr=1e-2, log_every=1, norm_batches=2, dead_after_tokens=30))
     return trainer, trainer.train(progress=False)
 
 

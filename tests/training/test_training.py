@@ -11,7 +11,15 @@ from helpers import tiny_training_setup
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet
 from nnsight_lorsa.errors import CheckpointError
-from nnsight_lorsa.training import ActivationSource, LorsaRecipe, TokenDataset, TrainConfig, Trainer, evaluate
+from nnsight_lorsa.training import (
+    ActivationSource,
+    LorsaObjective,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    evaluate,
+)
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
 from nnsight_lorsa.training.schedule import wsd_lr_factor
 
@@ -67,8 +75,8 @@ def test_activations_match_the_model(setup):
 def test_training_reduces_fvu_and_folding_is_exact(setup):
     model, hf, adapter, data = setup
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
-    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=40, lr=1e-2, log_every=1),
-                      mhsa=adapter.mhsa_weights(hf, LAYER))
+    trainer = Trainer(LorsaObjective(new_lorsa(adapter), mhsa=adapter.mhsa_weights(hf, LAYER)),
+                      source, TrainConfig(total_steps=40, lr=1e-2, log_every=1))
     history = trainer.train(progress=False)
     assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
     assert all(h["l0"] <= 8 for h in history)
@@ -118,8 +126,8 @@ def test_resume_rejects_broken_checkpoints(setup, tmp_path):
 def test_auxk_trains_dead_heads(setup):
     model, hf, adapter, data = setup
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
-    trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=4, dead_after_tokens=1),
-                      lorsa_recipe=LorsaRecipe(dead_remedy="auxk"))
+    trainer = Trainer(LorsaObjective(new_lorsa(adapter), recipe=LorsaRecipe(dead_remedy="auxk")),
+                      source, TrainConfig(total_steps=4, dead_after_tokens=1))
     trainer.estimate_norms()
     batch = source(0)
     trainer.loss(batch)  # counts firing: with threshold 1 every head that did not fire is dead

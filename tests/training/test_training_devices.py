@@ -31,7 +31,15 @@ from nnsight_lorsa.errors import PlacementError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
-from nnsight_lorsa.training import ActivationSource, LorsaRecipe, TokenDataset, TrainConfig, Trainer, evaluate
+from nnsight_lorsa.training import (
+    ActivationSource,
+    LorsaObjective,
+    LorsaRecipe,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    evaluate,
+)
 from nnsight_lorsa.training.activation_cache import ActivationCache, write_activation_cache
 
 LAYER = 1
@@ -78,8 +86,8 @@ def _train_lorsa(device: str, recipe: str, model_dtype=F32, module_dtype=F32, st
     torch.manual_seed(0)
     lorsa = Lorsa(_lorsa_cfg(adapter), device=device, dtype=module_dtype)
     source = ActivationSource.attention(model, LAYER, DATA, batch_size=4)
-    trainer = Trainer(lorsa, source, _config(steps), mhsa=adapter.mhsa_weights(hf, LAYER),
-                      lorsa_recipe=RECIPES[recipe])
+    trainer = Trainer(LorsaObjective(lorsa, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES[recipe]),
+                      source, _config(steps))
     trainer.train(progress=False)
     return trainer
 
