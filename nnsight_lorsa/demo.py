@@ -52,7 +52,7 @@ from .envoy.loading import load_model  # re-exported: the loader lives in the gl
 from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError
 
-__all__ = ["SKIP_START", "DemoConfig", "TrainingInterrupted", "load_model", "run_demo", "write_pictures"]
+__all__ = ["PROMPT", "SKIP_START", "DemoConfig", "TrainingInterrupted", "load_model", "run_demo", "write_pictures"]
 
 #: positions at the start of every window left out of the top activations (BOS and the first tokens,
 #: where some heads fire only because the window looks like a document start)

@@ -224,9 +224,10 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     Args:
         skip_start: the first this many positions of every window are left out of the top activations
             and the frequency (default 1: position 0, BOS). A window cut from running text still looks
-            like a document start to the model, and some heads fire only at its first positions
-            (start-of-document artefacts: on the embedded model such heads were 2 of the 5 with the
-            largest activations); ``skip_start=4`` leaves them out (the demo does), ``0`` keeps BOS.
+            like a document start to the model, and some heads reach their largest activations at its
+            first positions (start-of-document artefacts: on the shipped Lorsa of the embedded model, one
+            of the 5 top heads had its top 3 contexts all at position 1); ``skip_start=4`` leaves those
+            positions out (the demo does), ``0`` keeps BOS.
         distinct_windows: at most one entry per head and window (its largest activation there;
             :class:`~.top_activations.TopActivations`), so a dashboard's contexts are distinct texts.
 
