@@ -11,6 +11,7 @@ Zoom: the toolbar's buttons (fit to width, ``−``, ``+``, ``1:1``) and Ctrl + m
 trackpad pinch) zoom around the pointer. First paint: the whole graph fitted to the window's width
 when that keeps nodes at least :data:`MIN_FIRST_SCALE` of their size, else that scale with the view
 scrolled to the right end — the last positions, where the logits and the last token's Lorsa heads sit.
+The row names (``emb``, ``L2 attn``, …, ``logits``) stay at the left edge as the graph scrolls.
 
 Clicking a node opens a side panel with its label, activation, influence, its strongest incoming and
 outgoing links and optional per-node details (top activating contexts, a Lorsa head's z pattern,

@@ -76,6 +76,9 @@ _CLICKS = """<script>
 window.addEventListener('load', () => setTimeout(() => {
   const svg = document.getElementById('graph'), main = document.getElementById('main');
   const s = () => +svg.getAttribute('data-scale'), out = {first: s()};
+  out.scrolled = main.scrollLeft;
+  out.labelsOffset = document.getElementById('row-labels').getBoundingClientRect().left
+    - main.getBoundingClientRect().left;
   document.getElementById('zoom-in').click(); out.zoomIn = s();
   document.getElementById('zoom-out').click(); document.getElementById('zoom-out').click(); out.zoomOut = s();
   document.getElementById('zoom-reset').click(); out.reset = s(); out.resetWidth = +svg.getAttribute('width');
@@ -99,6 +102,7 @@ def test_zoom_buttons_fit_to_width_and_ctrl_wheel(graphs, tmp_path):
     probed.write_text(path.read_text().replace("</body>", _CLICKS + "</body>"))
     dom = run_chromium(["--window-size=1400,900", "--dump-dom", probed.resolve().as_uri()], 60).stdout
     r = json.loads(re.search(r'<pre id="clicks">(.*?)</pre>', dom, re.S).group(1).replace("&quot;", '"'))
+    assert r["scrolled"] > 100 and abs(r["labelsOffset"]) < 2  # scrolled right, the row names still at the left
     assert r["zoomIn"] == pytest.approx(r["first"] * 1.25, rel=1e-3)
     assert r["zoomOut"] == pytest.approx(r["first"] / 1.25, rel=1e-3)
     assert r["reset"] == 1

@@ -65,8 +65,6 @@ svg.style.display = 'block';
 layers.forEach((l, i) => {
   const y = top + (layers.length - 1 - i) * rowH + rowH / 2;
   el('line', {x1: left, x2: W - 20, y1: y, y2: y, stroke: '#eee'}, svg, true);
-  const t = el('text', {x: 6, y: y + 4, class: 'axis'}, svg, true);
-  t.textContent = rowName(l);
 });
 for (let c = 0; c < nCols; c++) {
   const t = el('text', {x: left + colX[c] + colW[c] / 2, y: H - 14, 'text-anchor': 'middle', class: 'token'},
@@ -83,6 +81,15 @@ g.links.forEach(l => {
     'stroke-width': (0.3 + 4 * Math.abs(l.weight) / maxW).toFixed(3), 'stroke-opacity': 0.45}, gl, true);
   linkEls.push(e);
 });
+// row names in a group drawn last and moved with the horizontal scroll, so they stay at the left edge
+const rowLabels = el('g', {id: 'row-labels', 'pointer-events': 'none'}, null, true);
+el('rect', {x: 0, y: 0, width: left - 8, height: top + layers.length * rowH, fill: '#fff', 'fill-opacity': 0.85},
+  rowLabels, true);
+layers.forEach((l, i) => {
+  const y = top + (layers.length - 1 - i) * rowH + rowH / 2 + 4;
+  const t = el('text', {x: 6, y: y, class: 'axis'}, rowLabels, true);
+  t.textContent = rowName(l);
+});
 const nodeEls = {};
 g.nodes.forEach(n => {
   const p = pos[n.node_id];
@@ -91,6 +98,7 @@ g.nodes.forEach(n => {
   txt('title', n.clerp || n.node_id, e); e.addEventListener('click', () => select(n.node_id));
   nodeEls[n.node_id] = e;
 });
+svg.appendChild(rowLabels);
 // the colour legend: every node kind (with its count in this graph), then the two edge colours
 const legend = document.getElementById('legend');
 const count = {}; g.nodes.forEach(n => count[n.feature_type] = (count[n.feature_type] || 0) + 1);
@@ -108,6 +116,9 @@ txt('span', 'line width \u221d |weight|', legend, {class: 'legend-item'});
 // zoom: the SVG keeps its layout coordinates (viewBox) and is drawn at `scale` times their size
 let scale = 1;
 const zoomLevel = document.getElementById('zoom-level');
+const pinLabels = () =>
+  rowLabels.setAttribute('transform', 'translate(' + (main.scrollLeft / scale).toFixed(2) + ',0)');
+main.addEventListener('scroll', pinLabels);
 function setScale(s, ax, ay){
   s = Math.min(8, Math.max(0.05, s));
   const r0 = svg.getBoundingClientRect(), mr = main.getBoundingClientRect();
@@ -119,6 +130,7 @@ function setScale(s, ax, ay){
   const r1 = svg.getBoundingClientRect();
   main.scrollLeft += wx * s - (ax - r1.left); main.scrollTop += wy * s - (ay - r1.top);
   if (zoomLevel) zoomLevel.textContent = Math.round(100 * s) + '%';
+  pinLabels();
 }
 const fitScale = () => Math.max(0.05, (main.clientWidth - 8) / W);
 const button = (id, f) => { const b = document.getElementById(id); if (b) b.addEventListener('click', f); };
@@ -199,6 +211,7 @@ function fromHash(){
 const fit = fitScale(), minFirst = +D.minFirstScale || 0.6;
 setScale(fit >= minFirst ? Math.min(fit, 1.5) : minFirst);
 main.scrollLeft = main.scrollWidth; main.scrollTop = 0;
+pinLabels();
 window.addEventListener('hashchange', fromHash);
 if (!fromHash() && g.qParams.clickedId) { click(g.qParams.clickedId); reveal(g.qParams.clickedId); }
 document.body.setAttribute('data-ready', '1');
