@@ -9,10 +9,11 @@ viewer (zoom, fit to width, legend, a side panel per node); :func:`plot_z_patter
 their scripts are package files in ``nnsight_lorsa/viz/static/``.
 """
 
-from .dashboard import head_dashboard_data, render_dashboard, token_pieces, write_dashboard
+from .dashboard import head_dashboard_data, render_dashboard, write_dashboard
 from .figures import plot_heads_spanned, plot_operand_grid, plot_training_curves, plot_z_pattern
 from .graph_plot import plot_graph
 from .graph_viewer import TrustedHTML, render_html
+from .page import token_pieces
 
 __all__ = ["TrustedHTML", "head_dashboard_data", "plot_graph", "plot_heads_spanned", "plot_operand_grid",
            "plot_training_curves", "plot_z_pattern", "render_dashboard", "render_html", "token_pieces",

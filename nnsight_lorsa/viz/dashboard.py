@@ -11,7 +11,7 @@ the four aspects the paper's dashboards show.
 the page (no network, no external assets), with a colour legend.
 
 Tokens are shown as text: each context is decoded as one span and cut into per-token pieces
-(:func:`token_pieces`), so a character that byte-level BPE splits over two tokens (``é``, ``—``, CJK,
+(:func:`~.page.token_pieces`), so a character that byte-level BPE splits over two tokens (``é``, ``—``, CJK,
 emoji) shows once instead of as two ``\ufffd``. Contexts are distinct windows, each with the head
 active (``z > 0``); which positions count (BOS, the first positions of a window) is decided when the
 top activations are collected (:func:`~nnsight_lorsa.analysis.heads.collect_top_activations`'s
@@ -30,46 +30,11 @@ from .._placement import to_module
 from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
-from ..errors import ArgumentError, ConfigMismatchError
-from .page import embed_json, finite
+from ..errors import ConfigMismatchError
+from .page import embed_json, finite, token_pieces
 
 #: tokens decoded before a context's first token, so that a character begun there is decoded whole
 _LEAD = 4
-
-
-def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
-    """``ids`` ``(n,)`` decoded as one text and cut into one piece per token: ``"".join(pieces)`` is
-    ``tokenizer.decode(ids)`` wherever the decoder only appends as tokens are added.
-
-    Byte-level BPE splits a multi-byte UTF-8 character over tokens, and decoding those tokens one by one
-    gives ``\ufffd`` for each part; here a token whose decoded prefix ends in an incomplete character gets
-    ``""`` and the token that completes it gets the whole character. Where a decoder rewrites earlier
-    text as tokens are added (clean-up of spaces), that token falls back to ``tokenizer.decode([id])``.
-    Costs ``n`` decodes of up to ``n`` tokens.
-
-    Raises:
-        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple).
-    """
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
-            raise ArgumentError(f"token_pieces: ids must be a 1-D integer tensor, got {ids.dtype} "
-                                f"of shape {tuple(ids.shape)}")
-        ids = ids.tolist()
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ArgumentError(f"token_pieces: ids must be a sequence of ints, got {type(ids).__name__}")
-    pieces: list[str] = []
-    prev = ""
-    for k in range(len(ids)):
-        text = str(tokenizer.decode(list(ids[:k + 1])))
-        if text.endswith("\ufffd") and k + 1 < len(ids) and text.startswith(prev):
-            pieces.append("")  # an incomplete character: the next token completes it
-        elif text.startswith(prev):
-            pieces.append(text[len(prev):])
-            prev = text
-        else:
-            pieces.append(str(tokenizer.decode([ids[k]])))
-            prev = text
-    return pieces
 
 
 @torch.no_grad()
@@ -86,7 +51,7 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
             one per window (a repeated window is skipped) and only where the head is active (``z > 0``).
         n_contexts: at most this many contexts.
         window: tokens of context shown before the query token (each context's ``tokens`` are its text
-            pieces, :func:`token_pieces`).
+            pieces, :func:`~.page.token_pieces`).
         extra: free-form entries shown in the header (e.g. path-patching effect).
         qk_features: a :class:`~nnsight_lorsa.analysis.qk_ablation.QKFeatureImpacts` of this head
             (App. F.1: max KL of its pattern with a feature ablated from Q / from K).

@@ -5,7 +5,10 @@ one column per token position (the tokens label the x axis; bias nodes, which su
 their own column on the left; a column is as wide as its busiest cell needs, so positions holding only
 an embedding stay narrow), one row per layer's attention and one per its MLP (embeddings at the bottom,
 logits on top), links as lines whose width is proportional to ``|weight|`` (green positive, red
-negative), nodes coloured by kind with a colour legend above the graph.
+negative), nodes coloured by kind with a colour legend above the graph. A token that decodes on its own
+to ``\ufffd`` (part of a character byte-level BPE split over tokens) is labelled with its piece of the
+decoded prompt (:func:`~.page.token_pieces`): the character on the token that completes it, nothing on the
+others; the JSON keeps circuit-tracer's per-token ``prompt_tokens``.
 
 Zoom: the toolbar's buttons (fit to width, ``−``, ``+``, ``1:1``) and Ctrl + mouse wheel (or a
 trackpad pinch) zoom around the pointer. First paint: the whole graph fitted to the window's width
@@ -38,7 +41,7 @@ from ..attribution.export import node_ids, to_neuronpedia
 from ..attribution.graph import Graph
 from ..attribution.scores import PruneResult
 from ..errors import ArgumentError
-from .page import embed_json, static_text
+from .page import embed_json, static_text, token_pieces
 
 __all__ = ["MIN_FIRST_SCALE", "TrustedHTML", "normalize_details", "render_html"]
 
@@ -192,7 +195,11 @@ def render_html(
         raise ArgumentError(f"render_html(details=...): {len(unknown)} node id(s) not in this graph, e.g. "
                             f"{unknown[:3]}; ids are node_ids(graph) (circuit-tracer's scheme, e.g. '2_145_5')")
     blocks = {k: v for k, v in given.items() if k in known}  # nodes pruned from the drawing: nothing to show
-    payload = embed_json({"graph": data, "details": blocks, "minFirstScale": MIN_FIRST_SCALE})
+    labels = list(data["metadata"]["prompt_tokens"])  # circuit-tracer's: each token decoded on its own
+    if tokenizer is not None:  # a character split over tokens (byte-level BPE) shown whole, on its last token
+        pieces = token_pieces(tokenizer, graph.tokens.tolist())
+        labels = [p if "\ufffd" in t else t for t, p in zip(labels, pieces, strict=True)]
+    payload = embed_json({"graph": data, "details": blocks, "minFirstScale": MIN_FIRST_SCALE, "labels": labels})
     page_title = html.escape(title if title is not None else (graph.prompt or "attribution graph"))
     n_nodes, n_links = len(data["nodes"]), len(data["links"])
     text = ("<!DOCTYPE html><html><head><meta charset='utf-8'>"

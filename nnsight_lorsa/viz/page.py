@@ -12,9 +12,11 @@ import math
 from importlib import resources
 from typing import Any
 
-from ..errors import CheckpointError
+import torch
 
-__all__ = ["embed_json", "finite", "static_text"]
+from ..errors import ArgumentError, CheckpointError
+
+__all__ = ["embed_json", "finite", "static_text", "token_pieces"]
 
 
 def embed_json(data: Any) -> str:
@@ -55,3 +57,38 @@ def static_text(name: str) -> str:
     except (FileNotFoundError, OSError) as e:
         raise CheckpointError(f"nnsight_lorsa/viz/static/{name} is missing from the installed package "
                             f"({e}); reinstall nnsight-lorsa") from None
+
+
+def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
+    """``ids`` ``(n,)`` decoded as one text and cut into one piece per token: ``"".join(pieces)`` is
+    ``tokenizer.decode(ids)`` wherever the decoder only appends as tokens are added.
+
+    Byte-level BPE splits a multi-byte UTF-8 character over tokens, and decoding those tokens one by one
+    gives ``\ufffd`` for each part; here a token whose decoded prefix ends in an incomplete character gets
+    ``""`` and the token that completes it gets the whole character. Where a decoder rewrites earlier
+    text as tokens are added (clean-up of spaces), that token falls back to ``tokenizer.decode([id])``.
+    Costs ``n`` decodes of up to ``n`` tokens.
+
+    Raises:
+        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple).
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
+            raise ArgumentError(f"token_pieces: ids must be a 1-D integer tensor, got {ids.dtype} "
+                                f"of shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ArgumentError(f"token_pieces: ids must be a sequence of ints, got {type(ids).__name__}")
+    pieces: list[str] = []
+    prev = ""
+    for k in range(len(ids)):
+        text = str(tokenizer.decode(list(ids[:k + 1])))
+        if text.endswith("\ufffd") and k + 1 < len(ids) and text.startswith(prev):
+            pieces.append("")  # an incomplete character: the next token completes it
+        elif text.startswith(prev):
+            pieces.append(text[len(prev):])
+            prev = text
+        else:
+            pieces.append(str(tokenizer.decode([ids[k]])))
+            prev = text
+    return pieces

@@ -170,3 +170,24 @@ window.addEventListener('load', () => setTimeout(() => {
 </script></body>"""))
     dom = run_chromium(["--window-size=1000,900", "--dump-dom", probed.resolve().as_uri()], 60).stdout
     assert re.search(r'<pre id="sel">(.*?)</pre>', dom).group(1) == f"true {first}"
+
+
+def test_token_labels_show_characters_that_byte_level_bpe_splits(tmp_path):
+    """The x-axis labels show '日本語' and 'café', not '\ufffd' per byte piece; the JSON keeps circuit-tracer's
+    per-token strings."""
+    require_chromium()
+    import html
+
+    model = load_model()
+    rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()))
+    prompt = "ROMEO: café — 日本語 naïve"
+    g = attribute(rm, prompt, batch_size=64, progress=False)
+    path = tmp_path / "mb.html"
+    page = render_html(g, prune(g), tokenizer=model.tokenizer, path=path)
+    data = json.loads(re.search(r"id='graph-data'>(.*?)</script>", page, re.S).group(1))
+    assert sum("\ufffd" in t for t in data["graph"]["metadata"]["prompt_tokens"]) >= 3  # the JSON: per token
+    dom = run_chromium(["--dump-dom", path.resolve().as_uri()], 60).stdout
+    labels = [html.unescape(t) for t in re.findall(r'<text [^>]*class="token"[^>]*>([^<]*)</text>', dom)]
+    labels = labels[1:] if labels and labels[0] == "\u03a3 bias" else labels  # the bias column, if drawn
+    assert len(labels) == len(g.tokens) and "\ufffd" not in "".join(labels)
+    assert "".join(labels) == model.tokenizer.decode(g.tokens.tolist())

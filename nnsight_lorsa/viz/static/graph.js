@@ -10,7 +10,7 @@ const COLORS = {'lorsa':'#f58518','logit':'#e45756','cross layer transcoder':'#4
 const NAMES = {'lorsa':'Lorsa head','logit':'logit (output token)','cross layer transcoder':'transcoder feature',
   'embedding':'token embedding','mlp reconstruction error':'MLP error','lorsa error':'Lorsa error','bias':'bias'};
 const POS = '#2ca02c', NEG = '#d62728';
-const g = D.graph, tokens = g.metadata.prompt_tokens;
+const g = D.graph, tokens = D.labels || g.metadata.prompt_tokens;  // labels: characters whole
 const byId = {}; g.nodes.forEach(n => byId[n.node_id] = n);
 const show = t => String(t).replace(/\n/g,'\u23ce').replace(/\t/g,'\u21e5');
 const num = x => (x === null || x === undefined) ? '\u2013' : (+x).toPrecision(4);
