@@ -29,12 +29,12 @@ from nnsight_lorsa.attribution import (
     graph_scores,
     prune,
     qk_attribution,
-    render_html,
     save_neuronpedia,
 )
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
 from nnsight_lorsa.formats import load
+from nnsight_lorsa.viz import render_html
 from nnsight_lorsa.viz.graph_plot import plot_graph
 
 ROOT = Path(__file__).resolve().parent.parent

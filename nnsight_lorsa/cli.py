@@ -21,7 +21,8 @@ DESCRIPTION = """\
 nnsight-lorsa: Lorsa (low-rank sparse attention) replacements for nnsight models.
 
   nnsight-lorsa demo          train a Lorsa on one layer of the embedded model (or --model DIR),
-                              splice it into a trace, report FVU / L0 / CE and show its top heads
+                              splice it into a trace, report FVU / L0 / CE, show its top heads and
+                              write pictures: head dashboards, an attribution graph, training curves
 
 Exit status: 0 done; 1 a named error (message on one line, e.g. NonFiniteError); 2 bad arguments
 (checked before any work); 130 interrupted by Ctrl-C (training checkpointed, resume command printed).
@@ -46,8 +47,9 @@ HELP = {
     "lr": "peak learning rate (default: %(default)s)",
     "heldout_windows": "windows held out for evaluation, at most 20%% of the text (default: %(default)s)",
     "n_show": "top heads shown with their contexts and z-patterns (default: %(default)s)",
-    "out_dir": "directory for the trained Lorsa (lorsa/), demo_results.json and, on Ctrl-C, the checkpoint "
-               "(default: none; an interrupted run then saves to a new temporary directory)",
+    "out_dir": "directory for the trained Lorsa (lorsa/), demo_results.json, the pictures (training_curves.png, "
+               "dashboards/, graph.html, graph.json) and, on Ctrl-C, the checkpoint (default: none; the pictures "
+               "and an interrupted run's checkpoint then go to a new temporary directory, printed)",
     "seed": "seed of the Lorsa's initialisation and the batch order (default: %(default)s)",
     "device": "where the model runs: cpu, cuda, cuda:1, or auto (device_map=auto over the visible GPUs) "
               "(default: %(default)s)",
@@ -79,7 +81,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--text", dest="text_path", metavar="FILE", help=HELP["text_path"])
     demo.add_argument("--tokens", dest="tokens_path", metavar="FILE", help=HELP["tokens_path"])
     for f in fields(DemoConfig):
-        if f.name in ("model_dir", "text_path", "tokens_path", "progress"):
+        if f.name in ("model_dir", "text_path", "tokens_path", "progress", "pictures"):
             continue
         default = getattr(defaults, f.name)
         kind = int if isinstance(default, int) or f.name in ("layer", "n_ov_heads", "threads") else (
@@ -89,6 +91,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
                           metavar=METAVAR.get(f.name, f.name.upper()), help=help_line)
     demo.add_argument("--no-progress", dest="progress", action="store_false",
                       help="no training progress bar (default: shown)")
+    demo.add_argument("--no-pictures", dest="pictures", action="store_false",
+                      help="write no pictures: no head dashboards, attribution graph or training curves (default: "
+                           "written to --out-dir or a new temporary directory, paths printed)")
     return parser, demo
 
 

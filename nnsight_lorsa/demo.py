@@ -23,6 +23,16 @@ trainer is checkpointed to ``out_dir/checkpoint`` (a new temporary directory wit
 the Lorsa trained so far saved beside it (``lorsa_interrupted/``); :func:`run_demo` then raises
 :class:`TrainingInterrupted` (a ``KeyboardInterrupt`` naming both), and the command line prints where they
 are and the command that resumes (``--resume DIR``) and exits with status 130.
+
+The run ends with pictures (unless ``pictures=False``, ``--no-pictures``), written to ``out_dir`` (a new
+temporary directory ``nnsight-lorsa-demo-*`` without it) and their paths printed
+(:func:`write_pictures`): ``training_curves.png`` (the trainer's logged history), ``dashboards/L{layer}_H{head}.html``
+(the top heads' dashboards), ``graph.html`` (the attribution graph of the demo's prompt in the viewer) and
+``graph.json`` (the same graph as circuit-tracer / Neuronpedia graph JSON). On the embedded model the graph
+also holds the shipped transcoders' features (the Lorsa's layer keeps its Lorsa); with ``--model DIR``
+it has the Lorsa's heads, the other modules' error nodes, embeddings, biases and logits.
+Top activations leave out the first :data:`SKIP_START` positions of every window (BOS and the
+start-of-document artefacts: heads that fire only at a window's first tokens) and keep one entry per window.
 """
 
 from __future__ import annotations
@@ -45,7 +55,13 @@ from .envoy.loading import load_model  # re-exported: the loader lives in the gl
 from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError
 
-__all__ = ["DemoConfig", "TrainingInterrupted", "load_model", "run_demo"]
+__all__ = ["PROMPT", "SKIP_START", "DemoConfig", "TrainingInterrupted", "load_model", "run_demo", "write_pictures"]
+
+#: positions at the start of every window left out of the top activations (BOS and the first tokens,
+#: where some heads fire only because the window looks like a document start)
+SKIP_START = 4
+#: the prompt whose next token the demo predicts inside a trace and whose attribution graph it draws
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
 
 @dataclass
@@ -72,6 +88,7 @@ class DemoConfig:
     progress: bool = True
     threads: int | None = None  # torch's intra-op CPU threads (torch.set_num_threads); default: torch's own
     resume: str | None = None  # a checkpoint written by an interrupted run (its directory): training continues
+    pictures: bool = True  # write the dashboards, the attribution graph and the training curves (module docstring)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -123,6 +140,8 @@ def _check_config(cfg: DemoConfig) -> None:
     if cfg.resume is not None and not (Path(cfg.resume) / "trainer.json").is_file():
         raise ArgumentError(f"--resume {cfg.resume}: not a demo checkpoint (no trainer.json); it is the directory "
                             "an interrupted run printed")
+    if not isinstance(cfg.pictures, bool):
+        raise ArgumentError(f"pictures must be True or False, got {cfg.pictures!r}")
     if not is_int(cfg.seed):
         raise ArgumentError(f"--seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
@@ -406,7 +425,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
     from .envoy.tokens import IdsOnlyTokenizer
 
-    prompt: Any = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    prompt: Any = PROMPT
     if isinstance(model.tokenizer, IdsOnlyTokenizer):  # no tokenizer: the first held-out window's ids
         prompt = heldout.tokens[:1, : min(heldout.seq_len, 16)]
     with model.trace(prompt):
@@ -419,21 +438,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
           f"{len(active)} heads active on the last token: {active[:10]}")
 
     # top heads with their top-activating contexts and z-patterns
-    top = TopActivations.empty(n_ov, n_top=3)
+    top = TopActivations.empty(n_ov, n_top=3, distinct_windows=True)
     keep = torch.ones_like(heldout.tokens, dtype=torch.bool) if heldout.target_mask is None \
         else heldout.target_mask.clone()
-    keep[:, 0] = False  # BOS and padding never shown
+    keep[:, :SKIP_START] = False  # BOS, the start-of-document artefacts and padding never shown
     for i in range(0, len(heldout), cfg.batch_size):
         ids = heldout.tokens[i:i + cfg.batch_size]
         with model.trace(ids, use_cache=False):
             z_b = nnsight.save(lorsas.replace(layer=layer).hook_z.output)
         top.update(z_b, i, keep[i:i + cfg.batch_size])
     shown = []
-    print(f"\ntop {cfg.n_show} heads (by max activation) on held-out text:")
+    print(f"\ntop {cfg.n_show} heads (by max activation) on held-out text, positions {SKIP_START}+ of each window:")
     for h in top.top_heads(cfg.n_show):
         print(f"  head {h} (QK group {h // lcfg.group_size}, active on {top.frequency[h]:.2%} of tokens)")
         for v, w, p in zip(top.values[h].tolist(), top.window[h].tolist(), top.position[h].tolist(), strict=True):
-            if w < 0:
+            if w < 0 or not v > 0:
                 continue
             ids = heldout.tokens[w]
             act = attention_activations(model, layer, ids[None], adapter=adapter)
@@ -443,9 +462,75 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             print(f"    z={v:6.2f}  {_context(model.tokenizer, ids, p)}")
             print(f"             z-pattern (key, offset, contribution): {contrib}")
             shown.append({"head": h, "z": v, "window": w, "position": p})
-    result.update({"total_seconds": round(time.time() - t0, 1), "eval": numbers, "top_heads": shown})
+    result.update({"eval": numbers, "top_heads": shown})
+    if cfg.pictures:
+        t_pics = time.time()
+        where = out if out is not None else Path(tempfile.mkdtemp(prefix="nnsight-lorsa-demo-"))
+        pictures = write_pictures(where, model, lorsas, layer, trainer.config.history, top, heldout.tokens,
+                                  top.top_heads(cfg.n_show), embedded=cfg.model_dir is None, prompt=prompt)
+        result["pictures"] = {k: str(v) if isinstance(v, Path) else [str(x) for x in v] for k, v in pictures.items()}
+        result["pictures_seconds"] = round(time.time() - t_pics, 1)
+        print(f"\npictures ({result['pictures_seconds']} s), in {where}:")
+        print(f"  training curves      {pictures['training_curves']}")
+        for page in pictures["dashboards"]:
+            print(f"  head dashboard       {page}")
+        print(f"  attribution graph    {pictures['graph_html']}  (open in a browser)")
+        print(f"  graph JSON           {pictures['graph_json']}  (circuit-tracer / Neuronpedia format)")
+    result["total_seconds"] = round(time.time() - t0, 1)
     print(f"\ntotal time {result['total_seconds']} s (training {result['train_seconds']} s)")
     if out is not None:
         (out / "demo_results.json").write_text(json.dumps(result, indent=1))
         print(f"saved the results to {out / 'demo_results.json'}")
     return result
+
+
+def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: list[dict[str, float]], top: Any,
+                   tokens: torch.Tensor, heads: list[int], *, embedded: bool, prompt: Any = PROMPT) -> dict[str, Any]:
+    """The demo's pictures in ``where`` (created); returns their paths.
+
+    Args:
+        model: the nnsight model; lorsas: its :class:`~.envoy.lorsa_set.LorsaSet` (the trained Lorsa of
+            ``layer``); history: the trainer's logged history (``Trainer.config.history``).
+        top: the heads' :class:`~.analysis.top_activations.TopActivations` over ``tokens``
+            ``(n_windows, seq_len)``; heads: the heads that get a dashboard.
+        embedded: the embedded model: its shipped transcoders join the attribution graph.
+        prompt: what the graph attributes: text, or ``(1, pos)`` token ids (a model without a tokenizer).
+
+    Returns:
+        ``{"training_curves": Path, "dashboards": [Path, ...], "graph_html": Path, "graph_json": Path}``.
+
+    Raises:
+        ArgumentError: an empty history (nothing trained). Attribution's errors for a model it cannot
+            attribute (e.g. ``UnsupportedArchitectureError``).
+    """
+    from .attribution import attribute, prune, save_neuronpedia
+    from .envoy.replacement_model import ReplacementModel
+    from .viz import head_dashboard_data, plot_training_curves, render_html, write_dashboard
+
+    where.mkdir(parents=True, exist_ok=True)
+    curves = plot_training_curves(history, where / "training_curves.png",
+                                  title=f"Lorsa of layer {layer}: training ({history[-1]['step']:.0f} steps)"
+                                  if history else "")
+    analysis = ReplacementModel(model, lorsas=lorsas)
+    pages = [write_dashboard(where / "dashboards" / f"L{layer}_H{h}.html",
+                             head_dashboard_data(analysis, layer, h, top, tokens, n_contexts=3))
+             for h in heads]
+    transcoders = None
+    if embedded:
+        from .assets import default_transcoder_dir
+        from .envoy.transcoder_set import TranscoderSet
+        from .formats import load
+
+        transcoders = TranscoderSet(model, {int(d.name.split("_")[1]): load(d)
+                                            for d in sorted(default_transcoder_dir().glob("layer_*"))})
+    graph = attribute(ReplacementModel(model, lorsas=lorsas, transcoders=transcoders),
+                      prompt if isinstance(prompt, str) else prompt.reshape(-1),
+                      max_feature_nodes=1024, batch_size=64, progress=False,
+                      dtype=torch.float32 if embedded else None)  # the tiny model: exact sums cost nothing
+    kept = prune(graph)
+    html = where / "graph.html"
+    render_html(graph, kept, tokenizer=model.tokenizer, path=html,
+                title=f"attribution graph: {prompt if isinstance(prompt, str) else 'the first held-out window'!r} "
+                      f"(Lorsa of layer {layer})")
+    js = save_neuronpedia(graph, where / "graph.json", kept, tokenizer=model.tokenizer, slug="nnsight-lorsa-demo")
+    return {"training_curves": curves, "dashboards": pages, "graph_html": html, "graph_json": js}

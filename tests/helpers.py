@@ -197,6 +197,45 @@ def screenshot(html_file: Path, png_file: Path, size: tuple[int, int] = (1200, 8
     return Path(png_file)
 
 
+#: appended to a page by :func:`first_paint`: after the page's own scripts ran, how many ``circle.node`` of
+#: each ``data-kind`` lie on screen (inside the window and ``#main``, below its sticky ``#top`` header, at
+#: least 3 px wide), written into ``<pre id="first-paint-probe">`` as JSON ``{kind: [visible, total]}``
+_PROBE = """<script>
+window.addEventListener('load', () => setTimeout(() => {
+  const main = document.getElementById('main'), head = document.getElementById('top');
+  const m = main ? main.getBoundingClientRect() : {left: 0, top: 0, right: innerWidth, bottom: innerHeight};
+  const y0 = Math.max(0, m.top, head ? head.getBoundingClientRect().bottom : 0);
+  const out = {};
+  document.querySelectorAll('circle.node').forEach(c => {
+    const r = c.getBoundingClientRect(), k = c.getAttribute('data-kind');
+    const on = r.width >= 3 && r.left >= Math.max(0, m.left) && r.right <= Math.min(innerWidth, m.right)
+      && r.top >= y0 && r.bottom <= Math.min(innerHeight, m.bottom);
+    out[k] = out[k] || [0, 0]; out[k][1] += 1; if (on) out[k][0] += 1;
+  });
+  const svg = document.getElementById('graph');
+  out['scale'] = svg ? +svg.getAttribute('data-scale') : null;
+  const pre = document.createElement('pre'); pre.id = 'first-paint-probe'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+}, 0));
+</script>"""
+
+
+def first_paint(html_file: Path, work_dir: Path, size: tuple[int, int] = (1400, 900), timeout: float = 60.0) -> dict:
+    """``{kind: [visible, total], "scale": zoom}`` of a graph-viewer page at first paint in a ``size`` window
+    (headless Chromium; the page is copied into ``work_dir`` with a probe script appended)."""
+    import json
+    import re
+
+    page = Path(html_file).read_text(encoding="utf-8")
+    assert page.count("</body>") == 1
+    probed = Path(work_dir) / f"probed-{Path(html_file).name}"
+    probed.write_text(page.replace("</body>", _PROBE + "</body>"), encoding="utf-8")
+    dom = run_chromium([f"--window-size={size[0]},{size[1]}", "--dump-dom", probed.resolve().as_uri()], timeout).stdout
+    m = re.search(r'<pre id="first-paint-probe">(.*?)</pre>', dom, re.S)
+    assert m, "the probe did not run: " + dom[-500:]
+    return json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+
+
 LAYER = 1
 
 

@@ -12,6 +12,14 @@ from nnsight_lorsa.cli import main
 from nnsight_lorsa.demo import DemoConfig, run_demo
 
 
+@pytest.fixture(autouse=True)
+def _temporary_directories_in_tmp_path(tmp_path, monkeypatch):
+    """A run without --out-dir writes its pictures to a new temporary directory: here, under tmp_path."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 def test_demo_runs_on_a_local_model_dir_and_text_file(tmp_path, capsys):
     model_dir = tmp_path / "model"
     tiny_hf_model("llama").save_pretrained(model_dir)
@@ -447,3 +455,72 @@ def test_generated_argument_sets_end_in_a_run_or_a_usage_error(monkeypatch, tmp_
         raise AssertionError(f"{argv} neither ran nor was refused")
 
     run()
+
+
+# --------------------------------------------------------------------------- issue 25: the main job ends with pictures
+@pytest.mark.slow  # ~55 s on a busy 2-core machine (the embedded corpus, its transcoders in the graph)
+def test_the_demo_writes_its_pictures_and_the_graph_shows_logits_and_lorsa_heads_at_first_paint(tmp_path, capsys):
+    """The embedded model, 2 steps: the run prints the paths of the training curves, the top heads' dashboards,
+    the attribution graph (viewer) and its circuit-tracer JSON; in headless Chromium the graph's first paint
+    shows every logit and Lorsa heads, and each dashboard its contexts and legend."""
+    from pathlib import Path
+
+    from helpers import first_paint, render_dom, require_chromium
+
+    from nnsight_lorsa.demo import PROMPT
+
+    out = tmp_path / "out"
+    code = main(["demo", "--steps", "2", "--seq-len", "64", "--batch-size", "8", "--heldout-windows", "8",
+                 "--n-show", "2", "--out-dir", str(out), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    pics = json.loads((out / "demo_results.json").read_text())["pictures"]
+    assert pics["training_curves"] == str(out / "training_curves.png")
+    assert pics["graph_html"] == str(out / "graph.html") and pics["graph_json"] == str(out / "graph.json")
+    assert len(pics["dashboards"]) == 2
+    for path in [pics["training_curves"], pics["graph_html"], pics["graph_json"], *pics["dashboards"]]:
+        assert path in printed and Path(path).is_file(), path
+    assert Path(pics["training_curves"]).read_bytes()[:4] == b"\x89PNG"
+    graph = json.loads(Path(pics["graph_json"]).read_text())
+    kinds = {n["feature_type"] for n in graph["nodes"]}
+    assert {"lorsa", "logit", "embedding", "cross layer transcoder"} <= kinds  # embedded: its transcoders too
+    assert graph["metadata"]["prompt"] == PROMPT
+    require_chromium()
+    seen = first_paint(Path(pics["graph_html"]), tmp_path, size=(1400, 900))
+    assert seen["logit"][0] == seen["logit"][1] > 0 and seen["lorsa"][0] >= 1, seen
+    for page in pics["dashboards"]:
+        dom = render_dom(Path(page))
+        assert 'data-rendered="yes"' in dom and 'id="legend"' in dom and "\ufffd" not in dom
+        assert dom.count('class="ctx"') >= 1
+
+
+def test_pictures_go_to_a_temporary_directory_without_out_dir_and_no_pictures_writes_none(local_model, tmp_path,
+                                                                                          capsys):
+    """A local model directory (no shipped transcoders: the graph holds the Lorsa's heads and error nodes); the
+    graph's first paint in headless Chromium shows every logit and Lorsa heads, the dashboard its contexts."""
+    from pathlib import Path
+
+    args = ["demo", *local_model, "--steps", "2", "--seq-len", "16", "--batch-size", "4", "--heldout-windows", "4",
+            "--n-show", "1"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    made = sorted(tmp_path.glob("nnsight-lorsa-demo-*"))
+    assert len(made) == 1 and f"in {made[0]}:" in printed
+    names = {p.relative_to(made[0]).as_posix() for p in made[0].rglob("*") if p.is_file()}
+    assert {"training_curves.png", "graph.html", "graph.json"} <= names
+    assert sum(n.startswith("dashboards/L1_H") for n in names) == 1
+    graph = json.loads((made[0] / "graph.json").read_text())
+    assert "logit" in {n["feature_type"] for n in graph["nodes"]}
+    from helpers import first_paint, render_dom, require_chromium
+
+    require_chromium()
+    seen = first_paint(made[0] / "graph.html", tmp_path, size=(1400, 900))
+    assert seen["logit"][0] == seen["logit"][1] > 0 and seen["lorsa"][0] >= 1, seen
+    page = next((made[0] / "dashboards").iterdir())
+    dom = render_dom(page)
+    assert 'data-rendered="yes"' in dom and 'id="legend"' in dom and dom.count('class="ctx"') >= 1
+    assert main([*args, "--no-pictures", "--out-dir", str(tmp_path / "plain")]) == 0
+    assert "\npictures (" not in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["demo_results.json", "lorsa"]
+    assert len(list(tmp_path.glob("nnsight-lorsa-demo-*"))) == 1
+    assert Path(made[0]).is_dir()

@@ -27,7 +27,7 @@ from ..adapters.base import MHSAWeights, mhsa_forward
 from ..adapters.registry import get_adapter
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import attention_activations
-from ..errors import ShapeError
+from ..errors import ArgumentError, ShapeError
 from .top_activations import TopActivations
 
 
@@ -215,15 +215,33 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
 
 @torch.no_grad()
 def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, *, n_top: int = 8,
-                            batch_size: int = 8) -> TopActivations:
+                            batch_size: int = 8, skip_start: int = 1, distinct_windows: bool = True
+                            ) -> TopActivations:
     """Stream ``tokens`` ``(n_windows, pos)`` through the model with the Lorsa of ``layer`` spliced
     (error term on, so later layers see the true model) and keep every head's top ``n_top``
-    activations and its activation frequency (BOS excluded). Memory ``O(n_ov_heads · n_top)``."""
+    activations and its activation frequency. Memory ``O(n_ov_heads · n_top)``.
+
+    Args:
+        skip_start: the first this many positions of every window are left out of the top activations
+            and the frequency (default 1: position 0, BOS). A window cut from running text still looks
+            like a document start to the model, and some heads reach their largest activations at its
+            first positions (start-of-document artefacts: on the shipped Lorsa of the embedded model, one
+            of the 5 top heads had its top 3 contexts all at position 1); ``skip_start=4`` leaves those
+            positions out (the demo does), ``0`` keeps BOS.
+        distinct_windows: at most one entry per head and window (its largest activation there;
+            :class:`~.top_activations.TopActivations`), so a dashboard's contexts are distinct texts.
+
+    Raises:
+        ArgumentError: ``skip_start`` not an int in ``[0, pos)``.
+    """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
+    if not isinstance(skip_start, int) or isinstance(skip_start, bool) or not 0 <= skip_start < tokens.shape[-1]:
+        raise ArgumentError(f"skip_start must be an int in [0, {tokens.shape[-1]}) (the window length), "
+                            f"got {skip_start!r}")
     n_ov = lorsa_set[layer].cfg.n_ov_heads
-    top = TopActivations.empty(n_ov, n_top)
+    top = TopActivations.empty(n_ov, n_top, distinct_windows=distinct_windows)
     keep = torch.ones(tokens.shape, dtype=torch.bool, device=HOST)  # host-side, like the table it feeds
-    keep[:, 0] = False
+    keep[:, :skip_start] = False
     for i in range(0, tokens.shape[0], batch_size):
         with model.trace(tokens[i:i + batch_size], use_cache=False) as tracer:
             z = nnsight.save(lorsa_set.replace(layer=layer, error=True).hook_z.output)

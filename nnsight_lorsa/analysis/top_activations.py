@@ -3,6 +3,10 @@
 For each of the ``n_ov_heads`` heads keep the ``n_top`` largest activations ``z`` seen so far
 with their (window, position): memory ``O(n_ov_heads × n_top)`` whatever the corpus size
 (Lorsa paper §5.1 "top activations"; the dashboards of Fig. 4 are built from these).
+
+With ``distinct_windows`` a head keeps at most one entry per window (its largest activation there):
+neighbouring positions of one window show the same stretch of text, and a dashboard listing the same
+window three times shows one context, not three.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .._typing import Float
+from ..errors import ArgumentError
 
 
 @dataclass
@@ -24,6 +29,8 @@ class TopActivations:
         position: ``(n_heads, n_top)`` int64 token position in the window.
         count: ``(n_heads,)`` int64 number of tokens where the head was active (``z > 0``).
         n_tokens: tokens seen.
+        distinct_windows: keep at most one entry per (head, window), the window's largest activation
+            (window indices are the corpus rows given to :meth:`update`).
     """
 
     values: torch.Tensor
@@ -31,11 +38,20 @@ class TopActivations:
     position: torch.Tensor
     count: torch.Tensor
     n_tokens: int = 0
+    distinct_windows: bool = False
 
     @classmethod
-    def empty(cls, n_heads: int, n_top: int) -> TopActivations:
+    def empty(cls, n_heads: int, n_top: int, *, distinct_windows: bool = False) -> TopActivations:
+        """An empty table of ``n_top`` entries for each of ``n_heads`` heads (on the host).
+
+        Raises:
+            ArgumentError: ``n_heads`` or ``n_top`` not a positive int.
+        """
+        for name, v in (("n_heads", n_heads), ("n_top", n_top)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ArgumentError(f"TopActivations.empty: {name} must be a positive int, got {v!r}")
         # host-side tables: update() brings each batch's activations to the CPU
-        return cls(
+        return cls(distinct_windows=bool(distinct_windows),
             values=torch.full((n_heads, n_top), float("-inf"), dtype=torch.float32, device="cpu"),
             window=torch.full((n_heads, n_top), -1, dtype=torch.long, device="cpu"),
             position=torch.full((n_heads, n_top), -1, dtype=torch.long, device="cpu"),
@@ -57,15 +73,29 @@ class TopActivations:
         flat = z.reshape(b * s, n)
         self.count += (flat > 0).sum(0)
         self.n_tokens += int(keep.sum() if keep is not None else b * s)
-        m = min(self.values.shape[1], b * s)
-        vals, idx = flat.topk(m, dim=0)  # (m, n)
+        n_top = self.values.shape[1]
+        if self.distinct_windows:  # each window's best position first, then the best windows
+            per_window, best_pos = z.max(dim=1)  # (b, n)
+            vals, rows = per_window.topk(min(n_top, b), dim=0)  # (m, n)
+            win, pos = rows + first_window, best_pos.gather(0, rows)
+        else:
+            vals, idx = flat.topk(min(n_top, b * s), dim=0)  # (m, n)
+            win, pos = idx // s + first_window, idx % s
         cand_v = torch.cat([self.values, vals.T], dim=1)
-        cand_w = torch.cat([self.window, (idx // s + first_window).T], dim=1)
-        cand_p = torch.cat([self.position, (idx % s).T], dim=1)
-        top_v, order = cand_v.topk(self.values.shape[1], dim=1)
+        cand_w = torch.cat([self.window, win.T], dim=1)
+        cand_p = torch.cat([self.position, pos.T], dim=1)
+        if self.distinct_windows:  # a window given again (overlapping updates): its best entry only
+            order = cand_v.argsort(dim=1, descending=True, stable=True)
+            cand_v, cand_w, cand_p = cand_v.gather(1, order), cand_w.gather(1, order), cand_p.gather(1, order)
+            c = cand_w.shape[1]
+            earlier = torch.ones(c, c, dtype=torch.bool).tril(-1)
+            dup = ((cand_w[:, :, None] == cand_w[:, None, :]) & earlier).any(-1) & (cand_w >= 0)
+            cand_v = cand_v.masked_fill(dup, float("-inf"))
+        top_v, order = cand_v.topk(n_top, dim=1)
+        empty = top_v == float("-inf")  # nothing kept there (masked tokens, duplicates): no window
         self.values = top_v
-        self.window = cand_w.gather(1, order)
-        self.position = cand_p.gather(1, order)
+        self.window = cand_w.gather(1, order).masked_fill(empty, -1)
+        self.position = cand_p.gather(1, order).masked_fill(empty, -1)
 
     @property
     def frequency(self) -> torch.Tensor:

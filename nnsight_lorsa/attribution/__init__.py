@@ -14,20 +14,21 @@ target's incoming edges sum to its value — bias nodes included. One front door
 ``memory="auto" | "fast" | "lean"`` trades speed for memory on long prompts; ``prune=`` prunes
 while building (no dense ``n_nodes²`` adjacency). ``graph_scores`` / ``circuit_metrics`` score a
 graph and its circuit, ``qk_attribution`` decomposes a Lorsa head's attention score into node
-pairs, ``to_neuronpedia`` / ``save_neuronpedia`` / ``render_html`` export it. Node kinds are
+pairs, ``to_neuronpedia`` / ``save_neuronpedia`` export it (the HTML viewer is
+:func:`nnsight_lorsa.viz.render_html`). Node kinds are
 ``Graph.TRANSCODER`` … ``Graph.LOGIT`` (also constants of :mod:`.graph`); the exactness checks
 are :func:`.scores.intervention_edges` and :func:`.scores.replacement_logits`.
 """
 
 from .attribute import attribute, cache_for_attribution
 from .budget import MemoryEstimate, estimate_memory
-from .export import TrustedHTML, render_html, save_neuronpedia, to_neuronpedia
+from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
 from .qk import QKAttribution, qk_attribution
 from .scores import CircuitMetrics, PruneConfig, PruneResult, circuit_metrics, graph_scores, prune
 from .trace import AttributionCache
 
 __all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig",
-           "PruneResult", "QKAttribution", "TrustedHTML", "attribute", "cache_for_attribution", "circuit_metrics",
-           "estimate_memory", "graph_scores", "prune", "qk_attribution", "render_html", "save_neuronpedia",
+           "PruneResult", "QKAttribution", "attribute", "cache_for_attribution", "circuit_metrics",
+           "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
            "to_neuronpedia"]

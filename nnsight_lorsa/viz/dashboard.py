@@ -8,13 +8,19 @@ that move its Q and K (App. F.1, :func:`~nnsight_lorsa.analysis.qk_ablation.qk_f
 align with its ``w_v`` / ``w_o`` (App. F.2, :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines`) —
 the four aspects the paper's dashboards show.
 :func:`render_dashboard` turns that JSON-able dict into one HTML file whose inline script builds
-the page (no network, no external assets).
+the page (no network, no external assets), with a colour legend.
+
+Tokens are shown as text: each context is decoded as one span and cut into per-token pieces
+(:func:`~.page.token_pieces`), so a character that byte-level BPE splits over two tokens (``é``, ``—``, CJK,
+emoji) shows once instead of as two ``\ufffd``. Contexts are distinct windows, each with the head
+active (``z > 0``); which positions count (BOS, the first positions of a window) is decided when the
+top activations are collected (:func:`~nnsight_lorsa.analysis.heads.collect_top_activations`'s
+``skip_start``).
 """
 
 from __future__ import annotations
 
 import html
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,10 @@ from ..analysis.heads import MHSACorrelation, ov_logit_lens
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
 from ..errors import ConfigMismatchError
+from .page import embed_json, finite, token_pieces
+
+#: tokens decoded before a context's first token, so that a character begun there is decoded whole
+_LEAD = 4
 
 
 @torch.no_grad()
@@ -37,8 +47,11 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
 
     Args:
         top: :func:`~nnsight_lorsa.analysis.heads.collect_top_activations` over ``tokens``
-            ``(n_windows, pos)`` (its window indices index ``tokens``).
-        window: tokens of context shown before the query token.
+            ``(n_windows, pos)`` (its window indices index ``tokens``). Its entries are shown best first,
+            one per window (a repeated window is skipped) and only where the head is active (``z > 0``).
+        n_contexts: at most this many contexts.
+        window: tokens of context shown before the query token (each context's ``tokens`` are its text
+            pieces, :func:`~.page.token_pieces`).
         extra: free-form entries shown in the header (e.g. path-patching effect).
         qk_features: a :class:`~nnsight_lorsa.analysis.qk_ablation.QKFeatureImpacts` of this head
             (App. F.1: max KL of its pattern with a feature ablated from Q / from K).
@@ -54,9 +67,11 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
+    shown: set[int] = set()
     for v, w, p in zip(top.values[head].tolist(), top.window[head].tolist(), top.position[head].tolist(), strict=True):
-        if w < 0 or len(contexts) >= n_contexts:
-            continue
+        if w < 0 or w in shown or not v > 0 or len(contexts) >= n_contexts:
+            continue  # empty, a window already shown, or the head inactive there
+        shown.add(w)
         ids = tokens[w]
         act = attention_activations(model, layer, ids[None])
         x_in = to_module(act.x, lorsa, f"the Lorsa of layer {layer}")  # on the Lorsa's device, in its dtype
@@ -64,7 +79,7 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         start = max(0, p - window)
         contexts.append({
             "z": round(float(v), 4), "window": int(w), "position": int(p),
-            "tokens": [tok.decode([int(t)]) for t in ids[start:p + 1]],
+            "tokens": token_pieces(tok, ids[max(0, start - _LEAD):p + 1])[start - max(0, start - _LEAD):],
             "contrib": [round(float(c), 4) for c in zp[start:]],
         })
     vals, ids_, strings = ov_logit_lens(replacement, layer, [head], lens_k)
@@ -108,6 +123,8 @@ h1{font-size:20px;margin:0 0 6px} h2{font-size:15px;margin:18px 0 6px;border-bot
 .meta span{margin-right:16px;color:#555} .ctx{font-family:monospace;margin:4px 0;line-height:1.9;white-space:pre-wrap}
 .tok{padding:1px 0;border-radius:2px} .query{outline:2px solid #d62728} .z{color:#888;margin-right:8px}
 table{border-collapse:collapse} td{padding:2px 8px;border-bottom:1px solid #eee;font-family:monospace}
+#legend{margin:8px 0;color:#444;font-size:13px} #legend span{margin-right:14px;white-space:nowrap}
+#legend i{display:inline-block;width:26px;height:12px;margin-right:4px;vertical-align:middle;border-radius:2px}
 """
 
 _SCRIPT = """
@@ -126,6 +143,17 @@ if (d.heads_spanned !== undefined)
 for (const [k, v] of Object.entries(d.extra)) meta.appendChild(el('span', {className: 'extra'}, k + ': ' + v));
 root.appendChild(meta);
 root.appendChild(el('h2', {}, 'Top activations (z-pattern: contribution of each key token to z at the query)'));
+const legend = el('div', {id: 'legend'});
+for (const [cls, bg, text] of [['pos', 'linear-gradient(90deg,rgba(31,119,180,.1),rgba(31,119,180,1))',
+                                 'key token raising z (shade: share of the largest contribution)'],
+                                ['neg', 'linear-gradient(90deg,rgba(214,39,40,.1),rgba(214,39,40,1))',
+                                 'key token lowering z'],
+                                ['query', '#fff', 'query token (where z is read)']]) {
+  const s = el('span', {className: 'legend-' + cls}); const i = el('i');
+  i.style.background = bg; if (cls === 'query') i.style.outline = '2px solid #d62728';
+  s.appendChild(i); s.appendChild(document.createTextNode(text)); legend.appendChild(s);
+}
+root.appendChild(legend);
 const ctxs = el('div', {id: 'contexts'});
 for (const c of d.contexts) {
   const row = el('div', {className: 'ctx'});
@@ -166,27 +194,14 @@ document.body.setAttribute('data-rendered', 'yes');
 """
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float (NaN, ±inf) replaced by None (JSON ``null``, shown as "n/a")."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def render_dashboard(data: dict[str, Any]) -> str:
     """One self-contained HTML page (inline CSS, JSON and script) for :func:`head_dashboard_data`'s dict.
 
     Any string (a title, an ``extra=`` field, a token) is inert: the JSON is embedded with ``<``, ``>``
-    and ``&`` escaped (:func:`~..attribution.export.embed_json`), so no ``</script>`` or ``<!--`` can end
+    and ``&`` escaped (:func:`~.page.embed_json`), so no ``</script>`` or ``<!--`` can end
     or comment out the data; NaN / inf values are written as ``null`` and shown as "n/a" (they made the
-    page blank before)."""
-    from ..attribution.export import embed_json
-
-    payload = embed_json(_finite(data))
+    page blank before). A legend (``#legend``) says what the colours of the contexts mean."""
+    payload = embed_json(finite(data))
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(str(data.get('title', '')))}"
             f"</title><style>{_STYLE}</style></head><body><div id='app'></div>"
             f"<script type='application/json' id='head-data'>{payload}</script>"

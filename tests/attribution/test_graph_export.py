@@ -12,10 +12,12 @@ import pytest
 import torch
 from helpers import attribution_setup, random_ids, render_dom, require_chromium, rm, run_chromium
 
-from nnsight_lorsa.attribution import TrustedHTML, attribute, prune, render_html, save_neuronpedia, to_neuronpedia
-from nnsight_lorsa.attribution.export import embed_json, node_ids
+from nnsight_lorsa.attribution import attribute, prune, save_neuronpedia, to_neuronpedia
+from nnsight_lorsa.attribution.export import node_ids
 from nnsight_lorsa.attribution.graph import EMBEDDING, LOGIT, LORSA, TRANSCODER
 from nnsight_lorsa.errors import ArgumentError
+from nnsight_lorsa.viz import TrustedHTML, render_html
+from nnsight_lorsa.viz.page import embed_json
 
 EVIL = "</script><script>alert(1)</script>"
 NODE_KEYS = {"node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId", "clerp", "influence",

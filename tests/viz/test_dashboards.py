@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 
 import pytest
@@ -110,3 +111,121 @@ def test_hostile_strings_and_non_finite_numbers_still_render(dashboard_data, hos
     assert 'data-rendered="yes"' in dom
     assert "active on n/a% of" in dom and "z=n/a" in dom
     assert len(re.findall(r'class="ctx"', dom)) == len(d["contexts"])
+
+
+# --------------------------------------------------------------------------- issue 25: text, distinct contexts, start
+MULTIBYTE = "ROMEO: café, naïve — 日本語 👋 fin. JULIET: ¿qué? Ωmega ☃ snow"
+
+
+@pytest.fixture(scope="module")
+def byte_bpe():
+    from transformers import AutoTokenizer
+
+    from nnsight_lorsa.assets import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir())  # the embedded byte-level BPE, local files
+
+
+def test_token_pieces_merge_characters_that_byte_level_bpe_splits(byte_bpe):
+    from nnsight_lorsa.viz import token_pieces
+
+    ids = byte_bpe(MULTIBYTE)["input_ids"]
+    alone = [byte_bpe.decode([i]) for i in ids]
+    assert sum("\ufffd" in a for a in alone) >= 4  # per-token decoding (the old dashboard) breaks characters
+    pieces = token_pieces(byte_bpe, ids)
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == byte_bpe.decode(ids) and "\ufffd" not in "".join(pieces)
+    for word in ("café", "naïve", "—", "日本語", "👋", "¿qué?", "Ωmega", "☃"):
+        assert word in "".join(pieces), word
+    # a token that only begins a character gets "", the one completing it the whole character
+    k = next(i for i, a in enumerate(alone) if "\ufffd" in a)
+    assert pieces[k] == "" or "\ufffd" not in pieces[k]
+    assert token_pieces(byte_bpe, torch.tensor(ids)) == pieces and token_pieces(byte_bpe, []) == []
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.long), torch.zeros(3), "abc", [1, 2.5], [True]])
+def test_token_pieces_refuses_what_is_not_a_sequence_of_ids(byte_bpe, bad):
+    from nnsight_lorsa.errors import ArgumentError
+    from nnsight_lorsa.viz import token_pieces
+
+    with pytest.raises(ArgumentError, match="token_pieces"):
+        token_pieces(byte_bpe, bad)
+
+
+def test_top_activations_keep_one_entry_per_window():
+    from nnsight_lorsa.analysis import TopActivations
+
+    z = torch.zeros(2, 6, 3)  # (windows, positions, heads)
+    z[0, 2:5, 0] = torch.tensor([5.0, 6.0, 7.0])  # three neighbouring positions of one window
+    z[1, 3, 0] = 4.0
+    z[1, 5, 0] = 1.0
+    plain = TopActivations.empty(3, 3)
+    plain.update(z, 10)
+    assert plain.window[0].tolist() == [10, 10, 10]  # the same window three times (issue 25)
+    top = TopActivations.empty(3, 3, distinct_windows=True)
+    top.update(z, 10)
+    assert top.window[0].tolist() == [10, 11, -1] and top.position[0].tolist() == [4, 3, -1]
+    assert top.values[0, :2].tolist() == [7.0, 4.0] and top.values[0, 2] == float("-inf")
+    top.update(2 * z, 10)  # the same windows again (overlapping updates): each window's best entry once
+    assert top.window[0].tolist() == [10, 11, -1] and top.values[0, :2].tolist() == [14.0, 8.0]
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[:, :4] = False  # positions 0-3 left out: window 1's best is now position 5
+    late = TopActivations.empty(3, 2, distinct_windows=True)
+    late.update(z, 0, keep)
+    assert late.window[0].tolist() == [0, 1] and late.position[0].tolist() == [4, 5]
+    assert late.values[0].tolist() == [7.0, 1.0] and late.n_tokens == 4
+    from nnsight_lorsa.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="n_top"):
+        TopActivations.empty(3, 0)
+
+
+def test_collect_top_activations_skips_the_start_of_each_window_and_repeats_no_window():
+    from nnsight_lorsa.errors import ArgumentError
+
+    model = load_model()
+    rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()))
+    tokens = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8")[:6000],
+                                    16).tokens[:6]
+    default = collect_top_activations(rm, 2, tokens, n_top=4)
+    assert default.n_tokens == 6 * 15  # BOS left out, as before
+    top = collect_top_activations(rm, 2, tokens, n_top=4, skip_start=4)
+    assert top.n_tokens == 6 * 12
+    filled = top.window >= 0
+    assert filled.any() and bool((top.position[filled] >= 4).all())
+    for h in range(top.window.shape[0]):
+        w = top.window[h][top.window[h] >= 0].tolist()
+        assert len(w) == len(set(w)), (h, w)
+    assert collect_top_activations(rm, 2, tokens, n_top=2, skip_start=0).n_tokens == 6 * 16
+    for bad in (-1, 16, True):
+        with pytest.raises(ArgumentError, match="skip_start"):
+            collect_top_activations(rm, 2, tokens, skip_start=bad)
+
+
+def test_dashboard_shows_text_distinct_active_contexts_and_a_legend(byte_bpe, tmp_path):
+    """Multi-byte characters show as text (no '\ufffd'), a window listed twice in ``top`` is shown once, an
+    inactive entry (z = 0) not at all; the page has a colour legend."""
+    from nnsight_lorsa.analysis import TopActivations
+
+    model = load_model()
+    rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()))
+    ids = torch.tensor(byte_bpe(MULTIBYTE)["input_ids"])
+    tokens = torch.stack([ids, ids.roll(3), ids])
+    p = len(ids) - 1
+    top = TopActivations.empty(1024, 4)
+    top.values[7] = torch.tensor([3.0, 2.5, 2.0, 0.0])
+    top.window[7] = torch.tensor([0, 0, 1, 2])  # window 0 twice; window 2 with the head inactive
+    top.position[7] = torch.tensor([p, p - 1, p, p])
+    d = head_dashboard_data(rm, 2, 7, top, tokens, window=p)
+    assert [c["window"] for c in d["contexts"]] == [0, 1]
+    text = "".join(d["contexts"][0]["tokens"])
+    assert text == byte_bpe.decode(ids) and "\ufffd" not in text and "日本語" in text
+    assert len(d["contexts"][0]["tokens"]) == len(d["contexts"][0]["contrib"]) == p + 1
+    require_chromium()
+    dom = render_dom(write_dashboard(tmp_path / "mb.html", d))
+    assert 'data-rendered="yes"' in dom and "\ufffd" not in dom
+    spans = re.findall(r'<span class="tok[^"]*"[^>]*>([^<]*)</span>', dom)
+    assert html.unescape("".join(spans[:p + 1])) == byte_bpe.decode(ids)  # the first context, token by token
+    legend = re.search(r'<div id="legend">(.*?)</div>', dom, re.S).group(1)
+    assert "key token raising z" in legend and "key token lowering z" in legend and "query token" in legend
+    assert len(re.findall(r'class="ctx"', dom)) == 2
