@@ -25,7 +25,8 @@ from ..errors import ArgumentError, ConfigMismatchError
 from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
-from .layout import Layout
+from .intervened import IntervenedAttribution, start
+from .layout import Layout, LiveNodes
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, memory_modes
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
@@ -40,8 +41,9 @@ FrozenPass = Callable[[Prepared, RowScheduler, int, Callable[..., FrozenReplacem
 
 def attribute(
     replacement: Any,
-    prompt: Any,
+    prompt: Any = None,
     *,
+    tracer: Any = None,
     max_feature_nodes: int | None = None,
     batch_size: int = 64,
     logit_tokens: Any = None,
@@ -55,8 +57,9 @@ def attribute(
     max_memory: int | None = None,
     zero_positions: int = 0,
     qk_heads: int = 0,
-) -> Graph:
-    """The attribution graph of ``prompt`` over the replacement model.
+) -> Graph | IntervenedAttribution:
+    """The attribution graph of ``prompt`` over the replacement model — or, with ``tracer`` inside a trace
+    body, a handle whose ``.graph`` is the graph of that trace's own (intervened) forward pass.
 
     Args:
         replacement: a :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: the nnsight
@@ -67,7 +70,13 @@ def attribute(
         prompt: text (tokenized by the model's tokenizer) or ``(pos,)`` token ids — runs the nnsight
             engine (both passes inside ``model.trace``) — or an :class:`~.trace.AttributionCache` from
             :func:`cache_for_attribution` — runs the cached engine (no model forward; the model's
-            norms, attention weights and unembedding are used). Same graph either way.
+            norms, attention weights and unembedding are used). Same graph either way. None with ``tracer``.
+        tracer: the tracer of the running ``with model.trace(prompt) as tracer:`` (no ``prompt``): call
+            ``handle = attribute(rm, tracer=tracer)`` at the top of the body (after ``rm.replace()``), intervene
+            with :mod:`nnsight_lorsa.patching`, and read ``handle.graph`` after the block: the graph of the
+            pass as it ran, edited nodes held at their edited values as fixed inputs and marked
+            (:class:`~.intervened.IntervenedAttribution`; docs/attribution.md, "Attributing an intervened
+            pass"). Takes the options below except ``remote`` and ``qk_heads``.
         max_feature_nodes: compute at most this many feature rows, chosen by influence on the
             logits as circuit-tracer (None: all; then every target's incoming edges sum to its value).
         batch_size: prompt copies per frozen pass = target rows per backward pass.
@@ -110,7 +119,8 @@ def attribute(
 
     Returns:
         :class:`Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
-        row ``t`` sums to, with ``residual[t]``).
+        row ``t`` sums to, with ``residual[t]``); with ``tracer``, an
+        :class:`~.intervened.IntervenedAttribution` (its ``.graph`` such a graph, after the trace).
 
     Raises:
         ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``, a
@@ -124,9 +134,32 @@ def attribute(
             vocabulary (:func:`check_arguments`).
         MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
         ConcurrentTraceError: another thread is tracing the model now.
-        TraceOrderError: called inside a ``model.trace`` / ``generate`` body (:func:`refuse_inside_trace`).
+        TraceOrderError: called with a prompt inside a ``model.trace`` / ``generate`` body
+            (:func:`refuse_inside_trace`: the message names ``tracer=``); with ``tracer``, outside a trace
+            body or after the body read something (:func:`.intervened.start`).
+        ArgumentError: neither ``prompt`` nor ``tracer``, or both.
+        ConfigMismatchError: ``tracer`` with ``remote`` or ``qk_heads``.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
+    if tracer is not None:
+        if prompt is not None:
+            raise ArgumentError("attribute(rm, prompt) attributes a clean pass, attribute(rm, tracer=tracer) the "
+                                "traced one: pass one of them, not both")
+        if remote or qk_heads:
+            raise ConfigMismatchError("attribute(rm, tracer=tracer) attributes a local trace: no remote=, no qk_heads=")
+        check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
+                        desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, dtype=dtype,
+                        remote=remote, in_trace=True)
+        memory_modes(memory)
+        PruneConfig.of(prune)
+        return start(replacement, tracer, {
+            "max_feature_nodes": max_feature_nodes, "batch_size": batch_size, "logit_tokens": logit_tokens,
+            "desired_logit_prob": desired_logit_prob, "max_n_logits": max_n_logits, "memory": memory,
+            "prune": prune, "dtype": dtype, "progress": progress, "max_memory": max_memory,
+            "zero_positions": zero_positions}, build_graph)
+    if prompt is None:
+        raise ArgumentError("attribute(rm, prompt) needs a prompt (text, token ids or an AttributionCache), "
+                            "or tracer= inside a trace body")
     check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
                     desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, dtype=dtype, remote=remote)
     return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
@@ -145,8 +178,9 @@ def _count(value: Any, name: str, none_ok: bool = False) -> None:
 
 
 def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any, desired_logit_prob: Any,
-                    max_n_logits: Any, dtype: Any, remote: Any) -> None:
-    """:func:`attribute`'s argument checks, before anything runs.
+                    max_n_logits: Any, dtype: Any, remote: Any, in_trace: bool = False) -> None:
+    """:func:`attribute`'s argument checks, before anything runs (``in_trace``: for ``tracer=``, inside the
+    trace body: no refusal of the running trace).
 
     Raises:
         ArgumentError: ``replacement`` not a :class:`ReplacementModel`; a count that is not an int
@@ -158,7 +192,8 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
     from ..envoy import ReplacementModel
     from ..envoy.nnsight_internals import check_one_thread
 
-    refuse_inside_trace("attribute")
+    if not in_trace:
+        refuse_inside_trace("attribute")
     if not isinstance(replacement, ReplacementModel):
         raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
                             f"transcoders=...), got a {type(replacement).__name__}")
@@ -173,7 +208,8 @@ def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any
         raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {dtype!r}")
     if not (isinstance(remote, bool) or remote == "local"):
         raise ArgumentError(f"attribute(remote=...) must be True, False or 'local', got {remote!r}")
-    check_one_thread(replacement.model, "attribute")
+    if not in_trace:  # inside its own trace the model's interleaver is this thread's
+        check_one_thread(replacement.model, "attribute")
 
 
 def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,
@@ -181,11 +217,13 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
                 memory: str | tuple[str, str] = "auto", prune: PruneConfig | tuple[float, float] | None = None,
                 dtype: torch.dtype | None = None, progress: bool | None = None, remote: Any = False,
                 frozen_pass: FrozenPass | None = None, engine: str | None = None,
-                max_memory: int | None = None, zero_positions: int = 0, qk_heads: int = 0) -> Graph:
+                max_memory: int | None = None, zero_positions: int = 0, qk_heads: int = 0,
+                live: LiveNodes | None = None) -> Graph:
     """:func:`attribute` with the internals open: ``memory`` may also be a ``(patterns, node_vectors)``
     pair (:func:`.replacement.memory_modes`; the mixed combinations), and ``frozen_pass`` replaces
     the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the tests), its graph
-    meta naming ``engine``."""
+    meta naming ``engine``. ``live`` (with a cache of a traced pass): that pass's node values and edited
+    nodes (:class:`~.layout.LiveNodes`; :mod:`.intervened`)."""
     patterns, node_vectors = memory_modes(memory)
     if batch_size < 1:
         raise ConfigMismatchError(f"batch_size must be >= 1, got {batch_size}")
@@ -205,7 +243,7 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
     if cached:
         check_cache(prompt, adapter, *layer_modules(replacement))
         cache = in_dtype(prompt, dtype) if dtype is not None and dtype != model_dtype else prompt
-        prepared = prepare(replacement, None, cache=cache, **options)
+        prepared = prepare(replacement, None, cache=cache, live=live, **options)
         engine = "cache"
 
         def run(scheduler: RowScheduler) -> torch.Tensor:
@@ -271,6 +309,12 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
         release_free_memory()
     if prune is not None:
-        return assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
-                               edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)
-    return assemble(layout, scheduler, values, prompt, meta)
+        graph = assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
+                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)
+    else:
+        graph = assemble(layout, scheduler, values, prompt, meta)
+    fixed = graph.nodes.intervened  # held at an edited value: sources only (their rows were computed as zeros)
+    if bool(fixed.any()):
+        graph.feature_rows[fixed] = False
+        graph.values[fixed] = float("nan")
+    return graph

@@ -237,6 +237,18 @@ def spawn_worker(interleaver: Any, fn: Callable[[], None], tag: Any) -> Function
     return worker
 
 
+def serve_last(worker: Mediator) -> None:
+    """Move ``worker`` to the end of its run's workers: at every location it parks on next, nnsight serves it
+    after every other worker parked there (``Interleaver.handle`` serves them in list order, each seeing the
+    value the ones before it left), so it sees the value as the trace body's edits and the splices' swaps
+    left it. nnsight documents replacing the list mid-run (``Interleaver.reindex``)."""
+    mediators = worker.interleaver.mediators
+    if mediators and mediators[-1] is not worker:
+        mediators.remove(worker)
+        mediators.append(worker)
+        worker.interleaver._reindex_parked()
+
+
 def stood_down(interleaver: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with the trace stood down: module values are neither served nor edited."""
     was = interleaver.interleaving

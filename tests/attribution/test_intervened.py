@@ -1,0 +1,220 @@
+"""The graph of an intervened forward pass, inside the trace (issue 24): ``attribute(rm, tracer=tracer)``.
+
+Checked numerically against the unmodified model and against the same trace's saved logits: without an
+edit the graph is the clean ``attribute(rm, prompt)`` graph; with an ablated Lorsa head (the embedded
+tinyshakespeare model and its packaged Lorsa + transcoders) or a steered transcoder feature (a tiny
+random Llama), the edited node is marked, held at its edited value with no incoming edges, every computed
+row still sums to its node's value, and the graph's logits are the trace's logits, which differ from the
+clean ones. Misuse ends in our named errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import nnsight
+import pytest
+import torch
+from helpers import attribution_setup, random_ids, rm
+
+from nnsight_lorsa.attribution import Graph, attribute, to_neuronpedia
+from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
+from nnsight_lorsa.errors import (
+    ArgumentError,
+    ConfigMismatchError,
+    ShapeError,
+    TraceOrderError,
+    UnsupportedGenerationError,
+)
+from nnsight_lorsa.patching import Feature, LorsaHead, MHSAHead, ablate, steer
+
+PROMPT = "ROMEO:\nBut soft, what light"
+
+
+def demeaned_logits(graph: Graph, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(graph's logit values, the same tokens' demeaned logits at the last position of ``logits``)``."""
+    ids = graph.logit_ids
+    last = logits.detach()[0, -1].double()
+    return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The trained tinyshakespeare Llama with its Lorsa (layer 2) and transcoders (every layer), the
+    bundle, and the clean graph of PROMPT."""
+    from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet
+    from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
+    from nnsight_lorsa.envoy import load_model
+
+    model = load_model()
+    bundle = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()),
+                              transcoders=TranscoderSet.from_pretrained(model, default_transcoder_dir()))
+    return model, bundle, attribute(bundle, PROMPT, batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama (Lorsa at layer 1, transcoders at 0 and 2, skip at 2), a prompt, its clean graph."""
+    model, _, lorsas, tcs = attribution_setup("llama")
+    bundle = rm(model, lorsas, tcs)
+    ids = random_ids(1, 8, seed=2)[0]
+    return model, bundle, ids, attribute(bundle, ids, batch_size=40)
+
+
+def same_graph(got: Graph, want: Graph) -> None:
+    for field in ("kind", "layer", "pos", "index"):
+        assert torch.equal(getattr(got.nodes, field), getattr(want.nodes, field)), field
+    assert not bool(got.nodes.intervened.any())
+    assert torch.equal(got.feature_rows, want.feature_rows)
+    rows = want.feature_rows
+    assert relative(got.values[rows], want.values[rows]) < 1e-5
+    assert relative(got.nodes.activation, want.nodes.activation) < 1e-5
+    assert relative(got.adjacency, want.adjacency) < 1e-4
+
+
+def test_without_an_edit_the_graph_is_the_clean_graph(embedded):
+    """(a) Spliced (``rm.replace()``, error terms on) and unedited, the traced pass is the model's own: its
+    graph equals ``attribute(rm, prompt)``'s, node for node, and its logits are the trace's."""
+    model, bundle, clean = embedded
+    with model.trace(PROMPT) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=64)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    same_graph(graph, clean)
+    assert handle.graph is graph  # built once
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5
+    assert graph.edge_sum_error().max() < 1e-4
+
+
+def test_an_ablated_lorsa_head_is_a_marked_fixed_input(embedded, tmp_path):
+    """(b) A Lorsa head active at the last position, zero-ablated there: the node stays, at 0, marked and
+    without a row; every computed row sums to its value; the graph's logits are the patched trace's, which
+    differ from the clean ones; the mark survives save/load and the Neuronpedia export."""
+    model, bundle, clean = embedded
+    n = clean.nodes
+    last = int(clean.tokens.numel()) - 1
+    at = ((n.kind == LORSA) & (n.pos == last)).nonzero().flatten()
+    top = int(at[n.activation[at].argmax()])
+    layer, head = int(n.layer[top]), int(n.index[top])
+    assert float(n.activation[top]) > 0.1
+    with model.trace(PROMPT) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=64)
+        ablate(bundle(LorsaHead(layer, head)), positions=last)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    g = graph.nodes
+    marked = g.intervened.nonzero().flatten()
+    assert marked.numel() == 1
+    i = int(marked[0])
+    assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (LORSA, layer, last, head)
+    assert float(g.activation[i]) == 0.0
+    assert not bool(graph.feature_rows[i]) and bool(graph.values[i].isnan())
+    assert not bool(graph.adjacency[i].any()) and not bool(graph.adjacency[:, i].any())  # no edges in; 0 out
+    # the unedited nodes keep rows that sum exactly, and the graph's logits are the patched trace's
+    assert int(graph.feature_rows.sum()) == len(graph.feature_ids) - 1 + len(graph.logit_ids)
+    assert graph.edge_sum_error().max() < 1e-4
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5
+    assert relative(clean.values[clean.logit_ids].double(), want) > 1e-3  # the edit changed them
+    assert graph.meta["intervened"] == [f"LorsaHead(layer={layer}, head={head}) at positions {last}"]
+    loaded = Graph.load(graph.save(tmp_path / "g"))
+    assert torch.equal(loaded.nodes.intervened, g.intervened)
+    out = to_neuronpedia(loaded, slug="ablated")  # default pruning: the ablated node (no influence) stays
+    flagged = [node for node in out["nodes"] if node.get("intervened")]
+    assert [node["node_id"] for node in flagged] == [f"A{layer}_{head}_{last}"]
+    assert sum("intervened" in node for node in to_neuronpedia(clean, slug="clean")["nodes"]) == 0
+
+
+def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
+    """(c) A transcoder feature steered at the last position (tiny model, skip transcoder at layer 2): the
+    node's value is the pass's (its activation + delta), marked, with no row; rows sum; logits are the
+    trace's and differ from the clean ones; the features downstream take the pass's values."""
+    model, bundle, ids, clean = tiny
+    last = int(ids.numel()) - 1
+    n = clean.nodes
+    here = (n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)
+    feature = int(n.index[here][0])
+    before = float(n.activation[here][0])
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    g = graph.nodes
+    i = int(g.intervened.nonzero().flatten().item())
+    assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (TRANSCODER, 0, last, feature)
+    assert abs(float(g.activation[i]) - (before + 2.0)) < 1e-5 * (abs(before) + 2.0)
+    assert not bool(graph.feature_rows[i]) and not bool(graph.adjacency[i].any())
+    assert graph.adjacency[:, i].abs().sum() > 0  # it drives later nodes at its new value
+    assert graph.edge_sum_error("mass").max() < 1e-6 and graph.edge_sum_error().median() < 1e-5
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5
+    assert relative(clean.values[clean.logit_ids].double(), want) > 1e-3
+    # a layer-2 feature at the last position now has the pass's activation, not the clean one
+    later = (g.kind == TRANSCODER) & (g.layer == 2) & (g.pos == last)
+    later_clean = (n.kind == TRANSCODER) & (n.layer == 2) & (n.pos == last)
+    assert not torch.equal(g.activation[later], n.activation[later_clean])
+
+
+def test_inside_a_local_session(tiny):
+    """Inside ``model.session()`` the trace runs at its block's end: the handle's graph is there after it."""
+    model, bundle, ids, clean = tiny
+    with model.session():  # noqa: SIM117  (nnsight captures each with block's own source: kept apart)
+        with model.trace(ids) as tracer:
+            handle = attribute(bundle, tracer=tracer, batch_size=40)
+    same_graph(handle.graph, clean)
+
+
+def test_misuse_raises_named_errors(tiny):
+    """(d) Every misuse: named errors saying what to do."""
+    model, bundle, ids, _ = tiny
+    with pytest.raises(TraceOrderError, match=r"attribute\(rm, tracer=tracer\) at the top"), model.trace(ids):
+        attribute(bundle, ids)  # the clean graph inside a trace: names the new spelling
+    with pytest.raises(TraceOrderError, match="read it after the"), model.trace(ids) as tracer:
+        _ = attribute(bundle, tracer=tracer).graph
+    with pytest.raises(TraceOrderError, match="top of the trace body"), model.trace(ids) as tracer:
+        nnsight.save(model.model.layers[0].output)
+        attribute(bundle, tracer=tracer)
+    with pytest.raises(TraceOrderError, match="already recording"), model.trace(ids) as tracer:
+        attribute(bundle, tracer=tracer)
+        attribute(bundle, tracer=tracer)
+    with pytest.raises(ConfigMismatchError, match="layer 0 keeps its MHSA"), model.trace(ids) as tracer:
+        attribute(bundle, tracer=tracer)
+        ablate(bundle(MHSAHead(0, 1)))
+    with pytest.raises(ArgumentError, match="not both"), model.trace(ids) as tracer:
+        attribute(bundle, ids, tracer=tracer)
+    with pytest.raises(ConfigMismatchError, match="no remote=, no qk_heads="), model.trace(ids) as tracer:
+        attribute(bundle, tracer=tracer, qk_heads=2)
+    with pytest.raises(ArgumentError, match="needs a prompt"):
+        attribute(bundle)
+    with pytest.raises(ArgumentError, match="needs the tracer"):
+        from nnsight_lorsa.attribution.attribute import build_graph
+        from nnsight_lorsa.attribution.intervened import start
+        start(bundle, None, {}, build_graph)
+    with pytest.raises(TraceOrderError, match="inside a model.trace"):
+        from nnsight_lorsa.attribution.attribute import build_graph
+        from nnsight_lorsa.attribution.intervened import start
+        start(bundle, object(), {}, build_graph)
+    with pytest.raises(UnsupportedGenerationError), model.generate(ids[None], max_new_tokens=2) as tracer:
+        attribute(bundle, tracer=tracer)
+    with model.trace(random_ids(2, 8, seed=2)) as tracer:  # two prompts
+        two = attribute(bundle, tracer=tracer)
+    with pytest.raises(ShapeError, match="one prompt"):
+        _ = two.graph
+    with model.trace(ids) as tracer:
+        stopped = attribute(bundle, tracer=tracer)
+        nnsight.save(model.model.layers[0].output)
+        tracer.stop()
+    with pytest.raises(TraceOrderError, match="ended before the model reached its unembedding"):
+        _ = stopped.graph
+    with pytest.raises(TraceOrderError, match="cannot be pickled or sent"):
+        pickle.dumps(two)
+    # the model is usable afterwards: a clean graph as before
+    assert attribute(bundle, ids, batch_size=40).summary()["lorsa_heads"] > 0
