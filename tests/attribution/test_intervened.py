@@ -14,9 +14,9 @@ import pickle
 import nnsight
 import pytest
 import torch
-from helpers import attribution_setup, random_ids, rm
+from helpers import DEVICES, attribution_setup, random_ids, rm
 
-from nnsight_lorsa.attribution import Graph, attribute, to_neuronpedia
+from nnsight_lorsa.attribution import Graph, attribute, cache_for_attribution, to_neuronpedia
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
 from nnsight_lorsa.errors import (
     ArgumentError,
@@ -218,3 +218,45 @@ def test_misuse_raises_named_errors(tiny):
         pickle.dumps(two)
     # the model is usable afterwards: a clean graph as before
     assert attribute(bundle, ids, batch_size=40).summary()["lorsa_heads"] > 0
+
+
+@pytest.mark.parametrize("device,dtype,bound", [
+    *[pytest.param(d, torch.float32, 1e-5) if isinstance(d, str) else pytest.param(*d.values, torch.float32, 1e-5,
+                                                                                   marks=d.marks) for d in DEVICES],
+    pytest.param("cpu", torch.bfloat16, 0.3),  # measured 0.13: bf16 demeaned logits (~0.3) carry the logits' rounding
+])
+def test_on_devices_and_dtypes(device, dtype, bound):
+    """The tiny model on a device (CUDA where torch sees one) or in bf16: unedited, the traced graph is the
+    cached engine's graph of the same model (same nodes); a Lorsa head ablated at the last position is
+    marked, rows sum (the dtype's bound, as tests/attribution/test_devices_dtypes.py) and the logits are the
+    trace's within 3× the gap the unmodified model shows between its clean graph's logits and its own (bf16:
+    the model's rounding; ``bound`` caps that gap)."""
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    hf.to(device=device, dtype=dtype)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(device=device, dtype=dtype)
+    bundle = rm(model, lorsas, tcs)
+    ids = random_ids(1, 8, seed=7)[0]
+    cached = attribute(bundle, cache_for_attribution(bundle, ids), batch_size=40)
+    with model.trace(ids) as tracer:
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        clean_logits = nnsight.save(model.lm_head.output)
+    assert torch.equal(handle.graph.nodes.index, cached.nodes.index)
+    # the unmodified model's own gap between a graph's logits and the trace's (bf16: the model's rounding)
+    clean_gap = relative(*demeaned_logits(handle.graph, clean_logits.float().cpu()))
+    assert clean_gap < bound
+    assert relative(handle.graph.adjacency.double(), cached.adjacency.double()) < 1e-5  # the same engine
+    n = cached.nodes
+    head = int(n.index[(n.kind == LORSA) & (n.pos == 7)][0])
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        ablate(bundle(LorsaHead(1, head)), positions=7)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    assert int(graph.nodes.intervened.sum()) == 1
+    assert graph.edge_sum_error("mass").max() < (1e-6 if dtype == torch.float32 else 2e-2)
+    got, want = demeaned_logits(graph, logits.float().cpu())
+    assert relative(got, want) < max(1e-5, 3 * clean_gap)
+    if dtype == torch.float32:  # the edit moved them (bf16: within its rounding; checked in fp32)
+        assert relative(cached.values[cached.logit_ids].double(), want) > 10 * max(1e-5, 3 * clean_gap)
