@@ -186,7 +186,7 @@ def to_neuronpedia(
         creator_name: ``metadata.info.creator_name``.
 
     Returns:
-        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.adjacency[t, s])`` (the
+        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.densify()[t, s])`` (the
         direct effect of source on target, in units of the target's pre-activation / demeaned logit).
 
     Raises:
@@ -207,7 +207,7 @@ def to_neuronpedia(
     kept = prune_result.node_mask.bool()
     edges = prune_result.edge_mask.bool() & kept[:, None] & kept[None, :]
     targets, sources = edges.nonzero(as_tuple=True)
-    weights = graph.adjacency[targets, sources].tolist()
+    weights = graph.densify()[targets, sources].tolist()
     links = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights, strict=True)]
     connected = set(targets.tolist()) | set(sources.tolist())

@@ -297,10 +297,13 @@ class Graph(FieldsRepr):
             replacement model. Rows of sources only (errors, embeddings, biases) are zero. The full
             graph of :func:`.attribute.attribute` keeps only its causal blocks
             (:attr:`block_adjacency`, :class:`BlockAdjacency`: the entries that can be non-zero, ~20 % of
-            ``n_nodes²`` on a 4-layer model); the first read of ``adjacency`` builds the dense matrix
-            (``4 B · n_nodes²`` at fp32 — 1.2 GB at 256 tokens of the embedded model) and the graph
-            keeps it instead of the blocks. :meth:`edge_sum_error`, :meth:`summary` and
-            :attr:`n_edges` read the blocks without it.
+            ``n_nodes²`` on a 4-layer model); reading ``adjacency`` then raises
+            :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at
+            fp32 — 1.2 GB at 256 tokens of the embedded model) is built only by the explicit
+            :meth:`densify`, after which the graph keeps it instead of the blocks. :meth:`edge_sum_error`,
+            :meth:`summary`, :attr:`n_edges` and :meth:`save` read the blocks without it; :func:`.scores.prune`,
+            :func:`.scores.graph_scores` and the exports densify. A pruned or loaded graph holds the dense
+            matrix.
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -355,6 +358,16 @@ class Graph(FieldsRepr):
         (a full graph of :func:`.attribute.attribute` until ``adjacency`` is first read), else None."""
         a = self._adjacency
         return None if isinstance(a, torch.Tensor) else a
+
+    def densify(self) -> torch.Tensor:
+        """The dense ``(n_nodes, n_nodes)`` adjacency, which the graph keeps from now on (:attr:`adjacency`
+        reads it): built from the causal blocks (``4 B · n_nodes²`` at fp32, on the host; the blocks are
+        dropped), or the matrix the graph already holds (a pruned or loaded graph; no copy)."""
+        a = self._adjacency
+        if not isinstance(a, torch.Tensor):
+            a = a.dense()
+            self._hold(a)
+        return a
 
     @property
     def n_edges(self) -> int:
@@ -489,10 +502,15 @@ class Graph(FieldsRepr):
 
 
 def _get_adjacency(self: Graph) -> torch.Tensor:
+    from ..errors import DenseAdjacencyError
+
     a = self._adjacency
-    if not isinstance(a, torch.Tensor):  # the blocks, densified once; the graph keeps the dense matrix instead
-        a = a.dense()
-        self._hold(a)
+    if not isinstance(a, torch.Tensor):  # never densified behind the caller's back
+        mib = a.n * a.n * a.dtype.itemsize / 2**20
+        raise DenseAdjacencyError(
+            f"graph.adjacency: this graph keeps only its causal blocks ({a.n} nodes, {a.nbytes / 2**20:.1f} MiB); "
+            f"the dense {a.n}x{a.n} matrix takes {mib:.1f} MiB: call graph.densify() to build and keep it, or read "
+            "graph.block_adjacency (graph.edge_sum_error(), summary(), n_edges and save() need neither)")
     return a
 
 
@@ -502,8 +520,8 @@ def _set_adjacency(self: Graph, value: torch.Tensor | BlockAdjacency) -> None:
 
 # ``Graph.adjacency`` is a dataclass field (the constructor's ``adjacency=``) read through this property
 Graph.adjacency = property(_get_adjacency, _set_adjacency,  # type: ignore[assignment,method-assign]
-                           doc="The dense ``(n_nodes, n_nodes)`` adjacency (built from the causal blocks on first "
-                               "read; see the class).")
+                           doc="The dense ``(n_nodes, n_nodes)`` adjacency the graph holds (a graph that keeps "
+                               "only its causal blocks raises DenseAdjacencyError: Graph.densify(); see the class).")
 
 
 _GRAPH_INTS = ("tokens", "layout_ids", "node_kind", "node_layer", "node_pos", "node_index")

@@ -60,12 +60,9 @@ from ..envoy.targets import Feature, LorsaHead, MHSAHead, Target, positions_inde
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError, UnsupportedGenerationError
 from .graph import HOST, LORSA, TRANSCODER, Graph
 from .layout import LiveNodes
+from .options import AttributionOptions
 from .replacement import layer_modules
 from .trace import AttributionCache
-
-#: the keyword options of :func:`.attribute.attribute` that the graph of a traced pass takes
-OPTIONS = ("max_feature_nodes", "batch_size", "logit_tokens", "desired_logit_prob", "max_n_logits", "memory",
-           "prune", "dtype", "progress", "max_memory", "zero_positions")
 
 
 class IntervenedAttribution:
@@ -77,7 +74,7 @@ class IntervenedAttribution:
         edits: the interventions reported so far (:class:`~..envoy.edit_log.Edit`), in order.
     """
 
-    def __init__(self, replacement: Any, options: dict[str, Any], build: Callable[..., Graph]) -> None:
+    def __init__(self, replacement: Any, options: AttributionOptions, build: Callable[..., Graph]) -> None:
         self.replacement = replacement
         self._options = options
         self._build = build
@@ -207,7 +204,7 @@ class IntervenedAttribution:
                                  embeddings=s["embeddings"], attn_in=s["attn_in"], attn_out=s["attn_out"],
                                  mlp_in=s["mlp_in"], mlp_out=s["mlp_out"])
         live = LiveNodes(lorsa_z=s["z"], tc_acts=s["acts"], marks=self._marks(n_pos))
-        graph = self._build(self.replacement, cache, live=live, **self._options)
+        graph = self._build(self.replacement, cache, live=live, options=self._options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
         self._graph = graph
         return graph
@@ -236,10 +233,11 @@ def _positions_name(positions: Any) -> str:
     return "all" if positions is None else str(positions.tolist() if isinstance(positions, torch.Tensor) else positions)
 
 
-def start(replacement: Any, tracer: Any, options: dict[str, Any], build: Callable[..., Graph]) -> IntervenedAttribution:
+def start(replacement: Any, tracer: Any, options: AttributionOptions,
+          build: Callable[..., Graph]) -> IntervenedAttribution:
     """Start recording the running trace for its graph (``attribute(rm, tracer=tracer)``; see the module
     docstring). Called at the top of the trace body, before it reads anything. ``build``:
-    :func:`.attribute.build_graph` (called with the pass's cache, ``live=`` and ``options``). The handle is saved
+    :func:`.attribute.build_graph` (called with the pass's cache, ``live=`` and ``options=``). The handle is saved
     (``nnsight.save``): ``handle = attribute(rm, tracer=tracer)`` is there after the ``with`` block.
 
     Raises:

@@ -17,7 +17,10 @@ import torch
 from helpers import DEVICES, attribution_setup, random_ids, rm
 
 from nnsight_lorsa.attribution import Graph, attribute, cache_for_attribution, to_neuronpedia
+from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
+from nnsight_lorsa.attribution.intervened import start
+from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.errors import (
     ArgumentError,
     ConfigMismatchError,
@@ -72,7 +75,7 @@ def same_graph(got: Graph, want: Graph) -> None:
     rows = want.feature_rows
     assert relative(got.values[rows], want.values[rows]) < 1e-5
     assert relative(got.nodes.activation, want.nodes.activation) < 1e-5
-    assert relative(got.adjacency, want.adjacency) < 1e-4
+    assert relative(got.densify(), want.densify()) < 1e-4
 
 
 def test_without_an_edit_the_graph_is_the_clean_graph(embedded):
@@ -115,7 +118,7 @@ def test_an_ablated_lorsa_head_is_a_marked_fixed_input(embedded, tmp_path):
     assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (LORSA, layer, last, head)
     assert float(g.activation[i]) == 0.0
     assert not bool(graph.feature_rows[i]) and bool(graph.values[i].isnan())
-    assert not bool(graph.adjacency[i].any()) and not bool(graph.adjacency[:, i].any())  # no edges in; 0 out
+    assert not bool(graph.densify()[i].any()) and not bool(graph.densify()[:, i].any())  # no edges in; 0 out
     # the unedited nodes keep rows that sum exactly, and the graph's logits are the patched trace's
     assert int(graph.feature_rows.sum()) == len(graph.feature_ids) - 1 + len(graph.logit_ids)
     assert graph.edge_sum_error().max() < 1e-4
@@ -151,8 +154,8 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     i = int(g.intervened.nonzero().flatten().item())
     assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (TRANSCODER, 0, last, feature)
     assert abs(float(g.activation[i]) - (before + 2.0)) < 1e-5 * (abs(before) + 2.0)
-    assert not bool(graph.feature_rows[i]) and not bool(graph.adjacency[i].any())
-    assert graph.adjacency[:, i].abs().sum() > 0  # it drives later nodes at its new value
+    assert not bool(graph.feature_rows[i]) and not bool(graph.densify()[i].any())
+    assert graph.densify()[:, i].abs().sum() > 0  # it drives later nodes at its new value
     assert graph.edge_sum_error("mass").max() < 1e-6 and graph.edge_sum_error().median() < 1e-5
     got, want = demeaned_logits(graph, logits)
     assert relative(got, want) < 1e-5
@@ -195,13 +198,9 @@ def test_misuse_raises_named_errors(tiny):
     with pytest.raises(ArgumentError, match="needs a prompt"):
         attribute(bundle)
     with pytest.raises(ArgumentError, match="needs the tracer"):
-        from nnsight_lorsa.attribution.attribute import build_graph
-        from nnsight_lorsa.attribution.intervened import start
-        start(bundle, None, {}, build_graph)
+        start(bundle, None, AttributionOptions(), build_graph)
     with pytest.raises(TraceOrderError, match="inside a model.trace"):
-        from nnsight_lorsa.attribution.attribute import build_graph
-        from nnsight_lorsa.attribution.intervened import start
-        start(bundle, object(), {}, build_graph)
+        start(bundle, object(), AttributionOptions(), build_graph)
     with pytest.raises(UnsupportedGenerationError), model.generate(ids[None], max_new_tokens=2) as tracer:
         attribute(bundle, tracer=tracer)
     with model.trace(random_ids(2, 8, seed=2)) as tracer:  # two prompts
@@ -245,7 +244,7 @@ def test_on_devices_and_dtypes(device, dtype, bound):
     # the unmodified model's own gap between a graph's logits and the trace's (bf16: the model's rounding)
     clean_gap = relative(*demeaned_logits(handle.graph, clean_logits.float().cpu()))
     assert clean_gap < bound
-    assert relative(handle.graph.adjacency.double(), cached.adjacency.double()) < 1e-5  # the same engine
+    assert relative(handle.graph.densify().double(), cached.densify().double()) < 1e-5  # the same engine
     n = cached.nodes
     head = int(n.index[(n.kind == LORSA) & (n.pos == 7)][0])
     with model.trace(ids) as tracer:
