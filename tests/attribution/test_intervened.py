@@ -259,3 +259,41 @@ def test_on_devices_and_dtypes(device, dtype, bound):
     assert relative(got, want) < max(1e-5, 3 * clean_gap)
     if dtype == torch.float32:  # the edit moved them (bf16: within its rounding; checked in fp32)
         assert relative(cached.values[cached.logit_ids].double(), want) > 10 * max(1e-5, 3 * clean_gap)
+
+
+def test_edits_carried_by_error_nodes_and_a_patched_head(tiny):
+    """In one trace: an MHSA head of the Lorsa layer ablated and an SAE feature at an MLP output steered —
+    carried by that site's error nodes (not marked) — and a Lorsa head patched at one position to a given
+    value — marked, at that value. Rows still sum, the logits are the trace's and moved; an SAE feature at a
+    site with no error node (a decoder layer's output) is refused at the edit."""
+    from helpers import make_sae
+
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.patching import patch
+
+    model, bundle, ids, clean = tiny
+    adapter = bundle.adapter
+    saes = {adapter.mlp_path(1): make_sae(seed=1), f"{adapter.layers_path}.1": make_sae(seed=2)}
+    r = ReplacementModel(model, lorsas=bundle.lorsas, transcoders=bundle.transcoders, saes=saes)
+    n = clean.nodes
+    head = int(n.index[(n.kind == LORSA) & (n.pos == 7)][0])
+    with model.trace(ids) as tracer:
+        r.replace()
+        handle = attribute(r, tracer=tracer, batch_size=40)
+        ablate(r(MHSAHead(1, 0)))
+        patch(r(LorsaHead(1, head)), torch.full((1, 1), 0.5), positions=[7])
+        steer(r(Feature(adapter.mlp_path(1), 3)), 2.0)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    g = graph.nodes
+    i = int(g.intervened.nonzero().flatten().item())
+    assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (LORSA, 1, 7, head)
+    assert abs(float(g.activation[i]) - 0.5) < 1e-6
+    assert graph.edge_sum_error("mass").max() < 1e-6
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5
+    assert relative(clean.values[clean.logit_ids].double(), want) > 1e-3
+    with pytest.raises(ConfigMismatchError, match="no error node"), model.trace(ids) as tracer:
+        r.replace()
+        attribute(r, tracer=tracer)
+        steer(r(Feature(f"{adapter.layers_path}.1", 3)), 1.0)
