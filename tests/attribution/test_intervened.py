@@ -90,7 +90,7 @@ def test_without_an_edit_the_graph_is_the_clean_graph(embedded):
     same_graph(graph, clean)
     assert handle.graph is graph  # built once
     got, want = demeaned_logits(graph, logits)
-    assert relative(got, want) < 1e-5
+    assert relative(got, want) < 1e-5 and graph.meta["logit_gap"] < 1e-5
     assert graph.edge_sum_error().max() < 1e-4
 
 
@@ -215,6 +215,11 @@ def test_misuse_raises_named_errors(tiny):
         _ = stopped.graph
     with pytest.raises(TraceOrderError, match="cannot be pickled or sent"):
         pickle.dumps(two)
+    with model.trace(ids) as tracer:  # a raw edit where the graph has no node or error node: a layer's output
+        raw = attribute(bundle, tracer=tracer, batch_size=40)
+        model.model.layers[1].output[:, -1] += 1.0
+    with pytest.raises(ConfigMismatchError, match="differ from the trace's"):
+        _ = raw.graph
     # the model is usable afterwards: a clean graph as before
     assert attribute(bundle, ids, batch_size=40).summary()["lorsa_heads"] > 0
 
