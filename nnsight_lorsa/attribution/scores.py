@@ -165,7 +165,8 @@ def find_threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
 
 def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float | int = 0.98) -> PruneResult:
     """Influence pruning of a full graph (module docstring; circuit-tracer's ``prune_graph``,
-    ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings).
+    ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings, and so are intervened nodes:
+    :attr:`.graph.NodeTable.intervened`).
 
     Args:
         graph: a :class:`~.graph.Graph`; densified (:meth:`.graph.Graph.densify`: the dense ``(n_nodes,
@@ -183,7 +184,9 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
             raise ArgumentError(f"prune({name}=...) must be a number in [0, 1], got {v!r}")
     kind = graph.nodes.kind
-    always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT)
+    # inputs are always kept: embeddings, biases — and nodes held at an intervened value (fixed inputs with no
+    # incoming edges, which the dangling-feature rule below would drop); logits too
+    always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | graph.nodes.intervened
     feature = (kind == TRANSCODER) | (kind == LORSA)
     prunable_source = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     infl = node_influence(graph)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import DEVICES, attribution_setup, random_ids, rm
 
-from nnsight_lorsa.attribution import Graph, attribute, cache_for_attribution, to_neuronpedia
+from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution, prune, to_neuronpedia
 from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
 from nnsight_lorsa.attribution.intervened import start
@@ -160,6 +160,17 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     got, want = demeaned_logits(graph, logits)
     assert relative(got, want) < 1e-5
     assert relative(clean.values[clean.logit_ids].double(), want) > 1e-3
+    # pruned (after, and while building): the steered feature is kept as an input, with its outgoing edges
+    kept = prune(graph)
+    assert bool(kept.node_mask[i]) and bool(kept.edge_mask[:, i].any())
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        pruned = attribute(bundle, tracer=tracer, batch_size=40, prune=PruneConfig())
+        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
+    p = pruned.graph
+    j = int(p.nodes.intervened.nonzero().flatten().item())
+    assert float(p.nodes.activation[j]) == float(g.activation[i]) and bool(p.densify()[:, j].any())
+    assert p.n_nodes < graph.n_nodes
     # a layer-2 feature at the last position now has the pass's activation, not the clean one
     later = (g.kind == TRANSCODER) & (g.layer == 2) & (g.pos == last)
     later_clean = (n.kind == TRANSCODER) & (n.layer == 2) & (n.pos == last)
