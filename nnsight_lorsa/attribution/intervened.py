@@ -45,7 +45,7 @@ from typing import Any
 import nnsight
 import torch
 
-from ..envoy.edit_log import EDIT_LOG_TAG, EditLog
+from ..envoy.edit_log import EDIT_LOG_TAG, Edit, EditLog
 from ..envoy.nnsight_internals import (
     current_worker,
     find_worker,
@@ -83,8 +83,7 @@ class IntervenedAttribution:
         self._problem: Exception | None = None
         self._graph: Graph | None = None
         self._interleaver: Any = None
-        lor, tcs = layer_modules(replacement)
-        self._lorsa_layers, self._tc_layers = set(lor), set(tcs)
+        self._lorsa_layers = set(layer_modules(replacement)[0])
 
     def __repr__(self) -> str:
         state = "graph built" if self._graph is not None else "recorded" if self._saved is not None else "recording"
@@ -97,7 +96,7 @@ class IntervenedAttribution:
             "trace locally, or attribute a remote pass from its saved cache (cache_for_attribution)")
 
     @property
-    def edits(self) -> list[Any]:
+    def edits(self) -> list[Edit]:
         return list(self._log.edits)
 
     # ------------------------------------------------------------ checks (in the trace body)
