@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TraceOrderError
 from .nnsight_internals import current_worker, find_worker
 from .targets import Positions, Target
 
@@ -52,6 +53,10 @@ def note_edit(target: Target, positions: Positions, what: str) -> None:
     Raises:
         ConfigMismatchError (from the log's check): an edit the attribution graph cannot hold.
     """
-    recorder: Any = find_worker(current_worker(what).interleaver, EDIT_LOG_TAG)
+    try:
+        worker = current_worker(what)
+    except TraceOrderError:  # no trace body running this edit (e.g. one replayed by model.edit()): no recorder
+        return
+    recorder: Any = find_worker(worker.interleaver, EDIT_LOG_TAG)
     if recorder is not None:
         recorder.spec.note(target, positions)
