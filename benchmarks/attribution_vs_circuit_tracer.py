@@ -222,7 +222,7 @@ def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: i
         out["stored_entries"] = g.meta["pruned"]["stored_entries"]
         n = g.nodes
         torch.save(torch.stack([n.kind, n.layer, n.pos, n.index], 1), work / f"ours_nodes_{seq}.pt")
-        torch.save(g.adjacency, work / f"ours_adj_{seq}.pt")
+        torch.save(g.densify(), work / f"ours_adj_{seq}.pt")
     print(json.dumps(out))
 
 

@@ -503,7 +503,7 @@ def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: li
         ArgumentError: an empty history (nothing trained). Attribution's errors for a model it cannot
             attribute (e.g. ``UnsupportedArchitectureError``).
     """
-    from .attribution import attribute, prune, save_neuronpedia
+    from .attribution import Graph, attribute, prune, save_neuronpedia
     from .envoy.replacement_model import ReplacementModel
     from .viz import head_dashboard_data, plot_training_curves, render_html, write_dashboard
 
@@ -527,6 +527,7 @@ def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: li
                       prompt if isinstance(prompt, str) else prompt.reshape(-1),
                       max_feature_nodes=1024, batch_size=64, progress=False,
                       dtype=torch.float32 if embedded else None)  # the tiny model: exact sums cost nothing
+    assert isinstance(graph, Graph)  # a prompt, no tracer: the clean graph
     kept = prune(graph)
     html = where / "graph.html"
     render_html(graph, kept, tokenizer=model.tokenizer, path=html,

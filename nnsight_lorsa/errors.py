@@ -35,6 +35,11 @@ class MemoryBudgetError(ConfigMismatchError):
     """An attribution cannot fit the memory budget it was given (``attribute(..., max_memory=...)``)."""
 
 
+class DenseAdjacencyError(LorsaError, RuntimeError):
+    """``Graph.adjacency`` was read on a graph that keeps only its causal blocks: the dense ``n_nodes²``
+    matrix is built by the explicit ``graph.densify()`` (the message says how large it is)."""
+
+
 class PlacementError(ConfigMismatchError):
     """A module or tensor is on a device (or in a dtype) where the computation cannot run: e.g. a
     replacement whose weights were never materialised (``meta``) spliced into a model on CUDA, or

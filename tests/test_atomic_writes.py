@@ -63,7 +63,7 @@ def _module_sig(m: Any) -> tuple:
 
 
 def _graph_sig(g: Any) -> tuple:
-    tensors = {"adjacency": g.adjacency, "values": g.values, "tokens": g.tokens, "kind": g.nodes.kind}
+    tensors = {"adjacency": g.densify(), "values": g.values, "tokens": g.tokens, "kind": g.nodes.kind}
     return g.prompt, json.dumps(g.meta, sort_keys=True), _tensors_sig(tensors)
 
 

@@ -17,15 +17,16 @@ graph and its circuit, ``qk_attribution`` decomposes a Lorsa head's attention sc
 pairs, ``to_neuronpedia`` / ``save_neuronpedia`` export it (the HTML viewer is
 :func:`nnsight_lorsa.viz.render_html`). Node kinds are
 ``Graph.TRANSCODER`` … ``Graph.LOGIT`` (also constants of :mod:`.graph`); the exactness checks
-are :func:`.scores.intervention_edges` and :func:`.scores.replacement_logits`.
+are :func:`.checks.intervention_edges` and :func:`.checks.replacement_logits`.
 """
 
 from .attribute import attribute, cache_for_attribution
 from .budget import MemoryEstimate, estimate_memory
+from .checks import CircuitMetrics, circuit_metrics
 from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
 from .qk import QKAttribution, qk_attribution
-from .scores import CircuitMetrics, PruneConfig, PruneResult, circuit_metrics, graph_scores, prune
+from .scores import PruneConfig, PruneResult, graph_scores, prune
 from .trace import AttributionCache
 
 __all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig",

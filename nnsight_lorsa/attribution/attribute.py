@@ -25,9 +25,11 @@ from ..errors import ArgumentError, ConfigMismatchError
 from .budget import estimate_info, estimate_layout, largest_batch
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
-from .layout import Layout
+from .intervened import IntervenedAttribution, start
+from .layout import Layout, LiveNodes
+from .options import AttributionOptions
 from .qk import qk_for_graph
-from .replacement import FrozenReplacement, layer_modules, memory_modes
+from .replacement import FrozenReplacement, layer_modules
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
@@ -40,8 +42,9 @@ FrozenPass = Callable[[Prepared, RowScheduler, int, Callable[..., FrozenReplacem
 
 def attribute(
     replacement: Any,
-    prompt: Any,
+    prompt: Any = None,
     *,
+    tracer: Any = None,
     max_feature_nodes: int | None = None,
     batch_size: int = 64,
     logit_tokens: Any = None,
@@ -55,8 +58,9 @@ def attribute(
     max_memory: int | None = None,
     zero_positions: int = 0,
     qk_heads: int = 0,
-) -> Graph:
-    """The attribution graph of ``prompt`` over the replacement model.
+) -> Graph | IntervenedAttribution:
+    """The attribution graph of ``prompt`` over the replacement model — or, with ``tracer`` inside a trace
+    body, a handle whose ``.graph`` is the graph of that trace's own (intervened) forward pass.
 
     Args:
         replacement: a :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: the nnsight
@@ -67,7 +71,13 @@ def attribute(
         prompt: text (tokenized by the model's tokenizer) or ``(pos,)`` token ids — runs the nnsight
             engine (both passes inside ``model.trace``) — or an :class:`~.trace.AttributionCache` from
             :func:`cache_for_attribution` — runs the cached engine (no model forward; the model's
-            norms, attention weights and unembedding are used). Same graph either way.
+            norms, attention weights and unembedding are used). Same graph either way. None with ``tracer``.
+        tracer: the tracer of the running ``with model.trace(prompt) as tracer:`` (no ``prompt``): call
+            ``handle = attribute(rm, tracer=tracer)`` at the top of the body (after ``rm.replace()``), intervene
+            with :mod:`nnsight_lorsa.patching`, and read ``handle.graph`` after the block: the graph of the
+            pass as it ran, edited nodes held at their edited values as fixed inputs and marked
+            (:class:`~.intervened.IntervenedAttribution`; docs/attribution.md, "Attributing an intervened
+            pass"). Takes the options below except ``remote`` and ``qk_heads``.
         max_feature_nodes: compute at most this many feature rows, chosen by influence on the
             logits as circuit-tracer (None: all; then every target's incoming edges sum to its value).
         batch_size: prompt copies per frozen pass = target rows per backward pass.
@@ -110,7 +120,8 @@ def attribute(
 
     Returns:
         :class:`Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
-        row ``t`` sums to, with ``residual[t]``).
+        row ``t`` sums to, with ``residual[t]``); with ``tracer``, an
+        :class:`~.intervened.IntervenedAttribution` (its ``.graph`` such a graph, after the trace).
 
     Raises:
         ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``, a
@@ -121,97 +132,98 @@ def attribute(
         MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
         ConfigMismatchError: ``qk_heads`` with a cache or ``remote``.
         ArgumentError: a wrongly typed argument, token ids that are not integers or outside the
-            vocabulary (:func:`check_arguments`).
+            vocabulary (:class:`~.options.AttributionOptions`, :func:`check_replacement`).
         MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
         ConcurrentTraceError: another thread is tracing the model now.
-        TraceOrderError: called inside a ``model.trace`` / ``generate`` body (:func:`refuse_inside_trace`).
+        TraceOrderError: called with a prompt inside a ``model.trace`` / ``generate`` body
+            (:func:`refuse_inside_trace`: the message names ``tracer=``); with ``tracer``, outside a trace
+            body or after the body read something (:func:`.intervened.start`).
+        ArgumentError: neither ``prompt`` nor ``tracer``, or both.
+        ConfigMismatchError: ``tracer`` with ``remote`` or ``qk_heads``.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
-    check_arguments(replacement, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
-                    desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, dtype=dtype, remote=remote)
-    return build_graph(replacement, prompt, max_feature_nodes=max_feature_nodes, batch_size=batch_size,
-                       logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
-                       memory=memory, prune=prune, dtype=dtype, progress=progress, remote=remote,
-                       max_memory=max_memory, zero_positions=zero_positions, qk_heads=qk_heads)
+    options = AttributionOptions(
+        max_feature_nodes=max_feature_nodes, batch_size=batch_size, logit_tokens=logit_tokens,
+        desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, memory=memory, prune=prune, dtype=dtype,
+        progress=progress, remote=remote, max_memory=max_memory, zero_positions=zero_positions, qk_heads=qk_heads)
+    if tracer is not None:
+        if prompt is not None:
+            raise ArgumentError("attribute(rm, prompt) attributes a clean pass, attribute(rm, tracer=tracer) the "
+                                "traced one: pass one of them, not both")
+        if remote or qk_heads:
+            raise ConfigMismatchError("attribute(rm, tracer=tracer) attributes a local trace: no remote=, no qk_heads=")
+        check_replacement(replacement, in_trace=True)
+        return start(replacement, tracer, options, build_graph)
+    if prompt is None:
+        raise ArgumentError("attribute(rm, prompt) needs a prompt (text, token ids or an AttributionCache), "
+                            "or tracer= inside a trace body")
+    check_replacement(replacement)
+    return build_graph(replacement, prompt, options=options)
 
 
-def _count(value: Any, name: str, none_ok: bool = False) -> None:
-    if none_ok and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ArgumentError(f"attribute({name}=...) must be an int{' or None' if none_ok else ''}, got {value!r}")
-    if value < 1:
-        raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
-
-
-def check_arguments(replacement: Any, *, max_feature_nodes: Any, batch_size: Any, desired_logit_prob: Any,
-                    max_n_logits: Any, dtype: Any, remote: Any) -> None:
-    """:func:`attribute`'s argument checks, before anything runs.
+def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
+    """:func:`attribute`'s checks of the call (its settings: :class:`~.options.AttributionOptions`), before
+    anything runs (``in_trace``: for ``tracer=``, inside the trace body: no refusal of the running trace).
 
     Raises:
-        ArgumentError: ``replacement`` not a :class:`ReplacementModel`; a count that is not an int
-            (``batch_size``, ``max_n_logits``, ``max_feature_nodes`` unless None), ``desired_logit_prob``
-            not a number; a non-floating ``dtype``; ``remote`` other than a bool or ``"local"``.
-        ConfigMismatchError: a count below 1, ``desired_logit_prob`` outside ``(0, 1]``.
+        TraceOrderError: (not ``in_trace``) called inside a trace body (:func:`.trace.refuse_inside_trace`).
+        ArgumentError: ``replacement`` not a :class:`ReplacementModel`.
         ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
     """
     from ..envoy import ReplacementModel
     from ..envoy.nnsight_internals import check_one_thread
 
-    refuse_inside_trace("attribute")
+    if not in_trace:
+        refuse_inside_trace("attribute")
     if not isinstance(replacement, ReplacementModel):
         raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
                             f"transcoders=...), got a {type(replacement).__name__}")
-    _count(batch_size, "batch_size")
-    _count(max_n_logits, "max_n_logits")
-    _count(max_feature_nodes, "max_feature_nodes", none_ok=True)
-    if not isinstance(desired_logit_prob, (int, float)) or isinstance(desired_logit_prob, bool):
-        raise ArgumentError(f"attribute(desired_logit_prob=...) must be a number, got {desired_logit_prob!r}")
-    if not 0.0 < desired_logit_prob <= 1.0:
-        raise ConfigMismatchError(f"attribute(desired_logit_prob=...) must be in (0, 1], got {desired_logit_prob!r}")
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {dtype!r}")
-    if not (isinstance(remote, bool) or remote == "local"):
-        raise ArgumentError(f"attribute(remote=...) must be True, False or 'local', got {remote!r}")
-    check_one_thread(replacement.model, "attribute")
+    if not in_trace:  # inside its own trace the model's interleaver is this thread's
+        check_one_thread(replacement.model, "attribute")
 
 
-def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None = None, batch_size: int = 64,
-                logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
-                memory: str | tuple[str, str] = "auto", prune: PruneConfig | tuple[float, float] | None = None,
-                dtype: torch.dtype | None = None, progress: bool | None = None, remote: Any = False,
-                frozen_pass: FrozenPass | None = None, engine: str | None = None,
-                max_memory: int | None = None, zero_positions: int = 0, qk_heads: int = 0) -> Graph:
-    """:func:`attribute` with the internals open: ``memory`` may also be a ``(patterns, node_vectors)``
-    pair (:func:`.replacement.memory_modes`; the mixed combinations), and ``frozen_pass`` replaces
-    the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the tests), its graph
-    meta naming ``engine``."""
-    patterns, node_vectors = memory_modes(memory)
-    if batch_size < 1:
-        raise ConfigMismatchError(f"batch_size must be >= 1, got {batch_size}")
-    config = PruneConfig.of(prune)
+def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | None = None,
+                frozen_pass: FrozenPass | None = None, engine: str | None = None, live: LiveNodes | None = None,
+                **settings: Any) -> Graph:
+    """:func:`attribute` with the internals open. Its settings come as ``options`` (an
+    :class:`~.options.AttributionOptions`, as :func:`attribute` passes them) or as :func:`attribute`'s
+    keyword arguments (``settings``, funnelled into one), not both; ``memory`` may also be a
+    ``(patterns, node_vectors)`` pair (:func:`.replacement.memory_modes`; the mixed combinations).
+    ``frozen_pass`` replaces the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the
+    tests), its graph meta naming ``engine``. ``live`` (with a cache of a traced pass): that pass's node values
+    and edited nodes (:class:`~.layout.LiveNodes`; :mod:`.intervened`).
+
+    Raises:
+        ArgumentError: both ``options`` and ``settings``; as :class:`~.options.AttributionOptions` and
+            :func:`attribute` otherwise.
+    """
+    if options is not None and settings:
+        raise ArgumentError(f"build_graph takes options= or the settings {sorted(settings)} as keywords, not both")
+    o = options if options is not None else AttributionOptions.of(settings)
+    patterns, node_vectors = o.modes
+    batch_size, dtype, remote, config = o.batch_size, o.dtype, o.remote, o.prune
     cached = isinstance(prompt, AttributionCache)
     if cached and remote:
         raise ConfigMismatchError("remote runs a prompt's traces on the server; a cache is attributed here")
-    if qk_heads and (cached or remote):
+    if o.qk_heads and (cached or remote):
         raise ConfigMismatchError("qk_heads traces a prompt locally: not with a cache or remote")
     model, adapter = replacement.model, replacement.adapter
     root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
-    options = {"logit_tokens": logit_tokens, "desired_logit_prob": desired_logit_prob, "max_n_logits": max_n_logits,
-               "dtype": dtype, "zero_positions": zero_positions}
+    layout_options = {"logit_tokens": o.logit_tokens, "desired_logit_prob": o.desired_logit_prob,
+                      "max_n_logits": o.max_n_logits, "dtype": dtype, "zero_positions": o.zero_positions}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:
         check_cache(prompt, adapter, *layer_modules(replacement))
         cache = in_dtype(prompt, dtype) if dtype is not None and dtype != model_dtype else prompt
-        prepared = prepare(replacement, None, cache=cache, **options)
+        prepared = prepare(replacement, None, cache=cache, live=live, **layout_options)
         engine = "cache"
 
         def run(scheduler: RowScheduler) -> torch.Tensor:
             return attribute_cached(root, prepared, cache, scheduler, batch_size, make, dtype)
     else:
-        prepared = prepare(replacement, prompt, remote=remote, **options)
+        prepared = prepare(replacement, prompt, remote=remote, **layout_options)
         trace_pass = frozen_pass
 
         def run(scheduler: RowScheduler) -> torch.Tensor:
@@ -219,21 +231,21 @@ def build_graph(replacement: Any, prompt: Any, *, max_feature_nodes: int | None 
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote)
-    if max_memory is not None:
+    if o.max_memory is not None:
         info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
                              config.keep_mass if config is not None else 1.0)
-        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
-        batch_size = largest_batch(est, max_memory, batch_size, info["device"])
+        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=o.max_feature_nodes, **info)
+        batch_size = largest_batch(est, o.max_memory, batch_size, info["device"])
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
-            "max_feature_nodes": max_feature_nodes, "engine": engine or "nnsight",
-            "memory": memory if isinstance(memory, str) else "custom", "patterns": patterns,
-            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": zero_positions}
-    graph = compute_graph(prepared.layout, run, max_feature_nodes=max_feature_nodes,
-                          progress=show_progress(progress) and not remote, prune=config,
+            "max_feature_nodes": o.max_feature_nodes, "engine": engine or "nnsight",
+            "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
+            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": o.zero_positions}
+    graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
+                          progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
-    if qk_heads:
-        graph.qk = qk_for_graph(replacement, prepared, graph, qk_heads, QK_TOP_PAIRS, batch_size)
+    if o.qk_heads:
+        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size)
     return graph
 
 
@@ -271,6 +283,12 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
         release_free_memory()
     if prune is not None:
-        return assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
-                               edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)
-    return assemble(layout, scheduler, values, prompt, meta)
+        graph = assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
+                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)
+    else:
+        graph = assemble(layout, scheduler, values, prompt, meta)
+    fixed = graph.nodes.intervened  # held at an edited value: sources only (their rows were computed as zeros)
+    if bool(fixed.any()):
+        graph.feature_rows[fixed] = False
+        graph.values[fixed] = float("nan")
+    return graph

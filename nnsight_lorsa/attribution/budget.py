@@ -46,9 +46,8 @@ from ..errors import MemoryBudgetError
 from .frozen import choose
 from .graph import HOST
 from .layout import Layout
-from .replacement import memory_modes
+from .options import AttributionOptions
 from .rows import CHUNK_ENTRIES, full_graph_blocks
-from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
@@ -216,18 +215,17 @@ def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vect
             "device": device}
 
 
-def layout_for_estimate(replacement: Any, prompt: Any, *, memory: str = "auto", prune: Any = None,
-                        dtype: torch.dtype | None = None, zero_positions: int = 0) -> tuple[Layout, dict[str, Any]]:
+def layout_for_estimate(replacement: Any, prompt: Any, options: AttributionOptions) -> tuple[Layout, dict[str, Any]]:
     """The prompt's layout (one clean pass, or from a cache) and :func:`estimate_info` for
     :func:`.budget.estimate_memory`."""
-    patterns, node_vectors = memory_modes(memory)
-    config = PruneConfig.of(prune)
+    patterns, node_vectors = options.modes
+    config = options.prune
     if isinstance(prompt, AttributionCache):
-        prepared = prepare(replacement, None, cache=prompt, zero_positions=zero_positions)
+        prepared = prepare(replacement, None, cache=prompt, zero_positions=options.zero_positions)
     else:
-        prepared = prepare(replacement, prompt, zero_positions=zero_positions)
-    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
-                                          config.keep_mass if config is not None else 1.0)
+        prepared = prepare(replacement, prompt, zero_positions=options.zero_positions)
+    return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None,
+                                          options.dtype, config.keep_mass if config is not None else 1.0)
 
 
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
@@ -247,9 +245,11 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
 
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
-        ConfigMismatchError: an unknown ``memory`` or bad ``prune``.
+        ConfigMismatchError, ArgumentError: a bad setting (:class:`~.options.AttributionOptions`, the one
+            check :func:`.attribute.attribute` makes too).
     """
     refuse_inside_trace("estimate_memory")
-    layout, info = layout_for_estimate(replacement, prompt, memory=memory, prune=prune, dtype=dtype,
-                                       zero_positions=zero_positions)
-    return estimate_layout(layout, batch_size=batch_size, max_feature_nodes=max_feature_nodes, **info)
+    options = AttributionOptions(batch_size=batch_size, memory=memory, prune=prune, max_feature_nodes=max_feature_nodes,
+                                 dtype=dtype, zero_positions=zero_positions)
+    layout, info = layout_for_estimate(replacement, prompt, options)
+    return estimate_layout(layout, batch_size=options.batch_size, max_feature_nodes=options.max_feature_nodes, **info)

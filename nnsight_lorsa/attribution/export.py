@@ -33,8 +33,10 @@ frontend draws one row per integer ``layer``); bias nodes sum over positions and
 ``feature_type``: :data:`.graph.KIND_NAMES`. ``influence``: the node's *cumulative* influence rank
 score (:attr:`.scores.PruneResult.cumulative`, what circuit-tracer writes there); ``activation``:
 feature activation / Lorsa head ``z``, the error vector's norm for error nodes (circuit-tracer: None),
-``None`` for the rest. ``metadata.prompt``: the graph's prompt, or — for a graph built from token
-ids — ``tokenizer.decode(tokens)`` (as circuit-tracer's ``attribute`` does).
+``None`` for the rest. ``intervened``: ``true`` on a node edited in the traced pass the graph is of
+(:attr:`.graph.NodeTable.intervened`; absent otherwise; such a node is exported whatever its influence,
+as embeddings and logits are). ``metadata.prompt``: the graph's prompt, or —
+for a graph built from token ids — ``tokenizer.decode(tokens)`` (as circuit-tracer's ``attribute`` does).
 
 :func:`nnsight_lorsa.viz.render_html` draws what :func:`to_neuronpedia` exports as one self-contained
 HTML page (the graph viewer lives in :mod:`nnsight_lorsa.viz.graph_viewer`).
@@ -170,7 +172,7 @@ def to_neuronpedia(
         creator_name: ``metadata.info.creator_name``.
 
     Returns:
-        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.adjacency[t, s])`` (the
+        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.densify()[t, s])`` (the
         direct effect of source on target, in units of the target's pre-activation / demeaned logit).
 
     Raises:
@@ -191,7 +193,7 @@ def to_neuronpedia(
     kept = prune_result.node_mask.bool()
     edges = prune_result.edge_mask.bool() & kept[:, None] & kept[None, :]
     targets, sources = edges.nonzero(as_tuple=True)
-    weights = graph.adjacency[targets, sources].tolist()
+    weights = graph.densify()[targets, sources].tolist()
     links = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights, strict=True)]
     connected = set(targets.tolist()) | set(sources.tolist())
@@ -204,7 +206,8 @@ def to_neuronpedia(
     nodes = []
     for i in range(N):
         kind = int(n.kind[i])
-        if not bool(kept[i]) or (i not in connected and kind not in (EMBEDDING, LOGIT)):
+        marked = bool(n.intervened[i])  # an edited node is exported whatever its influence (an ablated one has none)
+        if not marked and (not bool(kept[i]) or (i not in connected and kind not in (EMBEDDING, LOGIT))):
             continue
         pos, idx = int(n.pos[i]), int(n.index[i])
         node_id, feature, js_id = triples[i]
@@ -213,6 +216,8 @@ def to_neuronpedia(
                                 "ctx_idx": pos, "feature_type": KIND_NAMES[kind], "jsNodeId": js_id,
                                 "clerp": n.label(i), "influence": _num(float(cumulative[i])), "activation": None,
                                 "is_target_logit": False, "token_prob": 0.0, "reverse_ctx_idx": 0, "run_idx": 0}
+        if marked:  # edited in the traced pass (attribute(rm, tracer=tracer)): a fixed input
+            node["intervened"] = True
         if kind in (TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR):
             node.update(activation=_num(act))
         elif kind == EMBEDDING:

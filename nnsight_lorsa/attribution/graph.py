@@ -51,6 +51,10 @@ class NodeTable(FieldsRepr):
         activation: ``(n,)`` float — feature activation / head ``z`` (Lorsa §3.1) on the prompt,
             the logit's probability for logits, the error vector's norm for errors, 0 otherwise.
         bias_names: name of each bias node, e.g. ``"L2.mlp.b_dec"``.
+        intervened: ``(n,)`` bool — the node was edited in the traced forward pass the graph is of
+            (``attribute(rm, tracer=tracer)``: an ablated, scaled, steered or patched Lorsa head or
+            transcoder feature, held at its edited value as a fixed input with no incoming edges); all
+            False in the graph of a clean pass.
     """
 
     kind: torch.Tensor
@@ -59,6 +63,11 @@ class NodeTable(FieldsRepr):
     index: torch.Tensor
     activation: torch.Tensor
     bias_names: list[str]
+    intervened: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
+
+    def __post_init__(self) -> None:
+        if self.intervened.numel() != self.kind.numel():  # the default (no node intervened), sized to the table
+            self.intervened = torch.zeros(self.kind.numel(), dtype=torch.bool, device=HOST)
 
     def __len__(self) -> int:
         return int(self.kind.numel())
@@ -98,21 +107,24 @@ class NodeTable(FieldsRepr):
     def select(self, keep: torch.Tensor) -> NodeTable:
         """The nodes where the bool mask / index tensor ``keep`` selects."""
         return NodeTable(self.kind[keep], self.layer[keep], self.pos[keep], self.index[keep],
-                         self.activation[keep], list(self.bias_names))
+                         self.activation[keep], list(self.bias_names), self.intervened[keep])
 
     @staticmethod
     def cat(tables: list[NodeTable]) -> NodeTable:
         """The tables one after another, on the host (a node table lives on the CPU whatever the model's
         device)."""
         names = tables[0].bias_names if tables else []
-        kind, layer, pos, index, activation = (torch.cat([getattr(t, f).to(HOST) for t in tables]) for f in
-                                               ("kind", "layer", "pos", "index", "activation"))
-        return NodeTable(kind, layer, pos, index, activation, list(names))
+        kind, layer, pos, index, activation, intervened = (
+            torch.cat([getattr(t, f).to(HOST) for t in tables]) for f in
+            ("kind", "layer", "pos", "index", "activation", "intervened"))
+        return NodeTable(kind, layer, pos, index, activation, list(names), intervened)
 
     @staticmethod
     def make(kind: int, layer: torch.Tensor | int, pos: torch.Tensor, index: torch.Tensor | int,
-             activation: torch.Tensor | None = None, bias_names: list[str] | None = None) -> NodeTable:
-        """A table of ``pos.numel()`` nodes of one kind, on the host (tensors from any device are copied)."""
+             activation: torch.Tensor | None = None, bias_names: list[str] | None = None,
+             intervened: torch.Tensor | None = None) -> NodeTable:
+        """A table of ``pos.numel()`` nodes of one kind, on the host (tensors from any device are copied);
+        ``intervened``: ``(n,)`` bool marks (default none)."""
         n = pos.numel()
 
         def full(v: torch.Tensor | int) -> torch.Tensor:
@@ -122,8 +134,10 @@ class NodeTable(FieldsRepr):
 
         act = (torch.zeros(n, device=HOST) if activation is None
                else activation.detach().to(HOST, torch.float32).reshape(n))
+        marks = (torch.zeros(n, dtype=torch.bool, device=HOST) if intervened is None
+                 else intervened.detach().to(HOST, torch.bool).reshape(n))
         return NodeTable(torch.full((n,), kind, dtype=torch.long, device=HOST), full(layer), full(pos),
-                         full(index), act, list(bias_names or []))
+                         full(index), act, list(bias_names or []), marks)
 
 
 class BlockAdjacency:
@@ -283,10 +297,13 @@ class Graph(FieldsRepr):
             replacement model. Rows of sources only (errors, embeddings, biases) are zero. The full
             graph of :func:`.attribute.attribute` keeps only its causal blocks
             (:attr:`block_adjacency`, :class:`BlockAdjacency`: the entries that can be non-zero, ~20 % of
-            ``n_nodes²`` on a 4-layer model); the first read of ``adjacency`` builds the dense matrix
-            (``4 B · n_nodes²`` at fp32 — 1.2 GB at 256 tokens of the embedded model) and the graph
-            keeps it instead of the blocks. :meth:`edge_sum_error`, :meth:`summary` and
-            :attr:`n_edges` read the blocks without it.
+            ``n_nodes²`` on a 4-layer model); reading ``adjacency`` then raises
+            :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at
+            fp32 — 1.2 GB at 256 tokens of the embedded model) is built only by the explicit
+            :meth:`densify`, after which the graph keeps it instead of the blocks. :meth:`edge_sum_error`,
+            :meth:`summary`, :attr:`n_edges` and :meth:`save` read the blocks without it; :func:`.scores.prune`,
+            :func:`.scores.graph_scores` and the exports densify. A pruned or loaded graph holds the dense
+            matrix.
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -341,6 +358,16 @@ class Graph(FieldsRepr):
         (a full graph of :func:`.attribute.attribute` until ``adjacency`` is first read), else None."""
         a = self._adjacency
         return None if isinstance(a, torch.Tensor) else a
+
+    def densify(self) -> torch.Tensor:
+        """The dense ``(n_nodes, n_nodes)`` adjacency, which the graph keeps from now on (:attr:`adjacency`
+        reads it): built from the causal blocks (``4 B · n_nodes²`` at fp32, on the host; the blocks are
+        dropped), or the matrix the graph already holds (a pruned or loaded graph; no copy)."""
+        a = self._adjacency
+        if not isinstance(a, torch.Tensor):
+            a = a.dense()
+            self._hold(a)
+        return a
 
     @property
     def n_edges(self) -> int:
@@ -410,7 +437,7 @@ class Graph(FieldsRepr):
                    "logit_probs": self.logit_probs, "feature_rows": self.feature_rows, "layout_ids": self.layout_ids,
                    "residual": self.residual,
                    "node_kind": n.kind, "node_layer": n.layer, "node_pos": n.pos, "node_index": n.index,
-                   "node_activation": n.activation}
+                   "node_activation": n.activation, "node_intervened": n.intervened.to(torch.uint8)}
         tensors.update({f"qk.{k}": v for k, v in self.qk.items()})
         with atomic_directory(directory) as stage:
             stage.save_tensors("graph.safetensors",
@@ -450,8 +477,10 @@ class Graph(FieldsRepr):
             raise CheckpointError(f"{info_path}: key 'meta' must be an object, got {meta!r}")
         t = load_safetensors(tensors_path)
         _check_graph_tensors(tensors_path, t)
+        marks = t.get("node_intervened")  # absent from graphs saved before intervened-pass attribution: none
         nodes = NodeTable(t["node_kind"], t["node_layer"], t["node_pos"], t["node_index"], t["node_activation"],
-                          list(bias_names))
+                          list(bias_names), torch.zeros(0, dtype=torch.bool, device=HOST) if marks is None
+                          else marks.bool())
         if int((nodes.kind == BIAS).sum()) != len(nodes.bias_names):
             raise CheckpointError(f"{info_path}: key 'bias_names' has {len(nodes.bias_names)} names for "
                                   f"{int((nodes.kind == BIAS).sum())} bias nodes")
@@ -473,10 +502,15 @@ class Graph(FieldsRepr):
 
 
 def _get_adjacency(self: Graph) -> torch.Tensor:
+    from ..errors import DenseAdjacencyError
+
     a = self._adjacency
-    if not isinstance(a, torch.Tensor):  # the blocks, densified once; the graph keeps the dense matrix instead
-        a = a.dense()
-        self._hold(a)
+    if not isinstance(a, torch.Tensor):  # never densified behind the caller's back
+        mib = a.n * a.n * a.dtype.itemsize / 2**20
+        raise DenseAdjacencyError(
+            f"graph.adjacency: this graph keeps only its causal blocks ({a.n} nodes, {a.nbytes / 2**20:.1f} MiB); "
+            f"the dense {a.n}x{a.n} matrix takes {mib:.1f} MiB: call graph.densify() to build and keep it, or read "
+            "graph.block_adjacency (graph.edge_sum_error(), summary(), n_edges and save() need neither)")
     return a
 
 
@@ -486,8 +520,8 @@ def _set_adjacency(self: Graph, value: torch.Tensor | BlockAdjacency) -> None:
 
 # ``Graph.adjacency`` is a dataclass field (the constructor's ``adjacency=``) read through this property
 Graph.adjacency = property(_get_adjacency, _set_adjacency,  # type: ignore[assignment,method-assign]
-                           doc="The dense ``(n_nodes, n_nodes)`` adjacency (built from the causal blocks on first "
-                               "read; see the class).")
+                           doc="The dense ``(n_nodes, n_nodes)`` adjacency the graph holds (a graph that keeps "
+                               "only its causal blocks raises DenseAdjacencyError: Graph.densify(); see the class).")
 
 
 _GRAPH_INTS = ("tokens", "layout_ids", "node_kind", "node_layer", "node_pos", "node_index")
@@ -499,9 +533,9 @@ def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
     def bad(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"{path}: tensor {key!r} {why}")
 
-    for key in (*_GRAPH_INTS, *_GRAPH_FLOATS, "feature_rows"):
+    for key in (*_GRAPH_INTS, *_GRAPH_FLOATS, "feature_rows", "node_intervened"):
         if key not in t:
-            if key == "residual":
+            if key in ("residual", "node_intervened"):  # optional: older files
                 continue
             raise bad(key, "is missing")
         v = t[key]
@@ -511,11 +545,12 @@ def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
             raise bad(key, f"has dtype {v.dtype}; expected integers")
         if key in _GRAPH_FLOATS and not v.is_floating_point():
             raise bad(key, f"has dtype {v.dtype}; expected floats")
-        if key == "feature_rows" and (v.is_floating_point() or not bool(((v == 0) | (v == 1)).all())):
+        if key in ("feature_rows", "node_intervened") and (v.is_floating_point()
+                                                           or not bool(((v == 0) | (v == 1)).all())):
             raise bad(key, f"has dtype {v.dtype} / values other than 0 and 1; expected booleans")
     n, kind = t["node_kind"].numel(), t["node_kind"]
     for key in ("values", "feature_rows", "layout_ids", "residual", "node_layer", "node_pos", "node_index",
-                "node_activation"):
+                "node_activation", "node_intervened"):
         if key in t and t[key].numel() != n:
             raise bad(key, f"has {t[key].numel()} entries for {n} nodes")
     if tuple(t["adjacency"].shape) != (n, n):

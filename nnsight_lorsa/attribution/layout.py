@@ -25,7 +25,9 @@ class LayerLayout(FieldsRepr):
     """One decoder layer's nodes.
 
     ``lorsa_pos/lorsa_head/lorsa_z``: ``(n,)`` active Lorsa heads (position, OV head, ``z``);
-    ``tc_pos/tc_feat/tc_act``: ``(m,)`` active transcoder features; ``*_start``: first column in
+    ``tc_pos/tc_feat/tc_act``: ``(m,)`` active transcoder features; ``lorsa_fixed`` / ``tc_fixed``:
+    ``(n,)`` / ``(m,)`` bool, the nodes held at an intervened value (:class:`LiveNodes`: no incoming
+    edges; empty when none is); ``*_start``: first column in
     ``M`` of each block (``attn_err_start``/``mlp_err_start`` span ``n_pos`` columns, one per
     position; ``attn_err_start`` is None where the attention is a frozen MHSA); ``bias``: column of
     each bias node of the layer by role (``attn_norm``, ``attn_v``, ``attn_o``, ``lorsa_v``,
@@ -44,6 +46,8 @@ class LayerLayout(FieldsRepr):
     tc_feat: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
     tc_act: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device=HOST))
     tc_start: int = 0
+    lorsa_fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
+    tc_fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
     mlp_err_start: int = 0
     bias: dict[str, int] = field(default_factory=dict)
 
@@ -90,6 +94,32 @@ class Layout(FieldsRepr):
         return self.n_features + self.n_logits
 
 
+@dataclass(repr=False)
+class LiveNodes(FieldsRepr):
+    """The node values of one traced forward pass as it ran (edits included), which take the place of
+    those :func:`build_layout` computes from the pass's inputs (``attribute(rm, tracer=tracer)``,
+    :mod:`.intervened`). Tensors on any device.
+
+    Attributes:
+        lorsa_z: ``{layer: (pos, n_ov_heads)}`` each Lorsa's ``z`` (its ``hook_z`` output, after edits).
+        tc_acts: ``{layer: (pos, d_sae)}`` each transcoder's features (``hook_sae_acts_post``, after edits).
+        marks: ``{(kind, layer): (pos, width) bool}`` the nodes edited (``kind`` :data:`.graph.LORSA` or
+            :data:`.graph.TRANSCODER`): they are nodes whatever their value (an ablated one at 0), held at it
+            as fixed inputs (no incoming edges) and marked :attr:`.graph.NodeTable.intervened`.
+    """
+
+    lorsa_z: dict[int, torch.Tensor] = field(default_factory=dict)
+    tc_acts: dict[int, torch.Tensor] = field(default_factory=dict)
+    marks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def mark(self, kind: int, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """``like``-shaped bool: the edited nodes of ``kind`` at ``layer``, on ``like``'s device."""
+        m = self.marks.get((kind, layer))
+        if m is None:
+            return torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+        return m.to(like.device)
+
+
 def _nonzero(v: torch.Tensor | None) -> bool:
     return v is not None and bool((v != 0).any())
 
@@ -127,6 +157,7 @@ def build_layout(
     desired_logit_prob: float = 0.95,
     max_n_logits: int = 10,
     zero_positions: int = 0,
+    live: LiveNodes | None = None,
 ) -> Layout:
     """Number every node of the prompt.
 
@@ -143,6 +174,9 @@ def build_layout(
         zero_positions: the first this many positions get no feature / Lorsa-head nodes: their
             transcoder and Lorsa outputs are carried by those positions' error nodes (circuit-tracer
             zeroes position 0, the BOS token, in its graphs). Sums stay exact.
+        live: the node values of the traced pass the graph is of (:class:`LiveNodes`), used instead of
+            those computed from ``attn_inputs`` / ``mlp_inputs`` where given; its marked nodes are nodes
+            whatever their value.
 
     Raises:
         ConfigMismatchError: ``zero_positions`` not an int in ``[0, pos)``, or bad ``logit_tokens``.
@@ -161,28 +195,42 @@ def build_layout(
             lay = LayerLayout(layer)
             if layer in lorsas:
                 lorsa = lorsas[layer]
-                x, positions = attn_inputs[layer]
-                w = lorsa.W_V  # the Lorsa runs where its weights are: its inputs go there, the nodes to the host
-                _, cache = lorsa(x.to(w.device, w.dtype), positions.to(w.device), return_cache=True)
-                z = cache.z[0]
-                z = z * (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
-                pos, head = (z > 0).nonzero(as_tuple=True)
+                if live is not None and layer in live.lorsa_z:
+                    z = live.lorsa_z[layer]
+                else:
+                    x, positions = attn_inputs[layer]
+                    w = lorsa.W_V  # the Lorsa runs where its weights are: its inputs go there, the nodes to the host
+                    _, cache = lorsa(x.to(w.device, w.dtype), positions.to(w.device), return_cache=True)
+                    z = cache.z[0]
+                kept = (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
+                z = z * kept
+                fixed = (live.mark(LORSA, layer, z) if live is not None
+                         else torch.zeros_like(z, dtype=torch.bool)) & kept
+                pos, head = ((z > 0) | fixed).nonzero(as_tuple=True)
                 lay.lorsa, lay.lorsa_pos, lay.lorsa_head = lorsa, pos.to(HOST), head.to(HOST)
                 lay.lorsa_z = z[pos, head].to(HOST)
+                lay.lorsa_fixed = fixed[pos, head].to(HOST)
                 lay.lorsa_start = col
                 col += pos.numel()
-                feats.append(NodeTable.make(LORSA, layer, pos, head, lay.lorsa_z))
+                feats.append(NodeTable.make(LORSA, layer, pos, head, lay.lorsa_z, intervened=lay.lorsa_fixed))
             if layer in transcoders:
                 tc = transcoders[layer]
-                w = tc.W_enc
-                acts = tc.encode(mlp_inputs[layer].to(w.device, w.dtype))[0]
-                acts = acts * (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
-                pos, feat = (acts != 0).nonzero(as_tuple=True)
+                if live is not None and layer in live.tc_acts:
+                    acts = live.tc_acts[layer]
+                else:
+                    w = tc.W_enc
+                    acts = tc.encode(mlp_inputs[layer].to(w.device, w.dtype))[0]
+                kept = (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
+                acts = acts * kept
+                fixed = (live.mark(TRANSCODER, layer, acts) if live is not None
+                         else torch.zeros_like(acts, dtype=torch.bool)) & kept
+                pos, feat = ((acts != 0) | fixed).nonzero(as_tuple=True)
                 lay.transcoder, lay.tc_pos, lay.tc_feat = tc, pos.to(HOST), feat.to(HOST)
                 lay.tc_act = acts[pos, feat].to(HOST)
+                lay.tc_fixed = fixed[pos, feat].to(HOST)
                 lay.tc_start = col
                 col += pos.numel()
-                feats.append(NodeTable.make(TRANSCODER, layer, pos, feat, lay.tc_act))
+                feats.append(NodeTable.make(TRANSCODER, layer, pos, feat, lay.tc_act, intervened=lay.tc_fixed))
             layers.append(lay)
         n_features = col
         errors: list[NodeTable] = []

@@ -68,6 +68,15 @@ def into(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.to(device=weight.device, dtype=weight.dtype)
 
 
+def held(targets: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    """``(batch, n)`` targets with the ``fixed`` ones (``(n,)`` bool: nodes held at an intervened value,
+    :class:`~.layout.LiveNodes`) cut from the multipliers: their rows come out zero, and no influence
+    flows upstream through them (a fixed input, like an embedding)."""
+    if not bool(fixed.any()):
+        return targets
+    return torch.where(fixed.to(targets.device), targets.detach(), targets)
+
+
 class FrozenReplacement:
     """One frozen forward over ``batch`` copies of the prompt (see the module docstring).
 
@@ -210,7 +219,8 @@ class FrozenReplacement:
         out = out + per_position(err, M[:, e0:e0 + p])
         # targets: z_pre of each active head through its frozen QK pattern
         if n:
-            self._features.append(self.lorsa_z_pre(layer, x, positions, column(M, lay.bias.get("lorsa_v"))))
+            self._features.append(held(self.lorsa_z_pre(layer, x, positions, column(M, lay.bias.get("lorsa_v"))),
+                                       lay.lorsa_fixed))
         return out.to(self.dtype or true_out.dtype)
 
     def lorsa_z_pre(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
@@ -288,7 +298,8 @@ class FrozenReplacement:
             pre = io.read(tc.encoder_input(into(x, tc.W_enc)).to(x))
             mult = column(M, lay.bias.get("tc_enc"))
             b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
-            self._features.append((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype))
+            self._features.append(held((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype),
+                                       lay.tc_fixed))
         return out.to(self.dtype or true_out.dtype)
 
     def unembed(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

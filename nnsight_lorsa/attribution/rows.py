@@ -435,7 +435,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     visited[row_node] = True
     in_graph = visited.clone()
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
-    always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT)
+    always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | layout.nodes.intervened  # (scores.prune)
     store = scheduler.rows
     if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks
         assert bool(in_graph.all())

@@ -31,7 +31,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
-from .layout import Layout, build_layout
+from .layout import Layout, LiveNodes, build_layout
 from .replacement import (
     FrozenReplacement,
     check_placement,
@@ -158,9 +158,11 @@ class Prepared:
 
 def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_logit_prob: float = 0.95,
             max_n_logits: int = 10, remote: Any = False, dtype: torch.dtype | None = None,
-            cache: AttributionCache | None = None, zero_positions: int = 0) -> Prepared:
+            cache: AttributionCache | None = None, zero_positions: int = 0,
+            live: LiveNodes | None = None) -> Prepared:
     """The clean pass over ``prompt`` (text or ids) and the layout of its nodes — or, with ``cache``
-    (``prompt`` then ignored), the layout from that cache without running the model.
+    (``prompt`` then ignored), the layout from that cache without running the model; ``live``: the node
+    values of a traced pass (:class:`~.layout.LiveNodes`, with a cache of that pass).
 
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt — before the model runs.
@@ -178,18 +180,18 @@ def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_
     if cache is None:
         cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
     layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
-                       max_n_logits=max_n_logits, zero_positions=zero_positions)
+                       max_n_logits=max_n_logits, zero_positions=zero_positions, live=live)
     return Prepared(layout, mhsa, adapter, lor, tcs)
 
 
 def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
               logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
-              zero_positions: int = 0) -> Layout:
-    """The prompt's nodes (:func:`.layout.build_layout`) from a clean pass's cache."""
+              zero_positions: int = 0, live: LiveNodes | None = None) -> Layout:
+    """The prompt's nodes (:func:`.layout.build_layout`) from a pass's cache."""
     return build_layout(cache.tokens, {layer: (x, cache.positions) for layer, x in cache.attn_in.items()},
                         cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
                         logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
-                        zero_positions=zero_positions)
+                        zero_positions=zero_positions, live=live)
 
 
 def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -353,7 +355,8 @@ def refuse_inside_trace(what: str) -> None:
 
     ``attribute`` and ``estimate_memory`` run their own traces of the clean model; nnsight cannot open a
     trace inside a running one (it used to end in nnsight's ``AttributeError: 'NoneType' object has no
-    attribute 'event'``). Inside ``model.session()`` they work.
+    attribute 'event'``). Inside ``model.session()`` they work. The graph of the traced (intervened) pass
+    itself is ``attribute(rm, tracer=tracer)`` (:mod:`.intervened`).
     """
     from ..envoy.nnsight_internals import current_worker
 
@@ -364,4 +367,6 @@ def refuse_inside_trace(what: str) -> None:
     raise TraceOrderError(
         f"{what}(replacement, prompt) runs its own traces of the clean model and cannot be called inside a "
         f"model.trace(...) / generate(...) body: call it before or after the trace (or inside model.session()). "
-        "The graph of an intervened forward pass is not available yet (issue 24)")
+        "For the graph of this trace's own (intervened) forward pass, call handle = attribute(rm, tracer=tracer) "
+        "at the top of the trace body and read handle.graph after the with block (docs/attribution.md, "
+        "'Attributing an intervened pass')")

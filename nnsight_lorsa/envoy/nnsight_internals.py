@@ -206,6 +206,14 @@ def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: b
         strip_nnsight(module)
 
 
+def held_module(site_envoy: Any, name: str) -> nn.Module | None:
+    """The module a trace has at ``<site path>.<name>``: :func:`attach`'s (held by the site's envoy) or
+    :func:`mount`'s (a child of the site's module); None when there is neither."""
+    held = site_envoy.__dict__.get(name)
+    module = getattr(held, "_module", None) if held is not None else None
+    return module if module is not None else hf_module(site_envoy)._modules.get(name)
+
+
 def mount(site_envoy: Any, name: str, module: nn.Module) -> Any:
     """Mount ``module`` as a real child ``<site module>.<name>`` (``setattr`` on the envoy: nnsight adds it to the
     torch module and mirrors it) and return its envoy; raises if the name is taken. For a lasting, local change of
@@ -300,6 +308,18 @@ def spawn_worker(interleaver: Any, fn: Callable[[], None], tag: Any) -> Function
     worker.start(interleaver)
     interleaver._reindex_parked()
     return worker
+
+
+def serve_last(worker: Mediator) -> None:
+    """Move ``worker`` to the end of its run's workers: at every location it parks on next, nnsight serves it
+    after every other worker parked there (``Interleaver.handle`` serves them in list order, each seeing the
+    value the ones before it left), so it sees the value as the trace body's edits and the splices' swaps
+    left it. nnsight documents replacing the list mid-run (``Interleaver.reindex``)."""
+    mediators = worker.interleaver.mediators
+    if mediators and mediators[-1] is not worker:
+        mediators.remove(worker)
+        mediators.append(worker)
+        worker.interleaver._reindex_parked()
 
 
 def stood_down(interleaver: Any, fn: Callable[[], Any]) -> Any:

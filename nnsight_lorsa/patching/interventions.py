@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from .._placement import like
+from ..envoy.edit_log import note_edit
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ConfigMismatchError
@@ -34,6 +35,12 @@ def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
         raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
     tensor, cols = target.location()
     return tensor, index_at(cols, positions)
+
+
+def _edited(target: Bound, positions: Positions, what: str) -> None:
+    """Tell an intervened-pass attribution of this trace (``attribute(rm, tracer=tracer)``), if any, what
+    was edited: its node is marked and held at the edited value in the graph."""
+    note_edit(target.target, positions, what)
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
@@ -52,6 +59,7 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     tensor, idx = _loc(target, positions)
     if mode == "zero":
         tensor[idx] = 0
+        _edited(target, positions, "ablate")
         return
     if mode != "mean":
         raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
@@ -63,12 +71,14 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
     target.replacement.check_values(target.target, torch.as_tensor(means, device="cpu"))
     tensor[idx] = like(means, tensor)  # on the target's device, in its dtype (means may come from anywhere)
+    _edited(target, positions, "ablate")
 
 
 def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
     """Multiply the target by ``alpha`` (``-alpha`` inhibits, seed 004 §10.1)."""
     tensor, idx = _loc(target, positions)
     tensor[idx] = tensor[idx] * alpha
+    _edited(target, positions, "scale")
 
 
 def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
@@ -78,6 +88,7 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
         target.replacement.check_values(target.target, delta)
         delta = delta.to(device=tensor.device, dtype=tensor.dtype)
     tensor[idx] = tensor[idx] + delta
+    _edited(target, positions, "steer")
 
 
 def patch(target: Bound, source_values: torch.Tensor, positions: Positions = None) -> None:
@@ -85,6 +96,7 @@ def patch(target: Bound, source_values: torch.Tensor, positions: Positions = Non
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
     tensor[idx] = torch.as_tensor(source_values).to(device=tensor.device, dtype=tensor.dtype)
+    _edited(target, positions, "patch")
 
 
 def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], prompts: Any,

@@ -52,7 +52,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     xy = node_xy(graph, n_layers)
     keep = pruned.node_mask
     t, s = pruned.edge_mask.nonzero(as_tuple=True)
-    w = graph.adjacency[t, s].float()
+    w = graph.densify()[t, s].float()
     order = w.abs().argsort(descending=True)[:max_edges]
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(graph.tokens) + 3), 6))
     wmax = float(w.abs().max()) if len(w) else 1.0

@@ -12,8 +12,8 @@ from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
 from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.checks import intervention_edges, replacement_logits
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
-from nnsight_lorsa.attribution.scores import intervention_edges, replacement_logits
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError
 
 
@@ -38,7 +38,7 @@ def test_incoming_edges_sum_to_node_values(family):
     assert g.edge_sum_error().median() < 1e-5 and g.edge_sum_error().max() < 1e-3, family
     # the sums are not trivially satisfied: the edges are spread over many sources, biases included
     bias_cols = g.ids_of(BIAS)
-    assert len(bias_cols) > 0 and g.adjacency[:, bias_cols].abs().sum() > 0
+    assert len(bias_cols) > 0 and g.densify()[:, bias_cols].abs().sum() > 0
     # values are the model's own feature activations / Lorsa z on the prompt (active nodes)
     feats = g.feature_ids
     assert torch.allclose(g.values[feats], g.nodes.activation[feats], rtol=1e-4, atol=1e-5)
@@ -51,7 +51,7 @@ def test_edge_sums_are_exact_up_to_rounding_in_float64():
     for m in [*lorsas.values(), *tcs.values()]:
         m.double()
     g = attribute(rm(model, lorsas, tcs), random_ids(1, 8, seed=2)[0], batch_size=40)
-    assert g.adjacency.dtype == torch.float64
+    assert g.densify().dtype == torch.float64
     assert g.edge_sum_error().max() < 1e-10
 
 
@@ -82,7 +82,7 @@ def test_replacement_with_errors_reproduces_the_logits(llama):
 def test_nnsight_and_hook_engines_agree(llama):
     model, _, lorsas, tcs, ids, g = llama
     g2 = attribute_with_hooks(rm(model, lorsas, tcs), ids, batch_size=13)
-    assert torch.allclose(g.adjacency, g2.adjacency, atol=1e-5)
+    assert torch.allclose(g.densify(), g2.densify(), atol=1e-5)
     assert torch.equal(g.nodes.kind, g2.nodes.kind)
 
 
@@ -98,7 +98,7 @@ def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     # (patterns, node_vectors): the patterns alone change (the private mixed form of memory=)
     a = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("store", "auto"))
     b = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("sdpa", "auto"))
-    assert torch.allclose(a.adjacency, b.adjacency, atol=1e-5 * float(a.adjacency.abs().max()))
+    assert torch.allclose(a.densify(), b.densify(), atol=1e-5 * float(a.densify().abs().max()))
     assert b.edge_sum_error("mass").max() < 1e-6
 
 
@@ -121,11 +121,11 @@ def test_max_feature_nodes_keeps_the_most_influential(llama):
     assert len(g.feature_ids) == 12
     # logit rows do not depend on the budget (same sources, same edges)
     cols = g.layout_ids
-    full_logits = full.adjacency[full.logit_ids]
+    full_logits = full.densify()[full.logit_ids]
     full_cols = {int(c): i for i, c in enumerate(full.layout_ids)}
-    assert torch.allclose(g.adjacency[g.logit_ids], full_logits[:, [full_cols[int(c)] for c in cols]], atol=1e-6)
+    assert torch.allclose(g.densify()[g.logit_ids], full_logits[:, [full_cols[int(c)] for c in cols]], atol=1e-6)
     # the first pick (after the logit rows) is the feature with the largest direct influence on the logits
-    direct = (full.adjacency[full.logit_ids].abs() / full.adjacency[full.logit_ids].abs().sum(1, keepdim=True))
+    direct = (full.densify()[full.logit_ids].abs() / full.densify()[full.logit_ids].abs().sum(1, keepdim=True))
     top = int((full.logit_probs @ direct)[full.feature_ids].argmax())
     assert int(full.layout_ids[full.feature_ids[top]]) in set(g.layout_ids.tolist())
 
@@ -175,7 +175,7 @@ def test_graph_save_load_round_trip(llama, tmp_path):
     *_, g = llama
     g.save(tmp_path / "g")
     h = Graph.load(tmp_path / "g")
-    assert torch.equal(h.adjacency, g.adjacency) and h.nodes.bias_names == g.nodes.bias_names
+    assert torch.equal(h.densify(), g.densify()) and h.nodes.bias_names == g.nodes.bias_names
     assert torch.equal(h.layout_ids, g.layout_ids) and h.meta == g.meta
     assert h.nodes.label(int(h.ids_of(BIAS)[0])).startswith("bias ")
     (tmp_path / "g" / "graph.json").write_text('{"format": "other"}')
@@ -269,7 +269,7 @@ def test_prune_and_scores(llama):
 def test_circuit_metrics_match_single_ablations(llama):
     from nnsight_lorsa import TranscoderSet
     from nnsight_lorsa.attribution import circuit_metrics, prune
-    from nnsight_lorsa.attribution.scores import spearman
+    from nnsight_lorsa.attribution.checks import spearman
     from nnsight_lorsa.patching import Feature, LorsaHead, ReplacementModel, ablate
 
     model, hf, lorsas, tcs, ids, g = llama
@@ -339,8 +339,8 @@ def test_cross_layer_transcoder_graph_is_exact(skip):
         clt.W_dec(0)[:, 1:] = 0
     h = attribute(rm(model, lorsas, clt), ids, batch_size=32)
     logits_rows = g.logit_ids
-    assert not torch.allclose(g.adjacency[logits_rows][:, src], h.adjacency[logits_rows][:, src], atol=1e-4)
-    assert torch.allclose(g.adjacency[src], h.adjacency[src], atol=1e-5)
+    assert not torch.allclose(g.densify()[logits_rows][:, src], h.densify()[logits_rows][:, src], atol=1e-4)
+    assert torch.allclose(g.densify()[src], h.densify()[src], atol=1e-5)
 
 
 REMOTE_LOCAL_ATTRIBUTION = r"""
@@ -360,13 +360,13 @@ ids = random_ids(1, 7, seed=5)[0]
 local = attribute(r, ids, batch_size=32)
 nnsight.register(nnsight_lorsa)
 remote = attribute(r, ids, batch_size=32, remote="local")
-assert torch.equal(local.adjacency, remote.adjacency), (local.adjacency - remote.adjacency).abs().max()
+assert torch.equal(local.densify(), remote.densify()), (local.densify() - remote.densify()).abs().max()
 gathered = build_graph(r, ids, batch_size=32, memory=("auto", "gather"), remote="local")
-assert torch.allclose(gathered.adjacency, local.adjacency, atol=1e-5), (gathered.adjacency - local.adjacency).abs()
+assert torch.allclose(gathered.densify(), local.densify(), atol=1e-5), (gathered.densify() - local.densify()).abs()
 assert torch.equal(local.nodes.kind, remote.nodes.kind)
 cache = cache_for_attribution(r, ids, remote="local")
 cached = attribute(ReplacementModel(hf, lorsas=lorsas, transcoders=tcs), cache, batch_size=32)
-assert torch.allclose(cached.adjacency, local.adjacency, atol=1e-5), (cached.adjacency - local.adjacency).abs()
+assert torch.allclose(cached.densify(), local.densify(), atol=1e-5), (cached.densify() - local.densify()).abs()
 print("ok", int(remote.feature_rows.sum()))
 """
 
@@ -396,7 +396,7 @@ def test_pruned_while_built_equals_dense_pruning(llama):
     g = attribute(rm(model, lorsas, tcs), ids, batch_size=48, prune=(0.8, 0.98))
     assert torch.equal(g.layout_ids, full.layout_ids[pr.node_mask])
     keep = pr.node_mask.nonzero().flatten()
-    assert torch.allclose(g.adjacency, full.adjacency[keep][:, keep], atol=1e-6)
+    assert torch.allclose(g.densify(), full.densify()[keep][:, keep], atol=1e-6)
     assert g.residual.abs().sum() > 0
     assert g.edge_sum_error("mass").max() < 1e-6 and g.edge_sum_error().median() < 1e-5
     h = attribute(rm(model, lorsas, tcs), ids, batch_size=48, prune=PruneConfig(0.8, 0.98, keep_mass=0.9))
@@ -472,12 +472,12 @@ def test_gathered_node_vectors_equal_the_grid(monkeypatch):
     ids = random_ids(1, 8, seed=6)[0]
     grid = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "grid"))
     gath = build_graph(rm(model, lorsas, tcs), ids, batch_size=32, memory=("auto", "gather"))
-    assert torch.allclose(gath.adjacency, grid.adjacency, atol=1e-5 * float(grid.adjacency.abs().max()))
+    assert torch.allclose(gath.densify(), grid.densify(), atol=1e-5 * float(grid.densify().abs().max()))
     assert gath.edge_sum_error("mass").max() < 1e-6
     clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk", activation_params={"k": 5}))
     a = build_graph(rm(model, lorsas, clt), ids, batch_size=32, memory=("auto", "grid"))
     b = build_graph(rm(model, lorsas, clt), ids, batch_size=32, memory=("auto", "gather"))
-    assert torch.allclose(a.adjacency, b.adjacency, atol=1e-5 * float(a.adjacency.abs().max()))
+    assert torch.allclose(a.densify(), b.densify(), atol=1e-5 * float(a.densify().abs().max()))
     with pytest.raises(ConfigMismatchError, match="node_vectors"):
         build_graph(rm(model, lorsas, tcs), ids, memory=("auto", "dense"))
 
@@ -526,7 +526,7 @@ def test_attribution_from_a_cache_equals_the_traced_graph(family):
         handle.remove()
     assert not calls  # the model's forward never ran
     assert torch.equal(cached.layout_ids, traced.layout_ids)
-    assert torch.allclose(cached.adjacency, traced.adjacency, atol=1e-5 * float(traced.adjacency.abs().max()))
+    assert torch.allclose(cached.densify(), traced.densify(), atol=1e-5 * float(traced.densify().abs().max()))
     assert cached.edge_sum_error("mass").max() < 1e-6
 
 
@@ -559,18 +559,18 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     assert traced.edge_sum_error("mass").max() < 5e-2
     cache = cache_for_attribution(rm(model, lorsas, tcs), ids)
     exact = attribute(rm(model, lorsas, tcs), cache, batch_size=40, dtype=torch.float32)
-    assert exact.adjacency.dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
+    assert exact.densify().dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
     assert exact.edge_sum_error("mass").max() < traced.edge_sum_error("mass").max() / 100
     assert torch.equal(exact.layout_ids, traced.layout_ids)
     # the traced path in fp32 too (both engines): exact sums, and the cache's graph up to where the
     # two linearise (the traced one at its own fp32 stream, the cache at the bf16 forward's): ~1e-3 of
     # the largest edge, against 1e-2–1e-1 for the bf16 graph
-    scale = float(exact.adjacency.abs().max())
+    scale = float(exact.densify().abs().max())
     for engine, run in (("nnsight", attribute), ("hooks", attribute_with_hooks)):
         fp32 = run(rm(model, lorsas, tcs), ids, batch_size=40, dtype=torch.float32)
         assert fp32.edge_sum_error("mass").max() < 1e-6, engine
-        gap = float((fp32.adjacency - exact.adjacency).abs().max())
-        assert gap < 3e-3 * scale and gap < float((traced.adjacency - exact.adjacency).abs().max()) / 3, engine
+        gap = float((fp32.densify() - exact.densify()).abs().max())
+        assert gap < 3e-3 * scale and gap < float((traced.densify() - exact.densify()).abs().max()) / 3, engine
     assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())
 
 
@@ -593,4 +593,4 @@ def test_attribute_inside_a_trace_body_names_what_to_do(llama):
     graphs = []
     with model.session():
         graphs.append(attribute(rm(model, lorsas, tcs), ids, batch_size=64))
-    assert torch.equal(graphs[0].adjacency, full.adjacency)
+    assert torch.equal(graphs[0].densify(), full.densify())

@@ -106,7 +106,7 @@ def test_schema_links_and_weights(built, tmp_path):
         assert link["source"] in idset and link["target"] in idset
         t, s = index[link["target"]], index[link["source"]]
         assert bool(pr.edge_mask[t, s])
-        assert link["weight"] == float(g.adjacency[t, s]) and link["weight"] != 0.0
+        assert link["weight"] == float(g.densify()[t, s]) and link["weight"] != 0.0
     kept_edges = pr.edge_mask & pr.node_mask[:, None] & pr.node_mask[None, :]
     assert len(d["links"]) == int(kept_edges.sum())
     assert len({(link["source"], link["target"]) for link in d["links"]}) == len(d["links"])

@@ -12,7 +12,12 @@ from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, es
 from nnsight_lorsa.attribution.budget import structural_entries
 from nnsight_lorsa.attribution.graph import LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.attribution.trace import prepare
-from nnsight_lorsa.errors import ConfigMismatchError, MemoryBudgetError, UnsupportedArchitectureError
+from nnsight_lorsa.errors import (
+    ConfigMismatchError,
+    DenseAdjacencyError,
+    MemoryBudgetError,
+    UnsupportedArchitectureError,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,7 @@ def test_structural_entry_count_matches_the_graph(setup):
     """The rows' non-zero count predicted from the structure is the full graph's, to 1 %."""
     r, ids, g = setup
     predicted = structural_entries(prepare(r, ids).layout)
-    nnz = int((g.adjacency != 0).sum())
+    nnz = int((g.densify() != 0).sum())
     assert abs(predicted - nnz) <= 0.01 * nnz, (predicted, nnz)
 
 
@@ -62,7 +67,10 @@ def test_block_adjacency_holds_every_edge_and_refuses_a_later_source(setup):
     assert blocks is not None and blocks.entries() < 0.5 * g.n_nodes ** 2
     assert blocks.nbytes == estimate_memory(r, ids).terms["rows"]  # the memory model's rows term, exactly
     n_edges, err = g.n_edges, g.edge_sum_error("mass")
-    dense = g.adjacency  # built once; the graph keeps it instead of the blocks
+    with pytest.raises(DenseAdjacencyError, match=r"graph.densify\(\)"):  # never densified on a read
+        _ = g.adjacency
+    assert g.block_adjacency is blocks
+    dense = g.densify()  # built once; the graph keeps it instead of the blocks
     assert g.block_adjacency is None and g.adjacency is dense
     assert n_edges == int((dense != 0).sum()) and torch.allclose(g.edge_sum_error("mass"), err, atol=1e-12)
     assert err.max() < 1e-6
@@ -81,7 +89,7 @@ def test_max_memory_picks_the_batch_or_refuses(setup):
     est = estimate_memory(r, ids, batch_size=8)
     g = attribute(r, ids, batch_size=64, max_memory=est.host_bytes)
     assert g.meta["batch_size"] == 8
-    assert torch.allclose(g.adjacency, ref.adjacency, atol=1e-6)  # the batch changes nothing but memory
+    assert torch.allclose(g.densify(), ref.densify(), atol=1e-6)  # the batch changes nothing but memory
     with pytest.raises(MemoryBudgetError, match="max_memory"):
         attribute(r, ids, max_memory=est.terms["rows"] // 2)
 
@@ -96,7 +104,7 @@ def test_zero_positions_drops_the_first_features_and_keeps_sums_exact(setup):
     # the other features' values and the logits are unchanged
     assert torch.allclose(g.values[g.logit_ids], full.values[full.logit_ids], atol=1e-5)
     err0 = ((g.nodes.kind == MLP_ERROR) & (g.nodes.pos == 0)).nonzero().flatten()
-    assert g.adjacency[:, err0].abs().sum() > 0
+    assert g.densify()[:, err0].abs().sum() > 0
     with pytest.raises(ConfigMismatchError, match="zero_positions"):
         attribute(r, ids, zero_positions=len(ids))
 
@@ -168,5 +176,5 @@ def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch)
     g = attribute(r, ids, batch_size=32, prune=(0.8, 0.98))
     assert torch.equal(g.layout_ids, full.layout_ids[pr.node_mask])
     keep = pr.node_mask.nonzero().flatten()
-    assert torch.allclose(g.adjacency, full.adjacency[keep][:, keep], atol=1e-6)
+    assert torch.allclose(g.densify(), full.densify()[keep][:, keep], atol=1e-6)
     assert g.edge_sum_error("mass").max() < 1e-6

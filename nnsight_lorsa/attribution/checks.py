@@ -1,0 +1,170 @@
+"""Scores and checks of an attribution graph that run a model: circuit metrics by ablation in the real
+model, and the exactness checks by intervention in the frozen model (the pure tensor math — influence,
+pruning, replacement/completeness scores — is :mod:`.scores`).
+
+*Circuit metrics* (:func:`circuit_metrics`, paper ``004_…`` §11): the circuit is the pruned graph's
+feature nodes. Ablations run in the *real* model with the replacements spliced with their error
+terms (:class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`, ``error=True``): an unedited
+run is the model itself, and zeroing a feature propagates through everything downstream,
+nonlinearities included. Completeness (§11.1): ``1 − Δℓ(all circuit features ablated) /
+Δℓ(baseline)``; minimality (§11.2): each feature's effect ``Δℓ(baseline) − Δℓ(feature ablated)``
+and the fraction with ``|effect| ≥ min_effect · |Δℓ(baseline)|``; faithfulness (§11.3): Spearman's
+ρ between each feature's influence and ``|effect|``. ``Δℓ`` is the demeaned logit of the graph's
+most likely target token at the last position, or a logit difference with ``incorrect_token``.
+
+*Checks* (circuit-tracer's verification): an edge ``s → t`` is the change in ``t`` when ``s``'s
+contribution is added once more with every other node's output held fixed — a forward of the
+frozen model with ``M[s] = 2`` (:func:`.trace.frozen_logits`), independent of the backward passes
+that computed the graph (:func:`intervention_edges`); with every multiplier 1 the frozen model with
+its error nodes is the model (:func:`replacement_logits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._repr import FieldsRepr
+from ..envoy.replacement_model import ReplacementModel
+from ..envoy.targets import Feature, LorsaHead, index_at
+from .graph import HOST, LORSA, TRANSCODER, Graph
+from .layout import Layout
+from .scores import PruneResult
+from .trace import frozen_logits, prepare
+
+
+@dataclass(repr=False)
+class CircuitMetrics(FieldsRepr):
+    """``baseline``/``ablated``: Δℓ without / with the whole circuit ablated; ``effects: (n,)`` single
+    ablations; ``attribution: (n,)`` the features' influence; ``completeness``, ``minimal_fraction``,
+    ``faithfulness`` (Spearman ρ) as in the module docstring; ``nodes``: the circuit's graph node ids."""
+
+    baseline: float
+    ablated: float
+    completeness: float
+    effects: torch.Tensor
+    attribution: torch.Tensor
+    minimal_fraction: float
+    faithfulness: float
+    nodes: torch.Tensor
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation (Pearson correlation of the ranks; ties broken by order)."""
+    if a.numel() < 2:
+        return float("nan")
+    ra = a.argsort().argsort().double()
+    rb = b.argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-30))
+
+
+def _targets(graph: Graph, node_ids: torch.Tensor) -> list[tuple[Any, int]]:
+    out: list[tuple[Any, int]] = []
+    n = graph.nodes
+    for i in node_ids.tolist():
+        layer, idx, pos = int(n.layer[i]), int(n.index[i]), int(n.pos[i])
+        target = LorsaHead(layer, idx) if int(n.kind[i]) == LORSA else Feature(layer, idx, "transcoder")
+        out.append((target, pos))
+    return out
+
+
+def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[list[tuple[Any, int]]], token: int,
+           incorrect: int | None) -> torch.Tensor:
+    """Δℓ for each ablation set (one invoke each; the empty set is the baseline)."""
+    model = replacement.model
+    saved = []
+    with torch.no_grad(), model.trace() as tracer:
+        for group in ablations:
+            with tracer.invoke(ids[None]):
+                ordered = sorted(group, key=lambda tp: replacement.order(tp[0]))
+                replacement.prepare([t for t, _ in ordered])
+                for target, pos in ordered:  # zero ablation of the target at its position
+                    tensor, cols = replacement.location(target)
+                    tensor[index_at(cols, pos)] = 0
+                saved.append(model.get(replacement.adapter.lm_head_path).output[0, -1].save())
+    out = []
+    for last in saved:
+        if incorrect is None:
+            out.append(last[token] - last.mean())
+        else:
+            out.append(last[token] - last[incorrect])
+    return torch.stack(out).float().cpu()
+
+
+def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneResult, *,
+                    incorrect_token: int | None = None, min_effect: float = 0.01, chunk: int = 16) -> CircuitMetrics:
+    """Completeness, minimality and faithfulness of the pruned circuit (module docstring; paper
+    ``004_…`` §11), by zero-ablating its feature nodes in the real model.
+
+    Args:
+        replacement: the :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` the graph
+            was built with (spliced with error terms whatever its ``error``).
+        graph, pruned: the graph and its :func:`prune` result (the circuit: kept features / heads).
+        incorrect_token: measure ``logit[top token] − logit[incorrect_token]`` instead of the
+            demeaned logit.
+        min_effect: the minimality threshold, a fraction of ``|Δℓ(baseline)|``.
+        chunk: single ablations per trace (one invoke each).
+
+    Returns:
+        :class:`CircuitMetrics` (logit units; ``effects``/``attribution`` ``(n_circuit,)``).
+    """
+    replacement = ReplacementModel(replacement.model, lorsas=replacement.lorsas,
+                                   transcoders=replacement.transcoders, error=True, adapter=replacement.adapter)
+    kind = graph.nodes.kind
+    nodes = (pruned.node_mask & ((kind == TRANSCODER) | (kind == LORSA))).nonzero().flatten()
+    token = int(graph.nodes.index[graph.logit_ids[graph.logit_probs.argmax()]])
+    members = _targets(graph, nodes)
+    ids = graph.tokens
+    base, whole = _delta(replacement, ids, [[], members], token, incorrect_token).tolist()
+    singles = [[m] for m in members]
+    effects = torch.cat([base - _delta(replacement, ids, singles[i:i + chunk], token, incorrect_token)
+                         for i in range(0, len(singles), chunk)]) if singles else torch.zeros(0, device=HOST)
+    attribution = pruned.node_influence[nodes].float()
+    completeness = 1.0 - whole / base if base != 0 else float("nan")
+    minimal = float((effects.abs() >= min_effect * abs(base)).float().mean()) if len(effects) else float("nan")
+    return CircuitMetrics(baseline=base, ablated=whole, completeness=completeness, effects=effects,
+                          attribution=attribution, minimal_fraction=minimal,
+                          faithfulness=spearman(attribution, effects.abs()), nodes=nodes)
+
+
+def layout_target_nodes(layout: Layout) -> torch.Tensor:
+    """Layout node index of each target row (features, then logits)."""
+    nf, ns = layout.n_features, layout.n_sources
+    return torch.cat([torch.arange(nf, device=HOST), torch.arange(ns, ns + layout.n_logits, device=HOST)])
+
+
+def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: torch.Tensor, *,
+                       batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Edges from graph nodes ``sources: (k,)`` into every computed target row, two ways: by
+    intervention in the frozen model (``M[s] = 2``, one batch row per source, ``batch_size`` at a
+    time) and read from the graph's adjacency (:meth:`.graph.Graph.densify`).
+
+    Returns ``(by_intervention, from_graph)``, both ``(n_rows, k)`` with rows the graph's computed
+    targets in node order. ``replacement`` must be the one the graph was built with.
+    """
+    logit_tokens = graph.nodes.index[graph.logit_ids]
+    prepared = prepare(replacement, graph.tokens, logit_tokens=logit_tokens,
+                       zero_positions=int(graph.meta.get("zero_positions", 0)))
+    layout, mhsa, adapter, model = prepared.layout, prepared.mhsa, prepared.adapter, replacement.model
+    rows = graph.feature_rows.nonzero().flatten()
+    col_of = {int(n): i for i, n in enumerate(layout_target_nodes(layout))}
+    target_cols = torch.tensor([col_of[int(graph.layout_ids[r])] for r in rows], device=HOST)
+    src_cols = graph.layout_ids[sources]
+    out = []
+    for chunk in src_cols.split(batch_size):
+        M = torch.ones(chunk.numel() + 1, layout.n_sources, device=HOST)  # the frozen pass moves it
+        M[torch.arange(1, chunk.numel() + 1, device=HOST), chunk] += 1.0
+        _, T = frozen_logits(model, adapter, layout, mhsa, M)
+        out.append((T[1:] - T[:1]).T.to(HOST)[target_cols])
+    return torch.cat(out, dim=1), graph.densify()[rows][:, sources]
+
+
+def replacement_logits(replacement: ReplacementModel, prompt: Any) -> torch.Tensor:
+    """``(1, pos, vocab)`` logits of the frozen replacement model with its error nodes on ``prompt``
+    (text or ids) — equal to the model's own (check 3 of the exactness tests)."""
+    prepared = prepare(replacement, prompt)
+    logits, _ = frozen_logits(replacement.model, prepared.adapter, prepared.layout, prepared.mhsa)
+    return logits
