@@ -96,7 +96,14 @@ class TooFewTokensError(LorsaError, ValueError):
     ``d_qk_head`` in its first batch. Raised before the first step; the message says what to change."""
 
 
+class MissingDependencyError(LorsaError, ImportError):
+    """What was asked needs an optional package that is not installed (W&B logging needs ``wandb``, the
+    Hub needs ``huggingface_hub``); the message names the package and the install command
+    (``pip install nnsight-lorsa[wandb]``)."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "NonFiniteError",
+           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingDependencyError",
+           "MissingTokenizerError", "NonFiniteError",
            "PlacementError", "ShapeError", "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError",
            "UnsupportedGenerationError"]
