@@ -93,7 +93,8 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                noun: str, key_name: str, hint: str = "", **kwargs: Any) -> dict:
     """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
 
-    ``sources``: one checkpoint (directory or hub repo id), several, or ``{key: source}``;
+    ``sources``: one checkpoint or set (directory or Hub repo id: :func:`_load_source`), several, or
+    ``{key: source}``;
     ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
     names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
     are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's); the
@@ -106,8 +107,6 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
-    from ..formats.registry import load_all
-
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
@@ -115,7 +114,7 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     found: dict = {}
     names: dict = {}
     for key, src in items:
-        for name, module in load_all(src, format=format, **kwargs).items():
+        for name, module in _load_source(src, format, kwargs).items():
             if not isinstance(module, module_type):
                 raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
             k = key if key is not None else key_of(name, module)
@@ -126,6 +125,25 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                                           f"{k!r} (the first came from {names[k]}); keep one")
             found[k], names[k] = module, name
     return found
+
+
+def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
+    """``formats.load_all`` of one source: a local directory as it is; a Hub repo id (``owner/name``, or
+    ``owner/name:subfolder``, that is no local path) first downloaded in the set layout
+    (:mod:`~..formats.hub`: the checkpoint files at the top and one folder down, with ``revision``,
+    ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory."""
+    from ..formats.files import resolve_checkpoint_dir
+    from ..formats.hub import looks_like_repo_id, set_download_patterns
+    from ..formats.registry import FORMATS, load_all
+
+    if not looks_like_repo_id(src):
+        return load_all(src, format=format, **kwargs)
+    opts = dict(kwargs)
+    hub = {name: opts.pop(name) for name in ("subfolder", "revision", "local_files_only") if name in opts}
+    fmt = FORMATS.get(format)
+    files = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
+    local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(files), **hub)
+    return load_all(local, format=format, **opts)
 
 
 class ReplacementSet(Generic[K, M]):
@@ -235,6 +253,81 @@ class ReplacementSet(Generic[K, M]):
 
         for key in self:
             save(self[key], Path(directory) / self.folder(key))
+
+    def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
+                    private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload with nnsight-lorsa") -> str:
+        """Publish the set to the Hugging Face Hub model repo ``repo_id`` (created if missing) in the Hub
+        layout (:mod:`~..formats.hub`): what :meth:`save` writes (``layer_<L>/config.json`` +
+        ``model.safetensors`` + ``checksums.json`` per module) and a model card ``README.md`` (what the set
+        holds, ``metrics``, how to load it). The folder is written locally first through the atomic write
+        path, then uploaded in one commit (``HfApi.upload_folder``); earlier ``layer_*`` folders of a
+        per-layer set at that path that this set does not hold are deleted in the same commit.
+        ``from_pretrained(model, repo_id)`` reads it back.
+
+        Args:
+            repo_id: ``"owner/name"``.
+            metrics: for the card: an :class:`~..training.evaluate.Evaluation` (``evaluate(...)``), a mapping
+                of metric names to numbers (e.g. a trainer's ``history[-1]``), or ``{key: either}`` per module.
+            subfolder: a folder of the repo to publish into (default: its top), e.g. one per model.
+            private: the repo's visibility when it is created (None: the Hub's default). token: a Hub token
+                (default: the logged-in one).
+
+        Returns:
+            The commit's URL.
+
+        Raises:
+            ArgumentError: an empty set; a ``repo_id`` that is not ``owner/name``; a bad ``subfolder``,
+                ``private`` or ``commit_message``; ``metrics`` that are not metrics (nothing is uploaded).
+            MissingDependencyError: ``huggingface_hub`` is not installed.
+            huggingface_hub's errors: authentication, network (from the upload).
+        """
+        from ..errors import ArgumentError as _ArgumentError
+        from ..formats.hub import check_push_args, metrics_table, stage_and_push, write_card
+
+        where = f"{type(self).__name__}.push_to_hub"
+        check_push_args(repo_id, subfolder, commit_message, where, private)
+        if not len(self):
+            raise _ArgumentError(f"{where}: the set is empty; nothing to publish")
+        key_name = "layer" if self.key_type is int else "site"
+        table = metrics_table(metrics, list(self), key_name, where)  # checked before anything is written
+        config = getattr(hf_module(self.model), "config", None)
+        model_name = getattr(config, "_name_or_path", None) or None
+        family = getattr(config, "model_type", None)
+        kind = type(self).__name__
+        fields = ("n_ov_heads", "n_qk_heads", "d_qk_head", "top_k", "d_in", "d_sae", "d_out", "activation")
+        rows = []
+        for key in self:
+            cfg = getattr(self[key], "cfg", None)
+            shown = ", ".join(f"{f}={getattr(cfg, f)}" for f in fields if getattr(cfg, f, None) is not None)
+            rows.append(f"| {key} | `{self.folder(key)}/` | {type(self[key]).__name__} | {shown} |")
+        target = f"{repo_id}:{subfolder.strip('/')}" if subfolder else repo_id
+        body = "\n".join([
+            f"A {kind} ({len(self)} {self.what}{'s' if len(self) != 1 else ''}) for "
+            f"`{model_name or 'its model'}`{f' ({family})' if family else ''}, "
+            "published with nnsight-lorsa (`pip install nnsight-lorsa`) in its Hub layout.",
+            "", f"| {key_name} | folder | module | config |", "|---|---|---|---|", *rows, "",
+            "## Metrics", "", table or "No metrics were given when this was published.", "",
+            "## Use", "", "```python", f"from nnsight_lorsa import {kind}", "",
+            f"replacements = {kind}.from_pretrained(model, {target!r})   # model: the nnsight model above",
+            "with model.trace(prompt):",
+            "    sites = replacements.replace()   # every module of the set, this trace only",
+            "```", "",
+            "## Layout", "",
+            f"Each `{self.folder(next(iter(self)))}/`-style folder holds `config.json` + `model.safetensors` "
+            "(format `nnsight_lorsa`) and `checksums.json` (each file's size and sha256, checked on load).",
+        ])
+
+        def write(folder: Any) -> None:
+            self.save(folder)
+            write_card(folder, title=f"{kind} for {model_name or 'a model'}",
+                       tags=["nnsight-lorsa", "mechanistic-interpretability",
+                             {"SAE": "sparse-autoencoder"}.get(self.what, self.what.lower())],
+                       base_model=model_name, body=body)
+
+        return stage_and_push(write, repo_id, subfolder=subfolder, private=private, token=token,
+                              commit_message=commit_message, where=where,
+                              delete_patterns=["layer_*"] if self.key_type is int else None)
 
     # ------------------------------------------------------------- placement
     def place(self, key: K | None = None) -> None:
