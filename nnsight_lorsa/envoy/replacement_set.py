@@ -282,8 +282,10 @@ class ReplacementSet(Generic[K, M]):
             MissingDependencyError: ``huggingface_hub`` is not installed.
             huggingface_hub's errors: authentication, network (from the upload).
         """
+        import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
+
         from ..errors import ArgumentError as _ArgumentError
-        from ..formats.hub import check_push_args, metrics_table, stage_and_push, write_card
+        from ..formats.hub import check_push_args, looks_like_repo_id, metrics_table, stage_and_push, write_card
 
         where = f"{type(self).__name__}.push_to_hub"
         check_push_args(repo_id, subfolder, commit_message, where, private)
@@ -293,6 +295,8 @@ class ReplacementSet(Generic[K, M]):
         table = metrics_table(metrics, list(self), key_name, where)  # checked before anything is written
         config = getattr(hf_module(self.model), "config", None)
         model_name = getattr(config, "_name_or_path", None) or None
+        if model_name is not None and not looks_like_repo_id(model_name):  # a local model: its folder's name only
+            model_name = os.path.basename(os.path.normpath(str(model_name))) or None
         family = getattr(config, "model_type", None)
         kind = type(self).__name__
         fields = ("n_ov_heads", "n_qk_heads", "d_qk_head", "top_k", "d_in", "d_sae", "d_out", "activation")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attribution_setup, make_lorsa, make_transcoders, random_ids, rm, tiny_nnsight
+from helpers import attribution_setup, make_lorsa, make_sae, make_transcoders, random_ids, rm, tiny_nnsight
 
-from nnsight_lorsa import Graph, LorsaSet, TranscoderSet, attribute, get_adapter
+from nnsight_lorsa import Graph, LorsaSet, SAESet, TranscoderSet, attribute, get_adapter
 from nnsight_lorsa.errors import ArgumentError, CheckpointError, MissingDependencyError
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -150,6 +150,20 @@ def test_a_transcoder_set_in_a_subfolder_with_per_layer_metrics(hub, tiny):
     TranscoderSet(model, {1: tcs[1]}).push_to_hub("me/mix", subfolder="tiny/transcoders")
     assert sorted({f.split("/")[0] for f in files_under(where)}) == ["README.md", "layer_1"]
     assert list(TranscoderSet.from_pretrained(model, "me/mix:tiny/transcoders")) == [1]
+
+
+def test_an_sae_set_keyed_by_site_round_trips(hub, tiny):
+    model, _, _ = tiny
+    saes = SAESet(model, {"model.layers.1": make_sae(), "model.layers.2": make_sae(seed=1)})
+    saes.push_to_hub("me/saes", metrics={"model.layers.1": {"fvu": 0.3}})
+    (upload,) = hub.named("upload_folder")
+    assert upload["delete_patterns"] is None  # site folders: nothing else of the repo is touched
+    assert "model.layers.2/model.safetensors" in files_under(hub.repo("me/saes"))
+    card = (hub.repo("me/saes") / "README.md").read_text()
+    assert "- sparse-autoencoder\n" in card and "| site | fvu |" in card and "| model.layers.1 | 0.3 |" in card
+    back = SAESet.from_pretrained(model, "me/saes")
+    assert list(back) == ["model.layers.1", "model.layers.2"]
+    assert all(same_weights(back[k], saes[k]) for k in back)
 
 
 def test_a_graph_round_trips_through_the_hub_layout(hub):
