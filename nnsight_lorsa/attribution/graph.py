@@ -441,33 +441,15 @@ class Graph(FieldsRepr):
                 (nothing is uploaded).
             MissingDependencyError: ``huggingface_hub`` is not installed.
         """
-        from ..formats.hub import check_push_args, metrics_table, stage_and_push, write_card
+        from ..formats.hub import check_push_args, graph_card, metrics_table, stage_and_push
 
         check_push_args(repo_id, subfolder, commit_message, "Graph.push_to_hub", private)
         table = metrics_table(metrics, where="Graph.push_to_hub")
-        counts = self.summary()
-        target = f"{repo_id}:{subfolder.strip('/')}" if subfolder else repo_id
-        prompt = self.prompt.replace("```", "` ` `")
-        meta = {k: self.meta[k] for k in ("model_type", "lorsa_layers", "transcoder_layers") if k in self.meta}
-        body = "\n".join([
-            f"An attribution graph of one prompt ({int(self.tokens.numel())} tokens), computed with nnsight-lorsa "
-            "(frozen attention and norms, Lorsa heads and transcoder features as nodes; edges sum exactly to "
-            "each node's value, bias nodes included).", "",
-            "```text", prompt, "```", "",
-            "| " + " | ".join(counts) + " |", "|---" * len(counts) + "|",
-            "| " + " | ".join(str(v) for v in counts.values()) + " |", "",
-            *(f"- {k}: `{v}`" for k, v in meta.items()), "",
-            "## Metrics", "", table or "No metrics were given when this was published.", "",
-            "## Use", "", "```python", "from nnsight_lorsa import Graph", "",
-            f"graph = Graph.load({target!r})", "```", "",
-            "Files: `graph.json` (prompt, bias names, settings), `graph.safetensors` (tokens, nodes, "
-            "adjacency, values), `checksums.json` (each file's size and sha256, checked on load).",
-        ])
 
         def write(folder: Path) -> None:
             self.save(folder)
-            write_card(folder, title="Attribution graph", tags=["nnsight-lorsa", "mechanistic-interpretability",
-                                                                 "attribution-graph"], base_model=None, body=body)
+            graph_card(folder, prompt=self.prompt, n_tokens=int(self.tokens.numel()), counts=self.summary(),
+                       meta=self.meta, metrics_table=table, repo_id=repo_id, subfolder=subfolder)
 
         return stage_and_push(write, repo_id, subfolder=subfolder, private=private, token=token,
                               commit_message=commit_message, where="Graph.push_to_hub")

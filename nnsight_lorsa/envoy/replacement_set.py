@@ -130,8 +130,12 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
 def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     """``formats.load_all`` of one source: a local directory as it is; a Hub repo id (``owner/name``, or
     ``owner/name:subfolder``, that is no local path) first downloaded in the set layout
-    (:mod:`~..formats.hub`: the checkpoint files at the top and one folder down, with ``revision``,
-    ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory."""
+    (:mod:`~..formats.hub`: every format's checkpoint files at the top and in its folders, with ``revision``,
+    ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory.
+
+    Raises:
+        CheckpointError: the repo could not be fetched (network, authentication, offline cache miss, no such
+            repo or ``subfolder``); then as :func:`~..formats.registry.load_all`."""
     from ..formats.files import resolve_checkpoint_dir
     from ..formats.hub import looks_like_repo_id, set_download_patterns
     from ..formats.registry import FORMATS, load_all
@@ -282,10 +286,8 @@ class ReplacementSet(Generic[K, M]):
             MissingDependencyError: ``huggingface_hub`` is not installed.
             huggingface_hub's errors: authentication, network (from the upload).
         """
-        import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
-
         from ..errors import ArgumentError as _ArgumentError
-        from ..formats.hub import check_push_args, looks_like_repo_id, metrics_table, stage_and_push, write_card
+        from ..formats.hub import check_push_args, metrics_table, set_card, stage_and_push
 
         where = f"{type(self).__name__}.push_to_hub"
         check_push_args(repo_id, subfolder, commit_message, where, private)
@@ -293,41 +295,13 @@ class ReplacementSet(Generic[K, M]):
             raise _ArgumentError(f"{where}: the set is empty; nothing to publish")
         key_name = "layer" if self.key_type is int else "site"
         table = metrics_table(metrics, list(self), key_name, where)  # checked before anything is written
+        modules = [(key, self.folder(key), self[key]) for key in self]
         config = getattr(hf_module(self.model), "config", None)
-        model_name = getattr(config, "_name_or_path", None) or None
-        if model_name is not None and not looks_like_repo_id(model_name):  # a local model: its folder's name only
-            model_name = os.path.basename(os.path.normpath(str(model_name))) or None
-        family = getattr(config, "model_type", None)
-        kind = type(self).__name__
-        fields = ("n_ov_heads", "n_qk_heads", "d_qk_head", "top_k", "d_in", "d_sae", "d_out", "activation")
-        rows = []
-        for key in self:
-            cfg = getattr(self[key], "cfg", None)
-            shown = ", ".join(f"{f}={getattr(cfg, f)}" for f in fields if getattr(cfg, f, None) is not None)
-            rows.append(f"| {key} | `{self.folder(key)}/` | {type(self[key]).__name__} | {shown} |")
-        target = f"{repo_id}:{subfolder.strip('/')}" if subfolder else repo_id
-        body = "\n".join([
-            f"A {kind} ({len(self)} {self.what}{'s' if len(self) != 1 else ''}) for "
-            f"`{model_name or 'its model'}`{f' ({family})' if family else ''}, "
-            "published with nnsight-lorsa (`pip install nnsight-lorsa`) in its Hub layout.",
-            "", f"| {key_name} | folder | module | config |", "|---|---|---|---|", *rows, "",
-            "## Metrics", "", table or "No metrics were given when this was published.", "",
-            "## Use", "", "```python", f"from nnsight_lorsa import {kind}", "",
-            f"replacements = {kind}.from_pretrained(model, {target!r})   # model: the nnsight model above",
-            "with model.trace(prompt):",
-            "    sites = replacements.replace()   # every module of the set, this trace only",
-            "```", "",
-            "## Layout", "",
-            f"Each `{self.folder(next(iter(self)))}/`-style folder holds `config.json` + `model.safetensors` "
-            "(format `nnsight_lorsa`) and `checksums.json` (each file's size and sha256, checked on load).",
-        ])
 
         def write(folder: Any) -> None:
             self.save(folder)
-            write_card(folder, title=f"{kind} for {model_name or 'a model'}",
-                       tags=["nnsight-lorsa", "mechanistic-interpretability",
-                             {"SAE": "sparse-autoencoder"}.get(self.what, self.what.lower())],
-                       base_model=model_name, body=body)
+            set_card(folder, kind=type(self).__name__, what=self.what, key_name=key_name, modules=modules,
+                     config=config, metrics_table=table, repo_id=repo_id, subfolder=subfolder)
 
         return stage_and_push(write, repo_id, subfolder=subfolder, private=private, token=token,
                               commit_message=commit_message, where=where,

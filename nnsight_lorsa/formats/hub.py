@@ -33,8 +33,8 @@ from typing import Any
 from .._atomic import atomic_file
 from ..errors import ArgumentError, MissingDependencyError
 
-__all__ = ["CARD", "check_push_args", "looks_like_repo_id", "metrics_table", "push_folder", "set_download_patterns",
-           "stage_and_push", "write_card"]
+__all__ = ["CARD", "check_push_args", "graph_card", "looks_like_repo_id", "metrics_table", "push_folder",
+           "set_card", "set_download_patterns", "stage_and_push", "write_card"]
 
 #: the model card's file name
 CARD = "README.md"
@@ -52,8 +52,9 @@ def looks_like_repo_id(source: Any) -> bool:
 
 
 def set_download_patterns(file_patterns: list[str]) -> list[str]:
-    """The ``snapshot_download`` patterns of a set's layout: each checkpoint file pattern at the top and one
-    folder down (``layer_<L>/config.json``), the manifests and the card."""
+    """The ``snapshot_download`` patterns of a set's layout: each checkpoint file pattern at the top and in
+    folders (``layer_<L>/config.json``; huggingface_hub matches with ``fnmatch``, whose ``*`` also spans
+    ``/``), the manifests and the card."""
     names = sorted({*file_patterns, "checksums.json"})
     return [*names, *(f"*/{n}" for n in names), CARD]
 
@@ -126,6 +127,74 @@ def write_card(directory: str | os.PathLike[str], *, title: str, tags: list[str]
     meta.append("---")
     text = "\n".join(meta) + f"\n\n# {title}\n\n{body.strip()}\n"
     return atomic_file(Path(directory) / CARD, text.encode("utf-8"))
+
+
+def _target(repo_id: str, subfolder: str | None) -> str:
+    """How the loaders spell ``repo_id`` (+ ``subfolder``): ``"owner/name"`` or ``"owner/name:folder"``."""
+    return f"{repo_id}:{subfolder.strip('/')}" if subfolder else repo_id
+
+
+def set_card(directory: str | os.PathLike[str], *, kind: str, what: str, key_name: str,
+             modules: list[tuple[Any, str, Any]], config: Any, metrics_table: str, repo_id: str,
+             subfolder: str | None) -> Path:
+    """Write the model card of a replacement set (``kind``: ``"LorsaSet"`` …; ``what``: ``"Lorsa"``,
+    ``"transcoder"``, ``"SAE"``) holding ``modules`` = ``[(key, folder, module)]`` of the model whose HF
+    ``config`` is given: what it holds (each module's sizes), the metrics table, how to load it. A local model is
+    named by its folder's name only (no local path is published); a Hub one is also the card's ``base_model``."""
+    model_name = getattr(config, "_name_or_path", None) or None
+    if model_name is not None and not looks_like_repo_id(model_name):
+        model_name = os.path.basename(os.path.normpath(str(model_name))) or None
+    family = getattr(config, "model_type", None)
+    fields = ("n_ov_heads", "n_qk_heads", "d_qk_head", "top_k", "d_in", "d_sae", "d_out", "activation")
+    rows = []
+    for key, folder, module in modules:
+        cfg = getattr(module, "cfg", None)
+        shown = ", ".join(f"{f}={getattr(cfg, f)}" for f in fields if getattr(cfg, f, None) is not None)
+        rows.append(f"| {key} | `{folder}/` | {type(module).__name__} | {shown} |")
+    n = len(modules)
+    body = "\n".join([
+        f"A {kind} ({n} {what}{'s' if n != 1 else ''}) for `{model_name or 'its model'}`"
+        f"{f' ({family})' if family else ''}, published with nnsight-lorsa (`pip install nnsight-lorsa`) "
+        "in its Hub layout.",
+        "", f"| {key_name} | folder | module | config |", "|---|---|---|---|", *rows, "",
+        "## Metrics", "", metrics_table or "No metrics were given when this was published.", "",
+        "## Use", "", "```python", f"from nnsight_lorsa import {kind}", "",
+        f"replacements = {kind}.from_pretrained(model, {_target(repo_id, subfolder)!r})   # model: the nnsight model",
+        "with model.trace(prompt):",
+        "    sites = replacements.replace()   # every module of the set, this trace only",
+        "```", "",
+        "## Layout", "",
+        f"Each folder (`{modules[0][1]}/` …) holds `config.json` + `model.safetensors` (format `nnsight_lorsa`) "
+        "and `checksums.json` (each file's size and sha256, checked on load).",
+    ])
+    return write_card(directory, title=f"{kind} for {model_name or 'a model'}",
+                      tags=["nnsight-lorsa", "mechanistic-interpretability",
+                            {"SAE": "sparse-autoencoder"}.get(what, what.lower())],
+                      base_model=model_name, body=body)
+
+
+def graph_card(directory: str | os.PathLike[str], *, prompt: str, n_tokens: int, counts: dict[str, int],
+               meta: dict[str, Any], metrics_table: str, repo_id: str, subfolder: str | None) -> Path:
+    """Write the model card of an attribution graph: the prompt, the node counts (``Graph.summary()``), the
+    replaced layers from ``meta``, the metrics table, how to load it."""
+    shown = {k: meta[k] for k in ("model_type", "lorsa_layers", "transcoder_layers") if k in meta}
+    body = "\n".join([
+        f"An attribution graph of one prompt ({n_tokens} tokens), computed with nnsight-lorsa (frozen attention "
+        "and norms, Lorsa heads and transcoder features as nodes; each node's edges sum exactly to its value, "
+        "bias nodes included).", "",
+        "```text", prompt.replace("```", "` ` `"), "```", "",
+        "| " + " | ".join(counts) + " |", "|---" * len(counts) + "|",
+        "| " + " | ".join(str(v) for v in counts.values()) + " |", "",
+        *(f"- {k}: `{v}`" for k, v in shown.items()), "",
+        "## Metrics", "", metrics_table or "No metrics were given when this was published.", "",
+        "## Use", "", "```python", "from nnsight_lorsa import Graph", "",
+        f"graph = Graph.load({_target(repo_id, subfolder)!r})", "```", "",
+        "Files: `graph.json` (prompt, bias names, settings), `graph.safetensors` (tokens, nodes, adjacency, "
+        "values), `checksums.json` (each file's size and sha256, checked on load).",
+    ])
+    return write_card(directory, title="Attribution graph",
+                      tags=["nnsight-lorsa", "mechanistic-interpretability", "attribution-graph"],
+                      base_model=None, body=body)
 
 
 def push_folder(folder: Path, repo_id: Any, *, subfolder: Any = None, private: Any = None,
