@@ -123,8 +123,15 @@ class HeldoutConstraintWarning(UserWarning):
     (``train_sparse_attention(..., heldout=...)``; the summary's ``heldout_violation``)."""
 
 
+class MissingDependencyError(LorsaError, ImportError):
+    """What was asked needs an optional package that is not installed (W&B logging needs ``wandb``, the
+    Hub needs ``huggingface_hub``); the message names the package and the install command
+    (``pip install nnsight-lorsa[wandb]``)."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "GateConfigError", "GateNotInstalledError", "HeldoutConstraintWarning",
-           "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "NonFiniteError", "PlacementError",
-           "ShapeError", "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError",
-           "UnsupportedGenerationError", "VacuousConstraintError"]
+           "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
+           "HeldoutConstraintWarning", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
+           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "ShapeError",
+           "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
+           "VacuousConstraintError"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import transformers
 from torch import nn
 
 from ..errors import UnsupportedArchitectureError
@@ -42,9 +41,13 @@ from .base import ArchitectureAdapter, MHSAWeights
 
 
 def _transformers_major() -> int:
+    """The installed transformers' major version, read from its package metadata (importing transformers here
+    would make loading a checkpoint need it: ``formats`` reads the adapter family names; 5 without it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return int(transformers.__version__.split(".")[0])
-    except ValueError:  # pragma: no cover - unusual version strings
+        return int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):  # pragma: no cover - not installed (light install), odd versions
         return 5
 
 

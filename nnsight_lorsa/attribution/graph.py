@@ -445,20 +445,70 @@ class Graph(FieldsRepr):
             stage.write_text("graph.json", info)
         return Path(directory)
 
+    def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
+                    private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload with nnsight-lorsa") -> str:
+        """Publish the graph to the Hugging Face Hub model repo ``repo_id`` (created if missing) in the Hub
+        layout (:mod:`nnsight_lorsa.formats.hub`): what :meth:`save` writes (``graph.json`` +
+        ``graph.safetensors`` + ``checksums.json``) and a model card ``README.md`` (the prompt, the node counts
+        of :meth:`summary`, the replaced layers, ``metrics``, how to load it), written locally first through the
+        atomic write path, then uploaded in one commit. ``Graph.load(repo_id)`` reads it back.
+
+        Args:
+            repo_id: ``"owner/name"``. metrics: for the card, e.g. ``{"replacement_score": r,
+                "completeness_score": c}`` (:func:`~.scores.graph_scores`). subfolder: a folder of the repo
+                (one per prompt, say); default its top. private: the visibility of a new repo. token: a Hub token.
+
+        Returns:
+            The commit's URL.
+
+        Raises:
+            ArgumentError: a ``repo_id`` that is not ``owner/name``; a bad ``subfolder``, ``private`` or
+                ``commit_message``; ``metrics`` that are not metrics; ``meta`` not JSON-serialisable
+                (nothing is uploaded).
+            MissingDependencyError: ``huggingface_hub`` is not installed.
+        """
+        from ..formats.hub import check_push_args, graph_card, metrics_table, stage_and_push
+
+        check_push_args(repo_id, subfolder, commit_message, "Graph.push_to_hub", private)
+        table = metrics_table(metrics, where="Graph.push_to_hub")
+
+        def write(folder: Path) -> None:
+            self.save(folder)
+            graph_card(folder, prompt=self.prompt, n_tokens=int(self.tokens.numel()), counts=self.summary(),
+                       meta=self.meta, metrics_table=table, repo_id=repo_id, subfolder=subfolder)
+
+        return stage_and_push(write, repo_id, subfolder=subfolder, private=private, token=token,
+                              commit_message=commit_message, where="Graph.push_to_hub")
+
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> Graph:
-        """Read a graph written by :meth:`save`, every field checked before the graph is built.
+    def load(cls, directory: str | os.PathLike[str], *, revision: str | None = None, subfolder: str | None = None,
+             local_files_only: bool = False) -> Graph:
+        """Read a graph written by :meth:`save` (or :meth:`push_to_hub`), every field checked before the graph
+        is built.
+
+        ``directory``: a local directory, or a Hugging Face repo id ``"owner/name"`` (``"owner/name:folder"``)
+        that is no local path: its ``graph.json``, ``graph.safetensors``, ``checksums.json`` and card are
+        downloaded (``huggingface_hub.snapshot_download`` with ``revision``, ``subfolder``,
+        ``local_files_only``) and read as a local directory. ``subfolder`` is also honoured locally.
 
         Raises:
             CheckpointError: a missing or unreadable file, another format, a missing tensor, a tensor
                 of the wrong dtype or shape, non-finite values, node kinds / layers / positions /
                 indices outside their ranges, probabilities outside [0, 1], or ``graph.json`` fields
                 of the wrong type — naming the file and the key; a file that differs from what
-                ``checksums.json`` records (truncated, altered).
+                ``checksums.json`` records (truncated, altered); a repo id that could not be fetched.
         """
         from .._atomic import check, manifest_of, resolve
-        from ..formats.files import load_safetensors, read_json_object
+        from ..formats.files import load_safetensors, read_json_object, resolve_checkpoint_dir
+        from ..formats.hub import CARD, looks_like_repo_id
 
+        if looks_like_repo_id(directory):
+            directory = resolve_checkpoint_dir(
+                directory, allow_patterns=["graph.json", "graph.safetensors", "checksums.json", CARD],
+                subfolder=subfolder, revision=revision, local_files_only=local_files_only)
+        elif subfolder:
+            directory = Path(directory) / subfolder
         d = resolve(directory)  # `<directory>.old` when a save was killed between its two renames
         entries = manifest_of(d)
         info_path, tensors_path = d / "graph.json", d / "graph.safetensors"

@@ -136,7 +136,11 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         ``sources``: a directory written by :meth:`~.replacement_set.ReplacementSet.save` (one ``layer_<L>/``
         per layer), one Lorsa
         checkpoint (local directory or hub repo id, e.g. ``"org/repo:name"`` for Llamascopium),
-        several, or ``{layer: source}``. ``format``: ``"auto"`` (from the files), ``"nnsight_lorsa"``
+        several, or ``{layer: source}``. A Hugging Face repo id (``"owner/name"``, ``"owner/name:folder"``; a
+        string that is no local path) is downloaded first — a set published by
+        :meth:`~.replacement_set.ReplacementSet.push_to_hub` or a single checkpoint — with ``revision=``,
+        ``subfolder=``, ``local_files_only=`` (docs/hub.md).
+        ``format``: ``"auto"`` (from the files), ``"nnsight_lorsa"``
         or ``"llamascopium"``; ``kwargs`` go to the reader (``device``, ``dtype``, ``weights_folded``,
         ``revision``, …). The layer is the folder's ``layer_<L>`` name, else the checkpoint's ``cfg.layer``.
 

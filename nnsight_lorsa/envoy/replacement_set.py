@@ -98,7 +98,8 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                noun: str, key_name: str, hint: str = "", **kwargs: Any) -> dict:
     """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
 
-    ``sources``: one checkpoint (directory or hub repo id), several, or ``{key: source}``;
+    ``sources``: one checkpoint or set (directory or Hub repo id: :func:`_load_source`), several, or
+    ``{key: source}``;
     ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
     names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
     are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's); the
@@ -111,8 +112,6 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
-    from ..formats.registry import load_all
-
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
@@ -120,7 +119,7 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     found: dict = {}
     names: dict = {}
     for key, src in items:
-        for name, module in load_all(src, format=format, **kwargs).items():
+        for name, module in _load_source(src, format, kwargs).items():
             if not isinstance(module, module_type):  # the set's kind (its ``module_type``)
                 raise ConfigMismatchError(f"{src}: {name} holds a {type(module).__name__}, not {noun}{hint}")
             k = key if key is not None else key_of(name, module)
@@ -131,6 +130,29 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                                           f"{k!r} (the first came from {names[k]}); keep one")
             found[k], names[k] = module, name
     return found
+
+
+def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
+    """``formats.load_all`` of one source: a local directory as it is; a Hub repo id (``owner/name``, or
+    ``owner/name:subfolder``, that is no local path) first downloaded in the set layout
+    (:mod:`~..formats.hub`: every format's checkpoint files at the top and in its folders, with ``revision``,
+    ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory.
+
+    Raises:
+        CheckpointError: the repo could not be fetched (network, authentication, offline cache miss, no such
+            repo or ``subfolder``); then as :func:`~..formats.registry.load_all`."""
+    from ..formats.files import resolve_checkpoint_dir
+    from ..formats.hub import looks_like_repo_id, set_download_patterns
+    from ..formats.registry import FORMATS, load_all
+
+    if not looks_like_repo_id(src):
+        return load_all(src, format=format, **kwargs)
+    opts = dict(kwargs)
+    hub = {name: opts.pop(name) for name in ("subfolder", "revision", "local_files_only") if name in opts}
+    fmt = FORMATS.get(format)
+    files = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
+    local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(files), **hub)
+    return load_all(local, format=format, **opts)
 
 
 class ReplacementSet(Generic[K, M]):
@@ -271,6 +293,55 @@ class ReplacementSet(Generic[K, M]):
 
         for key in self:
             save(self[key], Path(directory) / self.folder(key))
+
+    def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
+                    private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload with nnsight-lorsa") -> str:
+        """Publish the set to the Hugging Face Hub model repo ``repo_id`` (created if missing) in the Hub
+        layout (:mod:`~..formats.hub`): what :meth:`save` writes (``layer_<L>/config.json`` +
+        ``model.safetensors`` + ``checksums.json`` per module) and a model card ``README.md`` (what the set
+        holds, ``metrics``, how to load it). The folder is written locally first through the atomic write
+        path, then uploaded in one commit (``HfApi.upload_folder``); earlier ``layer_*`` folders of a
+        per-layer set at that path that this set does not hold are deleted in the same commit.
+        ``from_pretrained(model, repo_id)`` reads it back.
+
+        Args:
+            repo_id: ``"owner/name"``.
+            metrics: for the card: an :class:`~..training.evaluate.Evaluation` (``evaluate(...)``), a mapping
+                of metric names to numbers (e.g. a trainer's ``history[-1]``), or ``{key: either}`` per module.
+            subfolder: a folder of the repo to publish into (default: its top), e.g. one per model.
+            private: the repo's visibility when it is created (None: the Hub's default). token: a Hub token
+                (default: the logged-in one).
+
+        Returns:
+            The commit's URL.
+
+        Raises:
+            ArgumentError: an empty set; a ``repo_id`` that is not ``owner/name``; a bad ``subfolder``,
+                ``private`` or ``commit_message``; ``metrics`` that are not metrics (nothing is uploaded).
+            MissingDependencyError: ``huggingface_hub`` is not installed.
+            huggingface_hub's errors: authentication, network (from the upload).
+        """
+        from ..errors import ArgumentError as _ArgumentError
+        from ..formats.hub import check_push_args, metrics_table, set_card, stage_and_push
+
+        where = f"{type(self).__name__}.push_to_hub"
+        check_push_args(repo_id, subfolder, commit_message, where, private)
+        if not len(self):
+            raise _ArgumentError(f"{where}: the set is empty; nothing to publish")
+        key_name = "layer" if self.key_type is int else "site"
+        table = metrics_table(metrics, list(self), key_name, where)  # checked before anything is written
+        modules = [(key, self.folder(key), self[key]) for key in self]
+        config = getattr(hf_module(self.model), "config", None)
+
+        def write(folder: Any) -> None:
+            self.save(folder)
+            set_card(folder, kind=type(self).__name__, what=self.what, key_name=key_name, modules=modules,
+                     config=config, metrics_table=table, repo_id=repo_id, subfolder=subfolder)
+
+        return stage_and_push(write, repo_id, subfolder=subfolder, private=private, token=token,
+                              commit_message=commit_message, where=where,
+                              delete_patterns=["layer_*"] if self.key_type is int else None)
 
     # ------------------------------------------------------------- placement
     def place(self, key: K | None = None) -> None:

@@ -141,7 +141,10 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
         ``sources``: a checkpoint directory (or hub repo id), several,
         or ``{layer: directory}``; a directory may hold several (a sparsify run, a circuit-tracer
-        set). Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
+        set). A Hugging Face repo id (``"owner/name"``, ``"owner/name:folder"``; a string that is no local
+        path) is downloaded first — a set published by :meth:`~.replacement_set.ReplacementSet.push_to_hub`
+        or single checkpoints — with ``revision=``, ``subfolder=``, ``local_files_only=`` (docs/hub.md).
+        Each goes through ``formats.load``. ``format``: ``"auto"`` (from the files,
         :func:`~..formats.registry.detect_format`), ``"saelens"``, ``"sparsify"``, ``"llamascopium"``,
         ``"nnsight_lorsa"``, ``"circuit_tracer"``; ``kwargs`` go to the reader (``norm_scaling_factor``,
         ``device``, ``dtype``, …).

@@ -39,6 +39,7 @@ from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
 from .schedule import wsd_lr_factor
+from .wandb_log import WandbRun, flat_metrics
 
 
 @dataclass
@@ -57,6 +58,10 @@ class TrainConfig:
         sparse_kernels: train TopK / BatchTopK SAEs and transcoders through the sparse fast path
             (False: the dense reference; same values and gradients up to summation order).
         log_every: steps between entries of ``history`` (the logged metrics).
+        wandb_project: log the run to this Weights & Biases project (None: no W&B; needs ``pip install
+            nnsight-lorsa[wandb]``): every ``history`` entry as ``train/<name>`` at its step, and
+            :meth:`Trainer.log_evaluation` as ``eval/<name>`` (:mod:`.wandb_log`). wandb_run_name: the
+            W&B run's name (None: W&B's).
 
     Raises:
         ArgumentError: a field of the wrong type or out of its range (:meth:`validate`), named with its value.
@@ -77,6 +82,8 @@ class TrainConfig:
     normalize_decoder: bool | None = None
     sparse_kernels: bool = True
     log_every: int = 10
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
     history: list[dict[str, float]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,7 +96,8 @@ class TrainConfig:
         ``norm_batches``, ``log_every``, ``dead_after_tokens`` ≥ 1; ``aux_k`` None or ≥ 1; ``lr`` > 0;
         ``betas`` two numbers in ``[0, 1)``; ``warmup_frac``, ``decay_frac`` in ``[0, 1]`` with
         ``warmup_frac + decay_frac`` ≤ 1; ``grad_clip``, ``aux_k_coef``, ``l1_coef``, ``l0_coef`` ≥ 0;
-        ``normalize_decoder`` None or a bool; ``sparse_kernels`` a bool; ``history`` a list.
+        ``normalize_decoder`` None or a bool; ``sparse_kernels`` a bool; ``wandb_project``,
+        ``wandb_run_name`` None or a non-empty str; ``history`` a list.
 
         Raises:
             ArgumentError: the first field that breaks its rule, named with its value.
@@ -115,6 +123,10 @@ class TrainConfig:
             raise ArgumentError(f"TrainConfig.normalize_decoder must be None or a bool, got {self.normalize_decoder!r}")
         if not isinstance(self.sparse_kernels, bool):
             raise ArgumentError(f"TrainConfig.sparse_kernels must be a bool, got {self.sparse_kernels!r}")
+        for name in ("wandb_project", "wandb_run_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ArgumentError(f"TrainConfig.{name} must be None or a non-empty str, got {value!r}")
         if not isinstance(self.history, list):
             raise ArgumentError(f"TrainConfig.history must be a list, got {type(self.history).__name__}")
 
@@ -210,6 +222,9 @@ class Trainer:
         self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long, device=device)
         #: data-parallel context (:class:`~.distributed.DataParallel`) or None; set by ``DataParallel(trainer)``
         self.dist: Any = None
+        #: the W&B run's id (``TrainConfig.wandb_project``; kept in checkpoints), None before the run starts
+        self.wandb_run_id: str | None = None
+        self._wandb: WandbRun | None = None
         self.optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, betas=config.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -428,14 +443,20 @@ class Trainer:
         as after the last good step; the checkpoint in ``checkpoint_dir`` is then the last one saved
         before it (nothing non-finite is written).
 
+        With ``TrainConfig.wandb_project`` set, every ``history`` entry is also logged to Weights & Biases
+        (``train/<name>`` at its step; :mod:`.wandb_log`); the run stays open for later calls and
+        :meth:`log_evaluation` until :meth:`close_logging`.
+
         Raises:
             ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
+            MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
         if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 0:
             raise ArgumentError(f"checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
+        logger = self._wandb_run()  # before the first step: a missing wandb stops the run here
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
         try:
@@ -447,6 +468,8 @@ class Trainer:
                     self.config.history.append(m)
                     bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
                                     dead=f"{m['dead_frac']:.2f}")
+                    if logger is not None:
+                        logger.log(flat_metrics(m, "train"), step=self.step)
                     if on_log is not None:
                         on_log(m)
                 if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
@@ -454,6 +477,42 @@ class Trainer:
         finally:
             bar.close()
         return self.config.history
+
+    # -------------------------------------------------------- W&B logging
+    def _wandb_run(self) -> WandbRun | None:
+        """The W&B run (started on first use) when ``config.wandb_project`` is set, on rank 0 only; else None."""
+        if self.config.wandb_project is None or (self.dist is not None and getattr(self.dist, "rank", 0) != 0):
+            return None
+        if self._wandb is None:
+            cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
+            config = {"train_config": cfg, self.objective.config_key: self.objective.module_config()}
+            self._wandb = WandbRun(self.config.wandb_project, self.config.wandb_run_name, config, self.wandb_run_id)
+            self.wandb_run_id = self._wandb.id
+        return self._wandb
+
+    def log_evaluation(self, evaluation: Any) -> dict[str, float]:
+        """Log an :class:`~.evaluate.Evaluation` (or a mapping of metric names to numbers) as ``eval/<name>``
+        at the current step to W&B when ``config.wandb_project`` is set (:func:`.wandb_log.flat_metrics`:
+        ``eval/fvu``, ``eval/l0``, ``eval/dead_frac``, ``eval/ce_orig``, ``eval/ce_spliced``, ``eval/ce_zero``,
+        ``eval/ce_recovered``, ``eval/kl``, …; a CLT's per-layer lists as ``eval/fvu/layer_<l>``); returns
+        that flat dict (also without W&B).
+
+        Raises:
+            ArgumentError: ``evaluation`` is neither an Evaluation nor a mapping.
+            MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed.
+        """
+        flat = flat_metrics(evaluation, "eval")
+        logger = self._wandb_run()
+        if logger is not None:
+            logger.log(flat, step=self.step)
+        return flat
+
+    def close_logging(self) -> None:
+        """Finish the W&B run, if one is open (its files are then complete; wandb also finishes it when the
+        process exits). A later :meth:`train` or :meth:`log_evaluation` continues the same run."""
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     # -------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -483,6 +542,7 @@ class Trainer:
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,
+                **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id is not None else {}),
                 **self.objective.save_meta(self.state)}
         write_checkpoint(directory, {
             self.objective.weights_file: save_safetensors(weights),
@@ -560,6 +620,10 @@ class Trainer:
 
     def _restore_state(self, d: Path, meta: dict[str, Any]) -> None:
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
+        run_id = meta.get("wandb_run_id")
+        if run_id is not None and not isinstance(run_id, str):
+            raise CheckpointError(f"{d / 'trainer.json'}: key 'wandb_run_id' must be a string, got {run_id!r}")
+        self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         params = dict(self.module.named_parameters())
         for key, value in load_file(str(d / "optimizer.safetensors")).items():
             name, _, slot = key.rpartition(".")

@@ -53,6 +53,7 @@ VALID = {
     **{name: finite | st.integers(min_value=0, max_value=1000) for name in NONNEG_FIELDS},
     "normalize_decoder": st.sampled_from([None, True, False]),
     "sparse_kernels": st.booleans(),
+    **{name: st.none() | st.text(min_size=1).filter(str.strip) for name in ("wandb_project", "wandb_run_name")},
 }
 INVALID = {
     **{name: BAD_INT for name in INT_FIELDS},
@@ -65,6 +66,7 @@ INVALID = {
     "decay_frac": BAD_REAL | st.floats(min_value=1.0 + 1e-9, allow_nan=False) | st.floats(max_value=-1e-9),
     "normalize_decoder": st.sampled_from([1, 0, "yes", 1.0]),
     "sparse_kernels": st.sampled_from([1, 0, None, "no"]),
+    **{name: st.sampled_from(["", " \n", 3, b"p", True, ["p"]]) for name in ("wandb_project", "wandb_run_name")},
 }
 
 
