@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _timing import arg, command, parser, script, start, table, write_json
 from tokenizers import Tokenizer, processors
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from benchmarks._timing import arg, command, parser, script, start, table, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, mean_activations, path_patching

@@ -15,7 +15,7 @@ Uses the tiny adder of ``benchmarks/arithmetic_model.py`` (trained first if its 
    with the share of each grid's variance explained by op1, op2, the sum, their digits;
 5. a head swap (App. D.4) between the two heads that best encode op2, if there are such.
 
-    OMP_NUM_THREADS=1 python benchmarks/arithmetic_circuit_size.py [--retrain-lorsa] [--lorsa-steps 1500]
+    OMP_NUM_THREADS=1 python -m benchmarks.arithmetic_circuit_size [--retrain-lorsa] [--lorsa-steps 1500]
 
 Writes ``benchmarks/results/arithmetic_circuit_size.json``.
 """
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from _synthetic import (
+
+from benchmarks._synthetic import (
     active_lorsa_heads,
     circuit_sizes,
     layer_patching,
@@ -37,10 +38,9 @@ from _synthetic import (
     lorsa_last_position_effects,
     open_model,
 )
-from _synthetic import train_lorsa as train_lorsa_on
-from _timing import arg, command, table, write
-from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
-
+from benchmarks._synthetic import train_lorsa as train_lorsa_on
+from benchmarks._timing import arg, command, table, write
+from benchmarks.arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import MHSAHead, ReplacementModel, logit_difference

@@ -1,6 +1,6 @@
 """An attribution graph of induction on the tinyshakespeare replacement model.
 
-    python benchmarks/attribution_induction_tinyshakespeare.py
+    python -m benchmarks.attribution_induction_tinyshakespeare
 
 The embedded Llama with its Lorsa (layer 2) and TopK transcoders (every MLP), on a prompt where
 it must complete a made-up name it has seen once: "... Good morrow, Zandrofel, ... And I to
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import nnsight
 import torch
-from _timing import RESULTS, embedded, write_json
 
+from benchmarks._timing import RESULTS, embedded, write_json
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.attribution import (

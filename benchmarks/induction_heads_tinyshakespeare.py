@@ -13,7 +13,7 @@ On repeated-token prompts (word-like tokens of the model's BPE; clean ``[BOS] s 
 4. dashboards of the top induction Lorsa heads, a z-pattern figure and the Fig. 13 histogram
    into ``docs/figures/``; JSON into ``benchmarks/results/``.
 
-    OMP_NUM_THREADS=1 python benchmarks/induction_heads_tinyshakespeare.py
+    OMP_NUM_THREADS=1 python -m benchmarks.induction_heads_tinyshakespeare
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import RESULTS, embedded, write_json
 
+from benchmarks._timing import RESULTS, embedded, write_json
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_logit_lens
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.envoy.read import attention_activations

@@ -240,7 +240,7 @@ def frozen_output(frozen: FrozenReplacement, adapter: ArchitectureAdapter, site:
                   args: tuple, kwargs: dict, out: Any) -> Any:
     """What the frozen model returns at ``site``, from the module's full call ``(args, kwargs)`` and its
     (row-0) output ``out`` — shared by the nnsight driver here and the PyTorch-hook reference
-    (``tests/attribution_reference.py``)."""
+    (``benchmarks/reference/attribution.py``)."""
     if site.kind == "norm":
         return frozen.norm(module, call_input(args, kwargs), site.layer, site.role)
     if site.kind == "head":
