@@ -6,7 +6,7 @@ Llama trained with next-token CE on answer tokens only, warm-up + cosine AdamW, 
 
 Measurement side: :func:`logits_of`, :func:`train_lorsa` (``Trainer`` on given token rows,
 cached), :func:`layer_patching` (which layer's MHSA heads matter: activation patching per layer,
-path patching per head) and :func:`circuit_sizes` (seed 003 §4: MHSA heads mean/zero-ablated vs the
+path patching per head) and :func:`circuit_sizes` (Draye et al. 2025 §4.2: MHSA heads mean/zero-ablated vs the
 Lorsa heads active on the task, zero-ablated, ``error=False``).
 """
 

@@ -8,7 +8,7 @@ Uses the tiny adder of ``benchmarks/arithmetic_model.py`` (trained first if its 
 2. a Lorsa on that layer's attention, trained with ``Trainer`` on equation rows (cached in
    ``.cache/arithmetic-llama-lorsa``), evaluated by ``evaluate`` (FVU, CE) and by held-out
    exact-match accuracy with the Lorsa spliced (``error=False``);
-3. ``circuit_size`` (seed 003 §4): the MHSA heads of that layer (mean-ablated over the corrupt
+3. ``circuit_size`` (Draye et al. 2025 §4.2): the MHSA heads of that layer (mean-ablated over the corrupt
    prompts) vs its Lorsa heads active on the prompts (zero-ablated, ``error=False``);
 4. operand plots (Lorsa Fig. 7): the z at ``=`` of the most important Lorsa heads over the
    100 × 100 grid (``arithmetic_grid`` + ``plot_operand_grid`` → ``docs/figures/arithmetic_*.png``),

@@ -5,7 +5,8 @@
 The embedded Llama with its Lorsa (layer 2) and TopK transcoders (every MLP), on a prompt where
 it must complete a made-up name it has seen once: "... Good morrow, Zandrofel, ... And I to
 Zandrofe" → "l". Reports node/edge counts before and after pruning, the replacement and
-completeness scores, the circuit metrics of ``004_…`` §11, where the Lorsa heads of the pruned
+completeness scores, the circuit metrics of Ameisen et al. 2025, *Circuit Tracing* (completeness, replacement
+score), where the Lorsa heads of the pruned
 graph sit, and the QK attribution of the top Lorsa head at the last position. Writes the picture
 (``docs/figures/attribution_induction.png``), the viewer (``docs/figures/attribution_induction.html``),
 the Neuronpedia JSON and ``benchmarks/results/attribution_induction.json``.

@@ -6,7 +6,7 @@ On repeated-token prompts (word-like tokens of the model's BPE; clean ``[BOS] s 
 1. path patching (sender ← corrupt value, later attention frozen, receiver = logits) of every
    MHSA head (layers 0–3) and of every Lorsa head of layer 2 active on these prompts; the
    total effect (no freezing) alongside;
-2. circuit size (seed 003 §4): how many components recover 90% of the clean logit difference —
+2. circuit size (Draye et al. 2025 §4.2): how many components recover 90% of the clean logit difference —
    the 4 MHSA heads of layer 2 vs the Lorsa heads of layer 2 (the only layer with a Lorsa), and
    all 16 MHSA heads;
 3. a head swap (App. D.4) of the top induction Lorsa head;

@@ -11,7 +11,7 @@ missing); for each task (``ioi_task``, template 0, both names held out; ``greate
 3. a Lorsa on that layer's attention (``Trainer`` on mixed task rows, cached in
    ``.cache/ioi-greater-than-llama-lorsa/layer<L>``): FVU, L0, dead fraction, and the task metrics
    with the Lorsa spliced (``error=False``);
-4. ``circuit_size`` (seed 003 §4, 90 %): the layer's MHSA heads (mean-ablated over the corrupt
+4. ``circuit_size`` (Draye et al. 2025 §4.2, 90 %): the layer's MHSA heads (mean-ablated over the corrupt
    prompts, and zero-ablated) vs its Lorsa heads active on the prompts (zero-ablated);
 5. the top Lorsa heads by path patching at the last position (zero-ablated), described on a wider
    batch (IOI: 200 prompts over all names; greater-than: every start year 02…97): where they fire

@@ -3,7 +3,7 @@
 For IOI (App. A.2), greater-than (App. A.1) and the arithmetic template ``op1 + op2 =`` (paper
 Fig. 7), built for the embedded model's BPE by ``nnsight_lorsa.patching.tasks``: the clean and
 corrupt logit differences, and how many components recover 90 % of the clean logit difference
-(seed ``003_…`` §4) — the 4 MHSA heads of layer 2 (mean-ablated over the corrupt prompts) vs the
+(Draye et al. 2025 §4.2) — the 4 MHSA heads of layer 2 (mean-ablated over the corrupt prompts) vs the
 Lorsa heads of layer 2 active on the prompts (zero-ablated), and all 16 MHSA heads. A task the
 tokenizer cannot serve is reported as such. The 4-layer model was not trained for these tasks:
 the numbers say how little of each behaviour it has, not how a real model solves them.

@@ -1,7 +1,8 @@
 """Scores of an attribution graph: influence, pruning, the graph's replacement/completeness scores,
 circuit metrics by ablation in the real model, and the exactness checks by intervention.
 
-*Influence* (circuit-tracer's pruning rule, ``004_…`` §9.4; ``circuit_tracer/graph.py``): with ``Â``
+*Influence* (circuit-tracer's pruning rule, Ameisen et al. 2025, *Circuit Tracing*; ``circuit_tracer/graph.py``):
+with ``Â``
 the adjacency with absolute values, each row normalised to sum 1 (row = target, column = source),
 a node's influence is its total weight in ``w (Â + Â² + Â³ + …)``, where ``w`` puts the logits'
 probabilities on the logit rows. The graph is acyclic, so the series terminates. The matrix may be
@@ -19,7 +20,8 @@ is the fraction of the logits' influence that starts at embeddings and biases ra
 nodes; the *completeness score* the influence-weighted fraction of each computed row's
 normalised incoming mass that does not come from error nodes.
 
-*Circuit metrics* (:func:`circuit_metrics`, paper ``004_…`` §11): the circuit is the pruned graph's
+*Circuit metrics* (:func:`circuit_metrics`, Ameisen et al. 2025, *Circuit Tracing*: completeness and replacement
+scores): the circuit is the pruned graph's
 feature nodes. Ablations run in the *real* model with the replacements spliced with their error
 terms (:class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`, ``error=True``): an unedited
 run is the model itself, and zeroing a feature propagates through everything downstream,
@@ -305,7 +307,7 @@ def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[lis
 def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneResult, *,
                     incorrect_token: int | None = None, min_effect: float = 0.01, chunk: int = 16) -> CircuitMetrics:
     """Completeness, minimality and faithfulness of the pruned circuit (module docstring; paper
-    ``004_…`` §11), by zero-ablating its feature nodes in the real model.
+    Ameisen et al. 2025, *Circuit Tracing*), by zero-ablating its feature nodes in the real model.
 
     Args:
         replacement: the :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` the graph

@@ -1,5 +1,6 @@
 """The nnsight engine: attribution inside ``model.trace(...)`` — the clean pass and the frozen pass
-with batched backward (paper ``004_…`` §9.4; circuit-tracer's ``circuit_tracer/attribution/attribute.py``
+with batched backward (Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer's
+``circuit_tracer/attribution/attribute.py``
 does the same with TransformerLens hooks).
 
 Both passes are ordinary nnsight traces over the user's model. The *clean pass*
