@@ -184,7 +184,8 @@ def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | N
     if kind == "none":
         return None
     if kind != "rotary":
-        raise UnsupportedArchitectureError(f"{path}: positional_embedding_type {kind!r} is not supported")
+        raise UnsupportedArchitectureError(
+            f"{path}: key 'positional_embedding_type': positional_embedding_type {kind!r} is not supported")
     rotary_dim = config_size(raw, "rotary_dim", path)
     require(0 < rotary_dim <= d_qk_head and not rotary_dim % 2, path,
             f"key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head*rotary_scale={d_qk_head}]")
@@ -206,13 +207,13 @@ def _check_supported(raw: dict[str, Any], path: Path) -> None:
     for key in ("use_smolgen", "use_learnable_attn_scale"):
         if raw.get(key):
             raise UnsupportedArchitectureError(
-                f"{path}: {key}=true (chess-fork Lorsa variant) is not supported"
+                f"{path}: key {key!r}: {key}=true (chess-fork Lorsa variant) is not supported"
             )
     attn_type = config_value(raw, "attn_type", path, str, "global")
     if attn_type != "global":
         raise UnsupportedArchitectureError(
-            f"{path}: attn_type={attn_type!r} (window_size={raw.get('window_size')}) is not supported; "
-            "only global causal attention"
+            f"{path}: key 'attn_type': attn_type={attn_type!r} (window_size={raw.get('window_size')}) is not "
+            "supported; only global causal attention"
         )
 
 
@@ -221,8 +222,8 @@ def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     norm_activation = config_value(raw, "norm_activation", path, str, "dataset-wise")
     if norm_activation not in ("dataset-wise", "inference"):
         raise UnsupportedArchitectureError(
-            f"{path}: norm_activation={norm_activation!r} rescales each input by its own norm and cannot be "
-            "folded into fixed weights; only 'dataset-wise' and 'inference' are supported"
+            f"{path}: key 'norm_activation': norm_activation={norm_activation!r} rescales each input by its own norm "
+            "and cannot be folded into fixed weights; only 'dataset-wise' and 'inference' are supported"
         )
     return {
         "hook_point_in": config_value(raw, "hook_point_in", path, str),
@@ -242,7 +243,7 @@ def _activation(raw: dict[str, Any], path: Path, n_ov: int) -> tuple[str, int]:
     if act_fn == "relu":
         return act_fn, n_ov
     raise UnsupportedArchitectureError(
-        f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
+        f"{path}: key 'act_fn': act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
     )
 
 
@@ -253,7 +254,7 @@ def _attention(raw: dict[str, Any], path: Path) -> tuple[bool, float | None]:
         norm_type = raw.get("normalization_type")
         if norm_type == "LN":
             raise UnsupportedArchitectureError(
-                f"{path}: normalization_type='LN' (LayerNorm QK-norm) is not supported"
+                f"{path}: key 'normalization_type': normalization_type='LN' (LayerNorm QK-norm) is not supported"
             )
         require(norm_type == "RMS", path, f"use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}")
     attn_scale = Field("attn_scale", float, None, positive=True).read(raw, path)
@@ -346,7 +347,7 @@ def _check_buffers(
         m = min(n_ctx, _N_CHECK)
         if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()):
             raise UnsupportedArchitectureError(
-                f"{path}: buffer 'mask' is not the plain causal mask "
+                f"{path}: buffer 'mask' (tensor key 'mask') is not the plain causal mask "
                 "(local/windowed attention is not supported)"
             )
     rot_keys = [k for k in ("rotary_sin", "rotary_cos") if k in state]

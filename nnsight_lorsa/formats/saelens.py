@@ -98,12 +98,14 @@ from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
 from .validate import (
+    Field,
     TensorSpec,
     check_d_model,
     check_declared_tensors,
     check_file_tensors,
     config_size,
     config_value,
+    read_fields,
     require,
 )
 
@@ -136,11 +138,17 @@ REFUSED: dict[str, str] = {
 SCALER_FILE = "activation_scaler.json"
 WHITENING_FILE = "activation_whitening.safetensors"
 
+#: ``cfg.json`` fields read for every architecture; :data:`D_OUT` for transcoders, :data:`RESCALE` for
+#: (abs/batch) TopK; ``k`` / ``topk_threshold_lr``: :func:`_activation_params`; ``architecture`` /
+#: ``normalize_activations``: the tables of the module docstring
+FIELDS = (Field("d_in", size=True), Field("d_sae", size=True), Field("apply_b_dec_to_input", bool, None))
+D_OUT = Field("d_out", size=True)
+RESCALE = Field("rescale_acts_by_decoder_norm", bool, False)
 #: ``activation_whitening.safetensors`` (``covariance_whitening``)
 WHITENING_TENSORS = TensorSpec({"mean": ("d_in",), "matrix": ("d_in", "d_in"), "inverse_matrix": ("d_in", "d_in")})
 
-__all__ = ["ARCHITECTURES", "READER", "REFUSED", "build", "load_saelens", "load_weights", "parse_config",
-           "save_saelens"]
+__all__ = ["ARCHITECTURES", "D_OUT", "FIELDS", "READER", "REFUSED", "RESCALE", "WHITENING_TENSORS", "build",
+           "load_saelens", "load_weights", "parse_config", "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
@@ -261,8 +269,9 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     raw = {**read_json_object(cfg_path), **(config_overrides or {})}  # overrides: a SAELens release's
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
-    d_in, d_sae = config_size(raw, "d_in", cfg_path), config_size(raw, "d_sae", cfg_path)
-    d_out = config_size(raw, "d_out", cfg_path) if kind != "sae" else d_in
+    fields = read_fields(raw, cfg_path, FIELDS)
+    d_in, d_sae = fields["d_in"], fields["d_sae"]
+    d_out = D_OUT.read(raw, cfg_path) if kind != "sae" else d_in
     check_d_model(d_in, d_model, cfg_path, "d_in")
     norm = _normalization(raw, cfg_path, kind)
     if norm_scaling_factor is None and norm == "expected_average_only_in":
@@ -270,7 +279,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     if norm_scaling_factor is not None:
         norm_scaling_factor = config_value({"norm_scaling_factor": norm_scaling_factor}, "norm_scaling_factor",
                                            cfg_path, float)
-    apply_b_dec = config_value(raw, "apply_b_dec_to_input", cfg_path, bool, None)
+    apply_b_dec = fields["apply_b_dec_to_input"]
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
     site = site_record(hook_name, adapter)
@@ -292,8 +301,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
-        "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and config_value(
-            raw, "rescale_acts_by_decoder_norm", cfg_path, bool, False),
+        "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and RESCALE.read(raw, cfg_path),
         "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
 
