@@ -338,8 +338,8 @@ def _check_buffers(
     path: os.PathLike[str], state: dict[str, torch.Tensor], cfg: LorsaConfig, n_ctx: int
 ) -> None:
     """Shapes of the saved buffers, and their values against the config (layout, base, causality)."""
-    require("IGNORE" not in state or state["IGNORE"].dim() == 0, path,
-            f"buffer 'IGNORE' should be a scalar, got shape {tuple(state.get('IGNORE', torch.zeros(())).shape)}")
+    ignore = tuple(state["IGNORE"].shape) if "IGNORE" in state else ()
+    require(ignore == (), path, f"buffer 'IGNORE' should be a scalar, got shape {ignore}")
     if "mask" in state:
         mask = state["mask"]
         require(tuple(mask.shape) == (n_ctx, n_ctx), path,
