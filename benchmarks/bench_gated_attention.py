@@ -35,7 +35,8 @@ def main() -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    from nnsight_lorsa.sparse_attention import ATTN_IMPLEMENTATION, AttentionGate, register_gated_attention
+    from nnsight_lorsa.modules.attention_gate import AttentionGate
+    from nnsight_lorsa.sparse_attention.attention import ATTN_IMPLEMENTATION, register_gated_attention
 
     register_gated_attention()
     cfg = LlamaConfig(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64,

@@ -33,6 +33,9 @@ HELP = {
                  "tinyshakespeare Llama)",
     "text_path": "UTF-8 text file to train and evaluate on, cut into documents on the tokenizer's EOS text "
                  "(else blank lines): one window from each document's start (default: the embedded corpus)",
+    "tokens_path": "token ids instead of a text: .npy, .safetensors (input_ids, optional attention_mask) or .pt; "
+                   "a 1-D stream is cut into documents at the model's EOS ids, a 2-D array is one document per "
+                   "row; one window from each document's start (no tokenizer needed) (default: none)",
     "layer": "the layer whose attention the Lorsa replaces (default: the middle layer)",
     "seq_len": "tokens per window, BOS included (default: %(default)s)",
     "batch_size": "windows per training / evaluation batch (default: %(default)s)",
@@ -74,8 +77,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     defaults = DemoConfig()
     demo.add_argument("--model", dest="model_dir", metavar="DIR", help=HELP["model_dir"])
     demo.add_argument("--text", dest="text_path", metavar="FILE", help=HELP["text_path"])
+    demo.add_argument("--tokens", dest="tokens_path", metavar="FILE", help=HELP["tokens_path"])
     for f in fields(DemoConfig):
-        if f.name in ("model_dir", "text_path", "progress"):
+        if f.name in ("model_dir", "text_path", "tokens_path", "progress"):
             continue
         default = getattr(defaults, f.name)
         kind = int if isinstance(default, int) or f.name in ("layer", "n_ov_heads", "threads") else (

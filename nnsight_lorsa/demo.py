@@ -4,7 +4,10 @@
 model trained on tinyshakespeare, shipped in ``nnsight_lorsa/assets``); ``--model DIR`` and
 ``--text FILE`` take a local Hugging Face model directory and a text file instead (cut into documents on
 the tokenizer's EOS text, e.g. ``<|endoftext|>``, else on blank lines: one window from each document's
-start, with the model's BOS, short documents padded and their padding left out of CE).
+start, with the model's BOS, short documents padded and their padding left out of CE); ``--tokens FILE``
+takes token ids instead of a text (``.npy`` / ``.safetensors`` / ``.pt``: a stream cut at the model's EOS
+ids, or one document per row with an optional ``attention_mask``;
+:meth:`~.training.dataset.TokenDataset.from_ids`), so a model without a tokenizer runs too.
 The Lorsa trains with the default :class:`~.training.LorsaRecipe` (QK and OV from the MHSA and one
 batch, closed-form output scale and ``b_D``; docs/training.md, "The Lorsa training recipe").
 
@@ -51,6 +54,7 @@ class DemoConfig:
 
     model_dir: str | None = None
     text_path: str | None = None
+    tokens_path: str | None = None  # token ids (.npy / .safetensors / .pt) instead of a text: no tokenizer needed
     layer: int | None = None  # default: the middle layer
     seq_len: int = 128
     batch_size: int = 16
@@ -136,6 +140,10 @@ def _check_config(cfg: DemoConfig) -> None:
             raise ArgumentError(f"--device {cfg.device}: the demo runs on cpu or cuda")
     if cfg.model_dir is not None and not Path(cfg.model_dir).is_dir():
         raise ArgumentError(f"--model {cfg.model_dir}: not a directory (a local Hugging Face model directory)")
+    if cfg.text_path is not None and cfg.tokens_path is not None:
+        raise ArgumentError("--text and --tokens both given: train on a text file or on a token-id file, not both")
+    if cfg.tokens_path is not None and not Path(cfg.tokens_path).is_file():
+        raise ArgumentError(f"--tokens {cfg.tokens_path}: no such file")
     if cfg.text_path is not None and not Path(cfg.text_path).is_file():
         raise ArgumentError(f"--text {cfg.text_path}: no such file")
     if cfg.text_path is not None:
@@ -298,6 +306,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
     _check_config(cfg)
+    token_file = None
+    if cfg.tokens_path is not None:  # read before any work: a bad file is an argument error
+        from .training.dataset import read_token_ids
+
+        token_file = read_token_ids(cfg.tokens_path)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     out = None if cfg.out_dir is None else Path(cfg.out_dir)
@@ -311,14 +324,22 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     mhsa = adapter.mhsa_weights(hf_module(model), layer)
     n_ov = cfg.n_ov_heads or 8 * adapter.d_model
     _check_sizes(cfg, adapter.d_model, mhsa.n_heads * cfg.qk_heads_per_mhsa_head, mhsa.head_dim, n_ov)
-    text = Path(cfg.text_path or default_corpus_path()).read_text(encoding="utf-8")
-    # the embedded corpus is one document (consecutive windows, the numbers in docs/training.md);
-    # a --text file is cut into documents (EOS text, else blank lines), one window at each start
-    try:
-        data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len, config=model.config,
-                                      document_separator="auto" if cfg.text_path else None)
-    except ValueError as e:  # too short for one window, or no document with a token
-        raise ArgumentError(f"--text {cfg.text_path or default_corpus_path()}: {e}") from e
+    if token_file is not None:  # a stream cut at the model's EOS ids, or one document per row
+        try:
+            data = TokenDataset.from_ids(token_file[0], cfg.seq_len, target_mask=token_file[1],
+                                         tokenizer=model.tokenizer, config=model.config)
+        except ValueError as e:  # too short for one window, ids outside the vocabulary (ArgumentError too)
+            raise ArgumentError(f"--tokens {cfg.tokens_path}: {e}") from e
+        text = None
+    else:
+        text = Path(cfg.text_path or default_corpus_path()).read_text(encoding="utf-8")
+        # the embedded corpus is one document (consecutive windows, the numbers in docs/training.md);
+        # a --text file is cut into documents (EOS text, else blank lines), one window at each start
+        try:
+            data = TokenDataset.from_text(model.tokenizer, text, cfg.seq_len, config=model.config,
+                                          document_separator="auto" if cfg.text_path else None)
+        except ValueError as e:  # too short for one window, or no document with a token
+            raise ArgumentError(f"--text {cfg.text_path or default_corpus_path()}: {e}") from e
     if len(data) < 2:
         raise ArgumentError(f"the text gives {len(data)} window of {cfg.seq_len} tokens; training and a held-out "
                             "split need at least 2: use a longer text or a smaller --seq-len")
@@ -331,13 +352,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                  architecture=adapter.family)
     lorsa = Lorsa(lcfg, device=mhsa.W_O.device)  # fp32, on its layer's device
     docs_note = " (one per document, from its start)"
-    if cfg.text_path and data.target_mask is not None:
+    if text is not None and cfg.text_path and data.target_mask is not None:
         from .training.dataset import auto_separator
 
         docs_note += f", documents split on {auto_separator(model.tokenizer, text)!r}"
+    source_name = "corpus" if token_file is None else f"token ids from {cfg.tokens_path}"
     print(f"model: {cfg.model_dir or 'embedded tinyshakespeare Llama'} ({_model_kind(model.config, adapter)}, "
           f"{adapter.n_layers} layers, "
-          f"d_model {adapter.d_model}); corpus: {len(data)} windows x {cfg.seq_len} tokens"
+          f"d_model {adapter.d_model}); {source_name}: {len(data)} windows x {cfg.seq_len} tokens"
           f"{docs_note if data.target_mask is not None else ''}")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
@@ -383,7 +405,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     # the flagship: replace MHSA by Lorsa inside a trace and read its heads there
     import nnsight
 
-    prompt = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    from .envoy.tokens import IdsOnlyTokenizer
+
+    prompt: Any = "ROMEO:\nBut soft, what light through yonder window breaks?"
+    if isinstance(model.tokenizer, IdsOnlyTokenizer):  # no tokenizer: the first held-out window's ids
+        prompt = heldout.tokens[:1, : min(heldout.seq_len, 16)]
     with model.trace(prompt):
         site = lorsas.replace(layer=layer)
         z = nnsight.save(site.hook_z.output)

@@ -96,7 +96,30 @@ class TooFewTokensError(LorsaError, ValueError):
     ``d_qk_head`` in its first batch. Raised before the first step; the message says what to change."""
 
 
+class GateConfigError(LorsaError, ValueError):
+    """A sparse-attention setting is invalid: a gate's (unknown mode, non-positive temperature, ``top_k < 1``,
+    head count), the GECO multiplier's, or the training windows' (a stream holding the model's EOS id, windows
+    not starting with its BOS, no BOS id); the message names the setting and what to pass instead."""
+
+
+class VacuousConstraintError(GateConfigError):
+    """The sparse-attention constraint ``CE <= τ`` holds from step 0 by a vacuous margin: the base
+    model's CE on the training windows is more than ``max_initial_slack`` of it below τ (e.g. τ measured
+    on other windows), so training would close gates with no check on CE."""
+
+
+class GateNotInstalledError(LorsaError, RuntimeError):
+    """Gated attention ran (or was queried) on an attention module that carries no ``gate``
+    (:func:`~nnsight_lorsa.sparse_attention.install_gated_attention` adds one)."""
+
+
+class HeldoutConstraintWarning(UserWarning):
+    """A sparse-attention model met its CE constraint on the training windows but not on held-out ones
+    (``train_sparse_attention(..., heldout=...)``; the summary's ``heldout_violation``)."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
-           "FormatDetectionError", "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "NonFiniteError",
-           "PlacementError", "ShapeError", "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError",
-           "UnsupportedGenerationError"]
+           "FormatDetectionError", "GateConfigError", "GateNotInstalledError", "HeldoutConstraintWarning",
+           "LayerOutOfRangeError", "LorsaError", "MissingTokenizerError", "NonFiniteError", "PlacementError",
+           "ShapeError", "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError",
+           "UnsupportedGenerationError", "VacuousConstraintError"]

@@ -52,16 +52,40 @@ from .envoy.nnsight_internals import (
 from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
 from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
+from .ndif_rules import NotWhitelistedError, check_request
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
 CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
-#: Default payload cap when ``NNSIGHT_LORSA_MAX_PAYLOAD`` is unset: 500 MB, under the 512 MB a request
-#: may take in the Redis queue NDIF's server puts requests in (Redis' default ``proto-max-bulk-len``);
-#: a larger request would be refused there, after the upload.
+#: The largest request NDIF's queue takes, in bytes: the API pushes ``pickle.dumps(backend_request)`` (the request
+#: body plus its envelope) onto a Redis list (``ndif-team/ndif`` at ``b7ac71f4e4a96fa95b1f155d613eba6069441db1``,
+#: ``src/services/api/src/app.py``), and Redis refuses a value above its ``proto-max-bulk-len``, 512mb by
+#: default -- Redis units, 512 * 1024**2 = 536,870,912 bytes.
+NDIF_QUEUE_LIMIT_BYTES = 512 * 1024 * 1024
+#: Bytes the queue adds around the request body: the pickled envelope (request id, API key, model key, headers).
+#: Measured at about 1 KB with nnsight 0.8.1; bounded generously here.
+QUEUE_OVERHEAD_BYTES = 64 * 1024
+#: Default payload cap when ``NNSIGHT_LORSA_MAX_PAYLOAD`` is unset: 500 MB (500,000,000 bytes), under
+#: :data:`NDIF_QUEUE_LIMIT_BYTES` minus :data:`QUEUE_OVERHEAD_BYTES` (536,805,376 bytes): a larger request would be
+#: refused by the queue, after the upload.
 DEFAULT_CAP_BYTES = 500_000_000
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+class QueueLimitError(LorsaError, ValueError):
+    """A remote request is larger than NDIF's request queue takes (:data:`NDIF_QUEUE_LIMIT_BYTES` with the
+    queue's envelope), whatever the cap says: raised before anything is sent.
+
+    Attributes:
+        request_bytes: the serialized request (what would be POSTed).
+        limit_bytes: the queue's limit it exceeds (with :data:`QUEUE_OVERHEAD_BYTES`).
+    """
+
+    def __init__(self, message: str, request_bytes: int, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.request_bytes = request_bytes
+        self.limit_bytes = limit_bytes
 
 
 class PayloadTooLargeError(LorsaError, ValueError):
@@ -462,17 +486,27 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         model_key: the NDIF model key (``model.to_model_key()``).
         cap_bytes: the cap (int or ``"1.5GB"``), default :func:`default_cap_bytes`.
         dry_run: serialize and keep the bytes; send nothing (the trace's saves stay unset).
+        queue_limit_bytes: the largest request the server's queue takes (:data:`NDIF_QUEUE_LIMIT_BYTES`, NDIF's);
+            a request above it less :data:`QUEUE_OVERHEAD_BYTES` is refused whatever the cap. None: no queue limit
+            (a server of your own configured otherwise).
+        check_rules: read the serialized request's opcodes (never unpickling it) and refuse it when unpickling
+            would resolve a module outside NDIF's whitelist (:func:`~nnsight_lorsa.ndif_rules.check_request`).
         **kwargs: ``host``, ``api_key``, ``env``, ``blocking``, ``job_id``, ``verbose`` as for
             ``RemoteBackend``.
 
-    Raises (when the trace exits):
+    Raises (when the trace exits, before anything is sent):
         PayloadTooLargeError: the request exceeds the cap.
+        QueueLimitError: the request exceeds the queue's limit (a cap set above it).
+        NotWhitelistedError: the request names objects of modules NDIF does not unpickle.
     """
 
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
+                 queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES, check_rules: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(model_key, *args, **kwargs)
+        self.check_rules = check_rules
         self.cap_bytes = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
+        self.queue_limit_bytes = None if queue_limit_bytes is None else parse_bytes(queue_limit_bytes)
         self.dry_run = dry_run
         self.report: PayloadReport | None = None
         self.payload_bytes: int | None = None
@@ -494,6 +528,23 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
                   + (f", largest {top[0].name} {format_bytes(top[0].nbytes)}" if top else ""))
         if len(blob) > self.cap_bytes:
             raise _too_large(report, self.cap_bytes, "this remote request")
+        if self.queue_limit_bytes is not None and len(blob) + QUEUE_OVERHEAD_BYTES > self.queue_limit_bytes:
+            limit = self.queue_limit_bytes - QUEUE_OVERHEAD_BYTES
+            raise QueueLimitError(
+                f"this remote request is {format_bytes(len(blob))} ({len(blob)} bytes) serialized: NDIF's request "
+                f"queue (Redis, proto-max-bulk-len {self.queue_limit_bytes} bytes) takes at most {limit} bytes of "
+                "request with its envelope, so the server would refuse it after the upload (the cap of "
+                f"{format_bytes(self.cap_bytes)} is above that). Split the job: fewer layers per request "
+                "(for_remote(replacement, layers=[...]) in one trace or session each), the model's dtype "
+                "(dtype=torch.bfloat16), or the two-phase mode (docs/remote.md); queue_limit_bytes=None for a server "
+                "with a larger queue.", len(blob), limit)
+        if self.check_rules:
+            data = blob
+            if self.compress:
+                import zstandard
+
+                data = zstandard.ZstdDecompressor().decompress(blob)
+            check_request(data)
         return blob
 
     def request(self, request: Any, tracer: Any) -> Any:
@@ -511,7 +562,8 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
 
 
 def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: bool = False,
-                   model_key: str | None = None, **kwargs: Any) -> MeasuredRemoteBackend:
+                   model_key: str | None = None, queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES,
+                   check_rules: bool = True, **kwargs: Any) -> MeasuredRemoteBackend:
     """A :class:`MeasuredRemoteBackend` for ``model``: ``model.trace(prompt, backend=remote_backend(model))``.
 
     Args:
@@ -520,6 +572,8 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
         dry_run: keep the exact request bytes in ``backend.blob`` instead of sending them.
         model_key: override ``model.to_model_key()`` (a dry run of a model that has none,
             e.g. one built from an in-memory module, gets ``"local:unknown"``).
+        queue_limit_bytes: the server queue's limit (default NDIF's, :data:`NDIF_QUEUE_LIMIT_BYTES`; None: none).
+        check_rules: refuse a request NDIF would not unpickle, before sending it (:class:`MeasuredRemoteBackend`).
         **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
     """
     if model_key is None:
@@ -530,11 +584,12 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
                 raise
             model_key = "local:unknown"
     return MeasuredRemoteBackend(model_key, env=remote_env(model), cap_bytes=cap_bytes, dry_run=dry_run,
-                                 **kwargs)
+                                 queue_limit_bytes=queue_limit_bytes, check_rules=check_rules, **kwargs)
 
 
 __all__ = [
-    "CAP_ENV", "DEFAULT_CAP_BYTES", "MeasuredRemoteBackend", "PayloadReport", "PayloadTooLargeError", "TensorSize",
+    "CAP_ENV", "DEFAULT_CAP_BYTES", "NDIF_QUEUE_LIMIT_BYTES", "QUEUE_OVERHEAD_BYTES", "MeasuredRemoteBackend",
+    "NotWhitelistedError", "PayloadReport", "PayloadTooLargeError", "QueueLimitError", "TensorSize",
     "check_payload", "default_cap_bytes", "for_remote", "format_bytes", "model_dtype", "parse_bytes",
     "payload_report", "register", "remote_backend", "request_report", "serialized_size", "unregister",
 ]

@@ -590,7 +590,8 @@ def graph_cases(root: Path) -> list[Case]:
 def gate_cases(root: Path) -> list[Case]:
     from helpers import tiny_hf_model
 
-    from nnsight_lorsa.sparse_attention import install_gated_attention, load_gates, save_gates
+    from nnsight_lorsa.sparse_attention import install_gated_attention, load_gates
+    from nnsight_lorsa.sparse_attention.io import save_gates
 
     src = tiny_hf_model("llama")
     install_gated_attention(src)

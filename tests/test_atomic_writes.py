@@ -136,7 +136,7 @@ RELU: dict[str, Any] = {"activation": "relu", "activation_params": {}}
 
 def _writers(root: Path) -> dict[str, Writer]:
     from nnsight_lorsa.attribution import Graph
-    from nnsight_lorsa.sparse_attention import save_gates
+    from nnsight_lorsa.sparse_attention.io import save_gates
 
     read_module = lambda d: _module_sig(load(d))  # noqa: E731
     graph_old, graph_new = _graph_pair(root)
@@ -367,7 +367,8 @@ def test_unrelated_files_are_kept_and_replaced_files_dropped(tmp_path):
 
 
 def test_save_gates_keeps_the_model_beside_them(tmp_path):
-    from nnsight_lorsa.sparse_attention import load_sparse_model, save_gates, save_sparse_model
+    from nnsight_lorsa.sparse_attention import save_sparse_model
+    from nnsight_lorsa.sparse_attention.io import load_sparse_model, save_gates
 
     hf = _gated(0)
     d = save_sparse_model(hf, tmp_path / "m")

@@ -354,3 +354,96 @@ def test_resuming_with_other_lorsa_arguments_is_refused(local_model, tmp_path, m
     code = main(["demo", *local_model, "--steps", "3", "--seq-len", "16", "--batch-size", "4", "--top-k", "8",
                  "--resume", str(out / "checkpoint")])
     assert code == 1 and "CheckpointError" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- token ids (issue 24)
+def test_demo_runs_on_token_ids_with_a_model_without_tokenizer(tmp_path, capsys):
+    """``--tokens FILE``: a model directory with no tokenizer files trains on a token-id stream cut at the
+    config's EOS id, one window per document, and shows its heads with id tokens."""
+    model_dir = tmp_path / "model"
+    hf = tiny_hf_model("llama")
+    hf.config.bos_token_id, hf.config.eos_token_id = 0, 1
+    hf.save_pretrained(model_dir)
+    assert not any(p.name.startswith("tokenizer") for p in model_dir.iterdir())
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(2, 100, (int(n),), generator=gen).tolist() + [1]
+            for n in torch.randint(8, 40, (60,), generator=gen)]
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.tensor([t for d in docs for t in d])}, str(tmp_path / "ids.safetensors"))
+    out = tmp_path / "out"
+    code = main(["demo", "--model", str(model_dir), "--tokens", str(tmp_path / "ids.safetensors"), "--steps", "4",
+                 "--seq-len", "32", "--batch-size", "4", "--heldout-windows", "8", "--n-show", "1",
+                 "--out-dir", str(out), "--no-progress"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert f"token ids from {tmp_path / 'ids.safetensors'}: 60 windows x 32 tokens" in printed.out
+    assert json.loads((out / "demo_results.json").read_text())["eval"]["fvu"] >= 0
+
+
+def test_text_and_tokens_together_are_refused(tmp_path, no_work, capsys):
+    (tmp_path / "t.txt").write_text("w2 w3")
+    np_path = tmp_path / "ids.npy"
+    import numpy as np
+
+    np.save(np_path, np.arange(2, 40))
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--text", str(tmp_path / "t.txt"), "--tokens", str(np_path), "--no-progress"])
+    assert info.value.code == 2 and "--text and --tokens" in capsys.readouterr().err
+    (tmp_path / "ids.npy").write_bytes(b"not numpy")
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--tokens", str(np_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and str(np_path) in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- generated argument sets (issue 23)
+_FLAGS = ["--seq-len", "--batch-size", "--steps", "--n-ov-heads", "--qk-heads-per-mhsa-head", "--top-k", "--lr",
+          "--heldout-windows", "--n-show", "--seed", "--layer", "--threads", "--device", "--dtype", "--model",
+          "--text", "--tokens", "--resume", "--out-dir"]
+
+
+def _values():
+    from hypothesis import strategies as st
+
+    return st.one_of(st.integers(-3, 5).map(str), st.sampled_from(
+        ["0", "1e30", "-1e-3", "nan", "inf", "2.5", "", "cpu", "cuda", "auto", "meta", "float32", "int8", "x",
+         "/nonexistent", "True", "--steps", "1_000", "0x10", " 3", "é"]))
+
+
+def _argv_sets():
+    from hypothesis import strategies as st
+
+    return st.lists(st.tuples(st.sampled_from(_FLAGS), _values()), max_size=5)
+
+
+def test_generated_argument_sets_end_in_a_run_or_a_usage_error(monkeypatch, tmp_path):
+    """Any argument set either passes every check (the run is then stubbed right after them) or exits 2 with a
+    one-line usage error naming an option — never a traceback or a raw exception."""
+    from hypothesis import given, settings
+
+    import nnsight_lorsa.demo as demo
+
+    class Checked(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Checked
+
+    monkeypatch.setattr(demo, "load_model", stop)
+    monkeypatch.setattr(demo, "_check_out_dir", lambda d: None)  # no directories made under the cwd
+
+    @settings(max_examples=150, deadline=None)
+    @given(_argv_sets())
+    def run(pairs):
+        argv = ["demo", "--no-progress", *[x for pair in pairs for x in pair]]
+        try:
+            main(argv)
+        except Checked:  # every check passed: the run would start here
+            return
+        except SystemExit as e:
+            assert e.code == 2, (argv, e.code)
+            return
+        raise AssertionError(f"{argv} neither ran nor was refused")
+
+    run()

@@ -7,16 +7,21 @@ actor does with a request, using nnsight's own code for every step it can:
   raises ``ImportError`` for them), so everything our objects need must travel by value;
 - it builds its own model from the same seed (a tiny ``LlamaForCausalLM`` with Llama-3.1-8B's
   architecture: GQA, llama3 rope scaling), fresh, with nothing attached;
-- per request: ``model._remoteable_set_env(env)``, ``RequestModel.deserialize(blob,
-  model._remoteable_persistent_objects(), compress=...)``, ``tracer.execute(tracer.info.code)`` in a
-  trace scope, and it returns the saved values ``torch.save``-d, as the result blob is;
-- it records which modules unpickling resolves (to compare with NDIF's deserialization
-  whitelist), which imports our shipped code makes while running, and what is left attached to
-  the model afterwards.
+- per request, under NDIF's rules (pinned sources in ``nnsight_lorsa.ndif_rules`` and docs/remote.md, "NDIF's
+  rules"): a request larger than the queue takes (``pickle.dumps`` of body + envelope above
+  ``max_request_bytes``) is refused before it is unpickled; ``model._remoteable_set_env(env)``;
+  ``RequestModel.deserialize(blob, model._remoteable_persistent_objects(), compress=...)`` with an unpickler whose
+  ``find_class`` (and cloudpickle's ``subimport``/``dynamic_subimport``) refuse a module outside NDIF's unpickling
+  whitelist by full dotted name; ``tracer.execute(tracer.info.code)`` in a trace scope with ``builtins.__import__``
+  checking every import against the run-time whitelist (a refused module raises on first use, as NDIF's does) and
+  the model's modules refusing ``setattr``, a mounted child and ``.to`` (NDIF's ``protect()``); it returns the saved
+  values ``torch.save``-d, as the result blob is;
+- it records which modules unpickling resolves, every import made while running (with its caller), each rule a
+  request broke, and what is left attached to the model afterwards.
 
-What it does not reproduce (NDIF's source, ``ndif-team/ndif``): the Ray/queue/websocket transport,
-the ``Protector`` sandbox (import hook, stripped builtins, attribute guards, audit hook), the
-``ProtectedObject`` wrapping of the model's modules, the CUDA placement and bf16 autocast.
+What it does not reproduce: the Ray/queue/websocket transport, the ``ProtectedModule`` attribute checks on imported
+modules, the stripped builtins, the audit hook, the copies ``protect()`` hands out for tensor/list/dict attributes,
+the CUDA placement and bf16 autocast.
 
 The trace requests are serialized by nnsight itself: ``MeasuredRemoteBackend`` (a subclass of
 nnsight's ``RemoteBackend``) calls ``RemoteBackend._serialize`` -- ``pull_env()`` then
@@ -33,29 +38,25 @@ import torch
 from helpers import random_ids, tiny_nnsight
 from loopback import (
     DOC_SETUP,
-    NDIF_DESERIALIZATION_WHITELIST,
-    SERVER_RUNTIME_IMPORTS,
+    NDIF_DESERIALIZATION_MODULES,
+    NDIF_RUNTIME_MODULES,
+    REDIS_PROTO_MAX_BULK_LEN,
     doc_blocks,
+    module_allowed,
     run_client,
 )
 
-#: Roots of ``deserialization_modules`` + ``modules`` in NDIF's sandbox whitelist
-#: (``ndif-team/ndif``, ``src/ndif/services/ray/nn/security/whitelist.yaml``, as stored); unpickling
-#: a request there may resolve only these.
-#: Imports our shipped code may make while running on the server.
-
-
-
 # ---------------------------------------------------------------- (a) strict loopback: replace
 REPLACE_CLIENT = r'''
-import json, torch, nnsight
+import fractions, json, torch, nnsight
 from loopback import LoopbackServer, build_model
 from helpers import make_lorsa
 from helpers import random_ids
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.remote import register, remote_backend
+from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
 
-server = LoopbackServer()
+LIMIT = 300_000  # the queue's limit (Redis proto-max-bulk-len), small: a replace request is ~0.1 MB
+server = LoopbackServer(max_request_bytes=LIMIT)
 model, hf = build_model()
 lorsas = LorsaSet(model, {1: make_lorsa(hf, get_adapter(model))})
 register()
@@ -83,6 +84,49 @@ with model.trace(ids, backend=backend_err):
     lorsas.replace(layer=1, error=True)
     logits_err = nnsight.save(model.lm_head.output)
 second = server.run(backend_err.blob, backend_err.envelope.model_dump())
+
+# ---- the loopback's strictness itself (the same server: its queue takes LIMIT bytes)
+strict = {}
+
+def send(name, sb):
+    resp = server.run(sb.blob, sb.envelope.model_dump())
+    strict[name] = {k: resp[k] for k in ("error", "refused", "queued_bytes", "extra_modules", "resolved_modules")}
+    strict[name]["saved"] = sorted(resp["saves"] or ())
+
+sb = remote_backend(model, dry_run=True)                  # control: a plain request passes
+with model.trace(ids, backend=sb):
+    logits = nnsight.save(model.lm_head.output)
+send("plain", sb)
+
+sb = remote_backend(model, dry_run=True)                  # an import the run-time whitelist lacks
+with model.trace(ids, backend=sb):
+    import pathlib
+    where = nnsight.save(str(pathlib.PurePosixPath("a") / "b"))
+send("runtime_import", sb)
+
+third = fractions.Fraction(1, 3)                               # unpickling resolves a module outside the list
+try:                                                           # the client refuses it before sending ...
+    with model.trace(ids, backend=remote_backend(model, dry_run=True)):
+        scaled = nnsight.save(model.lm_head.output * float(third))
+except NotWhitelistedError as e:
+    strict["client_refused"] = e.modules
+sb = remote_backend(model, dry_run=True, check_rules=False)   # ... and the server when it is sent anyway
+with model.trace(ids, backend=sb):
+    scaled = nnsight.save(model.lm_head.output * float(third))
+send("unpickle", sb)
+
+sb = remote_backend(model, dry_run=True)                  # a child module mounted on a module of the model
+with model.trace(ids, backend=sb):
+    model.model.layers[0].extra = torch.nn.Linear(2, 2)
+    mounted = nnsight.save(model.lm_head.output)
+send("mount", sb)
+
+big = torch.randn(100_000, generator=torch.Generator().manual_seed(0))  # 400 KB, incompressible: above LIMIT
+sb = remote_backend(model, dry_run=True)
+with model.trace(ids, backend=sb):
+    shifted = nnsight.save(model.lm_head.output + big[0])
+send("oversized", sb)
+strict["oversized"]["blob"] = len(sb.blob)
 server.close()
 
 def diff(saves, name, ref):
@@ -90,28 +134,41 @@ def diff(saves, name, ref):
         return None
     return float((saves[name].float() - ref.float()).abs().max())
 
-out = {"payload_bytes": len(backend.blob), "tensor_bytes": backend.report.total_tensor_bytes,
+import zstandard
+from nnsight_lorsa.ndif_rules import pickled_modules
+
+scanned = {k: sorted(pickled_modules(zstandard.ZstdDecompressor().decompress(b.blob)))
+           for k, b in (("replace", backend), ("error_term", backend_err))}
+out = {"scanned": scanned, "payload_bytes": len(backend.blob), "tensor_bytes": backend.report.total_tensor_bytes,
        "compressed": backend.envelope.compress, "attached_locally": sorted(
            n for n, _ in hf.named_modules() if "lorsa" in n)}
 for key, resp in (("replace", first), ("error_term", second)):
     out[key] = {k: resp[k] for k in ("error", "traceback", "resolved_modules", "runtime_imports", "extra_modules",
-                                     "hooks", "blocked_loaded")}
+                                     "hooks", "blocked_loaded", "refused", "queued_bytes")}
 out["replace"]["diff_z"] = diff(first["saves"], "z", local["z"])
 out["replace"]["diff_logits"] = diff(first["saves"], "logits", local["logits"])
 out["replace"]["equal"] = bool(first["saves"]) and all(torch.equal(first["saves"][k], local[k]) for k in local)
 out["error_term"]["diff_logits_vs_clean"] = diff(second["saves"], "logits_err", clean)
 out["error_term"]["max_abs_logit"] = float(clean.float().abs().max())
+out["strict"] = strict
 print(json.dumps(out))
 '''
 
 
 @pytest.fixture(scope="module")
 def replace_loopback() -> dict:
+    """One client and one loopback server (each a fresh interpreter) for the replace flow and the strictness checks."""
     return run_client(REPLACE_CLIENT)
 
 
+@pytest.fixture(scope="module")
+def strict_loopback(replace_loopback: dict) -> dict:
+    return replace_loopback["strict"]
+
+
 def _non_whitelisted(modules: list[str]) -> set[str]:
-    return {m.split(".")[0] for m in modules} - NDIF_DESERIALIZATION_WHITELIST
+    """The modules (full dotted names) NDIF's unpickling whitelist does not allow."""
+    return {m for m in modules if not module_allowed(m, NDIF_DESERIALIZATION_MODULES)}
 
 
 def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) -> None:
@@ -124,8 +181,13 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
         assert resp["extra_modules"] == [] and resp["hooks"] == 0, resp
         assert _non_whitelisted(resp["resolved_modules"]) == set(), resp["resolved_modules"]
         assert resp["error"] is None, resp["traceback"]
-        bad = [i for i in resp["runtime_imports"] if i[0].split(".")[0] not in SERVER_RUNTIME_IMPORTS]
+        assert resp["refused"] == [], resp["refused"]  # no NDIF rule broken (whitelists, setattr, size)
+        bad = [i for i in resp["runtime_imports"] if not module_allowed(i[0], NDIF_RUNTIME_MODULES)]
         assert not bad, bad
+    # the queue's envelope around the body stays within what MeasuredRemoteBackend reserves for it
+    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES
+
+    assert 0 < out["replace"]["queued_bytes"] - out["payload_bytes"] < QUEUE_OVERHEAD_BYTES, out["replace"]
     assert out["replace"]["equal"], (out["replace"]["diff_z"], out["replace"]["diff_logits"])
     # the stated bound (docs/nnsight.md): max |Δlogit| <= 1e-5 · max |logit| in fp32
     err = out["error_term"]
@@ -135,8 +197,94 @@ def test_replace_runs_on_a_server_without_nnsight_lorsa(replace_loopback: dict) 
 
 
 def test_request_resolves_only_ndif_whitelisted_modules(replace_loopback: dict) -> None:
-    """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it."""
-    assert _non_whitelisted(replace_loopback["replace"]["resolved_modules"]) == set()
+    """NDIF unpickles requests under a module whitelist: our shipped objects resolve nothing outside it; and the
+    client-side reading of the request's opcodes (``ndif_rules.pickled_modules``, what ``MeasuredRemoteBackend``
+    checks before sending) finds exactly the modules the server's unpickler resolved."""
+    for key in ("replace", "error_term"):
+        resolved = replace_loopback[key]["resolved_modules"]
+        assert _non_whitelisted(resolved) == set()
+        assert replace_loopback["scanned"][key] == resolved
+
+
+# ---------------------------------------------------------------- the loopback's strictness itself
+def test_loopback_runs_a_plain_request(strict_loopback: dict) -> None:
+    """The control for the refusals below: a plain nnsight request passes every rule."""
+    plain = strict_loopback["plain"]
+    assert plain["error"] is None and plain["refused"] == [] and plain["saved"] == ["logits"], plain
+
+
+def test_loopback_refuses_an_import_outside_the_runtime_whitelist(strict_loopback: dict) -> None:
+    resp = strict_loopback["runtime_import"]
+    assert resp["error"] == "ImportError: Module pathlib is not whitelisted", resp
+    assert [r[:2] for r in resp["refused"]] == [["run-time import whitelist", "pathlib"]] and resp["saved"] == []
+
+
+def test_loopback_refuses_to_unpickle_a_module_outside_the_whitelist(strict_loopback: dict) -> None:
+    resp = strict_loopback["unpickle"]
+    assert resp["error"] == "ImportError: Module fractions is not whitelisted", resp
+    assert [r[:2] for r in resp["refused"]] == [["unpickling whitelist", "fractions"]] and resp["saved"] == []
+    assert strict_loopback["client_refused"] == ["fractions"]  # MeasuredRemoteBackend refused it before sending
+
+
+def test_loopback_refuses_a_module_mounted_on_the_model(strict_loopback: dict) -> None:
+    resp = strict_loopback["mount"]
+    assert resp["error"] == "AttributeError: Attribute 'extra' cannot be set after initialization", resp
+    assert resp["refused"][0][:2] == ["no setattr on the model's modules", "extra"] and resp["saved"] == []
+    assert resp["extra_modules"] == []
+
+
+def test_loopback_refuses_a_request_above_the_queue_limit(strict_loopback: dict) -> None:
+    resp = strict_loopback["oversized"]
+    assert resp["queued_bytes"] > 300_000 > strict_loopback["plain"]["queued_bytes"], resp
+    assert resp["error"].startswith("RuntimeError: ERR Protocol error: invalid bulk length"), resp
+    assert [r[0] for r in resp["refused"]] == ["request size limit"] and resp["saved"] == []
+    assert resp["resolved_modules"] == []  # refused before it was unpickled
+
+
+def test_ndif_rules_are_read_from_the_pinned_source() -> None:
+    """The lists' entry semantics (NDIF's ``WhitelistedModule.check`` + ``is_module_allowed``), and the limit."""
+    assert module_allowed("torch.nn.functional", NDIF_RUNTIME_MODULES)
+    assert not module_allowed("torch.hub", NDIF_RUNTIME_MODULES)  # a blocked submodule
+    assert module_allowed("nnsight", NDIF_RUNTIME_MODULES) and not module_allowed("nnsight.intervention",
+                                                                                     NDIF_RUNTIME_MODULES)
+    assert module_allowed("nnsight.intervention.source", NDIF_DESERIALIZATION_MODULES)
+    assert not module_allowed("abc", NDIF_DESERIALIZATION_MODULES) and not module_allowed("_thread",
+                                                                                           NDIF_DESERIALIZATION_MODULES)
+    assert not module_allowed("operator.x", NDIF_RUNTIME_MODULES) and not module_allowed("torchvision",
+                                                                                          NDIF_RUNTIME_MODULES)
+    from nnsight_lorsa.remote import DEFAULT_CAP_BYTES, NDIF_QUEUE_LIMIT_BYTES, QUEUE_OVERHEAD_BYTES
+
+    assert NDIF_QUEUE_LIMIT_BYTES == REDIS_PROTO_MAX_BULK_LEN == 536_870_912
+    assert DEFAULT_CAP_BYTES + QUEUE_OVERHEAD_BYTES < NDIF_QUEUE_LIMIT_BYTES
+
+
+def test_a_request_above_the_queue_limit_is_refused_before_sending() -> None:
+    """A cap set above NDIF's queue limit does not let a request through that the queue would refuse."""
+    import nnsight
+
+    from nnsight_lorsa.remote import QUEUE_OVERHEAD_BYTES, NotWhitelistedError, QueueLimitError, remote_backend
+
+    model, lorsas = _tiny_set()
+    limit = QUEUE_OVERHEAD_BYTES + 50_000  # a queue that takes 50 KB of request: the Lorsa is 99.8 KB
+    backend = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=limit)
+    with pytest.raises(QueueLimitError, match="proto-max-bulk-len") as info, model.trace(random_ids(),
+                                                                                          backend=backend):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert info.value.limit_bytes == 50_000 < info.value.request_bytes and backend.blob is None
+    assert "for_remote(replacement, layers=[...])" in str(info.value)
+    roomy = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=None)
+    # without register() the request names this package's modules, which NDIF does not have: refused before sending
+    with pytest.raises(NotWhitelistedError, match=r"call nnsight_lorsa\.remote\.register\(\)") as refused, \
+            model.trace(random_ids(), backend=roomy):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert "nnsight_lorsa.modules.lorsa" in refused.value.modules and roomy.blob is None
+    unchecked = remote_backend(model, dry_run=True, cap_bytes="1GB", queue_limit_bytes=None, check_rules=False)
+    with model.trace(random_ids(), backend=unchecked):
+        lorsas.replace(layer=1)
+        nnsight.save(model.lm_head.output)
+    assert unchecked.blob is not None and len(unchecked.blob) > 50_000
 
 
 # ---------------------------------------------------------------- (c) the NDIF doc blocks, against the loopback
@@ -338,3 +486,43 @@ def test_register_ships_code_by_value_and_guards_remote_true() -> None:
     assert out["tensor_bytes"] == 49_920
     # by value the package's source travels too: tens of KB more than the by-reference pickle
     assert out["by_value"] > out["by_reference"] + 10_000
+
+
+def test_pickled_modules_reads_a_pickles_globals_without_unpickling_it() -> None:
+    """``GLOBAL`` (protocol 2), ``STACK_GLOBAL`` (protocol 5) and memoized repeats; a refused module is named."""
+    import collections
+    import fractions
+    import pickle
+
+    from nnsight_lorsa.ndif_rules import NotWhitelistedError, check_request, pickled_modules
+
+    for protocol in (2, 5):
+        data = pickle.dumps([fractions.Fraction(1, 3), collections.OrderedDict(), fractions.Fraction(2, 3)],
+                            protocol=protocol)
+        assert {"fractions", "collections"} <= pickled_modules(data) <= {"fractions", "collections", "builtins",
+                                                                          "copyreg", "__builtin__"}
+    with pytest.raises(NotWhitelistedError, match="fractions") as info:
+        check_request(pickle.dumps(fractions.Fraction(1, 3)))
+    assert info.value.modules == ["fractions"] and "Nothing was sent" in str(info.value)
+    assert check_request(pickle.dumps(collections.OrderedDict())) == {"collections"}
+
+
+def test_replace_leaves_the_models_modules_alone() -> None:
+    """NDIF refuses ``setattr`` on the model's modules: the Lorsa is an envoy of the trace, never a child module,
+    and its internals read as before."""
+    import nnsight
+
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+
+    model, lorsas = _tiny_set()
+    attention = hf_module(model).model.layers[1].self_attn
+    before = dict(attention._modules)
+    children = []
+    with model.trace(random_ids()):
+        site = lorsas.replace(layer=1)
+        children.append(sorted(attention._modules))
+        children.append(site.path)
+        z = nnsight.save(site.hook_z.output)
+    assert children == [sorted(before), "model.model.layers.1.self_attn.lorsa"] and "lorsa" not in before
+    assert attention._modules == before and z.shape[-1] == lorsas[1].cfg.n_ov_heads
+    assert "lorsa" not in model.model.layers[1].self_attn.__dict__  # the site's envoy forgot it after the trace

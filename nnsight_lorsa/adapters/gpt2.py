@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig
 from .base import ArchitectureAdapter, MHSAWeights
+from .transformers_internals import attn_implementation
 
 
 class GPT2Adapter(ArchitectureAdapter):
@@ -71,7 +72,7 @@ class GPT2Adapter(ArchitectureAdapter):
 
     def _check_scale_applied(self, attn: Any, layer: int) -> None:
         """Refuse a config scale that the model's (pre-``scaling``) non-eager attention ignores."""
-        impl = getattr(getattr(attn, "config", self.config), "_attn_implementation", None) or "eager"
+        impl = attn_implementation(getattr(attn, "config", self.config)) or "eager"
         c = self.config
         ignored = [name for name, set_ in (
             ("scale_attn_by_inverse_layer_idx=True", getattr(c, "scale_attn_by_inverse_layer_idx", False)),

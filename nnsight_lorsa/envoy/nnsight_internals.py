@@ -6,7 +6,10 @@ nnsight version is checked here and nowhere else. What is used:
 
 * ``nnsight.intervention.source.STATE`` / ``Controller`` — nnsight's per-module instrumentation, removed
   from a replacement module when it is unmounted (:func:`strip_nnsight`);
-* ``Envoy._drop_envoy``, ``Envoy._module``, ``interleaver.envoys`` — unmounting a child envoy (:func:`detach`);
+* ``Envoy(module, path=, interleaver=, parent=)``, ``Envoy._module``, ``interleaver.envoys``, ``Interleaver.instrument``
+  / ``fragments`` and ``source.install_controller`` — an envoy for a replacement module that is not a child of
+  the model's modules (:func:`attach`, :func:`detach`); ``Envoy._drop_envoy`` — unmounting a real child module
+  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention);
 * ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
   ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
   ``Mediator.counts_at_start`` / ``Mediator.iteration`` — a per-trace worker that runs a replacement in
@@ -22,10 +25,11 @@ nnsight version is checked here and nowhere else. What is used:
   (:func:`check_one_thread`; nnsight's greenlets are bound to their thread), and which worker is
   running (:func:`park_or_end`).
 
-Mounting: a replacement module becomes an envoy of the running trace by being attached as a child
-of a model module (nnsight mirrors it and instruments it with its controller); when its trace ends
-it is detached and nnsight's per-module instrumentation is removed again, unless the module
-already carried it before (a module the user wrapped elsewhere is left alone).
+Mounting: a replacement module becomes an envoy of the running trace without becoming a child of a
+model module (:func:`attach`: nnsight's ``Envoy`` built for it under the site's path and held by the
+site's envoy; NDIF's servers refuse ``setattr`` on the model's modules); when its trace ends it is
+detached and nnsight's per-module instrumentation is removed again, unless the module already
+carried it before (a module the user wrapped elsewhere is left alone).
 
 Workers: nnsight runs each intervention block as a *mediator* (a greenlet that parks on the
 locations it reads or writes). A replacement module's internals are observable only when the
@@ -51,9 +55,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nnsight.intervention import interleaver as nnsight_interleaver
 from nnsight.intervention.backends.remote import RemoteBackend
+from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
-from nnsight.intervention.source import STATE, Controller
+from nnsight.intervention.source import STATE, Controller, install_controller
 from torch import nn
 
 from ..errors import ConcurrentTraceError, TraceOrderError
@@ -70,7 +76,11 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.source", "Controller", "class"),
     # mounting and unmounting a child envoy (attach, detach), the module under an envoy (hf_module)
     ("nnsight.intervention.envoy.Envoy", "_module", "instance attribute"),
+    ("nnsight.intervention.envoy.Envoy", "__init__", "callable"),
     ("nnsight.intervention.envoy.Envoy", "_drop_envoy", "callable"),
+    ("nnsight.intervention.source", "install_controller", "callable"),
+    ("nnsight.intervention.interleaver.Interleaver", "instrument", "callable"),
+    ("nnsight.intervention.interleaver.Interleaver", "fragments", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "interleaver", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "path", "instance attribute"),
     ("nnsight.intervention.interleaver.Interleaver", "envoys", "instance attribute"),
@@ -145,7 +155,62 @@ def strip_nnsight(module: nn.Module) -> None:
 
 
 def attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
-    """Mount ``module`` as ``site_envoy.<name>`` and return its envoy (raises if the name is taken)."""
+    """Make ``module`` an envoy of the running trace at ``<site path>.<name>`` and return it, **without** adding it
+    to the model's modules (no ``setattr``/``add_module`` on a module of the model: NDIF's servers refuse both).
+
+    The envoy is nnsight's own (``Envoy(module, path=..., interleaver=..., parent=site_envoy)``), built with
+    nnsight's controller installed by ``install_controller`` -- the function ``Interleaver.instrument`` calls --
+    reached through this module's globals: ``instrument`` imports it lazily, and an import made while a request
+    runs on NDIF must be of a whitelisted module (``nnsight.intervention.source`` is not). The site's *envoy* holds
+    the new envoy under ``name`` (so ``site_envoy.<name>`` reads it); the site's torch module is not touched.
+
+    Raises:
+        TraceOrderError: the site's module has a child named ``name``, or its envoy holds another module's envoy there.
+    """
+    held = site_envoy.__dict__.get(name)
+    if held is not None and getattr(held, "_module", None) is module:
+        return held
+    if name in hf_module(site_envoy)._modules or held is not None:
+        raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
+    interleaver = site_envoy.interleaver
+
+    def instrument(envoy: Any) -> None:  # Interleaver.instrument (nnsight 0.8.1), without its lazy import
+        if interleaver.fragments is not None:
+            interleaver.fragments.instrument(envoy)
+        install_controller(envoy)
+
+    interleaver.__dict__["instrument"] = instrument  # the interleaver, not a module of the model
+    try:
+        envoy = Envoy(module, path=f"{site_envoy.path}.{name}", interleaver=interleaver, parent=site_envoy)
+    finally:
+        interleaver.__dict__.pop("instrument", None)
+    site_envoy.__dict__[name] = envoy
+    return envoy
+
+
+def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
+    """Undo :func:`attach`: forget the envoy and its descendants' registrations and, unless ``module`` was
+    instrumented before, strip nnsight's controllers from it."""
+    held = site_envoy.__dict__.get(name)
+    if held is not None and getattr(held, "_module", None) is module:
+        del site_envoy.__dict__[name]
+    # the interleaver keeps one registration per module (a hook point's too); a stale one would make the next trace
+    # that attaches the module alias the old envoy (seen after ``tracer.stop()``: OutOfOrderError on ``hook_z``)
+    registry = site_envoy.interleaver.envoys
+    prefix = f"{site_envoy.path}.{name}."
+    for sub in module.modules():
+        envoy = registry.get(id(sub))
+        if envoy is not None and f"{envoy.path}.".startswith(prefix):
+            del registry[id(sub)]
+    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
+        strip_nnsight(module)
+
+
+def mount(site_envoy: Any, name: str, module: nn.Module) -> Any:
+    """Mount ``module`` as a real child ``<site module>.<name>`` (``setattr`` on the envoy: nnsight adds it to the
+    torch module and mirrors it) and return its envoy; raises if the name is taken. For a lasting, local change of
+    the model (``install_gated_attention``), never inside a remote request: NDIF refuses ``setattr`` on the model's
+    modules (a splice uses :func:`attach`)."""
     existing = hf_module(site_envoy)._modules.get(name)
     if existing is not None and existing is not module:
         raise TraceOrderError(f"{site_envoy.path} already has a child module named {name!r}")
@@ -154,8 +219,8 @@ def attach(site_envoy: Any, name: str, module: nn.Module) -> Any:
     return getattr(site_envoy, name)
 
 
-def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
-    """Unmount ``module`` and, unless it was instrumented before :func:`attach`, strip nnsight's controllers."""
+def unmount(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
+    """Undo :func:`mount` and, unless ``module`` was instrumented before, strip nnsight's controllers."""
     if hf_module(site_envoy)._modules.get(name) is module:
         del hf_module(site_envoy)._modules[name]
         site_envoy._drop_envoy(name)
@@ -300,21 +365,19 @@ def pinned_step(worker: Mediator) -> int | None:
 
 
 def _current_greenlet() -> Any:
-    """The running greenlet, through nnsight's module (so that code shipped to NDIF names no ``greenlet``
-    module: the server's unpickling and import whitelists have nnsight, not greenlet)."""
-    from nnsight.intervention import interleaver
-
-    return interleaver.getcurrent()
+    """The running greenlet, through nnsight's interleaver module (so that code shipped to NDIF names no
+    ``greenlet`` module: NDIF's unpickling whitelist has nnsight, not greenlet). The module is a global of this
+    module, resolved when a request is unpickled: importing it while the request runs would be refused (NDIF's
+    run-time whitelist has ``nnsight`` itself, not ``nnsight.intervention``)."""
+    return nnsight_interleaver.getcurrent()
 
 
 def traced_method(interleaver: Any) -> str | None:
     """The name of the model method the running trace of ``interleaver`` calls (``"generate"`` for
     ``model.generate(...)``, ``"_call"`` for ``model.trace(...)``); None when it cannot be told (e.g. on
     a remote server). Called from a trace body's worker: the caller's thread is suspended in
-    ``Envoy.interleave(fn, ...)``, a parent of the worker greenlet. (Only nnsight is imported: this
-    runs on NDIF servers too, whose import whitelist has neither ``greenlet`` nor ``sys``.)"""
-    from nnsight.intervention.envoy import Envoy
-
+    ``Envoy.interleave(fn, ...)``, a parent of the worker greenlet. (Nothing is imported here: this runs
+    on NDIF servers too, whose run-time import whitelist has neither ``greenlet`` nor ``sys``.)"""
     code = Envoy.interleave.__code__
     g: Any = _current_greenlet().parent
     while g is not None:

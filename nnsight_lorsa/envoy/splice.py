@@ -3,8 +3,9 @@
 The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP) and SAEs
 (hook points). Called from inside a ``model.trace(...)`` body, :func:`splice`:
 
-1. attaches the replacement module as a child of the site's module (``<site>.<name>``), so
-   it and its :class:`HookPoint` children are envoys of this trace;
+1. makes the replacement module an envoy of this trace at ``<site>.<name>`` (it and its
+   :class:`HookPoint` children), without adding it to the model's modules
+   (:func:`~.nnsight_internals.attach`: NDIF refuses ``setattr`` on the model's modules);
 2. starts a per-trace worker (:mod:`.nnsight_internals`) that parks on the site's input and output, calls
    the replacement *observed* (its internals are served to the trace body, which can read and
    edit them), and swaps the site's output for the replacement's;
@@ -13,7 +14,7 @@ The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP) 
    ``replacement_clean`` is the replacement computed with no edits, so without edits the
    site's output is reproduced (up to fp rounding) and edits to the internals still propagate;
 4. detaches the module when the worker ends — after its swap, or when nnsight unwinds it
-   because the trace raised. Nothing survives the trace: no hook, no child module, no controller.
+   because the trace raised. Nothing survives the trace: no hook, no envoy, no controller.
 
 Values are whole-batch (all invokes of the trace) like ``model.edit()``; reads from a trace
 body are narrowed to its invoke's rows by nnsight as usual.
@@ -39,7 +40,7 @@ class SpliceSite(FieldsRepr):
     Attributes:
         site_path: envoy path (below the nnsight root) of the module whose output is replaced,
             e.g. ``"model.layers.3.self_attn"``.
-        attach_name: child name the replacement is mounted under, e.g. ``"lorsa"``.
+        attach_name: the name the replacement's envoy takes under the site, e.g. ``"lorsa"``.
         call: ``(module, args, kwargs) -> Tensor``: run the replacement on the site's call
             inputs (``args``/``kwargs`` of the site module's call).
         get_output: the tensor to replace, from the site module's return value.

@@ -1,7 +1,8 @@
 """Splice one replacement into several sites of a traced model, in execution order, for one trace.
 
 The generalisation of :func:`.splice.splice` that SAEs and cross-layer transcoders need, on the
-same mechanism (attach the module so its hook points are envoys of this trace, a per-trace
+same mechanism (make the module an envoy of this trace, so its hook points are, without adding it to the
+model's modules; a per-trace
 worker from :mod:`.nnsight_internals` that parks on the sites and swaps their outputs, detach when the
 worker ends, even if the trace raised). It differs in two ways:
 
@@ -87,8 +88,8 @@ class SpliceChain(FieldsRepr):
     Attributes:
         site_paths: envoy paths of the modules whose outputs are replaced, in the order the
             model runs them, e.g. ``("model.layers.0.mlp", "model.layers.1.mlp")``.
-        attach_path: envoy path the module is mounted under (``""``: the root model).
-        attach_name: child name it is mounted as, e.g. ``"clt"``.
+        attach_path: envoy path the module's envoy sits under (``""``: the root model).
+        attach_name: the name its envoy takes there, e.g. ``"clt"``.
         step: :data:`Step`; ``state`` is a dict private to one pass (live or clean) that the
             step may add entries to (it must not mutate values it stored at earlier sites). It
             lives as long as the trace: the forward passes of a run (the steps of a generation)
@@ -121,7 +122,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass, or the
-            parent already holds a different child under ``chain.attach_name``; or first called
+            parent already has a child module or envoy named ``chain.attach_name``; or first called
             inside ``tracer.iter[...]`` at a step after the first (the splice serves every step).
     """
     if not chain.site_paths:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from .._repr import FieldsRepr
 from ..errors import LorsaError
 
 if TYPE_CHECKING:
@@ -30,24 +31,24 @@ class TargetIndexError(LorsaError, IndexError):
     """A head or feature index is outside ``[0, n)`` of what it indexes."""
 
 
-@dataclass(frozen=True)
-class MHSAHead:
+@dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
+class MHSAHead(FieldsRepr):
     """Head ``head`` of layer ``layer``'s multi-head self-attention."""
 
     layer: int
     head: int
 
 
-@dataclass(frozen=True)
-class LorsaHead:
+@dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
+class LorsaHead(FieldsRepr):
     """Head ``head`` (an OV head, i.e. a column of ``hook_z``) of the Lorsa of ``layer``."""
 
     layer: int
     head: int
 
 
-@dataclass(frozen=True)
-class Feature:
+@dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
+class Feature(FieldsRepr):
     """Feature ``index`` of an SAE (``site`` a module path) or transcoder (``site`` a layer)."""
 
     site: str | int
@@ -68,8 +69,8 @@ def positions_index(positions: Positions) -> Any:
     return positions
 
 
-@dataclass(frozen=True)
-class Bound:
+@dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
+class Bound(FieldsRepr):
     """A validated target together with the :class:`~.replacement_model.ReplacementModel` that finds
     it in a trace."""
 

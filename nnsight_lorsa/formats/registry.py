@@ -4,15 +4,16 @@ Each :class:`Format` names the files that identify it (``detect``), the readers 
 (:class:`~.reader.Reader`: ``parse_config`` -> ``load_weights`` -> ``build``) and how it picks one
 (``choose``), and its writers by object type. Detection rules (a local directory):
 
-==================  ==========================================================  =============================
-format              files that identify it                                      reader chosen by
-==================  ==========================================================  =============================
-``nnsight_lorsa``   ``config.json`` + ``model.safetensors``                     ``config.json`` ``format`` tag
-``llamascopium``    ``config.json`` + ``sae_weights.safetensors``               ``config.json`` ``sae_type``
-``saelens``         ``cfg.json`` + ``sae_weights.safetensors``                  (one reader)
-``sparsify``        ``cfg.json`` + ``sae.safetensors``                          (one reader)
-``circuit_tracer``  ``config.yaml``, or ``layer_0.safetensors`` / ``W_enc_0…``  ``config.yaml`` ``model_kind``
-==================  ==========================================================  =============================
+======================  ==========================================================  =============================
+format                  files that identify it                                      reader chosen by
+======================  ==========================================================  =============================
+``nnsight_lorsa``       ``config.json`` + ``model.safetensors``                     ``config.json`` ``format`` tag
+``llamascopium``        ``config.json`` + ``sae_weights.safetensors``               ``config.json`` ``sae_type``
+``saelens``             ``cfg.json`` + ``sae_weights.safetensors``                  (one reader)
+``sparsify``            ``cfg.json`` + ``sae.safetensors``                          (one reader)
+``circuit_tracer``      ``config.yaml``, or ``layer_0.safetensors`` / ``W_enc_0…``  ``config.yaml`` ``model_kind``
+``sparse_attention``    ``sparse_attention.json`` + ``…_attention.safetensors``    (one reader: the gates)
+======================  ==========================================================  =============================
 
 No match, or more than one, raises :class:`~nnsight_lorsa.errors.FormatDetectionError` listing
 what was looked for; ``format=`` skips detection. A hub repo id is fetched first (the files every
@@ -40,6 +41,7 @@ from ..modules.sae import SparseAutoencoder
 from ..modules.transcoder import Transcoder
 from . import (
     circuit_tracer,
+    gate_format,
     llamascopium,
     llamascopium_sae,
     lorsa_format,
@@ -141,6 +143,10 @@ register_format(Format(
     (circuit_tracer.TRANSCODERS_READER, circuit_tracer.CLT_READER), circuit_tracer.choose_reader,
     ((CrossLayerTranscoder, circuit_tracer.save_circuit_tracer_clt),
      ((dict, circuit_tracer.CircuitTracerTranscoders), _save_transcoder_set))))
+register_format(Format(
+    "sparse_attention", "sparse_attention.json + sparse_attention.safetensors",
+    _files(gate_format.CONFIG_FILE, gate_format.WEIGHTS_FILE), (gate_format.READER,), _one(gate_format.READER),
+    ((gate_format.GateSet, gate_format.save_gate_set),)))
 
 
 def _format(name: str) -> Format:
@@ -206,7 +212,8 @@ def load(
     Returns:
         :class:`~nnsight_lorsa.modules.lorsa.Lorsa`, :class:`SparseAutoencoder`, :class:`Transcoder`
         (or ``SkipTranscoder``), :class:`CrossLayerTranscoder`, or a
-        :class:`~.circuit_tracer.CircuitTracerTranscoders` (a circuit-tracer per-layer set), in eval mode.
+        :class:`~.circuit_tracer.CircuitTracerTranscoders` (a circuit-tracer per-layer set), or a
+        :class:`~.gate_format.GateSet` (sparse-attention gates, ``"sparse_attention"``), in eval mode.
 
     Raises:
         FormatDetectionError: ``format="auto"`` and no format, or several, match the files.
@@ -345,7 +352,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
 
     Writers: ``"nnsight_lorsa"`` (default): a Lorsa, SAE, (skip) transcoder or CLT; ``"saelens"``
     and ``"sparsify"``: an SAE or transcoder; ``"circuit_tracer"``: a CLT, or ``{layer: transcoder}``
-    / a :class:`~.circuit_tracer.CircuitTracerTranscoders`; ``"llamascopium"``: a Lorsa. ``options`` go
+    / a :class:`~.circuit_tracer.CircuitTracerTranscoders`; ``"llamascopium"``: a Lorsa;
+    ``"sparse_attention"``: a :class:`~.gate_format.GateSet` (the gate files only). ``options`` go
     to the writer (e.g. ``hook_name=`` for SAELens, ``feature_input_hook=`` for circuit-tracer,
     ``hook_point_in=`` / ``hook_point_out=`` / ``n_ctx=`` for Llamascopium).
 

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._repr import FieldsRepr
 from .._typing import Float, Int
 
 
-@dataclass
-class SparseActs:
+@dataclass(repr=False)  # FieldsRepr: no _thread in a request (NDIF's unpickling whitelist)
+class SparseActs(FieldsRepr):
     """Active features of ``n_rows`` rows as triplets grouped by row (rows ascending).
 
     Attributes:

@@ -5,7 +5,7 @@ is the model's ordinary one (causal and padding mask included) and is *not* reno
 the gate. The function has the signature of transformers' attention interface
 (``AttentionInterface``; the model calls it after its own Q/K/V projections, RoPE and KV cache)
 and is registered under the name :data:`ATTN_IMPLEMENTATION`; the model keeps its code, weights
-and module tree, plus one :class:`~.gate.AttentionGate` child per attention module.
+and module tree, plus one :class:`~nnsight_lorsa.modules.attention_gate.AttentionGate` child per attention module.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from .._typing import Float
-from .errors import GateNotInstalledError
+from ..errors import GateNotInstalledError
 
 #: Name under which the function (and the eager float mask) is registered with transformers.
 ATTN_IMPLEMENTATION = "nnsight_lorsa_gated"
-#: Attribute of the attention module that holds its :class:`~.gate.AttentionGate`.
+#: Attribute of the attention module that holds its :class:`~nnsight_lorsa.modules.attention_gate.AttentionGate`.
 GATE_NAME = "gate"
 
 
@@ -62,7 +62,8 @@ def gated_attention_forward(
         ``(output (batch, q, heads, dv), weights (batch, heads, q, k))`` with ``weights = A ⊙ softmax``.
 
     Raises:
-        GateNotInstalledError: ``module`` has no :class:`~.gate.AttentionGate` child named ``gate``.
+        GateNotInstalledError: ``module`` has no
+            :class:`~nnsight_lorsa.modules.attention_gate.AttentionGate` child named ``gate``.
     """
     gate = getattr(module, GATE_NAME, None)
     if gate is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import GateConfigError
+from ..errors import GateConfigError
 
 
 class GECO:

@@ -2,8 +2,9 @@
 
 Works on a Hugging Face ``*ForCausalLM`` or on an nnsight model wrapping one: each attention
 module (found through the architecture adapters: Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2) gets an
-:class:`~.gate.AttentionGate` child named ``gate``, and the model's attention implementation is
-switched to the gated function (:mod:`.attention`). No model code is copied or patched: the
+:class:`~nnsight_lorsa.modules.attention_gate.AttentionGate` child named ``gate``, and the model's
+attention implementation is switched to the gated function (:mod:`.attention`; the switch and the child
+through :mod:`nnsight_lorsa.adapters.transformers_internals`). No model code is copied or patched: the
 model's own forward computes Q/K/V and RoPE and calls the function through transformers'
 ``AttentionInterface``. Under nnsight the gate of layer ``L`` is an envoy, e.g.
 ``model.model.layers[L].self_attn.gate.output`` (the ``(batch, heads, q, k)`` gate matrix).
@@ -19,10 +20,11 @@ from torch import nn
 
 from .._placement import placement
 from ..adapters.registry import get_adapter
+from ..adapters.transformers_internals import attn_implementation, child, remove_child, set_attn_implementation
 from ..envoy.nnsight_internals import hf_module, is_envoy
+from ..errors import GateConfigError, GateNotInstalledError
+from ..modules.attention_gate import AttentionGate
 from .attention import ATTN_IMPLEMENTATION, GATE_NAME, register_gated_attention
-from .errors import GateConfigError, GateNotInstalledError, UnsupportedArchitectureError
-from .gate import AttentionGate
 
 #: attribute on the HF model remembering the attention implementation before installation
 _DENSE_ATTR = "_nnsight_lorsa_dense_attn_implementation"
@@ -31,25 +33,6 @@ _DENSE_ATTR = "_nnsight_lorsa_dense_attn_implementation"
 def hf_model(model: Any) -> Any:
     """The Hugging Face module under an nnsight model (or ``model`` itself)."""
     return hf_module(model) if is_envoy(model) else model
-
-
-def _is_envoy(model: Any) -> bool:
-    return is_envoy(model)
-
-
-def _set_attn_implementation(hf: Any, name: str) -> None:
-    setter = getattr(hf, "set_attn_implementation", None)
-    if setter is None:
-        raise UnsupportedArchitectureError(f"{type(hf).__name__} has no set_attn_implementation "
-                                           "(not a transformers model)")
-    can = getattr(hf, "_can_set_attn_implementation", lambda: True)
-    if not can():
-        raise UnsupportedArchitectureError(
-            f"{type(hf).__name__} does not dispatch attention through transformers' AttentionInterface"
-        )
-    setter(name)
-    if hf.config._attn_implementation != name:  # pragma: no cover - depends on transformers internals
-        raise UnsupportedArchitectureError(f"{type(hf).__name__} refused attention implementation {name!r}")
 
 
 def _module_device(module: nn.Module, root: nn.Module) -> torch.device:
@@ -86,7 +69,7 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
         GateConfigError: gates are already installed, or a bad gate setting.
         PlacementError: the model's weights are on the ``meta`` device.
     """
-    if _is_envoy(model) and getattr(model, "dispatched", True) is False:
+    if is_envoy(model) and getattr(model, "dispatched", True) is False:
         model.dispatch()  # an nnsight model loaded lazily: attach to the real weights, not the meta ones
     hf = hf_model(model)
     adapter = get_adapter(hf)
@@ -99,17 +82,17 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
     gates = {layer: AttentionGate(n_heads, init_bias, temperature, mode, top_k).to(_module_device(attn, hf))
              for layer, attn in enumerate(modules)}
     for layer, attn in zip(gates, modules, strict=True):
-        if GATE_NAME in attn._modules:
+        if child(attn, GATE_NAME) is not None:
             raise GateConfigError(f"attention module of layer {layer} already has a child named {GATE_NAME!r}")
-    dense = hf.config._attn_implementation
-    _set_attn_implementation(hf, ATTN_IMPLEMENTATION)
+    dense = attn_implementation(hf)
+    set_attn_implementation(hf, ATTN_IMPLEMENTATION)
     setattr(hf, _DENSE_ATTR, dense)
     for layer, attn in zip(gates, modules, strict=True):
         gates[layer].train(attn.training)
-        if _is_envoy(model):
-            from ..envoy.nnsight_internals import attach
+        if is_envoy(model):
+            from ..envoy.nnsight_internals import mount
 
-            attach(model.get(adapter.attention_path(layer)), GATE_NAME, gates[layer])
+            mount(model.get(adapter.attention_path(layer)), GATE_NAME, gates[layer])
         else:
             attn.add_module(GATE_NAME, gates[layer])
     return gates
@@ -127,15 +110,15 @@ def uninstall_gated_attention(model: Any) -> None:
     adapter = get_adapter(hf)
     for layer in range(adapter.n_layers):
         attn = adapter.attention_module(hf, layer)
-        if _is_envoy(model):
-            from ..envoy.nnsight_internals import detach
+        if is_envoy(model):
+            from ..envoy.nnsight_internals import unmount
 
-            gate = attn._modules[GATE_NAME]
+            gate = child(attn, GATE_NAME)
             assert gate is not None
-            detach(model.get(adapter.attention_path(layer)), GATE_NAME, gate, True)
+            unmount(model.get(adapter.attention_path(layer)), GATE_NAME, gate, True)
         else:
-            del attn._modules[GATE_NAME]
-    _set_attn_implementation(hf, getattr(hf, _DENSE_ATTR))
+            remove_child(attn, GATE_NAME)
+    set_attn_implementation(hf, getattr(hf, _DENSE_ATTR))
     delattr(hf, _DENSE_ATTR)
 
 
@@ -149,7 +132,7 @@ def get_gates(model: Any) -> dict[int, AttentionGate]:
     adapter = get_adapter(hf)
     out: dict[int, AttentionGate] = {}
     for layer in range(adapter.n_layers):
-        gate = adapter.attention_module(hf, layer)._modules.get(GATE_NAME)
+        gate = child(adapter.attention_module(hf, layer), GATE_NAME)
         if not isinstance(gate, AttentionGate):
             raise GateNotInstalledError(f"layer {layer} has no gate; call install_gated_attention(model) first")
         out[layer] = gate

@@ -19,8 +19,9 @@ LoRA (``peft``, ``lora_rank``; the LoRA matrices and gate biases train, the rest
 
 Checkpoints (``checkpoint.safetensors`` + ``checkpoint.json``: trainable parameters, AdamW state,
 GECO state, the data and global RNG states, the step and the history) are written atomically and
-verified on load by :mod:`~..training._checkpoint_io` (the trainer's own: temporary sibling, fsync,
-rename, sha256 manifest) and resume bit-exactly.
+verified on load by :mod:`~..training.checkpoint_io` (the trainer's own: temporary sibling, fsync,
+rename, sha256 manifest) and resume bit-exactly. CE is training's :func:`~..training.metrics.next_token_ce`,
+the BOS rule :func:`~..training.dataset.special_token_id`, the windows :class:`~..training.dataset.TokenDataset`'s.
 """
 
 from __future__ import annotations
@@ -35,21 +36,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._typing import Int
-from ..training._checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
-from ..training.dataset import TokenDataset, _window_ids
-from .errors import (
+from ..errors import (
     CheckpointError,
     GateConfigError,
     GateNotInstalledError,
     HeldoutConstraintWarning,
     VacuousConstraintError,
 )
+from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
+from ..training.dataset import TokenDataset, special_token_id
+from ..training.metrics import next_token_ce
 from .geco import GECO
 from .install import (
     edge_statistics,
@@ -133,12 +134,9 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
     Raises:
         GateConfigError: none of them gives one (pass ``bos_id``: every window starts with BOS).
     """
-    if bos_id is not None:
-        return int(bos_id)
-    for src in (getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None)):
-        bos = getattr(src, "bos_token_id", None)
-        if isinstance(bos, int):
-            return bos
+    bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None), bos_id)
+    if bos is not None:
+        return bos
     raise GateConfigError("the model has no BOS id (neither its tokenizer nor its config's bos_token_id); "
                           "windows start with BOS: pass bos_id")
 
@@ -153,42 +151,14 @@ def check_one_text(model: Any, ids: torch.Tensor) -> None:
     Raises:
         GateConfigError: naming the EOS id, how often it occurs and what to pass instead.
     """
-    eos = None
-    for src in (getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None)):
-        value = getattr(src, "eos_token_id", None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            eos = value
-            break
+    eos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None),
+                           name="eos_token_id")
     count = 0 if eos is None else int((ids == eos).sum())
     if count:
         raise GateConfigError(
             f"the training stream holds the model's EOS id {eos} {count} time(s): it is a corpus of documents, "
             "and random windows of it start mid-document. Pass TokenDataset.from_documents(tokenizer, documents, "
             "seq_len, config=model.config) (one window per document, from its start) instead of the stream")
-
-
-def sample_windows(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, gen: torch.Generator,
-                   bos_id: int) -> Int[torch.Tensor, "batch seq"]:
-    """``(batch_size, seq_len)`` windows: BOS then ``seq_len - 1`` consecutive tokens from random starts.
-
-    The starts are drawn on ``gen`` (a CPU generator: the same windows on every device); the windows are
-    on ``ids``' device."""
-    starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=gen, device=gen.device)
-    body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
-    return torch.cat([torch.full((batch_size, 1), bos_id, dtype=torch.long, device=ids.device), body], dim=1)
-
-
-def _ce_sum(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Summed next-token CE of ``logits (batch, pos, vocab)`` for targets ``x[:, 1:]`` over the
-    predictions ``mask[:, 1:]`` keeps (all when None), and their count: fp32, on the logits' device
-    (the targets and the mask are moved there; a model split over devices puts its logits on the last)."""
-    logits = logits[:, :-1].float()
-    targets = x[:, 1:].to(logits.device)
-    if mask is not None:
-        keep = mask[:, 1:].to(logits.device, torch.bool)
-        logits, targets = logits[keep], targets[keep]
-    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    return F.cross_entropy(logits, targets, reduction="sum"), int(targets.numel())
 
 
 @torch.no_grad()
@@ -212,21 +182,14 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         GateConfigError: a stream shorter than one window, or no BOS id for a stream.
     """
     hf = hf_model(model)
-    mask: torch.Tensor | None = None
-    if isinstance(token_ids, TokenDataset):
-        n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)
-        windows = token_ids.tokens[:n]
-        mask = token_ids.targets(0, n)
-    else:
+    if not isinstance(token_ids, TokenDataset):
         bos = resolve_bos_id(model, bos_id)
-        body = seq_len - 1
-        n = token_ids.numel() // body
-        if max_windows is not None:
-            n = min(n, max_windows)
-        if n < 1:
-            raise GateConfigError(f"need at least {body} tokens for one window, got {token_ids.numel()}")
-        windows = token_ids[: n * body].view(n, body)
-        windows = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device=windows.device), windows], dim=1)
+        if token_ids.numel() < seq_len - 1 or (max_windows is not None and max_windows < 1):
+            raise GateConfigError(f"need at least {seq_len - 1} tokens for one window, got {token_ids.numel()}")
+        token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
+    n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)
+    windows = token_ids.tokens[:n]
+    mask = token_ids.targets(0, n)
     was_training = hf.training
     hf.eval()
     nll, count = 0.0, 0
@@ -234,7 +197,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     device = next(hf.parameters()).device
     for i in range(0, n, batch_size):
         x = windows[i:i + batch_size].to(device)
-        ce, k = _ce_sum(hf(input_ids=x).logits, x, None if mask is None else mask[i:i + batch_size])
+        ce, k = next_token_ce(hf(input_ids=x).logits, x, None if mask is None else mask[i:i + batch_size])
         nll += ce.item()
         count += k
         st = edge_statistics(hf)
@@ -288,46 +251,9 @@ class SparseAttentionTrainer:
             raise GateConfigError(f"max_initial_slack must be a finite number >= 0, got {slack!r}")
         self.bos_id = resolve_bos_id(model, config.bos_id)
         self.hf = hf_model(model)
-        self.dataset: TokenDataset | None = None
-        if isinstance(train_ids, TokenDataset):
-            self.dataset = train_ids
-            if train_ids.seq_len != config.seq_len:
-                raise GateConfigError(f"the training dataset's windows have {train_ids.seq_len} tokens, "
-                                      f"config.seq_len is {config.seq_len}: make them equal")
-            bad = (train_ids.tokens[:, 0] != self.bos_id).nonzero().flatten()
-            if bad.numel():
-                first = int(bad[0])
-                raise GateConfigError(f"training window {first} starts with id {int(train_ids.tokens[first, 0])}, "
-                                      f"not the model's BOS id {self.bos_id} ({bad.numel()} such windows): build the "
-                                      "dataset with the model's BOS (TokenDataset.from_documents(..., config=...))")
-            self.train_ids = train_ids.tokens
-        else:
-            self.train_ids = train_ids.long().flatten()
-            if self.train_ids.numel() < config.seq_len:
-                raise GateConfigError(f"training stream has {self.train_ids.numel()} tokens < seq_len "
-                                      f"{config.seq_len}")
-            check_one_text(model, self.train_ids)
+        self.dataset, self.train_ids = self._training_windows(model, train_ids)
         torch.manual_seed(config.seed)
-        try:
-            get_gates(self.hf)
-        except GateNotInstalledError:
-            install_gated_attention(self.hf, init_bias=config.init_bias, temperature=config.temperature)
-        set_gate_mode(self.hf, "gated")
-        self.peft_model: Any = None
-        if config.lora_rank is not None:
-            from peft import LoraConfig, get_peft_model
-
-            self.peft_model = get_peft_model(self.hf, LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
-                                                                 target_modules="all-linear", lora_dropout=0.0))
-        gate_params = [g.bias for g in get_gates(self.hf).values()]
-        for p in gate_params:
-            p.requires_grad_(True)
-        gate_ids = {id(p) for p in gate_params}
-        self.param_names = [n for n, p in self.hf.named_parameters() if p.requires_grad]
-        others = [p for _, p in self.hf.named_parameters() if p.requires_grad and id(p) not in gate_ids]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": others, "lr": config.lr, "weight_decay": config.weight_decay},
-             {"params": gate_params, "lr": config.gate_lr, "weight_decay": 0.0}], betas=(0.9, 0.95))
+        self.peft_model, self.param_names, self.optimizer = self._trainable()
         self.gen = torch.Generator(device="cpu").manual_seed(config.seed)  # data draws: CPU, the same on every device
         self.step = 0
         self.history: list[StepRecord] = []
@@ -336,6 +262,54 @@ class SparseAttentionTrainer:
         self._check_slack(target)
         self.geco = GECO(target, lr=config.geco_lr, ema=config.geco_ema, init_lambda=config.init_lambda,
                          min_lambda=config.min_lambda, max_lambda=config.max_lambda)
+
+    def _training_windows(self, model: Any, train_ids: torch.Tensor | TokenDataset
+                          ) -> tuple[TokenDataset | None, torch.Tensor]:
+        """``(dataset or None, its tokens or the 1-D stream)``, checked against the config and the model
+        (see the class's Raises)."""
+        cfg = self.config
+        if isinstance(train_ids, TokenDataset):
+            if train_ids.seq_len != cfg.seq_len:
+                raise GateConfigError(f"the training dataset's windows have {train_ids.seq_len} tokens, "
+                                      f"config.seq_len is {cfg.seq_len}: make them equal")
+            bad = (train_ids.tokens[:, 0] != self.bos_id).nonzero().flatten()
+            if bad.numel():
+                first = int(bad[0])
+                raise GateConfigError(f"training window {first} starts with id {int(train_ids.tokens[first, 0])}, "
+                                      f"not the model's BOS id {self.bos_id} ({bad.numel()} such windows): build the "
+                                      "dataset with the model's BOS (TokenDataset.from_documents(..., config=...))")
+            return train_ids, train_ids.tokens
+        stream = train_ids.long().flatten()
+        if stream.numel() < cfg.seq_len:
+            raise GateConfigError(f"training stream has {stream.numel()} tokens < seq_len {cfg.seq_len}")
+        check_one_text(model, stream)
+        return None, stream
+
+    def _trainable(self) -> tuple[Any, list[str], torch.optim.Optimizer]:
+        """Install the gates (unless present; ``gated`` mode), wrap LoRA if asked; return ``(peft model or
+        None, names of the trainable parameters, AdamW)`` (the gate biases in their own group, ``gate_lr``)."""
+        cfg = self.config
+        try:
+            get_gates(self.hf)
+        except GateNotInstalledError:
+            install_gated_attention(self.hf, init_bias=cfg.init_bias, temperature=cfg.temperature)
+        set_gate_mode(self.hf, "gated")
+        peft_model: Any = None
+        if cfg.lora_rank is not None:
+            from peft import LoraConfig, get_peft_model
+
+            peft_model = get_peft_model(self.hf, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                            target_modules="all-linear", lora_dropout=0.0))
+        gate_params = [g.bias for g in get_gates(self.hf).values()]
+        for p in gate_params:
+            p.requires_grad_(True)
+        gate_ids = {id(p) for p in gate_params}
+        names = [n for n, p in self.hf.named_parameters() if p.requires_grad]
+        others = [p for _, p in self.hf.named_parameters() if p.requires_grad and id(p) not in gate_ids]
+        optimizer = torch.optim.AdamW(
+            [{"params": others, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+             {"params": gate_params, "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=(0.9, 0.95))
+        return peft_model, names, optimizer
 
     def _check_slack(self, target: float) -> None:
         """Raise (or warn) when the constraint ``CE <= target`` holds from step 0 by a vacuous margin."""
@@ -359,11 +333,10 @@ class SparseAttentionTrainer:
         cfg = self.config
         mask = None
         if self.dataset is not None:
-            ids = _window_ids(len(self.dataset), index, cfg.batch_size, cfg.seed)
-            x = self.dataset.tokens[ids]
-            mask = None if self.dataset.target_mask is None else self.dataset.target_mask[ids]
+            x = self.dataset.batch(index, cfg.batch_size, cfg.seed)
+            mask = self.dataset.batch_targets(index, cfg.batch_size, cfg.seed)
         else:
-            x = sample_windows(self.train_ids, cfg.batch_size, cfg.seq_len, gen, self.bos_id)
+            x = TokenDataset.sample_stream(self.train_ids, cfg.batch_size, cfg.seq_len, gen, self.bos_id)
         if self.augment is not None:
             x = self.augment(x, gen)
         return x.to(self._device), mask
@@ -381,7 +354,7 @@ class SparseAttentionTrainer:
         total, count = 0.0, 0
         for i in range(max(1, n_batches)):
             x, mask = self._batch(i, gen)
-            ce, n = _ce_sum(self.hf(input_ids=x).logits, x, mask)
+            ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
             total, count = total + ce.item(), count + n
         self.hf.train(was)
         if count == 0:
@@ -411,7 +384,7 @@ class SparseAttentionTrainer:
             for gate in get_gates(self.hf).values():
                 gate.eval()
         x, mask = self._batch(self.step, self.gen)
-        ce_sum, n = _ce_sum(self.hf(input_ids=x).logits, x, mask)
+        ce_sum, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
         ce = ce_sum / max(n, 1)
         density = expected_edge_fraction(self.hf).to(ce.device)
         loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
@@ -450,7 +423,7 @@ class SparseAttentionTrainer:
     # ---- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Write ``checkpoint.safetensors`` (parameters, AdamW state, RNG states) + ``checkpoint.json`` +
-        ``manifest.json`` (sizes, sha256) atomically (:func:`~..training._checkpoint_io.write_checkpoint`:
+        ``manifest.json`` (sizes, sha256) atomically (:func:`~..training.checkpoint_io.write_checkpoint`:
         the previous checkpoint at ``directory`` stays until the new one is complete).
 
         Raises:

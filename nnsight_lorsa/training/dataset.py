@@ -5,6 +5,7 @@ evaluations run on (:class:`TokenDataset`), and the loss mask of a batch of wind
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,15 +30,93 @@ def _vocab_size(config: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _bos_id(tokenizer: Any, config: Any, given: int | None) -> int | None:
-    """The model's BOS id: ``given``, else the tokenizer's, else ``config.bos_token_id``, else None."""
+def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name: str = "bos_token_id") -> int | None:
+    """The model's special token id ``name`` (``"bos_token_id"``, ``"eos_token_id"``): ``given`` if not
+    None, else the tokenizer's attribute ``name``, else the model config's, else None. The one rule for
+    the BOS every window starts with (:class:`TokenDataset`, sparse-attention training). An attribute
+    that is not an int (a list of EOS ids, ``True``) does not count."""
     if given is not None:
         return int(given)
     for src in (tokenizer, config):
-        bos = getattr(src, "bos_token_id", None)
-        if isinstance(bos, int):
-            return bos
+        value = getattr(src, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
+
+
+def _pad_id(tokenizer: Any, given: int | None, config: Any = None) -> int:
+    """Padding id: ``given``, else the tokenizer's pad id, else its EOS id, else the config's pad / first EOS
+    id, else 0 (padding is masked out of every measure anyway)."""
+    eos = getattr(config, "eos_token_id", None)
+    for pad in (given, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                getattr(config, "pad_token_id", None), eos[0] if isinstance(eos, (list, tuple)) and eos else eos):
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            return pad
+    return 0
+
+
+def _eos_ids(tokenizer: Any, config: Any, given: int | Sequence[int] | None) -> set[int]:
+    """The end-of-text ids a token stream is cut at: ``given``, else the tokenizer's, else ``config``'s
+    (an int or a list of ints, as Llama 3's config has); empty when none is known."""
+    for src in (given, getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(src, int) and not isinstance(src, bool):
+            return {src}
+        if isinstance(src, (list, tuple)) and src and all(isinstance(v, int) for v in src):
+            return set(src)
+    return set()
+
+
+def read_token_ids(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids from a file: ``(ids, target_mask)`` for :meth:`TokenDataset.from_ids`.
+
+    * ``.npy``: one integer array, 1-D (a stream) or 2-D (one document per row); read with
+      ``allow_pickle=False``.
+    * ``.safetensors``: the tensor ``input_ids`` (else ``tokens``, else the file's only tensor), and
+      optionally ``attention_mask`` (2-D ids: each row's real tokens, padding on the right).
+    * ``.pt`` / ``.pth``: a tensor, or a dict with those keys; read with ``torch.load(weights_only=True)``
+      (never unpickles code).
+
+    Returns int64 ids on the CPU and the bool mask (or None).
+
+    Raises:
+        ArgumentError: an unknown suffix, an unreadable or corrupt file, no ids tensor in it, ids that are
+            not integers, or a mask of another shape; the message names the file.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            import numpy as np
+
+            found: dict[str, Any] = {"input_ids": torch.from_numpy(np.load(path, allow_pickle=False))}
+        elif suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            found = dict(load_file(str(path), device="cpu"))
+        elif suffix in (".pt", ".pth"):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            found = {"input_ids": obj} if isinstance(obj, torch.Tensor) else obj if isinstance(obj, dict) else {}
+        else:
+            raise ArgumentError(f"{path}: token ids are read from .npy, .safetensors, .pt or .pth files, not "
+                                f"{suffix or 'a file without a suffix'!r}")
+    except ArgumentError:
+        raise
+    except Exception as e:  # numpy / safetensors / torch each raise their own kinds on a corrupt file
+        raise ArgumentError(f"{path}: cannot be read as {suffix} token ids ({type(e).__name__}: {e})") from None
+    tensors = {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    key: str | None = next((k for k in ("input_ids", "tokens") if k in tensors), None)
+    if key is None and len(tensors) == 1:
+        key = next(iter(tensors))
+    if key is None:
+        raise ArgumentError(f"{path}: no token ids in it (a tensor 'input_ids' or 'tokens', or a single tensor); "
+                            f"it holds {sorted(map(str, found))[:8]}")
+    ids = tensors[key]
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ArgumentError(f"{path}: {key!r} holds {ids.dtype} values, not integer token ids")
+    mask = tensors.get("attention_mask")
+    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+        raise ArgumentError(f"{path}: 'attention_mask' is {tuple(mask.shape)}, 'input_ids' {tuple(ids.shape)}")
+    return ids.to("cpu", torch.long), None if mask is None else mask.to("cpu").bool()
 
 
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
@@ -144,15 +223,21 @@ class TokenDataset:
             if len(docs) > 1 or document_separator != "auto":
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
-        bos = _bos_id(tokenizer, config, bos_token_id)
+        bos = special_token_id(tokenizer, config, bos_token_id)
+        return cls._consecutive(ids, seq_len, bos, _vocab_size(config), "text")
+
+    @classmethod
+    def _consecutive(cls, ids: Sequence[int], seq_len: int, bos: int | None, vocab_size: int | None,
+                     what: str) -> TokenDataset:
+        """Consecutive windows ``[BOS] + seq_len-1`` ids of one document ``ids`` (the short tail dropped)."""
         body = seq_len - 1 if bos is not None else seq_len
         n = len(ids) // body
         if n == 0:
-            raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {seq_len}")
-        t = torch.tensor(ids[: n * body], dtype=torch.long, device="cpu").view(n, body)
+            raise ValueError(f"{what} has {len(ids)} tokens, fewer than one window of {seq_len}")
+        t = torch.tensor(list(ids[: n * body]), dtype=torch.long, device="cpu").view(n, body)
         if bos is not None:
             t = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device="cpu"), t], dim=1)
-        return cls(t, vocab_size=_vocab_size(config))
+        return cls(t, vocab_size=vocab_size)
 
     @classmethod
     def from_documents(cls, tokenizer: Any, documents: Sequence[str], seq_len: int, *,
@@ -181,25 +266,90 @@ class TokenDataset:
         Raises:
             ValueError: no document has a token.
         """
-        bos = _bos_id(tokenizer, config, bos_token_id)
-        pad = pad_token_id
-        if pad is None:
-            pad = getattr(tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(tokenizer, "eos_token_id", None)
-        pad = 0 if pad is None else int(pad)
-        head = [] if bos is None else [bos]
+        return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
+                                    special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
+                                    _vocab_size(config))
+
+    @classmethod
+    def _one_window_each(cls, documents: Sequence[Sequence[int]], seq_len: int, bos: int | None, pad: int,
+                         vocab_size: int | None) -> TokenDataset:
+        """One window per document of ids: ``[BOS] +`` its first ids (a document that already starts with
+        BOS keeps its own), right-padded with ``pad`` and masked there; documents without a token skipped."""
         rows, masks = [], []
         for doc in documents:
-            ids = head + _token_ids(tokenizer, doc)[: seq_len - len(head)]
-            if len(ids) == len(head):
+            doc = list(doc)
+            head = [] if bos is None or (doc and doc[0] == bos) else [bos]
+            ids = head + doc[: seq_len - len(head)]
+            if len(ids) == len(head) or (bos is not None and ids == [bos]):
                 continue
             rows.append(ids + [pad] * (seq_len - len(ids)))
             masks.append([True] * len(ids) + [False] * (seq_len - len(ids)))
         if not rows:
             raise ValueError("no document has a token")
         return cls(torch.tensor(rows, dtype=torch.long, device="cpu"),
-                   torch.tensor(masks, dtype=torch.bool, device="cpu"), vocab_size=_vocab_size(config))
+                   torch.tensor(masks, dtype=torch.bool, device="cpu"), vocab_size=vocab_size)
+
+    @classmethod
+    def from_ids(cls, ids: torch.Tensor, seq_len: int, *, target_mask: torch.Tensor | None = None,
+                 tokenizer: Any = None, config: Any = None, bos_token_id: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None) -> TokenDataset:
+        """Windows of ``seq_len`` ids from token ids already tokenized (a model without a tokenizer, a corpus
+        prepared elsewhere; :func:`read_token_ids` reads them from a file).
+
+        * ``ids`` 1-D, a token stream: cut into documents at each end-of-text id (``eos_token_id``, else the
+          tokenizer's, else ``config.eos_token_id``; the EOS id itself is dropped), one window from each
+          document's start as :meth:`from_documents` makes them. A stream without an EOS id, or with a single
+          document, is one document cut into consecutive windows as :meth:`from_text` does.
+        * ``ids`` 2-D ``(n_documents, length)``: one document per row, its real tokens those of
+          ``target_mask`` (the Hugging Face ``attention_mask``, padding on the right; default all), one window
+          from each row's start.
+
+        BOS is prepended as in :meth:`from_text` (``bos_token_id``, else the tokenizer's, else the config's),
+        unless the document already starts with it. ``config.vocab_size`` bounds the ids when given.
+
+        Raises:
+            ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
+                vocabulary, ``target_mask`` of another shape or with padding before a real token.
+            ValueError: fewer ids than one window (a stream of one document), or no document with a token.
+        """
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
+                or ids.dtype == torch.bool:
+            what = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ArgumentError(f"ids must be an integer tensor of token ids, got {what}")
+        if ids.dim() not in (1, 2):
+            raise ArgumentError(f"ids must be a 1-D token stream or a 2-D (documents, length) tensor, got "
+                                f"{ids.dim()}-D {tuple(ids.shape)}")
+        bos, vocab = special_token_id(tokenizer, config, bos_token_id), _vocab_size(config)
+        pad = _pad_id(tokenizer, None, config)
+        ids = ids.to("cpu", torch.long)
+        if ids.numel() and int(ids.min()) < 0:
+            raise ArgumentError(f"ids holds a negative token id ({int(ids.min())})")
+        if ids.dim() == 2:
+            if target_mask is None:
+                target_mask = torch.ones_like(ids, dtype=torch.bool)
+            if tuple(target_mask.shape) != tuple(ids.shape):
+                raise ArgumentError(f"target_mask must be {tuple(ids.shape)} like ids, got {tuple(target_mask.shape)}")
+            mask = target_mask.to("cpu").bool()
+            lengths = mask.sum(dim=1)
+            if not bool((mask == (torch.arange(ids.shape[1], device="cpu") < lengths[:, None])).all()):
+                raise ArgumentError("target_mask must mark each row's real tokens as a prefix (padding on the right)")
+            docs = [row[: int(n)].tolist() for row, n in zip(ids, lengths, strict=True)]
+            return cls._one_window_each(docs, seq_len, bos, pad, vocab)
+        eos = _eos_ids(tokenizer, config, eos_token_id)
+        stream = ids.tolist()
+        docs, start = [], 0
+        for i, t in enumerate(stream):
+            if t in eos:
+                docs.append(stream[start:i])
+                start = i + 1
+        docs.append(stream[start:])
+        docs = [d for d in docs if d and d != [bos]]
+        if len(docs) > 1:
+            return cls._one_window_each(docs, seq_len, bos, pad, vocab)
+        one = docs[0] if docs else []
+        if bos is not None and one[:1] == [bos]:
+            one = one[1:]
+        return cls._consecutive(one, seq_len, bos, vocab, "the token stream")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -224,6 +374,25 @@ class TokenDataset:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``):
         the windows :func:`_window_ids` picks."""
         return self.tokens[_window_ids(len(self), index, batch_size, seed)]
+
+    def batch_targets(self, index: int, batch_size: int, seed: int = 0) -> torch.Tensor | None:
+        """``target_mask`` of :meth:`batch` ``(index, batch_size, seed)`` (None: every token counts)."""
+        m = self.target_mask
+        return None if m is None else m[_window_ids(len(self), index, batch_size, seed)]
+
+    @staticmethod
+    def sample_stream(ids: Int[torch.Tensor, " n"], batch_size: int, seq_len: int, generator: torch.Generator,
+                      bos_token_id: int) -> Int[torch.Tensor, "batch seq"]:
+        """``(batch_size, seq_len)`` random windows of a token stream that is one long text: BOS then
+        ``seq_len - 1`` consecutive tokens from random starts (what sparse-attention training draws from
+        a stream, where a :class:`TokenDataset` has fixed windows).
+
+        The starts are drawn on ``generator`` (a CPU generator: the same windows on every device); the
+        windows are on ``ids``' device (``ids``: 1-D, at least ``seq_len - 1`` tokens)."""
+        starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=generator,
+                               device=generator.device)
+        body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])
+        return torch.cat([torch.full((batch_size, 1), bos_token_id, dtype=torch.long, device=ids.device), body], dim=1)
 
 
 def _window_ids(n_windows: int, index: int, batch_size: int, seed: int) -> Int[torch.Tensor, " batch"]:

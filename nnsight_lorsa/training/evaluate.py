@@ -18,7 +18,6 @@ from typing import Any
 
 import nnsight
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .._placement import model_device
@@ -30,7 +29,7 @@ from ..envoy.sae_set import SAESet
 from ..envoy.transcoder_set import TranscoderSet
 from ..errors import ArgumentError
 from .dataset import TokenDataset, _loss_mask
-from .metrics import FVUAccumulator, ShrinkageAccumulator
+from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
 
 @dataclass
@@ -84,14 +83,6 @@ class Evaluation:
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """``(batch, pos−1)`` bool: which next-token predictions count (targets ``ids[:, 1:]``)."""
     return torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:].to(ids.device)
-
-
-def _ce(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[float, int]:
-    """Summed next-token CE over the counted predictions and their count (fp32, on the logits' device)."""
-    ids = ids.to(logits.device)
-    keep = _predicted(mask, ids)
-    lp = F.cross_entropy(logits[:, :-1][keep].float(), ids[:, 1:][keep], reduction="sum")
-    return float(lp), int(keep.sum())
 
 
 def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> float:
@@ -265,8 +256,8 @@ def evaluate(replacements: LorsaSet | TranscoderSet | SAESet | CLTSet, dataset: 
             logits_zero = nnsight.save(lm_head.output)
         mask = dataset.targets(i * batch_size, (i + 1) * batch_size)
         for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
-            ce, n = _ce(logits, ids, mask)
-            sums[key] += ce
+            ce, n = next_token_ce(logits, ids, mask)
+            sums[key] += float(ce)
         sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
         n_tok += n
         probe.measure(ids, mask)

@@ -1,4 +1,4 @@
-"""Reconstruction metrics over masked tokens: FVU, explained variance, L0, dead fraction.
+"""Metrics over masked tokens: FVU, explained variance, L0, dead fraction, and the next-token CE.
 
 FVU (fraction of variance unexplained) = ``Σ‖y − ŷ‖² / Σ‖y − ȳ‖²`` over the kept tokens, with
 ``ȳ`` their mean (1 − explained variance, as SAELens and the Lorsa paper report it).
@@ -7,8 +7,28 @@ FVU (fraction of variance unexplained) = ``Σ‖y − ŷ‖² / Σ‖y − ȳ‖
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .._typing import Float
+
+
+def next_token_ce(logits: Float[torch.Tensor, "batch pos vocab"], ids: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy (nats) of ``logits`` for the targets ``ids[:, 1:]`` over the
+    predictions ``mask[:, 1:]`` keeps (all when None), and their count.
+
+    The sum is a 0-d fp32 tensor on the logits' device, differentiable (``float()`` it for a report);
+    ``ids`` ``(batch, pos)`` and ``mask`` ``(batch, pos)`` bool are moved there (a model split over
+    devices puts its logits on the last). The one CE of the package: the evaluations' ``ce_*``
+    (:func:`~.evaluate.evaluate`) and sparse-attention training's constraint and τ.
+    """
+    targets = ids[:, 1:].to(logits.device)
+    pred = logits[:, :-1]
+    if mask is not None:
+        keep = mask[:, 1:].to(logits.device, torch.bool)
+        pred, targets = pred[keep], targets[keep]
+    pred, targets = pred.reshape(-1, pred.shape[-1]).float(), targets.reshape(-1)
+    return F.cross_entropy(pred, targets, reduction="sum"), int(targets.numel())
 
 
 def fvu(y: Float[torch.Tensor, "n d"], y_hat: Float[torch.Tensor, "n d"]) -> torch.Tensor:

@@ -12,7 +12,7 @@ by ``aux_k_coef``). :meth:`Trainer.folded` returns a copy of the module acting o
 Checkpoints (:meth:`Trainer.save_checkpoint` / :meth:`Trainer.resume`) hold the training-space
 weights, Adam state, dead counters, scale factors and step as safetensors + JSON, and resume
 bit-exactly because batch ``i`` depends only on ``i``. A save is atomic and a load verified
-(:mod:`._checkpoint_io`: temporary sibling, fsync, rename; a sha256 manifest written last).
+(:mod:`.checkpoint_io`: temporary sibling, fsync, rename; a sha256 manifest written last).
 Data parallelism (:mod:`.distributed`) hooks
 in through :attr:`Trainer.dist`: the loss of this rank's part of the global batch goes through DDP,
 and the dead counters (:meth:`Trainer.count_fired`) and batch means (:meth:`Trainer.batch_mean`) are
@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 
 from .._placement import f32, placement
 from ..errors import ArgumentError, CheckpointError, NonFiniteError, TooFewTokensError
-from ._checkpoint_io import verified_checkpoint, write_checkpoint
 from .activations import Batch
+from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .lorsa_recipe import LorsaRecipe
 from .objectives import _objective_class, _objective_for
 from .schedule import wsd_lr_factor

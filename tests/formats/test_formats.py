@@ -652,7 +652,8 @@ def test_load_detects_every_format_and_save_writes_them(tmp_path):
     # explicit format= bypasses detection; a run folder loads by hookpoint
     assert isinstance(load(tmp_path / "saelens", format="saelens"), SparseAutoencoder)
     assert list(load_all(tmp_path / "run")) == ["layers.1"]
-    assert set(FORMATS) == {"nnsight_lorsa", "llamascopium", "saelens", "sparsify", "circuit_tracer"}
+    assert set(FORMATS) == {"nnsight_lorsa", "llamascopium", "saelens", "sparsify", "circuit_tracer",
+                            "sparse_attention"}
 
 
 def test_load_detection_errors_list_what_was_looked_for(tmp_path):

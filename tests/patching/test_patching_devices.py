@@ -224,7 +224,9 @@ def test_qk_feature_impacts_and_dashboard_data_on_device(device):
 
 
 def _sparse_run(device: str, dtype: torch.dtype = torch.float32, steps: int = 3) -> dict[str, Any]:
-    from nnsight_lorsa.sparse_attention import SparseAttentionTrainer, SparseTrainConfig, evaluate_sparse, get_gates
+    from nnsight_lorsa.sparse_attention import SparseTrainConfig, evaluate_sparse
+    from nnsight_lorsa.sparse_attention.install import get_gates
+    from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer
 
     model, hf = tiny_nnsight("llama", device=device, dtype=dtype)
     stream = random_ids(batch=1, seq=400, seed=4).flatten()
@@ -318,7 +320,8 @@ def test_head_analysis_in_reduced_precision_matches_fp32(dtype, rep_dtype, bound
 def test_gate_statistics_stay_exact_in_reduced_precision(dtype):
     """Edge counts in fp32 (an fp16 count overflows past 65504, a bf16 one is inexact past 256); held-out
     CE of an open-gated model within 2e-2 (relative) of the fp32 one."""
-    from nnsight_lorsa.sparse_attention import edge_statistics, evaluate_sparse, get_gates, install_gated_attention
+    from nnsight_lorsa.sparse_attention import edge_statistics, evaluate_sparse, install_gated_attention
+    from nnsight_lorsa.sparse_attention.install import get_gates
 
     held = random_ids(batch=1, seq=1200, seed=8).flatten()
     evs = []

@@ -10,22 +10,25 @@ import torch
 import transformers
 from helpers import FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
 
-from nnsight_lorsa.errors import CheckpointError, LorsaError, UnsupportedArchitectureError
-from nnsight_lorsa.sparse_attention import (
-    GECO,
-    AttentionGate,
+from nnsight_lorsa.errors import (
+    CheckpointError,
     GateConfigError,
     GateNotInstalledError,
+    LorsaError,
+    UnsupportedArchitectureError,
+)
+from nnsight_lorsa.modules.attention_gate import AttentionGate
+from nnsight_lorsa.sparse_attention import (
     edge_statistics,
-    gated_attention_forward,
-    get_gates,
     install_gated_attention,
     load_gates,
-    load_sparse_model,
     save_sparse_model,
     set_gate_mode,
-    uninstall_gated_attention,
 )
+from nnsight_lorsa.sparse_attention.attention import gated_attention_forward
+from nnsight_lorsa.sparse_attention.geco import GECO
+from nnsight_lorsa.sparse_attention.install import get_gates, uninstall_gated_attention
+from nnsight_lorsa.sparse_attention.io import load_sparse_model
 from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig, evaluate_sparse
 
 
@@ -391,7 +394,7 @@ def test_a_stream_of_documents_is_refused_whatever_target_ce_is():
     """A 1-D stream holding the model's EOS id is a corpus of documents: random windows of it start
     mid-document, so τ and the CE kept would mean nothing (a probe: held-out CE 3.00 → 5.80, no error, since
     the vacuous-constraint check cannot fire while target_ce keeps its default). Refused before training."""
-    from nnsight_lorsa.sparse_attention.errors import GateConfigError
+    from nnsight_lorsa.errors import GateConfigError
 
     model = tiny_hf_model("llama", attn="eager")
     eos = model.config.eos_token_id
@@ -409,8 +412,8 @@ def test_held_out_ce_is_reported_and_checked_against_the_constraint(monkeypatch)
     the returned model), and a rise beyond the constraint's allowance + tolerance is a named warning and
     ``heldout_violation`` — training CE alone could not show it (a probe: held-out 3.00 → 3.70, no word)."""
     import nnsight_lorsa.sparse_attention.train as train_module
+    from nnsight_lorsa.errors import HeldoutConstraintWarning
     from nnsight_lorsa.sparse_attention import evaluate_sparse, train_sparse_attention
-    from nnsight_lorsa.sparse_attention.errors import HeldoutConstraintWarning
 
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))
     heldout = torch.randint(3, 128, (160,), generator=torch.Generator().manual_seed(1))

@@ -12,16 +12,14 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_hf_model, tiny_tokenizer
 
-from nnsight_lorsa.errors import CheckpointError
+from nnsight_lorsa.errors import CheckpointError, GateConfigError, VacuousConstraintError
 from nnsight_lorsa.sparse_attention import (
-    GateConfigError,
-    SparseAttentionTrainer,
     SparseTrainConfig,
-    VacuousConstraintError,
     evaluate_sparse,
     install_gated_attention,
     train_sparse_attention,
 )
+from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer
 from nnsight_lorsa.training import TokenDataset
 
 SEQ = 16

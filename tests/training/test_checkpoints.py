@@ -119,7 +119,7 @@ def new_trainer():
 # written, a rename) it says so and waits to be killed.
 CHILD = COMMON + """
 import os, sys, time
-from nnsight_lorsa.training import _checkpoint_io
+from nnsight_lorsa.training import checkpoint_io as _checkpoint_io
 count = 0
 def boundary(event):
     global count

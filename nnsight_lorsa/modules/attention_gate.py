@@ -7,8 +7,9 @@ is exactly a ``Bernoulli(σ(l))`` draw, and the backward pass uses ``σ((l + L) 
 evaluation the gate is deterministic, ``A = [l > 0]``. The expected number of edges is
 ``E|A| = Σ σ(l)`` over the positions the causal/padding mask allows (Eq. 3).
 
-The module is torch-only. One instance sits on each attention module (``self_attn.gate``); the
-attention function (:mod:`.attention`) calls it with the scaled scores, so under nnsight its
+The module is torch-only. One instance sits on each attention module (``self_attn.gate``, put there by
+:func:`~nnsight_lorsa.sparse_attention.install_gated_attention`); the attention function
+(:mod:`nnsight_lorsa.sparse_attention.attention`) calls it with the scaled scores, so under nnsight its
 ``.output`` is the gate matrix of that layer, readable and editable inside a trace.
 """
 
@@ -18,7 +19,9 @@ import torch
 from torch import nn
 
 from .._typing import Bool, Float
-from .errors import GateConfigError
+from ..errors import GateConfigError
+
+__all__ = ["GATE_MODES", "AttentionGate"]
 
 #: Gate modes. ``gated``: the learned Bernoulli gate (sampled in training, ``logit > 0`` in eval);
 #: ``topk``: keep the ``top_k`` largest attention weights per query (the dense baseline of paper
