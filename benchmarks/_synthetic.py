@@ -6,7 +6,7 @@ Llama trained with next-token CE on answer tokens only, warm-up + cosine AdamW, 
 
 Measurement side: :func:`logits_of`, :func:`train_lorsa` (``Trainer`` on given token rows,
 cached), :func:`layer_patching` (which layer's MHSA heads matter: activation patching per layer,
-path patching per head) and :func:`circuit_sizes` (seed 003 §4: MHSA heads mean/zero-ablated vs the
+path patching per head) and :func:`circuit_sizes` (Draye et al. 2025 §4.2: MHSA heads mean/zero-ablated vs the
 Lorsa heads active on the task, zero-ablated, ``error=False``).
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _timing import arg, command, parser, script, start, table, write_json
 from tokenizers import Tokenizer, processors
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from benchmarks._timing import arg, command, parser, script, start, table, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, mean_activations, path_patching

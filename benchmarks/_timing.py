@@ -9,7 +9,7 @@ interleaved repeats) or :func:`time_once` (one run), and writes its JSON with :f
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import platform
 import statistics
@@ -76,16 +76,27 @@ def start(args: argparse.Namespace | None = None, *, seed: int | None = 0, threa
 
 
 def command(env: str = "") -> str:
-    """How the benchmark was launched, for its JSON: ``[env ]python <argv...>``."""
-    return (f"{env} " if env else "") + "python " + " ".join(sys.argv)
+    """How the benchmark was launched, for its JSON: ``[env ]python -m benchmarks.<name> <args...>`` (a
+    script of this folder; ``python <argv...>`` for anything else)."""
+    first = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if first is not None and first.suffix == ".py" and first.resolve().parent == Path(__file__).resolve().parent:
+        launched = ["-m", f"benchmarks.{first.stem}", *sys.argv[1:]]
+    else:
+        launched = sys.argv
+    return (f"{env} " if env else "") + "python " + " ".join(launched)
 
 
 def script(name: str) -> ModuleType:
     """Import the repository script ``scripts/{name}.py`` (not part of the package), e.g. the embedded
-    model's builder ``script("tinymodel")``."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    return importlib.import_module(name)
+    model's builder ``script("tinymodel")``), loaded from its file (``sys.path`` untouched) once per process."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None, name
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def embedded(seed: int | None = 0) -> tuple[Any, Any]:

@@ -8,8 +8,8 @@ with its tokenizer, trained with its recipe (``scripts/tinymodel.py``: induction
 augmentation, AdamW, warm-up + cosine schedule) but shorter. Saved as Hugging Face directories (with the
 tokenizer and a ``training.json`` giving the held-out CE next to the unigram baseline's); never committed.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/_tiny_models.py --arch gpt2 --out /tmp/ts-gpt2
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/_tiny_models.py --arch neox --out /tmp/ts-neox
+    OMP_NUM_THREADS=1 python -m benchmarks._tiny_models --arch gpt2 --out /tmp/ts-gpt2
+    OMP_NUM_THREADS=1 python -m benchmarks._tiny_models --arch neox --out /tmp/ts-neox
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import parser, script, start
+
+from benchmarks._timing import parser, script, start
 
 ARCHS = ("gpt2", "neox")
 

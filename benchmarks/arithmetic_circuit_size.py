@@ -8,14 +8,14 @@ Uses the tiny adder of ``benchmarks/arithmetic_model.py`` (trained first if its 
 2. a Lorsa on that layer's attention, trained with ``Trainer`` on equation rows (cached in
    ``.cache/arithmetic-llama-lorsa``), evaluated by ``evaluate`` (FVU, CE) and by held-out
    exact-match accuracy with the Lorsa spliced (``error=False``);
-3. ``circuit_size`` (seed 003 §4): the MHSA heads of that layer (mean-ablated over the corrupt
+3. ``circuit_size`` (Draye et al. 2025 §4.2): the MHSA heads of that layer (mean-ablated over the corrupt
    prompts) vs its Lorsa heads active on the prompts (zero-ablated, ``error=False``);
 4. operand plots (Lorsa Fig. 7): the z at ``=`` of the most important Lorsa heads over the
    100 × 100 grid (``arithmetic_grid`` + ``plot_operand_grid`` → ``docs/figures/arithmetic_*.png``),
    with the share of each grid's variance explained by op1, op2, the sum, their digits;
 5. a head swap (App. D.4) between the two heads that best encode op2, if there are such.
 
-    OMP_NUM_THREADS=1 python benchmarks/arithmetic_circuit_size.py [--retrain-lorsa] [--lorsa-steps 1500]
+    OMP_NUM_THREADS=1 python -m benchmarks.arithmetic_circuit_size [--retrain-lorsa] [--lorsa-steps 1500]
 
 Writes ``benchmarks/results/arithmetic_circuit_size.json``.
 """
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from _synthetic import (
+
+from benchmarks._synthetic import (
     active_lorsa_heads,
     circuit_sizes,
     layer_patching,
@@ -37,10 +38,9 @@ from _synthetic import (
     lorsa_last_position_effects,
     open_model,
 )
-from _synthetic import train_lorsa as train_lorsa_on
-from _timing import arg, command, table, write
-from arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
-
+from benchmarks._synthetic import train_lorsa as train_lorsa_on
+from benchmarks._timing import arg, command, table, write
+from benchmarks.arithmetic_model import CACHE, EQS_PER_ROW, equation_rows, load_or_train, number_id, split_pairs
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.patching import MHSAHead, ReplacementModel, logit_difference

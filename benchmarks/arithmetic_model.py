@@ -4,7 +4,7 @@ The model the seed-003 / Lorsa §6.2 arithmetic measurements need (the packaged 
 model cannot add). Built offline, saved with its tokenizer to a git-ignored cache directory so that
 ``nnsight.LanguageModel(dir)`` loads it; later scripts call :func:`load_or_train`.
 
-    OMP_NUM_THREADS=1 python benchmarks/arithmetic_model.py [--retrain] [--steps 3000]
+    OMP_NUM_THREADS=1 python -m benchmarks.arithmetic_model [--retrain] [--steps 3000]
 
 Tokenizer: ``tokenizers`` WordLevel over whitespace-split words — ``<|bos|>`` (0), ``<|endoftext|>``
 (1, EOS and pad), ``<unk>`` (2), ``+``, ``=``, ``;`` and every integer ``0``..``198`` as one token.
@@ -25,11 +25,11 @@ import random
 from pathlib import Path
 
 import torch
-from _synthetic import UNK_TOKEN, model_main, train_answer_lm, versions, wrap_tokenizer
-from _synthetic import load_or_train as cached_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from benchmarks._synthetic import UNK_TOKEN, model_main, train_answer_lm, versions, wrap_tokenizer
+from benchmarks._synthetic import load_or_train as cached_model
 from nnsight_lorsa.assets import BOS_ID, BOS_TOKEN, EOS_TOKEN
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "arithmetic-llama"

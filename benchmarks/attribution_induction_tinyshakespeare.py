@@ -1,11 +1,12 @@
 """An attribution graph of induction on the tinyshakespeare replacement model.
 
-    python benchmarks/attribution_induction_tinyshakespeare.py
+    python -m benchmarks.attribution_induction_tinyshakespeare
 
 The embedded Llama with its Lorsa (layer 2) and TopK transcoders (every MLP), on a prompt where
 it must complete a made-up name it has seen once: "... Good morrow, Zandrofel, ... And I to
 Zandrofe" → "l". Reports node/edge counts before and after pruning, the replacement and
-completeness scores, the circuit metrics of ``004_…`` §11, where the Lorsa heads of the pruned
+completeness scores, the circuit metrics of Ameisen et al. 2025, *Circuit Tracing* (completeness, replacement
+score), where the Lorsa heads of the pruned
 graph sit, and the QK attribution of the top Lorsa head at the last position. Writes the picture
 (``docs/figures/attribution_induction.png``), the viewer (``docs/figures/attribution_induction.html``),
 the Neuronpedia JSON and ``benchmarks/results/attribution_induction.json``.
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import nnsight
 import torch
-from _timing import RESULTS, embedded, write_json
 
+from benchmarks._timing import RESULTS, embedded, write_json
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.attribution import (

@@ -1,6 +1,6 @@
 """Where an attribution's memory goes, term by term: RSS at the phases of one ``attribute`` call.
 
-    python benchmarks/attribution_memory_terms.py [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
+    python -m benchmarks.attribution_memory_terms [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa), one thread,
 a fresh process per length and mode (``dense``: the full graph; ``pruned``: ``prune=PruneConfig(0.8, 0.98)``,
@@ -93,8 +93,7 @@ def child(seq: int, batch: int, mode: str) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _timing import arg, command, parser, write
+    from benchmarks._timing import arg, command, parser, write
 
     args = parser(__doc__, lengths="64,128,256", batch=64, modes="dense,pruned",
                   name="attribution_memory_terms", child=arg("", argparse_suppress()),
@@ -105,8 +104,9 @@ def main() -> None:
     runs = []
     for seq in [int(s) for s in args.lengths.split(",") if s]:
         for mode in args.modes.split(","):
-            res = subprocess.run([sys.executable, __file__, "--child", mode, "--seq", str(seq), "--batch",
-                                  str(args.batch)], capture_output=True, text=True, env=dict(os.environ))
+            res = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(__file__).stem}", "--child", mode, "--seq",
+                                  str(seq), "--batch", str(args.batch)], capture_output=True, text=True,
+                                 env=dict(os.environ), cwd=Path(__file__).resolve().parent.parent)
             if res.returncode != 0:
                 raise RuntimeError(res.stderr[-3000:])
             runs.append(json.loads(res.stdout.strip().splitlines()[-1]))

@@ -1,6 +1,6 @@
 """Attribution vs circuit-tracer: time, peak memory and edge agreement on the same graph.
 
-    python benchmarks/attribution_vs_circuit_tracer.py [--lengths 32,64,128,256,512] [--batch 64] [--repeats 1]
+    python -m benchmarks.attribution_vs_circuit_tracer [--lengths 32,64,128,256,512] [--batch 64] [--repeats 1]
         [--ct-python /work/scratch/peers/ct/bin/python] [--work DIR] [--systems pruned,dense,ct] [--parallel]
 
 ``--work DIR`` keeps the prompts and every child's result there (``run_{system}_{seq}_{repeat}.json``); a
@@ -244,8 +244,7 @@ def agreement(work: Path, seq: int) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _timing import arg, command, parser, write
+    from benchmarks._timing import arg, command, parser, write
 
     args = parser(__doc__, lengths="32,64,128,256,512", batch=64, repeats=1,
                   ct_python=arg("/work/scratch/peers/ct/bin/python", "circuit-tracer's venv python"),
@@ -285,10 +284,10 @@ def main() -> None:
     def launch(child: str, seq: int) -> subprocess.Popen:
         python = args.ct_python if child == "ct" else sys.executable
         ct_env = {**os.environ, "PYTHONPATH": "", "CT_WAIT_NODES_S": str(6 * 3600 if args.parallel else 0)}
-        return subprocess.Popen([python, __file__, "--child", child, "--seq", str(seq), "--batch",
-                                 str(args.batch), "--work", str(work), "--max-feature-nodes",
+        return subprocess.Popen([python, "-m", f"benchmarks.{Path(__file__).stem}", "--child", child, "--seq",
+                                 str(seq), "--batch", str(args.batch), "--work", str(work), "--max-feature-nodes",
                                  str(args.max_feature_nodes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env if child != "ct" else ct_env)
+                                text=True, env=env if child != "ct" else ct_env, cwd=ROOT)
 
     def finish(proc: subprocess.Popen, child: str, seq: int, rep: int) -> None:
         out, err = proc.communicate()

@@ -1,11 +1,11 @@
 """Attribution-graph cost on the tinyshakespeare replacement model (Lorsa on layer 2, TopK
 transcoders on every MLP): batched vs naive, nnsight-traced vs PyTorch hooks, memory vs length.
 
-    python benchmarks/bench_attribution.py [--seq 64] [--batch 64] [--repeats 3] [--threads 1] [--device cuda]
+    python -m benchmarks.bench_attribution [--seq 64] [--batch 64] [--repeats 3] [--threads 1] [--device cuda]
 
 (a) ``attribute(replacement, prompt, batch_size=B)``: the frozen pass and all backward passes in
 one ``model.trace``, one target per batch row; (b) the same with PyTorch hooks on the bare model
-(the reference engine of ``tests/attribution_reference.py``); (c) the naive method: one backward
+(the reference engine of ``benchmarks/reference/attribution.py``); (c) the naive method: one backward
 pass per target node (hooks, batch 1). Same prompt, same run.
 Memory: peak RSS growth (Linux ``VmHWM``, reset before the call) of a fresh process per prompt
 length (``--memory-lengths``), next to the formula's terms (docs/attribution.md).
@@ -23,19 +23,16 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # the PyTorch-hook reference engine
-from _timing import arg, command, parser, start, table, time_interleaved, time_once, write  # noqa: E402
-from attribution_reference import attribute_with_hooks, install_frozen_hooks  # noqa: E402
-
-from nnsight_lorsa import LorsaSet, ReplacementModel  # noqa: E402
-from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir  # noqa: E402
-from nnsight_lorsa.attribution import PruneConfig, attribute  # noqa: E402
-from nnsight_lorsa.attribution.attribute import build_graph  # noqa: E402
-from nnsight_lorsa.attribution.replacement import FrozenReplacement  # noqa: E402
-from nnsight_lorsa.attribution.trace import prepare  # noqa: E402
-from nnsight_lorsa.envoy import load_model  # noqa: E402
-from nnsight_lorsa.formats import load  # noqa: E402
+from benchmarks._timing import arg, command, parser, start, table, time_interleaved, time_once, write
+from benchmarks.reference.attribution import attribute_with_hooks, install_frozen_hooks
+from nnsight_lorsa import LorsaSet, ReplacementModel
+from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir
+from nnsight_lorsa.attribution import PruneConfig, attribute
+from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.replacement import FrozenReplacement
+from nnsight_lorsa.attribution.trace import prepare
+from nnsight_lorsa.envoy import load_model
+from nnsight_lorsa.formats import load
 
 SPARSE_KEEP_MASS = 0.99
 
@@ -217,8 +214,9 @@ def main() -> None:
     for seq in [int(s) for s in args.memory_lengths.split(",") if s]:
         for flag, env, into in (([], None, memory), (["--sparse-child"], None, sparse), (["--sparse-child"], fixed,
                                                                                           trimmed)):
-            res = subprocess.run([sys.executable, __file__, "--memory-child", str(seq), "--batch", str(args.batch),
-                                  *flag], capture_output=True, text=True, check=True, env=env)
+            res = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(__file__).stem}", "--memory-child", str(seq),
+                                  "--batch", str(args.batch), *flag], capture_output=True, text=True, check=True,
+                                 env=env, cwd=Path(__file__).resolve().parent.parent)
             into.append(json.loads(res.stdout.strip().splitlines()[-1]))
     if memory:
         print(table([(m["seq"], m["rows"], m["n_sources"], f"{m['peak_rss_growth_mb']:.0f}",

@@ -6,18 +6,14 @@ gated function (training mode: straight-through sampling, and eval mode: determi
 of interleaved repeats. Memory: the bytes autograd saves for the backward pass (distinct storages,
 counted with ``torch.autograd.graph.saved_tensors_hooks``), i.e. the activation memory of training.
 
-    python benchmarks/bench_gated_attention.py [--batch 4] [--seq 256]
+    python -m benchmarks.bench_gated_attention [--batch 4] [--seq 256]
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import parser, start, table, time_interleaved, write  # noqa: E402
+from benchmarks._timing import parser, start, table, time_interleaved, write
 
 
 def saved_bytes(fn) -> int:

@@ -6,21 +6,16 @@ the Q/K/V projections, ONE scaled_dot_product_attention call with the same shape
 as value dimension), and the dense output projection. Algorithm 1 of the paper computes each OV
 head separately (its own softmax pattern); it is timed on a slice of heads and extrapolated.
 
-    python benchmarks/bench_lorsa_forward.py [--device cuda] [--dtype bfloat16]
+    python -m benchmarks.bench_lorsa_forward [--device cuda] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import parser, start, table, time_interleaved, write  # noqa: E402
-
-from nnsight_lorsa import Lorsa, LorsaConfig  # noqa: E402
+from benchmarks._timing import parser, start, table, time_interleaved, write
+from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.modules import RotaryConfig
 
 

@@ -14,21 +14,16 @@ Forward-only timings run under ``torch.no_grad``; forward+backward times the MSE
 target and ``backward()`` into ``W_enc, b_enc, W_dec, b_dec`` (the input needs no gradient, as
 in training). Both variants are also checked for equal outputs and gradients.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_topk_transcoder.py --threads 1
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_topk_transcoder --threads 1
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import command, parser, start, table, time_interleaved, write  # noqa: E402
-
-from nnsight_lorsa.modules.sparse_decode import SparseActs, sparse_decode, topk_indices  # noqa: E402
-from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig  # noqa: E402
+from benchmarks._timing import command, parser, start, table, time_interleaved, write
+from nnsight_lorsa.modules.sparse_decode import SparseActs, sparse_decode, topk_indices
+from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
 
 
 def main() -> None:

@@ -5,25 +5,20 @@ forward hook on the attention that returns the Lorsa output; (b) ``with model.tr
 lorsa.replace(layer=L); logits = model.lm_head.output.save()``. Also (c) an nnsight trace that
 only saves the logits vs a plain forward, to separate nnsight's own per-trace cost.
 
-    python benchmarks/bench_trace_overhead.py [--d-model 768] [--seq 256]
+    python -m benchmarks.bench_trace_overhead [--d-model 768] [--seq 256]
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import nnsight
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from _timing import parser, start, table, time_interleaved, write  # noqa: E402
-from helpers import tiny_tokenizer  # noqa: E402
-
-from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter  # noqa: E402
+from benchmarks._timing import parser, start, table, time_interleaved, write
+from benchmarks.reference.tokenizer import tiny_tokenizer
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 
 
 def main() -> None:

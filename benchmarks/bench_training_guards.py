@@ -12,28 +12,25 @@ heads, top-k 16, 16 QK heads x 32 — and lr 4e-3) are collected once before tim
 not blur the comparison: the overhead is relative to the optimisation step alone (the demo's real step,
 with the forward through nnsight, is longer).
 
-    python benchmarks/bench_training_guards.py [--steps 60] [--device cpu] [--threads 2]
+    python -m benchmarks.bench_training_guards [--steps 60] [--device cpu] [--threads 2]
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import command, parser, start, write  # noqa: E402
-
-from nnsight_lorsa import get_adapter  # noqa: E402
-from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
-from nnsight_lorsa.demo import DemoConfig, load_model  # noqa: E402
-from nnsight_lorsa.modules.lorsa import Lorsa  # noqa: E402
-from nnsight_lorsa.modules.lorsa_config import LorsaConfig  # noqa: E402
-from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer  # noqa: E402
+from benchmarks._timing import command, parser, start, write
+from nnsight_lorsa import get_adapter
+from nnsight_lorsa.assets import default_corpus_path
+from nnsight_lorsa.demo import DemoConfig, load_model
+from nnsight_lorsa.modules.lorsa import Lorsa
+from nnsight_lorsa.modules.lorsa_config import LorsaConfig
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer
 
 
 def unguarded_step(self: Trainer) -> dict[str, float]:

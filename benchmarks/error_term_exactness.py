@@ -6,14 +6,14 @@ from the corpus of 16 tokens up to the model's ``max_position_embeddings``: the 
 ``max |logits_replaced − logits_model| / max |logits_model|`` in fp32 (and bf16 for scale). The bound stated
 in docs/nnsight.md and tested in ``tests/envoy/test_exactness.py`` is taken from these numbers with margin.
 
-    PYTHONPATH=. python benchmarks/error_term_exactness.py        # -> benchmarks/results/error_term_exactness.json
+    python -m benchmarks.error_term_exactness        # -> benchmarks/results/error_term_exactness.json
 """
 
 from __future__ import annotations
 
 import torch
-from _timing import embedded, parser, start, table, write
 
+from benchmarks._timing import embedded, parser, start, table, write
 from nnsight_lorsa import ReplacementModel, TranscoderSet
 from nnsight_lorsa.assets import default_corpus_path, default_transcoder_dir
 

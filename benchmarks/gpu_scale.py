@@ -14,8 +14,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
     device memory next to ``estimate_memory``'s prediction, and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets).
 
-    python benchmarks/gpu_scale.py                        # the 8B shape on cuda (H100/H200)
-    python benchmarks/gpu_scale.py --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
+    python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
+    python -m benchmarks.gpu_scale --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
 
 Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
 """
@@ -26,16 +26,13 @@ import gc
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import RESULTS, arg, parser, start, time_interleaved, write_json  # noqa: E402
-
-from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, get_adapter  # noqa: E402
+from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, get_adapter
 
 #: the two scales: the 8B shape of issue 21 and a CPU smoke shape that exercises every code path
 SCALES: dict[str, dict[str, Any]] = {

@@ -6,14 +6,14 @@ On repeated-token prompts (word-like tokens of the model's BPE; clean ``[BOS] s 
 1. path patching (sender ← corrupt value, later attention frozen, receiver = logits) of every
    MHSA head (layers 0–3) and of every Lorsa head of layer 2 active on these prompts; the
    total effect (no freezing) alongside;
-2. circuit size (seed 003 §4): how many components recover 90% of the clean logit difference —
+2. circuit size (Draye et al. 2025 §4.2): how many components recover 90% of the clean logit difference —
    the 4 MHSA heads of layer 2 vs the Lorsa heads of layer 2 (the only layer with a Lorsa), and
    all 16 MHSA heads;
 3. a head swap (App. D.4) of the top induction Lorsa head;
 4. dashboards of the top induction Lorsa heads, a z-pattern figure and the Fig. 13 histogram
    into ``docs/figures/``; JSON into ``benchmarks/results/``.
 
-    OMP_NUM_THREADS=1 python benchmarks/induction_heads_tinyshakespeare.py
+    OMP_NUM_THREADS=1 python -m benchmarks.induction_heads_tinyshakespeare
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import RESULTS, embedded, write_json
 
+from benchmarks._timing import RESULTS, embedded, write_json
 from nnsight_lorsa.analysis.heads import collect_top_activations, mhsa_correlation, ov_logit_lens
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.envoy.read import attention_activations

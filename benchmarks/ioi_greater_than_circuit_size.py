@@ -11,14 +11,14 @@ missing); for each task (``ioi_task``, template 0, both names held out; ``greate
 3. a Lorsa on that layer's attention (``Trainer`` on mixed task rows, cached in
    ``.cache/ioi-greater-than-llama-lorsa/layer<L>``): FVU, L0, dead fraction, and the task metrics
    with the Lorsa spliced (``error=False``);
-4. ``circuit_size`` (seed 003 §4, 90 %): the layer's MHSA heads (mean-ablated over the corrupt
+4. ``circuit_size`` (Draye et al. 2025 §4.2, 90 %): the layer's MHSA heads (mean-ablated over the corrupt
    prompts, and zero-ablated) vs its Lorsa heads active on the prompts (zero-ablated);
 5. the top Lorsa heads by path patching at the last position (zero-ablated), described on a wider
    batch (IOI: 200 prompts over all names; greater-than: every start year 02…97): where they fire
    (the IO names / start years), what they read (share of |z-pattern| at the last position per key
    role: IO / S1 / S2 names, start year, other tokens by position) and what they write (``ov_logit_lens``).
 
-    OMP_NUM_THREADS=1 python benchmarks/ioi_greater_than_circuit_size.py [--retrain-lorsa] [--lorsa-steps 3000]
+    OMP_NUM_THREADS=1 python -m benchmarks.ioi_greater_than_circuit_size [--retrain-lorsa] [--lorsa-steps 3000]
 
 Writes ``benchmarks/results/ioi_greater_than_circuit_size.json``.
 """
@@ -30,12 +30,12 @@ import random
 import time
 from pathlib import Path
 
-import _synthetic as syn
-import ioi_greater_than_model as igt
 import torch
-from _timing import command, table, write
-from ioi_greater_than_model import CACHE, HELD_NAMES, HELD_YEARS, load_or_train, start_year
 
+import benchmarks._synthetic as syn
+import benchmarks.ioi_greater_than_model as igt
+from benchmarks._timing import command, table, write
+from benchmarks.ioi_greater_than_model import CACHE, HELD_NAMES, HELD_YEARS, load_or_train, start_year
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis.heads import ov_logit_lens
 from nnsight_lorsa.envoy.read import attention_activations

@@ -4,7 +4,7 @@ The model the seed-003 circuit-size measurements need (the packaged tinyshakespe
 neither task). Built offline, saved with its tokenizer to a git-ignored cache directory so that
 ``nnsight.LanguageModel(dir)`` loads it; later scripts call :func:`load_or_train`.
 
-    OMP_NUM_THREADS=1 python benchmarks/ioi_greater_than_model.py [--retrain] [--steps 2000]
+    OMP_NUM_THREADS=1 python -m benchmarks.ioi_greater_than_model [--retrain] [--steps 2000]
 
 Tokenizer: ``tokenizers`` WordLevel over GPT-2-style byte-level words — a split regex
 (``" ?[A-Za-z]+"``, ``" ?\\d\\d"``, digits, punctuation) then byte-level mapping, so a word keeps its
@@ -40,11 +40,11 @@ import re
 from pathlib import Path
 
 import torch
-from _synthetic import UNK_TOKEN, model_main, train_answer_lm, versions, wrap_tokenizer
-from _synthetic import load_or_train as cached_model
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from benchmarks._synthetic import UNK_TOKEN, model_main, train_answer_lm, versions, wrap_tokenizer
+from benchmarks._synthetic import load_or_train as cached_model
 from nnsight_lorsa.assets import BOS_TOKEN, EOS_ID, EOS_TOKEN
 from nnsight_lorsa.patching.tasks import IOI_TEMPLATES, NAMES, NOUNS, TaskBatch, greater_than_task, ioi_task
 

@@ -4,7 +4,7 @@ split into "negative pre-activation on every held-out token" and "positive somew
 Same cache, Lorsa and batches as ``benchmarks/lorsa_recipe.py`` (layer 2 of the embedded model, 1024 OV
 heads, k 16); the run is identical to that script's row for the same variant (same seed).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_dead_heads.py 'recipe:lr=0.004' 600
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_dead_heads 'recipe:lr=0.004' 600
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lorsa_recipe as B  # noqa: E402
-
-from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter  # noqa: E402
-from nnsight_lorsa.envoy import load_model  # noqa: E402
-from nnsight_lorsa.envoy.read import Site  # noqa: E402
-from nnsight_lorsa.training import ActivationSource, LorsaObjective, LorsaRecipe, TrainConfig, Trainer  # noqa: E402
+import benchmarks.lorsa_recipe as B
+from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter
+from nnsight_lorsa.envoy import load_model
+from nnsight_lorsa.envoy.read import Site
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, LorsaRecipe, TrainConfig, Trainer
 
 
 def main() -> None:

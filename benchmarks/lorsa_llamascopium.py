@@ -4,12 +4,12 @@ Three steps, two environments (llamascopium is never a dependency of ours; the `
 imports only llamascopium, torch and safetensors, the ``measure`` step only our package)::
 
     # 1. ours: the layer's training windows, batch order, held-out windows and MHSA (lorsa_recipe.export)
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --export DIR
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_recipe --steps 600 --export DIR
     # 2. their venv: build, initialise, train and save each variant with llamascopium's own code
-    OMP_NUM_THREADS=1 /work/scratch/peers/llamascopium/bin/python benchmarks/lorsa_llamascopium.py train DIR \\
+    OMP_NUM_THREADS=1 /work/scratch/peers/llamascopium/bin/python -m benchmarks.lorsa_llamascopium train DIR \\
         --variants doc_lr4e-3,doc_lr2e-4,doc_auxk_kanneal_lr4e-3,random_lr4e-3,doc_lr2e-4_warmup5000
     # 3. ours: load each saved Lorsa with our loader, held-out FVU / L0 / dead (lorsa_recipe.heldout_metrics)
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_llamascopium.py measure DIR \\
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_llamascopium measure DIR \\
         --out benchmarks/results/lorsa_llamascopium.json
 
 What ``train`` runs, per variant (llamascopium ``src/llamascopium/``):
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -208,9 +207,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_measure(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(HERE))
-    from lorsa_recipe import heldout_metrics
-
+    from benchmarks.lorsa_recipe import heldout_metrics
     from nnsight_lorsa import formats
 
     torch.set_num_threads(1)

@@ -7,10 +7,10 @@ every variant trains from the same cached batches (same seed) and is measured on
 windows: FVU, L0 and dead fraction (heads never active on the held-out tokens) from the cached
 activations; with ``--ce`` also CE recovered (``evaluate`` with the Lorsa spliced in), and wall time.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 100 \
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_recipe --steps 100 \
         --out benchmarks/results/lorsa_recipe_ablation.json
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --steps 600 --variants recipe,old_demo --ce
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_recipe.py --model /tmp/ts-gpt2,/tmp/ts-neox \
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_recipe --steps 600 --variants recipe,old_demo --ce
+    OMP_NUM_THREADS=1 python -m benchmarks.lorsa_recipe --model /tmp/ts-gpt2,/tmp/ts-neox \
         --layer all --ce --variants 'recipe:lr=0.004'    # every layer of other models (benchmarks/_tiny_models.py)
 
 The Lorsa is configured from the layer's MHSA (``mhsa_weights``): ``n_qk_heads = 4 × n_heads``,

@@ -3,15 +3,14 @@ tinyshakespeare Llama, evaluated on one window per speech (speeches = blank-line
 from its start with BOS, right-padded to ``--seq-len``) with the padding excluded (``target_mask``, what
 ``evaluate`` and the trainer do) and counted (the same windows without a mask).
 
-    python benchmarks/padding_metrics_tinyshakespeare.py [--windows 256] [--seq-len 128]
+    python -m benchmarks.padding_metrics_tinyshakespeare [--windows 256] [--seq-len 128]
 
 Writes ``benchmarks/results/padding_metrics_tinyshakespeare.json``.
 """
 
 from __future__ import annotations
 
-from _timing import command, embedded, parser, start, write
-
+from benchmarks._timing import command, embedded, parser, start, write
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.training import TokenDataset, evaluate
 

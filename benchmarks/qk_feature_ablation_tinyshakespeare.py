@@ -1,7 +1,7 @@
 """Lorsa paper App. F.1 on the embedded tinyshakespeare model: which SAE features of the layer-2 attention input
 drive the Q and K of the induction Lorsa heads (H802, H777; both read QK head 12).
 
-    OMP_NUM_THREADS=1 python benchmarks/qk_feature_ablation_tinyshakespeare.py [--heads 802 777] [--windows 256]
+    OMP_NUM_THREADS=1 python -m benchmarks.qk_feature_ablation_tinyshakespeare [--heads 802 777] [--windows 256]
 
 No SAE on the attention input is packaged (``nnsight_lorsa/assets`` has the Lorsa and MLP transcoders only), so
 the first run trains a TopK SAE on the output of ``model.layers.2.input_layernorm`` (= the Lorsa's input) with
@@ -13,23 +13,20 @@ and are the analysis corpus. Writes ``benchmarks/results/qk_feature_ablation_tin
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import arg, command, embedded, parser, table, write  # noqa: E402
-
-from nnsight_lorsa import ReplacementModel, get_adapter  # noqa: E402
-from nnsight_lorsa.analysis import qk_feature_impacts  # noqa: E402
-from nnsight_lorsa.assets import default_corpus_path  # noqa: E402
-from nnsight_lorsa.envoy.read import Site, attention_activations  # noqa: E402
-from nnsight_lorsa.envoy.sae_set import SAESet  # noqa: E402
-from nnsight_lorsa.formats import load, save  # noqa: E402
-from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder  # noqa: E402
-from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate  # noqa: E402
+from benchmarks._timing import arg, command, embedded, parser, table, write
+from nnsight_lorsa import ReplacementModel, get_adapter
+from nnsight_lorsa.analysis import qk_feature_impacts
+from nnsight_lorsa.assets import default_corpus_path
+from nnsight_lorsa.envoy.read import Site, attention_activations
+from nnsight_lorsa.envoy.sae_set import SAESet
+from nnsight_lorsa.formats import load, save
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer, evaluate
 
 LAYER = 2
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,9 +6,9 @@ then post-trains with the GECO constraint ``CE <= τ_train`` (τ_train = the bas
 windows, the paper's choice) and reports held-out CE and the fraction of active edges (eval mode,
 deterministic gates). The trained model is saved (HF directory + gates) and reloaded through nnsight.
 
-    python benchmarks/sparse_attention_tinyshakespeare.py --steps 1500            # embedded Llama
-    python benchmarks/sparse_attention_tinyshakespeare.py --train-gpt2 /tmp/ts-gpt2 # GPT-2 arch, same recipe
-    python benchmarks/sparse_attention_tinyshakespeare.py --model /tmp/ts-gpt2 --steps 1500
+    python -m benchmarks.sparse_attention_tinyshakespeare --steps 1500            # embedded Llama
+    python -m benchmarks.sparse_attention_tinyshakespeare --train-gpt2 /tmp/ts-gpt2 # GPT-2 arch, same recipe
+    python -m benchmarks.sparse_attention_tinyshakespeare --model /tmp/ts-gpt2 --steps 1500
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from _timing import RESULTS, arg, parser, script, start, write_json
-from _tiny_models import split_ids, train_tiny
+
+from benchmarks._timing import RESULTS, arg, parser, script, start, write_json
+from benchmarks._tiny_models import split_ids, train_tiny
 
 
 def circuit_sizes(dense_dir: str, sparse_dir: str, n_prompts: int = 16, seq_len: int = 20) -> dict:

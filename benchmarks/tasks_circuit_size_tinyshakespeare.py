@@ -3,12 +3,12 @@
 For IOI (App. A.2), greater-than (App. A.1) and the arithmetic template ``op1 + op2 =`` (paper
 Fig. 7), built for the embedded model's BPE by ``nnsight_lorsa.patching.tasks``: the clean and
 corrupt logit differences, and how many components recover 90 % of the clean logit difference
-(seed ``003_…`` §4) — the 4 MHSA heads of layer 2 (mean-ablated over the corrupt prompts) vs the
+(Draye et al. 2025 §4.2) — the 4 MHSA heads of layer 2 (mean-ablated over the corrupt prompts) vs the
 Lorsa heads of layer 2 active on the prompts (zero-ablated), and all 16 MHSA heads. A task the
 tokenizer cannot serve is reported as such. The 4-layer model was not trained for these tasks:
 the numbers say how little of each behaviour it has, not how a real model solves them.
 
-    OMP_NUM_THREADS=1 python benchmarks/tasks_circuit_size_tinyshakespeare.py
+    OMP_NUM_THREADS=1 python -m benchmarks.tasks_circuit_size_tinyshakespeare
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 import time
 
 import torch
-from _timing import RESULTS, command, embedded, write_json
 
+from benchmarks._timing import RESULTS, command, embedded, write_json
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, logit_difference, mean_activations
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.tasks import TaskTokenizationError, arithmetic_task, greater_than_task, ioi_task

@@ -1,7 +1,7 @@
 """Train TopK transcoders on every MLP and a TopK SAE on the layer-2 residual of the embedded
 tinyshakespeare Llama, then evaluate them spliced into the model on held-out windows.
 
-    python benchmarks/train_sparse_coders_tinyshakespeare.py [--steps 1200] [--d-sae 1024] [--k 16]
+    python -m benchmarks.train_sparse_coders_tinyshakespeare [--steps 1200] [--d-sae 1024] [--k 16]
 
 Same data and held-out split as ``nnsight-lorsa demo`` (the last 64 windows of 128 tokens). Writes
 ``benchmarks/results/sparse_coders_tinyshakespeare.json`` (command, settings, numbers per dictionary).
@@ -14,8 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from _timing import RESULTS, arg, parser, start
-
+from benchmarks._timing import RESULTS, arg, parser, start
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.assets import default_corpus_path
 from nnsight_lorsa.envoy import load_model

@@ -4,7 +4,8 @@ An adapter answers, for one model family: where the decoder layers are; where a 
 attention reads its input hidden states (after the pre-attention norm) and writes its output
 (after the output projection); how it rotates queries and keys (:class:`RotaryConfig`); its
 attention scale, GQA layout and QK-norm; and the MHSA weights in the head-major layout of the
-transformer-circuits framework (seed ``001_…``: ``W_Q^h, W_K^h, W_V^h: (d_model, d_head)``,
+transformer-circuits framework (Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits*: ``W_Q^h,
+W_K^h, W_V^h: (d_model, d_head)``,
 ``W_O^h: (d_head, d_model)``).
 
 Adapters need torch and transformers only (no nnsight), so they also run on an NDIF server.

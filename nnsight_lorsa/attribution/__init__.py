@@ -1,7 +1,7 @@
 """Attribution graphs over the replacement model (Lorsa + transcoders), exact to the bias.
 
-Frozen-Jacobian attribution in the sense of circuit-tracer (paper ``004_…`` §9–11; Ameisen et al.
-2025, ``circuit_tracer/attribution/attribute.py``): with patterns, norm scales and activations
+Frozen-Jacobian attribution in the sense of circuit-tracer (Ameisen et al. 2025, *Circuit Tracing*: attribution
+graphs, pruning, evaluation; ``circuit_tracer/attribution/attribute.py``): with patterns, norm scales and activations
 frozen at the prompt's values, the replacement model is linear in its nodes' writes, and every
 target's incoming edges sum to its value — bias nodes included. One front door::
 

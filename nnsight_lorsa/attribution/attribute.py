@@ -1,6 +1,7 @@
 """The front door: ``attribute(replacement, prompt)`` → :class:`.graph.Graph`.
 
-The replacement model (paper ``004_…`` §9.4; GUIDE §4): transcoders for MLPs (a layer without one
+The replacement model (Ameisen et al. 2025, *Circuit Tracing*: frozen-Jacobian attribution with error nodes;
+docs/attribution.md): transcoders for MLPs (a layer without one
 contributes its whole MLP output as error nodes), Lorsa for attention (a layer without one keeps
 its MHSA with frozen patterns), frozen norms. The engine follows from the input: a prompt (text or
 token ids) runs two nnsight traces — a clean pass (which features and heads are active), then the

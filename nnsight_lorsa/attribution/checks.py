@@ -2,8 +2,8 @@
 model, and the exactness checks by intervention in the frozen model (the pure tensor math — influence,
 pruning, replacement/completeness scores — is :mod:`.scores`).
 
-*Circuit metrics* (:func:`circuit_metrics`, paper ``004_…`` §11): the circuit is the pruned graph's
-feature nodes. Ablations run in the *real* model with the replacements spliced with their error
+*Circuit metrics* (:func:`circuit_metrics`; Ameisen et al. 2025, *Circuit Tracing*, §11): the circuit is
+the pruned graph's feature nodes. Ablations run in the *real* model with the replacements spliced with their error
 terms (:class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`, ``error=True``): an unedited
 run is the model itself, and zeroing a feature propagates through everything downstream,
 nonlinearities included. Completeness (§11.1): ``1 − Δℓ(all circuit features ablated) /
@@ -97,7 +97,7 @@ def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[lis
 def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneResult, *,
                     incorrect_token: int | None = None, min_effect: float = 0.01, chunk: int = 16) -> CircuitMetrics:
     """Completeness, minimality and faithfulness of the pruned circuit (module docstring; paper
-    ``004_…`` §11), by zero-ablating its feature nodes in the real model.
+    Ameisen et al. 2025, *Circuit Tracing*, §11), by zero-ablating its feature nodes in the real model.
 
     Args:
         replacement: the :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` the graph

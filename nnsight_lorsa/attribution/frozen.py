@@ -1,4 +1,5 @@
-"""The frozen linear replacement model's arithmetic, one site at a time (paper ``004_…`` §9.4, GUIDE §4).
+"""The frozen linear replacement model's arithmetic, one site at a time (Ameisen et al. 2025, *Circuit Tracing*:
+frozen-Jacobian attribution; docs/attribution.md).
 
 With attention patterns (MHSA and Lorsa QK), normalisation scales, activation functions and
 top-k selections frozen at their values on the prompt, the replacement model is *linear* in the
@@ -124,7 +125,8 @@ def frozen_mhsa(
     — one copy, broadcast over the batch; cheapest where memory allows (CPU) — or its queries and keys
     ``(q, k)`` (:func:`~nnsight_lorsa.adapters.base.mhsa_qk`): then one ``scaled_dot_product_attention``
     with gradient to the values only, whose memory-efficient GPU kernels recompute the pattern
-    blockwise and never store it (long prompts). Either way the OV circuit (seed ``001_…``) is the
+    blockwise and never store it (long prompts). Either way the OV circuit (Elhage et al. 2021, *A Mathematical
+    Framework for Transformer Circuits*) is the
     only path from ``x``. ``mult_v``, ``mult_o``: ``(batch, 1, 1)``.
     """
     b = x.shape[0]

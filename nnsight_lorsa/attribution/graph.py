@@ -287,7 +287,7 @@ GRAPH_FORMAT = "nnsight-lorsa-graph/1"
 
 @dataclass(repr=False)
 class Graph(FieldsRepr):
-    """A frozen-Jacobian attribution graph of one prompt (``004_…`` §9.4).
+    """A frozen-Jacobian attribution graph of one prompt (Ameisen et al. 2025, *Circuit Tracing*).
 
     Attributes:
         tokens: ``(pos,)`` int64 input ids; ``prompt``: its text (if known).

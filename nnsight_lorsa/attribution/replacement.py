@@ -1,5 +1,6 @@
 """The frozen replacement model: which modules replace which parts, and its forward with every
-node's multiplier (paper ``004_…`` §9.4; GUIDE §4).
+node's multiplier (Ameisen et al. 2025, *Circuit Tracing*: frozen-Jacobian attribution with error nodes;
+docs/attribution.md).
 
 :class:`FrozenReplacement` is called at each site of the model in forward order (by the nnsight
 engine in :mod:`.trace`, by the cached engine in :mod:`.cached` — the same arithmetic): it returns
@@ -10,7 +11,8 @@ Lorsa §3.1) followed by the demeaned logits of the target tokens.
 
 The MLP replacements are seen per layer (:class:`LayerCoder`): a per-layer (skip) transcoder at
 layer ``l`` writes only into MLP output ``l``; a cross-layer transcoder's layer-``l`` features write
-into every MLP output ``l' ≥ l`` (seed ``004_…`` §7.1), one node whose multiplier scales all its
+into every MLP output ``l' ≥ l`` (Ameisen et al. 2025, *Circuit Tracing*, cross-layer transcoders), one node whose
+multiplier scales all its
 writes. In another dtype than the model's (``dtype=torch.float32`` for a bf16 model) the Lorsas,
 transcoders and frozen MHSA weights are used as copies (:func:`copies_in`, :func:`weights_in`; the
 user's modules are untouched), while the model's own modules still run in bf16 on batch row 0 for

@@ -1,7 +1,8 @@
 """Scores of an attribution graph, as pure tensor math on the graph: influence, pruning and the graph's
 replacement/completeness scores (nothing here runs a model).
 
-*Influence* (circuit-tracer's pruning rule, ``004_…`` §9.4; ``circuit_tracer/graph.py``): with ``Â``
+*Influence* (circuit-tracer's pruning rule, Ameisen et al. 2025, *Circuit Tracing*; ``circuit_tracer/graph.py``):
+with ``Â``
 the adjacency with absolute values, each row normalised to sum 1 (row = target, column = source),
 a node's influence is its total weight in ``w (Â + Â² + Â³ + …)``, where ``w`` puts the logits'
 probabilities on the logit rows. The graph is acyclic, so the series terminates. The matrix may be

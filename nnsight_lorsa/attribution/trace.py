@@ -1,5 +1,6 @@
 """The nnsight engine: attribution inside ``model.trace(...)`` — the clean pass and the frozen pass
-with batched backward (paper ``004_…`` §9.4; circuit-tracer's ``circuit_tracer/attribution/attribute.py``
+with batched backward (Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer's
+``circuit_tracer/attribution/attribute.py``
 does the same with TransformerLens hooks).
 
 Both passes are ordinary nnsight traces over the user's model. The *clean pass*
@@ -242,7 +243,7 @@ def frozen_output(frozen: FrozenReplacement, adapter: ArchitectureAdapter, site:
                   args: tuple, kwargs: dict, out: Any) -> Any:
     """What the frozen model returns at ``site``, from the module's full call ``(args, kwargs)`` and its
     (row-0) output ``out`` — shared by the nnsight driver here and the PyTorch-hook reference
-    (``tests/attribution_reference.py``)."""
+    (``benchmarks/reference/attribution.py``)."""
     if site.kind == "norm":
         return frozen.norm(module, call_input(args, kwargs), site.layer, site.role)
     if site.kind == "head":

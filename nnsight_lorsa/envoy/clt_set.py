@@ -10,7 +10,8 @@ Usage::
         logits = model.lm_head.output.save()
 
 The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``); MLP ``l'``'s output
-is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (seed ``004_…`` §7.1). This needs
+is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (Ameisen et al. 2025, *Circuit Tracing*,
+cross-layer transcoders). This needs
 one worker that visits the MLPs in order and carries the features forward:
 :func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)``, the CLT mounted at
 the root as ``model.clt``.

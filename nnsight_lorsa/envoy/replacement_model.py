@@ -73,7 +73,7 @@ class ReplacementModel:
             or a :class:`~.clt_set.CLTSet` / :class:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder`.
         saes: an :class:`~.sae_set.SAESet` of ``model`` or ``{site path: SAE}``.
         error: splice replacements with their error terms (default True), so that an unedited
-            run reproduces the model and only an edit changes it (seed ``004_…`` §9.4).
+            run reproduces the model and only an edit changes it (Ameisen et al. 2025, *Circuit Tracing*: error nodes).
         adapter: the model family's adapter (default :func:`~nnsight_lorsa.adapters.registry.get_adapter`).
 
     Attributes:

@@ -10,7 +10,7 @@ The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP) 
    the replacement *observed* (its internals are served to the trace body, which can read and
    edit them), and swaps the site's output for the replacement's;
 3. with ``error=True`` adds the error term ``e = site_output − replacement_clean`` through the
-   module's ``hook_error`` (the error node of attribution graphs, seed ``004_…`` §9.4):
+   module's ``hook_error`` (the error node of attribution graphs, Ameisen et al. 2025, *Circuit Tracing*: error nodes):
    ``replacement_clean`` is the replacement computed with no edits, so without edits the
    site's output is reproduced (up to fp rounding) and edits to the internals still propagate;
 4. detaches the module when the worker ends — after its swap, or when nnsight unwinds it

@@ -9,9 +9,12 @@ coders: :mod:`.lorsa_format`, :mod:`.sparse_coder_format`), ``"llamascopium"`` (
 library, Lorsas and SAEs: :mod:`.llamascopium`, :mod:`.llamascopium_sae`), ``"saelens"``
 (:mod:`.saelens`; SAELens release names: :mod:`.saelens_releases`), ``"sparsify"`` (:mod:`.sparsify`)
 and ``"circuit_tracer"`` (transcoder sets and
-CLTs: :mod:`.circuit_tracer`). Each format module is a small reader in three steps
-(:class:`~.reader.Reader`: ``parse_config`` -> ``load_weights`` -> ``build``); every reader goes
-through one validation layer (:mod:`.validate`) whose errors are
+CLTs: :mod:`.circuit_tracer`). One reader without detection is ``load(path, format=name)``; the
+per-format functions (``lorsa_format.load_lorsa``, ``saelens.save_saelens``, …) stay in their
+modules, outside this package's names. Each format module is a small reader in three steps
+(:class:`~.reader.Reader`: ``parse_config`` -> ``load_weights`` -> ``build``) that declares its
+config fields (:class:`~.validate.Field`) and tensors (:class:`~.validate.TensorSpec`); one
+validation layer (:mod:`.validate`) checks them and is the only module that raises a file error:
 :class:`~nnsight_lorsa.errors.CheckpointError` naming the file and the key. :mod:`.hook_sites` maps
 other libraries' hook names onto our module paths.
 
@@ -24,15 +27,6 @@ Example::
 
 from __future__ import annotations
 
-from .circuit_tracer import (
-    load_circuit_tracer_clt,
-    load_circuit_tracer_transcoders,
-    save_circuit_tracer_clt,
-    save_circuit_tracer_transcoders,
-)
-from .llamascopium import load_llamascopium_lorsa
-from .llamascopium_sae import load_llamascopium_sae
-from .lorsa_format import load_lorsa, save_lorsa
 from .registry import (
     DEFAULT_FORMAT,
     FORMATS,
@@ -45,17 +39,9 @@ from .registry import (
     register_format,
     save,
 )
-from .saelens import load_saelens, save_saelens
 from .saelens_releases import SAELensRelease, resolve_release
-from .sparse_coder_format import load_sparse_coder, save_sparse_coder
-from .sparsify import load_sparsify, save_sparsify
 
 __all__ = [
-    "DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load", "load_all",
-    "register_format", "save",
-    "load_circuit_tracer_clt", "load_circuit_tracer_transcoders", "load_llamascopium_lorsa", "load_llamascopium_sae",
-    "SAELensRelease", "resolve_release",
-    "load_lorsa", "load_saelens", "load_sparse_coder", "load_sparsify",
-    "save_circuit_tracer_clt", "save_circuit_tracer_transcoders", "save_lorsa", "save_saelens", "save_sparse_coder",
-    "save_sparsify",
+    "DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "SAELensRelease", "detect_format",
+    "load", "load_all", "register_format", "resolve_release", "save",
 ]

@@ -40,21 +40,24 @@ from typing import Any
 import torch
 
 from .._atomic import Staging, atomic_directory
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
 from .validate import (
+    TensorSpec,
     build_module,
     check_d_model,
+    check_declared_tensors,
     check_file_tensors,
+    check_numbered,
     check_size,
-    check_tensor_inventory,
     config_size,
     layer_of_name,
     looks_like_layer_name,
+    require,
 )
 
 CONFIG_FILE = "config.yaml"
@@ -64,6 +67,14 @@ THRESHOLD_KEY = "activation_function.threshold"
 LEGACY_THRESHOLD_KEY = "threshold"
 HUB_FILES = (CONFIG_FILE, "*.safetensors")
 KINDS = ("transcoder_set", "cross_layer_transcoder")
+#: a per-layer file (their names and layout); ``W_skip`` and the threshold (either key) when present
+LAYER_TENSORS = TensorSpec({"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_out"), "b_enc": ("d_sae",),
+                            "b_dec": ("d_out",)},
+                           {"W_skip": ("d_out", "d_in"), THRESHOLD_KEY: ("d_sae",), LEGACY_THRESHOLD_KEY: ("d_sae",)})
+#: a CLT's ``W_enc_{i}.safetensors`` (threshold / skip when layer 0 has them) and ``W_dec_{i}.safetensors``
+CLT_ENC_TENSORS = TensorSpec({"W_enc_{i}": ("d_sae", "d_model"), "b_enc_{i}": ("d_sae",), "b_dec_{i}": ("d_model",)},
+                             {"threshold_{i}": ("d_sae",), "W_skip_{i}": ("d_model", "d_model")})
+CLT_DEC_TENSORS = TensorSpec({"W_dec_{i}": ("d_sae", "n_later", "d_model")})
 
 __all__ = ["CLT_READER", "TRANSCODERS_READER", "CircuitTracerTranscoders", "choose_reader", "load_circuit_tracer_clt",
            "load_circuit_tracer_transcoders", "save_circuit_tracer_clt", "save_circuit_tracer_transcoders"]
@@ -91,12 +102,10 @@ def _numbered(path: Path, pattern: str) -> dict[int, Path]:
     if pattern.startswith("layer_"):
         odd = sorted(p.name for p in path.iterdir() if looks_like_layer_name(p.name, ".safetensors")
                      and p.name.endswith(".safetensors") and not rx.fullmatch(p.name))
-        if odd:
-            raise CheckpointError(f"{path}: files {odd} are not named layer_<digits>.safetensors (ASCII digits "
-                                  "only); rename or remove them")
+        require(not odd, path, f"files {odd} are not named layer_<digits>.safetensors (ASCII digits only); "
+                               "rename or remove them")
     found = {int(m.group(1)): p for p in path.iterdir() if (m := rx.fullmatch(p.name))}
-    if found and sorted(found) != list(range(len(found))):
-        raise CheckpointError(f"{path}: files {pattern!r} must be numbered 0..n-1, found layers {sorted(found)}")
+    check_numbered(found, path, f"files {pattern!r} must be numbered")
     return found
 
 
@@ -136,8 +145,8 @@ def choose_reader(directory: Path) -> Reader:
 # --------------------------------------------------------------------------- per-layer transcoders
 def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int, Path]:
     listed = cfg.get("transcoders")
-    if listed is not None and not isinstance(listed, list):
-        raise CheckpointError(f"{config_path}: key 'transcoders' must be a list of files, got {listed!r}")
+    require(listed is None or isinstance(listed, list), config_path,
+            f"key 'transcoders' must be a list of files, got {listed!r}")
     if isinstance(listed, list) and listed:
         files: dict[int, Path] = {}
         for i, entry in enumerate(listed):
@@ -145,28 +154,23 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                 layer, ref = entry.get("layer"), entry.get("filepath")
             else:
                 layer, ref = None, entry
-            if not isinstance(ref, str):
-                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has no file path")
-            name = ref.split("?")[0].rsplit("/", 1)[-1]
+            require(isinstance(ref, str), config_path, f"key 'transcoders'[{i}] has no file path")
+            name = str(ref).split("?")[0].rsplit("/", 1)[-1]
             if layer is None:
-                if looks_like_layer_name(name, ".safetensors") and layer_of_name(name, ".safetensors") is None:
-                    raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; a layer file is "
-                                          "named layer_<digits>.safetensors (ASCII digits only)")
+                require(not looks_like_layer_name(name, ".safetensors") or layer_of_name(name, ".safetensors")
+                        is not None, config_path, f"key 'transcoders'[{i}] is {ref!r}; a layer file is named "
+                                                  "layer_<digits>.safetensors (ASCII digits only)")
                 found = layer_of_name(name, ".safetensors")
                 layer = found if found is not None else i
-            if not name.endswith(".safetensors"):
-                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] is {ref!r}; only .safetensors "
-                                      "files are read")
-            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
-                raise CheckpointError(f"{config_path}: key 'transcoders'[{i}] has layer {layer!r}; "
-                                      "expected an int >= 0")
-            if layer in files:
-                raise CheckpointError(f"{config_path}: key 'transcoders' lists layer {layer} twice")
+            require(name.endswith(".safetensors"), config_path,
+                    f"key 'transcoders'[{i}] is {ref!r}; only .safetensors files are read")
+            require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0, config_path,
+                    f"key 'transcoders'[{i}] has layer {layer!r}; expected an int >= 0")
+            require(layer not in files, config_path, f"key 'transcoders' lists layer {layer} twice")
             files[layer] = path / name
         return files
     files = _numbered(path, r"layer_([0-9]+)\.safetensors")
-    if not files:
-        raise CheckpointError(f"{path}: no layer_<i>.safetensors files (and no 'transcoders' in {CONFIG_FILE})")
+    require(files, path, f"no layer_<i>.safetensors files (and no 'transcoders' in {CONFIG_FILE})")
     return files
 
 
@@ -174,26 +178,19 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
                   d_model: int | None) -> tuple[TranscoderConfig, dict[str, tuple[int, ...]], str]:
     """One layer file's :class:`TranscoderConfig`, expected shapes and source note, from its header."""
     shapes, _ = read_safetensors_header(file)
-    if "W_enc" not in shapes or len(shapes["W_enc"]) != 2:
-        raise CheckpointError(f"{file}: missing tensor 'W_enc' (d_sae, d_model), found {sorted(shapes)}")
+    require(len(shapes.get("W_enc", ())) == 2, file, f"missing tensor 'W_enc' (d_sae, d_model), found {sorted(shapes)}")
     d_sae, d_in = (check_size(n, file, f"W_enc.shape[{i}]") for i, n in enumerate(shapes["W_enc"]))
     check_d_model(d_in, d_model, file, "W_enc.shape[1]")
     d_out = shapes["b_dec"][0] if len(shapes.get("b_dec", ())) == 1 else d_in
     threshold_keys = [k for k in (THRESHOLD_KEY, LEGACY_THRESHOLD_KEY) if k in shapes]
-    if len(threshold_keys) > 1:
-        raise CheckpointError(f"{file}: both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
-                              "transcoder has one threshold tensor")
+    require(len(threshold_keys) <= 1, file, f"both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
+                                            "transcoder has one threshold tensor")
     activation = "jumprelu" if threshold_keys else act_name
-    expected = {"W_enc": (d_sae, d_in), "W_dec": (d_sae, d_out), "b_enc": (d_sae,), "b_dec": (d_out,)}
-    if "W_skip" in shapes:
-        expected["W_skip"] = (d_out, d_in)
-    if activation == "jumprelu":
-        if not threshold_keys:
-            raise CheckpointError(f"{file}: {CONFIG_FILE} says 'jump_relu' but the file has no "
-                                  f"{THRESHOLD_KEY!r} tensor")
-        expected[threshold_keys[0]] = (d_sae,)
+    require(activation != "jumprelu" or threshold_keys, file,
+            f"{CONFIG_FILE} says 'jump_relu' but the file has no {THRESHOLD_KEY!r} tensor")
     src = f"W_enc of {file.name} (d_sae={d_sae}, d_model={d_in})"
-    check_tensor_inventory(file, shapes, expected, src)
+    expected = check_declared_tensors(file, shapes, LAYER_TENSORS, {"d_sae": d_sae, "d_in": d_in, "d_out": d_out},
+                                      src, with_=[k for k in ("W_skip", *threshold_keys) if k in shapes])
     tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation,
                             activation_params=params if activation == "topk" else {},
                             layer=layer, extra={"circuit_tracer": {**_hooks(cfg), "file": file.name}})
@@ -220,12 +217,10 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
     layers: dict[int, Any] = {}
     for layer, file in sorted(_layer_files(directory, cfg, config_path).items()):
         layers[layer] = (file, *_layer_config(file, layer, act_name, params, cfg, d_model))
-    if sorted(layers) != list(range(len(layers))):
-        raise CheckpointError(f"{directory}: transcoders must cover layers 0..n-1, found {sorted(layers)}")
+    check_numbered(layers, directory, "transcoders must cover layers")
     widths = {layer: (entry[1].d_in, entry[1].d_out) for layer, entry in layers.items()}
-    if len(set(widths.values())) > 1:
-        raise CheckpointError(f"{directory}: the layer files disagree on (d_model, d_out) (from W_enc / b_dec): "
-                              + ", ".join(f"{layers[k][0].name} {v}" for k, v in sorted(widths.items())))
+    require(len(set(widths.values())) <= 1, directory, "the layer files disagree on (d_model, d_out) (from W_enc / "
+            "b_dec): " + ", ".join(f"{layers[k][0].name} {v}" for k, v in sorted(widths.items())))
     return Parsed(directory, {layer: entry[1] for layer, entry in layers.items()},
                   {"layers": layers, "yaml": cfg})
 
@@ -302,12 +297,11 @@ def parse_clt_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     """
     cfg = _model_kind(directory, "cross_layer_transcoder")
     enc_files = _numbered(directory, r"W_enc_([0-9]+)\.safetensors")
-    if not enc_files:
-        raise CheckpointError(f"{directory}: no W_enc_<i>.safetensors files")
+    require(enc_files, directory, "no W_enc_<i>.safetensors files")
     n = len(enc_files)
     shapes0, _ = read_safetensors_header(enc_files[0])
-    if len(shapes0.get("W_enc_0", ())) != 2:
-        raise CheckpointError(f"{enc_files[0]}: missing tensor 'W_enc_0' (d_sae, d_model), found {sorted(shapes0)}")
+    require(len(shapes0.get("W_enc_0", ())) == 2, enc_files[0],
+            f"missing tensor 'W_enc_0' (d_sae, d_model), found {sorted(shapes0)}")
     d_sae, d = (check_size(k, enc_files[0], f"W_enc_0.shape[{i}]") for i, k in enumerate(shapes0["W_enc_0"]))
     check_d_model(d, d_model, enc_files[0], "W_enc_0.shape[1]")
     has_threshold, has_skip = "threshold_0" in shapes0, "W_skip_0" in shapes0
@@ -331,13 +325,10 @@ def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]
     W_enc, b_enc, b_dec, W_skip = [], [], [], []
     for i in range(n):
         file = parsed.settings["enc_files"][i]
-        expected = {f"W_enc_{i}": (d_sae, d), f"b_enc_{i}": (d_sae,), f"b_dec_{i}": (d,)}
-        if has_threshold:
-            expected[f"threshold_{i}"] = (d_sae,)
-        if has_skip:
-            expected[f"W_skip_{i}"] = (d, d)
+        dims = {"i": i, "d_sae": d_sae, "d_model": d, "n_later": n - i}
         shapes, _ = read_safetensors_header(file)
-        check_tensor_inventory(file, shapes, expected, src)
+        check_declared_tensors(file, shapes, CLT_ENC_TENSORS, dims, src,
+                               with_=("threshold_{i}",) * has_threshold + ("W_skip_{i}",) * has_skip)
         state = load_safetensors(file)
         check_file_tensors(file, state)
         W_enc.append(state[f"W_enc_{i}"].T)
@@ -349,7 +340,7 @@ def load_clt_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]
             W_skip.append(state[f"W_skip_{i}"].T)
         dec_file = directory / f"W_dec_{i}.safetensors"
         dec_shapes, _ = read_safetensors_header(dec_file)
-        check_tensor_inventory(dec_file, dec_shapes, {f"W_dec_{i}": (d_sae, n - i, d)}, src)
+        check_declared_tensors(dec_file, dec_shapes, CLT_DEC_TENSORS, dims, src)
         dec = load_safetensors(dec_file)
         check_file_tensors(dec_file, dec)
         ours[f"W_dec_{i}"] = dec[f"W_dec_{i}"]

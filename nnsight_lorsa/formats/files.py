@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._atomic import resolve
-from ..errors import CheckpointError
+from .validate import file_errors, require, require_file
 
 __all__ = ["load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
            "resolve_checkpoint_dir"]
@@ -47,14 +47,11 @@ def resolve_checkpoint_dir(
     """
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
-        if not local.exists():
-            raise CheckpointError(f"checkpoint directory {str(local)!r} does not exist")
-        if not local.is_dir():
-            raise CheckpointError(f"{str(local)!r} is a file; expected a checkpoint directory")
+        require(local.exists(), None, f"checkpoint directory {str(local)!r} does not exist")
+        require(local.is_dir(), None, f"{str(local)!r} is a file; expected a checkpoint directory")
         if subfolder:
             local = local / subfolder
-            if not local.is_dir():
-                raise CheckpointError(f"checkpoint directory {str(local)!r} does not exist")
+            require(local.is_dir(), None, f"checkpoint directory {str(local)!r} does not exist")
         return local
     repo_id = os.fspath(source)
     if subfolder is None and ":" in repo_id:
@@ -62,28 +59,21 @@ def resolve_checkpoint_dir(
     from huggingface_hub import snapshot_download
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
+    with file_errors(repr(repo_id), {HFValidationError: "neither an existing local directory nor a valid Hugging "
+                                                         "Face repo id ({e})"}):
         validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise CheckpointError(
-            f"{repo_id!r} is neither an existing local directory nor a valid Hugging Face repo id ({e})"
-        ) from e
     prefix = f"{subfolder}/" if subfolder else ""
-    try:
+    # network, auth, missing repo, offline cache miss: all end the load
+    with file_errors(repr(repo_id), {Exception: "not a local directory and could not be fetched from the Hugging "
+                                                f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
         snapshot = snapshot_download(
             repo_id=repo_id,
             allow_patterns=[prefix + p for p in allow_patterns],
             local_files_only=local_files_only,
             revision=revision,
         )
-    except Exception as e:  # network, auth, missing repo, offline cache miss: all end the load
-        raise CheckpointError(
-            f"{repo_id!r} is not a local directory and could not be fetched from the Hugging Face hub "
-            f"(local_files_only={local_files_only}): {type(e).__name__}: {e}"
-        ) from e
     path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
-    if not path.is_dir():
-        raise CheckpointError(f"hub repo {repo_id!r} has no folder {subfolder!r}")
+    require(path.is_dir(), None, f"hub repo {repo_id!r} has no folder {subfolder!r}")
     return path
 
 
@@ -93,19 +83,14 @@ def read_json_object(path: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is missing, unreadable, not JSON, or not an object (naming the file).
     """
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
+    require_file(path)
+    # RecursionError: e.g. "[[[[…]]]]" nested deeper than the interpreter's stack
+    with file_errors(path, {json.JSONDecodeError: "invalid JSON ({e})",
+                            (OSError, UnicodeDecodeError): "cannot read ({e})",
+                            RecursionError: "JSON nested too deeply to parse"}):
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    except RecursionError as e:  # e.g. "[[[[…]]]]" nested deeper than the interpreter's stack
-        raise CheckpointError(f"{path}: JSON nested too deeply to parse") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    require(isinstance(data, dict), path, f"expected a JSON object, got {type(data).__name__}")
+    return data  # type: ignore[no-any-return]
 
 
 def read_yaml_object(path: Path) -> dict[str, Any]:
@@ -118,15 +103,12 @@ def read_yaml_object(path: Path) -> dict[str, Any]:
         return {}
     import yaml
 
-    try:
+    with file_errors(path, {(yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError): "not readable YAML ({e})"}):
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: not readable YAML ({e})") from e
     if data is None:
         return {}
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a mapping, got {type(data).__name__}")
-    return data
+    require(isinstance(data, dict), path, f"expected a mapping, got {type(data).__name__}")
+    return data  # type: ignore[no-any-return]
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -137,15 +119,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dic
     """
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
-            metadata = dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+    require_file(path)
+    # safetensors raises its own error types for corrupt headers
+    with file_errors(path, {Exception: "not a readable safetensors file ({type}: {e})"}), \
+            safe_open(str(path), framework="pt") as f:
+        names = list(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+        metadata = dict(f.metadata() or {})
     return shapes, metadata
 
 
@@ -157,9 +137,7 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        return load_file(str(path), device="cpu")
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot load tensors ({type(e).__name__}: {e})") from e
+    require_file(path)
+    with file_errors(path, {Exception: "cannot load tensors ({type}: {e})"}):
+        tensors = load_file(str(path), device="cpu")
+    return tensors

@@ -28,19 +28,33 @@ from typing import Any
 import torch
 
 from .._atomic import Staging, atomic_directory
-from ..errors import CheckpointError
 from ..modules.attention_gate import GATE_MODES, AttentionGate
 from .files import load_safetensors, read_json_object
 from .reader import Parsed, Reader
-from .validate import check_file_tensors, config_size, config_value
+from .validate import (
+    Field,
+    TensorSpec,
+    check_declared_tensors,
+    check_file_tensors,
+    file_errors,
+    read_fields,
+    require,
+    require_file,
+)
 
-__all__ = ["CONFIG_FILE", "FORMAT", "FORMAT_VERSION", "READER", "WEIGHTS_FILE", "GateConfig", "GateSet",
-           "save_gate_set", "write_gate_files"]
+__all__ = ["CONFIG_FILE", "FIELDS", "FORMAT", "FORMAT_VERSION", "READER", "WEIGHTS_FILE", "GateConfig",
+           "GateSet", "save_gate_set", "write_gate_files"]
 
 CONFIG_FILE = "sparse_attention.json"
 WEIGHTS_FILE = "sparse_attention.safetensors"
 FORMAT = "nnsight_lorsa.sparse_attention"
 FORMAT_VERSION = 1
+#: ``sparse_attention.json``'s fields after ``format`` (the keys of :class:`GateConfig`; no others);
+#: ``sparse_attention.safetensors``: ``layers.<L>.bias`` ``(n_heads,)`` for ``L`` in ``[0, n_layers)``
+FIELDS = (Field("format_version", int, FORMAT_VERSION, choices=(FORMAT_VERSION,)), Field("model_type", str),
+          Field("n_layers", size=True), Field("n_heads", size=True), Field("temperature", float, 1.0, positive=True),
+          Field("mode", str, "gated", choices=tuple(GATE_MODES)), Field("top_k", size=True, default=1),
+          Field("training", dict, None))
 
 
 @dataclass
@@ -77,10 +91,9 @@ class GateSet:
 
         Raises:
             CheckpointError: the config is not JSON-serialisable (check ``training``)."""
-        try:
+        with file_errors(CONFIG_FILE, {(TypeError, ValueError): "the gate config is not JSON-serialisable (check "
+                                                                 "training=): {e}"}):
             text = json.dumps(asdict(self.config), indent=2) + "\n"
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"gate config is not JSON-serialisable (check training=): {e}") from e
         tensors = {f"layers.{layer}.bias": g.bias.detach().float().cpu().contiguous()
                    for layer, g in self.gates.items()}
         return tensors, text
@@ -98,30 +111,17 @@ def parse_config(path: Path, *, model_type: str | None = None, n_layers: int | N
             type or out of range (naming the file and the key); gates that do not fit the model given.
     """
     file = Path(path) / CONFIG_FILE
-    if not file.is_file():
-        raise CheckpointError(f"{file} not found (not a directory written by save_sparse_model/save_gates)")
+    require_file(file, " (not a directory written by save_sparse_model/save_gates)")
     raw = read_json_object(file)
     unknown = set(raw) - {f.name for f in fields(GateConfig)}
-    if unknown or raw.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: key 'format' is {raw.get('format')!r} (expected {FORMAT!r}), "
-                              f"unknown keys {sorted(unknown)}")
-    if config_value(raw, "format_version", file, int, FORMAT_VERSION) != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: key 'format_version' is {raw['format_version']!r}; this package reads "
-                              f"{FORMAT_VERSION}")
-    temperature = config_value(raw, "temperature", file, float, 1.0)
-    if temperature <= 0:
-        raise CheckpointError(f"{file}: key 'temperature' must be positive, got {temperature!r}")
-    mode = config_value(raw, "mode", file, str, "gated")
-    if mode not in GATE_MODES:
-        raise CheckpointError(f"{file}: key 'mode' is {mode!r}; expected one of {GATE_MODES}")
-    training = config_value(raw, "training", file, dict, None)
-    cfg = GateConfig(model_type=config_value(raw, "model_type", file, str),
-                     n_layers=config_size(raw, "n_layers", file), n_heads=config_size(raw, "n_heads", file),
-                     temperature=temperature, mode=mode, top_k=config_size(raw, "top_k", file, 1), training=training)
-    if model_type is not None and (cfg.model_type, cfg.n_layers, cfg.n_heads) != (model_type, n_layers, n_heads):
-        raise CheckpointError(
-            f"{file}: gates for a {cfg.model_type} model with {cfg.n_layers} layers x {cfg.n_heads} heads do not "
-            f"fit a {model_type} model with {n_layers} layers x {n_heads} heads")
+    require(not unknown and raw.get("format") == FORMAT, file,
+            f"key 'format' is {raw.get('format')!r} (expected {FORMAT!r}), unknown keys {sorted(unknown)}")
+    values = read_fields(raw, file, FIELDS)
+    values.pop("format_version")
+    cfg = GateConfig(**values)
+    require(model_type is None or (cfg.model_type, cfg.n_layers, cfg.n_heads) == (model_type, n_layers, n_heads),
+            file, f"gates for a {cfg.model_type} model with {cfg.n_layers} layers x {cfg.n_heads} heads do not fit "
+                  f"a {model_type} model with {n_layers} layers x {n_heads} heads")
     return Parsed(Path(path), cfg)
 
 
@@ -136,10 +136,9 @@ def load_weights(path: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     cfg: GateConfig = parsed.config
     wpath = Path(path) / WEIGHTS_FILE
     tensors = load_safetensors(wpath)
-    expected = {f"layers.{layer}.bias" for layer in range(cfg.n_layers)}
-    if set(tensors) != expected or any(t.shape != (cfg.n_heads,) for t in tensors.values()):
-        raise CheckpointError(f"{wpath}: expected tensors {sorted(expected)} of shape ({cfg.n_heads},), got "
-                              f"{ {k: tuple(v.shape) for k, v in tensors.items()} }")
+    spec = TensorSpec({f"layers.{layer}.bias": ("n_heads",) for layer in range(cfg.n_layers)})
+    check_declared_tensors(wpath, tensors, spec, {"n_heads": cfg.n_heads},
+                           f"{CONFIG_FILE} (n_layers={cfg.n_layers}, n_heads={cfg.n_heads})")
     check_file_tensors(wpath, tensors)
     return tensors
 

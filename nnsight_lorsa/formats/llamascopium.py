@@ -136,11 +136,15 @@ from ..modules.rotary import RotaryConfig, rotary_cos_sin
 from .files import load_safetensors, read_json_object
 from .reader import Parsed, Reader, read
 from .validate import (
+    Field,
     check_scalar,
     check_tensor_inventory,
     check_tensors,
+    config_errors,
     config_size,
     config_value,
+    require,
+    require_file,
     scaled_size,
 )
 
@@ -168,14 +172,11 @@ def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
     d_sae = config_size(raw, "d_sae", path) if raw.get("d_sae") is not None else None
     if raw.get("expansion_factor") is not None:
         n_ov = scaled_size(d_model, config_value(raw, "expansion_factor", path, float), path, "expansion_factor")
-        if d_sae is not None and d_sae != n_ov:
-            raise CheckpointError(
-                f"{path}: key 'd_sae' ({d_sae}) disagrees with d_model * expansion_factor ({n_ov})"
-            )
+        require(d_sae is None or d_sae == n_ov, path,
+                f"key 'd_sae' ({d_sae}) disagrees with d_model * expansion_factor ({n_ov})")
         return n_ov
-    if d_sae is None:
-        raise CheckpointError(f"{path}: needs 'expansion_factor' (or 'd_sae') to know the number of OV heads")
-    return d_sae
+    require(d_sae is not None, path, "needs 'expansion_factor' (or 'd_sae') to know the number of OV heads")
+    return int(d_sae)  # type: ignore[arg-type]
 
 
 def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | None:
@@ -183,15 +184,12 @@ def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | N
     if kind == "none":
         return None
     if kind != "rotary":
-        raise UnsupportedArchitectureError(f"{path}: positional_embedding_type {kind!r} is not supported")
+        raise UnsupportedArchitectureError(
+            f"{path}: key 'positional_embedding_type': positional_embedding_type {kind!r} is not supported")
     rotary_dim = config_size(raw, "rotary_dim", path)
-    if not 0 < rotary_dim <= d_qk_head or rotary_dim % 2:
-        raise CheckpointError(
-            f"{path}: key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head*rotary_scale={d_qk_head}]"
-        )
-    base = float(config_value(raw, "rotary_base", path, (int, float), 10000))
-    if not base > 0:
-        raise CheckpointError(f"{path}: key 'rotary_base' must be a positive number, got {base!r}")
+    require(0 < rotary_dim <= d_qk_head and not rotary_dim % 2, path,
+            f"key 'rotary_dim' ({rotary_dim}) must be even and in (0, d_qk_head*rotary_scale={d_qk_head}]")
+    base = float(Field("rotary_base", (int, float), 10000, positive=True).read(raw, path))
     interleaved = config_value(raw, "rotary_adjacent_pairs", path, bool, True)
     if config_value(raw, "use_NTK_by_parts_rope", path, bool, False):
         scaling = {
@@ -205,19 +203,17 @@ def _rotary(raw: dict[str, Any], path: Path, d_qk_head: int) -> RotaryConfig | N
 
 
 def _check_supported(raw: dict[str, Any], path: Path) -> None:
-    sae_type = raw.get("sae_type")
-    if sae_type != "lorsa":
-        raise CheckpointError(f"{path}: key 'sae_type' is {sae_type!r}, expected 'lorsa'")
+    Field("sae_type", equals="lorsa").read(raw, path)
     for key in ("use_smolgen", "use_learnable_attn_scale"):
         if raw.get(key):
             raise UnsupportedArchitectureError(
-                f"{path}: {key}=true (chess-fork Lorsa variant) is not supported"
+                f"{path}: key {key!r}: {key}=true (chess-fork Lorsa variant) is not supported"
             )
     attn_type = config_value(raw, "attn_type", path, str, "global")
     if attn_type != "global":
         raise UnsupportedArchitectureError(
-            f"{path}: attn_type={attn_type!r} (window_size={raw.get('window_size')}) is not supported; "
-            "only global causal attention"
+            f"{path}: key 'attn_type': attn_type={attn_type!r} (window_size={raw.get('window_size')}) is not "
+            "supported; only global causal attention"
         )
 
 
@@ -226,8 +222,8 @@ def _settings(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     norm_activation = config_value(raw, "norm_activation", path, str, "dataset-wise")
     if norm_activation not in ("dataset-wise", "inference"):
         raise UnsupportedArchitectureError(
-            f"{path}: norm_activation={norm_activation!r} rescales each input by its own norm and cannot be "
-            "folded into fixed weights; only 'dataset-wise' and 'inference' are supported"
+            f"{path}: key 'norm_activation': norm_activation={norm_activation!r} rescales each input by its own norm "
+            "and cannot be folded into fixed weights; only 'dataset-wise' and 'inference' are supported"
         )
     return {
         "hook_point_in": config_value(raw, "hook_point_in", path, str),
@@ -247,7 +243,7 @@ def _activation(raw: dict[str, Any], path: Path, n_ov: int) -> tuple[str, int]:
     if act_fn == "relu":
         return act_fn, n_ov
     raise UnsupportedArchitectureError(
-        f"{path}: act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
+        f"{path}: key 'act_fn': act_fn={act_fn!r} is not supported (only 'topk', and 'relu' as top-all)"
     )
 
 
@@ -258,15 +254,10 @@ def _attention(raw: dict[str, Any], path: Path) -> tuple[bool, float | None]:
         norm_type = raw.get("normalization_type")
         if norm_type == "LN":
             raise UnsupportedArchitectureError(
-                f"{path}: normalization_type='LN' (LayerNorm QK-norm) is not supported"
+                f"{path}: key 'normalization_type': normalization_type='LN' (LayerNorm QK-norm) is not supported"
             )
-        if norm_type != "RMS":
-            raise CheckpointError(
-                f"{path}: use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}"
-            )
-    attn_scale = config_value(raw, "attn_scale", path, float, None)
-    if attn_scale is not None and not attn_scale > 0:
-        raise CheckpointError(f"{path}: key 'attn_scale' must be a positive number, got {attn_scale!r}")
+        require(norm_type == "RMS", path, f"use_post_qk_ln=true needs normalization_type 'RMS', got {norm_type!r}")
+    attn_scale = Field("attn_scale", float, None, positive=True).read(raw, path)
     return qk_norm, attn_scale
 
 
@@ -321,11 +312,9 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
 
     found = re.search(r"(?:^|\.)(?:blocks|layers|h)\.([0-9]+)(?:\.|$)", settings["hook_point_in"])
     inferred = int(found.group(1)) if found else None
-    if layer is not None and inferred is not None and layer != inferred:
-        raise CheckpointError(
-            f"{path}: layer={layer} was requested but hook_point_in {settings['hook_point_in']!r} is layer {inferred}"
-        )
-    try:
+    require(layer is None or inferred is None or layer == inferred, path,
+            f"layer={layer} was requested but hook_point_in {settings['hook_point_in']!r} is layer {inferred}")
+    with config_errors(path, "", (CheckpointError, ValueError, TypeError)):
         cfg = LorsaConfig(
             d_model=d_model,
             n_qk_heads=n_qk,
@@ -339,10 +328,6 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
             use_decoder_bias=config_value(raw, "use_decoder_bias", path, bool, True),
             layer=layer if layer is not None else inferred,
         )
-    except UnsupportedArchitectureError as e:
-        raise UnsupportedArchitectureError(f"{path}: {e}") from e
-    except (CheckpointError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: {e}") from e
     settings["act_fn"] = act_fn
     settings["rotary_scale"] = rotary_scale
     folded = _weights_folded(directory, settings["norm_activation"], weights_folded, path)
@@ -353,46 +338,34 @@ def _check_buffers(
     path: os.PathLike[str], state: dict[str, torch.Tensor], cfg: LorsaConfig, n_ctx: int
 ) -> None:
     """Shapes of the saved buffers, and their values against the config (layout, base, causality)."""
-    if "IGNORE" in state and state["IGNORE"].dim() != 0:
-        raise CheckpointError(
-            f"{path}: buffer 'IGNORE' should be a scalar, got shape {tuple(state['IGNORE'].shape)}"
-        )
+    ignore = tuple(state["IGNORE"].shape) if "IGNORE" in state else ()
+    require(ignore == (), path, f"buffer 'IGNORE' should be a scalar, got shape {ignore}")
     if "mask" in state:
         mask = state["mask"]
-        if tuple(mask.shape) != (n_ctx, n_ctx):
-            raise CheckpointError(
-                f"{path}: buffer 'mask' has shape {tuple(mask.shape)}, config n_ctx={n_ctx}"
-            )
+        require(tuple(mask.shape) == (n_ctx, n_ctx), path,
+                f"buffer 'mask' has shape {tuple(mask.shape)}, config n_ctx={n_ctx}")
         m = min(n_ctx, _N_CHECK)
         if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()):
             raise UnsupportedArchitectureError(
-                f"{path}: buffer 'mask' is not the plain causal mask "
+                f"{path}: buffer 'mask' (tensor key 'mask') is not the plain causal mask "
                 "(local/windowed attention is not supported)"
             )
     rot_keys = [k for k in ("rotary_sin", "rotary_cos") if k in state]
     if cfg.rotary is None:
-        if rot_keys:
-            raise CheckpointError(
-                f"{path}: tensors {rot_keys} present but positional_embedding_type is 'none'"
-            )
+        require(not rot_keys, path, f"tensors {rot_keys} present but positional_embedding_type is 'none'")
         return
     for key in rot_keys:
-        if tuple(state[key].shape) != (n_ctx, cfg.rotary.rotary_dim):
-            raise CheckpointError(
-                f"{path}: buffer {key!r} has shape {tuple(state[key].shape)}, config implies "
-                f"{(n_ctx, cfg.rotary.rotary_dim)}"
-            )
+        require(tuple(state[key].shape) == (n_ctx, cfg.rotary.rotary_dim), path,
+                f"buffer {key!r} has shape {tuple(state[key].shape)}, config implies {(n_ctx, cfg.rotary.rotary_dim)}")
     m = min(n_ctx, _N_CHECK)
     cos, sin = rotary_cos_sin(cfg.rotary, torch.arange(m, device="cpu"))
     for key, ours in (("rotary_cos", cos), ("rotary_sin", sin)):
         if key in state:
             err = (state[key][:m].float() - ours).abs().max().item()
-            if not err <= 1e-2:  # bf16 storage ~4e-3; a wrong layout/base/scaling is O(1)
-                raise CheckpointError(
-                    f"{path}: buffer {key!r} disagrees with the config's RoPE settings "
-                    f"(max |diff| {err:.3g} over {m} positions; check rotary_adjacent_pairs, "
-                    "rotary_base, NTK_by_parts_*)"
-                )
+            # bf16 storage ~4e-3; a wrong layout/base/scaling is O(1)
+            require(err <= 1e-2, path, f"buffer {key!r} disagrees with the config's RoPE settings (max |diff| "
+                                       f"{err:.3g} over {m} positions; check rotary_adjacent_pairs, rotary_base, "
+                                       "NTK_by_parts_*)")
 
 
 def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaConfig,
@@ -400,11 +373,8 @@ def _split_state(weights_path: Path, state: dict[str, torch.Tensor], cfg: LorsaC
     """``(params, norm scalars by hook)``: parameters checked against ``cfg``, buffers validated."""
     norms = {k[len(NORM_PREFIX) :]: v for k, v in state.items() if k.startswith(NORM_PREFIX)}
     for hook, value in norms.items():
-        if value.numel() != 1:
-            raise CheckpointError(
-                f"{weights_path}: tensor {NORM_PREFIX + hook!r} should be a scalar, "
-                f"got shape {tuple(value.shape)}"
-            )
+        require(value.numel() == 1, weights_path,
+                f"tensor {NORM_PREFIX + hook!r} should be a scalar, got shape {tuple(value.shape)}")
     params = {
         k: v
         for k, v in state.items()
@@ -438,7 +408,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     if not weights_path.is_file():
         others = [name for name in _REFUSED_WEIGHT_FILES if (directory / name).exists()]
         hint = f"; found {others}, which this loader does not read (pickle/DCP or training layout)" if others else ""
-        raise CheckpointError(f"{weights_path}: file not found{hint}")
+        require_file(weights_path, hint)
     state = load_safetensors(weights_path)
     params, norms_raw = _split_state(weights_path, state, cfg, settings["n_ctx"], settings["rotary_scale"])
     table = state.get("rotary_cos")

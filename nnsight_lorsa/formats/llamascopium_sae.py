@@ -48,19 +48,21 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
 from .validate import (
+    Field,
+    TensorSpec,
     check_d_model,
+    check_declared_tensors,
     check_file_tensors,
     check_scalar,
-    check_tensor_inventory,
     config_size,
-    config_value,
+    read_fields,
     scaled_size,
 )
 
@@ -70,7 +72,20 @@ NORM_PREFIX = "dataset_average_activation_norm."
 THRESHOLD_KEY = "activation_function.log_jumprelu_threshold"
 _IGNORED = ("tokens_since_last_activation", "is_dead")
 
-__all__ = ["READER", "build", "load_llamascopium_sae", "load_weights", "parse_config"]
+_UNSUPPORTED = UnsupportedArchitectureError
+#: ``config.json`` fields read (``d_sae = d_model · expansion_factor``, :func:`.validate.scaled_size`;
+#: ``top_k`` for ``act_fn: topk``)
+FIELDS = (Field("sae_type", str, choices=("sae",), error=_UNSUPPORTED), Field("d_model", size=True),
+          Field("act_fn", str, "relu", choices=("relu", "topk", "jumprelu"), error=_UNSUPPORTED),
+          Field("use_glu_encoder", bool, False, choices=(False,), error=_UNSUPPORTED),
+          Field("norm_activation", str, "dataset-wise", choices=("dataset-wise", "inference"), error=_UNSUPPORTED),
+          Field("hook_point_in", str), Field("hook_point_out", str), Field("use_decoder_bias", bool, True),
+          Field("sparsity_include_decoder_norm", bool, True))
+#: ``sae_weights.safetensors`` (their names); ``b_D`` with ``use_decoder_bias``, the threshold for jumprelu
+TENSORS = TensorSpec({"W_E": ("d_model", "d_sae"), "b_E": ("d_sae",), "W_D": ("d_sae", "d_model")},
+                     {"b_D": ("d_model",), THRESHOLD_KEY: ("d_sae",)})
+
+__all__ = ["FIELDS", "READER", "TENSORS", "build", "load_llamascopium_sae", "load_weights", "parse_config"]
 
 #: the module a parsed config builds (a transcoder's config: a Transcoder; else an SAE)
 _MODULE_OF: dict[type, type[SparseAutoencoder] | type[Transcoder]] = {TranscoderConfig: Transcoder,
@@ -89,29 +104,17 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     """
     cfg_path = directory / CONFIG_FILE
     raw = read_json_object(cfg_path)
-    if raw.get("sae_type") != "sae":
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'sae_type' is {raw.get('sae_type')!r}; supported: 'sae'")
-    d = config_size(raw, "d_model", cfg_path)
+    d = read_fields(raw, cfg_path, FIELDS[:2])["d_model"]
     check_d_model(d, d_model, cfg_path, "d_model")
     f = scaled_size(d, raw.get("expansion_factor"), cfg_path, "expansion_factor")
-    act = raw.get("act_fn", "relu")
-    if act not in ("relu", "topk", "jumprelu"):
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'act_fn' is {act!r}; supported: relu, topk, jumprelu")
-    if config_value(raw, "use_glu_encoder", cfg_path, bool, False):
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'use_glu_encoder' is true (not supported)")
-    norm = raw.get("norm_activation", "dataset-wise")
-    if norm not in ("dataset-wise", "inference"):
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'norm_activation' is {norm!r}; supported: "
-                                           "'dataset-wise', 'inference'")
-    hook_in, hook_out = raw.get("hook_point_in"), raw.get("hook_point_out")
-    if not isinstance(hook_in, str) or not isinstance(hook_out, str):
-        raise CheckpointError(f"{cfg_path}: keys 'hook_point_in'/'hook_point_out' must be strings")
-    use_bias = config_value(raw, "use_decoder_bias", cfg_path, bool, True)
+    fields = read_fields(raw, cfg_path, FIELDS[2:])
+    act, norm, use_bias = fields["act_fn"], fields["norm_activation"], fields["use_decoder_bias"]
+    hook_in, hook_out = fields["hook_point_in"], fields["hook_point_out"]
     params: dict[str, Any] = {"k": config_size(raw, "top_k", cfg_path, 50)} if act == "topk" else {}
     site_in = site_record(hook_in, adapter)
     extra = {"llamascopium": {
         "hook_point_in": hook_in, "hook_point_out": hook_out, "norm_activation": norm,
-        "sparsity_include_decoder_norm": config_value(raw, "sparsity_include_decoder_norm", cfg_path, bool, True),
+        "sparsity_include_decoder_norm": fields["sparsity_include_decoder_norm"],
         "site_in": site_in, "site_out": site_record(hook_out, adapter),
         "config": {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
     }}
@@ -145,13 +148,8 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     norms = {k[len(NORM_PREFIX):]: state.pop(k) for k in list(state) if k.startswith(NORM_PREFIX)}
     for k in _IGNORED:
         state.pop(k, None)
-    expected = {"W_E": (d, f), "b_E": (f,), "W_D": (f, d)}
-    if use_bias:
-        expected["b_D"] = (d,)
-    if act == "jumprelu":
-        expected[THRESHOLD_KEY] = (f,)
-    check_tensor_inventory(weights_path, {k: tuple(v.shape) for k, v in state.items()}, expected,
-                           settings["source"])
+    check_declared_tensors(weights_path, state, TENSORS, {"d_model": d, "d_sae": f}, settings["source"],
+                           with_=("b_D",) * use_bias + (THRESHOLD_KEY,) * (act == "jumprelu"))
 
     work = torch.float64
     W_E, b_E, W_D = (state[k].to(work) for k in ("W_E", "b_E", "W_D"))

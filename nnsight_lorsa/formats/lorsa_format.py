@@ -32,18 +32,31 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import CheckpointError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import adapter_families, check_mapping, check_size, check_tensor_inventory, check_version
+from .validate import (
+    Field,
+    adapter_families,
+    check_mapping,
+    check_tensor_inventory,
+    check_version,
+    config_errors,
+    file_errors,
+    read_fields,
+    require,
+)
 
 FORMAT_TAG = "nnsight-lorsa"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-_SIZES = ("d_model", "n_qk_heads", "d_qk_head", "n_ov_heads", "top_k")
+#: ``config.json``'s envelope, and the sizes of its ``config`` object (the rest: :meth:`LorsaConfig.from_dict`)
+ENVELOPE = (Field("format", equals=FORMAT_TAG), Field("config", dict))
+SIZES = tuple(Field(key, size=True) for key in ("d_model", "n_qk_heads", "d_qk_head", "n_ov_heads",
+                                                               "top_k"))
 
 __all__ = ["CONFIG_FILE", "FORMAT_TAG", "FORMAT_VERSION", "READER", "WEIGHTS_FILE", "build",
            "load_lorsa", "load_weights", "parse_config", "save_lorsa"]
@@ -63,14 +76,13 @@ def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(lorsa, Lorsa):
         raise TypeError(f"save_lorsa expects a Lorsa module, got {type(lorsa).__name__}")
-    try:
+    with file_errors(Path(directory) / CONFIG_FILE,
+                     {(TypeError, ValueError): "the Lorsa config is not JSON-serialisable (check cfg.extra): {e}"}):
         config_text = json.dumps(
             {"format": FORMAT_TAG, "version": FORMAT_VERSION, "config": lorsa.cfg.to_dict()},
             indent=2,
             allow_nan=False,
         )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"Lorsa config is not JSON-serialisable (check cfg.extra): {e}") from e
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in lorsa.state_dict().items()}
     with atomic_directory(directory) as stage:
         stage.save_tensors(WEIGHTS_FILE, tensors, metadata={"format": FORMAT_TAG, "version": str(FORMAT_VERSION)})
@@ -91,27 +103,18 @@ def parse_config(directory: Path) -> Parsed:
     """
     path = directory / CONFIG_FILE
     raw = read_json_object(path)
-    if raw.get("format") != FORMAT_TAG:
-        raise CheckpointError(f"{path}: key 'format' is {raw.get('format')!r}, expected {FORMAT_TAG!r}")
+    read_fields(raw, path, ENVELOPE[:1])
     check_version(raw, path, FORMAT_VERSION)
-    cfg_dict = raw.get("config")
-    if not isinstance(cfg_dict, dict):
-        raise CheckpointError(f"{path}: key 'config' must be a JSON object, got {type(cfg_dict).__name__}")
-    for key in _SIZES:
-        if key in cfg_dict:
-            check_size(cfg_dict[key], path, f"config.{key}")
+    cfg_dict = read_fields(raw, path, ENVELOPE[1:])["config"]
+    read_fields(cfg_dict, path, [f for f in SIZES if f.key in cfg_dict], prefix="config.")  # present: not null
     if "extra" in cfg_dict:  # null: none (as an absent key)
         cfg_dict = {**cfg_dict, "extra": check_mapping(cfg_dict, "extra", path)}
     arch = cfg_dict.get("architecture")
-    if arch is not None and (not isinstance(arch, str) or arch not in adapter_families()):
-        raise CheckpointError(f"{path}: key 'config.architecture' is {arch!r}; expected null or an adapter "
-                              f"family: {sorted(adapter_families())}")
-    try:
+    require(arch is None or (isinstance(arch, str) and arch in adapter_families()), path,
+            f"key 'config.architecture' is {arch!r}; expected null or an adapter family: {sorted(adapter_families())}")
+    with config_errors(path, "key 'config' is invalid", (CheckpointError, ValueError, TypeError),
+                       unsupported="key 'config'"):
         return Parsed(directory, LorsaConfig.from_dict(cfg_dict), {"source": CONFIG_FILE})
-    except UnsupportedArchitectureError as e:
-        raise UnsupportedArchitectureError(f"{path}: key 'config': {e}") from e
-    except (CheckpointError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: key 'config' is invalid: {e}") from e
 
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
@@ -123,10 +126,8 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     """
     weights = directory / WEIGHTS_FILE
     shapes, metadata = read_safetensors_header(weights)
-    if metadata.get("format", FORMAT_TAG) != FORMAT_TAG:
-        raise CheckpointError(
-            f"{weights}: header metadata 'format' is {metadata['format']!r}, expected {FORMAT_TAG!r}"
-        )
+    require(metadata.get("format", FORMAT_TAG) == FORMAT_TAG, weights,
+            f"header metadata 'format' is {metadata.get('format')!r}, expected {FORMAT_TAG!r}")
     expected = {k: tuple(v.shape) for k, v in Lorsa(parsed.config, device="meta").state_dict().items()}
     check_tensor_inventory(weights, shapes, expected, source=CONFIG_FILE)
     return load_safetensors(weights)

@@ -91,14 +91,24 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory
-from ..errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
+from ..errors import ArgumentError, UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
-from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value
+from .validate import (
+    Field,
+    TensorSpec,
+    check_d_model,
+    check_declared_tensors,
+    check_file_tensors,
+    config_size,
+    config_value,
+    read_fields,
+    require,
+)
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
@@ -129,8 +139,17 @@ REFUSED: dict[str, str] = {
 SCALER_FILE = "activation_scaler.json"
 WHITENING_FILE = "activation_whitening.safetensors"
 
-__all__ = ["ARCHITECTURES", "READER", "REFUSED", "build", "load_saelens", "load_weights", "parse_config",
-           "save_saelens"]
+#: ``cfg.json`` fields read for every architecture; :data:`D_OUT` for transcoders, :data:`RESCALE` for
+#: (abs/batch) TopK; ``k`` / ``topk_threshold_lr``: :func:`_activation_params`; ``architecture`` /
+#: ``normalize_activations``: the tables of the module docstring
+FIELDS = (Field("d_in", size=True), Field("d_sae", size=True), Field("apply_b_dec_to_input", bool, None))
+D_OUT = Field("d_out", size=True)
+RESCALE = Field("rescale_acts_by_decoder_norm", bool, False)
+#: ``activation_whitening.safetensors`` (``covariance_whitening``)
+WHITENING_TENSORS = TensorSpec({"mean": ("d_in",), "matrix": ("d_in", "d_in"), "inverse_matrix": ("d_in", "d_in")})
+
+__all__ = ["ARCHITECTURES", "D_OUT", "FIELDS", "READER", "REFUSED", "RESCALE", "WHITENING_TENSORS", "build",
+           "load_saelens", "load_weights", "parse_config", "save_saelens"]
 
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
@@ -177,10 +196,9 @@ def _infer_architecture(raw: dict[str, Any], path: Path) -> str:
     elif act is None:
         evidence["no activation_fn, no k"] = {"standard", "gated", "jumprelu"}
     candidates = set.intersection(*evidence.values())
-    if len(candidates) != 1:
-        raise CheckpointError(
-            f"{path}: no key 'architecture', and the config and tensors do not determine one (evidence: "
-            f"{'; '.join(f'{k} -> {sorted(v)}' for k, v in evidence.items())}); add \"architecture\" to {CFG_FILE}")
+    require(len(candidates) == 1, path, "no key 'architecture', and the config and tensors do not determine one "
+            f"(evidence: {'; '.join(f'{k} -> {sorted(v)}' for k, v in evidence.items())}); add \"architecture\" "
+            f"to {CFG_FILE}")
     arch = candidates.pop()
     if arch == "topk" and "k" not in raw:
         raw["k"] = kwargs["k"]
@@ -252,8 +270,9 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     raw = {**read_json_object(cfg_path), **(config_overrides or {})}  # overrides: a SAELens release's
     arch = _architecture(raw, cfg_path)
     kind, activation = ARCHITECTURES[arch]
-    d_in, d_sae = config_size(raw, "d_in", cfg_path), config_size(raw, "d_sae", cfg_path)
-    d_out = config_size(raw, "d_out", cfg_path) if kind != "sae" else d_in
+    fields = read_fields(raw, cfg_path, FIELDS)
+    d_in, d_sae = fields["d_in"], fields["d_sae"]
+    d_out = D_OUT.read(raw, cfg_path) if kind != "sae" else d_in
     check_d_model(d_in, d_model, cfg_path, "d_in")
     norm = _normalization(raw, cfg_path, kind)
     if norm_scaling_factor is None and norm == "expected_average_only_in":
@@ -261,7 +280,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     if norm_scaling_factor is not None:
         norm_scaling_factor = config_value({"norm_scaling_factor": norm_scaling_factor}, "norm_scaling_factor",
                                            cfg_path, float)
-    apply_b_dec = config_value(raw, "apply_b_dec_to_input", cfg_path, bool, None)
+    apply_b_dec = fields["apply_b_dec_to_input"]
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
     site = site_record(hook_name, adapter)
@@ -278,15 +297,12 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
                         normalize_activations=norm if norm in ("constant_norm_rescale", "layer_norm") else "none",
                         hook=(site or {}).get("module_path") or hook_name)
     else:
-        if apply_b_dec:
-            raise CheckpointError(f"{cfg_path}: key 'apply_b_dec_to_input' is true, which SAELens forbids "
-                                  "for transcoders")
+        require(not apply_b_dec, cfg_path, "key 'apply_b_dec_to_input' is true, which SAELens forbids for transcoders")
         cfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation, activation_params=params,
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
-        "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and config_value(
-            raw, "rescale_acts_by_decoder_norm", cfg_path, bool, False),
+        "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and RESCALE.read(raw, cfg_path),
         "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
 
@@ -305,8 +321,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     if arch == "gated":
         _gated_to_jumprelu(state, weights_path)
     if parsed.config.activation == "batchtopk":  # batchtopk, matryoshka_batchtopk
-        if "topk_threshold" not in state:
-            raise CheckpointError(f"{weights_path}: missing tensor 'topk_threshold' (architecture {arch!r})")
+        require("topk_threshold" in state, weights_path, f"missing tensor 'topk_threshold' (architecture {arch!r})")
         theta = state.pop("topk_threshold").reshape(())
         state["activation.threshold"] = theta.to(state["W_enc"].dtype if "W_enc" in state else torch.float32)
         state["activation.n_updates"] = torch.ones((), dtype=torch.long, device=theta.device)
@@ -362,13 +377,8 @@ def _fold_whitening(module: SparseAutoencoder | Transcoder, path: Path) -> None:
     ``inverse_matrix`` ``M⁻¹``: ``W_enc ← M W_enc``, ``b_enc −= mean·W_enc`` (no ``b_dec`` centring),
     ``W_dec ← W_dec M⁻¹``, ``b_dec ← b_dec M⁻¹ + mean`` (exact; float64 arithmetic)."""
     stats = load_safetensors(path)
-    d = module.cfg.d_in
-    expected = {"mean": (d,), "matrix": (d, d), "inverse_matrix": (d, d)}
-    check_tensor_inventory(path, {k: tuple(v.shape) for k, v in stats.items()}, expected,
-                           "covariance_whitening statistics")
-    bad = [k for k, v in stats.items() if not bool(torch.isfinite(v).all())]
-    if bad:
-        raise CheckpointError(f"{path}: tensors {bad} have non-finite values (NaN/inf)")
+    check_declared_tensors(path, stats, WHITENING_TENSORS, {"d_in": module.cfg.d_in}, "covariance_whitening statistics")
+    check_file_tensors(path, stats)
     mean, M, M_inv = (stats[k].double() for k in ("mean", "matrix", "inverse_matrix"))
     W_enc = M @ module.W_enc.double()
     module.W_enc.copy_(W_enc)
@@ -411,14 +421,12 @@ def _gated_to_jumprelu(state: dict[str, torch.Tensor], path: Path) -> None:
     """Rewrite a gated SAE's tensors (``W_enc, b_gate, r_mag, b_mag``) as a JumpReLU SAE's, in place
     (module docstring); the threshold is stored as ``threshold`` (clamped to ≥ 0 by the caller)."""
     for key in ("W_enc", "b_gate", "r_mag", "b_mag"):
-        if key not in state:
-            raise CheckpointError(f"{path}: missing tensor {key!r} (architecture 'gated')")
-    if "b_enc" in state:
-        raise CheckpointError(f"{path}: unexpected tensor 'b_enc' (a gated SAE has b_gate and b_mag instead)")
+        require(key in state, path, f"missing tensor {key!r} (architecture 'gated')")
+    require("b_enc" not in state, path, "unexpected tensor 'b_enc' (a gated SAE has b_gate and b_mag instead)")
     b_gate, r_mag, b_mag = state.pop("b_gate"), state.pop("r_mag"), state.pop("b_mag")
-    if not (b_gate.shape == r_mag.shape == b_mag.shape == state["W_enc"].shape[-1:]):
-        raise CheckpointError(f"{path}: 'b_gate' {tuple(b_gate.shape)}, 'r_mag' {tuple(r_mag.shape)}, 'b_mag' "
-                              f"{tuple(b_mag.shape)} must all be (d_sae,) = {tuple(state['W_enc'].shape[-1:])}")
+    require(b_gate.shape == r_mag.shape == b_mag.shape == state["W_enc"].shape[-1:], path,
+            f"'b_gate' {tuple(b_gate.shape)}, 'r_mag' {tuple(r_mag.shape)}, 'b_mag' {tuple(b_mag.shape)} must all be "
+            f"(d_sae,) = {tuple(state['W_enc'].shape[-1:])}")
     scale = r_mag.exp()
     state["W_enc"] = state["W_enc"] * scale
     state["b_enc"] = b_mag

@@ -30,7 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
+from .validate import file_errors, refuse, require, require_file
 
 REGISTRY_FILE = "pretrained_saes.yaml"
 
@@ -65,13 +66,12 @@ def installed_registry() -> Path:
             package holds no registry file.
     """
     spec = importlib.util.find_spec("sae_lens")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("SAELens release names need SAELens's registry: install it with "
-                              "`pip install nnsight-lorsa[saelens]`, or pass release_registry=<a "
-                              f"{REGISTRY_FILE} path>")
+    require(spec is not None and spec.submodule_search_locations, None,
+            "SAELens release names need SAELens's registry: install it with `pip install nnsight-lorsa[saelens]`, "
+            f"or pass release_registry=<a {REGISTRY_FILE} path>")
+    assert spec is not None and spec.submodule_search_locations is not None
     path = Path(next(iter(spec.submodule_search_locations))) / REGISTRY_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: the installed sae-lens has no release registry file")
+    require(path.is_file(), path, "the installed sae-lens has no release registry file")
     return path
 
 
@@ -79,11 +79,11 @@ def installed_registry() -> Path:
 def _read(path: Path, mtime: float) -> dict[str, Any]:
     import yaml
 
-    with path.open(encoding="utf-8") as f:
+    unreadable = (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError)
+    with file_errors(path, {unreadable: "not readable YAML ({e})"}), path.open(encoding="utf-8") as f:
         data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: not a SAELens release registry (expected a mapping of releases)")
-    return data
+    require(isinstance(data, dict), path, "not a SAELens release registry (expected a mapping of releases)")
+    return data  # type: ignore[no-any-return]
 
 
 def resolve_release(release: str, sae_id: str, *,
@@ -102,17 +102,14 @@ def resolve_release(release: str, sae_id: str, *,
             the SAE is a pickle (``.pt``), which we never load.
     """
     path = Path(registry) if registry is not None else installed_registry()
-    if not path.is_file():
-        raise CheckpointError(f"{path}: release registry not found")
+    require_file(path, " (the release registry)")
     data = _read(path.resolve(), path.stat().st_mtime)
     entry = data.get(release)
     if not isinstance(entry, dict):
         near = sorted(r for r in data if release.split("-")[0] in r)[:8] or sorted(data)[:8]
-        raise CheckpointError(f"{path}: no release {release!r}; e.g. {near}")
+        refuse(path, f"no release {release!r}; e.g. {near}")
     saes = {s.get("id"): s for s in entry.get("saes", []) if isinstance(s, dict)}
-    if sae_id not in saes:
-        raise CheckpointError(f"{path}: release {release!r} has no sae_id {sae_id!r}; valid ids include "
-                              f"{list(saes)[:8]}")
+    require(sae_id in saes, path, f"release {release!r} has no sae_id {sae_id!r}; valid ids include {list(saes)[:8]}")
     converter = entry.get("conversion_func")
     if converter is not None:
         raise UnsupportedArchitectureError(
@@ -122,7 +119,7 @@ def resolve_release(release: str, sae_id: str, *,
     sae = saes[sae_id]
     repo_id, folder = entry.get("repo_id"), sae.get("path")
     if not isinstance(repo_id, str) or folder is None:
-        raise CheckpointError(f"{path}: release {release!r} / {sae_id!r} lacks 'repo_id' or 'path'")
+        refuse(path, f"release {release!r} / {sae_id!r} lacks 'repo_id' or 'path'")
     folder = str(folder)
     if folder.endswith((".pt", ".pth", ".pkl")):
         raise UnsupportedArchitectureError(f"release {release!r} / {sae_id!r} is the pickle {folder!r}; "

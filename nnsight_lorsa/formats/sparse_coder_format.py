@@ -31,7 +31,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
 from .reader import Parsed, Reader, read
-from .validate import check_d_model, check_mapping, check_size, check_version
+from .validate import Field, check_d_model, check_mapping, check_version, config_errors, read_fields
 
 FORMAT_TAG = "nnsight-lorsa-sparse-coder"
 FORMAT_VERSION = 1
@@ -48,8 +48,13 @@ KINDS: dict[str, tuple[type[nn.Module], type[Any]]] = {
     "clt": (CrossLayerTranscoder, CLTConfig),
 }
 
-__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "kind_of", "load_sparse_coder",
-           "load_weights", "parse_config", "save_sparse_coder"]
+#: ``config.json``'s envelope, and the sizes its ``config`` object may hold (the rest: the config class)
+ENVELOPE = (Field("format", equals=FORMAT_TAG), Field("kind", str, choices=tuple(KINDS)), Field("config", dict))
+SIZES = (Field("d_in", size=True, default=None), Field("d_sae", size=True, default=None),
+         Field("d_out", size=True, default=None), Field("n_layers", size=True, default=None))
+
+__all__ = ["FORMAT_TAG", "FORMAT_VERSION", "KINDS", "READER", "build", "kind_of", "load_sparse_coder", "load_weights",
+           "parse_config", "save_sparse_coder"]
 
 
 def kind_of(module: nn.Module) -> str | None:
@@ -93,24 +98,15 @@ def parse_config(directory: Path, *, d_model: int | None = None) -> Parsed:
     """
     config_path = directory / CONFIG_FILE
     doc = read_json_object(config_path)
-    if doc.get("format") != FORMAT_TAG:
-        raise CheckpointError(f"{config_path}: key 'format' is {doc.get('format')!r}, expected {FORMAT_TAG!r}")
+    read_fields(doc, config_path, ENVELOPE[:1])
     check_version(doc, config_path, FORMAT_VERSION)
-    kind = doc.get("kind")
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise CheckpointError(f"{config_path}: key 'kind' is {kind!r}; known: {sorted(KINDS)}")
-    raw_cfg = doc.get("config")
-    if not isinstance(raw_cfg, dict):
-        raise CheckpointError(f"{config_path}: key 'config' must be an object")
-    for key in ("d_in", "d_sae", "d_out", "n_layers"):
-        if raw_cfg.get(key) is not None:
-            check_size(raw_cfg[key], config_path, f"config.{key}")
+    envelope = read_fields(doc, config_path, ENVELOPE[1:])
+    kind, raw_cfg = envelope["kind"], envelope["config"]
+    read_fields(raw_cfg, config_path, SIZES, prefix="config.")
     if "extra" in raw_cfg:  # null: none (as an absent key)
         raw_cfg = {**raw_cfg, "extra": check_mapping(raw_cfg, "extra", config_path)}
-    try:
+    with config_errors(config_path, "key 'config'"):
         cfg = KINDS[kind][1].from_dict(raw_cfg)
-    except CheckpointError as e:
-        raise CheckpointError(f"{config_path}: key 'config': {e}") from e
     check_d_model(cfg.d_in, d_model, config_path, "config.d_in")
     return Parsed(directory, cfg, {"kind": kind, "source": f"{CONFIG_FILE} ({kind})"})
 

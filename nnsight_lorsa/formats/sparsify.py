@@ -44,19 +44,38 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory
-from ..errors import CheckpointError, UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
-from .validate import check_d_model, check_file_tensors, check_tensor_inventory, config_size, config_value, scaled_size
+from .validate import (
+    Field,
+    TensorSpec,
+    check_d_model,
+    check_declared_tensors,
+    check_file_tensors,
+    config_size,
+    read_fields,
+    require,
+    scaled_size,
+)
 
 CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae.safetensors"
 
-__all__ = ["READER", "build", "load_sparsify", "load_weights", "parse_config", "save_sparsify"]
+#: ``cfg.json`` fields read (``num_latents`` 0 / absent: ``d_in · expansion_factor``, :func:`.validate.scaled_size`)
+FIELDS = (Field("d_in", size=True),
+          Field("activation", str, "topk", choices=("topk", "groupmax"), error=UnsupportedArchitectureError),
+          Field("k", size=True), Field("transcode", bool, False), Field("skip_connection", bool, False),
+          Field("multi_topk", bool, False))
+#: ``sae.safetensors`` (their names and layout); ``W_skip`` with ``skip_connection``
+TENSORS = TensorSpec({"encoder.weight": ("num_latents", "d_in"), "encoder.bias": ("num_latents",),
+                      "W_dec": ("num_latents", "d_in"), "b_dec": ("d_in",)}, {"W_skip": ("d_in", "d_in")})
+
+__all__ = ["FIELDS", "READER", "TENSORS", "build", "load_sparsify", "load_weights", "parse_config", "save_sparsify"]
 
 
 def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = None) -> Parsed:
@@ -70,26 +89,21 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
     """
     cfg_path = directory / CFG_FILE
     raw = read_json_object(cfg_path)
-    d_in = config_size(raw, "d_in", cfg_path)
+    d_in = read_fields(raw, cfg_path, FIELDS[:1])["d_in"]
     check_d_model(d_in, d_model, cfg_path, "d_in")
-    activation = raw.get("activation", "topk")
-    if activation not in ("topk", "groupmax"):
-        raise UnsupportedArchitectureError(f"{cfg_path}: key 'activation' is {activation!r}; "
-                                           "supported: 'topk', 'groupmax'")
-    k = config_size(raw, "k", cfg_path)
+    fields = read_fields(raw, cfg_path, FIELDS[1:])
+    activation, k, transcode, skip = fields["activation"], fields["k"], fields["transcode"], fields["skip_connection"]
     if raw.get("num_latents"):  # 0 / absent: d_in · expansion_factor
         num_latents = config_size(raw, "num_latents", cfg_path)
     else:
         num_latents = scaled_size(d_in, raw.get("expansion_factor"), cfg_path, "expansion_factor")
-    transcode = config_value(raw, "transcode", cfg_path, bool, False)
-    skip = config_value(raw, "skip_connection", cfg_path, bool, False)
-    if activation == "groupmax" and num_latents % k:
-        raise CheckpointError(f"{cfg_path}: 'groupmax' needs num_latents={num_latents} to be a multiple of k={k}")
+    require(activation != "groupmax" or not num_latents % k, cfg_path,
+            f"'groupmax' needs num_latents={num_latents} to be a multiple of k={k}")
     name = directory.name
     site = site_record(name, adapter, sparsify_transcode=transcode)
     extra = {"sparsify": {
         "hookpoint": name, "transcode": transcode, "skip_connection": skip,
-        "multi_topk": config_value(raw, "multi_topk", cfg_path, bool, False),
+        "multi_topk": fields["multi_topk"],
         "config": {key: v for key, v in raw.items() if isinstance(v, (int, float, str, bool)) or v is None},
         "site": site,
     }}
@@ -117,12 +131,8 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     d_in, num_latents, skip = cfg.d_in, cfg.d_sae, parsed.settings["cls"] is SkipTranscoder
     state = load_safetensors(weights_path)
     check_file_tensors(weights_path, state)
-    expected = {"encoder.weight": (num_latents, d_in), "encoder.bias": (num_latents,),
-                "W_dec": (num_latents, d_in), "b_dec": (d_in,)}
-    if skip:
-        expected["W_skip"] = (d_in, d_in)
-    check_tensor_inventory(weights_path, {n: tuple(t.shape) for n, t in state.items()}, expected,
-                           parsed.settings["source"])
+    check_declared_tensors(weights_path, state, TENSORS, {"d_in": d_in, "num_latents": num_latents},
+                           parsed.settings["source"], with_=("W_skip",) if skip else ())
     ours = {"W_enc": state["encoder.weight"].T.contiguous(), "b_enc": state["encoder.bias"],
             "W_dec": state["W_dec"], "b_dec": state["b_dec"]}
     if skip:

@@ -12,7 +12,14 @@ Config fields (from ``config.json`` / ``cfg.json`` / ``config.yaml``):
   :func:`check_mapping` — a field that must be a JSON object (``extra``).
 * :func:`check_member_file` — a file name a manifest lists: relative, no ``..``, inside the directory.
 * :func:`layer_of_name` — the layer of a ``layer_<digits>`` name (ASCII digits only; ``layer_ 2``,
-  ``layer_+2``, ``layer_٢`` are refused, not read as 2).
+  ``layer_+2``, ``layer_٢`` are refused, not read as 2); :func:`check_numbered` — layers 0..n-1.
+
+Declared specs: a reader states its config fields as :class:`Field` s (type, default, size /
+positive / choices / an exact tag) read by :func:`read_fields`, and its tensors as a
+:class:`TensorSpec` (name -> shape in config-field names) checked by :func:`check_declared_tensors`.
+One-off conditions a spec cannot state go through :func:`require`; files through
+:func:`require_file` and :func:`file_errors` (OS / parser errors translated, naming the file); a
+config object our module classes refuse through :func:`config_errors`.
 
 Tensors (from safetensors files), before a module is built:
 
@@ -24,7 +31,8 @@ Tensors (from safetensors files), before a module is built:
 * :func:`build_module` — all of the above against the module's own state dict, then the module is
   allocated (no random init) and loaded strictly.
 
-Every failure is a :class:`~nnsight_lorsa.errors.CheckpointError` whose message starts with the
+This module is the only place in :mod:`nnsight_lorsa.formats` that raises a file error. Every
+failure is a :class:`~nnsight_lorsa.errors.CheckpointError` whose message starts with the
 file and names the key (``"…/cfg.json: key 'd_sae' must be a positive int, got True"``);
 :class:`~nnsight_lorsa.errors.ConfigMismatchError` for a width that is not the model's.
 """
@@ -34,14 +42,16 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, ConfigMismatchError
+from ..errors import CheckpointError, ConfigMismatchError, UnsupportedArchitectureError
 
 #: the largest size (width, latent count, head count, k) a config may declare: 2**24
 MAX_SIZE = 1 << 24
@@ -49,10 +59,11 @@ MAX_SIZE = 1 << 24
 M = TypeVar("M", bound=nn.Module)
 _REQUIRED: Any = ...
 
-__all__ = ["LAYER_NAME", "MAX_SIZE", "adapter_families", "build_module", "check_d_model", "check_file_tensors",
-           "check_mapping", "check_member_file", "check_scalar", "check_size", "check_tensor_inventory",
-           "check_tensors", "check_version", "config_size", "config_value", "layer_of_name", "looks_like_layer_name",
-           "scaled_size"]
+__all__ = ["LAYER_NAME", "MAX_SIZE", "Field", "TensorSpec", "adapter_families", "build_module", "check_d_model",
+           "check_declared_tensors", "check_file_tensors", "check_mapping", "check_member_file", "check_numbered",
+           "check_scalar", "check_size", "check_tensor_inventory", "check_tensors", "check_version", "config_errors",
+           "config_size", "config_value", "file_errors", "layer_of_name", "looks_like_layer_name", "read_fields",
+           "refuse", "require", "require_file", "scaled_size"]
 
 #: the one spelling of a layer in a file or folder name: ``layer_`` then ASCII digits
 LAYER_NAME = re.compile(r"layer_([0-9]+)", re.ASCII)
@@ -192,6 +203,201 @@ def check_member_file(directory: Path, name: Any, path: Path | str, key: str,
     return target
 
 
+def refuse(path: os.PathLike[str] | str | None, detail: str, *, error: type[Exception] = CheckpointError) -> NoReturn:
+    """Refuse a file (or, ``path`` None, a source) for a reason no declared spec states.
+
+    Raises:
+        CheckpointError (or ``error``): ``"{path}: {detail}"`` (``detail`` alone when ``path`` is None).
+    """
+    raise error(detail if path is None else f"{path}: {detail}")
+
+
+def require(ok: Any, path: os.PathLike[str] | str | None, detail: str, *,
+            error: type[Exception] = CheckpointError) -> None:
+    """A condition a reader states that no :class:`Field` / :class:`TensorSpec` expresses (two
+    fields that must agree, a list entry, a file that must not be there).
+
+    Raises:
+        CheckpointError (or ``error``): ``"{path}: {detail}"`` (``detail`` alone when ``path`` is None)
+            when ``ok`` is false.
+    """
+    if not ok:
+        refuse(path, detail, error=error)
+
+
+def require_file(path: Path, hint: str = "") -> Path:
+    """``path`` must be a file.
+
+    Raises:
+        CheckpointError: ``"{path}: file not found{hint}"``.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found{hint}")
+    return path
+
+
+@contextmanager
+def file_errors(path: Path | str, translate: Mapping[type[BaseException] | tuple[type[BaseException], ...], str]
+                ) -> Iterator[None]:
+    """Reading ``path``: an exception of a type in ``translate`` becomes a :class:`CheckpointError`
+    ``"{path}: {message}"`` (``message`` formatted with ``e`` and ``type``, the exception and its
+    type name); our own errors pass through.
+
+    Raises:
+        CheckpointError: a translated parser / OS error, naming the file.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        for kinds, message in translate.items():
+            if isinstance(e, kinds):
+                raise CheckpointError(f"{path}: {message.format(e=e, type=type(e).__name__)}") from e
+        raise
+
+
+@contextmanager
+def config_errors(path: Path | str, key: str, refuses: tuple[type[BaseException], ...] = (CheckpointError,), *,
+                  unsupported: str | None = None) -> Iterator[None]:
+    """Building our config object from a file's ``key``: an error of ``refuses`` (the config class's
+    own checks) becomes a :class:`CheckpointError` ``"{path}: {key}: {e}"``; an
+    :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError` is re-raised naming ``path`` and
+    ``unsupported`` (default ``key``).
+
+    Raises:
+        CheckpointError: the config class refused the values.
+        UnsupportedArchitectureError: a setting our modules cannot reproduce.
+    """
+    try:
+        yield
+    except UnsupportedArchitectureError as e:
+        label = key if unsupported is None else unsupported
+        raise UnsupportedArchitectureError(f"{path}: {label}: {e}" if label else f"{path}: {e}") from e
+    except refuses as e:
+        raise CheckpointError(f"{path}: {key}: {e}" if key else f"{path}: {e}") from e
+
+
+_ANY: Any = object()
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config field a reader declares (read by :func:`read_fields`).
+
+    Attributes:
+        key: the key in the config mapping.
+        kind: the type(s) accepted (:func:`config_value`'s rules; ``object``: any).
+        default: the value when absent or ``null`` (required when not given).
+        size: a size (:func:`check_size`: an int in ``[1, MAX_SIZE]``; ``kind`` unused).
+        positive: a number that must be > 0.
+        choices: the values accepted; another raises ``error`` listing them.
+        equals: the one value accepted (a format tag): ``"key 'format' is …, expected …"``.
+        error: the error for a value outside ``choices`` (e.g. ``UnsupportedArchitectureError``
+            for a setting our modules cannot reproduce).
+    """
+
+    key: str
+    kind: type | tuple[type, ...] = object
+    default: Any = _REQUIRED
+    size: bool = False
+    positive: bool = False
+    choices: Collection[Any] | None = None
+    equals: Any = _ANY
+    error: type[Exception] = CheckpointError
+
+    def read(self, raw: Mapping[str, Any], path: Path | str, label: str | None = None) -> Any:
+        """The field's value from ``raw`` (a config mapping read from ``path``), checked.
+
+        Raises:
+            CheckpointError (or ``error`` for ``choices``): naming ``path`` and ``label`` (default: the key).
+        """
+        label = label or self.key
+        if self.equals is not _ANY:
+            value = raw.get(self.key)
+            if value != self.equals or type(value) is not type(self.equals):
+                raise CheckpointError(f"{path}: key {label!r} is {value!r}, expected {self.equals!r}")
+            return value
+        if self.size:
+            value = raw.get(self.key)
+            if value is None:
+                if self.default is _REQUIRED:
+                    raise CheckpointError(f"{path}: required key {label!r} is missing or null")
+                return self.default
+            return check_size(value, path, label)
+        if self.kind is dict:
+            value = raw.get(self.key)
+            if value is None and self.default is not _REQUIRED:
+                return self.default
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{path}: key {label!r} must be a JSON object (a mapping), got {value!r}")
+            return value
+        value = config_value({label: raw.get(self.key)}, label, path, self.kind, self.default)
+        if value is None:
+            return value
+        if self.positive and not value > 0:
+            raise CheckpointError(f"{path}: key {label!r} must be a positive number, got {value!r}")
+        if self.choices is not None and (not isinstance(value, Hashable) or value not in self.choices):
+            raise self.error(f"{path}: key {label!r} is {value!r}; supported: {sorted(self.choices, key=str)}")
+        return value
+
+
+def read_fields(raw: Mapping[str, Any], path: Path | str, fields: Sequence[Field], *, prefix: str = ""
+                ) -> dict[str, Any]:
+    """``{field.key: value}`` for each declared :class:`Field` of ``raw`` (read from ``path``), in
+    order; ``prefix`` is put before each key in messages (``"config."`` for a nested object).
+
+    Raises:
+        CheckpointError: the first field that fails (naming ``path`` and ``prefix + key``).
+    """
+    return {f.key: f.read(raw, path, prefix + f.key) for f in fields}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The tensors a file holds, declared by its reader: name -> shape, each dimension a config field
+    name or an int; names may hold ``{i}`` (a layer index), formatted from the dimensions.
+
+    Attributes:
+        required: tensors the file must hold.
+        optional: tensors it holds when the config says so (named in ``with_`` of :meth:`shapes`).
+    """
+
+    required: Mapping[str, tuple[str | int, ...]]
+    optional: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
+
+    def shapes(self, dims: Mapping[str, int], with_: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` in numbers: the required tensors and the optional ones in ``with_``."""
+        chosen = {**self.required, **{k: self.optional[k] for k in with_}}
+        return {name.format(**dims): tuple(d if isinstance(d, int) else dims[d] for d in shape)
+                for name, shape in chosen.items()}
+
+
+def check_declared_tensors(path: Path | str, found: Mapping[str, Any], spec: TensorSpec, dims: Mapping[str, int],
+                           source: str, *, with_: Iterable[str] = ()) -> dict[str, tuple[int, ...]]:
+    """The tensors of a file (``found``: name -> tensor or shape) against ``spec`` at ``dims``
+    (:func:`check_tensor_inventory`); returns the expected shapes.
+
+    Raises:
+        CheckpointError: a missing or unexpected tensor, or a shape ``source`` does not imply.
+    """
+    expected = spec.shapes(dims, with_)
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in found.items()}
+    check_tensor_inventory(path, shapes, expected, source)
+    return expected
+
+
+def check_numbered(found: Iterable[int], path: Path | str, what: str) -> None:
+    """Layer numbers must be 0..n-1.
+
+    Raises:
+        CheckpointError: ``"{path}: {what} 0..n-1, found layers [...]"``.
+    """
+    layers = sorted(found)
+    if layers != list(range(len(layers))):
+        raise CheckpointError(f"{path}: {what} 0..n-1, found layers {layers}")
+
+
 def adapter_families() -> frozenset[str]:
     """The adapter family names a checkpoint's ``architecture`` may hold (``ArchitectureAdapter.family``)."""
     from ..adapters.registry import ADAPTERS  # local: the adapters import transformers
@@ -258,8 +464,10 @@ def check_tensors(path: Path | str, state: Mapping[str, torch.Tensor],
 
     Raises:
         CheckpointError: ``"{path}: tensor {key!r} has non-floating dtype …"`` or
-            ``"{path}: tensor {key!r} has N non-finite values (NaN/inf)"``.
+            ``"{path}: tensors [...] have non-finite values (NaN/inf): tensor {key!r} has N, …"``
+            (every non-finite tensor named).
     """
+    counts: dict[str, int] = {}
     for key, tensor in state.items():
         wants_float = True if floating is None else floating.get(key, tensor.is_floating_point())
         if wants_float and not tensor.is_floating_point():
@@ -267,7 +475,10 @@ def check_tensors(path: Path | str, state: Mapping[str, torch.Tensor],
         if tensor.is_floating_point():
             bad = int((~torch.isfinite(tensor)).sum())
             if bad:
-                raise CheckpointError(f"{path}: tensor {key!r} has {bad} non-finite values (NaN/inf)")
+                counts[key] = bad
+    if counts:
+        each = ", ".join(f"tensor {key!r} has {n}" for key, n in counts.items())
+        raise CheckpointError(f"{path}: tensors {list(counts)} have non-finite values (NaN/inf): {each}")
 
 
 def check_file_tensors(path: Path | str, state: Mapping[str, torch.Tensor], exempt: tuple[str, ...] = ()) -> None:

@@ -3,7 +3,8 @@
 * :class:`Lorsa` (+ :class:`LorsaConfig`, :class:`RotaryConfig`) — Low-Rank Sparse Attention: many
   rank-1-OV heads sharing grouped QK heads, top-k sparse per token (Lorsa paper §3, App. A–B).
 * Sparse coders on one dictionary core (:class:`~.sparse_coder.SparseCoder`): :class:`SparseAutoencoder`,
-  :class:`Transcoder`, :class:`SkipTranscoder`, :class:`CrossLayerTranscoder` (seed ``004_…`` §2–7),
+  :class:`Transcoder`, :class:`SkipTranscoder`, :class:`CrossLayerTranscoder` (Bricken et al. 2023, *Towards
+  Monosemanticity*; Ameisen et al. 2025, *Circuit Tracing*),
   with the activations :class:`ReLU`, :class:`TopK`, :class:`BatchTopK`, :class:`JumpReLU`,
   :class:`AbsTopK`, :class:`GroupMax`.
 * :class:`HookPoint` — the identity module whose envoy exposes an internal (``hook_z``, ``hook_sae_acts_post`` …).

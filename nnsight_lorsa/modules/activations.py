@@ -3,8 +3,8 @@
 Each maps pre-activations ``(*batch, d_sae)`` to sparse feature activations of the same shape (zeros
 where a feature is off; non-negative except :class:`AbsTopK`):
 
-* :class:`ReLU` — ``max(0, x)``; sparsity comes from an L1 penalty in training (seed ``004_…``
-  §6.1–6.2; Bricken et al. 2023, *Towards Monosemanticity*).
+* :class:`ReLU` — ``max(0, x)``; sparsity comes from an L1 penalty in training (Bricken et al. 2023, *Towards
+  Monosemanticity*).
 * :class:`TopK` — keep the ``k`` largest pre-activations per row, ReLU'd (Makhzani & Frey 2013;
   Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; EleutherAI sparsify).
 * :class:`BatchTopK` — in training keep the ``k · n_rows`` largest activations over the whole
@@ -13,7 +13,8 @@ where a feature is off; non-negative except :class:`AbsTopK`):
 * :class:`JumpReLU` — ``x · H(x − θ)`` with a learned per-feature threshold ``θ``; trained with
   straight-through pseudo-derivatives for ``θ`` built on a rectangle kernel of bandwidth ``ε``
   (Rajamanoharan et al. 2024, *Jumping Ahead: Improving Reconstruction Fidelity with JumpReLU
-  Sparse Autoencoders*, arXiv:2407.14435, eqs. 11–12; the CLT activation, seed ``004_…`` §7.1).
+  Sparse Autoencoders*, arXiv:2407.14435, eqs. 11–12; the CLT activation, Ameisen et al. 2025, *Circuit Tracing*,
+  cross-layer transcoders).
 * :class:`AbsTopK` — keep the ``k`` pre-activations of largest magnitude per row, signed (no ReLU)
   (SAELens ``abstopk``; "AbsTopK", arXiv:2510.00404).
 * :class:`GroupMax` — split the ``d_sae`` features into ``k`` contiguous groups and keep each
@@ -85,7 +86,7 @@ class _StepFunction(torch.autograd.Function):
 
 
 class ReLU(nn.Module):
-    """``max(0, x)``: the activation of L1-penalised SAEs (seed ``004_…`` §6.1)."""
+    """``max(0, x)``: the activation of L1-penalised SAEs (Bricken et al. 2023, *Towards Monosemanticity*)."""
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
         return torch.relu(x)
@@ -127,7 +128,8 @@ class JumpReLU(nn.Module):
     ``x`` (``H(x − θ)``) and the straight-through pseudo-derivative
     ``∂/∂θ = −(θ/ε) K((x − θ)/ε)`` with the rectangle kernel ``K`` of bandwidth ``ε``
     (eq. 11); :meth:`l0` is the differentiable L0 ``Σ H(x − θ)`` with ``∂/∂θ = −(1/ε) K(…)``
-    (eq. 12), for the sparsity loss. Used by Gemma Scope and by CLTs (seed ``004_…`` §7.1).
+    (eq. 12), for the sparsity loss. Used by Gemma Scope and by CLTs (Ameisen et al. 2025, *Circuit Tracing*,
+    cross-layer transcoders).
 
     Args:
         d_sae: number of features (size of ``threshold``).

@@ -1,6 +1,6 @@
 """The attention gate: a binary matrix ``A`` that opens or closes each query-key edge.
 
-Paper ``003_…`` §3.1, Eq. (1)-(3) (SPARTAN hard attention): ``A_ij ~ Bernoulli(σ(q_i·k_j/√d + b))``.
+Draye et al. 2025 §3.1, Eq. (1)-(3) (SPARTAN hard attention): ``A_ij ~ Bernoulli(σ(q_i·k_j/√d + b))``.
 In training the sample is hard (0/1) and differentiable through a straight-through estimator
 with logistic noise (a binary Gumbel-softmax: ``hard = [l + L > 0]`` with ``L ~ Logistic(0, 1)``
 is exactly a ``Bernoulli(σ(l))`` draw, and the backward pass uses ``σ((l + L) / T)``). In
@@ -30,7 +30,7 @@ GATE_MODES = ("gated", "topk", "dense")
 
 
 class AttentionGate(nn.Module):
-    """Per-layer gate with one learnable bias per head (paper ``003_…`` §3.1, Eq. 1-3).
+    """Per-layer gate with one learnable bias per head (Draye et al. 2025 §3.1, Eq. 1-3).
 
     ``forward(scores, valid) -> A`` with ``scores = q·kᵀ·scaling`` of shape
     ``(batch, heads, q_len, k_len)`` and ``valid`` the boolean mask of allowed edges (broadcastable

@@ -1,6 +1,6 @@
 """Cross-layer transcoder (CLT): features read one layer's MLP input and write to every later MLP output.
 
-Seed ``004_…`` §7.1 (Ameisen et al. 2025, *Circuit Tracing*; Lindsey et al. 2024, *Sparse
+Ameisen et al. 2025 (cross-layer transcoders, *Circuit Tracing*; Lindsey et al. 2024, *Sparse
 Crosscoders*). For layers ``l = 0 … n_layers−1``, with ``x_l`` the MLP input of layer ``l``::
 
     acts_l = σ_l(x_l W_enc[l] + b_enc[l])                          (*batch, d_sae)

@@ -1,6 +1,6 @@
 """Low-Rank Sparse Attention (Lorsa): many rank-1 OV heads sharing grouped QK heads, top-k sparse.
 
-Lorsa paper (seed ``000_…``) §3: for OV head ``h`` with QK head ``g(h) = h // G``,
+Lorsa paper (He et al. 2025) §3: for OV head ``h`` with QK head ``g(h) = h // G``,
 
     A^g     = softmax_causal((x W_Q^g + b_Q^g)(x W_K^g + b_K^g)^T / attn_scale)   (RoPE on q, k)
     v^h     = x w_v^h + b_v^h                                   (one scalar per token)

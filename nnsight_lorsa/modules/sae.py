@@ -1,6 +1,6 @@
 """Sparse autoencoder (SAE): reconstruct an activation through a sparse, overcomplete code.
 
-Seed ``004_…`` §6.1 (Bricken et al. 2023; SAELens v6 ``standard``/``topk``/``jumprelu``/``batchtopk``
+Bricken et al. 2023, *Towards Monosemanticity* (the SAE; SAELens v6 ``standard``/``topk``/``jumprelu``/``batchtopk``
 architectures)::
 
     x̃        = x − b_dec                       (if apply_b_dec_to_input; the "b_pre" centering)

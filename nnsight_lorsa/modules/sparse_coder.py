@@ -5,7 +5,8 @@ A *sparse coder* reads ``x: (*batch, d_in)``, computes feature activations
     acts_pre = x W_enc + b_enc            (*batch, d_sae)
     acts     = σ(acts_pre)                σ from :mod:`.activations` (ReLU, TopK, BatchTopK, JumpReLU)
 
-and writes ``acts W_dec + b_dec: (*batch, d_out)`` (seed ``004_…`` §6.1 with SAELens v6 names and
+and writes ``acts W_dec + b_dec: (*batch, d_out)`` (Bricken et al. 2023, *Towards Monosemanticity* with SAELens v6
+names and
 layouts: ``W_enc (d_in, d_sae)``, ``b_enc (d_sae,)``, ``W_dec (d_sae, d_out)``, ``b_dec (d_out,)``;
 row ``i`` of ``W_dec`` is feature ``i``'s direction). :class:`SparseCoder` is the base of
 :class:`~.sae.SparseAutoencoder` (``d_out = d_in``, optional ``b_dec`` centering) and of
@@ -112,7 +113,8 @@ def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "
 
 @torch.no_grad()
 def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.Generator | None = None) -> None:
-    """Random init: unit-norm decoder rows (seed ``004_…`` §6.3), encoder = decoder transposed.
+    """Random init: unit-norm decoder rows (as in Bricken et al. 2023, *Towards Monosemanticity*), encoder =
+    decoder transposed.
 
     ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``; where ``d_in != d_out`` (transcoders)
     the encoder gets its own draw of the same scale (SAELens initialises ``W_enc = W_decᵀ``).

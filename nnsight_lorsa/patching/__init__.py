@@ -1,4 +1,4 @@
-"""Causal interventions on MHSA heads, Lorsa heads and SAE/transcoder features (seed ``004_…`` §10; docs/patching.md).
+"""Causal interventions on MHSA heads, Lorsa heads and SAE/transcoder features (docs/patching.md).
 
 A :class:`ReplacementModel` validates a target (:class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`)
 before anything runs and binds it (``rm(target)``) for the interventions inside a trace —

@@ -1,10 +1,10 @@
-"""Circuit size: how many components recover 90% of the clean metric (seed ``003_…`` §4, Fig. 3).
+"""Circuit size: how many components recover 90% of the clean metric (Draye et al. 2025, §4.2, Fig. 3).
 
 Components (MHSA heads, Lorsa heads) are ranked by a per-prompt score — the effect of ablating
 each one alone (``method="ablation"``: ``clean − ablated``) or of patching its clean value into
 the corrupt run (``method="patching"``: ``patched − corrupt``, the activation patching of seed
 003) — and the model is run keeping only the top-``k`` of them, the others ablated (zero or mean;
-seed 003 freezes dense heads to their mean, sparse ones to zero). The recovered fraction is
+Draye et al. 2025 freeze dense heads to their mean, sparse ones to zero). The recovered fraction is
 
     f(k) = (m_k − m_0) / (m_all − m_0)
 
@@ -196,7 +196,7 @@ def circuit_size(replacement: ReplacementModel, task: TaskBatch, components: Seq
                  ks: Sequence[int] | None = None, metric: Metric | None = None) -> CircuitSize:
     """Number of ``components`` needed to recover ``threshold`` of the clean metric, per prompt and globally.
 
-    Seed ``003_…`` §4 / Fig. 3: rank by ``scores`` ``(batch, n)`` (default :func:`component_scores`
+    Draye et al. 2025 §4.2 / Fig. 3: rank by ``scores`` ``(batch, n)`` (default :func:`component_scores`
     with ``method``), keep only the top-``k`` (others ablated with ``mode``) on the clean prompts,
     and report the recovered fraction ``f(k)`` (module docstring) for each ``k`` of ``ks``
     (default :func:`default_ks`). Components outside the list are left alone. Scores, curves and

@@ -1,4 +1,4 @@
-"""Experiments that run the traces and return the metric (seed 004 §10; Lorsa paper App. D.4).
+"""Experiments that run the traces and return the metric (docs/patching.md; Lorsa paper (He et al. 2025) App. D.4).
 
 * :func:`activation_patching`: patch each target (or group) from the clean run into the corrupt run.
 * :func:`ablation_effect`: ablate targets together; baseline, ablated and relative effect (§10.4).

@@ -75,7 +75,8 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
 
 
 def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
-    """Multiply the target by ``alpha`` (``-alpha`` inhibits, seed 004 §10.1)."""
+    """Multiply the target by ``alpha`` (``-alpha`` inhibits, as the feature inhibition of Lindsey et al. 2025, *On
+    the Biology of a Large Language Model*)."""
     tensor, idx = _loc(target, positions)
     tensor[idx] = tensor[idx] * alpha
     _edited(target, positions, "scale")

@@ -1,4 +1,5 @@
-"""Behavioural metrics on logits (seed 004 §4.4) and the relative effect of an intervention (§10.4)."""
+"""Behavioural metrics on logits (the logit difference of Wang et al. 2023, *Interpretability in the Wild*) and the
+relative effect of an intervention."""
 
 from __future__ import annotations
 

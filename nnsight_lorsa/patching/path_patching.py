@@ -1,6 +1,6 @@
 """Path patching: a component's effect through the residual stream and MLPs only.
 
-Lorsa paper (seed ``000_…``) §6: "path patching ablates [a head's] output and allows the influence
+Lorsa paper (He et al. 2025) §6: "path patching ablates [a head's] output and allows the influence
 to propagate only through residual connections and MLPs (but not through other attention heads)";
 the method of Wang et al. (2023, IOI) and Conmy et al. (2023). Senders are MHSA heads (o_proj's
 input columns), Lorsa heads (``hook_z``) and SAE / transcoder features (``hook_sae_acts_post`` of

@@ -1,8 +1,8 @@
 """Tokenizer-aware task builders: clean/corrupt prompt batches with correct/incorrect answer tokens.
 
 * :func:`induction_task` — repeated random tokens (Olsson et al.; Lorsa paper §6.1 / App. E.3).
-* :func:`ioi_task` — indirect object identification templates (seed ``003_…`` App. A.2).
-* :func:`greater_than_task` — "from the year 1363 to 13" (seed ``003_…`` App. A.1).
+* :func:`ioi_task` — indirect object identification templates (Draye et al. 2025 App. A.2).
+* :func:`greater_than_task` — "from the year 1363 to 13" (Draye et al. 2025 App. A.1).
 * :func:`arithmetic_task` / :func:`arithmetic_grid` — ``op1 + op2 =`` over the 100 × 100 operand
   grid (Lorsa paper §6.2, Fig. 7).
 
@@ -167,7 +167,7 @@ def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^
 # ------------------------------------------------------------------ IOI
 def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATES[0],
              names: Sequence[str] = NAMES, seed: int = 0, order: str = "BABA") -> TaskBatch:
-    """Indirect object identification (seed ``003_…`` App. A.2): "Then, [B] and [A] went to the
+    """Indirect object identification (Draye et al. 2025 App. A.2): "Then, [B] and [A] went to the
     park. [S] gave a ball to" with S = B; the answer is the indirect object A, the distractor S.
 
     ``order``: ``"BABA"`` (the subject named first, as above), ``"ABBA"`` (the indirect object named
@@ -212,7 +212,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
 # ------------------------------------------------------------------ greater-than
 def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, century: int = 13,
                       noun: str = "war", years: Sequence[int] | None = None) -> TaskBatch:
-    """Greater-than (seed ``003_…`` App. A.1): "The war lasted from the year 1363 to 13" → "64"…"99".
+    """Greater-than (Draye et al. 2025 App. A.1): "The war lasted from the year 1363 to 13" → "64"…"99".
 
     If the tokenizer has every two-digit number as a single token after the century prefix, the
     answer is the two-digit token (correct: ``YY+1``, incorrect: ``YY−1``); otherwise (digit

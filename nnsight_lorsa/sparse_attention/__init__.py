@@ -1,4 +1,5 @@
-"""Sparse-attention post-training (paper ``003_…``): gated attention inside the model's own modules.
+"""Sparse-attention post-training (Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic
+Interpretability*): gated attention inside the model's own modules.
 
 ``install_gated_attention(model)`` gives every attention module a learnable gate
 ``A_ij ~ Bernoulli(σ(q_i·k_j/√d + b))`` multiplying the (not renormalised) softmax weights;

@@ -1,6 +1,6 @@
 """Gated attention as a transformers attention function, run inside the model's own modules.
 
-Paper ``003_…`` §3.1, Eq. (2): ``SparseAttention(Q, K, V) = [A ⊙ softmax(QKᵀ/√d)] V`` — the softmax
+Draye et al. 2025 §3.1, Eq. (2): ``SparseAttention(Q, K, V) = [A ⊙ softmax(QKᵀ/√d)] V`` — the softmax
 is the model's ordinary one (causal and padding mask included) and is *not* renormalised after
 the gate. The function has the signature of transformers' attention interface
 (``AttentionInterface``; the model calls it after its own Q/K/V projections, RoPE and KV cache)
@@ -51,7 +51,7 @@ def gated_attention_forward(
 ) -> tuple[Float[torch.Tensor, "batch q heads dv"], Float[torch.Tensor, "batch heads q k"]]:
     """Attention ``(A ⊙ softmax(QKᵀ·scaling + mask)) V`` with ``A = module.gate(QKᵀ·scaling, allowed)``.
 
-    Paper ``003_…`` §3.1, Eq. (2). Shapes follow transformers' attention interface: ``query``
+    Draye et al. 2025 §3.1, Eq. (2). Shapes follow transformers' attention interface: ``query``
     ``(batch, heads, q, d)``, ``key``/``value`` ``(batch, kv_heads, k, d)`` (grouped-query attention:
     ``heads`` a multiple of ``kv_heads``, each KV head repeated for its group as in ``repeat_kv``),
     ``attention_mask`` the additive float mask ``(batch, 1, q, k)`` (0 allowed, dtype-min masked),

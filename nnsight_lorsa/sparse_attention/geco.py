@@ -1,4 +1,4 @@
-"""GECO Lagrange multiplier for ``min E|A|  s.t.  CE <= τ`` (paper ``003_…`` §3.2, Eq. 4-5).
+"""GECO Lagrange multiplier for ``min E|A|  s.t.  CE <= τ`` (Draye et al. 2025 §3.2, Eq. 4-5).
 
 The Lagrangian is ``E|A| + λ (CE − τ)`` (Eq. 5): the model minimises it, λ maximises it. Following
 GECO (Rezende & Viola 2018, as used by SPARTAN) λ is not a learned parameter but is updated from a
@@ -19,7 +19,7 @@ from ..errors import GateConfigError
 
 
 class GECO:
-    """Multiplicative GECO update of the Lagrange multiplier λ (paper ``003_…`` §3.2, Eq. 5).
+    """Multiplicative GECO update of the Lagrange multiplier λ (Draye et al. 2025 §3.2, Eq. 5).
 
     Args:
         target: τ, the constraint level of the loss (nats/token).

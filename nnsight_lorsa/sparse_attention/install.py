@@ -50,7 +50,7 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
                             mode: str = "gated", top_k: int = 1) -> dict[int, AttentionGate]:
     """Attach one :class:`AttentionGate` per layer and switch the model to gated attention.
 
-    Paper ``003_…`` §3.1 (Eq. 1-2), footnote 1: the bias starts at ``init_bias`` so that all gates
+    Draye et al. 2025 §3.1 (Eq. 1-2), footnote 1: the bias starts at ``init_bias`` so that all gates
     are open at initialisation (``init_bias = 30`` reproduces the original model to fp32 rounding;
     smaller values let the gates learn faster). Each gate is created in fp32 on its attention module's
     device (the gate computes in fp32 whatever the model's dtype).
@@ -163,7 +163,7 @@ def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:
 class EdgeStatistics:
     """Edge counts of the last forward pass, per layer and head, summed over batch and positions.
 
-    ``expected``: Σσ(gate logit) over allowed edges (paper ``003_…`` Eq. 3); ``active``: edges with a
+    ``expected``: Σσ(gate logit) over allowed edges (Draye et al. 2025 Eq. 3); ``active``: edges with a
     non-zero gate (after any nnsight edit); ``possible``: allowed (causal, non-padded) edges. All
     ``(n_layers, n_heads)`` float tensors.
     """

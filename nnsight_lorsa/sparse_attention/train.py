@@ -1,4 +1,4 @@
-"""Sparse-attention post-training: minimise expected edges subject to ``CE <= τ`` (paper ``003_…`` §3.2).
+"""Sparse-attention post-training: minimise expected edges subject to ``CE <= τ`` (Draye et al. 2025 §3.2).
 
 Each step draws a batch of training windows — batch ``i`` of a
 :class:`~..training.dataset.TokenDataset` (one window per document from its start, padding out of its
@@ -212,7 +212,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
 
 
 class SparseAttentionTrainer:
-    """GECO-constrained sparse-attention post-training of one model (paper ``003_…`` §3.2, Eq. 4-5).
+    """GECO-constrained sparse-attention post-training of one model (Draye et al. 2025 §3.2, Eq. 4-5).
 
     Args:
         model: a transformers ``*ForCausalLM`` (or nnsight model wrapping one); gated attention is
@@ -518,7 +518,7 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
                            progress: bool = True, checkpoint_dir: str | Path | None = None,
                            checkpoint_every: int | None = None, heldout: Any = None,
                            heldout_tolerance: float = 0.05) -> tuple[Any, TrainingSummary]:
-    """Post-train ``model`` to sparse attention (paper ``003_…`` §3.2); returns ``(model, summary)``.
+    """Post-train ``model`` to sparse attention (Draye et al. 2025 §3.2); returns ``(model, summary)``.
 
     ``train_ids``: a :class:`~..training.dataset.TokenDataset` or a 1-D stream, as
     :class:`SparseAttentionTrainer`. Resumes from ``checkpoint_dir`` if it is a non-empty directory

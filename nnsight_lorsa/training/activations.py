@@ -6,8 +6,8 @@
 ``model.trace`` that stops after the last site (:func:`~..envoy.read.read_sites`), or from an
 on-disk :class:`~.activation_cache.ActivationCache` (the same windows and values). Batch ``i``
 depends only on ``i`` (a seeded permutation of the windows per epoch), so a run resumes at any
-batch without replaying earlier ones. What a module reads and writes (Lorsa paper §3.2; seed
-``004_…`` §7.1):
+batch without replaying earlier ones. What a module reads and writes (Lorsa paper §3.2; Ameisen et al. 2025,
+*Circuit Tracing*, cross-layer transcoders):
 
 * Lorsa of layer ``L`` — attention input -> attention output, with positions
   (:meth:`ActivationSource.attention`);

@@ -6,7 +6,7 @@ and how a checkpoint names and rebuilds the module. :func:`_objective_for` picks
 module's type; :class:`~.trainer.Trainer` owns everything else (step loop, Adam + WSD, dead
 counters, AuxK, checkpoints, data parallelism).
 
-* Lorsa (Lorsa paper §3.2, GUIDE §2): MSE of the Lorsa output against the MHSA output in the
+* Lorsa (Lorsa paper (He et al. 2025) §3.2): MSE of the Lorsa output against the MHSA output in the
   normalised space ``x · s_in -> y · s_out``; AuxK against dead heads; unit-norm ``w_o`` after every
   step (footnote 1); QK optionally initialised from the MHSA once the norms are known (App. B.3).
 * SAE / transcoder / skip transcoder: ``‖y − ŷ‖²`` plus the activation's sparsity term
@@ -15,7 +15,8 @@ counters, AuxK, checkpoints, data parallelism).
   L1 for ReLU (Bricken et al. 2023). TopK / BatchTopK train through the sparse kernels of
   :mod:`~..modules.sparse_decode` (``TrainConfig.sparse_kernels``; same values and gradients up to
   summation order). An SAE uses one scale factor (``s_out = s_in``) so that ``b_dec`` centring folds.
-* CLT (seed ``004_…`` §7.1, Ameisen et al. 2025): Σ over layers of the per-layer transcoder loss with
+* CLT (Ameisen et al. 2025, *Circuit Tracing*, cross-layer transcoders): Σ over layers of the per-layer transcoder
+  loss with
   per-layer scale factors, plus per source layer the sparsity term with its decoder over all the
   layers it writes to (flattened), as Ameisen et al. weight the sparsity by the concatenated decoder
   norm. Dense path only (no sparse kernels).

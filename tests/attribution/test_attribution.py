@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attribution_reference import attribute_with_hooks
 from helpers import TESTS, attribution_setup, random_ids, rm
 
+from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
@@ -426,8 +426,7 @@ def test_objective_injects_only_the_targeted_sites(llama):
     """``FrozenReplacement.objective`` (backward from the targeted sites only) gives the same
     gradient as injecting through all targets, and a batch of lowest-layer targets never reaches
     the unembedding."""
-    from attribution_reference import install_frozen_hooks
-
+    from benchmarks.reference.attribution import install_frozen_hooks
     from nnsight_lorsa.attribution.replacement import FrozenReplacement
     from nnsight_lorsa.attribution.trace import prepare
 

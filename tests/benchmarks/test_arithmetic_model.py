@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-from helpers import ROOT, load_script
 
 from nnsight_lorsa.patching.tasks import arithmetic_grid, arithmetic_task
-
-_PATH = ROOT / "benchmarks" / "arithmetic_model.py"
 
 
 @pytest.fixture(scope="module")
 def am():
-    return load_script(_PATH, "arithmetic_model")  # it imports the shared benchmarks/_synthetic.py
+    return importlib.import_module("benchmarks.arithmetic_model")  # it imports the shared benchmarks._synthetic
 
 
 @pytest.fixture(scope="module")

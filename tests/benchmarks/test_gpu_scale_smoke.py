@@ -14,9 +14,9 @@ from helpers import ROOT
 def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     out = tmp_path / "gpu_scale.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_scale.py"), "--scale", "tiny", "--device",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale", "--scale", "tiny", "--device",
                            "cpu", "--dtype", "float32", "--tokens", "16", "--repeats", "1", "--train-steps", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["scale"] == "tiny"

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import importlib
 import random
-import sys
 
 import pytest
-from helpers import ROOT
 
 from nnsight_lorsa.patching.tasks import (
     IOI_TEMPLATES,
@@ -24,14 +22,10 @@ from nnsight_lorsa.patching.tasks import (
     single_token,
 )
 
-_BENCHMARKS = ROOT / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def igt():
-    if str(_BENCHMARKS) not in sys.path:  # the builder imports the shared benchmarks/_synthetic.py
-        sys.path.insert(0, str(_BENCHMARKS))
-    return importlib.import_module("ioi_greater_than_model")
+    return importlib.import_module("benchmarks.ioi_greater_than_model")
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 import torch
-from helpers import ROOT, load_script, tiny_training_setup
+from helpers import tiny_training_setup
 from safetensors.torch import load_file
 
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.training import ActivationSource
 from nnsight_lorsa.training.activation_cache import write_activation_cache
 
-_PATH = ROOT / "benchmarks" / "lorsa_recipe.py"
-
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_script(_PATH, "lorsa_recipe_bench")
+    return importlib.import_module("benchmarks.lorsa_recipe")
 
 
 def test_export_matches_the_source(recipe, tmp_path):

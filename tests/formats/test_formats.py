@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nnsight_lorsa.errors import ArgumentError, CheckpointError, UnsupportedArchitectureError
-from nnsight_lorsa.formats import load_llamascopium_lorsa, load_lorsa, save_lorsa
+from nnsight_lorsa.formats.llamascopium import load_llamascopium_lorsa
+from nnsight_lorsa.formats.lorsa_format import load_lorsa, save_lorsa
 from nnsight_lorsa.modules.lorsa import Lorsa
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig
 from nnsight_lorsa.modules.rotary import RotaryConfig

@@ -131,7 +131,7 @@ def test_primitives_import_and_run_without_nnsight():
     code = (
         "import sys, torch\n"
         "from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter, load, save\n"
-        "from nnsight_lorsa.formats import save_lorsa, load_lorsa\n"
+        "from nnsight_lorsa.formats.lorsa_format import save_lorsa, load_lorsa\n"
         "out = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))(torch.randn(1, 3, 8))\n"
         "assert out.shape == (1, 3, 8)\n"
         "assert 'nnsight' not in sys.modules, sorted(m for m in sys.modules if 'nnsight' in m)\n"

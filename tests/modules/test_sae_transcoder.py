@@ -112,7 +112,8 @@ def test_fold_decoder_norm_and_batchtopk_export_keep_outputs():
 
 
 def clt_reference(clt: CrossLayerTranscoder, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed 004 §7.1 term by term: every (source, target) pair decoded on its own."""
+    """The CLT of Ameisen et al. 2025 (*Circuit Tracing*) term by term: every (source, target) pair decoded on its
+    own."""
     n = clt.n_layers
     acts = []
     for layer in range(n):

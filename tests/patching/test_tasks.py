@@ -1,4 +1,4 @@
-"""Task builders (tokenizer-aware, fail clearly) and circuit size (seed 003 §4) vs a manual keep-only run."""
+"""Task builders (tokenizer-aware, fail clearly) and circuit size (Draye et al. 2025 §4.2) vs a manual keep-only run."""
 
 from __future__ import annotations
 

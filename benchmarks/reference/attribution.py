@@ -1,7 +1,6 @@
-"""The reference engine: attribution with plain PyTorch forward hooks on the Hugging Face model.
-
-The nnsight engine (``nnsight_lorsa.attribution.trace``) is tested against it (same graph) and
-benchmarked against it (``benchmarks/bench_attribution.py`` imports this module). The frozen
+"""The reference attribution engine: attribution with plain PyTorch forward hooks on the Hugging Face model.
+The nnsight engine (``nnsight_lorsa.attribution.trace``) is tested against it (same graph,
+``tests/attribution/test_attribution.py``) and benchmarked against it (``benchmarks/bench_attribution.py``). The frozen
 arithmetic is :class:`~nnsight_lorsa.attribution.replacement.FrozenReplacement`, shared with the
 nnsight engine; only the way the frozen pass reaches each site differs (hooks here, envoys there).
 The clean pass is the package's (one ``model.trace``). Hooks are removed in a ``finally``.
@@ -90,3 +89,4 @@ def attribute_with_hooks(replacement: Any, prompt: Any, **options: Any) -> Graph
     ``(patterns, node_vectors)`` pair."""
     return build_graph(replacement, prompt, frozen_pass=hooks_pass(replacement.model._module), engine="hooks",
                        **options)
+
