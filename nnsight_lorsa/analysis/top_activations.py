@@ -88,7 +88,7 @@ class TopActivations:
             order = cand_v.argsort(dim=1, descending=True, stable=True)
             cand_v, cand_w, cand_p = cand_v.gather(1, order), cand_w.gather(1, order), cand_p.gather(1, order)
             c = cand_w.shape[1]
-            earlier = torch.ones(c, c, dtype=torch.bool).tril(-1)
+            earlier = torch.ones(c, c, dtype=torch.bool, device=cand_w.device).tril(-1)
             dup = ((cand_w[:, :, None] == cand_w[:, None, :]) & earlier).any(-1) & (cand_w >= 0)
             cand_v = cand_v.masked_fill(dup, float("-inf"))
         top_v, order = cand_v.topk(n_top, dim=1)
