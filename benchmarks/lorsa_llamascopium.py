@@ -63,6 +63,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                 "dead_threshold": 20_000, "initial_k": 64, "k_warmup_steps": 0.1},
     "random_lr4e-3": {"init": "random", "lr": 4e-3},
     "doc_lr2e-4_warmup5000": {"init": "documented", "lr": 2e-4, "lr_warm_up_steps": 5000},  # their default warm-up
+    "doc_lr1e-3": {"init": "documented", "lr": 1e-3},
+    "doc_lr2e-3": {"init": "documented", "lr": 2e-3},
 }
 
 

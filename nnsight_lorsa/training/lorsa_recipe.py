@@ -88,6 +88,12 @@ class LorsaRecipe:
             with no MHSA given the module's random OV init is kept.
         center_b_v: subtract each head's mean pre-activation on the init batch from ``b_V``.
         scale_init: set the output scale to its MSE optimum on the init batch (closed form).
+        scale_into: where that scale ``c`` goes: ``"w_v"`` (``w_v, b_v ·= c``, ``‖w_o‖ = 1``) or
+            ``"w_o"`` (``w_o ·= c``, ``‖w_v‖`` kept; the authors' split after their decoder-norm grid
+            search; needs ``rank_by_decoder_norm``, else the per-step renormalisation moves it back).
+            The output and the selection are the same; Adam's steps, of about ``lr`` per coordinate
+            whatever the weight's size, are not: relative to ``w_v`` they are ``1/c`` times larger with
+            ``"w_v"`` (module docstring, "Where the output scale lives").
         b_d_init: set ``b_D`` to the data mean (minus the heads' mean output at the chosen scale).
         init_windows: windows of batch 0 used by the initialisation (None: all).
         k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
@@ -104,6 +110,7 @@ class LorsaRecipe:
     ov_init: str = "value_svd"
     center_b_v: bool = False
     scale_init: bool = True
+    scale_into: str = "w_v"
     b_d_init: bool = True
     init_windows: int | None = None
     k_anneal_from: int | None = None
@@ -129,6 +136,11 @@ class LorsaRecipe:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
                 raise ConfigMismatchError(f"LorsaRecipe.{name} must be a number in ({lo}, {hi}], got {v!r}")
+        if self.scale_into not in ("w_v", "w_o"):
+            raise ConfigMismatchError(f"LorsaRecipe.scale_into must be 'w_v' or 'w_o', got {self.scale_into!r}")
+        if self.scale_into == "w_o" and not self.rank_by_decoder_norm:
+            raise ConfigMismatchError("LorsaRecipe.scale_into='w_o' needs rank_by_decoder_norm=True (without it "
+                                      "w_o is renormalised after every step, which moves the scale back into w_v)")
         if not 0.0 <= self.k_anneal_frac <= 1.0:
             raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
 
@@ -325,8 +337,11 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
             scale = float((Dc * tc).sum()) / denom if denom > 0 else 1.0
             if not scale > 0:  # no positive scale helps: keep the heads as they are
                 scale = 1.0
-            lorsa.W_V.mul_(scale)
-            lorsa.b_V.mul_(scale)
+            if recipe.scale_into == "w_o":  # the same output and selection (all ‖w_o‖ scaled alike)
+                lorsa.W_O.mul_(scale)
+            else:
+                lorsa.W_V.mul_(scale)
+                lorsa.b_V.mul_(scale)
         if fit_bias:
             assert lorsa.b_D is not None
             lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))
