@@ -90,7 +90,8 @@ class LorsaRecipe:
         scale_init: set the output scale to its MSE optimum on the init batch (closed form).
         scale_into: where that scale ``c`` goes: ``"w_v"`` (``w_v, b_v ·= c``, ``‖w_o‖ = 1``) or
             ``"w_o"`` (``w_o ·= c``, ``‖w_v‖`` kept; the authors' split after their decoder-norm grid
-            search; needs ``rank_by_decoder_norm``, else the per-step renormalisation moves it back).
+            search; needs ``rank_by_decoder_norm``, else the per-step renormalisation moves it back);
+            None (default): ``"w_o"`` with ``rank_by_decoder_norm``, else ``"w_v"``.
             The output and the selection are the same; Adam's steps, of about ``lr`` per coordinate
             whatever the weight's size, are not: relative to ``w_v`` they are ``1/c`` times larger with
             ``"w_v"`` (module docstring, "Where the output scale lives").
@@ -110,7 +111,7 @@ class LorsaRecipe:
     ov_init: str = "value_svd"
     center_b_v: bool = False
     scale_init: bool = True
-    scale_into: str = "w_v"
+    scale_into: str | None = None
     b_d_init: bool = True
     init_windows: int | None = None
     k_anneal_from: int | None = None
@@ -136,13 +137,20 @@ class LorsaRecipe:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
                 raise ConfigMismatchError(f"LorsaRecipe.{name} must be a number in ({lo}, {hi}], got {v!r}")
-        if self.scale_into not in ("w_v", "w_o"):
-            raise ConfigMismatchError(f"LorsaRecipe.scale_into must be 'w_v' or 'w_o', got {self.scale_into!r}")
+        if self.scale_into not in (None, "w_v", "w_o"):
+            raise ConfigMismatchError(f"LorsaRecipe.scale_into must be None, 'w_v' or 'w_o', got {self.scale_into!r}")
         if self.scale_into == "w_o" and not self.rank_by_decoder_norm:
             raise ConfigMismatchError("LorsaRecipe.scale_into='w_o' needs rank_by_decoder_norm=True (without it "
                                       "w_o is renormalised after every step, which moves the scale back into w_v)")
         if not 0.0 <= self.k_anneal_frac <= 1.0:
             raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+
+    @property
+    def scale_target(self) -> str:
+        """Where the closed-form scale goes: ``scale_into``, or by ``rank_by_decoder_norm`` when None."""
+        if self.scale_into is not None:
+            return self.scale_into
+        return "w_o" if self.rank_by_decoder_norm else "w_v"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -337,7 +345,7 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
             scale = float((Dc * tc).sum()) / denom if denom > 0 else 1.0
             if not scale > 0:  # no positive scale helps: keep the heads as they are
                 scale = 1.0
-            if recipe.scale_into == "w_o":  # the same output and selection (all ‖w_o‖ scaled alike)
+            if recipe.scale_target == "w_o":  # the same output and selection (all ‖w_o‖ scaled alike)
                 lorsa.W_O.mul_(scale)
             else:
                 lorsa.W_V.mul_(scale)

@@ -114,7 +114,10 @@ def test_scale_into_w_o_is_the_same_function_with_the_scale_in_the_decoder(setup
                                                                                        rtol=1e-5)
     assert torch.allclose(wv_o * c, wv_v, rtol=1e-4)
     with pytest.raises(ConfigMismatchError, match="rank_by_decoder_norm"):
-        LorsaRecipe(scale_into="w_o")
+        LorsaRecipe(scale_into="w_o", rank_by_decoder_norm=False)
+    assert LorsaRecipe(rank_by_decoder_norm=True).scale_target == "w_o"
+    assert LorsaRecipe(rank_by_decoder_norm=False).scale_target == "w_v"
+    assert LorsaRecipe(rank_by_decoder_norm=True, scale_into="w_v").scale_target == "w_v"
 
 
 def test_revive_makes_a_dead_head_fire_and_auxk_does_not(setup):
