@@ -21,7 +21,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "lorsa_frontier.json"
 FIGURE = HERE.parent / "docs" / "figures" / "lorsa_fvu_vs_dead_L2.png"
-STYLE = {"ours": ("tab:blue", "o"), "llamascopium": ("tab:red", "s")}
+STYLE = {"ours, scale in ||w_o|| (rank_by_decoder_norm=True)": ("tab:blue", "o"),
+         "ours, default (scale in w_v)": ("tab:cyan", "^"),
+         "llamascopium": ("tab:red", "s")}
 
 
 def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -36,10 +38,15 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     budgets = sorted({r["steps"] for r in rows})
-    fig, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 4.4), squeeze=False)
-    for ax, steps in zip(axes[0], budgets, strict=True):
-        for trainer, (color, marker) in STYLE.items():
-            pts = [r for r in rows if r["steps"] == steps and r["trainer"] == trainer]
+    # one panel per budget, then the largest budget again zoomed on the dense region (60-92% dead)
+    panels: list[tuple[int, tuple[float, float, float, float] | None]] = [(b, None) for b in budgets]
+    panels.append((budgets[-1], (60.0, 92.0, 0.0135, 0.026)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 5.0), squeeze=False)
+    for ax, (steps, zoom) in zip(axes[0], panels, strict=True):
+        for family, (color, marker) in STYLE.items():
+            pts = [r for r in rows if r["steps"] == steps and r.get("family", r["trainer"]) == family
+                   and (zoom is None or (zoom[0] <= 100 * r["dead_frac"] <= zoom[1]
+                                         and zoom[2] <= r["fvu"] <= zoom[3]))]
             sweep = sorted((r for r in pts if r.get("sweep") == "lr"), key=lambda r: r["lr"])
             if sweep:
                 ax.plot([100 * r["dead_frac"] for r in sweep], [r["fvu"] for r in sweep], color=color, lw=1,
@@ -50,15 +57,21 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
                            marker=marker, s=36, zorder=3, label=None)
                 ax.annotate(r.get("label") or f"lr {r['lr']:g}", (100 * r["dead_frac"], r["fvu"]), fontsize=6.5,
                             xytext=(3, 3), textcoords="offset points", color=color)
-            ax.scatter([], [], color=color, marker=marker, label=f"{trainer} (filled: lr sweep)")
+            ax.scatter([], [], color=color, marker=marker, label=family)
         ax.set_yscale("log")
+        ax.margins(x=0.12, y=0.12)
+        if zoom is not None:
+            ax.set_xlim(zoom[0], zoom[1])
+            ax.set_ylim(zoom[2], zoom[3])
         ax.set_xlabel("dead heads on held-out tokens (%)")
         ax.set_ylabel("held-out FVU")
-        ax.set_title(f"layer 2, {steps} steps ({steps * 16 * 128 / 1e6:.2f}M tokens)")
+        ax.set_title(f"layer 2, {steps} steps ({steps * 16 * 128 / 1e6:.2f}M tokens)" + (", zoom" if zoom else ""))
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle("Lorsa, embedded model layer 2 (1024 OV heads, k 16): lower-left dominates", fontsize=9)
-    fig.tight_layout()
+    fig.suptitle("Lorsa, embedded model layer 2 (1024 OV heads, k 16), same batches; lower-left dominates; "
+                 "filled: lr sweep, hollow: one mechanism changed", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(STYLE), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
 

@@ -8,6 +8,8 @@ imports only llamascopium, torch and safetensors, the ``measure`` step only our 
     # 2. their venv: build, initialise, train and save each variant with llamascopium's own code
     OMP_NUM_THREADS=1 /work/scratch/peers/llamascopium/bin/python benchmarks/lorsa_llamascopium.py train DIR \\
         --variants doc_lr4e-3,doc_lr2e-4,doc_auxk_kanneal_lr4e-3,random_lr4e-3,doc_lr2e-4_warmup5000
+    # (issue 26: their lr sweep doc_lr1e-3, doc_lr2e-3; other budgets with --steps 300/400 into a DIR
+    #  per budget, e.g. links to the same export files: train.json keeps one row per variant name)
     # 3. ours: load each saved Lorsa with our loader, held-out FVU / L0 / dead (lorsa_recipe.heldout_metrics)
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lorsa_llamascopium.py measure DIR \\
         --out benchmarks/results/lorsa_llamascopium.json

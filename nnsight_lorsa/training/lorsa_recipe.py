@@ -22,8 +22,9 @@ scale factors are known, in the normalised space ``x · s_in -> y · s_out``:
    norm (``initializer.py::initialization_search``), from one forward pass.
 
 Training (in the Lorsa objective): k annealing from ``k_anneal_from`` down to ``top_k`` over the
-first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); optional
-ranking by ``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``);
+first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); ranking by
+``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``; with
+it the output scale sits in ``‖w_o‖``: "Where the output scale lives" below);
 and a dead-head remedy (``dead_remedy``, applied during the first ``remedy_until`` of the steps; a
 head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firing):
 
@@ -53,6 +54,18 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   ``w_o /= g``), so the folded Lorsa's ``‖w_o^h‖ = 1/g_h`` and its ``z^h`` is the output norm times
   ``g_h``.
 * ``"none"``.
+
+Where the output scale lives (``scale_into``; measured in ``benchmarks/results/lorsa_frontier.json``).
+The closed-form scale ``c`` (about 0.4 on the embedded model's layer 2) can sit in ``w_v, b_v``
+(``‖w_o‖ = 1``, renormalised after every step) or in ``‖w_o‖`` (``w_v`` of unit norm, ``w_o`` free and
+heads ranked by ``z·‖w_o‖``: the split the authors' trainer ends its initialisation with — their grid
+search sets ``‖w_o‖ = 0.5``, ``‖w_v‖ = 1``). The function is the same, but Adam moves every coordinate
+by about ``lr`` whatever its weight's size, so with ``c`` in ``w_v`` each step changes ``w_v`` and
+``b_v`` ``1/c ≈ 2.5`` times more relative to ``z``; ``b_v`` drifting negative is what leaves most dead
+heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with ~10 points
+more dead heads than the authors' trainer and than ``"w_o"`` (300 steps, lr 4e-3: 87.5% vs 77.5% dead
+at FVU 0.0171 vs 0.0172; 600 steps: 89.3% vs 80.1% at 0.0143 vs 0.0150). Not the default: a trade
+against the ``"w_v"`` split, not an improvement on both axes (docs/training.md, issue 26).
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
 (the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
@@ -100,7 +113,9 @@ class LorsaRecipe:
         k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
         k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
-            during training (folding renormalises exactly).
+            during training (folding renormalises exactly); with ``scale_into=None`` the closed-form
+            scale then sits in ``‖w_o‖`` (the authors' parametrisation: ~10 points fewer dead heads at
+            the same lr for 3–5% more FVU, docs/training.md; not the default, see there).
         dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
         remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
