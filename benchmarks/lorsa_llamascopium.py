@@ -8,6 +8,8 @@ imports only llamascopium, torch and safetensors, the ``measure`` step only our 
     # 2. their venv: build, initialise, train and save each variant with llamascopium's own code
     OMP_NUM_THREADS=1 /work/scratch/peers/llamascopium/bin/python -m benchmarks.lorsa_llamascopium train DIR \\
         --variants doc_lr4e-3,doc_lr2e-4,doc_auxk_kanneal_lr4e-3,random_lr4e-3,doc_lr2e-4_warmup5000
+    # (issue 26: their lr sweep doc_lr1e-3, doc_lr2e-3; other budgets with --steps 300/400 into a DIR
+    #  per budget, e.g. links to the same export files: train.json keeps one row per variant name)
     # 3. ours: load each saved Lorsa with our loader, held-out FVU / L0 / dead (lorsa_recipe.heldout_metrics)
     OMP_NUM_THREADS=1 python -m benchmarks.lorsa_llamascopium measure DIR \\
         --out benchmarks/results/lorsa_llamascopium.json
@@ -62,6 +64,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                 "dead_threshold": 20_000, "initial_k": 64, "k_warmup_steps": 0.1},
     "random_lr4e-3": {"init": "random", "lr": 4e-3},
     "doc_lr2e-4_warmup5000": {"init": "documented", "lr": 2e-4, "lr_warm_up_steps": 5000},  # their default warm-up
+    "doc_lr1e-3": {"init": "documented", "lr": 1e-3},
+    "doc_lr2e-3": {"init": "documented", "lr": 2e-3},
 }
 
 

@@ -63,6 +63,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
     "value_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "value_svd", "scale_init": True, "b_d_init": True}, True),
     "output_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "output_svd", "scale_init": True, "b_d_init": True}, True),
     "recipe": ({}, {}, True),
+    "recipe_w_o": ({"lr": 4e-3}, {"rank_by_decoder_norm": True}, True),    # the authors' split (issue 26)
 }
 
 

@@ -68,8 +68,15 @@ RoPE, so attention runs on heads of size ``d_qk_head·r``. We load that exactly 
 ``W_Q W_K b_Q b_K ln_q.w ln_k.w`` along the head dimension (``d_qk_head *= r``; the RMS of a repeated
 vector is unchanged) and keeping their ``attn_scale`` (``√d_qk_head`` of the stored size by default).
 
-bf16/fp16 files: their reload uses the low-precision ``rotary_cos``/``rotary_sin`` stored in the
-file (``load_state_dict`` overwrites the buffers); the loader sets ``RotaryConfig.table_dtype`` to
+bf16/fp16 files are **upcast to fp32 by default** (``dtype=None``; ``cfg.extra["llamascopium"]
+["stored_dtype"]`` records the file's dtype). The folds below are computed in fp32 from the stored
+values, and rounding the *folded* weights back to bf16 adds a rounding their reload never does
+(their module keeps the stored bf16 weights and scales the activations): on the bf16 peer fixture
+(``tests/fixtures/peers/llamascopium/bf16_dataset_wise``) a bf16 load differs from their reload by
+0.36 of the output's max (top-k flips on 8% of tokens), the default fp32 load by 5e-7 of their fp32
+reload of the same file (their own bf16 arithmetic differs from that by 0.015). ``dtype=torch.bfloat16``
+still gives a bf16 module. Their reload uses the low-precision ``rotary_cos``/``rotary_sin`` stored in
+the file (``load_state_dict`` overwrites the buffers); the loader sets ``RotaryConfig.table_dtype`` to
 that dtype so our cos/sin are rounded the same way.
 
 Activation scale and decoder norm (what the loader folds into the weights)
@@ -104,8 +111,25 @@ The files carry no explicit "folded" flag, and ``full_state_dict`` writes the no
    and finally calls ``save_pretrained(exp_result_path, fold_activation_scale=True)`` (the default of
    ``TrainLorsaSettings.fold_activation_scale``), which folds the weights without rewriting
    ``config.json``; ``save_pretrained()``/``push_to_hub()`` of an unfolded Lorsa write the same two
-   files with unfolded weights. Nothing in the files tells them apart, so the caller passes
-   ``weights_folded=True`` (a training output) or ``False`` (an unfolded save).
+   files with unfolded weights. Nothing in the files tells them apart, so the caller passes the
+   keyword of the writer (the refusal's message says the same; llamascopium 2.0.0b34
+   ``models/sparse_dictionary.py``, ``runners/train.py``, ``trainer.py``):
+
+   ==============================================================  =========================
+   their writer                                                    keyword
+   ==============================================================  =========================
+   ``train_lorsa`` (``TrainLorsaSettings.fold_activation_scale``   ``weights_folded=True``
+   True, the default): ``exp_result_path``
+   ``cfg.save_hyperparameters(p)`` then                            ``weights_folded=True``
+   ``save_pretrained(p, fold_activation_scale=True)``
+   ``save_pretrained(p)`` (``fold_activation_scale=False``) +      ``weights_folded=False``
+   ``cfg.save_hyperparameters(p)``; ``push_to_hub()`` of a
+   ``"dataset-wise"`` Lorsa; ``train_lorsa`` with
+   ``fold_activation_scale=False``
+   ``Trainer.save_checkpoint`` (``checkpoints/step_<N>/``)         none (rule 2: unfolded)
+   a config saved after any fold (says ``"inference"``)            none (rule 1: folded)
+   ==============================================================  =========================
+
    ``weights_folded=True/False`` always overrides the rule.
 
 Other differences from their implementation: their rotary tables and mask stop at ``n_ctx``
@@ -277,13 +301,17 @@ def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool 
     if is_trainer_checkpoint(directory):
         return False
     raise CheckpointError(
-        f"{path}: norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded. "
-        "llamascopium's train_lorsa writes this config.json before training and at the end folds the weights "
-        "(save_pretrained(fold_activation_scale=True), its default) without rewriting it; save_pretrained() or "
-        "push_to_hub() of an unfolded Lorsa writes the same two files with unfolded weights, and nothing in the "
-        "files tells them apart. Pass weights_folded=True for a training run's output directory, "
-        "weights_folded=False for an unfolded save (a trainer checkpoint checkpoints/step_<N>/ with trainer.pt "
-        "is read as unfolded without asking)"
+        f"{path}: norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded "
+        "(llamascopium writes config.json and the weights separately, and nothing in the files tells the two "
+        "cases apart). Pass the keyword for the llamascopium writer that made this folder: "
+        "weights_folded=True for runners/train.py::train_lorsa's exp_result_path (TrainLorsaSettings"
+        ".fold_activation_scale=True, the default: config.json is written before training, then "
+        "save_pretrained(fold_activation_scale=True)), or for save_pretrained(fold_activation_scale=True) next to "
+        "a config.json saved before it; weights_folded=False for save_pretrained() (fold_activation_scale=False, "
+        "its default) with cfg.save_hyperparameters(), push_to_hub() of a Lorsa still in 'dataset-wise' mode, or "
+        "train_lorsa with fold_activation_scale=False. (A Trainer.save_checkpoint folder, checkpoints/step_<N>/ "
+        "with trainer.pt, is read as unfolded without asking; a config.json saved after the fold says "
+        "'inference' and needs no keyword.)"
     )
 
 
@@ -418,6 +446,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
     settings["stored_dtype"] = params["W_Q"].dtype
     work_dtype = torch.promote_types(params["W_Q"].dtype, torch.float32)
+    settings["load_dtype"] = work_dtype  # the default: bf16/fp16 files are upcast (module docstring)
     w = {k: v.to(work_dtype) for k, v in params.items()}
     norms = {hook: float(v.reshape(())) for hook, v in norms_raw.items()}
     if not settings["folded"]:
@@ -449,6 +478,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             or None,
             "dataset_norm_folded_by_loader": not settings["folded"],
             "decoder_norm_folded_by_loader": settings["sparsity_include_decoder_norm"],
+            "stored_dtype": str(settings["stored_dtype"]).removeprefix("torch."),
             "source_config": settings["source_config"],
         }
     }
@@ -457,13 +487,14 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> Lorsa:
-    """Our :class:`Lorsa` with the folded ``state`` (``dtype`` default: the stored dtype of ``W_Q``).
+    """Our :class:`Lorsa` with the folded ``state`` (``dtype`` default: the stored dtype of ``W_Q``
+    upcast to at least fp32 — a bf16/fp16 file loads as fp32, see the module docstring).
 
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
     return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device,
-                               dtype=dtype or parsed.settings["stored_dtype"])
+                               dtype=dtype or parsed.settings["load_dtype"])
 
 
 READER = Reader("llamascopium_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
@@ -481,10 +512,13 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
             the hub ``"repo_id:name"`` (their layout) or ``"repo_id"`` (files at the root).
         kwargs: ``layer`` (target layer stored in ``cfg.layer``; default parsed from ``hook_point_in``
             ``blocks.<L>.…``; a contradicting value raises), ``device`` (default CPU), ``dtype``
-            (default: the stored dtype of ``W_Q``; folding runs in fp32 or wider), ``weights_folded``
+            (default: the stored dtype of ``W_Q``, bf16/fp16 upcast to fp32 — folding runs in fp32 or wider
+            and a bf16 cast of the folded weights would round them where their reload does not; pass
+            ``dtype=torch.bfloat16`` for a bf16 module), ``weights_folded``
             (whether the dataset-wise norm is already folded; ``None`` applies the rule of the module
             docstring, which refuses a ``"dataset-wise"`` file outside a trainer checkpoint; pass
-            ``True`` for a ``train_lorsa`` output, ``False`` for an unfolded ``save_pretrained``),
+            ``True`` for a ``train_lorsa`` output or ``save_pretrained(fold_activation_scale=True)``,
+            ``False`` for ``save_pretrained()`` / ``push_to_hub()`` of an unfolded Lorsa),
             ``subfolder``, ``local_files_only`` / ``revision`` (``huggingface_hub.snapshot_download``).
 
     Returns:

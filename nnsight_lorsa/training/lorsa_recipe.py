@@ -22,8 +22,9 @@ scale factors are known, in the normalised space ``x · s_in -> y · s_out``:
    norm (``initializer.py::initialization_search``), from one forward pass.
 
 Training (in the Lorsa objective): k annealing from ``k_anneal_from`` down to ``top_k`` over the
-first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); optional
-ranking by ``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``);
+first ``k_anneal_frac`` of the steps (the authors' ``_training_step``, linear schedule); ranking by
+``z · ‖w_o‖`` without decoder renormalisation (the authors' ``sparsity_include_decoder_norm``; with
+it the output scale sits in ``‖w_o‖``: "Where the output scale lives" below);
 and a dead-head remedy (``dead_remedy``, applied during the first ``remedy_until`` of the steps; a
 head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firing):
 
@@ -53,6 +54,18 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   ``w_o /= g``), so the folded Lorsa's ``‖w_o^h‖ = 1/g_h`` and its ``z^h`` is the output norm times
   ``g_h``.
 * ``"none"``.
+
+Where the output scale lives (``scale_into``; measured in ``benchmarks/results/lorsa_frontier.json``).
+The closed-form scale ``c`` (about 0.4 on the embedded model's layer 2) can sit in ``w_v, b_v``
+(``‖w_o‖ = 1``, renormalised after every step) or in ``‖w_o‖`` (``w_v`` of unit norm, ``w_o`` free and
+heads ranked by ``z·‖w_o‖``: the split the authors' trainer ends its initialisation with — their grid
+search sets ``‖w_o‖ = 0.5``, ``‖w_v‖ = 1``). The function is the same, but Adam moves every coordinate
+by about ``lr`` whatever its weight's size, so with ``c`` in ``w_v`` each step changes ``w_v`` and
+``b_v`` ``1/c ≈ 2.5`` times more relative to ``z``; ``b_v`` drifting negative is what leaves most dead
+heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with ~10 points
+more dead heads than the authors' trainer and than ``"w_o"`` (300 steps, lr 4e-3: 87.5% vs 77.5% dead
+at FVU 0.0171 vs 0.0172; 600 steps: 89.3% vs 80.1% at 0.0143 vs 0.0150). Not the default: a trade
+against the ``"w_v"`` split, not an improvement on both axes (docs/training.md, issue 26).
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
 (the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
@@ -88,12 +101,21 @@ class LorsaRecipe:
             with no MHSA given the module's random OV init is kept.
         center_b_v: subtract each head's mean pre-activation on the init batch from ``b_V``.
         scale_init: set the output scale to its MSE optimum on the init batch (closed form).
+        scale_into: where that scale ``c`` goes: ``"w_v"`` (``w_v, b_v ·= c``, ``‖w_o‖ = 1``) or
+            ``"w_o"`` (``w_o ·= c``, ``‖w_v‖`` kept; the authors' split after their decoder-norm grid
+            search; needs ``rank_by_decoder_norm``, else the per-step renormalisation moves it back);
+            None (default): ``"w_o"`` with ``rank_by_decoder_norm``, else ``"w_v"``.
+            The output and the selection are the same; Adam's steps, of about ``lr`` per coordinate
+            whatever the weight's size, are not: relative to ``w_v`` they are ``1/c`` times larger with
+            ``"w_v"`` (module docstring, "Where the output scale lives").
         b_d_init: set ``b_D`` to the data mean (minus the heads' mean output at the chosen scale).
         init_windows: windows of batch 0 used by the initialisation (None: all).
         k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
         k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
-            during training (folding renormalises exactly).
+            during training (folding renormalises exactly); with ``scale_into=None`` the closed-form
+            scale then sits in ``‖w_o‖`` (the authors' parametrisation: ~10 points fewer dead heads at
+            the same lr for 3–5% more FVU, docs/training.md; not the default, see there).
         dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
         remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
@@ -104,6 +126,7 @@ class LorsaRecipe:
     ov_init: str = "value_svd"
     center_b_v: bool = False
     scale_init: bool = True
+    scale_into: str | None = None
     b_d_init: bool = True
     init_windows: int | None = None
     k_anneal_from: int | None = None
@@ -129,8 +152,20 @@ class LorsaRecipe:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
                 raise ConfigMismatchError(f"LorsaRecipe.{name} must be a number in ({lo}, {hi}], got {v!r}")
+        if self.scale_into not in (None, "w_v", "w_o"):
+            raise ConfigMismatchError(f"LorsaRecipe.scale_into must be None, 'w_v' or 'w_o', got {self.scale_into!r}")
+        if self.scale_into == "w_o" and not self.rank_by_decoder_norm:
+            raise ConfigMismatchError("LorsaRecipe.scale_into='w_o' needs rank_by_decoder_norm=True (without it "
+                                      "w_o is renormalised after every step, which moves the scale back into w_v)")
         if not 0.0 <= self.k_anneal_frac <= 1.0:
             raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+
+    @property
+    def scale_target(self) -> str:
+        """Where the closed-form scale goes: ``scale_into``, or by ``rank_by_decoder_norm`` when None."""
+        if self.scale_into is not None:
+            return self.scale_into
+        return "w_o" if self.rank_by_decoder_norm else "w_v"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -325,8 +360,11 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
             scale = float((Dc * tc).sum()) / denom if denom > 0 else 1.0
             if not scale > 0:  # no positive scale helps: keep the heads as they are
                 scale = 1.0
-            lorsa.W_V.mul_(scale)
-            lorsa.b_V.mul_(scale)
+            if recipe.scale_target == "w_o":  # the same output and selection (all ‖w_o‖ scaled alike)
+                lorsa.W_O.mul_(scale)
+            else:
+                lorsa.W_V.mul_(scale)
+                lorsa.b_V.mul_(scale)
         if fit_bias:
             assert lorsa.b_D is not None
             lorsa.b_D.copy_((t.mean(0) - scale * D.mean(0)).to(lorsa.b_D))

@@ -92,6 +92,35 @@ def test_closed_form_scale_is_the_mse_optimum(setup):
     assert best < mse(0.9) and best < mse(1.1)
 
 
+def test_scale_into_w_o_is_the_same_function_with_the_scale_in_the_decoder(setup):
+    """``scale_into="w_o"`` puts the closed-form scale in ``‖w_o‖`` (the authors' split) instead of
+    ``w_v, b_v``: same output and init FVU, ``‖w_v‖`` unchanged; refused without decoder-norm ranking."""
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    b, s_in, s_out = _norms(ActivationSource.attention(model, LAYER, data, batch_size=16))
+    got = {}
+    for into in ("w_v", "w_o"):
+        lorsa = new_lorsa(adapter, mhsa)
+        info = init_lorsa(lorsa, b.x, b.y, b.loss_mask, s_in=s_in, s_out=s_out, mhsa=mhsa,
+                          recipe=LorsaRecipe(scale_into=into, rank_by_decoder_norm=True),
+                          generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            got[into] = (info, lorsa(b.x * s_in), lorsa.W_V.norm(dim=1), lorsa.W_O.norm(dim=1))
+    (iv, ov, wv_v, wo_v), (io, oo, wv_o, wo_o) = got["w_v"], got["w_o"]
+    c = iv["scale"]
+    assert c != 1.0 and io["scale"] == pytest.approx(c, rel=1e-6)
+    assert io["fvu_init"] == pytest.approx(iv["fvu_init"], rel=1e-4)
+    assert torch.allclose(oo, ov, atol=1e-4 * float(ov.abs().max()))
+    assert torch.allclose(wo_v, torch.ones_like(wo_v), atol=1e-5) and torch.allclose(wo_o, c * torch.ones_like(wo_o),
+                                                                                       rtol=1e-5)
+    assert torch.allclose(wv_o * c, wv_v, rtol=1e-4)
+    with pytest.raises(ConfigMismatchError, match="rank_by_decoder_norm"):
+        LorsaRecipe(scale_into="w_o", rank_by_decoder_norm=False)
+    assert LorsaRecipe(rank_by_decoder_norm=True).scale_target == "w_o"
+    assert LorsaRecipe(rank_by_decoder_norm=False).scale_target == "w_v"
+    assert LorsaRecipe(rank_by_decoder_norm=True, scale_into="w_v").scale_target == "w_v"
+
+
 def test_revive_makes_a_dead_head_fire_and_auxk_does_not(setup):
     model, hf, adapter, data = setup
     mhsa = adapter.mhsa_weights(hf, LAYER)

@@ -1,0 +1,104 @@
+"""FVU against dead heads: our trainer and the Lorsa authors' (llamascopium) on the same batches.
+
+Reads ``benchmarks/results/lorsa_frontier.json`` (every measured run of issue 26: one row per run
+with ``trainer`` ("ours" / "llamascopium"), ``steps``, ``lr``, ``variant``, held-out ``fvu`` and
+``dead_frac``, and the ``command`` that produced it) and draws one panel per budget (steps): each
+trainer's points, the lr sweep of each joined by a line, labelled by lr (and by the remedy where one
+is on). Lower-left is better on both axes: a point dominates another when its FVU and its dead
+fraction are both lower or equal.
+
+    PYTHONPATH=. python benchmarks/lorsa_frontier.py            # writes docs/figures/lorsa_fvu_vs_dead_L2.png
+    PYTHONPATH=. python benchmarks/lorsa_frontier.py --table    # the rows as a markdown table, with domination
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "lorsa_frontier.json"
+FIGURE = HERE.parent / "docs" / "figures" / "lorsa_fvu_vs_dead_L2.png"
+STYLE = {"ours, scale in ||w_o|| (rank_by_decoder_norm=True)": ("tab:blue", "o"),
+         "ours, default (scale in w_v)": ("tab:cyan", "^"),
+         "llamascopium": ("tab:red", "s")}
+
+
+def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a`` is at least as good as ``b`` on both axes (FVU and dead fraction, lower is better)."""
+    return bool(a["fvu"] <= b["fvu"] and a["dead_frac"] <= b["dead_frac"])
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({r["steps"] for r in rows})
+    # one panel per budget, then the largest budget again zoomed on the dense region (60-92% dead)
+    panels: list[tuple[int, tuple[float, float, float, float] | None]] = [(b, None) for b in budgets]
+    panels.append((budgets[-1], (60.0, 92.0, 0.0135, 0.026)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 5.0), squeeze=False)
+    for ax, (steps, zoom) in zip(axes[0], panels, strict=True):
+        for family, (color, marker) in STYLE.items():
+            pts = [r for r in rows if r["steps"] == steps and r.get("family", r["trainer"]) == family
+                   and (zoom is None or (zoom[0] <= 100 * r["dead_frac"] <= zoom[1]
+                                         and zoom[2] <= r["fvu"] <= zoom[3]))]
+            sweep = sorted((r for r in pts if r.get("sweep") == "lr"), key=lambda r: r["lr"])
+            if sweep:
+                ax.plot([100 * r["dead_frac"] for r in sweep], [r["fvu"] for r in sweep], color=color, lw=1,
+                        alpha=0.6)
+            for r in pts:
+                hollow = r.get("sweep") != "lr"
+                ax.scatter(100 * r["dead_frac"], r["fvu"], color="white" if hollow else color, edgecolor=color,
+                           marker=marker, s=36, zorder=3, label=None)
+                ax.annotate(r.get("label") or f"lr {r['lr']:g}", (100 * r["dead_frac"], r["fvu"]), fontsize=6.5,
+                            xytext=(3, 3), textcoords="offset points", color=color)
+            ax.scatter([], [], color=color, marker=marker, label=family)
+        ax.set_yscale("log")
+        ax.margins(x=0.12, y=0.12)
+        if zoom is not None:
+            ax.set_xlim(zoom[0], zoom[1])
+            ax.set_ylim(zoom[2], zoom[3])
+        ax.set_xlabel("dead heads on held-out tokens (%)")
+        ax.set_ylabel("held-out FVU")
+        ax.set_title(f"layer 2, {steps} steps ({steps * 16 * 128 / 1e6:.2f}M tokens)" + (", zoom" if zoom else ""))
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle("Lorsa, embedded model layer 2 (1024 OV heads, k 16), same batches; lower-left dominates; "
+                 "filled: lr sweep, hollow: one mechanism changed", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(STYLE), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| steps | trainer | variant | lr | FVU | dead | dominated by |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["steps"], r["trainer"], r["lr"], r["variant"])):
+        rivals = [o for o in rows if o["steps"] == r["steps"] and o["trainer"] != r["trainer"] and dominates(o, r)]
+        by = ", ".join(f"{o['variant']}" for o in rivals) or "-"
+        lines.append(f"| {r['steps']} | {r['trainer']} | `{r['variant']}` | {r['lr']:g} | {r['fvu']:.4f} | "
+                     f"{100 * r['dead_frac']:.1f}% | {by} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--out", default=str(FIGURE))
+    p.add_argument("--table", action="store_true", help="print the rows as markdown instead of plotting")
+    args = p.parse_args()
+    rows = [r for r in json.loads(Path(args.results).read_text())["rows"] if r.get("layer", 2) == 2]
+    if args.table:
+        print(table(rows))
+    else:
+        plot(rows, Path(args.out))
+        print(args.out)
+
+
+if __name__ == "__main__":
+    main()
