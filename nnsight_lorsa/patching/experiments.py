@@ -13,6 +13,7 @@ result built from them) are fp32 tensors on the CPU, whatever the model's device
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,7 +23,7 @@ import torch
 from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
-from ..errors import ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .interventions import ablate, patch, read
 from .metrics import logit_difference, relative_effect
 
@@ -193,9 +194,18 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
                             mode: Literal["zero", "mean"] = "zero", means: Any = None,
                             positions: Positions = None) -> RandomControl:
     """Ablate ``k`` targets drawn at random from ``pool`` (e.g. all heads of the layer but the
-    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to."""
-    if not 0 < k <= len(pool):
-        raise ConfigMismatchError(f"k={k} must be in [1, {len(pool)}] (the pool's size)")
+    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to.
+
+    Raises:
+        ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
+        ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
+    """
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 0 < k <= len(pool):
+        raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
+    if not isinstance(n_samples, numbers.Integral) or isinstance(n_samples, bool) or n_samples < 1:
+        raise ArgumentError(f"random_ablation_control: n_samples must be a positive int, got {n_samples!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+        raise ArgumentError(f"random_ablation_control: seed must be an int in [-2**63, 2**64), got {seed!r}")
     for t in pool:
         replacement.check(t)
     gen = torch.Generator(device=HOST).manual_seed(seed)  # draws on the CPU: the same on every device
