@@ -576,11 +576,13 @@ def patching_probes() -> list[Probe]:
     from helpers import LAYER, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
     from nnsight_lorsa import LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
+    from nnsight_lorsa.analysis import collect_top_activations, ov_feature_cosines, ov_logit_lens
     from nnsight_lorsa.patching import (
         Feature,
         LorsaHead,
         MHSAHead,
         ablate,
+        head_swap,
         logit_difference,
         random_ablation_control,
         relative_effect,
@@ -630,6 +632,8 @@ def patching_probes() -> list[Probe]:
         return r(t)
 
     # ---- interventions in a trace: positions, alpha, delta, means
+    head_junk = st.one_of(st.lists(st.integers(-20, 80), max_size=3), st.just([True]), st.just([1.5]),
+                          st.just("0"), st.integers(-3, 80), st.just([]))
     pos = st.one_of(st.none(), st.integers(-8, 8), st.lists(st.integers(-8, 8), max_size=3), st.just(True),
                     st.just(1.5), st.builds(slice, st.integers(-8, 8), st.integers(-8, 8)), st.just("1"))
     value = st.one_of(st.floats(-3, 3), st.floats(-3, 3), st.just(float("nan")), st.just(float("inf")),
@@ -743,7 +747,63 @@ def patching_probes() -> list[Probe]:
         return random_ablation_control(r, ids, pool, a["k"], n_samples=a["n_samples"], seed=a["seed"],
                                        correct_ids=3, incorrect_ids=4)
 
+    # ---- head_swap (a trace) and analysis on the model
+    swap_args = mutated({"layer": hostile(st.just(LAYER)), "from_head": hostile(st.integers(0, n_ov - 1)),
+                         "to_head": hostile(st.integers(0, n_ov - 1)),
+                         "positions": faulty(st.one_of(st.integers(-SEQ, SEQ - 1), st.none()), pos)})
+
+    def swap_spec(a: dict) -> Ok | Err:
+        bad = [] if is_int(a["layer"]) and a["layer"] == LAYER else ["layer"]
+        bad += [n for n in ("from_head", "to_head") if not (is_int(a[n]) and 0 <= a[n] < n_ov)]
+        bad += [] if positions_ok(a["positions"]) else ["positions"]
+        if bad:
+            return Err((*bad, "head", "index"))
+        return Ok(lambda out: all(tuple(o.shape) == tuple(ref_logits.shape) and finite(o) for o in out))
+
+    lens_args = mutated({"heads": faulty(st.one_of(st.none(), st.lists(st.integers(0, n_ov - 1), min_size=1,
+                                                                          max_size=3)), head_junk),
+                         "k": hostile(st.integers(1, 5)) | st.just(10**4), "head": hostile(st.integers(0, n_ov - 1))})
+
+    def lens_spec(a: dict) -> Ok | Err:
+        h = a["heads"]
+        items = None if h is None else [h] if is_int(h) else h
+        bad = [] if items is None or (isinstance(items, list) and items and all(
+            is_int(i) and 0 <= i < n_ov for i in items)) else ["heads"]
+        bad += [] if is_int(a["k"]) and 1 <= a["k"] <= 128 else ["k"]
+        bad += [] if is_int(a["head"]) and 0 <= a["head"] < n_ov else ["head"]
+        if bad:
+            return Err(tuple(bad))
+        n = n_ov if items is None else len(items)
+        return Ok(lambda out: tuple(out[0].shape) == (n, a["k"]) and finite(out[0])
+                  and tuple(out[2]["o"][0].shape) == (min(a["k"], 5),))
+
+    sae_rows = torch.randn(5, lorsa.cfg.d_model, device="cpu")
+
+    def lens_run(a: dict) -> Any:
+        vals, ids, _ = ov_logit_lens(r, LAYER, a["heads"], a["k"])
+        return vals, ids, ov_feature_cosines(lorsa, a["head"], sae_out_encoder=sae_rows, k=a["k"])
+
+    collect_args = mutated({"n_top": hostile(st.integers(1, 3)), "batch_size": hostile(st.integers(1, 3)),
+                            "tokens": faulty(st.just("ok"), st.sampled_from(["float", "1d", "empty"]))})
+
+    def collect_spec(a: dict) -> Ok | Err:
+        bad = [n for n in ("n_top", "batch_size") if not is_posint(a[n])]
+        bad += [] if a["tokens"] == "ok" else ["tokens"]
+        if bad:
+            return Err(tuple(bad))
+        return Ok(lambda t: tuple(t.values.shape) == (n_ov, a["n_top"]) and t.n_tokens == 2 * (SEQ - 1))
+
+    def collect_run(a: dict) -> Any:
+        tokens = {"ok": ids, "float": ids.float(), "1d": ids[0], "empty": ids[:0]}[a["tokens"]]
+        return collect_top_activations(r, LAYER, tokens, n_top=a["n_top"], batch_size=a["batch_size"])
+
     return [
+        Probe("head_swap(layer, from_head, to_head, positions)", "patching", swap_args,
+              lambda a: head_swap(r, a["layer"], a["from_head"], a["to_head"], ids, positions=a["positions"]),
+              swap_spec),
+        Probe("ov_logit_lens(heads, k) + ov_feature_cosines(head, k)", "analysis", lens_args, lens_run, lens_spec),
+        Probe("collect_top_activations(tokens, n_top, batch_size)", "analysis", collect_args, collect_run,
+              collect_spec),
         Probe("ReplacementModel(target) for MHSAHead/LorsaHead/Feature", "patching", target_args, target_run,
               target_spec),
         Probe("scale/steer/ablate(target, value, positions) in a trace", "patching", int_args, int_run, int_spec),
@@ -776,7 +836,8 @@ def run_all(examples: int = 25, derandomize: bool = True, only: str | None = Non
         if only and only not in probe.id:
             continue
         # configs cost nothing: more draws there; a trace costs most: fewer
-        n = examples * 4 if probe.group == "config" else max(3, examples // 2) if "trace" in probe.id else examples
+        traced = "trace" in probe.id or "swap" in probe.id or "collect" in probe.id
+        n = examples * 4 if probe.group == "config" else max(3, examples // 2) if traced else examples
 
         _run_probe(probe, n, derandomize, records)
     return records

@@ -24,7 +24,7 @@ from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .interventions import ablate, patch, read
+from .interventions import ablate, check_positions, patch, read
 from .metrics import logit_difference, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -94,7 +94,11 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
+        ArgumentError: ``groups_per_trace`` not an int ``>= 1``.
     """
+    if not isinstance(groups_per_trace, numbers.Integral) or isinstance(groups_per_trace, bool) \
+            or groups_per_trace < 1:
+        raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     groups = _groups(replacement, targets)
     score = make_metric(metric, correct_ids, incorrect_ids)
     if isinstance(clean, torch.Tensor) and isinstance(corrupt, torch.Tensor) and clean.shape != corrupt.shape:
@@ -230,6 +234,11 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
 
     Returns:
         ``(baseline_logits, swapped_logits)``, both ``(batch, pos, vocab)``.
+
+    Raises:
+        LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
+            (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
+            (:func:`~.interventions.check_positions`).
     """
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
@@ -239,6 +248,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             base = logits_envoy(replacement).output.save()
         with tracer.invoke(prompts):
             z, _ = src.location()
+            check_positions(positions, int(z.shape[1]))
             z_from = z[:, pos, from_head].clone()
             z_to = z[:, pos, to_head].clone()
             z[:, pos, from_head] = z_to if swap else 0
