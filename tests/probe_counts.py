@@ -815,9 +815,53 @@ def patching_probes() -> list[Probe]:
     ]
 
 
+# ============================================================================ task builders
+def task_probes() -> list[Probe]:
+    from helpers import tiny_tokenizer
+
+    from nnsight_lorsa.patching import induction_task
+
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    special = set(tok.all_special_ids)
+    bos = [] if tok.bos_token_id is None else [tok.bos_token_id]
+    args = mutated({"n_prompts": hostile(st.integers(1, 4)), "seq_len": hostile(st.integers(2, 8)),
+                    "seed": hostile(st.integers(0, 9)),
+                    "token_pool": faulty(st.one_of(st.none(), st.lists(st.integers(0, vocab - 1), min_size=12,
+                                                                        max_size=20)),
+                                         st.one_of(st.lists(st.integers(vocab, vocab + 50), min_size=12, max_size=12),
+                                                   st.just([-1] * 12), st.just([1.5] * 12), st.just([3] * 12)))})
+
+    def spec(a: dict) -> Ok | Err:
+        bad = [] if is_posint(a["n_prompts"]) else ["n_prompts"]
+        bad += [] if is_int(a["seq_len"]) and a["seq_len"] >= 2 else ["seq_len"]
+        bad += [] if is_int(a["seed"]) else ["seed"]
+        pool = a["token_pool"]
+        if pool is not None and not all(is_int(t) and 0 <= t < vocab for t in pool):
+            bad.append("token_pool")
+        if bad:
+            return Err(tuple(bad))
+        n_distinct = len(set(range(vocab) if pool is None else pool) - special)
+        if n_distinct < a["seq_len"] + 1:
+            return Err(("distinct tokens", "pool"))
+        n, L, b = a["n_prompts"], a["seq_len"], len(bos)
+
+        def check(t: Any) -> bool:
+            shape = (n, b + 2 * L - 1)
+            repeats = bool((t.clean[:, b + L:] == t.clean[:, b:b + L - 1]).all())
+            return (tuple(t.clean.shape) == shape and tuple(t.corrupt.shape) == shape and repeats
+                    and int(t.clean.min()) >= 0 and int(t.clean.max()) < vocab and int(t.corrupt.max()) < vocab)
+        return Ok(check)
+
+    def run(a: dict) -> Any:
+        return induction_task(tok, a["n_prompts"], a["seq_len"], seed=a["seed"], token_pool=a["token_pool"])
+
+    return [Probe("induction_task(n_prompts, seq_len, seed, token_pool)", "patching", args, run, spec)]
+
+
 # ============================================================================ driver
 def all_probes() -> list[Probe]:
-    return [*config_probes(), *module_probes(), *analysis_probes(), *patching_probes()]
+    return [*config_probes(), *module_probes(), *analysis_probes(), *task_probes(), *patching_probes()]
 
 
 def _run_probe(probe: Probe, n: int, derandomize: bool, records: list[Record]) -> None:
