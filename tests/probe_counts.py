@@ -581,7 +581,10 @@ def patching_probes() -> list[Probe]:
         Feature,
         LorsaHead,
         MHSAHead,
+        TaskBatch,
         ablate,
+        ablation_effect,
+        circuit_size,
         head_swap,
         logit_difference,
         random_ablation_control,
@@ -797,7 +800,48 @@ def patching_probes() -> list[Probe]:
         tokens = {"ok": ids, "float": ids.float(), "1d": ids[0], "empty": ids[:0]}[a["tokens"]]
         return collect_top_activations(r, LAYER, tokens, n_top=a["n_top"], batch_size=a["batch_size"])
 
+    # ---- experiments: ablation_effect (metric, positions) and circuit_size (threshold, ks, scores)
+    comps = [LorsaHead(LAYER, 1), MHSAHead(0, 1)]
+    task = TaskBatch("probe", ids, ids.flip(1), torch.tensor([3, 4], device="cpu"),
+                     torch.tensor([5, 6], device="cpu"))
+    metrics = {"ids": None, "ok": lambda lg: lg[:, -1, 3] - lg[:, -1, 4], "str": lambda lg: "x",
+               "logits": lambda lg: lg, "scalar": lambda lg: lg.sum(), "not_callable": 3}
+    exp_args = mutated({
+        "op": st.sampled_from(["ablation_effect", "circuit_size"]),
+        "metric": faulty(st.sampled_from(["ids", "ok"]), st.sampled_from(["str", "logits", "scalar", "not_callable"])),
+        "positions": faulty(st.one_of(st.none(), st.integers(-SEQ, SEQ - 1)), pos),
+        "threshold": hostile(st.floats(0.1, 1.0)),
+        "ks": faulty(st.one_of(st.none(), st.lists(st.integers(0, 2), max_size=2)),
+                     st.one_of(st.just([True]), st.just([1.5]), st.just([5]), st.just("1"))),
+        "scores": faulty(st.sampled_from(["none", "ok"]), st.just("nan"))})
+
+    def exp_spec(a: dict) -> Ok | Err:
+        bad = [] if a["metric"] in ("ids", "ok") else ["metric"]
+        if a["op"] == "ablation_effect":
+            bad += [] if positions_ok(a["positions"]) else ["positions"]
+            if bad:
+                return Err(tuple(bad))
+            return Ok(lambda res: tuple(res.ablated.shape) == (2,) and finite(res.ablated) and finite(res.baseline))
+        bad += [] if is_real(a["threshold"]) and math.isfinite(a["threshold"]) else ["threshold"]
+        ks = a["ks"]
+        bad += [] if ks is None or (isinstance(ks, list) and all(is_int(k) and 0 <= k <= 2 for k in ks)) else ["ks"]
+        bad += ["scores"] if a["scores"] == "nan" else []
+        if bad:
+            return Err(tuple(bad))
+        return Ok(lambda res: res.global_k in (0, 1, 2) and tuple(res.per_prompt_k.shape) == (2,))
+
+    def exp_run(a: dict) -> Any:
+        metric = metrics[a["metric"]]
+        if a["op"] == "ablation_effect":
+            return ablation_effect(r, ids, comps, metric=metric, correct_ids=3, incorrect_ids=4,
+                                   positions=a["positions"])
+        scores = {"none": None, "ok": torch.tensor([[1.0, 0.5], [0.2, 0.9]], device="cpu"),
+                  "nan": torch.full((2, 2), float("nan"), device="cpu")}[a["scores"]]
+        return circuit_size(r, task, comps, scores=scores, threshold=a["threshold"], ks=a["ks"], metric=metric)
+
     return [
+        Probe("ablation_effect(metric, positions) / circuit_size(threshold, ks, scores) traces", "patching",
+              exp_args, exp_run, exp_spec),
         Probe("head_swap(layer, from_head, to_head, positions)", "patching", swap_args,
               lambda a: head_swap(r, a["layer"], a["from_head"], a["to_head"], ids, positions=a["positions"]),
               swap_spec),

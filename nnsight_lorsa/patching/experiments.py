@@ -38,10 +38,26 @@ def logits_envoy(replacement: ReplacementModel) -> Any:
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
     """The metric of an experiment: ``metric``, or the logit difference of ``correct_ids`` vs
     ``incorrect_ids`` at ``position``; its values are returned in fp32 on the CPU (the logits it reads
-    stay where the model put them)."""
+    stay where the model put them).
+
+    Raises:
+        ConfigMismatchError: neither ``metric`` nor both ids. ArgumentError: ``metric`` not callable, or (when
+            it runs) returning anything but a real tensor ``(batch,)``.
+    """
     if metric is not None:
+        if not callable(metric):
+            raise ArgumentError(f"metric must be a callable logits -> (batch,), got {metric!r}")
         user = metric
-        return lambda logits: host_f32(user(logits))
+
+        def checked(logits: torch.Tensor) -> torch.Tensor:
+            value = user(logits)
+            if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.dtype.is_complex \
+                    or tuple(value.shape) != (logits.shape[0],):
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)[:80]
+                raise ArgumentError(f"metric must map logits (batch, pos, vocab) to a real tensor "
+                                    f"(batch={logits.shape[0]},), got {got}")
+            return host_f32(value)
+        return checked
     if correct_ids is None or incorrect_ids is None:
         raise ConfigMismatchError("give metric= or both correct_ids= and incorrect_ids=")
     return lambda logits: host_f32(logit_difference(logits, correct_ids, incorrect_ids, position))
@@ -94,12 +110,15 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
-        ArgumentError: ``groups_per_trace`` not an int ``>= 1``.
+        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``.
+        ConfigMismatchError: no targets.
     """
     if not isinstance(groups_per_trace, numbers.Integral) or isinstance(groups_per_trace, bool) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     groups = _groups(replacement, targets)
+    if not groups:
+        raise ConfigMismatchError("activation_patching needs at least one target (or group of targets)")
     score = make_metric(metric, correct_ids, incorrect_ids)
     if isinstance(clean, torch.Tensor) and isinstance(corrupt, torch.Tensor) and clean.shape != corrupt.shape:
         raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} token ids differ in shape")
