@@ -511,7 +511,40 @@ def module_probes() -> list[Probe]:
              "wrong_width": _tensor((*a["batch"], D + 1), torch.float32)}[a["x"]]
         return clt.reconstruct_layer(acts, a["layer"], x)
 
+    # ---- decoding: forward_step(x, past) and LorsaKV.crop
+    from nnsight_lorsa.modules.lorsa import LorsaKV
+
+    full = _tensor((2, 4, D), torch.float32)
+    _, kv3 = lorsa.forward_step(full[:, :3])
+    step_args = mutated({"past": faulty(st.just("ok"), st.sampled_from(["k_heads", "v_width", "lengths", "batch",
+                                                                         "not_kv"])),
+                         "crop": hostile(st.integers(0, 3)) | st.integers(-3, 6)})
+
+    def step_spec(a: dict) -> Ok | Err:
+        c = a["crop"]
+        bad = [] if is_int(c) and 0 <= c <= 3 else ["crop", "length"]
+        # cropping to <= 2 positions makes the "lengths" fault (k 3 positions, v 2) consistent again
+        fits = a["past"] == "ok" or (a["past"] == "lengths" and is_int(c) and 0 <= c <= 2)
+        bad += [] if fits else ["past", "lorsakv"]
+        if bad:
+            return Err(tuple(bad))
+        with torch.no_grad():
+            ref = lorsa(full[:, :c + 1])[:, -1:]
+        return Ok(lambda out: tuple(out.shape) == (2, 1, D) and bool(torch.allclose(out, ref, atol=1e-5)))
+
+    def step_run(a: dict) -> Any:
+        past = kv3
+        past = {"ok": past, "k_heads": LorsaKV(past.k[:, :1], past.v), "v_width": LorsaKV(past.k, past.v[..., :3]),
+                "lengths": LorsaKV(past.k, past.v[:, :2]), "batch": LorsaKV(past.k[:1], past.v[:1]),
+                "not_kv": "x"}[a["past"]]
+        if isinstance(past, LorsaKV):
+            past = past.crop(a["crop"])
+        x = full[:, a["crop"]:a["crop"] + 1] if is_int(a["crop"]) and 0 <= a["crop"] <= 3 else full[:, 3:]
+        with torch.no_grad():
+            return lorsa.forward_step(x, past=past)[0]
+
     return [
+        Probe("Lorsa.forward_step(x, past) + LorsaKV.crop(length)", "forward", step_args, step_run, step_spec),
         Probe("Lorsa.forward(x, positions, attn_mask, top_k)", "forward", lorsa_args, lorsa_run, lorsa_spec),
         Probe("Lorsa.z_pattern(x, ov_heads)", "forward", st.fixed_dictionaries({"heads": head_list}),
               lambda a: lorsa.z_pattern(x3, a["heads"]), heads_spec(NOV, "ov_heads")),

@@ -139,8 +139,8 @@ class JumpReLU(nn.Module):
 
     def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
         super(JumpReLU, self).__init__()
-        if bandwidth <= 0:
-            raise CheckpointError(f"JumpReLU bandwidth must be positive, got {bandwidth}")
+        if not _real(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
+            raise CheckpointError(f"JumpReLU bandwidth must be a positive finite number, got {bandwidth!r}")
         theta = torch.as_tensor(threshold, dtype=torch.float32, device="cpu")  # moved with the module
         if theta.dim() > 1 or (theta.dim() == 1 and theta.shape[0] != d_sae):
             raise CheckpointError(f"JumpReLU threshold must be a float or ({d_sae},), got {tuple(theta.shape)}")

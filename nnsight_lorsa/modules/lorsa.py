@@ -101,7 +101,13 @@ class LorsaKV(FieldsRepr):
 
     def crop(self, length: int) -> LorsaKV:
         """The first ``length`` positions (a decoder that rolled its own cache back, e.g. rejected
-        draft tokens of assisted decoding)."""
+        draft tokens of assisted decoding).
+
+        Raises:
+            ArgumentError: ``length`` not an int in ``[0, self.length]`` (no negative, Python-style crop).
+        """
+        if not isinstance(length, numbers.Integral) or isinstance(length, bool) or not 0 <= length <= self.length:
+            raise ArgumentError(f"LorsaKV.crop: length must be an int in [0, {self.length}], got {length!r}")
         return LorsaKV(self.k[:, :, :length], self.v[:, :length])
 
 
@@ -307,6 +313,22 @@ class Lorsa(nn.Module):
             )
         check_dtype(x, self.W_V, "Lorsa", "x")
 
+    def _check_past(self, past: Any, batch: int) -> None:
+        """``past`` a :class:`LorsaKV` of this Lorsa for ``batch`` rows: ``k (batch, n_qk_heads, past, d_qk_head)``
+        and ``v (batch, past, n_ov_heads)`` of one length (shapes only)."""
+        if not isinstance(past, LorsaKV):
+            raise ShapeError(f"Lorsa: past must be a LorsaKV (or None), got {type(past).__name__}")
+        c = self.cfg
+        k, v = past.k, past.v
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or v.dim() != 3 \
+                or tuple(k.shape[:2]) != (batch, c.n_qk_heads) or k.shape[3] != c.d_qk_head \
+                or tuple(v.shape[::2]) != (batch, c.n_ov_heads) or k.shape[2] != v.shape[1]:
+            ks = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            vs = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ShapeError(f"LorsaKV does not fit this Lorsa and x (batch {batch}): k must be (batch, "
+                             f"n_qk_heads={c.n_qk_heads}, past, d_qk_head={c.d_qk_head}) and v (batch, past, "
+                             f"n_ov_heads={c.n_ov_heads}) of one past length; got k {ks}, v {vs}")
+
     def _positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         seq = x.shape[1]
         if positions is None:
@@ -400,8 +422,7 @@ class Lorsa(nn.Module):
         q, k = self.hook_q(q), self.hook_k(k)
         v = self.hook_v(self.values(x))
         if past is not None:
-            if past.v.shape[0] != b:
-                raise ShapeError(f"LorsaKV holds batch {past.v.shape[0]}, x has batch {b}")
+            self._check_past(past, b)
             k = torch.cat([past.k.to(k.dtype), k], 2)
             v = torch.cat([past.v.to(v.dtype), v], 1)
         keys = v.shape[1]
@@ -501,6 +522,9 @@ class Lorsa(nn.Module):
         Raises:
             ShapeError: ``x`` not ``(batch, pos, d_model)``, a mask or ``past`` that does not fit.
         """
+        if past is not None:
+            self._check_input(x)
+            self._check_past(past, x.shape[0])
         if positions is None and past is not None:
             positions = torch.arange(past.length, past.length + x.shape[1], device=x.device)
         z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past)

@@ -287,10 +287,12 @@ class SparseCoder(nn.Module):
         """Swap a :class:`BatchTopK` activation for its inference :class:`JumpReLU` (in place; cfg too).
 
         Raises:
-            CheckpointError: the activation is not BatchTopK.
+            CheckpointError: the activation is not BatchTopK, or ``bandwidth`` not a positive finite number
+                (nothing is changed).
         """
         if not isinstance(self.activation, BatchTopK):
             raise CheckpointError(f"{self._kind} activation is {self.cfg.activation!r}, not 'batchtopk'")
+        check_activation_params("jumprelu", self.cfg.d_sae, {"bandwidth": bandwidth})  # before anything changes
         self.activation = self.activation.to_jumprelu(bandwidth)
         self.cfg = dataclasses.replace(self.cfg, activation="jumprelu", activation_params={"bandwidth": bandwidth})
 
