@@ -620,6 +620,8 @@ def patching_probes() -> list[Probe]:
         circuit_size,
         head_swap,
         logit_difference,
+        mean_activations,
+        path_patching,
         random_ablation_control,
         relative_effect,
         scale,
@@ -872,7 +874,33 @@ def patching_probes() -> list[Probe]:
                   "nan": torch.full((2, 2), float("nan"), device="cpu")}[a["scores"]]
         return circuit_size(r, task, comps, scores=scores, threshold=a["threshold"], ks=a["ks"], metric=metric)
 
+    # ---- path_patching (senders, positions, freeze, groups_per_trace) and mean_activations(per_position)
+    pp_args = mutated({
+        "senders": faulty(st.sampled_from(["mhsa", "lorsa", "both"]), st.sampled_from(["none", "empty_group"])),
+        "positions": faulty(st.one_of(st.none(), st.integers(-SEQ, SEQ - 1)), pos),
+        "freeze": hostile(st.booleans()), "groups_per_trace": hostile(st.integers(1, 3)),
+        "per_position": hostile(st.booleans())})
+    senders = {"mhsa": [MHSAHead(0, 1)], "lorsa": [LorsaHead(LAYER, 2)], "both": [MHSAHead(0, 1), LorsaHead(LAYER, 2)],
+               "none": [], "empty_group": [()]}
+
+    def pp_spec(a: dict) -> Ok | Err:
+        bad = [] if a["senders"] in ("mhsa", "lorsa", "both") else ["sender"]
+        bad += [] if positions_ok(a["positions"]) else ["positions"]
+        bad += [n for n in ("freeze", "per_position") if not isinstance(a[n], bool)]
+        bad += [] if is_posint(a["groups_per_trace"]) else ["groups_per_trace"]
+        if bad:
+            return Err(tuple(bad))
+        n = len(senders[a["senders"]])
+        return Ok(lambda out: tuple(out[0].patched.shape) == (n, 2) and finite(out[0].patched) and len(out[1]) == n)
+
+    def pp_run(a: dict) -> Any:
+        res = path_patching(r, ids, senders[a["senders"]], corrupt=ids.flip(1), correct_ids=3, incorrect_ids=4,
+                            positions=a["positions"], freeze=a["freeze"], groups_per_trace=a["groups_per_trace"])
+        return res, mean_activations(r, senders[a["senders"]], ids, per_position=a["per_position"])
+
     return [
+        Probe("path_patching(senders, positions, freeze, groups_per_trace) + mean_activations traces", "patching",
+              pp_args, pp_run, pp_spec),
         Probe("ablation_effect(metric, positions) / circuit_size(threshold, ks, scores) traces", "patching",
               exp_args, exp_run, exp_spec),
         Probe("head_swap(layer, from_head, to_head, positions)", "patching", swap_args,

@@ -36,7 +36,7 @@ def records(tmp_path_factory) -> list[dict]:
 def test_every_area_is_probed(records):
     groups = Counter(r["group"] for r in records)
     probes = {r["probe"] for r in records}
-    assert len(probes) >= 20, probes
+    assert len(probes) >= 21, probes
     for group in ("config", "forward", "analysis", "patching"):
         assert groups[group] >= 20, groups
 

@@ -185,8 +185,16 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
     averaged in fp32 and returned on the device and in the dtype of the values they average (the
     model's, or a spliced module's); :func:`ablate` moves them to wherever they are written.
+
+    Raises:
+        ArgumentError: ``per_position`` not a bool. ConfigMismatchError: no targets. Target errors before the
+            model runs.
     """
+    if not isinstance(per_position, bool):
+        raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)
+    if not ordered:
+        raise ConfigMismatchError("mean_activations needs at least one target")
     for t in ordered:
         replacement.check(t)
     saved = {}
