@@ -7,17 +7,17 @@ with their (window, position): memory ``O(n_ov_heads × n_top)`` whatever the co
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
 
+from .._checks import is_int
 from .._typing import Float
 from ..errors import ArgumentError
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value)
 
 
 @dataclass

@@ -28,13 +28,13 @@ Needs torch only.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._checks import is_int, is_real
 from .._typing import Float
 from ..errors import CheckpointError
 from .sparse_decode import batch_topk_indices, topk_indices
@@ -310,7 +310,7 @@ REQUIRED = {"topk": ("k",), "batchtopk": ("k",), "abstopk": ("k",), "groupmax": 
 
 
 def _real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+    return is_real(v)
 
 
 def check_activation_params(name: Any, d_sae: int | None, params: Any) -> None:
@@ -337,7 +337,7 @@ def check_activation_params(name: Any, d_sae: int | None, params: Any) -> None:
         raise CheckpointError(f"activation {name!r} needs the parameter(s) {missing} in activation_params")
     if "k" in params:
         k = params["k"]
-        if not isinstance(k, numbers.Integral) or isinstance(k, bool) or int(k) <= 0:
+        if not is_int(k) or int(k) <= 0:
             raise CheckpointError(f"{name} needs a positive int k, got {k!r}")
         k = int(k)
         if d_sae is not None and k > d_sae:

@@ -26,7 +26,6 @@ nnsight model, each is an envoy (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z_pr
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import is_int
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, PlacementError, ShapeError
@@ -106,7 +106,7 @@ class LorsaKV(FieldsRepr):
         Raises:
             ArgumentError: ``length`` not an int in ``[0, self.length]`` (no negative, Python-style crop).
         """
-        if not isinstance(length, numbers.Integral) or isinstance(length, bool) or not 0 <= length <= self.length:
+        if not is_int(length) or not 0 <= length <= self.length:
             raise ArgumentError(f"LorsaKV.crop: length must be an int in [0, {self.length}], got {length!r}")
         return LorsaKV(self.k[:, :, :length], self.v[:, :length])
 
@@ -141,7 +141,7 @@ def head_indices(heads: Any, n: int, what: str, device: torch.device | str) -> t
         ArgumentError: not an int / sequence of ints / integer tensor (bools and floats included), or empty.
         ShapeError: an index outside ``[0, n)``.
     """
-    if isinstance(heads, numbers.Integral) and not isinstance(heads, bool):
+    if is_int(heads):
         heads = [int(heads)]
     if isinstance(heads, torch.Tensor):
         if heads.dim() > 1 or heads.dtype.is_floating_point or heads.dtype.is_complex or heads.dtype == torch.bool:
@@ -149,7 +149,7 @@ def head_indices(heads: Any, n: int, what: str, device: torch.device | str) -> t
                                 f"dtype {heads.dtype}")
         idx = heads.to(device=device, dtype=torch.long).reshape(-1)
     elif isinstance(heads, (list, tuple, range)) and all(
-            isinstance(h, numbers.Integral) and not isinstance(h, bool) for h in heads):
+            is_int(h) for h in heads):
         idx = torch.tensor([int(h) for h in heads], dtype=torch.long, device=device)
     else:
         raise ArgumentError(f"{what} must be an int, a list of ints or an integer tensor, got {heads!r}")
@@ -441,7 +441,7 @@ class Lorsa(nn.Module):
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
         """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros."""
         k = self.cfg.top_k if top_k is None else top_k
-        if top_k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool)
+        if top_k is not None and (not is_int(k)
                                   or not 1 <= k <= self.cfg.n_ov_heads):
             raise ArgumentError(f"Lorsa top_k must be an int in [1, n_ov_heads={self.cfg.n_ov_heads}], got {k!r}")
         vals, idx = z_pre.topk(int(k), dim=-1, sorted=False)

@@ -16,13 +16,13 @@ ranking by the batch-mean score, ``f`` on the batch-mean metric).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
@@ -214,11 +214,11 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
     """
     _check_components(replacement, components)
-    if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not math.isfinite(threshold):
+    if not is_real(threshold) or not math.isfinite(threshold):
         raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "
                             f"got {threshold!r}")
     if ks is not None and (isinstance(ks, (str, bytes)) or not all(
-            isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in ks)):
+            is_int(k) for k in ks)):
         raise ArgumentError(f"circuit_size: ks must be a sequence of ints, got {ks!r}")
     n, b = len(components), len(task)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)

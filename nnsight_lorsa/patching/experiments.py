@@ -13,13 +13,13 @@ result built from them) are fp32 tensors on the CPU, whatever the model's device
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
@@ -113,7 +113,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``.
         ConfigMismatchError: no targets.
     """
-    if not isinstance(groups_per_trace, numbers.Integral) or isinstance(groups_per_trace, bool) \
+    if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     groups = _groups(replacement, targets)
@@ -223,11 +223,11 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
     """
-    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 0 < k <= len(pool):
+    if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
-    if not isinstance(n_samples, numbers.Integral) or isinstance(n_samples, bool) or n_samples < 1:
+    if not is_int(n_samples) or n_samples < 1:
         raise ArgumentError(f"random_ablation_control: n_samples must be a positive int, got {n_samples!r}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+    if not is_int(seed) or not -2**63 <= seed < 2**64:
         raise ArgumentError(f"random_ablation_control: seed must be an int in [-2**63, 2**64), got {seed!r}")
     for t in pool:
         replacement.check(t)

@@ -21,12 +21,12 @@ may stay on the CPU: nnsight moves a trace's input tensors to the model's device
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import like
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
@@ -34,7 +34,7 @@ from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value)
 
 
 def check_positions(positions: Positions, seq: int) -> None:
@@ -85,7 +85,7 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     ``site`` it is written to (``tensor[idx]``): a finite number stays a number; a tensor must fit the
     target (:meth:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel.check_values`), broadcast to
     ``site``'s shape and (with ``finite``) hold no NaN / inf; it is moved to ``site``'s device and dtype."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if is_real(value):
         if finite and not math.isfinite(value):
             raise ArgumentError(f"{name} must be a finite number, got {value!r}")
         return value

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
 
+from .._checks import is_int, is_real
 from ..errors import ArgumentError, ShapeError
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value)
 
 
 def _ids(ids: Any, batch: int, vocab: int, device: torch.device, name: str) -> torch.Tensor:
@@ -75,7 +75,7 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
         if isinstance(value, torch.Tensor):
             if value.dtype == torch.bool or value.dtype.is_complex:
                 raise ArgumentError(f"relative_effect: {name} must be a real tensor, got dtype {value.dtype}")
-        elif not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        elif not is_real(value) or not math.isfinite(value):
             raise ArgumentError(f"relative_effect: {name} must be a finite number or a tensor, got {value!r}")
     b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
                                                                                             device="cpu")

@@ -42,7 +42,6 @@ and prompt (``(n_groups, batch)``), the clean (and corrupt) baselines ``(batch,)
 
 from __future__ import annotations
 
-import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
@@ -423,7 +423,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
     """
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
-    if not isinstance(groups_per_trace, numbers.Integral) or isinstance(groups_per_trace, bool) \
+    if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"path_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     seq = int(clean.shape[-1]) if isinstance(clean, torch.Tensor) and clean.dim() >= 1 else 2**62

@@ -15,7 +15,6 @@ of different lengths) raises :class:`TaskTokenizationError` naming the culprit.
 
 from __future__ import annotations
 
-import numbers
 import random
 import re
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, ConfigMismatchError, LorsaError
 
@@ -79,7 +79,7 @@ class TaskBatch(FieldsRepr):
 
 def _check_int(value: Any, name: str, low: int | None = None) -> None:
     """Raise :class:`~nnsight_lorsa.errors.ArgumentError` unless ``value`` is an int (not a bool), ``>= low``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (low is not None and value < low):
+    if not is_int(value) or (low is not None and value < low):
         raise ArgumentError(f"{name} must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
 
 
@@ -137,7 +137,7 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
     _check_int(seed, "seed")
     vocab = len(tokenizer)
     if token_pool is not None:
-        bad = [t for t in token_pool if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+        bad = [t for t in token_pool if not is_int(t)
                or not 0 <= t < vocab]
         if bad:
             raise ArgumentError(f"token_pool must hold token ids in [0, {vocab}), got {bad[:5]}")
