@@ -28,7 +28,20 @@ from ..adapters.registry import get_adapter
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import attention_activations
 from ..errors import ArgumentError, ShapeError
-from .top_activations import TopActivations
+from ..modules.lorsa import head_indices
+from .top_activations import TopActivations, _is_int
+
+
+def _check_tokens(tokens: Any) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1 \
+            or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
+
+
+def _check_count(value: Any, name: str, low: int = 1) -> None:
+    if not _is_int(value) or value < low:
+        raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def oblique_coefficients(
@@ -91,12 +104,13 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     Lorsa sees its input in its own dtype); the result is on the CPU.
 
     Raises:
-        ShapeError: ``tokens`` is not ``(n, pos)``. LayerOutOfRangeError: no Lorsa at ``layer``.
-        ConfigMismatchError: ``replacement`` has no Lorsas. PlacementError: the Lorsa is on ``meta``.
+        ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``. LayerOutOfRangeError: no Lorsa at
+        ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas. PlacementError: the Lorsa is on ``meta``.
+        ArgumentError: ``batch_size`` not an int ``>= 1``.
     """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
-    if tokens.dim() != 2:
-        raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
+    _check_tokens(tokens)
+    _check_count(batch_size, "batch_size")
     adapter = get_adapter(model)
     lorsa = lorsa_set[layer]
     device, _ = placement(lorsa, f"the Lorsa of layer {layer}")
@@ -163,6 +177,8 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
         ShapeError: the unembedding does not match ``d_model``.
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
         PlacementError: the unembedding or the Lorsa is on ``meta``.
+        ArgumentError: ``heads`` not head indices in ``[0, n_ov_heads)`` (:func:`~nnsight_lorsa.modules.lorsa.
+        head_indices`; ShapeError out of range), ``k`` not an int in ``[1, vocab]``.
     """
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     adapter = get_adapter(model)
@@ -172,7 +188,10 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     norm = _module(model, adapter.final_norm_path)
     gain = getattr(norm, "weight", None)
     idx = (torch.arange(lorsa.cfg.n_ov_heads, device=lorsa.W_O.device) if heads is None
-           else torch.as_tensor(heads, device=lorsa.W_O.device).reshape(-1))
+           else head_indices(heads, lorsa.cfg.n_ov_heads, "heads", lorsa.W_O.device))
+    _check_count(k, "k")
+    if k > w_u.shape[0]:
+        raise ArgumentError(f"k={k} exceeds the vocabulary size {w_u.shape[0]}")
     w_o = lorsa.W_O[idx].to(device=device, dtype=torch.float32)
     if w_u.shape[1] != w_o.shape[1]:
         raise ShapeError(f"unembedding is {tuple(w_u.shape)}, Lorsa d_model {w_o.shape[1]}")
@@ -198,13 +217,23 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
     Returns:
         ``{"v": (values, indices), "o": (values, indices)}`` with the top-``k`` cosines present (fp32,
         on the CPU; computed on the SAE matrix's device, the Lorsa's vector moved there).
+
+    Raises:
+        ShapeError: ``head`` outside ``[0, n_ov_heads)`` (no negative indexing), SAE rows not
+            ``(n_features, d_model)``.
+        ArgumentError: ``head`` not an int, ``k`` not an int ``>= 1``.
     """
+    if not _is_int(head):
+        raise ArgumentError(f"head must be an int, got {head!r}")
+    head = int(head_indices(head, lorsa.cfg.n_ov_heads, "head", "cpu")[0])
+    _check_count(k, "k")
     out: dict[str, Any] = {}
     for name, vec, mat in (("v", lorsa.W_V[head], sae_in_decoder), ("o", lorsa.W_O[head], sae_out_encoder)):
         if mat is None:
             continue
-        if mat.shape[-1] != vec.shape[0]:
-            raise ShapeError(f"SAE rows must be (n_features, d_model={vec.shape[0]}), got {tuple(mat.shape)}")
+        if not isinstance(mat, torch.Tensor) or mat.dim() != 2 or mat.shape[-1] != vec.shape[0]:
+            got = tuple(mat.shape) if isinstance(mat, torch.Tensor) else type(mat).__name__
+            raise ShapeError(f"SAE rows must be (n_features, d_model={vec.shape[0]}), got {got}")
         device, _ = placement(mat, f"the SAE rows for {name!r}")
         cos = torch.nn.functional.cosine_similarity(mat.float(), vec.to(device=device, dtype=torch.float32)[None],
                                                     dim=-1)
@@ -232,9 +261,14 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
             :class:`~.top_activations.TopActivations`), so a dashboard's contexts are distinct texts.
 
     Raises:
-        ArgumentError: ``skip_start`` not an int in ``[0, pos)``.
+        ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``. LayerOutOfRangeError: no Lorsa
+        at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int ``>= 1``; ``skip_start`` not an
+        int in ``[0, pos)``.
     """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
+    _check_tokens(tokens)
+    _check_count(n_top, "n_top")
+    _check_count(batch_size, "batch_size")
     if not isinstance(skip_start, int) or isinstance(skip_start, bool) or not 0 <= skip_start < tokens.shape[-1]:
         raise ArgumentError(f"skip_start must be an int in [0, {tokens.shape[-1]}) (the window length), "
                             f"got {skip_start!r}")

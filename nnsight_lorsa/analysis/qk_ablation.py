@@ -30,7 +30,8 @@ import torch
 from .._placement import placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+from ..modules.lorsa import head_indices
 from ..modules.rotary import apply_rotary, rotary_cos_sin
 
 __all__ = ["QKFeatureImpacts", "qk_feature_impacts"]
@@ -158,16 +159,14 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
             f"the SAE must read and write the Lorsa input of width d_model={d_model}; it has d_in={d_in}, "
             f"W_dec {shape}"
         )
-    if tokens.dim() != 2 or tokens.shape[1] < 1:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
     keep = None
     if features is not None:
-        idx = torch.as_tensor(features, dtype=torch.long, device="cpu").reshape(-1)
         n = w_dec.shape[0]
-        if idx.numel() and (idx.min() < 0 or idx.max() >= n):
-            raise ShapeError(f"features must be in [0, {n}), got {idx.tolist()}")
+        idx = head_indices(features, n, "features", "cpu")  # ints in [0, n): ArgumentError / ShapeError
         keep = torch.zeros(n, dtype=torch.bool, device="cpu")  # moved to the activations' device where used
         keep[idx] = True
     return lorsa, keep
@@ -204,7 +203,8 @@ def qk_feature_impacts(
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
         range, ``tokens`` not 2-D. ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
-        PlacementError: the Lorsa or the SAE is on ``meta``. All before the model runs.
+        PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` not an int
+        ``>= 1``, ``features`` not a non-empty list / integer tensor of ints. All before the model runs.
 
     The ablations run on the Lorsa's device in fp32 (the attention input and the SAE's activations are
     moved there; the Lorsa and the SAE each see their input in their own dtype); the result is on the CPU.

@@ -15,8 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .._checks import is_int
 from .._typing import Float
 from ..errors import ArgumentError
+
+
+def _is_int(value: object) -> bool:
+    return is_int(value)
 
 
 @dataclass
@@ -47,9 +52,9 @@ class TopActivations:
         Raises:
             ArgumentError: ``n_heads`` or ``n_top`` not a positive int.
         """
-        for name, v in (("n_heads", n_heads), ("n_top", n_top)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ArgumentError(f"TopActivations.empty: {name} must be a positive int, got {v!r}")
+        for name, value in (("n_heads", n_heads), ("n_top", n_top)):
+            if not _is_int(value) or value < 1:
+                raise ArgumentError(f"TopActivations.empty: {name} must be a positive int, got {value!r}")
         # host-side tables: update() brings each batch's activations to the CPU
         return cls(distinct_windows=bool(distinct_windows),
             values=torch.full((n_heads, n_top), float("-inf"), dtype=torch.float32, device="cpu"),
@@ -65,11 +70,29 @@ class TopActivations:
 
         ``keep``: optional ``(batch, pos)`` bool mask of tokens to consider (e.g. not BOS). Both may be
         on any device and ``z`` in any dtype: they are compared in fp32 on the CPU, where the table lives.
+
+        Raises:
+            ArgumentError: ``z`` not a ``(batch, pos, n_heads)`` float tensor of this table's ``n_heads``, or
+                holding NaN (a NaN would rank above every activation); ``keep`` not ``(batch, pos)``;
+                ``first_window`` not an int ``>= 0``.
         """
+        n_heads = self.values.shape[0]
+        if not isinstance(z, torch.Tensor) or z.dim() != 3 or z.shape[-1] != n_heads or not z.dtype.is_floating_point:
+            got = f"{tuple(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
+            raise ArgumentError(f"TopActivations.update: z must be a float tensor (batch, pos, n_heads={n_heads}), "
+                                f"got {got}")
+        if not _is_int(first_window) or first_window < 0:
+            raise ArgumentError(f"TopActivations.update: first_window must be an int >= 0, got {first_window!r}")
         b, s, n = z.shape
+        if keep is not None and (not isinstance(keep, torch.Tensor) or tuple(keep.shape) != (b, s)):
+            kept = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ArgumentError(f"TopActivations.update: keep must be a (batch, pos) = {(b, s)} mask, got {kept}")
         z = z.detach().float().cpu()
+        if bool(torch.isnan(z).any()):
+            raise ArgumentError("TopActivations.update: z holds NaN activations (they would rank first); "
+                                "check the model / Lorsa for non-finite values")
         if keep is not None:
-            z = z.masked_fill(~keep.cpu()[..., None], float("-inf"))
+            z = z.masked_fill(~keep.cpu().bool()[..., None], float("-inf"))
         flat = z.reshape(b * s, n)
         self.count += (flat > 0).sum(0)
         self.n_tokens += int(keep.sum() if keep is not None else b * s)
@@ -103,7 +126,13 @@ class TopActivations:
         return self.count.float() / max(self.n_tokens, 1)
 
     def top_heads(self, n: int) -> list[int]:
-        """The ``n`` heads with the largest maximum activation among heads that fired at all."""
+        """The ``n`` heads with the largest maximum activation among heads that fired at all.
+
+        Raises:
+            ArgumentError: ``n`` not an int ``>= 0``.
+        """
+        if not _is_int(n) or n < 0:
+            raise ArgumentError(f"TopActivations.top_heads: n must be an int >= 0, got {n!r}")
         score = self.values[:, 0].clone()
         score[self.count == 0] = float("-inf")
         return score.topk(min(n, score.numel())).indices.tolist()

@@ -28,12 +28,14 @@ Needs torch only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._checks import is_int, is_real
 from .._typing import Float
 from ..errors import CheckpointError
 from .sparse_decode import batch_topk_indices, topk_indices
@@ -139,8 +141,8 @@ class JumpReLU(nn.Module):
 
     def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
         super(JumpReLU, self).__init__()
-        if bandwidth <= 0:
-            raise CheckpointError(f"JumpReLU bandwidth must be positive, got {bandwidth}")
+        if not _real(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
+            raise CheckpointError(f"JumpReLU bandwidth must be a positive finite number, got {bandwidth!r}")
         theta = torch.as_tensor(threshold, dtype=torch.float32, device="cpu")  # moved with the module
         if theta.dim() > 1 or (theta.dim() == 1 and theta.shape[0] != d_sae):
             raise CheckpointError(f"JumpReLU threshold must be a float or ({d_sae},), got {tuple(theta.shape)}")
@@ -303,6 +305,64 @@ class GroupMax(nn.Module):
 
 #: config names of the activations, as stored in ``SAEConfig.activation``.
 ACTIVATIONS = ("relu", "topk", "batchtopk", "jumprelu", "abstopk", "groupmax")
+#: the parameters each activation takes (``activation_params`` keys) and those it needs
+PARAMETERS = {"relu": (), "topk": ("k",), "batchtopk": ("k", "threshold_lr"), "jumprelu": ("threshold", "bandwidth"),
+              "abstopk": ("k",), "groupmax": ("k",)}
+REQUIRED = {"topk": ("k",), "batchtopk": ("k",), "abstopk": ("k",), "groupmax": ("k",)}
+
+
+def _real(v: Any) -> bool:
+    return is_real(v)
+
+
+def check_activation_params(name: Any, d_sae: int | None, params: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``params`` are valid parameters of activation ``name`` for
+    ``d_sae`` features (what :func:`make_activation` would build, checked without building it): known keys
+    only, the required ones present, ``k`` a positive int ``<= d_sae`` (dividing it for ``groupmax``),
+    ``threshold`` a finite number (or a finite ``(d_sae,)`` tensor), ``bandwidth`` a positive finite number,
+    ``threshold_lr`` a number in ``[0, 1]``. The message names the parameter.
+
+    ``d_sae=None`` (what the configs check) skips the checks against the width (``k <= d_sae``, ``groupmax``
+    divisibility, the threshold's length): the module constructor makes them, where the checkpoint loaders
+    name the file in the message."""
+    if not isinstance(name, str) or name not in ACTIVATIONS:
+        raise CheckpointError(f"unknown activation {name!r}; known: {list(ACTIVATIONS)}")
+    if params is not None and not isinstance(params, Mapping):
+        raise CheckpointError(f"activation_params of {name!r} must be a mapping, got {params!r}")
+    params = dict(params or {})
+    unknown = sorted(str(k) for k in set(params) - set(PARAMETERS[name]))
+    if unknown:
+        raise CheckpointError(f"bad parameters {unknown} for activation {name!r} (activation_params; it takes "
+                              f"{list(PARAMETERS[name])})")
+    missing = [k for k in REQUIRED.get(name, ()) if k not in params]
+    if missing:
+        raise CheckpointError(f"activation {name!r} needs the parameter(s) {missing} in activation_params")
+    if "k" in params:
+        k = params["k"]
+        if not is_int(k) or int(k) <= 0:
+            raise CheckpointError(f"{name} needs a positive int k, got {k!r}")
+        k = int(k)
+        if d_sae is not None and k > d_sae:
+            raise CheckpointError(f"{name} k = {k} exceeds the number of features d_sae = {d_sae}")
+        if d_sae is not None and name == "groupmax" and d_sae % k:
+            raise CheckpointError(f"groupmax k = {k} must divide d_sae = {d_sae}")
+    if "threshold" in params:
+        t = params["threshold"]
+        if isinstance(t, torch.Tensor):
+            if t.dim() > 1 or (t.dim() == 1 and d_sae is not None and t.shape[0] != d_sae) \
+                    or not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"jumprelu threshold must be a finite float or ({d_sae},) tensor, "
+                                      f"got shape {tuple(t.shape)}")
+        elif not _real(t) or not math.isfinite(t):
+            raise CheckpointError(f"jumprelu threshold must be a finite number, got {t!r}")
+    if "bandwidth" in params:
+        bw = params["bandwidth"]
+        if not _real(bw) or not math.isfinite(bw) or bw <= 0:
+            raise CheckpointError(f"jumprelu bandwidth must be a positive finite number, got {bw!r}")
+    if "threshold_lr" in params:
+        lr = params["threshold_lr"]
+        if not _real(lr) or not 0 <= lr <= 1:
+            raise CheckpointError(f"batchtopk threshold_lr must be a number in [0, 1], got {lr!r}")
 
 
 def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = None) -> nn.Module:
@@ -312,14 +372,11 @@ def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = No
     ``"jumprelu"`` (``threshold``, ``bandwidth``), ``"abstopk"`` (``k``), ``"groupmax"`` (``k``).
 
     Raises:
-        CheckpointError: unknown name, or parameters the activation does not take.
+        CheckpointError: unknown name, or parameters the activation does not take or out of range
+            (:func:`check_activation_params`).
     """
-    if params is not None and not isinstance(params, Mapping):
-        raise CheckpointError(f"activation_params of {name!r} must be a mapping, got {params!r}")
+    check_activation_params(name, d_sae, params)
     params = dict(params or {})
-    k = params.get("k")
-    if name in ("topk", "batchtopk") and isinstance(k, int) and not isinstance(k, bool) and k > d_sae:
-        raise CheckpointError(f"{name} k = {k} exceeds the number of features d_sae = {d_sae}")
     try:
         if name == "relu":
             return ReLU(**params)

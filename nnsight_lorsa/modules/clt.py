@@ -34,7 +34,7 @@ from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
 from .hook_point import HookPoint
-from .sparse_coder import SparseCoderConfig, affine, check_last_dim, encode_with, init_dictionary_
+from .sparse_coder import SparseCoderConfig, affine, check_dtype, check_last_dim, encode_with, init_dictionary_
 
 
 @dataclass(kw_only=True, repr=False)
@@ -125,7 +125,7 @@ class CrossLayerTranscoder(nn.Module):
     def encode_layer(self, x: Float[torch.Tensor, "*batch d_model"], layer: int) -> Float[torch.Tensor, "*batch d_sae"]:
         """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
         self._check_layer(layer)
-        check_last_dim(x, self.cfg.d_in, self._kind, "x")
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return encode_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
                            self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
 
@@ -137,19 +137,46 @@ class CrossLayerTranscoder(nn.Module):
         self._check_layer(layer)
         if len(acts) <= layer:
             raise ShapeError(f"decoding layer {layer} needs the features of layers 0..{layer}, got {len(acts)}")
+        self._check_acts(acts, layer)
         out = affine(acts[layer], self.W_dec(layer)[:, 0], self.b_dec[layer])
         for source in range(layer):
             out = out + acts[source] @ self.W_dec(source)[:, layer - source]
         return out
 
+    def _check_acts(self, acts: Sequence[torch.Tensor], layer: int) -> None:
+        """``acts[0..layer]``: tensors ``(*batch, d_sae)`` of one batch shape, in the decoder's dtype
+        (shapes and dtypes only: no value is read)."""
+        first = acts[layer]
+        for source in range(layer + 1):
+            a = acts[source]
+            if not isinstance(a, torch.Tensor) or a.dim() < 1 or a.shape[-1] != self.cfg.d_sae:
+                got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ShapeError(f"{self._kind} expects acts[{source}] of shape (*batch, d_sae={self.cfg.d_sae}), "
+                                 f"got {got}")
+            if a.shape != first.shape:
+                raise ShapeError(f"{self._kind}: acts[{source}] has shape {tuple(a.shape)}, acts[{layer}] "
+                                 f"{tuple(first.shape)} (one batch shape for every layer)")
+            check_dtype(a, self.b_dec, self._kind, f"acts[{source}]")
+
     def reconstruct_layer(self, acts: Sequence[torch.Tensor], layer: int,
                           x: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`decode_layer` plus the skip path of ``x`` (layer ``layer``'s MLP input), through
-        ``hook_sae_recons[layer]``: the CLT's prediction of MLP output ``layer``, ``(*batch, d_model)``."""
+        ``hook_sae_recons[layer]``: the CLT's prediction of MLP output ``layer``, ``(*batch, d_model)``.
+
+        Raises:
+            ShapeError: ``acts`` of the wrong width, batch shape or dtype; ``x`` missing (with a skip path)
+                or not ``(*batch, d_model)``.
+            LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+        """
         out = self.decode_layer(acts, layer)
         if self.W_skip is not None:
             if x is None:
                 raise ShapeError("this CLT has a skip connection: reconstruct_layer needs the MLP input x")
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (*out.shape[:-1], self.cfg.d_in):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ShapeError(f"{self._kind} expects x of shape {(*out.shape[:-1], self.cfg.d_in)} (the MLP "
+                                 f"input of layer {layer}), got {got}")
+            check_dtype(x, self.b_dec, self._kind, "x")
             out = out + x @ self.W_skip[layer].T
         return self.hook_sae_recons[layer](out)
 

@@ -33,12 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import is_int
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import PlacementError, ShapeError
+from ..errors import ArgumentError, PlacementError, ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
 from .rotary import apply_rotary, rotary_cos_sin
+from .sparse_coder import check_dtype
 
 if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights
@@ -99,7 +101,13 @@ class LorsaKV(FieldsRepr):
 
     def crop(self, length: int) -> LorsaKV:
         """The first ``length`` positions (a decoder that rolled its own cache back, e.g. rejected
-        draft tokens of assisted decoding)."""
+        draft tokens of assisted decoding).
+
+        Raises:
+            ArgumentError: ``length`` not an int in ``[0, self.length]`` (no negative, Python-style crop).
+        """
+        if not is_int(length) or not 0 <= length <= self.length:
+            raise ArgumentError(f"LorsaKV.crop: length must be an int in [0, {self.length}], got {length!r}")
         return LorsaKV(self.k[:, :, :length], self.v[:, :length])
 
 
@@ -123,6 +131,33 @@ class LorsaCache(FieldsRepr):
     def active(self) -> torch.Tensor:
         """``(batch, pos, n_ov_heads)`` bool: heads kept by top-k with a positive activation."""
         return self.z > 0
+
+
+def head_indices(heads: Any, n: int, what: str, device: torch.device | str) -> torch.Tensor:
+    """``heads`` (an int, a list/tuple/range of ints, or a 1-D integer tensor) as a 1-D int64 tensor on
+    ``device``, every entry in ``[0, n)`` (no negative indexing: ``-1`` is refused, not the last head).
+
+    Raises:
+        ArgumentError: not an int / sequence of ints / integer tensor (bools and floats included), or empty.
+        ShapeError: an index outside ``[0, n)``.
+    """
+    if is_int(heads):
+        heads = [int(heads)]
+    if isinstance(heads, torch.Tensor):
+        if heads.dim() > 1 or heads.dtype.is_floating_point or heads.dtype.is_complex or heads.dtype == torch.bool:
+            raise ArgumentError(f"{what} must be head indices (a 1-D integer tensor), got shape {tuple(heads.shape)} "
+                                f"dtype {heads.dtype}")
+        idx = heads.to(device=device, dtype=torch.long).reshape(-1)
+    elif isinstance(heads, (list, tuple, range)) and all(
+            is_int(h) for h in heads):
+        idx = torch.tensor([int(h) for h in heads], dtype=torch.long, device=device)
+    else:
+        raise ArgumentError(f"{what} must be an int, a list of ints or an integer tensor, got {heads!r}")
+    if idx.numel() == 0:
+        raise ArgumentError(f"{what} is empty: give at least one head index")
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise ShapeError(f"{what} must be in [0, {n}), got {idx.tolist()}")
+    return idx
 
 
 class Lorsa(nn.Module):
@@ -269,17 +304,40 @@ class Lorsa(nn.Module):
 
     # --------------------------------------------------------------- forward
     def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ShapeError(f"Lorsa expects x as a tensor (batch, pos, d_model={self.cfg.d_model}), "
+                             f"got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
             raise ShapeError(
                 f"Lorsa expects x of shape (batch, pos, d_model={self.cfg.d_model}), got {tuple(x.shape)}"
             )
+        check_dtype(x, self.W_V, "Lorsa", "x")
+
+    def _check_past(self, past: Any, batch: int) -> None:
+        """``past`` a :class:`LorsaKV` of this Lorsa for ``batch`` rows: ``k (batch, n_qk_heads, past, d_qk_head)``
+        and ``v (batch, past, n_ov_heads)`` of one length (shapes only)."""
+        if not isinstance(past, LorsaKV):
+            raise ShapeError(f"Lorsa: past must be a LorsaKV (or None), got {type(past).__name__}")
+        c = self.cfg
+        k, v = past.k, past.v
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or v.dim() != 3 \
+                or tuple(k.shape[:2]) != (batch, c.n_qk_heads) or k.shape[3] != c.d_qk_head \
+                or tuple(v.shape[::2]) != (batch, c.n_ov_heads) or k.shape[2] != v.shape[1]:
+            ks = tuple(k.shape) if isinstance(k, torch.Tensor) else type(k).__name__
+            vs = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ShapeError(f"LorsaKV does not fit this Lorsa and x (batch {batch}): k must be (batch, "
+                             f"n_qk_heads={c.n_qk_heads}, past, d_qk_head={c.d_qk_head}) and v (batch, past, "
+                             f"n_ov_heads={c.n_ov_heads}) of one past length; got k {ks}, v {vs}")
 
     def _positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         seq = x.shape[1]
         if positions is None:
             return torch.arange(seq, device=x.device)
-        if positions.shape[-1] != seq or positions.dim() > 2:
-            raise ShapeError(f"positions must be (pos,) or (batch, pos) with pos={seq}, got {tuple(positions.shape)}")
+        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.shape[-1] != seq:
+            got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ShapeError(f"positions must be (pos,) or (batch, pos) with pos={seq}, got {got}")
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise ShapeError(f"positions must be integer token positions, got dtype {positions.dtype}")
         return positions.to(x.device)
 
     def qk(
@@ -319,6 +377,10 @@ class Lorsa(nn.Module):
             if offset == 0 or seq == 1:  # plain causal / one query that sees every key
                 return None
             return torch.ones(seq, keys, dtype=torch.bool, device=device).tril(offset)[None, None]
+        if not isinstance(attn_mask, torch.Tensor):
+            raise ShapeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dim() == 2 and attn_mask.shape[-1] != keys:
+            raise ShapeError(f"attn_mask (batch, keys) must have keys={keys}, got {tuple(attn_mask.shape)}")
         if attn_mask.dim() == 2:  # (batch, keys) key padding mask, 1 = real token
             causal = torch.ones(seq, keys, dtype=torch.bool, device=device).tril(offset)
             attn_mask = causal[None, None] & attn_mask.bool()[:, None, None, :]
@@ -360,14 +422,15 @@ class Lorsa(nn.Module):
         q, k = self.hook_q(q), self.hook_k(k)
         v = self.hook_v(self.values(x))
         if past is not None:
-            if past.v.shape[0] != b:
-                raise ShapeError(f"LorsaKV holds batch {past.v.shape[0]}, x has batch {b}")
+            self._check_past(past, b)
             k = torch.cat([past.k.to(k.dtype), k], 2)
             v = torch.cat([past.v.to(v.dtype), v], 1)
         keys = v.shape[1]
         g = self.cfg.group_size
         vh = v.view(b, keys, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, keys, G): OV heads as value dim
         mask = self._mask(attn_mask, s, x.device, keys)
+        if mask is not None and mask.shape[0] not in (1, b):
+            raise ShapeError(f"attn_mask holds batch {mask.shape[0]}, x has batch {b}")
         z = F.scaled_dot_product_attention(
             q, k, vh, attn_mask=mask, is_causal=mask is None and keys == s, scale=1.0 / self.cfg.scale
         )
@@ -378,7 +441,10 @@ class Lorsa(nn.Module):
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
         """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros."""
         k = self.cfg.top_k if top_k is None else top_k
-        vals, idx = z_pre.topk(k, dim=-1, sorted=False)
+        if top_k is not None and (not is_int(k)
+                                  or not 1 <= k <= self.cfg.n_ov_heads):
+            raise ArgumentError(f"Lorsa top_k must be an int in [1, n_ov_heads={self.cfg.n_ov_heads}], got {k!r}")
+        vals, idx = z_pre.topk(int(k), dim=-1, sorted=False)
         z = torch.zeros_like(z_pre).scatter(-1, idx, vals.relu())
         return z, idx
 
@@ -386,7 +452,7 @@ class Lorsa(nn.Module):
         """``out = z W_O + b_D``."""
         if self.b_D is None:
             return z @ self.W_O
-        return torch.addmm(self.b_D, z.reshape(-1, z.shape[-1]), self.W_O).view(*z.shape[:-1], -1)
+        return torch.addmm(self.b_D, z.reshape(-1, z.shape[-1]), self.W_O).view(*z.shape[:-1], self.cfg.d_model)
 
     def forward(
         self,
@@ -456,6 +522,9 @@ class Lorsa(nn.Module):
         Raises:
             ShapeError: ``x`` not ``(batch, pos, d_model)``, a mask or ``past`` that does not fit.
         """
+        if past is not None:
+            self._check_input(x)
+            self._check_past(past, x.shape[0])
         if positions is None and past is not None:
             positions = torch.arange(past.length, past.length + x.shape[1], device=x.device)
         z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past)
@@ -472,10 +541,20 @@ class Lorsa(nn.Module):
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> Float[torch.Tensor, "batch heads pos pos"]:
-        """Attention patterns ``A`` of the chosen QK heads (all by default): ``(batch, heads, q_pos, k_pos)``."""
+        """Attention patterns ``A`` of the chosen QK heads (all by default): ``(batch, heads, q_pos, k_pos)``.
+
+        ``qk_heads``: an int, a list of ints or a 1-D integer tensor, each in ``[0, n_qk_heads)`` (a single
+        int keeps the heads axis, of size 1).
+
+        Raises:
+            ShapeError: ``x``, ``positions`` or ``attn_mask`` that do not fit (see :meth:`forward`), or a head
+                index outside ``[0, n_qk_heads)``.
+            ArgumentError: ``qk_heads`` that are not head indices (floats, bools, strings, nested, empty).
+        """
+        self._check_input(x)
+        idx = None if qk_heads is None else head_indices(qk_heads, self.cfg.n_qk_heads, "qk_heads", x.device)
         q, k = self.qk(x, positions)
-        if qk_heads is not None:
-            idx = torch.as_tensor(qk_heads, device=q.device)
+        if idx is not None:
             q, k = q[:, idx], k[:, idx]
         return self.attention_scores_softmax(q, k, attn_mask)
 
@@ -490,11 +569,15 @@ class Lorsa(nn.Module):
         """z-patterns (Lorsa paper §5.1): ``zp[b, n, i, j] = A^{g(h_n)}_ij v^{h_n}_j``.
 
         Per-key contributions to head ``h_n``'s pre-activation at query ``i``; summing over ``j``
-        gives ``z_pre`` exactly (and ``z`` wherever the head is active).
+        gives ``z_pre`` exactly (and ``z`` wherever the head is active). ``ov_heads``: an int, a list of
+        ints or a 1-D integer tensor, each in ``[0, n_ov_heads)``.
+
+        Raises:
+            ShapeError: ``x``, ``positions`` or ``attn_mask`` that do not fit, or a head outside ``[0, n_ov_heads)``.
+            ArgumentError: ``ov_heads`` that are not head indices (floats, bools, strings, nested, empty).
         """
-        heads = torch.as_tensor(ov_heads, device=x.device, dtype=torch.long)
-        if heads.numel() and (heads.min() < 0 or heads.max() >= self.cfg.n_ov_heads):
-            raise ShapeError(f"ov_heads must be in [0, {self.cfg.n_ov_heads}), got {heads.tolist()}")
+        self._check_input(x)
+        heads = head_indices(ov_heads, self.cfg.n_ov_heads, "ov_heads", x.device)
         pattern = self.attention_pattern(x, heads // self.cfg.group_size, positions, attn_mask)
         v = self.values(x)[..., heads]  # (b, s, n)
         return pattern * v.transpose(1, 2)[:, :, None, :]

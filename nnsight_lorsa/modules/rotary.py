@@ -21,7 +21,7 @@ import torch
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import UnsupportedArchitectureError
+from ..errors import CheckpointError, UnsupportedArchitectureError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -42,6 +42,11 @@ class RotaryConfig(FieldsRepr):
         table_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: cos and sin are rounded to
             this dtype (then used in float32 or the input's dtype), for checkpoints whose author code
             reads its rotary tables back from a file stored in that precision (Llamascopium).
+
+    Raises:
+        CheckpointError: a field of the wrong type or out of range (named in the message), or a rope type
+            without its scaling parameters (a ``ValueError`` subclass, as before).
+        UnsupportedArchitectureError: an unknown ``rope_type``.
     """
 
     head_dim: int
@@ -57,33 +62,34 @@ class RotaryConfig(FieldsRepr):
         for name in ("head_dim", "rotary_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"RotaryConfig.{name} must be an int, got {value!r}")
+                raise CheckpointError(f"RotaryConfig.{name} must be an int, got {value!r}")
         for name in ("base", "attention_scaling"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"RotaryConfig.{name} must be a positive finite number, got {value!r}")
+                raise CheckpointError(f"RotaryConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.interleaved, bool):
-            raise ValueError(f"RotaryConfig.interleaved must be a bool, got {self.interleaved!r}")
+            raise CheckpointError(f"RotaryConfig.interleaved must be a bool, got {self.interleaved!r}")
         if not isinstance(self.scaling, dict) or any(
                 not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0
                 for v in self.scaling.values()):
-            raise ValueError(f"RotaryConfig.scaling must map names to positive finite numbers, got {self.scaling!r}")
+            raise CheckpointError(
+                f"RotaryConfig.scaling must map names to positive finite numbers, got {self.scaling!r}")
         if not isinstance(self.rope_type, str) or self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
                 f"rope_type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
             )
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ValueError(
+            raise CheckpointError(
                 f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
         if self.table_dtype not in (None, "bfloat16", "float16"):
-            raise ValueError(
+            raise CheckpointError(
                 f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
         required = {"linear": ("factor",), "llama3": (
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]
         if missing:
-            raise ValueError(f"rope_type {self.rope_type!r} needs scaling parameters {missing}")
+            raise CheckpointError(f"rope_type {self.rope_type!r} needs scaling parameters {missing}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

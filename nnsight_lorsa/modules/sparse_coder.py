@@ -31,7 +31,7 @@ from torch import nn
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import CheckpointError, ShapeError
-from .activations import ACTIVATIONS, BatchTopK, JumpReLU, make_activation
+from .activations import ACTIVATIONS, BatchTopK, JumpReLU, check_activation_params, make_activation
 from .hook_point import HookPoint
 from .sparse_decode import SparseActs, gathered_preact, sparse_decode
 
@@ -47,6 +47,12 @@ class SparseCoderConfig(FieldsRepr):
             ``"groupmax"`` (:mod:`.activations`).
         activation_params: its parameters, e.g. ``{"k": 32}`` or ``{"bandwidth": 0.001}``.
         extra: free-form metadata (training metrics, provenance).
+
+    Raises:
+        CheckpointError: a size that is not a positive int, an unknown activation, activation parameters it
+            does not take, lacks or holds out of range (``k`` not a positive int, a NaN threshold, ...;
+            :func:`~.activations.check_activation_params`; ``k <= d_sae`` is checked when the module is built),
+            a flag of the wrong type; the message names the field.
     """
 
     d_in: int
@@ -70,6 +76,7 @@ class SparseCoderConfig(FieldsRepr):
         if not isinstance(self.activation_params, dict):
             raise CheckpointError(f"{type(self).__name__}.activation_params must be a mapping, "
                                   f"got {self.activation_params!r}")
+        check_activation_params(self.activation, None, self.activation_params)  # k <= d_sae: the module
         if not isinstance(self.extra, dict):
             raise CheckpointError(f"{type(self).__name__}.extra must be a mapping, got {self.extra!r}")
         for name, kind in self._flags.items():
@@ -93,10 +100,27 @@ class SparseCoderConfig(FieldsRepr):
             raise CheckpointError(f"{cls.__name__}: {e}") from e
 
 
-def check_last_dim(x: torch.Tensor, size: int, who: str, what: str) -> None:
-    """Raise :class:`ShapeError` unless ``x`` is ``(*batch, size)`` with at least one batch dim."""
+def check_dtype(x: torch.Tensor, weight: torch.Tensor, who: str, what: str) -> None:
+    """Raise :class:`ShapeError` unless ``x`` has ``weight``'s dtype (under autocast: any float dtype).
+
+    A shape/dtype check only (no value is read): cheap, and safe inside a trace."""
+    if x.dtype == weight.dtype:
+        return
+    if x.dtype.is_floating_point and torch.is_autocast_enabled(x.device.type):
+        return
+    raise ShapeError(f"{who} expects {what} in its weights' dtype {weight.dtype}, got dtype {x.dtype} "
+                     f"(cast with {what}.to({weight.dtype}) or the module with .to(dtype))")
+
+
+def check_last_dim(x: torch.Tensor, size: int, who: str, what: str, weight: torch.Tensor | None = None) -> None:
+    """Raise :class:`ShapeError` unless ``x`` is a tensor ``(*batch, size)`` with at least one batch dim
+    (and, given ``weight``, in its dtype: :func:`check_dtype`)."""
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{who} expects {what} as a tensor (*batch, {size}), got {type(x).__name__}")
     if x.dim() < 2 or x.shape[-1] != size:
         raise ShapeError(f"{who} expects {what} of shape (*batch, {size}), got {tuple(x.shape)}")
+    if weight is not None:
+        check_dtype(x, weight, who, what)
 
 
 def affine(x: Float[torch.Tensor, "*batch d"], W: Float[torch.Tensor, "d e"],
@@ -190,13 +214,13 @@ class SparseCoder(nn.Module):
         Raises:
             ShapeError: ``x`` is not ``(*batch, d_in)``.
         """
-        check_last_dim(x, self.cfg.d_in, self._kind, "x")
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return encode_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
                            self.hook_sae_acts_pre, self.hook_sae_acts_post)
 
     def decode(self, acts: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_out"]:
         """``acts W_dec + b_dec`` (no skip path, no hook)."""
-        check_last_dim(acts, self.cfg.d_sae, self._kind, "acts")
+        check_last_dim(acts, self.cfg.d_sae, self._kind, "acts", self.W_dec)
         return affine(acts, self.W_dec, self.b_dec)
 
     def forward(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_out"]:
@@ -228,7 +252,7 @@ class SparseCoder(nn.Module):
             ShapeError: ``x`` is not ``(*batch, d_in)``.
             CheckpointError: the activation is not TopK / BatchTopK.
         """
-        check_last_dim(x, self.cfg.d_in, self._kind, "x")
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         if not self.supports_sparse:
             raise CheckpointError(f"{self._kind} activation {self.cfg.activation!r} has no sparse fast path")
         x_in = self.encoder_input(x).reshape(-1, self.cfg.d_in)
@@ -265,10 +289,12 @@ class SparseCoder(nn.Module):
         """Swap a :class:`BatchTopK` activation for its inference :class:`JumpReLU` (in place; cfg too).
 
         Raises:
-            CheckpointError: the activation is not BatchTopK.
+            CheckpointError: the activation is not BatchTopK, or ``bandwidth`` not a positive finite number
+                (nothing is changed).
         """
         if not isinstance(self.activation, BatchTopK):
             raise CheckpointError(f"{self._kind} activation is {self.cfg.activation!r}, not 'batchtopk'")
+        check_activation_params("jumprelu", self.cfg.d_sae, {"bandwidth": bandwidth})  # before anything changes
         self.activation = self.activation.to_jumprelu(bandwidth)
         self.cfg = dataclasses.replace(self.cfg, activation="jumprelu", activation_params={"bandwidth": bandwidth})
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._typing import Float
+from ..errors import CheckpointError
 from .sparse_coder import SparseCoder, SparseCoderConfig
 
 
@@ -47,6 +48,10 @@ class TranscoderConfig(SparseCoderConfig):
         if self.d_out is None:
             self.d_out = self.d_in
         super(TranscoderConfig, self).__post_init__()
+        if self.layer is not None and (not isinstance(self.layer, int) or isinstance(self.layer, bool)
+                                       or self.layer < 0):
+            raise CheckpointError(f"TranscoderConfig.layer must be a layer index (int >= 0) or None, "
+                                  f"got {self.layer!r}")
 
     _sizes: ClassVar[tuple[str, ...]] = ("d_in", "d_sae", "d_out")
 

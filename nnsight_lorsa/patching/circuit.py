@@ -15,17 +15,19 @@ ranking by the batch-mean score, ``f`` on the batch-mean metric).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import LorsaHead, MHSAHead
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, logits_envoy, make_metric
 from .tasks import TaskBatch
 
@@ -206,10 +208,18 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
         :class:`CircuitSize`; ``per_prompt_k: (batch,)``, ``global_k``, the curves ``(K, batch)``, ``(K,)``.
 
     Raises:
-        ConfigMismatchError: no/unknown components, mean mode without means, bad ``ks``.
+        ConfigMismatchError: no/unknown components, mean mode without means, ``ks`` outside ``[0, n]``.
+        ArgumentError: ``threshold`` not a finite number, ``ks`` not ints, non-finite ``scores``, a metric
+            that does not return ``(batch,)``.
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
     """
     _check_components(replacement, components)
+    if not is_real(threshold) or not math.isfinite(threshold):
+        raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "
+                            f"got {threshold!r}")
+    if ks is not None and (isinstance(ks, (str, bytes)) or not all(
+            is_int(k) for k in ks)):
+        raise ArgumentError(f"circuit_size: ks must be a sequence of ints, got {ks!r}")
     n, b = len(components), len(task)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if scores is None:
@@ -217,6 +227,8 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     if tuple(scores.shape) != (b, n):
         raise ConfigMismatchError(f"scores must be (batch={b}, n={n}), got {tuple(scores.shape)}")
     scores = host_f32(scores)  # the rankings and curves are host-side tables
+    if not bool(torch.isfinite(scores).all()):
+        raise ArgumentError("circuit_size: scores hold NaN or inf (no ranking can be made from them)")
     kk = sorted(set(default_ks(n) if ks is None else ks) | {0, n})
     if kk[0] < 0 or kk[-1] > n:
         raise ConfigMismatchError(f"ks must lie in [0, {n}]")

@@ -19,11 +19,12 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
-from ..errors import ConfigMismatchError, ShapeError
-from .interventions import ablate, patch, read
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+from .interventions import ablate, check_positions, patch, read
 from .metrics import logit_difference, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -37,10 +38,26 @@ def logits_envoy(replacement: ReplacementModel) -> Any:
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
     """The metric of an experiment: ``metric``, or the logit difference of ``correct_ids`` vs
     ``incorrect_ids`` at ``position``; its values are returned in fp32 on the CPU (the logits it reads
-    stay where the model put them)."""
+    stay where the model put them).
+
+    Raises:
+        ConfigMismatchError: neither ``metric`` nor both ids. ArgumentError: ``metric`` not callable, or (when
+            it runs) returning anything but a real tensor ``(batch,)``.
+    """
     if metric is not None:
+        if not callable(metric):
+            raise ArgumentError(f"metric must be a callable logits -> (batch,), got {metric!r}")
         user = metric
-        return lambda logits: host_f32(user(logits))
+
+        def checked(logits: torch.Tensor) -> torch.Tensor:
+            value = user(logits)
+            if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.dtype.is_complex \
+                    or tuple(value.shape) != (logits.shape[0],):
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)[:80]
+                raise ArgumentError(f"metric must map logits (batch, pos, vocab) to a real tensor "
+                                    f"(batch={logits.shape[0]},), got {got}")
+            return host_f32(value)
+        return checked
     if correct_ids is None or incorrect_ids is None:
         raise ConfigMismatchError("give metric= or both correct_ids= and incorrect_ids=")
     return lambda logits: host_f32(logit_difference(logits, correct_ids, incorrect_ids, position))
@@ -93,8 +110,15 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
+        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``.
+        ConfigMismatchError: no targets.
     """
+    if not is_int(groups_per_trace) \
+            or groups_per_trace < 1:
+        raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     groups = _groups(replacement, targets)
+    if not groups:
+        raise ConfigMismatchError("activation_patching needs at least one target (or group of targets)")
     score = make_metric(metric, correct_ids, incorrect_ids)
     if isinstance(clean, torch.Tensor) and isinstance(corrupt, torch.Tensor) and clean.shape != corrupt.shape:
         raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} token ids differ in shape")
@@ -193,9 +217,18 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
                             mode: Literal["zero", "mean"] = "zero", means: Any = None,
                             positions: Positions = None) -> RandomControl:
     """Ablate ``k`` targets drawn at random from ``pool`` (e.g. all heads of the layer but the
-    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to."""
-    if not 0 < k <= len(pool):
-        raise ConfigMismatchError(f"k={k} must be in [1, {len(pool)}] (the pool's size)")
+    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to.
+
+    Raises:
+        ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
+        ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
+    """
+    if not is_int(k) or not 0 < k <= len(pool):
+        raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
+    if not is_int(n_samples) or n_samples < 1:
+        raise ArgumentError(f"random_ablation_control: n_samples must be a positive int, got {n_samples!r}")
+    if not is_int(seed) or not -2**63 <= seed < 2**64:
+        raise ArgumentError(f"random_ablation_control: seed must be an int in [-2**63, 2**64), got {seed!r}")
     for t in pool:
         replacement.check(t)
     gen = torch.Generator(device=HOST).manual_seed(seed)  # draws on the CPU: the same on every device
@@ -220,6 +253,11 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
 
     Returns:
         ``(baseline_logits, swapped_logits)``, both ``(batch, pos, vocab)``.
+
+    Raises:
+        LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
+            (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
+            (:func:`~.interventions.check_positions`).
     """
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
@@ -229,6 +267,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             base = logits_envoy(replacement).output.save()
         with tracer.invoke(prompts):
             z, _ = src.location()
+            check_positions(positions, int(z.shape[1]))
             z_from = z[:, pos, from_head].clone()
             z_to = z[:, pos, to_head].clone()
             z[:, pos, from_head] = z_to if swap else 0

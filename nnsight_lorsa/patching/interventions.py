@@ -9,8 +9,10 @@
 Several interventions in one body must come in the model's execution order (earlier layers
 first; in a layer MHSA head < Lorsa head < transcoder feature < SAE feature on the layer
 output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.invoke`` they act on
-that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list; None:
-all); values are per position: ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
+that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list or 1-D integer
+tensor; None: all; negative ints count from the end as in Python; out-of-range, empty, bool and float
+positions raise :class:`~nnsight_lorsa.errors.ArgumentError`); values are per position:
+``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
 the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
 may stay on the CPU: nnsight moves a trace's input tensors to the model's device).
@@ -18,22 +20,64 @@ may stay on the CPU: nnsight moves a trace's input tensors to the model's device
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import like
 from ..envoy.edit_log import note_edit
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+
+
+def _is_int(value: Any) -> bool:
+    return is_int(value)
+
+
+def check_positions(positions: Positions, seq: int) -> None:
+    """Raise :class:`ArgumentError` unless ``positions`` selects at least one of ``seq`` positions: None
+    (all), an int in ``[-seq, seq)`` (negative counts from the end, as Python indexing), a slice of ints
+    selecting at least one position, or a non-empty list / 1-D integer tensor of such ints. Bools, floats
+    and out-of-range indices are refused (never wrapped or dropped)."""
+    if positions is None:
+        return
+    if isinstance(positions, slice):
+        if not all(v is None or _is_int(v) for v in (positions.start, positions.stop, positions.step)) \
+                or positions.step == 0:
+            raise ArgumentError(f"positions slice must have int bounds and a non-zero step, got {positions!r}")
+        if len(range(seq)[positions]) == 0:
+            raise ArgumentError(f"positions {positions!r} selects none of the {seq} positions")
+        return
+    if _is_int(positions):
+        items: list = [positions]
+    elif isinstance(positions, torch.Tensor):
+        if positions.dim() > 1 or positions.dtype.is_floating_point or positions.dtype.is_complex \
+                or positions.dtype == torch.bool:
+            raise ArgumentError(f"positions must be a 1-D integer tensor, got shape {tuple(positions.shape)} "
+                                f"dtype {positions.dtype}")
+        items = positions.reshape(-1).tolist()
+    elif isinstance(positions, (list, tuple)) and all(_is_int(p) for p in positions):
+        items = list(positions)
+    else:
+        raise ArgumentError(f"positions must be None, an int, a slice, or a list / 1-D tensor of ints, "
+                            f"got {positions!r}")
+    if not items:
+        raise ArgumentError("positions is empty: give at least one position (None: all)")
+    bad = [p for p in items if not -seq <= p < seq]
+    if bad:
+        raise ArgumentError(f"positions {bad} are out of range for a sequence of {seq} positions "
+                            f"(valid: [-{seq}, {seq}))")
 
 
 def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
     if not isinstance(target, Bound):
         raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
     tensor, cols = target.location()
+    check_positions(positions, int(tensor.shape[1]))
     return tensor, index_at(cols, positions)
 
 
@@ -41,6 +85,35 @@ def _edited(target: Bound, positions: Positions, what: str) -> None:
     """Tell an intervened-pass attribution of this trace (``attribute(rm, tracer=tracer)``), if any, what
     was edited: its node is marked and held at the edited value in the graph."""
     note_edit(target.target, positions, what)
+
+
+def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: bool = True) -> Any:
+    """``value`` (a number, or a tensor / array of the target's per-position values) checked for the
+    ``site`` it is written to (``tensor[idx]``): a finite number stays a number; a tensor must fit the
+    target (:meth:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel.check_values`), broadcast to
+    ``site``'s shape and (with ``finite``) hold no NaN / inf; it is moved to ``site``'s device and dtype."""
+    if is_real(value):
+        if finite and not math.isfinite(value):
+            raise ArgumentError(f"{name} must be a finite number, got {value!r}")
+        return value
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (bool, str, bytes)) or value is None:
+            raise ArgumentError(f"{name} must be a number or a tensor, got {value!r}")
+        try:
+            value = torch.as_tensor(value, device="cpu")
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ArgumentError(f"{name} must be a number or a tensor, got {value!r} ({e})") from e
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        raise ArgumentError(f"{name} must be a real tensor, got dtype {value.dtype}")
+    target.replacement.check_values(target.target, value)
+    want = tuple(site.shape)
+    have = tuple(value.shape)
+    if len(have) > len(want) or any(h not in (1, w) for h, w in zip(have[::-1], want[::-1], strict=False)):
+        raise ShapeError(f"{name} of shape {have} does not broadcast to the edited values' shape {want} "
+                         f"(batch, positions[, head_dim])")
+    if finite and not bool(torch.isfinite(value).all()):
+        raise ArgumentError(f"{name} holds NaN or inf values")
+    return value.to(device=site.device, dtype=site.dtype)
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
@@ -56,47 +129,64 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     ``means``: a tensor (the target's mean value) or the mapping returned by
     :func:`mean_activations` (keyed by target).
     """
+    if not isinstance(mode, str) or mode not in ("zero", "mean"):
+        raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
     tensor, idx = _loc(target, positions)
     if mode == "zero":
         tensor[idx] = 0
         _edited(target, positions, "ablate")
         return
-    if mode != "mean":
-        raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
     if isinstance(means, Mapping):
         if target.target not in means:
             raise ConfigMismatchError(f"no mean for {target.target}")
         means = means[target.target]
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
-    target.replacement.check_values(target.target, torch.as_tensor(means, device="cpu"))
-    tensor[idx] = like(means, tensor)  # on the target's device, in its dtype (means may come from anywhere)
+    # on the target's device, in its dtype (means may come from anywhere)
+    tensor[idx] = like(_value(target, means, tensor[idx], "means"), tensor)
     _edited(target, positions, "ablate")
 
 
 def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
-    """Multiply the target by ``alpha`` (``-alpha`` inhibits, as the feature inhibition of Lindsey et al. 2025, *On
-    the Biology of a Large Language Model*)."""
+    """Multiply the target by ``alpha`` (``-alpha`` inhibits, as the feature inhibition of Lindsey et al. 2025,
+    *On the Biology of a Large Language Model*): a finite number, or a tensor of per-position factors
+    broadcastable to the edited values.
+
+    Raises:
+        ArgumentError: ``alpha`` not a finite number / tensor (NaN, inf, bool, string, None); bad ``positions``.
+        ShapeError: an ``alpha`` tensor that does not fit the edited values.
+    """
     tensor, idx = _loc(target, positions)
-    tensor[idx] = tensor[idx] * alpha
+    site = tensor[idx]
+    tensor[idx] = site * _value(target, alpha, site, "alpha")
     _edited(target, positions, "scale")
 
 
 def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
-    """Add ``delta`` (a number, or a ``head_dim`` vector for MHSA heads) to the target."""
+    """Add ``delta`` (a finite number, or a tensor: a ``head_dim`` vector for MHSA heads, per-position values
+    broadcastable to the edited values) to the target.
+
+    Raises:
+        ArgumentError: ``delta`` not a finite number / tensor (NaN, inf, bool, string, None); bad ``positions``.
+        ShapeError: a ``delta`` tensor that does not fit the target or the edited values.
+    """
     tensor, idx = _loc(target, positions)
-    if isinstance(delta, torch.Tensor):
-        target.replacement.check_values(target.target, delta)
-        delta = delta.to(device=tensor.device, dtype=tensor.dtype)
-    tensor[idx] = tensor[idx] + delta
+    site = tensor[idx]
+    tensor[idx] = site + _value(target, delta, site, "delta")
     _edited(target, positions, "steer")
 
 
 def patch(target: Bound, source_values: torch.Tensor, positions: Positions = None) -> None:
-    """Overwrite the target by ``source_values`` (e.g. read from another prompt's run)."""
+    """Overwrite the target by ``source_values`` (e.g. read from another prompt's run; activations are
+    written as they are, non-finite values included).
+
+    Raises:
+        ShapeError: ``source_values`` that do not fit the target or the edited values.
+        ArgumentError: bad ``positions``.
+    """
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
-    tensor[idx] = torch.as_tensor(source_values).to(device=tensor.device, dtype=tensor.dtype)
+    tensor[idx] = _value(target, source_values, tensor[idx], "source_values", finite=False)
     _edited(target, positions, "patch")
 
 
@@ -108,8 +198,16 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
     averaged in fp32 and returned on the device and in the dtype of the values they average (the
     model's, or a spliced module's); :func:`ablate` moves them to wherever they are written.
+
+    Raises:
+        ArgumentError: ``per_position`` not a bool. ConfigMismatchError: no targets. Target errors before the
+            model runs.
     """
+    if not isinstance(per_position, bool):
+        raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)
+    if not ordered:
+        raise ConfigMismatchError("mean_activations needs at least one target")
     for t in ordered:
         replacement.check(t)
     saved = {}

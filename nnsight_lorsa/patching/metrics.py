@@ -3,13 +3,35 @@ relative effect of an intervention."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from .._checks import is_int, is_real
+from ..errors import ArgumentError, ShapeError
 
-def _ids(ids: Any, batch: int, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(ids, device=device).long()
+
+def _is_int(value: Any) -> bool:
+    return is_int(value)
+
+
+def _ids(ids: Any, batch: int, vocab: int, device: torch.device, name: str) -> torch.Tensor:
+    """``ids`` (a token id or one per row) as ``(batch,)`` int64 on ``device``, each in ``[0, vocab)``."""
+    if _is_int(ids):
+        t = torch.tensor(int(ids), device="cpu")
+    elif isinstance(ids, torch.Tensor) and not (ids.dtype.is_floating_point or ids.dtype.is_complex
+                                                or ids.dtype == torch.bool):
+        t = ids
+    elif isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids):
+        t = torch.tensor([int(i) for i in ids], dtype=torch.long, device="cpu")
+    else:
+        raise ArgumentError(f"{name} must be a token id (int) or one per row (a list / integer tensor), got {ids!r}")
+    if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
+        raise ArgumentError(f"{name} must be one token id or {batch} (one per row), got shape {tuple(t.shape)}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise ArgumentError(f"{name} must be token ids in [0, {vocab}), got {t.tolist()}")
+    t = t.to(device=device, dtype=torch.long)
     return t.expand(batch) if t.ndim == 0 else t
 
 
@@ -19,18 +41,43 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
 
     Args:
         logits: ``(batch, pos, vocab)``.
-        correct_ids, incorrect_ids: a token id or one per row ``(batch,)``.
+        correct_ids, incorrect_ids: a token id or one per row ``(batch,)``, each in ``[0, vocab)``.
+        position: an int in ``[-pos, pos)`` (negative counts from the end).
+
+    Raises:
+        ShapeError: ``logits`` not ``(batch, pos, vocab)``.
+        ArgumentError: ids that are not token ids of this vocabulary (floats, bools, negative, ``>= vocab``,
+            the wrong count), or ``position`` not an int in range.
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ShapeError(f"logit_difference: logits must be (batch, pos, vocab), got {got}")
+    b, seq, vocab = logits.shape
+    if not _is_int(position) or not -seq <= position < seq:
+        raise ArgumentError(f"logit_difference: position must be an int in [-{seq}, {seq}), got {position!r}")
+    correct = _ids(correct_ids, b, vocab, logits.device, "correct_ids")
+    incorrect = _ids(incorrect_ids, b, vocab, logits.device, "incorrect_ids")
     last = logits[:, position, :].float()
     rows = torch.arange(last.shape[0], device=last.device)
-    n = last.shape[0]
-    return last[rows, _ids(correct_ids, n, last.device)] - last[rows, _ids(incorrect_ids, n, last.device)]
+    return last[rows, correct] - last[rows, incorrect]
 
 
 def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float) -> torch.Tensor:
     """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect.
 
-    In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU)."""
+    In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU). Undefined
+    where the baseline is 0: ``±inf`` or NaN there (as the division gives).
+
+    Raises:
+        ArgumentError: ``baseline`` or ``intervened`` not a real number or real tensor (bools, strings, None,
+            non-finite numbers).
+    """
+    for name, value in (("baseline", baseline), ("intervened", intervened)):
+        if isinstance(value, torch.Tensor):
+            if value.dtype == torch.bool or value.dtype.is_complex:
+                raise ArgumentError(f"relative_effect: {name} must be a real tensor, got dtype {value.dtype}")
+        elif not is_real(value) or not math.isfinite(value):
+            raise ArgumentError(f"relative_effect: {name} must be a finite number or a tensor, got {value!r}")
     b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
                                                                                             device="cpu")
     return (b - torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)) / b

@@ -49,13 +49,15 @@ from typing import Any, Literal
 
 import torch
 
+from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
-from ..errors import ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import logits_envoy, make_metric
+from .interventions import check_positions
 from .metrics import relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -415,11 +417,22 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             Lorsa layer after an earlier sender of its group, a feature whose set is missing,
             MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts.
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes differ,
-            means of the wrong width. All raised before the model runs.
+            means of the wrong width. ArgumentError: ``freeze`` not a bool, ``groups_per_trace`` not an int
+            ``>= 1``, ``positions`` not valid for the prompts (:func:`~.interventions.check_positions`).
+            All raised before the model runs.
     """
+    if not isinstance(freeze, bool):
+        raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
+    if not is_int(groups_per_trace) \
+            or groups_per_trace < 1:
+        raise ArgumentError(f"path_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
+    seq = int(clean.shape[-1]) if isinstance(clean, torch.Tensor) and clean.dim() >= 1 else 2**62
+    check_positions(positions, seq)  # the prompts' length where known (token ids), else the types only
     groups: list[tuple[Target, ...]] = [
         tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,) for g in senders  # type: ignore[misc]
     ]
+    if not groups or any(not g for g in groups):
+        raise ConfigMismatchError("path_patching needs at least one sender, and no empty sender group")
     recv = list(receivers)
     _check(replacement, groups, recv, mode, means, clean, corrupt, freeze)
     lorsa_layers, features = _call_splices(groups, recv)

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from .._repr import FieldsRepr
-from ..errors import ConfigMismatchError, LorsaError
+from ..errors import ArgumentError, ConfigMismatchError, LorsaError
 
 IOI_TEMPLATES = (
     "Then, [B] and [A] went to the park. [S] gave a ball to",
@@ -76,6 +77,12 @@ class TaskBatch(FieldsRepr):
                          self.incorrect_ids[idx.to(self.incorrect_ids.device)], [self.meta[int(i)] for i in idx])
 
 
+def _check_int(value: Any, name: str, low: int | None = None) -> None:
+    """Raise :class:`~nnsight_lorsa.errors.ArgumentError` unless ``value`` is an int (not a bool), ``>= low``."""
+    if not is_int(value) or (low is not None and value < low):
+        raise ArgumentError(f"{name} must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -120,10 +127,23 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
         :class:`TaskBatch` with ``clean, corrupt: (n_prompts, 1 + 2·seq_len − 1)`` (BOS if any).
 
     Raises:
-        TaskTokenizationError: the pool has fewer than ``seq_len + 1`` tokens.
+        TaskTokenizationError: the pool has fewer than ``seq_len + 1`` distinct tokens.
+        ArgumentError: ``n_prompts`` or ``seed`` not an int (``n_prompts >= 1``), ``seq_len`` not an int
+            ``>= 2`` (one repeated token is no induction), a ``token_pool`` entry that is not a token id in
+            ``[0, len(tokenizer))``.
     """
+    _check_int(n_prompts, "n_prompts", 1)
+    _check_int(seq_len, "seq_len", 2)
+    _check_int(seed, "seed")
+    vocab = len(tokenizer)
+    if token_pool is not None:
+        bad = [t for t in token_pool if not is_int(t)
+               or not 0 <= t < vocab]
+        if bad:
+            raise ArgumentError(f"token_pool must hold token ids in [0, {vocab}), got {bad[:5]}")
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    pool = [int(t) for t in (token_pool if token_pool is not None else range(len(tokenizer))) if t not in special]
+    pool = list(dict.fromkeys(int(t) for t in (token_pool if token_pool is not None else range(vocab))
+                              if t not in special))  # distinct, in the given order
     if len(pool) < seq_len + 1:
         raise TaskTokenizationError(f"induction needs at least {seq_len + 1} distinct tokens, the pool has {len(pool)}")
     rng = random.Random(seed)
@@ -183,10 +203,13 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         TaskTokenizationError: fewer than 5 single-token names, or a template whose clean and
             corrupt prompts tokenize to different lengths.
         ConfigMismatchError: an unknown ``order``.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
     if order not in ("BABA", "ABBA", "mixed"):
         raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
     pool = name_tokens(tokenizer, names, min_count=5)
+    _check_int(n_prompts, "n_prompts", 1)
+    _check_int(seed, "seed")
     rng = random.Random(seed)
     bos = _bos(tokenizer)
     clean, corrupt, correct, incorrect, meta = [], [], [], [], []
@@ -226,7 +249,10 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
     Raises:
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts.
         ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
+    _check_int(n_prompts, "n_prompts", 1)
+    _check_int(seed, "seed")
     rng = random.Random(seed)
     bos = _bos(tokenizer)
     two = [single_token(tokenizer, f"{y:02d}") for y in range(100)]
@@ -305,7 +331,11 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
 
     Raises:
         TaskTokenizationError: a prompt cannot be tokenized as needed, or prompts differ in length.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
+    if pairs is None:
+        _check_int(n_prompts, "n_prompts", 1)
+    _check_int(seed, "seed")
     rng = random.Random(seed)
     pairs = list(pairs) if pairs is not None else [(rng.randrange(10, 100), rng.randrange(10, 100))
                                                    for _ in range(n_prompts)]

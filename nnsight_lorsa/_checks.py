@@ -1,0 +1,32 @@
+"""Type checks of public arguments, shared by the entry points.
+
+Only ``operator`` is imported: these run where the modules run, an NDIF server included, whose
+deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or numpy: anything ``operator.index`` takes), never a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def is_real(value: Any) -> bool:
+    """A real number (Python int / float, or a numpy scalar of an integer or float dtype), never a bool."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+            and getattr(dtype, "kind", "") in ("i", "u", "f"))
