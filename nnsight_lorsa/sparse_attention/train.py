@@ -46,6 +46,7 @@ from ..errors import (
     GateConfigError,
     GateNotInstalledError,
     HeldoutConstraintWarning,
+    NonFiniteError,
     VacuousConstraintError,
 )
 from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
@@ -370,7 +371,13 @@ class SparseAttentionTrainer:
         return sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
 
     def train_step(self) -> StepRecord:
-        """One optimiser step on the Lagrangian and one GECO step; returns its :class:`StepRecord`."""
+        """One optimiser step on the Lagrangian and one GECO step; returns its :class:`StepRecord`.
+
+        Raises:
+            NonFiniteError: the loss or the gradient norm is NaN / inf (e.g. a far too large ``lr`` or a NaN in
+                the model); nothing was updated (weights, gates, Adam state, GECO's λ, the step count), so
+                the trainer and a checkpoint on disk hold the last good state.
+        """
         cfg = self.config
         self.hf.train()
         start = cfg.steps * (1.0 - cfg.decay_fraction)
@@ -389,10 +396,18 @@ class SparseAttentionTrainer:
         density = expected_edge_fraction(self.hf).to(ce.device)
         loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
         self.optimizer.zero_grad(set_to_none=True)
+        if not bool(torch.isfinite(loss.detach())):  # before any gradient: the weights stay the last good ones
+            raise NonFiniteError(f"sparse-attention training: step {self.step}: the loss is {float(loss):.4g} "
+                                 f"(CE {float(ce):.4g}); the model and gates are as before this step",
+                                 step=self.step, tensor="loss")
         loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]],
-                                           cfg.grad_clip)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if not bool(torch.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"sparse-attention training: step {self.step}: the gradient norm is "
+                                 f"{float(norm):.4g}; the model and gates are as before this step",
+                                 step=self.step, tensor="grad")
         self.optimizer.step()
         lam = self.geco.update(ce.item())
         stats = edge_statistics(self.hf)

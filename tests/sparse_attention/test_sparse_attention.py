@@ -427,3 +427,28 @@ def test_held_out_ce_is_reported_and_checked_against_the_constraint(monkeypatch)
     with pytest.warns(HeldoutConstraintWarning, match=r"held-out CE 3.0000 -> 5.8000"):
         _, bad = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False, heldout=heldout)
     assert bad.heldout_violation is True and (bad.heldout_base_ce, bad.heldout_ce) == (3.0, 5.8)
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_a_non_finite_step_stops_with_a_named_error_and_changes_nothing(where) -> None:
+    """A NaN loss (a NaN weight in the forward) or a NaN gradient (a backward hook) stops the step with
+    NonFiniteError naming the step and the tensor; the model, the gates, GECO's lambda and the step are as before."""
+    from nnsight_lorsa.errors import NonFiniteError
+
+    tr = _trainer()
+    tr.train(1, progress=False)
+    before = {k: v.detach().clone() for k, v in tr.hf.state_dict().items()}
+    lam, step = tr.geco.lam, tr.step
+    q = tr.hf.model.layers[0].self_attn.q_proj
+    if where == "loss":
+        with torch.no_grad():
+            q.weight[0, 0] = float("nan")
+        before["model.layers.0.self_attn.q_proj.weight"] = q.weight.detach().clone()
+    else:
+        q.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(NonFiniteError, match=f"step {step}") as info:
+        tr.train_step()
+    assert info.value.tensor == where and info.value.step == step
+    after = tr.hf.state_dict()
+    assert all(torch.equal(before[k].nan_to_num(7.0), after[k].nan_to_num(7.0)) for k in before)
+    assert tr.geco.lam == lam and tr.step == step
