@@ -194,8 +194,15 @@ def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: b
     held = site_envoy.__dict__.get(name)
     if held is not None and getattr(held, "_module", None) is module:
         del site_envoy.__dict__[name]
-    # the interleaver keeps one registration per module (a hook point's too); a stale one would make the next trace
-    # that attaches the module alias the old envoy (seen after ``tracer.stop()``: OutOfOrderError on ``hook_z``)
+    _forget(site_envoy, name, module, instrumented_before)
+
+
+def _forget(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:
+    """Drop the interleaver's registrations of ``module`` and its descendants under ``<site path>.<name>`` and,
+    unless ``module`` was instrumented before, strip nnsight's controllers. The interleaver keeps one
+    registration per module (a hook point's too; nnsight's ``_drop_envoy`` forgets only the envoy's own): a
+    stale one would make the next trace that attaches or mounts the module alias the old envoy (seen after
+    ``tracer.stop()``: OutOfOrderError on ``hook_z`` in the following trace)."""
     registry = site_envoy.interleaver.envoys
     prefix = f"{site_envoy.path}.{name}."
     for sub in module.modules():
@@ -232,17 +239,7 @@ def unmount(site_envoy: Any, name: str, module: nn.Module, instrumented_before: 
     if hf_module(site_envoy)._modules.get(name) is module:
         del hf_module(site_envoy)._modules[name]
         site_envoy._drop_envoy(name)
-    # nnsight forgets the dropped envoy's own registration only; a descendant's (a hook point's)
-    # would make the next trace that mounts the module alias the stale envoy (seen after
-    # ``tracer.stop()``: OutOfOrderError on ``hook_z`` in the following trace)
-    registry = site_envoy.interleaver.envoys
-    prefix = f"{site_envoy.path}.{name}."
-    for sub in module.modules():
-        envoy = registry.get(id(sub))
-        if envoy is not None and f"{envoy.path}.".startswith(prefix):
-            del registry[id(sub)]
-    if not instrumented_before:  # leave alone a module the user had wrapped by nnsight elsewhere
-        strip_nnsight(module)
+    _forget(site_envoy, name, module, instrumented_before)
 
 
 def is_instrumented(module: nn.Module) -> bool:
