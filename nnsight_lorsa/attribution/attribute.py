@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._memory import release_free_memory
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ArgumentError, ConfigMismatchError
@@ -31,7 +32,7 @@ from .layout import Layout, LiveNodes
 from .options import AttributionOptions
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules
-from .rows import RowScheduler, SparseRows, assemble, assemble_pruned, release_free_memory
+from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
 

@@ -28,7 +28,6 @@ the values come from the forward and the edges from the backward passes. torch o
 from __future__ import annotations
 
 import bisect
-import ctypes
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .._memory import release_free_memory
 from .._typing import Float, Int
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, BlockAdjacency, Graph
 from .layout import Layout
@@ -48,27 +48,6 @@ from .scores import find_threshold, influence_series
 BLOCK_ENTRIES = 2**24
 
 
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
-
-    Each batch of rows frees its temporaries (gradients, masks, indices: megabytes) while a few small
-    long-lived allocations land between them; glibc then keeps the holes resident and the process's
-    peak grows with every batch although the live data does not (measured: 2.7 MB per batch at 128
-    tokens, 0.8 MB of it stored entries). Called every :data:`TRIM_EVERY` batches (a call walks the
-    heap: ~50 ms at a few hundred MB), it keeps the peak near the live data."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:  # pragma: no cover - a platform without a C library handle
-        return None
-
-
-_LIBC = _libc()
 #: batches of rows between two :func:`release_free_memory` calls
 TRIM_EVERY = 8
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
