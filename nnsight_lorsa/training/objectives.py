@@ -23,379 +23,41 @@ counters, AuxK, checkpoints, data parallelism).
 
 Decoder rows are kept at unit norm for every dictionary except JumpReLU ones (``normalize_decoder``
 overrides).
+
+Here: the dictionaries' objectives and the registry (:data:`_OBJECTIVES`, :func:`_objective_for`); the Lorsa's
+is :mod:`.lorsa_objective`, the contract they share (:class:`_Objective`, :class:`TrainingState`)
+:mod:`.objective_base`.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from .._placement import f32
-from ..errors import CheckpointError, ConfigMismatchError, ShapeError, TooFewTokensError, UnsupportedArchitectureError
+from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
 from ..modules.activations import BatchTopK, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
-from ..modules.lorsa import Lorsa
-from ..modules.lorsa_config import LorsaConfig
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
 from ..modules.sparse_decode import SparseActs, gathered_preact, sparse_decode
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .activations import Batch
-from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
+from .lorsa_objective import LorsaObjective
 from .metrics import fvu
-
-Metrics = dict[str, float]
-
-
-class TrainingState:
-    """What an objective sees of its trainer (a narrow view, not the trainer): the step, the settings,
-    the batches, the dead counters and AuxK, and one change it may make (:meth:`reset_latents`).
-
-    Attributes (read-only): step (steps taken), config (:class:`~.trainer.TrainConfig`), dist (the
-    data-parallel context, :class:`~.distributed.DataParallel`, or None).
-    """
-
-    def __init__(self, trainer: Any) -> None:
-        self._trainer = trainer
-
-    @property
-    def step(self) -> int:
-        return int(self._trainer.step)
-
-    @property
-    def config(self) -> Any:
-        return self._trainer.config
-
-    @property
-    def dist(self) -> Any:
-        return self._trainer.dist
-
-    def source(self, index: int) -> Batch:
-        """Batch ``index`` of the trainer's source."""
-        return self._trainer.source(index)
-
-    def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """:meth:`~.trainer.Trainer.count_fired`: update the dead counters, return the dead mask."""
-        return self._trainer.count_fired(fired, n_tokens)
-
-    def aux_k_loss(self, pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_dec: torch.Tensor,
-                   default_k: int) -> torch.Tensor:
-        """:meth:`~.trainer.Trainer.aux_k_loss` (AuxK, fp32 scalar on ``pre``'s device)."""
-        return self._trainer.aux_k_loss(pre, dead, err, W_dec, default_k)
-
-    def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """:meth:`~.trainer.Trainer.batch_mean`: the (global) batch mean of per-token ``values``."""
-        return self._trainer.batch_mean(values)
-
-    def reset_latents(self, params: Any, moved: torch.Tensor) -> None:
-        """Latents ``moved`` (indices) start afresh: their rows of the Adam moments of ``params`` (those
-        whose first axis is the latent axis) are zeroed, and their dead counters restart (a full dead window)."""
-        n = self._trainer.tokens_since_fired.shape[0]
-        for p in params:
-            for v in self._trainer.optimizer.state.get(p, {}).values():
-                if v.dim() and v.shape[0] == n:
-                    v[moved] = 0
-        self._trainer.tokens_since_fired[moved] = 0
-
-
-class _Objective:
-    """Base objective: one scale factor for inputs and one for targets (``s = sqrt(d) / E‖·‖`` over
-    the loss-masked tokens of the first ``norm_batches`` batches).
-
-    Attributes:
-        module: the trained module. s_in, s_out: the scale factors (None until estimated; a CLT's are the
-            means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists, None for other kinds).
-    """
-
-    desc: ClassVar[str] = "train"
-    weights_file: ClassVar[str] = "module.safetensors"
-    config_key: ClassVar[str] = "module_config"
-    #: the module class this objective trains (:func:`_objective_for` picks the first that fits)
-    module_type: ClassVar[type] = torch.nn.Module
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.s_in: Any = None  # float | None (a float once estimated; the losses run after that)
-        self.s_out: Any = None
-        self.s_in_layers: list[float] | None = None
-        self.s_out_layers: list[float] | None = None
-
-    def reset_scales(self) -> None:
-        """Forget the scale factors (an estimate that failed)."""
-        self.s_in = self.s_out = self.s_in_layers = self.s_out_layers = None
-
-    def n_latents(self) -> int:
-        """Number of latents (heads, features) whose firing the dead counters follow."""
-        raise NotImplementedError
-
-    def check_source(self, source: Any) -> None:
-        """Raise when ``source`` visibly does not fit the module (default: nothing to check)."""
-
-    @torch.no_grad()
-    def estimate_norms(self, t: TrainingState) -> None:
-        """Set :attr:`s_in` / :attr:`s_out` from the first ``norm_batches`` batches of ``t.source``.
-
-        Raises:
-            TooFewTokensError: those batches have no counted token.
-        """
-        norms_x, norms_y = [], []
-        for i in range(t.config.norm_batches):  # in fp32 on the activations' device
-            b = t.source(i)
-            mask = b.loss_mask.to(b.x.device)
-            norms_x.append(f32(b.x[mask]).norm(dim=-1))
-            norms_y.append(f32(b.y[mask.to(b.y.device)]).norm(dim=-1).to(b.x.device))
-        _require_tokens(t, sum(v.numel() for v in norms_x))
-        self.s_in = _ratio(math.sqrt(b.x.shape[-1]), float(torch.cat(norms_x).mean()))
-        self.s_out = _ratio(math.sqrt(b.y.shape[-1]), float(torch.cat(norms_y).mean()))
-
-    def check_init_batch(self, t: TrainingState) -> None:
-        """Raise :class:`~..errors.TooFewTokensError` when :meth:`after_norms` cannot work on the batches
-        (called before it, the scale factors known; default: nothing needed)."""
-
-    def after_norms(self, t: TrainingState) -> None:
-        """Called once the scale factors are known (initialisation that depends on them)."""
-
-    def discard_step(self, t: TrainingState) -> None:
-        """Forget what :meth:`loss` recorded for :meth:`post_step` (the step was refused: non-finite)."""
-
-    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …)."""
-        raise NotImplementedError
-
-    def post_step(self, t: TrainingState) -> None:
-        """Called after every optimizer step (the decoder constraint)."""
-
-    def fold(self, t: TrainingState) -> torch.nn.Module:
-        """A copy of the module acting on raw activations (scale factors folded into the weights)."""
-        raise NotImplementedError
-
-    def module_config(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @classmethod
-    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def save_meta(self, t: TrainingState) -> dict[str, Any]:
-        """Extra ``trainer.json`` entries."""
-        return {}
-
-    def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
-        """Load what :meth:`save_meta` wrote."""
-
-
-def _ratio(num: float, den: float) -> float:
-    """``num / den``, ``inf`` / ``nan`` where Python's division would raise (``den`` zero): the trainer names it."""
-    return num / den if den != 0 else math.inf
-
-
-def _require_tokens(t: TrainingState, n_tokens: int) -> None:
-    """Raise :class:`~..errors.TooFewTokensError` when the scale-factor batches count no token."""
-    if n_tokens == 0:
-        n = t.config.norm_batches
-        raise TooFewTokensError(f"the first {n} batch{'es' if n > 1 else ''} (norm_batches={n}) count no token: every "
-                                "loss_mask entry is False (BOS and padding are never counted; a target_mask that "
-                                "keeps nothing?): give windows with counted tokens (longer windows, a target_mask "
-                                "with True entries) or raise norm_batches")
-
-
-def _require_norms(objective: _Objective) -> None:
-    if objective.s_in is None or objective.s_out is None:
-        raise RuntimeError("norms are not estimated yet: train first")
-
-
-# --------------------------------------------------------------------------- Lorsa
-class LorsaObjective(_Objective):
-    """A Lorsa's objective; the Lorsa-specific recipe (initialisation, k annealing, ranking, dead-head
-    remedy) is a :class:`~.lorsa_recipe.LorsaRecipe` (:mod:`.lorsa_recipe`).
-
-    Give it to the trainer in the module's place to set what only a Lorsa has
-    (``Trainer(LorsaObjective(lorsa, mhsa=..., recipe=...), source, config)``; a bare Lorsa gets the defaults).
-
-    Args:
-        module: the :class:`~..modules.lorsa.Lorsa` to train.
-        mhsa: the MHSA weights (``adapter.mhsa_weights(hf, layer)``) to initialise QK and OV from (App. B.3)
-            once the norms are known; may live where the model does. None: the recipe's data-driven init only.
-        recipe: its initialisation, k annealing, ranking and dead-head remedy (default: the measured
-            recipe). Saved in checkpoints (a resumed trainer takes the saved one).
-
-    Raises:
-        TypeError: ``module`` is not a Lorsa.
-    """
-
-    desc = "Lorsa"
-    weights_file = "lorsa.safetensors"
-    config_key = "lorsa_config"
-    module_type = Lorsa
-
-    def __init__(self, module: Lorsa, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
-        _check_module(type(self), module)
-        super().__init__(module)
-        self.mhsa = mhsa
-        self.recipe = recipe or LorsaRecipe()
-        self.init_info: dict[str, float] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
-        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.balance: HeadBalance | None = None        # dead_remedy="balance"
-        self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
-
-    def n_latents(self) -> int:
-        return int(self.module.cfg.n_ov_heads)
-
-    def check_source(self, source: Any) -> None:
-        # a cached source has no positions: the Lorsa's default arange(pos) (windows start at position 0)
-        no_positions = getattr(source, "positions_site", True) is None and getattr(source, "cache", None) is None
-        if getattr(source, "stacked", False) or no_positions:
-            raise ConfigMismatchError("a Lorsa trains on one layer's attention input/output with positions: "
-                                      "use ActivationSource.attention(model, layer, …) or an activation cache")
-
-    def top_k(self, t: TrainingState) -> int:
-        """The top-k in force at the trainer's step (k annealing)."""
-        return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
-
-    def check_init_batch(self, t: TrainingState) -> None:
-        """The recipe's initialisation fits on the counted tokens of batch 0 (its first ``init_windows``):
-        at least ``d_qk_head`` for the SVD OV initialisations (one basis vector per token), else at least one."""
-        b = t.source(0)
-        n_win = self.recipe.init_windows
-        mask = b.loss_mask if n_win is None else b.loss_mask[:n_win]
-        have = int(mask.sum())
-        svd = self.mhsa is not None and self.recipe.ov_init in ("value_svd", "output_svd")
-        need = int(self.module.cfg.d_qk_head) if svd else 1
-        if have < need:
-            why = (f"the Lorsa recipe's OV initialisation (ov_init={self.recipe.ov_init!r}) needs at least "
-                   f"d_qk_head={need} counted tokens" if svd
-                   else "the Lorsa recipe's initialisation needs a counted token")
-            windows = f"{mask.shape[0]} window{'s' if mask.shape[0] != 1 else ''} of {mask.shape[1]} positions"
-            raise TooFewTokensError(f"{why} in the first batch; it has {have} ({windows}; BOS and padding are not "
-                                    "counted): use more or longer windows per batch (the demo: raise --batch-size or "
-                                    "--seq-len)" + (", or LorsaRecipe(ov_init='mhsa')" if svd else ""))
-
-    def discard_step(self, t: TrainingState) -> None:
-        self._last = self._resample = self._fired = None
-
-    def after_norms(self, t: TrainingState) -> None:
-        lorsa = self.module
-        b = t.source(0).to(lorsa.W_O.device, lorsa.W_O.dtype)
-        self.init_info = init_lorsa(self.module, b.x, b.y, b.loss_mask, s_in=self.s_in, s_out=self.s_out,
-                                    mhsa=self.mhsa, recipe=self.recipe, top_k=self.top_k(t),
-                                    positions=b.positions, attn_mask=b.attn_mask)
-
-    def post_step(self, t: TrainingState) -> None:
-        lorsa = self.module
-        moved = None
-        if self._last is not None:
-            z_pre, dead, k, err = self._last
-            norms = lorsa.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
-            moved = revive_dead(lorsa, z_pre, dead, k, self.recipe.revive_margin, norms,
-                                err if self.recipe.revive_aim else None)
-        if self._fired is not None:
-            counts, z_max, n = self._fired
-            if self.balance is None:
-                self.balance = HeadBalance(lorsa.cfg.n_ov_heads, lorsa.cfg.top_k)
-            self.balance.update(lorsa, self.recipe, counts, z_max, n, t.step, t.config.total_steps)
-            self._fired = None
-        if self._resample is not None:
-            x, err, mask, dead = self._resample
-            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step))
-        self._last = self._resample = None
-        if moved is not None and moved.numel():
-            t.reset_latents((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved)
-        if not self.recipe.rank_by_decoder_norm:
-            lorsa.normalize_decoder_()
-
-    def module_config(self) -> dict[str, Any]:
-        return self.module.cfg.to_dict()
-
-    @classmethod
-    def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
-        return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
-
-    def save_meta(self, t: TrainingState) -> dict[str, Any]:
-        meta: dict[str, Any] = {"lorsa_recipe": self.recipe.to_dict()}
-        if self.balance is not None:
-            meta["head_balance"] = self.balance.to_dict()
-        return meta
-
-    def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
-        if "lorsa_recipe" in meta:
-            self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
-        if "head_balance" in meta:
-            cfg = self.module.cfg
-            self.balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
-
-    def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        lorsa, recipe = self.module, self.recipe
-        batch = batch.to(lorsa.W_O.device, lorsa.W_O.dtype)
-        x = batch.x * self.s_in
-        y = batch.y * self.s_out
-        k = self.top_k(t)
-        z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
-        gain = self.selection_gain()
-        if gain is not None:  # rank by z·g (g = ‖w_o‖ and/or the balancing gain; folded exactly)
-            idx = (z_pre.detach() * gain).topk(k, dim=-1).indices
-            z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
-        else:
-            z, _ = lorsa.activation(z_pre, k)
-        out = lorsa.decode(z)
-        mask = batch.loss_mask
-        err = (f32(y) - f32(out))[mask]                                   # the loss in fp32
-        mse = err.pow(2).sum(-1).mean()
-        loss = mse
-        active = z[mask] > 0
-        dead = t.count_fired(active.any(0), int(mask.sum()))
-        aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
-        remedy = recipe.dead_remedy if t.step < recipe.remedy_until * t.config.total_steps else "none"
-        if remedy == "auxk":
-            aux = t.aux_k_loss(z_pre[mask], dead, err, lorsa.W_O, 2 * lorsa.cfg.top_k)
-            if t.config.aux_k_coef > 0 and dead.any():
-                loss = loss + t.config.aux_k_coef * aux
-        elif remedy == "ghost" and dead.any() and recipe.ghost_coef > 0:
-            aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
-            loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
-        elif remedy == "revive" and dead.any():
-            self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
-        elif remedy == "resample" and dead.any():
-            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
-        if recipe.dead_remedy == "balance":
-            zp = z_pre.detach()[mask]
-            z_max = zp.amax(0) if zp.shape[0] else torch.full_like(z_pre[0, 0], -torch.inf)
-            stats = (active.sum(0), z_max, int(mask.sum()))
-            self._fired = stats if t.dist is None else t.dist.combine_counts(*stats)
-        return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
-                      "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
-                      "aux": float(aux.detach()), "k": float(k)}
-
-    def selection_gain(self) -> torch.Tensor | None:
-        """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""
-        g = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
-        if self.balance is not None:
-            e = self.balance.gain().to(self.module.W_O.device)
-            g = e if g is None else g * e
-        return g
-
-    @torch.no_grad()
-    def fold(self, t: TrainingState) -> Lorsa:
-        """``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
-        then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``); balancing gains still on
-        (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``."""
-        _require_norms(self)
-        out = copy.deepcopy(self.module)
-        for w in (out.W_Q, out.W_K, out.W_V):
-            w.mul_(self.s_in)
-        out.W_O.div_(self.s_out)
-        if out.b_D is not None:
-            out.b_D.div_(self.s_out)
-        out.normalize_decoder_()
-        if self.balance is not None and bool((self.balance.log_gain != 0).any()):
-            g = self.balance.gain().to(out.W_V)
-            out.W_V.mul_(g[:, None])
-            out.b_V.mul_(g)
-            out.W_O.div_(g[:, None])
-        return out
+from .objective_base import (  # noqa: F401 - TrainingState / _Objective: the trainer's names for them
+    Metrics,
+    TrainingState,
+    _check_module,
+    _fits,
+    _Objective,
+    _ratio,
+    _require_norms,
+    _require_tokens,
+)
 
 
 # --------------------------------------------------------------------------- dictionaries
@@ -721,15 +383,6 @@ class _CLTObjective(_DictionaryObjective):
 #: the objective registry: module kind -> objective, the first whose ``module_type`` fits (an SAE before
 #: the other sparse coders)
 _OBJECTIVES: tuple[type[_Objective], ...] = (LorsaObjective, _SAEObjective, _SparseCoderObjective, _CLTObjective)
-
-
-def _fits(cls: type[_Objective], module: Any) -> bool:
-    return isinstance(module, cls.module_type)
-
-
-def _check_module(cls: type[_Objective], module: Any) -> None:
-    if not _fits(cls, module):
-        raise TypeError(f"{cls.__name__} trains a {cls.module_type.__name__}, got a {type(module).__name__}")
 
 
 def _objective_for(module: Any) -> _Objective:
