@@ -9,8 +9,11 @@ several tests share lives here.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -386,3 +389,16 @@ def recording_tqdm(monkeypatch, module) -> list[bool]:
 
     monkeypatch.setattr(module, "tqdm", record)
     return disabled
+
+
+def recorded_outcomes(script: str, out_dir: Path) -> list[dict]:
+    """Run ``tests/<script>`` (the hostile table, the generated probe) in a fresh interpreter — without the
+    suite's beartype hook, as a user's process runs — and return the records it writes with ``--json``."""
+    tests = Path(__file__).resolve().parent
+    out = out_dir / "records.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
+           "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, str(tests / script), "--json", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert out.is_file(), done.stderr[-3000:]
+    return json.loads(out.read_text())

@@ -10,27 +10,15 @@ typed arguments reach our own checks, not beartype's), derandomized (the same dr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent
+from helpers import recorded_outcomes
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("probe") / "records.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
-           "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, str(TESTS / "probe_counts.py"), "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert out.is_file(), done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return recorded_outcomes("probe_counts.py", tmp_path_factory.mktemp("probe"))
 
 
 def test_every_area_is_probed(records):

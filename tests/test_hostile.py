@@ -9,27 +9,15 @@ case; the tests below read them. ``PYTHONPATH=. python tests/hostile_cases.py`` 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent
+from helpers import recorded_outcomes
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hostile") / "records.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
-           "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, str(TESTS / "hostile_cases.py"), "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert out.is_file(), done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return recorded_outcomes("hostile_cases.py", tmp_path_factory.mktemp("hostile"))
 
 
 def test_at_least_300_cases_over_every_input_class(records):
