@@ -20,6 +20,7 @@ from typing import Any
 import nnsight
 import torch
 
+from .._checks import is_int
 from .._placement import HOST, host_f32, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
@@ -29,7 +30,7 @@ from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import attention_activations
 from ..errors import ArgumentError, ShapeError
 from ..modules.lorsa import head_indices
-from .top_activations import TopActivations, _is_int
+from .top_activations import TopActivations
 
 
 def _check_tokens(tokens: Any) -> None:
@@ -40,7 +41,7 @@ def _check_tokens(tokens: Any) -> None:
 
 
 def _check_count(value: Any, name: str, low: int = 1) -> None:
-    if not _is_int(value) or value < low:
+    if not is_int(value) or value < low:
         raise ArgumentError(f"{name} must be an int >= {low}, got {value!r}")
 
 
@@ -223,7 +224,7 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
             ``(n_features, d_model)``.
         ArgumentError: ``head`` not an int, ``k`` not an int ``>= 1``.
     """
-    if not _is_int(head):
+    if not is_int(head):
         raise ArgumentError(f"head must be an int, got {head!r}")
     head = int(head_indices(head, lorsa.cfg.n_ov_heads, "head", "cpu")[0])
     _check_count(k, "k")

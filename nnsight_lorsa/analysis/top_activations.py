@@ -20,10 +20,6 @@ from .._typing import Float
 from ..errors import ArgumentError
 
 
-def _is_int(value: object) -> bool:
-    return is_int(value)
-
-
 @dataclass
 class TopActivations:
     """Running top-``n_top`` activations per head.
@@ -53,7 +49,7 @@ class TopActivations:
             ArgumentError: ``n_heads`` or ``n_top`` not a positive int.
         """
         for name, value in (("n_heads", n_heads), ("n_top", n_top)):
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ArgumentError(f"TopActivations.empty: {name} must be a positive int, got {value!r}")
         # host-side tables: update() brings each batch's activations to the CPU
         return cls(distinct_windows=bool(distinct_windows),
@@ -81,7 +77,7 @@ class TopActivations:
             got = f"{tuple(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
             raise ArgumentError(f"TopActivations.update: z must be a float tensor (batch, pos, n_heads={n_heads}), "
                                 f"got {got}")
-        if not _is_int(first_window) or first_window < 0:
+        if not is_int(first_window) or first_window < 0:
             raise ArgumentError(f"TopActivations.update: first_window must be an int >= 0, got {first_window!r}")
         b, s, n = z.shape
         if keep is not None and (not isinstance(keep, torch.Tensor) or tuple(keep.shape) != (b, s)):
@@ -131,7 +127,7 @@ class TopActivations:
         Raises:
             ArgumentError: ``n`` not an int ``>= 0``.
         """
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ArgumentError(f"TopActivations.top_heads: n must be an int >= 0, got {n!r}")
         score = self.values[:, 0].clone()
         score[self.count == 0] = float("-inf")

@@ -34,10 +34,6 @@ from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 
 
-def _is_int(value: Any) -> bool:
-    return is_int(value)
-
-
 def check_positions(positions: Positions, seq: int) -> None:
     """Raise :class:`ArgumentError` unless ``positions`` selects at least one of ``seq`` positions: None
     (all), an int in ``[-seq, seq)`` (negative counts from the end, as Python indexing), a slice of ints
@@ -46,13 +42,13 @@ def check_positions(positions: Positions, seq: int) -> None:
     if positions is None:
         return
     if isinstance(positions, slice):
-        if not all(v is None or _is_int(v) for v in (positions.start, positions.stop, positions.step)) \
+        if not all(v is None or is_int(v) for v in (positions.start, positions.stop, positions.step)) \
                 or positions.step == 0:
             raise ArgumentError(f"positions slice must have int bounds and a non-zero step, got {positions!r}")
         if len(range(seq)[positions]) == 0:
             raise ArgumentError(f"positions {positions!r} selects none of the {seq} positions")
         return
-    if _is_int(positions):
+    if is_int(positions):
         items: list = [positions]
     elif isinstance(positions, torch.Tensor):
         if positions.dim() > 1 or positions.dtype.is_floating_point or positions.dtype.is_complex \
@@ -60,7 +56,7 @@ def check_positions(positions: Positions, seq: int) -> None:
             raise ArgumentError(f"positions must be a 1-D integer tensor, got shape {tuple(positions.shape)} "
                                 f"dtype {positions.dtype}")
         items = positions.reshape(-1).tolist()
-    elif isinstance(positions, (list, tuple)) and all(_is_int(p) for p in positions):
+    elif isinstance(positions, (list, tuple)) and all(is_int(p) for p in positions):
         items = list(positions)
     else:
         raise ArgumentError(f"positions must be None, an int, a slice, or a list / 1-D tensor of ints, "

@@ -12,18 +12,14 @@ from .._checks import is_int, is_real
 from ..errors import ArgumentError, ShapeError
 
 
-def _is_int(value: Any) -> bool:
-    return is_int(value)
-
-
 def _ids(ids: Any, batch: int, vocab: int, device: torch.device, name: str) -> torch.Tensor:
     """``ids`` (a token id or one per row) as ``(batch,)`` int64 on ``device``, each in ``[0, vocab)``."""
-    if _is_int(ids):
+    if is_int(ids):
         t = torch.tensor(int(ids), device="cpu")
     elif isinstance(ids, torch.Tensor) and not (ids.dtype.is_floating_point or ids.dtype.is_complex
                                                 or ids.dtype == torch.bool):
         t = ids
-    elif isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids):
+    elif isinstance(ids, (list, tuple)) and all(is_int(i) for i in ids):
         t = torch.tensor([int(i) for i in ids], dtype=torch.long, device="cpu")
     else:
         raise ArgumentError(f"{name} must be a token id (int) or one per row (a list / integer tensor), got {ids!r}")
@@ -53,7 +49,7 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ShapeError(f"logit_difference: logits must be (batch, pos, vocab), got {got}")
     b, seq, vocab = logits.shape
-    if not _is_int(position) or not -seq <= position < seq:
+    if not is_int(position) or not -seq <= position < seq:
         raise ArgumentError(f"logit_difference: position must be an int in [-{seq}, {seq}), got {position!r}")
     correct = _ids(correct_ids, b, vocab, logits.device, "correct_ids")
     incorrect = _ids(incorrect_ids, b, vocab, logits.device, "incorrect_ids")
