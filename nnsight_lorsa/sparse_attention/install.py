@@ -30,11 +30,6 @@ from .attention import ATTN_IMPLEMENTATION, GATE_NAME, register_gated_attention
 _DENSE_ATTR = "_nnsight_lorsa_dense_attn_implementation"
 
 
-def hf_model(model: Any) -> Any:
-    """The Hugging Face module under an nnsight model (or ``model`` itself)."""
-    return hf_module(model) if is_envoy(model) else model
-
-
 def _module_device(module: nn.Module, root: nn.Module) -> torch.device:
     """The device of ``module``'s first parameter (else ``root``'s).
 
@@ -71,7 +66,7 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
     """
     if is_envoy(model) and getattr(model, "dispatched", True) is False:
         model.dispatch()  # an nnsight model loaded lazily: attach to the real weights, not the meta ones
-    hf = hf_model(model)
+    hf = hf_module(model)
     adapter = get_adapter(hf)
     if hasattr(hf, _DENSE_ATTR):
         raise GateConfigError("gated attention is already installed on this model (uninstall it first)")
@@ -104,7 +99,7 @@ def uninstall_gated_attention(model: Any) -> None:
     Raises:
         GateNotInstalledError: the model carries no gates.
     """
-    hf = hf_model(model)
+    hf = hf_module(model)
     if not hasattr(hf, _DENSE_ATTR):
         raise GateNotInstalledError("gated attention is not installed on this model")
     adapter = get_adapter(hf)
@@ -128,7 +123,7 @@ def get_gates(model: Any) -> dict[int, AttentionGate]:
     Raises:
         GateNotInstalledError: some attention module has no gate.
     """
-    hf = hf_model(model)
+    hf = hf_module(model)
     adapter = get_adapter(hf)
     out: dict[int, AttentionGate] = {}
     for layer in range(adapter.n_layers):

@@ -30,17 +30,18 @@ import torch
 from .._atomic import atomic_directory, check, manifest_of, resolve
 from ..adapters.registry import get_adapter
 from ..adapters.transformers_internals import children_removed, saved_attn_implementation
+from ..envoy.nnsight_internals import hf_module
 from ..formats.gate_format import GateConfig, GateSet, write_gate_files
 from ..formats.registry import load, save
 from .attention import GATE_NAME
-from .install import _DENSE_ATTR, get_gates, hf_model, install_gated_attention
+from .install import _DENSE_ATTR, get_gates, install_gated_attention
 
 __all__ = ["load_gates", "load_sparse_model", "save_gates", "save_sparse_model"]
 
 
 def _gate_set(model: Any, training: dict[str, Any] | None) -> GateSet:
     """The :class:`GateSet` of ``model``'s gates (the gate modules themselves, not copies)."""
-    hf = hf_model(model)
+    hf = hf_module(model)
     gates = get_gates(model)
     first = gates[0]
     cfg = GateConfig(model_type=str(hf.config.model_type), n_layers=len(gates), n_heads=first.n_heads,
@@ -72,7 +73,7 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
         CheckpointError: missing/malformed files (a non-finite or non-float bias included), or the
             gates do not fit the model (model type, layer or head count, tensor names or shapes).
     """
-    hf = hf_model(model)
+    hf = hf_module(model)
     adapter = get_adapter(hf)
     # `<directory>.old` when a save was killed between its two renames; verified against checksums.json
     saved: GateSet = load(resolve(directory), format="sparse_attention", model_type=hf.config.model_type,
@@ -98,7 +99,7 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
         GateNotInstalledError: the model has no gates.
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
     """
-    hf = hf_model(model)
+    hf = hf_module(model)
     gate_set = _gate_set(model, training)
     gate_files = gate_set.files()  # checked before anything is written
     adapter = get_adapter(hf)

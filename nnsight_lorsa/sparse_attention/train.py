@@ -41,6 +41,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._typing import Int
+from ..envoy.nnsight_internals import hf_module
 from ..errors import (
     CheckpointError,
     GateConfigError,
@@ -57,7 +58,6 @@ from .install import (
     edge_statistics,
     expected_edge_fraction,
     get_gates,
-    hf_model,
     install_gated_attention,
     set_gate_mode,
 )
@@ -135,7 +135,7 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
     Raises:
         GateConfigError: none of them gives one (pass ``bos_id``: every window starts with BOS).
     """
-    bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None), bos_id)
+    bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_module(model), "config", None), bos_id)
     if bos is not None:
         return bos
     raise GateConfigError("the model has no BOS id (neither its tokenizer nor its config's bos_token_id); "
@@ -152,7 +152,7 @@ def check_one_text(model: Any, ids: torch.Tensor) -> None:
     Raises:
         GateConfigError: naming the EOS id, how often it occurs and what to pass instead.
     """
-    eos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_model(model), "config", None),
+    eos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_module(model), "config", None),
                            name="eos_token_id")
     count = 0 if eos is None else int((ids == eos).sum())
     if count:
@@ -182,7 +182,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     Raises:
         GateConfigError: a stream shorter than one window, or no BOS id for a stream.
     """
-    hf = hf_model(model)
+    hf = hf_module(model)
     if not isinstance(token_ids, TokenDataset):
         bos = resolve_bos_id(model, bos_id)
         if token_ids.numel() < seq_len - 1 or (max_windows is not None and max_windows < 1):
@@ -251,7 +251,7 @@ class SparseAttentionTrainer:
         if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
             raise GateConfigError(f"max_initial_slack must be a finite number >= 0, got {slack!r}")
         self.bos_id = resolve_bos_id(model, config.bos_id)
-        self.hf = hf_model(model)
+        self.hf = hf_module(model)
         self.dataset, self.train_ids = self._training_windows(model, train_ids)
         torch.manual_seed(config.seed)
         self.peft_model, self.param_names, self.optimizer = self._trainable()
