@@ -193,14 +193,14 @@ def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> f
 
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
-                vocab: int) -> list[dict[str, Any]]:
-    """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor."""
+                vocab: int, out: list[dict[str, Any]], flush: Any) -> list[dict[str, Any]]:
+    """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor
+    (each row appended to ``out`` and written with ``flush()`` as soon as it is measured)."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
 
     dev = next(hf.parameters()).device
     resident = peak_bytes(dev)
-    out = []
     for n in tokens:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
         est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
@@ -215,6 +215,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         except torch.cuda.OutOfMemoryError as e:
             out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300],
                         "estimate_device_bytes": est.device_bytes})
+            flush()
             continue
         peak = peak_bytes(dev)
         n_rows = int(graph.feature_rows.sum()) + len(graph.logit_ids)
@@ -227,6 +228,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
         })
+        flush()
         del graph
     return out
 
@@ -236,12 +238,19 @@ def main() -> None:
                   tokens=arg(nargs="+", type=int, default=[512, 1024, 2048, 4096]), seq=2048, repeats=5,
                   train_steps=5, attr_batch=4, attr_rows=64, skip=arg(nargs="*", default=[], type=str,
                                                                        help="parts to skip: a b c d"),
+                  attr_lorsa=arg("all", type=str, help="layers with a Lorsa in (d): 'all' or one layer number"),
                   out=arg(None, type=str)).parse_args()
     start(args)
     s, dev, dt = SCALES[args.scale], torch.device(args.device), getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result: dict[str, Any] = {"scale": args.scale, "shapes": s, "device": name, "dtype": args.dtype,
                               "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+    safe = "".join(c if c.isalnum() else "_" for c in name)
+    path = args.out or RESULTS / f"gpu_scale_{args.scale}_{safe}.json"
+
+    def flush() -> None:  # written after every part, so a run stopped by a time limit keeps what it measured
+        write_json(path, result)
+
     model, hf = build(s, dev, dt)
     adapter = get_adapter(model)
     layer = s["layer"]
@@ -252,22 +261,26 @@ def main() -> None:
     if "a" not in args.skip:
         result["a_forward_vs_floor"] = forward_vs_floor(lorsa, x, args.repeats)
         print("(a) Lorsa forward / floor:", round(result["a_forward_vs_floor"]["ratio"], 3))
+        flush()
     ids = torch.randint(0, s["vocab"], (s["batch_fwd"], seq), generator=torch.Generator(device="cpu").manual_seed(1))
     lorsas = LorsaSet(model, {layer: lorsa})
     if "b" not in args.skip:
         result["b_replace_vs_trace"] = replace_vs_trace(model, lorsas, ids, layer, args.repeats)
         print("(b) replace / plain trace:", round(result["b_replace_vs_trace"]["ratio"], 3))
+        flush()
     if "c" not in args.skip:
         trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
         result["c_training"] = training(model, hf, trained, s, args.train_steps)
         print("(c) training tokens/s:", {k: round(v) for k, v in result["c_training"].items()
                                          if k.startswith("tokens")})
+        flush()
         del trained
     if "d" not in args.skip:
         from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
-        all_lorsas = {L: (lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt))
-                      for L in range(s["n_layers"])}
+        lorsa_layers = range(s["n_layers"]) if args.attr_lorsa == "all" else [int(args.attr_lorsa)]
+        result["d_lorsa_layers"] = list(lorsa_layers)
+        all_lorsas = {L: (lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt)) for L in lorsa_layers}
         tcs = {}
         for L in range(s["n_layers"]):
             tc = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
@@ -275,12 +288,12 @@ def main() -> None:
             tcs[L] = tc
         rm = ReplacementModel(model, lorsas=all_lorsas, transcoders=tcs)
         peak_reset(dev)
-        result["d_attribution"] = attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats,
-                                              s["vocab"])
+        result["d_attribution"] = []
+        attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats, s["vocab"],
+                    result["d_attribution"], flush)
         for row in result["d_attribution"]:
             print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
-    safe = "".join(c if c.isalnum() else "_" for c in name)
-    path = write_json(args.out or RESULTS / f"gpu_scale_{args.scale}_{safe}.json", result)
+    flush()
     print("wrote", path)
 
 
