@@ -31,7 +31,7 @@ def main() -> None:
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = nnsight.TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer())
+        model = nnsight.TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device="cpu")
     adapter = get_adapter(model)
     layer = args.layers // 2
     w = adapter.mhsa_weights(hf, layer)

@@ -82,7 +82,8 @@ def build(s: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[
         torch.set_default_dtype(old)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return TransformersModel(hf, task="text-generation", tokenizer=ids_only_tokenizer(s["vocab"])), hf
+        return TransformersModel(hf, task="text-generation", tokenizer=ids_only_tokenizer(s["vocab"]),
+                                 device=device), hf
 
 
 def paper_lorsa(s: dict[str, Any], adapter: Any, hf: Any, layer: int, device: torch.device,

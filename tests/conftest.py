@@ -30,3 +30,28 @@ import nnsight_lorsa  # noqa: E402,F401
 import nnsight_lorsa.envoy.lorsa_set  # noqa: E402,F401
 import nnsight_lorsa.training.evaluate  # noqa: E402,F401
 import nnsight_lorsa.training.trainer  # noqa: E402,F401
+
+import pytest  # noqa: E402
+
+
+def _torch_globals() -> dict[str, object]:
+    """The process-wide torch state a test could leave changed for the tests after it (on one xdist
+    worker): grad mode, default dtype and device, and the stack of torch function modes (``with
+    torch.device(...)`` is one)."""
+    return {"grad enabled": torch.is_grad_enabled(), "default dtype": torch.get_default_dtype(),
+            "default device": torch.get_default_device(),
+            "torch function modes": torch._C._len_torch_function_stack()}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_torch_state():
+    """Fail the test that changes torch's global state without restoring it (a leak makes later tests
+    fail in ways that depend on the test order, which is what a GPU run with xdist showed)."""
+    before = _torch_globals()
+    yield
+    after = _torch_globals()
+    leaked = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    if leaked:
+        torch.set_grad_enabled(bool(before["grad enabled"]))
+        torch.set_default_dtype(before["default dtype"])  # type: ignore[arg-type]
+        pytest.fail(f"the test left torch's global state changed (before, after): {leaked}")

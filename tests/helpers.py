@@ -122,7 +122,9 @@ def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager", device: str | 
     hf = tiny_hf_model(family, seed, attn).to(device=device, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer())
+        # device=: transformers' pipeline (which nnsight builds around a ready module) otherwise moves a CPU
+        # module to cuda:0 whenever CUDA is available
+        model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device=device)
     return model, hf
 
 

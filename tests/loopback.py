@@ -74,7 +74,7 @@ def build_model(seed: int = 0, dtype: str = "float32") -> tuple[Any, Any]:
     hf = tiny_hf_model("llama", seed).to(getattr(torch, dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer()), hf
+        return TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device="cpu"), hf
 
 
 

@@ -249,11 +249,16 @@ class HeadBalance:
 
 
 def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:
-    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values (tokens, d)``."""
+    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values (tokens, d)``,
+    each signed so that its largest-magnitude entry is positive: an SVD's signs are arbitrary and differ
+    between LAPACK (CPU) and cuSOLVER (CUDA), and the init mixes these rows with random coefficients,
+    so without a fixed sign the same data and draws would give a different Lorsa on each device."""
     v = values.double()
     v = v - v.mean(0, keepdim=True)
     _, _, vh = torch.linalg.svd(v, full_matrices=False)
-    return vh[:n].float()
+    vh = vh[:n]
+    sign = vh.gather(1, vh.abs().argmax(1, keepdim=True)).sign()
+    return (vh * torch.where(sign == 0, torch.ones_like(sign), sign)).float()
 
 
 @torch.no_grad()

@@ -170,7 +170,7 @@ def test_closing_one_edge_in_a_trace_matches_manual_recomputation() -> None:
     install_gated_attention(hf, init_bias=30.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer())
+        model = TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device="cpu")
     ids = random_ids()
     with model.trace(ids):
         gate = model.model.layers[1].self_attn.gate.output.save()

@@ -125,8 +125,10 @@ def _train_coder(kind: str, device: str, model_dtype=F32, module_dtype=F32, step
 
 @functools.cache
 def _reference(kind: str, recipe: str | None = None) -> Trainer:
-    """The fp32 CPU run every device / dtype case is compared with."""
-    return _train_lorsa("cpu", recipe) if kind == "lorsa" else _train_coder(kind, "cpu")
+    """The fp32 CPU run every device / dtype case is compared with (trained with grad enabled: a
+    ``no_grad`` test may be the first to ask for it)."""
+    with torch.enable_grad():
+        return _train_lorsa("cpu", recipe) if kind == "lorsa" else _train_coder(kind, "cpu")
 
 
 def _check_like_reference(trainer: Trainer, ref: Trainer, rel: float) -> None:
@@ -139,7 +141,14 @@ def _check_like_reference(trainer: Trainer, ref: Trainer, rel: float) -> None:
     folded, folded_ref = trainer.folded(), ref.folded()
     for (name, p), (_, q) in zip(folded.named_parameters(), folded_ref.named_parameters(), strict=True):
         assert p.device.type == trainer.tokens_since_fired.device.type
-        assert _rel_t(p, q) < rel, name
+        # Llama's q/k biases are zero, so the Lorsa's start at zero and its first Adam steps are
+        # lr * sign(grad): entries whose gradient sits at rounding level take either sign on another
+        # device's kernels (measured on an H200: 1.2e-3 for b_K after 3 steps). Those two get 5x the
+        # bound; the Lorsa's output on held-out activations is held to ``rel`` below.
+        assert _rel_t(p, q) < (5 * rel if name in ("b_Q", "b_K") else rel), name
+    if isinstance(folded, Lorsa):
+        x = torch.randn(2, 12, folded.cfg.d_model, generator=torch.Generator().manual_seed(11))
+        assert _rel_t(folded(x.to(p.device)), folded_ref(x)) < rel
 
 
 # --------------------------------------------------------------------------- devices
@@ -380,3 +389,21 @@ def test_meta_module_raises_placement_error():
     coder = _new_coder("transcoder", adapter, "meta", F32)
     with pytest.raises(PlacementError, match="Transcoder.*meta"):
         Trainer(coder, _source("transcoder", None, adapter, model), _config())
+
+
+def test_principal_directions_have_one_sign_whatever_the_solver():
+    """The SVD init's basis is signed canonically (largest-magnitude entry positive): computed from the
+    covariance's eigenvectors instead (another solver, other arbitrary signs) it is the same basis —
+    so CPU (LAPACK) and CUDA (cuSOLVER) give the same Lorsa from the same data and draws."""
+    from nnsight_lorsa.training.lorsa_recipe import _principal_directions
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(200, 12, generator=g) @ torch.randn(12, 12, generator=g)
+    got = _principal_directions(values, 5).double()
+    v = values.double() - values.double().mean(0)
+    _, vecs = torch.linalg.eigh(v.T @ v)                      # ascending eigenvalues
+    other = vecs.flip(1)[:, :5].T                              # the top 5, one per row
+    other = other * other.gather(1, other.abs().argmax(1, keepdim=True)).sign()
+    assert torch.allclose(got @ got.T, torch.eye(5, dtype=torch.float64), atol=1e-6)
+    assert (got.gather(1, got.abs().argmax(1, keepdim=True)) > 0).all()
+    assert (got - other).abs().max() < 1e-5
