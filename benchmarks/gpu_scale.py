@@ -120,7 +120,21 @@ def forward_vs_floor(lorsa: Lorsa, x: torch.Tensor, repeats: int) -> dict[str, A
         lorsa(x)
         sync(dev)
 
-    res = time_interleaved({"floor": floor, "lorsa": ours}, repeats=repeats)
+    z_pre = lorsa.compute_z_pre(x)
+    z, _ = lorsa.activation(z_pre)
+
+    def part(fn: Any) -> Any:
+        @torch.no_grad()
+        def run() -> None:
+            fn()
+            sync(dev)
+        return run
+
+    # where the time goes: the Lorsa's own stages, each alone (they sum to about its forward)
+    stages = {"stage_qk_rope": part(lambda: lorsa.qk(x)), "stage_values": part(lambda: lorsa.values(x)),
+              "stage_z_pre": part(lambda: lorsa.compute_z_pre(x)), "stage_topk": part(lambda: lorsa.activation(z_pre)),
+              "stage_decode": part(lambda: lorsa.decode(z))}
+    res = time_interleaved({"floor": floor, "lorsa": ours, **stages}, repeats=repeats)
     return {**res, "ratio": res["lorsa"]["median_s"] / res["floor"]["median_s"], "goal": 1.25}
 
 
@@ -239,6 +253,7 @@ def main() -> None:
                   tokens=arg(nargs="+", type=int, default=[512, 1024, 2048, 4096]), seq=2048, repeats=5,
                   train_steps=5, attr_batch=4, attr_rows=64, skip=arg(nargs="*", default=[], type=str,
                                                                        help="parts to skip: a b c d"),
+                  tf32=arg(False, action="store_true", help="(c) also with TF32 matmuls"),
                   attr_lorsa=arg("all", type=str, help="layers with a Lorsa in (d): 'all' or one layer number"),
                   out=arg(None, type=str)).parse_args()
     start(args)
@@ -276,6 +291,17 @@ def main() -> None:
                                          if k.startswith("tokens")})
         flush()
         del trained
+        if args.tf32:  # the same run with TF32 matmuls (torch.set_float32_matmul_precision("high"))
+            torch.set_float32_matmul_precision("high")
+            try:
+                trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
+                result["c_training_tf32"] = training(model, hf, trained, s, args.train_steps)
+                print("(c) TF32 training tokens/s:", {k: round(v) for k, v in result["c_training_tf32"].items()
+                                                      if k.startswith("tokens")})
+                flush()
+                del trained
+            finally:
+                torch.set_float32_matmul_precision("highest")
     if "d" not in args.skip:
         from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
