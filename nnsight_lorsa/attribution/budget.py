@@ -23,7 +23,9 @@ per edge:
   from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
   mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
   from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
-  the last attention, and from those after it at the last position;
+  the last attention, and from those after it at the last position; unpruned, the graph's
+  adjacency over the visited features is then the computed rows' causal blocks
+  (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
 * *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`); over the
   blocks, one cell's (a few MB: not counted).
@@ -130,6 +132,17 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
     return int(total + layout.n_logits * per_logit)
 
 
+def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
+    """Bytes of a budgeted, unpruned graph's adjacency (:func:`.rows.assemble`: a
+    :class:`.graph.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
+    sources), an upper bound linear in ``P`` for a fixed budget: every row over every source (exact for the
+    logit rows, which read every position), and the block index — one source list per target site
+    (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""
+    n_src = layout.n_sources - (layout.n_features - budget)
+    n_sites = int(layout.nodes.sites()[:layout.n_features].unique().numel()) + 1  # the feature sites, the logits'
+    return n_rows * n_src * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
+
+
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
                     prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
                     store_patterns: bool = True,
@@ -163,9 +176,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     else:  # sparse rows (keep_mass < 1 or a feature budget): the non-zero entries, 4 B column + value
         entries = structural_entries(layout, budget if budget < layout.n_features else None)
         rows = entries * (4 + edge_itemsize)
-        if not prune:  # then the dense graph over the visited features
-            n = S - (layout.n_features - budget) + layout.n_logits
-            rows += n * n * edge_itemsize
+        if not prune:  # then the graph over the visited features: the computed rows' causal blocks
+            rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) if prune else 0
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,

@@ -254,7 +254,7 @@ class BlockAdjacency:
                         f"attribution row of node {int(rows[i])} (site {int(self.cell_site[cell])}, position "
                         f"{int(self.cell_pos[cell])}) has an edge from source {src} (site {int(self._src_site[src])}, "
                         f"position {int(self._src_pos[src])}): later than the target. The full graph's block "
-                        "storage assumes a causal decoder; sparse rows store any edge: max_feature_nodes= or "
+                        "storage assumes a causal decoder; sparse rows store any edge: "
                         "prune=PruneConfig(..., keep_mass=0.999)")
 
     # ------------------------------------------------------------------ reading
