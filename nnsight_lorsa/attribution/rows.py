@@ -420,14 +420,15 @@ def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tens
         ends = [0, *block.ends]
         for i0 in range(0, len(block.ends), group):
             i1 = min(i0 + group, len(block.ends))
-            e0, e1 = ends[i0], ends[i1]
             at = row_at[block.row_start + i0:block.row_start + i1]
             dense = torch.zeros(i1 - i0, n_src, dtype=dtype, device=HOST)
-            if e1 > e0:
+            for e0 in range(ends[i0], ends[i1], CHUNK_ENTRIES):  # the rows' entries, a chunk at a time
+                e1 = min(e0 + CHUNK_ENTRIES, ends[i1])
                 row, col, val = _rows_of(block.ends, e0, e1) - i0, block.col[e0:e1].long(), block.val[e0:e1]
                 k = keep_src[col]
                 dense[row[k], index[col[k]]] = val[k]
                 residual.index_add_(0, at[row[~k]], val[~k].double())
+                del row, col, val, k  # before the next chunk's: one chunk's temporaries at a time
             out.write(at, dense)
     return out
 
