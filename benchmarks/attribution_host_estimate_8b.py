@@ -72,7 +72,7 @@ def main() -> None:
         t = est.terms
         n = layout.n_sources - layout.n_features + args.rows + layout.n_logits
         blocks = budget_blocks_bytes(layout, t["n_rows"], args.rows, 4)
-        dense_before = est.host_bytes - blocks + 4 * n * n
+        dense_before = t["rows"] - blocks + 4 * n * n + t["fixed"]  # the estimate before: no selection/assembly
         runs.append({"tokens": P, "n_nodes": n, "n_features": layout.n_features, "target_rows": t["n_rows"],
                      "host_bytes": est.host_bytes, "rows_sparse_bytes": t["rows"] - blocks, "rows_blocks_bytes": blocks,
                      "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before})

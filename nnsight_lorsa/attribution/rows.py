@@ -15,14 +15,15 @@ non-zero entries, or its largest ``|edges|`` up to a fraction ``keep_mass`` of i
 the signed sum of the dropped entries is kept exactly as the row's ``residual``, so ``Σ kept +
 residual`` still equals the target's value.
 
-*Assembly*: :func:`assemble` (every visited feature and every error/embedding/bias/logit node,
-dense adjacency) or :func:`assemble_pruned`: the same influence pruning as :func:`.scores.prune`
-(circuit-tracer's rules, ``circuit_tracer/graph.py``) run on the stored entries — node influence,
-node threshold, edge scores on the node-pruned matrix, edge threshold, dangling features and errors
-removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's edges from
-everything else (dropped sources and the entries a row did not keep) are summed into its
-``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since
-the values come from the forward and the edges from the backward passes. torch only.
+*Assembly*: :func:`assemble` (every visited feature and every error/embedding/bias/logit node; the adjacency
+is the computed rows' causal blocks, :class:`.graph.BlockAdjacency` — with a feature budget ``rows × sources``
+at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
+same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
+the stored entries — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
+dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's
+edges from everything else (dropped sources and the entries a row did not keep) are summed into its
+``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since the values
+come from the forward and the edges from the backward passes. torch only.
 """
 
 from __future__ import annotations
