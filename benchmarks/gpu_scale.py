@@ -11,7 +11,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 (c) Lorsa training throughput (tokens/s): the model forward that reads the activations + the Lorsa
     fwd+bwd+AdamW step, next to the bare step on fixed activations;
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
-    device memory next to ``estimate_memory``'s prediction, and time per batch of target rows next to the
+    device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
+    and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets).
 
     python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
@@ -53,6 +54,26 @@ def peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def host_peak_reset() -> int | None:
+    """Reset Linux's host peak (``VmHWM``) to the current RSS and return that RSS in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+def host_peak() -> int:
+    """The host peak (``VmHWM``) in bytes since :func:`host_peak_reset`."""
+    return _status_bytes("VmHWM")
 
 
 def peak_bytes(device: torch.device) -> int | None:
@@ -222,6 +243,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         floor = attribution_floor(hf, ids, batch, repeats)
         peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
+        host_before = host_peak_reset()
         try:
             t = time.perf_counter()
             graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
@@ -242,6 +264,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
+            "host_peak_above_start": None if host_before is None else host_peak() - host_before,
         })
         flush()
         del graph
