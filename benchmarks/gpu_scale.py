@@ -23,6 +23,7 @@ Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
@@ -214,18 +215,30 @@ def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -
             "peak_bytes": peak_bytes(dev), "steps": steps, "batch": [s["train_batch"], s["train_seq"]]}
 
 
-def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> float:
-    """Seconds of the floor of one attribution batch: forward of ``batch`` prompt copies with the
-    embeddings requiring grad, one backward from ``batch`` targets (median)."""
+def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> tuple[float | None, int]:
+    """``(seconds, batch)`` of the floor of one attribution batch: forward of ``batch`` prompt copies with
+    the embeddings requiring grad (only the last position's logits, ``logits_to_keep=1``), one backward
+    from ``batch`` targets (median). Where ``batch`` copies do not fit the device, the largest batch that
+    does (halving; the time is then scaled to ``batch`` rows, as attribution would run them) — ``None``
+    when not even one copy fits. (On an H200 with 34 GB resident, 4 × 4096 tokens did not fit.)"""
     dev = next(hf.parameters()).device
 
-    def run() -> None:
-        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(batch, -1, -1).clone().requires_grad_(True)
-        logits = hf(inputs_embeds=emb).logits[:, -1]
-        logits[torch.arange(batch, device=dev), torch.arange(batch, device=dev)].sum().backward()
+    def run(b: int) -> None:
+        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(b, -1, -1).clone().requires_grad_(True)
+        logits = hf(inputs_embeds=emb, logits_to_keep=1).logits[:, -1]
+        logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum().backward()
         sync(dev)
 
-    return time_interleaved({"floor": run}, repeats=repeats, warmup=1)["floor"]["median_s"]
+    b = batch
+    while b >= 1:
+        try:
+            seconds = time_interleaved({"floor": functools.partial(run, b)}, repeats=repeats,
+                                       warmup=1)["floor"]["median_s"]
+            return seconds * batch / b, b
+        except torch.cuda.OutOfMemoryError:
+            peak_reset(dev)
+            b //= 2
+    return None, 0
 
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
@@ -240,7 +253,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     for n in tokens:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
         est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
-        floor = attribution_floor(hf, ids, batch, repeats)
+        floor, floor_batch = attribution_floor(hf, ids, batch, repeats)
         peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         host_before = host_peak_reset()
@@ -260,7 +273,8 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
-            "per_row_vs_floor": seconds / batches / floor,
+            "floor_measured_at_batch": floor_batch,
+            "per_row_vs_floor": None if floor is None else seconds / batches / floor,
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
