@@ -25,11 +25,12 @@ from .budget import MemoryEstimate, estimate_memory
 from .checks import CircuitMetrics, circuit_metrics
 from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
+from .intervened import IntervenedAttribution, attribute_pass
 from .qk import QKAttribution, qk_attribution
 from .scores import PruneConfig, PruneResult, graph_scores, prune
 from .trace import AttributionCache
 
-__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig",
-           "PruneResult", "QKAttribution", "attribute", "cache_for_attribution", "circuit_metrics",
-           "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
+__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "IntervenedAttribution", "MemoryEstimate",
+           "PruneConfig", "PruneResult", "QKAttribution", "attribute", "attribute_pass", "cache_for_attribution",
+           "circuit_metrics", "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
            "to_neuronpedia"]
