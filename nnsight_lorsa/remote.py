@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attribution.intervened_record import mark_bundles, rebuild_results
+from .attribution.remote_handles import mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
     block_names,
@@ -500,7 +500,7 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         ServerVersionError: the server runs another nnsight version (not for a dry run).
 
     The handles of ``attribute(rm, tracer=tracer)`` saved in a remote trace or session come back as handles on the
-    bundle the request named (:mod:`~nnsight_lorsa.attribution.intervened_record`).
+    bundle the request named (:mod:`~nnsight_lorsa.attribution.remote_handles`).
     """
 
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,

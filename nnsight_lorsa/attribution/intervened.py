@@ -78,7 +78,7 @@ class IntervenedAttribution:
         edits: the interventions reported so far (:class:`~..envoy.edit_log.Edit`), in order.
     """
 
-    # Graph, AttributionOptions and build_graph are named only in quoted annotations and function-local imports:
+    # Graph, AttributionOptions and the builder are named only in quoted annotations and function-local imports:
     # this class travels by value to a server (attribute_pass), where their modules' imports (pathlib, _thread,
     # gc, bisect, ...) are outside NDIF's unpickling whitelist; the graph is built on the client.
     def __init__(self, replacement: Any, options: "AttributionOptions | dict[str, Any]",
@@ -229,10 +229,10 @@ class IntervenedAttribution:
             if options.remote or options.qk_heads:
                 raise ConfigMismatchError("attribute_pass(rm, tracer) attributes the traced pass: no remote=, no "
                                           "qk_heads= (the trace's own remote= decides where it runs)")
-        if build is None:
-            from .attribute import build_graph
+        if build is None:  # attribute_pass, or a server's record: the package's builder, looked up here
+            from .builder import graph_builder
 
-            build = build_graph
+            build = graph_builder()
         graph = build(self.replacement, cache, live=live, options=options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
         graph.meta["logit_gap"] = gap = logit_gap(graph, s["last"])
