@@ -535,7 +535,7 @@ from loopback import LoopbackServer, build_model, loopback, serve_env
 from helpers import make_lorsa, make_transcoders, random_ids
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 from nnsight_lorsa.attribution import IntervenedAttribution, attribute, attribute_pass
-from nnsight_lorsa.errors import ServerVersionError, ServerVersionWarning, TraceOrderError
+from nnsight_lorsa.errors import ServerVersionError, ServerVersionWarning, ShapeError, TraceOrderError
 from nnsight_lorsa.patching import LorsaHead, ablate
 from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
 from nnsight_lorsa import server_version
@@ -582,6 +582,14 @@ with model.trace(ids, remote=True) as rt2:       # and in a remote trace
     trace_logits = nnsight.save(model.lm_head.output)
 in_trace = trace_handle.graph
 requests = len(sent)
+with model.trace(random_ids(2, 8, seed=2), remote=True) as rt4:   # two prompts: the server's error, raised here
+    bundle.replace()
+    two = attribute_pass(bundle, rt4)
+try:
+    two.graph
+    batch_problem = None
+except ShapeError as e:
+    batch_problem = str(e)
 
 refused = None                                   # the engine's entry point in a remote block: refused, named
 try:
@@ -635,7 +643,7 @@ def logit_gap(graph, saved):
     return rel(graph.values[ids_].double().detach(), last[graph.nodes.index[ids_]] - last.mean())
 
 
-out = {"requests": requests, "refused": refused, "local_pickle": local_pickle, "kind": type(remote_handle).__name__,
+out = {"requests": requests, "batch_problem": batch_problem, "refused": refused, "local_pickle": local_pickle, "kind": type(remote_handle).__name__,
        "env_calls": len(env_calls), "mismatch": mismatch, "mismatch_sent": len(sent) - before,
        "unchecked_equal": bool(torch.equal(unchecked, clean)), "unreported_equal": bool(torch.equal(unreported, clean)),
        "warned": [str(w.message) for w in caught if issubclass(w.category, ServerVersionWarning)],
@@ -682,6 +690,8 @@ def test_attribute_in_a_remote_block_and_a_local_handle_are_refused(intervened_l
     out = intervened_loopback
     assert out["refused"] and "attribute_pass(rm, tracer" in out["refused"] and "Nothing was sent" in out["refused"]
     assert out["local_pickle"] and "cannot be pickled or sent" in out["local_pickle"]
+    # an error of the recording on the server (two prompts) comes back and is raised at .graph, as locally
+    assert out["batch_problem"] and "attributes one prompt" in out["batch_problem"]
 
 
 def test_the_servers_nnsight_version_is_checked_once_per_host_before_sending(intervened_loopback: dict) -> None:
