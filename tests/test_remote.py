@@ -643,7 +643,8 @@ def logit_gap(graph, saved):
     return rel(graph.values[ids_].double().detach(), last[graph.nodes.index[ids_]] - last.mean())
 
 
-out = {"requests": requests, "batch_problem": batch_problem, "refused": refused, "local_pickle": local_pickle, "kind": type(remote_handle).__name__,
+out = {"requests": requests, "batch_problem": batch_problem, "refused": refused, "local_pickle": local_pickle,
+       "kind": type(remote_handle).__name__,
        "env_calls": len(env_calls), "mismatch": mismatch, "mismatch_sent": len(sent) - before,
        "unchecked_equal": bool(torch.equal(unchecked, clean)), "unreported_equal": bool(torch.equal(unreported, clean)),
        "warned": [str(w.message) for w in caught if issubclass(w.category, ServerVersionWarning)],
