@@ -32,9 +32,11 @@ forward), with :class:`~.layout.LiveNodes`:
 Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes); an MHSA head of
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
-:mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. Local traces only
-(``model.trace``, or a ``model.trace`` inside a local ``model.session()``); one prompt (batch 1).
-torch + nnsight.
+:mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a
+``model.session()`` or not; remotely (``remote=True``) through :func:`attribute_pass`, the same handle: the server
+records, the handle returns as plain data (:mod:`.intervened_record`, :mod:`.remote_handles`) and the graph is
+built on the client. One prompt (batch 1). torch + nnsight; this module travels to servers by value, so it names
+nothing of the attribution engine but through :mod:`.builder`.
 """
 
 from __future__ import annotations
