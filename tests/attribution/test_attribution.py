@@ -144,7 +144,7 @@ def test_a_feature_budget_keeps_every_row_summing_to_its_value(llama):
 
 def test_custom_logit_tokens_and_progress(llama):
     model, _, lorsas, tcs, ids, _ = llama
-    g = attribute(rm(model, lorsas, tcs), ids, logit_tokens=[3, 7], progress=True)
+    g = attribute(rm(model, lorsas, tcs), ids, targets=[3, 7], progress=True)
     assert g.nodes.index[g.logit_ids].tolist() == [3, 7]
     assert g.edge_sum_error("mass").max() < 1e-6
 
@@ -166,7 +166,7 @@ def test_bad_input_raises_before_running(llama):
     with pytest.raises(ShapeError):
         attribute(rm(model), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ConfigMismatchError, match="logit tokens"):
-        attribute(rm(model), ids, logit_tokens=[10_000])
+        attribute(rm(model), ids, targets=[10_000])
     with pytest.raises(ConfigMismatchError, match="mapping"):
         attribute(rm(model, transcoders=[tcs[0]]), ids)
 
