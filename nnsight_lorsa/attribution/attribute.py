@@ -89,8 +89,8 @@ def attribute(
             (:mod:`.logit_targets`; circuit-tracer's ``attribution_targets``): None (default) — the most likely
             tokens until their cumulative probability reaches 0.95, at most 10 (circuit-tracer's defaults);
             ``LogitTargets(max_n=..., cumulative_prob=...)`` — that policy with other bounds; token ids
-            (a sequence, or an integer tensor of at most one dimension) or token strings (each one token
-            of the model's tokenizer) — those tokens, in that order.
+            (a sequence, or an integer tensor / numpy array of at most one dimension) or token strings (each
+            one token of the model's tokenizer) — those tokens, in that order.
         memory: how the frozen model keeps its per-prompt constants. ``"fast"``: attention patterns
             stored (``n_heads·pos²`` per MHSA layer, ``n·pos`` pattern rows per Lorsa layer) and the
             active nodes' decoder rows / ``w_o`` / encoder columns copied onto per-position grids

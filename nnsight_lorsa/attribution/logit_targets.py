@@ -18,6 +18,7 @@ every target here is a vocabulary logit, whose demeaned value its incoming edges
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -75,7 +76,8 @@ CheckedTargets: TypeAlias = LogitTargets | tuple[int, ...] | tuple[str, ...]
 
 def check_targets(targets: Any) -> CheckedTargets:
     """``targets`` (:data:`Targets`) checked and made hashable: ``None`` → ``LogitTargets()``, ids (a sequence or
-    an integer tensor of at most one dimension, on any device) → a tuple of ints, strings → a tuple of strings.
+    an integer tensor or numpy array of at most one dimension, on any device) → a tuple of ints, strings → a
+    tuple of strings.
     The ids' upper bound (the vocabulary) is checked with the logits (:func:`target_logits`), the strings by
     the tokenizer (:func:`token_ids`).
 
@@ -91,6 +93,11 @@ def check_targets(targets: Any) -> CheckedTargets:
     if isinstance(targets, str):
         raise ArgumentError(f"attribute(targets={targets!r}) is one string: targets are a sequence "
                             f"([{targets!r}]), ids ([id, ...]), a LogitTargets(...) or None")
+    if hasattr(targets, "__array__") and not isinstance(targets, (torch.Tensor, Sequence)):  # a numpy array
+        try:
+            targets = torch.as_tensor(targets)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ArgumentError(f"attribute(targets=<array>) must hold integer token ids, got {targets!r}: {e}") from e
     if isinstance(targets, torch.Tensor):
         if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool or targets.dim() > 1:
             raise ArgumentError(f"attribute(targets=<tensor>) must hold integer token ids in at most one dimension, "
@@ -107,9 +114,10 @@ def check_targets(targets: Any) -> CheckedTargets:
         if not all(items):
             raise ConfigMismatchError(f"attribute(targets={list(items)!r}): an empty string is no token")
         return items
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
         raise ArgumentError(f"attribute(targets=...) must be all integer token ids or all token strings, "
                             f"got {list(items)!r}")
+    items = tuple(int(t) for t in items)  # numpy integers too
     if min(items) < 0:
         raise ConfigMismatchError(f"attribute(targets=...): logit tokens must be ids >= 0, got {list(items)}")
     return items

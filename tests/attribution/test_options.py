@@ -107,6 +107,13 @@ def test_targets_normalise_to_one_form():
     assert AttributionOptions().targets == LogitTargets() == LogitTargets(max_n=10, cumulative_prob=0.95)
     assert AttributionOptions(targets=torch.tensor([3, 7])).targets == (3, 7) == check_targets([3, 7])
     assert check_targets(torch.tensor(5)) == (5,) and check_targets([" w3"]) == (" w3",)
+    np = pytest.importorskip("numpy")
+    assert check_targets(np.array([3, 7])) == (3, 7) == check_targets([np.int64(3), np.int32(7)])
+    assert all(type(t) is int for t in check_targets(np.array([3, 7])))
+    with pytest.raises(ArgumentError, match="targets"):
+        check_targets(np.array(["w3"], dtype=object))
+    with pytest.raises(ArgumentError, match="targets"):
+        check_targets(np.array([[3, 7]]))
     assert AttributionOptions(targets=[3, 7]) == AttributionOptions(targets=(3, 7))
 
 
