@@ -348,7 +348,7 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
         else:
             raise ValueError(f"layers= applies to a ReplacementModel or a replacement set, not to "
                              f"{type(obj).__name__}")
-    label = name or (obj.slot if isinstance(obj, ReplacementSet) else "obj")
+    label = name or getattr(obj, "slot", "") or "obj"  # a set's ReplacementModel attribute (the set contract)
     report = _report_from(_named_tensors(obj, label))
     if serialize:
         from nnsight import CONFIG

@@ -648,7 +648,7 @@ def api_cases(root: Path) -> list[Case]:
     from helpers import LAYER, make_lorsa, make_sae, make_transcoder, random_ids, tiny_nnsight
 
     from nnsight_lorsa import LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
-    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.attribution import LogitTargets, attribute
     from nnsight_lorsa.envoy import CLTSet
     from nnsight_lorsa.formats import save
 
@@ -749,17 +749,28 @@ def api_cases(root: Path) -> list[Case]:
         "batch_size=0": {"batch_size": 0}, "batch_size=-2": {"batch_size": -2}, "batch_size=2.5": {"batch_size": 2.5},
         "batch_size=True": {"batch_size": True}, "max_feature_nodes=0": {"max_feature_nodes": 0},
         "max_feature_nodes=-1": {"max_feature_nodes": -1}, "max_feature_nodes=1.5": {"max_feature_nodes": 1.5},
-        "desired_logit_prob=1.5": {"desired_logit_prob": 1.5},
-        "desired_logit_prob=nan": {"desired_logit_prob": math.nan},
-        "desired_logit_prob=0": {"desired_logit_prob": 0.0}, "max_n_logits=0": {"max_n_logits": 0},
-        "max_n_logits=2.5": {"max_n_logits": 2.5}, "memory=fastest": {"memory": "fastest"},
-        "logit_tokens=[999]": {"logit_tokens": [999]}, "logit_tokens=[-1]": {"logit_tokens": [-1]},
-        "logit_tokens=[]": {"logit_tokens": []}, "logit_tokens=[1.5]": {"logit_tokens": [1.5]},
+        "memory=fastest": {"memory": "fastest"},
+        "targets=[999]": {"targets": [999]}, "targets=[-1]": {"targets": [-1]},
+        "targets=[]": {"targets": []}, "targets=[1.5]": {"targets": [1.5]}, "targets=[True]": {"targets": [True]},
+        "targets=w3": {"targets": "w3"}, "targets=[w3 w4]": {"targets": ["w3 w4"]},
+        "targets=[3, w4]": {"targets": [3, "w4"]}, "targets=0.9": {"targets": 0.9},
+        "targets=float tensor": {"targets": torch.tensor([3.0])},
+        "logit_tokens=[3]": {"logit_tokens": [3]}, "desired_logit_prob=0.9": {"desired_logit_prob": 0.9},
+        "max_n_logits=3": {"max_n_logits": 3},
         "prune=(2,0.9)": {"prune": (2.0, 0.9)}, "prune=(0.8,)": {"prune": (0.8,)}, "prune=str": {"prune": "yes"},
         "dtype=int64": {"dtype": torch.int64}, "remote=maybe": {"remote": "maybe"},
     }
     for label, kw in attribute_bad.items():
         cases.append(Case(f"api/attribute({label})", "api", lambda tmp, kw=kw: attribute(rmodel, prompt, **kw),
+                          needles=(label.split("=")[0],), model=hf))
+    policy_bad: dict[str, dict[str, Any]] = {
+        "cumulative_prob=1.5": {"cumulative_prob": 1.5}, "cumulative_prob=nan": {"cumulative_prob": math.nan},
+        "cumulative_prob=0": {"cumulative_prob": 0.0}, "cumulative_prob=str": {"cumulative_prob": "0.9"},
+        "max_n=0": {"max_n": 0}, "max_n=2.5": {"max_n": 2.5},
+    }
+    for label, kw in policy_bad.items():
+        cases.append(Case(f"api/attribute(targets=LogitTargets({label}))", "api",
+                          lambda tmp, kw=kw: attribute(rmodel, prompt, targets=LogitTargets(**kw)),
                           needles=(label.split("=")[0],), model=hf))
     for label, p in {"empty": torch.zeros(0, dtype=torch.long), "2d_batch2": random_ids(2, 5),
                      "float_ids": prompt.float(), "out_of_vocab": torch.tensor([0, 5, 500]),

@@ -11,11 +11,12 @@ target's incoming edges sum to its value — bias nodes included. One front door
     same = attribute(rm, cache)                                   # cached engine, no model forward
     kept = prune(graph)                                           # or attribute(..., prune=PruneConfig())
 
-``memory="auto" | "fast" | "lean"`` trades speed for memory on long prompts; ``prune=`` prunes
-while building (no dense ``n_nodes²`` adjacency). ``graph_scores`` / ``circuit_metrics`` score a
-graph and its circuit, ``qk_attribution`` decomposes a Lorsa head's attention score into node
-pairs, ``to_neuronpedia`` / ``save_neuronpedia`` export it (the HTML viewer is
-:func:`nnsight_lorsa.viz.render_html`). Node kinds are
+``targets=`` says which logits the graph is of (None: the top logits to cumulative probability 0.95, at
+most 10; ``LogitTargets(max_n=, cumulative_prob=)``; token ids or strings). ``memory="auto" | "fast" |
+"lean"`` trades speed for memory on long prompts; ``prune=`` prunes while building (no dense
+``n_nodes²`` adjacency). ``graph_scores`` / ``circuit_metrics`` score a graph and its circuit,
+``qk_attribution`` decomposes a Lorsa head's attention score into node pairs, ``to_neuronpedia`` /
+``save_neuronpedia`` export it (the HTML viewer is :func:`nnsight_lorsa.viz.render_html`). Node kinds are
 ``Graph.TRANSCODER`` … ``Graph.LOGIT`` (also constants of :mod:`.graph`); the exactness checks
 are :func:`.checks.intervention_edges` and :func:`.checks.replacement_logits`.
 """
@@ -27,13 +28,15 @@ from .checks import CircuitMetrics, circuit_metrics
 from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
 from .intervened import IntervenedAttribution, attribute_pass
+from .logit_targets import LogitTargets
 from .qk import QKAttribution, qk_attribution
 from .scores import PruneConfig, PruneResult, graph_scores, prune
 from .trace import AttributionCache
 
 register_builder(build_graph)  # what attribute_pass handles build their graph with (.builder)
 
-__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "IntervenedAttribution", "MemoryEstimate",
-           "PruneConfig", "PruneResult", "QKAttribution", "attribute", "attribute_pass", "cache_for_attribution",
-           "circuit_metrics", "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
+__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "IntervenedAttribution", "LogitTargets",
+           "MemoryEstimate", "PruneConfig", "PruneResult", "QKAttribution", "attribute", "attribute_pass",
+           "cache_for_attribution", "circuit_metrics", "estimate_memory", "graph_scores", "prune", "qk_attribution",
+           "save_neuronpedia",
            "to_neuronpedia"]

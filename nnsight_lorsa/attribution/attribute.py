@@ -29,7 +29,8 @@ from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .intervened import IntervenedAttribution, start
 from .layout import Layout, LiveNodes
-from .options import AttributionOptions
+from .logit_targets import Targets
+from .options import AttributionOptions, refuse_renamed
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
@@ -49,9 +50,7 @@ def attribute(
     tracer: Any = None,
     max_feature_nodes: int | None = None,
     batch_size: int = 64,
-    logit_tokens: Any = None,
-    desired_logit_prob: float = 0.95,
-    max_n_logits: int = 10,
+    targets: Targets = None,
     memory: str = "auto",
     prune: PruneConfig | tuple[float, float] | None = None,
     dtype: torch.dtype | None = None,
@@ -60,6 +59,7 @@ def attribute(
     max_memory: int | None = None,
     zero_positions: int = 0,
     qk_heads: int = 0,
+    **renamed: Any,
 ) -> Graph | IntervenedAttribution:
     """The attribution graph of ``prompt`` over the replacement model — or, with ``tracer`` inside a trace
     body, a handle whose ``.graph`` is the graph of that trace's own (intervened) forward pass.
@@ -80,11 +80,17 @@ def attribute(
             pass as it ran, edited nodes held at their edited values as fixed inputs and marked
             (:class:`~.intervened.IntervenedAttribution`; docs/attribution.md, "Attributing an intervened
             pass"). Takes the options below except ``remote`` and ``qk_heads``.
+        renamed: nothing: the old ``logit_tokens=``, ``desired_logit_prob=`` and ``max_n_logits=`` are refused
+            with their ``targets=`` spelling (:func:`.options.refuse_renamed`).
         max_feature_nodes: compute at most this many feature rows, chosen by influence on the
             logits as circuit-tracer (None: all; then every target's incoming edges sum to its value).
         batch_size: prompt copies per frozen pass = target rows per backward pass.
-        logit_tokens: target token ids at the last position (default: top-p, ``desired_logit_prob``
-            up to ``max_n_logits``, as circuit-tracer).
+        targets: the logits at the last position the graph is attributed from, in one value
+            (:mod:`.logit_targets`; circuit-tracer's ``attribution_targets``): None (default) — the most likely
+            tokens until their cumulative probability reaches 0.95, at most 10 (circuit-tracer's defaults);
+            ``LogitTargets(max_n=..., cumulative_prob=...)`` — that policy with other bounds; token ids
+            (a sequence, or an integer tensor / numpy array of at most one dimension) or token strings (each
+            one token of the model's tokenizer) — those tokens, in that order.
         memory: how the frozen model keeps its per-prompt constants. ``"fast"``: attention patterns
             stored (``n_heads·pos²`` per MHSA layer, ``n·pos`` pattern rows per Lorsa layer) and the
             active nodes' decoder rows / ``w_o`` / encoder columns copied onto per-position grids
@@ -127,15 +133,16 @@ def attribute(
 
     Raises:
         ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``, a
-            ``zero_positions`` outside ``[0, pos)``),
-            a logit token outside the vocabulary, ``remote`` with a cache, or a cache without the
-            replacement layers' tensors.
+            ``zero_positions`` outside ``[0, pos)``, empty ``targets``),
+            a logit target outside the vocabulary or a target string that is not one token, ``remote``
+            with a cache, or a cache without the replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.
         MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
         ConfigMismatchError: ``qk_heads`` with a cache or ``remote``.
         ArgumentError: a wrongly typed argument, token ids that are not integers or outside the
-            vocabulary (:class:`~.options.AttributionOptions`, :func:`check_replacement`).
-        MissingTokenizerError: a text prompt for a model loaded without a tokenizer.
+            vocabulary (:class:`~.options.AttributionOptions`, :func:`check_replacement`); an old setting
+            name (``logit_tokens``, ``desired_logit_prob``, ``max_n_logits``: the message says the ``targets=``).
+        MissingTokenizerError: a text prompt or target strings for a model loaded without a tokenizer.
         ConcurrentTraceError: another thread is tracing the model now.
         TraceOrderError: called with a prompt inside a ``model.trace`` / ``generate`` body
             (:func:`refuse_inside_trace`: the message names ``tracer=``); with ``tracer``, outside a trace
@@ -144,10 +151,11 @@ def attribute(
         ConfigMismatchError: ``tracer`` with ``remote`` or ``qk_heads``.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built).
     """
+    refuse_renamed(renamed, "attribute")
     options = AttributionOptions(
-        max_feature_nodes=max_feature_nodes, batch_size=batch_size, logit_tokens=logit_tokens,
-        desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits, memory=memory, prune=prune, dtype=dtype,
-        progress=progress, remote=remote, max_memory=max_memory, zero_positions=zero_positions, qk_heads=qk_heads)
+        max_feature_nodes=max_feature_nodes, batch_size=batch_size, targets=targets, memory=memory, prune=prune,
+        dtype=dtype, progress=progress, remote=remote, max_memory=max_memory, zero_positions=zero_positions,
+        qk_heads=qk_heads)
     if tracer is not None:
         if prompt is not None:
             raise ArgumentError("attribute(rm, prompt) attributes a clean pass, attribute(rm, tracer=tracer) the "
@@ -212,8 +220,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     model, adapter = replacement.model, replacement.adapter
     root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
-    layout_options = {"logit_tokens": o.logit_tokens, "desired_logit_prob": o.desired_logit_prob,
-                      "max_n_logits": o.max_n_logits, "dtype": dtype, "zero_positions": o.zero_positions}
+    layout_options: dict[str, Any] = {"targets": o.targets, "dtype": dtype, "zero_positions": o.zero_positions}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:

@@ -53,7 +53,8 @@ from ..errors import MemoryBudgetError
 from .frozen import choose
 from .graph import HOST
 from .layout import Layout
-from .options import AttributionOptions
+from .logit_targets import Targets
+from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
@@ -248,24 +249,27 @@ def layout_for_estimate(replacement: Any, prompt: Any, options: AttributionOptio
     patterns, node_vectors = options.modes
     config = options.prune
     if isinstance(prompt, AttributionCache):
-        prepared = prepare(replacement, None, cache=prompt, zero_positions=options.zero_positions)
+        prepared = prepare(replacement, None, cache=prompt, targets=options.targets,
+                           zero_positions=options.zero_positions)
     else:
-        prepared = prepare(replacement, prompt, zero_positions=options.zero_positions)
+        prepared = prepare(replacement, prompt, targets=options.targets, zero_positions=options.zero_positions)
     return prepared.layout, estimate_info(replacement, prepared, patterns, node_vectors, config is not None,
                                           options.dtype, config.keep_mass if config is not None else 1.0)
 
 
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
                     prune: Any = None, max_feature_nodes: int | None = None,
-                    dtype: torch.dtype | None = None, zero_positions: int = 0) -> MemoryEstimate:
+                    dtype: torch.dtype | None = None, zero_positions: int = 0, targets: Targets = None,
+                    **renamed: Any) -> MemoryEstimate:
     """Predict the peak host and device memory of ``attribute(replacement, prompt, ...)`` with the same
     settings, from one clean forward (the prompt's active nodes) and the model's shapes — nothing is
     attributed. See the module docstring for the terms; measured within 20 % at 64–512 tokens on the
     embedded model (``benchmarks/attribution_vs_circuit_tracer.py``).
 
     Args:
-        replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions: as
-            :func:`.attribute.attribute`.
+        replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as
+            :func:`.attribute.attribute` (``targets`` sets the number of logit rows).
+        renamed: nothing: the old logit-target names are refused with their ``targets=`` spelling.
 
     Returns:
         :class:`MemoryEstimate` (bytes).
@@ -273,10 +277,11 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
         ConfigMismatchError, ArgumentError: a bad setting (:class:`~.options.AttributionOptions`, the one
-            check :func:`.attribute.attribute` makes too).
+            check :func:`.attribute.attribute` makes too); an old setting name (:func:`.options.refuse_renamed`).
     """
     refuse_inside_trace("estimate_memory")
+    refuse_renamed(renamed, "estimate_memory")
     options = AttributionOptions(batch_size=batch_size, memory=memory, prune=prune, max_feature_nodes=max_feature_nodes,
-                                 dtype=dtype, zero_positions=zero_positions)
+                                 dtype=dtype, zero_positions=zero_positions, targets=targets)
     layout, info = layout_for_estimate(replacement, prompt, options)
     return estimate_layout(layout, batch_size=options.batch_size, max_feature_nodes=options.max_feature_nodes, **info)

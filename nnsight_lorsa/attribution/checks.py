@@ -145,8 +145,7 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     Returns ``(by_intervention, from_graph)``, both ``(n_rows, k)`` with rows the graph's computed
     targets in node order. ``replacement`` must be the one the graph was built with.
     """
-    logit_tokens = graph.nodes.index[graph.logit_ids]
-    prepared = prepare(replacement, graph.tokens, logit_tokens=logit_tokens,
+    prepared = prepare(replacement, graph.tokens, targets=graph.nodes.index[graph.logit_ids],
                        zero_positions=int(graph.meta.get("zero_positions", 0)))
     layout, mhsa, adapter, model = prepared.layout, prepared.mhsa, prepared.adapter, replacement.model
     rows = graph.feature_rows.nonzero().flatten()

@@ -25,119 +25,18 @@ import torch
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import CheckpointError, UnsupportedArchitectureError
-
-#: node kinds (``NodeTable.kind``), with their Neuronpedia ``feature_type`` names
-TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR, EMBEDDING, BIAS, LOGIT = range(7)
-KIND_NAMES = ("cross layer transcoder", "lorsa", "mlp reconstruction error", "lorsa error",
-              "embedding", "bias", "logit")
-SHORT_NAMES = ("tc", "lorsa", "mlp_err", "attn_err", "emb", "bias", "logit")
-#: where a graph, its node tables and its stored rows live, whatever the model's device: the host
-#: (the frozen pass runs on the model's device; its rows are copied here as each batch is computed)
-HOST = torch.device("cpu")
-
-
-@dataclass(repr=False)
-class NodeTable(FieldsRepr):
-    """One entry per node.
-
-    Attributes:
-        kind: ``(n,)`` int64, one of :data:`TRANSCODER` … :data:`LOGIT`.
-        layer: ``(n,)`` int64 — the layer whose attention (Lorsa, attention error) or MLP
-            (transcoder, MLP error) holds the node; ``-1`` for embeddings, ``n_layers`` for logits,
-            the layer of the module for biases (``n_layers`` for the final norm / unembedding).
-        pos: ``(n,)`` int64 token position (``-1`` for bias nodes, which sum over positions).
-        index: ``(n,)`` int64 — feature / OV-head index, token id for embeddings and logits,
-            index into ``bias_names`` for biases, ``-1`` for errors.
-        activation: ``(n,)`` float — feature activation / head ``z`` (Lorsa §3.1) on the prompt,
-            the logit's probability for logits, the error vector's norm for errors, 0 otherwise.
-        bias_names: name of each bias node, e.g. ``"L2.mlp.b_dec"``.
-        intervened: ``(n,)`` bool — the node was edited in the traced forward pass the graph is of
-            (``attribute(rm, tracer=tracer)``: an ablated, scaled, steered or patched Lorsa head or
-            transcoder feature, held at its edited value as a fixed input with no incoming edges); all
-            False in the graph of a clean pass.
-    """
-
-    kind: torch.Tensor
-    layer: torch.Tensor
-    pos: torch.Tensor
-    index: torch.Tensor
-    activation: torch.Tensor
-    bias_names: list[str]
-    intervened: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
-
-    def __post_init__(self) -> None:
-        if self.intervened.numel() != self.kind.numel():  # the default (no node intervened), sized to the table
-            self.intervened = torch.zeros(self.kind.numel(), dtype=torch.bool, device=HOST)
-
-    def __len__(self) -> int:
-        return int(self.kind.numel())
-
-    def count(self, kind: int) -> int:
-        return int((self.kind == kind).sum())
-
-    def label(self, i: int) -> str:
-        """A short readable name, e.g. ``lorsa L2 h17 @5``, ``tc L1 f301 @3``, ``bias L2.mlp.b_dec``."""
-        k, layer, pos, idx = (int(t[i]) for t in (self.kind, self.layer, self.pos, self.index))
-        if k == BIAS:
-            return f"bias {self.bias_names[idx]}"
-        if k in (MLP_ERROR, ATTN_ERROR):
-            return f"{SHORT_NAMES[k]} L{layer} @{pos}"
-        if k == EMBEDDING:
-            return f"emb tok{idx} @{pos}"
-        if k == LOGIT:
-            return f"logit tok{idx}"
-        return f"{SHORT_NAMES[k]} L{layer} {'h' if k == LORSA else 'f'}{idx} @{pos}"
-
-    def sites(self) -> torch.Tensor:
-        """``(n,)`` int64 each node's site in the residual stream's order: embeddings 0, layer ``l``'s
-        attention nodes (Lorsa heads, attention errors) ``2l + 1``, its MLP nodes (transcoder features,
-        MLP errors) ``2l + 2``, logits after every layer; biases ``-1`` (no site: a source of every
-        target). A target depends only on sources at an earlier site (:class:`BlockAdjacency`)."""
-        k, layer = self.kind, self.layer
-        site = torch.full_like(layer, -1)
-        site[k == EMBEDDING] = 0
-        attn = (k == LORSA) | (k == ATTN_ERROR)
-        mlp = (k == TRANSCODER) | (k == MLP_ERROR)
-        site[attn] = 2 * layer[attn] + 1
-        site[mlp] = 2 * layer[mlp] + 2
-        logit = k == LOGIT
-        site[logit] = 2 * layer[logit] + 3
-        return site
-
-    def select(self, keep: torch.Tensor) -> NodeTable:
-        """The nodes where the bool mask / index tensor ``keep`` selects."""
-        return NodeTable(self.kind[keep], self.layer[keep], self.pos[keep], self.index[keep],
-                         self.activation[keep], list(self.bias_names), self.intervened[keep])
-
-    @staticmethod
-    def cat(tables: list[NodeTable]) -> NodeTable:
-        """The tables one after another, on the host (a node table lives on the CPU whatever the model's
-        device)."""
-        names = tables[0].bias_names if tables else []
-        kind, layer, pos, index, activation, intervened = (
-            torch.cat([getattr(t, f).to(HOST) for t in tables]) for f in
-            ("kind", "layer", "pos", "index", "activation", "intervened"))
-        return NodeTable(kind, layer, pos, index, activation, list(names), intervened)
-
-    @staticmethod
-    def make(kind: int, layer: torch.Tensor | int, pos: torch.Tensor, index: torch.Tensor | int,
-             activation: torch.Tensor | None = None, bias_names: list[str] | None = None,
-             intervened: torch.Tensor | None = None) -> NodeTable:
-        """A table of ``pos.numel()`` nodes of one kind, on the host (tensors from any device are copied);
-        ``intervened``: ``(n,)`` bool marks (default none)."""
-        n = pos.numel()
-
-        def full(v: torch.Tensor | int) -> torch.Tensor:
-            if isinstance(v, torch.Tensor):
-                return v.detach().to(HOST, torch.long).reshape(n)
-            return torch.full((n,), v, dtype=torch.long, device=HOST)
-
-        act = (torch.zeros(n, device=HOST) if activation is None
-               else activation.detach().to(HOST, torch.float32).reshape(n))
-        marks = (torch.zeros(n, dtype=torch.bool, device=HOST) if intervened is None
-                 else intervened.detach().to(HOST, torch.bool).reshape(n))
-        return NodeTable(torch.full((n,), kind, dtype=torch.long, device=HOST), full(layer), full(pos),
-                         full(index), act, list(bias_names or []), marks)
+from .nodes import (  # the node kinds, HOST and NodeTable live in .nodes; imported from here too
+    ATTN_ERROR,
+    BIAS,
+    EMBEDDING,
+    HOST,
+    KIND_NAMES,
+    LOGIT,
+    LORSA,
+    MLP_ERROR,
+    TRANSCODER,
+    NodeTable,
+)
 
 
 class BlockAdjacency:

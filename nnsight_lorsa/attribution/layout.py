@@ -18,6 +18,7 @@ import torch
 from .._repr import FieldsRepr
 from ..errors import ConfigMismatchError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
+from .logit_targets import TOP_LOGITS, LogitTargets, target_logits
 
 
 @dataclass(repr=False)
@@ -124,27 +125,6 @@ def _nonzero(v: torch.Tensor | None) -> bool:
     return v is not None and bool((v != 0).any())
 
 
-def top_p_logits(logits: torch.Tensor, desired_prob: float = 0.95, max_n: int = 10,
-                 tokens: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target tokens and their probabilities at the last position: the most likely tokens until
-    their cumulative probability reaches ``desired_prob`` (at most ``max_n``; circuit-tracer's
-    defaults), or the given ``tokens``."""
-    probs = logits.detach().to(HOST, torch.float32).softmax(-1)
-    if tokens is not None:
-        raw = torch.as_tensor(tokens, device=HOST)
-        if raw.is_floating_point() or raw.dtype == torch.bool:
-            raise ConfigMismatchError(f"logit tokens (logit_tokens=...) must be integer ids, got {tokens!r}")
-        ids = raw.long().reshape(-1)
-        if ids.numel() == 0 or ids.min() < 0 or ids.max() >= probs.numel():
-            raise ConfigMismatchError(f"logit tokens (logit_tokens=...) must be ids in [0, {probs.numel()}), "
-                                      f"got {ids.tolist()}")
-        return ids, probs[ids]
-    p, ids = probs.sort(descending=True)
-    n = int((p.cumsum(0) < desired_prob).sum()) + 1
-    n = max(1, min(n, max_n))
-    return ids[:n], p[:n]
-
-
 def build_layout(
     tokens: torch.Tensor,
     attn_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -153,9 +133,7 @@ def build_layout(
     modules: dict[str, Any],
     *,
     n_layers: int,
-    logit_tokens: Any = None,
-    desired_logit_prob: float = 0.95,
-    max_n_logits: int = 10,
+    targets: LogitTargets | tuple[int, ...] = TOP_LOGITS,
     zero_positions: int = 0,
     live: LiveNodes | None = None,
 ) -> Layout:
@@ -171,6 +149,7 @@ def build_layout(
             (``{layer: (b_V, b_O)}`` of the frozen MHSA layers), ``norm_biases``
             (``{name: tensor | None}`` for ``L{l}.attn_norm``, ``L{l}.mlp_norm``, ``final_norm``),
             ``lm_head_bias``.
+        targets: the logit targets (:func:`.logit_targets.target_logits`: the top-logit policy, or token ids).
         zero_positions: the first this many positions get no feature / Lorsa-head nodes: their
             transcoder and Lorsa outputs are carried by those positions' error nodes (circuit-tracer
             zeroes position 0, the BOS token, in its graphs). Sums stay exact.
@@ -179,7 +158,7 @@ def build_layout(
             whatever their value.
 
     Raises:
-        ConfigMismatchError: ``zero_positions`` not an int in ``[0, pos)``, or bad ``logit_tokens``.
+        ConfigMismatchError: ``zero_positions`` not an int in ``[0, pos)``, or a target id outside the vocabulary.
     """
     n_pos = int(tokens.numel())
     if not isinstance(zero_positions, int) or isinstance(zero_positions, bool) or not 0 <= zero_positions < n_pos:
@@ -280,7 +259,7 @@ def build_layout(
             top["lm_head"] = add("lm_head.bias", n_layers)
         bias_nodes = NodeTable.make(BIAS, torch.tensor(bias_layers, dtype=torch.long, device=HOST),
                                     torch.full((len(names),), -1, device=HOST), torch.arange(len(names), device=HOST))
-        ids, probs = top_p_logits(last_logits, desired_logit_prob, max_n_logits, logit_tokens)
+        ids, probs = target_logits(last_logits, targets)
         logits = NodeTable.make(LOGIT, n_layers, torch.full((ids.numel(),), n_pos - 1, device=HOST), ids, probs)
         nodes = NodeTable.cat([*feats, *errors, emb, bias_nodes, logits])
         nodes.bias_names = names

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError, ConfigMismatchError
+from .logit_targets import RENAMED, Targets, check_targets
 from .replacement import memory_modes
 from .scores import PruneConfig
 
@@ -26,27 +27,43 @@ def _count(value: Any, name: str, none_ok: bool = False) -> None:
         raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
 
 
+def refuse_renamed(settings: dict[str, Any], where: str) -> None:
+    """Refuse keyword ``settings`` that are not settings of ``where`` (the function named in the error): an old
+    spelling (:data:`.logit_targets.RENAMED`) with the new one, any other name as Python refuses an unknown keyword.
+
+    Raises:
+        ArgumentError: ``logit_tokens``, ``desired_logit_prob`` or ``max_n_logits`` (now ``targets=``).
+        TypeError: another name.
+    """
+    old = sorted(set(settings) & set(RENAMED))
+    if old:
+        raise ArgumentError(f"{where}({old[0]}=...) is gone: the logit targets are one setting now, "
+                            f"{RENAMED[old[0]]} (None: the top logits to cumulative probability 0.95, at most 10)")
+    if settings:
+        raise TypeError(f"{where}() got unexpected keyword argument(s) {sorted(settings)}")
+
+
 @dataclass(frozen=True)
 class AttributionOptions:
     """Every setting of :func:`.attribute.attribute` but the replacement, the prompt and the tracer (each
     documented there), checked when the object is made; ``prune`` is kept as a :class:`~.scores.PruneConfig`
-    (or None), ``memory`` as given (a ``(patterns, node_vectors)`` pair too: :func:`.replacement.memory_modes`).
+    (or None), ``targets`` as :func:`.logit_targets.check_targets` returns it (None as ``LogitTargets()``,
+    token ids or strings as a tuple), ``memory`` as given (a ``(patterns, node_vectors)`` pair too:
+    :func:`.replacement.memory_modes`).
 
     Raises:
-        ArgumentError: a count that is not an int (``batch_size``, ``max_n_logits``, ``max_feature_nodes``
-            and ``max_memory`` unless None), ``desired_logit_prob`` or ``zero_positions`` / ``qk_heads`` of the
-            wrong type, a non-floating ``dtype``, ``remote`` other than a bool or ``"local"``, ``progress``
-            other than a bool or None.
-        ConfigMismatchError: a count below 1, ``desired_logit_prob`` outside ``(0, 1]``, negative
-            ``zero_positions`` / ``qk_heads``, an unknown ``memory``, a bad ``prune``.
+        ArgumentError: a count that is not an int (``batch_size``, ``max_feature_nodes`` and ``max_memory``
+            unless None), ``targets`` or ``zero_positions`` / ``qk_heads`` of the wrong type
+            (:func:`.logit_targets.check_targets`), a non-floating ``dtype``, ``remote`` other than a bool or
+            ``"local"``, ``progress`` other than a bool or None; an old setting name (:meth:`of`).
+        ConfigMismatchError: a count below 1, empty or negative ``targets``, negative ``zero_positions`` /
+            ``qk_heads``, an unknown ``memory``, a bad ``prune``.
         TypeError: an unknown setting name (:meth:`of`).
     """
 
     max_feature_nodes: int | None = None
     batch_size: int = 64
-    logit_tokens: Any = None
-    desired_logit_prob: float = 0.95
-    max_n_logits: int = 10
+    targets: Targets = None
     memory: str | tuple[str, str] = "auto"
     prune: Any = None
     dtype: torch.dtype | None = None
@@ -58,14 +75,9 @@ class AttributionOptions:
 
     def __post_init__(self) -> None:
         _count(self.batch_size, "batch_size")
-        _count(self.max_n_logits, "max_n_logits")
         _count(self.max_feature_nodes, "max_feature_nodes", none_ok=True)
         _count(self.max_memory, "max_memory", none_ok=True)
-        p = self.desired_logit_prob
-        if not isinstance(p, (int, float)) or isinstance(p, bool):
-            raise ArgumentError(f"attribute(desired_logit_prob=...) must be a number, got {p!r}")
-        if not 0.0 < p <= 1.0:
-            raise ConfigMismatchError(f"attribute(desired_logit_prob=...) must be in (0, 1], got {p!r}")
+        object.__setattr__(self, "targets", check_targets(self.targets))
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {self.dtype!r}")
         if not (isinstance(self.remote, bool) or self.remote == "local"):
@@ -88,10 +100,12 @@ class AttributionOptions:
 
         Raises:
             TypeError: a name that is not a setting (as a function call with an unknown keyword would).
-            ArgumentError, ConfigMismatchError: as the class.
+            ArgumentError: an old setting name (:func:`refuse_renamed`); as the class.
+            ConfigMismatchError: as the class.
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(settings) - names)
+        refuse_renamed({k: settings[k] for k in unknown if k in RENAMED}, "attribute")
         if unknown:
             raise TypeError(f"unknown attribution setting(s) {unknown}; the settings are {sorted(names)}")
         return cls(**settings)

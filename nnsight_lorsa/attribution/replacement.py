@@ -9,10 +9,10 @@ what the frozen model writes there and records the target pre-activations. After
 transcoder feature's ``x·W_enc[:, f] + b_enc[f]``; a Lorsa head's ``z_pre = Σ_j A_ij v_j``,
 Lorsa §3.1) followed by the demeaned logits of the target tokens.
 
-The MLP replacements are seen per layer (:class:`LayerCoder`): a per-layer (skip) transcoder at
-layer ``l`` writes only into MLP output ``l``; a cross-layer transcoder's layer-``l`` features write
-into every MLP output ``l' ≥ l`` (Ameisen et al. 2025, *Circuit Tracing*, cross-layer transcoders), one node whose
-multiplier scales all its
+The MLP replacements are seen per layer (a CLT as :class:`~nnsight_lorsa.modules.clt.CLTLayer` views): a
+per-layer (skip) transcoder at layer ``l`` writes only into MLP output ``l``; a cross-layer transcoder's
+layer-``l`` features write into every MLP output ``l' ≥ l`` (Ameisen et al. 2025, *Circuit Tracing*,
+cross-layer transcoders), one node whose multiplier scales all its
 writes. In another dtype than the model's (``dtype=torch.float32`` for a bf16 model) the Lorsas,
 transcoders and frozen MHSA weights are used as copies (:func:`copies_in`, :func:`weights_in`; the
 user's modules are untouched), while the model's own modules still run in bf16 on batch row 0 for
@@ -35,7 +35,6 @@ from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ConfigMismatchError, PlacementError
-from ..modules.clt import CrossLayerTranscoder
 from .frozen import (
     GatheredNodes,
     GridNodes,
@@ -274,7 +273,7 @@ class FrozenReplacement:
             return per_position(err, err_mult).to(self.dtype or true_out.dtype)
         writes, clean = [], []
         for src in self.layout.layers[:layer + 1]:
-            w_dec = None if src.transcoder is None else decoders(src.transcoder, src.layer).get(layer)
+            w_dec = None if src.transcoder is None else src.transcoder.decoders(src.layer).get(layer)
             if w_dec is None or not src.tc_pos.numel():
                 continue
             io = self.nodes(f"L{src.layer}.tc.w_dec->{layer}", f"L{src.layer}.tc", src.tc_pos, w_dec, src.tc_feat, x)
@@ -358,58 +357,11 @@ class FrozenReplacement:
         return total
 
 
-class LayerCoder:
-    """Layer ``layer`` of a CLT, seen as a transcoder (encoder at ``layer``; ``b_dec``/skip of MLP ``layer``)."""
-
-    def __init__(self, clt: CrossLayerTranscoder, layer: int) -> None:
-        self.clt, self.layer = clt, layer
-        self.W_enc = clt.W_enc[layer]
-        self.b_enc = clt.b_enc[layer]
-        self.b_dec = clt.b_dec[layer]
-
-    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """``(*batch, d_sae)`` layer ``layer``'s features (the CLT's own encoder, activation included)."""
-        return self.clt.encode_layer(x, self.layer)
-
-    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
-        W = self.clt.W_skip
-        return None if W is None else x @ W[self.layer].T.to(x.dtype)
-
-    def decoders(self) -> dict[int, torch.Tensor]:
-        """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}``."""
-        W = self.clt.W_dec(self.layer)
-        return {self.layer + j: W[:, j] for j in range(W.shape[1])}
-
-
-def decoders(coder: Any, layer: int) -> dict[int, torch.Tensor]:
-    """Target layers and decoder matrices of the MLP replacement at ``layer`` (a transcoder: itself)."""
-    return coder.decoders() if isinstance(coder, LayerCoder) else {layer: coder.W_dec}
-
-
-def as_layer_coders(transcoders: Any) -> dict[int, Any] | None:
-    """``{layer: LayerCoder}`` for a :class:`CrossLayerTranscoder` or a ``CLTSet``; None otherwise."""
-    clt = getattr(transcoders, "clt", transcoders)
-    if isinstance(clt, CrossLayerTranscoder):
-        return {layer: LayerCoder(clt, layer) for layer in range(clt.n_layers)}
-    return None
-
-
 def copies_in(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
-    """Copies of ``{layer: replacement module}`` in ``dtype`` (a cross-layer transcoder's per-layer
-    views share one copy of it)."""
-    clts: dict[int, Any] = {}
-    out: dict[int, Any] = {}
-    for layer, m in modules.items():
-        if isinstance(m, LayerCoder):
-            if id(m.clt) not in clts:
-                clts[id(m.clt)] = copy.deepcopy(m.clt).to(dtype)
-            out[layer] = LayerCoder(clts[id(m.clt)], m.layer)
-        else:
-            out[layer] = copy.deepcopy(m).to(dtype)
-    return out
+    """Copies of ``{layer: replacement module}`` in ``dtype`` (one deepcopy memo: a cross-layer transcoder's
+    per-layer views, :class:`~nnsight_lorsa.modules.clt.CLTLayer`, share one copy of it)."""
+    memo: dict[int, Any] = {}
+    return {layer: copy.deepcopy(m, memo).to(dtype) for layer, m in modules.items()}
 
 
 def weights_in(w: Any, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Any:
@@ -447,16 +399,12 @@ def memory_modes(memory: str | tuple[str, str]) -> tuple[str, str]:
 
 
 def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
-    """``({layer: Lorsa}, {layer: transcoder or LayerCoder})`` of a
-    :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` (a cross-layer transcoder as one
-    :class:`LayerCoder` per layer)."""
-    lorsas = replacement.lorsas
-    lor = {} if lorsas is None else {int(k): lorsas[k] for k in lorsas}
-    tcs = replacement.transcoders
-    coders = as_layer_coders(tcs) if tcs is not None else None
-    if coders is None:
-        coders = {} if tcs is None else {int(k): tcs[k] for k in tcs}
-    return lor, coders
+    """``({layer: Lorsa}, {layer: transcoder or CLTLayer})`` of a
+    :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: its sets' per-layer views
+    (:meth:`~nnsight_lorsa.envoy.replacement_set.ReplacementSet.by_layer`; a cross-layer transcoder as one
+    :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer)."""
+    lorsas, tcs = replacement.lorsas, replacement.transcoders
+    return ({} if lorsas is None else lorsas.by_layer()), ({} if tcs is None else tcs.by_layer())
 
 
 def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[int, Any],
@@ -506,8 +454,7 @@ def check_placement(root: torch.nn.Module, lorsas: dict[int, Any], transcoders: 
                                  "(device_map without disk/CPU offload)")
     for kind, modules in (("Lorsa", lorsas), ("transcoder", transcoders)):
         for layer, m in modules.items():
-            module = m.clt if isinstance(m, LayerCoder) else m
-            if isinstance(module, torch.nn.Module) and any(p.device.type == "meta" for p in module.parameters()):
-                raise PlacementError(f"the {kind} at layer {layer} is on {_where(module)} (its weights were never "
+            if isinstance(m, torch.nn.Module) and any(p.device.type == "meta" for p in m.parameters()):
+                raise PlacementError(f"the {kind} at layer {layer} is on {_where(m)} (its weights were never "
                                      f"materialised) while the model is on {model_at}: load its weights onto a "
                                      "real device")

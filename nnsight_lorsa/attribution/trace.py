@@ -33,6 +33,7 @@ from ..envoy.nnsight_internals import hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
 from .layout import Layout, LiveNodes, build_layout
+from .logit_targets import TOP_LOGITS, LogitTargets, Targets, check_targets, token_ids
 from .replacement import (
     FrozenReplacement,
     check_placement,
@@ -157,20 +158,24 @@ class Prepared:
     transcoders: dict[int, Any]
 
 
-def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_logit_prob: float = 0.95,
-            max_n_logits: int = 10, remote: Any = False, dtype: torch.dtype | None = None,
+def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: Any = False,
+            dtype: torch.dtype | None = None,
             cache: AttributionCache | None = None, zero_positions: int = 0,
             live: LiveNodes | None = None) -> Prepared:
     """The clean pass over ``prompt`` (text or ids) and the layout of its nodes — or, with ``cache``
     (``prompt`` then ignored), the layout from that cache without running the model; ``live``: the node
-    values of a traced pass (:class:`~.layout.LiveNodes`, with a cache of that pass).
+    values of a traced pass (:class:`~.layout.LiveNodes`, with a cache of that pass); ``targets`` as
+    :func:`.attribute.attribute`'s (strings through the model's tokenizer: :func:`.logit_targets.token_ids`).
 
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt — before the model runs.
+        ArgumentError, ConfigMismatchError, MissingTokenizerError: bad ``targets`` (an id outside the
+            vocabulary only after the clean pass).
         PlacementError: a replacement module (or, unless ``remote``, the model) with weights on the
             ``meta`` device (:func:`.replacement.check_placement`).
     """
     model, adapter = replacement.model, replacement.adapter
+    ids = token_ids(check_targets(targets), model)
     lor, tcs = layer_modules(replacement)
     check_placement(hf_module(model), lor, tcs, model_weights=not remote)
     if dtype is not None and dtype != next(hf_module(model).parameters()).dtype:
@@ -180,19 +185,17 @@ def prepare(replacement: Any, prompt: Any, *, logit_tokens: Any = None, desired_
         mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
     if cache is None:
         cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
-    layout = layout_of(cache, modules, adapter, logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob,
-                       max_n_logits=max_n_logits, zero_positions=zero_positions, live=live)
+    layout = layout_of(cache, modules, adapter, targets=ids, zero_positions=zero_positions, live=live)
     return Prepared(layout, mhsa, adapter, lor, tcs)
 
 
 def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
-              logit_tokens: Any = None, desired_logit_prob: float = 0.95, max_n_logits: int = 10,
-              zero_positions: int = 0, live: LiveNodes | None = None) -> Layout:
+              targets: LogitTargets | tuple[int, ...] = TOP_LOGITS, zero_positions: int = 0,
+              live: LiveNodes | None = None) -> Layout:
     """The prompt's nodes (:func:`.layout.build_layout`) from a pass's cache."""
     return build_layout(cache.tokens, {layer: (x, cache.positions) for layer, x in cache.attn_in.items()},
                         cache.mlp_in, cache.last_logits, modules, n_layers=adapter.n_layers,
-                        logit_tokens=logit_tokens, desired_logit_prob=desired_logit_prob, max_n_logits=max_n_logits,
-                        zero_positions=zero_positions, live=live)
+                        targets=targets, zero_positions=zero_positions, live=live)
 
 
 def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tuple[tuple, dict]:

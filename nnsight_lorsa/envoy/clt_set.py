@@ -97,6 +97,11 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets; "
                                   "use per-layer transcoders")
 
+    def by_layer(self) -> dict[int, Any]:
+        """``{layer: CLTLayer}``: each layer of the CLT seen as a transcoder
+        (:meth:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder.by_layer`)."""
+        return dict(self.clt.by_layer())
+
     def envoys(self, spliced: dict[str, Any]) -> Any:
         return spliced[KEY]
 

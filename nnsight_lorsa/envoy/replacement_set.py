@@ -238,6 +238,18 @@ class ReplacementSet(Generic[K, M]):
         """
         return self[target.site]
 
+    def by_layer(self) -> dict[int, Any]:
+        """``{layer: module}``: what replaces each decoder layer's attention or MLP, one module per layer (the
+        attribution graph's view): a per-layer set's own modules; a CLT set one
+        :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer of its CLT.
+
+        Raises:
+            ConfigMismatchError: a set keyed by site path (SAEs), which replaces no layer.
+        """
+        if self.key_type is not int:
+            raise ConfigMismatchError(f"{type(self).__name__} is keyed by site path, not by layer")
+        return {int(k): self[k] for k in self}  # type: ignore[call-overload]
+
     def envoys(self, spliced: dict[K, Any]) -> Any:
         """What :meth:`~.replacement_model.ReplacementModel.replace` returns for this set, given the
         envoys ``{key: envoy}`` of its spliced modules: that dict (a CLT set: its one envoy)."""

@@ -210,3 +210,49 @@ class CrossLayerTranscoder(nn.Module):
     def extra_repr(self) -> str:
         c = self.cfg
         return f"n_layers={c.n_layers}, d_model={c.d_in}, d_sae={c.d_sae}, skip={c.skip}"
+
+    def by_layer(self) -> dict[int, CLTLayer]:
+        """``{layer: CLTLayer}``: each layer seen as a transcoder (the attribution graph's per-layer view)."""
+        return {layer: CLTLayer(self, layer) for layer in range(self.cfg.n_layers)}
+
+
+class CLTLayer(nn.Module):
+    """Layer ``layer`` of a :class:`CrossLayerTranscoder` seen as a transcoder: encoder at ``layer``,
+    ``b_dec`` / skip of MLP ``layer``, decoders into every MLP ``l' ≥ layer`` (:meth:`decoders`). A view:
+    its only submodule is the CLT (``.to`` / ``copy.deepcopy`` with a shared memo move or copy that one
+    CLT; its tensors are read from it on every access).
+    """
+
+    def __init__(self, clt: CrossLayerTranscoder, layer: int) -> None:
+        super(CLTLayer, self).__init__()
+        self.clt, self.layer = clt, clt._check_layer(layer)
+
+    @property
+    def W_enc(self) -> Float[torch.Tensor, "d_model d_sae"]:
+        return self.clt.W_enc[self.layer]
+
+    @property
+    def b_enc(self) -> Float[torch.Tensor, " d_sae"]:
+        return self.clt.b_enc[self.layer]
+
+    @property
+    def b_dec(self) -> Float[torch.Tensor, " d_model"]:
+        return self.clt.b_dec[self.layer]
+
+    def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def encode(self, x: Float[torch.Tensor, "*batch d_model"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` layer ``layer``'s features (the CLT's own encoder, activation included)."""
+        return self.clt.encode_layer(x, self.layer)
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The skip path of MLP ``layer`` (None without one)."""
+        W = self.clt.W_skip
+        return None if W is None else x @ W[self.layer].T.to(x.dtype)
+
+    def decoders(self, layer: int | None = None) -> dict[int, torch.Tensor]:
+        """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}`` (``layer``: the view's own, as the
+        per-layer coders' :meth:`~.sparse_coder.SparseCoder.decoders` take it)."""
+        W = self.clt.W_dec(self.layer)
+        return {self.layer + j: W[:, j] for j in range(W.shape[1])}

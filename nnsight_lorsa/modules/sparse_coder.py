@@ -208,6 +208,11 @@ class SparseCoder(nn.Module):
         """A linear path added to the output (None: no skip connection)."""
         return None
 
+    def decoders(self, layer: int) -> dict[int, torch.Tensor]:
+        """``{layer: W_dec (d_sae, d_out)}``: the outputs this coder writes when it replaces MLP ``layer``
+        (one; a cross-layer transcoder's per-layer view, :class:`~.clt.CLTLayer`, writes several)."""
+        return {layer: self.W_dec}
+
     def encode(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_sae"]:
         """Feature activations ``σ(x W_enc + b_enc)`` (through ``hook_sae_acts_pre``/``_post``).
 

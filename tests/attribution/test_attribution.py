@@ -144,7 +144,7 @@ def test_a_feature_budget_keeps_every_row_summing_to_its_value(llama):
 
 def test_custom_logit_tokens_and_progress(llama):
     model, _, lorsas, tcs, ids, _ = llama
-    g = attribute(rm(model, lorsas, tcs), ids, logit_tokens=[3, 7], progress=True)
+    g = attribute(rm(model, lorsas, tcs), ids, targets=[3, 7], progress=True)
     assert g.nodes.index[g.logit_ids].tolist() == [3, 7]
     assert g.edge_sum_error("mass").max() < 1e-6
 
@@ -166,7 +166,7 @@ def test_bad_input_raises_before_running(llama):
     with pytest.raises(ShapeError):
         attribute(rm(model), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ConfigMismatchError, match="logit tokens"):
-        attribute(rm(model), ids, logit_tokens=[10_000])
+        attribute(rm(model), ids, targets=[10_000])
     with pytest.raises(ConfigMismatchError, match="mapping"):
         attribute(rm(model, transcoders=[tcs[0]]), ids)
 
@@ -341,6 +341,41 @@ def test_cross_layer_transcoder_graph_is_exact(skip):
     logits_rows = g.logit_ids
     assert not torch.allclose(g.densify()[logits_rows][:, src], h.densify()[logits_rows][:, src], atol=1e-4)
     assert torch.allclose(g.densify()[src], h.densify()[src], atol=1e-5)
+
+
+
+def test_cross_layer_transcoder_views_copy_and_place_as_one_module():
+    """A CLT is seen by attribution as one ``CLTLayer`` view per layer (``CLTSet.by_layer``, no kind test):
+    ``dtype=`` copies the views into one shared copy of the CLT (the user's stays untouched) and gives the
+    fp32 graph to fp32 rounding; a CLT on the meta device is refused by the placement check naming it."""
+    from nnsight_lorsa.attribution.replacement import check_placement, copies_in, layer_modules
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+    from nnsight_lorsa.errors import PlacementError
+    from nnsight_lorsa.modules.clt import CLTConfig, CLTLayer, CrossLayerTranscoder
+
+    model, _, lorsas, _ = attribution_setup("llama")
+    clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk",
+                                         activation_params={"k": 5}, skip=True))
+    with torch.no_grad():
+        clt.W_skip.copy_(0.05 * torch.randn(clt.W_skip.shape, generator=torch.Generator().manual_seed(2)))
+    r = rm(model, lorsas, clt)
+    _, views = layer_modules(r)
+    assert sorted(views) == [0, 1, 2] and all(isinstance(v, CLTLayer) and v.clt is clt for v in views.values())
+    assert sorted(views[1].decoders(1)) == [1, 2] and torch.equal(views[1].W_enc, clt.W_enc[1])
+    copies = copies_in(views, torch.float64)
+    assert len({id(c.clt) for c in copies.values()}) == 1 and copies[0].clt is not clt
+    assert copies[2].b_dec.dtype == torch.float64 and clt.b_dec.dtype == torch.float32
+    ids = random_ids(1, 7, seed=3)[0]
+    g32 = attribute(r, ids, batch_size=32)
+    g64 = attribute(r, ids, batch_size=32, dtype=torch.float64)
+    assert clt.W_enc.dtype == torch.float32
+    a, b = g32.densify(), g64.densify().float()
+    assert torch.equal(g32.nodes.index, g64.nodes.index)
+    assert (a - b).abs().max() <= 1e-5 * float(b.abs().max())
+    assert g64.edge_sum_error("mass").max() < 1e-6  # the values come from the fp32 model
+    meta = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3), device="meta")  # (CLTSet refuses it
+    with pytest.raises(PlacementError, match="transcoder at layer 0 is on meta"):  # too; the check itself:)
+        check_placement(hf_module(model), {}, meta.by_layer())
 
 
 REMOTE_LOCAL_ATTRIBUTION = r"""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nnsight_lorsa import ReplacementModel, TranscoderSet
-from nnsight_lorsa.attribution import attribute, prune, to_neuronpedia
+from nnsight_lorsa.attribution import LogitTargets, attribute, prune, to_neuronpedia
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "peers" / "circuit_tracer" / "graph"
 FIELDS = ("node_id", "layer", "feature", "ctx_idx", "feature_type", "jsNodeId")
@@ -33,7 +33,7 @@ def both():
         logits = model._module(ids[None]).logits[0, -1]
     assert torch.allclose(logits, torch.tensor(p["logits_last"]), rtol=1e-4, atol=1e-5)
     rm = ReplacementModel(model, transcoders=TranscoderSet.from_pretrained(model, FIX / "transcoders"))
-    g = attribute(rm, ids, max_n_logits=s["max_n_logits"], desired_logit_prob=s["desired_logit_prob"],
+    g = attribute(rm, ids, targets=LogitTargets(max_n=s["max_n_logits"], cumulative_prob=s["desired_logit_prob"]),
                   batch_size=s["batch_size"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
