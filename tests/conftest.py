@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from jaxtyping import install_import_hook
 
@@ -30,8 +31,6 @@ import nnsight_lorsa  # noqa: E402,F401
 import nnsight_lorsa.envoy.lorsa_set  # noqa: E402,F401
 import nnsight_lorsa.training.evaluate  # noqa: E402,F401
 import nnsight_lorsa.training.trainer  # noqa: E402,F401
-
-import pytest  # noqa: E402
 
 
 def _torch_globals() -> dict[str, object]:
