@@ -74,6 +74,9 @@ class ReplacementModel:
         saes: an :class:`~.sae_set.SAESet` of ``model`` or ``{site path: SAE}``.
         error: splice replacements with their error terms (default True), so that an unedited
             run reproduces the model and only an edit changes it (Ameisen et al. 2025, *Circuit Tracing*: error nodes).
+        offload: True / False sets :attr:`~.replacement_set.ReplacementSet.offload` on every set held
+            (weights stored on the host, each module copied to its site's device only while it computes);
+            None (default) leaves the sets as they are.
         adapter: the model family's adapter (default :func:`~nnsight_lorsa.adapters.registry.get_adapter`).
 
     Attributes:
@@ -83,16 +86,21 @@ class ReplacementModel:
         UnsupportedArchitectureError: the model family has no adapter.
         ConfigMismatchError: a set bound to another model, or a value of the wrong type.
         LayerOutOfRangeError: a module keyed by a layer the model does not have.
+        ArgumentError: ``offload`` neither a bool nor None.
     """
 
     def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
-                 error: bool = True, adapter: ArchitectureAdapter | None = None) -> None:
+                 error: bool = True, adapter: ArchitectureAdapter | None = None, offload: bool | None = None) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
         self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
         self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
         self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
         self.error = bool(error)
+        if offload is not None:
+            check_flag(offload, "offload", "ReplacementModel")
+            for _, held in self.sets():
+                held.offload = offload
 
     def sets(self) -> list[tuple[str, ReplacementSet]]:
         """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``."""

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .._placement import place
+from .._placement import offloaded, place, set_offload, store_on_host
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
@@ -181,6 +181,7 @@ class ReplacementSet(Generic[K, M]):
                  adapter: ArchitectureAdapter | None = None) -> None:
         self.model, self.adapter = model, adapter or get_adapter(model)
         self._by_key: dict[K, M] = {}
+        self._offload: bool | None = None  # None: each module as it is flagged (a copy of an offloaded one is)
         self.update(modules or {})
 
     @classmethod
@@ -345,7 +346,8 @@ class ReplacementSet(Generic[K, M]):
 
     # ------------------------------------------------------------- placement
     def place(self, key: K | None = None) -> None:
-        """Move the module at ``key`` (every module when None), in place, to its site's device.
+        """Move the module at ``key`` (every module when None), in place, to its site's device — or, with
+        :attr:`offload`, to the host (pinned where CUDA is available).
 
         Its dtype is kept (the splice casts inputs and outputs at the boundary; ``module.to(dtype)``
         casts it). A no-op for a site whose weights are not loaded yet (``meta``): the splice then
@@ -356,23 +358,53 @@ class ReplacementSet(Generic[K, M]):
             PlacementError: the module is on ``meta`` (never materialised) or cannot be moved.
         """
         for k in [key] if key is not None else list(self):
-            module = self._by_key[k]
-            device, _ = site_placement(self.model, self.site_path(k))
-            if device is not None:
-                place(module, device, self.site_path(k))
+            self._place_one(k, self._by_key[k])
+
+    def _place_one(self, key: K, module: M) -> None:
+        if self._offload is not None:
+            set_offload(module, self._offload)
+        if offloaded(module):
+            store_on_host(module, self.site_path(key))
+            return
+        device, _ = site_placement(self.model, self.site_path(key))
+        if device is not None:
+            place(module, device, self.site_path(key))
+
+    @property
+    def offload(self) -> bool:
+        """Whether the set's modules are *offloaded* (default False): their weights are stored on the host
+        (pinned where CUDA is available) and each one is copied to its site's device just before it
+        computes there and dropped right after (:class:`~.._placement.resident`) — in ``replace()``'s
+        splice (per forward pass and site), in attribution's clean pass and frozen constants; attribution's
+        frozen pass holds only the gathered rows of the active heads / features on the device
+        (docs/attribution.md, "Offloaded replacement modules"). Results are the same as without.
+        Setting it moves every module (to the host, or back to its site's device); until it is set, each
+        module is as it is marked (a copy of an offloaded module is offloaded), and this reads True when
+        every module is.
+
+        Raises:
+            ArgumentError: not a bool. PlacementError: as :meth:`place`.
+        """
+        if self._offload is not None:
+            return self._offload
+        return bool(self._by_key) and all(offloaded(m) for m in self._by_key.values())
+
+    @offload.setter
+    def offload(self, value: bool) -> None:
+        self._offload = check_flag(value, "offload", type(self).__name__)
+        self.place()
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
         return splice_chain(self.model, self.site(key), module, error=error)
+
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
         if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
-        device, _ = site_placement(self.model, self.site_path(k))
-        if device is not None:  # before insertion: a module that cannot be placed is not added
-            place(module, device, self.site_path(k))
+        self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
         self._by_key[k] = module
 
     def update(self, modules: Mapping[K, M]) -> None:
