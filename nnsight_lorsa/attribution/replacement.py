@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._placement import resident, to_module
+from .._placement import offloaded, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -388,7 +388,8 @@ class LayerCoder:
 
     def skip(self, x: torch.Tensor) -> torch.Tensor | None:
         W = self.clt.W_skip
-        return None if W is None else x @ W[self.layer].T.to(x.dtype)
+        # offloaded: this layer's matrix copied out, so that the backward keeps it and not every layer's
+        return None if W is None else x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
 
     def decoders(self) -> dict[int, torch.Tensor]:
         """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}``."""

@@ -90,7 +90,7 @@ class ReplacementModel:
     """
 
     def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
-                 error: bool = True, adapter: ArchitectureAdapter | None = None, offload: bool | None = None) -> None:
+                 error: bool = True, adapter: ArchitectureAdapter | None = None, offload: Any = None) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
         self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")

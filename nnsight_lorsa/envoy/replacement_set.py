@@ -390,7 +390,7 @@ class ReplacementSet(Generic[K, M]):
         return bool(self._by_key) and all(offloaded(m) for m in self._by_key.values())
 
     @offload.setter
-    def offload(self, value: bool) -> None:
+    def offload(self, value: Any) -> None:  # checked here: a named error, not a type-checker one
         self._offload = check_flag(value, "offload", type(self).__name__)
         self.place()
 
