@@ -118,15 +118,18 @@ def store_on_host(module: torch.nn.Module, where: str, pin: bool | None = None) 
     Raises:
         PlacementError: the module is on ``meta`` (never materialised).
     """
-    place(module, HOST, where)
     if pin is None:
         pin = torch.cuda.is_available()
-    if not pin:
+    tensors = [*module.parameters(), *module.buffers()]
+    if not pin or any(t.device.type == "meta" for t in tensors):
+        place(module, HOST, where)  # refuses a meta module, naming it
         return
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            if not t.is_pinned():
-                t.data = t.data.pin_memory()
+        for t in tensors:
+            if not t.is_pinned():  # straight into page-locked memory: no second host copy on the way
+                host = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=True)
+                host.copy_(t)
+                t.data = host
 
 
 def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -77,8 +77,8 @@ class MemoryEstimate(FieldsRepr):
             ``host_bytes``).
         batch_size: the batch the estimate is for.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``fixed``;
-            with offloaded modules on a device also ``offload_fetch`` and ``offload_rows``, included in
-            ``frozen_shared``)
+            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none
+            is), included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
