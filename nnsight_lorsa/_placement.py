@@ -132,6 +132,14 @@ def store_on_host(module: torch.nn.Module, where: str, pin: bool | None = None) 
                 t.data = host
 
 
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-locked memory where it is on the host and CUDA is available (else ``t`` itself): copies
+    from it to the device then run ``non_blocking``."""
+    if t.device.type == "cpu" and not t.is_pinned() and torch.cuda.is_available():
+        return t.pin_memory()
+    return t
+
+
 def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``t`` on ``device`` (``non_blocking`` from pinned memory; autograd links it to ``t``)."""
     return t.to(device, non_blocking=t.is_pinned())
@@ -222,5 +230,5 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "OFFLOAD_ATTR", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "place",
-           "placement", "resident", "set_offload", "store_on_host", "to_module"]
+__all__ = ["HOST", "OFFLOAD_ATTR", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned",
+           "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._placement import offloaded, resident, to_module
+from .._placement import offloaded, pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -49,6 +49,7 @@ from .frozen import (
     norm_scale,
     per_position,
     scaled,
+    streamed_linear,
     z_pre,
 )
 from .layout import Layout
@@ -156,10 +157,11 @@ class FrozenReplacement:
                     self._nodes[key] = GridNodes(slots, slots.grid(on(W.detach()[idx.to(W.device)], like)))
             elif W.device == like.device:  # W is read in every pass, where it is
                 self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), pos, self.layout.n_pos, like.dtype)
-            else:  # W elsewhere (e.g. offloaded to the host): only the nodes' distinct rows are copied to the site
+            else:  # W elsewhere (an offloaded module: the host): the nodes' distinct rows, kept where W is
+                # (pinned), are copied to the site for each pass only (frozen.gather_write / gather_read)
                 rows, at = torch.unique(idx, return_inverse=True)
                 with torch.no_grad():
-                    sub = W.detach()[rows.to(W.device)].to(like.device)
+                    sub = pinned(W.detach()[rows.to(W.device)])
                 self._nodes[key] = GatheredNodes(sub, at.to(like.device), pos, self.layout.n_pos, like.dtype)
         return self._nodes[key]
 
@@ -244,15 +246,21 @@ class FrozenReplacement:
         W_V = lorsa.W_V
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
+        # the active OV heads' W_V rows; elsewhere (offloaded): kept there (pinned), copied for each pass only
+        w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])
         # the bias term in the site's dtype: an fp32 multiplier would promote v (bf16/fp16 models)
-        v = F.linear(x, on(W_V[at], x)) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
+        v = streamed_linear(x, w_v) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
         group = heads // lorsa.cfg.group_size
 
+        once: list[tuple[torch.Tensor, torch.Tensor]] = []
+
         def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
-            with resident(lorsa, x.device):  # offloaded: its weights on the site's device for this call only
-                xm = to_module(x[:1], lorsa)
-                q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
-            return q_.to(x.device), k_.to(x.device)
+            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its weights)
+                with resident(lorsa, x.device):  # offloaded: its weights on the site's device for this call only
+                    xm = to_module(x[:1], lorsa)
+                    q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
+                once.append((q_.to(x.device), k_.to(x.device)))
+            return once[0]
 
         if not self.store_patterns(x):
             q = self.const(f"L{layer}.lorsa.q", lambda: qk()[0])

@@ -170,3 +170,21 @@ def test_offloaded_attribution_on_cuda_keeps_the_modules_off_the_device(device, 
     assert torch.equal(g.layout_ids, ref.layout_ids)
     A, R = g.densify(), ref.densify()
     assert float((A - R).abs().max()) <= 1e-5 * float(R.abs().max())
+
+
+def test_streamed_linear_has_the_linear_gradient():
+    """The offloaded ``W_V`` rows' product (``frozen._StreamedLinear``: ``W`` copied for the forward and for
+    each backward, never kept) against ``F.linear``: same values and input gradient (1e-6 relative), twice
+    over one retained graph (one backward per batch of targets)."""
+    from nnsight_lorsa.attribution.frozen import _StreamedLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g, requires_grad=True)
+    W = torch.randn(7, 16, generator=g)
+    out, ref = _StreamedLinear.apply(x, W), torch.nn.functional.linear(x, W)
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    for seed in (1, 2):
+        grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+        (a,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        (b,) = torch.autograd.grad(ref, x, grad, retain_graph=True)
+        assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
