@@ -105,6 +105,32 @@ def test_offloaded_qk_tracing_and_pruning_are_identical(monkeypatch):
     assert len(refs[0].qk["score"]) > 0
 
 
+def test_offloaded_intervened_pass_graph_is_identical(monkeypatch):
+    """``attribute(rm, tracer=tracer)`` of a traced pass with a zero-ablated Lorsa head: the same graph and
+    logits with the modules offloaded."""
+    import nnsight
+
+    from nnsight_lorsa.patching import LorsaHead, ablate
+
+    rep = bundle("transcoders")
+    ids = PROMPTS[1]
+
+    def traced(r):
+        with rep.model.trace(ids[None]) as tracer:
+            r.replace()
+            handle = attribute(r, tracer=tracer, batch_size=40)
+            ablate(r(LorsaHead(1, 3)))
+            logits = nnsight.save(rep.model.lm_head.output)
+        return handle.graph, logits
+
+    ref, ref_logits = traced(rep)
+    real_copies(monkeypatch)
+    g, logits = traced(ReplacementModel(rep.model, **dict(rep.sets()), offload=True))
+    assert_identical(g, ref, "intervened")
+    assert torch.equal(logits, ref_logits)
+    assert bool(g.nodes.intervened.any())  # not vacuous: the ablated head is a marked node
+
+
 def test_estimate_counts_one_offloaded_module_at_a_time_not_all():
     """On a device, ``device_bytes`` with offloaded modules = the resident estimate (which excludes the
     resident weights) + the largest module (fetched while it computes) + the rows the frozen pass keeps of
