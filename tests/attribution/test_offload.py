@@ -63,6 +63,28 @@ def real_copies(monkeypatch) -> list[weakref.ref]:
     return copies
 
 
+def one_at_a_time(monkeypatch) -> dict[str, int]:
+    """Counts ``resident`` blocks: how many ran (``entered``) and the most open at once (``most``)."""
+    state = {"open": 0, "most": 0, "entered": 0}
+    enter, exit_ = placement.resident.__enter__, placement.resident.__exit__
+
+    def counting_enter(res):
+        if placement.offloaded(res.module):
+            state["open"] += 1
+            state["entered"] += 1
+            state["most"] = max(state["most"], state["open"])
+        return enter(res)
+
+    def counting_exit(res, *exc):
+        if placement.offloaded(res.module):
+            state["open"] -= 1
+        return exit_(res, *exc)
+
+    monkeypatch.setattr(placement.resident, "__enter__", counting_enter)
+    monkeypatch.setattr(placement.resident, "__exit__", counting_exit)
+    return state
+
+
 def assert_identical(g, ref, what: str) -> None:
     assert torch.equal(g.layout_ids, ref.layout_ids), what
     torch.testing.assert_close(g.values, ref.values, rtol=0, atol=0, equal_nan=True, msg=what)  # NaN: no value
@@ -77,9 +99,11 @@ def test_offloaded_attribution_is_bit_identical(kind, memory, monkeypatch):
     params = {id(m): [id(p) for p in m.parameters()] for m in modules_of(rep)}
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
     copies = real_copies(monkeypatch)
+    blocks = one_at_a_time(monkeypatch)
     for ids, ref in zip(PROMPTS, refs, strict=True):
         assert_identical(attribute(off, ids, batch_size=24, memory=memory), ref, f"{kind} {memory} {len(ids)}")
     assert copies, "nothing was fetched"
+    assert blocks["entered"] >= len(PROMPTS) * len(modules_of(off)) and blocks["most"] == 1 and blocks["open"] == 0
     for m in modules_of(off):
         assert [id(p) for p in m.parameters()] == params[id(m)]
     gc.collect()
