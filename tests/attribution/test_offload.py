@@ -111,6 +111,21 @@ def test_offloaded_attribution_is_bit_identical(kind, memory, monkeypatch):
     assert refs[0].densify().abs().sum() > 0
 
 
+def test_offloaded_modules_are_fetched_per_forward_not_per_backward(monkeypatch):
+    """The backward passes (one per batch of target rows) read only the rows kept apart: as many module
+    fetches with batch 4 (many backward passes) as with batch 64 (one or two)."""
+    rep = bundle("transcoders")
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    counts = []
+    for batch in (4, 64):
+        blocks = one_at_a_time(monkeypatch)
+        g = attribute(off, PROMPTS[0], batch_size=batch)
+        counts.append(blocks["entered"])
+        monkeypatch.undo()
+    assert counts[0] == counts[1] > 0, counts
+    assert -(-int(g.feature_rows.sum() + len(g.logit_ids)) // 4) > 10  # batch 4: many backward passes
+
+
 def test_offloaded_qk_tracing_and_pruning_are_identical(monkeypatch):
     from nnsight_lorsa.attribution import PruneConfig
 
