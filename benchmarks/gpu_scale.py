@@ -11,7 +11,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 (c) Lorsa training throughput (tokens/s): the model forward that reads the activations + the Lorsa
     fwd+bwd+AdamW step, next to the bare step on fixed activations;
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
-    device memory next to ``estimate_memory``'s prediction, and time per batch of target rows next to the
+    device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
+    and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets);
     ``--offload``: the Lorsas and transcoders offloaded (``ReplacementSet.offload``: weights pinned on the
     host, each module copied to the GPU only while it computes), each one moved to the host as soon as it
@@ -26,6 +27,7 @@ Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
@@ -57,6 +59,26 @@ def peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def host_peak_reset() -> int | None:
+    """Reset Linux's host peak (``VmHWM``) to the current RSS and return that RSS in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+def host_peak() -> int:
+    """The host peak (``VmHWM``) in bytes since :func:`host_peak_reset`."""
+    return _status_bytes("VmHWM")
 
 
 def peak_bytes(device: torch.device) -> int | None:
@@ -197,18 +219,30 @@ def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -
             "peak_bytes": peak_bytes(dev), "steps": steps, "batch": [s["train_batch"], s["train_seq"]]}
 
 
-def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> float:
-    """Seconds of the floor of one attribution batch: forward of ``batch`` prompt copies with the
-    embeddings requiring grad, one backward from ``batch`` targets (median)."""
+def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> tuple[float | None, int]:
+    """``(seconds, batch)`` of the floor of one attribution batch: forward of ``batch`` prompt copies with
+    the embeddings requiring grad (only the last position's logits, ``logits_to_keep=1``), one backward
+    from ``batch`` targets (median). Where ``batch`` copies do not fit the device, the largest batch that
+    does (halving; the time is then scaled to ``batch`` rows, as attribution would run them) — ``None``
+    when not even one copy fits. (On an H200 with 34 GB resident, 4 × 4096 tokens did not fit.)"""
     dev = next(hf.parameters()).device
 
-    def run() -> None:
-        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(batch, -1, -1).clone().requires_grad_(True)
-        logits = hf(inputs_embeds=emb).logits[:, -1]
-        logits[torch.arange(batch, device=dev), torch.arange(batch, device=dev)].sum().backward()
+    def run(b: int) -> None:
+        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(b, -1, -1).clone().requires_grad_(True)
+        logits = hf(inputs_embeds=emb, logits_to_keep=1).logits[:, -1]
+        logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum().backward()
         sync(dev)
 
-    return time_interleaved({"floor": run}, repeats=repeats, warmup=1)["floor"]["median_s"]
+    b = batch
+    while b >= 1:
+        try:
+            seconds = time_interleaved({"floor": functools.partial(run, b)}, repeats=repeats,
+                                       warmup=1)["floor"]["median_s"]
+            return seconds * batch / b, b
+        except torch.cuda.OutOfMemoryError:
+            peak_reset(dev)
+            b //= 2
+    return None, 0
 
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
@@ -223,9 +257,10 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     for n in tokens:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
         est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
-        floor = attribution_floor(hf, ids, batch, repeats)
+        floor, floor_batch = attribution_floor(hf, ids, batch, repeats)
         peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
+        host_before = host_peak_reset()
         try:
             t = time.perf_counter()
             graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
@@ -242,10 +277,12 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
-            "per_row_vs_floor": seconds / batches / floor,
+            "floor_measured_at_batch": floor_batch,
+            "per_row_vs_floor": None if floor is None else seconds / batches / floor,
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
+            "host_peak_above_start": None if host_before is None else host_peak() - host_before,
         })
         flush()
         del graph

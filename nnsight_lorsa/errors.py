@@ -129,9 +129,29 @@ class MissingDependencyError(LorsaError, ImportError):
     (``pip install nnsight-lorsa[wandb]``)."""
 
 
+class ServerVersionError(LorsaError, RuntimeError):
+    """The remote server runs another nnsight version than this client (read from its ``GET /env`` before a
+    request is sent; :mod:`nnsight_lorsa.server_version`). The message names both and what to do.
+
+    Attributes:
+        host: the server's address.
+        client_version, server_version: the two nnsight versions.
+    """
+
+    def __init__(self, message: str, host: str, client_version: str, server_version: str) -> None:
+        super().__init__(message)
+        self.host, self.client_version, self.server_version = host, client_version, server_version
+
+
+class ServerVersionWarning(UserWarning):
+    """The remote server did not say which nnsight it runs (no ``GET /env``, or no ``nnsight`` in it): the
+    request is sent unchecked."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
            "HeldoutConstraintWarning", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
-           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "ShapeError",
+           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "ServerVersionError",
+           "ServerVersionWarning", "ShapeError",
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
            "VacuousConstraintError"]

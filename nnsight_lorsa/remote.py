@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attribution.remote_handles import mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
     block_names,
@@ -51,6 +52,7 @@ from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
 from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
 from .ndif_rules import NotWhitelistedError, check_request
+from .server_version import check_server_version
 
 #: Environment variable holding the default payload cap (bytes, or with a unit: ``"1.5GB"``, ``"512MiB"``).
 CAP_ENV = "NNSIGHT_LORSA_MAX_PAYLOAD"
@@ -486,6 +488,8 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
             (a server of your own configured otherwise).
         check_rules: read the serialized request's opcodes (never unpickling it) and refuse it when unpickling
             would resolve a module outside NDIF's whitelist (:func:`~nnsight_lorsa.ndif_rules.check_request`).
+        check_version: before sending, compare the server's nnsight (``GET {host}/env``, once per host) with this
+            client's (:func:`~nnsight_lorsa.server_version.check_server_version`).
         **kwargs: ``host``, ``api_key``, ``env``, ``blocking``, ``job_id``, ``verbose`` as for
             ``RemoteBackend``.
 
@@ -493,11 +497,15 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         PayloadTooLargeError: the request exceeds the cap.
         QueueLimitError: the request exceeds the queue's limit (a cap set above it).
         NotWhitelistedError: the request names objects of modules NDIF does not unpickle.
+        ServerVersionError: the server runs another nnsight version (not for a dry run).
+
+    The handles of ``attribute(rm, tracer=tracer)`` saved in a remote trace or session come back as handles on the
+    bundle the request named (:mod:`~nnsight_lorsa.attribution.remote_handles`).
     """
 
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
                  queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES, check_rules: bool = True,
-                 **kwargs: Any) -> None:
+                 check_version: bool = True, **kwargs: Any) -> None:
         super().__init__(model_key, *args, **kwargs)
         self.check_rules = check_rules
         self.cap_bytes = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
@@ -507,8 +515,11 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         self.payload_bytes: int | None = None
         self.blob: bytes | None = None
         self.envelope: Any = None
+        self.check_version = check_version
+        self._bundles: dict[int, Any] = {}
 
     def serialize_request(self, tracer: Any) -> bytes:
+        self._bundles = mark_bundles(block_names(tracer), self.check_rules)  # attribute_pass handles come back
         report = request_report(tracer)
         self.report = report
         if report.total_tensor_bytes > self.cap_bytes:
@@ -546,19 +557,24 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         if self.dry_run:
             self.blob, self.envelope = self.serialize_request(tracer), request
             return None
-        return super().request(request, tracer)
+        check_server_version(self.host, self.check_version)
+        return rebuild_results(super().request(request, tracer), self._bundles)
+
+    def finalize(self, content: bytes) -> Any:
+        return rebuild_results(super().finalize(content), self._bundles)
 
     def submit(self, tracer: Any) -> None:
         if self.dry_run:
             self.blob = self.serialize_request(tracer)
             self.envelope = request_envelope(self.model_key, self.compress, self.env)
             return None
+        check_server_version(self.host, self.check_version)
         return super().submit(tracer)
 
 
 def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: bool = False,
                    model_key: str | None = None, queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES,
-                   check_rules: bool = True, **kwargs: Any) -> MeasuredRemoteBackend:
+                   check_rules: bool = True, check_version: bool = True, **kwargs: Any) -> MeasuredRemoteBackend:
     """A :class:`MeasuredRemoteBackend` for ``model``: ``model.trace(prompt, backend=remote_backend(model))``.
 
     Args:
@@ -569,6 +585,7 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
             e.g. one built from an in-memory module, gets ``"local:unknown"``).
         queue_limit_bytes: the server queue's limit (default NDIF's, :data:`NDIF_QUEUE_LIMIT_BYTES`; None: none).
         check_rules: refuse a request NDIF would not unpickle, before sending it (:class:`MeasuredRemoteBackend`).
+        check_version: refuse a request to a server of another nnsight version (:class:`MeasuredRemoteBackend`).
         **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
     """
     if model_key is None:
@@ -579,7 +596,8 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
                 raise
             model_key = "local:unknown"
     return MeasuredRemoteBackend(model_key, env=remote_env(model), cap_bytes=cap_bytes, dry_run=dry_run,
-                                 queue_limit_bytes=queue_limit_bytes, check_rules=check_rules, **kwargs)
+                                 queue_limit_bytes=queue_limit_bytes, check_rules=check_rules,
+                                 check_version=check_version, **kwargs)
 
 
 __all__ = [

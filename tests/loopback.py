@@ -284,8 +284,13 @@ while True:
         break
     envelope = json.loads(inp.read(size))
     blob = inp.read(struct.unpack("<Q", inp.read(8))[0])
-    response = serve(envelope, blob)
-    response["hooks"] -= base_hooks
+    if envelope.get("__env__"):  # NDIF's GET /env: the server's python and packages, by import name
+        from importlib.metadata import version
+        response = {"python_version": sys.version,
+                    "packages": {"torch": torch.__version__, "nnsight": RULES["nnsight_version"] or version("nnsight")}}
+    else:
+        response = serve(envelope, blob)
+        response["hooks"] -= base_hooks
     buffer = io.BytesIO()
     torch.save(response, buffer)
     data = buffer.getvalue()
@@ -314,19 +319,25 @@ class LoopbackServer:
     unpickling and execution; a request larger than ``max_request_bytes`` once queued is refused before it is
     unpickled.
 
+    ``env()`` answers as NDIF's ``GET /env`` does (``{"python_version", "packages": {import name: version}}``, the
+    server's nnsight among them); :func:`loopback` serves it over HTTP.
+
     Args:
         seed, dtype: the server's model (:func:`build_model`).
         max_request_bytes: the queue's limit, default Redis' ``proto-max-bulk-len`` (512 MiB); small in tests.
         runtime, deserialization: the module whitelists, default NDIF's (:data:`NDIF_RUNTIME_MODULES`,
             :data:`NDIF_DESERIALIZATION_MODULES`).
+        nnsight_version: the nnsight version ``env()`` reports; None: the one the server process has installed.
     """
 
     def __init__(self, *, seed: int = 0, dtype: str = "float32", max_request_bytes: int = REDIS_PROTO_MAX_BULK_LEN,
-                 runtime: tuple = NDIF_RUNTIME_MODULES, deserialization: tuple = NDIF_DESERIALIZATION_MODULES) -> None:
+                 runtime: tuple = NDIF_RUNTIME_MODULES, deserialization: tuple = NDIF_DESERIALIZATION_MODULES,
+                 nnsight_version: str | None = None) -> None:
         script = (SERVER_SCRIPT.replace("BUILD_MODEL", textwrap.dedent(inspect.getsource(build_model)))
                   .replace("MODULE_ALLOWED", textwrap.dedent(inspect.getsource(module_allowed))))
         rules = json.dumps({"runtime": runtime, "deserialization": deserialization,
-                            "max_request_bytes": max_request_bytes, "exempt": NNSIGHT_OWN_RUNTIME_IMPORTS})
+                            "max_request_bytes": max_request_bytes, "exempt": NNSIGHT_OWN_RUNTIME_IMPORTS,
+                            "nnsight_version": nnsight_version})
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, for its lifetime
         self.proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(seed), dtype, rules],
@@ -341,6 +352,10 @@ class LoopbackServer:
         assert self.proc.stdin is not None
         self.proc.stdin.write(struct.pack("<Q", len(data)))
         self.proc.stdin.write(data)
+
+    def env(self) -> dict:
+        """The server's environment, as NDIF's ``GET /env`` returns it."""
+        return self.run(b"", {"__env__": True})
 
     def run(self, blob: bytes, envelope: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -365,6 +380,29 @@ class LoopbackServer:
         self._log.close()
 
 
+def serve_env(server: LoopbackServer, path: str = "/env") -> str:
+    """Serve ``server.env()`` at ``GET {path}`` (NDIF's ``/env``) over HTTP on 127.0.0.1 (a daemon thread), 404
+    elsewhere; returns the host URL."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Env(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps(server.env()).encode() if self.path == path else b"{}"
+            self.send_response(200 if self.path == path else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Env)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 def loopback(server: LoopbackServer) -> None:
     """Route nnsight's ``RemoteBackend`` (so ``remote=True``) to ``server`` instead of NDIF.
 
@@ -372,10 +410,14 @@ def loopback(server: LoopbackServer) -> None:
     serializes with ``self._serialize`` (nnsight's path, plus our measurement when the backend is
     a ``MeasuredRemoteBackend``), lets the server run it and returns its saves, which
     ``RemoteBackend.__call__`` pushes into the caller's frame as for a real result. Also gives the
-    tiny model a model key (it has no Hub id).
+    tiny model a model key (it has no Hub id). The server's ``GET /env`` is served over HTTP (:func:`serve_env`)
+    and nnsight's ``CONFIG.API.HOST`` points there, so the client's version check reads the loopback's version.
     """
-    from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+    from nnsight import CONFIG
+    from nnsight.intervention.backends.remote import RemoteError
     from nnsight.modeling.transformers import TransformersModel
+
+    from nnsight_lorsa.envoy.nnsight_internals import RemoteBackend  # nnsight's class, even after register()
 
     def request(self: Any, request: Any, tracer: Any) -> Any:
         response = server.run(self._serialize(tracer), request.model_dump())
@@ -387,6 +429,7 @@ def loopback(server: LoopbackServer) -> None:
         return response["saves"]
 
     RemoteBackend.request = request
+    CONFIG.API.HOST = serve_env(server)
     TransformersModel._remoteable_model_key = lambda self: "tiny-llama-3.1-architecture"
 
 

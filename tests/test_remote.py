@@ -526,3 +526,194 @@ def test_replace_leaves_the_models_modules_alone() -> None:
     assert children == [sorted(before), "model.model.layers.1.self_attn.lorsa"] and "lorsa" not in before
     assert attention._modules == before and z.shape[-1] == lorsas[1].cfg.n_ov_heads
     assert "lorsa" not in model.model.layers[1].self_attn.__dict__  # the site's envoy forgot it after the trace
+
+
+# ---------------------------------------------------------------- (d) the intervened pass's graph, remotely
+INTERVENED_CLIENT = r'''
+import json, pickle, warnings, torch, nnsight
+from loopback import LoopbackServer, build_model, loopback, serve_env
+from helpers import make_lorsa, make_transcoders, random_ids
+from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
+from nnsight_lorsa.attribution import IntervenedAttribution, attribute, attribute_pass
+from nnsight_lorsa.errors import ServerVersionError, ServerVersionWarning, ShapeError, TraceOrderError
+from nnsight_lorsa.patching import LorsaHead, ablate
+from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
+from nnsight_lorsa import server_version
+
+server = LoopbackServer()                        # fp32, NDIF's rules, its nnsight = this one
+sent = []
+_run = server.run
+server.run = lambda blob, envelope: (envelope.get("__env__") or sent.append(envelope), _run(blob, envelope))[1]
+loopback(server)                                 # remote=True -> the loopback; GET /env served over HTTP
+register()
+model, hf = build_model()
+bundle = ReplacementModel(model, lorsas=LorsaSet(model, {1: make_lorsa(hf, get_adapter(model), layer=1)}),
+                          transcoders=TranscoderSet(model, make_transcoders((0, 2), skip_layer=2)))
+ids = random_ids(1, 8, seed=2)[0]
+with model.trace(ids) as tracer_top:             # the Lorsa head most active at the last position: ablated below
+    top = nnsight.save(bundle.replace()["lorsas"][1].hook_z.output[0, -1].abs().argmax())
+head = int(top)
+
+with model.trace(ids) as tracer:                 # the local intervened graph (the reference)
+    bundle.replace()
+    handle = attribute(bundle, tracer=tracer, batch_size=40)
+    ablate(bundle(LorsaHead(1, head)), positions=-1)
+    logits = nnsight.save(model.lm_head.output)
+local = handle.graph
+with model.trace(ids) as tracer_pass:            # attribute_pass locally: the same graph
+    bundle.replace()
+    handle_pass = attribute_pass(bundle, tracer_pass, batch_size=40)
+    ablate(bundle(LorsaHead(1, head)), positions=-1)
+local_pass = handle_pass.graph
+with model.trace(ids) as tracer_clean:
+    clean = nnsight.save(model.lm_head.output)
+
+with model.session(remote=True):                 # the one-context flow in a remote session
+    with model.trace(ids) as rt:
+        bundle.replace()
+        remote_handle = attribute_pass(bundle, rt, batch_size=40)
+        ablate(bundle(LorsaHead(1, head)), positions=-1)
+        remote_logits = nnsight.save(model.lm_head.output)
+in_session = remote_handle.graph
+with model.trace(ids, remote=True) as rt2:       # and in a remote trace
+    bundle.replace()
+    trace_handle = attribute_pass(bundle, rt2, batch_size=40)
+    ablate(bundle(LorsaHead(1, head)), positions=-1)
+    trace_logits = nnsight.save(model.lm_head.output)
+in_trace = trace_handle.graph
+requests = len(sent)
+with model.trace(random_ids(2, 8, seed=2), remote=True) as rt4:   # two prompts: the server's error, raised here
+    bundle.replace()
+    two = attribute_pass(bundle, rt4)
+try:
+    two.graph
+    batch_problem = None
+except ShapeError as e:
+    batch_problem = str(e)
+
+refused = None                                   # the engine's entry point in a remote block: refused, named
+try:
+    with model.session(remote=True):
+        with model.trace(ids) as rt3:
+            bundle.replace()
+            wrong = attribute(bundle, tracer=rt3)
+except NotWhitelistedError as e:
+    refused = str(e)
+try:
+    pickle.dumps(handle)                         # a local handle still refuses pickling
+    local_pickle = None
+except TraceOrderError as e:
+    local_pickle = str(e)
+
+# the server's nnsight version: read once per host (GET /env), compared before sending
+env_calls = []
+_env = server.env
+server.env = lambda: (env_calls.append(1), _env())[1]
+server_version._VERSIONS.clear()
+for _ in range(2):
+    with model.trace(ids, remote=True):
+        again = nnsight.save(model.lm_head.output)
+old = LoopbackServer(nnsight_version="0.7.0")    # a server on NDIF's June-2026 nnsight
+old_host = serve_env(old)
+before = len(sent)
+try:
+    with model.trace(ids, backend=remote_backend(model, host=old_host)):
+        nope = nnsight.save(model.lm_head.output)
+    mismatch = None
+except ServerVersionError as e:
+    mismatch = {"message": str(e), "client": e.client_version, "server": e.server_version, "host": e.host}
+with model.trace(ids, backend=remote_backend(model, host=old_host, check_version=False)):
+    unchecked = nnsight.save(model.lm_head.output)
+silent_host = serve_env(old, path="/nothing")    # a server without GET /env: a warning, the request goes
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with model.trace(ids, backend=remote_backend(model, host=silent_host)):
+        unreported = nnsight.save(model.lm_head.output)
+old.close()
+server.close()
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def logit_gap(graph, saved):
+    ids_ = graph.logit_ids
+    last = saved.detach()[0, -1].double()
+    return rel(graph.values[ids_].double().detach(), last[graph.nodes.index[ids_]] - last.mean())
+
+
+out = {"requests": requests, "batch_problem": batch_problem, "refused": refused, "local_pickle": local_pickle,
+       "kind": type(remote_handle).__name__,
+       "env_calls": len(env_calls), "mismatch": mismatch, "mismatch_sent": len(sent) - before,
+       "unchecked_equal": bool(torch.equal(unchecked, clean)), "unreported_equal": bool(torch.equal(unreported, clean)),
+       "warned": [str(w.message) for w in caught if issubclass(w.category, ServerVersionWarning)],
+       "local_pass_adjacency": rel(local_pass.densify(), local.densify())}
+for name, graph, saved in (("session", in_session, remote_logits), ("trace", in_trace, trace_logits)):
+    out[name] = {
+        "adjacency": rel(graph.densify(), local.densify()),
+        "same_nodes": all(torch.equal(getattr(graph.nodes, f), getattr(local.nodes, f))
+                          for f in ("kind", "layer", "pos", "index", "intervened")),
+        "marked": int(graph.nodes.intervened.sum()), "meta": graph.meta["intervened"],
+        "logit_gap": logit_gap(graph, saved), "saved_vs_local": rel(saved, logits),
+        "saved_vs_clean": rel(saved, clean),
+        "edge_sum": float(graph.edge_sum_error("mass").max()),
+    }
+out["local_meta"] = local.meta["intervened"]
+out["head"] = head
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def intervened_loopback() -> dict:
+    return run_client(INTERVENED_CLIENT, timeout=480)
+
+
+def test_the_intervened_pass_is_attributed_in_a_remote_session_and_trace(intervened_loopback: dict) -> None:
+    """``attribute_pass(rm, tracer)`` in ``model.session(remote=True)`` and ``model.trace(..., remote=True)``: the
+    server (NDIF's rules, no nnsight_lorsa) records the ablated pass, the handle comes back and its graph, built here,
+    is the local intervened graph, with the logits the same remote trace saved."""
+    out = intervened_loopback
+    assert out["requests"] == 2 and out["kind"] == "IntervenedAttribution"
+    assert out["local_pass_adjacency"] == 0.0  # attribute_pass is attribute(rm, tracer=tracer)
+    for name in ("session", "trace"):
+        got = out[name]
+        assert got["same_nodes"] and got["marked"] == 1, name
+        assert got["meta"] == out["local_meta"] == [f"LorsaHead(layer=1, head={out['head']}) at positions -1"], name
+        assert got["adjacency"] <= 1e-4, (name, got)
+        assert got["logit_gap"] <= 1e-4, (name, got)  # the graph's logits are the remote trace's saved logits
+        assert got["saved_vs_local"] <= 1e-5 < got["saved_vs_clean"], (name, got)  # the ablation changed them
+        assert got["edge_sum"] < 1e-4, (name, got)
+
+
+def test_attribute_in_a_remote_block_and_a_local_handle_are_refused(intervened_loopback: dict) -> None:
+    out = intervened_loopback
+    assert out["refused"] and "attribute_pass(rm, tracer" in out["refused"] and "Nothing was sent" in out["refused"]
+    assert out["local_pickle"] and "cannot be pickled or sent" in out["local_pickle"]
+    # an error of the recording on the server (two prompts) comes back and is raised at .graph, as locally
+    assert out["batch_problem"] and "attributes one prompt" in out["batch_problem"]
+
+
+def test_the_servers_nnsight_version_is_checked_once_per_host_before_sending(intervened_loopback: dict) -> None:
+    """The loopback serves NDIF's ``GET /env``: the same version passes (read once for its host), another is refused
+    before anything is sent, naming both; ``check_version=False`` skips; a server without ``/env`` warns."""
+    import nnsight
+
+    out = intervened_loopback
+    assert out["env_calls"] == 1
+    mismatch = out["mismatch"]
+    assert mismatch is not None and out["mismatch_sent"] == 0 + 2  # the refused one sent nothing; the next two did
+    assert mismatch["server"] == "0.7.0" and mismatch["client"] == nnsight.__version__
+    assert "nnsight 0.7.0" in mismatch["message"] and f"nnsight {nnsight.__version__}" in mismatch["message"]
+    assert "pip install nnsight==0.7.0" in mismatch["message"] and mismatch["host"].startswith("http://127.0.0.1:")
+    assert out["unchecked_equal"] and out["unreported_equal"]
+    assert len(out["warned"]) == 1 and "does not report its nnsight version" in out["warned"][0]
+
+
+def test_same_version_compares_releases() -> None:
+    from nnsight_lorsa.server_version import same_version
+
+    assert same_version("0.8.1", "0.8.1") and same_version("0.8.1+cu121", "0.8.1")
+    assert not same_version("0.8.1", "0.7.0") and not same_version("0.8.1", "0.8.2")
+    assert not same_version("0.8.1", "0.8.1.dev3")

@@ -20,16 +20,20 @@ pairs, ``to_neuronpedia`` / ``save_neuronpedia`` export it (the HTML viewer is
 are :func:`.checks.intervention_edges` and :func:`.checks.replacement_logits`.
 """
 
-from .attribute import attribute, cache_for_attribution
+from .attribute import attribute, build_graph, cache_for_attribution
 from .budget import MemoryEstimate, estimate_memory
+from .builder import register_builder
 from .checks import CircuitMetrics, circuit_metrics
 from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
+from .intervened import IntervenedAttribution, attribute_pass
 from .qk import QKAttribution, qk_attribution
 from .scores import PruneConfig, PruneResult, graph_scores, prune
 from .trace import AttributionCache
 
-__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "MemoryEstimate", "PruneConfig",
-           "PruneResult", "QKAttribution", "attribute", "cache_for_attribution", "circuit_metrics",
-           "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
+register_builder(build_graph)  # what attribute_pass handles build their graph with (.builder)
+
+__all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "IntervenedAttribution", "MemoryEstimate",
+           "PruneConfig", "PruneResult", "QKAttribution", "attribute", "attribute_pass", "cache_for_attribution",
+           "circuit_metrics", "estimate_memory", "graph_scores", "prune", "qk_attribution", "save_neuronpedia",
            "to_neuronpedia"]

@@ -26,12 +26,19 @@ per edge:
   from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
   mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
   from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
-  the last attention, and from those after it at the last position;
+  the last attention, and from those after it at the last position; unpruned, the graph's
+  adjacency over the visited features is then the computed rows' causal blocks
+  (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
 * *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
-  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`); over the
-  blocks, one cell's (a few MB: not counted).
+  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
+  budgeted graph's blocks are assembled from them; over the full graph's blocks, one cell's (a few MB: not
+  counted);
+* *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
+  influence estimate over the stored rows, one chunk's temporaries and :data:`SELECTION_VECTORS` float64
+  vectors over the ``S`` sources.
 
-Peak = rows + max(frozen pass, pruning). The coefficients are measured on the embedded model
+Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
+on a GPU one. The coefficients are measured on the embedded model
 (``benchmarks/attribution_vs_circuit_tracer.py`` records predicted/measured for every run); on a GPU the
 frozen pass is device memory and the rows host memory.
 """
@@ -62,6 +69,9 @@ ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
+#: float64 source-sized vectors of the influence-ordered selection (its series' current and total influence,
+#: the step's output, the feature scores and their copy, the next weights)
+SELECTION_VECTORS = 6
 #: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
 FIXED_BYTES = 8 * 2**20
@@ -76,9 +86,9 @@ class MemoryEstimate(FieldsRepr):
         device_bytes: peak memory of the frozen pass on the model's device (on a CPU model, part of
             ``host_bytes``).
         batch_size: the batch the estimate is for.
-        terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``fixed``;
-            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none
-            is), included in ``frozen_shared``)
+        terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
+            ``fixed``; on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where
+            none is), included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
@@ -136,6 +146,17 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
     return int(total + layout.n_logits * per_logit)
 
 
+def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
+    """Bytes of a budgeted, unpruned graph's adjacency (:func:`.rows.assemble`: a
+    :class:`.graph.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
+    sources), an upper bound linear in ``P`` for a fixed budget: every row over every source (exact for the
+    logit rows, which read every position), and the block index — one source list per target site
+    (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""
+    n_src = layout.n_sources - (layout.n_features - budget)
+    n_sites = int(layout.nodes.sites()[:layout.n_features].unique().numel()) + 1  # the feature sites, the logits'
+    return n_rows * n_src * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
+
+
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
                     prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
                     store_patterns: bool = True,
@@ -172,17 +193,22 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     else:  # sparse rows (keep_mass < 1 or a feature budget): the non-zero entries, 4 B column + value
         entries = structural_entries(layout, budget if budget < layout.n_features else None)
         rows = entries * (4 + edge_itemsize)
-        if not prune:  # then the dense graph over the visited features
-            n = S - (layout.n_features - budget) + layout.n_logits
-            rows += n * n * edge_itemsize
-        pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) if prune else 0
+        if not prune:  # then the graph over the visited features: the computed rows' causal blocks
+            rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
+        # pruning, or assembling the budgeted graph's blocks: chunked passes over the stored entries
+        pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
+    # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
+    # rows, and float64 vectors over the sources), while the frozen pass is held
+    selection = (PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
+                 if budget < layout.n_features else 0)
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
-             "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries, **offload}
+             "selection": selection, "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries,
+             **offload}
     if device == "cpu":
-        host = rows + max(frozen, pruning) + FIXED_BYTES
+        host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)
-    return MemoryEstimate(rows + pruning + FIXED_BYTES, frozen, batch_size, terms)
+    return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms)
 
 
 def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, device: str = "cpu") -> int:
@@ -194,9 +220,10 @@ def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, de
     """
     t = estimate.terms
     per_copy, shared = t["frozen_per_copy"], t["frozen_shared"]
-    if device == "cpu":  # rows + max(frozen pass, pruning) + fixed
+    if device == "cpu":  # rows + max(frozen pass + selection, pruning) + fixed
         rest = t["rows"] + t["fixed"]
-        b = (max_memory - rest - shared) // max(1, per_copy) if max_memory >= rest + t["pruning"] else 0
+        fits = max_memory >= rest + t["pruning"]
+        b = (max_memory - rest - t["selection"] - shared) // max(1, per_copy) if fits else 0
     else:
         b = (max_memory - shared) // max(1, per_copy)
     b = min(batch_size, b)

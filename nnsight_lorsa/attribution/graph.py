@@ -254,7 +254,7 @@ class BlockAdjacency:
                         f"attribution row of node {int(rows[i])} (site {int(self.cell_site[cell])}, position "
                         f"{int(self.cell_pos[cell])}) has an edge from source {src} (site {int(self._src_site[src])}, "
                         f"position {int(self._src_pos[src])}): later than the target. The full graph's block "
-                        "storage assumes a causal decoder; sparse rows store any edge: max_feature_nodes= or "
+                        "storage assumes a causal decoder; sparse rows store any edge: "
                         "prune=PruneConfig(..., keep_mass=0.999)")
 
     # ------------------------------------------------------------------ reading
@@ -294,8 +294,8 @@ class Graph(FieldsRepr):
         nodes: the :class:`NodeTable` (``[features | errors | embeddings | biases | logits]``).
         adjacency: ``(n_nodes, n_nodes)`` float32, ``adjacency[t, s]`` = direct effect of source
             ``s`` on target ``t``'s pre-activation (for logits: the demeaned logit) in the frozen
-            replacement model. Rows of sources only (errors, embeddings, biases) are zero. The full
-            graph of :func:`.attribute.attribute` keeps only its causal blocks
+            replacement model. Rows of sources only (errors, embeddings, biases) are zero. The unpruned
+            graph of :func:`.attribute.attribute` (full or budgeted) keeps only its causal blocks
             (:attr:`block_adjacency`, :class:`BlockAdjacency`: the entries that can be non-zero, ~20 % of
             ``n_nodes²`` on a 4-layer model); reading ``adjacency`` then raises
             :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at

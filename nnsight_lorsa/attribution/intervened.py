@@ -32,15 +32,17 @@ forward), with :class:`~.layout.LiveNodes`:
 Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes); an MHSA head of
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
-:mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. Local traces only
-(``model.trace``, or a ``model.trace`` inside a local ``model.session()``); one prompt (batch 1).
-torch + nnsight.
+:mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a
+``model.session()`` or not; remotely (``remote=True``) through :func:`attribute_pass`, the same handle: the server
+records, the handle returns as plain data (:mod:`.intervened_record`, :mod:`.remote_handles`) and the graph is
+built on the client. One prompt (batch 1). torch + nnsight; this module travels to servers by value, so it names
+nothing of the attribution engine but through :mod:`.builder`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nnsight
 import torch
@@ -58,11 +60,15 @@ from ..envoy.nnsight_internals import (
 )
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError, UnsupportedGenerationError
-from .graph import HOST, LORSA, TRANSCODER, Graph
+from .graph import HOST, LORSA, TRANSCODER
+from .intervened_record import KEY_ATTR, to_record
 from .layout import LiveNodes
-from .options import AttributionOptions
 from .replacement import layer_modules
 from .trace import AttributionCache
+
+if TYPE_CHECKING:
+    from .graph import Graph
+    from .options import AttributionOptions
 
 
 class IntervenedAttribution:
@@ -74,14 +80,18 @@ class IntervenedAttribution:
         edits: the interventions reported so far (:class:`~..envoy.edit_log.Edit`), in order.
     """
 
-    def __init__(self, replacement: Any, options: AttributionOptions, build: Callable[..., Graph]) -> None:
+    # Graph, AttributionOptions and the builder are named only in quoted annotations and function-local imports:
+    # this class travels by value to a server (attribute_pass), where their modules' imports (pathlib, _thread,
+    # gc, bisect, ...) are outside NDIF's unpickling whitelist; the graph is built on the client.
+    def __init__(self, replacement: Any, options: "AttributionOptions | dict[str, Any]",
+                 build: "Callable[..., Graph] | None") -> None:
         self.replacement = replacement
         self._options = options
         self._build = build
         self._log = EditLog(self._check_edit)
         self._saved: dict[str, Any] | None = None
         self._problem: Exception | None = None
-        self._graph: Graph | None = None
+        self._graph: "Graph | None" = None
         self._interleaver: Any = None
         self._lorsa_layers = set(layer_modules(replacement)[0])
 
@@ -90,10 +100,17 @@ class IntervenedAttribution:
         return f"IntervenedAttribution({state}, {len(self.edits)} edits)"
 
     def __reduce__(self) -> Any:
-        raise TraceOrderError(
-            "attribute(rm, tracer=tracer) records a local trace; its handle cannot be pickled or sent (remote "
-            "traces, model.session(remote=True) and nnsight.save of the handle are not supported): run the "
-            "trace locally, or attribute a remote pass from its saved cache (cache_for_attribution)")
+        """On a server, as the result of a remote request: a plain ``dict`` (:mod:`.intervened_record`), turned
+        back into a handle on the client. Anywhere else it refuses (:class:`~..errors.TraceOrderError`)."""
+        key = getattr(self.replacement, KEY_ATTR, None)  # the client bundle's id: a copy of it is the server's
+        running = self._interleaver is not None and self._interleaver.interleaving
+        if key is None or key == id(self.replacement) or running or (self._saved is None and self._problem is None):
+            raise TraceOrderError(
+                "attribute(rm, tracer=tracer): the handle travels only as the result of a remote request (a "
+                "model.trace(..., remote=True) or model.session(remote=True) after nnsight_lorsa.remote.register(), "
+                "which marks the bundle it names), once the pass is recorded; it cannot be pickled or sent "
+                "otherwise: read handle.graph and save the graph (Graph.save)")
+        return (dict, (to_record(key, self._saved, self._log.edits, self._options, self._problem),))
 
     @property
     def edits(self) -> list[Edit]:
@@ -178,7 +195,7 @@ class IntervenedAttribution:
 
     # ------------------------------------------------------------ the graph
     @property
-    def graph(self) -> Graph:
+    def graph(self) -> "Graph":
         """The attribution graph of the traced pass (built on the first read, then kept).
 
         Read it after the ``with model.trace(...)`` block (after the ``model.session()`` block when the
@@ -206,7 +223,19 @@ class IntervenedAttribution:
                                  embeddings=s["embeddings"], attn_in=s["attn_in"], attn_out=s["attn_out"],
                                  mlp_in=s["mlp_in"], mlp_out=s["mlp_out"])
         live = LiveNodes(lorsa_z=s["z"], tc_acts=s["acts"], marks=self._marks(n_pos))
-        graph = self._build(self.replacement, cache, live=live, options=self._options)
+        options, build = self._options, self._build
+        if isinstance(options, dict):  # attribute_pass: checked here, on the client
+            from .options import AttributionOptions
+
+            options = AttributionOptions.of(options)
+            if options.remote or options.qk_heads:
+                raise ConfigMismatchError("attribute_pass(rm, tracer) attributes the traced pass: no remote=, no "
+                                          "qk_heads= (the trace's own remote= decides where it runs)")
+        if build is None:  # attribute_pass, or a server's record: the package's builder, looked up here
+            from .builder import graph_builder
+
+            build = graph_builder()
+        graph = build(self.replacement, cache, live=live, options=options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
         graph.meta["logit_gap"] = gap = logit_gap(graph, s["last"])
         if s["last"].dtype in (torch.float32, torch.float64) and gap > LOGIT_GAP_BOUND:
@@ -244,7 +273,7 @@ class IntervenedAttribution:
 LOGIT_GAP_BOUND = 1e-3
 
 
-def logit_gap(graph: Graph, last: torch.Tensor) -> float:
+def logit_gap(graph: "Graph", last: torch.Tensor) -> float:
     """``max |graph logit − trace logit| / max |trace logit|`` over the graph's logit nodes, both demeaned
     (``last``: the trace's ``(vocab,)`` logits at the last position)."""
     ids = graph.logit_ids
@@ -257,8 +286,8 @@ def _positions_name(positions: Any) -> str:
     return "all" if positions is None else str(positions.tolist() if isinstance(positions, torch.Tensor) else positions)
 
 
-def start(replacement: Any, tracer: Any, options: AttributionOptions,
-          build: Callable[..., Graph]) -> IntervenedAttribution:
+def start(replacement: Any, tracer: Any, options: "AttributionOptions | dict[str, Any]",
+          build: "Callable[..., Graph] | None") -> IntervenedAttribution:
     """Start recording the running trace for its graph (``attribute(rm, tracer=tracer)``; see the module
     docstring). Called at the top of the trace body, before it reads anything. ``build``:
     :func:`.attribute.build_graph` (called with the pass's cache, ``live=`` and ``options=``). The handle is saved
@@ -296,3 +325,21 @@ def start(replacement: Any, tracer: Any, options: AttributionOptions,
     handle._interleaver = interleaver
     spawn_worker(interleaver, handle._run, EDIT_LOG_TAG).spec = handle._log
     return nnsight.save(handle)  # handed back by the with block like any saved value
+
+
+def attribute_pass(replacement: Any, tracer: Any, **options: Any) -> IntervenedAttribution:
+    """``attribute(rm, tracer=tracer, **options)`` for a trace that may run on a server: the same handle, the
+    same graph, for local traces and for ``model.trace(..., remote=True)`` / ``model.session(remote=True)``.
+
+    ``attribute`` names the whole attribution engine, which would travel with a remote request and whose modules
+    import ``gc``, ``bisect``, ``copy``, ``pathlib``, ... — outside NDIF's unpickling whitelist. This entry point
+    names only the recorder: on a server it records the pass (the tensors ``cache_for_attribution(...,
+    remote=True)`` fetches, the edits), the handle comes back as plain data (:mod:`.intervened_record`; after
+    :func:`nnsight_lorsa.remote.register`) and ``handle.graph`` is built on the client, from those tensors, with
+    the client's bundle. ``options``: :func:`.attribute.attribute`'s keywords but ``remote`` and ``qk_heads``,
+    checked when ``.graph`` is built (here, not on the server).
+
+    Raises:
+        as :func:`start`; at ``.graph``, ``TypeError`` for an unknown option and the options' own errors.
+    """
+    return start(replacement, tracer, dict(options), None)

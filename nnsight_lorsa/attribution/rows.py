@@ -15,14 +15,15 @@ non-zero entries, or its largest ``|edges|`` up to a fraction ``keep_mass`` of i
 the signed sum of the dropped entries is kept exactly as the row's ``residual``, so ``Σ kept +
 residual`` still equals the target's value.
 
-*Assembly*: :func:`assemble` (every visited feature and every error/embedding/bias/logit node,
-dense adjacency) or :func:`assemble_pruned`: the same influence pruning as :func:`.scores.prune`
-(circuit-tracer's rules, ``circuit_tracer/graph.py``) run on the stored entries — node influence,
-node threshold, edge scores on the node-pruned matrix, edge threshold, dangling features and errors
-removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's edges from
-everything else (dropped sources and the entries a row did not keep) are summed into its
-``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since
-the values come from the forward and the edges from the backward passes. torch only.
+*Assembly*: :func:`assemble` (every visited feature and every error/embedding/bias/logit node; the adjacency
+is the computed rows' causal blocks, :class:`.graph.BlockAdjacency` — with a feature budget ``rows × sources``
+at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
+same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
+the stored entries — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
+dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's
+edges from everything else (dropped sources and the entries a row did not keep) are summed into its
+``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since the values
+come from the forward and the edges from the backward passes. torch only.
 """
 
 from __future__ import annotations
@@ -361,7 +362,11 @@ class FixedRows(RowStore):
 
 
 def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prompt: str, meta: dict[str, Any]) -> Graph:
-    """The :class:`Graph` over the visited features and every error/embedding/bias/logit node."""
+    """The :class:`Graph` over the visited features and every error/embedding/bias/logit node. Its adjacency is
+    a :class:`.graph.BlockAdjacency` whatever the budget: the full graph's (written in place as the rows were
+    computed), or, with a feature budget, the computed rows' causal blocks over the graph's nodes
+    (:func:`_budget_blocks`: ``rows × their upstream sources``, linear in the prompt's length for a fixed
+    budget, where a dense ``n_nodes²`` matrix is quadratic)."""
     targets = torch.tensor(scheduler.done, dtype=torch.long, device=HOST)
     nf, ns = layout.n_features, layout.n_sources
     visited = torch.zeros(nf, dtype=torch.bool, device=HOST)
@@ -370,34 +375,63 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     src_ids = keep_src.nonzero().flatten()
     n_logits = layout.n_logits
     node_ids = torch.cat([src_ids, torch.arange(ns, ns + n_logits, device=HOST)])
-    new_index = torch.full((ns + n_logits,), -1, dtype=torch.long, device=HOST)
-    new_index[node_ids] = torch.arange(node_ids.numel(), device=HOST)
     n = node_ids.numel()
-    row_at = new_index[scheduler.position(scheduler.done)]
     rows = scheduler.rows
     residual = torch.zeros(n, dtype=torch.float64, device=HOST)
-    adjacency: torch.Tensor | BlockAdjacency
+    adjacency: BlockAdjacency
     if isinstance(rows, BlockAdjacency) and rows.shape == (n, n):  # written in place: every node kept, in order
         adjacency = rows
     else:
-        dtype = rows.blocks[0].val.dtype if isinstance(rows, SparseRows) and rows.blocks else (
-            rows.dtype if isinstance(rows, (torch.Tensor, BlockAdjacency)) else values.dtype)
-        adjacency = torch.zeros(n, n, dtype=dtype, device=HOST)
-        for row, col, val in scheduler.sparse().chunks():  # chunk by chunk: no (rows, sources) copy
-            k = keep_src[col]
-            adjacency[row_at[row[k]], new_index[col[k]]] = val[k]
-            # edges from features never visited (a max_feature_nodes budget) are not nodes of the graph:
-            # their exact sum goes to the row's residual, so Σ adjacency[t] + residual[t] = value[t] still
-            residual.index_add_(0, row_at[row[~k]], val[~k].double())
+        adjacency = _budget_blocks(layout, scheduler, keep_src, node_ids, residual)
     all_values = torch.full((ns + n_logits,), float("nan"), dtype=adjacency.dtype, device=HOST)
     all_values[:nf] = values[:nf].to(HOST)
     all_values[ns:] = values[nf:].to(HOST)
     computed = torch.zeros(n, dtype=torch.bool, device=HOST)
-    computed[row_at] = True
+    computed[_graph_index(node_ids, ns + n_logits)[scheduler.position(scheduler.done)]] = True
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids),
-                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified on first read
+                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified only by graph.densify()
                  values=all_values[node_ids], logit_probs=layout.logit_probs, feature_rows=computed,
                  layout_ids=node_ids, prompt=prompt, meta=meta, residual=residual.to(adjacency.dtype))
+
+
+def _graph_index(node_ids: torch.Tensor, n_all: int) -> torch.Tensor:
+    """``(n_all,)`` each layout node's index in the graph of the layout nodes ``node_ids`` (``-1``: not in it)."""
+    index = torch.full((n_all,), -1, dtype=torch.long, device=HOST)
+    index[node_ids] = torch.arange(node_ids.numel(), device=HOST)
+    return index
+
+
+def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tensor, node_ids: torch.Tensor,
+                   residual: torch.Tensor) -> BlockAdjacency:
+    """The computed rows of a budgeted graph as a :class:`.graph.BlockAdjacency` over the graph's nodes
+    ``node_ids`` (layout ids: the visited features, every other source, the logits), each row written once
+    from the stored sparse entries, :data:`CHUNK_ENTRIES` dense entries at a time. Edges from sources that
+    are not graph nodes (features never visited) are summed, exactly, into ``residual`` (float64, in place,
+    by graph index), so ``Σ adjacency[t] + residual[t] = value[t]`` still holds."""
+    sp = scheduler.sparse()
+    n_all = layout.n_sources + layout.n_logits
+    index = _graph_index(node_ids, n_all)
+    row_at = index[scheduler.position(scheduler.done)]  # graph index of each stored row
+    n_src = int(keep_src.sum())
+    dtype = sp.blocks[0].val.dtype if sp.blocks else torch.float32
+    nodes = layout.nodes.select(node_ids)
+    out = BlockAdjacency(nodes.sites(), nodes.pos, n_src, row_at.sort().values, dtype)
+    group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
+    for block in sp.blocks:
+        ends = [0, *block.ends]
+        for i0 in range(0, len(block.ends), group):
+            i1 = min(i0 + group, len(block.ends))
+            at = row_at[block.row_start + i0:block.row_start + i1]
+            dense = torch.zeros(i1 - i0, n_src, dtype=dtype, device=HOST)
+            for e0 in range(ends[i0], ends[i1], CHUNK_ENTRIES):  # the rows' entries, a chunk at a time
+                e1 = min(e0 + CHUNK_ENTRIES, ends[i1])
+                row, col, val = _rows_of(block.ends, e0, e1) - i0, block.col[e0:e1].long(), block.val[e0:e1]
+                k = keep_src[col]
+                dense[row[k], index[col[k]]] = val[k]
+                residual.index_add_(0, at[row[~k]], val[~k].double())
+                del row, col, val, k  # before the next chunk's: one chunk's temporaries at a time
+            out.write(at, dense)
+    return out
 
 
 def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, *, node_threshold: float,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._repr import FieldsRepr
 from ..errors import TraceOrderError
 from .nnsight_internals import current_worker, find_worker
 from .targets import Positions, Target
@@ -21,8 +22,8 @@ from .targets import Positions, Target
 EDIT_LOG_TAG = "nnsight_lorsa.intervened_attribution"
 
 
-@dataclass(frozen=True)
-class Edit:
+@dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
+class Edit(FieldsRepr):
     """One intervention: its target and the positions it edited (None: all)."""
 
     target: Target

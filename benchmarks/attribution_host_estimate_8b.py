@@ -1,0 +1,86 @@
+"""``estimate_memory``'s terms at the Llama-3.1-8B shape of issue 21, from a synthetic layout (no model, no GPU).
+
+    python -m benchmarks.attribution_host_estimate_8b [--tokens 512 1024 2048 4096 8192] [--rows 64] [--batch 4]
+
+The prompt's nodes as ``benchmarks/gpu_scale.py`` (d) makes them with ``--attr-lorsa 15``: 32 layers, d 4096,
+the Lorsa paper's Lorsa (256 QK heads of 128, top-k 128) on layer 15, TopK transcoders (k 64) on all 32 MLPs
+— exactly ``k`` active nodes per position and module (TopK), no bias nodes, 10 logits — on a CUDA bf16 model
+(no stored patterns; fp32 edges). For each length: the host estimate (the rows term: the stored sparse rows and
+the graph's adjacency), the device estimate, and the host estimate the dense ``N²`` adjacency gave before
+(``rows`` with ``4 B · N²`` in place of the blocks' bound; issue 21 measured its 512/1024-token values on an
+H200: 1.46 / 5.3 GB). Predictions of the memory model only — the measured host peaks are in
+``attribution_memory_terms_budget.json`` (embedded model, CPU).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks._timing import arg, command, parser, write
+from nnsight_lorsa.attribution.budget import budget_blocks_bytes, estimate_layout
+from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
+from nnsight_lorsa.attribution.layout import LayerLayout, Layout
+
+SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, lorsa_layer=15, n_qk=256, d_qk=128, lorsa_k=128, tc_k=64,
+             n_logits=10)
+
+
+def synthetic_layout(P: int, s: dict = SHAPE) -> Layout:
+    """The layout of a ``P``-token prompt with ``lorsa_k`` active heads and ``tc_k`` active features per position."""
+    ar = torch.arange(P)
+    layers, feats, errors, col = [], [], [], 0
+    lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"]))
+    for layer in range(s["n_layers"]):
+        lay = LayerLayout(layer=layer)
+        if layer == s["lorsa_layer"]:
+            lay.lorsa, lay.lorsa_pos, lay.lorsa_start = lorsa, ar.repeat_interleave(s["lorsa_k"]), col
+            lay.lorsa_head = torch.zeros_like(lay.lorsa_pos)
+            col += lay.lorsa_pos.numel()
+            feats.append(NodeTable.make(LORSA, layer, lay.lorsa_pos, lay.lorsa_head))
+        lay.transcoder, lay.tc_pos, lay.tc_start = object(), ar.repeat_interleave(s["tc_k"]), col
+        lay.tc_feat = torch.zeros_like(lay.tc_pos)
+        col += lay.tc_pos.numel()
+        feats.append(NodeTable.make(TRANSCODER, layer, lay.tc_pos, lay.tc_feat))
+        layers.append(lay)
+    n_features = col
+    for lay in layers:
+        if lay.lorsa is not None:
+            lay.attn_err_start, col = col, col + P
+            errors.append(NodeTable.make(ATTN_ERROR, lay.layer, ar, -1))
+        lay.mlp_err_start, col = col, col + P
+        errors.append(NodeTable.make(MLP_ERROR, lay.layer, ar, -1))
+    emb_start, col = col, col + P
+    logits = torch.arange(s["n_logits"])
+    nodes = NodeTable.cat([*feats, *errors, NodeTable.make(EMBEDDING, -1, ar, ar),
+                           NodeTable.make(LOGIT, s["n_layers"], torch.full((s["n_logits"],), P - 1), logits)])
+    return Layout(tokens=ar, layers=layers, emb_start=emb_start, n_sources=col, n_features=n_features, bias={},
+                  logit_tokens=logits, logit_probs=torch.full((s["n_logits"],), 0.09), nodes=nodes)
+
+
+def main() -> None:
+    args = parser(__doc__, tokens=arg(nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192]), rows=64,
+                  batch=4, name="attribution_host_estimate_8b").parse_args()
+    s, runs = SHAPE, []
+    for P in args.tokens:
+        layout = synthetic_layout(P)
+        heads = {L: s["n_heads"] for L in range(s["n_layers"]) if s["lorsa_layer"] != L}
+        est = estimate_layout(layout, n_layers=s["n_layers"], d_model=s["d_model"], mhsa_heads=heads,
+                              batch_size=args.batch, prune=False, max_feature_nodes=args.rows,
+                              store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cuda")
+        t = est.terms
+        n = layout.n_sources - layout.n_features + args.rows + layout.n_logits
+        blocks = budget_blocks_bytes(layout, t["n_rows"], args.rows, 4)
+        dense_before = t["rows"] - blocks + 4 * n * n + t["fixed"]  # the estimate before: no selection/assembly
+        runs.append({"tokens": P, "n_nodes": n, "n_features": layout.n_features, "target_rows": t["n_rows"],
+                     "host_bytes": est.host_bytes, "rows_sparse_bytes": t["rows"] - blocks, "rows_blocks_bytes": blocks,
+                     "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before})
+        print({k: (f"{v / 1e9:.2f} GB" if k.endswith("bytes") or k.endswith("before") else v)
+               for k, v in runs[-1].items()}, flush=True)
+        del layout
+    print(f"-> {write(args.name, {'command': command(), 'shape': s, 'rows': args.rows, 'runs': runs})}")
+
+
+if __name__ == "__main__":
+    main()
