@@ -5,7 +5,8 @@ The one contract of every replacement kind — :class:`~.lorsa_set.LorsaSet` and
 path), :class:`~.clt_set.CLTSet` (one key, ``"clt"``): a read-only mapping checked on insertion
 (:attr:`~ReplacementSet.module_type`, :meth:`~ReplacementSet.check`), ``replace(key=None, error=False)``
 that splices one, several or all of them into the current trace (:meth:`~ReplacementSet.site`: the
-splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`),
+splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`,
+:attr:`~ReplacementSet.offload`),
 copy / cast (:meth:`~ReplacementSet.subset`), ``save`` / ``from_pretrained``, and the bundle's hooks
 (:attr:`~ReplacementSet.slot`, :meth:`~ReplacementSet.feature_module`, :meth:`~ReplacementSet.envoys`).
 Callers (the bundle, ``evaluate``, ``remote``) use these and never branch on the kind.
@@ -376,7 +377,7 @@ class ReplacementSet(Generic[K, M]):
         (pinned where CUDA is available) and each one is copied to its site's device just before it
         computes there and dropped right after (:class:`~.._placement.resident`) — in ``replace()``'s
         splice (per forward pass and site), in attribution's clean pass and frozen constants; attribution's
-        frozen pass holds only the gathered rows of the active heads / features on the device
+        frozen pass copies only the active heads' / features' rows to the device, for each pass
         (docs/attribution.md, "Offloaded replacement modules"). Results are the same as without.
         Setting it moves every module (to the host, or back to its site's device); until it is set, each
         module is as it is marked (a copy of an offloaded module is offloaded), and this reads True when
@@ -397,7 +398,6 @@ class ReplacementSet(Generic[K, M]):
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
         return splice_chain(self.model, self.site(key), module, error=error)
-
 
     # --------------------------------------------------------------- mapping
     def __setitem__(self, key: K, module: M) -> None:
