@@ -104,15 +104,19 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
     names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
     are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's); the
-    set then puts each on its site's device.
+    set then puts each on its site's device — or, with ``offload=True`` in ``kwargs``, marks them
+    offloaded so that the set keeps them on the host and they never occupy the device whole
+    (:attr:`ReplacementSet.offload`).
 
     Raises:
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
             ``{key: source}``), two modules for one key.
+        ArgumentError: ``offload`` not a bool.
         CheckpointError, UnsupportedArchitectureError: from the readers.
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
+    offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
@@ -130,6 +134,8 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                 raise ConfigMismatchError(f"{src}: {name} is a second {noun.split(maxsplit=1)[-1]} for {key_name} "
                                           f"{k!r} (the first came from {names[k]}); keep one")
             found[k], names[k] = module, name
+            if isinstance(module, nn.Module):
+                set_offload(module, offload)
     return found
 
 

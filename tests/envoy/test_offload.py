@@ -187,3 +187,30 @@ def test_offloaded_modules_stay_on_the_host_with_the_model_on_the_device(device)
     assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max())
     for m in modules_of(rm):
         assert {p.device.type for p in m.parameters()} == {"cpu"}
+
+
+def test_offloaded_modules_never_visit_the_sites_device(monkeypatch, tmp_path):
+    """Modules given bare to ``ReplacementModel(..., offload=True)`` (mappings, a CLT) and those read by
+    ``from_pretrained(..., offload=True)`` go straight to the host: the set never places them on their
+    site's device (at the 8B shape they would not fit there all at once)."""
+    import nnsight_lorsa.envoy.replacement_set as replacement_set
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(hf)
+    saved = LorsaSet(model, {LAYER: make_lorsa(hf, adapter, LAYER)})
+    saved.save(tmp_path / "lorsas")
+
+    def refuse(module, device, where):
+        raise AssertionError(f"{type(module).__name__} for {where} placed on {device}")
+
+    monkeypatch.setattr(replacement_set, "place", refuse)
+    rm = ReplacementModel(model, lorsas={LAYER: make_lorsa(hf, adapter, LAYER)},
+                          transcoders=make_clt(adapter.n_layers), saes={adapter.attention_norm_path(0): make_sae()},
+                          offload=True)
+    assert all(placement.offloaded(m) for m in modules_of(rm)) and all(s.offload for _, s in rm.sets())
+    loaded = LorsaSet.from_pretrained(model, tmp_path / "lorsas", offload=True)
+    assert loaded.offload and placement.offloaded(loaded[LAYER])
+    with pytest.raises(ArgumentError, match=r"from_pretrained\(offload=.*must be True or False"):
+        LorsaSet.from_pretrained(model, tmp_path / "lorsas", offload="yes")
+    with pytest.raises(AssertionError, match="placed on"):  # not vacuous: a resident set does place them
+        LorsaSet.from_pretrained(model, tmp_path / "lorsas")
