@@ -13,10 +13,14 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
     device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
     and time per batch of target rows next to the
-    floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets).
+    floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets);
+    ``--offload``: the Lorsas and transcoders offloaded (``ReplacementSet.offload``: weights pinned on the
+    host, each module copied to the GPU only while it computes), each one moved to the host as soon as it
+    is built — the full replacement model on an 80 GB card.
 
     python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
     python -m benchmarks.gpu_scale --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
+    python -m benchmarks.gpu_scale --skip a b c --offload --tokens 4096   # (d) offloaded, on an 80 GB H100
 
 Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
 """
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
-from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, get_adapter
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 
 #: the two scales: the 8B shape of issue 21 and a CPU smoke shape that exercises every code path
 SCALES: dict[str, dict[str, Any]] = {
@@ -292,6 +296,8 @@ def main() -> None:
                                                                        help="parts to skip: a b c d"),
                   tf32=arg(False, action="store_true", help="(c) also with TF32 matmuls"),
                   attr_lorsa=arg("all", type=str, help="layers with a Lorsa in (d): 'all' or one layer number"),
+                  offload=arg(False, action="store_true",
+                              help="(d) with the Lorsas and transcoders offloaded to the host (pinned)"),
                   out=arg(None, type=str)).parse_args()
     start(args)
     s, dev, dt = SCALES[args.scale], torch.device(args.device), getattr(torch, args.dtype)
@@ -344,12 +350,16 @@ def main() -> None:
 
         lorsa_layers = range(s["n_layers"]) if args.attr_lorsa == "all" else [int(args.attr_lorsa)]
         result["d_lorsa_layers"] = list(lorsa_layers)
-        all_lorsas = {L: (lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt)) for L in lorsa_layers}
-        tcs = {}
+        result["d_offload"] = args.offload
+        all_lorsas, tcs = LorsaSet(model), TranscoderSet(model)
+        all_lorsas.offload = tcs.offload = args.offload  # offloaded: each module to the host once inserted
+        for L in lorsa_layers:
+            all_lorsas[L] = lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt)
         for L in range(s["n_layers"]):
-            tc = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
-                                             activation_params={"k": s["k_tc"]}, layer=L), device=dev, dtype=dt)
-            tcs[L] = tc
+            tcs[L] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
+                                                 activation_params={"k": s["k_tc"]}, layer=L), device=dev, dtype=dt)
+        result["d_module_bytes"] = sum(t.numel() * t.element_size() for m in [*all_lorsas.values(), *tcs.values()]
+                                       for t in m.parameters())
         rm = ReplacementModel(model, lorsas=all_lorsas, transcoders=tcs)
         peak_reset(dev)
         result["d_attribution"] = []

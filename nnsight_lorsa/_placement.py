@@ -12,6 +12,13 @@ viz, sparse attention; attribution keeps its graph on :data:`HOST` too).
 
 A module whose parameters were never materialised (``meta``) cannot compute anything:
 :class:`~nnsight_lorsa.errors.PlacementError` names it.
+
+**Offload** (the field's term, from accelerate / DeepSpeed): an *offloaded* module (:func:`offloaded`, set by
+``ReplacementSet.offload``) stores its weights on the host (pinned where CUDA is available:
+:func:`store_on_host`) and computes on the device of the site it serves: for the span of one computation
+:class:`resident` swaps its parameters and buffers for copies on that device (``non_blocking`` from pinned
+memory) and puts the host tensors back after, so at most the module in use is on the device, and only
+while it runs. For an offloaded module the rule above reads "runs on the site's device".
 """
 
 from __future__ import annotations
@@ -89,6 +96,92 @@ def place(module: torch.nn.Module, device: torch.device, where: str) -> None:
                              f"{device}, where the model runs that site: {e}") from e
 
 
+#: the attribute an offloaded module carries (set by ``ReplacementSet.offload``; travels with copies)
+OFFLOAD_ATTR = "nnsight_lorsa_offload"
+
+
+def offloaded(module: Any) -> bool:
+    """Whether ``module`` is offloaded: weights stored on the host, computed on its site's device."""
+    return isinstance(module, torch.nn.Module) and bool(module.__dict__.get(OFFLOAD_ATTR, False))
+
+
+def set_offload(module: torch.nn.Module, on: bool) -> None:
+    """Mark (``on``) or unmark ``module`` as offloaded; :func:`store_on_host` / :func:`place` then move it."""
+    module.__dict__[OFFLOAD_ATTR] = bool(on)
+
+
+def store_on_host(module: torch.nn.Module, where: str, pin: bool | None = None) -> None:
+    """Move ``module``'s parameters and buffers (in place) to :data:`HOST`, in pinned (page-locked) memory
+    when ``pin`` (default: where CUDA is available), so that :class:`resident`'s copies to the device run
+    ``non_blocking``. ``where`` names its site in errors.
+
+    Raises:
+        PlacementError: the module is on ``meta`` (never materialised).
+    """
+    if pin is None:
+        pin = torch.cuda.is_available()
+    tensors = [*module.parameters(), *module.buffers()]
+    if not pin or any(t.device.type == "meta" for t in tensors):
+        place(module, HOST, where)  # refuses a meta module, naming it
+        return
+    with torch.no_grad():
+        for t in tensors:
+            if not t.is_pinned():  # straight into page-locked memory: no second host copy on the way
+                host = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=True)
+                host.copy_(t)
+                t.data = host
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-locked memory where it is on the host and CUDA is available (else ``t`` itself): copies
+    from it to the device then run ``non_blocking``."""
+    if t.device.type == "cpu" and not t.is_pinned() and torch.cuda.is_available():
+        return t.pin_memory()
+    return t
+
+
+def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` (``non_blocking`` from pinned memory; autograd links it to ``t``)."""
+    return t.to(device, non_blocking=t.is_pinned())
+
+
+class resident:  # noqa: N801  (a context manager, named for what holds inside it)
+    """``with resident(module, device):`` an offloaded ``module``'s parameters and buffers are copies on
+    ``device`` (:func:`fetch`) for the block; on exit (also on error) its host tensors are put back and the
+    copies dropped (freed once nothing else holds them: under grad mode a graph that saved them for its
+    backward keeps them until it is freed). A module that is not offloaded, or a ``None`` / ``meta``
+    ``device``, is left as it is (the block runs wherever the module is). Not re-entrant for one module.
+
+    Args:
+        module: a replacement module (``nn.Module``; anything else passes through).
+        device: the site's device, where the computation runs.
+    """
+
+    def __init__(self, module: Any, device: torch.device | None) -> None:
+        self.module, self.device = module, device
+        self.saved: list[tuple[dict, str, torch.Tensor]] = []
+
+    def __enter__(self) -> Any:
+        device = self.device
+        if not offloaded(self.module) or device is None or device.type == "meta":
+            return self.module
+        copies: dict[int, torch.Tensor] = {}  # a tensor shared by two names (tied weights) is copied once
+        for sub in self.module.modules():
+            for store in (sub._parameters, sub._buffers):
+                for name, t in list(store.items()):
+                    if t is not None:  # on ``device`` already (a CPU model), ``fetch`` returns ``t`` itself
+                        if id(t) not in copies:
+                            copies[id(t)] = fetch(t, device)
+                        self.saved.append((store, name, t))
+                        store[name] = copies[id(t)]
+        return self.module
+
+    def __exit__(self, *exc: Any) -> None:
+        for store, name, t in self.saved:
+            store[name] = t
+        self.saved = []
+
+
 def model_device(model: Any) -> torch.device:
     """The device of an nnsight (or HF) model's first parameter (where its input ids must go). An
     nnsight model not dispatched yet (weights on ``meta``) is dispatched first, as its first trace would.
@@ -137,4 +230,5 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "f32", "host_f32", "like", "model_device", "place", "placement", "to_module"]
+__all__ = ["HOST", "OFFLOAD_ATTR", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned",
+           "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]

@@ -14,6 +14,9 @@ per edge:
   rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
   replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
   ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
+* *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
+  of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
+  estimate is above the resident weights);
 * *rows* (host): every row with every entry — the full graph, and pruning while building with
   ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.graph.BlockAdjacency`:
   per target (site, position), the sources upstream of it — an edge each, counted exactly from the
@@ -54,6 +57,7 @@ from .frozen import choose
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
+from .offload import offload_terms
 from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
@@ -84,7 +88,8 @@ class MemoryEstimate(FieldsRepr):
             ``host_bytes``).
         batch_size: the batch the estimate is for.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
-            ``fixed``)
+            ``fixed``; on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where
+            none is), included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
@@ -180,6 +185,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * model_itemsize
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
+    offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
+        if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
+    shared += sum(offload.values())
     if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
         entries = full_graph_blocks(layout, torch.float32).entries()
         rows, pruning = entries * edge_itemsize, 0  # pruning them: per-cell temporaries, a few MB
@@ -196,7 +204,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                  if budget < layout.n_features else 0)
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
-             "selection": selection, "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries}
+             "selection": selection, "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries,
+             **offload}
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)

@@ -219,6 +219,7 @@ def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: t
                  dtype: torch.dtype) -> torch.Tensor:
     """``out[b, p] = Σ_{i at p} coeff[b, i] · W[idx_i]``, ``(batch, n_pos, d)`` in ``dtype``."""
     b, n = coeff.shape
+    W = W.to(coeff.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
     out = torch.zeros(b, n_pos, W.shape[-1], dtype=dtype, device=coeff.device)
     step = _chunk(b, W.shape[-1])
     for s in range(0, n, step):
@@ -230,6 +231,7 @@ def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: t
 def gather_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``out[b, i] = x[b, pos_i] · W[idx_i]``, ``(batch, n)`` in ``x``'s dtype."""
     b, n = x.shape[0], idx.numel()
+    W = W.to(x.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
     step = _chunk(b, W.shape[-1])
     parts = [(x[:, pos[s:s + step]] * W[idx[s:s + step]].to(x.dtype)[None]).sum(-1) for s in range(0, n, step)]
     return torch.cat(parts, dim=1) if parts else x.new_zeros(b, 0)
@@ -260,6 +262,28 @@ class _Read(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         return gather_write(grad, ctx.W, ctx.idx, ctx.pos, ctx.n_pos, ctx.x_dtype), None, None, None
+
+
+class _StreamedLinear(torch.autograd.Function):
+    """``x Wᵀ`` with ``W`` kept where it is (the host, for an offloaded module): copied to ``x``'s device for
+    the forward and again for each backward, never kept there; gradient to ``x`` only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        ctx.W = W
+        return F.linear(x, W.to(x.device, non_blocking=W.is_pinned()))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad @ ctx.W.to(grad.device, non_blocking=ctx.W.is_pinned()), None
+
+
+def streamed_linear(x: Float[torch.Tensor, "*b d"], W: Float[torch.Tensor, "n d"]) -> Float[torch.Tensor, "*b n"]:
+    """``F.linear(x, W)`` for a ``W`` on another device than ``x`` (e.g. pinned host rows of an offloaded
+    module): the copy lives only while the forward or one backward runs (:class:`_StreamedLinear`)."""
+    if W.device == x.device:
+        return F.linear(x, W.to(x.dtype))
+    return _StreamedLinear.apply(x, W.to(x.dtype))
 
 
 class GridNodes:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._placement import resident, to_module
 from .._repr import FieldsRepr
 from ..errors import ConfigMismatchError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
@@ -178,9 +179,11 @@ def build_layout(
                     z = live.lorsa_z[layer]
                 else:
                     x, positions = attn_inputs[layer]
-                    w = lorsa.W_V  # the Lorsa runs where its weights are: its inputs go there, the nodes to the host
-                    _, cache = lorsa(x.to(w.device, w.dtype), positions.to(w.device), return_cache=True)
-                    z = cache.z[0]
+                    # the Lorsa runs where its weights are (offloaded: copied to x's device for this call);
+                    # its inputs go there, the nodes to the host
+                    with resident(lorsa, x.device):
+                        xm = to_module(x, lorsa)
+                        z = lorsa(xm, positions.to(xm.device), return_cache=True)[1].z[0]
                 kept = (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
                 z = z * kept
                 fixed = (live.mark(LORSA, layer, z) if live is not None
@@ -197,8 +200,10 @@ def build_layout(
                 if live is not None and layer in live.tc_acts:
                     acts = live.tc_acts[layer]
                 else:
-                    w = tc.W_enc
-                    acts = tc.encode(mlp_inputs[layer].to(w.device, w.dtype))[0]
+                    owner = getattr(tc, "clt", tc)  # a CLT layer's coder computes with its CLT's weights
+                    x = mlp_inputs[layer]
+                    with resident(owner, x.device):
+                        acts = tc.encode(to_module(x, owner))[0]
                 kept = (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
                 acts = acts * kept
                 fixed = (live.mark(TRANSCODER, layer, acts) if live is not None

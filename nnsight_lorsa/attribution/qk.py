@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from .._placement import resident, to_module
 from .._repr import FieldsRepr
 from ..errors import LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
 from .graph import HOST, NodeTable
 from .layout import Layout
-from .replacement import FrozenReplacement, first, into, on
+from .replacement import FrozenReplacement, first, on
 from .rows import FixedRows
 from .trace import attribute_in_trace, prepare
 
@@ -84,9 +85,9 @@ class QKFrozenReplacement(FrozenReplacement):
             if probe.layer != layer:
                 continue
             if probe.key_pos < 0:  # the key the head attends to most: from the prompt copy (row 0)
-                with torch.no_grad():  # run where the Lorsa is
-                    pattern = lorsa.attention_pattern(into(x[:1], lorsa.W_V), None,
-                                                      first(positions).to(lorsa.W_V.device))
+                with torch.no_grad(), resident(lorsa, x.device):  # where the Lorsa is (offloaded: the site)
+                    xm = to_module(x[:1], lorsa)
+                    pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
                 probe.key_pos = int(pattern[0, probe.group, probe.query_pos].argmax())
             q, q_bias = _frozen_side(self, lorsa, x, positions, probe, "q")
             k, k_bias = _frozen_side(self, lorsa, x, positions, probe, "k")

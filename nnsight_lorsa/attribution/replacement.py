@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._placement import pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -47,6 +48,7 @@ from .frozen import (
     norm_scale,
     per_position,
     scaled,
+    streamed_linear,
     z_pre,
 )
 from .layout import Layout
@@ -152,9 +154,14 @@ class FrozenReplacement:
                 slots = self.slots(slot_key, pos)
                 with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site
                     self._nodes[key] = GridNodes(slots, slots.grid(on(W.detach()[idx.to(W.device)], like)))
-            else:  # W is read in every pass: a copy on the site's device where it is elsewhere
-                self._nodes[key] = GatheredNodes(W.detach().to(like.device), idx.to(like.device), pos,
-                                                 self.layout.n_pos, like.dtype)
+            elif W.device == like.device:  # W is read in every pass, where it is
+                self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), pos, self.layout.n_pos, like.dtype)
+            else:  # W elsewhere (an offloaded module: the host): the nodes' distinct rows, kept where W is
+                # (pinned), are copied to the site for each pass only (frozen.gather_write / gather_read)
+                rows, at = torch.unique(idx, return_inverse=True)
+                with torch.no_grad():
+                    sub = pinned(W.detach()[rows.to(W.device)])
+                self._nodes[key] = GatheredNodes(sub, at.to(like.device), pos, self.layout.n_pos, like.dtype)
         return self._nodes[key]
 
     def grid(self, key: str, slots: PositionSlots, vectors: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -238,13 +245,21 @@ class FrozenReplacement:
         W_V = lorsa.W_V
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
+        # the active OV heads' W_V rows; elsewhere (offloaded): kept there (pinned), copied for each pass only
+        w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])
         # the bias term in the site's dtype: an fp32 multiplier would promote v (bf16/fp16 models)
-        v = F.linear(x, on(W_V[at], x)) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
+        v = streamed_linear(x, w_v) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
         group = heads // lorsa.cfg.group_size
 
+        once: list[tuple[torch.Tensor, torch.Tensor]] = []
+
         def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
-            q_, k_ = lorsa.qk(into(x[:1], W_V), first(positions).to(W_V.device))
-            return q_.to(x.device), k_.to(x.device)
+            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its weights)
+                with resident(lorsa, x.device):  # offloaded: its weights on the site's device for this call only
+                    xm = to_module(x[:1], lorsa)
+                    q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
+                once.append((q_.to(x.device), k_.to(x.device)))
+            return once[0]
 
         if not self.store_patterns(x):
             q = self.const(f"L{layer}.lorsa.q", lambda: qk()[0])
@@ -253,7 +268,9 @@ class FrozenReplacement:
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
-            pattern = lorsa.attention_pattern(into(x[:1], W_V), None, first(positions).to(W_V.device))
+            with resident(lorsa, x.device):
+                xm = to_module(x[:1], lorsa)
+                pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
             return pattern.to(x.device)[0, group, pos][None]
 
         grid = self.grid(f"L{layer}.lorsa.rows", slots,
@@ -280,8 +297,12 @@ class FrozenReplacement:
             act = src.tc_act.to(x)
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))
-        skip = tc.skip(into(x, tc.W_enc))
-        skip = None if skip is None else skip.to(x)  # run where the transcoder is, moved back to the site
+        n = lay.tc_pos.numel()
+        with resident(getattr(tc, "clt", tc), x.device):  # offloaded: on the site's device for these calls
+            xm = to_module(x, getattr(tc, "clt", tc))  # run where the transcoder is, moved back to the site
+            skip = tc.skip(xm)
+            skip = None if skip is None else skip.to(x)
+            enc_in = tc.encoder_input(xm).to(x) if n else None
         b_dec = on(tc.b_dec, x)
 
         def error() -> torch.Tensor:
@@ -293,10 +314,9 @@ class FrozenReplacement:
         out = out + per_position(err, err_mult)
         if skip is not None:
             out = out + skip
-        n = lay.tc_pos.numel()
-        if n:
+        if enc_in is not None:
             io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
-            pre = io.read(tc.encoder_input(into(x, tc.W_enc)).to(x))
+            pre = io.read(enc_in)
             mult = column(M, lay.bias.get("tc_enc"))
             b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
             self._features.append(held((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._placement import set_offload
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
@@ -63,6 +64,14 @@ def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, slot: str) 
     raise ConfigMismatchError(f"{slot} must be a {kinds[0].__name__} or a mapping, got {type(value).__name__}")
 
 
+def _bare_modules(value: Any) -> list[torch.nn.Module]:
+    """The modules of a slot's value given as a mapping or a single module (not yet in a set)."""
+    if value is None or isinstance(value, ReplacementSet):
+        return []
+    items = value.values() if isinstance(value, Mapping) else [value]
+    return [m for m in items if isinstance(m, torch.nn.Module)]
+
+
 class ReplacementModel:
     """An nnsight model and its replacement modules (see the module docstring).
 
@@ -74,6 +83,9 @@ class ReplacementModel:
         saes: an :class:`~.sae_set.SAESet` of ``model`` or ``{site path: SAE}``.
         error: splice replacements with their error terms (default True), so that an unedited
             run reproduces the model and only an edit changes it (Ameisen et al. 2025, *Circuit Tracing*: error nodes).
+        offload: True / False sets :attr:`~.replacement_set.ReplacementSet.offload` on every set held
+            (weights stored on the host, each module copied to its site's device only while it computes);
+            None (default) leaves the sets as they are.
         adapter: the model family's adapter (default :func:`~nnsight_lorsa.adapters.registry.get_adapter`).
 
     Attributes:
@@ -83,16 +95,25 @@ class ReplacementModel:
         UnsupportedArchitectureError: the model family has no adapter.
         ConfigMismatchError: a set bound to another model, or a value of the wrong type.
         LayerOutOfRangeError: a module keyed by a layer the model does not have.
+        ArgumentError: ``offload`` neither a bool nor None.
     """
 
     def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
-                 error: bool = True, adapter: ArchitectureAdapter | None = None) -> None:
+                 error: bool = True, adapter: ArchitectureAdapter | None = None, offload: Any = None) -> None:
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
+        if offload is not None:  # modules given bare are marked first: their sets never put them on the device
+            check_flag(offload, "offload", "ReplacementModel")
+            for value in (lorsas, transcoders, saes):
+                for m in _bare_modules(value):
+                    set_offload(m, offload)
         self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
         self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
         self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
         self.error = bool(error)
+        if offload is not None:
+            for _, held in self.sets():
+                held.offload = offload
 
     def sets(self) -> list[tuple[str, ReplacementSet]]:
         """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``."""

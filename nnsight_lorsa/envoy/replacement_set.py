@@ -5,7 +5,8 @@ The one contract of every replacement kind — :class:`~.lorsa_set.LorsaSet` and
 path), :class:`~.clt_set.CLTSet` (one key, ``"clt"``): a read-only mapping checked on insertion
 (:attr:`~ReplacementSet.module_type`, :meth:`~ReplacementSet.check`), ``replace(key=None, error=False)``
 that splices one, several or all of them into the current trace (:meth:`~ReplacementSet.site`: the
-splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`),
+splice chain), the width :meth:`~ReplacementSet.n_latents`, placement (:meth:`~ReplacementSet.place`,
+:attr:`~ReplacementSet.offload`),
 copy / cast (:meth:`~ReplacementSet.subset`), ``save`` / ``from_pretrained``, and the bundle's hooks
 (:attr:`~ReplacementSet.slot`, :meth:`~ReplacementSet.feature_module`, :meth:`~ReplacementSet.envoys`).
 Callers (the bundle, ``evaluate``, ``remote``) use these and never branch on the kind.
@@ -21,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .._placement import place
+from .._placement import offloaded, place, set_offload, store_on_host
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
@@ -103,15 +104,19 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     ``key_of(name, module)``: the key a module's file names (None: the file names none); ``noun``
     names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
     are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's); the
-    set then puts each on its site's device.
+    set then puts each on its site's device — or, with ``offload=True`` in ``kwargs``, marks them
+    offloaded so that the set keeps them on the host and they never occupy the device whole
+    (:attr:`ReplacementSet.offload`).
 
     Raises:
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
             ``{key: source}``), two modules for one key.
+        ArgumentError: ``offload`` not a bool.
         CheckpointError, UnsupportedArchitectureError: from the readers.
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
+    offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
@@ -129,6 +134,8 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                 raise ConfigMismatchError(f"{src}: {name} is a second {noun.split(maxsplit=1)[-1]} for {key_name} "
                                           f"{k!r} (the first came from {names[k]}); keep one")
             found[k], names[k] = module, name
+            if isinstance(module, nn.Module):
+                set_offload(module, offload)
     return found
 
 
@@ -181,6 +188,7 @@ class ReplacementSet(Generic[K, M]):
                  adapter: ArchitectureAdapter | None = None) -> None:
         self.model, self.adapter = model, adapter or get_adapter(model)
         self._by_key: dict[K, M] = {}
+        self._offload: bool | None = None  # None: each module as it is flagged (a copy of an offloaded one is)
         self.update(modules or {})
 
     @classmethod
@@ -357,7 +365,8 @@ class ReplacementSet(Generic[K, M]):
 
     # ------------------------------------------------------------- placement
     def place(self, key: K | None = None) -> None:
-        """Move the module at ``key`` (every module when None), in place, to its site's device.
+        """Move the module at ``key`` (every module when None), in place, to its site's device — or, with
+        :attr:`offload`, to the host (pinned where CUDA is available).
 
         Its dtype is kept (the splice casts inputs and outputs at the boundary; ``module.to(dtype)``
         casts it). A no-op for a site whose weights are not loaded yet (``meta``): the splice then
@@ -368,10 +377,41 @@ class ReplacementSet(Generic[K, M]):
             PlacementError: the module is on ``meta`` (never materialised) or cannot be moved.
         """
         for k in [key] if key is not None else list(self):
-            module = self._by_key[k]
-            device, _ = site_placement(self.model, self.site_path(k))
-            if device is not None:
-                place(module, device, self.site_path(k))
+            self._place_one(k, self._by_key[k])
+
+    def _place_one(self, key: K, module: M) -> None:
+        if self._offload is not None:
+            set_offload(module, self._offload)
+        if offloaded(module):
+            store_on_host(module, self.site_path(key))
+            return
+        device, _ = site_placement(self.model, self.site_path(key))
+        if device is not None:
+            place(module, device, self.site_path(key))
+
+    @property
+    def offload(self) -> bool:
+        """Whether the set's modules are *offloaded* (default False): their weights are stored on the host
+        (pinned where CUDA is available) and each one is copied to its site's device just before it
+        computes there and dropped right after (:class:`~.._placement.resident`) — in ``replace()``'s
+        splice (per forward pass and site), in attribution's clean pass and frozen constants; attribution's
+        frozen pass copies only the active heads' / features' rows to the device, for each pass
+        (docs/attribution.md, "Offloaded replacement modules"). Results are the same as without.
+        Setting it moves every module (to the host, or back to its site's device); until it is set, each
+        module is as it is marked (a copy of an offloaded module is offloaded), and this reads True when
+        every module is.
+
+        Raises:
+            ArgumentError: not a bool. PlacementError: as :meth:`place`.
+        """
+        if self._offload is not None:
+            return self._offload
+        return bool(self._by_key) and all(offloaded(m) for m in self._by_key.values())
+
+    @offload.setter
+    def offload(self, value: Any) -> None:  # checked here: a named error, not a type-checker one
+        self._offload = check_flag(value, "offload", type(self).__name__)
+        self.place()
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
@@ -382,9 +422,7 @@ class ReplacementSet(Generic[K, M]):
         if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
-        device, _ = site_placement(self.model, self.site_path(k))
-        if device is not None:  # before insertion: a module that cannot be placed is not added
-            place(module, device, self.site_path(k))
+        self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
         self._by_key[k] = module
 
     def update(self, modules: Mapping[K, M]) -> None:

@@ -31,7 +31,10 @@ serves — a module elsewhere is moved there (``module.to(device)``, in place, o
 served — and in its own dtype; a step casts the site's input to the module's device and dtype
 (:func:`~.._placement.to_module`), and the replacement's output is cast back to the site's device and dtype
 before it is returned into the model. A module whose weights were never materialised (``meta``) raises
-:class:`~..errors.PlacementError` naming the module and the device the site runs on.
+:class:`~..errors.PlacementError` naming the module and the device the site runs on. An *offloaded*
+module (``ReplacementSet.offload``: weights on the host) is not moved: at each site, for that site's step
+only (the clean pass's too), its weights are copied to the site's device and dropped after
+(:class:`~.._placement.resident`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._placement import place
+from .._placement import offloaded, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, LorsaError, TraceOrderError
 from .nnsight_internals import (
@@ -190,14 +193,15 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             chain.check_call(args, kwargs)
         original = site.output
         true_out = chain.get_output(original)
-        if i == 0:
+        if i == 0 and not offloaded(module):
             place(module, true_out.device, chain.site_paths[0])
         may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
         diverged = diverged or (error and may_edit)
         clean_out = None
-        if diverged:
-            clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
-        out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+        with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
+            if diverged:
+                clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+            out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
         if error:
             if clean_out is None:  # nothing could edit so far: the clean pass is the live one
                 clean.clear()

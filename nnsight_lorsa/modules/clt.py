@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._placement import offloaded
 from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
@@ -249,7 +250,8 @@ class CLTLayer(nn.Module):
     def skip(self, x: torch.Tensor) -> torch.Tensor | None:
         """The skip path of MLP ``layer`` (None without one)."""
         W = self.clt.W_skip
-        return None if W is None else x @ W[self.layer].T.to(x.dtype)
+        # offloaded: this layer's matrix copied out, so that the backward keeps it and not every layer's
+        return None if W is None else x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
 
     def decoders(self, layer: int | None = None) -> dict[int, torch.Tensor]:
         """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}`` (``layer``: the view's own, as the

@@ -25,3 +25,18 @@ def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     (row,) = result["d_attribution"]
     assert row["tokens"] == 16 and row["target_rows"] > 0 and row["estimate_device_bytes"] > 0
     assert row["edge_sum_error_max"] < 1e-5  # fp32: every row sums to its value (feature budget included)
+
+
+def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
+    """Part (d) with ``--offload`` (the Lorsas and transcoders offloaded to the host) runs and records it."""
+    out = tmp_path / "gpu_scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale", "--scale", "tiny", "--device", "cpu",
+                           "--dtype", "float32", "--tokens", "16", "--repeats", "1", "--skip", "a", "b", "c",
+                           "--offload", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["d_offload"] is True and result["d_module_bytes"] > 0
+    (row,) = result["d_attribution"]
+    assert row["tokens"] == 16 and row["target_rows"] > 0 and row["edge_sum_error_max"] < 1e-5
