@@ -395,3 +395,26 @@ def test_atomic_file_is_old_or_new(old, new, k):
         assert p.read_bytes() == (old if event == "file:graph.json" else new), event
         _atomic.atomic_file(p, new)  # a later write removes a killed one's temporary
         assert [q.name for q in Path(tmp).iterdir()] == ["graph.json"]
+
+
+def test_a_damaged_file_is_named_not_the_file_it_points_at(writers, written, tmp_path):
+    """Two damages a random search found blamed on another file: a cache manifest whose shard name lost a
+    byte (the checksum of manifest.json is checked before any field of it is believed), and a Llamascopium
+    config whose RoPE base changed (no checksum there: the mismatch message names config.json too)."""
+    import shutil
+
+    d = tmp_path / "cache"
+    shutil.copytree(written["write_activation_cache"], d)
+    text = (d / "manifest.json").read_text()
+    assert "shard_00001" in text
+    (d / "manifest.json").write_text(text.replace("shard_00001", "shard_0000q", 1))
+    with pytest.raises(LorsaError, match="manifest.json"):
+        writers["write_activation_cache"].read(d)
+    d = tmp_path / "lorsa"
+    shutil.copytree(written["llamascopium:Lorsa"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    key = next(k for k in ("rotary_base", "rope_theta") if k in cfg)
+    cfg[key] = float(cfg[key]) * 3
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="config.json"):
+        writers["llamascopium:Lorsa"].read(d)

@@ -371,7 +371,7 @@ def _check_buffers(
     if "mask" in state:
         mask = state["mask"]
         require(tuple(mask.shape) == (n_ctx, n_ctx), path,
-                f"buffer 'mask' has shape {tuple(mask.shape)}, config n_ctx={n_ctx}")
+                f"buffer 'mask' has shape {tuple(mask.shape)}, {CONFIG_FILE} n_ctx={n_ctx}")
         m = min(n_ctx, _N_CHECK)
         if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()):
             raise UnsupportedArchitectureError(
@@ -384,14 +384,15 @@ def _check_buffers(
         return
     for key in rot_keys:
         require(tuple(state[key].shape) == (n_ctx, cfg.rotary.rotary_dim), path,
-                f"buffer {key!r} has shape {tuple(state[key].shape)}, config implies {(n_ctx, cfg.rotary.rotary_dim)}")
+                f"buffer {key!r} has shape {tuple(state[key].shape)}, {CONFIG_FILE} implies "
+                f"{(n_ctx, cfg.rotary.rotary_dim)}")
     m = min(n_ctx, _N_CHECK)
     cos, sin = rotary_cos_sin(cfg.rotary, torch.arange(m, device="cpu"))
     for key, ours in (("rotary_cos", cos), ("rotary_sin", sin)):
         if key in state:
             err = (state[key][:m].float() - ours).abs().max().item()
             # bf16 storage ~4e-3; a wrong layout/base/scaling is O(1)
-            require(err <= 1e-2, path, f"buffer {key!r} disagrees with the config's RoPE settings (max |diff| "
+            require(err <= 1e-2, path, f"buffer {key!r} disagrees with {CONFIG_FILE}'s RoPE settings (max |diff| "
                                        f"{err:.3g} over {m} positions; check rotary_adjacent_pairs, rotary_base, "
                                        "NTK_by_parts_*)")
 

@@ -258,6 +258,9 @@ class ActivationCache:
         path = self.directory / MANIFEST
         if not path.is_file():
             raise ActivationCacheError(f"{path}: no activation-cache manifest")
+        # the manifest's own size and sha256 before a field of it is believed: a flipped byte in it names
+        # it, not the shard a damaged file name or shape would then point at
+        self._verify([MANIFEST])
         try:  # the one JSON reader of the file formats: missing, unreadable, not UTF-8, not JSON, not an object
             self.manifest: dict[str, Any] = read_json_object(path)
         except CheckpointError as e:
@@ -283,7 +286,7 @@ class ActivationCache:
                 raise ActivationCacheError(f"{path}: site {name!r} is cached with d={self.width(name)}, "
                                            f"expected d={width}")
         self._verify(list(self._checksums), hashes=False)  # every listed file is there, at its size
-        self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
+        # (a shard's sha256 when its first window is read)
 
     def _check_manifest_fields(self, path: Path) -> None:
         """The manifest's fields have their types, and every shard file lies inside the cache directory."""
