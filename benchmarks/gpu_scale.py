@@ -328,19 +328,13 @@ def main() -> None:
         print("(b) replace / plain trace:", round(result["b_replace_vs_trace"]["ratio"], 3))
         flush()
     if "c" not in args.skip:
-        trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
-        result["c_training"] = training(model, hf, trained, s, args.train_steps)
-        print("(c) training tokens/s:", {k: round(v) for k, v in result["c_training"].items()
-                                         if k.startswith("tokens")})
-        flush()
-        del trained
-        if args.tf32:  # the same run with TF32 matmuls (torch.set_float32_matmul_precision("high"))
-            torch.set_float32_matmul_precision("high")
+        # fp32 matmuls, then (--tf32) the same run with TF32 ones (torch.set_float32_matmul_precision("high"))
+        for key, precision in [("c_training", "highest")] + ([("c_training_tf32", "high")] if args.tf32 else []):
+            torch.set_float32_matmul_precision(precision)
             try:
                 trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
-                result["c_training_tf32"] = training(model, hf, trained, s, args.train_steps)
-                print("(c) TF32 training tokens/s:", {k: round(v) for k, v in result["c_training_tf32"].items()
-                                                      if k.startswith("tokens")})
+                result[key] = training(model, hf, trained, s, args.train_steps)
+                print(f"(c) {key} tokens/s:", {k: round(v) for k, v in result[key].items() if k.startswith("tokens")})
                 flush()
                 del trained
             finally:
