@@ -250,30 +250,32 @@ def cmd_measure(args: argparse.Namespace) -> None:
 
 LABELS = {"recipe:lr=0.004;rank_by_decoder_norm=False;scale_into=w_v": "ours, scale in w_v (former default)",
           "recipe:lr=0.004;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o|| (scale_into='w_o')",
+          "recipe:lr=0.002;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o||, lr 2e-3",
           "doc_lr4e-3": "llamascopium, documented init"}
 
 
 def cmd_collect(args: argparse.Namespace) -> None:
-    """Merge ``TAG-ours.json`` (``lorsa_recipe --out``) and ``TAG-theirs.json`` (``measure --out``) of
+    """Merge ``TAG-ours*.json`` (``lorsa_recipe --out``) and ``TAG-theirs.json`` (``measure --out``) of
     every ``TAG`` (``MODEL-L{layer}``) under ``dir`` into one JSON: one row per run, and per layer
     whether each of ours dominates theirs (FVU and dead fraction both lower or equal)."""
     d = Path(args.dir)
     rows: list[dict[str, Any]] = []
     layers: list[dict[str, Any]] = []
-    for f in sorted(d.glob("*-ours.json")):
-        tag = f.name[: -len("-ours.json")]
-        theirs_f = d / f"{tag}-theirs.json"
-        if not theirs_f.exists():
-            continue
-        ours, theirs = json.loads(f.read_text()), json.loads(theirs_f.read_text())
+    for theirs_f in sorted(d.glob("*-theirs.json")):
+        tag = theirs_f.name[: -len("-theirs.json")]
         model, layer = tag.rsplit("-L", 1)
-        models = ours["models"]
-        meta = {"model": model, "model_type": next(iter(models.values()))["model_type"], "layer": int(layer)}
-        for r in ours["rows"]:
-            rows.append({**meta, "trainer": "ours", "variant": r["variant"], "label": LABELS.get(r["variant"]),
-                         "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
-                         "train_s": r["train_s"], "init": r["init"], "fvu_at": r["fvu_at"],
-                         "command": "OMP_NUM_THREADS=1 PYTHONPATH=. " + ours["command"]})
+        theirs = json.loads(theirs_f.read_text())
+        all_ours = [json.loads(f.read_text()) for f in sorted(d.glob(f"{tag}-ours*.json"))]
+        if not all_ours:
+            continue
+        meta = {"model": model, "model_type": next(iter(all_ours[0]["models"].values()))["model_type"],
+                "layer": int(layer)}
+        for ours in all_ours:
+            for r in ours["rows"]:
+                rows.append({**meta, "trainer": "ours", "variant": r["variant"], "label": LABELS.get(r["variant"]),
+                             "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
+                             "train_s": r["train_s"], "init": r["init"], "fvu_at": r["fvu_at"],
+                             "command": "OMP_NUM_THREADS=1 PYTHONPATH=. " + ours["command"]})
         for r in theirs["rows"]:
             rows.append({**meta, "trainer": "llamascopium", "variant": r["variant"], "label": LABELS.get(r["variant"]),
                          "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
