@@ -80,7 +80,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 LAYERS = HERE / "results" / "lorsa_llamascopium_layers.json"
 LAYERS_FIGURE = HERE.parent / "docs" / "figures" / "lorsa_fvu_vs_dead_layers.png"
 LAYER_STYLE = {"ours, scale in ||w_o|| (scale_into='w_o')": ("tab:blue", "o"),
-               "ours, scale in w_v (former default)": ("tab:cyan", "^"),
+               "ours, scale in ||w_o||, lr 2e-3": ("tab:purple", "D"),
+               "ours, scale in w_v (the default)": ("tab:cyan", "^"),
                "llamascopium, documented init": ("tab:red", "s")}
 
 
@@ -111,9 +112,10 @@ def plot_layers(rows: list[dict[str, Any]], out: Path) -> None:
         ax.set_xlabel("dead heads on held-out tokens (%)")
         ax.set_ylabel("held-out FVU")
         steps = sorted({r["steps"] for r in here})
-        ax.set_title(f"{model} ({here[0]['model_type']}), {'/'.join(map(str, steps))} steps, lr 4e-3")
+        ax.set_title(f"{model} ({here[0]['model_type']}), {'/'.join(map(str, steps))} steps")
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle("Lorsa per layer, 1024 OV heads, k 16, same batches and held-out tokens; lower-left dominates",
+    fig.suptitle("Lorsa per layer, 1024 OV heads, k 16, lr 4e-3 unless marked, same batches and held-out tokens; "
+                 "lower-left dominates; grey: one layer",
                  fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(LAYER_STYLE), fontsize=8)

@@ -248,7 +248,7 @@ def cmd_measure(args: argparse.Namespace) -> None:
                                               "rows": rows}, indent=1))
 
 
-LABELS = {"recipe:lr=0.004;rank_by_decoder_norm=False;scale_into=w_v": "ours, scale in w_v (former default)",
+LABELS = {"recipe:lr=0.004;rank_by_decoder_norm=False;scale_into=w_v": "ours, scale in w_v (the default)",
           "recipe:lr=0.004;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o|| (scale_into='w_o')",
           "recipe:lr=0.002;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o||, lr 2e-3",
           "doc_lr4e-3": "llamascopium, documented init"}
@@ -280,6 +280,7 @@ def cmd_collect(args: argparse.Namespace) -> None:
             rows.append({**meta, "trainer": "llamascopium", "variant": r["variant"], "label": LABELS.get(r["variant"]),
                          "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
                          "train_s": r["train_s"], "load_max_rel_err": r["load_max_rel_err"],
+                         "load_same_active_frac": r["load_same_active_frac"],
                          "fvu_at_init_batch0": r["fvu_at_init_batch0"]})
         here = [r for r in rows if r["model"] == model and r["layer"] == int(layer)]
         them = next(r for r in here if r["trainer"] == "llamascopium")
