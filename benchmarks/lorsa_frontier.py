@@ -9,6 +9,7 @@ fraction are both lower or equal.
 
     PYTHONPATH=. python benchmarks/lorsa_frontier.py            # writes docs/figures/lorsa_fvu_vs_dead_L2.png
     PYTHONPATH=. python benchmarks/lorsa_frontier.py --table    # the rows as a markdown table, with domination
+    PYTHONPATH=. python benchmarks/lorsa_frontier.py --layers   # every layer, three models (..._layers.json)
 """
 
 from __future__ import annotations
@@ -76,6 +77,53 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=130)
 
 
+LAYERS = HERE / "results" / "lorsa_llamascopium_layers.json"
+LAYERS_FIGURE = HERE.parent / "docs" / "figures" / "lorsa_fvu_vs_dead_layers.png"
+LAYER_STYLE = {"ours, scale in ||w_o|| (scale_into='w_o')": ("tab:blue", "o"),
+               "ours, scale in ||w_o||, lr 2e-3": ("tab:purple", "D"),
+               "ours, scale in w_v (the default)": ("tab:cyan", "^"),
+               "llamascopium, documented init": ("tab:red", "s")}
+
+
+def plot_layers(rows: list[dict[str, Any]], out: Path) -> None:
+    """One panel per model: each layer's three runs (``lorsa_llamascopium.py collect`` rows), joined by a
+    grey line per layer and labelled ``L{layer}``; lower-left dominates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        here = [r for r in rows if r["model"] == model]
+        for layer in sorted({r["layer"] for r in here}):
+            pts = sorted((r for r in here if r["layer"] == layer), key=lambda r: r["dead_frac"])
+            ax.plot([100 * r["dead_frac"] for r in pts], [r["fvu"] for r in pts], color="grey", lw=0.7, alpha=0.6)
+        for label, (color, marker) in LAYER_STYLE.items():
+            pts = [r for r in here if r["label"] == label]
+            ax.scatter([100 * r["dead_frac"] for r in pts], [r["fvu"] for r in pts], color=color, marker=marker,
+                       s=36, zorder=3, label=label)
+            for r in pts:
+                ax.annotate(f"L{r['layer']}", (100 * r["dead_frac"], r["fvu"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points", color=color)
+        ax.set_yscale("log")
+        ax.margins(x=0.12, y=0.15)
+        ax.set_xlabel("dead heads on held-out tokens (%)")
+        ax.set_ylabel("held-out FVU")
+        steps = sorted({r["steps"] for r in here})
+        ax.set_title(f"{model} ({here[0]['model_type']}), {'/'.join(map(str, steps))} steps")
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle("Lorsa per layer, 1024 OV heads, k 16, lr 4e-3 unless marked, same batches and held-out tokens; "
+                 "lower-left dominates; grey: one layer",
+                 fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(LAYER_STYLE), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| steps | trainer | variant | lr | FVU | dead | dominated by |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["steps"], r["trainer"], r["lr"], r["variant"])):
@@ -91,7 +139,13 @@ def main() -> None:
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--out", default=str(FIGURE))
     p.add_argument("--table", action="store_true", help="print the rows as markdown instead of plotting")
+    p.add_argument("--layers", action="store_true",
+                   help=f"the per-layer head-to-head ({LAYERS.name}) into {LAYERS_FIGURE.name} instead")
     args = p.parse_args()
+    if args.layers:
+        plot_layers(json.loads(LAYERS.read_text())["rows"], LAYERS_FIGURE)
+        print(LAYERS_FIGURE)
+        return
     rows = [r for r in json.loads(Path(args.results).read_text())["rows"] if r.get("layer", 2) == 2]
     if args.table:
         print(table(rows))

@@ -119,7 +119,10 @@ def train_variant(name: str, spec: dict[str, Any], meta: dict[str, Any], train: 
     hook_in, hook_out = f"blocks.{layer}.ln1.hook_normalized", f"blocks.{layer}.hook_attn_out"
     rot = meta["rotary"]
     rope: dict[str, Any] = {}
-    if rot["rope_type"] == "llama3":
+    if rot is None:  # GPT-2: learned positions, no rotary in the attention
+        rope = {"positional_embedding_type": "none"}
+        rot = {"rotary_dim": meta["head_dim"], "base": 10000, "interleaved": False}
+    elif rot["rope_type"] == "llama3":
         s = rot["scaling"]
         rope = {"use_NTK_by_parts_rope": True, "NTK_by_parts_factor": s["factor"],
                 "NTK_by_parts_low_freq_factor": s["low_freq_factor"],
@@ -245,6 +248,62 @@ def cmd_measure(args: argparse.Namespace) -> None:
                                               "rows": rows}, indent=1))
 
 
+LABELS = {"recipe:lr=0.004;rank_by_decoder_norm=False;scale_into=w_v": "ours, scale in w_v (the default)",
+          "recipe:lr=0.004;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o|| (scale_into='w_o')",
+          "recipe:lr=0.002;rank_by_decoder_norm=True;scale_into=w_o": "ours, scale in ||w_o||, lr 2e-3",
+          "doc_lr4e-3": "llamascopium, documented init"}
+
+
+def cmd_collect(args: argparse.Namespace) -> None:
+    """Merge ``TAG-ours*.json`` (``lorsa_recipe --out``) and ``TAG-theirs.json`` (``measure --out``) of
+    every ``TAG`` (``MODEL-L{layer}``) under ``dir`` into one JSON: one row per run, and per layer
+    whether each of ours dominates theirs (FVU and dead fraction both lower or equal)."""
+    d = Path(args.dir)
+    rows: list[dict[str, Any]] = []
+    layers: list[dict[str, Any]] = []
+    for theirs_f in sorted(d.glob("*-theirs.json")):
+        tag = theirs_f.name[: -len("-theirs.json")]
+        model, layer = tag.rsplit("-L", 1)
+        theirs = json.loads(theirs_f.read_text())
+        all_ours = [json.loads(f.read_text()) for f in sorted(d.glob(f"{tag}-ours*.json"))]
+        if not all_ours:
+            continue
+        meta = {"model": model, "model_type": next(iter(all_ours[0]["models"].values()))["model_type"],
+                "layer": int(layer)}
+        for ours in all_ours:
+            for r in ours["rows"]:
+                rows.append({**meta, "trainer": "ours", "variant": r["variant"], "label": LABELS.get(r["variant"]),
+                             "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
+                             "train_s": r["train_s"], "init": r["init"], "fvu_at": r["fvu_at"],
+                             "command": "OMP_NUM_THREADS=1 PYTHONPATH=. " + ours["command"]})
+        for r in theirs["rows"]:
+            rows.append({**meta, "trainer": "llamascopium", "variant": r["variant"], "label": LABELS.get(r["variant"]),
+                         "steps": r["steps"], "fvu": r["fvu"], "dead_frac": r["dead_frac"], "l0": r["l0"],
+                         "train_s": r["train_s"], "load_max_rel_err": r["load_max_rel_err"],
+                         "load_same_active_frac": r["load_same_active_frac"],
+                         "fvu_at_init_batch0": r["fvu_at_init_batch0"]})
+        here = [r for r in rows if r["model"] == model and r["layer"] == int(layer)]
+        them = next(r for r in here if r["trainer"] == "llamascopium")
+        entry = {**meta, "steps": them["steps"], "llamascopium": {"fvu": them["fvu"], "dead_frac": them["dead_frac"]}}
+        for r in here:
+            if r["trainer"] == "ours":
+                entry[r["variant"]] = {"fvu": r["fvu"], "dead_frac": r["dead_frac"],
+                                       "dominates_llamascopium": bool(r["fvu"] <= them["fvu"]
+                                                                      and r["dead_frac"] <= them["dead_frac"]),
+                                       "fvu_rel_to_llamascopium": r["fvu"] / them["fvu"] - 1,
+                                       "dead_points_vs_llamascopium": 100 * (r["dead_frac"] - them["dead_frac"])}
+        layers.append(entry)
+    print("| model | layer | steps | trainer | FVU | dead | dominates llamascopium |")
+    print("|---|---|---|---|---|---|---|")
+    for e in layers:
+        for r in (r for r in rows if r["model"] == e["model"] and r["layer"] == e["layer"]):
+            dom = e.get(r["variant"], {}).get("dominates_llamascopium", "")
+            print(f"| {e['model']} | {e['layer']} | {r['steps']} | {r['label'] or r['variant']} | {r['fvu']:.4f} | "
+                  f"{100 * r['dead_frac']:.1f}% | {'yes' if dom is True else 'no' if dom is False else ''} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"notes": args.note or [], "layers": layers, "rows": rows}, indent=1))
+
+
 class HeldOut:
     """The exported held-out windows, read like an ``ActivationCache`` by ``heldout_metrics``."""
 
@@ -267,8 +326,14 @@ def main() -> None:
     m = sub.add_parser("measure", help="our env: load each saved Lorsa with our loader, held-out metrics")
     m.add_argument("dir")
     m.add_argument("--out", default=None)
+    c = sub.add_parser("collect", help="merge the per-layer JSONs of ours and theirs (cmd_collect)")
+    c.add_argument("dir")
+    c.add_argument("--out", default=None)
+    c.add_argument("--note", action="append", help="a line for the JSON's notes (repeatable)")
     args = p.parse_args()
-    if args.cmd == "train":
+    if args.cmd == "collect":
+        cmd_collect(args)
+    elif args.cmd == "train":
         if args.warmup >= 1:
             args.warmup = int(args.warmup)
         cmd_train(args)

@@ -146,12 +146,7 @@ class LorsaObjective(_Objective):
         y = batch.y * self.s_out
         k = self.top_k(t)
         z_pre = lorsa.compute_z_pre(x, batch.positions, batch.attn_mask)
-        gain = self.selection_gain()
-        if gain is not None:  # rank by z·g (g = ‖w_o‖ and/or the balancing gain; folded exactly)
-            idx = (z_pre.detach() * gain).topk(k, dim=-1).indices
-            z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
-        else:
-            z, _ = lorsa.activation(z_pre, k)
+        z = self.select(z_pre, k)
         out = lorsa.decode(z)
         mask = batch.loss_mask
         err = (f32(y) - f32(out))[mask]                                   # the loss in fp32
@@ -180,6 +175,28 @@ class LorsaObjective(_Objective):
         return loss, {"loss": float(loss.detach()), "fvu": float(fvu(y[mask], out[mask].detach())),
                       "l0": float(active.sum(-1).float().mean()), "dead_frac": float(dead.float().mean()),
                       "aux": float(aux.detach()), "k": float(k)}
+
+    def select(self, z_pre: torch.Tensor, k: int) -> torch.Tensor:
+        """The training-time activation: per token the ``k`` heads of largest ``z_pre · g`` (``g`` =
+        :meth:`selection_gain`; plain ``z_pre`` when None), their ``relu(z_pre)``, zeros elsewhere.
+        ``z_pre (…, n_ov)`` on the Lorsa's device and dtype; returns the same shape."""
+        gain = self.selection_gain()
+        if gain is None:
+            return self.module.activation(z_pre, k)[0]
+        idx = (z_pre.detach() * gain).topk(k, dim=-1).indices  # rank by z·g (‖w_o‖ and/or balance; folded exactly)
+        return torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+
+    @torch.no_grad()
+    def training_output(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                        attn_mask: torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
+        """The function the loss trains, in the normalised space: ``decode(select(z_pre(x), k))`` for
+        ``x (batch, pos, d_model)`` already scaled by ``s_in`` (``k`` default ``cfg.top_k``; no k
+        annealing); :meth:`fold` makes the raw-space Lorsa compute ``training_output(x · s_in) / s_out``.
+        The unfolded module's own forward ranks by plain ``z`` and differs from it whenever heads are
+        ranked by ``z · ‖w_o‖`` (``rank_by_decoder_norm``) or balancing gains are on."""
+        lorsa = self.module
+        z_pre = lorsa.compute_z_pre(x, positions, attn_mask)
+        return lorsa.decode(self.select(z_pre, lorsa.cfg.top_k if k is None else k))
 
     def selection_gain(self) -> torch.Tensor | None:
         """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""

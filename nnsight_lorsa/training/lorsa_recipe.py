@@ -62,10 +62,11 @@ heads ranked by ``z·‖w_o‖``: the split the authors' trainer ends its initia
 search sets ``‖w_o‖ = 0.5``, ``‖w_v‖ = 1``). The function is the same, but Adam moves every coordinate
 by about ``lr`` whatever its weight's size, so with ``c`` in ``w_v`` each step changes ``w_v`` and
 ``b_v`` ``1/c ≈ 2.5`` times more relative to ``z``; ``b_v`` drifting negative is what leaves most dead
-heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with ~10 points
-more dead heads than the authors' trainer and than ``"w_o"`` (300 steps, lr 4e-3: 87.5% vs 77.5% dead
-at FVU 0.0171 vs 0.0172; 600 steps: 89.3% vs 80.1% at 0.0143 vs 0.0150). Not the default: a trade
-against the ``"w_v"`` split, not an improvement on both axes (docs/training.md, issue 26).
+heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with 8–15 points
+more dead heads than ``"w_o"`` on every layer measured (embedded Llama layers 0–3, GPT-2 and NeoX;
+layer 2, 600 steps, lr 4e-3: 89.3% vs 80.1% at FVU 0.0143 vs 0.0150). Not the default: against the
+``"w_v"`` split it costs up to 16% FVU on some layers, and it dominates the authors' trainer on only
+some layers (elsewhere theirs keeps more heads alive at a higher FVU; docs/training.md, issue 26).
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
 (the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
@@ -114,8 +115,8 @@ class LorsaRecipe:
         k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
             during training (folding renormalises exactly); with ``scale_into=None`` the closed-form
-            scale then sits in ``‖w_o‖`` (the authors' parametrisation: ~10 points fewer dead heads at
-            the same lr for 3–5% more FVU, docs/training.md; not the default, see there).
+            scale then sits in ``‖w_o‖`` (the authors' parametrisation: 8–15 points fewer dead heads at
+            the same lr for 0–16% more FVU, docs/training.md; not the default, see there).
         dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
         remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a

@@ -246,6 +246,35 @@ def test_balance_gains_rank_heads_and_fold_exactly(setup):
     assert (plain - want).abs().max() > 1e-2 * want.abs().max()  # the gains do change the selection
 
 
+def test_balance_with_heads_ranked_by_decoder_norm_folds_exactly(setup):
+    """With ``rank_by_decoder_norm`` the training top-k ranks by ``z·‖w_o‖·g``; the folded Lorsa
+    (``w_o`` renormalised into ``w_v, b_v``, then the gains) computes exactly that."""
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = _balanced(adapter, mhsa, source, rank_by_decoder_norm=True)
+    trainer.train(4, progress=False)
+    gain = trainer.objective.balance.gain()
+    assert gain.max() > 1.5
+    batch = source(4)
+
+    def ranked_by(score):  # the top-8 by z_pre·score, decoded, in the raw space
+        idx = (z_pre * score).topk(8, dim=-1).indices
+        z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        return trainer.module.decode(z) / trainer.s_out
+
+    with torch.no_grad():
+        z_pre = trainer.module.compute_z_pre(batch.x * trainer.s_in, batch.positions)
+        norms = trainer.module.W_O.norm(dim=1)
+        want = ranked_by(norms * gain)
+        got = trainer.folded()(batch.x, batch.positions)
+        no_gain, no_norm = ranked_by(norms), ranked_by(gain)
+    assert torch.allclose(trainer.objective.selection_gain(), norms * gain)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    for other in (no_gain, no_norm):  # both factors change the selection
+        assert (other - want).abs().max() > 1e-2 * want.abs().max()
+
+
 def test_balance_lifts_a_head_negative_everywhere_and_decays_after_remedy_until(setup):
     model, hf, adapter, data = setup
     mhsa = adapter.mhsa_weights(hf, LAYER)

@@ -90,6 +90,30 @@ def test_training_reduces_fvu_and_folding_is_exact(setup):
     assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
 
 
+def test_folding_is_exact_with_heads_ranked_by_decoder_norm(setup):
+    """The authors' split (``rank_by_decoder_norm``, scale in ``‖w_o‖``): the folded Lorsa computes the
+    trained function — heads ranked by ``z·‖w_o‖`` (``training_output``) — which the unfolded module's
+    own forward (ranking by ``z``) is not once the ``‖w_o‖`` differ."""
+    model, hf, adapter, data = setup
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = Trainer(LorsaObjective(new_lorsa(adapter), mhsa=adapter.mhsa_weights(hf, LAYER),
+                                     recipe=LorsaRecipe(rank_by_decoder_norm=True)),
+                      source, TrainConfig(total_steps=40, lr=1e-2, log_every=1))
+    history = trainer.train(progress=False)
+    assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
+    norms = trainer.module.W_O.detach().norm(dim=1)
+    assert float(norms.max() / norms.min()) > 1.1  # w_o is not renormalised during training
+    batch = source(0)
+    folded = trainer.folded()
+    with torch.no_grad():
+        want = trainer.objective.training_output(batch.x * trainer.s_in, batch.positions) / trainer.s_out
+        plain = trainer.module(batch.x * trainer.s_in, batch.positions) / trainer.s_out
+        got = folded(batch.x, batch.positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    assert (plain - want).abs().max() > 1e-2 * want.abs().max()  # the ranking by z·‖w_o‖ is what folding keeps
+    assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
+
+
 def test_checkpoint_resumes_bit_exactly(setup, tmp_path):
     model, hf, adapter, data = setup
     source = ActivationSource.attention(model, LAYER, data, batch_size=8)
