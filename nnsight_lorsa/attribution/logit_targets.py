@@ -95,7 +95,7 @@ def check_targets(targets: Any) -> CheckedTargets:
                             f"([{targets!r}]), ids ([id, ...]), a LogitTargets(...) or None")
     if hasattr(targets, "__array__") and not isinstance(targets, (torch.Tensor, Sequence)):  # a numpy array
         try:
-            targets = torch.as_tensor(targets)
+            targets = torch.as_tensor(targets, device="cpu")  # token ids: a host-side list
         except (TypeError, ValueError, RuntimeError) as e:
             raise ArgumentError(f"attribute(targets=<array>) must hold integer token ids, got {targets!r}: {e}") from e
     if isinstance(targets, torch.Tensor):

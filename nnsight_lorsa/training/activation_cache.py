@@ -258,9 +258,6 @@ class ActivationCache:
         path = self.directory / MANIFEST
         if not path.is_file():
             raise ActivationCacheError(f"{path}: no activation-cache manifest")
-        # the manifest's own size and sha256 before a field of it is believed: a flipped byte in it names
-        # it, not the shard a damaged file name or shape would then point at
-        self._verify([MANIFEST])
         try:  # the one JSON reader of the file formats: missing, unreadable, not UTF-8, not JSON, not an object
             self.manifest: dict[str, Any] = read_json_object(path)
         except CheckpointError as e:
@@ -269,13 +266,18 @@ class ActivationCache:
         if m.get("format") != FORMAT or m.get("version") != VERSION or isinstance(m.get("version"), bool):
             raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
-        self._check_manifest_fields(path)
         self._handles: dict[str, Any] = {}
-        # every present shard's size (a torn shard) before it is opened; the manifest's own checks, and
-        # its own message for a missing shard, come first
-        self._verify([f for f in self._checksums if f != MANIFEST and (self.directory / f).is_file()], hashes=False)
-        self._check_shards()
-        self._check_windows()
+        try:
+            self._check_manifest_fields(path)
+            # every present shard's size (a torn shard) before it is opened; the manifest's own checks, and
+            # its own message for a missing shard, come first
+            self._verify([f for f in self._checksums if f != MANIFEST and (self.directory / f).is_file()],
+                         hashes=False)
+            self._check_shards()
+            self._check_windows()
+        except ActivationCacheError as e:
+            self._blame_the_manifest(e)
+            raise
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
             self.check_model(model)
@@ -286,7 +288,18 @@ class ActivationCache:
                 raise ActivationCacheError(f"{path}: site {name!r} is cached with d={self.width(name)}, "
                                            f"expected d={width}")
         self._verify(list(self._checksums), hashes=False)  # every listed file is there, at its size
-        # (a shard's sha256 when its first window is read)
+        self._verify([MANIFEST])  # the manifest's sha256; a shard's when its first window is read
+
+    def _blame_the_manifest(self, error: ActivationCacheError) -> None:
+        """Where ``error`` came from a field of the manifest and the manifest itself fails its checksum (a
+        damaged byte turned a shard's name, range or shape into another one), raise an error that says so,
+        naming the manifest first: otherwise the shard it now points at would take the blame."""
+        if MANIFEST not in self._checksums:
+            return
+        try:
+            self._verify([MANIFEST])
+        except ActivationCacheError as damaged:
+            raise ActivationCacheError(f"{damaged} — so the manifest's fields cannot be trusted: {error}") from error
 
     def _check_manifest_fields(self, path: Path) -> None:
         """The manifest's fields have their types, and every shard file lies inside the cache directory."""
