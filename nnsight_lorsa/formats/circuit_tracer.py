@@ -117,8 +117,8 @@ def _model_kind(directory: Path, expected: str) -> dict[str, Any]:
     config_path = directory / CONFIG_FILE
     cfg = read_yaml_object(config_path)
     kind = cfg.get("model_kind", expected)
-    if kind != expected:
-        raise UnsupportedArchitectureError(f"{config_path}: key 'model_kind' is {kind!r}, expected {expected!r}")
+    require(kind == expected, config_path, f"key 'model_kind' is {kind!r}, expected {expected!r}",
+            error=UnsupportedArchitectureError)
     return cfg
 
 
@@ -131,14 +131,11 @@ def choose_reader(directory: Path) -> Reader:
         UnsupportedArchitectureError: another ``model_kind`` (naming ``config.yaml``).
     """
     kind = read_yaml_object(directory / CONFIG_FILE).get("model_kind")
-    if not isinstance(kind, (str, type(None))):
-        raise UnsupportedArchitectureError(f"{directory / CONFIG_FILE}: key 'model_kind' is {kind!r}; supported: "
-                                           "'transcoder_set', 'cross_layer_transcoder'")
     if kind is None:
         kind = "cross_layer_transcoder" if (directory / "W_enc_0.safetensors").is_file() else "transcoder_set"
-    if kind not in KINDS:
-        raise UnsupportedArchitectureError(f"{directory / CONFIG_FILE}: key 'model_kind' is {kind!r}; supported: "
-                                           "'transcoder_set', 'cross_layer_transcoder'")
+    require(isinstance(kind, str) and kind in KINDS, directory / CONFIG_FILE,
+            f"key 'model_kind' is {kind!r}; supported: 'transcoder_set', 'cross_layer_transcoder'",
+            error=UnsupportedArchitectureError)
     return CLT_READER if kind == "cross_layer_transcoder" else TRANSCODERS_READER
 
 
@@ -210,9 +207,8 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
     cfg = _model_kind(directory, "transcoder_set")
     act_name = cfg.get("activation") or "relu"
     act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name) if isinstance(act_name, str) else act_name
-    if act_name not in ("relu", "topk", "jumprelu"):
-        raise UnsupportedArchitectureError(f"{config_path}: key 'activation' is {act_name!r}; "
-                                           "supported: relu, topk, jump_relu")
+    require(act_name in ("relu", "topk", "jumprelu"), config_path,
+            f"key 'activation' is {act_name!r}; supported: relu, topk, jump_relu", error=UnsupportedArchitectureError)
     params = {"k": config_size(cfg, "k", config_path)} if act_name == "topk" else {}
     layers: dict[int, Any] = {}
     for layer, file in sorted(_layer_files(directory, cfg, config_path).items()):

@@ -167,6 +167,7 @@ from .validate import (
     config_errors,
     config_size,
     config_value,
+    refuse,
     require,
     require_file,
     scaled_size,
@@ -300,8 +301,8 @@ def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool 
         return True
     if is_trainer_checkpoint(directory):
         return False
-    raise CheckpointError(
-        f"{path}: norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded "
+    refuse(
+        path, f"norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded "
         "(llamascopium writes config.json and the weights separately, and nothing in the files tells the two "
         "cases apart). Pass the keyword for the llamascopium writer that made this folder: "
         "weights_folded=True for runners/train.py::train_lorsa's exp_result_path (TrainLorsaSettings"

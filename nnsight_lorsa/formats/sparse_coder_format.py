@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .._atomic import atomic_directory
-from ..errors import CheckpointError
+from ..errors import ArgumentError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
@@ -64,20 +64,16 @@ def kind_of(module: nn.Module) -> str | None:
     return next((tags[cls] for cls in type(module).__mro__ if cls in tags), None)
 
 
-def _kind_of(module: nn.Module) -> str:
-    kind = kind_of(module)
-    if kind is None:
-        raise CheckpointError(f"save_sparse_coder: cannot save a {type(module).__name__}")
-    return kind
-
-
 def save_sparse_coder(module: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Write an SAE / (skip) transcoder / CLT as ``config.json`` + ``model.safetensors``; returns the dir.
 
     Raises:
-        CheckpointError: ``module`` is none of those.
+        ArgumentError: ``module`` is none of those (a misuse, not a file error).
     """
-    kind = _kind_of(module)
+    kind = kind_of(module)
+    if kind is None:
+        raise ArgumentError(f"save_sparse_coder: cannot save a {type(module).__name__} (an SAE, transcoder, "
+                            "skip transcoder or CLT)")
     cfg = getattr(module, "cfg").to_dict()  # noqa: B009
     doc = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "kind": kind, "config": cfg}
     text = json.dumps(doc, indent=2, sort_keys=True)

@@ -594,3 +594,12 @@ def test_clt_set_from_pretrained(tmp_path: Path) -> None:
     save(SparseAutoencoder(SAEConfig(d_in=adapter.d_model, d_sae=8)), tmp_path / "sae")
     with pytest.raises(ConfigMismatchError, match="not a cross-layer transcoder"):
         CLTSet.from_pretrained(model, tmp_path / "sae")
+
+
+def test_saving_a_module_that_is_no_sparse_coder_is_a_named_misuse(tmp_path):
+    """Not a file error: the message names the function and the module's type, and nothing is written."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="save_sparse_coder: cannot save a Linear"):
+        save_sparse_coder(torch.nn.Linear(2, 2), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
