@@ -148,7 +148,7 @@ def _check_like_reference(trainer: Trainer, ref: Trainer, rel: float) -> None:
         assert _rel_t(p, q) < (5 * rel if name in ("b_Q", "b_K") else rel), name
     if isinstance(folded, Lorsa):
         x = torch.randn(2, 12, folded.cfg.d_model, generator=torch.Generator().manual_seed(11))
-        assert _rel_t(folded(x.to(p.device)), folded_ref(x)) < rel
+        assert _rel_t(folded(x.to(trainer.tokens_since_fired.device)), folded_ref(x)) < rel
 
 
 # --------------------------------------------------------------------------- devices
