@@ -298,11 +298,16 @@ def main() -> None:
                   attr_lorsa=arg("all", type=str, help="layers with a Lorsa in (d): 'all' or one layer number"),
                   offload=arg(False, action="store_true",
                               help="(d) with the Lorsas and transcoders offloaded to the host (pinned)"),
+                  cap_gb=arg(0.0, help="cap this process's device memory at this many GB "
+                                      "(torch.cuda.set_per_process_memory_fraction): an 80 GB H100 on a larger card"),
                   out=arg(None, type=str)).parse_args()
     start(args)
     s, dev, dt = SCALES[args.scale], torch.device(args.device), getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    result: dict[str, Any] = {"scale": args.scale, "shapes": s, "device": name, "dtype": args.dtype,
+    if args.cap_gb and dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total), dev.index or 0)
+    result: dict[str, Any] = {"cap_gb": args.cap_gb or None, "scale": args.scale, "shapes": s, "device": name, "dtype": args.dtype,
                               "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
     safe = "".join(c if c.isalnum() else "_" for c in name)
     path = args.out or RESULTS / f"gpu_scale_{args.scale}_{safe}.json"

@@ -8,7 +8,8 @@ per edge:
 
 * *frozen pass, per prompt copy* (device): ``c·L·d·P·b`` with ``c`` = :data:`PER_COPY_NUMBERS`
   (measured: the tensors the frozen forward keeps for the backward, 3.3·L·d·P, plus one backward's
-  transient gradients), and the multipliers, their gradient and the per-batch row temporaries,
+  transient gradients; on a GPU with SDPA attention :data:`PER_COPY_NUMBERS_GPU_SDPA`), and the
+  multipliers, their gradient and the per-batch row temporaries,
   :data:`ROW_BUFFERS` ``·S`` edges per copy;
 * *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
   rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
@@ -65,6 +66,9 @@ from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
 #: (measured slope over the batch size, embedded model, 128 tokens: 2.3 MB per copy)
 PER_COPY_NUMBERS = 8.5
+#: the same on a GPU with SDPA attention (no stored patterns): measured 6.2-6.8 on an H200 at the Llama-3.1-8B
+#: shape in bf16, 1024-4096 tokens, batch 4 (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d))
+PER_COPY_NUMBERS_GPU_SDPA = 6.8
 #: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries
 ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
@@ -168,7 +172,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
-    per_copy = int(PER_COPY_NUMBERS * n_layers * d_model * P * model_itemsize + ROW_BUFFERS * S * edge_itemsize)
+    c = PER_COPY_NUMBERS_GPU_SDPA if device != "cpu" and not store_patterns else PER_COPY_NUMBERS
+    per_copy = int(c * n_layers * d_model * P * model_itemsize + ROW_BUFFERS * S * edge_itemsize)
     shared = 0
 
     def grid(n: int) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose

@@ -347,11 +347,20 @@ class Lorsa(nn.Module):
         self._check_input(x)
         b, s, d = x.shape
         h, e = self.cfg.n_qk_heads, self.cfg.d_qk_head
-        # one fused (d_model -> 2·n_qk·d_qk) matmul with the biases added by addmm
-        w = torch.cat([self.W_Q, self.W_K], 0).permute(1, 0, 2).reshape(d, 2 * h * e)
-        bias = torch.cat([self.b_Q, self.b_K], 0).reshape(2 * h * e)
-        qk = torch.addmm(bias, x.reshape(b * s, d), w).view(b, s, 2, h, e)
-        q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
+        if torch.is_grad_enabled() and x.requires_grad:
+            # x needs a gradient: one fused (d_model -> 2·n_qk·d_qk) matmul (the per-head batched matmul below
+            # would materialise its input gradient as (n_qk, batch·pos, d_model) before summing over heads)
+            w = torch.cat([self.W_Q, self.W_K], 0).permute(1, 0, 2).reshape(d, 2 * h * e)
+            bias = torch.cat([self.b_Q, self.b_K], 0).reshape(2 * h * e)
+            qk = torch.addmm(bias, x.reshape(b * s, d), w).view(b, s, 2, h, e)
+            q, k = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2)
+        else:
+            # a batched matmul over the QK heads on the stored (n_qk, d_model, d_qk) weights: no copy of them
+            # (the fused weight is 2·n_qk·d_model·d_qk elements, 537 MB a call at the Llama-3.1-8B shape) and
+            # heads-first outputs (benchmarks/lorsa_forward_variants.py times both)
+            xs = x.reshape(b * s, d).expand(h, b * s, d)
+            q = torch.baddbmm(self.b_Q[:, None, :], xs, self.W_Q).view(h, b, s, e).transpose(0, 1)
+            k = torch.baddbmm(self.b_K[:, None, :], xs, self.W_K).view(h, b, s, e).transpose(0, 1)
         if self.cfg.qk_norm:
             q, k = self.ln_q(q), self.ln_k(k)
         if self.cfg.rotary is not None:

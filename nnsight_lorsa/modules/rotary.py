@@ -158,18 +158,21 @@ def apply_rotary(
     rot = cos.shape[-1]
     # pairs (x1, x2) rotate by angle t: (x1·cos t − x2·sin t, x2·cos t + x1·sin t), which is
     # transformers' ``x·cos + rotate_half(x)·sin`` written without the concatenation
+    half = rot // 2
     if interleaved:
         x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
     else:
-        half = rot // 2
         x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
     out = torch.empty_like(x)
-    if interleaved:
-        out[..., 0:rot:2] = x1 * c - x2 * s
-        out[..., 1:rot:2] = x2 * c + x1 * s
+    # the same roundings as transformers' ``x·cos + rotate_half(x)·sin`` (each product rounded to x's dtype,
+    # then the sum); without autograd written into ``out``'s halves in place (three kernels a half, not four)
+    first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        out[..., first] = x1 * c - x2 * s
+        out[..., second] = x2 * c + x1 * s
     else:
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:rot] = x2 * c + x1 * s
+        torch.mul(x1, c, out=out[..., first]).sub_(x2 * s)
+        torch.mul(x2, c, out=out[..., second]).add_(x1 * s)
     if rot < x.shape[-1]:
         out[..., rot:] = x[..., rot:]
     return out

@@ -24,6 +24,7 @@ from helpers import DEVICES, attribution_setup, random_ids, rm
 from nnsight_lorsa.attribution import PruneConfig, attribute, cache_for_attribution, estimate_memory, to_neuronpedia
 from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.replacement import layer_modules
+from nnsight_lorsa.envoy.nnsight_internals import hf_module
 from nnsight_lorsa.errors import PlacementError
 
 #: max over rows of |Σ edges − value| / Σ |edges|, by the dtype the frozen model computes in
@@ -149,11 +150,20 @@ def test_qk_heads_on_device(device, reference):
 @pytest.mark.parametrize("device", DEVICES)
 def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     """The counts do not depend on the device; on a GPU ``device_bytes`` is the frozen pass and
-    ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both."""
+    ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both. A prompt copy of
+    the frozen pass is counted with the GPU's SDPA coefficient there (measured on an H200), the CPU's here."""
+    from nnsight_lorsa.attribution.budget import PER_COPY_NUMBERS, PER_COPY_NUMBERS_GPU_SDPA
+
     cpu = estimate_memory(setup(), IDS, batch_size=8, memory="lean")
     est = estimate_memory(setup(device), IDS, batch_size=8, memory="lean")
-    for key in ("n_sources", "n_rows", "stored_entries", "rows", "frozen_per_copy"):
+    for key in ("n_sources", "n_rows", "stored_entries", "rows"):
         assert est.terms[key] == cpu.terms[key], key
+    hf = hf_module(setup().model)
+    activations = hf.config.num_hidden_layers * hf.config.hidden_size * len(IDS) * 4  # L·d·P·b, fp32
+    rows_part = cpu.terms["frozen_per_copy"] - int(PER_COPY_NUMBERS * activations)
+    coefficient = PER_COPY_NUMBERS if device == "cpu" else PER_COPY_NUMBERS_GPU_SDPA
+    assert rows_part == 5 * cpu.terms["n_sources"] * 4  # ROW_BUFFERS source-sized fp32 buffers
+    assert est.terms["frozen_per_copy"] == int(coefficient * activations) + rows_part
     t = est.terms
     assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
     if device == "cpu":

@@ -61,6 +61,33 @@ def test_forward_matches_per_head_reference(qk_norm, rotary):
     assert torch.equal(cache.active, cache.z > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("rotary", [ROPE, None], ids=["rope", "no-rope"])
+def test_qk_both_projection_paths_match_a_per_head_reference(rotary, batch, dtype):
+    """``qk`` projects by a per-head batched matmul without autograd on x and by one fused matmul when x needs
+    a gradient: both equal each head's own ``x W_Q[h] + b_Q[h]`` (then RoPE by transformers' rotate_half)."""
+    lorsa = make(rotary=rotary).to(dtype)
+    x = torch.randn(batch, 9, 24, dtype=dtype)
+    cfg = lorsa.cfg
+    q_ref = torch.stack([x @ lorsa.W_Q[h] + lorsa.b_Q[h] for h in range(cfg.n_qk_heads)], 1).detach()
+    k_ref = torch.stack([x @ lorsa.W_K[h] + lorsa.b_K[h] for h in range(cfg.n_qk_heads)], 1).detach()
+    if rotary is not None:
+        from nnsight_lorsa.modules.rotary import rotary_cos_sin
+        cos, sin = (t.to(dtype) for t in rotary_cos_sin(rotary, torch.arange(9)))
+        half = cfg.d_qk_head // 2
+        rot = lambda t: torch.cat([-t[..., half:], t[..., :half]], -1)  # noqa: E731  (transformers' rotate_half)
+        q_ref, k_ref = q_ref * cos + rot(q_ref) * sin, k_ref * cos + rot(k_ref) * sin
+    with torch.no_grad():
+        q_free, k_free = lorsa.qk(x)
+    q_grad, k_grad = lorsa.qk(x.clone().requires_grad_(True))
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in [(q_free, q_ref), (k_free, k_ref), (q_grad, q_ref), (k_grad, k_ref)]:
+        assert got.shape == (batch, cfg.n_qk_heads, 9, cfg.d_qk_head)
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < bound
+    assert q_grad.requires_grad and not q_free.requires_grad
+
+
 @torch.no_grad()
 def test_z_pattern_sums_to_z_and_patterns_are_causal():
     lorsa = make()
