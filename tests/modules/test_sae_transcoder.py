@@ -19,7 +19,6 @@ from helpers import (
     unembed,
 )
 
-import nnsight_lorsa._placement as placement
 from nnsight_lorsa import (
     CLTSet,
     CrossLayerTranscoder,
@@ -29,16 +28,12 @@ from nnsight_lorsa import (
     TranscoderSet,
     get_adapter,
 )
-from nnsight_lorsa._placement import offloaded, set_offload
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError, TraceOrderError
 from nnsight_lorsa.modules import (
     BatchTopK,
     CLTConfig,
     JumpReLU,
-    Lorsa,
-    LorsaConfig,
     ReLU,
-    ReplacementModule,
     SAEConfig,
     TopK,
     TranscoderConfig,
@@ -148,50 +143,6 @@ def test_clt_matches_formula_and_layout(skip):
     assert torch.allclose(clt(xs), outs, atol=1e-5)
     per_layer = [clt.encode_layer(xs[layer], layer) for layer in range(4)]
     assert torch.allclose(clt.reconstruct_layer(per_layer, 2, xs[2]), outs[2], atol=1e-5)
-
-
-def test_weights_owner_is_the_clt_for_its_layer_views_and_the_module_itself_otherwise():
-    """The replacement-module contract: a CLT's per-layer view computes with the CLT's weights, so its
-    ``weights_owner`` is that CLT (every view of one CLT: the same module); every other kind owns its own."""
-    clt = make_clt(n_layers=3, skip=True)
-    lorsa = Lorsa(LorsaConfig(d_model=D, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))
-    for module in (lorsa, make_sae(), make_transcoder(skip=False), make_transcoder(skip=True), clt):
-        assert isinstance(module, ReplacementModule) and module.weights_owner is module
-    views = clt.by_layer()
-    assert sorted(views) == [0, 1, 2]
-    for layer, view in views.items():
-        assert isinstance(view, ReplacementModule) and view.layer == layer
-        assert view.weights_owner is clt and view.weights_owner is not view
-
-
-@torch.no_grad()
-def test_resident_owner_of_an_offloaded_clt_layer_moves_the_clts_weights(monkeypatch):
-    """``resident(view.weights_owner, device)`` swaps the offloaded CLT's tensors for copies (``fetch`` made a
-    real copy, as to another device) that the view computes with, and puts the CLT's host tensors back after;
-    the view itself carries no offload marker, so ``resident`` of the view would move nothing."""
-    clt = make_clt(n_layers=3, skip=True)
-    set_offload(clt, True)
-    view = clt.by_layer()[1]
-    assert offloaded(view.weights_owner) and not offloaded(view)
-    copies = []
-
-    def fetch(t, device):
-        copies.append(t.to(device).clone())
-        return copies[-1]
-
-    monkeypatch.setattr(placement, "fetch", fetch)
-    host = {name: p for name, p in clt.named_parameters()}
-    x = torch.randn(2, 5, D)
-    expected, expected_skip = view.encode(x), view.skip(x)
-    with placement.resident(view, torch.device("cpu")):
-        assert not copies and view.W_enc.data_ptr() == host["W_enc"][1].data_ptr()
-    with placement.resident(view.weights_owner, torch.device("cpu")):
-        assert len(copies) == len(host)  # every parameter of the CLT, once
-        moved = dict(clt.named_parameters())
-        assert all(moved[name] is not t for name, t in host.items())
-        assert view.W_enc.data_ptr() == moved["W_enc"][1].data_ptr() != host["W_enc"][1].data_ptr()
-        assert torch.equal(view.encode(x), expected) and torch.equal(view.skip(x), expected_skip)
-    assert all(p is host[name] for name, p in clt.named_parameters())  # the host tensors are back
 
 
 def test_module_bad_input():
