@@ -136,10 +136,10 @@ def main() -> None:
     at_init = ev(model)
     print(f"dense held-out CE (tau) {dense['ce']:.4f}; gated at init: CE {at_init['ce']:.4f} "
           f"active {at_init['active_fraction']:.2%}", flush=True)
-    cfg = SparseTrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+    cfg = SparseTrainConfig(total_steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             gate_lr=args.gate_lr, init_bias=args.init_bias, geco_lr=args.geco_lr,
                             max_lambda=args.max_lambda, lora_rank=args.lora_rank, target_margin=args.target_margin,
-                            decay_fraction=args.decay_fraction, recover_fraction=args.recover_fraction)
+                            decay_frac=args.decay_fraction, recover_fraction=args.recover_fraction)
     augment = None
     if args.repeat_fraction > 0:
         repeat_augment = script("tinymodel")._repeat_augment

@@ -18,7 +18,9 @@ A module whose parameters were never materialised (``meta``) cannot compute anyt
 :func:`store_on_host`) and computes on the device of the site it serves: for the span of one computation
 :class:`resident` swaps its parameters and buffers for copies on that device (``non_blocking`` from pinned
 memory) and puts the host tensors back after, so at most the module in use is on the device, and only
-while it runs. For an offloaded module the rule above reads "runs on the site's device".
+while it runs. For an offloaded module the rule above reads "runs on the site's device". A view of another
+module's weights (a cross-layer transcoder's per-layer ``CLTLayer``) is placed, marked and made resident
+through its ``weights_owner`` (:class:`~nnsight_lorsa.modules.replacement_module.ReplacementModule`).
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def build_layout(
                 if live is not None and layer in live.tc_acts:
                     acts = live.tc_acts[layer]
                 else:
-                    owner = getattr(tc, "clt", tc)  # a CLT layer's coder computes with its CLT's weights
+                    owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
                     x = mlp_inputs[layer]
                     with resident(owner, x.device):
                         acts = tc.encode(to_module(x, owner))[0]

@@ -53,8 +53,8 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
             fetch = max(fetch, module_bytes(lorsa))
             block = max(block, _distinct(lay.lorsa_head) * d_model * lorsa.W_V.element_size())  # W_V (and w_o) rows
         tc: Any = lay.transcoder
-        owner = getattr(tc, "clt", tc)
-        if tc is None or not offloaded(owner):
+        owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT (counted once)
+        if owner is None or not offloaded(owner):
             continue
         if id(owner) not in seen:
             seen.add(id(owner))

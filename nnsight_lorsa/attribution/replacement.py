@@ -298,8 +298,9 @@ class FrozenReplacement:
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))
         n = lay.tc_pos.numel()
-        with resident(getattr(tc, "clt", tc), x.device):  # offloaded: on the site's device for these calls
-            xm = to_module(x, getattr(tc, "clt", tc))  # run where the transcoder is, moved back to the site
+        owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
+        with resident(owner, x.device):  # offloaded: on the site's device for these calls
+            xm = to_module(x, owner)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm)
             skip = None if skip is None else skip.to(x)
             enc_in = tc.encoder_input(xm).to(x) if n else None

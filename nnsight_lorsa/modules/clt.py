@@ -35,6 +35,7 @@ from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
 from .hook_point import HookPoint
+from .replacement_module import ReplacementModule
 from .sparse_coder import SparseCoderConfig, affine, check_dtype, check_last_dim, encode_with, init_dictionary_
 
 
@@ -62,7 +63,7 @@ def _hooks(n: int) -> nn.ModuleList:
     return nn.ModuleList(HookPoint() for _ in range(n))
 
 
-class CrossLayerTranscoder(nn.Module):
+class CrossLayerTranscoder(ReplacementModule):
     """A CLT over ``n_layers`` MLPs; see the module docstring for the equations and layout.
 
     Per layer (what a replacement spliced into a model runs, one MLP at a time):
@@ -217,7 +218,7 @@ class CrossLayerTranscoder(nn.Module):
         return {layer: CLTLayer(self, layer) for layer in range(self.cfg.n_layers)}
 
 
-class CLTLayer(nn.Module):
+class CLTLayer(ReplacementModule):
     """Layer ``layer`` of a :class:`CrossLayerTranscoder` seen as a transcoder: encoder at ``layer``,
     ``b_dec`` / skip of MLP ``layer``, decoders into every MLP ``l' ≥ layer`` (:meth:`decoders`). A view:
     its only submodule is the CLT (``.to`` / ``copy.deepcopy`` with a shared memo move or copy that one
@@ -227,6 +228,11 @@ class CLTLayer(nn.Module):
     def __init__(self, clt: CrossLayerTranscoder, layer: int) -> None:
         super(CLTLayer, self).__init__()
         self.clt, self.layer = clt, clt._check_layer(layer)
+
+    @property
+    def weights_owner(self) -> CrossLayerTranscoder:
+        """The CLT: this view computes with its weights (placement and offload act on it)."""
+        return self.clt
 
     @property
     def W_enc(self) -> Float[torch.Tensor, "d_model d_sae"]:

@@ -39,6 +39,7 @@ from .._typing import Float, Int
 from ..errors import ArgumentError, PlacementError, ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
+from .replacement_module import ReplacementModule
 from .rotary import apply_rotary, rotary_cos_sin
 from .sparse_coder import check_dtype
 
@@ -160,7 +161,7 @@ def head_indices(heads: Any, n: int, what: str, device: torch.device | str) -> t
     return idx
 
 
-class Lorsa(nn.Module):
+class Lorsa(ReplacementModule):
     """A Lorsa layer; see the module docstring for the equations.
 
     ``forward(x, positions=None, attn_mask=None)`` maps the attention's input hidden states

@@ -33,6 +33,7 @@ from .._typing import Float
 from ..errors import CheckpointError, ShapeError
 from .activations import ACTIVATIONS, BatchTopK, JumpReLU, check_activation_params, make_activation
 from .hook_point import HookPoint
+from .replacement_module import ReplacementModule
 from .sparse_decode import SparseActs, gathered_preact, sparse_decode
 
 
@@ -154,7 +155,7 @@ def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.
         W_enc.copy_((draw / draw.norm(dim=0, keepdim=True).clamp_min(1e-12)).to(W_enc))
 
 
-class SparseCoder(nn.Module):
+class SparseCoder(ReplacementModule):
     """``x (*batch, d_in) -> acts (*batch, d_sae) -> out (*batch, d_out)``; see the module docstring.
 
     ``d_out`` is ``cfg.d_out`` where the config has one (transcoders), else ``d_in`` (SAEs).

@@ -53,6 +53,7 @@ from ..errors import (
 from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.metrics import next_token_ce
+from ..training.train_config import OptimConfig
 from .geco import GECO
 from .install import (
     edge_statistics,
@@ -67,17 +68,22 @@ CHECKPOINT_JSON = "checkpoint.json"
 
 
 @dataclass
-class SparseTrainConfig:
+class SparseTrainConfig(OptimConfig):
     """Hyper-parameters of :class:`SparseAttentionTrainer` (defaults: a short CPU run on a tiny model).
+
+    The settings every trainer shares come from :class:`~..training.train_config.OptimConfig` (named and
+    checked as there, :class:`~..errors.ArgumentError` at construction), with this trainer's defaults:
+    ``total_steps`` (300), ``lr`` (1e-3, the model's weights; the gate biases take ``gate_lr``), AdamW's
+    ``betas`` ((0.9, 0.95)), ``grad_clip`` (1.0; 0: none) and ``decay_frac`` (0.0): over that last fraction
+    of ``total_steps`` both learning rates decay linearly to 10% (less step-to-step noise in the final model).
 
     ``target_ce`` is τ (nats/token); ``None`` measures the base model's CE on ``target_batches``
     training batches at the start (the paper's choice, §4: "the loss achieved on the training set").
     ``lora_rank = None`` is full fine-tuning; otherwise LoRA on all linear layers (``peft``,
     ``target_modules="all-linear"``). ``init_bias`` is the gates' starting bias (paper footnote 1).
     ``target_margin`` (nats) tightens the constraint to ``CE <= τ - margin``, slack for the gap
-    between training and held-out CE. ``decay_fraction``: over that last fraction of ``steps`` both
-    learning rates decay linearly to 10% (less step-to-step noise in the final model).
-    ``recover_fraction``: over that last fraction of ``steps`` the gates are deterministic (as at
+    between training and held-out CE.
+    ``recover_fraction``: over that last fraction of ``total_steps`` the gates are deterministic (as at
     evaluation, so no gradient reaches them) and the loss is the CE alone: the model adapts to its
     final edge set (not in the paper; 0 disables).
     ``bos_id``: the id every window starts with; default (None) the model's own BOS, from its
@@ -90,13 +96,14 @@ class SparseTrainConfig:
     ``allow_slack_constraint=True`` (experts: a deliberately loose τ) makes it a warning.
     """
 
-    steps: int = 300
+    total_steps: int = 300
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    decay_frac: float = 0.0
     batch_size: int = 16
     seq_len: int = 64
-    lr: float = 1e-3
     gate_lr: float = 5e-2
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
     init_bias: float = 5.0
     temperature: float = 1.0
     target_ce: float | None = None
@@ -107,7 +114,6 @@ class SparseTrainConfig:
     min_lambda: float = 1e-3
     max_lambda: float = 1e4
     target_margin: float = 0.0
-    decay_fraction: float = 0.0
     recover_fraction: float = 0.0
     lora_rank: int | None = None
     lora_alpha: int = 16
@@ -309,7 +315,7 @@ class SparseAttentionTrainer:
         others = [p for _, p in self.hf.named_parameters() if p.requires_grad and id(p) not in gate_ids]
         optimizer = torch.optim.AdamW(
             [{"params": others, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
-             {"params": gate_params, "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=(0.9, 0.95))
+             {"params": gate_params, "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=cfg.betas)
         return peft_model, names, optimizer
 
     def _check_slack(self, target: float) -> None:
@@ -380,13 +386,13 @@ class SparseAttentionTrainer:
         """
         cfg = self.config
         self.hf.train()
-        start = cfg.steps * (1.0 - cfg.decay_fraction)
+        start = cfg.total_steps * (1.0 - cfg.decay_frac)
         factor = 1.0
-        if cfg.decay_fraction > 0 and self.step >= start:
-            factor = 1.0 - 0.9 * min(1.0, (self.step - start) / max(1.0, cfg.steps - start))
+        if cfg.decay_frac > 0 and self.step >= start:
+            factor = 1.0 - 0.9 * min(1.0, (self.step - start) / max(1.0, cfg.total_steps - start))
         for group, base in zip(self.optimizer.param_groups, (cfg.lr, cfg.gate_lr), strict=True):
             group["lr"] = base * factor
-        recovering = cfg.recover_fraction > 0 and self.step >= cfg.steps * (1.0 - cfg.recover_fraction)
+        recovering = cfg.recover_fraction > 0 and self.step >= cfg.total_steps * (1.0 - cfg.recover_fraction)
         if recovering:
             for gate in get_gates(self.hf).values():
                 gate.eval()
@@ -418,11 +424,11 @@ class SparseAttentionTrainer:
 
     def train(self, steps: int | None = None, progress: bool = True, checkpoint_dir: str | Path | None = None,
               checkpoint_every: int | None = None) -> list[StepRecord]:
-        """Run up to ``steps`` more steps (default: until ``config.steps``) with a tqdm bar (CE, λ, active edges).
+        """Run up to ``steps`` more steps (default: until ``config.total_steps``) with a tqdm bar (CE, λ, active edges).
 
         With ``checkpoint_dir``, a checkpoint is written every ``checkpoint_every`` steps and at the end.
         """
-        end = self.config.steps if steps is None else self.step + steps
+        end = self.config.total_steps if steps is None else self.step + steps
         bar = tqdm(total=end - self.step, desc="sparse attention", disable=not progress, dynamic_ncols=True)
         while self.step < end:
             rec = self.train_step()

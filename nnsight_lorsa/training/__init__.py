@@ -13,9 +13,9 @@ One front door for every module kind::
 * :class:`ActivationSource` — batch index -> :class:`~.activations.Batch` of the activations the
   module reads (``x``) and reconstructs (``y``), from named :class:`~..envoy.read.Site` s, live
   through nnsight or from an on-disk activation cache (:mod:`.activation_cache`).
-* :class:`Trainer` + :class:`TrainConfig` — one loop for every module (objectives in
-  :mod:`.objectives`), exact checkpoint resume, data parallelism (:mod:`.distributed`); a Lorsa's
-  MHSA initialisation and :class:`LorsaRecipe` go in its :class:`LorsaObjective`.
+* :class:`Trainer` + :class:`TrainConfig` (on :class:`OptimConfig`, the settings every trainer shares) — one
+  loop for every module (objectives in :mod:`.objectives`), exact checkpoint resume, data parallelism
+  (:mod:`.distributed`); a Lorsa's MHSA initialisation and :class:`LorsaRecipe` go in its :class:`LorsaObjective`.
 * :func:`evaluate` -> :class:`Evaluation` — FVU, L0, dead fraction, CE orig / spliced / zero-ablated,
   CE recovered and KL with the module spliced in; the same metric names for every module kind.
 """
@@ -27,7 +27,8 @@ from .distributed import DataParallel
 from .evaluate import Evaluation, evaluate
 from .lorsa_recipe import LorsaRecipe
 from .objectives import LorsaObjective
+from .train_config import OptimConfig
 from .trainer import TrainConfig, Trainer
 
 __all__ = ["ActivationCache", "ActivationSource", "DataParallel", "Evaluation", "LorsaObjective", "LorsaRecipe",
-           "TokenDataset", "TrainConfig", "Trainer", "evaluate", "write_activation_cache"]
+           "OptimConfig", "TokenDataset", "TrainConfig", "Trainer", "evaluate", "write_activation_cache"]

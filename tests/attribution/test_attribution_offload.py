@@ -170,12 +170,14 @@ def test_offloaded_intervened_pass_graph_is_identical(monkeypatch):
     assert bool(g.nodes.intervened.any())  # not vacuous: the ablated head is a marked node
 
 
-def test_estimate_counts_one_offloaded_module_at_a_time_not_all():
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+def test_estimate_counts_one_offloaded_module_at_a_time_not_all(kind):
     """On a device, ``device_bytes`` with offloaded modules = the resident estimate (which excludes the
     resident weights) + the largest module (fetched while it computes) + the rows the frozen pass keeps of
     them (``W_V`` rows of the active OV heads, skip matrices); below the resident weights + that estimate.
-    On the CPU (the modules compute where they are stored) nothing is added."""
-    rep = bundle("transcoders")
+    A cross-layer transcoder's per-layer views count as their CLT (their ``weights_owner``): fetched whole,
+    once. On the CPU (the modules compute where they are stored) nothing is added."""
+    rep = bundle(kind)
     options = AttributionOptions(batch_size=8)
     layout, info = layout_for_estimate(rep, PROMPTS[0], options)
     resident = estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"})
@@ -188,6 +190,10 @@ def test_estimate_counts_one_offloaded_module_at_a_time_not_all():
     assert off.device_bytes == resident.device_bytes + t["offload_fetch"] + t["offload_rows"]
     assert off.device_bytes < resident.device_bytes + sum(sizes)
     assert resident.terms["offload_fetch"] == resident.terms["offload_rows"] == 0
+    if kind == "clt":
+        clt = rep.transcoders.clt
+        assert module_bytes(clt) == max(sizes)  # the CLT, not one layer's view of it, is what a fetch copies
+        assert all(lay.transcoder.weights_owner is clt for lay in layout.layers if lay.transcoder is not None)
     cpu = estimate_memory(rep, PROMPTS[0], batch_size=8)
     assert "offload_fetch" not in cpu.terms
 

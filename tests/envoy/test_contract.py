@@ -12,11 +12,14 @@ import pytest
 import torch
 from helpers import make_clt, make_lorsa, make_sae, make_transcoder, tiny_nnsight, unembed
 
+import nnsight_lorsa._placement as placement
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa._placement import offloaded, set_offload
 from nnsight_lorsa.envoy.replacement_set import ReplacementSet
 from nnsight_lorsa.envoy.splice_chain import SpliceChain
 from nnsight_lorsa.envoy.targets import Feature
 from nnsight_lorsa.errors import ConfigMismatchError
+from nnsight_lorsa.modules import ReplacementModule
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +52,58 @@ def test_every_kind_is_a_replacement_set_with_the_same_contract(tiny):
     assert [s.slot for s in sets.values()] == ["lorsas", "transcoders", "saes", "transcoders"]
     with pytest.raises(ConfigMismatchError, match="not intervention targets"):
         clt.feature_module(Feature(0, 0, kind="transcoder"))
+
+
+
+def test_every_module_owns_its_weights_and_a_clt_layer_view_its_clts(tiny):
+    """The module side of the contract: every kind is a ``ReplacementModule`` whose ``weights_owner`` (what
+    placement and offload act on) is itself; a cross-layer transcoder's per-layer view (``CLTLayer``, what
+    attribution reads per layer) computes with its CLT's weights, so its owner is that CLT."""
+    model, hf, adapter = tiny
+    sets = _sets(model, hf, adapter)
+    for name, s in sets.items():
+        for key in s:
+            assert isinstance(s[key], ReplacementModule) and s[key].weights_owner is s[key], name
+    skip = make_transcoder(skip=True)
+    assert isinstance(skip, ReplacementModule) and skip.weights_owner is skip
+    clt = sets["clt"].clt
+    views = sets["clt"].by_layer()
+    assert sorted(views) == list(range(clt.n_layers))
+    for layer, view in views.items():
+        assert isinstance(view, ReplacementModule) and view.layer == layer
+        assert view.weights_owner is clt and view.weights_owner is not view
+    for layer, tc in sets["transcoders"].by_layer().items():
+        assert tc.weights_owner is tc is sets["transcoders"][layer]
+
+
+@torch.no_grad()
+def test_resident_owner_of_an_offloaded_clt_layer_moves_the_clts_weights(monkeypatch):
+    """``resident(view.weights_owner, device)`` swaps the offloaded CLT's tensors for copies (``fetch`` made a
+    real copy, as to another device) that the view computes with, and puts the CLT's host tensors back after;
+    the view itself carries no offload marker, so ``resident`` of the view would move nothing."""
+    clt = make_clt(n_layers=3, skip=True)
+    set_offload(clt, True)
+    view = clt.by_layer()[1]
+    assert offloaded(view.weights_owner) and not offloaded(view)
+    copies = []
+
+    def fetch(t, device):
+        copies.append(t.to(device).clone())
+        return copies[-1]
+
+    monkeypatch.setattr(placement, "fetch", fetch)
+    host = dict(clt.named_parameters())
+    x = torch.randn(2, 5, clt.cfg.d_in)
+    expected, expected_skip = view.encode(x), view.skip(x)
+    with placement.resident(view, torch.device("cpu")):  # the view: not offloaded, nothing moves
+        assert not copies and view.W_enc.data_ptr() == host["W_enc"][1].data_ptr()
+    with placement.resident(view.weights_owner, torch.device("cpu")):
+        assert len(copies) == len(host)  # every parameter of the CLT, once
+        moved = dict(clt.named_parameters())
+        assert all(moved[name] is not t for name, t in host.items())
+        assert view.W_enc.data_ptr() == moved["W_enc"][1].data_ptr() != host["W_enc"][1].data_ptr()
+        assert torch.equal(view.encode(x), expected) and torch.equal(view.skip(x), expected_skip)
+    assert all(p is host[name] for name, p in clt.named_parameters())  # the host tensors are back
 
 
 @pytest.mark.parametrize(("set_type", "key", "make", "needle"), [

@@ -234,7 +234,7 @@ def _sparse_run(device: str, dtype: torch.dtype = torch.float32, steps: int = 3)
     # init_bias 30: every gate open (P(closed) < e^-20 per edge), so the sampled training gates do not
     # depend on the device's random stream and the run is comparable across devices; the gate path
     # (noise drawn on the device, straight-through, edge statistics, GECO) runs all the same
-    cfg = SparseTrainConfig(steps=steps, batch_size=4, seq_len=16, lr=1e-3, gate_lr=1e-1, init_bias=30.0,
+    cfg = SparseTrainConfig(total_steps=steps, batch_size=4, seq_len=16, lr=1e-3, gate_lr=1e-1, init_bias=30.0,
                             target_batches=2, seed=0)
     trainer = SparseAttentionTrainer(model, stream, cfg)
     trainer.train(progress=False)

@@ -1,8 +1,10 @@
 """Sparse attention on the package's shared services (issue 22 item 2): its gate files are a format of the
-registry, its CE is training's one next-token CE, its BOS the one BOS rule, its windows TokenDataset's."""
+registry, its CE is training's one next-token CE, its BOS the one BOS rule, its windows TokenDataset's, its
+optimisation settings training's OptimConfig."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -11,13 +13,14 @@ import torch.nn.functional as F
 from helpers import random_ids, tiny_hf_model, tiny_tokenizer
 
 import nnsight_lorsa
-from nnsight_lorsa.errors import CheckpointError, FormatDetectionError
+from nnsight_lorsa.errors import ArgumentError, CheckpointError, FormatDetectionError
 from nnsight_lorsa.formats.gate_format import GateSet
 from nnsight_lorsa.modules.attention_gate import AttentionGate
-from nnsight_lorsa.sparse_attention import install_gated_attention, load_gates, save_sparse_model
+from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, load_gates, save_sparse_model
 from nnsight_lorsa.sparse_attention.install import get_gates
 from nnsight_lorsa.sparse_attention.io import save_gates
-from nnsight_lorsa.training import TokenDataset
+from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer
+from nnsight_lorsa.training import OptimConfig, TokenDataset, TrainConfig
 from nnsight_lorsa.training.dataset import special_token_id
 from nnsight_lorsa.training.metrics import next_token_ce
 
@@ -102,3 +105,28 @@ def test_stream_windows_are_token_dataset_windows():
         rows = [next(r for r in range(len(docs)) if torch.equal(docs.tokens[r], b)) for b in batch]
         assert torch.equal(docs.batch_targets(i, 2, seed=1), docs.target_mask[rows])
     assert TokenDataset(docs.tokens).batch_targets(0, 2) is None
+
+
+def test_sparse_config_takes_the_shared_optimisation_settings():
+    """``SparseTrainConfig`` repeats none of the settings every trainer shares: they are ``OptimConfig``'s (also
+    ``TrainConfig``'s), with the same names and checks, and this trainer's defaults; its AdamW takes ``betas``."""
+    shared = [f.name for f in dataclasses.fields(OptimConfig)]
+    assert shared == ["total_steps", "lr", "betas", "grad_clip", "decay_frac"]
+    for config_type in (TrainConfig, SparseTrainConfig):
+        assert issubclass(config_type, OptimConfig)
+        assert [f.name for f in dataclasses.fields(config_type)][:len(shared)] == shared
+    cfg = SparseTrainConfig()
+    assert [getattr(cfg, name) for name in shared] == [300, 1e-3, (0.9, 0.95), 1.0, 0.0]
+    for bad, needle in [({"total_steps": 0}, r"SparseTrainConfig\.total_steps must be a positive int, got 0"),
+                        ({"lr": 0.0}, r"SparseTrainConfig\.lr must be in \(0, inf\)"),
+                        ({"betas": (0.9, 1.0)}, r"SparseTrainConfig\.betas\[1\] must be in \[0, 1\)"),
+                        ({"grad_clip": float("nan")}, r"SparseTrainConfig\.grad_clip must be a finite number"),
+                        ({"decay_frac": 1.5}, r"SparseTrainConfig\.decay_frac must be in \[0, 1\]")]:
+        with pytest.raises(ArgumentError, match=needle):
+            SparseTrainConfig(**bad)
+    with pytest.raises(TypeError, match="steps"):
+        SparseTrainConfig(steps=3)  # one name per setting: total_steps
+    stream = torch.randint(3, 128, (200,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
+    trainer = SparseAttentionTrainer(tiny_hf_model("llama"), stream, SparseTrainConfig(
+        total_steps=1, batch_size=2, seq_len=16, target_batches=1, betas=(0.8, 0.9)))
+    assert [group["betas"] for group in trainer.optimizer.param_groups] == [(0.8, 0.9), (0.8, 0.9)]

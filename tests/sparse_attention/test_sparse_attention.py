@@ -234,7 +234,7 @@ def test_geco_lambda_moves_against_the_constraint() -> None:
 def _trainer(lora: bool = False) -> SparseAttentionTrainer:
     model = tiny_hf_model("llama", attn="eager")
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
-    cfg = SparseTrainConfig(steps=4, batch_size=4, seq_len=16, init_bias=2.0, target_batches=1,
+    cfg = SparseTrainConfig(total_steps=4, batch_size=4, seq_len=16, init_bias=2.0, target_batches=1,
                             lora_rank=4 if lora else None)
     return SparseAttentionTrainer(model, stream, cfg)
 
@@ -341,14 +341,14 @@ def test_loose_constraint_sparsifies_and_train_function_resumes(tmp_path) -> Non
     from nnsight_lorsa.sparse_attention import train_sparse_attention
 
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
-    cfg = SparseTrainConfig(steps=8, batch_size=4, seq_len=16, init_bias=2.0, gate_lr=0.1, target_ce=100.0,
+    cfg = SparseTrainConfig(total_steps=8, batch_size=4, seq_len=16, init_bias=2.0, gate_lr=0.1, target_ce=100.0,
                             allow_slack_constraint=True)  # a deliberately vacuous τ
     with pytest.warns(UserWarning, match="slack"):
         model, summary = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False)
     assert summary.history[-1].expected_fraction < summary.history[0].expected_fraction
     assert summary.history[-1].lam == cfg.min_lambda  # CE far below τ: λ falls to its floor
     assert not model.training
-    half = SparseTrainConfig(**{**cfg.__dict__, "steps": 4})
+    half = SparseTrainConfig(**{**cfg.__dict__, "total_steps": 4})
     train_sparse_attention(tiny_hf_model("llama"), stream, half, progress=False, checkpoint_dir=tmp_path)
     resumed, s2 = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False, checkpoint_dir=tmp_path)
     assert s2.steps == 8 and [r.ce for r in s2.history] == [r.ce for r in summary.history]
@@ -362,7 +362,7 @@ def test_bos_id_defaults_to_the_models_own() -> None:
     hf = tiny_hf_model("llama")
     hf.config.bos_token_id = 5
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
-    cfg = SparseTrainConfig(steps=1, batch_size=4, seq_len=16, target_batches=1)
+    cfg = SparseTrainConfig(total_steps=1, batch_size=4, seq_len=16, target_batches=1)
     assert cfg.bos_id is None
     tr = SparseAttentionTrainer(hf, stream, cfg)
     assert tr.bos_id == 5
@@ -380,7 +380,8 @@ def test_bos_id_defaults_to_the_models_own() -> None:
 
 def test_recovery_phase_freezes_gates_and_trains_the_model_on_ce() -> None:
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
-    cfg = SparseTrainConfig(steps=4, batch_size=4, seq_len=16, init_bias=1.0, target_batches=1, recover_fraction=0.5)
+    cfg = SparseTrainConfig(total_steps=4, batch_size=4, seq_len=16, init_bias=1.0, target_batches=1,
+                            recover_fraction=0.5)
     tr = SparseAttentionTrainer(tiny_hf_model("llama"), stream, cfg)
     tr.train(2, progress=False)
     bias = [g.bias.detach().clone() for g in get_gates(tr.hf).values()]
@@ -401,7 +402,7 @@ def test_a_stream_of_documents_is_refused_whatever_target_ce_is():
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))
     stream[::50] = eos  # documents joined by EOS
     for target_ce in (None, 99.0):
-        cfg = SparseTrainConfig(steps=1, batch_size=4, seq_len=16, target_batches=1, target_ce=target_ce,
+        cfg = SparseTrainConfig(total_steps=1, batch_size=4, seq_len=16, target_batches=1, target_ce=target_ce,
                                 allow_slack_constraint=True)
         with pytest.raises(GateConfigError, match=rf"holds the model's EOS id {eos} 8 time\(s\).*from_documents"):
             SparseAttentionTrainer(model, stream, cfg)
@@ -417,7 +418,7 @@ def test_held_out_ce_is_reported_and_checked_against_the_constraint(monkeypatch)
 
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))
     heldout = torch.randint(3, 128, (160,), generator=torch.Generator().manual_seed(1))
-    cfg = SparseTrainConfig(steps=2, batch_size=4, seq_len=16, target_batches=1)
+    cfg = SparseTrainConfig(total_steps=2, batch_size=4, seq_len=16, target_batches=1)
     model, summary = train_sparse_attention(tiny_hf_model("llama"), stream, cfg, progress=False, heldout=heldout)
     assert summary.heldout_ce == pytest.approx(float(evaluate_sparse(model, heldout, seq_len=16)["ce"]), rel=1e-6)
     assert summary.heldout_base_ce is not None and summary.heldout_violation is not None

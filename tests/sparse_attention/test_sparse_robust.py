@@ -45,8 +45,8 @@ def docs():
 
 
 def _cfg(**kw):
-    return SparseTrainConfig(**{"steps": 4, "batch_size": 4, "seq_len": SEQ, "init_bias": 2.0, "target_batches": 2,
-                                **kw})
+    return SparseTrainConfig(**{"total_steps": 4, "batch_size": 4, "seq_len": SEQ, "init_bias": 2.0,
+                                "target_batches": 2, **kw})
 
 
 # --------------------------------------------------------------------------- checkpoints

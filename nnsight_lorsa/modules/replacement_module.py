@@ -1,0 +1,23 @@
+"""What every replacement module (Lorsa, SAE, transcoder, cross-layer transcoder) shares as a module.
+
+:class:`ReplacementModule` is the base of :class:`~.lorsa.Lorsa`, :class:`~.sparse_coder.SparseCoder` (SAEs,
+transcoders), :class:`~.clt.CrossLayerTranscoder` and its per-layer view :class:`~.clt.CLTLayer`. Its one
+member, :attr:`~ReplacementModule.weights_owner`, is the module whose parameters a module computes with:
+itself, except for a view, which reads another module's weights (a ``CLTLayer`` its CLT's). Placement and
+offload (:mod:`nnsight_lorsa._placement`: ``resident``, ``offloaded``, ``placement``) act on the owner, so
+that a view is fetched, placed and counted as the one module it reads. Needs torch only.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class ReplacementModule(nn.Module):
+    """An ``nn.Module`` that replaces (or approximates) a model's sub-computation; see the module docstring."""
+
+    @property
+    def weights_owner(self) -> nn.Module:
+        """The module that holds the weights this one computes with (its parameters, its offload marker):
+        ``self``; a view (:class:`~.clt.CLTLayer`) returns the module it reads."""
+        return self
