@@ -202,8 +202,8 @@ _REFUSED_WEIGHT_FILES = (
 _QK_TENSORS = ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w")  # last dim d_qk_head
 _N_CHECK = 128  # positions of the rotary/mask buffers compared with the config
 
-__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "is_trainer_checkpoint", "load_llamascopium_lorsa",
-           "load_weights", "parse_config", "save_llamascopium_lorsa"]
+__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "has_files", "is_trainer_checkpoint",
+           "load_llamascopium_lorsa", "load_weights", "parse_config", "save_llamascopium_lorsa"]
 
 
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
@@ -311,6 +311,14 @@ def _trainer_steps(directory: Path) -> list[Path]:
     steps = [p for p in (directory / "checkpoints").glob("step_*")
              if re.fullmatch(r"step_\d+", p.name) and (p / WEIGHTS_FILE).is_file()]
     return sorted(steps, key=lambda p: int(p.name[len("step_"):]))
+
+
+def has_files(directory: Path) -> bool:
+    """Format detection: ``config.json`` with ``sae_weights.safetensors``, or with only their trainer checkpoints
+    ``checkpoints/step_<N>/`` (what ``train_lorsa`` leaves when its activation stream ended early): the Lorsa
+    reader then names the step folder to load (:func:`_require_weights`), where detection would find no format."""
+    return (directory / CONFIG_FILE).is_file() and (
+        (directory / WEIGHTS_FILE).is_file() or bool(_trainer_steps(directory)))
 
 
 def _require_weights(directory: Path) -> Path:

@@ -176,7 +176,8 @@ def test_trainer_checkpoint_is_read_as_unfolded_by_default() -> None:
 def test_train_lorsa_stream_end_names_its_trainer_checkpoint(tmp_path: Path) -> None:
     """When the activation stream ends early, their ``train_lorsa`` writes no weights next to ``config.json``,
     only ``checkpoints/step_<N>/`` (``Trainer.save_checkpoint``): the error says which folder to load (the
-    last step), before the folding rule asks for a keyword, and that folder loads as their reload does."""
+    last step; the folder is detected as theirs), before the folding rule asks for a keyword, and that
+    folder loads as their reload does."""
     import shutil
 
     run = tmp_path / "exp_result_path"
@@ -185,9 +186,9 @@ def test_train_lorsa_stream_end_names_its_trainer_checkpoint(tmp_path: Path) -> 
     (step,) = (FIXTURES / "train_lorsa_output" / "checkpoints").glob("step_*")
     for name in ("step_2", step.name):
         shutil.copytree(step, run / "checkpoints" / name)
-    for kwargs in ({}, {"weights_folded": True}, {"weights_folded": False}):
+    for kwargs in ({}, {"format": "llamascopium"}, {"weights_folded": True}, {"weights_folded": False}):
         with pytest.raises(CheckpointError, match="sae_weights.safetensors: file not found") as info:
-            load(run, format="llamascopium", **kwargs)
+            load(run, **kwargs)  # type: ignore[arg-type]
         msg = str(info.value)
         assert f"load {run / 'checkpoints' / step.name} (the last step" in msg and "train_lorsa" in msg
         assert AMBIGUOUS not in msg
