@@ -574,8 +574,9 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
         ``cfg.extra["llamascopium"]`` records the source settings and what was folded.
 
     Raises:
-        CheckpointError: missing/unparsable file, missing/unexpected tensor, wrong shape, buffers
-            disagreeing with the config, missing or invalid norm scalars when a fold is needed, a
+        CheckpointError: missing/unparsable file (a missing ``sae_weights.safetensors`` next to their
+            ``checkpoints/step_<N>/`` names the step folder to load), missing/unexpected tensor, wrong shape,
+            buffers disagreeing with the config, missing or invalid norm scalars when a fold is needed, a
             ``"dataset-wise"`` file whose folding the files cannot decide (rule 3 of the module docstring).
         UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
     """
