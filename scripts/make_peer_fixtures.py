@@ -25,7 +25,9 @@ safetensors), never nnsight-lorsa. Steps for ``--peer NAME``:
    ``OUT_DIR/reverse/result.json`` (per case: pass/fail and the max relative error).
 
 ``python scripts/make_peer_fixtures.py --peer NAME --measure`` (our env only) prints each case's
-relative error against the peer's outputs (the numbers in docs/formats.md).
+relative error against the peer's outputs (the numbers in docs/formats.md); for ``llamascopium`` it
+compares our bf16 and fp32 loads of its bf16 files with its bf16 and fp32 reloads on 512 tokens
+(:func:`measure_llamascopium_bf16`; the Llamascopium fp32 cases are measured by their test).
 
 ``tests/formats/test_peer_fixtures_<peer>.py`` loads every case with ``nnsight_lorsa.formats.load``
 (format detected) without the peer installed. No pickles are written: safetensors, JSON and YAML only.
@@ -216,6 +218,51 @@ def measure(out: Path) -> dict[str, Any]:
     return worst
 
 
+#: bf16 Llamascopium cases with ``tokens.safetensors`` -> the ``load`` keywords they need
+LLAMASCOPIUM_BF16: dict[str, dict[str, Any]] = {"bf16": {}, "bf16_dataset_wise": {"weights_folded": False}}
+
+
+def token_stats(out: Any, active: Any, ref_out: Any, ref_active: Any) -> dict[str, float]:
+    """Per-token comparison of outputs ``(..., d)`` and active-head masks ``(..., n_heads)`` with a reference:
+    ``flips`` (fraction of tokens whose active heads differ), ``max_rel`` (``max|diff| / max|ref|``),
+    ``same_heads_max_rel`` (the same over the tokens with equal heads), ``rms_rel`` (``rms(diff) / rms(ref)``)."""
+    a, b = out.detach().double().flatten(0, -2), ref_out.double().flatten(0, -2)
+    same = (active == ref_active).all(-1).flatten()
+    diff, top = (a - b).abs(), b.abs().max()
+    return {"tokens": same.numel(), "flips": 1.0 - same.double().mean().item(), "max_rel": float(diff.max() / top),
+            "same_heads_max_rel": float(diff[same].max() / top) if same.any() else float("nan"),
+            "rms_rel": float(diff.pow(2).mean().sqrt() / b.pow(2).mean().sqrt())}
+
+
+def measure_llamascopium_bf16(out: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """(our env) Each bf16 Llamascopium case's ``tokens.safetensors`` (their bf16 and their fp32 reload on 512
+    tokens): our bf16 load (``dtype=torch.bfloat16``) and our default load (fp32) against both
+    (:func:`token_stats`); prints and returns ``{case: {comparison: stats}}``."""
+    import torch
+    from safetensors.torch import load_file
+
+    from nnsight_lorsa.formats import load
+
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for case, options in LLAMASCOPIUM_BF16.items():
+        tok = load_file(str(out / case / "tokens.safetensors"))
+        theirs, exact = (tok["out"], tok["active"]), (tok["out_fp32"], tok["active_fp32"])
+        with torch.no_grad():
+            low, low_cache = load(out / case, dtype=torch.bfloat16, **options)(tok["x"], return_cache=True)
+            up, up_cache = load(out / case, **options)(tok["x"].float(), return_cache=True)
+        result[case] = {
+            "their bf16 vs their fp32": token_stats(*theirs, *exact),
+            "our bf16 vs their fp32": token_stats(low, low_cache.z != 0, *exact),
+            "our bf16 vs their bf16": token_stats(low, low_cache.z != 0, *theirs),
+            "our fp32 vs their fp32": token_stats(up, up_cache.z != 0, *exact),
+            "our fp32 vs their bf16": token_stats(up, up_cache.z != 0, *theirs),
+        }
+        for name, r in result[case].items():
+            print(f"{case} ({r['tokens']} tokens) {name}: top-k flips {r['flips']:.3f}  max_rel {r['max_rel']:.2g}  "
+                  f"same-heads max_rel {r['same_heads_max_rel']:.2g}  rms_rel {r['rms_rel']:.2g}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", required=True, help=f"one of {peers()}")
@@ -226,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out or FIXTURES / args.peer
     if args.measure:
-        measure(out)
+        measure_llamascopium_bf16(out) if args.peer == "llamascopium" else measure(out)
         return
     if not args.python:
         parser.error("--python is required to regenerate fixtures")

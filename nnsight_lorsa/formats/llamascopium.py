@@ -69,13 +69,21 @@ RoPE, so attention runs on heads of size ``d_qk_head·r``. We load that exactly 
 vector is unchanged) and keeping their ``attn_scale`` (``√d_qk_head`` of the stored size by default).
 
 bf16/fp16 files are **upcast to fp32 by default** (``dtype=None``; ``cfg.extra["llamascopium"]
-["stored_dtype"]`` records the file's dtype). The folds below are computed in fp32 from the stored
-values, and rounding the *folded* weights back to bf16 adds a rounding their reload never does
-(their module keeps the stored bf16 weights and scales the activations): on the bf16 peer fixture
-(``tests/fixtures/peers/llamascopium/bf16_dataset_wise``) a bf16 load differs from their reload by
-0.36 of the output's max (top-k flips on 8% of tokens), the default fp32 load by 5e-7 of their fp32
-reload of the same file (their own bf16 arithmetic differs from that by 0.015). ``dtype=torch.bfloat16``
-still gives a bf16 module. Their reload uses the low-precision ``rotary_cos``/``rotary_sin`` stored in
+["stored_dtype"]`` records the file's dtype); ``dtype=torch.bfloat16`` keeps the stored dtype. Either way
+the folds below run in fp32 on the stored values, and a bf16 module is that fp32 result rounded once
+(tested: every tensor equals the fp32 load's, rounded; tensors no fold touches are the stored ones).
+The fp32 load reproduces their fp32 reload of the file to 2e-7 - 9e-7 (relative max). A bf16 module
+cannot reproduce their bf16 reload exactly: their module keeps the stored weights and rounds every
+intermediate (``x·s_in``, q/k/v, RoPE, attention, ``z·‖W_O‖``) in bf16, ours rounds the folded weights
+and its own intermediates, and on these random weights bf16 arithmetic flips the top-k on ~3% of
+tokens whichever implementation does it. Measured on 512 tokens of the two bf16 peer fixtures
+(``tokens.safetensors``; ``scripts/make_peer_fixtures.py --peer llamascopium --measure``): their bf16
+reload is 0.25 / 0.32 (``bf16`` / ``bf16_dataset_wise``; relative max, top-k flips on 3.3% / 3.7% of
+tokens) from their own fp32 reload, our bf16 load 0.22 / 0.34 (flips 3.3% / 2.9%) — as close to the
+exact output as theirs; our bf16 load and their bf16 reload differ by 0.25 / 0.34 (flips 3.9% / 4.5%),
+and by at most 0.0076 / 0.026 of max|out| (2 / 7 bf16 ulps) on the tokens where both pick the same
+heads. That is why the default is fp32: it is their fp32 reload, and as close to their bf16 reload as
+their fp32 reload is. Their reload uses the low-precision ``rotary_cos``/``rotary_sin`` stored in
 the file (``load_state_dict`` overwrites the buffers); the loader sets ``RotaryConfig.table_dtype`` to
 that dtype so our cos/sin are rounded the same way.
 
@@ -121,12 +129,17 @@ The files carry no explicit "folded" flag, and ``full_state_dict`` writes the no
    ``train_lorsa`` (``TrainLorsaSettings.fold_activation_scale``   ``weights_folded=True``
    True, the default): ``exp_result_path``
    ``cfg.save_hyperparameters(p)`` then                            ``weights_folded=True``
-   ``save_pretrained(p, fold_activation_scale=True)``
+   ``save_pretrained(p, fold_activation_scale=True)``, or
+   ``save_pretrained(p)`` of a Lorsa folded since
+   (``standardize_parameters_of_dataset_norm``,
+   ``from_pretrained(..., fold_activation_scale=True)``)
    ``save_pretrained(p)`` (``fold_activation_scale=False``) +      ``weights_folded=False``
    ``cfg.save_hyperparameters(p)``; ``push_to_hub()`` of a
    ``"dataset-wise"`` Lorsa; ``train_lorsa`` with
    ``fold_activation_scale=False``
    ``Trainer.save_checkpoint`` (``checkpoints/step_<N>/``)         none (rule 2: unfolded)
+   ``train_lorsa`` whose activation stream ended early: no         load ``checkpoints/step_<N>/``
+   weights in ``exp_result_path``, only ``checkpoints/step_<N>/``  (the missing-file error says so)
    a config saved after any fold (says ``"inference"``)            none (rule 1: folded)
    ==============================================================  =========================
 
@@ -189,8 +202,8 @@ _REFUSED_WEIGHT_FILES = (
 _QK_TENSORS = ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w")  # last dim d_qk_head
 _N_CHECK = 128  # positions of the rotary/mask buffers compared with the config
 
-__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "is_trainer_checkpoint", "load_llamascopium_lorsa",
-           "load_weights", "parse_config", "save_llamascopium_lorsa"]
+__all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "has_files", "is_trainer_checkpoint",
+           "load_llamascopium_lorsa", "load_weights", "parse_config", "save_llamascopium_lorsa"]
 
 
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
@@ -293,6 +306,39 @@ def is_trainer_checkpoint(directory: Path) -> bool:
         re.fullmatch(r"step_\d+", directory.name) is not None and directory.parent.name == "checkpoints")
 
 
+def _trainer_steps(directory: Path) -> list[Path]:
+    """``directory/checkpoints/step_<N>/`` folders holding ``sae_weights.safetensors``, by step."""
+    steps = [p for p in (directory / "checkpoints").glob("step_*")
+             if re.fullmatch(r"step_\d+", p.name) and (p / WEIGHTS_FILE).is_file()]
+    return sorted(steps, key=lambda p: int(p.name[len("step_"):]))
+
+
+def has_files(directory: Path) -> bool:
+    """Format detection: ``config.json`` with ``sae_weights.safetensors``, or with only their trainer checkpoints
+    ``checkpoints/step_<N>/`` (what ``train_lorsa`` leaves when its activation stream ended early): the Lorsa
+    reader then names the step folder to load (:func:`_require_weights`), where detection would find no format."""
+    return (directory / CONFIG_FILE).is_file() and (
+        (directory / WEIGHTS_FILE).is_file() or bool(_trainer_steps(directory)))
+
+
+def _require_weights(directory: Path) -> Path:
+    """``directory/sae_weights.safetensors``; when missing, the error names what is there instead: files this
+    loader does not read, or the trainer checkpoint ``train_lorsa`` saves instead of the folder's own weights
+    when its activation stream ends before ``total_training_tokens``."""
+    weights_path = directory / WEIGHTS_FILE
+    if weights_path.is_file():
+        return weights_path
+    others = [name for name in _REFUSED_WEIGHT_FILES if (directory / name).exists()]
+    hint = f"; found {others}, which this loader does not read (pickle/DCP or training layout)" if others else ""
+    steps = _trainer_steps(directory)
+    if steps:
+        hint += (f"; found trainer checkpoint(s) {[p.name for p in steps]} under checkpoints/: llamascopium's "
+                 "runners/train.py::train_lorsa saves only there (Trainer.save_checkpoint, unfolded weights) when "
+                 f"its activation stream ends before total_training_tokens; load {steps[-1]} (the last step; "
+                 "read as unfolded, no weights_folded keyword needed)")
+    return require_file(weights_path, hint)
+
+
 def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool | None, path: Path) -> bool:
     """The folding rule of the module docstring; raises on the one case the files cannot decide."""
     if weights_folded is not None:
@@ -307,10 +353,12 @@ def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool 
         "cases apart). Pass the keyword for the llamascopium writer that made this folder: "
         "weights_folded=True for runners/train.py::train_lorsa's exp_result_path (TrainLorsaSettings"
         ".fold_activation_scale=True, the default: config.json is written before training, then "
-        "save_pretrained(fold_activation_scale=True)), or for save_pretrained(fold_activation_scale=True) next to "
-        "a config.json saved before it; weights_folded=False for save_pretrained() (fold_activation_scale=False, "
-        "its default) with cfg.save_hyperparameters(), push_to_hub() of a Lorsa still in 'dataset-wise' mode, or "
-        "train_lorsa with fold_activation_scale=False. (A Trainer.save_checkpoint folder, checkpoints/step_<N>/ "
+        "save_pretrained(fold_activation_scale=True)), or for save_pretrained(fold_activation_scale=True), or "
+        "save_pretrained() of a Lorsa folded since (standardize_parameters_of_dataset_norm, from_pretrained(..., "
+        "fold_activation_scale=True)), next to a config.json saved before the fold; weights_folded=False for "
+        "save_pretrained() (fold_activation_scale=False, its default) with cfg.save_hyperparameters(), "
+        "push_to_hub() of a Lorsa still in 'dataset-wise' mode, or train_lorsa with fold_activation_scale=False. "
+        "(A Trainer.save_checkpoint folder, checkpoints/step_<N>/ "
         "with trainer.pt, is read as unfolded without asking; a config.json saved after the fold says "
         "'inference' and needs no keyword.)"
     )
@@ -359,6 +407,7 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
         )
     settings["act_fn"] = act_fn
     settings["rotary_scale"] = rotary_scale
+    _require_weights(directory)  # before the folding rule: a folder without weights has nothing to fold
     folded = _weights_folded(directory, settings["norm_activation"], weights_folded, path)
     return Parsed(directory, cfg, {**settings, "folded": folded, "source_config": raw, "source": CONFIG_FILE})
 
@@ -434,11 +483,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
         UnsupportedArchitectureError: a non-causal ``mask`` buffer.
     """
     cfg, settings = parsed.config, parsed.settings
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
-        others = [name for name in _REFUSED_WEIGHT_FILES if (directory / name).exists()]
-        hint = f"; found {others}, which this loader does not read (pickle/DCP or training layout)" if others else ""
-        require_file(weights_path, hint)
+    weights_path = _require_weights(directory)
     state = load_safetensors(weights_path)
     params, norms_raw = _split_state(weights_path, state, cfg, settings["n_ctx"], settings["rotary_scale"])
     table = state.get("rotary_cos")
@@ -514,9 +559,9 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
             the hub ``"repo_id:name"`` (their layout) or ``"repo_id"`` (files at the root).
         kwargs: ``layer`` (target layer stored in ``cfg.layer``; default parsed from ``hook_point_in``
             ``blocks.<L>.…``; a contradicting value raises), ``device`` (default CPU), ``dtype``
-            (default: the stored dtype of ``W_Q``, bf16/fp16 upcast to fp32 — folding runs in fp32 or wider
-            and a bf16 cast of the folded weights would round them where their reload does not; pass
-            ``dtype=torch.bfloat16`` for a bf16 module), ``weights_folded``
+            (default: the stored dtype of ``W_Q``, bf16/fp16 upcast to fp32 — their fp32 reload to <1e-6;
+            ``dtype=torch.bfloat16`` keeps a bf16 file's dtype: the fp32 folds rounded once, as far from
+            the exact output as their own bf16 reload, see the module docstring), ``weights_folded``
             (whether the dataset-wise norm is already folded; ``None`` applies the rule of the module
             docstring, which refuses a ``"dataset-wise"`` file outside a trainer checkpoint; pass
             ``True`` for a ``train_lorsa`` output or ``save_pretrained(fold_activation_scale=True)``,
@@ -529,8 +574,9 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
         ``cfg.extra["llamascopium"]`` records the source settings and what was folded.
 
     Raises:
-        CheckpointError: missing/unparsable file, missing/unexpected tensor, wrong shape, buffers
-            disagreeing with the config, missing or invalid norm scalars when a fold is needed, a
+        CheckpointError: missing/unparsable file (a missing ``sae_weights.safetensors`` next to their
+            ``checkpoints/step_<N>/`` names the step folder to load), missing/unexpected tensor, wrong shape,
+            buffers disagreeing with the config, missing or invalid norm scalars when a fold is needed, a
             ``"dataset-wise"`` file whose folding the files cannot decide (rule 3 of the module docstring).
         UnsupportedArchitectureError: a setting our Lorsa cannot reproduce.
     """

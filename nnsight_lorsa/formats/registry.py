@@ -127,7 +127,7 @@ register_format(Format(
     ((Lorsa, lorsa_format.save_lorsa), ((*_SPARSE, CrossLayerTranscoder), sparse_coder_format.save_sparse_coder))))
 register_format(Format(
     "llamascopium", "config.json + sae_weights.safetensors",
-    _files(llamascopium.CONFIG_FILE, llamascopium.WEIGHTS_FILE),
+    llamascopium.has_files,  # or config.json + checkpoints/step_<N>/ only: the reader names the step folder
     (llamascopium.READER, llamascopium_sae.READER),
     _by_config_key("config.json", "sae_type", {"lorsa": llamascopium.READER}, llamascopium_sae.READER),
     ((Lorsa, llamascopium.save_llamascopium_lorsa),)))

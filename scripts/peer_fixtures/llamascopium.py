@@ -3,6 +3,7 @@
 
     python -m venv V; V/bin/pip install torch==2.13.0; V/bin/pip install llamascopium==2.0.0b34
     V/bin/python scripts/peer_fixtures/llamascopium.py OUT_DIR
+    V/bin/python scripts/peer_fixtures/llamascopium.py OUT_DIR --tokens-only  # only tokens.safetensors
 
 One folder per case under ``OUT_DIR``, each holding what llamascopium's own code wrote
 (``config.json`` via ``LorsaConfig.save_hyperparameters``, ``sae_weights.safetensors`` via
@@ -25,6 +26,11 @@ llamascopium's OWN reload of that folder (``SparseDictionary.from_pretrained``):
     the same from their ``from_pretrained(..., dtype=torch.float32)`` of the bf16 file, on the same
     (bf16-valued) ``x``: weights upcast exactly, and the rotary tables are the bf16 ones stored in
     the file (``load_state_dict`` overwrites the buffers their ``__init__`` computed).
+
+bf16 cases also hold ``tokens.safetensors``: ``x (16, 32, d_model)`` bf16 (512 tokens, seed 7) with
+``out``/``active`` from their bf16 reload and ``out_fp32``/``active_fp32`` from their fp32 reload of the
+same folder, so a bf16 load can be compared with their bf16 reload statistically (top-k flips are a
+per-token event: 24 tokens say little).
 
 The case ``train_lorsa_output`` is written by the exact sequence of llamascopium's
 ``runners/train.py::train_lorsa``: ``sae.cfg.save_hyperparameters(exp_result_path)`` BEFORE
@@ -55,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # this file is named like the peer
@@ -73,6 +80,7 @@ from _common import (  # noqa: E402
 D, SEQ, N_CTX = 16, 12, 32
 HOOK_IN, HOOK_OUT = "blocks.1.ln1.hook_normalized", "blocks.1.hook_attn_out"
 NORMS = {HOOK_IN: 3.7, HOOK_OUT: 0.9}
+TOKENS, TOKENS_FILE = 16, "tokens.safetensors"  # bf16 cases: 16 windows of N_CTX positions (512 tokens)
 
 
 def make(dtype: torch.dtype = torch.float32, seed: int = 0, **cfg: Any) -> LowRankSparseAttention:
@@ -126,8 +134,22 @@ def saved(out: Path, name: str, sae: LowRankSparseAttention, note: str) -> None:
     if sae.cfg.dtype != torch.float32:  # also their fp32 reload of the same file (stored rotary tables upcast)
         wide = SparseDictionary.from_pretrained(str(folder), device="cpu", dtype=torch.float32)
         ref.update({f"{k}_fp32": v for k, v in outputs(wide, ref["x"].float()).items() if k != "x"})
+        write_tokens(folder)
     save_reference(folder, **ref)
     CASES[name] = note
+
+
+@torch.no_grad()
+def write_tokens(folder: Path) -> None:
+    """``TOKENS_FILE`` of a bf16 case: their bf16 and their fp32 reload of ``folder`` on ``TOKENS`` windows
+    of ``N_CTX`` positions (``x``, ``out``, ``active``, ``out_fp32``, ``active_fp32``): enough tokens to
+    compare bf16 arithmetic statistically (top-k flips are per-token events)."""
+    low = SparseDictionary.from_pretrained(str(folder), device="cpu", dtype=torch.bfloat16)
+    wide = SparseDictionary.from_pretrained(str(folder), device="cpu", dtype=torch.float32)
+    x = (torch.randn(TOKENS, N_CTX, D, generator=torch.Generator().manual_seed(7)) * 2.0).to(torch.bfloat16)
+    ref = {"x": x, **{k: v for k, v in outputs(low, x).items() if k in ("out", "active")}}
+    ref.update({f"{k}_fp32": v for k, v in outputs(wide, x.float()).items() if k in ("out", "active")})
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(folder / TOKENS_FILE))
 
 
 CASES: dict[str, str] = {}
@@ -223,4 +245,8 @@ def reverse(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["--tokens-only"]:  # (re)write only TOKENS_FILE of the bf16 cases already in OUT_DIR
+        for case in ("bf16", "bf16_dataset_wise"):
+            write_tokens(Path(sys.argv[1]) / case)
+    else:
+        main(Path(sys.argv[1]))
