@@ -483,6 +483,12 @@ def block_names(tracer: Any) -> dict[str, Any]:
     return {**used_globals, **used_locals}
 
 
+def block_body(tracer: Any) -> list[Any]:
+    """The statements (``ast.stmt``) of the captured ``with`` block of ``tracer`` (``tracer.node.body``): the code
+    nnsight unparses and sends for a remote trace or session, read here without running it."""
+    return list(tracer.node.body)
+
+
 def serialize(obj: Any) -> bytes:
     """``obj`` pickled by nnsight's serializer (``nnsight.intervention.serialization.dumps``)."""
     from nnsight.intervention.serialization import dumps
