@@ -507,6 +507,41 @@ def test_pickled_modules_reads_a_pickles_globals_without_unpickling_it() -> None
     assert check_request(pickle.dumps(collections.OrderedDict())) == {"collections"}
 
 
+def test_the_attribute_calls_of_a_remote_block_are_read_before_sending() -> None:
+    """``MeasuredRemoteBackend`` runs each ``attribute(rm, tracer=tracer, ...)`` call's checks on the client, reading
+    the block without running it (``remote_handles.check_block_calls``): a bad option held by a name of the enclosing
+    scope is refused, naming the call, and nothing is serialized; a value the block computes or rebinds is not read
+    here (``.graph`` checks it), and the request goes."""
+    from helpers import attribution_setup, rm
+
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.remote import remote_backend
+
+    model, _, lorsas, tcs = attribution_setup("llama")
+    bundle, ids = rm(model, lorsas, tcs), random_ids(1, 6, seed=1)[0]
+    size, kinds = 0, {"memory": "fastest"}
+
+    def dry() -> Any:
+        return remote_backend(model, dry_run=True, check_rules=False, queue_limit_bytes=None, cap_bytes="1GB")
+
+    refused = dry()
+    with pytest.raises(ConfigMismatchError, match=">= 1, got 0") as info, model.trace(ids, backend=refused) as t:
+        bundle.replace()
+        attribute(bundle, tracer=t, batch_size=size)
+    assert "attribute(bundle, tracer=t, batch_size=size)" in str(info.value) and "nothing was sent" in str(info.value)
+    assert refused.blob is None
+    with pytest.raises(ConfigMismatchError, match="got 'fastest'"), model.trace(ids, backend=dry()) as t:
+        bundle.replace()
+        attribute(bundle, tracer=t, **kinds)
+    sent = dry()
+    with model.trace(ids, backend=sent) as t:  # computed or rebound in the block: left to .graph
+        bundle.replace()
+        size = 1 - 1
+        attribute(bundle, tracer=t, batch_size=size, memory=str(kinds["memory"]))
+    assert sent.blob is not None and len(sent.blob) > 0
+
+
 def test_replace_leaves_the_models_modules_alone() -> None:
     """NDIF refuses ``setattr`` on the model's modules: the Lorsa is an envoy of the trace, never a child module,
     and its internals read as before."""
