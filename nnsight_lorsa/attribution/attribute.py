@@ -54,7 +54,7 @@ def attribute(
             features write into every later MLP output). SAEs are not part of the graph.
         prompt: text (tokenized by the model's tokenizer) or ``(pos,)`` token ids — runs the nnsight
             engine (both passes inside ``model.trace``) — or an :class:`~.trace.AttributionCache` from
-            :func:`cache_for_attribution` — runs the cached engine (no model forward; the model's
+            :func:`.engine.cache_for_attribution` — runs the cached engine (no model forward; the model's
             norms, attention weights and unembedding are used). Same graph either way. None with ``tracer``.
         tracer: the tracer of the running ``with model.trace(prompt) as tracer:`` (no ``prompt``): call
             ``handle = attribute(rm, tracer=tracer)`` at the top of the body (after ``rm.replace()``), intervene
@@ -114,7 +114,7 @@ def attribute(
             ``|Σ pairs − score| / Σ |pairs|``), saved with the graph and exported. A prompt only.
 
     Returns:
-        :class:`Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
+        :class:`~.graph.Graph` (``adjacency[t, s]``: direct effect of ``s`` on ``t``; ``values[t]``: what
         row ``t`` sums to, with ``residual[t]``); with ``tracer``, an
         :class:`~.intervened.IntervenedAttribution` (its ``.graph`` such a graph, after the trace).
 
@@ -127,15 +127,16 @@ def attribute(
         MemoryBudgetError: ``max_memory`` too small even for batch 1 (after the clean pass).
         ConfigMismatchError: ``qk_heads`` with a cache or ``remote``.
         ArgumentError: a wrongly typed argument, token ids that are not integers or outside the
-            vocabulary (:class:`~.options.AttributionOptions`, :func:`check_replacement`); an old setting
+            vocabulary (:class:`~.options.AttributionOptions`, :func:`.engine.check_replacement`); an old setting
             name (``logit_tokens``, ``desired_logit_prob``, ``max_n_logits``: the message says the ``targets=``).
         MissingTokenizerError: a text prompt or target strings for a model loaded without a tokenizer.
         ConcurrentTraceError: another thread is tracing the model now.
         TraceOrderError: called with a prompt inside a ``model.trace`` / ``generate`` body
-            (:func:`refuse_inside_trace`: the message names ``tracer=``); with ``tracer``, outside a trace
+            (:func:`.trace.refuse_inside_trace`: the message names ``tracer=``); with ``tracer``, outside a trace
             body or after the body read something (:func:`.intervened.start`).
         ArgumentError: neither ``prompt`` nor ``tracer``, or both.
         ConfigMismatchError: ``tracer`` with ``remote`` or ``qk_heads``.
+        TypeError: a keyword that is not a setting (as Python refuses an unknown keyword).
         NotWhitelistedError: (before a remote request is sent) a call with a prompt inside the remote block.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built); in a remote
         block, the errors of the call's checks before anything is sent.
