@@ -43,7 +43,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
     from nnsight_lorsa.envoy import load_model
     from nnsight_lorsa.formats import load
 
-    engine = sys.modules["nnsight_lorsa.attribution.attribute"]
+    engine = sys.modules["nnsight_lorsa.attribution.engine"]
     torch.set_num_threads(1)
     model = load_model()
     tcs = {int(p.name.split("_")[1]): load(p) for p in sorted(default_transcoder_dir().glob("layer_*"))}

@@ -28,7 +28,7 @@ from benchmarks.reference.attribution import attribute_with_hooks, install_froze
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.assets import default_corpus_path, default_lorsa_dir, default_transcoder_dir
 from nnsight_lorsa.attribution import PruneConfig, attribute
-from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.engine import build_graph
 from nnsight_lorsa.attribution.replacement import FrozenReplacement
 from nnsight_lorsa.attribution.trace import prepare
 from nnsight_lorsa.envoy import load_model

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attribution.remote_handles import mark_bundles, rebuild_results
+from .attribution.remote_handles import check_block_calls, mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
+    block_body,
     block_names,
     hf_module,
     install_remote_backend,
@@ -496,7 +497,10 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
     Raises (when the trace exits, before anything is sent):
         PayloadTooLargeError: the request exceeds the cap.
         QueueLimitError: the request exceeds the queue's limit (a cap set above it).
-        NotWhitelistedError: the request names objects of modules NDIF does not unpickle.
+        NotWhitelistedError: the request names objects of modules NDIF does not unpickle; the block calls
+            ``attribute(rm, prompt)`` (the engine does not travel).
+        TypeError, ArgumentError, ConfigMismatchError: an ``attribute(rm, tracer=tracer, ...)`` call of the block
+            fails its call-time checks (:func:`~nnsight_lorsa.attribution.remote_handles.check_block_calls`).
         ServerVersionError: the server runs another nnsight version (not for a dry run).
 
     The handles of ``attribute(rm, tracer=tracer)`` saved in a remote trace or session come back as handles on the
@@ -519,7 +523,9 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         self._bundles: dict[int, Any] = {}
 
     def serialize_request(self, tracer: Any) -> bytes:
-        self._bundles = mark_bundles(block_names(tracer), self.check_rules)  # attribute_pass handles come back
+        names = block_names(tracer)
+        check_block_calls(block_body(tracer), names)  # attribute(...)'s call-time checks: the block runs remotely
+        self._bundles = mark_bundles(names)  # the attribute(rm, tracer=tracer) handles come back on these
         report = request_report(tracer)
         self.report = report
         if report.total_tensor_bytes > self.cap_bytes:

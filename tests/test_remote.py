@@ -507,6 +507,41 @@ def test_pickled_modules_reads_a_pickles_globals_without_unpickling_it() -> None
     assert check_request(pickle.dumps(collections.OrderedDict())) == {"collections"}
 
 
+def test_the_attribute_calls_of_a_remote_block_are_read_before_sending() -> None:
+    """``MeasuredRemoteBackend`` runs each ``attribute(rm, tracer=tracer, ...)`` call's checks on the client, reading
+    the block without running it (``remote_handles.check_block_calls``): a bad option held by a name of the enclosing
+    scope is refused, naming the call, and nothing is serialized; a value the block computes or rebinds is not read
+    here (``.graph`` checks it), and the request goes."""
+    from helpers import attribution_setup, rm
+
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.remote import remote_backend
+
+    model, _, lorsas, tcs = attribution_setup("llama")
+    bundle, ids = rm(model, lorsas, tcs), random_ids(1, 6, seed=1)[0]
+    size, kinds = 0, {"memory": "fastest"}
+
+    def dry() -> Any:
+        return remote_backend(model, dry_run=True, check_rules=False, queue_limit_bytes=None, cap_bytes="1GB")
+
+    refused = dry()
+    with pytest.raises(ConfigMismatchError, match=">= 1, got 0") as info, model.trace(ids, backend=refused) as t:
+        bundle.replace()
+        attribute(bundle, tracer=t, batch_size=size)
+    assert "attribute(bundle, tracer=t, batch_size=size)" in str(info.value) and "nothing was sent" in str(info.value)
+    assert refused.blob is None
+    with pytest.raises(ConfigMismatchError, match="got 'fastest'"), model.trace(ids, backend=dry()) as t:
+        bundle.replace()
+        attribute(bundle, tracer=t, **kinds)
+    sent = dry()
+    with model.trace(ids, backend=sent) as t:  # computed or rebound in the block: left to .graph
+        bundle.replace()
+        size = 1 - 1
+        attribute(bundle, tracer=t, batch_size=size, memory=str(kinds["memory"]))
+    assert sent.blob is not None and len(sent.blob) > 0
+
+
 def test_replace_leaves_the_models_modules_alone() -> None:
     """NDIF refuses ``setattr`` on the model's modules: the Lorsa is an envoy of the trace, never a child module,
     and its internals read as before."""
@@ -530,12 +565,13 @@ def test_replace_leaves_the_models_modules_alone() -> None:
 
 # ---------------------------------------------------------------- (d) the intervened pass's graph, remotely
 INTERVENED_CLIENT = r'''
-import json, pickle, warnings, torch, nnsight
+import contextlib, json, pickle, warnings, torch, nnsight
 from loopback import LoopbackServer, build_model, loopback, serve_env
 from helpers import make_lorsa, make_transcoders, random_ids
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
-from nnsight_lorsa.attribution import IntervenedAttribution, attribute, attribute_pass
-from nnsight_lorsa.errors import ServerVersionError, ServerVersionWarning, ShapeError, TraceOrderError
+from nnsight_lorsa.attribution import IntervenedAttribution, PruneConfig, attribute
+from nnsight_lorsa.errors import (ArgumentError, ConfigMismatchError, ServerVersionError, ServerVersionWarning,
+                                  ShapeError, TraceOrderError)
 from nnsight_lorsa.patching import LorsaHead, ablate
 from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
 from nnsight_lorsa import server_version
@@ -560,45 +596,104 @@ with model.trace(ids) as tracer:                 # the local intervened graph (t
     ablate(bundle(LorsaHead(1, head)), positions=-1)
     logits = nnsight.save(model.lm_head.output)
 local = handle.graph
-with model.trace(ids) as tracer_pass:            # attribute_pass locally: the same graph
-    bundle.replace()
-    handle_pass = attribute_pass(bundle, tracer_pass, batch_size=40)
-    ablate(bundle(LorsaHead(1, head)), positions=-1)
-local_pass = handle_pass.graph
 with model.trace(ids) as tracer_clean:
     clean = nnsight.save(model.lm_head.output)
 
 with model.session(remote=True):                 # the one-context flow in a remote session
     with model.trace(ids) as rt:
         bundle.replace()
-        remote_handle = attribute_pass(bundle, rt, batch_size=40)
+        remote_handle = attribute(bundle, tracer=rt, batch_size=40)
         ablate(bundle(LorsaHead(1, head)), positions=-1)
         remote_logits = nnsight.save(model.lm_head.output)
 in_session = remote_handle.graph
 with model.trace(ids, remote=True) as rt2:       # and in a remote trace
     bundle.replace()
-    trace_handle = attribute_pass(bundle, rt2, batch_size=40)
+    trace_handle = attribute(bundle, tracer=rt2, batch_size=40)
     ablate(bundle(LorsaHead(1, head)), positions=-1)
     trace_logits = nnsight.save(model.lm_head.output)
 in_trace = trace_handle.graph
 requests = len(sent)
+with model.trace(ids) as tracer_again:           # locally again, the bundle now marked for remote requests
+    bundle.replace()
+    handle_again = attribute(bundle, tracer=tracer_again, batch_size=40)
+    ablate(bundle(LorsaHead(1, head)), positions=-1)
+local_again = handle_again.graph
+
+# a bad option of attribute(rm, tracer=tracer) in a remote block: the call's own error, before anything is sent
+bad_memory, unknown_name = "fastest", {"batch_sizes": 4}
+before_bad, bad_calls = len(sent), {}
+
+
+@contextlib.contextmanager
+def bad_call(name):
+    try:
+        yield
+        bad_calls[name] = None
+    except (ArgumentError, ConfigMismatchError, TypeError) as e:
+        bad_calls[name] = [type(e).__name__, str(e)]
+
+
+with bad_call("batch_size"):
+    with model.session(remote=True):
+        with model.trace(ids) as rt5:
+            bundle.replace()
+            attribute(bundle, tracer=rt5, batch_size=0)
+            nnsight.save(model.lm_head.output)
+with bad_call("memory_name"):
+    with model.trace(ids, remote=True) as rt5:
+        bundle.replace()
+        attribute(bundle, tracer=rt5, memory=bad_memory)   # a name of the enclosing scope
+with bad_call("qk_heads"):
+    with model.trace(ids, remote=True) as rt5:
+        bundle.replace()
+        attribute(bundle, tracer=rt5, qk_heads=2)
+with bad_call("remote"):
+    with model.trace(ids, remote=True) as rt5:
+        bundle.replace()
+        attribute(bundle, tracer=rt5, remote=True)
+with bad_call("unknown"):
+    with model.trace(ids, remote=True) as rt5:
+        bundle.replace()
+        attribute(bundle, tracer=rt5, batch_sizes=4)
+with bad_call("prune"):
+    with model.session(remote=True):
+        with model.trace(ids) as rt5:
+            bundle.replace()
+            attribute(bundle, tracer=rt5, prune=PruneConfig(0.8, 0.98, keep_mass=-1.0))
+with bad_call("mapping"):
+    with model.trace(ids, remote=True) as rt5:
+        bundle.replace()
+        attribute(bundle, tracer=rt5, **unknown_name)
+bad_sent = len(sent) - before_bad
+with model.trace(ids, remote=True) as rt6:      # spelled so that it cannot be read before sending: at .graph
+    bundle.replace()
+    late = attribute(bundle, tracer=rt6, batch_size=int("0"))
+late_sent = len(sent) - before_bad
+try:
+    late.graph
+    late_problem = None
+except ConfigMismatchError as e:
+    late_problem = str(e)
+
 with model.trace(random_ids(2, 8, seed=2), remote=True) as rt4:   # two prompts: the server's error, raised here
     bundle.replace()
-    two = attribute_pass(bundle, rt4)
+    two = attribute(bundle, tracer=rt4)
 try:
     two.graph
     batch_problem = None
 except ShapeError as e:
     batch_problem = str(e)
 
-refused = None                                   # the engine's entry point in a remote block: refused, named
+refused = None                                   # a prompt's graph (the engine) in a remote block: refused, named
+before_refused = len(sent)
 try:
     with model.session(remote=True):
         with model.trace(ids) as rt3:
             bundle.replace()
-            wrong = attribute(bundle, tracer=rt3)
+            wrong = attribute(bundle, ids)
 except NotWhitelistedError as e:
     refused = str(e)
+refused_sent = len(sent) - before_refused
 try:
     pickle.dumps(handle)                         # a local handle still refuses pickling
     local_pickle = None
@@ -648,10 +743,13 @@ out = {"requests": requests, "batch_problem": batch_problem, "refused": refused,
        "env_calls": len(env_calls), "mismatch": mismatch, "mismatch_sent": len(sent) - before,
        "unchecked_equal": bool(torch.equal(unchecked, clean)), "unreported_equal": bool(torch.equal(unreported, clean)),
        "warned": [str(w.message) for w in caught if issubclass(w.category, ServerVersionWarning)],
-       "local_pass_adjacency": rel(local_pass.densify(), local.densify())}
+       "local_pass_adjacency": rel(local_again.densify(), local.densify()),
+       "bad_calls": bad_calls, "bad_sent": bad_sent, "late_sent": late_sent, "late_problem": late_problem,
+       "refused_sent": refused_sent}
 for name, graph, saved in (("session", in_session, remote_logits), ("trace", in_trace, trace_logits)):
     out[name] = {
         "adjacency": rel(graph.densify(), local.densify()),
+        "adjacency_equal": bool(torch.equal(graph.densify(), local.densify())),
         "same_nodes": all(torch.equal(getattr(graph.nodes, f), getattr(local.nodes, f))
                           for f in ("kind", "layer", "pos", "index", "intervened")),
         "marked": int(graph.nodes.intervened.sum()), "meta": graph.meta["intervened"],
@@ -671,14 +769,15 @@ def intervened_loopback() -> dict:
 
 
 def test_the_intervened_pass_is_attributed_in_a_remote_session_and_trace(intervened_loopback: dict) -> None:
-    """``attribute_pass(rm, tracer)`` in ``model.session(remote=True)`` and ``model.trace(..., remote=True)``: the
+    """``attribute(rm, tracer=tracer)`` in ``model.session(remote=True)`` and ``model.trace(..., remote=True)``: the
     server (NDIF's rules, no nnsight_lorsa) records the ablated pass, the handle comes back and its graph, built here,
-    is the local intervened graph, with the logits the same remote trace saved."""
+    is the local intervened graph (bit-equal adjacency), with the logits the same remote trace saved."""
     out = intervened_loopback
     assert out["requests"] == 2 and out["kind"] == "IntervenedAttribution"
-    assert out["local_pass_adjacency"] == 0.0  # attribute_pass is attribute(rm, tracer=tracer)
+    assert out["local_pass_adjacency"] == 0.0  # locally again, with the bundle marked by the remote requests
     for name in ("session", "trace"):
         got = out[name]
+        assert got["adjacency_equal"], (name, got)  # the one spelling: the same graph, local or remote
         assert got["same_nodes"] and got["marked"] == 1, name
         assert got["meta"] == out["local_meta"] == [f"LorsaHead(layer=1, head={out['head']}) at positions -1"], name
         assert got["adjacency"] <= 1e-4, (name, got)
@@ -689,10 +788,36 @@ def test_the_intervened_pass_is_attributed_in_a_remote_session_and_trace(interve
 
 def test_attribute_in_a_remote_block_and_a_local_handle_are_refused(intervened_loopback: dict) -> None:
     out = intervened_loopback
-    assert out["refused"] and "attribute_pass(rm, tracer" in out["refused"] and "Nothing was sent" in out["refused"]
+    # a prompt's graph (the engine, which does not travel) in a remote block: refused, naming the traced call
+    assert out["refused"] and "attribute(rm, tracer=tracer)" in out["refused"] and "Nothing was sent" in out["refused"]
+    assert out["refused_sent"] == 0
     assert out["local_pickle"] and "cannot be pickled or sent" in out["local_pickle"]
     # an error of the recording on the server (two prompts) comes back and is raised at .graph, as locally
     assert out["batch_problem"] and "attributes one prompt" in out["batch_problem"]
+
+
+def test_a_bad_option_of_the_traced_call_in_a_remote_block_raises_before_sending(intervened_loopback: dict) -> None:
+    """``attribute(rm, tracer=tracer, **options)`` in a remote block: its options are checked on the client before
+    the request is sent, with the same named errors as at a local call (tests/attribution/test_intervened.py); an
+    option the block spells so that it cannot be read without running it is checked when ``.graph`` is read."""
+    out = intervened_loopback
+    calls = out["bad_calls"]
+    assert out["bad_sent"] == 0 and set(calls) == {"batch_size", "memory_name", "qk_heads", "remote", "unknown",
+                                                    "prune", "mapping"}
+    for name, got in calls.items():
+        assert got is not None and "nothing was sent" in got[1], (name, got)
+    assert calls["batch_size"][0] == "ConfigMismatchError" and "attribute(batch_size=...) must be >= 1" in calls[
+        "batch_size"][1]
+    assert calls["memory_name"][0] == "ConfigMismatchError" and "fastest" in calls["memory_name"][1]
+    for name in ("qk_heads", "remote"):
+        assert calls[name][0] == "ConfigMismatchError" and "no remote=, no qk_heads=" in calls[name][1], name
+    for name in ("unknown", "mapping"):
+        assert calls[name][0] == "TypeError" and "unexpected keyword" in calls[name][1], name
+        assert "batch_sizes" in calls[name][1], name
+    assert calls["prune"][0] == "ConfigMismatchError" and "keep_mass" in calls["prune"][1]
+    # batch_size=int("0") cannot be read before sending: the request goes, .graph raises the same error here
+    assert out["late_sent"] == 1
+    assert out["late_problem"] and "attribute(batch_size=...) must be >= 1" in out["late_problem"]
 
 
 def test_the_servers_nnsight_version_is_checked_once_per_host_before_sending(intervened_loopback: dict) -> None:

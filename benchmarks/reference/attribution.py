@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nnsight_lorsa.adapters.base import ArchitectureAdapter
-from nnsight_lorsa.attribution.attribute import FrozenPass, build_graph
+from nnsight_lorsa.attribution.engine import FrozenPass, build_graph
 from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.replacement import FrozenReplacement
 from nnsight_lorsa.attribution.rows import RowScheduler

@@ -21,22 +21,20 @@ most 10; ``LogitTargets(max_n=, cumulative_prob=)``; token ids or strings). ``me
 are :func:`.checks.intervention_edges` and :func:`.checks.replacement_logits`.
 """
 
-from .attribute import attribute, build_graph, cache_for_attribution
+from .attribute import attribute
 from .budget import MemoryEstimate, estimate_memory
-from .builder import register_builder
 from .checks import CircuitMetrics, circuit_metrics
+from .engine import cache_for_attribution
 from .export import save_neuronpedia, to_neuronpedia
 from .graph import BlockAdjacency, Graph
-from .intervened import IntervenedAttribution, attribute_pass
+from .intervened import IntervenedAttribution
 from .logit_targets import LogitTargets
 from .qk import QKAttribution, qk_attribution
 from .scores import PruneConfig, PruneResult, graph_scores, prune
 from .trace import AttributionCache
 
-register_builder(build_graph)  # what attribute_pass handles build their graph with (.builder)
-
 __all__ = ["AttributionCache", "BlockAdjacency", "CircuitMetrics", "Graph", "IntervenedAttribution", "LogitTargets",
-           "MemoryEstimate", "PruneConfig", "PruneResult", "QKAttribution", "attribute", "attribute_pass",
+           "MemoryEstimate", "PruneConfig", "PruneResult", "QKAttribution", "attribute",
            "cache_for_attribution", "circuit_metrics", "estimate_memory", "graph_scores", "prune", "qk_attribution",
            "save_neuronpedia",
            "to_neuronpedia"]

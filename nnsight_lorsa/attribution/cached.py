@@ -3,7 +3,7 @@ replacement model as plain tensor code.
 
 The nnsight engine (:mod:`.trace`) runs the frozen model *inside* the model's forward (envoys swap
 each site's output). The same graph can be computed from tensors alone:
-:func:`.attribute.cache_for_attribution` saves, in one nnsight trace, everything the frozen model
+:func:`.engine.cache_for_attribution` saves, in one nnsight trace, everything the frozen model
 takes from the prompt (the residual stream's start, token positions, the inputs the layout needs,
 every replaced module's true output for its error nodes, the last logits), and
 :func:`.attribute.attribute` given that cache builds the graph from it and the weights — the norms,

@@ -33,15 +33,16 @@ Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marke
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
 :mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a
-``model.session()`` or not; remotely (``remote=True``) through :func:`attribute_pass`, the same handle: the server
-records, the handle returns as plain data (:mod:`.intervened_record`, :mod:`.remote_handles`) and the graph is
-built on the client. One prompt (batch 1). torch + nnsight; this module travels to servers by value, so it names
-nothing of the attribution engine but through :mod:`.builder`.
+``model.session()`` or not, local or remote (``remote=True``, after :func:`nnsight_lorsa.remote.register`): the
+same call and handle; remotely the server records, the handle returns as plain data (:mod:`.intervened_record`,
+:mod:`.remote_handles`) and the graph is built on the client. One prompt (batch 1). torch + nnsight; this module
+travels to servers by value (with :func:`.attribute.attribute`, which calls :func:`attribute_traced`), so it names
+the attribution engine (:mod:`.engine`) and the options (:mod:`.options`) only inside functions that run on the
+client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import nnsight
@@ -80,14 +81,12 @@ class IntervenedAttribution:
         edits: the interventions reported so far (:class:`~..envoy.edit_log.Edit`), in order.
     """
 
-    # Graph, AttributionOptions and the builder are named only in quoted annotations and function-local imports:
-    # this class travels by value to a server (attribute_pass), where their modules' imports (pathlib, _thread,
-    # gc, bisect, ...) are outside NDIF's unpickling whitelist; the graph is built on the client.
-    def __init__(self, replacement: Any, options: "AttributionOptions | dict[str, Any]",
-                 build: "Callable[..., Graph] | None") -> None:
+    # Graph, AttributionOptions and the engine are named only in quoted annotations and function-local imports:
+    # this class travels by value to a server (a remote attribute(rm, tracer=tracer)), where their modules' imports
+    # (pathlib, _thread, gc, bisect, ...) are outside NDIF's unpickling whitelist; the graph is built on the client.
+    def __init__(self, replacement: Any, options: "AttributionOptions | dict[str, Any]") -> None:
         self.replacement = replacement
-        self._options = options
-        self._build = build
+        self._options = options  # a dict: recorded on a server, checked at .graph (check_traced_call)
         self._log = EditLog(self._check_edit)
         self._saved: dict[str, Any] | None = None
         self._problem: Exception | None = None
@@ -208,7 +207,9 @@ class IntervenedAttribution:
             ConfigMismatchError: (an fp32/fp64 model) the graph's logits differ from the trace's by more than
                 :data:`LOGIT_GAP_BOUND` of their scale — the trace changed the model where the graph cannot
                 hold it (``graph.meta["logit_gap"]`` records the gap in every dtype).
-            ConfigMismatchError, MemoryBudgetError: as :func:`.attribute.attribute` for the options.
+            ConfigMismatchError, MemoryBudgetError: as :func:`.attribute.attribute` for the options (of a pass
+                recorded on a server, also the call's checks of them: :func:`check_traced_call`).
+            TypeError, ArgumentError: (a pass recorded on a server) as :func:`check_traced_call`.
         """
         if self._graph is not None:
             return self._graph
@@ -223,19 +224,12 @@ class IntervenedAttribution:
                                  embeddings=s["embeddings"], attn_in=s["attn_in"], attn_out=s["attn_out"],
                                  mlp_in=s["mlp_in"], mlp_out=s["mlp_out"])
         live = LiveNodes(lorsa_z=s["z"], tc_acts=s["acts"], marks=self._marks(n_pos))
-        options, build = self._options, self._build
-        if isinstance(options, dict):  # attribute_pass: checked here, on the client
-            from .options import AttributionOptions
+        options = self._options
+        if isinstance(options, dict):  # recorded on a server: the call's settings, checked here, on the client
+            options = check_traced_call(None, options)
+        from .engine import build_graph  # the client's (this class travels by value; the engine does not)
 
-            options = AttributionOptions.of(options)
-            if options.remote or options.qk_heads:
-                raise ConfigMismatchError("attribute_pass(rm, tracer) attributes the traced pass: no remote=, no "
-                                          "qk_heads= (the trace's own remote= decides where it runs)")
-        if build is None:  # attribute_pass, or a server's record: the package's builder, looked up here
-            from .builder import graph_builder
-
-            build = graph_builder()
-        graph = build(self.replacement, cache, live=live, options=options)
+        graph = build_graph(self.replacement, cache, live=live, options=options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
         graph.meta["logit_gap"] = gap = logit_gap(graph, s["last"])
         if s["last"].dtype in (torch.float32, torch.float64) and gap > LOGIT_GAP_BOUND:
@@ -286,12 +280,57 @@ def _positions_name(positions: Any) -> str:
     return "all" if positions is None else str(positions.tolist() if isinstance(positions, torch.Tensor) else positions)
 
 
-def start(replacement: Any, tracer: Any, options: "AttributionOptions | dict[str, Any]",
-          build: "Callable[..., Graph] | None") -> IntervenedAttribution:
+def check_traced_call(prompt: Any, settings: dict[str, Any]) -> "AttributionOptions":
+    """The checks of ``attribute(rm, prompt, tracer=tracer, **settings)`` that need no trace, on the client: at the
+    call of a local trace (:func:`attribute_traced`), before a remote request is sent
+    (:func:`.remote_handles.check_block_calls`) and at ``.graph`` of a pass recorded on a server. Returns the
+    options.
+
+    Raises:
+        TypeError: a name that is not a setting (as :func:`.attribute.attribute`'s call).
+        ArgumentError: an old setting name, a wrongly typed option (:class:`~.options.AttributionOptions`); a
+            ``prompt`` with the tracer.
+        ConfigMismatchError: a bad option value; ``remote`` or ``qk_heads`` with the tracer.
+    """
+    from .options import AttributionOptions  # the client's (this module travels by value; the options do not)
+
+    options = AttributionOptions.of(settings, "attribute")
+    if prompt is not None:
+        raise ArgumentError("attribute(rm, prompt) attributes a clean pass, attribute(rm, tracer=tracer) the "
+                            "traced one: pass one of them, not both")
+    if options.remote or options.qk_heads:
+        raise ConfigMismatchError("attribute(rm, tracer=tracer) attributes the traced pass: no remote=, no "
+                                  "qk_heads= (the trace's own remote= decides where it runs)")
+    return options
+
+
+def attribute_traced(replacement: Any, prompt: Any, tracer: Any, settings: dict[str, Any]) -> IntervenedAttribution:
+    """:func:`.attribute.attribute` with a ``tracer``: check the call, then :func:`start`. It runs where the trace
+    body runs. In a local trace, here: the call's checks first (:func:`check_traced_call`, the replacement's), so a
+    bad option raises at the call. On a server (``replacement`` is the server's copy of a bundle the request named:
+    its :data:`~.intervened_record.KEY_ATTR` is not its own ``id``), where this module travels by value and the
+    options' modules do not: ``settings`` stay a plain ``dict``, checked on the client before the request was sent
+    (those the block spells as literals or names: :func:`.remote_handles.check_block_calls`) and when ``.graph`` is
+    read.
+
+    Raises:
+        as :func:`check_traced_call`, :func:`.engine.check_replacement` (``in_trace``) and :func:`start`.
+    """
+    options: "AttributionOptions | dict[str, Any]" = settings
+    if getattr(replacement, KEY_ATTR, None) in (None, id(replacement)):  # not a server's copy: checked here
+        options = check_traced_call(prompt, settings)
+        from .engine import check_replacement  # the client's
+
+        check_replacement(replacement, in_trace=True)
+    return start(replacement, tracer, options)
+
+
+def start(replacement: Any, tracer: Any, options: "AttributionOptions | dict[str, Any]") -> IntervenedAttribution:
     """Start recording the running trace for its graph (``attribute(rm, tracer=tracer)``; see the module
-    docstring). Called at the top of the trace body, before it reads anything. ``build``:
-    :func:`.attribute.build_graph` (called with the pass's cache, ``live=`` and ``options=``). The handle is saved
-    (``nnsight.save``): ``handle = attribute(rm, tracer=tracer)`` is there after the ``with`` block.
+    docstring). Called at the top of the trace body, before it reads anything. ``options``: checked
+    (:class:`~.options.AttributionOptions`), or the call's settings as a ``dict`` (on a server; checked at
+    ``.graph``). The handle is saved (``nnsight.save``): ``handle = attribute(rm, tracer=tracer)`` is there after
+    the ``with`` block.
 
     Raises:
         ArgumentError: ``tracer`` is None.
@@ -321,25 +360,8 @@ def start(replacement: Any, tracer: Any, options: "AttributionOptions | dict[str
     if find_worker(interleaver, EDIT_LOG_TAG) is not None:
         raise TraceOrderError("attribute(rm, tracer=tracer) is already recording this trace: call it once per "
                               "trace and read .graph of the handle it returned")
-    handle = IntervenedAttribution(replacement, options, build)
+    handle = IntervenedAttribution(replacement, options)
     handle._interleaver = interleaver
     spawn_worker(interleaver, handle._run, EDIT_LOG_TAG).spec = handle._log
     return nnsight.save(handle)  # handed back by the with block like any saved value
 
-
-def attribute_pass(replacement: Any, tracer: Any, **options: Any) -> IntervenedAttribution:
-    """``attribute(rm, tracer=tracer, **options)`` for a trace that may run on a server: the same handle, the
-    same graph, for local traces and for ``model.trace(..., remote=True)`` / ``model.session(remote=True)``.
-
-    ``attribute`` names the whole attribution engine, which would travel with a remote request and whose modules
-    import ``gc``, ``bisect``, ``copy``, ``pathlib``, ... — outside NDIF's unpickling whitelist. This entry point
-    names only the recorder: on a server it records the pass (the tensors ``cache_for_attribution(...,
-    remote=True)`` fetches, the edits), the handle comes back as plain data (:mod:`.intervened_record`; after
-    :func:`nnsight_lorsa.remote.register`) and ``handle.graph`` is built on the client, from those tensors, with
-    the client's bundle. ``options``: :func:`.attribute.attribute`'s keywords but ``remote`` and ``qk_heads``,
-    checked when ``.graph`` is built (here, not on the server).
-
-    Raises:
-        as :func:`start`; at ``.graph``, ``TypeError`` for an unknown option and the options' own errors.
-    """
-    return start(replacement, tracer, dict(options), None)

@@ -1,6 +1,6 @@
 """The settings of one attribution, validated once: :class:`AttributionOptions`.
 
-:func:`.attribute.attribute`, :func:`.attribute.build_graph`, :func:`.budget.estimate_memory` and the
+:func:`.attribute.attribute`, :func:`.engine.build_graph`, :func:`.budget.estimate_memory` and the
 intervened-pass handle (:mod:`.intervened`) take the same keyword arguments; each call funnels them into one
 :class:`AttributionOptions`, whose construction is the only place they are checked. torch only.
 """
@@ -95,8 +95,9 @@ class AttributionOptions:
         object.__setattr__(self, "prune", PruneConfig.of(self.prune))
 
     @classmethod
-    def of(cls, settings: dict[str, Any]) -> AttributionOptions:
-        """The options of keyword ``settings`` (names as :func:`.attribute.attribute`'s).
+    def of(cls, settings: dict[str, Any], where: str | None = None) -> AttributionOptions:
+        """The options of keyword ``settings`` (names as :func:`.attribute.attribute`'s); ``where``: the function
+        whose call they are (its name in the errors, an unknown name refused as that call would refuse it).
 
         Raises:
             TypeError: a name that is not a setting (as a function call with an unknown keyword would).
@@ -105,7 +106,7 @@ class AttributionOptions:
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(settings) - names)
-        refuse_renamed({k: settings[k] for k in unknown if k in RENAMED}, "attribute")
+        refuse_renamed({k: settings[k] for k in unknown if k in RENAMED or where is not None}, where or "attribute")
         if unknown:
             raise TypeError(f"unknown attribution setting(s) {unknown}; the settings are {sorted(names)}")
         return cls(**settings)

@@ -7,7 +7,7 @@ Both passes are ordinary nnsight traces over the user's model. The *clean pass*
 (:func:`clean_pass`) runs the unmodified model once and saves what the frozen replacement model
 takes from the prompt as an :class:`AttributionCache`: lean for :func:`.attribute.attribute` on a
 prompt (the inputs the layout needs, the last logits, the attention positions; the error nodes'
-true outputs come from the frozen pass), full for :func:`.attribute.cache_for_attribution` (the
+true outputs come from the frozen pass), full for :func:`.engine.cache_for_attribution` (the
 residual stream's start and every replaced module's output too, so that the cached engine,
 :mod:`.cached`, needs no model forward). The *frozen pass* (:func:`attribute_in_trace`) swaps
 every norm, attention, MLP and the unembedding output for

@@ -43,8 +43,8 @@ the trace ends, normally or by an error — so nothing it sets up outlives the t
 Also here: the torch module under an envoy (:func:`hf_module`, ``Envoy._module``: the layers below
 ``envoy`` reach it through the envoy's public attribute forwarding instead, ``_placement.torch_module``),
 and what :mod:`nnsight_lorsa.remote` needs of nnsight's remote backend (its private ``_serialize``
-step, the ``RemoteBackend`` name it swaps, the block reduction, the request envelope, the model's
-``_remoteable_get_env``, the ``_persistent_id`` the pickler sends by reference).
+step, the ``RemoteBackend`` name it swaps, the block reduction and the block's AST (``Tracer.node``), the request
+envelope, the model's ``_remoteable_get_env``, the ``_persistent_id`` the pickler sends by reference).
 
 :data:`PRIVATE_NAMES` lists every such name with what it is; ``tests/envoy/test_nnsight_internals.py``
 walks it against the installed nnsight and names the version and the name when one has changed.
@@ -481,6 +481,12 @@ def block_names(tracer: Any) -> dict[str, Any]:
     frame = tracer.info.frame
     _, used_globals, used_locals = reduce_block(tracer.node, frame.f_globals, dict(frame.f_locals))
     return {**used_globals, **used_locals}
+
+
+def block_body(tracer: Any) -> list[Any]:
+    """The statements (``ast.stmt``) of the captured ``with`` block of ``tracer`` (``tracer.node.body``): the code
+    nnsight unparses and sends for a remote trace or session, read here without running it."""
+    return list(tracer.node.body)
 
 
 def serialize(obj: Any) -> bytes:

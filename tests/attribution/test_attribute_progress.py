@@ -22,7 +22,7 @@ def replacement():
 def test_attribute_shows_a_bar_on_a_terminal_by_default(replacement, monkeypatch, tty, progress, shown):
     import importlib
 
-    module = importlib.import_module("nnsight_lorsa.attribution.attribute")
+    module = importlib.import_module("nnsight_lorsa.attribution.engine")
     disabled = recording_tqdm(monkeypatch, module)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     rm_, ids = replacement

@@ -11,8 +11,8 @@ from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.assets import default_lorsa_dir
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution
-from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.checks import intervention_edges, replacement_logits
+from nnsight_lorsa.attribution.engine import build_graph
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError
 
@@ -386,7 +386,7 @@ from helpers import attribution_setup, make_transcoders
 from helpers import make_lorsa
 from nnsight_lorsa import ReplacementModel, get_adapter
 from nnsight_lorsa.attribution import attribute, cache_for_attribution
-from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.engine import build_graph
 model, hf = tiny_nnsight("llama")
 lorsas = {1: make_lorsa(hf, get_adapter(model), 1)}
 tcs = make_transcoders((0, 2))

@@ -24,7 +24,7 @@ from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.errors import DenseAdjacencyError
 
-ENGINE = sys.modules["nnsight_lorsa.attribution.attribute"]
+ENGINE = sys.modules["nnsight_lorsa.attribution.engine"]
 
 
 def dense_assembly(layout, scheduler) -> tuple[torch.Tensor, torch.Tensor]:

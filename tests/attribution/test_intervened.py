@@ -17,7 +17,6 @@ import torch
 from helpers import DEVICES, attribution_setup, random_ids, rm
 
 from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_attribution, prune, to_neuronpedia
-from nnsight_lorsa.attribution.attribute import build_graph
 from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
 from nnsight_lorsa.attribution.intervened import start
 from nnsight_lorsa.attribution.options import AttributionOptions
@@ -209,9 +208,9 @@ def test_misuse_raises_named_errors(tiny):
     with pytest.raises(ArgumentError, match="needs a prompt"):
         attribute(bundle)
     with pytest.raises(ArgumentError, match="needs the tracer"):
-        start(bundle, None, AttributionOptions(), build_graph)
+        start(bundle, None, AttributionOptions())
     with pytest.raises(TraceOrderError, match="inside a model.trace"):
-        start(bundle, object(), AttributionOptions(), build_graph)
+        start(bundle, object(), AttributionOptions())
     with pytest.raises(UnsupportedGenerationError), model.generate(ids[None], max_new_tokens=2) as tracer:
         attribute(bundle, tracer=tracer)
     with model.trace(random_ids(2, 8, seed=2)) as tracer:  # two prompts
@@ -233,6 +232,31 @@ def test_misuse_raises_named_errors(tiny):
         _ = raw.graph
     # the model is usable afterwards: a clean graph as before
     assert attribute(bundle, ids, batch_size=40).summary()["lorsa_heads"] > 0
+
+
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"batch_size": 0}, ConfigMismatchError, r"attribute\(batch_size=\.\.\.\) must be >= 1"),
+    ({"memory": "fastest"}, ConfigMismatchError, "got 'fastest'"),
+    ({"prune": (2.0, 0.5)}, ConfigMismatchError, "prune"),
+    ({"batch_sizes": 4}, TypeError, r"attribute\(\) got unexpected keyword argument\(s\) \['batch_sizes'\]"),
+    ({"logit_tokens": [3]}, ArgumentError, "targets="),
+    ({"remote": True}, ConfigMismatchError, "no remote=, no qk_heads="),
+])
+def test_a_bad_option_of_the_traced_call_raises_at_the_call(tiny, options, error, match):
+    """``attribute(rm, tracer=tracer, **options)`` checks its options at the call, in the trace body, before the
+    recorder starts or the body goes on (the same named errors as a prompt's call; remotely they are raised before
+    the request is sent: tests/test_remote.py); the model traces normally afterwards."""
+    model, bundle, ids, clean = tiny
+    reached: list[bool] = []
+    with pytest.raises(error, match=match), model.trace(ids) as tracer:
+        bundle.replace()
+        attribute(bundle, tracer=tracer, **options)
+        reached.append(True)
+    assert reached == []
+    with model.trace(ids) as tracer:  # nothing left recording: a traced pass attributes as before
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+    same_graph(handle.graph, clean)
 
 
 @pytest.mark.parametrize("device,dtype,bound", [

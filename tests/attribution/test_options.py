@@ -9,7 +9,7 @@ import torch
 from helpers import attribution_setup, random_ids, rm
 
 from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
-from nnsight_lorsa.attribution.attribute import build_graph
+from nnsight_lorsa.attribution.engine import build_graph
 from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.errors import ArgumentError, ConfigMismatchError
 

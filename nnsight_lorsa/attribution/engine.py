@@ -1,0 +1,191 @@
+"""The attribution engine behind :func:`.attribute.attribute`: ``build_graph(replacement, prompt)`` →
+:class:`.graph.Graph`.
+
+The replacement model (Ameisen et al. 2025, *Circuit Tracing*: frozen-Jacobian attribution with error nodes;
+docs/attribution.md): transcoders for MLPs (a layer without one
+contributes its whole MLP output as error nodes), Lorsa for attention (a layer without one keeps
+its MHSA with frozen patterns), frozen norms. The engine follows from the input: a prompt (text or
+token ids) runs two nnsight traces — a clean pass (which features and heads are active), then the
+frozen pass with batched backward (:mod:`.trace`); an :class:`~.trace.AttributionCache` (from
+:func:`cache_for_attribution`) runs the frozen model as plain tensor code, without a model forward
+(:mod:`.cached`). Same arithmetic, same graph. The front door, :func:`.attribute.attribute`, reaches this
+module only on the client (it travels by value inside remote requests; this module, whose imports NDIF's
+unpickling whitelist refuses, never does).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .._memory import release_free_memory
+from .._progress import show_progress
+from ..envoy.nnsight_internals import hf_module
+from ..errors import ArgumentError, ConfigMismatchError
+from .budget import estimate_info, estimate_layout, largest_batch
+from .cached import attribute_cached, check_cache, in_dtype
+from .graph import Graph
+from .layout import Layout, LiveNodes
+from .options import AttributionOptions
+from .qk import qk_for_graph
+from .replacement import FrozenReplacement, layer_modules
+from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
+from .scores import PruneConfig
+from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
+
+#: pair terms kept per traced Lorsa head (``attribute(..., qk_heads=)``; llamascopium's ``qk_topk`` default)
+QK_TOP_PAIRS = 10
+#: ``frozen_pass(prepared, scheduler, batch_size, make)`` → target values: fills the scheduler with edge rows
+FrozenPass = Callable[[Prepared, RowScheduler, int, Callable[..., FrozenReplacement]], torch.Tensor]
+
+
+def attribute_prompt(replacement: Any, prompt: Any, settings: dict[str, Any]) -> Graph:
+    """:func:`.attribute.attribute` of a prompt or a cache (no ``tracer``): its checks, then :func:`build_graph`.
+    ``settings``: the call's keyword arguments but ``tracer`` (the options, and any other name, refused).
+
+    Raises:
+        as :func:`.attribute.attribute` for a prompt.
+    """
+    options = AttributionOptions.of(settings, "attribute")
+    if prompt is None:
+        raise ArgumentError("attribute(rm, prompt) needs a prompt (text, token ids or an AttributionCache), "
+                            "or tracer= inside a trace body")
+    check_replacement(replacement)
+    return build_graph(replacement, prompt, options=options)
+
+
+def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
+    """:func:`.attribute.attribute`'s checks of the call (its settings: :class:`~.options.AttributionOptions`), before
+    anything runs (``in_trace``: for ``tracer=``, inside the trace body: no refusal of the running trace).
+
+    Raises:
+        TraceOrderError: (not ``in_trace``) called inside a trace body (:func:`.trace.refuse_inside_trace`).
+        ArgumentError: ``replacement`` not a :class:`ReplacementModel`.
+        ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
+    """
+    from ..envoy import ReplacementModel
+    from ..envoy.nnsight_internals import check_one_thread
+
+    if not in_trace:
+        refuse_inside_trace("attribute")
+    if not isinstance(replacement, ReplacementModel):
+        raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
+                            f"transcoders=...), got a {type(replacement).__name__}")
+    if not in_trace:  # inside its own trace the model's interleaver is this thread's
+        check_one_thread(replacement.model, "attribute")
+
+
+def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | None = None,
+                frozen_pass: FrozenPass | None = None, engine: str | None = None, live: LiveNodes | None = None,
+                **settings: Any) -> Graph:
+    """:func:`.attribute.attribute` with the internals open. Its settings come as ``options`` (an
+    :class:`~.options.AttributionOptions`, as :func:`.attribute.attribute` passes them) or as
+    :func:`.attribute.attribute`'s keyword arguments (``settings``, funnelled into one), not both; ``memory``
+    may also be a ``(patterns, node_vectors)`` pair (:func:`.replacement.memory_modes`; the mixed combinations).
+    ``frozen_pass`` replaces the nnsight engine's frozen pass for a prompt (the PyTorch-hook reference of the
+    tests), its graph meta naming ``engine``. ``live`` (with a cache of a traced pass): that pass's node values
+    and edited nodes (:class:`~.layout.LiveNodes`; :mod:`.intervened`).
+
+    Raises:
+        ArgumentError: both ``options`` and ``settings``; as :class:`~.options.AttributionOptions` and
+            :func:`.attribute.attribute` otherwise.
+    """
+    if options is not None and settings:
+        raise ArgumentError(f"build_graph takes options= or the settings {sorted(settings)} as keywords, not both")
+    o = options if options is not None else AttributionOptions.of(settings)
+    patterns, node_vectors = o.modes
+    batch_size, dtype, remote, config = o.batch_size, o.dtype, o.remote, o.prune
+    cached = isinstance(prompt, AttributionCache)
+    if cached and remote:
+        raise ConfigMismatchError("remote runs a prompt's traces on the server; a cache is attributed here")
+    if o.qk_heads and (cached or remote):
+        raise ConfigMismatchError("qk_heads traces a prompt locally: not with a cache or remote")
+    model, adapter = replacement.model, replacement.adapter
+    root = hf_module(model)
+    model_dtype = next(root.parameters()).dtype
+    layout_options: dict[str, Any] = {"targets": o.targets, "dtype": dtype, "zero_positions": o.zero_positions}
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
+    run: Callable[[RowScheduler], torch.Tensor]
+    if cached:
+        check_cache(prompt, adapter, *layer_modules(replacement))
+        cache = in_dtype(prompt, dtype) if dtype is not None and dtype != model_dtype else prompt
+        prepared = prepare(replacement, None, cache=cache, live=live, **layout_options)
+        engine = "cache"
+
+        def run(scheduler: RowScheduler) -> torch.Tensor:
+            return attribute_cached(root, prepared, cache, scheduler, batch_size, make, dtype)
+    else:
+        prepared = prepare(replacement, prompt, remote=remote, **layout_options)
+        trace_pass = frozen_pass
+
+        def run(scheduler: RowScheduler) -> torch.Tensor:
+            if trace_pass is not None:
+                return trace_pass(prepared, scheduler, batch_size, make)
+            return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
+                                      make=make, remote=remote)
+    if o.max_memory is not None:
+        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
+                             config.keep_mass if config is not None else 1.0)
+        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=o.max_feature_nodes, **info)
+        batch_size = largest_batch(est, o.max_memory, batch_size, info["device"])
+    meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
+            "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
+            "max_feature_nodes": o.max_feature_nodes, "engine": engine or "nnsight",
+            "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
+            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": o.zero_positions}
+    graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
+                          progress=show_progress(o.progress) and not remote, prune=config,
+                          prompt=prompt if isinstance(prompt, str) else "", meta=meta)
+    if o.qk_heads:
+        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size)
+    return graph
+
+
+@torch.no_grad()
+def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False) -> AttributionCache:
+    """One clean ``model.trace`` of ``prompt`` (text or ``(pos,)`` ids) saving, in full, everything
+    the frozen replacement model takes from it (:class:`~.trace.AttributionCache`: the embeddings,
+    positions, the replaced modules' inputs and outputs, the last logits), for
+    ``attribute(replacement, cache)`` without a model forward — later, elsewhere, or from a remote
+    trace (``remote`` as in :func:`.attribute.attribute`).
+
+    Raises:
+        LayerOutOfRangeError, ShapeError: bad layers or prompt.
+    """
+    model, adapter = replacement.model, replacement.adapter
+    lor, tcs = layer_modules(replacement)
+    for layer in [*lor, *tcs]:
+        adapter.check_layer(layer)
+    return clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote, full=True)
+
+
+def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *, max_feature_nodes: int | None,
+                  progress: bool, prune: PruneConfig | None, prompt: str, meta: dict[str, Any]) -> Graph:
+    """Schedule the target rows, let ``run`` compute them (returning the target values), and
+    assemble the dense or pruned :class:`Graph`."""
+    bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
+               desc="attribution rows", disable=not progress)
+    scheduler = RowScheduler(layout, max_feature_nodes, bar if progress else None,
+                             keep_mass=None if prune is None else prune.keep_mass)
+    try:
+        values = run(scheduler)
+    finally:
+        bar.close()
+    if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen
+        gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
+        release_free_memory()
+    if prune is not None:
+        graph = assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,
+                                edge_threshold=prune.edge_threshold, prompt=prompt, meta=meta)
+    else:
+        graph = assemble(layout, scheduler, values, prompt, meta)
+    fixed = graph.nodes.intervened  # held at an edited value: sources only (their rows were computed as zeros)
+    if bool(fixed.any()):
+        graph.feature_rows[fixed] = False
+        graph.values[fixed] = float("nan")
+    return graph
