@@ -307,8 +307,9 @@ def main() -> None:
     if args.cap_gb and dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total), dev.index or 0)
-    result: dict[str, Any] = {"cap_gb": args.cap_gb or None, "scale": args.scale, "shapes": s, "device": name, "dtype": args.dtype,
-                              "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+    result: dict[str, Any] = {"cap_gb": args.cap_gb or None, "scale": args.scale, "shapes": s, "device": name,
+                              "dtype": args.dtype, "torch": torch.__version__,
+                              "command": "python " + " ".join(sys.argv)}
     safe = "".join(c if c.isalnum() else "_" for c in name)
     path = args.out or RESULTS / f"gpu_scale_{args.scale}_{safe}.json"
 
