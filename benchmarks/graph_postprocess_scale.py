@@ -1,7 +1,14 @@
 """A long prompt's budgeted graph after attribution: ``prune`` + ``graph_scores`` + the Neuronpedia export +
 ``save`` at the Llama-3.1-8B shape of issue 21, from the causal blocks (no model, no GPU, no ``n_nodes²``).
 
-    python -m benchmarks.graph_postprocess_scale [--tokens 1024 2048 4096] [--rows 64] [--threads 1]
+    python -m benchmarks.graph_postprocess_scale [--tokens 256 512 1024 2048 4096] [--rows 64] [--threads 1]
+
+The dense path it replaces (``dd1a9c4``), at lengths where it still runs, from a directory without a package
+of its own (the JSON still lands in this folder's ``results/``)::
+
+    git archive dd1a9c4 nnsight_lorsa | tar -x -C /tmp/base
+    cd /tmp && PYTHONPATH=/tmp/base:<this repository> python -m benchmarks.graph_postprocess_scale \
+        --tokens 256 512 --name graph_postprocess_scale_before
 
 The graph is what ``attribute(rm, prompt, max_feature_nodes=rows)`` returns at that shape, with random edges:
 the prompt's nodes as ``benchmarks/attribution_host_estimate_8b.py`` makes them (32 layers, TopK transcoders
@@ -17,6 +24,7 @@ from __future__ import annotations
 import gc
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -68,17 +76,18 @@ def measure(P: int, rows: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         _, t_save = time_once(lambda: graph.save(f"{tmp}/graph"))
     peak = host_peak()
-    assert graph.block_adjacency is blocks, "densified"
+    edges = pruned.edge_index.shape[1] if hasattr(pruned, "edge_index") else pruned.edge_mask.sum()  # before: a mask
     return {"tokens": P, "n_nodes": n, "target_rows": int(graph.feature_rows.sum()),
             "stored_entries": blocks.entries(), "blocks_bytes": blocks.nbytes, "dense_adjacency_bytes": 4 * n * n,
-            "kept_nodes": int(pruned.node_mask.sum()), "kept_edges": int(pruned.edge_index.shape[1]),
+            "densified": graph.block_adjacency is None, "kept_nodes": int(pruned.node_mask.sum()),
+            "kept_edges": int(edges),
             "links_exported": len(export["links"]), "replacement_score": scores[0], "completeness_score": scores[1],
             "prune_s": t_prune, "graph_scores_s": t_scores, "export_s": t_export, "save_s": t_save,
             "host_peak_above_graph_bytes": None if base is None else peak - base, "host_peak_bytes": peak}
 
 
 def main() -> None:
-    args = parser(__doc__, tokens=arg(nargs="+", type=int, default=[1024, 2048, 4096]), rows=64, threads=1,
+    args = parser(__doc__, tokens=arg(nargs="+", type=int, default=[256, 512, 1024, 2048, 4096]), rows=64, threads=1,
                   name="graph_postprocess_scale").parse_args()
     start(args)
     runs = []
@@ -87,7 +96,10 @@ def main() -> None:
         print({k: (f"{v / 1e9:.2f} GB" if k.endswith("bytes") and v is not None else
                    f"{v:.1f} s" if k.endswith("_s") else v) for k, v in runs[-1].items()}, flush=True)
         gc.collect()
+    import nnsight_lorsa
+
     out = write_json(RESULTS / f"{args.name}.json", {"command": command("OMP_NUM_THREADS=1"), "shape": SHAPE,
+                                                       "package": str(Path(nnsight_lorsa.__file__).parent),
                                                        "rows": args.rows, "environment": environment(), "runs": runs})
     print(f"-> {out}")
 

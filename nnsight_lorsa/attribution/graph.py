@@ -276,9 +276,10 @@ class Graph(FieldsRepr):
             :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at
             fp32 — 1.2 GB at 256 tokens of the embedded model) is built only by the explicit
             :meth:`densify`, after which the graph keeps it instead of the blocks. :meth:`edge_sum_error`,
-            :meth:`summary`, :attr:`n_edges` and :meth:`save` read the blocks without it; :func:`.scores.prune`,
-            :func:`.scores.graph_scores` and the exports densify. A pruned or loaded graph holds the dense
-            matrix.
+            :meth:`summary`, :attr:`n_edges`, :meth:`save` / :meth:`load` (the blocks as blocks),
+            :func:`.scores.prune`, :func:`.scores.graph_scores`, the exports, the plot and the checks read the
+            blocks without it (:meth:`coo`: the non-zero edges, :meth:`edge_values`: chosen edges). A pruned
+            graph holds the dense matrix.
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -569,7 +570,8 @@ def _get_adjacency(self: Graph) -> torch.Tensor:
         raise DenseAdjacencyError(
             f"graph.adjacency: this graph keeps only its causal blocks ({a.n} nodes, {a.nbytes / 2**20:.1f} MiB); "
             f"the dense {a.n}x{a.n} matrix takes {mib:.1f} MiB: call graph.densify() to build and keep it, or read "
-            "graph.block_adjacency (graph.edge_sum_error(), summary(), n_edges and save() need neither)")
+            "graph.block_adjacency / graph.coo() / graph.edge_values(t, s) (edge_sum_error(), summary(), n_edges, "
+            "save(), prune(), graph_scores() and the exports need none of them)")
     return a
 
 

@@ -20,6 +20,10 @@ is the fraction of the logits' influence that starts at embeddings and biases ra
 nodes; the *completeness score* the influence-weighted fraction of each computed row's
 normalised incoming mass that does not come from error nodes.
 
+Everything here runs on a graph's non-zero edges (:meth:`.graph.Graph.coo`: read from its causal blocks
+if it keeps them) with sparse products in float64 — memory ``O(edges)``, never the dense ``n_nodes²``
+matrix of a long prompt's graph; :func:`influence` is the same series on a dense rows matrix.
+
 The model-running counterparts — circuit metrics by ablation in the real model and the exactness checks
 by intervention in the frozen model — are in :mod:`.checks`. torch only.
 """
@@ -75,8 +79,9 @@ def influence(
     row_weight: Float[torch.Tensor, " n_rows"],
     max_iter: int = 1000,
 ) -> Float[torch.Tensor, " n_cols"]:
-    """Influence ``Σ_k w Â^k`` (k ≥ 1) of every column node of dense ``rows``, starting from
-    ``row_weight`` on the rows (the logit probabilities on logit rows, 0 elsewhere).
+    """Influence ``Σ_k w Â^k`` (k ≥ 1) of every column node of dense ``rows`` (``(n_rows, n_cols)``; in its
+    dtype, ``n_rows · n_cols`` memory), starting from ``row_weight`` on the rows (the logit probabilities on
+    logit rows, 0 elsewhere). A graph's influence is :func:`node_influence` (sparse, no dense matrix).
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
