@@ -16,7 +16,8 @@ k 64 on every MLP, a Lorsa with top-k 128 on layer 15, 10 logits), ``rows`` visi
 and their rows and the logits' stored as :class:`BlockAdjacency` blocks of Gaussian values (every entry that
 can be non-zero is non-zero: the worst case for the sparse passes). For each length: the graph's nodes and
 stored entries, the dense ``n_nodes²`` fp32 matrix the post-processing used to build, the wall time of each
-step, and the host peak (``VmHWM``) above the graph itself.
+step, and the host peak (``VmHWM``) above the graph itself. Then (``--full-tokens``) the embedded model's
+full graph — every feature row, many more edges per node — through ``prune`` and ``graph_scores``.
 """
 
 from __future__ import annotations
@@ -86,8 +87,33 @@ def measure(P: int, rows: int) -> dict:
             "host_peak_above_graph_bytes": None if base is None else peak - base, "host_peak_bytes": peak}
 
 
+def measure_full(P: int) -> dict:
+    """The embedded model's full graph (every feature row) of ``P`` random tokens: ``prune`` then ``graph_scores``,
+    wall times and the host peak above the graph."""
+    from benchmarks._timing import embedded
+    from nnsight_lorsa import ReplacementModel, TranscoderSet
+    from nnsight_lorsa.assets import default_transcoder_dir
+    from nnsight_lorsa.attribution import attribute
+
+    model, lorsas = embedded()
+    tcs = TranscoderSet.from_pretrained(model, default_transcoder_dir())
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
+    graph = attribute(rm, torch.randint(1, 60, (P,), generator=torch.Generator().manual_seed(0)), batch_size=64)
+    gc.collect()
+    base = host_peak_reset()
+    pruned, t_prune = time_once(lambda: prune(graph))
+    scores, t_scores = time_once(lambda: graph_scores(graph))
+    peak = host_peak()
+    return {"tokens": P, "n_nodes": graph.n_nodes, "nonzero_edges": graph.n_edges,
+            "kept_nodes": int(pruned.node_mask.sum()),
+            "replacement_score": scores[0], "completeness_score": scores[1], "prune_s": t_prune,
+            "graph_scores_s": t_scores, "host_peak_above_graph_bytes": None if base is None else peak - base}
+
+
 def main() -> None:
     args = parser(__doc__, tokens=arg(nargs="+", type=int, default=[256, 512, 1024, 2048, 4096]), rows=64, threads=1,
+                  full_tokens=arg(nargs="*", type=int, default=[128],
+                                  help="lengths of the embedded model's full graph (prune + graph_scores)"),
                   name="graph_postprocess_scale").parse_args()
     start(args)
     runs = []
@@ -96,11 +122,16 @@ def main() -> None:
         print({k: (f"{v / 1e9:.2f} GB" if k.endswith("bytes") and v is not None else
                    f"{v:.1f} s" if k.endswith("_s") else v) for k, v in runs[-1].items()}, flush=True)
         gc.collect()
+    full = []
+    for P in args.full_tokens:
+        full.append(measure_full(P))
+        print("full graph:", full[-1], flush=True)
     import nnsight_lorsa
 
     out = write_json(RESULTS / f"{args.name}.json", {"command": command("OMP_NUM_THREADS=1"), "shape": SHAPE,
                                                        "package": str(Path(nnsight_lorsa.__file__).parent),
-                                                       "rows": args.rows, "environment": environment(), "runs": runs})
+                                                       "rows": args.rows, "environment": environment(), "runs": runs,
+                                                       "full_graph_embedded_model": full})
     print(f"-> {out}")
 
 

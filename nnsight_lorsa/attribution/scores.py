@@ -247,7 +247,7 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     :attr:`.graph.NodeTable.intervened`).
 
     Computed on the graph's non-zero edges (:meth:`.graph.Graph.coo`, read from its causal blocks if it
-    keeps them; the graph is left as it was) in float64: memory ``O(edges)`` (about ``60 B`` per non-zero
+    keeps them; the graph is left as it was) in float64: memory ``O(edges)`` (50–70 B per non-zero
     edge at the peak), never a dense ``n_nodes²`` matrix — the same steps as pruning while building
     (:func:`prune_entries`). A graph that keeps its blocks and the same graph densified give the same bits.
 
