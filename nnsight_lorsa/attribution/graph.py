@@ -177,13 +177,22 @@ class BlockAdjacency:
             return (torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
                     torch.zeros(0, dtype=self.dtype, device=HOST))
         row, col, val = (torch.cat(t) for t in zip(*parts, strict=True))
-        order = row.argsort(stable=True)  # a row lies in one cell: its entries stay in column order
+        # a row lies in one cell, its entries contiguous and in column order: put the rows' runs in row order
+        zero = torch.zeros(1, dtype=torch.long, device=HOST)
+        start = torch.cat([zero, (row[1:] != row[:-1]).nonzero().flatten() + 1])
+        size = torch.cat([start[1:], torch.tensor([row.numel()], device=HOST)]) - start
+        by_row = row[start].argsort()
+        order = segments(start[by_row], size[by_row])
         return row[order], col[order], val[order]
 
     def gather(self, rows: Int[torch.Tensor, "..."], cols: Int[torch.Tensor, "..."]) -> Float[torch.Tensor, "..."]:
         """``A[rows, cols]`` (the two broadcast together; 0 outside the blocks and in rows never written),
         in the blocks' dtype, read from the blocks: memory of the result + one ``(n,)`` index per target site
-        queried."""
+        queried.
+
+        Raises:
+            IndexError: a node id outside ``[0, n)``.
+        """
         rows, cols = torch.broadcast_tensors(rows.to(HOST, torch.long), cols.to(HOST, torch.long))
         shape, rows, cols = rows.shape, rows.flatten(), cols.flatten()
         out = torch.zeros(rows.numel(), dtype=self.dtype, device=HOST)
@@ -191,21 +200,22 @@ class BlockAdjacency:
         where = torch.full((rows.numel(),), -1, dtype=torch.long, device=HOST)  # the column's place in its block
         free_at = torch.full((self.n,), -1, dtype=torch.long, device=HOST)
         free_at[self._free] = torch.arange(self._free.numel(), device=HOST)
-        is_src = cols < self.n_sources
-        for s in self.cell_site[cell[cell >= 0]].unique().tolist():
+        asked = ((cell >= 0) & (cols < self.n_sources)).nonzero().flatten()  # a stored row, a source column
+        asked_site = self.cell_site[cell[asked]]
+        for s in asked_site.unique().tolist():
             up = self._upstream[s]
             at_up = torch.full((self.n,), -1, dtype=torch.long, device=HOST)
             at_up[up] = torch.arange(up.numel(), device=HOST)
-            q = ((cell >= 0) & is_src).nonzero().flatten()
-            q = q[self.cell_site[cell[q]] == s]
+            q = asked[asked_site == s]
             j, prefix = at_up[cols[q]], self._prefix[cell[q]]
             f = free_at[cols[q]]
             where[q] = torch.where((j >= 0) & (j < prefix), j, torch.where(f >= 0, prefix + f, -1))
-        hit = where >= 0
-        for c in cell[hit].unique().tolist():
+        hit = (where >= 0).nonzero().flatten()
+        hit = hit[cell[hit].argsort(stable=True)]  # grouped by cell: one gather per block
+        cells, counts = cell[hit].unique_consecutive(return_counts=True)
+        for c, q in zip(cells.tolist(), hit.split(counts.tolist()), strict=True):
             block = self.blocks[c]
             if block is not None:
-                q = (hit & (cell == c)).nonzero().flatten()
                 out[q] = block[self._slot[rows[q]], where[q]]
         return out.view(shape)
 
@@ -255,6 +265,11 @@ class BlockAdjacency:
         for c, part in enumerate(flat.split(sizes)):
             out.blocks[c] = part.view(out.cell_rows[c].numel(), -1).clone()
         return out
+
+
+def segments(start: Int[torch.Tensor, " m"], size: Int[torch.Tensor, " m"]) -> Int[torch.Tensor, " k"]:
+    """``cat([arange(start[i], start[i] + size[i]) for i])`` (int64, ``k = Σ size``) without a Python loop."""
+    return torch.repeat_interleave(start + size - size.cumsum(0), size) + torch.arange(int(size.sum()), device=HOST)
 
 
 GRAPH_FORMAT = "nnsight-lorsa-graph/1"

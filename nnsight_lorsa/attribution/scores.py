@@ -38,7 +38,7 @@ import torch
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, ConfigMismatchError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph, segments
 
 
 def normalize_rows(rows: Float[torch.Tensor, "n m"]) -> Float[torch.Tensor, "n m"]:
@@ -180,17 +180,29 @@ def coo_influence(row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], va
     """:func:`influence` of the entries ``(row, col, val)`` (``row``: the row's place in ``row_node``), each
     row normalised by the ``|val|`` of its entries: ``(n_cols,)`` float64. A Neumann series of sparse
     mat-vec products (:func:`influence_series`: over an acyclic graph it ends after at most one step per
-    site), in float64: ``O(k)`` memory and time per step. Deterministic: the same entries in the same order
-    give the same bits (:meth:`.graph.Graph.coo` gives a graph's in row-major order, dense or blocks).
+    site), in float64: ``O(k)`` memory and time per step — with ``row`` ascending (as :meth:`.graph.Graph.coo`
+    gives it) only the entries of the rows that carry weight at that step. Deterministic: the same entries in
+    the same order give the same bits (:meth:`.graph.Graph.coo` gives a graph's in row-major order, dense or
+    blocks); skipping a row of weight 0 adds nothing and keeps the order of the rest, so it changes no bit.
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
     """
     a = val.double().abs()
     a = a / torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, row, a)[row].clamp_min(1e-30)
+    ends = None  # row-sorted entries: row r holds [ends[r - 1], ends[r])
+    if row.numel() and bool((row[1:] >= row[:-1]).all()):
+        ends = torch.bincount(row, minlength=n_rows).cumsum(0)
 
     def propagate(w: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n_cols, dtype=torch.float64, device=HOST).index_add(0, col, w.double()[row] * a)
+        w = w.double()
+        out = torch.zeros(n_cols, dtype=torch.float64, device=HOST)
+        live = w.nonzero().flatten()
+        if ends is None or 2 * live.numel() > n_rows:  # most rows carry weight: every entry
+            return out.index_add_(0, col, w[row] * a)
+        start = torch.where(live > 0, ends[(live - 1).clamp_min(0)], 0)
+        at = segments(start, ends[live] - start)  # the live rows' entries, in storage order
+        return out.index_add_(0, col[at], w[row[at]] * a[at])
 
     return influence_series(propagate, row_node, row_weight.double(), n_cols)
 

@@ -30,7 +30,15 @@ from nnsight_lorsa.attribution.graph import (
     TRANSCODER,
     BlockAdjacency,
 )
-from nnsight_lorsa.attribution.scores import PruneResult, influence, logit_weights, node_influence, normalize_rows
+from nnsight_lorsa.attribution.scores import (
+    PruneResult,
+    coo_influence,
+    influence,
+    influence_series,
+    logit_weights,
+    node_influence,
+    normalize_rows,
+)
 
 SMALL = dict(n_layers=4, d_model=64, n_heads=4, lorsa_layer=2, n_qk=8, d_qk=8, lorsa_k=6, tc_k=5, n_logits=10)
 
@@ -126,6 +134,20 @@ def test_sparse_scores_match_the_dense_path_before(graphs, name):
     lw = logit_weights(g).double()
     solved = torch.linalg.solve((torch.eye(g.n_nodes, dtype=torch.float64) - A).T, lw @ A)
     assert torch.allclose(node_influence(g), solved, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["full", "budget"])
+def test_influence_over_the_weighted_rows_only_changes_no_bit(graphs, name):
+    """``coo_influence`` reads only the rows that carry weight at each step (row-sorted entries): the same bits
+    as the plain pass over every entry."""
+    g = graphs[name]
+    t, s, v = g.coo()
+    n, lw = g.n_nodes, logit_weights(g)
+    a = v.double().abs()
+    a = a / torch.zeros(n, dtype=torch.float64).index_add(0, t, a)[t].clamp_min(1e-30)
+    every = influence_series(lambda w: torch.zeros(n, dtype=torch.float64).index_add(0, s, w.double()[t] * a),
+                             torch.arange(n), lw.double(), n)
+    assert torch.equal(coo_influence(t, s, v, torch.arange(n), lw, n, n), every) and bool(every.any())
 
 
 def test_save_load_keeps_the_blocks(graphs, tmp_path):
