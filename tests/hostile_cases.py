@@ -522,7 +522,10 @@ def _graph_fixture(root: Path) -> Path:
 
     model, hf, lorsas, tcs = attribution_setup("llama")
     graph = attribute(rm(model, lorsas, tcs), random_ids(1, 4, seed=5)[0], batch_size=16)
-    return graph.save(root / "graph")
+    blocks = graph.save(root / "graph")  # the full graph keeps its causal blocks: saved as blocks
+    graph.densify()
+    graph.save(root / "graph_dense")  # the same graph holding its dense matrix: saved as the (n, n) tensor
+    return blocks
 
 
 def _same_graph(a: Any, b: Any) -> bool:
@@ -536,10 +539,10 @@ def graph_cases(root: Path) -> list[Case]:
     base = _graph_fixture(root)
     ref = Graph.load(base)
 
-    def make(mutate: Callable[[Path], None]) -> Callable[[Path], Any]:
+    def make(mutate: Callable[[Path], None], source: Path = base) -> Callable[[Path], Any]:
         def run(tmp: Path) -> Any:
             d = tmp / "graph"
-            shutil.copytree(base, d)
+            shutil.copytree(source, d)
             (d / MANIFEST).unlink(missing_ok=True)  # the readers on hand-edited files (no checksums.json)
             mutate(d)
             return Graph.load(d)
@@ -555,11 +558,14 @@ def graph_cases(root: Path) -> list[Case]:
         cases.append(Case(f"graph/graph.safetensors:{how}", "graph",
                           make(lambda d, how=how: corrupt_file(d / "graph.safetensors", how)),
                           needles=("graph.safetensors",)))
+    dense = base.parent / "graph_dense"  # the dense adjacency's file: its "adjacency" tensor
     for key in ("tokens", "adjacency", "values", "logit_probs", "feature_rows", "layout_ids", "residual", "node_kind",
-                "node_layer", "node_pos", "node_index", "node_activation"):
+                "node_layer", "node_pos", "node_index", "node_activation", "adjacency_rows", "adjacency_blocks",
+                "adjacency_sources"):
         for how in ("nan", "inf", "int", "shrink", "extra_dim", "missing"):
             cases.append(Case(f"graph/tensor/{key}:{how}", "graph",
-                              make(lambda d, key=key, how=how: edit_tensor(d / "graph.safetensors", key, how)),
+                              make(lambda d, key=key, how=how: edit_tensor(d / "graph.safetensors", key, how),
+                                   dense if key == "adjacency" else base),
                               check=ok, needles=("graph.safetensors", (key, "tensor"))))
 
     def tamper(key: str, value: Any) -> Callable[[Path], None]:

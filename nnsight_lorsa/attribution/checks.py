@@ -140,7 +140,8 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
                        batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Edges from graph nodes ``sources: (k,)`` into every computed target row, two ways: by
     intervention in the frozen model (``M[s] = 2``, one batch row per source, ``batch_size`` at a
-    time) and read from the graph's adjacency (:meth:`.graph.Graph.densify`).
+    time) and read from the graph's adjacency (:meth:`.graph.Graph.edge_values`: from the causal blocks if the
+    graph keeps them, no dense ``n_nodes²`` matrix).
 
     Returns ``(by_intervention, from_graph)``, both ``(n_rows, k)`` with rows the graph's computed
     targets in node order. ``replacement`` must be the one the graph was built with.
@@ -158,7 +159,7 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
         M[torch.arange(1, chunk.numel() + 1, device=HOST), chunk] += 1.0
         _, T = frozen_logits(model, adapter, layout, mhsa, M)
         out.append((T[1:] - T[:1]).T.to(HOST)[target_cols])
-    return torch.cat(out, dim=1), graph.densify()[rows][:, sources]
+    return torch.cat(out, dim=1), graph.edge_values(rows[:, None], sources[None, :])
 
 
 def replacement_logits(replacement: ReplacementModel, prompt: Any) -> torch.Tensor:

@@ -172,28 +172,33 @@ def to_neuronpedia(
         creator_name: ``metadata.info.creator_name``.
 
     Returns:
-        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.densify()[t, s])`` (the
-        direct effect of source on target, in units of the target's pre-activation / demeaned logit).
+        A JSON-serialisable dict; every ``links[*].weight`` is ``float(graph.edge_values(t, s))`` (the
+        direct effect of source on target, in units of the target's pre-activation / demeaned logit), read
+        for the kept edges only — from the causal blocks if the graph keeps them: memory ``O(edges +
+        nodes)``, never a dense ``n_nodes²`` matrix.
 
     Raises:
         ValueError: a graph without logit nodes, thresholds outside ``[0, 1]``, or a prune result whose
-            masks do not fit the graph.
+            node mask or edge index does not fit the graph.
         ArgumentError: a prompt or logit token id outside ``tokenizer``'s vocabulary.
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
     N = graph.n_nodes
-    if prune_result.node_mask.shape != (N,) or prune_result.edge_mask.shape != (N, N):
-        raise ValueError(f"prune result masks {tuple(prune_result.node_mask.shape)} / "
-                         f"{tuple(prune_result.edge_mask.shape)} do not fit a graph of {N} nodes")
+    e = prune_result.edge_index
+    if prune_result.node_mask.shape != (N,) or e.dim() != 2 or e.shape[0] != 2 or (
+            e.numel() and not (int(e.min()) >= 0 and int(e.max()) < N)):
+        raise ValueError(f"prune result: node mask {tuple(prune_result.node_mask.shape)} / edge index "
+                         f"{tuple(e.shape)} (node ids in [0, {N}) expected) do not fit a graph of {N} nodes")
     n, L = graph.nodes, n_layers_of(graph)
     last = int(graph.tokens.numel()) - 1
     triples = [_ids(graph, i, L, last) for i in range(N)]
     ids = [t[0] for t in triples]
     kept = prune_result.node_mask.bool()
-    edges = prune_result.edge_mask.bool() & kept[:, None] & kept[None, :]
-    targets, sources = edges.nonzero(as_tuple=True)
-    weights = graph.densify()[targets, sources].tolist()
+    t, s = e.long()
+    edges = kept[t] & kept[s]  # the kept edges between kept nodes, in edge_index's (target-major) order
+    targets, sources = t[edges], s[edges]
+    weights = graph.edge_values(targets, sources).tolist()  # from the causal blocks if kept: no n² matrix
     links = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights, strict=True)]
     connected = set(targets.tolist()) | set(sources.tolist())

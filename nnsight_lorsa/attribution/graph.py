@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .._repr import FieldsRepr
-from .._typing import Float
+from .._typing import Float, Int
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from .nodes import (  # the node kinds, HOST and NodeTable live in .nodes; imported from here too
     ATTN_ERROR,
@@ -163,6 +163,62 @@ class BlockAdjacency:
             if block is not None:
                 yield self.cell_rows[cell], self.cols(cell), block
 
+    def coo(self) -> tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]:
+        """``(row, col, val)``: the ``k`` non-zero stored entries in row-major order (``row`` ascending, then
+        ``col``; int64, int64, the blocks' dtype) — the order, and so the values, of ``dense().nonzero()``
+        without the ``(n, n)`` matrix. Memory ``20 B · k`` (+ one cell's block copy at a time)."""
+        parts = []
+        for rows, cols, block in self.items():
+            perm = cols.argsort()
+            b = block[:, perm]
+            i, j = b.nonzero(as_tuple=True)  # row-major within the cell, columns ascending
+            parts.append((rows[i], cols[perm][j], b[i, j]))
+        if not parts:
+            return (torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
+                    torch.zeros(0, dtype=self.dtype, device=HOST))
+        row, col, val = (torch.cat(t) for t in zip(*parts, strict=True))
+        # a row lies in one cell, its entries contiguous and in column order: put the rows' runs in row order
+        zero = torch.zeros(1, dtype=torch.long, device=HOST)
+        start = torch.cat([zero, (row[1:] != row[:-1]).nonzero().flatten() + 1])
+        size = torch.cat([start[1:], torch.tensor([row.numel()], device=HOST)]) - start
+        by_row = row[start].argsort()
+        order = segments(start[by_row], size[by_row])
+        return row[order], col[order], val[order]
+
+    def gather(self, rows: Int[torch.Tensor, "..."], cols: Int[torch.Tensor, "..."]) -> Float[torch.Tensor, "..."]:
+        """``A[rows, cols]`` (the two broadcast together; 0 outside the blocks and in rows never written),
+        in the blocks' dtype, read from the blocks: memory of the result + one ``(n,)`` index per target site
+        queried.
+
+        Raises:
+            IndexError: a node id outside ``[0, n)``.
+        """
+        rows, cols = torch.broadcast_tensors(rows.to(HOST, torch.long), cols.to(HOST, torch.long))
+        shape, rows, cols = rows.shape, rows.flatten(), cols.flatten()
+        out = torch.zeros(rows.numel(), dtype=self.dtype, device=HOST)
+        cell = self._cell_of_row[rows]
+        where = torch.full((rows.numel(),), -1, dtype=torch.long, device=HOST)  # the column's place in its block
+        free_at = torch.full((self.n,), -1, dtype=torch.long, device=HOST)
+        free_at[self._free] = torch.arange(self._free.numel(), device=HOST)
+        asked = ((cell >= 0) & (cols < self.n_sources)).nonzero().flatten()  # a stored row, a source column
+        asked_site = self.cell_site[cell[asked]]
+        for s in asked_site.unique().tolist():
+            up = self._upstream[s]
+            at_up = torch.full((self.n,), -1, dtype=torch.long, device=HOST)
+            at_up[up] = torch.arange(up.numel(), device=HOST)
+            q = asked[asked_site == s]
+            j, prefix = at_up[cols[q]], self._prefix[cell[q]]
+            f = free_at[cols[q]]
+            where[q] = torch.where((j >= 0) & (j < prefix), j, torch.where(f >= 0, prefix + f, -1))
+        hit = (where >= 0).nonzero().flatten()
+        hit = hit[cell[hit].argsort(stable=True)]  # grouped by cell: one gather per block
+        cells, counts = cell[hit].unique_consecutive(return_counts=True)
+        for c, q in zip(cells.tolist(), hit.split(counts.tolist()), strict=True):
+            block = self.blocks[c]
+            if block is not None:
+                out[q] = block[self._slot[rows[q]], where[q]]
+        return out.view(shape)
+
     def dense(self) -> Float[torch.Tensor, "n n"]:
         """The ``(n, n)`` matrix (``4 B · n²`` at fp32; zeros outside the blocks)."""
         out = torch.zeros(self.n, self.n, dtype=self.dtype, device=HOST)
@@ -179,6 +235,41 @@ class BlockAdjacency:
 
     def count_nonzero(self) -> int:
         return sum(int((b != 0).sum()) for b in self.blocks if b is not None)
+
+    # ------------------------------------------------------------------ files
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """What :meth:`Graph.save` writes: ``adjacency_rows`` ``(r,)`` int64 the written rows cell by cell,
+        ``adjacency_blocks`` ``(Σ rows × cols,)`` their blocks flattened in the same order, ``adjacency_sources``
+        ``(1,)`` int64 — the blocks' bytes once more (a copy), never ``n²``."""
+        written = [c for c, b in enumerate(self.blocks) if b is not None]
+        rows = [self.cell_rows[c] for c in written]
+        vals = [b.flatten() for b in self.blocks if b is not None]
+        return {"adjacency_rows": torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=HOST),
+                "adjacency_blocks": torch.cat(vals) if vals else torch.zeros(0, dtype=self.dtype, device=HOST),
+                "adjacency_sources": torch.tensor([self.n_sources], dtype=torch.long, device=HOST)}
+
+    @classmethod
+    def from_tensors(cls, nodes: NodeTable, t: dict[str, torch.Tensor]) -> BlockAdjacency:
+        """The blocks :meth:`to_tensors` wrote, over the graph's ``nodes`` (their sites and positions give
+        every cell's columns again).
+
+        Raises:
+            ValueError: the values do not fill the blocks of those rows exactly.
+        """
+        flat = t["adjacency_blocks"]
+        out = cls(nodes.sites(), nodes.pos, int(t["adjacency_sources"]), t["adjacency_rows"].long(), flat.dtype)
+        sizes = [r.numel() * int(c) for r, c in zip(out.cell_rows, out.n_cols(), strict=True)]
+        if sum(sizes) != flat.numel():
+            raise ValueError(f"tensor 'adjacency_blocks' has {flat.numel()} values; the blocks of "
+                             f"'adjacency_rows' take {sum(sizes)}")
+        for c, part in enumerate(flat.split(sizes)):
+            out.blocks[c] = part.view(out.cell_rows[c].numel(), -1).clone()
+        return out
+
+
+def segments(start: Int[torch.Tensor, " m"], size: Int[torch.Tensor, " m"]) -> Int[torch.Tensor, " k"]:
+    """``cat([arange(start[i], start[i] + size[i]) for i])`` (int64, ``k = Σ size``) without a Python loop."""
+    return torch.repeat_interleave(start + size - size.cumsum(0), size) + torch.arange(int(size.sum()), device=HOST)
 
 
 GRAPH_FORMAT = "nnsight-lorsa-graph/1"
@@ -200,9 +291,10 @@ class Graph(FieldsRepr):
             :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at
             fp32 — 1.2 GB at 256 tokens of the embedded model) is built only by the explicit
             :meth:`densify`, after which the graph keeps it instead of the blocks. :meth:`edge_sum_error`,
-            :meth:`summary`, :attr:`n_edges` and :meth:`save` read the blocks without it; :func:`.scores.prune`,
-            :func:`.scores.graph_scores` and the exports densify. A pruned or loaded graph holds the dense
-            matrix.
+            :meth:`summary`, :attr:`n_edges`, :meth:`save` / :meth:`load` (the blocks as blocks),
+            :func:`.scores.prune`, :func:`.scores.graph_scores`, the exports, the plot and the checks read the
+            blocks without it (:meth:`coo`: the non-zero edges, :meth:`edge_values`: chosen edges). A pruned
+            graph holds the dense matrix.
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -268,6 +360,27 @@ class Graph(FieldsRepr):
             self._hold(a)
         return a
 
+    def coo(self) -> tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]:
+        """``(target, source, value)`` of the ``k`` non-zero edges in row-major order (target ascending, then
+        source; int64, int64, the adjacency's dtype) — ``adjacency.nonzero()`` and its values, the same
+        tensors whether the graph keeps its causal blocks (read from them: ``20 B · k``, no ``n_nodes²``
+        matrix; :meth:`BlockAdjacency.coo`) or the dense matrix. What :mod:`.scores` computes on."""
+        a = self._adjacency
+        if isinstance(a, torch.Tensor):
+            t, s = a.nonzero(as_tuple=True)
+            return t, s, a[t, s]
+        return a.coo()
+
+    def edge_values(self, targets: Int[torch.Tensor, "..."], sources: Int[torch.Tensor, "..."]
+                    ) -> Float[torch.Tensor, "..."]:
+        """``adjacency[targets, sources]`` (node ids; the two broadcast together, e.g. ``rows[:, None]`` and
+        ``cols[None, :]`` for a sub-matrix), in the adjacency's dtype — from the causal blocks if the graph
+        keeps them (:meth:`BlockAdjacency.gather`: memory of the result, no ``n_nodes²`` matrix)."""
+        a = self._adjacency
+        if isinstance(a, torch.Tensor):
+            return a[targets.long(), sources.long()]
+        return a.gather(targets, sources)
+
     @property
     def n_edges(self) -> int:
         """The number of non-zero edges (from the blocks, if kept: no dense matrix)."""
@@ -313,6 +426,11 @@ class Graph(FieldsRepr):
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``graph.safetensors`` + ``graph.json`` (+ ``checksums.json``) as ``directory``; returns it.
 
+        The adjacency is written as the graph holds it: the dense ``(n_nodes, n_nodes)`` matrix (tensor
+        ``adjacency``), or the causal blocks (:meth:`BlockAdjacency.to_tensors`: ``adjacency_rows``,
+        ``adjacency_blocks`` and the number of sources; the blocks' bytes, no ``n_nodes²`` copy), which
+        :meth:`load` gives back as blocks.
+
         Atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): staged in a sibling and swapped in, so a
         crash leaves the previous graph there or this one, never one's tensors with the other's prompt.
         ``meta`` is checked before anything is written.
@@ -330,9 +448,9 @@ class Graph(FieldsRepr):
         except (TypeError, ValueError, RecursionError) as e:
             raise ArgumentError(f"Graph.save: graph.meta must be JSON-serialisable (numbers, strings, lists, dicts); "
                                 f"{type(e).__name__}: {e}; nothing was written") from e
-        a = self._adjacency  # blocks: a dense copy for the file, not kept
-        tensors = {"tokens": self.tokens, "adjacency": a.contiguous() if isinstance(a, torch.Tensor) else a.dense(),
-                   "values": self.values,
+        a = self._adjacency  # blocks: stored as blocks (their rows and values), never as the n² matrix
+        adjacency = {"adjacency": a.contiguous()} if isinstance(a, torch.Tensor) else a.to_tensors()
+        tensors = {"tokens": self.tokens, **adjacency, "values": self.values,
                    "logit_probs": self.logit_probs, "feature_rows": self.feature_rows, "layout_ids": self.layout_ids,
                    "residual": self.residual,
                    "node_kind": n.kind, "node_layer": n.layer, "node_pos": n.pos, "node_index": n.index,
@@ -433,7 +551,15 @@ class Graph(FieldsRepr):
         if int((nodes.kind == BIAS).sum()) != len(nodes.bias_names):
             raise CheckpointError(f"{info_path}: key 'bias_names' has {len(nodes.bias_names)} names for "
                                   f"{int((nodes.kind == BIAS).sum())} bias nodes")
-        graph = cls(tokens=t["tokens"], nodes=nodes, adjacency=t["adjacency"], values=t["values"],
+        if "adjacency" in t:
+            adjacency: torch.Tensor | BlockAdjacency = t["adjacency"]
+        else:
+            try:
+                adjacency = BlockAdjacency.from_tensors(nodes, t)
+            except ValueError as e:
+                raise CheckpointError(f"{tensors_path}: {e}") from e
+        graph = cls(tokens=t["tokens"], nodes=nodes, adjacency=adjacency,  # type: ignore[arg-type]
+                    values=t["values"],
                     logit_probs=t["logit_probs"], feature_rows=t["feature_rows"].bool(),
                     layout_ids=t["layout_ids"], residual=t.get("residual"), prompt=prompt, meta=meta,
                     qk={k[3:]: v for k, v in t.items() if k.startswith("qk.")})
@@ -459,7 +585,8 @@ def _get_adjacency(self: Graph) -> torch.Tensor:
         raise DenseAdjacencyError(
             f"graph.adjacency: this graph keeps only its causal blocks ({a.n} nodes, {a.nbytes / 2**20:.1f} MiB); "
             f"the dense {a.n}x{a.n} matrix takes {mib:.1f} MiB: call graph.densify() to build and keep it, or read "
-            "graph.block_adjacency (graph.edge_sum_error(), summary(), n_edges and save() need neither)")
+            "graph.block_adjacency / graph.coo() / graph.edge_values(t, s) (edge_sum_error(), summary(), n_edges, "
+            "save(), prune(), graph_scores() and the exports need none of them)")
     return a
 
 
@@ -475,6 +602,7 @@ Graph.adjacency = property(_get_adjacency, _set_adjacency,  # type: ignore[assig
 
 _GRAPH_INTS = ("tokens", "layout_ids", "node_kind", "node_layer", "node_pos", "node_index")
 _GRAPH_FLOATS = ("adjacency", "values", "logit_probs", "node_activation", "residual")
+_BLOCK_KEYS = ("adjacency_rows", "adjacency_blocks", "adjacency_sources")
 
 
 def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
@@ -482,11 +610,17 @@ def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
     def bad(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"{path}: tensor {key!r} {why}")
 
-    for key in (*_GRAPH_INTS, *_GRAPH_FLOATS, "feature_rows", "node_intervened"):
+    blocks = "adjacency" not in t and "adjacency_blocks" in t  # an adjacency saved by its causal blocks
+    for key in (*_GRAPH_INTS, *_GRAPH_FLOATS, "feature_rows", "node_intervened", *(_BLOCK_KEYS if blocks else ())):
         if key not in t:
-            if key in ("residual", "node_intervened"):  # optional: older files
+            if key in ("residual", "node_intervened") or (key == "adjacency" and blocks):  # optional: older files
                 continue
             raise bad(key, "is missing")
+        if key in _BLOCK_KEYS:
+            if t[key].dim() != 1 or t[key].is_floating_point() != (key == "adjacency_blocks"):
+                raise bad(key, f"has shape {tuple(t[key].shape)} / dtype {t[key].dtype}; expected one axis of "
+                               f"{'floats' if key == 'adjacency_blocks' else 'integers'}")
+            continue
         v = t[key]
         if v.dim() != (2 if key == "adjacency" else 1):
             raise bad(key, f"has shape {tuple(v.shape)}; expected {'(n, n)' if key == 'adjacency' else 'one axis'}")
@@ -502,9 +636,15 @@ def _check_graph_tensors(path: Path, t: dict[str, torch.Tensor]) -> None:
                 "node_activation", "node_intervened"):
         if key in t and t[key].numel() != n:
             raise bad(key, f"has {t[key].numel()} entries for {n} nodes")
-    if tuple(t["adjacency"].shape) != (n, n):
+    if blocks:
+        rows, ns = t["adjacency_rows"], t["adjacency_sources"]
+        if ns.numel() != 1 or not 0 <= int(ns) <= n:
+            raise bad("adjacency_sources", f"must hold one number of sources in [0, {n}]")
+        if bool(((rows < 0) | (rows >= n)).any()) or rows.unique().numel() != rows.numel():
+            raise bad("adjacency_rows", f"must hold distinct node ids in [0, {n})")
+    elif tuple(t["adjacency"].shape) != (n, n):
         raise bad("adjacency", f"has shape {tuple(t['adjacency'].shape)}; expected ({n}, {n}) for {n} nodes")
-    for key in ("adjacency", "logit_probs", "node_activation", "residual"):
+    for key in ("adjacency", "adjacency_blocks", "logit_probs", "node_activation", "residual"):
         if key in t and not bool(torch.isfinite(t[key]).all()):
             raise bad(key, "has non-finite values (NaN/inf)")
     values, rows = t["values"], t["feature_rows"].bool()

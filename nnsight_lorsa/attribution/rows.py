@@ -38,9 +38,9 @@ import torch
 
 from .._memory import release_free_memory
 from .._typing import Float, Int
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, BlockAdjacency, Graph
+from .graph import BIAS, EMBEDDING, HOST, LOGIT, BlockAdjacency, Graph
 from .layout import Layout
-from .scores import find_threshold, influence_series
+from .scores import find_threshold, influence_series, prune_entries
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -443,7 +443,6 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
     n_all = ns + nl
-    n_rows = row_node.numel()
     visited = torch.zeros(n_all, dtype=torch.bool, device=HOST)
     visited[row_node] = True
     in_graph = visited.clone()
@@ -481,32 +480,9 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         del parts
         stored = sp.nnz
     entry_node = row_node[e_row]
-    # 2. edge scores on the node-pruned matrix
-    lw = torch.zeros(n_all, dtype=torch.float64, device=HOST)
-    lw[row_node] = lw_row
-    alive = e_val != 0
-    infl_pruned = torch.cat([_coo_influence(e_row[alive], e_col[alive], e_val[alive], row_node, lw_row, n_rows,
-                                            ns), torch.zeros(nl, dtype=torch.float64, device=HOST)])
-    den = torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, e_row[alive], e_val[alive].double().abs())
-    score = torch.zeros(e_val.numel(), dtype=torch.float64, device=HOST)
-    score[alive] = e_val[alive].double().abs() / den[e_row[alive]].clamp_min(1e-30) * (
-        infl_pruned + lw)[entry_node[alive]]
-    edge = alive & (score >= find_threshold(score[alive], edge_threshold)) if bool(alive.any()) else alive
-    # 3. dangling features / errors, until stable
-    feature = (kind == TRANSCODER) | (kind == LORSA)
-    prunable = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
-    while True:
-        old = node_mask.clone()
-        has_out = torch.zeros(n_all, dtype=torch.bool, device=HOST)
-        has_out[e_col[edge]] = True
-        has_in = torch.zeros(n_all, dtype=torch.bool, device=HOST)
-        has_in[entry_node[edge]] = True
-        node_mask &= ~prunable | has_out
-        node_mask &= ~feature | has_in
-        node_mask |= always & in_graph
-        edge &= node_mask[e_col] & node_mask[entry_node]
-        if torch.equal(old, node_mask):
-            break
+    # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's)
+    node_mask, _ = prune_entries(e_row, e_col, e_val, row_node, lw_row, node_mask, always & in_graph, kind,
+                                 edge_threshold, ns)
     # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
     kept = node_mask.nonzero().flatten()
     index = torch.full((n_all,), -1, dtype=torch.long, device=HOST)
@@ -572,15 +548,3 @@ def _block_entries_among(blocks: BlockAdjacency, row_node: torch.Tensor, node_ma
                 outside)
     e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True))
     return e_row, e_col, e_val, outside
-
-
-def _coo_influence(row: torch.Tensor, col: torch.Tensor, val: torch.Tensor, row_node: torch.Tensor,
-                   row_weight: torch.Tensor, n_rows: int, n_cols: int) -> torch.Tensor:
-    """:func:`.scores.influence` of the few entries ``(row, col, val)``, rows normalised by their mass."""
-    a = val.double().abs()
-    a = a / torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, row, a)[row].clamp_min(1e-30)
-
-    def propagate(w: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n_cols, dtype=torch.float64, device=HOST).index_add(0, col, w.double()[row] * a)
-
-    return influence_series(propagate, row_node, row_weight.double(), n_cols)

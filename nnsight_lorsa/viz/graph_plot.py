@@ -51,8 +51,8 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     n_layers = int(graph.nodes.layer[graph.logit_ids].max()) if len(graph.logit_ids) else 1
     xy = node_xy(graph, n_layers)
     keep = pruned.node_mask
-    t, s = pruned.edge_mask.nonzero(as_tuple=True)
-    w = graph.densify()[t, s].float()
+    t, s = pruned.edge_index
+    w = graph.edge_values(t, s).float()  # the kept edges only (from the causal blocks if kept: no n² matrix)
     order = w.abs().argsort(descending=True)[:max_edges]
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(graph.tokens) + 3), 6))
     wmax = float(w.abs().max()) if len(w) else 1.0
@@ -71,7 +71,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     ax.set_xticklabels([repr(x)[1:-1] for x in labels], rotation=70, fontsize=7)
     ax.set_yticks(range(-1, n_layers + 1))
     ax.set_yticklabels(["emb", *[f"L{i}" for i in range(n_layers)], "logit"])
-    ax.set_title(title or f"attribution graph: {int(keep.sum())} nodes, {int(pruned.edge_mask.sum())} edges")
+    ax.set_title(title or f"attribution graph: {int(keep.sum())} nodes, {pruned.edge_index.shape[1]} edges")
     ax.legend(loc="upper left", fontsize=7, ncol=4)
     fig.tight_layout()
     if path is not None:

@@ -134,8 +134,9 @@ def test_budgeted_graph_rows_are_the_full_graphs_and_its_methods_match_the_dense
     assert float(((g.residual[rows].double() - rest).abs() / mass).max()) < 1e-6
     assert g.block_adjacency is blocks  # reading the blocks densifies nothing
     # every method on the blocks graph gives the dense graph's result
-    saved = Graph.load(g.save(tmp_path / "blocks"))
-    assert torch.equal(saved.adjacency, want) and torch.equal(saved.residual, g.residual)
+    saved = Graph.load(g.save(tmp_path / "blocks"))  # saved and loaded as blocks (issue 21), not n_nodes²
+    assert saved.block_adjacency is not None and g.block_adjacency is blocks
+    assert torch.equal(saved.densify(), want) and torch.equal(saved.residual, g.residual)
     assert torch.equal(Graph.load(dense.save(tmp_path / "dense")).adjacency, want)
     assert graph_scores(g) == graph_scores(dense)
     p, q = prune(g), prune(dense)
