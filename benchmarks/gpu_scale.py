@@ -20,6 +20,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 
     python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
     python -m benchmarks.gpu_scale --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
+    python -m benchmarks.gpu_scale --scale small --device cpu --dtype float32 --skip a b c --tokens 128 256
+                                                          # (d)'s overhead above the floor, on CPU
     python -m benchmarks.gpu_scale --skip a b c --offload --tokens 4096   # (d) offloaded, on an 80 GB H100
 
 Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
@@ -40,10 +42,14 @@ import torch.nn.functional as F
 from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 
-#: the two scales: the 8B shape of issue 21 and a CPU smoke shape that exercises every code path
+#: the scales: the 8B shape of issue 21, a CPU shape where the model's own compute dominates the attribution
+#: batch as on the GPU (``small``: the per-batch overhead of attribution measured on CPU), and a CPU smoke shape
+#: that exercises every code path
 SCALES: dict[str, dict[str, Any]] = {
     "8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv=8, d_mlp=14336, vocab=128256, n_qk=256, n_ov=32768,
                top_k=128, d_tc=32768, k_tc=64, layer=15, batch_fwd=1, train_batch=8, train_seq=2048),
+    "small": dict(n_layers=4, d_model=512, n_heads=8, n_kv=2, d_mlp=1376, vocab=4096, n_qk=32, n_ov=2048,
+                  top_k=32, d_tc=4096, k_tc=32, layer=1, batch_fwd=1, train_batch=2, train_seq=256),
     "tiny": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=128, vocab=256, n_qk=8, n_ov=256, top_k=8,
                  d_tc=256, k_tc=8, layer=1, batch_fwd=1, train_batch=2, train_seq=32),
 }
@@ -321,7 +327,7 @@ def main() -> None:
     layer = s["layer"]
     lorsa = paper_lorsa(s, adapter, hf, layer, dev, dt)
     result["lorsa_bytes"] = sum(p.numel() * p.element_size() for p in lorsa.parameters())
-    seq = min(args.seq, s["train_seq"]) if args.scale == "tiny" else args.seq
+    seq = min(args.seq, s["train_seq"]) if args.scale != "8b" else args.seq
     x = torch.randn(s["batch_fwd"], seq, s["d_model"], device=dev, dtype=dt)
     if "a" not in args.skip:
         result["a_forward_vs_floor"] = forward_vs_floor(lorsa, x, args.repeats)
