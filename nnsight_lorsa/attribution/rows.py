@@ -115,7 +115,7 @@ class SparseRows:
         r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
         del keep
         val = g[r, c]
-        counts, c, host_val = counts.to(HOST), c.to(HOST), val.to(HOST)
+        counts = counts.to(HOST)
         if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
             self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64, device=HOST))
         else:
@@ -129,8 +129,9 @@ class SparseRows:
             block = _Block(torch.empty(cap, dtype=torch.int32, device=HOST),
                            torch.empty(cap, dtype=val.dtype, device=HOST), self.n_rows)
             self.blocks.append(block)
-        block.col[block.fill:block.fill + n] = c
-        block.val[block.fill:block.fill + n] = host_val
+        # straight from the model's device into the block (no intermediate host copy: fresh pages per batch)
+        block.col[block.fill:block.fill + n].copy_(c)
+        block.val[block.fill:block.fill + n].copy_(val)
         block.ends.extend((block.fill + counts.cumsum(0)).tolist())
         block.fill += n
         self.n_rows += g.shape[0]
