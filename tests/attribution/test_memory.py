@@ -166,6 +166,34 @@ def test_sparse_rows_across_blocks_and_chunks(monkeypatch):
     assert torch.allclose(sp.influence(row_node, weight, node_mask=mask), influence(restricted, row_node, weight))
 
 
+def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch):
+    """``SparseRows.weighted_abs`` (one influence step, in place over the rows of non-zero weight only) equals,
+    bit for bit, ``Σ scale[row]·|val|`` accumulated over every stored entry in storage order — the sum the
+    influence steps took before: rows longer than a chunk, rows in several blocks, an empty row, rows of
+    weight 0, with and without a column mask."""
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 7)
+    g = torch.Generator().manual_seed(1)
+    n_rows, n_cols = 14, 25
+    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.3)
+    dense[5] = 0
+    sp = rows_module.SparseRows(n_cols)
+    for a, b in ((0, 3), (3, 4), (4, 9), (9, 14)):
+        sp.append(dense[a:b])
+    assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
+    scale = torch.rand(n_rows, generator=g, dtype=torch.float64)
+    scale[[1, 2, 7, 12]] = 0
+    mask = torch.rand(n_cols, generator=g) > 0.3
+    for col_mask in (None, mask):
+        ref = torch.zeros(n_cols, dtype=torch.float64)
+        for row, col, val in sp.chunks():
+            contrib = scale[row] * val.double().abs()
+            ref.index_add_(0, col, contrib if col_mask is None else contrib * col_mask[col])
+        assert torch.equal(sp.weighted_abs(scale, col_mask), ref)
+
+
 def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch):
     from nnsight_lorsa.attribution import prune
     from nnsight_lorsa.attribution import rows as rows_module
