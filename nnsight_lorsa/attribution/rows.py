@@ -53,6 +53,9 @@ BLOCK_ENTRIES = 2**24
 TRIM_EVERY = 8
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
 CHUNK_ENTRIES = 2**18
+#: an influence step multiplies a run of ≥ 3 rows with at most this many entries by one repeated weight vector
+#: (128 KiB: a heap allocation, no fresh pages), a longer run row by row in place
+SMALL_RUN_ENTRIES = 2**14
 
 
 @dataclass
@@ -183,8 +186,13 @@ class SparseRows:
         e0, e1 = runs[0][0], runs[-1][1]
         contrib = buffer[:e1 - e0]
         contrib.copy_(block.val[e0:e1]).abs_()
-        for a, b, w in runs:
-            contrib[a - e0:b - e0].mul_(w)
+        if len(runs) >= 3 and e1 - e0 <= SMALL_RUN_ENTRIES:  # many short rows: one multiply by the repeated weights
+            weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64, device=HOST)
+            lengths = torch.tensor([b - a for a, b, _ in runs], dtype=torch.long, device=HOST)
+            contrib.mul_(torch.repeat_interleave(weights, lengths, output_size=e1 - e0))
+        else:  # long rows: in place, one multiply each (a per-entry weight vector would be a fresh large tensor)
+            for a, b, w in runs:
+                contrib[a - e0:b - e0].mul_(w)
         col = block.col[e0:e1]
         if col_mask is not None:
             contrib.mul_(col_mask[col])

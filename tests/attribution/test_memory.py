@@ -199,15 +199,17 @@ def test_no_reference_cycle_holds_the_frozen_pass_graph(setup, monkeypatch):
     assert not held, f"{len(held)} tensors with an autograd graph held by reference cycles"
 
 
-def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch):
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch, chunk):
     """``SparseRows.weighted_abs`` (one influence step, in place over the rows of non-zero weight only) equals,
     bit for bit, ``Σ scale[row]·|val|`` accumulated over every stored entry in storage order — the sum the
-    influence steps took before: rows longer than a chunk, rows in several blocks, an empty row, rows of
-    weight 0, with and without a column mask."""
+    influence steps took before: rows longer than a chunk (7), runs of several short rows in one chunk (64:
+    one repeated weight vector), rows in several blocks, an empty row, rows of weight 0, with and without a
+    column mask."""
     from nnsight_lorsa.attribution import rows as rows_module
 
     monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
-    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 7)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", chunk)
     g = torch.Generator().manual_seed(1)
     n_rows, n_cols = 14, 25
     dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.3)
@@ -217,7 +219,7 @@ def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch):
         sp.append(dense[a:b])
     assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
     scale = torch.rand(n_rows, generator=g, dtype=torch.float64)
-    scale[[1, 2, 7, 12]] = 0
+    scale[[1, 7, 12]] = 0  # rows 9-11 (one block) and 2-4 (two) are runs of three weighted rows
     mask = torch.rand(n_cols, generator=g) > 0.3
     for col_mask in (None, mask):
         ref = torch.zeros(n_cols, dtype=torch.float64)
