@@ -20,6 +20,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 
     python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
     python -m benchmarks.gpu_scale --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
+    python -m benchmarks.gpu_scale --scale small --device cpu --dtype float32 --skip a b c --tokens 128 256
+                                                          # (d)'s overhead above the floor, on CPU
     python -m benchmarks.gpu_scale --skip a b c --offload --tokens 4096   # (d) offloaded, on an 80 GB H100
 
 Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
@@ -27,11 +29,13 @@ Writes ``results/gpu_scale_<scale>_<device name>.json`` with the device name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,10 +44,14 @@ import torch.nn.functional as F
 from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 
-#: the two scales: the 8B shape of issue 21 and a CPU smoke shape that exercises every code path
+#: the scales: the 8B shape of issue 21, a CPU shape where the model's own compute dominates the attribution
+#: batch as on the GPU (``small``: the per-batch overhead of attribution measured on CPU), and a CPU smoke shape
+#: that exercises every code path
 SCALES: dict[str, dict[str, Any]] = {
     "8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv=8, d_mlp=14336, vocab=128256, n_qk=256, n_ov=32768,
                top_k=128, d_tc=32768, k_tc=64, layer=15, batch_fwd=1, train_batch=8, train_seq=2048),
+    "small": dict(n_layers=4, d_model=512, n_heads=8, n_kv=2, d_mlp=1376, vocab=4096, n_qk=32, n_ov=2048,
+                  top_k=32, d_tc=4096, k_tc=32, layer=1, batch_fwd=1, train_batch=2, train_seq=256),
     "tiny": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=128, vocab=256, n_qk=8, n_ov=256, top_k=8,
                  d_tc=256, k_tc=8, layer=1, batch_fwd=1, train_batch=2, train_seq=32),
 }
@@ -245,10 +253,54 @@ def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> t
     return None, 0
 
 
+#: the stages of one ``attribute`` call timed by :func:`phase_times`: (module, attribute, name)
+PHASES = [("engine", "prepare", "clean_pass_and_layout"), ("trace", "frozen_forward_body", "frozen_forward"),
+          ("trace", "nnsight_backward", "backward"), ("rows", "RowStore.record", "record_rows"),
+          ("rows", "RowScheduler.next_rows", "next_rows_influence"), ("engine", "assemble", "assemble"),
+          ("engine", "assemble_pruned", "assemble")]
+
+
+@contextlib.contextmanager
+def phase_times(device: torch.device) -> Iterator[dict[str, float]]:
+    """Seconds spent in each stage of the ``attribute`` calls inside (:data:`PHASES`; the device synchronised at
+    each stage's end, so a stage's kernels count in it): the split of a batch's time above the floor
+    (``backward`` without ``record_rows``, which runs inside it)."""
+    import importlib
+
+    times: dict[str, float] = {}
+    undo = []
+    for mod_name, path, name in PHASES:
+        owner: Any = importlib.import_module(f"nnsight_lorsa.attribution.{mod_name}")
+        *outer, attr = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+
+        def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                sync(device)
+                times[_name] = times.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, fn))
+    try:
+        yield times
+    finally:
+        for owner, attr, fn in reversed(undo):
+            setattr(owner, attr, fn)
+        if "backward" in times:  # the rows are recorded inside the backward tracer's body: counted once
+            times["backward"] -= times.get("record_rows", 0.0)
+
+
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
-                vocab: int, out: list[dict[str, Any]], flush: Any) -> list[dict[str, Any]]:
+                vocab: int, out: list[dict[str, Any]], flush: Any, warmup: int = 0) -> list[dict[str, Any]]:
     """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor
-    (each row appended to ``out`` and written with ``flush()`` as soon as it is measured)."""
+    (each row appended to ``out`` and written with ``flush()`` as soon as it is measured); ``warmup`` untimed
+    ``attribute`` calls first. ``phases``: the seconds of each stage of the timed call (:func:`phase_times`;
+    ``other``: the rest — options, the scheduler, the trace's set-up, the gc)."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
 
@@ -262,17 +314,22 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         host_before = host_peak_reset()
         try:
-            t = time.perf_counter()
-            graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+            for _ in range(warmup):
+                attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+                gc.collect()
             sync(dev)
-            seconds = time.perf_counter() - t
+            with phase_times(dev) as phases:
+                t = time.perf_counter()
+                graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+                sync(dev)
+                seconds = time.perf_counter() - t
         except torch.cuda.OutOfMemoryError as e:
             out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300],
                         "estimate_device_bytes": est.device_bytes})
             flush()
             continue
         peak = peak_bytes(dev)
-        n_rows = int(graph.feature_rows.sum()) + len(graph.logit_ids)
+        n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // batch)
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
@@ -283,6 +340,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
+            "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
         })
         flush()
         del graph
@@ -300,6 +358,7 @@ def main() -> None:
                               help="(d) with the Lorsas and transcoders offloaded to the host (pinned)"),
                   cap_gb=arg(0.0, help="cap this process's device memory at this many GB "
                                       "(torch.cuda.set_per_process_memory_fraction): an 80 GB H100 on a larger card"),
+                  attr_warmup=arg(0, help="(d): untimed attribute calls before the timed one"),
                   out=arg(None, type=str)).parse_args()
     start(args)
     s, dev, dt = SCALES[args.scale], torch.device(args.device), getattr(torch, args.dtype)
@@ -321,7 +380,7 @@ def main() -> None:
     layer = s["layer"]
     lorsa = paper_lorsa(s, adapter, hf, layer, dev, dt)
     result["lorsa_bytes"] = sum(p.numel() * p.element_size() for p in lorsa.parameters())
-    seq = min(args.seq, s["train_seq"]) if args.scale == "tiny" else args.seq
+    seq = min(args.seq, s["train_seq"]) if args.scale != "8b" else args.seq
     x = torch.randn(s["batch_fwd"], seq, s["d_model"], device=dev, dtype=dt)
     if "a" not in args.skip:
         result["a_forward_vs_floor"] = forward_vs_floor(lorsa, x, args.repeats)
@@ -364,7 +423,7 @@ def main() -> None:
         peak_reset(dev)
         result["d_attribution"] = []
         attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats, s["vocab"],
-                    result["d_attribution"], flush)
+                    result["d_attribution"], flush, warmup=args.attr_warmup)
         for row in result["d_attribution"]:
             print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
     flush()

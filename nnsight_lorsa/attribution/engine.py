@@ -176,8 +176,11 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
         values = run(scheduler)
     finally:
         bar.close()
-    if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen
-        gc.collect()  # pass's graph (reference cycles through the trace) and its heap pages go
+    if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen pass's
+        # leftovers and their heap pages go. Its autograd graph is freed already (refcounts: the backward tracers'
+        # cycles hold no graph, trace.nnsight_backward); the young generations hold the tracers' last cycles
+        # (a full collection walks every object of the process: 0.2-0.3 s with transformers imported)
+        gc.collect(1)
         release_free_memory()
     if prune is not None:
         graph = assemble_pruned(layout, scheduler, values, node_threshold=prune.node_threshold,

@@ -180,16 +180,22 @@ class PositionSlots:
         slot[order] = torch.arange(n, device=pos.device) - starts[pos[order]]
         self.n_pos, self.width = n_pos, max(int(counts.max()) if n else 0, 1)
         self.flat = pos * self.width + slot
+        # node i in slot i (sorted groups of equal size: a TopK coder's k per position): the grid is the nodes
+        # themselves, no scatter into it nor gather out of it (in the forward or the backward)
+        self.identity = n == n_pos * self.width and bool((self.flat == torch.arange(n, device=pos.device)).all())
 
     def grid(self, vectors: Float[torch.Tensor, "n d"]) -> Float[torch.Tensor, "pos width d"]:
         """Vectors placed on the grid (zeros in empty slots)."""
+        if self.identity:
+            return vectors.contiguous().view(self.n_pos, self.width, -1)
         out = vectors.new_zeros(self.n_pos * self.width, vectors.shape[-1])
-        return out.index_copy(0, self.flat.to(vectors.device), vectors).view(self.n_pos, self.width, -1)
+        return out.index_copy_(0, self.flat.to(vectors.device), vectors).view(self.n_pos, self.width, -1)
 
     def write(self, coeff: Float[torch.Tensor, "batch n"], grid: Float[torch.Tensor, "pos width d"]
               ) -> Float[torch.Tensor, "batch pos d"]:
         """``out[b, p] = Σ_{i at p} coeff[b, i] · v_i`` for ``grid = self.grid(v)`` (the vectors placed)."""
-        c = coeff.new_zeros(coeff.shape[0], self.n_pos * self.width).index_copy(1, self.flat.to(coeff.device), coeff)
+        c = coeff if self.identity else coeff.new_zeros(coeff.shape[0], self.n_pos * self.width).index_copy(
+            1, self.flat.to(coeff.device), coeff)
         c = c.to(grid.dtype)
         return torch.bmm(c.view(-1, self.n_pos, self.width).transpose(0, 1), grid).transpose(0, 1).contiguous()
 
@@ -197,7 +203,17 @@ class PositionSlots:
              ) -> Float[torch.Tensor, "batch n"]:
         """``out[b, i] = x[b, pos_i] · u_i`` for ``grid = self.grid(u)``."""
         y = torch.bmm(x.transpose(0, 1), grid.transpose(1, 2)).transpose(0, 1)  # (batch, pos, width)
-        return y.reshape(x.shape[0], -1)[:, self.flat.to(x.device)]
+        y = y.reshape(x.shape[0], -1)
+        return y if self.identity else y[:, self.flat.to(x.device)]
+
+
+def take_rows(W: Float[torch.Tensor, "rows d"], idx: Int[torch.Tensor, " n"]) -> Float[torch.Tensor, "n d"]:
+    """``W[idx]``; for a transposed view (an encoder's ``W_enc.T``) gathered along the stored matrix's rows
+    (``W.T.index_select(1, idx)``, transposed back: contiguous reads, where ``W[idx]`` reads one strided
+    column per node — 6× slower on a CPU at 4096 × 512). Same values."""
+    if W.dim() == 2 and not W.is_contiguous() and W.T.is_contiguous():
+        return W.T.index_select(1, idx).T
+    return W[idx]
 
 
 def per_position(err: Float[torch.Tensor, "b pos d"], mult: Float[torch.Tensor, "batch pos"]) -> torch.Tensor:

@@ -49,6 +49,7 @@ from .frozen import (
     per_position,
     scaled,
     streamed_linear,
+    take_rows,
     z_pre,
 )
 from .layout import Layout
@@ -153,7 +154,7 @@ class FrozenReplacement:
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype) == "grid":
                 slots = self.slots(slot_key, pos)
                 with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site
-                    self._nodes[key] = GridNodes(slots, slots.grid(on(W.detach()[idx.to(W.device)], like)))
+                    self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(W.detach(), idx.to(W.device)), like)))
             elif W.device == like.device:  # W is read in every pass, where it is
                 self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), pos, self.layout.n_pos, like.dtype)
             else:  # W elsewhere (an offloaded module: the host): the nodes' distinct rows, kept where W is

@@ -53,6 +53,9 @@ BLOCK_ENTRIES = 2**24
 TRIM_EVERY = 8
 #: entries per step of the chunked passes over the stored rows (influence, pruning, assembly)
 CHUNK_ENTRIES = 2**18
+#: an influence step multiplies a run of ≥ 3 rows with at most this many entries by one repeated weight vector
+#: (128 KiB: a heap allocation, no fresh pages), a longer run row by row in place
+SMALL_RUN_ENTRIES = 2**14
 
 
 @dataclass
@@ -115,7 +118,7 @@ class SparseRows:
         r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
         del keep
         val = g[r, c]
-        counts, c, host_val = counts.to(HOST), c.to(HOST), val.to(HOST)
+        counts = counts.to(HOST)
         if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
             self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64, device=HOST))
         else:
@@ -129,29 +132,71 @@ class SparseRows:
             block = _Block(torch.empty(cap, dtype=torch.int32, device=HOST),
                            torch.empty(cap, dtype=val.dtype, device=HOST), self.n_rows)
             self.blocks.append(block)
-        block.col[block.fill:block.fill + n] = c
-        block.val[block.fill:block.fill + n] = host_val
+        # straight from the model's device into the block (no intermediate host copy: fresh pages per batch)
+        block.col[block.fill:block.fill + n].copy_(c)
+        block.val[block.fill:block.fill + n].copy_(val)
         block.ends.extend((block.fill + counts.cumsum(0)).tolist())
         block.fill += n
         self.n_rows += g.shape[0]
         self.nnz += n
 
-    def chunks(self, row_scale: torch.Tensor | None = None
-               ) -> Iterator[tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]]:
+    def chunks(self) -> Iterator[tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]]:
         """``(row (k,) int64, col (k,) int64, val (k,))`` of the stored entries, ≤ :data:`CHUNK_ENTRIES`
-        at a time, in storage order. With ``row_scale: (n_rows,)``, chunks whose rows are all 0 there
-        are skipped (they would contribute nothing: an influence pass then reads only the rows that
-        carry weight — in node order, one layer's)."""
+        at a time, in storage order."""
         for block in self.blocks:
             for e0 in range(0, block.fill, CHUNK_ENTRIES):
                 e1 = min(e0 + CHUNK_ENTRIES, block.fill)
-                if row_scale is not None:  # the chunk's rows (rows are contiguous): skip it if all are 0
-                    r0 = block.row_start + bisect.bisect_right(block.ends, e0)
-                    r1 = block.row_start + bisect.bisect_right(block.ends, e1 - 1)
-                    if not bool(row_scale[r0:r1 + 1].any()):
-                        continue
                 row = _rows_of(block.ends, e0, e1) + block.row_start
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
+
+    def weighted_abs(self, scale: Float[torch.Tensor, " n"], col_mask: torch.Tensor | None = None,
+                     buffer: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+        """``Σ_r scale[r] · |row r|``: ``(n_cols,)`` float64 (with ``col_mask``, a bool over the columns, only
+        the entries of its columns) — one step of :meth:`influence`. Reads only the rows with a non-zero
+        ``scale`` (the others add exact zeros), each entry's ``scale[r] · |v|`` computed in float64 and
+        accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in
+        ``buffer`` (float64, reused across calls; made here if None): a fresh multi-MB temporary per chunk
+        costs its page faults, as much as the arithmetic."""
+        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
+        if buffer is None:
+            buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
+        for block in self.blocks:
+            s = scale[block.row_start:block.row_start + len(block.ends)]
+            live = s.nonzero().flatten().tolist()
+            if not live:
+                continue
+            weights = s[live].tolist()  # Python floats: the same float64 values
+            runs: list[tuple[int, int, float]] = []  # (entry start, entry end, scale) of consecutive rows
+            for i, w in zip(live, weights, strict=True):
+                start, end = block.ends[i - 1] if i else 0, block.ends[i]
+                for a in range(start, end, CHUNK_ENTRIES):  # a row longer than a chunk: in pieces
+                    b = min(a + CHUNK_ENTRIES, end)
+                    if runs and (runs[-1][1] != a or b - runs[0][0] > CHUNK_ENTRIES):
+                        self._add_runs(out, block, runs, col_mask, buffer)
+                        runs = []
+                    runs.append((a, b, w))
+            if runs:
+                self._add_runs(out, block, runs, col_mask, buffer)
+        return out
+
+    @staticmethod
+    def _add_runs(out: torch.Tensor, block: _Block, runs: list[tuple[int, int, float]], col_mask: torch.Tensor | None,
+                  buffer: torch.Tensor) -> None:
+        """``out[col] += w · |val|`` over contiguous runs ``(start, end, w)`` of ``block``'s entries."""
+        e0, e1 = runs[0][0], runs[-1][1]
+        contrib = buffer[:e1 - e0]
+        contrib.copy_(block.val[e0:e1]).abs_()
+        if len(runs) >= 3 and e1 - e0 <= SMALL_RUN_ENTRIES:  # many short rows: one multiply by the repeated weights
+            weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64, device=HOST)
+            lengths = torch.tensor([b - a for a, b, _ in runs], dtype=torch.long, device=HOST)
+            contrib.mul_(torch.repeat_interleave(weights, lengths, output_size=e1 - e0))
+        else:  # long rows: in place, one multiply each (a per-entry weight vector would be a fresh large tensor)
+            for a, b, w in runs:
+                contrib[a - e0:b - e0].mul_(w)
+        col = block.col[e0:e1]
+        if col_mask is not None:
+            contrib.mul_(col_mask[col])
+        out.index_add_(0, col, contrib)
 
     def dense(self) -> Float[torch.Tensor, "n s"]:
         """The kept entries as a dense ``(n_rows, n_cols)`` matrix (dropped ones 0)."""
@@ -185,15 +230,13 @@ class SparseRows:
                 den.index_add_(0, row[k], val[k].double().abs())
         inv = 1.0 / den.clamp_min(1e-30)
 
+        if node_mask is not None:  # a row whose target is outside the mask counts nothing
+            inv = inv * node_mask[row_node]
+        buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
+
         def propagate(w: torch.Tensor) -> torch.Tensor:
-            scale = w.double() * inv  # w[r] · |v| / den[r] = (w / den)[r] · |v|
-            out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
-            for row, col, val in self.chunks(scale):
-                contrib = scale[row] * val.double().abs()
-                if node_mask is not None:
-                    contrib = contrib * (node_mask[col] & node_mask[row_node[row]])
-                out.index_add_(0, col, contrib)
-            return out
+            # w[r] · |v| / den[r] = (w / den)[r] · |v|
+            return self.weighted_abs(w.double() * inv, None if node_mask is None else node_mask[:self.n_cols], buffer)
 
         return influence_series(propagate, row_node, row_weight.double(), self.n_cols, max_iter)
 

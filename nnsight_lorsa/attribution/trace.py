@@ -298,6 +298,8 @@ def nnsight_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torc
         grad: torch.Tensor = M.grad  # type: ignore[assignment]  # served by nnsight as it arrives
         consume(grad.clone())  # a copy: autograd goes on accumulating into M.grad
     M.grad = None
+    obj.detach_()  # nnsight's backward tracer keeps obj in a reference cycle: without its grad_fn it does not
+    # keep the frozen pass's autograd graph alive until a full garbage collection
 
 
 def backward_rows(frozen: FrozenReplacement, M: torch.Tensor, scheduler: Any, batch_size: int,

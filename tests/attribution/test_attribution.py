@@ -457,6 +457,28 @@ def test_position_slots_take_groups_in_any_order():
     assert torch.allclose(slots.read(x, grid), (x[:, groups] * vec[None]).sum(-1), atol=1e-6)
 
 
+def test_position_slots_filled_in_order_are_the_vectors_themselves():
+    """Nodes that fill the grid in order (a TopK coder: ``k`` per position, sorted) use the vectors as the grid,
+    with no scatter or gather: the same writes, reads and gradients, bit for bit, as the scattered grid."""
+    from nnsight_lorsa.attribution.frozen import PositionSlots
+
+    g = torch.Generator().manual_seed(1)
+    pos = torch.arange(4).repeat_interleave(3)
+    fast, slow = PositionSlots(pos, 4), PositionSlots(pos, 4)
+    slow.identity = False  # the general path: zero grid, scatter, gather
+    assert fast.identity and not PositionSlots(pos.flip(0), 4).identity
+    assert not PositionSlots(torch.tensor([0, 0, 1, 2, 2]), 3).identity  # uneven groups: padded
+    vec = torch.randn(12, 5, generator=g)
+    coeff = torch.randn(2, 12, generator=g, requires_grad=True)
+    x = torch.randn(2, 4, 5, generator=g, requires_grad=True)
+    outs = []
+    for slots in (fast, slow):
+        grid = slots.grid(vec)
+        w, r = slots.write(coeff, grid), slots.read(x, grid)
+        outs.append((grid, w, r, *torch.autograd.grad((w * w).sum() + (r * r).sum(), (coeff, x))))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
 def test_objective_injects_only_the_targeted_sites(llama):
     """``FrozenReplacement.objective`` (backward from the targeted sites only) gives the same
     gradient as injecting through all targets, and a batch of lowest-layer targets never reaches
