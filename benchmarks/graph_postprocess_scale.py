@@ -33,7 +33,8 @@ from benchmarks._timing import RESULTS, arg, command, environment, parser, start
 from benchmarks.attribution_host_estimate_8b import SHAPE, synthetic_layout
 from benchmarks.gpu_scale import host_peak, host_peak_reset
 from nnsight_lorsa.attribution import Graph, graph_scores, prune, to_neuronpedia
-from nnsight_lorsa.attribution.graph import HOST, BlockAdjacency
+from nnsight_lorsa.attribution.blocks import BlockAdjacency
+from nnsight_lorsa.attribution.graph import HOST
 
 
 def synthetic_graph(P: int, rows: int = 64, s: dict = SHAPE, seed: int = 0) -> Graph:

@@ -22,11 +22,12 @@ are :func:`.checks.intervention_edges` and :func:`.checks.replacement_logits`.
 """
 
 from .attribute import attribute
+from .blocks import BlockAdjacency
 from .budget import MemoryEstimate, estimate_memory
 from .checks import CircuitMetrics, circuit_metrics
 from .engine import cache_for_attribution
 from .export import save_neuronpedia, to_neuronpedia
-from .graph import BlockAdjacency, Graph
+from .graph import Graph
 from .intervened import IntervenedAttribution
 from .logit_targets import LogitTargets
 from .qk import QKAttribution, qk_attribution

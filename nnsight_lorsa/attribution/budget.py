@@ -19,7 +19,7 @@ per edge:
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
   estimate is above the resident weights);
 * *rows* (host): every row with every entry — the full graph, and pruning while building with
-  ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.graph.BlockAdjacency`:
+  ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`:
   per target (site, position), the sources upstream of it — an edge each, counted exactly from the
   layout; ~0.2·``N²`` on the embedded model); a feature budget or ``keep_mass < 1`` stores the
   non-zero entries sparse, 4 B + an edge each — their number counted exactly from the graph's
@@ -153,7 +153,7 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
 
 def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
     """Bytes of a budgeted, unpruned graph's adjacency (:func:`.rows.assemble`: a
-    :class:`.graph.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
+    :class:`.blocks.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
     sources), an upper bound linear in ``P`` for a fixed budget: every row over every source (exact for the
     logit rows, which read every position), and the block index — one source list per target site
     (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""

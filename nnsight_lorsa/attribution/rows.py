@@ -8,7 +8,7 @@ estimated from the rows computed so far (circuit-tracer's influence-ordered sele
 feature row is computed in node order (:class:`RowScheduler`).
 
 *Storage*, as each batch of rows is computed (nothing per row kept twice): the full graph's rows go
-straight into its adjacency, stored by causal blocks (:class:`.graph.BlockAdjacency`: only the
+straight into its adjacency, stored by causal blocks (:class:`.blocks.BlockAdjacency`: only the
 entries that can be non-zero, ~20 % of ``n_nodes²`` on the embedded model); otherwise (a feature
 budget, or pruning while building) into :class:`SparseRows` — 8 B per kept entry in large blocks — where a row keeps its
 non-zero entries, or its largest ``|edges|`` up to a fraction ``keep_mass`` of its absolute mass;
@@ -16,7 +16,7 @@ the signed sum of the dropped entries is kept exactly as the row's ``residual``,
 residual`` still equals the target's value.
 
 *Assembly*: :func:`assemble` (every visited feature and every error/embedding/bias/logit node; the adjacency
-is the computed rows' causal blocks, :class:`.graph.BlockAdjacency` — with a feature budget ``rows × sources``
+is the computed rows' causal blocks, :class:`.blocks.BlockAdjacency` — with a feature budget ``rows × sources``
 at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
 same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
 the stored entries — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
@@ -38,7 +38,8 @@ import torch
 
 from .._memory import release_free_memory
 from .._typing import Float, Int
-from .graph import BIAS, EMBEDDING, HOST, LOGIT, BlockAdjacency, Graph
+from .blocks import BlockAdjacency
+from .graph import BIAS, EMBEDDING, HOST, LOGIT, Graph
 from .layout import Layout
 from .scores import find_threshold, influence_series, prune_entries
 
@@ -252,7 +253,7 @@ class RowStore:
     """Computed edge rows, in computation order: ``done[i]`` is the target of the ``i``-th row.
 
     Rows go, as each batch is computed, either into a dense matrix of ``dense_shape`` at the row
-    :meth:`position` says, or into the full graph's :class:`.graph.BlockAdjacency` made by ``blocks(dtype)``
+    :meth:`position` says, or into the full graph's :class:`.blocks.BlockAdjacency` made by ``blocks(dtype)``
     (at the row :meth:`position` says: the graph's adjacency itself, no second copy of the rows), or
     sparse into a :class:`SparseRows` (``keep_mass`` as there; None keeps every non-zero entry)."""
 
@@ -306,7 +307,7 @@ class RowScheduler(RowStore):
 
     Target row ``r < n_features`` is feature node ``r``; ``r ≥ n_features`` is logit ``r − n_features``.
     When every row is computed and none is dropped (``max_feature_nodes`` None, ``keep_mass`` None),
-    the rows are written straight into the full graph's adjacency (:class:`.graph.BlockAdjacency`, its
+    the rows are written straight into the full graph's adjacency (:class:`.blocks.BlockAdjacency`, its
     causal blocks); otherwise they are stored sparse (:class:`SparseRows`).
 
     Args:
@@ -406,7 +407,7 @@ class FixedRows(RowStore):
 
 def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prompt: str, meta: dict[str, Any]) -> Graph:
     """The :class:`Graph` over the visited features and every error/embedding/bias/logit node. Its adjacency is
-    a :class:`.graph.BlockAdjacency` whatever the budget: the full graph's (written in place as the rows were
+    a :class:`.blocks.BlockAdjacency` whatever the budget: the full graph's (written in place as the rows were
     computed), or, with a feature budget, the computed rows' causal blocks over the graph's nodes
     (:func:`_budget_blocks`: ``rows × their upstream sources``, linear in the prompt's length for a fixed
     budget, where a dense ``n_nodes²`` matrix is quadratic)."""
@@ -446,7 +447,7 @@ def _graph_index(node_ids: torch.Tensor, n_all: int) -> torch.Tensor:
 
 def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tensor, node_ids: torch.Tensor,
                    residual: torch.Tensor) -> BlockAdjacency:
-    """The computed rows of a budgeted graph as a :class:`.graph.BlockAdjacency` over the graph's nodes
+    """The computed rows of a budgeted graph as a :class:`.blocks.BlockAdjacency` over the graph's nodes
     ``node_ids`` (layout ids: the visited features, every other source, the logits), each row written once
     from the stored sparse entries, :data:`CHUNK_ENTRIES` dense entries at a time. Edges from sources that
     are not graph nodes (features never visited) are summed, exactly, into ``residual`` (float64, in place,

@@ -38,7 +38,8 @@ import torch
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, ConfigMismatchError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph, segments
+from .blocks import segments
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 
 
 def normalize_rows(rows: Float[torch.Tensor, "n m"]) -> Float[torch.Tensor, "n m"]:
