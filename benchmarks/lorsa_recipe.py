@@ -53,7 +53,9 @@ from nnsight_lorsa.training import (
 )
 
 # name -> (TrainConfig overrides, LorsaRecipe overrides, QK/OV from the MHSA)
-OLD = {"ov_init": "mhsa", "scale_init": False, "b_d_init": False, "dead_remedy": "auxk"}
+# the LorsaRecipe defaults before issue 26 made the weak annealed balance and the ||w_o|| split the default
+AUXK = {"rank_by_decoder_norm": False, "dead_remedy": "auxk", "remedy_until": 1.0, "balance_max": 8.0}
+OLD = {"ov_init": "mhsa", "scale_init": False, "b_d_init": False, **AUXK}
 VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
     "old_demo": ({"lr": 4e-3}, OLD, True),                                  # the former default
     "old_lr1e-3": ({"lr": 1e-3}, OLD, True),
@@ -63,7 +65,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
     "value_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "value_svd", "scale_init": True, "b_d_init": True}, True),
     "output_svd+scale": ({"lr": 4e-3}, {**OLD, "ov_init": "output_svd", "scale_init": True, "b_d_init": True}, True),
     "recipe": ({}, {}, True),
-    "recipe_w_o": ({"lr": 4e-3}, {"rank_by_decoder_norm": True}, True),    # the authors' split (issue 26)
+    # issue 26: the former default (scale in w_v, AuxK) and the authors' split with AuxK, spelled out
+    "former_default": ({"lr": 4e-3}, AUXK, True),
+    "recipe_w_o": ({"lr": 4e-3}, {**AUXK, "rank_by_decoder_norm": True}, True),
+    "recipe_lr4e-3": ({"lr": 4e-3}, {}, True),                             # the default recipe at lr 4e-3
 }
 
 

@@ -28,7 +28,7 @@ it the output scale sits in ``‖w_o‖``: "Where the output scale lives" below)
 and a dead-head remedy (``dead_remedy``, applied during the first ``remedy_until`` of the steps; a
 head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firing):
 
-* ``"auxk"`` (default) — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``, Gao et al.
+* ``"auxk"`` (the former default) — AuxK on post-ReLU activations (the trainer's ``aux_k_coef``, Gao et al.
   2024); it cannot revive a head whose pre-activation is negative everywhere.
 * ``"ghost"`` — ghost grads (Jermyn & Templeton 2024, Anthropic circuits update): dead heads
   reconstruct the residual error with ``exp(z_pre)`` (positive, with a gradient at any
@@ -43,7 +43,8 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
   at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
   where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
-* ``"balance"`` — frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
+* ``"balance"`` (default, weak and annealed: ``balance_max = 1``, ``remedy_until = 0.5``) —
+  frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
   router, made multiplicative so that it folds): the top-k ranks heads by ``z_pre · g_h`` (the output
   still uses ``z``), and each head's log-gain ``log g_h ∈ [0, balance_max]`` rises by
   ``balance_rate`` per step while its firing rate (an EMA, ``balance_ema``) is below
@@ -64,12 +65,14 @@ by about ``lr`` whatever its weight's size, so with ``c`` in ``w_v`` each step c
 ``b_v`` ``1/c ≈ 2.5`` times more relative to ``z``; ``b_v`` drifting negative is what leaves most dead
 heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with 8–15 points
 more dead heads than ``"w_o"`` on every layer measured (embedded Llama layers 0–3, GPT-2 and NeoX;
-layer 2, 600 steps, lr 4e-3: 89.3% vs 80.1% at FVU 0.0143 vs 0.0150). Not the default: against the
-``"w_v"`` split it costs up to 16% FVU on some layers, and it dominates the authors' trainer on only
-some layers (elsewhere theirs keeps more heads alive at a higher FVU; docs/training.md, issue 26).
+layer 2, 600 steps, lr 4e-3: 89.3% vs 80.1% at FVU 0.0143 vs 0.0150). The default since issue 26
+(``rank_by_decoder_norm=True``), together with the weak annealed ``"balance"`` remedy.
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
-(the closed-form scale above all); no remedy keeps most heads alive without costing fidelity.
+(the closed-form scale above all). Of the remedies, a weak balance (log-gains capped at 1, on for the
+first half of the run, then decayed to 1 by the last step) keeps many more heads alive at the same
+FVU; left on to the end, or stronger, it costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.json``,
+docs/training.md "Why ours killed more heads: one mechanism at a time").
 """
 
 from __future__ import annotations
@@ -116,9 +119,14 @@ class LorsaRecipe:
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
             during training (folding renormalises exactly); with ``scale_into=None`` the closed-form
             scale then sits in ``‖w_o‖`` (the authors' parametrisation: 8–15 points fewer dead heads at
-            the same lr for 0–16% more FVU, docs/training.md; not the default, see there).
-        dead_remedy: ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"`` | ``"none"``.
-        remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle).
+            the same lr for 0–16% more FVU than ``False``, docs/training.md). Default True (issue 26).
+        dead_remedy: ``"balance"`` (default) | ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"``
+            | ``"none"``.
+        remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle);
+            default 0.5 (``"balance"``: its gains then decay to 1 by the last step).
+        balance_floor, balance_rate, balance_ema, balance_max: the ``"balance"`` remedy's firing-rate
+            floor (a fraction of ``k / n_ov``), log-gain step per step, EMA weight and log-gain cap
+            (default 1: gains of at most ``e``; module docstring).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
             revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
             head's ``w_o`` is also pointed at the error of its best token.
@@ -132,16 +140,16 @@ class LorsaRecipe:
     init_windows: int | None = None
     k_anneal_from: int | None = None
     k_anneal_frac: float = 0.3
-    rank_by_decoder_norm: bool = False
-    dead_remedy: str = "auxk"
-    remedy_until: float = 1.0
+    rank_by_decoder_norm: bool = True
+    dead_remedy: str = "balance"
+    remedy_until: float = 0.5
     ghost_coef: float = 1.0
     revive_margin: float = 0.05
     revive_aim: bool = False
     balance_floor: float = 0.1
     balance_rate: float = 0.05
     balance_ema: float = 0.1
-    balance_max: float = 8.0
+    balance_max: float = 1.0
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:

@@ -66,8 +66,9 @@ class TrainConfig(OptimConfig):
 
     Attributes:
         total_steps, lr, betas, grad_clip, decay_frac: as :class:`OptimConfig` (Adam; the decay is the WSD
-            schedule's, to 0 at the last step). warmup_frac: the WSD schedule's warmup as a fraction of
-            ``total_steps``. norm_batches: batches the scale factors are estimated on.
+            schedule's, to ``decay_to`` at the last step). warmup_frac: the WSD schedule's warmup as a fraction of
+            ``total_steps``. decay_to: the fraction of ``lr`` the decay ends at (0; the Lorsa authors'
+            trainer: 1/32). norm_batches: batches the scale factors are estimated on.
         aux_k: latents in AuxK (default ``2 · top_k``). aux_k_coef: AuxK weight (TopK / BatchTopK /
             Lorsa). dead_after_tokens: tokens without firing after which a latent counts as dead.
         l1_coef: weight of the decoder-norm-weighted L1 (ReLU dictionaries).
@@ -86,6 +87,7 @@ class TrainConfig(OptimConfig):
     """
 
     warmup_frac: float = 0.05
+    decay_to: float = 0.0
     norm_batches: int = 4
     aux_k: int | None = None  # default: 2 * top_k
     aux_k_coef: float = 1.0 / 32
@@ -103,7 +105,8 @@ class TrainConfig(OptimConfig):
         """Check every field (also run at construction, and by :class:`~.trainer.Trainer` on the config it is given).
 
         The shared fields as :meth:`OptimConfig.validate`; then integers are ``int`` (``bool`` is not one),
-        floats finite real numbers: ``norm_batches``, ``log_every``, ``dead_after_tokens`` ≥ 1; ``aux_k`` None
+        floats finite real numbers: ``decay_to`` in ``[0, 1]``; ``norm_batches``, ``log_every``,
+        ``dead_after_tokens`` ≥ 1; ``aux_k`` None
         or ≥ 1; ``warmup_frac`` in ``[0, 1]`` with ``warmup_frac + decay_frac`` ≤ 1; ``aux_k_coef``,
         ``l1_coef``, ``l0_coef`` ≥ 0; ``normalize_decoder`` None or a bool; ``sparse_kernels`` a bool;
         ``wandb_project``, ``wandb_run_name`` None or a non-empty str; ``history`` a list.
@@ -117,6 +120,7 @@ class TrainConfig(OptimConfig):
         if self.aux_k is not None:
             _check_int("TrainConfig", "aux_k", self.aux_k)
         _check_real("TrainConfig", "warmup_frac", self.warmup_frac, upper=1.0)
+        _check_real("TrainConfig", "decay_to", self.decay_to, upper=1.0)
         if self.warmup_frac + self.decay_frac > 1:
             raise ArgumentError(f"TrainConfig.warmup_frac + decay_frac must be at most 1 (the warmup and the decay "
                                 f"are parts of one run), got warmup_frac={self.warmup_frac!r} + "

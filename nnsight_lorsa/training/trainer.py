@@ -120,7 +120,8 @@ class Trainer:
         self.optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, betas=config.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: wsd_lr_factor(s, config.total_steps, config.warmup_frac, config.decay_frac),
+            lambda s: wsd_lr_factor(s, config.total_steps, config.warmup_frac, config.decay_frac,
+                                    float(config.decay_to)),
         )
 
     @torch.no_grad()

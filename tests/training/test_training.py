@@ -11,6 +11,7 @@ from helpers import tiny_training_setup
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet
 from nnsight_lorsa.errors import CheckpointError
+from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import (
     ActivationSource,
     LorsaObjective,
@@ -43,6 +44,20 @@ def test_wsd_schedule():
     assert factors[0] == pytest.approx(0.1) and factors[9] == 1.0
     assert all(f == 1.0 for f in factors[10:80])
     assert factors[-1] == pytest.approx(0.0) and factors[85] < factors[80]
+    # decay_to (TrainConfig.decay_to): the decay ends at that fraction of the lr (the authors' 1/32)
+    ends = [wsd_lr_factor(s, 100, warmup_frac=0.1, decay_frac=0.2, min_factor=1 / 32) for s in range(100)]
+    assert ends[:80] == factors[:80] and ends[-1] == pytest.approx(1 / 32) and ends[85] < ends[80]
+
+
+def test_trainer_lr_ends_at_decay_to():
+    cfg = TrainConfig(total_steps=10, lr=1e-3, warmup_frac=0.0, decay_frac=0.5, decay_to=0.25)
+    t = Trainer(SparseAutoencoder(SAEConfig(d_in=4, d_sae=8, activation="relu")), lambda i: None, cfg)
+    lrs = []
+    for _ in range(10):
+        lrs.append(t.scheduler.get_last_lr()[0])
+        t.optimizer.step()
+        t.scheduler.step()
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(0.25e-3) and lrs[7] > lrs[-1]
 
 
 def test_fvu_accumulator_matches_one_shot():
@@ -80,11 +95,12 @@ def test_training_reduces_fvu_and_folding_is_exact(setup):
     history = trainer.train(progress=False)
     assert history[-1]["fvu"] < 0.5 * history[0]["fvu"]
     assert all(h["l0"] <= 8 for h in history)
-    # folded weights act on raw activations exactly as the trained ones act on scaled ones
+    # folded weights act on raw activations exactly as the trained function acts on scaled ones (the
+    # training-time ranking: z·‖w_o‖ by default, training_output; the module's own forward ranks by z)
     batch = source(0)
     folded = trainer.folded()
     with torch.no_grad():
-        want = trainer.module(batch.x * trainer.s_in, batch.positions) / trainer.s_out
+        want = trainer.objective.training_output(batch.x * trainer.s_in, batch.positions) / trainer.s_out
         got = folded(batch.x, batch.positions)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
