@@ -152,7 +152,7 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     """The counts do not depend on the device; on a GPU ``device_bytes`` is the frozen pass and
     ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both. A prompt copy of
     the frozen pass is counted with the GPU's SDPA coefficient there (measured on an H200), the CPU's here."""
-    from nnsight_lorsa.attribution.budget import PER_COPY_NUMBERS, PER_COPY_NUMBERS_GPU_SDPA
+    from nnsight_lorsa.attribution.budget import PER_COPY_NUMBERS, PER_COPY_NUMBERS_GPU_SDPA, ROW_BUFFERS
 
     cpu = estimate_memory(setup(), IDS, batch_size=8, memory="lean")
     est = estimate_memory(setup(device), IDS, batch_size=8, memory="lean")
@@ -162,7 +162,7 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     activations = hf.config.num_hidden_layers * hf.config.hidden_size * len(IDS) * 4  # L·d·P·b, fp32
     rows_part = cpu.terms["frozen_per_copy"] - int(PER_COPY_NUMBERS * activations)
     coefficient = PER_COPY_NUMBERS if device == "cpu" else PER_COPY_NUMBERS_GPU_SDPA
-    assert rows_part == 5 * cpu.terms["n_sources"] * 4  # ROW_BUFFERS source-sized fp32 buffers
+    assert rows_part == ROW_BUFFERS * cpu.terms["n_sources"] * 4  # source-sized fp32 buffers
     assert est.terms["frozen_per_copy"] == int(coefficient * activations) + rows_part
     t = est.terms
     assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
