@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
 from nnsight_lorsa import Lorsa, LorsaConfig
@@ -186,3 +188,47 @@ def test_config_from_mhsa_takes_every_field_from_the_mhsa(family):
     assert cfg.rotary == w.rotary and cfg.scale == pytest.approx(1.0 / w.scale)
     assert cfg.qk_norm == (w.q_norm is not None) and cfg.qk_norm_eps == w.qk_norm_eps
     assert (cfg.layer, cfg.architecture) == (1, family)
+
+
+def _transformers_rope(x, cos, sin, interleaved):
+    """transformers' ``q·cos + rotate_half(q)·sin`` (GPT-J's ``rotate_every_two`` when interleaved), with
+    cos/sin cast to x's dtype and the dims past ``rotary_dim`` passed through (GPT-NeoX's partial rotary)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rot = cos.shape[-1]
+    xr = x[..., :rot]
+    if interleaved:
+        turned = torch.stack((-xr[..., 1::2], xr[..., ::2]), -1).flatten(-2)
+    else:
+        turned = torch.cat((-xr[..., rot // 2:], xr[..., :rot // 2]), -1)
+    return torch.cat((xr * cos + turned * sin, x[..., rot:]), -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), interleaved=st.booleans(),
+       rot_quarters=st.integers(1, 4), batch=st.integers(1, 3), per_batch_positions=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_apply_rotary_is_bit_identical_to_transformers(dtype, interleaved, rot_quarters, batch,
+                                                      per_batch_positions, seed):
+    """``apply_rotary`` (pair-swap form, whole-width kernels) gives transformers' RoPE bit for bit in every
+    dtype, both layouts, partial rotary, (pos,) or (batch, pos) positions, on the heads-first non-contiguous
+    layout ``Lorsa.qk`` produces, with and without autograd; its gradient flows to x."""
+    from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(seed)
+    heads, seq, head_dim = 3, 7, 16
+    rope = RotaryConfig(head_dim=head_dim, rotary_dim=4 * rot_quarters, interleaved=interleaved)
+    x = (torch.randn(heads, batch * seq, head_dim, generator=gen) * 4).to(dtype)
+    x = x.view(heads, batch, seq, head_dim).transpose(0, 1)  # as Lorsa.qk's batched matmul lays it out
+    positions = torch.randint(0, 100, (batch, seq), generator=gen) if per_batch_positions else torch.arange(seq)
+    cos, sin = rotary_cos_sin(rope, positions)
+    want = _transformers_rope(x, cos, sin, interleaved)
+    with torch.no_grad():
+        free = apply_rotary(x, cos, sin, interleaved)
+    leaf = x.clone().requires_grad_(True)
+    tracked = apply_rotary(leaf, cos, sin, interleaved)
+    assert free.dtype == dtype and free.shape == x.shape
+    assert torch.equal(free, want) and torch.equal(tracked.detach(), want)
+    tracked.float().square().sum().backward()
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
