@@ -274,9 +274,9 @@ def test_fp32_model_computed_in_half_precision(dtype, reference):
 #: the memory modes of a bf16 model's attribution: the three engines' modes, a feature budget (sparse rows, then
 #: the budgeted blocks), pruning while building (sparse rows, ``keep_mass < 1``: the kept entries copied from the
 #: device straight into their storage blocks) and both at once
-BF16_MODES = {"auto": {}, "lean": {"memory": "lean"}, "fast": {"memory": "fast"},
-              "budget": {"max_feature_nodes": 30}, "prune_while_building": {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)},
-              "budget+prune": {"max_feature_nodes": 30, "prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}}
+KEEP = PruneConfig(0.8, 0.98, keep_mass=0.99)
+BF16_MODES = {"auto": {}, "lean": {"memory": "lean"}, "fast": {"memory": "fast"}, "budget": {"max_feature_nodes": 30},
+              "prune_while_building": {"prune": KEEP}, "budget+prune": {"max_feature_nodes": 30, "prune": KEEP}}
 
 
 def graph_tensors(g: Graph) -> dict[str, torch.Tensor]:
