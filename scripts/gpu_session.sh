@@ -29,6 +29,8 @@ set -u
 
 OUT="${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.." || exit 2  # the repository root: python -m benchmarks.gpu_scale, pytest's rootdir
 PY="${PYTHON:-python3}"
 SMALL="${GPU_SESSION_SMALL:-0}"
 BUDGET="${GPU_SESSION_BUDGET_S:-540}"
