@@ -152,6 +152,7 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     rows = graph.feature_rows.nonzero().flatten()
     col_of = {int(n): i for i, n in enumerate(layout_target_nodes(layout))}
     target_cols = torch.tensor([col_of[int(graph.layout_ids[r])] for r in rows], device=HOST)
+    sources = sources.to(HOST, torch.long)  # graph node ids, possibly made on the model's device
     src_cols = graph.layout_ids[sources]
     out = []
     for chunk in src_cols.split(batch_size):

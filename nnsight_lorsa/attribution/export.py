@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArgumentError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .scores import PruneResult, prune
 
 SCHEMA_VERSION = 1
@@ -185,7 +185,7 @@ def to_neuronpedia(
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
     N = graph.n_nodes
-    e = prune_result.edge_index
+    e = prune_result.edge_index.to(HOST)  # a prune result made elsewhere (a device) reads like the graph's
     if prune_result.node_mask.shape != (N,) or e.dim() != 2 or e.shape[0] != 2 or (
             e.numel() and not (int(e.min()) >= 0 and int(e.max()) < N)):
         raise ValueError(f"prune result: node mask {tuple(prune_result.node_mask.shape)} / edge index "
@@ -194,7 +194,7 @@ def to_neuronpedia(
     last = int(graph.tokens.numel()) - 1
     triples = [_ids(graph, i, L, last) for i in range(N)]
     ids = [t[0] for t in triples]
-    kept = prune_result.node_mask.bool()
+    kept = prune_result.node_mask.to(HOST).bool()
     t, s = e.long()
     edges = kept[t] & kept[s]  # the kept edges between kept nodes, in edge_index's (target-major) order
     targets, sources = t[edges], s[edges]

@@ -141,10 +141,11 @@ class Graph(FieldsRepr):
                     ) -> Float[torch.Tensor, "..."]:
         """``adjacency[targets, sources]`` (node ids; the two broadcast together, e.g. ``rows[:, None]`` and
         ``cols[None, :]`` for a sub-matrix), in the adjacency's dtype — from the causal blocks if the graph
-        keeps them (:meth:`BlockAdjacency.gather`: memory of the result, no ``n_nodes²`` matrix)."""
+        keeps them (:meth:`BlockAdjacency.gather`: memory of the result, no ``n_nodes²`` matrix). The ids may be on
+        any device (a graph lives on the host; the result does too), like the blocks' path."""
         a = self._adjacency
         if isinstance(a, torch.Tensor):
-            return a[targets.long(), sources.long()]
+            return a[targets.to(a.device, torch.long), sources.to(a.device, torch.long)]
         return a.gather(targets, sources)
 
     @property

@@ -259,3 +259,39 @@ def test_streamed_linear_has_the_linear_gradient():
         (a,) = torch.autograd.grad(out, x, grad, retain_graph=True)
         (b,) = torch.autograd.grad(ref, x, grad, retain_graph=True)
         assert float((a - b).abs().max()) <= 1e-6 * float(b.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_offloaded_bf16_attribution_on_device_equals_the_resident_graph(device, kind, monkeypatch):
+    """A bf16 model on ``device`` with bf16 modules (per-layer transcoders, or a cross-layer transcoder whose
+    per-layer views are fetched through their ``weights_owner``), offloaded: the modules stay on the host in bf16
+    (pinned where CUDA is), the graph (both memory modes, and pruned while building) is on the host and equals
+    the resident modules' — bit for bit on the CPU (``fetch`` made a real copy), on CUDA within the bf16 edge
+    bound (2e-2 of max |A|: its atomics may reorder a bf16 gradient's sums, one bf16 ulp is 4e-3)."""
+    from nnsight_lorsa.attribution import PruneConfig
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+
+    rep = bundle(kind)
+    hf_module(rep.model).to(device=device, dtype=torch.bfloat16)
+    for m in modules_of(rep):
+        m.to(device=device, dtype=torch.bfloat16)
+    runs = {"fast": {"memory": "fast"}, "lean": {"memory": "lean"},
+            "prune": {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}}
+    refs = {name: attribute(rep, PROMPTS[0], batch_size=24, **kw) for name, kw in runs.items()}
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    for m in modules_of(off):
+        assert {(p.device.type, p.dtype) for p in m.parameters()} == {("cpu", torch.bfloat16)}
+        assert device == "cpu" or all(p.is_pinned() for p in m.parameters())
+    copies = real_copies(monkeypatch) if device == "cpu" else []
+    for name, kw in runs.items():
+        g, ref = attribute(off, PROMPTS[0], batch_size=24, **kw), refs[name]
+        assert g.values.device.type == "cpu" and g.densify().device.type == "cpu", name
+        assert torch.equal(g.layout_ids, ref.layout_ids), name
+        if device == "cpu":
+            assert_identical(g, ref, f"{kind} {name}")
+        else:
+            A, R = g.densify(), ref.densify()
+            assert float((A - R).abs().max()) <= 2e-2 * float(R.abs().max()), name
+    assert device != "cpu" or copies, "nothing was fetched"
+    assert all(p.device.type == "cpu" for m in modules_of(off) for p in m.parameters())

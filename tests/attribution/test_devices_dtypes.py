@@ -268,3 +268,120 @@ def test_fp32_model_computed_in_half_precision(dtype, reference):
     assert gap["shared"] >= 0.99 and gap["value"] < VALUE_GAP[dtype], gap
     if dtype in GRAPH_GAP:
         assert gap["graph"] < GRAPH_GAP[dtype], gap
+
+
+# ------------------------------------------------------------------- bf16 on a device, every workflow (issue 21)
+#: the memory modes of a bf16 model's attribution: the three engines' modes, a feature budget (sparse rows, then
+#: the budgeted blocks), pruning while building (sparse rows, ``keep_mass < 1``: the kept entries copied from the
+#: device straight into their storage blocks) and both at once
+KEEP = PruneConfig(0.8, 0.98, keep_mass=0.99)
+BF16_MODES = {"auto": {}, "lean": {"memory": "lean"}, "fast": {"memory": "fast"}, "budget": {"max_feature_nodes": 30},
+              "prune_while_building": {"prune": KEEP}, "budget+prune": {"max_feature_nodes": 30, "prune": KEEP}}
+
+
+def graph_tensors(g: Graph) -> dict[str, torch.Tensor]:
+    """Every tensor a graph holds (its adjacency as it keeps it: the causal blocks or the dense matrix)."""
+    n = g.nodes
+    out = {"tokens": g.tokens, "values": g.values, "logit_probs": g.logit_probs, "feature_rows": g.feature_rows,
+           "layout_ids": g.layout_ids, "kind": n.kind, "layer": n.layer, "pos": n.pos, "index": n.index,
+           "activation": n.activation}
+    if g.residual is not None:
+        out["residual"] = g.residual
+    blocks = g.block_adjacency
+    if blocks is None:
+        out["adjacency"] = g.densify()
+    else:
+        out.update({f"block_{i}": b for i, b in enumerate(blocks.blocks) if b is not None})
+        out.update({f"cell_rows_{i}": r for i, r in enumerate(blocks.cell_rows)})
+    return out
+
+
+def assert_on_host(tensors: dict[str, torch.Tensor], what: str) -> None:
+    wrong = {k: str(t.device) for k, t in tensors.items() if t.device.type != "cpu"}
+    assert not wrong, (what, wrong)
+
+
+@pytest.mark.parametrize("mode", list(BF16_MODES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_model_on_device_every_memory_mode_gives_a_host_graph_within_the_bound(device, mode):
+    """A bf16 model (its Lorsa and transcoders in bf16) on ``device`` in every memory mode: every tensor of
+    the graph is on the host, its edges are fp32 (the multipliers accumulate in fp32), and each computed row's
+    edges (+ residual) sum to its value within the bf16 bound; the model and its modules keep their device and
+    dtype."""
+    rep = setup(device, torch.bfloat16)
+    g = attribute(rep, IDS, batch_size=16, **BF16_MODES[mode])
+    assert g.meta["dtype"] == "torch.bfloat16"
+    assert_on_host(graph_tensors(g), f"{device} {mode}")
+    assert g.coo()[2].dtype == torch.float32
+    assert float(g.edge_sum_error("mass").max()) < SUM_BOUND[torch.bfloat16], (device, mode)
+    assert g.n_edges > 0 and int(g.feature_rows.sum()) > 0
+    lorsas, tcs = layer_modules(rep)
+    for m in [hf_module(rep.model), *lorsas.values(), *tcs.values()]:
+        assert {(p.device.type, p.dtype) for p in m.parameters()} == {(torch.device(device).type, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_device_graph_post_processing_reads_the_blocks_on_the_host(device, tmp_path):
+    """Post-processing a bf16 model's graph from ``device`` (prune, graph_scores, influence, Graph.coo /
+    edge_values, Neuronpedia export, save / load, intervention_edges): every result on the host, the causal
+    blocks and the densified graph give the same bits, node ids made on the device are accepted, and none of
+    it touches the model or its modules (moved to ``meta`` before it runs: any read of a weight would fail)."""
+    from nnsight_lorsa.attribution.checks import intervention_edges
+    from nnsight_lorsa.attribution.scores import graph_scores, node_influence, prune
+
+    rep = setup(device, torch.bfloat16)
+    g = attribute(rep, IDS, batch_size=40)
+    budgeted = attribute(rep, IDS, batch_size=16, max_feature_nodes=30)
+    sources = g.feature_ids[:3]
+    by_intervention, from_graph = intervention_edges(rep, g, sources.to(device), batch_size=8)
+    assert from_graph.device.type == "cpu" and torch.equal(from_graph, g.edge_values(g.feature_rows.nonzero()
+                                                                                      .flatten()[:, None],
+                                                                                      sources[None, :]))
+    assert by_intervention.shape == from_graph.shape
+    lorsas, tcs = layer_modules(rep)
+    for m in [hf_module(rep.model), *lorsas.values(), *tcs.values()]:
+        m.to("meta")  # post-processing reads the graph only
+    for graph, what in ((g, "full"), (budgeted, "budget")):
+        assert graph.block_adjacency is not None, what
+        t, s, v = graph.coo()
+        pr = prune(graph, 0.8, 0.98)
+        scores = graph_scores(graph)
+        infl = node_influence(graph)
+        np_json = {k: v for k, v in to_neuronpedia(graph, slug="t", prune_result=pr).items() if k != "metadata"}
+        ids_dev = (t[:50].to(device), s[:50].to(device))
+        assert torch.equal(graph.edge_values(*ids_dev), v[:50]), what
+        assert_on_host({"t": t, "s": s, "v": v, "node_mask": pr.node_mask, "edge_index": pr.edge_index,
+                        "node_influence": pr.node_influence, "cumulative": pr.cumulative, "infl": infl}, what)
+        assert pr.node_influence.dtype == torch.float64 and pr.edge_index.shape[1] > 0, what
+        assert all(0.0 <= x <= 1.0 for x in scores), (what, scores)
+        loaded = Graph.load(graph.save(tmp_path / what))
+        assert loaded.block_adjacency is not None and all(torch.equal(a, b) for a, b in
+                                                          zip(loaded.coo(), (t, s, v), strict=True)), what
+        assert_on_host(graph_tensors(loaded), what)
+        graph.densify()  # the same graph holding the dense matrix: the same bits everywhere
+        assert all(torch.equal(a, b) for a, b in zip(graph.coo(), (t, s, v), strict=True)), what
+        dense = prune(graph, 0.8, 0.98)
+        for name in ("node_mask", "edge_index", "node_influence", "cumulative"):
+            assert torch.equal(getattr(dense, name), getattr(pr, name)), (what, name)
+        assert graph_scores(graph) == scores and torch.equal(node_influence(graph), infl), what
+        again = to_neuronpedia(graph, slug="t", prune_result=pr)
+        assert {k: v for k, v in again.items() if k != "metadata"} == np_json and np_json["links"], what
+        assert torch.equal(graph.edge_values(*ids_dev), v[:50]), what
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_estimate_memory_of_a_bf16_model_on_device(device):
+    """``estimate_memory`` of a bf16 model on ``device`` in each mode (full, budget, pruning while building):
+    positive counts, and ``max_memory`` from the estimate gives a graph whose batch's estimate fits it and whose
+    tensors are on the host."""
+    rep = setup(device, torch.bfloat16)
+    for kw in ({}, {"max_feature_nodes": 30}, {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}):
+        est = estimate_memory(rep, IDS, batch_size=8, **kw)
+        assert est.device_bytes > 0 and est.host_bytes > 0 and est.terms["n_sources"] > 0, kw
+        budget = est.device_bytes if device != "cpu" else est.host_bytes
+        g = attribute(rep, IDS, batch_size=40, max_memory=budget, **kw)
+        b = g.meta["batch_size"]
+        assert 8 <= b <= 40, kw  # batch 8 fits by construction (more where pruning's bytes dominate the host's)
+        at = estimate_memory(rep, IDS, batch_size=b, **kw)
+        assert (at.device_bytes if device != "cpu" else at.host_bytes) <= budget, (kw, b)
+        assert_on_host(graph_tensors(g), str(kw))

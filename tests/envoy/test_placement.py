@@ -251,3 +251,39 @@ def test_every_set_saves_and_loads_back_at_its_keys(tmp_path):
     clt.save(tmp_path / "clt")
     back_clt = CLTSet.from_pretrained(model, tmp_path / "clt")
     assert all(torch.equal(v, back_clt.clt.state_dict()[k]) for k, v in clt.clt.state_dict().items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_offloaded_sets_of_every_kind_replace_as_the_resident_ones(device, dtype):
+    """``ReplacementModel(..., offload=True)`` with Lorsas, transcoders, an SAE — and, separately, a cross-layer
+    transcoder, whose per-layer views are fetched through their ``weights_owner`` — on a model on ``device``
+    in ``dtype``: the modules stay on the host in their dtype (pinned where CUDA is), the error terms give the
+    plain logits bit for bit, and without them the logits are the resident modules' bit for bit (the same
+    module computes on the site's device, only fetched for the call)."""
+    import copy
+
+    model, _ = tiny_nnsight("llama", device=device, dtype=dtype)
+    ids = torch.randint(2, 128, (2, 16), generator=torch.Generator().manual_seed(9))
+    plain = _logits(model, ids)
+    lorsas, tcs, saes = _modules("llama")
+    clt = make_clt()
+    for m in (*lorsas.values(), *tcs.values(), *saes.values(), clt):
+        m.to(dtype)
+    bundles = [({"lorsas": lorsas, "transcoders": tcs, "saes": saes}, [*lorsas.values(), *tcs.values(),
+                                                                         *saes.values()]),
+               ({"transcoders": clt}, [clt])]  # a bare CLT: the ReplacementModel binds it in a CLTSet
+    for kwargs, modules in bundles:
+        resident = ReplacementModel(model, **copy.deepcopy(kwargs), error=False)
+        want = _logits(model, ids, resident)
+        off = ReplacementModel(model, **kwargs, error=True, offload=True)
+        assert "saes" in kwargs or isinstance(off.transcoders, CLTSet)
+        for m in modules:
+            assert {(p.device.type, p.dtype) for p in m.parameters()} == {("cpu", dtype)}, type(m).__name__
+            assert device == "cpu" or all(p.is_pinned() for p in m.parameters())
+        got = _logits(model, ids, off)
+        assert got.device.type == torch.device(device).type and torch.equal(got, plain), sorted(kwargs)
+        off.error = False
+        got = _logits(model, ids, off)
+        assert torch.equal(got, want) and not torch.equal(got, plain), sorted(kwargs)
+        assert all(p.device.type == "cpu" for m in modules for p in m.parameters())

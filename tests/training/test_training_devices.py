@@ -50,7 +50,10 @@ HELD = TokenDataset(random_ids(batch=8, seq=12, seed=5))
 REL_DEVICE = 1e-3
 
 RECIPES = {
-    "value_svd+auxk": LorsaRecipe(),
+    # the default since issue 26: SVD init, top-k ranked by z·‖w_o‖ (the scale in w_o), weak annealed balance
+    "default": LorsaRecipe(),
+    # the former default (what this key named before issue 26 changed LorsaRecipe()'s defaults)
+    "value_svd+auxk": LorsaRecipe(rank_by_decoder_norm=False, dead_remedy="auxk", remedy_until=1.0),
     "output_svd+resample": LorsaRecipe(ov_init="output_svd", dead_remedy="resample"),
     "mhsa+balance": LorsaRecipe(ov_init="mhsa", dead_remedy="balance", remedy_until=0.5),
 }
@@ -350,14 +353,15 @@ REL_CE, REL_FVU = 2e-3, 1e-1
 
 
 @pytest.mark.parametrize(("model_dtype", "module_dtype"), MIXED)
-@pytest.mark.parametrize("kind", ["lorsa", "transcoder"])
+@pytest.mark.parametrize("kind", ["lorsa", "lorsa_default", "transcoder"])
 def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
     """The model in bf16 / fp16 with an fp32 module, or a bf16 module on an fp32 model: three steps
     with finite losses, the module keeps its dtype, and the evaluation of the folded module on a model in
-    the run's dtype is close to the fp32 run's (CE relative ``REL_CE``, FVU relative ``REL_FVU``)."""
-    if kind == "lorsa":
-        trainer, ref = _train_lorsa("cpu", "value_svd+auxk", model_dtype, module_dtype), _reference("lorsa",
-                                                                                                     "value_svd+auxk")
+    the run's dtype is close to the fp32 run's (CE relative ``REL_CE``, FVU relative ``REL_FVU``). ``lorsa``:
+    the former default recipe (AuxK); ``lorsa_default``: ``LorsaRecipe()`` (‖w_o‖ ranking, balance gains)."""
+    if kind.startswith("lorsa"):
+        recipe = "default" if kind == "lorsa_default" else "value_svd+auxk"
+        trainer, ref = _train_lorsa("cpu", recipe, model_dtype, module_dtype), _reference("lorsa", recipe)
     else:
         trainer, ref = _train_coder("transcoder", "cpu", model_dtype, module_dtype), _reference("transcoder")
     for h in trainer.config.history:
@@ -368,10 +372,40 @@ def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
     def run(t: Trainer, dtype: torch.dtype):
         model, _, _ = _model("cpu", dtype)
         folded = t.folded()
-        replacement = LorsaSet(model, {LAYER: folded}) if kind == "lorsa" else TranscoderSet(model, {LAYER: folded})
+        replacement = (LorsaSet(model, {LAYER: folded}) if kind.startswith("lorsa")
+                       else TranscoderSet(model, {LAYER: folded}))
         return evaluate(replacement, HELD, at=LAYER, batch_size=4)
 
     ev, want = run(trainer, model_dtype), run(ref, F32)
+    for name in ("ce_orig", "ce_spliced", "ce_zero"):
+        assert _rel(getattr(ev, name), getattr(want, name)) < REL_CE, (name, getattr(ev, name), getattr(want, name))
+    assert _rel(ev.fvu, want.fvu) < REL_FVU, (ev.fvu, want.fvu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(device):
+    """A bf16 model and a bf16 Lorsa on ``device`` with ``LorsaRecipe()`` (SVD init, top-k ranked by
+    ``z·‖w_o‖``, the balance remedy's gains kept on the host): three steps with finite losses, the Lorsa and its
+    folded copy on the device in bf16, the Adam moments and the dead counters on the device, the balance state
+    on the CPU; the first step's FVU and the folded Lorsa's evaluation (on the bf16
+    model, on the device) close to the fp32 CPU run's (``REL_FVU``, ``REL_CE``)."""
+    trainer = _train_lorsa(device, "default", BF16, BF16)
+    ref = _reference("lorsa", "default")
+    for h in trainer.config.history:
+        assert all(torch.isfinite(torch.tensor(v)) for v in h.values()), h
+    assert _rel(trainer.config.history[0]["fvu"], ref.config.history[0]["fvu"]) < REL_FVU
+    dev = torch.device(device).type
+    assert {(p.device.type, p.dtype) for p in trainer.module.parameters()} == {(dev, BF16)}
+    assert all(v.device.type == dev for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step")
+    assert trainer.tokens_since_fired.device.type == dev
+    balance = trainer.objective.balance
+    assert balance is not None and balance.log_gain.device.type == "cpu" and balance.freq.device.type == "cpu"
+    folded = trainer.folded()
+    assert {(p.device.type, p.dtype) for p in folded.parameters()} == {(dev, BF16)}
+    model, _, _ = _model(device, BF16)
+    ev = evaluate(LorsaSet(model, {LAYER: folded}), HELD, at=LAYER, batch_size=4)
+    model32, _, _ = _model("cpu", F32)
+    want = evaluate(LorsaSet(model32, {LAYER: ref.folded()}), HELD, at=LAYER, batch_size=4)
     for name in ("ce_orig", "ce_spliced", "ce_zero"):
         assert _rel(getattr(ev, name), getattr(want, name)) < REL_CE, (name, getattr(ev, name), getattr(want, name))
     assert _rel(ev.fvu, want.fvu) < REL_FVU, (ev.fvu, want.fvu)

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 21 as one script for a session with a CUDA device (docs/benchmarks.md, "Running the
+# GPU checks"). The caller sets PYTHONPATH (the package and its wheels) and OUT (a folder whose files come back);
+# run from the repository root. Each step runs under its own `timeout`, and as soon as it ends its status is
+# written to $OUT/<step>.json and merged into $OUT/session.json (a step stopped by its timeout keeps what the
+# benchmark flushed: gpu_scale writes its JSON after every part and every token count).
+#
+#   scripts/gpu_session.sh                 # every step, in order: suite ab c d offload
+#   scripts/gpu_session.sh suite d         # only these steps (e.g. to split the session over two commands)
+#
+# Steps (times on an H200; the whole script is held to GPU_SESSION_BUDGET_S, default 540 s = 9 min, so that it
+# fits one 10-minute device command: a step gets min(its timeout, what is left), and is skipped with < 20 s):
+#   suite    python3 -m pytest -m gpu -n 8 (~40 s)                           -> $OUT/gpu_suite.xml, gpu_suite.log
+#   ab       gpu_scale --skip c d: (a) Lorsa forward vs floor, (b) replace vs plain trace (~100 s)
+#   c        gpu_scale --skip a b d: (c) Lorsa training throughput (~50 s)
+#   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
+#   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
+#            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (<= 150 s)
+#   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
+#
+# Then, on the machine with the repository: python scripts/gpu_record.py <the folder $OUT came back as>
+# merges them into benchmarks/results/gpu_suite_<GPU>.json, gpu_scale_8b_<GPU>.json and gpu_session_<GPU>.json.
+#
+# GPU_SESSION_SMALL=1: the same steps at gpu_scale's CPU scale (--scale small --device cpu --dtype float32,
+# 1 repeat, 1 training step, layer 1 for 15, 32/64 tokens), pytest without workers unless GPU_SESSION_WORKERS is
+# set: proves the commands and the recording work before device time is spent (every gpu test is skipped there).
+# GPU_SESSION_DRY_RUN=1: print each step's command, run nothing.
+set -u
+
+OUT="${OUT:?set OUT to the output folder}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.." || exit 2  # the repository root: python -m benchmarks.gpu_scale, pytest's rootdir
+PY="${PYTHON:-python3}"
+SMALL="${GPU_SESSION_SMALL:-0}"
+BUDGET="${GPU_SESSION_BUDGET_S:-540}"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(suite ab c d offload)
+START=$(date +%s)
+
+if [ "$SMALL" = 1 ]; then
+  SCALE=(--scale small --device cpu --dtype float32 --repeats 1 --train-steps 1)
+  LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
+else
+  SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024); WORKERS="${GPU_SESSION_WORKERS:-8}"
+fi
+# pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=90
+else XDIST=(); SUITE_S=240; echo "pytest-xdist not installed: the gpu suite runs serially (timeout ${SUITE_S}s)"; fi
+
+# the session's record: device, versions, commit (GPU_SESSION_COMMIT, else git's, else unknown)
+COMMIT="${GPU_SESSION_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+"$PY" - "$OUT/session.json" "$COMMIT" "$SMALL" "$BUDGET" "${#XDIST[@]}" <<'EOF'
+import datetime, importlib, json, sys
+path, commit, small, budget = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
+info = {"commit": commit, "small": small, "budget_s": budget, "xdist": sys.argv[5] != "0",
+        "started": datetime.datetime.now(
+    datetime.timezone.utc).isoformat(timespec="seconds"), "steps": {}}
+for name in ("torch", "transformers", "nnsight"):
+    try:
+        info[name] = importlib.import_module(name).__version__
+    except Exception as e:  # recorded, not fatal: the steps say what fails
+        info[name] = f"unavailable: {type(e).__name__}"
+try:
+    import torch
+    info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not small else "cpu"
+except Exception:
+    info["device"] = "unknown"
+json.dump(info, open(path, "w"), indent=1)
+print("session:", info)
+EOF
+
+# record STEP RC T0_NS T1_NS TIMEOUT COMMAND...: $OUT/<step>.json and its entry in $OUT/session.json
+record() {
+  "$PY" - "$OUT" "$@" <<'EOF'
+import json, sys
+out, step, rc, t0, t1, limit, *command = sys.argv[1:]
+rc, seconds, limit = int(rc), round((int(t1) - int(t0)) / 1e9, 3), float(limit)
+status = {"step": step, "rc": rc, "seconds": seconds, "timeout_s": limit, "timed_out": rc in (124, 137),
+          "skipped": rc == -1, "command": " ".join(command)}
+json.dump(status, open(f"{out}/{step}.json", "w"), indent=1)
+session = json.load(open(f"{out}/session.json"))
+session["steps"][step] = status
+json.dump(session, open(f"{out}/session.json", "w"), indent=1)
+print("step", json.dumps(status), flush=True)
+EOF
+}
+
+# run_step STEP TIMEOUT COMMAND...
+run_step() {
+  local step=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( left < limit )) && limit=$left
+  if [ "${GPU_SESSION_DRY_RUN:-0}" = 1 ]; then echo "[$step] timeout $limit: $*"; return; fi
+  if (( limit < 20 )); then record "$step" -1 0 0 "$limit" "$@"; return; fi
+  echo "== [$step] timeout ${limit}s: $*" | tee "$OUT/$step.log"
+  local t0 rc
+  t0=$(date +%s%N)
+  timeout --kill-after=10 "$limit" "$@" >>"$OUT/$step.log" 2>&1
+  rc=$?
+  tail -n 5 "$OUT/$step.log"
+  record "$step" "$rc" "$t0" "$(date +%s%N)" "$limit" "$@"
+}
+
+GS=("$PY" -m benchmarks.gpu_scale ${SCALE[@]+"${SCALE[@]}"})
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    suite)   run_step suite "$SUITE_S" "$PY" -m pytest -m gpu ${XDIST[@]+"${XDIST[@]}"} -q -p no:cacheprovider \
+               --junitxml="$OUT/gpu_suite.xml" ;;
+    ab)      run_step ab 150 "${GS[@]}" --skip c d --out "$OUT/gpu_scale_ab.json" ;;
+    c)       run_step c 90 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
+    d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
+               --out "$OUT/gpu_scale_d.json" ;;
+    offload) run_step offload 170 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
+               --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
+    *)       echo "unknown step $step (suite ab c d offload)" >&2; exit 2 ;;
+  esac
+done
+echo "session done in $(( $(date +%s) - START )) s; files in $OUT"
