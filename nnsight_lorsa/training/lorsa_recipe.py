@@ -127,6 +127,9 @@ class LorsaRecipe:
         balance_floor, balance_rate, balance_ema, balance_max: the ``"balance"`` remedy's firing-rate
             floor (a fraction of ``k / n_ov``), log-gain step per step, EMA weight and log-gain cap
             (default 1: gains of at most ``e``; module docstring).
+        balance_hold: after ``remedy_until`` the ``"balance"`` gains stay where the remedy left them (and
+            :meth:`~.lorsa_objective.LorsaObjective.fold` moves them into the weights exactly) instead of
+            decaying linearly to 1 by the last step (False: the decay).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
             revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
             head's ``w_o`` is also pointed at the error of its best token.
@@ -150,6 +153,7 @@ class LorsaRecipe:
     balance_rate: float = 0.05
     balance_ema: float = 0.1
     balance_max: float = 1.0
+    balance_hold: bool = False
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:
@@ -234,6 +238,8 @@ class HeadBalance:
         else:
             if self.at_stop is None:
                 self.at_stop = self.log_gain.clone()
+            if recipe.balance_hold:  # the gains stay; the fold moves them into the weights
+                return
             self.log_gain.copy_(self.at_stop * max(0.0, (total_steps - step - 1) / max(total_steps - stop, 1.0)))
 
     def to_dict(self) -> dict[str, Any]:
