@@ -77,8 +77,8 @@ to hold the FVU: it dominates the Lorsa authors' trainer on all 12 layers of the
 at a second seed it loses on FVU on GPT-2 layer 1, where both trainers' FVU moves between seeds by more
 than the gap), where the former default (cap 1, decayed from 50%) did on 4 (``remedy_until=0.5,
 balance_max=1.0``; a cap of 1 kept on ends 6% above their FVU on the embedded Llama's layer 3).
-Stronger balance costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.json``, docs/training.md "Why ours killed more heads: one
-mechanism at a time").
+Stronger balance costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.json``, docs/training.md
+"Why ours killed more heads: one mechanism at a time").
 """
 
 from __future__ import annotations
