@@ -69,6 +69,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
     "former_default": ({"lr": 4e-3}, AUXK, True),
     "recipe_w_o": ({"lr": 4e-3}, {**AUXK, "rank_by_decoder_norm": True}, True),
     "recipe_lr4e-3": ({"lr": 4e-3}, {}, True),                             # the default recipe at lr 4e-3
+    # issue 26's first default (balance cap 1, decayed to 1 from 50% of the run), before the cap-0.5 balance kept on
+    "annealed_balance": ({"lr": 4e-3}, {"remedy_until": 0.5, "balance_max": 1.0}, True),
 }
 
 

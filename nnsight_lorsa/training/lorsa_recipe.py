@@ -43,7 +43,7 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
   at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
   where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
-* ``"balance"`` (default, weak and annealed: ``balance_max = 1``, ``remedy_until = 0.5``) —
+* ``"balance"`` (default, weak and kept on to the end: ``balance_max = 0.5``, ``remedy_until = 1``) —
   frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
   router, made multiplicative so that it folds): the top-k ranks heads by ``z_pre · g_h`` (the output
   still uses ``z``), and each head's log-gain ``log g_h ∈ [0, balance_max]`` rises by
@@ -53,7 +53,7 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   there. After ``remedy_until`` the gains decay linearly to 1 by the last step; if they are still on
   (``remedy_until = 1``) folding moves them into the weights exactly (``w_v, b_v ·= g``,
   ``w_o /= g``), so the folded Lorsa's ``‖w_o^h‖ = 1/g_h`` and its ``z^h`` is the output norm times
-  ``g_h``.
+  ``g_h``; with ``balance_hold`` the gains stop at ``remedy_until`` and are folded the same way.
 * ``"none"``.
 
 Where the output scale lives (``scale_into``; measured in ``benchmarks/results/lorsa_frontier.json``).
@@ -66,13 +66,19 @@ by about ``lr`` whatever its weight's size, so with ``c`` in ``w_v`` each step c
 heads negative on every token. That is why the ``"w_v"`` split, at the same lr, ends with 8–15 points
 more dead heads than ``"w_o"`` on every layer measured (embedded Llama layers 0–3, GPT-2 and NeoX;
 layer 2, 600 steps, lr 4e-3: 89.3% vs 80.1% at FVU 0.0143 vs 0.0150). The default since issue 26
-(``rank_by_decoder_norm=True``), together with the weak annealed ``"balance"`` remedy.
+(``rank_by_decoder_norm=True``), together with the weak ``"balance"`` remedy.
 
 Measured (``benchmarks/lorsa_recipe.py``, docs/training.md): the initialisation is what matters
-(the closed-form scale above all). Of the remedies, a weak balance (log-gains capped at 1, on for the
-first half of the run, then decayed to 1 by the last step) keeps many more heads alive at the same
-FVU; left on to the end, or stronger, it costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.json``,
-docs/training.md "Why ours killed more heads: one mechanism at a time").
+(the closed-form scale above all). Of the remedies, a weak balance keeps many more heads alive at
+about the same FVU. Its gains decaying to 1 after the remedy lets the heads they kept firing die again
+on short runs (200 steps: the gains of the heads under the floor are what keeps them selected), so the
+default keeps them on to the end and folds them, with the cap halved (log-gains ≤ 0.5, gains ≤ 1.65)
+to hold the FVU: it dominates the Lorsa authors' trainer on all 12 layers of the head-to-head (seed 0;
+at a second seed it loses on FVU on GPT-2 layer 1, where both trainers' FVU moves between seeds by more
+than the gap), where the former default (cap 1, decayed from 50%) did on 4 (``remedy_until=0.5,
+balance_max=1.0``; a cap of 1 kept on ends 6% above their FVU on the embedded Llama's layer 3).
+Stronger balance costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.json``, docs/training.md
+"Why ours killed more heads: one mechanism at a time").
 """
 
 from __future__ import annotations
@@ -123,10 +129,14 @@ class LorsaRecipe:
         dead_remedy: ``"balance"`` (default) | ``"revive"`` | ``"resample"`` | ``"ghost"`` | ``"auxk"``
             | ``"none"``.
         remedy_until: fraction of ``total_steps`` after which the remedy stops (the heads settle);
-            default 0.5 (``"balance"``: its gains then decay to 1 by the last step).
+            default 1 (``"balance"``: on to the end, the gains folded into the weights; below 1 they
+            decay to 1 by the last step unless ``balance_hold``). The default before: 0.5.
         balance_floor, balance_rate, balance_ema, balance_max: the ``"balance"`` remedy's firing-rate
             floor (a fraction of ``k / n_ov``), log-gain step per step, EMA weight and log-gain cap
-            (default 1: gains of at most ``e``; module docstring).
+            (default 0.5: gains of at most ``e^0.5 ≈ 1.65``; before, 1; module docstring).
+        balance_hold: after ``remedy_until`` the ``"balance"`` gains stay where the remedy left them (and
+            :meth:`~.lorsa_objective.LorsaObjective.fold` moves them into the weights exactly) instead of
+            decaying linearly to 1 by the last step (False: the decay).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
             revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
             head's ``w_o`` is also pointed at the error of its best token.
@@ -142,14 +152,15 @@ class LorsaRecipe:
     k_anneal_frac: float = 0.3
     rank_by_decoder_norm: bool = True
     dead_remedy: str = "balance"
-    remedy_until: float = 0.5
+    remedy_until: float = 1.0
     ghost_coef: float = 1.0
     revive_margin: float = 0.05
     revive_aim: bool = False
     balance_floor: float = 0.1
     balance_rate: float = 0.05
     balance_ema: float = 0.1
-    balance_max: float = 1.0
+    balance_max: float = 0.5
+    balance_hold: bool = False
 
     def __post_init__(self) -> None:
         if self.ov_init not in _OV_INITS:
@@ -234,6 +245,8 @@ class HeadBalance:
         else:
             if self.at_stop is None:
                 self.at_stop = self.log_gain.clone()
+            if recipe.balance_hold:  # the gains stay; the fold moves them into the weights
+                return
             self.log_gain.copy_(self.at_stop * max(0.0, (total_steps - step - 1) / max(total_steps - stop, 1.0)))
 
     def to_dict(self) -> dict[str, Any]:

@@ -296,6 +296,29 @@ def test_balance_lifts_a_head_negative_everywhere_and_decays_after_remedy_until(
     assert torch.equal(trainer.objective.balance.log_gain, torch.zeros_like(trainer.objective.balance.log_gain))
 
 
+def test_balance_hold_keeps_the_gains_after_remedy_until_and_folds_them_exactly(setup):
+    """``balance_hold``: after ``remedy_until`` the gains stop moving (no decay to 1) and the folded Lorsa
+    ranks heads by ``z·g`` exactly as training does."""
+    model, hf, adapter, data = setup
+    mhsa = adapter.mhsa_weights(hf, LAYER)
+    source = ActivationSource.attention(model, LAYER, data, batch_size=8)
+    trainer = _balanced(adapter, mhsa, source, remedy_until=0.5, balance_hold=True)
+    trainer.train(3, progress=False)  # steps 0..2: the remedy moves the gains
+    held = trainer.objective.balance.log_gain.clone()
+    assert held.max() > 0.4
+    trainer.train(progress=False)  # steps 3..5: the gains stay
+    balance = trainer.objective.balance
+    assert torch.equal(balance.log_gain, held) and torch.equal(balance.at_stop, held)
+    batch = source(5)
+    with torch.no_grad():
+        z_pre = trainer.module.compute_z_pre(batch.x * trainer.s_in, batch.positions)
+        idx = (z_pre * balance.gain()).topk(8, dim=-1).indices
+        z = torch.zeros_like(z_pre).scatter(-1, idx, z_pre.gather(-1, idx).relu())
+        want = trainer.module.decode(z) / trainer.s_out
+        got = trainer.folded()(batch.x, batch.positions)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
 def test_balance_state_resumes_bit_exact(setup, tmp_path):
     model, hf, adapter, data = setup
     mhsa = adapter.mhsa_weights(hf, LAYER)

@@ -103,7 +103,11 @@ def test_training_reduces_fvu_and_folding_is_exact(setup):
         want = trainer.objective.training_output(batch.x * trainer.s_in, batch.positions) / trainer.s_out
         got = folded(batch.x, batch.positions)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
-    assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
+    # the default balance gains are still on at the last step (remedy_until = 1): folded into the weights,
+    # the folded Lorsa's ‖w_o^h‖ = 1/g_h (1 for a head whose gain is 1)
+    gain = trainer.objective.balance.gain()
+    assert float(gain.max()) > 1.0
+    assert torch.allclose(folded.W_O.norm(dim=1), 1 / gain, atol=1e-5)
 
 
 def test_folding_is_exact_with_heads_ranked_by_decoder_norm(setup):
@@ -127,7 +131,8 @@ def test_folding_is_exact_with_heads_ranked_by_decoder_norm(setup):
         got = folded(batch.x, batch.positions)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
     assert (plain - want).abs().max() > 1e-2 * want.abs().max()  # the ranking by z·‖w_o‖ is what folding keeps
-    assert torch.allclose(folded.W_O.norm(dim=1), torch.ones(256), atol=1e-5)
+    # the default balance gains, still on at the last step, are folded in too: ‖w_o^h‖ = 1/g_h
+    assert torch.allclose(folded.W_O.norm(dim=1), 1 / trainer.objective.balance.gain(), atol=1e-5)
 
 
 def test_checkpoint_resumes_bit_exactly(setup, tmp_path):
