@@ -13,6 +13,10 @@ from .._typing import Float, Int
 from ..errors import UnsupportedArchitectureError
 from .nodes import HOST, NodeTable
 
+#: entries per temporary of the block passes (:meth:`BlockAdjacency.abs_sums`, :meth:`BlockAdjacency.weighted_abs`:
+#: float64, 8 MiB)
+CHUNK = 2**20
+
 
 class BlockAdjacency:
     """An ``(n, n)`` adjacency stored by its causal blocks: only the entries that can be non-zero.
@@ -70,6 +74,7 @@ class BlockAdjacency:
             k[at] = torch.searchsorted(self._src_pos[src].contiguous(), self.cell_pos[at].contiguous(), right=True)
         self._prefix = k
         self.blocks: list[torch.Tensor | None] = [None] * len(self.cell_rows)
+        self._runs: tuple[int, list[tuple[int, int, int]]] | None = None  # _row_runs of that many written cells
 
     # ------------------------------------------------------------------ structure
     def cols(self, cell: int) -> torch.Tensor:
@@ -159,6 +164,119 @@ class BlockAdjacency:
         by_row = row[start].argsort()
         order = segments(start[by_row], size[by_row])
         return row[order], col[order], val[order]
+
+    def _row_runs(self) -> list[tuple[int, int, int]]:
+        """``(cell, first slot, end slot)``: the written rows in ascending node order, as runs of consecutive rows of
+        one cell (a cell's rows ascend; where the nodes are ordered by site and position a cell is one run)."""
+        written = [c for c, b in enumerate(self.blocks) if b is not None]
+        cached = self._runs
+        if cached is not None and cached[0] == len(written):  # blocks are only ever added: the same cells
+            return cached[1]
+        if not written:
+            return []
+        rows = torch.cat([self.cell_rows[c] for c in written])
+        cell = torch.cat([torch.full((self.cell_rows[c].numel(),), c, dtype=torch.long, device=HOST) for c in written])
+        order = rows.argsort()
+        cell, slot = cell[order], self._slot[rows[order]]
+        cut = ((cell[1:] != cell[:-1]).nonzero().flatten() + 1).tolist()
+        runs = [(int(cell[a]), int(slot[a]), int(slot[b - 1]) + 1)
+                for a, b in zip([0, *cut], [*cut, rows.numel()], strict=True)]
+        self._runs = (len(written), runs)
+        return runs
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n"]:
+        """``(n,)`` float64 ``Σ_s |A[t, s]|`` of every node ``t`` (only the sources ``s`` where the bool
+        ``col_mask: (n_sources,)`` is True, if given; 0 for rows never written), each summed in ascending source
+        order — the order, and so the bits, of ``index_add`` over :meth:`coo`'s entries. Temporaries: one cell's
+        block in float64 at a time (at most :data:`CHUNK` entries)."""
+        out = torch.zeros(self.n, dtype=torch.float64, device=HOST)
+        for cell, block in enumerate(self.blocks):
+            if block is None:
+                continue
+            cols = self.cols(cell)
+            perm = cols.argsort()
+            if col_mask is not None:
+                perm = perm[col_mask[cols[perm]]]
+            rows = self.cell_rows[cell]
+            if not perm.numel():
+                continue
+            step = max(1, CHUNK // perm.numel())
+            for r0 in range(0, rows.numel(), step):
+                part = block[r0:r0 + step][:, perm]
+                out[rows[r0:r0 + step]] = torch.cumsum(part.abs_(), 1, dtype=torch.float64)[:, -1]
+        return out
+
+    def weighted_abs(self, weight: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"],
+                     col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+        """One influence step: ``(n_sources,)`` float64 ``Σ_t weight[t] · |A[t, s]| / den[t]`` (``weight``, ``den``:
+        ``(n,)`` float64 over the nodes; only the sources where ``col_mask`` is True, if given), each entry
+        ``(|v| / den[t]) · weight[t]`` in float64 and each source's terms added one by one in ascending target
+        order — the arithmetic, and so the bits, of ``index_add`` over :meth:`coo`'s entries (a zero entry adds an
+        exact 0). Only the rows of non-zero weight are read: per run of rows of one cell, their contributions
+        (``rows × cols`` float64, at most :data:`CHUNK` entries at a time) behind the running sums, summed down
+        the rows with ``cumsum`` (sequential)."""
+        out = torch.zeros(self.n_sources, dtype=torch.float64, device=HOST)
+        cols_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for cell, s0, s1 in self._row_runs():
+            rows = self.cell_rows[cell][s0:s1]
+            w = weight[rows]
+            live = w.nonzero().flatten()
+            if not live.numel():
+                continue
+            if cell not in cols_of:
+                cols = self.cols(cell)
+                keep = None if col_mask is None else col_mask[cols].nonzero().flatten()
+                cols_of[cell] = (cols if keep is None else cols[keep], keep)
+            cols, keep = cols_of[cell]
+            block = self.blocks[cell]
+            assert block is not None
+            w, d, live = w[live][:, None], den[rows[live]][:, None], live + s0
+            step = max(1, CHUNK // (live.numel() + 1))
+            for c0 in range(0, cols.numel(), step):
+                at = cols[c0:c0 + step]
+                part = block[live, c0:c0 + step] if keep is None else block[live[:, None], keep[None, c0:c0 + step]]
+                acc = torch.cat([out[at][None], part.double().abs_().div_(d).mul_(w)])  # part: a copy
+                out[at] = acc.cumsum_(0)[-1]
+        return out
+
+    def _masked_parts(self, col_mask: torch.Tensor, row_mask: torch.Tensor
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(rows (r,), cols (c,), sub (r, c))``: the blocks between ``row_mask`` rows and ``col_mask`` columns,
+        columns ascending, rows ascending across the parts (each a copy of at most :data:`CHUNK` entries)."""
+        sorted_cols: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for cell, s0, s1 in self._row_runs():
+            rows = self.cell_rows[cell][s0:s1]
+            rk = row_mask[rows].nonzero().flatten()
+            if not rk.numel():
+                continue
+            if cell not in sorted_cols:
+                cols = self.cols(cell)
+                perm = cols.argsort()
+                perm = perm[col_mask[cols[perm]]]
+                sorted_cols[cell] = (cols[perm], perm)
+            cols, perm = sorted_cols[cell]
+            if not perm.numel():
+                continue
+            block = self.blocks[cell]
+            assert block is not None
+            step = max(1, CHUNK // perm.numel())
+            for r0 in range(0, rk.numel(), step):
+                at = rk[r0:r0 + step]
+                yield rows[at], cols, block[(at + s0)[:, None], perm[None, :]]
+
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        """The non-zero entries between ``row_mask: (n,)`` rows and ``col_mask: (n_sources,)`` columns (bool)."""
+        return sum(int(sub.count_nonzero()) for _, _, sub in self._masked_parts(col_mask, row_mask))
+
+    def edge_scores(self, factor: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"], col_mask: torch.Tensor,
+                    row_mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(target (k,) int64, source (k,) int64, score (k,) float64)`` of the non-zero entries between
+        ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[t] · factor[t]`` (``factor``, ``den``:
+        ``(n,)`` float64), row-major with sources ascending (:meth:`coo`'s order), a part at a time."""
+        for rows, cols, sub in self._masked_parts(col_mask, row_mask):
+            i, j = sub.nonzero(as_tuple=True)
+            t = rows[i]
+            yield t, cols[j], sub[i, j].abs().to(torch.float64).div_(den[t]).mul_(factor[t])
 
     def gather(self, rows: Int[torch.Tensor, "..."], cols: Int[torch.Tensor, "..."]) -> Float[torch.Tensor, "..."]:
         """``A[rows, cols]`` (the two broadcast together; 0 outside the blocks and in rows never written),
