@@ -5,7 +5,7 @@ follows its possible edges rather than ``n_nodes²``. :class:`~.graph.Graph` hol
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -184,22 +184,49 @@ class BlockAdjacency:
         self._runs = (len(written), runs)
         return runs
 
-    def abs_sums(self, col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n"]:
+    def _sorted_columns(self) -> Callable[[int], torch.Tensor]:
+        """``perm(cell)``: the order of cell ``cell``'s columns (:meth:`cols`) that sorts them ascending — from one
+        ``argsort`` per site (a cell's columns are a prefix of its site's list, then the bias nodes), not one per
+        cell."""
+        order: dict[int, torch.Tensor] = {}
+        free_last = not self._free.numel() or not self.n_sources or bool(
+            (self._free.min() > (self._src_site >= 0).nonzero().max()) if bool((self._src_site >= 0).any()) else True)
+
+        def perm(cell: int) -> torch.Tensor:
+            site, k = int(self.cell_site[cell]), int(self._prefix[cell])
+            if not free_last:
+                return self.cols(cell).argsort()
+            if site not in order:
+                order[site] = self._upstream[site].argsort()
+            up = order[site]
+            return torch.cat([up[up < k], torch.arange(k, k + self._free.numel(), device=HOST)])
+
+        return perm
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
+                 ) -> Float[torch.Tensor, " n"]:
         """``(n,)`` float64 ``Σ_s |A[t, s]|`` of every node ``t`` (only the sources ``s`` where the bool
-        ``col_mask: (n_sources,)`` is True, if given; 0 for rows never written), each summed in ascending source
-        order — the order, and so the bits, of ``index_add`` over :meth:`coo`'s entries. Temporaries: one cell's
-        block in float64 at a time (at most :data:`CHUNK` entries)."""
+        ``col_mask: (n_sources,)`` is True, if given; 0 for rows never written, and for rows outside the bool
+        ``row_mask: (n,)`` if given), each summed in ascending source order — the order, and so the bits, of
+        ``index_add`` over :meth:`coo`'s entries. Temporaries: one cell's block in float64 at a time (at most
+        :data:`CHUNK` entries)."""
         out = torch.zeros(self.n, dtype=torch.float64, device=HOST)
+        sorting = self._sorted_columns()
         for cell, block in enumerate(self.blocks):
             if block is None:
                 continue
+            rows = self.cell_rows[cell]
+            at = None if row_mask is None else row_mask[rows].nonzero().flatten()
+            if at is not None and not at.numel():
+                continue
             cols = self.cols(cell)
-            perm = cols.argsort()
+            perm = sorting(cell)
             if col_mask is not None:
                 perm = perm[col_mask[cols[perm]]]
-            rows = self.cell_rows[cell]
             if not perm.numel():
                 continue
+            if at is not None and at.numel() < rows.numel():
+                block, rows = block[at], rows[at]
             step = max(1, CHUNK // perm.numel())
             for r0 in range(0, rows.numel(), step):
                 part = block[r0:r0 + step][:, perm]
@@ -216,6 +243,7 @@ class BlockAdjacency:
         (``rows × cols`` float64, at most :data:`CHUNK` entries at a time) behind the running sums, summed down
         the rows with ``cumsum`` (sequential)."""
         out = torch.zeros(self.n_sources, dtype=torch.float64, device=HOST)
+        buffer = torch.empty(CHUNK, dtype=torch.float64, device=HOST)  # reused by every part
         cols_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for cell, s0, s1 in self._row_runs():
             rows = self.cell_rows[cell][s0:s1]
@@ -230,12 +258,22 @@ class BlockAdjacency:
             cols, keep = cols_of[cell]
             block = self.blocks[cell]
             assert block is not None
+            every = live.numel() == rows.numel()
             w, d, live = w[live][:, None], den[rows[live]][:, None], live + s0
             step = max(1, CHUNK // (live.numel() + 1))
             for c0 in range(0, cols.numel(), step):
                 at = cols[c0:c0 + step]
-                part = block[live, c0:c0 + step] if keep is None else block[live[:, None], keep[None, c0:c0 + step]]
-                acc = torch.cat([out[at][None], part.double().abs_().div_(d).mul_(w)])  # part: a copy
+                if keep is not None:
+                    part = block[live[:, None], keep[None, c0:c0 + step]]
+                elif every:
+                    part = block[s0:s1, c0:c0 + step]  # a view: copied below
+                else:
+                    part = block[live, c0:c0 + step]
+                if (live.numel() + 1) * at.numel() > buffer.numel():  # a cell of more than CHUNK rows
+                    buffer = torch.empty((live.numel() + 1) * at.numel(), dtype=torch.float64, device=HOST)
+                acc = buffer[:(live.numel() + 1) * at.numel()].view(live.numel() + 1, at.numel())
+                acc[0] = out[at]
+                acc[1:].copy_(part).abs_().div_(d).mul_(w)
                 out[at] = acc.cumsum_(0)[-1]
         return out
 
@@ -244,6 +282,7 @@ class BlockAdjacency:
         """``(rows (r,), cols (c,), sub (r, c))``: the blocks between ``row_mask`` rows and ``col_mask`` columns,
         columns ascending, rows ascending across the parts (each a copy of at most :data:`CHUNK` entries)."""
         sorted_cols: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        sorting = self._sorted_columns()
         for cell, s0, s1 in self._row_runs():
             rows = self.cell_rows[cell][s0:s1]
             rk = row_mask[rows].nonzero().flatten()
@@ -251,7 +290,7 @@ class BlockAdjacency:
                 continue
             if cell not in sorted_cols:
                 cols = self.cols(cell)
-                perm = cols.argsort()
+                perm = sorting(cell)
                 perm = perm[col_mask[cols[perm]]]
                 sorted_cols[cell] = (cols[perm], perm)
             cols, perm = sorted_cols[cell]

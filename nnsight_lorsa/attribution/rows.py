@@ -252,7 +252,7 @@ class _SparseSource:
         self.rows = rows
         self.buffer = torch.empty(min(CHUNK_ENTRIES, max(rows.nnz, 1)), dtype=torch.float64, device=HOST)
 
-    def abs_sums(self, col_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rows.abs_sums(col_mask)
 
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None

@@ -174,8 +174,9 @@ class RowSource(Protocol):
     :class:`EntryRows` (non-zero entries), :class:`.blocks.BlockAdjacency` (causal blocks, rows = node ids),
     :class:`.rows.SparseRows` (rows as computed)."""
 
-    def abs_sums(self, col_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``(n_rows,)`` float64 ``Σ |row|`` (only the columns where ``col_mask`` is True)."""
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(n_rows,)`` float64 ``Σ |row|`` (only the columns where ``col_mask`` is True; the rows outside
+        ``row_mask`` may be left out: they are never read)."""
         ...
 
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
@@ -185,8 +186,8 @@ class RowSource(Protocol):
 
 
 def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"],
-                  n_cols: int, node_mask: torch.Tensor | None = None, max_iter: int = 1000
-                  ) -> Float[torch.Tensor, " n_cols"]:
+                  n_cols: int, node_mask: torch.Tensor | None = None, max_iter: int = 1000,
+                  den: torch.Tensor | None = None) -> Float[torch.Tensor, " n_cols"]:
     """The influence ``Σ_k w Â^k`` (k ≥ 1) of every column of ``rows`` — the one implementation behind
     :func:`node_influence`, :func:`prune`, :func:`graph_scores`, pruning while building and the feature budget's
     selection (:meth:`.rows.SparseRows.influence`): ``(n_cols,)`` float64.
@@ -194,7 +195,8 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     ``Â`` is ``rows`` with absolute values, each row divided by its ``Σ |entries|`` (``rows.abs_sums``); row ``r``
     is the target node ``row_node[r]``, starting weights ``row_weight: (n_rows,)``. With ``node_mask: (≥ n_cols,)``
     bool only the entries between two nodes of the mask count (the node-pruned matrix: rows normalised by those
-    entries, rows whose target is outside the mask carry nothing). Each step is ``rows.weighted_abs`` — per entry
+    entries, rows whose target is outside the mask carry nothing; ``den``: those sums if the caller has them,
+    ``rows.abs_sums(node_mask[:n_cols])``). Each step is ``rows.weighted_abs`` — per entry
     ``(|v| / den[r]) · w[r]`` in float64, added per column in the storage's row order (ascending targets for a
     graph's entries and blocks: the same bits from either) — and :func:`influence_series` feeds column
     ``row_node[r]`` back in until nothing is left. Memory: the storage's step temporaries (a chunk, a cell) and
@@ -204,8 +206,8 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
     """
     col_mask = None if node_mask is None else node_mask[:n_cols]
-    den = rows.abs_sums(col_mask).clamp_min(1e-30)
     row_ok = None if node_mask is None else node_mask[row_node]
+    den = (rows.abs_sums(col_mask, row_ok) if den is None else den).clamp_min(1e-30)
 
     def propagate(w: torch.Tensor) -> torch.Tensor:
         w = w.double()
@@ -228,7 +230,8 @@ class EntryRows:
         if row.numel() and bool((row[1:] >= row[:-1]).all()):
             self.ends = torch.bincount(row, minlength=n_rows).cumsum(0)
 
-    def abs_sums(self, col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n_rows"]:
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
+                 ) -> Float[torch.Tensor, " n_rows"]:
         a = self.val.abs().double()
         if col_mask is not None:
             a *= col_mask[self.col]
@@ -323,8 +326,8 @@ def prune_rows(rows: BlockAdjacency | EntryRows, row_node: Int[torch.Tensor, " n
     lw = torch.zeros(n_all, dtype=torch.float64, device=HOST)
     lw[row_node] = row_weight.double()
     infl = torch.zeros(n_all, dtype=torch.float64, device=HOST)
-    infl[:n_cols] = row_influence(rows, row_node, row_weight, n_cols, node_mask)
-    den = rows.abs_sums(col_mask).clamp_min(1e-30)
+    den = rows.abs_sums(col_mask, row_mask).clamp_min(1e-30)
+    infl[:n_cols] = row_influence(rows, row_node, row_weight, n_cols, node_mask, den=den)
     factor = (infl + lw)[row_node]
     scores = torch.empty(rows.count_edges(col_mask, row_mask), dtype=torch.float64, device=HOST)
     at = 0
@@ -436,11 +439,12 @@ def graph_scores(graph: Graph) -> tuple[float, float]:
     rows, n_cols = graph_rows(graph)
     n = graph.n_nodes
     lw = logit_weights(graph)
+    mass = rows.abs_sums()
     infl = torch.zeros(n, dtype=torch.float64, device=HOST)
-    infl[:n_cols] = row_influence(rows, torch.arange(n, device=HOST), lw, n_cols)
+    infl[:n_cols] = row_influence(rows, torch.arange(n, device=HOST), lw, n_cols, den=mass)
     from_inputs, from_errors = float(infl[inputs].sum()), float(infl[error].sum())
     replacement = from_inputs / max(from_inputs + from_errors, 1e-30)
-    mass, to_errors = rows.abs_sums(), rows.abs_sums(error[:n_cols])
+    to_errors = rows.abs_sums(error[:n_cols])
     non_error = 1.0 - to_errors / mass.clamp_min(1e-30)
     out = infl + lw.double()
     computed = graph.feature_rows

@@ -310,3 +310,20 @@ def test_pruning_while_building_equals_prune_of_the_finished_graph_bit_for_bit(b
         assert torch.equal(g.layout_ids, full.layout_ids[keep])
         assert torch.equal(g.densify(), full.densify()[keep][:, keep])
         assert float(g.edge_sum_error("mass").max()) < 1e-5
+
+
+def test_block_passes_in_small_pieces_give_the_same_bits(graphs, monkeypatch):
+    """The block passes bound their temporaries (:data:`blocks.CHUNK` entries: columns of a run of rows in pieces,
+    rows of a cell in pieces, a buffer grown for a run longer than a piece; :data:`scores.CHUNK` for the running
+    sums and entry scores): in pieces of 5 and 7 entries, the same bits as in one piece."""
+    from nnsight_lorsa.attribution import blocks as blocks_module
+    from nnsight_lorsa.attribution import scores as scores_module
+
+    want = {name: (node_influence(g), graph_scores(g), prune(g)) for name, g in graphs.items()}
+    monkeypatch.setattr(blocks_module, "CHUNK", 5)
+    monkeypatch.setattr(scores_module, "CHUNK", 7)
+    for name, g in graphs.items():
+        infl, scores, p = want[name]
+        q = prune(g)
+        assert torch.equal(node_influence(g), infl) and graph_scores(g) == scores
+        assert torch.equal(p.node_mask, q.node_mask) and torch.equal(p.edge_index, q.edge_index)
