@@ -14,8 +14,8 @@ from ..errors import UnsupportedArchitectureError
 from .nodes import HOST, NodeTable
 
 #: entries per temporary of the block passes (:meth:`BlockAdjacency.abs_sums`, :meth:`BlockAdjacency.weighted_abs`:
-#: float64, 8 MiB)
-CHUNK = 2**20
+#: float64, 2 MiB)
+CHUNK = 2**18
 
 
 class BlockAdjacency:
@@ -188,7 +188,7 @@ class BlockAdjacency:
         """``perm(cell)``: the order of cell ``cell``'s columns (:meth:`cols`) that sorts them ascending — from one
         ``argsort`` per site (a cell's columns are a prefix of its site's list, then the bias nodes), not one per
         cell."""
-        order: dict[int, torch.Tensor] = {}
+        order: dict[int, torch.Tensor] = {}  # the last site's only: cells of one site come together
         free_last = not self._free.numel() or not self.n_sources or bool(
             (self._free.min() > (self._src_site >= 0).nonzero().max()) if bool((self._src_site >= 0).any()) else True)
 
@@ -197,6 +197,7 @@ class BlockAdjacency:
             if not free_last:
                 return self.cols(cell).argsort()
             if site not in order:
+                order.clear()
                 order[site] = self._upstream[site].argsort()
             up = order[site]
             return torch.cat([up[up < k], torch.arange(k, k + self._free.numel(), device=HOST)])
@@ -281,19 +282,16 @@ class BlockAdjacency:
                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(rows (r,), cols (c,), sub (r, c))``: the blocks between ``row_mask`` rows and ``col_mask`` columns,
         columns ascending, rows ascending across the parts (each a copy of at most :data:`CHUNK` entries)."""
-        sorted_cols: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         sorting = self._sorted_columns()
         for cell, s0, s1 in self._row_runs():
             rows = self.cell_rows[cell][s0:s1]
             rk = row_mask[rows].nonzero().flatten()
             if not rk.numel():
                 continue
-            if cell not in sorted_cols:
-                cols = self.cols(cell)
-                perm = sorting(cell)
-                perm = perm[col_mask[cols[perm]]]
-                sorted_cols[cell] = (cols[perm], perm)
-            cols, perm = sorted_cols[cell]
+            cols = self.cols(cell)
+            perm = sorting(cell)
+            perm = perm[col_mask[cols[perm]]]
+            cols = cols[perm]
             if not perm.numel():
                 continue
             block = self.blocks[cell]
