@@ -19,9 +19,11 @@ residual`` still equals the target's value.
 is the computed rows' causal blocks, :class:`.blocks.BlockAdjacency` — with a feature budget ``rows × sources``
 at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
 same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
-the stored entries — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
-dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's
-edges from everything else (dropped sources and the entries a row did not keep) are summed into its
+the stored rows — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
+dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. On the full
+graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
+:func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit.
+Each kept target's edges from everything else (dropped sources and the entries a row did not keep) are summed into its
 ``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since the values
 come from the forward and the edges from the backward passes. torch only.
 """
@@ -498,9 +500,11 @@ def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tens
 
 def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, *, node_threshold: float,
                     edge_threshold: float, prompt: str, meta: dict[str, Any]) -> Graph:
-    """The pruned :class:`Graph` of the rows in ``scheduler`` (see the module docstring). Two chunked
-    passes over the stored entries (node influence, then the entries among the kept nodes); the edge
-    scores and the dangling-node loop run on those few entries only."""
+    """The pruned :class:`Graph` of the rows in ``scheduler`` (see the module docstring). On the full graph's
+    blocks: :func:`.scores.prune`'s steps on them in place (temporaries of one cell / chunk, the edge scores among
+    the node-pruned nodes, 8 B each), then the kept nodes' adjacency and residuals cell by cell
+    (:func:`_block_pruned`). On sparse rows: two chunked passes over the stored entries (node influence, then the
+    entries among the node-pruned nodes); the edge scores and the dangling-node loop run on those entries only."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind

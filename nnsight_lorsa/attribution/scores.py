@@ -20,9 +20,13 @@ is the fraction of the logits' influence that starts at embeddings and biases ra
 nodes; the *completeness score* the influence-weighted fraction of each computed row's
 normalised incoming mass that does not come from error nodes.
 
-Everything here runs on a graph's non-zero edges (:meth:`.graph.Graph.coo`: read from its causal blocks
-if it keeps them) with sparse products in float64 — memory ``O(edges)``, never the dense ``n_nodes²``
-matrix of a long prompt's graph; :func:`influence` is the same series on a dense rows matrix.
+Everything here runs on the graph's stored rows in float64 through one influence function,
+:func:`row_influence` (also what pruning while building and the feature budget's selection run): on its causal
+blocks in place if it keeps them (:class:`.blocks.BlockAdjacency`), else on its dense matrix's non-zero entries
+(:class:`EntryRows`) — the same bits either way — never on a dense ``n_nodes²`` float matrix; :func:`influence`
+is the same series on a dense rows matrix. Pruning a full graph holds the scores of the edges among the
+node-pruned nodes (``8 B`` each, sorted in place) and then the kept edges (``16 B`` each): measured 1.4–2.4 B per
+non-zero edge above the graph on the embedded model's full graphs (``benchmarks/graph_postprocess_scale.py``).
 
 The model-running counterparts — circuit metrics by ablation in the real model and the exactness checks
 by intervention in the frozen model — are in :mod:`.checks`. torch only.
@@ -392,10 +396,13 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings, and so are intervened nodes:
     :attr:`.graph.NodeTable.intervened`).
 
-    Computed on the graph's non-zero edges (:meth:`.graph.Graph.coo`, read from its causal blocks if it
-    keeps them; the graph is left as it was) in float64: memory ``O(edges)`` (50–70 B per non-zero
-    edge at the peak), never a dense ``n_nodes²`` matrix — the same steps as pruning while building
-    (:func:`prune_entries`). A graph that keeps its blocks and the same graph densified give the same bits.
+    Computed on the graph's stored rows (:func:`graph_rows`: its causal blocks read in place if it keeps them —
+    the graph is left as it was — else its dense matrix's non-zero entries) in float64, the same steps as pruning
+    while building (:func:`prune_rows`); a graph that keeps its blocks and the same graph densified give the same
+    bits. Memory above the graph: node-sized float64 vectors, the block passes' temporaries (:data:`.blocks.CHUNK`
+    entries), the scores of the non-zero edges among the node-pruned nodes (``8 B`` each, sorted in place:
+    :func:`find_threshold_`) and the kept edges (``16 B`` each) — on the embedded model's full graphs 1.4–2.4 B per
+    non-zero edge (6.5–13 B with ``node_threshold=1``), 70–72 B before; never a dense ``n_nodes²`` matrix.
 
     Args:
         graph: a :class:`~.graph.Graph`.
@@ -431,8 +438,9 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
 def graph_scores(graph: Graph) -> tuple[float, float]:
     """``(replacement_score, completeness_score)``, both in ``[0, 1]``, of the unpruned graph (module
     docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). Computed on the
-    graph's non-zero edges (:meth:`.graph.Graph.coo`, from its causal blocks if it keeps them) in float64:
-    memory ``O(edges)``, no dense ``n_nodes²`` matrix."""
+    graph's stored rows (:func:`graph_rows`: its causal blocks in place, or its dense matrix's non-zero entries)
+    in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
+    vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix."""
     kind = graph.nodes.kind
     error = (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     inputs = (kind == EMBEDDING) | (kind == BIAS)
