@@ -245,18 +245,16 @@ class BlockAdjacency:
         the rows with ``cumsum`` (sequential)."""
         out = torch.zeros(self.n_sources, dtype=torch.float64, device=HOST)
         buffer = torch.empty(CHUNK, dtype=torch.float64, device=HOST)  # reused by every part
-        cols_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for cell, s0, s1 in self._row_runs():
             rows = self.cell_rows[cell][s0:s1]
             w = weight[rows]
             live = w.nonzero().flatten()
             if not live.numel():
                 continue
-            if cell not in cols_of:
-                cols = self.cols(cell)
-                keep = None if col_mask is None else col_mask[cols].nonzero().flatten()
-                cols_of[cell] = (cols if keep is None else cols[keep], keep)
-            cols, keep = cols_of[cell]
+            cols = self.cols(cell)  # per run, not kept: all cells' column lists would be Σ cols × 8 B
+            keep = None if col_mask is None else col_mask[cols].nonzero().flatten()
+            if keep is not None:
+                cols = cols[keep]
             block = self.blocks[cell]
             assert block is not None
             every = live.numel() == rows.numel()
