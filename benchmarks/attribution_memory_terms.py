@@ -58,10 +58,10 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
     mfn = budget if mode == "budget" else None
     attribute(rm, ids[:8], batch_size=batch, prune=prune, max_feature_nodes=mfn)  # warm-up
     marks: dict[str, tuple[int, int]] = {}
-    seen = {"hwm": 0, "selection": 0, "rows_held": 0}
+    seen = {"hwm": 0, "selection": 0, "rows_held": 0, "assembly": 0}
 
-    def mark(name: str) -> None:
-        marks[name] = (_kb("VmRSS"), _kb("VmHWM"))
+    def mark(name: str) -> None:  # (RSS, the peak so far: across the resets below)
+        marks[name] = (_kb("VmRSS"), max(_kb("VmHWM"), seen["hwm"]))
 
     def reset_peak() -> None:  # VmHWM := VmRSS, the call's peak so far kept
         seen["hwm"] = max(seen["hwm"], _kb("VmHWM"))
@@ -81,6 +81,8 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
                 seen["rows_held"] = held(a[1].rows)
                 reset_peak()
             out = _orig(*a, **k)
+            if _name.startswith("assemble"):
+                seen["assembly"] = _kb("VmHWM") - marks[f"start {_name}"][0]
             mark(f"end {_name}")
             return out
 
@@ -118,7 +120,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
            "clean_pass_mb": (marks["end prepare"][1] - base) * mb,
            "frozen_pass_mb": (marks["batch 2 done"][1] - marks["end prepare"][0]) * mb,
            "rows_mb": (marks["end attribute_in_trace"][0] - marks["batch 2 done"][0]) * mb,
-           "assembly_mb": (marks[f"end {asm}"][1] - marks[f"start {asm}"][0]) * mb,
+           "assembly_mb": seen["assembly"] * mb,
            "peak_mb": (max(seen["hwm"], marks["end"][1], marks[f"start {asm}"][1]) - base) * mb, "n_nodes": g.n_nodes,
            "stored_entries": (g.meta.get("pruned") or {}).get("stored_entries"),
            "selection_mb": seen["selection"] * mb, "rows_held_mb": seen["rows_held"] / 2**20}
