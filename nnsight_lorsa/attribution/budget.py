@@ -25,10 +25,10 @@ per edge:
   non-zero entries sparse, 4 B + an edge each — their number counted from the graph's structure (with a
   budget, for the rows at the latest positions, where the selection picks them: :func:`_latest_rows`): a
   feature at layer ``l``, position ``p`` has an edge from every node written before layer ``l``'s attention at
-  a position ``≤ p`` (the frozen attention mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
-  from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
-  the last attention, and from those after it at the last position; unpruned, the graph's
-  adjacency over the visited features is then the computed rows' causal blocks
+  a position ``≤ p`` (the frozen attention mixes all of them), from the nodes of layer ``l``'s attention at
+  ``p`` itself (transcoder features), from the embeddings ``≤ p`` and every bias node upstream; a logit from
+  every node written before the last attention, and from those after it at the last position; unpruned, the
+  graph's adjacency over the visited features is then the computed rows' causal blocks
   (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
 * *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
