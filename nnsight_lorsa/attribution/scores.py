@@ -25,7 +25,7 @@ Everything here runs on the graph's stored rows in float64 through one influence
 blocks in place if it keeps them (:class:`.blocks.BlockAdjacency`), else on its dense matrix's non-zero entries
 (:class:`EntryRows`) — the same bits either way — never on a dense ``n_nodes²`` float matrix; :func:`influence`
 is the same series on a dense rows matrix. Pruning a full graph holds the scores of the edges among the
-node-pruned nodes (``8 B`` each, sorted in place) and then the kept edges (``16 B`` each): measured 1.4–2.4 B per
+node-pruned nodes (``8 B`` each, sorted in place) and then the kept edges (``16 B`` each): measured 1.3–2.6 B per
 non-zero edge above the graph on the embedded model's full graphs (``benchmarks/graph_postprocess_scale.py``).
 
 The model-running counterparts — circuit metrics by ablation in the real model and the exactness checks
@@ -401,8 +401,8 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     while building (:func:`prune_rows`); a graph that keeps its blocks and the same graph densified give the same
     bits. Memory above the graph: node-sized float64 vectors, the block passes' temporaries (:data:`.blocks.CHUNK`
     entries), the scores of the non-zero edges among the node-pruned nodes (``8 B`` each, sorted in place:
-    :func:`find_threshold_`) and the kept edges (``16 B`` each) — on the embedded model's full graphs 1.4–2.4 B per
-    non-zero edge (6.5–13 B with ``node_threshold=1``), 70–72 B before; never a dense ``n_nodes²`` matrix.
+    :func:`find_threshold_`) and the kept edges (``16 B`` each) — on the embedded model's full graphs 1.3–2.6 B per
+    non-zero edge (6.6–14 B with ``node_threshold=1``), 70–72 B before; never a dense ``n_nodes²`` matrix.
 
     Args:
         graph: a :class:`~.graph.Graph`.
