@@ -8,13 +8,16 @@ a fresh process per length and mode (``dense``: the full graph; ``pruned``: ``pr
 equal to dense pruning; ``budget``: ``max_feature_nodes=--budget``, unpruned, with ``estimate_memory``'s
 prediction and the bytes the graph's adjacency holds). The phases are read by wrapping the engine's steps
 (``prepare``, the frozen pass ``attribute_in_trace``, each ``RowStore.record``, ``assemble`` /
-``assemble_pruned``) and reading Linux's ``VmRSS`` / ``VmHWM`` (reset before the call, and in ``budget`` mode
-again at the assembly, whose own peak is then measured): *clean pass* (peak growth up to the layout), *frozen pass*
-(peak growth from there to the end of the second batch: the forward over ``B`` copies and one backward),
-*rows* (RSS growth from then to the end of the frozen pass: the stored rows, and the allocator's retention),
-*assembly* (peak growth during assembly / pruning), and the call's peak. Run against another checkout (its
-directory first on ``PYTHONPATH``) to compare versions; the numbers of this one and of ``main`` before
-this round are in docs/attribution.md.
+``assemble_pruned``, the budget's ``RowScheduler.feature_influence``) and reading Linux's ``VmRSS`` / ``VmHWM``
+(reset before the call, and again — the call's peak so far kept — at the assembly and at each selection, whose
+own peaks are then measured): *clean pass* (peak growth up to the layout), *frozen pass* (peak growth from there
+to the end of the second batch: the forward over ``B`` copies and one backward), *rows* (RSS growth from then to
+the end of the frozen pass: the stored rows, and the allocator's retention), *rows held* (the bytes the stored
+rows hold as the assembly starts — blocks, or sparse entries + 16 B per row — plus, unpruned with a budget, the
+graph's blocks), *assembly* (peak growth during assembly / pruning), *selection* (the largest peak growth of one
+influence estimate, the heap trimmed first), the call's peak, and ``estimate_memory``'s prediction of each
+term (``predicted``). Run against another checkout (its directory first on ``PYTHONPATH``) to compare versions;
+the numbers of this one and of ``main`` before this round are in docs/attribution.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
 
     import nnsight_lorsa.attribution.rows as rows_module
     from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa._memory import release_free_memory
     from nnsight_lorsa.assets import default_corpus_path, default_transcoder_dir
     from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
     from nnsight_lorsa.envoy import load_model
@@ -54,18 +58,31 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
     mfn = budget if mode == "budget" else None
     attribute(rm, ids[:8], batch_size=batch, prune=prune, max_feature_nodes=mfn)  # warm-up
     marks: dict[str, tuple[int, int]] = {}
+    seen = {"hwm": 0, "selection": 0, "rows_held": 0, "assembly": 0}
 
-    def mark(name: str) -> None:
-        marks[name] = (_kb("VmRSS"), _kb("VmHWM"))
+    def mark(name: str) -> None:  # (RSS, the peak so far: across the resets below)
+        marks[name] = (_kb("VmRSS"), max(_kb("VmHWM"), seen["hwm"]))
+
+    def reset_peak() -> None:  # VmHWM := VmRSS, the call's peak so far kept
+        seen["hwm"] = max(seen["hwm"], _kb("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def held(store) -> int:  # bytes the stored rows hold: blocks, or sparse entries + per-row float64 vectors
+        if isinstance(store, rows_module.SparseRows):
+            return sum(b.fill * (b.col.element_size() + b.val.element_size()) for b in store.blocks) + 16 * store.n_rows
+        return int(getattr(store, "nbytes", 0))
 
     for fn in ("prepare", "attribute_in_trace", "assemble", "assemble_pruned"):
         orig = getattr(engine, fn)
 
         def wrapped(*a, _orig=orig, _name=fn, **k):
             mark(f"start {_name}")
-            if mode == "budget" and _name == "assemble":  # the assembly's own peak: VmHWM reset (the call's kept)
-                Path("/proc/self/clear_refs").write_text("5")
+            if _name.startswith("assemble"):  # the assembly's own peak: VmHWM reset (the call's kept)
+                seen["rows_held"] = held(a[1].rows)
+                reset_peak()
             out = _orig(*a, **k)
+            if _name.startswith("assemble"):
+                seen["assembly"] = _kb("VmHWM") - marks[f"start {_name}"][0]
             mark(f"end {_name}")
             return out
 
@@ -80,6 +97,17 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
         return record(self, rows, grads)
 
     rows_module.RowStore.record = counted
+    influence = rows_module.RowScheduler.feature_influence
+
+    def selection(self):  # the influence-ordered selection's own peak (heap trimmed, VmHWM reset, the call's kept)
+        release_free_memory()  # else the batch's freed temporaries, still in the heap, hide its allocations
+        reset_peak()
+        start = _kb("VmRSS")
+        out = influence(self)
+        seen["selection"] = max(seen["selection"], _kb("VmHWM") - start)
+        return out
+
+    rows_module.RowScheduler.feature_influence = selection
     mark("begin")
     Path("/proc/self/clear_refs").write_text("5")
     mark("begin")
@@ -92,12 +120,20 @@ def child(seq: int, batch: int, mode: str, budget: int = 64) -> None:
            "clean_pass_mb": (marks["end prepare"][1] - base) * mb,
            "frozen_pass_mb": (marks["batch 2 done"][1] - marks["end prepare"][0]) * mb,
            "rows_mb": (marks["end attribute_in_trace"][0] - marks["batch 2 done"][0]) * mb,
-           "assembly_mb": (marks[f"end {asm}"][1] - marks[f"start {asm}"][0]) * mb,
-           "peak_mb": (max(marks["end"][1], marks[f"start {asm}"][1]) - base) * mb, "n_nodes": g.n_nodes,
-           "stored_entries": (g.meta.get("pruned") or {}).get("stored_entries")}
+           "assembly_mb": seen["assembly"] * mb,
+           "peak_mb": (max(seen["hwm"], marks["end"][1], marks[f"start {asm}"][1]) - base) * mb, "n_nodes": g.n_nodes,
+           "stored_entries": (g.meta.get("pruned") or {}).get("stored_entries"),
+           "selection_mb": seen["selection"] * mb, "rows_held_mb": seen["rows_held"] / 2**20}
+    # the memory model's prediction of each term, for every mode (MB; frozen = per copy × batch + shared)
+    est = estimate_memory(rm, ids, batch_size=batch, prune=prune, max_feature_nodes=mfn)
+    t = est.terms
+    out["predicted"] = {"frozen_pass_mb": (t["frozen_per_copy"] * batch + t["frozen_shared"]) / 2**20,
+                        "rows_mb": t["rows"] / 2**20, "pruning_mb": t["pruning"] / 2**20,
+                        "selection_mb": t["selection"] / 2**20, "fixed_mb": t["fixed"] / 2**20,
+                        "host_mb": est.host_bytes / 2**20, "stored_entries": t["stored_entries"]}
     if mode == "budget":  # the adjacency the graph holds (blocks, or a dense matrix in older versions) and the estimate
         blocks = g.block_adjacency
-        est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=mfn)
+        out["rows_held_mb"] += (blocks.nbytes if blocks is not None else 0) / 2**20  # the sparse rows + the blocks
         out.update(budget=mfn, feature_rows=int(g.feature_rows.sum()),
                    adjacency_mb=(blocks.nbytes if blocks is not None else g.densify().nbytes) / 2**20,
                    dense_adjacency_mb=g.n_nodes ** 2 * 4 / 2**20, estimate_host_mb=est.host_bytes / 2**20,

@@ -16,8 +16,11 @@ k 64 on every MLP, a Lorsa with top-k 128 on layer 15, 10 logits), ``rows`` visi
 and their rows and the logits' stored as :class:`BlockAdjacency` blocks of Gaussian values (every entry that
 can be non-zero is non-zero: the worst case for the sparse passes). For each length: the graph's nodes and
 stored entries, the dense ``n_nodes²`` fp32 matrix the post-processing used to build, the wall time of each
-step, and the host peak (``VmHWM``) above the graph itself. Then (``--full-tokens``) the embedded model's
-full graph — every feature row, many more edges per node — through ``prune`` and ``graph_scores``.
+step, and the host peak (``VmHWM``) above the graph itself (of ``prune`` alone, and of all the steps; before each
+measured step the C heap is trimmed, so that free pages of an earlier step do not hide its allocations). Then
+(``--full-tokens``) the embedded model's full graph — every feature row, many more edges per node — through
+``prune`` (also with ``node_threshold=1``: every non-zero edge scored) and ``graph_scores``, each step's own peak
+per non-zero edge.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import gc
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,9 +72,9 @@ def measure(P: int, rows: int) -> dict:
     blocks = graph.block_adjacency
     assert blocks is not None
     n = graph.n_nodes
+    pruned, t_prune, prune_peak = step_peak(lambda: prune(graph))
     gc.collect()
     base = host_peak_reset()
-    pruned, t_prune = time_once(lambda: prune(graph))
     scores, t_scores = time_once(lambda: graph_scores(graph))
     with warnings.catch_warnings():  # the synthetic features all have index 0: ids shared with MLP errors
         warnings.simplefilter("ignore")
@@ -85,12 +89,29 @@ def measure(P: int, rows: int) -> dict:
             "kept_edges": int(edges),
             "links_exported": len(export["links"]), "replacement_score": scores[0], "completeness_score": scores[1],
             "prune_s": t_prune, "graph_scores_s": t_scores, "export_s": t_export, "save_s": t_save,
-            "host_peak_above_graph_bytes": None if base is None else peak - base, "host_peak_bytes": peak}
+            "host_peak_above_graph_bytes": None if base is None or prune_peak is None else
+            max(peak - base, prune_peak),
+            "host_peak_bytes": peak, "prune_peak_above_graph_bytes": prune_peak,
+            "prune_peak_bytes_per_entry": None if prune_peak is None else prune_peak / blocks.entries()}
+
+
+def step_peak(fn: Any) -> tuple[Any, float, int | None]:
+    """``(result, seconds, host peak above the start in bytes)`` of ``fn()`` alone: collected and the C heap
+    trimmed first (``malloc_trim``: no free pages of an earlier step to hide this one's allocations), ``VmHWM``
+    reset."""
+    from nnsight_lorsa._memory import release_free_memory
+
+    gc.collect()
+    release_free_memory()
+    base = host_peak_reset()
+    out, t = time_once(fn)
+    return out, t, None if base is None else host_peak() - base
 
 
 def measure_full(P: int) -> dict:
-    """The embedded model's full graph (every feature row) of ``P`` random tokens: ``prune`` then ``graph_scores``,
-    wall times and the host peak above the graph."""
+    """The embedded model's full graph (every feature row) of ``P`` random tokens: ``prune`` (default thresholds,
+    and ``node_threshold=1``: every node kept, every non-zero edge scored — the worst case), then ``graph_scores``;
+    wall time and host peak above the graph of each step alone, and per non-zero edge."""
     from benchmarks._timing import embedded
     from nnsight_lorsa import ReplacementModel, TranscoderSet
     from nnsight_lorsa.assets import default_transcoder_dir
@@ -100,15 +121,25 @@ def measure_full(P: int) -> dict:
     tcs = TranscoderSet.from_pretrained(model, default_transcoder_dir())
     rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
     graph = attribute(rm, torch.randint(1, 60, (P,), generator=torch.Generator().manual_seed(0)), batch_size=64)
-    gc.collect()
-    base = host_peak_reset()
-    pruned, t_prune = time_once(lambda: prune(graph))
-    scores, t_scores = time_once(lambda: graph_scores(graph))
-    peak = host_peak()
-    return {"tokens": P, "n_nodes": graph.n_nodes, "nonzero_edges": graph.n_edges,
-            "kept_nodes": int(pruned.node_mask.sum()),
+    edges = graph.n_edges
+    pruned, t_prune, peak_prune = step_peak(lambda: prune(graph))
+    every, t_every, peak_every = step_peak(lambda: prune(graph, 1.0, 0.98))
+    scores, t_scores, peak_scores = step_peak(lambda: graph_scores(graph))
+    peaks = [p for p in (peak_prune, peak_scores) if p is not None]
+
+    def per_edge(peak: int | None) -> float | None:
+        return None if peak is None else peak / edges
+
+    return {"tokens": P, "n_nodes": graph.n_nodes, "nonzero_edges": edges,
+            "kept_nodes": int(pruned.node_mask.sum()), "kept_edges": int(pruned.edge_index.shape[1]),
             "replacement_score": scores[0], "completeness_score": scores[1], "prune_s": t_prune,
-            "graph_scores_s": t_scores, "host_peak_above_graph_bytes": None if base is None else peak - base}
+            "graph_scores_s": t_scores, "host_peak_above_graph_bytes": max(peaks) if peaks else None,
+            "prune_peak_above_graph_bytes": peak_prune, "prune_peak_bytes_per_edge": per_edge(peak_prune),
+            "prune_every_node_s": t_every, "prune_every_node_kept_edges": int(every.edge_index.shape[1]),
+            "prune_every_node_peak_above_graph_bytes": peak_every,
+            "prune_every_node_peak_bytes_per_edge": per_edge(peak_every),
+            "graph_scores_peak_above_graph_bytes": peak_scores,
+            "graph_scores_peak_bytes_per_edge": per_edge(peak_scores)}
 
 
 def main() -> None:

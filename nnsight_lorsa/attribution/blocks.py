@@ -5,13 +5,17 @@ follows its possible edges rather than ``n_nodes²``. :class:`~.graph.Graph` hol
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from .._typing import Float, Int
 from ..errors import UnsupportedArchitectureError
 from .nodes import HOST, NodeTable
+
+#: entries per temporary of the block passes (:meth:`BlockAdjacency.abs_sums`, :meth:`BlockAdjacency.weighted_abs`:
+#: float64, 2 MiB)
+CHUNK = 2**18
 
 
 class BlockAdjacency:
@@ -70,6 +74,7 @@ class BlockAdjacency:
             k[at] = torch.searchsorted(self._src_pos[src].contiguous(), self.cell_pos[at].contiguous(), right=True)
         self._prefix = k
         self.blocks: list[torch.Tensor | None] = [None] * len(self.cell_rows)
+        self._runs: tuple[int, list[tuple[int, int, int]]] | None = None  # _row_runs of that many written cells
 
     # ------------------------------------------------------------------ structure
     def cols(self, cell: int) -> torch.Tensor:
@@ -159,6 +164,154 @@ class BlockAdjacency:
         by_row = row[start].argsort()
         order = segments(start[by_row], size[by_row])
         return row[order], col[order], val[order]
+
+    def _row_runs(self) -> list[tuple[int, int, int]]:
+        """``(cell, first slot, end slot)``: the written rows in ascending node order, as runs of consecutive rows of
+        one cell (a cell's rows ascend; where the nodes are ordered by site and position a cell is one run)."""
+        written = [c for c, b in enumerate(self.blocks) if b is not None]
+        cached = self._runs
+        if cached is not None and cached[0] == len(written):  # blocks are only ever added: the same cells
+            return cached[1]
+        if not written:
+            return []
+        rows = torch.cat([self.cell_rows[c] for c in written])
+        cell = torch.cat([torch.full((self.cell_rows[c].numel(),), c, dtype=torch.long, device=HOST) for c in written])
+        order = rows.argsort()
+        cell, slot = cell[order], self._slot[rows[order]]
+        cut = ((cell[1:] != cell[:-1]).nonzero().flatten() + 1).tolist()
+        runs = [(int(cell[a]), int(slot[a]), int(slot[b - 1]) + 1)
+                for a, b in zip([0, *cut], [*cut, rows.numel()], strict=True)]
+        self._runs = (len(written), runs)
+        return runs
+
+    def _sorted_columns(self) -> Callable[[int], torch.Tensor]:
+        """``perm(cell)``: the order of cell ``cell``'s columns (:meth:`cols`) that sorts them ascending — from one
+        ``argsort`` per site (a cell's columns are a prefix of its site's list, then the bias nodes), not one per
+        cell."""
+        order: dict[int, torch.Tensor] = {}  # the last site's only: cells of one site come together
+        free_last = not self._free.numel() or not self.n_sources or bool(
+            (self._free.min() > (self._src_site >= 0).nonzero().max()) if bool((self._src_site >= 0).any()) else True)
+
+        def perm(cell: int) -> torch.Tensor:
+            site, k = int(self.cell_site[cell]), int(self._prefix[cell])
+            if not free_last:
+                return self.cols(cell).argsort()
+            if site not in order:
+                order.clear()
+                order[site] = self._upstream[site].argsort()
+            up = order[site]
+            return torch.cat([up[up < k], torch.arange(k, k + self._free.numel(), device=HOST)])
+
+        return perm
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
+                 ) -> Float[torch.Tensor, " n"]:
+        """``(n,)`` float64 ``Σ_s |A[t, s]|`` of every node ``t`` (only the sources ``s`` where the bool
+        ``col_mask: (n_sources,)`` is True, if given; 0 for rows never written, and for rows outside the bool
+        ``row_mask: (n,)`` if given), each summed in ascending source order — the order, and so the bits, of
+        ``index_add`` over :meth:`coo`'s entries. Temporaries: one cell's block in float64 at a time (at most
+        :data:`CHUNK` entries)."""
+        out = torch.zeros(self.n, dtype=torch.float64, device=HOST)
+        sorting = self._sorted_columns()
+        for cell, block in enumerate(self.blocks):
+            if block is None:
+                continue
+            rows = self.cell_rows[cell]
+            at = None if row_mask is None else row_mask[rows].nonzero().flatten()
+            if at is not None and not at.numel():
+                continue
+            cols = self.cols(cell)
+            perm = sorting(cell)
+            if col_mask is not None:
+                perm = perm[col_mask[cols[perm]]]
+            if not perm.numel():
+                continue
+            if at is not None and at.numel() < rows.numel():
+                block, rows = block[at], rows[at]
+            step = max(1, CHUNK // perm.numel())
+            for r0 in range(0, rows.numel(), step):
+                part = block[r0:r0 + step][:, perm]
+                out[rows[r0:r0 + step]] = torch.cumsum(part.abs_(), 1, dtype=torch.float64)[:, -1]
+        return out
+
+    def weighted_abs(self, weight: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"],
+                     col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+        """One influence step: ``(n_sources,)`` float64 ``Σ_t weight[t] · |A[t, s]| / den[t]`` (``weight``, ``den``:
+        ``(n,)`` float64 over the nodes; only the sources where ``col_mask`` is True, if given), each entry
+        ``(|v| / den[t]) · weight[t]`` in float64 and each source's terms added one by one in ascending target
+        order — the arithmetic, and so the bits, of ``index_add`` over :meth:`coo`'s entries (a zero entry adds an
+        exact 0). Only the rows of non-zero weight are read: per run of rows of one cell, their contributions
+        (``rows × cols`` float64, at most :data:`CHUNK` entries at a time) behind the running sums, summed down
+        the rows with ``cumsum`` (sequential)."""
+        out = torch.zeros(self.n_sources, dtype=torch.float64, device=HOST)
+        buffer = torch.empty(CHUNK, dtype=torch.float64, device=HOST)  # reused by every part
+        for cell, s0, s1 in self._row_runs():
+            rows = self.cell_rows[cell][s0:s1]
+            w = weight[rows]
+            live = w.nonzero().flatten()
+            if not live.numel():
+                continue
+            cols = self.cols(cell)  # per run, not kept: all cells' column lists would be Σ cols × 8 B
+            keep = None if col_mask is None else col_mask[cols].nonzero().flatten()
+            if keep is not None:
+                cols = cols[keep]
+            block = self.blocks[cell]
+            assert block is not None
+            every = live.numel() == rows.numel()
+            w, d, live = w[live][:, None], den[rows[live]][:, None], live + s0
+            step = max(1, CHUNK // (live.numel() + 1))
+            for c0 in range(0, cols.numel(), step):
+                at = cols[c0:c0 + step]
+                if keep is not None:
+                    part = block[live[:, None], keep[None, c0:c0 + step]]
+                elif every:
+                    part = block[s0:s1, c0:c0 + step]  # a view: copied below
+                else:
+                    part = block[live, c0:c0 + step]
+                if (live.numel() + 1) * at.numel() > buffer.numel():  # a cell of more than CHUNK rows
+                    buffer = torch.empty((live.numel() + 1) * at.numel(), dtype=torch.float64, device=HOST)
+                acc = buffer[:(live.numel() + 1) * at.numel()].view(live.numel() + 1, at.numel())
+                acc[0] = out[at]
+                acc[1:].copy_(part).abs_().div_(d).mul_(w)
+                out[at] = acc.cumsum_(0)[-1]
+        return out
+
+    def _masked_parts(self, col_mask: torch.Tensor, row_mask: torch.Tensor
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(rows (r,), cols (c,), sub (r, c))``: the blocks between ``row_mask`` rows and ``col_mask`` columns,
+        columns ascending, rows ascending across the parts (each a copy of at most :data:`CHUNK` entries)."""
+        sorting = self._sorted_columns()
+        for cell, s0, s1 in self._row_runs():
+            rows = self.cell_rows[cell][s0:s1]
+            rk = row_mask[rows].nonzero().flatten()
+            if not rk.numel():
+                continue
+            cols = self.cols(cell)
+            perm = sorting(cell)
+            perm = perm[col_mask[cols[perm]]]
+            cols = cols[perm]
+            if not perm.numel():
+                continue
+            block = self.blocks[cell]
+            assert block is not None
+            step = max(1, CHUNK // perm.numel())
+            for r0 in range(0, rk.numel(), step):
+                at = rk[r0:r0 + step]
+                yield rows[at], cols, block[(at + s0)[:, None], perm[None, :]]
+
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        """The non-zero entries between ``row_mask: (n,)`` rows and ``col_mask: (n_sources,)`` columns (bool)."""
+        return sum(int(sub.count_nonzero()) for _, _, sub in self._masked_parts(col_mask, row_mask))
+
+    def edge_scores(self, factor: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"], col_mask: torch.Tensor,
+                    row_mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(target (k,) int64, source (k,) int64, score (k,) float64)`` of the non-zero entries between
+        ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[t] · factor[t]`` (``factor``, ``den``:
+        ``(n,)`` float64), row-major with sources ascending (:meth:`coo`'s order), a part at a time."""
+        for rows, cols, sub in self._masked_parts(col_mask, row_mask):
+            i, j = sub.nonzero(as_tuple=True)
+            t = rows[i]
+            yield t, cols[j], sub[i, j].abs().to(torch.float64).div_(den[t]).mul_(factor[t])
 
     def gather(self, rows: Int[torch.Tensor, "..."], cols: Int[torch.Tensor, "..."]) -> Float[torch.Tensor, "..."]:
         """``A[rows, cols]`` (the two broadcast together; 0 outside the blocks and in rows never written),

@@ -22,21 +22,21 @@ per edge:
   ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`:
   per target (site, position), the sources upstream of it — an edge each, counted exactly from the
   layout; ~0.2·``N²`` on the embedded model); a feature budget or ``keep_mass < 1`` stores the
-  non-zero entries sparse, 4 B + an edge each — their number counted exactly from the graph's
-  structure: a feature at layer ``l``, position ``p`` has an edge
-  from every node written before layer ``l``'s attention at a position ``≤ p`` (the frozen attention
-  mixes all of them), from the nodes of layer ``l``'s attention at ``p`` itself (transcoder features),
-  from the embeddings ``≤ p`` and every bias node upstream; a logit from every node written before
-  the last attention, and from those after it at the last position; unpruned, the graph's
-  adjacency over the visited features is then the computed rows' causal blocks
+  non-zero entries sparse, 4 B + an edge each — their number counted from the graph's structure (with a
+  budget, for the rows at the latest positions, where the selection picks them: :func:`_latest_rows`): a
+  feature at layer ``l``, position ``p`` has an edge from every node written before layer ``l``'s attention at
+  a position ``≤ p`` (the frozen attention mixes all of them), from the nodes of layer ``l``'s attention at
+  ``p`` itself (transcoder features), from the embeddings ``≤ p`` and every bias node upstream; a logit from
+  every node written before the last attention, and from those after it at the last position; unpruned, the
+  graph's adjacency over the visited features is then the computed rows' causal blocks
   (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
 * *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
-  budgeted graph's blocks are assembled from them; over the full graph's blocks, one cell's (a few MB: not
-  counted);
+  budgeted graph's blocks are assembled from them; over the full graph's blocks,
+  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
-  influence estimate over the stored rows, one chunk's temporaries and :data:`SELECTION_VECTORS` float64
-  vectors over the ``S`` sources.
+  influence estimate over the stored rows, in place in one reused float64 chunk buffer
+  (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
 on a GPU one. The coefficients are measured on the embedded model
@@ -74,9 +74,19 @@ ROW_BUFFERS = 5
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
+#: bytes per stored entry of pruning the full graph's causal blocks (``prune(graph)``'s passes on them, also while
+#: building with ``keep_mass=1``): the passes' temporaries are pieces of :data:`.blocks.CHUNK` entries, one cell,
+#: node-sized vectors and the edge scores among the node-pruned nodes (8 B each, a few thousand here), but the
+#: host peak grows with the blocks around them (the heap between the pieces): measured 1.4-1.7 B per stored entry
+#: (``benchmarks/attribution_memory_terms.py``, 128-256 tokens) and 1.0-1.5 B (``graph_postprocess_scale``'s full
+#: graphs, 64-256 tokens) — not counted from the structure
+PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
 #: float64 source-sized vectors of the influence-ordered selection (its series' current and total influence,
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
+#: bytes per entry of one chunk of the selection's influence steps: ``SparseRows.weighted_abs`` works in place in
+#: one reused float64 buffer of :data:`.rows.CHUNK_ENTRIES` entries (at most the stored entries)
+SELECTION_BYTES_PER_CHUNK_ENTRY = 8
 #: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
 FIXED_BYTES = 8 * 2**20
@@ -105,8 +115,8 @@ class MemoryEstimate(FieldsRepr):
 
 def structural_entries(layout: Layout, rows: int | None = None) -> int:
     """The number of non-zero edges of the graph's rows, from its structure alone (module docstring):
-    every feature row and every logit row; with ``rows`` (a feature budget), the feature rows' average
-    times ``rows``."""
+    every feature row and every logit row; with ``rows`` (a feature budget), the ``rows`` feature rows at the
+    latest positions (:func:`_latest_rows`: where the influence-ordered selection picks them)."""
     P = layout.n_pos
     n_layers = len(layout.layers)
     # sources per (site, position): site 0 the embeddings, 2l+1 layer l's attention, 2l+2 its MLP
@@ -130,25 +140,43 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
             last = m if role == "tc_enc" else 2 * n_layers + 1
             for site in range(first, last + 1):
                 downstream[site] += 1
-    total = 0.0
-    n_feature_rows = 0
+    reach: list[torch.Tensor] = []  # each feature row's possible sources, and its position
+    where: list[torch.Tensor] = []
     for lay in layout.layers:
         a = 2 * lay.layer + 1
         if lay.lorsa_pos.numel():
-            total += float(before[a - 1, lay.lorsa_pos].sum()) + downstream[a] * lay.lorsa_pos.numel()
-            n_feature_rows += lay.lorsa_pos.numel()
+            reach.append(before[a - 1, lay.lorsa_pos] + downstream[a])
+            where.append(lay.lorsa_pos)
         if lay.tc_pos.numel():
-            reach = before[a - 1, lay.tc_pos] + count[a, lay.tc_pos]
-            total += float(reach.sum()) + downstream[a + 1] * lay.tc_pos.numel()
-            n_feature_rows += lay.tc_pos.numel()
-    if rows is not None and n_feature_rows:
-        total = total / n_feature_rows * min(rows, n_feature_rows)
+            reach.append(before[a - 1, lay.tc_pos] + count[a, lay.tc_pos] + downstream[a + 1])
+            where.append(lay.tc_pos)
+    every = torch.cat(reach) if reach else torch.zeros(0, dtype=torch.float64, device=HOST)
+    total = float(every.sum())
+    if rows is not None and rows < every.numel():
+        total = _latest_rows(every, torch.cat(where), rows)
     # a logit reads the last position after the last attention: everything written before that attention
     # at any position, what is written at or after it only at the last position
     last = 2 * n_layers - 1
     n_bias = sum(len(lay.bias) - ("tc_enc" in lay.bias) for lay in layout.layers) + len(layout.bias)
     per_logit = float(before[last - 1, P - 1]) + float(count[last:, P - 1].sum()) + n_bias
     return int(total + layout.n_logits * per_logit)
+
+
+def _latest_rows(reach: torch.Tensor, pos: torch.Tensor, rows: int) -> float:
+    """``Σ reach`` of the ``rows`` features at the latest positions (of the last position they reach, its
+    features' mean): a feature budget's rows. The selection ranks features by influence on the logits, which read
+    the last position, so the picked features sit at the latest positions — measured on the embedded model at
+    128/256/512 tokens, 64 rows: mean position 126.5/250/419, their stored entries 5–14 % below this count (every
+    possible edge of theirs counted; the average feature row's, the former count, was 42 % below the picked
+    rows')."""
+    total, left = 0.0, rows
+    for p in pos.unique(sorted=True).flip(0).tolist():
+        at = reach[pos == p]
+        if at.numel() >= left:
+            return total + float(at.mean()) * left
+        total += float(at.sum())
+        left -= at.numel()
+    return total
 
 
 def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
@@ -195,7 +223,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     shared += sum(offload.values())
     if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
         entries = full_graph_blocks(layout, torch.float32).entries()
-        rows, pruning = entries * edge_itemsize, 0  # pruning them: per-cell temporaries, a few MB
+        rows = entries * edge_itemsize
+        pruning = int(PRUNE_BLOCK_BYTES_PER_ENTRY * entries) if prune else 0  # prune(graph)'s passes on the blocks
     else:  # sparse rows (keep_mass < 1 or a feature budget): the non-zero entries, 4 B column + value
         entries = structural_entries(layout, budget if budget < layout.n_features else None)
         rows = entries * (4 + edge_itemsize)
@@ -205,7 +234,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
     # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
     # rows, and float64 vectors over the sources), while the frozen pass is held
-    selection = (PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
+    selection = (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
                  if budget < layout.n_features else 0)
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,

@@ -19,9 +19,11 @@ residual`` still equals the target's value.
 is the computed rows' causal blocks, :class:`.blocks.BlockAdjacency` — with a feature budget ``rows × sources``
 at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
 same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
-the stored entries — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
-dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. Each kept target's
-edges from everything else (dropped sources and the entries a row did not keep) are summed into its
+the stored rows — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
+dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. On the full
+graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
+:func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit.
+Each kept target's edges from everything else (dropped sources and the entries a row did not keep) are summed into its
 ``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since the values
 come from the forward and the edges from the backward passes. torch only.
 """
@@ -41,7 +43,7 @@ from .._typing import Float, Int
 from .blocks import BlockAdjacency
 from .graph import BIAS, EMBEDDING, HOST, LOGIT, Graph
 from .layout import Layout
-from .scores import find_threshold, influence_series, prune_entries
+from .scores import EntryRows, find_threshold, prune_rows, row_influence
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -151,10 +153,11 @@ class SparseRows:
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
 
     def weighted_abs(self, scale: Float[torch.Tensor, " n"], col_mask: torch.Tensor | None = None,
-                     buffer: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+                     buffer: torch.Tensor | None = None, den: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
         """``Σ_r scale[r] · |row r|``: ``(n_cols,)`` float64 (with ``col_mask``, a bool over the columns, only
-        the entries of its columns) — one step of :meth:`influence`. Reads only the rows with a non-zero
-        ``scale`` (the others add exact zeros), each entry's ``scale[r] · |v|`` computed in float64 and
+        the entries of its columns; with ``den: (n,)`` float64, each entry ``(|v| / den[r]) · scale[r]`` — the
+        arithmetic of :func:`.scores.row_influence`'s steps on every storage). Reads only the rows with a non-zero
+        ``scale`` (the others add exact zeros), each entry's term computed in float64 and
         accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in
         ``buffer`` (float64, reused across calls; made here if None): a fresh multi-MB temporary per chunk
         costs its page faults, as much as the arithmetic."""
@@ -163,36 +166,44 @@ class SparseRows:
             buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
         for block in self.blocks:
             s = scale[block.row_start:block.row_start + len(block.ends)]
-            live = s.nonzero().flatten().tolist()
-            if not live:
+            live = s.nonzero().flatten()
+            if not live.numel():
                 continue
             weights = s[live].tolist()  # Python floats: the same float64 values
-            runs: list[tuple[int, int, float]] = []  # (entry start, entry end, scale) of consecutive rows
-            for i, w in zip(live, weights, strict=True):
+            dens = [None] * len(weights) if den is None else den[live + block.row_start].tolist()
+            runs: list[tuple[int, int, float, float | None]] = []  # (entry start, end, scale, den) of consecutive rows
+            for i, w, d in zip(live.tolist(), weights, dens, strict=True):
                 start, end = block.ends[i - 1] if i else 0, block.ends[i]
                 for a in range(start, end, CHUNK_ENTRIES):  # a row longer than a chunk: in pieces
                     b = min(a + CHUNK_ENTRIES, end)
                     if runs and (runs[-1][1] != a or b - runs[0][0] > CHUNK_ENTRIES):
                         self._add_runs(out, block, runs, col_mask, buffer)
                         runs = []
-                    runs.append((a, b, w))
+                    runs.append((a, b, w, d))
             if runs:
                 self._add_runs(out, block, runs, col_mask, buffer)
         return out
 
     @staticmethod
-    def _add_runs(out: torch.Tensor, block: _Block, runs: list[tuple[int, int, float]], col_mask: torch.Tensor | None,
-                  buffer: torch.Tensor) -> None:
-        """``out[col] += w · |val|`` over contiguous runs ``(start, end, w)`` of ``block``'s entries."""
+    def _add_runs(out: torch.Tensor, block: _Block, runs: list[tuple[int, int, float, float | None]],
+                  col_mask: torch.Tensor | None, buffer: torch.Tensor) -> None:
+        """``out[col] += (|val| / d) · w`` (or ``w · |val|``, ``d`` None) over contiguous runs ``(start, end, w, d)``
+        of ``block``'s entries."""
         e0, e1 = runs[0][0], runs[-1][1]
         contrib = buffer[:e1 - e0]
         contrib.copy_(block.val[e0:e1]).abs_()
+        with_den = runs[0][3] is not None
         if len(runs) >= 3 and e1 - e0 <= SMALL_RUN_ENTRIES:  # many short rows: one multiply by the repeated weights
-            weights = torch.tensor([w for _, _, w in runs], dtype=torch.float64, device=HOST)
-            lengths = torch.tensor([b - a for a, b, _ in runs], dtype=torch.long, device=HOST)
+            lengths = torch.tensor([b - a for a, b, _, _ in runs], dtype=torch.long, device=HOST)
+            if with_den:
+                dens = torch.tensor([d for _, _, _, d in runs], dtype=torch.float64, device=HOST)
+                contrib.div_(torch.repeat_interleave(dens, lengths, output_size=e1 - e0))
+            weights = torch.tensor([w for _, _, w, _ in runs], dtype=torch.float64, device=HOST)
             contrib.mul_(torch.repeat_interleave(weights, lengths, output_size=e1 - e0))
         else:  # long rows: in place, one multiply each (a per-entry weight vector would be a fresh large tensor)
-            for a, b, w in runs:
+            for a, b, w, d in runs:
+                if d is not None:
+                    contrib[a - e0:b - e0].div_(d)
                 contrib[a - e0:b - e0].mul_(w)
         col = block.col[e0:e1]
         if col_mask is not None:
@@ -214,32 +225,41 @@ class SparseRows:
             out.index_add_(0, row, val.double())
         return out + self.residual
 
+    def abs_sums(self, col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n"]:
+        """``(n_rows,)`` float64: each row's full absolute mass (:attr:`abs_total`, the dropped entries included), or
+        with ``col_mask`` (bool over the columns) ``Σ |kept entries|`` of its columns, in storage order (chunked)."""
+        if col_mask is None:
+            return self.abs_total
+        den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
+        for row, col, val in self.chunks():
+            k = col_mask[col]
+            den.index_add_(0, row[k], val[k].double().abs())
+        return den
+
     def influence(self, row_node: Int[torch.Tensor, " n"], row_weight: Float[torch.Tensor, " n"],
                   node_mask: torch.Tensor | None = None, max_iter: int = 1000) -> Float[torch.Tensor, " s"]:
-        """:func:`.scores.influence` over the stored entries, each row normalised by its full absolute
+        """:func:`.scores.row_influence` over the stored entries, each row normalised by its full absolute
         mass — or, with ``node_mask: (≥ n_cols,)`` bool, only over the entries between two nodes of the
         mask (source ``col`` and target ``row_node[row]``), each row normalised by those entries' mass.
-        Chunked; float64 accumulation."""
+        Chunked (:meth:`weighted_abs`, one reused :data:`CHUNK_ENTRIES` float64 buffer); float64."""
         if node_mask is not None and bool(node_mask.all()):
             node_mask = None  # every node: the full rows
-        if node_mask is None:
-            den = self.abs_total
-        else:
-            den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
-            for row, col, val in self.chunks():
-                k = node_mask[col] & node_mask[row_node[row]]
-                den.index_add_(0, row[k], val[k].double().abs())
-        inv = 1.0 / den.clamp_min(1e-30)
+        return row_influence(_SparseSource(self), row_node, row_weight, self.n_cols, node_mask, max_iter)
 
-        if node_mask is not None:  # a row whose target is outside the mask counts nothing
-            inv = inv * node_mask[row_node]
-        buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
 
-        def propagate(w: torch.Tensor) -> torch.Tensor:
-            # w[r] · |v| / den[r] = (w / den)[r] · |v|
-            return self.weighted_abs(w.double() * inv, None if node_mask is None else node_mask[:self.n_cols], buffer)
+class _SparseSource:
+    """:class:`SparseRows` as a :class:`.scores.RowSource` (its steps in place in one reused buffer)."""
 
-        return influence_series(propagate, row_node, row_weight.double(), self.n_cols, max_iter)
+    def __init__(self, rows: SparseRows) -> None:
+        self.rows = rows
+        self.buffer = torch.empty(min(CHUNK_ENTRIES, max(rows.nnz, 1)), dtype=torch.float64, device=HOST)
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.rows.abs_sums(col_mask)
+
+    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        return self.rows.weighted_abs(weight, col_mask, self.buffer, den)
 
 
 def _rows_of(ends: list[int], e0: int, e1: int) -> torch.Tensor:
@@ -480,9 +500,11 @@ def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tens
 
 def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, *, node_threshold: float,
                     edge_threshold: float, prompt: str, meta: dict[str, Any]) -> Graph:
-    """The pruned :class:`Graph` of the rows in ``scheduler`` (see the module docstring). Two chunked
-    passes over the stored entries (node influence, then the entries among the kept nodes); the edge
-    scores and the dangling-node loop run on those few entries only."""
+    """The pruned :class:`Graph` of the rows in ``scheduler`` (see the module docstring). On the full graph's
+    blocks: :func:`.scores.prune`'s steps on them in place (temporaries of one cell / chunk, the edge scores among
+    the node-pruned nodes, 8 B each), then the kept nodes' adjacency and residuals cell by cell
+    (:func:`_block_pruned`). On sparse rows: two chunked passes over the stored entries (node influence, then the
+    entries among the node-pruned nodes); the edge scores and the dangling-node loop run on those entries only."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
@@ -493,14 +515,19 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
     always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | layout.nodes.intervened  # (scores.prune)
     store = scheduler.rows
-    if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks
+    if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks — prune(graph)'s steps
         assert bool(in_graph.all())
+        ids = torch.arange(n_all, device=HOST)
+        lw = torch.zeros(n_all, dtype=torch.float64, device=HOST)
+        lw[row_node] = lw_row
         # 1. node influence on the graph
-        infl = torch.cat([_block_influence(store, row_node, lw_row), torch.zeros(nl, dtype=torch.float64, device=HOST)])
-        node_mask = infl >= find_threshold(infl, node_threshold)
-        node_mask |= always
-        # the entries among the node-pruned graph's nodes, and each row's sum of everything else
-        e_row, e_col, e_val, outside = _block_entries_among(store, row_node, node_mask)
+        infl = torch.zeros(n_all, dtype=torch.float64, device=HOST)
+        infl[:ns] = row_influence(store, ids, lw, ns)
+        first = (infl >= find_threshold(infl, node_threshold)) | always
+        # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors
+        node_mask, _ = prune_rows(store, ids, lw, first, always, kind, edge_threshold, ns)
+        kept = node_mask.nonzero().flatten()
+        adjacency, residual = _block_pruned(store, first, node_mask, kept)
         stored = store.entries()
     else:
         sp = scheduler.sparse()
@@ -523,24 +550,23 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
             torch.zeros(0, dtype=values.dtype, device=HOST))
         del parts
         stored = sp.nnz
-    entry_node = row_node[e_row]
-    # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's)
-    node_mask, _ = prune_entries(e_row, e_col, e_val, row_node, lw_row, node_mask, always & in_graph, kind,
-                                 edge_threshold, ns)
-    # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
-    kept = node_mask.nonzero().flatten()
-    index = torch.full((n_all,), -1, dtype=torch.long, device=HOST)
-    index[kept] = torch.arange(kept.numel(), device=HOST)
-    n = kept.numel()
-    among = node_mask[e_col] & node_mask[entry_node]
-    adjacency = torch.zeros(n, n, dtype=e_val.dtype, device=HOST)
-    adjacency[index[entry_node[among]], index[e_col[among]]] = e_val[among]
-    outside.index_add_(0, e_row[~among], e_val[~among].double())
-    residual = torch.zeros(n, dtype=torch.float64, device=HOST)
-    computed = torch.zeros(n, dtype=torch.bool, device=HOST)
-    row_kept = node_mask[row_node]
-    residual[index[row_node[row_kept]]] = outside[row_kept]
-    computed[index[row_node[row_kept]]] = True
+        entry_node = row_node[e_row]
+        # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's)
+        node_mask, _ = prune_rows(EntryRows(e_row, e_col, e_val, row_node.numel(), ns), row_node, lw_row, node_mask,
+                                  always & in_graph, kind, edge_threshold, ns)
+        # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
+        kept = node_mask.nonzero().flatten()
+        index = _graph_index(kept, n_all)
+        n = kept.numel()
+        among = node_mask[e_col] & node_mask[entry_node]
+        adjacency = torch.zeros(n, n, dtype=e_val.dtype, device=HOST)
+        adjacency[index[entry_node[among]], index[e_col[among]]] = e_val[among]
+        outside.index_add_(0, e_row[~among], e_val[~among].double())
+        row_kept = node_mask[row_node]
+        residual = torch.zeros(n, dtype=torch.float64, device=HOST)
+        residual[index[row_node[row_kept]]] = outside[row_kept]
+    computed = torch.zeros(kept.numel(), dtype=torch.bool, device=HOST)
+    computed[_graph_index(kept, n_all)[row_node[node_mask[row_node]]]] = True
     all_values = torch.full((n_all,), float("nan"), dtype=values.dtype, device=HOST)
     all_values[:nf] = values[:nf].to(HOST)
     all_values[ns:] = values[nf:].to(HOST)
@@ -551,44 +577,24 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
                  residual=residual.to(adjacency.dtype))
 
 
-def _block_influence(blocks: BlockAdjacency, row_node: torch.Tensor, row_weight: torch.Tensor) -> torch.Tensor:
-    """:meth:`SparseRows.influence` (every node) over the causal blocks: ``(n_sources,)`` float64, each row
-    normalised by its absolute mass; one ``(weighted rows) @ |block|`` product per cell and step."""
-    inv = 1.0 / blocks.row_sums(torch.arange(blocks.n, device=HOST), absolute=True).clamp_min(1e-30)
-
-    def propagate(w: torch.Tensor) -> torch.Tensor:
-        scale = torch.zeros(blocks.n, dtype=torch.float64, device=HOST)
-        scale[row_node] = w.double() * inv[row_node]
-        out = torch.zeros(blocks.n_sources, dtype=torch.float64, device=HOST)
-        for rows, cols, block in blocks.items():
-            s = scale[rows]
-            live = s.nonzero().flatten()
-            if live.numel():
-                out.index_add_(0, cols, s[live] @ block[live].abs().double())
-        return out
-
-    return influence_series(propagate, row_node, row_weight.double(), blocks.n_sources)
-
-
-def _block_entries_among(blocks: BlockAdjacency, row_node: torch.Tensor, node_mask: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row, col, val, outside)``: the non-zero entries between two nodes of ``node_mask`` (``row``: the
-    row's place in ``row_node``), and each row's (float64) sum of every other entry."""
-    at = torch.full((blocks.n,), -1, dtype=torch.long, device=HOST)
-    at[row_node] = torch.arange(row_node.numel(), device=HOST)
-    outside = torch.zeros(row_node.numel(), dtype=torch.float64, device=HOST)
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.Tensor, kept: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(adjacency (k, k), residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``) from the
+    full graph's causal blocks, cell by cell: every stored edge among them, and each kept row's sum of everything
+    else — the row's sum outside the node-pruned (``first``) nodes, then its entries among those but dropped
+    later added one by one in its block's column order (float64), as the entry list of the former code added them.
+    Temporaries: one cell's block in float64."""
+    index = _graph_index(kept, blocks.n)
+    adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=blocks.dtype, device=HOST)
+    outside = torch.zeros(blocks.n, dtype=torch.float64, device=HOST)
     for rows, cols, block in blocks.items():
-        rk, ck = node_mask[rows].nonzero().flatten(), node_mask[cols].nonzero().flatten()
+        rk, ck = first[rows].nonzero().flatten(), first[cols].nonzero().flatten()
         sub = block[rk][:, ck]
-        among = torch.zeros(rows.numel(), dtype=torch.float64, device=HOST)
-        among[rk] = sub.sum(1, dtype=torch.float64)
-        outside[at[rows]] = block.sum(1, dtype=torch.float64) - among
-        i, j = sub.nonzero(as_tuple=True)
-        parts.append((at[rows[rk[i]]], cols[ck[j]], sub[i, j]))
-    if not parts:
-        return (torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
-                torch.zeros(0, dtype=blocks.dtype, device=HOST),
-                outside)
-    e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True))
-    return e_row, e_col, e_val, outside
+        rest = block.sum(1, dtype=torch.float64)
+        rest[rk] -= sub.sum(1, dtype=torch.float64)
+        fr, fc = node_mask[rows[rk]], node_mask[cols[ck]]
+        dropped = torch.where(fr[:, None] & fc[None, :], 0.0, sub.double())
+        rest[rk] = torch.cat([rest[rk][:, None], dropped], 1).cumsum(1)[:, -1]  # sequential, as index_add
+        outside[rows] = rest
+        adjacency[index[rows[rk[fr]]][:, None], index[cols[ck[fc]]][None, :]] = sub[fr][:, fc]
+    return adjacency, outside[kept]

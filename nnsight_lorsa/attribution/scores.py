@@ -20,9 +20,13 @@ is the fraction of the logits' influence that starts at embeddings and biases ra
 nodes; the *completeness score* the influence-weighted fraction of each computed row's
 normalised incoming mass that does not come from error nodes.
 
-Everything here runs on a graph's non-zero edges (:meth:`.graph.Graph.coo`: read from its causal blocks
-if it keeps them) with sparse products in float64 — memory ``O(edges)``, never the dense ``n_nodes²``
-matrix of a long prompt's graph; :func:`influence` is the same series on a dense rows matrix.
+Everything here runs on the graph's stored rows in float64 through one influence function,
+:func:`row_influence` (also what pruning while building and the feature budget's selection run): on its causal
+blocks in place if it keeps them (:class:`.blocks.BlockAdjacency`), else on its dense matrix's non-zero entries
+(:class:`EntryRows`) — the same bits either way — never on a dense ``n_nodes²`` float matrix; :func:`influence`
+is the same series on a dense rows matrix. Pruning a full graph holds the scores of the edges among the
+node-pruned nodes (``8 B`` each, sorted in place) and then the kept edges (``16 B`` each): measured 1.3–2.6 B per
+non-zero edge above the graph on the embedded model's full graphs (``benchmarks/graph_postprocess_scale.py``).
 
 The model-running counterparts — circuit metrics by ablation in the real model and the exactness checks
 by intervention in the frozen model — are in :mod:`.checks`. torch only.
@@ -30,15 +34,17 @@ by intervention in the frozen model — are in :mod:`.checks`. torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
+import numpy
 import torch
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, ConfigMismatchError
-from .blocks import segments
+from .blocks import BlockAdjacency, segments
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 
 
@@ -166,92 +172,223 @@ def logit_weights(graph: Graph) -> torch.Tensor:
     return w
 
 
-def node_influence(graph: Graph) -> Float[torch.Tensor, " n_nodes"]:
-    """``(n_nodes,)`` float64 influence of every node on the logits (``w Σ_k Â^k``, k ≥ 1), from the graph's
-    non-zero edges (:meth:`.graph.Graph.coo`: the causal blocks or the dense matrix, the same entries):
-    :func:`coo_influence`, memory ``O(edges)``, never a dense ``n_nodes²`` matrix."""
-    t, s, v = graph.coo()
+@runtime_checkable
+class RowSource(Protocol):
+    """Rows of an adjacency as :func:`row_influence` reads them (``n_rows`` rows over ``n_cols`` source columns):
+    :class:`EntryRows` (non-zero entries), :class:`.blocks.BlockAdjacency` (causal blocks, rows = node ids),
+    :class:`.rows.SparseRows` (rows as computed)."""
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(n_rows,)`` float64 ``Σ |row|`` (only the columns where ``col_mask`` is True; the rows outside
+        ``row_mask`` may be left out: they are never read)."""
+        ...
+
+    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """``(n_cols,)`` float64 ``Σ_r weight[r] · |row r| / den[r]`` (only the columns where ``col_mask`` is True)."""
+        ...
+
+
+def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"],
+                  n_cols: int, node_mask: torch.Tensor | None = None, max_iter: int = 1000,
+                  den: torch.Tensor | None = None) -> Float[torch.Tensor, " n_cols"]:
+    """The influence ``Σ_k w Â^k`` (k ≥ 1) of every column of ``rows`` — the one implementation behind
+    :func:`node_influence`, :func:`prune`, :func:`graph_scores`, pruning while building and the feature budget's
+    selection (:meth:`.rows.SparseRows.influence`): ``(n_cols,)`` float64.
+
+    ``Â`` is ``rows`` with absolute values, each row divided by its ``Σ |entries|`` (``rows.abs_sums``); row ``r``
+    is the target node ``row_node[r]``, starting weights ``row_weight: (n_rows,)``. With ``node_mask: (≥ n_cols,)``
+    bool only the entries between two nodes of the mask count (the node-pruned matrix: rows normalised by those
+    entries, rows whose target is outside the mask carry nothing; ``den``: those sums if the caller has them,
+    ``rows.abs_sums(node_mask[:n_cols])``). Each step is ``rows.weighted_abs`` — per entry
+    ``(|v| / den[r]) · w[r]`` in float64, added per column in the storage's row order (ascending targets for a
+    graph's entries and blocks: the same bits from either) — and :func:`influence_series` feeds column
+    ``row_node[r]`` back in until nothing is left. Memory: the storage's step temporaries (a chunk, a cell) and
+    a few float64 vectors over the rows and columns.
+
+    Raises:
+        RuntimeError: the series did not terminate (a cycle: malformed adjacency).
+    """
+    col_mask = None if node_mask is None else node_mask[:n_cols]
+    row_ok = None if node_mask is None else node_mask[row_node]
+    den = (rows.abs_sums(col_mask, row_ok) if den is None else den).clamp_min(1e-30)
+
+    def propagate(w: torch.Tensor) -> torch.Tensor:
+        w = w.double()
+        return rows.weighted_abs(w if row_ok is None else w * row_ok, den, col_mask)
+
+    return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter)
+
+
+class EntryRows:
+    """Rows given as their non-zero entries ``(row, col, val)`` (``row``: the row's place, ``< n_rows``; ``col``:
+    the source, ``< n_cols``), the :class:`RowSource` of a dense graph's :meth:`.graph.Graph.coo` and of the
+    entries pruning while building keeps from sparse rows. With ``row`` ascending (as :meth:`.graph.Graph.coo` gives
+    it) a step reads only the entries of the rows that carry weight (the same bits: a row of weight 0 adds
+    exact zeros). Memory: the entries (not copied) + ``O(live entries)`` float64/int64 per step."""
+
+    def __init__(self, row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], val: Float[torch.Tensor, " k"],
+                 n_rows: int, n_cols: int) -> None:
+        self.row, self.col, self.val, self.n_rows, self.n_cols = row, col, val, n_rows, n_cols
+        self.ends = None  # row-sorted entries: row r holds [ends[r - 1], ends[r])
+        if row.numel() and bool((row[1:] >= row[:-1]).all()):
+            self.ends = torch.bincount(row, minlength=n_rows).cumsum(0)
+
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
+                 ) -> Float[torch.Tensor, " n_rows"]:
+        a = self.val.abs().double()
+        if col_mask is not None:
+            a *= col_mask[self.col]
+        return torch.zeros(self.n_rows, dtype=torch.float64, device=HOST).index_add_(0, self.row, a)
+
+    def weighted_abs(self, weight: Float[torch.Tensor, " n_rows"], den: Float[torch.Tensor, " n_rows"],
+                     col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n_cols"]:
+        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
+        live = weight.nonzero().flatten()
+        if self.ends is None or 2 * live.numel() > self.n_rows:  # most rows carry weight: every entry
+            row, col, val = self.row, self.col, self.val
+        else:
+            start = torch.where(live > 0, self.ends[(live - 1).clamp_min(0)], 0)
+            at = segments(start, self.ends[live] - start)  # the live rows' entries, in storage order
+            row, col, val = self.row[at], self.col[at], self.val[at]
+        c = val.abs().to(torch.float64).div_(den[row]).mul_(weight[row])  # abs(): a copy
+        if col_mask is not None:
+            c *= col_mask[col]
+        return out.index_add_(0, col, c)
+
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        """The non-zero entries between ``row_mask`` rows and ``col_mask`` columns."""
+        return int(((self.val != 0) & col_mask[self.col] & row_mask[self.row]).sum())
+
+    def edge_scores(self, factor: Float[torch.Tensor, " n_rows"], den: Float[torch.Tensor, " n_rows"],
+                    col_mask: torch.Tensor, row_mask: torch.Tensor
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(row, col, score)`` of the non-zero entries between ``row_mask`` rows and ``col_mask`` columns, score
+        ``|v| / den[row] · factor[row]`` (float64), in storage order, :data:`CHUNK` entries at a time."""
+        for e0 in range(0, self.val.numel(), CHUNK):
+            row, col, val = self.row[e0:e0 + CHUNK], self.col[e0:e0 + CHUNK], self.val[e0:e0 + CHUNK]
+            k = (val != 0) & col_mask[col] & row_mask[row]
+            row, col, val = row[k], col[k], val[k]
+            yield row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
+
+
+#: entries per chunk of :meth:`EntryRows.edge_scores` and of :func:`find_threshold`'s running sum
+CHUNK = 2**18
+
+
+def graph_rows(graph: Graph) -> tuple[BlockAdjacency | EntryRows, int]:
+    """``(rows, n_cols)``: the graph's adjacency as a :class:`RowSource` over its node ids — its causal blocks if it
+    keeps them (read in place: no copy, no ``coo``), else the dense matrix's non-zero entries (``20 B`` per edge)."""
+    blocks = graph.block_adjacency
+    if blocks is not None:
+        return blocks, blocks.n_sources
     n = graph.n_nodes
-    return coo_influence(t, s, v, torch.arange(n, device=HOST), logit_weights(graph), n, n)
+    t, s, v = graph.coo()
+    return EntryRows(t, s, v, n, n), n
+
+
+def node_influence(graph: Graph) -> Float[torch.Tensor, " n_nodes"]:
+    """``(n_nodes,)`` float64 influence of every node on the logits (``w Σ_k Â^k``, k ≥ 1): :func:`row_influence` on
+    the graph's causal blocks (or its dense matrix's non-zero entries: the same bits), never a dense ``n_nodes²``
+    float matrix."""
+    rows, n_cols = graph_rows(graph)
+    n = graph.n_nodes
+    out = torch.zeros(n, dtype=torch.float64, device=HOST)
+    out[:n_cols] = row_influence(rows, torch.arange(n, device=HOST), logit_weights(graph), n_cols)
+    return out
 
 
 def coo_influence(row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], val: Float[torch.Tensor, " k"],
                   row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"], n_rows: int,
                   n_cols: int) -> Float[torch.Tensor, " n_cols"]:
-    """:func:`influence` of the entries ``(row, col, val)`` (``row``: the row's place in ``row_node``), each
-    row normalised by the ``|val|`` of its entries: ``(n_cols,)`` float64. A Neumann series of sparse
-    mat-vec products (:func:`influence_series`: over an acyclic graph it ends after at most one step per
-    site), in float64: ``O(k)`` memory and time per step — with ``row`` ascending (as :meth:`.graph.Graph.coo`
-    gives it) only the entries of the rows that carry weight at that step. Deterministic: the same entries in
-    the same order give the same bits (:meth:`.graph.Graph.coo` gives a graph's in row-major order, dense or
-    blocks); skipping a row of weight 0 adds nothing and keeps the order of the rest, so it changes no bit.
+    """:func:`row_influence` of the entries ``(row, col, val)`` (``row``: the row's place in ``row_node``):
+    ``(n_cols,)`` float64 (:class:`EntryRows`).
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
     """
-    a = val.double().abs()
-    a = a / torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, row, a)[row].clamp_min(1e-30)
-    ends = None  # row-sorted entries: row r holds [ends[r - 1], ends[r])
-    if row.numel() and bool((row[1:] >= row[:-1]).all()):
-        ends = torch.bincount(row, minlength=n_rows).cumsum(0)
-
-    def propagate(w: torch.Tensor) -> torch.Tensor:
-        w = w.double()
-        out = torch.zeros(n_cols, dtype=torch.float64, device=HOST)
-        live = w.nonzero().flatten()
-        if ends is None or 2 * live.numel() > n_rows:  # most rows carry weight: every entry
-            return out.index_add_(0, col, w[row] * a)
-        start = torch.where(live > 0, ends[(live - 1).clamp_min(0)], 0)
-        at = segments(start, ends[live] - start)  # the live rows' entries, in storage order
-        return out.index_add_(0, col[at], w[row[at]] * a[at])
-
-    return influence_series(propagate, row_node, row_weight.double(), n_cols)
+    return row_influence(EntryRows(row, col, val, n_rows, n_cols), row_node, row_weight, n_cols)
 
 
-def prune_entries(row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], val: Float[torch.Tensor, " k"],
-                  row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"],
-                  node_mask: torch.Tensor, always: torch.Tensor, kind: torch.Tensor, edge_threshold: float,
-                  n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 2–3 of the pruning (module docstring) on the entries among the node-pruned graph's nodes:
-    ``row`` the row's place in ``row_node`` (its target node), ``col`` the source node (``< n_cols``);
-    ``node_mask``, ``always``, ``kind``: ``(n_all,)`` over the nodes. Edge scores ``|Â[t, s]| · (influence_t +
-    logit weight_t)`` on the node-pruned matrix, the edge threshold over the non-zero entries, then dangling
-    features and errors dropped until stable. Returns ``(node_mask (n_all,), kept (k,) bool)``; ``O(k)``.
+def prune_rows(rows: BlockAdjacency | EntryRows, row_node: Int[torch.Tensor, " n_rows"],
+               row_weight: Float[torch.Tensor, " n_rows"], node_mask: torch.Tensor, always: torch.Tensor,
+               kind: torch.Tensor, edge_threshold: float, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2–3 of the pruning (module docstring) after the node threshold ``node_mask: (n_all,)`` bool, on the
+    entries of ``rows`` between two of its nodes (``row_node[r]`` the target of row ``r``; ``always``, ``kind``:
+    ``(n_all,)``): the node-pruned matrix's influence (:func:`row_influence` with the mask), edge scores
+    ``|Â[t, s]| · (influence_t + logit weight_t)``, the edge threshold over the non-zero entries, then dangling
+    features and errors dropped until stable. Returns ``(node_mask (n_all,) bool, edge_index (2, k) int64)``: the
+    kept nodes, and the kept edges ``[target node; source]`` in ``rows``' order (row-major, sources ascending, for
+    a graph's blocks or entries).
+
+    Memory: the scores of the entries between kept nodes, float64 (``8 B`` each), sorted in place
+    (:func:`find_threshold_`), then the kept edges (``16 B`` each) — never a per-entry copy of the rows.
     """
     node_mask = node_mask.clone()
-    n_all, n_rows = node_mask.numel(), row_node.numel()
-    entry_node = row_node[row]
+    n_all = node_mask.numel()
+    col_mask, row_mask = node_mask[:n_cols], node_mask[row_node]
     lw = torch.zeros(n_all, dtype=torch.float64, device=HOST)
     lw[row_node] = row_weight.double()
-    alive = val != 0
     infl = torch.zeros(n_all, dtype=torch.float64, device=HOST)
-    infl[:n_cols] = coo_influence(row[alive], col[alive], val[alive], row_node, row_weight, n_rows, n_cols)
-    den = torch.zeros(n_rows, dtype=torch.float64, device=HOST).index_add(0, row[alive], val[alive].double().abs())
-    score = torch.zeros(val.numel(), dtype=torch.float64, device=HOST)
-    score[alive] = val[alive].double().abs() / den[row[alive]].clamp_min(1e-30) * (infl + lw)[entry_node[alive]]
-    edge = alive & (score >= find_threshold(score[alive], edge_threshold)) if bool(alive.any()) else alive
+    den = rows.abs_sums(col_mask, row_mask).clamp_min(1e-30)
+    infl[:n_cols] = row_influence(rows, row_node, row_weight, n_cols, node_mask, den=den)
+    factor = (infl + lw)[row_node]
+    scores = torch.empty(rows.count_edges(col_mask, row_mask), dtype=torch.float64, device=HOST)
+    at = 0
+    for _, _, score in rows.edge_scores(factor, den, col_mask, row_mask):
+        scores[at:at + score.numel()] = score
+        at += score.numel()
+    threshold = find_threshold_(scores, edge_threshold) if scores.numel() else None
+    del scores
+    edges: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if threshold is not None:
+        for row, col, score in rows.edge_scores(factor, den, col_mask, row_mask):
+            k = score >= threshold
+            edges.append((row_node[row[k]], col[k]))
+    empty = torch.zeros(0, dtype=torch.long, device=HOST)
+    t, s = (torch.cat(e) for e in zip(*edges, strict=True)) if edges else (empty, empty)
     feature = (kind == TRANSCODER) | (kind == LORSA)
     prunable = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     while True:
         old = node_mask.clone()
         has_out = torch.zeros(n_all, dtype=torch.bool, device=HOST)
-        has_out[col[edge]] = True
+        has_out[s] = True
         has_in = torch.zeros(n_all, dtype=torch.bool, device=HOST)
-        has_in[entry_node[edge]] = True
+        has_in[t] = True
         node_mask &= ~prunable | has_out
         node_mask &= ~feature | has_in
         node_mask |= always
-        edge &= node_mask[col] & node_mask[entry_node]
+        keep = node_mask[s] & node_mask[t]
+        if not bool(keep.all()):
+            t, s = t[keep], s[keep]
         if torch.equal(old, node_mask):
-            return node_mask, edge
+            return node_mask, torch.stack([t, s])
 
 
 def find_threshold(scores: torch.Tensor, fraction: float) -> torch.Tensor:
-    """The score above which the top scores hold ``fraction`` of the total (circuit-tracer's rule)."""
-    s = scores.flatten().sort(descending=True).values
-    cum = s.cumsum(0) / s.sum().clamp_min(1e-30)
-    at = torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype, device=cum.device))
-    return s[min(int(at), s.numel() - 1)]
+    """The score above which the top scores hold ``fraction`` of the total (circuit-tracer's rule):
+    :func:`find_threshold_` on a copy."""
+    return find_threshold_(scores.flatten().clone(), fraction)
+
+
+def find_threshold_(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """:func:`find_threshold` sorting ``scores`` (1-D, contiguous, ``≥ 0``, on the host; left sorted descending) in
+    place: no index tensor, no sorted copy — the running sums :data:`CHUNK` entries at a time, sequential (each
+    chunk's ``cumsum`` continues the last one's), so the same bits as ``cumsum`` over the whole sorted vector."""
+    a = scores.numpy()
+    numpy.negative(a, out=a)  # ascending of −x: descending of x, with no reversed copy
+    a.sort()
+    numpy.negative(a, out=a)
+    total = scores.sum().clamp_min(1e-30)
+    goal = torch.tensor(fraction, dtype=scores.dtype, device=scores.device)
+    carry = torch.zeros(1, dtype=scores.dtype, device=scores.device)
+    for i0 in range(0, scores.numel(), CHUNK):
+        run = torch.cat([carry, scores[i0:i0 + CHUNK]]).cumsum(0)
+        carry = run[-1:]
+        at = int(torch.searchsorted(run[1:] / total, goal))
+        if at < run.numel() - 1:
+            return scores[i0 + at].clone()
+    return scores[-1].clone()
 
 
 def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float | int = 0.98) -> PruneResult:
@@ -259,10 +396,13 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     ``circuit_tracer/graph.py``, with bias nodes always kept like embeddings, and so are intervened nodes:
     :attr:`.graph.NodeTable.intervened`).
 
-    Computed on the graph's non-zero edges (:meth:`.graph.Graph.coo`, read from its causal blocks if it
-    keeps them; the graph is left as it was) in float64: memory ``O(edges)`` (50–70 B per non-zero
-    edge at the peak), never a dense ``n_nodes²`` matrix — the same steps as pruning while building
-    (:func:`prune_entries`). A graph that keeps its blocks and the same graph densified give the same bits.
+    Computed on the graph's stored rows (:func:`graph_rows`: its causal blocks read in place if it keeps them —
+    the graph is left as it was — else its dense matrix's non-zero entries) in float64, the same steps as pruning
+    while building (:func:`prune_rows`); a graph that keeps its blocks and the same graph densified give the same
+    bits. Memory above the graph: node-sized float64 vectors, the block passes' temporaries (:data:`.blocks.CHUNK`
+    entries), the scores of the non-zero edges among the node-pruned nodes (``8 B`` each, sorted in place:
+    :func:`find_threshold_`) and the kept edges (``16 B`` each) — on the embedded model's full graphs 1.3–2.6 B per
+    non-zero edge (6.6–14 B with ``node_threshold=1``), 70–72 B before; never a dense ``n_nodes²`` matrix.
 
     Args:
         graph: a :class:`~.graph.Graph`.
@@ -282,40 +422,39 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     # inputs are always kept: embeddings, biases — and nodes held at an intervened value (fixed inputs with no
     # incoming edges, which the dangling-feature rule would drop); logits too
     always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | graph.nodes.intervened
-    tgt, src, val = graph.coo()
+    rows, n_cols = graph_rows(graph)
     n = graph.n_nodes
     ids, lw = torch.arange(n, device=HOST), logit_weights(graph)
-    infl = coo_influence(tgt, src, val, ids, lw, n, n)
+    infl = torch.zeros(n, dtype=torch.float64, device=HOST)
+    infl[:n_cols] = row_influence(rows, ids, lw, n_cols)
     node_mask = (infl >= find_threshold(infl, node_threshold)) | always
-    among = node_mask[tgt] & node_mask[src]
-    tgt, src, val = tgt[among], src[among], val[among]
-    node_mask, edge = prune_entries(tgt, src, val, ids, lw, node_mask, always, kind, float(edge_threshold), n)
+    node_mask, edge_index = prune_rows(rows, ids, lw, node_mask, always, kind, float(edge_threshold), n_cols)
     order = infl.sort(descending=True)
     cumulative = torch.zeros_like(infl)
     cumulative[order.indices] = order.values.cumsum(0) / infl.sum().clamp_min(1e-30)
-    return PruneResult(node_mask, torch.stack([tgt[edge], src[edge]]), infl, cumulative)
+    return PruneResult(node_mask, edge_index, infl, cumulative)
 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
     """``(replacement_score, completeness_score)``, both in ``[0, 1]``, of the unpruned graph (module
     docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). Computed on the
-    graph's non-zero edges (:meth:`.graph.Graph.coo`, from its causal blocks if it keeps them) in float64:
-    memory ``O(edges)``, no dense ``n_nodes²`` matrix."""
+    graph's stored rows (:func:`graph_rows`: its causal blocks in place, or its dense matrix's non-zero entries)
+    in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
+    vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix."""
     kind = graph.nodes.kind
     error = (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     inputs = (kind == EMBEDDING) | (kind == BIAS)
-    t, s, v = graph.coo()
+    rows, n_cols = graph_rows(graph)
     n = graph.n_nodes
     lw = logit_weights(graph)
-    infl = coo_influence(t, s, v, torch.arange(n, device=HOST), lw, n, n)
+    mass = rows.abs_sums()
+    infl = torch.zeros(n, dtype=torch.float64, device=HOST)
+    infl[:n_cols] = row_influence(rows, torch.arange(n, device=HOST), lw, n_cols, den=mass)
     from_inputs, from_errors = float(infl[inputs].sum()), float(infl[error].sum())
     replacement = from_inputs / max(from_inputs + from_errors, 1e-30)
-    a = v.double().abs()
-    mass = torch.zeros(n, dtype=torch.float64, device=HOST).index_add(0, t, a)
-    e = error[s]
-    to_errors = torch.zeros(n, dtype=torch.float64, device=HOST).index_add(0, t[e], a[e])
+    to_errors = rows.abs_sums(error[:n_cols])
     non_error = 1.0 - to_errors / mass.clamp_min(1e-30)
     out = infl + lw.double()
-    rows = graph.feature_rows
-    completeness = float((non_error[rows] * out[rows]).sum() / out[rows].sum().clamp_min(1e-30))
+    computed = graph.feature_rows
+    completeness = float((non_error[computed] * out[computed]).sum() / out[computed].sum().clamp_min(1e-30))
     return replacement, completeness

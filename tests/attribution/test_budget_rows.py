@@ -19,9 +19,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import attribute, estimate_memory, graph_scores, prune, to_neuronpedia
-from nnsight_lorsa.attribution.budget import budget_blocks_bytes, estimate_layout, layout_for_estimate
+from nnsight_lorsa.attribution.budget import (
+    SELECTION_BYTES_PER_CHUNK_ENTRY,
+    SELECTION_VECTORS,
+    budget_blocks_bytes,
+    estimate_layout,
+    layout_for_estimate,
+    structural_entries,
+)
 from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.options import AttributionOptions
+from nnsight_lorsa.attribution.rows import CHUNK_ENTRIES
 from nnsight_lorsa.errors import DenseAdjacencyError
 
 ENGINE = sys.modules["nnsight_lorsa.attribution.engine"]
@@ -167,6 +175,13 @@ def test_host_estimate_is_linear_in_the_prompt_for_a_fixed_budget(tiny):
         assert gpu.terms["rows"] == est.terms["rows"]
         t = est.terms  # the selection's temporaries while the frozen pass is held; then the assembly's
         assert t["selection"] > 0 and t["pruning"] > 0
+        # the selection's steps: in place in one reused float64 chunk buffer, and float64 vectors over the sources
+        assert t["selection"] == (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, t["stored_entries"])
+                                  + SELECTION_VECTORS * 8 * t["n_sources"])
+        # a budget's rows counted as those at the latest positions (where the selection picks them): fewer than
+        # every feature row's
+        full, at_latest = structural_entries(layout), structural_entries(layout, budget)
+        assert at_latest == t["stored_entries"] < full
         assert est.host_bytes == t["rows"] + max(est.device_bytes + t["selection"], t["pruning"]) + t["fixed"]
         assert gpu.host_bytes == t["rows"] + max(t["selection"], t["pruning"]) + t["fixed"]
         g = attribute(tiny, ids, batch_size=8, max_feature_nodes=budget)

@@ -229,3 +229,101 @@ def test_prune_result_masks_that_do_not_fit_are_refused(graphs):
                 dataclasses.replace(p, node_mask=p.node_mask[:-1])):
         with pytest.raises(ValueError, match="do not fit a graph"):
             to_neuronpedia(g, bad, slug="x")
+
+
+@pytest.mark.parametrize("thresholds", [(0.8, 0.98), (1.0, 0.9), (0.5, 0.5), (0.0, 1.0)])
+def test_prune_on_the_blocks_equals_prune_on_the_dense_entries(graphs, thresholds):
+    """``prune`` reads a graph that keeps its blocks in place (:class:`BlockAdjacency` as the row source: no
+    ``coo``, edge scores sorted in place) and a dense graph through its non-zero entries (:class:`EntryRows`):
+    the same bits, at every node and edge threshold (every node kept, none but the logits, everything)."""
+    for g in graphs.values():
+        p, q = prune(g, *thresholds), prune(densified(g), *thresholds)
+        assert torch.equal(p.node_mask, q.node_mask) and torch.equal(p.edge_index, q.edge_index)
+        assert torch.equal(p.node_influence, q.node_influence) and torch.equal(p.cumulative, q.cumulative)
+
+
+@pytest.mark.parametrize("chunk", [3, 2**18])
+def test_in_place_threshold_equals_the_sorted_cumsum_rule(monkeypatch, chunk):
+    """``find_threshold_`` (in-place sort, running sums a chunk at a time) gives the bits of the rule it
+    replaces: ``sort(descending)``, ``cumsum / sum``, ``searchsorted`` — with ties, zeros, every fraction."""
+    from nnsight_lorsa.attribution import scores as scores_module
+    from nnsight_lorsa.attribution.scores import find_threshold, find_threshold_
+
+    monkeypatch.setattr(scores_module, "CHUNK", chunk)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(1000, generator=gen, dtype=torch.float64) ** 3
+    x[::7] = x[3]  # ties
+    x[::11] = 0.0
+    for fraction in (0.0, 0.3, 0.8, 0.98, 0.999999, 1.0):
+        s = x.sort(descending=True).values
+        cum = s.cumsum(0) / s.sum().clamp_min(1e-30)
+        at = int(torch.searchsorted(cum, torch.tensor(fraction, dtype=cum.dtype)))
+        want = s[min(at, s.numel() - 1)]
+        assert torch.equal(find_threshold(x, fraction), want)
+        y = x.clone()
+        assert torch.equal(find_threshold_(y, fraction), want) and torch.equal(y, s)  # y: sorted in place
+
+
+def test_row_influence_on_blocks_entries_and_the_plain_pass_is_one_bit_pattern(graphs):
+    """The one influence (:func:`row_influence`) over the causal blocks, over the same graph's non-zero entries,
+    and the plain pass over every entry (``index_add`` of ``w[row] · |v| / den[row]`` in row-major order) agree bit
+    for bit — also on the node-pruned matrix (a node mask)."""
+    from nnsight_lorsa.attribution.scores import EntryRows, find_threshold, row_influence
+
+    for g in graphs.values():
+        blocks = g.block_adjacency
+        assert blocks is not None
+        n, ns = g.n_nodes, blocks.n_sources
+        t, s, v = g.coo()
+        lw, ids = logit_weights(g), torch.arange(n)
+        infl = node_influence(g)
+        for mask in (None, (infl >= find_threshold(infl, 0.8)) | (g.nodes.kind == LOGIT)):
+            keep = torch.ones(t.numel(), dtype=torch.bool) if mask is None else mask[t] & mask[s]
+            tk, sk, a = t[keep], s[keep], v[keep].double().abs()
+            den = torch.zeros(n, dtype=torch.float64).index_add(0, tk, a).clamp_min(1e-30)
+            ok = torch.ones(n, dtype=torch.bool) if mask is None else mask
+
+            def step(w, tk=tk, sk=sk, a=a, den=den, ok=ok, n=n):
+                return torch.zeros(n, dtype=torch.float64).index_add(0, sk, a / den[tk] * (w.double() * ok)[tk])
+
+            plain = influence_series(step, ids, lw.double(), n)
+            on_blocks = row_influence(blocks, ids, lw, ns, mask)
+            on_entries = row_influence(EntryRows(t, s, v, n, n), ids, lw, n, mask)
+            assert torch.equal(on_blocks, on_entries[:ns]), mask is None
+            assert torch.equal(on_entries, plain) and bool(plain.any()), mask is None
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_pruning_while_building_equals_prune_of_the_finished_graph_bit_for_bit(budget):
+    """``attribute(..., prune=...)`` keeps the nodes ``prune`` keeps on the unpruned graph of the same call
+    (same batches), with the same edge values bit for bit — the full graph (now the same influence function on
+    the same blocks) and a feature budget (sparse rows)."""
+    model, _, lorsas, tcs = attribution_setup("llama")
+    bundle = rm(model, lorsas, tcs)
+    for seed, seq in ((3, 10), (11, 16)):
+        ids = random_ids(1, seq, seed=seed)[0]
+        kw = dict(batch_size=8, max_feature_nodes=budget)
+        full = attribute(bundle, ids, **kw)
+        p = prune(full)
+        g = attribute(bundle, ids, prune=(0.8, 0.98), **kw)
+        keep = p.node_mask.nonzero().flatten()
+        assert torch.equal(g.layout_ids, full.layout_ids[keep])
+        assert torch.equal(g.densify(), full.densify()[keep][:, keep])
+        assert float(g.edge_sum_error("mass").max()) < 1e-5
+
+
+def test_block_passes_in_small_pieces_give_the_same_bits(graphs, monkeypatch):
+    """The block passes bound their temporaries (:data:`blocks.CHUNK` entries: columns of a run of rows in pieces,
+    rows of a cell in pieces, a buffer grown for a run longer than a piece; :data:`scores.CHUNK` for the running
+    sums and entry scores): in pieces of 5 and 7 entries, the same bits as in one piece."""
+    from nnsight_lorsa.attribution import blocks as blocks_module
+    from nnsight_lorsa.attribution import scores as scores_module
+
+    want = {name: (node_influence(g), graph_scores(g), prune(g)) for name, g in graphs.items()}
+    monkeypatch.setattr(blocks_module, "CHUNK", 5)
+    monkeypatch.setattr(scores_module, "CHUNK", 7)
+    for name, g in graphs.items():
+        infl, scores, p = want[name]
+        q = prune(g)
+        assert torch.equal(node_influence(g), infl) and graph_scores(g) == scores
+        assert torch.equal(p.node_mask, q.node_mask) and torch.equal(p.edge_index, q.edge_index)

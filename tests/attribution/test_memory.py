@@ -9,7 +9,7 @@ import torch
 from helpers import attribution_setup, random_ids, rm
 
 from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, estimate_memory
-from nnsight_lorsa.attribution.budget import structural_entries
+from nnsight_lorsa.attribution.budget import PRUNE_BLOCK_BYTES_PER_ENTRY, structural_entries
 from nnsight_lorsa.attribution.graph import LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.attribution.trace import prepare
 from nnsight_lorsa.errors import (
@@ -49,6 +49,8 @@ def test_estimate_is_monotone_and_consistent(setup):
     assert t["rows"] < 0.5 * (t["n_sources"] + n_logits) ** 2 * 4
     pruned = estimate_memory(r, ids, batch_size=64, prune=PruneConfig())
     assert pruned.terms["rows"] == t["rows"]  # keep_mass=1: the same blocks
+    # pruning them: prune(graph)'s passes on the blocks, per stored entry (measured); unpruned nothing
+    assert pruned.terms["pruning"] == int(PRUNE_BLOCK_BYTES_PER_ENTRY * t["stored_entries"]) and t["pruning"] == 0
     sparse = estimate_memory(r, ids, batch_size=64, prune=PruneConfig(keep_mass=0.9))
     assert sparse.terms["rows"] == 8 * sparse.terms["stored_entries"]  # 8 B per stored entry
     longer = estimate_memory(r, torch.cat([ids, ids]), batch_size=64)
