@@ -10,7 +10,11 @@ the per-stage medians, so the module's choices rest on a measurement:
 * top-k: ``topk(k, sorted=False)`` over all OV heads vs an exact two-stage top-k (top-k per chunk of heads,
   then top-k of the candidates);
 * decode: scatter into a dense ``(pos, n_ov)`` z and one dense matmul vs ``embedding_bag`` over the k
-  active heads' ``w_o`` rows.
+  active heads' ``w_o`` rows;
+* RoPE on the queries: the module's ``apply_rotary`` (three strided kernels on each half of every head) vs
+  each pair swapped over the whole head (mul, flip, mul, add), bit-identical. On 2 CPU cores the swap is
+  0.5-1.7x the module's time depending on the shape (bf16, 4M elements): it is kept here, not in the module,
+  until a GPU measures it (the module's RoPE is ~1.6 ms at the 8B shape on an H200, ~15x its bytes' time).
 
     python -m benchmarks.lorsa_forward_variants                          # 8B shape on cuda
     python -m benchmarks.lorsa_forward_variants --scale tiny --device cpu --dtype float32
@@ -27,6 +31,19 @@ from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, wr
 from benchmarks.gpu_scale import SCALES, build, paper_lorsa, sync
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin
+
+
+def rope_pair_swap(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A candidate for ``apply_rotary`` (half-split, full rotary, no autograd): each (x1, x2) pair swapped over
+    the whole head by one ``flip`` of the ``(2, half)`` view, times sin with rotate_half's signs, plus
+    ``x·cos`` — four whole-width kernels instead of the module's three strided ones on each half. Same
+    roundings as transformers' ``x·cos + rotate_half(x)·sin`` (``-(x2·s)`` rounds as ``-x2·s``): bit-identical."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = cos.shape[-1] // 2
+    pairs = sin.view(*sin.shape[:-1], 2, half)
+    sin_signed = torch.stack((-pairs[..., 0, :], pairs[..., 1, :]), -2)
+    swapped = x.reshape(*x.shape[:-1], 2, half).flip(-2)
+    return torch.mul(x, cos).add_(swapped.mul_(sin_signed).flatten(-2))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,6 +89,20 @@ def main() -> None:
         q_ref, k_ref = lorsa.qk(x)
         q_b, k_b = qk_bmm()
         out["qk_bmm_rel_diff"] = max(rel(q_b, q_ref), rel(k_b, k_ref))
+
+        # ---- RoPE on the queries (heads-first, as Lorsa.qk lays them out)
+        q_heads = qk_proj_only_bmm()[None]
+        if cfg.rotary is not None:
+            cos_q, sin_q = rotary_cos_sin(cfg.rotary, torch.arange(seq, device=dev))
+            if not cfg.rotary.interleaved and cfg.rotary.rotary_dim == e:
+                out["rope_same_bits"] = bool(torch.equal(apply_rotary(q_heads, cos_q, sin_q),
+                                                         rope_pair_swap(q_heads, cos_q, sin_q)))
+                rope_variants = {"rope_module": lambda: apply_rotary(q_heads, cos_q, sin_q),
+                                 "rope_pair_swap": lambda: rope_pair_swap(q_heads, cos_q, sin_q)}
+            else:
+                rope_variants = {"rope_module": lambda: apply_rotary(q_heads, cos_q, sin_q, cfg.rotary.interleaved)}
+        else:
+            rope_variants = {}
 
         # ---- top-k
         z_pre = lorsa.compute_z_pre(x)
@@ -120,7 +151,7 @@ def main() -> None:
                     "values": lambda: lorsa.values(x), "z_pre": lambda: lorsa.compute_z_pre(x),
                     "topk_flat": topk_flat, "topk_two_stage": topk_two_stage,
                     "activation_module": lambda: lorsa.activation(z_pre),
-                    "decode_dense": decode_dense, "decode_bag": decode_bag}
+                    "decode_dense": decode_dense, "decode_bag": decode_bag, **rope_variants}
         out["times"] = time_interleaved({k: timed(v) for k, v in variants.items()}, repeats=args.repeats)
     for k, v in out["times"].items():
         print(f"{k:20s} {v['median_s'] * 1e3:8.3f} ms")

@@ -15,6 +15,8 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
   the same token count in their list — ``d_attribution`` for the resident run with the Lorsa on the scale's
   layer, ``d_attribution_offload_all_lorsas`` for the offloaded paper Lorsa on every layer, and so on
   (:func:`d_key`), whose run settings go to ``<key>_meta``; each command is appended to ``command``.
+* ``lorsa_forward_variants_<scale>_<GPU>.json`` from ``lorsa_forward_variants.json`` (the benchmark's own JSON):
+  replaces the file, the former record (its notes included) appended to ``history``.
 * ``gpu_session_<GPU>.json``: every session's ``session.json`` (commit, versions, each step's exit status and
   seconds; a step stopped by its timeout has ``timed_out``), appended.
 
@@ -180,6 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         target = args.results / f"gpu_scale_{run.get('scale', '8b')}_{name}.json"
         keys = merge_scale(target, run, args.date, session.get("commit"), args.note)
         written.append(f"{target} <- {path.name}: {', '.join(keys)}")
+    variants = load(folder / "lorsa_forward_variants.json")
+    if variants:
+        target = args.results / f"lorsa_forward_variants_{variants.get('scale', '8b')}_{name}.json"
+        former = load(target)
+        history = former.pop("history", [])
+        if former:
+            history.append(former)  # the whole former record, its notes included
+        dump(target, {**variants, "date": args.date, "commit": session.get("commit"),
+                      **({"note": args.note} if args.note else {}), "history": history})
+        written.append(f"{target} <- lorsa_forward_variants.json")
     if session:
         target = args.results / f"gpu_session_{name}.json"
         log = load(target)

@@ -5,13 +5,15 @@
 # written to $OUT/<step>.json and merged into $OUT/session.json (a step stopped by its timeout keeps what the
 # benchmark flushed: gpu_scale writes its JSON after every part and every token count).
 #
-#   scripts/gpu_session.sh                 # every step, in order: suite ab c d offload
-#   scripts/gpu_session.sh suite d         # only these steps (e.g. to split the session over two commands)
+#   scripts/gpu_session.sh                 # every step, in order: suite ab variants c d offload
+#   scripts/gpu_session.sh suite ab variants c; scripts/gpu_session.sh d offload   # over two commands (safer)
 #
 # Steps (times on an H200; the whole script is held to GPU_SESSION_BUDGET_S, default 540 s = 9 min, so that it
 # fits one 10-minute device command: a step gets min(its timeout, what is left), and is skipped with < 20 s):
 #   suite    python3 -m pytest -m gpu -n 8 (~40 s)                           -> $OUT/gpu_suite.xml, gpu_suite.log
 #   ab       gpu_scale --skip c d: (a) Lorsa forward vs floor, (b) replace vs plain trace (~100 s)
+#   variants lorsa_forward_variants: each stage of the Lorsa forward and its alternatives, RoPE's pair swap
+#            among them (~60 s)                                       -> $OUT/lorsa_forward_variants.json
 #   c        gpu_scale --skip a b d: (c) Lorsa training throughput (~50 s)
 #   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
 #   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
@@ -35,14 +37,15 @@ PY="${PYTHON:-python3}"
 SMALL="${GPU_SESSION_SMALL:-0}"
 BUDGET="${GPU_SESSION_BUDGET_S:-540}"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(suite ab c d offload)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(suite ab variants c d offload)
 START=$(date +%s)
 
 if [ "$SMALL" = 1 ]; then
   SCALE=(--scale small --device cpu --dtype float32 --repeats 1 --train-steps 1)
   LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
+  VARIANTS=(--scale small --device cpu --dtype float32 --seq 64 --repeats 1)
 else
-  SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024); WORKERS="${GPU_SESSION_WORKERS:-8}"
+  VARIANTS=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=90
@@ -108,12 +111,14 @@ for step in "${STEPS[@]}"; do
     suite)   run_step suite "$SUITE_S" "$PY" -m pytest -m gpu ${XDIST[@]+"${XDIST[@]}"} -q -p no:cacheprovider \
                --junitxml="$OUT/gpu_suite.xml" ;;
     ab)      run_step ab 150 "${GS[@]}" --skip c d --out "$OUT/gpu_scale_ab.json" ;;
+    variants) run_step variants 90 "$PY" -m benchmarks.lorsa_forward_variants ${VARIANTS[@]+"${VARIANTS[@]}"} \
+               --out "$OUT/lorsa_forward_variants.json" ;;
     c)       run_step c 90 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
     offload) run_step offload 170 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab c d offload)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload)" >&2; exit 2 ;;
   esac
 done
 echo "session done in $(( $(date +%s) - START )) s; files in $OUT"

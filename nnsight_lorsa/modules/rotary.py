@@ -149,33 +149,30 @@ def apply_rotary(
     """Rotate the first ``rotary_dim`` dims of each head: ``x·cos + rotate(x)·sin``; the rest pass.
 
     ``cos``/``sin`` are ``(seq, rotary_dim)`` or ``(batch, seq, rotary_dim)``; they are cast to
-    ``x.dtype`` first, as transformers does. The result has ``x``'s shape, dtype and device and the
-    same roundings as transformers' ``apply_rotary_pos_emb`` (``x·cos + rotate_half(x)·sin``, each
-    product rounded to ``x.dtype``, then the sum; interleaved: GPT-J's ``rotate_every_two``), bit for bit.
+    ``x.dtype`` first, as transformers does.
     """
     cos = cos.to(x.dtype)
     sin = sin.to(x.dtype)
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
     rot = cos.shape[-1]
+    # pairs (x1, x2) rotate by angle t: (x1·cos t − x2·sin t, x2·cos t + x1·sin t), which is
+    # transformers' ``x·cos + rotate_half(x)·sin`` written without the concatenation
     half = rot // 2
-    xr = x if rot == x.shape[-1] else x[..., :rot]
-    # each pair (x1, x2) rotates by its angle t: (x1·cos t − x2·sin t, x2·cos t + x1·sin t). Viewing the
-    # rotated dims as pairs — (2, half) half-split, (half, 2) interleaved — and swapping each pair gives
-    # (x2, x1); times sin signed (−, +) it is rotate_half(x)·sin (−(x2·s) rounds as −x2·s), so the result
-    # is four whole-width kernels (mul, flip, mul, add) instead of strided per-half ones
-    pairs, pair_dim = ((half, 2), -1) if interleaved else ((2, half), -2)
-    # sin with rotate_half's signs, built on sin's device (no host tensor: no copy to the device per call)
-    sin_pairs = sin.view(*sin.shape[:-1], *pairs)
-    sin_signed = torch.stack((-sin_pairs.select(pair_dim, 0), sin_pairs.select(pair_dim, 1)), pair_dim)
-    swapped = xr.reshape(*xr.shape[:-1], *pairs).flip(pair_dim)
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        rotated = xr * cos + (swapped * sin_signed).flatten(-2)
-    else:  # without autograd: the products written into the two buffers already made (same roundings)
-        rotated = torch.mul(xr, cos).add_(swapped.mul_(sin_signed).flatten(-2))
-    if rot == x.shape[-1]:
-        return rotated
+    if interleaved:
+        x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
+    else:
+        x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
     out = torch.empty_like(x)
-    out[..., :rot] = rotated
-    out[..., rot:] = x[..., rot:]
+    # the same roundings as transformers' ``x·cos + rotate_half(x)·sin`` (each product rounded to x's dtype,
+    # then the sum); without autograd written into ``out``'s halves in place (three kernels a half, not four)
+    first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        out[..., first] = x1 * c - x2 * s
+        out[..., second] = x2 * c + x1 * s
+    else:
+        torch.mul(x1, c, out=out[..., first]).sub_(x2 * s)
+        torch.mul(x2, c, out=out[..., second]).add_(x1 * s)
+    if rot < x.shape[-1]:
+        out[..., rot:] = x[..., rot:]
     return out

@@ -37,7 +37,10 @@ def test_every_benchmark_step_parses_with_gpu_scales_parser(tmp_path, monkeypatc
     """The session's gpu_scale commands (GPU scale and ``GPU_SESSION_SMALL=1``) parse with the benchmark's
     argparse: known flags, valid values, a Lorsa layer inside the scale; the suite step writes its JUnit XML."""
     steps = dry_run(tmp_path, GPU_SESSION_SMALL=small)
-    assert list(steps) == ["suite", "ab", "c", "d", "offload"]
+    assert list(steps) == ["suite", "ab", "variants", "c", "d", "offload"]
+    assert steps["variants"][1:3] == ["-m", "benchmarks.lorsa_forward_variants"]
+    assert steps["variants"][-2:][0] == "--out" and steps["variants"][-1].endswith("/lorsa_forward_variants.json")
+    assert ("--scale" in steps["variants"]) == (small == "1")
     assert steps["suite"][1:4] == ["-m", "pytest", "-m"] and steps["suite"][4] == "gpu"
     assert any(a.startswith("--junitxml=") and a.endswith("/gpu_suite.xml") for a in steps["suite"])
     gpu_scale = load_script(ROOT / "benchmarks" / "gpu_scale.py", "gpu_scale_for_session_test")
@@ -142,3 +145,25 @@ def test_gpu_record_refuses_a_small_session_into_the_results(tmp_path):
     assert record.main([str(tmp_path / "out")]) == 2
     assert record.main([str(tmp_path / "out"), "--results", str(tmp_path / "r")]) == 0
     assert (tmp_path / "r" / "gpu_scale_8b_cpu.json").is_file()
+
+
+def test_gpu_record_replaces_the_forward_variants_and_keeps_the_former_in_history(tmp_path):
+    """``lorsa_forward_variants.json`` replaces the recorded H200 file; the former record, its notes included,
+    is the last entry of ``history`` (twice: both former records, in order)."""
+    record = load_script(ROOT / "scripts" / "gpu_record.py", "gpu_record_for_variants_test")
+    results = tmp_path / "results"
+    results.mkdir()
+    name = "lorsa_forward_variants_8b_NVIDIA_H200.json"
+    shutil.copy(RESULTS / name, results / name)
+    before = json.loads((results / name).read_text())
+    _fake_out(tmp_path / "out")
+    for i, median in enumerate((0.004, 0.003)):
+        (tmp_path / "out" / "lorsa_forward_variants.json").write_text(json.dumps(
+            {"scale": "8b", "device": "NVIDIA H200", "rope_same_bits": True,
+             "times": {"rope_module": {"median_s": median}, "rope_pair_swap": {"median_s": median / 2}}}))
+        assert record.main([str(tmp_path / "out"), "--results", str(results), "--date", f"2026-12-0{i + 1}"]) == 0
+    now = json.loads((results / name).read_text())
+    assert now["times"]["rope_module"]["median_s"] == 0.003 and now["date"] == "2026-12-02"
+    assert now["commit"] == "abc1234" and now["rope_same_bits"] is True
+    assert now["history"][0] == {k: v for k, v in before.items() if k != "history"}
+    assert now["history"][1]["times"]["rope_module"]["median_s"] == 0.004 and len(now["history"]) == 2
