@@ -73,13 +73,16 @@ class BlockAdjacency:
             at = (self.cell_site == s).nonzero().flatten()
             k[at] = torch.searchsorted(self._src_pos[src].contiguous(), self.cell_pos[at].contiguous(), right=True)
         self._prefix = k
+        # host copies for the per-batch writes (a Python int per cell, not a tensor read per call)
+        self._site_of_cell: list[int] = self.cell_site.tolist()
+        self._prefix_of_cell: list[int] = k.tolist()
         self.blocks: list[torch.Tensor | None] = [None] * len(self.cell_rows)
         self._runs: tuple[int, list[tuple[int, int, int]]] | None = None  # _row_runs of that many written cells
 
     # ------------------------------------------------------------------ structure
     def cols(self, cell: int) -> torch.Tensor:
         """``(c,)`` int64 the source columns of cell ``cell``'s block, in the block's order."""
-        return torch.cat([self._upstream[int(self.cell_site[cell])][:int(self._prefix[cell])], self._free])
+        return torch.cat([self._upstream[self._site_of_cell[cell]][:self._prefix_of_cell[cell]], self._free])
 
     def n_cols(self) -> torch.Tensor:
         """``(n_cells,)`` the number of columns of each cell's block (without building them)."""
@@ -110,11 +113,15 @@ class BlockAdjacency:
         rows = rows.to(HOST, torch.long)
         g = grads.detach().to(HOST)  # the rows of a batch, from the model's device
         cells = self._cell_of_row[rows]
-        if bool((cells < 0).any()) or g.shape[1] != self.n_sources:
+        cell_list: list[int] = cells.tolist()  # the one host read of the batch's cells
+        if min(cell_list, default=0) < 0 or g.shape[1] != self.n_sources:
             raise ValueError(f"rows {rows.tolist()} / {g.shape[1]} columns do not fit this adjacency")
-        kept = 0
-        for cell in cells.unique().tolist():
-            at = (cells == cell).nonzero().flatten()
+        at_of: dict[int, list[int]] = {}  # each cell's batch rows, ascending (as cells.unique(), nonzero())
+        for i, cell in enumerate(cell_list):
+            at_of.setdefault(cell, []).append(i)
+        kept = torch.zeros((), dtype=torch.long, device=HOST)
+        for cell in sorted(at_of):
+            at = torch.tensor(at_of[cell], dtype=torch.long, device=HOST)
             cols = self.cols(cell)
             part = g[at[:, None], cols[None, :]]
             block = self.blocks[cell]
@@ -122,8 +129,8 @@ class BlockAdjacency:
                 block = self.blocks[cell] = torch.zeros(self.cell_rows[cell].numel(), cols.numel(), dtype=self.dtype,
                                                         device=HOST)
             block[self._slot[rows[at]]] = part.to(self.dtype)
-            kept += int(part.count_nonzero())
-        if kept != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
+            kept += part.count_nonzero()
+        if int(kept) != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
             for i, cell in enumerate(cells.tolist()):
                 outside = g[i].clone()
                 outside[self.cols(cell)] = 0

@@ -363,15 +363,14 @@ class FrozenReplacement:
         """``Σ_b T[b, rows[b]]`` — the scalar whose gradient injects target ``rows[b]`` into batch row
         ``b`` — built from the pieces of :meth:`target_pieces` that hold one of ``rows`` only: the
         backward then starts at the highest such site and never runs through the layers above it."""
-        r = torch.as_tensor(rows, device="cpu")  # host indices (they index device tensors too)
-        b = torch.arange(len(rows), device="cpu")
         total: torch.Tensor | None = None
         start = 0
         for piece in self.target_pieces():
             end = start + piece.shape[1]
-            sel = (r >= start) & (r < end)
-            if bool(sel.any()):
-                term = piece[b[sel].to(piece.device), (r[sel] - start).to(piece.device)].sum()
+            at = [(i, t - start) for i, t in enumerate(rows) if start <= t < end]  # on the host: no tensor read
+            if at:
+                b, c = zip(*at, strict=True)
+                term = piece[torch.tensor(b, device=piece.device), torch.tensor(c, device=piece.device)].sum()
                 total = term if total is None else total + term
             start = end
         if total is None:

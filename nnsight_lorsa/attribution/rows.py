@@ -349,6 +349,7 @@ class RowScheduler(RowStore):
         self.budget = budget
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
         self._visited = torch.zeros(layout.n_features, dtype=torch.bool, device=HOST)
+        self._n_visited = 0  # ``_visited.sum()``, kept on the host (each pick is of unvisited rows)
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
@@ -358,7 +359,7 @@ class RowScheduler(RowStore):
 
     @property
     def n_feature_rows(self) -> int:
-        return int(self._visited.sum())
+        return self._n_visited
 
     def next_rows(self, batch: int) -> list[int]:
         """The next ≤ ``batch`` target rows to compute (empty when done)."""
@@ -377,6 +378,7 @@ class RowScheduler(RowStore):
             score[self._visited] = -1.0
             picked = score.topk(n).indices.sort().values.tolist()
         self._visited[picked] = True
+        self._n_visited += len(picked)
         return picked
 
     def sparse(self) -> SparseRows:
