@@ -298,18 +298,6 @@ def node_influence(graph: Graph) -> Float[torch.Tensor, " n_nodes"]:
     return out
 
 
-def coo_influence(row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], val: Float[torch.Tensor, " k"],
-                  row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"], n_rows: int,
-                  n_cols: int) -> Float[torch.Tensor, " n_cols"]:
-    """:func:`row_influence` of the entries ``(row, col, val)`` (``row``: the row's place in ``row_node``):
-    ``(n_cols,)`` float64 (:class:`EntryRows`).
-
-    Raises:
-        RuntimeError: the series did not terminate (a cycle: malformed adjacency).
-    """
-    return row_influence(EntryRows(row, col, val, n_rows, n_cols), row_node, row_weight, n_cols)
-
-
 def prune_rows(rows: BlockAdjacency | EntryRows, row_node: Int[torch.Tensor, " n_rows"],
                row_weight: Float[torch.Tensor, " n_rows"], node_mask: torch.Tensor, always: torch.Tensor,
                kind: torch.Tensor, edge_threshold: float, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,13 +31,14 @@ from nnsight_lorsa.attribution.graph import (
     BlockAdjacency,
 )
 from nnsight_lorsa.attribution.scores import (
+    EntryRows,
     PruneResult,
-    coo_influence,
     influence,
     influence_series,
     logit_weights,
     node_influence,
     normalize_rows,
+    row_influence,
 )
 
 SMALL = dict(n_layers=4, d_model=64, n_heads=4, lorsa_layer=2, n_qk=8, d_qk=8, lorsa_k=6, tc_k=5, n_logits=10)
@@ -138,8 +139,8 @@ def test_sparse_scores_match_the_dense_path_before(graphs, name):
 
 @pytest.mark.parametrize("name", ["full", "budget"])
 def test_influence_over_the_weighted_rows_only_changes_no_bit(graphs, name):
-    """``coo_influence`` reads only the rows that carry weight at each step (row-sorted entries): the same bits
-    as the plain pass over every entry."""
+    """:func:`row_influence` on a graph's entries (:class:`EntryRows`) reads only the rows that carry weight at
+    each step (row-sorted entries): the same bits as the plain pass over every entry."""
     g = graphs[name]
     t, s, v = g.coo()
     n, lw = g.n_nodes, logit_weights(g)
@@ -147,7 +148,8 @@ def test_influence_over_the_weighted_rows_only_changes_no_bit(graphs, name):
     a = a / torch.zeros(n, dtype=torch.float64).index_add(0, t, a)[t].clamp_min(1e-30)
     every = influence_series(lambda w: torch.zeros(n, dtype=torch.float64).index_add(0, s, w.double()[t] * a),
                              torch.arange(n), lw.double(), n)
-    assert torch.equal(coo_influence(t, s, v, torch.arange(n), lw, n, n), every) and bool(every.any())
+    got = row_influence(EntryRows(t, s, v, n, n), torch.arange(n), lw, n)
+    assert torch.equal(got, every) and bool(every.any())
 
 
 def test_save_load_keeps_the_blocks(graphs, tmp_path):
