@@ -78,10 +78,11 @@ class SparseRows:
     int32 source column + value).
 
     A row keeps its non-zero entries, or with ``keep_mass < 1`` its largest ``|edges|`` up to that
-    fraction of the row's absolute mass; the signed sum of the dropped ones is kept exactly as the
-    row's ``residual`` (float64), and ``abs_total`` (float64) is the full row's ``Σ |edges|`` (for
-    row normalisation). Everything that reads the rows goes through :meth:`chunks`, at most
-    :data:`CHUNK_ENTRIES` entries at a time: no per-entry temporary of the whole store exists.
+    fraction of the row's absolute mass; the signed sum of the dropped ones is the row's ``residual``
+    (float64, one reduction per row on the rows' device: the same bits run to run, also on CUDA), and
+    ``abs_total`` (float64) is the full row's ``Σ |edges|`` (for row normalisation). Everything that reads
+    the rows goes through :meth:`chunks`, at most :data:`CHUNK_ENTRIES` entries at a time: no per-entry
+    temporary of the whole store exists.
 
     Args:
         n_cols: sources per row.
@@ -117,16 +118,16 @@ class SparseRows:
             keep_sorted = ((cum - srt.double()) < keep_mass * abs_total[:, None]) & (srt > 0)
             keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
         del a
+        if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
+            self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64, device=HOST))
+        else:  # the dropped entries' sum: one reduction per row (deterministic on every device, unlike an
+            # index_add of the kept ones, whose float64 atomics reorder between runs on CUDA)
+            self._residual.append(torch.where(keep, 0, g).sum(1, dtype=torch.float64).to(HOST))
         counts = keep.sum(1)
         r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
         del keep
         val = g[r, c]
         counts = counts.to(HOST)
-        if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0
-            self._residual.append(torch.zeros(g.shape[0], dtype=torch.float64, device=HOST))
-        else:
-            kept = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device).index_add(0, r, val.double())
-            self._residual.append((g.sum(1, dtype=torch.float64) - kept).to(HOST))
         self._abs_total.append(abs_total.to(HOST))
         n = int(val.numel())
         block = self.blocks[-1] if self.blocks else None

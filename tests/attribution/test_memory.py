@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import attribution_setup, random_ids, rm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, estimate_memory
 from nnsight_lorsa.attribution.budget import PRUNE_BLOCK_BYTES_PER_ENTRY, structural_entries
@@ -243,3 +245,44 @@ def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch)
     keep = pr.node_mask.nonzero().flatten()
     assert torch.allclose(g.densify(), full.densify()[keep][:, keep], atol=1e-6)
     assert g.edge_sum_error("mass").max() < 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_rows=st.integers(1, 6), n_cols=st.integers(1, 40), density=st.floats(0.0, 1.0),
+       keep_mass=st.floats(0.05, 0.999), seed=st.integers(0, 2**16), half=st.booleans())
+def test_sparse_rows_keep_mass_partitions_each_row(n_rows, n_cols, density, keep_mass, seed, half):
+    """``SparseRows.append(grads, keep_mass)`` on generated rows: the stored entries and the dropped ones
+    partition each row (stored ``dense()`` + dropped = the row, bit for bit); the stored ones are the shortest
+    prefix of the row's ``|edges|`` in descending order whose mass reaches ``keep_mass`` of the row's (ties
+    aside); the residual is the dropped entries' sum (``math.fsum`` of them, to float64 rounding); ``abs_total``
+    is the row's ``Σ |edges|``; and the same rows appended twice give the same bits."""
+    import math
+
+    from nnsight_lorsa.attribution.rows import SparseRows
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if half else torch.float32
+    grads = (torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) < density)
+             ).to(dtype)
+    sp, again = SparseRows(n_cols), SparseRows(n_cols)
+    sp.append(grads, keep_mass)
+    again.append(grads.clone(), keep_mass)
+    stored = sp.dense()
+    assert stored.dtype == dtype
+    kept = stored != 0
+    dropped = torch.where(kept, 0, grads)
+    assert torch.equal(torch.where(kept, stored, dropped), grads)
+    assert torch.equal(sp.residual, again.residual) and torch.equal(sp.dense(), again.dense())
+    for r in range(n_rows):
+        row = grads[r].double()
+        mass = row.abs()
+        total = math.fsum(mass.tolist())
+        assert sp.abs_total[r].item() == pytest.approx(total, rel=1e-12, abs=1e-300)
+        want = math.fsum(dropped[r].double().tolist())
+        assert sp.residual[r].item() == pytest.approx(want, rel=1e-12, abs=1e-12 * total)
+        kept_mass = math.fsum(mass[kept[r]].tolist())
+        assert kept_mass >= keep_mass * total * (1 - 1e-12)  # the kept mass reaches the fraction ...
+        if kept[r].any():  # ... and without its smallest kept entry it would not
+            smallest = mass[kept[r]].min().item()
+            assert kept_mass - smallest < keep_mass * total * (1 + 1e-12)
+            assert bool((mass[~kept[r]] <= smallest).all())
