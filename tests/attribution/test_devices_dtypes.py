@@ -121,6 +121,29 @@ def test_pruned_and_budgeted_attribution_on_device(device):
     assert (g.densify() - cpu.densify()).abs().max() < 1e-3 * cpu.densify().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_attribution_repeats_on_device(device, dtype):
+    """The same call twice on the device (full graph, and pruned while building from sparse rows with
+    ``keep_mass < 1``): the same nodes, and every edge, value and residual within the dtype's rounding of its
+    row's mass — on CUDA the frozen backward's ``index_add_`` and SDPA's backward use atomics, so the bits are
+    not promised; the sparse rows' residual is one reduction per row (``SparseRows.append``)."""
+    kw = {"batch_size": 16, "prune": PruneConfig(0.8, 0.98, keep_mass=0.9)}
+    bound = 1e-6 if dtype == torch.float32 else 1e-3
+    rep = setup(device, dtype)
+    for options in ({"batch_size": 40}, kw):
+        a, b = attribute(rep, IDS, **options), attribute(rep, IDS, **options)
+        assert torch.equal(a.layout_ids, b.layout_ids), options
+        A, B = a.densify().double(), b.densify().double()
+        mass = A.abs().sum(1, keepdim=True).clamp_min(1e-12)
+        assert float(((A - B).abs() / mass).max()) < bound, options
+        assert torch.allclose(a.values.double(), b.values.double(), rtol=bound, atol=bound, equal_nan=True)
+        if a.residual is not None:
+            assert b.residual is not None
+            gap = (a.residual.double() - b.residual.double()).abs() / mass.squeeze(1)
+            assert float(gap.max()) < bound, options
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_max_memory_and_zero_positions_on_device(device):
     """``max_memory`` picks the batch from the device's estimate; ``zero_positions`` on the device equals
