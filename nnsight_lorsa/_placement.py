@@ -29,10 +29,55 @@ from typing import Any
 
 import torch
 
-from .errors import PlacementError
+from .errors import ArgumentError, PlacementError
 
 #: the device of host-side tables (results, counters, top-k tables)
 HOST = torch.device("cpu")
+
+
+#: the dtypes a module may be loaded in or cast to by argument (``dtype=``): its forward's matmuls run in them
+#: on every device (integer, bool, complex and fp8 modules cannot compute)
+MODULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype_arg(dtype: Any, where: str) -> torch.dtype | None:
+    """``dtype`` if it is None or one of :data:`MODULE_DTYPES` (a ``torch.dtype``; strings such as
+    ``"bfloat16"`` are refused, not guessed); ``where`` names the call in the error.
+
+    Raises:
+        ArgumentError: anything else, naming the call and the dtypes it takes.
+    """
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in MODULE_DTYPES):
+        return dtype
+    raise ArgumentError(f"{where}: dtype must be None or one of torch.float16, torch.bfloat16, torch.float32, "
+                        f"torch.float64 (a torch.dtype), got {dtype!r} ({type(dtype).__name__})")
+
+
+def check_device_arg(device: Any, where: str) -> torch.device | None:
+    """``device`` (None, a ``torch.device``, a string such as ``"cuda:1"``, or a CUDA index) as a
+    ``torch.device`` that torch can put tensors on here (``meta`` included); ``where`` names the call.
+
+    Raises:
+        ArgumentError: not a device (``"nonsense"``, ``1.5``, ``True``).
+        PlacementError: a device this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ArgumentError(f"{where}: device must be a torch.device, a string (cpu, cuda, cuda:1, meta) or a "
+                            f"CUDA index, got {device!r} ({type(device).__name__})")
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        if isinstance(device, int):  # an accelerator index where torch sees no accelerator
+            raise PlacementError(f"{where}: device={device!r} (cuda:{device}) is not available here: {e}") from None
+        raise ArgumentError(f"{where}: device={device!r} is not a device (cpu, cuda, cuda:1, meta): {e}") from None
+    try:
+        torch.empty(0, device=d)
+    except (RuntimeError, AssertionError, NotImplementedError) as e:  # torch's "not compiled with CUDA" is an assert
+        raise PlacementError(f"{where}: torch cannot put tensors on {d} here (torch {torch.__version__}): "
+                             f"{e}") from None
+    return d
 
 
 def torch_module(model: Any) -> Any:
@@ -232,5 +277,6 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "OFFLOAD_ATTR", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned",
-           "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]
+__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "f32", "fetch",
+           "host_f32", "like", "model_device", "offloaded", "pinned", "place", "placement", "resident",
+           "set_offload", "store_on_host", "to_module"]

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import ArgumentError, FormatDetectionError, LorsaError, UnsupportedArchitectureError
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
@@ -51,7 +49,7 @@ from . import (
     sparsify,
 )
 from .files import read_json_object, resolve_checkpoint_dir
-from .reader import Reader, read_dir
+from .reader import Reader, check_placement_args, read_dir
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
            "load_all", "register_format", "save"]
@@ -184,8 +182,8 @@ def load(
     *,
     format: str = "auto",
     subfolder: str | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    device: Any = None,  # torch.device | str | int | None, checked by check_placement_args (a named error)
+    dtype: Any = None,  # torch.dtype | None, likewise
     local_files_only: bool = False,
     revision: str | None = None,
     **options: Any,
@@ -221,8 +219,11 @@ def load(
         CheckpointError: an unusable source or file (naming the file and the key).
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
         TypeError: an option the chosen reader does not take.
-        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``.
+        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``; a ``dtype`` other
+            than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one.
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
     """
+    device = check_placement_args(device, dtype, f"load({str(path_or_repo_id)!r})")
     if sae_id is not None:
         return _load_release(str(path_or_repo_id), sae_id, format=format, subfolder=subfolder, device=device,
                              dtype=dtype, local_files_only=local_files_only, revision=revision, **options)
@@ -311,7 +312,10 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
         CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers, when
             the folder itself is the checkpoint, or when no subfolder loaded (the first subfolder's
             error, with every failure listed in the message).
+        ArgumentError, PlacementError: a bad ``dtype`` / ``device`` in ``kwargs`` (as :func:`load`), before
+            any folder is read.
     """
+    check_placement_args(kwargs.get("device"), kwargs.get("dtype"), f"load_all({str(directory)!r})")
     d = Path(directory)
     local = isinstance(directory, Path) or d.exists()
     result = LoadedModules()
