@@ -257,9 +257,30 @@ def f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
-    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts)."""
+    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
+
+    A cast to a dtype of narrower range (fp16, ``|x| <= 65504``, from fp32 / bf16 / fp64) that would turn a
+    finite value of ``x`` into ``inf`` is refused (the module would compute NaN and hand it to the model): that
+    check reads one value (a device sync), only for such a cast.
+
+    Raises:
+        PlacementError: as :func:`placement`; ``x`` holds finite values past the module dtype's range (names
+            the module, both dtypes and the largest value).
+    """
     device, dtype = placement(module, name)
-    return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    if not x.is_floating_point():
+        return x.to(device=device)
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        limit = torch.finfo(dtype).max
+        a = x.detach().abs()
+        if bool(((a > limit) & torch.isfinite(a)).any()):
+            big = float(torch.where(torch.isfinite(a), a, 0).max())
+            what = name or type(module).__name__
+            raise PlacementError(f"the {what} ({dtype}) is fed values beyond {dtype}'s range (max |x| = {big:.4g} > "
+                                 f"{limit:.4g}, given in {x.dtype}): the cast to the module's dtype would turn them "
+                                 "into inf and the module would compute NaN; cast the module to a wider dtype "
+                                 "(module.to(torch.float32) or torch.bfloat16)")
+    return x.to(device=device, dtype=dtype)
 
 
 def host_f32(x: Any) -> torch.Tensor:

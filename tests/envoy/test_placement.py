@@ -287,3 +287,26 @@ def test_offloaded_sets_of_every_kind_replace_as_the_resident_ones(device, dtype
         got = _logits(model, ids, off)
         assert torch.equal(got, want) and not torch.equal(got, plain), sorted(kwargs)
         assert all(p.device.type == "cpu" for m in modules for p in m.parameters())
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("error", [True, False])
+def test_an_fp16_module_fed_values_past_fp16s_range_raises_naming_it(model_dtype, error):
+    """The splice casts a site's input to the module's dtype: fp16 holds |x| <= 65504, so a wider model's
+    residual past that (massive activations) would reach an fp16 SAE as inf and return NaN logits (with
+    ``error=True`` too, where the docs promise the plain logits bit for bit). It raises PlacementError naming
+    the site, the module and the dtypes; an fp32 module reads the same residual and keeps the contract."""
+    model, hf = tiny_nnsight("gpt2", dtype=model_dtype)
+    with torch.no_grad():  # a residual stream past 65504 (the block's LayerNorms keep the model finite)
+        hf.transformer.wte.weight.mul_(1e6)
+        hf.transformer.wpe.weight.mul_(1e6)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    plain = _logits(model, ids)
+    assert bool(torch.isfinite(plain).all())
+    site = "transformer.h.1"
+    wide = ReplacementModel(model, saes=SAESet(model, {site: make_sae()}), error=error)
+    got = _logits(model, ids, wide)
+    assert bool(torch.isfinite(got).all()) and (not error or torch.equal(got, plain))
+    narrow = ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(torch.float16)}), error=error)
+    with pytest.raises(PlacementError, match=rf"{site}.*SparseAutoencoder.*float16"):
+        _logits(model, ids, narrow)
