@@ -256,6 +256,29 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def check_one_dtype(module: Any, name: str | None = None) -> None:
+    """Refuse a replacement module whose floating parameters are in several dtypes (one cast on its own:
+    ``module.W_O.data = module.W_O.data.to(torch.bfloat16)``): its forward takes its input in one dtype
+    (:func:`to_module`), so it could only fail in torch's matmul. ``name`` names it (default: its type).
+
+    Raises:
+        PlacementError: naming the parameters of each dtype (the largest group counted)."""
+    if not isinstance(module, torch.nn.Module):
+        return
+    groups: dict[torch.dtype, list[str]] = {}
+    for n, p in module.named_parameters():
+        if p.is_floating_point():
+            groups.setdefault(p.dtype, []).append(n)
+    if len(groups) < 2:
+        return
+    ordered = sorted(groups.items(), key=lambda kv: len(kv[1]))
+    *few, (most, rest) = ordered
+    listed = "; ".join(f"{', '.join(names)} in {dt}" for dt, names in few)
+    raise PlacementError(f"{name or type(module).__name__} has parameters in several dtypes: {listed}; the other "
+                         f"{len(rest)} in {most}. Its forward computes in one dtype: cast the whole module "
+                         f"(module.to({most}))")
+
+
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
     """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
 
@@ -264,10 +287,11 @@ def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Te
     check reads one value (a device sync), only for such a cast.
 
     Raises:
-        PlacementError: as :func:`placement`; ``x`` holds finite values past the module dtype's range (names
-            the module, both dtypes and the largest value).
+        PlacementError: as :func:`placement` and :func:`check_one_dtype`; ``x`` holds finite values past the
+            module dtype's range (names the module, both dtypes and the largest value).
     """
     device, dtype = placement(module, name)
+    check_one_dtype(module, name)
     if not x.is_floating_point():
         return x.to(device=device)
     if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
@@ -298,6 +322,7 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "f32", "fetch",
+__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype", "f32",
+           "fetch",
            "host_f32", "like", "model_device", "offloaded", "pinned", "place", "placement", "resident",
            "set_offload", "store_on_host", "to_module"]

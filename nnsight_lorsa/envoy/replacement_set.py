@@ -22,7 +22,15 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .._placement import check_device_arg, check_dtype_arg, offloaded, place, set_offload, store_on_host
+from .._placement import (
+    check_device_arg,
+    check_dtype_arg,
+    check_one_dtype,
+    offloaded,
+    place,
+    set_offload,
+    store_on_host,
+)
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
@@ -426,6 +434,7 @@ class ReplacementSet(Generic[K, M]):
         if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
+        check_one_dtype(module, f"the {type(module).__name__} for {self.site_path(k)}")
         self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
         self._by_key[k] = module
 

@@ -310,3 +310,43 @@ def test_an_fp16_module_fed_values_past_fp16s_range_raises_naming_it(model_dtype
     narrow = ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(torch.float16)}), error=error)
     with pytest.raises(PlacementError, match=rf"{site}.*SparseAutoencoder.*float16"):
         _logits(model, ids, narrow)
+
+
+def _kinds(hf, adapter):
+    """``(set class, key, fresh module)`` makers for every replacement kind (fp32, on the CPU)."""
+    return {
+        "lorsa": (LorsaSet, LAYER, lambda: make_lorsa(hf, adapter, LAYER)),
+        "transcoder": (TranscoderSet, 0, lambda: make_transcoders([0], skip_layer=0)[0]),
+        "sae": (SAESet, "model.layers.1", make_sae),
+        "clt": (CLTSet, None, lambda: make_clt(adapter.n_layers, skip=True)),
+    }
+
+
+def _one_param_cast(module, name, dtype):
+    p = dict(module.named_parameters())[name]
+    p.data = p.data.to(dtype)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae", "clt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_a_module_with_parameters_in_several_dtypes_is_refused_naming_them(kind, dtype):
+    """A module's parameters must share one floating dtype (the splice casts the site's input to it): one
+    parameter cast on its own (``module.W_O.data = ….to(bf16)``) made the forward fail with torch's raw
+    dtype mismatch (or a ShapeError about ``x``). Each parameter in turn: refused on insertion, and at the
+    splice (naming the site) when cast after insertion; the model is left clean."""
+    model, hf = tiny_nnsight("llama")
+    cls, key, make = _kinds(hf, get_adapter(model))[kind]
+    names = [n for n, p in make().named_parameters() if p.is_floating_point()]
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    for name in names:
+        bad = _one_param_cast(make(), name, dtype)
+        with pytest.raises(PlacementError, match=rf"several dtypes.*{name}"):
+            cls(model, bad if key is None else {key: bad})
+        module = make()
+        rset = cls(model, module if key is None else {key: module})
+        _one_param_cast(module, name, dtype)
+        before = sorted(n for n, _ in hf.named_modules())
+        with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*several dtypes.*{name}"):
+            _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=True))
+        assert sorted(n for n, _ in hf.named_modules()) == before
