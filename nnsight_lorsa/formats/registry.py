@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError, FormatDetectionError, LorsaError, UnsupportedArchitectureError
+import torch
+
+from ..errors import (
+    ArgumentError,
+    FormatDetectionError,
+    LorsaError,
+    PlacementError,
+    UnsupportedArchitectureError,
+)
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
 from ..modules.sae import SparseAutoencoder
@@ -351,6 +359,19 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
     return result
 
 
+def _check_not_meta(obj: Any, path: Any) -> None:
+    """Refuse to save ``obj`` (a module, ``{key: module}``, a set with ``transcoders`` / ``gates``) when some
+    module of it has tensors on ``meta``: they hold no values to write."""
+    inner = getattr(obj, "transcoders", None) or getattr(obj, "gates", None) or obj
+    items = list(inner.items()) if isinstance(inner, dict) else [("", inner)]
+    for key, module in items:
+        if isinstance(module, torch.nn.Module) and any(
+                t.is_meta for t in (*module.parameters(), *module.buffers())):
+            what = f"the {type(module).__name__}" + (f" at {key!r}" if key != "" else "")
+            raise PlacementError(f"save({str(path)!r}): {what} has its weights on the meta device (never loaded "
+                                 "or materialised), so there is nothing to write; load or initialise it first")
+
+
 def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT, **options: Any) -> Path:
     """Write ``obj`` to the directory ``path`` (created if needed) in ``format``; returns the directory.
 
@@ -366,7 +387,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
             format cannot express (e.g. a non-TopK coder for sparsify).
         ArgumentError: an object the format does not write (a ``TypeError``).
         CheckpointError: a config that is not JSON-serialisable.
+        PlacementError: a module (or one of a set's) has its weights on the ``meta`` device (never
+            materialised): nothing is written.
     """
+    _check_not_meta(obj, path)
     fmt = _format(format)
     if not fmt.writers:
         raise UnsupportedArchitectureError(f"format {format!r} is read-only; writable: "

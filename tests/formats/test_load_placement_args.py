@@ -2,7 +2,8 @@
 ``envoy.load_model``): a dtype a module cannot compute in, or a device torch cannot put tensors on here, is
 refused by a named error before anything is read, not by torch's or transformers' own error from deep in a
 build (and ``dtype="bfloat16"`` is not read as a device string); a cast that overflows a stored value is
-refused, naming the file and the tensor, instead of loading an ``inf`` weight."""
+refused, naming the file and the tensor, instead of loading an ``inf`` weight. ``save`` of a module on ``meta``
+(nothing to write) is a PlacementError, not torch's own error."""
 
 from __future__ import annotations
 
@@ -102,3 +103,29 @@ def test_a_cast_that_overflows_a_stored_weight_is_refused_naming_it(tmp_path, dt
     else:
         module = load(tmp_path / "big", dtype=dtype)
         assert bool(torch.isfinite(module.b_dec).all())
+
+
+def _meta_objects():
+    from helpers import make_clt, make_transcoder
+
+    from nnsight_lorsa.formats.circuit_tracer import CircuitTracerTranscoders
+
+    tcs = {layer: make_transcoder(skip=False, activation="jumprelu", activation_params={}, layer=layer)
+           for layer in (0, 1)}
+    return [
+        ("nnsight_lorsa", lambda: make_sae().to("meta"), {}),
+        ("saelens", lambda: make_sae().to("meta"), {"hook_name": "blocks.1.hook_resid_post"}),
+        ("sparsify", lambda: make_sae(activation="topk", activation_params={"k": 4}).to("meta"), {}),
+        ("circuit_tracer", lambda: make_clt().to("meta"), {}),
+        ("circuit_tracer", lambda: {k: v.to("meta") if k == 1 else v for k, v in tcs.items()}, {}),
+        ("circuit_tracer", lambda: CircuitTracerTranscoders({k: v.to("meta") for k, v in tcs.items()}), {}),
+    ]
+
+
+@pytest.mark.parametrize(("fmt", "make", "options"), _meta_objects())
+def test_saving_a_module_on_the_meta_device_is_a_placement_error(tmp_path, fmt, make, options):
+    """A module whose weights were never materialised (``meta``) has nothing to write: ``save`` says so
+    (PlacementError naming it) before anything is written, not torch's "Cannot copy out of meta tensor"."""
+    with pytest.raises(PlacementError, match="meta"):
+        save(make(), tmp_path / "out", format=fmt, **options)
+    assert not (tmp_path / "out").exists()
