@@ -87,10 +87,14 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     """``value`` (a number, or a tensor / array of the target's per-position values) checked for the
     ``site`` it is written to (``tensor[idx]``): a finite number stays a number; a tensor must fit the
     target (:meth:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel.check_values`), broadcast to
-    ``site``'s shape and (with ``finite``) hold no NaN / inf; it is moved to ``site``'s device and dtype."""
+    ``site``'s shape and (with ``finite``) hold no NaN / inf, also once cast to ``site``'s dtype (an fp32 value
+    past fp16's range is refused, not written as inf); it is moved to ``site``'s device and dtype."""
     if is_real(value):
         if finite and not math.isfinite(value):
             raise ArgumentError(f"{name} must be a finite number, got {value!r}")
+        if finite and site.is_floating_point() and abs(value) > torch.finfo(site.dtype).max:
+            raise ArgumentError(f"{name}={value!r} is beyond the range of the edited values' dtype {site.dtype} "
+                                f"(max {torch.finfo(site.dtype).max:.6g}): it would write inf")
         return value
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (bool, str, bytes)) or value is None:
@@ -109,7 +113,12 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
                          f"(batch, positions[, head_dim])")
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
-    return value.to(device=site.device, dtype=site.dtype)
+    cast = value.to(device=site.device, dtype=site.dtype)
+    if finite and cast.is_floating_point() and not bool(torch.isfinite(cast).all()):  # past the dtype's range
+        raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
+                            f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
+                            "cast to it they would be inf")
+    return cast
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
