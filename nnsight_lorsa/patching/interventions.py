@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from .._checks import is_int, is_real
-from .._placement import like
+from .._placement import f32, like
 from ..envoy.edit_log import note_edit
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
@@ -201,8 +201,9 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
 
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
     the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
-    averaged in fp32 and returned on the device and in the dtype of the values they average (the
-    model's, or a spliced module's); :func:`ablate` moves them to wherever they are written.
+    averaged in at least fp32 (bf16 / fp16 values in fp32, fp64 ones in fp64) and returned on the device
+    and in the dtype of the values they average (the model's, or a spliced module's); :func:`ablate` moves
+    them to wherever they are written.
 
     Raises:
         ArgumentError: ``per_position`` not a bool. ConfigMismatchError: no targets. Target errors before the
@@ -221,4 +222,4 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
         for t in ordered:
             saved[t] = read(Bound(t, replacement))
     dims = (0,) if per_position else (0, 1)
-    return {t: v.float().mean(dims).to(v.dtype) for t, v in saved.items()}
+    return {t: f32(v).mean(dims).to(v.dtype) for t, v in saved.items()}  # fp64 stays fp64

@@ -366,3 +366,23 @@ def _steered(model, r, ids, target, value):
         steer(r(target), value)
         out = unembed(model).output.save()
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_mean_activations_keep_the_precision_of_an_fp64_model(dtype):
+    """The means are averaged in at least fp32 and returned in the values' dtype: an fp64 model's (and fp64
+    modules') means are their fp64 means, not fp64 values rounded to fp32 first; bf16 ones are averaged in
+    fp32 (a bf16 sum would round every partial sum)."""
+    ids = random_ids(batch=6, seq=12, seed=11)
+    model, hf, r = setup("cpu", dtype)
+    targets = [MHSAHead(1, 2), LorsaHead(LAYER, 4), Feature(2, 5, "transcoder")]
+    means = mean_activations(r, targets, ids)
+    vals = {}
+    with torch.no_grad(), model.trace(ids):
+        r.prepare(targets)
+        for t in targets:
+            vals[t] = read(r(t))
+    for t in targets:
+        v = vals[t]
+        want = v.mean((0, 1)) if dtype == torch.float64 else v.float().mean((0, 1)).to(v.dtype)
+        assert means[t].dtype == v.dtype and torch.equal(means[t], want), t
