@@ -129,3 +129,22 @@ def test_saving_a_module_on_the_meta_device_is_a_placement_error(tmp_path, fmt, 
     with pytest.raises(PlacementError, match="meta"):
         save(make(), tmp_path / "out", format=fmt, **options)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_gates_refuse_a_dtype_they_are_not_loaded_in(tmp_path, dtype):
+    """Sparse-attention gates are fp32 (they compute in fp32 whatever the model's dtype): ``load(..., dtype=bf16)``
+    returned fp32 gates, the argument silently not honoured. It is refused; None and fp32 load them."""
+    from helpers import tiny_hf_model
+
+    from nnsight_lorsa.sparse_attention import install_gated_attention
+    from nnsight_lorsa.sparse_attention.io import save_gates
+
+    hf = tiny_hf_model("llama")
+    install_gated_attention(hf, init_bias=3.3)
+    save_gates(hf, tmp_path)
+    with pytest.raises(ArgumentError, match=r"fp32.*dtype"):
+        load(tmp_path, format="sparse_attention", dtype=dtype)
+    for ok in (None, torch.float32):
+        gates = load(tmp_path, format="sparse_attention", dtype=ok)
+        assert {p.dtype for g in gates.gates.values() for p in g.parameters()} == {torch.float32}
