@@ -114,7 +114,9 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
     cast = value.to(device=site.device, dtype=site.dtype)
-    if finite and cast.is_floating_point() and not bool(torch.isfinite(cast).all()):  # past the dtype's range
+    narrower = cast.is_floating_point() and (not value.is_floating_point() or  # ints, or e.g. fp32 on fp16
+                                             2 * torch.finfo(cast.dtype).max < torch.finfo(value.dtype).max)
+    if finite and narrower and not bool(torch.isfinite(cast).all()):  # past the dtype's range
         raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
                             f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
                             "cast to it they would be inf")
