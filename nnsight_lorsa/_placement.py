@@ -29,10 +29,55 @@ from typing import Any
 
 import torch
 
-from .errors import PlacementError
+from .errors import ArgumentError, PlacementError
 
 #: the device of host-side tables (results, counters, top-k tables)
 HOST = torch.device("cpu")
+
+
+#: the dtypes a module may be loaded in or cast to by argument (``dtype=``): its forward's matmuls run in them
+#: on every device (integer, bool, complex and fp8 modules cannot compute)
+MODULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype_arg(dtype: Any, where: str) -> torch.dtype | None:
+    """``dtype`` if it is None or one of :data:`MODULE_DTYPES` (a ``torch.dtype``; strings such as
+    ``"bfloat16"`` are refused, not guessed); ``where`` names the call in the error.
+
+    Raises:
+        ArgumentError: anything else, naming the call and the dtypes it takes.
+    """
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in MODULE_DTYPES):
+        return dtype
+    raise ArgumentError(f"{where}: dtype must be None or one of torch.float16, torch.bfloat16, torch.float32, "
+                        f"torch.float64 (a torch.dtype), got {dtype!r} ({type(dtype).__name__})")
+
+
+def check_device_arg(device: Any, where: str) -> torch.device | None:
+    """``device`` (None, a ``torch.device``, a string such as ``"cuda:1"``, or a CUDA index) as a
+    ``torch.device`` that torch can put tensors on here (``meta`` included); ``where`` names the call.
+
+    Raises:
+        ArgumentError: not a device (``"nonsense"``, ``1.5``, ``True``).
+        PlacementError: a device this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ArgumentError(f"{where}: device must be a torch.device, a string (cpu, cuda, cuda:1, meta) or a "
+                            f"CUDA index, got {device!r} ({type(device).__name__})")
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        if isinstance(device, int):  # an accelerator index where torch sees no accelerator
+            raise PlacementError(f"{where}: device={device!r} (cuda:{device}) is not available here: {e}") from None
+        raise ArgumentError(f"{where}: device={device!r} is not a device (cpu, cuda, cuda:1, meta): {e}") from None
+    try:
+        torch.empty(0, device=d)
+    except (RuntimeError, AssertionError, NotImplementedError) as e:  # torch's "not compiled with CUDA" is an assert
+        raise PlacementError(f"{where}: torch cannot put tensors on {d} here (torch {torch.__version__}): "
+                             f"{e}") from None
+    return d
 
 
 def torch_module(model: Any) -> Any:
@@ -211,10 +256,57 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def check_one_dtype(module: Any, name: str | None = None) -> None:
+    """Refuse a replacement module whose floating parameters are in several dtypes (one cast on its own:
+    ``module.W_O.data = module.W_O.data.to(torch.bfloat16)``): its forward takes its input in one dtype
+    (:func:`to_module`), so it could only fail in torch's matmul. ``name`` names it (default: its type).
+
+    Raises:
+        PlacementError: naming the parameters of each dtype (the largest group counted)."""
+    if not isinstance(module, torch.nn.Module):
+        return
+    groups: dict[torch.dtype, list[str]] = {}
+    for n, p in module.named_parameters():
+        if p.is_floating_point():
+            groups.setdefault(p.dtype, []).append(n)
+    if len(groups) < 2:
+        return
+    ordered = sorted(groups.items(), key=lambda kv: len(kv[1]))
+    *few, (most, rest) = ordered
+    listed = "; ".join(f"{', '.join(names)} in {dt}" for dt, names in few)
+    raise PlacementError(f"{name or type(module).__name__} has parameters in several dtypes: {listed}; the other "
+                         f"{len(rest)} in {most}. Its forward computes in one dtype: cast the whole module "
+                         f"(module.to({most}))")
+
+
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
-    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts)."""
+    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
+
+    A cast to a dtype of narrower exponent range (fp16, ``|x| <= 65504``, from fp32 / bf16 / fp64; fp32 or bf16
+    from fp64) that would turn a finite value of ``x`` into ``inf`` is refused (the module would compute NaN and
+    hand it to the model): that check reads one value (a device sync), only for such a cast.
+
+    Raises:
+        PlacementError: as :func:`placement` and :func:`check_one_dtype`; ``x`` holds finite values past the
+            module dtype's range (names the module, both dtypes and the largest value).
+    """
     device, dtype = placement(module, name)
-    return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    check_one_dtype(module, name)
+    if not x.is_floating_point():
+        return x.to(device=device)
+    # a narrower exponent range (fp16 from anything wider; fp32 / bf16 from fp64), not bf16 from fp32 (the same
+    # exponent range: checking it would cost a read per call for values within 0.4% of fp32's max)
+    if dtype.is_floating_point and 2 * torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        limit = torch.finfo(dtype).max
+        a = x.detach().abs()
+        if bool(((a > limit) & torch.isfinite(a)).any()):
+            big = float(torch.where(torch.isfinite(a), a, 0).max())
+            what = name or type(module).__name__
+            raise PlacementError(f"the {what} ({dtype}) is fed values beyond {dtype}'s range (max |x| = {big:.4g} > "
+                                 f"{limit:.4g}, given in {x.dtype}): the cast to the module's dtype would turn them "
+                                 "into inf and the module would compute NaN; cast the module to a wider dtype "
+                                 "(module.to(torch.float32) or torch.bfloat16)")
+    return x.to(device=device, dtype=dtype)
 
 
 def host_f32(x: Any) -> torch.Tensor:
@@ -232,5 +324,7 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "OFFLOAD_ATTR", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned",
-           "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]
+__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype", "f32",
+           "fetch",
+           "host_f32", "like", "model_device", "offloaded", "pinned", "place", "placement", "resident",
+           "set_offload", "store_on_host", "to_module"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._placement import to_module
+from .._placement import set_offload, to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
@@ -112,20 +112,25 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
         ``path_or_repo_id``: a checkpoint directory or hub repo id; ``format``: ``"auto"`` (from the
         files), ``"nnsight_lorsa"`` or ``"circuit_tracer"``; ``kwargs`` go to the reader (``device``,
-        ``dtype``, ``revision``, …).
+        ``dtype`` (default: the model's), ``revision``, …), but ``offload=True``, as for every set
+        (:func:`~.replacement_set.load_keyed`), marks the CLT offloaded before the set places it: it stays on
+        the host and never occupies its site's device whole.
 
         Raises:
             CheckpointError: no recognisable checkpoint, a malformed one.
             ConfigMismatchError: the checkpoint holds no CLT, or one that does not fit the model.
+            ArgumentError: ``offload`` not a bool; a bad ``dtype`` or ``device`` (``formats.load``).
         """
         from ..formats.registry import load
 
+        offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
         adapter = get_adapter(model) if adapter is None else adapter
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = site_placement(model, "")[1]
         clt = load(path_or_repo_id, format=format, d_model=adapter.d_model, **kwargs)
         if not cls.holds(clt):
             raise ConfigMismatchError(f"{path_or_repo_id}: holds a {type(clt).__name__}, not a cross-layer transcoder")
+        set_offload(clt, offload)
         return cls(model, clt, adapter)
 
     def save(self, directory: str | os.PathLike[str]) -> None:

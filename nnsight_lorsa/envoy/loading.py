@@ -23,11 +23,13 @@ from typing import Any
 
 import torch
 
+from .._placement import check_device_arg, check_dtype_arg
+
 __all__ = ["load_model"]
 
 
-def load_model(model_dir: str | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Any:
+def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | torch.device, checked below
+               dtype: Any = torch.float32) -> Any:  # a torch.dtype, checked below (a named error)
     """An nnsight ``TransformersModel`` from a local Hugging Face directory (default: the embedded one).
 
     ``device``: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"``, or ``"auto"`` to spread a
@@ -38,6 +40,9 @@ def load_model(model_dir: str | None = None, *, device: str | torch.device = "cp
 
     Raises:
         MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
+        ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
+            a ``device`` that is not one (checked before anything is read).
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
     """
     from nnsight import TransformersModel
     from transformers import AutoConfig
@@ -46,6 +51,9 @@ def load_model(model_dir: str | None = None, *, device: str | torch.device = "cp
     from .tokens import load_tokenizer
 
     path = str(model_dir or default_model_dir())
+    check_dtype_arg(dtype, f"load_model({path!r})")
+    if str(device) != "auto":
+        check_device_arg(device, f"load_model({path!r})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files

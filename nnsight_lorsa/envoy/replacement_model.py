@@ -95,11 +95,12 @@ class ReplacementModel:
         UnsupportedArchitectureError: the model family has no adapter.
         ConfigMismatchError: a set bound to another model, or a value of the wrong type.
         LayerOutOfRangeError: a module keyed by a layer the model does not have.
-        ArgumentError: ``offload`` neither a bool nor None.
+        ArgumentError: ``offload`` neither a bool nor None; ``error`` not a bool.
     """
 
     def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
-                 error: bool = True, adapter: ArchitectureAdapter | None = None, offload: Any = None) -> None:
+                 error: Any = True, adapter: ArchitectureAdapter | None = None, offload: Any = None) -> None:
+        # error: a bool, checked below (a named error, not bool("False") == True)
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
         if offload is not None:  # modules given bare are marked first: their sets never put them on the device
@@ -110,7 +111,7 @@ class ReplacementModel:
         self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
         self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
         self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
-        self.error = bool(error)
+        self.error = check_flag(error, "error", "ReplacementModel")
         if offload is not None:
             for _, held in self.sets():
                 held.offload = offload

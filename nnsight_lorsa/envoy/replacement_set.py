@@ -22,7 +22,15 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from .._placement import offloaded, place, set_offload, store_on_host
+from .._placement import (
+    check_device_arg,
+    check_dtype_arg,
+    check_one_dtype,
+    offloaded,
+    place,
+    set_offload,
+    store_on_host,
+)
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ArgumentError, ConfigMismatchError
@@ -111,12 +119,16 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     Raises:
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
             ``{key: source}``), two modules for one key.
-        ArgumentError: ``offload`` not a bool.
+        ArgumentError: ``offload`` not a bool; a ``dtype`` other than fp16 / bf16 / fp32 / fp64 or a ``device``
+            that is not one (before anything is read or downloaded).
+        PlacementError: a ``device`` this machine lacks.
         CheckpointError, UnsupportedArchitectureError: from the readers.
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
     offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
+    check_dtype_arg(kwargs.get("dtype"), "from_pretrained")
+    check_device_arg(kwargs.get("device"), "from_pretrained")
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [
@@ -422,6 +434,7 @@ class ReplacementSet(Generic[K, M]):
         if not self.holds(module):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
+        check_one_dtype(module, f"the {type(module).__name__} for {self.site_path(k)}")
         self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
         self._by_key[k] = module
 

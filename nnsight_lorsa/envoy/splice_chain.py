@@ -31,7 +31,9 @@ serves — a module elsewhere is moved there (``module.to(device)``, in place, o
 served — and in its own dtype; a step casts the site's input to the module's device and dtype
 (:func:`~.._placement.to_module`), and the replacement's output is cast back to the site's device and dtype
 before it is returned into the model. A module whose weights were never materialised (``meta``) raises
-:class:`~..errors.PlacementError` naming the module and the device the site runs on. An *offloaded*
+:class:`~..errors.PlacementError` naming the module and the device the site runs on; so does a site input
+past the module dtype's range (an fp16 module on a wider model: :func:`~.._placement.to_module`), naming
+the site. An *offloaded*
 module (``ReplacementSet.offload``: weights on the host) is not moved: at each site, for that site's step
 only (the clean pass's too), its weights are copied to the site's device and dropped after
 (:class:`~.._placement.resident`).
@@ -49,7 +51,7 @@ from torch import nn
 
 from .._placement import offloaded, place, resident
 from .._repr import FieldsRepr
-from ..errors import ArgumentError, LorsaError, TraceOrderError
+from ..errors import ArgumentError, LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
     attach,
     current_worker,
@@ -198,10 +200,13 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
         diverged = diverged or (error and may_edit)
         clean_out = None
-        with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
-            if diverged:
-                clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
-            out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+        try:
+            with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
+                if diverged:
+                    clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
+                out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+        except PlacementError as e:  # e.g. an input past an fp16 module's range (to_module): name the site
+            raise PlacementError(f"at {chain.site_paths[i]}: {e}") from e
         if error:
             if clean_out is None:  # nothing could edit so far: the clean pass is the live one
                 clean.clear()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .._atomic import Staging, atomic_directory
+from ..errors import ArgumentError
 from ..modules.attention_gate import GATE_MODES, AttentionGate
 from .files import load_safetensors, read_json_object
 from .reader import Parsed, Reader
@@ -146,7 +147,13 @@ def load_weights(path: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> GateSet:
     """The :class:`GateSet`: one :class:`AttentionGate` per layer with the saved bias, fp32 (the gate
-    computes in fp32 whatever the model's dtype; ``dtype`` is not used), on ``device`` (default CPU)."""
+    computes in fp32 whatever the model's dtype), on ``device`` (default CPU).
+
+    Raises:
+        ArgumentError: ``dtype`` other than None or ``torch.float32`` (not silently ignored)."""
+    if dtype not in (None, torch.float32):
+        raise ArgumentError(f"{parsed.directory}: sparse-attention gates are stored and computed in fp32; "
+                            f"dtype={dtype!r} does not apply (pass None or torch.float32)")
     cfg: GateConfig = parsed.config
     gates = {}
     for layer in range(cfg.n_layers):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .._atomic import check, manifest_of
+from .._placement import check_device_arg, check_dtype_arg
 from .files import resolve_checkpoint_dir
 from .validate import build_module
 
@@ -67,6 +68,17 @@ class Reader:
         return frozenset(p.name for p in params)
 
 
+def check_placement_args(device: Any, dtype: Any, where: str) -> torch.device | None:
+    """A loader's ``device=`` / ``dtype=`` checked before anything is read (:func:`~.._placement.check_dtype_arg`,
+    :func:`~.._placement.check_device_arg`); returns the device as a ``torch.device`` (None stays None).
+
+    Raises:
+        ArgumentError: a dtype other than fp16 / bf16 / fp32 / fp64, or a device that is not one.
+        PlacementError: a device this machine lacks."""
+    check_dtype_arg(dtype, where)
+    return check_device_arg(device, where)
+
+
 def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = None,
              dtype: torch.dtype | None = None, **options: Any) -> Any:
     """Run ``reader``'s three steps on the local directory ``path``.
@@ -96,7 +108,7 @@ def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = 
 
 
 def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | None = None,
-         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+         device: Any = None, dtype: Any = None,  # checked by check_placement_args (a named error)
          local_files_only: bool = False, revision: str | None = None, **options: Any) -> Any:
     """``reader`` applied to a local directory or a hub repo id (``"org/name"``, ``"org/name:folder"``).
 
@@ -110,7 +122,10 @@ def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | Non
     Raises:
         CheckpointError: an unusable source (see :func:`.files.resolve_checkpoint_dir`) or file.
         TypeError: an unknown option.
+        ArgumentError: a ``dtype`` a module cannot compute in, or a ``device`` that is not one.
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
     """
+    device = check_placement_args(device, dtype, f"loading {source}")
     path = resolve_checkpoint_dir(source, allow_patterns=list(reader.hub_files), subfolder=subfolder,
                                   local_files_only=local_files_only, revision=revision)
     return read_dir(reader, path, device=device, dtype=dtype, **options)

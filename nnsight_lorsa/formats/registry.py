@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentError, FormatDetectionError, LorsaError, UnsupportedArchitectureError
+from ..errors import (
+    ArgumentError,
+    FormatDetectionError,
+    LorsaError,
+    PlacementError,
+    UnsupportedArchitectureError,
+)
 from ..modules.clt import CrossLayerTranscoder
 from ..modules.lorsa import Lorsa
 from ..modules.sae import SparseAutoencoder
@@ -51,7 +57,7 @@ from . import (
     sparsify,
 )
 from .files import read_json_object, resolve_checkpoint_dir
-from .reader import Reader, read_dir
+from .reader import Reader, check_placement_args, read_dir
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
            "load_all", "register_format", "save"]
@@ -184,8 +190,8 @@ def load(
     *,
     format: str = "auto",
     subfolder: str | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    device: Any = None,  # torch.device | str | int | None, checked by check_placement_args (a named error)
+    dtype: Any = None,  # torch.dtype | None, likewise
     local_files_only: bool = False,
     revision: str | None = None,
     **options: Any,
@@ -221,8 +227,11 @@ def load(
         CheckpointError: an unusable source or file (naming the file and the key).
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
         TypeError: an option the chosen reader does not take.
-        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``.
+        ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``; a ``dtype`` other
+            than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one.
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
     """
+    device = check_placement_args(device, dtype, f"load({str(path_or_repo_id)!r})")
     if sae_id is not None:
         return _load_release(str(path_or_repo_id), sae_id, format=format, subfolder=subfolder, device=device,
                              dtype=dtype, local_files_only=local_files_only, revision=revision, **options)
@@ -311,7 +320,10 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
         CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers, when
             the folder itself is the checkpoint, or when no subfolder loaded (the first subfolder's
             error, with every failure listed in the message).
+        ArgumentError, PlacementError: a bad ``dtype`` / ``device`` in ``kwargs`` (as :func:`load`), before
+            any folder is read.
     """
+    check_placement_args(kwargs.get("device"), kwargs.get("dtype"), f"load_all({str(directory)!r})")
     d = Path(directory)
     local = isinstance(directory, Path) or d.exists()
     result = LoadedModules()
@@ -347,6 +359,19 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
     return result
 
 
+def _check_not_meta(obj: Any, path: Any) -> None:
+    """Refuse to save ``obj`` (a module, ``{key: module}``, a set with ``transcoders`` / ``gates``) when some
+    module of it has tensors on ``meta``: they hold no values to write."""
+    inner = getattr(obj, "transcoders", None) or getattr(obj, "gates", None) or obj
+    items = list(inner.items()) if isinstance(inner, dict) else [("", inner)]
+    for key, module in items:
+        if isinstance(module, torch.nn.Module) and any(
+                t.is_meta for t in (*module.parameters(), *module.buffers())):
+            what = f"the {type(module).__name__}" + (f" at {key!r}" if key != "" else "")
+            raise PlacementError(f"save({str(path)!r}): {what} has its weights on the meta device (never loaded "
+                                 "or materialised), so there is nothing to write; load or initialise it first")
+
+
 def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT, **options: Any) -> Path:
     """Write ``obj`` to the directory ``path`` (created if needed) in ``format``; returns the directory.
 
@@ -362,7 +387,10 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
             format cannot express (e.g. a non-TopK coder for sparsify).
         ArgumentError: an object the format does not write (a ``TypeError``).
         CheckpointError: a config that is not JSON-serialisable.
+        PlacementError: a module (or one of a set's) has its weights on the ``meta`` device (never
+            materialised): nothing is written.
     """
+    _check_not_meta(obj, path)
     fmt = _format(format)
     if not fmt.writers:
         raise UnsupportedArchitectureError(f"format {format!r} is read-only; writable: "

@@ -506,8 +506,8 @@ def build_module(
 
     Raises:
         CheckpointError: a missing or unexpected tensor, one whose shape differs from what ``source``
-            (the config, named in the message) implies, a non-floating or non-finite tensor —
-            naming ``path`` and the key.
+            (the config, named in the message) implies, a non-floating or non-finite tensor, a value that the
+            cast to ``dtype`` overflows (:func:`check_cast`) — naming ``path`` and the key.
     """
     try:
         with torch.device("meta"):
@@ -523,4 +523,23 @@ def build_module(
     module.to_empty(device=torch.device("cpu") if device is None else device)
     with torch.no_grad():
         module.load_state_dict(dict(state), strict=True)
+    if dtype is not None:
+        check_cast(path, state, module)
     return module.eval()
+
+
+def check_cast(path: Path | str, state: Mapping[str, torch.Tensor], module: nn.Module) -> None:
+    """Refuse a load whose ``dtype=`` cast turned a stored (finite) value into ``inf``: a value past the
+    dtype's range (fp16: ``|v| > 65504``) would otherwise load as an ``inf`` weight and the module compute NaN.
+
+    Raises:
+        CheckpointError: naming ``path``, the tensor, its largest stored value and the dtype."""
+    for key, t in module.state_dict().items():
+        stored = state.get(key)
+        if (stored is None or not t.is_floating_point() or t.device.type == "meta" or t.dtype == stored.dtype
+                or bool(torch.isfinite(t).all())):
+            continue
+        big = float(stored.detach().abs().max())
+        raise CheckpointError(f"{path}: {key} holds values beyond {t.dtype}'s range (max |v| = {big:.4g}, stored "
+                              f"as {stored.dtype}), which the cast to {t.dtype} would turn into inf: load it with "
+                              "a wider dtype (dtype=torch.float32 or torch.bfloat16)")

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from .._checks import is_int, is_real
-from .._placement import like
+from .._placement import f32, like
 from ..envoy.edit_log import note_edit
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
@@ -87,10 +87,14 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     """``value`` (a number, or a tensor / array of the target's per-position values) checked for the
     ``site`` it is written to (``tensor[idx]``): a finite number stays a number; a tensor must fit the
     target (:meth:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel.check_values`), broadcast to
-    ``site``'s shape and (with ``finite``) hold no NaN / inf; it is moved to ``site``'s device and dtype."""
+    ``site``'s shape and (with ``finite``) hold no NaN / inf, also once cast to ``site``'s dtype (an fp32 value
+    past fp16's range is refused, not written as inf); it is moved to ``site``'s device and dtype."""
     if is_real(value):
         if finite and not math.isfinite(value):
             raise ArgumentError(f"{name} must be a finite number, got {value!r}")
+        if finite and site.is_floating_point() and abs(value) > torch.finfo(site.dtype).max:
+            raise ArgumentError(f"{name}={value!r} is beyond the range of the edited values' dtype {site.dtype} "
+                                f"(max {torch.finfo(site.dtype).max:.6g}): it would write inf")
         return value
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (bool, str, bytes)) or value is None:
@@ -109,7 +113,14 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
                          f"(batch, positions[, head_dim])")
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
-    return value.to(device=site.device, dtype=site.dtype)
+    cast = value.to(device=site.device, dtype=site.dtype)
+    narrower = cast.is_floating_point() and (not value.is_floating_point() or  # ints, or e.g. fp32 on fp16
+                                             2 * torch.finfo(cast.dtype).max < torch.finfo(value.dtype).max)
+    if finite and narrower and not bool(torch.isfinite(cast).all()):  # past the dtype's range
+        raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
+                            f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
+                            "cast to it they would be inf")
+    return cast
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
@@ -192,8 +203,9 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
 
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
     the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
-    averaged in fp32 and returned on the device and in the dtype of the values they average (the
-    model's, or a spliced module's); :func:`ablate` moves them to wherever they are written.
+    averaged in at least fp32 (bf16 / fp16 values in fp32, fp64 ones in fp64) and returned on the device
+    and in the dtype of the values they average (the model's, or a spliced module's); :func:`ablate` moves
+    them to wherever they are written.
 
     Raises:
         ArgumentError: ``per_position`` not a bool. ConfigMismatchError: no targets. Target errors before the
@@ -212,4 +224,4 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
         for t in ordered:
             saved[t] = read(Bound(t, replacement))
     dims = (0,) if per_position else (0, 1)
-    return {t: v.float().mean(dims).to(v.dtype) for t, v in saved.items()}
+    return {t: f32(v).mean(dims).to(v.dtype) for t, v in saved.items()}  # fp64 stays fp64

@@ -118,6 +118,10 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
 def load_sparse_model(directory: str | Path, **from_pretrained_kwargs: Any) -> Any:
     """``AutoModelForCausalLM.from_pretrained(directory)`` with the saved gates installed (eval mode).
 
+    The model comes back in the dtype it was saved in (``dtype="auto"``: the dtype its ``config.json``
+    records, so a bf16 model keeps its logits bit for bit; the gates compute in fp32 as always), unless
+    ``from_pretrained_kwargs`` give ``dtype=``.
+
     Raises:
         CheckpointError: see :func:`load_gates`.
     """
@@ -125,7 +129,7 @@ def load_sparse_model(directory: str | Path, **from_pretrained_kwargs: Any) -> A
 
     directory = resolve(directory)
     entries = manifest_of(directory)
-    kwargs = {"dtype": torch.float32, **from_pretrained_kwargs}
+    kwargs = {"dtype": "auto", **from_pretrained_kwargs}  # the saved dtype (transformers 4's default was fp32)
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
     load_gates(model, directory)
     if entries is not None:

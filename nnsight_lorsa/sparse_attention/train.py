@@ -14,7 +14,8 @@ where ``E|A|/N_allowed`` is the expected fraction of open edges over all layers,
 the constraint alike. At the start the base model's CE on the training windows is measured; a τ that
 is slack by more than ``max_initial_slack`` of it (the constraint would hold from step 0 and only
 sparsity would be optimised) raises :class:`~.errors.VacuousConstraintError` unless
-``allow_slack_constraint``. Full fine-tuning (AdamW; the gate biases get their own learning rate) or
+``allow_slack_constraint``. Full fine-tuning (AdamW; the gate biases get their own learning rate; fp16
+weights through fp32 master copies) or
 LoRA (``peft``, ``lora_rank``; the LoRA matrices and gate biases train, the rest is frozen).
 
 Checkpoints (``checkpoint.safetensors`` + ``checkpoint.json``: trainable parameters, AdamW state,
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
+from torch import nn
 from tqdm.auto import tqdm
 
 from .._typing import Int
@@ -313,9 +315,20 @@ class SparseAttentionTrainer:
         gate_ids = {id(p) for p in gate_params}
         names = [n for n, p in self.hf.named_parameters() if p.requires_grad]
         others = [p for _, p in self.hf.named_parameters() if p.requires_grad and id(p) not in gate_ids]
+        # fp16 parameters train through fp32 master copies (mixed precision): AdamW in fp16 underflows
+        # (1 − β2)·g² and eps = 1e-8 to 0, and its first step turns every weight into 0 / 0 = NaN
+        self.masters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+        def master(p: nn.Parameter) -> nn.Parameter:
+            if p.dtype != torch.float16:
+                return p
+            m = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
+            self.masters[id(p)] = (p, m)
+            return m
+
         optimizer = torch.optim.AdamW(
-            [{"params": others, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
-             {"params": gate_params, "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=cfg.betas)
+            [{"params": [master(p) for p in others], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+             {"params": [master(p) for p in gate_params], "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=cfg.betas)
         return peft_model, names, optimizer
 
     def _check_slack(self, target: float) -> None:
@@ -407,6 +420,9 @@ class SparseAttentionTrainer:
                                  f"(CE {float(ce):.4g}); the model and gates are as before this step",
                                  step=self.step, tensor="loss")
         loss.backward()
+        for p, m in self.masters.values():  # an fp16 parameter's gradient goes to its fp32 master
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if not bool(torch.isfinite(norm)):
@@ -415,6 +431,9 @@ class SparseAttentionTrainer:
                                  f"{float(norm):.4g}; the model and gates are as before this step",
                                  step=self.step, tensor="grad")
         self.optimizer.step()
+        with torch.no_grad():
+            for p, m in self.masters.values():
+                p.copy_(m)  # the model's fp16 weights: the updated masters, rounded once
         lam = self.geco.update(ce.item())
         stats = edge_statistics(self.hf)
         self.step += 1
@@ -452,7 +471,9 @@ class SparseAttentionTrainer:
         """
         directory = Path(directory)
         params = dict(self.hf.named_parameters())
-        tensors: dict[str, torch.Tensor] = {f"param.{n}": params[n].detach().cpu().contiguous()
+        # an fp16 parameter's fp32 master is what the training holds (the model has its rounding): save it
+        held = {n: self.masters.get(id(params[n]), (None, params[n]))[1] for n in self.param_names}
+        tensors: dict[str, torch.Tensor] = {f"param.{n}": held[n].detach().cpu().contiguous()
                                             for n in self.param_names}
         opt = self.optimizer.state_dict()
         for idx, st in opt["state"].items():
@@ -497,6 +518,8 @@ class SparseAttentionTrainer:
             with torch.no_grad():
                 for n in self.param_names:
                     params[n].copy_(tensors[f"param.{n}"])
+                    if id(params[n]) in self.masters:  # fp16: its fp32 master as saved, the model its rounding
+                        self.masters[id(params[n])][1].copy_(tensors[f"param.{n}"])
             state = {int(i): {k: tensors[f"optim.{i}.{k}"] for k in keys} for i, keys in meta["optim_keys"].items()}
             groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})

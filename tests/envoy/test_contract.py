@@ -149,3 +149,15 @@ def test_payload_report_cuts_any_set_to_layers(tiny):
     report = payload_report(tcs, layers=[1])
     assert report.by_layer.keys() == {1}
     assert all(t.name.startswith("transcoders[1].") for t in report.tensors)
+
+
+@pytest.mark.parametrize("error", ["False", "no", 0, 1, None, 0.0])
+def test_a_bundles_error_flag_must_be_a_bool(error):
+    """``ReplacementModel(..., error=...)`` is checked as ``replace(error=...)`` is: ``bool("False")`` is
+    True, so a string silently spliced error terms the caller had turned off."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    model, hf = tiny_nnsight("llama")
+    with pytest.raises(ArgumentError, match=r"ReplacementModel\(error=.*must be True or False"):
+        ReplacementModel(model, saes={"model.layers.1": make_sae()}, error=error)
+    assert ReplacementModel(model, saes={"model.layers.1": make_sae()}, error=False).error is False

@@ -214,3 +214,28 @@ def test_offloaded_modules_never_visit_the_sites_device(monkeypatch, tmp_path):
         LorsaSet.from_pretrained(model, tmp_path / "lorsas", offload="yes")
     with pytest.raises(AssertionError, match="placed on"):  # not vacuous: a resident set does place them
         LorsaSet.from_pretrained(model, tmp_path / "lorsas")
+
+
+@pytest.mark.parametrize("fmt", ["nnsight_lorsa", "circuit_tracer"])
+def test_a_clt_set_loads_offloaded_like_every_set(monkeypatch, tmp_path, fmt):
+    """``CLTSet.from_pretrained(..., offload=True)``, as the other sets' (the one contract): the CLT, the
+    largest replacement (it spans every MLP), goes straight to the host, never placed on its site's device,
+    and replaces as the resident one does; ``offload`` is checked (was a raw TypeError from the reader)."""
+    import nnsight_lorsa.envoy.replacement_set as replacement_set
+    from nnsight_lorsa import save
+
+    model, hf = tiny_nnsight("llama")
+    clt = make_clt(get_adapter(hf).n_layers)
+    save(clt, tmp_path / "clt", format=fmt)
+    ids = random_ids()
+    want = logits(model, ids, ReplacementModel(model, transcoders=CLTSet.from_pretrained(model, tmp_path / "clt")))
+
+    def refuse(module, device, where):
+        raise AssertionError(f"{type(module).__name__} for {where} placed on {device}")
+
+    monkeypatch.setattr(replacement_set, "place", refuse)
+    loaded = CLTSet.from_pretrained(model, tmp_path / "clt", offload=True)
+    assert loaded.offload and placement.offloaded(loaded.clt)
+    assert torch.equal(logits(model, ids, ReplacementModel(model, transcoders=loaded)), want)
+    with pytest.raises(ArgumentError, match=r"from_pretrained\(offload=.*must be True or False"):
+        CLTSet.from_pretrained(model, tmp_path / "clt", offload="yes")

@@ -287,3 +287,66 @@ def test_offloaded_sets_of_every_kind_replace_as_the_resident_ones(device, dtype
         got = _logits(model, ids, off)
         assert torch.equal(got, want) and not torch.equal(got, plain), sorted(kwargs)
         assert all(p.device.type == "cpu" for m in modules for p in m.parameters())
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("error", [True, False])
+def test_an_fp16_module_fed_values_past_fp16s_range_raises_naming_it(model_dtype, error):
+    """The splice casts a site's input to the module's dtype: fp16 holds |x| <= 65504, so a wider model's
+    residual past that (massive activations) would reach an fp16 SAE as inf and return NaN logits (with
+    ``error=True`` too, where the docs promise the plain logits bit for bit). It raises PlacementError naming
+    the site, the module and the dtypes; an fp32 module reads the same residual and keeps the contract."""
+    model, hf = tiny_nnsight("gpt2", dtype=model_dtype)
+    with torch.no_grad():  # a residual stream past 65504 (the block's LayerNorms keep the model finite)
+        hf.transformer.wte.weight.mul_(1e6)
+        hf.transformer.wpe.weight.mul_(1e6)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    plain = _logits(model, ids)
+    assert bool(torch.isfinite(plain).all())
+    site = "transformer.h.1"
+    wide = ReplacementModel(model, saes=SAESet(model, {site: make_sae()}), error=error)
+    got = _logits(model, ids, wide)
+    assert bool(torch.isfinite(got).all()) and (not error or torch.equal(got, plain))
+    narrow = ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(torch.float16)}), error=error)
+    with pytest.raises(PlacementError, match=rf"{site}.*SparseAutoencoder.*float16"):
+        _logits(model, ids, narrow)
+
+
+def _kinds(hf, adapter):
+    """``(set class, key, fresh module)`` makers for every replacement kind (fp32, on the CPU)."""
+    return {
+        "lorsa": (LorsaSet, LAYER, lambda: make_lorsa(hf, adapter, LAYER)),
+        "transcoder": (TranscoderSet, 0, lambda: make_transcoders([0], skip_layer=0)[0]),
+        "sae": (SAESet, "model.layers.1", make_sae),
+        "clt": (CLTSet, None, lambda: make_clt(adapter.n_layers, skip=True)),
+    }
+
+
+def _one_param_cast(module, name, dtype):
+    p = dict(module.named_parameters())[name]
+    p.data = p.data.to(dtype)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae", "clt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_a_module_with_parameters_in_several_dtypes_is_refused_naming_them(kind, dtype):
+    """A module's parameters must share one floating dtype (the splice casts the site's input to it): one
+    parameter cast on its own (``module.W_O.data = ….to(bf16)``) made the forward fail with torch's raw
+    dtype mismatch (or a ShapeError about ``x``). Each parameter in turn: refused on insertion, and at the
+    splice (naming the site) when cast after insertion; the model is left clean."""
+    model, hf = tiny_nnsight("llama")
+    cls, key, make = _kinds(hf, get_adapter(model))[kind]
+    names = [n for n, p in make().named_parameters() if p.is_floating_point()]
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    for name in names:
+        bad = _one_param_cast(make(), name, dtype)
+        with pytest.raises(PlacementError, match=rf"several dtypes.*{name}"):
+            cls(model, bad if key is None else {key: bad})
+        module = make()
+        rset = cls(model, module if key is None else {key: module})
+        _one_param_cast(module, name, dtype)
+        before = sorted(n for n, _ in hf.named_modules())
+        with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*several dtypes.*{name}"):
+            _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=True))
+        assert sorted(n for n, _ in hf.named_modules()) == before

@@ -335,3 +335,54 @@ def test_gate_statistics_stay_exact_in_reduced_precision(dtype):
         assert st.possible[0, 0] == 4 * 300 * 301 / 2  # 180600 allowed edges per head (> fp16's 65504)
         assert torch.equal(st.active, st.possible)
     assert abs(evs[1]["ce"] - evs[0]["ce"]) / evs[0]["ce"] < 2e-2
+
+
+@pytest.mark.parametrize("target", TARGETS + [LorsaHead(LAYER, 7)], ids=str)
+def test_a_steer_past_the_edited_values_dtype_range_is_refused(target):
+    """``steer`` / ``scale`` / ``ablate(means=...)`` refuse NaN / inf values (ArgumentError); a finite fp32 value
+    past fp16's range (|v| > 65504) became inf only when cast to an fp16 site, after that check, and the
+    logits went non-finite silently. Checked after the cast now, naming the value and the dtype; the same
+    value on the fp32 model, and a value within range on the fp16 one, still apply."""
+    from nnsight_lorsa.errors import ArgumentError
+
+    ids = random_ids()
+    for dtype in (torch.float16, torch.float32):
+        model, hf, r = setup("cpu", dtype, torch.float16)
+        # the replacement modules are fp16 in both runs: a Lorsa head / feature is edited in fp16 there
+        fits = dtype == torch.float32 and isinstance(target, MHSAHead)
+        width = (16,) if isinstance(target, MHSAHead) else (1,)
+        for value in (torch.full(width, 1e5), 1e5):
+            if fits:
+                assert bool(torch.isfinite(_steered(model, r, ids, target, value)).all())
+            else:
+                with pytest.raises(ArgumentError, match=r"delta.*float16"):
+                    _steered(model, r, ids, target, value)
+        assert bool(torch.isfinite(_steered(model, r, ids, target, torch.full(width, 2.0))).all())
+
+
+def _steered(model, r, ids, target, value):
+    with torch.no_grad(), model.trace(ids):
+        r.prepare([target])
+        steer(r(target), value)
+        out = unembed(model).output.save()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_mean_activations_keep_the_precision_of_an_fp64_model(dtype):
+    """The means are averaged in at least fp32 and returned in the values' dtype: an fp64 model's (and fp64
+    modules') means are their fp64 means, not fp64 values rounded to fp32 first; bf16 ones are averaged in
+    fp32 (a bf16 sum would round every partial sum)."""
+    ids = random_ids(batch=6, seq=12, seed=11)
+    model, hf, r = setup("cpu", dtype)
+    targets = [MHSAHead(1, 2), LorsaHead(LAYER, 4), Feature(2, 5, "transcoder")]
+    means = mean_activations(r, targets, ids)
+    vals = {}
+    with torch.no_grad(), model.trace(ids):
+        r.prepare(targets)
+        for t in targets:
+            vals[t] = read(r(t))
+    for t in targets:
+        v = vals[t]
+        want = v.mean((0, 1)) if dtype == torch.float64 else v.float().mean((0, 1)).to(v.dtype)
+        assert means[t].dtype == v.dtype and torch.equal(means[t], want), t

@@ -453,3 +453,25 @@ def test_a_non_finite_step_stops_with_a_named_error_and_changes_nothing(where) -
     after = tr.hf.state_dict()
     assert all(torch.equal(before[k].nan_to_num(7.0), after[k].nan_to_num(7.0)) for k in before)
     assert tr.geco.lam == lam and tr.step == step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_a_sparse_model_loads_back_in_the_dtype_it_was_saved_in(tmp_path, dtype) -> None:
+    """``load_sparse_model`` is ``from_pretrained(directory)`` plus the gates: a bf16 / fp16 / fp64 model comes
+    back in its own dtype with the logits it had when saved (not upcast to fp32, which moves bf16 logits by
+    ~5e-3 of max |logit|, nor fp64 rounded to fp32); ``dtype=`` still chooses another."""
+    from nnsight_lorsa.assets import default_model_dir
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype).eval()
+    install_gated_attention(model, init_bias=1.0)
+    ids = torch.randint(2, 200, (2, 12), generator=torch.Generator().manual_seed(4))
+    ids[:, 0] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    save_sparse_model(model, tmp_path)
+    loaded = load_sparse_model(tmp_path)
+    assert {p.dtype for n, p in loaded.named_parameters() if not n.endswith("gate.bias")} == {dtype}
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+    upcast = load_sparse_model(tmp_path, dtype=torch.float32)
+    assert {p.dtype for p in upcast.parameters()} == {torch.float32}

@@ -179,3 +179,39 @@ def test_windows_must_fit_the_config_and_start_with_the_models_bos(docs):
     other_bos = TokenDataset.from_documents(tiny_tokenizer(), _documents(), SEQ, bos_token_id=5)
     with pytest.raises(GateConfigError, match="BOS id 0"):
         SparseAttentionTrainer(_model(), other_bos, _cfg())
+
+
+# --------------------------------------------------------------------------- reduced precision
+def _fp16_model():
+    return _model().to(torch.float16)
+
+
+def test_full_fine_tuning_an_fp16_model_keeps_fp32_master_weights(docs, tmp_path):
+    """AdamW on fp16 parameters: ``(1 − β2)·g²`` underflows to 0 in fp16 and so does ``eps`` (1e-8), so the first
+    step divided 0 by 0 and every weight became NaN while the step returned normally (the NaN loss was only
+    seen a step later, and a 1-step run handed back a NaN model). The trainer keeps fp32 master copies of
+    fp16 parameters (mixed precision): the model stays fp16 and finite, follows the fp32 run's CE, and a
+    checkpoint resumes it bit for bit (the masters are saved, not their fp16 rounding)."""
+    fp32 = SparseAttentionTrainer(_model(), docs, _cfg())
+    fp32.train(3, progress=False)
+    tr = SparseAttentionTrainer(_fp16_model(), docs, _cfg())
+    tr.train(3, progress=False)
+    assert {p.dtype for n, p in tr.hf.named_parameters() if "gate" not in n.split(".")[-2:][0]} == {torch.float16}
+    assert all(bool(torch.isfinite(p).all()) for p in tr.hf.parameters())
+    before = dict(_fp16_model().named_parameters())
+    moved = [n for n, p in tr.hf.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert len(moved) == len(before)  # every weight trains (not a frozen model)
+    for a, b in zip(tr.history, fp32.history, strict=True):
+        assert abs(a.ce - b.ce) < 0.05 * b.ce, (a, b)
+    tr.save_checkpoint(tmp_path / "ck")
+    straight = SparseAttentionTrainer(_fp16_model(), docs, _cfg())
+    straight.train(4, progress=False)
+    resumed = SparseAttentionTrainer(_fp16_model(), docs, _cfg())
+    resumed.train(2, progress=False)
+    resumed.save_checkpoint(tmp_path / "ck2")
+    again = SparseAttentionTrainer(_fp16_model(), docs, _cfg())
+    again.load_checkpoint(tmp_path / "ck2")
+    again.train(2, progress=False)
+    for (n, a), (_, b) in zip(straight.hf.named_parameters(), again.hf.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert [r.ce for r in straight.history] == [r.ce for r in again.history]
