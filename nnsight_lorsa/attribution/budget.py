@@ -282,7 +282,7 @@ def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vect
             "keep_mass": keep_mass,
             "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
             "node_vectors": node_vectors,
-            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
+            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root, dtype).itemsize,
             "device": device}
 
 

@@ -127,7 +127,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             if trace_pass is not None:
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
-                                      make=make, remote=remote)
+                                      make=make, remote=remote, dtype=dtype)
     if o.max_memory is not None:
         info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
                              config.keep_mass if config is not None else 1.0)
@@ -142,7 +142,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
                           progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
     if o.qk_heads:
-        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size)
+        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype)
     return graph
 
 

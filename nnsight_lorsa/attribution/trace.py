@@ -178,7 +178,7 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
     ids = token_ids(check_targets(targets), model)
     lor, tcs = layer_modules(replacement)
     check_placement(hf_module(model), lor, tcs, model_weights=not remote)
-    if dtype is not None and dtype != next(hf_module(model).parameters()).dtype:
+    if dtype is not None:  # the whole frozen model in dtype: modules in another dtype (even the model's) copied
         lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
@@ -280,9 +280,12 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
                                      envoy.output)
 
 
-def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
-    """fp64 for an fp64 model, else fp32 (edges of a bf16/fp16 model still accumulate in fp32)."""
-    return torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
+def multiplier_dtype(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of the multipliers ``M``, and so of the edges: fp64 for an fp64 model or a frozen model computed
+    in fp64 (``dtype``, :func:`.attribute.attribute`'s), else fp32 (edges of a bf16/fp16 model still accumulate in
+    fp32)."""
+    base = torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
+    return base if dtype is None else torch.promote_types(base, dtype)
 
 
 def autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:
@@ -318,17 +321,20 @@ def _record(scheduler: Any, rows: list[int], grad: torch.Tensor) -> None:
 
 def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa: dict[int, Any],
                        scheduler: Any, batch_size: int,
-                       make: Callable[..., FrozenReplacement] = FrozenReplacement, remote: Any = False) -> torch.Tensor:
+                       make: Callable[..., FrozenReplacement] = FrozenReplacement, remote: Any = False,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """Run the frozen pass over ``batch_size`` copies of the prompt in one ``model.trace`` and fill
     ``scheduler`` (a :class:`RowScheduler`, or anything with ``next_rows``/``record``) with edge
     rows; returns the target values ``(n_targets,)`` of the frozen model. ``make(layout, M, mhsa)``
     builds the frozen forward (a subclass records other targets, e.g. :mod:`.qk`). ``remote`` is
     passed to ``model.trace`` (``True``: NDIF; ``"local"``: nnsight's serializing simulation): the
-    scheduler then runs on the server and its rows come back as a saved value."""
+    scheduler then runs on the server and its rows come back as a saved value. ``dtype``: the dtype ``make``'s
+    frozen model computes in (None: the model's), which the multipliers take where it is wider than fp32
+    (:func:`multiplier_dtype`)."""
     ids = layout.tokens[None].expand(batch_size, -1).to(model.device)
     with model.trace(ids, use_cache=False):
-        M = torch.ones(batch_size, layout.n_sources, device=model.device, dtype=multiplier_dtype(hf_module(model)),
-                       requires_grad=True)
+        M = torch.ones(batch_size, layout.n_sources, device=model.device,
+                       dtype=multiplier_dtype(hf_module(model), dtype), requires_grad=True)
         frozen = make(layout, M, mhsa)
         frozen_forward_body(model, adapter, frozen)
         T = frozen.targets()

@@ -270,6 +270,64 @@ def test_fp32_model_computed_in_half_precision(dtype, reference):
         assert gap["graph"] < GRAPH_GAP[dtype], gap
 
 
+
+#: the bound on the sums of a graph computed in fp64 (measured ≤ 5e-16 of the row's mass)
+SUM_BOUND_FP64 = 1e-12
+#: (model dtype, the replacement modules' dtype, ``dtype=``): an explicit ``dtype=`` is what the whole frozen
+#: model computes in, whatever dtype the user's Lorsas and transcoders are in
+EXPLICIT_DTYPE = [pytest.param(torch.float32, torch.bfloat16, torch.float32, id="fp32-model-bf16-modules-fp32"),
+                  pytest.param(torch.bfloat16, torch.bfloat16, torch.float32, id="bf16-model-bf16-modules-fp32"),
+                  pytest.param(torch.float64, torch.float32, torch.float64, id="fp64-model-fp32-modules-fp64"),
+                  pytest.param(torch.float32, torch.float32, torch.float64, id="fp32-model-fp32-modules-fp64"),
+                  pytest.param(torch.bfloat16, torch.float32, torch.float64, id="bf16-model-fp32-modules-fp64")]
+
+
+@pytest.mark.parametrize("engine", ["trace", "cache"])
+@pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"), EXPLICIT_DTYPE)
+def test_explicit_dtype_is_what_the_graph_is_computed_in(model_dtype, module_dtype, dtype, engine):
+    """``attribute(..., dtype=d)`` computes the frozen model in ``d`` whatever the dtypes of the model and of its
+    replacement modules: the edges are stored in at least ``d``'s precision and the sums hold ``d``'s bound
+    (fp32: ``1e-6`` of the mass; fp64: ``1e-12``), by the traced engine and the cached one alike. (A Lorsa or
+    transcoder left in bf16 used to compute in bf16 under ``dtype=torch.float32`` — 1.4e-3 of the mass — and
+    the traced engine accumulated a ``dtype=torch.float64`` graph's edges in fp32 — 1.3e-7.) The user's
+    modules keep their dtype."""
+    rep = setup("cpu", model_dtype, module_dtype)
+    prompt = IDS if engine == "trace" else cache_for_attribution(rep, IDS)
+    g = attribute(rep, prompt, batch_size=40, dtype=dtype)
+    assert g.meta["dtype"] == str(dtype)
+    t, s, v = g.coo()
+    assert v.dtype.itemsize >= dtype.itemsize and g.values.dtype == v.dtype, (v.dtype, g.values.dtype)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < (SUM_BOUND_FP64 if dtype == torch.float64 else SUM_BOUND[dtype]), err
+    lorsas, tcs = layer_modules(rep)
+    assert all(p.dtype == module_dtype for m in [*lorsas.values(), *tcs.values()] for p in m.parameters())
+    assert all(p.dtype == model_dtype for p in rep.model._module.parameters())
+
+
+@pytest.mark.parametrize(("model_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)],
+                         ids=["bf16-model-fp32", "fp32-model-fp64"])
+def test_qk_heads_in_an_explicit_dtype(model_dtype, dtype):
+    """``qk_heads`` with ``dtype=`` (a bf16 model traced in fp32; used to raise torch's ``RuntimeError: expected
+    scalar type Float but found BFloat16`` from the frozen MHSA): the probes are traced in ``dtype``, each
+    decomposition sums to its score within ``dtype``'s bound, and the probes are those of the model's dtype."""
+    rep = setup("cpu", model_dtype)
+    g = attribute(rep, IDS, batch_size=40, qk_heads=2, dtype=dtype)
+    assert len(g.qk) > 0 and g.qk["probe"].shape[0] > 0
+    bound = 1e-12 if dtype == torch.float64 else 1e-6
+    assert float(g.qk["pair_sum_error"].max()) < bound, g.qk["pair_sum_error"]
+    assert g.qk["pair_value"].dtype.itemsize >= dtype.itemsize
+
+
+def test_estimate_memory_counts_the_edges_in_the_dtype_they_are_stored_in():
+    """``estimate_memory(..., dtype=torch.float64)`` of an fp32 model counts the stored edges at 8 bytes, as
+    ``attribute(..., dtype=torch.float64)`` stores them; ``dtype=torch.float32`` (and the default) at 4."""
+    rep = setup()
+    est = {dt: estimate_memory(rep, IDS, batch_size=8, dtype=dt) for dt in (None, torch.float32, torch.float64)}
+    entries = est[None].terms["stored_entries"]
+    assert est[None].terms["rows"] == est[torch.float32].terms["rows"] == entries * 4
+    assert est[torch.float64].terms["rows"] == entries * 8
+    assert attribute(rep, IDS, batch_size=8, dtype=torch.float64).coo()[2].dtype == torch.float64
+
 # ------------------------------------------------------------------- bf16 on a device, every workflow (issue 21)
 #: the memory modes of a bf16 model's attribution: the three engines' modes, a feature budget (sparse rows, then
 #: the budgeted blocks), pruning while building (sparse rows, ``keep_mass < 1``: the kept entries copied from the
