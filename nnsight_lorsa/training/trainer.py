@@ -447,9 +447,9 @@ class Trainer:
     @staticmethod
     def load_checkpoint(directory: str | Path) -> tuple[dict[str, Any], TrainConfig, torch.nn.Module]:
         """``(meta, train config, module with the saved weights)`` of a checkpoint directory (the
-        module's kind from the config entry ``trainer.json`` holds). Every file is first checked
-        against ``manifest.json``; ``<directory>.old`` is used when ``directory`` is missing (a save
-        interrupted between its renames).
+        module's kind from the config entry ``trainer.json`` holds; in the weights' saved dtype). Every
+        file is first checked against ``manifest.json``; ``<directory>.old`` is used when ``directory`` is
+        missing (a save interrupted between its renames).
 
         Raises:
             CheckpointError: the manifest is missing or corrupt (also: a checkpoint written before
@@ -477,7 +477,11 @@ class Trainer:
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
         try:
-            module.load_state_dict(load_file(str(d / objective.weights_file)))
+            weights = load_file(str(d / objective.weights_file))
+            saved = {t.dtype for t in weights.values() if t.is_floating_point()}
+            if len(saved) == 1:  # the run's dtype (a bf16 / fp64 run goes on as one, not in fp32)
+                module = module.to(dtype=saved.pop())
+            module.load_state_dict(weights)
         except RuntimeError as e:
             raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
         return d, meta, config, module
@@ -488,8 +492,8 @@ class Trainer:
         """Rebuild a trainer from :meth:`save_checkpoint` output (any module kind); continues bit-exactly.
 
         ``device``, ``dtype``: where and in which dtype the module is trained from now on (and with it
-        the Adam moments and dead counters); default the CPU and fp32 (the module is rebuilt from its
-        config and the saved weights copied in).
+        the Adam moments and dead counters); default the CPU and the dtype the checkpoint's weights were
+        saved in (the module is rebuilt from its config and the saved weights copied in).
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.

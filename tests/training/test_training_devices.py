@@ -19,7 +19,7 @@ import functools
 
 import pytest
 import torch
-from helpers import DEVICES, random_ids, tiny_nnsight
+from helpers import DEVICES, check_resume_bit_exact, random_ids, tiny_nnsight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -381,6 +381,38 @@ def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
         assert _rel(getattr(ev, name), getattr(want, name)) < REL_CE, (name, getattr(ev, name), getattr(want, name))
     assert _rel(ev.fvu, want.fvu) < REL_FVU, (ev.fvu, want.fvu)
 
+
+
+@pytest.mark.parametrize(("kind", "module_dtype"), [("transcoder", BF16), ("sae", torch.float64), ("clt", BF16),
+                                                    ("lorsa", BF16), ("lorsa", torch.float64)],
+                         ids=["transcoder-bf16", "sae-fp64", "clt-bf16", "lorsa-bf16", "lorsa-fp64"])
+def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype, tmp_path):
+    """``Trainer.resume(dir, source)`` with no ``dtype=`` goes on in the dtype the run was saved in (its weights
+    file's): the module and its Adam moments in that dtype and the run bit-equal to the uninterrupted one (a bf16 /
+    fp64 run used to come back in fp32 with no word: fp64 weights rounded, the next steps another run's)."""
+    model, hf, adapter = _model("cpu")
+
+    def make():
+        module = _new_coder(kind, adapter, "cpu", module_dtype) if kind != "lorsa" else \
+            Lorsa(_lorsa_cfg(adapter), dtype=module_dtype)
+        if kind == "lorsa":
+            torch.manual_seed(0)
+            return LorsaObjective(module, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES["default"])
+        return module
+
+    source = ActivationSource.attention(model, LAYER, DATA, batch_size=4) if kind == "lorsa" else \
+        _source(kind, None, adapter, model)
+
+    def resumed_in_dtype(straight, first, resumed):
+        assert {p.dtype for p in resumed.module.parameters()} == {module_dtype}
+        moments = {v.dtype for st in resumed.optimizer.state.values() for k, v in st.items() if k != "step"}
+        assert moments == {module_dtype}, moments
+        for (name, a), b in zip(first.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+
+    check_resume_bit_exact(make, source, tmp_path / "ckpt", resumed_in_dtype)
+    _, _, module = Trainer.load_checkpoint(tmp_path / "ckpt")
+    assert {p.dtype for p in module.parameters()} == {module_dtype}
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(device):
