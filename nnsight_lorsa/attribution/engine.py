@@ -137,7 +137,8 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": o.max_feature_nodes, "engine": engine or "nnsight",
             "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
-            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": o.zero_positions}
+            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype),
+            "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)

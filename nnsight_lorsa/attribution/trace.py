@@ -345,17 +345,18 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
 
 
 def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa: dict[int, Any],
-                  M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  M: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits (batch, pos, vocab), targets (batch, n_targets))`` of the frozen replacement model
     with multipliers ``M`` (default: ones, batch 1) — with every multiplier 1 it is the model itself
     (error nodes included); raising ``M[b, s]`` by 1 adds source ``s``'s contribution once more, the
-    intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``."""
+    intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``.
+    ``dtype``: what the frozen model computes in (None: the model's; as :func:`attribute_in_trace`'s)."""
     constants: dict[str, torch.Tensor] = {}
-    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(hf_module(model)), device="cpu")
+    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(hf_module(model), dtype), device="cpu")
     for mult in (ones, ones if M is None else M):
         ids = layout.tokens[None].expand(mult.shape[0], -1).to(model.device)
         with torch.no_grad(), model.trace(ids, use_cache=False):
-            frozen = FrozenReplacement(layout, mult.to(model.device, ones.dtype), mhsa, constants)
+            frozen = FrozenReplacement(layout, mult.to(model.device, ones.dtype), mhsa, constants, dtype=dtype)
             frozen_forward_body(model, adapter, frozen)
             logits = nnsight.save(model.get(adapter.lm_head_path).output)
             T = nnsight.save(frozen.targets())

@@ -25,7 +25,7 @@ from nnsight_lorsa.attribution import PruneConfig, attribute, cache_for_attribut
 from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.replacement import layer_modules
 from nnsight_lorsa.envoy.nnsight_internals import hf_module
-from nnsight_lorsa.errors import PlacementError
+from nnsight_lorsa.errors import ConfigMismatchError, PlacementError
 
 #: max over rows of |Σ edges − value| / Σ |edges|, by the dtype the frozen model computes in
 SUM_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -327,6 +327,34 @@ def test_estimate_memory_counts_the_edges_in_the_dtype_they_are_stored_in():
     assert est[None].terms["rows"] == est[torch.float32].terms["rows"] == entries * 4
     assert est[torch.float64].terms["rows"] == entries * 8
     assert attribute(rep, IDS, batch_size=8, dtype=torch.float64).coo()[2].dtype == torch.float64
+
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
+                         [(torch.bfloat16, torch.bfloat16, torch.float32),
+                          (torch.float32, torch.bfloat16, torch.float32),
+                          (torch.float32, torch.float32, torch.float64)],
+                         ids=["bf16-model-fp32", "bf16-modules-fp32", "fp32-model-fp64"])
+def test_intervention_edges_check_a_graph_in_the_dtype_it_was_computed_in(model_dtype, module_dtype, dtype):
+    """``intervention_edges`` (check 2: each edge is the target's change when the source is added once more)
+    on a graph computed with ``dtype=``: the interventions run in the graph's dtype, so the check holds to
+    ``dtype``'s rounding (fp32: 1e-5 of the largest edge, as on an fp32 model) — run in the model's bf16 they
+    differed from the fp32 graph's edges by up to 3 % of the largest edge, a correct graph failing its check."""
+    from nnsight_lorsa.attribution.checks import intervention_edges
+
+    rep = setup("cpu", model_dtype, module_dtype)
+    g = attribute(rep, IDS, batch_size=40, dtype=dtype)
+    k = g.nodes.kind
+    src = torch.cat([(k == k[g.feature_ids[0]]).nonzero().flatten()[:6], g.feature_ids[-6:],
+                     (k != k[g.feature_ids[0]]).nonzero().flatten()[:6]])
+    by_intervention, from_graph = intervention_edges(rep, g, src, batch_size=8)
+    scale = float(from_graph.abs().max())
+    assert scale > 0
+    bound = 1e-5 if dtype == torch.float32 else 1e-10
+    assert float((by_intervention.double() - from_graph.double()).abs().max()) < bound * scale
+    for bad in ("torch.int64", "float31"):  # a graph whose meta was edited: named, not torch's error
+        g.meta["dtype_option"] = bad
+        with pytest.raises(ConfigMismatchError, match=r"dtype_option.*not a floating torch dtype"):
+            intervention_edges(rep, g, src[:2])
 
 # ------------------------------------------------------------------- bf16 on a device, every workflow (issue 21)
 #: the memory modes of a bf16 model's attribution: the three engines' modes, a feature budget (sparse rows, then
