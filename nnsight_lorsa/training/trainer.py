@@ -34,7 +34,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import f32, placement
-from ..errors import ArgumentError, CheckpointError, NonFiniteError, TooFewTokensError
+from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
@@ -77,7 +77,8 @@ class Trainer:
             a CLT's are the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
         tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
 
-    Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype, the model
+    Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype but fp16 (Adam's
+    moments underflow there: refused, use bf16), the model
     that produced the activations on another device and in another dtype (e.g. a bf16 model on CUDA
     with an fp32 module): every batch is moved to the module's device and cast to its dtype at the
     module boundary, losses and logged metrics are computed in fp32, and an MHSA given as ``mhsa``
@@ -86,8 +87,8 @@ class Trainer:
     Raises:
         ArgumentError: ``config`` not a valid :class:`TrainConfig` (a field set out of range after
             construction). TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
-            on several devices. ConfigMismatchError: a CLT whose layer count / width differs
-            from the source's, a stacked (CLT) source for another module, or a Lorsa on an
+            on several devices. ConfigMismatchError: a module with fp16 parameters; a CLT whose layer count / width
+            differs from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
             first step) a batch that does not fit.
     """
@@ -104,6 +105,12 @@ class Trainer:
         config.validate()  # again: a field may have been set after construction
         given, trained = (module, module.module) if isinstance(module, _Objective) else (None, module)
         device, _ = placement(trained)
+        if any(p.dtype == torch.float16 for p in trained.parameters()):
+            raise ConfigMismatchError(
+                f"{type(trained).__name__} has float16 parameters: Adam keeps its moments in the parameters' dtype, "
+                "where eps (1e-8) is 0 and small squared gradients underflow, so a zero gradient (a dead latent's) "
+                "updates by 0/0; train the module in bfloat16 or float32 (module.to(torch.bfloat16)); the model "
+                "may stay in float16")
         self.objective = given if given is not None else _objective_for(trained)
         self.objective.check_source(source)
         self.state = TrainingState(self)

@@ -27,7 +27,7 @@ from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter
 from nnsight_lorsa.envoy.lorsa_set import LorsaSet
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
-from nnsight_lorsa.errors import PlacementError
+from nnsight_lorsa.errors import ConfigMismatchError, PlacementError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
@@ -413,6 +413,32 @@ def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype,
     check_resume_bit_exact(make, source, tmp_path / "ckpt", resumed_in_dtype)
     _, _, module = Trainer.load_checkpoint(tmp_path / "ckpt")
     assert {p.dtype for p in module.parameters()} == {module_dtype}
+
+
+@pytest.mark.parametrize("kind", ["transcoder", "sae", "clt", "lorsa"])
+def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
+    """A module with fp16 parameters cannot be trained with Adam: its moments are kept in fp16, where ``eps``
+    (1e-8) is 0 and ``(1 - β2)·g²`` underflows, so a zero gradient (a dead latent's) updates by 0/0. Every kind
+    used to end in ``NonFiniteError`` at step 1 blaming the learning rate (lowering it cannot help): now the
+    trainer refuses it at construction, naming the module, fp16 and what works (bf16 or fp32), and so does
+    ``Trainer.resume(..., dtype=torch.float16)``. An fp16 *model* with a bf16 / fp32 module trains (above)."""
+    model, hf, adapter = _model("cpu")
+    module = Lorsa(_lorsa_cfg(adapter), dtype=F16) if kind == "lorsa" else _new_coder(kind, adapter, "cpu", F16)
+    source = ActivationSource.attention(model, LAYER, DATA, batch_size=4) if kind == "lorsa" else \
+        _source(kind, None, adapter, model)
+    name = type(module).__name__
+    with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16.*bfloat16 or float32"):
+        Trainer(module, source, _config(2))
+    if kind == "lorsa":
+        with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16"):
+            Trainer(LorsaObjective(module, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES["default"]), source,
+                    _config(2))
+    trainer = Trainer(module.to(F32), source, _config(2))
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16"):
+        Trainer.resume(tmp_path / "ckpt", source, dtype=F16)
+    assert {p.dtype for p in Trainer.resume(tmp_path / "ckpt", source, dtype=BF16).module.parameters()} == {BF16}
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(device):
