@@ -440,6 +440,25 @@ def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
         Trainer.resume(tmp_path / "ckpt", source, dtype=F16)
     assert {p.dtype for p in Trainer.resume(tmp_path / "ckpt", source, dtype=BF16).module.parameters()} == {BF16}
 
+
+@pytest.mark.parametrize("model_dtype", [F32, BF16, F16, torch.float64], ids=["fp32", "bf16", "fp16", "fp64"])
+def test_the_activation_cache_stores_the_stream_without_loss_by_default(model_dtype, tmp_path):
+    """``write_activation_cache`` without ``dtype=`` stores each model's stream without rounding it: in fp32
+    (bf16 / fp16 / fp32 models: an exact widening) or in fp64 for an fp64 model — whose stream was stored rounded
+    to fp32 with no word (1.2e-7 off the live one) — so the cached batches equal the live ones bit for bit."""
+    model, _, adapter = _model("cpu", model_dtype)
+    sites = [Site.mlp_input(adapter, LAYER), Site.mlp_output(adapter, LAYER)]
+    write_activation_cache(model, sites, DATA, tmp_path / "cache", batch_size=8, windows_per_shard=8)
+    cache = ActivationCache(tmp_path / "cache")
+    stored = torch.promote_types(model_dtype, F32)
+    assert cache.manifest["dtype"] == str(stored).removeprefix("torch.")
+    cached = ActivationSource.transcoder(cache, LAYER, batch_size=4, adapter=adapter)
+    live = ActivationSource.transcoder(model, LAYER, DATA, batch_size=4)
+    for i in (0, 3):
+        got, want = cached(i), live(i)
+        assert got.x.dtype == got.y.dtype == stored
+        assert torch.equal(got.x, want.x.to(stored)) and torch.equal(got.y, want.y.to(stored))
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(device):
     """A bf16 model and a bf16 Lorsa on ``device`` with ``LorsaRecipe()`` (SVD init, top-k ranked by
