@@ -80,6 +80,15 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
         check_one_thread(replacement.model, "attribute")
 
 
+def narrowest(model_dtype: torch.dtype, *modules: dict[int, Any]) -> torch.dtype:
+    """The least precise dtype (largest ``finfo.eps``) among ``model_dtype`` and the floating parameters of the
+    replacement modules ``{layer: module}``: what a graph without ``dtype=`` is computed in, each module computing
+    in its own dtype (the placement contract), its sums exact to that dtype's rounding (``Graph.meta["dtype"]``)."""
+    dtypes = {model_dtype} | {p.dtype for group in modules for m in group.values() for p in m.parameters()
+                              if p.is_floating_point()}
+    return max(dtypes, key=lambda d: (torch.finfo(d).eps, str(d)))
+
+
 def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | None = None,
                 frozen_pass: FrozenPass | None = None, engine: str | None = None, live: LiveNodes | None = None,
                 **settings: Any) -> Graph:
@@ -108,6 +117,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     model, adapter = replacement.model, replacement.adapter
     root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
+    computed_in = dtype or narrowest(model_dtype, *layer_modules(replacement))
     layout_options: dict[str, Any] = {"targets": o.targets, "dtype": dtype, "zero_positions": o.zero_positions}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     run: Callable[[RowScheduler], torch.Tensor]
@@ -137,7 +147,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": o.max_feature_nodes, "engine": engine or "nnsight",
             "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
-            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype),
+            "node_vectors": node_vectors, "dtype": str(computed_in),
             "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           progress=show_progress(o.progress) and not remote, prune=config,

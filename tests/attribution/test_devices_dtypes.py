@@ -304,6 +304,25 @@ def test_explicit_dtype_is_what_the_graph_is_computed_in(model_dtype, module_dty
     assert all(p.dtype == model_dtype for p in rep.model._module.parameters())
 
 
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype"),
+                         [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                          (torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                          (torch.float64, torch.float64)],
+                         ids=["fp32-model-bf16-modules", "fp32-model-fp16-modules", "fp64-model-fp32-modules",
+                              "bf16-model-fp32-modules", "fp64"])
+def test_the_graph_names_the_precision_it_was_computed_in(model_dtype, module_dtype):
+    """Without ``dtype=`` each replacement module computes in its own dtype (the placement contract), so the
+    graph's ``meta["dtype"]`` is the narrowest dtype the frozen model computed in — the model's or a module's —
+    and its sums hold that dtype's bound. (An fp32 model's graph with bf16 transcoders said ``torch.float32`` and
+    missed the fp32 bound 1000-fold: 1.4e-3 of the mass.)"""
+    rep = setup("cpu", model_dtype, module_dtype)
+    g = attribute(rep, IDS, batch_size=40)
+    narrowest = max((model_dtype, module_dtype), key=lambda d: torch.finfo(d).eps)
+    assert g.meta["dtype"] == str(narrowest)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[narrowest], err
+
 @pytest.mark.parametrize(("model_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)],
                          ids=["bf16-model-fp32", "fp32-model-fp64"])
 def test_qk_heads_in_an_explicit_dtype(model_dtype, dtype):
