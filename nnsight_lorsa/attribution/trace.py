@@ -149,13 +149,15 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
 class Prepared:
     """What every engine needs before its frozen pass: the prompt's :class:`~.layout.Layout`, the
     frozen MHSA weights ``{layer: MHSAWeights}`` of the layers without a Lorsa, the model's adapter,
-    and the replacement modules ``{layer: module}`` (copies in ``dtype`` where one was asked)."""
+    the replacement modules ``{layer: module}`` (copies in ``dtype`` where one was asked), and that ``dtype``
+    (None: the model's; a frozen pass's multipliers follow it, :func:`multiplier_dtype`)."""
 
     layout: Layout
     mhsa: dict[int, Any]
     adapter: ArchitectureAdapter
     lorsas: dict[int, Any]
     transcoders: dict[int, Any]
+    dtype: torch.dtype | None = None
 
 
 def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: Any = False,
@@ -186,7 +188,7 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
     if cache is None:
         cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
     layout = layout_of(cache, modules, adapter, targets=ids, zero_positions=zero_positions, live=live)
-    return Prepared(layout, mhsa, adapter, lor, tcs)
+    return Prepared(layout, mhsa, adapter, lor, tcs, dtype)
 
 
 def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
