@@ -20,6 +20,8 @@ import copy
 import pytest
 import torch
 from helpers import DEVICES, attribution_setup, random_ids, rm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import PruneConfig, attribute, cache_for_attribution, estimate_memory, to_neuronpedia
 from nnsight_lorsa.attribution.graph import Graph
@@ -322,6 +324,35 @@ def test_the_graph_names_the_precision_it_was_computed_in(model_dtype, module_dt
     assert g.meta["dtype"] == str(narrowest)
     err = float(g.edge_sum_error("mass").max())
     assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[narrowest], err
+
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_dtype=st.sampled_from(FLOATS), module_dtype=st.sampled_from(FLOATS),
+       dtype=st.sampled_from([None, torch.float32, torch.float64]), engine=st.sampled_from(["trace", "cache"]),
+       mode=st.sampled_from(["auto", "lean", "fast", "budget", "prune_while_building"]))
+def test_every_dtype_combination_holds_the_bound_of_the_dtype_it_names(model_dtype, module_dtype, dtype, engine,
+                                                                       mode):
+    """Any model dtype, replacement-module dtype, ``dtype=`` setting, engine and memory mode: the graph names the
+    dtype it was computed in (``dtype=``, else the least precise of the model's and the modules'), its edges are
+    stored in at least fp32 (fp64 where the model or ``dtype=`` is), every computed row sums to its value within
+    that dtype's bound, and the user's model and modules keep their dtypes."""
+    modes = {"auto": {}, "lean": {"memory": "lean"}, "fast": {"memory": "fast"}, "budget": {"max_feature_nodes": 30},
+             "prune_while_building": {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}}
+    rep = setup("cpu", model_dtype, module_dtype)
+    prompt = IDS if engine == "trace" else cache_for_attribution(rep, IDS)
+    g = attribute(rep, prompt, batch_size=16, dtype=dtype, **modes[mode])
+    named = dtype or max((model_dtype, module_dtype), key=lambda d: torch.finfo(d).eps)
+    assert g.meta["dtype"] == str(named)
+    wide = torch.float64 in (model_dtype, dtype)
+    assert g.coo()[2].dtype == (torch.float64 if wide else torch.float32)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[named], (named, err)
+    lorsas, tcs = layer_modules(rep)
+    assert {p.dtype for m in [*lorsas.values(), *tcs.values()] for p in m.parameters()} == {module_dtype}
+    assert {p.dtype for p in rep.model._module.parameters()} == {model_dtype}
 
 @pytest.mark.parametrize(("model_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)],
                          ids=["bf16-model-fp32", "fp32-model-fp64"])
