@@ -379,6 +379,32 @@ def test_estimate_memory_counts_the_edges_in_the_dtype_they_are_stored_in():
     assert attribute(rep, IDS, batch_size=8, dtype=torch.float64).coo()[2].dtype == torch.float64
 
 
+
+def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_kept_in():
+    """Without stored patterns (``memory="lean"``, SDPA on a GPU) the frozen pass keeps each Lorsa's queries and
+    keys, computed by the Lorsa in its dtype — or in ``dtype=`` — not the model's: an fp32 Lorsa on a bf16 model
+    keeps them at 4 B (counted at 2 B: for the docs' Llama-3.1-8B Lorsa, 17 GB of 34 missed), a bf16 Lorsa under
+    ``dtype=torch.float32`` at 4 B (its fp32 copy's)."""
+    from nnsight_lorsa.attribution.trace import prepare
+
+    def shared(model_dtype, module_dtype, dtype=None):
+        return estimate_memory(setup("cpu", model_dtype, module_dtype), IDS, batch_size=8, memory="lean",
+                               dtype=dtype).terms["frozen_shared"]
+
+    rep = setup("cpu", torch.bfloat16, torch.float32)
+    layout = prepare(rep, IDS).layout
+    qk_numbers = sum(2 * layout.n_pos * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head
+                     for lay in layout.layers if lay.lorsa is not None)
+    assert qk_numbers > 0
+    lorsa = layer_modules(rep)[0][1]
+    x = torch.randn(1, len(IDS), lorsa.cfg.d_model, dtype=torch.bfloat16)
+    q, k = lorsa.qk(x.float(), torch.arange(len(IDS))[None])  # what the frozen pass keeps (trace's qk())
+    assert q.dtype == k.dtype == torch.float32
+    base = shared(torch.bfloat16, torch.bfloat16)
+    assert shared(torch.bfloat16, torch.float32) - base == qk_numbers * 2  # 4 B instead of 2 per number
+    assert shared(torch.float32, torch.float32) - shared(torch.float32, torch.bfloat16) == qk_numbers * 2
+    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == shared(torch.float32, torch.float32)
+
 @pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
                          [(torch.bfloat16, torch.bfloat16, torch.float32),
                           (torch.float32, torch.bfloat16, torch.float32),
