@@ -485,8 +485,9 @@ class Trainer:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
         try:
             weights = load_file(str(d / objective.weights_file))
-            saved = {t.dtype for t in weights.values() if t.is_floating_point()}
-            if len(saved) == 1:  # the run's dtype (a bf16 / fp64 run goes on as one, not in fp32)
+            params = {name for name, _ in module.named_parameters()}
+            saved = {t.dtype for name, t in weights.items() if name in params and t.is_floating_point()}
+            if len(saved) == 1:  # the parameters' dtype: the run's (a bf16 / fp64 run goes on as one, not in fp32)
                 module = module.to(dtype=saved.pop())
             module.load_state_dict(weights)
         except RuntimeError as e:
