@@ -78,7 +78,8 @@ class Trainer:
         tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
 
     Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype but fp16 (Adam's
-    moments underflow there: refused, use bf16), the model
+    moments underflow there: refused, use bf16; a bf16 module has no fp32 master weights, so updates below half
+    a bf16 step of a weight are lost — at small learning rates train in fp32, docs/training.md), the model
     that produced the activations on another device and in another dtype (e.g. a bf16 model on CUDA
     with an fp32 module): every batch is moved to the module's device and cast to its dtype at the
     module boundary, losses and logged metrics are computed in fp32, and an MHSA given as ``mhsa``
