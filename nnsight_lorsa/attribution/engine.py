@@ -84,9 +84,9 @@ def narrowest(model_dtype: torch.dtype, *modules: dict[int, Any]) -> torch.dtype
     """The least precise dtype (largest ``finfo.eps``) among ``model_dtype`` and the floating parameters of the
     replacement modules ``{layer: module}``: what a graph without ``dtype=`` is computed in, each module computing
     in its own dtype (the placement contract), its sums exact to that dtype's rounding (``Graph.meta["dtype"]``)."""
-    dtypes = {model_dtype} | {p.dtype for group in modules for m in group.values() for p in m.parameters()
-                              if p.is_floating_point()}
-    return max(dtypes, key=lambda d: (torch.finfo(d).eps, str(d)))
+    dtypes = {p.dtype for group in modules for m in group.values() for p in m.parameters() if p.is_floating_point()}
+    dtypes |= {model_dtype} if model_dtype.is_floating_point else set()
+    return max(dtypes, key=lambda d: (torch.finfo(d).eps, str(d))) if dtypes else model_dtype
 
 
 def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | None = None,
