@@ -123,7 +123,9 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:
         check_cache(prompt, adapter, *layer_modules(replacement))
-        cache = in_dtype(prompt, dtype) if dtype is not None and dtype != model_dtype else prompt
+        # the cache in the dtype the frozen model computes in (a cache kept from before the model was cast too)
+        target = dtype or model_dtype
+        cache = in_dtype(prompt, target) if target.is_floating_point and prompt.embeddings.dtype != target else prompt
         prepared = prepare(replacement, None, cache=cache, live=live, **layout_options)
         engine = "cache"
 

@@ -354,6 +354,29 @@ def test_every_dtype_combination_holds_the_bound_of_the_dtype_it_names(model_dty
     assert {p.dtype for m in [*lorsas.values(), *tcs.values()] for p in m.parameters()} == {module_dtype}
     assert {p.dtype for p in rep.model._module.parameters()} == {model_dtype}
 
+
+@pytest.mark.parametrize(("cache_dtype", "model_dtype"),
+                         [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                          (torch.float32, torch.float64)],
+                         ids=["fp32-cache-bf16-model", "bf16-cache-fp32-model", "fp32-cache-fp64-model"])
+def test_a_cache_in_another_dtype_than_the_model_is_attributed_in_the_models(cache_dtype, model_dtype):
+    """A cache made before the model was cast (or kept from a run in another dtype) is taken in the dtype the
+    graph is computed in — the model's, or ``dtype=``'s — as it is moved to the model's device: the graph holds
+    that dtype's bound (it used to end in torch's ``RuntimeError: expected scalar type Float but found
+    BFloat16``)."""
+    rep = setup("cpu", cache_dtype)
+    cache = cache_for_attribution(rep, IDS)
+    rep.model._module.to(model_dtype)
+    lorsas, tcs = layer_modules(rep)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(model_dtype)
+    g = attribute(rep, cache, batch_size=40)
+    assert g.meta["dtype"] == str(model_dtype)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[model_dtype], err
+    assert cache.embeddings.dtype == cache_dtype  # the caller's cache is not cast in place
+    assert estimate_memory(rep, cache, batch_size=8).host_bytes > 0
+
 @pytest.mark.parametrize(("model_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)],
                          ids=["bf16-model-fp32", "fp32-model-fp64"])
 def test_qk_heads_in_an_explicit_dtype(model_dtype, dtype):
