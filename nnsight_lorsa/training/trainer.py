@@ -506,7 +506,17 @@ class Trainer:
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
+            ArgumentError: ``dtype`` not a floating ``torch.dtype``, or ``device`` not a torch device.
+            ConfigMismatchError: ``dtype=torch.float16`` (as the constructor).
         """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ArgumentError(f"Trainer.resume(dtype=...) must be a floating torch.dtype (torch.float32, "
+                                f"torch.bfloat16, torch.float64), got {dtype!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ArgumentError(f"Trainer.resume(device=...): device {device!r} is not a torch device ({e})") from e
         d, meta, config, module = cls._load(directory)
         if device is not None or dtype is not None:
             module = module.to(device=device, dtype=dtype)

@@ -27,7 +27,7 @@ from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter
 from nnsight_lorsa.envoy.lorsa_set import LorsaSet
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
-from nnsight_lorsa.errors import ConfigMismatchError, PlacementError
+from nnsight_lorsa.errors import ArgumentError, ConfigMismatchError, PlacementError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
@@ -414,6 +414,24 @@ def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype,
     _, _, module = Trainer.load_checkpoint(tmp_path / "ckpt")
     assert {p.dtype for p in module.parameters()} == {module_dtype}
 
+
+
+def test_resume_refuses_a_dtype_or_device_it_cannot_train_in(tmp_path):
+    """``Trainer.resume(..., dtype=, device=)`` with a non-floating or complex dtype, or a device string torch
+    cannot parse: ``ArgumentError`` naming the argument, before the module is moved (were
+    torch's ``TypeError`` / ``RuntimeError``, and ``torch.complex64`` turned the module complex with no word)."""
+    model, _, adapter = _model("cpu")
+    source = _source("transcoder", None, adapter, model)
+    trainer = Trainer(_new_coder("transcoder", adapter, "cpu", F32), source, _config(2))
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    for bad in (torch.int64, torch.complex64, torch.bool):  # (a string is refused by the type hints in the tests)
+        with pytest.raises(ArgumentError, match=r"dtype.*floating"):
+            Trainer.resume(tmp_path / "ckpt", source, dtype=bad)
+    with pytest.raises(ArgumentError, match=r"device 'nodevice'"):
+        Trainer.resume(tmp_path / "ckpt", source, device="nodevice")
+    assert Trainer.resume(tmp_path / "ckpt", source, dtype=torch.float64, device="cpu").module.W_dec.dtype == \
+        torch.float64
 
 @pytest.mark.parametrize("kind", ["transcoder", "sae", "clt", "lorsa"])
 def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
