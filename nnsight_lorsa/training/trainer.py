@@ -88,8 +88,8 @@ class Trainer:
     Raises:
         ArgumentError: ``config`` not a valid :class:`TrainConfig` (a field set out of range after
             construction). TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
-            on several devices. ConfigMismatchError: a module with fp16 parameters; a CLT whose layer count / width
-            differs from the source's, a stacked (CLT) source for another module, or a Lorsa on an
+            on several devices. ConfigMismatchError: a module with fp16 or complex parameters; a CLT whose layer
+            count / width differs from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
             first step) a batch that does not fit.
     """
@@ -112,6 +112,9 @@ class Trainer:
                 "where eps (1e-8) is 0 and small squared gradients underflow, so a zero gradient (a dead latent's) "
                 "updates by 0/0; train the module in bfloat16 or float32 (module.to(torch.bfloat16)); the model "
                 "may stay in float16")
+        if any(p.is_complex() for p in trained.parameters()):
+            raise ConfigMismatchError(f"{type(trained).__name__} has complex parameters: train it in a real floating "
+                                      "dtype (torch.float32, torch.bfloat16 or torch.float64)")
         self.objective = given if given is not None else _objective_for(trained)
         self.objective.check_source(source)
         self.state = TrainingState(self)

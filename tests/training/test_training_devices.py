@@ -15,6 +15,7 @@ the Lorsa's largest parameter (measured with a ``TorchDispatchMode`` over the ca
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -451,6 +452,8 @@ def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
         with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16"):
             Trainer(LorsaObjective(module, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES["default"]), source,
                     _config(2))
+    with pytest.raises(ConfigMismatchError, match=rf"{name} has complex parameters.*real floating"):
+        Trainer(copy.deepcopy(module).to(torch.complex64), source, _config(2))  # (was torch's top-k/softmax error)
     trainer = Trainer(module.to(F32), source, _config(2))
     trainer.train(1, progress=False)
     trainer.save_checkpoint(tmp_path / "ckpt")
