@@ -68,7 +68,8 @@ def main() -> None:
         heads = {L: s["n_heads"] for L in range(s["n_layers"]) if s["lorsa_layer"] != L}
         est = estimate_layout(layout, n_layers=s["n_layers"], d_model=s["d_model"], mhsa_heads=heads,
                               batch_size=args.batch, prune=False, max_feature_nodes=args.rows,
-                              store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cuda")
+                              store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cuda",
+                              module_itemsize=2)
         t = est.terms
         n = layout.n_sources - layout.n_features + args.rows + layout.n_logits
         blocks = budget_blocks_bytes(layout, t["n_rows"], args.rows, 4)

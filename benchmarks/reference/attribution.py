@@ -69,7 +69,8 @@ def hooks_pass(hf: nn.Module) -> FrozenPass:
             make: Callable[..., FrozenReplacement]) -> torch.Tensor:
         layout = prepared.layout
         device = next(hf.parameters()).device
-        M = torch.ones(batch_size, layout.n_sources, device=device, dtype=multiplier_dtype(hf), requires_grad=True)
+        M = torch.ones(batch_size, layout.n_sources, device=device, dtype=multiplier_dtype(hf, prepared.dtype),
+                       requires_grad=True)
         frozen = make(layout, M, prepared.mhsa)
         handles = install_frozen_hooks(hf, prepared.adapter, frozen)
         try:

@@ -91,10 +91,11 @@ def attribute(
             ``(node_threshold, edge_threshold, keep_mass)`` or a ``(node_threshold, edge_threshold)``
             pair (``keep_mass=1``). Each target's edges from pruned nodes and dropped entries go into
             ``graph.residual``. None (default): the full graph; prune later with :func:`.scores.prune`.
-        dtype: the frozen model's compute dtype (default the model's). ``torch.float32`` for a
+        dtype: the frozen model's compute dtype (default the model's, each Lorsa / transcoder computing in its
+            own dtype: ``graph.meta["dtype"]`` names the least precise of them). ``torch.float32`` for a
             bf16/fp16 model makes the edge sums exact to fp32 rounding instead of ~1 % (fp32 copies of
-            the Lorsas, transcoders and MHSA weights; the model's modules still run in their dtype on
-            one prompt copy for the frozen constants).
+            the Lorsas, transcoders and MHSA weights, whatever their dtype; the model's modules still run in
+            their dtype on one prompt copy for the frozen constants); ``torch.float64`` stores fp64 edges.
         progress: show a tqdm bar over target rows; None (default): when stderr is a terminal.
         remote: for a prompt, passed to both ``model.trace`` calls (``True``: run on NDIF after
             :func:`nnsight_lorsa.remote.register`; ``"local"``: nnsight's serializing simulation).

@@ -194,9 +194,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                     prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
                     store_patterns: bool = True,
                     node_vectors: str = "auto", model_itemsize: int = 4, edge_itemsize: int = 4,
-                    device: str = "cpu") -> MemoryEstimate:
+                    device: str = "cpu", module_itemsize: int | None = None) -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
-    MHSA layer); see the module docstring for the terms."""
+    MHSA layer); see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
+    compute in (``attribute``'s ``dtype=``: copies in it); None: each Lorsa's own dtype's."""
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
@@ -214,8 +215,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         shared += 2 * grid(lay.tc_pos.numel())
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
-        if lay.lorsa is not None and not store_patterns:
-            shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * model_itemsize
+        if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
+            qk_itemsize = module_itemsize or next(lay.lorsa.parameters()).element_size()
+            shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * qk_itemsize
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
@@ -282,8 +284,8 @@ def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vect
             "keep_mass": keep_mass,
             "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
             "node_vectors": node_vectors,
-            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root).itemsize,
-            "device": device}
+            "model_itemsize": (dtype or param.dtype).itemsize, "edge_itemsize": multiplier_dtype(root, dtype).itemsize,
+            "module_itemsize": None if dtype is None else dtype.itemsize, "device": device}
 
 
 def layout_for_estimate(replacement: Any, prompt: Any, options: AttributionOptions) -> tuple[Layout, dict[str, Any]]:

@@ -91,8 +91,8 @@ def attribute_cached(root: torch.nn.Module, prepared: Prepared, cache: Attributi
     with edge rows as :func:`.trace.attribute_in_trace`; returns the target values ``(n_targets,)``.
     ``root``: the Hugging Face model (its norms, attention weights and unembedding are used)."""
     device = next(root.parameters()).device
-    m_dtype = multiplier_dtype(root) if dtype is None else torch.promote_types(multiplier_dtype(root), dtype)
-    M = torch.ones(batch_size, prepared.layout.n_sources, device=device, dtype=m_dtype, requires_grad=True)
+    M = torch.ones(batch_size, prepared.layout.n_sources, device=device, dtype=multiplier_dtype(root, dtype),
+                   requires_grad=True)
     frozen = make(prepared.layout, M, prepared.mhsa)
     frozen_forward_cached(root, prepared.adapter, frozen, cache, batch_size)
     backward_rows(frozen, M, scheduler, batch_size, autograd_backward)

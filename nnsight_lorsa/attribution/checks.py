@@ -29,6 +29,7 @@ import torch
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, index_at
+from ..errors import ConfigMismatchError
 from .graph import HOST, LORSA, TRANSCODER, Graph
 from .layout import Layout
 from .scores import PruneResult
@@ -144,10 +145,20 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     graph keeps them, no dense ``n_nodes²`` matrix).
 
     Returns ``(by_intervention, from_graph)``, both ``(n_rows, k)`` with rows the graph's computed
-    targets in node order. ``replacement`` must be the one the graph was built with.
+    targets in node order. ``replacement`` must be the one the graph was built with; the frozen model runs in
+    the dtype the graph was computed in (its ``meta["dtype_option"]``, :func:`.attribute.attribute`'s
+    ``dtype=``), so the two agree to that dtype's rounding.
+
+    Raises:
+        ConfigMismatchError: the graph's ``meta["dtype_option"]`` names no floating torch dtype.
     """
+    option = graph.meta.get("dtype_option")
+    dtype = None if option is None else getattr(torch, str(option).removeprefix("torch."), None)
+    if option is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigMismatchError(f"the graph's meta['dtype_option'] is {option!r}, not a floating torch dtype "
+                                  "(a graph from attribute() records the dtype= it was computed in)")
     prepared = prepare(replacement, graph.tokens, targets=graph.nodes.index[graph.logit_ids],
-                       zero_positions=int(graph.meta.get("zero_positions", 0)))
+                       zero_positions=int(graph.meta.get("zero_positions", 0)), dtype=dtype)
     layout, mhsa, adapter, model = prepared.layout, prepared.mhsa, prepared.adapter, replacement.model
     rows = graph.feature_rows.nonzero().flatten()
     col_of = {int(n): i for i, n in enumerate(layout_target_nodes(layout))}
@@ -158,7 +169,7 @@ def intervention_edges(replacement: ReplacementModel, graph: Graph, sources: tor
     for chunk in src_cols.split(batch_size):
         M = torch.ones(chunk.numel() + 1, layout.n_sources, device=HOST)  # the frozen pass moves it
         M[torch.arange(1, chunk.numel() + 1, device=HOST), chunk] += 1.0
-        _, T = frozen_logits(model, adapter, layout, mhsa, M)
+        _, T = frozen_logits(model, adapter, layout, mhsa, M, dtype)
         out.append((T[1:] - T[:1]).T.to(HOST)[target_cols])
     return torch.cat(out, dim=1), graph.edge_values(rows[:, None], sources[None, :])
 

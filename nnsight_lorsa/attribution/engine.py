@@ -80,6 +80,15 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
         check_one_thread(replacement.model, "attribute")
 
 
+def narrowest(model_dtype: torch.dtype, *modules: dict[int, Any]) -> torch.dtype:
+    """The least precise dtype (largest ``finfo.eps``) among ``model_dtype`` and the floating parameters of the
+    replacement modules ``{layer: module}``: what a graph without ``dtype=`` is computed in, each module computing
+    in its own dtype (the placement contract), its sums exact to that dtype's rounding (``Graph.meta["dtype"]``)."""
+    dtypes = {p.dtype for group in modules for m in group.values() for p in m.parameters() if p.is_floating_point()}
+    dtypes |= {model_dtype} if model_dtype.is_floating_point else set()
+    return max(dtypes, key=lambda d: (torch.finfo(d).eps, str(d))) if dtypes else model_dtype
+
+
 def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | None = None,
                 frozen_pass: FrozenPass | None = None, engine: str | None = None, live: LiveNodes | None = None,
                 **settings: Any) -> Graph:
@@ -108,12 +117,15 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     model, adapter = replacement.model, replacement.adapter
     root = hf_module(model)
     model_dtype = next(root.parameters()).dtype
+    computed_in = dtype or narrowest(model_dtype, *layer_modules(replacement))
     layout_options: dict[str, Any] = {"targets": o.targets, "dtype": dtype, "zero_positions": o.zero_positions}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:
         check_cache(prompt, adapter, *layer_modules(replacement))
-        cache = in_dtype(prompt, dtype) if dtype is not None and dtype != model_dtype else prompt
+        # the cache in the dtype the frozen model computes in (a cache kept from before the model was cast too)
+        target = dtype or model_dtype
+        cache = in_dtype(prompt, target) if target.is_floating_point and prompt.embeddings.dtype != target else prompt
         prepared = prepare(replacement, None, cache=cache, live=live, **layout_options)
         engine = "cache"
 
@@ -127,7 +139,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             if trace_pass is not None:
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
-                                      make=make, remote=remote)
+                                      make=make, remote=remote, dtype=dtype)
     if o.max_memory is not None:
         info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
                              config.keep_mass if config is not None else 1.0)
@@ -137,12 +149,13 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": o.max_feature_nodes, "engine": engine or "nnsight",
             "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
-            "node_vectors": node_vectors, "dtype": str(dtype or model_dtype), "zero_positions": o.zero_positions}
+            "node_vectors": node_vectors, "dtype": str(computed_in),
+            "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
     if o.qk_heads:
-        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size)
+        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype)
     return graph
 
 

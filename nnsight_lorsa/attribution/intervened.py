@@ -204,9 +204,9 @@ class IntervenedAttribution:
         Raises:
             TraceOrderError: read inside the trace (the pass is not over), or the trace ended early.
             ShapeError: the trace ran more than one prompt.
-            ConfigMismatchError: (an fp32/fp64 model) the graph's logits differ from the trace's by more than
-                :data:`LOGIT_GAP_BOUND` of their scale — the trace changed the model where the graph cannot
-                hold it (``graph.meta["logit_gap"]`` records the gap in every dtype).
+            ConfigMismatchError: (an fp32/fp64 model, computed in fp32/fp64) the graph's logits differ from the
+                trace's by more than :data:`LOGIT_GAP_BOUND` of their scale — the trace changed the model where
+                the graph cannot hold it (``graph.meta["logit_gap"]`` records the gap in every dtype).
             ConfigMismatchError, MemoryBudgetError: as :func:`.attribute.attribute` for the options (of a pass
                 recorded on a server, also the call's checks of them: :func:`check_traced_call`).
             TypeError, ArgumentError: (a pass recorded on a server) as :func:`check_traced_call`.
@@ -232,7 +232,8 @@ class IntervenedAttribution:
         graph = build_graph(self.replacement, cache, live=live, options=options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
         graph.meta["logit_gap"] = gap = logit_gap(graph, s["last"])
-        if s["last"].dtype in (torch.float32, torch.float64) and gap > LOGIT_GAP_BOUND:
+        wide = (torch.float32, torch.float64)  # a half-precision model or dtype= rounds the graph's logits itself
+        if s["last"].dtype in wide and (options.dtype is None or options.dtype in wide) and gap > LOGIT_GAP_BOUND:
             raise ConfigMismatchError(
                 f"attribute(rm, tracer=tracer): the graph's logits differ from the trace's by {gap:.2e} of their "
                 "scale: the trace changed the model where the graph has neither a node nor an error node (an edit "

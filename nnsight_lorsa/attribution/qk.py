@@ -74,8 +74,9 @@ class QKFrozenReplacement(FrozenReplacement):
     """The frozen forward that, at each probed Lorsa layer, records every probe's query and key vectors;
     its targets are ``[q_1, k_1, q_2, k_2, …]`` (``d_qk`` coordinates each)."""
 
-    def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe]) -> None:
-        super(QKFrozenReplacement, self).__init__(layout, M, mhsa)
+    def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe],
+                 dtype: torch.dtype | None = None) -> None:
+        super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype)
         self.probes = probes
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(probes)
 
@@ -181,24 +182,25 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
                          score=score, probe=probe)
 
 
-def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int,
+                 dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """Every probe's ``(query (n_sources + 1, d_qk), key (n_sources + 1, d_qk), score)`` (as
     :class:`QKAttribution`'s; last rows the ``b_Q``/``b_K`` terms) from one frozen pass: ``2·d_qk``
     backward rows per probe, ``batch_size`` at a time. ``prepared``: the prompt's
     :class:`~.trace.Prepared`; a probe's ``key_pos`` -1 is resolved (in place) to the key its head
-    attends to most."""
+    attends to most. ``dtype``: what the frozen model computes in (None: the model's), the one ``prepared``'s
+    replacement modules and MHSA weights were copied into (:func:`.trace.prepare`)."""
     layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     dims = [layout.layers[p.layer].lorsa.cfg.d_qk_head for p in probes]
     rows = FixedRows(2 * sum(dims), layout.n_sources)
     extra: dict[str, Any] = {}
 
     def make(layout_: Layout, M: torch.Tensor, mhsa_: dict[int, Any]) -> FrozenReplacement:
-        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes)
+        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes, dtype)
         extra["frozen"] = frozen
         return frozen
 
-    values = attribute_in_trace(replacement.model, adapter, layout, mhsa, rows, batch_size, make=make)
+    values = attribute_in_trace(replacement.model, adapter, layout, mhsa, rows, batch_size, make=make, dtype=dtype)
     frozen = extra["frozen"]
     _, grads = rows.matrix()
     out = []
@@ -240,15 +242,16 @@ def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chun
     return best_i, best_v, total, mass
 
 
-def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int
-                 ) -> dict[str, torch.Tensor]:
+def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
     head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
     ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``
     = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check); ``pair_index (n, k, 2)`` = the ``k`` largest
     pair terms' (query-side, key-side) graph nodes (``-1``: a node not in the graph; ``n_nodes``: the
     ``b_Q``/``b_K`` term), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
-    over the graph's nodes (last: the bias term). Llamascopium's ``circuits/attribution.py`` does the same."""
+    over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`).
+    Llamascopium's ``circuits/attribution.py`` does the same."""
     from .scores import node_influence
 
     heads = graph.ids_of(graph.LORSA)
@@ -269,7 +272,7 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
             nodes.append(i)
         if len(probes) == n_heads:
             break
-    traced = trace_probes(replacement, prepared, probes, batch_size)
+    traced = trace_probes(replacement, prepared, probes, batch_size, dtype)
     n_nodes = graph.n_nodes
     to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long, device=HOST)
     is_src = graph.layout_ids < layout.n_sources

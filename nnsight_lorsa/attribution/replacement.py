@@ -379,8 +379,12 @@ class FrozenReplacement:
 
 
 def copies_in(modules: dict[int, Any], dtype: torch.dtype) -> dict[int, Any]:
-    """Copies of ``{layer: replacement module}`` in ``dtype`` (one deepcopy memo: a cross-layer transcoder's
-    per-layer views, :class:`~nnsight_lorsa.modules.clt.CLTLayer`, share one copy of it)."""
+    """``{layer: replacement module}`` with every module in ``dtype``: the modules themselves where all their
+    floating parameters are in it already, else copies in it (one deepcopy memo: a cross-layer transcoder's
+    per-layer views, :class:`~nnsight_lorsa.modules.clt.CLTLayer`, share one copy of it). The user's modules are
+    never cast: a bf16 Lorsa under ``dtype=torch.float32`` computes as an fp32 copy, not in bf16."""
+    if all(p.dtype == dtype for m in modules.values() for p in m.parameters() if p.is_floating_point()):
+        return dict(modules)
     memo: dict[int, Any] = {}
     return {layer: copy.deepcopy(m, memo).to(dtype) for layer, m in modules.items()}
 

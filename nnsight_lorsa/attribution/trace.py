@@ -149,13 +149,15 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
 class Prepared:
     """What every engine needs before its frozen pass: the prompt's :class:`~.layout.Layout`, the
     frozen MHSA weights ``{layer: MHSAWeights}`` of the layers without a Lorsa, the model's adapter,
-    and the replacement modules ``{layer: module}`` (copies in ``dtype`` where one was asked)."""
+    the replacement modules ``{layer: module}`` (copies in ``dtype`` where one was asked), and that ``dtype``
+    (None: the model's; a frozen pass's multipliers follow it, :func:`multiplier_dtype`)."""
 
     layout: Layout
     mhsa: dict[int, Any]
     adapter: ArchitectureAdapter
     lorsas: dict[int, Any]
     transcoders: dict[int, Any]
+    dtype: torch.dtype | None = None
 
 
 def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: Any = False,
@@ -178,7 +180,7 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
     ids = token_ids(check_targets(targets), model)
     lor, tcs = layer_modules(replacement)
     check_placement(hf_module(model), lor, tcs, model_weights=not remote)
-    if dtype is not None and dtype != next(hf_module(model).parameters()).dtype:
+    if dtype is not None:  # the whole frozen model in dtype: modules in another dtype (even the model's) copied
         lor, tcs = copies_in(lor, dtype), copies_in(tcs, dtype)
     modules, mhsa = replacement_modules(model, adapter, lor, tcs)
     if dtype is not None:
@@ -186,7 +188,7 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
     if cache is None:
         cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
     layout = layout_of(cache, modules, adapter, targets=ids, zero_positions=zero_positions, live=live)
-    return Prepared(layout, mhsa, adapter, lor, tcs)
+    return Prepared(layout, mhsa, adapter, lor, tcs, dtype)
 
 
 def layout_of(cache: AttributionCache, modules: dict[str, Any], adapter: ArchitectureAdapter, *,
@@ -280,9 +282,12 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
                                      envoy.output)
 
 
-def multiplier_dtype(module: torch.nn.Module) -> torch.dtype:
-    """fp64 for an fp64 model, else fp32 (edges of a bf16/fp16 model still accumulate in fp32)."""
-    return torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
+def multiplier_dtype(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of the multipliers ``M``, and so of the edges: fp64 for an fp64 model or a frozen model computed
+    in fp64 (``dtype``, :func:`.attribute.attribute`'s), else fp32 (edges of a bf16/fp16 model still accumulate in
+    fp32)."""
+    base = torch.float64 if next(module.parameters()).dtype == torch.float64 else torch.float32
+    return base if dtype is None else torch.promote_types(base, dtype)
 
 
 def autograd_backward(obj: torch.Tensor, M: torch.Tensor, consume: Callable[[torch.Tensor], None]) -> None:
@@ -318,17 +323,20 @@ def _record(scheduler: Any, rows: list[int], grad: torch.Tensor) -> None:
 
 def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa: dict[int, Any],
                        scheduler: Any, batch_size: int,
-                       make: Callable[..., FrozenReplacement] = FrozenReplacement, remote: Any = False) -> torch.Tensor:
+                       make: Callable[..., FrozenReplacement] = FrozenReplacement, remote: Any = False,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """Run the frozen pass over ``batch_size`` copies of the prompt in one ``model.trace`` and fill
     ``scheduler`` (a :class:`RowScheduler`, or anything with ``next_rows``/``record``) with edge
     rows; returns the target values ``(n_targets,)`` of the frozen model. ``make(layout, M, mhsa)``
     builds the frozen forward (a subclass records other targets, e.g. :mod:`.qk`). ``remote`` is
     passed to ``model.trace`` (``True``: NDIF; ``"local"``: nnsight's serializing simulation): the
-    scheduler then runs on the server and its rows come back as a saved value."""
+    scheduler then runs on the server and its rows come back as a saved value. ``dtype``: the dtype ``make``'s
+    frozen model computes in (None: the model's), which the multipliers take where it is wider than fp32
+    (:func:`multiplier_dtype`)."""
     ids = layout.tokens[None].expand(batch_size, -1).to(model.device)
     with model.trace(ids, use_cache=False):
-        M = torch.ones(batch_size, layout.n_sources, device=model.device, dtype=multiplier_dtype(hf_module(model)),
-                       requires_grad=True)
+        M = torch.ones(batch_size, layout.n_sources, device=model.device,
+                       dtype=multiplier_dtype(hf_module(model), dtype), requires_grad=True)
         frozen = make(layout, M, mhsa)
         frozen_forward_body(model, adapter, frozen)
         T = frozen.targets()
@@ -339,17 +347,18 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
 
 
 def frozen_logits(model: Any, adapter: ArchitectureAdapter, layout: Layout, mhsa: dict[int, Any],
-                  M: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  M: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits (batch, pos, vocab), targets (batch, n_targets))`` of the frozen replacement model
     with multipliers ``M`` (default: ones, batch 1) — with every multiplier 1 it is the model itself
     (error nodes included); raising ``M[b, s]`` by 1 adds source ``s``'s contribution once more, the
-    intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``."""
+    intervention that checks an edge. The frozen constants come from a first forward with ``M = 1``.
+    ``dtype``: what the frozen model computes in (None: the model's; as :func:`attribute_in_trace`'s)."""
     constants: dict[str, torch.Tensor] = {}
-    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(hf_module(model)), device="cpu")
+    ones = torch.ones(1, layout.n_sources, dtype=multiplier_dtype(hf_module(model), dtype), device="cpu")
     for mult in (ones, ones if M is None else M):
         ids = layout.tokens[None].expand(mult.shape[0], -1).to(model.device)
         with torch.no_grad(), model.trace(ids, use_cache=False):
-            frozen = FrozenReplacement(layout, mult.to(model.device, ones.dtype), mhsa, constants)
+            frozen = FrozenReplacement(layout, mult.to(model.device, ones.dtype), mhsa, constants, dtype=dtype)
             frozen_forward_body(model, adapter, frozen)
             logits = nnsight.save(model.get(adapter.lm_head_path).output)
             T = nnsight.save(frozen.targets())

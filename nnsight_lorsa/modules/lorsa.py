@@ -49,15 +49,16 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def _normal_(w: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
-    """Fill ``w`` with ``N(0, std²)`` drawn on ``generator``'s device (the CPU without one) in ``w``'s
-    dtype, then copied: the same values whichever device ``w`` is on (``meta``: left unset)."""
+    """Fill ``w`` with ``N(0, std²)`` drawn on ``generator``'s device (the CPU without one) in fp32, then cast
+    and copied: the same values whichever device and dtype ``w`` is in (up to the cast), and the same numbers
+    taken from the generator (as :mod:`.sparse_coder`'s inits; ``meta``: left unset)."""
     if w.is_meta:
         return
     device = generator.device if generator is not None else torch.device("cpu")
-    if w.device == device:
+    if w.device == device and w.dtype == torch.float32:
         w.normal_(0.0, std, generator=generator)
     else:
-        w.copy_(torch.empty(w.shape, dtype=w.dtype, device=device).normal_(0.0, std, generator=generator))
+        w.copy_(torch.empty(w.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator))
 
 
 class PerHeadRMSNorm(nn.Module):
@@ -209,9 +210,9 @@ class Lorsa(ReplacementModule):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Random init as the reference implementation: xavier QK, N(0, 1/n_ov) W_V, unit-norm W_O.
 
-        The draws are made on ``generator``'s device (the CPU's default generator without one) in the
-        parameters' dtype, then copied to the parameters' device: a Lorsa on CUDA gets the same init as
-        on the CPU. Parameters on ``meta`` are left unset.
+        The draws are made on ``generator``'s device (the CPU's default generator without one) in fp32, then
+        cast and copied to the parameters' device and dtype: a Lorsa on CUDA or in bf16 / fp64 gets the same
+        init as in fp32 on the CPU. Parameters on ``meta`` are left unset.
         """
         for w in (self.W_Q, self.W_K):
             fan = w.shape[1] + w.shape[2]

@@ -145,7 +145,7 @@ def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Si
 @torch.no_grad()
 def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site], dataset: TokenDataset,
                            directory: str | Path, *, batch_size: int = 16, windows_per_shard: int = 256,
-                           dtype: torch.dtype = torch.float32, progress: bool | None = None) -> ActivationCache:
+                           dtype: torch.dtype | None = None, progress: bool | None = None) -> ActivationCache:
     """Record ``sites`` on every window of ``dataset`` (in order) with one trace per batch; return the cache.
 
     Args:
@@ -153,8 +153,9 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         dataset: the windows (``[BOS] + …``, as for :class:`~.activations.ActivationSource`).
         directory: created (atomically, when complete) if needed; must not hold a cache already.
         batch_size: windows per trace. windows_per_shard: windows per safetensors file.
-        dtype: storage dtype of the activations (float32 keeps the cached stream bit-equal to the live one
-            of an fp32 model; a bf16 / fp16 model's activations are stored cast to it).
+        dtype: storage dtype of the activations; default (None) the model's widened to at least float32, which
+            keeps the cached stream bit-equal to the live one: float32 for an fp32 / bf16 / fp16 model (an exact
+            widening), float64 for an fp64 model. A narrower dtype (e.g. bfloat16) rounds the stream as asked.
         progress: a tqdm bar over the windows; None (default): when stderr is a terminal.
 
     Devices: the model runs where it is (each batch of windows is moved to its device); the
@@ -165,6 +166,9 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     """
     named = _normalise_sites(sites)
     device = model_device(model)
+    if dtype is None:
+        dtype = torch.promote_types(next(p for p in hf_module(model).parameters() if p.is_floating_point()).dtype,
+                                    torch.float32)
     if batch_size <= 0 or windows_per_shard <= 0:
         raise ActivationCacheError("batch_size and windows_per_shard must be positive")
     dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)

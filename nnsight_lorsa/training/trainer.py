@@ -34,7 +34,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import f32, placement
-from ..errors import ArgumentError, CheckpointError, NonFiniteError, TooFewTokensError
+from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
@@ -77,7 +77,9 @@ class Trainer:
             a CLT's are the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
         tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
 
-    Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype, the model
+    Devices and dtypes: the module may be on any device (CPU, CUDA) in any float dtype but fp16 (Adam's
+    moments underflow there: refused, use bf16; a bf16 module has no fp32 master weights, so updates below half
+    a bf16 step of a weight are lost — at small learning rates train in fp32, docs/training.md), the model
     that produced the activations on another device and in another dtype (e.g. a bf16 model on CUDA
     with an fp32 module): every batch is moved to the module's device and cast to its dtype at the
     module boundary, losses and logged metrics are computed in fp32, and an MHSA given as ``mhsa``
@@ -86,8 +88,8 @@ class Trainer:
     Raises:
         ArgumentError: ``config`` not a valid :class:`TrainConfig` (a field set out of range after
             construction). TypeError: another module type. PlacementError: the module's parameters are on ``meta`` or
-            on several devices. ConfigMismatchError: a CLT whose layer count / width differs
-            from the source's, a stacked (CLT) source for another module, or a Lorsa on an
+            on several devices. ConfigMismatchError: a module with fp16 or complex parameters; a CLT whose layer
+            count / width differs from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
             first step) a batch that does not fit.
     """
@@ -104,6 +106,15 @@ class Trainer:
         config.validate()  # again: a field may have been set after construction
         given, trained = (module, module.module) if isinstance(module, _Objective) else (None, module)
         device, _ = placement(trained)
+        if any(p.dtype == torch.float16 for p in trained.parameters()):
+            raise ConfigMismatchError(
+                f"{type(trained).__name__} has float16 parameters: Adam keeps its moments in the parameters' dtype, "
+                "where eps (1e-8) is 0 and small squared gradients underflow, so a zero gradient (a dead latent's) "
+                "updates by 0/0; train the module in bfloat16 or float32 (module.to(torch.bfloat16)); the model "
+                "may stay in float16")
+        if any(p.is_complex() for p in trained.parameters()):
+            raise ConfigMismatchError(f"{type(trained).__name__} has complex parameters: train it in a real floating "
+                                      "dtype (torch.float32, torch.bfloat16 or torch.float64)")
         self.objective = given if given is not None else _objective_for(trained)
         self.objective.check_source(source)
         self.state = TrainingState(self)
@@ -447,9 +458,9 @@ class Trainer:
     @staticmethod
     def load_checkpoint(directory: str | Path) -> tuple[dict[str, Any], TrainConfig, torch.nn.Module]:
         """``(meta, train config, module with the saved weights)`` of a checkpoint directory (the
-        module's kind from the config entry ``trainer.json`` holds). Every file is first checked
-        against ``manifest.json``; ``<directory>.old`` is used when ``directory`` is missing (a save
-        interrupted between its renames).
+        module's kind from the config entry ``trainer.json`` holds; in the weights' saved dtype). Every
+        file is first checked against ``manifest.json``; ``<directory>.old`` is used when ``directory`` is
+        missing (a save interrupted between its renames).
 
         Raises:
             CheckpointError: the manifest is missing or corrupt (also: a checkpoint written before
@@ -477,7 +488,12 @@ class Trainer:
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
         try:
-            module.load_state_dict(load_file(str(d / objective.weights_file)))
+            weights = load_file(str(d / objective.weights_file))
+            params = {name for name, _ in module.named_parameters()}
+            saved = {t.dtype for name, t in weights.items() if name in params and t.is_floating_point()}
+            if len(saved) == 1:  # the parameters' dtype: the run's (a bf16 / fp64 run goes on as one, not in fp32)
+                module = module.to(dtype=saved.pop())
+            module.load_state_dict(weights)
         except RuntimeError as e:
             raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
         return d, meta, config, module
@@ -488,12 +504,22 @@ class Trainer:
         """Rebuild a trainer from :meth:`save_checkpoint` output (any module kind); continues bit-exactly.
 
         ``device``, ``dtype``: where and in which dtype the module is trained from now on (and with it
-        the Adam moments and dead counters); default the CPU and fp32 (the module is rebuilt from its
-        config and the saved weights copied in).
+        the Adam moments and dead counters); default the CPU and the dtype the checkpoint's weights were
+        saved in (the module is rebuilt from its config and the saved weights copied in).
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
+            ArgumentError: ``dtype`` not a floating ``torch.dtype``, or ``device`` not a torch device.
+            ConfigMismatchError: ``dtype=torch.float16`` (as the constructor).
         """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ArgumentError(f"Trainer.resume(dtype=...) must be a floating torch.dtype (torch.float32, "
+                                f"torch.bfloat16, torch.float64), got {dtype!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ArgumentError(f"Trainer.resume(device=...): device {device!r} is not a torch device ({e})") from e
         d, meta, config, module = cls._load(directory)
         if device is not None or dtype is not None:
             module = module.to(device=device, dtype=dtype)

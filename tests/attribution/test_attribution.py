@@ -630,6 +630,23 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())
 
 
+def test_every_engine_computes_an_fp64_graph_of_an_fp32_model_in_fp64():
+    """``dtype=torch.float64`` on an fp32 model: the nnsight engine, the hook reference and the cached engine all
+    store fp64 edges whose sums are exact to fp64 rounding (the hook reference accumulated its edges in fp32: 1e-7
+    of the mass); the two traced engines agree to fp64 rounding, the cached one (linearised at the fp32 forward's
+    stream, the cache's) to fp32's."""
+    model, _, lorsas, tcs = attribution_setup("llama")
+    ids = random_ids(1, 8, seed=7)[0]
+    r = rm(model, lorsas, tcs)
+    graphs = {"nnsight": attribute(r, ids, batch_size=40, dtype=torch.float64),
+              "hooks": attribute_with_hooks(r, ids, batch_size=40, dtype=torch.float64),
+              "cache": attribute(r, cache_for_attribution(r, ids), batch_size=40, dtype=torch.float64)}
+    for engine, g in graphs.items():
+        assert g.coo()[2].dtype == torch.float64 and g.edge_sum_error("mass").max() < 1e-12, engine
+    scale = float(graphs["nnsight"].densify().abs().max())
+    for engine, bound in (("hooks", 1e-12), ("cache", 1e-6)):
+        assert float((graphs[engine].densify() - graphs["nnsight"].densify()).abs().max()) < bound * scale, engine
+
 def test_attribute_inside_a_trace_body_names_what_to_do(llama):
     """``attribute`` / ``estimate_memory`` run their own traces: inside a trace body they raise our
     TraceOrderError (was nnsight's ``AttributeError: 'NoneType' object has no attribute 'event'``), and the

@@ -20,12 +20,14 @@ import copy
 import pytest
 import torch
 from helpers import DEVICES, attribution_setup, random_ids, rm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import PruneConfig, attribute, cache_for_attribution, estimate_memory, to_neuronpedia
 from nnsight_lorsa.attribution.graph import Graph
 from nnsight_lorsa.attribution.replacement import layer_modules
 from nnsight_lorsa.envoy.nnsight_internals import hf_module
-from nnsight_lorsa.errors import PlacementError
+from nnsight_lorsa.errors import ConfigMismatchError, PlacementError
 
 #: max over rows of |Σ edges − value| / Σ |edges|, by the dtype the frozen model computes in
 SUM_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -292,6 +294,189 @@ def test_fp32_model_computed_in_half_precision(dtype, reference):
     if dtype in GRAPH_GAP:
         assert gap["graph"] < GRAPH_GAP[dtype], gap
 
+
+
+#: the bound on the sums of a graph computed in fp64 (measured ≤ 5e-16 of the row's mass)
+SUM_BOUND_FP64 = 1e-12
+#: (model dtype, the replacement modules' dtype, ``dtype=``): an explicit ``dtype=`` is what the whole frozen
+#: model computes in, whatever dtype the user's Lorsas and transcoders are in
+EXPLICIT_DTYPE = [pytest.param(torch.float32, torch.bfloat16, torch.float32, id="fp32-model-bf16-modules-fp32"),
+                  pytest.param(torch.bfloat16, torch.bfloat16, torch.float32, id="bf16-model-bf16-modules-fp32"),
+                  pytest.param(torch.float64, torch.float32, torch.float64, id="fp64-model-fp32-modules-fp64"),
+                  pytest.param(torch.float32, torch.float32, torch.float64, id="fp32-model-fp32-modules-fp64"),
+                  pytest.param(torch.bfloat16, torch.float32, torch.float64, id="bf16-model-fp32-modules-fp64")]
+
+
+@pytest.mark.parametrize("engine", ["trace", "cache"])
+@pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"), EXPLICIT_DTYPE)
+def test_explicit_dtype_is_what_the_graph_is_computed_in(model_dtype, module_dtype, dtype, engine):
+    """``attribute(..., dtype=d)`` computes the frozen model in ``d`` whatever the dtypes of the model and of its
+    replacement modules: the edges are stored in at least ``d``'s precision and the sums hold ``d``'s bound
+    (fp32: ``1e-6`` of the mass; fp64: ``1e-12``), by the traced engine and the cached one alike. (A Lorsa or
+    transcoder left in bf16 used to compute in bf16 under ``dtype=torch.float32`` — 1.4e-3 of the mass — and
+    the traced engine accumulated a ``dtype=torch.float64`` graph's edges in fp32 — 1.3e-7.) The user's
+    modules keep their dtype."""
+    rep = setup("cpu", model_dtype, module_dtype)
+    prompt = IDS if engine == "trace" else cache_for_attribution(rep, IDS)
+    g = attribute(rep, prompt, batch_size=40, dtype=dtype)
+    assert g.meta["dtype"] == str(dtype)
+    t, s, v = g.coo()
+    assert v.dtype.itemsize >= dtype.itemsize and g.values.dtype == v.dtype, (v.dtype, g.values.dtype)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < (SUM_BOUND_FP64 if dtype == torch.float64 else SUM_BOUND[dtype]), err
+    lorsas, tcs = layer_modules(rep)
+    assert all(p.dtype == module_dtype for m in [*lorsas.values(), *tcs.values()] for p in m.parameters())
+    assert all(p.dtype == model_dtype for p in rep.model._module.parameters())
+
+
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype"),
+                         [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                          (torch.float64, torch.float32), (torch.bfloat16, torch.float32),
+                          (torch.float64, torch.float64)],
+                         ids=["fp32-model-bf16-modules", "fp32-model-fp16-modules", "fp64-model-fp32-modules",
+                              "bf16-model-fp32-modules", "fp64"])
+def test_the_graph_names_the_precision_it_was_computed_in(model_dtype, module_dtype):
+    """Without ``dtype=`` each replacement module computes in its own dtype (the placement contract), so the
+    graph's ``meta["dtype"]`` is the narrowest dtype the frozen model computed in — the model's or a module's —
+    and its sums hold that dtype's bound. (An fp32 model's graph with bf16 transcoders said ``torch.float32`` and
+    missed the fp32 bound 1000-fold: 1.4e-3 of the mass.)"""
+    rep = setup("cpu", model_dtype, module_dtype)
+    g = attribute(rep, IDS, batch_size=40)
+    narrowest = max((model_dtype, module_dtype), key=lambda d: torch.finfo(d).eps)
+    assert g.meta["dtype"] == str(narrowest)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[narrowest], err
+
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_dtype=st.sampled_from(FLOATS), module_dtype=st.sampled_from(FLOATS),
+       dtype=st.sampled_from([None, torch.float32, torch.float64]), engine=st.sampled_from(["trace", "cache"]),
+       mode=st.sampled_from(["auto", "lean", "fast", "budget", "prune_while_building"]))
+def test_every_dtype_combination_holds_the_bound_of_the_dtype_it_names(model_dtype, module_dtype, dtype, engine,
+                                                                       mode):
+    """Any model dtype, replacement-module dtype, ``dtype=`` setting, engine and memory mode: the graph names the
+    dtype it was computed in (``dtype=``, else the least precise of the model's and the modules'), its edges are
+    stored in at least fp32 (fp64 where the model or ``dtype=`` is), every computed row sums to its value within
+    that dtype's bound, and the user's model and modules keep their dtypes."""
+    modes = {"auto": {}, "lean": {"memory": "lean"}, "fast": {"memory": "fast"}, "budget": {"max_feature_nodes": 30},
+             "prune_while_building": {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}}
+    rep = setup("cpu", model_dtype, module_dtype)
+    prompt = IDS if engine == "trace" else cache_for_attribution(rep, IDS)
+    g = attribute(rep, prompt, batch_size=16, dtype=dtype, **modes[mode])
+    named = dtype or max((model_dtype, module_dtype), key=lambda d: torch.finfo(d).eps)
+    assert g.meta["dtype"] == str(named)
+    wide = torch.float64 in (model_dtype, dtype)
+    assert g.coo()[2].dtype == (torch.float64 if wide else torch.float32)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[named], (named, err)
+    lorsas, tcs = layer_modules(rep)
+    assert {p.dtype for m in [*lorsas.values(), *tcs.values()] for p in m.parameters()} == {module_dtype}
+    assert {p.dtype for p in rep.model._module.parameters()} == {model_dtype}
+
+
+@pytest.mark.parametrize(("cache_dtype", "model_dtype"),
+                         [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                          (torch.float32, torch.float64)],
+                         ids=["fp32-cache-bf16-model", "bf16-cache-fp32-model", "fp32-cache-fp64-model"])
+def test_a_cache_in_another_dtype_than_the_model_is_attributed_in_the_models(cache_dtype, model_dtype):
+    """A cache made before the model was cast (or kept from a run in another dtype) is taken in the dtype the
+    graph is computed in — the model's, or ``dtype=``'s — as it is moved to the model's device: the graph holds
+    that dtype's bound (it used to end in torch's ``RuntimeError: expected scalar type Float but found
+    BFloat16``)."""
+    rep = setup("cpu", cache_dtype)
+    cache = cache_for_attribution(rep, IDS)
+    rep.model._module.to(model_dtype)
+    lorsas, tcs = layer_modules(rep)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(model_dtype)
+    g = attribute(rep, cache, batch_size=40)
+    assert g.meta["dtype"] == str(model_dtype)
+    err = float(g.edge_sum_error("mass").max())
+    assert err < {**SUM_BOUND, torch.float64: SUM_BOUND_FP64}[model_dtype], err
+    assert cache.embeddings.dtype == cache_dtype  # the caller's cache is not cast in place
+    assert estimate_memory(rep, cache, batch_size=8).host_bytes > 0
+
+@pytest.mark.parametrize(("model_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)],
+                         ids=["bf16-model-fp32", "fp32-model-fp64"])
+def test_qk_heads_in_an_explicit_dtype(model_dtype, dtype):
+    """``qk_heads`` with ``dtype=`` (a bf16 model traced in fp32; used to raise torch's ``RuntimeError: expected
+    scalar type Float but found BFloat16`` from the frozen MHSA): the probes are traced in ``dtype``, each
+    decomposition sums to its score within ``dtype``'s bound, and the probes are those of the model's dtype."""
+    rep = setup("cpu", model_dtype)
+    g = attribute(rep, IDS, batch_size=40, qk_heads=2, dtype=dtype)
+    assert len(g.qk) > 0 and g.qk["probe"].shape[0] > 0
+    bound = 1e-12 if dtype == torch.float64 else 1e-6
+    assert float(g.qk["pair_sum_error"].max()) < bound, g.qk["pair_sum_error"]
+    assert g.qk["pair_value"].dtype.itemsize >= dtype.itemsize
+
+
+def test_estimate_memory_counts_the_edges_in_the_dtype_they_are_stored_in():
+    """``estimate_memory(..., dtype=torch.float64)`` of an fp32 model counts the stored edges at 8 bytes, as
+    ``attribute(..., dtype=torch.float64)`` stores them; ``dtype=torch.float32`` (and the default) at 4."""
+    rep = setup()
+    est = {dt: estimate_memory(rep, IDS, batch_size=8, dtype=dt) for dt in (None, torch.float32, torch.float64)}
+    entries = est[None].terms["stored_entries"]
+    assert est[None].terms["rows"] == est[torch.float32].terms["rows"] == entries * 4
+    assert est[torch.float64].terms["rows"] == entries * 8
+    assert attribute(rep, IDS, batch_size=8, dtype=torch.float64).coo()[2].dtype == torch.float64
+
+
+
+def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_kept_in():
+    """Without stored patterns (``memory="lean"``, SDPA on a GPU) the frozen pass keeps each Lorsa's queries and
+    keys, computed by the Lorsa in its dtype — or in ``dtype=`` — not the model's: an fp32 Lorsa on a bf16 model
+    keeps them at 4 B (counted at 2 B: for the docs' Llama-3.1-8B Lorsa, 17 GB of 34 missed), a bf16 Lorsa under
+    ``dtype=torch.float32`` at 4 B (its fp32 copy's)."""
+    from nnsight_lorsa.attribution.trace import prepare
+
+    def shared(model_dtype, module_dtype, dtype=None):
+        return estimate_memory(setup("cpu", model_dtype, module_dtype), IDS, batch_size=8, memory="lean",
+                               dtype=dtype).terms["frozen_shared"]
+
+    rep = setup("cpu", torch.bfloat16, torch.float32)
+    layout = prepare(rep, IDS).layout
+    qk_numbers = sum(2 * layout.n_pos * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head
+                     for lay in layout.layers if lay.lorsa is not None)
+    assert qk_numbers > 0
+    lorsa = layer_modules(rep)[0][1]
+    x = torch.randn(1, len(IDS), lorsa.cfg.d_model, dtype=torch.bfloat16)
+    q, k = lorsa.qk(x.float(), torch.arange(len(IDS))[None])  # what the frozen pass keeps (trace's qk())
+    assert q.dtype == k.dtype == torch.float32
+    base = shared(torch.bfloat16, torch.bfloat16)
+    assert shared(torch.bfloat16, torch.float32) - base == qk_numbers * 2  # 4 B instead of 2 per number
+    assert shared(torch.float32, torch.float32) - shared(torch.float32, torch.bfloat16) == qk_numbers * 2
+    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == shared(torch.float32, torch.float32)
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
+                         [(torch.bfloat16, torch.bfloat16, torch.float32),
+                          (torch.float32, torch.bfloat16, torch.float32),
+                          (torch.float32, torch.float32, torch.float64)],
+                         ids=["bf16-model-fp32", "bf16-modules-fp32", "fp32-model-fp64"])
+def test_intervention_edges_check_a_graph_in_the_dtype_it_was_computed_in(model_dtype, module_dtype, dtype):
+    """``intervention_edges`` (check 2: each edge is the target's change when the source is added once more)
+    on a graph computed with ``dtype=``: the interventions run in the graph's dtype, so the check holds to
+    ``dtype``'s rounding (fp32: 1e-5 of the largest edge, as on an fp32 model) — run in the model's bf16 they
+    differed from the fp32 graph's edges by up to 3 % of the largest edge, a correct graph failing its check."""
+    from nnsight_lorsa.attribution.checks import intervention_edges
+
+    rep = setup("cpu", model_dtype, module_dtype)
+    g = attribute(rep, IDS, batch_size=40, dtype=dtype)
+    k = g.nodes.kind
+    src = torch.cat([(k == k[g.feature_ids[0]]).nonzero().flatten()[:6], g.feature_ids[-6:],
+                     (k != k[g.feature_ids[0]]).nonzero().flatten()[:6]])
+    by_intervention, from_graph = intervention_edges(rep, g, src, batch_size=8)
+    scale = float(from_graph.abs().max())
+    assert scale > 0
+    bound = 1e-5 if dtype == torch.float32 else 1e-10
+    assert float((by_intervention.double() - from_graph.double()).abs().max()) < bound * scale
+    for bad in ("torch.int64", "float31"):  # a graph whose meta was edited: named, not torch's error
+        g.meta["dtype_option"] = bad
+        with pytest.raises(ConfigMismatchError, match=r"dtype_option.*not a floating torch dtype"):
+            intervention_edges(rep, g, src[:2])
 
 # ------------------------------------------------------------------- bf16 on a device, every workflow (issue 21)
 #: the memory modes of a bf16 model's attribution: the three engines' modes, a feature budget (sparse rows, then

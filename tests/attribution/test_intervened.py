@@ -301,6 +301,24 @@ def test_on_devices_and_dtypes(device, dtype, bound):
         assert relative(cached.values[cached.logit_ids].double(), want) > 10 * max(1e-5, 3 * clean_gap)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_an_fp32_models_pass_attributed_in_half_precision(tiny, dtype):
+    """``attribute(rm, tracer=tracer, dtype=torch.bfloat16 / float16)`` on an fp32 model (a documented setting):
+    the graph is built — its logits carry the half-precision rounding (recorded in ``meta["logit_gap"]``), which
+    used to be taken for an edit the graph cannot hold (``ConfigMismatchError`` blaming a decoder-layer edit that
+    was never made) — its rows sum within that dtype's bound, and the ablated head is marked."""
+    model, bundle, ids, clean = tiny
+    n = clean.nodes
+    head = int(n.index[(n.kind == LORSA) & (n.pos == 7)][0])
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40, dtype=dtype)
+        ablate(bundle(LorsaHead(1, head)), positions=7)
+    graph = handle.graph
+    assert graph.meta["dtype"] == str(dtype) and int(graph.nodes.intervened.sum()) == 1
+    assert float(graph.edge_sum_error("mass").max()) < {torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    assert 1e-4 < graph.meta["logit_gap"] < 0.3  # half-precision rounding, not an unheld edit
+
 def test_edits_carried_by_error_nodes_and_a_patched_head(tiny):
     """In one trace: an MHSA head of the Lorsa layer ablated and an SAE feature at an MLP output steered —
     carried by that site's error nodes (not marked) — and a Lorsa head patched at one position to a given

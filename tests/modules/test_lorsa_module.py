@@ -232,3 +232,31 @@ def test_apply_rotary_is_bit_identical_to_transformers(dtype, interleaved, rot_q
     assert torch.equal(free, want) and torch.equal(tracked.detach(), want)
     tracked.float().square().sum().backward()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float64, torch.bfloat16, torch.float16]),
+       with_generator=st.booleans())
+def test_random_init_is_the_same_draw_in_every_dtype(seed, dtype, with_generator):
+    """A Lorsa's random init (the constructor's ``reset_parameters``, and the recipe's ``ov_init="random"``
+    through the same ``_normal_``) is the fp32 init in the parameters' dtype (up to the rounding of that dtype and
+    of the unit-norm ``W_O`` reparametrisation computed in it), and takes as many numbers from the generator — as
+    an SAE's or transcoder's (drawn in fp32, then cast). In fp64 it was another draw (0.64 off) that also advanced
+    the generator differently, so every later draw of the run differed from the fp32 run's."""
+    cfg = LorsaConfig(d_model=24, n_qk_heads=4, d_qk_head=8, n_ov_heads=16, top_k=4, layer=0)
+
+    def init(dt: torch.dtype) -> tuple[Lorsa, torch.Tensor]:
+        torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed) if with_generator else None
+        lorsa = Lorsa(cfg, dtype=dt)
+        if gen is not None:
+            lorsa.reset_parameters(generator=gen)
+        return lorsa, torch.randn(4, generator=gen)  # the next draw: the generator advanced alike
+
+    ref, ref_next = init(torch.float32)
+    got, got_next = init(dtype)
+    assert torch.equal(got_next, ref_next)
+    rounding = 8 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    for name, p in ref.named_parameters():
+        want, have = p.detach().double(), getattr(got, name).detach().double()
+        assert (have - want).abs().max() <= rounding * want.abs().max(), name

@@ -15,11 +15,12 @@ the Lorsa's largest parameter (measured with a ``TorchDispatchMode`` over the ca
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
-from helpers import DEVICES, random_ids, tiny_nnsight
+from helpers import DEVICES, check_resume_bit_exact, random_ids, tiny_nnsight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -27,7 +28,7 @@ from nnsight_lorsa import Lorsa, LorsaConfig, get_adapter
 from nnsight_lorsa.envoy.lorsa_set import LorsaSet
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.envoy.transcoder_set import TranscoderSet
-from nnsight_lorsa.errors import PlacementError
+from nnsight_lorsa.errors import ArgumentError, ConfigMismatchError, PlacementError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
@@ -381,6 +382,103 @@ def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
         assert _rel(getattr(ev, name), getattr(want, name)) < REL_CE, (name, getattr(ev, name), getattr(want, name))
     assert _rel(ev.fvu, want.fvu) < REL_FVU, (ev.fvu, want.fvu)
 
+
+
+@pytest.mark.parametrize(("kind", "module_dtype"), [("transcoder", BF16), ("sae", torch.float64), ("clt", BF16),
+                                                    ("lorsa", BF16), ("lorsa", torch.float64)],
+                         ids=["transcoder-bf16", "sae-fp64", "clt-bf16", "lorsa-bf16", "lorsa-fp64"])
+def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype, tmp_path):
+    """``Trainer.resume(dir, source)`` with no ``dtype=`` goes on in the dtype the run was saved in (its weights
+    file's): the module and its Adam moments in that dtype and the run bit-equal to the uninterrupted one (a bf16 /
+    fp64 run used to come back in fp32 with no word: fp64 weights rounded, the next steps another run's)."""
+    model, hf, adapter = _model("cpu")
+
+    def make():
+        module = _new_coder(kind, adapter, "cpu", module_dtype) if kind != "lorsa" else \
+            Lorsa(_lorsa_cfg(adapter), dtype=module_dtype)
+        if kind == "lorsa":
+            torch.manual_seed(0)
+            return LorsaObjective(module, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES["default"])
+        return module
+
+    source = ActivationSource.attention(model, LAYER, DATA, batch_size=4) if kind == "lorsa" else \
+        _source(kind, None, adapter, model)
+
+    def resumed_in_dtype(straight, first, resumed):
+        assert {p.dtype for p in resumed.module.parameters()} == {module_dtype}
+        moments = {v.dtype for st in resumed.optimizer.state.values() for k, v in st.items() if k != "step"}
+        assert moments == {module_dtype}, moments
+        for (name, a), b in zip(first.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+
+    check_resume_bit_exact(make, source, tmp_path / "ckpt", resumed_in_dtype)
+    _, _, module = Trainer.load_checkpoint(tmp_path / "ckpt")
+    assert {p.dtype for p in module.parameters()} == {module_dtype}
+
+
+
+def test_resume_refuses_a_dtype_or_device_it_cannot_train_in(tmp_path):
+    """``Trainer.resume(..., dtype=, device=)`` with a non-floating or complex dtype, or a device string torch
+    cannot parse: ``ArgumentError`` naming the argument, before the module is moved (were
+    torch's ``TypeError`` / ``RuntimeError``, and ``torch.complex64`` turned the module complex with no word)."""
+    model, _, adapter = _model("cpu")
+    source = _source("transcoder", None, adapter, model)
+    trainer = Trainer(_new_coder("transcoder", adapter, "cpu", F32), source, _config(2))
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    for bad in (torch.int64, torch.complex64, torch.bool):  # (a string is refused by the type hints in the tests)
+        with pytest.raises(ArgumentError, match=r"dtype.*floating"):
+            Trainer.resume(tmp_path / "ckpt", source, dtype=bad)
+    with pytest.raises(ArgumentError, match=r"device 'nodevice'"):
+        Trainer.resume(tmp_path / "ckpt", source, device="nodevice")
+    assert Trainer.resume(tmp_path / "ckpt", source, dtype=torch.float64, device="cpu").module.W_dec.dtype == \
+        torch.float64
+
+@pytest.mark.parametrize("kind", ["transcoder", "sae", "clt", "lorsa"])
+def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
+    """A module with fp16 parameters cannot be trained with Adam: its moments are kept in fp16, where ``eps``
+    (1e-8) is 0 and ``(1 - β2)·g²`` underflows, so a zero gradient (a dead latent's) updates by 0/0. Every kind
+    used to end in ``NonFiniteError`` at step 1 blaming the learning rate (lowering it cannot help): now the
+    trainer refuses it at construction, naming the module, fp16 and what works (bf16 or fp32), and so does
+    ``Trainer.resume(..., dtype=torch.float16)``. An fp16 *model* with a bf16 / fp32 module trains (above)."""
+    model, hf, adapter = _model("cpu")
+    module = Lorsa(_lorsa_cfg(adapter), dtype=F16) if kind == "lorsa" else _new_coder(kind, adapter, "cpu", F16)
+    source = ActivationSource.attention(model, LAYER, DATA, batch_size=4) if kind == "lorsa" else \
+        _source(kind, None, adapter, model)
+    name = type(module).__name__
+    with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16.*bfloat16 or float32"):
+        Trainer(module, source, _config(2))
+    if kind == "lorsa":
+        with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16"):
+            Trainer(LorsaObjective(module, mhsa=adapter.mhsa_weights(hf, LAYER), recipe=RECIPES["default"]), source,
+                    _config(2))
+    with pytest.raises(ConfigMismatchError, match=rf"{name} has complex parameters.*real floating"):
+        Trainer(copy.deepcopy(module).to(torch.complex64), source, _config(2))  # (was torch's top-k/softmax error)
+    trainer = Trainer(module.to(F32), source, _config(2))
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigMismatchError, match=rf"{name}.*float16"):
+        Trainer.resume(tmp_path / "ckpt", source, dtype=F16)
+    assert {p.dtype for p in Trainer.resume(tmp_path / "ckpt", source, dtype=BF16).module.parameters()} == {BF16}
+
+
+@pytest.mark.parametrize("model_dtype", [F32, BF16, F16, torch.float64], ids=["fp32", "bf16", "fp16", "fp64"])
+def test_the_activation_cache_stores_the_stream_without_loss_by_default(model_dtype, tmp_path):
+    """``write_activation_cache`` without ``dtype=`` stores each model's stream without rounding it: in fp32
+    (bf16 / fp16 / fp32 models: an exact widening) or in fp64 for an fp64 model — whose stream was stored rounded
+    to fp32 with no word (1.2e-7 off the live one) — so the cached batches equal the live ones bit for bit."""
+    model, _, adapter = _model("cpu", model_dtype)
+    sites = [Site.mlp_input(adapter, LAYER), Site.mlp_output(adapter, LAYER)]
+    write_activation_cache(model, sites, DATA, tmp_path / "cache", batch_size=8, windows_per_shard=8)
+    cache = ActivationCache(tmp_path / "cache")
+    stored = torch.promote_types(model_dtype, F32)
+    assert cache.manifest["dtype"] == str(stored).removeprefix("torch.")
+    cached = ActivationSource.transcoder(cache, LAYER, batch_size=4, adapter=adapter)
+    live = ActivationSource.transcoder(model, LAYER, DATA, batch_size=4)
+    for i in (0, 3):
+        got, want = cached(i), live(i)
+        assert got.x.dtype == got.y.dtype == stored
+        assert torch.equal(got.x, want.x.to(stored)) and torch.equal(got.y, want.y.to(stored))
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(device):
