@@ -32,6 +32,7 @@ def synthetic_layout(P: int, s: dict = SHAPE) -> Layout:
     ar = torch.arange(P)
     layers, feats, errors, col = [], [], [], 0
     lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"]))
+    transcoder = SimpleNamespace(weights_owner=None)  # resident (offload_terms: nothing offloaded)
     for layer in range(s["n_layers"]):
         lay = LayerLayout(layer=layer)
         if layer == s["lorsa_layer"]:
@@ -39,7 +40,7 @@ def synthetic_layout(P: int, s: dict = SHAPE) -> Layout:
             lay.lorsa_head = torch.zeros_like(lay.lorsa_pos)
             col += lay.lorsa_pos.numel()
             feats.append(NodeTable.make(LORSA, layer, lay.lorsa_pos, lay.lorsa_head))
-        lay.transcoder, lay.tc_pos, lay.tc_start = object(), ar.repeat_interleave(s["tc_k"]), col
+        lay.transcoder, lay.tc_pos, lay.tc_start = transcoder, ar.repeat_interleave(s["tc_k"]), col
         lay.tc_feat = torch.zeros_like(lay.tc_pos)
         col += lay.tc_pos.numel()
         feats.append(NodeTable.make(TRANSCODER, layer, lay.tc_pos, lay.tc_feat))
