@@ -43,7 +43,7 @@ from .._typing import Float, Int
 from .blocks import BlockAdjacency
 from .graph import BIAS, EMBEDDING, HOST, LOGIT, Graph
 from .layout import Layout
-from .scores import EntryRows, find_threshold, prune_rows, row_influence
+from .scores import find_threshold, prune_rows, row_influence
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -236,6 +236,25 @@ class SparseRows:
             den.index_add_(0, row[k], val[k].double().abs())
         return den
 
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        """The stored non-zero entries between ``row_mask: (n_rows,)`` rows and ``col_mask: (n_cols,)`` columns
+        (bool), counted chunk by chunk (:meth:`chunks`)."""
+        n = 0
+        for row, col, val in self.chunks():
+            n += int(((val != 0) & col_mask[col] & row_mask[row]).sum())
+        return n
+
+    def edge_scores(self, factor: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"], col_mask: torch.Tensor,
+                    row_mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(row (k,) int64, col (k,) int64, score (k,) float64)`` of the stored non-zero entries between
+        ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[row] · factor[row]`` (``factor``, ``den``:
+        ``(n_rows,)`` float64), in storage order, at most :data:`CHUNK_ENTRIES` entries at a time — the arithmetic
+        of :meth:`.scores.EntryRows.edge_scores`, read in place (no copy of the entries)."""
+        for row, col, val in self.chunks():
+            k = (val != 0) & col_mask[col] & row_mask[row]
+            row, col, val = row[k], col[k], val[k]
+            yield row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
+
     def influence(self, row_node: Int[torch.Tensor, " n"], row_weight: Float[torch.Tensor, " n"],
                   node_mask: torch.Tensor | None = None, max_iter: int = 1000) -> Float[torch.Tensor, " s"]:
         """:func:`.scores.row_influence` over the stored entries, each row normalised by its full absolute
@@ -248,7 +267,8 @@ class SparseRows:
 
 
 class _SparseSource:
-    """:class:`SparseRows` as a :class:`.scores.RowSource` (its steps in place in one reused buffer)."""
+    """:class:`SparseRows` as a :class:`.scores.RowSource` / :class:`.scores.PrunableRows` (its influence steps in
+    place in one reused buffer; rows are the store's, ``row_node`` maps them to nodes where the caller needs it)."""
 
     def __init__(self, rows: SparseRows) -> None:
         self.rows = rows
@@ -260,6 +280,13 @@ class _SparseSource:
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
                      ) -> torch.Tensor:
         return self.rows.weighted_abs(weight, col_mask, self.buffer, den)
+
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        return self.rows.count_edges(col_mask, row_mask)
+
+    def edge_scores(self, factor: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor, row_mask: torch.Tensor
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return self.rows.edge_scores(factor, den, col_mask, row_mask)
 
 
 def _rows_of(ends: list[int], e0: int, e1: int) -> torch.Tensor:
@@ -538,35 +565,15 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
                           torch.zeros(nl, dtype=torch.float64, device=HOST)])
         infl[~in_graph] = 0
         node_mask = in_graph & ((infl >= find_threshold(infl[in_graph], node_threshold)) | always)
-        # the entries among the node-pruned graph's nodes, and each row's sum of everything else
-        outside = sp.residual.clone()
-        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for row, col, val in sp.chunks():
-            among = node_mask[col] & node_mask[row_node[row]]
-            outside.index_add_(0, row[~among], val[~among].double())
-            parts.append((row[among], col[among], val[among]))
-            del row, col, val, among
-            release_free_memory()  # the chunk's temporaries: not left resident between the kept parts
-        e_row, e_col, e_val = (torch.cat(t) for t in zip(*parts, strict=True)) if parts else (
-            torch.zeros(0, dtype=torch.long, device=HOST), torch.zeros(0, dtype=torch.long, device=HOST),
-            torch.zeros(0, dtype=values.dtype, device=HOST))
-        del parts
-        stored = sp.nnz
-        entry_node = row_node[e_row]
-        # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's)
-        node_mask, _ = prune_rows(EntryRows(e_row, e_col, e_val, row_node.numel(), ns), row_node, lw_row, node_mask,
-                                  always & in_graph, kind, edge_threshold, ns)
+        # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's),
+        # on the stored entries in place (rows mapped to their nodes by row_node)
+        first = node_mask
+        node_mask, _ = prune_rows(_SparseSource(sp), row_node, lw_row, first, always & in_graph, kind, edge_threshold,
+                                  ns)
         # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
         kept = node_mask.nonzero().flatten()
-        index = _graph_index(kept, n_all)
-        n = kept.numel()
-        among = node_mask[e_col] & node_mask[entry_node]
-        adjacency = torch.zeros(n, n, dtype=e_val.dtype, device=HOST)
-        adjacency[index[entry_node[among]], index[e_col[among]]] = e_val[among]
-        outside.index_add_(0, e_row[~among], e_val[~among].double())
-        row_kept = node_mask[row_node]
-        residual = torch.zeros(n, dtype=torch.float64, device=HOST)
-        residual[index[row_node[row_kept]]] = outside[row_kept]
+        adjacency, residual = _sparse_pruned(sp, row_node, first, node_mask, kept, values.dtype)
+        stored = sp.nnz
     computed = torch.zeros(kept.numel(), dtype=torch.bool, device=HOST)
     computed[_graph_index(kept, n_all)[row_node[node_mask[row_node]]]] = True
     all_values = torch.full((n_all,), float("nan"), dtype=values.dtype, device=HOST)
@@ -577,6 +584,36 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept), adjacency=adjacency, values=all_values[kept],
                  logit_probs=layout.logit_probs, feature_rows=computed, layout_ids=kept, prompt=prompt, meta=meta,
                  residual=residual.to(adjacency.dtype))
+
+
+def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor, node_mask: torch.Tensor,
+                   kept: torch.Tensor, empty_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(adjacency (k, k), residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``, within
+    the node-pruned ``first``; both ``(n_all,)`` bool) from the stored sparse rows (row ``r`` the target
+    ``row_node[r]``), in two chunked passes: each kept row's residual is its stored residual, then its entries
+    outside the ``first`` nodes, then those among them but dropped later, each added in storage order (float64);
+    the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``.
+    Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    n_all = node_mask.numel()
+    index = _graph_index(kept, n_all)
+    dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
+    adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
+    outside = rows.residual.clone()
+    for row, col, val in rows.chunks():  # the entries outside the node-pruned nodes
+        k = ~(first[col] & first[row_node[row]])
+        outside.index_add_(0, row[k], val[k].double())
+        del row, col, val, k
+    for row, col, val in rows.chunks():  # among them: kept edges, or dropped by steps 2-3
+        node = row_node[row]
+        among, edge = first[col] & first[node], node_mask[col] & node_mask[node]
+        adjacency[index[node[edge]], index[col[edge]]] = val[edge]
+        dropped = among & ~edge
+        outside.index_add_(0, row[dropped], val[dropped].double())
+        del row, col, val, node, among, edge, dropped
+    row_kept = node_mask[row_node]
+    residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
+    residual[index[row_node[row_kept]]] = outside[row_kept]
+    return adjacency, residual
 
 
 def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.Tensor, kept: torch.Tensor

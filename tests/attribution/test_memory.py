@@ -243,3 +243,45 @@ def test_pruned_graph_with_small_chunks_equals_dense_pruning(setup, monkeypatch)
     keep = pr.node_mask.nonzero().flatten()
     assert torch.allclose(g.densify(), full.densify()[keep][:, keep], atol=1e-6)
     assert g.edge_sum_error("mass").max() < 1e-6
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_pruning_on_sparse_rows_equals_prune_of_the_unpruned_graph(setup, monkeypatch, budget):
+    """Pruning while building on sparse rows (``SparseRows``: a feature budget with ``prune=``; for the full graph the
+    store forced sparse here, every non-zero entry kept) keeps, bit for bit, the nodes and edges ``prune`` keeps on
+    the unpruned graph — an independent path: its causal blocks — with the rows stored across several blocks and
+    read in chunks that split rows; the residuals keep every row's sum. It reads the stored rows in place: the
+    scored edges come through ``SparseRows.edge_scores`` (one chunk at a time), no entry is copied out of them."""
+    from nnsight_lorsa.attribution import prune
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    r, ids, full = setup
+    unpruned = full if budget is None else attribute(r, ids, batch_size=32, max_feature_nodes=budget)
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 1000)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 97)
+    if budget is None:
+        init = rows_module.RowScheduler.__init__
+
+        def sparse_store(self, layout, *a, **k):
+            init(self, layout, *a, **k)
+            self._make_blocks, self.rows = None, rows_module.SparseRows(layout.n_sources)
+
+        monkeypatch.setattr(rows_module.RowScheduler, "__init__", sparse_store)
+    scored = []
+    edge_scores = rows_module.SparseRows.edge_scores
+
+    def spied(self, *a, **k):
+        for part in edge_scores(self, *a, **k):
+            scored.append(part[0].numel())
+            yield part
+
+    monkeypatch.setattr(rows_module.SparseRows, "edge_scores", spied)
+    g = attribute(r, ids, batch_size=32, max_feature_nodes=budget, prune=(0.8, 0.98))
+    stored = g.meta["pruned"]["stored_entries"]
+    assert stored > 10 * 97 and scored and max(scored) <= 97  # the store's chunks, scored where they lie
+    pr = prune(unpruned)
+    keep = pr.node_mask.nonzero().flatten()
+    assert 0 < keep.numel() < unpruned.n_nodes
+    assert torch.equal(g.layout_ids, unpruned.layout_ids[pr.node_mask])
+    assert torch.equal(g.densify(), unpruned.densify()[keep][:, keep])
+    assert g.residual.abs().sum() > 0 and g.edge_sum_error("mass").max() < 1e-6
