@@ -143,12 +143,19 @@ class SparseRows:
         self.n_rows += g.shape[0]
         self.nnz += n
 
-    def chunks(self) -> Iterator[tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]]:
+    def chunks(self, row_mask: torch.Tensor | None = None
+               ) -> Iterator[tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]]:
         """``(row (k,) int64, col (k,) int64, val (k,))`` of the stored entries, ≤ :data:`CHUNK_ENTRIES`
-        at a time, in storage order."""
+        at a time, in storage order; with ``row_mask: (n_rows,)`` bool, only those of its rows (the others are not
+        read: a chunk holds runs of consecutive rows of the mask)."""
         for block in self.blocks:
-            for e0 in range(0, block.fill, CHUNK_ENTRIES):
-                e1 = min(e0 + CHUNK_ENTRIES, block.fill)
+            if row_mask is None:
+                spans: Iterator[tuple[int, int]] = (
+                    (e0, min(e0 + CHUNK_ENTRIES, block.fill)) for e0 in range(0, block.fill, CHUNK_ENTRIES))
+            else:
+                live = row_mask[block.row_start:block.row_start + len(block.ends)].nonzero().flatten().tolist()
+                spans = _spans(block.ends, live)
+            for e0, e1 in spans:
                 row = _rows_of(block.ends, e0, e1) + block.row_start
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
 
@@ -225,13 +232,15 @@ class SparseRows:
             out.index_add_(0, row, val.double())
         return out + self.residual
 
-    def abs_sums(self, col_mask: torch.Tensor | None = None) -> Float[torch.Tensor, " n"]:
+    def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
+                 ) -> Float[torch.Tensor, " n"]:
         """``(n_rows,)`` float64: each row's full absolute mass (:attr:`abs_total`, the dropped entries included), or
-        with ``col_mask`` (bool over the columns) ``Σ |kept entries|`` of its columns, in storage order (chunked)."""
+        with ``col_mask`` (bool over the columns) ``Σ |kept entries|`` of its columns, in storage order (chunked;
+        with ``row_mask: (n_rows,)`` bool only its rows read, the others left 0)."""
         if col_mask is None:
             return self.abs_total
         den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
-        for row, col, val in self.chunks():
+        for row, col, val in self.chunks(row_mask):
             k = col_mask[col]
             den.index_add_(0, row[k], val[k].double().abs())
         return den
@@ -240,7 +249,7 @@ class SparseRows:
         """The stored non-zero entries between ``row_mask: (n_rows,)`` rows and ``col_mask: (n_cols,)`` columns
         (bool), counted chunk by chunk (:meth:`chunks`)."""
         n = 0
-        for row, col, val in self.chunks():
+        for row, col, val in self.chunks(row_mask):
             n += int(((val != 0) & col_mask[col] & row_mask[row]).sum())
         return n
 
@@ -249,8 +258,9 @@ class SparseRows:
         """``(row (k,) int64, col (k,) int64, score (k,) float64)`` of the stored non-zero entries between
         ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[row] · factor[row]`` (``factor``, ``den``:
         ``(n_rows,)`` float64), in storage order, at most :data:`CHUNK_ENTRIES` entries at a time — the arithmetic
-        of :meth:`.scores.EntryRows.edge_scores`, read in place (no copy of the entries)."""
-        for row, col, val in self.chunks():
+        of :meth:`.scores.EntryRows.edge_scores`, read in place (no copy of the entries; only the rows of the mask
+        read)."""
+        for row, col, val in self.chunks(row_mask):
             k = (val != 0) & col_mask[col] & row_mask[row]
             row, col, val = row[k], col[k], val[k]
             yield row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
@@ -275,7 +285,7 @@ class _SparseSource:
         self.buffer = torch.empty(min(CHUNK_ENTRIES, max(rows.nnz, 1)), dtype=torch.float64, device=HOST)
 
     def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.rows.abs_sums(col_mask)
+        return self.rows.abs_sums(col_mask, row_mask)
 
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
                      ) -> torch.Tensor:
@@ -287,6 +297,22 @@ class _SparseSource:
     def edge_scores(self, factor: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor, row_mask: torch.Tensor
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return self.rows.edge_scores(factor, den, col_mask, row_mask)
+
+
+def _spans(ends: list[int], live: list[int]) -> Iterator[tuple[int, int]]:
+    """Contiguous entry ranges ``[e0, e1)`` of at most :data:`CHUNK_ENTRIES` entries holding, in order, the entries
+    of the rows ``live`` (ascending block-local rows; row ``i`` ends at ``ends[i]``): consecutive rows merged, a row
+    longer than a chunk split."""
+    span: list[int] = []
+    for i in live:
+        for a in range(ends[i - 1] if i else 0, ends[i], CHUNK_ENTRIES):
+            b = min(a + CHUNK_ENTRIES, ends[i])
+            if span and (span[1] != a or b - span[0] > CHUNK_ENTRIES):
+                yield span[0], span[1]
+                span = []
+            span = [span[0] if span else a, b]
+    if span:
+        yield span[0], span[1]
 
 
 def _rows_of(ends: list[int], e0: int, e1: int) -> torch.Tensor:
@@ -593,24 +619,24 @@ def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor
     ``row_node[r]``), in two chunked passes: each kept row's residual is its stored residual, then its entries
     outside the ``first`` nodes, then those among them but dropped later, each added in storage order (float64);
     the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``.
-    Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
     n_all = node_mask.numel()
     index = _graph_index(kept, n_all)
     dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
     adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
     outside = rows.residual.clone()
-    for row, col, val in rows.chunks():  # the entries outside the node-pruned nodes
+    row_kept = node_mask[row_node]  # only the kept rows are read: the others are not in the graph
+    for row, col, val in rows.chunks(row_kept):  # the entries outside the node-pruned nodes
         k = ~(first[col] & first[row_node[row]])
         outside.index_add_(0, row[k], val[k].double())
         del row, col, val, k
-    for row, col, val in rows.chunks():  # among them: kept edges, or dropped by steps 2-3
+    for row, col, val in rows.chunks(row_kept):  # among them: kept edges, or dropped by steps 2-3
         node = row_node[row]
         among, edge = first[col] & first[node], node_mask[col] & node_mask[node]
         adjacency[index[node[edge]], index[col[edge]]] = val[edge]
         dropped = among & ~edge
         outside.index_add_(0, row[dropped], val[dropped].double())
         del row, col, val, node, among, edge, dropped
-    row_kept = node_mask[row_node]
     residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
     residual[index[row_node[row_kept]]] = outside[row_kept]
     return adjacency, residual
