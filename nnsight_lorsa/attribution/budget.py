@@ -35,7 +35,7 @@ per edge:
   budgeted graph's blocks are assembled from them; over the full graph's blocks,
   :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
-  influence estimate over the stored rows, in place in one reused float64 chunk buffer
+  influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
@@ -85,7 +85,7 @@ PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
 #: bytes per entry of one chunk of the selection's influence steps: ``SparseRows.weighted_abs`` works in place in
-#: one reused float64 buffer of :data:`.rows.CHUNK_ENTRIES` entries (at most the stored entries)
+#: one float64 buffer per step of :data:`.rows.CHUNK_ENTRIES` entries (at most the stored entries)
 SELECTION_BYTES_PER_CHUNK_ENTRY = 8
 #: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)

@@ -22,7 +22,10 @@ same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circu
 the stored rows — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
 dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. On the full
 graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
-:func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit.
+:func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit; on
+:class:`SparseRows` the same calls on the store in place (its chunks, only the rows each step reads), so with every
+non-zero entry stored (a feature budget) they keep the nodes and edges ``prune`` keeps on the budgeted graph
+(tested).
 Each kept target's edges from everything else (dropped sources and the entries a row did not keep) are summed into its
 ``residual``, so ``Σ adjacency[t] + residual[t]`` is still the target's value — a real check, since the values
 come from the forward and the edges from the backward passes. torch only.
@@ -160,17 +163,16 @@ class SparseRows:
                 yield row, block.col[e0:e1].long(), block.val[e0:e1]
 
     def weighted_abs(self, scale: Float[torch.Tensor, " n"], col_mask: torch.Tensor | None = None,
-                     buffer: torch.Tensor | None = None, den: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+                     den: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
         """``Σ_r scale[r] · |row r|``: ``(n_cols,)`` float64 (with ``col_mask``, a bool over the columns, only
         the entries of its columns; with ``den: (n,)`` float64, each entry ``(|v| / den[r]) · scale[r]`` — the
         arithmetic of :func:`.scores.row_influence`'s steps on every storage). Reads only the rows with a non-zero
         ``scale`` (the others add exact zeros), each entry's term computed in float64 and
-        accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in
-        ``buffer`` (float64, reused across calls; made here if None): a fresh multi-MB temporary per chunk
-        costs its page faults, as much as the arithmetic."""
+        accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in one float64
+        buffer made per call and reused by its chunks (a fresh multi-MB temporary per chunk costs its page faults,
+        as much as the arithmetic; one held across calls would sit under the pruning's other passes)."""
         out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
-        if buffer is None:
-            buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
+        buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
         for block in self.blocks:
             s = scale[block.row_start:block.row_start + len(block.ends)]
             live = s.nonzero().flatten()
@@ -242,7 +244,7 @@ class SparseRows:
         den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
         for row, col, val in self.chunks(row_mask):
             k = col_mask[col]
-            den.index_add_(0, row[k], val[k].double().abs())
+            den.index_add_(0, row[k], val[k].double().abs_())
         return den
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
@@ -270,26 +272,25 @@ class SparseRows:
         """:func:`.scores.row_influence` over the stored entries, each row normalised by its full absolute
         mass — or, with ``node_mask: (≥ n_cols,)`` bool, only over the entries between two nodes of the
         mask (source ``col`` and target ``row_node[row]``), each row normalised by those entries' mass.
-        Chunked (:meth:`weighted_abs`, one reused :data:`CHUNK_ENTRIES` float64 buffer); float64."""
+        Chunked (:meth:`weighted_abs`, one :data:`CHUNK_ENTRIES` float64 buffer per step); float64."""
         if node_mask is not None and bool(node_mask.all()):
             node_mask = None  # every node: the full rows
         return row_influence(_SparseSource(self), row_node, row_weight, self.n_cols, node_mask, max_iter)
 
 
 class _SparseSource:
-    """:class:`SparseRows` as a :class:`.scores.RowSource` / :class:`.scores.PrunableRows` (its influence steps in
-    place in one reused buffer; rows are the store's, ``row_node`` maps them to nodes where the caller needs it)."""
+    """:class:`SparseRows` as a :class:`.scores.RowSource` / :class:`.scores.PrunableRows` (rows are the store's;
+    ``row_node`` maps them to nodes where the caller needs it)."""
 
     def __init__(self, rows: SparseRows) -> None:
         self.rows = rows
-        self.buffer = torch.empty(min(CHUNK_ENTRIES, max(rows.nnz, 1)), dtype=torch.float64, device=HOST)
 
     def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rows.abs_sums(col_mask, row_mask)
 
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
                      ) -> torch.Tensor:
-        return self.rows.weighted_abs(weight, col_mask, self.buffer, den)
+        return self.rows.weighted_abs(weight, col_mask, den)
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
         return self.rows.count_edges(col_mask, row_mask)
@@ -558,8 +559,11 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     """The pruned :class:`Graph` of the rows in ``scheduler`` (see the module docstring). On the full graph's
     blocks: :func:`.scores.prune`'s steps on them in place (temporaries of one cell / chunk, the edge scores among
     the node-pruned nodes, 8 B each), then the kept nodes' adjacency and residuals cell by cell
-    (:func:`_block_pruned`). On sparse rows: two chunked passes over the stored entries (node influence, then the
-    entries among the node-pruned nodes); the edge scores and the dangling-node loop run on those entries only."""
+    (:func:`_block_pruned`). On sparse rows the same steps on the stored rows in place (:class:`SparseRows` through
+    its source view, rows mapped to nodes by ``row_node``): chunked passes that read only the rows they need — the
+    node influence, then those of the node-pruned nodes (edge scores, 8 B each of their entries among those nodes),
+    then the kept rows' adjacency and residuals (:func:`_sparse_pruned`); no entry is copied out of the store.
+    Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
