@@ -217,8 +217,9 @@ def test_embedded_model_budgeted_graph_equals_the_dense_assembly(prompt, budget)
 
 def test_allocation_peak_is_the_most_tensor_memory_held_at_once():
     """``allocation_peak`` sums torch's allocator events in time order: two 4 MB tensors held together, one freed
-    before a third (1 MB) and a fourth (4 MB) are made — 9,000,000 B, the same in every run. A tensor made before the
-    call and freed in it is not subtracted (the profiler does not see its size): the peak is an upper bound."""
+    before a third (1 MB) and a fourth (4 MB) are made — 9,000,000 B, the same in every run, whatever earlier
+    profiled calls allocated. A tensor made before the call and freed in it is not subtracted: the peak is an upper
+    bound on the call's growth."""
     held = [torch.ones(2_000_000)]
 
     def work() -> tuple[torch.Tensor, ...]:
