@@ -30,10 +30,16 @@ per edge:
   every node written before the last attention, and from those after it at the last position; unpruned, the
   graph's adjacency over the visited features is then the computed rows' causal blocks
   (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
-* *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
+* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the
+  stored rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
-  budgeted graph's blocks are assembled from them; over the full graph's blocks,
-  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
+  budgeted graph's blocks are assembled from them. Not counted: the edge scores of the stored entries among the
+  node-pruned nodes (8 B each) and the kept graph (its dense ``k × k`` adjacency, ``k`` kept nodes), which depend on
+  the influences, not on the structure — measured (``benchmarks/attribution_memory_terms.py``, modes ``sparse`` and
+  ``budget_pruned``, 128–512 tokens) 5–32 thousand such entries at ``node_threshold=0.8`` (26–45 thousand at 0.99;
+  ≤ 0.4 MB) and ``k`` ≤ 754 (≤ 2.3 MB), inside the chunk term: the assembly's allocation-level peak 3–6 MB (was
+  9–11 MB when those entries were copied out first), its resident-set peak within the term. Over the full graph's
+  blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.

@@ -629,18 +629,17 @@ def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor
     dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
     adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
     outside = rows.residual.clone()
-    row_kept = node_mask[row_node]  # only the kept rows are read: the others are not in the graph
-    for row, col, val in rows.chunks(row_kept):  # the entries outside the node-pruned nodes
-        k = ~(first[col] & first[row_node[row]])
+    row_kept = node_mask[row_node]  # only the kept rows are read (the others are not in the graph): their targets
+    for row, col, val in rows.chunks(row_kept):  # are among the ``first`` nodes — the entries outside them
+        k = ~first[col]
         outside.index_add_(0, row[k], val[k].double())
         del row, col, val, k
     for row, col, val in rows.chunks(row_kept):  # among them: kept edges, or dropped by steps 2-3
-        node = row_node[row]
-        among, edge = first[col] & first[node], node_mask[col] & node_mask[node]
-        adjacency[index[node[edge]], index[col[edge]]] = val[edge]
-        dropped = among & ~edge
+        edge = node_mask[col]
+        adjacency[index[row_node[row[edge]]], index[col[edge]]] = val[edge]
+        dropped = first[col] & ~edge
         outside.index_add_(0, row[dropped], val[dropped].double())
-        del row, col, val, node, among, edge, dropped
+        del row, col, val, edge, dropped
     residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
     residual[index[row_node[row_kept]]] = outside[row_kept]
     return adjacency, residual
