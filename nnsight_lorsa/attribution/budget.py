@@ -38,9 +38,9 @@ per edge:
   the influences, not on the structure — measured (``benchmarks/attribution_memory_terms.py``, modes ``sparse`` and
   ``budget_pruned``, 128–512 tokens) 5–51 thousand such entries at ``node_threshold=0.8`` (26–45 thousand at 0.99;
   0.08–3.4 % of the stored entries, ≤ 0.4 MB) and ``k`` ≤ 754 (≤ 2.3 MB), inside the chunk term: the assembly
-  allocates 3.0–11.2 MB at its peak (9.2–11.4 MB when those entries were copied out first); its resident-set
-  peak is within the term but at 512 tokens with ``keep_mass=0.99`` (40.9 MB, was 30.8: the heap around 490 MB
-  of stored rows). Over the full graph's blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
+  allocates 3.0–11.2 MB at its peak (9.2–11.4 MB when those entries were copied out first), its resident-set
+  peak 2–22 MB (15–31 MB before). Over the full graph's blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored
+  entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
