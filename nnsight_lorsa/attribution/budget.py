@@ -30,12 +30,19 @@ per edge:
   every node written before the last attention, and from those after it at the last position; unpruned, the
   graph's adjacency over the visited features is then the computed rows' causal blocks
   (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
-* *pruning* (host, after the frozen pass is freed): the chunked passes' temporaries over sparse rows,
+* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the
+  stored rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
-  budgeted graph's blocks are assembled from them; over the full graph's blocks,
-  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
+  budgeted graph's blocks are assembled from them. Not counted: the edge scores of the stored entries among the
+  node-pruned nodes (8 B each) and the kept graph (its dense ``k × k`` adjacency, ``k`` kept nodes), which depend on
+  the influences, not on the structure — measured (``benchmarks/attribution_memory_terms.py``, modes ``sparse`` and
+  ``budget_pruned``, 128–512 tokens) 5–51 thousand such entries at ``node_threshold=0.8`` (26–45 thousand at 0.99;
+  0.08–3.4 % of the stored entries, ≤ 0.4 MB) and ``k`` ≤ 754 (≤ 2.3 MB), inside the chunk term: the assembly
+  allocates 3.0–11.2 MB at its peak (9.2–11.4 MB when those entries were copied out first), its resident-set
+  peak 2–22 MB (15–31 MB before). Over the full graph's blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored
+  entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
-  influence estimate over the stored rows, in place in one reused float64 chunk buffer
+  influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
@@ -85,7 +92,7 @@ PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
 #: bytes per entry of one chunk of the selection's influence steps: ``SparseRows.weighted_abs`` works in place in
-#: one reused float64 buffer of :data:`.rows.CHUNK_ENTRIES` entries (at most the stored entries)
+#: one float64 buffer per step of :data:`.rows.CHUNK_ENTRIES` entries (at most the stored entries)
 SELECTION_BYTES_PER_CHUNK_ENTRY = 8
 #: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)

@@ -189,6 +189,22 @@ class RowSource(Protocol):
         ...
 
 
+@runtime_checkable
+class PrunableRows(RowSource, Protocol):
+    """A :class:`RowSource` that :func:`prune_rows` can also score edge by edge: :class:`EntryRows`,
+    :class:`.blocks.BlockAdjacency`, and :class:`.rows.SparseRows` (read in place through its source view)."""
+
+    def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+        """The non-zero entries between ``row_mask`` rows and ``col_mask`` columns."""
+        ...
+
+    def edge_scores(self, factor: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor, row_mask: torch.Tensor
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(row, col, score)`` of those entries, score ``|v| / den[row] · factor[row]`` (float64), in the
+        storage's row order, a chunk at a time."""
+        ...
+
+
 def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_weight: Float[torch.Tensor, " n_rows"],
                   n_cols: int, node_mask: torch.Tensor | None = None, max_iter: int = 1000,
                   den: torch.Tensor | None = None) -> Float[torch.Tensor, " n_cols"]:
@@ -298,7 +314,7 @@ def node_influence(graph: Graph) -> Float[torch.Tensor, " n_nodes"]:
     return out
 
 
-def prune_rows(rows: BlockAdjacency | EntryRows, row_node: Int[torch.Tensor, " n_rows"],
+def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
                row_weight: Float[torch.Tensor, " n_rows"], node_mask: torch.Tensor, always: torch.Tensor,
                kind: torch.Tensor, edge_threshold: float, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2–3 of the pruning (module docstring) after the node threshold ``node_mask: (n_all,)`` bool, on the
@@ -308,6 +324,8 @@ def prune_rows(rows: BlockAdjacency | EntryRows, row_node: Int[torch.Tensor, " n
     features and errors dropped until stable. Returns ``(node_mask (n_all,) bool, edge_index (2, k) int64)``: the
     kept nodes, and the kept edges ``[target node; source]`` in ``rows``' order (row-major, sources ascending, for
     a graph's blocks or entries).
+
+    ``rows``: a graph's blocks or entries, or the stored rows of pruning while building (:class:`PrunableRows`).
 
     Memory: the scores of the entries between kept nodes, float64 (``8 B`` each), sorted in place
     (:func:`find_threshold_`), then the kept edges (``16 B`` each) — never a per-entry copy of the rows.

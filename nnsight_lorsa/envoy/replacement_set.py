@@ -113,9 +113,9 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     names the kind in messages (``"an SAE"``), ``hint`` follows a refusal of another kind. Modules
     are read in ``kwargs["dtype"]``, default ``model``'s dtype (its first floating parameter's), and to
     ``kwargs["device"]`` (the reader's default without it); the set then puts each on its site's device
-    whatever ``device`` was (a module computes on its site's device) — or, with ``offload=True`` in ``kwargs``, marks them
-    offloaded so that the set keeps them on the host and they never occupy the device whole
-    (:attr:`ReplacementSet.offload`).
+    whatever ``device`` was (a module computes on its site's device) — or, with ``offload=True`` in
+    ``kwargs``, marks them offloaded so that the set keeps them on the host and they never occupy the
+    device whole (:attr:`ReplacementSet.offload`).
 
     Raises:
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass

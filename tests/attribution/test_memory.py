@@ -286,3 +286,83 @@ def test_sparse_rows_keep_mass_partitions_each_row(n_rows, n_cols, density, keep
             smallest = mass[kept[r]].min().item()
             assert kept_mass - smallest < keep_mass * total * (1 + 1e-12)
             assert bool((mass[~kept[r]] <= smallest).all())
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_pruning_on_sparse_rows_equals_prune_of_the_unpruned_graph(setup, monkeypatch, budget):
+    """Pruning while building on sparse rows (``SparseRows``: a feature budget with ``prune=``; for the full graph the
+    store forced sparse here, every non-zero entry kept) keeps, bit for bit, the nodes and edges ``prune`` keeps on
+    the unpruned graph — an independent path: its causal blocks — with the rows stored across several blocks and
+    read in chunks that split rows; the residuals keep every row's sum. It reads the stored rows in place: the
+    scored edges come through ``SparseRows.edge_scores`` (one chunk at a time), no entry is copied out of them."""
+    from nnsight_lorsa.attribution import prune
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    r, ids, full = setup
+    unpruned = full if budget is None else attribute(r, ids, batch_size=32, max_feature_nodes=budget)
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 1000)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 97)
+    if budget is None:
+        init = rows_module.RowScheduler.__init__
+
+        def sparse_store(self, layout, *a, **k):
+            init(self, layout, *a, **k)
+            self._make_blocks, self.rows = None, rows_module.SparseRows(layout.n_sources)
+
+        monkeypatch.setattr(rows_module.RowScheduler, "__init__", sparse_store)
+    scored = []
+    edge_scores = rows_module.SparseRows.edge_scores
+
+    def spied(self, *a, **k):
+        for part in edge_scores(self, *a, **k):
+            scored.append(part[0].numel())
+            yield part
+
+    monkeypatch.setattr(rows_module.SparseRows, "edge_scores", spied)
+    g = attribute(r, ids, batch_size=32, max_feature_nodes=budget, prune=(0.8, 0.98))
+    stored = g.meta["pruned"]["stored_entries"]
+    assert stored > 10 * 97 and scored and max(scored) <= 97  # the store's chunks, scored where they lie
+    pr = prune(unpruned)
+    keep = pr.node_mask.nonzero().flatten()
+    assert 0 < keep.numel() < unpruned.n_nodes
+    assert torch.equal(g.layout_ids, unpruned.layout_ids[pr.node_mask])
+    assert torch.equal(g.densify(), unpruned.densify()[keep][:, keep])
+    assert g.residual.abs().sum() > 0 and g.edge_sum_error("mass").max() < 1e-6
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_sparse_rows_read_by_row_mask_are_the_entries_of_those_rows(monkeypatch, chunk):
+    """``SparseRows.chunks(row_mask)`` reads exactly the entries of the mask's rows, in storage order (rows longer than
+    a chunk, several blocks, an empty row), and the pruning's reads on the store — ``abs_sums``, ``count_edges``,
+    ``edge_scores`` — equal, bit for bit on the mask's rows, ``EntryRows`` over a copy of those entries (the former
+    path)."""
+    from nnsight_lorsa.attribution import rows as rows_module
+    from nnsight_lorsa.attribution.scores import EntryRows
+
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", chunk)
+    g = torch.Generator().manual_seed(2)
+    n_rows, n_cols = 14, 25
+    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.3)
+    dense[5] = 0
+    sp = rows_module.SparseRows(n_cols)
+    for a, b in ((0, 3), (3, 4), (4, 9), (9, 14)):
+        sp.append(dense[a:b])
+    assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
+    row_mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)  # gaps inside a chunk
+    col_mask = torch.rand(n_cols, generator=g) > 0.3
+    every = [torch.cat(t) for t in zip(*sp.chunks(), strict=True)]
+    k = row_mask[every[0]]
+    parts = list(sp.chunks(row_mask))
+    assert max(p[0].numel() for p in parts) <= chunk
+    masked = [torch.cat(t) for t in zip(*parts, strict=True)]
+    assert all(torch.equal(m, e[k]) for m, e in zip(masked, every, strict=True))
+    entries = EntryRows(*masked, n_rows, n_cols)
+    den = sp.abs_sums(col_mask, row_mask)
+    assert torch.equal(den[row_mask], entries.abs_sums(col_mask)[row_mask]) and not bool(den[~row_mask].any())
+    assert sp.count_edges(col_mask, row_mask) == entries.count_edges(col_mask, row_mask) > 0
+    factor = torch.rand(n_rows, generator=g, dtype=torch.float64)
+    den = den.clamp_min(1e-30)
+    got, want = ([torch.cat(t) for t in zip(*src.edge_scores(factor, den, col_mask, row_mask), strict=True)]
+                 for src in (sp, entries))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
