@@ -203,6 +203,23 @@ def test_no_reference_cycle_holds_the_frozen_pass_graph(setup, monkeypatch):
     assert not held, f"{len(held)} tensors with an autograd graph held by reference cycles"
 
 
+def blocked_rows(monkeypatch, chunk: int, seed: int):
+    """``(SparseRows, dense (14, 25), generator)``: random rows with an empty one (5), appended in four batches into
+    blocks of 40 entries read in chunks of ``chunk`` — rows longer than a chunk, several blocks."""
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", chunk)
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(14, 25, generator=g) * (torch.rand(14, 25, generator=g) > 0.3)
+    dense[5] = 0
+    sp = rows_module.SparseRows(25)
+    for a, b in ((0, 3), (3, 4), (4, 9), (9, 14)):
+        sp.append(dense[a:b])
+    assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
+    return sp, dense, g
+
+
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch, chunk):
     """``SparseRows.weighted_abs`` (one influence step, in place over the rows of non-zero weight only) equals,
@@ -210,18 +227,8 @@ def test_weighted_abs_is_the_per_entry_sum_in_storage_order(monkeypatch, chunk):
     influence steps took before: rows longer than a chunk (7), runs of several short rows in one chunk (64:
     one repeated weight vector), rows in several blocks, an empty row, rows of weight 0, with and without a
     column mask."""
-    from nnsight_lorsa.attribution import rows as rows_module
-
-    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
-    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", chunk)
-    g = torch.Generator().manual_seed(1)
-    n_rows, n_cols = 14, 25
-    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.3)
-    dense[5] = 0
-    sp = rows_module.SparseRows(n_cols)
-    for a, b in ((0, 3), (3, 4), (4, 9), (9, 14)):
-        sp.append(dense[a:b])
-    assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
+    sp, dense, g = blocked_rows(monkeypatch, chunk, seed=1)
+    n_rows, n_cols = dense.shape
     scale = torch.rand(n_rows, generator=g, dtype=torch.float64)
     scale[[1, 7, 12]] = 0  # rows 9-11 (one block) and 2-4 (two) are runs of three weighted rows
     mask = torch.rand(n_cols, generator=g) > 0.3
@@ -336,19 +343,10 @@ def test_sparse_rows_read_by_row_mask_are_the_entries_of_those_rows(monkeypatch,
     a chunk, several blocks, an empty row), and the pruning's reads on the store — ``abs_sums``, ``count_edges``,
     ``edge_scores`` — equal, bit for bit on the mask's rows, ``EntryRows`` over a copy of those entries (the former
     path)."""
-    from nnsight_lorsa.attribution import rows as rows_module
     from nnsight_lorsa.attribution.scores import EntryRows
 
-    monkeypatch.setattr(rows_module, "BLOCK_ENTRIES", 40)
-    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", chunk)
-    g = torch.Generator().manual_seed(2)
-    n_rows, n_cols = 14, 25
-    dense = torch.randn(n_rows, n_cols, generator=g) * (torch.rand(n_rows, n_cols, generator=g) > 0.3)
-    dense[5] = 0
-    sp = rows_module.SparseRows(n_cols)
-    for a, b in ((0, 3), (3, 4), (4, 9), (9, 14)):
-        sp.append(dense[a:b])
-    assert len(sp.blocks) > 1 and int((dense != 0).sum(1).max()) > 7
+    sp, dense, g = blocked_rows(monkeypatch, chunk, seed=2)
+    n_rows, n_cols = dense.shape
     row_mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1], dtype=torch.bool)  # gaps inside a chunk
     col_mask = torch.rand(n_cols, generator=g) > 0.3
     every = [torch.cat(t) for t in zip(*sp.chunks(), strict=True)]
