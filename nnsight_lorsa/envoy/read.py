@@ -25,7 +25,7 @@ from torch import nn
 from .._typing import Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ActivationCacheError
+from ..errors import ActivationCacheError, ArgumentError
 from .nnsight_internals import hf_module
 
 _KINDS = ("input", "output", "positions")
@@ -44,15 +44,17 @@ class Site:
             or ``(pos,)``.
 
     Raises:
-        ValueError: another ``kind``.
+        ArgumentError: another ``kind`` or a ``path`` that is not a string (a ``ValueError`` too).
     """
 
     path: str
     kind: str = "output"
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"Site.kind must be one of {_KINDS}, got {self.kind!r}")
+        if not isinstance(self.path, str):
+            raise ArgumentError(f"Site.path must be a dotted module path (str), got {self.path!r}")
+        if not isinstance(self.kind, str) or self.kind not in _KINDS:
+            raise ArgumentError(f"Site({self.path!r}).kind must be one of {_KINDS}, got {self.kind!r}")
 
     @classmethod
     def mlp_input(cls, adapter: ArchitectureAdapter, layer: int) -> Site:

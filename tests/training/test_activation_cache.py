@@ -8,6 +8,8 @@ import shutil
 import pytest
 import torch
 from helpers import tiny_nnsight, tiny_training_setup
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ActivationCacheError, CheckpointError
@@ -155,3 +157,18 @@ def test_cache_refuses_a_model_with_other_weights_and_accepts_a_moved_one(setup,
         cache.check_model(model)
     finally:
         hf.config._name_or_path = old
+
+
+@given(kind=st.text(max_size=12), path=st.sampled_from(["model.layers.0.mlp", "model.layers.1", ""]))
+def test_a_site_of_another_kind_is_an_argument_error(kind, path):
+    """``Site(path, kind)``: a kind other than input / output / positions is refused with the package's
+    ``ArgumentError`` (a ``ValueError`` too) naming the site and the field; the three kinds are accepted. (Non-string
+    fields are refused by the suite's type-hint checker before the constructor runs; without it, by the same check.)"""
+    from nnsight_lorsa.errors import ArgumentError
+
+    if kind in ("input", "output", "positions"):
+        assert Site(path, kind).kind == kind
+        return
+    with pytest.raises(ArgumentError, match=r"Site\(.*\)\.kind must be one of") as info:
+        Site(path, kind)
+    assert isinstance(info.value, ValueError)
