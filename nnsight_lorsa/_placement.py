@@ -49,8 +49,8 @@ def check_dtype_arg(dtype: Any, where: str) -> torch.dtype | None:
     """
     if dtype is None or (isinstance(dtype, torch.dtype) and dtype in MODULE_DTYPES):
         return dtype
-    raise ArgumentError(f"{where}: dtype must be None or one of torch.float16, torch.bfloat16, torch.float32, "
-                        f"torch.float64 (a torch.dtype), got {dtype!r} ({type(dtype).__name__})")
+    raise ArgumentError(f"{where}: dtype must be None or a floating torch.dtype (torch.float16, torch.bfloat16, "
+                        f"torch.float32, torch.float64), got {dtype!r} ({type(dtype).__name__})")
 
 
 def check_device_arg(device: Any, where: str) -> torch.device | None:
@@ -71,13 +71,24 @@ def check_device_arg(device: Any, where: str) -> torch.device | None:
     except RuntimeError as e:
         if isinstance(device, int):  # an accelerator index where torch sees no accelerator
             raise PlacementError(f"{where}: device={device!r} (cuda:{device}) is not available here: {e}") from None
-        raise ArgumentError(f"{where}: device={device!r} is not a device (cpu, cuda, cuda:1, meta): {e}") from None
+        raise ArgumentError(f"{where}: device {device!r} is not a device (cpu, cuda, cuda:1, meta): {e}") from None
     try:
         torch.empty(0, device=d)
     except (RuntimeError, AssertionError, NotImplementedError) as e:  # torch's "not compiled with CUDA" is an assert
         raise PlacementError(f"{where}: torch cannot put tensors on {d} here (torch {torch.__version__}): "
                              f"{e}") from None
     return d
+
+
+def check_placement_args(device: Any, dtype: Any, where: str) -> torch.device | None:
+    """A loader's or trainer's ``device=`` / ``dtype=`` checked before anything is read or moved
+    (:func:`check_dtype_arg`, :func:`check_device_arg`); returns the device as a ``torch.device`` (None stays None).
+
+    Raises:
+        ArgumentError: a dtype other than fp16 / bf16 / fp32 / fp64, or a device that is not one.
+        PlacementError: a device this machine lacks."""
+    check_dtype_arg(dtype, where)
+    return check_device_arg(device, where)
 
 
 def torch_module(model: Any) -> Any:
@@ -324,7 +335,6 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
     return torch.as_tensor(value).to(device=tensor.device, dtype=tensor.dtype)
 
 
-__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype", "f32",
-           "fetch",
-           "host_f32", "like", "model_device", "offloaded", "pinned", "place", "placement", "resident",
-           "set_offload", "store_on_host", "to_module"]
+__all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype",
+           "check_placement_args", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned", "place",
+           "placement", "resident", "set_offload", "store_on_host", "to_module"]

@@ -46,7 +46,7 @@ from .._typing import Float, Int
 from .blocks import BlockAdjacency
 from .graph import BIAS, EMBEDDING, HOST, LOGIT, Graph
 from .layout import Layout
-from .scores import find_threshold, prune_rows, row_influence
+from .scores import find_threshold, prune_rows, row_influence, scored_entries
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -268,9 +268,7 @@ class SparseRows:
         of :meth:`.scores.EntryRows.edge_scores`, read in place (no copy of the entries; only the rows of the mask
         read)."""
         for row, col, val in self.chunks(row_mask):
-            k = (val != 0) & col_mask[col] & row_mask[row]
-            row, col, val = row[k], col[k], val[k]
-            yield row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
+            yield scored_entries(row, col, val, factor, den, col_mask, row_mask)
 
     def influence(self, row_node: Int[torch.Tensor, " n"], row_weight: Float[torch.Tensor, " n"],
                   node_mask: torch.Tensor | None = None, max_iter: int = 1000) -> Float[torch.Tensor, " s"]:

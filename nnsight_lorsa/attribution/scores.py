@@ -282,10 +282,18 @@ class EntryRows:
         """``(row, col, score)`` of the non-zero entries between ``row_mask`` rows and ``col_mask`` columns, score
         ``|v| / den[row] · factor[row]`` (float64), in storage order, :data:`CHUNK` entries at a time."""
         for e0 in range(0, self.val.numel(), CHUNK):
-            row, col, val = self.row[e0:e0 + CHUNK], self.col[e0:e0 + CHUNK], self.val[e0:e0 + CHUNK]
-            k = (val != 0) & col_mask[col] & row_mask[row]
-            row, col, val = row[k], col[k], val[k]
-            yield row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
+            yield scored_entries(self.row[e0:e0 + CHUNK], self.col[e0:e0 + CHUNK], self.val[e0:e0 + CHUNK], factor,
+                                 den, col_mask, row_mask)
+
+
+def scored_entries(row: Int[torch.Tensor, " k"], col: Int[torch.Tensor, " k"], val: Float[torch.Tensor, " k"],
+                   factor: Float[torch.Tensor, " n_rows"], den: Float[torch.Tensor, " n_rows"], col_mask: torch.Tensor,
+                   row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row, col, score)`` of the non-zero entries of a chunk between ``row_mask`` rows and ``col_mask`` columns,
+    score ``|v| / den[row] · factor[row]`` (float64): the edge scores of every row store (``edge_scores``)."""
+    k = (val != 0) & col_mask[col] & row_mask[row]
+    row, col, val = row[k], col[k], val[k]
+    return row, col, val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
 
 
 #: entries per chunk of :meth:`EntryRows.edge_scores` and of :func:`find_threshold`'s running sum

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from .._placement import (
-    check_device_arg,
-    check_dtype_arg,
     check_one_dtype,
+    check_placement_args,
     offloaded,
     place,
     set_offload,
@@ -128,8 +127,7 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
     offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
-    check_dtype_arg(kwargs.get("dtype"), "from_pretrained")
-    check_device_arg(kwargs.get("device"), "from_pretrained")
+    check_placement_args(kwargs.get("device"), kwargs.get("dtype"), "from_pretrained")
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._atomic import check, manifest_of
-from .._placement import check_device_arg, check_dtype_arg
+from .._placement import check_placement_args
 from .files import resolve_checkpoint_dir
 from .validate import build_module
 
@@ -66,17 +66,6 @@ class Reader:
         """The keyword options ``parse_config`` takes (beyond the path)."""
         params = list(inspect.signature(self.parse_config).parameters.values())[1:]
         return frozenset(p.name for p in params)
-
-
-def check_placement_args(device: Any, dtype: Any, where: str) -> torch.device | None:
-    """A loader's ``device=`` / ``dtype=`` checked before anything is read (:func:`~.._placement.check_dtype_arg`,
-    :func:`~.._placement.check_device_arg`); returns the device as a ``torch.device`` (None stays None).
-
-    Raises:
-        ArgumentError: a dtype other than fp16 / bf16 / fp32 / fp64, or a device that is not one.
-        PlacementError: a device this machine lacks."""
-    check_dtype_arg(dtype, where)
-    return check_device_arg(device, where)
 
 
 def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = None,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._placement import check_placement_args
 from ..errors import (
     ArgumentError,
     FormatDetectionError,
@@ -57,7 +58,7 @@ from . import (
     sparsify,
 )
 from .files import read_json_object, resolve_checkpoint_dir
-from .reader import Reader, check_placement_args, read_dir
+from .reader import Reader, read_dir
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
            "load_all", "register_format", "save"]

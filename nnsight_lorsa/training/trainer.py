@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
-from .._placement import f32, placement
+from .._placement import check_placement_args, f32, placement
 from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
@@ -509,17 +509,11 @@ class Trainer:
 
         Raises:
             CheckpointError: a file is missing or does not match the recorded configuration.
-            ArgumentError: ``dtype`` not a floating ``torch.dtype``, or ``device`` not a torch device.
+            ArgumentError: ``dtype`` not a floating ``torch.dtype``, or ``device`` not a torch device
+                (:func:`~.._placement.check_placement_args`). PlacementError: a device this machine lacks.
             ConfigMismatchError: ``dtype=torch.float16`` (as the constructor).
         """
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ArgumentError(f"Trainer.resume(dtype=...) must be a floating torch.dtype (torch.float32, "
-                                f"torch.bfloat16, torch.float64), got {dtype!r}")
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ArgumentError(f"Trainer.resume(device=...): device {device!r} is not a torch device ({e})") from e
+        device = check_placement_args(device, dtype, "Trainer.resume")
         d, meta, config, module = cls._load(directory)
         if device is not None or dtype is not None:
             module = module.to(device=device, dtype=dtype)
