@@ -215,10 +215,12 @@ def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -
     with_model = time.perf_counter() - t
     batch = source(0)
     t = time.perf_counter()
-    for _ in range(steps):  # the bare step on fixed activations: loss, backward, optimizer
+    for _ in range(steps):  # the bare step on fixed activations: loss, backward, optimizer (fp32 masters of bf16)
         loss, _ = trainer.loss(batch)
         loss.backward()
+        trainer.masters.move_grads()
         trainer.optimizer.step()
+        trainer.masters.round_()
         trainer.optimizer.zero_grad(set_to_none=True)
     sync(dev)
     bare = time.perf_counter() - t

@@ -14,8 +14,8 @@ where ``E|A|/N_allowed`` is the expected fraction of open edges over all layers,
 the constraint alike. At the start the base model's CE on the training windows is measured; a τ that
 is slack by more than ``max_initial_slack`` of it (the constraint would hold from step 0 and only
 sparsity would be optimised) raises :class:`~.errors.VacuousConstraintError` unless
-``allow_slack_constraint``. Full fine-tuning (AdamW; the gate biases get their own learning rate; fp16
-weights through fp32 master copies) or
+``allow_slack_constraint``. Full fine-tuning (AdamW; the gate biases get their own learning rate; fp16 and bf16
+weights through fp32 master copies, :mod:`~..training.master_weights`) or
 LoRA (``peft``, ``lora_rank``; the LoRA matrices and gate biases train, the rest is frozen).
 
 Checkpoints (``checkpoint.safetensors`` + ``checkpoint.json``: trainable parameters, AdamW state,
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
-from torch import nn
 from tqdm.auto import tqdm
 
 from .._typing import Int
@@ -54,6 +53,7 @@ from ..errors import (
 )
 from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
 from ..training.dataset import TokenDataset, special_token_id
+from ..training.master_weights import MasterWeights
 from ..training.metrics import next_token_ce
 from ..training.train_config import OptimConfig
 from .geco import GECO
@@ -315,20 +315,14 @@ class SparseAttentionTrainer:
         gate_ids = {id(p) for p in gate_params}
         names = [n for n, p in self.hf.named_parameters() if p.requires_grad]
         others = [p for _, p in self.hf.named_parameters() if p.requires_grad and id(p) not in gate_ids]
-        # fp16 parameters train through fp32 master copies (mixed precision): AdamW in fp16 underflows
-        # (1 − β2)·g² and eps = 1e-8 to 0, and its first step turns every weight into 0 / 0 = NaN
-        self.masters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-
-        def master(p: nn.Parameter) -> nn.Parameter:
-            if p.dtype != torch.float16:
-                return p
-            m = nn.Parameter(p.detach().to(torch.float32), requires_grad=True)
-            self.masters[id(p)] = (p, m)
-            return m
-
+        # fp16 / bf16 parameters train through fp32 master copies (mixed precision): AdamW in fp16 underflows
+        # (1 − β2)·g² and eps = 1e-8 to 0, and its first step turns every weight into 0 / 0 = NaN; in bf16 an
+        # update below half a step of a weight rounds away
+        self.masters = MasterWeights([*others, *gate_params])
         optimizer = torch.optim.AdamW(
-            [{"params": [master(p) for p in others], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
-             {"params": [master(p) for p in gate_params], "lr": cfg.gate_lr, "weight_decay": 0.0}], betas=cfg.betas)
+            [{"params": self.masters.optimized(others), "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+             {"params": self.masters.optimized(gate_params), "lr": cfg.gate_lr, "weight_decay": 0.0}],
+            betas=cfg.betas)
         return peft_model, names, optimizer
 
     def _check_slack(self, target: float) -> None:
@@ -420,9 +414,7 @@ class SparseAttentionTrainer:
                                  f"(CE {float(ce):.4g}); the model and gates are as before this step",
                                  step=self.step, tensor="loss")
         loss.backward()
-        for p, m in self.masters.values():  # an fp16 parameter's gradient goes to its fp32 master
-            m.grad = None if p.grad is None else p.grad.to(torch.float32)
-            p.grad = None
+        self.masters.move_grads()  # a low-precision parameter's gradient goes to its fp32 master
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if not bool(torch.isfinite(norm)):
@@ -431,9 +423,7 @@ class SparseAttentionTrainer:
                                  f"{float(norm):.4g}; the model and gates are as before this step",
                                  step=self.step, tensor="grad")
         self.optimizer.step()
-        with torch.no_grad():
-            for p, m in self.masters.values():
-                p.copy_(m)  # the model's fp16 weights: the updated masters, rounded once
+        self.masters.round_()  # the model's low-precision weights: the updated masters, rounded once
         lam = self.geco.update(ce.item())
         stats = edge_statistics(self.hf)
         self.step += 1
@@ -471,8 +461,8 @@ class SparseAttentionTrainer:
         """
         directory = Path(directory)
         params = dict(self.hf.named_parameters())
-        # an fp16 parameter's fp32 master is what the training holds (the model has its rounding): save it
-        held = {n: self.masters.get(id(params[n]), (None, params[n]))[1] for n in self.param_names}
+        # a low-precision parameter's fp32 master is what the training holds (the model has its rounding): save it
+        held = {n: self.masters.held(params[n]) for n in self.param_names}
         tensors: dict[str, torch.Tensor] = {f"param.{n}": held[n].detach().cpu().contiguous()
                                             for n in self.param_names}
         opt = self.optimizer.state_dict()
@@ -516,10 +506,8 @@ class SparseAttentionTrainer:
         params = dict(self.hf.named_parameters())
         try:
             with torch.no_grad():
-                for n in self.param_names:
-                    params[n].copy_(tensors[f"param.{n}"])
-                    if id(params[n]) in self.masters:  # fp16: its fp32 master as saved, the model its rounding
-                        self.masters[id(params[n])][1].copy_(tensors[f"param.{n}"])
+                for n in self.param_names:  # a master as saved, its low-precision parameter the rounding
+                    self.masters.set_(params[n], tensors[f"param.{n}"])
             state = {int(i): {k: tensors[f"optim.{i}.{k}"] for k in keys} for i, keys in meta["optim_keys"].items()}
             groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})

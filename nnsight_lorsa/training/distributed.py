@@ -20,7 +20,9 @@ callable yielding stacked CLT batches must shard itself). What makes the result 
   masks OR-ed, token counts summed), and AuxK's normaliser ``E‖e‖²`` is the global mean
   (:meth:`DataParallel.global_mean`), so AuxK matches too;
 * the dataset-norm factors are estimated on the global batches by every rank;
-* gradient clipping, Adam and the decoder renormalisation then run identically on every rank.
+* gradient clipping, Adam and the decoder renormalisation then run identically on every rank; a bf16
+  module's fp32 master weights (:mod:`.master_weights`) are broadcast from rank 0 with its weights, and
+  take the reduced gradients (reduced in bf16, the parameters' dtype, then widened to fp32).
 
 Not identical: BatchTopK picks its ``k · n`` activations per rank (its batch is the shard), and
 the logged metrics (FVU, L0, …) are rank-local. Save checkpoints from one rank (all hold the same
@@ -104,6 +106,15 @@ class DataParallel:
         no_forward_sync: dict[str, Any] = {"forward_sync_buffers": False} if new_api else {"broadcast_buffers": False}
         self.ddp = DistributedDataParallel(_LossModule(trainer), process_group=process_group,
                                            find_unused_parameters=find_unused_parameters, **no_forward_sync)
+        # a bf16 module's fp32 masters follow rank 0's too (DDP has just broadcast its bf16 weights): every
+        # rank then steps the same masters with the same reduced gradients
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        for m in trainer.masters.masters():
+            buf = m.detach().to(self.device)
+            dist.broadcast(buf, src=src, group=process_group)
+            with torch.no_grad():
+                m.copy_(buf)
+        trainer.masters.round_()
         trainer.dist = self
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:

@@ -461,6 +461,7 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     idx = dead.nonzero().flatten()
     if idx.numel() == 0:
         return idx
+    x = x.to(lorsa.W_Q.dtype)  # the weights' dtype (fp32 masters of a bf16 Lorsa inside the trainer's edits)
     pos = loss_mask.nonzero()                                            # (n, 2) token coordinates
     e = err[loss_mask].float()
     weights = e.pow(2).sum(-1)

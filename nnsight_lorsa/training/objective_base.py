@@ -60,8 +60,8 @@ class TrainingState:
         """Latents ``moved`` (indices) start afresh: their rows of the Adam moments of ``params`` (those
         whose first axis is the latent axis) are zeroed, and their dead counters restart (a full dead window)."""
         n = self._trainer.tokens_since_fired.shape[0]
-        for p in params:
-            for v in self._trainer.optimizer.state.get(p, {}).values():
+        for p in params:  # (a bf16 module's moments are its fp32 masters')
+            for v in self._trainer.optimizer.state.get(self._trainer.masters.held(p), {}).values():
                 if v.dim() and v.shape[0] == n:
                     v[moved] = 0
         self._trainer.tokens_since_fired[moved] = 0

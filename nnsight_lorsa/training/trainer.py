@@ -37,10 +37,14 @@ from .._placement import check_placement_args, f32, placement
 from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
+from .master_weights import MasterWeights
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
 from .schedule import wsd_lr_factor
 from .train_config import TrainConfig as TrainConfig  # defined there; imported from here too
 from .wandb_log import WandbRun, flat_metrics
+
+#: a checkpoint's fp32 master weights (a bf16 run's; absent when the module has none)
+MASTERS_FILE = "masters.safetensors"
 
 
 class _ObjectiveField:
@@ -108,10 +112,11 @@ class Trainer:
         device, _ = placement(trained)
         if any(p.dtype == torch.float16 for p in trained.parameters()):
             raise ConfigMismatchError(
-                f"{type(trained).__name__} has float16 parameters: Adam keeps its moments in the parameters' dtype, "
-                "where eps (1e-8) is 0 and small squared gradients underflow, so a zero gradient (a dead latent's) "
-                "updates by 0/0; train the module in bfloat16 or float32 (module.to(torch.bfloat16)); the model "
-                "may stay in float16")
+                f"{type(trained).__name__} has float16 parameters: the trainer does no loss scaling, and float16's "
+                "narrow exponent range (smallest normal 6e-5, largest 65504) makes small gradients underflow to 0 "
+                "and large ones overflow to inf in the backward; train the module in bfloat16 or float32 (a "
+                "bfloat16 module trains through fp32 master weights, with float32's range: "
+                "module.to(torch.bfloat16)); the model may stay in float16")
         if any(p.is_complex() for p in trained.parameters()):
             raise ConfigMismatchError(f"{type(trained).__name__} has complex parameters: train it in a real floating "
                                       "dtype (torch.float32, torch.bfloat16 or torch.float64)")
@@ -128,7 +133,11 @@ class Trainer:
         #: the W&B run's id (``TrainConfig.wandb_project``; kept in checkpoints), None before the run starts
         self.wandb_run_id: str | None = None
         self._wandb: WandbRun | None = None
-        self.optimizer = torch.optim.Adam(trained.parameters(), lr=config.lr, betas=config.betas)
+        #: the fp32 master weights of a bf16 module (none for an fp32 / fp64 one, or with ``master_weights=False``)
+        self.masters = MasterWeights(trained.parameters(), enabled=config.master_weights)
+        #: what the optimizer steps: each parameter's master, or the parameter itself
+        self._params = self.masters.optimized(trained.parameters())
+        self.optimizer = torch.optim.Adam(self._params, lr=config.lr, betas=config.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: wsd_lr_factor(s, config.total_steps, config.warmup_frac, config.decay_frac,
@@ -153,7 +162,8 @@ class Trainer:
         except (NonFiniteError, TooFewTokensError):
             self.objective.reset_scales()
             raise
-        self.objective.after_norms(self.state)
+        with self.masters.editing():  # an initialisation that writes the weights writes the masters
+            self.objective.after_norms(self.state)
         assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
 
@@ -190,7 +200,9 @@ class Trainer:
         Raises:
             RuntimeError: the norms are not estimated yet (no step taken).
         """
-        return self.objective.fold(self.state)
+        with self.masters.editing():  # a bf16 module's fold is computed on its fp32 masters, rounded once
+            folded = self.objective.fold(self.state)
+        return self.masters.low_precision_copy(folded, self.module)
 
     # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -255,8 +267,10 @@ class Trainer:
             if self.dist is None and not math.isfinite(loss_value):  # before the backward: nothing to undo
                 raise self._non_finite("loss", loss_value)
             self.optimizer.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)  # (a bf16 module's own gradients: moved to the masters below)
             loss.backward()
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            self.masters.move_grads()  # a bf16 module's gradients go to its fp32 masters (DDP has reduced them)
+            grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             finite = torch.isfinite(norm)
             if self.dist is not None:  # every rank stops, or none: the loss is rank-local, the gradients are not
@@ -276,10 +290,11 @@ class Trainer:
             self.objective.discard_step(self.state)
             raise
         if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
-            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.config.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()
-        self.objective.post_step(self.state)
+        with self.masters.editing():  # constraints and remedies act on the masters; then the module is rounded
+            self.objective.post_step(self.state)
         self.step += 1
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         return metrics
@@ -295,8 +310,9 @@ class Trainer:
             if not math.isfinite(g["lr"]):
                 causes.append(("lr", f"the learning rate of param group {i} is {g['lr']!r}"))
         for n, p in self.module.named_parameters():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                causes.append((f"{n}.grad", f"{n}.grad holds {int((~torch.isfinite(p.grad)).sum())} non-finite values"))
+            grad = self.masters.held(p).grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                causes.append((f"{n}.grad", f"{n}.grad holds {int((~torch.isfinite(grad)).sum())} non-finite values"))
         for n, p in self.module.named_parameters():
             if not bool(torch.isfinite(p.detach()).all()):
                 causes.append((n, f"the weights {n} hold {int((~torch.isfinite(p.detach())).sum())} non-finite values"))
@@ -431,13 +447,14 @@ class Trainer:
                 so the checkpoint already at ``directory`` (the last good one) stays.
         """
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(self.masters.held(p)): n for n, p in self.module.named_parameters()}
+        masters = {n: m.detach().contiguous() for n, m in self.masters.named(self.module).items()}
         opt_tensors: dict[str, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 for key, value in self.optimizer.state.get(p, {}).items():
                     opt_tensors[f"{names[id(p)]}.{key}"] = value.detach().clone().contiguous()
-        for kind, tensors in (("weights", weights), ("Adam state", opt_tensors)):
+        for kind, tensors in (("weights", weights), ("Adam state", opt_tensors), ("fp32 master weights", masters)):
             for name, value in tensors.items():
                 if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                     raise NonFiniteError(f"step {self.step}: the {kind} {name} hold non-finite values: not saved to "
@@ -452,6 +469,7 @@ class Trainer:
             self.objective.weights_file: save_safetensors(weights),
             "optimizer.safetensors": save_safetensors(opt_tensors),
             "state.safetensors": save_safetensors({"tokens_since_fired": self.tokens_since_fired.contiguous()}),
+            **({MASTERS_FILE: save_safetensors(masters)} if masters else {}),
             "trainer.json": json.dumps(meta, indent=1).encode(),
         })
 
@@ -467,10 +485,10 @@ class Trainer:
                 manifests existed), a file is missing, truncated or altered (the message names it),
                 or a file does not match the recorded configuration.
         """
-        return Trainer._load(directory)[1:]
+        return Trainer._load(directory)[2:]
 
     @staticmethod
-    def _load(directory: str | Path) -> tuple[Path, dict[str, Any], TrainConfig, torch.nn.Module]:
+    def _load(directory: str | Path) -> tuple[Path, set[str], dict[str, Any], TrainConfig, torch.nn.Module]:
         d, listed = verified_checkpoint(directory, ("trainer.json",))
         try:
             meta = json.loads((d / "trainer.json").read_text())
@@ -496,7 +514,7 @@ class Trainer:
             module.load_state_dict(weights)
         except RuntimeError as e:
             raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
-        return d, meta, config, module
+        return d, listed, meta, config, module
 
     @classmethod
     def resume(cls, directory: str | Path, source: Callable[[int], Batch], *,
@@ -514,11 +532,11 @@ class Trainer:
             ConfigMismatchError: ``dtype=torch.float16`` (as the constructor).
         """
         device = check_placement_args(device, dtype, "Trainer.resume")
-        d, meta, config, module = cls._load(directory)
+        d, listed, meta, config, module = cls._load(directory)
         if device is not None or dtype is not None:
             module = module.to(device=device, dtype=dtype)
         trainer = cls(module, source, config)
-        trainer._restore_state(d, meta)
+        trainer._restore_state(d, meta, listed)
         return trainer
 
     def restore_state(self, directory: str | Path, meta: dict[str, Any]) -> None:
@@ -528,22 +546,23 @@ class Trainer:
             CheckpointError: a file missing or failing the manifest check, an unknown optimizer entry,
                 or (CLT) missing per-layer scale factors.
         """
-        d, _ = verified_checkpoint(directory, ("trainer.json", "optimizer.safetensors", "state.safetensors"))
-        self._restore_state(d, meta)
+        d, listed = verified_checkpoint(directory, ("trainer.json", "optimizer.safetensors", "state.safetensors"))
+        self._restore_state(d, meta, listed)
 
-    def _restore_state(self, d: Path, meta: dict[str, Any]) -> None:
+    def _restore_state(self, d: Path, meta: dict[str, Any], listed: set[str]) -> None:
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
         run_id = meta.get("wandb_run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise CheckpointError(f"{d / 'trainer.json'}: key 'wandb_run_id' must be a string, got {run_id!r}")
         self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
-        params = dict(self.module.named_parameters())
+        self._restore_masters(d, listed)
+        params = {n: self.masters.held(p) for n, p in self.module.named_parameters()}
         for key, value in load_file(str(d / "optimizer.safetensors")).items():
             name, _, slot = key.rpartition(".")
             if name not in params:
                 raise CheckpointError(f"{d / 'optimizer.safetensors'}: unknown parameter {name!r}")
             p = params[name]
-            if slot != "step":  # as Optimizer.load_state_dict: moments on the parameter's device and dtype
+            if slot != "step":  # as Optimizer.load_state_dict: moments on the (master) parameter's device and dtype
                 value = value.to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype)
             self.optimizer.state[p][slot] = value
         counters = load_file(str(d / "state.safetensors"))["tokens_since_fired"]
@@ -554,3 +573,23 @@ class Trainer:
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
         self.objective.restore_meta(self.state, meta, d / "trainer.json")
+
+    def _restore_masters(self, d: Path, listed: set[str]) -> None:
+        """The training values of the parameters from the most precise copy the checkpoint holds: its fp32
+        masters (a bf16 run's ``masters.safetensors``) — into this trainer's masters, the module getting their
+        rounding, or into the module itself when it has none (a bf16 run resumed with ``dtype=torch.float32``
+        goes on from the masters, not from their bf16 rounding); without that file (an fp32 run, or a bf16
+        checkpoint written before masters existed), this trainer's masters come from the saved weights."""
+        params = dict(self.module.named_parameters())
+        if MASTERS_FILE in listed:
+            path, saved = d / MASTERS_FILE, load_file(str(d / MASTERS_FILE))
+        else:
+            path, saved = d / self.objective.weights_file, {}
+            if len(self.masters):
+                weights = load_file(str(path))
+                saved = {n: weights[n] for n, p in params.items() if self.masters.has(p) and n in weights}
+        for name, value in saved.items():
+            if name not in params or tuple(value.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"{path}: the master weight {name!r} {tuple(value.shape)} is not a parameter "
+                                      f"of the module")
+            self.masters.set_(params[name], value)

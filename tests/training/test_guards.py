@@ -54,6 +54,7 @@ VALID = {
     "decay_to": st.floats(0.0, 1.0) | st.sampled_from([0, 1]),
     "normalize_decoder": st.sampled_from([None, True, False]),
     "sparse_kernels": st.booleans(),
+    "master_weights": st.booleans(),
     **{name: st.none() | st.text(min_size=1).filter(str.strip) for name in ("wandb_project", "wandb_run_name")},
 }
 INVALID = {
@@ -68,6 +69,7 @@ INVALID = {
     "decay_to": BAD_REAL | st.floats(min_value=1.0 + 1e-9, allow_nan=False) | st.floats(max_value=-1e-9),
     "normalize_decoder": st.sampled_from([1, 0, "yes", 1.0]),
     "sparse_kernels": st.sampled_from([1, 0, None, "no"]),
+    "master_weights": st.sampled_from([1, 0, None, "no", 1.0]),
     **{name: st.sampled_from(["", " \n", 3, b"p", True, ["p"]]) for name in ("wandb_project", "wandb_run_name")},
 }
 

@@ -389,8 +389,9 @@ def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
                          ids=["transcoder-bf16", "sae-fp64", "clt-bf16", "lorsa-bf16", "lorsa-fp64"])
 def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype, tmp_path):
     """``Trainer.resume(dir, source)`` with no ``dtype=`` goes on in the dtype the run was saved in (its weights
-    file's): the module and its Adam moments in that dtype and the run bit-equal to the uninterrupted one (a bf16 /
-    fp64 run used to come back in fp32 with no word: fp64 weights rounded, the next steps another run's)."""
+    file's): the module in that dtype, its Adam moments too (a bf16 run's in fp32, with its fp32 master weights,
+    restored bit for bit) and the run bit-equal to the uninterrupted one (a bf16 / fp64 run used to come back in
+    fp32 with no word: fp64 weights rounded, the next steps another run's)."""
     model, hf, adapter = _model("cpu")
 
     def make():
@@ -407,9 +408,14 @@ def test_a_checkpoint_resumes_in_the_dtype_it_was_trained_in(kind, module_dtype,
     def resumed_in_dtype(straight, first, resumed):
         assert {p.dtype for p in resumed.module.parameters()} == {module_dtype}
         moments = {v.dtype for st in resumed.optimizer.state.values() for k, v in st.items() if k != "step"}
-        assert moments == {module_dtype}, moments
+        # a bf16 run's Adam steps its fp32 master weights: moments and masters fp32, saved and restored as such
+        assert moments == {F32 if module_dtype == BF16 else module_dtype}, moments
         for (name, a), b in zip(first.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
+        masters = first.masters.named(first.module)
+        assert len(masters) == (len(list(first.module.parameters())) if module_dtype == BF16 else 0)
+        for name, m in resumed.masters.named(resumed.module).items():
+            assert m.dtype == F32 and torch.equal(m, masters[name]), name
 
     check_resume_bit_exact(make, source, tmp_path / "ckpt", resumed_in_dtype)
     _, _, module = Trainer.load_checkpoint(tmp_path / "ckpt")
@@ -436,10 +442,11 @@ def test_resume_refuses_a_dtype_or_device_it_cannot_train_in(tmp_path):
 
 @pytest.mark.parametrize("kind", ["transcoder", "sae", "clt", "lorsa"])
 def test_an_fp16_module_is_refused_before_any_step(kind, tmp_path):
-    """A module with fp16 parameters cannot be trained with Adam: its moments are kept in fp16, where ``eps``
-    (1e-8) is 0 and ``(1 - β2)·g²`` underflows, so a zero gradient (a dead latent's) updates by 0/0. Every kind
-    used to end in ``NonFiniteError`` at step 1 blaming the learning rate (lowering it cannot help): now the
-    trainer refuses it at construction, naming the module, fp16 and what works (bf16 or fp32), and so does
+    """A module with fp16 parameters is refused: with Adam's moments in fp16, ``eps`` (1e-8) is 0 and
+    ``(1 - β2)·g²`` underflows, so a zero gradient (a dead latent's) updated by 0/0 — every kind used to end in
+    ``NonFiniteError`` at step 1 blaming the learning rate; fp32 master weights (as bf16 modules have) would
+    remove that, but fp16 gradients still underflow / overflow without loss scaling, which the trainer does not
+    do. The trainer refuses it at construction, naming the module, fp16 and what works (bf16 or fp32), and so does
     ``Trainer.resume(..., dtype=torch.float16)``. An fp16 *model* with a bf16 / fp32 module trains (above)."""
     model, hf, adapter = _model("cpu")
     module = Lorsa(_lorsa_cfg(adapter), dtype=F16) if kind == "lorsa" else _new_coder(kind, adapter, "cpu", F16)

@@ -1,0 +1,130 @@
+"""fp32 master weights for low-precision parameters (mixed-precision training), the one mechanism of both
+trainers: :class:`~.trainer.Trainer` (bf16 modules) and the sparse-attention trainer
+(:class:`~..sparse_attention.train.SparseAttentionTrainer`, bf16 / fp16 models).
+
+A module trained in bf16 or fp16 keeps its weights in that dtype for the forward and backward (activations and
+memory stay low-precision); each such parameter ``p`` gets an fp32 master ``m``, and the optimizer steps the
+masters (its moments are fp32 too). After the backward, :meth:`MasterWeights.move_grads` hands each gradient to
+its master (widened to fp32); after the step, the module's weight is the master rounded once
+(:meth:`MasterWeights.round_`). Without masters an update below half a bf16 step of a weight (relative
+``2^-9``) rounds away: at ``lr=1e-4`` only a fifth of a bf16 SAE's entries move at all in 5 steps.
+
+Whatever else writes weights in place during training (a decoder-norm constraint, a dead-latent remedy, an
+initialisation that needs the scale factors, the scale-factor fold) runs inside :meth:`MasterWeights.editing`:
+there each parameter *is* its fp32 master (the module's ``.data`` points at it), so the edit acts on the masters
+in fp32, and on leaving the module's weights are the masters rounded once.
+
+Memory per trained parameter: bf16 weight 2 B + fp32 master 4 B + two fp32 Adam moments 8 B = 14 B (without
+masters: 2 + 4 = 6 B, the moments in bf16), plus the fp32 gradient 4 B while a step runs; fp32 training needs
+4 + 8 = 12 B. Parameters in fp32 or fp64 get no master (they are their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+#: the dtypes whose parameters get an fp32 master (below fp32's precision)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """fp32 masters of the low-precision (:data:`LOW_PRECISION`) parameters among ``params``.
+
+    Args:
+        params: the trained parameters (any order; repeats are kept once). Masters are fp32 copies on each
+            parameter's device, made now from its current values.
+        enabled: False: no masters at all (every parameter is its own, as in plain low-precision training).
+
+    Every method takes the module's parameters as they are (the objects ``module.parameters()`` yields);
+    a parameter without a master stands for itself.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], enabled: bool = True) -> None:
+        self._pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        if not enabled:
+            return
+        for p in params:
+            if p.dtype in LOW_PRECISION and id(p) not in self._pairs:
+                self._pairs[id(p)] = (p, nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad))
+
+    def __len__(self) -> int:
+        """The number of parameters with a master."""
+        return len(self._pairs)
+
+    def has(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` has an fp32 master."""
+        return id(p) in self._pairs
+
+    def held(self, p: nn.Parameter) -> nn.Parameter:
+        """What the optimizer steps for ``p``: its fp32 master (same shape and device), or ``p`` itself."""
+        pair = self._pairs.get(id(p))
+        return p if pair is None else pair[1]
+
+    def optimized(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """``[held(p) for p in params]``: the parameter list to give the optimizer."""
+        return [self.held(p) for p in params]
+
+    def move_grads(self) -> None:
+        """After the backward: each master's gradient is its parameter's, widened to fp32 (None stays None);
+        the parameter's own gradient is dropped (its memory freed)."""
+        for p, m in self._pairs.values():
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
+
+    @torch.no_grad()
+    def round_(self) -> None:
+        """After the optimizer step: every parameter becomes its master rounded to its dtype (round to nearest)."""
+        for p, m in self._pairs.values():
+            p.copy_(m)
+
+    @contextmanager
+    def editing(self) -> Iterator[None]:
+        """Inside, each parameter with a master holds the master itself (fp32, the same storage): in-place edits
+        of the module's weights (``module.W_dec.div_(...)``, ``module.b_V[idx] = ...``) and anything computed
+        from them act on the masters in fp32. On leaving (also on an error) the parameters get their own
+        storage back, holding the masters rounded once. No gradient is recorded inside."""
+        swapped: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []
+        with torch.no_grad():
+            try:
+                for p, m in self._pairs.values():
+                    swapped.append((p, m, p.data))
+                    p.data = m.data
+                yield
+            finally:
+                for p, m, own in swapped:
+                    edited = p.data
+                    p.data = own
+                    if edited.data_ptr() != m.data_ptr():  # the edit replaced the tensor: that is the new master
+                        m.copy_(edited)
+                    own.copy_(m)
+
+    def low_precision_copy(self, copy: nn.Module, module: nn.Module) -> nn.Module:
+        """``copy`` (a copy of ``module`` made inside :meth:`editing`, so in fp32 where ``module`` has masters)
+        with each such parameter rounded once to ``module``'s dtype: e.g. the scale-factor fold computed in
+        fp32. Parameters are matched by name; returns ``copy``."""
+        low = {name: p.dtype for name, p in module.named_parameters() if self.has(p)}
+        for name, q in copy.named_parameters():
+            if name in low and q.dtype != low[name]:
+                q.data = q.data.to(low[name])
+        return copy
+
+    def named(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """``{name: master}`` of ``module``'s parameters that have one (what a checkpoint saves)."""
+        return {name: self._pairs[id(p)][1] for name, p in module.named_parameters() if id(p) in self._pairs}
+
+    @torch.no_grad()
+    def set_(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Set ``p``'s training value to ``value`` (any float dtype, any device): its master (fp32) and then
+        ``p`` as the master rounded; a parameter without a master takes ``value`` cast to its dtype."""
+        target = self.held(p)
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+        if target is not p:
+            p.copy_(target)
+
+    def masters(self) -> list[nn.Parameter]:
+        """The fp32 masters, in the order their parameters were given."""
+        return [m for _, m in self._pairs.values()]
