@@ -11,8 +11,8 @@ its master (widened to fp32); after the step, the module's weight is the master 
 
 Whatever else writes weights in place during training (a decoder-norm constraint, a dead-latent remedy, an
 initialisation that needs the scale factors, the scale-factor fold) runs inside :meth:`MasterWeights.editing`:
-there each parameter *is* its fp32 master (the module's ``.data`` points at it), so the edit acts on the masters
-in fp32, and on leaving the module's weights are the masters rounded once.
+there the module holds each fp32 master in its parameter's place, so the edit acts on the masters in fp32, and on
+leaving the module's weights are the masters rounded once.
 
 Memory per trained parameter: bf16 weight 2 B + fp32 master 4 B + two fp32 Adam moments 8 B = 14 B (without
 masters: 2 + 4 = 6 B, the moments in bf16), plus the fp32 gradient 4 B while a step runs; fp32 training needs
@@ -82,25 +82,27 @@ class MasterWeights:
             p.copy_(m)
 
     @contextmanager
-    def editing(self) -> Iterator[None]:
-        """Inside, each parameter with a master holds the master itself (fp32, the same storage): in-place edits
-        of the module's weights (``module.W_dec.div_(...)``, ``module.b_V[idx] = ...``) and anything computed
-        from them act on the masters in fp32. On leaving (also on an error) the parameters get their own
-        storage back, holding the masters rounded once. No gradient is recorded inside."""
-        swapped: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []
+    def editing(self, module: nn.Module) -> Iterator[None]:
+        """Inside, ``module`` (and its submodules) holds each master in its parameter's place (``module.W_dec`` is
+        the fp32 master): in-place edits of the module's weights (``module.W_dec.div_(...)``, ``module.b_V[idx] =
+        ...``) and anything computed from them act on the masters in fp32. On leaving (also on an error) the
+        parameters are put back, holding the masters rounded once. No gradient is recorded inside.
+
+        The parameters themselves are not touched until then (their tensors, hooks and gradient accumulators —
+        DDP's — stay as they are; swapping their ``.data`` to another dtype would drop DDP's hooks)."""
+        swapped: list[tuple[dict[str, nn.Parameter | None], str, nn.Parameter]] = []
         with torch.no_grad():
             try:
-                for p, m in self._pairs.values():
-                    swapped.append((p, m, p.data))
-                    p.data = m.data
+                for sub in module.modules():
+                    for name, p in sub._parameters.items():
+                        if p is not None and id(p) in self._pairs:
+                            swapped.append((sub._parameters, name, p))
+                            sub._parameters[name] = self._pairs[id(p)][1]
                 yield
             finally:
-                for p, m, own in swapped:
-                    edited = p.data
-                    p.data = own
-                    if edited.data_ptr() != m.data_ptr():  # the edit replaced the tensor: that is the new master
-                        m.copy_(edited)
-                    own.copy_(m)
+                for params, name, p in swapped:
+                    params[name] = p
+                self.round_()
 
     def low_precision_copy(self, copy: nn.Module, module: nn.Module) -> nn.Module:
         """``copy`` (a copy of ``module`` made inside :meth:`editing`, so in fp32 where ``module`` has masters)

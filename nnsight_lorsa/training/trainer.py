@@ -162,7 +162,7 @@ class Trainer:
         except (NonFiniteError, TooFewTokensError):
             self.objective.reset_scales()
             raise
-        with self.masters.editing():  # an initialisation that writes the weights writes the masters
+        with self.masters.editing(self.module):  # an initialisation that writes the weights writes the masters
             self.objective.after_norms(self.state)
         assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
@@ -200,7 +200,7 @@ class Trainer:
         Raises:
             RuntimeError: the norms are not estimated yet (no step taken).
         """
-        with self.masters.editing():  # a bf16 module's fold is computed on its fp32 masters, rounded once
+        with self.masters.editing(self.module):  # a bf16 module's fold is computed on its fp32 masters, rounded once
             folded = self.objective.fold(self.state)
         return self.masters.low_precision_copy(folded, self.module)
 
@@ -293,7 +293,7 @@ class Trainer:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
         self.optimizer.step()
         self.scheduler.step()
-        with self.masters.editing():  # constraints and remedies act on the masters; then the module is rounded
+        with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
             self.objective.post_step(self.state)
         self.step += 1
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])

@@ -43,13 +43,13 @@ def nan_on_rank_1(index: int):
     return b
 
 
-def make_trainer(kind: str = "topk"):
+def make_trainer(kind: str = "topk", dtype: torch.dtype = torch.float32):
     from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
     from nnsight_lorsa.training import TrainConfig, Trainer
 
     torch.manual_seed(0)
     params = {"k": K} if kind == "topk" else {}
-    coder = SkipTranscoder(TranscoderConfig(d_in=D, d_sae=F, activation=kind, activation_params=params))
+    coder = SkipTranscoder(TranscoderConfig(d_in=D, d_sae=F, activation=kind, activation_params=params)).to(dtype)
     cfg = TrainConfig(total_steps=STEPS, lr=1e-2, norm_batches=2, dead_after_tokens=60, warmup_frac=0.2,
                       l1_coef=1e-2)
     return Trainer(coder, global_batch, cfg)
@@ -58,6 +58,7 @@ def make_trainer(kind: str = "topk"):
 def state(trainer) -> dict[str, torch.Tensor]:
     out = {k: v.detach().clone().contiguous() for k, v in trainer.module.state_dict().items()}
     out["tokens_since_fired"] = trainer.tokens_since_fired.clone()
+    out.update({f"master.{n}": m.detach().clone() for n, m in trainer.masters.named(trainer.module).items()})
     return out
 
 
@@ -75,6 +76,15 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
             DataParallel(trainer)
             trainer.train(progress=False)
             save_file(state(trainer), f"{out_prefix}_{kind}.safetensors")
+        # a bf16 module: its fp32 masters broadcast from rank 0 (rank 1's start elsewhere) and stepped alike
+        trainer = make_trainer("topk", torch.bfloat16)
+        if rank == 1:
+            with torch.no_grad():
+                for m in trainer.masters.masters():
+                    m.add_(1.0)
+        DataParallel(trainer)
+        trainer.train(progress=False)
+        save_file(state(trainer), f"{out_prefix}_bf16.safetensors")
         # a NaN in one rank's shard: every rank stops at that step (none waits in a collective), state kept
         from nnsight_lorsa.errors import NonFiniteError
 
@@ -124,6 +134,25 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
                 else:
                     assert torch.allclose(got, value, atol=2e-6, rtol=1e-5), (kind, name, r,
                                                                              float((got - value).abs().max()))
+    # bf16: both ranks hold the same masters and weights bit for bit (the weights the masters' rounding), close to
+    # one process's bf16 run (the gradients are reduced in bf16: the sum of the halves' rounded gradients)
+    ranks = [load_file(str(tmp_path / f"rank{r}_bf16.safetensors")) for r in range(2)]
+    torch.set_num_threads(1)
+    try:
+        single = make_trainer("topk", torch.bfloat16)
+        single.train(progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    want, start = state(single), state(make_trainer("topk", torch.bfloat16))
+    masters = [n for n in want if n.startswith("master.")]
+    assert len(masters) == len(list(single.module.parameters()))
+    for name in want:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+    for name in masters:
+        got, weight = ranks[0][name], ranks[0][name.removeprefix("master.")]
+        assert got.dtype == torch.float32 and torch.equal(weight, got.to(torch.bfloat16)), name
+        update = float((want[name] - start[name]).norm())
+        assert float((got - want[name]).norm()) < 0.05 * update, (name, float((got - want[name]).norm()), update)
     # NaN in rank 1's shard of batch NAN_STEP: both ranks raised NonFiniteError there, with the state of
     # NAN_STEP steps (one process, the same global batches)
     single = make_trainer("topk")

@@ -605,7 +605,7 @@ def _check_masters(trainer: Trainer) -> None:
     if isinstance(module, Lorsa):  # unit-norm w_o unless heads are ranked by z·‖w_o‖ (the scale lives there)
         rows = [] if trainer.objective.recipe.rank_by_decoder_norm else [masters["W_O"]]
     elif isinstance(module, CrossLayerTranscoder):
-        with trainer.masters.editing():  # (a CLT's decoders are views of its parameters: read them on the masters)
+        with trainer.masters.editing(module):  # (a CLT's decoders are views of its parameters)
             rows = [module.W_dec(layer).detach().flatten(1).clone() for layer in range(module.n_layers)]
     else:
         rows = [masters["W_dec"]]
