@@ -215,3 +215,30 @@ def test_full_fine_tuning_an_fp16_model_keeps_fp32_master_weights(docs, tmp_path
     for (n, a), (_, b) in zip(straight.hf.named_parameters(), again.hf.named_parameters(), strict=True):
         assert torch.equal(a, b), n
     assert [r.ce for r in straight.history] == [r.ce for r in again.history]
+
+
+def test_full_fine_tuning_a_bf16_model_trains_through_fp32_masters_too(docs, tmp_path):
+    """A bf16 model trains through the same fp32 master weights (``training.master_weights``, the module
+    ``Trainer``'s mechanism): every trainable bf16 parameter has an fp32 master, the model's weight is its rounding
+    after each step, the masters follow the fp32 run's CE, and the checkpoint saves the masters (fp32), not the
+    bf16 weights."""
+    from safetensors.torch import load_file
+
+    fp32 = SparseAttentionTrainer(_model(), docs, _cfg())
+    fp32.train(2, progress=False)
+    tr = SparseAttentionTrainer(_model().to(torch.bfloat16), docs, _cfg())
+    params = dict(tr.hf.named_parameters())
+    low = [n for n in tr.param_names if params[n].dtype == torch.bfloat16]
+    assert low and all(tr.masters.has(params[n]) for n in low)
+    for _ in range(2):
+        tr.train_step()
+        for n in low:
+            m = tr.masters.held(params[n])
+            assert m.dtype == torch.float32 and torch.equal(params[n], m.to(torch.bfloat16)), n
+    for a, b in zip(tr.history, fp32.history, strict=True):
+        assert abs(a.ce - b.ce) < 0.05 * b.ce, (a, b)
+    tr.save_checkpoint(tmp_path / "ck")
+    saved = load_file(str(tmp_path / "ck" / "checkpoint.safetensors"))
+    for n in low:
+        value = saved[f"param.{n}"]
+        assert value.dtype == torch.float32 and torch.equal(value, tr.masters.held(params[n])), n
