@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks._embedded import embedded_layer
 from benchmarks._timing import command, parser, start, write
-from nnsight_lorsa import get_adapter
-from nnsight_lorsa.assets import default_corpus_path
-from nnsight_lorsa.demo import DemoConfig, load_model
+from nnsight_lorsa.demo import DemoConfig
 from nnsight_lorsa.modules.lorsa import Lorsa
 from nnsight_lorsa.modules.lorsa_config import LorsaConfig
-from nnsight_lorsa.training import ActivationSource, LorsaObjective, TokenDataset, TrainConfig, Trainer
+from nnsight_lorsa.training import ActivationSource, LorsaObjective, TrainConfig, Trainer
 
 
 def unguarded_step(self: Trainer) -> dict[str, float]:
@@ -66,12 +64,7 @@ def main() -> None:
     args = parser(__doc__, steps=60, device="cpu", threads=2).parse_args()
     start(args)
     demo = DemoConfig()
-    model = load_model()
-    adapter = get_adapter(model)
-    layer = adapter.n_layers // 2
-    mhsa = adapter.mhsa_weights(model._module, layer)
-    text = Path(default_corpus_path()).read_text(encoding="utf-8")
-    train, _ = TokenDataset.from_text(model.tokenizer, text, demo.seq_len, config=model.config).split(0.01)
+    model, adapter, layer, mhsa, train = embedded_layer(demo.seq_len)
     live = ActivationSource.attention(model, layer, train, demo.batch_size, seed=demo.seed)
     batches = [live(i).to(torch.device(args.device), torch.float32) for i in range(args.steps)]
 

@@ -24,15 +24,12 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks._embedded import embedded_layer
 from benchmarks._timing import arg, command, parser, start, write
-from nnsight_lorsa import get_adapter
-from nnsight_lorsa.assets import default_corpus_path
-from nnsight_lorsa.demo import load_model
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa.modules.lorsa import Lorsa
@@ -111,12 +108,7 @@ def main() -> None:
                   kinds=arg(nargs="+", type=str, default=["sae", "transcoder", "clt", "lorsa"]),
                   name=arg("training_bf16_masters", "results/<name>.json")).parse_args()
     start(args)
-    model = load_model()
-    adapter = get_adapter(model)
-    layer = adapter.n_layers // 2
-    mhsa = adapter.mhsa_weights(model._module, layer)
-    text = Path(default_corpus_path()).read_text(encoding="utf-8")
-    data, _ = TokenDataset.from_text(model.tokenizer, text, args.seq_len, config=model.config).split(0.01)
+    model, adapter, layer, mhsa, data = embedded_layer(args.seq_len)
     n_batches = min(args.steps, 100) + HELDOUT
     results: dict[str, Any] = {}
     for kind in args.kinds:

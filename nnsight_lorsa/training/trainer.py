@@ -79,7 +79,9 @@ class Trainer:
         objective: the module's objective (it owns the scale factors and the kind's state; it sees the
             trainer through a :class:`~.objectives.TrainingState`).
         masters: the fp32 master weights (:class:`~.master_weights.MasterWeights`) of a bf16 module's parameters;
-            empty for an fp32 / fp64 module or with ``TrainConfig.master_weights=False``.
+            empty for an fp32 / fp64 module or with ``TrainConfig.master_weights=False``. The module's weights are
+            their rounding, rewritten after every step: edit weights by hand between steps inside
+            ``with trainer.masters.editing(trainer.module):`` (the edit then reaches the masters).
         step: steps taken. s_in, s_out: the scale factors (the objective's; None before the first step;
             a CLT's are the means of ``s_in_layers`` / ``s_out_layers``, its per-layer lists).
         tokens_since_fired: ``(n_latents,)`` int64 dead counters, on the module's device.
