@@ -737,3 +737,32 @@ def test_a_bf16_checkpoint_without_masters_resumes_with_masters_from_its_weights
     assert resumed.step == 5
     for name, m in resumed.masters.named(resumed.module).items():
         assert torch.equal(params[name], m.to(BF16)), name
+
+
+@pytest.mark.parametrize("bad", ["unknown", "shape"])
+def test_a_masters_file_that_does_not_fit_the_module_is_a_checkpoint_error(bad, tmp_path):
+    """A ``masters.safetensors`` (manifest intact) naming a parameter the module lacks, or with another shape:
+    ``CheckpointError`` naming the file and the entry, not a module trained from half-loaded masters."""
+    from safetensors.torch import load_file
+    from safetensors.torch import save as save_safetensors
+
+    from nnsight_lorsa.errors import CheckpointError
+    from nnsight_lorsa.training.checkpoint_io import write_checkpoint
+
+    model, _, adapter = _model("cpu")
+    source = _source("sae", None, adapter, model)
+    trainer = Trainer(_new_coder("sae", adapter, "cpu", BF16), source, TrainConfig(total_steps=3, lr=1e-3))
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ck")
+    d = tmp_path / "ck"
+    masters = load_file(str(d / "masters.safetensors"))
+    if bad == "unknown":
+        masters["W_nothing"] = masters["b_dec"].clone()
+    else:
+        masters["b_dec"] = torch.zeros(3)
+    files = {name: (d / name).read_bytes() for name in ("coder.safetensors", "optimizer.safetensors",
+                                                          "state.safetensors", "trainer.json")}
+    write_checkpoint(tmp_path / "bad", {**files, "masters.safetensors": save_safetensors(masters)})
+    name = "W_nothing" if bad == "unknown" else "b_dec"
+    with pytest.raises(CheckpointError, match=rf"masters\.safetensors.*{name}"):
+        Trainer.resume(tmp_path / "bad", source)
