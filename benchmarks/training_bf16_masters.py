@@ -2,8 +2,9 @@
 
 On the embedded model (layer ``n_layers // 2``, windows of the shipped corpus): a TopK SAE (residual stream), a
 TopK transcoder (MLP), a TopK CLT (every layer) and a Lorsa (``LorsaRecipe()``, initialised from the layer's MHSA),
-each trained from one init (drawn in fp32, rounded to bf16 so that every variant starts from the same weights)
-and on the same batches as
+each trained from one init (drawn in fp32, rounded to bf16 so that every variant starts from the same weights; a
+Lorsa's data-driven init from the same seed) and on the same batches (``min(steps, 100)`` batches of ``--batch``
+windows x ``--seq-len`` tokens, cycled) as
 
 * ``fp32``: an fp32 module;
 * ``bf16_old``: a bf16 module with Adam on its bf16 weights (``TrainConfig(master_weights=False)``: the path before
@@ -13,8 +14,9 @@ and on the same batches as
 Reported per kind and variant: the share of entries updated over 5 steps at lr 1e-4 (of the module's weights, and
 of the training state: the masters where there are some), the held-out FVU (the trainer's loss on held-out
 batches, normalised space, the module's own dtype) after ``--steps`` steps at lr 1e-4 and 1e-3 (constant lr after
-a 5 % warmup), the median step time (batches collected beforehand: the optimisation step alone) and the bytes per
-trained parameter the training holds (weights + masters + Adam moments, summed over the actual tensors).
+a 5 % warmup), the median step time (batches collected beforehand: the optimisation step alone; the three variants'
+steps interleaved) and the bytes per trained parameter the training holds (weights + masters + Adam moments, summed
+over the actual tensors).
 
     python -m benchmarks.training_bf16_masters [--steps 200] [--threads 2] [--kinds sae transcoder clt lorsa]
 """
@@ -77,7 +79,9 @@ def _trainer(kind: str, base: torch.nn.Module, mhsa: Any, batches: list[Any], va
     n_train = len(batches) - HELDOUT
     config = TrainConfig(total_steps=steps, lr=lr, warmup_frac=0.05, decay_frac=0.0, norm_batches=4,
                          master_weights=masters, log_every=max(1, steps))
-    return Trainer(trained, lambda i: batches[i % n_train], config)
+    trainer = Trainer(trained, lambda i: batches[i % n_train], config)
+    trainer.estimate_norms()  # now: a Lorsa's init draws from the generator just seeded, whatever runs next
+    return trainer
 
 
 def _state(trainer: Trainer, held: bool) -> dict[str, torch.Tensor]:
@@ -115,30 +119,32 @@ def main() -> None:
         batches = _batches(model, adapter, layer, kind, data, n_batches, args.batch)
         base = _modules(adapter, mhsa, layer, kind)
         out: dict[str, Any] = {"n_parameters": sum(p.numel() for p in base.parameters())}
-        for variant in VARIANTS:
-            row: dict[str, Any] = {}
+        rows: dict[str, dict[str, Any]] = {variant: {} for variant in VARIANTS}
+        for variant, row in rows.items():
             t = _trainer(kind, base, mhsa, batches, variant, 5, 1e-4)
-            t.estimate_norms()
             w0, h0 = _state(t, False), _state(t, True)
             t.train(progress=False)
             row["moved_5_steps_lr1e-4"] = {"weights": _moved(_state(t, False), w0),
                                            "trained": _moved(_state(t, True), h0)}
-            for lr in (1e-4, 1e-3):
-                t = _trainer(kind, base, mhsa, batches, variant, args.steps, lr)
-                times = []
-                for _ in range(args.steps):
+        for lr in (1e-4, 1e-3):
+            trainers = {v: _trainer(kind, base, mhsa, batches, v, args.steps, lr) for v in VARIANTS}
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for i in range(args.steps):  # the variants' steps interleaved (rotating order): noise hits all alike
+                order = list(VARIANTS)[i % 3:] + list(VARIANTS)[:i % 3]
+                for v in order:
                     t0 = time.perf_counter()
-                    t.train_step()
-                    times.append(time.perf_counter() - t0)
-                row[f"heldout_fvu_lr{lr:g}"] = _heldout_fvu(t, batches)
-                row[f"median_step_s_lr{lr:g}"] = statistics.median(times[2:])
-            row["bytes_per_parameter"] = _bytes_per_parameter(t)
+                    trainers[v].train_step()
+                    times[v].append(time.perf_counter() - t0)
+            for v, t in trainers.items():
+                rows[v][f"heldout_fvu_lr{lr:g}"] = _heldout_fvu(t, batches)
+                rows[v][f"median_step_s_lr{lr:g}"] = statistics.median(times[v][2:])
+                rows[v]["bytes_per_parameter"] = _bytes_per_parameter(t)
+        for variant, row in rows.items():
             out[variant] = row
             print(kind, variant, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         results[kind] = out
-    write(args.name, {"command": command(), "steps": args.steps, "batch": args.batch,
-                                                "seq_len": args.seq_len, "layer": layer, "threads": args.threads,
-                                                "results": results})
+    write(args.name, {"command": command(), "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
+                      "layer": layer, "threads": args.threads, "results": results})
 
 
 if __name__ == "__main__":
