@@ -15,8 +15,9 @@ there the module holds each fp32 master in its parameter's place, so the edit ac
 leaving the module's weights are the masters rounded once.
 
 Memory per trained parameter: bf16 weight 2 B + fp32 master 4 B + two fp32 Adam moments 8 B = 14 B (without
-masters: 2 + 4 = 6 B, the moments in bf16), plus the fp32 gradient 4 B while a step runs; fp32 training needs
-4 + 8 = 12 B. Parameters in fp32 or fp64 get no master (they are their own).
+masters: 2 + 4 = 6 B, the moments in bf16); fp32 training needs 4 + 8 = 12 B. Gradients come on top: 4 B on
+the masters (as in fp32 training; 2 B without masters), and the bf16 gradient (2 B) until
+:meth:`MasterWeights.move_grads`. Parameters in fp32 or fp64 get no master (they are their own).
 """
 
 from __future__ import annotations

@@ -606,6 +606,8 @@ class Trainer:
                 saved = {n: weights[n] for n, p in params.items() if self.masters.has(p) and n in weights}
         for name, value in saved.items():
             if name not in params or tuple(value.shape) != tuple(params[name].shape):
-                raise CheckpointError(f"{path}: the master weight {name!r} {tuple(value.shape)} is not a parameter "
-                                      f"of the module")
+                has = "has no such parameter" if name not in params else \
+                    f"has it as {tuple(params[name].shape)}"
+                raise CheckpointError(f"{path}: the master weight {name!r} {tuple(value.shape)} does not fit the "
+                                      f"module ({type(self.module).__name__} {has})")
             self.masters.set_(params[name], value)
