@@ -96,8 +96,8 @@ class Trainer:
     after every step the module's weights are the masters rounded once; the decoder constraint, dead-latent
     remedies, a Lorsa's initialisation and :meth:`folded` act on the masters (in fp32, rounded once). It costs
     14 bytes per parameter (bf16 weight 2 + master 4 + moments 8; fp32 training 12, bf16 without masters 6) and
-    keeps the updates that bf16 weights alone round away (at ``lr=1e-4`` the masters track the fp32 run within
-    3–17 % of its update, against 87–190 % without them: docs/training.md).
+    keeps the updates that bf16 weights alone round away (5 steps at ``lr=1e-4``: the masters end within 2–16 % of
+    the fp32 run's update from it, the bf16 weights without masters 87–90 % for a dictionary: docs/training.md).
 
     Raises:
         ArgumentError: ``config`` not a valid :class:`TrainConfig` (a field set out of range after
