@@ -9,7 +9,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
     value dimension + the output projection) — goal <= 1.25;
 (b) ``LorsaSet.replace(layer=15)`` inside ``model.trace`` against the plain trace — goal <= 1.10;
 (c) Lorsa training throughput (tokens/s): the model forward that reads the activations + the Lorsa
-    fwd+bwd+AdamW step, next to the bare step on fixed activations;
+    fwd+bwd+AdamW step, next to the bare step on fixed activations: an fp32 Lorsa, and with ``--dtype bfloat16``
+    also a bf16 Lorsa trained through fp32 master weights (``c_training_bfloat16_masters``);
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
     device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
     and time per batch of target rows next to the
@@ -395,11 +396,17 @@ def main() -> None:
         print("(b) replace / plain trace:", round(result["b_replace_vs_trace"]["ratio"], 3))
         flush()
     if "c" not in args.skip:
-        # fp32 matmuls, then (--tf32) the same run with TF32 ones (torch.set_float32_matmul_precision("high"))
-        for key, precision in [("c_training", "highest")] + ([("c_training_tf32", "high")] if args.tf32 else []):
+        # an fp32 Lorsa with fp32 matmuls, then (--tf32) the same run with TF32 ones
+        # (torch.set_float32_matmul_precision("high")), then with a bf16 model a bf16 Lorsa (trained through fp32
+        # master weights, training/master_weights.py; the Trainer refuses fp16 modules)
+        runs = [("c_training", "highest", torch.float32)] + ([("c_training_tf32", "high", torch.float32)]
+                                                              if args.tf32 else [])
+        if dt == torch.bfloat16:
+            runs.append(("c_training_bfloat16_masters", "highest", dt))
+        for key, precision, train_dtype in runs:
             torch.set_float32_matmul_precision(precision)
             try:
-                trained = paper_lorsa(s, adapter, hf, layer, dev, torch.float32)
+                trained = paper_lorsa(s, adapter, hf, layer, dev, train_dtype)
                 result[key] = training(model, hf, trained, s, args.train_steps)
                 print(f"(c) {key} tokens/s:", {k: round(v) for k, v in result[key].items() if k.startswith("tokens")})
                 flush()

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 #: parts of gpu_scale's JSON that one run measures whole (replaced, the former kept in ``history``)
-PARTS = ("a_forward_vs_floor", "b_replace_vs_trace", "c_training", "c_training_tf32")
+PARTS = ("a_forward_vs_floor", "b_replace_vs_trace", "c_training", "c_training_tf32", "c_training_bfloat16_masters")
 
 
 def safe_name(device: str) -> str:

@@ -14,7 +14,7 @@
 #   ab       gpu_scale --skip c d: (a) Lorsa forward vs floor, (b) replace vs plain trace (~100 s)
 #   variants lorsa_forward_variants: each stage of the Lorsa forward and its alternatives, RoPE's pair swap
 #            among them (~60 s)                                       -> $OUT/lorsa_forward_variants.json
-#   c        gpu_scale --skip a b d: (c) Lorsa training throughput (~50 s)
+#   c        gpu_scale --skip a b d: (c) Lorsa training throughput, fp32 and bf16 masters (~90 s)
 #   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
 #   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
 #            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (<= 150 s)
@@ -113,7 +113,7 @@ for step in "${STEPS[@]}"; do
     ab)      run_step ab 150 "${GS[@]}" --skip c d --out "$OUT/gpu_scale_ab.json" ;;
     variants) run_step variants 90 "$PY" -m benchmarks.lorsa_forward_variants ${VARIANTS[@]+"${VARIANTS[@]}"} \
                --out "$OUT/lorsa_forward_variants.json" ;;
-    c)       run_step c 90 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
+    c)       run_step c 150 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
     offload) run_step offload 170 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \

@@ -40,3 +40,16 @@ def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
     assert result["d_offload"] is True and result["d_module_bytes"] > 0
     (row,) = result["d_attribution"]
     assert row["tokens"] == 16 and row["target_rows"] > 0 and row["edge_sum_error_max"] < 1e-5
+
+
+def test_gpu_scale_trains_a_bf16_lorsa_through_masters_at_the_tiny_scale_on_cpu(tmp_path):
+    """Part (c) with a bf16 model also trains a bf16 Lorsa (fp32 master weights) and records its throughput."""
+    out = tmp_path / "gpu_scale.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale", "--scale", "tiny", "--device", "cpu",
+                           "--dtype", "bfloat16", "--repeats", "1", "--train-steps", "1", "--skip", "a", "b", "d",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["c_training"]["tokens_per_s_bare_step"] > 0
+    assert result["c_training_bfloat16_masters"]["tokens_per_s_bare_step"] > 0
