@@ -350,3 +350,34 @@ def test_a_module_with_parameters_in_several_dtypes_is_refused_naming_them(kind,
         with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*several dtypes.*{name}"):
             _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=True))
         assert sorted(n for n, _ in hf.named_modules()) == before
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float16], ids=str)
+@pytest.mark.parametrize("module_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("error", [True, False])
+def test_a_wider_modules_output_past_the_sites_range_raises_naming_the_site(model_dtype, module_dtype, error):
+    """The splice casts the module's output back to the site's dtype: an fp32 / bf16 SAE's reconstruction past
+    fp16's range (|x| > 65504) on an fp16 model became inf there, then NaN logits, with no word (with
+    ``error=True`` the same once an edit makes the output that large). It raises PlacementError naming the site,
+    both dtypes and the largest value; the same module with outputs inside the range keeps the contract."""
+    model, hf = tiny_nnsight("gpt2", dtype=model_dtype)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    plain = _logits(model, ids)
+    site = "transformer.h.1"
+    sae = make_sae().to(module_dtype)
+    rm = ReplacementModel(model, saes=SAESet(model, {site: sae}), error=error)
+    got = _logits(model, ids, rm)  # within range: finite, and the plain logits under error terms
+    assert bool(torch.isfinite(got).all()) and (not error or torch.equal(got, plain))
+    with torch.no_grad():
+        big = float(sae.W_dec.float().abs().max())
+    if error:  # an edit that scales every feature: the edited reconstruction leaves fp16's range
+        def edit(sites):
+            sites["saes"][site].hook_sae_acts_post.output[:] *= 1e7
+    else:
+        edit = None
+        with torch.no_grad():
+            sae.W_dec.mul_(1e7)
+    assert big * 1e7 > 65504  # the output would overflow (not vacuous)
+    with pytest.raises(PlacementError, match=rf"{site}.*float16.*{str(module_dtype).split('.')[1]}|"
+                                             rf"{site}.*{str(module_dtype).split('.')[1]}.*float16"):
+        _logits(model, ids, rm, edit)
