@@ -89,3 +89,24 @@ def test_head_analysis_without_lorsas_names_what_to_pass():
         with pytest.raises(ConfigMismatchError,
                            match=r"head analysis needs a LorsaSet: ReplacementModel\(model, lorsas=\.\.\.\)"):
             call()
+
+
+def test_top_activations_refuse_non_finite_activations():
+    """An ``inf`` activation (an fp16 Lorsa's overflow) ranked first with value inf, and a ``-inf`` one read as an
+    empty slot: both are refused as NaN is, naming the table, before anything is merged."""
+    import pytest
+
+    from nnsight_lorsa.analysis import TopActivations
+    from nnsight_lorsa.errors import ArgumentError
+
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            top = TopActivations.empty(3, 2)
+            z = torch.rand(2, 4, 3, generator=torch.Generator().manual_seed(0)).to(dtype)
+            z[1, 2, 1] = bad
+            with pytest.raises(ArgumentError, match=r"TopActivations.update.*(NaN|inf)"):
+                top.update(z, 0)
+            assert top.n_tokens == 0 and bool((top.window == -1).all())
+            z[1, 2, 1] = 0.5
+            top.update(z, 0)  # the same batch, finite: merged
+            assert top.n_tokens == 8 and float(top.values[0, 0]) == float(z[..., 0].float().max())
