@@ -92,12 +92,15 @@ def to_site(value: torch.Tensor, true_out: torch.Tensor, what: str) -> torch.Ten
 
 
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,
-               hook: nn.Module, what: str = "the replacement's output with its error term") -> torch.Tensor:
+               hook: nn.Module, what: str = "the replacement's output with its error term", *,
+               edited: bool = True) -> torch.Tensor:
     """The site's output with the error term: ``true + (out − clean) + (hook(e) − e)``, ``e = true − clean``.
 
-    Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device (:func:`to_site`; ``what``
-    names the sum in its error): without edits (``out`` is ``clean``, ``hook`` returns ``e``) the result is
-    ``true_out`` bit for bit. Gradients reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out``
+    Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device: without edits (``out`` is
+    ``clean``, ``hook`` returns ``e``) the result is ``true_out`` bit for bit. With ``edited`` (something may have
+    edited the module's internals or its error) the cast is :func:`to_site`'s, checked for the site dtype's range
+    (``what`` names the sum in its error); without, nothing can leave ``true_out``'s values and the cast is
+    unchecked (no read). Gradients reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out``
     (held fixed).
 
     Raises:
@@ -108,7 +111,8 @@ def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tenso
     clean = clean_out.detach().to(device=true.device, dtype=work)
     e = true - clean
     hooked = hook(e.clone())  # an edit in place (``hook_error.output[:] = …``) must not change ``e``
-    return to_site(true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e), true_out, what)
+    total = true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e)
+    return to_site(total, true_out, what) if edited else total.to(true_out.dtype)
 
 
 @dataclass(frozen=True, repr=False)
@@ -238,7 +242,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 clean.clear()
                 clean.update(live)
                 clean_out = out
-            out = with_error(true_out, out, clean_out, chain.error_hook(module, i), what + " with its error term")
+            out = with_error(true_out, out, clean_out, chain.error_hook(module, i), what + " with its error term",
+                             edited=diverged)  # not diverged: nothing could edit, the sum is true_out exactly
         else:
             out = to_site(out, true_out, what)
         site.output = chain.set_output(original, out)

@@ -381,3 +381,22 @@ def test_a_wider_modules_output_past_the_sites_range_raises_naming_the_site(mode
     with pytest.raises(PlacementError, match=rf"{site}.*float16.*{str(module_dtype).split('.')[1]}|"
                                              rf"{site}.*{str(module_dtype).split('.')[1]}.*float16"):
         _logits(model, ids, rm, edit)
+
+
+def test_the_output_range_check_reads_nothing_where_nothing_can_edit(monkeypatch):
+    """The check of a module's output against an fp16 site's range reads one value (a device sync) per site and
+    pass; with error terms and no edit the site returns its true output bit for bit, which cannot leave the range,
+    so no read is made there — one per site once an edit is in the trace, and always without error terms."""
+    from nnsight_lorsa.envoy import splice_chain
+
+    calls = []
+    real = splice_chain.past_range
+    monkeypatch.setattr(splice_chain, "past_range", lambda x, dtype: calls.append(dtype) or real(x, dtype))
+    model, _ = tiny_nnsight("gpt2", dtype=torch.float16)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    site = "transformer.h.1"
+    for error, edit, want in ((True, None, 0), (True, lambda s: s["saes"][site].hook_sae_acts_post.output.mul_(2), 1),
+                              (False, None, 1)):
+        calls.clear()
+        _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae()}), error=error), edit)
+        assert calls == [torch.float16] * want, (error, edit is not None, calls)
