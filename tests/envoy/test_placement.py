@@ -400,3 +400,29 @@ def test_the_output_range_check_reads_nothing_where_nothing_can_edit(monkeypatch
         calls.clear()
         _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae()}), error=error), edit)
         assert calls == [torch.float16] * want, (error, edit is not None, calls)
+
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype"),
+                         [(torch.float16, torch.float32), (torch.float16, torch.bfloat16),
+                          (torch.float16, torch.float64), (torch.float32, torch.float64),
+                          (torch.bfloat16, torch.float64)], ids=str)
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae", "clt"])
+def test_every_kind_refuses_an_output_past_the_sites_range(kind, model_dtype, module_dtype):
+    """The output range check over every replacement kind and every narrowing cast: a decoder bias entry at twice
+    the site dtype's max (finite in the module's wider dtype) is a PlacementError naming the site; the model is
+    left clean and the same module without that entry splices finite logits."""
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    cls, key, make = _kinds(tiny_hf_model("llama"), get_adapter(model))[kind]
+    module = make().to(module_dtype)
+    bias = "b_D" if kind == "lorsa" else "b_dec"
+    rset = cls(model, module if key is None else {key: module})
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    got = _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=False))
+    assert bool(torch.isfinite(got).all())
+    with torch.no_grad():
+        getattr(module, bias).view(-1)[3] = 2 * torch.finfo(model_dtype).max
+    before = sorted(n for n, _ in hf.named_modules())
+    with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*{str(module_dtype)}.*beyond the site's dtype "
+                                             rf"{str(model_dtype)}"):
+        _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=False))
+    assert sorted(n for n, _ in hf.named_modules()) == before
