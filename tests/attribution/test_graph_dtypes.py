@@ -41,3 +41,25 @@ def test_a_graph_round_trips_in_the_dtype_it_was_computed_in(dtype, tmp_path):
     theirs["metadata"].pop("info", None)
     assert mine == theirs
     assert mine["links"] and all(math.isfinite(link["weight"]) for link in mine["links"])
+
+
+@pytest.mark.parametrize("memory", ["default", "lean"])
+def test_an_fp16_lorsa_whose_raw_scores_leave_fp16s_range_is_attributed_in_every_memory_mode(memory):
+    """The stored pattern rows (default memory mode) came from the Lorsa's attention_pattern, which formed q·k in
+    fp16 before the scale: inf scores, NaN rows, and attribute() failed with a misleading "edge later than the
+    target" error where the lean mode (fp32 pattern rows) and the Lorsa's forward were finite."""
+    from helpers import make_lorsa, make_transcoders, tiny_nnsight
+
+    from nnsight_lorsa import get_adapter
+
+    model, hf = tiny_nnsight("llama", dtype=torch.float16)
+    lorsa = make_lorsa(tiny_nnsight("llama")[1], get_adapter(hf))
+    with torch.no_grad():
+        lorsa.W_Q.mul_(700)
+        lorsa.W_K.mul_(700)
+    lorsa = lorsa.half()
+    tcs = {k: v.half() for k, v in make_transcoders((0, 2)).items()}
+    ids = torch.randint(2, 128, (8,), generator=torch.Generator().manual_seed(1))
+    kwargs = {} if memory == "default" else {"memory": "lean"}
+    g = attribute(make_rm(model, {1: lorsa}, tcs), ids, **kwargs)
+    assert bool(torch.isfinite(g.densify()).all())
