@@ -63,3 +63,27 @@ def test_an_fp16_lorsa_whose_raw_scores_leave_fp16s_range_is_attributed_in_every
     kwargs = {} if memory == "default" else {"memory": "lean"}
     g = attribute(make_rm(model, {1: lorsa}, tcs), ids, **kwargs)
     assert bool(torch.isfinite(g.densify()).all())
+
+
+def test_logits_past_fp16s_range_are_a_named_error_not_a_nan_graph():
+    """An fp16 model whose logits overflow (inf past 65504) gave a graph of NaN edges and NaN target probabilities
+    with no word; it is a NonFiniteError naming the logits and their dtype. The same model in bf16 is attributed."""
+    from helpers import make_transcoders, tiny_nnsight
+
+    from nnsight_lorsa.errors import NonFiniteError
+
+    ids = torch.randint(2, 128, (8,), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float16, torch.bfloat16):
+        model, hf = tiny_nnsight("llama", dtype=dtype)
+        with torch.no_grad():
+            hf.lm_head.weight.mul_(1e5)
+            hf.model.norm.weight.mul_(100)
+        tcs = {k: v.to(dtype) for k, v in make_transcoders((0, 1, 2)).items()}
+        if dtype == torch.float16:
+            with torch.no_grad():
+                assert not bool(torch.isfinite(hf(ids[None]).logits[0, -1]).all())  # not vacuous
+            with pytest.raises(NonFiniteError, match=r"logits.*float16"):
+                attribute(make_rm(model, None, tcs), ids)
+        else:
+            g = attribute(make_rm(model, None, tcs), ids)
+            assert bool(torch.isfinite(g.logit_probs).all()) and bool(torch.isfinite(g.densify()).all())
