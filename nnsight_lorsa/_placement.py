@@ -290,12 +290,37 @@ def check_one_dtype(module: Any, name: str | None = None) -> None:
                          f"(module.to({most}))")
 
 
+def narrows_range(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a cast from ``src`` to ``dst`` can turn a finite value into ``inf``: ``dst`` floating with a
+    narrower exponent range than ``src`` (fp16 from fp32 / bf16 / fp64; fp32 or bf16 from fp64), or ``src`` an
+    integer dtype. Not bf16 from fp32 (the same exponent range: its max is within 0.4% of fp32's)."""
+    if not dst.is_floating_point:
+        return False
+    if not src.is_floating_point:
+        return not src.is_complex and src != torch.bool
+    return 2 * torch.finfo(dst).max < torch.finfo(src).max
+
+
+def past_range(x: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """The largest finite ``|x|`` that the cast of ``x`` to ``dtype`` turns into ``inf``, or None when there is
+    none. Reads one value (a device sync) only where the cast narrows the range (:func:`narrows_range`)."""
+    if not narrows_range(x.dtype, dtype):
+        return None
+    limit = torch.finfo(dtype).max
+    a = x.detach().abs()
+    if not a.is_floating_point():
+        a = a.double()
+    if not bool(((a > limit) & torch.isfinite(a)).any()):
+        return None
+    return float(torch.where(torch.isfinite(a), a, 0).max())
+
+
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
     """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
 
     A cast to a dtype of narrower exponent range (fp16, ``|x| <= 65504``, from fp32 / bf16 / fp64; fp32 or bf16
     from fp64) that would turn a finite value of ``x`` into ``inf`` is refused (the module would compute NaN and
-    hand it to the model): that check reads one value (a device sync), only for such a cast.
+    hand it to the model): that check reads one value (a device sync), only for such a cast (:func:`past_range`).
 
     Raises:
         PlacementError: as :func:`placement` and :func:`check_one_dtype`; ``x`` holds finite values past the
@@ -305,18 +330,13 @@ def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Te
     check_one_dtype(module, name)
     if not x.is_floating_point():
         return x.to(device=device)
-    # a narrower exponent range (fp16 from anything wider; fp32 / bf16 from fp64), not bf16 from fp32 (the same
-    # exponent range: checking it would cost a read per call for values within 0.4% of fp32's max)
-    if dtype.is_floating_point and 2 * torch.finfo(dtype).max < torch.finfo(x.dtype).max:
-        limit = torch.finfo(dtype).max
-        a = x.detach().abs()
-        if bool(((a > limit) & torch.isfinite(a)).any()):
-            big = float(torch.where(torch.isfinite(a), a, 0).max())
-            what = name or type(module).__name__
-            raise PlacementError(f"the {what} ({dtype}) is fed values beyond {dtype}'s range (max |x| = {big:.4g} > "
-                                 f"{limit:.4g}, given in {x.dtype}): the cast to the module's dtype would turn them "
-                                 "into inf and the module would compute NaN; cast the module to a wider dtype "
-                                 "(module.to(torch.float32) or torch.bfloat16)")
+    big = past_range(x, dtype)
+    if big is not None:
+        what = name or type(module).__name__
+        raise PlacementError(f"the {what} ({dtype}) is fed values beyond {dtype}'s range (max |x| = {big:.4g} > "
+                             f"{torch.finfo(dtype).max:.4g}, given in {x.dtype}): the cast to the module's dtype "
+                             "would turn them into inf and the module would compute NaN; cast the module to a wider "
+                             "dtype (module.to(torch.float32) or torch.bfloat16)")
     return x.to(device=device, dtype=dtype)
 
 
@@ -336,5 +356,5 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
 
 
 __all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype",
-           "check_placement_args", "f32", "fetch", "host_f32", "like", "model_device", "offloaded", "pinned", "place",
-           "placement", "resident", "set_offload", "store_on_host", "to_module"]
+           "check_placement_args", "f32", "fetch", "host_f32", "like", "model_device", "narrows_range", "offloaded",
+           "past_range", "pinned", "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]

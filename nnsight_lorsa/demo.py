@@ -51,9 +51,10 @@ from typing import Any
 
 import torch
 
+from ._placement import check_device_arg
 from .envoy.loading import load_model  # re-exported: the loader lives in the glue layer (envoy)
 from .envoy.nnsight_internals import hf_module
-from .errors import ArgumentError
+from .errors import ArgumentError, PlacementError
 
 __all__ = ["PROMPT", "SKIP_START", "DemoConfig", "TrainingInterrupted", "load_model", "run_demo", "write_pictures"]
 
@@ -149,13 +150,11 @@ def _check_config(cfg: DemoConfig) -> None:
     if cfg.dtype not in _DTYPES:
         raise ArgumentError(f"--dtype must be one of {sorted(_DTYPES)}, got {cfg.dtype!r}")
     if cfg.device != "auto":
-        try:
-            device = torch.device(cfg.device)
-        except (RuntimeError, TypeError) as e:
-            raise ArgumentError(f"--device {cfg.device!r} is not a device (cpu, cuda, cuda:1, auto): {e}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ArgumentError(f"--device {cfg.device}: torch sees no CUDA device here (torch {torch.__version__})")
-        if device.type not in ("cpu", "cuda"):
+        try:  # the package's one device check: a device this machine lacks (cuda:7 on one GPU) is refused here
+            device = check_device_arg(cfg.device, f"--device {cfg.device!r}")
+        except PlacementError as e:  # an argument of the run: argparse's usage error, before any work
+            raise ArgumentError(str(e)) from None
+        if device is None or device.type not in ("cpu", "cuda"):
             raise ArgumentError(f"--device {cfg.device}: the demo runs on cpu or cuda")
     if cfg.model_dir is not None and not Path(cfg.model_dir).is_dir():
         raise ArgumentError(f"--model {cfg.model_dir}: not a directory (a local Hugging Face model directory)")

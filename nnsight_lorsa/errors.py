@@ -83,9 +83,13 @@ class FormatDetectionError(CheckpointError):
 
 class NonFiniteError(LorsaError, FloatingPointError):
     """Training met a non-finite value — the loss, a gradient, the learning rate or a dataset-norm scale
-    factor — and stopped before it reached the weights. The message names the step and the tensor
-    (:attr:`step`, :attr:`tensor`); the trainer holds the state as it was before that step (weights,
-    Adam state, dead counters, step), so nothing is lost and a checkpoint on disk is the last good one."""
+    factor — and stopped before it reached the weights; or an evaluation's metric was NaN / inf (non-finite
+    logits, :func:`~nnsight_lorsa.training.evaluate`: :attr:`step` is the batch, :attr:`tensor` the metric), or
+    the logits an attribution starts from were (:func:`~nnsight_lorsa.attribution.attribute`, ``tensor="logits"``),
+    or a patching experiment's metric was (:mod:`~nnsight_lorsa.patching`, ``tensor="metric"``).
+    The message names the step and the tensor (:attr:`step`, :attr:`tensor`); the trainer holds the state as
+    it was before that step (weights, Adam state, dead counters, step), so nothing is lost and a checkpoint on
+    disk is the last good one."""
 
     def __init__(self, message: str, *, step: int | None = None, tensor: str | None = None) -> None:
         super().__init__(message)

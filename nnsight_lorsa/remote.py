@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._placement import check_dtype_arg, past_range
 from .attribution.remote_handles import check_block_calls, mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
@@ -51,7 +52,7 @@ from .envoy.nnsight_internals import (
 )
 from .envoy.replacement_model import ReplacementModel
 from .envoy.replacement_set import ReplacementSet
-from .errors import ArgumentError, LayerOutOfRangeError, LorsaError
+from .errors import ArgumentError, LayerOutOfRangeError, LorsaError, PlacementError
 from .ndif_rules import NotWhitelistedError, check_request
 from .server_version import check_server_version
 
@@ -453,9 +454,22 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
 
     Raises:
         LayerOutOfRangeError: a layer with neither a Lorsa nor a transcoder.
+        ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64.
+        PlacementError: a module's weight holds finite values past ``dtype``'s range (an fp32 weight above
+            65504 cast to fp16 would be ``inf``), naming the module, the tensor and its largest value.
     """
+    check_dtype_arg(dtype, "for_remote")
     chosen = _layer_list(replacement, layers)
     target = dtype if dtype is not None else model_dtype(replacement, chosen[0] if chosen else None)
+    for slot, rset in _select(replacement, chosen).sets():  # the modules that travel, before any copy
+        for key in rset:
+            for name, t in rset[key].state_dict().items():
+                big = past_range(t, target) if t.is_floating_point() else None
+                if big is not None:
+                    raise PlacementError(
+                        f"for_remote: {slot}[{key!r}].{name} holds values beyond {target}'s range (max |v| = "
+                        f"{big:.4g} > {torch.finfo(target).max:.4g}, stored in {t.dtype}): the cast would turn them "
+                        "into inf and the remote trace compute NaN; pass dtype=torch.bfloat16 (fp32's range)")
     return _select(replacement, chosen, copy=lambda m: _cast_copy(m, target))
 
 

@@ -101,6 +101,19 @@ def test_bad_arguments_exit_2_before_any_work(args, flag, no_work, capsys):
     assert flag in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("device", ["cuda:7", "cuda:1"])
+def test_a_gpu_index_this_machine_lacks_exits_2_before_any_work(device, no_work, monkeypatch, capsys):
+    """``--device cuda:7`` where torch sees CUDA but no 8th GPU (here: CUDA reported, no GPU usable) passed the
+    demo's own device check (``device.type == "cuda"`` and ``torch.cuda.is_available()``) and failed in the model
+    load; it is refused with the arguments, by the package's one device check (``_placement.check_device_arg``)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--device", device, "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and device in err and "Traceback" not in err
+
+
 def test_an_unwritable_out_dir_is_refused_before_any_work(tmp_path, no_work, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

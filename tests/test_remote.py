@@ -400,6 +400,34 @@ def test_for_remote_casts_every_replacement_of_the_bundle() -> None:
     assert payload_report(rm, layers=[1]).by_layer.keys() == {1, None}  # None: the SAE, kept whole
 
 
+@pytest.mark.parametrize("kind", ["lorsas", "transcoders", "saes"])
+def test_for_remote_refuses_a_cast_that_turns_a_weight_into_inf(kind) -> None:
+    """Issue 21: ``for_remote(rm, dtype=torch.float16)`` (or the default, an fp16 model's dtype) cast an fp32 weight
+    past 65504 to ``inf`` with no word, and the remote trace computed NaN. It is a PlacementError naming the module,
+    the tensor, its largest value and the dtype; bf16 (fp32's range) casts it; a dtype a module cannot compute in is
+    an ArgumentError."""
+    from helpers import make_sae, make_transcoder
+
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.errors import ArgumentError, PlacementError
+    from nnsight_lorsa.remote import for_remote
+
+    model, lorsas = _tiny_set()
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.2": make_sae()})
+    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.2"}[kind]
+    module = getattr(rm, kind)[key]
+    name = "b_D" if kind == "lorsas" else "b_dec"
+    with torch.no_grad():
+        getattr(module, name)[3] = 1e5
+    with pytest.raises(PlacementError, match=rf"{kind}.*{name}.*1e\+05.*float16"):
+        for_remote(rm, layers=[1], dtype=torch.float16)
+    sent = for_remote(rm, layers=[1], dtype=torch.bfloat16)
+    assert float(getattr(getattr(sent, kind)[key], name)[3]) == float(torch.tensor(1e5, dtype=torch.bfloat16))
+    for bad in (torch.int8, torch.complex64, torch.bool):
+        with pytest.raises(ArgumentError, match="dtype"):
+            for_remote(rm, layers=[1], dtype=bad)
+
+
 def test_check_payload_names_the_largest_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     from nnsight_lorsa import LorsaError
     from nnsight_lorsa.remote import CAP_ENV, PayloadTooLargeError, check_payload, default_cap_bytes, parse_bytes

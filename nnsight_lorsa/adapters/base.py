@@ -149,11 +149,14 @@ def mhsa_mask(w: MHSAWeights, s: int, device: torch.device) -> torch.Tensor:
 def mhsa_pattern(
     w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], positions: torch.Tensor | None = None
 ) -> Float[torch.Tensor, "batch n_heads pos pos"]:
-    """Causal attention patterns ``A[b, h, i, j]`` of every query head (rows sum to 1): scores
-    ``q·k * scale`` from :func:`mhsa_qk`, causal (and sliding-window) mask, softmax."""
+    """Causal attention patterns ``A[b, h, i, j]`` of every query head (rows sum to 1), in ``x``'s dtype: scores
+    ``q·k * scale`` from :func:`mhsa_qk`, causal (and sliding-window) mask, softmax. The scores and the softmax
+    run in at least fp32 (bf16 / fp16 q, k upcast; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k``
+    past 65504 would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
     q, k = mhsa_qk(w, x, positions)
-    scores = (q @ k.transpose(-1, -2)) * w.scale
-    return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * w.scale
+    return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1).to(q.dtype)
 
 
 def mhsa_values(

@@ -223,7 +223,9 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
         ShapeError: ``head`` outside ``[0, n_ov_heads)`` (no negative indexing), SAE rows not
             ``(n_features, d_model)``.
         ArgumentError: ``head`` not an int, ``k`` not an int ``>= 1``.
+        PlacementError: the Lorsa or an SAE matrix is on ``meta`` (never loaded).
     """
+    placement(lorsa, "the Lorsa")
     if not is_int(head):
         raise ArgumentError(f"head must be an int, got {head!r}")
     head = int(head_indices(head, lorsa.cfg.n_ov_heads, "head", "cpu")[0])

@@ -69,7 +69,8 @@ class TopActivations:
 
         Raises:
             ArgumentError: ``z`` not a ``(batch, pos, n_heads)`` float tensor of this table's ``n_heads``, or
-                holding NaN (a NaN would rank above every activation); ``keep`` not ``(batch, pos)``;
+                holding NaN or ±inf (NaN and inf would rank above every activation, -inf read as an empty slot);
+                ``keep`` not ``(batch, pos)``;
                 ``first_window`` not an int ``>= 0``.
         """
         n_heads = self.values.shape[0]
@@ -84,9 +85,10 @@ class TopActivations:
             kept = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
             raise ArgumentError(f"TopActivations.update: keep must be a (batch, pos) = {(b, s)} mask, got {kept}")
         z = z.detach().float().cpu()
-        if bool(torch.isnan(z).any()):
-            raise ArgumentError("TopActivations.update: z holds NaN activations (they would rank first); "
-                                "check the model / Lorsa for non-finite values")
+        if not bool(torch.isfinite(z).all()):
+            raise ArgumentError("TopActivations.update: z holds NaN or inf activations (NaN and inf would rank first, "
+                                "-inf reads as an empty slot; an inf is an overflow, e.g. of an fp16 Lorsa): check the "
+                                "model / Lorsa for non-finite values")
         if keep is not None:
             z = z.masked_fill(~keep.cpu().bool()[..., None], float("-inf"))
         flat = z.reshape(b * s, n)

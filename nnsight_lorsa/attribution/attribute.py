@@ -141,6 +141,8 @@ def attribute(
         NotWhitelistedError: (before a remote request is sent) a call with a prompt inside the remote block.
         All before the frozen pass runs (bad layers are refused when the ``ReplacementModel`` is built); in a remote
         block, the errors of the call's checks before anything is sent.
+        NonFiniteError: after the frozen pass, the model's logits at the attributed position hold NaN / inf (an
+            fp16 model's logits past 65504 are inf): the graph would be NaN.
     """
     settings = {"max_feature_nodes": max_feature_nodes, "batch_size": batch_size, "targets": targets,
                 "memory": memory, "prune": prune, "dtype": dtype, "progress": progress, "remote": remote,

@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 import torch
 
 from ..envoy.tokens import tokenizer_of
-from ..errors import ArgumentError, ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError
 from .graph import HOST
 
 #: the old three settings of :func:`.attribute.attribute` and how ``targets=`` says each (refused, not aliased)
@@ -151,8 +151,17 @@ def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...])
 
     Raises:
         ConfigMismatchError: an id outside ``[0, vocab)``.
+        NonFiniteError: the logits hold NaN or inf (an fp16 model's logits past 65504 are inf): every edge and
+            probability of the graph would be NaN.
     """
-    probs = logits.detach().to(HOST, torch.float32).softmax(-1)
+    host = logits.detach().to(HOST, torch.float32)
+    if not bool(torch.isfinite(host).all()):
+        raise NonFiniteError(f"attribute: the model's logits at the attributed position hold NaN or inf "
+                             f"({int((~torch.isfinite(host)).sum())} of {host.numel()}, computed in {logits.dtype}; "
+                             "an fp16 model's logits past 65504 are inf): the graph's edges and target probabilities "
+                             "would be NaN; attribute the model in a wider dtype (torch.bfloat16 or torch.float32)",
+                             tensor="logits")
+    probs = host.softmax(-1)
     if not isinstance(targets, LogitTargets):
         ids = torch.tensor(targets, dtype=torch.long, device=HOST)
         if int(ids.max()) >= probs.numel():

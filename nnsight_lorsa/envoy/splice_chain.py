@@ -33,7 +33,8 @@ served — and in its own dtype; a step casts the site's input to the module's d
 before it is returned into the model. A module whose weights were never materialised (``meta``) raises
 :class:`~..errors.PlacementError` naming the module and the device the site runs on; so does a site input
 past the module dtype's range (an fp16 module on a wider model: :func:`~.._placement.to_module`), naming
-the site. An *offloaded*
+the site, and so does a replacement's output past the site dtype's range (an fp32 / bf16 module's output, or an
+edited one, above fp16's 65504 on an fp16 model: :func:`to_site`). An *offloaded*
 module (``ReplacementSet.offload``: weights on the host) is not moved: at each site, for that site's step
 only (the clean pass's too), its weights are copied to the site's device and dropped after
 (:class:`~.._placement.resident`).
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._placement import offloaded, place, resident
+from .._placement import offloaded, past_range, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
@@ -70,20 +71,48 @@ from .nnsight_internals import (
 Step = Callable[[nn.Module, int, tuple, dict, torch.Tensor, dict], torch.Tensor]
 
 
+def to_site(value: torch.Tensor, true_out: torch.Tensor, what: str) -> torch.Tensor:
+    """``value`` cast to ``true_out``'s device and dtype, the output the site returns into the model.
+
+    A cast to a narrower exponent range (an fp32 / bf16 module's output onto an fp16 model's site; fp64 onto
+    fp32 / bf16) that would turn a finite value into ``inf`` is refused: the model would compute NaN from there
+    on (:func:`~.._placement.past_range`, one read only for such a cast). ``what`` names the value in the error.
+
+    Raises:
+        PlacementError: ``value`` holds finite values past ``true_out``'s dtype's range (names ``what``, both
+            dtypes and the largest value).
+    """
+    big = past_range(value, true_out.dtype)
+    if big is not None:
+        raise PlacementError(f"{what} holds values beyond the site's dtype {true_out.dtype} (max |x| = {big:.4g} > "
+                             f"{torch.finfo(true_out.dtype).max:.4g}): cast to it they would be inf and the model "
+                             "would compute NaN; run the model in a wider dtype (torch.bfloat16 or torch.float32) or "
+                             "keep the replacement's output (its weights, the edit) within the site's range")
+    return value.to(device=true_out.device, dtype=true_out.dtype)
+
+
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,
-               hook: nn.Module) -> torch.Tensor:
+               hook: nn.Module, what: str = "the replacement's output with its error term", *,
+               edited: bool = True) -> torch.Tensor:
     """The site's output with the error term: ``true + (out − clean) + (hook(e) − e)``, ``e = true − clean``.
 
-    Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device: without edits
-    (``out`` is ``clean``, ``hook`` returns ``e``) the result is ``true_out`` bit for bit. Gradients
-    reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out`` (held fixed).
+    Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device: without edits (``out`` is
+    ``clean``, ``hook`` returns ``e``) the result is ``true_out`` bit for bit. With ``edited`` (something may have
+    edited the module's internals or its error) the cast is :func:`to_site`'s, checked for the site dtype's range
+    (``what`` names the sum in its error); without, nothing can leave ``true_out``'s values and the cast is
+    unchecked (no read). Gradients reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out``
+    (held fixed).
+
+    Raises:
+        PlacementError: an edit took the sum past the range of ``true_out``'s dtype (fp16's 65504).
     """
     work = torch.promote_types(true_out.dtype, torch.float32)
     true = true_out.detach().to(work)
     clean = clean_out.detach().to(device=true.device, dtype=work)
     e = true - clean
     hooked = hook(e.clone())  # an edit in place (``hook_error.output[:] = …``) must not change ``e``
-    return (true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e)).to(true_out.dtype)
+    total = true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e)
+    return to_site(total, true_out, what) if edited else total.to(true_out.dtype)
 
 
 @dataclass(frozen=True, repr=False)
@@ -207,14 +236,16 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
         except PlacementError as e:  # e.g. an input past an fp16 module's range (to_module): name the site
             raise PlacementError(f"at {chain.site_paths[i]}: {e}") from e
+        what = f"at {chain.site_paths[i]}: the {type(module).__name__}'s output ({out.dtype})"
         if error:
             if clean_out is None:  # nothing could edit so far: the clean pass is the live one
                 clean.clear()
                 clean.update(live)
                 clean_out = out
-            out = with_error(true_out, out, clean_out, chain.error_hook(module, i))
+            out = with_error(true_out, out, clean_out, chain.error_hook(module, i), what + " with its error term",
+                             edited=diverged)  # not diverged: nothing could edit, the sum is true_out exactly
         else:
-            out = out.to(device=true_out.device, dtype=true_out.dtype)
+            out = to_site(out, true_out, what)
         site.output = chain.set_output(original, out)
         return diverged
 

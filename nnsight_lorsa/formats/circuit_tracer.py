@@ -255,7 +255,7 @@ def build_transcoders(parsed: Parsed, states: dict[int, dict[str, torch.Tensor]]
         ours = states[layer]
         cls: type[Transcoder] = SkipTranscoder if "W_skip" in ours else Transcoder
         transcoders[layer] = build_module(partial(cls, tcfg), ours, file, src, device=device,
-                                          dtype=dtype or ours["W_enc"].dtype)
+                                          dtype=dtype)
     cfg = parsed.settings["yaml"]
     return CircuitTracerTranscoders(transcoders, cfg.get("feature_input_hook"), cfg.get("feature_output_hook"),
                                     cfg.get("scan"), cfg)
@@ -355,7 +355,7 @@ def build_clt(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.d
     Raises:
         CheckpointError: non-floating or non-finite tensor.
     """
-    return parsed.build_module(CrossLayerTranscoder, state, "", device=device, dtype=dtype or state["W_enc"].dtype)
+    return parsed.build_module(CrossLayerTranscoder, state, "", device=device, dtype=dtype)
 
 
 CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_weights, build_clt)

@@ -184,6 +184,7 @@ from .validate import (
     require,
     require_file,
     scaled_size,
+    stored_dtype,
 )
 
 CONFIG_FILE = "config.json"
@@ -491,8 +492,8 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
         # their reload uses the stored low-precision tables (load_state_dict overwrites the buffers)
         cfg.rotary = dataclasses.replace(cfg.rotary, table_dtype=str(table.dtype).removeprefix("torch."))
 
-    settings["stored_dtype"] = params["W_Q"].dtype
-    work_dtype = torch.promote_types(params["W_Q"].dtype, torch.float32)
+    settings["stored_dtype"] = stored = stored_dtype(params) or torch.float32  # the widest, where several
+    work_dtype = torch.promote_types(stored, torch.float32)
     settings["load_dtype"] = work_dtype  # the default: bf16/fp16 files are upcast (module docstring)
     w = {k: v.to(work_dtype) for k, v in params.items()}
     norms = {hook: float(v.reshape(())) for hook, v in norms_raw.items()}
@@ -534,8 +535,9 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> Lorsa:
-    """Our :class:`Lorsa` with the folded ``state`` (``dtype`` default: the stored dtype of ``W_Q``
-    upcast to at least fp32 — a bf16/fp16 file loads as fp32, see the module docstring).
+    """Our :class:`Lorsa` with the folded ``state`` (``dtype`` default: the stored dtype (the widest, where
+    the parameters are stored in several) upcast to at least fp32 — a bf16/fp16 file loads as fp32, see the
+    module docstring).
 
     Raises:
         CheckpointError: non-floating or non-finite tensor.
@@ -559,7 +561,8 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
             the hub ``"repo_id:name"`` (their layout) or ``"repo_id"`` (files at the root).
         kwargs: ``layer`` (target layer stored in ``cfg.layer``; default parsed from ``hook_point_in``
             ``blocks.<L>.…``; a contradicting value raises), ``device`` (default CPU), ``dtype``
-            (default: the stored dtype of ``W_Q``, bf16/fp16 upcast to fp32 — their fp32 reload to <1e-6;
+            (default: the stored dtype, the widest where there are several, bf16/fp16 upcast to fp32 — their
+            fp32 reload to <1e-6;
             ``dtype=torch.bfloat16`` keeps a bf16 file's dtype: the fp32 folds rounded once, as far from
             the exact output as their own bf16 reload, see the module docstring), ``weights_folded``
             (whether the dataset-wise norm is already folded; ``None`` applies the rule of the module

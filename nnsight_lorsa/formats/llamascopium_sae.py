@@ -64,6 +64,7 @@ from .validate import (
     config_size,
     read_fields,
     scaled_size,
+    stored_dtype,
 )
 
 CONFIG_FILE = "config.json"
@@ -172,7 +173,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     if theta is not None:
         ours["activation.threshold"] = theta
     extra.update(dataset_norm_folded_here=not settings["folded"], scales=scales)
-    stored = state["W_E"].dtype
+    stored = stored_dtype(state)  # the widest, where the tensors are stored in several: no value rounded
     return {k: v.to(stored) for k, v in ours.items()}
 
 
@@ -185,7 +186,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     """
     cls = _MODULE_OF.get(type(parsed.config), SparseAutoencoder)
     return parsed.build_module(cls, state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
-                               dtype=dtype or state["W_enc"].dtype)
+                               dtype=dtype)
 
 
 READER = Reader("llamascopium_sae", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

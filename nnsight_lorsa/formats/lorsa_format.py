@@ -136,12 +136,13 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> Lorsa:
     """The :class:`Lorsa` of the parsed config with ``state``, allocated on ``device`` (default CPU)
-    without random init (``dtype`` default: the stored dtype of ``W_Q``); in eval mode.
+    without random init (``dtype`` default: the stored dtype, the widest where the tensors are stored in several:
+    :func:`.validate.stored_dtype`); in eval mode.
 
     Raises:
         CheckpointError: a non-floating or non-finite tensor (:func:`.validate.build_module`).
     """
-    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device, dtype=dtype or state["W_Q"].dtype)
+    return parsed.build_module(Lorsa, state, WEIGHTS_FILE, device=device, dtype=dtype)
 
 
 READER = Reader("nnsight_lorsa", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
@@ -156,7 +157,8 @@ def load_lorsa(directory: str | os.PathLike[str], **kwargs: Any) -> Lorsa:
     Args:
         directory: checkpoint directory, or a Hugging Face repo id (``"org/name"``) when no such
             local path exists.
-        kwargs: ``device`` (default CPU), ``dtype`` (default: the dtype stored for ``W_Q``),
+        kwargs: ``device`` (default CPU), ``dtype`` (default: the stored dtype, the widest where
+            the tensors are stored in several; given, every tensor is cast to it),
             ``subfolder``, ``local_files_only`` / ``revision`` (``huggingface_hub.snapshot_download``).
 
     Returns:

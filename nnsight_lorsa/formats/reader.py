@@ -104,7 +104,9 @@ def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | Non
     Args:
         source: checkpoint directory, or a Hugging Face repo id when no such local path exists.
         subfolder: a folder inside ``source`` (local or hub).
-        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
+        device, dtype: where and as what the parameters go (default CPU, the stored dtype: the widest where the
+            tensors are stored in several, so every stored value loads exactly; a ``dtype`` given casts each tensor
+            to it, rounded once, refusing one whose values it would turn into inf).
         local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
         options: the reader's own (``d_model``, ``adapter``, ``norm_scaling_factor``, …).
 

@@ -210,7 +210,9 @@ def load(
         format: ``"auto"`` (detect, module table) or a name in :data:`FORMATS` (``"nnsight_lorsa"``,
             ``"llamascopium"``, ``"saelens"``, ``"sparsify"``, ``"circuit_tracer"``).
         subfolder: a folder inside ``path_or_repo_id`` (local or hub; a sparsify hookpoint, a SAELens id).
-        device, dtype: where and as what the parameters go (default CPU, the stored dtype).
+        device, dtype: where and as what the parameters go (default CPU, the stored dtype: the widest where the
+            tensors are stored in several, so every stored value loads exactly; a ``dtype`` given casts each tensor
+            to it, rounded once, refusing one whose values it would turn into inf).
         local_files_only, revision: passed to ``huggingface_hub.snapshot_download``.
         options: the reader's own: ``d_model`` and ``adapter`` (sparse coders; dropped for readers that
             take neither), ``norm_scaling_factor`` (saelens), ``weights_folded`` (llamascopium),

@@ -343,7 +343,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     cfg, settings = parsed.config, parsed.settings
     cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
     module: SparseAutoencoder | Transcoder = parsed.build_module(
-        cls, state, WEIGHTS_FILE, device=device, dtype=dtype or (state["W_enc"].dtype if "W_enc" in state else None))
+        cls, state, WEIGHTS_FILE, device=device, dtype=dtype)
     extra = cfg.extra["saelens"]
     # SAELens's order: its trainer folds the data statistics first, its inference export the decoder norm
     if extra["normalize_activations"] == "covariance_whitening":

@@ -120,14 +120,13 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
 
 def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.device | str | None = None,
           dtype: torch.dtype | None = None) -> Any:
-    """The module of the parsed kind with ``state`` (``dtype`` default: the stored dtype of ``W_enc``).
+    """The module of the parsed kind with ``state`` (``dtype`` default: the stored dtype, the widest
+    where the tensors are stored in several: :func:`.validate.stored_dtype`).
 
     Raises:
         CheckpointError: missing/unexpected tensor, wrong shape, non-floating or non-finite tensor.
     """
-    first = state.get("W_enc")
-    return parsed.build_module(KINDS[parsed.settings["kind"]][0], state, WEIGHTS_FILE, device=device,
-                               dtype=dtype or (first.dtype if first is not None else None))
+    return parsed.build_module(KINDS[parsed.settings["kind"]][0], state, WEIGHTS_FILE, device=device, dtype=dtype)
 
 
 READER = Reader("nnsight_lorsa_sparse_coder", (CONFIG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

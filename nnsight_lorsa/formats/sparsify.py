@@ -151,7 +151,7 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
         CheckpointError: non-floating or non-finite tensor.
     """
     return parsed.build_module(parsed.settings["cls"], state, WEIGHTS_FILE, device=device,  # type: ignore[no-any-return]
-                               dtype=dtype or state["W_enc"].dtype)
+                               dtype=dtype)
 
 
 READER = Reader("sparsify", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)

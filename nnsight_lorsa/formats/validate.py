@@ -504,6 +504,10 @@ def build_module(
     state dict (:func:`check_tensor_inventory`, :func:`check_tensors`), then allocated on
     ``device`` (default CPU) as ``dtype`` without random init and loaded strictly; in eval mode.
 
+    ``dtype`` None is the stored dtype (:func:`stored_dtype`: the widest, where the floating tensors are stored
+    in several, so that every stored value loads exactly); a ``dtype`` given casts every tensor to it, each
+    rounded once, and a value the cast would turn into ``inf`` is refused (:func:`check_cast`).
+
     Raises:
         CheckpointError: a missing or unexpected tensor, one whose shape differs from what ``source``
             (the config, named in the message) implies, a non-floating or non-finite tensor, a value that the
@@ -518,6 +522,8 @@ def build_module(
     check_tensor_inventory(path, {k: tuple(v.shape) for k, v in state.items()},
                            {k: tuple(v.shape) for k, v in reference.items()}, source)
     check_tensors(path, state, {k: v.is_floating_point() for k, v in reference.items()})
+    if dtype is None:
+        dtype = stored_dtype(state)
     if dtype is not None:
         module = module.to(dtype)
     module.to_empty(device=torch.device("cpu") if device is None else device)
@@ -526,6 +532,17 @@ def build_module(
     if dtype is not None:
         check_cast(path, state, module)
     return module.eval()
+
+
+def stored_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype a checkpoint loads in by default: that of its floating tensors, the widest of them where they
+    are stored in several (``torch.promote_types``: bf16 with fp16 is fp32, anything with fp64 is fp64), which
+    holds every stored value exactly; None where ``state`` has no floating tensor."""
+    out: torch.dtype | None = None
+    for t in state.values():
+        if t.is_floating_point():
+            out = t.dtype if out is None else torch.promote_types(out, t.dtype)
+    return out
 
 
 def check_cast(path: Path | str, state: Mapping[str, torch.Tensor], module: nn.Module) -> None:

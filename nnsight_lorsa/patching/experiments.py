@@ -23,7 +23,7 @@ from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
-from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read
 from .metrics import logit_difference, relative_effect
 
@@ -42,7 +42,8 @@ def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, pos
 
     Raises:
         ConfigMismatchError: neither ``metric`` nor both ids. ArgumentError: ``metric`` not callable, or (when
-            it runs) returning anything but a real tensor ``(batch,)``.
+            it runs) returning anything but a real tensor ``(batch,)``. NonFiniteError: (when it runs) NaN / inf
+            values (from non-finite logits: an fp16 model's past 65504), checked on the host copy (no extra read).
     """
     if metric is not None:
         if not callable(metric):
@@ -56,11 +57,27 @@ def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, pos
                 got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)[:80]
                 raise ArgumentError(f"metric must map logits (batch, pos, vocab) to a real tensor "
                                     f"(batch={logits.shape[0]},), got {got}")
-            return host_f32(value)
+            return _finite(host_f32(value), logits)
         return checked
     if correct_ids is None or incorrect_ids is None:
         raise ConfigMismatchError("give metric= or both correct_ids= and incorrect_ids=")
-    return lambda logits: host_f32(logit_difference(logits, correct_ids, incorrect_ids, position))
+    return lambda logits: _finite(host_f32(logit_difference(logits, correct_ids, incorrect_ids, position)), logits)
+
+
+def _finite(value: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``value`` (a metric's host copy), refused where it holds NaN / inf.
+
+    Raises:
+        NonFiniteError: naming the rows and the logits' dtype (``tensor="metric"``)."""
+    bad = ~torch.isfinite(value)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        why = "" if bool(torch.isfinite(logits).all()) else \
+            ": the logits hold NaN / inf (an fp16 model's logits past 65504 are inf)"  # a read on the error path only
+        raise NonFiniteError(f"the metric is NaN or inf at rows {rows} (logits in {logits.dtype}){why}; every effect "
+                             "computed from it would be NaN: run the model in a wider dtype (torch.bfloat16 or "
+                             "torch.float32) or check the metric", tensor="metric")
+    return value
 
 
 def _groups(replacement: ReplacementModel, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:

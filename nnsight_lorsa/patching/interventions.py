@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from .._checks import is_int, is_real
-from .._placement import f32, like
+from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
@@ -114,9 +114,8 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
     cast = value.to(device=site.device, dtype=site.dtype)
-    narrower = cast.is_floating_point() and (not value.is_floating_point() or  # ints, or e.g. fp32 on fp16
-                                             2 * torch.finfo(cast.dtype).max < torch.finfo(value.dtype).max)
-    if finite and narrower and not bool(torch.isfinite(cast).all()):  # past the dtype's range
+    # ints, or e.g. fp32 on fp16: the cast may turn finite values into inf
+    if finite and narrows_range(value.dtype, cast.dtype) and not bool(torch.isfinite(cast).all()):
         raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
                             f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
                             "cast to it they would be inf")

@@ -15,6 +15,7 @@ for every module kind (:class:`Evaluation`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from .._placement import model_device
 from .._progress import show_progress
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NonFiniteError
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
@@ -83,6 +84,21 @@ class Evaluation:
 def _predicted(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """``(batch, pos−1)`` bool: which next-token predictions count (targets ``ids[:, 1:]``)."""
     return torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:].to(ids.device)
+
+
+def _finite(value: float, name: str, batch: int, logits: torch.Tensor) -> float:
+    """``value`` (a metric's sum over batch ``batch``), refused where it is NaN or inf: the ``logits`` it was
+    computed from (in fp32) hold non-finite values — an fp16 model's logits past 65504 are ``inf``.
+
+    Raises:
+        NonFiniteError: naming the metric, the batch and the logits' dtype (``step`` the batch, ``tensor`` the
+            metric)."""
+    if not math.isfinite(value):
+        raise NonFiniteError(f"evaluate: {name} of batch {batch} is {value}: the logits ({logits.dtype}) it is "
+                             "computed from hold NaN or inf values (an fp16 model's logits past 65504 are inf); "
+                             "evaluate the model in a wider dtype (torch.bfloat16 or torch.float32)",
+                             step=batch, tensor=name)
+    return value
 
 
 def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor, keep: torch.Tensor) -> float:
@@ -250,6 +266,8 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
             of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too).
         PlacementError: the model is on the meta device (not dispatched).
+        NonFiniteError: a CE or the KL of a batch is NaN / inf, from non-finite logits (an fp16 model's past
+            65504), naming the metric, the batch and the logits' dtype.
     """
     replacements = _one_set(replacements)
     probe = _probe(replacements, at)
@@ -276,8 +294,8 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         mask = dataset.targets(i * batch_size, (i + 1) * batch_size)
         for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
             ce, n = next_token_ce(logits, ids, mask)
-            sums[key] += float(ce)
-        sums["kl"] += _kl(logits_orig, logits_spliced, _predicted(mask, ids))
+            sums[key] += _finite(float(ce), f"ce_{key}", i, logits)
+        sums["kl"] += _finite(_kl(logits_orig, logits_spliced, _predicted(mask, ids)), "kl", i, logits_spliced)
         n_tok += n
         probe.measure(ids, mask)
     fvu, l0, dead = probe.result()

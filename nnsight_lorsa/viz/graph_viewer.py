@@ -51,15 +51,28 @@ MIN_FIRST_SCALE = 0.6
 
 def _heatmap(values: Any, rows: Sequence[str] | None = None, cols: Sequence[str] | None = None,
              title: str = "") -> dict[str, Any]:
-    v = torch.as_tensor(values, dtype=torch.float32, device="cpu")
+    """A heatmap block of ``values`` (a real 1-D / 2-D array or tensor, any float dtype and device: shown as fp32).
+
+    Raises:
+        ArgumentError: complex, bool or ``meta`` values, a shape that is not 1-D / 2-D, or labels that do not fit."""
+    if isinstance(values, torch.Tensor) and (values.is_complex() or values.dtype == torch.bool or values.is_meta):
+        raise ArgumentError(f"a heatmap needs real numbers on a device with data, got a {values.dtype} tensor on "
+                            f"{values.device}")
+    try:
+        v = torch.as_tensor(values, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ArgumentError(f"a heatmap needs a 1-D or 2-D array of numbers, got {type(values).__name__}: {e}") from e
+    if v.is_complex() or v.dtype == torch.bool:
+        raise ArgumentError(f"a heatmap needs real numbers, got {v.dtype}")
+    v = v.to(torch.float32)
     if v.dim() == 1:
         v = v[None]
     if v.dim() != 2:
-        raise ValueError(f"a heatmap needs a 1-D or 2-D array, got shape {tuple(v.shape)}")
+        raise ArgumentError(f"a heatmap needs a 1-D or 2-D array, got shape {tuple(v.shape)}")
     r = [str(x) for x in rows] if rows is not None else [str(i) for i in range(v.shape[0])]
     c = [str(x) for x in cols] if cols is not None else [str(i) for i in range(v.shape[1])]
     if len(r) != v.shape[0] or len(c) != v.shape[1]:
-        raise ValueError(f"heatmap labels {len(r)}×{len(c)} do not fit values {tuple(v.shape)}")
+        raise ArgumentError(f"heatmap labels {len(r)}×{len(c)} do not fit values {tuple(v.shape)}")
     vals = [[None if x != x else float(x) for x in row] for row in v.tolist()]
     return {"type": "heatmap", "title": title, "rows": r, "cols": c, "values": vals}
 
@@ -111,7 +124,8 @@ def normalize_details(details: Mapping[str, Any] | None) -> dict[str, list[dict[
     """``{node_id: [block, …]}`` from :func:`render_html`'s ``details`` (see there).
 
     Raises:
-        ValueError: an entry of an unsupported form.
+        ValueError: an entry of an unsupported form (ArgumentError, a ValueError, for a heatmap that cannot be
+            shown: complex, bool or ``meta`` values, not 1-D / 2-D, labels that do not fit).
     """
     out: dict[str, list[dict[str, Any]]] = {}
     for node_id, entry in (details or {}).items():

@@ -89,3 +89,47 @@ def test_head_analysis_without_lorsas_names_what_to_pass():
         with pytest.raises(ConfigMismatchError,
                            match=r"head analysis needs a LorsaSet: ReplacementModel\(model, lorsas=\.\.\.\)"):
             call()
+
+
+def test_top_activations_refuse_non_finite_activations():
+    """An ``inf`` activation (an fp16 Lorsa's overflow) ranked first with value inf, and a ``-inf`` one read as an
+    empty slot: both are refused as NaN is, naming the table, before anything is merged."""
+    import pytest
+
+    from nnsight_lorsa.analysis import TopActivations
+    from nnsight_lorsa.errors import ArgumentError
+
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            top = TopActivations.empty(3, 2)
+            z = torch.rand(2, 4, 3, generator=torch.Generator().manual_seed(0)).to(dtype)
+            z[1, 2, 1] = bad
+            with pytest.raises(ArgumentError, match=r"TopActivations.update.*(NaN|inf)"):
+                top.update(z, 0)
+            assert top.n_tokens == 0 and bool((top.window == -1).all())
+            z[1, 2, 1] = 0.5
+            top.update(z, 0)  # the same batch, finite: merged
+            assert top.n_tokens == 8 and float(top.values[0, 0]) == float(z[..., 0].float().max())
+
+
+def test_ov_feature_cosines_of_a_lorsa_on_meta_is_a_placement_error():
+    """A Lorsa whose weights were never loaded (``meta``) ended in torch's "Cannot copy out of meta tensor"; it is
+    the PlacementError every other head analysis raises, naming the Lorsa. bf16 / fp64 Lorsas give the fp32
+    cosines of their own weights (a relative bound of fp32 rounding against an fp64 reference)."""
+    import pytest
+
+    from nnsight_lorsa.errors import PlacementError
+
+    _, hf = tiny_nnsight("llama")
+    mat = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.bfloat16, torch.float64):
+        lorsa = make_lorsa(hf, get_adapter(hf)).to(dtype)
+        got = ov_feature_cosines(lorsa, 5, sae_in_decoder=mat, sae_out_encoder=mat, k=3)
+        for name, w in (("v", lorsa.W_V[5]), ("o", lorsa.W_O[5])):
+            want = torch.nn.functional.cosine_similarity(mat.double(), w.double()[None], dim=-1).topk(3)
+            vals, idx = got[name]
+            assert vals.dtype == torch.float32 and vals.device.type == "cpu"
+            assert torch.equal(idx, want.indices) and float((vals.double() - want.values).abs().max()) <= 1e-6
+    lorsa = make_lorsa(hf, get_adapter(hf)).to("meta")
+    with pytest.raises(PlacementError, match="Lorsa.*meta"):
+        ov_feature_cosines(lorsa, 5, sae_in_decoder=mat)

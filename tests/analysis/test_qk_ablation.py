@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import LAYER, make_lorsa, random_ids, tiny_nnsight
@@ -233,3 +235,49 @@ def test_bad_input_raises_before_the_model_runs():
         torch.testing.assert_close(res.k_kl[pick], full.k_kl[pick], atol=1e-9, rtol=1e-5)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize(("model_dtype", "lorsa_dtype"),
+                         [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                          (torch.float32, torch.bfloat16), (torch.float64, torch.float64),
+                          (torch.bfloat16, torch.float64)], ids=str)
+@torch.no_grad()
+def test_kl_in_any_dtype_equals_the_fp64_reference_on_the_same_inputs(model_dtype, lorsa_dtype):
+    """Issue 21: with the model and the Lorsa in bf16 / fp16 / fp64, the ablations run in fp32 (documented) on the
+    attention input the model gives and the Lorsa's own (rounded) weights: the max KLs equal an fp64 reference
+    computed from the same input and weights (upcast, exact) at the locations where the Lorsa is active (its own
+    dtype's decision), to fp32 rounding (relative 1e-4 of the largest KL)."""
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    lorsa = make_lorsa(tiny_nnsight("llama")[1], get_adapter(model))
+    with torch.no_grad():
+        lorsa.W_Q.mul_(6.0)
+        lorsa.W_K.mul_(6.0)
+    lorsa = lorsa.to(lorsa_dtype)
+    rm = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
+    tokens = random_ids(batch=3, seq=10, seed=5)
+    act = attention_activations(model, LAYER, tokens)
+    _, cache = lorsa(act.x.to(lorsa_dtype), act.positions, return_cache=True)
+    active = cache.z > 0
+    active[:, 0] = False
+    head = int(active.sum((0, 1)).argmax())
+    active = active[..., head]
+    ref = copy.deepcopy(lorsa).double()  # the same weights, upcast exactly
+    x = act.x.double()
+    d = lorsa.cfg.d_model
+    sae = coordinate_sae(d)
+    res = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=2)
+    assert res.n_activations == int(active.sum()) > 0
+    base = rows(ref, head, x, x, act.positions)
+    q_ref, k_ref = torch.zeros(2 * d, dtype=torch.float64), torch.zeros(2 * d, dtype=torch.float64)
+    for f in range(2 * d):
+        c, sign = f % d, 1.0 if f < d else -1.0
+        on = sign * x[..., c] > 0
+        x_edit = x.clone()
+        x_edit[..., c] = torch.where(on, torch.zeros((), dtype=x.dtype), x[..., c])
+        q_ref[f] = reference_max(kl(base, rows(ref, head, x_edit, x, act.positions)), active & on)
+        k_ref[f] = reference_max(kl(base, rows(ref, head, x, x_edit, act.positions)), active & on.cummax(1).values)
+    assert q_ref.max() > 2e-3 and k_ref.max() > 2e-3
+    for got, want in ((res.q_kl, q_ref), (res.k_kl, k_ref)):
+        assert got.dtype == torch.float32 and got.device.type == "cpu"
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        assert err <= 1e-4, (model_dtype, lorsa_dtype, err)

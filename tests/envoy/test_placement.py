@@ -350,3 +350,79 @@ def test_a_module_with_parameters_in_several_dtypes_is_refused_naming_them(kind,
         with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*several dtypes.*{name}"):
             _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=True))
         assert sorted(n for n, _ in hf.named_modules()) == before
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float16], ids=str)
+@pytest.mark.parametrize("module_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("error", [True, False])
+def test_a_wider_modules_output_past_the_sites_range_raises_naming_the_site(model_dtype, module_dtype, error):
+    """The splice casts the module's output back to the site's dtype: an fp32 / bf16 SAE's reconstruction past
+    fp16's range (|x| > 65504) on an fp16 model became inf there, then NaN logits, with no word (with
+    ``error=True`` the same once an edit makes the output that large). It raises PlacementError naming the site,
+    both dtypes and the largest value; the same module with outputs inside the range keeps the contract."""
+    model, hf = tiny_nnsight("gpt2", dtype=model_dtype)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    plain = _logits(model, ids)
+    site = "transformer.h.1"
+    sae = make_sae().to(module_dtype)
+    rm = ReplacementModel(model, saes=SAESet(model, {site: sae}), error=error)
+    got = _logits(model, ids, rm)  # within range: finite, and the plain logits under error terms
+    assert bool(torch.isfinite(got).all()) and (not error or torch.equal(got, plain))
+    with torch.no_grad():
+        big = float(sae.W_dec.float().abs().max())
+    if error:  # an edit that scales every feature: the edited reconstruction leaves fp16's range
+        def edit(sites):
+            sites["saes"][site].hook_sae_acts_post.output[:] *= 1e7
+    else:
+        edit = None
+        with torch.no_grad():
+            sae.W_dec.mul_(1e7)
+    assert big * 1e7 > 65504  # the output would overflow (not vacuous)
+    with pytest.raises(PlacementError, match=rf"{site}.*float16.*{str(module_dtype).split('.')[1]}|"
+                                             rf"{site}.*{str(module_dtype).split('.')[1]}.*float16"):
+        _logits(model, ids, rm, edit)
+
+
+def test_the_output_range_check_reads_nothing_where_nothing_can_edit(monkeypatch):
+    """The check of a module's output against an fp16 site's range reads one value (a device sync) per site and
+    pass; with error terms and no edit the site returns its true output bit for bit, which cannot leave the range,
+    so no read is made there — one per site once an edit is in the trace, and always without error terms."""
+    from nnsight_lorsa.envoy import splice_chain
+
+    calls = []
+    real = splice_chain.past_range
+    monkeypatch.setattr(splice_chain, "past_range", lambda x, dtype: calls.append(dtype) or real(x, dtype))
+    model, _ = tiny_nnsight("gpt2", dtype=torch.float16)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    site = "transformer.h.1"
+    for error, edit, want in ((True, None, 0), (True, lambda s: s["saes"][site].hook_sae_acts_post.output.mul_(2), 1),
+                              (False, None, 1)):
+        calls.clear()
+        _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae()}), error=error), edit)
+        assert calls == [torch.float16] * want, (error, edit is not None, calls)
+
+
+@pytest.mark.parametrize(("model_dtype", "module_dtype"),
+                         [(torch.float16, torch.float32), (torch.float16, torch.bfloat16),
+                          (torch.float16, torch.float64), (torch.float32, torch.float64),
+                          (torch.bfloat16, torch.float64)], ids=str)
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae", "clt"])
+def test_every_kind_refuses_an_output_past_the_sites_range(kind, model_dtype, module_dtype):
+    """The output range check over every replacement kind and every narrowing cast: a decoder bias entry at twice
+    the site dtype's max (finite in the module's wider dtype) is a PlacementError naming the site; the model is
+    left clean and the same module without that entry splices finite logits."""
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    cls, key, make = _kinds(tiny_hf_model("llama"), get_adapter(model))[kind]
+    module = make().to(module_dtype)
+    bias = "b_D" if kind == "lorsa" else "b_dec"
+    rset = cls(model, module if key is None else {key: module})
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    got = _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=False))
+    assert bool(torch.isfinite(got).all())
+    with torch.no_grad():
+        getattr(module, bias).view(-1)[3] = 2 * torch.finfo(model_dtype).max
+    before = sorted(n for n, _ in hf.named_modules())
+    with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*{str(module_dtype)}.*beyond the site's dtype "
+                                             rf"{str(model_dtype)}"):
+        _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=False))
+    assert sorted(n for n, _ in hf.named_modules()) == before

@@ -148,3 +148,60 @@ def test_gates_refuse_a_dtype_they_are_not_loaded_in(tmp_path, dtype):
     for ok in (None, torch.float32):
         gates = load(tmp_path, format="sparse_attention", dtype=ok)
         assert {p.dtype for g in gates.gates.values() for p in g.parameters()} == {torch.float32}
+
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _restored(tmp_path, fmt, name, dtypes):
+    """A checkpoint in ``fmt`` whose tensors are rewritten in the dtypes ``dtypes`` draws (by key order); its
+    checksum manifest dropped (the file is changed on purpose). Returns the directory and the stored tensors."""
+    from helpers import make_lorsa, make_transcoder, tiny_hf_model
+    from safetensors.torch import load_file, save_file
+
+    from nnsight_lorsa import get_adapter
+
+    if fmt == "lorsa":
+        hf = tiny_hf_model("llama")
+        obj, options, fmt_name = make_lorsa(hf, get_adapter(hf)), {}, "nnsight_lorsa"
+    elif fmt == "sae":
+        obj, options, fmt_name = make_sae(), {}, "nnsight_lorsa"
+    elif fmt == "saelens":
+        obj, options, fmt_name = make_sae(), {"hook_name": "blocks.1.hook_resid_post"}, "saelens"
+    else:
+        obj, options, fmt_name = make_transcoder(skip=False, activation="topk", activation_params={"k": 4}), {}, \
+            "sparsify"
+    d = tmp_path / name
+    save(obj, d, format=fmt_name, **options)
+    (file,) = [f for f in d.iterdir() if f.suffix == ".safetensors"]
+    stored = load_file(str(file))
+    keys = sorted(k for k, v in stored.items() if v.is_floating_point())
+    stored = {k: (v.to(dtypes[keys.index(k) % len(dtypes)]) if k in keys else v) for k, v in stored.items()}
+    save_file(stored, str(file))
+    (d / "checksums.json").unlink(missing_ok=True)
+    return d, {k: stored[k] for k in keys}
+
+
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(["lorsa", "sae", "saelens", "sparsify"]),
+       dtypes=st.lists(st.sampled_from(FLOATS), min_size=1, max_size=4),
+       asked=st.sampled_from([None, *FLOATS]))
+def test_a_checkpoint_stored_in_several_dtypes_loads_in_the_widest_unless_told(tmp_path_factory, fmt, dtypes, asked):
+    """The default dtype is the stored one: for tensors stored in several dtypes, the widest of them
+    (``torch.promote_types``: bf16 with fp16 is fp32), so that every stored value loads exactly — the loaders
+    took the main weight's dtype (``W_Q`` / ``W_enc``) and rounded every other tensor to it with no word (an fp64
+    ``W_O`` under a bf16 ``W_Q``: 2e-3 relative). ``dtype=`` casts every tensor to it, each rounded once."""
+    d, stored = _restored(tmp_path_factory.mktemp("mixed"), fmt, "ckpt", dtypes)
+    widest = stored[next(iter(stored))].dtype
+    for v in stored.values():
+        widest = torch.promote_types(widest, v.dtype)
+    want = widest if asked is None else asked
+    big = max(float(v.double().abs().max()) for v in stored.values())
+    module = load(d, dtype=asked)
+    assert {p.dtype for p in module.parameters()} == {want}
+    if fmt not in ("lorsa", "sae"):  # the other formats fold or convert: the dtype is the claim there
+        return
+    got = module.state_dict()
+    for k, v in stored.items():  # each value exactly as stored, or rounded once to dtype=
+        assert torch.equal(got[k].double(), v.to(want).double()), (k, v.dtype, want)
+    assert big < 65504  # no overflow case hides here (that is the test above)
