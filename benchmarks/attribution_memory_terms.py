@@ -184,7 +184,8 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
         ns = rows.n_cols if hasattr(rows, "n_cols") else rows.rows.n_cols  # entries (before), the store's view
         out.update(among_entries=rows.count_edges(node_mask[:ns], node_mask[row_node]), keep_mass=prune.keep_mass,
                    node_threshold=prune.node_threshold,
-                   kept_adjacency_mb=g.n_nodes ** 2 * g.residual.element_size() / 2**20)
+                   kept_adjacency_mb=(g.block_adjacency.nbytes if g.block_adjacency is not None
+                                      else g.n_nodes ** 2 * g.residual.element_size()) / 2**20)
         if hasattr(rows, "rows"):  # sparse rows: each row's stored entries, and the memory model's bound on them
             store, layout = rows.rows, seen["layout"]
             per_row = torch.cat([torch.tensor([0, *b.ends], dtype=torch.float64).diff() for b in store.blocks]

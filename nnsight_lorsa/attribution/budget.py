@@ -233,18 +233,6 @@ def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize:
     return n_rows * n_src * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
 
 
-def kept_graph_bytes(layout: Layout, budget: int, edge_itemsize: int) -> int:
-    """Bytes of a budgeted graph's pruned adjacency (:func:`.rows.assemble_pruned`: a dense ``(k, k)`` matrix in
-    the edges' dtype, ``k`` kept nodes), an upper bound from the structure: the pruning keeps only graph nodes — at
-    most ``budget`` visited features, the logits, and every error, embedding and bias node (the embeddings, biases
-    and logits always; an error while it has a kept edge) —, so ``k ≤ budget + n_logits + (n_sources −
-    n_features)``. How many errors and features it keeps depends on the influences: on the embedded model (64
-    feature rows, 128–512 tokens) ``k`` is 188–593, 0.6–0.8 of the bound (the ``P`` embeddings are most of it);
-    at the Llama-3.1-8B shape (33 replaced modules, 4096 tokens) the bound is 139 k nodes, 78 GB at fp32."""
-    k = budget + layout.n_logits + layout.n_sources - layout.n_features
-    return k * k * edge_itemsize
-
-
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
                     prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
                     store_patterns: bool = True,
@@ -290,8 +278,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
         # pruning, or assembling the budgeted graph's blocks: chunked passes over the stored entries
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
-        if prune and budget < layout.n_features:  # and the kept graph's dense k × k adjacency
-            kept_graph = kept_graph_bytes(layout, budget, edge_itemsize)
+        if prune and budget < layout.n_features:  # and the kept graph: its kept rows' causal blocks
+            kept_graph = budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
             pruning += kept_graph
     # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
     # rows, and float64 vectors over the sources), while the frozen pass is held
