@@ -97,6 +97,10 @@ PRUNE_BYTES_PER_CHUNK_ENTRY = 96
 #: (``benchmarks/attribution_memory_terms.py``, 128-256 tokens) and 1.0-1.5 B (``graph_postprocess_scale``'s full
 #: graphs, 64-256 tokens) — not counted from the structure
 PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
+#: bytes per entry between graph nodes of :func:`.scores.prune_rows`'s edge scores (float64, freed before the kept
+#: edges are gathered) and kept edges (int64 target and source of each: the per-chunk pieces, their concatenation and
+#: the stacked index, held together at its end): at most 3 · 16 B — each kept edge is one of those entries
+PRUNE_BYTES_PER_EDGE = 48
 #: float64 source-sized vectors of the influence-ordered selection (its series' current and total influence,
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
@@ -118,7 +122,8 @@ class MemoryEstimate(FieldsRepr):
             ``host_bytes``).
         batch_size: the batch the estimate is for.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
-            ``fixed``; ``kept_graph``, the pruned graph's adjacency, included in ``pruning`` (0 where not counted);
+            ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
+            and kept edges, of which ``pruning`` holds the larger (0 where not counted);
             on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
             included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
@@ -266,7 +271,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
-    kept_graph = 0  # the pruned graph's dense adjacency: counted where a feature budget bounds it
+    kept_graph = edge_scores = 0  # the pruning's value-sized parts: counted where a feature budget bounds them
     if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
         entries = full_graph_blocks(layout, torch.float32).entries()
         rows = entries * edge_itemsize
@@ -278,17 +283,19 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
         # pruning, or assembling the budgeted graph's blocks: chunked passes over the stored entries
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
-        if prune and budget < layout.n_features:  # and the kept graph: its kept rows' causal blocks
+        if prune and budget < layout.n_features:  # the edge scores and kept edges, then the kept rows' blocks
             kept_graph = budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
-            pruning += kept_graph
+            among = min(entries, n_rows * (S - layout.n_features + budget))  # entries between graph nodes
+            edge_scores = PRUNE_BYTES_PER_EDGE * among
+            pruning += max(edge_scores, kept_graph)
     # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
     # rows, and float64 vectors over the sources), while the frozen pass is held
     selection = (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
                  if budget < layout.n_features else 0)
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
-             "selection": selection, "kept_graph": kept_graph, "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows,
-             "stored_entries": entries, **offload}
+             "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
+             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, **offload}
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)

@@ -18,8 +18,14 @@ from hypothesis import strategies as st
 
 from benchmarks._alloc_peak import allocation_peak
 from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
-from nnsight_lorsa.attribution.budget import budget_blocks_bytes, kept_entries, row_reach
-from nnsight_lorsa.attribution.rows import SparseRows
+from nnsight_lorsa.attribution.budget import (
+    PRUNE_BYTES_PER_CHUNK_ENTRY,
+    PRUNE_BYTES_PER_EDGE,
+    budget_blocks_bytes,
+    kept_entries,
+    row_reach,
+)
+from nnsight_lorsa.attribution.rows import CHUNK_ENTRIES, SparseRows
 
 ENGINE = sys.modules["nnsight_lorsa.attribution.engine"]
 
@@ -118,10 +124,19 @@ def test_stored_rows_assembly_and_kept_graph_stay_under_the_estimate(tiny, cfg, 
         assert blocks is not None and blocks.dtype == g.residual.dtype
         assert blocks.nbytes + blocks.index_nbytes <= t["kept_graph"] <= t["pruning"]
         assert t["kept_graph"] == budget_blocks_bytes(layout, t["n_rows"], cfg["max_feature_nodes"], itemsize)
+        # the edge scores and kept edges: at most every stored entry between graph nodes (the budget's rows × sources)
+        n_src = layout.n_sources - layout.n_features + cfg["max_feature_nodes"]
+        node, _ = scheduler.row_nodes()
+        graph_cols = torch.arange(layout.n_sources) >= layout.n_features  # the graph's sources: non-features, and
+        graph_cols[node[node < layout.n_features]] = True  # the visited features
+        among = rows.count_edges(graph_cols, torch.ones(rows.n_rows, dtype=torch.bool))
+        assert among <= min(t["stored_entries"], t["n_rows"] * n_src) == t["edge_scores"] // PRUNE_BYTES_PER_EDGE
+        chunk = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, t["stored_entries"])
+        assert t["pruning"] == chunk + max(t["edge_scores"], t["kept_graph"])
         if keep_mass >= 1.0:  # every non-zero edge stored: the structure's count is the rows' to < 1 %
             assert float(kept.sum()) >= 0.99 * float(bound.sum()), (int(kept.sum()), float(bound.sum()))
     else:
-        assert t["kept_graph"] == 0  # no budget: k ≤ N, not counted (module docstring)
+        assert t["kept_graph"] == t["edge_scores"] == 0  # no budget: k ≤ N, not counted (module docstring)
     assert est.host_bytes == t["rows"] + max(est.device_bytes + t["selection"], t["pruning"]) + t["fixed"]
 
 
