@@ -6,9 +6,10 @@ The prompt's nodes as ``benchmarks/gpu_scale.py`` (d) makes them with ``--attr-l
 the Lorsa paper's Lorsa (256 QK heads of 128, top-k 128) on layer 15, TopK transcoders (k 64) on all 32 MLPs
 — exactly ``k`` active nodes per position and module (TopK), no bias nodes, 10 logits — on a CUDA bf16 model
 (no stored patterns; fp32 edges). For each length: the host estimate (the rows term: the stored sparse rows and
-the graph's adjacency), the device estimate, the host estimate with ``prune=`` (``pruned_host_bytes``: its
-``kept_graph`` term, the pruned graph's dense ``k × k`` adjacency bounded by the budget, ``k ≤ 64 + 10 +`` every
-error and embedding node), and the host estimate the dense ``N²`` adjacency gave before
+the graph's adjacency), the device estimate, the host estimate with ``prune=`` (``pruned_host_bytes``; its
+pruning term: the edge scores' bound and the kept graph's — its kept rows' blocks —, and what a dense ``k × k`` kept
+graph would be bounded by, ``k ≤ 64 + 10 +`` every error and embedding node), and the host estimate the dense
+``N²`` adjacency gave before
 (``rows`` with ``4 B · N²`` in place of the blocks' bound; issue 21 measured its 512/1024-token values on an
 H200: 1.46 / 5.3 GB). Predictions of the memory model only — the measured host peaks are in
 ``attribution_memory_terms_budget.json`` (embedded model, CPU).
@@ -84,7 +85,10 @@ def main() -> None:
         runs.append({"tokens": P, "n_nodes": n, "n_features": layout.n_features, "target_rows": t["n_rows"],
                      "host_bytes": est.host_bytes, "rows_sparse_bytes": t["rows"] - blocks, "rows_blocks_bytes": blocks,
                      "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before,
-                     "pruned_host_bytes": pruned.host_bytes, "pruned_kept_graph_bytes": pruned.terms["kept_graph"]})
+                     "pruned_host_bytes": pruned.host_bytes, "pruned_kept_graph_bytes": pruned.terms["kept_graph"],
+                     "pruned_edge_scores_bytes": pruned.terms["edge_scores"],
+                     "pruned_pruning_bytes": pruned.terms["pruning"],
+                     "pruned_dense_kept_graph_bound_bytes": 4 * n * n})
         print({k: (f"{v / 1e9:.2f} GB" if k.endswith("bytes") or k.endswith("before") else v)
                for k, v in runs[-1].items()}, flush=True)
         del layout

@@ -37,19 +37,22 @@ per edge:
   (measured below and in docs/attribution.md). Unpruned, the graph's adjacency over the visited features is then the
   computed rows' causal blocks (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed
   budget — not ``N²``);
-* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the
-  stored rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
-  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
-  budgeted graph's blocks are assembled from them —, and, with a feature budget, the kept graph's dense ``k × k``
-  adjacency with ``k`` bounded by the budget (:func:`kept_graph_bytes`: at most the visited features, the logits
-  and every non-feature node; term ``kept_graph``). Not counted: the edge scores of the stored entries among the
-  node-pruned nodes (8 B each), and without a feature budget the kept graph (``k ≤ N``: no bound below the full
-  graph's ``N²``), which depend on the influences, not on the structure — measured
-  (``benchmarks/attribution_memory_terms.py``, modes ``sparse`` and ``budget_pruned``, 128–512 tokens) 5–51 thousand
-  such entries at ``node_threshold=0.8`` (26–45 thousand at 0.99; 0.08–3.4 % of the stored entries, ≤ 0.4 MB) and
-  ``k`` ≤ 754 (≤ 2.3 MB), inside the chunk term: the assembly allocates 3.0–11.2 MB at its peak (9.2–11.4 MB when
-  those entries were copied out first), its resident-set peak 2–22 MB (15–31 MB before). Over the full graph's
-  blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
+* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the stored
+  rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
+  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a budgeted
+  graph's blocks are assembled from them —, plus, with a feature budget, the larger of the edge scores and kept edges
+  (term ``edge_scores``: :data:`PRUNE_BYTES_PER_EDGE` per stored entry between graph nodes, at most the rows × the
+  graph's sources) and the kept graph (term ``kept_graph``: its kept rows' causal blocks, :func:`budget_blocks_bytes`
+  — the kept nodes are mostly error and embedding nodes, whose rows are empty; a dense ``k × k`` matrix, as before,
+  would be bounded only by ``(budget + n_logits + n_sources − n_features)²``, 78 GB at the Llama-3.1-8B shape with
+  4096 tokens). Without a feature budget neither is counted: ``k`` and the entries among the node-pruned nodes depend
+  on the influences, and the structure bounds them only by the full graph's (``k ≤ N``) — measured
+  (``benchmarks/attribution_memory_terms.py``, 64–512 tokens) ``k`` ≤ 754 and ≤ 51 thousand such entries on the
+  embedded model (≤ 2.3 MB, inside the chunk term; the assembly allocates 2.4–8.2 MB), but on a random Llama of
+  ``benchmarks/gpu_scale.py``'s small shape, whose influence is spread evenly, ``k`` = 1,818 / 3,343 at 64 / 128
+  tokens (a dense 12.6 / 42.6 MB) and the assembly allocates 17.9 / 55.6 MB, above the 24 MiB term (the call's peak
+  stayed under the estimate: the frozen pass is larger). Over the full graph's blocks,
+  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
@@ -228,9 +231,10 @@ def structural_entries(layout: Layout, rows: int | None = None, keep_mass: float
 
 
 def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
-    """Bytes of a budgeted, unpruned graph's adjacency (:func:`.rows.assemble`: a
-    :class:`.blocks.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
-    sources), an upper bound linear in ``P`` for a fixed budget: every row over every source (exact for the
+    """Bytes of a budgeted graph's adjacency (:func:`.rows.assemble`: a :class:`.blocks.BlockAdjacency` of its
+    ``n_rows`` computed rows over its ``n = S − (n_features − budget)`` sources; pruned while built,
+    :func:`.rows.assemble_pruned`'s of its kept rows over its kept sources, fewer of each), an upper bound linear in
+    ``P`` for a fixed budget: every row over every source (exact for the
     logit rows, which read every position), and the block index — one source list per target site
     (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""
     n_src = layout.n_sources - (layout.n_features - budget)
