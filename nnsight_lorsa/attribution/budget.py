@@ -31,9 +31,10 @@ per edge:
   full graph at 128 tokens, and row by row on the tiny test models), with a budget the ``rows`` feature rows with the
   most of them (the selection may pick any), and with ``keep_mass < 1`` each row's cut to ``⌊keep_mass · n⌋ + 1``
   (:func:`kept_entries`: reached when its magnitudes are equal). Both cuts are bounds because what they leave out
-  depends on the values: which rows the influence picks (measured: the picked rows hold 0.51–0.52 of the bound's
-  entries, 128–512 tokens, 64 rows) and how concentrated a row's mass is (the rows keep 6–7 % of the bound at
-  ``keep_mass=0.9``, 31 % at 0.99) — so on these paths the estimate is above the peak by the stored rows' share of it
+  depends on the values: which rows the influence picks (measured: the picked rows hold 0.43–0.52 of the bound's
+  entries, 64–512 tokens, 64 rows, three models) and how concentrated a row's mass is (the rows keep 5–10 % of the
+  bound at ``keep_mass=0.9`` on the embedded model, 38 % on a random Llama, 30–31 % at 0.99) — so on these paths the
+  estimate is above the peak by the stored rows' share of it (1.3–4.5× at ``keep_mass=0.9``, 64–512 tokens)
   (measured below and in docs/attribution.md). Unpruned, the graph's adjacency over the visited features is then the
   computed rows' causal blocks (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed
   budget — not ``N²``);
@@ -205,13 +206,14 @@ def row_reach(layout: Layout) -> tuple[torch.Tensor, float]:
 
 
 def kept_entries(reach: torch.Tensor, keep_mass: float) -> torch.Tensor:
-    """The most entries rows of ``reach`` possible non-zero edges (float64) keep at ``keep_mass``
-    (:meth:`.rows.SparseRows.append`: a row's largest ``|edges|`` until their sum reaches that fraction of its
-    absolute mass): ``⌊keep_mass · n⌋ + 1``, at most ``n`` (``keep_mass ≥ 1``: ``n``). Exact bound: the largest ``k``
-    entries of ``n`` hold at least ``k / n`` of the mass, so entry ``⌈keep_mass · n⌉ + 1`` is never reached — the
-    bound is met when the kept magnitudes are all equal. How many fewer a row keeps depends on its values (how
-    concentrated its mass is), not on the structure: measured on the embedded model, 128–512 tokens, 5.9–6.5 % of
-    the bound at ``keep_mass=0.9`` and 30–31 % at 0.99 (``benchmarks/attribution_memory_terms.py``)."""
+    """``(r,)`` float64: the most entries rows of ``reach: (r,)`` float64 possible non-zero edges keep at
+    ``keep_mass`` (:meth:`.rows.SparseRows.append`: a row's largest ``|edges|`` until their sum reaches that fraction
+    of its absolute mass): ``⌊keep_mass · n⌋ + 1``, at most ``n`` (``keep_mass ≥ 1``: ``n``). A bound: the largest
+    ``k`` of ``n`` entries hold at least ``k / n`` of the mass, so no row keeps more than ``⌈keep_mass · n⌉`` (one
+    more allowed for the float64 sums' rounding); a row of equal magnitudes keeps that many. How many fewer a row
+    keeps depends on its values (how concentrated its mass is), not on the structure: measured 5–10 % of the bound at
+    ``keep_mass=0.9`` and 30–31 % at 0.99 on the embedded model (64–512 tokens), 38 % at 0.9 on a random Llama
+    (``benchmarks/attribution_memory_terms.py``, docs/attribution.md)."""
     if keep_mass >= 1.0:
         return reach
     return torch.minimum(reach, torch.floor(keep_mass * reach) + 1)
