@@ -219,3 +219,26 @@ def test_row_reach_bounds_each_rows_non_zero_edges_where_lorsas_cut_the_mixing(l
     bound = torch.cat([reach, torch.full((layout.n_logits,), per_logit, dtype=torch.float64)])
     assert nnz.numel() == bound.numel() and bool((nnz <= bound).all()), (nnz - bound).max()
     assert float(nnz.sum()) >= 0.99 * float(bound.sum()), (float(nnz.sum()), float(bound.sum()))
+
+
+@settings(max_examples=6, deadline=None)
+@given(seq=st.integers(6, 20), seed=st.integers(0, 1000), keep_mass=st.sampled_from([0.3, 0.8, 0.95, 1.0]),
+       budget=st.sampled_from([None, 2, 6, 20]))
+def test_any_sparse_configuration_stays_under_its_terms(tiny, seq, seed, keep_mass, budget):
+    """Hypothesis over prompts, lengths, ``keep_mass`` and budgets (each with ``prune=``, on the sparse rows): every
+    stored row under its bound, the stored bytes under the rows term, the assembly's allocations under the pruning
+    term."""
+    if budget is None and keep_mass >= 1.0:
+        budget = 4  # keep_mass=1 without a budget is the full graph's blocks, not sparse rows
+    cfg = dict(prune=PruneConfig(keep_mass=keep_mass), max_feature_nodes=budget)
+    ids = random_ids(1, seq, seed=seed)[0]
+    est = estimate_memory(tiny, ids, batch_size=8, **cfg)
+    g, layout, scheduler, peak = measured(tiny, ids, **cfg)
+    kept = stored_per_row(scheduler.rows)
+    assert bool((kept <= row_bounds(layout, scheduler, keep_mass)).all())
+    t = est.terms
+    assert scheduler.rows.nnz * 8 + 16 * scheduler.rows.n_rows <= t["rows"]
+    assert peak <= t["pruning"], (peak, t["pruning"])
+    if budget is not None and budget < layout.n_features:
+        blocks = g.block_adjacency
+        assert blocks is not None and blocks.nbytes + blocks.index_nbytes <= t["kept_graph"]
