@@ -371,7 +371,9 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
     64–512 tokens on the embedded model (``benchmarks/attribution_vs_circuit_tracer.py``), −4 % to +28 % per mode
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
-    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate.
+    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
+    ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
+    1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as
