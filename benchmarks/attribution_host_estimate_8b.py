@@ -6,7 +6,10 @@ The prompt's nodes as ``benchmarks/gpu_scale.py`` (d) makes them with ``--attr-l
 the Lorsa paper's Lorsa (256 QK heads of 128, top-k 128) on layer 15, TopK transcoders (k 64) on all 32 MLPs
 — exactly ``k`` active nodes per position and module (TopK), no bias nodes, 10 logits — on a CUDA bf16 model
 (no stored patterns; fp32 edges). For each length: the host estimate (the rows term: the stored sparse rows and
-the graph's adjacency), the device estimate, and the host estimate the dense ``N²`` adjacency gave before
+the graph's adjacency), the device estimate, the host estimate with ``prune=`` (``pruned_host_bytes``; its
+pruning term: the edge scores' bound and the kept graph's — its kept rows' blocks —, and what a dense ``k × k`` kept
+graph would be bounded by, ``k ≤ 64 + 10 +`` every error and embedding node), and the host estimate the dense
+``N²`` adjacency gave before
 (``rows`` with ``4 B · N²`` in place of the blocks' bound; issue 21 measured its 512/1024-token values on an
 H200: 1.46 / 5.3 GB). Predictions of the memory model only — the measured host peaks are in
 ``attribution_memory_terms_budget.json`` (embedded model, CPU).
@@ -75,9 +78,17 @@ def main() -> None:
         n = layout.n_sources - layout.n_features + args.rows + layout.n_logits
         blocks = budget_blocks_bytes(layout, t["n_rows"], args.rows, 4)
         dense_before = t["rows"] - blocks + 4 * n * n + t["fixed"]  # the estimate before: no selection/assembly
+        pruned = estimate_layout(layout, n_layers=s["n_layers"], d_model=s["d_model"], mhsa_heads=heads,
+                                 batch_size=args.batch, prune=True, max_feature_nodes=args.rows,
+                                 store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cuda",
+                                 module_itemsize=2)
         runs.append({"tokens": P, "n_nodes": n, "n_features": layout.n_features, "target_rows": t["n_rows"],
                      "host_bytes": est.host_bytes, "rows_sparse_bytes": t["rows"] - blocks, "rows_blocks_bytes": blocks,
-                     "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before})
+                     "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before,
+                     "pruned_host_bytes": pruned.host_bytes, "pruned_kept_graph_bytes": pruned.terms["kept_graph"],
+                     "pruned_edge_scores_bytes": pruned.terms["edge_scores"],
+                     "pruned_pruning_bytes": pruned.terms["pruning"],
+                     "pruned_dense_kept_graph_bound_bytes": 4 * n * n})
         print({k: (f"{v / 1e9:.2f} GB" if k.endswith("bytes") or k.endswith("before") else v)
                for k, v in runs[-1].items()}, flush=True)
         del layout

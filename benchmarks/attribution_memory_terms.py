@@ -2,27 +2,33 @@
 
     python -m benchmarks.attribution_memory_terms [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
         [--modes dense,pruned,budget,sparse,budget_pruned] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
+        [--model tc|bundle|random] [--dtype float32|float64] [--offset 20000]
 
-The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa), one thread, a fresh
-process per length and mode (``dense``: the full graph; ``pruned``: ``prune=PruneConfig(0.8, 0.98)``, equal to dense
-pruning; ``budget``: ``max_feature_nodes=--budget``, unpruned, with ``estimate_memory``'s prediction and the bytes the
-graph's adjacency holds; the two modes pruned on sparse rows: ``sparse``: ``prune=PruneConfig(--node-threshold, 0.98,
-keep_mass=--keep-mass)``, ``budget_pruned``: ``max_feature_nodes=--budget`` with ``prune=PruneConfig(--node-threshold,
-0.98)`` — these also record the entries among the node-pruned nodes, ``among_entries``, which the edge scores cover,
-and the kept graph's size). The phases are read by wrapping the engine's steps (``prepare``, the frozen pass
-``attribute_in_trace``, each ``RowStore.record``, ``assemble`` / ``assemble_pruned``, the budget's
-``RowScheduler.feature_influence``) and reading Linux's ``VmRSS`` / ``VmHWM`` (reset before the call, and again — the
-call's peak so far kept — at the assembly and at each selection, whose own peaks are then measured): *clean pass*
-(peak growth up to the layout), *frozen pass* (peak growth from there to the end of the second batch: the forward over
-``B`` copies and one backward), *rows* (RSS growth from then to the end of the frozen pass: the stored rows, and the
-allocator's retention), *rows held* (the bytes the stored rows hold as the assembly starts — blocks, or sparse entries
-+ 16 B per row — plus, unpruned with a budget, the graph's blocks), *assembly* (peak growth during assembly /
-pruning), *selection* (the largest peak growth of one influence estimate, the heap trimmed first), the call's peak,
-and ``estimate_memory``'s prediction of each term (``predicted``). After the call the assembly runs once more on the
-same stored rows under ``benchmarks._alloc_peak.allocation_peak``: ``assembly_alloc_mb``, the most tensor memory it
-allocates at once — reproducible to the byte, where the resident-set peak moves by MBs with the heap's state. Run
-against another checkout (its directory first on ``PYTHONPATH``) to compare versions; the numbers of this one and of
-``main`` before this round are in docs/attribution.md.
+The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
+default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
+``small`` shape (d 512, 4 layers) with a Lorsa of that benchmark on layer 1 and TopK transcoders on every MLP
+(``random``: a random-token prompt); ``--dtype``: ``attribute``'s ``dtype=``; ``--offset``: where in the corpus the
+prompt starts. One thread, a fresh process per length and mode (``dense``: the full graph; ``pruned``:
+``prune=PruneConfig(0.8, 0.98)``, equal to dense pruning; ``budget``: ``max_feature_nodes=--budget``, unpruned, with
+``estimate_memory``'s prediction and the bytes the graph's adjacency holds; the two modes pruned on sparse rows:
+``sparse``: ``prune=PruneConfig(--node-threshold, 0.98, keep_mass=--keep-mass)``, ``budget_pruned``:
+``max_feature_nodes=--budget`` with ``prune=PruneConfig(--node-threshold, 0.98)`` — these also record the entries among
+the node-pruned nodes, ``among_entries``, which the edge scores cover, the kept graph's size, and the stored entries of
+the feature rows and of the logit rows next to the memory model's bound on each,
+:func:`nnsight_lorsa.attribution.budget.structural_entries`'s per row: ``entries``). The phases are read by wrapping the
+engine's steps (``prepare``, the frozen pass ``attribute_in_trace``, each ``RowStore.record``, ``assemble`` /
+``assemble_pruned``, the budget's ``RowScheduler.feature_influence``) and reading Linux's ``VmRSS`` / ``VmHWM`` (reset
+before the call, and again — the call's peak so far kept — at the assembly and at each selection, whose own peaks are
+then measured): *clean pass* (peak growth up to the layout), *frozen pass* (peak growth from there to the end of the
+second batch: the forward over ``B`` copies and one backward), *rows* (RSS growth from then to the end of the frozen
+pass: the stored rows, and the allocator's retention), *rows held* (the bytes the stored rows hold as the assembly
+starts — blocks, or sparse entries + 16 B per row — plus, unpruned with a budget, the graph's blocks), *assembly* (peak
+growth during assembly / pruning), *selection* (the largest peak growth of one influence estimate, the heap trimmed
+first), the call's peak, and ``estimate_memory``'s prediction of each term (``predicted``). After the call the assembly
+runs once more on the same stored rows under ``benchmarks._alloc_peak.allocation_peak``: ``assembly_alloc_mb``, the most
+tensor memory it allocates at once — reproducible to the byte, where the resident-set peak moves by MBs with the heap's
+state. Run against another checkout (its directory first on ``PYTHONPATH``) to compare versions; the numbers of this one
+and of ``main`` before this round are in docs/attribution.md.
 """
 
 from __future__ import annotations
@@ -41,30 +47,58 @@ def _kb(field: str) -> int:
     raise RuntimeError(field)
 
 
+def replacement_model(which: str):
+    """``(replacement model, tokenizer or None)`` of ``--model`` (module docstring)."""
+    import torch
+
+    from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet
+    from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
+    from nnsight_lorsa.envoy import load_model
+
+    if which in ("tc", "bundle"):
+        model = load_model()
+        lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir()) if which == "bundle" else None
+        return ReplacementModel(model, lorsas=lorsas,
+                                transcoders=TranscoderSet.from_pretrained(model, default_transcoder_dir())), model
+    from benchmarks.gpu_scale import SCALES, build, paper_lorsa
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.modules import Transcoder, TranscoderConfig
+
+    s, dev = SCALES["small"], torch.device("cpu")
+    torch.manual_seed(0)
+    model, hf = build(s, dev, torch.float32)
+    lorsas, tcs = LorsaSet(model), TranscoderSet(model)
+    lorsas[s["layer"]] = paper_lorsa(s, get_adapter(model), hf, s["layer"], dev, torch.float32)
+    for layer in range(s["n_layers"]):
+        tcs[layer] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
+                                                 activation_params={"k": s["k_tc"]}, layer=layer))
+    return ReplacementModel(model, lorsas=lorsas, transcoders=tcs), None
+
+
 def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 0.9,
-          node_threshold: float = 0.8) -> None:
+          node_threshold: float = 0.8, which: str = "tc", dtype_name: str = "float32", offset: int = 20_000) -> None:
     import torch
 
     import nnsight_lorsa.attribution.rows as rows_module
     from benchmarks._alloc_peak import allocation_peak
-    from nnsight_lorsa import ReplacementModel
     from nnsight_lorsa._memory import release_free_memory
-    from nnsight_lorsa.assets import default_corpus_path, default_transcoder_dir
+    from nnsight_lorsa.assets import default_corpus_path
     from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
-    from nnsight_lorsa.envoy import load_model
-    from nnsight_lorsa.formats import load
+    from nnsight_lorsa.attribution.budget import kept_entries, row_reach
 
     engine = sys.modules["nnsight_lorsa.attribution.engine"]
     torch.set_num_threads(1)
-    model = load_model()
-    tcs = {int(p.name.split("_")[1]): load(p) for p in sorted(default_transcoder_dir().glob("layer_*"))}
-    rm = ReplacementModel(model, transcoders=tcs)
-    text = Path(default_corpus_path()).read_text(encoding="utf-8")[20_000:40_000]
-    ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0, :seq]
+    dtype = getattr(torch, dtype_name)
+    rm, model = replacement_model(which)
+    if model is not None:
+        text = Path(default_corpus_path()).read_text(encoding="utf-8")[offset:offset + 20_000]
+        ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0, :seq]
+    else:
+        ids = torch.randint(0, 4096, (seq,), generator=torch.Generator().manual_seed(offset + seq))
     prune = {"pruned": PruneConfig(0.8, 0.98), "budget_pruned": PruneConfig(node_threshold, 0.98),
              "sparse": PruneConfig(node_threshold, 0.98, keep_mass=keep_mass)}.get(mode)
     mfn = budget if mode in ("budget", "budget_pruned") else None
-    attribute(rm, ids[:8], batch_size=batch, prune=prune, max_feature_nodes=mfn)  # warm-up
+    attribute(rm, ids[:8], batch_size=batch, prune=prune, max_feature_nodes=mfn, dtype=dtype)  # warm-up
     marks: dict[str, tuple[int, int]] = {}
     seen = {"hwm": 0, "selection": 0, "rows_held": 0, "assembly": 0}
 
@@ -87,6 +121,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
             mark(f"start {_name}")
             if _name.startswith("assemble"):  # the assembly's own peak: VmHWM reset (the call's kept)
                 seen["rows_held"] = held(a[1].rows)
+                seen["layout"] = a[0]
                 seen["assembly_call"] = (_orig, a, k)  # run again after the call, for its allocation-level peak
                 reset_peak()
             out = _orig(*a, **k)
@@ -128,12 +163,12 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
     mark("begin")
     Path("/proc/self/clear_refs").write_text("5")
     mark("begin")
-    g = attribute(rm, ids, batch_size=batch, prune=prune, max_feature_nodes=mfn)
+    g = attribute(rm, ids, batch_size=batch, prune=prune, max_feature_nodes=mfn, dtype=dtype)
     mark("end")
     base = marks["begin"][0]
     asm = "assemble_pruned" if prune is not None else "assemble"
     mb = 1 / 1024
-    out = {"seq": seq, "mode": mode, "batch": batch,
+    out = {"seq": seq, "mode": mode, "batch": batch, "model": which, "dtype": dtype_name, "offset": offset,
            "clean_pass_mb": (marks["end prepare"][1] - base) * mb,
            "frozen_pass_mb": (marks["batch 2 done"][1] - marks["end prepare"][0]) * mb,
            "rows_mb": (marks["end attribute_in_trace"][0] - marks["batch 2 done"][0]) * mb,
@@ -149,14 +184,31 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
         ns = rows.n_cols if hasattr(rows, "n_cols") else rows.rows.n_cols  # entries (before), the store's view
         out.update(among_entries=rows.count_edges(node_mask[:ns], node_mask[row_node]), keep_mass=prune.keep_mass,
                    node_threshold=prune.node_threshold,
-                   kept_adjacency_mb=g.n_nodes ** 2 * g.residual.element_size() / 2**20)
+                   kept_adjacency_mb=(g.block_adjacency.nbytes if g.block_adjacency is not None
+                                      else g.n_nodes ** 2 * g.residual.element_size()) / 2**20)
+        if hasattr(rows, "rows"):  # sparse rows: each row's stored entries, and the memory model's bound on them
+            store, layout = rows.rows, seen["layout"]
+            per_row = torch.cat([torch.tensor([0, *b.ends], dtype=torch.float64).diff() for b in store.blocks]
+                                if store.blocks else [torch.zeros(0, dtype=torch.float64)])
+            reach, per_logit = row_reach(layout)
+            feature = row_node < layout.n_features
+            bound = torch.full((row_node.numel(),), per_logit, dtype=torch.float64)
+            bound[feature] = reach[row_node[feature]]
+            bound = kept_entries(bound, prune.keep_mass)
+            out["entries"] = {"feature_rows": int(feature.sum()), "stored_feature": int(per_row[feature].sum()),
+                              "bound_feature": int(bound[feature].sum()),
+                              "stored_logit": int(per_row[~feature].sum()), "bound_logit": int(bound[~feature].sum()),
+                              "bound_any_rows": None}
         pruned_on.clear()
     # the memory model's prediction of each term, for every mode (MB; frozen = per copy × batch + shared)
-    est = estimate_memory(rm, ids, batch_size=batch, prune=prune, max_feature_nodes=mfn)
+    est = estimate_memory(rm, ids, batch_size=batch, prune=prune, max_feature_nodes=mfn, dtype=dtype)
     t = est.terms
+    if "entries" in out:  # the bound on whichever rows the run stores (with a budget: the rows with the most)
+        out["entries"]["bound_any_rows"] = t["stored_entries"]
     out["predicted"] = {"frozen_pass_mb": (t["frozen_per_copy"] * batch + t["frozen_shared"]) / 2**20,
                         "rows_mb": t["rows"] / 2**20, "pruning_mb": t["pruning"] / 2**20,
                         "selection_mb": t["selection"] / 2**20, "fixed_mb": t["fixed"] / 2**20,
+                        "kept_graph_mb": t["kept_graph"] / 2**20,
                         "host_mb": est.host_bytes / 2**20, "stored_entries": t["stored_entries"]}
     if mode == "budget":  # the adjacency the graph holds (blocks, or a dense matrix in older versions) and the estimate
         blocks = g.block_adjacency
@@ -173,16 +225,21 @@ def main() -> None:
 
     args = parser(__doc__, lengths="64,128,256", batch=64, modes="dense,pruned", budget=64,
                   name="attribution_memory_terms", child=arg("", argparse_suppress()),
-                  keep_mass=0.9, node_threshold=0.8, seq=arg(0, argparse_suppress())).parse_args()
+                  keep_mass=0.9, node_threshold=0.8, seq=arg(0, argparse_suppress()),
+                  model=arg("tc", choices=("tc", "bundle", "random")),
+                  dtype=arg("float32", choices=("float32", "float64")),
+                  offset=20_000).parse_args()
     if args.child:
-        child(args.seq, args.batch, args.child, args.budget, args.keep_mass, args.node_threshold)
+        child(args.seq, args.batch, args.child, args.budget, args.keep_mass, args.node_threshold, args.model,
+              args.dtype, args.offset)
         return
     runs = []
     for seq in [int(s) for s in args.lengths.split(",") if s]:
         for mode in args.modes.split(","):
             res = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(__file__).stem}", "--child", mode, "--seq",
                                   str(seq), "--batch", str(args.batch), "--budget", str(args.budget),
-                                  "--keep-mass", str(args.keep_mass), "--node-threshold", str(args.node_threshold)],
+                                  "--keep-mass", str(args.keep_mass), "--node-threshold", str(args.node_threshold),
+                                  "--model", args.model, "--dtype", args.dtype, "--offset", str(args.offset)],
                                  capture_output=True, text=True,
                                  env=dict(os.environ), cwd=Path(__file__).resolve().parent.parent)
             if res.returncode != 0:

@@ -99,7 +99,13 @@ class BlockAdjacency:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the written blocks (the edges)."""
         return sum(b.numel() * b.element_size() for b in self.blocks if b is not None)
+
+    @property
+    def index_nbytes(self) -> int:
+        """Bytes of the block index: each target site's source list and the two ``(n,)`` int64 row maps."""
+        return 8 * (sum(u.numel() for u in self._upstream.values()) + self._cell_of_row.numel() + self._slot.numel())
 
     # ------------------------------------------------------------------ writing
     def write(self, rows: torch.Tensor, grads: Float[torch.Tensor, "b s"]) -> None:

@@ -18,29 +18,42 @@ per edge:
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
   estimate is above the resident weights);
-* *rows* (host): every row with every entry — the full graph, and pruning while building with
-  ``keep_mass=1`` — goes straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`:
-  per target (site, position), the sources upstream of it — an edge each, counted exactly from the
-  layout; ~0.2·``N²`` on the embedded model); a feature budget or ``keep_mass < 1`` stores the
-  non-zero entries sparse, 4 B + an edge each — their number counted from the graph's structure (with a
-  budget, for the rows at the latest positions, where the selection picks them: :func:`_latest_rows`): a
-  feature at layer ``l``, position ``p`` has an edge from every node written before layer ``l``'s attention at
-  a position ``≤ p`` (the frozen attention mixes all of them), from the nodes of layer ``l``'s attention at
-  ``p`` itself (transcoder features), from the embeddings ``≤ p`` and every bias node upstream; a logit from
-  every node written before the last attention, and from those after it at the last position; unpruned, the
-  graph's adjacency over the visited features is then the computed rows' causal blocks
-  (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed budget — not ``N²``);
-* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the
-  stored rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
-  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a
-  budgeted graph's blocks are assembled from them. Not counted: the edge scores of the stored entries among the
-  node-pruned nodes (8 B each) and the kept graph (its dense ``k × k`` adjacency, ``k`` kept nodes), which depend on
-  the influences, not on the structure — measured (``benchmarks/attribution_memory_terms.py``, modes ``sparse`` and
-  ``budget_pruned``, 128–512 tokens) 5–51 thousand such entries at ``node_threshold=0.8`` (26–45 thousand at 0.99;
-  0.08–3.4 % of the stored entries, ≤ 0.4 MB) and ``k`` ≤ 754 (≤ 2.3 MB), inside the chunk term: the assembly
-  allocates 3.0–11.2 MB at its peak (9.2–11.4 MB when those entries were copied out first), its resident-set
-  peak 2–22 MB (15–31 MB before). Over the full graph's blocks, :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored
-  entry (measured);
+* *rows* (host): every row with every entry — the full graph, and pruning while building with ``keep_mass=1`` — goes
+  straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`: per target (site, position), the
+  sources upstream of it — an edge each, counted exactly from the layout; ~0.2·``N²`` on the embedded model); a
+  feature budget or ``keep_mass < 1`` stores the kept entries sparse, 4 B + an edge each (and 16 B per row) — their
+  number bounded from the graph's structure (:func:`structural_entries`): each row's possible non-zero edges
+  (:func:`row_reach`: a feature at layer ``l``, position ``p`` has an edge from every node written before the last
+  frozen MHSA at or before layer ``l`` at a position ``≤ p`` — that attention mixes all of them; a Lorsa's heads and
+  error are nodes, so a Lorsa layer mixes nothing past them —, from the nodes written after it at ``p`` itself, and
+  from every bias node written before it; a Lorsa head from every node before its layer at a position ``≤ p`` (its own
+  frozen pattern); a logit as a feature after the last layer: every counted edge is non-zero on the embedded model's
+  full graph at 128 tokens, and row by row on the tiny test models), with a budget the ``rows`` feature rows with the
+  most of them (the selection may pick any), and with ``keep_mass < 1`` each row's cut to ``⌊keep_mass · n⌋ + 1``
+  (:func:`kept_entries`: reached when its magnitudes are equal). Both cuts are bounds because what they leave out
+  depends on the values: which rows the influence picks (measured: the picked rows hold 0.43–0.52 of the bound's
+  entries, 64–512 tokens, 64 rows, three models) and how concentrated a row's mass is (the rows keep 5–10 % of the
+  bound at ``keep_mass=0.9`` on the embedded model, 38 % on a random Llama, 30–31 % at 0.99) — so on these paths the
+  estimate is above the peak by the stored rows' share of it (1.3–4.5× at ``keep_mass=0.9``, 64–512 tokens)
+  (measured below and in docs/attribution.md). Unpruned, the graph's adjacency over the visited features is then the
+  computed rows' causal blocks (:func:`budget_blocks_bytes`: at most rows × sources, linear in ``P`` for a fixed
+  budget — not ``N²``);
+* *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the stored
+  rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
+  :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a budgeted
+  graph's blocks are assembled from them —, plus, with a feature budget, the larger of the edge scores and kept edges
+  (term ``edge_scores``: :data:`PRUNE_BYTES_PER_EDGE` per stored entry between graph nodes, at most the rows × the
+  graph's sources) and the kept graph (term ``kept_graph``: its kept rows' causal blocks, :func:`budget_blocks_bytes`
+  — the kept nodes are mostly error and embedding nodes, whose rows are empty; a dense ``k × k`` matrix, as before,
+  would be bounded only by ``(budget + n_logits + n_sources − n_features)²``, 78 GB at the Llama-3.1-8B shape with
+  4096 tokens). Without a feature budget neither is counted: ``k`` and the entries among the node-pruned nodes depend
+  on the influences, and the structure bounds them only by the full graph's (``k ≤ N``) — measured
+  (``benchmarks/attribution_memory_terms.py``, 64–512 tokens) ``k`` ≤ 754 and ≤ 51 thousand such entries on the
+  embedded model (≤ 2.3 MB, inside the chunk term; the assembly allocates 2.4–8.2 MB), but on a random Llama of
+  ``benchmarks/gpu_scale.py``'s small shape, whose influence is spread evenly, ``k`` = 1,818 / 3,343 at 64 / 128
+  tokens (a dense 12.6 / 42.6 MB) and the assembly allocates 17.9 / 55.6 MB, above the 24 MiB term (the call's peak
+  stayed under the estimate: the frozen pass is larger). Over the full graph's blocks,
+  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
@@ -88,6 +101,10 @@ PRUNE_BYTES_PER_CHUNK_ENTRY = 96
 #: (``benchmarks/attribution_memory_terms.py``, 128-256 tokens) and 1.0-1.5 B (``graph_postprocess_scale``'s full
 #: graphs, 64-256 tokens) — not counted from the structure
 PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
+#: bytes per entry between graph nodes of :func:`.scores.prune_rows`'s edge scores (float64, freed before the kept
+#: edges are gathered) and kept edges (int64 target and source of each: the per-chunk pieces, their concatenation and
+#: the stacked index, held together at its end): at most 3 · 16 B — each kept edge is one of those entries
+PRUNE_BYTES_PER_EDGE = 48
 #: float64 source-sized vectors of the influence-ordered selection (its series' current and total influence,
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
@@ -109,8 +126,10 @@ class MemoryEstimate(FieldsRepr):
             ``host_bytes``).
         batch_size: the batch the estimate is for.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
-            ``fixed``; on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where
-            none is), included in ``frozen_shared``)
+            ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
+            and kept edges, of which ``pruning`` holds the larger (0 where not counted);
+            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
+            included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
@@ -120,10 +139,16 @@ class MemoryEstimate(FieldsRepr):
     terms: dict[str, int] = field(default_factory=dict)
 
 
-def structural_entries(layout: Layout, rows: int | None = None) -> int:
-    """The number of non-zero edges of the graph's rows, from its structure alone (module docstring):
-    every feature row and every logit row; with ``rows`` (a feature budget), the ``rows`` feature rows at the
-    latest positions (:func:`_latest_rows`: where the influence-ordered selection picks them)."""
+def row_reach(layout: Layout) -> tuple[torch.Tensor, float]:
+    """Each feature row's possible non-zero edges, from the graph's structure alone (module docstring):
+    ``((n_features,) float64 by feature node, one logit row's)``. A transcoder feature at layer ``l``, position
+    ``p`` has an edge from every node written before the last frozen MHSA at or before layer ``l`` (an attention no
+    Lorsa replaces) at a position ``≤ p``, from those written after it at ``p``, and from every bias node written
+    before it; a Lorsa head from every node written before its layer at a position ``≤ p``; a node held at an
+    intervened value from none; a logit as a feature after the last layer (every bias node but the transcoders'
+    ``b_enc``, which reaches only its own layer's features). Exact: every counted edge is non-zero on the embedded
+    model's full graph (128 tokens) and, row by row, on the tiny test models
+    (``tests/attribution/test_budget_sparse.py``)."""
     P = layout.n_pos
     n_layers = len(layout.layers)
     # sources per (site, position): site 0 the embeddings, 2l+1 layer l's attention, 2l+2 its MLP
@@ -136,60 +161,82 @@ def structural_entries(layout: Layout, rows: int | None = None) -> int:
             count[a] += 1
         count[m].index_add_(0, lay.tc_pos, torch.ones(lay.tc_pos.numel(), dtype=torch.float64, device=HOST))
         count[m] += 1
-    before = count.cumsum(0).cumsum(1)  # [s, p]: sources at sites ≤ s, positions ≤ p
+    # [s, p]: sources at sites < s at position p (at), at positions ≤ p (upto); row 0: none
+    at = torch.cat([torch.zeros(1, P, dtype=torch.float64, device=HOST), count.cumsum(0)])
+    upto = at.cumsum(1)
+    # the frozen attention that mixes positions last before each layer's MLP: site 2l+1 of the last layer ≤ l whose
+    # attention is an MHSA (no Lorsa replaces it: a Lorsa's heads and error are nodes, which cut the paths through
+    # it), 0 if there is none. A source at site s < mixer[l] reaches layer l's MLP from every position ≤ p; one at
+    # a later site only at p.
+    mixer, last_mhsa = [], 0
+    for lay in layout.layers:
+        if lay.attn_err_start is None:
+            last_mhsa = 2 * lay.layer + 1
+        mixer.append(last_mhsa)
+
+    def reach_at(site: int, mix: int, pos: torch.Tensor | int) -> torch.Tensor:
+        """Sources before ``site`` that reach position ``pos``: at sites before ``mix`` from positions ≤ pos, the
+        rest at ``pos`` only."""
+        return upto[mix, pos] + at[site, pos] - at[mix, pos]
+
     # bias nodes (one per bias vector, over all positions): an edge to every target downstream of it; a
     # transcoder's b_enc only to its own layer's features (the activations are frozen)
     downstream = [0] * (2 * n_layers + 2)  # biases reaching site s's targets: Lorsa 2l+1, transcoder 2l+2
     for lay in layout.layers:
         a, m = 2 * lay.layer + 1, 2 * lay.layer + 2
         for role in lay.bias:
-            first = a if role in ("attn_norm", "lorsa_v") else m
+            # read by layer l's attention, written at its output / read by the MLP, or written at the MLP's output
+            first = a if role in ("attn_norm", "lorsa_v") else m + 1 if role == "tc_dec" else m
             last = m if role == "tc_enc" else 2 * n_layers + 1
             for site in range(first, last + 1):
                 downstream[site] += 1
-    reach: list[torch.Tensor] = []  # each feature row's possible sources, and its position
-    where: list[torch.Tensor] = []
+    every = torch.zeros(layout.n_features, dtype=torch.float64, device=HOST)  # by feature node (= its row)
     for lay in layout.layers:
-        a = 2 * lay.layer + 1
-        if lay.lorsa_pos.numel():
-            reach.append(before[a - 1, lay.lorsa_pos] + downstream[a])
-            where.append(lay.lorsa_pos)
-        if lay.tc_pos.numel():
-            reach.append(before[a - 1, lay.tc_pos] + count[a, lay.tc_pos] + downstream[a + 1])
-            where.append(lay.tc_pos)
-    every = torch.cat(reach) if reach else torch.zeros(0, dtype=torch.float64, device=HOST)
-    total = float(every.sum())
-    if rows is not None and rows < every.numel():
-        total = _latest_rows(every, torch.cat(where), rows)
-    # a logit reads the last position after the last attention: everything written before that attention
-    # at any position, what is written at or after it only at the last position
-    last = 2 * n_layers - 1
+        a, n_l, n_t = 2 * lay.layer + 1, lay.lorsa_pos.numel(), lay.tc_pos.numel()
+        # a Lorsa head mixes positions itself (its frozen pattern); a transcoder feature through the last MHSA
+        every[lay.lorsa_start:lay.lorsa_start + n_l] = upto[a, lay.lorsa_pos] + downstream[a]
+        every[lay.tc_start:lay.tc_start + n_t] = reach_at(a + 1, mixer[lay.layer], lay.tc_pos) + downstream[a + 1]
+        for start, fixed in ((lay.lorsa_start, lay.lorsa_fixed), (lay.tc_start, lay.tc_fixed)):
+            every[start + fixed.nonzero().flatten()] = 0  # held at an intervened value: no incoming edges
+    # a logit reads the last position after the last layer: everything written before the last MHSA at any
+    # position, what is written after it only at the last position
     n_bias = sum(len(lay.bias) - ("tc_enc" in lay.bias) for lay in layout.layers) + len(layout.bias)
-    per_logit = float(before[last - 1, P - 1]) + float(count[last:, P - 1].sum()) + n_bias
-    return int(total + layout.n_logits * per_logit)
+    per_logit = float(reach_at(2 * n_layers + 1, mixer[-1] if mixer else 0, P - 1)) + n_bias
+    return every, per_logit
 
 
-def _latest_rows(reach: torch.Tensor, pos: torch.Tensor, rows: int) -> float:
-    """``Σ reach`` of the ``rows`` features at the latest positions (of the last position they reach, its
-    features' mean): a feature budget's rows. The selection ranks features by influence on the logits, which read
-    the last position, so the picked features sit at the latest positions — measured on the embedded model at
-    128/256/512 tokens, 64 rows: mean position 126.5/250/419, their stored entries 5–14 % below this count (every
-    possible edge of theirs counted; the average feature row's, the former count, was 42 % below the picked
-    rows')."""
-    total, left = 0.0, rows
-    for p in pos.unique(sorted=True).flip(0).tolist():
-        at = reach[pos == p]
-        if at.numel() >= left:
-            return total + float(at.mean()) * left
-        total += float(at.sum())
-        left -= at.numel()
-    return total
+def kept_entries(reach: torch.Tensor, keep_mass: float) -> torch.Tensor:
+    """``(r,)`` float64: the most entries rows of ``reach: (r,)`` float64 possible non-zero edges keep at
+    ``keep_mass`` (:meth:`.rows.SparseRows.append`: a row's largest ``|edges|`` until their sum reaches that fraction
+    of its absolute mass): ``⌊keep_mass · n⌋ + 1``, at most ``n`` (``keep_mass ≥ 1``: ``n``). A bound: the largest
+    ``k`` of ``n`` entries hold at least ``k / n`` of the mass, so no row keeps more than ``⌈keep_mass · n⌉`` (one
+    more allowed for the float64 sums' rounding); a row of equal magnitudes keeps that many. How many fewer a row
+    keeps depends on its values (how concentrated its mass is), not on the structure: measured 5–10 % of the bound at
+    ``keep_mass=0.9`` and 30–31 % at 0.99 on the embedded model (64–512 tokens), 38 % at 0.9 on a random Llama
+    (``benchmarks/attribution_memory_terms.py``, docs/attribution.md)."""
+    if keep_mass >= 1.0:
+        return reach
+    return torch.minimum(reach, torch.floor(keep_mass * reach) + 1)
+
+
+def structural_entries(layout: Layout, rows: int | None = None, keep_mass: float = 1.0) -> int:
+    """An upper bound on the entries the graph's stored rows hold, from its structure alone: every feature row's
+    and every logit row's possible non-zero edges (:func:`row_reach`; with ``rows``, a feature budget, those of the
+    ``rows`` feature rows with the most — whichever the selection picks, it stores no more), each row's cut to
+    :func:`kept_entries` at ``keep_mass < 1``."""
+    reach, per_logit = row_reach(layout)
+    kept = kept_entries(reach, keep_mass)
+    if rows is not None and rows < kept.numel():
+        kept = kept.topk(rows).values
+    logit = float(kept_entries(torch.tensor([per_logit], dtype=torch.float64, device=HOST), keep_mass)[0])
+    return int(float(kept.sum()) + layout.n_logits * logit)
 
 
 def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
-    """Bytes of a budgeted, unpruned graph's adjacency (:func:`.rows.assemble`: a
-    :class:`.blocks.BlockAdjacency` of its ``n_rows`` computed rows over its ``n = S − (n_features − budget)``
-    sources), an upper bound linear in ``P`` for a fixed budget: every row over every source (exact for the
+    """Bytes of a budgeted graph's adjacency (:func:`.rows.assemble`: a :class:`.blocks.BlockAdjacency` of its
+    ``n_rows`` computed rows over its ``n = S − (n_features − budget)`` sources; pruned while built,
+    :func:`.rows.assemble_pruned`'s of its kept rows over its kept sources, fewer of each), an upper bound linear in
+    ``P`` for a fixed budget: every row over every source (exact for the
     logit rows, which read every position), and the block index — one source list per target site
     (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""
     n_src = layout.n_sources - (layout.n_features - budget)
@@ -230,25 +277,31 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
+    kept_graph = edge_scores = 0  # the pruning's value-sized parts: counted where a feature budget bounds them
     if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
         entries = full_graph_blocks(layout, torch.float32).entries()
         rows = entries * edge_itemsize
         pruning = int(PRUNE_BLOCK_BYTES_PER_ENTRY * entries) if prune else 0  # prune(graph)'s passes on the blocks
-    else:  # sparse rows (keep_mass < 1 or a feature budget): the non-zero entries, 4 B column + value
-        entries = structural_entries(layout, budget if budget < layout.n_features else None)
-        rows = entries * (4 + edge_itemsize)
+    else:  # sparse rows (keep_mass < 1 or a feature budget): the kept entries, 4 B column + value
+        entries = structural_entries(layout, budget if budget < layout.n_features else None, keep_mass)
+        rows = entries * (4 + edge_itemsize) + 16 * n_rows  # and each row's float64 residual and mass
         if not prune:  # then the graph over the visited features: the computed rows' causal blocks
             rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
         # pruning, or assembling the budgeted graph's blocks: chunked passes over the stored entries
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
+        if prune and budget < layout.n_features:  # the edge scores and kept edges, then the kept rows' blocks
+            kept_graph = budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
+            among = min(entries, n_rows * (S - layout.n_features + budget))  # entries between graph nodes
+            edge_scores = PRUNE_BYTES_PER_EDGE * among
+            pruning += max(edge_scores, kept_graph)
     # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
     # rows, and float64 vectors over the sources), while the frozen pass is held
     selection = (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
                  if budget < layout.n_features else 0)
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
-             "selection": selection, "fixed": FIXED_BYTES, "n_sources": S, "n_rows": n_rows, "stored_entries": entries,
-             **offload}
+             "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
+             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, **offload}
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)
@@ -318,7 +371,9 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
     64–512 tokens on the embedded model (``benchmarks/attribution_vs_circuit_tracer.py``), −4 % to +28 % per mode
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
-    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate.
+    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
+    ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
+    1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as

@@ -20,7 +20,8 @@ is the computed rows' causal blocks, :class:`.blocks.BlockAdjacency` — with a 
 at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :func:`assemble_pruned`: the
 same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
 the stored rows — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
-dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency. On the full
+dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency (the kept graph's is
+``k × k``, ``k`` kept nodes; with a feature budget its kept rows' causal blocks, as the unpruned one's). On the full
 graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
 :func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit; on
 :class:`SparseRows` the same calls on the store in place (its chunks, only the rows each step reads), so with every
@@ -565,8 +566,10 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     (:func:`_block_pruned`). On sparse rows the same steps on the stored rows in place (:class:`SparseRows` through
     its source view, rows mapped to nodes by ``row_node``): chunked passes that read only the rows they need — the
     node influence, then those of the node-pruned nodes (edge scores, 8 B each of their entries among those nodes),
-    then the kept rows' adjacency and residuals (:func:`_sparse_pruned`); no entry is copied out of the store.
-    Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    then the kept rows' adjacency and residuals (:func:`_sparse_pruned`: with a feature budget the kept rows'
+    causal blocks, a :class:`.blocks.BlockAdjacency` as the unpruned budgeted graph's — the kept nodes are mostly
+    error and embedding nodes, whose rows are empty —, else a dense ``k × k`` matrix); no entry is copied out of the
+    store. Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
@@ -577,6 +580,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     in_graph[nf:] = True  # errors, embeddings, biases, logits are always graph nodes
     always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | layout.nodes.intervened  # (scores.prune)
     store = scheduler.rows
+    adjacency: torch.Tensor | BlockAdjacency
     if isinstance(store, BlockAdjacency):  # every row, every entry: the causal blocks — prune(graph)'s steps
         assert bool(in_graph.all())
         ids = torch.arange(n_all, device=HOST)
@@ -605,7 +609,9 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
                                   ns)
         # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
         kept = node_mask.nonzero().flatten()
-        adjacency, residual = _sparse_pruned(sp, row_node, first, node_mask, kept, values.dtype)
+        budgeted = scheduler.budget < nf  # then the kept rows' causal blocks, as the unpruned budgeted graph's
+        adjacency, residual = _sparse_pruned(sp, row_node, first, node_mask, kept, values.dtype,
+                                             layout.nodes.select(kept) if budgeted else None)
         stored = sp.nnz
     computed = torch.zeros(kept.numel(), dtype=torch.bool, device=HOST)
     computed[_graph_index(kept, n_all)[row_node[node_mask[row_node]]]] = True
@@ -614,35 +620,67 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     all_values[ns:] = values[nf:].to(HOST)
     meta = {**meta, "pruned": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                                "keep_mass": scheduler.keep_mass, "stored_entries": int(stored)}}
-    return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept), adjacency=adjacency, values=all_values[kept],
-                 logit_probs=layout.logit_probs, feature_rows=computed, layout_ids=kept, prompt=prompt, meta=meta,
-                 residual=residual.to(adjacency.dtype))
+    return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept),
+                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks (a budget): densified only by densify()
+                 values=all_values[kept], logit_probs=layout.logit_probs, feature_rows=computed, layout_ids=kept,
+                 prompt=prompt, meta=meta, residual=residual.to(adjacency.dtype))
 
 
 def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor, node_mask: torch.Tensor,
-                   kept: torch.Tensor, empty_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(adjacency (k, k), residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``, within
-    the node-pruned ``first``; both ``(n_all,)`` bool) from the stored sparse rows (row ``r`` the target
+                   kept: torch.Tensor, empty_dtype: torch.dtype, nodes: Any = None
+                   ) -> tuple[torch.Tensor | BlockAdjacency, torch.Tensor]:
+    """``(adjacency, residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``, within the
+    node-pruned ``first``; both ``(n_all,)`` bool) from the stored sparse rows (row ``r`` the target
     ``row_node[r]``), in two chunked passes: each kept row's residual is its stored residual, then its entries
     outside the ``first`` nodes, then those among them but dropped later, each added in storage order (float64);
-    the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``.
-    Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``:
+    a dense ``(k, k)`` matrix, or with ``nodes`` (the kept nodes' :class:`.graph.NodeTable`; a feature budget) the
+    kept rows' causal blocks (:class:`.blocks.BlockAdjacency`: at most ``rows × kept sources`` — the kept nodes are
+    mostly error and embedding nodes, whose rows are empty), written :data:`CHUNK_ENTRIES` dense entries of rows at
+    a time. Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
     n_all = node_mask.numel()
     index = _graph_index(kept, n_all)
     dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
-    adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
     outside = rows.residual.clone()
     row_kept = node_mask[row_node]  # only the kept rows are read (the others are not in the graph): their targets
     for row, col, val in rows.chunks(row_kept):  # are among the ``first`` nodes — the entries outside them
         k = ~first[col]
         outside.index_add_(0, row[k], val[k].double())
         del row, col, val, k
-    for row, col, val in rows.chunks(row_kept):  # among them: kept edges, or dropped by steps 2-3
+
+    def among(row: torch.Tensor, col: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+        """The chunk's kept edges (mask); its entries among the ``first`` nodes but dropped added to ``outside``."""
         edge = node_mask[col]
-        adjacency[index[row_node[row[edge]]], index[col[edge]]] = val[edge]
         dropped = first[col] & ~edge
         outside.index_add_(0, row[dropped], val[dropped].double())
-        del row, col, val, edge, dropped
+        return edge
+
+    adjacency: torch.Tensor | BlockAdjacency
+    if nodes is None:
+        adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
+        for row, col, val in rows.chunks(row_kept):
+            edge = among(row, col, val)
+            adjacency[index[row_node[row[edge]]], index[col[edge]]] = val[edge]
+            del row, col, val, edge
+    else:
+        n_src = int((kept < rows.n_cols).sum())  # the kept sources come first
+        live = row_kept.nonzero().flatten()  # the kept stored rows, in storage order
+        at = index[row_node]  # each stored row's graph index
+        adjacency = BlockAdjacency(nodes.sites(), nodes.pos, n_src, at[live].sort().values, dtype)
+        group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
+        slot = torch.full((row_node.numel(),), -1, dtype=torch.long, device=HOST)
+        for g0 in range(0, live.numel(), group):
+            part = live[g0:g0 + group]
+            mask = torch.zeros(row_node.numel(), dtype=torch.bool, device=HOST)
+            mask[part] = True
+            slot[part] = torch.arange(part.numel(), device=HOST)
+            dense = torch.zeros(part.numel(), n_src, dtype=dtype, device=HOST)
+            for row, col, val in rows.chunks(mask):
+                edge = among(row, col, val)
+                dense[slot[row[edge]], index[col[edge]]] = val[edge]
+                del row, col, val, edge
+            adjacency.write(at[part], dense)
+            del dense
     residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
     residual[index[row_node[row_kept]]] = outside[row_kept]
     return adjacency, residual

@@ -54,7 +54,8 @@ def test_estimate_is_monotone_and_consistent(setup):
     # pruning them: prune(graph)'s passes on the blocks, per stored entry (measured); unpruned nothing
     assert pruned.terms["pruning"] == int(PRUNE_BLOCK_BYTES_PER_ENTRY * t["stored_entries"]) and t["pruning"] == 0
     sparse = estimate_memory(r, ids, batch_size=64, prune=PruneConfig(keep_mass=0.9))
-    assert sparse.terms["rows"] == 8 * sparse.terms["stored_entries"]  # 8 B per stored entry
+    # 8 B per stored entry, 16 B per row (its float64 residual and mass)
+    assert sparse.terms["rows"] == 8 * sparse.terms["stored_entries"] + 16 * sparse.terms["n_rows"]
     longer = estimate_memory(r, torch.cat([ids, ids]), batch_size=64)
     assert longer.host_bytes > large.host_bytes and longer.terms["frozen_per_copy"] > t["frozen_per_copy"]
     budget = estimate_memory(r, ids, batch_size=64, max_feature_nodes=5, prune=PruneConfig())
