@@ -6,15 +6,27 @@ and the model's shapes — ``P`` tokens, ``L`` layers, ``d`` = ``d_model``, ``S`
 n_logits`` nodes, batch ``B``, ``b`` bytes per number of the frozen model, 4 B (fp32) or 8 B (fp64)
 per edge:
 
-* *frozen pass, per prompt copy* (device): ``c·L·d·P·b`` with ``c`` = :data:`PER_COPY_NUMBERS`
-  (measured: the tensors the frozen forward keeps for the backward, 3.3·L·d·P, plus one backward's
-  transient gradients; on a GPU with SDPA attention :data:`PER_COPY_NUMBERS_GPU_SDPA`), and the
-  multipliers, their gradient and the per-batch row temporaries,
-  :data:`ROW_BUFFERS` ``·S`` edges per copy;
+* *frozen pass, per prompt copy* (device): counted from the structure (:func:`frozen_per_copy_bytes`) — what the
+  frozen forward keeps for the backward, ``(2L + 3)`` ``(P, d)`` tensors (every norm's input, the embeddings, the final
+  norm's output) plus one per Lorsa and per skip transcoder and, with SDPA, ``2·H·d_head`` per frozen MHSA, the
+  targets (``2·(n_features + n_logits)`` numbers), and the largest backward's transient (through a frozen MHSA
+  ``2·d + 2·H·d_head + 2·H_kv·d_head``, with SDPA ``5·H·d_head`` for the middle term; through a Lorsa's values
+  ``2·d + 2·u``; at least ``3·d``) — ``b`` bytes per number; on a GPU with SDPA attention
+  ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (fitted on an H200: the GPU kernels' saved tensors
+  were not taken apart); and the multipliers, their gradients and the per-batch row temporaries,
+  :data:`ROW_BUFFERS` ``·S`` edges per copy. The vocabulary is not in it: the logits are row 0's, broadcast;
 * *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
   rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
   replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
-  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
+  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept); and, but on
+  the fitted GPU path (inside its coefficient), the model's own parts (:func:`frozen_model_bytes`): the logits
+  ``P·vocab`` twice (the model's on one copy, the frozen model's; a third in ``dtype=`` when it is not the model's),
+  the model's MLP on one copy (``4·P·d_mlp``), every norm's ``scale·γ`` and every MHSA's ``W_O`` copy, a Lorsa's
+  pattern rows on their grid by OV head, and the largest transient of making a constant (a grid's gather, a
+  pattern's scores). Frozen pass measured at the allocation level (``benchmarks/attribution_memory_terms.py
+  --modes frozen``) on seven shapes — the embedded model with and without its Lorsa, random Llamas with a vocabulary
+  16× ``L·d``, an MLP 32× ``d``, 16 query heads of ``H·d_head`` = 4 ``d`` over 2 KV heads —, fp32/fp64/bf16, stored
+  patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
   estimate is above the resident weights);
@@ -59,7 +71,7 @@ per edge:
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
-on a GPU one. The coefficients are measured on the embedded model
+on a GPU one. The remaining coefficients are measured on the embedded model
 (``benchmarks/attribution_vs_circuit_tracer.py`` records predicted/measured for every run); on a GPU the
 frozen pass is device memory and the rows host memory.
 """
@@ -483,7 +495,10 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
     64–512 tokens on the embedded model (``benchmarks/attribution_vs_circuit_tracer.py``), −4 % to +28 % per mode
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
-    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
+    single frozen passes vary by ~±25 % in the resident set, before this model of the frozen pass); the frozen pass's
+    allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,
+    ``results/attribution_memory_terms_frozen_*.json``); the device peak on an H200 at the 8B shape 0.92–1.03 × the
+    estimate. With
     ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
     1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
 

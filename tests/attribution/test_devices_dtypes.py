@@ -462,7 +462,11 @@ def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_
     base = shared(torch.bfloat16, torch.bfloat16)
     assert shared(torch.bfloat16, torch.float32) - base == qk_numbers * 2  # 4 B instead of 2 per number
     assert shared(torch.float32, torch.float32) - shared(torch.float32, torch.bfloat16) == qk_numbers * 2
-    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == shared(torch.float32, torch.float32)
+    # the same with dtype=, but for the model's own MLP, which runs on one prompt copy in the model's dtype (2 B per
+    # number, not dtype='s 4: budget.frozen_model_bytes)
+    d_mlp = hf_module(rep.model).config.intermediate_size
+    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == (shared(torch.float32, torch.float32)
+                                                                     - 4 * len(IDS) * d_mlp * 2)
 
 @pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
                          [(torch.bfloat16, torch.bfloat16, torch.float32),
