@@ -1,8 +1,16 @@
 """Where an attribution's memory goes, term by term: RSS at the phases of one ``attribute`` call.
 
     python -m benchmarks.attribution_memory_terms [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
-        [--modes dense,pruned,budget,sparse,budget_pruned] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
-        [--model tc|bundle|random] [--dtype float32|float64] [--offset 20000]
+        [--modes dense,pruned,budget,sparse,budget_pruned|frozen] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
+        [--model tc|bundle|random|tiny|vocab|mlp|heads] [--dtype float32|float64|model]
+        [--model-dtype float32|bfloat16] [--patterns auto|sdpa] [--offset 20000]
+
+``--modes frozen`` measures the frozen pass alone (:func:`frozen_pass_peaks`): its allocation-level peak
+(``benchmarks._alloc_peak``) at batches 1, 2, 4 and 8 with one backward per target site (the logits, each Lorsa and
+transcoder layer's first rows), against ``estimate_memory``'s ``frozen_per_copy · B + frozen_shared`` — on the
+models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabulary 16× ``L·d``; ``mlp``: an MLP
+32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`), built in ``--model-dtype``,
+computed in ``--dtype`` (``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
 default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
