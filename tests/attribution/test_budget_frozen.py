@@ -46,3 +46,13 @@ def test_the_bound_needs_the_vocabulary_and_the_per_copy_structure(monkeypatch):
     monkeypatch.setattr(budget, "frozen_per_copy_bytes", lambda *a, **k: per_copy(*a, **k) // 2)
     half = frozen_pass_peaks(rm, ids, batches=(4, 8))
     assert any(half["peaks"][b] > half["predicted"][b] for b in half["peaks"]), half
+
+
+@pytest.mark.parametrize(("which", "dtype"), [("tc", None), ("bundle", None), ("tc", torch.float64), ("random", None)])
+def test_frozen_pass_peak_is_within_its_estimate_on_the_larger_models(which, dtype):
+    """The same bound on the embedded model with its transcoders (and its Lorsa), in fp64, and on the random Llama
+    of ``gpu_scale.py``'s small shape, at 128 tokens up to batch 8 (≤ 3 s each)."""
+    rm, _ = replacement_model(which)
+    out = frozen_pass_peaks(rm, prompt(rm, 128) % 1000, dtype=dtype)
+    for b, peak in out["peaks"].items():
+        assert peak <= out["predicted"][b], (b, peak, out["predicted"][b])
