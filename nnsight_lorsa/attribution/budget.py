@@ -287,7 +287,7 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
 
     Measured (``benchmarks/attribution_memory_terms.py --modes frozen``, allocation level: docs/attribution.md) on
     seven model shapes, fp32/fp64/bf16, stored patterns and the CPU's SDPA, 64–512 tokens: the peak's growth from
-    batch 4 to 8 is 0.64–1.0× this term per copy. On a GPU with SDPA :func:`estimate_layout` uses the fitted
+    batch 4 to 8 is 0.35–0.97× this term per copy. On a GPU with SDPA :func:`estimate_layout` uses the fitted
     :data:`PER_COPY_NUMBERS_GPU_SDPA` instead (the GPU kernels' saved tensors were not taken apart).
 
     Returns:
