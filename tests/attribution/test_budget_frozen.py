@@ -1,6 +1,7 @@
 """The frozen pass's terms of the memory model (``estimate_memory``'s ``frozen_per_copy`` and ``frozen_shared``)
 against its allocation-level peak (:func:`benchmarks._alloc_peak.allocation_peak`: reproducible to the byte) on random
-Llamas whose shapes pull the structures apart — one backward per target site, batches 1, 2 and 4."""
+Llamas whose shapes pull the structures apart and on the embedded model — one backward per target site, batches 1,
+2 and 4 (to 8 on the larger models)."""
 
 from __future__ import annotations
 
