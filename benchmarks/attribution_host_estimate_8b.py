@@ -12,22 +12,29 @@ graph would be bounded by, ``k ≤ 64 + 10 +`` every error and embedding node), 
 ``N²`` adjacency gave before
 (``rows`` with ``4 B · N²`` in place of the blocks' bound; issue 21 measured its 512/1024-token values on an
 H200: 1.46 / 5.3 GB). Predictions of the memory model only — the measured host peaks are in
-``attribution_memory_terms_budget.json`` (embedded model, CPU).
+``attribution_memory_terms_budget.json`` (embedded model, CPU) — and, for the lengths the H200 runs of
+``gpu_scale.py`` (d) recorded (``gpu_scale_8b_NVIDIA_H200.json``, batch 4), their device peak above the resident
+weights next to the device estimate (the GPU's fitted per-copy coefficient) and to what the frozen pass's terms
+counted from the structure give at this shape (``device_bytes_structural``: the CPU's SDPA counts, the model's
+own parts — logits, MLP — included; the GPU's kernels keep more).
 """
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import torch
 
-from benchmarks._timing import arg, command, parser, write
+from benchmarks._timing import RESULTS, arg, command, parser, write
 from nnsight_lorsa.attribution.budget import budget_blocks_bytes, estimate_layout
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 from nnsight_lorsa.attribution.layout import LayerLayout, Layout
 
 SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, lorsa_layer=15, n_qk=256, d_qk=128, lorsa_k=128, tc_k=64,
-             n_logits=10)
+             n_logits=10, n_kv=8, head_dim=128, vocab=128256, d_mlp=14336)
+#: the H200 runs of ``benchmarks/gpu_scale.py`` (d) at this shape: their device peaks above the resident weights
+H200 = RESULTS / "gpu_scale_8b_NVIDIA_H200.json"
 
 
 def synthetic_layout(P: int, s: dict = SHAPE) -> Layout:
@@ -67,6 +74,8 @@ def main() -> None:
     args = parser(__doc__, tokens=arg(nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192]), rows=64,
                   batch=4, name="attribution_host_estimate_8b").parse_args()
     s, runs = SHAPE, []
+    recorded = {r["tokens"]: r["device_peak_above_resident"] for r in json.loads(H200.read_text())["d_attribution"]
+                if args.batch == 4} if H200.exists() else {}
     for P in args.tokens:
         layout = synthetic_layout(P)
         heads = {L: s["n_heads"] for L in range(s["n_layers"]) if s["lorsa_layer"] != L}
@@ -82,7 +91,21 @@ def main() -> None:
                                  batch_size=args.batch, prune=True, max_feature_nodes=args.rows,
                                  store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cuda",
                                  module_itemsize=2)
-        runs.append({"tokens": P, "n_nodes": n, "n_features": layout.n_features, "target_rows": t["n_rows"],
+        widths = {layer: (s["n_heads"] * s["head_dim"], s["n_kv"] * s["head_dim"]) for layer in heads}
+        structural = estimate_layout(layout, n_layers=s["n_layers"], d_model=s["d_model"], mhsa_heads=heads,
+                                     batch_size=args.batch, prune=False, max_feature_nodes=args.rows,
+                                     store_patterns=False, model_itemsize=2, edge_itemsize=4, device="cpu",
+                                     module_itemsize=2, mhsa_widths=widths, vocab=s["vocab"], d_mlp=s["d_mlp"])
+        h200 = recorded.get(P)
+        if h200 is not None:
+            print(f"H200 {P}: measured {h200 / 1e9:.2f} GB, estimate {est.device_bytes / 1e9:.2f} "
+                  f"({h200 / est.device_bytes:.3f}), structural {structural.device_bytes / 1e9:.2f} "
+                  f"({h200 / structural.device_bytes:.3f})", flush=True)
+        runs.append({"tokens": P, "n_nodes": n, "device_bytes_structural": structural.device_bytes,
+                     "h200_device_peak_above_resident": h200,
+                     "h200_measured_over_estimate": None if h200 is None else h200 / est.device_bytes,
+                     "h200_measured_over_structural": None if h200 is None else h200 / structural.device_bytes,
+                     "n_features": layout.n_features, "target_rows": t["n_rows"],
                      "host_bytes": est.host_bytes, "rows_sparse_bytes": t["rows"] - blocks, "rows_blocks_bytes": blocks,
                      "device_bytes": est.device_bytes, "host_bytes_dense_adjacency_before": dense_before,
                      "pruned_host_bytes": pruned.host_bytes, "pruned_kept_graph_bytes": pruned.terms["kept_graph"],

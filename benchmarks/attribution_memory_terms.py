@@ -1,8 +1,16 @@
 """Where an attribution's memory goes, term by term: RSS at the phases of one ``attribute`` call.
 
     python -m benchmarks.attribution_memory_terms [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
-        [--modes dense,pruned,budget,sparse,budget_pruned] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
-        [--model tc|bundle|random] [--dtype float32|float64] [--offset 20000]
+        [--modes dense,pruned,budget,sparse,budget_pruned|frozen] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
+        [--model tc|bundle|random|tiny|vocab|mlp|heads] [--dtype float32|float64|model]
+        [--model-dtype float32|bfloat16] [--patterns auto|sdpa] [--offset 20000]
+
+``--modes frozen`` measures the frozen pass alone (:func:`frozen_pass_peaks`): its allocation-level peak
+(``benchmarks._alloc_peak``) at batches 1, 2, 4 and 8 with one backward per target site (the logits, each Lorsa and
+transcoder layer's first rows), against ``estimate_memory``'s ``frozen_per_copy · B + frozen_shared`` — on the
+models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabulary 16× ``L·d``; ``mlp``: an MLP
+32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`), built in ``--model-dtype``,
+computed in ``--dtype`` (``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
 default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
@@ -47,8 +55,25 @@ def _kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def replacement_model(which: str):
-    """``(replacement model, tokenizer or None)`` of ``--model`` (module docstring)."""
+#: random Llamas of ``--model``'s shapes: ``benchmarks/gpu_scale.py``'s ``small`` (``random``) and ``tiny``, and three
+#: that pull the frozen pass's structures apart (``--mode frozen``): a vocabulary 16x ``L·d`` (Gemma-2-2B's is 4x, the
+#: embedded model's 2x), an MLP 32x ``d_model``, and 16 query heads of width 16 (``heads × head_dim`` = 4 ``d_model``)
+#: over 2 KV heads
+RANDOM_SHAPES = {
+    "random": "small", "tiny": "tiny",
+    "vocab": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=128, vocab=2048, n_qk=8, n_ov=256, top_k=8,
+                  d_tc=256, k_tc=8, layer=1, train_seq=32),
+    "mlp": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=2048, vocab=256, n_qk=8, n_ov=256, top_k=8,
+                d_tc=256, k_tc=8, layer=1, train_seq=32),
+    "heads": dict(n_layers=3, d_model=64, n_heads=16, n_kv=2, head_dim=16, d_mlp=128, vocab=256, n_qk=16, n_ov=256,
+                  top_k=8, d_tc=256, k_tc=8, layer=1, train_seq=32),
+}
+MODELS = ("tc", "bundle", *RANDOM_SHAPES)
+
+
+def replacement_model(which: str, model_dtype: str = "float32"):
+    """``(replacement model, tokenizer or None)`` of ``--model`` (module docstring), the random ones built in
+    ``model_dtype``."""
     import torch
 
     from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet
@@ -64,15 +89,100 @@ def replacement_model(which: str):
     from nnsight_lorsa import get_adapter
     from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
-    s, dev = SCALES["small"], torch.device("cpu")
+    shape = RANDOM_SHAPES[which]
+    s, dev, dt = SCALES[shape] if isinstance(shape, str) else shape, torch.device("cpu"), getattr(torch, model_dtype)
     torch.manual_seed(0)
-    model, hf = build(s, dev, torch.float32)
+    model, hf = build(s, dev, dt)
     lorsas, tcs = LorsaSet(model), TranscoderSet(model)
-    lorsas[s["layer"]] = paper_lorsa(s, get_adapter(model), hf, s["layer"], dev, torch.float32)
+    lorsas[s["layer"]] = paper_lorsa(s, get_adapter(model), hf, s["layer"], dev, dt)
     for layer in range(s["n_layers"]):
         tcs[layer] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
-                                                 activation_params={"k": s["k_tc"]}, layer=layer))
+                                                 activation_params={"k": s["k_tc"]}, layer=layer)).to(dt)
     return ReplacementModel(model, lorsas=lorsas, transcoders=tcs), None
+
+
+class _SiteRows:
+    """A scheduler of one batch of target rows per target site — the logits (the backward through the whole model),
+    then the first ``batch`` rows of each Lorsa and transcoder layer (each backward's own transient: through a
+    Lorsa's values, a transcoder's encoder) — recording nothing: the frozen pass alone, at each kind of backward."""
+
+    def __init__(self, layout) -> None:
+        n = layout.n_features + layout.n_logits
+        starts = [(lay.lorsa_start, lay.lorsa_pos.numel()) for lay in layout.layers]
+        starts += [(lay.tc_start, lay.tc_pos.numel()) for lay in layout.layers]
+        self.sites = [(layout.n_features, layout.n_logits), *((s, k) for s, k in starts if k)]
+        self.n, self.done, self.rows = n, 0, None
+
+    def next_rows(self, batch: int) -> list[int]:
+        if not self.sites:
+            return []
+        start, count = self.sites.pop(0)
+        return [start + i % count for i in range(batch)]
+
+    def record(self, rows: list[int], grad) -> None:
+        pass
+
+
+def frozen_pass_peaks(rm, ids, *, dtype=None, patterns: str = "auto", batches=(1, 2, 4, 8)) -> dict:
+    """The frozen pass's allocation-level peak (``benchmarks._alloc_peak``) at each batch size — ``attribute_in_trace``
+    with one backward per target site (``_SiteRows``) — its slope over the batch (bytes per prompt copy,
+    least squares) and intercept, and ``estimate_memory``'s per-copy and shared terms for the same settings."""
+    import functools
+
+    import torch
+
+    from benchmarks._alloc_peak import allocation_peak
+    from nnsight_lorsa.attribution.budget import estimate_info, estimate_layout
+    from nnsight_lorsa.attribution.replacement import FrozenReplacement
+    from nnsight_lorsa.attribution.trace import attribute_in_trace, prepare
+
+    prepared = prepare(rm, ids, dtype=dtype)
+    layout = prepared.layout
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors="auto", dtype=dtype)
+
+    def peak(ids_, b):
+        p = prepared if ids_ is ids else prepare(rm, ids_, dtype=dtype)
+        return allocation_peak(attribute_in_trace, rm.model, p.adapter, p.layout, p.mhsa,
+                               _SiteRows(p.layout), b, make=make, dtype=dtype)[1]
+
+    peak(ids[:8], 1)  # warm-up
+    peaks = {b: peak(ids, b) for b in batches}
+    x = torch.tensor(batches, dtype=torch.float64)
+    y = torch.tensor([peaks[b] for b in batches], dtype=torch.float64)
+    slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    info = estimate_info(rm, prepared, patterns, "auto", False, dtype)
+    est = estimate_layout(layout, batch_size=1, **info)
+    return {"peaks": peaks, "per_copy": slope, "intercept": float(y.mean() - slope * x.mean()),
+            "predicted_per_copy": est.terms["frozen_per_copy"], "predicted_shared": est.terms["frozen_shared"],
+            "predicted": {b: est.terms["frozen_per_copy"] * b + est.terms["frozen_shared"] for b in batches},
+            "n_sources": layout.n_sources, "n_features": layout.n_features}
+
+
+def frozen_child(seq: int, which: str, dtype_name: str, model_dtype: str, patterns: str, offset: int) -> None:
+    """``--modes frozen``: :func:`frozen_pass_peaks` of one model, length and setting (a JSON line)."""
+    import torch
+
+    from nnsight_lorsa.assets import default_corpus_path
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+
+    torch.set_num_threads(1)
+    rm, model = replacement_model(which, model_dtype)
+    cfg = hf_module(rm.model).config
+    if model is not None:
+        text = Path(default_corpus_path()).read_text(encoding="utf-8")[offset:offset + 20_000]
+        ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0, :seq]
+    else:
+        ids = torch.randint(0, cfg.vocab_size, (seq,), generator=torch.Generator().manual_seed(offset + seq))
+    dtype = None if dtype_name == "model" else getattr(torch, dtype_name)
+    out = {"seq": seq, "mode": "frozen", "model": which, "dtype": dtype_name, "model_dtype": model_dtype,
+           "patterns": patterns, "shape": {"n_layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size,
+                                           "n_heads": cfg.num_attention_heads, "n_kv": cfg.num_key_value_heads,
+                                           "head_dim": getattr(cfg, "head_dim", None), "d_mlp": cfg.intermediate_size,
+                                           "vocab": cfg.vocab_size},
+           **frozen_pass_peaks(rm, ids, dtype=dtype, patterns=patterns)}
+    out["measured_over_predicted"] = {b: out["peaks"][b] / out["predicted"][b] for b in out["peaks"]}
+    out["per_copy_measured_over_predicted"] = out["per_copy"] / out["predicted_per_copy"]
+    print(json.dumps(out))
 
 
 def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 0.9,
@@ -226,9 +336,14 @@ def main() -> None:
     args = parser(__doc__, lengths="64,128,256", batch=64, modes="dense,pruned", budget=64,
                   name="attribution_memory_terms", child=arg("", argparse_suppress()),
                   keep_mass=0.9, node_threshold=0.8, seq=arg(0, argparse_suppress()),
-                  model=arg("tc", choices=("tc", "bundle", "random")),
-                  dtype=arg("float32", choices=("float32", "float64")),
+                  model=arg("tc", choices=MODELS),
+                  dtype=arg("float32", choices=("float32", "float64", "model")),
+                  model_dtype=arg("float32", choices=("float32", "bfloat16")),
+                  patterns=arg("auto", choices=("auto", "sdpa")),
                   offset=20_000).parse_args()
+    if args.child == "frozen":
+        frozen_child(args.seq, args.model, args.dtype, args.model_dtype, args.patterns, args.offset)
+        return
     if args.child:
         child(args.seq, args.batch, args.child, args.budget, args.keep_mass, args.node_threshold, args.model,
               args.dtype, args.offset)
@@ -239,7 +354,8 @@ def main() -> None:
             res = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(__file__).stem}", "--child", mode, "--seq",
                                   str(seq), "--batch", str(args.batch), "--budget", str(args.budget),
                                   "--keep-mass", str(args.keep_mass), "--node-threshold", str(args.node_threshold),
-                                  "--model", args.model, "--dtype", args.dtype, "--offset", str(args.offset)],
+                                  "--model", args.model, "--dtype", args.dtype, "--offset", str(args.offset),
+                                  "--model-dtype", args.model_dtype, "--patterns", args.patterns],
                                  capture_output=True, text=True,
                                  env=dict(os.environ), cwd=Path(__file__).resolve().parent.parent)
             if res.returncode != 0:

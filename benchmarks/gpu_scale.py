@@ -106,7 +106,8 @@ def build(s: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[
                       max_position_embeddings=max(8192, s["train_seq"]), rms_norm_eps=1e-5,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                      rope_theta=500000.0, tie_word_embeddings=False)
+                      rope_theta=500000.0, tie_word_embeddings=False,
+                      **({"head_dim": s["head_dim"]} if "head_dim" in s else {}))
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -6,15 +6,27 @@ and the model's shapes — ``P`` tokens, ``L`` layers, ``d`` = ``d_model``, ``S`
 n_logits`` nodes, batch ``B``, ``b`` bytes per number of the frozen model, 4 B (fp32) or 8 B (fp64)
 per edge:
 
-* *frozen pass, per prompt copy* (device): ``c·L·d·P·b`` with ``c`` = :data:`PER_COPY_NUMBERS`
-  (measured: the tensors the frozen forward keeps for the backward, 3.3·L·d·P, plus one backward's
-  transient gradients; on a GPU with SDPA attention :data:`PER_COPY_NUMBERS_GPU_SDPA`), and the
-  multipliers, their gradient and the per-batch row temporaries,
-  :data:`ROW_BUFFERS` ``·S`` edges per copy;
+* *frozen pass, per prompt copy* (device): counted from the structure (:func:`frozen_per_copy_bytes`) — what the
+  frozen forward keeps for the backward, ``(2L + 3)`` ``(P, d)`` tensors (every norm's input, the embeddings, the final
+  norm's output) plus one per Lorsa and per skip transcoder and, with SDPA, ``2·H·d_head`` per frozen MHSA, the
+  targets (``2·(n_features + n_logits)`` numbers), and the largest backward's transient (through a frozen MHSA
+  ``2·d + 2·H·d_head + 2·H_kv·d_head``, with SDPA ``5·H·d_head`` for the middle term; through a Lorsa's values
+  ``2·d + 2·u``; at least ``3·d``) — ``b`` bytes per number; on a GPU with SDPA attention
+  ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (fitted on an H200: the GPU kernels' saved tensors
+  were not taken apart); and the multipliers, their gradients and the per-batch row temporaries,
+  :data:`ROW_BUFFERS` ``·S`` edges per copy. The vocabulary is not in it: the logits are row 0's, broadcast;
 * *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
   rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
   replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
-  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept);
+  ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept); and, but on
+  the fitted GPU path (inside its coefficient), the model's own parts (:func:`frozen_model_bytes`): the logits
+  ``P·vocab`` twice (the model's on one copy, the frozen model's; a third in ``dtype=`` when it is not the model's),
+  the model's MLP on one copy (``4·P·d_mlp``), every norm's ``scale·γ`` and every MHSA's ``W_O`` copy, a Lorsa's
+  pattern rows on their grid by OV head, and the largest transient of making a constant (a grid's gather, a
+  pattern's scores). Frozen pass measured at the allocation level (``benchmarks/attribution_memory_terms.py
+  --modes frozen``) on seven shapes — the embedded model with and without its Lorsa, random Llamas with a vocabulary
+  16× ``L·d``, an MLP 32× ``d``, 16 query heads of ``H·d_head`` = 4 ``d`` over 2 KV heads —, fp32/fp64/bf16, stored
+  patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
   estimate is above the resident weights);
@@ -59,13 +71,14 @@ per edge:
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
-on a GPU one. The coefficients are measured on the embedded model
+on a GPU one. The remaining coefficients are measured on the embedded model
 (``benchmarks/attribution_vs_circuit_tracer.py`` records predicted/measured for every run); on a GPU the
 frozen pass is device memory and the rows host memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,14 +96,18 @@ from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
-#: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds at its peak
-#: (measured slope over the batch size, embedded model, 128 tokens: 2.3 MB per copy)
-PER_COPY_NUMBERS = 8.5
-#: the same on a GPU with SDPA attention (no stored patterns): measured 6.2-6.8 on an H200 at the Llama-3.1-8B
-#: shape in bf16, 1024-4096 tokens, batch 4 (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d))
+#: ``(P, d_model)`` tensors of one prompt copy the frozen pass holds besides one per norm and per Lorsa / skip path
+#: (:func:`frozen_per_copy_bytes`): the embeddings (kept by their multipliers' product) and the final norm's output
+#: (held by the model's forward, inside whose unembedding the backward passes run)
+RESIDUAL_EXTRA = 2
+#: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds on a GPU with SDPA attention
+#: (no stored patterns): measured 6.2-6.8 on an H200 at the Llama-3.1-8B shape in bf16, 1024-4096 tokens, batch 4
+#: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d)) — a fitted coefficient: what the GPU's SDPA kernels keep
+#: for the backward could not be taken apart without a GPU (the CPU's SDPA path is counted from the structure)
 PER_COPY_NUMBERS_GPU_SDPA = 6.8
-#: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries
-ROW_BUFFERS = 5
+#: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries (measured:
+#: up to 6 at once — the ones, five gradients of slices of them still being summed — on the CPU's SDPA path)
+ROW_BUFFERS = 6
 #: bytes per entry of one chunk of the pruning's passes (int64 rows/columns, float64 values, masks;
 #: measured 92 MB at 2^20 entries)
 PRUNE_BYTES_PER_CHUNK_ENTRY = 96
@@ -244,19 +261,113 @@ def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize:
     return n_rows * n_src * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
 
 
+def _has_skip(transcoder: Any) -> bool:
+    """Whether a layer's transcoder writes a linear skip path (``x W_skipᵀ``: its input kept for the backward)."""
+    return getattr(transcoder, "W_skip", None) is not None or bool(getattr(getattr(transcoder, "cfg", None), "skip",
+                                                                          False))
+
+
+def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
+                          mhsa_widths: dict[int, tuple[int, int]] | None, store_patterns: bool, itemsize: int) -> int:
+    """Bytes one prompt copy adds to the frozen pass's peak (less the multipliers' :data:`ROW_BUFFERS`), counted from
+    the structure: what the frozen forward keeps for the backward, and the largest backward's transient gradients.
+
+    Kept, ``(P, d_model)`` each: every frozen norm's input (``2L + 1``: its weight is a parameter, so the product
+    keeps the input), the embeddings and the final norm's output (:data:`RESIDUAL_EXTRA`), each Lorsa's input (its
+    ``W_V`` rows) and each skip transcoder's (``W_skip``); with SDPA (no stored patterns) each frozen MHSA's values,
+    repeated to every head, and its output (``2·H·d_head``); and the targets, ``2·(n_features + n_logits)`` numbers
+    (each site's pre-activations and their concatenation) plus each Lorsa's read on its grid by OV head.
+
+    Transient, the largest one backward holds (at least ``3·d``: a transcoder's encoder read and the residual
+    gradients): through a frozen MHSA the residual's and the layer output's gradients (``2·d``), its heads' output
+    gradient and a copy (``2·H·d_head``), its values' and a copy (``2·H_kv·d_head``) — with SDPA the queries', keys'
+    and values' gradients, the output's and a contiguous copy instead (``5·H·d_head``); through a Lorsa's values
+    ``2·d + 2·u`` (``u``: its OV heads active somewhere). ``mhsa_widths``: ``(H·d_head, H_kv·d_head)`` per frozen
+    MHSA layer (None: ``d_model`` each).
+
+    Measured (``benchmarks/attribution_memory_terms.py --modes frozen``, allocation level: docs/attribution.md) on
+    seven model shapes, fp32/fp64/bf16, stored patterns and the CPU's SDPA, 64–512 tokens: the peak's growth from
+    batch 4 to 8 is 0.35–0.97× this term per copy. On a GPU with SDPA :func:`estimate_layout` uses the fitted
+    :data:`PER_COPY_NUMBERS_GPU_SDPA` instead (the GPU kernels' saved tensors were not taken apart).
+
+    Returns:
+        bytes, ``itemsize`` per number (the frozen model's).
+    """
+    P, d = layout.n_pos, d_model
+    kept = (2 * n_layers + 1 + RESIDUAL_EXTRA) * d
+    transient = 3 * d
+    for lay in layout.layers:
+        if lay.lorsa is not None:
+            kept += d
+            u = int(torch.unique(lay.lorsa_head).numel())
+            transient = max(transient, 2 * d + 2 * u)
+        elif lay.attn_err_start is None:  # a frozen MHSA
+            h, g = (mhsa_widths or {}).get(lay.layer, (d, d))
+            if store_patterns:
+                transient = max(transient, 2 * d + 2 * h + 2 * g)
+            else:  # SDPA keeps its values (repeated to every head) and output; its backward's q, k, v gradients
+                kept += 2 * h
+                transient = max(transient, 2 * d + 5 * h + 2 * g)
+        if lay.transcoder is not None and _has_skip(lay.transcoder):
+            kept += d
+    # the targets: each site's pre-activations and their concatenation; a Lorsa's read on its grid by OV head
+    targets = 2 * (layout.n_features + layout.n_logits)
+    for lay in layout.layers:
+        if lay.lorsa is not None and lay.lorsa_head.numel():
+            per_head = torch.bincount(lay.lorsa_head)
+            targets += int((per_head > 0).sum()) * int(per_head.max())
+    return ((kept + transient) * P + targets) * itemsize
+
+
+def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int],
+                       mhsa_widths: dict[int, tuple[int, int]] | None, store_patterns: bool, vocab: int, d_mlp: int,
+                       itemsize: int, model_itemsize: int, grid: Callable[[int], int]) -> int:
+    """Bytes the frozen pass holds once, whatever the batch, besides its node vectors, patterns and error vectors: the
+    model's own unembedding and MLP run on one prompt copy (the frozen constants) — its ``(P, vocab)`` logits, held
+    while the backward runs inside the unembedding, and the frozen model's (in its dtype, ``itemsize``), broadcast
+    over the batch; the MLP's four ``(P, d_mlp)`` activations while it runs (``model_itemsize``: the model's) —; each
+    frozen norm's fused ``scale·γ`` ``(P, d)``, kept by its product; each frozen MHSA's ``W_O`` as one
+    ``(H·d_head, d)`` matrix, kept by its einsum; with stored patterns each Lorsa's pattern rows on its grid by OV
+    head (``(heads, most nodes of one head, P)``); and the largest transient of making a constant: a site's node
+    vectors gathered and copied before its grid (``grid(n)``: a grid's bytes, 0 where gathered), or a pattern's
+    scores and softmax in at least fp32."""
+    P = layout.n_pos
+    total = P * vocab * (2 * model_itemsize + (itemsize if itemsize != model_itemsize else 0))
+    total += 4 * P * d_mlp * model_itemsize + (2 * n_layers + 1) * P * d_model * itemsize
+    total += sum((mhsa_widths or {}).get(layer, (d_model, d_model))[0] * d_model * itemsize for layer in mhsa_heads)
+    making = [2 * h * P * P * max(itemsize, 4) for h in mhsa_heads.values()] if store_patterns else []
+    for lay in layout.layers:
+        n_l = lay.lorsa_pos.numel()
+        making += [2 * grid(n_l), 2 * grid(lay.tc_pos.numel())]
+        if store_patterns and n_l:
+            per_head = torch.bincount(lay.lorsa_head)
+            total += int((per_head > 0).sum()) * int(per_head.max()) * P * itemsize
+    return total + max(making, default=0)
+
+
 def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int], batch_size: int,
                     prune: bool, max_feature_nodes: int | None = None, keep_mass: float = 1.0,
                     store_patterns: bool = True,
                     node_vectors: str = "auto", model_itemsize: int = 4, edge_itemsize: int = 4,
-                    device: str = "cpu", module_itemsize: int | None = None) -> MemoryEstimate:
+                    device: str = "cpu", module_itemsize: int | None = None,
+                    mhsa_widths: dict[int, tuple[int, int]] | None = None, vocab: int = 0,
+                    d_mlp: int = 0, unembed_itemsize: int | None = None) -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
-    MHSA layer); see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
-    compute in (``attribute``'s ``dtype=``: copies in it); None: each Lorsa's own dtype's."""
+    MHSA layer; ``mhsa_widths``: its ``(n_heads · head_dim, n_kv_heads · head_dim)``, None: ``d_model`` each);
+    see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
+    compute in (``attribute``'s ``dtype=``: copies in it); None: each Lorsa's own dtype's. ``vocab``, ``d_mlp``,
+    ``unembed_itemsize`` (the model's bytes per number; None: ``model_itemsize``): the model's own unembedding and
+    MLP, which run on one prompt copy (0: not counted)."""
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
-    c = PER_COPY_NUMBERS_GPU_SDPA if device != "cpu" and not store_patterns else PER_COPY_NUMBERS
-    per_copy = int(c * n_layers * d_model * P * model_itemsize + ROW_BUFFERS * S * edge_itemsize)
+    fitted = device != "cpu" and not store_patterns  # a GPU's SDPA kernels: PER_COPY_NUMBERS_GPU_SDPA
+    if fitted:
+        per_copy = int(PER_COPY_NUMBERS_GPU_SDPA * n_layers * d_model * P * model_itemsize)
+    else:
+        per_copy = frozen_per_copy_bytes(layout, n_layers=n_layers, d_model=d_model, mhsa_widths=mhsa_widths,
+                                         store_patterns=store_patterns, itemsize=model_itemsize)
+    per_copy += ROW_BUFFERS * S * edge_itemsize
     shared = 0
 
     def grid(n: int) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
@@ -274,6 +385,11 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * qk_itemsize
     if store_patterns:
         shared += sum(h * P * P * model_itemsize for h in mhsa_heads.values())
+    if not fitted:  # the fitted coefficient was measured with these inside it
+        shared += frozen_model_bytes(layout, n_layers=n_layers, d_model=d_model, mhsa_heads=mhsa_heads,
+                                     mhsa_widths=mhsa_widths, store_patterns=store_patterns, vocab=vocab, d_mlp=d_mlp,
+                                     itemsize=model_itemsize, model_itemsize=unembed_itemsize or model_itemsize,
+                                     grid=grid)
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
@@ -339,8 +455,16 @@ def estimate_info(replacement: Any, prepared: Prepared, patterns: str, node_vect
     root = hf_module(replacement.model)
     param = next(root.parameters())
     device = param.device.type
+    config = getattr(root, "config", None)
+    vocab = getattr(root.get_output_embeddings(), "out_features", 0) if hasattr(root, "get_output_embeddings") else 0
     return {"n_layers": prepared.adapter.n_layers, "d_model": prepared.adapter.d_model,
             "mhsa_heads": {layer: int(w.W_Q.shape[0]) for layer, w in prepared.mhsa.items()}, "prune": prune,
+            "mhsa_widths": {layer: (int(w.W_Q.shape[0] * w.W_Q.shape[2]), int(w.W_V.shape[0] * w.W_V.shape[2]))
+                            for layer, w in prepared.mhsa.items()},
+            "vocab": int(vocab or getattr(config, "vocab_size", 0) or 0),
+            "d_mlp": int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                         or 4 * prepared.adapter.d_model),
+            "unembed_itemsize": param.dtype.itemsize,
             "keep_mass": keep_mass,
             "store_patterns": patterns == "store" or (patterns == "auto" and device == "cpu"),
             "node_vectors": node_vectors,
@@ -371,7 +495,10 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
     64–512 tokens on the embedded model (``benchmarks/attribution_vs_circuit_tracer.py``), −4 % to +28 % per mode
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
-    single frozen passes vary by ~±25 %); the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
+    single frozen passes vary by ~±25 % in the resident set, before this model of the frozen pass); the frozen pass's
+    allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,
+    ``results/attribution_memory_terms_frozen_*.json``); the device peak on an H200 at the 8B shape 0.92–1.03 × the
+    estimate. With
     ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
     1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
 

@@ -335,9 +335,10 @@ class FrozenReplacement:
         weight: torch.Tensor = lm_head.weight  # type: ignore[assignment]
         key = self.layout.bias.get("lm_head")
         if self.M.requires_grad:  # attribution: every multiplier 1, every batch row the same prompt copy —
-            # the output (nothing is differentiated through it) is row 0's, broadcast: no (batch, pos, vocab) tensor
+            # the output (nothing is differentiated through it) is row 0's, in the frozen model's dtype, broadcast:
+            # no (batch, pos, vocab) tensor (cast after the broadcast, it would be one)
             with torch.no_grad():
-                logits = (F.linear(into(x[:1], weight), weight) + scaled(bias, None)).expand(x.shape[0], -1, -1)
+                logits = F.linear(into(x[:1], weight), weight, bias).to(x.dtype).expand(x.shape[0], -1, -1)
         else:  # the output, in the model's dtype, where the unembedding is
             logits = F.linear(into(x, weight), weight) + scaled(bias, column(self.mult(weight.device), key))
         tokens = self.layout.logit_tokens.to(weight.device)

@@ -176,19 +176,32 @@ def test_qk_heads_on_device(device, reference):
 def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     """The counts do not depend on the device; on a GPU ``device_bytes`` is the frozen pass and
     ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both. A prompt copy of
-    the frozen pass is counted with the GPU's SDPA coefficient there (measured on an H200), the CPU's here."""
-    from nnsight_lorsa.attribution.budget import PER_COPY_NUMBERS, PER_COPY_NUMBERS_GPU_SDPA, ROW_BUFFERS
+    the frozen pass is counted with the GPU's SDPA coefficient there (measured on an H200), from the structure
+    here (:func:`~nnsight_lorsa.attribution.budget.frozen_per_copy_bytes`)."""
+    from nnsight_lorsa.attribution.budget import (
+        PER_COPY_NUMBERS_GPU_SDPA,
+        ROW_BUFFERS,
+        frozen_per_copy_bytes,
+        layout_for_estimate,
+    )
+    from nnsight_lorsa.attribution.options import AttributionOptions
 
     cpu = estimate_memory(setup(), IDS, batch_size=8, memory="lean")
     est = estimate_memory(setup(device), IDS, batch_size=8, memory="lean")
     for key in ("n_sources", "n_rows", "stored_entries", "rows"):
         assert est.terms[key] == cpu.terms[key], key
     hf = hf_module(setup().model)
-    activations = hf.config.num_hidden_layers * hf.config.hidden_size * len(IDS) * 4  # L·d·P·b, fp32
-    rows_part = cpu.terms["frozen_per_copy"] - int(PER_COPY_NUMBERS * activations)
-    coefficient = PER_COPY_NUMBERS if device == "cpu" else PER_COPY_NUMBERS_GPU_SDPA
-    assert rows_part == ROW_BUFFERS * cpu.terms["n_sources"] * 4  # source-sized fp32 buffers
-    assert est.terms["frozen_per_copy"] == int(coefficient * activations) + rows_part
+    L, d = hf.config.num_hidden_layers, hf.config.hidden_size
+    activations = L * d * len(IDS) * 4  # L·d·P·b, fp32
+    layout, info = layout_for_estimate(setup(), IDS, AttributionOptions(batch_size=8, memory="lean"))
+    structural = frozen_per_copy_bytes(layout, n_layers=L, d_model=d, mhsa_widths=info["mhsa_widths"],
+                                       store_patterns=False, itemsize=4)
+    # the norms' inputs, the embeddings, the final norm's output, the Lorsa's input, one MHSA backward: all (P, d)
+    assert structural >= (2 * L + 1 + 2 + 1 + 2) * d * len(IDS) * 4
+    rows_part = ROW_BUFFERS * cpu.terms["n_sources"] * 4  # source-sized fp32 buffers
+    assert cpu.terms["frozen_per_copy"] == structural + rows_part
+    expected = structural if device == "cpu" else int(PER_COPY_NUMBERS_GPU_SDPA * activations)
+    assert est.terms["frozen_per_copy"] == expected + rows_part
     t = est.terms
     assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
     if device == "cpu":
@@ -449,7 +462,11 @@ def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_
     base = shared(torch.bfloat16, torch.bfloat16)
     assert shared(torch.bfloat16, torch.float32) - base == qk_numbers * 2  # 4 B instead of 2 per number
     assert shared(torch.float32, torch.float32) - shared(torch.float32, torch.bfloat16) == qk_numbers * 2
-    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == shared(torch.float32, torch.float32)
+    # the same with dtype=, but for the model's own MLP, which runs on one prompt copy in the model's dtype (2 B per
+    # number, not dtype='s 4: budget.frozen_model_bytes)
+    d_mlp = hf_module(rep.model).config.intermediate_size
+    assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == (shared(torch.float32, torch.float32)
+                                                                     - 4 * len(IDS) * d_mlp * 2)
 
 @pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
                          [(torch.bfloat16, torch.bfloat16, torch.float32),
