@@ -96,14 +96,16 @@ from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
-#: ``(P, d_model)`` tensors of one prompt copy the frozen pass holds besides one per norm and per Lorsa / skip path
+#: ``(P, d_model)`` tensors of one prompt copy the frozen pass holds besides one per skip path
 #: (:func:`frozen_per_copy_bytes`): the embeddings (kept by their multipliers' product) and the final norm's output
 #: (held by the model's forward, inside whose unembedding the backward passes run)
 RESIDUAL_EXTRA = 2
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds on a GPU with SDPA attention
 #: (no stored patterns): measured 6.2-6.8 on an H200 at the Llama-3.1-8B shape in bf16, 1024-4096 tokens, batch 4
 #: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d)) — a fitted coefficient: what the GPU's SDPA kernels keep
-#: for the backward could not be taken apart without a GPU (the CPU's SDPA path is counted from the structure)
+#: for the backward could not be taken apart without a GPU (the CPU's SDPA path is counted from the structure). Measured
+#: while the frozen pass still kept every norm's input (``2L + 1`` of these numbers); since 2026-11-26 it does not, so
+#: this over-predicts (safe) until a GPU session measures it again
 PER_COPY_NUMBERS_GPU_SDPA = 6.8
 #: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries (measured:
 #: up to 6 at once — the ones, five gradients of slices of them still being summed — on the CPU's SDPA path)
@@ -272,9 +274,11 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
     """Bytes one prompt copy adds to the frozen pass's peak (less the multipliers' :data:`ROW_BUFFERS`), counted from
     the structure: what the frozen forward keeps for the backward, and the largest backward's transient gradients.
 
-    Kept, ``(P, d_model)`` each: every frozen norm's input (``2L + 1``: its weight is a parameter, so the product
-    keeps the input), the embeddings and the final norm's output (:data:`RESIDUAL_EXTRA`), each Lorsa's input (its
-    ``W_V`` rows) and each skip transcoder's (``W_skip``); with SDPA (no stored patterns) each frozen MHSA's values,
+    Kept, ``(P, d_model)`` each: the embeddings and the final norm's output (:data:`RESIDUAL_EXTRA`) and each skip
+    transcoder's input (``W_skip`` is used as the parameter it is); not the frozen norms' inputs nor a Lorsa's (their
+    weights enter the frozen pass detached since 2026-11-26 — :func:`.frozen.frozen_norm`, :func:`.replacement.on` —
+    so no product keeps its input for a weight gradient never taken: ``2L + 2`` fewer ``(P, d)`` tensors per copy,
+    the per-copy growth measured 2.0–2.3× smaller); with SDPA (no stored patterns) each frozen MHSA's values,
     repeated to every head, and its output (``2·H·d_head``); and the targets, ``2·(n_features + n_logits)`` numbers
     (each site's pre-activations and their concatenation) plus each Lorsa's read on its grid by OV head.
 
@@ -294,11 +298,10 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
         bytes, ``itemsize`` per number (the frozen model's).
     """
     P, d = layout.n_pos, d_model
-    kept = (2 * n_layers + 1 + RESIDUAL_EXTRA) * d
+    kept = RESIDUAL_EXTRA * d
     transient = 3 * d
     for lay in layout.layers:
         if lay.lorsa is not None:
-            kept += d
             u = int(torch.unique(lay.lorsa_head).numel())
             transient = max(transient, 2 * d + 2 * u)
         elif lay.attn_err_start is None:  # a frozen MHSA

@@ -99,13 +99,16 @@ def frozen_norm(
     transformers' ``LlamaRMSNorm``; for an fp32/fp64 ``x`` one multiply by the fused ``scale·γ``,
     equal up to rounding order). At the prompt's own ``x`` the value is the module's output."""
     w = getattr(norm, "weight", None)
-    w = None if w is None else w.to(x.device)  # the norm's parameters where the site's input is
+    # the norm's parameters where the site's input is, as constants: a weight that requires grad would make every
+    # product keep its other factor (this copy's input, ``(P, d)`` per norm per prompt copy) for a gradient the
+    # frozen pass never takes
+    w = None if w is None else w.detach().to(x.device)
     if _is_layer_norm(norm):
         out = (x - x.mean(-1, keepdim=True)) * scale.to(x.dtype)
         if w is not None:
             out = out * w
         b = getattr(norm, "bias", None)
-        return out + scaled(None if b is None else b.to(x.device), bias_mult)
+        return out + scaled(None if b is None else b.detach().to(x.device), bias_mult)
     assert w is not None  # checked by norm_scale
     if x.dtype == scale.dtype:  # fp32/fp64: one multiply by the fused (pos, d) factor, half the backward work
         return x * (scale * w.to(x.dtype))

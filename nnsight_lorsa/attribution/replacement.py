@@ -62,8 +62,9 @@ def first(positions: torch.Tensor) -> torch.Tensor:
 
 def on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A constant of a replacement module (weight, bias) on ``like``'s device and in its dtype: the frozen
-    model computes where the site's input is (a no-op where they agree)."""
-    return t.to(device=like.device, dtype=like.dtype)
+    model computes where the site's input is (a no-op where they agree). Detached: a parameter that requires grad
+    would make its product keep the other factor (a prompt copy's input) for a gradient never taken."""
+    return t.detach().to(device=like.device, dtype=like.dtype)
 
 
 def into(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
