@@ -274,8 +274,10 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
     """Bytes one prompt copy adds to the frozen pass's peak (less the multipliers' :data:`ROW_BUFFERS`), counted from
     the structure: what the frozen forward keeps for the backward, and the largest backward's transient gradients.
 
-    Kept, ``(P, d_model)`` each: the embeddings and the final norm's output (:data:`RESIDUAL_EXTRA`) and each skip
-    transcoder's input (``W_skip`` is used as the parameter it is); not the frozen norms' inputs nor a Lorsa's (their
+    Kept, ``(P, d_model)`` each: the embeddings and the final norm's output (:data:`RESIDUAL_EXTRA`) and one per skip
+    transcoder (its input; ``W_skip`` enters detached since 2026-11-26, which freed 2 of 3 such tensors per copy on the
+    tiny Llama with skip transcoders on its 3 MLPs — 156.9 → 132.3 kB per copy at 48 tokens — so the term stays a
+    bound, not a count); not the frozen norms' inputs nor a Lorsa's (their
     weights enter the frozen pass detached since 2026-11-26 — :func:`.frozen.frozen_norm`, :func:`.replacement.on` —
     so no product keeps its input for a weight gradient never taken: ``2L + 2`` fewer ``(P, d)`` tensors per copy,
     the per-copy growth measured 2.0–2.3× smaller); with SDPA (no stored patterns) each frozen MHSA's values,

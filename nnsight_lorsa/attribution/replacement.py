@@ -303,7 +303,7 @@ class FrozenReplacement:
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
         with resident(owner, x.device):  # offloaded: on the site's device for these calls
             xm = to_module(x, owner)  # run where the transcoder is, moved back to the site
-            skip = tc.skip(xm)
+            skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)
             enc_in = tc.encoder_input(xm).to(x) if n else None
         b_dec = on(tc.b_dec, x)

@@ -253,11 +253,14 @@ class CLTLayer(ReplacementModule):
         """``(*batch, d_sae)`` layer ``layer``'s features (the CLT's own encoder, activation included)."""
         return self.clt.encode_layer(x, self.layer)
 
-    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The skip path of MLP ``layer`` (None without one)."""
-        W = self.clt.W_skip
+    def skip(self, x: torch.Tensor, *, constant_weights: bool = False) -> torch.Tensor | None:
+        """The skip path of MLP ``layer`` (None without one; ``constant_weights``: ``W_skip`` detached, the gradient
+        reaching ``x`` only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
+        if self.clt.W_skip is None:
+            return None
+        W: torch.Tensor = self.clt.W_skip.detach() if constant_weights else self.clt.W_skip
         # offloaded: this layer's matrix copied out, so that the backward keeps it and not every layer's
-        return None if W is None else x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
+        return x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
 
     def decoders(self, layer: int | None = None) -> dict[int, torch.Tensor]:
         """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}`` (``layer``: the view's own, as the

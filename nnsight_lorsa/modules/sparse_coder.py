@@ -205,8 +205,10 @@ class SparseCoder(ReplacementModule):
         """What the encoder multiplies (``x`` itself; SAEs may subtract ``b_dec``)."""
         return x
 
-    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A linear path added to the output (None: no skip connection)."""
+    def skip(self, x: torch.Tensor, *, constant_weights: bool = False) -> torch.Tensor | None:
+        """A linear path added to the output (None: no skip connection). ``constant_weights``: the weights taken
+        detached (the gradient reaches ``x`` only, and autograd keeps no copy of ``x`` for a weight gradient: the
+        attribution's frozen pass)."""
         return None
 
     def decoders(self, layer: int) -> dict[int, torch.Tensor]:

@@ -76,6 +76,8 @@ class SkipTranscoder(Transcoder):
         super(SkipTranscoder, self).__init__(cfg, device=device, dtype=dtype)
         self.W_skip = nn.Parameter(torch.zeros(self.d_out, cfg.d_in, device=device, dtype=dtype))
 
-    def skip(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_out"]:
-        """The skip path ``x W_skipᵀ``."""
-        return F.linear(x, self.W_skip)
+    def skip(self, x: Float[torch.Tensor, "*batch d_in"], *,
+             constant_weights: bool = False) -> Float[torch.Tensor, "*batch d_out"]:
+        """The skip path ``x W_skipᵀ`` (``constant_weights``: ``W_skip`` detached, the gradient reaching ``x``
+        only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
+        return F.linear(x, self.W_skip.detach() if constant_weights else self.W_skip)

@@ -615,3 +615,38 @@ def test_from_pretrained_attaches_at_the_sites_the_files_name(tmp_path):
         SAESet.from_pretrained(model, [tmp_path / "sl_post1", tmp_path / "sl_post1"])
     with pytest.raises(CheckpointError, match="no known sparse-coder checkpoint files"):
         SAESet.from_pretrained(model, tmp_path / "nothing_here")
+
+
+@pytest.mark.parametrize("kind", ["skip_transcoder", "clt"])
+def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(kind):
+    """``skip(x, constant_weights=True)`` (the attribution's frozen pass) gives the same values and the same gradient
+    on ``x`` bit for bit, and no gradient on ``W_skip`` (so autograd keeps no copy of ``x`` for one)."""
+    from helpers import make_clt, make_transcoder
+
+    coder = make_transcoder(skip=True) if kind == "skip_transcoder" else make_clt(skip=True).by_layer()[1]
+    W = coder.W_skip if kind == "skip_transcoder" else coder.clt.W_skip
+    with torch.no_grad():
+        W.copy_(torch.randn(W.shape, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(5, W.shape[-1], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    live = coder.skip(x)
+    (gx_live,) = torch.autograd.grad(live.sum(), x)
+    const = coder.skip(x, constant_weights=True)
+    assert torch.equal(const, live)
+    assert not any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
+                   for n in _graph_leaves(const.grad_fn))
+    (gx_const,) = torch.autograd.grad(const.sum(), x)
+    assert torch.equal(gx_const, gx_live)
+    assert live.grad_fn is not None and any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
+                                            for n in _graph_leaves(live.grad_fn))
+
+
+def _graph_leaves(fn):
+    """Every node of an autograd graph from ``fn`` (depth first)."""
+    seen, stack = [], [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
