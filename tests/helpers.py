@@ -339,6 +339,18 @@ def make_transcoders(layers, d_model=64, seed=0, skip_layer=None):
     return out
 
 
+def autograd_nodes(fn) -> set:
+    """Every node of the autograd graph reachable from ``fn`` (a ``grad_fn``; None gives an empty set)."""
+    seen, stack = set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return seen
+
+
 def rm(model, lorsas=None, transcoders=None):
     """The replacement bundle every attribution entry point takes."""
     from nnsight_lorsa import ReplacementModel

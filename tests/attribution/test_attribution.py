@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TESTS, attribution_setup, random_ids, rm
+from helpers import TESTS, attribution_setup, autograd_nodes, random_ids, rm
 
 from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -504,13 +504,7 @@ def test_objective_injects_only_the_targeted_sites(llama):
         ref = torch.autograd.grad(T[torch.arange(4), torch.tensor(rows)].sum(), M, retain_graph=True)[0]
         got = torch.autograd.grad(frozen.objective(rows), M, retain_graph=True)[0]
         assert torch.equal(got, ref)
-    seen, stack = set(), [frozen.objective([0, 1, 2, 3]).grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        stack.extend(f for f, _ in fn.next_functions)
+    seen = autograd_nodes(frozen.objective([0, 1, 2, 3]).grad_fn)
     assert frozen.target_pieces()[-1].grad_fn not in seen  # the logits' graph is not traversed
     with pytest.raises(IndexError):
         frozen.objective([layout.n_targets])

@@ -621,7 +621,7 @@ def test_from_pretrained_attaches_at_the_sites_the_files_name(tmp_path):
 def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(kind):
     """``skip(x, constant_weights=True)`` (the attribution's frozen pass) gives the same values and the same gradient
     on ``x`` bit for bit, and no gradient on ``W_skip`` (so autograd keeps no copy of ``x`` for one)."""
-    from helpers import make_clt, make_transcoder
+    from helpers import autograd_nodes, make_clt, make_transcoder
 
     coder = make_transcoder(skip=True) if kind == "skip_transcoder" else make_clt(skip=True).by_layer()[1]
     W = coder.W_skip if kind == "skip_transcoder" else coder.clt.W_skip
@@ -633,20 +633,8 @@ def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(k
     const = coder.skip(x, constant_weights=True)
     assert torch.equal(const, live)
     assert not any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
-                   for n in _graph_leaves(const.grad_fn))
+                   for n in autograd_nodes(const.grad_fn))
     (gx_const,) = torch.autograd.grad(const.sum(), x)
     assert torch.equal(gx_const, gx_live)
     assert live.grad_fn is not None and any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
-                                            for n in _graph_leaves(live.grad_fn))
-
-
-def _graph_leaves(fn):
-    """Every node of an autograd graph from ``fn`` (depth first)."""
-    seen, stack = [], [fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.append(node)
-        stack.extend(n for n, _ in node.next_functions)
-    return seen
+                                            for n in autograd_nodes(live.grad_fn))

@@ -65,9 +65,7 @@ def test_resume_from_a_document_dataset_is_bit_exact(docs, tmp_path):
     resumed = SparseAttentionTrainer(_model(), docs, _cfg())
     resumed.load_checkpoint(tmp_path / "ck")
     resumed.train(2, progress=False)
-    for (n, a), (_, b) in zip(straight.hf.named_parameters(), resumed.hf.named_parameters(), strict=True):
-        assert torch.equal(a, b), n
-    assert [r.ce for r in straight.history] == [r.ce for r in resumed.history]
+    _assert_same_run(straight, resumed)
     assert straight.geco.lam == resumed.geco.lam
 
 
@@ -212,9 +210,7 @@ def test_full_fine_tuning_an_fp16_model_keeps_fp32_master_weights(docs, tmp_path
     again = SparseAttentionTrainer(_fp16_model(), docs, _cfg())
     again.load_checkpoint(tmp_path / "ck2")
     again.train(2, progress=False)
-    for (n, a), (_, b) in zip(straight.hf.named_parameters(), again.hf.named_parameters(), strict=True):
-        assert torch.equal(a, b), n
-    assert [r.ce for r in straight.history] == [r.ce for r in again.history]
+    _assert_same_run(straight, again)
 
 
 def test_full_fine_tuning_a_bf16_model_trains_through_fp32_masters_too(docs, tmp_path):
@@ -242,3 +238,10 @@ def test_full_fine_tuning_a_bf16_model_trains_through_fp32_masters_too(docs, tmp
     for n in low:
         value = saved[f"param.{n}"]
         assert value.dtype == torch.float32 and torch.equal(value, tr.masters.held(params[n])), n
+
+
+def _assert_same_run(straight, resumed):
+    """Two trainers' models bit-identical, parameter by parameter, with the same CE history."""
+    for (n, a), (_, b) in zip(straight.hf.named_parameters(), resumed.hf.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert [r.ce for r in straight.history] == [r.ce for r in resumed.history]
