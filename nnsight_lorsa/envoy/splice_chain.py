@@ -107,13 +107,16 @@ def check_overflow(value: torch.Tensor, true_out: torch.Tensor, what: str) -> No
     """
     if not overflowed(value):
         return
-    own = ("the model's own output there is finite, so the replacement made them: its forward overflowed fp16's "
-           "range (|x| <= 65504) or an edit of its internals wrote a value past it (nnsight and torch cast an "
-           "assignment to fp16 without a range check)" if bool(torch.isfinite(true_out).all()) else
-           "the model's own output there is not finite either: the values reaching the site already were not")
-    raise PlacementError(f"{what} holds inf or NaN; {own}. Cast the replacement to a wider dtype "
-                         "(module.to(torch.float32) or torch.bfloat16; the splice casts its input and output), or "
-                         "keep edits within fp16's range")
+    if bool(torch.isfinite(true_out).all()):
+        why = ("the model's own output there is finite, so the replacement made them: its forward overflowed fp16's "
+               "range (|x| <= 65504) or an edit of its internals wrote a value past it (nnsight and torch cast an "
+               "assignment to fp16 without a range check). Cast the replacement to a wider dtype "
+               "(module.to(torch.float32) or torch.bfloat16; the splice casts its input and output), or keep edits "
+               "within fp16's range")
+    else:
+        why = ("the model's own output there is not finite either: the model overflowed before or at this site. Run "
+               "the model in a wider dtype (torch.bfloat16 or torch.float32)")
+    raise PlacementError(f"{what} holds inf or NaN; {why}")
 
 
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,

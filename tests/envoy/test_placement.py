@@ -531,3 +531,16 @@ def test_the_overflow_check_reads_fp16_outputs_only(monkeypatch):
     _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(torch.float16)}), error=True),
             lambda s: s["saes"][site].hook_sae_acts_post.output.mul_(2))
     assert calls == [torch.float16] * 2  # the live output and the clean pass's
+
+
+def test_an_fp16_module_on_a_model_already_non_finite_says_so():
+    """Where the model's own output at the site is not finite either (an fp16 model already non-finite upstream:
+    here an embedding row of inf), the error says so and names the remedy for the model, not for the replacement."""
+    model, hf = tiny_nnsight("llama", dtype=torch.float16)
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[int(ids[0, 2])] = float("inf")
+    rm = ReplacementModel(model, saes=SAESet(model, {"model.layers.1": make_sae().to(torch.float16)}), error=True)
+    with pytest.raises(PlacementError, match=r"model\.layers\.1.*inf or NaN.*own output there is not finite either"
+                                             r".*model in a wider dtype"):
+        _logits(model, ids, rm)
