@@ -1,9 +1,10 @@
 """DDP on 2 CPU processes (gloo) gives the parameters of 1 process on the same global batch.
 
-The test runs this file as a script in two subprocesses (``python tests/test_distributed.py
-RANK WORLD INIT_FILE OUT_PREFIX``); each trains a TopK skip transcoder (sparse kernels, AuxK
-active) and a ReLU+L1 one on its half of every global batch of a synthetic source (ranks hold
-different numbers of loss tokens) and writes the final states as safetensors.
+The tests run this file as a script in subprocesses (``python tests/test_distributed.py RANK WORLD
+INIT_FILE OUT_PREFIX MODE``, :func:`_run_ranks`). ``train`` (2 ranks): each trains a TopK skip transcoder
+(sparse kernels, AuxK active) and a ReLU+L1 one on its half of every global batch of a synthetic source
+(ranks hold different numbers of loss tokens) and writes the final states as safetensors. ``grads`` (3 ranks):
+each writes its own gradient of batch 0 and the one DDP reduced, for a bf16 and an fp32 module.
 """
 
 from __future__ import annotations
@@ -62,7 +63,33 @@ def state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
+def _reduced_grads(out_prefix: str) -> None:
+    """Writes, for a bf16 and an fp32 ReLU skip transcoder under DDP: this rank's own gradient of batch 0
+    (``local.*``, a backward under ``no_sync``), the gradient the optimizer gets from DDP's reduced one
+    (``reduced.*``: the masters' after ``move_grads``; an fp32 module's own) and the number of comm hooks."""
+    from safetensors.torch import save_file
+
+    from nnsight_lorsa.training.distributed import DataParallel
+
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        trainer = make_trainer("relu", dtype)
+        dp = DataParallel(trainer)
+        trainer.estimate_norms()
+        counters = trainer.tokens_since_fired.clone()
+        with dp.ddp.no_sync():
+            dp.loss(0)[0].backward()
+        out = {f"local.{n}": p.grad.detach().clone() for n, p in trainer.module.named_parameters()}
+        trainer.module.zero_grad(set_to_none=True)
+        trainer.tokens_since_fired = counters  # the second forward sees the first's state
+        dp.loss(0)[0].backward()
+        trainer.masters.move_grads()
+        out |= {f"reduced.{n}": trainer.masters.held(p).grad.detach().clone()
+                for n, p in trainer.module.named_parameters()}
+        out["hooks"] = torch.tensor([len(dp.ddp._comm_hooks)])
+        save_file(out, f"{out_prefix}_{name}.safetensors")
+
+
+def _worker(rank: int, world: int, init_file: str, out_prefix: str, mode: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -71,6 +98,9 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        if mode == "grads":
+            _reduced_grads(out_prefix)
+            return
         for kind in KINDS:
             trainer = make_trainer(kind)
             DataParallel(trainer)
@@ -99,18 +129,23 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
         dist.destroy_process_group()
 
 
+def _run_ranks(tmp_path, world: int, mode: str) -> None:
+    """Runs :func:`_worker` in ``world`` gloo processes; rank ``r`` writes ``tmp_path / f"rank{r}_*"``."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    init, out = str(tmp_path / "init"), str(tmp_path / "rank")
+    args = [[sys.executable, __file__, str(r), str(world), init, f"{out}{r}", mode] for r in range(world)]
+    procs = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for a in args]
+    logs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+
+
 def test_two_gloo_processes_equal_one_process(tmp_path):
     from safetensors.torch import load_file
 
     from nnsight_lorsa.training.distributed import shard_batch
 
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    init, out = str(tmp_path / "init"), str(tmp_path / "rank")
-    args = [[sys.executable, __file__, str(r), "2", init, f"{out}{r}"] for r in range(2)]
-    procs = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for a in args]
-    logs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    _run_ranks(tmp_path, 2, "train")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: other thread counts round matmuls differently (TopK may flip)
     try:
@@ -135,7 +170,7 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
                     assert torch.allclose(got, value, atol=2e-6, rtol=1e-5), (kind, name, r,
                                                                              float((got - value).abs().max()))
     # bf16: both ranks hold the same masters and weights bit for bit (the weights the masters' rounding), close to
-    # one process's bf16 run (the gradients are reduced in bf16: the sum of the halves' rounded gradients)
+    # one process's bf16 run (the gradients are the average of the halves' rounded gradients, rounded once)
     ranks = [load_file(str(tmp_path / f"rank{r}_bf16.safetensors")) for r in range(2)]
     torch.set_num_threads(1)
     try:
@@ -178,6 +213,41 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
     assert torch.equal(half.positions, a.positions) and torch.equal(half.loss_mask, b.loss_mask[3:])
 
 
+def test_ddp_averages_bf16_gradients_in_fp32_rounded_once(tmp_path):
+    """3 ranks: a bf16 module's masters get the fp32 average of the ranks' bf16 gradients rounded once to bf16,
+    where DDP's own bf16 path (each gradient divided by 3 in bf16, then summed in bf16) differs; an fp32 module
+    has no comm hook (DDP's default path, as before)."""
+    from safetensors.torch import load_file
+
+    world = 3
+    _run_ranks(tmp_path, world, "grads")
+    bf16 = [load_file(str(tmp_path / f"rank{r}_bf16.safetensors")) for r in range(world)]
+    names = [n.removeprefix("local.") for n in bf16[0] if n.startswith("local.")]
+    assert len(names) == len(list(make_trainer("relu").module.parameters()))
+    assert int(bf16[0]["hooks"]) == 1
+    moved = total = 0
+    for name in names:
+        local = [bf16[r][f"local.{name}"] for r in range(world)]
+        assert all(g.dtype == torch.bfloat16 for g in local)
+        assert not torch.equal(local[0], local[1])  # the ranks' shards give different gradients
+        want = (sum(g.float() for g in local) / world).to(torch.bfloat16).float()
+        old = (local[0] / world).to(torch.bfloat16)  # DDP's own path: divided in bf16, a bf16 running sum
+        for g in local[1:]:
+            old = (old + g / world).to(torch.bfloat16)
+        for r in range(world):
+            got = bf16[r][f"reduced.{name}"]
+            assert got.dtype == torch.float32 and torch.equal(got, want), (name, r, float((got - want).abs().max()))
+        moved += int((old.float() != want).sum())
+        total += want.numel()
+    assert moved > 0.1 * total, (moved, total)  # the bf16 sum rounds differently: the test tells the two apart
+    fp32 = [load_file(str(tmp_path / f"rank{r}_fp32.safetensors")) for r in range(world)]
+    assert int(fp32[0]["hooks"]) == 0
+    for name in names:
+        want = sum(fp32[r][f"local.{name}"] for r in range(world)) / world
+        for r in range(world):
+            assert torch.allclose(fp32[r][f"reduced.{name}"], want, atol=1e-7, rtol=1e-5), (name, r)
+
+
 def test_live_source_shards_partition_the_global_batch():
     from helpers import tiny_training_setup
 
@@ -193,7 +263,7 @@ def test_live_source_shards_partition_the_global_batch():
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
     sys.stdout.flush()
     # gloo's background threads can abort the interpreter's own shutdown ("terminate called without an
     # active exception") after the results are written; leave without running C++ static destructors
