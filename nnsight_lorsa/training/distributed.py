@@ -25,20 +25,22 @@ callable yielding stacked CLT batches must shard itself). What makes the result 
   take the reduced gradients, widened to fp32.
 
 Low-precision gradients are averaged in fp32. A module with bf16 / fp16 parameters gets a DDP communication hook
-(:func:`fp32_mean_hook`): each such gradient bucket is widened to fp32, all-reduced (summed) in fp32, divided by
-the world size in fp32 and rounded once back to the bucket's dtype, which DDP then copies into the gradients
-(whence :meth:`~.master_weights.MasterWeights.move_grads` widens them onto the masters). DDP's own path sums the
-bf16 buckets in bf16 (after dividing each by the world size in bf16): every addition of the ring rounds to 8
-significant bits, so with 3+ ranks the average is off by several bf16 steps where one rounding is the most any
-bf16 gradient carries (one process's bf16 backward rounds its gradient once too). Costs an fp32 copy of one
-bucket at a time (DDP's buckets: 25 MiB of gradients by default, so 50 MiB of fp32 for bf16) while it is
-reduced; the collective moves twice the bytes of a bf16 one. fp32 and fp64 buckets (and modules without
+(:func:`fp32_mean_hook`): each such gradient bucket is widened to fp32, all-reduced (summed) in fp32, divided by the
+world size in fp32 and rounded once back to the bucket's dtype, which DDP then copies into the gradients (whence
+:meth:`~.master_weights.MasterWeights.move_grads` widens them onto the masters). DDP's own path sums the bf16
+buckets in bf16 (after dividing each by the world size in bf16): every addition of the ring rounds to 8 significant
+bits, so with 3+ ranks many entries of the average land a bf16 step or more off (37 % of a transcoder's on 3 ranks,
+``tests/training/test_distributed.py``), where one rounding is what any bf16 gradient carries (one process's bf16
+backward rounds its gradient too; on 2 ranks both paths round once). With or without masters
+(``TrainConfig(master_weights=False)``: Adam on the bf16 weights, which then take the once-rounded average). Costs
+an fp32 copy of one bucket at a time (DDP's buckets: 25 MiB of gradients by default, so 50 MiB of fp32 for bf16)
+while it is reduced; the collective moves twice the bytes of a bf16 one. fp32 and fp64 buckets (and modules without
 low-precision parameters: no hook at all) keep DDP's default path. Not chosen: writing the fp32 average straight
-into the masters' ``.grad`` from the hook (saving the final rounding, at most half a bf16 step of the average,
-round to nearest). It would depend on DDP's bucket layout (the offset and strides of each parameter's view in the
-flat bucket), duplicate DDP's rule that a parameter no rank used keeps a ``None`` gradient
-(``find_unused_parameters``), and give the masters a second source of gradients besides ``move_grads``, stale if a
-backward ever ran without the step that consumes it.
+into the masters' ``.grad`` from the hook (saving the final rounding, at most half a bf16 step of the average, round
+to nearest). It would depend on DDP's bucket layout (the offset and strides of each parameter's view in the flat
+bucket), duplicate DDP's rule that a parameter no rank used keeps a ``None`` gradient (``find_unused_parameters``),
+and give the masters a second source of gradients besides ``move_grads``, stale if a backward ever ran without the
+step that consumes it.
 
 Not identical: BatchTopK picks its ``k · n`` activations per rank (its batch is the shard), and
 the logged metrics (FVU, L0, …) are rank-local. Save checkpoints from one rank (all hold the same
