@@ -56,7 +56,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .master_weights import LOW_PRECISION
@@ -98,15 +97,18 @@ def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
     The bucket's flat buffer (``(numel,)``, one dtype and device per bucket) is widened to an fp32 copy, all-reduced
     with ``SUM`` (async; any backend with futures: gloo on CPU, NCCL on CUDA), divided by the world size in fp32 and
     copied back into the buffer (the single rounding). The future gives the buffer: the bucket's dtype, shape and
-    device. Buckets of other dtypes (fp32, fp64) take torch's ``allreduce_hook``, DDP's default path (divide by the
-    world size, then all-reduce in the bucket's dtype). A sum beyond fp32's range (bf16 values near 1.7e38 on two
-    ranks) comes back ``inf``, which :meth:`~.trainer.Trainer.train_step` stops on (``NonFiniteError``).
+    device. Buckets of other dtypes (fp32, fp64) take DDP's default path, bit for bit: multiplied by ``1 / world``
+    in their dtype (as DDP's reducer scales a gradient into its bucket; torch's ``allreduce_hook`` divides instead,
+    which rounds differently when the world size is not a power of 2), then summed in their dtype. A sum beyond
+    fp32's range (bf16 values near 1.7e38 on two ranks) comes back ``inf``, which
+    :meth:`~.trainer.Trainer.train_step` stops on (``NonFiniteError``).
     """
     buffer = bucket.buffer()
-    if buffer.dtype not in LOW_PRECISION:
-        return allreduce_hook(process_group, bucket)
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    if buffer.dtype not in LOW_PRECISION:
+        buffer.mul_(1.0 / world)
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
     wide = buffer.to(torch.float32)
 
     def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

@@ -87,6 +87,37 @@ def _reduced_grads(out_prefix: str) -> None:
                 for n, p in trainer.module.named_parameters()}
         out["hooks"] = torch.tensor([len(dp.ddp._comm_hooks)])
         save_file(out, f"{out_prefix}_{name}.safetensors")
+    # a module with a bf16 and an fp32 parameter (DDP buckets hold one dtype each), with and without the hook
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnsight_lorsa.training.distributed import fp32_mean_hook
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+    for hooked in (False, True):
+        ddp = DistributedDataParallel(_Mixed())
+        if hooked:
+            ddp.register_comm_hook(None, fp32_mean_hook)
+        with ddp.no_sync():
+            ddp(x).backward()
+        out |= {f"local.{n}": p.grad.clone() for n, p in ddp.module.named_parameters()}
+        ddp.zero_grad(set_to_none=True)
+        ddp(x).backward()
+        out |= {f"{hooked}.{n}": p.grad.clone() for n, p in ddp.module.named_parameters()}
+    save_file(out, f"{out_prefix}_mixed.safetensors")
+
+
+class _Mixed(torch.nn.Module):
+    """A bf16 and an fp32 parameter, ``(64,)`` each: ``Σ (x·low)² + Σ (x·high)²``, the first term in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.low = torch.nn.Parameter(torch.linspace(0.5, 2.0, 64).to(torch.bfloat16))
+        self.high = torch.nn.Parameter(torch.linspace(0.5, 2.0, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.bfloat16) * self.low).pow(2).sum().float() + (x * self.high).pow(2).sum()
 
 
 def _worker(rank: int, world: int, init_file: str, out_prefix: str, mode: str) -> None:
@@ -246,6 +277,15 @@ def test_ddp_averages_bf16_gradients_in_fp32_rounded_once(tmp_path):
         want = sum(fp32[r][f"local.{name}"] for r in range(world)) / world
         for r in range(world):
             assert torch.allclose(fp32[r][f"reduced.{name}"], want, atol=1e-7, rtol=1e-5), (name, r)
+    # the hook on a module of both dtypes: the bf16 bucket averaged in fp32 and rounded once, the fp32 bucket
+    # reduced bit for bit as without the hook (torch's allreduce_hook, DDP's default)
+    mixed = [load_file(str(tmp_path / f"rank{r}_mixed.safetensors")) for r in range(world)]
+    want = (sum(m["local.low"].float() for m in mixed) / world).to(torch.bfloat16)
+    for r in range(world):
+        assert torch.equal(mixed[r]["True.low"], want), r
+        assert not torch.equal(mixed[r]["False.low"], want), r  # DDP's bf16 path rounds elsewhere
+        assert torch.equal(mixed[r]["True.high"], mixed[r]["False.high"]), r
+        assert not torch.equal(mixed[r]["True.high"], mixed[r]["local.high"]), r  # reduced
 
 
 def test_live_source_shards_partition_the_global_batch():
