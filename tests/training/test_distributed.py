@@ -4,7 +4,8 @@ The tests run this file as a script in subprocesses (``python tests/test_distrib
 INIT_FILE OUT_PREFIX MODE``, :func:`_run_ranks`). ``train`` (2 ranks): each trains a TopK skip transcoder
 (sparse kernels, AuxK active) and a ReLU+L1 one on its half of every global batch of a synthetic source
 (ranks hold different numbers of loss tokens) and writes the final states as safetensors. ``grads`` (3 ranks):
-each writes its own gradient of batch 0 and the one DDP reduced, for a bf16 and an fp32 module.
+each writes its own gradient of batch 0 and the one DDP reduced, for a bf16 and an fp32 module. ``hang``: the
+launcher's own test (a rank that fails, one that never ends).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 from helpers import ROOT, TESTS
 
@@ -126,6 +129,16 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, mode: str) -
 
     from nnsight_lorsa.training.distributed import DataParallel
 
+    if mode == "hang":  # (for the launcher's test) rank 1 writes its pid and never ends; rank 0 then fails
+        pid_file = out_prefix.removesuffix(str(rank)) + "1.pid"
+        if rank == 1:
+            with open(pid_file + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(pid_file + ".tmp", pid_file)
+            time.sleep(600)
+        while not os.path.exists(pid_file):
+            time.sleep(0.05)
+        raise SystemExit(3)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -160,15 +173,32 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, mode: str) -
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path, world: int, mode: str) -> None:
-    """Runs :func:`_worker` in ``world`` gloo processes; rank ``r`` writes ``tmp_path / f"rank{r}_*"``."""
+def _run_ranks(tmp_path, world: int, mode: str, timeout: float = 120) -> None:
+    """Runs :func:`_worker` in ``world`` gloo processes; rank ``r`` writes ``tmp_path / f"rank{r}_*"``.
+
+    Fails (AssertionError with every rank's output) when a rank fails or ``timeout`` seconds pass; no rank
+    outlives the call: once one rank has failed, the others (which would wait in a collective until gloo's
+    30-minute timeout) are killed, as are all ranks on a timeout or any error here."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     init, out = str(tmp_path / "init"), str(tmp_path / "rank")
     args = [[sys.executable, __file__, str(r), str(world), init, f"{out}{r}", mode] for r in range(world)]
-    procs = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for a in args]
-    logs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    logs = [tmp_path / f"rank{r}.log" for r in range(world)]  # files, not pipes: a full pipe cannot block a rank
+    procs: list[subprocess.Popen] = []
+    try:
+        for a, log in zip(args, logs, strict=True):
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(a, env=env, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+               and all(p.returncode in (None, 0) for p in procs)):
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), [log.read_text(errors="replace") for log in logs]
 
 
 def test_two_gloo_processes_equal_one_process(tmp_path):
@@ -286,6 +316,18 @@ def test_ddp_averages_bf16_gradients_in_fp32_rounded_once(tmp_path):
         assert not torch.equal(mixed[r]["False.low"], want), r  # DDP's bf16 path rounds elsewhere
         assert torch.equal(mixed[r]["True.high"], mixed[r]["False.high"]), r
         assert not torch.equal(mixed[r]["True.high"], mixed[r]["local.high"]), r  # reduced
+
+
+def test_a_failed_rank_ends_the_launch_and_no_rank_is_left_running(tmp_path):
+    """:func:`_run_ranks` (the launcher of the tests above) kills the ranks still running once one has failed,
+    instead of leaving them behind, each with its threads, after the test."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError):
+        _run_ranks(tmp_path, 2, "hang", timeout=60)
+    assert time.monotonic() - started < 50  # rank 1 would sleep 600 s: it was killed, not waited for
+    pid = int((tmp_path / "rank1.pid").read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)
 
 
 def test_live_source_shards_partition_the_global_batch():
