@@ -126,6 +126,9 @@ class DataParallel:
         process_group: default: the global group (``torch.distributed`` must be initialised).
         find_unused_parameters: passed to DDP (modules with parameters a loss may not reach).
 
+    A module with bf16 / fp16 trained parameters has its gradients averaged in fp32 and rounded once
+    (:func:`fp32_mean_hook`, registered on :attr:`ddp`); others reduce on DDP's default path.
+
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
     """
