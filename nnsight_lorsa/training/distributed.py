@@ -89,19 +89,21 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
     return type(batch)(**fields)
 
 
-def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket):
+    # (no return annotation: DDP accepts only ``torch.futures.Future[torch.Tensor]`` or none, and the futures that
+    # collectives give are ``torch._C.Future``, not instances of it: a runtime type check would refuse them)
     """A DDP communication hook (``ddp.register_comm_hook(process_group, fp32_mean_hook)``): the average of a
     low-precision (:data:`~.master_weights.LOW_PRECISION`: bf16 / fp16) gradient bucket over the ranks of
     ``process_group`` (``None``: the global group), computed in fp32 and rounded once.
 
     The bucket's flat buffer (``(numel,)``, one dtype and device per bucket) is widened to an fp32 copy, all-reduced
     with ``SUM`` (async; any backend with futures: gloo on CPU, NCCL on CUDA), divided by the world size in fp32 and
-    copied back into the buffer (the single rounding). The future gives the buffer: the bucket's dtype, shape and
-    device. Buckets of other dtypes (fp32, fp64) take DDP's default path, bit for bit: multiplied by ``1 / world``
-    in their dtype (as DDP's reducer scales a gradient into its bucket; torch's ``allreduce_hook`` divides instead,
-    which rounds differently when the world size is not a power of 2), then summed in their dtype. A sum beyond
-    fp32's range (bf16 values near 1.7e38 on two ranks) comes back ``inf``, which
-    :meth:`~.trainer.Trainer.train_step` stops on (``NonFiniteError``).
+    copied back into the buffer (the single rounding). Returns a ``torch.Future`` (``torch._C.Future``) that gives
+    the buffer: the bucket's dtype, shape and device. Buckets of other dtypes (fp32, fp64) take DDP's default path,
+    bit for bit: multiplied by ``1 / world`` in their dtype (as DDP's reducer scales a gradient into its bucket;
+    torch's ``allreduce_hook`` divides instead, which rounds differently when the world size is not a power of 2),
+    then summed in their dtype. A sum beyond fp32's range (bf16 values near 1.7e38 on two ranks) comes back ``inf``,
+    which :meth:`~.trainer.Trainer.train_step` stops on (``NonFiniteError``).
     """
     buffer = bucket.buffer()
     group = process_group if process_group is not None else dist.group.WORLD
@@ -111,7 +113,7 @@ def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket) -> torch.futures
         return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
     wide = buffer.to(torch.float32)
 
-    def mean(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    def mean(fut: Any) -> torch.Tensor:  # (fut: a torch._C.Future of [the reduced fp32 copy])
         buffer.copy_(fut.value()[0].div_(world))
         return buffer
 

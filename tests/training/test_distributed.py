@@ -318,6 +318,27 @@ def test_ddp_averages_bf16_gradients_in_fp32_rounded_once(tmp_path):
         assert not torch.equal(mixed[r]["True.high"], mixed[r]["local.high"]), r  # reduced
 
 
+def test_the_hook_in_a_one_process_group_keeps_each_gradient(tmp_path):
+    """In this process (the package type-checked), :func:`_reduced_grads` on a one-rank gloo group: the average over
+    one rank is the rank's own gradient (bf16 through the hook, widened onto the masters; fp32; both dtypes)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        _reduced_grads(str(tmp_path / "rank0"))
+    finally:
+        dist.destroy_process_group()
+    for kind, hooks in (("bf16", 1), ("fp32", 0), ("mixed", None)):
+        got = load_file(str(tmp_path / f"rank0_{kind}.safetensors"))
+        assert hooks is None or int(got.pop("hooks")) == hooks
+        for name in [n.removeprefix("local.") for n in got if n.startswith("local.")]:
+            for reduced in ("reduced", "True", "False"):
+                if f"{reduced}.{name}" in got:
+                    assert torch.equal(got[f"{reduced}.{name}"], got[f"local.{name}"].float() if kind == "bf16"
+                                       else got[f"local.{name}"]), (kind, reduced, name)
+
+
 def test_a_failed_rank_ends_the_launch_and_no_rank_is_left_running(tmp_path):
     """:func:`_run_ranks` (the launcher of the tests above) kills the ranks still running once one has failed,
     instead of leaving them behind, each with its threads, after the test."""
