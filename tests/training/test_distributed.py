@@ -69,7 +69,9 @@ def state(trainer) -> dict[str, torch.Tensor]:
 def _reduced_grads(out_prefix: str) -> None:
     """Writes, for a bf16 and an fp32 ReLU skip transcoder under DDP: this rank's own gradient of batch 0
     (``local.*``, a backward under ``no_sync``), the gradient the optimizer gets from DDP's reduced one
-    (``reduced.*``: the masters' after ``move_grads``; an fp32 module's own) and the number of comm hooks."""
+    (``reduced.*``: the masters' after ``move_grads``; an fp32 module's own) and the number of comm hooks
+    (``{out_prefix}_bf16`` / ``_fp32.safetensors``); and for :class:`_Mixed` under plain DDP, its own gradients and
+    the reduced ones without (``False.*``) and with (``True.*``) :func:`fp32_mean_hook` (``_mixed.safetensors``)."""
     from safetensors.torch import save_file
 
     from nnsight_lorsa.training.distributed import DataParallel
