@@ -2,7 +2,8 @@
 
 A :class:`ReplacementModel` validates a target (:class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`)
 before anything runs and binds it (``rm(target)``) for the interventions inside a trace —
-:func:`read`, :func:`ablate`, :func:`scale`, :func:`steer`, :func:`patch`. The experiments run their
+:func:`read`, :func:`ablate`, :func:`scale`, :func:`steer`, :func:`patch` (after :func:`padding_mask`, they refuse
+positions that are padding in a row of a padded batch). The experiments run their
 own traces: :func:`activation_patching`, :func:`path_patching` (Wang et al.'s sender → receiver paths),
 :func:`ablation_effect`, :func:`random_ablation_control`, :func:`head_swap`, :func:`circuit_size`;
 task prompts from :func:`induction_task`, :func:`ioi_task`, :func:`greater_than_task`,
@@ -15,6 +16,7 @@ from .circuit import CircuitSize, circuit_size
 from .experiments import ablation_effect, activation_patching, head_swap, random_ablation_control
 from .interventions import ablate, mean_activations, patch, read, scale, steer
 from .metrics import logit_difference, relative_effect
+from .padding import padding_mask
 from .path_patching import HeadInput, PathPatchingResult, path_patching
 from .tasks import TaskBatch, arithmetic_task, greater_than_task, induction_task, ioi_task
 
@@ -22,6 +24,6 @@ __all__ = [
     "Bound", "CircuitSize", "Feature", "HeadInput", "LorsaHead", "MHSAHead", "PathPatchingResult", "ReplacementModel",
     "Target", "TargetIndexError", "TaskBatch", "ablate", "ablation_effect", "activation_patching", "arithmetic_task",
     "circuit_size", "greater_than_task", "head_swap", "induction_task", "ioi_task", "logit_difference",
-    "mean_activations", "patch", "path_patching", "random_ablation_control", "read", "relative_effect", "scale",
-    "steer",
+    "mean_activations", "padding_mask", "patch", "path_patching", "random_ablation_control", "read",
+    "relative_effect", "scale", "steer",
 ]
