@@ -123,13 +123,16 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
     Args:
         replacement: the model and its sets (:class:`~.targets.ReplacementModel`).
-        clean, corrupt: token ids ``(batch, pos)`` of the same shape (or prompts of equal length).
+        clean, corrupt: token ids ``(batch, pos)`` of the same shape (or prompts of equal length row by row:
+            prompts of different lengths are padded, and clean and corrupt must be padded alike).
         targets: targets, or tuples of targets patched together.
         positions: positions patched (None: all).
 
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
-        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``.
+        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``;
+            ``clean`` and ``corrupt`` padded differently, ``positions`` (or, for the default metric, the last
+            position) that are padding in some row (:mod:`.padding`; before the patched runs).
         ConfigMismatchError: no targets.
     """
     if not is_int(groups_per_trace) \
@@ -222,7 +225,12 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
                     metric: Metric | None = None, correct_ids: Any = None, incorrect_ids: Any = None,
                     mode: Literal["zero", "mean"] = "zero",
                     means: Any = None, positions: Positions = None) -> AblationResult:
-    """Ablate ``targets`` together on ``prompts``; the metric before and after."""
+    """Ablate ``targets`` together on ``prompts``; the metric before and after.
+
+    Raises:
+        ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
+            row of padded ``prompts`` (:mod:`.padding`, in the trace before any edit); see :func:`make_metric`.
+    """
     score = make_metric(metric, correct_ids, incorrect_ids)
     ordered = replacement.sort(targets)
     for t in ordered:
@@ -300,7 +308,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     Raises:
         LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
-            (:func:`~.interventions.check_positions`).
+            (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
     """
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model

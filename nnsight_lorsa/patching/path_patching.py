@@ -421,7 +421,9 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes differ,
             means of the wrong width. ArgumentError: ``freeze`` not a bool, ``groups_per_trace`` not an int
             ``>= 1``, ``positions`` not valid for the prompts (:func:`~.interventions.check_positions`).
-            All raised before the model runs.
+            All raised before the model runs. ArgumentError (from the run): ``positions`` (or, for the default
+            metric, the last position) that are padding in some row, clean and corrupt prompts padded
+            differently (:mod:`.padding`).
     """
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
