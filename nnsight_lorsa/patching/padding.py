@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..envoy.nnsight_internals import current_worker
+from ..envoy.nnsight_internals import current_worker, ran_since_start
 from ..envoy.targets import Positions, positions_index
 from ..errors import ArgumentError, TraceOrderError
 
@@ -41,14 +41,18 @@ def padding_mask(model: Any) -> torch.Tensor | None:
     ...     ablate(r(MHSAHead(1, 0)), positions=0)     # ArgumentError: padding in row 0
 
     Raises:
-        nnsight's ``OutOfOrderError``: called after the body read something the model computes (the
+        TraceOrderError: outside a trace body, or after the body read something the model computes (the
             model's inputs come first).
     """
+    worker = current_worker("padding_mask")
+    if ran_since_start(worker, model.path) > 0:
+        raise TraceOrderError("padding_mask(model) must come first in the trace body (or invoke), before anything "
+                              "the model computes is read: it reads the model's inputs")
     _, kwargs = model.inputs
     mask = kwargs.get("attention_mask")
     mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     mask = None if mask is None or bool(mask.all()) else mask
-    setattr(current_worker("padding_mask"), _NOTE, mask)
+    setattr(worker, _NOTE, mask)
     return mask
 
 

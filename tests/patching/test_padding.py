@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa import LorsaSet, TranscoderSet, get_adapter
-from nnsight_lorsa.errors import ArgumentError
+from nnsight_lorsa.errors import ArgumentError, TraceOrderError
 from nnsight_lorsa.patching import (
     Feature,
     LorsaHead,
@@ -155,3 +155,14 @@ def test_head_swap_at_a_padded_position_is_refused(setup):
     assert base.shape == swapped.shape == (2, 6, VOCAB)
     with pytest.raises(ArgumentError, match=r"position\(s\) 1 are padding in rows \[1\]"):
         head_swap(r, LAYER, 5, 6, ps, positions=1)
+
+
+@torch.no_grad()
+def test_padding_mask_comes_first_in_the_body(setup):
+    model, r = setup
+    ps = prompts([6, 3], seed=5)
+    with pytest.raises(TraceOrderError, match="padding_mask"), model.trace(ps):
+        model.model.layers[0].output.save()
+        padding_mask(model)
+    with pytest.raises(TraceOrderError, match="padding_mask"):
+        padding_mask(model)  # outside a trace
