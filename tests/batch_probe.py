@@ -6,7 +6,7 @@ activation), the unmodified model (``error=True``), a loop of full-sequence trac
 (generation), or a refusal the case expects (``ArgumentError``). Script only (pytest does not collect it); the
 fast, generated-case checks of what it found are ``tests/patching/test_padding.py``::
 
-    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (448 cases); exit 1 on any wrong case
+    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (509 cases); exit 1 on any wrong case
     PYTHONPATH=. python tests/batch_probe.py --only patching
 
 Outcomes per case: ``correct`` (within the bound), ``named_error`` (an expected ``LorsaError``) or ``wrong``.
@@ -112,7 +112,7 @@ def spliced(model, adapter, kind: str, module, error: bool):
 
 @torch.no_grad()
 def probe_padding() -> None:
-    """Row i of a padded batch (right; left with and without mask-counted positions) vs the prompt alone."""
+    """Row i of a padded batch (right; left, with position ids given or left to nnsight) vs the prompt alone."""
     for family, attn in [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager"),
                          ("qwen3", "sdpa")]:
         model, hf = tiny_nnsight(family, attn=attn)
@@ -132,9 +132,7 @@ def probe_padding() -> None:
                         z = hook.output.save()
                         logits = unembed(model).output.save()
                     record(name + "/finite", bool(torch.isfinite(logits).all() and torch.isfinite(z).all()))
-                    for i, p in enumerate(ps):
-                        if side == "left" and not counted and len(p) < ids.shape[1]:
-                            continue  # positions shifted by the padding: the model itself differs from alone
+                    for i, p in enumerate(ps):  # nnsight counts position ids from a left-padded mask itself
                         undo = (lambda: None) if error else by_hand(hf, adapter, kind, module)
                         try:
                             want = hf(p[None]).logits[0]
@@ -426,6 +424,13 @@ def probe_patching() -> None:
             pt.ablate(r(pt.LorsaHead(LAYER, 5)), positions=1)
 
     expect_refusal("patching/edit_at_a_padded_position", edit_at_pad)
+
+    def edit_at_pad_after_prepare() -> None:
+        with model.trace(clean):
+            r.prepare([pt.LorsaHead(LAYER, 5)])
+            pt.scale(r(pt.LorsaHead(LAYER, 5)), 2.0, positions=[0, -1])
+
+    expect_refusal("patching/edit_at_a_padded_position_after_prepare", edit_at_pad_after_prepare)
     expect_refusal("patching/head_swap_at_a_padded_position",
                    lambda: pt.head_swap(r, LAYER, 5, 6, clean, positions=1))
     expect_refusal("patching/ablation_effect_at_a_padded_position",

@@ -10,13 +10,13 @@ task prompts from :func:`induction_task`, :func:`ioi_task`, :func:`greater_than_
 :func:`arithmetic_task`; metrics :func:`logit_difference`, :func:`relative_effect`.
 """
 
+from ..envoy.padding import padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Target, TargetIndexError
 from .circuit import CircuitSize, circuit_size
 from .experiments import ablation_effect, activation_patching, head_swap, random_ablation_control
 from .interventions import ablate, mean_activations, patch, read, scale, steer
 from .metrics import logit_difference, relative_effect
-from .padding import padding_mask
 from .path_patching import HeadInput, PathPatchingResult, path_patching
 from .tasks import TaskBatch, arithmetic_task, greater_than_task, induction_task, ioi_task
 

@@ -22,12 +22,12 @@ import torch
 
 from .._checks import is_int
 from .._placement import HOST, host_f32
+from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read
 from .metrics import logit_difference, relative_effect
-from .padding import check_not_padding, check_same_padding, padding_mask
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
@@ -132,7 +132,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
         ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``;
             ``clean`` and ``corrupt`` padded differently, ``positions`` (or, for the default metric, the last
-            position) that are padding in some row (:mod:`.padding`; before the patched runs).
+            position) that are padding in some row (:mod:`..envoy.padding`; before the patched runs).
         ConfigMismatchError: no targets.
     """
     if not is_int(groups_per_trace) \
@@ -158,7 +158,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
 def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target], positions: Positions,
               default_metric: bool) -> tuple[dict[Target, torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """The targets' values at ``positions``, the logits and the padding mask (:func:`~.padding.padding_mask`)
+    """The targets' values at ``positions``, the logits and the padding mask (:func:`~..envoy.padding.padding_mask`)
     of ``prompts``; refuses positions, and the default metric's last position, that are padding in a row."""
     values = {}
     with replacement.model.trace(prompts):
@@ -173,7 +173,7 @@ def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target]
 def check_padded_positions(replacement: ReplacementModel, positions: Positions,
                            default_metric: bool) -> torch.Tensor | None:
     """First thing in a trace body (or invoke) of an experiment: the batch's padding mask
-    (:func:`~.padding.padding_mask`), after refusing edited ``positions`` — and, for the default metric
+    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` — and, for the default metric
     (``default_metric``), the last position it reads — that are padding in some row.
 
     Raises:
@@ -229,7 +229,7 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
 
     Raises:
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
-            row of padded ``prompts`` (:mod:`.padding`, in the trace before any edit); see :func:`make_metric`.
+            row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
     """
     score = make_metric(metric, correct_ids, incorrect_ids)
     ordered = replacement.sort(targets)

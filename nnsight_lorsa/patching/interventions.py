@@ -12,7 +12,7 @@ output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.
 that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list or 1-D integer
 tensor; None: all; negative ints count from the end as in Python; out-of-range, empty, bool and float
 positions raise :class:`~nnsight_lorsa.errors.ArgumentError`, and so do positions that are padding in
-some row of a padded batch once :func:`~.padding.padding_mask` read the body's mask); values are per position:
+some row of a padded batch once :func:`~..envoy.padding.padding_mask` read the body's mask); values are per position:
 ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
 the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
@@ -31,10 +31,10 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
+from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .padding import check_not_padding, noted_padding, padding_mask
 
 
 def check_positions(positions: Positions, seq: int) -> None:
@@ -207,7 +207,7 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
     the batch only (``(pos[, head_dim])``; the prompts must then share one length). Prompts of different
     lengths (padded by nnsight, or a dict input with an ``attention_mask``) are averaged over their tokens
-    only: padded positions are left out (:mod:`.padding`). The means are
+    only: padded positions are left out (:mod:`..envoy.padding`). The means are
     averaged in at least fp32 (bf16 / fp16 values in fp32, fp64 ones in fp64) and returned on the device
     and in the dtype of the values they average (the model's, or a spliced module's); :func:`ablate` moves
     them to wherever they are written.

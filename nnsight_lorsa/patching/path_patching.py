@@ -54,13 +54,13 @@ from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
+from ..envoy.padding import check_same_padding
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, logits_envoy, make_metric
 from .interventions import check_positions
 from .metrics import relative_effect
-from .padding import check_same_padding
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 Projection = Literal["q", "k", "v"]
@@ -423,7 +423,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             ``>= 1``, ``positions`` not valid for the prompts (:func:`~.interventions.check_positions`).
             All raised before the model runs. ArgumentError (from the run): ``positions`` (or, for the default
             metric, the last position) that are padding in some row, clean and corrupt prompts padded
-            differently (:mod:`.padding`).
+            differently (:mod:`..envoy.padding`).
     """
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")

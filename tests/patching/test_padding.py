@@ -166,3 +166,23 @@ def test_padding_mask_comes_first_in_the_body(setup):
         padding_mask(model)
     with pytest.raises(TraceOrderError, match="padding_mask"):
         padding_mask(model)  # outside a trace
+
+
+@torch.no_grad()
+def test_prepare_first_in_the_body_arms_the_check(setup):
+    """``r.prepare(targets)`` at the top of the body (the documented pattern) reads the mask itself."""
+    model, r = setup
+    ps = prompts([6, 3], seed=5)
+    target = LorsaHead(LAYER, 5)
+    with pytest.raises(ArgumentError, match=r"position\(s\) \[0, -1\] are padding in rows \[1\]"), model.trace(ps):
+        r.prepare([target])
+        ablate(r(target), positions=[0, -1])
+    with model.trace(ps):  # every row's last token: fine
+        r.prepare([target])
+        ablate(r(target), positions=-1)
+        out = unembed(model).output.save()
+    assert torch.isfinite(out).all()
+    with model.trace(ps):  # prepare after the model ran past its inputs: unchecked, as before
+        model.model.layers[0].output.save()
+        r.prepare([target])
+        ablate(r(target), positions=0)

@@ -1,17 +1,17 @@
-"""Padded batches in the experiments: which positions of each row are tokens, and the checks that use it.
+"""Padded batches: which positions of each row of a trace are tokens, and the checks that use it.
 
 nnsight pads the prompts of one trace (a list of texts or token-id lists of different lengths, or the
 invokes of one trace) to one length — on the left for a causal model, with position ids counted per row —
 and a dict input may carry an ``attention_mask`` of its own (right padding included). A padded position is
 no token of its row: an edit there changes nothing the row's tokens see, a read gives a pad's value, a
 mean over it mixes pads in, and patching between two batches padded differently moves values between
-different tokens. :func:`padding_mask`, called first in a trace body (or invoke), reads the batch's mask and
-remembers it for that body: the interventions of :mod:`.interventions` then refuse positions that are
-padding in some row (:func:`check_not_padding`, through :func:`noted_padding`). The experiments of
-:mod:`nnsight_lorsa.patching` call it in every trace body, refuse clean and corrupt prompts padded
-differently (:func:`check_same_padding`) and the default metric's last position where it is padding (right
-padding), and take means over the tokens only (:func:`~.interventions.mean_activations`); all with
-:class:`~..errors.ArgumentError`.
+different tokens. :func:`padding_mask`, called first in a trace body (or invoke) — by the user, by
+:meth:`~.replacement_model.ReplacementModel.prepare` (:func:`arm_padding_check`) or by the experiments of
+:mod:`nnsight_lorsa.patching` — reads the batch's mask and remembers it for that body: the interventions of
+``nnsight_lorsa.patching`` then refuse positions that are padding in some row (:func:`check_not_padding`,
+through :func:`noted_padding`). The experiments also refuse clean and corrupt prompts padded differently
+(:func:`check_same_padding`) and the default metric's last position where it is padding (right padding), and
+``mean_activations`` averages over the tokens only; all with :class:`~..errors.ArgumentError`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..envoy.nnsight_internals import current_worker, ran_since_start
-from ..envoy.targets import Positions, positions_index
 from ..errors import ArgumentError, TraceOrderError
+from .nnsight_internals import current_worker, ran_since_start
+from .targets import Positions, positions_index
 
 #: the attribute under which :func:`padding_mask` leaves a body's mask on its worker (nnsight's mediator)
 _NOTE = "nnsight_lorsa_padding"
@@ -54,6 +54,19 @@ def padding_mask(model: Any) -> torch.Tensor | None:
     mask = None if mask is None or bool(mask.all()) else mask
     setattr(worker, _NOTE, mask)
     return mask
+
+
+def arm_padding_check(model: Any) -> None:
+    """In a trace body: :func:`padding_mask` unless it already ran in this body or the model has run past its
+    inputs (then the body's interventions stay unchecked, as without it). What
+    :meth:`~.replacement_model.ReplacementModel.prepare` calls first.
+
+    Raises:
+        TraceOrderError: outside a trace body.
+    """
+    worker = current_worker("ReplacementModel.prepare")
+    if not hasattr(worker, _NOTE) and ran_since_start(worker, model.path) == 0:
+        padding_mask(model)
 
 
 def noted_padding() -> torch.Tensor | None:
