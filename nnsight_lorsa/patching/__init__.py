@@ -2,8 +2,9 @@
 
 A :class:`ReplacementModel` validates a target (:class:`MHSAHead`, :class:`LorsaHead`, :class:`Feature`)
 before anything runs and binds it (``rm(target)``) for the interventions inside a trace —
-:func:`read`, :func:`ablate`, :func:`scale`, :func:`steer`, :func:`patch` (after :func:`padding_mask`, they refuse
-positions that are padding in a row of a padded batch). The experiments run their
+:func:`read`, :func:`ablate`, :func:`scale`, :func:`steer`, :func:`patch` (after ``rm.prepare(targets)`` or
+:func:`padding_mask` first in the body, they refuse positions that are padding in a row of a padded batch). The
+experiments run their
 own traces: :func:`activation_patching`, :func:`path_patching` (Wang et al.'s sender → receiver paths),
 :func:`ablation_effect`, :func:`random_ablation_control`, :func:`head_swap`, :func:`circuit_size`;
 task prompts from :func:`induction_task`, :func:`ioi_task`, :func:`greater_than_task`,

@@ -12,7 +12,8 @@ output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.
 that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list or 1-D integer
 tensor; None: all; negative ints count from the end as in Python; out-of-range, empty, bool and float
 positions raise :class:`~nnsight_lorsa.errors.ArgumentError`, and so do positions that are padding in
-some row of a padded batch once :func:`~..envoy.padding.padding_mask` read the body's mask); values are per position:
+some row of a padded batch once :meth:`ReplacementModel.prepare` or :func:`~..envoy.padding.padding_mask`,
+first in the body, read the batch's mask); values are per position:
 ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
 the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
