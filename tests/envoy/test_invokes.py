@@ -11,9 +11,9 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import LAYER, make_lorsa, make_transcoder, random_ids, tiny_nnsight, unembed
+from helpers import LAYER, make_clt, make_lorsa, make_transcoder, random_ids, tiny_nnsight, unembed
 
-from nnsight_lorsa import LorsaSet, TranscoderSet, get_adapter
+from nnsight_lorsa import CLTSet, LorsaSet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import InvokeRowsError, TraceOrderError
 
 ATOL = 1e-5  # a row of a batched trace vs the same prompt alone (fp32 rounding of batched matmuls)
@@ -66,6 +66,24 @@ def test_replace_in_one_invoke_replaces_its_rows_only(setup, error):
 
 
 @torch.no_grad()
+def test_edits_and_multi_site_chains_stay_in_their_rows(setup):
+    """An edit of the internals with the error term (the clean pass apart) and a CLT (one splice over every MLP):
+    the invoke that did not replace still gets the model's own output, bit for bit."""
+    model, lorsas, _ = setup
+    clts = CLTSet(model, make_clt())
+    ids = random_ids(batch=2)
+    plain_a, _ = two_invokes(model, ids)
+
+    def edited() -> None:
+        lorsas.replace(LAYER, error=True).hook_z.output[..., 3] = 0
+
+    for setup_b in (edited, clts.replace):
+        clean, rep = two_invokes(model, ids, second=setup_b)
+        assert torch.equal(clean, plain_a)
+        assert (rep - alone(model, ids[1:], setup_b)).abs().max() < ATOL
+
+
+@torch.no_grad()
 def test_two_invokes_replace_different_layers_and_sets(setup):
     model, lorsas, transcoders = setup
     ids = random_ids(batch=2)
@@ -95,7 +113,8 @@ def test_every_invoke_or_an_empty_one_replaces_the_whole_batch(setup):
 
 
 @torch.no_grad()
-def test_internals_from_an_invoke_not_replaced_raise(setup):
+def test_misuse_across_invokes_raises_named_errors(setup):
+    """Internals read or edited where the replacement does not replace; a replace() too late for its rows."""
     model, lorsas, _ = setup
     ids = random_ids(batch=2)
     with pytest.raises(InvokeRowsError, match=r"on rows \[1, 2\).*for rows \[0, 1\)"), model.trace() as tracer:
@@ -115,6 +134,13 @@ def test_internals_from_an_invoke_not_replaced_raise(setup):
             pass
         with tracer.invoke():
             site.hook_z.output.save()
+    # a later invoke's replace() after the model ran the site: its rows cannot be replaced any more
+    with pytest.raises(TraceOrderError, match=r"for rows \[1, 2\).*already ran"), model.trace() as tracer:
+        with tracer.invoke(ids[:1]):
+            lorsas.replace(LAYER)
+        with tracer.invoke(ids[1:]):
+            model.model.layers[LAYER].output.save()
+            lorsas.replace(LAYER)
 
 
 @torch.no_grad()
@@ -130,18 +156,6 @@ def test_internals_per_invoke(setup):
         z = lorsas.replace(LAYER).hook_z.output.save()
     assert z0.shape[0] == 1 and z1.shape[0] == 2
     assert (torch.cat([z0, z1]) - z).abs().max() < ATOL
-
-
-@torch.no_grad()
-def test_replace_in_a_later_invoke_after_the_site_ran_raises(setup):
-    model, lorsas, _ = setup
-    ids = random_ids(batch=2)
-    with pytest.raises(TraceOrderError, match=r"for rows \[1, 2\).*already ran"), model.trace() as tracer:
-        with tracer.invoke(ids[:1]):
-            lorsas.replace(LAYER)
-        with tracer.invoke(ids[1:]):
-            model.model.layers[LAYER].output.save()
-            lorsas.replace(LAYER)
 
 
 @torch.no_grad()
