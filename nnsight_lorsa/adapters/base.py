@@ -74,10 +74,13 @@ class MHSAWeights(FieldsRepr):
         W_O: ``(n_heads, head_dim, d_model)``; ``b_O: (d_model,)``.
         q_norm, k_norm: QK-norm weights ``(head_dim,)`` (Qwen3) or None; ``qk_norm_eps`` their eps.
         rotary: RoPE of the layer, None without rotary (GPT-2).
-        scale: scores are multiplied by this (``1/sqrt(head_dim)`` for the supported families;
-            GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``).
+        scale: scores are multiplied by this (``1/sqrt(head_dim)`` for most supported families;
+            GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``; Gemma-2
+            ``query_pre_attn_scalar ** -0.5``).
         sliding_window: if set, query ``i`` attends only to keys ``j`` with ``i - window < j <= i``
-            (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3 ``sliding_attention`` layers).
+            (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3, Gemma-2 ``sliding_attention`` layers).
+        softcap: attention-logit soft-capping (Gemma-2 ``attn_logit_softcapping``): the scaled scores become
+            ``softcap · tanh(scores / softcap)`` before the mask and softmax; None: no capping.
     """
 
     W_Q: torch.Tensor
@@ -94,6 +97,7 @@ class MHSAWeights(FieldsRepr):
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 1e-6
     sliding_window: int | None = None
+    softcap: float | None = None
 
     @property
     def n_heads(self) -> int:
@@ -150,12 +154,16 @@ def mhsa_pattern(
     w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], positions: torch.Tensor | None = None
 ) -> Float[torch.Tensor, "batch n_heads pos pos"]:
     """Causal attention patterns ``A[b, h, i, j]`` of every query head (rows sum to 1), in ``x``'s dtype: scores
-    ``q·k * scale`` from :func:`mhsa_qk`, causal (and sliding-window) mask, softmax. The scores and the softmax
+    ``q·k * scale`` from :func:`mhsa_qk`, soft-capped (``softcap · tanh(scores / softcap)``) where
+    ``w.softcap`` is set (Gemma-2, as transformers' ``eager_attention_forward``), causal (and
+    sliding-window) mask, softmax. The scores and the softmax
     run in at least fp32 (bf16 / fp16 q, k upcast; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k``
     past 65504 would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
     q, k = mhsa_qk(w, x, positions)
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * w.scale
+    if w.softcap is not None:
+        scores = torch.tanh(scores / w.softcap) * w.softcap
     return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1).to(q.dtype)
 
 
@@ -343,6 +351,16 @@ class ArchitectureAdapter:
     def with_mlp_output(self, output: Any, new: torch.Tensor) -> Any:
         """The MLP's return value with its output replaced by ``new``."""
         return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    # ---- attribution -----------------------------------------------------------
+    def check_attributable(self) -> None:
+        """Refuse a family whose decoder layer the attribution's frozen pass does not wire
+        (:mod:`nnsight_lorsa.attribution`: the Llama sequential / GPT-NeoX parallel residual, linear logits).
+        Every family but Gemma-2 passes.
+
+        Raises:
+            UnsupportedArchitectureError: the family's structure is not the one the frozen pass computes.
+        """
 
     # ---- weights -----------------------------------------------------------
     def rotary_config(self) -> RotaryConfig | None:

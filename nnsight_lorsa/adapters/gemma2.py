@@ -1,0 +1,99 @@
+"""Gemma-2 adapter (``model_type == "gemma2"``; Gemma-2-2B is circuit-tracer's flagship model).
+
+transformers layout (``Gemma2ForCausalLM``, ``modeling_gemma2.py``): the attention is Llama's
+(``model.layers[i].self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``, GQA, half-split default
+RoPE, called with keyword ``hidden_states`` and returning ``(attn_output, attn_weights)``), with:
+
+- scores multiplied by ``config.query_pre_attn_scalar ** -0.5`` (``Gemma2Attention.scaling``; not
+  ``head_dim ** -0.5``), then soft-capped ``c · tanh(scores / c)`` with ``c = config.attn_logit_softcapping``
+  (before the mask; :attr:`MHSAWeights.softcap`);
+- sliding-window attention (``config.sliding_window``) on the layers whose ``config.layer_types[i]`` is
+  ``"sliding_attention"`` (every other layer, from layer 0) — :meth:`LlamaAdapter.sliding_window`;
+- four RMSNorms per decoder layer, each ``x / rms(x) · (1 + weight)`` computed in fp32 then cast back
+  (``Gemma2RMSNorm``): ``h = h + post_attention_layernorm(attn(input_layernorm(h)))``, then
+  ``h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))`` (the residual adds come after
+  the post-norms); the final ``model.norm`` is the same RMSNorm;
+- token embeddings multiplied by ``sqrt(hidden_size)`` inside ``model.embed_tokens`` (the normaliser rounded
+  to the embedding dtype), so ``embed_tokens``' output is the scaled embedding;
+- final logits soft-capped ``c · tanh(logits / c)`` with ``c = config.final_logit_softcapping``, in
+  ``Gemma2ForCausalLM.forward`` after ``lm_head`` (no module of its own).
+
+Sites (what the replacement modules replace):
+
+- **attention** (a Lorsa): ``self_attn``'s input (``input_layernorm``'s output) and output — the
+  ``o_proj`` output, *before* ``post_attention_layernorm``; a Lorsa's output goes through the model's own
+  post-attention norm, as the MHSA's did.
+- **MLP** (a transcoder, CLT, MLP SAE): ``mlp``'s input (``pre_feedforward_layernorm``'s output) and output
+  (the ``down_proj`` output, *before* ``post_feedforward_layernorm``). This is **not** GemmaScope's /
+  circuit-tracer's site: their Gemma-2 transcoders (``feature_input_hook: ln2.hook_normalized``,
+  ``feature_output_hook: hook_mlp_out``; circuit-tracer's nnsight mapping ``pre_feedforward_layernorm``'s
+  ``_norm`` output, i.e. before the ``(1 + weight)`` gain, and ``post_feedforward_layernorm``'s output) read
+  the unweighted normalised residual and write *after* the post-MLP norm, which no single module's call
+  carries; :func:`~nnsight_lorsa.formats.hook_sites.transformer_lens_hook_site` refuses those hooks for a
+  Gemma-2 adapter (:class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`) instead of attaching them here.
+
+Attribution (:mod:`nnsight_lorsa.attribution`) is refused for Gemma-2
+(:meth:`Gemma2Adapter.check_attributable`): its frozen pass wires the Llama / NeoX residual (no post-norms)
+and linear logits (no final soft-capping).
+
+Only the eager attention exists: transformers refuses ``attn_implementation="sdpa"`` for Gemma-2 (SDPA has no
+soft-capping).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from ..errors import UnsupportedArchitectureError
+from .base import MHSAWeights
+from .llama import LlamaAdapter
+
+
+class Gemma2Adapter(LlamaAdapter):
+    model_types: ClassVar[tuple[str, ...]] = ("gemma2",)
+    family: ClassVar[str] = "gemma2"
+    mlp_norm_name = "pre_feedforward_layernorm"
+    #: the norms after the attention and after the MLP, inside a decoder layer (applied before each residual add)
+    attention_post_norm_name: ClassVar[str] = "post_attention_layernorm"
+    mlp_post_norm_name: ClassVar[str] = "post_feedforward_layernorm"
+
+    def attention_post_norm_path(self, layer: int) -> str:
+        """``post_attention_layernorm``: the norm the attention output (the Lorsa site's output) goes through."""
+        return f"{self.layer_path(layer)}.{self.attention_post_norm_name}"
+
+    def mlp_post_norm_path(self, layer: int) -> str:
+        """``post_feedforward_layernorm``: the norm the MLP output (the transcoder site's output) goes through."""
+        return f"{self.layer_path(layer)}.{self.mlp_post_norm_name}"
+
+    def attn_softcap(self) -> float | None:
+        """``config.attn_logit_softcapping`` (None: no capping)."""
+        cap = getattr(self.config, "attn_logit_softcapping", None)
+        return None if cap is None else float(cap)
+
+    def final_softcap(self) -> float | None:
+        """``config.final_logit_softcapping``: the logits are ``c · tanh(lm_head(x) / c)`` (None: plain)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return None if cap is None else float(cap)
+
+    def check_attributable(self) -> None:
+        """Refuse attribution graphs (see the module docstring).
+
+        Raises:
+            UnsupportedArchitectureError: always, naming the missing pieces.
+        """
+        raise UnsupportedArchitectureError(
+            f"{self.family}: attribution graphs are not supported for Gemma-2 yet: the frozen replacement model "
+            "wires the Llama/NeoX residual stream, and Gemma-2 adds post-attention and post-feedforward "
+            "RMSNorms (post_attention_layernorm, post_feedforward_layernorm) before each residual add and "
+            f"soft-caps the final logits (final_logit_softcapping={self.final_softcap()}); a graph computed "
+            "without them would not sum to the model's values")
+
+    def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
+        """As :meth:`LlamaAdapter.mhsa_weights` (``scale`` = ``Gemma2Attention.scaling`` =
+        ``query_pre_attn_scalar ** -0.5``, the layer's sliding window), with ``softcap`` =
+        ``attn_logit_softcapping``."""
+        w = super().mhsa_weights(root, layer)
+        w.softcap = self.attn_softcap()
+        return w
