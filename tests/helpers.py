@@ -44,7 +44,9 @@ LLAMA3_ROPE = {
 _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
            "vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 128}
 
-FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2")
+#: the families transformers runs with ``attn_implementation="sdpa"`` (it refuses Gemma-2: SDPA cannot soft-cap)
+SDPA_FAMILIES = tuple(f for f in FAMILIES if f != "gemma2")
 
 
 def load_script(path: Path, name: str):
@@ -83,6 +85,9 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
                                        n_positions=128)
+    if family == "gemma2":  # layers 0 and 2 sliding (window 4, shorter than the test prompts), caps that bite
+        return transformers.Gemma2Config(**_COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0, sliding_window=4)
     raise KeyError(family)
 
 
@@ -133,6 +138,19 @@ def unembed(model):
     from nnsight_lorsa import get_adapter
 
     return model.get(get_adapter(model).lm_head_path)
+
+
+@torch.no_grad()
+def head_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """The plain Hugging Face model's unembedding output on ``ids``: its logits before any final soft-capping
+    (Gemma-2's ``final_logit_softcapping`` runs after ``lm_head``) — what ``unembed(model).output`` reads."""
+    seen = []
+    handle = hf.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        hf(ids)
+    finally:
+        handle.remove()
+    return seen[0]
 
 
 def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:

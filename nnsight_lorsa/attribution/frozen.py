@@ -131,6 +131,9 @@ def frozen_mhsa(
     blockwise and never store it (long prompts). Either way the OV circuit (Elhage et al. 2021, *A Mathematical
     Framework for Transformer Circuits*) is the
     only path from ``x``. ``mult_v``, ``mult_o``: ``(batch, 1, 1)``.
+
+    Raises:
+        UnsupportedArchitectureError: ``(q, k)`` of a soft-capped MHSA (``w.softcap``: SDPA cannot cap the scores).
     """
     b = x.shape[0]
     b_v = (w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)).to(x.dtype)
@@ -138,6 +141,10 @@ def frozen_mhsa(
         v = mhsa_values(w, x, b_v, repeat_kv=False)
         z = shared_matmul(frozen.to(v.dtype), v)  # patterns may be kept in fp32 for a bf16 model
     else:
+        if w.softcap is not None:
+            raise UnsupportedArchitectureError(
+                f"frozen MHSA from queries and keys: scaled_dot_product_attention cannot soft-cap the scores "
+                f"(softcap={w.softcap}); pass the stored pattern (mhsa_pattern) instead")
         v = mhsa_values(w, x, b_v)
         q, k = (t.to(v.dtype) for t in frozen)
         mask = None if w.sliding_window is None else mhsa_mask(w, x.shape[1], x.device)

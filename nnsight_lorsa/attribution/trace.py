@@ -175,8 +175,11 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
             vocabulary only after the clean pass).
         PlacementError: a replacement module (or, unless ``remote``, the model) with weights on the
             ``meta`` device (:func:`.replacement.check_placement`).
+        UnsupportedArchitectureError: a family the frozen pass does not wire (Gemma-2;
+            :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.check_attributable`).
     """
     model, adapter = replacement.model, replacement.adapter
+    adapter.check_attributable()
     ids = token_ids(check_targets(targets), model)
     lor, tcs = layer_modules(replacement)
     check_placement(hf_module(model), lor, tcs, model_weights=not remote)

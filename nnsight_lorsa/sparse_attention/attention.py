@@ -56,7 +56,9 @@ def gated_attention_forward(
     ``heads`` a multiple of ``kv_heads``, each KV head repeated for its group as in ``repeat_kv``),
     ``attention_mask`` the additive float mask ``(batch, 1, q, k)`` (0 allowed, dtype-min masked),
     a boolean one (``True`` allowed) or ``None`` (causal). ``scaling`` defaults to ``d**-0.5``.
-    Softmax runs in float32 and is cast back, as in the Llama/GPT-NeoX eager code.
+    A ``softcap`` keyword (Gemma-2's ``attn_logit_softcapping``, passed by its attention module) caps the
+    scaled scores to ``softcap · tanh(scores / softcap)`` before the mask, as transformers' Gemma-2 eager code;
+    the gate sees the capped scores. Softmax runs in float32 and is cast back, as in the Llama/GPT-NeoX eager code.
 
     Returns:
         ``(output (batch, q, heads, dv), weights (batch, heads, q, k))`` with ``weights = A ⊙ softmax``.
@@ -78,6 +80,9 @@ def gated_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma-2: capped before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     valid = _valid_mask(attention_mask, query.shape[2], key.shape[2], query.device,
                         bool(getattr(module, "is_causal", True)))
     if attention_mask is not None and attention_mask.dtype != torch.bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (
     D,
+    head_logits,
     hooked,
     make_clt,
     make_lorsa,
@@ -40,7 +41,7 @@ from nnsight_lorsa.modules import (
     make_activation,
 )
 
-FAMILIES = ("llama", "neox", "gpt2")
+FAMILIES = ("llama", "neox", "gpt2", "gemma2")
 LAYER = 1
 
 
@@ -311,7 +312,7 @@ def test_transcoder_in_trace(fam):
     tc = make_transcoder()
     tcs = TranscoderSet(model, {LAYER: tc})
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     seen: list = []
     with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, seen=seen))):
         hf(ids)
@@ -320,7 +321,7 @@ def test_transcoder_in_trace(fam):
         for edit in (None, zero_feature(f)):
             with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, edit=edit,
                                                                             error=error))):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = tcs.replace(layer=LAYER, error=error)
                 acts = site.hook_sae_acts_post.output.clone().save()
@@ -343,7 +344,7 @@ def test_sae_on_residual_stream_in_trace(fam):
     saes = SAESet(model, {site_path: sae})
     layer = adapter.get_module(hf, site_path)
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     seen: list = []
     with forward_hooks((layer, coder_hook(sae, reads_output=True, seen=seen))):
         hf(ids)
@@ -351,7 +352,7 @@ def test_sae_on_residual_stream_in_trace(fam):
     for error in (False, True):
         for edit in (None, zero_feature(f)):
             with forward_hooks((layer, coder_hook(sae, reads_output=True, edit=edit, error=error))):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = saes.replace(site_path, error=error)
                 acts = site.hook_sae_acts_post.output.clone().save()
@@ -373,7 +374,7 @@ def test_sae_on_tuple_output_site_and_several_invokes():
     saes = SAESet(model, {path: sae})
     ids = random_ids(batch=3)
     with forward_hooks((adapter.attention_module(hf, LAYER), coder_hook(sae, reads_output=True))):
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
             site = saes.replace()[path]
@@ -391,7 +392,7 @@ def test_clt_in_trace(fam):
     clt = make_clt(skip=True)
     clts = CLTSet(model, clt)
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     with model.trace(ids):
         site = clts.replace()
         acts0 = site.hook_sae_acts_post[0].output.save()
@@ -406,7 +407,7 @@ def test_clt_in_trace(fam):
     for error in (False, True):
         for ed in (None, edit):
             with clt_hooks(hf, adapter, clt, edit=ed, error=error):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = clts.replace(error=error)
                 a0 = site.hook_sae_acts_post[0].output.clone().save()
@@ -491,7 +492,7 @@ def test_complete_replacement_model_in_one_trace(fam, mlps):
     last = adapter.layer_path(layers[-1])
     saes = SAESet(model, {last: make_sae()})
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     mlp_ref = (clt_hooks(hf, adapter, clts.clt) if mlps == "clt" else
                forward_hooks(*[(adapter.mlp_module(hf, layer), coder_hook(tcs[layer], reads_output=False))
                                for layer in layers]))
@@ -499,7 +500,7 @@ def test_complete_replacement_model_in_one_trace(fam, mlps):
         stack.enter_context(hooked(hf, adapter, {layer: lorsas[layer] for layer in layers}))
         stack.enter_context(mlp_ref)
         stack.enter_context(forward_hooks((adapter.get_module(hf, last), coder_hook(saes[last], reads_output=True))))
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     for error in (False, True):
         with model.trace(ids):
             lorsas.replace(error=error)
