@@ -85,9 +85,12 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
                                        n_positions=128)
-    if family == "gemma2":  # layers 0 and 2 sliding (window 4, shorter than the test prompts), caps that bite
+    if family == "gemma2":  # layers 0 and 2 sliding (window 4, shorter than the test prompts), caps that bite;
+        # the padding row (zeros: its residual stream all zero, every norm at 1/sqrt(eps)) is the tokenizer's pad,
+        # not the <bos> = 0 the prompts start with
         return transformers.Gemma2Config(**_COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0, sliding_window=4)
+                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0, sliding_window=4,
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
     raise KeyError(family)
 
 

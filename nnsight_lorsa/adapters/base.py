@@ -276,6 +276,23 @@ class ArchitectureAdapter:
         """The norm whose output the MLP reads (``post_attention_layernorm``, GPT-2 ``ln_2``)."""
         return f"{self.layer_path(layer)}.{self.mlp_norm_name}"
 
+    def attention_post_norm_path(self, layer: int) -> str | None:
+        """The norm the attention output goes through before the residual add (Gemma-2's
+        ``post_attention_layernorm``), or None: the families without post-norms add it as it is."""
+        self.check_layer(layer)
+        return None
+
+    def mlp_post_norm_path(self, layer: int) -> str | None:
+        """The norm the MLP output goes through before the residual add (Gemma-2's
+        ``post_feedforward_layernorm``), or None."""
+        self.check_layer(layer)
+        return None
+
+    def final_logit_softcap(self) -> float | None:
+        """The cap ``c`` of the model's final logits, ``c · tanh(lm_head(x) / c)`` after the unembedding
+        (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
+        return None
+
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:
         """``root.get_submodule(path)`` with a clear error naming the missing piece."""
@@ -351,16 +368,6 @@ class ArchitectureAdapter:
     def with_mlp_output(self, output: Any, new: torch.Tensor) -> Any:
         """The MLP's return value with its output replaced by ``new``."""
         return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    # ---- attribution -----------------------------------------------------------
-    def check_attributable(self) -> None:
-        """Refuse a family whose decoder layer the attribution's frozen pass does not wire
-        (:mod:`nnsight_lorsa.attribution`: the Llama sequential / GPT-NeoX parallel residual, linear logits).
-        Every family but Gemma-2 passes.
-
-        Raises:
-            UnsupportedArchitectureError: the family's structure is not the one the frozen pass computes.
-        """
 
     # ---- weights -----------------------------------------------------------
     def rotary_config(self) -> RotaryConfig | None:

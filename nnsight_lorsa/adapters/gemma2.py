@@ -29,12 +29,16 @@ Sites (what the replacement modules replace):
   ``feature_output_hook: hook_mlp_out``; circuit-tracer's nnsight mapping ``pre_feedforward_layernorm``'s
   ``_norm`` output, i.e. before the ``(1 + weight)`` gain, and ``post_feedforward_layernorm``'s output) read
   the unweighted normalised residual and write *after* the post-MLP norm, which no single module's call
-  carries; :func:`~nnsight_lorsa.formats.hook_sites.transformer_lens_hook_site` refuses those hooks for a
-  Gemma-2 adapter (:class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`) instead of attaching them here.
+  carries; ``TranscoderSet`` / ``CLTSet`` refuse a module whose circuit-tracer file names those hooks
+  (:func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`:
+  :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`) instead of attaching it here.
 
-Attribution (:mod:`nnsight_lorsa.attribution`) is refused for Gemma-2
-(:meth:`Gemma2Adapter.check_attributable`): its frozen pass wires the Llama / NeoX residual (no post-norms)
-and linear logits (no final soft-capping).
+Attribution (:mod:`nnsight_lorsa.attribution`): the frozen replacement model freezes the two post-norms like
+the pre-norms (:meth:`Gemma2Adapter.attention_post_norm_path`, :meth:`Gemma2Adapter.mlp_post_norm_path`; their
+``1 + weight`` gain: :func:`~nnsight_lorsa.attribution.frozen.norm_gain`), keeps the attention patterns of
+soft-capped MHSA layers (SDPA cannot cap), and its logit nodes are the *uncapped* unembedding outputs, demeaned —
+the final soft-cap is not part of the graph (circuit-tracer attributes Gemma-2 from the same place, the final
+hidden state); the target tokens' probabilities are the capped logits' (:meth:`final_logit_softcap`).
 
 Only the eager attention exists: transformers refuses ``attn_implementation="sdpa"`` for Gemma-2 (SDPA has no
 soft-capping).
@@ -46,7 +50,6 @@ from typing import ClassVar
 
 from torch import nn
 
-from ..errors import UnsupportedArchitectureError
 from .base import MHSAWeights
 from .llama import LlamaAdapter
 
@@ -67,33 +70,18 @@ class Gemma2Adapter(LlamaAdapter):
         """``post_feedforward_layernorm``: the norm the MLP output (the transcoder site's output) goes through."""
         return f"{self.layer_path(layer)}.{self.mlp_post_norm_name}"
 
-    def attn_softcap(self) -> float | None:
-        """``config.attn_logit_softcapping`` (None: no capping)."""
-        cap = getattr(self.config, "attn_logit_softcapping", None)
+    def _cap(self, name: str) -> float | None:
+        cap = getattr(self.config, name, None)
         return None if cap is None else float(cap)
 
-    def final_softcap(self) -> float | None:
+    def final_logit_softcap(self) -> float | None:
         """``config.final_logit_softcapping``: the logits are ``c · tanh(lm_head(x) / c)`` (None: plain)."""
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return None if cap is None else float(cap)
-
-    def check_attributable(self) -> None:
-        """Refuse attribution graphs (see the module docstring).
-
-        Raises:
-            UnsupportedArchitectureError: always, naming the missing pieces.
-        """
-        raise UnsupportedArchitectureError(
-            f"{self.family}: attribution graphs are not supported for Gemma-2 yet: the frozen replacement model "
-            "wires the Llama/NeoX residual stream, and Gemma-2 adds post-attention and post-feedforward "
-            "RMSNorms (post_attention_layernorm, post_feedforward_layernorm) before each residual add and "
-            f"soft-caps the final logits (final_logit_softcapping={self.final_softcap()}); a graph computed "
-            "without them would not sum to the model's values")
+        return self._cap("final_logit_softcapping")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """As :meth:`LlamaAdapter.mhsa_weights` (``scale`` = ``Gemma2Attention.scaling`` =
         ``query_pre_attn_scalar ** -0.5``, the layer's sliding window), with ``softcap`` =
         ``attn_logit_softcapping``."""
         w = super().mhsa_weights(root, layer)
-        w.softcap = self.attn_softcap()
+        w.softcap = self._cap("attn_logit_softcapping")
         return w

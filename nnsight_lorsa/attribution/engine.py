@@ -66,8 +66,6 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
     Raises:
         TraceOrderError: (not ``in_trace``) called inside a trace body (:func:`.trace.refuse_inside_trace`).
         ArgumentError: ``replacement`` not a :class:`ReplacementModel`.
-        UnsupportedArchitectureError: a family whose decoder layer the frozen pass does not wire (Gemma-2:
-            post-norms, final logit soft-capping; :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.check_attributable`).
         ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
     """
     from ..envoy import ReplacementModel
@@ -78,7 +76,6 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
     if not isinstance(replacement, ReplacementModel):
         raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
                             f"transcoders=...), got a {type(replacement).__name__}")
-    replacement.adapter.check_attributable()
     if not in_trace:  # inside its own trace the model's interleaver is this thread's
         check_one_thread(replacement.model, "attribute")
 

@@ -88,6 +88,20 @@ def _is_layer_norm(norm: nn.Module) -> bool:
     return isinstance(norm, nn.LayerNorm) or (hasattr(norm, "normalized_shape") and hasattr(norm, "eps"))
 
 
+#: RMSNorm classes whose gain is ``1 + weight`` (transformers' Gemma family: ``x / rms(x) · (1 + weight)``, in fp32)
+UNIT_OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+
+
+def norm_gain(norm: nn.Module) -> torch.Tensor | None:
+    """The norm's elementwise gain, detached: ``weight``, or ``1 + weight`` for a Gemma RMSNorm
+    (:data:`UNIT_OFFSET_NORMS`); None without a weight."""
+    w = getattr(norm, "weight", None)
+    if w is None:
+        return None
+    w = w.detach()
+    return 1.0 + w.float() if type(norm).__name__ in UNIT_OFFSET_NORMS else w
+
+
 def frozen_norm(
     norm: nn.Module,
     x: Float[torch.Tensor, "batch pos d"],
@@ -97,12 +111,13 @@ def frozen_norm(
     """A LayerNorm or RMSNorm with its scale frozen to ``scale`` (:func:`norm_scale` on the prompt):
     linear in ``x``. ``LayerNorm: (x − mean x)·scale·γ + β·mult``; ``RMSNorm: x·scale·γ`` (fp32 as
     transformers' ``LlamaRMSNorm``; for an fp32/fp64 ``x`` one multiply by the fused ``scale·γ``,
-    equal up to rounding order). At the prompt's own ``x`` the value is the module's output."""
-    w = getattr(norm, "weight", None)
+    equal up to rounding order; ``γ = 1 + weight`` for a Gemma RMSNorm, :func:`norm_gain`, multiplied in fp32
+    before the cast back as ``Gemma2RMSNorm``). At the prompt's own ``x`` the value is the module's output."""
     # the norm's parameters where the site's input is, as constants: a weight that requires grad would make every
     # product keep its other factor (this copy's input, ``(P, d)`` per norm per prompt copy) for a gradient the
     # frozen pass never takes
-    w = None if w is None else w.detach().to(x.device)
+    w = norm_gain(norm)
+    w = None if w is None else w.to(x.device)
     if _is_layer_norm(norm):
         out = (x - x.mean(-1, keepdim=True)) * scale.to(x.dtype)
         if w is not None:
@@ -112,6 +127,8 @@ def frozen_norm(
     assert w is not None  # checked by norm_scale
     if x.dtype == scale.dtype:  # fp32/fp64: one multiply by the fused (pos, d) factor, half the backward work
         return x * (scale * w.to(x.dtype))
+    if type(norm).__name__ in UNIT_OFFSET_NORMS:  # Gemma: (x/rms · (1 + w)) in fp32, then cast
+        return (_upcast(x) * scale * w).to(x.dtype)
     return w * (_upcast(x) * scale).to(x.dtype)
 
 

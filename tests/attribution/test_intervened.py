@@ -176,6 +176,32 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     assert not torch.equal(g.activation[later], n.activation[later_clean])
 
 
+def test_gemma2_traced_pass():
+    """Gemma-2 (post-norms, soft-caps): the unedited traced pass's graph is the clean graph, and a steered
+    transcoder feature's pass sums row by row, with the trace's (uncapped) logits as the logit nodes' values."""
+    model, _, lorsas, tcs = attribution_setup("gemma2")
+    bundle = rm(model, lorsas, tcs)
+    ids = random_ids(1, 8, seed=2)[0]
+    clean = attribute(bundle, ids, batch_size=40)
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+    same_graph(handle.graph, clean)
+    last = int(ids.numel()) - 1
+    n = clean.nodes
+    feature = int(n.index[(n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)][0])
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    assert int(graph.nodes.intervened.sum()) == 1
+    assert graph.edge_sum_error("mass").max() < 1e-6 and graph.edge_sum_error().median() < 1e-5
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5 and relative(clean.values[clean.logit_ids].double(), want) > 1e-3
+
+
 def test_inside_a_local_session(tiny):
     """Inside ``model.session()`` the trace runs at its block's end: the handle's graph is there after it."""
     model, bundle, ids, clean = tiny

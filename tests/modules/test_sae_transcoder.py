@@ -29,7 +29,14 @@ from nnsight_lorsa import (
     TranscoderSet,
     get_adapter,
 )
-from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError, TraceOrderError
+from nnsight_lorsa.errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    LayerOutOfRangeError,
+    ShapeError,
+    TraceOrderError,
+    UnsupportedArchitectureError,
+)
 from nnsight_lorsa.modules import (
     BatchTopK,
     CLTConfig,
@@ -639,3 +646,26 @@ def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(k
     assert torch.equal(gx_const, gx_live)
     assert live.grad_fn is not None and any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
                                             for n in autograd_nodes(live.grad_fn))
+
+
+def test_gemmascope_hooks_are_refused_on_gemma2():
+    """A circuit-tracer transcoder / CLT trained on GemmaScope's sites (``ln2.hook_normalized`` in: before the
+    ``1 + weight`` gain; ``hook_mlp_out`` out: after ``post_feedforward_layernorm``) is refused on Gemma-2, whose
+    MLP site is the MLP module's call; hooks that are the MLP's call (``mlp.hook_in`` / ``mlp.hook_out``), and
+    a family without post-norms, pass."""
+    gemma, _ = tiny_nnsight("gemma2")
+    llama, _ = tiny_nnsight("llama")
+    tc, clt = make_transcoder(), make_clt()
+    gemmascope = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
+    for hooks, match in ((gemmascope, "ln2.hook_normalized"),
+                         ({"feature_input_hook": "mlp.hook_in", "feature_output_hook": "hook_mlp_out"},
+                          "'hook_mlp_out'.*post_feedforward_layernorm")):
+        tc.cfg.extra["circuit_tracer"] = clt.cfg.extra["circuit_tracer"] = hooks
+        with pytest.raises(UnsupportedArchitectureError, match=match):
+            TranscoderSet(gemma, {LAYER: tc})
+        with pytest.raises(UnsupportedArchitectureError, match=match):
+            CLTSet(gemma, clt)
+        TranscoderSet(llama, {LAYER: tc})
+    tc.cfg.extra["circuit_tracer"] = {"feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}
+    TranscoderSet(gemma, {LAYER: tc})
+
