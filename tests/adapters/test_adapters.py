@@ -215,16 +215,21 @@ def test_mhsa_forward_matches_model_attention(family, attn):
     assert (per_head.sum(2) + w.b_O - expected).abs().max().item() < TOL
 
 
-def test_positions_and_window_matter():
-    """Guards against a vacuous pass: wrong positions / no sliding window give a different output."""
-    model = tiny_model("qwen2_sliding")
+def captured_layer(family: str):
+    """``(model, adapter, w, x, positions, expected)``: layer ``LAYER``'s MHSA weights, and its input, positions
+    and output in the model's own forward."""
+    model = tiny_model(family)
     adapter = get_adapter(model)
     args, kwargs, output = capture_attention(model, adapter)
     x = adapter.attention_input(args, kwargs)
     positions = adapter.attention_positions(args, kwargs, x)
-    w = adapter.mhsa_weights(model, LAYER)
+    return model, adapter, adapter.mhsa_weights(model, LAYER), x, positions, adapter.attention_output(output)
+
+
+def test_positions_and_window_matter():
+    """Guards against a vacuous pass: wrong positions / no sliding window give a different output."""
+    model, adapter, w, x, positions, expected = captured_layer("qwen2_sliding")
     assert w.sliding_window == 4 and adapter.mhsa_weights(model, 0).sliding_window is None
-    expected = adapter.attention_output(output)
     assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
     # RoPE is relative: a per-row offset changes nothing, stretched positions do.
     assert (mhsa_forward(w, x, None) - expected).abs().max() < TOL
@@ -237,17 +242,11 @@ def test_gemma2_scale_softcap_and_window_matter():
     """Gemma-2's pieces each change the recomputed output (no vacuous pass): its score scale
     ``query_pre_attn_scalar ** -0.5``, the attention soft-cap and the sliding window of a ``sliding_attention``
     layer (a prompt longer than the window); the alternation follows ``config.layer_types``."""
-    model = tiny_model("gemma2_sliding")
-    adapter = get_adapter(model)
-    args, kwargs, output = capture_attention(model, adapter)
-    x = adapter.attention_input(args, kwargs)
-    positions = adapter.attention_positions(args, kwargs, x)
-    w = adapter.mhsa_weights(model, LAYER)
+    model, adapter, w, x, positions, expected = captured_layer("gemma2_sliding")
     assert w.softcap == 1.5 and w.sliding_window == 4 < SEQ and w.scale == pytest.approx(24 ** -0.5)
     assert adapter.mhsa_weights(model, 0).sliding_window is None
     default = tiny_model("gemma2")  # transformers' default: sliding from layer 0, every other layer
     assert [get_adapter(default).mhsa_weights(default, i).sliding_window for i in range(N_LAYERS)] == [4, None]
-    expected = adapter.attention_output(output)
     assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
     for change in ({"softcap": None}, {"sliding_window": None}, {"scale": w.head_dim ** -0.5}):
         other = MHSAWeights(**{**w.__dict__, **change})

@@ -133,6 +133,17 @@ def test_an_ablated_lorsa_head_is_a_marked_fixed_input(embedded, tmp_path):
     assert sum("intervened" in node for node in to_neuronpedia(clean, slug="clean")["nodes"]) == 0
 
 
+def steered_pass(model, bundle, ids: torch.Tensor, feature: int) -> tuple[Graph, torch.Tensor]:
+    """The graph of a traced pass with layer-0 transcoder feature ``feature`` steered by 2 at the last position,
+    and that pass's unembedding output."""
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=int(ids.numel()) - 1)
+        logits = nnsight.save(model.lm_head.output)
+    return handle.graph, logits
+
+
 def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     """(c) A transcoder feature steered at the last position (tiny model, skip transcoder at layer 2): the
     node's value is the pass's (its activation + delta), marked, with no row; rows sum; logits are the
@@ -143,12 +154,7 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     here = (n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)
     feature = int(n.index[here][0])
     before = float(n.activation[here][0])
-    with model.trace(ids) as tracer:
-        bundle.replace()
-        handle = attribute(bundle, tracer=tracer, batch_size=40)
-        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
-        logits = nnsight.save(model.lm_head.output)
-    graph = handle.graph
+    graph, logits = steered_pass(model, bundle, ids, feature)
     g = graph.nodes
     i = int(g.intervened.nonzero().flatten().item())
     assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (TRANSCODER, 0, last, feature)
@@ -190,12 +196,7 @@ def test_gemma2_traced_pass():
     last = int(ids.numel()) - 1
     n = clean.nodes
     feature = int(n.index[(n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)][0])
-    with model.trace(ids) as tracer:
-        bundle.replace()
-        handle = attribute(bundle, tracer=tracer, batch_size=40)
-        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
-        logits = nnsight.save(model.lm_head.output)
-    graph = handle.graph
+    graph, logits = steered_pass(model, bundle, ids, feature)
     assert int(graph.nodes.intervened.sum()) == 1
     assert graph.edge_sum_error("mass").max() < 1e-6 and graph.edge_sum_error().median() < 1e-5
     got, want = demeaned_logits(graph, logits)
