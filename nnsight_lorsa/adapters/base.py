@@ -370,8 +370,9 @@ class ArchitectureAdapter:
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
     # ---- weights -----------------------------------------------------------
-    def rotary_config(self) -> RotaryConfig | None:
-        """The model's RoPE, derived from its config (None without rotary)."""
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
+        """The model's RoPE, derived from its config (None without rotary); ``layer``: the layer whose RoPE,
+        for a family whose layers rotate differently (Gemma-3), ignored by the others."""
         raise NotImplementedError(f"{type(self).__name__} must implement rotary_config")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
@@ -389,8 +390,9 @@ class ArchitectureAdapter:
         scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
         return scaling
 
-    def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool) -> RotaryConfig:
-        params = self.rope_parameters(self.config)
+    def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool,
+                            params: dict[str, Any] | None = None) -> RotaryConfig:
+        params = self.rope_parameters(self.config) if params is None else params
         rope_type = params.get("rope_type", "default")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: float(v) for k, v in params.items() if k in keys and v is not None}

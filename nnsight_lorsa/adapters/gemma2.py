@@ -1,4 +1,5 @@
-"""Gemma-2 adapter (``model_type == "gemma2"``; Gemma-2-2B is circuit-tracer's flagship model).
+"""Gemma-2 adapter (``model_type == "gemma2"``; Gemma-2-2B is circuit-tracer's flagship model) and Gemma-3's
+text model (``"gemma3_text"``, :class:`Gemma3Adapter`).
 
 transformers layout (``Gemma2ForCausalLM``, ``modeling_gemma2.py``): the attention is Llama's
 (``model.layers[i].self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``, GQA, half-split default
@@ -46,10 +47,13 @@ soft-capping).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from ..errors import ConfigMismatchError
+from ..modules.rotary import RotaryConfig
 from .base import MHSAWeights
 from .llama import LlamaAdapter
 
@@ -85,3 +89,48 @@ class Gemma2Adapter(LlamaAdapter):
         w = super().mhsa_weights(root, layer)
         w.softcap = self._cap("attn_logit_softcapping")
         return w
+
+
+class Gemma3Adapter(Gemma2Adapter):
+    """Gemma-3's text model (``Gemma3ForCausalLM``, ``model_type == "gemma3_text"``): Gemma-2's layer (four
+    ``1 + weight`` RMSNorms, ``query_pre_attn_scalar`` scale, sliding layers from ``layer_types``, soft-caps where
+    the config sets them — None in the released configs) with
+
+    - QK-norm: ``self_attn.q_norm`` / ``k_norm``, ``Gemma3RMSNorm`` over ``head_dim`` before RoPE, gain
+      ``1 + weight`` (:attr:`MHSAWeights.q_norm` holds the gain, ``1 + weight`` in fp32);
+    - RoPE per layer type: ``config.rope_parameters[layer_types[i]]`` (``sliding_attention``: the local base,
+      10k; ``full_attention``: 1M, ``linear`` scaling in the larger models), so :meth:`rotary_config` needs the
+      layer.
+
+    The multimodal ``Gemma3ForConditionalGeneration`` (``model_type == "gemma3"``, its text model under
+    ``model.language_model``) is not served.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
+    family: ClassVar[str] = "gemma3"
+
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig:
+        """The RoPE of layer ``layer``'s type (``config.rope_parameters[config.layer_types[layer]]``).
+
+        Raises:
+            ConfigMismatchError: no ``layer`` (the sliding and the full layers rotate differently).
+            LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+        """
+        if layer is None:
+            raise ConfigMismatchError(
+                f"{self.family}: RoPE differs by layer type ({sorted(self.rope_parameters(self.config))}); "
+                "call rotary_config(layer) or read mhsa_weights(model, layer).rotary")
+        params: dict[str, Any] = self.rope_parameters(self.config)
+        kind = self.config.layer_types[self.check_layer(layer)]
+        return self._rotary_from_params(self.head_dim, self.head_dim, interleaved=False,
+                                        params=dict(params.get(kind, params)))
+
+    def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
+        """As :meth:`Gemma2Adapter.mhsa_weights` (the layer type's RoPE), with the QK-norm gains
+        ``1 + q_norm.weight``, ``1 + k_norm.weight`` (fp32, ``(head_dim,)``)."""
+        attn: Any = self.attention_module(root, layer)
+        w = super().mhsa_weights(root, layer)
+        w.q_norm, w.k_norm = (1.0 + norm.weight.detach().to(torch.float32) for norm in (attn.q_norm, attn.k_norm))
+        w.qk_norm_eps = float(attn.q_norm.eps)
+        return w
+

@@ -18,7 +18,7 @@ from helpers import rope_kwargs
 from transformers import AutoModelForCausalLM
 
 from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward, mhsa_pattern
-from nnsight_lorsa.adapters.gemma2 import Gemma2Adapter
+from nnsight_lorsa.adapters.gemma2 import Gemma2Adapter, Gemma3Adapter
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
 from nnsight_lorsa.adapters.llama import LlamaAdapter
 from nnsight_lorsa.adapters.neox import GPTNeoXAdapter
@@ -67,6 +67,8 @@ def _config(family: str) -> transformers.PretrainedConfig:
     if family in ("gemma2", "gemma2_sliding"):  # query_pre_attn_scalar != head_dim, soft-capping that bites
         return transformers.Gemma2Config(**GEMMA2, **(
             {"layer_types": ["full_attention", "sliding_attention"]} if family == "gemma2_sliding" else {}))
+    if family == "gemma3":  # QK-norm (1 + w), RoPE per layer type: layer 0 local (sliding), layer 1 global (1M, x8)
+        return transformers.Gemma3TextConfig(**GEMMA3)
     raise KeyError(family)
 
 
@@ -75,13 +77,19 @@ def _config(family: str) -> transformers.PretrainedConfig:
 #: layer 1 a sliding layer with a window of 4 < SEQ
 GEMMA2 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24,
           "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0, "sliding_window": 4}
+GEMMA3 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+          "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}}
 FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv",
-            "gemma2", "gemma2_sliding"]
+            "gemma2", "gemma2_sliding", "gemma3"]
 ROTARY_FAMILIES = [f for f in FAMILIES if not f.startswith("gpt2")]
+#: one RoPE for every layer (Gemma-3: one per layer type, test_gemma3_rope_per_layer_type)
+SHARED_ROPE_FAMILIES = [f for f in ROTARY_FAMILIES if f != "gemma3"]
 ADAPTER_OF = {"llama": LlamaAdapter, "llama_linear": LlamaAdapter, "mistral": LlamaAdapter,
               "qwen2": LlamaAdapter, "qwen2_sliding": LlamaAdapter, "qwen3": LlamaAdapter,
               "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter,
-              "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter}
+              "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter, "gemma3": Gemma3Adapter}
 #: families whose transformers refuses ``attn_implementation="sdpa"`` (Gemma-2: SDPA has no soft-capping)
 NO_SDPA = ("gemma2", "gemma2_sliding")
 
@@ -329,7 +337,7 @@ def _rotary_module(model):
     return model.gpt_neox.rotary_emb if hasattr(model, "gpt_neox") else model.model.rotary_emb
 
 
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+@pytest.mark.parametrize("family", SHARED_ROPE_FAMILIES)
 def test_rotary_cos_sin_matches_model(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -348,6 +356,35 @@ def test_rotary_cos_sin_matches_model(family):
     cos, sin = rotary_cos_sin(cfg, positions)
     assert cos.shape == cos_ref.shape == (2, 40, cfg.rotary_dim)
     assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6
+
+
+def test_gemma3_rope_per_layer_type():
+    """Gemma-3 rotates its global and its sliding layers differently (``rope_parameters`` per layer type): each
+    layer's ``rotary_config(layer)`` matches the model's rotary embedding for its type, and differs from the
+    other type's; without a layer it is a named error. The sliding layer's attention is recomputed exactly too
+    (the global one in test_mhsa_forward_matches_model_attention)."""
+    model = tiny_model("gemma3")
+    adapter = get_adapter(model)
+    positions = torch.stack([torch.arange(40), torch.arange(40) + 90])
+    cos_sin = []
+    for layer, kind in enumerate(model.config.layer_types):
+        cfg = adapter.rotary_config(layer)
+        with torch.no_grad():
+            cos_ref, sin_ref = model.model.rotary_emb(torch.zeros(1), positions, kind)
+        cos, sin = rotary_cos_sin(cfg, positions)
+        assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6, kind
+        assert adapter.mhsa_weights(model, layer).rotary == cfg
+        cos_sin.append(cos)
+    assert (adapter.rotary_config(1).base, adapter.rotary_config(1).rope_type) == (1e6, "linear")
+    assert (cos_sin[0] - cos_sin[1]).abs().max() > 1e-2
+    args, kwargs, output = capture_attention(model, adapter, layer=0)
+    x = adapter.attention_input(args, kwargs)
+    w = adapter.mhsa_weights(model, 0)
+    assert w.sliding_window == 4 and w.q_norm is not None
+    got = mhsa_forward(w, x, adapter.attention_positions(args, kwargs, x))
+    assert (got - adapter.attention_output(output)).abs().max() < TOL
+    with pytest.raises(ConfigMismatchError, match="rotary_config\\(layer\\)"):
+        adapter.rotary_config()
 
 
 def test_neox_rotary_fraction_from_config_variants():
@@ -399,7 +436,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
     cfg = LorsaConfig(
         d_model=D_MODEL, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim,
         n_ov_heads=qk_rep * w.n_heads * 4,
-        top_k=4, rotary=adapter.rotary_config(), qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
+        top_k=4, rotary=w.rotary, qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
         layer=LAYER, architecture=adapter.family,
     )
     lorsa = Lorsa(cfg)
@@ -425,7 +462,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3"])
 def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,
     QK-norm), and initialised with ``init_from_mhsa`` has every QK head's attention pattern equal to its
