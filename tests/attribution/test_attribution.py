@@ -420,7 +420,7 @@ from helpers import make_lorsa
 from nnsight_lorsa import ReplacementModel, get_adapter
 from nnsight_lorsa.attribution import attribute, cache_for_attribution
 from nnsight_lorsa.attribution.engine import build_graph
-model, hf = tiny_nnsight("llama")
+model, hf = tiny_nnsight(sys.argv[1])
 lorsas = {1: make_lorsa(hf, get_adapter(model), 1)}
 tcs = make_transcoders((0, 2))
 r = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
@@ -439,16 +439,18 @@ print("ok", int(remote.feature_rows.sum()))
 """
 
 
-def test_attribution_under_nnsight_remote_local_simulation():
-    """Both traces serialized by nnsight (our code by value) and run back: the same graph, bit for bit.
-    In a fresh interpreter: the test-time type-checking wrappers are not picklable."""
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_attribution_under_nnsight_remote_local_simulation(family):
+    """Both traces serialized by nnsight (our code by value) and run back: the same graph, bit for bit (Gemma-2:
+    its adapter and post-norm sites travel too). In a fresh interpreter: the test-time type-checking wrappers are
+    not picklable."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_ATTRIBUTION], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_ATTRIBUTION, family], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith("ok")
 
