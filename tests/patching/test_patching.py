@@ -435,3 +435,29 @@ def test_replacement_model_splices_every_set_and_reproduces_the_model():
         ReplacementModel(model, lorsas=LorsaSet(other, {}))
     with pytest.raises(ConfigMismatchError, match="must be a"):
         ReplacementModel(model, saes=[make_sae()])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@torch.no_grad()
+def test_site_order_is_the_execution_order(family):
+    """The order interventions are run in (``ReplacementModel.order_path``) and path patching's SAE-sender steps
+    are the order the model runs a layer's modules in — Gemma-2's post-attention / post-feedforward norms
+    included, each right after the output it normalises."""
+    from nnsight_lorsa.patching.path_patching import _place
+
+    model, hf = tiny_nnsight(family)
+    r = ReplacementModel(model)
+    a = r.adapter
+    paths = [p for p in (a.attention_norm_path(1), a.attention_path(1), a.attention_post_norm_path(1),
+                         a.mlp_norm_path(1), a.mlp_path(1), a.mlp_post_norm_path(1)) if p is not None]
+    assert len(paths) == (6 if family == "gemma2" else 4)
+    ran: list[str] = []
+    handles = [a.get_module(hf, p).register_forward_hook(lambda m, i, o, p=p: ran.append(p)) for p in paths]
+    try:
+        hf(random_ids())
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(paths, key=r.order_path) == ran
+    steps = [_place(r, Feature(p, 0, kind="sae"))[0] for p in ran]  # as SAE senders (on the modules' outputs)
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
