@@ -116,6 +116,20 @@ class MHSAWeights(FieldsRepr):
         return self.W_Q.shape[1]
 
 
+#: RMSNorm classes whose gain is ``1 + weight`` (transformers' Gemma family: ``x / rms(x) · (1 + weight)``, in fp32)
+UNIT_OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+
+
+def norm_gain(norm: nn.Module) -> torch.Tensor | None:
+    """The norm's elementwise gain, detached: ``weight``, or ``1 + weight`` for a Gemma RMSNorm
+    (:data:`UNIT_OFFSET_NORMS`); None without a weight."""
+    w = getattr(norm, "weight", None)
+    if w is None:
+        return None
+    w = w.detach()
+    return 1.0 + w.float() if type(norm).__name__ in UNIT_OFFSET_NORMS else w
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.to(torch.float32)

@@ -36,7 +36,7 @@ Sites (what the replacement modules replace):
 
 Attribution (:mod:`nnsight_lorsa.attribution`): the frozen replacement model freezes the two post-norms like
 the pre-norms (:meth:`Gemma2Adapter.attention_post_norm_path`, :meth:`Gemma2Adapter.mlp_post_norm_path`; their
-``1 + weight`` gain: :func:`~nnsight_lorsa.attribution.frozen.norm_gain`), keeps the attention patterns of
+``1 + weight`` gain: :func:`~nnsight_lorsa.adapters.base.norm_gain`), keeps the attention patterns of
 soft-capped MHSA layers (SDPA cannot cap), and its logit nodes are the *uncapped* unembedding outputs, demeaned —
 the final soft-cap is not part of the graph (circuit-tracer attributes Gemma-2 from the same place, the final
 hidden state); the target tokens' probabilities are the capped logits' (:meth:`final_logit_softcap`).

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._typing import Float, Int
-from ..adapters.base import MHSAWeights, mhsa_mask, mhsa_values
+from ..adapters.base import UNIT_OFFSET_NORMS, MHSAWeights, mhsa_mask, mhsa_values, norm_gain
 from ..errors import UnsupportedArchitectureError
 
 
@@ -88,20 +88,6 @@ def _is_layer_norm(norm: nn.Module) -> bool:
     return isinstance(norm, nn.LayerNorm) or (hasattr(norm, "normalized_shape") and hasattr(norm, "eps"))
 
 
-#: RMSNorm classes whose gain is ``1 + weight`` (transformers' Gemma family: ``x / rms(x) · (1 + weight)``, in fp32)
-UNIT_OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
-
-
-def norm_gain(norm: nn.Module) -> torch.Tensor | None:
-    """The norm's elementwise gain, detached: ``weight``, or ``1 + weight`` for a Gemma RMSNorm
-    (:data:`UNIT_OFFSET_NORMS`); None without a weight."""
-    w = getattr(norm, "weight", None)
-    if w is None:
-        return None
-    w = w.detach()
-    return 1.0 + w.float() if type(norm).__name__ in UNIT_OFFSET_NORMS else w
-
-
 def frozen_norm(
     norm: nn.Module,
     x: Float[torch.Tensor, "batch pos d"],
@@ -111,8 +97,9 @@ def frozen_norm(
     """A LayerNorm or RMSNorm with its scale frozen to ``scale`` (:func:`norm_scale` on the prompt):
     linear in ``x``. ``LayerNorm: (x − mean x)·scale·γ + β·mult``; ``RMSNorm: x·scale·γ`` (fp32 as
     transformers' ``LlamaRMSNorm``; for an fp32/fp64 ``x`` one multiply by the fused ``scale·γ``,
-    equal up to rounding order; ``γ = 1 + weight`` for a Gemma RMSNorm, :func:`norm_gain`, multiplied in fp32
-    before the cast back as ``Gemma2RMSNorm``). At the prompt's own ``x`` the value is the module's output."""
+    equal up to rounding order; ``γ = 1 + weight`` for a Gemma RMSNorm,
+    :func:`~nnsight_lorsa.adapters.base.norm_gain`, multiplied in fp32 before the cast back as ``Gemma2RMSNorm``).
+    At the prompt's own ``x`` the value is the module's output."""
     # the norm's parameters where the site's input is, as constants: a weight that requires grad would make every
     # product keep its other factor (this copy's input, ``(P, d)`` per norm per prompt copy) for a gradient the
     # frozen pass never takes
