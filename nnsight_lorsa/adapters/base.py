@@ -307,6 +307,16 @@ class ArchitectureAdapter:
         (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
         return None
 
+    def final_logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its unembedding's output ``(..., vocab)`` (same shape, dtype, device): soft-capped
+        where :meth:`final_logit_softcap` is set (in at least fp32, cast back, as transformers' Gemma-2 computes
+        in the logits' dtype — fp32 for ``logits_to_keep`` callers), else ``head_out`` itself."""
+        cap = self.final_logit_softcap()
+        if cap is None:
+            return head_out
+        wide = head_out.to(torch.promote_types(head_out.dtype, torch.float32))
+        return (torch.tanh(wide / cap) * cap).to(head_out.dtype)
+
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:
         """``root.get_submodule(path)`` with a clear error naming the missing piece."""

@@ -453,7 +453,7 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
         norm_biases[f"L{layer}.mlp_norm"] = bias(adapter.mlp_norm_path(layer))
     modules = {"lorsas": lorsas, "transcoders": transcoders, "norm_biases": norm_biases,
                "attn_biases": {layer: (w.b_V, w.b_O) for layer, w in mhsa.items()},
-               "lm_head_bias": bias(adapter.lm_head_path), "final_softcap": adapter.final_logit_softcap()}
+               "lm_head_bias": bias(adapter.lm_head_path), "final_logits": adapter.final_logits}
     return modules, mhsa
 
 
