@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import nnsight
 import torch
 
 from .._checks import is_int
@@ -30,9 +31,12 @@ from .metrics import logit_difference, relative_effect
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
 
-def logits_envoy(replacement: ReplacementModel) -> Any:
-    """The LM head's envoy (its output are the logits)."""
-    return replacement.model.get(replacement.adapter.lm_head_path)
+def saved_logits(replacement: ReplacementModel) -> Any:
+    """Inside a trace: the model's logits ``(batch, pos, vocab)``, saved — the LM head's output through
+    :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits` (Gemma-2 soft-caps it; the others
+    return it as it is). What every experiment's metric reads."""
+    head = replacement.model.get(replacement.adapter.lm_head_path)
+    return nnsight.save(replacement.adapter.final_logits(head.output))
 
 
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
@@ -157,13 +161,13 @@ def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target]
         replacement.prepare(targets)
         for t in targets:
             values[t] = read(Bound(t, replacement), positions)
-        logits = logits_envoy(replacement).output.save()
+        logits = saved_logits(replacement)
     return values, logits
 
 
 def _run(replacement: ReplacementModel, prompts: Any) -> torch.Tensor:
     with replacement.model.trace(prompts):
-        logits = logits_envoy(replacement).output.save()
+        logits = saved_logits(replacement)
     return logits
 
 
@@ -177,7 +181,7 @@ def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tupl
                     replacement.prepare(t for g in groups for t in g)
                 for t in group:
                     patch(Bound(t, replacement), values[t], positions)
-                outs.append(logits_envoy(replacement).output.save())
+                outs.append(saved_logits(replacement))
     return outs
 
 
@@ -205,12 +209,12 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     model = replacement.model
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
-            base = logits_envoy(replacement).output.save()
+            base = saved_logits(replacement)
         with tracer.invoke(prompts):
             replacement.prepare(ordered)
             for t in ordered:
                 ablate(Bound(t, replacement), mode, means, positions)
-            edited = logits_envoy(replacement).output.save()
+            edited = saved_logits(replacement)
     return AblationResult(score(base), score(edited))
 
 
@@ -281,7 +285,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     pos = positions_index(positions)
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
-            base = logits_envoy(replacement).output.save()
+            base = saved_logits(replacement)
         with tracer.invoke(prompts):
             z, _ = src.location()
             check_positions(positions, int(z.shape[1]))
@@ -289,6 +293,6 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             z_to = z[:, pos, to_head].clone()
             z[:, pos, from_head] = z_to if swap else 0
             z[:, pos, to_head] = z_from
-            edited = logits_envoy(replacement).output.save()
+            edited = saved_logits(replacement)
     del dst
     return base, edited

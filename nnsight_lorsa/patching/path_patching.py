@@ -56,7 +56,7 @@ from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .experiments import logits_envoy, make_metric
+from .experiments import make_metric, saved_logits
 from .interventions import check_positions
 from .metrics import relative_effect
 
@@ -488,7 +488,7 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
                     barrier()
                     _after(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, receivers,
                            recv_idx, mode, means)
-                saved.append(logits_envoy(replacement).output.save())
+                saved.append(saved_logits(replacement))
     for (role, gi), logits in zip(roles, saved, strict=True):
         if role == "A":
             out["clean"] = logits

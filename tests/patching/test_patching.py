@@ -461,3 +461,16 @@ def test_site_order_is_the_execution_order(family):
     assert sorted(paths, key=r.order_path) == ran
     steps = [_place(r, Feature(p, 0, kind="sae"))[0] for p in ran]  # as SAE senders (on the modules' outputs)
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+@torch.no_grad()
+def test_gemma2_experiments_read_the_models_logits():
+    """Gemma-2 soft-caps its logits after the unembedding: an experiment's metric reads the model's logits (capped),
+    not the unembedding's output."""
+    model, hf = tiny_nnsight("gemma2")
+    ids = random_ids()
+    got = ablation_effect(ReplacementModel(model), ids, [MHSAHead(1, 0)], correct_ids=5, incorrect_ids=9)
+    want = logit_difference(hf(ids).logits, 5, 9)
+    uncapped = logit_difference(head_logits(hf, ids), 5, 9)
+    torch.testing.assert_close(got.baseline, want.cpu())
+    assert (uncapped - want).abs().max() > 1e-3  # the cap bites
