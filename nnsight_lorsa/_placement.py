@@ -315,6 +315,14 @@ def past_range(x: torch.Tensor, dtype: torch.dtype) -> float | None:
     return float(torch.where(torch.isfinite(a), a, 0).max())
 
 
+def overflowed(x: torch.Tensor) -> bool:
+    """Whether ``x`` is in a floating dtype of narrower exponent range than fp32 (fp16: ``|x| <= 65504``) and holds
+    an ``inf`` or NaN. fp16 is the one dtype whose computations overflow in practice from finite inputs and finite
+    weights, so only there is ``x`` read (one reduction and one value, a device sync); a bf16 / fp32 / fp64 (or
+    integer) ``x`` is not read and gives False."""
+    return narrows_range(torch.float32, x.dtype) and not bool(torch.isfinite(x).all())
+
+
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
     """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
 
@@ -357,4 +365,5 @@ def like(value: Any, tensor: torch.Tensor) -> Any:
 
 __all__ = ["HOST", "MODULE_DTYPES", "OFFLOAD_ATTR", "check_device_arg", "check_dtype_arg", "check_one_dtype",
            "check_placement_args", "f32", "fetch", "host_f32", "like", "model_device", "narrows_range", "offloaded",
-           "past_range", "pinned", "place", "placement", "resident", "set_offload", "store_on_host", "to_module"]
+           "overflowed", "past_range", "pinned", "place", "placement", "resident", "set_offload", "store_on_host",
+           "to_module"]

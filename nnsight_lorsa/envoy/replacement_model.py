@@ -32,6 +32,7 @@ from ..errors import ConfigMismatchError, ShapeError
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
 from .nnsight_internals import check_one_thread, hf_module
+from .padding import arm_padding_check
 from .replacement_set import ReplacementSet, check_flag
 from .sae_set import SAESet
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
@@ -271,7 +272,10 @@ class ReplacementModel:
     def prepare(self, targets: Iterable[Target]) -> None:
         """Inside a trace body, before any intervention: splice every Lorsa / SAE / transcoder the
         targets need. A Lorsa must be spliced before anything inside its attention is read (e.g. an
-        MHSA head of the same layer); splicing is idempotent within one trace."""
+        MHSA head of the same layer); splicing is idempotent within one trace. Called first in the body
+        (or invoke), it also reads the batch's padding mask (:func:`~.padding.arm_padding_check`): the
+        body's interventions then refuse positions that are padding in some row (``ArgumentError``)."""
+        arm_padding_check(self.model)
         for t in self.sort(set(targets)):
             if isinstance(t, LorsaHead):
                 self._set(t).replace(t.layer, error=self.error)

@@ -34,7 +34,9 @@ before it is returned into the model. A module whose weights were never material
 :class:`~..errors.PlacementError` naming the module and the device the site runs on; so does a site input
 past the module dtype's range (an fp16 module on a wider model: :func:`~.._placement.to_module`), naming
 the site, and so does a replacement's output past the site dtype's range (an fp32 / bf16 module's output, or an
-edited one, above fp16's 65504 on an fp16 model: :func:`to_site`). An *offloaded*
+edited one, above fp16's 65504 on an fp16 model: :func:`to_site`), and so does an fp16 replacement's output that
+holds ``inf`` or NaN (it overflowed inside, or an edit of its internals was cast past 65504: :func:`check_overflow`,
+one read per site for fp16 modules only; bf16 / fp32 modules' outputs are not read). An *offloaded*
 module (``ReplacementSet.offload``: weights on the host) is not moved: at each site, for that site's step
 only (the clean pass's too), its weights are copied to the site's device and dropped after
 (:class:`~.._placement.resident`).
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._placement import offloaded, past_range, place, resident
+from .._placement import offloaded, overflowed, past_range, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
@@ -89,6 +91,32 @@ def to_site(value: torch.Tensor, true_out: torch.Tensor, what: str) -> torch.Ten
                              "would compute NaN; run the model in a wider dtype (torch.bfloat16 or torch.float32) or "
                              "keep the replacement's output (its weights, the edit) within the site's range")
     return value.to(device=true_out.device, dtype=true_out.dtype)
+
+
+def check_overflow(value: torch.Tensor, true_out: torch.Tensor, what: str) -> None:
+    """Refuse an fp16 replacement output that holds ``inf`` or NaN before it enters the model (where it would make
+    the logits NaN, with error terms too: ``inf − inf``). An fp16 module overflows from finite inputs and finite
+    weights (a sum past 65504), and an edit of its internals is cast to fp16 by nnsight or torch without a range
+    check (``hook.output[:] = big``, ``*= 1e7``), so both end here. Reads one value (a device sync) only for an
+    fp16 ``value`` (:func:`~.._placement.overflowed`); a bf16 / fp32 / fp64 one is not read. ``what`` names the
+    value (site and module) in the error.
+
+    Raises:
+        PlacementError: ``value`` is fp16 and holds ``inf`` or NaN; the message says whether the site's own output
+            (``true_out``, read only then) is finite, i.e. whether the replacement made them.
+    """
+    if not overflowed(value):
+        return
+    if bool(torch.isfinite(true_out).all()):
+        why = ("the model's own output there is finite, so the replacement made them: its forward overflowed fp16's "
+               "range (|x| <= 65504) or an edit of its internals wrote a value past it (nnsight and torch cast an "
+               "assignment to fp16 without a range check). Cast the replacement to a wider dtype "
+               "(module.to(torch.float32) or torch.bfloat16; the splice casts its input and output), or keep edits "
+               "within fp16's range")
+    else:
+        why = ("the model's own output there is not finite either: the model overflowed before or at this site. Run "
+               "the model in a wider dtype (torch.bfloat16 or torch.float32)")
+    raise PlacementError(f"{what} holds inf or NaN; {why}")
 
 
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,
@@ -237,6 +265,9 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         except PlacementError as e:  # e.g. an input past an fp16 module's range (to_module): name the site
             raise PlacementError(f"at {chain.site_paths[i]}: {e}") from e
         what = f"at {chain.site_paths[i]}: the {type(module).__name__}'s output ({out.dtype})"
+        check_overflow(out, true_out, what)
+        if clean_out is not None:  # the clean pass ran apart: the error term subtracts it
+            check_overflow(clean_out, true_out, what.replace("output", "output without edits", 1))
         if error:
             if clean_out is None:  # nothing could edit so far: the clean pass is the live one
                 clean.clear()

@@ -465,7 +465,12 @@ class Lorsa(ReplacementModule):
         return z, idx
 
     def decode(self, z: Float[torch.Tensor, "batch pos n_ov"]) -> Float[torch.Tensor, "batch pos d_model"]:
-        """``out = z W_O + b_D``."""
+        """``out = z W_O + b_D``.
+
+        Raises:
+            ShapeError: ``z`` not in the weights' dtype (e.g. an fp32 tensor put in place of an fp16 Lorsa's
+                ``hook_z`` output inside a trace; a dtype check, nothing read)."""
+        check_dtype(z, self.W_O, "Lorsa", "z")
         if self.b_D is None:
             return z @ self.W_O
         return torch.addmm(self.b_D, z.reshape(-1, z.shape[-1]), self.W_O).view(*z.shape[:-1], self.cfg.d_model)

@@ -22,6 +22,7 @@ import torch
 
 from .._checks import is_int
 from .._placement import HOST, host_f32
+from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
@@ -125,13 +126,16 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
 
     Args:
         replacement: the model and its sets (:class:`~.targets.ReplacementModel`).
-        clean, corrupt: token ids ``(batch, pos)`` of the same shape (or prompts of equal length).
+        clean, corrupt: token ids ``(batch, pos)`` of the same shape (or prompts of equal length row by row:
+            prompts of different lengths are padded, and clean and corrupt must be padded alike).
         targets: targets, or tuples of targets patched together.
         positions: positions patched (None: all).
 
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
-        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``.
+        ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``;
+            ``clean`` and ``corrupt`` padded differently, ``positions`` (or, for the default metric, the last
+            position) that are padding in some row (:mod:`..envoy.padding`; before the patched runs).
         ConfigMismatchError: no targets.
     """
     if not is_int(groups_per_trace) \
@@ -145,8 +149,9 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} token ids differ in shape")
     every = replacement.sort({t for g in groups for t in g})
     with torch.no_grad():
-        values, clean_logits = _read_all(replacement, clean, every, positions)
-        corrupt_logits = _run(replacement, corrupt)
+        values, clean_logits, clean_mask = _read_all(replacement, clean, every, positions, metric is None)
+        corrupt_logits, corrupt_mask = _run(replacement, corrupt)
+        check_same_padding(clean_mask, corrupt_mask, "activation_patching")
         patched = []
         for start in range(0, len(groups), groups_per_trace):
             outs = _patched_runs(replacement, corrupt, groups[start:start + groups_per_trace], values, positions)
@@ -154,21 +159,43 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
     return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched))
 
 
-def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target],
-              positions: Positions) -> tuple[dict[Target, torch.Tensor], torch.Tensor]:
+def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target], positions: Positions,
+              default_metric: bool) -> tuple[dict[Target, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """The targets' values at ``positions``, the logits and the padding mask (:func:`~..envoy.padding.padding_mask`)
+    of ``prompts``; refuses positions, and the default metric's last position, that are padding in a row."""
     values = {}
     with replacement.model.trace(prompts):
+        mask = nnsight.save(check_padded_positions(replacement, positions, default_metric))
         replacement.prepare(targets)
         for t in targets:
             values[t] = read(Bound(t, replacement), positions)
         logits = saved_logits(replacement)
-    return values, logits
+    return values, logits, mask
 
 
-def _run(replacement: ReplacementModel, prompts: Any) -> torch.Tensor:
+def check_padded_positions(replacement: ReplacementModel, positions: Positions,
+                           default_metric: bool) -> torch.Tensor | None:
+    """First thing in a trace body (or invoke) of an experiment: the batch's padding mask
+    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` — and, for the default metric
+    (``default_metric``), the last position it reads — that are padding in some row.
+
+    Raises:
+        ArgumentError: ``positions`` out of range (:func:`~.interventions.check_positions`) or padding in a row.
+    """
+    mask = padding_mask(replacement.model)
+    if mask is not None:
+        check_positions(positions, int(mask.shape[1]))
+        check_not_padding(mask, positions, "positions")
+        if default_metric:
+            check_not_padding(mask, -1, "the metric (the logit difference at the last position)")
+    return mask
+
+
+def _run(replacement: ReplacementModel, prompts: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     with replacement.model.trace(prompts):
+        mask = nnsight.save(padding_mask(replacement.model))
         logits = saved_logits(replacement)
-    return logits
+    return logits, mask
 
 
 def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tuple[Target, ...]],
@@ -201,7 +228,12 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
                     metric: Metric | None = None, correct_ids: Any = None, incorrect_ids: Any = None,
                     mode: Literal["zero", "mean"] = "zero",
                     means: Any = None, positions: Positions = None) -> AblationResult:
-    """Ablate ``targets`` together on ``prompts``; the metric before and after."""
+    """Ablate ``targets`` together on ``prompts``; the metric before and after.
+
+    Raises:
+        ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
+            row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
+    """
     score = make_metric(metric, correct_ids, incorrect_ids)
     ordered = replacement.sort(targets)
     for t in ordered:
@@ -209,6 +241,7 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     model = replacement.model
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
+            check_padded_positions(replacement, positions, metric is None)
             base = saved_logits(replacement)
         with tracer.invoke(prompts):
             replacement.prepare(ordered)
@@ -278,7 +311,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     Raises:
         LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
-            (:func:`~.interventions.check_positions`).
+            (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
     """
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
@@ -287,6 +320,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
         with tracer.invoke(prompts):
             base = saved_logits(replacement)
         with tracer.invoke(prompts):
+            check_padded_positions(replacement, positions, False)
             z, _ = src.location()
             check_positions(positions, int(z.shape[1]))
             z_from = z[:, pos, from_head].clone()

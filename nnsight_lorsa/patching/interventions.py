@@ -11,7 +11,9 @@ first; in a layer MHSA head < Lorsa head < transcoder feature < SAE feature on t
 output): :meth:`ReplacementModel.sort` orders targets that way. Inside ``tracer.invoke`` they act on
 that invoke's rows only. ``positions`` picks the positions edited (an int, slice, list or 1-D integer
 tensor; None: all; negative ints count from the end as in Python; out-of-range, empty, bool and float
-positions raise :class:`~nnsight_lorsa.errors.ArgumentError`); values are per position:
+positions raise :class:`~nnsight_lorsa.errors.ArgumentError`, and so do positions that are padding in
+some row of a padded batch once :meth:`ReplacementModel.prepare` or :func:`~..envoy.padding.padding_mask`,
+first in the body, read the batch's mask); values are per position:
 ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
 the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
@@ -24,11 +26,13 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+import nnsight
 import torch
 
 from .._checks import is_int, is_real
 from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
+from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
@@ -74,6 +78,7 @@ def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
         raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
     tensor, cols = target.location()
     check_positions(positions, int(tensor.shape[1]))
+    check_not_padding(noted_padding(), positions, "positions")  # once padding_mask() read the batch's mask
     return tensor, index_at(cols, positions)
 
 
@@ -201,14 +206,16 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     """Mean value of each target over a reference set ``prompts`` (token ids or text).
 
     Averaged over batch and positions (``per_position=False``: ``()`` or ``(head_dim,)``), or over
-    the batch only (``(pos[, head_dim])``; the prompts must then share one length). The means are
+    the batch only (``(pos[, head_dim])``; the prompts must then share one length). Prompts of different
+    lengths (padded by nnsight, or a dict input with an ``attention_mask``) are averaged over their tokens
+    only: padded positions are left out (:mod:`..envoy.padding`). The means are
     averaged in at least fp32 (bf16 / fp16 values in fp32, fp64 ones in fp64) and returned on the device
     and in the dtype of the values they average (the model's, or a spliced module's); :func:`ablate` moves
     them to wherever they are written.
 
     Raises:
-        ArgumentError: ``per_position`` not a bool. ConfigMismatchError: no targets. Target errors before the
-            model runs.
+        ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
+            before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
     """
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
@@ -219,8 +226,22 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
         replacement.check(t)
     saved = {}
     with torch.no_grad(), replacement.model.trace(prompts):
+        mask = padding_mask(replacement.model)
+        if mask is not None and per_position:
+            rows = (~mask).any(-1).nonzero().flatten().tolist()
+            raise ArgumentError(f"mean_activations(per_position=True): rows {rows} of the prompts are padding at "
+                                "some positions (prompts of different lengths): a mean per position would mix "
+                                "pads in. Give prompts of one length, or per_position=False (a mean over tokens)")
+        mask = nnsight.save(mask)
         replacement.prepare(ordered)
         for t in ordered:
             saved[t] = read(Bound(t, replacement))
-    dims = (0,) if per_position else (0, 1)
-    return {t: f32(v).mean(dims).to(v.dtype) for t, v in saved.items()}  # fp64 stays fp64
+    if mask is None:
+        dims = (0,) if per_position else (0, 1)
+        return {t: f32(v).mean(dims).to(v.dtype) for t, v in saved.items()}  # fp64 stays fp64
+    means = {}
+    for t, v in saved.items():  # over the tokens only: padded positions are no token of their row
+        w = f32(v)
+        keep = mask.to(w.device).reshape(*mask.shape, *(1,) * (w.dim() - 2)).to(w.dtype)
+        means[t] = ((w * keep).sum((0, 1)) / keep.sum()).to(v.dtype)
+    return means

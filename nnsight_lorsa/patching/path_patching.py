@@ -47,16 +47,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import nnsight
 import torch
 
 from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
+from ..envoy.padding import check_same_padding
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .experiments import make_metric, saved_logits
+from .experiments import check_padded_positions, make_metric, saved_logits
 from .interventions import check_positions
 from .metrics import relative_effect
 
@@ -421,7 +423,9 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes differ,
             means of the wrong width. ArgumentError: ``freeze`` not a bool, ``groups_per_trace`` not an int
             ``>= 1``, ``positions`` not valid for the prompts (:func:`~.interventions.check_positions`).
-            All raised before the model runs.
+            All raised before the model runs. ArgumentError (from the run): ``positions`` (or, for the default
+            metric, the last position) that are padding in some row, clean and corrupt prompts padded
+            differently (:mod:`..envoy.padding`).
     """
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
@@ -446,7 +450,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         for start in range(0, len(groups), groups_per_trace):
             chunk = groups[start:start + groups_per_trace]
             logits = _run_chunk(replacement, chunk, recv, clean, corrupt, mode, means, positions, freeze,
-                                lorsa_layers, features)
+                                lorsa_layers, features, metric is None)
             if clean_m is None:
                 clean_m = score(logits["clean"])
                 corrupt_m = score(logits["corrupt"]) if "corrupt" in logits else None
@@ -457,7 +461,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
 
 def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], receivers: list[HeadInput], clean: Any,
                corrupt: Any, mode: str, means: Any, positions: Positions, freeze: bool, lorsa_layers: set[int],
-               features: list[Feature]) -> dict[str, Any]:
+               features: list[Feature], default_metric: bool) -> dict[str, Any]:
     plan = _Plan(replacement, groups, receivers, freeze, lorsa_layers)
     model = replacement.model
     # invoke roles: A clean (source of frozen values), B corrupt (source of sender values),
@@ -476,11 +480,15 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
     out: dict[str, Any] = {"patched": [None] * len(groups)}
     saved: list[torch.Tensor] = []
     shared: dict[Any, Any] = {}  # values handed between invokes (keyed by role/site)
+    masks: dict[str, Any] = {}  # the clean and corrupt prompts' padding (padding.padding_mask)
     with model.trace() as tracer:
         barriers = [tracer.barrier(len(roles)) for _ in plan.sites]
         for n, (role, gi) in enumerate(roles):
             prompts = corrupt if role == "B" else clean
             with tracer.invoke(prompts):
+                if role in ("A", "B"):  # first: the model's inputs
+                    masks[role] = nnsight.save(check_padded_positions(replacement, positions,
+                                                                      default_metric and role == "A"))
                 if n == 0:
                     _splice_all(replacement, lorsa_layers, features)
                 for site, barrier in zip(plan.sites, barriers, strict=True):
@@ -489,6 +497,8 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
                     _after(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, receivers,
                            recv_idx, mode, means)
                 saved.append(saved_logits(replacement))
+    if "B" in masks:
+        check_same_padding(masks["A"], masks["B"], "path_patching")
     for (role, gi), logits in zip(roles, saved, strict=True):
         if role == "A":
             out["clean"] = logits

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._placement import f32, narrows_range
 from .._typing import Float
 from ..errors import GateNotInstalledError
 
@@ -60,8 +61,18 @@ def gated_attention_forward(
     scaled scores to ``softcap · tanh(scores / softcap)`` before the mask, as transformers' Gemma-2 eager code;
     the gate sees the capped scores. Softmax runs in float32 and is cast back, as in the Llama/GPT-NeoX eager code.
 
+    Precision: in bf16, fp32 and fp64 the scores ``QKᵀ·scaling`` are formed in the model's dtype, bit for bit
+    transformers' eager attention. In fp16 (the one dtype whose range, ±65504, is narrower than fp32's) they are
+    formed in fp32 (:func:`~nnsight_lorsa._placement.f32`, as the Lorsa's and the MHSA's explicit patterns): the
+    unscaled fp16 ``q·k`` of large queries and keys passes 65504 and would be ``inf`` (the softmax NaN, the logits
+    NaN) where the model's SDPA attention, which accumulates scores in fp32, is finite. The gate then sees fp32
+    scores and returns an fp32 gate matrix (its ``.output`` under nnsight); the mask is applied at fp32's minimum
+    (an fp16 additive mask's -65504 does not mask a score past it), and the softmax and ``A ⊙ softmax`` are rounded
+    once to fp16 before ``@ V``, as eager rounds them.
+
     Returns:
-        ``(output (batch, q, heads, dv), weights (batch, heads, q, k))`` with ``weights = A ⊙ softmax``.
+        ``(output (batch, q, heads, dv), weights (batch, heads, q, k))`` with ``weights = A ⊙ softmax``, both in
+        ``query``'s dtype.
 
     Raises:
         GateNotInstalledError: ``module`` has no
@@ -79,7 +90,9 @@ def gated_attention_forward(
         value = value.repeat_interleave(n_rep, dim=1)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    widen = narrows_range(torch.float32, query.dtype)  # fp16: q·k past 65504 would be inf
+    scores = (torch.matmul(f32(query), f32(key).transpose(2, 3)) if widen
+              else torch.matmul(query, key.transpose(2, 3))) * scaling
     softcap = kwargs.get("softcap")
     if softcap is not None:  # Gemma-2: capped before the mask
         scores = torch.tanh(scores / softcap) * softcap
@@ -87,6 +100,8 @@ def gated_attention_forward(
                         bool(getattr(module, "is_causal", True)))
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         logits = scores + attention_mask[..., : key.shape[2]]
+        if widen:  # an fp16 mask's -65504 does not mask an fp32 score past 65504
+            logits = logits.masked_fill(~valid, torch.finfo(scores.dtype).min)
     else:
         logits = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
     probs = nn.functional.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -94,7 +109,7 @@ def gated_attention_forward(
     gate_matrix = gate(scores, valid)
     with torch.no_grad():
         gate.active_edges = ((gate_matrix != 0) & valid).sum(dim=(0, 2, 3)).to(torch.float32)
-    weights = gate_matrix * probs
+    weights = gate_matrix.to(probs.dtype) * probs
     out = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return out, weights
 

@@ -22,7 +22,25 @@ callable yielding stacked CLT batches must shard itself). What makes the result 
 * the dataset-norm factors are estimated on the global batches by every rank;
 * gradient clipping, Adam and the decoder renormalisation then run identically on every rank; a bf16
   module's fp32 master weights (:mod:`.master_weights`) are broadcast from rank 0 with its weights, and
-  take the reduced gradients (reduced in bf16, the parameters' dtype, then widened to fp32).
+  take the reduced gradients, widened to fp32.
+
+Low-precision gradients are averaged in fp32. A module with bf16 / fp16 parameters gets a DDP communication hook
+(:func:`fp32_mean_hook`): each such gradient bucket is widened to fp32, all-reduced (summed) in fp32, divided by the
+world size in fp32 and rounded once back to the bucket's dtype, which DDP then copies into the gradients (whence
+:meth:`~.master_weights.MasterWeights.move_grads` widens them onto the masters). DDP's own path sums the bf16
+buckets in bf16 (after dividing each by the world size in bf16): every addition of the ring rounds to 8 significant
+bits, so with 3+ ranks many entries of the average land a bf16 step or more off (37 % of a transcoder's on 3 ranks,
+``tests/training/test_distributed.py``), where one rounding is what any bf16 gradient carries (one process's bf16
+backward rounds its gradient too; on 2 ranks both paths round once). With or without masters
+(``TrainConfig(master_weights=False)``: Adam on the bf16 weights, which then take the once-rounded average). Costs
+an fp32 copy of one bucket at a time (DDP's buckets: 25 MiB of gradients by default, so 50 MiB of fp32 for bf16)
+while it is reduced; the collective moves twice the bytes of a bf16 one. fp32 and fp64 buckets (and modules without
+low-precision parameters: no hook at all) keep DDP's default path. Not chosen: writing the fp32 average straight
+into the masters' ``.grad`` from the hook (saving the final rounding, at most half a bf16 step of the average, round
+to nearest). It would depend on DDP's bucket layout (the offset and strides of each parameter's view in the flat
+bucket), duplicate DDP's rule that a parameter no rank used keeps a ``None`` gradient (``find_unused_parameters``),
+and give the masters a second source of gradients besides ``move_grads``, stale if a backward ever ran without the
+step that consumes it.
 
 Not identical: BatchTopK picks its ``k · n`` activations per rank (its batch is the shard), and
 the logged metrics (FVU, L0, …) are rank-local. Save checkpoints from one rank (all hold the same
@@ -31,8 +49,7 @@ gloo and others: the CPU), whatever device the module and the combined tensors a
 back on the inputs' devices. Needs torch only (plus the trainer's own imports).
 """
 
-from __future__ import annotations
-
+# (no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects, not strings)
 import inspect
 from typing import Any
 
@@ -40,6 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from .master_weights import LOW_PRECISION
 
 
 class _LossModule(nn.Module):
@@ -70,6 +89,37 @@ def shard_batch(batch: Any, rank: int, world: int) -> Any:
     return type(batch)(**fields)
 
 
+def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket):
+    # (no return annotation: DDP accepts only ``torch.futures.Future[torch.Tensor]`` or none, and the futures that
+    # collectives give are ``torch._C.Future``, not instances of it: a runtime type check would refuse them)
+    """A DDP communication hook (``ddp.register_comm_hook(process_group, fp32_mean_hook)``): the average of a
+    low-precision (:data:`~.master_weights.LOW_PRECISION`: bf16 / fp16) gradient bucket over the ranks of
+    ``process_group`` (``None``: the global group), computed in fp32 and rounded once.
+
+    The bucket's flat buffer (``(numel,)``, one dtype and device per bucket) is widened to an fp32 copy, all-reduced
+    with ``SUM`` (async; any backend with futures: gloo on CPU, NCCL on CUDA), divided by the world size in fp32 and
+    copied back into the buffer (the single rounding). Returns a ``torch.Future`` (``torch._C.Future``) that gives
+    the buffer: the bucket's dtype, shape and device. Buckets of other dtypes (fp32, fp64) take DDP's default path,
+    bit for bit: multiplied by ``1 / world`` in their dtype (as DDP's reducer scales a gradient into its bucket;
+    torch's ``allreduce_hook`` divides instead, which rounds differently when the world size is not a power of 2),
+    then summed in their dtype. A sum beyond fp32's range (bf16 values near 1.7e38 on two ranks) comes back ``inf``,
+    which :meth:`~.trainer.Trainer.train_step` stops on (``NonFiniteError``).
+    """
+    buffer = bucket.buffer()
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if buffer.dtype not in LOW_PRECISION:
+        buffer.mul_(1.0 / world)
+        return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    wide = buffer.to(torch.float32)
+
+    def mean(fut: Any) -> torch.Tensor:  # (fut: a torch._C.Future of [the reduced fp32 copy])
+        buffer.copy_(fut.value()[0].div_(world))
+        return buffer
+
+    return dist.all_reduce(wide, group=group, async_op=True).get_future().then(mean)
+
+
 class DataParallel:
     """Attach data-parallel training to a :class:`~.trainer.Trainer`.
 
@@ -77,6 +127,9 @@ class DataParallel:
         trainer: built identically on every rank; its ``source`` yields global batches.
         process_group: default: the global group (``torch.distributed`` must be initialised).
         find_unused_parameters: passed to DDP (modules with parameters a loss may not reach).
+
+    A module with bf16 / fp16 trained parameters has its gradients averaged in fp32 and rounded once
+    (:func:`fp32_mean_hook`, registered on :attr:`ddp`); others reduce on DDP's default path.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -106,6 +159,9 @@ class DataParallel:
         no_forward_sync: dict[str, Any] = {"forward_sync_buffers": False} if new_api else {"broadcast_buffers": False}
         self.ddp = DistributedDataParallel(_LossModule(trainer), process_group=process_group,
                                            find_unused_parameters=find_unused_parameters, **no_forward_sync)
+        if any(p.dtype in LOW_PRECISION for p in trainer.module.parameters() if p.requires_grad):
+            # bf16 / fp16 gradients averaged in fp32, rounded once (module docstring); else DDP's own path
+            self.ddp.register_comm_hook(process_group, fp32_mean_hook)
         # a bf16 module's fp32 masters follow rank 0's too (DDP has just broadcast its bf16 weights): every
         # rank then steps the same masters with the same reduced gradients
         src = 0 if process_group is None else dist.get_global_rank(process_group, 0)

@@ -24,7 +24,7 @@ from helpers import (
 )
 
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
-from nnsight_lorsa.errors import PlacementError
+from nnsight_lorsa.errors import PlacementError, ShapeError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -426,3 +426,121 @@ def test_every_kind_refuses_an_output_past_the_sites_range(kind, model_dtype, mo
                                              rf"{str(model_dtype)}"):
         _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=False))
     assert sorted(n for n, _ in hf.named_modules()) == before
+
+
+def _weights_at(module, top):
+    """``module``'s input and output weights (Lorsa ``W_V``, ``W_O``; the others' ``W_enc``, ``W_dec*``) scaled in
+    place to max |W| = ``top`` each."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name in ("W_V", "W_O", "W_enc") or name.startswith("W_dec"):
+                p.mul_(top / float(p.float().abs().max()))
+    return module
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("error", [True, False])
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae", "clt"])
+def test_an_fp16_module_overflowing_inside_raises_naming_the_site(kind, error, model_dtype):
+    """An fp16 replacement with finite weights (input and output weights at max |W| 30000 < 65504) fed a finite
+    input sums past 65504 inside: its output holds inf / NaN. Nothing narrowed a cast, so nothing read it, and the
+    model got NaN logits with no word (with ``error=True`` too: ``inf − inf``, where the docs promise the plain
+    logits), on an fp16 and an fp32 model alike. It raises PlacementError naming the site, the module and "inf or
+    NaN", saying the model's own output there is finite; the model is left clean, and the module before the
+    scaling splices finite logits."""
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    cls, key, make = _kinds(tiny_hf_model("llama"), get_adapter(model))[kind]
+    module = make().to(torch.float16)
+    rset = cls(model, module if key is None else {key: module})
+    ids = torch.randint(2, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    got = _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=error))
+    assert bool(torch.isfinite(got).all())
+    _weights_at(module, 30000.0)
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    before = sorted(n for n, _ in hf.named_modules())
+    with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*{type(module).__name__}.*float16.*inf or NaN.*"
+                                             r"own output there is finite"):
+        _logits(model, ids, ReplacementModel(model, **{cls.slot: rset}, error=error))
+    assert sorted(n for n, _ in hf.named_modules()) == before
+
+
+@pytest.mark.parametrize("write", ["in place", "assigned fp32"])
+@pytest.mark.parametrize("kind", ["lorsa", "transcoder", "sae"])
+def test_an_edit_of_an_fp16_modules_internals_past_65504_raises(kind, write):
+    """A direct nnsight write into an fp16 replacement's latents (``latents[:] *= 1e7``, or an fp32 tensor of
+    values past 65504 assigned in place) is cast to fp16 by nnsight / torch with no range check: inf there, NaN
+    logits (with error terms the edit's difference is inf too). The replacement's fp16 output is checked before it
+    enters the model: PlacementError naming the site; the same edit by 1e-3 keeps the logits finite. An fp32
+    tensor put in the latents' place (``hook.output = t``, not cast) is a ShapeError naming the dtypes (a Lorsa's
+    decode raised torch's own "mat1 and mat2 must have the same dtype")."""
+    model, _ = tiny_nnsight("llama", dtype=torch.float16)
+    cls, key, make = _kinds(tiny_hf_model("llama"), get_adapter(model))[kind]
+    module = make().to(torch.float16)
+    rset = cls(model, {key: module})
+    ids = torch.randint(2, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+
+    def edit(factor):
+        def run(sites):
+            latents = getattr(sites[cls.slot][key], "hook_z" if kind == "lorsa" else "hook_sae_acts_post").output
+            if write == "in place":
+                latents[:] *= factor
+            else:
+                latents[:] = torch.full(latents.shape, factor * 10.0, dtype=torch.float32)
+        return run
+
+    for error in (True, False):
+        rm = ReplacementModel(model, **{cls.slot: rset}, error=error)
+        assert bool(torch.isfinite(_logits(model, ids, rm, edit(1e-3))).all())
+        with pytest.raises(PlacementError, match=rf"model\.layers\.\d.*{type(module).__name__}.*inf or NaN"):
+            _logits(model, ids, rm, edit(1e7))
+        if write == "assigned fp32":
+            def swap(sites):
+                hook = getattr(sites[cls.slot][key], "hook_z" if kind == "lorsa" else "hook_sae_acts_post")
+                hook.output = torch.full(hook.output.shape, 1e7, dtype=torch.float32)
+
+            with pytest.raises(ShapeError, match=r"expects .* dtype torch\.float16, got dtype torch\.float32"):
+                _logits(model, ids, rm, swap)
+
+
+def test_the_overflow_check_reads_fp16_outputs_only(monkeypatch):
+    """The inf / NaN check of a replacement's output runs once per site (and once more for a separate clean pass),
+    and reads the tensor only when it is fp16: a bf16 / fp32 / fp64 output is not read (on ``meta``, where a read
+    raises, it gives False), so bf16 and fp32 modules' no-edit error path still reads nothing at all."""
+    from nnsight_lorsa import _placement
+    from nnsight_lorsa.envoy import splice_chain
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        assert _placement.overflowed(torch.full((3,), float("inf"), dtype=dtype, device="meta")) is False
+        assert _placement.overflowed(torch.full((3,), float("inf"), dtype=dtype)) is False
+    with pytest.raises((RuntimeError, NotImplementedError)):  # fp16: read (a device sync), meta cannot be
+        _placement.overflowed(torch.full((3,), float("inf"), dtype=torch.float16, device="meta"))
+    assert _placement.overflowed(torch.tensor([1.0, float("nan")], dtype=torch.float16))
+    assert not _placement.overflowed(torch.tensor([65504.0], dtype=torch.float16))
+    calls = []
+    real = splice_chain.overflowed
+    monkeypatch.setattr(splice_chain, "overflowed", lambda x: calls.append(x.dtype) or real(x))
+    model, _ = tiny_nnsight("gpt2", dtype=torch.float16)
+    ids = torch.randint(2, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    site = "transformer.h.1"
+    for module_dtype, error in ((torch.float16, True), (torch.float16, False), (torch.float32, True)):
+        calls.clear()
+        _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(module_dtype)}),
+                                             error=error))
+        assert calls == [module_dtype], (module_dtype, error, calls)
+    calls.clear()
+    _logits(model, ids, ReplacementModel(model, saes=SAESet(model, {site: make_sae().to(torch.float16)}), error=True),
+            lambda s: s["saes"][site].hook_sae_acts_post.output.mul_(2))
+    assert calls == [torch.float16] * 2  # the live output and the clean pass's
+
+
+def test_an_fp16_module_on_a_model_already_non_finite_says_so():
+    """Where the model's own output at the site is not finite either (an fp16 model already non-finite upstream:
+    here an embedding row of inf), the error says so and names the remedy for the model, not for the replacement."""
+    model, hf = tiny_nnsight("llama", dtype=torch.float16)
+    ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[int(ids[0, 2])] = float("inf")
+    rm = ReplacementModel(model, saes=SAESet(model, {"model.layers.1": make_sae().to(torch.float16)}), error=True)
+    with pytest.raises(PlacementError, match=r"model\.layers\.1.*inf or NaN.*own output there is not finite either"
+                                             r".*model in a wider dtype"):
+        _logits(model, ids, rm)

@@ -229,6 +229,88 @@ def test_closing_one_edge_in_a_trace_matches_manual_recomputation() -> None:
     assert torch.equal(edited[1], base[1]) and torch.equal(edited[0, :5], base[0, :5])  # ... and nothing else
 
 
+class _GatedAttention(torch.nn.Module):
+    """The least an attention module carries for :func:`gated_attention_forward` (and transformers' eager)."""
+
+    def __init__(self, heads: int, mode: str) -> None:
+        super().__init__()
+        self.gate = AttentionGate(heads, init_bias=30.0, mode=mode)
+        self.is_causal, self.num_key_value_groups = True, 1
+        self.eval()
+
+
+def _padded_mask(dtype: torch.dtype, batch: int, seq: int, pad: int) -> torch.Tensor:
+    """transformers' additive eager mask ``(batch, 1, seq, seq)``: 0 allowed, dtype-min masked (causal, row 0
+    left-padded by ``pad`` keys)."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None].repeat(batch, 1, 1, 1)
+    allowed[0, :, :, :pad] = False
+    return torch.zeros(batch, 1, seq, seq, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gated_attention_is_transformers_eager_bit_for_bit_in_bf16_and_fp32(dtype) -> None:
+    """Open gates in bf16 and fp32 compute exactly eager's ``softmax(q·kᵀ·s + mask) V`` (scores in the model's
+    dtype, the fp16 widening does not reach them), padding mask included, on every query that sees a key."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 7, 16, generator=g).to(dtype) for _ in range(3))
+    module = _GatedAttention(4, "dense")
+    mask = _padded_mask(dtype, 2, 7, 2)
+    with torch.no_grad():
+        out, weights = gated_attention_forward(module, q, k, v, mask, 0.25)
+        want, want_weights = eager_attention_forward(module, q, k, v, mask, 0.25)
+    # row 0's first two queries see no key (left padding): eager averages them, the gate zeroes them
+    assert torch.equal(out[1], want[1]) and torch.equal(out[0, 2:], want[0, 2:])
+    assert torch.equal(weights[1], want_weights[1]) and torch.equal(weights[0, :, 2:], want_weights[0, :, 2:])
+
+
+@pytest.mark.parametrize("mode", ["dense", "gated"])
+def test_fp16_gated_attention_forms_scores_past_65504_in_fp32(mode) -> None:
+    """fp16 queries and keys whose unscaled ``q·k`` passes 65504 (fp16's max): the scores were formed in fp16,
+    ``inf``, and the output NaN, where the model's SDPA is finite. They are formed in fp32: the output is finite
+    and within 1e-2 of max |output| of the same computation in fp32 (fp16 rounds the softmax and ``@ V``). A
+    masked key whose scaled score passes 65504 stays masked (the fp16 mask's -65504 alone would let it in)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (100 * torch.randn(2, 2, 6, 16, generator=g) for _ in range(2))
+    v = torch.randn(2, 2, 6, 16, generator=g)
+    k[0, :, 0] = 1000 * q[0, :, -1].sign()  # row 0's padded key 0: scaled score ~3e5 for the last query
+    q, k, v = q.half(), k.half(), v.half()
+    assert (q.float() @ k.float().transpose(2, 3)).abs().max() > 65504
+    module = _GatedAttention(2, mode)
+    with torch.no_grad():
+        out, weights = gated_attention_forward(module, q, k, v, _padded_mask(torch.float16, 2, 6, 2), 0.25)
+        ref, ref_weights = gated_attention_forward(module, q.float(), k.float(), v.float(),
+                                                   _padded_mask(torch.float32, 2, 6, 2), 0.25)
+    assert out.dtype == weights.dtype == torch.float16
+    assert bool(out.isfinite().all()) and bool(weights.isfinite().all())
+    assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (weights.float() - ref_weights)[0, :, :, :2].abs().max() == 0  # the padded keys stay masked
+
+
+def test_an_fp16_model_with_gated_attention_stays_finite_where_its_sdpa_is() -> None:
+    """An fp16 GPT-2 whose first layer's unscaled ``q·k`` is 102400 (queries and keys a constant 80 per
+    dimension: past fp16's 65504, ``q·k·s`` = 25600 within it). Its SDPA attention is finite; gated attention
+    with open gates (``mode="dense"``, the no-op configuration) gave NaN logits. Now finite, and within 5e-3 of
+    max |logit| of the fp32 model (SDPA fp16 itself is ~7e-4 off, gated ~6e-4)."""
+    model = tiny_hf_model("gpt2")
+    d = model.config.n_embd
+    with torch.no_grad():
+        c_attn = model.transformer.h[0].attn.c_attn  # Conv1D (d, 3d): q | k | v
+        c_attn.weight[:, : 2 * d] = 0
+        c_attn.bias[: 2 * d] = 80.0
+        ids = random_ids()
+        ref = model(input_ids=ids).logits
+        half = model.half()
+        half.set_attn_implementation("sdpa")
+        sdpa = half(input_ids=ids).logits.float()
+        install_gated_attention(half, mode="dense")
+        gated = half(input_ids=ids).logits.float()
+    assert bool(sdpa.isfinite().all()) and (sdpa - ref).abs().max() <= 5e-3 * ref.abs().max()
+    assert bool(gated.isfinite().all())
+    assert (gated - ref).abs().max() <= 5e-3 * ref.abs().max()
+
+
 def test_geco_lambda_moves_against_the_constraint() -> None:
     up = GECO(target=3.0, lr=1.0, ema=0.5)
     first = up.update(3.5)
