@@ -44,7 +44,9 @@ LLAMA3_ROPE = {
 _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
            "vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 128}
 
-FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2")
+FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma3")
+#: the families transformers runs with ``attn_implementation="sdpa"`` (it refuses Gemma-2: SDPA cannot soft-cap)
+SDPA_FAMILIES = tuple(f for f in FAMILIES if f != "gemma2")
 
 
 def load_script(path: Path, name: str):
@@ -83,6 +85,20 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
                                        n_positions=128)
+    if family == "gemma2":  # layers 0 and 2 sliding (window 4, shorter than the test prompts), caps that bite;
+        # the padding row (zeros: its residual stream all zero, every norm at 1/sqrt(eps)) is the tokenizer's pad,
+        # not the <bos> = 0 the prompts start with; weights at std 0.1 (at 0.02 the attention / MLP outputs are
+        # ~100x below the residual and the post-norms scale them up 100-400x: fp32 edge sums lose two digits)
+        return transformers.Gemma2Config(**_COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0, sliding_window=4,
+                                         pad_token_id=1, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
+    if family == "gemma3":  # Gemma-3 text: QK-norm, RoPE per layer type (local 10k on sliding layers 0 and 2)
+        return transformers.Gemma3TextConfig(
+            **_COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
+            pad_token_id=1, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
     raise KeyError(family)
 
 
@@ -133,6 +149,19 @@ def unembed(model):
     from nnsight_lorsa import get_adapter
 
     return model.get(get_adapter(model).lm_head_path)
+
+
+@torch.no_grad()
+def head_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """The plain Hugging Face model's unembedding output on ``ids``: its logits before any final soft-capping
+    (Gemma-2's ``final_logit_softcapping`` runs after ``lm_head``) — what ``unembed(model).output`` reads."""
+    seen = []
+    handle = hf.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        hf(ids)
+    finally:
+        handle.remove()
+    return seen[0]
 
 
 def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:

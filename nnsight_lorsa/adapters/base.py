@@ -74,10 +74,13 @@ class MHSAWeights(FieldsRepr):
         W_O: ``(n_heads, head_dim, d_model)``; ``b_O: (d_model,)``.
         q_norm, k_norm: QK-norm weights ``(head_dim,)`` (Qwen3) or None; ``qk_norm_eps`` their eps.
         rotary: RoPE of the layer, None without rotary (GPT-2).
-        scale: scores are multiplied by this (``1/sqrt(head_dim)`` for the supported families;
-            GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``).
+        scale: scores are multiplied by this (``1/sqrt(head_dim)`` for most supported families;
+            GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``; Gemma-2
+            ``query_pre_attn_scalar ** -0.5``).
         sliding_window: if set, query ``i`` attends only to keys ``j`` with ``i - window < j <= i``
-            (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3 ``sliding_attention`` layers).
+            (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3, Gemma-2 ``sliding_attention`` layers).
+        softcap: attention-logit soft-capping (Gemma-2 ``attn_logit_softcapping``): the scaled scores become
+            ``softcap · tanh(scores / softcap)`` before the mask and softmax; None: no capping.
     """
 
     W_Q: torch.Tensor
@@ -94,6 +97,7 @@ class MHSAWeights(FieldsRepr):
     k_norm: torch.Tensor | None = None
     qk_norm_eps: float = 1e-6
     sliding_window: int | None = None
+    softcap: float | None = None
 
     @property
     def n_heads(self) -> int:
@@ -110,6 +114,20 @@ class MHSAWeights(FieldsRepr):
     @property
     def d_model(self) -> int:
         return self.W_Q.shape[1]
+
+
+#: RMSNorm classes whose gain is ``1 + weight`` (transformers' Gemma family: ``x / rms(x) · (1 + weight)``, in fp32)
+UNIT_OFFSET_NORMS = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+
+
+def norm_gain(norm: nn.Module) -> torch.Tensor | None:
+    """The norm's elementwise gain, detached: ``weight``, or ``1 + weight`` for a Gemma RMSNorm
+    (:data:`UNIT_OFFSET_NORMS`); None without a weight."""
+    w = getattr(norm, "weight", None)
+    if w is None:
+        return None
+    w = w.detach()
+    return 1.0 + w.float() if type(norm).__name__ in UNIT_OFFSET_NORMS else w
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -150,12 +168,16 @@ def mhsa_pattern(
     w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], positions: torch.Tensor | None = None
 ) -> Float[torch.Tensor, "batch n_heads pos pos"]:
     """Causal attention patterns ``A[b, h, i, j]`` of every query head (rows sum to 1), in ``x``'s dtype: scores
-    ``q·k * scale`` from :func:`mhsa_qk`, causal (and sliding-window) mask, softmax. The scores and the softmax
+    ``q·k * scale`` from :func:`mhsa_qk`, soft-capped (``softcap · tanh(scores / softcap)``) where
+    ``w.softcap`` is set (Gemma-2, as transformers' ``eager_attention_forward``), causal (and
+    sliding-window) mask, softmax. The scores and the softmax
     run in at least fp32 (bf16 / fp16 q, k upcast; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k``
     past 65504 would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
     q, k = mhsa_qk(w, x, positions)
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * w.scale
+    if w.softcap is not None:
+        scores = torch.tanh(scores / w.softcap) * w.softcap
     return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1).to(q.dtype)
 
 
@@ -268,6 +290,33 @@ class ArchitectureAdapter:
         """The norm whose output the MLP reads (``post_attention_layernorm``, GPT-2 ``ln_2``)."""
         return f"{self.layer_path(layer)}.{self.mlp_norm_name}"
 
+    def attention_post_norm_path(self, layer: int) -> str | None:
+        """The norm the attention output goes through before the residual add (Gemma-2's
+        ``post_attention_layernorm``), or None: the families without post-norms add it as it is."""
+        self.check_layer(layer)
+        return None
+
+    def mlp_post_norm_path(self, layer: int) -> str | None:
+        """The norm the MLP output goes through before the residual add (Gemma-2's
+        ``post_feedforward_layernorm``), or None."""
+        self.check_layer(layer)
+        return None
+
+    def final_logit_softcap(self) -> float | None:
+        """The cap ``c`` of the model's final logits, ``c · tanh(lm_head(x) / c)`` after the unembedding
+        (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
+        return None
+
+    def final_logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The model's logits from its unembedding's output ``(..., vocab)`` (same shape, dtype, device): soft-capped
+        where :meth:`final_logit_softcap` is set (in at least fp32, cast back, as transformers' Gemma-2 computes
+        in the logits' dtype — fp32 for ``logits_to_keep`` callers), else ``head_out`` itself."""
+        cap = self.final_logit_softcap()
+        if cap is None:
+            return head_out
+        wide = head_out.to(torch.promote_types(head_out.dtype, torch.float32))
+        return (torch.tanh(wide / cap) * cap).to(head_out.dtype)
+
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:
         """``root.get_submodule(path)`` with a clear error naming the missing piece."""
@@ -345,8 +394,9 @@ class ArchitectureAdapter:
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
     # ---- weights -----------------------------------------------------------
-    def rotary_config(self) -> RotaryConfig | None:
-        """The model's RoPE, derived from its config (None without rotary)."""
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
+        """The model's RoPE, derived from its config (None without rotary); ``layer``: the layer whose RoPE,
+        for a family whose layers rotate differently (Gemma-3), ignored by the others."""
         raise NotImplementedError(f"{type(self).__name__} must implement rotary_config")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
@@ -364,8 +414,9 @@ class ArchitectureAdapter:
         scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
         return scaling
 
-    def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool) -> RotaryConfig:
-        params = self.rope_parameters(self.config)
+    def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool,
+                            params: dict[str, Any] | None = None) -> RotaryConfig:
+        params = self.rope_parameters(self.config) if params is None else params
         rope_type = params.get("rope_type", "default")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: float(v) for k, v in params.items() if k in keys and v is not None}

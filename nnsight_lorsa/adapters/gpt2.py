@@ -58,7 +58,7 @@ class GPT2Adapter(ArchitectureAdapter):
             raise UnsupportedArchitectureError(f"{self.family}: cross-attention calls are not supported")
         return super(GPT2Adapter, self).attention_input(args, kwargs)
 
-    def rotary_config(self) -> RotaryConfig | None:
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
         """GPT-2 has no RoPE (learned absolute positions at ``transformer.wpe``)."""
         return None
 

@@ -58,7 +58,7 @@ class LlamaAdapter(ArchitectureAdapter):
             return int(window) if self.check_layer(layer) >= int(getattr(c, "max_window_layers", 0)) else None
         return None
 
-    def rotary_config(self) -> RotaryConfig:
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig:
         partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", 1.0))
         return self._rotary_from_params(self.head_dim, int(self.head_dim * partial), interleaved=False)
 
@@ -79,7 +79,7 @@ class LlamaAdapter(ArchitectureAdapter):
         k_norm = getattr(attn, "k_norm", None)
         return MHSAWeights(
             W_Q=W_Q, b_Q=b_Q, W_K=W_K, b_K=b_K, W_V=W_V, b_V=b_V, W_O=W_O, b_O=b_O,
-            rotary=self.rotary_config(), scale=float(getattr(attn, "scaling", e ** -0.5)),
+            rotary=self.rotary_config(layer), scale=float(getattr(attn, "scaling", e ** -0.5)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             qk_norm_eps=float(getattr(q_norm, "variance_epsilon", getattr(c, "rms_norm_eps", 1e-6))),

@@ -82,7 +82,7 @@ class GPTNeoXAdapter(ArchitectureAdapter):
                 return float(value)
         return 1.0
 
-    def rotary_config(self) -> RotaryConfig:
+    def rotary_config(self, layer: int | None = None) -> RotaryConfig:
         """Half-split partial RoPE on the first ``int(head_dim * rotary_fraction())`` dims of each head."""
         rotary_dim = int(self.head_dim * self.rotary_fraction())
         cfg = self._rotary_from_params(self.head_dim, rotary_dim, interleaved=False)

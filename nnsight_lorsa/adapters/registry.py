@@ -9,11 +9,13 @@ from torch import nn
 from .._placement import torch_module
 from ..errors import UnsupportedArchitectureError
 from .base import ArchitectureAdapter
+from .gemma2 import Gemma2Adapter, Gemma3Adapter
 from .gpt2 import GPT2Adapter
 from .llama import LlamaAdapter
 from .neox import GPTNeoXAdapter
 
-ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter, GPT2Adapter)
+ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter, GPT2Adapter, Gemma2Adapter,
+                                                    Gemma3Adapter)
 
 
 def _config_of(model: Any) -> Any:

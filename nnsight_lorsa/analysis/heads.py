@@ -24,7 +24,7 @@ from .._checks import is_int
 from .._placement import HOST, host_f32, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
-from ..adapters.base import MHSAWeights, mhsa_forward
+from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import attention_activations
@@ -166,7 +166,9 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     """Tokens each Lorsa head promotes through its OV circuit (Lorsa paper Fig. 4, "Logits via OV").
 
     ``logits_h = W_U (g ⊙ w_o^h)`` with ``g`` the final norm's gain (the normalisation itself only
-    rescales a single direction; a LayerNorm's bias is not part of the head's direction).
+    rescales a single direction; a LayerNorm's bias is not part of the head's direction) — for Gemma-2/3 the
+    product of the ``1 + weight`` gains of ``post_attention_layernorm`` (which the head's output goes through
+    before the residual) and of the final norm (:func:`~nnsight_lorsa.adapters.base.norm_gain`).
 
     Computed in fp32 on the unembedding's device (the Lorsa's ``w_o`` rows are moved there);
     returned on the CPU.
@@ -186,8 +188,8 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     w_u = _module(model, adapter.lm_head_path).weight  # (vocab, d)
     device, _ = placement(w_u, f"the unembedding {adapter.lm_head_path}")
     placement(lorsa, f"the Lorsa of layer {layer}")
-    norm = _module(model, adapter.final_norm_path)
-    gain = getattr(norm, "weight", None)
+    post = adapter.attention_post_norm_path(layer)
+    gains = [norm_gain(_module(model, path)) for path in (post, adapter.final_norm_path) if path is not None]
     idx = (torch.arange(lorsa.cfg.n_ov_heads, device=lorsa.W_O.device) if heads is None
            else head_indices(heads, lorsa.cfg.n_ov_heads, "heads", lorsa.W_O.device))
     _check_count(k, "k")
@@ -196,8 +198,9 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     w_o = lorsa.W_O[idx].to(device=device, dtype=torch.float32)
     if w_u.shape[1] != w_o.shape[1]:
         raise ShapeError(f"unembedding is {tuple(w_u.shape)}, Lorsa d_model {w_o.shape[1]}")
-    if gain is not None:
-        w_o = w_o * gain.to(device=device, dtype=torch.float32)
+    for gain in gains:
+        if gain is not None:
+            w_o = w_o * gain.to(device=device, dtype=torch.float32)
     logits = w_o @ w_u.float().T
     vals, ids = (t.to(HOST) for t in logits.topk(k, dim=-1))
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)

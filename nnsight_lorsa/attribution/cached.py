@@ -34,8 +34,9 @@ from .trace import AttributionCache, Prepared, autograd_backward, backward_rows,
 def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, frozen: FrozenReplacement,
                           cache: AttributionCache, batch: int) -> None:
     """The frozen forward over ``batch`` copies of the cached prompt, wired as the family's decoder
-    blocks: ``h += attn(norm₁ h); h += mlp(norm₂ h)``, or GPT-NeoX's parallel residual
-    ``h += attn(norm₁ h) + mlp(norm₂ h)``; then the final norm and the unembedding."""
+    blocks: ``h += attn(norm₁ h); h += mlp(norm₂ h)`` (Gemma-2: ``h += post₁(attn(norm₁ h));
+    h += post₂(mlp(norm₂ h))``), or GPT-NeoX's parallel residual ``h += attn(norm₁ h) + mlp(norm₂ h)``; then the
+    final norm and the unembedding."""
     get = adapter.get_module
     parallel = bool(getattr(adapter.config, "use_parallel_residual", False))
     assert cache.embeddings is not None, "a full cache (cache_for_attribution) is needed"
@@ -47,12 +48,21 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
         h = h.to(at)
         x = frozen.norm(get(root, adapter.attention_norm_path(layer)), h, layer, "attn_norm")
         a = frozen.attention(layer, x, cache.positions.to(at), cache.attn_out.get(layer, x).to(at))
+        a = post_norm(frozen, root, adapter.attention_post_norm_path(layer), a, layer, "attn_post_norm")
         after = h if parallel else h + a
         y = frozen.norm(get(root, adapter.mlp_norm_path(layer)), after, layer, "mlp_norm")
-        h = after + frozen.mlp(layer, y, cache.mlp_out[layer].to(at)) + (a if parallel else 0.0)
+        m = frozen.mlp(layer, y, cache.mlp_out[layer].to(at))
+        h = after + post_norm(frozen, root, adapter.mlp_post_norm_path(layer), m, layer, "mlp_post_norm") + (
+            a if parallel else 0.0)
     lm_head = get(root, adapter.lm_head_path)
     x = frozen.norm(get(root, adapter.final_norm_path), h.to(device_of(lm_head, h.device)), None, "final_norm")
     frozen.unembed(lm_head, x)
+
+
+def post_norm(frozen: FrozenReplacement, root: torch.nn.Module, path: str | None, out: torch.Tensor, layer: int,
+              role: str) -> torch.Tensor:
+    """``out`` through the frozen post-norm at ``path`` (Gemma-2), or as it is (``path`` None)."""
+    return out if path is None else frozen.norm(ArchitectureAdapter.get_module(root, path), out, layer, role)
 
 
 def device_of(module: torch.nn.Module, default: torch.device) -> torch.device:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._typing import Float, Int
-from ..adapters.base import MHSAWeights, mhsa_mask, mhsa_values
+from ..adapters.base import UNIT_OFFSET_NORMS, MHSAWeights, mhsa_mask, mhsa_values, norm_gain
 from ..errors import UnsupportedArchitectureError
 
 
@@ -97,12 +97,14 @@ def frozen_norm(
     """A LayerNorm or RMSNorm with its scale frozen to ``scale`` (:func:`norm_scale` on the prompt):
     linear in ``x``. ``LayerNorm: (x − mean x)·scale·γ + β·mult``; ``RMSNorm: x·scale·γ`` (fp32 as
     transformers' ``LlamaRMSNorm``; for an fp32/fp64 ``x`` one multiply by the fused ``scale·γ``,
-    equal up to rounding order). At the prompt's own ``x`` the value is the module's output."""
-    w = getattr(norm, "weight", None)
+    equal up to rounding order; ``γ = 1 + weight`` for a Gemma RMSNorm,
+    :func:`~nnsight_lorsa.adapters.base.norm_gain`, multiplied in fp32 before the cast back as ``Gemma2RMSNorm``).
+    At the prompt's own ``x`` the value is the module's output."""
     # the norm's parameters where the site's input is, as constants: a weight that requires grad would make every
     # product keep its other factor (this copy's input, ``(P, d)`` per norm per prompt copy) for a gradient the
     # frozen pass never takes
-    w = None if w is None else w.detach().to(x.device)
+    w = norm_gain(norm)
+    w = None if w is None else w.to(x.device)
     if _is_layer_norm(norm):
         out = (x - x.mean(-1, keepdim=True)) * scale.to(x.dtype)
         if w is not None:
@@ -112,6 +114,8 @@ def frozen_norm(
     assert w is not None  # checked by norm_scale
     if x.dtype == scale.dtype:  # fp32/fp64: one multiply by the fused (pos, d) factor, half the backward work
         return x * (scale * w.to(x.dtype))
+    if type(norm).__name__ in UNIT_OFFSET_NORMS:  # Gemma: (x/rms · (1 + w)) in fp32, then cast
+        return (_upcast(x) * scale * w).to(x.dtype)
     return w * (_upcast(x) * scale).to(x.dtype)
 
 
@@ -131,6 +135,9 @@ def frozen_mhsa(
     blockwise and never store it (long prompts). Either way the OV circuit (Elhage et al. 2021, *A Mathematical
     Framework for Transformer Circuits*) is the
     only path from ``x``. ``mult_v``, ``mult_o``: ``(batch, 1, 1)``.
+
+    Raises:
+        UnsupportedArchitectureError: ``(q, k)`` of a soft-capped MHSA (``w.softcap``: SDPA cannot cap the scores).
     """
     b = x.shape[0]
     b_v = (w.b_V[None, :, None] * (mult_v[:, :, :, None] if mult_v is not None else 1.0)).to(x.dtype)
@@ -138,6 +145,10 @@ def frozen_mhsa(
         v = mhsa_values(w, x, b_v, repeat_kv=False)
         z = shared_matmul(frozen.to(v.dtype), v)  # patterns may be kept in fp32 for a bf16 model
     else:
+        if w.softcap is not None:
+            raise UnsupportedArchitectureError(
+                f"frozen MHSA from queries and keys: scaled_dot_product_attention cannot soft-cap the scores "
+                f"(softcap={w.softcap}); pass the stored pattern (mhsa_pattern) instead")
         v = mhsa_values(w, x, b_v)
         q, k = (t.to(v.dtype) for t in frozen)
         mask = None if w.sliding_window is None else mhsa_mask(w, x.shape[1], x.device)

@@ -264,7 +264,7 @@ def build_layout(
             top["lm_head"] = add("lm_head.bias", n_layers)
         bias_nodes = NodeTable.make(BIAS, torch.tensor(bias_layers, dtype=torch.long, device=HOST),
                                     torch.full((len(names),), -1, device=HOST), torch.arange(len(names), device=HOST))
-        ids, probs = target_logits(last_logits, targets)
+        ids, probs = target_logits(last_logits, targets, final=modules.get("final_logits"))
         logits = NodeTable.make(LOGIT, n_layers, torch.full((ids.numel(),), n_pos - 1, device=HOST), ids, probs)
         nodes = NodeTable.cat([*feats, *errors, emb, bias_nodes, logits])
         nodes.bias_names = names

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -145,9 +145,13 @@ def token_ids(targets: CheckedTargets, model: Any) -> LogitTargets | tuple[int, 
     return tuple(ids)
 
 
-def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...], *,
+                  final: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target tokens ``(k,)`` int64 and their probabilities ``(k,)`` fp32 (both on the host) at the last
-    position, from its ``(vocab,)`` logits: :class:`LogitTargets`' top tokens, or the given ids in order.
+    position, from its ``(vocab,)`` logits (the unembedding's output): :class:`LogitTargets`' top tokens, or the
+    given ids in order. ``final``: the model's logits from the unembedding's output
+    (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits`; Gemma-2 soft-caps them): the
+    probabilities are those of the logits the model outputs (same order of tokens).
 
     Raises:
         ConfigMismatchError: an id outside ``[0, vocab)``.
@@ -161,7 +165,7 @@ def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...])
                              "an fp16 model's logits past 65504 are inf): the graph's edges and target probabilities "
                              "would be NaN; attribute the model in a wider dtype (torch.bfloat16 or torch.float32)",
                              tensor="logits")
-    probs = host.softmax(-1)
+    probs = (host if final is None else final(host)).softmax(-1)
     if not isinstance(targets, LogitTargets):
         ids = torch.tensor(targets, dtype=torch.long, device=HOST)
         if int(ids.max()) >= probs.numel():

@@ -191,7 +191,8 @@ class FrozenReplacement:
         return (e * self.mult(e.device)[:, lay.emb_start:lay.emb_start + lay.n_pos, None]).to(self.dtype or e.dtype)
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor, layer: int | None, role: str) -> torch.Tensor:
-        """A frozen norm (``role``: ``attn_norm`` / ``mlp_norm``; ``layer=None``: the final norm)."""
+        """A frozen norm (``role``: ``attn_norm`` / ``mlp_norm``, Gemma-2's post-norms ``attn_post_norm`` /
+        ``mlp_post_norm``; ``layer=None``: the final norm)."""
         bias = self.layout.bias if layer is None else self.layout.layers[layer].bias
         scale = self.const(f"L{layer}.{role}.scale", lambda: norm_scale(module, x[:1]))
         mult = column(self.mult(x.device), bias.get("final_norm" if layer is None else role))
@@ -205,7 +206,7 @@ class FrozenReplacement:
         if lay.lorsa is None:
             w = self.mhsa_on(layer, x.device)
             frozen: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-            if self.store_patterns(x):
+            if self.store_patterns(x) or w.softcap is not None:  # SDPA cannot soft-cap (Gemma-2): the pattern
                 frozen = self.const(f"L{layer}.attn.pattern", lambda: mhsa_pattern(w, x[:1], first(positions)))
             else:
                 frozen = (self.const(f"L{layer}.attn.q", lambda: mhsa_qk(w, x[:1], first(positions))[0]),
@@ -452,7 +453,7 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
         norm_biases[f"L{layer}.mlp_norm"] = bias(adapter.mlp_norm_path(layer))
     modules = {"lorsas": lorsas, "transcoders": transcoders, "norm_biases": norm_biases,
                "attn_biases": {layer: (w.b_V, w.b_O) for layer, w in mhsa.items()},
-               "lm_head_bias": bias(adapter.lm_head_path)}
+               "lm_head_bias": bias(adapter.lm_head_path), "final_logits": adapter.final_logits}
     return modules, mhsa
 
 

@@ -224,7 +224,8 @@ def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
 @dataclass(frozen=True)
 class FrozenSite:
     """A module whose output the frozen pass replaces: ``kind`` ``"norm"`` (``role`` ``attn_norm`` /
-    ``mlp_norm`` / ``final_norm``), ``"attention"``, ``"mlp"`` or ``"head"`` (the unembedding)."""
+    ``mlp_norm`` / ``final_norm``, Gemma-2's ``attn_post_norm`` / ``mlp_post_norm``), ``"attention"``, ``"mlp"``
+    or ``"head"`` (the unembedding)."""
 
     path: str
     kind: str
@@ -233,13 +234,17 @@ class FrozenSite:
 
 
 def frozen_sites(adapter: ArchitectureAdapter) -> list[FrozenSite]:
-    """The replaced modules in forward order (the embeddings are scaled in place, not replaced)."""
+    """The replaced modules in forward order (the embeddings are scaled in place, not replaced); Gemma-2's
+    post-attention / post-feedforward norms after the attention / MLP they normalise."""
     sites = []
     for layer in range(adapter.n_layers):
+        attn_post, mlp_post = adapter.attention_post_norm_path(layer), adapter.mlp_post_norm_path(layer)
         sites += [FrozenSite(adapter.attention_norm_path(layer), "norm", layer, "attn_norm"),
                   FrozenSite(adapter.attention_path(layer), "attention", layer),
+                  *([FrozenSite(attn_post, "norm", layer, "attn_post_norm")] if attn_post else []),
                   FrozenSite(adapter.mlp_norm_path(layer), "norm", layer, "mlp_norm"),
-                  FrozenSite(adapter.mlp_path(layer), "mlp", layer)]
+                  FrozenSite(adapter.mlp_path(layer), "mlp", layer),
+                  *([FrozenSite(mlp_post, "norm", layer, "mlp_post_norm")] if mlp_post else [])]
     return [*sites, FrozenSite(adapter.final_norm_path, "norm", None, "final_norm"),
             FrozenSite(adapter.lm_head_path, "head")]
 

@@ -260,8 +260,12 @@ class ReplacementModel:
         layer, sub = int(m.group(1)), m.group(3) or ""
         if path == a.attention_norm_path(layer):  # computed before the layer's attention
             return (float(layer), 0.5)
+        if path == a.attention_post_norm_path(layer):  # Gemma-2: the attention output's norm, before the residual add
+            return (float(layer), 1.97)
         if path == a.mlp_norm_path(layer):  # between the attention and the MLP
             return (float(layer), 2.0)
+        if path == a.mlp_post_norm_path(layer):  # Gemma-2: the MLP output's norm
+            return (float(layer), 2.7)
         step = 1.6 if sub.startswith(a.attention_name) else 2.6 if a.mlp_name and sub.startswith(a.mlp_name) else 3.0
         return (float(layer), step)
 

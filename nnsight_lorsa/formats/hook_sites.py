@@ -32,8 +32,8 @@ from typing import Any
 
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["HookSite", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
-           "transformer_lens_hook_site"]
+__all__ = ["HookSite", "check_mlp_hooks", "sae_site_path", "site_record", "sparsify_hookpoint_site",
+           "transcoder_layer", "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +173,35 @@ def transcoder_layer(module: Any) -> int | None:
         if isinstance(site.get("layer"), int):
             return int(site["layer"])
     return None
+
+
+#: TransformerLens MLP-side hooks that are not the MLP module's call in a family with post-norms (Gemma-2):
+#: ``ln2.hook_normalized`` is the pre-MLP norm before its ``(1 + weight)`` gain, ``hook_resid_mid`` the residual
+#: before the norm, ``hook_mlp_out`` the output after ``post_feedforward_layernorm`` (circuit-tracer's Gemma-2
+#: mapping; GemmaScope transcoders read and write these)
+_POST_NORM_FOREIGN = {"feature_input_hook": ("ln2.hook_normalized", "hook_resid_mid"),
+                      "feature_output_hook": ("hook_mlp_out",)}
+
+
+def check_mlp_hooks(module: Any, adapter: Any) -> None:
+    """Refuse a transcoder / CLT whose file says it reads or writes a tensor our MLP site does not carry, for a
+    family with post-norms (``adapter.mlp_post_norm_path`` set: Gemma-2). Our MLP site is the MLP module's call
+    (input after ``pre_feedforward_layernorm``'s gain, output before ``post_feedforward_layernorm``); circuit-tracer's
+    Gemma-2 transcoders (GemmaScope) read ``ln2.hook_normalized`` and write ``hook_mlp_out`` (after the post-norm),
+    recorded in ``cfg.extra["circuit_tracer"]`` by the loader. Modules without that record pass.
+
+    Raises:
+        UnsupportedArchitectureError: such a hook, naming it and the two sites.
+    """
+    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
+    if not isinstance(record, dict) or adapter.mlp_post_norm_path(0) is None:
+        return
+    for key, foreign in _POST_NORM_FOREIGN.items():
+        hook = record.get(key)
+        if hook in foreign:
+            raise UnsupportedArchitectureError(
+                f"{adapter.family}: the {type(module).__name__} was trained with {key}: {hook!r}, which in "
+                f"{adapter.family} is not the MLP module's {'input' if key == 'feature_input_hook' else 'output'}: "
+                f"our MLP site is the {adapter.mlp_name!r} module's call (input: {adapter.mlp_norm_name}'s output, "
+                f"gain included; output: before {adapter.mlp_post_norm_path(0)!r} and its peers); "
+                "attaching it there would compute something it was not trained on (docs/adapters.md, Gemma-2)")

@@ -28,7 +28,7 @@ from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
-from .experiments import activation_patching, logits_envoy, make_metric
+from .experiments import activation_patching, make_metric, saved_logits
 from .tasks import TaskBatch
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -130,7 +130,7 @@ def _keep_runs(replacement: ReplacementModel, prompts: torch.Tensor, components:
                     for layer in lorsa_layers:  # every invoke: a splice replaces its callers' rows
                         replacement.lorsas.replace(layer, error=replacement.error)
                     _keep_only(replacement, components, keep, mode, means)
-                    saved.append(logits_envoy(replacement).output.save())
+                    saved.append(saved_logits(replacement))
         outs += saved
     return outs
 

@@ -32,9 +32,12 @@ from .metrics import logit_difference, relative_effect
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
 
-def logits_envoy(replacement: ReplacementModel) -> Any:
-    """The LM head's envoy (its output are the logits)."""
-    return replacement.model.get(replacement.adapter.lm_head_path)
+def saved_logits(replacement: ReplacementModel) -> Any:
+    """Inside a trace: the model's logits ``(batch, pos, vocab)``, saved — the LM head's output through
+    :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits` (Gemma-2 soft-caps it; the others
+    return it as it is). What every experiment's metric reads."""
+    head = replacement.model.get(replacement.adapter.lm_head_path)
+    return nnsight.save(replacement.adapter.final_logits(head.output))
 
 
 def make_metric(metric: Metric | None, correct_ids: Any, incorrect_ids: Any, position: int = -1) -> Metric:
@@ -166,7 +169,7 @@ def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target]
         replacement.prepare(targets)
         for t in targets:
             values[t] = read(Bound(t, replacement), positions)
-        logits = logits_envoy(replacement).output.save()
+        logits = saved_logits(replacement)
     return values, logits, mask
 
 
@@ -191,7 +194,7 @@ def check_padded_positions(replacement: ReplacementModel, positions: Positions,
 def _run(replacement: ReplacementModel, prompts: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     with replacement.model.trace(prompts):
         mask = nnsight.save(padding_mask(replacement.model))
-        logits = logits_envoy(replacement).output.save()
+        logits = saved_logits(replacement)
     return logits, mask
 
 
@@ -204,7 +207,7 @@ def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tupl
                 replacement.prepare(t for g in groups for t in g)  # every invoke: a splice replaces its callers' rows
                 for t in group:
                     patch(Bound(t, replacement), values[t], positions)
-                outs.append(logits_envoy(replacement).output.save())
+                outs.append(saved_logits(replacement))
     return outs
 
 
@@ -239,12 +242,12 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
         with tracer.invoke(prompts):
             check_padded_positions(replacement, positions, metric is None)
             replacement.prepare(ordered)  # the baseline runs through the same replacements, unedited
-            base = logits_envoy(replacement).output.save()
+            base = saved_logits(replacement)
         with tracer.invoke(prompts):
             replacement.prepare(ordered)
             for t in ordered:
                 ablate(Bound(t, replacement), mode, means, positions)
-            edited = logits_envoy(replacement).output.save()
+            edited = saved_logits(replacement)
     return AblationResult(score(base), score(edited))
 
 
@@ -316,7 +319,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
             replacement.prepare([src.target])  # the baseline runs through the same Lorsa, unedited
-            base = logits_envoy(replacement).output.save()
+            base = saved_logits(replacement)
         with tracer.invoke(prompts):
             check_padded_positions(replacement, positions, False)
             z, _ = src.location()
@@ -325,6 +328,6 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             z_to = z[:, pos, to_head].clone()
             z[:, pos, from_head] = z_to if swap else 0
             z[:, pos, to_head] = z_from
-            edited = logits_envoy(replacement).output.save()
+            edited = saved_logits(replacement)
     del dst
     return base, edited

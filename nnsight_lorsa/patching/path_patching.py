@@ -58,7 +58,7 @@ from ..envoy.padding import check_same_padding
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .experiments import check_padded_positions, logits_envoy, make_metric
+from .experiments import check_padded_positions, make_metric, saved_logits
 from .interventions import check_positions
 from .metrics import relative_effect
 
@@ -142,8 +142,10 @@ class _Site(FieldsRepr):
 # execution steps inside layer L (the first element of a site's key is the layer): the q/k/v
 # projections' outputs 0.5, o_proj's input 1.0 and output 1.2, a spliced Lorsa's hook_q/k/v 1.4,
 # hook_z 1.5, hook_out 1.8, hook_error 1.9 (the Lorsa runs once the attention has); SAE sites
-# below; a transcoder's features 2.5 (computed once the MLP it replaces has run)
-_SAE_STEPS = {"attention_norm_name": 0.2, "attention_name": 1.95, "mlp_norm_name": 2.2, "mlp_name": 2.6}
+# below; a transcoder's features 2.5 (computed once the MLP it replaces has run); Gemma-2's post-norms right after
+# the attention / MLP output they normalise
+_SAE_STEPS = {"attention_norm_name": 0.2, "attention_name": 1.95, "attention_post_norm_name": 1.97,
+              "mlp_norm_name": 2.2, "mlp_name": 2.6, "mlp_post_norm_name": 2.7}
 
 
 def _place(replacement: ReplacementModel, t: Target) -> tuple[tuple[float, float], int]:
@@ -177,9 +179,9 @@ def _place(replacement: ReplacementModel, t: Target) -> tuple[tuple[float, float
         if sub is None:
             return (float(layer), 3.0), layer + 1
         for attr, step in _SAE_STEPS.items():
-            if getattr(a, attr) and sub == getattr(a, attr):
+            if getattr(a, attr, "") and sub == getattr(a, attr):
                 return (float(layer), step), layer if attr == "attention_norm_name" else layer + 1
-    names = ", ".join(f"{a.layers_path}.L.{getattr(a, n)}" for n in _SAE_STEPS if getattr(a, n))
+    names = ", ".join(f"{a.layers_path}.L.{getattr(a, n)}" for n in _SAE_STEPS if getattr(a, n, ""))
     raise ConfigMismatchError(
         f"path patching cannot place an SAE sender at {path!r} relative to the attention sites; SAE senders "
         f"sit on {a.embed_path}, {a.layers_path}.L (a layer's output), {names} or {a.final_norm_path}")
@@ -494,7 +496,7 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
                     barrier()
                     _after(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, receivers,
                            recv_idx, mode, means)
-                saved.append(logits_envoy(replacement).output.save())
+                saved.append(saved_logits(replacement))
     if "B" in masks:
         check_same_padding(masks["A"], masks["B"], "path_patching")
     for (role, gi), logits in zip(roles, saved, strict=True):

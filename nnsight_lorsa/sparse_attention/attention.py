@@ -57,7 +57,9 @@ def gated_attention_forward(
     ``heads`` a multiple of ``kv_heads``, each KV head repeated for its group as in ``repeat_kv``),
     ``attention_mask`` the additive float mask ``(batch, 1, q, k)`` (0 allowed, dtype-min masked),
     a boolean one (``True`` allowed) or ``None`` (causal). ``scaling`` defaults to ``d**-0.5``.
-    Softmax runs in float32 and is cast back, as in the Llama/GPT-NeoX eager code.
+    A ``softcap`` keyword (Gemma-2's ``attn_logit_softcapping``, passed by its attention module) caps the
+    scaled scores to ``softcap · tanh(scores / softcap)`` before the mask, as transformers' Gemma-2 eager code;
+    the gate sees the capped scores. Softmax runs in float32 and is cast back, as in the Llama/GPT-NeoX eager code.
 
     Precision: in bf16, fp32 and fp64 the scores ``QKᵀ·scaling`` are formed in the model's dtype, bit for bit
     transformers' eager attention. In fp16 (the one dtype whose range, ±65504, is narrower than fp32's) they are
@@ -91,6 +93,9 @@ def gated_attention_forward(
     widen = narrows_range(torch.float32, query.dtype)  # fp16: q·k past 65504 would be inf
     scores = (torch.matmul(f32(query), f32(key).transpose(2, 3)) if widen
               else torch.matmul(query, key.transpose(2, 3))) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma-2: capped before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     valid = _valid_mask(attention_mask, query.shape[2], key.shape[2], query.device,
                         bool(getattr(module, "is_causal", True)))
     if attention_mask is not None and attention_mask.dtype != torch.bool:

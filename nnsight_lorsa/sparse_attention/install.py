@@ -1,7 +1,7 @@
 """Put gates on a model's attention modules (and take them off), read their edge statistics.
 
 Works on a Hugging Face ``*ForCausalLM`` or on an nnsight model wrapping one: each attention
-module (found through the architecture adapters: Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2) gets an
+module (found through the architecture adapters: Llama, Mistral, Qwen2/3, GPT-NeoX, GPT-2, Gemma-2/3) gets an
 :class:`~nnsight_lorsa.modules.attention_gate.AttentionGate` child named ``gate``, and the model's
 attention implementation is switched to the gated function (:mod:`.attention`; the switch and the child
 through :mod:`nnsight_lorsa.adapters.transformers_internals`). No model code is copied or patched: the

@@ -259,8 +259,9 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
 
     Devices and dtypes: the model may be on any device in any float dtype and the module on its own
     device and dtype (e.g. an fp32 module on a bf16 model); the token windows are moved to the
-    model's device, and CE, KL and FVU are computed in fp32 (FVU and the shrinkage metrics
-    accumulated in fp64). The result holds Python floats.
+    model's device, and CE, KL and FVU are computed in fp32 (FVU and the shrinkage metrics accumulated in fp64);
+    CE and KL from the model's logits (Gemma-2: its unembedding's output soft-capped,
+    :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits`). The result holds Python floats.
 
     Raises:
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
@@ -292,6 +293,9 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
             probe.zero()
             logits_zero = nnsight.save(lm_head.output)
         mask = dataset.targets(i * batch_size, (i + 1) * batch_size)
+        # the model's logits (Gemma-2: soft-capped after the unembedding, whose output the traces read)
+        logits_orig, logits_spliced, logits_zero = (replacements.adapter.final_logits(t)
+                                                    for t in (logits_orig, logits_spliced, logits_zero))
         for key, logits in (("orig", logits_orig), ("spliced", logits_spliced), ("zero", logits_zero)):
             ce, n = next_token_ce(logits, ids, mask)
             sums[key] += _finite(float(ce), f"ce_{key}", i, logits)

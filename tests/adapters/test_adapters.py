@@ -17,7 +17,8 @@ import transformers
 from helpers import rope_kwargs
 from transformers import AutoModelForCausalLM
 
-from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward
+from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward, mhsa_pattern
+from nnsight_lorsa.adapters.gemma2 import Gemma2Adapter, Gemma3Adapter
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
 from nnsight_lorsa.adapters.llama import LlamaAdapter
 from nnsight_lorsa.adapters.neox import GPTNeoXAdapter
@@ -63,14 +64,34 @@ def _config(family: str) -> transformers.PretrainedConfig:
         return transformers.GPT2Config(n_embd=D_MODEL, n_head=N_HEADS, n_layer=N_LAYERS, vocab_size=VOCAB,
                                        n_positions=128, scale_attn_by_inverse_layer_idx=True,
                                        reorder_and_upcast_attn=True)
+    if family in ("gemma2", "gemma2_sliding"):  # query_pre_attn_scalar != head_dim, soft-capping that bites
+        return transformers.Gemma2Config(**GEMMA2, **(
+            {"layer_types": ["full_attention", "sliding_attention"]} if family == "gemma2_sliding" else {}))
+    if family == "gemma3":  # QK-norm (1 + w), RoPE per layer type: layer 0 local (sliding), layer 1 global (1M, x8)
+        return transformers.Gemma3TextConfig(**GEMMA3)
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv"]
+#: Gemma-2: GQA, head_dim 16 scaled by 24 ** -0.5, attention logits capped at 1.5 (random scores reach ~5),
+#: final logits at 3; ``gemma2``: layer 1 global (transformers' default alternation), ``gemma2_sliding``:
+#: layer 1 a sliding layer with a window of 4 < SEQ
+GEMMA2 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24,
+          "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0, "sliding_window": 4}
+GEMMA3 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4,
+          "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}}
+FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv",
+            "gemma2", "gemma2_sliding", "gemma3"]
 ROTARY_FAMILIES = [f for f in FAMILIES if not f.startswith("gpt2")]
+#: one RoPE for every layer (Gemma-3: one per layer type, test_gemma3_rope_per_layer_type)
+SHARED_ROPE_FAMILIES = [f for f in ROTARY_FAMILIES if f != "gemma3"]
 ADAPTER_OF = {"llama": LlamaAdapter, "llama_linear": LlamaAdapter, "mistral": LlamaAdapter,
               "qwen2": LlamaAdapter, "qwen2_sliding": LlamaAdapter, "qwen3": LlamaAdapter,
-              "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter}
+              "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter,
+              "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter, "gemma3": Gemma3Adapter}
+#: families whose transformers refuses ``attn_implementation="sdpa"`` (Gemma-2: SDPA has no soft-capping)
+NO_SDPA = ("gemma2", "gemma2_sliding")
 
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}
 
@@ -173,6 +194,10 @@ def test_check_layer(family):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mhsa_forward_matches_model_attention(family, attn):
+    if attn == "sdpa" and family in NO_SDPA:  # transformers' own refusal: nothing to recompute
+        with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+            tiny_model(family, attn)
+        return
     model = tiny_model(family, attn)
     adapter = get_adapter(model)
     args, kwargs, output = capture_attention(model, adapter)
@@ -198,22 +223,50 @@ def test_mhsa_forward_matches_model_attention(family, attn):
     assert (per_head.sum(2) + w.b_O - expected).abs().max().item() < TOL
 
 
-def test_positions_and_window_matter():
-    """Guards against a vacuous pass: wrong positions / no sliding window give a different output."""
-    model = tiny_model("qwen2_sliding")
+def captured_layer(family: str):
+    """``(model, adapter, w, x, positions, expected)``: layer ``LAYER``'s MHSA weights, and its input, positions
+    and output in the model's own forward."""
+    model = tiny_model(family)
     adapter = get_adapter(model)
     args, kwargs, output = capture_attention(model, adapter)
     x = adapter.attention_input(args, kwargs)
     positions = adapter.attention_positions(args, kwargs, x)
-    w = adapter.mhsa_weights(model, LAYER)
+    return model, adapter, adapter.mhsa_weights(model, LAYER), x, positions, adapter.attention_output(output)
+
+
+def test_positions_and_window_matter():
+    """Guards against a vacuous pass: wrong positions / no sliding window give a different output."""
+    model, adapter, w, x, positions, expected = captured_layer("qwen2_sliding")
     assert w.sliding_window == 4 and adapter.mhsa_weights(model, 0).sliding_window is None
-    expected = adapter.attention_output(output)
     assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
     # RoPE is relative: a per-row offset changes nothing, stretched positions do.
     assert (mhsa_forward(w, x, None) - expected).abs().max() < TOL
     assert (mhsa_forward(w, x, 2 * positions) - expected).abs().max() > 1e-3
     full = MHSAWeights(**{**w.__dict__, "sliding_window": None})
     assert (mhsa_forward(full, x, positions) - expected).abs().max() > 1e-3
+
+
+def test_gemma2_scale_softcap_and_window_matter():
+    """Gemma-2's pieces each change the recomputed output (no vacuous pass): its score scale
+    ``query_pre_attn_scalar ** -0.5``, the attention soft-cap and the sliding window of a ``sliding_attention``
+    layer (a prompt longer than the window); the alternation follows ``config.layer_types``."""
+    model, adapter, w, x, positions, expected = captured_layer("gemma2_sliding")
+    assert w.softcap == 1.5 and w.sliding_window == 4 < SEQ and w.scale == pytest.approx(24 ** -0.5)
+    assert adapter.mhsa_weights(model, 0).sliding_window is None
+    default = tiny_model("gemma2")  # transformers' default: sliding from layer 0, every other layer
+    assert [get_adapter(default).mhsa_weights(default, i).sliding_window for i in range(N_LAYERS)] == [4, None]
+    assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
+    for change in ({"softcap": None}, {"sliding_window": None}, {"scale": w.head_dim ** -0.5}):
+        other = MHSAWeights(**{**w.__dict__, **change})
+        assert (mhsa_forward(other, x, positions) - expected).abs().max() > 1e-3, change
+    # where the post-norms and soft-caps are, as the adapter names them
+    assert adapter.mlp_norm_path(1) == "model.layers.1.pre_feedforward_layernorm"
+    assert adapter.attention_post_norm_path(1) == "model.layers.1.post_attention_layernorm"
+    assert adapter.mlp_post_norm_path(1) == "model.layers.1.post_feedforward_layernorm"
+    assert adapter.final_logit_softcap() == 3.0
+    llama = get_adapter(_config("llama"))  # the other families: no post-norms, plain logits
+    assert llama.attention_post_norm_path(1) is None and llama.mlp_post_norm_path(1) is None
+    assert llama.final_logit_softcap() is None
 
 
 def test_gpt2_inverse_layer_scale():
@@ -284,7 +337,7 @@ def _rotary_module(model):
     return model.gpt_neox.rotary_emb if hasattr(model, "gpt_neox") else model.model.rotary_emb
 
 
-@pytest.mark.parametrize("family", ROTARY_FAMILIES)
+@pytest.mark.parametrize("family", SHARED_ROPE_FAMILIES)
 def test_rotary_cos_sin_matches_model(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -303,6 +356,35 @@ def test_rotary_cos_sin_matches_model(family):
     cos, sin = rotary_cos_sin(cfg, positions)
     assert cos.shape == cos_ref.shape == (2, 40, cfg.rotary_dim)
     assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6
+
+
+def test_gemma3_rope_per_layer_type():
+    """Gemma-3 rotates its global and its sliding layers differently (``rope_parameters`` per layer type): each
+    layer's ``rotary_config(layer)`` matches the model's rotary embedding for its type, and differs from the
+    other type's; without a layer it is a named error. The sliding layer's attention is recomputed exactly too
+    (the global one in test_mhsa_forward_matches_model_attention)."""
+    model = tiny_model("gemma3")
+    adapter = get_adapter(model)
+    positions = torch.stack([torch.arange(40), torch.arange(40) + 90])
+    cos_sin = []
+    for layer, kind in enumerate(model.config.layer_types):
+        cfg = adapter.rotary_config(layer)
+        with torch.no_grad():
+            cos_ref, sin_ref = model.model.rotary_emb(torch.zeros(1), positions, kind)
+        cos, sin = rotary_cos_sin(cfg, positions)
+        assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6, kind
+        assert adapter.mhsa_weights(model, layer).rotary == cfg
+        cos_sin.append(cos)
+    assert (adapter.rotary_config(1).base, adapter.rotary_config(1).rope_type) == (1e6, "linear")
+    assert (cos_sin[0] - cos_sin[1]).abs().max() > 1e-2
+    args, kwargs, output = capture_attention(model, adapter, layer=0)
+    x = adapter.attention_input(args, kwargs)
+    w = adapter.mhsa_weights(model, 0)
+    assert w.sliding_window == 4 and w.q_norm is not None
+    got = mhsa_forward(w, x, adapter.attention_positions(args, kwargs, x))
+    assert (got - adapter.attention_output(output)).abs().max() < TOL
+    with pytest.raises(ConfigMismatchError, match="rotary_config\\(layer\\)"):
+        adapter.rotary_config()
 
 
 def test_neox_rotary_fraction_from_config_variants():
@@ -345,7 +427,7 @@ def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
     return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2"])
 def test_lorsa_init_from_mhsa_copies_qk(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -354,7 +436,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
     cfg = LorsaConfig(
         d_model=D_MODEL, n_qk_heads=qk_rep * w.n_heads, d_qk_head=w.head_dim,
         n_ov_heads=qk_rep * w.n_heads * 4,
-        top_k=4, rotary=adapter.rotary_config(), qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
+        top_k=4, rotary=w.rotary, qk_norm=w.q_norm is not None, qk_norm_eps=w.qk_norm_eps,
         layer=LAYER, architecture=adapter.family,
     )
     lorsa = Lorsa(cfg)
@@ -380,7 +462,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3"])
 def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,
     QK-norm), and initialised with ``init_from_mhsa`` has every QK head's attention pattern equal to its
@@ -409,6 +491,25 @@ def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     assert (got - ref).abs().max().item() < TOL
     # not trivially uniform: the heads attend differently
     assert (expected[:, 0] - expected[:, 1]).abs().max().item() > 1e-2
+
+
+def test_lorsa_from_gemma2_mhsa_has_the_uncapped_pattern():
+    """A Lorsa's QK heads have no soft-capping (the Lorsa paper's softmax of ``q·k / attn_scale``):
+    ``from_mhsa`` + ``init_from_mhsa`` on Gemma-2 copy the score scale (``query_pre_attn_scalar``) and
+    ``W_Q``/``W_K``, so each QK head's pattern is its MHSA head's *without* the cap — equal to
+    ``mhsa_pattern`` of the weights with ``softcap=None``, not to the model's capped pattern."""
+    model = tiny_model("gemma2_sliding")
+    adapter = get_adapter(model)
+    w = adapter.mhsa_weights(model, 0)  # a global layer (the Lorsa itself is global)
+    cfg = LorsaConfig.from_mhsa(w, n_ov_heads=2 * w.n_heads * 2, top_k=4, qk_heads_per_mhsa_head=2, layer=0)
+    assert cfg.scale == pytest.approx(24 ** 0.5)
+    lorsa = Lorsa(cfg)
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(4))
+    got = lorsa.attention_pattern(x)
+    uncapped = mhsa_pattern(MHSAWeights(**{**w.__dict__, "softcap": None}), x).repeat_interleave(2, 1)
+    assert (got - uncapped).abs().max() < TOL
+    assert (got - mhsa_pattern(w, x).repeat_interleave(2, 1)).abs().max() > 1e-3
 
 
 def test_rope_settings_a_transformers_4_model_would_ignore_are_refused() -> None:

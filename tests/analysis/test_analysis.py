@@ -74,6 +74,19 @@ def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
     assert top.n_tokens == 3 * 8 and torch.equal(top.count, corr.count)
 
 
+def test_ov_logit_lens_through_gemma2_norm_gains():
+    """Gemma-2: a head's output goes through ``post_attention_layernorm`` before the residual and the final norm
+    after it, both with gains ``1 + weight``: the logit lens multiplies ``w_o`` by both."""
+    model, hf = tiny_nnsight("gemma2")
+    lorsa = make_lorsa(hf, get_adapter(model))
+    rm = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
+    vals, ids, _ = ov_logit_lens(rm, LAYER, [3, 7], k=4)
+    gain = (1 + hf.model.layers[LAYER].post_attention_layernorm.weight) * (1 + hf.model.norm.weight)
+    want = ((lorsa.W_O[[3, 7]] * gain) @ hf.lm_head.weight.T).topk(4, -1)
+    torch.testing.assert_close(vals, want.values)
+    assert torch.equal(ids, want.indices)
+
+
 def test_head_analysis_without_lorsas_names_what_to_pass():
     """Every head analysis reads the Lorsas through ReplacementModel.require: one check, one message."""
     import pytest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TESTS, attribution_setup, autograd_nodes, random_ids, rm
+from helpers import TESTS, attribution_setup, autograd_nodes, head_logits, random_ids, rm
 
 from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -14,6 +14,7 @@ from nnsight_lorsa.attribution import Graph, PruneConfig, attribute, cache_for_a
 from nnsight_lorsa.attribution.checks import intervention_edges, replacement_logits
 from nnsight_lorsa.attribution.engine import build_graph
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER
+from nnsight_lorsa.attribution.trace import frozen_sites
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError
 
 
@@ -24,7 +25,7 @@ def llama():
     return model, hf, lorsas, tcs, ids, attribute(rm(model, lorsas, tcs), ids, batch_size=48)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2", "gemma2", "gemma3"])
 def test_incoming_edges_sum_to_node_values(family):
     """Check 1: every feature, Lorsa-head and logit node's incoming edges sum to its value."""
     model, _, lorsas, tcs = attribution_setup(family)
@@ -79,6 +80,37 @@ def test_replacement_with_errors_reproduces_the_logits(llama):
     assert (got - ref).abs().max() < 1e-5
 
 
+def test_gemma2_graph_is_exact():
+    """Gemma-2 (post-attention / post-feedforward RMSNorms with ``1 + weight`` gains, attention and final logit
+    soft-capping, sliding-window layers shorter than the prompt): the post-norms are frozen sites; check 2 (edges
+    equal interventions, tokens / errors / biases and sampled features) and check 3 (the frozen model with its
+    errors gives the unembedding's output, and through the model's own soft-cap its logits); the hook engine gives
+    the same graph; the target tokens' probabilities are the capped logits' (the model's)."""
+    model, hf, lorsas, tcs = attribution_setup("gemma2")
+    adapter = get_adapter(model)
+    roles = [s.role for s in frozen_sites(adapter) if s.layer == 0]
+    assert roles == ["attn_norm", "", "attn_post_norm", "mlp_norm", "", "mlp_post_norm"]
+    ids = random_ids(1, 9, seed=5)[0]
+    g = attribute(rm(model, lorsas, tcs), ids, batch_size=48)
+    k = g.nodes.kind
+    others = ((k == EMBEDDING) | (k == MLP_ERROR) | (k == ATTN_ERROR) | (k == BIAS)).nonzero().flatten()
+    feats = g.feature_ids[torch.randperm(len(g.feature_ids), generator=torch.Generator().manual_seed(0))[:24]]
+    by_intervention, from_graph = intervention_edges(rm(model, lorsas, tcs), g, torch.cat([others, feats]))
+    scale = float(from_graph.abs().max())
+    assert scale > 0 and (by_intervention - from_graph).abs().max() < 1e-5 * max(1.0, scale)
+    got = replacement_logits(rm(model, lorsas, tcs), ids)
+    assert (got - head_logits(hf, ids[None])).abs().max() < 1e-5
+    cap = adapter.final_logit_softcap()
+    with torch.no_grad():
+        logits = hf(ids[None]).logits
+    assert cap is not None and (torch.tanh(got / cap) * cap - logits).abs().max() < 1e-5
+    assert (got - logits).abs().max() > 1e-3  # the cap bites: the graph's logits are the uncapped ones
+    probs = logits[0, -1].softmax(-1)[g.nodes.index[g.logit_ids]]
+    assert torch.allclose(g.logit_probs, probs, atol=1e-6)
+    g2 = attribute_with_hooks(rm(model, lorsas, tcs), ids, batch_size=13)
+    assert torch.allclose(g.densify(), g2.densify(), atol=1e-5 * scale)
+
+
 def test_nnsight_and_hook_engines_agree(llama):
     model, _, lorsas, tcs, ids, g = llama
     g2 = attribute_with_hooks(rm(model, lorsas, tcs), ids, batch_size=13)
@@ -86,10 +118,11 @@ def test_nnsight_and_hook_engines_agree(llama):
     assert torch.equal(g.nodes.kind, g2.nodes.kind)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     """The long-prompt path (constant queries/keys: SDPA for MHSA, Lorsa pattern rows recomputed in
-    chunks of nodes in every pass — several chunks here) gives the same graph."""
+    chunks of nodes in every pass — several chunks here) gives the same graph (Gemma-2's soft-capped MHSA
+    layers keep their patterns: SDPA cannot cap)."""
     import nnsight_lorsa.attribution.frozen as frozen
 
     monkeypatch.setattr(frozen, "ROW_CHUNK_ELEMENTS", 32 * 8 * 3)
@@ -387,7 +420,7 @@ from helpers import make_lorsa
 from nnsight_lorsa import ReplacementModel, get_adapter
 from nnsight_lorsa.attribution import attribute, cache_for_attribution
 from nnsight_lorsa.attribution.engine import build_graph
-model, hf = tiny_nnsight("llama")
+model, hf = tiny_nnsight(sys.argv[1])
 lorsas = {1: make_lorsa(hf, get_adapter(model), 1)}
 tcs = make_transcoders((0, 2))
 r = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
@@ -406,16 +439,18 @@ print("ok", int(remote.feature_rows.sum()))
 """
 
 
-def test_attribution_under_nnsight_remote_local_simulation():
-    """Both traces serialized by nnsight (our code by value) and run back: the same graph, bit for bit.
-    In a fresh interpreter: the test-time type-checking wrappers are not picklable."""
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_attribution_under_nnsight_remote_local_simulation(family):
+    """Both traces serialized by nnsight (our code by value) and run back: the same graph, bit for bit (Gemma-2:
+    its adapter and post-norm sites travel too). In a fresh interpreter: the test-time type-checking wrappers are
+    not picklable."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_ATTRIBUTION], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", REMOTE_LOCAL_ATTRIBUTION, family], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith("ok")
 
@@ -555,7 +590,8 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
     assert node_io.choose("auto", 2**20, 4096, torch.bfloat16) == "gather"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2", "gemma2",
+                                    "gemma3"])
 def test_attribution_from_a_cache_equals_the_traced_graph(family):
     """``attribute(replacement, cache)``: the frozen model wired as plain tensor code from a cache of
     one clean trace (no model forward) gives the traced graph — sequential and parallel (NeoX)

@@ -133,6 +133,17 @@ def test_an_ablated_lorsa_head_is_a_marked_fixed_input(embedded, tmp_path):
     assert sum("intervened" in node for node in to_neuronpedia(clean, slug="clean")["nodes"]) == 0
 
 
+def steered_pass(model, bundle, ids: torch.Tensor, feature: int) -> tuple[Graph, torch.Tensor]:
+    """The graph of a traced pass with layer-0 transcoder feature ``feature`` steered by 2 at the last position,
+    and that pass's unembedding output."""
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=int(ids.numel()) - 1)
+        logits = nnsight.save(model.lm_head.output)
+    return handle.graph, logits
+
+
 def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     """(c) A transcoder feature steered at the last position (tiny model, skip transcoder at layer 2): the
     node's value is the pass's (its activation + delta), marked, with no row; rows sum; logits are the
@@ -143,12 +154,7 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     here = (n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)
     feature = int(n.index[here][0])
     before = float(n.activation[here][0])
-    with model.trace(ids) as tracer:
-        bundle.replace()
-        handle = attribute(bundle, tracer=tracer, batch_size=40)
-        steer(bundle(Feature(0, feature, kind="transcoder")), 2.0, positions=last)
-        logits = nnsight.save(model.lm_head.output)
-    graph = handle.graph
+    graph, logits = steered_pass(model, bundle, ids, feature)
     g = graph.nodes
     i = int(g.intervened.nonzero().flatten().item())
     assert (int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) == (TRANSCODER, 0, last, feature)
@@ -174,6 +180,27 @@ def test_a_steered_transcoder_feature_holds_its_steered_value(tiny):
     later = (g.kind == TRANSCODER) & (g.layer == 2) & (g.pos == last)
     later_clean = (n.kind == TRANSCODER) & (n.layer == 2) & (n.pos == last)
     assert not torch.equal(g.activation[later], n.activation[later_clean])
+
+
+def test_gemma2_traced_pass():
+    """Gemma-2 (post-norms, soft-caps): the unedited traced pass's graph is the clean graph, and a steered
+    transcoder feature's pass sums row by row, with the trace's (uncapped) logits as the logit nodes' values."""
+    model, _, lorsas, tcs = attribution_setup("gemma2")
+    bundle = rm(model, lorsas, tcs)
+    ids = random_ids(1, 8, seed=2)[0]
+    clean = attribute(bundle, ids, batch_size=40)
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+    same_graph(handle.graph, clean)
+    last = int(ids.numel()) - 1
+    n = clean.nodes
+    feature = int(n.index[(n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)][0])
+    graph, logits = steered_pass(model, bundle, ids, feature)
+    assert int(graph.nodes.intervened.sum()) == 1
+    assert graph.edge_sum_error("mass").max() < 1e-6 and graph.edge_sum_error().median() < 1e-5
+    got, want = demeaned_logits(graph, logits)
+    assert relative(got, want) < 1e-5 and relative(clean.values[clean.logit_ids].double(), want) > 1e-3
 
 
 def test_inside_a_local_session(tiny):

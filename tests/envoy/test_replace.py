@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, LAYER, TESTS, hooked, make_lorsa, module_state, random_ids, tiny_nnsight, unembed
+from helpers import (
+    FAMILIES,
+    LAYER,
+    TESTS,
+    head_logits,
+    hooked,
+    make_lorsa,
+    module_state,
+    random_ids,
+    tiny_nnsight,
+    unembed,
+)
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, TraceOrderError
@@ -21,7 +32,7 @@ def setup(request):
 def test_error_term_reproduces_logits(setup):
     model, hf, adapter, lorsas = setup
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     with model.trace(ids):
         lorsas.replace(layer=LAYER, error=True)
         logits = unembed(model).output.save()
@@ -32,9 +43,9 @@ def test_error_term_reproduces_logits(setup):
 def test_replace_matches_hooked_reference_and_changes_output(setup):
     model, hf, adapter, lorsas = setup
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     with hooked(hf, adapter, {LAYER: lorsas[LAYER]}):
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     with model.trace(ids):
         site = lorsas.replace(layer=LAYER)
         z = site.hook_z.output.save()
@@ -59,7 +70,7 @@ def test_edit_heads_in_trace_matches_reference(setup):
         return z
 
     with hooked(hf, adapter, {LAYER: lorsas[LAYER]}, edit=edit):
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     with model.trace(ids):
         site = lorsas.replace(layer=LAYER)
         site.hook_z.output[:, :, 3] = 0
@@ -73,7 +84,7 @@ def test_error_term_is_held_fixed_under_edits(setup):
     """With error=True an edit changes the output by exactly the edited Lorsa's change."""
     model, hf, adapter, lorsas = setup
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     lorsa = lorsas[LAYER]
     captured = {}
 
@@ -94,7 +105,7 @@ def test_error_term_is_held_fixed_under_edits(setup):
         return adapter.with_attention_output(output, adapter.attention_output(output) + delta)
 
     h = adapter.attention_module(hf, LAYER).register_forward_hook(add_delta)
-    want = hf(ids).logits
+    want = head_logits(hf, ids)
     h.remove()
     with model.trace(ids):
         site = lorsas.replace(layer=LAYER, error=True)

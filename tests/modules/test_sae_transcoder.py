@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import (
     D,
+    head_logits,
     hooked,
     make_clt,
     make_lorsa,
@@ -28,7 +29,14 @@ from nnsight_lorsa import (
     TranscoderSet,
     get_adapter,
 )
-from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, LayerOutOfRangeError, ShapeError, TraceOrderError
+from nnsight_lorsa.errors import (
+    CheckpointError,
+    ConfigMismatchError,
+    LayerOutOfRangeError,
+    ShapeError,
+    TraceOrderError,
+    UnsupportedArchitectureError,
+)
 from nnsight_lorsa.modules import (
     BatchTopK,
     CLTConfig,
@@ -40,7 +48,7 @@ from nnsight_lorsa.modules import (
     make_activation,
 )
 
-FAMILIES = ("llama", "neox", "gpt2")
+FAMILIES = ("llama", "neox", "gpt2", "gemma2")
 LAYER = 1
 
 
@@ -311,7 +319,7 @@ def test_transcoder_in_trace(fam):
     tc = make_transcoder()
     tcs = TranscoderSet(model, {LAYER: tc})
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     seen: list = []
     with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, seen=seen))):
         hf(ids)
@@ -320,7 +328,7 @@ def test_transcoder_in_trace(fam):
         for edit in (None, zero_feature(f)):
             with forward_hooks((adapter.mlp_module(hf, LAYER), coder_hook(tc, reads_output=False, edit=edit,
                                                                             error=error))):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = tcs.replace(layer=LAYER, error=error)
                 acts = site.hook_sae_acts_post.output.clone().save()
@@ -343,7 +351,7 @@ def test_sae_on_residual_stream_in_trace(fam):
     saes = SAESet(model, {site_path: sae})
     layer = adapter.get_module(hf, site_path)
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     seen: list = []
     with forward_hooks((layer, coder_hook(sae, reads_output=True, seen=seen))):
         hf(ids)
@@ -351,7 +359,7 @@ def test_sae_on_residual_stream_in_trace(fam):
     for error in (False, True):
         for edit in (None, zero_feature(f)):
             with forward_hooks((layer, coder_hook(sae, reads_output=True, edit=edit, error=error))):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = saes.replace(site_path, error=error)
                 acts = site.hook_sae_acts_post.output.clone().save()
@@ -373,7 +381,7 @@ def test_sae_on_tuple_output_site_and_several_invokes():
     saes = SAESet(model, {path: sae})
     ids = random_ids(batch=3)
     with forward_hooks((adapter.attention_module(hf, LAYER), coder_hook(sae, reads_output=True))):
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
             saes.replace()
@@ -391,7 +399,7 @@ def test_clt_in_trace(fam):
     clt = make_clt(skip=True)
     clts = CLTSet(model, clt)
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     with model.trace(ids):
         site = clts.replace()
         acts0 = site.hook_sae_acts_post[0].output.save()
@@ -406,7 +414,7 @@ def test_clt_in_trace(fam):
     for error in (False, True):
         for ed in (None, edit):
             with clt_hooks(hf, adapter, clt, edit=ed, error=error):
-                want = hf(ids).logits
+                want = head_logits(hf, ids)
             with model.trace(ids):
                 site = clts.replace(error=error)
                 a0 = site.hook_sae_acts_post[0].output.clone().save()
@@ -491,7 +499,7 @@ def test_complete_replacement_model_in_one_trace(fam, mlps):
     last = adapter.layer_path(layers[-1])
     saes = SAESet(model, {last: make_sae()})
     ids = random_ids()
-    ref = hf(ids).logits
+    ref = head_logits(hf, ids)
     mlp_ref = (clt_hooks(hf, adapter, clts.clt) if mlps == "clt" else
                forward_hooks(*[(adapter.mlp_module(hf, layer), coder_hook(tcs[layer], reads_output=False))
                                for layer in layers]))
@@ -499,7 +507,7 @@ def test_complete_replacement_model_in_one_trace(fam, mlps):
         stack.enter_context(hooked(hf, adapter, {layer: lorsas[layer] for layer in layers}))
         stack.enter_context(mlp_ref)
         stack.enter_context(forward_hooks((adapter.get_module(hf, last), coder_hook(saes[last], reads_output=True))))
-        want = hf(ids).logits
+        want = head_logits(hf, ids)
     for error in (False, True):
         with model.trace(ids):
             lorsas.replace(error=error)
@@ -638,3 +646,26 @@ def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(k
     assert torch.equal(gx_const, gx_live)
     assert live.grad_fn is not None and any(n.__class__.__name__ == "AccumulateGrad" and n.variable is W
                                             for n in autograd_nodes(live.grad_fn))
+
+
+def test_gemmascope_hooks_are_refused_on_gemma2():
+    """A circuit-tracer transcoder / CLT trained on GemmaScope's sites (``ln2.hook_normalized`` in: before the
+    ``1 + weight`` gain; ``hook_mlp_out`` out: after ``post_feedforward_layernorm``) is refused on Gemma-2, whose
+    MLP site is the MLP module's call; hooks that are the MLP's call (``mlp.hook_in`` / ``mlp.hook_out``), and
+    a family without post-norms, pass."""
+    gemma, _ = tiny_nnsight("gemma2")
+    llama, _ = tiny_nnsight("llama")
+    tc, clt = make_transcoder(), make_clt()
+    gemmascope = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
+    for hooks, match in ((gemmascope, "ln2.hook_normalized"),
+                         ({"feature_input_hook": "mlp.hook_in", "feature_output_hook": "hook_mlp_out"},
+                          "'hook_mlp_out'.*post_feedforward_layernorm")):
+        tc.cfg.extra["circuit_tracer"] = clt.cfg.extra["circuit_tracer"] = hooks
+        with pytest.raises(UnsupportedArchitectureError, match=match):
+            TranscoderSet(gemma, {LAYER: tc})
+        with pytest.raises(UnsupportedArchitectureError, match=match):
+            CLTSet(gemma, clt)
+        TranscoderSet(llama, {LAYER: tc})
+    tc.cfg.extra["circuit_tracer"] = {"feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}
+    TranscoderSet(gemma, {LAYER: tc})
+

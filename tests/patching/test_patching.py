@@ -8,6 +8,7 @@ from helpers import (
     N_HEADS,
     N_LAYERS,
     TESTS,
+    head_logits,
     hooked,
     make_lorsa,
     make_sae,
@@ -41,7 +42,7 @@ from nnsight_lorsa.patching.experiments import (
     random_ablation_control,
 )
 
-PROJ = {"llama": "o_proj", "neox": "dense", "gpt2": "c_proj"}
+PROJ = {"llama": "o_proj", "neox": "dense", "gpt2": "c_proj", "gemma2": "o_proj", "gemma3": "o_proj"}
 
 
 def proj_module(hf, adapter, family, layer):
@@ -55,7 +56,7 @@ def with_proj_edit(hf, adapter, family, layer, edit):
     return proj_module(hf, adapter, family, layer).register_forward_pre_hook(pre)
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gemma2", "gemma3"])
 @torch.no_grad()
 def test_mhsa_interventions_match_hook_reference(family):
     model, hf = tiny_nnsight(family)
@@ -76,7 +77,7 @@ def test_mhsa_interventions_match_hook_reference(family):
 
     h1 = with_proj_edit(hf, adapter, family, 0, edit1)
     h2 = with_proj_edit(hf, adapter, family, 2, edit2)
-    want = hf(ids).logits
+    want = head_logits(hf, ids)
     h1.remove()
     h2.remove()
     with model.trace(ids):
@@ -85,7 +86,7 @@ def test_mhsa_interventions_match_hook_reference(family):
         steer(r(MHSAHead(2, 1)), delta)
         logits = unembed(model).output.save()
     assert (logits - want).abs().max() < 1e-5
-    assert (logits - hf(ids).logits).abs().max() > 1e-4
+    assert (logits - head_logits(hf, ids)).abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -461,3 +462,42 @@ def test_replacement_model_splices_every_set_and_reproduces_the_model():
         ReplacementModel(model, lorsas=LorsaSet(other, {}))
     with pytest.raises(ConfigMismatchError, match="must be a"):
         ReplacementModel(model, saes=[make_sae()])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@torch.no_grad()
+def test_site_order_is_the_execution_order(family):
+    """The order interventions are run in (``ReplacementModel.order_path``) and path patching's SAE-sender steps
+    are the order the model runs a layer's modules in — Gemma-2's post-attention / post-feedforward norms
+    included, each right after the output it normalises."""
+    from nnsight_lorsa.patching.path_patching import _place
+
+    model, hf = tiny_nnsight(family)
+    r = ReplacementModel(model)
+    a = r.adapter
+    paths = [p for p in (a.attention_norm_path(1), a.attention_path(1), a.attention_post_norm_path(1),
+                         a.mlp_norm_path(1), a.mlp_path(1), a.mlp_post_norm_path(1)) if p is not None]
+    assert len(paths) == (6 if family == "gemma2" else 4)
+    ran: list[str] = []
+    handles = [a.get_module(hf, p).register_forward_hook(lambda m, i, o, p=p: ran.append(p)) for p in paths]
+    try:
+        hf(random_ids())
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(paths, key=r.order_path) == ran
+    steps = [_place(r, Feature(p, 0, kind="sae"))[0] for p in ran]  # as SAE senders (on the modules' outputs)
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+@torch.no_grad()
+def test_gemma2_experiments_read_the_models_logits():
+    """Gemma-2 soft-caps its logits after the unembedding: an experiment's metric reads the model's logits (capped),
+    not the unembedding's output."""
+    model, hf = tiny_nnsight("gemma2")
+    ids = random_ids()
+    got = ablation_effect(ReplacementModel(model), ids, [MHSAHead(1, 0)], correct_ids=5, incorrect_ids=9)
+    want = logit_difference(hf(ids).logits, 5, 9)
+    uncapped = logit_difference(head_logits(hf, ids), 5, 9)
+    torch.testing.assert_close(got.baseline, want.cpu())
+    assert (uncapped - want).abs().max() > 1e-3  # the cap bites

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
+from helpers import FAMILIES, SDPA_FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
 
 from nnsight_lorsa.errors import (
     CheckpointError,
@@ -55,9 +55,12 @@ def test_open_gates_reproduce_the_model(family: str) -> None:
     with torch.no_grad():
         ref = model(input_ids=ids).logits
         ref_pad = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation("sdpa")
-        ref_sdpa = model(input_ids=ids).logits
-        model.set_attn_implementation("eager")
+        if family in SDPA_FAMILIES:  # transformers refuses SDPA for Gemma-2 (no soft-capping)
+            model.set_attn_implementation("sdpa")
+            ref_sdpa = model(input_ids=ids).logits
+            model.set_attn_implementation("eager")
+        else:
+            ref_sdpa = ref
     install_gated_attention(model, init_bias=30.0)
     with torch.no_grad():
         out = model(input_ids=ids).logits
@@ -68,7 +71,15 @@ def test_open_gates_reproduce_the_model(family: str) -> None:
     st = edge_statistics(model)
     assert st.active_fraction == 1.0
     seq = ids.shape[1]
-    assert torch.equal(st.possible, torch.full_like(st.possible, (seq * (seq + 1) / 2) + ((seq - 3) * (seq - 2) / 2)))
+
+    def allowed(n: int, window: int | None) -> int:  # causal edges of n tokens, each seeing its last `window` keys
+        return sum(min(i + 1, window or n) for i in range(n))
+
+    # a row of 10 tokens and one of 7 (3 padded), per layer: Gemma-2's sliding layers see their window only
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    windows = [model.config.sliding_window if t == "sliding_attention" else None for t in types]
+    expected = torch.tensor([float(allowed(seq, w) + allowed(seq - 3, w)) for w in windows])
+    assert torch.equal(st.possible, expected[:, None].expand_as(st.possible))
     uninstall_gated_attention(model)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref)

@@ -47,3 +47,19 @@ def test_the_same_loud_model_in_a_wider_range_evaluates_finite(dtype):
         g, w = getattr(got, name), getattr(want, name)
         assert math.isfinite(g), name
         assert abs(g - w) <= 8 * torch.finfo(dtype).eps * abs(w), (name, g, w)
+
+
+def test_gemma2_cross_entropy_is_the_models_own():
+    """Gemma-2 soft-caps its logits after the unembedding (whose output the traces read): ``evaluate``'s CE is the
+    model's own, from its capped logits, not that of the uncapped unembedding output."""
+    from nnsight_lorsa.training.evaluate import next_token_ce
+
+    model, hf = tiny_nnsight("gemma2")
+    ev = evaluate(TranscoderSet(model, {1: make_transcoders([1])[1]}), HELD, at=1, batch_size=4)
+    ids, mask = HELD.tokens[:4], HELD.targets(0, 4)
+    with torch.no_grad():
+        logits = hf(ids).logits
+        ce, n = next_token_ce(logits, ids, mask)
+        uncapped, _ = next_token_ce(hf.lm_head(hf.model(ids).last_hidden_state), ids, mask)
+    assert abs(ev.ce_orig - float(ce) / n) < 1e-5 * float(ce) / n
+    assert abs(float(uncapped) - float(ce)) / float(ce) > 1e-3  # the cap bites
