@@ -60,6 +60,14 @@ class UnsupportedGenerationError(TraceOrderError):
     a token is returned, never a silently unreplaced one. The message names what to use instead."""
 
 
+class InvokeRowsError(TraceOrderError):
+    """A replacement spliced from some ``tracer.invoke`` blocks of a trace (it replaces their rows only) was read
+    or edited from an invoke whose rows it does not replace -- its internals there are computed for no row the
+    model uses; or the site's output does not hold the batch's rows first, so they cannot be told apart. The
+    message names the site, the rows replaced and the rows asked for, and the fix: call ``replace()`` in that
+    invoke too, or once in an empty ``tracer.invoke()`` (the whole batch)."""
+
+
 class ConcurrentTraceError(TraceOrderError):
     """Two threads traced one nnsight model at the same time. nnsight runs a trace's intervention code
     in greenlets bound to the thread that started it and keeps one interleaver per model, so traces of
@@ -154,7 +162,7 @@ class ServerVersionWarning(UserWarning):
 
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
-           "HeldoutConstraintWarning", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
+           "HeldoutConstraintWarning", "InvokeRowsError", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
            "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "ServerVersionError",
            "ServerVersionWarning", "ShapeError",
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",

@@ -6,7 +6,7 @@ activation), the unmodified model (``error=True``), a loop of full-sequence trac
 (generation), or a refusal the case expects (``ArgumentError``). Script only (pytest does not collect it); the
 fast, generated-case checks of what it found are ``tests/patching/test_padding.py``::
 
-    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (509 cases); exit 1 on any wrong case
+    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (533 cases); exit 1 on any wrong case
     PYTHONPATH=. python tests/batch_probe.py --only patching
 
 Outcomes per case: ``correct`` (within the bound), ``named_error`` (an expected ``LorsaError``) or ``wrong``.
@@ -181,6 +181,7 @@ def _invokes(family: str, attn: str) -> None:
                 site.hook_z.output[..., 3] = 0
                 la = unembed(model).output.save()
             with tracer.invoke(b[None]):
+                site = ls.replace(LAYER)  # replace() in each invoke: it replaces the invoke's rows
                 site.hook_z.output[..., 5] = 0
                 zb = site.hook_z.output.save()
                 lb = unembed(model).output.save()
@@ -194,15 +195,36 @@ def _invokes(family: str, attn: str) -> None:
                 lb = unembed(model).output.save()
         ra, rb = rel(la[:, -len(a):], hf(a[None]).logits), rel(lb[:, -len(b):], hf(b[None]).logits)
         record(f"{tag}/error_term_exact", ra < REL and rb < REL, f"{ra:.2e} {rb:.2e}")
+        with model.trace() as tracer:
+            with tracer.invoke(a[None]):
+                la = unembed(model).output.save()
+            with tracer.invoke(b[None]):
+                ls.replace(LAYER)  # this invoke's rows only (docs/nnsight.md)
+                lb = unembed(model).output.save()
+        with model.trace() as tracer:
+            with tracer.invoke(a[None]):
+                wa = unembed(model).output.save()
+            with tracer.invoke(b[None]):
+                pass
+        rb = rel(lb[:, -len(b):], alone(b))
+        record(f"{tag}/replace_in_one_invoke", bool(torch.equal(la, wa)) and rb < REL, f"{rb:.2e}")
+
+        def internals_from_another_invoke(a=a, b=b) -> None:
+            with model.trace() as tracer:
+                with tracer.invoke(a[None]):
+                    site = ls.replace(LAYER)
+                with tracer.invoke(b[None]):
+                    site.hook_z.output.save()
+
+        expect_refusal(f"{tag}/internals_from_an_invoke_not_replaced", internals_from_another_invoke)
     a, b = prompts([8, 8], seed=9)
     with model.trace() as tracer:
         with tracer.invoke(a[None]):
-            site = ls.replace(LAYER)  # a replacement serves the whole batch (docs/nnsight.md)
             la = unembed(model).output.save()
         with tracer.invoke(b[None]):
             lb = unembed(model).output.save()
         with tracer.invoke():  # the whole batch
-            site.hook_z.output[..., 3] = 0
+            ls.replace(LAYER).hook_z.output[..., 3] = 0
     want = alone(torch.stack([a, b]), 3)
     r = rel(torch.cat([la, lb]), want)
     record(f"invokes/{family}-{attn}/empty_invoke_edits_every_row", r < REL, f"{r:.2e}")
@@ -252,6 +274,7 @@ def _generate(model, adapter, kind: str, module, steps: int, tag: str) -> None:
                     la.append(unembed(model).output[:, -1].clone())
                 oa = nnsight.save(tracer.result)
             with tracer.invoke(b[None]):
+                site, _ = spliced(model, adapter, kind, module, error)  # replace() per invoke: its rows
                 lb = nnsight.save([])
                 for _ in tracer.iter[:steps]:
                     zero3(site)

@@ -77,11 +77,12 @@ def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[lis
     """Δℓ for each ablation set (one invoke each; the empty set is the baseline)."""
     model = replacement.model
     saved = []
-    with torch.no_grad(), model.trace() as tracer:
+    every = [t for group in ablations for t, _ in group]  # each invoke through the same splices (the baseline too):
+    with torch.no_grad(), model.trace() as tracer:       # a splice replaces the rows of the invokes that call it
         for group in ablations:
             with tracer.invoke(ids[None]):
                 ordered = sorted(group, key=lambda tp: replacement.order(tp[0]))
-                replacement.prepare([t for t, _ in ordered])
+                replacement.prepare(every)
                 for target, pos in ordered:  # zero ablation of the target at its position
                     tensor, cols = replacement.location(target)
                     tensor[index_at(cols, pos)] = 0

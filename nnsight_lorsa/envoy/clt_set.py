@@ -176,6 +176,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
     def replace(self, key: Any = None, *, error: bool = False) -> Any:
         """Replace the output of every MLP ``0 … n_layers−1`` by the CLT's, in the current trace only.
 
+        Inside ``tracer.invoke(...)``: for that invoke's rows only (other invokes keep the site's own output;
+        :func:`~.splice_chain.splice_chain`, *Rows*).
+
         Call inside ``model.trace(...)`` before anything at or after layer 0's MLP is read.
         Returns the CLT's envoy (``model.clt``), whose per-layer children
         ``hook_sae_acts_pre[l]``, ``hook_sae_acts_post[l]`` (layer ``l``'s features,
@@ -192,6 +195,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         Raises:
             TraceOrderError: the model already ran one of the MLPs in this pass.
             TraceOrderError: called outside a trace.
+            InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
         """
         check_flag(error, "error", "CLTSet.replace")
         return self.splice_one(KEY, self[KEY if key is None else key], error)

@@ -226,6 +226,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MHSA output of ``layer`` by its Lorsa's output, in the current trace only.
 
+        Inside ``tracer.invoke(...)``: for that invoke's rows only (other invokes keep the site's own output;
+        :func:`~.splice_chain.splice_chain`, *Rows*).
+
         Call inside ``model.trace(...)`` or ``model.generate(...)`` before anything at or after that
         layer is read; in a generation it replaces the output for every token (the Lorsa keeps a
         :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). Returns
@@ -246,6 +249,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             TraceOrderError: the model already ran that layer's attention in this pass (also: called
                 inside ``tracer.iter[...]`` at a step after the first).
             TraceOrderError: called outside a trace.
+            InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             UnsupportedGenerationError: inside ``model.generate`` with beam search, contrastive search,
                 assisted or prompt-lookup decoding — here, before the model runs, also when the setting
                 comes from the model's ``generation_config`` (where the traced method cannot be told,

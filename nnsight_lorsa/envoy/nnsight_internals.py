@@ -17,7 +17,9 @@ nnsight version is checked here and nowhere else. What is used:
 * ``nnsight.intervention.interleaver.OutOfOrderError`` — thrown into a worker still parked when the run
   is over (:func:`park_or_end`);
 * ``interleaver.batcher.kwargs`` / ``extra_kwargs`` — the keyword arguments of the traced call
-  (``generate``'s ``num_beams`` …, :func:`run_kwargs`);
+  (``generate``'s ``num_beams`` …, :func:`run_kwargs`); ``Batcher.total`` / ``batching`` with
+  ``Mediator.batch_group`` — the rows of the batch an invoke's worker acts on (:func:`invoke_rows`, :func:`batch_rows`:
+  a replacement spliced from an invoke replaces that invoke's rows);
 * ``Envoy.interleave``'s frame (its ``fn`` local, found through the worker greenlet's parents) — which
   model method the trace runs (``"generate"`` or the forward, :func:`traced_method`);
 * ``Envoy.interleaver``, ``Mediator.worker`` (a greenlet) and ``getcurrent`` as the interleaver module
@@ -106,6 +108,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.interleaver.Interleaver", "batcher", "instance attribute"),
     ("nnsight.intervention.batching.Batcher", "kwargs", "instance attribute"),
     ("nnsight.intervention.batching.Batcher", "extra_kwargs", "instance attribute"),
+    ("nnsight.intervention.batching.Batcher", "total", "instance attribute"),  # invoke rows (invoke_rows, batch_rows)
+    ("nnsight.intervention.batching.Batcher", "batching", "property"),
     ("nnsight.intervention.envoy.Envoy.interleave", "fn", "local"),
     ("nnsight.intervention.envoy.Envoy.interleave", "self", "local"),
     ("nnsight.modeling.transformers.TransformersModel", "_call", "callable"),  # what model.trace runs (traced_method)
@@ -251,7 +255,8 @@ def is_instrumented(module: nn.Module) -> bool:
 class FunctionWorker(Mediator):
     """A :class:`~nnsight.intervention.interleaver.Mediator` whose body is ``fn()``.
 
-    ``batch_group`` is None: the worker sees the whole batch (all invokes), like an edit.
+    ``batch_group`` is None: the worker sees the whole batch (all invokes), like an edit (a splice's worker writes
+    back only the rows of the invokes that asked for it: :func:`invoke_rows`).
     ``tag`` identifies what it does (used to find an existing worker for the same site).
     """
 
@@ -329,12 +334,31 @@ def stood_down(interleaver: Any, fn: Callable[[], Any]) -> Any:
         interleaver.interleaving = was
 
 
-def waiting_under(interleaver: Any, prefix: str) -> bool:
-    """Whether some worker of the run waits on a location under envoy path ``prefix``."""
+def waiting_under(interleaver: Any, prefix: str) -> list[Mediator]:
+    """The workers of the run that wait on a location under envoy path ``prefix`` (empty: none)."""
     # workers served alongside this one may have parked since the interleaver last indexed who
     # waits where; re-index so the module's internals reach them
     interleaver._reindex_parked()
-    return any(p is not None and p.startswith(prefix) for p in interleaver.parked)
+    return [m for m in interleaver.mediators if (p := getattr(m.pending, "provider", None)) is not None
+            and p.startswith(prefix)]
+
+
+def invoke_rows(worker: Mediator) -> tuple[int, int] | None:
+    """The rows ``(start, size)`` of the run's batch that nnsight scopes ``worker``'s reads and edits to: its
+    ``tracer.invoke``'s (``Mediator.batch_group``); None for the whole batch -- ``model.trace(prompt)``'s implicit
+    invoke, an empty ``tracer.invoke()``, an edit, a worker of this package, or a trace in which a single invoke
+    brings rows (nnsight narrows nothing then: ``Batcher.batching``)."""
+    batcher = getattr(worker.interleaver, "batcher", None)
+    group = worker.batch_group
+    if batcher is None or not batcher.batching or group is None:
+        return None
+    return int(group[0]), int(group[1])
+
+
+def batch_rows(interleaver: Any) -> int | None:
+    """How many rows the run's batch has, all invokes together (``Batcher.total``); None when it has no batcher."""
+    batcher = getattr(interleaver, "batcher", None)
+    return None if batcher is None else int(batcher.total)
 
 
 def ran_since_start(worker: Mediator, envoy_path: str) -> int:

@@ -145,11 +145,15 @@ class ReplacementModel:
         """Inside a trace body: splice every replacement this bundle holds, in the order the model runs them.
 
         Returns ``{"lorsas": {layer: envoy}, "transcoders": {layer: envoy} | envoy (CLT),
-        "saes": {site: envoy}}`` for the sets present. ``error`` defaults to :attr:`error`.
+        "saes": {site: envoy}}`` for the sets present. ``error`` defaults to :attr:`error`. Inside
+        ``tracer.invoke(...)``: for that invoke's rows only (:func:`~.splice_chain.splice_chain`, *Rows*); so do
+        :meth:`prepare` and :meth:`location`, which splice too.
 
         Raises:
             TraceOrderError: called after the model reached one of the sites in this forward pass.
             TraceOrderError: called outside a trace.
+            InvokeRowsError: (in the run) a replacement's internals read or edited from an invoke that did not
+                splice it.
         """
         err = self.error if error is None else check_flag(error, "error", "ReplacementModel.replace")
         held = self.sets()

@@ -483,7 +483,8 @@ class ReplacementSet(Generic[K, M]):
         """Splice the module(s) at ``key`` (one, several, or all when None) into the current trace.
 
         Returns the module's envoy for a single key, else a dict ``{key: envoy}``. See the
-        subclass for what is replaced and the envoys' children.
+        subclass for what is replaced and the envoys' children. Inside ``tracer.invoke(...)``: for that invoke's
+        rows only (:func:`~.splice_chain.splice_chain`, *Rows*).
         """
         check_flag(error, "error", f"{type(self).__name__}.replace")
         keys, single = replace_keys(key, self.key_type, list(self), f"{type(self).__name__}.replace")

@@ -114,6 +114,9 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
     def replace(self, site: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the output of ``site`` by its SAE's reconstruction, in the current trace only.
 
+        Inside ``tracer.invoke(...)``: for that invoke's rows only (other invokes keep the site's own output;
+        :func:`~.splice_chain.splice_chain`, *Rows*).
+
         Call inside ``model.trace(...)`` before anything at or after the site is read. Returns
         the SAE's envoy (a dict ``{site: envoy}`` for several; all sites when None), whose
         children ``hook_sae_acts_pre``, ``hook_sae_acts_post`` (features ``(batch, pos, d_sae)``),
@@ -131,6 +134,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             ShapeError: (when the trace runs) the site's output is not ``(…, d_in)``.
             TraceOrderError: the model already ran the site in this pass.
             TraceOrderError: called outside a trace.
+            InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
         return super(SAESet, self).replace(site, error=error)

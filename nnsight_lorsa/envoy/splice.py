@@ -16,7 +16,8 @@ The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP) 
 4. detaches the module when the worker ends — after its swap, or when nnsight unwinds it
    because the trace raised. Nothing survives the trace: no hook, no envoy, no controller.
 
-Values are whole-batch (all invokes of the trace) like ``model.edit()``; reads from a trace
+Rows: inside ``tracer.invoke(...)`` the site is replaced for that invoke's rows only (the module computes on the
+whole batch, the splice writes back the replaced rows: :func:`~.splice_chain.splice_chain`); reads from a trace
 body are narrowed to its invoke's rows by nnsight as usual.
 """
 
@@ -60,9 +61,10 @@ def splice(root: Any, site: SpliceSite, module: nn.Module, *, error: bool = Fals
     """Replace ``site``'s output by ``module``'s for the current trace; return the module's envoy.
 
     Must be called inside a ``model.trace(...)`` body before the model reaches the site.
-    Calling it again for the same site in the same trace (e.g. from a second invoke) returns
-    the same envoy and splices once. A one-site :func:`~.splice_chain.splice_chain`, with the
-    module mounted under the site's own module and its error term through ``module.hook_error``.
+    Inside ``tracer.invoke(...)`` it replaces that invoke's rows; calling it again for the same site in the same
+    trace (e.g. from another invoke) returns the same envoy, splices once and adds the caller's rows. A one-site
+    :func:`~.splice_chain.splice_chain`, with the module mounted under the site's own module and its error term
+    through ``module.hook_error``.
 
     Raises:
         TraceOrderError: called outside a trace.

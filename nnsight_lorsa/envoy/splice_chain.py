@@ -11,6 +11,10 @@ worker ends, even if the trace raised). It differs in two ways:
   input at site ``l`` and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output;
 * each step also receives the site's true output — an SAE reconstructs it.
 
+Rows: called inside ``tracer.invoke(...)`` it replaces that invoke's rows only — the module computes on the whole
+batch and each site writes back only the rows of the invokes that called it (the others keep the site's own output
+bit for bit; :func:`splice_chain`).
+
 The worker serves every forward pass of the run, in order: one for ``model.trace``, one per
 generated token for ``model.generate`` (the prompt, then each cached decoding step), so the
 replacement applies to every token; it ends quietly when the run is over.
@@ -54,12 +58,14 @@ from torch import nn
 
 from .._placement import offloaded, overflowed, past_range, place, resident
 from .._repr import FieldsRepr
-from ..errors import ArgumentError, LorsaError, PlacementError, TraceOrderError
+from ..errors import ArgumentError, InvokeRowsError, LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
     attach,
+    batch_rows,
     current_worker,
     detach,
     find_worker,
+    invoke_rows,
     is_instrumented,
     park_or_end,
     pinned_step,
@@ -121,7 +127,7 @@ def check_overflow(value: torch.Tensor, true_out: torch.Tensor, what: str) -> No
 
 def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tensor,
                hook: nn.Module, what: str = "the replacement's output with its error term", *,
-               edited: bool = True) -> torch.Tensor:
+               edited: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The site's output with the error term: ``true + (out − clean) + (hook(e) − e)``, ``e = true − clean``.
 
     Summed in fp32 (float64 kept) and returned in ``true_out``'s dtype on its device: without edits (``out`` is
@@ -129,7 +135,9 @@ def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tenso
     edited the module's internals or its error) the cast is :func:`to_site`'s, checked for the site dtype's range
     (``what`` names the sum in its error); without, nothing can leave ``true_out``'s values and the cast is
     unchecked (no read). Gradients reach ``out`` and ``hook``'s output, never ``true_out`` or ``clean_out``
-    (held fixed).
+    (held fixed). ``rows`` (an int64 index on ``true_out``'s device; None: all): ``hook`` still sees every row
+    of the batch (nnsight scopes it to each reader's invoke), but only these rows of the sum are cast, checked
+    and returned (``(len(rows), …)``).
 
     Raises:
         PlacementError: an edit took the sum past the range of ``true_out``'s dtype (fp16's 65504).
@@ -140,7 +148,56 @@ def with_error(true_out: torch.Tensor, out: torch.Tensor, clean_out: torch.Tenso
     e = true - clean
     hooked = hook(e.clone())  # an edit in place (``hook_error.output[:] = …``) must not change ``e``
     total = true + (out.to(device=true.device, dtype=work) - clean) + (hooked.to(work) - e)
+    if rows is not None:
+        total, true_out = total.index_select(0, rows), true_out.index_select(0, rows)
     return to_site(total, true_out, what) if edited else total.to(true_out.dtype)
+
+
+class InvokeRows:
+    """The rows of a trace's batch that a splice replaces: every row, or those of the ``tracer.invoke`` blocks
+    that called ``replace()`` (nnsight's ``[start, size]`` row ranges, :func:`~.nnsight_internals.invoke_rows`).
+
+    Attributes:
+        all: every row (a call from ``model.trace(prompt)``'s implicit invoke, an empty ``tracer.invoke()``, a
+            trace whose one invoke brings every row).
+        groups: the ``(start, size)`` ranges of the invokes that called it (when not ``all``).
+    """
+
+    def __init__(self) -> None:
+        self.all = False
+        self.groups: list[tuple[int, int]] = []
+
+    def covers(self, group: tuple[int, int] | None) -> bool:
+        """Whether every row of ``group`` (None: the whole batch) is replaced."""
+        if self.all:
+            return True
+        if group is None:
+            return False
+        start, size = group
+        return all(any(s <= r < s + n for s, n in self.groups) for r in range(start, start + size))
+
+    def add(self, group: tuple[int, int] | None) -> None:
+        """Replace the rows of ``group`` too (None: every row)."""
+        if group is None:
+            self.all = True
+        elif not self.covers(group):
+            self.groups.append(group)
+
+    def index(self, total: int | None, device: torch.device) -> torch.Tensor | None:
+        """The replaced rows as an int64 index on ``device``, None when that is every row of the ``total``."""
+        if self.all or total is None:
+            return None
+        rows = sorted({r for s, n in self.groups for r in range(s, s + n)})
+        return None if len(rows) == total else torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def describe(self) -> str:
+        return "every row" if self.all else "rows " + ", ".join(f"[{s}, {s + n})" for s, n in sorted(self.groups))
+
+
+def describe_rows(group: tuple[int, int] | None) -> str:
+    """How messages name an invoke's rows (None: the whole batch, e.g. an empty ``tracer.invoke()``)."""
+    return "the whole batch (an empty tracer.invoke(), an edit or a worker)" if group is None else \
+        f"rows [{group[0]}, {group[0] + group[1]})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -176,16 +233,28 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     """Replace the outputs of ``chain``'s sites by ``module``'s for the current trace; return its envoy.
 
     Must be called inside a ``model.trace(...)`` body before the model reaches the first site.
-    Calling it again for the same chain in the same trace (the same module and ``error``, e.g. from a
-    second invoke) returns the same envoy and splices once.
+
+    Rows: the sites are replaced for the rows of the batch whose intervention called this — inside
+    ``tracer.invoke(...)`` that invoke's rows (nnsight's ``Mediator.batch_group``,
+    :func:`~.nnsight_internals.invoke_rows`); in ``model.trace(prompt)``'s body, an empty ``tracer.invoke()`` or a
+    trace whose one invoke brings every row, the whole batch. Calling it again for the same chain in the same trace
+    (the same module and ``error``, e.g. from another invoke) returns the same envoy, splices once and adds the
+    caller's rows. The module computes on every row of the batch (its inputs there are the model's own); at each
+    site only the replaced rows of its output are written back (``index_copy``), so the other rows keep the site's
+    own output bit for bit (and their gradient path). A trace body reading or editing the module's internals
+    (``envoy.hook_z.output`` …) from rows it does not replace — values computed for no row the model uses — makes
+    the run raise :class:`~..errors.InvokeRowsError` when the model reaches the site.
 
     Raises:
         TraceOrderError: called outside a trace.
         ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag.
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
-        TraceOrderError: the model already ran one of the sites in this forward pass, or the
-            parent already has a child module or envoy named ``chain.attach_name``; or first called
-            inside ``tracer.iter[...]`` at a step after the first (the splice serves every step).
+        TraceOrderError: the model already ran one of the sites in this forward pass (for the caller's rows, when
+            another invoke spliced the chain first), or the parent already has a child module or envoy named
+            ``chain.attach_name``; or first called inside ``tracer.iter[...]`` at a step after the first (the
+            splice serves every step).
+        InvokeRowsError: in the run, at a site: its internals are read or edited from rows it does not replace,
+            or only some rows are replaced and the site's output is not batch-first (beam search).
     """
     if not chain.site_paths:
         raise LorsaError("a splice chain needs at least one site")
@@ -201,6 +270,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     interleaver = me.interleaver
     parent = root.get(chain.attach_path) if chain.attach_path else root
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
+    group = invoke_rows(me)
+    sites = [root.get(path) for path in chain.site_paths]
     existing = find_worker(interleaver, tag)
     if existing is not None:
         spliced, spliced_error = getattr(existing, "spec", (module, error))
@@ -208,20 +279,17 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             what = (f"error={spliced_error}" if spliced is module else f"another {type(spliced).__name__}")
             raise ArgumentError(
                 f"{chain.site_paths[0]} is already replaced in this trace ({what}); a site is spliced once per "
-                f"trace, so this second replace(..., error={error}) would be ignored. Call replace() once per "
-                "site with the module and error flag you want (a new trace for another setting)")
+                f"trace (every invoke that replaces it shares that splice), so this replace(..., error={error}) "
+                "cannot apply. Call replace() with one module and error flag per site in a trace (a new trace "
+                "for another setting)")
+        rows: InvokeRows = existing.rows
+        if not rows.covers(group):  # a further invoke: its rows too, if the model has not run the sites yet
+            _check_not_started(me, chain, sites, f" for {describe_rows(group)}")
+            rows.add(group)
         return getattr(parent, chain.attach_name)
-    if pinned_step(me) != 0:  # first called in a tracer.iter[...] loop, at a step after the first
-        raise TraceOrderError(
-            f"cannot start replacing {chain.site_paths[0]} at a later generation step (tracer.iter / "
-            "tracer.all): a replacement serves every forward pass of the trace, so it cannot leave the "
-            "earlier steps out. Call replace() once before the loop (it applies to every step of the "
-            "generation) and read or edit its hook points inside the loop")
-    sites = [root.get(path) for path in chain.site_paths]
-    for path, site in zip(chain.site_paths, sites, strict=True):
-        if ran_since_start(me, site.path) > 0:
-            raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
-                                  "call replace() before reading anything at or after that site")
+    _check_not_started(me, chain, sites, "")
+    rows = InvokeRows()
+    rows.add(group)
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
     undo = partial(detach, parent, chain.attach_name, module, is_instrumented(module))
     envoy = attach(parent, chain.attach_name, module)
@@ -254,8 +322,23 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         true_out = chain.get_output(original)
         if i == 0 and not offloaded(module):
             place(module, true_out.device, chain.site_paths[0])
-        may_edit = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
-        diverged = diverged or (error and may_edit)
+        waiting = waiting_under(interleaver, f"{envoy.path}.")  # also re-indexes who waits where
+        for reader in waiting:
+            if not rows.covers(invoke_rows(reader)):
+                raise InvokeRowsError(
+                    f"{envoy.path}: read or edited from an intervention on {describe_rows(invoke_rows(reader))}, "
+                    f"but replace() for {chain.site_paths[0]} was called for {rows.describe()} of the batch only: "
+                    "the replacement's values on other rows are computed for nothing the model uses. Call "
+                    "replace() in that invoke too (it returns the same envoy), or once in an empty "
+                    "tracer.invoke() to replace every row")
+        idx = rows.index(batch_rows(interleaver), true_out.device)
+        if idx is not None and true_out.shape[0] != batch_rows(interleaver):
+            raise InvokeRowsError(
+                f"cannot replace {chain.site_paths[i]} for {rows.describe()} only: its output's first dimension "
+                f"({true_out.shape[0]}) is not the batch's {batch_rows(interleaver)} rows (beam search, or a "
+                "layout that is not batch-first), so the invokes' rows cannot be told apart. Call replace() in "
+                "every invoke, or once in an empty tracer.invoke()")
+        diverged = diverged or (error and bool(waiting))
         clean_out = None
         try:
             with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
@@ -265,24 +348,50 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         except PlacementError as e:  # e.g. an input past an fp16 module's range (to_module): name the site
             raise PlacementError(f"at {chain.site_paths[i]}: {e}") from e
         what = f"at {chain.site_paths[i]}: the {type(module).__name__}'s output ({out.dtype})"
-        check_overflow(out, true_out, what)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # the replaced rows only (the module ran on every row)
+            return t if idx is None else t.index_select(0, idx.to(t.device))
+
+        check_overflow(pick(out), pick(true_out), what)
         if clean_out is not None:  # the clean pass ran apart: the error term subtracts it
-            check_overflow(clean_out, true_out, what.replace("output", "output without edits", 1))
+            check_overflow(pick(clean_out), pick(true_out), what.replace("output", "output without edits", 1))
         if error:
             if clean_out is None:  # nothing could edit so far: the clean pass is the live one
                 clean.clear()
                 clean.update(live)
                 clean_out = out
             out = with_error(true_out, out, clean_out, chain.error_hook(module, i), what + " with its error term",
-                             edited=diverged)  # not diverged: nothing could edit, the sum is true_out exactly
+                             edited=diverged, rows=idx)  # not diverged: nothing could edit, the sum is true_out
         else:
-            out = to_site(out, true_out, what)
+            out = to_site(pick(out), pick(true_out), what)
+        if idx is not None:  # the other invokes' rows: the site's own output, bit for bit
+            out = true_out.index_copy(0, idx, out)
         site.output = chain.set_output(original, out)
         return diverged
 
     try:
-        spawn_worker(interleaver, body, tag).spec = (module, error)
+        worker = spawn_worker(interleaver, body, tag)
+        worker.spec, worker.rows = (module, error), rows
     except BaseException:
         undo()
         raise
     return envoy
+
+
+def _check_not_started(me: Any, chain: SpliceChain, sites: list, whom: str) -> None:
+    """Refuse to start replacing ``chain``'s sites (``whom``: for which rows) once the model has run one of them in
+    this trace's run, or from a generation step after the first (the calling worker ``me``'s ``tracer.iter`` pin).
+
+    Raises:
+        TraceOrderError: names the site and the fix.
+    """
+    if pinned_step(me) != 0:  # first called in a tracer.iter[...] loop, at a step after the first
+        raise TraceOrderError(
+            f"cannot start replacing {chain.site_paths[0]}{whom} at a later generation step (tracer.iter / "
+            "tracer.all): a replacement serves every forward pass of the trace, so it cannot leave the "
+            "earlier steps out. Call replace() once before the loop (it applies to every step of the "
+            "generation) and read or edit its hook points inside the loop")
+    for path, site in zip(chain.site_paths, sites, strict=True):
+        if ran_since_start(me, site.path) > 0:
+            raise TraceOrderError(f"cannot replace {path}{whom}: the model already ran it in this forward pass; "
+                                  "call replace() before reading anything at or after that site")

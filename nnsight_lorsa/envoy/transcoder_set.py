@@ -116,6 +116,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
         """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only.
 
+        Inside ``tracer.invoke(...)``: for that invoke's rows only (other invokes keep the site's own output;
+        :func:`~.splice_chain.splice_chain`, *Rows*).
+
         Call inside ``model.trace(...)`` before anything at or after that layer's MLP is read.
         Returns the transcoder's envoy (a dict ``{layer: envoy}`` for several layers; all layers
         of the set when ``layer`` is None), whose children ``hook_sae_acts_pre``,
@@ -133,6 +136,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             LayerOutOfRangeError: no transcoder for ``layer``.
             TraceOrderError: the model already ran that layer's MLP in this pass.
             TraceOrderError: called outside a trace.
+            InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
         """
         return super(TranscoderSet, self).replace(layer, error=error)

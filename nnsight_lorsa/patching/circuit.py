@@ -125,11 +125,10 @@ def _keep_runs(replacement: ReplacementModel, prompts: torch.Tensor, components:
         chunk = keeps[start:start + per_trace]
         saved: list[torch.Tensor] = []
         with torch.no_grad(), replacement.model.trace() as tracer:
-            for n, keep in enumerate(chunk):
+            for keep in chunk:
                 with tracer.invoke(prompts):
-                    if n == 0:
-                        for layer in lorsa_layers:
-                            replacement.lorsas.replace(layer, error=replacement.error)
+                    for layer in lorsa_layers:  # every invoke: a splice replaces its callers' rows
+                        replacement.lorsas.replace(layer, error=replacement.error)
                     _keep_only(replacement, components, keep, mode, means)
                     saved.append(saved_logits(replacement))
         outs += saved

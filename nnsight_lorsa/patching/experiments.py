@@ -202,10 +202,9 @@ def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tupl
                   values: dict[Target, torch.Tensor], positions: Positions) -> list[torch.Tensor]:
     outs = []
     with replacement.model.trace() as tracer:
-        for i, group in enumerate(groups):
+        for group in groups:
             with tracer.invoke(prompts):
-                if i == 0:
-                    replacement.prepare(t for g in groups for t in g)
+                replacement.prepare(t for g in groups for t in g)  # every invoke: a splice replaces its callers' rows
                 for t in group:
                     patch(Bound(t, replacement), values[t], positions)
                 outs.append(saved_logits(replacement))
@@ -242,6 +241,7 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
             check_padded_positions(replacement, positions, metric is None)
+            replacement.prepare(ordered)  # the baseline runs through the same replacements, unedited
             base = saved_logits(replacement)
         with tracer.invoke(prompts):
             replacement.prepare(ordered)
@@ -318,6 +318,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     pos = positions_index(positions)
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
+            replacement.prepare([src.target])  # the baseline runs through the same Lorsa, unedited
             base = saved_logits(replacement)
         with tracer.invoke(prompts):
             check_padded_positions(replacement, positions, False)

@@ -273,7 +273,8 @@ class _Plan:
 
 
 def _splice_all(replacement: ReplacementModel, lorsa_layers: set[int], features: list[Feature]) -> None:
-    """Splice every Lorsa layer and SAE/transcoder site of the call (first invoke, before any read)."""
+    """Splice every Lorsa layer and SAE/transcoder site of the call for the running invoke's rows (in every invoke,
+    before any read: a splice replaces the rows of the invokes that call it)."""
     todo: list[tuple[tuple[float, float], Any]] = [((float(layer), 1.3), layer) for layer in lorsa_layers]
     todo += [(_place(replacement, f)[0], f) for f in features]
     for _, item in sorted(todo, key=lambda x: x[0]):
@@ -483,14 +484,13 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
     masks: dict[str, Any] = {}  # the clean and corrupt prompts' padding (padding.padding_mask)
     with model.trace() as tracer:
         barriers = [tracer.barrier(len(roles)) for _ in plan.sites]
-        for n, (role, gi) in enumerate(roles):
+        for role, gi in roles:
             prompts = corrupt if role == "B" else clean
             with tracer.invoke(prompts):
                 if role in ("A", "B"):  # first: the model's inputs
                     masks[role] = nnsight.save(check_padded_positions(replacement, positions,
                                                                       default_metric and role == "A"))
-                if n == 0:
-                    _splice_all(replacement, lorsa_layers, features)
+                _splice_all(replacement, lorsa_layers, features)  # every invoke: a splice replaces its callers' rows
                 for site, barrier in zip(plan.sites, barriers, strict=True):
                     _before(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, recv_sites)
                     barrier()

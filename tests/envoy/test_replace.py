@@ -127,11 +127,11 @@ def test_several_layers_and_invokes():
         want = hf(ids).logits
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
-            sites = lorsas.replace()  # every layer of the set, for the whole batch
+            sites = lorsas.replace()  # every layer of the set, for this invoke's rows
             z0 = sites[0].hook_z.output.save()
             first = unembed(model).output.save()
         with tracer.invoke(ids[1:]):
-            z2 = sites[2].hook_z.output.save()
+            z2 = lorsas.replace()[2].hook_z.output.save()  # the same splices, for these rows too
             rest = unembed(model).output.save()
     assert z0.shape[0] == 1 and z2.shape[0] == 2
     assert (torch.cat([first, rest]) - want).abs().max() < 1e-5

@@ -384,10 +384,10 @@ def test_sae_on_tuple_output_site_and_several_invokes():
         want = head_logits(hf, ids)
     with model.trace() as tracer:
         with tracer.invoke(ids[:1]):
-            site = saes.replace()[path]
+            saes.replace()
             first = unembed(model).output.save()
         with tracer.invoke(ids[1:]):
-            acts = site.hook_sae_acts_post.output.save()
+            acts = saes.replace()[path].hook_sae_acts_post.output.save()  # replace() per invoke: its rows
             rest = unembed(model).output.save()
     assert acts.shape == (2, 10, 128) and ((acts > 0).sum(-1) <= 6).all()
     assert (torch.cat([first, rest]) - want).abs().max() < 1e-5

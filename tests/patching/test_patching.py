@@ -161,6 +161,33 @@ def test_lorsa_head_interventions_match_hooked_reference():
 
 
 @torch.no_grad()
+def test_multi_invoke_experiments_replace_in_every_invoke():
+    """A splice replaces the rows of the invokes that call it: ``ablation_effect``'s baseline invoke, each of
+    ``circuit``'s keep runs and ``circuit_metrics``' baseline go through the replacement too (``error=False``: the
+    replacement differs from the model, so a baseline left on the model would show)."""
+    from nnsight_lorsa.attribution.checks import _delta
+    from nnsight_lorsa.patching.circuit import _keep_runs
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter)
+    r = ReplacementModel(model, lorsas=LorsaSet(model, {1: lorsa}), error=False)
+    ids = random_ids()
+    with hooked(hf, adapter, {1: lorsa}):
+        replaced = hf(ids).logits
+    assert (replaced - hf(ids).logits).abs().max() > 1e-3
+    res = ablation_effect(r, ids, [LorsaHead(1, 3)], correct_ids=5, incorrect_ids=6)
+    assert (res.baseline - logit_difference(replaced, 5, 6)).abs().max() < 1e-5
+    heads = [MHSAHead(1, 0), LorsaHead(1, 3), LorsaHead(1, 5)]  # an MHSA head is read inside the Lorsa's layer
+    keep = torch.ones(ids.shape[0], len(heads), dtype=torch.bool)
+    for out in _keep_runs(r, ids, heads, [keep, keep, keep], "zero", None):
+        assert (out - replaced).abs().max() < 1e-5
+    # circuit_metrics' single ablations: the baseline (the empty set) through the replacement as well
+    base, _ = _delta(r, ids[0], [[], [(LorsaHead(1, 3), -1)]], 5, 6)
+    assert abs(float(base) - float(replaced[0, -1, 5] - replaced[0, -1, 6])) < 1e-5
+
+
+@torch.no_grad()
 def test_feature_interventions_match_hook_reference():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
