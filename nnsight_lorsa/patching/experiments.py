@@ -150,7 +150,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
     every = replacement.sort({t for g in groups for t in g})
     with torch.no_grad():
         values, clean_logits, clean_mask = _read_all(replacement, clean, every, positions, metric is None)
-        corrupt_logits, corrupt_mask = _run(replacement, corrupt)
+        corrupt_logits, corrupt_mask = _run(replacement, corrupt, every)
         check_same_padding(clean_mask, corrupt_mask, "activation_patching")
         patched = []
         for start in range(0, len(groups), groups_per_trace):
@@ -191,9 +191,14 @@ def check_padded_positions(replacement: ReplacementModel, positions: Positions,
     return mask
 
 
-def _run(replacement: ReplacementModel, prompts: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _run(replacement: ReplacementModel, prompts: Any,
+         targets: list[Target]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits and padding mask of ``prompts`` through the replacements ``targets`` need (as the clean and the
+    patched runs: with ``error=False`` the replacement is not the model, so a baseline left on the model would not
+    be the patched runs' "nothing patched")."""
     with replacement.model.trace(prompts):
         mask = nnsight.save(padding_mask(replacement.model))
+        replacement.prepare(targets)
         logits = saved_logits(replacement)
     return logits, mask
 

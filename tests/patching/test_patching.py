@@ -188,6 +188,23 @@ def test_multi_invoke_experiments_replace_in_every_invoke():
 
 
 @torch.no_grad()
+def test_activation_patching_corrupt_baseline_goes_through_the_replacement():
+    """``error=False``: the corrupt baseline runs through the same replacements as the clean and the patched runs
+    (it ran on the plain model: with ``clean == corrupt`` its metric differed from the clean one)."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter)
+    r = ReplacementModel(model, lorsas=LorsaSet(model, {1: lorsa}), error=False)
+    ids = random_ids()
+    with hooked(hf, adapter, {1: lorsa}):
+        replaced = logit_difference(hf(ids).logits, 5, 6)
+    assert (replaced - logit_difference(hf(ids).logits, 5, 6)).abs().max() > 1e-3  # the replacement shows
+    res = activation_patching(r, ids, ids, [LorsaHead(1, 3)], correct_ids=5, incorrect_ids=6)
+    for got in (res.clean, res.corrupt, res.patched[0]):
+        assert (got - replaced).abs().max() < 1e-5
+
+
+@torch.no_grad()
 def test_feature_interventions_match_hook_reference():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
