@@ -569,8 +569,10 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     then the kept rows' adjacency and residuals (:func:`_sparse_pruned`); no entry is copied out of the store. Either
     way the pruned graph keeps its kept rows' causal blocks over its kept sources (:func:`_kept_blocks`, a
     :class:`.blocks.BlockAdjacency` as the unpruned graph's — the kept nodes are mostly error and embedding nodes,
-    whose rows are empty; a dense ``k × k`` matrix until 2026-11-26), and ``prune_rows``'s kept edges are freed
-    before it is built. Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    whose rows are empty; a dense ``k × k`` matrix until 2026-11-26), and ``prune_rows`` gathers no kept edges
+    (``keep_edges=False``: the graph keeps every stored edge among the kept nodes; its dangling-node loop re-reads
+    them): the edge scores, 8 B per entry among the node-pruned nodes, are its one value-sized part. Temporaries: one
+    :data:`CHUNK_ENTRIES` chunk's."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
@@ -592,7 +594,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         infl[:ns] = row_influence(store, ids, lw, ns)
         first = (infl >= find_threshold(infl, node_threshold)) | always
         # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors
-        node_mask = prune_rows(store, ids, lw, first, always, kind, edge_threshold, ns)[0]  # kept edges freed
+        node_mask = prune_rows(store, ids, lw, first, always, kind, edge_threshold, ns, keep_edges=False)[0]
         kept = node_mask.nonzero().flatten()
         adjacency, residual = _block_pruned(store, first, node_mask, kept, layout.nodes.select(kept))
         stored = store.entries()
@@ -607,7 +609,7 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         # on the stored entries in place (rows mapped to their nodes by row_node)
         first = node_mask
         node_mask = prune_rows(_SparseSource(sp), row_node, lw_row, first, always & in_graph, kind, edge_threshold,
-                               ns)[0]  # its kept edges freed before the kept graph is built
+                               ns, keep_edges=False)[0]
         # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
         kept = node_mask.nonzero().flatten()
         adjacency, residual = _sparse_pruned(sp, row_node, first, node_mask, kept, values.dtype,
