@@ -291,7 +291,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
     del assembly, a, k
     if pruned_on:  # the stored entries among the node-pruned nodes (what the edge scores cover), the kept graph
         rows, row_node, node_mask = pruned_on
-        ns = rows.n_cols if hasattr(rows, "n_cols") else rows.rows.n_cols  # entries (before), the store's view
+        ns = seen["layout"].n_sources  # (BlockAdjacency.n_cols is a method: --modes pruned failed here)
         out.update(among_entries=rows.count_edges(node_mask[:ns], node_mask[row_node]), keep_mass=prune.keep_mass,
                    node_threshold=prune.node_threshold,
                    kept_adjacency_mb=(g.block_adjacency.nbytes if g.block_adjacency is not None
@@ -318,7 +318,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
     out["predicted"] = {"frozen_pass_mb": (t["frozen_per_copy"] * batch + t["frozen_shared"]) / 2**20,
                         "rows_mb": t["rows"] / 2**20, "pruning_mb": t["pruning"] / 2**20,
                         "selection_mb": t["selection"] / 2**20, "fixed_mb": t["fixed"] / 2**20,
-                        "kept_graph_mb": t["kept_graph"] / 2**20,
+                        "kept_graph_mb": t["kept_graph"] / 2**20, "edge_scores_mb": t["edge_scores"] / 2**20,
                         "host_mb": est.host_bytes / 2**20, "stored_entries": t["stored_entries"]}
     if mode == "budget":  # the adjacency the graph holds (blocks, or a dense matrix in older versions) and the estimate
         blocks = g.block_adjacency

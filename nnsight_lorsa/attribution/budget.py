@@ -53,19 +53,25 @@ per edge:
 * *pruning* (host, after the frozen pass is freed): over sparse rows, :func:`.scores.prune_rows`'s steps on the stored
   rows in place (chunked passes that read only the rows each step needs; no entry copied out of the store),
   :data:`PRUNE_BYTES_PER_CHUNK_ENTRY` per entry of one chunk (:data:`.rows.CHUNK_ENTRIES`) — also when a budgeted
-  graph's blocks are assembled from them —, plus, with a feature budget, the larger of the edge scores and kept edges
-  (term ``edge_scores``: :data:`PRUNE_BYTES_PER_EDGE` per stored entry between graph nodes, at most the rows × the
-  graph's sources) and the kept graph (term ``kept_graph``: its kept rows' causal blocks, :func:`budget_blocks_bytes`
-  — the kept nodes are mostly error and embedding nodes, whose rows are empty; a dense ``k × k`` matrix, as before,
-  would be bounded only by ``(budget + n_logits + n_sources − n_features)²``, 78 GB at the Llama-3.1-8B shape with
-  4096 tokens). Without a feature budget neither is counted: ``k`` and the entries among the node-pruned nodes depend
-  on the influences, and the structure bounds them only by the full graph's (``k ≤ N``) — measured
-  (``benchmarks/attribution_memory_terms.py``, 64–512 tokens) ``k`` ≤ 754 and ≤ 51 thousand such entries on the
-  embedded model (≤ 2.3 MB, inside the chunk term; the assembly allocates 2.4–8.2 MB), but on a random Llama of
-  ``benchmarks/gpu_scale.py``'s small shape, whose influence is spread evenly, ``k`` = 1,818 / 3,343 at 64 / 128
-  tokens (a dense 12.6 / 42.6 MB) and the assembly allocates 17.9 / 55.6 MB, above the 24 MiB term (the call's peak
-  stayed under the estimate: the frozen pass is larger). Over the full graph's blocks,
-  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured);
+  graph's blocks are assembled from them —; over the full graph's blocks (``keep_mass=1``, no budget),
+  :data:`PRUNE_BLOCK_BYTES_PER_ENTRY` per stored entry (measured: the passes' pieces and the heap around them); plus,
+  whenever pruning, the larger of the edge scores (term ``edge_scores``: :data:`PRUNE_BYTES_PER_EDGE` per stored
+  entry between graph nodes — with a budget at most the rows × the graph's sources, without one every stored entry —
+  and the threshold's running sums, :data:`THRESHOLD_BYTES_PER_CHUNK_ENTRY` per entry of one chunk; the kept edges
+  are not gathered while building, 48 B per entry counted until 2026-11-26) and the kept graph (term
+  ``kept_graph``: its kept rows' causal blocks over its kept sources, :func:`budget_blocks_bytes` — with a budget
+  every row over every source, without one at most the full graph's blocks, as a kept row's block columns are the
+  kept ones among its full-graph block's; the kept nodes are mostly error and embedding nodes, whose rows are empty).
+  Both are bounds: how many nodes and edges the pruning keeps depends on the influences; when it keeps everything it
+  can (``node_threshold = edge_threshold = 1``) the assembly reaches 0.29–0.90 of the pruning term on the tiny
+  test model (``tests/attribution/test_budget_sparse.py``), at the default thresholds a run stays far under it
+  (docs/attribution.md, *The pruned graph without a feature budget*). Until 2026-11-26 the graph pruned without a
+  budget held a dense ``k × k`` matrix (``k ≤ N``) and neither term was counted on that path: the assembly allocated
+  up to 23× the pruning term on the tiny test model (40 tokens, both thresholds 1, the chunks cut to 97 entries) and
+  17.9 / 55.6 MB against 24 MiB on a random Llama of ``benchmarks/gpu_scale.py``'s small shape at 64 / 128 tokens
+  (the call's peak stayed under the estimate there only because the frozen pass was larger); a dense ``k × k`` with
+  a budget was bounded only by ``(budget + n_logits + n_sources − n_features)²``, 78 GB at the Llama-3.1-8B shape
+  with 4096 tokens;
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
   (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
@@ -94,6 +100,7 @@ from .logit_targets import Targets
 from .offload import offload_terms
 from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
+from .scores import CHUNK as SCORES_CHUNK
 from .trace import AttributionCache, Prepared, multiplier_dtype, prepare, refuse_inside_trace
 
 #: ``(P, d_model)`` tensors of one prompt copy the frozen pass holds besides one per skip path
@@ -120,10 +127,15 @@ PRUNE_BYTES_PER_CHUNK_ENTRY = 96
 #: (``benchmarks/attribution_memory_terms.py``, 128-256 tokens) and 1.0-1.5 B (``graph_postprocess_scale``'s full
 #: graphs, 64-256 tokens) — not counted from the structure
 PRUNE_BLOCK_BYTES_PER_ENTRY = 1.5
-#: bytes per entry between graph nodes of :func:`.scores.prune_rows`'s edge scores (float64, freed before the kept
-#: edges are gathered) and kept edges (int64 target and source of each: the per-chunk pieces, their concatenation and
-#: the stacked index, held together at its end): at most 3 · 16 B — each kept edge is one of those entries
-PRUNE_BYTES_PER_EDGE = 48
+#: bytes per entry between graph nodes of :func:`.scores.prune_rows`'s edge scores (float64, sorted in place) while
+#: pruning while building: it gathers no kept edges (``keep_edges=False``; each step of its dangling-node loop re-reads
+#: them, one chunk at a time) — until 2026-11-26 it held them too (int64 target and source of each: the per-chunk
+#: pieces, their concatenation and the stacked index, 48 B per entry counted)
+PRUNE_BYTES_PER_EDGE = 8
+#: bytes per entry of one chunk (:data:`.scores.CHUNK`) of :func:`.scores.find_threshold_`'s running sums over the
+#: sorted edge scores, held beside them: the chunk with the carry, its cumulative sum and that divided by the total
+#: (float64 each; measured on the tiny test model: the scores and these the pruning's peak)
+THRESHOLD_BYTES_PER_CHUNK_ENTRY = 24
 #: float64 source-sized vectors of the influence-ordered selection (its series' current and total influence,
 #: the step's output, the feature scores and their copy, the next weights)
 SELECTION_VECTORS = 6
@@ -146,7 +158,7 @@ class MemoryEstimate(FieldsRepr):
         batch_size: the batch the estimate is for.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
-            and kept edges, of which ``pruning`` holds the larger (0 where not counted);
+            and kept edges, of which ``pruning`` holds the larger (0 unpruned);
             on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
             included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
@@ -251,16 +263,20 @@ def structural_entries(layout: Layout, rows: int | None = None, keep_mass: float
     return int(float(kept.sum()) + layout.n_logits * logit)
 
 
-def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int) -> int:
-    """Bytes of a budgeted graph's adjacency (:func:`.rows.assemble`: a :class:`.blocks.BlockAdjacency` of its
+def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize: int, entries: int | None = None
+                        ) -> int:
+    """Bytes of a budgeted or pruned graph's adjacency (:func:`.rows.assemble`: a :class:`.blocks.BlockAdjacency` of its
     ``n_rows`` computed rows over its ``n = S − (n_features − budget)`` sources; pruned while built,
-    :func:`.rows.assemble_pruned`'s of its kept rows over its kept sources, fewer of each), an upper bound linear in
-    ``P`` for a fixed budget: every row over every source (exact for the
-    logit rows, which read every position), and the block index — one source list per target site
-    (``8 B · n`` each, at most one per row) and two ``8 B · N`` row maps."""
+    :func:`.rows.assemble_pruned`'s of its kept rows over its kept sources, fewer of each), an upper bound: every row
+    over every source (exact for the logit rows, which read every position) — or, given ``entries`` (the full graph's
+    block entries, :meth:`.blocks.BlockAdjacency.entries`: every feature and logit row over the sources upstream of
+    it), at most those, as a kept row's block columns are the kept ones among its full-graph block's (the bound
+    without a feature budget) — and the block index: one source list per target site (``8 B · n`` each, at most one
+    per row) and two ``8 B · N`` row maps. Linear in ``P`` for a fixed budget."""
     n_src = layout.n_sources - (layout.n_features - budget)
     n_sites = int(layout.nodes.sites()[:layout.n_features].unique().numel()) + 1  # the feature sites, the logits'
-    return n_rows * n_src * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
+    cells = n_rows * n_src if entries is None else min(entries, n_rows * n_src)
+    return cells * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
 
 
 def _has_skip(transcoder: Any) -> bool:
@@ -398,9 +414,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
-    kept_graph = edge_scores = 0  # the pruning's value-sized parts: counted where a feature budget bounds them
-    if budget == layout.n_features and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
-        entries = full_graph_blocks(layout, torch.float32).entries()
+    kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges
+    full = full_graph_blocks(layout, torch.float32).entries() if budget == layout.n_features else None
+    if full is not None and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
+        entries = full
         rows = entries * edge_itemsize
         pruning = int(PRUNE_BLOCK_BYTES_PER_ENTRY * entries) if prune else 0  # prune(graph)'s passes on the blocks
     else:  # sparse rows (keep_mass < 1 or a feature budget): the kept entries, 4 B column + value
@@ -410,11 +427,11 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
             rows += budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
         # pruning, or assembling the budgeted graph's blocks: chunked passes over the stored entries
         pruning = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1))
-        if prune and budget < layout.n_features:  # the edge scores and kept edges, then the kept rows' blocks
-            kept_graph = budget_blocks_bytes(layout, n_rows, budget, edge_itemsize)
-            among = min(entries, n_rows * (S - layout.n_features + budget))  # entries between graph nodes
-            edge_scores = PRUNE_BYTES_PER_EDGE * among
-            pruning += max(edge_scores, kept_graph)
+    if prune:  # the edge scores and kept edges, then the kept rows' blocks (with a budget: its rows × sources at most)
+        kept_graph = budget_blocks_bytes(layout, n_rows, budget, edge_itemsize, full)
+        among = min(entries, n_rows * (S - layout.n_features + budget))  # stored entries between graph nodes
+        edge_scores = PRUNE_BYTES_PER_EDGE * among + THRESHOLD_BYTES_PER_CHUNK_ENTRY * min(SCORES_CHUNK, among)
+        pruning += max(edge_scores, kept_graph)
     # a feature budget: the influence-ordered selection between two batches (a chunked pass over the stored
     # rows, and float64 vectors over the sources), while the frozen pass is held
     selection = (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
@@ -506,6 +523,10 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     estimate. With
     ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
     1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
+    With ``prune=`` the pruning term's kept graph and edge scores are bounds too, with or without a feature budget
+    (every stored entry scored, the kept graph at most the full graph's blocks): reached to 0.29–0.90 when the pruning
+    keeps everything it can, far above a run at the default thresholds (docs/attribution.md, *The pruned graph
+    without a feature budget*).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as

@@ -50,9 +50,9 @@ class Graph(FieldsRepr):
         nodes: the :class:`NodeTable` (``[features | errors | embeddings | biases | logits]``).
         adjacency: ``(n_nodes, n_nodes)`` float32, ``adjacency[t, s]`` = direct effect of source
             ``s`` on target ``t``'s pre-activation (for logits: the demeaned logit) in the frozen
-            replacement model. Rows of sources only (errors, embeddings, biases) are zero. The unpruned
-            graph of :func:`.attribute.attribute` (full or budgeted), and a budgeted graph pruned while built,
-            keep only their causal blocks
+            replacement model. Rows of sources only (errors, embeddings, biases) are zero. Every graph of
+            :func:`.attribute.attribute` (full or budgeted, and pruned while built, with or without a budget)
+            keeps only its causal blocks
             (:attr:`block_adjacency`, :class:`BlockAdjacency`: the entries that can be non-zero, ~20 % of
             ``n_nodes²`` on a 4-layer model); reading ``adjacency`` then raises
             :class:`~nnsight_lorsa.errors.DenseAdjacencyError`: the dense matrix (``4 B · n_nodes²`` at
@@ -60,8 +60,7 @@ class Graph(FieldsRepr):
             :meth:`densify`, after which the graph keeps it instead of the blocks. :meth:`edge_sum_error`,
             :meth:`summary`, :attr:`n_edges`, :meth:`save` / :meth:`load` (the blocks as blocks),
             :func:`.scores.prune`, :func:`.scores.graph_scores`, the exports, the plot and the checks read the
-            blocks without it (:meth:`coo`: the non-zero edges, :meth:`edge_values`: chosen edges). A graph
-            pruned without a feature budget holds the dense matrix.
+            blocks without it (:meth:`coo`: the non-zero edges, :meth:`edge_values`: chosen edges).
         values: ``(n_nodes,)`` the frozen model's value of each target (feature pre-activation,
             Lorsa head ``z_pre``, demeaned logit); NaN for source-only nodes. With every feature
             row computed, ``adjacency[t].sum() == values[t]`` (to fp32 rounding).
@@ -120,7 +119,7 @@ class Graph(FieldsRepr):
     def densify(self) -> torch.Tensor:
         """The dense ``(n_nodes, n_nodes)`` adjacency, which the graph keeps from now on (:attr:`adjacency`
         reads it): built from the causal blocks (``4 B · n_nodes²`` at fp32, on the host; the blocks are
-        dropped), or the matrix the graph already holds (a pruned or loaded graph; no copy)."""
+        dropped), or the matrix the graph already holds (a densified or loaded graph; no copy)."""
         a = self._adjacency
         if not isinstance(a, torch.Tensor):
             a = a.dense()

@@ -21,8 +21,8 @@ at most, linear in the prompt's length, never a dense ``n_nodes²`` matrix) or :
 same influence pruning as :func:`.scores.prune` (circuit-tracer's rules, ``circuit_tracer/graph.py``) run on
 the stored rows — node influence, node threshold, edge scores on the node-pruned matrix, edge threshold,
 dangling features and errors removed — without ever holding a dense ``n_nodes²`` adjacency (the kept graph's is
-``k × k``, ``k`` kept nodes; with a feature budget its kept rows' causal blocks, as the unpruned one's). On the full
-graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
+its kept rows' causal blocks over its kept sources, as the unpruned one's, with or without a feature budget). On the
+full graph's blocks these are :func:`.scores.prune`'s own calls on the same blocks (:func:`.scores.row_influence`,
 :func:`.scores.prune_rows`), so the kept nodes are those of ``prune`` on the finished graph, bit for bit; on
 :class:`SparseRows` the same calls on the store in place (its chunks, only the rows each step reads), so with every
 non-zero entry stored (a feature budget) they keep the nodes and edges ``prune`` keeps on the budgeted graph
@@ -566,10 +566,13 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     (:func:`_block_pruned`). On sparse rows the same steps on the stored rows in place (:class:`SparseRows` through
     its source view, rows mapped to nodes by ``row_node``): chunked passes that read only the rows they need — the
     node influence, then those of the node-pruned nodes (edge scores, 8 B each of their entries among those nodes),
-    then the kept rows' adjacency and residuals (:func:`_sparse_pruned`: with a feature budget the kept rows'
-    causal blocks, a :class:`.blocks.BlockAdjacency` as the unpruned budgeted graph's — the kept nodes are mostly
-    error and embedding nodes, whose rows are empty —, else a dense ``k × k`` matrix); no entry is copied out of the
-    store. Temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    then the kept rows' adjacency and residuals (:func:`_sparse_pruned`); no entry is copied out of the store. Either
+    way the pruned graph keeps its kept rows' causal blocks over its kept sources (:func:`_kept_blocks`, a
+    :class:`.blocks.BlockAdjacency` as the unpruned graph's — the kept nodes are mostly error and embedding nodes,
+    whose rows are empty; a dense ``k × k`` matrix until 2026-11-26), and ``prune_rows`` gathers no kept edges
+    (``keep_edges=False``: the graph keeps every stored edge among the kept nodes; its dangling-node loop re-reads
+    them): the edge scores, 8 B per entry among the node-pruned nodes, are its one value-sized part. Temporaries: one
+    :data:`CHUNK_ENTRIES` chunk's."""
     nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
     row_node, lw_row = scheduler.row_nodes()
     kind = layout.nodes.kind
@@ -591,9 +594,9 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         infl[:ns] = row_influence(store, ids, lw, ns)
         first = (infl >= find_threshold(infl, node_threshold)) | always
         # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors
-        node_mask, _ = prune_rows(store, ids, lw, first, always, kind, edge_threshold, ns)
+        node_mask = prune_rows(store, ids, lw, first, always, kind, edge_threshold, ns, keep_edges=False)[0]
         kept = node_mask.nonzero().flatten()
-        adjacency, residual = _block_pruned(store, first, node_mask, kept)
+        adjacency, residual = _block_pruned(store, first, node_mask, kept, layout.nodes.select(kept))
         stored = store.entries()
     else:
         sp = scheduler.sparse()
@@ -605,13 +608,12 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
         # 2.–3. edge scores on the node-pruned matrix, edge threshold, dangling features / errors (scores.prune's),
         # on the stored entries in place (rows mapped to their nodes by row_node)
         first = node_mask
-        node_mask, _ = prune_rows(_SparseSource(sp), row_node, lw_row, first, always & in_graph, kind, edge_threshold,
-                                  ns)
+        node_mask = prune_rows(_SparseSource(sp), row_node, lw_row, first, always & in_graph, kind, edge_threshold,
+                               ns, keep_edges=False)[0]
         # 4. the kept nodes' graph: every stored edge among them, the rest of each row in its residual
         kept = node_mask.nonzero().flatten()
-        budgeted = scheduler.budget < nf  # then the kept rows' causal blocks, as the unpruned budgeted graph's
         adjacency, residual = _sparse_pruned(sp, row_node, first, node_mask, kept, values.dtype,
-                                             layout.nodes.select(kept) if budgeted else None)
+                                             layout.nodes.select(kept))
         stored = sp.nnz
     computed = torch.zeros(kept.numel(), dtype=torch.bool, device=HOST)
     computed[_graph_index(kept, n_all)[row_node[node_mask[row_node]]]] = True
@@ -621,23 +623,22 @@ def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tenso
     meta = {**meta, "pruned": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                                "keep_mass": scheduler.keep_mass, "stored_entries": int(stored)}}
     return Graph(tokens=layout.tokens, nodes=layout.nodes.select(kept),
-                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks (a budget): densified only by densify()
+                 adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified only by graph.densify()
                  values=all_values[kept], logit_probs=layout.logit_probs, feature_rows=computed, layout_ids=kept,
                  prompt=prompt, meta=meta, residual=residual.to(adjacency.dtype))
 
 
 def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor, node_mask: torch.Tensor,
-                   kept: torch.Tensor, empty_dtype: torch.dtype, nodes: Any = None
-                   ) -> tuple[torch.Tensor | BlockAdjacency, torch.Tensor]:
+                   kept: torch.Tensor, empty_dtype: torch.dtype, nodes: Any) -> tuple[BlockAdjacency, torch.Tensor]:
     """``(adjacency, residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``, within the
     node-pruned ``first``; both ``(n_all,)`` bool) from the stored sparse rows (row ``r`` the target
     ``row_node[r]``), in two chunked passes: each kept row's residual is its stored residual, then its entries
     outside the ``first`` nodes, then those among them but dropped later, each added in storage order (float64);
     the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``:
-    a dense ``(k, k)`` matrix, or with ``nodes`` (the kept nodes' :class:`.graph.NodeTable`; a feature budget) the
-    kept rows' causal blocks (:class:`.blocks.BlockAdjacency`: at most ``rows × kept sources`` — the kept nodes are
-    mostly error and embedding nodes, whose rows are empty), written :data:`CHUNK_ENTRIES` dense entries of rows at
-    a time. Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    the kept rows' causal blocks over the kept sources (:func:`_kept_blocks`; ``nodes``: the kept nodes'
+    :class:`.graph.NodeTable` — at most ``kept rows × kept sources``, and at most the full graph's blocks of the kept
+    rows; the kept nodes are mostly error and embedding nodes, whose rows are empty), written :data:`CHUNK_ENTRIES`
+    dense entries of rows at a time. Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
     n_all = node_mask.numel()
     index = _graph_index(kept, n_all)
     dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
@@ -655,46 +656,42 @@ def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor
         outside.index_add_(0, row[dropped], val[dropped].double())
         return edge
 
-    adjacency: torch.Tensor | BlockAdjacency
-    if nodes is None:
-        adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=dtype, device=HOST)
-        for row, col, val in rows.chunks(row_kept):
+    live = row_kept.nonzero().flatten()  # the kept stored rows, in storage order
+    at = index[row_node]  # each stored row's graph index
+    adjacency, n_src = _kept_blocks(nodes, kept, rows.n_cols, at[live], dtype)
+    group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
+    slot = torch.full((row_node.numel(),), -1, dtype=torch.long, device=HOST)
+    for g0 in range(0, live.numel(), group):
+        part = live[g0:g0 + group]
+        mask = torch.zeros(row_node.numel(), dtype=torch.bool, device=HOST)
+        mask[part] = True
+        slot[part] = torch.arange(part.numel(), device=HOST)
+        dense = torch.zeros(part.numel(), n_src, dtype=dtype, device=HOST)
+        for row, col, val in rows.chunks(mask):
             edge = among(row, col, val)
-            adjacency[index[row_node[row[edge]]], index[col[edge]]] = val[edge]
+            dense[slot[row[edge]], index[col[edge]]] = val[edge]
             del row, col, val, edge
-    else:
-        n_src = int((kept < rows.n_cols).sum())  # the kept sources come first
-        live = row_kept.nonzero().flatten()  # the kept stored rows, in storage order
-        at = index[row_node]  # each stored row's graph index
-        adjacency = BlockAdjacency(nodes.sites(), nodes.pos, n_src, at[live].sort().values, dtype)
-        group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
-        slot = torch.full((row_node.numel(),), -1, dtype=torch.long, device=HOST)
-        for g0 in range(0, live.numel(), group):
-            part = live[g0:g0 + group]
-            mask = torch.zeros(row_node.numel(), dtype=torch.bool, device=HOST)
-            mask[part] = True
-            slot[part] = torch.arange(part.numel(), device=HOST)
-            dense = torch.zeros(part.numel(), n_src, dtype=dtype, device=HOST)
-            for row, col, val in rows.chunks(mask):
-                edge = among(row, col, val)
-                dense[slot[row[edge]], index[col[edge]]] = val[edge]
-                del row, col, val, edge
-            adjacency.write(at[part], dense)
-            del dense
+        adjacency.write(at[part], dense)
+        del dense
     residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
     residual[index[row_node[row_kept]]] = outside[row_kept]
     return adjacency, residual
 
 
-def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.Tensor, kept: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(adjacency (k, k), residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``) from the
-    full graph's causal blocks, cell by cell: every stored edge among them, and each kept row's sum of everything
+def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.Tensor, kept: torch.Tensor,
+                  nodes: Any) -> tuple[BlockAdjacency, torch.Tensor]:
+    """``(adjacency, residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``) from the full
+    graph's causal blocks, cell by cell: every stored edge among them, and each kept row's sum of everything
     else — the row's sum outside the node-pruned (``first``) nodes, then its entries among those but dropped
     later added one by one in its block's column order (float64), as the entry list of the former code added them.
-    Temporaries: one cell's block in float64."""
+    The adjacency is the kept rows' causal blocks over the kept sources (``nodes``: the kept nodes'
+    :class:`.graph.NodeTable`; :func:`_kept_blocks`, as :func:`_sparse_pruned`'s): a kept target's block columns are
+    the kept ones among its full-graph block's, so it holds at most the full graph's blocks of the kept rows.
+    Temporaries: one cell's block in float64, and :data:`CHUNK_ENTRIES` dense entries of kept rows at a time."""
     index = _graph_index(kept, blocks.n)
-    adjacency = torch.zeros(kept.numel(), kept.numel(), dtype=blocks.dtype, device=HOST)
+    written = torch.cat(blocks.cell_rows) if blocks.cell_rows else kept[:0]
+    adjacency, n_src = _kept_blocks(nodes, kept, blocks.n_sources, index[written[node_mask[written]]], blocks.dtype)
+    group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # kept rows densified at a time
     outside = torch.zeros(blocks.n, dtype=torch.float64, device=HOST)
     for rows, cols, block in blocks.items():
         rk, ck = first[rows].nonzero().flatten(), first[cols].nonzero().flatten()
@@ -705,5 +702,20 @@ def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.
         dropped = torch.where(fr[:, None] & fc[None, :], 0.0, sub.double())
         rest[rk] = torch.cat([rest[rk][:, None], dropped], 1).cumsum(1)[:, -1]  # sequential, as index_add
         outside[rows] = rest
-        adjacency[index[rows[rk[fr]]][:, None], index[cols[ck[fc]]][None, :]] = sub[fr][:, fc]
+        targets, sources, kept_sub = index[rows[rk[fr]]], index[cols[ck[fc]]], sub[fr][:, fc]
+        for r0 in range(0, targets.numel(), group):
+            dense = torch.zeros(min(group, targets.numel() - r0), n_src, dtype=blocks.dtype, device=HOST)
+            dense[:, sources] = kept_sub[r0:r0 + group]
+            adjacency.write(targets[r0:r0 + group], dense)
+            del dense
     return adjacency, outside[kept]
+
+
+def _kept_blocks(nodes: Any, kept: torch.Tensor, n_cols: int, targets: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[BlockAdjacency, int]:
+    """``(adjacency, n_src)``: the empty :class:`.blocks.BlockAdjacency` of a pruned graph — over its ``k`` kept nodes
+    (``nodes``, their :class:`.graph.NodeTable`; ``kept``, their ascending layout ids: the ``n_src`` of them below
+    ``n_cols`` are its sources, first), rows ``targets`` (graph indices of the kept nodes whose rows were computed) —
+    which :func:`_sparse_pruned` and :func:`_block_pruned` fill, a group of dense rows at a time."""
+    n_src = int((kept < n_cols).sum())
+    return BlockAdjacency(nodes.sites(), nodes.pos, n_src, targets.sort().values, dtype), n_src

@@ -324,7 +324,8 @@ def node_influence(graph: Graph) -> Float[torch.Tensor, " n_nodes"]:
 
 def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
                row_weight: Float[torch.Tensor, " n_rows"], node_mask: torch.Tensor, always: torch.Tensor,
-               kind: torch.Tensor, edge_threshold: float, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+               kind: torch.Tensor, edge_threshold: float, n_cols: int, keep_edges: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2–3 of the pruning (module docstring) after the node threshold ``node_mask: (n_all,)`` bool, on the
     entries of ``rows`` between two of its nodes (``row_node[r]`` the target of row ``r``; ``always``, ``kind``:
     ``(n_all,)``): the node-pruned matrix's influence (:func:`row_influence` with the mask), edge scores
@@ -336,7 +337,11 @@ def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
     ``rows``: a graph's blocks or entries, or the stored rows of pruning while building (:class:`PrunableRows`).
 
     Memory: the scores of the entries between kept nodes, float64 (``8 B`` each), sorted in place
-    (:func:`find_threshold_`), then the kept edges (``16 B`` each) — never a per-entry copy of the rows.
+    (:func:`find_threshold_`), then the kept edges (``16 B`` each) — never a per-entry copy of the rows. With
+    ``keep_edges=False`` (pruning while building, which keeps every stored edge among the kept nodes) the kept edges
+    are never gathered: each step of the dangling-node loop re-reads them from ``rows`` (``edge_scores``: the same
+    scores, one chunk at a time), so only the scores are held — the same ``node_mask``; ``edge_index`` is then
+    ``(2, 0)``.
     """
     node_mask = node_mask.clone()
     n_all = node_mask.numel()
@@ -354,15 +359,31 @@ def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
         at += score.numel()
     threshold = find_threshold_(scores, edge_threshold) if scores.numel() else None
     del scores
+    feature = (kind == TRANSCODER) | (kind == LORSA)
+    prunable = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
+    empty = torch.zeros(0, dtype=torch.long, device=HOST)
+    if not keep_edges:  # the loop below, each step's edges re-read: those above the threshold between kept nodes
+        while True:  # (the nodes only ever leave the mask: the kept edges of a step are those of the first step
+            old = node_mask.clone()  # between this step's nodes)
+            has_out = torch.zeros(n_all, dtype=torch.bool, device=HOST)
+            has_in = torch.zeros(n_all, dtype=torch.bool, device=HOST)
+            if threshold is not None:
+                for row, col, score in rows.edge_scores(factor, den, col_mask, row_mask):
+                    t = row_node[row]
+                    k = (score >= threshold) & old[t] & old[col]
+                    has_in[t[k]] = True
+                    has_out[col[k]] = True
+            node_mask &= ~prunable | has_out
+            node_mask &= ~feature | has_in
+            node_mask |= always
+            if torch.equal(old, node_mask):
+                return node_mask, torch.stack([empty, empty])
     edges: list[tuple[torch.Tensor, torch.Tensor]] = []
     if threshold is not None:
         for row, col, score in rows.edge_scores(factor, den, col_mask, row_mask):
             k = score >= threshold
             edges.append((row_node[row[k]], col[k]))
-    empty = torch.zeros(0, dtype=torch.long, device=HOST)
     t, s = (torch.cat(e) for e in zip(*edges, strict=True)) if edges else (empty, empty)
-    feature = (kind == TRANSCODER) | (kind == LORSA)
-    prunable = feature | (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     while True:
         old = node_mask.clone()
         has_out = torch.zeros(n_all, dtype=torch.bool, device=HOST)

@@ -19,13 +19,16 @@ from hypothesis import strategies as st
 from benchmarks._alloc_peak import allocation_peak
 from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
 from nnsight_lorsa.attribution.budget import (
+    PRUNE_BLOCK_BYTES_PER_ENTRY,
     PRUNE_BYTES_PER_CHUNK_ENTRY,
     PRUNE_BYTES_PER_EDGE,
+    THRESHOLD_BYTES_PER_CHUNK_ENTRY,
     budget_blocks_bytes,
     kept_entries,
     row_reach,
 )
-from nnsight_lorsa.attribution.rows import CHUNK_ENTRIES, SparseRows
+from nnsight_lorsa.attribution.rows import CHUNK_ENTRIES, SparseRows, full_graph_blocks
+from nnsight_lorsa.attribution.scores import CHUNK as SCORES_CHUNK
 
 ENGINE = sys.modules["nnsight_lorsa.attribution.engine"]
 
@@ -82,6 +85,12 @@ def measured(r, ids, **cfg) -> tuple:
     return g, seen["layout"], seen["scheduler"], seen["peak"]
 
 
+def edge_scores_term(among: int) -> int:
+    """The memory model's ``edge_scores`` for at most ``among`` scored entries: their float64 scores and the
+    threshold's running sums over one chunk of them."""
+    return PRUNE_BYTES_PER_EDGE * among + THRESHOLD_BYTES_PER_CHUNK_ENTRY * min(SCORES_CHUNK, among)
+
+
 def row_bounds(layout, scheduler, keep_mass: float) -> torch.Tensor:
     """The memory model's bound on each stored row's entries (float64, in storage order)."""
     node, _ = scheduler.row_nodes()
@@ -124,19 +133,27 @@ def test_stored_rows_assembly_and_kept_graph_stay_under_the_estimate(tiny, cfg, 
         assert blocks is not None and blocks.dtype == g.residual.dtype
         assert blocks.nbytes + blocks.index_nbytes <= t["kept_graph"] <= t["pruning"]
         assert t["kept_graph"] == budget_blocks_bytes(layout, t["n_rows"], cfg["max_feature_nodes"], itemsize)
-        # the edge scores and kept edges: at most every stored entry between graph nodes (the budget's rows × sources)
+        # the edge scores: at most every stored entry between graph nodes (the budget's rows × sources)
         n_src = layout.n_sources - layout.n_features + cfg["max_feature_nodes"]
         node, _ = scheduler.row_nodes()
         graph_cols = torch.arange(layout.n_sources) >= layout.n_features  # the graph's sources: non-features, and
         graph_cols[node[node < layout.n_features]] = True  # the visited features
         among = rows.count_edges(graph_cols, torch.ones(rows.n_rows, dtype=torch.bool))
-        assert among <= min(t["stored_entries"], t["n_rows"] * n_src) == t["edge_scores"] // PRUNE_BYTES_PER_EDGE
+        scored = min(t["stored_entries"], t["n_rows"] * n_src)
+        assert among <= scored and t["edge_scores"] == edge_scores_term(scored)
         chunk = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, t["stored_entries"])
         assert t["pruning"] == chunk + max(t["edge_scores"], t["kept_graph"])
         if keep_mass >= 1.0:  # every non-zero edge stored: the structure's count is the rows' to < 1 %
             assert float(kept.sum()) >= 0.99 * float(bound.sum()), (int(kept.sum()), float(bound.sum()))
-    else:
-        assert t["kept_graph"] == t["edge_scores"] == 0  # no budget: k ≤ N, not counted (module docstring)
+    else:  # no budget: the kept rows' blocks, at most the full graph's; the edge scores over every stored entry
+        blocks = g.block_adjacency
+        assert blocks is not None and blocks.dtype == g.residual.dtype
+        assert blocks.nbytes + blocks.index_nbytes <= t["kept_graph"] <= t["pruning"]
+        full = full_graph_blocks(layout, torch.float32).entries()
+        assert t["kept_graph"] == budget_blocks_bytes(layout, t["n_rows"], layout.n_features, itemsize, full)
+        assert t["edge_scores"] == edge_scores_term(t["stored_entries"])
+        chunk = PRUNE_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, t["stored_entries"])
+        assert t["pruning"] == chunk + max(t["edge_scores"], t["kept_graph"])
     assert est.host_bytes == t["rows"] + max(est.device_bytes + t["selection"], t["pruning"]) + t["fixed"]
 
 
@@ -242,3 +259,44 @@ def test_any_sparse_configuration_stays_under_its_terms(tiny, seq, seed, keep_ma
     if budget is not None and budget < layout.n_features:
         blocks = g.block_adjacency
         assert blocks is not None and blocks.nbytes + blocks.index_nbytes <= t["kept_graph"]
+
+
+@pytest.mark.parametrize("seq,seed", [(24, 9), (40, 7)])
+@pytest.mark.parametrize("cfg", [PruneConfig(1.0, 1.0), PruneConfig(), PruneConfig(1.0, 1.0, keep_mass=0.9),
+                                 PruneConfig(0.8, 0.98, keep_mass=0.5)],
+                         ids=lambda c: f"{c.node_threshold},{c.edge_threshold},km{c.keep_mass}")
+def test_pruned_without_a_budget_stays_under_its_kept_graph_and_edge_scores_terms(tiny, monkeypatch, cfg, seq, seed):
+    """Pruned while built without a feature budget (the full graph's blocks at ``keep_mass=1``, sparse rows below):
+    the graph keeps its kept rows' causal blocks (not a dense ``k × k``: ``kept_graph`` bounds them by the full
+    graph's blocks), the pruning scores at most every stored entry (``edge_scores``: their float64 scores and the
+    threshold's running sums; no kept edges gathered), and the assembly allocates at most the pruning term. With the
+    store's chunks cut to 97 entries (in its passes and in the model alike) the chunk term no longer hides the
+    value-sized parts: before 2026-11-26 (a dense ``k × k`` and 48 B per kept edge, neither counted) the assembly
+    allocated 1.2-23× the pruning term at ``keep_mass=1`` and 32-1874× on sparse rows here; now 0.29-0.90 of it where
+    the pruning keeps everything it can (asserted ≥ 0.25: the bound is not inflated) and 0.03-0.20 at the default
+    thresholds."""
+    from nnsight_lorsa.attribution import budget as budget_module
+    from nnsight_lorsa.attribution import prune
+    from nnsight_lorsa.attribution import rows as rows_module
+
+    monkeypatch.setattr(rows_module, "CHUNK_ENTRIES", 97)
+    monkeypatch.setattr(budget_module, "CHUNK_ENTRIES", 97)
+    ids = random_ids(1, seq, seed=seed)[0]
+    est = estimate_memory(tiny, ids, batch_size=8, prune=cfg)
+    g, layout, scheduler, peak = measured(tiny, ids, prune=cfg)
+    t = est.terms
+    assert peak <= t["pruning"], (peak, t["pruning"])
+    if cfg.node_threshold == cfg.edge_threshold == 1.0:  # keeping all it can: 0.29-0.90 of the term (measured)
+        assert peak >= 0.25 * t["pruning"], (peak, t["pruning"])
+    blocks = g.block_adjacency
+    assert blocks is not None and blocks.nbytes + blocks.index_nbytes <= t["kept_graph"]
+    full = full_graph_blocks(layout, torch.float32).entries()
+    assert t["kept_graph"] == budget_blocks_bytes(layout, t["n_rows"], layout.n_features, 4, full)
+    assert t["edge_scores"] == edge_scores_term(t["stored_entries"])
+    passes = (int(PRUNE_BLOCK_BYTES_PER_ENTRY * full) if cfg.keep_mass >= 1.0
+              else PRUNE_BYTES_PER_CHUNK_ENTRY * min(97, t["stored_entries"]))
+    assert t["pruning"] == passes + max(t["edge_scores"], t["kept_graph"])
+    if cfg.keep_mass >= 1.0:  # the same matrix as prune of the unpruned graph, as blocks
+        unpruned = attribute(tiny, ids, batch_size=8)
+        keep = prune(unpruned, cfg.node_threshold, cfg.edge_threshold).node_mask.nonzero().flatten()
+        assert torch.equal(g.densify(), unpruned.densify()[keep][:, keep])

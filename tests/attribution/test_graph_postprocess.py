@@ -329,3 +329,23 @@ def test_block_passes_in_small_pieces_give_the_same_bits(graphs, monkeypatch):
         q = prune(g)
         assert torch.equal(node_influence(g), infl) and graph_scores(g) == scores
         assert torch.equal(p.node_mask, q.node_mask) and torch.equal(p.edge_index, q.edge_index)
+
+
+@pytest.mark.parametrize("thresholds", [(0.8, 0.98), (0.5, 0.9), (1.0, 1.0), (0.3, 0.5), (1.0, 0.3)])
+def test_prune_rows_without_gathering_the_kept_edges_keeps_the_same_nodes(graphs, thresholds):
+    """``prune_rows(..., keep_edges=False)`` — pruning while building, whose dangling-node loop re-reads the kept
+    edges from the rows at each step instead of holding them (16-48 B each) — keeps the nodes of the loop on the
+    gathered edges, on a graph's blocks and on its dense matrix's entries, and returns no edges."""
+    from nnsight_lorsa.attribution.scores import find_threshold, graph_rows, prune_rows
+
+    node_threshold, edge_threshold = thresholds
+    for g in graphs.values():
+        kind = g.nodes.kind
+        always = (kind == EMBEDDING) | (kind == BIAS) | (kind == LOGIT) | g.nodes.intervened
+        infl, ids, lw = node_influence(g), torch.arange(g.n_nodes), logit_weights(g)
+        first = (infl >= find_threshold(infl, node_threshold)) | always
+        for rows, n_cols in (graph_rows(g), graph_rows(densified(g))):
+            kept, edges = prune_rows(rows, ids, lw, first, always, kind, edge_threshold, n_cols)
+            again, none = prune_rows(rows, ids, lw, first, always, kind, edge_threshold, n_cols, keep_edges=False)
+            assert torch.equal(kept, again) and none.shape == (2, 0) and edges.shape[1] > 0
+            assert torch.equal(kept, prune(g, node_threshold, edge_threshold).node_mask)

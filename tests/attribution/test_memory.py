@@ -11,8 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import MemoryEstimate, PruneConfig, attribute, estimate_memory
-from nnsight_lorsa.attribution.budget import PRUNE_BLOCK_BYTES_PER_ENTRY, structural_entries
+from nnsight_lorsa.attribution.budget import (
+    PRUNE_BLOCK_BYTES_PER_ENTRY,
+    PRUNE_BYTES_PER_EDGE,
+    THRESHOLD_BYTES_PER_CHUNK_ENTRY,
+    structural_entries,
+)
 from nnsight_lorsa.attribution.graph import LORSA, MLP_ERROR, TRANSCODER
+from nnsight_lorsa.attribution.scores import CHUNK as SCORES_CHUNK
 from nnsight_lorsa.attribution.trace import prepare
 from nnsight_lorsa.errors import (
     ConfigMismatchError,
@@ -51,8 +57,16 @@ def test_estimate_is_monotone_and_consistent(setup):
     assert t["rows"] < 0.5 * (t["n_sources"] + n_logits) ** 2 * 4
     pruned = estimate_memory(r, ids, batch_size=64, prune=PruneConfig())
     assert pruned.terms["rows"] == t["rows"]  # keep_mass=1: the same blocks
-    # pruning them: prune(graph)'s passes on the blocks, per stored entry (measured); unpruned nothing
-    assert pruned.terms["pruning"] == int(PRUNE_BLOCK_BYTES_PER_ENTRY * t["stored_entries"]) and t["pruning"] == 0
+    # pruning them: prune(graph)'s passes on the blocks, per stored entry (measured), and the larger of the edge
+    # scores (8 B per stored entry, and the threshold's running sums over one chunk) and the kept graph (its blocks:
+    # at most the full graph's); unpruned nothing
+    p = pruned.terms
+    scores = PRUNE_BYTES_PER_EDGE * t["stored_entries"] + THRESHOLD_BYTES_PER_CHUNK_ENTRY * min(SCORES_CHUNK,
+                                                                                            t["stored_entries"])
+    assert p["edge_scores"] == scores and p["kept_graph"] > t["rows"]
+    assert p["pruning"] == int(PRUNE_BLOCK_BYTES_PER_ENTRY * t["stored_entries"]) + max(p["edge_scores"],
+                                                                                         p["kept_graph"])
+    assert t["pruning"] == t["kept_graph"] == t["edge_scores"] == 0
     sparse = estimate_memory(r, ids, batch_size=64, prune=PruneConfig(keep_mass=0.9))
     # 8 B per stored entry, 16 B per row (its float64 residual and mass)
     assert sparse.terms["rows"] == 8 * sparse.terms["stored_entries"] + 16 * sparse.terms["n_rows"]
