@@ -4,7 +4,7 @@ Every case compares against a ground truth computed independently of the splice:
 batch 1) with the replacement applied by hand through a plain PyTorch forward hook (``module(x)`` on the hooked
 activation), the unmodified model (``error=True``), a loop of full-sequence traces without a KV cache
 (generation), or a refusal the case expects (``ArgumentError``). Script only (pytest does not collect it); the
-fast, generated-case checks of what it found are ``tests/patching/test_padding.py``::
+fast, generated-case checks of what it found are ``tests/patching/test_patching_padding.py``::
 
     PYTHONPATH=. python tests/batch_probe.py            # ~30 s (533 cases); exit 1 on any wrong case
     PYTHONPATH=. python tests/batch_probe.py --only patching
