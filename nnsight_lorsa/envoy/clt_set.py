@@ -30,6 +30,7 @@ from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
 from ..formats.hook_sites import check_mlp_hooks
 from ..modules.clt import CrossLayerTranscoder
+from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, check_flag, site_placement
 from .splice_chain import SpliceChain
 
@@ -51,7 +52,8 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter, or the CLT file's hooks name another
-            tensor than the MLP module's call (Gemma-2: :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
+            tensor than the MLP module's call (``hook_resid_mid``; ``ln2.hook_normalized`` where the norm has a gain;
+            ``hook_mlp_out`` on Gemma-2: :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         ConfigMismatchError: not a CrossLayerTranscoder; its ``d_model`` differs from the model's, or it
             spans more layers than the model has.
         PlacementError: a CLT on the meta device for a model whose weights are loaded.
@@ -83,7 +85,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             raise ConfigMismatchError(f"CLT has d_model={module.cfg.d_in}, the model has {self.adapter.d_model}")
         if module.n_layers > self.adapter.n_layers:
             raise ConfigMismatchError(f"CLT spans {module.n_layers} layers, the model has {self.adapter.n_layers}")
-        check_mlp_hooks(module, self.adapter)
+        check_mlp_hooks(module, self.adapter, hf_module(self.model), range(module.n_layers))
         return KEY
 
     def missing(self, key: Any) -> Exception:

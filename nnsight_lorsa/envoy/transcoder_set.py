@@ -26,6 +26,7 @@ from .._placement import to_module
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
 from ..formats.hook_sites import check_mlp_hooks
 from ..modules.transcoder import Transcoder
+from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
 from .splice_chain import SpliceChain
 
@@ -44,7 +45,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter, or a transcoder file's hooks name
-            another tensor than the MLP module's call (GemmaScope on Gemma-2: :func:`.hook_sites.check_mlp_hooks`).
+            another tensor than the MLP module's call (``hook_resid_mid``; ``ln2.hook_normalized`` where the norm has a
+            gain; ``hook_mlp_out`` on Gemma-2: :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
         ConfigMismatchError: ``d_in``/``d_out`` differ from the model's ``d_model``, or the
             transcoder records another layer.
@@ -72,7 +74,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             )
         if getattr(cfg, "layer", None) not in (None, layer):
             raise ConfigMismatchError(f"transcoder was trained for layer {cfg.layer}, not layer {layer}")
-        check_mlp_hooks(module, self.adapter)
+        check_mlp_hooks(module, self.adapter, hf_module(self.model), (layer,))
         return layer
 
     def missing(self, key: Any) -> Exception:
