@@ -160,6 +160,10 @@ class SpliceChain(FieldsRepr):
         set_output: a site's return value with that tensor replaced.
         error_hook: ``(module, i) -> nn.Module`` carrying site ``i``'s error term.
         check_call: optional ``(args, kwargs) -> None`` raising on unsupported calls.
+        input_paths: optional, one envoy path per site: the module whose call's ``(args, kwargs)`` the step
+            receives instead of the site's own — a module the model runs after the previous site's and before this
+            one's output (a transcoder reading ``hook_resid_mid``: the pre-MLP norm, whose input is the residual
+            before the norm). None: each site's own inputs.
     """
 
     site_paths: tuple[str, ...]
@@ -170,6 +174,7 @@ class SpliceChain(FieldsRepr):
     set_output: Callable[[Any, torch.Tensor], Any]
     error_hook: Callable[[nn.Module, int], nn.Module]
     check_call: Callable[[tuple, dict], None] | None = None
+    input_paths: tuple[str, ...] | None = None
 
 
 def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: bool = False) -> Any:
@@ -218,10 +223,19 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             "earlier steps out. Call replace() once before the loop (it applies to every step of the "
             "generation) and read or edit its hook points inside the loop")
     sites = [root.get(path) for path in chain.site_paths]
+    if chain.input_paths is not None and len(chain.input_paths) != len(sites):
+        raise LorsaError(f"a splice chain needs one input path per site, got {len(chain.input_paths)} for "
+                         f"{len(sites)} sites")
+    readers = sites if chain.input_paths is None else [root.get(path) for path in chain.input_paths]
     for path, site in zip(chain.site_paths, sites, strict=True):
         if ran_since_start(me, site.path) > 0:
             raise TraceOrderError(f"cannot replace {path}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
+    for reader in readers if chain.input_paths is not None else ():
+        if ran_since_start(me, reader.path) > 0:
+            raise TraceOrderError(f"cannot replace {chain.site_paths[0]}: the model already ran {reader.path} "
+                                  "(whose input the replacement reads) in this forward pass; call replace() before "
+                                  "reading anything at or after that site")
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
     undo = partial(detach, parent, chain.attach_name, module, is_instrumented(module))
     envoy = attach(parent, chain.attach_name, module)
@@ -233,14 +247,14 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         try:
             first = True
             while True:  # every forward pass of the run: each generation step
-                for i, site in enumerate(sites):
+                for i, (site, reader) in enumerate(zip(sites, readers, strict=True)):
                     if not first and i == 0:
-                        more, call = park_or_end(partial(getattr, site, "inputs"))
+                        more, call = park_or_end(partial(getattr, reader, "inputs"))
                         if not more:  # the run is over (no further step)
                             return
                         args, kwargs = call
                     else:
-                        args, kwargs = site.inputs
+                        args, kwargs = reader.inputs
                     diverged = serve(i, site, args, kwargs, live, clean, diverged)
                 first = False
         finally:

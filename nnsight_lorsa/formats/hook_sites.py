@@ -20,7 +20,8 @@ sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``
 
 circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` only
 where the pre-MLP norm has gain 1 and no bias (it is the norm before its gain), ``hook_mlp_out`` only without
-post-norms, and refuses ``hook_resid_mid``.
+post-norms, and ``hook_resid_mid`` (the residual before the pre-MLP norm) where the family has one: the sets then
+read the norm's input (:func:`input_path`).
 
 Loaded modules keep the site they were trained on (``cfg.extra[<format>]["site"]``, ``SAEConfig.hook``,
 ``TranscoderConfig.layer``); :func:`sae_site_path` and :func:`transcoder_layer` read it back so that
@@ -38,8 +39,9 @@ from typing import Any
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "HookSite", "check_mlp_hooks", "sae_site_path", "site_record",
-           "sparsify_hookpoint_site", "transcoder_layer", "transformer_lens_hook_site"]
+__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "check_mlp_hooks", "has_resid_mid",
+           "input_path", "reads_resid_mid", "sae_site_path", "site_record", "sparsify_hookpoint_site",
+           "transcoder_layer", "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,30 @@ NORMALIZED_HOOK = "ln2.hook_normalized"
 POST_NORM_OUTPUT_HOOK = "hook_mlp_out"
 
 
+RESID_MID_HOOK = "hook_resid_mid"
+
+
+def has_resid_mid(adapter: Any) -> bool:
+    """Whether the family has a residual stream between the attention and the MLP, the input of the pre-MLP norm
+    (TransformerLens ``hook_resid_mid``): every supported family but GPT-NeoX with ``use_parallel_residual``."""
+    return not bool(getattr(adapter.config, "use_parallel_residual", False))
+
+
+def reads_resid_mid(module: Any) -> bool:
+    """Whether a transcoder / CLT (or a :class:`~nnsight_lorsa.modules.clt.CLTLayer`, through its ``clt``) reads
+    ``hook_resid_mid`` — the residual stream BEFORE the pre-MLP norm — by its circuit-tracer record."""
+    module = getattr(module, "clt", module)
+    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
+    return isinstance(record, dict) and record.get("feature_input_hook") == RESID_MID_HOOK
+
+
+def input_path(module: Any, adapter: Any, layer: int) -> str:
+    """The module path whose call's first argument ``module`` reads at ``layer``: the pre-MLP norm
+    (``adapter.mlp_norm_path``) for a ``hook_resid_mid`` transcoder / CLT (:func:`reads_resid_mid`), else the MLP
+    (``adapter.mlp_path``; its input is the norm's output)."""
+    return adapter.mlp_norm_path(layer) if reads_resid_mid(module) else adapter.mlp_path(layer)
+
+
 def _norm_is_identity(root: Any, adapter: Any, layer: int) -> bool | None:
     """Whether layer ``layer``'s pre-MLP norm has gain exactly 1 and no (or a zero) bias, so that
     ``ln2.hook_normalized`` equals its output; None while its weights are not loaded (``meta``)."""
@@ -221,9 +247,11 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
                     "(build the set after the model's weights load)" if same is None else
                     f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias): the MLP reads the norm's output "
                     "with its gain, ln2.hook_normalized is the normalised residual before it")
-        if hook == "hook_resid_mid":
-            return (f"it is the residual stream before {adapter.mlp_norm_path(layer)!r} (the norm's input); the MLP "
-                    "reads the norm's output")
+        if hook == RESID_MID_HOOK:
+            if not has_resid_mid(adapter):
+                return (f"{adapter.family} with a parallel residual has no residual stream between the attention and "
+                        f"the MLP ({adapter.mlp_norm_path(layer)!r} reads the layer's input)")
+            return None  # read at the pre-MLP norm's input: input_path
         return "it is not a hook that names the MLP module's input"
     if hook in MLP_OUTPUT_HOOKS:
         return None
@@ -242,9 +270,10 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
     ``feature_output_hook``, kept by the loader in ``cfg.extra["circuit_tracer"]``; source: circuit-tracer
     ``utils/tl_nnsight_mapping.py``, ``replacement_model_transformerlens.py``). Accepted: input
     :data:`MLP_INPUT_HOOKS`, and ``ln2.hook_normalized`` where that layer's norm has gain 1 and no bias (read from
-    the loaded weights: ``norm_gain``); output :data:`MLP_OUTPUT_HOOKS`, and ``hook_mlp_out`` in a family without
-    post-norms. ``hook_resid_mid`` (circuit-tracer's default, GPT-2 / Llama / Gemma-3 transcoders) reads the
-    residual BEFORE the norm: refused. Modules without that record pass.
+    the loaded weights: ``norm_gain``); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
+    transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`) — the sets then read
+    the norm's input (:func:`input_path`); output :data:`MLP_OUTPUT_HOOKS`, and ``hook_mlp_out`` in a family
+    without post-norms. Modules without that record pass.
 
     Args:
         module: the transcoder / CLT (its ``cfg.extra``).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import make_clt, make_transcoder, tiny_nnsight
+from helpers import head_logits, make_clt, make_transcoder, random_ids, tiny_nnsight, unembed
 from peer_reference import PEER_FIXTURES
 
 from nnsight_lorsa import CLTSet, TranscoderSet, get_adapter
@@ -56,28 +56,129 @@ def _unit_norms(hf, adapter) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hook_resid_mid_is_refused(family: str, tmp_path: Path) -> None:
-    """``hook_resid_mid`` (circuit-tracer's default; the residual BEFORE the pre-MLP norm) is refused, naming the
-    hook, the layer and the MLP site we would have used; so is another output than the MLP's."""
+def test_hooks_that_are_not_our_site_are_refused(family: str, tmp_path: Path) -> None:
+    """``hook_resid_mid`` is refused where the family has no residual between attention and MLP (GPT-NeoX with a
+    parallel residual, the tiny model's), naming the hook, the layer, the MLP site and the norm; an output hook
+    other than the MLP's is refused everywhere."""
     model, _ = tiny_nnsight(family)
     adapter = get_adapter(model)
-    tc_dir, clt_dir = _files(tmp_path, "mid", feature_input_hook="hook_resid_mid", feature_output_hook="hook_mlp_out")
-    with pytest.raises(UnsupportedArchitectureError,
-                       match=rf"feature_input_hook: 'hook_resid_mid'.*layer 0.*'{adapter.mlp_path(0)}'"):
+    tc_dir, clt_dir = _files(tmp_path, "mid", feature_input_hook="hook_resid_mid", feature_output_hook="mlp.hook_out")
+    if family == "neox":
+        assert model.config.use_parallel_residual
+        with pytest.raises(UnsupportedArchitectureError, match=rf"feature_input_hook: 'hook_resid_mid'.*layer 0.*"
+                                                               rf"'{adapter.mlp_path(0)}'.*parallel residual"):
+            TranscoderSet.from_pretrained(model, tc_dir)
+        one = load(tc_dir)[LAYER]  # the layer it is bound to is the one named
+        with pytest.raises(UnsupportedArchitectureError, match=rf"'hook_resid_mid'.*layer {LAYER}.*"
+                                                               rf"'{adapter.mlp_path(LAYER)}'.*"
+                                                               rf"'{adapter.mlp_norm_path(LAYER)}'"):
+            TranscoderSet(model, {LAYER: one})
+        with pytest.raises(UnsupportedArchitectureError, match=r"'hook_resid_mid'.*layer 0.*parallel residual"):
+            CLTSet.from_pretrained(model, clt_dir)
+    else:
         TranscoderSet.from_pretrained(model, tc_dir)
-    one = load(tc_dir)[LAYER]  # the layer it is bound to is the one named
-    with pytest.raises(UnsupportedArchitectureError, match=rf"'hook_resid_mid'.*layer {LAYER}.*"
-                                                           rf"'{adapter.mlp_path(LAYER)}'.*"
-                                                           rf"'{adapter.mlp_norm_path(LAYER)}'"):
-        TranscoderSet(model, {LAYER: one})
-    with pytest.raises(UnsupportedArchitectureError,
-                       match=rf"feature_input_hook: 'hook_resid_mid'.*layer 0.*'{adapter.mlp_path(0)}'"):
         CLTSet.from_pretrained(model, clt_dir)
     for out in ("hook_resid_post", "blocks.1.hook_mlp_out", "mlp.hook_post"):
         tc_dir, clt_dir = _files(tmp_path, out, feature_input_hook="mlp.hook_in", feature_output_hook=out)
         for directory, loader in ((tc_dir, TranscoderSet.from_pretrained), (clt_dir, CLTSet.from_pretrained)):
             with pytest.raises(UnsupportedArchitectureError, match=rf"feature_output_hook: '{out}'.*layer 0.*output"):
                 loader(model, directory)
+
+
+def _resid_mid(module):
+    module.cfg.extra["circuit_tracer"] = {"feature_input_hook": "hook_resid_mid", "feature_output_hook": "mlp.hook_out"}
+    return module
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_hook_resid_mid_transcoders_read_the_norm_input(family: str) -> None:
+    """A ``hook_resid_mid`` transcoder / CLT reads the residual BEFORE the pre-MLP norm (the norm's input) and
+    writes the MLP output: its reconstruction equals the module applied to the hooked resid_mid by hand (and not to
+    the MLP input); with ``error=True`` the logits are the plain model's."""
+    model, hf = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    ids = random_ids()
+    with torch.no_grad():
+        plain = head_logits(hf, ids)
+    tc = _resid_mid(_relu_tc())
+    tcs = TranscoderSet(model, {LAYER: tc})
+    with model.trace(ids):
+        site = tcs.replace(LAYER, error=True)
+        args, kwargs = model.get(adapter.mlp_norm_path(LAYER)).inputs
+        mid = (args[0] if args else kwargs["hidden_states"]).save()
+        mlp_in = model.get(adapter.mlp_path(LAYER)).inputs[0][0].save()
+        recons = site.hook_sae_recons.output.save()
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        assert torch.allclose(recons, tc(mid), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(recons, tc(mlp_in), rtol=1e-3, atol=1e-3)  # not the MLP input: not vacuous
+    assert torch.equal(logits, plain)  # error=True: the model's own output, bit for bit
+    with model.trace(ids):
+        tcs.replace(LAYER)
+        spliced = unembed(model).output.save()
+    seen = []  # by hand, on the plain HF model: MLP output := tc(the norm's input)
+    pre = hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    post = hf.get_submodule(adapter.mlp_path(LAYER)).register_forward_hook(lambda m, a, o: tc(seen[-1]))
+    try:
+        with torch.no_grad():
+            by_hand = head_logits(hf, ids)
+    finally:
+        pre.remove()
+        post.remove()
+    assert not torch.allclose(by_hand, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+    clt = _resid_mid(make_clt())
+    clts = CLTSet(model, clt)
+    mids: list = []
+    rec: list = []  # filled inside the trace (objects from outside keep what is appended)
+    with model.trace(ids):
+        env = clts.replace(error=True)
+        for layer in range(clt.n_layers):  # in the model's order
+            args, kwargs = model.get(adapter.mlp_norm_path(layer)).inputs
+            mids.append((args[0] if args else kwargs["hidden_states"]).save())
+            rec.append(env.hook_sae_recons[layer].output.save())
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        by_hand = clt(torch.stack(mids))
+    for layer in range(clt.n_layers):
+        assert torch.allclose(rec[layer], by_hand[layer], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, plain)
+
+
+def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() -> None:
+    """The attribution reads each transcoder's input after the frozen pre-MLP norm: a ``hook_resid_mid``
+    transcoder or CLT is refused by name, never a wrong graph. ``evaluate`` of a CLT measures it on resid_mid."""
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.training import TokenDataset, evaluate
+    from nnsight_lorsa.training.metrics import FVUAccumulator
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    ids = random_ids()
+    for transcoders in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
+        with pytest.raises(UnsupportedArchitectureError, match=r"hook_resid_mid.*post_attention_layernorm"):
+            attribute(ReplacementModel(model, transcoders=transcoders), ids[0], max_feature_nodes=8)
+    clt = _resid_mid(make_clt())
+    ev = evaluate(CLTSet(model, clt), TokenDataset(ids), batch_size=2)
+    mids, outs = [], []
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(layer)).register_forward_hook(
+        lambda m, a, o: mids.append(a[0])) for layer in range(clt.n_layers)]
+    hooks += [hf.get_submodule(adapter.mlp_path(layer)).register_forward_hook(
+        lambda m, a, o: outs.append(o)) for layer in range(clt.n_layers)]
+    try:
+        with torch.no_grad():
+            hf(ids)
+            recon = clt(torch.stack(mids))
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer in range(clt.n_layers):
+        acc = FVUAccumulator()
+        acc.update(outs[layer][:, 1:].reshape(-1, adapter.d_model).float(),
+                   recon[layer][:, 1:].reshape(-1, adapter.d_model).float())
+        assert ev.fvu[layer] == pytest.approx(float(acc.value()), rel=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
