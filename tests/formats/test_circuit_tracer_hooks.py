@@ -253,3 +253,50 @@ def test_circuit_tracer_written_clts_record_hook_resid_mid_and_still_load() -> N
     for case in ("clt_relu", "clt_jumprelu"):
         clt = load(PEER_FIXTURES / "circuit_tracer" / case)
         assert clt.cfg.extra["circuit_tracer"]["feature_input_hook"] == "hook_resid_mid"
+
+
+def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
+    """A ``hook_resid_mid`` transcoder and CLT serve every KV-cached generation step (each step's logits equal a
+    full-sequence trace of the same prefix's), and one spliced by a ReplacementModel next to an SAE on the same
+    layer's pre-MLP norm output (spliced first; the transcoder reads the norm's input) gives the hand computation."""
+    import nnsight
+    from helpers import make_sae
+
+    from nnsight_lorsa import SAESet
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    ids = random_ids(1, 6)
+    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
+    for replacements in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
+        with model.generate(ids, **gen) as tracer:
+            replacements.replace()
+            steps = nnsight.save([])
+            for _ in tracer.iter[:4]:
+                steps.append(unembed(model).output[:, -1].clone())
+            out = nnsight.save(tracer.result)
+        for k, step in enumerate(steps):  # each cached step's logits = a full-sequence trace of the same prefix
+            with model.trace(out[:, :ids.shape[1] + k]):
+                replacements.replace()
+                last = nnsight.save(unembed(model).output[:, -1])
+            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+
+    tc = _resid_mid(_relu_tc())
+    norm = adapter.mlp_norm_path(LAYER)
+    sae = make_sae()
+    rm = ReplacementModel(model, transcoders=TranscoderSet(model, {LAYER: tc}), saes=SAESet(model, {norm: sae}))
+    with model.trace(ids):
+        rm.replace(error=False)
+        spliced = unembed(model).output.save()
+    seen = []  # by hand: the norm's output := sae(norm output); the MLP's := tc(the norm's input)
+    hooks = [hf.get_submodule(norm).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(norm).register_forward_hook(lambda m, a, o: sae(o)),
+             hf.get_submodule(adapter.mlp_path(LAYER)).register_forward_hook(lambda m, a, o: tc(seen[-1]))]
+    try:
+        with torch.no_grad():
+            by_hand = head_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
