@@ -35,7 +35,8 @@ from .._placement import pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
-from ..errors import ConfigMismatchError, PlacementError
+from ..errors import ConfigMismatchError, PlacementError, UnsupportedArchitectureError
+from ..formats.hook_sites import reads_resid_mid
 from .frozen import (
     GatheredNodes,
     GridNodes,
@@ -430,9 +431,23 @@ def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     """``({layer: Lorsa}, {layer: transcoder or CLTLayer})`` of a
     :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: its sets' per-layer views
     (:meth:`~nnsight_lorsa.envoy.replacement_set.ReplacementSet.by_layer`; a cross-layer transcoder as one
-    :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer)."""
+    :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer).
+
+    Raises:
+        UnsupportedArchitectureError: a transcoder / CLT reading ``hook_resid_mid``
+            (:func:`~nnsight_lorsa.formats.hook_sites.reads_resid_mid`): the frozen pass reads transcoder inputs
+            after the pre-MLP norm.
+    """
     lorsas, tcs = replacement.lorsas, replacement.transcoders
-    return ({} if lorsas is None else lorsas.by_layer()), ({} if tcs is None else tcs.by_layer())
+    by_layer = {} if tcs is None else tcs.by_layer()
+    for layer, tc in by_layer.items():
+        if reads_resid_mid(tc):
+            raise UnsupportedArchitectureError(
+                f"the transcoder at layer {layer} reads hook_resid_mid (the residual before "
+                f"{replacement.adapter.mlp_norm_path(layer)!r}, per its circuit-tracer config.yaml): the attribution "
+                "reads each transcoder's input after the frozen pre-MLP norm, so its graph would be wrong; attribution "
+                "of hook_resid_mid transcoders is not supported (replace() / evaluate run them at the norm's input)")
+    return ({} if lorsas is None else lorsas.by_layer()), by_layer
 
 
 def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[int, Any],

@@ -9,7 +9,9 @@ Usage::
         site.hook_sae_acts_post[0].output[:, :, 5] = 0    # removed from every layer it writes to
         logits = model.lm_head.output.save()
 
-The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``); MLP ``l'``'s output
+The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``; for a circuit-tracer file recording
+``feature_input_hook: hook_resid_mid``, the pre-MLP norm's input: :func:`~nnsight_lorsa.formats.hook_sites.input_path`);
+MLP ``l'``'s output
 is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (Ameisen et al. 2025, *Circuit Tracing*,
 cross-layer transcoders). This needs
 one worker that visits the MLPs in order and carries the features forward:
@@ -28,8 +30,9 @@ from .._placement import set_offload, to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
-from ..formats.hook_sites import check_mlp_hooks
+from ..formats.hook_sites import check_mlp_hooks, input_path
 from ..modules.clt import CrossLayerTranscoder
+from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, check_flag, site_placement
 from .splice_chain import SpliceChain
 
@@ -51,7 +54,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter, or the CLT file's hooks name another
-            tensor than the MLP module's call (Gemma-2: :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
+            tensor than the MLP module's call or the pre-MLP norm's input (``hook_resid_mid`` under GPT-NeoX's parallel
+            residual; ``ln2.hook_normalized`` where the norm has a gain; ``hook_mlp_out`` on Gemma-2:
+            :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         ConfigMismatchError: not a CrossLayerTranscoder; its ``d_model`` differs from the model's, or it
             spans more layers than the model has.
         PlacementError: a CLT on the meta device for a model whose weights are loaded.
@@ -83,7 +88,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             raise ConfigMismatchError(f"CLT has d_model={module.cfg.d_in}, the model has {self.adapter.d_model}")
         if module.n_layers > self.adapter.n_layers:
             raise ConfigMismatchError(f"CLT spans {module.n_layers} layers, the model has {self.adapter.n_layers}")
-        check_mlp_hooks(module, self.adapter)
+        check_mlp_hooks(module, self.adapter, hf_module(self.model), range(module.n_layers))
         return KEY
 
     def missing(self, key: Any) -> Exception:
@@ -159,7 +164,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
         def step(module: Any, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  acts: dict) -> torch.Tensor:
-            xm = to_module(adapter.mlp_input(args, kwargs), module)  # the CLT's device and dtype
+            # the first argument of input_path's call (the MLP's, or the pre-MLP norm's for hook_resid_mid);
+            # the CLT's device and dtype
+            xm = to_module(adapter.mlp_input(args, kwargs), module)
             acts[layer] = module.encode_layer(xm, layer)
             return module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
 
@@ -171,6 +178,7 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
             error_hook=lambda module, layer: module.get_submodule(f"hook_error.{layer}"),
+            input_paths=tuple(input_path(self.clt, adapter, layer) for layer in range(self.clt.n_layers)),
         )
 
     def replace(self, key: Any = None, *, error: bool = False) -> Any:

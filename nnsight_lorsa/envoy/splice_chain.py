@@ -217,6 +217,10 @@ class SpliceChain(FieldsRepr):
         set_output: a site's return value with that tensor replaced.
         error_hook: ``(module, i) -> nn.Module`` carrying site ``i``'s error term.
         check_call: optional ``(args, kwargs) -> None`` raising on unsupported calls.
+        input_paths: optional, one envoy path per site: the module whose call's ``(args, kwargs)`` the step
+            receives instead of the site's own — a module the model runs after the previous site's and before this
+            one's output (a transcoder reading ``hook_resid_mid``: the pre-MLP norm, whose input is the residual
+            before the norm). None: each site's own inputs.
     """
 
     site_paths: tuple[str, ...]
@@ -227,6 +231,7 @@ class SpliceChain(FieldsRepr):
     set_output: Callable[[Any, torch.Tensor], Any]
     error_hook: Callable[[nn.Module, int], nn.Module]
     check_call: Callable[[tuple, dict], None] | None = None
+    input_paths: tuple[str, ...] | None = None
 
 
 def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: bool = False) -> Any:
@@ -272,6 +277,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
     group = invoke_rows(me)
     sites = [root.get(path) for path in chain.site_paths]
+    if chain.input_paths is not None and len(chain.input_paths) != len(sites):
+        raise LorsaError(f"a splice chain needs one input path per site, got {len(chain.input_paths)} for "
+                         f"{len(sites)} sites")
+    readers = sites if chain.input_paths is None else [root.get(path) for path in chain.input_paths]
     existing = find_worker(interleaver, tag)
     if existing is not None:
         spliced, spliced_error = getattr(existing, "spec", (module, error))
@@ -284,10 +293,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 "for another setting)")
         rows: InvokeRows = existing.rows
         if not rows.covers(group):  # a further invoke: its rows too, if the model has not run the sites yet
-            _check_not_started(me, chain, sites, f" for {describe_rows(group)}")
+            _check_not_started(me, chain, sites, f" for {describe_rows(group)}", readers)
             rows.add(group)
         return getattr(parent, chain.attach_name)
-    _check_not_started(me, chain, sites, "")
+    _check_not_started(me, chain, sites, "", readers)
     rows = InvokeRows()
     rows.add(group)
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
@@ -301,14 +310,14 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         try:
             first = True
             while True:  # every forward pass of the run: each generation step
-                for i, site in enumerate(sites):
+                for i, (site, reader) in enumerate(zip(sites, readers, strict=True)):
                     if not first and i == 0:
-                        more, call = park_or_end(partial(getattr, site, "inputs"))
+                        more, call = park_or_end(partial(getattr, reader, "inputs"))
                         if not more:  # the run is over (no further step)
                             return
                         args, kwargs = call
                     else:
-                        args, kwargs = site.inputs
+                        args, kwargs = reader.inputs
                     diverged = serve(i, site, args, kwargs, live, clean, diverged)
                 first = False
         finally:
@@ -378,9 +387,11 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     return envoy
 
 
-def _check_not_started(me: Any, chain: SpliceChain, sites: list, whom: str) -> None:
+def _check_not_started(me: Any, chain: SpliceChain, sites: list, whom: str, readers: list) -> None:
     """Refuse to start replacing ``chain``'s sites (``whom``: for which rows) once the model has run one of them in
-    this trace's run, or from a generation step after the first (the calling worker ``me``'s ``tracer.iter`` pin).
+    this trace's run — or one of ``readers``, the modules whose input the replacement reads where that is not the
+    site (``chain.input_paths``) —, or from a generation step after the first (the calling worker ``me``'s
+    ``tracer.iter`` pin).
 
     Raises:
         TraceOrderError: names the site and the fix.
@@ -395,3 +406,8 @@ def _check_not_started(me: Any, chain: SpliceChain, sites: list, whom: str) -> N
         if ran_since_start(me, site.path) > 0:
             raise TraceOrderError(f"cannot replace {path}{whom}: the model already ran it in this forward pass; "
                                   "call replace() before reading anything at or after that site")
+    for reader in readers if chain.input_paths is not None else ():
+        if ran_since_start(me, reader.path) > 0:
+            raise TraceOrderError(f"cannot replace {chain.site_paths[0]}{whom}: the model already ran {reader.path} "
+                                  "(whose input the replacement reads) in this forward pass; call replace() before "
+                                  "reading anything at or after that site")

@@ -10,7 +10,9 @@ Usage::
         logits = model.lm_head.output.save()
 
 A transcoder reads what the MLP is called with (the hidden states after the pre-MLP norm:
-``adapter.mlp_input``) and replaces what it returns (``adapter.mlp_output``); the splice is
+``adapter.mlp_input``) — or, for a circuit-tracer file recording ``feature_input_hook: hook_resid_mid``, what the
+pre-MLP norm is called with (the residual before the norm: :func:`~nnsight_lorsa.formats.hook_sites.input_path`) —
+and replaces what the MLP returns (``adapter.mlp_output``); the splice is
 :func:`.splice_chain.splice_chain` over the one site ``adapter.mlp_path(layer)``, the transcoder mounted
 as ``<mlp>.transcoder``.
 Works per position, so also on KV-cached generation steps.
@@ -24,8 +26,9 @@ import torch
 
 from .._placement import to_module
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
-from ..formats.hook_sites import check_mlp_hooks
+from ..formats.hook_sites import check_mlp_hooks, input_path
 from ..modules.transcoder import Transcoder
+from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
 from .splice_chain import SpliceChain
 
@@ -44,7 +47,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter, or a transcoder file's hooks name
-            another tensor than the MLP module's call (GemmaScope on Gemma-2: :func:`.hook_sites.check_mlp_hooks`).
+            another tensor than the MLP module's call or the pre-MLP norm's input (``hook_resid_mid`` under GPT-NeoX's
+            parallel residual; ``ln2.hook_normalized`` where the norm has a gain; ``hook_mlp_out`` on Gemma-2:
+            :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
         ConfigMismatchError: ``d_in``/``d_out`` differ from the model's ``d_model``, or the
             transcoder records another layer.
@@ -72,7 +77,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             )
         if getattr(cfg, "layer", None) not in (None, layer):
             raise ConfigMismatchError(f"transcoder was trained for layer {cfg.layer}, not layer {layer}")
-        check_mlp_hooks(module, self.adapter)
+        check_mlp_hooks(module, self.adapter, hf_module(self.model), (layer,))
         return layer
 
     def missing(self, key: Any) -> Exception:
@@ -101,7 +106,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
-            return run_on_module(module, adapter.mlp_input(args, kwargs))
+            return run_on_module(module, adapter.mlp_input(args, kwargs))  # the first argument of input_path's call
 
         return SpliceChain(
             site_paths=(adapter.mlp_path(layer),),
@@ -111,6 +116,7 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
             error_hook=lambda module, i: module.get_submodule("hook_error"),
+            input_paths=(input_path(self[layer], adapter, layer),),
         )
 
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys

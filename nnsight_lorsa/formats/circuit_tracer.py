@@ -44,6 +44,7 @@ from ..errors import UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
+from .hook_sites import MLP_INPUT_HOOKS, MLP_OUTPUT_HOOKS
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
 from .validate import (
@@ -385,17 +386,39 @@ def _write_yaml(stage: Staging, cfg: dict[str, Any]) -> None:
     stage.write_text(CONFIG_FILE, yaml.safe_dump(cfg, sort_keys=False))
 
 
+def _check_written_hooks(feature_input_hook: str, feature_output_hook: str) -> None:
+    """Refuse hooks that do not name our transcoders' site (the MLP module's input and output) in every family:
+    circuit-tracer would attach the file there and compute something it was not trained on."""
+    for key, hook, ours in (("feature_input_hook", feature_input_hook, MLP_INPUT_HOOKS),
+                            ("feature_output_hook", feature_output_hook, MLP_OUTPUT_HOOKS)):
+        if hook not in ours:
+            raise UnsupportedArchitectureError(
+                f"{key}={hook!r}: our transcoders and CLTs read the MLP module's input and write its output; "
+                f"the hooks that name that site in every family are {ours} (circuit-tracer: mlp.hook_in = the "
+                "pre-MLP norm's output, gain included; mlp.hook_out = the MLP's output). hook_resid_mid is the "
+                "residual before the norm, ln2.hook_normalized the norm before its gain, hook_mlp_out the output "
+                "after Gemma-2/3's post-norm")
+
+
 def save_circuit_tracer_clt(clt: CrossLayerTranscoder, directory: str | os.PathLike[str], *,
-                            feature_input_hook: str = "hook_resid_mid",
-                            feature_output_hook: str = "hook_mlp_out") -> Path:
+                            feature_input_hook: str = "mlp.hook_in",
+                            feature_output_hook: str = "mlp.hook_out") -> Path:
     """Write ``clt`` as circuit-tracer's ``CrossLayerTranscoder.to_safetensors`` does (+ ``config.yaml``):
     what its ``load_clt`` reads back (checked by ``scripts/peer_fixtures/circuit_tracer.py``).
+
+    ``config.yaml`` records the site a :class:`~nnsight_lorsa.envoy.clt_set.CLTSet` reads and writes: the MLP
+    module's input (``mlp.hook_in``: circuit-tracer's ``ReplacementMLP.hook_in`` / the pre-MLP norm's output, its
+    gain included) and output (``mlp.hook_out``); see :data:`~.hook_sites.MLP_INPUT_HOOKS`. Earlier versions' default
+    was ``hook_resid_mid`` (the residual before the norm), which misdeclared our CLTs' input.
 
     Raises:
         UnsupportedArchitectureError: an activation other than relu / jumprelu; a CLT with a skip path
             (circuit-tracer 0.5.0's ``load_clt`` does not read ``W_skip_{i}``: it would drop the skip
-            silently — save it with ``format="nnsight_lorsa"``).
+            silently — save it with ``format="nnsight_lorsa"``); a hook outside
+            :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS` (``hook_resid_mid``,
+            ``ln2.hook_normalized``, ``hook_mlp_out``, …), naming it.
     """
+    _check_written_hooks(feature_input_hook, feature_output_hook)
     if clt.cfg.activation not in ("relu", "jumprelu"):
         raise UnsupportedArchitectureError(f"circuit-tracer CLTs are relu or jump_relu, not {clt.cfg.activation!r}")
     if clt.W_skip is not None:
@@ -423,13 +446,16 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
     """Write per-layer transcoders as ``layer_{i}.safetensors`` + ``config.yaml`` (circuit-tracer layout):
     the keys ``SingleLayerTranscoder.to_safetensors`` writes (JumpReLU threshold as
     :data:`THRESHOLD_KEY`), what its ``load_transcoder_set`` reads back (checked by
-    ``scripts/peer_fixtures/circuit_tracer.py``).
+    ``scripts/peer_fixtures/circuit_tracer.py``). The hooks name the MLP module's input and output, the site a
+    :class:`~nnsight_lorsa.envoy.transcoder_set.TranscoderSet` reads and writes (as :func:`save_circuit_tracer_clt`).
 
     Raises:
         UnsupportedArchitectureError: an activation other than relu / jumprelu. TopK in particular:
             circuit-tracer 0.5.0's files have no key or config entry for ``k`` (``load_relu_transcoder``
-            builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU.
+            builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU. A hook outside
+            :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS`, naming it.
     """
+    _check_written_hooks(feature_input_hook, feature_output_hook)
     for layer, tc in sorted(transcoders.items()):  # every input checked before anything is written
         if tc.cfg.activation not in ("relu", "jumprelu"):
             raise UnsupportedArchitectureError(

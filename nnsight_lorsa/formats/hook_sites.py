@@ -18,6 +18,11 @@ sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``
 ``blocks.L.hook_resid_mid``                        resid_mid     none (pre-norm residual)    —
 =================================================  ============  ==========================  ======
 
+circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` only
+where the pre-MLP norm has gain 1 and no bias (it is the norm before its gain), ``hook_mlp_out`` only without
+post-norms, and ``hook_resid_mid`` (the residual before the pre-MLP norm) where the family has one: the sets then
+read the norm's input (:func:`input_path`).
+
 Loaded modules keep the site they were trained on (``cfg.extra[<format>]["site"]``, ``SAEConfig.hook``,
 ``TranscoderConfig.layer``); :func:`sae_site_path` and :func:`transcoder_layer` read it back so that
 ``SAESet.from_pretrained`` / ``TranscoderSet.from_pretrained`` attach each file where it belongs.
@@ -27,12 +32,15 @@ This module imports no loader (the loaders import it; format detection lives in 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["HookSite", "check_mlp_hooks", "sae_site_path", "site_record", "sparsify_hookpoint_site",
+__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "check_mlp_hooks", "has_resid_mid",
+           "input_path", "reads_resid_mid", "sae_site_path", "site_record", "sparsify_hookpoint_site",
            "transcoder_layer", "transformer_lens_hook_site"]
 
 
@@ -175,33 +183,119 @@ def transcoder_layer(module: Any) -> int | None:
     return None
 
 
-#: TransformerLens MLP-side hooks that are not the MLP module's call in a family with post-norms (Gemma-2):
-#: ``ln2.hook_normalized`` is the pre-MLP norm before its ``(1 + weight)`` gain, ``hook_resid_mid`` the residual
-#: before the norm, ``hook_mlp_out`` the output after ``post_feedforward_layernorm`` (circuit-tracer's Gemma-2
-#: mapping; GemmaScope transcoders read and write these)
-_POST_NORM_FOREIGN = {"feature_input_hook": ("ln2.hook_normalized", "hook_resid_mid"),
-                      "feature_output_hook": ("hook_mlp_out",)}
+#: circuit-tracer's ``feature_input_hook`` / ``feature_output_hook`` values that carry our MLP site (the MLP
+#: module's call) in every family: its ``ReplacementMLP.hook_in`` / ``hook_out`` (TransformerLens backend) and its
+#: nnsight mapping's ``mlp.hook_in`` = the pre-MLP norm's output, ``mlp.hook_out`` = the MLP's output
+#: (``utils/tl_nnsight_mapping.py``); TransformerLens's ``hook_mlp_in`` is the MLP's input too
+MLP_INPUT_HOOKS = ("mlp.hook_in", "hook_mlp_in")
+MLP_OUTPUT_HOOKS = ("mlp.hook_out",)
+#: ``ln2.hook_normalized`` (the pre-MLP norm's ``x / rms`` or ``(x − mean) / std``, before its gain and bias) is the
+#: MLP input only where that norm's gain is all ones and its bias zero; ``hook_mlp_out`` is the MLP output only in a
+#: family without post-norms (Gemma-2's is after ``post_feedforward_layernorm``). Every other hook (``hook_resid_mid``:
+#: the residual before the norm; ``hook_resid_pre`` / ``hook_resid_post``; anything unknown) is not our MLP site.
+NORMALIZED_HOOK = "ln2.hook_normalized"
+POST_NORM_OUTPUT_HOOK = "hook_mlp_out"
 
 
-def check_mlp_hooks(module: Any, adapter: Any) -> None:
-    """Refuse a transcoder / CLT whose file says it reads or writes a tensor our MLP site does not carry, for a
-    family with post-norms (``adapter.mlp_post_norm_path`` set: Gemma-2). Our MLP site is the MLP module's call
-    (input after ``pre_feedforward_layernorm``'s gain, output before ``post_feedforward_layernorm``); circuit-tracer's
-    Gemma-2 transcoders (GemmaScope) read ``ln2.hook_normalized`` and write ``hook_mlp_out`` (after the post-norm),
-    recorded in ``cfg.extra["circuit_tracer"]`` by the loader. Modules without that record pass.
+RESID_MID_HOOK = "hook_resid_mid"
+
+
+def has_resid_mid(adapter: Any) -> bool:
+    """Whether the family has a residual stream between the attention and the MLP, the input of the pre-MLP norm
+    (TransformerLens ``hook_resid_mid``): every supported family but GPT-NeoX with ``use_parallel_residual``."""
+    return not bool(getattr(adapter.config, "use_parallel_residual", False))
+
+
+def reads_resid_mid(module: Any) -> bool:
+    """Whether a transcoder / CLT (or a :class:`~nnsight_lorsa.modules.clt.CLTLayer`, through its ``clt``) reads
+    ``hook_resid_mid`` — the residual stream BEFORE the pre-MLP norm — by its circuit-tracer record."""
+    module = getattr(module, "clt", module)
+    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
+    return isinstance(record, dict) and record.get("feature_input_hook") == RESID_MID_HOOK
+
+
+def input_path(module: Any, adapter: Any, layer: int) -> str:
+    """The module path whose call's first argument ``module`` reads at ``layer``: the pre-MLP norm
+    (``adapter.mlp_norm_path``) for a ``hook_resid_mid`` transcoder / CLT (:func:`reads_resid_mid`), else the MLP
+    (``adapter.mlp_path``; its input is the norm's output)."""
+    return adapter.mlp_norm_path(layer) if reads_resid_mid(module) else adapter.mlp_path(layer)
+
+
+def _norm_is_identity(root: Any, adapter: Any, layer: int) -> bool | None:
+    """Whether layer ``layer``'s pre-MLP norm has gain exactly 1 and no (or a zero) bias, so that
+    ``ln2.hook_normalized`` equals its output; None while its weights are not loaded (``meta``)."""
+    norm = root.get_submodule(adapter.mlp_norm_path(layer))
+    gain, bias = norm_gain(norm), getattr(norm, "bias", None)
+    if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
+        return None
+    return (gain is None or bool((gain == 1).all())) and (bias is None or not bool(bias.detach().any()))
+
+
+def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> str | None:
+    """Why ``hook`` (a ``feature_input_hook`` / ``feature_output_hook`` value) is not layer ``layer``'s MLP site,
+    or None when it is (or when the file records none)."""
+    if hook is None:
+        return None
+    if key == "feature_input_hook":
+        if hook in MLP_INPUT_HOOKS:
+            return None
+        if hook == NORMALIZED_HOOK:
+            same = _norm_is_identity(root, adapter, layer)
+            if same:
+                return None
+            return ("its pre-MLP norm's weights are not loaded yet, so whether its gain is 1 cannot be checked "
+                    "(build the set after the model's weights load)" if same is None else
+                    f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias): the MLP reads the norm's output "
+                    "with its gain, ln2.hook_normalized is the normalised residual before it")
+        if hook == RESID_MID_HOOK:
+            if not has_resid_mid(adapter):
+                return (f"{adapter.family} with a parallel residual has no residual stream between the attention and "
+                        f"the MLP ({adapter.mlp_norm_path(layer)!r} reads the layer's input)")
+            return None  # read at the pre-MLP norm's input: input_path
+        return "it is not a hook that names the MLP module's input"
+    if hook in MLP_OUTPUT_HOOKS:
+        return None
+    if hook == POST_NORM_OUTPUT_HOOK:
+        post = adapter.mlp_post_norm_path(layer)
+        return None if post is None else f"in {adapter.family} it is the output of {post!r}, after the MLP"
+    return "it is not a hook that names the MLP module's output"
+
+
+def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int]) -> None:
+    """Refuse a transcoder / CLT whose file says it reads or writes another tensor than our MLP site, at each of
+    ``layers`` (the layers it replaces). Our MLP site is the MLP module's call ``adapter.mlp_path(L)``: input
+    after the pre-MLP norm (``adapter.mlp_norm_path(L)``) and its gain, output before any post-norm.
+
+    The hooks are the ones circuit-tracer's ``config.yaml`` records (``feature_input_hook`` /
+    ``feature_output_hook``, kept by the loader in ``cfg.extra["circuit_tracer"]``; source: circuit-tracer
+    ``utils/tl_nnsight_mapping.py``, ``replacement_model_transformerlens.py``). Accepted: input
+    :data:`MLP_INPUT_HOOKS`, and ``ln2.hook_normalized`` where that layer's norm has gain 1 and no bias (read from
+    the loaded weights: ``norm_gain``); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
+    transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`) — the sets then read
+    the norm's input (:func:`input_path`); output :data:`MLP_OUTPUT_HOOKS`, and ``hook_mlp_out`` in a family
+    without post-norms. Modules without that record pass.
+
+    Args:
+        module: the transcoder / CLT (its ``cfg.extra``).
+        adapter: the model's :class:`~nnsight_lorsa.adapters.base.ArchitectureAdapter`.
+        root: the model's torch module (the Hugging Face model) the adapter's paths address.
+        layers: the model layers whose MLP it replaces.
 
     Raises:
-        UnsupportedArchitectureError: such a hook, naming it and the two sites.
+        UnsupportedArchitectureError: such a hook, naming the key, the hook, the layer, the site we would use
+            and why it differs.
     """
     record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
-    if not isinstance(record, dict) or adapter.mlp_post_norm_path(0) is None:
+    if not isinstance(record, dict):
         return
-    for key, foreign in _POST_NORM_FOREIGN.items():
-        hook = record.get(key)
-        if hook in foreign:
-            raise UnsupportedArchitectureError(
-                f"{adapter.family}: the {type(module).__name__} was trained with {key}: {hook!r}, which in "
-                f"{adapter.family} is not the MLP module's {'input' if key == 'feature_input_hook' else 'output'}: "
-                f"our MLP site is the {adapter.mlp_name!r} module's call (input: {adapter.mlp_norm_name}'s output, "
-                f"gain included; output: before {adapter.mlp_post_norm_path(0)!r} and its peers); "
-                "attaching it there would compute something it was not trained on (docs/adapters.md, Gemma-2)")
+    for layer in layers:
+        for key in ("feature_input_hook", "feature_output_hook"):
+            why = _hook_problem(key, record.get(key), root, adapter, layer)
+            if why is not None:
+                io = "input" if key == "feature_input_hook" else "output"
+                raise UnsupportedArchitectureError(
+                    f"{adapter.family}: the {type(module).__name__} was trained with {key}: {record.get(key)!r}, "
+                    f"which at layer {layer} is not our MLP site's {io} (the {io} of {adapter.mlp_path(layer)!r}): "
+                    f"{why}; "
+                    "attaching it there would compute something it was not trained on (docs/formats.md, "
+                    "circuit-tracer hooks)")

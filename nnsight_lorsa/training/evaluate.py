@@ -29,6 +29,7 @@ from .._progress import show_progress
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
 from ..errors import ArgumentError, NonFiniteError
+from ..formats.hook_sites import input_path
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
@@ -164,6 +165,8 @@ class _CLTProbe:
         self.model, self.adapter, self.clt, self.clt_set = clt_set.model, clt_set.adapter, clt_set.clt, clt_set
         n = self.clt.n_layers
         self.paths = [self.adapter.mlp_path(layer) for layer in range(n)]
+        # where each layer's encoder reads: the MLP's input, or the pre-MLP norm's for a hook_resid_mid CLT
+        self.input_paths = [input_path(self.clt, self.adapter, layer) for layer in range(n)]
         self.accs = [FVUAccumulator() for _ in range(n)]
         self.l0_sum = torch.zeros(n, dtype=torch.float64, device="cpu")  # host-side
         self.n_kept = 0
@@ -172,11 +175,10 @@ class _CLTProbe:
     def read(self) -> None:
         self.xs: list[Any] = []
         self.ys: list[Any] = []
-        for path in self.paths:
-            env = self.model.get(path)
-            args, kwargs = env.inputs
+        for path, in_path in zip(self.paths, self.input_paths, strict=True):
+            args, kwargs = self.model.get(in_path).inputs
             self.xs.append(nnsight.save(self.adapter.mlp_input(args, kwargs)))
-            self.ys.append(nnsight.save(self.adapter.mlp_output(env.output)))
+            self.ys.append(nnsight.save(self.adapter.mlp_output(self.model.get(path).output)))
 
     def splice(self) -> None:
         self.clt_set.replace()

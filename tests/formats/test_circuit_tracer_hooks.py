@@ -1,0 +1,302 @@
+"""circuit-tracer files attach only where their ``config.yaml`` says they read and write: a transcoder / CLT whose
+``feature_input_hook`` / ``feature_output_hook`` is not our MLP site (the MLP module's input and output) is refused
+by name (``hook_sites.check_mlp_hooks``), in every family; our writers record the hooks of that site and refuse
+others."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import head_logits, make_clt, make_transcoder, random_ids, tiny_nnsight, unembed
+from peer_reference import PEER_FIXTURES
+
+from nnsight_lorsa import CLTSet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import UnsupportedArchitectureError
+from nnsight_lorsa.formats import load
+from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_clt, save_circuit_tracer_transcoders
+from nnsight_lorsa.formats.hook_sites import check_mlp_hooks
+
+FAMILIES = ("llama", "gpt2", "neox", "gemma2")
+LAYER = 1
+
+
+def _rehook(directory: Path, **hooks: str) -> Path:
+    """Rewrite the hooks a written ``config.yaml`` records, as in a file circuit-tracer's users write (which has no
+    ``checksums.json``: ours is dropped, the edit would fail its check)."""
+    (directory / "checksums.json").unlink()
+    cfg = yaml.safe_load((directory / "config.yaml").read_text())
+    cfg.update(hooks)
+    (directory / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return directory
+
+
+def _relu_tc():
+    return make_transcoder(skip=False, activation="relu", activation_params={})
+
+
+def _files(tmp_path: Path, name: str, **hooks: str) -> tuple[Path, Path]:
+    """A per-layer set (layers 0 and 1) and a 3-layer CLT, written by our writers, with ``hooks`` recorded."""
+    tcs = save_circuit_tracer_transcoders({0: _relu_tc(), 1: _relu_tc()}, tmp_path / f"tc_{name}")
+    clt = save_circuit_tracer_clt(make_clt(), tmp_path / f"clt_{name}")
+    return _rehook(tcs, **hooks), _rehook(clt, **hooks)
+
+
+@torch.no_grad()
+def _unit_norms(hf, adapter) -> None:
+    """Every pre-MLP norm with gain exactly 1 and no bias (Gemma's ``1 + weight``: weight 0)."""
+    for layer in range(adapter.n_layers):
+        norm = hf.get_submodule(adapter.mlp_norm_path(layer))
+        norm.weight.fill_(0.0 if "Gemma" in type(norm).__name__ else 1.0)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.zero_()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hooks_that_are_not_our_site_are_refused(family: str, tmp_path: Path) -> None:
+    """``hook_resid_mid`` is refused where the family has no residual between attention and MLP (GPT-NeoX with a
+    parallel residual, the tiny model's), naming the hook, the layer, the MLP site and the norm; an output hook
+    other than the MLP's is refused everywhere."""
+    model, _ = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    tc_dir, clt_dir = _files(tmp_path, "mid", feature_input_hook="hook_resid_mid", feature_output_hook="mlp.hook_out")
+    if family == "neox":
+        assert model.config.use_parallel_residual
+        with pytest.raises(UnsupportedArchitectureError, match=rf"feature_input_hook: 'hook_resid_mid'.*layer 0.*"
+                                                               rf"'{adapter.mlp_path(0)}'.*parallel residual"):
+            TranscoderSet.from_pretrained(model, tc_dir)
+        one = load(tc_dir)[LAYER]  # the layer it is bound to is the one named
+        with pytest.raises(UnsupportedArchitectureError, match=rf"'hook_resid_mid'.*layer {LAYER}.*"
+                                                               rf"'{adapter.mlp_path(LAYER)}'.*"
+                                                               rf"'{adapter.mlp_norm_path(LAYER)}'"):
+            TranscoderSet(model, {LAYER: one})
+        with pytest.raises(UnsupportedArchitectureError, match=r"'hook_resid_mid'.*layer 0.*parallel residual"):
+            CLTSet.from_pretrained(model, clt_dir)
+    else:
+        TranscoderSet.from_pretrained(model, tc_dir)
+        CLTSet.from_pretrained(model, clt_dir)
+    for out in ("hook_resid_post", "blocks.1.hook_mlp_out", "mlp.hook_post"):
+        tc_dir, clt_dir = _files(tmp_path, out, feature_input_hook="mlp.hook_in", feature_output_hook=out)
+        for directory, loader in ((tc_dir, TranscoderSet.from_pretrained), (clt_dir, CLTSet.from_pretrained)):
+            with pytest.raises(UnsupportedArchitectureError, match=rf"feature_output_hook: '{out}'.*layer 0.*output"):
+                loader(model, directory)
+
+
+def _resid_mid(module):
+    module.cfg.extra["circuit_tracer"] = {"feature_input_hook": "hook_resid_mid", "feature_output_hook": "mlp.hook_out"}
+    return module
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_hook_resid_mid_transcoders_read_the_norm_input(family: str) -> None:
+    """A ``hook_resid_mid`` transcoder / CLT reads the residual BEFORE the pre-MLP norm (the norm's input) and
+    writes the MLP output: its reconstruction equals the module applied to the hooked resid_mid by hand (and not to
+    the MLP input); with ``error=True`` the logits are the plain model's."""
+    model, hf = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    ids = random_ids()
+    with torch.no_grad():
+        plain = head_logits(hf, ids)
+    tc = _resid_mid(_relu_tc())
+    tcs = TranscoderSet(model, {LAYER: tc})
+    with model.trace(ids):
+        site = tcs.replace(LAYER, error=True)
+        args, kwargs = model.get(adapter.mlp_norm_path(LAYER)).inputs
+        mid = (args[0] if args else kwargs["hidden_states"]).save()
+        mlp_in = model.get(adapter.mlp_path(LAYER)).inputs[0][0].save()
+        recons = site.hook_sae_recons.output.save()
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        assert torch.allclose(recons, tc(mid), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(recons, tc(mlp_in), rtol=1e-3, atol=1e-3)  # not the MLP input: not vacuous
+    assert torch.equal(logits, plain)  # error=True: the model's own output, bit for bit
+    with model.trace(ids):
+        tcs.replace(LAYER)
+        spliced = unembed(model).output.save()
+    seen = []  # by hand, on the plain HF model: MLP output := tc(the norm's input)
+    pre = hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    post = hf.get_submodule(adapter.mlp_path(LAYER)).register_forward_hook(lambda m, a, o: tc(seen[-1]))
+    try:
+        with torch.no_grad():
+            by_hand = head_logits(hf, ids)
+    finally:
+        pre.remove()
+        post.remove()
+    assert not torch.allclose(by_hand, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+    clt = _resid_mid(make_clt())
+    clts = CLTSet(model, clt)
+    mids: list = []
+    rec: list = []  # filled inside the trace (objects from outside keep what is appended)
+    with model.trace(ids):
+        env = clts.replace(error=True)
+        for layer in range(clt.n_layers):  # in the model's order
+            args, kwargs = model.get(adapter.mlp_norm_path(layer)).inputs
+            mids.append((args[0] if args else kwargs["hidden_states"]).save())
+            rec.append(env.hook_sae_recons[layer].output.save())
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        by_hand = clt(torch.stack(mids))
+    for layer in range(clt.n_layers):
+        assert torch.allclose(rec[layer], by_hand[layer], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, plain)
+
+
+def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() -> None:
+    """The attribution reads each transcoder's input after the frozen pre-MLP norm: a ``hook_resid_mid``
+    transcoder or CLT is refused by name, never a wrong graph. ``evaluate`` of a CLT measures it on resid_mid."""
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.training import TokenDataset, evaluate
+    from nnsight_lorsa.training.metrics import FVUAccumulator
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    ids = random_ids()
+    for transcoders in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
+        with pytest.raises(UnsupportedArchitectureError, match=r"hook_resid_mid.*post_attention_layernorm"):
+            attribute(ReplacementModel(model, transcoders=transcoders), ids[0], max_feature_nodes=8)
+    clt = _resid_mid(make_clt())
+    ev = evaluate(CLTSet(model, clt), TokenDataset(ids), batch_size=2)
+    mids, outs = [], []
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(layer)).register_forward_hook(
+        lambda m, a, o: mids.append(a[0])) for layer in range(clt.n_layers)]
+    hooks += [hf.get_submodule(adapter.mlp_path(layer)).register_forward_hook(
+        lambda m, a, o: outs.append(o)) for layer in range(clt.n_layers)]
+    try:
+        with torch.no_grad():
+            hf(ids)
+            recon = clt(torch.stack(mids))
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer in range(clt.n_layers):
+        acc = FVUAccumulator()
+        acc.update(outs[layer][:, 1:].reshape(-1, adapter.d_model).float(),
+                   recon[layer][:, 1:].reshape(-1, adapter.d_model).float())
+        assert ev.fvu[layer] == pytest.approx(float(acc.value()), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ln2_hook_normalized_only_where_the_norm_has_no_gain(family: str, tmp_path: Path) -> None:
+    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias): our MLP input only where the gain is
+    all ones and the bias zero. The tiny models' norms have random gains: refused; with unit norms: accepted,
+    and there the normalised residual is indeed what the MLP reads."""
+    model, hf = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    output = "mlp.hook_out" if family == "gemma2" else "hook_mlp_out"
+    tc_dir, clt_dir = _files(tmp_path, "ln2", feature_input_hook="ln2.hook_normalized", feature_output_hook=output)
+    norm = adapter.mlp_norm_path(LAYER)
+    with pytest.raises(UnsupportedArchitectureError, match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain"):
+        TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
+    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+        TranscoderSet.from_pretrained(model, tc_dir)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+        CLTSet.from_pretrained(model, clt_dir)
+    _unit_norms(hf, adapter)
+    with torch.no_grad():  # the claim that makes it acceptable: norm(x) == x normalised, no gain
+        x = torch.randn(3, adapter.d_model, generator=torch.Generator().manual_seed(0))
+        m = hf.get_submodule(norm)
+        if isinstance(m, torch.nn.LayerNorm):
+            ref = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + m.eps)
+        else:
+            eps = getattr(m, "eps", getattr(m, "variance_epsilon", 0.0))
+            ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        assert torch.allclose(m(x), ref, atol=1e-5)
+    assert list(TranscoderSet.from_pretrained(model, tc_dir)) == [0, 1]
+    CLTSet.from_pretrained(model, clt_dir)
+    unloaded = copy.deepcopy(hf).to("meta")  # weights not loaded yet: the gain cannot be checked, so refused
+    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
+        check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
+
+
+def test_hook_mlp_out_is_the_mlp_output_only_without_post_norms(tmp_path: Path) -> None:
+    """``hook_mlp_out`` with the MLP's input: accepted on Llama / GPT-2 (no post-norm), refused on Gemma-2."""
+    tc_dir, clt_dir = _files(tmp_path, "out", feature_input_hook="mlp.hook_in", feature_output_hook="hook_mlp_out")
+    for family in ("llama", "gpt2"):
+        model, _ = tiny_nnsight(family)
+        TranscoderSet.from_pretrained(model, tc_dir)
+        CLTSet.from_pretrained(model, clt_dir)
+    gemma, _ = tiny_nnsight("gemma2")
+    with pytest.raises(UnsupportedArchitectureError, match="'hook_mlp_out'.*post_feedforward_layernorm"):
+        TranscoderSet.from_pretrained(gemma, tc_dir)
+
+
+def test_writers_record_and_require_our_site(tmp_path: Path) -> None:
+    """The writers' defaults name the MLP module's input and output (``mlp.hook_in`` / ``mlp.hook_out``: what
+    our sets read and write); a hook that does not name that site in every family is refused before writing."""
+    clt_dir = save_circuit_tracer_clt(make_clt(), tmp_path / "clt")
+    tc_dir = save_circuit_tracer_transcoders({0: _relu_tc()}, tmp_path / "tc")
+    for directory in (clt_dir, tc_dir):
+        cfg = yaml.safe_load((directory / "config.yaml").read_text())
+        assert (cfg["feature_input_hook"], cfg["feature_output_hook"]) == ("mlp.hook_in", "mlp.hook_out")
+    model, _ = tiny_nnsight("llama")
+    CLTSet.from_pretrained(model, clt_dir)
+    TranscoderSet.from_pretrained(model, tc_dir)
+    for hooks in ({"feature_input_hook": "hook_resid_mid"}, {"feature_input_hook": "ln2.hook_normalized"},
+                  {"feature_output_hook": "hook_mlp_out"}, {"feature_output_hook": "hook_resid_post"}):
+        (hook,) = hooks.values()
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{next(iter(hooks))}='{hook}'"):
+            save_circuit_tracer_clt(make_clt(), tmp_path / "bad_clt", **hooks)
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{next(iter(hooks))}='{hook}'"):
+            save_circuit_tracer_transcoders({LAYER: _relu_tc()}, tmp_path / "bad_tc", **hooks)
+        assert not (tmp_path / "bad_clt").exists() and not (tmp_path / "bad_tc").exists()
+
+
+def test_circuit_tracer_written_clts_record_hook_resid_mid_and_still_load() -> None:
+    """The circuit-tracer-written CLT fixtures record ``hook_resid_mid`` (its default): they still load (the
+    format is unchanged), and carry the hook that ``check_mlp_hooks`` refuses at attach time."""
+    for case in ("clt_relu", "clt_jumprelu"):
+        clt = load(PEER_FIXTURES / "circuit_tracer" / case)
+        assert clt.cfg.extra["circuit_tracer"]["feature_input_hook"] == "hook_resid_mid"
+
+
+def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
+    """A ``hook_resid_mid`` transcoder and CLT serve every KV-cached generation step (each step's logits equal a
+    full-sequence trace of the same prefix's), and one spliced by a ReplacementModel next to an SAE on the same
+    layer's pre-MLP norm output (spliced first; the transcoder reads the norm's input) gives the hand computation."""
+    import nnsight
+    from helpers import make_sae
+
+    from nnsight_lorsa import SAESet
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    ids = random_ids(1, 6)
+    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
+    for replacements in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
+        with model.generate(ids, **gen) as tracer:
+            replacements.replace()
+            steps = nnsight.save([])
+            for _ in tracer.iter[:4]:
+                steps.append(unembed(model).output[:, -1].clone())
+            out = nnsight.save(tracer.result)
+        for k, step in enumerate(steps):  # each cached step's logits = a full-sequence trace of the same prefix
+            with model.trace(out[:, :ids.shape[1] + k]):
+                replacements.replace()
+                last = nnsight.save(unembed(model).output[:, -1])
+            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+
+    tc = _resid_mid(_relu_tc())
+    norm = adapter.mlp_norm_path(LAYER)
+    sae = make_sae()
+    rm = ReplacementModel(model, transcoders=TranscoderSet(model, {LAYER: tc}), saes=SAESet(model, {norm: sae}))
+    with model.trace(ids):
+        rm.replace(error=False)
+        spliced = unembed(model).output.save()
+    seen = []  # by hand: the norm's output := sae(norm output); the MLP's := tc(the norm's input)
+    hooks = [hf.get_submodule(norm).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(norm).register_forward_hook(lambda m, a, o: sae(o)),
+             hf.get_submodule(adapter.mlp_path(LAYER)).register_forward_hook(lambda m, a, o: tc(seen[-1]))]
+    try:
+        with torch.no_grad():
+            by_hand = head_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
