@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .._atomic import Staging, atomic_directory
-from ..errors import UnsupportedArchitectureError
+from ..errors import ArgumentError, UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
@@ -454,8 +454,15 @@ def save_circuit_tracer_transcoders(transcoders: dict[int, Transcoder], director
             circuit-tracer 0.5.0's files have no key or config entry for ``k`` (``load_relu_transcoder``
             builds ReLU or JumpReLU only), so a TopK transcoder would load there as ReLU. A hook outside
             :data:`~.hook_sites.MLP_INPUT_HOOKS` / :data:`~.hook_sites.MLP_OUTPUT_HOOKS`, naming it.
+        ArgumentError: the layers are not ``0..n-1`` (circuit-tracer's ``config.yaml`` lists the files in layer
+            order, a file's place in the list is its layer, and our reader refuses such a set), before anything is
+            written.
     """
     _check_written_hooks(feature_input_hook, feature_output_hook)
+    if sorted(transcoders) != list(range(len(transcoders))):
+        raise ArgumentError(f"circuit-tracer transcoder sets cover layers 0..n-1 (the config lists one file per layer, "
+                            f"in order), got layers {sorted(transcoders)}: save every layer from 0, or use "
+                            "format='nnsight_lorsa'")
     for layer, tc in sorted(transcoders.items()):  # every input checked before anything is written
         if tc.cfg.activation not in ("relu", "jumprelu"):
             raise UnsupportedArchitectureError(

@@ -15,7 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, UnsupportedArchitectureError
+from nnsight_lorsa.errors import ArgumentError, CheckpointError, ConfigMismatchError, UnsupportedArchitectureError
 from nnsight_lorsa.formats import load, load_all
 from nnsight_lorsa.formats.circuit_tracer import (
     load_circuit_tracer_clt,
@@ -447,6 +447,11 @@ def test_circuit_tracer_bad_input(tmp_path: Path) -> None:
     topk = Transcoder(TranscoderConfig(d_in=D, d_sae=F, activation="topk", activation_params={"k": 2}))
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 0.*'topk'.*circuit-tracer.*no k"):
         save_circuit_tracer_transcoders({0: topk}, tmp_path / "e")
+    relu = Transcoder(TranscoderConfig(d_in=D, d_sae=F, activation="relu"))
+    for layers in ([1], [0, 2]):  # circuit-tracer's list of files gives each its layer by place: 0..n-1 only
+        with pytest.raises(ArgumentError, match=rf"layers 0\.\.n-1.*got layers {layers}".replace("[", r"\[")):
+            save_circuit_tracer_transcoders(dict.fromkeys(layers, relu), tmp_path / "f")
+        assert not (tmp_path / "f").exists()
 
 
 # ============================================================================ our own format
