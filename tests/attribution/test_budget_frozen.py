@@ -58,3 +58,28 @@ def test_frozen_pass_peak_is_within_its_estimate_on_the_larger_models(which, dty
     out = frozen_pass_peaks(rm, prompt(rm, 128) % 1000, dtype=dtype)
     for b, peak in out["peaks"].items():
         assert peak <= out["predicted"][b], (b, peak, out["predicted"][b])
+
+
+def gemma(family: str, attn: str = "eager"):
+    """The tiny Gemma-2 / Gemma-3 of the attribution tests (``tests/helpers.py``: layers 0 and 2 sliding with a window
+    of 4, Gemma-2's soft-capped, a Lorsa on layer 1, transcoders on layers 0 and 2) as a replacement model."""
+    from nnsight_lorsa import ReplacementModel, get_adapter
+    from tests.helpers import make_lorsa, make_transcoders, tiny_nnsight
+
+    model, hf = tiny_nnsight(family, attn=attn)
+    return ReplacementModel(model, lorsas={1: make_lorsa(hf, get_adapter(model), 1)},
+                            transcoders=make_transcoders((0, 2), skip_layer=2))
+
+
+@pytest.mark.parametrize(("family", "attn", "patterns"), [("gemma2", "eager", "auto"), ("gemma2", "eager", "sdpa"),
+                                                           ("gemma3", "eager", "auto"), ("gemma3", "sdpa", "sdpa")])
+def test_frozen_pass_peak_is_within_its_estimate_on_gemma(family, attn, patterns):
+    """Gemma-2 / Gemma-3 at 512 tokens, batches 1-8: the frozen pass allocates at most its estimate — with their
+    post-attention and post-feedforward norms (``4L + 1`` frozen norms), Gemma-2's soft-capped MHSA patterns kept
+    also where the others' go through SDPA (``patterns="sdpa"``, the GPU's path), and the model's own attention
+    masks, one per prompt copy for the full and one for the sliding layers (eager: in the model's dtype; SDPA:
+    the sliding one, bool) — and not far above it (at least 0.8 of it)."""
+    rm = gemma(family, attn)
+    out = frozen_pass_peaks(rm, prompt(rm, 512), patterns=patterns, batches=(1, 4, 8))
+    for b, peak in out["peaks"].items():
+        assert 0.8 * out["predicted"][b] <= peak <= out["predicted"][b], (b, peak, out["predicted"][b])
