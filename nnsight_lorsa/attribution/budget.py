@@ -15,18 +15,24 @@ per edge:
   ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (fitted on an H200: the GPU kernels' saved tensors
   were not taken apart); and the multipliers, their gradients and the per-batch row temporaries,
   :data:`ROW_BUFFERS` ``·S`` edges per copy. The vocabulary is not in it: the logits are row 0's, broadcast;
-* *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer and Lorsa pattern
-  rows ``n_l·P`` (stored patterns, CPU) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per
-  replaced module, node vectors on grids ``n_l·d`` per site (decoder rows, encoder columns, Lorsa
+* *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer (stored patterns, CPU; a
+  soft-capped MHSA's always, Gemma-2's: SDPA cannot cap — :func:`.frozen.keeps_pattern`) and Lorsa pattern rows
+  ``n_l·P`` (stored patterns) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per replaced module, node
+  vectors on grids ``P·w·d`` per site (``w``: the most nodes at one position; decoder rows, encoder columns, Lorsa
   ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept); and, but on
   the fitted GPU path (inside its coefficient), the model's own parts (:func:`frozen_model_bytes`): the logits
   ``P·vocab`` twice (the model's on one copy, the frozen model's; a third in ``dtype=`` when it is not the model's),
-  the model's MLP on one copy (``4·P·d_mlp``), every norm's ``scale·γ`` and every MHSA's ``W_O`` copy, a Lorsa's
+  the model's MLP on one copy (``4·P·d_mlp``), every frozen norm's ``scale·γ`` (``2L + 1`` norms, ``4L + 1`` with
+  post-attention and post-feedforward norms: the adapter's frozen sites) and every MHSA's ``W_O`` copy, a Lorsa's
   pattern rows on their grid by OV head, and the largest transient of making a constant (a grid's gather, a
-  pattern's scores). Frozen pass measured at the allocation level (``benchmarks/attribution_memory_terms.py
+  pattern's scores — on the fitted path too for a kept soft-capped pattern). Per prompt copy besides, the model's
+  own attention masks, ``(P, P)`` each (:func:`attention_mask_entry_bytes`: with eager attention one for the full
+  and one for the sliding layers, in the frozen model's dtype; with SDPA the sliding one, bool). Frozen pass
+  measured at the allocation level (``benchmarks/attribution_memory_terms.py
   --modes frozen``) on seven shapes — the embedded model with and without its Lorsa, random Llamas with a vocabulary
   16× ``L·d``, an MLP 32× ``d``, 16 query heads of ``H·d_head`` = 4 ``d`` over 2 KV heads —, fp32/fp64/bf16, stored
-  patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``;
+  patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``; and on the tiny
+  Gemma-2 / Gemma-3 (``--model gemma2|gemma3``), 128–512 tokens: see docs/attribution.md;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
   estimate is above the resident weights);
@@ -345,7 +351,8 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
 
 def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: dict[int, int],
                        mhsa_widths: dict[int, tuple[int, int]] | None, store_patterns: bool, vocab: int, d_mlp: int,
-                       itemsize: int, model_itemsize: int, grid: Callable[[int], int], n_norms: int | None = None,
+                       itemsize: int, model_itemsize: int, grid: Callable[[torch.Tensor], int],
+                       n_norms: int | None = None,
                        pattern_layers: Collection[int] = ()) -> int:
     """Bytes the frozen pass holds once, whatever the batch, besides its node vectors, patterns and error vectors: the
     model's own unembedding and MLP run on one prompt copy (the frozen constants) — its ``(P, vocab)`` logits, held
@@ -355,7 +362,8 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
     ``4L + 1`` with Gemma-2/3's post-norms; None: ``2L + 1``); each frozen MHSA's ``W_O`` as one
     ``(H·d_head, d)`` matrix, kept by its einsum; with stored patterns each Lorsa's pattern rows on its grid by OV
     head (``(heads, most nodes of one head, P)``); and the largest transient of making a constant: a site's node
-    vectors gathered and copied before its grid (``grid(n)``: a grid's bytes, 0 where gathered), or a pattern's
+    vectors gathered and copied before its grid (``2·n·d`` where ``grid(pos)``, the bytes of the grid of the ``n``
+    nodes at positions ``pos``, is not 0: 0 where gathered), or a pattern's
     scores and softmax in at least fp32 (every frozen MHSA's with ``store_patterns``, else those of
     ``pattern_layers``)."""
     P = layout.n_pos
@@ -366,7 +374,8 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
     making = pattern_making(mhsa_heads, P, itemsize, store_patterns, pattern_layers)
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
-        making += [2 * grid(n_l), 2 * grid(lay.tc_pos.numel())]
+        # a grid's nodes gathered (n·d) and copied to the site before the grid (held, in the shared term) is filled
+        making += [2 * pos.numel() * d_model * itemsize for pos in (lay.lorsa_pos, lay.tc_pos) if grid(pos)]
         if store_patterns and n_l:
             per_head = torch.bincount(lay.lorsa_head)
             total += int((per_head > 0).sum()) * int(per_head.max()) * P * itemsize
@@ -414,14 +423,18 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     per_copy += ROW_BUFFERS * S * edge_itemsize + mask_entry_bytes * P * P
     shared = 0
 
-    def grid(n: int) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
-        return n * d_model * model_itemsize if choose(node_vectors, n, d_model, dtype) == "grid" else 0
+    def grid(pos: torch.Tensor) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
+        # the grid is (positions, the most nodes at one position, d) (frozen.PositionSlots): its padding counted
+        n = pos.numel()
+        if not n or choose(node_vectors, n, d_model, dtype) != "grid":
+            return 0
+        return P * int(torch.bincount(pos).max()) * d_model * model_itemsize
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
-        shared += grid(n_l) + (n_l * P * model_itemsize if store_patterns else 0)
-        shared += 2 * grid(lay.tc_pos.numel())
+        shared += grid(lay.lorsa_pos) + (n_l * P * model_itemsize if store_patterns else 0)
+        shared += 2 * grid(lay.tc_pos)
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
         if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
@@ -575,8 +588,9 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
     single frozen passes vary by ~±25 % in the resident set, before this model of the frozen pass); the frozen pass's
     allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,
-    ``results/attribution_memory_terms_frozen_*.json``); the device peak on an H200 at the 8B shape 0.92–1.03 × the
-    estimate. With
+    ``results/attribution_memory_terms_frozen_*.json``; the tiny Gemma-2/3 — post-norms, soft-capped patterns,
+    sliding-window masks — 0.72–0.96×, 128–512 tokens, ``results/attribution_memory_terms_frozen_gemma*.json``);
+    the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
     ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
     1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
     With ``prune=`` the pruning term's kept graph and edge scores are bounds too, with or without a feature budget
