@@ -2,15 +2,19 @@
 
     python -m benchmarks.attribution_memory_terms [--lengths 64,128,256] [--batch 64] [--name attribution_memory_terms]
         [--modes dense,pruned,budget,sparse,budget_pruned|frozen] [--budget 64] [--keep-mass 0.9] [--node-threshold 0.8]
-        [--model tc|bundle|random|tiny|vocab|mlp|heads] [--dtype float32|float64|model]
-        [--model-dtype float32|bfloat16] [--patterns auto|sdpa] [--offset 20000]
+        [--model tc|bundle|random|tiny|vocab|mlp|heads|gemma2|gemma3] [--dtype float32|float64|model]
+        [--model-dtype float32|bfloat16] [--patterns auto|sdpa] [--attn eager|sdpa] [--offset 20000]
 
 ``--modes frozen`` measures the frozen pass alone (:func:`frozen_pass_peaks`): its allocation-level peak
 (``benchmarks._alloc_peak``) at batches 1, 2, 4 and 8 with one backward per target site (the logits, each Lorsa and
 transcoder layer's first rows), against ``estimate_memory``'s ``frozen_per_copy · B + frozen_shared`` — on the
 models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabulary 16× ``L·d``; ``mlp``: an MLP
-32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`), built in ``--model-dtype``,
-computed in ``--dtype`` (``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path).
+32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`) and on a Gemma-2 and a Gemma-3
+of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers;
+:data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation, eager or SDPA — Gemma-3 only,
+transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype`` (``model``: the model's),
+with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped layers keep their patterns
+either way).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
 default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
@@ -68,12 +72,17 @@ RANDOM_SHAPES = {
     "heads": dict(n_layers=3, d_model=64, n_heads=16, n_kv=2, head_dim=16, d_mlp=128, vocab=256, n_qk=16, n_ov=256,
                   top_k=8, d_tc=256, k_tc=8, layer=1, train_seq=32),
 }
-MODELS = ("tc", "bundle", *RANDOM_SHAPES)
+#: tiny Gemma-2 and Gemma-3 (``--model gemma2|gemma3``, :func:`tiny_gemma`): the test suite's shape (3 layers of d 64,
+#: 4 heads of 16 over 2 KV heads, layers 0 and 2 sliding with a window of 4, Gemma-2's attention soft-capped at 1.5),
+#: a Lorsa on layer 1, a TopK transcoder on layer 0 and a JumpReLU skip transcoder on layer 2 (its nodes per position
+#: vary: the grids' padding) — the post-norms, soft-capped patterns and sliding-window masks of ``estimate_memory``
+TINY_FAMILIES = ("gemma2", "gemma3")
+MODELS = ("tc", "bundle", *RANDOM_SHAPES, *TINY_FAMILIES)
 
 
-def replacement_model(which: str, model_dtype: str = "float32"):
+def replacement_model(which: str, model_dtype: str = "float32", attn: str = "eager"):
     """``(replacement model, tokenizer or None)`` of ``--model`` (module docstring), the random ones built in
-    ``model_dtype``."""
+    ``model_dtype``; the tiny Gemmas (:data:`TINY_FAMILIES`) with attention ``attn`` (``eager`` or ``sdpa``)."""
     import torch
 
     from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet
@@ -85,6 +94,8 @@ def replacement_model(which: str, model_dtype: str = "float32"):
         lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir()) if which == "bundle" else None
         return ReplacementModel(model, lorsas=lorsas,
                                 transcoders=TranscoderSet.from_pretrained(model, default_transcoder_dir())), model
+    if which in TINY_FAMILIES:
+        return tiny_gemma(which, attn, getattr(torch, model_dtype)), None
     from benchmarks.gpu_scale import SCALES, build, paper_lorsa
     from nnsight_lorsa import get_adapter
     from nnsight_lorsa.modules import Transcoder, TranscoderConfig
@@ -99,6 +110,43 @@ def replacement_model(which: str, model_dtype: str = "float32"):
         tcs[layer] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
                                                  activation_params={"k": s["k_tc"]}, layer=layer)).to(dt)
     return ReplacementModel(model, lorsas=lorsas, transcoders=tcs), None
+
+
+def tiny_gemma(family: str, attn: str, dtype):
+    """The replacement model of ``--model gemma2|gemma3`` (:data:`TINY_FAMILIES`), random (seed 0), in ``dtype``."""
+    import warnings
+
+    import torch
+    import transformers
+    from nnsight import TransformersModel
+
+    from benchmarks.gpu_scale import paper_lorsa
+    from nnsight_lorsa import ReplacementModel, get_adapter
+    from nnsight_lorsa.envoy.tokens import ids_only_tokenizer
+    from nnsight_lorsa.modules import SkipTranscoder, Transcoder, TranscoderConfig
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=4096,
+                  query_pre_attn_scalar=24, sliding_window=4, initializer_range=0.1,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cfg = (transformers.Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+           if family == "gemma2" else transformers.Gemma3TextConfig(**common))
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = TransformersModel(hf, task="text-generation", tokenizer=ids_only_tokenizer(128), device="cpu")
+    shape = dict(n_ov=64, top_k=8, n_qk=8)
+    lorsa = paper_lorsa(shape, get_adapter(model), hf, 1, torch.device("cpu"), dtype)
+    g = torch.Generator().manual_seed(0)
+    tcs = {0: Transcoder(TranscoderConfig(d_in=64, d_sae=192, activation="topk", activation_params={"k": 6}, layer=0)),
+           2: SkipTranscoder(TranscoderConfig(d_in=64, d_sae=192, activation="jumprelu",
+                                              activation_params={"threshold": 0.05}, layer=2))}
+    with torch.no_grad():
+        for tc in tcs.values():
+            tc.b_enc.copy_(0.1 * torch.randn(192, generator=g))
+    return ReplacementModel(model, lorsas={1: lorsa}, transcoders={k: v.to(dtype) for k, v in tcs.items()})
 
 
 class _SiteRows:
@@ -158,7 +206,8 @@ def frozen_pass_peaks(rm, ids, *, dtype=None, patterns: str = "auto", batches=(1
             "n_sources": layout.n_sources, "n_features": layout.n_features}
 
 
-def frozen_child(seq: int, which: str, dtype_name: str, model_dtype: str, patterns: str, offset: int) -> None:
+def frozen_child(seq: int, which: str, dtype_name: str, model_dtype: str, patterns: str, offset: int,
+                 attn: str = "eager") -> None:
     """``--modes frozen``: :func:`frozen_pass_peaks` of one model, length and setting (a JSON line)."""
     import torch
 
@@ -166,7 +215,7 @@ def frozen_child(seq: int, which: str, dtype_name: str, model_dtype: str, patter
     from nnsight_lorsa.envoy.nnsight_internals import hf_module
 
     torch.set_num_threads(1)
-    rm, model = replacement_model(which, model_dtype)
+    rm, model = replacement_model(which, model_dtype, attn)
     cfg = hf_module(rm.model).config
     if model is not None:
         text = Path(default_corpus_path()).read_text(encoding="utf-8")[offset:offset + 20_000]
@@ -175,10 +224,11 @@ def frozen_child(seq: int, which: str, dtype_name: str, model_dtype: str, patter
         ids = torch.randint(0, cfg.vocab_size, (seq,), generator=torch.Generator().manual_seed(offset + seq))
     dtype = None if dtype_name == "model" else getattr(torch, dtype_name)
     out = {"seq": seq, "mode": "frozen", "model": which, "dtype": dtype_name, "model_dtype": model_dtype,
-           "patterns": patterns, "shape": {"n_layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size,
-                                           "n_heads": cfg.num_attention_heads, "n_kv": cfg.num_key_value_heads,
-                                           "head_dim": getattr(cfg, "head_dim", None), "d_mlp": cfg.intermediate_size,
-                                           "vocab": cfg.vocab_size},
+           "patterns": patterns, "attn": cfg._attn_implementation,
+           "shape": {"n_layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size,
+                     "n_heads": cfg.num_attention_heads, "n_kv": cfg.num_key_value_heads,
+                     "head_dim": getattr(cfg, "head_dim", None), "d_mlp": cfg.intermediate_size,
+                     "vocab": cfg.vocab_size},
            **frozen_pass_peaks(rm, ids, dtype=dtype, patterns=patterns)}
     out["measured_over_predicted"] = {b: out["peaks"][b] / out["predicted"][b] for b in out["peaks"]}
     out["per_copy_measured_over_predicted"] = out["per_copy"] / out["predicted_per_copy"]
@@ -195,6 +245,7 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
     from nnsight_lorsa.assets import default_corpus_path
     from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
     from nnsight_lorsa.attribution.budget import kept_entries, row_reach
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
 
     engine = sys.modules["nnsight_lorsa.attribution.engine"]
     torch.set_num_threads(1)
@@ -204,7 +255,8 @@ def child(seq: int, batch: int, mode: str, budget: int = 64, keep_mass: float = 
         text = Path(default_corpus_path()).read_text(encoding="utf-8")[offset:offset + 20_000]
         ids = model.tokenizer(text, return_tensors="pt")["input_ids"][0, :seq]
     else:
-        ids = torch.randint(0, 4096, (seq,), generator=torch.Generator().manual_seed(offset + seq))
+        vocab = min(4096, hf_module(rm.model).config.vocab_size)
+        ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(offset + seq))
     prune = {"pruned": PruneConfig(0.8, 0.98), "budget_pruned": PruneConfig(node_threshold, 0.98),
              "sparse": PruneConfig(node_threshold, 0.98, keep_mass=keep_mass)}.get(mode)
     mfn = budget if mode in ("budget", "budget_pruned") else None
@@ -339,10 +391,10 @@ def main() -> None:
                   model=arg("tc", choices=MODELS),
                   dtype=arg("float32", choices=("float32", "float64", "model")),
                   model_dtype=arg("float32", choices=("float32", "bfloat16")),
-                  patterns=arg("auto", choices=("auto", "sdpa")),
+                  patterns=arg("auto", choices=("auto", "sdpa")), attn=arg("eager", choices=("eager", "sdpa")),
                   offset=20_000).parse_args()
     if args.child == "frozen":
-        frozen_child(args.seq, args.model, args.dtype, args.model_dtype, args.patterns, args.offset)
+        frozen_child(args.seq, args.model, args.dtype, args.model_dtype, args.patterns, args.offset, args.attn)
         return
     if args.child:
         child(args.seq, args.batch, args.child, args.budget, args.keep_mass, args.node_threshold, args.model,
@@ -355,7 +407,8 @@ def main() -> None:
                                   str(seq), "--batch", str(args.batch), "--budget", str(args.budget),
                                   "--keep-mass", str(args.keep_mass), "--node-threshold", str(args.node_threshold),
                                   "--model", args.model, "--dtype", args.dtype, "--offset", str(args.offset),
-                                  "--model-dtype", args.model_dtype, "--patterns", args.patterns],
+                                  "--model-dtype", args.model_dtype, "--patterns", args.patterns,
+                                  "--attn", args.attn],
                                  capture_output=True, text=True,
                                  env=dict(os.environ), cwd=Path(__file__).resolve().parent.parent)
             if res.returncode != 0:

@@ -119,6 +119,15 @@ def frozen_norm(
     return w * (_upcast(x) * scale).to(x.dtype)
 
 
+def keeps_pattern(w: MHSAWeights, store_patterns: bool) -> bool:
+    """Whether the frozen pass keeps a frozen MHSA's pattern (:func:`~nnsight_lorsa.adapters.base.mhsa_pattern`,
+    ``(1, n_heads, pos, pos)``, once per prompt) rather than its queries and keys for SDPA: where patterns are stored
+    (``store_patterns``: the CPU's default), and always for a soft-capped attention (``w.softcap``: Gemma-2's
+    ``attn_logit_softcapping``; SDPA cannot cap the scores). The memory model counts the same layers
+    (:func:`.budget.estimate_info`)."""
+    return store_patterns or w.softcap is not None
+
+
 def frozen_mhsa(
     w: MHSAWeights,
     x: Float[torch.Tensor, "batch pos d_model"],

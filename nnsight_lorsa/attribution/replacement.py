@@ -46,6 +46,7 @@ from .frozen import (
     column,
     frozen_mhsa,
     frozen_norm,
+    keeps_pattern,
     norm_scale,
     per_position,
     scaled,
@@ -207,7 +208,7 @@ class FrozenReplacement:
         if lay.lorsa is None:
             w = self.mhsa_on(layer, x.device)
             frozen: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-            if self.store_patterns(x) or w.softcap is not None:  # SDPA cannot soft-cap (Gemma-2): the pattern
+            if keeps_pattern(w, self.store_patterns(x)):  # SDPA cannot soft-cap (Gemma-2): the pattern
                 frozen = self.const(f"L{layer}.attn.pattern", lambda: mhsa_pattern(w, x[:1], first(positions)))
             else:
                 frozen = (self.const(f"L{layer}.attn.q", lambda: mhsa_qk(w, x[:1], first(positions))[0]),

@@ -177,7 +177,8 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     """The counts do not depend on the device; on a GPU ``device_bytes`` is the frozen pass and
     ``host_bytes`` the rows (+ pruning, fixed) — on the CPU ``host_bytes`` holds both. A prompt copy of
     the frozen pass is counted with the GPU's SDPA coefficient there (measured on an H200), from the structure
-    here (:func:`~nnsight_lorsa.attribution.budget.frozen_per_copy_bytes`)."""
+    here (:func:`~nnsight_lorsa.attribution.budget.frozen_per_copy_bytes`); on both, the model's own attention mask
+    per copy (:func:`~nnsight_lorsa.attribution.budget.attention_mask_entry_bytes`)."""
     from nnsight_lorsa.attribution.budget import (
         PER_COPY_NUMBERS_GPU_SDPA,
         ROW_BUFFERS,
@@ -200,9 +201,12 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     # not kept: their weights enter the frozen pass detached)
     assert structural >= (2 + 2) * d * len(IDS) * 4
     rows_part = ROW_BUFFERS * cpu.terms["n_sources"] * 4  # source-sized fp32 buffers
-    assert cpu.terms["frozen_per_copy"] == structural + rows_part
+    # the model's own causal mask, (P, P) per prompt copy: eager attention, fp32, no sliding layer
+    assert info["mask_entry_bytes"] == 4
+    mask = 4 * len(IDS) ** 2
+    assert cpu.terms["frozen_per_copy"] == structural + rows_part + mask
     expected = structural if device == "cpu" else int(PER_COPY_NUMBERS_GPU_SDPA * activations)
-    assert est.terms["frozen_per_copy"] == expected + rows_part
+    assert est.terms["frozen_per_copy"] == expected + rows_part + mask
     t = est.terms
     assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
     if device == "cpu":
