@@ -182,23 +182,44 @@ def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() ->
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ln2_hook_normalized_only_where_the_norm_has_no_gain(family: str, tmp_path: Path) -> None:
-    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias): our MLP input only where the gain is
-    all ones and the bias zero. The tiny models' norms have random gains: refused; with unit norms: accepted,
-    and there the normalised residual is indeed what the MLP reads."""
+def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> None:
+    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias). On an RMSNorm (Llama, Gemma-2) with a
+    gain it is computed from the norm's input (``x / rms(x)``, as the norm computes it): the reconstruction equals the
+    transcoder applied to that by hand. On a LayerNorm (GPT-2, GPT-NeoX) with a gain it is refused, naming the norm;
+    with unit norms it is the MLP input in every family. Weights not loaded yet: refused on a LayerNorm (the gain
+    cannot be checked), computed on an RMSNorm (no gain needed)."""
     model, hf = tiny_nnsight(family)
     adapter = get_adapter(model)
     output = "mlp.hook_out" if family == "gemma2" else "hook_mlp_out"
     tc_dir, clt_dir = _files(tmp_path, "ln2", feature_input_hook="ln2.hook_normalized", feature_output_hook=output)
     norm = adapter.mlp_norm_path(LAYER)
-    with pytest.raises(UnsupportedArchitectureError, match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain"):
-        TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
-        TranscoderSet.from_pretrained(model, tc_dir)
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+    rms = "RMSNorm" in type(hf.get_submodule(norm)).__name__
+    assert rms == (family in ("llama", "gemma2"))
+    if rms:
+        tcs = TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
         CLTSet.from_pretrained(model, clt_dir)
+        assert tcs.site(LAYER).site_paths == (adapter.mlp_path(LAYER),)
+        ids = random_ids()
+        with model.trace(ids):
+            site = tcs.replace(LAYER)
+            mid = _norm_input(model, adapter, LAYER)
+            recons = site.hook_sae_recons.output.save()
+        m = hf.get_submodule(norm)
+        eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+        with torch.no_grad():
+            x = mid.float() * torch.rsqrt(mid.float().pow(2).mean(-1, keepdim=True) + eps)
+            assert torch.allclose(recons, tcs[LAYER](x), rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(recons, tcs[LAYER](m(mid)), rtol=1e-3, atol=1e-3)  # the gain matters
+    else:
+        with pytest.raises(UnsupportedArchitectureError,
+                           match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain.*no RMSNorm"):
+            TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+            TranscoderSet.from_pretrained(model, tc_dir)
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+            CLTSet.from_pretrained(model, clt_dir)
     _unit_norms(hf, adapter)
-    with torch.no_grad():  # the claim that makes it acceptable: norm(x) == x normalised, no gain
+    with torch.no_grad():  # the claim that makes it the MLP input: norm(x) == x normalised, no gain
         x = torch.randn(3, adapter.d_model, generator=torch.Generator().manual_seed(0))
         m = hf.get_submodule(norm)
         if isinstance(m, torch.nn.LayerNorm):
@@ -207,23 +228,31 @@ def test_ln2_hook_normalized_only_where_the_norm_has_no_gain(family: str, tmp_pa
             eps = getattr(m, "eps", getattr(m, "variance_epsilon", 0.0))
             ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         assert torch.allclose(m(x), ref, atol=1e-5)
-    assert list(TranscoderSet.from_pretrained(model, tc_dir)) == [0, 1]
+    tcs = TranscoderSet.from_pretrained(model, tc_dir)
+    assert list(tcs) == [0, 1]
+    assert tcs.site(LAYER).input_paths == (adapter.mlp_path(LAYER),)  # unit gain: the MLP's own input
     CLTSet.from_pretrained(model, clt_dir)
-    unloaded = copy.deepcopy(hf).to("meta")  # weights not loaded yet: the gain cannot be checked, so refused
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
+    unloaded = copy.deepcopy(hf).to("meta")
+    if rms:
         check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
+    else:  # weights not loaded yet: the gain cannot be checked, so refused
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
+            check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
 
 
-def test_hook_mlp_out_is_the_mlp_output_only_without_post_norms(tmp_path: Path) -> None:
-    """``hook_mlp_out`` with the MLP's input: accepted on Llama / GPT-2 (no post-norm), refused on Gemma-2."""
+def test_hook_mlp_out_is_the_mlp_output_or_the_post_norm_output(tmp_path: Path) -> None:
+    """``hook_mlp_out`` with the MLP's input: the MLP output on Llama / GPT-2 (no post-norm); on Gemma-2
+    ``post_feedforward_layernorm``'s output, which the splice then replaces."""
     tc_dir, clt_dir = _files(tmp_path, "out", feature_input_hook="mlp.hook_in", feature_output_hook="hook_mlp_out")
-    for family in ("llama", "gpt2"):
+    for family in ("llama", "gpt2", "gemma2"):
         model, _ = tiny_nnsight(family)
-        TranscoderSet.from_pretrained(model, tc_dir)
-        CLTSet.from_pretrained(model, clt_dir)
-    gemma, _ = tiny_nnsight("gemma2")
-    with pytest.raises(UnsupportedArchitectureError, match="'hook_mlp_out'.*post_feedforward_layernorm"):
-        TranscoderSet.from_pretrained(gemma, tc_dir)
+        adapter = get_adapter(model)
+        tcs = TranscoderSet.from_pretrained(model, tc_dir)
+        clts = CLTSet.from_pretrained(model, clt_dir)
+        post = adapter.mlp_post_norm_path(LAYER) if family == "gemma2" else adapter.mlp_path(LAYER)
+        assert tcs.site(LAYER).site_paths == (post,)
+        assert tcs.site(LAYER).input_paths == (adapter.mlp_path(LAYER),)
+        assert clts.site().site_paths[LAYER] == post
 
 
 def test_writers_record_and_require_our_site(tmp_path: Path) -> None:
@@ -300,3 +329,181 @@ def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
         for h in hooks:
             h.remove()
     assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+
+GEMMASCOPE = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
+
+
+def _gemmascope(module):
+    """GemmaScope's / circuit-tracer's ``gemma`` hooks: ``x / rms(x)`` before the pre-MLP norm's gain in, the post-MLP
+    norm's output out (a file written by hand: our writers record the MLP module's call)."""
+    module.cfg.extra["circuit_tracer"] = dict(GEMMASCOPE)
+    return module
+
+
+def _before_gain(hf, adapter, layer: int, resid_mid: torch.Tensor) -> torch.Tensor:
+    """``ln2.hook_normalized`` by hand: transformers' own ``Gemma2RMSNorm._norm`` of the fp32 residual (the norm's
+    ``forward`` without its ``(1 + weight)`` gain)."""
+    return hf.get_submodule(adapter.mlp_norm_path(layer))._norm(resid_mid.float())
+
+
+def _norm_input(model, adapter, layer: int):
+    args, kwargs = model.get(adapter.mlp_norm_path(layer)).inputs
+    return (args[0] if args else kwargs["hidden_states"]).save()
+
+
+def test_gemmascope_transcoder_on_gemma2_reads_before_the_gain_and_writes_the_post_norm_output() -> None:
+    """A GemmaScope transcoder on Gemma-2 reads the pre-MLP norm's ``x / rms(x)`` before its ``1 + weight`` gain
+    (not the MLP input) and replaces ``post_feedforward_layernorm``'s output: its reconstruction equals the
+    transcoder applied by hand to the hooked residual's normalisation, the error term is the post-norm's own output
+    minus it, ``error=True`` logits are the plain model's bit for bit, ``error=False`` logits a hand-hooked HF run."""
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    ids = random_ids()
+    with torch.no_grad():
+        plain = head_logits(hf, ids)
+    tc = _gemmascope(_relu_tc())
+    tcs = TranscoderSet(model, {LAYER: tc})
+    post = adapter.mlp_post_norm_path(LAYER)
+    assert tcs.site(LAYER).site_paths == (post,)
+    true = []  # the post-norm's own output, hooked on the plain model
+    hook = hf.get_submodule(post).register_forward_hook(lambda m, a, o: true.append(o.detach()))
+    try:
+        with model.trace(ids):
+            site = tcs.replace(LAYER, error=True)
+            mid = _norm_input(model, adapter, LAYER)
+            mlp_in = model.get(adapter.mlp_path(LAYER)).inputs[0][0].save()
+            recons = site.hook_sae_recons.output.save()
+            err = site.hook_error.output.save()
+            logits = unembed(model).output.save()
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        x = _before_gain(hf, adapter, LAYER, mid)
+        eps = hf.get_submodule(adapter.mlp_norm_path(LAYER)).eps
+        assert torch.equal(x, mid * torch.rsqrt(mid.pow(2).mean(-1, keepdim=True) + eps))
+        assert torch.allclose(recons, tc(x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(recons, tc(mlp_in), rtol=1e-3, atol=1e-3)  # the gain matters: not vacuous
+    assert torch.allclose(err, true[-1] - recons, rtol=1e-5, atol=1e-6)  # the error term at the post-norm
+    assert torch.equal(logits, plain)  # error=True: the model's own output, bit for bit
+
+    with model.trace(ids):
+        tcs.replace(LAYER)
+        spliced = unembed(model).output.save()
+    seen = []  # by hand, on the plain HF model: post_feedforward_layernorm's output := tc(x / rms(x))
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(post).register_forward_hook(
+                 lambda m, a, o: tc(_before_gain(hf, adapter, LAYER, seen[-1])).to(o.dtype))]
+    try:
+        with torch.no_grad():
+            by_hand = head_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not torch.allclose(by_hand, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_gemmascope_clt_on_gemma2() -> None:
+    """A CLT with GemmaScope's hooks: layer ``l`` encodes ``x / rms(x)`` of the pre-MLP norm's input before the gain
+    and each ``post_feedforward_layernorm``'s output is replaced (``error=True``: the plain logits bit for bit;
+    ``error=False``: a hand-hooked HF run)."""
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    ids = random_ids()
+    with torch.no_grad():
+        plain = head_logits(hf, ids)
+    clt = _gemmascope(make_clt())
+    clts = CLTSet(model, clt)
+    assert clts.site().site_paths == tuple(adapter.mlp_post_norm_path(layer) for layer in range(clt.n_layers))
+    mids: list = []
+    rec: list = []
+    with model.trace(ids):
+        env = clts.replace(error=True)
+        for layer in range(clt.n_layers):
+            mids.append(_norm_input(model, adapter, layer))
+            rec.append(env.hook_sae_recons[layer].output.save())
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        by_hand = clt(torch.stack([_before_gain(hf, adapter, layer, m) for layer, m in enumerate(mids)]))
+    for layer in range(clt.n_layers):
+        assert torch.allclose(rec[layer], by_hand[layer], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, plain)
+
+    with model.trace(ids):
+        clts.replace()
+        spliced = unembed(model).output.save()
+    xs: dict = {}  # by hand: each post-norm's output := the CLT's layer output from the layers' x / rms(x) so far
+
+    def read(layer):
+        return lambda m, a: xs.__setitem__(layer, _before_gain(hf, adapter, layer, a[0]))
+
+    def write(layer):
+        def hook(m, a, o):
+            acts = [clt.encode_layer(xs[source], source) for source in range(layer + 1)]
+            return clt.reconstruct_layer(acts, layer, xs[layer]).to(o.dtype)
+        return hook
+
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(layer)).register_forward_pre_hook(read(layer))
+             for layer in range(clt.n_layers)]
+    hooks += [hf.get_submodule(adapter.mlp_post_norm_path(layer)).register_forward_hook(write(layer))
+              for layer in range(clt.n_layers)]
+    try:
+        with torch.no_grad():
+            by_hand_logits = head_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not torch.allclose(by_hand_logits, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
+    """GemmaScope transcoders / CLTs on Gemma-2 serve every KV-cached generation step (each step's logits equal a
+    full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution (whose
+    frozen pass reads the MLP input and writes the MLP output) refuses them by name."""
+    import nnsight
+
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.training import TokenDataset, evaluate
+    from nnsight_lorsa.training.metrics import FVUAccumulator
+
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    ids = random_ids(1, 6)
+    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
+    tcs = TranscoderSet(model, {LAYER: _gemmascope(_relu_tc())})
+    clts = CLTSet(model, _gemmascope(make_clt()))
+    for replacements in (tcs, clts):
+        with model.generate(ids, **gen) as tracer:
+            replacements.replace()
+            steps = nnsight.save([])
+            for _ in tracer.iter[:4]:
+                steps.append(unembed(model).output[:, -1].clone())
+            out = nnsight.save(tracer.result)
+        for k, step in enumerate(steps):
+            with model.trace(out[:, :ids.shape[1] + k]):
+                replacements.replace()
+                last = nnsight.save(unembed(model).output[:, -1])
+            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+        with pytest.raises(UnsupportedArchitectureError, match=r"ln2.hook_normalized.*hook_mlp_out.*"
+                                                               r"pre_feedforward_layernorm.*post_feedforward_layernorm"):
+            attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
+
+    batch = random_ids(2, 8)
+    ev = evaluate(tcs, TokenDataset(batch), batch_size=2)
+    seen, outs = [], []
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(adapter.mlp_post_norm_path(LAYER)).register_forward_hook(
+                 lambda m, a, o: outs.append(o))]
+    try:
+        with torch.no_grad():
+            hf(batch)
+            recon = tcs[LAYER](_before_gain(hf, adapter, LAYER, seen[0]))
+    finally:
+        for h in hooks:
+            h.remove()
+    acc = FVUAccumulator()
+    acc.update(outs[0][:, 1:].reshape(-1, adapter.d_model).float(), recon[:, 1:].reshape(-1, adapter.d_model).float())
+    assert ev.fvu == pytest.approx(float(acc.value()), rel=1e-4)
