@@ -15,7 +15,7 @@ replaced one: :func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`); MLP ``l'``
 is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (Ameisen et al. 2025, *Circuit Tracing*,
 cross-layer transcoders). This needs
 one worker that visits the MLPs in order and carries the features forward:
-:func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)``, the CLT mounted at
+:func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)`` (or the post-MLP norms), the CLT mounted at
 the root as ``model.clt``.
 """
 
