@@ -507,3 +507,61 @@ def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
     acc = FVUAccumulator()
     acc.update(outs[0][:, 1:].reshape(-1, adapter.d_model).float(), recon[:, 1:].reshape(-1, adapter.d_model).float())
     assert ev.fvu == pytest.approx(float(acc.value()), rel=1e-4)
+
+
+def test_gemmascope_features_are_ordered_at_the_post_norm() -> None:
+    """A GemmaScope transcoder's features are computed when ``post_feedforward_layernorm`` runs (its output is
+    replaced there), after the MLP: ReplacementModel orders them between an SAE on the MLP output and one on the
+    post-norm, so an ablation of such a feature and a steer of an SAE feature on the same layer's MLP in one trace
+    body (after ``prepare``) run, and equal a hand-hooked HF run; path patching refuses an SAE sender on the post-norm
+    the transcoder replaces (and on the MLP output, which then only feeds it)."""
+    from helpers import make_sae
+
+    from nnsight_lorsa import SAESet
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.envoy.targets import Feature
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.patching import ablate, path_patching, steer
+
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    mlp, post = adapter.mlp_path(LAYER), adapter.mlp_post_norm_path(LAYER)
+    tc, sae = _gemmascope(_relu_tc()), make_sae()
+    r = ReplacementModel(model, saes=SAESet(model, {mlp: sae}), transcoders=TranscoderSet(model, {LAYER: tc}),
+                         error=False)
+    tc_feature, sae_feature = Feature(LAYER, 7, kind="transcoder"), Feature(mlp, 4)
+    assert r.sort([Feature(post, 1), tc_feature, sae_feature]) == [sae_feature, tc_feature, Feature(post, 1)]
+    ids = random_ids()
+    with model.trace(ids):
+        r.prepare([sae_feature, tc_feature])  # the transcoder reads the pre-MLP norm: spliced before it runs
+        steer(r(sae_feature), 1.5)
+        ablate(r(tc_feature))
+        logits = unembed(model).output.save()
+    seen = []
+
+    def sae_hook(module, args, output):
+        acts = sae.encode(output).clone()
+        acts[:, :, 4] = acts[:, :, 4] + 1.5
+        return sae.decode(acts)
+
+    def tc_hook(module, args, output):
+        acts = tc.encode(_before_gain(hf, adapter, LAYER, seen[-1])).clone()
+        acts[:, :, 7] = 0
+        return tc.decode(acts)
+
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(mlp).register_forward_hook(sae_hook),
+             hf.get_submodule(post).register_forward_hook(tc_hook)]
+    try:
+        with torch.no_grad():
+            want = head_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
+    for site in (post, mlp):
+        r2 = ReplacementModel(model, saes=SAESet(model, {site: make_sae()}),
+                              transcoders=TranscoderSet(model, {LAYER: _gemmascope(_relu_tc())}), error=False)
+        with pytest.raises(ConfigMismatchError, match=rf"SAE sender at '{site}'.*layer {LAYER}'s transcoder replaces"):
+            path_patching(r2, ids, [(Feature(site, 0), Feature(LAYER, 7, kind="transcoder"))],
+                          corrupt=random_ids(seed=2), metric=lambda logits: logits[:, -1, 0])
