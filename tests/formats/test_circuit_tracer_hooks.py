@@ -284,11 +284,30 @@ def test_circuit_tracer_written_clts_record_hook_resid_mid_and_still_load() -> N
         assert clt.cfg.extra["circuit_tracer"]["feature_input_hook"] == "hook_resid_mid"
 
 
+def _check_generation(model, replacements, ids: torch.Tensor) -> None:
+    """``replacements`` serve every KV-cached step of a 4-token greedy generation from ``ids``: each step's last
+    logits equal a full-sequence trace of the same prefix's, replaced the same way."""
+    import nnsight
+
+    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
+    with model.generate(ids, **gen) as tracer:
+        replacements.replace()
+        steps = nnsight.save([])
+        for _ in tracer.iter[:4]:
+            steps.append(unembed(model).output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    assert len(steps) == 4
+    for k, step in enumerate(steps):
+        with model.trace(out[:, :ids.shape[1] + k]):
+            replacements.replace()
+            last = nnsight.save(unembed(model).output[:, -1])
+        assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+
+
 def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
     """A ``hook_resid_mid`` transcoder and CLT serve every KV-cached generation step (each step's logits equal a
     full-sequence trace of the same prefix's), and one spliced by a ReplacementModel next to an SAE on the same
     layer's pre-MLP norm output (spliced first; the transcoder reads the norm's input) gives the hand computation."""
-    import nnsight
     from helpers import make_sae
 
     from nnsight_lorsa import SAESet
@@ -297,19 +316,8 @@ def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
     ids = random_ids(1, 6)
-    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
     for replacements in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
-        with model.generate(ids, **gen) as tracer:
-            replacements.replace()
-            steps = nnsight.save([])
-            for _ in tracer.iter[:4]:
-                steps.append(unembed(model).output[:, -1].clone())
-            out = nnsight.save(tracer.result)
-        for k, step in enumerate(steps):  # each cached step's logits = a full-sequence trace of the same prefix
-            with model.trace(out[:, :ids.shape[1] + k]):
-                replacements.replace()
-                last = nnsight.save(unembed(model).output[:, -1])
-            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+        _check_generation(model, replacements, ids)
 
     tc = _resid_mid(_relu_tc())
     norm = adapter.mlp_norm_path(LAYER)
@@ -352,16 +360,30 @@ def _norm_input(model, adapter, layer: int):
     return (args[0] if args else kwargs["hidden_states"]).save()
 
 
+def _gemma2_plain():
+    """The tiny Gemma-2 (nnsight and Hugging Face), its adapter, prompts and the plain model's logits on them."""
+    model, hf = tiny_nnsight("gemma2")
+    ids = random_ids()
+    with torch.no_grad():
+        return model, hf, get_adapter(model), ids, head_logits(hf, ids)
+
+
+def _hooked(handles: list, run):
+    """``run()`` without gradients while the Hugging Face hooks ``handles`` are registered; they are removed after."""
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_gemmascope_transcoder_on_gemma2_reads_before_the_gain_and_writes_the_post_norm_output() -> None:
     """A GemmaScope transcoder on Gemma-2 reads the pre-MLP norm's ``x / rms(x)`` before its ``1 + weight`` gain
     (not the MLP input) and replaces ``post_feedforward_layernorm``'s output: its reconstruction equals the
     transcoder applied by hand to the hooked residual's normalisation, the error term is the post-norm's own output
     minus it, ``error=True`` logits are the plain model's bit for bit, ``error=False`` logits a hand-hooked HF run."""
-    model, hf = tiny_nnsight("gemma2")
-    adapter = get_adapter(model)
-    ids = random_ids()
-    with torch.no_grad():
-        plain = head_logits(hf, ids)
+    model, hf, adapter, ids, plain = _gemma2_plain()
     tc = _gemmascope(_relu_tc())
     tcs = TranscoderSet(model, {LAYER: tc})
     post = adapter.mlp_post_norm_path(LAYER)
@@ -394,12 +416,7 @@ def test_gemmascope_transcoder_on_gemma2_reads_before_the_gain_and_writes_the_po
     hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
              hf.get_submodule(post).register_forward_hook(
                  lambda m, a, o: tc(_before_gain(hf, adapter, LAYER, seen[-1])).to(o.dtype))]
-    try:
-        with torch.no_grad():
-            by_hand = head_logits(hf, ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    by_hand = _hooked(hooks, lambda: head_logits(hf, ids))
     assert not torch.allclose(by_hand, plain, rtol=1e-3, atol=1e-3)
     assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
 
@@ -408,11 +425,7 @@ def test_gemmascope_clt_on_gemma2() -> None:
     """A CLT with GemmaScope's hooks: layer ``l`` encodes ``x / rms(x)`` of the pre-MLP norm's input before the gain
     and each ``post_feedforward_layernorm``'s output is replaced (``error=True``: the plain logits bit for bit;
     ``error=False``: a hand-hooked HF run)."""
-    model, hf = tiny_nnsight("gemma2")
-    adapter = get_adapter(model)
-    ids = random_ids()
-    with torch.no_grad():
-        plain = head_logits(hf, ids)
+    model, hf, adapter, ids, plain = _gemma2_plain()
     clt = _gemmascope(make_clt())
     clts = CLTSet(model, clt)
     assert clts.site().site_paths == tuple(adapter.mlp_post_norm_path(layer) for layer in range(clt.n_layers))
@@ -448,12 +461,7 @@ def test_gemmascope_clt_on_gemma2() -> None:
              for layer in range(clt.n_layers)]
     hooks += [hf.get_submodule(adapter.mlp_post_norm_path(layer)).register_forward_hook(write(layer))
               for layer in range(clt.n_layers)]
-    try:
-        with torch.no_grad():
-            by_hand_logits = head_logits(hf, ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    by_hand_logits = _hooked(hooks, lambda: head_logits(hf, ids))
     assert not torch.allclose(by_hand_logits, plain, rtol=1e-3, atol=1e-3)
     assert torch.allclose(spliced, by_hand_logits, rtol=1e-5, atol=1e-5)
 
@@ -462,7 +470,6 @@ def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
     """GemmaScope transcoders / CLTs on Gemma-2 serve every KV-cached generation step (each step's logits equal a
     full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution (whose
     frozen pass reads the MLP input and writes the MLP output) refuses them by name."""
-    import nnsight
 
     from nnsight_lorsa.attribution import attribute
     from nnsight_lorsa.envoy.replacement_model import ReplacementModel
@@ -472,21 +479,10 @@ def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
     model, hf = tiny_nnsight("gemma2")
     adapter = get_adapter(model)
     ids = random_ids(1, 6)
-    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
     tcs = TranscoderSet(model, {LAYER: _gemmascope(_relu_tc())})
     clts = CLTSet(model, _gemmascope(make_clt()))
     for replacements in (tcs, clts):
-        with model.generate(ids, **gen) as tracer:
-            replacements.replace()
-            steps = nnsight.save([])
-            for _ in tracer.iter[:4]:
-                steps.append(unembed(model).output[:, -1].clone())
-            out = nnsight.save(tracer.result)
-        for k, step in enumerate(steps):
-            with model.trace(out[:, :ids.shape[1] + k]):
-                replacements.replace()
-                last = nnsight.save(unembed(model).output[:, -1])
-            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+        _check_generation(model, replacements, ids)
         with pytest.raises(UnsupportedArchitectureError, match=r"ln2.hook_normalized.*hook_mlp_out.*"
                                                                r"pre_feedforward_layernorm.*post_feedforward_layernorm"):
             attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
@@ -497,13 +493,9 @@ def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
     hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
              hf.get_submodule(adapter.mlp_post_norm_path(LAYER)).register_forward_hook(
                  lambda m, a, o: outs.append(o))]
-    try:
-        with torch.no_grad():
-            hf(batch)
-            recon = tcs[LAYER](_before_gain(hf, adapter, LAYER, seen[0]))
-    finally:
-        for h in hooks:
-            h.remove()
+    _hooked(hooks, lambda: hf(batch))
+    with torch.no_grad():
+        recon = tcs[LAYER](_before_gain(hf, adapter, LAYER, seen[0]))
     acc = FVUAccumulator()
     acc.update(outs[0][:, 1:].reshape(-1, adapter.d_model).float(), recon[:, 1:].reshape(-1, adapter.d_model).float())
     assert ev.fvu == pytest.approx(float(acc.value()), rel=1e-4)
@@ -552,12 +544,7 @@ def test_gemmascope_features_are_ordered_at_the_post_norm() -> None:
     hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
              hf.get_submodule(mlp).register_forward_hook(sae_hook),
              hf.get_submodule(post).register_forward_hook(tc_hook)]
-    try:
-        with torch.no_grad():
-            want = head_logits(hf, ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    want = _hooked(hooks, lambda: head_logits(hf, ids))
     assert torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
     for site in (post, mlp):
         r2 = ReplacementModel(model, saes=SAESet(model, {site: make_sae()}),
