@@ -411,7 +411,12 @@ def test_gemmascope_transcoder_on_gemma2_reads_before_the_gain_and_writes_the_po
 
     with model.trace(ids):
         tcs.replace(LAYER)
+        mid = _norm_input(model, adapter, LAYER)
+        layer_out = model.get(adapter.layer_path(LAYER)).output
+        resid = (layer_out[0] if isinstance(layer_out, tuple) else layer_out).save()
         spliced = unembed(model).output.save()
+    with torch.no_grad():  # the layer added to its residual what the splice returned as the post-norm's output
+        assert torch.allclose(resid - mid, tc(_before_gain(hf, adapter, LAYER, mid)), rtol=1e-4, atol=1e-5)
     seen = []  # by hand, on the plain HF model: post_feedforward_layernorm's output := tc(x / rms(x))
     hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
              hf.get_submodule(post).register_forward_hook(
