@@ -360,9 +360,10 @@ def _norm_input(model, adapter, layer: int):
     return (args[0] if args else kwargs["hidden_states"]).save()
 
 
-def _gemma2_plain():
-    """The tiny Gemma-2 (nnsight and Hugging Face), its adapter, prompts and the plain model's logits on them."""
-    model, hf = tiny_nnsight("gemma2")
+def _gemma2_plain(dtype: torch.dtype = torch.float32):
+    """The tiny Gemma-2 (nnsight and Hugging Face) in ``dtype``, its adapter, prompts and the plain model's logits on
+    them."""
+    model, hf = tiny_nnsight("gemma2", dtype=dtype)
     ids = random_ids()
     with torch.no_grad():
         return model, hf, get_adapter(model), ids, head_logits(hf, ids)
@@ -557,3 +558,23 @@ def test_gemmascope_features_are_ordered_at_the_post_norm() -> None:
         with pytest.raises(ConfigMismatchError, match=rf"SAE sender at '{site}'.*layer {LAYER}'s transcoder replaces"):
             path_patching(r2, ids, [(Feature(site, 0), Feature(LAYER, 7, kind="transcoder"))],
                           corrupt=random_ids(seed=2), metric=lambda logits: logits[:, -1, 0])
+
+
+def test_gemmascope_transcoder_on_a_bf16_gemma2_reads_the_fp32_normalisation() -> None:
+    """On a bf16 Gemma-2 an fp32 GemmaScope transcoder reads ``x / rms(x)`` as the norm computes it, in fp32 from the
+    bf16 residual (``Gemma2RMSNorm._norm(x.float())``, not rounded to bf16), and ``error=True`` leaves the logits the
+    plain model's bit for bit."""
+    model, hf, adapter, ids, plain = _gemma2_plain(torch.bfloat16)
+    tc = _gemmascope(_relu_tc())
+    with model.trace(ids):
+        site = TranscoderSet(model, {LAYER: tc}).replace(LAYER, error=True)
+        mid = _norm_input(model, adapter, LAYER)
+        recons = site.hook_sae_recons.output.save()
+        logits = unembed(model).output.save()
+    assert mid.dtype == torch.bfloat16 and recons.dtype == torch.float32
+    with torch.no_grad():
+        x = _before_gain(hf, adapter, LAYER, mid)
+        assert x.dtype == torch.float32
+        assert torch.allclose(recons, tc(x), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(recons, tc(x.to(torch.bfloat16).float()), rtol=1e-6, atol=1e-6)  # not rounded
+    assert torch.equal(logits, plain)
