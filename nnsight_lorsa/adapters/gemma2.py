@@ -25,14 +25,13 @@ Sites (what the replacement modules replace):
   ``o_proj`` output, *before* ``post_attention_layernorm``; a Lorsa's output goes through the model's own
   post-attention norm, as the MHSA's did.
 - **MLP** (a transcoder, CLT, MLP SAE): ``mlp``'s input (``pre_feedforward_layernorm``'s output) and output
-  (the ``down_proj`` output, *before* ``post_feedforward_layernorm``). This is **not** GemmaScope's /
-  circuit-tracer's site: their Gemma-2 transcoders (``feature_input_hook: ln2.hook_normalized``,
-  ``feature_output_hook: hook_mlp_out``; circuit-tracer's nnsight mapping ``pre_feedforward_layernorm``'s
-  ``_norm`` output, i.e. before the ``(1 + weight)`` gain, and ``post_feedforward_layernorm``'s output) read
-  the unweighted normalised residual and write *after* the post-MLP norm, which no single module's call
-  carries; ``TranscoderSet`` / ``CLTSet`` refuse a module whose circuit-tracer file names those hooks
-  (:func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`:
-  :class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`) instead of attaching it here.
+  (the ``down_proj`` output, *before* ``post_feedforward_layernorm``). GemmaScope's / circuit-tracer's Gemma-2
+  transcoders (``feature_input_hook: ln2.hook_normalized``, ``feature_output_hook: hook_mlp_out``; circuit-tracer's
+  nnsight mapping ``pre_feedforward_layernorm``'s ``_norm`` output, i.e. before the ``(1 + weight)`` gain, and
+  ``post_feedforward_layernorm``'s output) run where they were trained: ``TranscoderSet`` / ``CLTSet`` read
+  ``x / rms(x)`` of ``pre_feedforward_layernorm``'s input (computed as the norm computes it, fp32) and replace
+  ``post_feedforward_layernorm``'s output (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`); the
+  attribution refuses them (:class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`).
 
 Attribution (:mod:`nnsight_lorsa.attribution`): the frozen replacement model freezes the two post-norms like
 the pre-norms (:meth:`Gemma2Adapter.attention_post_norm_path`, :meth:`Gemma2Adapter.mlp_post_norm_path`; their

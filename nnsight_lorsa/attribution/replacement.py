@@ -36,7 +36,7 @@ from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ConfigMismatchError, PlacementError, UnsupportedArchitectureError
-from ..formats.hook_sites import reads_resid_mid
+from ..formats.hook_sites import hook_record, mlp_site_io
 from .frozen import (
     GatheredNodes,
     GridNodes,
@@ -435,19 +435,25 @@ def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer).
 
     Raises:
-        UnsupportedArchitectureError: a transcoder / CLT reading ``hook_resid_mid``
-            (:func:`~nnsight_lorsa.formats.hook_sites.reads_resid_mid`): the frozen pass reads transcoder inputs
-            after the pre-MLP norm.
+        UnsupportedArchitectureError: a transcoder / CLT that does not read and write the MLP module's call
+            (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`: ``hook_resid_mid``; ``ln2.hook_normalized`` on a
+            norm with a gain; Gemma-2/3 ``hook_mlp_out``, after ``post_feedforward_layernorm``): the frozen pass
+            reads transcoder inputs after the frozen pre-MLP norm and writes the MLP output.
     """
     lorsas, tcs = replacement.lorsas, replacement.transcoders
     by_layer = {} if tcs is None else tcs.by_layer()
+    adapter, root = replacement.adapter, hf_module(replacement.model)
     for layer, tc in by_layer.items():
-        if reads_resid_mid(tc):
+        io = mlp_site_io(tc, adapter, root, layer)
+        if not io.is_mlp_call(adapter, layer):
+            hooks = {k: v for k, v in hook_record(tc).items() if k in ("feature_input_hook", "feature_output_hook")}
             raise UnsupportedArchitectureError(
-                f"the transcoder at layer {layer} reads hook_resid_mid (the residual before "
-                f"{replacement.adapter.mlp_norm_path(layer)!r}, per its circuit-tracer config.yaml): the attribution "
-                "reads each transcoder's input after the frozen pre-MLP norm, so its graph would be wrong; attribution "
-                "of hook_resid_mid transcoders is not supported (replace() / evaluate run them at the norm's input)")
+                f"the transcoder at layer {layer} was trained with {hooks} (per its circuit-tracer config.yaml): it "
+                f"reads {'x / rms(x) of ' if io.eps is not None else ''}the input of {io.input_path!r} and writes the "
+                f"output of {io.output_path!r}, but the attribution reads each transcoder's input after the frozen "
+                f"pre-MLP norm and writes the MLP output ({adapter.mlp_path(layer)!r}), so its graph would be wrong; "
+                "attribution of such transcoders is not supported (replace() / evaluate run them where they were "
+                "trained)")
     return ({} if lorsas is None else lorsas.by_layer()), by_layer
 
 

@@ -9,13 +9,13 @@ Usage::
         site.hook_sae_acts_post[0].output[:, :, 5] = 0    # removed from every layer it writes to
         logits = model.lm_head.output.save()
 
-The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``; for a circuit-tracer file recording
-``feature_input_hook: hook_resid_mid``, the pre-MLP norm's input: :func:`~nnsight_lorsa.formats.hook_sites.input_path`);
-MLP ``l'``'s output
+The CLT's layer ``l`` encoder reads MLP ``l``'s input (``adapter.mlp_input``; a circuit-tracer file's hooks may name
+the pre-MLP norm's input or its ``x / rms(x)``, and on Gemma-2/3 ``post_feedforward_layernorm``'s output as the
+replaced one: :func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`); MLP ``l'``'s output
 is replaced by ``Σ_{l ≤ l'} decoder_{l→l'}(acts_l) + b_dec[l']`` (Ameisen et al. 2025, *Circuit Tracing*,
 cross-layer transcoders). This needs
 one worker that visits the MLPs in order and carries the features forward:
-:func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)``, the CLT mounted at
+:func:`.splice_chain.splice_chain` over ``adapter.mlp_path(0 … n_layers−1)`` (or the post-MLP norms), the CLT mounted at
 the root as ``model.clt``.
 """
 
@@ -30,7 +30,7 @@ from .._placement import set_offload, to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError
-from ..formats.hook_sites import check_mlp_hooks, input_path
+from ..formats.hook_sites import check_mlp_hooks, mlp_site_io
 from ..modules.clt import CrossLayerTranscoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, check_flag, site_placement
@@ -53,9 +53,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             replaces once the model's weights are loaded; its dtype is kept.
 
     Raises:
-        UnsupportedArchitectureError: the model family has no adapter, or the CLT file's hooks name another
-            tensor than the MLP module's call or the pre-MLP norm's input (``hook_resid_mid`` under GPT-NeoX's parallel
-            residual; ``ln2.hook_normalized`` where the norm has a gain; ``hook_mlp_out`` on Gemma-2:
+        UnsupportedArchitectureError: the model family has no adapter, or the CLT file's hooks name a tensor the
+            set cannot read or write (``hook_resid_mid`` under GPT-NeoX's parallel residual; ``ln2.hook_normalized``
+            where the norm is a LayerNorm with a gain; ``hook_resid_post``, unknown hooks:
             :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         ConfigMismatchError: not a CrossLayerTranscoder; its ``d_model`` differs from the model's, or it
             spans more layers than the model has.
@@ -160,25 +160,26 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     def site(self, key: str = KEY) -> SpliceChain:
         """The chain of MLP sites ``0 … n_layers−1`` and the per-layer step."""
-        adapter = self.adapter
+        adapter, root = self.adapter, hf_module(self.model)
+        ios = [mlp_site_io(self.clt, adapter, root, layer) for layer in range(self.clt.n_layers)]
 
         def step(module: Any, layer: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  acts: dict) -> torch.Tensor:
-            # the first argument of input_path's call (the MLP's, or the pre-MLP norm's for hook_resid_mid);
-            # the CLT's device and dtype
-            xm = to_module(adapter.mlp_input(args, kwargs), module)
+            # the first argument of the input module's call (the MLP's, or the pre-MLP norm's for hook_resid_mid /
+            # ln2.hook_normalized on an RMSNorm: x / rms(x) of it); the CLT's device and dtype
+            xm = to_module(ios[layer].read(adapter.mlp_input(args, kwargs)), module)
             acts[layer] = module.encode_layer(xm, layer)
             return module.reconstruct_layer([acts[source] for source in range(layer + 1)], layer, xm)
 
         return SpliceChain(
-            site_paths=tuple(adapter.mlp_path(layer) for layer in range(self.clt.n_layers)),
+            site_paths=tuple(io.output_path for io in ios),
             attach_path="",
             attach_name=self.attach_name,
             step=step,
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
             error_hook=lambda module, layer: module.get_submodule(f"hook_error.{layer}"),
-            input_paths=tuple(input_path(self.clt, adapter, layer) for layer in range(self.clt.n_layers)),
+            input_paths=tuple(io.input_path for io in ios),
         )
 
     def replace(self, key: Any = None, *, error: bool = False) -> Any:

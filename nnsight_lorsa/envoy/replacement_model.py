@@ -245,8 +245,12 @@ class ReplacementModel:
             return (float(target.layer), 1.0)
         if isinstance(target, LorsaHead):
             return (float(target.layer), 1.5)
-        if target.kind == "transcoder":
-            return (float(target.site), 2.5)
+        if target.kind == "transcoder":  # computed once the module whose output it replaces has run
+            layer = int(target.site)
+            tcs = self.transcoders
+            post = tcs is not None and layer in tcs and \
+                tcs.site(layer).site_paths[0] == self.adapter.mlp_post_norm_path(layer)
+            return (float(layer), 2.65 if post else 2.5)  # 2.65: Gemma-2/3 hook_mlp_out, post_feedforward_layernorm
         return self.order_path(str(target.site))
 
     def order_path(self, path: str) -> tuple[float, float]:

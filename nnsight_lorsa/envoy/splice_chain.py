@@ -219,8 +219,8 @@ class SpliceChain(FieldsRepr):
         check_call: optional ``(args, kwargs) -> None`` raising on unsupported calls.
         input_paths: optional, one envoy path per site: the module whose call's ``(args, kwargs)`` the step
             receives instead of the site's own — a module the model runs after the previous site's and before this
-            one's output (a transcoder reading ``hook_resid_mid``: the pre-MLP norm, whose input is the residual
-            before the norm). None: each site's own inputs.
+            one's output (a transcoder reading ``hook_resid_mid`` or GemmaScope's ``ln2.hook_normalized``: the pre-MLP
+            norm, whose input is the residual before the norm). None: each site's own inputs.
     """
 
     site_paths: tuple[str, ...]

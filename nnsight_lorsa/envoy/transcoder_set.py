@@ -10,11 +10,13 @@ Usage::
         logits = model.lm_head.output.save()
 
 A transcoder reads what the MLP is called with (the hidden states after the pre-MLP norm:
-``adapter.mlp_input``) — or, for a circuit-tracer file recording ``feature_input_hook: hook_resid_mid``, what the
-pre-MLP norm is called with (the residual before the norm: :func:`~nnsight_lorsa.formats.hook_sites.input_path`) —
-and replaces what the MLP returns (``adapter.mlp_output``); the splice is
-:func:`.splice_chain.splice_chain` over the one site ``adapter.mlp_path(layer)``, the transcoder mounted
-as ``<mlp>.transcoder``.
+``adapter.mlp_input``) and replaces what the MLP returns (``adapter.mlp_output``); a circuit-tracer file's hooks may
+move either (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`): ``feature_input_hook: hook_resid_mid`` reads
+what the pre-MLP norm is called with (the residual before the norm), ``ln2.hook_normalized`` on an RMSNorm with a
+gain reads that residual's ``x / rms(x)`` before the gain (fp32, as the norm computes it), and
+``feature_output_hook: hook_mlp_out`` on Gemma-2/3 replaces ``post_feedforward_layernorm``'s output (GemmaScope:
+circuit-tracer's ``gemma`` transcoders). The splice is :func:`.splice_chain.splice_chain` over that one site, the
+transcoder mounted as ``<mlp>.transcoder``; with ``error=True`` the error term is taken at that site.
 Works per position, so also on KV-cached generation steps.
 """
 
@@ -26,7 +28,7 @@ import torch
 
 from .._placement import to_module
 from ..errors import ConfigMismatchError, LayerOutOfRangeError
-from ..formats.hook_sites import check_mlp_hooks, input_path
+from ..formats.hook_sites import check_mlp_hooks, mlp_site_io
 from ..modules.transcoder import Transcoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
@@ -47,8 +49,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     Raises:
         UnsupportedArchitectureError: the model family has no adapter, or a transcoder file's hooks name
-            another tensor than the MLP module's call or the pre-MLP norm's input (``hook_resid_mid`` under GPT-NeoX's
-            parallel residual; ``ln2.hook_normalized`` where the norm has a gain; ``hook_mlp_out`` on Gemma-2:
+            a tensor the set cannot read or write (``hook_resid_mid`` under GPT-NeoX's parallel residual;
+            ``ln2.hook_normalized`` where the norm is a LayerNorm with a gain; ``hook_resid_post``, unknown hooks:
             :func:`~nnsight_lorsa.formats.hook_sites.check_mlp_hooks`).
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
         ConfigMismatchError: ``d_in``/``d_out`` differ from the model's ``d_model``, or the
@@ -84,6 +86,8 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         return LayerOutOfRangeError(f"no transcoder for layer {key!r}; this set has layers {list(self)}")
 
     def site_path(self, key: int) -> str:
+        """The layer's MLP, where its transcoder runs (the module whose output it replaces is :meth:`site`'s
+        ``site_paths[0]``: the MLP, or Gemma-2/3's ``post_feedforward_layernorm`` for ``hook_mlp_out``)."""
         return self.adapter.mlp_path(key)
 
     @property
@@ -103,24 +107,27 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
     def site(self, layer: int) -> SpliceChain:
         """How layer ``layer``'s MLP is spliced (its path, input and output handling)."""
         adapter = self.adapter
+        io = mlp_site_io(self[layer], adapter, hf_module(self.model), layer)
 
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
-            return run_on_module(module, adapter.mlp_input(args, kwargs))  # the first argument of input_path's call
+            # the first argument of io.input_path's call (x / rms(x) of it for ln2.hook_normalized on an RMSNorm)
+            return run_on_module(module, io.read(adapter.mlp_input(args, kwargs)))
 
         return SpliceChain(
-            site_paths=(adapter.mlp_path(layer),),
+            site_paths=(io.output_path,),
             attach_path=adapter.mlp_path(layer),
             attach_name="transcoder",
             step=step,
             get_output=adapter.mlp_output,
             set_output=adapter.with_mlp_output,
             error_hook=lambda module, i: module.get_submodule("hook_error"),
-            input_paths=(input_path(self[layer], adapter, layer),),
+            input_paths=(io.input_path,),
         )
 
     def replace(self, layer: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys
-        """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only.
+        """Replace the MLP output of ``layer`` by its transcoder's output, in the current trace only (where a
+        circuit-tracer file's hooks say so, ``post_feedforward_layernorm``'s output: :meth:`site`).
 
         Inside ``tracer.invoke(...)``: for that invoke's rows only (other invokes keep the site's own output;
         :func:`~.splice_chain.splice_chain`, *Rows*).

@@ -18,10 +18,12 @@ sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``
 ``blocks.L.hook_resid_mid``                        resid_mid     none (pre-norm residual)    —
 =================================================  ============  ==========================  ======
 
-circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` only
-where the pre-MLP norm has gain 1 and no bias (it is the norm before its gain), ``hook_mlp_out`` only without
-post-norms, and ``hook_resid_mid`` (the residual before the pre-MLP norm) where the family has one: the sets then
-read the norm's input (:func:`input_path`).
+circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
+the pre-MLP norm has gain 1 and no bias (it is then the MLP input) or is an RMSNorm (``x / rms(x)`` is computed from
+the norm's input, as the norm does: GemmaScope on Gemma-2), ``hook_mlp_out`` everywhere (the MLP output; on
+Gemma-2/3 ``post_feedforward_layernorm``'s output), and ``hook_resid_mid`` (the residual before the pre-MLP norm)
+where the family has one; :func:`mlp_site_io` says which module's call the sets then read and which output they
+replace.
 
 Loaded modules keep the site they were trained on (``cfg.extra[<format>]["site"]``, ``SAEConfig.hook``,
 ``TranscoderConfig.layer``); :func:`sae_site_path` and :func:`transcoder_layer` read it back so that
@@ -36,12 +38,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "check_mlp_hooks", "has_resid_mid",
-           "input_path", "reads_resid_mid", "sae_site_path", "site_record", "sparsify_hookpoint_site",
-           "transcoder_layer", "transformer_lens_hook_site"]
+__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO", "check_mlp_hooks",
+           "has_resid_mid", "hook_record", "mlp_site_io", "rms_normalized", "sae_site_path", "site_record",
+           "sparsify_hookpoint_site", "transcoder_layer", "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -190,9 +194,10 @@ def transcoder_layer(module: Any) -> int | None:
 MLP_INPUT_HOOKS = ("mlp.hook_in", "hook_mlp_in")
 MLP_OUTPUT_HOOKS = ("mlp.hook_out",)
 #: ``ln2.hook_normalized`` (the pre-MLP norm's ``x / rms`` or ``(x − mean) / std``, before its gain and bias) is the
-#: MLP input only where that norm's gain is all ones and its bias zero; ``hook_mlp_out`` is the MLP output only in a
-#: family without post-norms (Gemma-2's is after ``post_feedforward_layernorm``). Every other hook (``hook_resid_mid``:
-#: the residual before the norm; ``hook_resid_pre`` / ``hook_resid_post``; anything unknown) is not our MLP site.
+#: MLP input where that norm's gain is all ones and its bias zero, else computed from the norm's input where the norm
+#: is an RMSNorm (:func:`rms_normalized`); ``hook_mlp_out`` is the MLP output in a family without post-norms, and
+#: ``post_feedforward_layernorm``'s output on Gemma-2/3 (:func:`mlp_site_io`). Every other hook (``hook_resid_pre`` /
+#: ``hook_resid_post``; anything unknown) is not our MLP site; ``hook_resid_mid`` is the pre-MLP norm's input.
 NORMALIZED_HOOK = "ln2.hook_normalized"
 POST_NORM_OUTPUT_HOOK = "hook_mlp_out"
 
@@ -206,19 +211,89 @@ def has_resid_mid(adapter: Any) -> bool:
     return not bool(getattr(adapter.config, "use_parallel_residual", False))
 
 
-def reads_resid_mid(module: Any) -> bool:
-    """Whether a transcoder / CLT (or a :class:`~nnsight_lorsa.modules.clt.CLTLayer`, through its ``clt``) reads
-    ``hook_resid_mid`` — the residual stream BEFORE the pre-MLP norm — by its circuit-tracer record."""
+def hook_record(module: Any) -> dict[str, Any]:
+    """The circuit-tracer hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s
+    through its ``clt``); empty without one."""
     module = getattr(module, "clt", module)
     record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
-    return isinstance(record, dict) and record.get("feature_input_hook") == RESID_MID_HOOK
+    return record if isinstance(record, dict) else {}
 
 
-def input_path(module: Any, adapter: Any, layer: int) -> str:
-    """The module path whose call's first argument ``module`` reads at ``layer``: the pre-MLP norm
-    (``adapter.mlp_norm_path``) for a ``hook_resid_mid`` transcoder / CLT (:func:`reads_resid_mid`), else the MLP
-    (``adapter.mlp_path``; its input is the norm's output)."""
-    return adapter.mlp_norm_path(layer) if reads_resid_mid(module) else adapter.mlp_path(layer)
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` before any gain, as transformers' RMSNorms compute it: ``x`` cast to fp32, times
+    ``rsqrt(mean(x²) + eps)`` (``Gemma2RMSNorm._norm(x.float())``, ``LlamaRMSNorm``'s first lines); fp32, ``x``'s
+    shape and device. TransformerLens's ``ln2.hook_normalized`` divides by ``sqrt(mean(x²) + eps)`` (within an ulp)."""
+    x = x.to(torch.float32)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_eps(norm: Any) -> float | None:
+    """The eps of an RMSNorm module (transformers' ``*RMSNorm``: ``variance_epsilon`` or ``eps``), None for any
+    other norm (LayerNorm: its normalised input is not ``x / rms(x)``)."""
+    if "RMSNorm" not in type(norm).__name__ or getattr(norm, "bias", None) is not None:
+        return None
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return None if eps is None else float(eps)
+
+
+@dataclass(frozen=True)
+class MLPSiteIO:
+    """Where a transcoder / CLT layer reads and writes at one layer (:func:`mlp_site_io`).
+
+    Attributes:
+        input_path: the module whose call's first argument (``adapter.mlp_input``) it reads: the MLP, or the
+            pre-MLP norm (``hook_resid_mid``; ``ln2.hook_normalized`` computed from the norm's input).
+        output_path: the module whose output it replaces: the MLP, or Gemma-2/3's ``post_feedforward_layernorm``
+            (``hook_mlp_out`` in a family with post-norms).
+        eps: the RMSNorm eps when the input is that argument's ``x / rms(x)`` before the gain
+            (:func:`rms_normalized`; ``ln2.hook_normalized`` where the gain is not 1); None: the argument itself.
+    """
+
+    input_path: str
+    output_path: str
+    eps: float | None = None
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's input from ``x``, the first argument of ``input_path``'s call: ``x``, or
+        :func:`rms_normalized` (fp32) when ``eps`` is set."""
+        return x if self.eps is None else rms_normalized(x, self.eps)
+
+    def is_mlp_call(self, adapter: Any, layer: int) -> bool:
+        """Whether this is the MLP module's own call (``adapter.mlp_path(layer)`` in and out, nothing computed)."""
+        return self.input_path == self.output_path == adapter.mlp_path(layer) and self.eps is None
+
+
+def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
+    """Where ``module`` (a transcoder, CLT, or :class:`~nnsight_lorsa.modules.clt.CLTLayer`) reads and writes at
+    ``layer``, by its circuit-tracer hooks (:func:`check_mlp_hooks` accepted them):
+
+    - input: ``hook_resid_mid`` → the pre-MLP norm's input; ``ln2.hook_normalized`` → the MLP's input where the
+      norm's gain is 1, else (an RMSNorm, e.g. GemmaScope on Gemma-2's ``1 + weight`` gain) ``x / rms(x)`` of the
+      norm's input, computed as the norm computes it (:func:`rms_normalized`); otherwise the MLP's input;
+    - output: ``hook_mlp_out`` in a family with post-norms (Gemma-2/3) → ``post_feedforward_layernorm``'s output
+      (``adapter.mlp_post_norm_path``); otherwise the MLP's output.
+
+    ``root``: the model's torch module (the Hugging Face model) the adapter's paths address.
+
+    Raises:
+        UnsupportedArchitectureError: ``ln2.hook_normalized`` on a norm with a gain that is no RMSNorm.
+    """
+    record = hook_record(module)
+    mlp = adapter.mlp_path(layer)
+    inp, eps = mlp, None
+    hook = record.get("feature_input_hook")
+    if hook == RESID_MID_HOOK:
+        inp = adapter.mlp_norm_path(layer)
+    elif hook == NORMALIZED_HOOK and not _norm_is_identity(root, adapter, layer):
+        inp, eps = adapter.mlp_norm_path(layer), _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer)))
+        if eps is None:  # check_mlp_hooks refuses it first; never read the norm's raw input in its place
+            raise UnsupportedArchitectureError(
+                f"{adapter.family}: ln2.hook_normalized at layer {layer}: {inp!r} has a gain and is no RMSNorm, so its "
+                "input before the gain cannot be computed (docs/formats.md, circuit-tracer hooks)")
+    out = mlp
+    if record.get("feature_output_hook") == POST_NORM_OUTPUT_HOOK and adapter.mlp_post_norm_path(layer) is not None:
+        out = adapter.mlp_post_norm_path(layer)
+    return MLPSiteIO(inp, out, eps)
 
 
 def _norm_is_identity(root: Any, adapter: Any, layer: int) -> bool | None:
@@ -241,12 +316,12 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
             return None
         if hook == NORMALIZED_HOOK:
             same = _norm_is_identity(root, adapter, layer)
-            if same:
-                return None
+            if same or _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer))) is not None:
+                return None  # the MLP input, or x / rms(x) computed from the RMSNorm's input (mlp_site_io)
             return ("its pre-MLP norm's weights are not loaded yet, so whether its gain is 1 cannot be checked "
                     "(build the set after the model's weights load)" if same is None else
-                    f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias): the MLP reads the norm's output "
-                    "with its gain, ln2.hook_normalized is the normalised residual before it")
+                    f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias) and is no RMSNorm: the MLP reads "
+                    "the norm's output with its gain, ln2.hook_normalized is the normalised residual before it")
         if hook == RESID_MID_HOOK:
             if not has_resid_mid(adapter):
                 return (f"{adapter.family} with a parallel residual has no residual stream between the attention and "
@@ -256,24 +331,26 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
     if hook in MLP_OUTPUT_HOOKS:
         return None
     if hook == POST_NORM_OUTPUT_HOOK:
-        post = adapter.mlp_post_norm_path(layer)
-        return None if post is None else f"in {adapter.family} it is the output of {post!r}, after the MLP"
+        return None  # the MLP output, or the post-MLP norm's output where there is one (mlp_site_io)
     return "it is not a hook that names the MLP module's output"
 
 
 def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int]) -> None:
     """Refuse a transcoder / CLT whose file says it reads or writes another tensor than our MLP site, at each of
-    ``layers`` (the layers it replaces). Our MLP site is the MLP module's call ``adapter.mlp_path(L)``: input
-    after the pre-MLP norm (``adapter.mlp_norm_path(L)``) and its gain, output before any post-norm.
+    ``layers`` (the layers it replaces). Our MLP site is the MLP module's call ``adapter.mlp_path(L)`` (input
+    after the pre-MLP norm ``adapter.mlp_norm_path(L)`` and its gain, output before any post-norm), or the nearby
+    tensors :func:`mlp_site_io` reads and writes.
 
     The hooks are the ones circuit-tracer's ``config.yaml`` records (``feature_input_hook`` /
     ``feature_output_hook``, kept by the loader in ``cfg.extra["circuit_tracer"]``; source: circuit-tracer
     ``utils/tl_nnsight_mapping.py``, ``replacement_model_transformerlens.py``). Accepted: input
-    :data:`MLP_INPUT_HOOKS`, and ``ln2.hook_normalized`` where that layer's norm has gain 1 and no bias (read from
-    the loaded weights: ``norm_gain``); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
-    transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`) — the sets then read
-    the norm's input (:func:`input_path`); output :data:`MLP_OUTPUT_HOOKS`, and ``hook_mlp_out`` in a family
-    without post-norms. Modules without that record pass.
+    :data:`MLP_INPUT_HOOKS`; ``ln2.hook_normalized`` where that layer's norm has gain 1 and no bias (read from
+    the loaded weights: ``norm_gain``) or is an RMSNorm (its ``x / rms(x)`` before the gain is computed from the
+    norm's input: GemmaScope on Gemma-2); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
+    transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`); output
+    :data:`MLP_OUTPUT_HOOKS` and ``hook_mlp_out`` (on Gemma-2/3 the output of ``post_feedforward_layernorm``, which
+    the sets then replace). :func:`mlp_site_io` says where the sets read and write. Modules without that record
+    pass.
 
     Args:
         module: the transcoder / CLT (its ``cfg.extra``).
@@ -285,8 +362,8 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
         UnsupportedArchitectureError: such a hook, naming the key, the hook, the layer, the site we would use
             and why it differs.
     """
-    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
-    if not isinstance(record, dict):
+    record = hook_record(module)
+    if not record:
         return
     for layer in layers:
         for key in ("feature_input_hook", "feature_output_hook"):

@@ -142,7 +142,8 @@ class _Site(FieldsRepr):
 # execution steps inside layer L (the first element of a site's key is the layer): the q/k/v
 # projections' outputs 0.5, o_proj's input 1.0 and output 1.2, a spliced Lorsa's hook_q/k/v 1.4,
 # hook_z 1.5, hook_out 1.8, hook_error 1.9 (the Lorsa runs once the attention has); SAE sites
-# below; a transcoder's features 2.5 (computed once the MLP it replaces has run); Gemma-2's post-norms right after
+# below; a transcoder's features 2.5 (computed once the MLP it replaces has run; 2.65 once Gemma-2's post-MLP norm
+# has, for a hook_mlp_out transcoder that replaces its output: ReplacementModel.order); Gemma-2's post-norms right after
 # the attention / MLP output they normalise
 _SAE_STEPS = {"attention_norm_name": 0.2, "attention_name": 1.95, "attention_post_norm_name": 1.97,
               "mlp_norm_name": 2.2, "mlp_name": 2.6, "mlp_post_norm_name": 2.7}
@@ -163,9 +164,8 @@ def _place(replacement: ReplacementModel, t: Target) -> tuple[tuple[float, float
     a = replacement.adapter
     if isinstance(t, (MHSAHead, LorsaHead)):
         return (float(t.layer), 1.0 if isinstance(t, MHSAHead) else 1.5), t.layer + 1
-    if t.kind == "transcoder":
-        layer = int(t.site)
-        return (float(layer), 2.5), layer + 1
+    if t.kind == "transcoder":  # 2.5, or 2.65 where it replaces Gemma-2/3's post-MLP norm output (hook_mlp_out)
+        return replacement.order(t), int(t.site) + 1
     path = str(t.site)
     if path == a.embed_path:
         return (-1.0, 0.0), 0
@@ -355,8 +355,11 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
                         f"receiver {r} must be in a later layer than sender {t}: the first attention after "
                         f"that sender is layer {first}")
     lorsa_layers, features = _call_splices(groups, receivers)
+    tc_layers = {int(f.site) for f in features if f.kind == "transcoder"}
     replaced_by = {1.95: ("Lorsa", lorsa_layers),  # an SAE on an attention / MLP output the call also replaces
-                   2.6: ("transcoder", {int(f.site) for f in features if f.kind == "transcoder"})}
+                   2.6: ("transcoder", tc_layers),  # (or only feeds the post-norm whose output the transcoder replaces)
+                   2.7: ("transcoder", {layer for layer in tc_layers  # Gemma-2/3 hook_mlp_out: the post-norm output
+                                        if replacement.order(Feature(layer, 0, kind="transcoder"))[1] == 2.65})}
     for f in features:
         (layer, step), _ = _place(replacement, f)
         what, layers = replaced_by.get(step, ("", set())) if f.kind == "sae" else ("", set())

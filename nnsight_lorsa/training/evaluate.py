@@ -26,10 +26,11 @@ from tqdm.auto import tqdm
 
 from .._placement import model_device
 from .._progress import show_progress
+from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
 from ..errors import ArgumentError, NonFiniteError
-from ..formats.hook_sites import input_path
+from ..formats.hook_sites import mlp_site_io
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
@@ -164,9 +165,9 @@ class _CLTProbe:
     def __init__(self, clt_set: Any) -> None:
         self.model, self.adapter, self.clt, self.clt_set = clt_set.model, clt_set.adapter, clt_set.clt, clt_set
         n = self.clt.n_layers
-        self.paths = [self.adapter.mlp_path(layer) for layer in range(n)]
-        # where each layer's encoder reads: the MLP's input, or the pre-MLP norm's for a hook_resid_mid CLT
-        self.input_paths = [input_path(self.clt, self.adapter, layer) for layer in range(n)]
+        # where each layer reads and writes: the MLP's call, or the tensors its circuit-tracer hooks name
+        self.ios = [mlp_site_io(self.clt, self.adapter, hf_module(self.model), layer) for layer in range(n)]
+        self.paths = [io.output_path for io in self.ios]
         self.accs = [FVUAccumulator() for _ in range(n)]
         self.l0_sum = torch.zeros(n, dtype=torch.float64, device="cpu")  # host-side
         self.n_kept = 0
@@ -175,9 +176,9 @@ class _CLTProbe:
     def read(self) -> None:
         self.xs: list[Any] = []
         self.ys: list[Any] = []
-        for path, in_path in zip(self.paths, self.input_paths, strict=True):
-            args, kwargs = self.model.get(in_path).inputs
-            self.xs.append(nnsight.save(self.adapter.mlp_input(args, kwargs)))
+        for path, io in zip(self.paths, self.ios, strict=True):
+            args, kwargs = self.model.get(io.input_path).inputs
+            self.xs.append(nnsight.save(io.read(self.adapter.mlp_input(args, kwargs))))
             self.ys.append(nnsight.save(self.adapter.mlp_output(self.model.get(path).output)))
 
     def splice(self) -> None:
@@ -238,7 +239,7 @@ def _probe(replacements: ReplacementSet, at: Any) -> _SiteProbe | _CLTProbe:
             raise ArgumentError(f"evaluate: the set holds {len(keys)} modules ({keys}): pass at=")
         at = keys[0]
     chain = replacements.site(at)  # where the module's output goes, for every kind (the set contract)
-    return _SiteProbe(replacements.model, replacements.site_path(at), chain.get_output, chain.set_output,
+    return _SiteProbe(replacements.model, chain.site_paths[0], chain.get_output, chain.set_output,
                       replacements.n_latents(at),
                       lambda: replacements.latents_and_output(replacements.replace(at)))
 

@@ -182,23 +182,44 @@ def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() ->
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ln2_hook_normalized_only_where_the_norm_has_no_gain(family: str, tmp_path: Path) -> None:
-    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias): our MLP input only where the gain is
-    all ones and the bias zero. The tiny models' norms have random gains: refused; with unit norms: accepted,
-    and there the normalised residual is indeed what the MLP reads."""
+def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> None:
+    """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias). On an RMSNorm (Llama, Gemma-2) with a
+    gain it is computed from the norm's input (``x / rms(x)``, as the norm computes it): the reconstruction equals the
+    transcoder applied to that by hand. On a LayerNorm (GPT-2, GPT-NeoX) with a gain it is refused, naming the norm;
+    with unit norms it is the MLP input in every family. Weights not loaded yet: refused on a LayerNorm (the gain
+    cannot be checked), computed on an RMSNorm (no gain needed)."""
     model, hf = tiny_nnsight(family)
     adapter = get_adapter(model)
     output = "mlp.hook_out" if family == "gemma2" else "hook_mlp_out"
     tc_dir, clt_dir = _files(tmp_path, "ln2", feature_input_hook="ln2.hook_normalized", feature_output_hook=output)
     norm = adapter.mlp_norm_path(LAYER)
-    with pytest.raises(UnsupportedArchitectureError, match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain"):
-        TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
-        TranscoderSet.from_pretrained(model, tc_dir)
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+    rms = "RMSNorm" in type(hf.get_submodule(norm)).__name__
+    assert rms == (family in ("llama", "gemma2"))
+    if rms:
+        tcs = TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
         CLTSet.from_pretrained(model, clt_dir)
+        assert tcs.site(LAYER).site_paths == (adapter.mlp_path(LAYER),)
+        ids = random_ids()
+        with model.trace(ids):
+            site = tcs.replace(LAYER)
+            mid = _norm_input(model, adapter, LAYER)
+            recons = site.hook_sae_recons.output.save()
+        m = hf.get_submodule(norm)
+        eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+        with torch.no_grad():
+            x = mid.float() * torch.rsqrt(mid.float().pow(2).mean(-1, keepdim=True) + eps)
+            assert torch.allclose(recons, tcs[LAYER](x), rtol=1e-5, atol=1e-6)
+            assert not torch.allclose(recons, tcs[LAYER](m(mid)), rtol=1e-3, atol=1e-3)  # the gain matters
+    else:
+        with pytest.raises(UnsupportedArchitectureError,
+                           match=rf"'ln2.hook_normalized'.*layer {LAYER}.*'{norm}'.*gain.*no RMSNorm"):
+            TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+            TranscoderSet.from_pretrained(model, tc_dir)
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*layer 0.*gain"):
+            CLTSet.from_pretrained(model, clt_dir)
     _unit_norms(hf, adapter)
-    with torch.no_grad():  # the claim that makes it acceptable: norm(x) == x normalised, no gain
+    with torch.no_grad():  # the claim that makes it the MLP input: norm(x) == x normalised, no gain
         x = torch.randn(3, adapter.d_model, generator=torch.Generator().manual_seed(0))
         m = hf.get_submodule(norm)
         if isinstance(m, torch.nn.LayerNorm):
@@ -207,23 +228,31 @@ def test_ln2_hook_normalized_only_where_the_norm_has_no_gain(family: str, tmp_pa
             eps = getattr(m, "eps", getattr(m, "variance_epsilon", 0.0))
             ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         assert torch.allclose(m(x), ref, atol=1e-5)
-    assert list(TranscoderSet.from_pretrained(model, tc_dir)) == [0, 1]
+    tcs = TranscoderSet.from_pretrained(model, tc_dir)
+    assert list(tcs) == [0, 1]
+    assert tcs.site(LAYER).input_paths == (adapter.mlp_path(LAYER),)  # unit gain: the MLP's own input
     CLTSet.from_pretrained(model, clt_dir)
-    unloaded = copy.deepcopy(hf).to("meta")  # weights not loaded yet: the gain cannot be checked, so refused
-    with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
+    unloaded = copy.deepcopy(hf).to("meta")
+    if rms:
         check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
+    else:  # weights not loaded yet: the gain cannot be checked, so refused
+        with pytest.raises(UnsupportedArchitectureError, match=r"'ln2.hook_normalized'.*not loaded"):
+            check_mlp_hooks(load(tc_dir)[LAYER], adapter, unloaded, (LAYER,))
 
 
-def test_hook_mlp_out_is_the_mlp_output_only_without_post_norms(tmp_path: Path) -> None:
-    """``hook_mlp_out`` with the MLP's input: accepted on Llama / GPT-2 (no post-norm), refused on Gemma-2."""
+def test_hook_mlp_out_is_the_mlp_output_or_the_post_norm_output(tmp_path: Path) -> None:
+    """``hook_mlp_out`` with the MLP's input: the MLP output on Llama / GPT-2 (no post-norm); on Gemma-2
+    ``post_feedforward_layernorm``'s output, which the splice then replaces."""
     tc_dir, clt_dir = _files(tmp_path, "out", feature_input_hook="mlp.hook_in", feature_output_hook="hook_mlp_out")
-    for family in ("llama", "gpt2"):
+    for family in ("llama", "gpt2", "gemma2"):
         model, _ = tiny_nnsight(family)
-        TranscoderSet.from_pretrained(model, tc_dir)
-        CLTSet.from_pretrained(model, clt_dir)
-    gemma, _ = tiny_nnsight("gemma2")
-    with pytest.raises(UnsupportedArchitectureError, match="'hook_mlp_out'.*post_feedforward_layernorm"):
-        TranscoderSet.from_pretrained(gemma, tc_dir)
+        adapter = get_adapter(model)
+        tcs = TranscoderSet.from_pretrained(model, tc_dir)
+        clts = CLTSet.from_pretrained(model, clt_dir)
+        post = adapter.mlp_post_norm_path(LAYER) if family == "gemma2" else adapter.mlp_path(LAYER)
+        assert tcs.site(LAYER).site_paths == (post,)
+        assert tcs.site(LAYER).input_paths == (adapter.mlp_path(LAYER),)
+        assert clts.site().site_paths[LAYER] == post
 
 
 def test_writers_record_and_require_our_site(tmp_path: Path) -> None:
@@ -255,11 +284,30 @@ def test_circuit_tracer_written_clts_record_hook_resid_mid_and_still_load() -> N
         assert clt.cfg.extra["circuit_tracer"]["feature_input_hook"] == "hook_resid_mid"
 
 
+def _check_generation(model, replacements, ids: torch.Tensor) -> None:
+    """``replacements`` serve every KV-cached step of a 4-token greedy generation from ``ids``: each step's last
+    logits equal a full-sequence trace of the same prefix's, replaced the same way."""
+    import nnsight
+
+    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
+    with model.generate(ids, **gen) as tracer:
+        replacements.replace()
+        steps = nnsight.save([])
+        for _ in tracer.iter[:4]:
+            steps.append(unembed(model).output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    assert len(steps) == 4
+    for k, step in enumerate(steps):
+        with model.trace(out[:, :ids.shape[1] + k]):
+            replacements.replace()
+            last = nnsight.save(unembed(model).output[:, -1])
+        assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+
+
 def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
     """A ``hook_resid_mid`` transcoder and CLT serve every KV-cached generation step (each step's logits equal a
     full-sequence trace of the same prefix's), and one spliced by a ReplacementModel next to an SAE on the same
     layer's pre-MLP norm output (spliced first; the transcoder reads the norm's input) gives the hand computation."""
-    import nnsight
     from helpers import make_sae
 
     from nnsight_lorsa import SAESet
@@ -268,19 +316,8 @@ def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
     ids = random_ids(1, 6)
-    gen = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 1}
     for replacements in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
-        with model.generate(ids, **gen) as tracer:
-            replacements.replace()
-            steps = nnsight.save([])
-            for _ in tracer.iter[:4]:
-                steps.append(unembed(model).output[:, -1].clone())
-            out = nnsight.save(tracer.result)
-        for k, step in enumerate(steps):  # each cached step's logits = a full-sequence trace of the same prefix
-            with model.trace(out[:, :ids.shape[1] + k]):
-                replacements.replace()
-                last = nnsight.save(unembed(model).output[:, -1])
-            assert torch.allclose(step, last, rtol=1e-4, atol=1e-5), k
+        _check_generation(model, replacements, ids)
 
     tc = _resid_mid(_relu_tc())
     norm = adapter.mlp_norm_path(LAYER)
@@ -300,3 +337,244 @@ def test_hook_resid_mid_in_generation_and_beside_an_sae_on_the_norm() -> None:
         for h in hooks:
             h.remove()
     assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+
+GEMMASCOPE = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
+
+
+def _gemmascope(module):
+    """GemmaScope's / circuit-tracer's ``gemma`` hooks: ``x / rms(x)`` before the pre-MLP norm's gain in, the post-MLP
+    norm's output out (a file written by hand: our writers record the MLP module's call)."""
+    module.cfg.extra["circuit_tracer"] = dict(GEMMASCOPE)
+    return module
+
+
+def _before_gain(hf, adapter, layer: int, resid_mid: torch.Tensor) -> torch.Tensor:
+    """``ln2.hook_normalized`` by hand: transformers' own ``Gemma2RMSNorm._norm`` of the fp32 residual (the norm's
+    ``forward`` without its ``(1 + weight)`` gain)."""
+    return hf.get_submodule(adapter.mlp_norm_path(layer))._norm(resid_mid.float())
+
+
+def _norm_input(model, adapter, layer: int):
+    args, kwargs = model.get(adapter.mlp_norm_path(layer)).inputs
+    return (args[0] if args else kwargs["hidden_states"]).save()
+
+
+def _gemma2_plain(dtype: torch.dtype = torch.float32):
+    """The tiny Gemma-2 (nnsight and Hugging Face) in ``dtype``, its adapter, prompts and the plain model's logits on
+    them."""
+    model, hf = tiny_nnsight("gemma2", dtype=dtype)
+    ids = random_ids()
+    with torch.no_grad():
+        return model, hf, get_adapter(model), ids, head_logits(hf, ids)
+
+
+def _hooked(handles: list, run):
+    """``run()`` without gradients while the Hugging Face hooks ``handles`` are registered; they are removed after."""
+    try:
+        with torch.no_grad():
+            return run()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_gemmascope_transcoder_on_gemma2_reads_before_the_gain_and_writes_the_post_norm_output() -> None:
+    """A GemmaScope transcoder on Gemma-2 reads the pre-MLP norm's ``x / rms(x)`` before its ``1 + weight`` gain
+    (not the MLP input) and replaces ``post_feedforward_layernorm``'s output: its reconstruction equals the
+    transcoder applied by hand to the hooked residual's normalisation, the error term is the post-norm's own output
+    minus it, ``error=True`` logits are the plain model's bit for bit, ``error=False`` logits a hand-hooked HF run."""
+    model, hf, adapter, ids, plain = _gemma2_plain()
+    tc = _gemmascope(_relu_tc())
+    tcs = TranscoderSet(model, {LAYER: tc})
+    post = adapter.mlp_post_norm_path(LAYER)
+    assert tcs.site(LAYER).site_paths == (post,)
+    true = []  # the post-norm's own output, hooked on the plain model
+    hook = hf.get_submodule(post).register_forward_hook(lambda m, a, o: true.append(o.detach()))
+    try:
+        with model.trace(ids):
+            site = tcs.replace(LAYER, error=True)
+            mid = _norm_input(model, adapter, LAYER)
+            mlp_in = model.get(adapter.mlp_path(LAYER)).inputs[0][0].save()
+            recons = site.hook_sae_recons.output.save()
+            err = site.hook_error.output.save()
+            logits = unembed(model).output.save()
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        x = _before_gain(hf, adapter, LAYER, mid)
+        eps = hf.get_submodule(adapter.mlp_norm_path(LAYER)).eps
+        assert torch.equal(x, mid * torch.rsqrt(mid.pow(2).mean(-1, keepdim=True) + eps))
+        assert torch.allclose(recons, tc(x), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(recons, tc(mlp_in), rtol=1e-3, atol=1e-3)  # the gain matters: not vacuous
+    assert torch.allclose(err, true[-1] - recons, rtol=1e-5, atol=1e-6)  # the error term at the post-norm
+    assert torch.equal(logits, plain)  # error=True: the model's own output, bit for bit
+
+    with model.trace(ids):
+        tcs.replace(LAYER)
+        mid = _norm_input(model, adapter, LAYER)
+        layer_out = model.get(adapter.layer_path(LAYER)).output
+        resid = (layer_out[0] if isinstance(layer_out, tuple) else layer_out).save()
+        spliced = unembed(model).output.save()
+    with torch.no_grad():  # the layer added to its residual what the splice returned as the post-norm's output
+        assert torch.allclose(resid - mid, tc(_before_gain(hf, adapter, LAYER, mid)), rtol=1e-4, atol=1e-5)
+    seen = []  # by hand, on the plain HF model: post_feedforward_layernorm's output := tc(x / rms(x))
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(post).register_forward_hook(
+                 lambda m, a, o: tc(_before_gain(hf, adapter, LAYER, seen[-1])).to(o.dtype))]
+    by_hand = _hooked(hooks, lambda: head_logits(hf, ids))
+    assert not torch.allclose(by_hand, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_gemmascope_clt_on_gemma2() -> None:
+    """A CLT with GemmaScope's hooks: layer ``l`` encodes ``x / rms(x)`` of the pre-MLP norm's input before the gain
+    and each ``post_feedforward_layernorm``'s output is replaced (``error=True``: the plain logits bit for bit;
+    ``error=False``: a hand-hooked HF run)."""
+    model, hf, adapter, ids, plain = _gemma2_plain()
+    clt = _gemmascope(make_clt())
+    clts = CLTSet(model, clt)
+    assert clts.site().site_paths == tuple(adapter.mlp_post_norm_path(layer) for layer in range(clt.n_layers))
+    mids: list = []
+    rec: list = []
+    with model.trace(ids):
+        env = clts.replace(error=True)
+        for layer in range(clt.n_layers):
+            mids.append(_norm_input(model, adapter, layer))
+            rec.append(env.hook_sae_recons[layer].output.save())
+        logits = unembed(model).output.save()
+    with torch.no_grad():
+        by_hand = clt(torch.stack([_before_gain(hf, adapter, layer, m) for layer, m in enumerate(mids)]))
+    for layer in range(clt.n_layers):
+        assert torch.allclose(rec[layer], by_hand[layer], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits, plain)
+
+    with model.trace(ids):
+        clts.replace()
+        spliced = unembed(model).output.save()
+    xs: dict = {}  # by hand: each post-norm's output := the CLT's layer output from the layers' x / rms(x) so far
+
+    def read(layer):
+        return lambda m, a: xs.__setitem__(layer, _before_gain(hf, adapter, layer, a[0]))
+
+    def write(layer):
+        def hook(m, a, o):
+            acts = [clt.encode_layer(xs[source], source) for source in range(layer + 1)]
+            return clt.reconstruct_layer(acts, layer, xs[layer]).to(o.dtype)
+        return hook
+
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(layer)).register_forward_pre_hook(read(layer))
+             for layer in range(clt.n_layers)]
+    hooks += [hf.get_submodule(adapter.mlp_post_norm_path(layer)).register_forward_hook(write(layer))
+              for layer in range(clt.n_layers)]
+    by_hand_logits = _hooked(hooks, lambda: head_logits(hf, ids))
+    assert not torch.allclose(by_hand_logits, plain, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(spliced, by_hand_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
+    """GemmaScope transcoders / CLTs on Gemma-2 serve every KV-cached generation step (each step's logits equal a
+    full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution (whose
+    frozen pass reads the MLP input and writes the MLP output) refuses them by name."""
+
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.training import TokenDataset, evaluate
+    from nnsight_lorsa.training.metrics import FVUAccumulator
+
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    ids = random_ids(1, 6)
+    tcs = TranscoderSet(model, {LAYER: _gemmascope(_relu_tc())})
+    clts = CLTSet(model, _gemmascope(make_clt()))
+    for replacements in (tcs, clts):
+        _check_generation(model, replacements, ids)
+        with pytest.raises(UnsupportedArchitectureError, match=r"ln2.hook_normalized.*hook_mlp_out.*"
+                                                               r"pre_feedforward_layernorm.*post_feedforward_layernorm"):
+            attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
+
+    batch = random_ids(2, 8)
+    ev = evaluate(tcs, TokenDataset(batch), batch_size=2)
+    seen, outs = [], []
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(adapter.mlp_post_norm_path(LAYER)).register_forward_hook(
+                 lambda m, a, o: outs.append(o))]
+    _hooked(hooks, lambda: hf(batch))
+    with torch.no_grad():
+        recon = tcs[LAYER](_before_gain(hf, adapter, LAYER, seen[0]))
+    acc = FVUAccumulator()
+    acc.update(outs[0][:, 1:].reshape(-1, adapter.d_model).float(), recon[:, 1:].reshape(-1, adapter.d_model).float())
+    assert ev.fvu == pytest.approx(float(acc.value()), rel=1e-4)
+
+
+def test_gemmascope_features_are_ordered_at_the_post_norm() -> None:
+    """A GemmaScope transcoder's features are computed when ``post_feedforward_layernorm`` runs (its output is
+    replaced there), after the MLP: ReplacementModel orders them between an SAE on the MLP output and one on the
+    post-norm, so an ablation of such a feature and a steer of an SAE feature on the same layer's MLP in one trace
+    body (after ``prepare``) run, and equal a hand-hooked HF run; path patching refuses an SAE sender on the post-norm
+    the transcoder replaces (and on the MLP output, which then only feeds it)."""
+    from helpers import make_sae
+
+    from nnsight_lorsa import SAESet
+    from nnsight_lorsa.envoy.replacement_model import ReplacementModel
+    from nnsight_lorsa.envoy.targets import Feature
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.patching import ablate, path_patching, steer
+
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    mlp, post = adapter.mlp_path(LAYER), adapter.mlp_post_norm_path(LAYER)
+    tc, sae = _gemmascope(_relu_tc()), make_sae()
+    r = ReplacementModel(model, saes=SAESet(model, {mlp: sae}), transcoders=TranscoderSet(model, {LAYER: tc}),
+                         error=False)
+    tc_feature, sae_feature = Feature(LAYER, 7, kind="transcoder"), Feature(mlp, 4)
+    assert r.sort([Feature(post, 1), tc_feature, sae_feature]) == [sae_feature, tc_feature, Feature(post, 1)]
+    ids = random_ids()
+    with model.trace(ids):
+        r.prepare([sae_feature, tc_feature])  # the transcoder reads the pre-MLP norm: spliced before it runs
+        steer(r(sae_feature), 1.5)
+        ablate(r(tc_feature))
+        logits = unembed(model).output.save()
+    seen = []
+
+    def sae_hook(module, args, output):
+        acts = sae.encode(output).clone()
+        acts[:, :, 4] = acts[:, :, 4] + 1.5
+        return sae.decode(acts)
+
+    def tc_hook(module, args, output):
+        acts = tc.encode(_before_gain(hf, adapter, LAYER, seen[-1])).clone()
+        acts[:, :, 7] = 0
+        return tc.decode(acts)
+
+    hooks = [hf.get_submodule(adapter.mlp_norm_path(LAYER)).register_forward_pre_hook(lambda m, a: seen.append(a[0])),
+             hf.get_submodule(mlp).register_forward_hook(sae_hook),
+             hf.get_submodule(post).register_forward_hook(tc_hook)]
+    want = _hooked(hooks, lambda: head_logits(hf, ids))
+    assert torch.allclose(logits, want, rtol=1e-5, atol=1e-5)
+    for site in (post, mlp):
+        r2 = ReplacementModel(model, saes=SAESet(model, {site: make_sae()}),
+                              transcoders=TranscoderSet(model, {LAYER: _gemmascope(_relu_tc())}), error=False)
+        with pytest.raises(ConfigMismatchError, match=rf"SAE sender at '{site}'.*layer {LAYER}'s transcoder replaces"):
+            path_patching(r2, ids, [(Feature(site, 0), Feature(LAYER, 7, kind="transcoder"))],
+                          corrupt=random_ids(seed=2), metric=lambda logits: logits[:, -1, 0])
+
+
+def test_gemmascope_transcoder_on_a_bf16_gemma2_reads_the_fp32_normalisation() -> None:
+    """On a bf16 Gemma-2 an fp32 GemmaScope transcoder reads ``x / rms(x)`` as the norm computes it, in fp32 from the
+    bf16 residual (``Gemma2RMSNorm._norm(x.float())``, not rounded to bf16), and ``error=True`` leaves the logits the
+    plain model's bit for bit."""
+    model, hf, adapter, ids, plain = _gemma2_plain(torch.bfloat16)
+    tc = _gemmascope(_relu_tc())
+    with model.trace(ids):
+        site = TranscoderSet(model, {LAYER: tc}).replace(LAYER, error=True)
+        mid = _norm_input(model, adapter, LAYER)
+        recons = site.hook_sae_recons.output.save()
+        logits = unembed(model).output.save()
+    assert mid.dtype == torch.bfloat16 and recons.dtype == torch.float32
+    with torch.no_grad():
+        x = _before_gain(hf, adapter, LAYER, mid)
+        assert x.dtype == torch.float32
+        assert torch.allclose(recons, tc(x), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(recons, tc(x.to(torch.bfloat16).float()), rtol=1e-6, atol=1e-6)  # not rounded
+    assert torch.equal(logits, plain)

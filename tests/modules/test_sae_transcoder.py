@@ -35,7 +35,6 @@ from nnsight_lorsa.errors import (
     LayerOutOfRangeError,
     ShapeError,
     TraceOrderError,
-    UnsupportedArchitectureError,
 )
 from nnsight_lorsa.modules import (
     BatchTopK,
@@ -648,30 +647,26 @@ def test_skip_with_constant_weights_is_the_same_path_without_a_weight_gradient(k
                                             for n in autograd_nodes(live.grad_fn))
 
 
-def test_gemmascope_hooks_are_refused_on_gemma2():
+def test_gemmascope_hooks_on_gemma2_name_their_sites():
     """A circuit-tracer transcoder / CLT trained on GemmaScope's sites (``ln2.hook_normalized`` in: before the
-    ``1 + weight`` gain; ``hook_mlp_out`` out: after ``post_feedforward_layernorm``) is refused on Gemma-2, whose
-    MLP site is the MLP module's call; hooks that are the MLP's call (``mlp.hook_in`` / ``mlp.hook_out``), and
-    ``hook_mlp_out`` in a family without post-norms, pass. ``ln2.hook_normalized`` is refused on Llama too: its
-    ``post_attention_layernorm`` has a gain (the tiny model's is random), so it is not the MLP's input there either
-    (tests/formats/test_circuit_tracer_hooks.py)."""
+    ``1 + weight`` gain; ``hook_mlp_out`` out: after ``post_feedforward_layernorm``) attaches on Gemma-2 where it was
+    trained: it reads the pre-MLP norm's input (``x / rms(x)`` of it) and replaces the post-MLP norm's output; on
+    Llama ``ln2.hook_normalized`` is ``post_attention_layernorm``'s input before its gain too, ``hook_mlp_out`` the
+    MLP output; ``mlp.hook_in`` / ``mlp.hook_out`` are the MLP's call (the values:
+    tests/formats/test_circuit_tracer_hooks.py)."""
     gemma, _ = tiny_nnsight("gemma2")
     llama, _ = tiny_nnsight("llama")
     tc, clt = make_transcoder(), make_clt()
     gemmascope = {"feature_input_hook": "ln2.hook_normalized", "feature_output_hook": "hook_mlp_out"}
-    for hooks, match in ((gemmascope, "ln2.hook_normalized"),
-                         ({"feature_input_hook": "mlp.hook_in", "feature_output_hook": "hook_mlp_out"},
-                          "'hook_mlp_out'.*post_feedforward_layernorm")):
-        tc.cfg.extra["circuit_tracer"] = clt.cfg.extra["circuit_tracer"] = hooks
-        with pytest.raises(UnsupportedArchitectureError, match=match):
-            TranscoderSet(gemma, {LAYER: tc})
-        with pytest.raises(UnsupportedArchitectureError, match=match):
-            CLTSet(gemma, clt)
-        if hooks is gemmascope:
-            with pytest.raises(UnsupportedArchitectureError, match="'ln2.hook_normalized'.*post_attention_layernorm"):
-                TranscoderSet(llama, {LAYER: tc})
-        else:
-            TranscoderSet(llama, {LAYER: tc})
+    tc.cfg.extra["circuit_tracer"] = clt.cfg.extra["circuit_tracer"] = gemmascope
+    chain = TranscoderSet(gemma, {LAYER: tc}).site(LAYER)
+    assert chain.input_paths == (f"model.layers.{LAYER}.pre_feedforward_layernorm",)
+    assert chain.site_paths == (f"model.layers.{LAYER}.post_feedforward_layernorm",)
+    assert CLTSet(gemma, clt).site().site_paths[LAYER] == f"model.layers.{LAYER}.post_feedforward_layernorm"
+    chain = TranscoderSet(llama, {LAYER: tc}).site(LAYER)
+    assert chain.input_paths == (f"model.layers.{LAYER}.post_attention_layernorm",)
+    assert chain.site_paths == (f"model.layers.{LAYER}.mlp",)
     tc.cfg.extra["circuit_tracer"] = {"feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}
-    TranscoderSet(gemma, {LAYER: tc})
+    chain = TranscoderSet(gemma, {LAYER: tc}).site(LAYER)
+    assert chain.input_paths == chain.site_paths == (f"model.layers.{LAYER}.mlp",)
 
