@@ -324,6 +324,29 @@ def serve_last(worker: Mediator) -> None:
         worker.interleaver._reindex_parked()
 
 
+#: the first element of a splice worker's tag (:func:`is_splice`)
+SPLICE_TAG = ("nnsight_lorsa.splice_chain",)
+
+
+def serve_first(worker: Mediator) -> None:
+    """Move ``worker`` ahead of every worker that is not a splice (:func:`is_splice`) in its run's list: at the
+    location it parks on next, nnsight serves it before the trace body's interventions parked there, which then
+    see the value it leaves (a splice's swapped output). Splices keep their order among themselves. Undone by
+    :func:`serve_last` (a splice reads its site's input after the body's edits)."""
+    mediators = worker.interleaver.mediators
+    mediators.remove(worker)
+    at = next((i for i, m in enumerate(mediators) if not is_splice(m)), len(mediators))
+    mediators.insert(at, worker)
+    worker.interleaver._reindex_parked()
+
+
+def is_splice(mediator: Mediator) -> bool:
+    """Whether ``mediator`` is a splice's worker (:func:`~.splice_chain.splice_chain`: its tag starts with
+    ``"nnsight_lorsa.splice_chain"``)."""
+    tag = getattr(mediator, "tag", None)
+    return isinstance(mediator, FunctionWorker) and isinstance(tag, tuple) and tag[:1] == SPLICE_TAG
+
+
 def stood_down(interleaver: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` with the trace stood down: module values are neither served nor edited."""
     was = interleaver.interleaving

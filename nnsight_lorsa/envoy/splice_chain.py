@@ -60,6 +60,7 @@ from .._placement import offloaded, overflowed, past_range, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, InvokeRowsError, LorsaError, PlacementError, TraceOrderError
 from .nnsight_internals import (
+    SPLICE_TAG,
     attach,
     batch_rows,
     current_worker,
@@ -70,6 +71,8 @@ from .nnsight_internals import (
     park_or_end,
     pinned_step,
     ran_since_start,
+    serve_first,
+    serve_last,
     spawn_worker,
     stood_down,
     waiting_under,
@@ -274,7 +277,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     me = current_worker("splice_chain")
     interleaver = me.interleaver
     parent = root.get(chain.attach_path) if chain.attach_path else root
-    tag = ("nnsight_lorsa.splice_chain", chain.site_paths, chain.attach_path, chain.attach_name)
+    tag = (*SPLICE_TAG, chain.site_paths, chain.attach_path, chain.attach_name)
     group = invoke_rows(me)
     sites = [root.get(path) for path in chain.site_paths]
     if chain.input_paths is not None and len(chain.input_paths) != len(sites):
@@ -311,6 +314,8 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
             first = True
             while True:  # every forward pass of the run: each generation step
                 for i, (site, reader) in enumerate(zip(sites, readers, strict=True)):
+                    if not (first and i == 0):  # (spawned last: the first time it is there already)
+                        serve_last(worker)  # the input as the body's edits left it
                     if not first and i == 0:
                         more, call = park_or_end(partial(getattr, reader, "inputs"))
                         if not more:  # the run is over (no further step)
@@ -327,6 +332,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         """Swap site ``i``'s output in this forward pass; return whether the clean pass now runs apart."""
         if chain.check_call is not None:
             chain.check_call(args, kwargs)
+        serve_first(worker)  # the swap before the body's reads and edits of the site's output (they see the swap)
         original = site.output
         true_out = chain.get_output(original)
         if i == 0 and not offloaded(module):

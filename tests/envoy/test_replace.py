@@ -118,6 +118,58 @@ def test_error_term_is_held_fixed_under_edits(setup):
 
 
 @torch.no_grad()
+def test_the_site_read_and_edited_after_replace_is_the_replacement(setup):
+    """The body's reads of the replaced site's own output come after the swap (they were served before it and saw
+    the model's MHSA output: a silent wrong read), its edits act on the replacement's output (with ``error=False``
+    the swap overwrote them), and an edit of the site's input still reaches the replacement."""
+    model, hf, adapter, lorsas = setup
+    lorsa = lorsas[LAYER]
+    ids = random_ids()
+    site = adapter.attention_module(hf, LAYER)
+    seen: dict[str, torch.Tensor] = {}
+    def keep(name):
+        return lambda m, a, kw, out: seen.__setitem__(name, adapter.attention_output(out).clone())
+    with hooked(hf, adapter, {LAYER: lorsa}):
+        handle = site.register_forward_hook(keep("replaced"), with_kwargs=True)
+        want_logits = head_logits(hf, ids)
+        handle.remove()
+    attention = model.get(adapter.attention_path(LAYER))
+    with model.trace(ids):
+        lorsas.replace(layer=LAYER, error=False)
+        read = attention.output[0].save()
+        logits = unembed(model).output.save()
+    assert torch.equal(read, seen["replaced"])
+    assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
+    with model.trace(ids):  # an edit after the swap: zero the attention output
+        lorsas.replace(layer=LAYER, error=False)
+        attention.output[0][:] = 0
+        zeroed = unembed(model).output.save()
+    def zero(m, a, kw, out):
+        return adapter.with_attention_output(out, torch.zeros_like(adapter.attention_output(out)))
+    handle = site.register_forward_hook(zero, with_kwargs=True)
+    try:
+        want_zeroed = head_logits(hf, ids)
+    finally:
+        handle.remove()
+    assert (zeroed - want_zeroed).abs().max() <= 1e-5 * want_zeroed.abs().max()
+    with model.trace(ids):  # an edit of the site's input, made after replace(): the Lorsa reads it
+        lorsas.replace(layer=LAYER, error=False)
+        args, kwargs = attention.inputs
+        x = adapter.attention_input(args, kwargs)
+        x[:] = 2 * x
+        doubled = unembed(model).output.save()
+    def double(m, args, kwargs):
+        adapter.attention_input(args, kwargs).mul_(2)
+    handle = site.register_forward_pre_hook(double, with_kwargs=True)
+    try:
+        with hooked(hf, adapter, {LAYER: lorsa}):
+            want_doubled = head_logits(hf, ids)
+    finally:
+        handle.remove()
+    assert (doubled - want_doubled).abs().max() <= 1e-5 * want_doubled.abs().max()
+
+
+@torch.no_grad()
 def test_several_layers_and_invokes():
     model, hf = tiny_nnsight("llama")
     adapter = get_adapter(model)
