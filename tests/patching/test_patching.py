@@ -163,8 +163,9 @@ def test_lorsa_head_interventions_match_hooked_reference():
 @torch.no_grad()
 def test_multi_invoke_experiments_replace_in_every_invoke():
     """A splice replaces the rows of the invokes that call it: ``ablation_effect``'s baseline invoke, each of
-    ``circuit``'s keep runs and ``circuit_metrics``' baseline go through the replacement too (``error=False``: the
-    replacement differs from the model, so a baseline left on the model would show)."""
+    ``circuit``'s keep runs, ``circuit_metrics``' baseline and ``activation_patching``'s corrupt baseline go through
+    the replacement too (``error=False``: the replacement differs from the model, so a baseline left on the model
+    would show)."""
     from nnsight_lorsa.attribution.checks import _delta
     from nnsight_lorsa.patching.circuit import _keep_runs
 
@@ -185,23 +186,10 @@ def test_multi_invoke_experiments_replace_in_every_invoke():
     # circuit_metrics' single ablations: the baseline (the empty set) through the replacement as well
     base, _ = _delta(r, ids[0], [[], [(LorsaHead(1, 3), -1)]], 5, 6)
     assert abs(float(base) - float(replaced[0, -1, 5] - replaced[0, -1, 6])) < 1e-5
-
-
-@torch.no_grad()
-def test_activation_patching_corrupt_baseline_goes_through_the_replacement():
-    """``error=False``: the corrupt baseline runs through the same replacements as the clean and the patched runs
-    (it ran on the plain model: with ``clean == corrupt`` its metric differed from the clean one)."""
-    model, hf = tiny_nnsight("llama")
-    adapter = get_adapter(model)
-    lorsa = make_lorsa(hf, adapter)
-    r = ReplacementModel(model, lorsas=LorsaSet(model, {1: lorsa}), error=False)
-    ids = random_ids()
-    with hooked(hf, adapter, {1: lorsa}):
-        replaced = logit_difference(hf(ids).logits, 5, 6)
-    assert (replaced - logit_difference(hf(ids).logits, 5, 6)).abs().max() > 1e-3  # the replacement shows
+    # activation_patching's clean, corrupt (it ran on the plain model) and patched runs: the same replacement
     res = activation_patching(r, ids, ids, [LorsaHead(1, 3)], correct_ids=5, incorrect_ids=6)
     for got in (res.clean, res.corrupt, res.patched[0]):
-        assert (got - replaced).abs().max() < 1e-5
+        assert (got - logit_difference(replaced, 5, 6)).abs().max() < 1e-5
 
 
 @torch.no_grad()
