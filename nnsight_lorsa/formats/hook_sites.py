@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .._repr import FieldsRepr
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
@@ -236,9 +237,11 @@ def _rms_eps(norm: Any) -> float | None:
     return None if eps is None else float(eps)
 
 
-@dataclass(frozen=True)
-class MLPSiteIO:
-    """Where a transcoder / CLT layer reads and writes at one layer (:func:`mlp_site_io`).
+@dataclass(frozen=True, repr=False)
+class MLPSiteIO(FieldsRepr):
+    """Where a transcoder / CLT layer reads and writes at one layer (:func:`mlp_site_io`). Shipped by value to a
+    server that lacks the package (``repr=False``: a dataclass's generated ``__repr__`` names ``_thread``, outside
+    NDIF's unpickling whitelist; :class:`~nnsight_lorsa._repr.FieldsRepr` gives the same text).
 
     Attributes:
         input_path: the module whose call's first argument (``adapter.mlp_input``) it reads: the MLP, or the
