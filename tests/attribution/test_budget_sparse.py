@@ -261,7 +261,9 @@ def test_any_sparse_configuration_stays_under_its_terms(tiny, seq, seed, keep_ma
         assert blocks is not None and blocks.nbytes + blocks.index_nbytes <= t["kept_graph"]
 
 
-@pytest.mark.parametrize("seq,seed", [(24, 9), (40, 7)])
+# (40 tokens: the profiler behind allocation_peak records every op of the 97-entry chunks, 19.6 GB resident and
+# ~100 s for its 4 cases; slow, run with -m slow. 24 tokens: 6.6 GB, ~30 s.)
+@pytest.mark.parametrize("seq,seed", [(24, 9), pytest.param(40, 7, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("cfg", [PruneConfig(1.0, 1.0), PruneConfig(), PruneConfig(1.0, 1.0, keep_mass=0.9),
                                  PruneConfig(0.8, 0.98, keep_mass=0.5)],
                          ids=lambda c: f"{c.node_threshold},{c.edge_threshold},km{c.keep_mass}")
