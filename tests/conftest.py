@@ -10,7 +10,13 @@ import os
 import sys
 
 import pytest
-import torch
+
+# No nested OpenMP teams (set before torch loads libgomp; .ci/run exports it too): MKL's divide-and-conquer SVD
+# (dgesdd: torch.linalg.svd in the Lorsa recipe's init) runs parallel dgemm inside parallel regions, and libgomp keeps
+# each nested team alive — one suite run reached 1009 threads (945 idle) and a load of 200, stuck in
+# test_lorsa_recipe (py-spy: GOMP_parallel <- mkl_blas_dgemm <- mkl_lapack_dlasd3 <- dgesdd).
+os.environ.setdefault("OMP_MAX_ACTIVE_LEVELS", "1")
+import torch  # noqa: E402
 from jaxtyping import install_import_hook
 
 sys.path.insert(0, os.path.dirname(__file__))
