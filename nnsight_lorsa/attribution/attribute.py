@@ -32,6 +32,7 @@ def attribute(
     tracer: Any = None,
     max_feature_nodes: int | None = None,
     batch_size: int = 64,
+    update_interval: int = 4,
     targets: "Targets" = None,
     memory: str = "auto",
     prune: "PruneConfig | tuple[float, float] | None" = None,
@@ -72,6 +73,13 @@ def attribute(
         max_feature_nodes: compute at most this many feature rows, chosen by influence on the
             logits as circuit-tracer (None: all; then every target's incoming edges sum to its value).
         batch_size: prompt copies per frozen pass = target rows per backward pass.
+        update_interval: with ``max_feature_nodes``: the features' influence ranking is recomputed (from the rows
+            computed so far) every ``update_interval`` batches, and each ranking queues its
+            ``update_interval · batch_size`` most influential unvisited features (circuit-tracer's
+            ``update_interval``, same default: the same feature rows as circuit-tracer's
+            ``attribute(..., batch_size=, max_feature_nodes=)``). ``1``: re-rank before every batch (one
+            influence pass over every stored row per batch, host time: 0.76 s a batch at 4096 tokens of the
+            Llama-3.1-8B shape, docs/benchmarks.md). Unused without ``max_feature_nodes``.
         targets: the logits at the last position the graph is attributed from, in one value
             (:mod:`.logit_targets`; circuit-tracer's ``attribution_targets``): None (default) — the most likely
             tokens until their cumulative probability reaches 0.95, at most 10 (circuit-tracer's defaults);
@@ -144,7 +152,8 @@ def attribute(
         NonFiniteError: after the frozen pass, the model's logits at the attributed position hold NaN / inf (an
             fp16 model's logits past 65504 are inf): the graph would be NaN.
     """
-    settings = {"max_feature_nodes": max_feature_nodes, "batch_size": batch_size, "targets": targets,
+    settings = {"max_feature_nodes": max_feature_nodes, "batch_size": batch_size,
+                "update_interval": update_interval, "targets": targets,
                 "memory": memory, "prune": prune, "dtype": dtype, "progress": progress, "remote": remote,
                 "max_memory": max_memory, "zero_positions": zero_positions, "qk_heads": qk_heads, **renamed}
     if tracer is not None:  # runs where the trace body runs: here, or on the server (remote)

@@ -52,8 +52,8 @@ class AttributionOptions:
     :func:`.replacement.memory_modes`).
 
     Raises:
-        ArgumentError: a count that is not an int (``batch_size``, ``max_feature_nodes`` and ``max_memory``
-            unless None), ``targets`` or ``zero_positions`` / ``qk_heads`` of the wrong type
+        ArgumentError: a count that is not an int (``batch_size``, ``update_interval``, ``max_feature_nodes``
+            and ``max_memory`` unless None), ``targets`` or ``zero_positions`` / ``qk_heads`` of the wrong type
             (:func:`.logit_targets.check_targets`), a non-floating ``dtype``, ``remote`` other than a bool or
             ``"local"``, ``progress`` other than a bool or None; an old setting name (:meth:`of`).
         ConfigMismatchError: a count below 1, empty or negative ``targets``, negative ``zero_positions`` /
@@ -63,6 +63,7 @@ class AttributionOptions:
 
     max_feature_nodes: int | None = None
     batch_size: int = 64
+    update_interval: int = 4
     targets: Targets = None
     memory: str | tuple[str, str] = "auto"
     prune: Any = None
@@ -75,6 +76,7 @@ class AttributionOptions:
 
     def __post_init__(self) -> None:
         _count(self.batch_size, "batch_size")
+        _count(self.update_interval, "update_interval")
         _count(self.max_feature_nodes, "max_feature_nodes", none_ok=True)
         _count(self.max_memory, "max_memory", none_ok=True)
         object.__setattr__(self, "targets", check_targets(self.targets))

@@ -395,10 +395,14 @@ class RowScheduler(RowStore):
         keep_mass: store each row sparse — its largest ``|edges|`` up to this fraction of the row's
             absolute mass, plus the exact sum of the rest (``residual``). ``1``: every non-zero
             entry, sparse; None: dense where possible.
+        update_interval: with a budget, the influence ranking is recomputed when the queue it filled is empty:
+            every ``update_interval`` batches, queueing the ``update_interval · batch`` most influential
+            unvisited features in rank order (circuit-tracer's ``update_interval`` and queue, its
+            ``attribution/attribute.py``).
     """
 
     def __init__(self, layout: Layout, max_feature_nodes: int | None = None, progress: Any = None,
-                 keep_mass: float | None = None) -> None:
+                 keep_mass: float | None = None, update_interval: int = 4) -> None:
         budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
         full = (keep_mass is None or keep_mass >= 1.0) and budget == layout.n_features
         super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress,
@@ -408,6 +412,8 @@ class RowScheduler(RowStore):
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
         self._visited = torch.zeros(layout.n_features, dtype=torch.bool, device=HOST)
         self._n_visited = 0  # ``_visited.sum()``, kept on the host (each pick is of unvisited rows)
+        self.update_interval = update_interval
+        self._queue: list[int] = []  # ranked, unvisited features still to hand out from the last ranking
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
@@ -432,9 +438,11 @@ class RowScheduler(RowStore):
             start = self.n_feature_rows
             picked = list(range(start, start + n))
         else:
-            score = self.feature_influence().clone()
-            score[self._visited] = -1.0
-            picked = score.topk(n).indices.sort().values.tolist()
+            if not self._queue:
+                score = self.feature_influence().clone()
+                score[self._visited] = -1.0
+                self._queue = score.topk(min(self.update_interval * batch, left)).indices.tolist()
+            picked, self._queue = sorted(self._queue[:n]), self._queue[n:]
         self._visited[picked] = True
         self._n_visited += len(picked)
         return picked

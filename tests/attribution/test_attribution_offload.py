@@ -268,7 +268,8 @@ def test_offloaded_bf16_attribution_on_device_equals_the_resident_graph(device, 
     per-layer views are fetched through their ``weights_owner``), offloaded: the modules stay on the host in bf16
     (pinned where CUDA is), the graph (both memory modes, and pruned while building) is on the host and equals
     the resident modules' — bit for bit on the CPU (``fetch`` made a real copy), on CUDA within the bf16 edge
-    bound (2e-2 of max |A|: its atomics may reorder a bf16 gradient's sums, one bf16 ulp is 4e-3)."""
+    bound (2e-2 of max |A|: its atomics may reorder a gradient's sums, one bf16 ulp is 4e-3). The lean mode's
+    node writes summed in bf16 failed this on an H200 (9-14 %) until they summed in fp32 (``frozen.gather_write``)."""
     from nnsight_lorsa.attribution import PruneConfig
     from nnsight_lorsa.envoy.nnsight_internals import hf_module
 
