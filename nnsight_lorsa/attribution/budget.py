@@ -35,7 +35,9 @@ per edge:
   Gemma-2 / Gemma-3 (``--model gemma2|gemma3``), 128–512 tokens: see docs/attribution.md;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
   of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
-  estimate is above the resident weights);
+  estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
+  fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
+  on a GPU);
 * *rows* (host): every row with every entry — the full graph, and pruning while building with ``keep_mass=1`` — goes
   straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`: per target (site, position), the
   sources upstream of it — an edge each, counted exactly from the layout; ~0.2·``N²`` on the embedded model); a
@@ -100,7 +102,7 @@ from .._repr import FieldsRepr
 from ..adapters.transformers_internals import attn_implementation
 from ..envoy.nnsight_internals import hf_module
 from ..errors import MemoryBudgetError
-from .frozen import choose, keeps_pattern
+from .frozen import choose, keeps_pattern, node_chunk_elements
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
@@ -167,7 +169,8 @@ class MemoryEstimate(FieldsRepr):
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);
             on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
-            included in ``frozen_shared``)
+            included in ``frozen_shared``; ``gather_chunks``, a gathered site's chunk temporaries,
+            :func:`.frozen.node_chunk_elements`, included in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
@@ -452,6 +455,11 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
+    # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
+    gathered = max((n for lay in layout.layers for n in (lay.lorsa_pos.numel(), lay.tc_pos.numel())
+                    if n and choose(node_vectors, n, d_model, dtype) == "gather"), default=0)
+    gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
+    shared += gather_chunks
     kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges
     full = full_graph_blocks(layout, torch.float32).entries() if budget == layout.n_features else None
     if full is not None and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
@@ -477,7 +485,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
-             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, **offload}
+             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks, **offload}
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)

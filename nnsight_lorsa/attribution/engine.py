@@ -153,7 +153,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "node_vectors": node_vectors, "dtype": str(computed_in),
             "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
-                          update_interval=o.update_interval,
+                          update_interval=o.update_interval, zero_positions=o.zero_positions,
                           progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
     if o.qk_heads:
@@ -180,14 +180,15 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
 
 
 def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *, max_feature_nodes: int | None,
-                  update_interval: int = 4, progress: bool, prune: PruneConfig | None, prompt: str,
-                  meta: dict[str, Any]) -> Graph:
+                  update_interval: int = 4, zero_positions: int = 0, progress: bool, prune: PruneConfig | None,
+                  prompt: str, meta: dict[str, Any]) -> Graph:
     """Schedule the target rows, let ``run`` compute them (returning the target values), and
     assemble the dense or pruned :class:`Graph`."""
     bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
                desc="attribution rows", disable=not progress)
     scheduler = RowScheduler(layout, max_feature_nodes, bar if progress else None,
-                             keep_mass=None if prune is None else prune.keep_mass, update_interval=update_interval)
+                             keep_mass=None if prune is None else prune.keep_mass, update_interval=update_interval,
+                             zero_positions=zero_positions)
     try:
         values = run(scheduler)
     finally:

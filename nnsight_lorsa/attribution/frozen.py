@@ -246,12 +246,22 @@ def per_position(err: Float[torch.Tensor, "b pos d"], mult: Float[torch.Tensor, 
 
 #: ``"auto"`` keeps a site's grid up to this many bytes, and gathers above it
 GRID_BUDGET_BYTES = 256 * 2**20
-#: elements of one gathered ``(batch, chunk, d_model)`` temporary (grid-less node vectors)
+#: elements of one gathered ``(batch, chunk, d_model)`` temporary (grid-less node vectors) on the CPU
 NODE_CHUNK_ELEMENTS = 2**22
+#: the same on a GPU: each chunk is a few kernel launches, host time that a larger chunk amortises (a
+#: transcoder site of the Llama-3.1-8B shape, 4096 tokens × top-k 64 nodes, batch 4, is 1024 chunks of
+#: ``2**22`` per pass and direction, 128 of ``2**25``); at most two fp32-sized temporaries of it are live
+#: (``estimate_memory``'s ``gather_chunks`` term)
+NODE_CHUNK_ELEMENTS_DEVICE = 2**25
 
 
-def _chunk(batch: int, d: int) -> int:
-    return max(1, NODE_CHUNK_ELEMENTS // max(1, batch * d))
+def node_chunk_elements(device: torch.device) -> int:
+    """:data:`NODE_CHUNK_ELEMENTS` on the CPU, :data:`NODE_CHUNK_ELEMENTS_DEVICE` elsewhere."""
+    return NODE_CHUNK_ELEMENTS if device.type == "cpu" else NODE_CHUNK_ELEMENTS_DEVICE
+
+
+def _chunk(batch: int, d: int, device: torch.device) -> int:
+    return max(1, node_chunk_elements(device) // max(1, batch * d))
 
 
 def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, n_pos: int,
@@ -265,7 +275,7 @@ def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: t
     W = W.to(coeff.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
     acc = torch.float32 if dtype.itemsize < 4 else dtype  # bf16/fp16: summed in fp32, rounded once
     out = torch.zeros(b, n_pos, W.shape[-1], dtype=acc, device=coeff.device)
-    step = _chunk(b, W.shape[-1])
+    step = _chunk(b, W.shape[-1], coeff.device)
     for s in range(0, n, step):
         rows = W[idx[s:s + step]].to(acc)
         out.index_add_(1, pos[s:s + step], coeff[:, s:s + step, None].to(acc) * rows[None])
@@ -276,7 +286,7 @@ def gather_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.
     """``out[b, i] = x[b, pos_i] · W[idx_i]``, ``(batch, n)`` in ``x``'s dtype."""
     b, n = x.shape[0], idx.numel()
     W = W.to(x.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
-    step = _chunk(b, W.shape[-1])
+    step = _chunk(b, W.shape[-1], x.device)
     parts = [(x[:, pos[s:s + step]] * W[idx[s:s + step]].to(x.dtype)[None]).sum(-1) for s in range(0, n, step)]
     return torch.cat(parts, dim=1) if parts else x.new_zeros(b, 0)
 

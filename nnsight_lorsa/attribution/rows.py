@@ -45,7 +45,7 @@ import torch
 from .._memory import release_free_memory
 from .._typing import Float, Int
 from .blocks import BlockAdjacency
-from .graph import BIAS, EMBEDDING, HOST, LOGIT, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, MLP_ERROR, Graph
 from .layout import Layout
 from .scores import find_threshold, prune_rows, row_influence, scored_entries
 
@@ -399,10 +399,12 @@ class RowScheduler(RowStore):
             every ``update_interval`` batches, queueing the ``update_interval · batch`` most influential
             unvisited features in rank order (circuit-tracer's ``update_interval`` and queue, its
             ``attribution/attribute.py``).
+        zero_positions: the prompt's first positions without feature nodes (``attribute(zero_positions=)``): the
+            ranking leaves out their error nodes, as it leaves out the bias nodes (:meth:`feature_influence`).
     """
 
     def __init__(self, layout: Layout, max_feature_nodes: int | None = None, progress: Any = None,
-                 keep_mass: float | None = None, update_interval: int = 4) -> None:
+                 keep_mass: float | None = None, update_interval: int = 4, zero_positions: int = 0) -> None:
         budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
         full = (keep_mass is None or keep_mass >= 1.0) and budget == layout.n_features
         super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress,
@@ -414,6 +416,8 @@ class RowScheduler(RowStore):
         self._n_visited = 0  # ``_visited.sum()``, kept on the host (each pick is of unvisited rows)
         self.update_interval = update_interval
         self._queue: list[int] = []  # ranked, unvisited features still to hand out from the last ranking
+        self.zero_positions = zero_positions
+        self._rank_mask: torch.Tensor | None = None
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
@@ -467,9 +471,18 @@ class RowScheduler(RowStore):
         return node, weight
 
     def feature_influence(self) -> torch.Tensor:
-        """Influence on the logits of every source column, from the rows computed so far."""
+        """Influence on the logits of every feature node, from the rows computed so far, over circuit-tracer's
+        nodes: each row normalised by its edges' absolute mass without the bias nodes and the error nodes at the
+        first ``zero_positions`` positions, which circuit-tracer's graphs lack (it has no bias nodes, and zeroes
+        the errors at position 0, where it has no features). With them the ranking swapped near-ties against
+        circuit-tracer's: 1-3 of 40-200 rows differed (``benchmarks/attribution_vs_circuit_tracer.py
+        --max-feature-nodes``; docs/attribution.md)."""
+        if self._rank_mask is None:
+            n = self.layout.nodes
+            error = (n.kind == MLP_ERROR) | (n.kind == ATTN_ERROR)
+            self._rank_mask = ~((n.kind == BIAS) | (error & (n.pos < self.zero_positions)))
         node, weight = self.row_nodes()
-        return self.sparse().influence(node, weight)[:self.layout.n_features]
+        return self.sparse().influence(node, weight, self._rank_mask)[:self.layout.n_features]
 
 
 def full_graph_blocks(layout: Layout, dtype: torch.dtype) -> BlockAdjacency:

@@ -276,3 +276,49 @@ def test_measured_assembly_peak_is_within_the_estimate():
     limit = bound + est.terms["pruning"]
     assert seen["peak"] <= limit, (seen["peak"], bound, est.terms["pruning"])
     assert seen["peak"] + g.n_nodes ** 2 * 4 > limit  # the dense matrix on top would not fit
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 30), batch=st.sampled_from([1, 3, 5]),
+       interval=st.sampled_from([1, 2, 4]))
+def test_the_feature_rows_follow_circuit_tracers_update_interval_queue(tiny, seed, budget, batch, interval):
+    """With a feature budget the influence ranking is recomputed every ``update_interval`` batches, and each
+    ranking hands out its ``update_interval · batch_size`` most influential unvisited features, ``batch_size`` at a
+    time, in rank order — circuit-tracer 0.5.0's loop (``attribution/attribute.py``, Phase 4), re-run here on the
+    influence each of our rankings saw. ``update_interval=1``: a ranking before every batch."""
+    from nnsight_lorsa.attribution.rows import RowScheduler
+
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (rows done, influence, visited) at each ranking
+    original = RowScheduler.feature_influence
+
+    def recorded(self):
+        out = original(self)
+        seen.append((self.n_feature_rows, out.clone(), self._visited.clone()))
+        return out
+
+    RowScheduler.feature_influence = recorded
+    try:
+        with captured() as got:
+            attribute(tiny, random_ids(1, 10, seed=seed)[0], batch_size=batch, max_feature_nodes=budget,
+                      update_interval=interval)
+    finally:
+        RowScheduler.feature_influence = original
+    sch = got["scheduler"]
+    nf = sch.layout.n_features
+    if budget >= nf:  # every feature: node order, no ranking
+        assert not seen
+        return
+    # circuit-tracer's queue from each ranking (its argsort, descending), cut into batches of ``batch_size``
+    want: list[tuple[list[int], torch.Tensor]] = []
+    for done, influence, visited in seen:
+        rank = torch.argsort(influence, descending=True, stable=True)
+        pending = rank[~visited[rank]][:min(interval * batch, budget - done)].tolist()
+        want += [(pending[i:i + batch], influence) for i in range(0, len(pending), batch)]
+    assert [done for done, *_ in seen] == list(range(0, budget, interval * batch))
+    ours = [r for r in sch.done if r < nf]  # the feature rows, batch after batch (each batch sorted)
+    assert len(ours) == budget == sum(len(b) for b, _ in want)
+    at = 0
+    for theirs, influence in want:
+        mine, at = ours[at:at + len(theirs)], at + len(theirs)
+        assert sorted(mine) == sorted(theirs) or \
+            sorted(influence[mine].tolist()) == sorted(influence[theirs].tolist())  # the same rows, up to ties
