@@ -2,6 +2,7 @@
 
     python -m benchmarks.attribution_vs_circuit_tracer [--lengths 32,64,128,256,512] [--batch 64] [--repeats 1]
         [--ct-python /work/scratch/peers/ct/bin/python] [--work DIR] [--systems pruned,dense,ct] [--parallel]
+        [--max-feature-nodes N [--update-interval U]]
 
 ``--work DIR`` keeps the prompts and every child's result there (``run_{system}_{seq}_{repeat}.json``); a
 result already there is reused, not rerun — for long lengths run in pieces (circuit-tracer at 512 tokens takes
@@ -30,6 +31,15 @@ both graphs have the same feature nodes (the JSON records both counts). Edge agr
 pruned graph between nodes both graphs have (features, MLP errors off position 0 — circuit-tracer's error
 there carries nothing, ours position 0's whole MLP output — embeddings, logits), against circuit-tracer's
 adjacency at the same nodes: max |difference| / max |edge|.
+
+``--max-feature-nodes N``: both compute only ``N`` feature rows, chosen by influence on the logits
+(circuit-tracer's ``update_interval`` at its default 4; ours ``--update-interval``, default 4 too). Each child
+then saves the (layer, position, feature) triples of its computed feature rows — circuit-tracer's
+``active_features[selected_features]`` (``selected_features`` are its visited features), ours the transcoder
+nodes with ``feature_rows`` set — and the JSON's ``feature_rows`` records, per length and per mode of ours,
+``same_feature_rows`` (the dense graph's: the same set as circuit-tracer's; the pruned graph's feature nodes,
+fewer — pruning drops visited features — are checked a subset), the sizes of both sets and of their
+intersection.
 """
 
 from __future__ import annotations
@@ -154,6 +164,8 @@ def ct_child(work: Path, seq: int, batch: int, max_feature_nodes: int | None) ->
         if nodes_file.exists() and (work / f"run_pruned_{seq}_0.json").exists():
             break
         time.sleep(10)
+    if max_feature_nodes is not None:  # the visited features: the rows computed (selected_features = visited)
+        torch.save(g.active_features[g.selected_features].clone(), work / f"ct_rows_{seq}.pt")
     if nodes_file.exists():  # the submatrix at our pruned graph's nodes (after the measurement)
         ours = torch.load(nodes_file, weights_only=True)  # (n, 4): kind, layer, pos, index (ours)
         n_pos, n_layers = len(ids), cfg.n_layers
@@ -194,10 +206,12 @@ def _replacement():
     return model, ReplacementModel(model, transcoders=tcs)
 
 
-def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: int | None) -> None:
+def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: int | None,
+               update_interval: int = 4) -> None:
     import torch
 
     from nnsight_lorsa.attribution import PruneConfig, attribute, estimate_memory
+    from nnsight_lorsa.attribution.nodes import TRANSCODER
 
     torch.set_num_threads(1)
     model, rm = _replacement()
@@ -209,7 +223,8 @@ def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: i
     attribute(rm, ids[:8], batch_size=batch, zero_positions=1)  # warm-up (imports, allocator)
     before = _reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
-    g = attribute(rm, ids, batch_size=batch, prune=prune, zero_positions=1, max_feature_nodes=max_feature_nodes)
+    g = attribute(rm, ids, batch_size=batch, prune=prune, zero_positions=1, max_feature_nodes=max_feature_nodes,
+                  update_interval=update_interval)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = (_peak_kb() - before) / 1024
     out = {"system": f"ours ({mode})", "seq": seq, "batch": batch, "seconds": seconds, "cpu_seconds": cpu,
@@ -217,7 +232,11 @@ def ours_child(work: Path, seq: int, batch: int, mode: str, max_feature_nodes: i
            "n_nodes": g.n_nodes, "n_features": predicted.terms["n_rows"] - len(g.logit_ids),
            "predicted_host_mb": predicted.host_bytes / 2**20,
            "predicted_over_measured": predicted.host_bytes / 2**20 / peak,
-           "max_edge_sum_error": float(g.edge_sum_error("mass").max())}
+           "max_edge_sum_error": float(g.edge_sum_error("mass").max()), "update_interval": update_interval}
+    if max_feature_nodes is not None:  # the computed feature rows: (layer, pos, feature) as circuit-tracer's
+        n = g.nodes
+        rows = (n.kind == TRANSCODER) & g.feature_rows
+        torch.save(torch.stack([n.layer, n.pos, n.index], 1)[rows].clone(), work / f"ours_rows_{mode}_{seq}.pt")
     if mode == "pruned":
         out["stored_entries"] = g.meta["pruned"]["stored_entries"]
         n = g.nodes
@@ -243,6 +262,22 @@ def agreement(work: Path, seq: int) -> dict:
             "ct_edges_there_nonzero": int((b != 0).sum())}
 
 
+def feature_rows(work: Path, seq: int, mode: str) -> dict | None:
+    """Our ``mode`` graph's computed feature rows against circuit-tracer's visited features (None: not both)."""
+    import torch
+
+    ct_f, ours_f = work / f"ct_rows_{seq}.pt", work / f"ours_rows_{mode}_{seq}.pt"
+    if not (ct_f.exists() and ours_f.exists()):
+        return None
+    ct = {tuple(r) for r in torch.load(ct_f, weights_only=True).tolist()}
+    ours = {tuple(r) for r in torch.load(ours_f, weights_only=True).tolist()}
+    out = {"seq": seq, "mode": mode, "n_ct": len(ct), "n_ours": len(ours), "n_intersection": len(ct & ours),
+           "only_ct": sorted(ct - ours)[:20], "only_ours": sorted(ours - ct)[:20]}
+    if mode == "dense":  # every visited feature is a node of the dense graph
+        return {**out, "same_feature_rows": ct == ours}
+    return {**out, "subset_of_ct": ours <= ct}  # pruning drops visited features: its rows are a subset
+
+
 def main() -> None:
     from benchmarks._timing import arg, command, parser, write
 
@@ -253,6 +288,7 @@ def main() -> None:
                   systems=arg("pruned,dense,ct", "children to run (pruned before ct: ct reads its nodes)"),
                   parallel=arg(False, "run circuit-tracer's child beside ours"),
                   max_feature_nodes=arg(0, "feature rows of both (circuit-tracer's influence order); 0: all"),
+                  update_interval=arg(4, "ours only (circuit-tracer keeps its default 4): batches per ranking"),
                   name=arg("attribution_vs_circuit_tracer", "result JSON name")).parse_args()
     mfn = args.max_feature_nodes or None
     if args.child:
@@ -260,7 +296,7 @@ def main() -> None:
         if args.child == "ct":
             ct_child(work, args.seq, args.batch, mfn)
         else:
-            ours_child(work, args.seq, args.batch, args.child, mfn)
+            ours_child(work, args.seq, args.batch, args.child, mfn, args.update_interval)
         return
     import torch
 
@@ -279,6 +315,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     runs: list[dict] = []
     agree: list[dict] = []
+    row_sets: list[dict] = []
     systems = args.systems.split(",")
 
     def launch(child: str, seq: int) -> subprocess.Popen:
@@ -286,7 +323,8 @@ def main() -> None:
         ct_env = {**os.environ, "PYTHONPATH": "", "CT_WAIT_NODES_S": str(6 * 3600 if args.parallel else 0)}
         return subprocess.Popen([python, "-m", f"benchmarks.{Path(__file__).stem}", "--child", child, "--seq",
                                  str(seq), "--batch", str(args.batch), "--work", str(work), "--max-feature-nodes",
-                                 str(args.max_feature_nodes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 str(args.max_feature_nodes), "--update-interval", str(args.update_interval)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env if child != "ct" else ct_env, cwd=ROOT)
 
     def finish(proc: subprocess.Popen, child: str, seq: int, rep: int) -> None:
@@ -314,6 +352,10 @@ def main() -> None:
         if (work / f"ct_sub_{seq}.pt").exists():
             agree.append(agreement(work, seq))
             print(json.dumps(agree[-1]), flush=True)
+        for mode in ("dense", "pruned"):
+            if (rs := feature_rows(work, seq, mode)) is not None:
+                row_sets.append(rs)
+                print(json.dumps(rs), flush=True)
     rows = []
     for seq in lengths:
         def med(system: str, key: str, seq: int = seq) -> float:
@@ -332,8 +374,13 @@ def main() -> None:
             row[f"{mode}_predicted_ratio"] = med(f"ours ({mode})", "predicted_over_measured")
         rows.append(row)
         print(json.dumps(row))
-    out = {"command": command(), "batch": args.batch, "threads": 1, "max_feature_nodes": mfn, "runs": runs,
+    out = {"command": command(), "batch": args.batch, "threads": 1, "max_feature_nodes": mfn,
+           "update_interval": {"ours": args.update_interval, "circuit-tracer": 4}, "runs": runs,
            "agreement": agree, "table": rows}
+    if mfn is not None:
+        out["feature_rows"] = row_sets
+        dense_sets = [r for r in row_sets if r["mode"] == "dense"]
+        out["same_feature_rows"] = bool(dense_sets) and all(r["same_feature_rows"] for r in dense_sets)
     print(f"-> {write(args.name, out)}")
 
 
