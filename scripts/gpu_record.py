@@ -20,6 +20,9 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
 * ``gpu_session_<GPU>.json``: every session's ``session.json`` (commit, versions, each step's exit status and
   seconds; a step stopped by its timeout has ``timed_out``), appended.
 
+The folder holds either those files or ``session_files.tar``, the archive gpu_session.sh packs them into (the
+device returns at most 8 files; a session of five steps writes 14): it is read from the archive then.
+
 A session run with ``GPU_SESSION_SMALL=1`` (CPU scale) is refused unless ``--results`` names another folder: its
 numbers are a check of the script, not measurements to record. Standard library only.
 """
@@ -30,6 +33,8 @@ import argparse
 import datetime
 import json
 import sys
+import tarfile
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -160,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args(argv)
     folder: Path = args.folder
+    archive = folder / "session_files.tar"
+    if archive.is_file():  # gpu_session.sh packs its files (the device returns at most 8): read them from it
+        scratch = tempfile.TemporaryDirectory()
+        with tarfile.open(archive) as tar:
+            tar.extractall(scratch.name, filter="data")  # refuses links and paths outside the folder
+        folder = Path(scratch.name)
     session = load(folder / "session.json")
     if session.get("small") and args.results.resolve() == RESULTS.resolve():
         print("a GPU_SESSION_SMALL=1 session (CPU scale) checks the script: pass --results <another folder> "

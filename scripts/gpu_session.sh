@@ -2,7 +2,7 @@
 # The GPU checks of issue 21 as one script for a session with a CUDA device (docs/benchmarks.md, "Running the
 # GPU checks"). The caller sets PYTHONPATH (the package and its wheels) and OUT (a folder whose files come back);
 # run from the repository root. Each step runs under its own `timeout`, and as soon as it ends its status is
-# written to $OUT/<step>.json and merged into $OUT/session.json (a step stopped by its timeout keeps what the
+# written to <raw>/<step>.json and merged into <raw>/session.json, packed into $OUT/session_files.tar (a step stopped by its timeout keeps what the
 # benchmark flushed: gpu_scale writes its JSON after every part and every token count).
 #
 #   scripts/gpu_session.sh                 # every step, in order: suite ab variants c d offload
@@ -32,6 +32,18 @@ set -u
 OUT="${OUT:?set OUT to the output folder}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+# the device returns at most 8 files from $OUT: the steps write into a folder outside it (GPU_SESSION_RAW, default
+# a new one under /tmp), packed after every step (and every 20 s while one runs) into $OUT/session_files.tar, beside
+# a copy of session.json; gpu_record.py reads the archive
+DEST="$OUT"
+OUT="${GPU_SESSION_RAW:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_session_raw.XXXXXX")}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+pack() {
+  tar -C "$OUT" -cf "$DEST/session_files.tar.part" . 2>/dev/null && mv -f "$DEST/session_files.tar.part" "$DEST/session_files.tar"
+  [ -f "$OUT/session.json" ] && cp -f "$OUT/session.json" "$DEST/session.json"
+  return 0
+}
 cd "$(dirname "$0")/.." || exit 2  # the repository root: python -m benchmarks.gpu_scale, pytest's rootdir
 PY="${PYTHON:-python3}"
 SMALL="${GPU_SESSION_SMALL:-0}"
@@ -97,12 +109,16 @@ run_step() {
   if [ "${GPU_SESSION_DRY_RUN:-0}" = 1 ]; then echo "[$step] timeout $limit: $*"; return; fi
   if (( limit < 20 )); then record "$step" -1 0 0 "$limit" "$@"; return; fi
   echo "== [$step] timeout ${limit}s: $*" | tee "$OUT/$step.log"
-  local t0 rc
+  local t0 rc packer
   t0=$(date +%s%N)
+  ( while sleep 20; do pack; done ) &
+  packer=$!
   timeout --kill-after=10 "$limit" "$@" >>"$OUT/$step.log" 2>&1
   rc=$?
+  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   tail -n 5 "$OUT/$step.log"
   record "$step" "$rc" "$t0" "$(date +%s%N)" "$limit" "$@"
+  pack
 }
 
 GS=("$PY" -m benchmarks.gpu_scale ${SCALE[@]+"${SCALE[@]}"})
@@ -121,4 +137,5 @@ for step in "${STEPS[@]}"; do
     *)       echo "unknown step $step (suite ab variants c d offload)" >&2; exit 2 ;;
   esac
 done
-echo "session done in $(( $(date +%s) - START )) s; files in $OUT"
+pack
+echo "session done in $(( $(date +%s) - START )) s; files in $DEST/session_files.tar (and $OUT)"

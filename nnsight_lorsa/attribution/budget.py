@@ -117,12 +117,13 @@ from .trace import AttributionCache, Prepared, frozen_sites, multiplier_dtype, p
 #: (held by the model's forward, inside whose unembedding the backward passes run)
 RESIDUAL_EXTRA = 2
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds on a GPU with SDPA attention
-#: (no stored patterns): measured 6.2-6.8 on an H200 at the Llama-3.1-8B shape in bf16, 1024-4096 tokens, batch 4
-#: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d)) — a fitted coefficient: what the GPU's SDPA kernels keep
-#: for the backward could not be taken apart without a GPU (the CPU's SDPA path is counted from the structure). Measured
-#: while the frozen pass still kept every norm's input (``2L + 1`` of these numbers); since 2026-11-26 it does not, so
-#: this over-predicts (safe) until a GPU session measures it again
-PER_COPY_NUMBERS_GPU_SDPA = 6.8
+#: (no stored patterns), fitted on an H200 at the Llama-3.1-8B shape in bf16, batch 4
+#: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d), 2026-11-26 on f4fd3d1): the smallest coefficient whose
+#: estimate bounds the measured peak at 1024, 2048 and 4096 tokens (4.44, 4.05, 3.66 each; measured / estimate 0.99,
+#: 0.91, 0.84); at 512 tokens, where every transcoder site keeps its grid, the peak is 2 % above the estimate. A fitted
+#: coefficient: what the GPU's SDPA kernels keep for the backward could not be taken apart without a GPU (the CPU's SDPA
+#: path is counted from the structure). 6.8 until then, fitted while the frozen pass still kept every norm's input
+PER_COPY_NUMBERS_GPU_SDPA = 4.5
 #: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries (measured:
 #: up to 6 at once — the ones, five gradients of slices of them still being summed — on the CPU's SDPA path)
 ROW_BUFFERS = 6

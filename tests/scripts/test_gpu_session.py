@@ -165,5 +165,7 @@ def test_gpu_record_replaces_the_forward_variants_and_keeps_the_former_in_histor
     now = json.loads((results / name).read_text())
     assert now["times"]["rope_module"]["median_s"] == 0.003 and now["date"] == "2026-12-02"
     assert now["commit"] == "abc1234" and now["rope_same_bits"] is True
-    assert now["history"][0] == {k: v for k, v in before.items() if k != "history"}
-    assert now["history"][1]["times"]["rope_module"]["median_s"] == 0.004 and len(now["history"]) == 2
+    n = len(before.get("history", []))  # the recorded file's own history comes first, untouched
+    assert now["history"][:n] == before.get("history", [])
+    assert now["history"][n] == {k: v for k, v in before.items() if k != "history"}
+    assert now["history"][n + 1]["times"]["rope_module"]["median_s"] == 0.004 and len(now["history"]) == n + 2
