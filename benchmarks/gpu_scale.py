@@ -34,6 +34,7 @@ import contextlib
 import functools
 import gc
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -257,6 +258,32 @@ def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> t
     return None, 0
 
 
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line, stamped with the seconds since the benchmark started, printed at once: what a run stopped by a
+    time limit got through (gpu_session.sh keeps the log)."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", flush=True)
+
+
+@contextlib.contextmanager
+def reporting(times: dict[str, float], every: float = 15.0) -> Iterator[None]:
+    """While inside, print ``times`` (the stages' seconds so far) every ``every`` seconds from a daemon thread."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every):
+            progress("phases so far: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items())))
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 #: the stages of one ``attribute`` call timed by :func:`phase_times`: (module, attribute, name)
 PHASES = [("engine", "prepare", "clean_pass_and_layout"), ("trace", "frozen_forward_body", "frozen_forward"),
           ("trace", "nnsight_backward", "backward"), ("rows", "RowStore.record", "record_rows"),
@@ -312,8 +339,11 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     resident = peak_bytes(dev)
     for n in tokens:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
+        progress(f"(d) {n} tokens: estimate_memory")
         est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
+        progress(f"(d) {n} tokens: the floor")
         floor, floor_batch = attribution_floor(hf, ids, batch, repeats)
+        progress(f"(d) {n} tokens: attribute")
         peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         host_before = host_peak_reset()
@@ -322,7 +352,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
                 attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
                 gc.collect()
             sync(dev)
-            with phase_times(dev) as phases:
+            with phase_times(dev) as phases, reporting(phases):
                 t = time.perf_counter()
                 graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
                 sync(dev)
@@ -422,11 +452,15 @@ def main() -> None:
         result["d_offload"] = args.offload
         all_lorsas, tcs = LorsaSet(model), TranscoderSet(model)
         all_lorsas.offload = tcs.offload = args.offload  # offloaded: each module to the host once inserted
+        progress(f"(d) building {len(lorsa_layers)} Lorsa(s) and {s['n_layers']} transcoders"
+                 + (" (offloaded as built)" if args.offload else ""))
         for L in lorsa_layers:
             all_lorsas[L] = lorsa if layer == L else paper_lorsa(s, adapter, hf, L, dev, dt)
+        progress("(d) Lorsas built")
         for L in range(s["n_layers"]):
             tcs[L] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
                                                  activation_params={"k": s["k_tc"]}, layer=L), device=dev, dtype=dt)
+        progress("(d) transcoders built")
         result["d_module_bytes"] = sum(t.numel() * t.element_size() for m in [*all_lorsas.values(), *tcs.values()]
                                        for t in m.parameters())
         rm = ReplacementModel(model, lorsas=all_lorsas, transcoders=tcs)

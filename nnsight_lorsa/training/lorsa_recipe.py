@@ -270,15 +270,22 @@ class HeadBalance:
         return out
 
 
-def _principal_directions(values: torch.Tensor, n: int) -> torch.Tensor:
-    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values (tokens, d)``,
+def _principal_directions(coeffs: torch.Tensor, basis: torch.Tensor, n: int) -> torch.Tensor:
+    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values = coeffs @ basis``
+    (``coeffs (tokens, e)``, ``basis (e, d)``: one MHSA head's values or outputs, of rank ``≤ e = d_head``),
     each signed so that its largest-magnitude entry is positive: an SVD's signs are arbitrary and differ
     between LAPACK (CPU) and cuSOLVER (CUDA), and the init mixes these rows with random coefficients,
-    so without a fixed sign the same data and draws would give a different Lorsa on each device."""
-    v = values.double()
-    v = v - v.mean(0, keepdim=True)
-    _, _, vh = torch.linalg.svd(v, full_matrices=False)
-    vh = vh[:n]
+    so without a fixed sign the same data and draws would give a different Lorsa on each device.
+
+    Computed in float64 without forming ``values``: with ``basisᵀ = Q R`` (thin QR, ``Q (d, e)`` orthonormal),
+    ``values = (coeffs Rᵀ) Qᵀ``, so its right singular vectors are ``Q`` times those of the ``(tokens, e)``
+    matrix ``coeffs Rᵀ`` — an SVD ``d / e`` times smaller than of ``(tokens, d)`` (32× at d_model 4096, head 128;
+    the full one also ran LAPACK's divide-and-conquer with nested OpenMP teams, once 1009 threads on a CPU)."""
+    c = coeffs.double()
+    c = c - c.mean(0, keepdim=True)
+    q, r = torch.linalg.qr(basis.double().T)              # basisᵀ = q r: (d, e), (e, e)
+    _, _, vh = torch.linalg.svd(c @ r.T, full_matrices=False)
+    vh = vh[:n] @ q.T                                      # (n, d): orthonormal rows in the span of basis's rows
     sign = vh.gather(1, vh.abs().argmax(1, keepdim=True)).sign()
     return (vh * torch.where(sign == 0, torch.ones_like(sign), sign)).float()
 
@@ -305,13 +312,13 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, loss_mask: torch.
         ov = W_V @ W_O                                                   # (d_model, d_model)
         c = torch.randn(per_head, cfg.d_qk_head, generator=generator, device=gen_device).to(where)
         if mode == "value_svd":
-            basis = _principal_directions(xf @ W_V @ W_V.T, cfg.d_qk_head)
+            basis = _principal_directions(xf @ W_V, W_V.T, cfg.d_qk_head)    # of x W_V W_Vᵀ
             w_v = c @ basis
             w_o = w_v @ ov
         else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
             pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0].float()   # (b, s, s)
-            out = (pattern @ (x.float() @ W_V)) @ W_O
-            basis = _principal_directions(out[loss_mask], cfg.d_qk_head)
+            heads = pattern @ (x.float() @ W_V)                 # (b, s, d_head): the head's output is heads @ W_O
+            basis = _principal_directions(heads[loss_mask], W_O, cfg.d_qk_head)
             w_o = c @ basis
             w_v = w_o @ ov.T
         rows = slice(m * per_head, (m + 1) * per_head)

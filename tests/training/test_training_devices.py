@@ -538,8 +538,9 @@ def test_principal_directions_have_one_sign_whatever_the_solver():
     from nnsight_lorsa.training.lorsa_recipe import _principal_directions
 
     g = torch.Generator().manual_seed(0)
-    values = torch.randn(200, 12, generator=g) @ torch.randn(12, 12, generator=g)
-    got = _principal_directions(values, 5).double()
+    coeffs, basis = torch.randn(200, 12, generator=g), torch.randn(12, 12, generator=g)
+    values = coeffs @ basis
+    got = _principal_directions(coeffs, basis, 5).double()
     v = values.double() - values.double().mean(0)
     _, vecs = torch.linalg.eigh(v.T @ v)                      # ascending eigenvalues
     other = vecs.flip(1)[:, :5].T                              # the top 5, one per row
@@ -547,6 +548,26 @@ def test_principal_directions_have_one_sign_whatever_the_solver():
     assert torch.allclose(got @ got.T, torch.eye(5, dtype=torch.float64), atol=1e-6)
     assert (got.gather(1, got.abs().argmax(1, keepdim=True)) > 0).all()
     assert (got - other).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("tokens", "e", "d"), [(200, 6, 20), (50, 8, 64), (300, 16, 16)])
+def test_principal_directions_of_a_low_rank_product_are_those_of_the_product(tokens, e, d):
+    """``_principal_directions(coeffs, basis, n)`` (the SVD of the ``(tokens, e)`` factor, mapped back through
+    ``basisᵀ``'s QR) gives the top right singular vectors of the demeaned product ``coeffs @ basis`` itself, signed
+    the same way: one MHSA head's values ``x W_V W_Vᵀ`` or outputs ``A x W_V W_O`` are of rank ``≤ d_head``."""
+    from nnsight_lorsa.training.lorsa_recipe import _principal_directions
+
+    g = torch.Generator().manual_seed(tokens + e + d)
+    coeffs = torch.randn(tokens, e, generator=g, dtype=torch.float64) * torch.linspace(3, 0.5, e, dtype=torch.float64)
+    basis = torch.randn(e, d, generator=g, dtype=torch.float64)
+    n = e - 1
+    got = _principal_directions(coeffs, basis, n).double()
+    v = coeffs @ basis
+    _, sv, vh = torch.linalg.svd(v - v.mean(0), full_matrices=False)
+    assert float(sv[n - 1] / sv[n]) > 1.01  # the top n are separated: the directions are unique up to sign
+    want = vh[:n] * vh[:n].gather(1, vh[:n].abs().argmax(1, keepdim=True)).sign()
+    assert got.shape == (n, d)
+    assert float((got - want).abs().max()) < 1e-5
 
 
 # --------------------------------------------------------------------------- bf16 through fp32 master weights
