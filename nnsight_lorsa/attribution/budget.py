@@ -171,7 +171,9 @@ class MemoryEstimate(FieldsRepr):
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);
             on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
             included in ``frozen_shared``; ``gather_chunks``, a gathered site's chunk temporaries,
-            :func:`.frozen.node_chunk_elements`, included in ``frozen_shared``)
+            :func:`.frozen.node_chunk_elements`, and ``node_grids``, the node vectors kept on grids (a Lorsa's
+            ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
+            in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
     """
 
@@ -435,15 +437,22 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         return P * int(torch.bincount(pos).max()) * d_model * model_itemsize
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
+    replaced_mlps = {lay.layer for lay in layout.layers if lay.transcoder is not None}
+    node_grids = 0
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
-        shared += grid(lay.lorsa_pos) + (n_l * P * model_itemsize if store_patterns else 0)
-        shared += 2 * grid(lay.tc_pos)
+        shared += n_l * P * model_itemsize if store_patterns else 0
+        # a transcoder's encoder grid and one decoder grid per replaced MLP it writes into (a CLT layer: its own and
+        # every later one's, each kept under its own key by FrozenReplacement.mlp; one until 2026-11-26)
+        decoders = getattr(lay.transcoder, "decoders", None)
+        n_dec = len(replaced_mlps.intersection(decoders(lay.layer))) if callable(decoders) else 1
+        node_grids += grid(lay.lorsa_pos) + (1 + n_dec) * grid(lay.tc_pos)
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
         if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
             qk_itemsize = module_itemsize or next(lay.lorsa.parameters()).element_size()
             shared += 2 * P * lay.lorsa.cfg.n_qk_heads * lay.lorsa.cfg.d_qk_head * qk_itemsize
+    shared += node_grids
     shared += sum(h * P * P * model_itemsize for layer, h in mhsa_heads.items()
                   if store_patterns or layer in pattern_layers)
     if not fitted:  # the fitted coefficient was measured with these inside it
@@ -486,7 +495,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
-             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks, **offload}
+             "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
+             "node_grids": node_grids, **offload}
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms)

@@ -379,3 +379,32 @@ def test_sparse_rows_read_by_row_mask_are_the_entries_of_those_rows(monkeypatch,
     got, want = ([torch.cat(t) for t in zip(*src.edge_scores(factor, den, col_mask, row_mask), strict=True)]
                  for src in (sp, entries))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("seq", [6, 11])
+def test_node_grids_term_is_the_bytes_of_the_grids_the_frozen_pass_keeps(kind, seq, monkeypatch):
+    """``estimate_memory(...).terms["node_grids"]`` equals, byte for byte, the node-vector grids the frozen pass
+    keeps (``frozen.GridNodes``, counted as they are made) with ``memory="fast"``: a Lorsa's ``w_o`` grid, a
+    transcoder's encoder grid and one decoder grid per replaced MLP it writes into — a cross-layer transcoder's
+    layer ``l`` writes into every layer ``≥ l``, each under its own key (counted once per layer until 2026-11-26:
+    a 26-layer CLT keeps 351 decoder grids, not 26)."""
+    import nnsight_lorsa.attribution.frozen as frozen
+    import nnsight_lorsa.attribution.replacement as replacement
+    from test_attribution_offload import clt_bundle
+
+    model, _, lorsas, tcs = attribution_setup("llama")
+    rep = rm(model, lorsas, tcs) if kind == "transcoders" else clt_bundle(model, lorsas)
+    ids = random_ids(1, seq, seed=seq)[0]
+    kept: dict[int, int] = {}
+    original = frozen.GridNodes.__init__
+
+    def counted(self, slots, grid):
+        kept[id(self)] = grid.numel() * grid.element_size()
+        original(self, slots, grid)
+
+    monkeypatch.setattr(frozen.GridNodes, "__init__", counted)
+    assert replacement.GridNodes is frozen.GridNodes
+    attribute(rep, ids, batch_size=4, memory="fast")
+    est = estimate_memory(rep, ids, batch_size=4, memory="fast")
+    assert kept and est.terms["node_grids"] == sum(kept.values())
