@@ -31,7 +31,8 @@ Sites (what the replacement modules replace):
   ``post_feedforward_layernorm``'s output) run where they were trained: ``TranscoderSet`` / ``CLTSet`` read
   ``x / rms(x)`` of ``pre_feedforward_layernorm``'s input (computed as the norm computes it, fp32) and replace
   ``post_feedforward_layernorm``'s output (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`); the
-  attribution refuses them (:class:`~nnsight_lorsa.errors.UnsupportedArchitectureError`).
+  attribution reads and writes them there too (:meth:`~nnsight_lorsa.attribution.replacement.FrozenReplacement.norm`:
+  the frozen pre-MLP norm's ``x / rms(x)``, the post-MLP norm's output in place of the frozen post-norm).
 
 Attribution (:mod:`nnsight_lorsa.attribution`): the frozen replacement model freezes the two post-norms like
 the pre-norms (:meth:`Gemma2Adapter.attention_post_norm_path`, :meth:`Gemma2Adapter.mlp_post_norm_path`; their

@@ -33,7 +33,7 @@ from .graph import Graph
 from .layout import Layout, LiveNodes
 from .options import AttributionOptions
 from .qk import qk_for_graph
-from .replacement import FrozenReplacement, layer_modules
+from .replacement import FrozenReplacement, layer_modules, transcoder_sites
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
 from .scores import PruneConfig
 from .trace import AttributionCache, Prepared, attribute_in_trace, clean_pass, prepare, refuse_inside_trace, tokenize
@@ -176,7 +176,8 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
     lor, tcs = layer_modules(replacement)
     for layer in [*lor, *tcs]:
         adapter.check_layer(layer)
-    return clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote, full=True)
+    return clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote, full=True,
+                      tc_sites=transcoder_sites(replacement, tcs))
 
 
 def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *, max_feature_nodes: int | None,

@@ -92,7 +92,7 @@ class IntervenedAttribution:
         self._problem: Exception | None = None
         self._graph: "Graph | None" = None
         self._interleaver: Any = None
-        self._lorsa_layers = set(layer_modules(replacement)[0])
+        self._lorsa_layers = set(layer_modules(replacement, mlp_call_only=True)[0])
 
     def __repr__(self) -> str:
         state = "graph built" if self._graph is not None else "recorded" if self._saved is not None else "recording"

@@ -33,7 +33,10 @@ class LayerLayout(FieldsRepr):
     ``M`` of each block (``attn_err_start``/``mlp_err_start`` span ``n_pos`` columns, one per
     position; ``attn_err_start`` is None where the attention is a frozen MHSA); ``bias``: column of
     each bias node of the layer by role (``attn_norm``, ``attn_v``, ``attn_o``, ``lorsa_v``,
-    ``lorsa_d``, ``mlp_norm``, ``tc_dec``, ``tc_enc``).
+    ``lorsa_d``, ``mlp_norm``, ``tc_dec``, ``tc_enc``); ``tc_reads`` / ``tc_writes``: where the transcoder reads
+    and writes (:func:`.replacement.site_kinds`: ``"mlp"`` the MLP module's call; reads ``"norm_input"`` the pre-MLP
+    norm's input, ``hook_resid_mid``, or ``"normalized"`` its ``x / rms(x)`` before the gain,
+    ``ln2.hook_normalized``; writes ``"post_norm"`` the post-MLP norm's output, Gemma-2/3 ``hook_mlp_out``).
     """
 
     layer: int
@@ -48,6 +51,8 @@ class LayerLayout(FieldsRepr):
     tc_feat: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
     tc_act: torch.Tensor = field(default_factory=lambda: torch.zeros(0, device=HOST))
     tc_start: int = 0
+    tc_reads: str = "mlp"
+    tc_writes: str = "mlp"
     lorsa_fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
     tc_fixed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool, device=HOST))
     mlp_err_start: int = 0
@@ -144,12 +149,14 @@ def build_layout(
         tokens: ``(pos,)`` input ids.
         attn_inputs: ``{layer: (x, positions)}`` — the attention input ``(1, pos, d_model)`` and
             token positions of each layer that has a Lorsa.
-        mlp_inputs: ``{layer: x (1, pos, d_model)}`` — the MLP input of each layer with a transcoder.
+        mlp_inputs: ``{layer: x (1, pos, d_model)}`` — what the transcoder of each layer with one reads (the MLP
+            input, or the tensor its circuit-tracer hooks name: :func:`~..formats.hook_sites.mlp_site_io`).
         last_logits: ``(vocab,)`` logits at the last position.
         modules: ``lorsas`` / ``transcoders`` (``{layer: module}``), ``attn_biases``
             (``{layer: (b_V, b_O)}`` of the frozen MHSA layers), ``norm_biases``
             (``{name: tensor | None}`` for ``L{l}.attn_norm``, ``L{l}.mlp_norm``, ``final_norm``),
-            ``lm_head_bias``.
+            ``lm_head_bias``, ``tc_sites`` (``{layer: (reads, writes)}``, :func:`.replacement.site_kinds`; a
+            layer not in it: ``("mlp", "mlp")``).
         targets: the logit targets (:func:`.logit_targets.target_logits`: the top-logit policy, or token ids).
         zero_positions: the first this many positions get no feature / Lorsa-head nodes: their
             transcoder and Lorsa outputs are carried by those positions' error nodes (circuit-tracer
@@ -210,6 +217,7 @@ def build_layout(
                          else torch.zeros_like(acts, dtype=torch.bool)) & kept
                 pos, feat = ((acts != 0) | fixed).nonzero(as_tuple=True)
                 lay.transcoder, lay.tc_pos, lay.tc_feat = tc, pos.to(HOST), feat.to(HOST)
+                lay.tc_reads, lay.tc_writes = modules.get("tc_sites", {}).get(layer, ("mlp", "mlp"))
                 lay.tc_act = acts[pos, feat].to(HOST)
                 lay.tc_fixed = fixed[pos, feat].to(HOST)
                 lay.tc_start = col

@@ -36,7 +36,7 @@ from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ConfigMismatchError, PlacementError, UnsupportedArchitectureError
-from ..formats.hook_sites import hook_record, mlp_site_io
+from ..formats.hook_sites import MLPSiteIO, has_resid_mid, hook_record, mlp_site_io
 from .frozen import (
     GatheredNodes,
     GridNodes,
@@ -122,6 +122,8 @@ class FrozenReplacement:
         self._logits: torch.Tensor | None = None
         self._M_on: dict[torch.device, torch.Tensor] = {M.device: M}
         self._mhsa_on: dict[int, Any] = {}
+        self._reads: dict[int, torch.Tensor] = {}  # a transcoder's input kept from its pre-MLP norm site
+        self._skips: dict[int, torch.Tensor | None] = {}  # a post-norm writer's skip path, from its MLP site
 
     def mult(self, device: torch.device) -> torch.Tensor:
         """The multipliers on ``device`` (a site's device: one copy per device of a model spread over several,
@@ -194,9 +196,23 @@ class FrozenReplacement:
 
     def norm(self, module: torch.nn.Module, x: torch.Tensor, layer: int | None, role: str) -> torch.Tensor:
         """A frozen norm (``role``: ``attn_norm`` / ``mlp_norm``, Gemma-2's post-norms ``attn_post_norm`` /
-        ``mlp_post_norm``; ``layer=None``: the final norm)."""
-        bias = self.layout.bias if layer is None else self.layout.layers[layer].bias
+        ``mlp_post_norm``; ``layer=None``: the final norm).
+
+        Where the layer's transcoder reads the pre-MLP norm's input (:attr:`.layout.LayerLayout.tc_reads`
+        ``"norm_input"``: ``hook_resid_mid``; ``"normalized"``: ``ln2.hook_normalized``, ``x / rms(x)`` before the
+        gain) the ``mlp_norm`` site keeps that input (``x``, or ``x`` times the frozen scale, fp32 or wider) for the
+        MLP site; where it writes the post-MLP norm's output (``tc_writes`` ``"post_norm"``: Gemma-2/3
+        ``hook_mlp_out``) the ``mlp_post_norm`` site returns the transcoder's writes (:meth:`mlp`) instead of the
+        frozen norm."""
+        lay = None if layer is None else self.layout.layers[layer]
+        if lay is not None and role == "mlp_post_norm" and lay.transcoder is not None and lay.tc_writes == "post_norm":
+            return self.post_norm_writes(module, x, layer)  # type: ignore[arg-type]
+        bias = self.layout.bias if lay is None else lay.bias
         scale = self.const(f"L{layer}.{role}.scale", lambda: norm_scale(module, x[:1]))
+        if lay is not None and role == "mlp_norm" and lay.transcoder is not None and lay.tc_reads != "mlp":
+            # what the transcoder reads, linear in x: the residual itself, or x / rms(x) with the frozen scale
+            self._reads[lay.layer] = x if lay.tc_reads == "norm_input" else (
+                x.to(torch.promote_types(x.dtype, torch.float32)) * scale.to(x.device))
         mult = column(self.mult(x.device), bias.get("final_norm" if layer is None else role))
         out = frozen_norm(module, x, scale, mult)
         return out.to(x.dtype)
@@ -285,14 +301,47 @@ class FrozenReplacement:
     def mlp(self, layer: int, x: torch.Tensor, true_out: torch.Tensor) -> torch.Tensor:
         """The MLP output: the writes of every transcoder feature that decodes into this layer (its own,
         and a CLT's earlier layers') + skip path + ``b_dec`` + error — or one error node per position
-        holding the whole MLP output, where nothing replaces it. Records the layer's feature targets."""
+        holding the whole MLP output, where nothing replaces it. Records the layer's feature targets.
+
+        The layer's transcoder reads ``x`` (the MLP input), or the pre-MLP norm's input kept by :meth:`norm`
+        (:attr:`.layout.LayerLayout.tc_reads`). Where it writes the post-MLP norm's output (``tc_writes``
+        ``"post_norm"``) this site returns the true MLP output of batch row 0 (a constant, broadcast: the post-norm
+        site replaces its norm's output by the writes, :meth:`post_norm_writes`)."""
         lay = self.layout.layers[layer]
         M, p = self.mult(x.device), self.layout.n_pos
-        err_mult = M[:, lay.mlp_err_start:lay.mlp_err_start + p]
         tc = lay.transcoder
         if tc is None:
             err = self.const(f"L{layer}.mlp.error", lambda: true_out[:1])
-            return per_position(err, err_mult).to(self.dtype or true_out.dtype)
+            return per_position(err, M[:, lay.mlp_err_start:lay.mlp_err_start + p]).to(self.dtype or true_out.dtype)
+        read = x if lay.tc_reads == "mlp" else self._reads.pop(layer).to(x.device)
+        n = lay.tc_pos.numel()
+        owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
+        with resident(owner, x.device):  # offloaded: on the site's device for these calls
+            xm = to_module(read, owner)  # run where the transcoder is, moved back to the site
+            skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
+            skip = None if skip is None else skip.to(x)
+            enc_in = tc.encoder_input(xm).to(x) if n else None
+        if enc_in is not None:
+            io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
+            pre = io.read(enc_in)
+            mult = column(M, lay.bias.get("tc_enc"))
+            b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
+            self._features.append(held((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype),
+                                       lay.tc_fixed))
+        if lay.tc_writes == "post_norm":
+            self._skips[layer] = skip
+            return true_out[:1].to(self.dtype or true_out.dtype).expand(x.shape[0], *true_out.shape[1:])
+        return self.writes(layer, x, lambda: true_out[:1], skip).to(self.dtype or true_out.dtype)
+
+    def writes(self, layer: int, x: torch.Tensor, true_out: Callable[[], torch.Tensor],
+               skip: torch.Tensor | None) -> torch.Tensor:
+        """What the transcoders write at ``layer``'s output site: every feature that decodes into it (its own,
+        and a CLT's earlier layers') + ``skip`` + ``b_dec`` + error, the error (a frozen constant) ``true_out()``
+        (``(1, pos, d_model)``: the site's true output on batch row 0, called once) minus that reconstruction.
+        ``x``: the site's tensor, for its device and dtype."""
+        lay = self.layout.layers[layer]
+        tc = lay.transcoder
+        M, p = self.mult(x.device), self.layout.n_pos
         writes, clean = [], []
         for src in self.layout.layers[:layer + 1]:
             w_dec = None if src.transcoder is None else src.transcoder.decoders(src.layer).get(layer)
@@ -302,32 +351,28 @@ class FrozenReplacement:
             act = src.tc_act.to(x)
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))
-        n = lay.tc_pos.numel()
-        owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
-        with resident(owner, x.device):  # offloaded: on the site's device for these calls
-            xm = to_module(x, owner)  # run where the transcoder is, moved back to the site
-            skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
-            skip = None if skip is None else skip.to(x)
-            enc_in = tc.encoder_input(xm).to(x) if n else None
         b_dec = on(tc.b_dec, x)
 
         def error() -> torch.Tensor:
-            recon = sum((w.write(a[None]) for w, a in clean), torch.zeros_like(true_out[:1])) + b_dec
-            return true_out[:1] - (recon if skip is None else recon + skip[:1])
+            ref = true_out()
+            recon = sum((w.write(a[None]) for w, a in clean), torch.zeros_like(ref)) + b_dec
+            return ref - (recon if skip is None else recon + skip[:1])
 
         err = self.const(f"L{layer}.mlp.error", error)
         out = sum(writes, torch.zeros_like(x)) + scaled(b_dec, column(M, lay.bias.get("tc_dec")))
-        out = out + per_position(err, err_mult)
-        if skip is not None:
-            out = out + skip
-        if enc_in is not None:
-            io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
-            pre = io.read(enc_in)
-            mult = column(M, lay.bias.get("tc_enc"))
-            b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
-            self._features.append(held((pre + (b_enc * mult[:, :, 0] if mult is not None else b_enc)).to(x.dtype),
-                                       lay.tc_fixed))
-        return out.to(self.dtype or true_out.dtype)
+        out = out + per_position(err, M[:, lay.mlp_err_start:lay.mlp_err_start + p])
+        return out if skip is None else out + skip
+
+    def post_norm_writes(self, module: torch.nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """The output of ``layer``'s post-MLP norm ``module`` (Gemma-2/3 ``post_feedforward_layernorm``) where the
+        layer's transcoder writes it (``hook_mlp_out``): :meth:`writes` with the norm's true output on batch row 0
+        as the error's reference — :func:`.frozen.frozen_norm` of ``x[:1]``, the true MLP output :meth:`mlp`
+        returned, with its own scale. ``(batch, pos, d_model)`` in ``x``'s dtype."""
+        def true_out() -> torch.Tensor:
+            t = x[:1]
+            return frozen_norm(module, t, norm_scale(module, t), None).to(t.dtype)
+
+        return self.writes(layer, x, true_out, self._skips.pop(layer)).to(x.dtype)
 
     def unembed(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x W_Uᵀ + b_U``; records the demeaned logits of the target tokens at the last position,
@@ -428,32 +473,80 @@ def memory_modes(memory: str | tuple[str, str]) -> tuple[str, str]:
     return MEMORY_MODES[memory]
 
 
-def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
+def site_kinds(io: MLPSiteIO, adapter: ArchitectureAdapter, layer: int) -> tuple[str, str]:
+    """``(reads, writes)`` of a transcoder / CLT layer at ``layer`` whose circuit-tracer hooks map to ``io``
+    (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`), in the frozen pass's terms: reads ``"mlp"`` (the MLP's
+    input), ``"norm_input"`` (the pre-MLP norm's input, ``hook_resid_mid``) or ``"normalized"`` (its ``x / rms(x)``
+    before the gain, ``ln2.hook_normalized`` on an RMSNorm with a gain); writes ``"mlp"`` (the MLP's output) or
+    ``"post_norm"`` (the post-MLP norm's output, ``hook_mlp_out`` on Gemma-2/3).
+
+    Raises:
+        UnsupportedArchitectureError: any other input or output module (naming the layer and both paths).
+    """
+    mlp, norm, post = adapter.mlp_path(layer), adapter.mlp_norm_path(layer), adapter.mlp_post_norm_path(layer)
+    reads = {(mlp, False): "mlp", (norm, False): "norm_input", (norm, True): "normalized"}.get(
+        (io.input_path, io.eps is not None))
+    writes = {mlp: "mlp", **({post: "post_norm"} if post else {})}.get(io.output_path)
+    where = (f"the transcoder at layer {layer} reads {'x / rms(x) of ' if io.eps is not None else ''}the input of "
+             f"{io.input_path!r} and writes the output of {io.output_path!r}")
+    if reads == "norm_input" and not has_resid_mid(adapter):
+        raise UnsupportedArchitectureError(
+            f"{where}: {adapter.family} with a parallel residual has no residual stream between the attention and "
+            f"the MLP ({norm!r} reads the layer's input)")
+    if reads is None or writes is None:
+        outputs = f"{mlp!r}'s output" + (f" or {post!r}'s" if post else "")
+        raise UnsupportedArchitectureError(
+            f"{where}: the attribution's frozen pass reads a transcoder at {mlp!r}'s input or {norm!r}'s input and "
+            f"writes {outputs}")
+    return reads, writes
+
+
+def transcoder_sites(replacement: Any, transcoders: dict[int, Any]) -> dict[int, MLPSiteIO]:
+    """``{layer: MLPSiteIO}`` of the ``transcoders`` (``{layer: transcoder or CLTLayer}``) of a
+    :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: where each reads and writes
+    (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`, from its circuit-tracer hooks)."""
+    adapter, root = replacement.adapter, hf_module(replacement.model)
+    return {layer: mlp_site_io(tc, adapter, root, layer) for layer, tc in transcoders.items()}
+
+
+def layer_modules(replacement: Any, mlp_call_only: bool = False) -> tuple[dict[int, Any], dict[int, Any]]:
     """``({layer: Lorsa}, {layer: transcoder or CLTLayer})`` of a
     :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: its sets' per-layer views
     (:meth:`~nnsight_lorsa.envoy.replacement_set.ReplacementSet.by_layer`; a cross-layer transcoder as one
     :class:`~nnsight_lorsa.modules.clt.CLTLayer` per layer).
 
+    A transcoder / CLT whose circuit-tracer hooks move its input or output off the MLP module's call
+    (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`: ``hook_resid_mid``; ``ln2.hook_normalized`` on an
+    RMSNorm with a gain; Gemma-2/3 ``hook_mlp_out``, after ``post_feedforward_layernorm``) is attributed where it
+    reads and writes (:func:`site_kinds`, :meth:`FrozenReplacement.norm`); ``mlp_call_only`` (the graph of a traced
+    pass, :mod:`.intervened`, which records the MLP's call only) refuses them.
+
     Raises:
-        UnsupportedArchitectureError: a transcoder / CLT that does not read and write the MLP module's call
-            (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`: ``hook_resid_mid``; ``ln2.hook_normalized`` on a
-            norm with a gain; Gemma-2/3 ``hook_mlp_out``, after ``post_feedforward_layernorm``): the frozen pass
-            reads transcoder inputs after the frozen pre-MLP norm and writes the MLP output.
+        UnsupportedArchitectureError: a transcoder / CLT that reads or writes another module than those
+            (:func:`site_kinds`), or with ``mlp_call_only`` any that is not the MLP module's call — naming the layer,
+            its hooks and the modules.
     """
     lorsas, tcs = replacement.lorsas, replacement.transcoders
     by_layer = {} if tcs is None else tcs.by_layer()
-    adapter, root = replacement.adapter, hf_module(replacement.model)
-    for layer, tc in by_layer.items():
-        io = mlp_site_io(tc, adapter, root, layer)
-        if not io.is_mlp_call(adapter, layer):
-            hooks = {k: v for k, v in hook_record(tc).items() if k in ("feature_input_hook", "feature_output_hook")}
+    adapter = replacement.adapter
+    for layer, io in transcoder_sites(replacement, by_layer).items():
+        if io.is_mlp_call(adapter, layer):
+            continue
+        hooks = {k: v for k, v in hook_record(by_layer[layer]).items()
+                 if k in ("feature_input_hook", "feature_output_hook")}
+        try:
+            site_kinds(io, adapter, layer)
+        except UnsupportedArchitectureError as e:
+            raise UnsupportedArchitectureError(f"{e} (trained with {hooks}, per its circuit-tracer config.yaml); "
+                                               "attribution of such a transcoder is not supported (replace() / "
+                                               "evaluate run it where it was trained)") from None
+        if mlp_call_only:
             raise UnsupportedArchitectureError(
                 f"the transcoder at layer {layer} was trained with {hooks} (per its circuit-tracer config.yaml): it "
                 f"reads {'x / rms(x) of ' if io.eps is not None else ''}the input of {io.input_path!r} and writes the "
-                f"output of {io.output_path!r}, but the attribution reads each transcoder's input after the frozen "
-                f"pre-MLP norm and writes the MLP output ({adapter.mlp_path(layer)!r}), so its graph would be wrong; "
-                "attribution of such transcoders is not supported (replace() / evaluate run them where they were "
-                "trained)")
+                f"output of {io.output_path!r}; the graph of a traced pass (attribute(rm, tracer=tracer)) records "
+                f"the MLP's call ({adapter.mlp_path(layer)!r}) only: attribute the prompt instead "
+                "(attribute(rm, prompt))")
     return ({} if lorsas is None else lorsas.by_layer()), by_layer
 
 
@@ -473,7 +566,9 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
     for layer in range(adapter.n_layers):
         norm_biases[f"L{layer}.attn_norm"] = bias(adapter.attention_norm_path(layer))
         norm_biases[f"L{layer}.mlp_norm"] = bias(adapter.mlp_norm_path(layer))
-    modules = {"lorsas": lorsas, "transcoders": transcoders, "norm_biases": norm_biases,
+    sites = {layer: site_kinds(mlp_site_io(tc, adapter, root, layer), adapter, layer)
+             for layer, tc in transcoders.items()}
+    modules = {"lorsas": lorsas, "transcoders": transcoders, "norm_biases": norm_biases, "tc_sites": sites,
                "attn_biases": {layer: (w.b_V, w.b_O) for layer, w in mhsa.items()},
                "lm_head_bias": bias(adapter.lm_head_path), "final_logits": adapter.final_logits}
     return modules, mhsa

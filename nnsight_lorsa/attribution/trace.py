@@ -32,6 +32,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
+from ..formats.hook_sites import MLPSiteIO
 from .layout import Layout, LiveNodes, build_layout
 from .logit_targets import TOP_LOGITS, LogitTargets, Targets, check_targets, token_ids
 from .replacement import (
@@ -40,6 +41,7 @@ from .replacement import (
     copies_in,
     layer_modules,
     replacement_modules,
+    transcoder_sites,
     weights_in,
 )
 
@@ -56,7 +58,9 @@ class AttributionCache(FieldsRepr):
             None from a lean pass.
         attn_in: ``{layer: (1, pos, d_model)}`` attention input of each layer with a Lorsa (its
             active heads); ``attn_out`` its output (error nodes; empty from a lean pass).
-        mlp_in: ``{layer: (1, pos, d_model)}`` MLP input of each layer with a transcoder.
+        mlp_in: ``{layer: (1, pos, d_model)}`` what the transcoder of each layer with one reads: the MLP input, or
+            (circuit-tracer hooks, :func:`~..formats.hook_sites.mlp_site_io`) the pre-MLP norm's input
+            (``hook_resid_mid``) or its ``x / rms(x)`` before the gain (``ln2.hook_normalized``, fp32).
         mlp_out: ``{layer: (1, pos, d_model)}`` every layer's MLP output (error nodes; empty from a
             lean pass).
     """
@@ -73,10 +77,16 @@ class AttributionCache(FieldsRepr):
 
 @torch.no_grad()
 def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lorsa_layers: list[int],
-               tc_layers: list[int], *, remote: Any = False, full: bool = False) -> AttributionCache:
+               tc_layers: list[int], *, remote: Any = False, full: bool = False,
+               tc_sites: dict[int, MLPSiteIO] | None = None) -> AttributionCache:
     """One ``model.trace`` of the unmodified model on ``ids: (pos,)`` (``remote`` as in
     :func:`.attribute.attribute`); returns its :class:`AttributionCache`. ``full`` also saves the
-    embeddings and the replaced modules' outputs (a lean pass downloads only what the layout needs)."""
+    embeddings and the replaced modules' outputs (a lean pass downloads only what the layout needs).
+    ``tc_sites``: ``{layer: MLPSiteIO}`` of the transcoders that read elsewhere than the MLP's input
+    (:func:`.replacement.transcoder_sites`): their ``mlp_in`` is :meth:`MLPSiteIO.read
+    <..formats.hook_sites.MLPSiteIO.read>` of that module's input (applied here, after the trace)."""
+    sites = {layer: io for layer, io in (tc_sites or {}).items() if io.input_path != adapter.mlp_path(layer)}
+    read_at = {layer: io.input_path for layer, io in sites.items()}  # strings in the body: nothing else travels
     pos_path = getattr(adapter, "pos_embed_path", None)
     with model.trace(ids[None], use_cache=False, remote=remote):
         emb = None
@@ -100,8 +110,11 @@ def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lors
                     attn_in[layer] = x
                     if full:
                         attn_out[layer] = adapter.attention_output(attn.output)
+            if layer in tc_layers and layer in read_at:  # the pre-MLP norm's input (before the MLP: forward order)
+                args, kwargs = model.get(read_at[layer]).inputs
+                mlp_in[layer] = adapter.mlp_input(args, kwargs)
             mlp = model.get(adapter.mlp_path(layer))
-            if layer in tc_layers:
+            if layer in tc_layers and layer not in read_at:
                 args, kwargs = mlp.inputs
                 mlp_in[layer] = adapter.mlp_input(args, kwargs)
             if full:
@@ -111,7 +124,9 @@ def clean_pass(model: Any, adapter: ArchitectureAdapter, ids: torch.Tensor, lors
         saved = nnsight.save((emb, positions, attn_in, attn_out, mlp_in, mlp_out, last))
     emb, positions, attn_in, attn_out, mlp_in, mlp_out, last = saved
     return AttributionCache(tokens=ids.cpu(), positions=positions, last_logits=last, embeddings=emb,
-                            attn_in=dict(attn_in), attn_out=dict(attn_out), mlp_in=dict(mlp_in),
+                            attn_in=dict(attn_in), attn_out=dict(attn_out),
+                            mlp_in={layer: sites[layer].read(x) if layer in sites else x
+                                    for layer, x in mlp_in.items()},
                             mlp_out=dict(mlp_out))
 
 
@@ -186,7 +201,8 @@ def prepare(replacement: Any, prompt: Any, *, targets: Targets = None, remote: A
     if dtype is not None:
         mhsa = {layer: weights_in(w, dtype) for layer, w in mhsa.items()}
     if cache is None:
-        cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote)
+        cache = clean_pass(model, adapter, tokenize(model, prompt), list(lor), list(tcs), remote=remote,
+                           tc_sites=transcoder_sites(replacement, tcs))
     layout = layout_of(cache, modules, adapter, targets=ids, zero_positions=zero_positions, live=live)
     return Prepared(layout, mhsa, adapter, lor, tcs, dtype)
 

@@ -146,9 +146,11 @@ def test_hook_resid_mid_transcoders_read_the_norm_input(family: str) -> None:
     assert torch.equal(logits, plain)
 
 
-def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() -> None:
-    """The attribution reads each transcoder's input after the frozen pre-MLP norm: a ``hook_resid_mid``
-    transcoder or CLT is refused by name, never a wrong graph. ``evaluate`` of a CLT measures it on resid_mid."""
+def test_hook_resid_mid_attribution_and_evaluate_read_resid_mid() -> None:
+    """The attribution reads a ``hook_resid_mid`` transcoder or CLT at the frozen pre-MLP norm's input: its graph is
+    exact (the graphs' values and edges: tests/attribution/test_transcoder_hook_sites_attribution.py); the graph of a
+    traced pass, which records the MLP's call, refuses it by name, never a wrong graph. ``evaluate`` of a CLT measures
+    it on resid_mid."""
     from nnsight_lorsa.attribution import attribute
     from nnsight_lorsa.envoy.replacement_model import ReplacementModel
     from nnsight_lorsa.training import TokenDataset, evaluate
@@ -158,8 +160,11 @@ def test_hook_resid_mid_attribution_is_refused_and_evaluate_reads_resid_mid() ->
     adapter = get_adapter(model)
     ids = random_ids()
     for transcoders in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
-        with pytest.raises(UnsupportedArchitectureError, match=r"hook_resid_mid.*post_attention_layernorm"):
-            attribute(ReplacementModel(model, transcoders=transcoders), ids[0], max_feature_nodes=8)
+        graph = attribute(ReplacementModel(model, transcoders=transcoders), ids[0], max_feature_nodes=8)
+        assert graph.edge_sum_error("mass").max() < 1e-5
+        with (pytest.raises(UnsupportedArchitectureError, match=r"hook_resid_mid.*post_attention_layernorm.*traced"),
+              model.trace(ids[:1]) as tracer):
+            attribute(ReplacementModel(model, transcoders=transcoders), tracer=tracer)
     clt = _resid_mid(make_clt())
     ev = evaluate(CLTSet(model, clt), TokenDataset(ids), batch_size=2)
     mids, outs = [], []
@@ -472,10 +477,11 @@ def test_gemmascope_clt_on_gemma2() -> None:
     assert torch.allclose(spliced, by_hand_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
+def test_gemmascope_in_generation_evaluate_and_attribution() -> None:
     """GemmaScope transcoders / CLTs on Gemma-2 serve every KV-cached generation step (each step's logits equal a
-    full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution (whose
-    frozen pass reads the MLP input and writes the MLP output) refuses them by name."""
+    full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution reads
+    them before the pre-MLP norm's gain and writes the post-norm's output (an exact graph: values and edges,
+    tests/attribution/test_transcoder_hook_sites_attribution.py); the graph of a traced pass refuses them by name."""
 
     from nnsight_lorsa.attribution import attribute
     from nnsight_lorsa.envoy.replacement_model import ReplacementModel
@@ -489,9 +495,11 @@ def test_gemmascope_in_generation_evaluate_and_attribution_refusal() -> None:
     clts = CLTSet(model, _gemmascope(make_clt()))
     for replacements in (tcs, clts):
         _check_generation(model, replacements, ids)
-        with pytest.raises(UnsupportedArchitectureError, match=r"ln2.hook_normalized.*hook_mlp_out.*"
-                                                               r"pre_feedforward_layernorm.*post_feedforward_layernorm"):
-            attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
+        graph = attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
+        assert graph.edge_sum_error("mass").max() < 1e-5
+        refused = r"ln2.hook_normalized.*hook_mlp_out.*pre_feedforward_layernorm.*post_feedforward_layernorm"
+        with pytest.raises(UnsupportedArchitectureError, match=refused), model.trace(ids) as tracer:
+            attribute(ReplacementModel(model, transcoders=replacements), tracer=tracer)
 
     batch = random_ids(2, 8)
     ev = evaluate(tcs, TokenDataset(batch), batch_size=2)
