@@ -389,9 +389,10 @@ def test_node_grids_term_is_the_bytes_of_the_grids_the_frozen_pass_keeps(kind, s
     transcoder's encoder grid and one decoder grid per replaced MLP it writes into — a cross-layer transcoder's
     layer ``l`` writes into every layer ``≥ l``, each under its own key (counted once per layer until 2026-11-26:
     a 26-layer CLT keeps 351 decoder grids, not 26)."""
+    from test_attribution_offload import clt_bundle
+
     import nnsight_lorsa.attribution.frozen as frozen
     import nnsight_lorsa.attribution.replacement as replacement
-    from test_attribution_offload import clt_bundle
 
     model, _, lorsas, tcs = attribution_setup("llama")
     rep = rm(model, lorsas, tcs) if kind == "transcoders" else clt_bundle(model, lorsas)
