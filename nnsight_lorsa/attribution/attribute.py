@@ -93,7 +93,8 @@ def attribute(
             queries/keys (Lorsa targets' pattern rows recomputed in chunks in every pass) and node
             vectors gathered from the weights chunk by chunk (nothing kept per node); slower on CPU.
             ``"auto"`` (default): stored patterns on CPU, SDPA on GPU; grids while a site's copy is
-            ≤ 256 MiB (:data:`.frozen.GRID_BUDGET_BYTES`). Same graph up to rounding.
+            ≤ 256 MiB (:data:`.frozen.GRID_BUDGET_BYTES`; a cross-layer transcoder layer's decoder grids, one per
+            replaced MLP it writes into, together). Same graph up to rounding.
         prune: return the influence-pruned graph, built from sparse rows without a dense
             ``n_nodes²`` adjacency (for long prompts): a :class:`~.scores.PruneConfig`
             ``(node_threshold, edge_threshold, keep_mass)`` or a ``(node_threshold, edge_threshold)``

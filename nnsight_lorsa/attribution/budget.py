@@ -429,24 +429,23 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     per_copy += ROW_BUFFERS * S * edge_itemsize + mask_entry_bytes * P * P
     shared = 0
 
-    def grid(pos: torch.Tensor) -> int:  # a site's node vectors on a grid, or gathered (nothing kept): frozen.choose
-        # the grid is (positions, the most nodes at one position, d) (frozen.PositionSlots): its padding counted
+    def grid(pos: torch.Tensor, copies: int = 1) -> int:  # a site's node vectors on a grid, or gathered (nothing
+        # kept): frozen.choose; the grid is (positions, the most nodes at one position, d) (frozen.PositionSlots):
+        # its padding counted
         n = pos.numel()
-        if not n or choose(node_vectors, n, d_model, dtype) != "grid":
+        if not n or choose(node_vectors, n, d_model, dtype, copies) != "grid":
             return 0
         return P * int(torch.bincount(pos).max()) * d_model * model_itemsize
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
-    replaced_mlps = {lay.layer for lay in layout.layers if lay.transcoder is not None}
     node_grids = 0
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
         shared += n_l * P * model_itemsize if store_patterns else 0
         # a transcoder's encoder grid and one decoder grid per replaced MLP it writes into (a CLT layer: its own and
         # every later one's, each kept under its own key by FrozenReplacement.mlp; one until 2026-11-26)
-        decoders = getattr(lay.transcoder, "decoders", None)
-        n_dec = len(replaced_mlps.intersection(decoders(lay.layer))) if callable(decoders) else 1
-        node_grids += grid(lay.lorsa_pos) + (1 + n_dec) * grid(lay.tc_pos)
+        n_dec = layout.decoder_targets(lay.layer)
+        node_grids += grid(lay.lorsa_pos) + grid(lay.tc_pos) + n_dec * grid(lay.tc_pos, n_dec)
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
         if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
@@ -466,8 +465,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
     # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
-    gathered = max((n for lay in layout.layers for n in (lay.lorsa_pos.numel(), lay.tc_pos.numel())
-                    if n and choose(node_vectors, n, d_model, dtype) == "gather"), default=0)
+    gathered = max((n for lay in layout.layers
+                    for n, copies in ((lay.lorsa_pos.numel(), 1), (lay.tc_pos.numel(), 1),
+                                      (lay.tc_pos.numel(), layout.decoder_targets(lay.layer)))
+                    if n and choose(node_vectors, n, d_model, dtype, copies) == "gather"), default=0)
     gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
     shared += gather_chunks
     kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges

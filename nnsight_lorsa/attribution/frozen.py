@@ -375,13 +375,16 @@ class GatheredNodes:
         return _Read.apply(x, self.W, self.idx, self.pos)
 
 
-def choose(mode: str, n: int, d: int, dtype: torch.dtype) -> str:
+def choose(mode: str, n: int, d: int, dtype: torch.dtype, copies: int = 1) -> str:
     """``"grid"`` or ``"gather"`` for a site of ``n`` nodes: ``mode`` itself, or for ``"auto"`` the grid
-    while ``n·d`` numbers fit :data:`GRID_BUDGET_BYTES`."""
+    while the ``copies`` grids of ``n·d`` numbers that the same nodes would keep together fit
+    :data:`GRID_BUDGET_BYTES` (``copies``: a cross-layer transcoder layer's decoder grids, one per replaced MLP
+    it writes into, :meth:`.layout.Layout.decoder_targets`; each of them was held to the budget alone until
+    2026-11-26, so a 26-layer CLT could keep 351 grids of up to 256 MiB)."""
     if mode != "auto":
         return mode
     size = torch.empty((), dtype=dtype, device="meta").element_size()
-    return "grid" if n * d * size <= GRID_BUDGET_BYTES else "gather"
+    return "grid" if n * d * size * max(1, copies) <= GRID_BUDGET_BYTES else "gather"
 
 
 #: elements of one ``(batch, pos, chunk)`` gathered-values temporary (recomputed Lorsa pattern rows)

@@ -100,6 +100,19 @@ class Layout(FieldsRepr):
         """Rows an attribution can compute: every feature node, then every logit."""
         return self.n_features + self.n_logits
 
+    def decoder_targets(self, layer: int) -> int:
+        """How many replaced MLPs the transcoder at ``layer`` writes into: 1 for a per-layer transcoder, every
+        replaced layer ``≥ layer`` for a cross-layer transcoder's layer (0 without a transcoder). Each is one
+        set of node vectors in the frozen pass (one grid, or gathered: :func:`.frozen.choose`)."""
+        tc = self.layers[layer].transcoder
+        decoders = getattr(tc, "decoders", None)
+        if tc is None:
+            return 0
+        if not callable(decoders):
+            return 1
+        return sum(1 for target in decoders(layer) if target < len(self.layers)
+                   and self.layers[target].transcoder is not None)
+
 
 @dataclass(repr=False)
 class LiveNodes(FieldsRepr):

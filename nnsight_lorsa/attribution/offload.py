@@ -59,7 +59,9 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
         if id(owner) not in seen:
             seen.add(id(owner))
             fetch = max(fetch, module_bytes(owner))
-        if choose(node_vectors, lay.tc_pos.numel(), d_model, dtype) == "gather":
+        n = lay.tc_pos.numel()  # the encoder's nodes, or its decoders' (a CLT layer: one set per layer written)
+        if "gather" in (choose(node_vectors, n, d_model, dtype),
+                        choose(node_vectors, n, d_model, dtype, layout.decoder_targets(lay.layer))):
             block = max(block, _distinct(lay.tc_feat) * d_model * tc.W_enc.element_size())  # W_dec / W_enc rows
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):

@@ -151,12 +151,13 @@ class FrozenReplacement:
         return self._slots[key]
 
     def nodes(self, key: str, slot_key: str, pos: torch.Tensor, W: torch.Tensor, idx: torch.Tensor,
-              like: torch.Tensor) -> GridNodes | GatheredNodes:
+              like: torch.Tensor, copies: int = 1) -> GridNodes | GatheredNodes:
         """Writer/reader of the nodes at positions ``pos`` whose vectors are ``W[idx]`` (cached per
-        ``key``; ``slot_key`` names the position grid, shared by sites with the same nodes)."""
+        ``key``; ``slot_key`` names the position grid, shared by sites with the same nodes; ``copies``: how many
+        such sets the same nodes keep, for :func:`.frozen.choose`)."""
         if key not in self._nodes:
             pos = pos.to(like.device)
-            if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype) == "grid":
+            if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype, copies) == "grid":
                 slots = self.slots(slot_key, pos)
                 with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site
                     self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(W.detach(), idx.to(W.device)), like)))
@@ -347,7 +348,8 @@ class FrozenReplacement:
             w_dec = None if src.transcoder is None else src.transcoder.decoders(src.layer).get(layer)
             if w_dec is None or not src.tc_pos.numel():
                 continue
-            io = self.nodes(f"L{src.layer}.tc.w_dec->{layer}", f"L{src.layer}.tc", src.tc_pos, w_dec, src.tc_feat, x)
+            io = self.nodes(f"L{src.layer}.tc.w_dec->{layer}", f"L{src.layer}.tc", src.tc_pos, w_dec, src.tc_feat, x,
+                            copies=self.layout.decoder_targets(src.layer))
             act = src.tc_act.to(x)
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))

@@ -409,3 +409,42 @@ def test_node_grids_term_is_the_bytes_of_the_grids_the_frozen_pass_keeps(kind, s
     attribute(rep, ids, batch_size=4, memory="fast")
     est = estimate_memory(rep, ids, batch_size=4, memory="fast")
     assert kept and est.terms["node_grids"] == sum(kept.values())
+
+
+def test_auto_keeps_a_cross_layer_transcoders_decoder_grids_to_the_budget_together(monkeypatch):
+    """``memory="auto"`` keeps a cross-layer transcoder layer's decoder grids (one per replaced MLP it writes into)
+    only while all of them fit :data:`.frozen.GRID_BUDGET_BYTES` together, and gathers them otherwise — each was
+    held to the budget alone, so a 26-layer CLT could keep 351 grids of up to 256 MiB. With the budget at one
+    grid, layers 0 and 1 (three and two decoder grids) gather and layer 2 (one) keeps its grid, as every encoder
+    grid; the graph equals the all-grid graph, and ``node_grids`` is what was kept."""
+    from test_attribution_offload import clt_bundle
+
+    import nnsight_lorsa.attribution.frozen as frozen
+
+    model, _, _, _ = attribution_setup("llama")
+    rep = clt_bundle(model, {})  # the CLT alone: every grid is a transcoder's
+    ids = random_ids(1, 9, seed=3)[0]
+    layout = prepare(rep, ids).layout
+    assert [layout.decoder_targets(lay.layer) for lay in layout.layers] == [3, 2, 1]
+    one = [9 * int(torch.bincount(lay.tc_pos).max()) * 64 * 4 for lay in layout.layers]  # (pos, width, d) fp32
+    budget = max(one)
+    assert 2 * min(one) > budget
+    kept: dict[str, list[int]] = {"fast": [], "auto": []}
+    original = frozen.GridNodes.__init__
+    mode = ["fast"]
+
+    def counted(self, slots, grid):
+        kept[mode[0]].append(grid.numel() * grid.element_size())
+        original(self, slots, grid)
+
+    monkeypatch.setattr(frozen.GridNodes, "__init__", counted)
+    monkeypatch.setattr(frozen, "GRID_BUDGET_BYTES", budget)
+    fast = attribute(rep, ids, batch_size=4, memory="fast")
+    mode[0] = "auto"
+    auto = attribute(rep, ids, batch_size=4, memory="auto")
+    assert len(kept["fast"]) == 3 + 6 and len(kept["auto"]) == 3 + 1  # encoders + decoders (all, or layer 2's)
+    assert torch.equal(auto.layout_ids, fast.layout_ids)
+    A, F = auto.densify(), fast.densify()
+    assert float((A - F).abs().max()) <= 1e-5 * float(F.abs().max())
+    for memory in ("fast", "auto"):
+        assert estimate_memory(rep, ids, batch_size=4, memory=memory).terms["node_grids"] == sum(kept[memory])
