@@ -6,7 +6,7 @@
 # benchmark flushed: gpu_scale writes its JSON after every part and every token count).
 #
 #   scripts/gpu_session.sh                 # every step, in order: suite ab variants c d offload
-#   scripts/gpu_session.sh suite ab variants c; scripts/gpu_session.sh d offload   # over two commands (safer)
+#   scripts/gpu_session.sh suite d ab variants c; scripts/gpu_session.sh offload   # over two commands (safer)
 #
 # Steps (times on an H200; the whole script is held to GPU_SESSION_BUDGET_S, default 540 s = 9 min, so that it
 # fits one 10-minute device command: a step gets min(its timeout, what is left), and is skipped with < 20 s):
@@ -17,7 +17,8 @@
 #   c        gpu_scale --skip a b d: (c) Lorsa training throughput, fp32 and bf16 masters (~90 s)
 #   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
 #   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
-#            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (<= 150 s)
+#            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (> 170 s on 2026-11-26: not finished; a
+#            command of its own, timeout 420 s)
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
 #
 # Then, on the machine with the repository: python scripts/gpu_record.py <the folder $OUT came back as>
@@ -132,7 +133,7 @@ for step in "${STEPS[@]}"; do
     c)       run_step c 150 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
-    offload) run_step offload 170 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
+    offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
     *)       echo "unknown step $step (suite ab variants c d offload)" >&2; exit 2 ;;
   esac
