@@ -105,9 +105,9 @@ class Layout(FieldsRepr):
         replaced layer ``≥ layer`` for a cross-layer transcoder's layer (0 without a transcoder). Each is one
         set of node vectors in the frozen pass (one grid, or gathered: :func:`.frozen.choose`)."""
         tc = self.layers[layer].transcoder
-        decoders = getattr(tc, "decoders", None)
         if tc is None:
             return 0
+        decoders = getattr(tc, "decoders", None)
         if not callable(decoders):
             return 1
         return sum(1 for target in decoders(layer) if target < len(self.layers)
