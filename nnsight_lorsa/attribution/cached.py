@@ -52,6 +52,8 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
         after = h if parallel else h + a
         y = frozen.norm(get(root, adapter.mlp_norm_path(layer)), after, layer, "mlp_norm")
         m = frozen.mlp(layer, y, cache.mlp_out[layer].to(at))
+        if layer in cache.mlp_post_out:  # a traced pass: the post-norm's output as it ran, the writes' reference
+            frozen.post_refs[layer] = cache.mlp_post_out[layer]
         h = after + post_norm(frozen, root, adapter.mlp_post_norm_path(layer), m, layer, "mlp_post_norm") + (
             a if parallel else 0.0)
     lm_head = get(root, adapter.lm_head_path)
@@ -117,4 +119,4 @@ def in_dtype(cache: AttributionCache, dtype: torch.dtype) -> AttributionCache:
     return AttributionCache(tokens=cache.tokens, embeddings=cast(cache.embeddings), positions=cache.positions,
                             last_logits=cast(cache.last_logits),
                             **{name: {k: cast(v) for k, v in getattr(cache, name).items()}
-                               for name in ("attn_in", "attn_out", "mlp_in", "mlp_out")})
+                               for name in ("attn_in", "attn_out", "mlp_in", "mlp_out", "mlp_post_out")})

@@ -15,8 +15,11 @@ How: :func:`start` spawns a recorder worker in the running trace (:func:`~..envo
 that follows the model's forward and, served after every other worker at each location
 (:func:`~..envoy.nnsight_internals.serve_last`: after the body's edits and the splices' output swaps),
 keeps what the cached engine (:mod:`.cached`) takes from a pass — the residual stream's start, the
-attention and MLP inputs and outputs, the last logits — plus each spliced Lorsa's ``hook_z`` and each
-spliced transcoder's ``hook_sae_acts_post`` as the pass used them (edits included). The interventions
+attention and MLP inputs and outputs, the last logits; where a transcoder's circuit-tracer hooks move it off the
+MLP's call (:func:`~..formats.hook_sites.mlp_site_io`), the input of the module it reads instead of the MLP's and,
+for a Gemma-2/3 ``hook_mlp_out`` writer, ``post_feedforward_layernorm``'s output (:func:`off_call_paths`) — plus
+each spliced Lorsa's ``hook_z`` and each spliced transcoder's ``hook_sae_acts_post`` as the pass used them (edits
+included). The interventions
 report their targets to the recorder's :class:`~..envoy.edit_log.EditLog`. After the trace,
 :attr:`IntervenedAttribution.graph` runs the frozen-Jacobian attribution on those tensors (no model
 forward), with :class:`~.layout.LiveNodes`:
@@ -64,7 +67,7 @@ from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderE
 from .graph import HOST, LORSA, TRANSCODER
 from .intervened_record import KEY_ATTR, to_record
 from .layout import LiveNodes
-from .replacement import layer_modules
+from .replacement import layer_modules, transcoder_sites
 from .trace import AttributionCache
 
 if TYPE_CHECKING:
@@ -92,7 +95,7 @@ class IntervenedAttribution:
         self._problem: Exception | None = None
         self._graph: "Graph | None" = None
         self._interleaver: Any = None
-        self._lorsa_layers = set(layer_modules(replacement, mlp_call_only=True)[0])
+        self._lorsa_layers = set(layer_modules(replacement)[0])
 
     def __repr__(self) -> str:
         state = "graph built" if self._graph is not None else "recorded" if self._saved is not None else "recording"
@@ -141,6 +144,8 @@ class IntervenedAttribution:
         rm = self.replacement
         model, adapter = rm.model, rm.adapter
         lor, tcs = layer_modules(rm)
+        # where a transcoder reads / writes off the MLP's call (circuit-tracer hooks; paths: strings only)
+        read_at, post_at = off_call_paths(rm, tcs)
 
         def value(envoy: Any, what: str) -> Any:
             serve_last(me)  # after the body's edits and the splices' swaps at this location
@@ -160,7 +165,8 @@ class IntervenedAttribution:
         pos_path = getattr(adapter, "pos_embed_path", None)
         if pos_path:
             emb = emb + keep(value(model.get(pos_path), "output"))
-        saved: dict[str, Any] = {"attn_in": {}, "attn_out": {}, "mlp_in": {}, "mlp_out": {}, "z": {}, "acts": {}}
+        saved: dict[str, Any] = {"attn_in": {}, "attn_out": {}, "mlp_in": {}, "mlp_out": {}, "mlp_post_out": {},
+                                 "z": {}, "acts": {}}
         positions = None
         for layer in range(adapter.n_layers):
             attn = model.get(adapter.attention_path(layer))
@@ -174,13 +180,21 @@ class IntervenedAttribution:
                     if held_module(attn, "lorsa") is lor[layer]:  # spliced: z as the pass used it
                         saved["z"][layer] = keep(value(attn.lorsa.hook_z, "output")[0])
                     saved["attn_out"][layer] = keep(adapter.attention_output(value(attn, "output")))
+            if layer in read_at:  # the pre-MLP norm's input (io.read is applied on the client, in .graph)
+                args, kwargs = value(model.get(read_at[layer]), "inputs")
+                saved["mlp_in"][layer] = keep(adapter.mlp_input(args, kwargs))
             mlp = model.get(adapter.mlp_path(layer))
-            if layer in tcs:
+            spliced = layer in tcs and held_module(mlp, "transcoder") is tcs[layer]
+            if layer in tcs and layer not in read_at:
                 args, kwargs = value(mlp, "inputs")
                 saved["mlp_in"][layer] = keep(adapter.mlp_input(args, kwargs))
-                if held_module(mlp, "transcoder") is tcs[layer]:  # spliced: the features as used
-                    saved["acts"][layer] = keep(value(mlp.transcoder.hook_sae_acts_post, "output")[0])
+            if spliced and layer not in post_at:  # the features as used (the transcoder runs at the MLP's output)
+                saved["acts"][layer] = keep(value(mlp.transcoder.hook_sae_acts_post, "output")[0])
             saved["mlp_out"][layer] = keep(adapter.mlp_output(value(mlp, "output")))
+            if layer in post_at:  # it runs at the post-MLP norm's output, which it replaces: after the MLP
+                if spliced:
+                    saved["acts"][layer] = keep(value(mlp.transcoder.hook_sae_acts_post, "output")[0])
+                saved["mlp_post_out"][layer] = keep(value(model.get(post_at[layer]), "output"))
         saved["last"] = keep(value(model.get(adapter.lm_head_path), "output")[0, -1])
         saved.update(tokens=ids[0].detach().to(HOST, torch.long), embeddings=emb, positions=positions)
         self._saved = saved
@@ -220,9 +234,13 @@ class IntervenedAttribution:
                 "attribute(rm, tracer=tracer).graph is the graph of the whole traced pass: read it after the "
                 "`with model.trace(...)` block (after `model.session()` when the trace runs inside one)")
         s, n_pos = self._saved, int(self._saved["tokens"].numel())
+        sites = transcoder_sites(self.replacement, layer_modules(self.replacement)[1])
+        adapter = self.replacement.adapter
+        mlp_in = {layer: sites[layer].read(x) if layer in sites and sites[layer].input_path != adapter.mlp_path(layer)
+                  else x for layer, x in s["mlp_in"].items()}  # what each transcoder reads (MLPSiteIO.read)
         cache = AttributionCache(tokens=s["tokens"], positions=s["positions"], last_logits=s["last"],
                                  embeddings=s["embeddings"], attn_in=s["attn_in"], attn_out=s["attn_out"],
-                                 mlp_in=s["mlp_in"], mlp_out=s["mlp_out"])
+                                 mlp_in=mlp_in, mlp_out=s["mlp_out"], mlp_post_out=s.get("mlp_post_out", {}))
         live = LiveNodes(lorsa_z=s["z"], tc_acts=s["acts"], marks=self._marks(n_pos))
         options = self._options
         if isinstance(options, dict):  # recorded on a server: the call's settings, checked here, on the client
@@ -266,6 +284,19 @@ class IntervenedAttribution:
 #: the largest relative gap between an intervened graph's logits and its trace's (fp32/fp64 models) taken
 #: as rounding (measured ~1e-7 on the tests' models); above it the trace changed what the graph cannot hold
 LOGIT_GAP_BOUND = 1e-3
+
+
+def off_call_paths(replacement: Any, transcoders: dict[int, Any]) -> tuple[dict[int, str], dict[int, str]]:
+    """``({layer: path}, {layer: path})``: the module whose input each of ``transcoders`` (``{layer: transcoder or
+    CLTLayer}``) reads where that is not the MLP (the pre-MLP norm: ``hook_resid_mid``, ``ln2.hook_normalized`` on a
+    norm with a gain), and the module whose output it writes where that is not the MLP (Gemma-2/3
+    ``post_feedforward_layernorm``: ``hook_mlp_out``) — :func:`~..formats.hook_sites.mlp_site_io`, the sites its
+    splice uses."""
+    adapter = replacement.adapter
+    sites = transcoder_sites(replacement, transcoders)
+    reads = {layer: io.input_path for layer, io in sites.items() if io.input_path != adapter.mlp_path(layer)}
+    writes = {layer: io.output_path for layer, io in sites.items() if io.output_path != adapter.mlp_path(layer)}
+    return reads, writes
 
 
 def logit_gap(graph: "Graph", last: torch.Tensor) -> float:

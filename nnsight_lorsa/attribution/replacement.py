@@ -124,6 +124,9 @@ class FrozenReplacement:
         self._mhsa_on: dict[int, Any] = {}
         self._reads: dict[int, torch.Tensor] = {}  # a transcoder's input kept from its pre-MLP norm site
         self._skips: dict[int, torch.Tensor | None] = {}  # a post-norm writer's skip path, from its MLP site
+        #: ``{layer: (1, pos, d_model)}`` a post-norm writer's reference output (a traced pass's post-norm output,
+        #: :attr:`.trace.AttributionCache.mlp_post_out`); a layer not in it: the frozen post-norm of the MLP output
+        self.post_refs: dict[int, torch.Tensor] = {}
 
     def mult(self, device: torch.device) -> torch.Tensor:
         """The multipliers on ``device`` (a site's device: one copy per device of a model spread over several,
@@ -369,8 +372,13 @@ class FrozenReplacement:
         """The output of ``layer``'s post-MLP norm ``module`` (Gemma-2/3 ``post_feedforward_layernorm``) where the
         layer's transcoder writes it (``hook_mlp_out``): :meth:`writes` with the norm's true output on batch row 0
         as the error's reference — :func:`.frozen.frozen_norm` of ``x[:1]``, the true MLP output :meth:`mlp`
-        returned, with its own scale. ``(batch, pos, d_model)`` in ``x``'s dtype."""
+        returned, with its own scale — or, where :attr:`post_refs` has the layer (a traced pass), that output as the
+        pass ran it. ``(batch, pos, d_model)`` in ``x``'s dtype."""
+        ref = self.post_refs.get(layer)
+
         def true_out() -> torch.Tensor:
+            if ref is not None:
+                return ref[:1].to(device=x.device, dtype=x.dtype)
             t = x[:1]
             return frozen_norm(module, t, norm_scale(module, t), None).to(t.dtype)
 
@@ -511,7 +519,7 @@ def transcoder_sites(replacement: Any, transcoders: dict[int, Any]) -> dict[int,
     return {layer: mlp_site_io(tc, adapter, root, layer) for layer, tc in transcoders.items()}
 
 
-def layer_modules(replacement: Any, mlp_call_only: bool = False) -> tuple[dict[int, Any], dict[int, Any]]:
+def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
     """``({layer: Lorsa}, {layer: transcoder or CLTLayer})`` of a
     :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`: its sets' per-layer views
     (:meth:`~nnsight_lorsa.envoy.replacement_set.ReplacementSet.by_layer`; a cross-layer transcoder as one
@@ -520,13 +528,13 @@ def layer_modules(replacement: Any, mlp_call_only: bool = False) -> tuple[dict[i
     A transcoder / CLT whose circuit-tracer hooks move its input or output off the MLP module's call
     (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`: ``hook_resid_mid``; ``ln2.hook_normalized`` on an
     RMSNorm with a gain; Gemma-2/3 ``hook_mlp_out``, after ``post_feedforward_layernorm``) is attributed where it
-    reads and writes (:func:`site_kinds`, :meth:`FrozenReplacement.norm`); ``mlp_call_only`` (the graph of a traced
-    pass, :mod:`.intervened`, which records the MLP's call only) refuses them.
+    reads and writes (:func:`site_kinds`, :meth:`FrozenReplacement.norm`) — in the graph of a traced pass too
+    (:mod:`.intervened` records what it reads and, for a post-norm writer, the post-norm's output:
+    :attr:`.trace.AttributionCache.mlp_post_out`).
 
     Raises:
         UnsupportedArchitectureError: a transcoder / CLT that reads or writes another module than those
-            (:func:`site_kinds`), or with ``mlp_call_only`` any that is not the MLP module's call — naming the layer,
-            its hooks and the modules.
+            (:func:`site_kinds`) — naming the layer, its hooks and the modules.
     """
     lorsas, tcs = replacement.lorsas, replacement.transcoders
     by_layer = {} if tcs is None else tcs.by_layer()
@@ -542,13 +550,6 @@ def layer_modules(replacement: Any, mlp_call_only: bool = False) -> tuple[dict[i
             raise UnsupportedArchitectureError(f"{e} (trained with {hooks}, per its circuit-tracer config.yaml); "
                                                "attribution of such a transcoder is not supported (replace() / "
                                                "evaluate run it where it was trained)") from None
-        if mlp_call_only:
-            raise UnsupportedArchitectureError(
-                f"the transcoder at layer {layer} was trained with {hooks} (per its circuit-tracer config.yaml): it "
-                f"reads {'x / rms(x) of ' if io.eps is not None else ''}the input of {io.input_path!r} and writes the "
-                f"output of {io.output_path!r}; the graph of a traced pass (attribute(rm, tracer=tracer)) records "
-                f"the MLP's call ({adapter.mlp_path(layer)!r}) only: attribute the prompt instead "
-                "(attribute(rm, prompt))")
     return ({} if lorsas is None else lorsas.by_layer()), by_layer
 
 

@@ -63,6 +63,10 @@ class AttributionCache(FieldsRepr):
             (``hook_resid_mid``) or its ``x / rms(x)`` before the gain (``ln2.hook_normalized``, fp32).
         mlp_out: ``{layer: (1, pos, d_model)}`` every layer's MLP output (error nodes; empty from a
             lean pass).
+        mlp_post_out: ``{layer: (1, pos, d_model)}`` the post-MLP norm's output (Gemma-2/3
+            ``post_feedforward_layernorm``) of each layer whose transcoder writes it (``hook_mlp_out``), as a traced
+            pass ran it (:mod:`.intervened`: the splice's output, edits included), the reference of that layer's
+            error nodes; a layer not in it (a clean pass): the frozen post-norm of ``mlp_out``.
     """
 
     tokens: torch.Tensor
@@ -73,6 +77,7 @@ class AttributionCache(FieldsRepr):
     attn_out: dict[int, torch.Tensor] = field(default_factory=dict)
     mlp_in: dict[int, torch.Tensor] = field(default_factory=dict)
     mlp_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    mlp_post_out: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @torch.no_grad()

@@ -286,11 +286,84 @@ def test_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family: str, h
             h.remove()
 
 
+# ------------------------------------------------------------------ the graph of a traced pass
+TRACED_CASES = [("llama", RESID_MID, "mlp.hook_out"), ("llama", NORMALIZED, "mlp.hook_out"),
+                ("gemma2", NORMALIZED, "hook_mlp_out")]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.parametrize("kind", ["tc", "clt"])
+@pytest.mark.parametrize(("family", "hook_in", "hook_out"), TRACED_CASES)
+def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(family: str, hook_in: str,
+                                                                               hook_out: str, kind: str) -> None:
+    """``attribute(rm, tracer=tracer)`` of transcoders / CLTs off the MLP call (Llama ``hook_resid_mid`` and
+    ``ln2.hook_normalized``, GemmaScope on Gemma-2): spliced and unedited, the graph is ``attribute(rm, prompt)``'s
+    (same nodes, values and edges within 1e-5); (per-layer transcoders, whose features the graph holds as edited)
+    with a layer-0 feature zero-ablated at the last position, that node is marked at 0, the layer-2 features are the
+    ones the spliced pass computed (not the clean ones), every computed row sums to its value (mass) and the logit
+    nodes are the trace's logits."""
+    import nnsight
+
+    from nnsight_lorsa.patching import Feature, ablate
+
+    model, _ = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    ids = random_ids(1, 8, seed=2)[0]
+    r = rm(model, None, _transcoders(model, kind, (hook_in, hook_out)))
+    clean = attribute(r, ids, batch_size=40)
+    with model.trace(ids) as tracer:
+        r.replace()
+        handle = attribute(r, tracer=tracer, batch_size=40)
+    g = handle.graph
+    for name in ("kind", "layer", "pos", "index"):
+        assert torch.equal(getattr(g.nodes, name), getattr(clean.nodes, name)), name
+    assert torch.equal(g.feature_rows, clean.feature_rows) and not bool(g.nodes.intervened.any())
+    rows = clean.feature_rows
+    assert _relative(g.values[rows], clean.values[rows]) < 1e-5
+    assert _relative(g.nodes.activation, clean.nodes.activation) < 1e-5
+    assert _relative(g.densify(), clean.densify()) < 1e-5
+    assert g.meta["logit_gap"] < 1e-5
+    if kind == "clt":
+        return
+    # an edit: the feature of layer 0 most active at the last position, zero-ablated there
+    last = int(ids.numel()) - 1
+    n = clean.nodes
+    here = ((n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)).nonzero().flatten()
+    top = int(here[n.activation[here].abs().argmax()])
+    feature = int(n.index[top])
+    assert abs(float(n.activation[top])) > 0.01
+    with model.trace(ids) as tracer:
+        r.replace()
+        handle = attribute(r, tracer=tracer, batch_size=40)
+        ablate(r(Feature(0, feature, kind="transcoder")), positions=last)
+        later = nnsight.save(model.get(adapter.mlp_path(2)).transcoder.hook_sae_acts_post.output)
+        logits = nnsight.save(model.get(adapter.lm_head_path).output)
+    e = handle.graph
+    marked = e.nodes.intervened.nonzero().flatten()
+    assert marked.numel() == 1
+    i = int(marked[0])
+    assert (int(e.nodes.kind[i]), int(e.nodes.layer[i]), int(e.nodes.pos[i]), int(e.nodes.index[i])) == (
+        TRANSCODER, 0, last, feature)
+    assert float(e.nodes.activation[i]) == 0.0 and not bool(e.feature_rows[i])
+    acts2 = later[0].detach()
+    assert torch.allclose(_graph_acts(e, 2, acts2), acts2, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(_graph_acts(clean, 2, acts2), acts2, rtol=1e-5, atol=1e-6)  # the edit reached them
+    assert torch.allclose(_graph_acts(e, 2, acts2, values=True), acts2, rtol=1e-4, atol=1e-5)
+    assert e.edge_sum_error("mass").max() < 1e-5
+    top_logits = logits.detach()[0, -1].double()
+    want = top_logits[e.nodes.index[e.logit_ids]] - top_logits.mean()
+    assert _relative(e.values[e.logit_ids], want) < 1e-5 and e.meta["logit_gap"] < 1e-5
+    assert _relative(clean.values[clean.logit_ids], want) > 1e-4  # the edit changed the logits
+
+
 def test_what_the_frozen_pass_cannot_read_or_write_is_refused_by_name(monkeypatch: Any) -> None:
     """A transcoder whose hooks map to modules the frozen pass does not read or write (here: a hand-made
-    ``MLPSiteIO`` reading the attention norm) is refused naming the layer, its hooks and the modules; the graph of a
-    traced pass (``attribute(rm, tracer=tracer)``, which records the MLP's call) refuses any transcoder off the MLP
-    call; GPT-NeoX with a parallel residual has no ``hook_resid_mid``."""
+    ``MLPSiteIO`` reading the attention norm) is refused naming the layer, its hooks and the modules — by
+    ``attribute(rm, prompt)`` and by the graph of a traced pass (``attribute(rm, tracer=tracer)``) alike; GPT-NeoX
+    with a parallel residual has no ``hook_resid_mid``."""
     from nnsight_lorsa.attribution import replacement as rep
     from nnsight_lorsa.formats.hook_sites import MLPSiteIO
 
@@ -299,9 +372,6 @@ def test_what_the_frozen_pass_cannot_read_or_write_is_refused_by_name(monkeypatc
     tcs = TranscoderSet(model, {1: _hooked(make_transcoder(seed=3), RESID_MID, "mlp.hook_out")})
     r = rm(model, None, tcs)
     ids = random_ids(1, 6, seed=2)
-    traced = r"layer 1.*hook_resid_mid.*post_attention_layernorm.*model\.layers\.1\.mlp.*traced pass"
-    with pytest.raises(UnsupportedArchitectureError, match=traced), model.trace(ids[:1]) as tracer:
-        attribute(r, tracer=tracer)
     bad = MLPSiteIO(adapter.attention_norm_path(1), adapter.mlp_path(1))
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 1 reads the input of "
                                                            r"'model\.layers\.1\.input_layernorm'.*frozen pass"):
@@ -309,6 +379,9 @@ def test_what_the_frozen_pass_cannot_read_or_write_is_refused_by_name(monkeypatc
     monkeypatch.setattr(rep, "mlp_site_io", lambda *a: bad)
     with pytest.raises(UnsupportedArchitectureError, match=r"layer 1.*input_layernorm.*hook_resid_mid.*not supported"):
         attribute(r, ids[0], max_feature_nodes=8)
+    with (pytest.raises(UnsupportedArchitectureError, match=r"layer 1.*input_layernorm.*hook_resid_mid.*not supported"),
+          model.trace(ids[:1]) as tracer):
+        attribute(r, tracer=tracer)
     neox, _ = tiny_nnsight("neox")
     na = get_adapter(neox)
     assert neox.config.use_parallel_residual

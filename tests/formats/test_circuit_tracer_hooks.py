@@ -149,8 +149,7 @@ def test_hook_resid_mid_transcoders_read_the_norm_input(family: str) -> None:
 def test_hook_resid_mid_attribution_and_evaluate_read_resid_mid() -> None:
     """The attribution reads a ``hook_resid_mid`` transcoder or CLT at the frozen pre-MLP norm's input: its graph is
     exact (the graphs' values and edges: tests/attribution/test_transcoder_hook_sites_attribution.py); the graph of a
-    traced pass, which records the MLP's call, refuses it by name, never a wrong graph. ``evaluate`` of a CLT measures
-    it on resid_mid."""
+    traced pass (unedited) is that graph. ``evaluate`` of a CLT measures it on resid_mid."""
     from nnsight_lorsa.attribution import attribute
     from nnsight_lorsa.envoy.replacement_model import ReplacementModel
     from nnsight_lorsa.training import TokenDataset, evaluate
@@ -162,9 +161,13 @@ def test_hook_resid_mid_attribution_and_evaluate_read_resid_mid() -> None:
     for transcoders in (TranscoderSet(model, {LAYER: _resid_mid(_relu_tc())}), CLTSet(model, _resid_mid(make_clt()))):
         graph = attribute(ReplacementModel(model, transcoders=transcoders), ids[0], max_feature_nodes=8)
         assert graph.edge_sum_error("mass").max() < 1e-5
-        with (pytest.raises(UnsupportedArchitectureError, match=r"hook_resid_mid.*post_attention_layernorm.*traced"),
-              model.trace(ids[:1]) as tracer):
-            attribute(ReplacementModel(model, transcoders=transcoders), tracer=tracer)
+        bundle = ReplacementModel(model, transcoders=transcoders)
+        with model.trace(ids[:1]) as tracer:
+            bundle.replace()
+            handle = attribute(bundle, tracer=tracer, max_feature_nodes=8)
+        traced = handle.graph
+        assert torch.equal(traced.layout_ids, graph.layout_ids)
+        assert torch.allclose(traced.densify(), graph.densify(), atol=1e-5 * float(graph.densify().abs().max()))
     clt = _resid_mid(make_clt())
     ev = evaluate(CLTSet(model, clt), TokenDataset(ids), batch_size=2)
     mids, outs = [], []
@@ -481,7 +484,7 @@ def test_gemmascope_in_generation_evaluate_and_attribution() -> None:
     """GemmaScope transcoders / CLTs on Gemma-2 serve every KV-cached generation step (each step's logits equal a
     full-sequence trace's); ``evaluate`` measures a transcoder against the post-norm's output; the attribution reads
     them before the pre-MLP norm's gain and writes the post-norm's output (an exact graph: values and edges,
-    tests/attribution/test_transcoder_hook_sites_attribution.py); the graph of a traced pass refuses them by name."""
+    tests/attribution/test_transcoder_hook_sites_attribution.py); the unedited traced pass's graph is that graph."""
 
     from nnsight_lorsa.attribution import attribute
     from nnsight_lorsa.envoy.replacement_model import ReplacementModel
@@ -495,11 +498,15 @@ def test_gemmascope_in_generation_evaluate_and_attribution() -> None:
     clts = CLTSet(model, _gemmascope(make_clt()))
     for replacements in (tcs, clts):
         _check_generation(model, replacements, ids)
-        graph = attribute(ReplacementModel(model, transcoders=replacements), ids[0], max_feature_nodes=8)
+        bundle = ReplacementModel(model, transcoders=replacements)
+        graph = attribute(bundle, ids[0], max_feature_nodes=8)
         assert graph.edge_sum_error("mass").max() < 1e-5
-        refused = r"ln2.hook_normalized.*hook_mlp_out.*pre_feedforward_layernorm.*post_feedforward_layernorm"
-        with pytest.raises(UnsupportedArchitectureError, match=refused), model.trace(ids) as tracer:
-            attribute(ReplacementModel(model, transcoders=replacements), tracer=tracer)
+        with model.trace(ids) as tracer:
+            bundle.replace()
+            handle = attribute(bundle, tracer=tracer, max_feature_nodes=8)
+        traced = handle.graph
+        assert torch.equal(traced.layout_ids, graph.layout_ids)
+        assert torch.allclose(traced.densify(), graph.densify(), atol=1e-5 * float(graph.densify().abs().max()))
 
     batch = random_ids(2, 8)
     ev = evaluate(tcs, TokenDataset(batch), batch_size=2)
