@@ -438,14 +438,17 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         return P * int(torch.bincount(pos).max()) * d_model * model_itemsize
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
-    node_grids = 0
+    node_grids = gathered = 0  # the grids kept; the most nodes of one gathered site (its chunk temporaries)
     for lay in layout.layers:
-        n_l = lay.lorsa_pos.numel()
+        n_l, n_t = lay.lorsa_pos.numel(), lay.tc_pos.numel()
         shared += n_l * P * model_itemsize if store_patterns else 0
         # a transcoder's encoder grid and one decoder grid per replaced MLP it writes into (a CLT layer: its own and
         # every later one's, each kept under its own key by FrozenReplacement.mlp; one until 2026-11-26)
         n_dec = layout.decoder_targets(lay.layer)
         node_grids += grid(lay.lorsa_pos) + grid(lay.tc_pos) + n_dec * grid(lay.tc_pos, n_dec)
+        for n, copies in ((n_l, 1), (n_t, 1), (n_t, n_dec)):
+            if n and choose(node_vectors, n, d_model, dtype, copies) == "gather":
+                gathered = max(gathered, n)
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
         if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
@@ -465,10 +468,6 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())
     # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
-    gathered = max((n for lay in layout.layers
-                    for n, copies in ((lay.lorsa_pos.numel(), 1), (lay.tc_pos.numel(), 1),
-                                      (lay.tc_pos.numel(), layout.decoder_targets(lay.layer)))
-                    if n and choose(node_vectors, n, d_model, dtype, copies) == "gather"), default=0)
     gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
     shared += gather_chunks
     kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges
