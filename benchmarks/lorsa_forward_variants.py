@@ -46,6 +46,13 @@ def rope_pair_swap(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.mul(x, cos).add_(swapped.mul_(sin_signed).flatten(-2))
 
 
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x·cos + rotate_half(x)·sin`` (half-split, full rotary), the compiled candidate's source."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
@@ -98,7 +105,41 @@ def main() -> None:
                 out["rope_same_bits"] = bool(torch.equal(apply_rotary(q_heads, cos_q, sin_q),
                                                          rope_pair_swap(q_heads, cos_q, sin_q)))
                 rope_variants = {"rope_module": lambda: apply_rotary(q_heads, cos_q, sin_q),
-                                 "rope_pair_swap": lambda: rope_pair_swap(q_heads, cos_q, sin_q)}
+                                 "rope_pair_swap": lambda: rope_pair_swap(q_heads, cos_q, sin_q),
+                                 "rope_3d": lambda: apply_rotary(q_heads[0], cos_q, sin_q)}
+                # the projection split into the halves of each head: two bmms on the weights' column halves give
+                # contiguous (n_qk, pos, d/2) halves, so RoPE's kernels read contiguous operands
+                half = e // 2
+
+                def qk_proj_halves() -> tuple[torch.Tensor, torch.Tensor]:
+                    xs = x2.expand(h, -1, -1)
+                    return (torch.baddbmm(b_Q[:, None, :half], xs, W_Q[..., :half]),
+                            torch.baddbmm(b_Q[:, None, half:], xs, W_Q[..., half:]))
+
+                q1, q2 = qk_proj_halves()
+                ch, sh = cos_q[..., :half].to(dt), sin_q[..., :half].to(dt)
+
+                def rope_from_halves() -> torch.Tensor:
+                    o = torch.empty(h, seq, e, device=dev, dtype=dt)
+                    torch.mul(q1, ch, out=o[..., :half]).sub_(q2 * sh)
+                    torch.mul(q2, ch, out=o[..., half:]).add_(q1 * sh)
+                    return o
+
+                out["rope_halves_same_bits"] = bool(torch.equal(rope_from_halves(), apply_rotary(q_heads, cos_q,
+                                                                                                 sin_q)[0]))
+                rope_variants |= {"qk_proj_halves": qk_proj_halves, "rope_from_halves": rope_from_halves}
+                # what one fused kernel costs (inductor, rounding each product as eager does): the bound on RoPE
+                try:
+                    import torch._inductor.config as inductor_config
+
+                    compiled = torch.compile(rope_reference, dynamic=False,
+                                             options={"emulate_precision_casts": True})
+                    out["rope_compiled_same_bits"] = bool(torch.equal(compiled(q_heads, cos_q, sin_q),
+                                                                      apply_rotary(q_heads, cos_q, sin_q)))
+                    out["rope_compiled_inductor"] = hasattr(inductor_config, "emulate_precision_casts")
+                    rope_variants["rope_compiled"] = lambda: compiled(q_heads, cos_q, sin_q)
+                except Exception as err:  # no triton / no compiler on this machine: recorded, not fatal
+                    out["rope_compiled_error"] = f"{type(err).__name__}: {err}"[:300]
             else:
                 rope_variants = {"rope_module": lambda: apply_rotary(q_heads, cos_q, sin_q, cfg.rotary.interleaved)}
         else:

@@ -12,8 +12,8 @@
 # fits one 10-minute device command: a step gets min(its timeout, what is left), and is skipped with < 20 s):
 #   suite    python3 -m pytest -m gpu -n 8 (~40 s)                           -> $OUT/gpu_suite.xml, gpu_suite.log
 #   ab       gpu_scale --skip c d: (a) Lorsa forward vs floor, (b) replace vs plain trace (~100 s)
-#   variants lorsa_forward_variants: each stage of the Lorsa forward and its alternatives, RoPE's pair swap
-#            among them (~60 s)                                       -> $OUT/lorsa_forward_variants.json
+#   variants lorsa_forward_variants: each stage of the Lorsa forward and its alternatives, RoPE's pair swap,
+#            split halves and one compiled kernel among them (~60 s + the compile) -> $OUT/lorsa_forward_variants.json
 #   c        gpu_scale --skip a b d: (c) Lorsa training throughput, fp32 and bf16 masters (~90 s)
 #   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
 #   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
@@ -128,7 +128,7 @@ for step in "${STEPS[@]}"; do
     suite)   run_step suite "$SUITE_S" "$PY" -m pytest -m gpu ${XDIST[@]+"${XDIST[@]}"} -q -p no:cacheprovider \
                --junitxml="$OUT/gpu_suite.xml" ;;
     ab)      run_step ab 150 "${GS[@]}" --skip c d --out "$OUT/gpu_scale_ab.json" ;;
-    variants) run_step variants 90 "$PY" -m benchmarks.lorsa_forward_variants ${VARIANTS[@]+"${VARIANTS[@]}"} \
+    variants) run_step variants 150 "$PY" -m benchmarks.lorsa_forward_variants ${VARIANTS[@]+"${VARIANTS[@]}"} \
                --out "$OUT/lorsa_forward_variants.json" ;;
     c)       run_step c 150 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
