@@ -378,14 +378,22 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
     total += 4 * P * d_mlp * model_itemsize + norms * P * d_model * itemsize
     total += sum((mhsa_widths or {}).get(layer, (d_model, d_model))[0] * d_model * itemsize for layer in mhsa_heads)
     making = pattern_making(mhsa_heads, P, itemsize, store_patterns, pattern_layers)
+    making += grid_making(layout, d_model, itemsize, grid)
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
-        # a grid's nodes gathered (n·d) and copied to the site before the grid (held, in the shared term) is filled
-        making += [2 * pos.numel() * d_model * itemsize for pos in (lay.lorsa_pos, lay.tc_pos) if grid(pos)]
         if store_patterns and n_l:
             per_head = torch.bincount(lay.lorsa_head)
             total += int((per_head > 0).sum()) * int(per_head.max()) * P * itemsize
     return total + max(making, default=0)
+
+
+def grid_making(layout: Layout, d_model: int, itemsize: int, grid: Callable[[torch.Tensor], int]) -> list[int]:
+    """Bytes of making each node grid (:meth:`.replacement.FrozenReplacement.nodes`): the site's ``n`` node vectors
+    gathered (``n·d``) and copied to the site, both held while the grid (kept, counted in ``node_grids``) is
+    filled: ``2·n·d`` numbers of ``itemsize`` bytes for each Lorsa and transcoder site whose nodes are on a grid
+    (``grid(pos)``, the grid's bytes, not 0)."""
+    return [2 * pos.numel() * d_model * itemsize for lay in layout.layers for pos in (lay.lorsa_pos, lay.tc_pos)
+            if grid(pos)]
 
 
 def pattern_making(mhsa_heads: dict[int, int], n_pos: int, itemsize: int, store_patterns: bool,
@@ -462,8 +470,11 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                                      mhsa_widths=mhsa_widths, store_patterns=store_patterns, vocab=vocab, d_mlp=d_mlp,
                                      itemsize=model_itemsize, model_itemsize=unembed_itemsize or model_itemsize,
                                      grid=grid, n_norms=n_norms, pattern_layers=pattern_layers)
-    else:  # but not a kept pattern's making: measured on SDPA layers only (a soft-capped one keeps its pattern)
-        shared += max(pattern_making(mhsa_heads, P, model_itemsize, False, pattern_layers), default=0)
+    else:  # but not a kept pattern's making (measured on SDPA layers only: a soft-capped one keeps its pattern), nor
+        # a node grid's (measured where every site gathers, 1024-4096 tokens; at 512, every transcoder site on its
+        # grid, the H200's peak was 2 % above the estimate without it)
+        shared += max(pattern_making(mhsa_heads, P, model_itemsize, False, pattern_layers)
+                      + grid_making(layout, d_model, model_itemsize, grid), default=0)
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
         if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
     shared += sum(offload.values())

@@ -215,6 +215,27 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
         assert est.host_bytes == t["rows"] + t["pruning"] + t["fixed"]
 
 
+def test_estimate_on_a_gpu_counts_making_a_node_grid():
+    """On a GPU's fitted path (``PER_COPY_NUMBERS_GPU_SDPA``, measured where every site gathered) the frozen pass's
+    shared bytes still count the largest transient of making a node grid — a site's ``n`` vectors gathered and
+    copied, ``2·n·d`` numbers, held while the grid fills: the H200's peak at 512 tokens, every transcoder site on
+    its grid, was 2 % above the estimate without it. Grids against gathering, same layout, on the "cuda" path:
+    the shared bytes differ by the grids kept plus that transient, less the gathered sites' chunk temporaries."""
+    from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
+    from nnsight_lorsa.attribution.options import AttributionOptions
+
+    layout, info = layout_for_estimate(setup(), IDS, AttributionOptions(batch_size=2, memory="lean"))
+    d = hf_module(setup().model).config.hidden_size
+    info = {**info, "device": "cuda", "store_patterns": False}
+    est = {mode: estimate_layout(layout, batch_size=2, **{**info, "node_vectors": mode}) for mode in ("grid", "gather")}
+    grid, gather = est["grid"].terms, est["gather"].terms
+    assert grid["node_grids"] > 0 and gather["node_grids"] == 0
+    sites = [pos.numel() for lay in layout.layers for pos in (lay.lorsa_pos, lay.tc_pos) if pos.numel()]
+    making = 2 * max(sites) * d * info["model_itemsize"]
+    assert grid["frozen_shared"] - gather["frozen_shared"] == (
+        grid["node_grids"] + making - gather["gather_chunks"] + grid["gather_chunks"])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_graph_export_from_a_device_graph(device, reference, tmp_path):
     """A device's graph saves, loads and exports (Neuronpedia JSON) as the CPU's."""
