@@ -16,6 +16,9 @@ the per-stage medians, so the module's choices rest on a measurement:
   0.5-1.7x the module's time depending on the shape (bf16, 4M elements): it is kept here, not in the module,
   until a GPU measures it (the module's RoPE is ~1.6 ms at the 8B shape on an H200, ~15x its bytes' time).
 
+The forward is also profiled (``forward_kernels``: the top operators by device time per call, ``torch.profiler``),
+so that what is left above the floor can be read kernel by kernel.
+
     python -m benchmarks.lorsa_forward_variants                          # 8B shape on cuda
     python -m benchmarks.lorsa_forward_variants --scale tiny --device cpu --dtype float32
 """
@@ -51,6 +54,31 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def kernel_table(fn: Any, dev: torch.device, runs: int = 3, top: int = 20) -> list[dict[str, Any]]:
+    """The ``top`` operators of ``fn`` by device time (CPU time on a CPU) under ``torch.profiler``, per call:
+    where the forward's time goes kernel by kernel, beyond the stages timed above. ``[{"name", "calls",
+    "device_ms", "cpu_ms"}]``, ``device_ms`` per call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    sync(dev)
+    with profile(activities=activities) as prof:
+        for _ in range(runs):
+            fn()
+        sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        rows.append({"name": e.key, "calls": e.count // runs, "device_ms": device_us / 1e3 / runs,
+                     "cpu_ms": e.self_cpu_time_total / 1e3 / runs})
+    rows.sort(key=lambda r: r["device_ms"] if cuda else r["cpu_ms"], reverse=True)
+    return rows[:top]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -194,6 +222,7 @@ def main() -> None:
                     "activation_module": lambda: lorsa.activation(z_pre),
                     "decode_dense": decode_dense, "decode_bag": decode_bag, **rope_variants}
         out["times"] = time_interleaved({k: timed(v) for k, v in variants.items()}, repeats=args.repeats)
+        out["forward_kernels"] = kernel_table(lambda: lorsa(x), dev)
     for k, v in out["times"].items():
         print(f"{k:20s} {v['median_s'] * 1e3:8.3f} ms")
     print({k: v for k, v in out.items() if k not in ("times", "shapes")})
