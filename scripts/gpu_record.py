@@ -17,6 +17,7 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
   (:func:`d_key`), whose run settings go to ``<key>_meta``; each command is appended to ``command``.
 * ``lorsa_forward_variants_<scale>_<GPU>.json`` from ``lorsa_forward_variants.json`` (the benchmark's own JSON):
   replaces the file, the former record (its notes included) appended to ``history``.
+* ``offload_placement_rate_<GPU>.json`` from ``offload_placement_rate.json`` (step ``pin``): the same way.
 * ``gpu_session_<GPU>.json``: every session's ``session.json`` (commit, versions, each step's exit status and
   seconds; a step stopped by its timeout has ``timed_out``), appended.
 
@@ -193,16 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         target = args.results / f"gpu_scale_{run.get('scale', '8b')}_{name}.json"
         keys = merge_scale(target, run, args.date, session.get("commit"), args.note)
         written.append(f"{target} <- {path.name}: {', '.join(keys)}")
-    variants = load(folder / "lorsa_forward_variants.json")
-    if variants:
-        target = args.results / f"lorsa_forward_variants_{variants.get('scale', '8b')}_{name}.json"
+    for source, stem in (("lorsa_forward_variants.json", None), ("offload_placement_rate.json",
+                                                                  "offload_placement_rate")):
+        record = load(folder / source)
+        if not record or "skipped" in record:
+            continue
+        stem = stem or f"lorsa_forward_variants_{record.get('scale', '8b')}"
+        target = args.results / f"{stem}_{name}.json"
         former = load(target)
         history = former.pop("history", [])
         if former:
             history.append(former)  # the whole former record, its notes included
-        dump(target, {**variants, "date": args.date, "commit": session.get("commit"),
+        dump(target, {**record, "date": args.date, "commit": session.get("commit"),
                       **({"note": args.note} if args.note else {}), "history": history})
-        written.append(f"{target} <- lorsa_forward_variants.json")
+        written.append(f"{target} <- {source}")
     if session:
         target = args.results / f"gpu_session_{name}.json"
         log = load(target)

@@ -19,6 +19,8 @@
 #   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
 #            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (> 170 s on 2026-11-26: not finished; a
 #            command of its own, timeout 420 s)
+#   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
+#            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
 #
 # Then, on the machine with the repository: python scripts/gpu_record.py <the folder $OUT came back as>
@@ -133,9 +135,10 @@ for step in "${STEPS[@]}"; do
     c)       run_step c 150 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
+    pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
     offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab variants c d offload)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload pin)" >&2; exit 2 ;;
   esac
 done
 pack

@@ -169,3 +169,22 @@ def test_gpu_record_replaces_the_forward_variants_and_keeps_the_former_in_histor
     assert now["history"][:n] == before.get("history", [])
     assert now["history"][n] == {k: v for k, v in before.items() if k != "history"}
     assert now["history"][n + 1]["times"]["rope_module"]["median_s"] == 0.004 and len(now["history"]) == n + 2
+
+
+def test_gpu_record_keeps_the_pinned_placement_rate_and_skips_a_cpu_run(tmp_path):
+    """Step ``pin``'s ``offload_placement_rate.json`` becomes ``offload_placement_rate_<GPU>.json`` (the former
+    record in ``history``); a run that found no CUDA device (``skipped``) is not recorded."""
+    record = load_script(ROOT / "scripts" / "gpu_record.py", "gpu_record_for_pin_test")
+    results = tmp_path / "results"
+    results.mkdir()
+    _fake_out(tmp_path / "out")
+    (tmp_path / "out" / "offload_placement_rate.json").write_text(json.dumps({"skipped": "no CUDA device"}))
+    assert record.main([str(tmp_path / "out"), "--results", str(results)]) == 0
+    assert not list(results.glob("offload_placement_rate_*"))
+    for i, rate in enumerate((0.3, 9.5)):
+        (tmp_path / "out" / "offload_placement_rate.json").write_text(json.dumps(
+            {"device": "NVIDIA H200", "runs": {"default": {"gb_per_s": rate}}}))
+        assert record.main([str(tmp_path / "out"), "--results", str(results), "--date", f"2026-12-0{i + 1}"]) == 0
+    now = json.loads((results / "offload_placement_rate_NVIDIA_H200.json").read_text())
+    assert now["runs"]["default"]["gb_per_s"] == 9.5 and now["commit"] == "abc1234"
+    assert [h["runs"]["default"]["gb_per_s"] for h in now["history"]] == [0.3]
