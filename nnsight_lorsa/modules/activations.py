@@ -44,7 +44,7 @@ from .sparse_decode import batch_topk_indices, topk_indices
 def _topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """``x`` with all but its ``k`` largest entries along the last dim set to zero, then ReLU'd."""
     vals, idx = x.topk(min(k, x.shape[-1]), dim=-1, sorted=False)
-    return torch.zeros_like(x).scatter(-1, idx, vals.relu())
+    return torch.zeros_like(x).scatter_(-1, idx, vals.relu())  # in place: no copy of the zeros
 
 
 def _rectangle(u: torch.Tensor) -> torch.Tensor:

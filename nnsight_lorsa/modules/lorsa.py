@@ -461,7 +461,7 @@ class Lorsa(ReplacementModule):
                                   or not 1 <= k <= self.cfg.n_ov_heads):
             raise ArgumentError(f"Lorsa top_k must be an int in [1, n_ov_heads={self.cfg.n_ov_heads}], got {k!r}")
         vals, idx = z_pre.topk(int(k), dim=-1, sorted=False)
-        z = torch.zeros_like(z_pre).scatter(-1, idx, vals.relu())
+        z = torch.zeros_like(z_pre).scatter_(-1, idx, vals.relu())  # in place: no copy of the zeros
         return z, idx
 
     def decode(self, z: Float[torch.Tensor, "batch pos n_ov"]) -> Float[torch.Tensor, "batch pos d_model"]:
