@@ -75,8 +75,8 @@ class QKFrozenReplacement(FrozenReplacement):
     its targets are ``[q_1, k_1, q_2, k_2, …]`` (``d_qk`` coordinates each)."""
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe],
-                 dtype: torch.dtype | None = None) -> None:
-        super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype)
+                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> None:
+        super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype, offload_rows=offload_rows)
         self.probes = probes
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(probes)
 
@@ -183,7 +183,8 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
 
 
 def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int,
-                 dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+                 dtype: torch.dtype | None = None, offload_rows: str = "host"
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """Every probe's ``(query (n_sources + 1, d_qk), key (n_sources + 1, d_qk), score)`` (as
     :class:`QKAttribution`'s; last rows the ``b_Q``/``b_K`` terms) from one frozen pass: ``2·d_qk``
     backward rows per probe, ``batch_size`` at a time. ``prepared``: the prompt's
@@ -196,7 +197,7 @@ def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_s
     extra: dict[str, Any] = {}
 
     def make(layout_: Layout, M: torch.Tensor, mhsa_: dict[int, Any]) -> FrozenReplacement:
-        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes, dtype)
+        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes, dtype, offload_rows)
         extra["frozen"] = frozen
         return frozen
 
@@ -243,7 +244,7 @@ def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chun
 
 
 def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int,
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> dict[str, torch.Tensor]:
     """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
     head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
     ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``
@@ -272,7 +273,7 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
             nodes.append(i)
         if len(probes) == n_heads:
             break
-    traced = trace_probes(replacement, prepared, probes, batch_size, dtype)
+    traced = trace_probes(replacement, prepared, probes, batch_size, dtype, offload_rows)
     n_nodes = graph.n_nodes
     to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long, device=HOST)
     is_src = graph.layout_ids < layout.n_sources
