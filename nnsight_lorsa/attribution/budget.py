@@ -34,7 +34,9 @@ per edge:
   patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``; and on the tiny
   Gemma-2 / Gemma-3 (``--model gemma2|gemma3``), 128–512 tokens: see docs/attribution.md;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
-  of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
+  of them the frozen pass reads (:func:`.offload.offload_terms`: every block where the call keeps them on the
+  device, the largest where it copies them per pass — :func:`plan_call` decides as ``attribute`` does, so the
+  estimate is of the call's own choice); resident modules are not counted (the
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
   fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
   on a GPU);
@@ -169,8 +171,9 @@ class MemoryEstimate(FieldsRepr):
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);
-            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
-            included in ``frozen_shared``; ``gather_chunks``, a gathered site's chunk temporaries,
+            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is;
+            the rows as :attr:`offload_rows` places them), included in ``frozen_shared``; ``gather_chunks``, a
+            gathered site's chunk temporaries,
             :func:`.frozen.node_chunk_elements`, and ``node_grids``, the node vectors kept on grids (a Lorsa's
             ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
             in ``frozen_shared``)
@@ -664,6 +667,10 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     (every stored entry scored, the kept graph at most the full graph's blocks): reached to 0.29–0.90 when the pruning
     keeps everything it can, far above a run at the default thresholds (docs/attribution.md, *The pruned graph
     without a feature budget*).
+
+    Offloaded modules on a device: their rows counted where ``attribute`` without ``max_memory`` keeps them
+    (:func:`.offload.rows_placement`: on the device iff 1.1 × that estimate fits its free memory now;
+    :attr:`MemoryEstimate.offload_rows` says which).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as

@@ -190,7 +190,8 @@ def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_s
     backward rows per probe, ``batch_size`` at a time. ``prepared``: the prompt's
     :class:`~.trace.Prepared`; a probe's ``key_pos`` -1 is resolved (in place) to the key its head
     attends to most. ``dtype``: what the frozen model computes in (None: the model's), the one ``prepared``'s
-    replacement modules and MHSA weights were copied into (:func:`.trace.prepare`)."""
+    replacement modules and MHSA weights were copied into (:func:`.trace.prepare`). ``offload_rows``: where the
+    offloaded modules' active rows live (``"host"`` / ``"device"``: :class:`.replacement.FrozenReplacement`)."""
     layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     dims = [layout.layers[p.layer].lorsa.cfg.d_qk_head for p in probes]
     rows = FixedRows(2 * sum(dims), layout.n_sources)
@@ -251,7 +252,8 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
     = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check); ``pair_index (n, k, 2)`` = the ``k`` largest
     pair terms' (query-side, key-side) graph nodes (``-1``: a node not in the graph; ``n_nodes``: the
     ``b_Q``/``b_K`` term), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
-    over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`).
+    over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`), the
+    offloaded modules' rows where the graph's pass kept them (``offload_rows``, ``graph.meta["offload_rows"]``).
     Llamascopium's ``circuits/attribution.py`` does the same."""
     from .scores import node_influence
 
