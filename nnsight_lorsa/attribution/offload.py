@@ -7,14 +7,14 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   keys or pattern rows, a transcoder's skip path and encoder input): the largest offloaded module's
   parameters and buffers (a cross-layer transcoder: all of it);
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
-  (``u·d``; in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` / ``W_enc`` rows (grid
-  sites are counted in the shared term already; a transcoder's decoder: one block per replaced MLP it writes
-  into) — and every skip transcoder's ``W_skip`` (``d_in·d_out``: the skip path is linear in the residual
-  stream, so the backward keeps it on the device). Where the rows live is decided per call
+  (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
+  ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
+  replaced MLP it writes into) — and every skip transcoder's ``W_skip`` (``d_in·d_out``: the skip path is
+  linear in the residual stream, so the backward keeps it on the device). Where the rows live is decided per call
   (:func:`rows_placement`, ``Graph.meta["offload_rows"]``):
 
   - ``"device"``: each block gathered on the device once (from one ``non_blocking`` copy of the pinned weight,
-    dropped after the gather) and read in place by every pass: the **sum** of the blocks;
+    dropped after the gather: within *fetch*) and read in place by every pass: the **sum** of the blocks;
   - ``"host"``: gathered on the host, kept there pinned, and copied to the device for each pass of each site only
     (:func:`.frozen.streamed_linear`, :func:`.frozen.gather_write` / :func:`.frozen.gather_read`): the **largest**
     block.
