@@ -17,7 +17,9 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets);
     ``--offload``: the Lorsas and transcoders offloaded (``ReplacementSet.offload``: weights pinned on the
     host, each module copied to the GPU only while it computes), each one moved to the host as soon as it
-    is built — the full replacement model on an 80 GB card.
+    is built — the full replacement model on an 80 GB card; the active rows the frozen pass reads of them stay
+    on the GPU when they fit (each row's ``offload_rows``: ``Graph.meta``), with ``--cap-gb`` decided against
+    the cap (``attribute``'s ``max_memory`` = the cap minus what is allocated just before it).
 
     python -m benchmarks.gpu_scale                        # the 8B shape on cuda (H100/H200)
     python -m benchmarks.gpu_scale --scale tiny --device cpu --dtype float32 --tokens 32   # smoke run
@@ -337,13 +339,19 @@ def phase_times(device: torch.device) -> Iterator[dict[str, float]]:
 
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
-                vocab: int, out: list[dict[str, Any]], flush: Any, warmup: int = 0) -> list[dict[str, Any]]:
+                vocab: int, out: list[dict[str, Any]], flush: Any, warmup: int = 0,
+                cap_bytes: int | None = None) -> list[dict[str, Any]]:
     """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor
     (each row appended to ``out`` and written with ``flush()`` as soon as it is measured); ``warmup`` untimed
     ``attribute`` calls first. ``phases``: the seconds of each stage of the timed call (:func:`phase_times`;
-    ``other``: the rest — options, the scheduler, the trace's set-up, the gc)."""
+    ``other``: the rest — options, the scheduler, the trace's set-up, the gc). ``cap_bytes`` (``--offload`` with
+    ``--cap-gb`` on CUDA): ``attribute`` gets ``max_memory`` = the cap minus what is allocated just before it, so
+    that where it keeps the offloaded rows (``offload_rows``, recorded; the estimate is the one of that choice) is
+    decided for the card the cap stands for, not the larger one it runs on."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
+    from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
+    from nnsight_lorsa.attribution.options import AttributionOptions
 
     dev = next(hf.parameters()).device
     resident = peak_bytes(dev)
@@ -356,15 +364,16 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         progress(f"(d) {n} tokens: attribute")
         peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
+        max_memory = None if cap_bytes is None or before is None else cap_bytes - before
         host_before = host_peak_reset()
         try:
             for _ in range(warmup):
-                attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+                attribute(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
                 gc.collect()
             sync(dev)
             with phase_times(dev) as phases, reporting(phases):
                 t = time.perf_counter()
-                graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows)
+                graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
                 sync(dev)
                 seconds = time.perf_counter() - t
         except torch.cuda.OutOfMemoryError as e:
@@ -373,8 +382,14 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             flush()
             continue
         peak = peak_bytes(dev)
+        offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
+        if (offload_rows, used_batch) != (est.offload_rows, est.batch_size):  # max_memory decided otherwise
+            layout, info = layout_for_estimate(rm, ids, AttributionOptions(batch_size=used_batch,
+                                                                           max_feature_nodes=rows))
+            est = estimate_layout(layout, batch_size=used_batch, max_feature_nodes=rows,
+                                  offload_rows=offload_rows or "host", **info)
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
-        batches = -(-n_rows // batch)
+        batches = -(-n_rows // used_batch)
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
@@ -385,6 +400,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
+            "offload_rows": offload_rows, "batch_size": used_batch, "max_memory": max_memory,
         })
         flush()
         del graph
@@ -476,8 +492,9 @@ def main() -> None:
         rm = ReplacementModel(model, lorsas=all_lorsas, transcoders=tcs)
         peak_reset(dev)
         result["d_attribution"] = []
+        cap = int(args.cap_gb * 1e9) if args.offload and args.cap_gb and dev.type == "cuda" else None
         attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats, s["vocab"],
-                    result["d_attribution"], flush, warmup=args.attr_warmup)
+                    result["d_attribution"], flush, warmup=args.attr_warmup, cap_bytes=cap)
         for row in result["d_attribution"]:
             print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
     flush()

@@ -111,7 +111,10 @@ def attribute(
             The replacement modules travel by value; the edge rows come back as saved values.
         max_memory: a budget in bytes (host memory for a CPU model, device memory otherwise): the batch
             is the largest ``≤ batch_size`` that :func:`.budget.estimate_memory`'s model fits in it
-            (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``.
+            (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``. With offloaded
+            modules on a device it also decides where their active rows live: kept on the device iff that keeps the
+            same batch (:func:`.offload.rows_placement`; without ``max_memory``: iff 1.1 × the estimate fits the
+            device's free memory; ``graph.meta["offload_rows"]`` says which).
         zero_positions: the first this many positions get no feature or Lorsa-head nodes; their
             transcoder / Lorsa outputs are carried by those positions' error nodes, so sums stay exact.
             Default 0: every position has its features (BOS included). ``1`` matches circuit-tracer's

@@ -34,7 +34,9 @@ per edge:
   patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``; and on the tiny
   Gemma-2 / Gemma-3 (``--model gemma2|gemma3``), 128–512 tokens: see docs/attribution.md;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
-  of them the frozen pass keeps (:func:`.offload.offload_terms`); resident modules are not counted (the
+  of them the frozen pass reads (:func:`.offload.offload_terms`: every block where the call keeps them on the
+  device, the largest where it copies them per pass — :func:`plan_call` decides as ``attribute`` does, so the
+  estimate is of the call's own choice); resident modules are not counted (the
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
   fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
   on a GPU);
@@ -106,7 +108,7 @@ from .frozen import choose, keeps_pattern, node_chunk_elements
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
-from .offload import offload_terms
+from .offload import any_offloaded, device_free_bytes, offload_terms, rows_placement
 from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .scores import CHUNK as SCORES_CHUNK
@@ -169,18 +171,24 @@ class MemoryEstimate(FieldsRepr):
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);
-            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is),
-            included in ``frozen_shared``; ``gather_chunks``, a gathered site's chunk temporaries,
+            on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is;
+            the rows as :attr:`offload_rows` places them), included in ``frozen_shared``; ``gather_chunks``, a
+            gathered site's chunk temporaries,
             :func:`.frozen.node_chunk_elements`, and ``node_grids``, the node vectors kept on grids (a Lorsa's
             ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
             in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
+        offload_rows: where the offloaded modules' active rows are counted: ``"device"`` (kept there for the whole
+            call: every block, ``offload_rows`` term), ``"host"`` (copied per pass: the largest block; on a CPU model
+            nothing), None where nothing is offloaded — as ``attribute`` decides (:func:`.offload.rows_placement`;
+            ``Graph.meta["offload_rows"]``).
     """
 
     host_bytes: int
     device_bytes: int
     batch_size: int
     terms: dict[str, int] = field(default_factory=dict)
+    offload_rows: str | None = None
 
 
 def row_reach(layout: Layout) -> tuple[torch.Tensor, float]:
@@ -412,7 +420,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                     device: str = "cpu", module_itemsize: int | None = None,
                     mhsa_widths: dict[int, tuple[int, int]] | None = None, vocab: int = 0,
                     d_mlp: int = 0, unembed_itemsize: int | None = None, n_norms: int | None = None,
-                    pattern_layers: Collection[int] = (), mask_entry_bytes: int = 0) -> MemoryEstimate:
+                    pattern_layers: Collection[int] = (), mask_entry_bytes: int = 0,
+                    offload_rows: str = "host") -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
     MHSA layer; ``mhsa_widths``: its ``(n_heads · head_dim, n_kv_heads · head_dim)``, None: ``d_model`` each);
     see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
@@ -423,7 +432,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     ``pattern_layers``, the frozen MHSA layers that keep their pattern whatever ``store_patterns`` (soft-capped:
     :func:`.frozen.keeps_pattern`) — their ``H·P²`` pattern, its making and their stored-pattern backward counted
     also on the SDPA paths, the GPU's fitted one included; ``mask_entry_bytes``, the model's own attention masks per
-    prompt copy and (query, key) pair (:func:`attention_mask_entry_bytes`; 0: none)."""
+    prompt copy and (query, key) pair (:func:`attention_mask_entry_bytes`; 0: none); ``offload_rows``: where the
+    frozen pass keeps the offloaded modules' active rows (``"host"`` / ``"device"``: :func:`.offload.offload_terms`;
+    :func:`plan_call` decides it as ``attribute`` does)."""
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
@@ -475,8 +486,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         # grid, the H200's peak was 2 % above the estimate without it)
         shared += max(pattern_making(mhsa_heads, P, model_itemsize, False, pattern_layers)
                       + grid_making(layout, d_model, model_itemsize, grid), default=0)
-    offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize) \
-        if device != "cpu" else {}  # on the CPU an offloaded module computes where it is stored: no copy
+    offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize,
+                            rows=offload_rows) if device != "cpu" else {}  # on the CPU: computed where stored
     shared += sum(offload.values())
     # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
     gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
@@ -508,10 +519,50 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
              "node_grids": node_grids, **offload}
+    where = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
-        return MemoryEstimate(host, frozen, batch_size, terms)
-    return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms)
+        return MemoryEstimate(host, frozen, batch_size, terms, where)
+    return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms, where)
+
+
+def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.device, *, batch_size: int,
+              max_feature_nodes: int | None, max_memory: int | None
+              ) -> tuple[int, str | None, Callable[[str, int], MemoryEstimate]]:
+    """What one :func:`.attribute.attribute` call settles before its frozen pass: where it keeps the offloaded
+    modules' active rows (:func:`.offload.rows_placement`: the rule, units) and, with ``max_memory`` (bytes), the
+    largest batch ``≤ batch_size`` that fits it (:func:`largest_batch`, with those rows).
+
+    Args:
+        layout: the prompt's nodes.
+        info: → :func:`estimate_info`'s shapes (called once, only where an estimate is needed).
+        device: the model's device (its free memory read where the rule needs it, :func:`.offload.device_free_bytes`).
+
+    Returns:
+        ``(batch, rows, estimate)``: ``rows`` ``"device"`` / ``"host"`` (None: nothing offloaded);
+        ``estimate(rows, batch)``: :func:`estimate_layout` with ``offload_rows=rows`` (memoised).
+
+    Raises:
+        MemoryBudgetError: ``max_memory`` too small even for batch 1.
+    """
+    memo: dict[Any, Any] = {}
+
+    def estimate(rows: str, batch: int = batch_size) -> MemoryEstimate:
+        if "info" not in memo:
+            memo["info"] = info()
+        if (rows, batch) not in memo:
+            memo[rows, batch] = estimate_layout(layout, batch_size=batch, max_feature_nodes=max_feature_nodes,
+                                                offload_rows=rows, **memo["info"])
+        return memo[rows, batch]
+
+    offloaded_any = any_offloaded(layout)
+    free = device_free_bytes(device) if offloaded_any and max_memory is None else None
+    rows = rows_placement(offloaded_any, device.type, estimate, batch_size=batch_size, max_memory=max_memory,
+                          free_bytes=free)
+    batch = batch_size
+    if max_memory is not None:
+        batch = largest_batch(estimate(rows or "host"), max_memory, batch_size, device.type)
+    return batch, rows, estimate
 
 
 def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, device: str = "cpu") -> int:
@@ -628,6 +679,10 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     keeps everything it can, far above a run at the default thresholds (docs/attribution.md, *The pruned graph
     without a feature budget*).
 
+    Offloaded modules on a device: their rows counted where ``attribute`` without ``max_memory`` keeps them
+    (:func:`.offload.rows_placement`: on the device iff 1.1 × that estimate fits its free memory now;
+    :attr:`MemoryEstimate.offload_rows` says which).
+
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as
             :func:`.attribute.attribute` (``targets`` sets the number of logit rows).
@@ -646,4 +701,7 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     options = AttributionOptions(batch_size=batch_size, memory=memory, prune=prune, max_feature_nodes=max_feature_nodes,
                                  dtype=dtype, zero_positions=zero_positions, targets=targets)
     layout, info = layout_for_estimate(replacement, prompt, options)
-    return estimate_layout(layout, batch_size=options.batch_size, max_feature_nodes=options.max_feature_nodes, **info)
+    device = next(hf_module(replacement.model).parameters()).device
+    batch, rows, estimate = plan_call(layout, lambda: info, device, batch_size=options.batch_size,
+                                      max_feature_nodes=options.max_feature_nodes, max_memory=None)
+    return estimate(rows or "host", batch)

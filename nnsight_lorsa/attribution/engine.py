@@ -27,7 +27,7 @@ from .._memory import release_free_memory
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ArgumentError, ConfigMismatchError
-from .budget import estimate_info, estimate_layout, largest_batch
+from .budget import estimate_info, plan_call
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout, LiveNodes
@@ -119,7 +119,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     model_dtype = next(root.parameters()).dtype
     computed_in = dtype or narrowest(model_dtype, *layer_modules(replacement))
     layout_options: dict[str, Any] = {"targets": o.targets, "dtype": dtype, "zero_positions": o.zero_positions}
-    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype)
+    make: Callable[..., FrozenReplacement]  # set below, once the offloaded rows' place is decided
     run: Callable[[RowScheduler], torch.Tensor]
     if cached:
         check_cache(prompt, adapter, *layer_modules(replacement))
@@ -140,24 +140,31 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
                 return trace_pass(prepared, scheduler, batch_size, make)
             return attribute_in_trace(model, prepared.adapter, prepared.layout, prepared.mhsa, scheduler, batch_size,
                                       make=make, remote=remote, dtype=dtype)
-    if o.max_memory is not None:
-        info = estimate_info(replacement, prepared, patterns, node_vectors, config is not None, dtype,
-                             config.keep_mass if config is not None else 1.0)
-        est = estimate_layout(prepared.layout, batch_size=batch_size, max_feature_nodes=o.max_feature_nodes, **info)
-        batch_size = largest_batch(est, o.max_memory, batch_size, info["device"])
+    # offloaded modules: their active rows kept on the device when they fit (offload.rows_placement); max_memory:
+    # the largest batch that fits it
+    batch_size, offload_rows, _ = plan_call(
+        prepared.layout, lambda: estimate_info(replacement, prepared, patterns, node_vectors, config is not None,
+                                               dtype, config.keep_mass if config is not None else 1.0),
+        next(root.parameters()).device, batch_size=batch_size, max_feature_nodes=o.max_feature_nodes,
+        max_memory=o.max_memory)
+    # (the keyword only where the rows are kept: a remote model, on meta, never does)
+    kept: dict[str, Any] = {"offload_rows": "device"} if offload_rows == "device" else {}
+    make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype, **kept)
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": o.max_feature_nodes,
             "update_interval": o.update_interval, "engine": engine or "nnsight",
             "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
             "node_vectors": node_vectors, "dtype": str(computed_in),
-            "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions}
+            "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions,
+            "offload_rows": offload_rows}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           update_interval=o.update_interval, zero_positions=o.zero_positions,
                           progress=show_progress(o.progress) and not remote, prune=config,
                           prompt=prompt if isinstance(prompt, str) else "", meta=meta)
     if o.qk_heads:
-        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype)
+        graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype,
+                                offload_rows or "host")
     return graph
 
 

@@ -75,8 +75,8 @@ class QKFrozenReplacement(FrozenReplacement):
     its targets are ``[q_1, k_1, q_2, k_2, …]`` (``d_qk`` coordinates each)."""
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe],
-                 dtype: torch.dtype | None = None) -> None:
-        super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype)
+                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> None:
+        super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype, offload_rows=offload_rows)
         self.probes = probes
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(probes)
 
@@ -183,20 +183,22 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
 
 
 def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int,
-                 dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+                 dtype: torch.dtype | None = None, offload_rows: str = "host"
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """Every probe's ``(query (n_sources + 1, d_qk), key (n_sources + 1, d_qk), score)`` (as
     :class:`QKAttribution`'s; last rows the ``b_Q``/``b_K`` terms) from one frozen pass: ``2·d_qk``
     backward rows per probe, ``batch_size`` at a time. ``prepared``: the prompt's
     :class:`~.trace.Prepared`; a probe's ``key_pos`` -1 is resolved (in place) to the key its head
     attends to most. ``dtype``: what the frozen model computes in (None: the model's), the one ``prepared``'s
-    replacement modules and MHSA weights were copied into (:func:`.trace.prepare`)."""
+    replacement modules and MHSA weights were copied into (:func:`.trace.prepare`). ``offload_rows``: where the
+    offloaded modules' active rows live (``"host"`` / ``"device"``: :class:`.replacement.FrozenReplacement`)."""
     layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     dims = [layout.layers[p.layer].lorsa.cfg.d_qk_head for p in probes]
     rows = FixedRows(2 * sum(dims), layout.n_sources)
     extra: dict[str, Any] = {}
 
     def make(layout_: Layout, M: torch.Tensor, mhsa_: dict[int, Any]) -> FrozenReplacement:
-        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes, dtype)
+        frozen = QKFrozenReplacement(layout_, M, mhsa_, probes, dtype, offload_rows)
         extra["frozen"] = frozen
         return frozen
 
@@ -243,14 +245,15 @@ def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chun
 
 
 def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int,
-                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> dict[str, torch.Tensor]:
     """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
     head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
     ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``
     = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check); ``pair_index (n, k, 2)`` = the ``k`` largest
     pair terms' (query-side, key-side) graph nodes (``-1``: a node not in the graph; ``n_nodes``: the
     ``b_Q``/``b_K`` term), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
-    over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`).
+    over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`), the
+    offloaded modules' rows where the graph's pass kept them (``offload_rows``, ``graph.meta["offload_rows"]``).
     Llamascopium's ``circuits/attribution.py`` does the same."""
     from .scores import node_influence
 
@@ -272,7 +275,7 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
             nodes.append(i)
         if len(probes) == n_heads:
             break
-    traced = trace_probes(replacement, prepared, probes, batch_size, dtype)
+    traced = trace_probes(replacement, prepared, probes, batch_size, dtype, offload_rows)
     n_nodes = graph.n_nodes
     to_graph = torch.full((layout.n_sources + 1,), -1, dtype=torch.long, device=HOST)
     is_src = graph.layout_ids < layout.n_sources

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._placement import pinned, resident, to_module
+from .. import _placement
+from .._placement import offloaded, pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -103,11 +104,18 @@ class FrozenReplacement:
         dtype: what the frozen model computes and writes into the residual stream in (default: the
             model's); e.g. fp32 for a bf16 model, with the replacement modules and MHSA weights given
             in it (:func:`copies_in`, :func:`weights_in`).
+        offload_rows: where the active nodes' rows of *offloaded* modules live (:func:`.offload.rows_placement`
+            decides it per call): ``"host"`` (gathered on the host, kept there pinned and copied to the site's
+            device for each pass only) or ``"device"`` (gathered once on the site's device, from one
+            ``non_blocking`` copy of the pinned weight, and read in place by every pass; their bytes in
+            :attr:`device_rows`). Modules that are not offloaded are read as they are either way.
     """
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any],
                  constants: dict[str, torch.Tensor] | None = None, patterns: str = "auto",
-                 node_vectors: str = "auto", dtype: torch.dtype | None = None) -> None:
+                 node_vectors: str = "auto", dtype: torch.dtype | None = None, offload_rows: str = "host") -> None:
+        if offload_rows not in ("host", "device"):
+            raise ValueError(f"offload_rows must be 'host' or 'device', got {offload_rows!r}")
         self.layout = layout
         self.M = M
         self.mhsa = mhsa
@@ -115,6 +123,10 @@ class FrozenReplacement:
         self.patterns = patterns
         self.node_vectors = node_vectors
         self.dtype = dtype
+        self.offload_rows = offload_rows
+        #: ``{key: bytes}`` the offloaded modules' rows kept on the device (``offload_rows="device"``): each gathering
+        #: site's distinct rows, each Lorsa layer's ``W_V`` rows (:func:`.offload.offload_terms`' kept term)
+        self.device_rows: dict[str, int] = {}
         self._nodes: dict[str, GridNodes | GatheredNodes] = {}
         self._slots: dict[str, PositionSlots] = {}
         self._grids: dict[str, torch.Tensor] = {}
@@ -153,17 +165,32 @@ class FrozenReplacement:
             self._slots[key] = PositionSlots(pos, self.layout.n_pos if n_groups is None else n_groups)
         return self._slots[key]
 
+    def keeps(self, module: Any) -> bool:
+        """Whether ``module``'s active rows are kept on the device: offloaded, with ``offload_rows="device"``."""
+        return self.offload_rows == "device" and offloaded(module)
+
     def nodes(self, key: str, slot_key: str, pos: torch.Tensor, W: torch.Tensor, idx: torch.Tensor,
-              like: torch.Tensor, copies: int = 1) -> GridNodes | GatheredNodes:
+              like: torch.Tensor, copies: int = 1, owner: Any = None) -> GridNodes | GatheredNodes:
         """Writer/reader of the nodes at positions ``pos`` whose vectors are ``W[idx]`` (cached per
         ``key``; ``slot_key`` names the position grid, shared by sites with the same nodes; ``copies``: how many
-        such sets the same nodes keep, for :func:`.frozen.choose`)."""
+        such sets the same nodes keep, for :func:`.frozen.choose`; ``owner``: the module whose weight ``W`` is —
+        offloaded, its rows are gathered on the device once where :meth:`keeps` says so)."""
         if key not in self._nodes:
             pos = pos.to(like.device)
+            keep = self.keeps(owner)
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype, copies) == "grid":
                 slots = self.slots(slot_key, pos)
-                with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site
-                    self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(W.detach(), idx.to(W.device)), like)))
+                with torch.no_grad():  # the active nodes' rows, gathered where W is (kept: on the site's device,
+                    # from one copy of W), then moved to the site
+                    src = _placement.fetch(W.detach(), like.device) if keep else W.detach()
+                    self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(src, idx.to(src.device)), like)))
+            elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered on the site's device from one
+                # non_blocking copy of the (pinned) weight, once; every pass reads them in place
+                rows, at = torch.unique(idx.to(like.device), return_inverse=True)
+                with torch.no_grad():
+                    sub = take_rows(_placement.fetch(W.detach(), like.device), rows)
+                self.device_rows[key] = sub.numel() * sub.element_size()
+                self._nodes[key] = GatheredNodes(sub, at, pos, self.layout.n_pos, like.dtype)
             elif W.device == like.device:  # W is read in every pass, where it is
                 self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), pos, self.layout.n_pos, like.dtype)
             else:  # W elsewhere (an offloaded module: the host): the nodes' distinct rows, kept where W is
@@ -238,7 +265,8 @@ class FrozenReplacement:
         lorsa = lay.lorsa
         n, p = lay.lorsa_pos.numel(), self.layout.n_pos
         z = lay.lorsa_z.to(x)
-        io = self.nodes(f"L{layer}.lorsa.w_o", f"L{layer}.lorsa", lay.lorsa_pos, lorsa.W_O, lay.lorsa_head, x)
+        io = self.nodes(f"L{layer}.lorsa.w_o", f"L{layer}.lorsa", lay.lorsa_pos, lorsa.W_O, lay.lorsa_head, x,
+                        owner=lorsa)
         heads = io.write(z * M[:, lay.lorsa_start:lay.lorsa_start + n])
         b_d = on(lorsa.b_D, x) if lorsa.b_D is not None else None
 
@@ -270,8 +298,14 @@ class FrozenReplacement:
         W_V = lorsa.W_V
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
-        # the active OV heads' W_V rows; elsewhere (offloaded): kept there (pinned), copied for each pass only
-        w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])
+        # the active OV heads' W_V rows: offloaded with the rows kept, gathered on the site's device once (from one
+        # copy of the pinned W_V); else where W_V is, or elsewhere (offloaded): kept there (pinned), copied per pass
+        if self.keeps(lorsa):
+            with torch.no_grad():
+                w_v = on(take_rows(_placement.fetch(W_V.detach(), x.device), uniq), x)
+            self.device_rows[f"L{layer}.lorsa.w_v"] = w_v.numel() * w_v.element_size()
+        else:
+            w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])
         # the bias term in the site's dtype: an fp32 multiplier would promote v (bf16/fp16 models)
         v = streamed_linear(x, w_v) + (b_v * mult_v.to(x.dtype) if mult_v is not None else b_v)  # (b, pos, u)
         group = heads // lorsa.cfg.group_size
@@ -326,7 +360,7 @@ class FrozenReplacement:
             skip = None if skip is None else skip.to(x)
             enc_in = tc.encoder_input(xm).to(x) if n else None
         if enc_in is not None:
-            io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x)
+            io = self.nodes(f"L{layer}.tc.w_enc", f"L{layer}.tc", lay.tc_pos, tc.W_enc.T, lay.tc_feat, x, owner=owner)
             pre = io.read(enc_in)
             mult = column(M, lay.bias.get("tc_enc"))
             b_enc = tc.b_enc[lay.tc_feat.to(tc.b_enc.device)][None].to(x.device)
@@ -352,7 +386,7 @@ class FrozenReplacement:
             if w_dec is None or not src.tc_pos.numel():
                 continue
             io = self.nodes(f"L{src.layer}.tc.w_dec->{layer}", f"L{src.layer}.tc", src.tc_pos, w_dec, src.tc_feat, x,
-                            copies=self.layout.decoder_targets(src.layer))
+                            copies=self.layout.decoder_targets(src.layer), owner=src.transcoder.weights_owner)
             act = src.tc_act.to(x)
             writes.append(io.write(act * M[:, src.tc_start:src.tc_start + src.tc_pos.numel()]))
             clean.append((io, act))

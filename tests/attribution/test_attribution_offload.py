@@ -21,7 +21,7 @@ from helpers import DEVICES, attribution_setup, random_ids, rm
 import nnsight_lorsa._placement as placement
 from nnsight_lorsa import ReplacementModel
 from nnsight_lorsa.attribution import attribute, estimate_memory
-from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
+from nnsight_lorsa.attribution.budget import MemoryEstimate, estimate_layout, layout_for_estimate
 from nnsight_lorsa.attribution.offload import module_bytes
 from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.modules import TranscoderConfig
@@ -296,3 +296,207 @@ def test_offloaded_bf16_attribution_on_device_equals_the_resident_graph(device, 
             assert float((A - R).abs().max()) <= 2e-2 * float(R.abs().max()), name
     assert device != "cpu" or copies, "nothing was fetched"
     assert all(p.device.type == "cpu" for m in modules_of(off) for p in m.parameters())
+
+
+# ---------------------------------------------------------------- the active rows kept on the device, or not
+
+
+def force_rows(monkeypatch, rows: str) -> None:
+    """``offload.rows_placement`` made to answer ``rows`` wherever a module is offloaded (on the CPU the rule says
+    ``"host"``): the frozen pass's two ways of keeping the rows, run on the CPU with ``fetch`` a real copy."""
+    import nnsight_lorsa.attribution.budget as budget
+
+    monkeypatch.setattr(budget, "rows_placement", lambda offloaded_any, *a, **k: rows if offloaded_any else None)
+
+
+def frozen_instances(monkeypatch) -> list:
+    """Every ``FrozenReplacement`` built from now on (the frozen passes' own)."""
+    import nnsight_lorsa.attribution.replacement as replacement
+
+    made: list = []
+    init = replacement.FrozenReplacement.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(replacement.FrozenReplacement, "__init__", recording)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offloaded_rows_kept_on_the_device_or_the_host_give_the_resident_graph(kind, memory, monkeypatch):
+    """The offloaded modules' active rows gathered once on the device (``offload_rows="device"``: from one copy of
+    each weight, ``fetch`` made a real copy) or kept on the host (``"host"``): both graphs equal the resident
+    modules' bit for bit (two prompts; QK tracing too), ``graph.meta["offload_rows"]`` names the place, rows are
+    kept on the device only in the first (gathering sites' ``w_o`` / ``W_dec`` / ``W_enc`` rows with
+    ``memory="lean"``, every Lorsa layer's ``W_V`` rows in both modes), and no copy outlives the call."""
+    rep = bundle(kind)
+    prompts = PROMPTS[:2]
+    refs = [attribute(rep, ids, batch_size=24, memory=memory, qk_heads=2) for ids in prompts]
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    copies = real_copies(monkeypatch)
+    made = frozen_instances(monkeypatch)
+    for rows in ("device", "host"):
+        force_rows(monkeypatch, rows)
+        for ids, ref in zip(prompts, refs, strict=True):
+            made.clear()
+            g = attribute(off, ids, batch_size=24, memory=memory, qk_heads=2)
+            assert_identical(g, ref, f"{kind} {memory} {rows} {len(ids)}")
+            assert set(g.qk) == set(ref.qk) and all(torch.equal(g.qk[k], ref.qk[k]) for k in g.qk)
+            assert g.meta["offload_rows"] == rows and ref.meta["offload_rows"] is None
+            assert len(made) == 2 and all(f.offload_rows == rows for f in made)  # the graph's pass, the QK pass
+            kept = made[0].device_rows
+            if rows == "host":
+                assert kept == {}
+            else:
+                assert {k for k in kept if k.endswith("lorsa.w_v")} and all(kept.values())
+                assert any(".tc." in k for k in kept) == (memory == "lean")
+    gc.collect()
+    assert copies and not any(r() is not None for r in copies), "a fetched copy outlived attribute()"
+    assert refs[0].densify().abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean", "auto"])
+@pytest.mark.parametrize("seq", [0, 1])
+def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory, seq, monkeypatch):
+    """``offload_rows`` counted for rows kept on the device (``estimate_layout(..., offload_rows="device")``) equals,
+    byte for byte, what the frozen pass keeps there (``FrozenReplacement.device_rows``: every Lorsa layer's distinct
+    ``W_V`` rows, each gathering site's distinct ``w_o`` / ``W_enc`` rows and one block of ``W_dec`` rows per replaced
+    MLP it writes into) plus the skip matrices; the host variant counts the largest block only (less with
+    ``memory="lean"``, where every site gathers; the same where only one Lorsa layer's ``W_V`` rows are kept)."""
+    rep = bundle(kind)
+    ids = PROMPTS[seq]
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    force_rows(monkeypatch, "device")
+    made = frozen_instances(monkeypatch)
+    attribute(off, ids, batch_size=8, memory=memory)
+    (frozen,) = made
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory=memory))
+    terms = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"}).terms
+             for rows in ("device", "host")}
+    skips = sum(m.W_skip.numel() * m.W_skip.element_size() for m in modules_of(off)
+                if isinstance(getattr(m, "W_skip", None), torch.Tensor))
+    assert skips > 0 and frozen.device_rows
+    assert terms["device"]["offload_rows"] == sum(frozen.device_rows.values()) + skips
+    host, kept = terms["host"]["offload_rows"], terms["device"]["offload_rows"]
+    assert skips < host <= kept and (host < kept) == (memory == "lean")  # lean: every site's rows, not the largest
+    assert terms["device"]["offload_fetch"] == terms["host"]["offload_fetch"] == max(map(module_bytes, modules_of(off)))
+
+
+def _estimate(per_copy: int, shared: int, batch: int) -> MemoryEstimate:
+    terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "n_sources": 1, "n_rows": 1, "stored_entries": 0}
+    return MemoryEstimate(0, per_copy * batch + shared, batch, terms)
+
+
+# per copy 100 B, shared 1000 B on the host, 1000 + 50 B with the rows kept; batch 8 asked
+ROWS_RULE = [
+    # (offloaded, device, max_memory, free_bytes, expected)
+    (False, "cuda", None, 10**9, None),  # nothing offloaded
+    (False, "cuda", 10**9, None, None),
+    (False, "cpu", None, None, None),
+    (True, "cpu", None, None, "host"),  # a CPU model: the modules compute where they are stored
+    (True, "cpu", 10**9, None, "host"),
+    (True, "meta", None, None, "host"),  # a remote model's copy
+    (True, "cuda", 10**9, None, "device"),  # a generous budget
+    (True, "cuda", 1050 + 800, None, "device"),  # batch 8 either way, just
+    (True, "cuda", 1050 + 799, None, "host"),  # kept: batch 7 instead of 8
+    (True, "cuda", 1050 + 400, None, "device"),  # batch 4 either way (the budget shrinks both alike)
+    (True, "cuda", 1050 + 370, None, "host"),  # 3 instead of 4
+    (True, "cuda", 1120, None, "host"),  # kept: not even batch 1; on the host batch 1
+    (True, "cuda", None, int(1.1 * (1050 + 800)) + 1, "device"),  # free memory, with its 10 % margin
+    (True, "cuda", None, int(1.1 * (1050 + 800)) - 2, "host"),
+    (True, "cuda", None, None, "host"),  # no free-memory query
+]
+
+
+@pytest.mark.parametrize(("offloaded_any", "device", "max_memory", "free", "expected"), ROWS_RULE)
+def test_rows_placement_rule(offloaded_any, device, max_memory, free, expected):
+    """:func:`.offload.rows_placement`'s rule on synthetic estimates: None without an offloaded module, the host on
+    a CPU (or remote) model; with ``max_memory`` the device iff the largest batch that fits with the rows kept is the
+    one without; without it, iff 1.1 × the kept estimate fits the free memory."""
+    from nnsight_lorsa.attribution.offload import rows_placement
+
+    asked: list[str] = []
+
+    def estimate(rows):
+        asked.append(rows)
+        return _estimate(100, 1000 + (50 if rows == "device" else 0), 8)
+
+    got = rows_placement(offloaded_any, device, estimate, batch_size=8, max_memory=max_memory, free_bytes=free)
+    assert got == expected
+    assert set(asked) <= {"host", "device"} and (offloaded_any and device == "cuda" or not asked)
+
+
+def test_rows_placement_refuses_a_budget_the_host_rows_do_not_fit():
+    from nnsight_lorsa.attribution.offload import rows_placement
+    from nnsight_lorsa.errors import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError):
+        rows_placement(True, "cuda", lambda rows: _estimate(100, 1000, 8), batch_size=8, max_memory=1050,
+                       free_bytes=None)
+
+
+def test_plan_call_keeps_the_rows_where_they_never_shrink_the_batch():
+    """On the prompt's real layout (``memory="lean"``: every site gathers; a device model, as estimated): a generous
+    ``max_memory`` keeps the rows on the device at the asked batch; one that fits the asked batch only with the rows
+    on the host keeps them there (same batch); resident modules: None, batch as before. And ``attribute`` on a CPU
+    model records ``"host"`` for offloaded modules, None for resident ones."""
+    from nnsight_lorsa.attribution.budget import largest_batch, plan_call
+
+    rep = bundle("transcoders")
+    ids = PROMPTS[0]
+    cuda = torch.device("cuda")
+    kw = {"batch_size": 8, "max_feature_nodes": None}
+    res_layout, res_info = layout_for_estimate(rep, ids, AttributionOptions(batch_size=8, memory="lean"))
+    batch, rows, estimate = plan_call(res_layout, lambda: {**res_info, "device": "cuda"}, cuda, max_memory=10**12,
+                                      **kw)
+    assert (batch, rows) == (8, None) and estimate("host", batch).offload_rows is None
+    assert attribute(rep, ids, batch_size=8).meta["offload_rows"] is None
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)  # rep's sets, offloaded
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory="lean"))
+    info = {**info, "device": "cuda"}
+    batch, rows, estimate = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
+    assert (batch, rows) == (8, "device")
+    host, kept = estimate("host", 8), estimate("device", 8)
+    assert kept.device_bytes > host.device_bytes and kept.offload_rows == "device" and host.offload_rows == "host"
+    budget = host.device_bytes + 1  # batch 8 on the host; the kept rows need more
+    assert largest_batch(kept, budget, 8, "cuda") < 8
+    assert plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)[:2] == (8, "host")
+    assert attribute(off, ids, batch_size=8).meta["offload_rows"] == "host"
+    assert estimate_memory(off, ids, batch_size=8).offload_rows == "host"
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if getattr(d, "values", ("cpu",))[0] == "cuda"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offloaded_rows_kept_on_cuda_give_the_resident_graph(device, memory, monkeypatch):
+    """The model on CUDA, two 32 MB transcoders and a Lorsa offloaded: the rule keeps the active rows on the device
+    (``graph.meta["offload_rows"] == "device"``, plenty of free memory), the graph equals the resident modules'
+    (max |ΔA| ≤ 1e-5 of max |A|: CUDA's atomics may reorder sums), as it does with the rows forced onto the host,
+    and the device peak above the model stays below the modules' total bytes."""
+    model, hf, lorsas, _ = attribution_setup("llama")
+    hf.to(device)
+    tcs = big_transcoders(2**16)
+    ref_rep = rm(model, {k: v.to(device) for k, v in lorsas.items()}, {k: v.to(device) for k, v in tcs.items()})
+    ref = attribute(ref_rep, PROMPTS[0], batch_size=24, memory=memory)
+    rep = ReplacementModel(model, **dict(ref_rep.sets()), offload=True)
+    total = sum(module_bytes(m) for m in modules_of(rep))
+    R = ref.densify()
+    for forced in (None, "host"):
+        if forced is not None:
+            force_rows(monkeypatch, forced)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        g = attribute(rep, PROMPTS[0], batch_size=24, memory=memory)
+        torch.cuda.synchronize()
+        above = torch.cuda.max_memory_allocated() - base
+        assert g.meta["offload_rows"] == (forced or "device")
+        assert above < total, (forced, above, total)
+        assert all(p.device.type == "cpu" for m in modules_of(rep) for p in m.parameters())
+        assert torch.equal(g.layout_ids, ref.layout_ids)
+        assert float((g.densify() - R).abs().max()) <= 1e-5 * float(R.abs().max()), forced
