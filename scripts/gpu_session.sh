@@ -16,9 +16,10 @@
 #            split halves and one compiled kernel among them (~60 s + the compile) -> $OUT/lorsa_forward_variants.json
 #   c        gpu_scale --skip a b d: (c) Lorsa training throughput, fp32 and bf16 masters (~90 s)
 #   d        gpu_scale --skip a b c --attr-lorsa 15 --tokens 512 1024 2048 4096: (d) with per-phase times (~200 s)
-#   offload  gpu_scale --skip a b c --offload --attr-lorsa all --cap-gb 80 --tokens 1024: the paper's Lorsa on
-#            all 32 layers + 32 transcoders, offloaded, under an 80 GB cap (> 170 s on 2026-11-26: not finished; a
-#            command of its own, timeout 420 s)
+#   offload  gpu_scale --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 --tokens 1024 4096: the
+#            paper's Lorsa on all 32 layers + 32 transcoders, offloaded, under an 80 GB cap, the layers sharing one
+#            set of pinned host weights (308 s at 1024 tokens on 2026-11-26 with distinct weights, 209 s of it
+#            building them; a command of its own, timeout 420 s)
 #   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
 #            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
@@ -60,7 +61,7 @@ if [ "$SMALL" = 1 ]; then
   LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
   VARIANTS=(--scale small --device cpu --dtype float32 --seq 64 --repeats 1)
 else
-  VARIANTS=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024); WORKERS="${GPU_SESSION_WORKERS:-8}"
+  VARIANTS=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=90
@@ -136,7 +137,7 @@ for step in "${STEPS[@]}"; do
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
     pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
-    offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --attr-lorsa all --cap-gb 80 \
+    offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
     *)       echo "unknown step $step (suite ab variants c d offload pin)" >&2; exit 2 ;;
   esac

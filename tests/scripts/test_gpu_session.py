@@ -68,8 +68,8 @@ def test_every_benchmark_step_parses_with_gpu_scales_parser(tmp_path, monkeypatc
             assert int(args.attr_lorsa) == scale["layer"] and not args.offload
             assert args.tokens == ([32, 64] if small == "1" else [512, 1024, 2048, 4096])
         if step == "offload":
-            assert args.attr_lorsa == "all" and args.offload and args.cap_gb == 80
-            assert args.tokens == ([32] if small == "1" else [1024])
+            assert args.attr_lorsa == "all" and args.offload and args.cap_gb == 80 and args.shared_weights
+            assert args.tokens == ([32] if small == "1" else [1024, 4096])
 
 
 def _fake_out(folder, device: str = "NVIDIA H200") -> None:
