@@ -18,8 +18,8 @@ keeps what the cached engine (:mod:`.cached`) takes from a pass — the residual
 attention and MLP inputs and outputs, the last logits; where a transcoder's circuit-tracer hooks move it off the
 MLP's call (:func:`~..formats.hook_sites.mlp_site_io`), the input of the module it reads instead of the MLP's and,
 for a Gemma-2/3 ``hook_mlp_out`` writer, ``post_feedforward_layernorm``'s output (:func:`off_call_paths`) — plus
-each spliced Lorsa's ``hook_z`` and each spliced transcoder's ``hook_sae_acts_post`` as the pass used them (edits
-included). The interventions
+each spliced Lorsa's ``hook_z`` and each spliced transcoder's ``hook_sae_acts_post`` (a CLT's: ``model.clt``'s
+``hook_sae_acts_post[layer]``) as the pass used them (edits included). The interventions
 report their targets to the recorder's :class:`~..envoy.edit_log.EditLog`. After the trace,
 :attr:`IntervenedAttribution.graph` runs the frozen-Jacobian attribution on those tensors (no model
 forward), with :class:`~.layout.LiveNodes`:
@@ -32,7 +32,8 @@ forward), with :class:`~.layout.LiveNodes`:
   nodes' values, so every computed row still sums to its node's value exactly and the graph's logits
   are the pass's logits (the spliced error term ``MHSA − Lorsa_clean`` is what the error node holds).
 
-Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes); an MHSA head of
+Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes; a CLT's features are no
+targets of :mod:`nnsight_lorsa.patching`: edited on its envoy they are unmarked, at the pass's values); an MHSA head of
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
 :mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a

@@ -103,9 +103,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     def feature_module(self, target: Any) -> Any:
         raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets of "
-                                  "nnsight_lorsa.patching; edit them on the CLT's envoy, model.clt.hook_sae_acts_post[layer]"
-                                  ".output (what rm.replace()['transcoders'] returns; in layer order), or use per-layer "
-                                  "transcoders")
+                                  "nnsight_lorsa.patching; edit them on the CLT's envoy, "
+                                  "model.clt.hook_sae_acts_post[layer].output (model.clt: what "
+                                  "rm.replace()['transcoders'] returns; in layer order), or use per-layer transcoders")
 
     def by_layer(self) -> dict[int, Any]:
         """``{layer: CLTLayer}``: each layer of the CLT seen as a transcoder
