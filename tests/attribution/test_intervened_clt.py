@@ -85,8 +85,9 @@ def edited_pass(model, bundle, ids: torch.Tensor, layer: int, feature: int, valu
 def test_a_clt_feature_steered_on_its_envoy_takes_the_passs_value(clt_tiny, layer):
     """A CLT feature of layer 0 (decoding into MLPs 0, 1 and 2) or 1 (into 1 and 2), steered by +2 at the last
     position: its node holds the steered value (it used to hold the feature's unedited encoding, the edit carried
-    only by the error nodes), unmarked (an envoy edit); every CLT node is the pass's feature, the later layers' moved
-    by the edit; it drives the later layers' features; rows sum; the graph's logits are the edited pass's."""
+    only by the error nodes), unmarked (an envoy edit: its row, still computed, sums to the encoder's unedited
+    output); every CLT node is the pass's feature, the later layers' moved by the edit; it drives the later layers'
+    features; rows sum; the graph's logits are the edited pass's."""
     model, bundle, ids, clean = clt_tiny
     last = int(ids.numel()) - 1
     feature, before = top_feature(clean, layer, last)
@@ -97,6 +98,8 @@ def test_a_clt_feature_steered_on_its_envoy_takes_the_passs_value(clt_tiny, laye
     assert i.numel() == 1
     i = int(i[0])
     assert abs(float(g.activation[i]) - (before + 2.0)) < 1e-5 * (abs(before) + 2.0)
+    # an unmarked (envoy) edit keeps its row: its incoming edges explain the encoder's output, the unedited value
+    assert bool(graph.feature_rows[i]) and abs(float(graph.values[i]) - before) < 1e-5 * abs(before)
     assert not bool(g.intervened.any()) and graph.meta["intervened"] == []
     for at in range(N_LAYERS):  # every CLT node is the feature the pass computed (and used)
         assert torch.allclose(graph_acts(graph, at, acts[at]), acts[at], rtol=1e-5, atol=1e-6), at
