@@ -595,12 +595,13 @@ def test_replace_leaves_the_models_modules_alone() -> None:
 INTERVENED_CLIENT = r'''
 import contextlib, json, pickle, warnings, torch, nnsight
 from loopback import LoopbackServer, build_model, loopback, serve_env
-from helpers import make_lorsa, make_transcoders, random_ids
-from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
+from helpers import make_clt, make_lorsa, make_transcoder, make_transcoders, random_ids
+from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 from nnsight_lorsa.attribution import IntervenedAttribution, PruneConfig, attribute
+from nnsight_lorsa.attribution.graph import TRANSCODER
 from nnsight_lorsa.errors import (ArgumentError, ConfigMismatchError, ServerVersionError, ServerVersionWarning,
                                   ShapeError, TraceOrderError)
-from nnsight_lorsa.patching import LorsaHead, ablate
+from nnsight_lorsa.patching import Feature, LorsaHead, ablate
 from nnsight_lorsa.remote import NotWhitelistedError, register, remote_backend
 from nnsight_lorsa import server_version
 
@@ -728,6 +729,84 @@ try:
 except TraceOrderError as e:
     local_pickle = str(e)
 
+def off_call_cases():
+    """Transcoders read off the MLP's call (circuit-tracer hooks hook_resid_mid, ln2.hook_normalized) and a CLT: the
+    graph of an edited pass, locally and recorded on the server."""
+    last = int(ids.numel()) - 1
+
+    def hooked(module, hook_in):
+        module.cfg.extra["circuit_tracer"] = {"feature_input_hook": hook_in, "feature_output_hook": "mlp.hook_out"}
+        return module
+
+    def top_feature(graph):                          # the layer-0 feature most active at the last position
+        n = graph.nodes
+        here = ((n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last)).nonzero().flatten()
+        top = int(here[n.activation[here].abs().argmax()])
+        return int(n.index[top]), float(n.activation[top])
+
+    def rel_(a, b):
+        return float((a.detach().double() - b.detach().double()).abs().max() / b.detach().double().abs().max())
+
+    def compare(graph, local, saved, local_logits):    # the remote graph against the local one
+        ids_ = graph.logit_ids
+        top = saved.detach()[0, -1].double()
+        return {"adjacency": rel_(graph.densify(), local.densify()),
+                "adjacency_equal": bool(torch.equal(graph.densify(), local.densify())),
+                "same_nodes": all(torch.equal(getattr(graph.nodes, f), getattr(local.nodes, f))
+                                  for f in ("kind", "layer", "pos", "index", "intervened")),
+                "activation": rel_(graph.nodes.activation, local.nodes.activation),
+                "marked": int(graph.nodes.intervened.sum()), "local_marked": int(local.nodes.intervened.sum()),
+                "meta": graph.meta["intervened"], "local_meta": local.meta["intervened"],
+                "logit_gap": rel_(graph.values[ids_], top[graph.nodes.index[ids_]] - top.mean()),
+                "saved_vs_local": rel_(saved, local_logits), "saved_vs_clean": rel_(saved, clean_logits),
+                "edge_sum": float(graph.edge_sum_error("mass").max())}
+
+    with model.trace(ids):
+        clean_logits = nnsight.save(model.lm_head.output)
+    out, before_sent = {}, len(sent)
+    for hook_in in ("hook_resid_mid", "ln2.hook_normalized"):      # per-layer transcoders read off the MLP's call
+        bundle = ReplacementModel(model, transcoders=TranscoderSet(model, {
+            0: hooked(make_transcoder(skip=False, seed=3), hook_in),
+            2: hooked(make_transcoder(skip=True, seed=4), hook_in)}))
+        feature, before = top_feature(attribute(bundle, ids, batch_size=40))
+        with model.trace(ids) as tracer:             # the local intervened graph (the reference)
+            bundle.replace()
+            handle = attribute(bundle, tracer=tracer, batch_size=40)
+            ablate(bundle(Feature(0, feature, kind="transcoder")), positions=last)
+            logits = nnsight.save(model.lm_head.output)
+        local = handle.graph
+        with model.trace(ids, remote=True) as rt:    # the same pass, recorded on the server
+            bundle.replace()
+            remote_handle = attribute(bundle, tracer=rt, batch_size=40)
+            ablate(bundle(Feature(0, feature, kind="transcoder")), positions=last)
+            remote_logits = nnsight.save(model.lm_head.output)
+        out[hook_in] = compare(remote_handle.graph, local, remote_logits, logits)
+    clt = make_clt(n_layers=3, seed=1)
+    clt.cfg.extra["circuit_tracer"] = {"feature_input_hook": "hook_resid_mid", "feature_output_hook": "mlp.hook_out"}
+    bundle = ReplacementModel(model, transcoders=CLTSet(model, clt))
+    feature, before = top_feature(attribute(bundle, ids, batch_size=40))
+    with model.trace(ids) as tracer:                 # a CLT feature steered on the CLT's envoy, locally
+        spliced = bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        spliced["transcoders"].hook_sae_acts_post[0].output[0, last, feature] += 2.0
+        logits = nnsight.save(model.lm_head.output)
+    local = handle.graph
+    with model.trace(ids, remote=True) as rt:        # and remotely
+        spliced = bundle.replace()
+        remote_handle = attribute(bundle, tracer=rt, batch_size=40)
+        spliced["transcoders"].hook_sae_acts_post[0].output[0, last, feature] += 2.0
+        remote_logits = nnsight.save(model.lm_head.output)
+    out["clt"] = compare(remote_handle.graph, local, remote_logits, logits)
+    n = local.nodes
+    steered = (n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last) & (n.index == feature)
+    out["clt"]["steered"] = [float(a) for a in remote_handle.graph.nodes.activation[steered]]
+    out["clt"]["before"] = before
+    out["requests"] = len(sent) - before_sent
+    return out
+
+
+off_call = off_call_cases()
+
 # the server's nnsight version: read once per host (GET /env), compared before sending
 env_calls = []
 _env = server.env
@@ -787,6 +866,7 @@ for name, graph, saved in (("session", in_session, remote_logits), ("trace", in_
     }
 out["local_meta"] = local.meta["intervened"]
 out["head"] = head
+out["off_call"] = off_call
 print(json.dumps(out))
 '''
 
@@ -812,6 +892,30 @@ def test_the_intervened_pass_is_attributed_in_a_remote_session_and_trace(interve
         assert got["logit_gap"] <= 1e-4, (name, got)  # the graph's logits are the remote trace's saved logits
         assert got["saved_vs_local"] <= 1e-5 < got["saved_vs_clean"], (name, got)  # the ablation changed them
         assert got["edge_sum"] < 1e-4, (name, got)
+
+
+@pytest.mark.parametrize("case", ["hook_resid_mid", "ln2.hook_normalized", "clt"])
+def test_the_intervened_pass_of_transcoders_read_off_the_mlp_call_is_the_local_one_remotely(
+        intervened_loopback: dict, case: str) -> None:
+    """``attribute(rm, tracer=tracer)`` in ``model.trace(..., remote=True)`` (the loopback: NDIF's rules, no
+    nnsight_lorsa on the server) for transcoders whose circuit-tracer hooks read ``hook_resid_mid`` (the pre-MLP
+    norm's input) or ``ln2.hook_normalized`` (``x / rms(x)``, before the norm's gain; GemmaScope's hook on an RMSNorm),
+    a layer-0 feature ablated at the last position with :mod:`nnsight_lorsa.patching`, and for a CLT reading
+    ``hook_resid_mid`` with a layer-0 feature steered by +2 on ``model.clt.hook_sae_acts_post[0]``: the graph built
+    from the server's recording is the local intervened graph (same nodes, marks and activations, bit-equal
+    adjacency), its logits are the remote trace's, which the edit moved; the steered CLT node holds its steered
+    value (``off_call_cases`` in the client)."""
+    out = intervened_loopback["off_call"]
+    assert out["requests"] == 3
+    got = out[case]
+    assert got["adjacency_equal"] and got["adjacency"] <= 1e-4, got
+    assert got["same_nodes"] and got["activation"] == 0.0, got
+    assert got["marked"] == got["local_marked"] == (0 if case == "clt" else 1), got
+    assert got["meta"] == got["local_meta"], got
+    assert got["logit_gap"] <= 1e-5 and got["saved_vs_local"] <= 1e-5 < got["saved_vs_clean"], got
+    assert got["edge_sum"] < 1e-5, got
+    if case == "clt":
+        assert got["steered"] == [pytest.approx(got["before"] + 2.0, rel=1e-5)], got
 
 
 def test_attribute_in_a_remote_block_and_a_local_handle_are_refused(intervened_loopback: dict) -> None:

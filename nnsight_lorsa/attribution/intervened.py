@@ -18,8 +18,8 @@ keeps what the cached engine (:mod:`.cached`) takes from a pass — the residual
 attention and MLP inputs and outputs, the last logits; where a transcoder's circuit-tracer hooks move it off the
 MLP's call (:func:`~..formats.hook_sites.mlp_site_io`), the input of the module it reads instead of the MLP's and,
 for a Gemma-2/3 ``hook_mlp_out`` writer, ``post_feedforward_layernorm``'s output (:func:`off_call_paths`) — plus
-each spliced Lorsa's ``hook_z`` and each spliced transcoder's ``hook_sae_acts_post`` as the pass used them (edits
-included). The interventions
+each spliced Lorsa's ``hook_z`` and each spliced transcoder's ``hook_sae_acts_post`` (a CLT's: ``model.clt``'s
+``hook_sae_acts_post[layer]``) as the pass used them (edits included). The interventions
 report their targets to the recorder's :class:`~..envoy.edit_log.EditLog`. After the trace,
 :attr:`IntervenedAttribution.graph` runs the frozen-Jacobian attribution on those tensors (no model
 forward), with :class:`~.layout.LiveNodes`:
@@ -32,7 +32,8 @@ forward), with :class:`~.layout.LiveNodes`:
   nodes' values, so every computed row still sums to its node's value exactly and the graph's logits
   are the pass's logits (the spliced error term ``MHSA − Lorsa_clean`` is what the error node holds).
 
-Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes); an MHSA head of
+Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes; a CLT's features are no
+targets of :mod:`nnsight_lorsa.patching`: edited on its envoy they are unmarked, at the pass's values); an MHSA head of
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
 :mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a
@@ -146,6 +147,11 @@ class IntervenedAttribution:
         lor, tcs = layer_modules(rm)
         # where a transcoder reads / writes off the MLP's call (circuit-tracer hooks; paths: strings only)
         read_at, post_at = off_call_paths(rm, tcs)
+        # a cross-layer transcoder's splice sits at the root (model.clt): its features as the pass used them (edits on
+        # model.clt.hook_sae_acts_post[layer] included), read where each layer's step runs
+        clt = getattr(rm.transcoders, "clt", None)
+        name = getattr(rm.transcoders, "attach_name", None)
+        clt_env = getattr(model, name) if clt is not None and name and held_module(model, name) is clt else None
 
         def value(envoy: Any, what: str) -> Any:
             serve_last(me)  # after the body's edits and the splices' swaps at this location
@@ -184,16 +190,20 @@ class IntervenedAttribution:
                 args, kwargs = value(model.get(read_at[layer]), "inputs")
                 saved["mlp_in"][layer] = keep(adapter.mlp_input(args, kwargs))
             mlp = model.get(adapter.mlp_path(layer))
-            spliced = layer in tcs and held_module(mlp, "transcoder") is tcs[layer]
+            if clt_env is not None:  # a spliced CLT: layer `layer`'s features, at the root (model.clt)
+                acts_hook = clt_env.hook_sae_acts_post[layer] if layer in tcs else None
+            else:
+                spliced = layer in tcs and held_module(mlp, "transcoder") is tcs[layer]
+                acts_hook = mlp.transcoder.hook_sae_acts_post if spliced else None
             if layer in tcs and layer not in read_at:
                 args, kwargs = value(mlp, "inputs")
                 saved["mlp_in"][layer] = keep(adapter.mlp_input(args, kwargs))
-            if spliced and layer not in post_at:  # the features as used (the transcoder runs at the MLP's output)
-                saved["acts"][layer] = keep(value(mlp.transcoder.hook_sae_acts_post, "output")[0])
+            if acts_hook is not None and layer not in post_at:  # the features as used (run at the MLP's output)
+                saved["acts"][layer] = keep(value(acts_hook, "output")[0])
             saved["mlp_out"][layer] = keep(adapter.mlp_output(value(mlp, "output")))
             if layer in post_at:  # it runs at the post-MLP norm's output, which it replaces: after the MLP
-                if spliced:
-                    saved["acts"][layer] = keep(value(mlp.transcoder.hook_sae_acts_post, "output")[0])
+                if acts_hook is not None:
+                    saved["acts"][layer] = keep(value(acts_hook, "output")[0])
                 saved["mlp_post_out"][layer] = keep(value(model.get(post_at[layer]), "output"))
         saved["last"] = keep(value(model.get(adapter.lm_head_path), "output")[0, -1])
         saved.update(tokens=ids[0].detach().to(HOST, torch.long), embeddings=emb, positions=positions)

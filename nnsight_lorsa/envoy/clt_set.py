@@ -102,8 +102,10 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         return int(self.clt.n_layers * self.clt.cfg.d_sae)
 
     def feature_module(self, target: Any) -> Any:
-        raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets; "
-                                  "use per-layer transcoders")
+        raise ConfigMismatchError(f"{target}: features of a cross-layer transcoder are not intervention targets of "
+                                  "nnsight_lorsa.patching; edit them on the CLT's envoy, "
+                                  "model.clt.hook_sae_acts_post[layer].output (model.clt: what "
+                                  "rm.replace()['transcoders'] returns; in layer order), or use per-layer transcoders")
 
     def by_layer(self) -> dict[int, Any]:
         """``{layer: CLTLayer}``: each layer of the CLT seen as a transcoder

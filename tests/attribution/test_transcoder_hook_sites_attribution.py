@@ -304,7 +304,9 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
     (same nodes, values and edges within 1e-5); (per-layer transcoders, whose features the graph holds as edited)
     with a layer-0 feature zero-ablated at the last position, that node is marked at 0, the layer-2 features are the
     ones the spliced pass computed (not the clean ones), every computed row sums to its value (mass) and the logit
-    nodes are the trace's logits."""
+    nodes are the trace's logits; (a CLT, whose features are edited on its envoy) the same with the feature zeroed on
+    ``model.clt.hook_sae_acts_post[0]``, an unmarked edit: the feature is no node (it used to stay at its unedited
+    value: the recorder kept no CLT features)."""
     import nnsight
 
     from nnsight_lorsa.patching import Feature, ablate
@@ -326,8 +328,6 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
     assert _relative(g.nodes.activation, clean.nodes.activation) < 1e-5
     assert _relative(g.densify(), clean.densify()) < 1e-5
     assert g.meta["logit_gap"] < 1e-5
-    if kind == "clt":
-        return
     # an edit: the feature of layer 0 most active at the last position, zero-ablated there
     last = int(ids.numel()) - 1
     n = clean.nodes
@@ -335,6 +335,9 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
     top = int(here[n.activation[here].abs().argmax()])
     feature = int(n.index[top])
     assert abs(float(n.activation[top])) > 0.01
+    if kind == "clt":
+        _check_a_clt_feature_zeroed_on_its_envoy(model, r, ids, clean, feature)
+        return
     with model.trace(ids) as tracer:
         r.replace()
         handle = attribute(r, tracer=tracer, batch_size=40)
@@ -352,6 +355,33 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
     assert torch.allclose(_graph_acts(e, 2, acts2), acts2, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(_graph_acts(clean, 2, acts2), acts2, rtol=1e-5, atol=1e-6)  # the edit reached them
     assert torch.allclose(_graph_acts(e, 2, acts2, values=True), acts2, rtol=1e-4, atol=1e-5)
+    assert e.edge_sum_error("mass").max() < 1e-5
+    top_logits = logits.detach()[0, -1].double()
+    want = top_logits[e.nodes.index[e.logit_ids]] - top_logits.mean()
+    assert _relative(e.values[e.logit_ids], want) < 1e-5 and e.meta["logit_gap"] < 1e-5
+    assert _relative(clean.values[clean.logit_ids], want) > 1e-4  # the edit changed the logits
+
+
+def _check_a_clt_feature_zeroed_on_its_envoy(model: Any, r: Any, ids: torch.Tensor, clean: Any, feature: int) -> None:
+    """The graph of a traced pass with CLT feature ``feature`` of layer 0 zeroed at the last position on the CLT's
+    envoy: no such node, no mark, every layer's CLT nodes are the pass's features, rows sum, logits are the pass's."""
+    import nnsight
+
+    last = int(ids.numel()) - 1
+    saved: list = []
+    with model.trace(ids) as tracer:
+        clt = r.replace()["transcoders"]
+        handle = attribute(r, tracer=tracer, batch_size=40)
+        clt.hook_sae_acts_post[0].output[0, last, feature] = 0.0
+        for layer in range(3):
+            saved.append(clt.hook_sae_acts_post[layer].output.save())
+        logits = nnsight.save(model.lm_head.output)
+    e = handle.graph
+    n = e.nodes
+    assert not bool(((n.kind == TRANSCODER) & (n.layer == 0) & (n.pos == last) & (n.index == feature)).any())
+    assert not bool(n.intervened.any())
+    for layer, acts in enumerate(saved):
+        assert torch.allclose(_graph_acts(e, layer, acts[0].detach()), acts[0].detach(), rtol=1e-5, atol=1e-6), layer
     assert e.edge_sum_error("mass").max() < 1e-5
     top_logits = logits.detach()[0, -1].double()
     want = top_logits[e.nodes.index[e.logit_ids]] - top_logits.mean()
