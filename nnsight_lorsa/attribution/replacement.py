@@ -31,8 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import _placement
-from .._placement import offloaded, pinned, resident, to_module
+from .._placement import fetch, offloaded, pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -182,13 +181,13 @@ class FrozenReplacement:
                 slots = self.slots(slot_key, pos)
                 with torch.no_grad():  # the active nodes' rows, gathered where W is (kept: on the site's device,
                     # from one copy of W), then moved to the site
-                    src = _placement.fetch(W.detach(), like.device) if keep else W.detach()
+                    src = fetch(W.detach(), like.device) if keep else W.detach()
                     self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(src, idx.to(src.device)), like)))
             elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered on the site's device from one
                 # non_blocking copy of the (pinned) weight, once; every pass reads them in place
                 rows, at = torch.unique(idx.to(like.device), return_inverse=True)
                 with torch.no_grad():
-                    sub = take_rows(_placement.fetch(W.detach(), like.device), rows)
+                    sub = take_rows(fetch(W.detach(), like.device), rows)
                 self.device_rows[key] = sub.numel() * sub.element_size()
                 self._nodes[key] = GatheredNodes(sub, at, pos, self.layout.n_pos, like.dtype)
             elif W.device == like.device:  # W is read in every pass, where it is
@@ -302,7 +301,7 @@ class FrozenReplacement:
         # copy of the pinned W_V); else where W_V is, or elsewhere (offloaded): kept there (pinned), copied per pass
         if self.keeps(lorsa):
             with torch.no_grad():
-                w_v = on(take_rows(_placement.fetch(W_V.detach(), x.device), uniq), x)
+                w_v = on(take_rows(fetch(W_V.detach(), x.device), uniq), x)
             self.device_rows[f"L{layer}.lorsa.w_v"] = w_v.numel() * w_v.element_size()
         else:
             w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])

@@ -60,6 +60,8 @@ def real_copies(monkeypatch) -> list[weakref.ref]:
         return c
 
     monkeypatch.setattr(placement, "fetch", fetch)
+    # the frozen pass's own gathers of kept rows (replacement.fetch: the same function, imported by name)
+    monkeypatch.setattr("nnsight_lorsa.attribution.replacement.fetch", fetch)
     return copies
 
 
