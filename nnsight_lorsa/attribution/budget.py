@@ -709,8 +709,8 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     without a feature budget*).
 
     Offloaded modules on a device: their rows counted where ``attribute`` without ``max_memory`` keeps them
-    (:func:`.offload.rows_placement`: on the device iff 1.1 × that estimate fits its free memory now;
-    :attr:`MemoryEstimate.offload_rows` says which).
+    (:func:`.offload.rows_placement`: the blocks that fit the device's free memory now over 1.1, above the all-host
+    estimate; :attr:`MemoryEstimate.offload_rows` says which, ``offload_rows_kept_bytes`` their bytes).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as

@@ -5,8 +5,9 @@ replacement modules").
 On the CPU the copy is ``t.to("cpu")`` (``t`` itself), so the mechanics run with ``fetch`` replaced by a
 real copy (``clone``): the graph is bit-identical to the resident modules' (several prompts; Lorsa +
 transcoders and Lorsa + a cross-layer transcoder; every memory mode; QK tracing), every module's own
-parameters are back after the call, and no copy outlives it. The memory model is checked on its terms; the
-``gpu`` case measures the device peak with the model on CUDA.
+parameters are back after the call, and no copy outlives it — with the active rows on the device, on the host, or
+partly on each (the blocks that fit). The memory model is checked on its terms, and the rule that picks the kept
+blocks on synthetic and real estimates; the ``gpu`` case measures the device peak with the model on CUDA.
 """
 
 from __future__ import annotations
