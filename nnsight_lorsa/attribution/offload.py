@@ -98,9 +98,11 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
             size = _distinct(lay.tc_feat) * d_model * lay.transcoder.W_enc.element_size()
             blocks.append((f"L{lay.layer}.tc.w_enc", size))
         for src in layout.layers[:lay.layer + 1]:  # FrozenReplacement.writes: every decoder into this MLP
-            w_dec = None if src.transcoder is None else src.transcoder.decoders(src.layer).get(lay.layer)
             n = src.tc_pos.numel()
-            if w_dec is None or not n or tc_owner(src) is None:
+            if not n or tc_owner(src) is None:
+                continue
+            w_dec = src.transcoder.decoders(src.layer).get(lay.layer)
+            if w_dec is None:
                 continue
             if choose(node_vectors, n, d_model, dtype, layout.decoder_targets(src.layer)) == "gather":
                 blocks.append((f"L{src.layer}.tc.w_dec->{lay.layer}",
