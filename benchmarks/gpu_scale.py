@@ -373,7 +373,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     decided for the card the cap stands for, not the larger one it runs on."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
-    from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
+    from nnsight_lorsa.attribution.budget import layout_for_estimate, plan_call
     from nnsight_lorsa.attribution.options import AttributionOptions
 
     dev = next(hf.parameters()).device
@@ -406,11 +406,12 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             continue
         peak = peak_bytes(dev)
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
-        if (offload_rows, used_batch) != (est.offload_rows, est.batch_size):  # max_memory decided otherwise
-            layout, info = layout_for_estimate(rm, ids, AttributionOptions(batch_size=used_batch,
-                                                                           max_feature_nodes=rows))
-            est = estimate_layout(layout, batch_size=used_batch, max_feature_nodes=rows,
-                                  offload_rows=offload_rows or "host", **info)
+        if (offload_rows, used_batch) != (est.offload_rows, est.batch_size):  # max_memory decided otherwise:
+            # its choice again (a partial one names the blocks kept: offload.rows_placement), at the batch used
+            layout, info = layout_for_estimate(rm, ids, AttributionOptions(batch_size=batch, max_feature_nodes=rows))
+            _, place, estimate = plan_call(layout, lambda info=info: info, dev, batch_size=batch,
+                                           max_feature_nodes=rows, max_memory=max_memory)
+            est = estimate(place or "host", used_batch)
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
         out.append({
@@ -423,7 +424,8 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
-            "offload_rows": offload_rows, "batch_size": used_batch, "max_memory": max_memory,
+            "offload_rows": offload_rows, "offload_rows_kept_bytes": graph.meta.get("offload_rows_kept_bytes"),
+            "batch_size": used_batch, "max_memory": max_memory,
         })
         flush()
         del graph

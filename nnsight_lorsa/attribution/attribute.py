@@ -112,9 +112,11 @@ def attribute(
         max_memory: a budget in bytes (host memory for a CPU model, device memory otherwise): the batch
             is the largest ``≤ batch_size`` that :func:`.budget.estimate_memory`'s model fits in it
             (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``. With offloaded
-            modules on a device it also decides where their active rows live: kept on the device iff that keeps the
-            same batch (:func:`.offload.rows_placement`; without ``max_memory``: iff 1.1 × the estimate fits the
-            device's free memory; ``graph.meta["offload_rows"]`` says which).
+            modules on a device it also decides where their active rows live: as many sites' blocks kept on the
+            device as fit what the batch leaves of it (never a smaller batch), the rest copied per pass
+            (:func:`.offload.rows_placement`; without ``max_memory``: what fits the device's free memory over 1.1;
+            ``graph.meta["offload_rows"]``: ``"device"`` / ``"partial"`` / ``"host"``, and
+            ``graph.meta["offload_rows_kept_bytes"]``).
         zero_positions: the first this many positions get no feature or Lorsa-head nodes; their
             transcoder / Lorsa outputs are carried by those positions' error nodes, so sums stay exact.
             Default 0: every position has its features (BOS included). ``1`` matches circuit-tracer's

@@ -34,9 +34,9 @@ per edge:
   patterns and the CPU's SDPA, 64–512 tokens, batches 1–8: 0.79–1.0× ``per copy · B + shared``; and on the tiny
   Gemma-2 / Gemma-3 (``--model gemma2|gemma3``), 128–512 tokens: see docs/attribution.md;
 * *offloaded modules* (device; ``ReplacementSet.offload``): the largest one while it computes and the rows
-  of them the frozen pass reads (:func:`.offload.offload_terms`: every block where the call keeps them on the
-  device, the largest where it copies them per pass — :func:`plan_call` decides as ``attribute`` does, so the
-  estimate is of the call's own choice); resident modules are not counted (the
+  of them the frozen pass reads (:func:`.offload.offload_terms`: the blocks the call keeps on the device summed, plus
+  the largest of those it copies per pass — :func:`plan_call` decides as ``attribute`` does, so the estimate is of
+  the call's own choice); resident modules are not counted (the
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
   fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
   on a GPU);
@@ -108,7 +108,16 @@ from .frozen import choose, keeps_pattern, node_chunk_elements
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
-from .offload import any_offloaded, device_free_bytes, offload_terms, rows_placement
+from .offload import (
+    RowsPlace,
+    any_offloaded,
+    device_free_bytes,
+    kept_bytes,
+    offload_blocks,
+    offload_terms,
+    rows_label,
+    rows_placement,
+)
 from .options import AttributionOptions, refuse_renamed
 from .rows import CHUNK_ENTRIES, full_graph_blocks
 from .scores import CHUNK as SCORES_CHUNK
@@ -178,10 +187,14 @@ class MemoryEstimate(FieldsRepr):
             ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
             in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
-        offload_rows: where the offloaded modules' active rows are counted: ``"device"`` (kept there for the whole
-            call: every block, ``offload_rows`` term), ``"host"`` (copied per pass: the largest block; on a CPU model
-            nothing), None where nothing is offloaded — as ``attribute`` decides (:func:`.offload.rows_placement`;
+        offload_rows: where the offloaded modules' active rows are counted: ``"device"`` (every block kept there
+            for the whole call, ``offload_rows`` term), ``"host"`` (copied per pass: the largest block; on a CPU
+            model nothing), ``"partial"`` (the blocks that fit kept, the largest other copied per pass), None where
+            nothing is offloaded — as ``attribute`` decides (:func:`.offload.rows_placement`;
             ``Graph.meta["offload_rows"]``).
+        offload_rows_kept_bytes: bytes of the offloaded rows kept on the device (the kept blocks,
+            :func:`.offload.offload_blocks`; 0 with ``"host"``, None where nothing is offloaded;
+            ``Graph.meta["offload_rows_kept_bytes"]``).
     """
 
     host_bytes: int
@@ -189,6 +202,7 @@ class MemoryEstimate(FieldsRepr):
     batch_size: int
     terms: dict[str, int] = field(default_factory=dict)
     offload_rows: str | None = None
+    offload_rows_kept_bytes: int | None = None
 
 
 def row_reach(layout: Layout) -> tuple[torch.Tensor, float]:
@@ -421,7 +435,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                     mhsa_widths: dict[int, tuple[int, int]] | None = None, vocab: int = 0,
                     d_mlp: int = 0, unembed_itemsize: int | None = None, n_norms: int | None = None,
                     pattern_layers: Collection[int] = (), mask_entry_bytes: int = 0,
-                    offload_rows: str = "host") -> MemoryEstimate:
+                    offload_rows: RowsPlace = "host") -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
     MHSA layer; ``mhsa_widths``: its ``(n_heads · head_dim, n_kv_heads · head_dim)``, None: ``d_model`` each);
     see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
@@ -433,8 +447,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     :func:`.frozen.keeps_pattern`) — their ``H·P²`` pattern, its making and their stored-pattern backward counted
     also on the SDPA paths, the GPU's fitted one included; ``mask_entry_bytes``, the model's own attention masks per
     prompt copy and (query, key) pair (:func:`attention_mask_entry_bytes`; 0: none); ``offload_rows``: where the
-    frozen pass keeps the offloaded modules' active rows (``"host"`` / ``"device"``: :func:`.offload.offload_terms`;
-    :func:`plan_call` decides it as ``attribute`` does)."""
+    frozen pass keeps the offloaded modules' active rows (``"host"`` / ``"device"`` / the kept blocks' keys:
+    :data:`.offload.RowsPlace`, :func:`.offload.offload_terms`; :func:`plan_call` decides it as ``attribute`` does)."""
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
@@ -519,19 +533,23 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
              "node_grids": node_grids, **offload}
-    where = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
+    place = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
+    kept = None if place is None else kept_bytes(  # the blocks kept on the device, in bytes
+        offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize), place)
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
-        return MemoryEstimate(host, frozen, batch_size, terms, where)
-    return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms, where)
+        return MemoryEstimate(host, frozen, batch_size, terms, rows_label(place), kept)
+    return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms, rows_label(place),
+                          kept)
 
 
 def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.device, *, batch_size: int,
               max_feature_nodes: int | None, max_memory: int | None
-              ) -> tuple[int, str | None, Callable[[str, int], MemoryEstimate]]:
+              ) -> tuple[int, RowsPlace | None, Callable[[RowsPlace, int], MemoryEstimate]]:
     """What one :func:`.attribute.attribute` call settles before its frozen pass: where it keeps the offloaded
-    modules' active rows (:func:`.offload.rows_placement`: the rule, units) and, with ``max_memory`` (bytes), the
-    largest batch ``≤ batch_size`` that fits it (:func:`largest_batch`, with those rows).
+    modules' active rows (:func:`.offload.rows_placement`: the rule, units; all, none or the blocks that fit the
+    slack) and, with ``max_memory`` (bytes), the largest batch ``≤ batch_size`` that fits it
+    (:func:`largest_batch`, with those rows: the one of the rows on the host).
 
     Args:
         layout: the prompt's nodes.
@@ -539,17 +557,22 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
         device: the model's device (its free memory read where the rule needs it, :func:`.offload.device_free_bytes`).
 
     Returns:
-        ``(batch, rows, estimate)``: ``rows`` ``"device"`` / ``"host"`` (None: nothing offloaded);
-        ``estimate(rows, batch)``: :func:`estimate_layout` with ``offload_rows=rows`` (memoised).
+        ``(batch, rows, estimate)``: ``rows`` ``"device"`` / ``"host"`` / a frozenset of the kept blocks' keys
+        (:data:`.offload.RowsPlace`; None: nothing offloaded); ``estimate(rows, batch)``: :func:`estimate_layout`
+        with ``offload_rows=rows`` (memoised).
 
     Raises:
         MemoryBudgetError: ``max_memory`` too small even for batch 1.
     """
     memo: dict[Any, Any] = {}
 
-    def estimate(rows: str, batch: int = batch_size) -> MemoryEstimate:
+    def shapes() -> dict[str, Any]:
         if "info" not in memo:
             memo["info"] = info()
+        return memo["info"]
+
+    def estimate(rows: RowsPlace, batch: int = batch_size) -> MemoryEstimate:
+        shapes()
         if (rows, batch) not in memo:
             memo[rows, batch] = estimate_layout(layout, batch_size=batch, max_feature_nodes=max_feature_nodes,
                                                 offload_rows=rows, **memo["info"])
@@ -557,7 +580,13 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
 
     offloaded_any = any_offloaded(layout)
     free = device_free_bytes(device) if offloaded_any and max_memory is None else None
-    rows = rows_placement(offloaded_any, device.type, estimate, batch_size=batch_size, max_memory=max_memory,
+
+    def blocks() -> list[tuple[str, int]]:
+        s = shapes()
+        return offload_blocks(layout, d_model=s["d_model"], node_vectors=s["node_vectors"],
+                              itemsize=s["model_itemsize"])
+
+    rows = rows_placement(offloaded_any, device.type, estimate, blocks, batch_size=batch_size, max_memory=max_memory,
                           free_bytes=free)
     batch = batch_size
     if max_memory is not None:
@@ -680,8 +709,8 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     without a feature budget*).
 
     Offloaded modules on a device: their rows counted where ``attribute`` without ``max_memory`` keeps them
-    (:func:`.offload.rows_placement`: on the device iff 1.1 × that estimate fits its free memory now;
-    :attr:`MemoryEstimate.offload_rows` says which).
+    (:func:`.offload.rows_placement`: the blocks that fit the device's free memory now over 1.1, above the all-host
+    estimate; :attr:`MemoryEstimate.offload_rows` says which, ``offload_rows_kept_bytes`` their bytes).
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as

@@ -10,27 +10,30 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
   replaced MLP it writes into) — and every skip transcoder's ``W_skip`` (``d_in·d_out``: the skip path is
-  linear in the residual stream, so the backward keeps it on the device). Where the rows live is decided per call
-  (:func:`rows_placement`, ``Graph.meta["offload_rows"]``):
+  linear in the residual stream, so the backward keeps it on the device). Where the rows live is decided per call,
+  block by block (:func:`rows_placement`, :func:`offload_blocks`, ``Graph.meta["offload_rows"]``):
 
-  - ``"device"``: each block gathered on the device once (from one ``non_blocking`` copy of the pinned weight,
-    dropped after the gather: within *fetch*) and read in place by every pass: the **sum** of the blocks;
-  - ``"host"``: gathered on the host, kept there pinned, and copied to the device for each pass of each site only
-    (:func:`.frozen.streamed_linear`, :func:`.frozen.gather_write` / :func:`.frozen.gather_read`): the **largest**
-    block.
+  - a *kept* block is gathered on the device once (from one ``non_blocking`` copy of the pinned weight, dropped
+    after the gather: within *fetch*) and read in place by every pass;
+  - any other is gathered on the host, kept there pinned, and copied to the device for each pass of its site only
+    (:func:`.frozen.streamed_linear`, :func:`.frozen.gather_write` / :func:`.frozen.gather_read`);
+
+  counted as the **sum** of the kept blocks plus the **largest** block not kept (:func:`rows_cost`): ``"device"``
+  keeps every block, ``"host"`` none, ``"partial"`` (a set of keys) those that fit the memory left
+  (:func:`kept_blocks`).
 
 The host keeps the modules themselves (pinned where CUDA is available). torch only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._placement import offloaded
-from ..errors import MemoryBudgetError
 from .frozen import choose
 from .layout import Layout
 
@@ -57,27 +60,114 @@ def any_offloaded(layout: Layout) -> bool:
                for lay in layout.layers)
 
 
+#: where one call keeps the offloaded modules' active rows (:class:`.replacement.FrozenReplacement`'s ``offload_rows``):
+#: ``"host"`` (no block kept), ``"device"`` (every block) or the keys of the blocks kept (:func:`offload_blocks`; the
+#: rest copied per pass: ``Graph.meta["offload_rows"] == "partial"``)
+RowsPlace = str | frozenset[str]
+
+
+def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize: int) -> list[tuple[str, int]]:
+    """The offloaded modules' row blocks, ``[(key, bytes)]`` in the order the frozen forward makes them, keyed as
+    :class:`.replacement.FrozenReplacement` names them (:attr:`~.replacement.FrozenReplacement.device_rows`): per
+    layer, a Lorsa's ``L{l}.lorsa.w_o`` (its distinct ``w_o`` rows, where its site gathers) and ``L{l}.lorsa.w_v``
+    (the active OV heads' ``W_V`` rows, in the frozen model's dtype: ``itemsize`` bytes per number), then a
+    transcoder's ``L{l}.tc.w_enc`` (where its encoder site gathers) and ``L{src}.tc.w_dec->{l}`` for every
+    gathering decoder writing into MLP ``l`` (a cross-layer transcoder's earlier layers too). ``bytes``: what the
+    block takes on the device, kept there for the call or copied there for one pass of its site (the same). Sites
+    on grids copy their rows once anyway and are no block; blocks of no row are left out. ``node_vectors`` and
+    ``itemsize`` as :func:`offload_terms` (which site gathers: :func:`.frozen.choose`)."""
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(itemsize, torch.float32)
+    blocks: list[tuple[str, int]] = []
+
+    def tc_owner(lay: Any) -> Any:
+        tc = lay.transcoder
+        owner = None if tc is None else tc.weights_owner
+        return owner if owner is not None and offloaded(owner) else None
+
+    for lay in layout.layers:
+        lorsa = lay.lorsa
+        if lorsa is not None and offloaded(lorsa):
+            heads = _distinct(lay.lorsa_head)
+            if choose(node_vectors, lay.lorsa_pos.numel(), d_model, dtype) == "gather":
+                blocks.append((f"L{lay.layer}.lorsa.w_o", heads * d_model * lorsa.W_O.element_size()))
+            blocks.append((f"L{lay.layer}.lorsa.w_v", heads * d_model * itemsize))
+        if lay.transcoder is None:
+            continue
+        n = lay.tc_pos.numel()
+        if n and tc_owner(lay) is not None and choose(node_vectors, n, d_model, dtype) == "gather":
+            size = _distinct(lay.tc_feat) * d_model * lay.transcoder.W_enc.element_size()
+            blocks.append((f"L{lay.layer}.tc.w_enc", size))
+        for src in layout.layers[:lay.layer + 1]:  # FrozenReplacement.writes: every decoder into this MLP
+            n = src.tc_pos.numel()
+            if not n or tc_owner(src) is None:
+                continue
+            w_dec = src.transcoder.decoders(src.layer).get(lay.layer)
+            if w_dec is None:
+                continue
+            if choose(node_vectors, n, d_model, dtype, layout.decoder_targets(src.layer)) == "gather":
+                blocks.append((f"L{src.layer}.tc.w_dec->{lay.layer}",
+                               _distinct(src.tc_feat) * d_model * w_dec.element_size()))
+    return [(key, size) for key, size in blocks if size]
+
+
+def rows_cost(blocks: list[tuple[str, int]], kept: Collection[str]) -> int:
+    """Device bytes of the rows with the blocks ``kept`` (keys) kept on the device: their sum plus the largest block
+    not kept (copied for one pass of its site: one on the device at a time)."""
+    return (sum(size for key, size in blocks if key in kept)
+            + max((size for key, size in blocks if key not in kept), default=0))
+
+
+def kept_blocks(blocks: list[tuple[str, int]], slack: int) -> frozenset[str]:
+    """The blocks to keep on the device within ``slack`` bytes above the all-host rows (:func:`rows_cost` of none
+    kept: the largest block), chosen greedily in ``blocks``' order (the frozen forward's, :func:`offload_blocks`):
+    each block is kept iff the set with it still costs at most ``slack`` bytes more than none kept (a block that
+    does not fit is passed over, later ones still tried). Leaving one block out costs as much as keeping it (it is
+    on the device while its site computes), so every set but all of them leaves at least two out. ``slack < 0``:
+    none."""
+    if slack < 0:
+        return frozenset()
+    limit = rows_cost(blocks, ()) + slack
+    kept: set[str] = set()
+    for key, _ in blocks:
+        if rows_cost(blocks, kept | {key}) <= limit:
+            kept.add(key)
+    return frozenset(kept)
+
+
+def kept_keys(blocks: list[tuple[str, int]], rows: RowsPlace) -> frozenset[str]:
+    """The keys of ``blocks`` kept on the device under ``rows`` (:data:`RowsPlace`; a set's keys that name no block
+    left out)."""
+    keys = frozenset(key for key, _ in blocks)
+    return keys if rows == "device" else frozenset() if isinstance(rows, str) else keys & frozenset(rows)
+
+
+def kept_bytes(blocks: list[tuple[str, int]], rows: RowsPlace) -> int:
+    """Bytes of the ``blocks`` kept on the device under ``rows`` (``Graph.meta["offload_rows_kept_bytes"]``)."""
+    kept = kept_keys(blocks, rows)
+    return sum(size for key, size in blocks if key in kept)
+
+
+def rows_label(rows: RowsPlace | None) -> str | None:
+    """``Graph.meta["offload_rows"]`` / :attr:`.budget.MemoryEstimate.offload_rows` of a placement: ``"host"``,
+    ``"device"``, ``"partial"`` (a set of kept keys) or None (nothing offloaded)."""
+    return rows if rows is None or isinstance(rows, str) else "partial"
+
+
 def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: int,
-                  rows: str = "host") -> dict[str, int]:
+                  rows: RowsPlace = "host") -> dict[str, int]:
     """``{"offload_fetch": bytes, "offload_rows": bytes}`` on the model's device for the offloaded modules of
     ``layout`` (module docstring); both 0 when none is offloaded. ``itemsize``: bytes per number of the
     frozen model (which site's node vectors gather: :func:`.frozen.choose`; the kept ``W_V`` rows are in it).
-    ``rows``: where the frozen pass keeps the active rows (:class:`.replacement.FrozenReplacement`'s
-    ``offload_rows``): ``"host"`` counts the largest block (one on the device at a time), ``"device"`` the sum
-    of every block (all kept there for the whole call); the skip matrices either way."""
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(itemsize, torch.float32)
-    fetch, block, total, skips = 0, 0, 0, 0
+    ``rows``: where the frozen pass keeps the active rows (:data:`RowsPlace`, :class:`.replacement.FrozenReplacement`'s
+    ``offload_rows``): the blocks kept (:func:`offload_blocks`; ``"device"``: all, ``"host"``: none) summed, plus
+    the largest block not kept (copied per pass: one on the device at a time, :func:`rows_cost`), plus the skip
+    matrices either way."""
+    fetch, skips = 0, 0
     seen: set[int] = set()
     for lay in layout.layers:
         lorsa = lay.lorsa
         if lorsa is not None and offloaded(lorsa):
             fetch = max(fetch, module_bytes(lorsa))
-            heads = _distinct(lay.lorsa_head)
-            block = max(block, heads * d_model * lorsa.W_V.element_size())  # W_V (and w_o) rows
-            # kept: the W_V rows (in the frozen model's dtype) and, where the site gathers, the w_o rows
-            total += heads * d_model * itemsize
-            if choose(node_vectors, lay.lorsa_pos.numel(), d_model, dtype) == "gather":
-                total += heads * d_model * lorsa.W_O.element_size()
         tc: Any = lay.transcoder
         owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT (counted once)
         if owner is None or not offloaded(owner):
@@ -85,19 +175,11 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
         if id(owner) not in seen:
             seen.add(id(owner))
             fetch = max(fetch, module_bytes(owner))
-        n = lay.tc_pos.numel()  # the encoder's nodes, or its decoders' (a CLT layer: one set per layer written)
-        targets = layout.decoder_targets(lay.layer)
-        enc, dec = choose(node_vectors, n, d_model, dtype), choose(node_vectors, n, d_model, dtype, targets)
-        feats = _distinct(lay.tc_feat) if n else 0
-        if "gather" in (enc, dec):
-            block = max(block, feats * d_model * tc.W_enc.element_size())  # W_dec / W_enc rows
-        # kept: the encoder's rows where it gathers, one block of decoder rows per replaced MLP written
-        total += feats * d_model * tc.W_enc.element_size() if enc == "gather" else 0
-        total += targets * feats * d_model * tc.W_enc.element_size() if dec == "gather" else 0  # one dtype
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's
-    return {"offload_fetch": fetch, "offload_rows": (total if rows == "device" else block) + skips}
+    blocks = offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=itemsize)
+    return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept_keys(blocks, rows)) + skips}
 
 
 def device_free_bytes(device: torch.device) -> int | None:
@@ -113,24 +195,28 @@ def device_free_bytes(device: torch.device) -> int | None:
 FREE_MEMORY_MARGIN = 1.1
 
 
-def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[str], MemoryEstimate], *, batch_size: int,
-                   max_memory: int | None, free_bytes: int | None) -> str | None:
+def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPlace], MemoryEstimate],
+                   blocks: Callable[[], list[tuple[str, int]]], *, batch_size: int, max_memory: int | None,
+                   free_bytes: int | None) -> RowsPlace | None:
     """Where one :func:`.attribute.attribute` call keeps the offloaded modules' active rows
-    (:class:`.replacement.FrozenReplacement`'s ``offload_rows``; ``Graph.meta["offload_rows"]``).
+    (:data:`RowsPlace`: :class:`.replacement.FrozenReplacement`'s ``offload_rows``; ``Graph.meta["offload_rows"]``).
 
     The rule: ``None`` when no module is offloaded (``offloaded_any`` false); ``"host"`` on a CPU (or ``meta``:
-    a remote model's) ``device`` (an offloaded module computes where it is stored: nothing is copied). Otherwise,
-    with ``max_memory`` (bytes of the device): ``"device"`` iff the largest batch that fits it with the rows kept
-    equals the largest without (:func:`.budget.largest_batch`: keeping them never shrinks the batch; where the
-    kept rows do not fit even at batch 1, ``"host"``); without it, ``"device"`` iff ``FREE_MEMORY_MARGIN`` (1.1)
-    × the kept estimate's ``device_bytes`` at ``batch_size`` fits ``free_bytes`` (bytes torch can still allocate
-    on the device, :func:`device_free_bytes`; None: ``"host"``).
+    a remote model's) ``device`` (an offloaded module computes where it is stored: nothing is copied). Otherwise
+    as many blocks as fit the *slack* (bytes), kept greedily in the frozen forward's order (:func:`kept_blocks`):
+    with ``max_memory`` (bytes of the device) ``max_memory`` minus the all-host estimate's ``device_bytes`` at the
+    largest batch that fits it with the rows on the host (:func:`.budget.largest_batch`: keeping rows never shrinks
+    the batch); without it ``free_bytes / FREE_MEMORY_MARGIN`` (bytes torch can still allocate on the device,
+    :func:`device_free_bytes`, over 1.1) minus that estimate's ``device_bytes`` at ``batch_size`` (``free_bytes``
+    None: ``"host"``). Every block kept: ``"device"``; none: ``"host"``; else the set of kept keys.
 
     Args:
         offloaded_any: some Lorsa or transcoder is offloaded (:func:`any_offloaded`).
         device: the model's device type (``"cpu"``, ``"cuda"``, ...).
-        estimate: ``rows`` (``"host"`` / ``"device"``) → the call's :class:`~.budget.MemoryEstimate` at
-            ``batch_size`` with the rows kept there (:func:`offload_terms`); called only where the rule needs it.
+        estimate: ``rows`` → the call's :class:`~.budget.MemoryEstimate` at ``batch_size`` with the rows kept
+            there (:func:`offload_terms`); called (with ``"host"``) only where the rule needs it.
+        blocks: → the offloaded row blocks, ``[(key, bytes)]`` in the forward's order (:func:`offload_blocks`);
+            called only where the rule needs it.
         batch_size: the call's batch.
 
     Raises:
@@ -142,13 +228,17 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[str], M
         return None
     if device in ("cpu", "meta"):
         return "host"
-    if max_memory is not None:
-        host = largest_batch(estimate("host"), max_memory, batch_size, device)
-        try:
-            kept = largest_batch(estimate("device"), max_memory, batch_size, device)
-        except MemoryBudgetError:
-            return "host"
-        return "device" if kept == host else "host"
-    if free_bytes is None:
+    if max_memory is None and free_bytes is None:
         return "host"
-    return "device" if FREE_MEMORY_MARGIN * estimate("device").device_bytes <= free_bytes else "host"
+    host = estimate("host")
+    if max_memory is not None:
+        batch = largest_batch(host, max_memory, batch_size, device)
+        # device_bytes is linear in the batch (largest_batch): the host estimate at that batch
+        slack = max_memory - (host.terms["frozen_shared"] + batch * host.terms["frozen_per_copy"])
+    else:  # (the blocks' bytes are whole: the slack's fraction never counts)
+        slack = math.floor(free_bytes / FREE_MEMORY_MARGIN - host.device_bytes)  # type: ignore[operator]
+    found = blocks()
+    kept = kept_blocks(found, slack)
+    if slack >= 0 and len(kept) == len(found):
+        return "device"
+    return kept if kept else "host"

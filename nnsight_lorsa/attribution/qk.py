@@ -17,7 +17,7 @@ rows (one per query/key coordinate) through the frozen model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from .layout import Layout
 from .replacement import FrozenReplacement, first, on
 from .rows import FixedRows
 from .trace import attribute_in_trace, prepare
+
+if TYPE_CHECKING:
+    from .offload import RowsPlace
 
 
 @dataclass(repr=False)
@@ -75,7 +78,7 @@ class QKFrozenReplacement(FrozenReplacement):
     its targets are ``[q_1, k_1, q_2, k_2, …]`` (``d_qk`` coordinates each)."""
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any], probes: list[QKProbe],
-                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> None:
+                 dtype: torch.dtype | None = None, offload_rows: RowsPlace = "host") -> None:
         super(QKFrozenReplacement, self).__init__(layout, M, mhsa, dtype=dtype, offload_rows=offload_rows)
         self.probes = probes
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(probes)
@@ -183,7 +186,7 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
 
 
 def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_size: int,
-                 dtype: torch.dtype | None = None, offload_rows: str = "host"
+                 dtype: torch.dtype | None = None, offload_rows: RowsPlace = "host"
                  ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """Every probe's ``(query (n_sources + 1, d_qk), key (n_sources + 1, d_qk), score)`` (as
     :class:`QKAttribution`'s; last rows the ``b_Q``/``b_K`` terms) from one frozen pass: ``2·d_qk``
@@ -191,7 +194,8 @@ def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_s
     :class:`~.trace.Prepared`; a probe's ``key_pos`` -1 is resolved (in place) to the key its head
     attends to most. ``dtype``: what the frozen model computes in (None: the model's), the one ``prepared``'s
     replacement modules and MHSA weights were copied into (:func:`.trace.prepare`). ``offload_rows``: where the
-    offloaded modules' active rows live (``"host"`` / ``"device"``: :class:`.replacement.FrozenReplacement`)."""
+    offloaded modules' active rows live (``"host"`` / ``"device"`` / the kept blocks' keys:
+    :class:`.replacement.FrozenReplacement`)."""
     layout, mhsa, adapter = prepared.layout, prepared.mhsa, prepared.adapter
     dims = [layout.layers[p.layer].lorsa.cfg.d_qk_head for p in probes]
     rows = FixedRows(2 * sum(dims), layout.n_sources)
@@ -245,7 +249,7 @@ def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chun
 
 
 def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int,
-                 dtype: torch.dtype | None = None, offload_rows: str = "host") -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype | None = None, offload_rows: RowsPlace = "host") -> dict[str, torch.Tensor]:
     """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
     head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
     ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``

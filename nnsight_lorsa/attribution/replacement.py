@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -103,18 +103,22 @@ class FrozenReplacement:
         dtype: what the frozen model computes and writes into the residual stream in (default: the
             model's); e.g. fp32 for a bf16 model, with the replacement modules and MHSA weights given
             in it (:func:`copies_in`, :func:`weights_in`).
-        offload_rows: where the active nodes' rows of *offloaded* modules live (:func:`.offload.rows_placement`
-            decides it per call): ``"host"`` (gathered on the host, kept there pinned and copied to the site's
-            device for each pass only) or ``"device"`` (gathered once on the site's device, from one
-            ``non_blocking`` copy of the pinned weight, and read in place by every pass; their bytes in
-            :attr:`device_rows`). Modules that are not offloaded are read as they are either way.
+        offload_rows: where the active nodes' rows of *offloaded* modules live (:data:`.offload.RowsPlace`;
+            :func:`.offload.rows_placement` decides it per call): ``"host"`` (gathered on the host, kept there pinned
+            and copied to the site's device for each pass only), ``"device"`` (gathered once on the site's device,
+            from one ``non_blocking`` copy of the pinned weight, and read in place by every pass; their bytes in
+            :attr:`device_rows`), or a collection of block keys (:func:`.offload.offload_blocks`: e.g.
+            ``"L3.lorsa.w_v"``, ``"L0.tc.w_dec->2"``): those kept on the device, the rest on the host. Modules that
+            are not offloaded are read as they are either way.
     """
 
     def __init__(self, layout: Layout, M: torch.Tensor, mhsa: dict[int, Any],
                  constants: dict[str, torch.Tensor] | None = None, patterns: str = "auto",
-                 node_vectors: str = "auto", dtype: torch.dtype | None = None, offload_rows: str = "host") -> None:
-        if offload_rows not in ("host", "device"):
-            raise ValueError(f"offload_rows must be 'host' or 'device', got {offload_rows!r}")
+                 node_vectors: str = "auto", dtype: torch.dtype | None = None,
+                 offload_rows: str | Collection[str] = "host") -> None:
+        if isinstance(offload_rows, str) and offload_rows not in ("host", "device"):
+            raise ValueError(f"offload_rows must be 'host', 'device' or a collection of block keys, "
+                             f"got {offload_rows!r}")
         self.layout = layout
         self.M = M
         self.mhsa = mhsa
@@ -122,9 +126,11 @@ class FrozenReplacement:
         self.patterns = patterns
         self.node_vectors = node_vectors
         self.dtype = dtype
-        self.offload_rows = offload_rows
-        #: ``{key: bytes}`` the offloaded modules' rows kept on the device (``offload_rows="device"``): each gathering
-        #: site's distinct rows, each Lorsa layer's ``W_V`` rows (:func:`.offload.offload_terms`' kept term)
+        self.offload_rows: str | frozenset[str] = (offload_rows if isinstance(offload_rows, str)
+                                                    else frozenset(offload_rows))
+        #: ``{key: bytes}`` the offloaded modules' rows kept on the device (``offload_rows`` ``"device"`` or the key
+        #: among the kept ones): each gathering site's distinct rows, each Lorsa layer's ``W_V`` rows
+        #: (:func:`.offload.offload_terms`' kept term)
         self.device_rows: dict[str, int] = {}
         self._nodes: dict[str, GridNodes | GatheredNodes] = {}
         self._slots: dict[str, PositionSlots] = {}
@@ -164,9 +170,11 @@ class FrozenReplacement:
             self._slots[key] = PositionSlots(pos, self.layout.n_pos if n_groups is None else n_groups)
         return self._slots[key]
 
-    def keeps(self, module: Any) -> bool:
-        """Whether ``module``'s active rows are kept on the device: offloaded, with ``offload_rows="device"``."""
-        return self.offload_rows == "device" and offloaded(module)
+    def keeps(self, module: Any, key: str | None = None) -> bool:
+        """Whether ``module``'s active rows of the block ``key`` (:func:`.offload.offload_blocks`) are kept on the
+        device: ``module`` offloaded, with ``offload_rows="device"`` or ``key`` among the kept keys."""
+        rows = self.offload_rows
+        return (rows == "device" or (not isinstance(rows, str) and key in rows)) and offloaded(module)
 
     def nodes(self, key: str, slot_key: str, pos: torch.Tensor, W: torch.Tensor, idx: torch.Tensor,
               like: torch.Tensor, copies: int = 1, owner: Any = None) -> GridNodes | GatheredNodes:
@@ -176,7 +184,7 @@ class FrozenReplacement:
         offloaded, its rows are gathered on the device once where :meth:`keeps` says so)."""
         if key not in self._nodes:
             pos = pos.to(like.device)
-            keep = self.keeps(owner)
+            keep = self.keeps(owner, key)
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype, copies) == "grid":
                 slots = self.slots(slot_key, pos)
                 with torch.no_grad():  # the active nodes' rows, gathered where W is (kept: on the site's device,
@@ -299,7 +307,7 @@ class FrozenReplacement:
         b_v = on(lorsa.b_V[at], x)
         # the active OV heads' W_V rows: offloaded with the rows kept, gathered on the site's device once (from one
         # copy of the pinned W_V); else where W_V is, or elsewhere (offloaded): kept there (pinned), copied per pass
-        if self.keeps(lorsa):
+        if self.keeps(lorsa, f"L{layer}.lorsa.w_v"):
             with torch.no_grad():
                 w_v = on(take_rows(fetch(W_V.detach(), x.device), uniq), x)
             self.device_rows[f"L{layer}.lorsa.w_v"] = w_v.numel() * w_v.element_size()

@@ -5,8 +5,9 @@ replacement modules").
 On the CPU the copy is ``t.to("cpu")`` (``t`` itself), so the mechanics run with ``fetch`` replaced by a
 real copy (``clone``): the graph is bit-identical to the resident modules' (several prompts; Lorsa +
 transcoders and Lorsa + a cross-layer transcoder; every memory mode; QK tracing), every module's own
-parameters are back after the call, and no copy outlives it. The memory model is checked on its terms; the
-``gpu`` case measures the device peak with the model on CUDA.
+parameters are back after the call, and no copy outlives it — with the active rows on the device, on the host, or
+partly on each (the blocks that fit). The memory model is checked on its terms, and the rule that picks the kept
+blocks on synthetic and real estimates; the ``gpu`` case measures the device peak with the model on CUDA.
 """
 
 from __future__ import annotations
@@ -393,7 +394,9 @@ def _estimate(per_copy: int, shared: int, batch: int) -> MemoryEstimate:
     return MemoryEstimate(0, per_copy * batch + shared, batch, terms)
 
 
-# per copy 100 B, shared 1000 B on the host, 1000 + 50 B with the rows kept; batch 8 asked
+# per copy 100 B, shared 1000 B with the rows on the host; three blocks of 30, 20 and 30 B (rows_cost: 30 B none
+# kept, 80 B all: 50 B more; 30 B with "a" alone, 20 B more with "b" alone, 50 B with any two); batch 8 asked
+RULE_BLOCKS = [("a", 30), ("b", 20), ("c", 30)]
 ROWS_RULE = [
     # (offloaded, device, max_memory, free_bytes, expected)
     (False, "cuda", None, 10**9, None),  # nothing offloaded
@@ -403,13 +406,17 @@ ROWS_RULE = [
     (True, "cpu", 10**9, None, "host"),
     (True, "meta", None, None, "host"),  # a remote model's copy
     (True, "cuda", 10**9, None, "device"),  # a generous budget
-    (True, "cuda", 1050 + 800, None, "device"),  # batch 8 either way, just
-    (True, "cuda", 1050 + 799, None, "host"),  # kept: batch 7 instead of 8
-    (True, "cuda", 1050 + 400, None, "device"),  # batch 4 either way (the budget shrinks both alike)
-    (True, "cuda", 1050 + 370, None, "host"),  # 3 instead of 4
-    (True, "cuda", 1120, None, "host"),  # kept: not even batch 1; on the host batch 1
-    (True, "cuda", None, int(1.1 * (1050 + 800)) + 1, "device"),  # free memory, with its 10 % margin
-    (True, "cuda", None, int(1.1 * (1050 + 800)) - 2, "host"),
+    (True, "cuda", 1000 + 800 + 50, None, "device"),  # batch 8 either way, just
+    (True, "cuda", 1000 + 800 + 49, None, frozenset("a")),  # all kept: batch 7 instead of 8; "a" alone fits
+    (True, "cuda", 1000 + 800 + 29, None, frozenset("b")),  # "a" does not fit, "b" after it does
+    (True, "cuda", 1000 + 800 + 19, None, "host"),  # no block fits the 19 B left
+    (True, "cuda", 1000 + 400 + 50, None, "device"),  # batch 4 either way (the budget shrinks both alike)
+    (True, "cuda", 1000 + 400 + 20, None, frozenset("b")),  # batch 4 on the host: 20 B left over it
+    (True, "cuda", 1000 + 300 + 99, None, "device"),  # batch 3 on the host: 99 B left
+    (True, "cuda", 1120, None, frozenset("b")),  # all kept: not even batch 1; on the host batch 1, "b" beside it
+    (True, "cuda", None, int(1.1 * (1000 + 800 + 50)) + 1, "device"),  # free memory, with its 10 % margin
+    (True, "cuda", None, int(1.1 * (1000 + 800 + 50)) - 2, frozenset("a")),
+    (True, "cuda", None, int(1.1 * (1000 + 800 + 19)), "host"),
     (True, "cuda", None, None, "host"),  # no free-memory query
 ]
 
@@ -417,19 +424,25 @@ ROWS_RULE = [
 @pytest.mark.parametrize(("offloaded_any", "device", "max_memory", "free", "expected"), ROWS_RULE)
 def test_rows_placement_rule(offloaded_any, device, max_memory, free, expected):
     """:func:`.offload.rows_placement`'s rule on synthetic estimates: None without an offloaded module, the host on
-    a CPU (or remote) model; with ``max_memory`` the device iff the largest batch that fits with the rows kept is the
-    one without; without it, iff 1.1 × the kept estimate fits the free memory."""
+    a CPU (or remote) model; with ``max_memory`` every block kept iff the largest batch that fits with them is the
+    one without, else the blocks that fit what that batch leaves (greedily, in order), the host where none does;
+    without it, the same against the free memory over 1.1."""
     from nnsight_lorsa.attribution.offload import rows_placement
 
     asked: list[str] = []
 
     def estimate(rows):
         asked.append(rows)
-        return _estimate(100, 1000 + (50 if rows == "device" else 0), 8)
+        return _estimate(100, 1000, 8)
 
-    got = rows_placement(offloaded_any, device, estimate, batch_size=8, max_memory=max_memory, free_bytes=free)
+    def blocks():
+        asked.append("blocks")
+        return RULE_BLOCKS
+
+    got = rows_placement(offloaded_any, device, estimate, blocks, batch_size=8, max_memory=max_memory,
+                         free_bytes=free)
     assert got == expected
-    assert set(asked) <= {"host", "device"} and (offloaded_any and device == "cuda" or not asked)
+    assert set(asked) <= {"host", "blocks"} and (offloaded_any and device == "cuda" or not asked)
 
 
 def test_rows_placement_refuses_a_budget_the_host_rows_do_not_fit():
@@ -437,8 +450,38 @@ def test_rows_placement_refuses_a_budget_the_host_rows_do_not_fit():
     from nnsight_lorsa.errors import MemoryBudgetError
 
     with pytest.raises(MemoryBudgetError):
-        rows_placement(True, "cuda", lambda rows: _estimate(100, 1000, 8), batch_size=8, max_memory=1050,
-                       free_bytes=None)
+        rows_placement(True, "cuda", lambda rows: _estimate(100, 1000, 8), lambda: RULE_BLOCKS, batch_size=8,
+                       max_memory=1050, free_bytes=None)
+
+
+# blocks of 40, 10, 30 and 20 B: none kept costs 40 B (the largest, copied per pass), all 100 B (60 more)
+GREEDY_BLOCKS = [("a", 40), ("b", 10), ("c", 30), ("d", 20)]
+GREEDY = [
+    (-1, ""),  # not even the host rows fit
+    (0, ""),  # keeping any block costs more than copying the largest
+    (9, ""),
+    (10, "b"),  # one block: "b" alone costs 10 + 40 (the largest still copied) = 10 more
+    (29, "b"),  # "a" alone costs 30 more (30 is copied then), "b" with "c" or "d" 40 or 30
+    (30, "a"),  # in order: "a" first, nothing fits beside it
+    (59, "ab"),  # one byte short of all: leaving one block out costs as much as keeping it, so two stay out
+    (60, "abcd"),
+    (10**9, "abcd"),
+]
+
+
+@pytest.mark.parametrize(("slack", "expected"), GREEDY)
+def test_kept_blocks_are_chosen_greedily_in_order(slack, expected):
+    """:func:`.offload.kept_blocks` on a table of slacks: each block kept, in order, iff the kept set with it costs at
+    most ``slack`` bytes more than none kept (:func:`.offload.rows_cost`: the kept blocks + the largest other)."""
+    from nnsight_lorsa.attribution.offload import kept_blocks, rows_cost
+
+    kept = kept_blocks(GREEDY_BLOCKS, slack)
+    assert kept == frozenset(expected)
+    assert rows_cost(GREEDY_BLOCKS, ()) == 40 and rows_cost(GREEDY_BLOCKS, "abcd") == 100
+    assert rows_cost(GREEDY_BLOCKS, kept) - 40 <= max(slack, 0)
+    for i, (key, _) in enumerate(GREEDY_BLOCKS):  # greedy: no block passed over fits with those kept before it
+        before = {k for k, _ in GREEDY_BLOCKS[:i] if k in kept}
+        assert key in kept or slack < 0 or rows_cost(GREEDY_BLOCKS, before | {key}) - 40 > slack, key
 
 
 def test_plan_call_keeps_the_rows_where_they_never_shrink_the_batch():
@@ -469,6 +512,121 @@ def test_plan_call_keeps_the_rows_where_they_never_shrink_the_batch():
     assert plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)[:2] == (8, "host")
     assert attribute(off, ids, batch_size=8).meta["offload_rows"] == "host"
     assert estimate_memory(off, ids, batch_size=8).offload_rows == "host"
+
+
+def blocks_of(rep: ReplacementModel, ids, memory: str) -> list[tuple[str, int]]:
+    """The offloaded row blocks of ``rep`` on prompt ``ids`` (:func:`.offload.offload_blocks`), as estimated."""
+    from nnsight_lorsa.attribution.offload import offload_blocks
+
+    layout, info = layout_for_estimate(rep, ids, AttributionOptions(batch_size=8, memory=memory))
+    return offload_blocks(layout, d_model=info["d_model"], node_vectors=info["node_vectors"],
+                          itemsize=info["model_itemsize"])
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offloaded_rows_partly_kept_give_the_resident_graph(kind, memory, monkeypatch):
+    """Every other block of ``memory="lean"``'s (:func:`.offload.offload_blocks`: sites gathering, Lorsa ``W_V``) kept
+    on the device, the rest on the host: the graph (QK tracing too) equals the resident modules' bit for bit — as
+    with every block on the host and every block on the device —, ``graph.meta`` says ``"partial"`` and the kept
+    bytes, the frozen pass keeps exactly the named blocks the call's sites have (``memory="fast"``: the grids'
+    rows are no block; its one ``W_V`` block is among the named ones or not), and no copy outlives the call."""
+    from nnsight_lorsa.attribution.offload import kept_keys
+
+    rep = bundle(kind)
+    ids = PROMPTS[1]
+    ref = attribute(rep, ids, batch_size=24, memory=memory, qk_heads=2)
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    lean = [key for key, _ in blocks_of(off, ids, "lean")]
+    blocks = blocks_of(off, ids, memory)
+    copies = real_copies(monkeypatch)
+    made = frozen_instances(monkeypatch)
+    sizes: list[int] = []  # how many blocks each partial set kept
+    for named in (lean[::2], lean[1::2]):
+        partial = frozenset(named)
+        for rows in (partial, "host", "device"):
+            force_rows(monkeypatch, rows)
+            made.clear()
+            g = attribute(off, ids, batch_size=24, memory=memory, qk_heads=2)
+            what = f"{kind} {memory} {rows}"
+            assert_identical(g, ref, what)
+            assert set(g.qk) == set(ref.qk) and all(torch.equal(g.qk[k], ref.qk[k]) for k in g.qk), what
+            assert g.meta["offload_rows"] == ("partial" if rows is partial else rows), what
+            assert len(made) == 2 and all(f.offload_rows == rows for f in made)  # the graph's pass, the QK pass
+            kept = made[0].device_rows
+            expected = kept_keys(blocks, rows)
+            assert {k for k, v in kept.items() if v} == expected, what
+            assert g.meta["offload_rows_kept_bytes"] == sum(kept.values()), what
+            if rows is partial:
+                sizes.append(len(expected))
+    gc.collect()
+    assert copies and not any(r() is not None for r in copies), "a fetched copy outlived attribute()"
+    assert ref.densify().abs().sum() > 0 and len(ref.qk["score"]) > 0
+    # not vacuous: lean, some blocks kept and some not each time; fast, its one W_V block kept once
+    assert all(0 < n < len(blocks) for n in sizes) if memory == "lean" else sorted(sizes) == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+def test_partly_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, monkeypatch):
+    """``memory="lean"``: :func:`.offload.offload_blocks` lists, in order and byte for byte, the blocks the frozen pass
+    keeps with every row on the device (``FrozenReplacement.device_rows``, in the order it made them); for a partial
+    set the pass keeps just those, and ``offload_rows`` counted for it (``estimate_layout(offload_rows=set)``) is
+    their bytes + the largest block not kept (copied per pass) + the skip matrices, between the host and the device
+    terms; ``MemoryEstimate.offload_rows`` says ``"partial"`` and ``offload_rows_kept_bytes`` the kept bytes."""
+    rep = bundle(kind)
+    ids = PROMPTS[0]
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    made = frozen_instances(monkeypatch)
+    force_rows(monkeypatch, "device")
+    attribute(off, ids, batch_size=8, memory="lean")
+    every = {k: v for k, v in made[0].device_rows.items() if v}
+    blocks = blocks_of(off, ids, "lean")
+    assert blocks == list(every.items()) and len(blocks) >= 4
+    partial = frozenset(k for k, _ in blocks[1::2])
+    made.clear()
+    force_rows(monkeypatch, partial)
+    attribute(off, ids, batch_size=8, memory="lean")
+    kept = made[0].device_rows
+    assert {k for k, v in kept.items() if v} == partial and all(kept[k] == every[k] for k in partial)
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory="lean"))
+    est = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"})
+           for rows in (partial, "host", "device")}
+    skips = sum(m.W_skip.numel() * m.W_skip.element_size() for m in modules_of(off)
+                if isinstance(getattr(m, "W_skip", None), torch.Tensor))
+    largest_other = max(v for k, v in every.items() if k not in partial)
+    assert est[partial].terms["offload_rows"] == sum(kept.values()) + largest_other + skips
+    assert est["host"].terms["offload_rows"] < est[partial].terms["offload_rows"] < est["device"].terms["offload_rows"]
+    assert est["host"].terms["offload_rows"] == max(every.values()) + skips
+    assert (est[partial].offload_rows, est[partial].offload_rows_kept_bytes) == ("partial", sum(kept.values()))
+    assert (est["device"].offload_rows_kept_bytes, est["host"].offload_rows_kept_bytes) == (sum(every.values()), 0)
+
+
+def test_plan_call_keeps_the_blocks_that_fit_where_all_would_shrink_the_batch():
+    """On the prompt's real layout (``memory="lean"``, a device model, as estimated): a ``max_memory`` one byte short of
+    every block kept at the asked batch keeps some blocks — not all, the batch the one of the rows on the host —,
+    within the budget; the same budget without the slack above the host rows keeps none."""
+    from nnsight_lorsa.attribution.budget import largest_batch, plan_call
+    from nnsight_lorsa.attribution.offload import rows_cost
+
+    rep = bundle("transcoders")
+    ids = PROMPTS[0]
+    cuda = torch.device("cuda")
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory="lean"))
+    info = {**info, "device": "cuda"}
+    kw = {"batch_size": 8, "max_feature_nodes": None}
+    _, _, estimate = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
+    host, every = estimate("host", 8), estimate("device", 8)
+    blocks = blocks_of(off, ids, "lean")
+    assert every.device_bytes - host.device_bytes == rows_cost(blocks, [k for k, _ in blocks]) - rows_cost(blocks, ())
+    budget = every.device_bytes - 1
+    assert largest_batch(every, budget, 8, "cuda") < 8 == largest_batch(host, budget, 8, "cuda")
+    batch, rows, estimate = plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)
+    assert batch == 8 and isinstance(rows, frozenset) and 0 < len(rows) < len(blocks)
+    est = estimate(rows, 8)
+    assert est.device_bytes <= budget and est.offload_rows == "partial" and est.offload_rows_kept_bytes > 0
+    assert est.offload_rows_kept_bytes == sum(v for k, v in blocks if k in rows)
+    assert plan_call(layout, lambda: info, cuda, max_memory=host.device_bytes, **kw)[:2] == (8, "host")
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if getattr(d, "values", ("cpu",))[0] == "cuda"])
