@@ -103,7 +103,7 @@ import torch
 from .._repr import FieldsRepr
 from ..adapters.transformers_internals import attn_implementation
 from ..envoy.nnsight_internals import hf_module
-from ..errors import MemoryBudgetError
+from .batch_fit import largest_batch
 from .frozen import choose, keeps_pattern, node_chunk_elements
 from .graph import HOST
 from .layout import Layout
@@ -592,31 +592,6 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
     if max_memory is not None:
         batch = largest_batch(estimate(rows or "host"), max_memory, batch_size, device.type)
     return batch, rows, estimate
-
-
-def largest_batch(estimate: MemoryEstimate, max_memory: int, batch_size: int, device: str = "cpu") -> int:
-    """The largest batch ``≤ batch_size`` whose estimate fits ``max_memory`` bytes (host memory on a
-    CPU model, the device's otherwise).
-
-    Raises:
-        MemoryBudgetError: not even batch 1 fits; the message lists the terms.
-    """
-    t = estimate.terms
-    per_copy, shared = t["frozen_per_copy"], t["frozen_shared"]
-    if device == "cpu":  # rows + max(frozen pass + selection, pruning) + fixed
-        rest = t["rows"] + t["fixed"]
-        fits = max_memory >= rest + t["pruning"]
-        b = (max_memory - rest - t["selection"] - shared) // max(1, per_copy) if fits else 0
-    else:
-        b = (max_memory - shared) // max(1, per_copy)
-    b = min(batch_size, b)
-    if b < 1:
-        mib = {k: round(v / 2**20, 1) for k, v in t.items() if k not in ("n_sources", "n_rows", "stored_entries")}
-        raise MemoryBudgetError(f"attribution needs more than max_memory={max_memory / 2**20:.0f} MiB even at batch 1 "
-                                f"(terms in MiB: {mib}; {t['n_sources']} sources, {t['n_rows']} rows, "
-                                f"{t['stored_entries']} stored entries): prune while building (prune=), a smaller "
-                                "keep_mass, max_feature_nodes, or memory='lean'")
-    return int(b)
 
 
 def attention_mask_entry_bytes(adapter: Any, implementation: str | None, itemsize: int) -> int:

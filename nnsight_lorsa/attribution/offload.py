@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._placement import offloaded
+from .batch_fit import largest_batch
 from .frozen import choose
 from .layout import Layout
 
@@ -222,8 +223,6 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
     Raises:
         MemoryBudgetError: with ``max_memory``, not even batch 1 fits with the rows on the host.
     """
-    from .budget import largest_batch
-
     if not offloaded_any:
         return None
     if device in ("cpu", "meta"):
