@@ -445,3 +445,9 @@ def recorded_outcomes(script: str, out_dir: Path) -> list[dict]:
                           capture_output=True, text=True, timeout=600)
     assert out.is_file(), done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def assert_same_nodes(graph, other) -> None:
+    """Two attribution graphs hold the same nodes (kind, layer, position and index of each, in order)."""
+    for name in ("kind", "layer", "pos", "index"):
+        assert torch.equal(getattr(graph.nodes, name), getattr(other.nodes, name)), name

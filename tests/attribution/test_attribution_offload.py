@@ -215,6 +215,30 @@ def big_transcoders(n_features: int) -> dict[int, Transcoder]:
     return out
 
 
+def offloaded_on_cuda(device, memory):
+    """``(resident graph, offloaded ReplacementModel, the offloaded modules' total bytes)``: the model on CUDA, two
+    32 MB transcoders and a Lorsa, attributed resident first, then the same modules offloaded."""
+    model, hf, lorsas, _ = attribution_setup("llama")
+    hf.to(device)
+    tcs = big_transcoders(2**16)
+    ref_rep = rm(model, {k: v.to(device) for k, v in lorsas.items()}, {k: v.to(device) for k, v in tcs.items()})
+    ref = attribute(ref_rep, PROMPTS[0], batch_size=24, memory=memory)
+    rep = ReplacementModel(model, **dict(ref_rep.sets()), offload=True)
+    return ref, rep, sum(module_bytes(m) for m in modules_of(rep))
+
+
+def cuda_peak_above(run):
+    """``(run(), bytes)``: its result and the device's allocation peak during it above what was allocated before."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.parametrize("device", [d for d in DEVICES if getattr(d, "values", ("cpu",))[0] == "cuda"])
 @pytest.mark.parametrize("memory", ["fast", "lean"])
 def test_offloaded_attribution_on_cuda_keeps_the_modules_off_the_device(device, memory):
@@ -222,22 +246,9 @@ def test_offloaded_attribution_on_cuda_keeps_the_modules_off_the_device(device, 
     below the modules' total size (resident, they alone would exceed it), the modules stay on the host, and
     the graph equals the resident modules' (max |ΔA| ≤ 1e-5 of max |A|: same kernels, CUDA's atomics may
     reorder sums)."""
-    model, hf, lorsas, _ = attribution_setup("llama")
-    hf.to(device)
-    tcs = big_transcoders(2**16)
-    ref_rep = rm(model, {k: v.to(device) for k, v in lorsas.items()}, {k: v.to(device) for k, v in tcs.items()})
-    ref = attribute(ref_rep, PROMPTS[0], batch_size=24, memory=memory)
-    rep = ReplacementModel(model, **dict(ref_rep.sets()), offload=True)
-    total = sum(module_bytes(m) for m in modules_of(rep))
+    ref, rep, total = offloaded_on_cuda(device, memory)
     assert all(p.device.type == "cpu" and p.is_pinned() for m in modules_of(rep) for p in m.parameters())
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    g = attribute(rep, PROMPTS[0], batch_size=24, memory=memory)
-    torch.cuda.synchronize()
-    above = torch.cuda.max_memory_allocated() - base
+    g, above = cuda_peak_above(lambda: attribute(rep, PROMPTS[0], batch_size=24, memory=memory))
     assert above < total, (above, total)
     assert max(module_bytes(m) for m in modules_of(rep)) < total / 1.5  # not vacuous: no one module is all
     assert all(p.device.type == "cpu" for m in modules_of(rep) for p in m.parameters())
@@ -636,25 +647,12 @@ def test_offloaded_rows_kept_on_cuda_give_the_resident_graph(device, memory, mon
     (``graph.meta["offload_rows"] == "device"``, plenty of free memory), the graph equals the resident modules'
     (max |ΔA| ≤ 1e-5 of max |A|: CUDA's atomics may reorder sums), as it does with the rows forced onto the host,
     and the device peak above the model stays below the modules' total bytes."""
-    model, hf, lorsas, _ = attribution_setup("llama")
-    hf.to(device)
-    tcs = big_transcoders(2**16)
-    ref_rep = rm(model, {k: v.to(device) for k, v in lorsas.items()}, {k: v.to(device) for k, v in tcs.items()})
-    ref = attribute(ref_rep, PROMPTS[0], batch_size=24, memory=memory)
-    rep = ReplacementModel(model, **dict(ref_rep.sets()), offload=True)
-    total = sum(module_bytes(m) for m in modules_of(rep))
+    ref, rep, total = offloaded_on_cuda(device, memory)
     R = ref.densify()
     for forced in (None, "host"):
         if forced is not None:
             force_rows(monkeypatch, forced)
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        g = attribute(rep, PROMPTS[0], batch_size=24, memory=memory)
-        torch.cuda.synchronize()
-        above = torch.cuda.max_memory_allocated() - base
+        g, above = cuda_peak_above(lambda: attribute(rep, PROMPTS[0], batch_size=24, memory=memory))
         assert g.meta["offload_rows"] == (forced or "device")
         assert above < total, (forced, above, total)
         assert all(p.device.type == "cpu" for m in modules_of(rep) for p in m.parameters())

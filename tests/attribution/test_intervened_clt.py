@@ -15,7 +15,7 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import attribution_setup, make_clt, random_ids, rm
+from helpers import assert_same_nodes, attribution_setup, make_clt, random_ids, rm
 
 from nnsight_lorsa.attribution import Graph, attribute
 from nnsight_lorsa.attribution.graph import TRANSCODER
@@ -158,6 +158,5 @@ def test_a_clt_feature_is_no_patching_target_in_an_attributed_trace(clt_tiny, ed
         bundle.replace()
         handle = attribute(bundle, tracer=tracer, batch_size=40)
     graph = handle.graph
-    for name in ("kind", "layer", "pos", "index"):
-        assert torch.equal(getattr(graph.nodes, name), getattr(clean.nodes, name)), name
+    assert_same_nodes(graph, clean)
     assert relative(graph.densify(), clean.densify()) < 1e-5

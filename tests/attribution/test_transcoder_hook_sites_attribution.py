@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import head_logits, make_clt, make_transcoder, random_ids, rm, tiny_nnsight
+from helpers import assert_same_nodes, head_logits, make_clt, make_transcoder, random_ids, rm, tiny_nnsight
 
 from nnsight_lorsa import CLTSet, TranscoderSet, get_adapter
 from nnsight_lorsa.adapters.base import norm_gain
@@ -320,8 +320,7 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
         r.replace()
         handle = attribute(r, tracer=tracer, batch_size=40)
     g = handle.graph
-    for name in ("kind", "layer", "pos", "index"):
-        assert torch.equal(getattr(g.nodes, name), getattr(clean.nodes, name)), name
+    assert_same_nodes(g, clean)
     assert torch.equal(g.feature_rows, clean.feature_rows) and not bool(g.nodes.intervened.any())
     rows = clean.feature_rows
     assert _relative(g.values[rows], clean.values[rows]) < 1e-5
