@@ -79,6 +79,13 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
     ``itemsize`` as :func:`offload_terms` (which site gathers: :func:`.frozen.choose`)."""
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(itemsize, torch.float32)
     blocks: list[tuple[str, int]] = []
+    features: dict[int, int] = {}  # a layer's distinct active features, counted once (a CLT layer's decoders
+    # write into every later MLP: one count for all its blocks, not one per target)
+
+    def distinct_features(lay: Any) -> int:
+        if lay.layer not in features:
+            features[lay.layer] = _distinct(lay.tc_feat)
+        return features[lay.layer]
 
     def tc_owner(lay: Any) -> Any:
         tc = lay.transcoder
@@ -96,7 +103,7 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
             continue
         n = lay.tc_pos.numel()
         if n and tc_owner(lay) is not None and choose(node_vectors, n, d_model, dtype) == "gather":
-            size = _distinct(lay.tc_feat) * d_model * lay.transcoder.W_enc.element_size()
+            size = distinct_features(lay) * d_model * lay.transcoder.W_enc.element_size()
             blocks.append((f"L{lay.layer}.tc.w_enc", size))
         for src in layout.layers[:lay.layer + 1]:  # FrozenReplacement.writes: every decoder into this MLP
             n = src.tc_pos.numel()
@@ -107,7 +114,7 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
                 continue
             if choose(node_vectors, n, d_model, dtype, layout.decoder_targets(src.layer)) == "gather":
                 blocks.append((f"L{src.layer}.tc.w_dec->{lay.layer}",
-                               _distinct(src.tc_feat) * d_model * w_dec.element_size()))
+                               distinct_features(src) * d_model * w_dec.element_size()))
     return [(key, size) for key, size in blocks if size]
 
 
