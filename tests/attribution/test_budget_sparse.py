@@ -275,8 +275,11 @@ def test_pruned_without_a_budget_stays_under_its_kept_graph_and_edge_scores_term
     store's chunks cut to 97 entries (in its passes and in the model alike) the chunk term no longer hides the
     value-sized parts: before 2026-11-26 (a dense ``k × k`` and 48 B per kept edge, neither counted) the assembly
     allocated 1.2-23× the pruning term at ``keep_mass=1`` and 32-1874× on sparse rows here; now 0.29-0.90 of it where
-    the pruning keeps everything it can (asserted ≥ 0.25: the bound is not inflated) and 0.03-0.20 at the default
-    thresholds."""
+    the pruning keeps everything it can (full rows, thresholds 1; asserted ≥ 0.25: the bound is not inflated) and
+    0.03-0.20 at the default thresholds. On sparse rows (``keep_mass < 1``) the stored entries are a bound the values
+    decide how far the run stays under (``estimate_memory``'s docstring): at ``keep_mass=0.9`` 0.06 of the term on
+    one CI machine (202k of the bound's 530k entries stored) and above 0.25 on another, so only the upper bound is
+    asserted there."""
     from nnsight_lorsa.attribution import budget as budget_module
     from nnsight_lorsa.attribution import prune
     from nnsight_lorsa.attribution import rows as rows_module
@@ -288,7 +291,7 @@ def test_pruned_without_a_budget_stays_under_its_kept_graph_and_edge_scores_term
     g, layout, scheduler, peak = measured(tiny, ids, prune=cfg)
     t = est.terms
     assert peak <= t["pruning"], (peak, t["pruning"])
-    if cfg.node_threshold == cfg.edge_threshold == 1.0:  # keeping all it can: 0.29-0.90 of the term (measured)
+    if cfg.node_threshold == cfg.edge_threshold == cfg.keep_mass == 1.0:  # keeping all it can: 0.29-0.90 (measured)
         assert peak >= 0.25 * t["pruning"], (peak, t["pruning"])
     blocks = g.block_adjacency
     assert blocks is not None and blocks.nbytes + blocks.index_nbytes <= t["kept_graph"]
