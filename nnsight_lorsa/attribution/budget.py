@@ -177,7 +177,8 @@ class MemoryEstimate(FieldsRepr):
         host_bytes: peak host memory (on a CPU model: everything).
         device_bytes: peak memory of the frozen pass on the model's device (on a CPU model, part of
             ``host_bytes``).
-        batch_size: the batch the estimate is for.
+        batch_size: the batch the estimate is for: with ``max_memory`` the one the call fits
+            (``graph.meta["batch_size"]``), else the asked ``batch_size``.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from helpers import attribution_setup, random_ids, rm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import nnsight_lorsa.attribution.budget as budget
@@ -109,6 +109,9 @@ def test_estimate_memory_with_max_memory_is_the_plan_attribute_makes(offloaded, 
 
     @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(cap=st.integers(low - (high - low) // 4, high + (high - low) // 4))
+    @example(cap=low - 1).via("refused")
+    @example(cap=low).via("batch 1")
+    @example(cap=high - 1).via("all but one row block")
     def check(cap: int) -> None:
         try:
             est = estimate_memory(offloaded, IDS, max_memory=cap, **kw)
@@ -121,6 +124,10 @@ def test_estimate_memory_with_max_memory_is_the_plan_attribute_makes(offloaded, 
         assert estimated(est) == planned(graph), cap
         assert getattr(est, field) <= cap and 1 <= est.batch_size <= 8
         assert est.offload_rows == ("host" if device == "cpu" else est.offload_rows)
+        if cap == low:
+            assert est.batch_size == 1
+        if cap == high - 1 and device == "cuda":  # the asked batch, some rows kept: not all
+            assert est.batch_size == 8 and est.offload_rows == "partial"
 
     check()
 
