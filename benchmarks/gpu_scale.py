@@ -368,26 +368,26 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     (each row appended to ``out`` and written with ``flush()`` as soon as it is measured); ``warmup`` untimed
     ``attribute`` calls first. ``phases``: the seconds of each stage of the timed call (:func:`phase_times`;
     ``other``: the rest — options, the scheduler, the trace's set-up, the gc). ``cap_bytes`` (``--offload`` with
-    ``--cap-gb`` on CUDA): ``attribute`` gets ``max_memory`` = the cap minus what is allocated just before it, so
-    that where it keeps the offloaded rows (``offload_rows``, recorded; the estimate is the one of that choice) is
-    decided for the card the cap stands for, not the larger one it runs on."""
+    ``--cap-gb`` on CUDA): ``estimate_memory`` and ``attribute`` get ``max_memory`` = the cap minus what is
+    allocated just before them, so that the batch and where the offloaded rows live (``offload_rows``, recorded) are
+    decided for the card the cap stands for, not the larger one it runs on — the estimate is the one of the call's
+    plan (``estimate_memory(max_memory=)``: the same ``budget.plan_call``), and ``estimate_is_call_plan`` records
+    that the call kept to it (its batch and rows placement)."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
-    from nnsight_lorsa.attribution.budget import layout_for_estimate, plan_call
-    from nnsight_lorsa.attribution.options import AttributionOptions
 
     dev = next(hf.parameters()).device
     resident = peak_bytes(dev)
     for n in tokens:
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
-        progress(f"(d) {n} tokens: estimate_memory")
-        est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows)
         progress(f"(d) {n} tokens: the floor")
         floor, floor_batch = attribution_floor(hf, ids, batch, repeats)
-        progress(f"(d) {n} tokens: attribute")
-        peak_reset(dev)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         max_memory = None if cap_bytes is None or before is None else cap_bytes - before
+        progress(f"(d) {n} tokens: estimate_memory")
+        est = estimate_memory(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
+        progress(f"(d) {n} tokens: attribute")
+        peak_reset(dev)
         host_before = host_peak_reset()
         try:
             for _ in range(warmup):
@@ -406,12 +406,6 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             continue
         peak = peak_bytes(dev)
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
-        if (offload_rows, used_batch) != (est.offload_rows, est.batch_size):  # max_memory decided otherwise:
-            # its choice again (a partial one names the blocks kept: offload.rows_placement), at the batch used
-            layout, info = layout_for_estimate(rm, ids, AttributionOptions(batch_size=batch, max_feature_nodes=rows))
-            _, place, estimate = plan_call(layout, lambda info=info: info, dev, batch_size=batch,
-                                           max_feature_nodes=rows, max_memory=max_memory)
-            est = estimate(place or "host", used_batch)
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
         out.append({
@@ -426,6 +420,8 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
             "offload_rows": offload_rows, "offload_rows_kept_bytes": graph.meta.get("offload_rows_kept_bytes"),
             "batch_size": used_batch, "max_memory": max_memory,
+            "estimate_is_call_plan": (offload_rows, used_batch, graph.meta.get("offload_rows_kept_bytes"))
+            == (est.offload_rows, est.batch_size, est.offload_rows_kept_bytes),
         })
         flush()
         del graph

@@ -114,7 +114,8 @@ def attribute(
             (after the clean pass; ``graph.meta["batch_size"]`` says which). None: ``batch_size``. With offloaded
             modules on a device it also decides where their active rows live: as many sites' blocks kept on the
             device as fit what the batch leaves of it (never a smaller batch), the rest copied per pass
-            (:func:`.offload.rows_placement`; without ``max_memory``: what fits the device's free memory over 1.1;
+            (:func:`.offload.rows_placement`; without ``max_memory``: what fits each device's free memory over 1.1,
+            per the device of the layer a block's site is on;
             ``graph.meta["offload_rows"]``: ``"device"`` / ``"partial"`` / ``"host"``, and
             ``graph.meta["offload_rows_kept_bytes"]``).
         zero_positions: the first this many positions get no feature or Lorsa-head nodes; their

@@ -94,9 +94,9 @@ frozen pass is device memory and the rows host memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -111,6 +111,7 @@ from .logit_targets import Targets
 from .offload import (
     RowsPlace,
     any_offloaded,
+    block_layer,
     device_free_bytes,
     kept_bytes,
     offload_blocks,
@@ -176,7 +177,8 @@ class MemoryEstimate(FieldsRepr):
         host_bytes: peak host memory (on a CPU model: everything).
         device_bytes: peak memory of the frozen pass on the model's device (on a CPU model, part of
             ``host_bytes``).
-        batch_size: the batch the estimate is for.
+        batch_size: the batch the estimate is for: with ``max_memory`` the one the call fits
+            (``graph.meta["batch_size"]``), else the asked ``batch_size``.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
             ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
             and kept edges, of which ``pruning`` holds the larger (0 unpruned);
@@ -435,7 +437,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                     mhsa_widths: dict[int, tuple[int, int]] | None = None, vocab: int = 0,
                     d_mlp: int = 0, unembed_itemsize: int | None = None, n_norms: int | None = None,
                     pattern_layers: Collection[int] = (), mask_entry_bytes: int = 0,
-                    offload_rows: RowsPlace = "host") -> MemoryEstimate:
+                    offload_rows: RowsPlace = "host", blocks: list[tuple[str, int]] | None = None
+                    ) -> MemoryEstimate:
     """:class:`MemoryEstimate` from a layout and the model's shapes (``mhsa_heads``: heads of each frozen
     MHSA layer; ``mhsa_widths``: its ``(n_heads · head_dim, n_kv_heads · head_dim)``, None: ``d_model`` each);
     see the module docstring for the terms. ``module_itemsize``: the bytes per number the Lorsas
@@ -448,7 +451,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     also on the SDPA paths, the GPU's fitted one included; ``mask_entry_bytes``, the model's own attention masks per
     prompt copy and (query, key) pair (:func:`attention_mask_entry_bytes`; 0: none); ``offload_rows``: where the
     frozen pass keeps the offloaded modules' active rows (``"host"`` / ``"device"`` / the kept blocks' keys:
-    :data:`.offload.RowsPlace`, :func:`.offload.offload_terms`; :func:`plan_call` decides it as ``attribute`` does)."""
+    :data:`.offload.RowsPlace`, :func:`.offload.offload_terms`; :func:`plan_call` decides it as ``attribute`` does);
+    ``blocks``: the offloaded row blocks (:func:`.offload.offload_blocks` of this layout, ``node_vectors`` and
+    ``model_itemsize``) where the caller has them — :func:`plan_call` computes them once per call; None: here."""
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
@@ -500,8 +505,16 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         # grid, the H200's peak was 2 % above the estimate without it)
         shared += max(pattern_making(mhsa_heads, P, model_itemsize, False, pattern_layers)
                       + grid_making(layout, d_model, model_itemsize, grid), default=0)
+    found: list[list[tuple[str, int]]] = [] if blocks is None else [blocks]
+
+    def row_blocks() -> list[tuple[str, int]]:  # computed once, where needed
+        if not found:
+            found.append(offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize))
+        return found[0]
+
     offload = offload_terms(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize,
-                            rows=offload_rows) if device != "cpu" else {}  # on the CPU: computed where stored
+                            rows=offload_rows, blocks=row_blocks()) if device != "cpu" else {}  # on the CPU:
+    # computed where stored
     shared += sum(offload.values())
     # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
     gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
@@ -534,8 +547,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
              "node_grids": node_grids, **offload}
     place = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
-    kept = None if place is None else kept_bytes(  # the blocks kept on the device, in bytes
-        offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=model_itemsize), place)
+    # the blocks kept on the device, in bytes ("host": none, no block needed)
+    kept = None if place is None else 0 if place == "host" else kept_bytes(row_blocks(), place)
     if device == "cpu":
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms, rows_label(place), kept)
@@ -543,23 +556,57 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                           kept)
 
 
+class CallPlan(NamedTuple):
+    """What one :func:`.attribute.attribute` call settles before its frozen pass (:func:`plan_call`)."""
+
+    #: the batch (the largest ``≤ batch_size`` that fits ``max_memory``; ``batch_size`` without it)
+    batch: int
+    #: where the offloaded modules' active rows live (:data:`.offload.RowsPlace`; None: nothing offloaded)
+    rows: RowsPlace | None
+    #: ``estimate(rows, batch)`` → :func:`estimate_layout` with ``offload_rows=rows`` (memoised; the call's own:
+    #: ``estimate(rows or "host", batch)``)
+    estimate: Callable[..., MemoryEstimate]
+    #: bytes of the offloaded rows kept on the device (``Graph.meta["offload_rows_kept_bytes"]``: 0 with
+    #: ``"host"``, None where nothing is offloaded)
+    kept_bytes: int | None
+
+
+def layer_devices(root: torch.nn.Module, adapter: Any) -> dict[int, torch.device]:
+    """``{layer: device}`` where each decoder layer of the Hugging Face model ``root`` computes (its first
+    parameter's device; a model split over several GPUs, ``device_map="auto"``, puts whole layers on each): where an
+    offloaded module's rows for that layer's sites live (:func:`.offload.block_layer`). A layer without parameters:
+    the model's first parameter's device."""
+    first = next(root.parameters()).device
+    out: dict[int, torch.device] = {}
+    for layer in range(adapter.n_layers):
+        param = next(adapter.get_module(root, adapter.layer_path(layer)).parameters(), None)
+        out[layer] = first if param is None else param.device
+    return out
+
+
 def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.device, *, batch_size: int,
-              max_feature_nodes: int | None, max_memory: int | None
-              ) -> tuple[int, RowsPlace | None, Callable[[RowsPlace, int], MemoryEstimate]]:
-    """What one :func:`.attribute.attribute` call settles before its frozen pass: where it keeps the offloaded
-    modules' active rows (:func:`.offload.rows_placement`: the rule, units; all, none or the blocks that fit the
-    slack) and, with ``max_memory`` (bytes), the largest batch ``≤ batch_size`` that fits it
-    (:func:`largest_batch`, with those rows: the one of the rows on the host).
+              max_feature_nodes: int | None, max_memory: int | None,
+              devices: Callable[[], Mapping[int, torch.device]] | None = None) -> CallPlan:
+    """What one :func:`.attribute.attribute` call settles before its frozen pass — the one plan of the call, made
+    the same way by :func:`estimate_memory` (which returns its estimate): where it keeps the offloaded modules'
+    active rows (:func:`.offload.rows_placement`: the rule, units; all, none or the blocks that fit the slack) and,
+    with ``max_memory`` (bytes), the largest batch ``≤ batch_size`` that fits it (:func:`largest_batch`, with those
+    rows: the one of the rows on the host). The offloaded row blocks (:func:`.offload.offload_blocks`) are computed
+    once, where needed, and shared by the rule, every estimate and the kept bytes.
 
     Args:
         layout: the prompt's nodes.
         info: → :func:`estimate_info`'s shapes (called once, only where an estimate is needed).
-        device: the model's device (its free memory read where the rule needs it, :func:`.offload.device_free_bytes`).
+        device: the model's device (its first parameter's; the rule's device type, and the device of every layer
+            when ``devices`` is None).
+        devices: → ``{layer: device}`` where each layer computes (:func:`layer_devices`; called only for the
+            free-memory rule, whose free memory is read per device, :func:`.offload.device_free_bytes`); None: every
+            layer on ``device``.
 
     Returns:
-        ``(batch, rows, estimate)``: ``rows`` ``"device"`` / ``"host"`` / a frozenset of the kept blocks' keys
-        (:data:`.offload.RowsPlace`; None: nothing offloaded); ``estimate(rows, batch)``: :func:`estimate_layout`
-        with ``offload_rows=rows`` (memoised).
+        :class:`CallPlan`: ``rows`` ``"device"`` / ``"host"`` / a frozenset of the kept blocks' keys
+        (:data:`.offload.RowsPlace`; None: nothing offloaded), the batch, the memoised ``estimate(rows, batch)``
+        and the kept rows' bytes.
 
     Raises:
         MemoryBudgetError: ``max_memory`` too small even for batch 1.
@@ -571,27 +618,38 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
             memo["info"] = info()
         return memo["info"]
 
-    def estimate(rows: RowsPlace, batch: int = batch_size) -> MemoryEstimate:
-        shapes()
-        if (rows, batch) not in memo:
-            memo[rows, batch] = estimate_layout(layout, batch_size=batch, max_feature_nodes=max_feature_nodes,
-                                                offload_rows=rows, **memo["info"])
-        return memo[rows, batch]
+    def blocks() -> list[tuple[str, int]]:  # once per call
+        if "blocks" not in memo:
+            s = shapes()
+            memo["blocks"] = offload_blocks(layout, d_model=s["d_model"], node_vectors=s["node_vectors"],
+                                            itemsize=s["model_itemsize"])
+        return memo["blocks"]
 
     offloaded_any = any_offloaded(layout)
-    free = device_free_bytes(device) if offloaded_any and max_memory is None else None
 
-    def blocks() -> list[tuple[str, int]]:
+    def estimate(rows: RowsPlace, batch: int = batch_size) -> MemoryEstimate:
         s = shapes()
-        return offload_blocks(layout, d_model=s["d_model"], node_vectors=s["node_vectors"],
-                              itemsize=s["model_itemsize"])
+        if (rows, batch) not in memo:
+            memo[rows, batch] = estimate_layout(layout, batch_size=batch, max_feature_nodes=max_feature_nodes,
+                                                offload_rows=rows, blocks=blocks() if offloaded_any else [], **s)
+        return memo[rows, batch]
+
+    free: dict[torch.device, int | None] | None = None
+    where: Callable[[str], torch.device] | None = None
+    if offloaded_any and max_memory is None and device.type not in ("cpu", "meta"):
+        by_layer = dict(devices()) if devices is not None else {}
+        free = {d: device_free_bytes(d) for d in dict.fromkeys([device, *by_layer.values()])}
+
+        def where(key: str) -> torch.device:
+            return by_layer.get(block_layer(key), device)
 
     rows = rows_placement(offloaded_any, device.type, estimate, blocks, batch_size=batch_size, max_memory=max_memory,
-                          free_bytes=free)
+                          free_bytes=free, block_device=where)
     batch = batch_size
     if max_memory is not None:
         batch = largest_batch(estimate(rows or "host"), max_memory, batch_size, device.type)
-    return batch, rows, estimate
+    kept = None if rows is None else 0 if rows == "host" else kept_bytes(blocks(), rows)
+    return CallPlan(batch, rows, estimate, kept)
 
 
 def attention_mask_entry_bytes(adapter: Any, implementation: str | None, itemsize: int) -> int:
@@ -665,7 +723,7 @@ def layout_for_estimate(replacement: Any, prompt: Any, options: AttributionOptio
 def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memory: str = "auto",
                     prune: Any = None, max_feature_nodes: int | None = None,
                     dtype: torch.dtype | None = None, zero_positions: int = 0, targets: Targets = None,
-                    **renamed: Any) -> MemoryEstimate:
+                    max_memory: int | None = None, **renamed: Any) -> MemoryEstimate:
     """Predict the peak host and device memory of ``attribute(replacement, prompt, ...)`` with the same
     settings, from one clean forward (the prompt's active nodes) and the model's shapes — nothing is
     attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
@@ -683,13 +741,20 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     keeps everything it can, far above a run at the default thresholds (docs/attribution.md, *The pruned graph
     without a feature budget*).
 
-    Offloaded modules on a device: their rows counted where ``attribute`` without ``max_memory`` keeps them
-    (:func:`.offload.rows_placement`: the blocks that fit the device's free memory now over 1.1, above the all-host
-    estimate; :attr:`MemoryEstimate.offload_rows` says which, ``offload_rows_kept_bytes`` their bytes).
+    The estimate is of the call ``attribute`` would make with the same settings (:func:`plan_call`, the one plan
+    both make): with ``max_memory`` the batch it fits (:attr:`MemoryEstimate.batch_size`: the largest
+    ``≤ batch_size`` whose estimate fits) and the rows placement that batch leaves room for; offloaded modules on a
+    device: their rows counted where ``attribute`` keeps them (:func:`.offload.rows_placement`: with
+    ``max_memory`` the blocks that fit what the batch leaves of it, without it the blocks that fit each device's
+    free memory now over 1.1, above the all-host estimate; :attr:`MemoryEstimate.offload_rows` says which,
+    ``offload_rows_kept_bytes`` their bytes). Without ``max_memory`` the free memory is read now: a later
+    ``attribute`` reads it again and may place the rows otherwise.
 
     Args:
         replacement, prompt, batch_size, memory, prune, max_feature_nodes, dtype, zero_positions, targets: as
             :func:`.attribute.attribute` (``targets`` sets the number of logit rows).
+        max_memory: as :func:`.attribute.attribute`: a budget in bytes (host memory for a CPU model, device memory
+            otherwise); the estimate is the fitted batch's, within it. None: ``batch_size``.
         renamed: nothing: the old logit-target names are refused with their ``targets=`` spelling.
 
     Returns:
@@ -698,14 +763,17 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt (from the clean pass).
         ConfigMismatchError, ArgumentError: a bad setting (:class:`~.options.AttributionOptions`, the one
-            check :func:`.attribute.attribute` makes too); an old setting name (:func:`.options.refuse_renamed`).
+            check :func:`.attribute.attribute` makes too; ``max_memory`` not an int ≥ 1 or None); an old setting
+            name (:func:`.options.refuse_renamed`).
+        MemoryBudgetError: ``max_memory`` too small even for batch 1 (as ``attribute`` refuses it).
     """
     refuse_inside_trace("estimate_memory")
     refuse_renamed(renamed, "estimate_memory")
     options = AttributionOptions(batch_size=batch_size, memory=memory, prune=prune, max_feature_nodes=max_feature_nodes,
-                                 dtype=dtype, zero_positions=zero_positions, targets=targets)
+                                 dtype=dtype, zero_positions=zero_positions, targets=targets, max_memory=max_memory)
     layout, info = layout_for_estimate(replacement, prompt, options)
-    device = next(hf_module(replacement.model).parameters()).device
-    batch, rows, estimate = plan_call(layout, lambda: info, device, batch_size=options.batch_size,
-                                      max_feature_nodes=options.max_feature_nodes, max_memory=None)
-    return estimate(rows or "host", batch)
+    root = hf_module(replacement.model)
+    plan = plan_call(layout, lambda: info, next(root.parameters()).device, batch_size=options.batch_size,
+                     max_feature_nodes=options.max_feature_nodes, max_memory=options.max_memory,
+                     devices=lambda: layer_devices(root, replacement.adapter))
+    return plan.estimate(plan.rows or "host", plan.batch)

@@ -27,11 +27,11 @@ from .._memory import release_free_memory
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
 from ..errors import ArgumentError, ConfigMismatchError
-from .budget import estimate_info, plan_call
+from .budget import estimate_info, layer_devices, plan_call
 from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout, LiveNodes
-from .offload import kept_bytes, offload_blocks, rows_label
+from .offload import rows_label
 from .options import AttributionOptions
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, transcoder_sites
@@ -145,16 +145,13 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     # the largest batch that fits it
     info = functools.cache(lambda: estimate_info(replacement, prepared, patterns, node_vectors, config is not None,
                                                  dtype, config.keep_mass if config is not None else 1.0))
-    batch_size, offload_rows, _ = plan_call(
-        prepared.layout, info, next(root.parameters()).device, batch_size=batch_size,
-        max_feature_nodes=o.max_feature_nodes, max_memory=o.max_memory)
+    plan = plan_call(prepared.layout, info, next(root.parameters()).device, batch_size=batch_size,
+                     max_feature_nodes=o.max_feature_nodes, max_memory=o.max_memory,
+                     devices=lambda: layer_devices(root, adapter))
+    batch_size, offload_rows = plan.batch, plan.rows
     # (the keyword only where rows are kept: a remote model, on meta, never does)
     kept: dict[str, Any] = {} if offload_rows in (None, "host") else {"offload_rows": offload_rows}
     make = functools.partial(FrozenReplacement, patterns=patterns, node_vectors=node_vectors, dtype=dtype, **kept)
-    # bytes of the offloaded rows kept on the device (0: none; None: nothing offloaded)
-    kept_rows = None if offload_rows is None else 0 if offload_rows == "host" else kept_bytes(
-        offload_blocks(prepared.layout, d_model=info()["d_model"], node_vectors=info()["node_vectors"],
-                       itemsize=info()["model_itemsize"]), offload_rows)
     meta = {"model_type": adapter.config.model_type, "lorsa_layers": sorted(prepared.lorsas),
             "transcoder_layers": sorted(prepared.transcoders), "batch_size": batch_size,
             "max_feature_nodes": o.max_feature_nodes,
@@ -162,7 +159,7 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
             "memory": o.memory if isinstance(o.memory, str) else "custom", "patterns": patterns,
             "node_vectors": node_vectors, "dtype": str(computed_in),
             "dtype_option": None if dtype is None else str(dtype), "zero_positions": o.zero_positions,
-            "offload_rows": rows_label(offload_rows), "offload_rows_kept_bytes": kept_rows}
+            "offload_rows": rows_label(offload_rows), "offload_rows_kept_bytes": plan.kept_bytes}
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           update_interval=o.update_interval, zero_positions=o.zero_positions,
                           progress=show_progress(o.progress) and not remote, prune=config,

@@ -28,7 +28,7 @@ The host keeps the modules themselves (pinned where CUDA is available). torch on
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,6 +118,21 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
     return [(key, size) for key, size in blocks if size]
 
 
+def block_layer(key: str) -> int:
+    """The layer whose site reads the block ``key`` (:func:`offload_blocks`' names): ``l`` of ``L{l}.lorsa.w_o``,
+    ``L{l}.lorsa.w_v`` and ``L{l}.tc.w_enc``, the target ``l`` of ``L{src}.tc.w_dec->{l}`` (the decoder writes
+    into MLP ``l``'s output). Its rows are kept, or copied per pass, on that layer's device (the frozen pass
+    gathers them where its site computes, :meth:`.replacement.FrozenReplacement.nodes`).
+
+    Raises:
+        ValueError: ``key`` is not a block name."""
+    head, arrow, target = key.partition("->")
+    name = target if arrow else head.split(".", 1)[0][1:]
+    if not (key.startswith("L") and name.isdigit()):
+        raise ValueError(f"{key!r} names no offloaded row block (L<layer>.lorsa.w_o, L<layer>.tc.w_dec-><layer>, ...)")
+    return int(name)
+
+
 def rows_cost(blocks: list[tuple[str, int]], kept: Collection[str]) -> int:
     """Device bytes of the rows with the blocks ``kept`` (keys) kept on the device: their sum plus the largest block
     not kept (copied for one pass of its site: one on the device at a time)."""
@@ -162,14 +177,15 @@ def rows_label(rows: RowsPlace | None) -> str | None:
 
 
 def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: int,
-                  rows: RowsPlace = "host") -> dict[str, int]:
+                  rows: RowsPlace = "host", blocks: list[tuple[str, int]] | None = None) -> dict[str, int]:
     """``{"offload_fetch": bytes, "offload_rows": bytes}`` on the model's device for the offloaded modules of
     ``layout`` (module docstring); both 0 when none is offloaded. ``itemsize``: bytes per number of the
     frozen model (which site's node vectors gather: :func:`.frozen.choose`; the kept ``W_V`` rows are in it).
     ``rows``: where the frozen pass keeps the active rows (:data:`RowsPlace`, :class:`.replacement.FrozenReplacement`'s
     ``offload_rows``): the blocks kept (:func:`offload_blocks`; ``"device"``: all, ``"host"``: none) summed, plus
     the largest block not kept (copied per pass: one on the device at a time, :func:`rows_cost`), plus the skip
-    matrices either way."""
+    matrices either way. ``blocks``: :func:`offload_blocks` of the same arguments where the caller has them (one
+    list per call, :func:`.budget.plan_call`); None: computed here."""
     fetch, skips = 0, 0
     seen: set[int] = set()
     for lay in layout.layers:
@@ -186,7 +202,8 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's
-    blocks = offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=itemsize)
+    if blocks is None:
+        blocks = offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=itemsize)
     return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept_keys(blocks, rows)) + skips}
 
 
@@ -203,9 +220,46 @@ def device_free_bytes(device: torch.device) -> int | None:
 FREE_MEMORY_MARGIN = 1.1
 
 
+def kept_per_device(placed: list[tuple[str, int, torch.device]], free: Mapping[torch.device, int | None],
+                    device_bytes: int) -> RowsPlace:
+    """The free-memory rule of :func:`rows_placement`, per device: the blocks each device keeps of its own.
+
+    Each block's rows live on the device of the site that reads them (``placed``: ``(key, bytes, device)`` in the
+    frozen forward's order, :func:`offload_blocks` with :func:`block_layer`'s layer's device): on a model split over
+    several GPUs (``device_map="auto"``) a block is kept, or copied per pass, on its layer's GPU. Per device ``d``
+    the *slack* is ``free[d] / FREE_MEMORY_MARGIN − device_bytes`` (bytes, rounded down; ``free[d]`` None — no
+    query — or a device missing from ``free``: none kept there), and its blocks are kept greedily within it
+    (:func:`kept_blocks` over that device's blocks alone). Conservative on several devices: ``device_bytes`` is the
+    all-host estimate of the whole frozen pass (:attr:`.budget.MemoryEstimate.device_bytes`, a single-device model:
+    it does not split the pass by layer), charged in full against every device's free memory.
+
+    Args:
+        placed: the offloaded row blocks with their devices.
+        free: bytes torch can still allocate per device (:func:`device_free_bytes`); every device the model's
+            layers use, also those without a block.
+        device_bytes: the call's estimate with every row on the host, at its batch (bytes).
+
+    Returns:
+        ``"device"`` when every block is kept and every device of ``free`` has a slack ``≥ 0`` (no block at all:
+        that alone), ``"host"`` when none is kept, else the kept keys (:data:`RowsPlace`). One device: exactly
+        :func:`kept_blocks` of all blocks within that device's slack.
+    """
+    def slack(device: torch.device) -> int:
+        f = free.get(device)
+        return -1 if f is None else math.floor(f / FREE_MEMORY_MARGIN - device_bytes)
+
+    kept: set[str] = set()
+    for device in dict.fromkeys(d for _, _, d in placed):  # each device once, in the forward's order
+        kept |= kept_blocks([(key, size) for key, size, d in placed if d == device], slack(device))
+    if len(kept) == len(placed) and all(slack(d) >= 0 for d in {*free, *(d for _, _, d in placed)}):
+        return "device"
+    return frozenset(kept) if kept else "host"
+
+
 def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPlace], MemoryEstimate],
                    blocks: Callable[[], list[tuple[str, int]]], *, batch_size: int, max_memory: int | None,
-                   free_bytes: int | None) -> RowsPlace | None:
+                   free_bytes: int | Mapping[torch.device, int | None] | None,
+                   block_device: Callable[[str], torch.device] | None = None) -> RowsPlace | None:
     """Where one :func:`.attribute.attribute` call keeps the offloaded modules' active rows
     (:data:`RowsPlace`: :class:`.replacement.FrozenReplacement`'s ``offload_rows``; ``Graph.meta["offload_rows"]``).
 
@@ -214,9 +268,10 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
     as many blocks as fit the *slack* (bytes), kept greedily in the frozen forward's order (:func:`kept_blocks`):
     with ``max_memory`` (bytes of the device) ``max_memory`` minus the all-host estimate's ``device_bytes`` at the
     largest batch that fits it with the rows on the host (:func:`.budget.largest_batch`: keeping rows never shrinks
-    the batch); without it ``free_bytes / FREE_MEMORY_MARGIN`` (bytes torch can still allocate on the device,
-    :func:`device_free_bytes`, over 1.1) minus that estimate's ``device_bytes`` at ``batch_size`` (``free_bytes``
-    None: ``"host"``). Every block kept: ``"device"``; none: ``"host"``; else the set of kept keys.
+    the batch); without it, per device (:func:`kept_per_device`), that device's ``free_bytes / FREE_MEMORY_MARGIN``
+    (bytes torch can still allocate there, :func:`device_free_bytes`, over 1.1) minus that estimate's
+    ``device_bytes`` at ``batch_size``, for the blocks whose site computes there (``block_device``; no free-memory
+    query anywhere: ``"host"``). Every block kept: ``"device"``; none: ``"host"``; else the set of kept keys.
 
     Args:
         offloaded_any: some Lorsa or transcoder is offloaded (:func:`any_offloaded`).
@@ -226,6 +281,10 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
         blocks: → the offloaded row blocks, ``[(key, bytes)]`` in the forward's order (:func:`offload_blocks`);
             called only where the rule needs it.
         batch_size: the call's batch.
+        free_bytes: (without ``max_memory``) bytes free on the model's device (one device: every block there), or
+            per device (``{torch.device: bytes or None}``: every device of the model's layers); None: no query.
+        block_device: a block's key → the device its rows live on (its layer's, :func:`block_layer`); None: every
+            block on the one device of ``free_bytes`` (an int, or the mapping's first).
 
     Raises:
         MemoryBudgetError: with ``max_memory``, not even batch 1 fits with the rows on the host.
@@ -234,15 +293,19 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
         return None
     if device in ("cpu", "meta"):
         return "host"
-    if max_memory is None and free_bytes is None:
+    if isinstance(free_bytes, int):
+        free_bytes = {torch.device(device): free_bytes}
+    if max_memory is None and (free_bytes is None or all(f is None for f in free_bytes.values())):
         return "host"
     host = estimate("host")
-    if max_memory is not None:
-        batch = largest_batch(host, max_memory, batch_size, device)
-        # device_bytes is linear in the batch (largest_batch): the host estimate at that batch
-        slack = max_memory - (host.terms["frozen_shared"] + batch * host.terms["frozen_per_copy"])
-    else:  # (the blocks' bytes are whole: the slack's fraction never counts)
-        slack = math.floor(free_bytes / FREE_MEMORY_MARGIN - host.device_bytes)  # type: ignore[operator]
+    if max_memory is None and free_bytes is not None:
+        first = next(iter(free_bytes))
+        where = block_device or (lambda key: first)
+        return kept_per_device([(key, size, where(key)) for key, size in blocks()], free_bytes, host.device_bytes)
+    assert max_memory is not None  # (free_bytes None: "host" above)
+    batch = largest_batch(host, max_memory, batch_size, device)
+    # device_bytes is linear in the batch (largest_batch): the host estimate at that batch
+    slack = max_memory - (host.terms["frozen_shared"] + batch * host.terms["frozen_per_copy"])
     found = blocks()
     kept = kept_blocks(found, slack)
     if slack >= 0 and len(kept) == len(found):
