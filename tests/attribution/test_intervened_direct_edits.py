@@ -9,8 +9,8 @@ value, no row (``feature_rows`` False, ``values`` NaN), ``intervened`` True, nam
 kept by pruning, exported with ``"intervened": true``. Checked on a tiny random Llama (Lorsa at layer 1, transcoders
 at 0 and 2) and the same model with a 3-layer CLT: a steered active node, an inactive node made active and the
 layer's largest node scaled by a factor just above the bound are marked (and nothing else is); every computed row
-sums to its node's value; the graph's logits are the trace's. Without an edit nothing is marked, in fp32, bf16 and
-fp16, and computed in another dtype than the model's (``dtype=``)."""
+sums to its node's value; the graph's logits are the trace's; beside a patching edit each is listed once. Without an
+edit nothing is marked, in fp32, bf16 and fp16, and computed in another dtype than the model's (``dtype=``)."""
 
 from __future__ import annotations
 
@@ -263,3 +263,29 @@ def test_without_an_edit_nothing_is_marked(kind, dtype, option, seed):
     marked = g.intervened.nonzero().flatten()
     assert marked.numel() == 1
     assert (int(g.kind[marked[0]]), int(g.pos[marked[0]]), int(g.index[marked[0]])) == (LORSA, pos, head)
+
+
+def test_a_direct_edit_beside_a_patching_edit(bundles):
+    """A transcoder feature steered through :mod:`nnsight_lorsa.patching` and, later in the pass, a Lorsa head
+    steered on ``hook_z``: both marked, the patched one listed once (as the patching edit, not again as a direct
+    edit, though its value too differs from its encoder's), the direct one after it; rows sum, logits are the
+    trace's."""
+    from nnsight_lorsa.patching import steer
+
+    model, bundle, ids, clean = bundles["transcoder"]
+    pos_f, feature, _ = active(clean, "transcoder", 0)[0]
+    pos_h, head, _ = active(clean, "lorsa", 1)[-1]
+    with model.trace(ids) as tracer:
+        spliced = bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        steer(bundle(Feature(0, feature, kind="transcoder")), 1.5, positions=pos_f)
+        spliced["lorsas"][1].hook_z.output[0, pos_h, head] += 1.0
+        logits = nnsight.save(model.lm_head.output)
+    graph = handle.graph
+    g = graph.nodes
+    marked = [(int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i])) for i in g.intervened.nonzero()[:, 0]]
+    assert sorted(marked) == sorted([(TRANSCODER, 0, pos_f, feature), (LORSA, 1, pos_h, head)])
+    assert graph.meta["intervened"] == [f"{Feature(0, feature, kind='transcoder')} at positions {pos_f}",
+                                        f"{LorsaHead(1, head)} at positions [{pos_h}] (direct edit)"]
+    assert not bool(graph.feature_rows[g.intervened].any()) and bool(graph.values[g.intervened].isnan().all())
+    check_sums_and_logits(graph, logits)
