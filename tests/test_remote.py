@@ -904,13 +904,13 @@ def test_the_intervened_pass_of_transcoders_read_off_the_mlp_call_is_the_local_o
     ``hook_resid_mid`` with a layer-0 feature steered by +2 on ``model.clt.hook_sae_acts_post[0]``: the graph built
     from the server's recording is the local intervened graph (same nodes, marks and activations, bit-equal
     adjacency), its logits are the remote trace's, which the edit moved; the steered CLT node holds its steered
-    value (``off_call_cases`` in the client)."""
+    value, marked as a direct edit (unmarked until 2026-11-26; ``off_call_cases`` in the client)."""
     out = intervened_loopback["off_call"]
     assert out["requests"] == 3
     got = out[case]
     assert got["adjacency_equal"] and got["adjacency"] <= 1e-4, got
     assert got["same_nodes"] and got["activation"] == 0.0, got
-    assert got["marked"] == got["local_marked"] == (0 if case == "clt" else 1), got
+    assert got["marked"] == got["local_marked"] == 1, got  # the CLT's envoy edit: marked as a direct edit
     assert got["meta"] == got["local_meta"], got
     assert got["logit_gap"] <= 1e-5 and got["saved_vs_local"] <= 1e-5 < got["saved_vs_clean"], got
     assert got["edge_sum"] < 1e-5, got

@@ -28,12 +28,20 @@ forward), with :class:`~.layout.LiveNodes`:
   head at 0), held at it as a fixed input — its row is not computed (``feature_rows`` False, ``values``
   NaN), nothing flows upstream through it — and marked (:attr:`.graph.NodeTable.intervened`, saved by
   :meth:`.graph.Graph.save`, ``"intervened": true`` in :func:`.export.to_neuronpedia`'s nodes);
+* an edit made directly on an envoy (``hook_z.output[...] = ...``, a transcoder's ``hook_sae_acts_post``, a CLT's
+  ``hook_sae_acts_post[layer]``) reports to no edit log: it is found by value when the graph is built
+  (:meth:`.layout.LiveNodes.held`) — a non-zero node value that differs from the pre-activation its row would sum
+  to (the encoder recomputed from the pass's recorded input) by more than :func:`.layout.direct_edit_bound` (8 ×
+  ``finfo(dtype).eps`` of the coarser of the pass's and the recomputation's dtypes) times the layer's scale (its
+  largest recomputed activation) — and held and marked the same way, listed in ``graph.meta["intervened"]`` as
+  ``"... at positions [p] (direct edit)"`` (:func:`.layout.direct_edit_names`); an unedited pass marks nothing (no
+  warning either way: direct edits are legitimate);
 * the error nodes are the site's output in the pass minus the replacement's reconstruction from the
   nodes' values, so every computed row still sums to its node's value exactly and the graph's logits
   are the pass's logits (the spliced error term ``MHSA − Lorsa_clean`` is what the error node holds).
 
-Edits the graph can hold: Lorsa heads and (per-layer) transcoder features (marked nodes; a CLT's features are no
-targets of :mod:`nnsight_lorsa.patching`: edited on its envoy they are unmarked, at the pass's values); an MHSA head of
+Edits the graph can hold: Lorsa heads and transcoder features, per-layer or a CLT's (marked nodes; a CLT's features
+are no targets of :mod:`nnsight_lorsa.patching`: edited on its envoy, marked as direct edits); an MHSA head of
 a layer with a Lorsa and an SAE feature at an MLP output or at a Lorsa layer's attention output (their
 effect is carried by that site's error nodes; nothing to mark). Any other edit through
 :mod:`nnsight_lorsa.patching` raises :class:`~..errors.ConfigMismatchError` at the edit. ``model.trace``, in a
@@ -223,7 +231,8 @@ class IntervenedAttribution:
 
         Read it after the ``with model.trace(...)`` block (after the ``model.session()`` block when the
         trace runs in one). Nodes, values and edges as :func:`.attribute.attribute`'s
-        (:class:`~.graph.Graph`, on the host), with the edited nodes marked (module docstring).
+        (:class:`~.graph.Graph`, on the host), with the edited nodes marked — through :mod:`nnsight_lorsa.patching`
+        or directly on an envoy, found by value (module docstring).
 
         Raises:
             TraceOrderError: read inside the trace (the pass is not over), or the trace ended early.
@@ -256,9 +265,11 @@ class IntervenedAttribution:
         if isinstance(options, dict):  # recorded on a server: the call's settings, checked here, on the client
             options = check_traced_call(None, options)
         from .engine import build_graph  # the client's (this class travels by value; the engine does not)
+        from .layout import direct_edit_names
 
         graph = build_graph(self.replacement, cache, live=live, options=options)
         graph.meta["intervened"] = [f"{e.target} at positions {_positions_name(e.positions)}" for e in self.edits]
+        graph.meta["intervened"] += direct_edit_names(live)  # (the client's: the handle travels by value)
         graph.meta["logit_gap"] = gap = logit_gap(graph, s["last"])
         wide = (torch.float32, torch.float64)  # a half-precision model or dtype= rounds the graph's logits itself
         if s["last"].dtype in wide and (options.dtype is None or options.dtype in wide) and gap > LOGIT_GAP_BOUND:

@@ -17,7 +17,9 @@ import torch
 
 from .._placement import resident, to_module
 from .._repr import FieldsRepr
+from ..envoy.targets import Feature, LorsaHead, Target
 from ..errors import ConfigMismatchError
+from ..modules.sparse_coder import affine
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 from .logit_targets import TOP_LOGITS, LogitTargets, target_logits
 
@@ -114,6 +116,20 @@ class Layout(FieldsRepr):
                    and self.layers[target].transcoder is not None)
 
 
+#: rounding steps (``finfo(dtype).eps`` of the coarser of the pass's and the recomputation's dtypes) within which
+#: a traced pass's node value counts as its encoder's: :meth:`LiveNodes.held`'s bound, relative to the layer's scale
+#: (measured on the tests' models, unedited: 0 where both run in one dtype; ≤ 0.81 eps for a bf16 or fp16 pass
+#: recomputed in fp32 or the reverse, ``dtype=``)
+DIRECT_EDIT_STEPS = 8
+
+
+def direct_edit_bound(*dtypes: torch.dtype) -> float:
+    """:data:`DIRECT_EDIT_STEPS` × the largest ``finfo(dtype).eps`` of the floating ``dtypes``: the relative gap (to
+    the layer's scale) above which a traced pass's node value is an edit, not rounding (fp32 ≈ 9.5e-7, bf16 0.0625,
+    fp16 ≈ 0.0078)."""
+    return DIRECT_EDIT_STEPS * max(torch.finfo(d).eps for d in dtypes if d.is_floating_point)
+
+
 @dataclass(repr=False)
 class LiveNodes(FieldsRepr):
     """The node values of one traced forward pass as it ran (edits included), which take the place of
@@ -123,14 +139,19 @@ class LiveNodes(FieldsRepr):
     Attributes:
         lorsa_z: ``{layer: (pos, n_ov_heads)}`` each Lorsa's ``z`` (its ``hook_z`` output, after edits).
         tc_acts: ``{layer: (pos, d_sae)}`` each transcoder's features (``hook_sae_acts_post``, after edits).
-        marks: ``{(kind, layer): (pos, width) bool}`` the nodes edited (``kind`` :data:`.graph.LORSA` or
-            :data:`.graph.TRANSCODER`): they are nodes whatever their value (an ablated one at 0), held at it
-            as fixed inputs (no incoming edges) and marked :attr:`.graph.NodeTable.intervened`.
+        marks: ``{(kind, layer): (pos, width) bool}`` the nodes edited through :mod:`nnsight_lorsa.patching`
+            (``kind`` :data:`.graph.LORSA` or :data:`.graph.TRANSCODER`): they are nodes whatever their value (an
+            ablated one at 0), held at it as fixed inputs (no incoming edges) and marked
+            :attr:`.graph.NodeTable.intervened`.
+        direct: ``{(kind, layer): (pos, width) bool}`` on the host, filled by :func:`build_layout`
+            (:meth:`held`): the nodes edited directly on an envoy (``hook_z``, ``hook_sae_acts_post``), found by
+            their value; held and marked as ``marks``' (not repeated here when also in ``marks``).
     """
 
     lorsa_z: dict[int, torch.Tensor] = field(default_factory=dict)
     tc_acts: dict[int, torch.Tensor] = field(default_factory=dict)
     marks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    direct: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def mark(self, kind: int, layer: int, like: torch.Tensor) -> torch.Tensor:
         """``like``-shaped bool: the edited nodes of ``kind`` at ``layer``, on ``like``'s device."""
@@ -138,6 +159,51 @@ class LiveNodes(FieldsRepr):
         if m is None:
             return torch.zeros(like.shape, dtype=torch.bool, device=like.device)
         return m.to(like.device)
+
+    def held(self, kind: int, layer: int, value: torch.Tensor, pre: torch.Tensor, active: torch.Tensor,
+             kept: torch.Tensor) -> torch.Tensor:
+        """``(pos, width)`` bool on ``value``'s device: the nodes of ``kind`` at ``layer`` held at the pass's value —
+        those edited through :mod:`nnsight_lorsa.patching` (:attr:`marks`) and those edited directly on an envoy,
+        recorded in :attr:`direct`.
+
+        A node is edited directly where its value in the pass is non-zero and differs from ``pre`` — what its
+        computed row would sum to: the encoder's pre-activation recomputed from the pass's recorded input (a
+        Lorsa head's ``z_pre``, a transcoder feature's ``x·W_enc + b_enc``; an active node's value) — by more than
+        :func:`direct_edit_bound` of ``value``'s and ``pre``'s dtypes times the layer's scale, the largest
+        ``|active|`` (the recomputed, unedited activations) at the ``kept`` positions. So a steered or scaled
+        node, and one an edit made active where the encoder had it inactive (its pre-activation not its value),
+        are held; an unedited pass marks nothing (rounding stays far below the bound); a node zeroed by an edit
+        is no node.
+
+        Args:
+            value: ``(pos, width)`` the pass's values (edits included).
+            pre: ``(pos, width)`` the recomputed pre-activations.
+            active: ``(pos, width)`` the recomputed activations (zeros where inactive).
+            kept: ``(pos, 1)`` bool, the positions that have nodes (``zero_positions``).
+        """
+        marked = self.mark(kind, layer, value) & kept
+        pre, active, kept = pre.to(value.device), active.to(value.device), kept.to(value.device)
+        scale = float((active.double().abs() * kept).max()) if active.numel() else 0.0
+        bound = direct_edit_bound(value.dtype, pre.dtype) * scale
+        direct = (value != 0) & ((value.double() - pre.double()).abs() > bound) & kept & ~marked
+        if bool(direct.any()):
+            self.direct[(kind, layer)] = direct.to(HOST)
+        else:
+            self.direct.pop((kind, layer), None)
+        return marked | direct
+
+
+def direct_edit_names(live: LiveNodes) -> list[str]:
+    """``graph.meta["intervened"]``'s entries of the nodes edited directly on an envoy
+    (:attr:`LiveNodes.direct`, filled when the graph was built), one per head or feature, in layer order:
+    ``"LorsaHead(layer=1, head=17) at positions [3] (direct edit)"``, a per-layer transcoder's or a CLT's feature as
+    ``"Feature(site=layer, index=..., kind='transcoder') at positions [...] (direct edit)"``."""
+    names = []
+    for (kind, layer), mask in sorted(live.direct.items(), key=lambda kv: (kv[0][1], kv[0][0] != LORSA)):
+        for col in mask.any(dim=0).nonzero().flatten().tolist():
+            target: Target = LorsaHead(layer, col) if kind == LORSA else Feature(layer, col, kind="transcoder")
+            names.append(f"{target} at positions {mask[:, col].nonzero().flatten().tolist()} (direct edit)")
+    return names
 
 
 def _nonzero(v: torch.Tensor | None) -> bool:
@@ -195,19 +261,22 @@ def build_layout(
             lay = LayerLayout(layer)
             if layer in lorsas:
                 lorsa = lorsas[layer]
-                if live is not None and layer in live.lorsa_z:
-                    z = live.lorsa_z[layer]
-                else:
-                    x, positions = attn_inputs[layer]
-                    # the Lorsa runs where its weights are (offloaded: copied to x's device for this call);
-                    # its inputs go there, the nodes to the host
-                    with resident(lorsa, x.device):
-                        xm = to_module(x, lorsa)
-                        z = lorsa(xm, positions.to(xm.device), return_cache=True)[1].z[0]
+                x, positions = attn_inputs[layer]
+                # the Lorsa runs where its weights are (offloaded: copied to x's device for this call);
+                # its inputs go there, the nodes to the host
+                with resident(lorsa, x.device):
+                    xm = to_module(x, lorsa)
+                    computed = lorsa(xm, positions.to(xm.device), return_cache=True)[1]
+                traced = live is not None and layer in live.lorsa_z
+                z = live.lorsa_z[layer] if live is not None and traced else computed.z[0]
                 kept = (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
                 z = z * kept
-                fixed = (live.mark(LORSA, layer, z) if live is not None
-                         else torch.zeros_like(z, dtype=torch.bool)) & kept
+                # a traced pass: its edited heads, through nnsight_lorsa.patching or directly on hook_z
+                if live is None:
+                    fixed = torch.zeros_like(z, dtype=torch.bool)
+                else:
+                    fixed = (live.held(LORSA, layer, z, computed.z_pre[0], computed.z[0], kept) if traced
+                             else live.mark(LORSA, layer, z) & kept)
                 pos, head = ((z > 0) | fixed).nonzero(as_tuple=True)
                 lay.lorsa, lay.lorsa_pos, lay.lorsa_head = lorsa, pos.to(HOST), head.to(HOST)
                 lay.lorsa_z = z[pos, head].to(HOST)
@@ -217,17 +286,23 @@ def build_layout(
                 feats.append(NodeTable.make(LORSA, layer, pos, head, lay.lorsa_z, intervened=lay.lorsa_fixed))
             if layer in transcoders:
                 tc = transcoders[layer]
-                if live is not None and layer in live.tc_acts:
-                    acts = live.tc_acts[layer]
-                else:
-                    owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
-                    x = mlp_inputs[layer]
-                    with resident(owner, x.device):
-                        acts = tc.encode(to_module(x, owner))[0]
+                owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
+                x = mlp_inputs[layer]
+                traced = live is not None and layer in live.tc_acts
+                with resident(owner, x.device):
+                    xm = to_module(x, owner)
+                    encoded = tc.encode(xm)[0]
+                    # a traced pass: the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets)
+                    pre = affine(tc.encoder_input(xm), tc.W_enc, tc.b_enc)[0] if traced else None
+                acts = live.tc_acts[layer] if live is not None and traced else encoded
                 kept = (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
                 acts = acts * kept
-                fixed = (live.mark(TRANSCODER, layer, acts) if live is not None
-                         else torch.zeros_like(acts, dtype=torch.bool)) & kept
+                # its edited features, through nnsight_lorsa.patching or directly on hook_sae_acts_post
+                if live is None:
+                    fixed = torch.zeros_like(acts, dtype=torch.bool)
+                else:
+                    fixed = (live.held(TRANSCODER, layer, acts, pre, encoded, kept) if pre is not None
+                             else live.mark(TRANSCODER, layer, acts) & kept)
                 pos, feat = ((acts != 0) | fixed).nonzero(as_tuple=True)
                 lay.transcoder, lay.tc_pos, lay.tc_feat = tc, pos.to(HOST), feat.to(HOST)
                 lay.tc_reads, lay.tc_writes = modules.get("tc_sites", {}).get(layer, ("mlp", "mlp"))

@@ -3,12 +3,12 @@ CLT features edited.
 
 A CLT's features are not targets of :mod:`nnsight_lorsa.patching` (``ConfigMismatchError`` at the edit, also inside
 an attributed trace); they are edited on the CLT's envoy (``model.clt.hook_sae_acts_post[layer]``, in layer order).
-Such an edit, like any edit made directly on an envoy, enters the graph through the node values and error nodes,
-unmarked (docs/attribution.md, "Attributing an intervened pass"): every CLT node holds the feature as the pass used
-it (a steered one its steered value, an ablated one is no node), including the later layers' features the edit
-moved, while the edited feature decodes into every later MLP; every computed row sums to its value and the graph's
-logits are the edited pass's. Checked against the same trace's saved features and logits (tiny random Llama, a
-Lorsa at layer 1, a 3-layer CLT)."""
+Such an edit, like any edit made directly on an envoy, enters the graph through the node values and error nodes, and
+is found by value and marked (docs/attribution.md, "Attributing an intervened pass"; unmarked until 2026-11-26): every
+CLT node holds the feature as the pass used it (a steered one its steered value, held as a marked fixed input; an
+ablated one is no node), including the later layers' features the edit moved, while the edited feature decodes into
+every later MLP; every computed row sums to its value and the graph's logits are the edited pass's. Checked against
+the same trace's saved features and logits (tiny random Llama, a Lorsa at layer 1, a 3-layer CLT)."""
 
 from __future__ import annotations
 
@@ -85,9 +85,9 @@ def edited_pass(model, bundle, ids: torch.Tensor, layer: int, feature: int, valu
 def test_a_clt_feature_steered_on_its_envoy_takes_the_passs_value(clt_tiny, layer):
     """A CLT feature of layer 0 (decoding into MLPs 0, 1 and 2) or 1 (into 1 and 2), steered by +2 at the last
     position: its node holds the steered value (it used to hold the feature's unedited encoding, the edit carried
-    only by the error nodes), unmarked (an envoy edit: its row, still computed, sums to the encoder's unedited
-    output); every CLT node is the pass's feature, the later layers' moved by the edit; it drives the later layers'
-    features; rows sum; the graph's logits are the edited pass's."""
+    only by the error nodes), marked as a direct edit, with no row (until 2026-11-26 it was unmarked, its row summing
+    to the encoder's unedited output, not its value); every CLT node is the pass's feature, the later layers' moved
+    by the edit; it drives the later layers' features; rows sum; the graph's logits are the edited pass's."""
     model, bundle, ids, clean = clt_tiny
     last = int(ids.numel()) - 1
     feature, before = top_feature(clean, layer, last)
@@ -98,9 +98,12 @@ def test_a_clt_feature_steered_on_its_envoy_takes_the_passs_value(clt_tiny, laye
     assert i.numel() == 1
     i = int(i[0])
     assert abs(float(g.activation[i]) - (before + 2.0)) < 1e-5 * (abs(before) + 2.0)
-    # an unmarked (envoy) edit keeps its row: its incoming edges explain the encoder's output, the unedited value
-    assert bool(graph.feature_rows[i]) and abs(float(graph.values[i]) - before) < 1e-5 * abs(before)
-    assert not bool(g.intervened.any()) and graph.meta["intervened"] == []
+    # a direct (envoy) edit, found by value: held at the pass's value and marked, no row (it used to keep a row summing
+    # to the encoder's unedited value)
+    assert not bool(graph.feature_rows[i]) and bool(graph.values[i].isnan()) and not bool(graph.densify()[i].any())
+    assert g.intervened.nonzero().flatten().tolist() == [i]
+    assert graph.meta["intervened"] == [
+        f"Feature(site={layer}, index={feature}, kind='transcoder') at positions [{last}] (direct edit)"]
     for at in range(N_LAYERS):  # every CLT node is the feature the pass computed (and used)
         assert torch.allclose(graph_acts(graph, at, acts[at]), acts[at], rtol=1e-5, atol=1e-6), at
     moved = acts[N_LAYERS - 1]

@@ -305,8 +305,8 @@ def test_the_graph_of_a_traced_pass_reads_and_writes_where_the_transcoder_does(f
     with a layer-0 feature zero-ablated at the last position, that node is marked at 0, the layer-2 features are the
     ones the spliced pass computed (not the clean ones), every computed row sums to its value (mass) and the logit
     nodes are the trace's logits; (a CLT, whose features are edited on its envoy) the same with the feature zeroed on
-    ``model.clt.hook_sae_acts_post[0]``, an unmarked edit: the feature is no node (it used to stay at its unedited
-    value: the recorder kept no CLT features)."""
+    ``model.clt.hook_sae_acts_post[0]``, a direct edit to zero: the feature is no node, so no mark (it used to stay
+    at its unedited value: the recorder kept no CLT features)."""
     import nnsight
 
     from nnsight_lorsa.patching import Feature, ablate
