@@ -78,6 +78,8 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
         return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, **rope_kwargs(LLAMA3_ROPE))
     if family == "qwen2":
         return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2)
+    if family == "mistral":  # sliding window on every layer, shorter than the test prompts (not in FAMILIES)
+        return transformers.MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=4)
     if family == "qwen3":
         return transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=16)
     if family == "neox":

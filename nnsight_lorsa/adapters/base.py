@@ -302,6 +302,16 @@ class ArchitectureAdapter:
         self.check_layer(layer)
         return None
 
+    def sliding_window(self, layer: int) -> int | None:
+        """The sliding-window size of layer ``layer``'s attention, or None (full causal; the families without
+        sliding layers).
+
+        Raises:
+            LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+        """
+        self.check_layer(layer)
+        return None
+
     def final_logit_softcap(self) -> float | None:
         """The cap ``c`` of the model's final logits, ``c · tanh(lm_head(x) / c)`` after the unembedding
         (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
