@@ -67,7 +67,7 @@ def _cache_length(kwargs: dict, layer: int) -> int | None:
     return int(cache.get_seq_length(layer))
 
 
-def own_tokens(mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
+def _own_tokens(mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
     """Which of an attention call's own ``new`` positions are tokens (not padding): ``(batch, new)`` bool on
     ``device``, read from the model's 4-D mask ``(batch|1, 1, new, keys)`` (bool, True = may attend, or additive
     float, ``finfo.min`` = masked), whose last ``new`` keys are the call's positions (transformers' masks, a
@@ -183,7 +183,10 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         earlier positions of the run through a :class:`~..modules.lorsa.LorsaKV` kept in the
         splice's per-trace state (``state["kv"]``): the prompt's forward starts it, each cached
         generation step extends it. Its length follows the model's own KV cache for the layer
-        (reset when that is empty, cropped when the model rolled its cache back).
+        (reset when that is empty, cropped when the model rolled its cache back). On a sliding-window
+        layer (``adapter.sliding_window(layer)``) the model's mask carries the window: only which
+        positions are tokens is read from it (:func:`_own_tokens`, kept in ``state["tokens"]``), and the
+        Lorsa attends to all earlier tokens.
         ``generation``: the traced call's keyword arguments (checked at the first cached step
         together with the model's ``generation_config``, :func:`check_generation`).
 
@@ -226,7 +229,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 # the layer's window is the MHSA's, not the Lorsa's. The model's mask carries the window (and, in
                 # a generation, covers only the sliding cache's keys), so only which positions are tokens is
                 # read from it, each call's own positions, kept for the later steps in state["tokens"]
-                tokens = own_tokens(mask, x.shape[0], x.shape[1], x.device)
+                tokens = _own_tokens(mask, x.shape[0], x.shape[1], x.device)
                 if past_len:  # the checks above: the earlier calls of this run set state["tokens"] (>= past_len)
                     tokens = torch.cat([state["tokens"][:, :past_len], tokens], 1)
                 state["tokens"] = tokens
@@ -258,7 +261,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
         Call inside ``model.trace(...)`` or ``model.generate(...)`` before anything at or after that
         layer is read; in a generation it replaces the output for every token (the Lorsa keeps a
-        :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). Returns
+        :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). The Lorsa attends
+        causally to every earlier token of its row (padding masked) — on a sliding-window layer too: the
+        window is the MHSA's, not the Lorsa's (as it is trained and as attribution runs it). Returns
         the Lorsa's envoy (a dict ``{layer: envoy}`` for several layers; all layers of the set
         when ``layer`` is None), whose children ``hook_q, hook_k`` ``(batch, n_qk_heads, pos,
         d_qk_head)``, ``hook_v, hook_z_pre, hook_z`` ``(batch, pos, n_ov_heads)``, ``hook_out``

@@ -125,3 +125,28 @@ def test_generate_with_a_lorsa_on_a_sliding_layer_matches_the_trace_of_the_whole
     got = torch.stack(steps, 1)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
     assert torch.equal(seq[:, ids.shape[1]:], want.argmax(-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), side=st.sampled_from(["left", "right"]),
+       window=st.integers(1, 6), new=st.sampled_from([None, 1, 2]), kind=st.sampled_from(["sdpa", "eager"]))
+def test_the_tokens_of_a_call_are_read_from_any_sliding_mask(lengths, side, window, new, kind):
+    """``_own_tokens`` against transformers' own mask builders: the prompt's mask (``new=None``) or a cached step's
+    over a sliding cache's last keys; the call's positions that are tokens are those of the 2-D mask."""
+    from transformers import masking_utils as mu
+
+    from nnsight_lorsa.envoy.lorsa_set import _own_tokens
+
+    _, mask2d = batch(lengths, side, seed=0)
+    total = mask2d.shape[1]
+    q = total if new is None else min(new, total)
+    past = total - q
+    kv_offset = max(0, past - (window - 1)) if new is not None else 0
+    kv_length = total - kv_offset
+    build = mu.sdpa_mask if kind == "sdpa" else mu.eager_mask
+    extra = {"allow_is_causal_skip": False} if kind == "sdpa" else {"dtype": torch.float32}
+    mask = build(batch_size=len(lengths), q_length=q, kv_length=kv_length, q_offset=past, kv_offset=kv_offset,
+                 mask_function=mu.sliding_window_causal_mask_function(window), attention_mask=mask2d.bool(), **extra)
+    got = _own_tokens(mask, len(lengths), q, torch.device("cpu"))
+    assert torch.equal(got, mask2d[:, past:].bool())
+    assert torch.equal(_own_tokens(None, 2, q, torch.device("cpu")), torch.ones(2, q, dtype=torch.bool))
