@@ -319,13 +319,14 @@ class ArchitectureAdapter:
 
     def final_logits(self, head_out: torch.Tensor) -> torch.Tensor:
         """The model's logits from its unembedding's output ``(..., vocab)`` (same shape, dtype, device): soft-capped
-        where :meth:`final_logit_softcap` is set (in at least fp32, cast back, as transformers' Gemma-2 computes
-        in the logits' dtype — fp32 for ``logits_to_keep`` callers), else ``head_out`` itself."""
+        where :meth:`final_logit_softcap` is set, ``c · tanh(head_out / c)`` computed as transformers' Gemma-2 does,
+        in ``head_out``'s dtype (each step rounded to bf16 / fp16 for such a model: its logits bit for bit; an fp32
+        upcast first gave a third of a bf16 model's logits one ulp off), else ``head_out`` itself. Pass the
+        unembedding's output in the model's dtype, not upcast."""
         cap = self.final_logit_softcap()
         if cap is None:
             return head_out
-        wide = head_out.to(torch.promote_types(head_out.dtype, torch.float32))
-        return (torch.tanh(wide / cap) * cap).to(head_out.dtype)
+        return torch.tanh(head_out / cap) * cap
 
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:
