@@ -294,7 +294,9 @@ def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None, key_mask=None):
     layer's mask, which carries the MHSA's window (docs/nnsight.md, "Sliding-window layers")."""
     handles = []
     for layer, lorsa in lorsas.items():
-        def hook(module, args, kwargs, output, lorsa=lorsa, sliding=adapter.sliding_window(layer) is not None):
+        sliding = adapter.sliding_window(layer) is not None
+
+        def hook(module, args, kwargs, output, lorsa=lorsa, sliding=sliding):
             x = adapter.attention_input(args, kwargs)
             z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
                                         key_mask if sliding else adapter.attention_mask(args, kwargs))
