@@ -78,6 +78,8 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
         return transformers.LlamaConfig(**_COMMON, num_key_value_heads=2, **rope_kwargs(LLAMA3_ROPE))
     if family == "qwen2":
         return transformers.Qwen2Config(**_COMMON, num_key_value_heads=2)
+    if family == "mistral":  # sliding window on every layer, shorter than the test prompts (not in FAMILIES)
+        return transformers.MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=4)
     if family == "qwen3":
         return transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=16)
     if family == "neox":
@@ -286,14 +288,18 @@ def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
 
 
 @contextlib.contextmanager
-def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None):
-    """Reference: the same splice with plain PyTorch forward hooks (no nnsight)."""
+def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None, key_mask=None):
+    """Reference: the same splice with plain PyTorch forward hooks (no nnsight). A Lorsa is global: on a
+    sliding-window layer it gets ``key_mask`` (the batch's ``(batch, pos)`` padding mask; None: unpadded), not the
+    layer's mask, which carries the MHSA's window (docs/nnsight.md, "Sliding-window layers")."""
     handles = []
     for layer, lorsa in lorsas.items():
-        def hook(module, args, kwargs, output, lorsa=lorsa):
+        sliding = adapter.sliding_window(layer) is not None
+
+        def hook(module, args, kwargs, output, lorsa=lorsa, sliding=sliding):
             x = adapter.attention_input(args, kwargs)
             z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
-                                        adapter.attention_mask(args, kwargs))
+                                        key_mask if sliding else adapter.attention_mask(args, kwargs))
             z, _ = lorsa.activation(z_pre)
             if edit is not None:
                 z = edit(z)

@@ -302,6 +302,16 @@ class ArchitectureAdapter:
         self.check_layer(layer)
         return None
 
+    def sliding_window(self, layer: int) -> int | None:
+        """The sliding-window size of layer ``layer``'s attention, or None (full causal; the families without
+        sliding layers).
+
+        Raises:
+            LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+        """
+        self.check_layer(layer)
+        return None
+
     def final_logit_softcap(self) -> float | None:
         """The cap ``c`` of the model's final logits, ``c · tanh(lm_head(x) / c)`` after the unembedding
         (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
@@ -309,13 +319,14 @@ class ArchitectureAdapter:
 
     def final_logits(self, head_out: torch.Tensor) -> torch.Tensor:
         """The model's logits from its unembedding's output ``(..., vocab)`` (same shape, dtype, device): soft-capped
-        where :meth:`final_logit_softcap` is set (in at least fp32, cast back, as transformers' Gemma-2 computes
-        in the logits' dtype — fp32 for ``logits_to_keep`` callers), else ``head_out`` itself."""
+        where :meth:`final_logit_softcap` is set, ``c · tanh(head_out / c)`` computed as transformers' Gemma-2 does,
+        in ``head_out``'s dtype (each step rounded to bf16 / fp16 for such a model: its logits bit for bit; an fp32
+        upcast first gave a third of a bf16 model's logits one ulp off), else ``head_out`` itself. Pass the
+        unembedding's output in the model's dtype, not upcast."""
         cap = self.final_logit_softcap()
         if cap is None:
             return head_out
-        wide = head_out.to(torch.promote_types(head_out.dtype, torch.float32))
-        return (torch.tanh(wide / cap) * cap).to(head_out.dtype)
+        return torch.tanh(head_out / cap) * cap
 
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:

@@ -150,8 +150,9 @@ def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...],
     """The target tokens ``(k,)`` int64 and their probabilities ``(k,)`` fp32 (both on the host) at the last
     position, from its ``(vocab,)`` logits (the unembedding's output): :class:`LogitTargets`' top tokens, or the
     given ids in order. ``final``: the model's logits from the unembedding's output
-    (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits`; Gemma-2 soft-caps them): the
-    probabilities are those of the logits the model outputs (same order of tokens).
+    (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.final_logits`; Gemma-2 soft-caps them, applied to
+    ``logits`` in their own dtype, as the model does): the probabilities are those of the logits the model outputs
+    (same order of tokens), computed in fp32.
 
     Raises:
         ConfigMismatchError: an id outside ``[0, vocab)``.
@@ -159,13 +160,14 @@ def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...],
             probability of the graph would be NaN.
     """
     host = logits.detach().to(HOST, torch.float32)
+    final_host = host if final is None else final(logits.detach()).to(HOST, torch.float32)  # capped in its dtype
     if not bool(torch.isfinite(host).all()):
         raise NonFiniteError(f"attribute: the model's logits at the attributed position hold NaN or inf "
                              f"({int((~torch.isfinite(host)).sum())} of {host.numel()}, computed in {logits.dtype}; "
                              "an fp16 model's logits past 65504 are inf): the graph's edges and target probabilities "
                              "would be NaN; attribute the model in a wider dtype (torch.bfloat16 or torch.float32)",
                              tensor="logits")
-    probs = (host if final is None else final(host)).softmax(-1)
+    probs = final_host.softmax(-1)
     if not isinstance(targets, LogitTargets):
         ids = torch.tensor(targets, dtype=torch.long, device=HOST)
         if int(ids.max()) >= probs.numel():

@@ -67,6 +67,22 @@ def _cache_length(kwargs: dict, layer: int) -> int | None:
     return int(cache.get_seq_length(layer))
 
 
+def _own_tokens(mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
+    """Which of an attention call's own ``new`` positions are tokens (not padding): ``(batch, new)`` bool on
+    ``device``, read from the model's 4-D mask ``(batch|1, 1, new, keys)`` (bool, True = may attend, or additive
+    float, ``finfo.min`` = masked), whose last ``new`` keys are the call's positions (transformers' masks, a
+    sliding cache's too): query ``i`` may attend its own key unless it is padding, and no key after it (a fully
+    masked row that masking code unmasks attends everywhere, later keys included). None: every position."""
+    if mask is None:
+        return torch.ones(batch, new, dtype=torch.bool, device=device)
+    allowed = (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)[:, 0].to(device)
+    keys = allowed.shape[-1]
+    own = torch.arange(new, device=device) + (keys - new)  # (new,) each query's own key
+    later = torch.arange(keys, device=device)[None, :] > own[:, None]  # (new, keys)
+    tokens = allowed[:, torch.arange(new, device=device), own] & ~(allowed & later).any(-1)
+    return tokens.expand(batch, new)
+
+
 class LorsaSet(ReplacementSet[int, Lorsa]):
     """The Lorsas of one model, keyed by layer; ``replace(layer=L)`` splices them into a trace.
 
@@ -167,7 +183,10 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         earlier positions of the run through a :class:`~..modules.lorsa.LorsaKV` kept in the
         splice's per-trace state (``state["kv"]``): the prompt's forward starts it, each cached
         generation step extends it. Its length follows the model's own KV cache for the layer
-        (reset when that is empty, cropped when the model rolled its cache back).
+        (reset when that is empty, cropped when the model rolled its cache back). On a sliding-window
+        layer (``adapter.sliding_window(layer)``) the model's mask carries the window: only which
+        positions are tokens is read from it (:func:`_own_tokens`, kept in ``state["tokens"]``), and the
+        Lorsa attends to all earlier tokens.
         ``generation``: the traced call's keyword arguments (checked at the first cached step
         together with the model's ``generation_config``, :func:`check_generation`).
 
@@ -179,6 +198,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         adapter = self.adapter
         hf_config = getattr(hf_module(self.model), "generation_config", None)
         run_kwargs = dict(generation or {})
+        sliding = adapter.sliding_window(layer) is not None
 
         def step(module: torch.nn.Module, i: int, args: tuple, kwargs: dict, true_out: torch.Tensor,
                  state: dict) -> torch.Tensor:
@@ -204,6 +224,16 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                         "from its prompt on (do not pass past_key_values made outside the trace)")
                 if past.length > past_len:  # the model rolled its cache back
                     past = past.crop(past_len)
+            if sliding:
+                # a Lorsa is global (causal over every earlier token, as trained and as attribution runs it):
+                # the layer's window is the MHSA's, not the Lorsa's. The model's mask carries the window (and, in
+                # a generation, covers only the sliding cache's keys), so only which positions are tokens is
+                # read from it, each call's own positions, kept for the later steps in state["tokens"]
+                tokens = _own_tokens(mask, x.shape[0], x.shape[1], x.device)
+                if past_len:  # the checks above: the earlier calls of this run set state["tokens"] (>= past_len)
+                    tokens = torch.cat([state["tokens"][:, :past_len], tokens], 1)
+                state["tokens"] = tokens
+                mask = None if bool(tokens.all()) else tokens  # (batch, keys) key padding, or plain causal
             if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
                 raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
                                  f"{past_len} cached + {x.shape[1]} new positions")
@@ -231,7 +261,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
         Call inside ``model.trace(...)`` or ``model.generate(...)`` before anything at or after that
         layer is read; in a generation it replaces the output for every token (the Lorsa keeps a
-        :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). Returns
+        :class:`~..modules.lorsa.LorsaKV` of the earlier positions for the trace). The Lorsa attends
+        causally to every earlier token of its row (padding masked) — on a sliding-window layer too: the
+        window is the MHSA's, not the Lorsa's (as it is trained and as attribution runs it). Returns
         the Lorsa's envoy (a dict ``{layer: envoy}`` for several layers; all layers of the set
         when ``layer`` is None), whose children ``hook_q, hook_k`` ``(batch, n_qk_heads, pos,
         d_qk_head)``, ``hook_v, hook_z_pre, hook_z`` ``(batch, pos, n_ov_heads)``, ``hook_out``

@@ -16,7 +16,8 @@ some row of a padded batch once :meth:`ReplacementModel.prepare` or :func:`~..en
 first in the body, read the batch's mask); values are per position:
 ``(batch, n_pos[, head_dim])`` or anything broadcastable to it.
 Values (means, deltas, patched-in values) may live on any device and in any dtype: each is moved to
-the target's device and cast to its dtype where it is written (token ids given to ``model.trace``
+the target's device and cast to its dtype where it is written (``steer`` / ``scale``: the sum / product is
+computed in the wider dtype and rounded once, as the same edit by hand) (token ids given to ``model.trace``
 may stay on the CPU: nnsight moves a trace's input tensors to the model's device).
 """
 
@@ -88,12 +89,15 @@ def _edited(target: Bound, positions: Positions, what: str) -> None:
     note_edit(target.target, positions, what)
 
 
-def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: bool = True) -> Any:
+def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: bool = True,
+           to_dtype: bool = True) -> Any:
     """``value`` (a number, or a tensor / array of the target's per-position values) checked for the
     ``site`` it is written to (``tensor[idx]``): a finite number stays a number; a tensor must fit the
     target (:meth:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel.check_values`), broadcast to
     ``site``'s shape and (with ``finite``) hold no NaN / inf, also once cast to ``site``'s dtype (an fp32 value
-    past fp16's range is refused, not written as inf); it is moved to ``site``'s device and dtype."""
+    past fp16's range is refused, not written as inf); it is moved to ``site``'s device and dtype — with
+    ``to_dtype=False`` to its device only (an operand: ``site + delta`` computed in the wider dtype and rounded once
+    where it is written, as the same edit made by hand on the envoy)."""
     if is_real(value):
         if finite and not math.isfinite(value):
             raise ArgumentError(f"{name} must be a finite number, got {value!r}")
@@ -124,7 +128,7 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
         raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
                             f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
                             "cast to it they would be inf")
-    return cast
+    return cast if to_dtype else value.to(device=site.device)
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
@@ -158,7 +162,7 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     _edited(target, positions, "ablate")
 
 
-def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
+def scale(target: Bound, alpha: Any, positions: Positions = None) -> None:
     """Multiply the target by ``alpha`` (``-alpha`` inhibits, as the feature inhibition of Lindsey et al. 2025,
     *On the Biology of a Large Language Model*): a finite number, or a tensor of per-position factors
     broadcastable to the edited values.
@@ -169,7 +173,7 @@ def scale(target: Bound, alpha: float, positions: Positions = None) -> None:
     """
     tensor, idx = _loc(target, positions)
     site = tensor[idx]
-    tensor[idx] = site * _value(target, alpha, site, "alpha")
+    tensor[idx] = (site * _value(target, alpha, site, "alpha", to_dtype=False)).to(site.dtype)  # rounded once
     _edited(target, positions, "scale")
 
 
@@ -183,7 +187,7 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
     """
     tensor, idx = _loc(target, positions)
     site = tensor[idx]
-    tensor[idx] = site + _value(target, delta, site, "delta")
+    tensor[idx] = (site + _value(target, delta, site, "delta", to_dtype=False)).to(site.dtype)  # rounded once
     _edited(target, positions, "steer")
 
 

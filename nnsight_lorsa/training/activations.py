@@ -32,7 +32,7 @@ from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError
+from ..errors import ActivationCacheError, ArgumentError
 from .activation_cache import ActivationCache
 from .dataset import TokenDataset, _loss_mask, _window_ids
 
@@ -74,6 +74,22 @@ class Batch:
 _SiteSpec = Site | Sequence[Site]
 
 
+def _sites(spec: Any, name: str) -> tuple[Site, ...]:
+    """``spec`` (a :class:`Site`, or a non-empty list / tuple of them) as a tuple of sites.
+
+    Raises:
+        ArgumentError: anything else — a module path string (a sequence of characters, not of sites), an empty
+            list, an element that is not a Site — naming the argument.
+    """
+    if isinstance(spec, Site):
+        return (spec,)
+    if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes)) and spec \
+            and all(isinstance(s, Site) for s in spec):
+        return tuple(spec)
+    raise ArgumentError(f"ActivationSource({name}=...) must be a Site or a non-empty list of Sites (Site.mlp_input("
+                        f"adapter, layer), Site.resid_post(adapter, layer), ...), got {spec!r}")
+
+
 class ActivationSource:
     """Batch ``i`` = the values of sites ``x`` (read) and ``y`` (target) on batch ``i`` of the windows.
 
@@ -104,14 +120,14 @@ class ActivationSource:
         ValueError: a live source without a dataset; a constructor on a cache without ``adapter=``.
     """
 
-    def __init__(self, data: Any, x: _SiteSpec, y: _SiteSpec | None = None, dataset: TokenDataset | None = None,
+    def __init__(self, data: Any, x: Any, y: Any = None, dataset: TokenDataset | None = None,
                  batch_size: int = 16, seed: int = 0, *, positions: Site | None = None) -> None:
-
+        # x, y: a Site or a sequence of Sites (_SiteSpec), checked here: a named error, not a type-checker one
         self.data = data
         self.stacked = not isinstance(x, Site)
-        self.x_sites: tuple[Site, ...] = (x,) if isinstance(x, Site) else tuple(x)
+        self.x_sites: tuple[Site, ...] = _sites(x, "x")
         y = x if y is None else y
-        self.y_sites: tuple[Site, ...] = (y,) if isinstance(y, Site) else tuple(y)
+        self.y_sites: tuple[Site, ...] = _sites(y, "y")
         self.positions_site = positions
         self.batch_size, self.seed = batch_size, seed
         self._shard = (0, 1)
@@ -164,9 +180,13 @@ class ActivationSource:
         return cls(data, Site.mlp_input(a, layer), Site.mlp_output(a, layer), dataset, batch_size, seed)
 
     @classmethod
-    def sae(cls, data: Any, site: Site, dataset: TokenDataset | None = None, batch_size: int = 16,
+    def sae(cls, data: Any, site: Any, dataset: TokenDataset | None = None, batch_size: int = 16,
             seed: int = 0) -> ActivationSource:
-        """An SAE's stream: input = target = ``site`` (live or cached)."""
+        """An SAE's stream: input = target = ``site`` (a :class:`Site`; live or cached).
+
+        Raises:
+            ArgumentError: ``site`` is not a Site (e.g. a module path string).
+        """
         return cls(data, site, None, dataset, batch_size, seed)
 
     @classmethod

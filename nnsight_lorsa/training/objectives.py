@@ -22,7 +22,7 @@ counters, AuxK, checkpoints, data parallelism).
   norm. Dense path only (no sparse kernels).
 
 Decoder rows are kept at unit norm for every dictionary except JumpReLU ones (``normalize_decoder``
-overrides).
+overrides); the fold keeps a rank-based activation's ranking (one common factor, :meth:`fold`).
 
 Here: the dictionaries' objectives and the registry (:data:`_OBJECTIVES`, :func:`_objective_for`); the Lorsa's
 is :mod:`.lorsa_objective`, the contract they share (:class:`_Objective`, :class:`TrainingState`)
@@ -39,7 +39,7 @@ import torch
 
 from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
-from ..modules.activations import BatchTopK, JumpReLU, TopK
+from ..modules.activations import AbsTopK, BatchTopK, GroupMax, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.sparse_coder import SparseCoder, SparseCoderConfig, affine
@@ -214,9 +214,12 @@ class _SparseCoderObjective(_DictionaryObjective):
     @torch.no_grad()
     def fold(self, t: TrainingState) -> SparseCoder:
         """``f_raw(x) = f(x · s_in) / s_out`` (eval mode): ``W_enc *= s_in`` (the same features fire),
-        ``W_dec, b_dec /= s_out``, ``W_skip *= s_in / s_out``; then decoder rows are renormalised
-        (:meth:`~..modules.sparse_coder.SparseCoder.fold_decoder_norm_`) except for BatchTopK, whose rows
-        stay at ``1/s_out`` so that its threshold stays valid."""
+        ``W_dec, b_dec /= s_out``, ``W_skip *= s_in / s_out``; then decoder rows are renormalised: each row to unit
+        norm for ReLU / JumpReLU (:meth:`~..modules.sparse_coder.SparseCoder.fold_decoder_norm_`: exact, each
+        feature's contribution kept); for the rank-based TopK / AbsTopK / GroupMax all rows by one common factor
+        (their mean norm; unit rows when they were kept at unit norm, ``normalize_decoder``): a per-row factor would
+        rank ``pre_i · ‖W_dec_i‖`` instead of ``pre_i`` and pick other features where the norms differ
+        (``normalize_decoder=False``); BatchTopK's rows stay at ``1/s_out`` so that its threshold stays valid."""
         _require_norms(self)
         out = copy.deepcopy(self.module).eval()
         out.W_enc.mul_(self.s_in)
@@ -224,7 +227,12 @@ class _SparseCoderObjective(_DictionaryObjective):
         out.b_dec.div_(self.s_out)
         if getattr(out, "W_skip", None) is not None:  # a skip transcoder's linear path
             out.W_skip.mul_(self.s_in / self.s_out)
-        if not isinstance(out.activation, BatchTopK):
+        if isinstance(out.activation, (TopK, AbsTopK, GroupMax)):
+            common = out.W_dec.norm(dim=-1).mean().clamp_min(1e-12)  # one factor: every feature's rank kept
+            out.W_dec.div_(common)
+            out.W_enc.mul_(common)
+            out.b_enc.mul_(common)
+        elif not isinstance(out.activation, BatchTopK):
             out.fold_decoder_norm_()
         return out
 
