@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 if TYPE_CHECKING:  # nnsight_lorsa is imported inside the factories: the loopback server imports this
     from nnsight_lorsa import Lorsa  # module for the tiny models and must not load nnsight_lorsa
+    from nnsight_lorsa.attribution.graph import Graph
     from nnsight_lorsa.modules import CrossLayerTranscoder, SparseAutoencoder, Transcoder
 
 TESTS = Path(__file__).resolve().parent
@@ -457,3 +458,15 @@ def assert_same_nodes(graph, other) -> None:
     """Two attribution graphs hold the same nodes (kind, layer, position and index of each, in order)."""
     for name in ("kind", "layer", "pos", "index"):
         assert torch.equal(getattr(graph.nodes, name), getattr(other.nodes, name)), name
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a − b| / max |b|`` in float64."""
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def demeaned_logits(graph: "Graph", logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(graph's logit values, the same tokens' demeaned logits at the last position of logits)``, float64."""
+    ids = graph.logit_ids
+    last = logits.detach()[0, -1].double()
+    return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()

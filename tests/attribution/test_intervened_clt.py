@@ -15,7 +15,7 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import assert_same_nodes, attribution_setup, make_clt, random_ids, rm
+from helpers import assert_same_nodes, attribution_setup, demeaned_logits, make_clt, random_ids, relative, rm
 
 from nnsight_lorsa.attribution import Graph, attribute
 from nnsight_lorsa.attribution.graph import TRANSCODER
@@ -23,16 +23,6 @@ from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.patching import Feature, ablate, steer
 
 N_LAYERS = 3
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
-def demeaned_logits(graph: Graph, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = graph.logit_ids
-    last = logits.detach()[0, -1].double()
-    return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()
 
 
 def graph_acts(graph: Graph, layer: int, like: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import nnsight
 import pytest
 import torch
-from helpers import attribution_setup, make_clt, random_ids, rm
+from helpers import attribution_setup, demeaned_logits, make_clt, random_ids, relative, rm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,16 +34,6 @@ N_POS = 8
 #: (kind, layer) of every node family the tests edit: the Lorsa's heads, a per-layer transcoder's features
 #: (layers 0 and 2, the latter with a skip path), a CLT's features (layers 0 and 1)
 SITES = [("lorsa", 1), ("transcoder", 0), ("transcoder", 2), ("clt", 0), ("clt", 1)]
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
-def demeaned_logits(graph: Graph, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = graph.logit_ids
-    last = logits.detach()[0, -1].double()
-    return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()
 
 
 def bundle_of(kind: str, dtype: torch.dtype = torch.float32):
