@@ -16,7 +16,9 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
     device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
     and time per batch of target rows next to the
-    floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets);
+    floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets to the
+    embeddings only; ``former_floor_*``: the same with every weight's gradient too, the floor used before
+    2026-11-27, which made ``per_row_vs_floor`` look smaller);
     ``--offload``: the Lorsas and transcoders offloaded (``ReplacementSet.offload``: weights pinned on the
     host, each module copied to the GPU only while it computes), each one moved to the host as soon as it
     is built — the full replacement model on an 80 GB card; the active rows the frozen pass reads of them stay
@@ -267,18 +269,30 @@ def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -
             "peak_bytes": peak_bytes(dev), "steps": steps, "batch": [s["train_batch"], s["train_seq"]]}
 
 
-def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int) -> tuple[float | None, int]:
+def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int,
+                      weight_grads: bool = False) -> tuple[float | None, int]:
     """``(seconds, batch)`` of the floor of one attribution batch: forward of ``batch`` prompt copies with
     the embeddings requiring grad (only the last position's logits, ``logits_to_keep=1``), one backward
-    from ``batch`` targets (median). Where ``batch`` copies do not fit the device, the largest batch that
+    from ``batch`` targets to the embeddings only (``torch.autograd.grad``: no weight gradients, which attribution
+    does not compute either; until 2026-11-27 the floor used ``.backward()``, which also computed them and left
+    them on the device) (median). Where ``batch`` copies do not fit the device, the largest batch that
     does (halving; the time is then scaled to ``batch`` rows, as attribution would run them) — ``None``
-    when not even one copy fits. (On an H200 with 34 GB resident, 4 × 4096 tokens did not fit.)"""
+    when not even one copy fits. (On an H200 with 34 GB resident, 4 × 4096 tokens did not fit.)
+    ``weight_grads=True``: the former floor (``.backward()``, weight gradients included, then dropped), measured
+    beside the floor so that the (d) ratios recorded before 2026-11-27 can be set against it."""
     dev = next(hf.parameters()).device
 
     def run(b: int) -> None:
         emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(b, -1, -1).clone().requires_grad_(True)
         logits = hf(inputs_embeds=emb, logits_to_keep=1).logits[:, -1]
-        logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum().backward()
+        objective = logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum()
+        if weight_grads:
+            objective.backward()
+            hf.zero_grad(set_to_none=True)
+        else:
+            # the input gradient only, as attribution's backward (``inputs=[M]``): ``.backward()`` also computes
+            # every weight's gradient and leaves ``.grad`` on the device (the model's size again)
+            torch.autograd.grad(objective, emb)
         sync(dev)
 
     b = batch
@@ -382,6 +396,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         ids = torch.randint(0, vocab, (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
         progress(f"(d) {n} tokens: the floor")
         floor, floor_batch = attribution_floor(hf, ids, batch, repeats)
+        former_floor, _ = attribution_floor(hf, ids, batch, repeats, weight_grads=True)
         before = int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
         max_memory = None if cap_bytes is None or before is None else cap_bytes - before
         progress(f"(d) {n} tokens: estimate_memory")
@@ -413,6 +428,8 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
             "floor_measured_at_batch": floor_batch,
             "per_row_vs_floor": None if floor is None else seconds / batches / floor,
+            "former_floor_seconds_per_batch": former_floor,  # with weight gradients: the floor before 2026-11-27
+            "per_row_vs_former_floor": None if former_floor is None else seconds / batches / former_floor,
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
