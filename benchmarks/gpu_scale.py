@@ -432,6 +432,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "per_row_vs_former_floor": None if former_floor is None else seconds / batches / former_floor,
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
             "estimate_device_bytes": est.device_bytes, "estimate_host_bytes": est.host_bytes,
+            "estimate_terms": dict(est.terms),  # which term a measured / estimate gap is in
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
