@@ -23,6 +23,7 @@ package) patched into ``nnsight_lorsa.modules.lorsa``; the outputs of both paths
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,48 +98,52 @@ def path(name: str) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ counting
-class Passes(TorchDispatchMode):
-    """The operators that write data (views and ``empty*`` aside), below autograd: calls and bytes written."""
+def distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor view reaches (a broadcast, stride-0 dim counted once)."""
+    return math.prod(n for n, st in zip(t.shape, t.stride(), strict=True) if st != 0) * t.element_size()
 
-    def __init__(self) -> None:
+
+NOT_READ = ("copy_", "fill_", "zero_", "scatter_", "resize_")  # their first argument is only written
+
+
+class Passes(TorchDispatchMode):
+    """The operators that write data (views and ``empty*`` aside), below autograd: calls, bytes written (their
+    outputs' numel × itemsize, in place and ``out=`` included) and bytes read (the distinct elements of their tensor
+    arguments, ``out=`` aside: a lower bound, a matmul re-reads its operands). ``floor``: only the calls writing at
+    least that many bytes."""
+
+    def __init__(self, floor: int = 0) -> None:
         super().__init__()
+        self.floor = floor
         self.calls: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
+        self.written: Counter[str] = Counter()
+        self.read: Counter[str] = Counter()
+
+    def add(self, name: str, written: int, read: int) -> None:
+        if written >= self.floor:
+            self.calls[name] += 1
+            self.written[name] += written
+            self.read[name] += read
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if func.is_view or name.startswith("empty") or name in ("_local_scalar_dense", "lift_fresh", "_unsafe_view"):
             return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.calls[name] += 1
-        self.bytes[name] += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+        inputs = [a for a in (args[1:] if name in NOT_READ else args) if isinstance(a, torch.Tensor)]
+        inputs += [v for k, v in kwargs.items() if k != "out" and isinstance(v, torch.Tensor)]
+        self.add(name, sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor)),
+                 sum(distinct_bytes(t) for t in inputs))
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Calls and bytes written, in all and by name."""
-        return {"calls": sum(self.calls.values()), "bytes": sum(self.bytes.values()),
-                "by_name": {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}}
-
-
-class Large(Passes):
-    """:class:`Passes` counting only the calls that write at least ``floor`` bytes."""
-
-    def __init__(self, floor: int) -> None:
-        super().__init__()
-        self.floor = floor
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if func.is_view or name.startswith("empty") or name == "_unsafe_view":
-            return out
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        n = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
-        if n >= self.floor:
-            self.calls[name] += 1
-            self.bytes[name] += n
-        return out
+        """Calls and bytes written and read, in all and by name."""
+        return {"calls": sum(self.calls.values()), "bytes_written": sum(self.written.values()),
+                "bytes_read": sum(self.read.values()),
+                "by_name": {k: {"calls": self.calls[k], "bytes_written": self.written[k], "bytes_read": self.read[k]}
+                            for k in sorted(self.calls)}}
 
 
 def passes(fn: Callable[[], Any], floor: int | None = None) -> dict[str, Any]:
@@ -146,16 +151,15 @@ def passes(fn: Callable[[], Any], floor: int | None = None) -> dict[str, Any]:
     it runs the math path, whose bmm/softmax/casts would otherwise be counted, and on meta its decomposition)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    mode = Passes() if floor is None else Large(floor)
+    mode = Passes(floor or 0)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def fused(*args: Any, **kwargs: Any) -> torch.Tensor:
         with _disable_current_modes():
             out = sdpa(*args, **kwargs)
-        n = out.numel() * out.element_size()
-        if floor is None or n >= floor:
-            mode.calls["scaled_dot_product_attention"] += 1
-            mode.bytes["scaled_dot_product_attention"] += n
+        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        mode.add("scaled_dot_product_attention", out.numel() * out.element_size(),
+                 sum(distinct_bytes(t) for t in reads))
         return out
 
     with torch.no_grad(), mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", fused), mode:
@@ -220,10 +224,15 @@ def one_setting(shape: dict[str, int], seq: int, dtype: torch.dtype, repeats: in
                     lorsa(x)
             return run
 
+        # each variant twice (``*_again``): the spread between two runs of the same code is the noise floor
         times = time_interleaved({"forward_before": fwd("before"), "forward_after": fwd("after"),
+                                  "forward_before_again": fwd("before"), "forward_after_again": fwd("after"),
                                   "rope_q_before": lambda: former_apply_rotary(q, cos, sin),
-                                  "rope_q_after": lambda: apply_rotary(q, cos, sin)}, repeats=repeats)
+                                  "rope_q_after": lambda: apply_rotary(q, cos, sin),
+                                  "rope_q_before_again": lambda: former_apply_rotary(q, cos, sin),
+                                  "rope_q_after_again": lambda: apply_rotary(q, cos, sin)}, repeats=repeats)
     res["cpu_median_ms"] = {k: round(v["median_s"] * 1e3, 3) for k, v in times.items()}
+    res["cpu_min_ms"] = {k: round(v["min_s"] * 1e3, 3) for k, v in times.items()}
     return res
 
 
@@ -269,16 +278,19 @@ def main() -> None:
         b, a = s["before"], s["after"]
         print(f"{s['dtype']:9s} seq {s['seq']}: aten ops {b['profiler']['aten_calls']} -> "
               f"{a['profiler']['aten_calls']}, writing ops {b['passes']['calls']} -> {a['passes']['calls']}, "
-              f"bytes written {b['passes']['bytes'] / 1e6:.2f} -> {a['passes']['bytes'] / 1e6:.2f} MB, "
+              f"written {b['passes']['bytes_written'] / 1e6:.2f} -> {a['passes']['bytes_written'] / 1e6:.2f} MB, "
+              f"read {b['passes']['bytes_read'] / 1e6:.2f} -> {a['passes']['bytes_read'] / 1e6:.2f} MB, "
               f"ops writing >= q/2 {b['passes_ge_half_q']['calls']} -> {a['passes_ge_half_q']['calls']}, "
               f"same bits {all(s['same_bits'].values())}")
         print("   CPU medians (ms):", s["cpu_median_ms"])
+        print("   CPU minima (ms):", s["cpu_min_ms"])
     if "meta_8b" in result:
         m = result["meta_8b"]
         for name in ("before", "after"):
             big = m[name]["passes_ge_half_q"]
             ops = ", ".join(f"{k} x{v['calls']}" for k, v in big["by_name"].items())
-            print(f"8B meta {name}: ops writing >= q/2: {big['calls']} ({ops}), {big['bytes'] / 1e9:.3f} GB written")
+            print(f"8B meta {name}: ops writing >= q/2: {big['calls']} ({ops}), {big['bytes_written'] / 1e9:.3f} GB "
+                  f"written, {big['bytes_read'] / 1e9:.3f} GB read")
         print("RoPE 8B bf16, q and k:", result["rope_8b_bf16"])
     result["median_note"] = "single-threaded CPU; GPU effect not measured"
     write_json(args.out or RESULTS / f"lorsa_forward_passes_{args.shape}.json", result)
