@@ -41,7 +41,7 @@ from ..errors import ArgumentError, PlacementError, ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
 from .replacement_module import ReplacementModule
-from .rotary import apply_rotary, rotary_cos_sin
+from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .sparse_coder import check_dtype
 
 if TYPE_CHECKING:
@@ -367,9 +367,13 @@ class Lorsa(ReplacementModule):
         if self.cfg.qk_norm:
             q, k = self.ln_q(q), self.ln_k(k)
         if self.cfg.rotary is not None:
+            inter = self.cfg.rotary.interleaved
             cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions))
-            q = apply_rotary(q, cos, sin, self.cfg.rotary.interleaved)
-            k = apply_rotary(k, cos, sin, self.cfg.rotary.interleaved)
+            # without autograd: the (cos, ±sin) factors built once in q's dtype for both q and k
+            table = None if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) or q.dtype != k.dtype \
+                else rotary_table(cos, sin, q.dtype, inter)
+            q = apply_rotary(q, cos, sin, inter, table)
+            k = apply_rotary(k, cos, sin, inter, table)
         return q, k
 
     def values(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos n_ov"]:

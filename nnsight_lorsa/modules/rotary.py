@@ -133,11 +133,42 @@ def rotary_cos_sin(
     inv_freq = rotary_inv_freq(cfg, device=positions.device if device is None else device)
     freqs = positions[..., None].float() * inv_freq
     emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * cfg.attention_scaling, emb.sin() * cfg.attention_scaling
+    cos, sin = emb.cos(), emb.sin()
+    if cfg.attention_scaling != 1.0:  # a product by 1.0 is the identity: two passes over the tables saved
+        cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
     if cfg.table_dtype is not None:
         rounded = getattr(torch, cfg.table_dtype)
         cos, sin = cos.to(rounded).float(), sin.to(rounded).float()
     return cos, sin
+
+
+def rotary_table(
+    cos: Float[torch.Tensor, "*batch seq rotary_dim"],
+    sin: Float[torch.Tensor, "*batch seq rotary_dim"],
+    dtype: torch.dtype,
+    interleaved: bool = False,
+) -> Float[torch.Tensor, "*batch seq two rotary_dim"]:
+    """The factors of :func:`apply_rotary`'s products in ``dtype``, ``(*batch, seq, 2, rotary_dim)``: ``[..., 0, :]``
+    the cosine at both dims of each pair, ``[..., 1, :]`` the sine with rotate's signs (``+sin`` at the first dim of
+    each pair, ``-sin`` at the second). Built from the first dim of each pair of ``cos`` / ``sin`` (cast to ``dtype``
+    as transformers does), as :func:`apply_rotary` has always read them; a caller rotating several tensors with the
+    same positions builds it once (:meth:`Lorsa.qk` for queries and keys). Three small copies, the casts folded in."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    table = torch.empty(*cos.shape[:-1], 2, rot, dtype=dtype, device=cos.device)
+    if interleaved:
+        c, s = cos[..., 0::2], sin[..., 0::2]
+        tc, ts = table[..., 0, :].unflatten(-1, (half, 2)), table[..., 1, :].unflatten(-1, (half, 2))
+        tc.copy_(c[..., None])
+        ts[..., 0].copy_(s)
+        torch.neg(ts[..., 0], out=ts[..., 1])
+    else:
+        c, s = cos[..., :half], sin[..., :half]
+        tc, ts = table[..., 0, :].unflatten(-1, (2, half)), table[..., 1, :].unflatten(-1, (2, half))
+        tc.copy_(c[..., None, :])
+        ts[..., 0, :].copy_(s)
+        torch.neg(ts[..., 0, :], out=ts[..., 1, :])
+    return table
 
 
 def apply_rotary(
@@ -145,34 +176,46 @@ def apply_rotary(
     cos: Float[torch.Tensor, "*batch seq rotary_dim"],
     sin: Float[torch.Tensor, "*batch seq rotary_dim"],
     interleaved: bool = False,
+    table: Float[torch.Tensor, "*batch seq two rotary_dim"] | None = None,
 ) -> Float[torch.Tensor, "batch heads seq head_dim"]:
     """Rotate the first ``rotary_dim`` dims of each head: ``x·cos + rotate(x)·sin``; the rest pass.
 
     ``cos``/``sin`` are ``(seq, rotary_dim)`` or ``(batch, seq, rotary_dim)``; they are cast to
-    ``x.dtype`` first, as transformers does.
+    ``x.dtype`` first, as transformers does. ``table``: :func:`rotary_table` of ``cos``, ``sin`` in ``x``'s dtype,
+    when the caller has it already (used only without autograd; it must be built from these ``cos``, ``sin``).
+
+    Bit for bit transformers' roundings: each product rounded to ``x``'s dtype, then their sum. Pairs
+    ``(x1, x2)`` rotate by angle ``t`` to ``(x1·cos t − x2·sin t, x2·cos t + x1·sin t)``; without autograd the four
+    products come from ONE multiply of ``x`` by the :func:`rotary_table` (``−x2·sin t`` as ``x2·(−sin t)``: the
+    same number, rounding is sign-symmetric, and ``a − b`` is ``a + (−b)`` exactly), then one add per half writes
+    the output: three kernels and ``6·numel`` elements read or written, where the former form (``mul`` into each
+    half, ``mul``, ``sub_``/``add_``) took six and ``7·numel`` (``benchmarks/lorsa_forward_passes.py``). With
+    autograd the former form stays (its gradient unchanged).
     """
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
     rot = cos.shape[-1]
-    # pairs (x1, x2) rotate by angle t: (x1·cos t − x2·sin t, x2·cos t + x1·sin t), which is
-    # transformers' ``x·cos + rotate_half(x)·sin`` written without the concatenation
     half = rot // 2
-    if interleaved:
-        x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
-    else:
-        x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
-    out = torch.empty_like(x)
-    # the same roundings as transformers' ``x·cos + rotate_half(x)·sin`` (each product rounded to x's dtype,
-    # then the sum); without autograd written into ``out``'s halves in place (three kernels a half, not four)
     first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
+    out = torch.empty_like(x)
     if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        cos = cos.to(x.dtype)
+        sin = sin.to(x.dtype)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        if interleaved:
+            x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
+        else:
+            x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
         out[..., first] = x1 * c - x2 * s
         out[..., second] = x2 * c + x1 * s
     else:
-        torch.mul(x1, c, out=out[..., first]).sub_(x2 * s)
-        torch.mul(x2, c, out=out[..., second]).add_(x1 * s)
+        if table is None:
+            table = rotary_table(cos, sin, x.dtype, interleaved)
+        if table.dim() == 4:  # per-batch positions: (batch, seq, 2, rot) -> (batch, 1, seq, 2, rot)
+            table = table[:, None]
+        # (..., seq, 2, rot): [..., 0, :] = x·cos, [..., 1, :] = (x1·sin, −x2·sin) at (first, second)
+        prod = x[..., :rot].unsqueeze(-2) * table
+        torch.add(prod[..., 0, first], prod[..., 1, second], out=out[..., first])
+        torch.add(prod[..., 0, second], prod[..., 1, first], out=out[..., second])
     if rot < x.shape[-1]:
         out[..., rot:] = x[..., rot:]
     return out
