@@ -5,7 +5,8 @@
 
 Outcomes per case: ``correct`` (loads and matches the peer's reference output: relative max error <= 1e-4, or
 <= 5e-2 for bf16 files, against the peer's fp32 reload of the file where the case has one), ``named`` (raises
-an error of ours, ``nnsight_lorsa.errors.LorsaError``, naming the file), ``silent`` (loads and differs from the peer's output: a silent wrong result), ``raw`` (any other
+an error of ours, ``nnsight_lorsa.errors.LorsaError``, naming the file),
+``silent`` (loads and differs from the peer's output: a silent wrong result), ``raw`` (any other
 exception), ``peer_refuses/named`` or ``peer_refuses/loads`` (the peer's own reload raises; ours refuses by name
 or loads it). Prints one line per case and the counts.
 """

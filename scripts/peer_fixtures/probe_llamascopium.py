@@ -9,7 +9,8 @@ and ``out`` the raw-space output of the module their writer saved (``decode(enco
 ``token-wise``: their per-token factor); bf16 cases also ``out_fp32``, their fp32 reload of the file (the exact
 output of the stored weights: bf16 arithmetic flips TopK choices, theirs included); ``train`` cases also
 ``out_folded``, their module after ``save_pretrained(fold_activation_scale=True)`` (``"inference"``) on ``x``.
-``OUT_DIR/cases.json`` says, per case, which field value it probes and the writer sequence. Classified on our side by ``scripts/probe_peer_fields.py``.
+``OUT_DIR/cases.json`` says, per case, which field value it probes and the writer sequence.
+Classified on our side by ``scripts/probe_peer_fields.py``.
 """
 
 from __future__ import annotations
