@@ -189,6 +189,9 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
     threshold_keys = [k for k in (THRESHOLD_KEY, LEGACY_THRESHOLD_KEY) if k in shapes]
     require(len(threshold_keys) <= 1, file, f"both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
                                             "transcoder has one threshold tensor")
+    require(not (threshold_keys and act_name == "topk"), file,
+            f"{CONFIG_FILE} says 'activation: topk' but the file has a JumpReLU threshold {threshold_keys[:1]}; "
+            "one of the two is wrong (circuit-tracer itself reads no 'activation' key: it would load JumpReLU)")
     activation = "jumprelu" if threshold_keys else act_name
     require(activation != "jumprelu" or threshold_keys, file,
             f"{CONFIG_FILE} says 'jump_relu' but the file has no {THRESHOLD_KEY!r} tensor")

@@ -108,3 +108,16 @@ def test_train_sae_folder_refused_without_keyword() -> None:
     folder = PROBE / "llamascopium" / "sae_train_topk"
     with pytest.raises(LorsaError, match=r"config\.json.*weights_folded=True for runners/train\.py::train_sae"):
         load(folder)
+
+
+def test_topk_config_with_a_threshold_tensor_is_refused(tmp_path: Path) -> None:
+    """``config.yaml`` ``activation: topk`` (our reader's extension; circuit-tracer reads no such key) next to a
+    layer file holding a JumpReLU threshold: the file loaded as JumpReLU, the TopK silently dropped."""
+    import shutil
+
+    src = PROBE / "circuit_tracer" / "set_mixed_activation"
+    shutil.copytree(src, tmp_path / "s")
+    cfg = (tmp_path / "s" / "config.yaml").read_text()
+    (tmp_path / "s" / "config.yaml").write_text(cfg + "activation: topk\nk: 3\n")
+    with pytest.raises(LorsaError, match=r"layer_0\.safetensors.*activation: topk.*threshold"):
+        load(tmp_path / "s")
