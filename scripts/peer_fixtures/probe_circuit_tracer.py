@@ -2,6 +2,8 @@
 venv, never with nnsight-lorsa)::
 
     V/bin/python scripts/peer_fixtures/probe_circuit_tracer.py OUT_DIR
+    python scripts/make_peer_fixtures.py --peer probe_circuit_tracer --python V/bin/python
+    # (the latter writes tests/fixtures/peers/probe_circuit_tracer)
 
 One folder per case (``layer_{i}.safetensors`` by ``SingleLayerTranscoder.to_safetensors`` or ``W_enc_{i}`` /
 ``W_dec_{i}.safetensors`` by ``CrossLayerTranscoder.to_safetensors``, and a ``config.yaml``) with
@@ -146,7 +148,7 @@ def main(out: Path) -> None:
         edit=lambda f: _retensor(f / "W_enc_1.safetensors", lambda s: s.pop("threshold_1")))
     clt(out, "clt_d_transcoder_mismatch", "d_transcoder", "layer 1 wider",
         edit=lambda f: _retensor(f / "W_enc_1.safetensors", lambda s: s.update(
-            W_enc_1=torch.randn(20, D), b_enc_1=torch.randn(20))))
+            W_enc_1=torch.randn(20, D, generator=torch.Generator().manual_seed(3)), b_enc_1=torch.zeros(20))))
     clt(out, "clt_missing_b_dec", "b_dec_{i}", "absent in layer 2",
         edit=lambda f: _retensor(f / "W_enc_2.safetensors", lambda s: s.pop("b_dec_2")))
     clt(out, "clt_extra_layer_file", "n_layers", "W_enc_3 without W_dec_3",

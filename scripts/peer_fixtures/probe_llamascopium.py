@@ -2,6 +2,8 @@
 ``llamascopium`` installed, never nnsight-lorsa)::
 
     V/bin/python scripts/peer_fixtures/probe_llamascopium.py OUT_DIR
+    python scripts/make_peer_fixtures.py --peer probe_llamascopium --python V/bin/python
+    # (the latter writes tests/fixtures/peers/probe_llamascopium)
 
 One folder per case under ``OUT_DIR`` (``config.json`` by their ``save_hyperparameters``,
 ``sae_weights.safetensors`` by their ``save_pretrained``) with ``reference.safetensors``: ``x`` raw inputs
@@ -10,6 +12,8 @@ and ``out`` the raw-space output of the module their writer saved (``decode(enco
 output of the stored weights: bf16 arithmetic flips TopK choices, theirs included); ``train`` cases also
 ``out_folded``, their module after ``save_pretrained(fold_activation_scale=True)`` (``"inference"``) on ``x``.
 ``OUT_DIR/cases.json`` says, per case, which field value it probes and the writer sequence.
+Deterministic but for the ``dataset_average_activation_norm.<hook>`` scalars of ``"inference"`` cases, which their
+``full_state_dict`` writes uninitialised (``torch.empty(())``; unread by both sides).
 Classified on our side by ``scripts/probe_peer_fields.py``.
 """
 

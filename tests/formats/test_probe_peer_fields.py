@@ -1,5 +1,5 @@
 """Per-field probe of circuit-tracer 0.5.0 and Llamascopium 2.0.0b34 files: every case under
-``tests/fixtures/peers/probe/<peer>/`` was written AND given its reference output by the peer's own code
+``tests/fixtures/peers/probe_<peer>/`` was written AND given its reference output by the peer's own code
 (``scripts/peer_fixtures/probe_llamascopium.py``, ``scripts/peer_fixtures/probe_circuit_tracer.py``; their
 ``cases.json`` names the field value each case probes). For each, our ``formats.load`` with default arguments
 either reproduces the peer's output, or raises an error of ours naming the file: never a silent wrong result.
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from nnsight_lorsa.errors import LorsaError
 from nnsight_lorsa.formats import load
 
-PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "peers" / "probe"
+PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
 #: cases the peer's own reload refuses and we load, on purpose: per-layer transcoders of different widths
 #: (circuit-tracer's TranscoderSet asserts one d_transcoder; each layer's math is still its own file's), and a
 #: JumpReLU threshold under the bare key ``threshold`` (what nnsight-lorsa wrote before 0.1.1; circuit-tracer's
@@ -30,8 +30,8 @@ AMBIGUOUS = "does not say whether the weights"
 def _cases() -> list[tuple[str, str, dict[str, Any]]]:
     out = []
     for peer in ("llamascopium", "circuit_tracer"):
-        for name, meta in sorted(json.loads((PROBE / peer / "cases.json").read_text()).items()):
-            if (PROBE / peer / name).is_dir():
+        for name, meta in sorted(json.loads((PEERS / f"probe_{peer}" / "cases.json").read_text()).items()):
+            if (PEERS / f"probe_{peer}" / name).is_dir():
                 out.append((peer, name, meta))
     return out
 
@@ -80,7 +80,7 @@ def test_probe_covers_the_fields() -> None:
 
 @pytest.mark.parametrize("peer,name,meta", CASES, ids=[f"{p}/{n}" for p, n, _ in CASES])
 def test_probe_case_is_correct_or_named(peer: str, name: str, meta: dict[str, Any]) -> None:
-    folder = PROBE / peer / name
+    folder = PEERS / f"probe_{peer}" / name
     try:
         obj = load(folder)
     except LorsaError as e:
@@ -105,7 +105,7 @@ def test_probe_case_is_correct_or_named(peer: str, name: str, meta: dict[str, An
 def test_train_sae_folder_refused_without_keyword() -> None:
     """llamascopium ``train_sae``: config.json ("dataset-wise") written before training, weights folded at the end;
     loading them as unfolded applied the norm twice (1.8e-2 to 0.35 relative on these cases)."""
-    folder = PROBE / "llamascopium" / "sae_train_topk"
+    folder = PEERS / "probe_llamascopium" / "sae_train_topk"
     with pytest.raises(LorsaError, match=r"config\.json.*weights_folded=True for runners/train\.py::train_sae"):
         load(folder)
 
@@ -115,7 +115,7 @@ def test_topk_config_with_a_threshold_tensor_is_refused(tmp_path: Path) -> None:
     layer file holding a JumpReLU threshold: the file loaded as JumpReLU, the TopK silently dropped."""
     import shutil
 
-    src = PROBE / "circuit_tracer" / "set_mixed_activation"
+    src = PEERS / "probe_circuit_tracer" / "set_mixed_activation"
     shutil.copytree(src, tmp_path / "s")
     cfg = (tmp_path / "s" / "config.yaml").read_text()
     (tmp_path / "s" / "config.yaml").write_text(cfg + "activation: topk\nk: 3\n")
