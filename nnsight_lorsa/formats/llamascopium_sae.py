@@ -106,7 +106,8 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
 
     Raises:
         CheckpointError: missing file/key, ``d_model`` not a positive int, a non-integral
-            ``d_model · expansion_factor``, hook points that are not strings.
+            ``d_model · expansion_factor``, hook points that are not strings, a ``"dataset-wise"`` folder
+            whose folding the files cannot decide (:func:`_weights_folded`).
         UnsupportedArchitectureError: see the module docstring.
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
     """
@@ -244,7 +245,9 @@ def load_llamascopium_sae(directory: str | os.PathLike[str], **kwargs: Any) -> S
         activations to raw outputs.
 
     Raises:
-        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, bad norm scalars.
+        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, bad norm scalars, a
+            ``"dataset-wise"`` folder outside a trainer checkpoint without ``weights_folded=`` (the files cannot
+            say whether the weights are folded: :func:`_weights_folded`).
         UnsupportedArchitectureError: see the module docstring.
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
     """
