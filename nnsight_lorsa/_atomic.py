@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, LorsaError, SaveError
 
 #: the manifest beside the files of a module, graph, cache or gate directory
 MANIFEST = "checksums.json"
@@ -241,6 +241,8 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
 
     Raises:
         CheckpointError: ``directory`` is a file, the working directory, or not ``replaceable``.
+        SaveError: an ``OSError`` inside the block (disk full, permission, I/O; its ``__cause__``): the staging
+            is removed and ``directory`` is untouched. Other exceptions propagate as they are.
     """
     d = _target_dir(directory)
     if d.exists() and not d.is_dir():
@@ -265,8 +267,11 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
         stage._boundary(f"file:{manifest}")
         for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
             _fsync(sub)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, LorsaError):  # disk full, permission, I/O: named
+            raise SaveError(f"{d}: the save failed while writing its files ({type(e).__name__}: {e}); the "
+                            "previous files there are intact (nothing was replaced)") from e
         raise
     if d.exists():
         if old.exists():  # a leftover of an earlier interrupted swap; `d` is complete

@@ -160,10 +160,18 @@ class ServerVersionWarning(UserWarning):
     request is sent unchecked."""
 
 
+class SaveError(LorsaError, OSError):
+    """A save failed while writing its files (disk full, permission, an I/O error: the ``OSError`` is the
+    ``__cause__``). Every writer stages its files beside the target directory and swaps them in only when all
+    are written (:func:`nnsight_lorsa._atomic.atomic_directory`), so the previous files at the path are intact
+    and nothing was lost; the message names the directory. Still an ``OSError`` for callers that catch those."""
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
            "HeldoutConstraintWarning", "InvokeRowsError", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
-           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "ServerVersionError",
-           "ServerVersionWarning", "ShapeError",
+           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "SaveError",
+           "ServerVersionError", "ServerVersionWarning", "ShapeError",
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
            "VacuousConstraintError"]
+

@@ -29,6 +29,10 @@ relative error against the peer's outputs (the numbers in docs/formats.md); for 
 compares our bf16 and fp32 loads of its bf16 files with its bf16 and fp32 reloads on 512 tokens
 (:func:`measure_llamascopium_bf16`; the Llamascopium fp32 cases are measured by their test).
 
+The per-field probes (``probe_llamascopium``, ``probe_circuit_tracer``: one folder per math-changing field value,
+``cases.json`` naming it) are peers of their own here, run in the llamascopium / circuit-tracer venvs; their
+``--measure`` prints ``scripts/probe_peer_fields.py``'s classification (``tests/formats/test_probe_peer_fields.py``).
+
 ``tests/formats/test_peer_fixtures_<peer>.py`` loads every case with ``nnsight_lorsa.formats.load``
 (format detected) without the peer installed. No pickles are written: safetensors, JSON and YAML only.
 """
@@ -273,7 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out or FIXTURES / args.peer
     if args.measure:
-        measure_llamascopium_bf16(out) if args.peer == "llamascopium" else measure(out)
+        if args.peer.startswith("probe_"):  # the per-field probes: classified by scripts/probe_peer_fields.py
+            from probe_peer_fields import main as classify
+
+            classify([str(out)])
+        else:
+            measure_llamascopium_bf16(out) if args.peer == "llamascopium" else measure(out)
         return
     if not args.python:
         parser.error("--python is required to regenerate fixtures")

@@ -176,6 +176,9 @@ def _their_sae_files(d: Path) -> None:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(cfg))
     save_file(st, str(d / "sae_weights.safetensors"))
+    # their Trainer.save_checkpoint's marker: a "dataset-wise" folder there holds unfolded weights (only its
+    # presence is read; elsewhere the files cannot say whether the weights are folded and the load is refused)
+    (d / "trainer.pt").touch()
 
 
 def build_fixtures(root: Path) -> dict[str, Path]:

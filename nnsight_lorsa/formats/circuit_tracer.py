@@ -6,7 +6,8 @@ Read from ``decoderesearch/circuit-tracer``:
     ``model_kind`` (``"transcoder_set"`` | ``"cross_layer_transcoder"``), ``model_name``,
     ``feature_input_hook`` / ``feature_output_hook`` (TransformerLens names inside a block, e.g.
     ``mlp.hook_in`` / ``mlp.hook_out``, ``hook_resid_mid`` / ``hook_mlp_out``), ``scan``,
-    ``transcoders`` (per-layer file list), optional ``activation`` / ``k``.
+    ``transcoders`` (per-layer file list; entry ``i`` is layer ``i``, circuit-tracer's ``resolve_transcoder_paths``:
+    an entry named ``layer_<j>.safetensors`` with ``j != i`` is refused), optional ``activation`` / ``k``.
 Per-layer transcoders, ``layer_{i}.safetensors`` (``transcoder/single_layer_transcoder.py``)
     ``W_enc (d_sae, d_model)`` (``F.linear(x, W_enc, b_enc)``: the transpose of ours),
     ``W_dec (d_sae, d_model)``, ``b_enc (d_sae)``, ``b_dec (d_model)``, optional ``W_skip (d_model, d_model)``
@@ -159,7 +160,12 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
                         is not None, config_path, f"key 'transcoders'[{i}] is {ref!r}; a layer file is named "
                                                   "layer_<digits>.safetensors (ASCII digits only)")
                 found = layer_of_name(name, ".safetensors")
-                layer = found if found is not None else i
+                # circuit-tracer (resolve_transcoder_paths) gives entry i layer i whatever the file is named
+                require(found is None or found == i, config_path,
+                        f"key 'transcoders'[{i}] is {ref!r}: circuit-tracer loads entry {i} as layer {i}, but the "
+                        f"file is named for layer {found}; list the files in layer order (or give "
+                        "{'layer': L, 'filepath': ...} entries)")
+                layer = i
             require(name.endswith(".safetensors"), config_path,
                     f"key 'transcoders'[{i}] is {ref!r}; only .safetensors files are read")
             require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0, config_path,
@@ -183,6 +189,9 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
     threshold_keys = [k for k in (THRESHOLD_KEY, LEGACY_THRESHOLD_KEY) if k in shapes]
     require(len(threshold_keys) <= 1, file, f"both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
                                             "transcoder has one threshold tensor")
+    require(not (threshold_keys and act_name == "topk"), file,
+            f"{CONFIG_FILE} says 'activation: topk' but the file has a JumpReLU threshold {threshold_keys[:1]}; "
+            "one of the two is wrong (circuit-tracer itself reads no 'activation' key: it would load JumpReLU)")
     activation = "jumprelu" if threshold_keys else act_name
     require(activation != "jumprelu" or threshold_keys, file,
             f"{CONFIG_FILE} says 'jump_relu' but the file has no {THRESHOLD_KEY!r} tensor")

@@ -22,7 +22,12 @@ Their forward (on normalised activations)::
 
 What we fold so that our module maps raw activations to raw outputs:
 
-* ``norm_activation == "dataset-wise"`` (weights not folded; the rule of :mod:`.llamascopium`):
+* Folded or not: the rule of :mod:`.llamascopium` (:func:`_weights_folded`): ``"inference"`` → folded; a
+  ``"dataset-wise"`` trainer checkpoint (``trainer.pt`` / ``checkpoints/step_<N>/``) → unfolded; any other
+  ``"dataset-wise"`` folder → :class:`~nnsight_lorsa.errors.CheckpointError` unless ``weights_folded=`` is given
+  (``train_sae`` writes a ``"dataset-wise"`` config next to folded weights; before 2026-11-26 such a folder
+  loaded as unfolded: the norm applied twice, 2-35% off on the probe, ``docs/reliability.md``).
+* Unfolded weights (``norm_activation == "dataset-wise"``):
   ``s = √d_model / dataset_average_activation_norm[hook]``; their ``standardize_parameters_of_dataset_norm``
   (``b_E /= s_in``, ``W_D *= s_in/s_out``, ``b_D /= s_out``); the JumpReLU threshold, which their
   fold leaves alone, is divided by ``s_out`` (decoder-norm gating) or ``s_in`` so that the result is
@@ -53,6 +58,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
+from .llamascopium import is_trainer_checkpoint
 from .reader import Parsed, Reader, read
 from .validate import (
     Field,
@@ -63,6 +69,7 @@ from .validate import (
     check_scalar,
     config_size,
     read_fields,
+    refuse,
     scaled_size,
     stored_dtype,
 )
@@ -99,7 +106,8 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
 
     Raises:
         CheckpointError: missing file/key, ``d_model`` not a positive int, a non-integral
-            ``d_model · expansion_factor``, hook points that are not strings.
+            ``d_model · expansion_factor``, hook points that are not strings, a ``"dataset-wise"`` folder
+            whose folding the files cannot decide (:func:`_weights_folded`).
         UnsupportedArchitectureError: see the module docstring.
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
     """
@@ -126,10 +134,42 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     else:
         cfg = TranscoderConfig(d_in=d, d_sae=f, d_out=d, activation=act, activation_params=params, extra=extra,
                                layer=None if site_in is None else site_in["layer"])
-    folded = (norm == "inference") if weights_folded is None else bool(weights_folded)
+    folded = _weights_folded(directory, norm, weights_folded, cfg_path)
     return Parsed(directory, cfg, {
         "use_bias": use_bias, "folded": folded,
         "source": f"{CONFIG_FILE} (d_model={d}, d_sae={f}, act_fn={act!r}, use_decoder_bias={use_bias})"})
+
+
+def _weights_folded(directory: Path, norm: str, weights_folded: bool | None, cfg_path: Path) -> bool:
+    """Whether the dataset-wise norm is already in the weights: the rule of :mod:`.llamascopium` (its module
+    docstring), which holds for SAEs and transcoders too: llamascopium 2.0.0b34 ``runners/train.py::train_sae``
+    writes ``config.json`` before training (``"dataset-wise"``) and ends with
+    ``save_pretrained(fold_activation_scale=True)`` (``TrainSAESettings.fold_activation_scale``, default True),
+    which folds the weights without rewriting ``config.json``; ``save_pretrained()`` (no fold) +
+    ``save_hyperparameters`` write the same two files with unfolded weights.
+
+    Raises:
+        CheckpointError: ``"dataset-wise"`` outside a trainer checkpoint and no ``weights_folded=``.
+    """
+    if weights_folded is not None:
+        return bool(weights_folded)
+    if norm == "inference":
+        return True
+    if is_trainer_checkpoint(directory):
+        return False
+    refuse(cfg_path, "norm_activation='dataset-wise' does not say whether the weights in "
+           f"{WEIGHTS_FILE} are folded (llamascopium writes config.json and the weights separately, and nothing "
+           "in the files tells the two cases apart; reading folded weights as unfolded applies the norm twice). "
+           "Pass the keyword for the llamascopium writer that made this folder: weights_folded=True for "
+           "runners/train.py::train_sae's exp_result_path (TrainSAESettings.fold_activation_scale=True, the "
+           "default: config.json is written before training, then save_pretrained(fold_activation_scale=True)) "
+           "or save_pretrained(fold_activation_scale=True) / save_pretrained() of an SAE folded since "
+           "(standardize_parameters_of_dataset_norm, from_pretrained(..., fold_activation_scale=True)); "
+           "weights_folded=False for save_pretrained() (fold_activation_scale=False, its default) with "
+           "cfg.save_hyperparameters(), push_to_hub() of an SAE still in 'dataset-wise' mode, or train_sae with "
+           "fold_activation_scale=False. (A Trainer.save_checkpoint folder, checkpoints/step_<N>/ or one "
+           "holding trainer.pt, is read as unfolded without asking; a config.json saved after the fold says "
+           "'inference' and needs no keyword.)")
 
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
@@ -205,7 +245,9 @@ def load_llamascopium_sae(directory: str | os.PathLike[str], **kwargs: Any) -> S
         activations to raw outputs.
 
     Raises:
-        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, bad norm scalars.
+        CheckpointError: missing file/key, missing/unexpected tensor, wrong shape, bad norm scalars, a
+            ``"dataset-wise"`` folder outside a trainer checkpoint without ``weights_folded=`` (the files cannot
+            say whether the weights are folded: :func:`_weights_folded`).
         UnsupportedArchitectureError: see the module docstring.
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
     """

@@ -542,7 +542,9 @@ def test_llamascopium_sae_matches_reference(tmp_path: Path, act: str, include_no
 
     cfg, st, norms = _lls_files(tmp_path, act=act, include_norm=include_norm, norm=norm, transcoder=transcoder,
                                 use_bias=act != "topk")
-    m = load_llamascopium_sae(tmp_path, adapter=ADAPTER, d_model=D)
+    # a plain "dataset-wise" folder: the files cannot say whether the weights are folded (the keyword says)
+    kw = {"weights_folded": False} if norm == "dataset-wise" else {}
+    m = load_llamascopium_sae(tmp_path, adapter=ADAPTER, d_model=D, **kw)
     assert type(m) is (Transcoder if transcoder else SparseAutoencoder)
     x = torch.randn(3, 4, D, generator=_g(11)) * 3
     _close(m(x), _lls_ref(cfg, st, norms, x))
@@ -568,6 +570,8 @@ def test_llamascopium_sae_bad_input(tmp_path: Path) -> None:
     _, st, _ = _lls_files(tmp_path / "d", act="relu", include_norm=True, norm="dataset-wise")
     save_file(st, str(tmp_path / "d" / "sae_weights.safetensors"))
     with pytest.raises(CheckpointError, match=r"sae_weights\.safetensors.*dataset_average_activation_norm"):
+        load_llamascopium_sae(tmp_path / "d", weights_folded=False)
+    with pytest.raises(CheckpointError, match=r"config\.json.*does not say whether the weights.*weights_folded"):
         load_llamascopium_sae(tmp_path / "d")
     (tmp_path / "d" / "config.json").write_text(json.dumps({"sae_type": "clt", "d_model": D}))
     with pytest.raises(UnsupportedArchitectureError, match=r"config\.json.*'sae_type'.*clt"):
