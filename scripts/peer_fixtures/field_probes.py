@@ -310,7 +310,8 @@ def sparsify(out: Path) -> None:
         else:
             kw["num_latents"] = D_SAE
         n = kw["num_latents"] or 2 * D_IN
-        kw["k"] = rng.choice([d for d in range(1, n + 1) if n % d == 0] if activation == "groupmax" else range(1, n + 1))
+        ks = [d for d in range(1, n + 1) if activation == "topk" or n % d == 0]
+        kw["k"] = rng.choice(ks)
 
         def save(case: Path, kw: dict[str, Any] = kw) -> None:
             coder = SparseCoder(D_IN, SparseCoderConfig(**kw))
