@@ -110,6 +110,29 @@ def test_head_index_and_hook_z_are_recorded_not_placed() -> None:
         "reshape_activations"] == "none"  # SAELens: anything but "hook_z" is no reshape
 
 
+class _Adapter:
+    embed_path = "model.embed_tokens"
+
+    def layer_path(self, layer: int) -> str:
+        return f"model.layers.{layer}"
+
+    def mlp_path(self, layer: int) -> str:
+        return f"model.layers.{layer}.mlp"
+
+
+def test_head_index_sae_is_not_placed_on_the_whole_hook() -> None:
+    # its hook name maps to resid_post of layer 1, but it was trained on one head's slice: a set must not
+    # splice it there by the file's word (a named error asks for the site explicitly)
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.formats.hook_sites import sae_site_path
+
+    plain = load(FIELDS / "saelens" / "hook_name_unmapped", format="saelens")
+    assert sae_site_path(load(FIELDS / "saelens" / "device_cpu", format="saelens"), _Adapter()) == "model.layers.1"
+    assert plain.cfg.extra["saelens"]["site"] is None
+    with pytest.raises(ConfigMismatchError, match="hook_head_index"):
+        sae_site_path(load(FIELDS / "saelens" / "hook_head_index_resid", format="saelens"), _Adapter())
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=4),
                      lambda c: st.lists(c, max_size=2) | st.dictionaries(st.text(max_size=3), c, max_size=2),
                      max_leaves=4)
