@@ -501,11 +501,18 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
         state["threshold"] = state.pop("activation.threshold")
     state = {k: v for k, v in state.items() if not k.startswith("activation.")}
     dtype = str(state["W_enc"].dtype).removeprefix("torch.")
+    source = module.cfg.extra.get("saelens") if isinstance(module.cfg.extra.get("saelens"), dict) else {}
+    # a hook_z SAE loaded from SAELens keeps its reshape (SAELens refuses it on another hook) and head index
+    reshape = ("hook_z" if source.get("reshape_activations") == "hook_z"
+               and (hook_name is None or hook_name.endswith("_z")) else "none")
+    metadata: dict[str, Any] = {"hook_name": hook_name, "model_name": model_name}
+    if source.get("hook_head_index") is not None:
+        metadata["hook_head_index"] = source["hook_head_index"]
     cfg: dict[str, Any] = {
         "architecture": arch, "d_in": module.cfg.d_in, "d_sae": module.cfg.d_sae, "dtype": dtype, "device": "cpu",
         "apply_b_dec_to_input": bool(getattr(module.cfg, "apply_b_dec_to_input", False)),
-        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": "none",
-        "metadata": {"hook_name": hook_name, "model_name": model_name},
+        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": reshape,
+        "metadata": metadata,
     }
     if kind != "sae":
         cfg["d_out"] = module.d_out

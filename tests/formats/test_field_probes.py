@@ -110,6 +110,22 @@ def test_head_index_and_hook_z_are_recorded_not_placed() -> None:
         "reshape_activations"] == "none"  # SAELens: anything but "hook_z" is no reshape
 
 
+@pytest.mark.parametrize("case", ["reshape_hook_z", "hook_head_index_z"])
+def test_saelens_round_trip_keeps_hook_z_and_head_index(case: str, tmp_path: Path) -> None:
+    from nnsight_lorsa.formats import save
+
+    module = load(FIELDS / "saelens" / case, format="saelens")
+    hook = module.cfg.extra["saelens"]["hook_name"]
+    save(module, tmp_path / "out", format="saelens", hook_name=hook)
+    written = json.loads((tmp_path / "out" / "cfg.json").read_text())
+    peer = json.loads((FIELDS / "saelens" / case / "cfg.json").read_text())
+    assert written["reshape_activations"] == "hook_z"
+    assert written["metadata"].get("hook_head_index") == peer["metadata"].get("hook_head_index")
+    again = load(tmp_path / "out", format="saelens")
+    ok, detail = _matches(again, load_file(str(FIELDS / "saelens" / case / "reference.safetensors")), None)
+    assert ok, detail
+
+
 class _Adapter:
     embed_path = "model.embed_tokens"
 
