@@ -501,7 +501,8 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
         state["threshold"] = state.pop("activation.threshold")
     state = {k: v for k, v in state.items() if not k.startswith("activation.")}
     dtype = str(state["W_enc"].dtype).removeprefix("torch.")
-    source = module.cfg.extra.get("saelens") if isinstance(module.cfg.extra.get("saelens"), dict) else {}
+    record = module.cfg.extra.get("saelens")
+    source: dict[str, Any] = record if isinstance(record, dict) else {}
     # a hook_z SAE loaded from SAELens keeps its reshape (SAELens refuses it on another hook) and head index
     reshape = ("hook_z" if source.get("reshape_activations") == "hook_z"
                and (hook_name is None or hook_name.endswith("_z")) else "none")
