@@ -162,8 +162,14 @@ def sae_site_path(module: Any, adapter: Any) -> str | None:
     None when the file says nothing.
 
     Raises:
-        ConfigMismatchError: the file names a site that is not a module output (e.g. ``hook_mlp_in``).
+        ConfigMismatchError: the file names a site that is not a module output (e.g. ``hook_mlp_in``), or
+            one head's slice of it (SAELens ``metadata.hook_head_index``).
     """
+    saelens = (getattr(module.cfg, "extra", None) or {}).get("saelens")
+    if isinstance(saelens, dict) and saelens.get("hook_head_index") is not None:
+        raise ConfigMismatchError(
+            f"the SAE reads head {saelens['hook_head_index']!r} of hook {saelens.get('hook_name')!r} (SAELens "
+            "metadata.hook_head_index), no module output of ours: pass {site_path: checkpoint} explicitly")
     records = _site_records(module)
     if records:
         return _output_path(records[0], adapter)

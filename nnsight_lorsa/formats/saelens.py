@@ -224,6 +224,39 @@ def _normalization(raw: dict[str, Any], path: Path, kind: str) -> str:
     return str(norm)
 
 
+#: ``cfg.json`` ``dtype`` strings SAELens reads (``sae_lens.constants.DTYPE_MAP``; it casts the weights and
+#: every input to it). We load the stored dtype (or ``dtype=``): the same math, in at least its precision.
+DTYPES = ("float32", "float64", "float16", "bfloat16", "torch.float32", "torch.float64", "torch.float16",
+          "torch.bfloat16")
+
+
+def _check_dtype_field(raw: dict[str, Any], path: Path) -> None:
+    """``dtype``, where present, one of :data:`DTYPES` (SAELens ``str_to_dtype`` refuses the rest).
+
+    Raises:
+        CheckpointError: another value.
+    """
+    if "dtype" in raw:
+        require(raw["dtype"] in DTYPES, path, f"key 'dtype' is {raw['dtype']!r}; SAELens reads only {list(DTYPES)}")
+
+
+def _reshape_field(raw: dict[str, Any], path: Path, hook_name: Any) -> str:
+    """``reshape_activations``: ``"hook_z"`` (SAELens flattens ``(…, n_heads, d_head)`` inputs to
+    ``(…, d_in)`` and reshapes its output back; our module takes and gives the flat ``(…, d_in)``) or
+    anything else, which SAELens treats as ``"none"``.
+
+    Raises:
+        CheckpointError: ``"hook_z"`` on a hook that is not a ``…_z`` hook (SAELens refuses it).
+    """
+    reshape = raw.get("reshape_activations", "none")
+    if reshape == "hook_z":
+        require(not isinstance(hook_name, str) or hook_name.endswith("_z"), path,
+                f"key 'reshape_activations' is 'hook_z' but the hook {hook_name!r} is not a hook_z hook (SAELens "
+                "refuses this: turn_on_forward_pass_hook_z_reshaping)")
+        return "hook_z"
+    return "none"
+
+
 def _scaler_factor(directory: Path) -> float | None:
     """The ``scaling_factor`` a SAELens trainer checkpoint's ``activation_scaler.json`` records, if any."""
     path = directory / SCALER_FILE
@@ -283,12 +316,16 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     apply_b_dec = fields["apply_b_dec_to_input"]
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
-    site = site_record(hook_name, adapter)
+    _check_dtype_field(raw, cfg_path)
+    reshape = _reshape_field(raw, cfg_path, hook_name)
+    head_index = (metadata or {}).get("hook_head_index", raw.get("hook_head_index"))
+    # one head's slice (SAELens ActivationsStore: activations[:, :, head_index]) is no module boundary of ours
+    site = None if head_index is not None else site_record(hook_name, adapter)
     params = _activation_params(raw, cfg_path, arch, activation)
     extra = {"saelens": {
         "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
         "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
-        "reshape_activations": raw.get("reshape_activations", "none"), "site": site,
+        "reshape_activations": reshape, "hook_head_index": head_index, "site": site,
     }}
     cfg: SAEConfig | TranscoderConfig
     if kind == "sae":
@@ -464,11 +501,19 @@ def save_saelens(module: SparseAutoencoder | Transcoder, directory: str | os.Pat
         state["threshold"] = state.pop("activation.threshold")
     state = {k: v for k, v in state.items() if not k.startswith("activation.")}
     dtype = str(state["W_enc"].dtype).removeprefix("torch.")
+    record = module.cfg.extra.get("saelens")
+    source: dict[str, Any] = record if isinstance(record, dict) else {}
+    # a hook_z SAE loaded from SAELens keeps its reshape (SAELens refuses it on another hook) and head index
+    reshape = ("hook_z" if source.get("reshape_activations") == "hook_z"
+               and (hook_name is None or hook_name.endswith("_z")) else "none")
+    metadata: dict[str, Any] = {"hook_name": hook_name, "model_name": model_name}
+    if source.get("hook_head_index") is not None:
+        metadata["hook_head_index"] = source["hook_head_index"]
     cfg: dict[str, Any] = {
         "architecture": arch, "d_in": module.cfg.d_in, "d_sae": module.cfg.d_sae, "dtype": dtype, "device": "cpu",
         "apply_b_dec_to_input": bool(getattr(module.cfg, "apply_b_dec_to_input", False)),
-        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": "none",
-        "metadata": {"hook_name": hook_name, "model_name": model_name},
+        "normalize_activations": getattr(module.cfg, "normalize_activations", "none"), "reshape_activations": reshape,
+        "metadata": metadata,
     }
     if kind != "sae":
         cfg["d_out"] = module.d_out

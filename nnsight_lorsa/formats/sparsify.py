@@ -92,6 +92,10 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
     d_in = read_fields(raw, cfg_path, FIELDS[:1])["d_in"]
     check_d_model(d_in, d_model, cfg_path, "d_in")
     fields = read_fields(raw, cfg_path, FIELDS[1:])
+    if raw.get("signed") not in (None, False):  # not a SparseCoderConfig field of sparsify 1.3.3 (it drops it)
+        raise UnsupportedArchitectureError(
+            f"{cfg_path}: key 'signed' is {raw['signed']!r}: sparsify 1.3.3 has no signed coders (it drops the key "
+            "and runs its ReLU TopK); the file comes from another version whose activation we cannot verify")
     activation, k, transcode, skip = fields["activation"], fields["k"], fields["transcode"], fields["skip_connection"]
     if raw.get("num_latents"):  # 0 / absent: d_in · expansion_factor
         num_latents = config_size(raw, "num_latents", cfg_path)
