@@ -340,28 +340,39 @@ def _require_weights(directory: Path) -> Path:
     return require_file(weights_path, hint)
 
 
-def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool | None, path: Path) -> bool:
-    """The folding rule of the module docstring; raises on the one case the files cannot decide."""
+def _weights_folded(directory: Path, norm_activation: str, weights_folded: bool | None, path: Path,
+                    kind: str = "lorsa") -> bool:
+    """The folding rule of the module docstring, for a Lorsa (``kind="lorsa"``) or an SAE / transcoder
+    (``kind="sae"``, :mod:`.llamascopium_sae`): llamascopium 2.0.0b34 ``runners/train.py::train_lorsa`` /
+    ``train_sae`` writes ``config.json`` before training (``"dataset-wise"``) and ends with
+    ``save_pretrained(fold_activation_scale=True)``, which folds the weights without rewriting ``config.json``;
+    ``save_pretrained()`` (no fold) + ``save_hyperparameters`` write the same two files with unfolded weights.
+
+    Raises:
+        CheckpointError: ``"dataset-wise"`` outside a trainer checkpoint and no ``weights_folded=``: the one case
+            the files cannot decide.
+    """
     if weights_folded is not None:
         return bool(weights_folded)
     if norm_activation == "inference":
         return True
     if is_trainer_checkpoint(directory):
         return False
+    name, settings = ("Lorsa", "TrainLorsaSettings") if kind == "lorsa" else ("SAE", "TrainSAESettings")
     refuse(
         path, f"norm_activation='dataset-wise' does not say whether the weights in {WEIGHTS_FILE} are folded "
         "(llamascopium writes config.json and the weights separately, and nothing in the files tells the two "
-        "cases apart). Pass the keyword for the llamascopium writer that made this folder: "
-        "weights_folded=True for runners/train.py::train_lorsa's exp_result_path (TrainLorsaSettings"
-        ".fold_activation_scale=True, the default: config.json is written before training, then "
-        "save_pretrained(fold_activation_scale=True)), or for save_pretrained(fold_activation_scale=True), or "
-        "save_pretrained() of a Lorsa folded since (standardize_parameters_of_dataset_norm, from_pretrained(..., "
-        "fold_activation_scale=True)), next to a config.json saved before the fold; weights_folded=False for "
-        "save_pretrained() (fold_activation_scale=False, its default) with cfg.save_hyperparameters(), "
-        "push_to_hub() of a Lorsa still in 'dataset-wise' mode, or train_lorsa with fold_activation_scale=False. "
-        "(A Trainer.save_checkpoint folder, checkpoints/step_<N>/ "
-        "with trainer.pt, is read as unfolded without asking; a config.json saved after the fold says "
-        "'inference' and needs no keyword.)"
+        "cases apart; reading folded weights as unfolded applies the norm twice). Pass the keyword for the "
+        f"llamascopium writer that made this folder: weights_folded=True for runners/train.py::train_{kind}'s "
+        f"exp_result_path ({settings}.fold_activation_scale=True, the default: config.json is written before "
+        "training, then save_pretrained(fold_activation_scale=True)), or for "
+        f"save_pretrained(fold_activation_scale=True), or save_pretrained() of a {name} folded since "
+        "(standardize_parameters_of_dataset_norm, from_pretrained(..., fold_activation_scale=True)), next to a "
+        "config.json saved before the fold; weights_folded=False for save_pretrained() "
+        "(fold_activation_scale=False, its default) with cfg.save_hyperparameters(), push_to_hub() of a "
+        f"{name} still in 'dataset-wise' mode, or train_{kind} with fold_activation_scale=False. (A "
+        "Trainer.save_checkpoint folder, checkpoints/step_<N>/ or one holding trainer.pt, is read as unfolded "
+        "without asking; a config.json saved after the fold says 'inference' and needs no keyword.)"
     )
 
 

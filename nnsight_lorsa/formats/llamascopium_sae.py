@@ -58,7 +58,7 @@ from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import Transcoder, TranscoderConfig
 from .files import load_safetensors, read_json_object
 from .hook_sites import site_record
-from .llamascopium import is_trainer_checkpoint
+from .llamascopium import _weights_folded
 from .reader import Parsed, Reader, read
 from .validate import (
     Field,
@@ -69,7 +69,6 @@ from .validate import (
     check_scalar,
     config_size,
     read_fields,
-    refuse,
     scaled_size,
     stored_dtype,
 )
@@ -134,42 +133,10 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     else:
         cfg = TranscoderConfig(d_in=d, d_sae=f, d_out=d, activation=act, activation_params=params, extra=extra,
                                layer=None if site_in is None else site_in["layer"])
-    folded = _weights_folded(directory, norm, weights_folded, cfg_path)
+    folded = _weights_folded(directory, norm, weights_folded, cfg_path, kind="sae")
     return Parsed(directory, cfg, {
         "use_bias": use_bias, "folded": folded,
         "source": f"{CONFIG_FILE} (d_model={d}, d_sae={f}, act_fn={act!r}, use_decoder_bias={use_bias})"})
-
-
-def _weights_folded(directory: Path, norm: str, weights_folded: bool | None, cfg_path: Path) -> bool:
-    """Whether the dataset-wise norm is already in the weights: the rule of :mod:`.llamascopium` (its module
-    docstring), which holds for SAEs and transcoders too: llamascopium 2.0.0b34 ``runners/train.py::train_sae``
-    writes ``config.json`` before training (``"dataset-wise"``) and ends with
-    ``save_pretrained(fold_activation_scale=True)`` (``TrainSAESettings.fold_activation_scale``, default True),
-    which folds the weights without rewriting ``config.json``; ``save_pretrained()`` (no fold) +
-    ``save_hyperparameters`` write the same two files with unfolded weights.
-
-    Raises:
-        CheckpointError: ``"dataset-wise"`` outside a trainer checkpoint and no ``weights_folded=``.
-    """
-    if weights_folded is not None:
-        return bool(weights_folded)
-    if norm == "inference":
-        return True
-    if is_trainer_checkpoint(directory):
-        return False
-    refuse(cfg_path, "norm_activation='dataset-wise' does not say whether the weights in "
-           f"{WEIGHTS_FILE} are folded (llamascopium writes config.json and the weights separately, and nothing "
-           "in the files tells the two cases apart; reading folded weights as unfolded applies the norm twice). "
-           "Pass the keyword for the llamascopium writer that made this folder: weights_folded=True for "
-           "runners/train.py::train_sae's exp_result_path (TrainSAESettings.fold_activation_scale=True, the "
-           "default: config.json is written before training, then save_pretrained(fold_activation_scale=True)) "
-           "or save_pretrained(fold_activation_scale=True) / save_pretrained() of an SAE folded since "
-           "(standardize_parameters_of_dataset_norm, from_pretrained(..., fold_activation_scale=True)); "
-           "weights_folded=False for save_pretrained() (fold_activation_scale=False, its default) with "
-           "cfg.save_hyperparameters(), push_to_hub() of an SAE still in 'dataset-wise' mode, or train_sae with "
-           "fold_activation_scale=False. (A Trainer.save_checkpoint folder, checkpoints/step_<N>/ or one "
-           "holding trainer.pt, is read as unfolded without asking; a config.json saved after the fold says "
-           "'inference' and needs no keyword.)")
 
 
 def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:

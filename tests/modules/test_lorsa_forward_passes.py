@@ -3,8 +3,9 @@
 ``apply_rotary`` used to take six kernels over each of q and k (a ``mul`` into each half of the output, a ``mul``
 and a ``sub_``/``add_`` per half) and 7·numel elements read or written; it now takes three (one ``mul`` by the
 :func:`rotary_table` and one ``add`` per half, 6·numel) and ``Lorsa.qk`` builds the table once for q and k. The
-former form is frozen here (``_former_apply_rotary``) and every result is compared with it bit for bit (signs of
-zeros included), in fp32, bf16 and fp16, with and without autograd (gradients included).
+former form is frozen in ``benchmarks/lorsa_forward_passes.py`` (``former_apply_rotary``, the benchmark's
+"before") and every result is compared with it bit for bit (signs of zeros included), in fp32, bf16 and fp16,
+with and without autograd (gradients included).
 """
 
 from __future__ import annotations
@@ -17,36 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.lorsa_forward_passes import former_apply_rotary as _former_apply_rotary
 from nnsight_lorsa.modules import Lorsa, LorsaConfig, RotaryConfig
 from nnsight_lorsa.modules import lorsa as lorsa_module
 from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin, rotary_table
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _former_apply_rotary(x, cos, sin, interleaved=False, table=None):
-    """``apply_rotary`` as it was before the table form (nnsight_lorsa 4cd714e), verbatim."""
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rot = cos.shape[-1]
-    half = rot // 2
-    if interleaved:
-        x1, x2, c, s = x[..., 0:rot:2], x[..., 1:rot:2], cos[..., 0::2], sin[..., 0::2]
-    else:
-        x1, x2, c, s = x[..., :half], x[..., half:rot], cos[..., :half], sin[..., :half]
-    out = torch.empty_like(x)
-    first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        out[..., first] = x1 * c - x2 * s
-        out[..., second] = x2 * c + x1 * s
-    else:
-        torch.mul(x1, c, out=out[..., first]).sub_(x2 * s)
-        torch.mul(x2, c, out=out[..., second]).add_(x1 * s)
-    if rot < x.shape[-1]:
-        out[..., rot:] = x[..., rot:]
-    return out
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
