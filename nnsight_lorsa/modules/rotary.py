@@ -103,9 +103,10 @@ class RotaryConfig(FieldsRepr):
 def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:
     """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``."""
     dim = cfg.rotary_dim
-    inv_freq = 1.0 / (
-        cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
-    )
+    # the exponents made on ``device`` itself: a host arange copied there (transformers' form, run once at its
+    # init) would be a host-to-device copy in every forward, which on CUDA waits for the queued kernels
+    # (tests/modules/test_lorsa_host_copies.py); the same integers, so the same bits
+    inv_freq = 1.0 / (cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / cfg.scaling["factor"]
     elif cfg.rope_type == "llama3":

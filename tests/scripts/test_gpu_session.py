@@ -127,7 +127,10 @@ def test_gpu_record_merges_a_session_into_the_recorded_layout(tmp_path):
     assert new_512["per_row_vs_floor"] == 1.5 and new_512["date"] == "2026-12-01" and new_512["commit"] == "abc1234"
     old_512 = next(r for r in before["d_attribution"] if r["tokens"] == 512)
     assert {"key": "d_attribution", "value": old_512, "date": old_512["date"]} in scale["history"]
-    assert [r["tokens"] for r in scale["d_attribution_offload_all_lorsas"]] == [1024]
+    offloaded = [r["tokens"] for r in scale["d_attribution_offload_all_lorsas"]]
+    assert offloaded == sorted({r["tokens"] for r in before.get("d_attribution_offload_all_lorsas", [])} | {1024})
+    new_1024 = next(r for r in scale["d_attribution_offload_all_lorsas"] if r["tokens"] == 1024)
+    assert new_1024["date"] == "2026-12-01" and new_1024["commit"] == "abc1234"
     assert scale["d_attribution_offload_all_lorsas_meta"] == {"lorsa_layers": list(range(32)), "offload": True,
                                                               "module_bytes": 5, "cap_gb": 80.0}
     assert scale["command"][:len(before["command"])] == before["command"] and len(scale["command"]) == len(
