@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -470,3 +471,52 @@ def demeaned_logits(graph: "Graph", logits: torch.Tensor) -> tuple[torch.Tensor,
     ids = graph.logit_ids
     last = logits.detach()[0, -1].double()
     return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()
+
+
+#: device-to-host reads as they reach the dispatcher (on ``meta`` most of them raise: recorded before running)
+HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
+              "aten._unique", "aten.unique", "aten.equal", "aten.allclose", "aten.bincount")
+
+
+def sync_spy(host_reads_anywhere: bool = False):
+    """A ``TorchDispatchMode`` recording, on a model held on ``meta``, each operator that copies from the host
+    (reads a CPU tensor and writes a ``meta`` one: a ``non_blocking=False`` host-to-device copy on CUDA) in
+    ``spy.copies``, and each one that reads a device value back on the host (:data:`HOST_READS`, or a ``meta``
+    input with a CPU output) in ``spy.reads``; ``host_reads_anywhere``: the :data:`HOST_READS` made by nnsight_lorsa's
+    code on CPU tensors too (a model on the CPU: transformers' ``generate`` reads values on ``meta``). Either
+    makes the host wait for every kernel queued on CUDA."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    def ours() -> str:  # the innermost frame of nnsight_lorsa's code, if any
+        for frame in reversed(traceback.extract_stack()):
+            if f"nnsight_lorsa{os.sep}" in frame.filename:
+                return f"{frame.filename.rsplit('nnsight_lorsa' + os.sep, 1)[1]}:{frame.lineno}"
+        return "(not ours)"
+
+    def tensors(tree) -> list[torch.Tensor]:
+        return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+    class Spy(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies: list[str] = []
+            self.reads: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ins = tensors((args, kwargs))
+            on_meta = any(t.device.type == "meta" for t in ins)
+            if str(func.overloadpacket).startswith(HOST_READS) and (on_meta or host_reads_anywhere):
+                where = ours()
+                if on_meta or where != "(not ours)":
+                    self.reads.append(f"{func} at {where}")
+            out = func(*args, **(kwargs or {}))
+            outs = tensors(out)
+            if any(t.device.type == "cpu" for t in ins) and any(t.device.type == "meta" for t in outs):
+                self.copies.append(f"{func} from {[tuple(t.shape) for t in ins if t.device.type == 'cpu']} "
+                                   f"at {ours()}")
+            if on_meta and any(t.device.type == "cpu" for t in outs):
+                self.reads.append(f"{func} to the host at {ours()}")
+            return out
+
+    return Spy()

@@ -192,6 +192,36 @@ class BatchTopK(nn.Module):
         self.threshold_lr = float(threshold_lr)
         self.register_buffer("threshold", torch.zeros((), device="cpu"))  # moved with the module
         self.register_buffer("n_updates", torch.zeros((), dtype=torch.long, device="cpu"))
+        # ``n_updates > 0`` mirrored on the host, so that an eval forward reads no device value (a host sync on
+        # CUDA); ``_seen`` stamps the buffer it mirrors (object, in-place version): a buffer written or replaced
+        # other than by these methods is read once again (:meth:`_batch_rule`)
+        self._estimated = False
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int]:
+        return id(self.n_updates), self.n_updates._version
+
+    def _note(self, estimated: bool) -> None:
+        self._estimated = estimated
+        self._seen = self._stamp()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``.to`` / ``.cuda`` / ``.half``...: the moved ``n_updates`` holds the same value, still mirrored."""
+        fresh = self._stamp() == self._seen
+        out = super(BatchTopK, self)._apply(fn, *args, **kwargs)
+        if fresh:
+            self._seen = self._stamp()
+        return out
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """A host ``n_updates`` in the loaded state is mirrored as it is read (one on a device: at the next
+        eval forward, :meth:`_batch_rule`)."""
+        errors = args[-1]
+        before = len(errors)
+        super(BatchTopK, self)._load_from_state_dict(state_dict, prefix, *args)
+        value = state_dict.get(prefix + "n_updates")
+        if len(errors) == before and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            self._note(int(value) != 0)
 
     def batch_topk(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
         """The training rule: keep the ``k · n_rows`` largest ReLU'd entries of the whole batch."""
@@ -208,16 +238,18 @@ class BatchTopK(nn.Module):
         if positive.numel() == 0:
             return
         smallest = positive.min().to(self.threshold.dtype)
-        if int(self.n_updates) == 0:
+        if not self._batch_estimated():
             self.threshold.copy_(smallest)
         else:
             self.threshold.lerp_(smallest, self.threshold_lr)
         self.n_updates += 1
+        self._note(True)
 
     def set_threshold(self, value: float) -> None:
         """Set ``θ`` (e.g. measured on held-out data) and use it at inference from now on."""
         self.threshold.fill_(float(value))
-        self.n_updates.fill_(max(1, int(self.n_updates)))
+        self.n_updates.clamp_(min=1)  # max(1, n_updates), on the buffer's device
+        self._note(True)
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
         if self._batch_rule():
@@ -228,7 +260,14 @@ class BatchTopK(nn.Module):
         return x * (x > self.threshold.to(x.dtype)).to(x.dtype)
 
     def _batch_rule(self) -> bool:
-        return self.training or int(self.n_updates) == 0
+        return self.training or not self._batch_estimated()
+
+    def _batch_estimated(self) -> bool:
+        """``n_updates > 0``, from the host mirror; read from the buffer (a device read) only when it was written or
+        replaced from outside (e.g. ``n_updates.zero_()``, a copy of the module), once."""
+        if self._stamp() != self._seen:
+            self._note(int(self.n_updates) != 0)
+        return self._estimated
 
     def select(self, pre: Float[torch.Tensor, "n d_sae"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, cols, offsets)`` of the entries :meth:`forward` keeps, sorted by row (sparse

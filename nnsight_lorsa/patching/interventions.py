@@ -120,15 +120,18 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     if len(have) > len(want) or any(h not in (1, w) for h, w in zip(have[::-1], want[::-1], strict=False)):
         raise ShapeError(f"{name} of shape {have} does not broadcast to the edited values' shape {want} "
                          f"(batch, positions[, head_dim])")
+    # The value checks read ``value`` where it lives: a host value (a steering vector built on the CPU) is
+    # checked on the host and then copied once, so nothing is read back from the model's device; only a value the
+    # caller put on the device is read there (the named errors below depend on it).
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
-    cast = value.to(device=site.device, dtype=site.dtype)
+    cast = value.to(dtype=site.dtype)  # the same rounding on every device
     # ints, or e.g. fp32 on fp16: the cast may turn finite values into inf
     if finite and narrows_range(value.dtype, cast.dtype) and not bool(torch.isfinite(cast).all()):
         raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
                             f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
                             "cast to it they would be inf")
-    return cast if to_dtype else value.to(device=site.device)
+    return cast.to(device=site.device) if to_dtype else value.to(device=site.device)
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
