@@ -3,15 +3,15 @@
 On CUDA a host-to-device ``.to(device)`` (``non_blocking=False``) waits for every kernel queued before it: one in
 every Lorsa forward stalls the host until the layers before it have run, inside ``model.trace`` and at every
 ``generate`` step. The check runs on the ``meta`` device: every operator whose inputs include a CPU tensor and
-whose output is on ``meta`` is such a copy (a dispatch-mode spy), for every rope type, with and without autograd.
+whose output is on ``meta`` is such a copy (``tests/helpers.sync_spy``, which also lists device-to-host reads),
+for every rope type, with and without autograd.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from helpers import sync_spy
 
 from nnsight_lorsa.modules import Lorsa, LorsaConfig, RotaryConfig
 
@@ -25,30 +25,15 @@ ROTARIES = {
 }
 
 
-class HostToDevice(TorchDispatchMode):
-    """Records each operator that reads a CPU tensor and writes a ``meta`` one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if any(t.device.type == "cpu" for t in ins) and any(t.device.type == "meta" for t in outs):
-            self.copies.append(f"{func} from {[tuple(t.shape) for t in ins if t.device.type == 'cpu']}")
-        return out
-
-
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("rotary", list(ROTARIES))
 def test_forward_and_step_copy_nothing_from_the_host(rotary: str, grad: bool) -> None:
     cfg = LorsaConfig(d_model=32, n_qk_heads=4, d_qk_head=16, n_ov_heads=64, top_k=6, rotary=ROTARIES[rotary])
     lorsa = Lorsa(cfg, device="meta")
     x = torch.randn(2, 5, 32, device="meta", requires_grad=grad)
-    with torch.set_grad_enabled(grad), HostToDevice() as spy:
+    with torch.set_grad_enabled(grad), sync_spy() as spy:
         lorsa(x)
         _, past = lorsa.forward_step(x)
         lorsa.forward_step(torch.randn(2, 1, 32, device="meta"), past=past)
     assert spy.copies == [], f"host-to-device copies in the Lorsa forward ({rotary} RoPE): {spy.copies}"
+    assert spy.reads == [], f"device-to-host reads in the Lorsa forward ({rotary} RoPE): {spy.reads}"

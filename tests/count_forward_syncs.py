@@ -5,16 +5,17 @@ On CUDA a ``non_blocking=False`` host-to-device copy and any device-to-host read
 tiny model held on ``meta`` under a dispatch-mode spy that counts the operators reading a CPU tensor and writing a
 ``meta`` one (copies) and those reading a ``meta`` value back (reads; ``.item()`` is answered with 1 so that the
 run goes on). A splice is counted as the trace with it minus the plain trace (the input ids' copy is nnsight's).
-CPU and ``meta`` only; the same spy as ``tests/helpers.py``'s ``sync_spy`` (the tests assert the counts are 0).
+CPU and ``meta`` only. The tests assert the counts through ``tests/helpers.py``'s ``sync_spy``, which lists each
+copy and read with its line; this spy counts them and answers ``.item()`` so that a run goes on past a read. A
+script beside the tests it counts for (it builds the tests' tiny models), like ``tests/probe_counts.py``:
 
-    OMP_NUM_THREADS=1 python -m benchmarks.count_forward_syncs [--out FILE.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python tests/count_forward_syncs.py [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -55,8 +56,7 @@ def count(fn: Callable[[], Any]) -> tuple[int, int]:
 
 
 def rows() -> dict[str, tuple[int, int]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import make_lorsa, random_ids, tiny_nnsight
+    from helpers import make_lorsa, random_ids, tiny_nnsight  # this script runs from tests/ (module docstring)
 
     import nnsight_lorsa._placement as placement_module
     from nnsight_lorsa import ReplacementModel, TranscoderSet, get_adapter
