@@ -473,6 +473,10 @@ def demeaned_logits(graph: "Graph", logits: torch.Tensor) -> tuple[torch.Tensor,
     return graph.values[ids].double(), last[graph.nodes.index[ids]] - last.mean()
 
 
+#: one small ``activation_params`` per sparse-coder activation (the sync tests' coders: every kind)
+ACTIVATION_PARAMS: dict[str, dict[str, float]] = {"relu": {}, "jumprelu": {"threshold": 0.05}, "topk": {"k": 4},
+                                                  "batchtopk": {"k": 4}, "abstopk": {"k": 4}, "groupmax": {"k": 4}}
+
 #: device-to-host reads as they reach the dispatcher (on ``meta`` most of them raise: recorded before running)
 HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.masked_select",
               "aten._unique", "aten.unique", "aten.equal", "aten.allclose", "aten.bincount")

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_lorsa, random_ids, sync_spy, tiny_nnsight
+from helpers import ACTIVATION_PARAMS, make_lorsa, random_ids, sync_spy, tiny_nnsight
 
 import nnsight_lorsa._placement as placement_module
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
@@ -36,8 +36,7 @@ from nnsight_lorsa.modules.activations import BatchTopK
 from nnsight_lorsa.patching import ablate, scale, steer
 from nnsight_lorsa.sparse_attention import install_gated_attention
 
-PARAMS = {"relu": {}, "jumprelu": {"threshold": 0.05}, "topk": {"k": 4}, "batchtopk": {"k": 4},
-          "abstopk": {"k": 4}, "groupmax": {"k": 4}}
+PARAMS = ACTIVATION_PARAMS
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from helpers import sync_spy
+from helpers import ACTIVATION_PARAMS, sync_spy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +31,7 @@ from nnsight_lorsa.modules.activations import BatchTopK
 from nnsight_lorsa.modules.attention_gate import AttentionGate
 from nnsight_lorsa.sparse_attention.attention import gated_attention_forward
 
-PARAMS = {"relu": {}, "jumprelu": {"threshold": 0.05}, "topk": {"k": 4}, "batchtopk": {"k": 4},
-          "abstopk": {"k": 4}, "groupmax": {"k": 4}}
+PARAMS = ACTIVATION_PARAMS
 #: a BatchTopK whose threshold was set, and one never trained (eval falls back to the batch rule)
 ACTIVATIONS = [*PARAMS, "batchtopk-untrained"]
 KINDS = {"sae": lambda **kw: SparseAutoencoder(SAEConfig(d_in=16, d_sae=32, **kw)),
