@@ -73,6 +73,19 @@ def _both(*fs: Mutation) -> Mutation:
     return f
 
 
+def _judge(case: Path, verdict: dict[str, Any], run: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``verdict`` with the peer's judgement of ``case``: ``peer="ok"`` and its outputs saved beside the case
+    (``save_reference``), or ``peer="error"`` and the peer's refusal."""
+    try:
+        ref = run(case)
+    except Exception as e:  # noqa: BLE001 - the peer's refusal is the verdict
+        verdict.update(peer="error", error=f"{type(e).__name__}: {e}"[:300])
+    else:
+        verdict.update(peer="ok", x_shape=list(ref["x"].shape))
+        save_reference(case, **ref)
+    return verdict
+
+
 def _write_case(out: Path, name: str, base: Path, cfg_file: str, weights_file: str, field: str, value: Any,
                 mutate: Mutation, run: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     case = out / name
@@ -83,14 +96,7 @@ def _write_case(out: Path, name: str, base: Path, cfg_file: str, weights_file: s
     mutate(cfg, state)
     (case / cfg_file).write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in state.items()}, str(case / weights_file))
-    verdict: dict[str, Any] = {"field": field, "value": value}
-    try:
-        ref = run(case)
-    except Exception as e:  # noqa: BLE001 - the peer's refusal is the verdict
-        verdict.update(peer="error", error=f"{type(e).__name__}: {e}"[:300])
-    else:
-        verdict.update(peer="ok", x_shape=list(ref["x"].shape))
-        save_reference(case, **ref)
+    verdict = _judge(case, {"field": field, "value": value}, run)
     if verdict["peer"] == "error" or name == "unknown_key":  # what a lenient read must give (kept small)
         save_file({k: v.contiguous() for k, v in base_ref.items()}, str(case / "base.safetensors"))
     (case / "verdict.json").write_text(json.dumps(verdict, indent=1, default=str))
@@ -229,14 +235,7 @@ def _combo_case(out: Path, name: str, value: dict[str, Any], save: Callable[[Pat
                 run: Callable[[Path], dict[str, torch.Tensor]]) -> None:
     case = out / name
     save(case)
-    verdict: dict[str, Any] = {"field": "combination", "value": value}
-    try:
-        ref = run(case)
-    except Exception as e:  # noqa: BLE001 - the peer's refusal is the verdict
-        verdict.update(peer="error", error=f"{type(e).__name__}: {e}"[:300])
-    else:
-        verdict.update(peer="ok", x_shape=list(ref["x"].shape))
-        save_reference(case, **ref)
+    verdict = _judge(case, {"field": "combination", "value": value}, run)
     (case / "verdict.json").write_text(json.dumps(verdict, indent=1, default=str))
     print(name, value, verdict["peer"], verdict.get("error", ""))
 
