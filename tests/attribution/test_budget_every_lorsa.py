@@ -1,10 +1,10 @@
-"""The device estimate of a frozen pass without SDPA attention (issue 21, goal 4(d)): ``PER_COPY_NUMBERS_GPU_SDPA`` is
-fitted with frozen MHSA layers attending through SDPA; a Lorsa layer's frozen pass calls no SDPA (its ``z_pre``
-through recomputed pattern rows keeps nothing per prompt copy, ``frozen.z_pre``), so with a Lorsa on every attention
-the GPU path counts the frozen pass from the structure, as the CPU's SDPA path does (the H200's offloaded all-layer
-runs peaked at 0.72–0.89× the fitted estimate, at 0.99–1.0× the structural count plus the kept rows:
-docs/attribution.md, "Offloaded replacement modules"). With any frozen SDPA MHSA layer left, the fitted path is
-unchanged."""
+"""The device estimate of a frozen pass without a frozen MHSA layer (issue 21, goal 4(d)):
+``PER_COPY_NUMBERS_GPU_SDPA`` is fitted with frozen MHSA layers attending through SDPA; a Lorsa layer's frozen pass
+calls no SDPA (its ``z_pre`` through recomputed pattern rows keeps nothing per prompt copy, ``frozen.z_pre``), so with
+a Lorsa on every attention the GPU path counts the frozen pass from the structure, as the CPU's SDPA path does (the
+H200's offloaded all-layer runs peaked at 0.72–0.89× the fitted estimate, at 0.98–0.99× the structural count plus
+the kept rows: docs/attribution.md, "Offloaded replacement modules"). With any frozen MHSA layer left, the fitted
+path is unchanged."""
 
 from __future__ import annotations
 
