@@ -432,7 +432,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
                 tracker.start()
             recording = snapshot_entries > 0 and dev.type == "cuda"
             if recording:
-                torch.cuda.memory._record_memory_history(max_entries=snapshot_entries, stacks="python")
+                torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=snapshot_entries)
             try:
                 with phase_times(dev, tracker) as phases, reporting(phases):
                     t = time.perf_counter()

@@ -238,4 +238,4 @@ def test_gpu_record_carries_phase_peaks_and_keeps_a_memory_snapshot_run_apart(tm
         gpu_scale.main()
     parsed = captured["args"]
     assert parsed.memory_snapshot == 1_000_000 and parsed.offload and parsed.attr_lorsa == "all"
-    assert parsed.out.endswith("gpu_scale_memsnap.json")
+    assert parsed.out.endswith("gpu_scale_memsnap.json") and parsed.tokens == [1024]
