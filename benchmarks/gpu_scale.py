@@ -14,7 +14,9 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
     fwd+bwd+AdamW step, next to the bare step on fixed activations: an fp32 Lorsa, and with ``--dtype bfloat16``
     also a bf16 Lorsa trained through fp32 master weights (``c_training_bfloat16_masters``);
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
-    device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
+    device memory next to ``estimate_memory``'s prediction and its terms (and the host peak next to its host
+    estimate), the peak inside each phase (``phase_peaks``) and, with ``--memory-snapshot``, the allocations live at
+    the peak by ``nnsight_lorsa`` frame (``memory_snapshot``; benchmarks/_device_peaks.py),
     and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets to the
     embeddings only; ``former_floor_*``: the same with every weight's gradient too, the floor used before
