@@ -14,7 +14,9 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
     fwd+bwd+AdamW step, next to the bare step on fixed activations: an fp32 Lorsa, and with ``--dtype bfloat16``
     also a bf16 Lorsa trained through fp32 master weights (``c_training_bfloat16_masters``);
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
-    device memory next to ``estimate_memory``'s prediction (and the host peak next to its host estimate),
+    device memory next to ``estimate_memory``'s prediction and its terms (and the host peak next to its host
+    estimate), the peak inside each phase (``phase_peaks``) and, with ``--memory-snapshot``, the allocations live at
+    the peak by ``nnsight_lorsa`` frame (``memory_snapshot``; benchmarks/_device_peaks.py),
     and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets to the
     embeddings only; ``former_floor_*``: the same with every weight's gradient too, the floor used before
@@ -50,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks._device_peaks import PhasePeaks, snapshot_peak_summary
 from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin
@@ -341,10 +344,11 @@ PHASES = [("engine", "prepare", "clean_pass_and_layout"), ("trace", "frozen_forw
 
 
 @contextlib.contextmanager
-def phase_times(device: torch.device) -> Iterator[dict[str, float]]:
+def phase_times(device: torch.device, peaks: PhasePeaks | None = None) -> Iterator[dict[str, float]]:
     """Seconds spent in each stage of the ``attribute`` calls inside (:data:`PHASES`; the device synchronised at
     each stage's end, so a stage's kernels count in it): the split of a batch's time above the floor
-    (``backward`` without ``record_rows``, which runs inside it)."""
+    (``backward`` without ``record_rows``, which runs inside it). ``peaks``: told each stage's entry and exit
+    (:class:`benchmarks._device_peaks.PhasePeaks`: the peak device memory reached inside each stage)."""
     import importlib
 
     times: dict[str, float] = {}
@@ -357,12 +361,16 @@ def phase_times(device: torch.device) -> Iterator[dict[str, float]]:
         fn = getattr(owner, attr)
 
         def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            if peaks is not None:
+                peaks.enter(_name)
             t = time.perf_counter()
             try:
                 return _fn(*args, **kwargs)
             finally:
                 sync(device)
                 times[_name] = times.get(_name, 0.0) + time.perf_counter() - t
+                if peaks is not None:
+                    peaks.exit(_name)
 
         setattr(owner, attr, timed)
         undo.append((owner, attr, fn))
@@ -377,7 +385,7 @@ def phase_times(device: torch.device) -> Iterator[dict[str, float]]:
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
                 vocab: int, out: list[dict[str, Any]], flush: Any, warmup: int = 0,
-                cap_bytes: int | None = None) -> list[dict[str, Any]]:
+                cap_bytes: int | None = None, snapshot_entries: int = 0) -> list[dict[str, Any]]:
     """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor
     (each row appended to ``out`` and written with ``flush()`` as soon as it is measured); ``warmup`` untimed
     ``attribute`` calls first. ``phases``: the seconds of each stage of the timed call (:func:`phase_times`;
@@ -386,7 +394,17 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
     allocated just before them, so that the batch and where the offloaded rows live (``offload_rows``, recorded) are
     decided for the card the cap stands for, not the larger one it runs on — the estimate is the one of the call's
     plan (``estimate_memory(max_memory=)``: the same ``budget.plan_call``), and ``estimate_is_call_plan`` records
-    that the call kept to it (its batch and rows placement)."""
+    that the call kept to it (its batch and rows placement).
+
+    ``phase_peaks`` (CUDA; None on the CPU, where the only allocation-level peak is the profiler's, which would
+    slow the timed call): per stage of :data:`PHASES`, the peak device memory reached inside it, above what was
+    allocated before the call, and ``between`` (outside every stage) — the largest of them is
+    ``device_peak_above_resident`` (:class:`benchmarks._device_peaks.PhasePeaks`; the peak counter is reset at each
+    stage boundary). ``snapshot_entries`` > 0 (``--memory-snapshot``, CUDA): the timed call runs under
+    ``torch.cuda.memory._record_memory_history`` (Python stacks, a ring buffer of that many entries; the call is
+    slower, its ``seconds`` not comparable) and ``memory_snapshot`` records the allocations live at the call's peak
+    grouped by their innermost ``nnsight_lorsa`` frame, the 20 largest (:func:`benchmarks._device_peaks.
+    snapshot_peak_summary`; ``truncated``: the buffer was full, its earliest entries lost)."""
     from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import estimate_memory
 
@@ -409,17 +427,39 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
                 attribute(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
                 gc.collect()
             sync(dev)
-            with phase_times(dev) as phases, reporting(phases):
-                t = time.perf_counter()
-                graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
-                sync(dev)
-                seconds = time.perf_counter() - t
+            tracker = None
+            if dev.type == "cuda":
+                tracker = PhasePeaks(lambda: int(torch.cuda.max_memory_allocated(dev)),
+                                     lambda: torch.cuda.reset_peak_memory_stats(dev), base=before or 0)
+                tracker.start()
+            recording = snapshot_entries > 0 and dev.type == "cuda"
+            if recording:
+                torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=snapshot_entries)
+            try:
+                with phase_times(dev, tracker) as phases, reporting(phases):
+                    t = time.perf_counter()
+                    graph = attribute(rm, ids, batch_size=batch, max_feature_nodes=rows, max_memory=max_memory)
+                    sync(dev)
+                    seconds = time.perf_counter() - t
+                snapshot = None
+                if recording:
+                    snapshot = snapshot_peak_summary(torch.cuda.memory._snapshot(), top=20,
+                                                     max_entries=snapshot_entries)
+            finally:
+                if recording:
+                    torch.cuda.memory._record_memory_history(enabled=None)
         except torch.cuda.OutOfMemoryError as e:
             out.append({"tokens": n, "error": f"OutOfMemoryError: {e}"[:300],
                         "estimate_device_bytes": est.device_bytes})
             flush()
             continue
-        peak = peak_bytes(dev)
+        phase_peaks = None
+        if tracker is not None:
+            phase_peaks = tracker.finish()
+            # the overall peak since peak_reset: the warm-up calls' and every phase's (the counter was reset inside)
+            peak = (before or 0) + max(tracker.before or 0, tracker.overall or 0)
+        else:
+            peak = peak_bytes(dev)
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
@@ -436,6 +476,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
+            "phase_peaks": phase_peaks, "memory_snapshot": snapshot,
             "offload_rows": offload_rows, "offload_rows_kept_bytes": graph.meta.get("offload_rows_kept_bytes"),
             "batch_size": used_batch, "max_memory": max_memory,
             "estimate_is_call_plan": (offload_rows, used_batch, graph.meta.get("offload_rows_kept_bytes"))
@@ -458,6 +499,10 @@ def main() -> None:
                   cap_gb=arg(0.0, help="cap this process's device memory at this many GB "
                                       "(torch.cuda.set_per_process_memory_fraction): an 80 GB H100 on a larger card"),
                   attr_warmup=arg(0, help="(d): untimed attribute calls before the timed one"),
+                  memory_snapshot=arg(0, type=int, nargs="?", const=1_000_000,
+                                      help="(d), CUDA: record the timed call's allocations (a ring buffer of this "
+                                           "many, default 1e6) and the live ones at its peak by nnsight_lorsa "
+                                           "frame (slows the call)"),
                   shared_weights=arg(False, action="store_true",
                                      help="(d) with --offload: every layer's Lorsa (and transcoder) shares the first "
                                           "one's pinned host weights (built and pinned once: ~5 s instead of "
@@ -526,6 +571,7 @@ def main() -> None:
         if args.shared_weights and not args.offload:
             raise SystemExit("--shared-weights needs --offload (resident copies would misstate the device memory)")
         result["d_shared_weights"] = args.shared_weights
+        result["d_memory_snapshot"] = bool(args.memory_snapshot) and dev.type == "cuda"  # its rows' own key
 
         def shared(first: Any, module: Any) -> Any:  # ``module`` (built on meta) on ``first``'s pinned host tensors
             module.load_state_dict(first.state_dict(), assign=True)
@@ -556,7 +602,8 @@ def main() -> None:
         result["d_attribution"] = []
         cap = int(args.cap_gb * 1e9) if args.offload and args.cap_gb and dev.type == "cuda" else None
         attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats, s["vocab"],
-                    result["d_attribution"], flush, warmup=args.attr_warmup, cap_bytes=cap)
+                    result["d_attribution"], flush, warmup=args.attr_warmup, cap_bytes=cap,
+                    snapshot_entries=args.memory_snapshot)
         for row in result["d_attribution"]:
             print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
     flush()

@@ -14,7 +14,9 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
   (c) replace the file's (the former value moves to ``history`` with its date); (d)'s rows replace the rows of
   the same token count in their list — ``d_attribution`` for the resident run with the Lorsa on the scale's
   layer, ``d_attribution_offload_all_lorsas`` for the offloaded paper Lorsa on every layer, and so on
-  (:func:`d_key`), whose run settings go to ``<key>_meta``; each command is appended to ``command``.
+  (:func:`d_key`), whose run settings go to ``<key>_meta``; each command is appended to ``command``. A row is
+  kept whole: its ``phase_peaks`` (the device peak inside each phase) and, from a ``--memory-snapshot`` run (its own
+  key, ``..._memory_snapshot``), its ``memory_snapshot`` (the live allocations at the peak by code location).
 * ``lorsa_forward_variants_<scale>_<GPU>.json`` from ``lorsa_forward_variants.json`` (the benchmark's own JSON):
   replaces the file, the former record (its notes included) appended to ``history``.
 * ``offload_placement_rate_<GPU>.json`` from ``offload_placement_rate.json`` (step ``pin``): the same way.
@@ -106,7 +108,9 @@ def merge_suite(target: Path, record: dict[str, Any]) -> None:
 
 def d_key(run: dict[str, Any]) -> str:
     """Where a run's (d) rows go: ``d_attribution`` (resident, the Lorsa on the scale's layer), with
-    ``_offload`` if offloaded and ``_all_lorsas`` / ``_lorsas_<layers>`` for other Lorsa layers."""
+    ``_offload`` if offloaded and ``_all_lorsas`` / ``_lorsas_<layers>`` for other Lorsa layers, and
+    ``_memory_snapshot`` for a run under ``--memory-snapshot`` (its timed call records every allocation: its
+    seconds are not the other rows')."""
     shapes = run.get("shapes", {})
     layers = run.get("d_lorsa_layers", [shapes.get("layer")])
     key = "d_attribution" + ("_offload" if run.get("d_offload") else "")
@@ -114,6 +118,8 @@ def d_key(run: dict[str, Any]) -> str:
         key += "_all_lorsas"
     elif layers != [shapes.get("layer")]:
         key += "_lorsas_" + "_".join(str(x) for x in layers)
+    if run.get("d_memory_snapshot"):
+        key += "_memory_snapshot"
     return key
 
 

@@ -20,6 +20,11 @@
 #            paper's Lorsa on all 32 layers + 32 transcoders, offloaded, under an 80 GB cap, the layers sharing one
 #            set of pinned host weights (308 s at 1024 tokens on 2026-11-26 with distinct weights, 209 s of it
 #            building them; a command of its own, timeout 420 s)
+#   memsnap  the offload step's run at its first length (1024 tokens) with --memory-snapshot (every allocation of
+#            the timed call recorded with its Python stack; the live ones at the peak by nnsight_lorsa frame, the 20
+#            largest, into the JSON: where the device peak is; slower than offload — at 4096 tokens the 10^6-entry
+#            buffer may overflow, `truncated`; not in the default steps; timeout 540 s)
+#            -> $OUT/gpu_scale_memsnap.json, recorded under its own key (..._memory_snapshot)
 #   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
 #            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
@@ -136,10 +141,12 @@ for step in "${STEPS[@]}"; do
     c)       run_step c 150 "${GS[@]}" --skip a b d --out "$OUT/gpu_scale_c.json" ;;
     d)       run_step d 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[@]}" \
                --out "$OUT/gpu_scale_d.json" ;;
+    memsnap) run_step memsnap 540 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
+               --tokens "${OFF_TOKENS[0]}" --memory-snapshot --out "$OUT/gpu_scale_memsnap.json" ;;
     pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
     offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab variants c d offload pin)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload memsnap pin)" >&2; exit 2 ;;
   esac
 done
 pack

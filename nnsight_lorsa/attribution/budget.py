@@ -13,8 +13,12 @@ per edge:
   ``2·d + 2·H·d_head + 2·H_kv·d_head``, with SDPA ``5·H·d_head`` for the middle term; through a Lorsa's values
   ``2·d + 2·u``; at least ``3·d``) — ``b`` bytes per number; on a GPU with SDPA attention
   ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (fitted on an H200: the GPU kernels' saved tensors
-  were not taken apart); and the multipliers, their gradients and the per-batch row temporaries,
-  :data:`ROW_BUFFERS` ``·S`` edges per copy. The vocabulary is not in it: the logits are row 0's, broadcast;
+  were not taken apart) where some frozen MHSA layer is left — with none (a Lorsa on every attention: its frozen
+  pass calls no SDPA) from the structure as on the CPU, the model's own parts included (measured on an
+  H200 with the paper's Lorsa on all 32 layers, offloaded: 0.95–0.96× the estimate, 1024–4096 tokens; 0.72–0.89×
+  with the coefficient, which counted MHSA layers that were not there); and the multipliers, their gradients and
+  the per-batch row temporaries, :data:`ROW_BUFFERS` ``·S`` edges per copy. The vocabulary is not in it: the logits
+  are row 0's, broadcast;
 * *frozen pass, shared* (device): attention patterns ``H·P²`` per frozen MHSA layer (stored patterns, CPU; a
   soft-capped MHSA's always, Gemma-2's: SDPA cannot cap — :func:`.frozen.keeps_pattern`) and Lorsa pattern rows
   ``n_l·P`` (stored patterns) or a Lorsa's queries and keys (SDPA), error vectors ``P·d`` per replaced module, node
@@ -134,7 +138,9 @@ RESIDUAL_EXTRA = 2
 #: estimate bounds the measured peak at 1024, 2048 and 4096 tokens (4.44, 4.05, 3.66 each; measured / estimate 0.99,
 #: 0.91, 0.84); at 512 tokens, where every transcoder site keeps its grid, the peak is 2 % above the estimate. A fitted
 #: coefficient: what the GPU's SDPA kernels keep for the backward could not be taken apart without a GPU (the CPU's SDPA
-#: path is counted from the structure). 6.8 until then, fitted while the frozen pass still kept every norm's input
+#: path is counted from the structure). 6.8 until then, fitted while the frozen pass still kept every norm's input.
+#: Fitted with 31 of 32 layers frozen SDPA MHSAs: used only where some frozen MHSA layer is left (with a Lorsa on
+#: every attention the GPU path counts from the structure, :func:`estimate_layout`; since 2026-11-27)
 PER_COPY_NUMBERS_GPU_SDPA = 4.5
 #: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries (measured:
 #: up to 6 at once — the ones, five gradients of slices of them still being summed — on the CPU's SDPA path)
@@ -457,7 +463,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     P, S = layout.n_pos, layout.n_sources
     budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
     n_rows = budget + layout.n_logits
-    fitted = device != "cpu" and not store_patterns  # a GPU's SDPA kernels: PER_COPY_NUMBERS_GPU_SDPA
+    # a GPU's SDPA kernels: PER_COPY_NUMBERS_GPU_SDPA, fitted with frozen MHSA layers attending through SDPA — with a
+    # Lorsa on every attention (no frozen MHSA: a Lorsa layer's frozen pass calls no SDPA, frozen.z_pre) nothing it
+    # was fitted on runs, and the frozen pass is counted from the structure (measured on an H200: docs/attribution.md)
+    fitted = device != "cpu" and not store_patterns and bool(mhsa_heads)
     if fitted:
         per_copy = int(PER_COPY_NUMBERS_GPU_SDPA * n_layers * d_model * P * model_itemsize)
     else:
@@ -742,7 +751,9 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,
     ``results/attribution_memory_terms_frozen_*.json``; the tiny Gemma-2/3 — post-norms, soft-capped patterns,
     sliding-window masks — 0.72–0.96×, 128–512 tokens, ``results/attribution_memory_terms_frozen_gemma*.json``);
-    the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate. With
+    the device peak on an H200 at the 8B shape 0.92–1.03 × the estimate with the Lorsa on one layer, 0.95–0.96 × with
+    the paper's Lorsa on all 32 layers offloaded (``benchmarks/offload_estimate_8b.py``: the structural count, since
+    no frozen MHSA layer is left). With
     ``keep_mass < 1`` the rows term is a bound the values decide how far the run stays under (the host total
     1.3–4.5× the measured call at ``keep_mass=0.9``, 64–512 tokens; docs/attribution.md, *The sparse-rows paths*).
     With ``prune=`` the pruning term's kept graph and edge scores are bounds too, with or without a feature budget

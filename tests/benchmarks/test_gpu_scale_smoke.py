@@ -40,6 +40,8 @@ def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
     assert result["d_offload"] is True and result["d_module_bytes"] > 0
     (row,) = result["d_attribution"]
     assert row["tokens"] == 16 and row["target_rows"] > 0 and row["edge_sum_error_max"] < 1e-5
+    # the device peak per phase and the snapshot at the peak are CUDA's (None on the CPU), their keys always there
+    assert row["phase_peaks"] is None and row["memory_snapshot"] is None and result["d_memory_snapshot"] is False
 
 
 def test_gpu_scale_trains_a_bf16_lorsa_through_masters_at_the_tiny_scale_on_cpu(tmp_path):

@@ -191,3 +191,51 @@ def test_gpu_record_keeps_the_pinned_placement_rate_and_skips_a_cpu_run(tmp_path
     now = json.loads((results / "offload_placement_rate_NVIDIA_H200.json").read_text())
     assert now["runs"]["default"]["gb_per_s"] == 9.5 and now["commit"] == "abc1234"
     assert [h["runs"]["default"]["gb_per_s"] for h in now["history"]] == [0.3]
+
+
+def test_gpu_record_carries_phase_peaks_and_keeps_a_memory_snapshot_run_apart(tmp_path, monkeypatch):
+    """A row's ``phase_peaks`` and ``memory_snapshot`` are merged with it; a ``--memory-snapshot`` run (its timed call
+    slowed by the recording) goes to its own key, the offloaded run's rows untouched by it; the session's ``memsnap``
+    step parses with gpu_scale's parser and asks for the snapshot."""
+    record = load_script(ROOT / "scripts" / "gpu_record.py", "gpu_record_for_snapshot_test")
+    _fake_out(tmp_path / "out")
+    peaks = {"frozen_forward": 7, "backward": 9, "between": 1}
+    snap = {"peak_bytes": 9, "groups": [{"where": "nnsight_lorsa/attribution/frozen.py:1:f", "bytes": 9, "count": 1}]}
+    offload = json.loads((tmp_path / "out" / "gpu_scale_offload.json").read_text())
+    offload["d_attribution"] = [{**offload["d_attribution"][0], "phase_peaks": peaks, "memory_snapshot": None}]
+    (tmp_path / "out" / "gpu_scale_offload.json").write_text(json.dumps(offload))
+    memsnap = {**offload, "d_memory_snapshot": True,
+               "d_attribution": [{**offload["d_attribution"][0], "seconds": 99.0, "memory_snapshot": snap}]}
+    (tmp_path / "out" / "gpu_scale_memsnap.json").write_text(json.dumps(memsnap))
+    results = tmp_path / "results"
+    assert record.main([str(tmp_path / "out"), "--results", str(results), "--date", "2026-12-01"]) == 0
+    scale = json.loads((results / "gpu_scale_8b_NVIDIA_H200.json").read_text())
+    (row,) = scale["d_attribution_offload_all_lorsas"]
+    assert row["phase_peaks"] == peaks and row["memory_snapshot"] is None and row["seconds"] == 1.0
+    (snapped,) = scale["d_attribution_offload_all_lorsas_memory_snapshot"]
+    assert snapped["memory_snapshot"] == snap and snapped["seconds"] == 99.0
+
+    run_env = {**os.environ, "OUT": str(tmp_path / "o2"), "PYTHON": sys.executable, "GPU_SESSION_DRY_RUN": "1",
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(SCRIPT), "memsnap"], capture_output=True, text=True, timeout=300, env=run_env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("[memsnap]")]
+    argv = shlex.split(line.split(": ", 1)[1])
+    gpu_scale = load_script(ROOT / "benchmarks" / "gpu_scale.py", "gpu_scale_for_memsnap_test")
+    captured = {}
+
+    class Parsed(Exception):
+        pass
+
+    def capture(parsed):
+        captured["args"] = parsed
+        raise Parsed
+
+    monkeypatch.setattr(gpu_scale, "start", capture)
+    monkeypatch.setattr(sys, "argv", ["gpu_scale.py", *argv[3:]])
+    with pytest.raises(Parsed):
+        gpu_scale.main()
+    parsed = captured["args"]
+    assert parsed.memory_snapshot == 1_000_000 and parsed.offload and parsed.attr_lorsa == "all"
+    assert parsed.out.endswith("gpu_scale_memsnap.json") and parsed.tokens == [1024]
