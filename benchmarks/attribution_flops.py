@@ -112,8 +112,8 @@ def _dims(s: dict[str, Any]) -> tuple[int, int, int]:
     return d, hd, s["n_kv"] * hd
 
 
-def attribution_flops(s: dict[str, Any], P: int, B: int, c: dict[str, Any], *, head_last_only: bool = False,
-                      layout_decode: bool = True, qk_twice: bool = True) -> dict[str, int]:
+def attribution_flops(s: dict[str, Any], P: int, B: int, c: dict[str, Any], *, head_last_only: bool = True,
+                      layout_decode: bool = False, qk_twice: bool = False) -> dict[str, int]:
     """What ``attribute`` computes once a call (matmul FLOPs), by stage, for node counts ``c`` (:func:`counts_at`,
     or the measured layout's): ``clean_pass_and_layout`` (the model on one copy, every position unembedded; each
     Lorsa's forward: q, k ``4Pd·n_qk·d_qk``, v ``2Pd·n_ov``, SDPA ``2P²(n_qk·d_qk + n_ov)``; each transcoder's
