@@ -15,12 +15,13 @@ multiply-add; elementwise work is not counted), at ``gpu_scale``'s ``ratios512``
 
 and sets them against the analytic counts of :func:`floor_flops` and :func:`attribution_flops` (the same
 terms, from the shapes and the layout's node counts: ``agreement`` = counted / analytic) and
-:func:`minimum_flops`, what the frozen pass must compute. ``extrapolated``: the same formulas at the 8B shape
+:func:`backward_flops` with ``minimum=True`` and :func:`minimum_forward_flops`, what the frozen pass must
+compute (docs/attribution.md, "FLOPs against the floor"). ``extrapolated``: the same formulas at the 8B shape
 (32 layers, node counts from the ratios: P·top_k Lorsa and P·k transcoder nodes a layer, every OV head active),
 per target row against the floor: a call of ``--rows`` rows (the H200 runs: 74 rows in batches of 4) and the
 asymptote of many rows (the backward alone).
 
-    python -m benchmarks.attribution_flops                       # ratios512, P = 64 … 512, ~10 min on 1 core
+    python -m benchmarks.attribution_flops                       # ratios512, P = 64 … 512, ~2 min on 1 core
     python -m benchmarks.attribution_flops --scale tiny --tokens 8 16 --out /tmp/f.json   # smoke
 
 Writes ``results/attribution_flops.json``.
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from benchmarks._timing import RESULTS, arg, parser, start, write_json
+from benchmarks._timing import RESULTS, arg, command, parser, start, write_json
 from benchmarks.gpu_scale import SCALES, build, floor_pass, paper_lorsa, phase_totals
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, attribute, get_adapter
 from nnsight_lorsa.modules import Transcoder, TranscoderConfig
@@ -292,8 +293,7 @@ def measure(s: dict[str, Any], hf: Any, rm: ReplacementModel, P: int, B: int, ro
         "floor_agreement": floor / floor_flops(s, P, B), "flops": counted, "flops_total": total,
         "backward_flops_per_batch": back, "backward_flops_per_batch_analytic": back_analytic,
         "analytic": analytic,
-        "agreement": {"clean_pass_and_layout": counted.get("clean_pass_and_layout", 0) / analytic["clean_pass_and_layout"],
-                      "frozen_forward": counted.get("frozen_forward", 0) / analytic["frozen_forward"],
+        "agreement": {**{k: counted.get(k, 0) / analytic[k] for k in ("clean_pass_and_layout", "frozen_forward")},
                       "backward": sum(back) / sum(back_analytic)},
         "per_row_vs_floor_flops": total / batches / floor,
         "per_row_vs_floor_flops_backward_max": max(back) / floor,
@@ -323,9 +323,7 @@ def main() -> None:
     s = SCALES[args.scale]
     model, hf = build(s, torch.device("cpu"), torch.float32)
     result: dict[str, Any] = {"scale": args.scale, "shapes": s, "memory": list(MEMORY), "torch": torch.__version__,
-                              "batch": args.batch, "command": "python -m benchmarks.attribution_flops "
-                              + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                         for k, v in vars(args).items() if v is not None)}
+                              "batch": args.batch, "command": command()}
     path = args.out or RESULTS / "attribution_flops.json"
     for name, layers in (("one_layer", [s["layer"]]), ("all_layers", list(range(s["n_layers"])))):
         rm = replacement(s, model, hf, layers)

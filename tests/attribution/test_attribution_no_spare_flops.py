@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import nnsight_lorsa.attribution.replacement as replacement_module
 from nnsight_lorsa import LorsaSet, TranscoderSet, attribute
 
+
 @functools.cache
 def setup():
     return attribution_setup("llama")
