@@ -21,7 +21,7 @@ compute (docs/attribution.md, "FLOPs against the floor"). ``extrapolated``: the 
 per target row against the floor: a call of ``--rows`` rows (the H200 runs: 74 rows in batches of 4) and the
 asymptote of many rows (the backward alone).
 
-    python -m benchmarks.attribution_flops                       # ratios512, P = 64 … 512, ~2 min on 1 core
+    python -m benchmarks.attribution_flops --time-repeats 3      # ratios512, P = 64 … 512, ~4 min on 1 core
     python -m benchmarks.attribution_flops --scale tiny --tokens 8 16 --out /tmp/f.json   # smoke
 
 Writes ``results/attribution_flops.json``.
@@ -254,8 +254,10 @@ def layout_counts(rm: ReplacementModel, ids: torch.Tensor) -> tuple[dict[str, An
     return c, site
 
 
-def measure(s: dict[str, Any], hf: Any, rm: ReplacementModel, P: int, B: int, rows: int) -> dict[str, Any]:
-    """Counted FLOPs (and CPU seconds) of the floor and of one ``attribute`` call by stage, with the analytic."""
+def measure(s: dict[str, Any], hf: Any, rm: ReplacementModel, P: int, B: int, rows: int,
+            time_repeats: int = 1) -> dict[str, Any]:
+    """Counted FLOPs of the floor and of one ``attribute`` call by stage, with the analytic; CPU seconds of the call
+    and of the floor, counted and (median of ``time_repeats`` runs) not."""
     from nnsight_lorsa.attribution.replacement import FrozenReplacement
 
     ids = torch.randint(0, s["vocab"], (1, P), generator=torch.Generator().manual_seed(P))
@@ -280,6 +282,14 @@ def measure(s: dict[str, Any], hf: Any, rm: ReplacementModel, P: int, B: int, ro
             total = counter.get_total_flops()
     finally:
         FrozenReplacement.objective = objective  # type: ignore[method-assign]
+    uncounted = []  # the same call timed outside the counter (its dispatch mode costs Python time per op)
+    for _ in range(time_repeats):
+        t = time.perf_counter()
+        attribute(rm, ids, batch_size=B, max_feature_nodes=rows, memory=MEMORY)
+        uncounted.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    floor_pass(hf, ids, B)
+    floor_uncounted = time.perf_counter() - t
     n_rows = int(graph.feature_rows.sum())
     batches = len(batches_rows)
     c, site = layout_counts(rm, ids)
@@ -298,7 +308,9 @@ def measure(s: dict[str, Any], hf: Any, rm: ReplacementModel, P: int, B: int, ro
         "per_row_vs_floor_flops": total / batches / floor,
         "per_row_vs_floor_flops_backward_max": max(back) / floor,
         "per_row_vs_floor_analytic": per_row(s, P, B, n_rows, c),
-        "seconds": seconds, "floor_seconds": floor_seconds,
+        "seconds_counted": seconds, "floor_seconds_counted": floor_seconds,
+        "seconds": sorted(uncounted)[len(uncounted) // 2] if uncounted else None, "seconds_runs": uncounted,
+        "floor_seconds": floor_uncounted,
         "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
     }
 
@@ -318,6 +330,7 @@ def main() -> None:
     args = parser(__doc__, scale=arg("ratios512", choices=sorted(SCALES)),
                   tokens=arg(nargs="+", type=int, default=[64, 128, 256, 512]), batch=4,
                   rows=arg(8, help="max_feature_nodes of each attribute call (plus the logit rows)"),
+                  time_repeats=arg(1, help="untimed-by-the-counter runs of each call, for its seconds (median)"),
                   threads=1, out=arg(None, type=str)).parse_args()
     start(args)
     s = SCALES[args.scale]
@@ -329,7 +342,7 @@ def main() -> None:
         rm = replacement(s, model, hf, layers)
         result[name] = []
         for P in args.tokens:
-            row = measure(s, hf, rm, P, args.batch, args.rows)
+            row = measure(s, hf, rm, P, args.batch, args.rows, args.time_repeats)
             result[name].append(row)
             print(name, P, {k: round(v, 3) for k, v in row["agreement"].items()}, "floor",
                   round(row["floor_agreement"], 3), "per row", round(row["per_row_vs_floor_flops"], 3),

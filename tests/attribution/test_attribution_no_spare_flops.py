@@ -26,7 +26,7 @@ def bundle():
     return rm(model, LorsaSet(model, dict(lorsas)), TranscoderSet(model, dict(tcs)))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(seq=st.integers(2, 12), seed=st.integers(0, 2**16))
 def test_the_frozen_pass_runs_the_models_unembedding_on_one_position(seq, seed):
     _, hf, _, _ = setup()
@@ -49,7 +49,7 @@ def test_the_frozen_pass_runs_the_models_unembedding_on_one_position(seq, seed):
     assert seen == [(1, seq, d), (1, 1, d), (1, seq, d)]
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(seq=st.integers(2, 12), seed=st.integers(0, 2**16))
 def test_a_frozen_mhsa_computes_its_queries_and_keys_once(seq, seed):
     calls: list[int] = []
