@@ -65,6 +65,10 @@ SCALES: dict[str, dict[str, Any]] = {
                top_k=128, d_tc=32768, k_tc=64, layer=15, batch_fwd=1, train_batch=8, train_seq=2048),
     "small": dict(n_layers=4, d_model=512, n_heads=8, n_kv=2, d_mlp=1376, vocab=4096, n_qk=32, n_ov=2048,
                   top_k=32, d_tc=4096, k_tc=32, layer=1, batch_fwd=1, train_batch=2, train_seq=256),
+    # the 8B's ratios at d_model 512 (benchmarks/attribution_flops.py): head dim 128, GQA 4:1, d_mlp 3.5 d, vocab
+    # 31.3 d, n_qk·d_qk = n_ov = d_tc = 8 d, top_k = n_ov / 256, k_tc = d_tc / 512; few layers (per-layer costs repeat)
+    "ratios512": dict(n_layers=4, d_model=512, n_heads=4, n_kv=1, d_mlp=1792, vocab=16032, n_qk=32, n_ov=4096,
+                      top_k=16, d_tc=4096, k_tc=8, layer=2, batch_fwd=1, train_batch=2, train_seq=512),
     "tiny": dict(n_layers=2, d_model=64, n_heads=4, n_kv=2, d_mlp=128, vocab=256, n_qk=8, n_ov=256, top_k=8,
                  d_tc=256, k_tc=8, layer=1, batch_fwd=1, train_batch=2, train_seq=32),
 }
@@ -272,10 +276,28 @@ def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -
             "peak_bytes": peak_bytes(dev), "steps": steps, "batch": [s["train_batch"], s["train_seq"]]}
 
 
+def floor_pass(hf: Any, ids: torch.Tensor, b: int, weight_grads: bool = False) -> None:
+    """One pass of the floor of an attribution batch (:func:`attribution_floor`): forward of ``b`` copies of ``ids``
+    with the embeddings requiring grad (the last position's logits only), one backward from ``b`` targets to the
+    embeddings (``weight_grads``: ``.backward()``, every weight's gradient too, then dropped: the former floor)."""
+    dev = next(hf.parameters()).device
+    emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(b, -1, -1).clone().requires_grad_(True)
+    logits = hf(inputs_embeds=emb, logits_to_keep=1).logits[:, -1]
+    objective = logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum()
+    if weight_grads:
+        objective.backward()
+        hf.zero_grad(set_to_none=True)
+    else:
+        # the input gradient only, as attribution's backward (``inputs=[M]``): ``.backward()`` also computes
+        # every weight's gradient and leaves ``.grad`` on the device (the model's size again)
+        torch.autograd.grad(objective, emb)
+    sync(dev)
+
+
 def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int,
                       weight_grads: bool = False) -> tuple[float | None, int]:
-    """``(seconds, batch)`` of the floor of one attribution batch: forward of ``batch`` prompt copies with
-    the embeddings requiring grad (only the last position's logits, ``logits_to_keep=1``), one backward
+    """``(seconds, batch)`` of the floor of one attribution batch (:func:`floor_pass`): forward of ``batch`` prompt
+    copies with the embeddings requiring grad (only the last position's logits, ``logits_to_keep=1``), one backward
     from ``batch`` targets to the embeddings only (``torch.autograd.grad``: no weight gradients, which attribution
     does not compute either; until 2026-11-27 the floor used ``.backward()``, which also computed them and left
     them on the device) (median). Where ``batch`` copies do not fit the device, the largest batch that
@@ -284,25 +306,11 @@ def attribution_floor(hf: Any, ids: torch.Tensor, batch: int, repeats: int,
     ``weight_grads=True``: the former floor (``.backward()``, weight gradients included, then dropped), measured
     beside the floor so that the (d) ratios recorded before 2026-11-27 can be set against it."""
     dev = next(hf.parameters()).device
-
-    def run(b: int) -> None:
-        emb = hf.get_input_embeddings()(ids.to(dev)).detach().expand(b, -1, -1).clone().requires_grad_(True)
-        logits = hf(inputs_embeds=emb, logits_to_keep=1).logits[:, -1]
-        objective = logits[torch.arange(b, device=dev), torch.arange(b, device=dev)].sum()
-        if weight_grads:
-            objective.backward()
-            hf.zero_grad(set_to_none=True)
-        else:
-            # the input gradient only, as attribution's backward (``inputs=[M]``): ``.backward()`` also computes
-            # every weight's gradient and leaves ``.grad`` on the device (the model's size again)
-            torch.autograd.grad(objective, emb)
-        sync(dev)
-
     b = batch
     while b >= 1:
         try:
-            seconds = time_interleaved({"floor": functools.partial(run, b)}, repeats=repeats,
-                                       warmup=1)["floor"]["median_s"]
+            seconds = time_interleaved({"floor": functools.partial(floor_pass, hf, ids, b, weight_grads)},
+                                       repeats=repeats, warmup=1)["floor"]["median_s"]
             return seconds * batch / b, b
         except torch.cuda.OutOfMemoryError:
             peak_reset(dev)
@@ -344,14 +352,16 @@ PHASES = [("engine", "prepare", "clean_pass_and_layout"), ("trace", "frozen_forw
 
 
 @contextlib.contextmanager
-def phase_times(device: torch.device, peaks: PhasePeaks | None = None) -> Iterator[dict[str, float]]:
-    """Seconds spent in each stage of the ``attribute`` calls inside (:data:`PHASES`; the device synchronised at
-    each stage's end, so a stage's kernels count in it): the split of a batch's time above the floor
-    (``backward`` without ``record_rows``, which runs inside it). ``peaks``: told each stage's entry and exit
+def phase_totals(reading: Any, peaks: PhasePeaks | None = None) -> Iterator[tuple[dict[str, float],
+                                                                            dict[str, list[float]]]]:
+    """``(totals, calls)``: how much ``reading()`` (a clock, a FLOP counter's total) grew in each stage of the
+    ``attribute`` calls inside (:data:`PHASES`), summed and per call (``backward`` without ``record_rows``, which runs
+    inside it: in the totals). ``peaks``: told each stage's entry and exit
     (:class:`benchmarks._device_peaks.PhasePeaks`: the peak device memory reached inside each stage)."""
     import importlib
 
-    times: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    calls: dict[str, list[float]] = {}
     undo = []
     for mod_name, path, name in PHASES:
         owner: Any = importlib.import_module(f"nnsight_lorsa.attribution.{mod_name}")
@@ -360,27 +370,41 @@ def phase_times(device: torch.device, peaks: PhasePeaks | None = None) -> Iterat
             owner = getattr(owner, part)
         fn = getattr(owner, attr)
 
-        def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+        def measured(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
             if peaks is not None:
                 peaks.enter(_name)
-            t = time.perf_counter()
+            t = reading()
             try:
                 return _fn(*args, **kwargs)
             finally:
-                sync(device)
-                times[_name] = times.get(_name, 0.0) + time.perf_counter() - t
+                grew = reading() - t
+                totals[_name] = totals.get(_name, 0.0) + grew
+                calls.setdefault(_name, []).append(grew)
                 if peaks is not None:
                     peaks.exit(_name)
 
-        setattr(owner, attr, timed)
+        setattr(owner, attr, measured)
         undo.append((owner, attr, fn))
     try:
-        yield times
+        yield totals, calls
     finally:
         for owner, attr, fn in reversed(undo):
             setattr(owner, attr, fn)
-        if "backward" in times:  # the rows are recorded inside the backward tracer's body: counted once
-            times["backward"] -= times.get("record_rows", 0.0)
+        if "backward" in totals:  # the rows are recorded inside the backward tracer's body: counted once
+            totals["backward"] -= totals.get("record_rows", 0.0)
+
+
+@contextlib.contextmanager
+def phase_times(device: torch.device, peaks: PhasePeaks | None = None) -> Iterator[dict[str, float]]:
+    """Seconds spent in each stage of the ``attribute`` calls inside (:data:`PHASES`; the device synchronised at
+    each stage's end, so a stage's kernels count in it): the split of a batch's time above the floor
+    (``backward`` without ``record_rows``, which runs inside it). ``peaks``: as :func:`phase_totals`."""
+    def clock() -> float:
+        sync(device)
+        return time.perf_counter()
+
+    with phase_totals(clock, peaks) as (times, _):
+        yield times
 
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,

@@ -266,16 +266,17 @@ def build_layout(
                 # its inputs go there, the nodes to the host
                 with resident(lorsa, x.device):
                     xm = to_module(x, lorsa)
-                    computed = lorsa(xm, positions.to(xm.device), return_cache=True)[1]
+                    # the heads' activations only: the Lorsa's output (a dense z W_O) is not needed here
+                    z_pre, z_all, _ = lorsa.heads(xm, positions.to(xm.device))
                 traced = live is not None and layer in live.lorsa_z
-                z = live.lorsa_z[layer] if live is not None and traced else computed.z[0]
+                z = live.lorsa_z[layer] if live is not None and traced else z_all[0]
                 kept = (torch.arange(n_pos, device=z.device) >= zero_positions)[:, None]
                 z = z * kept
                 # a traced pass: its edited heads, through nnsight_lorsa.patching or directly on hook_z
                 if live is None:
                     fixed = torch.zeros_like(z, dtype=torch.bool)
                 else:
-                    fixed = (live.held(LORSA, layer, z, computed.z_pre[0], computed.z[0], kept) if traced
+                    fixed = (live.held(LORSA, layer, z, z_pre[0], z_all[0], kept) if traced
                              else live.mark(LORSA, layer, z) & kept)
                 pos, head = ((z > 0) | fixed).nonzero(as_tuple=True)
                 lay.lorsa, lay.lorsa_pos, lay.lorsa_head = lorsa, pos.to(HOST), head.to(HOST)

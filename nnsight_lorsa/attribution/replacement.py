@@ -264,9 +264,16 @@ class FrozenReplacement:
             frozen: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
             if keeps_pattern(w, self.store_patterns(x)):  # SDPA cannot soft-cap (Gemma-2): the pattern
                 frozen = self.const(f"L{layer}.attn.pattern", lambda: mhsa_pattern(w, x[:1], first(positions)))
-            else:
-                frozen = (self.const(f"L{layer}.attn.q", lambda: mhsa_qk(w, x[:1], first(positions))[0]),
-                          self.const(f"L{layer}.attn.k", lambda: mhsa_qk(w, x[:1], first(positions))[1]))
+            else:  # q and k from one call (each constant computing both would run the projections twice)
+                once: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+                def qk() -> tuple[torch.Tensor, torch.Tensor]:
+                    if not once:
+                        once.append(mhsa_qk(w, x[:1], first(positions)))
+                    return once[0]
+
+                frozen = (self.const(f"L{layer}.attn.q", lambda: qk()[0]),
+                          self.const(f"L{layer}.attn.k", lambda: qk()[1]))
             out = frozen_mhsa(w, x, frozen, column(M, lay.bias.get("attn_v")), column(M, lay.bias.get("attn_o")))
             return out.to(self.dtype or true_out.dtype)
         lorsa = lay.lorsa

@@ -237,6 +237,14 @@ def first_row(args: tuple, kwargs: dict, batch: int, dtype: torch.dtype) -> tupl
     return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
+def last_position(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A module call with its first input (``(batch, pos, …)``, :func:`call_input`) cut to the last position."""
+    if args:
+        return (args[0][:, -1:], *args[1:]), kwargs
+    name = next(iter(kwargs))
+    return args, {**kwargs, name: kwargs[name][:, -1:]}
+
+
 def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The first input of a module call (first positional, else first keyword)."""
     return args[0] if args else next(iter(kwargs.values()))
@@ -292,8 +300,9 @@ def frozen_output(frozen: FrozenReplacement, adapter: ArchitectureAdapter, site:
 def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: FrozenReplacement) -> None:
     """Inside a trace over ``batch`` copies of the prompt: swap every site's output for the frozen
     replacement model's, in forward order. Every replaced module (norms, attention, MLPs, unembedding)
-    runs on batch row 0 only, in the model's dtype (:func:`first_row`), so the ``batch`` copies cost
-    the model's forward once plus the frozen model, which may compute in another dtype."""
+    runs on batch row 0 only, in the model's dtype (:func:`first_row`) — the unembedding, whose output no constant
+    comes from, on its last position (:func:`last_position`) — so the ``batch`` copies cost the model's forward once
+    plus the frozen model, which may compute in another dtype."""
     root = hf_module(model)
     batch, dtype = frozen.M.shape[0], next(root.parameters()).dtype
     for path in (adapter.embed_path, getattr(adapter, "pos_embed_path", None)):
@@ -303,7 +312,10 @@ def frozen_forward_body(model: Any, adapter: ArchitectureAdapter, frozen: Frozen
     for site in frozen_sites(adapter):
         envoy = model.get(site.path)
         args, kwargs = envoy.inputs
-        envoy.inputs = first_row(args, kwargs, batch, dtype)
+        cut = first_row(args, kwargs, batch, dtype)
+        # the unembedding's own output is replaced whole (no constant comes from it): it runs on copy 0's last
+        # position only, not the (P, vocab) logits (2·P·d_model·vocab FLOPs, benchmarks/attribution_flops.py)
+        envoy.inputs = last_position(*cut) if site.kind == "head" else cut
         envoy.output = frozen_output(frozen, adapter, site, adapter.get_module(root, site.path), args, kwargs,
                                      envoy.output)
 

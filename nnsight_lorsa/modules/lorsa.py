@@ -479,6 +479,22 @@ class Lorsa(ReplacementModule):
             return z @ self.W_O
         return torch.addmm(self.b_D, z.reshape(-1, z.shape[-1]), self.W_O).view(*z.shape[:-1], self.cfg.d_model)
 
+    def heads(
+        self,
+        x: Float[torch.Tensor, "batch pos d_model"],
+        positions: Int[torch.Tensor, "*b pos"] | None = None,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        top_k: int | None = None,
+    ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Float[torch.Tensor, "batch pos n_ov"],
+               Int[torch.Tensor, "batch pos k"]]:
+        """``(z_pre, z, topk_indices)`` as :meth:`forward` computes them (through ``hook_z_pre`` and ``hook_z``),
+        without the output: what attribution's layout reads (the active heads), not the dense ``z W_O`` decode
+        (``2·pos·n_ov·d_model`` FLOPs, more than the values' projection at the paper's scale)."""
+        z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
+        z, idx = self.activation(z_pre, top_k)
+        return z_pre, self.hook_z(z), idx
+
     def forward(
         self,
         x: Float[torch.Tensor, "batch pos d_model"],
@@ -510,9 +526,7 @@ class Lorsa(ReplacementModule):
             if kv_out is not None:
                 kv_out["kv"] = kv
             return out
-        z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
-        z, idx = self.activation(z_pre, top_k)
-        z = self.hook_z(z)
+        z_pre, z, idx = self.heads(x, positions, attn_mask, top_k=top_k)
         out = self.hook_out(self.decode(z))
         if return_cache:
             return out, LorsaCache(z_pre=z_pre, z=z, topk_indices=idx, out=out)
