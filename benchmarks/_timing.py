@@ -129,6 +129,38 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], repeats: int = 7, warmup
     return {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": len(v)} for k, v in times.items()}
 
 
+def profile_table(fn: Callable[[], Any], dev: torch.device, runs: int = 3, top: int = 20,
+                  warmup: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Where ``fn``'s time goes operator by operator under ``torch.profiler``: ``{"device": ..., "cpu": ...}``,
+    the ``top`` operators by self device time (CUDA kernels and the ops that launch them; ``[]`` on a CPU) and by
+    self CPU time (host work: Python-side bookkeeping shows as the ops it calls), each
+    ``[{"name", "calls", "device_ms", "cpu_ms"}]`` per call of ``fn`` (``runs`` calls profiled, one unprofiled call
+    first unless ``warmup`` is False). The device synchronised after the calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def synced() -> None:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    cuda = dev.type == "cuda"
+    if warmup:
+        synced()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(runs):
+            synced()
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        rows.append({"name": e.key, "calls": e.count / runs, "device_ms": device_us / 1e3 / runs,
+                     "cpu_ms": e.self_cpu_time_total / 1e3 / runs})
+    by_device = sorted((r for r in rows if r["device_ms"] > 0), key=lambda r: r["device_ms"], reverse=True)
+    return {"device": by_device[:top] if cuda else [],
+            "cpu": sorted(rows, key=lambda r: r["cpu_ms"], reverse=True)[:top]}
+
+
 def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "processor": platform.processor(), "cuda": torch.cuda.is_available()}

@@ -16,7 +16,8 @@ transcoders (32K features, k 64) on the MLPs (issue 21, goal 4). Measures:
 (d) attribution with the Lorsa on every layer and transcoders on every MLP at each ``--tokens``: peak
     device memory next to ``estimate_memory``'s prediction and its terms (and the host peak next to its host
     estimate), the peak inside each phase (``phase_peaks``) and, with ``--memory-snapshot``, the allocations live at
-    the peak by ``nnsight_lorsa`` frame (``memory_snapshot``; benchmarks/_device_peaks.py),
+    the peak by ``nnsight_lorsa`` frame (``memory_snapshot``; benchmarks/_device_peaks.py), with
+    ``--profile-kernels`` the top operators of one more call by device and by host time (``kernel_profile``),
     and time per batch of target rows next to the
     floor (forward of B prompt copies with the embeddings requiring grad + one backward from B targets to the
     embeddings only; ``former_floor_*``: the same with every weight's gradient too, the floor used before
@@ -53,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._device_peaks import PhasePeaks, snapshot_peak_summary
-from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
+from benchmarks._timing import RESULTS, arg, parser, profile_table, start, time_interleaved, write_json
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin
 
@@ -409,7 +410,8 @@ def phase_times(device: torch.device, peaks: PhasePeaks | None = None) -> Iterat
 
 def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, rows: int, repeats: int,
                 vocab: int, out: list[dict[str, Any]], flush: Any, warmup: int = 0,
-                cap_bytes: int | None = None, snapshot_entries: int = 0) -> list[dict[str, Any]]:
+                cap_bytes: int | None = None, snapshot_entries: int = 0,
+                profile_top: int = 0) -> list[dict[str, Any]]:
     """(d): per prompt length, measured peak device memory vs ``estimate_memory`` and time per batch vs floor
     (each row appended to ``out`` and written with ``flush()`` as soon as it is measured); ``warmup`` untimed
     ``attribute`` calls first. ``phases``: the seconds of each stage of the timed call (:func:`phase_times`;
@@ -484,6 +486,12 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             peak = (before or 0) + max(tracker.before or 0, tracker.overall or 0)
         else:
             peak = peak_bytes(dev)
+        kernel_profile = None
+        if profile_top > 0:  # one more call, under the profiler (slower: not the timed one)
+            progress(f"(d) {n} tokens: attribute under the profiler")
+            kernel_profile = profile_table(
+                functools.partial(attribute, rm, ids, batch_size=batch, max_feature_nodes=rows,
+                                  max_memory=max_memory), dev, runs=1, top=profile_top, warmup=False)
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
@@ -500,7 +508,7 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "resident_bytes": resident, "edge_sum_error_max": float(graph.edge_sum_error("mass").max()),
             "host_peak_above_start": None if host_before is None else host_peak() - host_before,
             "phases": {**phases, "other": seconds - sum(phases.values())}, "warmup_calls": warmup,
-            "phase_peaks": phase_peaks, "memory_snapshot": snapshot,
+            "phase_peaks": phase_peaks, "memory_snapshot": snapshot, "kernel_profile": kernel_profile,
             "offload_rows": offload_rows, "offload_rows_kept_bytes": graph.meta.get("offload_rows_kept_bytes"),
             "batch_size": used_batch, "max_memory": max_memory,
             "estimate_is_call_plan": (offload_rows, used_batch, graph.meta.get("offload_rows_kept_bytes"))
@@ -527,6 +535,10 @@ def main() -> None:
                                       help="(d), CUDA: record the timed call's allocations (a ring buffer of this "
                                            "many, default 1e6) and the live ones at its peak by nnsight_lorsa "
                                            "frame (slows the call)"),
+                  profile_kernels=arg(0, type=int, nargs="?", const=30,
+                                      help="(d): one more attribute call per length under torch.profiler; its top "
+                                           "operators (default 30) by device time and by host CPU time in the row "
+                                           "('kernel_profile')"),
                   shared_weights=arg(False, action="store_true",
                                      help="(d) with --offload: every layer's Lorsa (and transcoder) shares the first "
                                           "one's pinned host weights (built and pinned once: ~5 s instead of "
@@ -627,7 +639,7 @@ def main() -> None:
         cap = int(args.cap_gb * 1e9) if args.offload and args.cap_gb and dev.type == "cuda" else None
         attribution(rm, hf, args.tokens, args.attr_batch, args.attr_rows, args.repeats, s["vocab"],
                     result["d_attribution"], flush, warmup=args.attr_warmup, cap_bytes=cap,
-                    snapshot_entries=args.memory_snapshot)
+                    snapshot_entries=args.memory_snapshot, profile_top=args.profile_kernels)
         for row in result["d_attribution"]:
             print("(d)", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
     flush()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks._timing import RESULTS, arg, parser, start, time_interleaved, write_json
+from benchmarks._timing import RESULTS, arg, parser, profile_table, start, time_interleaved, write_json
 from benchmarks.gpu_scale import SCALES, build, paper_lorsa, sync
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.modules.rotary import apply_rotary, rotary_cos_sin
@@ -54,31 +54,6 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
-def kernel_table(fn: Any, dev: torch.device, runs: int = 3, top: int = 20) -> list[dict[str, Any]]:
-    """The ``top`` operators of ``fn`` by device time (CPU time on a CPU) under ``torch.profiler``, per call:
-    where the forward's time goes kernel by kernel, beyond the stages timed above. ``[{"name", "calls",
-    "device_ms", "cpu_ms"}]``, ``device_ms`` per call of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    fn()
-    sync(dev)
-    with profile(activities=activities) as prof:
-        for _ in range(runs):
-            fn()
-        sync(dev)
-    rows = []
-    for e in prof.key_averages():
-        device_us = getattr(e, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(e, "self_cuda_time_total", 0)
-        rows.append({"name": e.key, "calls": e.count // runs, "device_ms": device_us / 1e3 / runs,
-                     "cpu_ms": e.self_cpu_time_total / 1e3 / runs})
-    rows.sort(key=lambda r: r["device_ms"] if cuda else r["cpu_ms"], reverse=True)
-    return rows[:top]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -222,7 +197,7 @@ def main() -> None:
                     "activation_module": lambda: lorsa.activation(z_pre),
                     "decode_dense": decode_dense, "decode_bag": decode_bag, **rope_variants}
         out["times"] = time_interleaved({k: timed(v) for k, v in variants.items()}, repeats=args.repeats)
-        out["forward_kernels"] = kernel_table(lambda: lorsa(x), dev)
+        out["forward_kernels"] = profile_table(lambda: lorsa(x), dev)["device" if dev.type == "cuda" else "cpu"]
     for k, v in out["times"].items():
         print(f"{k:20s} {v['median_s'] * 1e3:8.3f} ms")
     print({k: v for k, v in out.items() if k not in ("times", "shapes")})

@@ -16,7 +16,8 @@ def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale", "--scale", "tiny", "--device",
                            "cpu", "--dtype", "float32", "--tokens", "16", "--repeats", "1", "--train-steps", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+                           "--profile-kernels", "5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["scale"] == "tiny"
@@ -25,6 +26,10 @@ def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     (row,) = result["d_attribution"]
     assert row["tokens"] == 16 and row["target_rows"] > 0 and row["estimate_device_bytes"] > 0
     assert row["edge_sum_error_max"] < 1e-5  # fp32: every row sums to its value (feature budget included)
+    # --profile-kernels: one more call's top operators by host time (no device kernels on the CPU)
+    profile = row["kernel_profile"]
+    assert profile["device"] == [] and 0 < len(profile["cpu"]) <= 5
+    assert all(r["cpu_ms"] >= 0 and r["calls"] > 0 for r in profile["cpu"])
 
 
 def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
