@@ -181,7 +181,7 @@ class SparseRows:
             release_free_memory()
 
     def weighted_abs(self, scale: Float[torch.Tensor, " n"], col_mask: torch.Tensor | None = None,
-                     den: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+                     den: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
         """``Σ_r scale[r] · |row r|``: ``(n_cols,)`` float64 (with ``col_mask``, a bool over the columns, only
         the entries of its columns — the others' sums set to +0.0 at the end, what their terms times 0 add up to
         for finite entries, instead of a per-entry mask each step; with ``den: (n,)`` float64, each entry
@@ -189,8 +189,11 @@ class SparseRows:
         Reads only the rows with a non-zero ``scale`` (the others add exact zeros), each entry's term computed in
         float64 and accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in one
         float64 buffer made per call and reused by its chunks (a fresh multi-MB temporary per chunk costs its page
-        faults, as much as the arithmetic; one held across calls would sit under the pruning's other passes)."""
-        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
+        faults, as much as the arithmetic; one held across calls would sit under the pruning's other passes).
+        ``out``: an ``(n_cols,)`` float64 tensor to zero and fill (and return) instead of a fresh one — the influence
+        series' steps reuse one (a fresh ``n_cols`` vector a step is its page faults: 39 ms against 14 ms for
+        zeroing one at 6.3M columns, the 8B shape's all-layer graph, measured on CPU)."""
+        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST) if out is None else out.zero_()
         buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
         for block in self.blocks:
             s = scale[block.row_start:block.row_start + len(block.ends)]
@@ -312,15 +315,18 @@ class _SparseSource:
     """:class:`SparseRows` as a :class:`.scores.RowSource` / :class:`.scores.PrunableRows` (rows are the store's;
     ``row_node`` maps them to nodes where the caller needs it)."""
 
+    #: :meth:`weighted_abs` fills a given ``out`` (:func:`.scores.row_influence` reuses one vector for its steps)
+    fills_out = True
+
     def __init__(self, rows: SparseRows) -> None:
         self.rows = rows
 
     def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rows.abs_sums(col_mask, row_mask)
 
-    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        return self.rows.weighted_abs(weight, col_mask, den)
+    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.rows.weighted_abs(weight, col_mask, den, out)
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
         return self.rows.count_edges(col_mask, row_mask)

@@ -94,6 +94,8 @@ def test_stored_rows_their_masked_sums_and_influence_steps_are_the_per_entry_ref
             step.index_add_(0, col, val.abs().double().div_(d[row]).mul_(w[row]).mul_(col_mask[col]))
         assert torch.equal(rows.weighted_abs(w, col_mask, d), step)
         assert torch.equal(rows.weighted_abs(w, None, d).masked_fill_(~col_mask, 0.0), step)
+        dirty = torch.randn(n_cols, generator=g, dtype=torch.float64)  # a reused step vector: zeroed, then filled
+        assert rows.weighted_abs(w, col_mask, d, out=dirty) is dirty and torch.equal(dirty, step)
     finally:
         ROWS.CHUNK_ENTRIES = old
 
