@@ -477,8 +477,9 @@ class RowScheduler(RowStore):
             picked = list(range(start, start + n))
         else:
             if not self._queue:
-                score = self.feature_influence().clone()
-                score[self._visited] = -1.0
+                # a fresh vector (feature_influence's): ranked in place — no n_features copy, no boolean-index
+                # scatter (its nonzero) per ranking
+                score = self.feature_influence().masked_fill_(self._visited, -1.0)
                 self._queue = score.topk(min(self.update_interval * batch, left)).indices.tolist()
             picked, self._queue = sorted(self._queue[:n]), self._queue[n:]
         self._visited[picked] = True
@@ -510,7 +511,7 @@ class RowScheduler(RowStore):
         first ``zero_positions`` positions, which circuit-tracer's graphs lack (it has no bias nodes, and zeroes
         the errors at position 0, where it has no features). With them the ranking swapped near-ties against
         circuit-tracer's: 1-3 of 40-200 rows differed (``benchmarks/attribution_vs_circuit_tracer.py
-        --max-feature-nodes``; docs/attribution.md)."""
+        --max-feature-nodes``; docs/attribution.md). A fresh vector, the caller's to change."""
         if self._rank_mask is None:
             n = self.layout.nodes
             error = (n.kind == MLP_ERROR) | (n.kind == ATTN_ERROR)

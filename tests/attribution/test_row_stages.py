@@ -143,7 +143,8 @@ def test_the_budgeted_graph_and_its_ranking_are_the_per_entry_references_bit_for
         out = original_rank(self)
         node, weight = self.row_nodes()
         seen["ranking_sums"] = False  # the reference's own sums: not counted
-        seen["rankings"].append((out, self.sparse().influence(node, weight, self._rank_mask)[:self.layout.n_features]))
+        full = self.sparse().influence(node, weight, self._rank_mask)[:self.layout.n_features]
+        seen["rankings"].append((out.clone(), full))  # (next_rows ranks ``out`` in place)
         seen["ranking_sums"] = True
         return out
 
