@@ -127,11 +127,21 @@ class SparseRows:
         else:  # the dropped entries' sum: one reduction per row (deterministic on every device, unlike an
             # index_add of the kept ones, whose float64 atomics reorder between runs on CUDA)
             self._residual.append(torch.where(keep, 0, g).sum(1, dtype=torch.float64).to(HOST))
-        counts = keep.sum(1)
-        r, c = keep.nonzero(as_tuple=True)  # row-major: each row's entries in column order
+        # the kept entries' flat indices, row-major (each row's entries in column order): one 1-D nonzero, the values
+        # a 1-D gather, each row's end a binary search, its columns its indices less the row's start in place (a 2-D
+        # nonzero and a 2-D gather cost twice as much, measured: benchmarks/attribution_row_stages.py)
+        flat = keep.reshape(-1).nonzero().squeeze(1)
         del keep
-        val = g[r, c]
-        counts = counts.to(HOST)
+        b, n_cols = g.shape
+        val = g.reshape(-1)[flat]
+        row_ends = torch.arange(1, b + 1, dtype=torch.long, device=flat.device).mul_(n_cols)
+        ends: list[int] = torch.searchsorted(flat, row_ends).tolist()  # the one host read of the batch's counts
+        for i in range(1, b):
+            flat[ends[i - 1]:ends[i]] -= i * n_cols
+        # on the model's device: 4-byte columns cross to the host (a cross-device copy with a cast of the int64
+        # indices would convert them on the host, after an 8-byte copy into a fresh temporary)
+        c = flat if flat.device == HOST else flat.to(torch.int32)
+        del flat
         self._abs_total.append(abs_total.to(HOST))
         n = int(val.numel())
         block = self.blocks[-1] if self.blocks else None
@@ -143,7 +153,7 @@ class SparseRows:
         # straight from the model's device into the block (no intermediate host copy: fresh pages per batch)
         block.col[block.fill:block.fill + n].copy_(c)
         block.val[block.fill:block.fill + n].copy_(val)
-        block.ends.extend((block.fill + counts.cumsum(0)).tolist())
+        block.ends.extend(block.fill + e for e in ends)
         block.fill += n
         self.n_rows += g.shape[0]
         self.nnz += n
@@ -162,6 +172,8 @@ class SparseRows:
                     (e0, min(e0 + CHUNK_ENTRIES, block.fill)) for e0 in range(0, block.fill, CHUNK_ENTRIES))
             else:
                 live = row_mask[block.row_start:block.row_start + len(block.ends)].nonzero().flatten().tolist()
+                if not live:  # none of its rows: not read, nothing to give back
+                    continue
                 spans = _spans(block.ends, live)
             for e0, e1 in spans:
                 row = _rows_of(block.ends, e0, e1) + block.row_start
@@ -169,15 +181,19 @@ class SparseRows:
             release_free_memory()
 
     def weighted_abs(self, scale: Float[torch.Tensor, " n"], col_mask: torch.Tensor | None = None,
-                     den: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
+                     den: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Float[torch.Tensor, " s"]:
         """``Σ_r scale[r] · |row r|``: ``(n_cols,)`` float64 (with ``col_mask``, a bool over the columns, only
-        the entries of its columns; with ``den: (n,)`` float64, each entry ``(|v| / den[r]) · scale[r]`` — the
-        arithmetic of :func:`.scores.row_influence`'s steps on every storage). Reads only the rows with a non-zero
-        ``scale`` (the others add exact zeros), each entry's term computed in float64 and
-        accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in one float64
-        buffer made per call and reused by its chunks (a fresh multi-MB temporary per chunk costs its page faults,
-        as much as the arithmetic; one held across calls would sit under the pruning's other passes)."""
-        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST)
+        the entries of its columns — the others' sums set to +0.0 at the end, what their terms times 0 add up to
+        for finite entries, instead of a per-entry mask each step; with ``den: (n,)`` float64, each entry
+        ``(|v| / den[r]) · scale[r]`` — the arithmetic of :func:`.scores.row_influence`'s steps on every storage).
+        Reads only the rows with a non-zero ``scale`` (the others add exact zeros), each entry's term computed in
+        float64 and accumulated in storage order; at most :data:`CHUNK_ENTRIES` entries at a time, in place in one
+        float64 buffer made per call and reused by its chunks (a fresh multi-MB temporary per chunk costs its page
+        faults, as much as the arithmetic; one held across calls would sit under the pruning's other passes).
+        ``out``: an ``(n_cols,)`` float64 tensor to zero and fill (and return) instead of a fresh one — the influence
+        series' steps reuse one (a fresh ``n_cols`` vector a step is its page faults: 39 ms against 14 ms for
+        zeroing one at 6.3M columns, the 8B shape's all-layer graph, measured on CPU)."""
+        out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST) if out is None else out.zero_()
         buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
         for block in self.blocks:
             s = scale[block.row_start:block.row_start + len(block.ends)]
@@ -192,16 +208,18 @@ class SparseRows:
                 for a in range(start, end, CHUNK_ENTRIES):  # a row longer than a chunk: in pieces
                     b = min(a + CHUNK_ENTRIES, end)
                     if runs and (runs[-1][1] != a or b - runs[0][0] > CHUNK_ENTRIES):
-                        self._add_runs(out, block, runs, col_mask, buffer)
+                        self._add_runs(out, block, runs, buffer)
                         runs = []
                     runs.append((a, b, w, d))
             if runs:
-                self._add_runs(out, block, runs, col_mask, buffer)
+                self._add_runs(out, block, runs, buffer)
+        if col_mask is not None:  # the masked columns' sums (every term ``0 · x``: +0.0) — no per-entry mask
+            out.masked_fill_(~col_mask, 0.0)
         return out
 
     @staticmethod
     def _add_runs(out: torch.Tensor, block: _Block, runs: list[tuple[int, int, float, float | None]],
-                  col_mask: torch.Tensor | None, buffer: torch.Tensor) -> None:
+                  buffer: torch.Tensor) -> None:
         """``out[col] += (|val| / d) · w`` (or ``w · |val|``, ``d`` None) over contiguous runs ``(start, end, w, d)``
         of ``block``'s entries."""
         e0, e1 = runs[0][0], runs[-1][1]
@@ -220,10 +238,7 @@ class SparseRows:
                 if d is not None:
                     contrib[a - e0:b - e0].div_(d)
                 contrib[a - e0:b - e0].mul_(w)
-        col = block.col[e0:e1]
-        if col_mask is not None:
-            contrib.mul_(col_mask[col])
-        out.index_add_(0, col, contrib)
+        out.index_add_(0, block.col[e0:e1], contrib)
 
     def dense(self) -> Float[torch.Tensor, "n s"]:
         """The kept entries as a dense ``(n_rows, n_cols)`` matrix (dropped ones 0)."""
@@ -243,14 +258,28 @@ class SparseRows:
     def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
                  ) -> Float[torch.Tensor, " n"]:
         """``(n_rows,)`` float64: each row's full absolute mass (:attr:`abs_total`, the dropped entries included), or
-        with ``col_mask`` (bool over the columns) ``Σ |kept entries|`` of its columns, in storage order (chunked;
-        with ``row_mask: (n_rows,)`` bool only its rows read, the others left 0)."""
+        with ``col_mask`` (bool over the columns) ``Σ |kept entries|`` of its columns, in storage order (with
+        ``row_mask: (n_rows,)`` bool only its rows read, the others left 0). Row by row, :data:`CHUNK_ENTRIES` entries
+        at a time in one float64 buffer: ``|v|`` times the column's mask (an entry of a left-out column adds +0.0,
+        which leaves the running sum as it is) added one by one into the row's sum (``index_add_`` to one place: the
+        same bits as the per-entry row index and masked copies of the former code, which cost 3x as much)."""
         if col_mask is None:
             return self.abs_total
         den = torch.zeros(self.n_rows, dtype=torch.float64, device=HOST)
-        for row, col, val in self.chunks(row_mask):
-            k = col_mask[col]
-            den.index_add_(0, row[k], val[k].double().abs_())
+        size = min(CHUNK_ENTRIES, max(self.nnz, 1))
+        buffer = torch.empty(size, dtype=torch.float64, device=HOST)
+        zeros = torch.zeros(size, dtype=torch.long, device=HOST)
+        for block in self.blocks:
+            n = len(block.ends)
+            live: Any = (range(n) if row_mask is None
+                         else row_mask[block.row_start:block.row_start + n].nonzero().flatten().tolist())
+            for i in live:
+                start, end = block.ends[i - 1] if i else 0, block.ends[i]
+                total = den[block.row_start + i:][:1]
+                for e0 in range(start, end, CHUNK_ENTRIES):
+                    e1 = min(e0 + CHUNK_ENTRIES, end)
+                    v = buffer[:e1 - e0].copy_(block.val[e0:e1]).abs_().mul_(col_mask[block.col[e0:e1]])
+                    total.index_add_(0, zeros[:e1 - e0], v)
         return den
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
@@ -286,15 +315,18 @@ class _SparseSource:
     """:class:`SparseRows` as a :class:`.scores.RowSource` / :class:`.scores.PrunableRows` (rows are the store's;
     ``row_node`` maps them to nodes where the caller needs it)."""
 
+    #: :meth:`weighted_abs` fills a given ``out`` (:func:`.scores.row_influence` reuses one vector for its steps)
+    fills_out = True
+
     def __init__(self, rows: SparseRows) -> None:
         self.rows = rows
 
     def abs_sums(self, col_mask: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.rows.abs_sums(col_mask, row_mask)
 
-    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        return self.rows.weighted_abs(weight, col_mask, den)
+    def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.rows.weighted_abs(weight, col_mask, den, out)
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
         return self.rows.count_edges(col_mask, row_mask)
@@ -418,6 +450,8 @@ class RowScheduler(RowStore):
         self._queue: list[int] = []  # ranked, unvisited features still to hand out from the last ranking
         self.zero_positions = zero_positions
         self._rank_mask: torch.Tensor | None = None
+        self._rank_all = True  # the ranking's nodes are every node (no bias node, no error node left out)
+        self._rank_sums = torch.zeros(0, dtype=torch.float64, device=HOST)  # _rank_den of the rows so far
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """A target row's node index (features, then logits after the sources)."""
@@ -443,8 +477,9 @@ class RowScheduler(RowStore):
             picked = list(range(start, start + n))
         else:
             if not self._queue:
-                score = self.feature_influence().clone()
-                score[self._visited] = -1.0
+                # a fresh vector (feature_influence's): ranked in place — no n_features copy, no boolean-index
+                # scatter (its nonzero) per ranking
+                score = self.feature_influence().masked_fill_(self._visited, -1.0)
                 self._queue = score.topk(min(self.update_interval * batch, left)).indices.tolist()
             picked, self._queue = sorted(self._queue[:n]), self._queue[n:]
         self._visited[picked] = True
@@ -476,13 +511,33 @@ class RowScheduler(RowStore):
         first ``zero_positions`` positions, which circuit-tracer's graphs lack (it has no bias nodes, and zeroes
         the errors at position 0, where it has no features). With them the ranking swapped near-ties against
         circuit-tracer's: 1-3 of 40-200 rows differed (``benchmarks/attribution_vs_circuit_tracer.py
-        --max-feature-nodes``; docs/attribution.md)."""
+        --max-feature-nodes``; docs/attribution.md). A fresh vector, the caller's to change."""
         if self._rank_mask is None:
             n = self.layout.nodes
             error = (n.kind == MLP_ERROR) | (n.kind == ATTN_ERROR)
             self._rank_mask = ~((n.kind == BIAS) | (error & (n.pos < self.zero_positions)))
+            self._rank_all = bool(self._rank_mask.all())
         node, weight = self.row_nodes()
-        return self.sparse().influence(node, weight, self._rank_mask)[:self.layout.n_features]
+        sp = self.sparse()
+        if self._rank_all or not isinstance(self.rows, SparseRows):  # every node: the rows' full masses
+            return sp.influence(node, weight, None if self._rank_all else self._rank_mask)[:self.layout.n_features]
+        return row_influence(_SparseSource(sp), node, weight, self.n_sources, self._rank_mask,
+                             den=self._rank_den(sp, node))[:self.layout.n_features]
+
+    def _rank_den(self, sp: SparseRows, node: torch.Tensor) -> torch.Tensor:
+        """``(n_rows,)`` float64 each stored row's ``Σ |entries|`` over the ranking's nodes (:meth:`feature_influence`;
+        rows whose target is not one of them: 0) — :func:`.scores.row_influence`'s ``den`` with the mask, which the
+        former code recomputed from every stored entry at each ranking. A row's sum is fixed once it is stored: the
+        rows stored since the last ranking are summed (:meth:`SparseRows.abs_sums` reading only them), the others'
+        kept — the same bits, each row's sum its own entries added in storage order either way."""
+        assert self._rank_mask is not None
+        have = self._rank_sums.numel()
+        if have < sp.n_rows:
+            new = torch.zeros(sp.n_rows, dtype=torch.bool, device=HOST)
+            new[have:] = self._rank_mask[node[have:]]
+            part = sp.abs_sums(self._rank_mask[:self.n_sources], new)
+            self._rank_sums = torch.cat([self._rank_sums, part[have:]])
+        return self._rank_sums
 
 
 def full_graph_blocks(layout: Layout, dtype: torch.dtype) -> BlockAdjacency:
@@ -523,17 +578,19 @@ def assemble(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prom
     n = node_ids.numel()
     rows = scheduler.rows
     residual = torch.zeros(n, dtype=torch.float64, device=HOST)
+    index = _graph_index(node_ids, ns + n_logits)
+    nodes = layout.nodes.select(node_ids)
     adjacency: BlockAdjacency
     if isinstance(rows, BlockAdjacency) and rows.shape == (n, n):  # written in place: every node kept, in order
         adjacency = rows
     else:
-        adjacency = _budget_blocks(layout, scheduler, keep_src, node_ids, residual)
+        adjacency = _budget_blocks(layout, scheduler, keep_src, node_ids, residual, index, nodes)
     all_values = torch.full((ns + n_logits,), float("nan"), dtype=adjacency.dtype, device=HOST)
     all_values[:nf] = values[:nf].to(HOST)
     all_values[ns:] = values[nf:].to(HOST)
     computed = torch.zeros(n, dtype=torch.bool, device=HOST)
-    computed[_graph_index(node_ids, ns + n_logits)[scheduler.position(scheduler.done)]] = True
-    return Graph(tokens=layout.tokens, nodes=layout.nodes.select(node_ids),
+    computed[index[scheduler.position(scheduler.done)]] = True
+    return Graph(tokens=layout.tokens, nodes=nodes,
                  adjacency=adjacency,  # type: ignore[arg-type]  # blocks: densified only by graph.densify()
                  values=all_values[node_ids], logit_probs=layout.logit_probs, feature_rows=computed,
                  layout_ids=node_ids, prompt=prompt, meta=meta, residual=residual.to(adjacency.dtype))
@@ -547,36 +604,68 @@ def _graph_index(node_ids: torch.Tensor, n_all: int) -> torch.Tensor:
 
 
 def _budget_blocks(layout: Layout, scheduler: RowScheduler, keep_src: torch.Tensor, node_ids: torch.Tensor,
-                   residual: torch.Tensor) -> BlockAdjacency:
+                   residual: torch.Tensor, index: torch.Tensor, nodes: Any) -> BlockAdjacency:
     """The computed rows of a budgeted graph as a :class:`.blocks.BlockAdjacency` over the graph's nodes
-    ``node_ids`` (layout ids: the visited features, every other source, the logits), each row written once
-    from the stored sparse entries, :data:`CHUNK_ENTRIES` dense entries at a time. Edges from sources that
-    are not graph nodes (features never visited) are summed, exactly, into ``residual`` (float64, in place,
-    by graph index), so ``Σ adjacency[t] + residual[t] = value[t]`` still holds."""
+    ``node_ids`` (layout ids: the visited features, every other source, the logits; ``index``: their
+    :func:`_graph_index`, ``nodes``: their :class:`.graph.NodeTable`), each row written once from the stored sparse
+    entries, :data:`CHUNK_ENTRIES` dense entries at a time. Edges from sources that are not graph nodes (features
+    never visited) are summed, exactly, into ``residual`` (float64, in place, by graph index), so
+    ``Σ adjacency[t] + residual[t] = value[t]`` still holds.
+
+    Row by row (:func:`_budget_row`): a stored row's entries are in column order, so its feature columns are a prefix
+    (one binary search) and every entry after it is a graph node's (every non-feature source is one); of the prefix
+    only the visited features — at most the budget — are graph nodes, found by a binary search each. The rest of the
+    prefix is summed into the row's residual in storage order (float64, the visited entries as ``+0.0``: the same
+    bits as adding the dropped entries alone, which the per-entry masks of the former code did)."""
     sp = scheduler.sparse()
-    n_all = layout.n_sources + layout.n_logits
-    index = _graph_index(node_ids, n_all)
     row_at = index[scheduler.position(scheduler.done)]  # graph index of each stored row
     n_src = int(keep_src.sum())
+    nf = layout.n_features
+    visited = keep_src[:nf].nonzero().flatten()  # ascending layout ids of the visited features
     dtype = sp.blocks[0].val.dtype if sp.blocks else torch.float32
-    nodes = layout.nodes.select(node_ids)
     out = BlockAdjacency(nodes.sites(), nodes.pos, n_src, row_at.sort().values, dtype)
     group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
+    # one chunk's float64 values and a zero index (the sequential sum of a row's dropped entries: an index_add_
+    # into its residual, as the former code's), made once
+    size = min(CHUNK_ENTRIES, max(sp.nnz, 1))
+    buffer = torch.empty(size, dtype=torch.float64, device=HOST)
+    zeros = torch.zeros(size, dtype=torch.long, device=HOST)
+    row_list: list[int] = row_at.tolist()
     for block in sp.blocks:
-        ends = [0, *block.ends]
         for i0 in range(0, len(block.ends), group):
             i1 = min(i0 + group, len(block.ends))
-            at = row_at[block.row_start + i0:block.row_start + i1]
             dense = torch.zeros(i1 - i0, n_src, dtype=dtype, device=HOST)
-            for e0 in range(ends[i0], ends[i1], CHUNK_ENTRIES):  # the rows' entries, a chunk at a time
-                e1 = min(e0 + CHUNK_ENTRIES, ends[i1])
-                row, col, val = _rows_of(block.ends, e0, e1) - i0, block.col[e0:e1].long(), block.val[e0:e1]
-                k = keep_src[col]
-                dense[row[k], index[col[k]]] = val[k]
-                residual.index_add_(0, at[row[~k]], val[~k].double())
-                del row, col, val, k  # before the next chunk's: one chunk's temporaries at a time
-            out.write(at, dense)
+            for i in range(i0, i1):
+                start = block.ends[i - 1] if i else 0
+                _budget_row(block, start, block.ends[i], nf, visited, index, dense[i - i0],
+                            residual[row_list[block.row_start + i]:][:1], buffer, zeros)
+            out.write(row_at[block.row_start + i0:block.row_start + i1], dense)
+            del dense
     return out
+
+
+def _budget_row(block: _Block, start: int, end: int, nf: int, visited: torch.Tensor, index: torch.Tensor,
+                dense: torch.Tensor, residual: torch.Tensor, buffer: torch.Tensor, zeros: torch.Tensor) -> None:
+    """One stored row (entries ``[start, end)`` of ``block``, columns ascending) of :func:`_budget_blocks`: its graph
+    nodes' entries into ``dense: (n_src,)`` at their graph index (``index``), its other entries (features not in
+    ``visited``) added to ``residual: (1,)`` float64 one by one in storage order."""
+    cols = block.col[start:end]
+    split = start + int(torch.searchsorted(cols, torch.tensor(nf, dtype=cols.dtype, device=HOST)))
+    # the visited features among the row's feature columns: a binary search each
+    feats = cols[:split - start]
+    at = torch.searchsorted(feats, visited.to(feats.dtype))
+    found = at < feats.numel()
+    hit = torch.zeros_like(found)
+    hit[found] = feats[at[found]].long() == visited[found]
+    hits = at[hit]
+    dense[index[visited[hit]]] = block.val[start + hits]
+    dense[index[cols[split - start:]]] = block.val[split:end]
+    for e0 in range(start, split, CHUNK_ENTRIES):  # the dropped entries' sum, a chunk at a time
+        e1 = min(e0 + CHUNK_ENTRIES, split)
+        v = buffer[:e1 - e0].copy_(block.val[e0:e1])
+        inside = hits[(hits >= e0 - start) & (hits < e1 - start)] - (e0 - start)
+        v[inside] = 0.0  # a graph node's entry: +0.0, which leaves the running sum as it is
+        residual.index_add_(0, zeros[:e1 - e0], v)
 
 
 def assemble_pruned(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, *, node_threshold: float,

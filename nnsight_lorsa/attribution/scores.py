@@ -62,7 +62,9 @@ def influence_series(
     max_iter: int = 1000,
 ) -> Float[torch.Tensor, " n_cols"]:
     """``Σ_k w Â^k`` (k ≥ 1) for any storage of ``Â``: ``propagate(w)`` is ``w Â`` (row weights →
-    column weights); column ``row_node[r]`` feeds row ``r`` back in, until nothing is left.
+    column weights); column ``row_node[r]`` feeds row ``r`` back in, until nothing is left. ``propagate`` may
+    return the same vector at every call (:func:`row_influence` on sparse rows): each result is read — the next
+    weights, the running total — before the next call.
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
@@ -229,9 +231,17 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     row_ok = None if node_mask is None else node_mask[row_node]
     den = (rows.abs_sums(col_mask, row_ok) if den is None else den).clamp_min(1e-30)
 
+    # a storage that fills a given vector (sparse rows): one for every step — a step's result is read (the next
+    # weights, the running total) before the next step overwrites it
+    step: torch.Tensor | None = (torch.empty(n_cols, dtype=torch.float64, device=HOST)
+                                 if getattr(rows, "fills_out", False) else None)
+
     def propagate(w: torch.Tensor) -> torch.Tensor:
         w = w.double()
-        return rows.weighted_abs(w if row_ok is None else w * row_ok, den, col_mask)
+        w = w if row_ok is None else w * row_ok
+        if step is not None:
+            return rows.weighted_abs(w, den, col_mask, out=step)  # type: ignore[call-arg]
+        return rows.weighted_abs(w, den, col_mask)
 
     return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter)
 
