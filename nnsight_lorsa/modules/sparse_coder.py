@@ -136,6 +136,15 @@ def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "
     return hook_post(activation(hook_pre(affine(x, W_enc, b_enc))))
 
 
+def encode_and_pre_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"],
+                        b_enc: Float[torch.Tensor, " f"], activation: nn.Module, hook_pre: nn.Module,
+                        hook_post: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(encode_with(...), x W_enc + b_enc)`` from ONE encoder matmul: the features and the pre-activation the
+    matmul gave (before ``hook_pre``; the hook points are identities and no activation writes its input)."""
+    pre = affine(x, W_enc, b_enc)
+    return hook_post(activation(hook_pre(pre))), pre
+
+
 @torch.no_grad()
 def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """Random init: unit-norm decoder rows (as in Bricken et al. 2023, *Towards Monosemanticity*), encoder =
@@ -225,6 +234,17 @@ class SparseCoder(ReplacementModule):
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return encode_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
                            self.hook_sae_acts_pre, self.hook_sae_acts_post)
+
+    def encode_and_pre(self, x: Float[torch.Tensor, "*batch d_in"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(encode(x), encoder_input(x) W_enc + b_enc)``: the features and their pre-activations from one encoder
+        matmul (the attribution layout of a traced pass needs both; two calls computed the matmul twice).
+
+        Raises:
+            ShapeError: ``x`` is not ``(*batch, d_in)``.
+        """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
+        return encode_and_pre_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
+                                   self.hook_sae_acts_pre, self.hook_sae_acts_post)
 
     def decode(self, acts: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_out"]:
         """``acts W_dec + b_dec`` (no skip path, no hook)."""
