@@ -49,6 +49,7 @@ only (the clean pass's too), its weights are copied to the site's device and dro
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -59,6 +60,7 @@ from torch import nn
 from .._placement import offloaded, overflowed, past_range, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, InvokeRowsError, LorsaError, PlacementError, TraceOrderError
+from ..modules.sparse_coder import one_encoder_matmul
 from .nnsight_internals import (
     SPLICE_TAG,
     attach,
@@ -356,7 +358,9 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         diverged = diverged or (error and bool(waiting))
         clean_out = None
         try:
-            with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
+            # an offloaded module: on the site's device for this step only; two passes: one encoder matmul (of a
+            # sparse coder, on the same unedited input) for both
+            with resident(module, true_out.device), one_encoder_matmul(module) if diverged else nullcontext():
                 if diverged:
                     clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
                 out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace

@@ -42,8 +42,8 @@ from .sparse_coder import (
     check_dtype,
     check_last_dim,
     encode_and_pre_with,
-    encode_with,
     init_dictionary_,
+    shared_pre,
 )
 
 
@@ -136,8 +136,8 @@ class CrossLayerTranscoder(ReplacementModule):
         """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        return encode_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
-                           self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
+        pre = shared_pre(self, x, layer, lambda: affine(x, self.W_enc[layer], self.b_enc[layer]))
+        return self.hook_sae_acts_post[layer](self.activation[layer](self.hook_sae_acts_pre[layer](pre)))
 
     def encode_layer_and_pre(self, x: Float[torch.Tensor, "*batch d_model"],
                              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
