@@ -21,9 +21,8 @@ Needs torch only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -132,14 +131,13 @@ def affine(x: Float[torch.Tensor, "*batch d"], W: Float[torch.Tensor, "d e"],
     return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
 
 
-#: set on a sparse coder or CLT (its ``__dict__``) by :func:`one_encoder_matmul` while a splice runs two passes
+#: set on a sparse coder or CLT (its ``__dict__``) by :func:`share_encoder_matmul` while a splice runs two passes
 _MEMO = "_encoder_memo"
 
 
-@contextlib.contextmanager
-def one_encoder_matmul(module: nn.Module) -> Iterator[None]:
-    """Within: ``module``'s encoder matmul ``x W_enc + b_enc`` is computed once per input and shared (a sparse coder
-    or a CLT; any other module: no effect).
+def share_encoder_matmul(module: nn.Module) -> bool:
+    """From now until :func:`end_encoder_matmul`: ``module``'s encoder matmul ``x W_enc + b_enc`` is computed once
+    per input and shared (a sparse coder or a CLT; any other module, or one already sharing: no effect, False).
 
     A splice with ``error=True`` whose module's internals may be edited runs the module twice at a site, its clean
     pass (stood down) and its live pass, on the same input: the second gets a copy of the first's pre-activation
@@ -147,15 +145,17 @@ def one_encoder_matmul(module: nn.Module) -> Iterator[None]:
     object, unmodified since: its version counter), every parameter and buffer of ``module`` the same and unmodified,
     the same grad mode and, for a CLT, the same layer; anything else (an input the trace replaced or edited in
     place, a weight edited) computes its own. The copy (``clone``) keeps the autograd graph of the one matmul and
-    leaves the first pass's tensor untouched by the second's edits (of ``hook_sae_acts_pre``)."""
+    leaves the first pass's tensor untouched by the second's edits (of ``hook_sae_acts_pre``). Two plain calls, not
+    a context manager: the splice's code travels to NDIF by value, whose unpickling refuses ``contextlib``."""
     if not hasattr(module, "W_enc") or _MEMO in module.__dict__:
-        yield
-        return
+        return False
     module.__dict__[_MEMO] = []
-    try:
-        yield
-    finally:
-        module.__dict__.pop(_MEMO, None)
+    return True
+
+
+def end_encoder_matmul(module: nn.Module) -> None:
+    """Ends :func:`share_encoder_matmul` (drops the kept pre-activations)."""
+    module.__dict__.pop(_MEMO, None)
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
@@ -167,7 +167,7 @@ def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
 
 def shared_pre(owner: nn.Module, x: torch.Tensor, tag: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``compute()`` (``owner``'s encoder matmul of ``x``; ``tag``: a CLT's layer), or a copy of the same
-    computation's result made earlier inside :func:`one_encoder_matmul`."""
+    computation's result made earlier since :func:`share_encoder_matmul`."""
     memo = owner.__dict__.get(_MEMO)
     if memo is None:
         return compute()

@@ -4,10 +4,10 @@ With ``error=True`` and its internals read or edited in the trace, the splice ru
 clean pass (stood down: the error term subtracts it) and its live pass (edits applied), on the same input. Both
 computed ``x W_enc + b_enc``: two ``(tokens, d_in) × (d_in, d_sae)`` matmuls where the module's forward does one
 (the attribution of a traced pass reads the features: every traced graph paid it). The live pass now gets a copy of
-the clean pass's pre-activation when it is the same computation (``modules.sparse_coder.one_encoder_matmul``): same
+the clean pass's pre-activation when it is the same computation (``modules.sparse_coder.share_encoder_matmul``): same
 input tensor, unmodified, same weights. Counted against one module forward; the outputs are the former ones bit for
 bit, with edits of the features, of the pre-activations and of the module's input (replaced or in place)
-(``one_encoder_matmul`` switched off gives the former computation).
+(``share_encoder_matmul`` switched off gives the former computation).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _run(model, replace, module, kind: str, edit: str) -> torch.Tensor:  # type:
 def test_the_outputs_are_the_former_ones_bit_for_bit(kind: str, edit: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model, replace, module = _setup(kind)
     now = _run(model, replace, module, kind, edit)
-    monkeypatch.setattr(splice_chain_module, "one_encoder_matmul", lambda m: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(splice_chain_module, "share_encoder_matmul", lambda m: False)
     before = _run(model, replace, module, kind, edit)
     assert torch.equal(now, before), (kind, edit, float((now - before).abs().max()))
     plain = _run(model, replace, module, kind, "read")  # every edit changes the logits (the edit ran)
