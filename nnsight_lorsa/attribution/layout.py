@@ -19,7 +19,6 @@ from .._placement import resident, to_module
 from .._repr import FieldsRepr
 from ..envoy.targets import Feature, LorsaHead, Target
 from ..errors import ConfigMismatchError
-from ..modules.sparse_coder import affine
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 from .logit_targets import TOP_LOGITS, LogitTargets, target_logits
 
@@ -292,9 +291,12 @@ def build_layout(
                 traced = live is not None and layer in live.tc_acts
                 with resident(owner, x.device):
                     xm = to_module(x, owner)
-                    encoded = tc.encode(xm)[0]
-                    # a traced pass: the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets)
-                    pre = affine(tc.encoder_input(xm), tc.W_enc, tc.b_enc)[0] if traced else None
+                    if traced:  # also the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets),
+                        # from the same encoder matmul as the features
+                        both = tc.encode_and_pre(xm)
+                        encoded, pre = both[0][0], both[1][0]
+                    else:
+                        encoded, pre = tc.encode(xm)[0], None
                 acts = live.tc_acts[layer] if live is not None and traced else encoded
                 kept = (torch.arange(n_pos, device=acts.device) >= zero_positions)[:, None]
                 acts = acts * kept

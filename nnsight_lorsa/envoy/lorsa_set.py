@@ -229,11 +229,19 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 # the layer's window is the MHSA's, not the Lorsa's. The model's mask carries the window (and, in
                 # a generation, covers only the sliding cache's keys), so only which positions are tokens is
                 # read from it, each call's own positions, kept for the later steps in state["tokens"]
+                # whether to pass the tokens is decided on the host (reading them would stall the host on a
+                # GPU, once per forward per sliding layer): plain causal while the model's own masks were None (no
+                # padding, the SDPA / flash-attention paths: known on the host), else the (batch, keys) tokens as a
+                # key-padding mask, padding or not (an eager model's mask is always a tensor; on full-attention
+                # layers the Lorsa takes that mask likewise). An all-True key-padding mask is plain causal: the same
+                # SDPA outputs bit for bit on the CPU (tests/modules/test_lorsa_mask_paths.py), docs/nnsight.md
+                plain = mask is None and (past_len == 0 or state.get("plain", False))
+                state["plain"] = plain
                 tokens = _own_tokens(mask, x.shape[0], x.shape[1], x.device)
                 if past_len:  # the checks above: the earlier calls of this run set state["tokens"] (>= past_len)
                     tokens = torch.cat([state["tokens"][:, :past_len], tokens], 1)
                 state["tokens"] = tokens
-                mask = None if bool(tokens.all()) else tokens  # (batch, keys) key padding, or plain causal
+                mask = None if plain else tokens  # plain causal, or (batch, keys) key padding
             if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
                 raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
                                  f"{past_len} cached + {x.shape[1]} new positions")

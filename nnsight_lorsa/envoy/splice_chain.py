@@ -59,6 +59,7 @@ from torch import nn
 from .._placement import offloaded, overflowed, past_range, place, resident
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, InvokeRowsError, LorsaError, PlacementError, TraceOrderError
+from ..modules.sparse_coder import end_encoder_matmul, share_encoder_matmul
 from .nnsight_internals import (
     SPLICE_TAG,
     attach,
@@ -357,9 +358,16 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         clean_out = None
         try:
             with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
-                if diverged:
-                    clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out, clean))
-                out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+                # two passes: one encoder matmul (of a sparse coder, on the same unedited input) for both
+                shared = diverged and share_encoder_matmul(module)
+                try:
+                    if diverged:
+                        clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out,
+                                                                    clean))
+                    out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
+                finally:
+                    if shared:
+                        end_encoder_matmul(module)
         except PlacementError as e:  # e.g. an input past an fp16 module's range (to_module): name the site
             raise PlacementError(f"at {chain.site_paths[i]}: {e}") from e
         what = f"at {chain.site_paths[i]}: the {type(module).__name__}'s output ({out.dtype})"

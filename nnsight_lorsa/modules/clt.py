@@ -36,7 +36,15 @@ from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
 from .hook_point import HookPoint
 from .replacement_module import ReplacementModule
-from .sparse_coder import SparseCoderConfig, affine, check_dtype, check_last_dim, encode_with, init_dictionary_
+from .sparse_coder import (
+    SparseCoderConfig,
+    affine,
+    check_dtype,
+    check_last_dim,
+    encode_and_pre_with,
+    init_dictionary_,
+    shared_pre,
+)
 
 
 @dataclass(kw_only=True, repr=False)
@@ -128,8 +136,16 @@ class CrossLayerTranscoder(ReplacementModule):
         """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        return encode_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
-                           self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
+        pre = shared_pre(self, x, layer, lambda: affine(x, self.W_enc[layer], self.b_enc[layer]))
+        return self.hook_sae_acts_post[layer](self.activation[layer](self.hook_sae_acts_pre[layer](pre)))
+
+    def encode_layer_and_pre(self, x: Float[torch.Tensor, "*batch d_model"],
+                             layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(encode_layer(x, layer), x W_enc[layer] + b_enc[layer])`` from one encoder matmul."""
+        self._check_layer(layer)
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
+        return encode_and_pre_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
+                                   self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
 
     def decode_layer(self, acts: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
         """``Σ_{l ≤ layer} acts[l] W_dec_l[:, layer − l] + b_dec[layer]``: ``(*batch, d_model)``.
@@ -252,6 +268,10 @@ class CLTLayer(ReplacementModule):
     def encode(self, x: Float[torch.Tensor, "*batch d_model"]) -> Float[torch.Tensor, "*batch d_sae"]:
         """``(*batch, d_sae)`` layer ``layer``'s features (the CLT's own encoder, activation included)."""
         return self.clt.encode_layer(x, self.layer)
+
+    def encode_and_pre(self, x: Float[torch.Tensor, "*batch d_model"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(encode(x), x W_enc + b_enc)`` from one encoder matmul (``CrossLayerTranscoder.encode_layer_and_pre``)."""
+        return self.clt.encode_layer_and_pre(x, self.layer)
 
     def skip(self, x: torch.Tensor, *, constant_weights: bool = False) -> torch.Tensor | None:
         """The skip path of MLP ``layer`` (None without one; ``constant_weights``: ``W_skip`` detached, the gradient

@@ -22,6 +22,7 @@ Needs torch only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -130,10 +131,75 @@ def affine(x: Float[torch.Tensor, "*batch d"], W: Float[torch.Tensor, "d e"],
     return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
 
 
+#: set on a sparse coder or CLT (its ``__dict__``) by :func:`share_encoder_matmul` while a splice runs two passes
+_MEMO = "_encoder_memo"
+
+
+def share_encoder_matmul(module: nn.Module) -> bool:
+    """From now until :func:`end_encoder_matmul`: ``module``'s encoder matmul ``x W_enc + b_enc`` is computed once
+    per input and shared (a sparse coder or a CLT; any other module, or one already sharing: no effect, False).
+
+    A splice with ``error=True`` whose module's internals may be edited runs the module twice at a site, its clean
+    pass (stood down) and its live pass, on the same input: the second gets a copy of the first's pre-activation
+    instead of the matmul again. Shared only when it is the same computation: the same input tensor (the same
+    object, unmodified since: its version counter), every parameter and buffer of ``module`` the same and unmodified,
+    the same grad mode and, for a CLT, the same layer; anything else (an input the trace replaced or edited in
+    place, a weight edited) computes its own. The copy (``clone``) keeps the autograd graph of the one matmul and
+    leaves the first pass's tensor untouched by the second's edits (of ``hook_sae_acts_pre``). Two plain calls, not
+    a context manager: the splice's code travels to NDIF by value, whose unpickling refuses ``contextlib``."""
+    if not hasattr(module, "W_enc") or _MEMO in module.__dict__:
+        return False
+    module.__dict__[_MEMO] = []
+    return True
+
+
+def end_encoder_matmul(module: nn.Module) -> None:
+    """Ends :func:`share_encoder_matmul` (drops the kept pre-activations)."""
+    module.__dict__.pop(_MEMO, None)
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
+    """Each tensor's version counter (None: an inference tensor among them, which keeps none)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return [t._version for t in tensors]
+
+
+def shared_pre(owner: nn.Module, x: torch.Tensor, tag: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``compute()`` (``owner``'s encoder matmul of ``x``; ``tag``: a CLT's layer), or a copy of the same
+    computation's result made earlier since :func:`share_encoder_matmul`."""
+    memo = owner.__dict__.get(_MEMO)
+    if memo is None:
+        return compute()
+    state = [x, *owner.parameters(), *owner.buffers()]
+    versions = _versions(state)
+    if versions is None:
+        return compute()
+    grad = torch.is_grad_enabled()
+    for m_tag, m_grad, m_state, m_versions, pre, pre_version in memo:
+        if (m_tag == tag and m_grad == grad and len(m_state) == len(state)
+                and all(a is b for a, b in zip(m_state, state, strict=True)) and m_versions == versions
+                and pre._version == pre_version):
+            return pre.clone()
+    pre = compute()
+    if not pre.is_inference():
+        memo.append((tag, grad, state, versions, pre, pre._version))
+    return pre
+
+
 def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"], b_enc: Float[torch.Tensor, " f"],
                 activation: nn.Module, hook_pre: nn.Module, hook_post: nn.Module) -> Float[torch.Tensor, "*batch f"]:
     """``hook_post(σ(hook_pre(x W_enc + b_enc)))``: the encoder of every sparse coder."""
     return hook_post(activation(hook_pre(affine(x, W_enc, b_enc))))
+
+
+def encode_and_pre_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"],
+                        b_enc: Float[torch.Tensor, " f"], activation: nn.Module, hook_pre: nn.Module,
+                        hook_post: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(encode_with(...), x W_enc + b_enc)`` from ONE encoder matmul: the features and the pre-activation the
+    matmul gave (before ``hook_pre``; the hook points are identities and no activation writes its input)."""
+    pre = affine(x, W_enc, b_enc)
+    return hook_post(activation(hook_pre(pre))), pre
 
 
 @torch.no_grad()
@@ -223,8 +289,19 @@ class SparseCoder(ReplacementModule):
             ShapeError: ``x`` is not ``(*batch, d_in)``.
         """
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        return encode_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
-                           self.hook_sae_acts_pre, self.hook_sae_acts_post)
+        pre = shared_pre(self, x, 0, lambda: affine(self.encoder_input(x), self.W_enc, self.b_enc))
+        return self.hook_sae_acts_post(self.activation(self.hook_sae_acts_pre(pre)))
+
+    def encode_and_pre(self, x: Float[torch.Tensor, "*batch d_in"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(encode(x), encoder_input(x) W_enc + b_enc)``: the features and their pre-activations from one encoder
+        matmul (the attribution layout of a traced pass needs both; two calls computed the matmul twice).
+
+        Raises:
+            ShapeError: ``x`` is not ``(*batch, d_in)``.
+        """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
+        return encode_and_pre_with(self.encoder_input(x), self.W_enc, self.b_enc, self.activation,
+                                   self.hook_sae_acts_pre, self.hook_sae_acts_post)
 
     def decode(self, acts: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_out"]:
         """``acts W_dec + b_dec`` (no skip path, no hook)."""

@@ -150,3 +150,26 @@ def test_the_tokens_of_a_call_are_read_from_any_sliding_mask(lengths, side, wind
     got = _own_tokens(mask, len(lengths), q, torch.device("cpu"))
     assert torch.equal(got, mask2d[:, past:].bool())
     assert torch.equal(_own_tokens(None, 2, q, torch.device("cpu")), torch.ones(2, q, dtype=torch.bool))
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=st.sampled_from(CASES), lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3),
+       padded=st.booleans(), side=st.sampled_from(["left", "right"]), error=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_traced_lorsa_on_a_sliding_layer_has_the_bits_it_had_when_the_host_read_the_tokens(
+        case, lengths, padded, side, error, seed):
+    """The splice no longer reads whether the batch has padding (it passes the tokens as a key-padding mask whenever
+    the model's mask is a tensor): the Lorsa's output is, bit for bit on the CPU, the module's on what the splice
+    passed it before — no mask (plain causal) for a batch without padding, the ``(batch, pos)`` tokens otherwise."""
+    model, adapter, lorsas = setup(*case)
+    layer = case[2]
+    ids, mask = batch(lengths if padded else [max(lengths)] * len(lengths), side, seed)
+    with torch.no_grad(), model.trace(ids, attention_mask=mask):
+        site = lorsas.replace(layer, error=error)
+        args, kwargs = model.get(adapter.attention_path(layer)).inputs
+        x = nnsight.save(adapter.attention_input(args, kwargs))
+        positions = nnsight.save(adapter.attention_positions(args, kwargs, x))
+        out = site.hook_out.output.save()
+    with torch.no_grad():
+        before = lorsas[layer](x, positions, mask.bool() if not bool(mask.all()) else None)
+    assert torch.equal(out, before), (case, lengths, padded, side)

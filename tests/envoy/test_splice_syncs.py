@@ -189,3 +189,42 @@ def test_edit_of_an_fp16_model_checks_a_host_value_on_the_host(edit: str) -> Non
         model.output.save()
     assert spy.reads == [], f"device-to-host reads in a {edit} of an fp16 model: {spy.reads}"
     assert len(spy.copies) == len(plain.copies) + 1, spy.copies
+
+
+@pytest.mark.usefixtures("meta_modules")
+@pytest.mark.parametrize("error", [False, True])
+@pytest.mark.parametrize("seq", [3, 10])
+def test_a_lorsa_on_a_sliding_layer_syncs_nothing(seq: int, error: bool) -> None:
+    """Gemma-2 (eager: every layer's mask a tensor), Lorsas on sliding layers 0 and 2 and full layer 1, a prompt
+    shorter / longer than the window: was one read per sliding layer per forward (``bool(tokens.all())``)."""
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    assert [adapter.sliding_window(layer) for layer in range(3)] == [4, None, 4]
+    s = LorsaSet(model, {layer: make_lorsa(hf, adapter, layer) for layer in range(3)})
+    hf.to("meta")
+    for layer in range(3):
+        s[layer].to("meta")
+    ids = random_ids(seq=seq).to("meta")
+    plain = _plain(model, ids)
+    with torch.no_grad(), sync_spy() as spy, model.trace(ids):
+        s.replace(error=error)
+        model.output.save()
+    assert spy.reads == plain.reads == [], f"device-to-host reads with Lorsas on sliding layers: {spy.reads}"
+    assert len(spy.copies) == len(plain.copies), spy.copies
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_lorsa_on_a_sliding_layer_reads_nothing_back_in_generate(padded: bool) -> None:
+    model, hf = tiny_nnsight("gemma2")
+    adapter = get_adapter(model)
+    s = LorsaSet(model, {layer: make_lorsa(hf, adapter, layer) for layer in range(3)})
+    ids = random_ids(seq=6)
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[0, :2], mask[0, :2] = 1, 0
+    with torch.no_grad(), sync_spy(host_reads_anywhere=True) as spy, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with model.generate({"input_ids": ids, "attention_mask": mask}, max_new_tokens=5, do_sample=False,
+                            pad_token_id=1):
+            s.replace()
+    assert spy.reads == [], f"reads by nnsight_lorsa's code in generate with Lorsas on sliding layers: {spy.reads}"
