@@ -55,6 +55,7 @@ from .frozen import (
     z_pre,
 )
 from .layout import Layout
+from .offload import LORSA_OV, coder_site_leave
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -187,15 +188,15 @@ class FrozenReplacement:
             keep = self.keeps(owner, key)
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype, copies) == "grid":
                 slots = self.slots(slot_key, pos)
-                with torch.no_grad():  # the active nodes' rows, gathered where W is (kept: on the site's device,
-                    # from one copy of W), then moved to the site
-                    src = fetch(W.detach(), like.device) if keep else W.detach()
-                    self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(src, idx.to(src.device)), like)))
-            elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered on the site's device from one
-                # non_blocking copy of the (pinned) weight, once; every pass reads them in place
+                with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site (kept,
+                    # offloaded: only the rows copied — :func:`.offload.offload_terms`'s fetch, not the whole of W)
+                    src = take_rows(W.detach(), idx.to(W.device))
+                    self._nodes[key] = GridNodes(slots, slots.grid(on(fetch(src, like.device) if keep else src, like)))
+            elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered where the (pinned) weight is and
+                # copied to the site's device, once (not the whole weight); every pass reads them in place
                 rows, at = torch.unique(idx.to(like.device), return_inverse=True)
                 with torch.no_grad():
-                    sub = take_rows(fetch(W.detach(), like.device), rows)
+                    sub = fetch(take_rows(W.detach(), rows.to(W.device)), like.device)
                 self.device_rows[key] = sub.numel() * sub.element_size()
                 self._nodes[key] = GatheredNodes(sub, at, pos, self.layout.n_pos, like.dtype)
             elif W.device == like.device:  # W is read in every pass, where it is
@@ -312,11 +313,12 @@ class FrozenReplacement:
         W_V = lorsa.W_V
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
-        # the active OV heads' W_V rows: offloaded with the rows kept, gathered on the site's device once (from one
-        # copy of the pinned W_V); else where W_V is, or elsewhere (offloaded): kept there (pinned), copied per pass
+        # the active OV heads' W_V rows: offloaded with the rows kept, gathered where the pinned W_V is and copied to
+        # the site's device once (only those rows); else where W_V is, or elsewhere (offloaded): kept there
+        # (pinned), copied per pass
         if self.keeps(lorsa, f"L{layer}.lorsa.w_v"):
             with torch.no_grad():
-                w_v = on(take_rows(fetch(W_V.detach(), x.device), uniq), x)
+                w_v = on(fetch(take_rows(W_V.detach(), at), x.device), x)
             self.device_rows[f"L{layer}.lorsa.w_v"] = w_v.numel() * w_v.element_size()
         else:
             w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])
@@ -328,7 +330,8 @@ class FrozenReplacement:
 
         def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
             if not once:  # q and k from one call (an offloaded Lorsa: one copy of its weights)
-                with resident(lorsa, x.device):  # offloaded: its weights on the site's device for this call only
+                # offloaded: its q/k weights (not its OV circuit's) on the site's device for this call only
+                with resident(lorsa, x.device, LORSA_OV):
                     xm = to_module(x[:1], lorsa)
                     q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
                 once.append((q_.to(x.device), k_.to(x.device)))
@@ -341,7 +344,7 @@ class FrozenReplacement:
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
-            with resident(lorsa, x.device):
+            with resident(lorsa, x.device, LORSA_OV):  # offloaded: its q/k weights on the site's device
                 xm = to_module(x[:1], lorsa)
                 pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
             return pattern.to(x.device)[0, group, pos][None]
@@ -368,7 +371,8 @@ class FrozenReplacement:
         read = x if lay.tc_reads == "mlp" else self._reads.pop(layer).to(x.device)
         n = lay.tc_pos.numel()
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
-        with resident(owner, x.device):  # offloaded: on the site's device for these calls
+        # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes)
+        with resident(owner, x.device, coder_site_leave(owner)):
             xm = to_module(read, owner)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)

@@ -13,6 +13,7 @@ blocks on synthetic and real estimates; the ``gpu`` case measures the device pea
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -189,7 +190,9 @@ def test_estimate_counts_one_offloaded_module_at_a_time_not_all(kind):
     off = estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"})
     t = off.terms
     sizes = [module_bytes(m) for m in modules_of(rep)]
-    assert t["offload_fetch"] == max(sizes) and t["offload_rows"] > 0
+    # the largest fetch the frozen pass makes (a Lorsa without its OV circuit, a transcoder without its encoder and
+    # decoders: test_offload_fetch_term_is_the_largest_copy_the_frozen_pass_makes), the whole module until 2026-11-27
+    assert 0 < t["offload_fetch"] < max(sizes) and t["offload_rows"] > 0
     assert off.device_bytes == resident.device_bytes + t["offload_fetch"] + t["offload_rows"]
     assert off.device_bytes < resident.device_bytes + sum(sizes)
     assert resident.terms["offload_fetch"] == resident.terms["offload_rows"] == 0
@@ -397,7 +400,60 @@ def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory,
     assert terms["device"]["offload_rows"] == sum(frozen.device_rows.values()) + skips
     host, kept = terms["host"]["offload_rows"], terms["device"]["offload_rows"]
     assert skips < host <= kept and (host < kept) == (memory == "lean")  # lean: every site's rows, not the largest
-    assert terms["device"]["offload_fetch"] == terms["host"]["offload_fetch"] == max(map(module_bytes, modules_of(off)))
+    assert terms["device"]["offload_fetch"] == terms["host"]["offload_fetch"] < max(map(module_bytes, modules_of(off)))
+
+
+def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
+    """``fetch`` made a real copy; returns ``(file, bytes)`` of every ``resident`` block of an offloaded module: the
+    file its ``with`` is in and the bytes its copies took."""
+    blocks: list[tuple[str, int]] = []
+    current: list[int] = []
+    enter = placement.resident.__enter__
+
+    def fetch(t, device):
+        c = t.to(device).clone()
+        if current:
+            current[-1] += c.numel() * c.element_size()
+        return c
+
+    def spying_enter(res):
+        caller = sys._getframe(1).f_code.co_filename
+        current.append(0)
+        try:
+            return enter(res)
+        finally:
+            n = current.pop()
+            if placement.offloaded(res.module):
+                blocks.append((caller, n))
+
+    monkeypatch.setattr(placement, "fetch", fetch)
+    monkeypatch.setattr("nnsight_lorsa.attribution.replacement.fetch", fetch)
+    monkeypatch.setattr(placement.resident, "__enter__", spying_enter)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+@pytest.mark.parametrize("qk", [False, True])
+def test_offload_fetch_term_is_the_largest_copy_the_frozen_pass_makes(kind, memory, qk, monkeypatch):
+    """``offload_fetch`` equals, byte for byte, the largest copy a ``resident`` block of the frozen pass makes (spied
+    on ``fetch``): a Lorsa's queries and keys copy all but its OV circuit, a transcoder's MLP site all but its
+    encoder and decoders — less than the largest module (copied whole until 2026-11-27; the clean pass's forwards,
+    before the frozen pass, still copy what they read); the graph is the resident modules' bit for bit."""
+    rep = bundle(kind)
+    ids = PROMPTS[1]
+    extra = {"qk_heads": 2} if qk else {}
+    ref = attribute(rep, ids, batch_size=8, memory=memory, **extra)
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    blocks = fetch_blocks(monkeypatch)
+    g = attribute(off, ids, batch_size=8, memory=memory, **extra)
+    assert_identical(g, ref, f"{kind} {memory} qk={qk}")
+    assert set(g.qk) == set(ref.qk) and all(torch.equal(g.qk[k], ref.qk[k]) for k in g.qk)
+    frozen = [n for f, n in blocks if not f.endswith("layout.py")]
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory=memory))
+    t = estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"}).terms
+    assert frozen and t["offload_fetch"] == max(frozen), (t["offload_fetch"], blocks)
+    assert t["offload_fetch"] < max(map(module_bytes, modules_of(off)))
 
 
 def _estimate(per_copy: int, shared: int, batch: int) -> MemoryEstimate:
