@@ -106,8 +106,8 @@ class FrozenReplacement:
             in it (:func:`copies_in`, :func:`weights_in`).
         offload_rows: where the active nodes' rows of *offloaded* modules live (:data:`.offload.RowsPlace`;
             :func:`.offload.rows_placement` decides it per call): ``"host"`` (gathered on the host, kept there pinned
-            and copied to the site's device for each pass only), ``"device"`` (gathered once on the site's device,
-            from one ``non_blocking`` copy of the pinned weight, and read in place by every pass; their bytes in
+            and copied to the site's device for each pass only), ``"device"`` (gathered once where the pinned weight
+            is, the rows alone copied to the site's device, and read in place by every pass; their bytes in
             :attr:`device_rows`), or a collection of block keys (:func:`.offload.offload_blocks`: e.g.
             ``"L3.lorsa.w_v"``, ``"L0.tc.w_dec->2"``): those kept on the device, the rest on the host. Modules that
             are not offloaded are read as they are either way.
@@ -329,7 +329,7 @@ class FrozenReplacement:
         once: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
-            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its weights)
+            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its q/k weights)
                 # offloaded: its q/k weights (not its OV circuit's) on the site's device for this call only
                 with resident(lorsa, x.device, LORSA_OV):
                     xm = to_module(x[:1], lorsa)
