@@ -8,7 +8,8 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   transcoder's skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a
   cross-layer transcoder: every layer's ``W_skip``) — the largest such copy
   (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident`` copies; the whole module until
-  2026-11-27). The clean pass's forwards (:func:`.layout.build_layout`) run before the frozen pass, not at its peak;
+  2026-11-27), or the whole weight a kept row block is gathered from (:func:`block_sources`), whichever is larger.
+  The clean pass's forwards (:func:`.layout.build_layout`) run before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
@@ -16,8 +17,8 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   linear in the residual stream, so the backward keeps it on the device). Where the rows live is decided per call,
   block by block (:func:`rows_placement`, :func:`offload_blocks`, ``Graph.meta["offload_rows"]``):
 
-  - a *kept* block is gathered on the host and its rows alone copied to the device once (the whole weight was
-    copied and gathered there until 2026-11-27), read in place by every pass;
+  - a *kept* block is gathered on the device once, from one ``non_blocking`` copy of the pinned weight, dropped
+    after the gather (within *fetch*: :func:`block_sources`), and read in place by every pass;
   - any other is gathered on the host, kept there pinned, and copied to the device for each pass of its site only
     (:func:`.frozen.streamed_linear`, :func:`.frozen.gather_write` / :func:`.frozen.gather_read`);
 
@@ -222,7 +223,29 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's
     if blocks is None:
         blocks = offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=itemsize)
-    return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept_keys(blocks, rows)) + skips}
+    kept = kept_keys(blocks, rows)
+    if kept:  # a kept block is gathered on the device from one transient copy of its whole weight
+        sources = block_sources(layout)
+        fetch = max([fetch, *(sources[key] for key in kept)])
+    return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept) + skips}
+
+
+def block_sources(layout: Layout) -> dict[str, int]:
+    """``{block key: bytes}`` of the whole weight each offloaded row block of :func:`offload_blocks` is gathered from
+    (a Lorsa's ``W_O`` / ``W_V``, a transcoder's ``W_enc``, each decoder): a kept block's rows are gathered on the
+    device from one copy of it (:meth:`.replacement.FrozenReplacement.nodes`), there while the gather runs."""
+    out: dict[str, int] = {}
+    by_layer = {lay.layer: lay for lay in layout.layers}
+    for lay in layout.layers:
+        if lay.lorsa is not None:
+            out[f"L{lay.layer}.lorsa.w_o"] = _bytes(lay.lorsa.W_O)
+            out[f"L{lay.layer}.lorsa.w_v"] = _bytes(lay.lorsa.W_V)
+        if lay.transcoder is not None:
+            out[f"L{lay.layer}.tc.w_enc"] = _bytes(lay.transcoder.W_enc)
+            for target, w_dec in lay.transcoder.decoders(lay.layer).items():
+                if target in by_layer:
+                    out[f"L{lay.layer}.tc.w_dec->{target}"] = _bytes(w_dec)
+    return out
 
 
 def device_free_bytes(device: torch.device) -> int | None:

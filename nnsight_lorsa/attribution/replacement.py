@@ -192,11 +192,13 @@ class FrozenReplacement:
                     # offloaded: only the rows copied — :func:`.offload.offload_terms`'s fetch, not the whole of W)
                     src = take_rows(W.detach(), idx.to(W.device))
                     self._nodes[key] = GridNodes(slots, slots.grid(on(fetch(src, like.device) if keep else src, like)))
-            elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered where the (pinned) weight is and
-                # copied to the site's device, once (not the whole weight); every pass reads them in place
+            elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered on the site's device from one
+                # non_blocking copy of the (pinned) weight, once (a host gather of up to the whole weight, and its
+                # unpinned copy, is what made the frozen forward slow on an H200: docs/attribution.md); every pass
+                # reads them in place. The weight's copy is transient: :func:`.offload.offload_terms`'s fetch
                 rows, at = torch.unique(idx.to(like.device), return_inverse=True)
                 with torch.no_grad():
-                    sub = fetch(take_rows(W.detach(), rows.to(W.device)), like.device)
+                    sub = take_rows(fetch(W.detach(), like.device), rows)
                 self.device_rows[key] = sub.numel() * sub.element_size()
                 self._nodes[key] = GatheredNodes(sub, at, pos, self.layout.n_pos, like.dtype)
             elif W.device == like.device:  # W is read in every pass, where it is
@@ -313,12 +315,12 @@ class FrozenReplacement:
         W_V = lorsa.W_V
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
-        # the active OV heads' W_V rows: offloaded with the rows kept, gathered where the pinned W_V is and copied to
-        # the site's device once (only those rows); else where W_V is, or elsewhere (offloaded): kept there
+        # the active OV heads' W_V rows: offloaded with the rows kept, gathered on the site's device once (from one
+        # non_blocking copy of the pinned W_V, transient); else where W_V is, or elsewhere (offloaded): kept there
         # (pinned), copied per pass
         if self.keeps(lorsa, f"L{layer}.lorsa.w_v"):
             with torch.no_grad():
-                w_v = on(fetch(take_rows(W_V.detach(), at), x.device), x)
+                w_v = on(take_rows(fetch(W_V.detach(), x.device), uniq), x)
             self.device_rows[f"L{layer}.lorsa.w_v"] = w_v.numel() * w_v.element_size()
         else:
             w_v = on(W_V[at], x) if W_V.device == x.device else pinned(W_V.detach()[at])

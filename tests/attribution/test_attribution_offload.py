@@ -389,6 +389,7 @@ def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory,
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
     force_rows(monkeypatch, "device")
     made = frozen_instances(monkeypatch)
+    weights = kept_weight_copies(monkeypatch, off)
     attribute(off, ids, batch_size=8, memory=memory)
     (frozen,) = made
     layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory=memory))
@@ -400,7 +401,27 @@ def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory,
     assert terms["device"]["offload_rows"] == sum(frozen.device_rows.values()) + skips
     host, kept = terms["host"]["offload_rows"], terms["device"]["offload_rows"]
     assert skips < host <= kept and (host < kept) == (memory == "lean")  # lean: every site's rows, not the largest
-    assert terms["device"]["offload_fetch"] == terms["host"]["offload_fetch"] < max(map(module_bytes, modules_of(off)))
+    # kept rows are gathered on the device from one transient copy of their whole weight: the fetch term is the
+    # largest of those and of the resident blocks' copies (the host variant's term), byte for byte
+    assert weights and terms["device"]["offload_fetch"] == max(terms["host"]["offload_fetch"], max(weights))
+    assert terms["host"]["offload_fetch"] < max(map(module_bytes, modules_of(off)))
+
+
+def kept_weight_copies(monkeypatch, replacement_model) -> list[int]:
+    """Bytes of every whole offloaded weight (or a view of one) the frozen pass copies to gather kept rows from
+    (``replacement.fetch`` of a tensor on an offloaded parameter's storage; a real copy)."""
+    import nnsight_lorsa.attribution.replacement as replacement
+
+    storages = {p.untyped_storage().data_ptr() for m in modules_of(replacement_model) for p in m.parameters()}
+    copies: list[int] = []
+
+    def fetch(t, device):
+        if t.untyped_storage().data_ptr() in storages:
+            copies.append(t.numel() * t.element_size())
+        return t.to(device).clone()
+
+    monkeypatch.setattr(replacement, "fetch", fetch)
+    return copies
 
 
 def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
@@ -714,3 +735,25 @@ def test_offloaded_rows_kept_on_cuda_give_the_resident_graph(device, memory, mon
         assert all(p.device.type == "cpu" for m in modules_of(rep) for p in m.parameters())
         assert torch.equal(g.layout_ids, ref.layout_ids)
         assert float((g.densify() - R).abs().max()) <= 1e-5 * float(R.abs().max()), forced
+
+
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_from(memory, monkeypatch):
+    """With rows kept on the device, each kept block is gathered there from one transient copy of its whole weight
+    (``offload.block_sources``): ``offload_fetch`` is at least the largest of those — with the resident blocks'
+    copies made to count nothing, exactly that largest, and nothing with the rows on the host."""
+    import nnsight_lorsa.attribution.offload as offload
+    from nnsight_lorsa.attribution.offload import block_sources, kept_keys, offload_blocks
+
+    rep = bundle("transcoders")
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    layout, info = layout_for_estimate(off, PROMPTS[1], AttributionOptions(batch_size=8, memory=memory))
+    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(): 0)
+    terms = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"}).terms
+             for rows in ("device", "host")}
+    blocks = offload_blocks(layout, d_model=info["d_model"], node_vectors=info["node_vectors"],
+                            itemsize=info["model_itemsize"])
+    sources = block_sources(layout)
+    kept = kept_keys(blocks, "device")
+    assert kept and terms["host"]["offload_fetch"] == 0
+    assert terms["device"]["offload_fetch"] == max(sources[k] for k in kept) > 0
