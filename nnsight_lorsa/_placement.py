@@ -25,6 +25,7 @@ through its ``weights_owner`` (:class:`~nnsight_lorsa.modules.replacement_module
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -203,6 +204,24 @@ def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=t.is_pinned())
 
 
+def fetched_entries(module: torch.nn.Module, leave: Collection[str] = ()) -> list[tuple[dict, str, torch.Tensor]]:
+    """``(store, name, tensor)`` of every parameter and buffer of ``module`` a :class:`resident` block copies: all
+    but those named in ``leave`` (qualified names) and the ``None`` ones."""
+    out = []
+    for prefix, sub in module.named_modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, t in list(store.items()):
+                if t is not None and (f"{prefix}.{name}" if prefix else name) not in leave:
+                    out.append((store, name, t))
+    return out
+
+
+def fetched_bytes(module: torch.nn.Module, leave: Collection[str] = ()) -> int:
+    """Bytes one ``resident(module, device, leave)`` block copies to ``device`` (each distinct tensor once)."""
+    seen = {id(t): t for _, _, t in fetched_entries(module, leave)}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
 class resident:  # noqa: N801  (a context manager, named for what holds inside it)
     """``with resident(module, device):`` an offloaded ``module``'s parameters and buffers are copies on
     ``device`` (:func:`fetch`) for the block; on exit (also on error) its host tensors are put back and the
@@ -213,10 +232,13 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
     Args:
         module: a replacement module (``nn.Module``; anything else passes through).
         device: the site's device, where the computation runs.
+        leave: qualified names (as ``named_parameters`` / ``named_buffers`` give them: ``"W_V"``,
+            ``"ln_q.w"``) of tensors the block does not use: left where they are, not copied
+            (:func:`fetched_tensors`; a Lorsa's queries and keys need no ``W_V`` / ``W_O``).
     """
 
-    def __init__(self, module: Any, device: torch.device | None) -> None:
-        self.module, self.device = module, device
+    def __init__(self, module: Any, device: torch.device | None, leave: Collection[str] = ()) -> None:
+        self.module, self.device, self.leave = module, device, leave
         self.saved: list[tuple[dict, str, torch.Tensor]] = []
 
     def __enter__(self) -> Any:
@@ -224,14 +246,12 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
         if not offloaded(self.module) or device is None or device.type == "meta":
             return self.module
         copies: dict[int, torch.Tensor] = {}  # a tensor shared by two names (tied weights) is copied once
-        for sub in self.module.modules():
-            for store in (sub._parameters, sub._buffers):
-                for name, t in list(store.items()):
-                    if t is not None:  # on ``device`` already (a CPU model), ``fetch`` returns ``t`` itself
-                        if id(t) not in copies:
-                            copies[id(t)] = fetch(t, device)
-                        self.saved.append((store, name, t))
-                        store[name] = copies[id(t)]
+        for store, name, t in fetched_entries(self.module, self.leave):
+            # on ``device`` already (a CPU model), ``fetch`` returns ``t`` itself
+            if id(t) not in copies:
+                copies[id(t)] = fetch(t, device)
+            self.saved.append((store, name, t))
+            store[name] = copies[id(t)]
         return self.module
 
     def __exit__(self, *exc: Any) -> None:

@@ -25,7 +25,8 @@ per edge:
   vectors on grids ``P·w·d`` per site (``w``: the most nodes at one position; decoder rows, encoder columns, Lorsa
   ``w_o``) while a site's grid fits :data:`.frozen.GRID_BUDGET_BYTES` (else gathered: nothing kept); and, but on
   the fitted GPU path (inside its coefficient), the model's own parts (:func:`frozen_model_bytes`): the logits
-  ``P·vocab`` twice (the model's on one copy, the frozen model's; a third in ``dtype=`` when it is not the model's),
+  ``P·vocab`` once (the frozen model's row 0; a second in ``dtype=`` when it is not the model's) and the model's own
+  unembedding's ``vocab`` (it runs on the last position only; its ``P·vocab`` was counted until 2026-11-27),
   the model's MLP on one copy (``4·P·d_mlp``), every frozen norm's ``scale·γ`` (``2L + 1`` norms, ``4L + 1`` with
   post-attention and post-feedforward norms: the adapter's frozen sites) and every MHSA's ``W_O`` copy, a Lorsa's
   pattern rows on their grid by OV head, and the largest transient of making a constant (a grid's gather, a
@@ -391,10 +392,12 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
                        n_norms: int | None = None,
                        pattern_layers: Collection[int] = ()) -> int:
     """Bytes the frozen pass holds once, whatever the batch, besides its node vectors, patterns and error vectors: the
-    model's own unembedding and MLP run on one prompt copy (the frozen constants) — its ``(P, vocab)`` logits, held
-    while the backward runs inside the unembedding, and the frozen model's (in its dtype, ``itemsize``), broadcast
-    over the batch; the MLP's four ``(P, d_mlp)`` activations while it runs (``model_itemsize``: the model's) —; each
-    frozen norm's fused ``scale·γ`` ``(P, d)``, kept by its product (``n_norms`` of them: the frozen sites' norms,
+    model's own unembedding and MLP run on one prompt copy (the frozen constants) — the frozen model's ``(P, vocab)``
+    logits (row 0's, in the model's dtype, and a copy in the frozen model's, ``itemsize``, where it is another),
+    broadcast over the batch, and the model's own unembedding's ``(1, vocab)``: it runs on the last position only
+    (:func:`.trace.last_position`; its ``(P, vocab)`` logits were counted until 2026-11-27); the MLP's four
+    ``(P, d_mlp)`` activations while it runs (``model_itemsize``: the model's) —; each frozen norm's fused ``scale·γ``
+    ``(P, d)``, kept by its product (``n_norms`` of them: the frozen sites' norms,
     ``4L + 1`` with Gemma-2/3's post-norms; None: ``2L + 1``); each frozen MHSA's ``W_O`` as one
     ``(H·d_head, d)`` matrix, kept by its einsum; with stored patterns each Lorsa's pattern rows on its grid by OV
     head (``(heads, most nodes of one head, P)``); and the largest transient of making a constant: a site's node
@@ -403,7 +406,7 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
     scores and softmax in at least fp32 (every frozen MHSA's with ``store_patterns``, else those of
     ``pattern_layers``)."""
     P = layout.n_pos
-    total = P * vocab * (2 * model_itemsize + (itemsize if itemsize != model_itemsize else 0))
+    total = P * vocab * (model_itemsize + (itemsize if itemsize != model_itemsize else 0)) + vocab * model_itemsize
     norms = 2 * n_layers + 1 if n_norms is None else n_norms
     total += 4 * P * d_mlp * model_itemsize + norms * P * d_model * itemsize
     total += sum((mhsa_widths or {}).get(layer, (d_model, d_model))[0] * d_model * itemsize for layer in mhsa_heads)

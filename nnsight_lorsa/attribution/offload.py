@@ -3,9 +3,13 @@
 
 An offloaded module's weights stay on the host; on the model's device the frozen pass holds
 
-* *fetch*: one module at a time, while it computes (its clean-pass forward, a Lorsa's frozen queries and
-  keys or pattern rows, a transcoder's skip path and encoder input): the largest offloaded module's
-  parameters and buffers (a cross-layer transcoder: all of it);
+* *fetch*: one module at a time, while it computes, only the tensors the frozen pass reads there: a Lorsa's
+  queries and keys or pattern rows, all but its OV circuit (:data:`LORSA_OV`: half of a paper-scale Lorsa); a
+  transcoder's skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a
+  cross-layer transcoder: every layer's ``W_skip``) — the largest such copy
+  (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident`` copies; the whole module until
+  2026-11-27), or the whole weight a kept row block is gathered from (:func:`block_sources`), whichever is larger.
+  The clean pass's forwards (:func:`.layout.build_layout`) run before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
@@ -13,8 +17,8 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   linear in the residual stream, so the backward keeps it on the device). Where the rows live is decided per call,
   block by block (:func:`rows_placement`, :func:`offload_blocks`, ``Graph.meta["offload_rows"]``):
 
-  - a *kept* block is gathered on the device once (from one ``non_blocking`` copy of the pinned weight, dropped
-    after the gather: within *fetch*) and read in place by every pass;
+  - a *kept* block is gathered on the device once, from one ``non_blocking`` copy of the pinned weight, dropped
+    after the gather (within *fetch*: :func:`block_sources`), and read in place by every pass;
   - any other is gathered on the host, kept there pinned, and copied to the device for each pass of its site only
     (:func:`.frozen.streamed_linear`, :func:`.frozen.gather_write` / :func:`.frozen.gather_read`);
 
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._placement import offloaded
+from .._placement import fetched_bytes, offloaded
 from .batch_fit import largest_batch
 from .frozen import choose
 from .layout import Layout
@@ -44,6 +48,21 @@ if TYPE_CHECKING:
 
 def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+LORSA_OV: frozenset[str] = frozenset({"W_V", "b_V", "W_O", "b_D"})
+"""A Lorsa's OV circuit: what its queries and keys (:meth:`~nnsight_lorsa.modules.lorsa.Lorsa.qk`) do not read —
+left on the host when an offloaded Lorsa is fetched for them (``resident(lorsa, device, LORSA_OV)``: half of a
+paper-scale Lorsa; its ``W_V`` rows and ``W_O`` rows reach the device as row blocks, :func:`offload_blocks`)."""
+
+
+def coder_site_leave(owner: torch.nn.Module) -> frozenset[str]:
+    """The tensors of a transcoder (or a cross-layer transcoder, ``owner``) its MLP site in the frozen pass does not
+    read inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
+    ``W_enc`` / ``b_enc``, every decoder ``W_dec…`` and the activation's parameters — their active rows reach the
+    device as row blocks (:func:`offload_blocks`) or per-node constants."""
+    return frozenset(name for name, _ in [*owner.named_parameters(), *owner.named_buffers()]
+                     if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation.")))
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -191,20 +210,42 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
     for lay in layout.layers:
         lorsa = lay.lorsa
         if lorsa is not None and offloaded(lorsa):
-            fetch = max(fetch, module_bytes(lorsa))
+            fetch = max(fetch, fetched_bytes(lorsa, LORSA_OV))
         tc: Any = lay.transcoder
         owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT (counted once)
         if owner is None or not offloaded(owner):
             continue
         if id(owner) not in seen:
             seen.add(id(owner))
-            fetch = max(fetch, module_bytes(owner))
+            fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner)))
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's
     if blocks is None:
         blocks = offload_blocks(layout, d_model=d_model, node_vectors=node_vectors, itemsize=itemsize)
-    return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept_keys(blocks, rows)) + skips}
+    kept = kept_keys(blocks, rows)
+    if kept:  # a kept block is gathered on the device from one transient copy of its whole weight
+        sources = block_sources(layout)
+        fetch = max([fetch, *(sources[key] for key in kept)])
+    return {"offload_fetch": fetch, "offload_rows": rows_cost(blocks, kept) + skips}
+
+
+def block_sources(layout: Layout) -> dict[str, int]:
+    """``{block key: bytes}`` of the whole weight each offloaded row block of :func:`offload_blocks` is gathered from
+    (a Lorsa's ``W_O`` / ``W_V``, a transcoder's ``W_enc``, each decoder): a kept block's rows are gathered on the
+    device from one copy of it (:meth:`.replacement.FrozenReplacement.nodes`), there while the gather runs."""
+    out: dict[str, int] = {}
+    by_layer = {lay.layer: lay for lay in layout.layers}
+    for lay in layout.layers:
+        if lay.lorsa is not None:
+            out[f"L{lay.layer}.lorsa.w_o"] = _bytes(lay.lorsa.W_O)
+            out[f"L{lay.layer}.lorsa.w_v"] = _bytes(lay.lorsa.W_V)
+        if lay.transcoder is not None:
+            out[f"L{lay.layer}.tc.w_enc"] = _bytes(lay.transcoder.W_enc)
+            for target, w_dec in lay.transcoder.decoders(lay.layer).items():
+                if target in by_layer:
+                    out[f"L{lay.layer}.tc.w_dec->{target}"] = _bytes(w_dec)
+    return out
 
 
 def device_free_bytes(device: torch.device) -> int | None:

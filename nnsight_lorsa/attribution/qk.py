@@ -27,6 +27,7 @@ from ..errors import LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
 from .graph import HOST, NodeTable
 from .layout import Layout
+from .offload import LORSA_OV
 from .replacement import FrozenReplacement, first, on
 from .rows import FixedRows
 from .trace import attribute_in_trace, prepare
@@ -89,7 +90,8 @@ class QKFrozenReplacement(FrozenReplacement):
             if probe.layer != layer:
                 continue
             if probe.key_pos < 0:  # the key the head attends to most: from the prompt copy (row 0)
-                with torch.no_grad(), resident(lorsa, x.device):  # where the Lorsa is (offloaded: the site)
+                # where the Lorsa is (offloaded: its q/k weights on the site's device)
+                with torch.no_grad(), resident(lorsa, x.device, LORSA_OV):
                     xm = to_module(x[:1], lorsa)
                     pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
                 probe.key_pos = int(pattern[0, probe.group, probe.query_pos].argmax())

@@ -55,6 +55,7 @@ from .frozen import (
     z_pre,
 )
 from .layout import Layout
+from .offload import LORSA_OV, coder_site_leave
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -105,8 +106,8 @@ class FrozenReplacement:
             in it (:func:`copies_in`, :func:`weights_in`).
         offload_rows: where the active nodes' rows of *offloaded* modules live (:data:`.offload.RowsPlace`;
             :func:`.offload.rows_placement` decides it per call): ``"host"`` (gathered on the host, kept there pinned
-            and copied to the site's device for each pass only), ``"device"`` (gathered once on the site's device,
-            from one ``non_blocking`` copy of the pinned weight, and read in place by every pass; their bytes in
+            and copied to the site's device for each pass only), ``"device"`` (gathered once where the pinned weight
+            is, the rows alone copied to the site's device, and read in place by every pass; their bytes in
             :attr:`device_rows`), or a collection of block keys (:func:`.offload.offload_blocks`: e.g.
             ``"L3.lorsa.w_v"``, ``"L0.tc.w_dec->2"``): those kept on the device, the rest on the host. Modules that
             are not offloaded are read as they are either way.
@@ -187,12 +188,14 @@ class FrozenReplacement:
             keep = self.keeps(owner, key)
             if choose(self.node_vectors, idx.numel(), W.shape[-1], like.dtype, copies) == "grid":
                 slots = self.slots(slot_key, pos)
-                with torch.no_grad():  # the active nodes' rows, gathered where W is (kept: on the site's device,
-                    # from one copy of W), then moved to the site
-                    src = fetch(W.detach(), like.device) if keep else W.detach()
-                    self._nodes[key] = GridNodes(slots, slots.grid(on(take_rows(src, idx.to(src.device)), like)))
+                with torch.no_grad():  # the active nodes' rows, gathered where W is, then moved to the site (kept,
+                    # offloaded: only the rows copied — :func:`.offload.offload_terms`'s fetch, not the whole of W)
+                    src = take_rows(W.detach(), idx.to(W.device))
+                    self._nodes[key] = GridNodes(slots, slots.grid(on(fetch(src, like.device) if keep else src, like)))
             elif keep:  # offloaded, rows kept: the nodes' distinct rows gathered on the site's device from one
-                # non_blocking copy of the (pinned) weight, once; every pass reads them in place
+                # non_blocking copy of the (pinned) weight, once (a host gather of up to the whole weight, and its
+                # unpinned copy, is what made the frozen forward slow on an H200: docs/attribution.md); every pass
+                # reads them in place. The weight's copy is transient: :func:`.offload.offload_terms`'s fetch
                 rows, at = torch.unique(idx.to(like.device), return_inverse=True)
                 with torch.no_grad():
                     sub = take_rows(fetch(W.detach(), like.device), rows)
@@ -313,7 +316,8 @@ class FrozenReplacement:
         at = uniq.to(W_V.device)
         b_v = on(lorsa.b_V[at], x)
         # the active OV heads' W_V rows: offloaded with the rows kept, gathered on the site's device once (from one
-        # copy of the pinned W_V); else where W_V is, or elsewhere (offloaded): kept there (pinned), copied per pass
+        # non_blocking copy of the pinned W_V, transient); else where W_V is, or elsewhere (offloaded): kept there
+        # (pinned), copied per pass
         if self.keeps(lorsa, f"L{layer}.lorsa.w_v"):
             with torch.no_grad():
                 w_v = on(take_rows(fetch(W_V.detach(), x.device), uniq), x)
@@ -327,8 +331,9 @@ class FrozenReplacement:
         once: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def qk() -> tuple[torch.Tensor, torch.Tensor]:  # the Lorsa's own q, k: computed where it is, moved here
-            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its weights)
-                with resident(lorsa, x.device):  # offloaded: its weights on the site's device for this call only
+            if not once:  # q and k from one call (an offloaded Lorsa: one copy of its q/k weights)
+                # offloaded: its q/k weights (not its OV circuit's) on the site's device for this call only
+                with resident(lorsa, x.device, LORSA_OV):
                     xm = to_module(x[:1], lorsa)
                     q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
                 once.append((q_.to(x.device), k_.to(x.device)))
@@ -341,7 +346,7 @@ class FrozenReplacement:
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
-            with resident(lorsa, x.device):
+            with resident(lorsa, x.device, LORSA_OV):  # offloaded: its q/k weights on the site's device
                 xm = to_module(x[:1], lorsa)
                 pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
             return pattern.to(x.device)[0, group, pos][None]
@@ -368,7 +373,8 @@ class FrozenReplacement:
         read = x if lay.tc_reads == "mlp" else self._reads.pop(layer).to(x.device)
         n = lay.tc_pos.numel()
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
-        with resident(owner, x.device):  # offloaded: on the site's device for these calls
+        # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes)
+        with resident(owner, x.device, coder_site_leave(owner)):
             xm = to_module(read, owner)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)

@@ -13,6 +13,7 @@ blocks on synthetic and real estimates; the ``gpu`` case measures the device pea
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -189,7 +190,9 @@ def test_estimate_counts_one_offloaded_module_at_a_time_not_all(kind):
     off = estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"})
     t = off.terms
     sizes = [module_bytes(m) for m in modules_of(rep)]
-    assert t["offload_fetch"] == max(sizes) and t["offload_rows"] > 0
+    # the largest fetch the frozen pass makes (a Lorsa without its OV circuit, a transcoder without its encoder and
+    # decoders: test_offload_fetch_term_is_the_largest_copy_the_frozen_pass_makes), the whole module until 2026-11-27
+    assert 0 < t["offload_fetch"] < max(sizes) and t["offload_rows"] > 0
     assert off.device_bytes == resident.device_bytes + t["offload_fetch"] + t["offload_rows"]
     assert off.device_bytes < resident.device_bytes + sum(sizes)
     assert resident.terms["offload_fetch"] == resident.terms["offload_rows"] == 0
@@ -386,6 +389,7 @@ def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory,
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
     force_rows(monkeypatch, "device")
     made = frozen_instances(monkeypatch)
+    weights = kept_weight_copies(monkeypatch, off)
     attribute(off, ids, batch_size=8, memory=memory)
     (frozen,) = made
     layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory=memory))
@@ -397,7 +401,80 @@ def test_kept_offload_rows_term_is_the_bytes_the_frozen_pass_keeps(kind, memory,
     assert terms["device"]["offload_rows"] == sum(frozen.device_rows.values()) + skips
     host, kept = terms["host"]["offload_rows"], terms["device"]["offload_rows"]
     assert skips < host <= kept and (host < kept) == (memory == "lean")  # lean: every site's rows, not the largest
-    assert terms["device"]["offload_fetch"] == terms["host"]["offload_fetch"] == max(map(module_bytes, modules_of(off)))
+    # kept rows are gathered on the device from one transient copy of their whole weight: the fetch term is the
+    # largest of those and of the resident blocks' copies (the host variant's term), byte for byte
+    assert weights and terms["device"]["offload_fetch"] == max(terms["host"]["offload_fetch"], max(weights))
+    assert terms["host"]["offload_fetch"] < max(map(module_bytes, modules_of(off)))
+
+
+def kept_weight_copies(monkeypatch, replacement_model) -> list[int]:
+    """Bytes of every whole offloaded weight (or a view of one) the frozen pass copies to gather kept rows from
+    (``replacement.fetch`` of a tensor on an offloaded parameter's storage; a real copy)."""
+    import nnsight_lorsa.attribution.replacement as replacement
+
+    storages = {p.untyped_storage().data_ptr() for m in modules_of(replacement_model) for p in m.parameters()}
+    copies: list[int] = []
+
+    def fetch(t, device):
+        if t.untyped_storage().data_ptr() in storages:
+            copies.append(t.numel() * t.element_size())
+        return t.to(device).clone()
+
+    monkeypatch.setattr(replacement, "fetch", fetch)
+    return copies
+
+
+def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
+    """``fetch`` made a real copy; returns ``(file, bytes)`` of every ``resident`` block of an offloaded module: the
+    file its ``with`` is in and the bytes its copies took."""
+    blocks: list[tuple[str, int]] = []
+    current: list[int] = []
+    enter = placement.resident.__enter__
+
+    def fetch(t, device):
+        c = t.to(device).clone()
+        if current:
+            current[-1] += c.numel() * c.element_size()
+        return c
+
+    def spying_enter(res):
+        caller = sys._getframe(1).f_code.co_filename
+        current.append(0)
+        try:
+            return enter(res)
+        finally:
+            n = current.pop()
+            if placement.offloaded(res.module):
+                blocks.append((caller, n))
+
+    monkeypatch.setattr(placement, "fetch", fetch)
+    monkeypatch.setattr("nnsight_lorsa.attribution.replacement.fetch", fetch)
+    monkeypatch.setattr(placement.resident, "__enter__", spying_enter)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+@pytest.mark.parametrize("qk", [False, True])
+def test_offload_fetch_term_is_the_largest_copy_the_frozen_pass_makes(kind, memory, qk, monkeypatch):
+    """``offload_fetch`` equals, byte for byte, the largest copy a ``resident`` block of the frozen pass makes (spied
+    on ``fetch``): a Lorsa's queries and keys copy all but its OV circuit, a transcoder's MLP site all but its
+    encoder and decoders — less than the largest module (copied whole until 2026-11-27; the clean pass's forwards,
+    before the frozen pass, still copy what they read); the graph is the resident modules' bit for bit."""
+    rep = bundle(kind)
+    ids = PROMPTS[1]
+    extra = {"qk_heads": 2} if qk else {}
+    ref = attribute(rep, ids, batch_size=8, memory=memory, **extra)
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    blocks = fetch_blocks(monkeypatch)
+    g = attribute(off, ids, batch_size=8, memory=memory, **extra)
+    assert_identical(g, ref, f"{kind} {memory} qk={qk}")
+    assert set(g.qk) == set(ref.qk) and all(torch.equal(g.qk[k], ref.qk[k]) for k in g.qk)
+    frozen = [n for f, n in blocks if not f.endswith("layout.py")]
+    layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory=memory))
+    t = estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"}).terms
+    assert frozen and t["offload_fetch"] == max(frozen), (t["offload_fetch"], blocks)
+    assert t["offload_fetch"] < max(map(module_bytes, modules_of(off)))
 
 
 def _estimate(per_copy: int, shared: int, batch: int) -> MemoryEstimate:
@@ -658,3 +735,25 @@ def test_offloaded_rows_kept_on_cuda_give_the_resident_graph(device, memory, mon
         assert all(p.device.type == "cpu" for m in modules_of(rep) for p in m.parameters())
         assert torch.equal(g.layout_ids, ref.layout_ids)
         assert float((g.densify() - R).abs().max()) <= 1e-5 * float(R.abs().max()), forced
+
+
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_from(memory, monkeypatch):
+    """With rows kept on the device, each kept block is gathered there from one transient copy of its whole weight
+    (``offload.block_sources``): ``offload_fetch`` is at least the largest of those — with the resident blocks'
+    copies made to count nothing, exactly that largest, and nothing with the rows on the host."""
+    import nnsight_lorsa.attribution.offload as offload
+    from nnsight_lorsa.attribution.offload import block_sources, kept_keys, offload_blocks
+
+    rep = bundle("transcoders")
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    layout, info = layout_for_estimate(off, PROMPTS[1], AttributionOptions(batch_size=8, memory=memory))
+    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(): 0)
+    terms = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"}).terms
+             for rows in ("device", "host")}
+    blocks = offload_blocks(layout, d_model=info["d_model"], node_vectors=info["node_vectors"],
+                            itemsize=info["model_itemsize"])
+    sources = block_sources(layout)
+    kept = kept_keys(blocks, "device")
+    assert kept and terms["host"]["offload_fetch"] == 0
+    assert terms["device"]["offload_fetch"] == max(sources[k] for k in kept) > 0

@@ -110,3 +110,19 @@ def test_the_frozen_terms_come_from_the_adapter(family, norms, capped, masks):
     if family == "gemma3":
         sdpa, _ = replacement_model(family, attn="sdpa")
         assert budget.estimate_info(sdpa, prepare(sdpa, ids), "sdpa", "auto", False, None)["mask_entry_bytes"] == 1
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_the_logits_term_counts_the_models_own_unembedding_on_the_last_position_only(dtype):
+    """The frozen pass runs the model's own unembedding on the last position (``trace.last_position``): the estimate
+    no longer carries its ``(P, vocab)`` logits — the bound's least slack (batches 1, 2) is under ``(P − 1) · vocab``
+    of the model's numbers (with them counted it was at least that at every batch), and it still holds
+    (``frozen_model_bytes``)."""
+    rm, _ = replacement_model("vocab")
+    ids = prompt(rm)
+    vocab = hf_module(rm.model).config.vocab_size
+    out = frozen_pass_peaks(rm, ids, dtype=dtype, batches=(1, 2))
+    model_itemsize = next(hf_module(rm.model).parameters()).element_size()
+    slack = {b: out["predicted"][b] - peak for b, peak in out["peaks"].items()}
+    assert min(slack.values()) >= 0, slack
+    assert min(slack.values()) < (ids.numel() - 1) * vocab * model_itemsize, slack

@@ -491,10 +491,14 @@ def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_
     assert shared(torch.bfloat16, torch.float32) - base == qk_numbers * 2  # 4 B instead of 2 per number
     assert shared(torch.float32, torch.float32) - shared(torch.float32, torch.bfloat16) == qk_numbers * 2
     # the same with dtype=, but for the model's own MLP, which runs on one prompt copy in the model's dtype (2 B per
-    # number, not dtype='s 4: budget.frozen_model_bytes)
-    d_mlp = hf_module(rep.model).config.intermediate_size
+    # number, not dtype='s 4: budget.frozen_model_bytes), and the logits: the frozen model's row 0 in the model's
+    # dtype and its copy in dtype='s ((P, vocab) at 2 + 4 B, against 4 B once for the fp32 model), the model's own
+    # unembedding on the last position only in the model's dtype (vocab at 2 B, against 4): 2·(P − 1)·vocab B more
+    config = hf_module(rep.model).config
+    d_mlp, vocab = config.intermediate_size, config.vocab_size
     assert shared(torch.bfloat16, torch.bfloat16, torch.float32) == (shared(torch.float32, torch.float32)
-                                                                     - 4 * len(IDS) * d_mlp * 2)
+                                                                     - 4 * len(IDS) * d_mlp * 2
+                                                                     + 2 * (len(IDS) - 1) * vocab)
 
 @pytest.mark.parametrize(("model_dtype", "module_dtype", "dtype"),
                          [(torch.bfloat16, torch.bfloat16, torch.float32),
