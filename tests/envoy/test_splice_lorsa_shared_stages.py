@@ -18,9 +18,9 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
+from helpers import attribution_setup, make_lorsa, random_ids, rm, tiny_nnsight
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import attribution_setup, make_lorsa, random_ids, rm, tiny_nnsight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
