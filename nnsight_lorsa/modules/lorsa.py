@@ -42,7 +42,7 @@ from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
 from .replacement_module import ReplacementModule
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
-from .sparse_coder import check_dtype
+from .sparse_coder import check_dtype, shared_pre
 
 if TYPE_CHECKING:
     from ..adapters.base import MHSAWeights
@@ -434,27 +434,40 @@ class Lorsa(ReplacementModule):
         return self._z_pre_kv(x, positions, attn_mask, None)[0]
 
     def _z_pre_kv(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
-                  past: LorsaKV | None) -> tuple[torch.Tensor, LorsaKV]:
-        """``z_pre`` of ``x``'s positions attending to ``past`` and themselves, and the extended :class:`LorsaKV`."""
+                  past: LorsaKV | None, start: int | None = None) -> tuple[torch.Tensor, LorsaKV]:
+        """``z_pre`` of ``x``'s positions attending to ``past`` and themselves, and the extended :class:`LorsaKV`
+        (``start``: ``positions`` is ``arange(start, start + pos)``, made by the caller)."""
         self._check_input(x)
         b, s, _ = x.shape
-        q, k = self.qk(x, positions)
+        # shared_pre: in a splice's two passes (modules.sparse_coder.share_encoder_matmul) the live pass copies the
+        # clean pass's q, k, v (no hook point before them) and, where hook_q/hook_k/hook_v passed those copies on
+        # unedited, its z_pre; otherwise (and outside a splice) computed here
+        q, k = shared_pre(self, (x, None if start is not None else positions), ("qk", start),
+                          lambda: self.qk(x, positions))
         q, k = self.hook_q(q), self.hook_k(k)
-        v = self.hook_v(self.values(x))
+        v = self.hook_v(shared_pre(self, x, "v", lambda: self.values(x)))
         if past is not None:
             self._check_past(past, b)
-            k = torch.cat([past.k.to(k.dtype), k], 2)
-            v = torch.cat([past.v.to(v.dtype), v], 1)
+        past_k, past_v = (None, None) if past is None else (past.k, past.v)
+        k_all, v_all = (k, v) if past is None else (torch.cat([past.k.to(k.dtype), k], 2),
+                                                    torch.cat([past.v.to(v.dtype), v], 1))
+        z_pre = shared_pre(self, (x, q, k, v, past_k, past_v, attn_mask), "z_pre",
+                           lambda: self._attend(q, k_all, v_all, attn_mask, b, s, x.device))
+        return z_pre, LorsaKV(k_all, v_all)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, b: int,
+                s: int, device: torch.device) -> torch.Tensor:
+        """``z_pre (b, s, n_ov)`` from the queries and the keys and values (the past's and these) after their hooks."""
         keys = v.shape[1]
         g = self.cfg.group_size
         vh = v.view(b, keys, self.cfg.n_qk_heads, g).transpose(1, 2)  # (b, n_qk, keys, G): OV heads as value dim
-        mask = self._mask(attn_mask, s, x.device, keys)
+        mask = self._mask(attn_mask, s, device, keys)
         if mask is not None and mask.shape[0] not in (1, b):
             raise ShapeError(f"attn_mask holds batch {mask.shape[0]}, x has batch {b}")
         z = F.scaled_dot_product_attention(
             q, k, vh, attn_mask=mask, is_causal=mask is None and keys == s, scale=1.0 / self.cfg.scale
         )
-        return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads), LorsaKV(k, v)
+        return z.transpose(1, 2).reshape(b, s, self.cfg.n_ov_heads)
 
     def activation(
         self, z_pre: Float[torch.Tensor, "batch pos n_ov"], top_k: int | None = None
@@ -564,9 +577,11 @@ class Lorsa(ReplacementModule):
         if past is not None:
             self._check_input(x)
             self._check_past(past, x.shape[0])
+        start = None  # positions made here: past.length, ... (the same in two calls: shared_pre's key)
         if positions is None and past is not None:
-            positions = torch.arange(past.length, past.length + x.shape[1], device=x.device)
-        z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past)
+            start = past.length
+            positions = torch.arange(start, start + x.shape[1], device=x.device)
+        z_pre, kv = self._z_pre_kv(x, positions, attn_mask, past, start)
         z, _ = self.activation(self.hook_z_pre(z_pre))
         out = self.hook_out(self.decode(self.hook_z(z)))
         return out, kv

@@ -131,30 +131,35 @@ def affine(x: Float[torch.Tensor, "*batch d"], W: Float[torch.Tensor, "d e"],
     return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
 
 
-#: set on a sparse coder or CLT (its ``__dict__``) by :func:`share_encoder_matmul` while a splice runs two passes
+#: set on a sparse coder, CLT or Lorsa (its ``__dict__``) by :func:`share_encoder_matmul` while a splice runs two
+#: passes: ``{"results": [...], "copies": [...]}`` (the computations made, the copies of them handed out)
 _MEMO = "_encoder_memo"
 
 
 def share_encoder_matmul(module: nn.Module) -> bool:
-    """From now until :func:`end_encoder_matmul`: ``module``'s encoder matmul ``x W_enc + b_enc`` is computed once
-    per input and shared (a sparse coder or a CLT; any other module, or one already sharing: no effect, False).
+    """From now until :func:`end_encoder_matmul`: ``module``'s computations of its input that no hook point can edit
+    are made once per input and shared (a sparse coder's or a CLT's encoder matmul ``x W_enc + b_enc``; a Lorsa's
+    queries and keys after QK-norm and RoPE, its values, and its ``z_pre`` from the queries, keys and values after
+    ``hook_q``/``hook_k``/``hook_v`` when those hooks handed on the shared ones unedited; any other module, or one
+    already sharing: no effect, False).
 
     A splice with ``error=True`` whose module's internals may be edited runs the module twice at a site, its clean
-    pass (stood down) and its live pass, on the same input: the second gets a copy of the first's pre-activation
-    instead of the matmul again. Shared only when it is the same computation: the same input tensor (the same
-    object, unmodified since: its version counter), every parameter and buffer of ``module`` the same and unmodified,
-    the same grad mode and, for a CLT, the same layer; anything else (an input the trace replaced or edited in
-    place, a weight edited) computes its own. The copy (``clone``) keeps the autograd graph of the one matmul and
-    leaves the first pass's tensor untouched by the second's edits (of ``hook_sae_acts_pre``). Two plain calls, not
-    a context manager: the splice's code travels to NDIF by value, whose unpickling refuses ``contextlib``."""
-    if not hasattr(module, "W_enc") or _MEMO in module.__dict__:
+    pass (stood down) and its live pass, on the same input: the second gets a copy of the first's results instead
+    of computing them again. Shared only when it is the same computation (:func:`shared_pre`): the same input tensors
+    (the same objects, unmodified since: their version counters), every parameter and buffer of ``module`` the same
+    and unmodified, the same grad mode and, for a CLT, the same layer; anything else (an input the trace replaced or
+    edited in place, a weight edited, an edit at a hook point in between) computes its own. The copy (``clone``)
+    keeps the autograd graph of the one computation and leaves the first pass's tensor untouched by the second's
+    edits (of ``hook_sae_acts_pre``, ``hook_q``, ...). Two plain calls, not a context manager: the splice's code
+    travels to NDIF by value, whose unpickling refuses ``contextlib``."""
+    if not (hasattr(module, "W_enc") or hasattr(module, "W_Q")) or _MEMO in module.__dict__:
         return False
-    module.__dict__[_MEMO] = []
+    module.__dict__[_MEMO] = {"results": [], "copies": []}
     return True
 
 
 def end_encoder_matmul(module: nn.Module) -> None:
-    """Ends :func:`share_encoder_matmul` (drops the kept pre-activations)."""
+    """Ends :func:`share_encoder_matmul` (drops the kept results)."""
     module.__dict__.pop(_MEMO, None)
 
 
@@ -165,26 +170,46 @@ def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
     return [t._version for t in tensors]
 
 
-def shared_pre(owner: nn.Module, x: torch.Tensor, tag: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``compute()`` (``owner``'s encoder matmul of ``x``; ``tag``: a CLT's layer), or a copy of the same
-    computation's result made earlier since :func:`share_encoder_matmul`."""
+def _original(t: Any, copies: list) -> Any:
+    """``t``, or the result ``t`` is an unmodified copy of (handed out by :func:`shared_pre`)."""
+    for copy, version, original in copies:
+        if t is copy and t._version == version:
+            return original
+    return t
+
+
+def shared_pre(owner: nn.Module, x: Any, tag: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` (``owner``'s computation ``tag`` of ``x``: a CLT's layer for the encoder matmul; a tensor, or a
+    tuple of tensors and Nones), or a copy of the same computation's result made earlier since
+    :func:`share_encoder_matmul`. ``compute`` returns a tensor or a tuple of tensors; it may read ``owner``'s
+    parameters and buffers and nothing else but ``x``. A tensor of ``x`` that is an unmodified copy handed out here
+    counts as the result it copies (the live pass's queries passed on unedited by ``hook_q``)."""
     memo = owner.__dict__.get(_MEMO)
     if memo is None:
         return compute()
-    state = [x, *owner.parameters(), *owner.buffers()]
+    inputs = x if isinstance(x, tuple) else (x,)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in inputs):
+        return compute()  # (compute names what is wrong)
+    inputs = tuple(_original(t, memo["copies"]) for t in inputs)
+    state = [t for t in inputs if t is not None] + [*owner.parameters(), *owner.buffers()]
     versions = _versions(state)
     if versions is None:
         return compute()
+    shape = tuple(t is None for t in inputs)
     grad = torch.is_grad_enabled()
-    for m_tag, m_grad, m_state, m_versions, pre, pre_version in memo:
-        if (m_tag == tag and m_grad == grad and len(m_state) == len(state)
+    for m_tag, m_shape, m_grad, m_state, m_versions, result, result_versions in memo["results"]:
+        outs = result if isinstance(result, tuple) else (result,)
+        if (m_tag == tag and m_shape == shape and m_grad == grad and len(m_state) == len(state)
                 and all(a is b for a, b in zip(m_state, state, strict=True)) and m_versions == versions
-                and pre._version == pre_version):
-            return pre.clone()
-    pre = compute()
-    if not pre.is_inference():
-        memo.append((tag, grad, state, versions, pre, pre._version))
-    return pre
+                and [t._version for t in outs] == result_versions):
+            copies = tuple(t.clone() for t in outs)
+            memo["copies"].extend((c, c._version, t) for c, t in zip(copies, outs, strict=True))
+            return copies if isinstance(result, tuple) else copies[0]
+    result = compute()
+    outs = result if isinstance(result, tuple) else (result,)
+    if not any(t.is_inference() for t in outs):
+        memo["results"].append((tag, shape, grad, state, versions, result, [t._version for t in outs]))
+    return result
 
 
 def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"], b_enc: Float[torch.Tensor, " f"],
