@@ -11,8 +11,8 @@ residuals, values, node ids and computed rows): ``identical`` says the two trees
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_row_stages --before 2eea6a9 \\
         --out benchmarks/results/attribution_row_stages_cpu.json
-    OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_row_stages --before 25aa388 --rows 0 \
-        --prune 0.9 --lorsa all --wide-cols 0 --out benchmarks/results/attribution_row_stages_prune_cpu.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_row_stages --before 25aa388 --prune 0.9 \\
+        --lorsa all --wide-cols 0 --tokens 128 256 512 --out benchmarks/results/attribution_row_stages_prune_cpu.json
 """
 
 from __future__ import annotations
