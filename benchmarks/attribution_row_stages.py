@@ -1,7 +1,9 @@
 """The attribution stages above the floor, before and after a change, in one run: the phases of ``gpu_scale``'s (d)
 (:func:`benchmarks.gpu_scale.phase_times`: ``clean_pass_and_layout``, ``next_rows_influence``, ``record_rows``,
 ``assemble``, ``other``; ``frozen_forward`` and ``backward`` for scale) at its ``small`` CPU scale, with the Lorsa on
-every layer and on one layer, for two trees: ``--before`` (a git commit, extracted with ``git archive`` into a
+every layer and on one layer (``--prune``: also or instead pruned while built, ``PruneConfig(keep_mass=...)``, with
+the pruned assembly's allocations — ops that allocate, bytes — counted under the profiler in one more call), for two
+trees: ``--before`` (a git commit, extracted with ``git archive`` into a
 temporary folder) and this working tree (``after``). Each tree runs in its own process (its ``nnsight_lorsa`` and
 ``benchmarks.gpu_scale``), the two alternated ``--rounds`` times; per phase the median over every timed call
 (``--repeats`` per round, after one untimed call). Each call's graph is digested (SHA-256 of its adjacency,
@@ -9,6 +11,8 @@ residuals, values, node ids and computed rows): ``identical`` says the two trees
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_row_stages --before 2eea6a9 \\
         --out benchmarks/results/attribution_row_stages_cpu.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_row_stages --before 25aa388 --prune 0.9 \\
+        --lorsa all --wide-cols 0 --tokens 128 256 512 --out benchmarks/results/attribution_row_stages_prune_cpu.json
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ s, dev, dt = g.SCALES["small"], torch.device("cpu"), torch.float32
 model, hf = g.build(s, dev, dt)
 adapter = get_adapter(model)
 which, tokens, repeats, rows = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+from nnsight_lorsa.attribution import PruneConfig
+prune = None if sys.argv[5] == "none" else PruneConfig(keep_mass=float(sys.argv[5]))
+kw = {"batch_size": 4, "max_feature_nodes": rows or None, "prune": prune}
 lorsas, tcs = LorsaSet(model), TranscoderSet(model)
 for layer in (range(s["n_layers"]) if which == "all" else [int(which)]):
     lorsas[layer] = g.paper_lorsa(s, adapter, hf, layer, dev, dt)
@@ -58,17 +65,32 @@ def digest(graph):
 out = {}
 for n in tokens:
     ids = torch.randint(0, s["vocab"], (1, n), generator=torch.Generator(device="cpu").manual_seed(n))
-    attribute(rm, ids, batch_size=4, max_feature_nodes=rows)  # untimed
+    attribute(rm, ids, **kw)  # untimed
     calls = []
     for _ in range(repeats):
         gc.collect()
         with g.phase_times(dev) as phases:
             t = time.perf_counter()
-            graph = attribute(rm, ids, batch_size=4, max_feature_nodes=rows)
+            graph = attribute(rm, ids, **kw)
             seconds = time.perf_counter() - t
         calls.append({"seconds": seconds, "phases": {**phases, "other": seconds - sum(phases.values())},
                       "digest": digest(graph)})
         del graph
+    if prune is not None:  # one more call: the pruned assembly's allocations, under the profiler (not timed)
+        import nnsight_lorsa.attribution.engine as engine
+        from torch.profiler import ProfilerActivity, profile
+        original = engine.assemble_pruned
+
+        def profiled(*a, **k):
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p:
+                got = original(*a, **k)
+            sizes = [e.self_cpu_memory_usage for e in p.events() if e.self_cpu_memory_usage > 0]
+            calls[0]["assemble_allocations"] = {"ops_allocating": len(sizes), "bytes": sum(sizes)}
+            return got
+
+        engine.assemble_pruned = profiled
+        attribute(rm, ids, **kw)
+        engine.assemble_pruned = original
     out[n] = calls
 print(json.dumps(out))
 '''
@@ -123,8 +145,9 @@ print(json.dumps(out))
 '''
 
 
-def run_tree(tree: Path, lorsa: str, tokens: list[int], repeats: int, rows: int) -> dict[str, Any]:
-    return _child(tree, CHILD, lorsa, ",".join(map(str, tokens)), str(repeats), str(rows))
+def run_tree(tree: Path, lorsa: str, tokens: list[int], repeats: int, rows: int, prune: str = "none"
+             ) -> dict[str, Any]:
+    return _child(tree, CHILD, lorsa, ",".join(map(str, tokens)), str(repeats), str(rows), prune)
 
 
 def _child(tree: Path, code: str, *argv: str) -> Any:
@@ -136,16 +159,22 @@ def _child(tree: Path, code: str, *argv: str) -> Any:
 
 def summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
     names = sorted({k for c in calls for k in c["phases"]})
-    return {"seconds_median": statistics.median(c["seconds"] for c in calls),
+    allocations = [c["assemble_allocations"] for c in calls if "assemble_allocations" in c]
+    return {**({"assemble_allocations": allocations[0]} if allocations else {}),
+            "seconds_median": statistics.median(c["seconds"] for c in calls),
             "phases_median": {k: statistics.median(c["phases"].get(k, 0.0) for c in calls) for k in names},
             "calls": len(calls), "digests": sorted({c["digest"] for c in calls})}
 
 
 def main() -> None:
     args = parser(__doc__, before=arg("HEAD", type=str, help="the git commit measured as 'before'"),
-                  tokens=arg(nargs="+", type=int, default=[128, 256]), repeats=3, rounds=2, rows=64,
+                  tokens=arg(nargs="+", type=int, default=[128, 256]), repeats=3, rounds=2,
+                  rows=arg(64, "the feature budget (0: none, every feature row)"),
                   lorsa=arg(nargs="*", type=str, default=["all", "1"],
                             help="Lorsa layers of each configuration: 'all' or one layer"),
+                  prune=arg(["none"], nargs="+", type=str,
+                            help="per configuration: 'none' (no pruning) or a keep_mass — attribute(prune=PruneConfig("
+                                 "keep_mass=...)), the pruned assembly's allocations counted in one more call"),
                   wide_cols=arg(6_300_000, help="sources of the model-free wide rows (0: skip them); the 8B shape's "
                                                 "all-layer graph at 1024 tokens has ~6.3M"),
                   wide_entries=arg(20_000, help="random entries per wide row (besides the deeper rows' columns)"),
@@ -156,18 +185,18 @@ def main() -> None:
                               "after": "working tree at " + subprocess.run(
                                   ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                   check=True).stdout.strip(), "scale": "small", "device": "cpu", "dtype": "float32",
-                              "batch_size": 4, "max_feature_nodes": args.rows, "configs": {}}
+                              "batch_size": 4, "max_feature_nodes": args.rows or None, "configs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         before_tree = Path(tmp)
         archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(before_tree)], input=archive, check=True)
         trees = {"before": before_tree, "after": ROOT}
-        for lorsa in args.lorsa:
+        for lorsa, prune in ((lorsa, prune) for lorsa in args.lorsa for prune in args.prune):
             calls: dict[str, dict[int, list[dict[str, Any]]]] = {k: {n: [] for n in args.tokens} for k in trees}
             for r in range(args.rounds):
                 for name, tree in (trees.items() if r % 2 == 0 else reversed(list(trees.items()))):
-                    print(f"lorsa {lorsa}: round {r + 1}/{args.rounds}, {name}", flush=True)
-                    for n, got in run_tree(tree, lorsa, args.tokens, args.repeats, args.rows).items():
+                    print(f"lorsa {lorsa}, prune {prune}: round {r + 1}/{args.rounds}, {name}", flush=True)
+                    for n, got in run_tree(tree, lorsa, args.tokens, args.repeats, args.rows, prune).items():
                         calls[name][int(n)] += got
             config: dict[str, Any] = {}
             for n in args.tokens:
@@ -178,7 +207,8 @@ def main() -> None:
                                               for k in b["phases_median"]}}
                 print(lorsa, n, {k: (round(b["phases_median"][k], 4), round(a["phases_median"].get(k, 0.0), 4))
                                  for k in b["phases_median"]}, "identical", config[str(n)]["identical"], flush=True)
-            result["configs"]["all_layers" if lorsa == "all" else f"layer_{lorsa}"] = config
+            key = "all_layers" if lorsa == "all" else f"layer_{lorsa}"
+            result["configs"][key if prune == "none" else f"{key}_prune_keep_mass_{prune}"] = config
         if args.wide_cols:
             wide: dict[str, dict[str, list[float]]] = {}
             for r in range(args.rounds):

@@ -1,7 +1,9 @@
 """Would-be device→host syncs per attribution batch (issue 21), counted on CPU with the proxy of
 :mod:`benchmarks._sync_points`: a Lorsa + transcoders graph of the bundled tinyshakespeare replacement model
 (Lorsa on layer 2, transcoders on every MLP; ``--seq`` tokens, batch 8) in the memory modes default, lean, a
-feature budget and pruning while building (the tests' embedded model: ``tests/attribution/test_sync_points.py``).
+feature budget and pruning while building (from the full graph's blocks; ``prune_sparse``: ``keep_mass=0.9``, the
+stored sparse rows; ``prune_budget``: with a feature budget) (the tests' embedded model:
+``tests/attribution/test_sync_points.py``).
 ``--before JSON`` embeds an earlier run (e.g. of the tree before a change) as ``before``.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m benchmarks.attribution_syncs_per_batch --out counts.json
@@ -23,7 +25,9 @@ from nnsight_lorsa.attribution import PruneConfig, attribute
 from nnsight_lorsa.envoy import load_model
 
 MODES: dict[str, dict] = {"default": {}, "lean": {"memory": "lean"}, "budget": {"max_feature_nodes": 24},
-                          "prune": {"prune": PruneConfig()}}
+                          "prune": {"prune": PruneConfig()},
+                          "prune_sparse": {"prune": PruneConfig(keep_mass=0.9)},  # the stored rows' path
+                          "prune_budget": {"prune": PruneConfig(), "max_feature_nodes": 24}}
 
 
 def main() -> None:

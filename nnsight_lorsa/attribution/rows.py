@@ -47,7 +47,7 @@ from .._typing import Float, Int
 from .blocks import BlockAdjacency
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, MLP_ERROR, Graph
 from .layout import Layout
-from .scores import find_threshold, prune_rows, row_influence, scored_entries
+from .scores import find_threshold, prune_rows, row_influence
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -284,11 +284,15 @@ class SparseRows:
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
         """The stored non-zero entries between ``row_mask: (n_rows,)`` rows and ``col_mask: (n_cols,)`` columns
-        (bool), counted chunk by chunk (:meth:`chunks`)."""
-        n = 0
-        for row, col, val in self.chunks(row_mask):
-            n += int(((val != 0) & col_mask[col] & row_mask[row]).sum())
-        return n
+        (bool), counted a span of the mask's rows at a time (≤ :data:`CHUNK_ENTRIES` entries: one gather of the column
+        mask, no row index; the former :meth:`chunks` pass made an int64 row and column index and three masks per
+        entry)."""
+        n = torch.zeros((), dtype=torch.long, device=HOST)
+        for block in self.blocks:  # the mask's rows' spans: every stored entry is non-zero (``append``), so a span's
+            live = row_mask[block.row_start:block.row_start + len(block.ends)].nonzero().flatten().tolist()
+            for e0, e1 in _spans(block.ends, live):  # count is its columns' mask summed (no per-entry row index)
+                n += col_mask[block.col[e0:e1]].sum()
+        return int(n)
 
     def edge_scores(self, factor: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"], col_mask: torch.Tensor,
                     row_mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -296,9 +300,26 @@ class SparseRows:
         ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[row] · factor[row]`` (``factor``, ``den``:
         ``(n_rows,)`` float64), in storage order, at most :data:`CHUNK_ENTRIES` entries at a time — the arithmetic
         of :meth:`.scores.EntryRows.edge_scores`, read in place (no copy of the entries; only the rows of the mask
-        read)."""
-        for row, col, val in self.chunks(row_mask):
-            yield scored_entries(row, col, val, factor, den, col_mask, row_mask)
+        read). A span of the mask's rows at a time: one gather of the column mask, then only the entries it keeps —
+        their positions, rows (a binary search per row end), columns and values (the former :meth:`chunks` pass, through
+        :func:`.scores.scored_entries`, made an int64 row and column index and three masks for every entry, bit for
+        bit the same scores)."""
+        for block in self.blocks:
+            live = row_mask[block.row_start:block.row_start + len(block.ends)].nonzero().flatten().tolist()
+            if not live:
+                continue
+            for e0, e1 in _spans(block.ends, live):
+                cols = block.col[e0:e1]
+                hits = col_mask[cols].nonzero().squeeze(1)
+                r0, r1 = bisect.bisect_right(block.ends, e0), bisect.bisect_right(block.ends, e1 - 1)
+                bounds = torch.tensor(block.ends[r0:r1], dtype=torch.long, device=HOST).sub_(e0)
+                counts = torch.searchsorted(hits, bounds).diff(prepend=hits.new_zeros(1),
+                                                               append=hits.new_full((1,), hits.numel()))
+                row = torch.repeat_interleave(torch.arange(r0 + block.row_start, r1 + 1 + block.row_start,
+                                                           device=HOST), counts, output_size=hits.numel())
+                val = block.val[e0:e1][hits]
+                yield row, cols[hits].long(), val.abs().to(torch.float64).div_(den[row]).mul_(factor[row])
+            release_free_memory()
 
     def influence(self, row_node: Int[torch.Tensor, " n"], row_weight: Float[torch.Tensor, " n"],
                   node_mask: torch.Tensor | None = None, max_iter: int = 1000) -> Float[torch.Tensor, " s"]:
@@ -742,50 +763,73 @@ def _sparse_pruned(rows: SparseRows, row_node: torch.Tensor, first: torch.Tensor
                    kept: torch.Tensor, empty_dtype: torch.dtype, nodes: Any) -> tuple[BlockAdjacency, torch.Tensor]:
     """``(adjacency, residual (k,) float64)`` of the ``k`` nodes ``kept`` (the final ``node_mask``, within the
     node-pruned ``first``; both ``(n_all,)`` bool) from the stored sparse rows (row ``r`` the target
-    ``row_node[r]``), in two chunked passes: each kept row's residual is its stored residual, then its entries
-    outside the ``first`` nodes, then those among them but dropped later, each added in storage order (float64);
-    the adjacency (the rows' dtype, ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``:
-    the kept rows' causal blocks over the kept sources (:func:`_kept_blocks`; ``nodes``: the kept nodes'
-    :class:`.graph.NodeTable` — at most ``kept rows × kept sources``, and at most the full graph's blocks of the kept
-    rows; the kept nodes are mostly error and embedding nodes, whose rows are empty), written :data:`CHUNK_ENTRIES`
-    dense entries of rows at a time. Reads only the kept rows; temporaries: one :data:`CHUNK_ENTRIES` chunk's."""
+    ``row_node[r]``): each kept row's residual is its stored residual, then its entries outside the ``first`` nodes,
+    then those among them but dropped later, each added in storage order (float64); the adjacency (the rows' dtype,
+    ``empty_dtype`` if nothing is stored) holds every stored edge among ``kept``: the kept rows' causal blocks over
+    the kept sources (:func:`_kept_blocks`; ``nodes``: the kept nodes' :class:`.graph.NodeTable` — at most ``kept rows
+    × kept sources``, and at most the full graph's blocks of the kept rows; the kept nodes are mostly error and
+    embedding nodes, whose rows are empty), written :data:`CHUNK_ENTRIES` dense entries of rows at a time.
+
+    Row by row (:func:`_pruned_row`), reading only the kept rows, each once (twice for a row longer than a chunk): no
+    per-entry row index, no masked copies of the entries, no row mask per group of rows (the former code read the kept
+    rows through :meth:`SparseRows.chunks` once for the residuals and once per group, each chunk's row and column
+    indices in int64 and its masks' gathers: ``tests/attribution/test_row_stages.py`` keeps it as the reference, bit
+    for bit). Temporaries: one :data:`CHUNK_ENTRIES` float64 buffer, a chunk's two column-mask gathers (1 B an
+    entry), the kept edges' positions of a chunk."""
     n_all = node_mask.numel()
     index = _graph_index(kept, n_all)
     dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
-    outside = rows.residual.clone()
-    row_kept = node_mask[row_node]  # only the kept rows are read (the others are not in the graph): their targets
-    for row, col, val in rows.chunks(row_kept):  # are among the ``first`` nodes — the entries outside them
-        k = ~first[col]
-        outside.index_add_(0, row[k], val[k].double())
-        del row, col, val, k
-
-    def among(row: torch.Tensor, col: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
-        """The chunk's kept edges (mask); its entries among the ``first`` nodes but dropped added to ``outside``."""
-        edge = node_mask[col]
-        dropped = first[col] & ~edge
-        outside.index_add_(0, row[dropped], val[dropped].double())
-        return edge
-
+    row_kept = node_mask[row_node]  # only the kept rows are read (the others are not in the graph)
     live = row_kept.nonzero().flatten()  # the kept stored rows, in storage order
     at = index[row_node]  # each stored row's graph index
     adjacency, n_src = _kept_blocks(nodes, kept, rows.n_cols, at[live], dtype)
     group = max(1, CHUNK_ENTRIES // max(n_src, 1))  # rows densified at a time
-    slot = torch.full((row_node.numel(),), -1, dtype=torch.long, device=HOST)
-    for g0 in range(0, live.numel(), group):
-        part = live[g0:g0 + group]
-        mask = torch.zeros(row_node.numel(), dtype=torch.bool, device=HOST)
-        mask[part] = True
-        slot[part] = torch.arange(part.numel(), device=HOST)
-        dense = torch.zeros(part.numel(), n_src, dtype=dtype, device=HOST)
-        for row, col, val in rows.chunks(mask):
-            edge = among(row, col, val)
-            dense[slot[row[edge]], index[col[edge]]] = val[edge]
-            del row, col, val, edge
-        adjacency.write(at[part], dense)
-        del dense
+    stored = rows.residual
     residual = torch.zeros(kept.numel(), dtype=torch.float64, device=HOST)
-    residual[index[row_node[row_kept]]] = outside[row_kept]
+    size = min(CHUNK_ENTRIES, max(rows.nnz, 1))
+    buffer = torch.empty(size, dtype=torch.float64, device=HOST)
+    zeros = torch.zeros(size, dtype=torch.long, device=HOST)
+    starts = [block.row_start for block in rows.blocks]
+    live_list: list[int] = live.tolist()
+    at_list: list[int] = at.tolist()
+    for g0 in range(0, len(live_list), group):
+        part = live_list[g0:g0 + group]
+        dense = torch.zeros(len(part), n_src, dtype=dtype, device=HOST)
+        for j, r in enumerate(part):
+            block = rows.blocks[bisect.bisect_right(starts, r) - 1]
+            i = r - block.row_start
+            total = residual[at_list[r]:][:1]
+            total.copy_(stored[r:r + 1])
+            _pruned_row(block, block.ends[i - 1] if i else 0, block.ends[i], first, node_mask, index, dense[j], total,
+                        buffer, zeros)
+        adjacency.write(at[live[g0:g0 + group]], dense)
+        del dense
     return adjacency, residual
+
+
+def _pruned_row(block: _Block, start: int, end: int, first: torch.Tensor, node_mask: torch.Tensor,
+                index: torch.Tensor, dense: torch.Tensor, total: torch.Tensor, buffer: torch.Tensor,
+                zeros: torch.Tensor) -> None:
+    """One kept stored row (entries ``[start, end)`` of ``block``) of :func:`_sparse_pruned`: its entries outside the
+    ``first`` nodes, then those among them but not in ``node_mask``, added one by one in storage order into ``total:
+    (1,)`` float64 (``index_add_`` to one place; every other entry as ``-0.0``, which leaves any running sum's bits as
+    they are), and its entries among the kept nodes into ``dense: (n_src,)`` at their graph index (``index``)."""
+    held: torch.Tensor | None = None
+    for e0 in range(start, end, CHUNK_ENTRIES):  # 1. outside the node-pruned nodes
+        e1 = min(e0 + CHUNK_ENTRIES, end)
+        among = first[block.col[e0:e1]]
+        v = buffer[:e1 - e0].copy_(block.val[e0:e1]).masked_fill_(among, -0.0)
+        total.index_add_(0, zeros[:e1 - e0], v)
+        held = among if end - start <= CHUNK_ENTRIES else None  # a row of one chunk: its gather kept for step 2
+    for e0 in range(start, end, CHUNK_ENTRIES):  # 2. among them but dropped later; the kept edges
+        e1 = min(e0 + CHUNK_ENTRIES, end)
+        cols = block.col[e0:e1]
+        among = held if held is not None else first[cols]
+        edge = node_mask[cols]
+        v = buffer[:e1 - e0].copy_(block.val[e0:e1]).masked_fill_(among.logical_not_().logical_or_(edge), -0.0)
+        total.index_add_(0, zeros[:e1 - e0], v)
+        hits = edge.nonzero().squeeze(1)
+        dense[index[cols[hits]]] = block.val[e0:e1][hits]
 
 
 def _block_pruned(blocks: BlockAdjacency, first: torch.Tensor, node_mask: torch.Tensor, kept: torch.Tensor,

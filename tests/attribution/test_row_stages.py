@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from helpers import attribution_setup, random_ids, rm
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution import attribute
@@ -178,3 +178,176 @@ def test_the_budgeted_graph_and_its_ranking_are_the_per_entry_references_bit_for
     assert seen["read"] <= n_rows  # each stored row's ranking sum once (0 when every node is ranked: no mask)
     assert torch.equal(g.densify(), want) and torch.equal(g.residual, want_residual)
     assert torch.equal(graph.densify(), want) and torch.equal(graph.residual, want_residual)
+
+
+# --- pruning while building: the stored rows' reads of prune_rows and the kept graph's assembly ---------------------
+
+
+def reference_count_edges(rows: SparseRows, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
+    """The former :meth:`SparseRows.count_edges`: per chunk of the mask's rows, three per-entry masks."""
+    n = 0
+    for row, col, val in rows.chunks(row_mask):
+        n += int(((val != 0) & col_mask[col] & row_mask[row]).sum())
+    return n
+
+
+def reference_edge_scores(rows: SparseRows, factor, den, col_mask, row_mask):
+    """The former :meth:`SparseRows.edge_scores`: :func:`.scores.scored_entries` on each chunk of the mask's rows."""
+    from nnsight_lorsa.attribution.scores import scored_entries
+
+    for row, col, val in rows.chunks(row_mask):
+        yield scored_entries(row, col, val, factor, den, col_mask, row_mask)
+
+
+def reference_sparse_pruned(rows: SparseRows, row_node, first, node_mask, kept, empty_dtype, nodes):
+    """The former :func:`.rows._sparse_pruned`: per-entry row/column indices, masks and masked copies per chunk."""
+    n_all = node_mask.numel()
+    index = ROWS._graph_index(kept, n_all)
+    dtype = rows.blocks[0].val.dtype if rows.blocks else empty_dtype
+    outside = rows.residual.clone()
+    row_kept = node_mask[row_node]
+    for row, col, val in rows.chunks(row_kept):
+        k = ~first[col]
+        outside.index_add_(0, row[k], val[k].double())
+
+    def among(row, col, val):
+        edge = node_mask[col]
+        dropped = first[col] & ~edge
+        outside.index_add_(0, row[dropped], val[dropped].double())
+        return edge
+
+    live = row_kept.nonzero().flatten()
+    at = index[row_node]
+    adjacency, n_src = ROWS._kept_blocks(nodes, kept, rows.n_cols, at[live], dtype)
+    group = max(1, ROWS.CHUNK_ENTRIES // max(n_src, 1))
+    slot = torch.full((row_node.numel(),), -1, dtype=torch.long)
+    for g0 in range(0, live.numel(), group):
+        part = live[g0:g0 + group]
+        mask = torch.zeros(row_node.numel(), dtype=torch.bool)
+        mask[part] = True
+        slot[part] = torch.arange(part.numel())
+        dense = torch.zeros(part.numel(), n_src, dtype=dtype)
+        for row, col, val in rows.chunks(mask):
+            edge = among(row, col, val)
+            dense[slot[row[edge]], index[col[edge]]] = val[edge]
+        adjacency.write(at[part], dense)
+    residual = torch.zeros(kept.numel(), dtype=torch.float64)
+    residual[index[row_node[row_kept]]] = outside[row_kept]
+    return adjacency, residual
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits (``torch.equal`` takes ``-0.0`` for ``+0.0`` and no NaN for itself)."""
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+class Reads:
+    """Counts the per-entry row indices (:func:`.rows._rows_of`, every :meth:`SparseRows.chunks` step makes one: 8 B
+    an entry) made while it is active."""
+
+    def __init__(self):
+        self.entries = 0
+
+    def __enter__(self):
+        self.original = ROWS._rows_of
+
+        def counted(ends, e0, e1):
+            self.entries += e1 - e0
+            return self.original(ends, e0, e1)
+
+        ROWS._rows_of = counted
+        return self
+
+    def __exit__(self, *exc):
+        ROWS._rows_of = self.original
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n_rows=st.integers(1, 10), n_cols=st.integers(1, 60),
+       zero_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       chunk=st.sampled_from([3, 7, 64, 2**18]), mask_frac=st.floats(0.0, 1.0))
+def test_the_pruning_reads_of_the_stored_rows_are_the_per_entry_references_without_a_row_index(
+        seed, n_rows, n_cols, zero_frac, dtype, chunk, mask_frac):
+    """``count_edges`` and ``edge_scores`` (the edge threshold and the dangling-node loop of :func:`prune_rows`) give
+    the former per-chunk code's count and ``(row, col, score)`` bit for bit, rows across several chunks; the count
+    makes no per-entry row index (the former code made one for every entry of the mask's rows)."""
+    old = ROWS.CHUNK_ENTRIES
+    ROWS.CHUNK_ENTRIES = chunk
+    try:
+        rows, _ = stored(seed, n_rows, n_cols, zero_frac, dtype, False)
+        g = torch.Generator().manual_seed(seed + 2)
+        col_mask = torch.rand(n_cols, generator=g) >= mask_frac
+        row_mask = torch.rand(rows.n_rows, generator=g) < 0.7
+        with Reads() as reads:
+            count = rows.count_edges(col_mask, row_mask)
+        assert count == reference_count_edges(rows, col_mask, row_mask)
+        assert reads.entries == 0
+        factor = torch.rand(rows.n_rows, generator=g, dtype=torch.float64)
+        den = rows.abs_sums(col_mask, row_mask).clamp_min(1e-30)
+        got = list(rows.edge_scores(factor, den, col_mask, row_mask))
+        want = list(reference_edge_scores(rows, factor, den, col_mask, row_mask))
+        assert max((r.numel() for r, _, _ in got), default=0) <= chunk
+        for a, b in zip((torch.cat(t) for t in zip(*got, strict=True)), (torch.cat(t) for t in zip(*want, strict=True)),
+                        strict=True) if got else ():
+            assert same(a, b)
+        if not got:
+            assert sum(r.numel() for r, _, _ in want) == 0
+        assert sum(r.numel() for r, _, _ in got) == count
+    finally:
+        ROWS.CHUNK_ENTRIES = old
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), seq=st.integers(4, 14), keep_mass=st.sampled_from([0.5, 0.9, 0.99, 1.0]),
+       budget=st.sampled_from([None, 6, 20]), node_threshold=st.sampled_from([0.5, 0.8, 1.0]),
+       edge_threshold=st.sampled_from([0.5, 0.98]), chunk=st.sampled_from([3, 5, 64]))
+def test_the_kept_graph_of_pruning_while_building_is_the_per_entry_reference_bit_for_bit(
+        tiny, seed, seq, keep_mass, budget, node_threshold, edge_threshold, chunk):
+    """:func:`.rows._sparse_pruned` (the kept graph's adjacency and residuals from the stored rows) gives the former
+    per-entry code's blocks and residuals bit for bit — on the rows as built, and again in pieces of ``chunk`` entries
+    (rows across several chunks) — and makes no per-entry row index nor any :meth:`SparseRows.chunks` pass (the former
+    code read the kept rows through ``chunks`` once for the residuals and once per group of rows)."""
+    from nnsight_lorsa.attribution import PruneConfig
+
+    seen: dict = {}
+    original = ROWS._sparse_pruned
+
+    def spied(*a):
+        seen["args"] = a
+        with Reads() as reads:
+            seen["out"] = original(*a)
+        seen["reads"] = reads.entries
+        return seen["out"]
+
+    ROWS._sparse_pruned = spied
+    try:
+        g = attribute(tiny, random_ids(1, seq, seed=seed)[0], batch_size=3, max_feature_nodes=budget,
+                      prune=PruneConfig(node_threshold, edge_threshold, keep_mass=keep_mass))
+    finally:
+        ROWS._sparse_pruned = original
+    if "args" not in seen:  # every row, every entry: the full graph's blocks (_block_pruned), not this path
+        assert keep_mass >= 1.0 and budget is None
+        event("the full graph's blocks")
+        return
+    event("sparse rows")
+    rows = seen["args"][0]
+    assert seen["reads"] == 0
+    want_adj, want_res = reference_sparse_pruned(*seen["args"])
+    got_adj, got_res = seen["out"]
+    assert same(got_adj.dense(), want_adj.dense()) and same(got_res, want_res)
+    assert same(g.densify(), want_adj.dense()) and same(g.residual, want_res.to(g.residual.dtype))
+    old = ROWS.CHUNK_ENTRIES
+    ROWS.CHUNK_ENTRIES = chunk  # the same stored rows read in pieces of ``chunk`` entries
+    try:
+        with Reads() as reads:
+            adj, res = original(*seen["args"])
+        assert reads.entries == 0
+        want_adj, want_res = reference_sparse_pruned(*seen["args"])
+    finally:
+        ROWS.CHUNK_ENTRIES = old
+    assert rows.nnz > chunk or rows.nnz == 0
+    assert same(adj.dense(), want_adj.dense()) and same(res, want_res) and same(res, got_res)
