@@ -44,6 +44,7 @@ import torch
 
 from .._memory import release_free_memory
 from .._typing import Float, Int
+from ..errors import NonFiniteError
 from .blocks import BlockAdjacency
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, MLP_ERROR, Graph
 from .layout import Layout
@@ -108,12 +109,28 @@ class SparseRows:
     def abs_total(self) -> Float[torch.Tensor, " n"]:
         return torch.cat(self._abs_total) if self._abs_total else torch.zeros(0, dtype=torch.float64, device=HOST)
 
-    def append(self, grads: Float[torch.Tensor, "b s"], keep_mass: float | None = None) -> None:
+    def append(self, grads: Float[torch.Tensor, "b s"], keep_mass: float | None = None,
+               rows: list[int] | None = None) -> None:
         """Store ``grads`` as the next rows (``keep_mass`` None or ≥ 1: every non-zero entry). ``grads`` may
-        be on the model's device: which entries to keep is decided there, the kept ones are copied to the host."""
+        be on the model's device: which entries to keep is decided there, the kept ones are copied to the host.
+
+        Raises:
+            NonFiniteError: a row holds NaN or inf (an fp16 frozen backward past 65504, a NaN in the model): it would
+                have been dropped from the row (``|NaN| > 0`` is false) with no word — a wrong graph. Read from each
+                row's ``Σ |edges|`` on the host, the copy made anyway (no extra device read); nothing is stored.
+                ``rows``: the batch's target rows, named in the message (None: the store's row numbers).
+        """
         g = grads.detach()
         a = g.abs()
-        abs_total = a.sum(1, dtype=torch.float64)
+        abs_total = a.sum(1, dtype=torch.float64).to(HOST)  # NaN / inf iff a row holds one
+        bad = ~torch.isfinite(abs_total)
+        if bool(bad.any()):  # a host tensor: no device read
+            which = (rows if rows is not None else list(range(self.n_rows, self.n_rows + g.shape[0])))
+            named = [which[i] for i in bad.nonzero().flatten().tolist()]
+            raise NonFiniteError(
+                f"attribute: the edge rows of target rows {named[:8]}{' …' if len(named) > 8 else ''} hold NaN or inf "
+                f"(computed in {g.dtype}; an fp16 frozen pass overflows past 65504: attribute(..., "
+                f"dtype=torch.float32)); nothing of this batch was stored", tensor="edges")
         if keep_mass is None or keep_mass >= 1.0:
             keep = a > 0
         else:
@@ -142,7 +159,7 @@ class SparseRows:
         # indices would convert them on the host, after an 8-byte copy into a fresh temporary)
         c = flat if flat.device == HOST else flat.to(torch.int32)
         del flat
-        self._abs_total.append(abs_total.to(HOST))
+        self._abs_total.append(abs_total)
         n = int(val.numel())
         block = self.blocks[-1] if self.blocks else None
         if block is None or block.fill + n > block.col.numel() or block.val.dtype != val.dtype:
@@ -416,7 +433,7 @@ class RowStore:
             self.rows[self.position(rows), :grads.shape[1]] = grads.to(HOST)
         else:
             assert isinstance(self.rows, SparseRows)
-            self.rows.append(grads, self.keep_mass)
+            self.rows.append(grads, self.keep_mass, rows)
         if len(self.done) % (TRIM_EVERY * len(rows)) < len(rows):
             release_free_memory()
         if self.progress is not None:
