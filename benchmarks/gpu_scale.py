@@ -353,16 +353,11 @@ PHASES = [("engine", "prepare", "clean_pass_and_layout"), ("trace", "frozen_forw
 
 
 @contextlib.contextmanager
-def phase_totals(reading: Any, peaks: PhasePeaks | None = None) -> Iterator[tuple[dict[str, float],
-                                                                            dict[str, list[float]]]]:
-    """``(totals, calls)``: how much ``reading()`` (a clock, a FLOP counter's total) grew in each stage of the
-    ``attribute`` calls inside (:data:`PHASES`), summed and per call (``backward`` without ``record_rows``, which runs
-    inside it: in the totals). ``peaks``: told each stage's entry and exit
-    (:class:`benchmarks._device_peaks.PhasePeaks`: the peak device memory reached inside each stage)."""
+def phases_wrapped(wrap: Any) -> Iterator[None]:
+    """While inside, each stage function of :data:`PHASES` is ``wrap(name, fn)`` (restored on exit): the one place
+    the stages are patched (:func:`phase_totals`; ``offload_memory_terms``' profiler labels)."""
     import importlib
 
-    totals: dict[str, float] = {}
-    calls: dict[str, list[float]] = {}
     undo = []
     for mod_name, path, name in PHASES:
         owner: Any = importlib.import_module(f"nnsight_lorsa.attribution.{mod_name}")
@@ -370,27 +365,44 @@ def phase_totals(reading: Any, peaks: PhasePeaks | None = None) -> Iterator[tupl
         for part in outer:
             owner = getattr(owner, part)
         fn = getattr(owner, attr)
-
-        def measured(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-            if peaks is not None:
-                peaks.enter(_name)
-            t = reading()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                grew = reading() - t
-                totals[_name] = totals.get(_name, 0.0) + grew
-                calls.setdefault(_name, []).append(grew)
-                if peaks is not None:
-                    peaks.exit(_name)
-
-        setattr(owner, attr, measured)
+        setattr(owner, attr, wrap(name, fn))
         undo.append((owner, attr, fn))
     try:
-        yield totals, calls
+        yield
     finally:
         for owner, attr, fn in reversed(undo):
             setattr(owner, attr, fn)
+
+
+@contextlib.contextmanager
+def phase_totals(reading: Any, peaks: PhasePeaks | None = None) -> Iterator[tuple[dict[str, float],
+                                                                            dict[str, list[float]]]]:
+    """``(totals, calls)``: how much ``reading()`` (a clock, a FLOP counter's total) grew in each stage of the
+    ``attribute`` calls inside (:data:`PHASES`), summed and per call (``backward`` without ``record_rows``, which runs
+    inside it: in the totals). ``peaks``: told each stage's entry and exit
+    (:class:`benchmarks._device_peaks.PhasePeaks`: the peak device memory reached inside each stage)."""
+    totals: dict[str, float] = {}
+    calls: dict[str, list[float]] = {}
+
+    def measuring(name: str, fn: Any) -> Any:
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            if peaks is not None:
+                peaks.enter(name)
+            t = reading()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                grew = reading() - t
+                totals[name] = totals.get(name, 0.0) + grew
+                calls.setdefault(name, []).append(grew)
+                if peaks is not None:
+                    peaks.exit(name)
+        return measured
+
+    try:
+        with phases_wrapped(measuring):
+            yield totals, calls
+    finally:
         if "backward" in totals:  # the rows are recorded inside the backward tracer's body: counted once
             totals["backward"] -= totals.get("record_rows", 0.0)
 

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks._timing import arg, command, parser, write
-from benchmarks.gpu_scale import PHASES, SCALES, build, paper_lorsa
+from benchmarks.gpu_scale import SCALES, build, paper_lorsa, phases_wrapped
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
 from nnsight_lorsa.attribution import attribute
 from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
@@ -66,30 +66,15 @@ def device_copies(rows: Any) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def labelled_phases() -> Iterator[None]:
+def labelled_phases() -> Any:
     """Each phase of :data:`benchmarks.gpu_scale.PHASES` run inside ``record_function("phase:<name>")``."""
-    import importlib
+    def labelling(name: str, fn: Any) -> Any:
+        def labelled(*args: Any, **kwargs: Any) -> Any:
+            with record_function(f"phase:{name}"):
+                return fn(*args, **kwargs)
+        return labelled
 
-    undo = []
-    for mod_name, path, name in PHASES:
-        owner: Any = importlib.import_module(f"nnsight_lorsa.attribution.{mod_name}")
-        *outer, attr = path.split(".")
-        for part in outer:
-            owner = getattr(owner, part)
-        fn = getattr(owner, attr)
-
-        def labelled(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
-            with record_function(f"phase:{_name}"):
-                return _fn(*args, **kwargs)
-
-        setattr(owner, attr, labelled)
-        undo.append((owner, attr, fn))
-    try:
-        yield
-    finally:
-        for owner, attr, fn in reversed(undo):
-            setattr(owner, attr, fn)
+    return phases_wrapped(labelling)
 
 
 def phase_peaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int, dict[str, int]]:
