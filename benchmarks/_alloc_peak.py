@@ -27,21 +27,34 @@ def allocation_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[
     the call allocates, less those of them it frees (module docstring; ``0`` if it allocates nothing)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
+    series, _ = allocation_series(prof)
+    return out, max((held for _, held in series), default=0)
+
+
+def allocation_series(prof: Any, label: str | None = None) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]]]:
+    """``(series, windows)`` of a finished ``torch.profiler.profile(profile_memory=True)``: ``series`` the running
+    sum after each CPU allocation event, ``(time ns, bytes held)`` in time order (a block allocated inside, ``+size``;
+    its free, ``−size``; frees of earlier blocks left out: module docstring); ``windows`` the ``record_function``
+    ranges whose names start with ``label`` (none when None), ``(name without the label, start ns, end ns)``."""
     events: list[tuple[int, int, int]] = []  # (time, pointer, ±bytes)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+    windows: list[tuple[str, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         stack.extend(node.children)
         fields = node.typed[1]
         if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
             events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-    held = peak = 0
+        elif label is not None and node.name.startswith(label):
+            windows.append((node.name[len(label):], node.start_time_ns, node.end_time_ns))
+    held = 0
     live: dict[int, int] = {}  # pointer → bytes of the blocks allocated in the call, not yet freed
-    for _, ptr, size in sorted(events, key=lambda e: e[0]):
+    series: list[tuple[int, int]] = []
+    for t, ptr, size in sorted(events, key=lambda e: e[0]):
         if size > 0:
             live[ptr] = size
             held += size
-            peak = max(peak, held)
         elif ptr in live:
             held -= live.pop(ptr)
-    return out, peak
+        series.append((t, held))
+    return series, windows

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks._alloc_peak import allocation_series
 from benchmarks._timing import arg, command, parser, write
 from benchmarks.gpu_scale import SCALES, build, paper_lorsa, phases_wrapped
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, get_adapter
@@ -83,28 +84,8 @@ def phase_peaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int, dict[str,
     each phase's ``record_function`` window (the most held between its entry and exit)."""
     with labelled_phases(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
-    events: list[tuple[int, int, int]] = []
-    windows: list[tuple[str, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        fields = node.typed[1]
-        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
-            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-        elif node.name.startswith("phase:"):
-            windows.append((node.name[6:], node.start_time_ns, node.end_time_ns))
-    held = peak = 0
-    live: dict[int, int] = {}
-    series: list[tuple[int, int]] = []  # (time, held after the event)
-    for t, ptr, size in sorted(events, key=lambda e: e[0]):
-        if size > 0:
-            live[ptr] = size
-            held += size
-        elif ptr in live:
-            held -= live.pop(ptr)
-        series.append((t, held))
-        peak = max(peak, held)
+    series, windows = allocation_series(prof, "phase:")
+    peak = max((h for _, h in series), default=0)
     peaks: dict[str, int] = {}
     for name, t0, t1 in windows:
         inside = [h for t, h in series if t0 <= t <= t1]
