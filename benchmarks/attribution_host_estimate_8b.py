@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -37,21 +38,32 @@ SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, lorsa_layer=15, n_qk=256, d_
 H200 = RESULTS / "gpu_scale_8b_NVIDIA_H200.json"
 
 
-def synthetic_layout(P: int, s: dict = SHAPE) -> Layout:
-    """The layout of a ``P``-token prompt with ``lorsa_k`` active heads and ``tc_k`` active features per position."""
+def synthetic_layout(P: int, s: dict = SHAPE, *, lorsa: Any = None, transcoder: Any = None,
+                     lorsa_layers: Any = None, ids: Any = None) -> Layout:
+    """The layout of a ``P``-token prompt with ``s["lorsa_k"]`` active heads and ``s["tc_k"]`` active features per
+    position: a Lorsa on ``lorsa_layers`` (default: ``s["lorsa_layer"]`` alone; an attention error node per position
+    there), a transcoder on every MLP. ``lorsa`` / ``transcoder``: the modules the layers name (default: stand-ins
+    with the Lorsa's QK shape and a resident transcoder); ``ids(kind, n)``: the ``n`` heads (``"lorsa"``) or features
+    (``"tc"``) of a layer's nodes, called per layer, Lorsa first (default: all 0)."""
     ar = torch.arange(P)
     layers, feats, errors, col = [], [], [], 0
-    lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"]))
-    transcoder = SimpleNamespace(weights_owner=None)  # resident (offload_terms: nothing offloaded)
+    if lorsa is None:
+        lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"]))
+    if transcoder is None:
+        transcoder = SimpleNamespace(weights_owner=None)  # resident (offload_terms: nothing offloaded)
+    with_lorsa = {s["lorsa_layer"]} if lorsa_layers is None else set(lorsa_layers)
+    if ids is None:
+        def ids(kind: str, n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.long)
     for layer in range(s["n_layers"]):
         lay = LayerLayout(layer=layer)
-        if layer == s["lorsa_layer"]:
+        if layer in with_lorsa:
             lay.lorsa, lay.lorsa_pos, lay.lorsa_start = lorsa, ar.repeat_interleave(s["lorsa_k"]), col
-            lay.lorsa_head = torch.zeros_like(lay.lorsa_pos)
+            lay.lorsa_head = ids("lorsa", lay.lorsa_pos.numel())
             col += lay.lorsa_pos.numel()
             feats.append(NodeTable.make(LORSA, layer, lay.lorsa_pos, lay.lorsa_head))
         lay.transcoder, lay.tc_pos, lay.tc_start = transcoder, ar.repeat_interleave(s["tc_k"]), col
-        lay.tc_feat = torch.zeros_like(lay.tc_pos)
+        lay.tc_feat = ids("tc", lay.tc_pos.numel())
         col += lay.tc_pos.numel()
         feats.append(NodeTable.make(TRANSCODER, layer, lay.tc_pos, lay.tc_feat))
         layers.append(lay)

@@ -20,11 +20,11 @@ import json
 import torch
 
 from benchmarks._timing import RESULTS, arg, command, parser, write
+from benchmarks.attribution_host_estimate_8b import synthetic_layout
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa._placement import set_offload
 from nnsight_lorsa.attribution.budget import estimate_layout
-from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
-from nnsight_lorsa.attribution.layout import LayerLayout, Layout
+from nnsight_lorsa.attribution.layout import Layout
 from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
 #: the shapes of ``benchmarks/gpu_scale.py``'s ``8b`` scale
@@ -49,31 +49,12 @@ def all_lorsa_layout(P: int, frac: float, s: dict = SHAPE) -> Layout:
     nodes per position, heads and features uniform over the first ``frac`` of them (seeded)."""
     g = torch.Generator().manual_seed(P)
     lorsa, tc = offloaded_modules(s)
-    ar = torch.arange(P)
-    layers, feats, errors, col = [], [], [], 0
-    for layer in range(s["n_layers"]):
-        lay = LayerLayout(layer=layer)
-        lay.lorsa, lay.lorsa_pos, lay.lorsa_start = lorsa, ar.repeat_interleave(s["lorsa_k"]), col
-        lay.lorsa_head = torch.randint(0, max(1, int(frac * s["n_ov"])), (lay.lorsa_pos.numel(),), generator=g)
-        col += lay.lorsa_pos.numel()
-        feats.append(NodeTable.make(LORSA, layer, lay.lorsa_pos, lay.lorsa_head))
-        lay.transcoder, lay.tc_pos, lay.tc_start = tc, ar.repeat_interleave(s["tc_k"]), col
-        lay.tc_feat = torch.randint(0, max(1, int(frac * s["d_tc"])), (lay.tc_pos.numel(),), generator=g)
-        col += lay.tc_pos.numel()
-        feats.append(NodeTable.make(TRANSCODER, layer, lay.tc_pos, lay.tc_feat))
-        layers.append(lay)
-    n_features = col
-    for lay in layers:
-        lay.attn_err_start, col = col, col + P
-        errors.append(NodeTable.make(ATTN_ERROR, lay.layer, ar, -1))
-        lay.mlp_err_start, col = col, col + P
-        errors.append(NodeTable.make(MLP_ERROR, lay.layer, ar, -1))
-    emb_start, col = col, col + P
-    logits = torch.arange(s["n_logits"])
-    nodes = NodeTable.cat([*feats, *errors, NodeTable.make(EMBEDDING, -1, ar, ar),
-                           NodeTable.make(LOGIT, s["n_layers"], torch.full((s["n_logits"],), P - 1), logits)])
-    return Layout(tokens=ar, layers=layers, emb_start=emb_start, n_sources=col, n_features=n_features, bias={},
-                  logit_tokens=logits, logit_probs=torch.full((s["n_logits"],), 0.09), nodes=nodes)
+    width = {"lorsa": s["n_ov"], "tc": s["d_tc"]}
+
+    def ids(kind: str, n: int) -> torch.Tensor:
+        return torch.randint(0, max(1, int(frac * width[kind])), (n,), generator=g)
+
+    return synthetic_layout(P, s, lorsa=lorsa, transcoder=tc, lorsa_layers=range(s["n_layers"]), ids=ids)
 
 
 def main() -> None:
