@@ -524,3 +524,28 @@ def sync_spy(host_reads_anywhere: bool = False):
             return out
 
     return Spy()
+
+
+def dense_budget_assembly(layout, scheduler, entries_of=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(adjacency, residual)`` of a budgeted graph as the former per-entry masks built it (the tests' reference): a
+    dense ``(n, n)`` matrix filled from the stored sparse rows, edges from unvisited features summed into the residual.
+    ``entries_of(rows)``: the stored ``(row, col, val)`` entries of the scheduler's ``SparseRows`` (default its own
+    ``chunks()``; a test of ``chunks`` passes a reader of its own)."""
+    targets = torch.tensor(scheduler.done)
+    nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
+    visited = torch.zeros(nf, dtype=torch.bool)
+    visited[targets[targets < nf]] = True
+    keep_src = torch.cat([visited, torch.ones(ns - nf, dtype=torch.bool)])
+    node_ids = torch.cat([keep_src.nonzero().flatten(), torch.arange(ns, ns + nl)])
+    index = torch.full((ns + nl,), -1, dtype=torch.long)
+    index[node_ids] = torch.arange(node_ids.numel())
+    n = node_ids.numel()
+    row_at = index[scheduler.position(scheduler.done)]
+    sp = scheduler.sparse()
+    adjacency = torch.zeros(n, n, dtype=sp.blocks[0].val.dtype)
+    residual = torch.zeros(n, dtype=torch.float64)
+    for row, col, val in (sp.chunks() if entries_of is None else entries_of(sp)):
+        k = keep_src[col]
+        adjacency[row_at[row[k]], index[col[k]]] = val[k]
+        residual.index_add_(0, row_at[row[~k]], val[~k].double())
+    return adjacency, residual.to(adjacency.dtype)

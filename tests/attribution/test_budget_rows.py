@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import attribution_setup, random_ids, rm
+from helpers import attribution_setup, dense_budget_assembly, random_ids, rm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,29 +34,6 @@ from nnsight_lorsa.attribution.rows import CHUNK_ENTRIES
 from nnsight_lorsa.errors import DenseAdjacencyError
 
 ENGINE = sys.modules["nnsight_lorsa.attribution.engine"]
-
-
-def dense_assembly(layout, scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(adjacency, residual)`` as ``rows.assemble`` built them before the blocks (the reference): a dense
-    ``(n, n)`` matrix filled from the stored sparse rows, edges from unvisited features summed into the residual."""
-    targets = torch.tensor(scheduler.done)
-    nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
-    visited = torch.zeros(nf, dtype=torch.bool)
-    visited[targets[targets < nf]] = True
-    keep_src = torch.cat([visited, torch.ones(ns - nf, dtype=torch.bool)])
-    node_ids = torch.cat([keep_src.nonzero().flatten(), torch.arange(ns, ns + nl)])
-    new_index = torch.full((ns + nl,), -1, dtype=torch.long)
-    new_index[node_ids] = torch.arange(node_ids.numel())
-    n = node_ids.numel()
-    row_at = new_index[scheduler.position(scheduler.done)]
-    sp = scheduler.sparse()
-    adjacency = torch.zeros(n, n, dtype=sp.blocks[0].val.dtype)
-    residual = torch.zeros(n, dtype=torch.float64)
-    for row, col, val in sp.chunks():
-        k = keep_src[col]
-        adjacency[row_at[row[k]], new_index[col[k]]] = val[k]
-        residual.index_add_(0, row_at[row[~k]], val[~k].double())
-    return adjacency, residual.to(adjacency.dtype)
 
 
 @contextlib.contextmanager
@@ -93,7 +70,7 @@ def test_budgeted_graph_blocks_equal_the_dense_assembly_bit_for_bit(tiny, seed, 
     ids = random_ids(1, seq, seed=seed)[0]
     with captured() as seen:
         g = attribute(tiny, ids, batch_size=batch, max_feature_nodes=budget)
-    want, want_residual = dense_assembly(seen["layout"], seen["scheduler"])
+    want, want_residual = dense_budget_assembly(seen["layout"], seen["scheduler"])
     blocks = g.block_adjacency
     assert blocks is not None and blocks.shape == want.shape
     with pytest.raises(DenseAdjacencyError, match=r"graph.densify\(\)"):  # as the full graph: never silently dense
@@ -125,7 +102,7 @@ def test_budgeted_graph_rows_are_the_full_graphs_and_its_methods_match_the_dense
     full = attribute(tiny, ids, batch_size=16)
     with captured() as seen:
         g = attribute(tiny, ids, batch_size=4, max_feature_nodes=budget)
-    want, _ = dense_assembly(seen["layout"], seen["scheduler"])
+    want, _ = dense_budget_assembly(seen["layout"], seen["scheduler"])
     dense = as_dense(g, want)
     # rows against the full graph (other batches, same arithmetic)
     F = full.densify().double()
@@ -210,7 +187,7 @@ def test_embedded_model_budgeted_graph_equals_the_dense_assembly(prompt, budget)
     with captured() as seen:
         g = attribute(bundle, prompt, batch_size=16, max_feature_nodes=budget)
     assert seen["layout"].n_features > budget and g.block_adjacency is not None
-    want, want_residual = dense_assembly(seen["layout"], seen["scheduler"])
+    want, want_residual = dense_budget_assembly(seen["layout"], seen["scheduler"])
     assert g.n_edges == int((want != 0).sum()) and float(g.edge_sum_error("mass").max()) < 1e-5
     assert torch.equal(g.residual, want_residual) and torch.equal(g.densify(), want)
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import attribution_setup, random_ids, rm
+from helpers import attribution_setup, dense_budget_assembly, random_ids, rm
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -106,27 +106,6 @@ def tiny():
     return rm(model, lorsas, tcs)
 
 
-def reference_assembly(layout, scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(adjacency, residual)`` of the budgeted graph as the former per-entry masks built them (dense)."""
-    targets = torch.tensor(scheduler.done)
-    nf, ns, nl = layout.n_features, layout.n_sources, layout.n_logits
-    visited = torch.zeros(nf, dtype=torch.bool)
-    visited[targets[targets < nf]] = True
-    keep_src = torch.cat([visited, torch.ones(ns - nf, dtype=torch.bool)])
-    node_ids = torch.cat([keep_src.nonzero().flatten(), torch.arange(ns, ns + nl)])
-    index = torch.full((ns + nl,), -1, dtype=torch.long)
-    index[node_ids] = torch.arange(node_ids.numel())
-    row_at = index[scheduler.position(scheduler.done)]
-    sp = scheduler.sparse()
-    adjacency = torch.zeros(node_ids.numel(), node_ids.numel(), dtype=sp.blocks[0].val.dtype)
-    residual = torch.zeros(node_ids.numel(), dtype=torch.float64)
-    for row, col, val in entries(sp):
-        k = keep_src[col]
-        adjacency[row_at[row[k]], index[col[k]]] = val[k]
-        residual.index_add_(0, row_at[row[~k]], val[~k].double())
-    return adjacency, residual.to(adjacency.dtype)
-
-
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 10_000), seq=st.integers(4, 14), budget=st.integers(1, 30), chunk=st.sampled_from([5, 64]),
        zero_positions=st.integers(0, 2))
@@ -163,7 +142,7 @@ def test_the_budgeted_graph_and_its_ranking_are_the_per_entry_references_bit_for
         g = attribute(tiny, random_ids(1, seq, seed=seed)[0], batch_size=2, max_feature_nodes=budget,
                       update_interval=1, zero_positions=zero_positions)
         seen["ranking_sums"] = False
-        want, want_residual = reference_assembly(seen["layout"], seen["scheduler"])
+        want, want_residual = dense_budget_assembly(seen["layout"], seen["scheduler"], entries)
         ROWS.CHUNK_ENTRIES = chunk  # the same rows assembled again, in pieces of ``chunk`` entries
         graph = ROWS.assemble(seen["layout"], seen["scheduler"], torch.zeros(seen["layout"].n_targets), "", {})
     finally:
