@@ -18,11 +18,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 
 
-def dry_run(tmp_path, **env) -> dict[str, list[str]]:
-    """Each step's command of a dry run (``GPU_SESSION_DRY_RUN=1``), as argv lists."""
+def dry_run(tmp_path, *steps: str, **env) -> dict[str, list[str]]:
+    """Each step's command of a dry run (``GPU_SESSION_DRY_RUN=1``) of ``steps`` (none: the default ones), as argv
+    lists."""
     run_env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_SESSION_DRY_RUN": "1",
                "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=run_env, cwd=ROOT)
+    proc = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True, timeout=300, env=run_env,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = {}
     for line in proc.stdout.splitlines():
@@ -30,6 +32,27 @@ def dry_run(tmp_path, **env) -> dict[str, list[str]]:
             head, command = line.split(": ", 1)
             steps[head[1:head.index("]")]] = shlex.split(command)
     return steps
+
+
+def gpu_scale_args(monkeypatch, argv: list[str], name: str):
+    """The options ``gpu_scale``'s parser makes of a step's ``python -m benchmarks.gpu_scale …`` argv (its ``main``
+    stopped at ``start``, before anything runs)."""
+    assert argv[1:3] == ["-m", "benchmarks.gpu_scale"], argv
+    gpu_scale = load_script(ROOT / "benchmarks" / "gpu_scale.py", name)
+    captured = {}
+
+    class Parsed(Exception):
+        pass
+
+    def capture(args):
+        captured["args"] = args
+        raise Parsed
+
+    monkeypatch.setattr(gpu_scale, "start", capture)
+    monkeypatch.setattr(sys, "argv", ["gpu_scale.py", *argv[3:]])
+    with pytest.raises(Parsed):
+        gpu_scale.main()
+    return captured["args"], gpu_scale
 
 
 @pytest.mark.parametrize("small", ["0", "1"])
@@ -43,24 +66,8 @@ def test_every_benchmark_step_parses_with_gpu_scales_parser(tmp_path, monkeypatc
     assert ("--scale" in steps["variants"]) == (small == "1")
     assert steps["suite"][1:4] == ["-m", "pytest", "-m"] and steps["suite"][4] == "gpu"
     assert any(a.startswith("--junitxml=") and a.endswith("/gpu_suite.xml") for a in steps["suite"])
-    gpu_scale = load_script(ROOT / "benchmarks" / "gpu_scale.py", "gpu_scale_for_session_test")
-    parsed = {}
-
-    class Parsed(Exception):
-        pass
-
-    def capture(args):
-        parsed["args"] = args
-        raise Parsed
-
-    monkeypatch.setattr(gpu_scale, "start", capture)
     for step in ("ab", "c", "d", "offload"):
-        argv = steps[step]
-        assert argv[1:3] == ["-m", "benchmarks.gpu_scale"], argv
-        monkeypatch.setattr(sys, "argv", ["gpu_scale.py", *argv[3:]])
-        with pytest.raises(Parsed):
-            gpu_scale.main()
-        args = parsed["args"]
+        args, gpu_scale = gpu_scale_args(monkeypatch, steps[step], "gpu_scale_for_session_test")
         scale = gpu_scale.SCALES[args.scale]
         assert args.scale == ("small" if small == "1" else "8b") and args.out.endswith(f"gpu_scale_{step}.json")
         assert sorted(args.skip) == sorted({"ab": ["c", "d"], "c": ["a", "b", "d"]}.get(step, ["a", "b", "c"]))
@@ -215,27 +222,18 @@ def test_gpu_record_carries_phase_peaks_and_keeps_a_memory_snapshot_run_apart(tm
     (snapped,) = scale["d_attribution_offload_all_lorsas_memory_snapshot"]
     assert snapped["memory_snapshot"] == snap and snapped["seconds"] == 99.0
 
-    run_env = {**os.environ, "OUT": str(tmp_path / "o2"), "PYTHON": sys.executable, "GPU_SESSION_DRY_RUN": "1",
-               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", str(SCRIPT), "memsnap"], capture_output=True, text=True, timeout=300, env=run_env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("[memsnap]")]
-    argv = shlex.split(line.split(": ", 1)[1])
-    gpu_scale = load_script(ROOT / "benchmarks" / "gpu_scale.py", "gpu_scale_for_memsnap_test")
-    captured = {}
-
-    class Parsed(Exception):
-        pass
-
-    def capture(parsed):
-        captured["args"] = parsed
-        raise Parsed
-
-    monkeypatch.setattr(gpu_scale, "start", capture)
-    monkeypatch.setattr(sys, "argv", ["gpu_scale.py", *argv[3:]])
-    with pytest.raises(Parsed):
-        gpu_scale.main()
-    parsed = captured["args"]
+    parsed, _ = gpu_scale_args(monkeypatch, dry_run(tmp_path / "o2", "memsnap")["memsnap"],
+                               "gpu_scale_for_memsnap_test")
     assert parsed.memory_snapshot == 1_000_000 and parsed.offload and parsed.attr_lorsa == "all"
     assert parsed.out.endswith("gpu_scale_memsnap.json") and parsed.tokens == [1024]
+
+
+def test_the_dprof_step_profiles_the_longest_d_prompt(tmp_path, monkeypatch):
+    """``dprof`` (not a default step): the ``d`` step's Lorsa layer at its longest prompt, with one more call under
+    the profiler (``--profile-kernels 40``), into its own JSON."""
+    d = dry_run(tmp_path / "default")["d"]
+    args, gpu_scale = gpu_scale_args(monkeypatch, dry_run(tmp_path, "dprof")["dprof"], "gpu_scale_for_dprof_test")
+    assert args.profile_kernels == 40 and not args.offload and sorted(args.skip) == ["a", "b", "c"]
+    assert int(args.attr_lorsa) == gpu_scale.SCALES[args.scale]["layer"]
+    assert args.tokens == [int(d[d.index("--tokens") + 4])] == [4096]
+    assert args.out.endswith("gpu_scale_dprof.json")
