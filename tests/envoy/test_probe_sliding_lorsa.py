@@ -56,6 +56,18 @@ def batch(lengths: list[int], side: str, seed: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def traced_site(model, adapter, lorsas, layer, ids, mask, error):
+    """``(x, positions, out)`` of a trace with the Lorsa of ``layer`` replacing its attention: the attention's input
+    and positions as the splice reads them, and the Lorsa's output (``hook_out``)."""
+    with torch.no_grad(), model.trace(ids, attention_mask=mask):
+        site = lorsas.replace(layer, error=error)
+        args, kwargs = model.get(adapter.attention_path(layer)).inputs
+        x = nnsight.save(adapter.attention_input(args, kwargs))
+        positions = nnsight.save(adapter.attention_positions(args, kwargs, x))
+        out = site.hook_out.output.save()
+    return x, positions, out
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=st.sampled_from(CASES), lengths=st.lists(st.integers(1, 16), min_size=1, max_size=3),
        side=st.sampled_from(["left", "right"]), error=st.booleans(), seed=st.integers(0, 2**16))
@@ -63,12 +75,7 @@ def test_the_traced_lorsa_on_a_sliding_layer_is_the_module_on_its_input(case, le
     model, adapter, lorsas = setup(*case)
     layer = case[2]
     ids, mask = batch(lengths, side, seed)
-    with torch.no_grad(), model.trace(ids, attention_mask=mask):
-        site = lorsas.replace(layer, error=error)
-        args, kwargs = model.get(adapter.attention_path(layer)).inputs
-        x = nnsight.save(adapter.attention_input(args, kwargs))
-        positions = nnsight.save(adapter.attention_positions(args, kwargs, x))
-        out = site.hook_out.output.save()
+    x, positions, out = traced_site(model, adapter, lorsas, layer, ids, mask, error)
     with torch.no_grad():
         want = lorsas[layer](x, positions, mask)
     tokens = mask.bool()
@@ -164,12 +171,7 @@ def test_the_traced_lorsa_on_a_sliding_layer_has_the_bits_it_had_when_the_host_r
     model, adapter, lorsas = setup(*case)
     layer = case[2]
     ids, mask = batch(lengths if padded else [max(lengths)] * len(lengths), side, seed)
-    with torch.no_grad(), model.trace(ids, attention_mask=mask):
-        site = lorsas.replace(layer, error=error)
-        args, kwargs = model.get(adapter.attention_path(layer)).inputs
-        x = nnsight.save(adapter.attention_input(args, kwargs))
-        positions = nnsight.save(adapter.attention_positions(args, kwargs, x))
-        out = site.hook_out.output.save()
+    x, positions, out = traced_site(model, adapter, lorsas, layer, ids, mask, error)
     with torch.no_grad():
         before = lorsas[layer](x, positions, mask.bool() if not bool(mask.all()) else None)
     assert torch.equal(out, before), (case, lengths, padded, side)
