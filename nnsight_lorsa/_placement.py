@@ -103,9 +103,10 @@ def torch_module(model: Any) -> Any:
     return get("") if callable(get) else model
 
 
-def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch.dtype]:
+def placement(module: Any, name: str | None = None, leave: Collection[str] = ()) -> tuple[torch.device, torch.dtype]:
     """``(device, dtype)`` of ``module``'s first floating-point parameter (``module`` a ``nn.Module`` or a
-    tensor); ``name`` names it in errors (default: its type).
+    tensor); ``name`` names it in errors (default: its type). ``leave``: qualified names of parameters not
+    counted (those a :class:`resident` block left on the host: the block computes where the others are).
 
     Raises:
         PlacementError: the module has no parameters, they are on the ``meta`` device (never
@@ -116,7 +117,8 @@ def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch
         t: torch.Tensor | None = module
         devices = {module.device}
     else:
-        params = list(module.parameters()) if hasattr(module, "parameters") else []
+        params = [p for n, p in module.named_parameters() if n not in leave] \
+            if hasattr(module, "named_parameters") else []
         t = next((p for p in params if p.is_floating_point()), params[0] if params else None)
         devices = {p.device for p in params}
     if t is None:
@@ -343,8 +345,10 @@ def overflowed(x: torch.Tensor) -> bool:
     return narrows_range(torch.float32, x.dtype) and not bool(torch.isfinite(x).all())
 
 
-def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
-    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts).
+def to_module(x: torch.Tensor, module: Any, name: str | None = None, leave: Collection[str] = ()) -> torch.Tensor:
+    """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts). Inside
+    ``with resident(module, device, leave):`` pass the same ``leave``: the module's device is then that of the
+    tensors the block copied (the left ones stay on the host).
 
     A cast to a dtype of narrower exponent range (fp16, ``|x| <= 65504``, from fp32 / bf16 / fp64; fp32 or bf16
     from fp64) that would turn a finite value of ``x`` into ``inf`` is refused (the module would compute NaN and
@@ -354,7 +358,7 @@ def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Te
         PlacementError: as :func:`placement` and :func:`check_one_dtype`; ``x`` holds finite values past the
             module dtype's range (names the module, both dtypes and the largest value).
     """
-    device, dtype = placement(module, name)
+    device, dtype = placement(module, name, leave)
     check_one_dtype(module, name)
     if not x.is_floating_point():
         return x.to(device=device)

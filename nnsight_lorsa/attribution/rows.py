@@ -122,7 +122,8 @@ class SparseRows:
         """
         g = grads.detach()
         a = g.abs()
-        abs_total = a.sum(1, dtype=torch.float64).to(HOST)  # NaN / inf iff a row holds one
+        abs_row = a.sum(1, dtype=torch.float64)  # on grads' device; NaN / inf iff a row holds one
+        abs_total = abs_row.to(HOST)
         bad = ~torch.isfinite(abs_total)
         if bool(bad.any()):  # a host tensor: no device read
             which = (rows if rows is not None else list(range(self.n_rows, self.n_rows + g.shape[0])))
@@ -136,7 +137,7 @@ class SparseRows:
         else:
             srt, order = a.sort(dim=1, descending=True)
             cum = srt.double().cumsum(1)
-            keep_sorted = ((cum - srt.double()) < keep_mass * abs_total[:, None]) & (srt > 0)
+            keep_sorted = ((cum - srt.double()) < keep_mass * abs_row[:, None]) & (srt > 0)
             keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
         del a
         if keep_mass is None or keep_mass >= 1.0:  # every non-zero kept: nothing dropped, residual exactly 0

@@ -89,6 +89,57 @@ def one_at_a_time(monkeypatch) -> dict[str, int]:
     return state
 
 
+def left_on_another_device(monkeypatch) -> dict[str, int]:
+    """Inside every ``resident(module, device, leave)`` block of an offloaded module, the tensors named in ``leave``
+    are ``meta`` tensors (as on a GPU, where they stay on the host while the rest is on the device): a block that
+    reads one, or that places its computation by every parameter rather than by those it copied, fails or differs.
+    Returns ``{"blocks": how many blocks left something}``. Found on an H200 (2026-11-27): a transcoder site's
+    ``to_module`` refused its own half-fetched module ("parameters on several devices")."""
+    state = {"blocks": 0}
+    enter, exit_ = placement.resident.__enter__, placement.resident.__exit__
+    swapped: dict[int, list] = {}
+
+    def leaving_enter(res):
+        out = enter(res)
+        if placement.offloaded(res.module) and res.leave:
+            saved = []
+            for prefix, sub in res.module.named_modules():
+                for store in (sub._parameters, sub._buffers):
+                    for name, t in list(store.items()):
+                        if t is not None and (f"{prefix}.{name}" if prefix else name) in res.leave:
+                            saved.append((store, name, t))
+                            store[name] = torch.empty_like(t, device="meta")
+            state["blocks"] += bool(saved)
+            swapped[id(res)] = saved
+        return out
+
+    def leaving_exit(res, *exc):
+        for store, name, t in swapped.pop(id(res), []):
+            store[name] = t
+        return exit_(res, *exc)
+
+    monkeypatch.setattr(placement.resident, "__enter__", leaving_enter)
+    monkeypatch.setattr(placement.resident, "__exit__", leaving_exit)
+    return state
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+@pytest.mark.parametrize("memory", ["fast", "lean"])
+def test_offloaded_sites_compute_where_the_tensors_they_copied_are(kind, memory, monkeypatch):
+    """The frozen pass's fetches of an offloaded Lorsa (q/k only, ``LORSA_OV`` left) and transcoder (skip path and
+    encoder input, ``coder_site_leave``) compute on the copied tensors' device and never read a left one: with the
+    left tensors on another device the graph (and a QK-traced one) is bit-identical to the resident modules'."""
+    rep = bundle(kind)
+    runs = [{"batch_size": 24, "memory": memory}, {"batch_size": 40, "memory": memory, "qk_heads": 2}]
+    refs = [attribute(rep, PROMPTS[0], **kw) for kw in runs]
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    real_copies(monkeypatch)
+    left = left_on_another_device(monkeypatch)
+    for kw, ref in zip(runs, refs, strict=True):
+        assert_identical(attribute(off, PROMPTS[0], **kw), ref, f"{kind} {sorted(kw)}")
+    assert left["blocks"] > 0, "no block left a tensor: vacuous"
+
+
 def assert_identical(g, ref, what: str) -> None:
     assert torch.equal(g.layout_ids, ref.layout_ids), what
     torch.testing.assert_close(g.values, ref.values, rtol=0, atol=0, equal_nan=True, msg=what)  # NaN: no value
