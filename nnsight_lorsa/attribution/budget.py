@@ -12,7 +12,7 @@ per edge:
   targets (``2·(n_features + n_logits)`` numbers), and the largest backward's transient (through a frozen MHSA
   ``2·d + 2·H·d_head + 2·H_kv·d_head``, with SDPA ``5·H·d_head`` for the middle term; through a Lorsa's values
   ``2·d + 2·u``; at least ``3·d``) — ``b`` bytes per number; on a GPU with SDPA attention
-  ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (fitted on an H200: the GPU kernels' saved tensors
+  ``c·L·d·P·b``, ``c`` = :data:`PER_COPY_NUMBERS_GPU_SDPA` (4.0, fitted on an H200: the GPU kernels' saved tensors
   were not taken apart) where some frozen MHSA layer is left — with none (a Lorsa on every attention: its frozen
   pass calls no SDPA) from the structure as on the CPU, the model's own parts included (measured on an
   H200 with the paper's Lorsa on all 32 layers, offloaded: 0.95–0.96× the estimate, 1024–4096 tokens; 0.72–0.89×
@@ -135,14 +135,15 @@ from .trace import AttributionCache, Prepared, frozen_sites, multiplier_dtype, p
 RESIDUAL_EXTRA = 2
 #: numbers per (layer, d_model, position) that one prompt copy of the frozen pass holds on a GPU with SDPA attention
 #: (no stored patterns), fitted on an H200 at the Llama-3.1-8B shape in bf16, batch 4
-#: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d), 2026-11-26 on f4fd3d1): the smallest coefficient whose
-#: estimate bounds the measured peak at 1024, 2048 and 4096 tokens (4.44, 4.05, 3.66 each; measured / estimate 0.99,
-#: 0.91, 0.84); at 512 tokens, where every transcoder site keeps its grid, the peak is 2 % above the estimate. A fitted
-#: coefficient: what the GPU's SDPA kernels keep for the backward could not be taken apart without a GPU (the CPU's SDPA
-#: path is counted from the structure). 6.8 until then, fitted while the frozen pass still kept every norm's input.
+#: (``benchmarks/results/gpu_scale_8b_NVIDIA_H200.json``, (d), 2026-11-27 on 6610067): the smallest coefficient whose
+#: estimate bounds the measured peak at 512-4096 tokens (3.81, 3.93, 3.77, 3.33 each; measured / estimate 0.995,
+#: 0.985, 0.952, 0.856). A fitted coefficient: what the GPU's SDPA kernels keep for the backward could not be taken
+#: apart without a GPU (the CPU's SDPA path is counted from the structure). 4.5 from 2026-11-26 (fitted before a
+#: frozen MHSA's q/k were computed once and the frozen pass's unembedding ran on the last position only: measured /
+#: estimate 0.77-0.98 on 2026-11-27), 6.8 before, fitted while the frozen pass still kept every norm's input.
 #: Fitted with 31 of 32 layers frozen SDPA MHSAs: used only where some frozen MHSA layer is left (with a Lorsa on
 #: every attention the GPU path counts from the structure, :func:`estimate_layout`; since 2026-11-27)
-PER_COPY_NUMBERS_GPU_SDPA = 4.5
+PER_COPY_NUMBERS_GPU_SDPA = 4.0
 #: source-sized buffers per prompt copy: multipliers, their gradient, its copy, and the row temporaries (measured:
 #: up to 6 at once — the ones, five gradients of slices of them still being summed — on the CPU's SDPA path)
 ROW_BUFFERS = 6
@@ -343,7 +344,10 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
     so no product keeps its input for a weight gradient never taken: ``2L + 2`` fewer ``(P, d)`` tensors per copy,
     the per-copy growth measured 2.0–2.3× smaller); with SDPA (no stored patterns) each frozen MHSA's values,
     repeated to every head, and its output (``2·H·d_head``); and the targets, ``2·(n_features + n_logits)`` numbers
-    (each site's pre-activations and their concatenation) plus each Lorsa's read on its grid by OV head.
+    (each site's pre-activations and their concatenation) plus, with stored patterns, each Lorsa's read on its grid
+    by OV head (``heads active × most nodes of one head``; without stored patterns the rows are recomputed in chunks,
+    :func:`.frozen.z_pre`, and no grid is made: counted there until 2026-11-27, it was 5.1 of the 6.4 GB per copy the
+    H200's offloaded all-layer run was estimated at, 4096 tokens, and made its estimate 1.5x the measured peak).
 
     Transient, the largest one backward holds (at least ``3·d``: a transcoder's encoder read and the residual
     gradients): through a frozen MHSA the residual's and the layer output's gradients (``2·d``), its heads' output
@@ -377,10 +381,12 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
                 transient = max(transient, 2 * d + 5 * h + 2 * g)
         if lay.transcoder is not None and _has_skip(lay.transcoder):
             kept += d
-    # the targets: each site's pre-activations and their concatenation; a Lorsa's read on its grid by OV head
+    # the targets: each site's pre-activations and their concatenation; with stored patterns a Lorsa's read on its
+    # grid by OV head (replacement.lorsa_z_pre's slots.read) — without, its pattern rows are recomputed in chunks
+    # of frozen.ROW_CHUNK_ELEMENTS (frozen.z_pre): no grid, nothing per node and copy past its targets
     targets = 2 * (layout.n_features + layout.n_logits)
     for lay in layout.layers:
-        if lay.lorsa is not None and lay.lorsa_head.numel():
+        if store_patterns and lay.lorsa is not None and lay.lorsa_head.numel():
             per_head = torch.bincount(lay.lorsa_head)
             targets += int((per_head > 0).sum()) * int(per_head.max())
     return ((kept + transient) * P + targets) * itemsize

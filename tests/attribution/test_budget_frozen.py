@@ -126,3 +126,32 @@ def test_the_logits_term_counts_the_models_own_unembedding_on_the_last_position_
     slack = {b: out["predicted"][b] - peak for b, peak in out["peaks"].items()}
     assert min(slack.values()) >= 0, slack
     assert min(slack.values()) < (ids.numel() - 1) * vocab * model_itemsize, slack
+
+
+def test_a_lorsas_read_by_head_is_counted_only_where_its_grid_is_made():
+    """With stored patterns a Lorsa's pattern rows are read on a grid by OV head (``heads active × most nodes of one
+    head`` per prompt copy); without (the GPU's path, ``patterns="recompute"``) they are recomputed in chunks and no
+    grid is made, so how the nodes fall on heads does not change the per-copy term — all on one head or as the prompt
+    put them. Counted on that path too until 2026-11-27: the H200's offloaded all-layer estimate was 1.5× its peak.
+    The recompute path's peak stays within the estimate at every batch."""
+    import dataclasses
+
+    from nnsight_lorsa.attribution.trace import prepare
+
+    rm, _ = replacement_model("random")
+    ids = prompt(rm, 128) % 1000
+    layout = prepare(rm, ids).layout
+    one_head = dataclasses.replace(layout, layers=[
+        dataclasses.replace(lay, lorsa_head=torch.zeros_like(lay.lorsa_head)) if lay.lorsa is not None else lay
+        for lay in layout.layers])
+    cfg = hf_module(rm.model).config
+    kw = {"n_layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size, "mhsa_widths": None, "itemsize": 4}
+    spread = [lay.lorsa_head for lay in layout.layers if lay.lorsa is not None and lay.lorsa_head.numel()]
+    assert spread and all(int(torch.unique(h).numel()) > 1 for h in spread)  # not vacuous: several heads
+    assert (budget.frozen_per_copy_bytes(layout, store_patterns=False, **kw)
+            == budget.frozen_per_copy_bytes(one_head, store_patterns=False, **kw))
+    assert (budget.frozen_per_copy_bytes(layout, store_patterns=True, **kw)
+            != budget.frozen_per_copy_bytes(one_head, store_patterns=True, **kw))
+    out = frozen_pass_peaks(rm, ids, patterns="recompute", batches=(1, 2, 4))
+    for b, peak in out["peaks"].items():
+        assert peak <= out["predicted"][b], (b, peak, out["predicted"][b])
