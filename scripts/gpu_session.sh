@@ -25,9 +25,12 @@
 #            largest, into the JSON: where the device peak is; slower than offload — at 4096 tokens the 10^6-entry
 #            buffer may overflow, `truncated`; not in the default steps; timeout 540 s)
 #            -> $OUT/gpu_scale_memsnap.json, recorded under its own key (..._memory_snapshot)
-#   dprof    the d step's longest prompt (4096 tokens) with --profile-kernels 40: one more attribute call under
+#   dprof    the d step's 1024-token prompt with --profile-kernels 40: one more attribute call under
 #            torch.profiler, its top operators by device time and by host time in the row (`kernel_profile`: where
-#            a batch's time above the floor goes, kernel by kernel; ~120 s; not in the default steps; timeout 240 s)
+#            a batch's time above the floor goes, kernel by kernel; not in the default steps; timeout 240 s; at 4096
+#            tokens the profiled call did not end in 147 s on an H200, 2026-11-27: a 32 s call, ~5x under the profiler)
+#   oprof    the offload step's run at 1024 tokens (a 35 s call) with --profile-kernels 40: where the offloaded
+#            all-layer call's 5-7x the floor goes (not in the default steps; timeout 420 s)
 #   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
 #            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
@@ -146,12 +149,14 @@ for step in "${STEPS[@]}"; do
                --out "$OUT/gpu_scale_d.json" ;;
     memsnap) run_step memsnap 540 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[0]}" --memory-snapshot --out "$OUT/gpu_scale_memsnap.json" ;;
-    dprof)   run_step dprof 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[-1]}" \
+    dprof)   run_step dprof 240 "${GS[@]}" --skip a b c --attr-lorsa "$LAYER" --tokens "${D_TOKENS[1]}" \
                --profile-kernels 40 --out "$OUT/gpu_scale_dprof.json" ;;
+    oprof)   run_step oprof 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
+               --tokens "${OFF_TOKENS[0]}" --profile-kernels 40 --out "$OUT/gpu_scale_oprof.json" ;;
     pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
     offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof pin)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof oprof pin)" >&2; exit 2 ;;
   esac
 done
 pack

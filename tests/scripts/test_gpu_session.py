@@ -228,12 +228,18 @@ def test_gpu_record_carries_phase_peaks_and_keeps_a_memory_snapshot_run_apart(tm
     assert parsed.out.endswith("gpu_scale_memsnap.json") and parsed.tokens == [1024]
 
 
-def test_the_dprof_step_profiles_the_longest_d_prompt(tmp_path, monkeypatch):
-    """``dprof`` (not a default step): the ``d`` step's Lorsa layer at its longest prompt, with one more call under
-    the profiler (``--profile-kernels 40``), into its own JSON."""
-    d = dry_run(tmp_path / "default")["d"]
+def test_the_profile_steps_profile_the_d_and_offload_runs_at_1024_tokens(tmp_path, monkeypatch):
+    """``dprof`` and ``oprof`` (not default steps): the ``d`` step's Lorsa layer and the ``offload`` step's all-layer
+    run at 1024 tokens (4096 did not finish under the profiler on an H200), with one more call under the profiler
+    (``--profile-kernels 40``), each into its own JSON."""
+    default = dry_run(tmp_path / "default")
+    d, off = default["d"], default["offload"]
     args, gpu_scale = gpu_scale_args(monkeypatch, dry_run(tmp_path, "dprof")["dprof"], "gpu_scale_for_dprof_test")
     assert args.profile_kernels == 40 and not args.offload and sorted(args.skip) == ["a", "b", "c"]
     assert int(args.attr_lorsa) == gpu_scale.SCALES[args.scale]["layer"]
-    assert args.tokens == [int(d[d.index("--tokens") + 4])] == [4096]
+    assert args.tokens == [int(d[d.index("--tokens") + 2])] == [1024]
     assert args.out.endswith("gpu_scale_dprof.json")
+    args, _ = gpu_scale_args(monkeypatch, dry_run(tmp_path / "o", "oprof")["oprof"], "gpu_scale_for_oprof_test")
+    assert args.profile_kernels == 40 and args.offload and args.shared_weights and args.attr_lorsa == "all"
+    assert args.tokens == [int(off[off.index("--tokens") + 1])] == [1024] and args.cap_gb == 80
+    assert args.out.endswith("gpu_scale_oprof.json")
