@@ -43,7 +43,7 @@ PARAMS = ACTIVATION_PARAMS
 def meta_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the splice run modules held on ``meta`` (it refuses them: their weights were never loaded)."""
 
-    def placement(module, name=None):  # type: ignore[no-untyped-def]
+    def placement(module, name=None, leave=()):  # type: ignore[no-untyped-def]
         t = module if isinstance(module, torch.Tensor) else next(p for p in module.parameters()
                                                                  if p.is_floating_point())
         return t.device, t.dtype
