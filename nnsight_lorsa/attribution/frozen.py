@@ -40,7 +40,8 @@ torch only (these functions run inside a trace, also on an NDIF server).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -387,12 +388,79 @@ def choose(mode: str, n: int, d: int, dtype: torch.dtype, copies: int = 1) -> st
     return "grid" if n * d * size * max(1, copies) <= GRID_BUDGET_BYTES else "gather"
 
 
-#: elements of one ``(batch, pos, chunk)`` gathered-values temporary (recomputed Lorsa pattern rows)
+#: elements of one step's ``(batch, pos, slots)`` gathered-values temporary (recomputed Lorsa pattern rows,
+#: :class:`PatternRows`) on the CPU; a step's ``(heads, pos, d_qk)`` fp32 key block is held to it as well
 ROW_CHUNK_ELEMENTS = 2**22
+#: the same on a GPU: each step is ~20 dispatched operators, host time that a larger step amortises (the
+#: Llama-3.1-8B Lorsa at 1024 tokens, batch 4: 256 QK heads, ~512 nodes each, was 256 steps per layer and
+#: direction, one per QK head, and is 16 of ``2**25``); counted by ``estimate_memory``'s ``row_chunks`` term
+ROW_CHUNK_ELEMENTS_DEVICE = 2**25
+
+
+def row_chunk_elements(device: torch.device) -> int:
+    """:data:`ROW_CHUNK_ELEMENTS` on the CPU, :data:`ROW_CHUNK_ELEMENTS_DEVICE` elsewhere."""
+    return ROW_CHUNK_ELEMENTS if device.type == "cpu" else ROW_CHUNK_ELEMENTS_DEVICE
+
+
+class RowStep(NamedTuple):
+    """One step of :func:`plan_rows`: QK heads ``order[block:block + heads]`` (of the block
+    ``order[block:block + block_len]``, whose keys it shares), slot columns ``[col, col + width)`` of each,
+    flat slots ``[first, first + heads·width)``."""
+
+    block: int
+    block_len: int
+    heads: int
+    col: int
+    width: int
+    first: int
+
+
+def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: int
+              ) -> tuple[list[int], list[RowStep]]:
+    """The steps of :class:`PatternRows` for ``counts[g]`` nodes of QK head ``g``: the heads with nodes, most
+    nodes first (``order``), in blocks of at most ``elements // (n_pos·d_qk)`` (their fp32 keys), each block's
+    nodes on a ``(heads, most nodes)`` slot grid cut into column ranges of ``width`` with
+    ``batch·n_pos·heads·width`` ≤ ``elements`` (``heads``: those of the block with a node in the range — a
+    prefix, as the order is by count; a padded slot is a head's column past its count). A step's padding is at
+    most its own slots and each step either fills ``elements`` or ends a head, so the steps number at most
+    ``2·batch·n_pos·n / elements + log2(heads) + blocks`` (``n`` nodes) — not one per QK head."""
+    order = sorted((g for g, c in enumerate(counts) if c), key=lambda g: -counts[g])
+    block_len = max(1, elements // max(1, n_pos * d_qk))
+    steps: list[RowStep] = []
+    first = 0
+    for block in range(0, len(order), block_len):
+        cs = [counts[g] for g in order[block:block + block_len]]
+        col = 0
+        while col < cs[0]:
+            heads = sum(1 for c in cs if c > col)
+            width = min(max(1, elements // max(1, batch * n_pos * heads)), cs[0] - col)
+            steps.append(RowStep(block, len(cs), heads, col, width, first))
+            first += heads * width
+            col += width
+    return order, steps
+
+
+def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
+    """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its block's keys
+    and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
+    making the rows — fp32 scores and their softmax, ``(slots, pos)`` each — and using them: the rows in
+    ``itemsize`` and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered; in the backward the rows
+    times the gradient); and the step's int64 indices and ``(batch, slots)`` results."""
+    slots = step.heads * step.width
+    qk = (step.block_len * n_pos + slots) * d_qk
+    making, using = 8 * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
+    return qk * (4 + (qk_itemsize if qk_itemsize != 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
+
+
+class _Plan(NamedTuple):
+    steps: list[RowStep]
+    groups: torch.Tensor  # (heads with nodes,) QK head of each, most nodes first
+    slot_node: torch.Tensor  # (slots,) the node in each slot, n (the padding's dummy node) where padded
 
 
 class PatternRows:
-    """The nodes' pattern rows, computed on demand from frozen queries and keys.
+    """The nodes' pattern rows, computed on demand from frozen queries and keys, many QK heads per step
+    (:func:`plan_rows`: one ``bmm`` of the step's slots' queries and their heads' keys).
 
     Args:
         q, k: ``(n_qk, pos, d_qk)`` frozen queries and keys (QK-norm and RoPE applied).
@@ -402,22 +470,54 @@ class PatternRows:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: Int[torch.Tensor, " n"], qpos: Int[torch.Tensor, " n"],
                  scale: float) -> None:
-        self.q, self.k, self.qpos, self.scale = q, k, qpos, scale
-        order = torch.argsort(group, stable=True)
-        counts = torch.bincount(group, minlength=q.shape[0]).tolist()
-        self.by_group = [(g, nodes) for g, nodes in enumerate(order.split(counts)) if nodes.numel()]
+        self.q, self.k, self.scale, self.n = q, k, scale, group.numel()
+        # a padded slot's node: query position 0 (its row attends to key 0 alone: finite, never all masked)
+        self.qpos_pad = torch.cat([qpos, qpos.new_zeros(1)])
+        self.order = torch.argsort(group, stable=True)  # nodes by QK head
+        self.counts = torch.bincount(group, minlength=q.shape[0]).tolist()  # one host read per layer and pass
+        self._plans: dict[tuple[int, int], _Plan] = {}
 
-    def chunks(self, batch: int) -> list[tuple[int, torch.Tensor]]:
-        """``(qk head, node indices)`` chunks with ``batch·pos·len(nodes)`` ≤ :data:`ROW_CHUNK_ELEMENTS`."""
-        step = max(1, ROW_CHUNK_ELEMENTS // max(1, batch * self.q.shape[1]))
-        return [(g, part) for g, nodes in self.by_group for part in nodes.split(step)]
+    def plan(self, batch: int) -> _Plan:
+        """The steps for ``batch`` copies and their slots' nodes (made once per batch size and device budget:
+        one host→device copy)."""
+        elements = row_chunk_elements(self.q.device)
+        key = (batch, elements)
+        if key not in self._plans:
+            order, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
+            counts = torch.tensor(self.counts, dtype=torch.long)
+            starts = counts.cumsum(0) - counts
+            grp = torch.tensor(order, dtype=torch.long)
+            parts = [grp]
+            for st in steps:
+                heads = grp[st.block:st.block + st.heads]
+                cols = st.col + torch.arange(st.width)
+                at = starts[heads, None] + cols[None]
+                parts.append(torch.where(cols[None] < counts[heads, None], at, self.n).reshape(-1))
+            flat = torch.cat(parts).to(self.q.device)
+            order_pad = torch.cat([self.order, self.order.new_full((1,), self.n)])
+            self._plans[key] = _Plan(steps, flat[:len(order)], order_pad[flat[len(order):]])
+        return self._plans[key]
 
-    def rows(self, g: int, nodes: torch.Tensor, dtype: torch.dtype) -> Float[torch.Tensor, "m pos"]:
-        """Pattern rows of ``nodes`` (all of QK head ``g``): causal softmax in fp32, cast to ``dtype``."""
-        qpos = self.qpos[nodes]
-        scores = (self.q[g, qpos].float() @ self.k[g].float().T) / self.scale
-        future = torch.arange(self.k.shape[1], device=scores.device)[None] > qpos[:, None]
-        return scores.masked_fill(future, float("-inf")).softmax(-1).to(dtype)
+    def tiles(self, batch: int, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(slots' nodes, their pattern rows (slots, pos))`` per step: causal softmax in fp32, cast to
+        ``dtype``; a padded slot's node is ``n`` and its row finite."""
+        plan = self.plan(batch)
+        future_of = torch.arange(self.k.shape[1], device=self.k.device)
+        kb, at = self.k, -1
+        for st in plan.steps:
+            if st.block != at:  # the block's keys, fp32, shared by its steps
+                kb, at = self.k[plan.groups[st.block:st.block + st.block_len]].float(), st.block
+            nodes = plan.slot_node[st.first:st.first + st.heads * st.width]
+            qpos = self.qpos_pad[nodes].view(st.heads, st.width)
+            qs = self.q[plan.groups[st.block:st.block + st.heads, None], qpos].float()
+            scores = torch.bmm(qs, kb[:st.heads].transpose(1, 2)).div_(self.scale)
+            del qs
+            scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
+            rows = scores.softmax(-1)
+            del scores  # not held while the rows are used, nor the fp32 rows once cast
+            rows = rows.to(dtype).view(st.heads * st.width, -1)
+            yield nodes, rows
+            del rows
 
 
 class _ZPre(torch.autograd.Function):
@@ -425,20 +525,22 @@ class _ZPre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, v: torch.Tensor, rows: PatternRows, col: torch.Tensor) -> torch.Tensor:
-        ctx.rows, ctx.col, ctx.shape = rows, col, v.shape
-        out = v.new_zeros(v.shape[0], col.numel())
-        for g, nodes in rows.chunks(v.shape[0]):
-            r = rows.rows(g, nodes, v.dtype)
-            out[:, nodes] = torch.einsum("mp,bpm->bm", r, v[:, :, col[nodes]])
-        return out
+        n = col.numel()
+        col_pad = torch.cat([col, col.new_zeros(1)])  # a padded slot reads column 0, written to the dummy node n
+        ctx.rows, ctx.col_pad, ctx.shape = rows, col_pad, v.shape
+        out = v.new_zeros(v.shape[0], n + 1)
+        v_t = v.permute(2, 0, 1)  # (u, batch, pos), a view: each slot's values gathered as one (batch, pos) block
+        for nodes, r in rows.tiles(v.shape[0], v.dtype):
+            out.index_copy_(1, nodes, torch.bmm(v_t[col_pad[nodes]], r[:, :, None])[:, :, 0].T)
+        return out[:, :n]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        rows, col = ctx.rows, ctx.col
+        rows, col_pad = ctx.rows, ctx.col_pad
+        grad_pad = torch.cat([grad, grad.new_zeros(grad.shape[0], 1)], 1)  # a padded slot's gradient: 0
         grad_v = grad.new_zeros(ctx.shape)
-        for g, nodes in rows.chunks(grad.shape[0]):
-            r = rows.rows(g, nodes, grad.dtype)
-            grad_v.index_add_(2, col[nodes], r.T[None] * grad[:, None, nodes])
+        for nodes, r in rows.tiles(grad.shape[0], grad.dtype):
+            grad_v.index_add_(2, col_pad[nodes], r.T[None] * grad_pad[:, None, nodes])
         return grad_v, None, None
 
 

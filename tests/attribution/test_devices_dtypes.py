@@ -472,11 +472,12 @@ def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_
     ``dtype=torch.float32`` at 4 B (its fp32 copy's)."""
     from nnsight_lorsa.attribution.trace import prepare
 
-    def shared(model_dtype, module_dtype, dtype=None):  # without the gathered sites' chunk temporaries, which
+    def shared(model_dtype, module_dtype, dtype=None):  # without the gathered sites' chunk temporaries and the
+        # recomputed Lorsa rows' indices and step (lean: no grid, no kept pattern — the step is the only making), which
         # follow each site's active-node count (and so the model's dtype: other activations, other top-k nodes)
         terms = estimate_memory(setup("cpu", model_dtype, module_dtype), IDS, batch_size=8, memory="lean",
                                 dtype=dtype).terms
-        return terms["frozen_shared"] - terms["gather_chunks"]
+        return terms["frozen_shared"] - terms["gather_chunks"] - terms["row_chunks"]
 
     rep = setup("cpu", torch.bfloat16, torch.float32)
     layout = prepare(rep, IDS).layout
