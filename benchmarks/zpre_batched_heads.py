@@ -6,7 +6,8 @@ per position, drawn uniformly, so ~0.5 node per QK head and position), batch 4, 
 a GPU each dispatched operator is a kernel launch or host work of a few µs: the count is what the per-head loop
 cost there (256+ steps a layer and direction, ~10 launches each). ``--elements`` sets
 ``frozen.ROW_CHUNK_ELEMENTS`` (the CPU's step budget) for the op count: e.g. ``2**25``, the device's
-(``frozen.ROW_CHUNK_ELEMENTS_DEVICE``), counts on the CPU what a GPU dispatches. Only the public ``PatternRows`` /
+(``frozen.ROW_CHUNK_ELEMENTS_DEVICE``), counts on the CPU what a GPU dispatches. ``steps``: the steps per
+direction from the layout alone (``--steps-only`` lengths are not run: 4096 tokens is ~16× the 1024's CPU time). Only the public ``PatternRows`` /
 ``z_pre`` are used, so the same script measures an older tree (``--before``: its JSON, embedded as ``before``):
 
     cd /work/main && OMP_NUM_THREADS=1 PYTHONPATH=/work/main python /path/to/tree/benchmarks/zpre_batched_heads.py \\
@@ -63,11 +64,28 @@ def run(case: dict[str, Any]) -> torch.Tensor:
     return out.detach()
 
 
-def measure(pos: int, batch: int, dtype: torch.dtype, repeats: int, elements: list[int]) -> dict[str, Any]:
+def steps(group: torch.Tensor, pos: int, batch: int, elements: int) -> dict[str, int]:
+    """Steps per direction (forward or backward) from the layout alone: the per-QK-head loop's chunks
+    (``ceil(count / (elements // (batch·pos)))`` per head with nodes) and, where this tree has it,
+    ``frozen.plan_rows``'s steps."""
+    counts = torch.bincount(group, minlength=N_QK).tolist()
+    step = max(1, elements // (batch * pos))
+    out = {"per_head_loop": sum(-(-c // step) for c in counts if c)}
+    if hasattr(frozen, "plan_rows"):
+        out["plan_rows"] = len(frozen.plan_rows(counts, pos, batch, D_QK, elements)[1])
+    return out
+
+
+def measure(pos: int, batch: int, dtype: torch.dtype, repeats: int, elements: list[int], run_it: bool
+            ) -> dict[str, Any]:
     case = layer(pos, batch, dtype)
     row: dict[str, Any] = {"pos": pos, "batch": batch, "dtype": str(dtype).removeprefix("torch."),
                            "nodes": int(case["col"].numel()), "ov_columns": int(case["v"].shape[-1]),
-                           "qk_heads_with_nodes": int(torch.unique(case["group"]).numel())}
+                           "qk_heads_with_nodes": int(torch.unique(case["group"]).numel()),
+                           "steps": {str(e): steps(case["group"], pos, batch, e) for e in elements}}
+    if not run_it:  # the layout's steps only
+        print(row, flush=True)
+        return row
     default = frozen.ROW_CHUNK_ELEMENTS
     seconds = []
     for _ in range(repeats):
@@ -94,6 +112,7 @@ def main() -> None:
     p = parser(__doc__, tokens=arg([1024, 4096], type=int, nargs="+"), batch=4, repeats=3, dtype="float32",
                elements=arg([2**22, 2**25], type=int, nargs="+", help="step budgets to count ops at"),
                before=arg(None, help="an earlier run's JSON (e.g. of the tree before), embedded as 'before'"),
+               steps_only=arg([], type=int, nargs="*", help="of --tokens, those only planned (steps, no run)"),
                label="", out=str(RESULTS / "zpre_batched_heads.json"))
     args = p.parse_args()
     start(args)
@@ -101,7 +120,7 @@ def main() -> None:
     from pathlib import Path
 
     dtype = getattr(torch, args.dtype)
-    rows = [measure(pos, args.batch, dtype, args.repeats if pos <= 1024 else 1, args.elements)
+    rows = [measure(pos, args.batch, dtype, args.repeats, args.elements, pos not in args.steps_only)
             for pos in args.tokens]
     out: dict[str, Any] = {"command": command("OMP_NUM_THREADS=1"), "label": args.label,
                            "torch": torch.__version__, "threads": torch.get_num_threads(),

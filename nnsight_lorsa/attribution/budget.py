@@ -573,7 +573,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
-             "row_chunks": row_kept + row_step,
+             "row_chunks": row_kept + row_step, "row_step": row_step,
              "node_grids": node_grids, **offload}
     place = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
     # the blocks kept on the device, in bytes ("host": none, no block needed)
