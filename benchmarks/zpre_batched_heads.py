@@ -7,8 +7,10 @@ a GPU each dispatched operator is a kernel launch or host work of a few µs: the
 cost there (256+ steps a layer and direction, ~10 launches each). ``--elements`` sets
 ``frozen.ROW_CHUNK_ELEMENTS`` (the CPU's step budget) for the op count: e.g. ``2**25``, the device's
 (``frozen.ROW_CHUNK_ELEMENTS_DEVICE``), counts on the CPU what a GPU dispatches. ``steps``: the steps per
-direction from the layout alone (``--steps-only`` lengths are not run: 4096 tokens is ~16× the 1024's CPU time). Only the public ``PatternRows`` /
-``z_pre`` are used, so the same script measures an older tree (``--before``: its JSON, embedded as ``before``):
+direction from the layout alone (``--steps-only`` lengths are not run: 4096 tokens is ~16× the 1024's CPU time).
+``--attribution-tokens``: also a whole ``attribute`` call's seconds (:func:`attribution`). Only the public
+``PatternRows`` / ``z_pre`` are used, so the same script measures an older tree (``--before``: its JSON, embedded
+as ``before``):
 
     cd /work/main && OMP_NUM_THREADS=1 PYTHONPATH=/work/main python /path/to/tree/benchmarks/zpre_batched_heads.py \\
         --out /tmp/before.json
@@ -108,12 +110,45 @@ def measure(pos: int, batch: int, dtype: torch.dtype, repeats: int, elements: li
     return row
 
 
+def attribution(tokens: int, repeats: int, rows: int) -> dict[str, Any]:
+    """Seconds of one ``attribute`` call on ``gpu_scale``'s ``small`` random Llama with the paper's Lorsa on every
+    layer (no transcoders), ``memory="lean"`` (the recomputed pattern rows; the CPU's default stores them), batch 4,
+    ``rows`` feature rows: the medians of ``repeats`` calls after one untimed."""
+    from benchmarks.gpu_scale import SCALES, build, paper_lorsa
+    from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, get_adapter
+
+    s, dev = SCALES["small"], torch.device("cpu")
+    model, hf = build(s, dev, torch.float32)
+    adapter = get_adapter(model)
+    lorsas = LorsaSet(model)
+    for L in range(s["n_layers"]):
+        lorsas[L] = paper_lorsa(s, adapter, hf, L, dev, torch.float32)
+    rm = ReplacementModel(model, lorsas=lorsas)
+    ids = torch.randint(0, s["vocab"], (tokens,), generator=torch.Generator().manual_seed(0))
+
+    def call() -> Any:
+        return attribute(rm, ids, batch_size=4, max_feature_nodes=rows, memory="lean")
+
+    call()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        graph = call()
+        seconds.append(time.perf_counter() - t0)
+    out = {"tokens": tokens, "rows": rows, "batch": 4, "seconds": sorted(seconds)[len(seconds) // 2],
+           "seconds_all": seconds, "n_nodes": int(graph.nodes.index.numel()),
+           "adjacency_abs_sum": float(graph.densify().double().abs().sum())}
+    print(out, flush=True)
+    return out
+
+
 def main() -> None:
     p = parser(__doc__, tokens=arg([1024, 4096], type=int, nargs="+"), batch=4, repeats=3, dtype="float32",
                elements=arg([2**22, 2**25], type=int, nargs="+", help="step budgets to count ops at"),
                before=arg(None, help="an earlier run's JSON (e.g. of the tree before), embedded as 'before'"),
                steps_only=arg([], type=int, nargs="*", help="of --tokens, those only planned (steps, no run)"),
-               label="", out=str(RESULTS / "zpre_batched_heads.json"))
+               attribution_tokens=arg(None, type=int, help="also time attribute(memory='lean') at this length"),
+               attribution_rows=16, label="", out=str(RESULTS / "zpre_batched_heads.json"))
     args = p.parse_args()
     start(args)
     import json
@@ -126,6 +161,8 @@ def main() -> None:
                            "torch": torch.__version__, "threads": torch.get_num_threads(),
                            "shape": {"n_qk": N_QK, "d_qk": D_QK, "ov_per_qk": GROUP, "active_per_position": ACTIVE},
                            "has_plan_rows": hasattr(frozen, "plan_rows"), "rows": rows}
+    if args.attribution_tokens:
+        out["attribution"] = attribution(args.attribution_tokens, args.repeats, args.attribution_rows)
     if args.before:
         out = {"before": json.loads(Path(args.before).read_text()), "after": out}
     write_json(args.out, out)

@@ -32,8 +32,13 @@ the backward (a custom autograd function; nothing per node kept beyond the indic
 Active Lorsa heads' ``z_pre`` without stored pattern rows (:class:`PatternRows`, :func:`z_pre`):
 a head node ``n`` (OV head ``h_n`` of QK head ``g_n`` at query position ``i_n``) has
 ``z_pre[n] = Σ_j A^{g_n}[i_n, j] · v_j^{h_n}`` (Lorsa paper §3.1); keeping every node's pattern row
-costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in chunks of nodes —
-per QK head one ``(chunk, d_qk) @ (d_qk, pos)`` matmul — in the forward and again in the backward.
+costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in every pass, forward and
+backward, many QK heads per step (:func:`plan_rows`): the nodes sit on a ``(QK heads, slots)`` grid, most nodes
+first, and a step is one ``bmm`` of its slots' queries with its heads' keys, the causal mask, an fp32 softmax and one
+contraction with (or, backward, one ``index_add_`` into) the values — ~20 dispatched operators a step, where a loop
+over QK heads dispatched ~10 per head (256 heads a layer at the Llama-3.1-8B Lorsa's shape; on a GPU each a kernel
+launch: docs/attribution.md, "Recomputed Lorsa pattern rows"). A padded slot reads query position 0 (a finite
+row) and writes a dummy node.
 
 torch only (these functions run inside a trace, also on an NDIF server).
 """
