@@ -408,58 +408,60 @@ def row_chunk_elements(device: torch.device) -> int:
 
 
 class RowStep(NamedTuple):
-    """One step of :func:`plan_rows`: QK heads ``order[block:block + heads]`` (of the block
-    ``order[block:block + block_len]``, whose keys it shares), slot columns ``[col, col + width)`` of each,
-    flat slots ``[first, first + heads·width)``."""
+    """One step of :func:`plan_rows`: pieces ``[piece, piece + heads)`` (of one QK head each: its nodes
+    ``[col, col + length)``), ``width`` slots each (the first piece's length, the longest), flat slots
+    ``[first, first + heads·width)``."""
 
-    block: int
-    block_len: int
+    piece: int
     heads: int
-    col: int
     width: int
     first: int
 
 
 def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: int
-              ) -> tuple[list[int], list[RowStep]]:
-    """The steps of :class:`PatternRows` for ``counts[g]`` nodes of QK head ``g``: the heads with nodes, most
-    nodes first (``order``), in blocks of at most ``elements // (n_pos·d_qk)`` (their fp32 keys), each block's
-    nodes on a ``(heads, most nodes)`` slot grid cut into column ranges of ``width`` with
-    ``batch·n_pos·heads·width`` ≤ ``elements`` (``heads``: those of the block with a node in the range — a
-    prefix, as the order is by count; a padded slot is a head's column past its count). A step's padding is at
-    most its own slots and each step either fills ``elements`` or ends a head, so the steps number at most
-    ``2·batch·n_pos·n / elements + log2(heads) + blocks`` (``n`` nodes) — not one per QK head."""
-    order = sorted((g for g, c in enumerate(counts) if c), key=lambda g: -counts[g])
-    block_len = max(1, elements // max(1, n_pos * d_qk))
+              ) -> tuple[list[tuple[int, int, int]], list[RowStep]]:
+    """The steps of :class:`PatternRows` for ``counts[g]`` nodes of QK head ``g``: ``(pieces, steps)``.
+
+    A QK head's nodes are cut into pieces ``(length, head, col)`` of at most ``elements // (batch·n_pos)`` slots
+    (one step's ``(batch, pos, slots)`` values); the pieces, longest first, are packed into steps of consecutive
+    pieces, each padded to the first's length, while the step's slots fit, its heads' fp32 keys fit
+    (``heads·n_pos·d_qk`` ≤ ``elements``) and its padding stays at most its nodes. A step so holds whole runs of
+    few heads' nodes, whose OV heads are neighbours (the values are gathered with the locality of one head's), and
+    the steps number at most ``4·batch·n_pos·n / elements + pieces / (elements // (n_pos·d_qk)) + log2(most) + 2``
+    (``n`` nodes; a step ended by its padding halves the next one's width) — not one per QK head."""
+    slots = max(1, elements // max(1, batch * n_pos))
+    most_heads = max(1, elements // max(1, n_pos * d_qk))
+    pieces = sorted(((min(slots, c - c0), g, c0) for g, c in enumerate(counts) for c0 in range(0, c, slots)),
+                    key=lambda p: -p[0])
     steps: list[RowStep] = []
-    first = 0
-    for block in range(0, len(order), block_len):
-        cs = [counts[g] for g in order[block:block + block_len]]
-        col = 0
-        while col < cs[0]:
-            heads = sum(1 for c in cs if c > col)
-            width = min(max(1, elements // max(1, batch * n_pos * heads)), cs[0] - col)
-            steps.append(RowStep(block, len(cs), heads, col, width, first))
-            first += heads * width
-            col += width
-    return order, steps
+    i = first = 0
+    while i < len(pieces):
+        width, j, real = pieces[i][0], i + 1, pieces[i][0]
+        while (j < len(pieces) and (j - i + 1) * width <= slots and j - i + 1 <= most_heads
+               and (j - i + 1) * width <= 2 * (real + pieces[j][0])):
+            real += pieces[j][0]
+            j += 1
+        steps.append(RowStep(i, j - i, width, first))
+        first += (j - i) * width
+        i = j
+    return pieces, steps
 
 
 def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
-    """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its block's keys
+    """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
     and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
     making the rows — fp32 scores and their softmax, ``(slots, pos)`` each — and using them: the rows in
-    ``itemsize`` and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered; in the backward the rows
-    times the gradient); and the step's int64 indices and ``(batch, slots)`` results."""
+    ``itemsize`` and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered, multiplied in place; in the
+    backward the rows times the gradient); and the step's int64 indices and ``(batch, slots)`` results."""
     slots = step.heads * step.width
-    qk = (step.block_len * n_pos + slots) * d_qk
+    qk = (step.heads * n_pos + slots) * d_qk
     making, using = 8 * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
     return qk * (4 + (qk_itemsize if qk_itemsize != 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
 
 
 class _Plan(NamedTuple):
     steps: list[RowStep]
-    groups: torch.Tensor  # (heads with nodes,) QK head of each, most nodes first
+    groups: torch.Tensor  # (pieces,) the QK head of each piece, in the steps' order
     slot_node: torch.Tensor  # (slots,) the node in each slot, n (the padding's dummy node) where padded
 
 
@@ -478,29 +480,28 @@ class PatternRows:
         self.q, self.k, self.scale, self.n = q, k, scale, group.numel()
         # a padded slot's node: query position 0 (its row attends to key 0 alone: finite, never all masked)
         self.qpos_pad = torch.cat([qpos, qpos.new_zeros(1)])
-        self.order = torch.argsort(group, stable=True)  # nodes by QK head
+        self.order = torch.argsort(group, stable=True)  # nodes by QK head, each head's in their order
         self.counts = torch.bincount(group, minlength=q.shape[0]).tolist()  # one host read per layer and pass
         self._plans: dict[tuple[int, int], _Plan] = {}
 
     def plan(self, batch: int) -> _Plan:
-        """The steps for ``batch`` copies and their slots' nodes (made once per batch size and device budget:
-        one host→device copy)."""
+        """The steps for ``batch`` copies and their slots' nodes (made once per batch size and step budget: one
+        host→device copy)."""
         elements = row_chunk_elements(self.q.device)
         key = (batch, elements)
         if key not in self._plans:
-            order, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
+            pieces, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
             counts = torch.tensor(self.counts, dtype=torch.long)
-            starts = counts.cumsum(0) - counts
-            grp = torch.tensor(order, dtype=torch.long)
+            length, grp, col0 = torch.tensor(pieces, dtype=torch.long).reshape(-1, 3).unbind(1)
+            at0 = (counts.cumsum(0) - counts)[grp] + col0  # each piece's first node, in self.order
             parts = [grp]
             for st in steps:
-                heads = grp[st.block:st.block + st.heads]
-                cols = st.col + torch.arange(st.width)
-                at = starts[heads, None] + cols[None]
-                parts.append(torch.where(cols[None] < counts[heads, None], at, self.n).reshape(-1))
+                cols = torch.arange(st.width)
+                sl = slice(st.piece, st.piece + st.heads)
+                parts.append(torch.where(cols < length[sl, None], at0[sl, None] + cols, self.n).reshape(-1))
             flat = torch.cat(parts).to(self.q.device)
             order_pad = torch.cat([self.order, self.order.new_full((1,), self.n)])
-            self._plans[key] = _Plan(steps, flat[:len(order)], order_pad[flat[len(order):]])
+            self._plans[key] = _Plan(steps, flat[:len(pieces)], order_pad[flat[len(pieces):]])
         return self._plans[key]
 
     def tiles(self, batch: int, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -508,14 +509,12 @@ class PatternRows:
         ``dtype``; a padded slot's node is ``n`` and its row finite."""
         plan = self.plan(batch)
         future_of = torch.arange(self.k.shape[1], device=self.k.device)
-        kb, at = self.k, -1
         for st in plan.steps:
-            if st.block != at:  # the block's keys, fp32, shared by its steps
-                kb, at = self.k[plan.groups[st.block:st.block + st.block_len]].float(), st.block
+            heads = plan.groups[st.piece:st.piece + st.heads]
             nodes = plan.slot_node[st.first:st.first + st.heads * st.width]
             qpos = self.qpos_pad[nodes].view(st.heads, st.width)
-            qs = self.q[plan.groups[st.block:st.block + st.heads, None], qpos].float()
-            scores = torch.bmm(qs, kb[:st.heads].transpose(1, 2)).div_(self.scale)
+            qs = self.q[heads[:, None], qpos].float()
+            scores = torch.bmm(qs, self.k[heads].float().transpose(1, 2)).div_(self.scale)
             del qs
             scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
             rows = scores.softmax(-1)
@@ -534,9 +533,10 @@ class _ZPre(torch.autograd.Function):
         col_pad = torch.cat([col, col.new_zeros(1)])  # a padded slot reads column 0, written to the dummy node n
         ctx.rows, ctx.col_pad, ctx.shape = rows, col_pad, v.shape
         out = v.new_zeros(v.shape[0], n + 1)
-        v_t = v.permute(2, 0, 1)  # (u, batch, pos), a view: each slot's values gathered as one (batch, pos) block
         for nodes, r in rows.tiles(v.shape[0], v.dtype):
-            out.index_copy_(1, nodes, torch.bmm(v_t[col_pad[nodes]], r[:, :, None])[:, :, 0].T)
+            vals = v[:, :, col_pad[nodes]]  # (batch, pos, slots): a step's heads are few, their columns near
+            out.index_copy_(1, nodes, vals.mul_(r.T[None]).sum(1))
+            del vals, r  # not held while the next step's rows are made
         return out[:, :n]
 
     @staticmethod
@@ -546,6 +546,7 @@ class _ZPre(torch.autograd.Function):
         grad_v = grad.new_zeros(ctx.shape)
         for nodes, r in rows.tiles(grad.shape[0], grad.dtype):
             grad_v.index_add_(2, col_pad[nodes], r.T[None] * grad_pad[:, None, nodes])
+            del r
         return grad_v, None, None
 
 
