@@ -45,10 +45,11 @@ per edge:
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
   fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
   on a GPU); and without stored patterns the recomputed Lorsa pattern rows (``row_chunks``, :func:`lorsa_row_bytes`):
-  the largest step of :func:`.frozen.plan_rows` (a block of QK heads' fp32 keys, its slots' scores, mask, softmax
-  and rows, two ``(batch, P, slots)`` values-sized temporaries; ``batch·P·slots`` at most
-  :func:`.frozen.row_chunk_elements`, ``2**22`` on the CPU and ``2**25`` on a GPU — 0.3–0.6 GB there at the
-  Llama-3.1-8B Lorsa's shape) plus every Lorsa layer's int64 slot indices, kept until the last backward;
+  every Lorsa layer's int64 slot indices, kept until the last backward, and the largest step of
+  :func:`.frozen.plan_rows` (``row_step``: its QK heads' fp32 keys and its slots' queries, the larger of its fp32
+  scores and softmax and of its rows and one ``(batch, P, slots)`` values-sized temporary; ``batch·P·slots`` at most
+  :func:`.frozen.row_chunk_elements`, ``2**22`` on the CPU and ``2**25`` on a GPU), counted as the largest transient
+  of making a constant is — the larger of the two: both run inside one site (:func:`frozen_model_bytes`);
 * *rows* (host): every row with every entry — the full graph, and pruning while building with ``keep_mass=1`` — goes
   straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`: per target (site, position), the
   sources upstream of it — an edge each, counted exactly from the layout; ~0.2·``N²`` on the embedded model); a
