@@ -450,12 +450,12 @@ def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: in
 def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
     """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
     and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
-    making the rows — fp32 scores and their softmax, ``(slots, pos)`` each — and using them: the rows in
-    ``itemsize`` and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered, multiplied in place; in the
+    making the rows — fp32 scores and their softmax, ``(slots, pos)`` each, then the softmax and the rows
+    transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered, multiplied in place; in the
     backward the rows times the gradient); and the step's int64 indices and ``(batch, slots)`` results."""
     slots = step.heads * step.width
     qk = (step.heads * n_pos + slots) * d_qk
-    making, using = 8 * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
+    making, using = max(8, 4 + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
     return qk * (4 + (qk_itemsize if qk_itemsize != 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
 
 
