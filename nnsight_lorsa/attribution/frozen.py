@@ -451,8 +451,9 @@ def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: i
     """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
     and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
     making the rows — fp32 scores and their softmax, ``(slots, pos)`` each, then the softmax and the rows
-    transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)`` in ``itemsize`` (the values gathered, multiplied in place; in the
-    backward the rows times the gradient); and the step's int64 indices and ``(batch, slots)`` results."""
+    transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)`` in ``itemsize`` (the
+    values gathered, multiplied in place; in the backward the rows times the gradient); and the step's int64
+    indices and ``(batch, slots)`` results."""
     slots = step.heads * step.width
     qk = (step.heads * n_pos + slots) * d_qk
     making, using = max(8, 4 + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
