@@ -44,7 +44,12 @@ per edge:
   the call's own choice); resident modules are not counted (the
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
   fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
-  on a GPU);
+  on a GPU); and without stored patterns the recomputed Lorsa pattern rows (``row_chunks``, :func:`lorsa_row_bytes`):
+  every Lorsa layer's int64 slot indices, kept until the last backward, and the largest step of
+  :func:`.frozen.plan_rows` (``row_step``: its QK heads' fp32 keys and its slots' queries, the larger of its fp32
+  scores and softmax and of its rows and one ``(batch, P, slots)`` values-sized temporary; ``batch·P·slots`` at most
+  :func:`.frozen.row_chunk_elements`, ``2**22`` on the CPU and ``2**25`` on a GPU), counted as the largest transient
+  of making a constant is — the larger of the two: both run inside one site (:func:`frozen_model_bytes`);
 * *rows* (host): every row with every entry — the full graph, and pruning while building with ``keep_mass=1`` — goes
   straight into the adjacency's causal blocks (:class:`.blocks.BlockAdjacency`: per target (site, position), the
   sources upstream of it — an edge each, counted exactly from the layout; ~0.2·``N²`` on the embedded model); a
@@ -109,7 +114,7 @@ from .._repr import FieldsRepr
 from ..adapters.transformers_internals import attn_implementation
 from ..envoy.nnsight_internals import hf_module
 from .batch_fit import largest_batch
-from .frozen import choose, keeps_pattern, node_chunk_elements
+from .frozen import choose, keeps_pattern, node_chunk_elements, plan_rows, row_chunk_elements, row_step_bytes
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
@@ -396,7 +401,7 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
                        mhsa_widths: dict[int, tuple[int, int]] | None, store_patterns: bool, vocab: int, d_mlp: int,
                        itemsize: int, model_itemsize: int, grid: Callable[[torch.Tensor], int],
                        n_norms: int | None = None,
-                       pattern_layers: Collection[int] = ()) -> int:
+                       pattern_layers: Collection[int] = (), row_step: int = 0) -> int:
     """Bytes the frozen pass holds once, whatever the batch, besides its node vectors, patterns and error vectors: the
     model's own unembedding and MLP run on one prompt copy (the frozen constants) — the frozen model's ``(P, vocab)``
     logits (row 0's, in the model's dtype, and a copy in the frozen model's, ``itemsize``, where it is another),
@@ -408,16 +413,17 @@ def frozen_model_bytes(layout: Layout, *, n_layers: int, d_model: int, mhsa_head
     ``(H·d_head, d)`` matrix, kept by its einsum; with stored patterns each Lorsa's pattern rows on its grid by OV
     head (``(heads, most nodes of one head, P)``); and the largest transient of making a constant: a site's node
     vectors gathered and copied before its grid (``2·n·d`` where ``grid(pos)``, the bytes of the grid of the ``n``
-    nodes at positions ``pos``, is not 0: 0 where gathered), or a pattern's
+    nodes at positions ``pos``, is not 0: 0 where gathered), a pattern's
     scores and softmax in at least fp32 (every frozen MHSA's with ``store_patterns``, else those of
-    ``pattern_layers``)."""
+    ``pattern_layers``), or ``row_step``, a step of the recomputed Lorsa pattern rows (:func:`lorsa_row_bytes`:
+    like a constant's making it runs inside one site, while nothing else is made)."""
     P = layout.n_pos
     total = P * vocab * (model_itemsize + (itemsize if itemsize != model_itemsize else 0)) + vocab * model_itemsize
     norms = 2 * n_layers + 1 if n_norms is None else n_norms
     total += 4 * P * d_mlp * model_itemsize + norms * P * d_model * itemsize
     total += sum((mhsa_widths or {}).get(layer, (d_model, d_model))[0] * d_model * itemsize for layer in mhsa_heads)
     making = pattern_making(mhsa_heads, P, itemsize, store_patterns, pattern_layers)
-    making += grid_making(layout, d_model, itemsize, grid)
+    making += grid_making(layout, d_model, itemsize, grid) + [row_step]
     for lay in layout.layers:
         n_l = lay.lorsa_pos.numel()
         if store_patterns and n_l:
@@ -494,6 +500,10 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         return P * int(torch.bincount(pos).max()) * d_model * model_itemsize
 
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(model_itemsize, torch.float32)
+    # the recomputed Lorsa pattern rows (frozen.z_pre): indices kept; a step's transients, one site at a time like the
+    # making of a constant: the larger of the two is counted
+    row_kept, row_step = (0, 0) if store_patterns else lorsa_row_bytes(layout, batch_size, model_itemsize,
+                                                                       module_itemsize, torch.device(device))
     node_grids = gathered = 0  # the grids kept; the most nodes of one gathered site (its chunk temporaries)
     for lay in layout.layers:
         n_l, n_t = lay.lorsa_pos.numel(), lay.tc_pos.numel()
@@ -517,12 +527,12 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         shared += frozen_model_bytes(layout, n_layers=n_layers, d_model=d_model, mhsa_heads=mhsa_heads,
                                      mhsa_widths=mhsa_widths, store_patterns=store_patterns, vocab=vocab, d_mlp=d_mlp,
                                      itemsize=model_itemsize, model_itemsize=unembed_itemsize or model_itemsize,
-                                     grid=grid, n_norms=n_norms, pattern_layers=pattern_layers)
+                                     grid=grid, n_norms=n_norms, pattern_layers=pattern_layers, row_step=row_step)
     else:  # but not a kept pattern's making (measured on SDPA layers only: a soft-capped one keeps its pattern), nor
         # a node grid's (measured where every site gathers, 1024-4096 tokens; at 512, every transcoder site on its
         # grid, the H200's peak was 2 % above the estimate without it)
         shared += max(pattern_making(mhsa_heads, P, model_itemsize, False, pattern_layers)
-                      + grid_making(layout, d_model, model_itemsize, grid), default=0)
+                      + grid_making(layout, d_model, model_itemsize, grid) + [row_step])
     found: list[list[tuple[str, int]]] = [] if blocks is None else [blocks]
 
     def row_blocks() -> list[tuple[str, int]]:  # computed once, where needed
@@ -537,6 +547,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
     gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
     shared += gather_chunks
+    shared += row_kept
     kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges
     full = full_graph_blocks(layout, torch.float32).entries() if budget == layout.n_features else None
     if full is not None and (not prune or keep_mass >= 1.0):  # every entry: the causal blocks
@@ -563,6 +574,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
+             "row_chunks": row_kept + row_step, "row_step": row_step,
              "node_grids": node_grids, **offload}
     place = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
     # the blocks kept on the device, in bytes ("host": none, no block needed)
@@ -572,6 +584,28 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         return MemoryEstimate(host, frozen, batch_size, terms, rows_label(place), kept)
     return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms, rows_label(place),
                           kept)
+
+
+def lorsa_row_bytes(layout: Layout, batch: int, itemsize: int, module_itemsize: int | None,
+                    device: torch.device) -> tuple[int, int]:
+    """The recomputed Lorsa pattern rows' bytes without stored patterns (term ``row_chunks``, their sum;
+    :func:`.frozen.z_pre`): ``(kept, step)`` — kept from the forward to the last backward, every layer's slot
+    indices (int64: one per slot, and the padded query positions, node order and OV-head column, one per node); and
+    the largest step's transients of any Lorsa layer (:func:`.frozen.row_step_bytes` of :func:`.frozen.plan_rows`'s
+    steps, with :func:`.frozen.row_chunk_elements` of ``device``). ``itemsize``: the frozen model's bytes per number
+    (the values'); ``module_itemsize``: the Lorsas' (their queries and keys; None: each Lorsa's own)."""
+    kept = step = 0
+    for lay in layout.layers:
+        if lay.lorsa is None or not lay.lorsa_head.numel():
+            continue
+        cfg = lay.lorsa.cfg
+        counts = torch.bincount(lay.lorsa_head // cfg.group_size, minlength=cfg.n_qk_heads).tolist()
+        order, steps = plan_rows(counts, layout.n_pos, batch, cfg.d_qk_head, row_chunk_elements(device))
+        qk_itemsize = module_itemsize or next(lay.lorsa.parameters()).element_size()
+        step = max([step] + [row_step_bytes(s, layout.n_pos, batch, cfg.d_qk_head, itemsize, qk_itemsize)
+                             for s in steps])
+        kept += 8 * (sum(s.heads * s.width for s in steps) + len(order) + 3 * (lay.lorsa_head.numel() + 1))
+    return kept, step
 
 
 def edge_scores_bytes(scored: int) -> int:

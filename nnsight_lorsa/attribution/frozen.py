@@ -32,15 +32,21 @@ the backward (a custom autograd function; nothing per node kept beyond the indic
 Active Lorsa heads' ``z_pre`` without stored pattern rows (:class:`PatternRows`, :func:`z_pre`):
 a head node ``n`` (OV head ``h_n`` of QK head ``g_n`` at query position ``i_n``) has
 ``z_pre[n] = Σ_j A^{g_n}[i_n, j] · v_j^{h_n}`` (Lorsa paper §3.1); keeping every node's pattern row
-costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in chunks of nodes —
-per QK head one ``(chunk, d_qk) @ (d_qk, pos)`` matmul — in the forward and again in the backward.
+costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in every pass, forward and
+backward, many QK heads per step (:func:`plan_rows`): the nodes sit on a ``(QK heads, slots)`` grid, most nodes
+first, and a step is one ``bmm`` of its slots' queries with its heads' keys, the causal mask, an fp32 softmax and one
+contraction with (or, backward, one ``index_add_`` into) the values — ~20 dispatched operators a step, where a loop
+over QK heads dispatched ~10 per head (256 heads a layer at the Llama-3.1-8B Lorsa's shape; on a GPU each a kernel
+launch: docs/attribution.md, "Recomputed Lorsa pattern rows"). A padded slot reads query position 0 (a finite
+row) and writes a dummy node.
 
 torch only (these functions run inside a trace, also on an NDIF server).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -387,12 +393,82 @@ def choose(mode: str, n: int, d: int, dtype: torch.dtype, copies: int = 1) -> st
     return "grid" if n * d * size * max(1, copies) <= GRID_BUDGET_BYTES else "gather"
 
 
-#: elements of one ``(batch, pos, chunk)`` gathered-values temporary (recomputed Lorsa pattern rows)
+#: elements of one step's ``(batch, pos, slots)`` gathered-values temporary (recomputed Lorsa pattern rows,
+#: :class:`PatternRows`) on the CPU; a step's ``(heads, pos, d_qk)`` fp32 key block is held to it as well
 ROW_CHUNK_ELEMENTS = 2**22
+#: the same on a GPU: each step is ~20 dispatched operators, host time that a larger step amortises (the
+#: Llama-3.1-8B Lorsa at 1024 tokens, batch 4: 256 QK heads, ~512 nodes each, was 256 steps per layer and
+#: direction, one per QK head, and is 16 of ``2**25``); counted by ``estimate_memory``'s ``row_chunks`` term
+ROW_CHUNK_ELEMENTS_DEVICE = 2**25
+
+
+def row_chunk_elements(device: torch.device) -> int:
+    """:data:`ROW_CHUNK_ELEMENTS` on the CPU, :data:`ROW_CHUNK_ELEMENTS_DEVICE` elsewhere."""
+    return ROW_CHUNK_ELEMENTS if device.type == "cpu" else ROW_CHUNK_ELEMENTS_DEVICE
+
+
+class RowStep(NamedTuple):
+    """One step of :func:`plan_rows`: pieces ``[piece, piece + heads)`` (of one QK head each: its nodes
+    ``[col, col + length)``), ``width`` slots each (the first piece's length, the longest), flat slots
+    ``[first, first + heads·width)``."""
+
+    piece: int
+    heads: int
+    width: int
+    first: int
+
+
+def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: int
+              ) -> tuple[list[tuple[int, int, int]], list[RowStep]]:
+    """The steps of :class:`PatternRows` for ``counts[g]`` nodes of QK head ``g``: ``(pieces, steps)``.
+
+    A QK head's nodes are cut into pieces ``(length, head, col)`` of at most ``elements // (batch·n_pos)`` slots
+    (one step's ``(batch, pos, slots)`` values); the pieces, longest first, are packed into steps of consecutive
+    pieces, each padded to the first's length, while the step's slots fit, its heads' fp32 keys fit
+    (``heads·n_pos·d_qk`` ≤ ``elements``) and its padding stays at most its nodes. A step so holds whole runs of
+    few heads' nodes, whose OV heads are neighbours (the values are gathered with the locality of one head's), and
+    the steps number at most ``4·batch·n_pos·n / elements + pieces / (elements // (n_pos·d_qk)) + log2(most) + 2``
+    (``n`` nodes; a step ended by its padding halves the next one's width) — not one per QK head."""
+    slots = max(1, elements // max(1, batch * n_pos))
+    most_heads = max(1, elements // max(1, n_pos * d_qk))
+    pieces = sorted(((min(slots, c - c0), g, c0) for g, c in enumerate(counts) for c0 in range(0, c, slots)),
+                    key=lambda p: -p[0])
+    steps: list[RowStep] = []
+    i = first = 0
+    while i < len(pieces):
+        width, j, real = pieces[i][0], i + 1, pieces[i][0]
+        while (j < len(pieces) and (j - i + 1) * width <= slots and j - i + 1 <= most_heads
+               and (j - i + 1) * width <= 2 * (real + pieces[j][0])):
+            real += pieces[j][0]
+            j += 1
+        steps.append(RowStep(i, j - i, width, first))
+        first += (j - i) * width
+        i = j
+    return pieces, steps
+
+
+def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
+    """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
+    and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
+    making the rows — fp32 scores and their softmax, ``(slots, pos)`` each, then the softmax and the rows
+    transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)`` in ``itemsize`` (the
+    values gathered, multiplied in place; in the backward the rows times the gradient); and the step's int64
+    indices and ``(batch, slots)`` results."""
+    slots = step.heads * step.width
+    qk = (step.heads * n_pos + slots) * d_qk
+    making, using = max(8, 4 + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
+    return qk * (4 + (qk_itemsize if qk_itemsize != 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
+
+
+class _Plan(NamedTuple):
+    steps: list[RowStep]
+    groups: torch.Tensor  # (pieces,) the QK head of each piece, in the steps' order
+    slot_node: torch.Tensor  # (slots,) the node in each slot, n (the padding's dummy node) where padded
 
 
 class PatternRows:
-    """The nodes' pattern rows, computed on demand from frozen queries and keys.
+    """The nodes' pattern rows, computed on demand from frozen queries and keys, many QK heads per step
+    (:func:`plan_rows`: one ``bmm`` of the step's slots' queries and their heads' keys).
 
     Args:
         q, k: ``(n_qk, pos, d_qk)`` frozen queries and keys (QK-norm and RoPE applied).
@@ -402,22 +478,54 @@ class PatternRows:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: Int[torch.Tensor, " n"], qpos: Int[torch.Tensor, " n"],
                  scale: float) -> None:
-        self.q, self.k, self.qpos, self.scale = q, k, qpos, scale
-        order = torch.argsort(group, stable=True)
-        counts = torch.bincount(group, minlength=q.shape[0]).tolist()
-        self.by_group = [(g, nodes) for g, nodes in enumerate(order.split(counts)) if nodes.numel()]
+        self.q, self.k, self.scale, self.n = q, k, scale, group.numel()
+        # a padded slot's node: query position 0 (its row attends to key 0 alone: finite, never all masked)
+        self.qpos_pad = torch.cat([qpos, qpos.new_zeros(1)])
+        self.order = torch.argsort(group, stable=True)  # nodes by QK head, each head's in their order
+        self.counts = torch.bincount(group, minlength=q.shape[0]).tolist()  # one host read per layer and pass
+        self._plans: dict[tuple[int, int], _Plan] = {}
 
-    def chunks(self, batch: int) -> list[tuple[int, torch.Tensor]]:
-        """``(qk head, node indices)`` chunks with ``batch·pos·len(nodes)`` ≤ :data:`ROW_CHUNK_ELEMENTS`."""
-        step = max(1, ROW_CHUNK_ELEMENTS // max(1, batch * self.q.shape[1]))
-        return [(g, part) for g, nodes in self.by_group for part in nodes.split(step)]
+    def plan(self, batch: int) -> _Plan:
+        """The steps for ``batch`` copies and their slots' nodes (made once per batch size and step budget: one
+        host→device copy)."""
+        elements = row_chunk_elements(self.q.device)
+        key = (batch, elements)
+        if key not in self._plans:
+            pieces, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
+            counts = torch.tensor(self.counts, dtype=torch.long)
+            length, grp, col0 = torch.tensor(pieces, dtype=torch.long).reshape(-1, 3).unbind(1)
+            at0 = (counts.cumsum(0) - counts)[grp] + col0  # each piece's first node, in self.order
+            parts = [grp]
+            for st in steps:
+                cols = torch.arange(st.width)
+                sl = slice(st.piece, st.piece + st.heads)
+                parts.append(torch.where(cols < length[sl, None], at0[sl, None] + cols, self.n).reshape(-1))
+            flat = torch.cat(parts).to(self.q.device)
+            order_pad = torch.cat([self.order, self.order.new_full((1,), self.n)])
+            self._plans[key] = _Plan(steps, flat[:len(pieces)], order_pad[flat[len(pieces):]])
+        return self._plans[key]
 
-    def rows(self, g: int, nodes: torch.Tensor, dtype: torch.dtype) -> Float[torch.Tensor, "m pos"]:
-        """Pattern rows of ``nodes`` (all of QK head ``g``): causal softmax in fp32, cast to ``dtype``."""
-        qpos = self.qpos[nodes]
-        scores = (self.q[g, qpos].float() @ self.k[g].float().T) / self.scale
-        future = torch.arange(self.k.shape[1], device=scores.device)[None] > qpos[:, None]
-        return scores.masked_fill(future, float("-inf")).softmax(-1).to(dtype)
+    def tiles(self, batch: int, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(slots' nodes, their pattern rows transposed, (pos, slots))`` per step: causal softmax in fp32, cast
+        to ``dtype``; a padded slot's node is ``n`` and its row finite."""
+        plan = self.plan(batch)
+        future_of = torch.arange(self.k.shape[1], device=self.k.device)
+        for st in plan.steps:
+            heads = plan.groups[st.piece:st.piece + st.heads]
+            nodes = plan.slot_node[st.first:st.first + st.heads * st.width]
+            qpos = self.qpos_pad[nodes].view(st.heads, st.width)
+            qs = self.q[heads[:, None], qpos].float()
+            scores = torch.bmm(qs, self.k[heads].float().transpose(1, 2)).div_(self.scale)
+            del qs
+            scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
+            rows = scores.softmax(-1).view(st.heads * st.width, -1)
+            del scores  # not held while the rows are used, nor the fp32 rows once copied
+            # (pos, slots), contiguous: the values' and the gradient's layout (a transposed view, read across the
+            # slots at a stride of pos, made the products 2-3x slower on the CPU)
+            rows_t = torch.empty(rows.shape[1], rows.shape[0], dtype=dtype, device=rows.device).copy_(rows.T)
+            del rows
+            yield nodes, rows_t
+            del rows_t
 
 
 class _ZPre(torch.autograd.Function):
@@ -425,20 +533,24 @@ class _ZPre(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, v: torch.Tensor, rows: PatternRows, col: torch.Tensor) -> torch.Tensor:
-        ctx.rows, ctx.col, ctx.shape = rows, col, v.shape
-        out = v.new_zeros(v.shape[0], col.numel())
-        for g, nodes in rows.chunks(v.shape[0]):
-            r = rows.rows(g, nodes, v.dtype)
-            out[:, nodes] = torch.einsum("mp,bpm->bm", r, v[:, :, col[nodes]])
-        return out
+        n = col.numel()
+        col_pad = torch.cat([col, col.new_zeros(1)])  # a padded slot reads column 0, written to the dummy node n
+        ctx.rows, ctx.col_pad, ctx.shape = rows, col_pad, v.shape
+        out = v.new_zeros(v.shape[0], n + 1)
+        for nodes, r_t in rows.tiles(v.shape[0], v.dtype):
+            vals = v[:, :, col_pad[nodes]]  # (batch, pos, slots): a step's heads are few, their columns near
+            out.index_copy_(1, nodes, vals.mul_(r_t).sum(1))
+            del vals, r_t  # not held while the next step's rows are made
+        return out[:, :n]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        rows, col = ctx.rows, ctx.col
+        rows, col_pad = ctx.rows, ctx.col_pad
+        grad_pad = torch.cat([grad, grad.new_zeros(grad.shape[0], 1)], 1)  # a padded slot's gradient: 0
         grad_v = grad.new_zeros(ctx.shape)
-        for g, nodes in rows.chunks(grad.shape[0]):
-            r = rows.rows(g, nodes, grad.dtype)
-            grad_v.index_add_(2, col[nodes], r.T[None] * grad[:, None, nodes])
+        for nodes, r_t in rows.tiles(grad.shape[0], grad.dtype):
+            grad_v.index_add_(2, col_pad[nodes], r_t * grad_pad[:, None, nodes])
+            del r_t
         return grad_v, None, None
 
 

@@ -220,7 +220,8 @@ def test_estimate_on_a_gpu_counts_making_a_node_grid():
     shared bytes still count the largest transient of making a node grid — a site's ``n`` vectors gathered and
     copied, ``2·n·d`` numbers, held while the grid fills: the H200's peak at 512 tokens, every transcoder site on
     its grid, was 2 % above the estimate without it. Grids against gathering, same layout, on the "cuda" path:
-    the shared bytes differ by the grids kept plus that transient, less the gathered sites' chunk temporaries."""
+    the shared bytes differ by the grids kept plus that transient, less the gathered sites' chunk temporaries (a
+    recomputed Lorsa pattern rows' step, ``row_step``, runs inside one site like a making: the larger is counted)."""
     from nnsight_lorsa.attribution.budget import estimate_layout, layout_for_estimate
     from nnsight_lorsa.attribution.options import AttributionOptions
 
@@ -232,8 +233,10 @@ def test_estimate_on_a_gpu_counts_making_a_node_grid():
     assert grid["node_grids"] > 0 and gather["node_grids"] == 0
     sites = [pos.numel() for lay in layout.layers for pos in (lay.lorsa_pos, lay.tc_pos) if pos.numel()]
     making = 2 * max(sites) * d * info["model_itemsize"]
+    assert grid["row_step"] == gather["row_step"] > 0
     assert grid["frozen_shared"] - gather["frozen_shared"] == (
-        grid["node_grids"] + making - gather["gather_chunks"] + grid["gather_chunks"])
+        grid["node_grids"] + max(making, grid["row_step"]) - gather["row_step"] - gather["gather_chunks"]
+        + grid["gather_chunks"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -472,11 +475,12 @@ def test_estimate_memory_counts_a_lorsas_queries_and_keys_in_the_dtype_they_are_
     ``dtype=torch.float32`` at 4 B (its fp32 copy's)."""
     from nnsight_lorsa.attribution.trace import prepare
 
-    def shared(model_dtype, module_dtype, dtype=None):  # without the gathered sites' chunk temporaries, which
+    def shared(model_dtype, module_dtype, dtype=None):  # without the gathered sites' chunk temporaries and the
+        # recomputed Lorsa rows' indices and step (lean: no grid, no kept pattern — the step is the only making), which
         # follow each site's active-node count (and so the model's dtype: other activations, other top-k nodes)
         terms = estimate_memory(setup("cpu", model_dtype, module_dtype), IDS, batch_size=8, memory="lean",
                                 dtype=dtype).terms
-        return terms["frozen_shared"] - terms["gather_chunks"]
+        return terms["frozen_shared"] - terms["gather_chunks"] - terms["row_chunks"]
 
     rep = setup("cpu", torch.bfloat16, torch.float32)
     layout = prepare(rep, IDS).layout

@@ -1,0 +1,237 @@
+"""Recomputed Lorsa pattern rows (``frozen.PatternRows`` / ``frozen.z_pre``, the frozen pass without stored
+patterns) run many QK heads per step: one ``bmm`` over a ``(heads, slots, d_qk)`` grid of the nodes' queries
+instead of one small matmul per QK head (on a GPU ~10 kernel launches each, 256 heads per layer at the
+Llama-3.1-8B Lorsa's shape). Checked against a per-node fp64 reference and against the per-head implementation it
+replaced (kept here), on hypothesis-drawn layouts: empty and very unbalanced QK heads, any query positions, batch
+1-4, fp32 / fp64 / bf16, step budgets from one slot to all; and the dispatched operators per forward+backward no
+longer grow with the number of QK heads."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nnsight_lorsa.attribution.frozen as frozen
+from nnsight_lorsa.attribution.frozen import PatternRows, z_pre
+
+
+@contextmanager
+def row_budget(elements: int):
+    old = frozen.ROW_CHUNK_ELEMENTS
+    frozen.ROW_CHUNK_ELEMENTS = elements
+    try:
+        yield
+    finally:
+        frozen.ROW_CHUNK_ELEMENTS = old
+
+
+def reference(q, k, v, group, qpos, col, scale):
+    """Per node, in fp64: its pattern row and ``z_pre``; and the rows ``(n, pos)``."""
+    n, pos = group.numel(), k.shape[1]
+    rows = torch.zeros(n, pos, dtype=torch.float64)
+    for i in range(n):
+        g, p = int(group[i]), int(qpos[i])
+        s = (q[g, p].double() @ k[g, :p + 1].double().T) / scale
+        rows[i, :p + 1] = s.softmax(-1)
+    z = torch.einsum("np,bpn->bn", rows, v.double()[:, :, col])
+    return z, rows
+
+
+def old_z_pre(q, k, v, group, qpos, col, scale, elements):
+    """The per-QK-head implementation this replaced (forward and the backward's ``grad_v`` for ``grad``)."""
+    order = torch.argsort(group, stable=True)
+    counts = torch.bincount(group, minlength=q.shape[0]).tolist()
+    by_group = [(g, nodes) for g, nodes in enumerate(order.split(counts)) if nodes.numel()]
+    step = max(1, elements // max(1, v.shape[0] * q.shape[1]))
+
+    def rows(g, nodes, dtype):
+        p = qpos[nodes]
+        scores = (q[g, p].float() @ k[g].float().T) / scale
+        future = torch.arange(k.shape[1])[None] > p[:, None]
+        return scores.masked_fill(future, float("-inf")).softmax(-1).to(dtype)
+
+    out = v.new_zeros(v.shape[0], col.numel())
+    for g, nodes in by_group:
+        for part in nodes.split(step):
+            out[:, part] = torch.einsum("mp,bpm->bm", rows(g, part, v.dtype), v[:, :, col[part]])
+    return out
+
+
+@st.composite
+def layouts(draw):
+    n_qk = draw(st.integers(1, 6))
+    pos = draw(st.integers(1, 12))
+    n = draw(st.integers(0, 40))
+    shape = draw(st.sampled_from(["uniform", "one_heavy", "single"]))
+    if shape == "uniform":
+        group = draw(st.lists(st.integers(0, n_qk - 1), min_size=n, max_size=n))
+    elif shape == "one_heavy":  # nearly every node on one QK head, a few elsewhere
+        heavy = draw(st.integers(0, n_qk - 1))
+        group = [heavy if draw(st.integers(0, 9)) else draw(st.integers(0, n_qk - 1)) for _ in range(n)]
+    else:
+        group = [draw(st.integers(0, n_qk - 1))] * n
+    qpos = draw(st.lists(st.integers(0, pos - 1), min_size=n, max_size=n))
+    return {"n_qk": n_qk, "pos": pos, "group": group, "qpos": qpos, "batch": draw(st.integers(1, 4)),
+            "d_qk": draw(st.integers(1, 8)), "u": draw(st.integers(1, 5)),
+            "dtype": draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])),
+            "elements": draw(st.sampled_from([1, 7, 64, 300, 2**22])), "seed": draw(st.integers(0, 2**16))}
+
+
+def make(case: dict[str, Any]):
+    gen = torch.Generator().manual_seed(case["seed"])
+    n_qk, pos, d, dtype = case["n_qk"], case["pos"], case["d_qk"], case["dtype"]
+    q = (torch.randn(n_qk, pos, d, generator=gen) * 2).to(dtype)
+    k = (torch.randn(n_qk, pos, d, generator=gen) * 2).to(dtype)
+    v = torch.randn(case["batch"], pos, case["u"], generator=gen).to(dtype)
+    group = torch.tensor(case["group"], dtype=torch.long)
+    qpos = torch.tensor(case["qpos"], dtype=torch.long)
+    col = torch.randint(0, case["u"], (group.numel(),), generator=gen)
+    grad = torch.randn(case["batch"], group.numel(), generator=gen).to(dtype)
+    return q, k, v, group, qpos, col, grad, math.sqrt(d)
+
+
+def relative_bound(dtype: torch.dtype) -> float:
+    # scores and softmax in fp32 whatever the inputs; bf16: rows and values rounded to 8 bits, summed in bf16
+    return 2e-5 if dtype != torch.bfloat16 else 3 * 2.0**-7
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_z_pre_and_its_value_gradient_match_a_per_node_reference(case):
+    q, k, v, group, qpos, col, grad, scale = make(case)
+    ref, rows = reference(q, k, v, group, qpos, col, scale)
+    vv = v.clone().requires_grad_(True)
+    with row_budget(case["elements"]):
+        out = z_pre(vv, PatternRows(q, k, group, qpos, scale), col)
+        out.backward(grad)
+    assert out.dtype == v.dtype and out.shape == (case["batch"], group.numel())
+    assert torch.isfinite(out).all() and torch.isfinite(vv.grad).all()  # a padded slot's row adds no NaN
+    tol = relative_bound(case["dtype"])
+    mass = torch.einsum("np,bpn->bn", rows, v.double().abs()[:, :, col])  # Σ_j A_j |v_j|: the sum's scale
+    assert ((out.double() - ref).abs() <= tol * mass + 1e-30).all()
+    # grad_v[b, j, u] = Σ_{n: col_n = u} A_n[j] grad[b, n]
+    want = torch.zeros(v.shape, dtype=torch.float64)
+    scale_g = torch.zeros(v.shape, dtype=torch.float64)
+    want.index_add_(2, col, rows.T[None] * grad.double()[:, None, :])
+    scale_g.index_add_(2, col, rows.T[None] * grad.double().abs()[:, None, :])
+    assert ((vv.grad.double() - want).abs() <= tol * scale_g + 1e-30).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts())
+def test_z_pre_matches_the_per_head_implementation_it_replaced(case):
+    q, k, v, group, qpos, col, _, scale = make(case)
+    old = old_z_pre(q, k, v, group, qpos, col, scale, case["elements"])
+    with row_budget(case["elements"]):
+        new = z_pre(v, PatternRows(q, k, group, qpos, scale), col)
+    _, rows = reference(q, k, v, group, qpos, col, scale)
+    mass = torch.einsum("np,bpn->bn", rows, v.double().abs()[:, :, col])
+    # fp32: the same fp32 scores up to the matmul's summation order
+    tol = 2e-6 if case["dtype"] != torch.bfloat16 else 3 * 2.0**-8
+    assert ((new.double() - old.double()).abs() <= tol * mass + 1e-30).all()
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(n_qk: int, per_head: int = 3, pos: int = 16, batch: int = 4) -> int:
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, n_qk, pos, 8, generator=gen)
+    group = torch.arange(n_qk).repeat_interleave(per_head)
+    qpos = torch.randint(0, pos, (group.numel(),), generator=gen)
+    col = torch.randint(0, 5, (group.numel(),), generator=gen)
+    v = torch.randn(batch, pos, 5, generator=gen, requires_grad=True)
+    rows = PatternRows(q, k, group, qpos, math.sqrt(8))
+    with _Ops() as ops:
+        z_pre(v, rows, col).sum().backward()
+    return ops.count
+
+
+def test_dispatched_ops_per_forward_and_backward_do_not_grow_with_the_qk_heads():
+    """64 QK heads of 3 nodes each fit one step (of the CPU's budget): as many operators as 4 heads — the
+    per-head loop dispatched ~10 per head and direction (~1300 here)."""
+    few, many = _ops(4), _ops(64)
+    assert many <= few + 8, (few, many)
+    assert many < 120, many
+
+
+def test_a_small_budget_still_splits_the_steps():
+    """The knob the attribution tests use to force many steps (``frozen.ROW_CHUNK_ELEMENTS``) still does."""
+    with row_budget(4 * 16 * 3):  # three slots per step
+        small = _ops(64)
+    assert small > 4 * _ops(64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=64), st.integers(1, 64), st.integers(1, 4),
+       st.integers(1, 16), st.integers(1, 2**14))
+def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, elements):
+    pieces, steps = frozen.plan_rows(counts, pos, batch, d_qk, elements)
+    slots, most_heads = max(1, elements // (batch * pos)), max(1, elements // (pos * d_qk))
+    covered = {g: [] for g, c in enumerate(counts) if c}
+    first = 0
+    for s in steps:
+        assert s.first == first and s.heads >= 1
+        first += s.heads * s.width
+        mine = pieces[s.piece:s.piece + s.heads]
+        assert s.width == mine[0][0] == max(p[0] for p in mine)  # padded to its longest piece
+        assert s.heads * s.width <= slots and s.heads <= most_heads
+        assert s.heads * s.width <= 2 * sum(p[0] for p in mine)  # padding at most the nodes
+        for length, g, c0 in mine:
+            covered[g].append((c0, length))
+    assert [s.piece for s in steps] == sorted(s.piece for s in steps) and sum(s.heads for s in steps) == len(pieces)
+    for g, runs in covered.items():  # every node of every head once, in runs
+        assert sum(n for _, n in runs) == counts[g]
+        assert sorted(c0 for c0, _ in runs) == list(range(0, counts[g], slots))
+    n = sum(counts)
+    bound = 4 * batch * pos * n / elements + len(pieces) / most_heads + math.log2(max(counts) or 1) + 2
+    assert len(steps) <= bound
+
+
+@pytest.mark.parametrize(("n_qk", "pos", "d", "per_head", "batch", "u", "dtype", "qk_dtype", "elements"), [
+    (16, 256, 32, 200, 1, 64, torch.float32, torch.float32, 2**22),  # one step: the scores dominate
+    (16, 256, 32, 200, 4, 64, torch.float32, torch.float32, 2**22),  # the gathered values dominate
+    (16, 256, 32, 200, 4, 64, torch.bfloat16, torch.bfloat16, 2**20),
+    (16, 256, 32, 200, 2, 64, torch.float64, torch.float32, 2**21),
+    (64, 128, 16, 50, 3, 300, torch.float32, torch.bfloat16, 2**18)])  # several blocks and steps
+def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_head, batch, u, dtype, qk_dtype,
+                                                           elements):
+    """``row_step_bytes`` (the ``row_chunks`` term of ``estimate_memory``) of the largest step, the kept slot
+    indices, the output and ``grad_v`` bound what a ``z_pre`` forward + backward allocates (measured: 0.88-0.96 of
+    it), on the CPU's allocation events."""
+    from benchmarks._alloc_peak import allocation_peak
+
+    gen = torch.Generator().manual_seed(0)
+    group = torch.randint(0, n_qk, (per_head * n_qk,), generator=gen)
+    qpos = torch.randint(0, pos, (group.numel(),), generator=gen)
+    col = torch.randint(0, u, (group.numel(),), generator=gen)
+    q, k = torch.randn(2, n_qk, pos, d, generator=gen).to(qk_dtype)
+    v = torch.randn(batch, pos, u, generator=gen).to(dtype).requires_grad_(True)
+
+    def call():
+        out = z_pre(v, PatternRows(q, k, group, qpos, math.sqrt(d)), col)
+        out.backward(torch.ones_like(out))
+
+    with row_budget(elements):
+        _, peak = allocation_peak(call)
+    pieces, steps = frozen.plan_rows(torch.bincount(group, minlength=n_qk).tolist(), pos, batch, d, elements)
+    size, qk_size = v.element_size(), q.element_size()
+    step = max(frozen.row_step_bytes(s, pos, batch, d, size, qk_size) for s in steps)
+    n = group.numel()
+    kept = 8 * (sum(s.heads * s.width for s in steps) + len(pieces) + 3 * (n + 1))
+    results = (2 * batch * (n + 1) + batch * n + batch * pos * u) * size  # z_pre (padded), its gradient, grad_v
+    assert 0.75 * (step + kept + results) <= peak <= step + kept + results, (peak, step, kept, results)
