@@ -113,19 +113,34 @@ def _dims(s: dict[str, Any]) -> tuple[int, int, int]:
     return d, hd, s["n_kv"] * hd
 
 
+def lorsa_slots(c: dict[str, Any], layer: int, P: int, B: int, d_qk: int) -> int:
+    """The pattern rows a Lorsa layer's recomputed ``z_pre`` computes per pass: its nodes on
+    :func:`~nnsight_lorsa.attribution.frozen.plan_rows`'s padded slots (the CPU's step budget: the counter runs on
+    the CPU) where the layout's nodes per QK head are known (``c["lorsa_qk_counts"]``), else its nodes (the
+    ratios' even spread: no padding)."""
+    from nnsight_lorsa.attribution.frozen import plan_rows, row_chunk_elements
+
+    counts = c.get("lorsa_qk_counts", {}).get(layer)
+    if counts is None:
+        return c["lorsa_nodes"][layer]
+    _, steps = plan_rows(counts, P, B, d_qk, row_chunk_elements(torch.device("cpu")))
+    return sum(st.heads * st.width for st in steps)
+
+
 def attribution_flops(s: dict[str, Any], P: int, B: int, c: dict[str, Any], *, head_last_only: bool = True,
                       layout_decode: bool = False, qk_twice: bool = False) -> dict[str, int]:
-    """What ``attribute`` computes once a call (matmul FLOPs), by stage, for node counts ``c`` (:func:`counts_at`,
-    or the measured layout's): ``clean_pass_and_layout`` (the model on one copy, every position unembedded; each
-    Lorsa's forward: q, k ``4Pd·n_qk·d_qk``, v ``2Pd·n_ov``, SDPA ``2P²(n_qk·d_qk + n_ov)``; each transcoder's
-    encoder ``2Pd·d_tc``); ``frozen_forward`` (the model's modules on copy 0, and per layer: a frozen MHSA's q, k
-    once ``2Pd(d + d_kv)``, per copy v ``2Pd·d_kv``, SDPA ``4P²d``, o ``2Pd²``; a Lorsa's q, k once, per copy v of the
-    ``u`` active OV heads ``2Pd·u``, its ``n`` nodes' pattern rows once ``2nP·d_qk``, their ``z_pre`` ``2nP`` and
-    writes ``2nd`` per copy, the error ``2nd`` once; a transcoder's ``m`` nodes' reads and writes ``4md`` per copy,
-    its error ``2md`` once; the frozen unembedding ``2PdV`` on copy 0 and the targets ``2dT`` per copy). The
-    switches: ``head_last_only`` (the model's own unembedding on copy 0's last position only, not ``2PdV``);
-    ``layout_decode`` (the layout's Lorsa forward also decodes, ``2P·n_ov·d``); ``qk_twice`` (a frozen MHSA's q, k
-    computed once for each of the two constants)."""
+    """What ``attribute`` computes once a call (matmul FLOPs), by stage, for node counts ``c`` (:func:`counts_at`, or
+    the measured layout's): ``clean_pass_and_layout`` (the model on one copy, every position unembedded; each Lorsa's
+    forward: q, k ``4Pd·n_qk·d_qk``, v ``2Pd·n_ov``, SDPA ``2P²(n_qk·d_qk + n_ov)``; each transcoder's encoder
+    ``2Pd·d_tc``); ``frozen_forward`` (the model's modules on copy 0, and per layer: a frozen MHSA's q, k once
+    ``2Pd(d + d_kv)``, per copy v ``2Pd·d_kv``, SDPA ``4P²d``, o ``2Pd²``; a Lorsa's q, k once, per copy v of the
+    ``u`` active OV heads ``2Pd·u``, its ``n`` nodes' pattern rows once ``2sP·d_qk`` (``s`` their padded slots,
+    :func:`lorsa_slots`; their ``z_pre``, elementwise since 2026-11-27, not counted) and writes ``2nd`` per copy,
+    the error ``2nd`` once; a transcoder's ``m`` nodes' reads and writes ``4md`` per copy, its error ``2md`` once;
+    the frozen unembedding ``2PdV`` on copy 0 and the targets ``2dT`` per copy). The switches: ``head_last_only``
+    (the model's own unembedding on copy 0's last position only, not ``2PdV``); ``layout_decode`` (the layout's
+    Lorsa forward also decodes, ``2P·n_ov·d``); ``qk_twice`` (a frozen MHSA's q, k computed once for each of the two
+    constants)."""
     d, d_qk, d_kv = _dims(s)
     L, V, T = s["n_layers"], s["vocab"], c["n_logits"]
     qk_l = 4 * P * d * s["n_qk"] * d_qk
@@ -139,7 +154,9 @@ def attribution_flops(s: dict[str, Any], P: int, B: int, c: dict[str, Any], *, h
             n, u = c["lorsa_nodes"][layer], c["lorsa_heads"][layer]
             clean += qk_l + 2 * P * d * s["n_ov"] + 2 * P * P * (s["n_qk"] * d_qk + s["n_ov"])
             clean += 2 * P * s["n_ov"] * d if layout_decode else 0
-            frozen += qk_l + 2 * B * P * d * u + 2 * n * P * d_qk + 2 * B * n * P + 2 * B * n * d + 2 * n * d
+            # the pattern rows on the padded slots; their z_pre contraction is elementwise (not counted)
+            frozen += qk_l + 2 * B * P * d * u + 2 * lorsa_slots(c, layer, P, B, d_qk) * P * d_qk + 2 * B * n * d
+            frozen += 2 * n * d
         else:
             frozen += (2 if qk_twice else 1) * 2 * P * d * (d + d_kv)
             frozen += B * (2 * P * d * d_kv + 4 * P * P * d + 2 * P * d * d)
@@ -187,7 +204,7 @@ def backward_flops(s: dict[str, Any], P: int, B: int, c: dict[str, Any], sites: 
             total += 2 * B * c["tc_nodes"][layer] * d
         else:
             n, u = c["lorsa_nodes"][layer], c["lorsa_heads"][layer]
-            rows = 0 if minimum and stored else 2 * n * P * d_qk
+            rows = 0 if minimum and stored else 2 * (n if minimum else lorsa_slots(c, layer, P, B, d_qk)) * P * d_qk
             total += 2 * B * P * d * u + rows + (2 * B * n * P if minimum else 0)
     return total
 
@@ -242,7 +259,10 @@ def layout_counts(rm: ReplacementModel, ids: torch.Tensor) -> tuple[dict[str, An
     c = {"lorsa_nodes": {x.layer: int(x.lorsa_pos.numel()) for x in lay.layers if x.lorsa is not None},
          "lorsa_heads": {x.layer: int(x.lorsa_head.unique().numel()) for x in lay.layers if x.lorsa is not None},
          "tc_nodes": {x.layer: int(x.tc_pos.numel()) for x in lay.layers if x.transcoder is not None},
-         "n_logits": int(lay.n_logits)}
+         "n_logits": int(lay.n_logits),
+         "lorsa_qk_counts": {x.layer: torch.bincount(x.lorsa_head // x.lorsa.cfg.group_size,
+                                                     minlength=x.lorsa.cfg.n_qk_heads).tolist()
+                             for x in lay.layers if x.lorsa is not None}}
     spans = [(x.lorsa_start, x.lorsa_start + c["lorsa_nodes"][x.layer], ("lorsa", x.layer))
              for x in lay.layers if x.lorsa is not None]
     spans += [(x.tc_start, x.tc_start + c["tc_nodes"][x.layer], ("tc", x.layer))

@@ -32,8 +32,8 @@ from nnsight_lorsa.attribution.budget import budget_blocks_bytes, estimate_layou
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 from nnsight_lorsa.attribution.layout import LayerLayout, Layout
 
-SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, lorsa_layer=15, n_qk=256, d_qk=128, lorsa_k=128, tc_k=64,
-             n_logits=10, n_kv=8, head_dim=128, vocab=128256, d_mlp=14336)
+SHAPE = dict(n_layers=32, d_model=4096, n_heads=32, lorsa_layer=15, n_qk=256, d_qk=128, n_ov=32768, lorsa_k=128,
+             tc_k=64, n_logits=10, n_kv=8, head_dim=128, vocab=128256, d_mlp=14336)
 #: the H200 runs of ``benchmarks/gpu_scale.py`` (d) at this shape: their device peaks above the resident weights
 H200 = RESULTS / "gpu_scale_8b_NVIDIA_H200.json"
 
@@ -48,7 +48,8 @@ def synthetic_layout(P: int, s: dict = SHAPE, *, lorsa: Any = None, transcoder: 
     ar = torch.arange(P)
     layers, feats, errors, col = [], [], [], 0
     if lorsa is None:
-        lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"]))
+        lorsa = SimpleNamespace(cfg=SimpleNamespace(n_qk_heads=s["n_qk"], d_qk_head=s["d_qk"],
+                                                   group_size=max(1, s["n_ov"] // s["n_qk"])))
     if transcoder is None:
         transcoder = SimpleNamespace(weights_owner=None)  # resident (offload_terms: nothing offloaded)
     with_lorsa = {s["lorsa_layer"]} if lorsa_layers is None else set(lorsa_layers)

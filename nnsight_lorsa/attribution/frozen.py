@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._placement import HOST
 from .._typing import Float, Int
 from ..adapters.base import UNIT_OFFSET_NORMS, MHSAWeights, mhsa_mask, mhsa_values, norm_gain
 from ..errors import UnsupportedArchitectureError
@@ -492,12 +493,13 @@ class PatternRows:
         key = (batch, elements)
         if key not in self._plans:
             pieces, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
-            counts = torch.tensor(self.counts, dtype=torch.long)
-            length, grp, col0 = torch.tensor(pieces, dtype=torch.long).reshape(-1, 3).unbind(1)
+            # the plan is made on the host (from the host counts) and copied to q's device once
+            counts = torch.tensor(self.counts, dtype=torch.long, device=HOST)
+            length, grp, col0 = torch.tensor(pieces, dtype=torch.long, device=HOST).reshape(-1, 3).unbind(1)
             at0 = (counts.cumsum(0) - counts)[grp] + col0  # each piece's first node, in self.order
             parts = [grp]
             for st in steps:
-                cols = torch.arange(st.width)
+                cols = torch.arange(st.width, device=HOST)
                 sl = slice(st.piece, st.piece + st.heads)
                 parts.append(torch.where(cols < length[sl, None], at0[sl, None] + cols, self.n).reshape(-1))
             flat = torch.cat(parts).to(self.q.device)
