@@ -41,7 +41,7 @@ from nnsight_lorsa.attribution.scores import (
     row_influence,
 )
 
-SMALL = dict(n_layers=4, d_model=64, n_heads=4, lorsa_layer=2, n_qk=8, d_qk=8, lorsa_k=6, tc_k=5, n_logits=10)
+SMALL = dict(n_layers=4, d_model=64, n_heads=4, lorsa_layer=2, n_qk=8, d_qk=8, n_ov=32, lorsa_k=6, tc_k=5, n_logits=10)
 
 
 @pytest.fixture(scope="module")
