@@ -43,8 +43,9 @@ def synthetic_layout(P: int, s: dict = SHAPE, *, lorsa: Any = None, transcoder: 
     """The layout of a ``P``-token prompt with ``s["lorsa_k"]`` active heads and ``s["tc_k"]`` active features per
     position: a Lorsa on ``lorsa_layers`` (default: ``s["lorsa_layer"]`` alone; an attention error node per position
     there), a transcoder on every MLP. ``lorsa`` / ``transcoder``: the modules the layers name (default: stand-ins
-    with the Lorsa's QK shape and group size, ``s["n_ov"] // s["n_qk"]``, and a resident transcoder); ``ids(kind, n)``: the ``n`` heads (``"lorsa"``) or features
-    (``"tc"``) of a layer's nodes, called per layer, Lorsa first (default: all 0)."""
+    with the Lorsa's QK shape and group size, ``s["n_ov"] // s["n_qk"]``, and a resident transcoder); ``ids(kind,
+    n)``: the ``n`` heads (``"lorsa"``) or features (``"tc"``) of a layer's nodes, called per layer, Lorsa first
+    (default: all 0)."""
     ar = torch.arange(P)
     layers, feats, errors, col = [], [], [], 0
     if lorsa is None:
