@@ -40,7 +40,7 @@ import torch
 from .._placement import fetched_bytes, offloaded
 from .batch_fit import largest_batch
 from .frozen import choose
-from .layout import Layout
+from .layout import LORSA_OUT, Layout
 
 if TYPE_CHECKING:
     from .budget import MemoryEstimate
@@ -50,7 +50,7 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-LORSA_OV: frozenset[str] = frozenset({"W_V", "b_V", "W_O", "b_D"})
+LORSA_OV: frozenset[str] = frozenset({"W_V", "b_V"}) | LORSA_OUT
 """A Lorsa's OV circuit: what its queries and keys (:meth:`~nnsight_lorsa.modules.lorsa.Lorsa.qk`) do not read —
 left on the host when an offloaded Lorsa is fetched for them (``resident(lorsa, device, LORSA_OV)``: half of a
 paper-scale Lorsa; its ``W_V`` rows and ``W_O`` rows reach the device as row blocks, :func:`offload_blocks`)."""

@@ -475,9 +475,9 @@ def kept_weight_copies(monkeypatch, replacement_model) -> list[int]:
     return copies
 
 
-def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
+def fetch_blocks(monkeypatch, modules: list | None = None) -> list[tuple[str, int]]:
     """``fetch`` made a real copy; returns ``(file, bytes)`` of every ``resident`` block of an offloaded module: the
-    file its ``with`` is in and the bytes its copies took."""
+    file its ``with`` is in and the bytes its copies took (``modules``: each block's module appended to it)."""
     blocks: list[tuple[str, int]] = []
     current: list[int] = []
     enter = placement.resident.__enter__
@@ -489,7 +489,10 @@ def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
         return c
 
     def spying_enter(res):
-        caller = sys._getframe(1).f_code.co_filename
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_filename == __file__:  # under another spy of this file
+            frame = frame.f_back
+        caller = frame.f_code.co_filename
         current.append(0)
         try:
             return enter(res)
@@ -497,6 +500,8 @@ def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
             n = current.pop()
             if placement.offloaded(res.module):
                 blocks.append((caller, n))
+                if modules is not None:
+                    modules.append(res.module)
 
     monkeypatch.setattr(placement, "fetch", fetch)
     monkeypatch.setattr("nnsight_lorsa.attribution.replacement.fetch", fetch)
@@ -808,3 +813,39 @@ def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_fro
     kept = kept_keys(blocks, "device")
     assert kept and terms["host"]["offload_fetch"] == 0
     assert terms["device"]["offload_fetch"] == max(sources[k] for k in kept) > 0
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def spied_blocks(kind: str, monkeypatch) -> list[tuple[str, torch.nn.Module, int, bool]]:
+    """``(where, module, bytes, is_lorsa)`` of every ``resident`` block of one offloaded attribution (spied on
+    ``fetch``; ``where``: ``"clean"`` for :func:`.layout.build_layout`'s, ``"frozen"`` for the frozen pass's), run
+    with every tensor a block leaves on another device: the graph bit-identical to the resident modules'."""
+    rep = bundle(kind)
+    ids = PROMPTS[1]
+    ref = attribute(rep, ids, batch_size=8)
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    modules: list = []
+    blocks = fetch_blocks(monkeypatch, modules)
+    left = left_on_another_device(monkeypatch)
+    assert_identical(attribute(off, ids, batch_size=8), ref, kind)
+    assert left["blocks"] > 0
+    lorsas = {id(m) for m in off.lorsas.values()}
+    return [("clean" if f.endswith("layout.py") else "frozen", m, n, id(m) in lorsas)
+            for (f, n), m in zip(blocks, modules, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+def test_offloaded_clean_pass_copies_only_what_it_reads(kind, monkeypatch):
+    """The clean pass's fetches (:func:`.layout.build_layout`) copy what they read, byte for byte: a Lorsa's heads
+    all but its output projection ``W_O`` / ``b_D`` (``layout.LORSA_OUT``), a transcoder's (or a cross-layer
+    transcoder's) encoder all but its decoders ``W_dec…`` and ``W_skip`` (``layout.coder_decoders``) — the whole
+    module until 2026-11-27 — and never read what they left (on another device here)."""
+    clean = [(m, n, lorsa) for where, m, n, lorsa in spied_blocks(kind, monkeypatch) if where == "clean"]
+    assert any(lorsa for *_, lorsa in clean) and not all(lorsa for *_, lorsa in clean)
+    for m, n, lorsa in clean:
+        left = [m.W_O, m.b_D] if lorsa else \
+            [t for name, t in m.named_parameters() if name.startswith("W_dec") or name == "W_skip"]
+        assert n == module_bytes(m) - _nbytes(*left) < module_bytes(m), (type(m).__name__, n, module_bytes(m))
