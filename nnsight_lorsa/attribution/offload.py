@@ -56,13 +56,29 @@ left on the host when an offloaded Lorsa is fetched for them (``resident(lorsa, 
 paper-scale Lorsa; its ``W_V`` rows and ``W_O`` rows reach the device as row blocks, :func:`offload_blocks`)."""
 
 
+def _stacked_skip(owner: torch.nn.Module) -> bool:
+    skip = getattr(owner, "W_skip", None)
+    return isinstance(skip, torch.Tensor) and skip.dim() == 3
+
+
 def coder_site_leave(owner: torch.nn.Module) -> frozenset[str]:
     """The tensors of a transcoder (or a cross-layer transcoder, ``owner``) its MLP site in the frozen pass does not
-    read inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
+    read whole inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
     ``W_enc`` / ``b_enc``, every decoder ``W_dec…`` and the activation's parameters — their active rows reach the
-    device as row blocks (:func:`offload_blocks`) or per-node constants."""
+    device as row blocks (:func:`offload_blocks`) or per-node constants — and a cross-layer transcoder's stacked
+    ``W_skip`` (``(n_layers, d, d)``: the site copies its own layer's alone, :func:`coder_site_parts`)."""
     return frozenset(name for name, _ in [*owner.named_parameters(), *owner.named_buffers()]
-                     if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation.")))
+                     if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation."))
+                     or (name == "W_skip" and _stacked_skip(owner)))
+
+
+def coder_site_parts(tc: Any) -> dict[str, int]:
+    """``{name: index}`` of the tensors of ``tc``'s weights owner that its MLP site copies one index of
+    (``resident``'s ``parts``): a cross-layer transcoder layer's (:class:`~nnsight_lorsa.modules.clt.CLTLayer`)
+    ``W_skip[layer]``, what :meth:`~nnsight_lorsa.modules.clt.CLTLayer.skip` reads; none for a per-layer
+    transcoder (its ``W_skip``, if any, is its layer's and copied whole)."""
+    owner = tc.weights_owner
+    return {"W_skip": tc.layer} if owner is not tc and _stacked_skip(owner) else {}
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -206,18 +222,15 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
     matrices either way. ``blocks``: :func:`offload_blocks` of the same arguments where the caller has them (one
     list per call, :func:`.budget.plan_call`); None: computed here."""
     fetch, skips = 0, 0
-    seen: set[int] = set()
     for lay in layout.layers:
         lorsa = lay.lorsa
         if lorsa is not None and offloaded(lorsa):
             fetch = max(fetch, fetched_bytes(lorsa, LORSA_OV))
         tc: Any = lay.transcoder
-        owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT (counted once)
+        owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT, with that layer's W_skip
         if owner is None or not offloaded(owner):
             continue
-        if id(owner) not in seen:
-            seen.add(id(owner))
-            fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner)))
+        fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner), coder_site_parts(tc)))
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._placement import offloaded
+from .._placement import fetched_part, offloaded
 from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
@@ -278,9 +278,12 @@ class CLTLayer(ReplacementModule):
         reaching ``x`` only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
         if self.clt.W_skip is None:
             return None
-        W: torch.Tensor = self.clt.W_skip.detach() if constant_weights else self.clt.W_skip
-        # offloaded: this layer's matrix copied out, so that the backward keeps it and not every layer's
-        return x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
+        # offloaded, in a resident block that fetched this layer's matrix alone (the attribution's MLP site): that copy
+        fetched = fetched_part(self.clt, "W_skip", self.layer)
+        W: torch.Tensor = self.clt.W_skip[self.layer] if fetched is None else fetched
+        W = W.detach() if constant_weights else W
+        # offloaded, read from every layer's: this layer's matrix copied out, so that the backward keeps it alone
+        return x @ W.T.to(x.dtype, copy=fetched is None and offloaded(self.clt))
 
     def decoders(self, layer: int | None = None) -> dict[int, torch.Tensor]:
         """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}`` (``layer``: the view's own, as the

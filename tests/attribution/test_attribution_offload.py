@@ -22,9 +22,10 @@ from helpers import DEVICES, attribution_setup, random_ids, rm
 
 import nnsight_lorsa._placement as placement
 from nnsight_lorsa import ReplacementModel
+from nnsight_lorsa._placement import fetched_bytes
 from nnsight_lorsa.attribution import attribute, estimate_memory
 from nnsight_lorsa.attribution.budget import MemoryEstimate, estimate_layout, layout_for_estimate
-from nnsight_lorsa.attribution.offload import module_bytes
+from nnsight_lorsa.attribution.offload import LORSA_OV, module_bytes
 from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.modules import TranscoderConfig
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
@@ -804,7 +805,7 @@ def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_fro
     rep = bundle("transcoders")
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
     layout, info = layout_for_estimate(off, PROMPTS[1], AttributionOptions(batch_size=8, memory=memory))
-    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(): 0)
+    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(), parts=None: 0)
     terms = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"}).terms
              for rows in ("device", "host")}
     blocks = offload_blocks(layout, d_model=info["d_model"], node_vectors=info["node_vectors"],
@@ -849,3 +850,21 @@ def test_offloaded_clean_pass_copies_only_what_it_reads(kind, monkeypatch):
         left = [m.W_O, m.b_D] if lorsa else \
             [t for name, t in m.named_parameters() if name.startswith("W_dec") or name == "W_skip"]
         assert n == module_bytes(m) - _nbytes(*left) < module_bytes(m), (type(m).__name__, n, module_bytes(m))
+
+
+def test_a_clt_mlp_site_copies_its_own_layers_skip_matrix_only(monkeypatch):
+    """A cross-layer transcoder's MLP site in the frozen pass copies its ``b_dec`` and its own layer's
+    ``W_skip[layer]``, byte for byte — not every layer's (``(n_layers, d, d)``: ~1 GB at the 8B shape in bf16,
+    copied at each of the 32 sites of a pass until 2026-11-27) — and reads no other (left on another device here:
+    the graph is the resident modules' bit for bit); the estimate's ``offload_fetch`` is the largest such copy."""
+    sites = [(m, n) for where, m, n, lorsa in spied_blocks("clt", monkeypatch) if where == "frozen" and not lorsa]
+    assert sites
+    for m, n in sites:
+        assert isinstance(m, CrossLayerTranscoder)
+        assert n == _nbytes(m.b_dec, m.W_skip[0]) < _nbytes(m.W_skip), (n, _nbytes(m.b_dec, m.W_skip[0]))
+    rep = bundle("clt")
+    rep.lorsas.offload = rep.transcoders.offload = True
+    layout, info = layout_for_estimate(rep, PROMPTS[1], AttributionOptions(batch_size=8))
+    lorsa = max(fetched_bytes(m, LORSA_OV) for m in rep.lorsas.values())
+    assert estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"}).terms["offload_fetch"] \
+        == max(lorsa, *(n for _, n in sites))
