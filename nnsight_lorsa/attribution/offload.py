@@ -6,10 +6,12 @@ An offloaded module's weights stay on the host; on the model's device the frozen
 * *fetch*: one module at a time, while it computes, only the tensors the frozen pass reads there: a Lorsa's
   queries and keys or pattern rows, all but its OV circuit (:data:`LORSA_OV`: half of a paper-scale Lorsa); a
   transcoder's skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a
-  cross-layer transcoder: every layer's ``W_skip``) — the largest such copy
-  (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident`` copies; the whole module until
-  2026-11-27), or the whole weight a kept row block is gathered from (:func:`block_sources`), whichever is larger.
-  The clean pass's forwards (:func:`.layout.build_layout`) run before the frozen pass, not at its peak;
+  cross-layer transcoder: its own layer's ``W_skip[layer]`` alone, :func:`coder_site_parts`, every layer's until
+  2026-11-27) — the largest such copy (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident``
+  copies; the whole module until 2026-11-27), or the whole weight a kept row block is gathered from
+  (:func:`block_sources`), whichever is larger. The clean pass's forwards (:func:`.layout.build_layout`: a Lorsa's
+  heads without its output projection, :data:`.layout.LORSA_OUT`; an encoder without its decoders,
+  :func:`.layout.coder_decoders`) run before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
