@@ -13,8 +13,9 @@ Per shape and block, ``whole`` (the module), ``before`` and ``after`` bytes:
   (``offload.coder_site_leave``); a CLT's site: every layer's ``W_skip`` before, its own ``W_skip[layer]`` after
   (``offload.coder_site_parts``);
 * clean pass (``layout.build_layout``), a Lorsa's heads: the whole Lorsa before, all but ``W_O`` / ``b_D``
-  (``layout.LORSA_OUT``) after; a transcoder's (a CLT's) encoder: the whole module before, all but its decoders and
-  ``W_skip`` (``layout.coder_decoders``) after.
+  (``layout.LORSA_OUT``) after; a transcoder's encoder: the whole module before, all but its decoders and ``W_skip``
+  (``layout.coder_decoders``) after, a CLT's its own layer's ``W_enc[layer]`` / ``b_enc[layer]`` of the stacks
+  (``layout.coder_encoder_parts``).
 
 Writes ``results/offload_fetch_bytes.json`` (``--name``).
 """
@@ -28,7 +29,7 @@ from benchmarks.gpu_scale import SCALES
 from benchmarks.offload_estimate_8b import SHAPE, offloaded_modules
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa._placement import fetched_bytes
-from nnsight_lorsa.attribution.layout import LORSA_OUT, coder_decoders
+from nnsight_lorsa.attribution.layout import LORSA_OUT, coder_decoders, coder_encoder_parts
 from nnsight_lorsa.attribution.offload import LORSA_OV, coder_site_leave, coder_site_parts, module_bytes
 from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
@@ -62,7 +63,8 @@ def coder_rows(tc: torch.nn.Module, view: torch.nn.Module) -> dict[str, dict[str
     site_before = fetched_bytes(tc, coder_site_leave(tc) - set(parts))  # a CLT: every layer's W_skip
     return {"site": {"whole": whole, "before": whole if not parts else site_before,
                      "after": fetched_bytes(tc, coder_site_leave(tc), parts)},
-            "clean_encode": {"whole": whole, "before": whole, "after": fetched_bytes(tc, coder_decoders(tc))}}
+            "clean_encode": {"whole": whole, "before": whole,
+                             "after": fetched_bytes(tc, coder_decoders(tc), coder_encoder_parts(view))}}
 
 
 def main() -> None:

@@ -218,6 +218,17 @@ def coder_decoders(owner: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, _ in owner.named_parameters() if name == "W_skip" or name.startswith("W_dec"))
 
 
+def coder_encoder_parts(tc: Any) -> dict[str, int]:
+    """``{name: index}`` of the tensors of ``tc``'s weights owner its encoder (the clean pass of :func:`build_layout`)
+    reads one index of (``resident``'s ``parts``): a cross-layer transcoder layer's
+    (:class:`~nnsight_lorsa.modules.clt.CLTLayer`) ``W_enc[layer]`` and ``b_enc[layer]``, not the stacks of every
+    layer; none for a per-layer transcoder."""
+    owner = tc.weights_owner
+    if owner is tc or not isinstance(getattr(owner, "W_enc", None), torch.Tensor) or owner.W_enc.dim() != 3:
+        return {}
+    return {"W_enc": tc.layer, "b_enc": tc.layer}
+
+
 def _nonzero(v: torch.Tensor | None) -> bool:
     return v is not None and bool((v != 0).any())
 
@@ -302,8 +313,10 @@ def build_layout(
                 owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
                 x = mlp_inputs[layer]
                 traced = live is not None and layer in live.tc_acts
-                leave = coder_decoders(owner)  # offloaded: its encoder copied, its decoders left on the host
-                with resident(owner, x.device, leave):
+                # offloaded: its encoder copied (a CLT: this layer's), its decoders left on the host
+                parts = coder_encoder_parts(tc)
+                leave = coder_decoders(owner) | set(parts)
+                with resident(owner, x.device, leave, parts):
                     xm = to_module(x, owner, leave=leave)
                     if traced:  # also the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets),
                         # from the same encoder matmul as the features

@@ -11,7 +11,8 @@ An offloaded module's weights stay on the host; on the model's device the frozen
   copies; the whole module until 2026-11-27), or the whole weight a kept row block is gathered from
   (:func:`block_sources`), whichever is larger. The clean pass's forwards (:func:`.layout.build_layout`: a Lorsa's
   heads without its output projection, :data:`.layout.LORSA_OUT`; an encoder without its decoders,
-  :func:`.layout.coder_decoders`) run before the frozen pass, not at its peak;
+  :func:`.layout.coder_decoders`, a cross-layer transcoder's its own layer's, :func:`.layout.coder_encoder_parts`) run
+  before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per

@@ -136,15 +136,21 @@ class CrossLayerTranscoder(ReplacementModule):
         """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        pre = shared_pre(self, x, layer, lambda: affine(x, self.W_enc[layer], self.b_enc[layer]))
+        pre = shared_pre(self, x, layer, lambda: affine(x, *self._encoder(layer)))
         return self.hook_sae_acts_post[layer](self.activation[layer](self.hook_sae_acts_pre[layer](pre)))
+
+    def _encoder(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_enc[layer], b_enc[layer])``: inside a ``resident`` block that fetched them alone (``parts``, an
+        offloaded CLT's layer in attribution's clean pass) those copies (:func:`~.._placement.fetched_part`)."""
+        W, b = fetched_part(self, "W_enc", layer), fetched_part(self, "b_enc", layer)
+        return (self.W_enc[layer] if W is None else W), (self.b_enc[layer] if b is None else b)
 
     def encode_layer_and_pre(self, x: Float[torch.Tensor, "*batch d_model"],
                              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(encode_layer(x, layer), x W_enc[layer] + b_enc[layer])`` from one encoder matmul."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        return encode_and_pre_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
+        return encode_and_pre_with(x, *self._encoder(layer), self.activation[layer],
                                    self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
 
     def decode_layer(self, acts: Sequence[torch.Tensor], layer: int) -> torch.Tensor:

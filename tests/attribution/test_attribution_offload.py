@@ -842,14 +842,18 @@ def spied_blocks(kind: str, monkeypatch) -> list[tuple[str, torch.nn.Module, int
 def test_offloaded_clean_pass_copies_only_what_it_reads(kind, monkeypatch):
     """The clean pass's fetches (:func:`.layout.build_layout`) copy what they read, byte for byte: a Lorsa's heads
     all but its output projection ``W_O`` / ``b_D`` (``layout.LORSA_OUT``), a transcoder's (or a cross-layer
-    transcoder's) encoder all but its decoders ``W_dec…`` and ``W_skip`` (``layout.coder_decoders``) — the whole
-    module until 2026-11-27 — and never read what they left (on another device here)."""
+    transcoder's) encoder all but its decoders ``W_dec…`` and ``W_skip`` (``layout.coder_decoders``), a CLT's only its
+    own layer's ``W_enc[layer]`` / ``b_enc[layer]`` (``layout.coder_encoder_parts``) — the whole module until
+    2026-11-27 — and never read what they left (on another device here)."""
     clean = [(m, n, lorsa) for where, m, n, lorsa in spied_blocks(kind, monkeypatch) if where == "clean"]
     assert any(lorsa for *_, lorsa in clean) and not all(lorsa for *_, lorsa in clean)
     for m, n, lorsa in clean:
         left = [m.W_O, m.b_D] if lorsa else \
             [t for name, t in m.named_parameters() if name.startswith("W_dec") or name == "W_skip"]
-        assert n == module_bytes(m) - _nbytes(*left) < module_bytes(m), (type(m).__name__, n, module_bytes(m))
+        # a cross-layer transcoder's layer encodes with its own layer's W_enc[layer] / b_enc[layer] alone
+        sliced = _nbytes(m.W_enc, m.b_enc) - _nbytes(m.W_enc[0], m.b_enc[0]) if isinstance(m, CrossLayerTranscoder) \
+            else 0
+        assert n == module_bytes(m) - _nbytes(*left) - sliced < module_bytes(m), (type(m).__name__, n, module_bytes(m))
 
 
 def test_a_clt_mlp_site_copies_its_own_layers_skip_matrix_only(monkeypatch):
