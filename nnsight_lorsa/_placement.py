@@ -25,7 +25,7 @@ through its ``weights_owner`` (:class:`~nnsight_lorsa.modules.replacement_module
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -218,10 +218,31 @@ def fetched_entries(module: torch.nn.Module, leave: Collection[str] = ()) -> lis
     return out
 
 
-def fetched_bytes(module: torch.nn.Module, leave: Collection[str] = ()) -> int:
-    """Bytes one ``resident(module, device, leave)`` block copies to ``device`` (each distinct tensor once)."""
-    seen = {id(t): t for _, _, t in fetched_entries(module, leave)}
-    return sum(t.numel() * t.element_size() for t in seen.values())
+def fetched_bytes(module: torch.nn.Module, leave: Collection[str] = (), parts: Mapping[str, int] | None = None) -> int:
+    """Bytes one ``resident(module, device, leave, parts)`` block copies to ``device`` (each distinct tensor once;
+    of a tensor named in ``parts``, the one index copied)."""
+    parts = parts or {}
+    seen = {id(t): t for _, _, t in fetched_entries(module, {*leave, *parts})}
+    copied = [*seen.values(), *(_part_of(module, name)[i] for name, i in parts.items())]
+    return sum(t.numel() * t.element_size() for t in copied)
+
+
+#: the attribute a module carries inside a :class:`resident` block with ``parts``: ``{(name, index): copy}``
+PARTS_ATTR = "nnsight_lorsa_parts"
+
+
+def _part_of(module: torch.nn.Module, name: str) -> torch.Tensor:
+    t = module._parameters.get(name, module._buffers.get(name))
+    if t is None:
+        raise PlacementError(f"{type(module).__name__} has no parameter or buffer {name!r} to fetch a part of")
+    return t
+
+
+def fetched_part(module: Any, name: str, index: int) -> torch.Tensor | None:
+    """``module.<name>[index]`` as the :class:`resident` block open for ``module`` copied it alone (``parts``), or
+    None where no such block is open (read the tensor itself then)."""
+    copies = module.__dict__.get(PARTS_ATTR) if isinstance(module, torch.nn.Module) else None
+    return None if copies is None else copies.get((name, index))
 
 
 class resident:  # noqa: N801  (a context manager, named for what holds inside it)
@@ -237,10 +258,16 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
         leave: qualified names (as ``named_parameters`` / ``named_buffers`` give them: ``"W_V"``,
             ``"ln_q.w"``) of tensors the block does not use: left where they are, not copied
             (:func:`fetched_tensors`; a Lorsa's queries and keys need no ``W_V`` / ``W_O``).
+        parts: ``{name: index}`` of ``module``'s own tensors (a parameter or buffer of the module itself) of which
+            the block uses ``t[index]`` alone: left where they are (in ``leave`` too), ``t[index]`` copied and read
+            through :func:`fetched_part` (a cross-layer transcoder's MLP site: its own layer's ``W_skip[layer]``).
     """
 
-    def __init__(self, module: Any, device: torch.device | None, leave: Collection[str] = ()) -> None:
-        self.module, self.device, self.leave = module, device, leave
+    def __init__(self, module: Any, device: torch.device | None, leave: Collection[str] = (),
+                 parts: Mapping[str, int] | None = None) -> None:
+        self.parts = dict(parts or {})
+        self.module, self.device = module, device
+        self.leave: Collection[str] = frozenset({*leave, *self.parts}) if self.parts else leave
         self.saved: list[tuple[dict, str, torch.Tensor]] = []
 
     def __enter__(self) -> Any:
@@ -254,12 +281,17 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
                 copies[id(t)] = fetch(t, device)
             self.saved.append((store, name, t))
             store[name] = copies[id(t)]
+        if self.parts:
+            self.module.__dict__[PARTS_ATTR] = {(name, i): fetch(_part_of(self.module, name)[i], device)
+                                                for name, i in self.parts.items()}
         return self.module
 
     def __exit__(self, *exc: Any) -> None:
         for store, name, t in self.saved:
             store[name] = t
         self.saved = []
+        if isinstance(self.module, torch.nn.Module):
+            self.module.__dict__.pop(PARTS_ATTR, None)
 
 
 def model_device(model: Any) -> torch.device:

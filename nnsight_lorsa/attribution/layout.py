@@ -205,6 +205,30 @@ def direct_edit_names(live: LiveNodes) -> list[str]:
     return names
 
 
+LORSA_OUT: frozenset[str] = frozenset({"W_O", "b_D"})
+"""A Lorsa's output projection: what its heads (:meth:`~nnsight_lorsa.modules.lorsa.Lorsa.heads`, the clean pass of
+:func:`build_layout`) do not read — left on the host when an offloaded Lorsa is fetched for them
+(``resident(lorsa, device, LORSA_OUT)``; with ``W_V`` / ``b_V`` its OV circuit, :data:`.offload.LORSA_OV`)."""
+
+
+def coder_decoders(owner: torch.nn.Module) -> frozenset[str]:
+    """The output side of a transcoder (or a cross-layer transcoder, ``owner``): every decoder ``W_dec…`` and the
+    skip matrix ``W_skip`` — what its encoder (the clean pass of :func:`build_layout`) does not read, left on the
+    host when an offloaded one is fetched for it (its ``b_dec`` is fetched: an SAE's encoder may subtract it)."""
+    return frozenset(name for name, _ in owner.named_parameters() if name == "W_skip" or name.startswith("W_dec"))
+
+
+def coder_encoder_parts(tc: Any) -> dict[str, int]:
+    """``{name: index}`` of the tensors of ``tc``'s weights owner its encoder (the clean pass of :func:`build_layout`)
+    reads one index of (``resident``'s ``parts``): a cross-layer transcoder layer's
+    (:class:`~nnsight_lorsa.modules.clt.CLTLayer`) ``W_enc[layer]`` and ``b_enc[layer]``, not the stacks of every
+    layer; none for a per-layer transcoder."""
+    owner = tc.weights_owner
+    if owner is tc or not isinstance(getattr(owner, "W_enc", None), torch.Tensor) or owner.W_enc.dim() != 3:
+        return {}
+    return {"W_enc": tc.layer, "b_enc": tc.layer}
+
+
 def _nonzero(v: torch.Tensor | None) -> bool:
     return v is not None and bool((v != 0).any())
 
@@ -261,10 +285,10 @@ def build_layout(
             if layer in lorsas:
                 lorsa = lorsas[layer]
                 x, positions = attn_inputs[layer]
-                # the Lorsa runs where its weights are (offloaded: copied to x's device for this call);
-                # its inputs go there, the nodes to the host
-                with resident(lorsa, x.device):
-                    xm = to_module(x, lorsa)
+                # the Lorsa runs where its weights are (offloaded: copied to x's device for this call, all but
+                # its output projection); its inputs go there, the nodes to the host
+                with resident(lorsa, x.device, LORSA_OUT):
+                    xm = to_module(x, lorsa, leave=LORSA_OUT)
                     # the heads' activations only: the Lorsa's output (a dense z W_O) is not needed here
                     z_pre, z_all, _ = lorsa.heads(xm, positions.to(xm.device))
                 traced = live is not None and layer in live.lorsa_z
@@ -289,8 +313,11 @@ def build_layout(
                 owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
                 x = mlp_inputs[layer]
                 traced = live is not None and layer in live.tc_acts
-                with resident(owner, x.device):
-                    xm = to_module(x, owner)
+                # offloaded: its encoder copied (a CLT: this layer's), its decoders left on the host
+                parts = coder_encoder_parts(tc)
+                leave = coder_decoders(owner) | set(parts)
+                with resident(owner, x.device, leave, parts):
+                    xm = to_module(x, owner, leave=leave)
                     if traced:  # also the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets),
                         # from the same encoder matmul as the features
                         both = tc.encode_and_pre(xm)

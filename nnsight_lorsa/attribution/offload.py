@@ -6,10 +6,13 @@ An offloaded module's weights stay on the host; on the model's device the frozen
 * *fetch*: one module at a time, while it computes, only the tensors the frozen pass reads there: a Lorsa's
   queries and keys or pattern rows, all but its OV circuit (:data:`LORSA_OV`: half of a paper-scale Lorsa); a
   transcoder's skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a
-  cross-layer transcoder: every layer's ``W_skip``) — the largest such copy
-  (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident`` copies; the whole module until
-  2026-11-27), or the whole weight a kept row block is gathered from (:func:`block_sources`), whichever is larger.
-  The clean pass's forwards (:func:`.layout.build_layout`) run before the frozen pass, not at its peak;
+  cross-layer transcoder: its own layer's ``W_skip[layer]`` alone, :func:`coder_site_parts`, every layer's until
+  2026-11-27) — the largest such copy (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident``
+  copies; the whole module until 2026-11-27), or the whole weight a kept row block is gathered from
+  (:func:`block_sources`), whichever is larger. The clean pass's forwards (:func:`.layout.build_layout`: a Lorsa's
+  heads without its output projection, :data:`.layout.LORSA_OUT`; an encoder without its decoders,
+  :func:`.layout.coder_decoders`, a cross-layer transcoder's its own layer's, :func:`.layout.coder_encoder_parts`) run
+  before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
@@ -40,7 +43,7 @@ import torch
 from .._placement import fetched_bytes, offloaded
 from .batch_fit import largest_batch
 from .frozen import choose
-from .layout import Layout
+from .layout import LORSA_OUT, Layout
 
 if TYPE_CHECKING:
     from .budget import MemoryEstimate
@@ -50,19 +53,35 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-LORSA_OV: frozenset[str] = frozenset({"W_V", "b_V", "W_O", "b_D"})
+LORSA_OV: frozenset[str] = frozenset({"W_V", "b_V"}) | LORSA_OUT
 """A Lorsa's OV circuit: what its queries and keys (:meth:`~nnsight_lorsa.modules.lorsa.Lorsa.qk`) do not read —
 left on the host when an offloaded Lorsa is fetched for them (``resident(lorsa, device, LORSA_OV)``: half of a
 paper-scale Lorsa; its ``W_V`` rows and ``W_O`` rows reach the device as row blocks, :func:`offload_blocks`)."""
 
 
+def _stacked_skip(owner: torch.nn.Module) -> bool:
+    skip = getattr(owner, "W_skip", None)
+    return isinstance(skip, torch.Tensor) and skip.dim() == 3
+
+
 def coder_site_leave(owner: torch.nn.Module) -> frozenset[str]:
     """The tensors of a transcoder (or a cross-layer transcoder, ``owner``) its MLP site in the frozen pass does not
-    read inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
+    read whole inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
     ``W_enc`` / ``b_enc``, every decoder ``W_dec…`` and the activation's parameters — their active rows reach the
-    device as row blocks (:func:`offload_blocks`) or per-node constants."""
+    device as row blocks (:func:`offload_blocks`) or per-node constants — and a cross-layer transcoder's stacked
+    ``W_skip`` (``(n_layers, d, d)``: the site copies its own layer's alone, :func:`coder_site_parts`)."""
     return frozenset(name for name, _ in [*owner.named_parameters(), *owner.named_buffers()]
-                     if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation.")))
+                     if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation."))
+                     or (name == "W_skip" and _stacked_skip(owner)))
+
+
+def coder_site_parts(tc: Any) -> dict[str, int]:
+    """``{name: index}`` of the tensors of ``tc``'s weights owner that its MLP site copies one index of
+    (``resident``'s ``parts``): a cross-layer transcoder layer's (:class:`~nnsight_lorsa.modules.clt.CLTLayer`)
+    ``W_skip[layer]``, what :meth:`~nnsight_lorsa.modules.clt.CLTLayer.skip` reads; none for a per-layer
+    transcoder (its ``W_skip``, if any, is its layer's and copied whole)."""
+    owner = tc.weights_owner
+    return {"W_skip": tc.layer} if owner is not tc and _stacked_skip(owner) else {}
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -206,18 +225,15 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
     matrices either way. ``blocks``: :func:`offload_blocks` of the same arguments where the caller has them (one
     list per call, :func:`.budget.plan_call`); None: computed here."""
     fetch, skips = 0, 0
-    seen: set[int] = set()
     for lay in layout.layers:
         lorsa = lay.lorsa
         if lorsa is not None and offloaded(lorsa):
             fetch = max(fetch, fetched_bytes(lorsa, LORSA_OV))
         tc: Any = lay.transcoder
-        owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT (counted once)
+        owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT, with that layer's W_skip
         if owner is None or not offloaded(owner):
             continue
-        if id(owner) not in seen:
-            seen.add(id(owner))
-            fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner)))
+        fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner), coder_site_parts(tc)))
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's

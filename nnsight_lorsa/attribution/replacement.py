@@ -55,7 +55,7 @@ from .frozen import (
     z_pre,
 )
 from .layout import Layout
-from .offload import LORSA_OV, coder_site_leave
+from .offload import LORSA_OV, coder_site_leave, coder_site_parts
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -373,9 +373,10 @@ class FrozenReplacement:
         read = x if lay.tc_reads == "mlp" else self._reads.pop(layer).to(x.device)
         n = lay.tc_pos.numel()
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
-        # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes)
+        # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes);
+        # a CLT's W_skip: this layer's matrix alone (CLTLayer.skip reads that copy)
         leave = coder_site_leave(owner)
-        with resident(owner, x.device, leave):
+        with resident(owner, x.device, leave, coder_site_parts(tc)):
             xm = to_module(read, owner, leave=leave)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)

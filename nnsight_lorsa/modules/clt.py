@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._placement import offloaded
+from .._placement import fetched_part, offloaded
 from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
@@ -136,15 +136,21 @@ class CrossLayerTranscoder(ReplacementModule):
         """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        pre = shared_pre(self, x, layer, lambda: affine(x, self.W_enc[layer], self.b_enc[layer]))
+        pre = shared_pre(self, x, layer, lambda: affine(x, *self._encoder(layer)))
         return self.hook_sae_acts_post[layer](self.activation[layer](self.hook_sae_acts_pre[layer](pre)))
+
+    def _encoder(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_enc[layer], b_enc[layer])``: inside a ``resident`` block that fetched them alone (``parts``, an
+        offloaded CLT's layer in attribution's clean pass) those copies (:func:`~.._placement.fetched_part`)."""
+        W, b = fetched_part(self, "W_enc", layer), fetched_part(self, "b_enc", layer)
+        return (self.W_enc[layer] if W is None else W), (self.b_enc[layer] if b is None else b)
 
     def encode_layer_and_pre(self, x: Float[torch.Tensor, "*batch d_model"],
                              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(encode_layer(x, layer), x W_enc[layer] + b_enc[layer])`` from one encoder matmul."""
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
-        return encode_and_pre_with(x, self.W_enc[layer], self.b_enc[layer], self.activation[layer],
+        return encode_and_pre_with(x, *self._encoder(layer), self.activation[layer],
                                    self.hook_sae_acts_pre[layer], self.hook_sae_acts_post[layer])
 
     def decode_layer(self, acts: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
@@ -278,9 +284,12 @@ class CLTLayer(ReplacementModule):
         reaching ``x`` only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
         if self.clt.W_skip is None:
             return None
-        W: torch.Tensor = self.clt.W_skip.detach() if constant_weights else self.clt.W_skip
-        # offloaded: this layer's matrix copied out, so that the backward keeps it and not every layer's
-        return x @ W[self.layer].T.to(x.dtype, copy=offloaded(self.clt))
+        # offloaded, in a resident block that fetched this layer's matrix alone (the attribution's MLP site): that copy
+        fetched = fetched_part(self.clt, "W_skip", self.layer)
+        W: torch.Tensor = self.clt.W_skip[self.layer] if fetched is None else fetched
+        W = W.detach() if constant_weights else W
+        # offloaded, read from every layer's: this layer's matrix copied out, so that the backward keeps it alone
+        return x @ W.T.to(x.dtype, copy=fetched is None and offloaded(self.clt))
 
     def decoders(self, layer: int | None = None) -> dict[int, torch.Tensor]:
         """``{target layer l' ≥ layer: W_dec (d_sae, d_model)}`` (``layer``: the view's own, as the

@@ -22,9 +22,10 @@ from helpers import DEVICES, attribution_setup, random_ids, rm
 
 import nnsight_lorsa._placement as placement
 from nnsight_lorsa import ReplacementModel
+from nnsight_lorsa._placement import fetched_bytes
 from nnsight_lorsa.attribution import attribute, estimate_memory
 from nnsight_lorsa.attribution.budget import MemoryEstimate, estimate_layout, layout_for_estimate
-from nnsight_lorsa.attribution.offload import module_bytes
+from nnsight_lorsa.attribution.offload import LORSA_OV, module_bytes
 from nnsight_lorsa.attribution.options import AttributionOptions
 from nnsight_lorsa.modules import TranscoderConfig
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
@@ -475,9 +476,9 @@ def kept_weight_copies(monkeypatch, replacement_model) -> list[int]:
     return copies
 
 
-def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
+def fetch_blocks(monkeypatch, modules: list | None = None) -> list[tuple[str, int]]:
     """``fetch`` made a real copy; returns ``(file, bytes)`` of every ``resident`` block of an offloaded module: the
-    file its ``with`` is in and the bytes its copies took."""
+    file its ``with`` is in and the bytes its copies took (``modules``: each block's module appended to it)."""
     blocks: list[tuple[str, int]] = []
     current: list[int] = []
     enter = placement.resident.__enter__
@@ -489,7 +490,10 @@ def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
         return c
 
     def spying_enter(res):
-        caller = sys._getframe(1).f_code.co_filename
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_filename == __file__:  # under another spy of this file
+            frame = frame.f_back
+        caller = frame.f_code.co_filename
         current.append(0)
         try:
             return enter(res)
@@ -497,6 +501,8 @@ def fetch_blocks(monkeypatch) -> list[tuple[str, int]]:
             n = current.pop()
             if placement.offloaded(res.module):
                 blocks.append((caller, n))
+                if modules is not None:
+                    modules.append(res.module)
 
     monkeypatch.setattr(placement, "fetch", fetch)
     monkeypatch.setattr("nnsight_lorsa.attribution.replacement.fetch", fetch)
@@ -799,7 +805,7 @@ def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_fro
     rep = bundle("transcoders")
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
     layout, info = layout_for_estimate(off, PROMPTS[1], AttributionOptions(batch_size=8, memory=memory))
-    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(): 0)
+    monkeypatch.setattr(offload, "fetched_bytes", lambda module, leave=(), parts=None: 0)
     terms = {rows: estimate_layout(layout, batch_size=8, offload_rows=rows, **{**info, "device": "cuda"}).terms
              for rows in ("device", "host")}
     blocks = offload_blocks(layout, d_model=info["d_model"], node_vectors=info["node_vectors"],
@@ -808,3 +814,61 @@ def test_offload_fetch_term_counts_the_whole_weight_a_kept_block_is_gathered_fro
     kept = kept_keys(blocks, "device")
     assert kept and terms["host"]["offload_fetch"] == 0
     assert terms["device"]["offload_fetch"] == max(sources[k] for k in kept) > 0
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def spied_blocks(kind: str, monkeypatch) -> list[tuple[str, torch.nn.Module, int, bool]]:
+    """``(where, module, bytes, is_lorsa)`` of every ``resident`` block of one offloaded attribution (spied on
+    ``fetch``; ``where``: ``"clean"`` for :func:`.layout.build_layout`'s, ``"frozen"`` for the frozen pass's), run
+    with every tensor a block leaves on another device: the graph bit-identical to the resident modules'."""
+    rep = bundle(kind)
+    ids = PROMPTS[1]
+    ref = attribute(rep, ids, batch_size=8)
+    off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)
+    modules: list = []
+    blocks = fetch_blocks(monkeypatch, modules)
+    left = left_on_another_device(monkeypatch)
+    assert_identical(attribute(off, ids, batch_size=8), ref, kind)
+    assert left["blocks"] > 0
+    lorsas = {id(m) for m in off.lorsas.values()}
+    return [("clean" if f.endswith("layout.py") else "frozen", m, n, id(m) in lorsas)
+            for (f, n), m in zip(blocks, modules, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["transcoders", "clt"])
+def test_offloaded_clean_pass_copies_only_what_it_reads(kind, monkeypatch):
+    """The clean pass's fetches (:func:`.layout.build_layout`) copy what they read, byte for byte: a Lorsa's heads
+    all but its output projection ``W_O`` / ``b_D`` (``layout.LORSA_OUT``), a transcoder's (or a cross-layer
+    transcoder's) encoder all but its decoders ``W_dec…`` and ``W_skip`` (``layout.coder_decoders``), a CLT's only its
+    own layer's ``W_enc[layer]`` / ``b_enc[layer]`` (``layout.coder_encoder_parts``) — the whole module until
+    2026-11-27 — and never read what they left (on another device here)."""
+    clean = [(m, n, lorsa) for where, m, n, lorsa in spied_blocks(kind, monkeypatch) if where == "clean"]
+    assert any(lorsa for *_, lorsa in clean) and not all(lorsa for *_, lorsa in clean)
+    for m, n, lorsa in clean:
+        left = [m.W_O, m.b_D] if lorsa else \
+            [t for name, t in m.named_parameters() if name.startswith("W_dec") or name == "W_skip"]
+        # a cross-layer transcoder's layer encodes with its own layer's W_enc[layer] / b_enc[layer] alone
+        sliced = _nbytes(m.W_enc, m.b_enc) - _nbytes(m.W_enc[0], m.b_enc[0]) if isinstance(m, CrossLayerTranscoder) \
+            else 0
+        assert n == module_bytes(m) - _nbytes(*left) - sliced < module_bytes(m), (type(m).__name__, n, module_bytes(m))
+
+
+def test_a_clt_mlp_site_copies_its_own_layers_skip_matrix_only(monkeypatch):
+    """A cross-layer transcoder's MLP site in the frozen pass copies its ``b_dec`` and its own layer's
+    ``W_skip[layer]``, byte for byte — not every layer's (``(n_layers, d, d)``: ~1 GB at the 8B shape in bf16,
+    copied at each of the 32 sites of a pass until 2026-11-27) — and reads no other (left on another device here:
+    the graph is the resident modules' bit for bit); the estimate's ``offload_fetch`` is the largest such copy."""
+    sites = [(m, n) for where, m, n, lorsa in spied_blocks("clt", monkeypatch) if where == "frozen" and not lorsa]
+    assert sites
+    for m, n in sites:
+        assert isinstance(m, CrossLayerTranscoder)
+        assert n == _nbytes(m.b_dec, m.W_skip[0]) < _nbytes(m.W_skip), (n, _nbytes(m.b_dec, m.W_skip[0]))
+    rep = bundle("clt")
+    rep.lorsas.offload = rep.transcoders.offload = True
+    layout, info = layout_for_estimate(rep, PROMPTS[1], AttributionOptions(batch_size=8))
+    lorsa = max(fetched_bytes(m, LORSA_OV) for m in rep.lorsas.values())
+    assert estimate_layout(layout, batch_size=8, **{**info, "device": "cuda"}).terms["offload_fetch"] \
+        == max(lorsa, *(n for _, n in sites))
