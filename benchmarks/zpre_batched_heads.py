@@ -34,7 +34,9 @@ from benchmarks._timing import RESULTS, arg, command, parser, start, write_json
 N_QK, D_QK, GROUP, ACTIVE = 256, 128, 128, 128
 
 
-class _Ops(TorchDispatchMode):
+class OpCount(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it (``count``): on a GPU each a kernel launch, or more."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -101,7 +103,7 @@ def measure(pos: int, batch: int, dtype: torch.dtype, repeats: int, elements: li
     try:
         for e in elements:
             frozen.ROW_CHUNK_ELEMENTS = e
-            with _Ops() as ops:
+            with OpCount() as ops:
                 run(case)
             row["ops"][str(e)] = ops.count
     finally:

@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nnsight_lorsa.attribution.frozen as frozen
+from benchmarks.zpre_batched_heads import OpCount
 from nnsight_lorsa.attribution.frozen import PatternRows, z_pre
 
 
@@ -138,16 +138,6 @@ def test_z_pre_matches_the_per_head_implementation_it_replaced(case):
     assert ((new.double() - old.double()).abs() <= tol * mass + 1e-30).all()
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops(n_qk: int, per_head: int = 3, pos: int = 16, batch: int = 4) -> int:
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, n_qk, pos, 8, generator=gen)
@@ -156,7 +146,7 @@ def _ops(n_qk: int, per_head: int = 3, pos: int = 16, batch: int = 4) -> int:
     col = torch.randint(0, 5, (group.numel(),), generator=gen)
     v = torch.randn(batch, pos, 5, generator=gen, requires_grad=True)
     rows = PatternRows(q, k, group, qpos, math.sqrt(8))
-    with _Ops() as ops:
+    with OpCount() as ops:
         z_pre(v, rows, col).sum().backward()
     return ops.count
 
