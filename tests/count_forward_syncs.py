@@ -56,7 +56,12 @@ def count(fn: Callable[[], Any]) -> tuple[int, int]:
 
 
 def rows() -> dict[str, tuple[int, int]]:
-    from helpers import make_lorsa, random_ids, tiny_nnsight  # this script runs from tests/ (module docstring)
+    from helpers import (  # this script runs from tests/ (module docstring)
+        make_lorsa,
+        meta_placement,
+        random_ids,
+        tiny_nnsight,
+    )
 
     import nnsight_lorsa._placement as placement_module
     from nnsight_lorsa import ReplacementModel, TranscoderSet, get_adapter
@@ -71,11 +76,7 @@ def rows() -> dict[str, tuple[int, int]]:
     )
     from nnsight_lorsa.patching import scale, steer
 
-    def placement(module, name=None):  # type: ignore[no-untyped-def]  # a meta module is refused otherwise
-        t = module if isinstance(module, torch.Tensor) else next(p for p in module.parameters())
-        return t.device, t.dtype
-
-    placement_module.placement = placement
+    placement_module.placement = meta_placement  # a meta module is refused otherwise
     params = {"relu": {}, "jumprelu": {"threshold": 0.05}, "topk": {"k": 4}, "batchtopk": {"k": 4},
               "abstopk": {"k": 4}, "groupmax": {"k": 4}}
     out: dict[str, tuple[int, int]] = {}

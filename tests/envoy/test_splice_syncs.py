@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import ACTIVATION_PARAMS, make_lorsa, random_ids, sync_spy, tiny_nnsight
+from helpers import ACTIVATION_PARAMS, make_lorsa, meta_placement, random_ids, sync_spy, tiny_nnsight
 
 import nnsight_lorsa._placement as placement_module
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
@@ -43,12 +43,7 @@ PARAMS = ACTIVATION_PARAMS
 def meta_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let the splice run modules held on ``meta`` (it refuses them: their weights were never loaded)."""
 
-    def placement(module, name=None, leave=()):  # type: ignore[no-untyped-def]
-        t = module if isinstance(module, torch.Tensor) else next(p for p in module.parameters()
-                                                                 if p.is_floating_point())
-        return t.device, t.dtype
-
-    monkeypatch.setattr(placement_module, "placement", placement)
+    monkeypatch.setattr(placement_module, "placement", meta_placement)
 
 
 def _coder(act: str, d: int, skip: bool = False) -> Transcoder:
