@@ -103,10 +103,10 @@ def torch_module(model: Any) -> Any:
     return get("") if callable(get) else model
 
 
-def placement(module: Any, name: str | None = None, leave: Collection[str] = ()) -> tuple[torch.device, torch.dtype]:
+def placement(module: Any, name: str | None = None) -> tuple[torch.device, torch.dtype]:
     """``(device, dtype)`` of ``module``'s first floating-point parameter (``module`` a ``nn.Module`` or a
-    tensor); ``name`` names it in errors (default: its type). ``leave``: qualified names of parameters not
-    counted (those a :class:`resident` block left on the host: the block computes where the others are).
+    tensor); ``name`` names it in errors (default: its type). Inside a :class:`resident` block open for
+    ``module`` the parameters it left on the host are not counted: the block computes where the others are.
 
     Raises:
         PlacementError: the module has no parameters, they are on the ``meta`` device (never
@@ -117,7 +117,8 @@ def placement(module: Any, name: str | None = None, leave: Collection[str] = ())
         t: torch.Tensor | None = module
         devices = {module.device}
     else:
-        params = [p for n, p in module.named_parameters() if n not in leave] \
+        left = _open_block(module)[0]
+        params = [p for n, p in module.named_parameters() if n not in left] \
             if hasattr(module, "named_parameters") else []
         t = next((p for p in params if p.is_floating_point()), params[0] if params else None)
         devices = {p.device for p in params}
@@ -227,8 +228,17 @@ def fetched_bytes(module: torch.nn.Module, leave: Collection[str] = (), parts: M
     return sum(t.numel() * t.element_size() for t in copied)
 
 
-#: the attribute a module carries inside a :class:`resident` block with ``parts``: ``{(name, index): copy}``
-PARTS_ATTR = "nnsight_lorsa_parts"
+#: the attribute a module carries inside a :class:`resident` block that did not copy all of it: ``(left, parts)``,
+#: the qualified names left on the host (:func:`placement` skips them) and ``{(name, index): copy}`` of the indices
+#: copied alone (:func:`fetched_part`). A plain tuple: this module runs on NDIF, whose unpickling refuses namedtuples'
+#: ``_collections`` accessors
+RESIDENT_ATTR = "nnsight_lorsa_resident"
+
+
+def _open_block(module: Any) -> tuple[frozenset[str], dict[tuple[str, int], torch.Tensor]]:
+    """``(left, parts)`` of the :class:`resident` block open for ``module`` (empty where none is)."""
+    found = module.__dict__.get(RESIDENT_ATTR) if isinstance(module, torch.nn.Module) else None
+    return found if found is not None else (frozenset(), {})
 
 
 def _part_of(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -241,8 +251,7 @@ def _part_of(module: torch.nn.Module, name: str) -> torch.Tensor:
 def fetched_part(module: Any, name: str, index: int) -> torch.Tensor | None:
     """``module.<name>[index]`` as the :class:`resident` block open for ``module`` copied it alone (``parts``), or
     None where no such block is open (read the tensor itself then)."""
-    copies = module.__dict__.get(PARTS_ATTR) if isinstance(module, torch.nn.Module) else None
-    return None if copies is None else copies.get((name, index))
+    return _open_block(module)[1].get((name, index))
 
 
 class resident:  # noqa: N801  (a context manager, named for what holds inside it)
@@ -281,9 +290,10 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
                 copies[id(t)] = fetch(t, device)
             self.saved.append((store, name, t))
             store[name] = copies[id(t)]
-        if self.parts:
-            self.module.__dict__[PARTS_ATTR] = {(name, i): fetch(_part_of(self.module, name)[i], device)
-                                                for name, i in self.parts.items()}
+        if self.leave or self.parts:  # placement and fetched_part read what the block left and copied in part
+            self.module.__dict__[RESIDENT_ATTR] = (
+                frozenset(self.leave), {(name, i): fetch(_part_of(self.module, name)[i], device)
+                                        for name, i in self.parts.items()})
         return self.module
 
     def __exit__(self, *exc: Any) -> None:
@@ -291,7 +301,7 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
             store[name] = t
         self.saved = []
         if isinstance(self.module, torch.nn.Module):
-            self.module.__dict__.pop(PARTS_ATTR, None)
+            self.module.__dict__.pop(RESIDENT_ATTR, None)
 
 
 def model_device(model: Any) -> torch.device:
@@ -377,10 +387,10 @@ def overflowed(x: torch.Tensor) -> bool:
     return narrows_range(torch.float32, x.dtype) and not bool(torch.isfinite(x).all())
 
 
-def to_module(x: torch.Tensor, module: Any, name: str | None = None, leave: Collection[str] = ()) -> torch.Tensor:
+def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:
     """``x`` moved to ``module``'s device and cast to its dtype (the input a module's forward accepts). Inside
-    ``with resident(module, device, leave):`` pass the same ``leave``: the module's device is then that of the
-    tensors the block copied (the left ones stay on the host).
+    ``with resident(module, device, leave):`` that is the device of the tensors the block copied (the left ones
+    stay on the host: :func:`placement`).
 
     A cast to a dtype of narrower exponent range (fp16, ``|x| <= 65504``, from fp32 / bf16 / fp64; fp32 or bf16
     from fp64) that would turn a finite value of ``x`` into ``inf`` is refused (the module would compute NaN and
@@ -390,7 +400,7 @@ def to_module(x: torch.Tensor, module: Any, name: str | None = None, leave: Coll
         PlacementError: as :func:`placement` and :func:`check_one_dtype`; ``x`` holds finite values past the
             module dtype's range (names the module, both dtypes and the largest value).
     """
-    device, dtype = placement(module, name, leave)
+    device, dtype = placement(module, name)
     check_one_dtype(module, name)
     if not x.is_floating_point():
         return x.to(device=device)

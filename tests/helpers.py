@@ -51,7 +51,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma3")
 SDPA_FAMILIES = tuple(f for f in FAMILIES if f != "gemma2")
 
 
-def meta_placement(module, name=None, leave=()):  # type: ignore[no-untyped-def]
+def meta_placement(module, name=None):  # type: ignore[no-untyped-def]
     """A stand-in for ``nnsight_lorsa._placement.placement`` that accepts modules held on ``meta`` (the real one
     refuses them: their weights were never loaded): ``(device, dtype)`` of the first floating parameter."""
     t = module if isinstance(module, torch.Tensor) else next(p for p in module.parameters() if p.is_floating_point())

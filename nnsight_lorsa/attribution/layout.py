@@ -288,7 +288,7 @@ def build_layout(
                 # the Lorsa runs where its weights are (offloaded: copied to x's device for this call, all but
                 # its output projection); its inputs go there, the nodes to the host
                 with resident(lorsa, x.device, LORSA_OUT):
-                    xm = to_module(x, lorsa, leave=LORSA_OUT)
+                    xm = to_module(x, lorsa)
                     # the heads' activations only: the Lorsa's output (a dense z W_O) is not needed here
                     z_pre, z_all, _ = lorsa.heads(xm, positions.to(xm.device))
                 traced = live is not None and layer in live.lorsa_z
@@ -314,10 +314,8 @@ def build_layout(
                 x = mlp_inputs[layer]
                 traced = live is not None and layer in live.tc_acts
                 # offloaded: its encoder copied (a CLT: this layer's), its decoders left on the host
-                parts = coder_encoder_parts(tc)
-                leave = coder_decoders(owner) | set(parts)
-                with resident(owner, x.device, leave, parts):
-                    xm = to_module(x, owner, leave=leave)
+                with resident(owner, x.device, coder_decoders(owner), coder_encoder_parts(tc)):
+                    xm = to_module(x, owner)
                     if traced:  # also the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets),
                         # from the same encoder matmul as the features
                         both = tc.encode_and_pre(xm)

@@ -92,7 +92,7 @@ class QKFrozenReplacement(FrozenReplacement):
             if probe.key_pos < 0:  # the key the head attends to most: from the prompt copy (row 0)
                 # where the Lorsa is (offloaded: its q/k weights on the site's device)
                 with torch.no_grad(), resident(lorsa, x.device, LORSA_OV):
-                    xm = to_module(x[:1], lorsa, leave=LORSA_OV)
+                    xm = to_module(x[:1], lorsa)
                     pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
                 probe.key_pos = int(pattern[0, probe.group, probe.query_pos].argmax())
             q, q_bias = _frozen_side(self, lorsa, x, positions, probe, "q")

@@ -334,7 +334,7 @@ class FrozenReplacement:
             if not once:  # q and k from one call (an offloaded Lorsa: one copy of its q/k weights)
                 # offloaded: its q/k weights (not its OV circuit's) on the site's device for this call only
                 with resident(lorsa, x.device, LORSA_OV):
-                    xm = to_module(x[:1], lorsa, leave=LORSA_OV)
+                    xm = to_module(x[:1], lorsa)
                     q_, k_ = lorsa.qk(xm, first(positions).to(xm.device))
                 once.append((q_.to(x.device), k_.to(x.device)))
             return once[0]
@@ -347,7 +347,7 @@ class FrozenReplacement:
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head
             with resident(lorsa, x.device, LORSA_OV):  # offloaded: its q/k weights on the site's device
-                xm = to_module(x[:1], lorsa, leave=LORSA_OV)
+                xm = to_module(x[:1], lorsa)
                 pattern = lorsa.attention_pattern(xm, None, first(positions).to(xm.device))
             return pattern.to(x.device)[0, group, pos][None]
 
@@ -375,9 +375,8 @@ class FrozenReplacement:
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
         # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes);
         # a CLT's W_skip: this layer's matrix alone (CLTLayer.skip reads that copy)
-        leave = coder_site_leave(owner)
-        with resident(owner, x.device, leave, coder_site_parts(tc)):
-            xm = to_module(read, owner, leave=leave)  # run where the transcoder is, moved back to the site
+        with resident(owner, x.device, coder_site_leave(owner), coder_site_parts(tc)):
+            xm = to_module(read, owner)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)
             enc_in = tc.encoder_input(xm).to(x) if n else None
