@@ -60,25 +60,35 @@ def influence_series(
     row_weight: Float[torch.Tensor, " n_rows"],
     n_cols: int,
     max_iter: int = 1000,
+    feed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Float[torch.Tensor, " n_cols"]:
     """``Σ_k w Â^k`` (k ≥ 1) for any storage of ``Â``: ``propagate(w)`` is ``w Â`` (row weights →
-    column weights); column ``row_node[r]`` feeds row ``r`` back in, until nothing is left. ``propagate`` may
-    return the same vector at every call (:func:`row_influence` on sparse rows): each result is read — the next
-    weights, the running total — before the next call.
+    column weights); column ``row_node[r]`` feeds row ``r`` back in, until nothing is left.
+
+    The series is summed on the rows, then propagated once: ``(Σ_{k≥0} w_k) Â`` with ``w_0 = w`` and
+    ``w_{k+1}[r] = (w_k Â)[row_node[r]]`` — the same sum as ``Σ_k (w_k Â)`` (``Â`` is linear), with one pass over
+    every column instead of one per step. The steps only need ``w_k Â`` at the row nodes' columns: ``feed(w)`` may
+    compute just those (any value elsewhere; None: ``propagate``) — on stored rows a step then reads only those
+    columns' entries (:func:`row_influence`: the ranking of a budgeted 8B-shaped graph read every stored entry at each
+    of its 15–30 steps). ``propagate`` / ``feed`` may return the same vector at every call: each result is read
+    before the next call. Each ``w_k`` holds the bits the step-by-step sum fed back (the same column sums); the
+    result differs from ``Σ_k (w_k Â)`` by float64 rounding only (≤ 1e-12 relative, tested).
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
     """
+    feed = propagate if feed is None else feed
     is_col = row_node < n_cols
-    cur = propagate(row_weight)
-    total = cur.clone()
+    cols = row_node[is_col]
+    total = row_weight.clone()  # Σ_k w_k, on the rows
+    w = row_weight
     for _ in range(max_iter):
+        cur = feed(w)
         w = torch.zeros_like(row_weight, dtype=cur.dtype)
-        w[is_col] = cur[row_node[is_col]]
+        w[is_col] = cur[cols]
         if not bool(w.any()):
-            return total
-        cur = propagate(w)
-        total += cur
+            return propagate(total.to(cur.dtype))
+        total = total.to(cur.dtype).add_(w)
     raise RuntimeError(f"influence did not converge in {max_iter} iterations (is the adjacency acyclic?)")
 
 
@@ -218,11 +228,12 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     is the target node ``row_node[r]``, starting weights ``row_weight: (n_rows,)``. With ``node_mask: (≥ n_cols,)``
     bool only the entries between two nodes of the mask count (the node-pruned matrix: rows normalised by those
     entries, rows whose target is outside the mask carry nothing; ``den``: those sums if the caller has them,
-    ``rows.abs_sums(node_mask[:n_cols])``). Each step is ``rows.weighted_abs`` — per entry
-    ``(|v| / den[r]) · w[r]`` in float64, added per column in the storage's row order (ascending targets for a
+    ``rows.abs_sums(node_mask[:n_cols])``). Each step is ``rows.weighted_abs`` over the row nodes' columns only — per
+    entry ``(|v| / den[r]) · w[r]`` in float64, added per column in the storage's row order (ascending targets for a
     graph's entries and blocks: the same bits from either) — and :func:`influence_series` feeds column
-    ``row_node[r]`` back in until nothing is left. Memory: the storage's step temporaries (a chunk, a cell) and
-    a few float64 vectors over the rows and columns.
+    ``row_node[r]`` back in until nothing is left; the steps' row weights summed are propagated once over every
+    column. Memory: the storage's step temporaries (a chunk, a cell) and a few float64 vectors over the rows and
+    columns.
 
     Raises:
         RuntimeError: the series did not terminate (a cycle: malformed adjacency).
@@ -236,14 +247,22 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     step: torch.Tensor | None = (torch.empty(n_cols, dtype=torch.float64, device=HOST)
                                  if getattr(rows, "fills_out", False) else None)
 
-    def propagate(w: torch.Tensor) -> torch.Tensor:
+    # the steps' columns: the row nodes' (masked) — a storage reads only their entries (each column's sum the same
+    # bits as over every column: its terms in the same order)
+    fed = torch.zeros(n_cols, dtype=torch.bool, device=HOST)
+    fed[row_node[row_node < n_cols]] = True
+    if col_mask is not None:
+        fed &= col_mask
+
+    def propagate(w: torch.Tensor, mask: torch.Tensor | None = col_mask) -> torch.Tensor:
         w = w.double()
         w = w if row_ok is None else w * row_ok
         if step is not None:
-            return rows.weighted_abs(w, den, col_mask, out=step)  # type: ignore[call-arg]
-        return rows.weighted_abs(w, den, col_mask)
+            return rows.weighted_abs(w, den, mask, out=step)  # type: ignore[call-arg]
+        return rows.weighted_abs(w, den, mask)
 
-    return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter)
+    return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter,
+                            feed=lambda w: propagate(w, fed))
 
 
 class EntryRows:
