@@ -331,6 +331,34 @@ def f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` (``(n, i, k) @ (n, k, j)``; or ``(..., i, k) @ (..., k, j)``, the same leading dims) with an
+    fp32 result for fp16 / bf16 inputs (fp32 / fp64:
+    their own dtype): the attention scores that patterns are made from (an fp16 ``q·k`` past 65504 would be ``inf``).
+
+    On an accelerator, two half inputs of one dtype multiply in it with fp32 accumulation and output
+    (``torch.bmm(..., out_dtype=torch.float32)``): the product of two bf16 or fp16 numbers is exact in fp32 (8 / 11
+    significant bits each), so the result is the fp32 product of the same numbers up to the order of the sums — on
+    tensor cores, where the upcast copies multiply in fp32 (an H100/H200's fp32 rate is ~1/15 of its bf16 one:
+    issue 21, the recomputed Lorsa pattern rows of every attribution pass). Elsewhere (the CPU; a backend or build
+    without that overload) the inputs are upcast first."""
+    if a.dim() > 3:  # (..., i, k) @ (..., k, j) with the same leading dims: as one batch
+        lead = a.shape[:-2]
+        out = bmm_f32(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+        return out.view(*lead, *out.shape[-2:])
+    if (a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16) and a.device.type != "cpu"
+            and _BMM_OUT_DTYPE):
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (NotImplementedError, RuntimeError):  # no kernel for this backend / layout: the upcast below
+            pass
+    return torch.bmm(f32(a), f32(b))
+
+
+#: torch's ``bmm(..., out_dtype=)`` overload (2.8+; CUDA and ``meta`` kernels)
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
+
+
 def check_one_dtype(module: Any, name: str | None = None) -> None:
     """Refuse a replacement module whose floating parameters are in several dtypes (one cast on its own:
     ``module.W_O.data = module.W_O.data.to(torch.bfloat16)``): its forward takes its input in one dtype

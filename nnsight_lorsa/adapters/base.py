@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
@@ -171,11 +172,11 @@ def mhsa_pattern(
     ``q·k * scale`` from :func:`mhsa_qk`, soft-capped (``softcap · tanh(scores / softcap)``) where
     ``w.softcap`` is set (Gemma-2, as transformers' ``eager_attention_forward``), causal (and
     sliding-window) mask, softmax. The scores and the softmax
-    run in at least fp32 (bf16 / fp16 q, k upcast; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k``
-    past 65504 would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
+    run in at least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`: bf16 / fp16 q, k upcast on the CPU, multiplied
+    with an fp32 result on an accelerator; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k`` past 65504
+    would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
     q, k = mhsa_qk(w, x, positions)
-    wide = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * w.scale
+    scores = bmm_f32(q, k.transpose(-1, -2)) * w.scale
     if w.softcap is not None:
         scores = torch.tanh(scores / w.softcap) * w.softcap
     return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1).to(q.dtype)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._placement import HOST
+from .._placement import HOST, bmm_f32
 from .._typing import Float, Int
 from ..adapters.base import UNIT_OFFSET_NORMS, MHSAWeights, mhsa_mask, mhsa_values, norm_gain
 from ..errors import UnsupportedArchitectureError
@@ -450,15 +450,17 @@ def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: in
 
 def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
     """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
-    and its slots' queries in fp32 (and as gathered, in ``qk_itemsize``, where that is not 4), then the larger of
-    making the rows — fp32 scores and their softmax, ``(slots, pos)`` each, then the softmax and the rows
-    transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)`` in ``itemsize`` (the
-    values gathered, multiplied in place; in the backward the rows times the gradient); and the step's int64
-    indices and ``(batch, slots)`` results."""
+    and its slots' queries as gathered (``qk_itemsize``) and, half ones, their fp32 copies (the CPU's
+    :func:`~nnsight_lorsa._placement.bmm_f32`; an accelerator multiplies the half ones as they are: a bound there),
+    then the larger of making the rows — the scores and their softmax in at least fp32, ``(slots, pos)`` each, then
+    the softmax and the rows transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)``
+    in ``itemsize`` (the values gathered, multiplied in place; in the backward the rows times the gradient); and the
+    step's int64 indices and ``(batch, slots)`` results."""
     slots = step.heads * step.width
     qk = (step.heads * n_pos + slots) * d_qk
-    making, using = max(8, 4 + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
-    return qk * (4 + (qk_itemsize if qk_itemsize != 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
+    wide = max(4, qk_itemsize)  # the scores' and softmax's bytes per number
+    making, using = max(2 * wide, wide + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
+    return qk * (qk_itemsize + (4 if qk_itemsize < 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
 
 
 class _Plan(NamedTuple):
@@ -508,17 +510,17 @@ class PatternRows:
         return self._plans[key]
 
     def tiles(self, batch: int, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slots' nodes, their pattern rows transposed, (pos, slots))`` per step: causal softmax in fp32, cast
-        to ``dtype``; a padded slot's node is ``n`` and its row finite."""
+        """``(slots' nodes, their pattern rows transposed, (pos, slots))`` per step: the scores in at least fp32
+        (:func:`~nnsight_lorsa._placement.bmm_f32`: bf16 / fp16 queries and keys on tensor cores with an fp32
+        result on an accelerator), causal softmax, cast to ``dtype``; a padded slot's node is ``n`` and its row
+        finite."""
         plan = self.plan(batch)
         future_of = torch.arange(self.k.shape[1], device=self.k.device)
         for st in plan.steps:
             heads = plan.groups[st.piece:st.piece + st.heads]
             nodes = plan.slot_node[st.first:st.first + st.heads * st.width]
             qpos = self.qpos_pad[nodes].view(st.heads, st.width)
-            qs = self.q[heads[:, None], qpos].float()
-            scores = torch.bmm(qs, self.k[heads].float().transpose(1, 2)).div_(self.scale)
-            del qs
+            scores = bmm_f32(self.q[heads[:, None], qpos], self.k[heads].transpose(1, 2)).div_(self.scale)
             scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
             rows = scores.softmax(-1).view(st.heads * st.width, -1)
             del scores  # not held while the rows are used, nor the fp32 rows once copied

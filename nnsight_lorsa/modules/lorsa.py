@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import is_int
-from .._placement import f32
+from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, PlacementError, ShapeError
@@ -414,11 +414,11 @@ class Lorsa(ReplacementModule):
     ) -> Float[torch.Tensor, "batch n_qk pos pos"]:
         """Explicit causal softmax patterns ``A`` from q, k (what SDPA computes implicitly), in ``q``'s dtype.
 
-        The scores and the softmax run in at least fp32 (bf16 / fp16 q, k upcast, as attribution's pattern rows):
-        an fp16 Lorsa's unscaled ``q·k`` past 65504 would be ``inf`` (and the pattern NaN) where its forward,
-        which scales before the product, is finite; the pattern is rounded once to ``q``'s dtype."""
+        The scores and the softmax run in at least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`, as attribution's
+        pattern rows): an fp16 Lorsa's unscaled ``q·k`` past 65504 would be ``inf`` (and the pattern NaN) where its
+        forward, which scales before the product, is finite; the pattern is rounded once to ``q``'s dtype."""
         seq = q.shape[-2]
-        scores = f32(q) @ f32(k).transpose(-1, -2) / self.cfg.scale
+        scores = bmm_f32(q, k.transpose(-1, -2)) / self.cfg.scale
         mask = self._mask(attn_mask, seq, q.device)
         if mask is None:
             mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()

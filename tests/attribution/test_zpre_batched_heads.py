@@ -197,6 +197,7 @@ def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, 
     (16, 256, 32, 200, 4, 64, torch.float32, torch.float32, 2**22),  # the gathered values dominate
     (16, 256, 32, 200, 4, 64, torch.bfloat16, torch.bfloat16, 2**20),
     (16, 256, 32, 200, 2, 64, torch.float64, torch.float32, 2**21),
+    (16, 256, 32, 200, 2, 64, torch.float64, torch.float64, 2**21),  # fp64 queries and keys: fp64 scores
     (64, 128, 16, 50, 3, 300, torch.float32, torch.bfloat16, 2**18)])  # several blocks and steps
 def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_head, batch, u, dtype, qk_dtype,
                                                            elements):
