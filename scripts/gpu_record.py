@@ -19,7 +19,8 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
   key, ``..._memory_snapshot``), its ``memory_snapshot`` (the live allocations at the peak by code location).
 * ``lorsa_forward_variants_<scale>_<GPU>.json`` from ``lorsa_forward_variants.json`` (the benchmark's own JSON):
   replaces the file, the former record (its notes included) appended to ``history``.
-* ``offload_placement_rate_<GPU>.json`` from ``offload_placement_rate.json`` (step ``pin``): the same way.
+* ``offload_placement_rate_<GPU>.json`` from ``offload_placement_rate.json`` (step ``pin``) and
+  ``zpre_head_product_<GPU>.json`` from ``zpre_head_product.json`` (step ``zprod``): the same way.
 * ``gpu_session_<GPU>.json``: every session's ``session.json`` (commit, versions, each step's exit status and
   seconds; a step stopped by its timeout has ``timed_out``), appended.
 
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         keys = merge_scale(target, run, args.date, session.get("commit"), args.note)
         written.append(f"{target} <- {path.name}: {', '.join(keys)}")
     for source, stem in (("lorsa_forward_variants.json", None), ("offload_placement_rate.json",
-                                                                  "offload_placement_rate")):
+                                                                  "offload_placement_rate"),
+                         ("zpre_head_product.json", "zpre_head_product")):
         record = load(folder / source)
         if not record or "skipped" in record:
             continue

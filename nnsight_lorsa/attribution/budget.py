@@ -114,7 +114,15 @@ from .._repr import FieldsRepr
 from ..adapters.transformers_internals import attn_implementation
 from ..envoy.nnsight_internals import hf_module
 from .batch_fit import largest_batch
-from .frozen import choose, keeps_pattern, node_chunk_elements, plan_rows, row_chunk_elements, row_step_bytes
+from .frozen import (
+    choose,
+    head_product,
+    keeps_pattern,
+    node_chunk_elements,
+    plan_rows,
+    row_chunk_elements,
+    row_step_bytes,
+)
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
@@ -592,19 +600,26 @@ def lorsa_row_bytes(layout: Layout, batch: int, itemsize: int, module_itemsize: 
     :func:`.frozen.z_pre`): ``(kept, step)`` — kept from the forward to the last backward, every layer's slot
     indices (int64: one per slot, and the padded query positions, node order and OV-head column, one per node); and
     the largest step's transients of any Lorsa layer (:func:`.frozen.row_step_bytes` of :func:`.frozen.plan_rows`'s
-    steps, with :func:`.frozen.row_chunk_elements` of ``device``). ``itemsize``: the frozen model's bytes per number
-    (the values'); ``module_itemsize``: the Lorsas' (their queries and keys; None: each Lorsa's own)."""
+    steps, with :func:`.frozen.row_chunk_elements` of ``device``; on a device that runs the head product,
+    :func:`.frozen.head_product`, its steps and transients, with its index vectors kept). ``itemsize``: the frozen
+    model's bytes per number (the values'); ``module_itemsize``: the Lorsas' (their queries and keys; None: each
+    Lorsa's own)."""
     kept = step = 0
     for lay in layout.layers:
         if lay.lorsa is None or not lay.lorsa_head.numel():
             continue
         cfg = lay.lorsa.cfg
         counts = torch.bincount(lay.lorsa_head // cfg.group_size, minlength=cfg.n_qk_heads).tolist()
-        order, steps = plan_rows(counts, layout.n_pos, batch, cfg.d_qk_head, row_chunk_elements(device))
+        group_size = cfg.group_size if head_product(device) else 0
+        order, steps = plan_rows(counts, layout.n_pos, batch, cfg.d_qk_head, row_chunk_elements(device), group_size)
         qk_itemsize = module_itemsize or next(lay.lorsa.parameters()).element_size()
-        step = max([step] + [row_step_bytes(s, layout.n_pos, batch, cfg.d_qk_head, itemsize, qk_itemsize)
-                             for s in steps])
-        kept += 8 * (sum(s.heads * s.width for s in steps) + len(order) + 3 * (lay.lorsa_head.numel() + 1))
+        n_values = int(lay.lorsa_head.unique().numel()) if group_size else 0
+        step = max([step] + [row_step_bytes(s, layout.n_pos, batch, cfg.d_qk_head, itemsize, qk_itemsize,
+                                            group_size, n_values) for s in steps])
+        n = lay.lorsa_head.numel()
+        kept += 8 * (sum(s.heads * s.width for s in steps) + len(order) + 3 * (n + 1))
+        if group_size:  # each node's place in its group; each step's heads' columns and places with nodes
+            kept += 8 * ((n + 1) + 2 * sum(s.heads for s in steps) * group_size)
     return kept, step
 
 

@@ -408,6 +408,21 @@ def row_chunk_elements(device: torch.device) -> int:
     return ROW_CHUNK_ELEMENTS if device.type == "cpu" else ROW_CHUNK_ELEMENTS_DEVICE
 
 
+#: how :func:`z_pre` contracts the recomputed rows with the values, per device type (absent: True). True, the *head
+#: product*: per step one ``bmm`` of the rows with the values of every OV head of the step's QK heads, each node's
+#: entry picked from it, and backward one ``bmm`` of the rows with the gradients scattered on that grid — dense
+#: products (``group_size``× the FLOPs) instead of a ``(batch, pos, slots)`` gather, multiply and sum (backward an
+#: ``index_add_`` of as many numbers, whose nodes of one OV head collide): on a GPU the traffic and the atomics were
+#: the cost, and tensor cores make the FLOPs cheap. False, the *gather*: what the CPU, where the FLOPs are the cost,
+#: runs.
+HEAD_PRODUCT: dict[str, bool] = {"cpu": False}
+
+
+def head_product(device: torch.device) -> bool:
+    """Whether :func:`z_pre` runs the head product on ``device`` (:data:`HEAD_PRODUCT`)."""
+    return HEAD_PRODUCT.get(device.type, True)
+
+
 class RowStep(NamedTuple):
     """One step of :func:`plan_rows`: pieces ``[piece, piece + heads)`` (of one QK head each: its nodes
     ``[col, col + length)``), ``width`` slots each (the first piece's length, the longest), flat slots
@@ -419,7 +434,7 @@ class RowStep(NamedTuple):
     first: int
 
 
-def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: int
+def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: int, group_size: int = 0
               ) -> tuple[list[tuple[int, int, int]], list[RowStep]]:
     """The steps of :class:`PatternRows` for ``counts[g]`` nodes of QK head ``g``: ``(pieces, steps)``.
 
@@ -429,9 +444,11 @@ def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: in
     (``heads·n_pos·d_qk`` ≤ ``elements``) and its padding stays at most its nodes. A step so holds whole runs of
     few heads' nodes, whose OV heads are neighbours (the values are gathered with the locality of one head's), and
     the steps number at most ``4·batch·n_pos·n / elements + pieces / (elements // (n_pos·d_qk)) + log2(most) + 2``
-    (``n`` nodes; a step ended by its padding halves the next one's width) — not one per QK head."""
+    (``n`` nodes; a step ended by its padding halves the next one's width) — not one per QK head. ``group_size`` > 0
+    (the head product, :data:`HEAD_PRODUCT`): its heads' values ``(group_size·batch, n_pos)`` each fit ``elements``
+    too, instead of the keys where those are larger."""
     slots = max(1, elements // max(1, batch * n_pos))
-    most_heads = max(1, elements // max(1, n_pos * d_qk))
+    most_heads = max(1, elements // max(1, n_pos * max(d_qk, group_size * batch)))
     pieces = sorted(((min(slots, c - c0), g, c0) for g, c in enumerate(counts) for c0 in range(0, c, slots)),
                     key=lambda p: -p[0])
     steps: list[RowStep] = []
@@ -448,25 +465,42 @@ def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: in
     return pieces, steps
 
 
-def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int) -> int:
+def row_step_bytes(step: RowStep, n_pos: int, batch: int, d_qk: int, itemsize: int, qk_itemsize: int,
+                   group_size: int = 0, n_values: int = 0) -> int:
     """The transient bytes of one :func:`plan_rows` step (forward or backward of :func:`z_pre`): its heads' keys
     and its slots' queries as gathered (``qk_itemsize``) and, half ones, their fp32 copies (the CPU's
     :func:`~nnsight_lorsa._placement.bmm_f32`; an accelerator multiplies the half ones as they are: a bound there),
     then the larger of making the rows — the scores and their softmax in at least fp32, ``(slots, pos)`` each, then
     the softmax and the rows transposed in ``itemsize`` — and using them: the rows and one ``(batch, pos, slots)``
     in ``itemsize`` (the values gathered, multiplied in place; in the backward the rows times the gradient); and the
-    step's int64 indices and ``(batch, slots)`` results."""
+    step's int64 indices and ``(batch, slots)`` results. ``group_size`` > 0, the head product (:data:`HEAD_PRODUCT`):
+    using them is the rows, the step's heads' values ``heads·group_size·batch·pos`` and their product with the rows
+    ``heads·group_size·batch·width`` (forward, beside the values transposed, ``(n_values + 1, batch, pos)``, held
+    through its steps), or the gradients scattered on that grid, their product with the rows and its rows of the OV
+    heads with nodes copied out (backward; ``grad_v``, a result, not counted here)."""
     slots = step.heads * step.width
     qk = (step.heads * n_pos + slots) * d_qk
     wide = max(4, qk_itemsize)  # the scores' and softmax's bytes per number
-    making, using = max(2 * wide, wide + itemsize) * slots * n_pos, (1 + batch) * slots * n_pos * itemsize
-    return qk * (qk_itemsize + (4 if qk_itemsize < 4 else 0)) + max(making, using) + 8 * slots * (3 + 2 * batch)
+    making = max(2 * wide, wide + itemsize) * slots * n_pos
+    if group_size:
+        grid = step.heads * group_size * batch
+        forward = (slots * n_pos + grid * n_pos + grid * step.width) * itemsize  # the rows, the values, the product
+        held = (n_values + 1) * batch * n_pos * itemsize  # the values transposed, through the forward's steps
+        # backward: the rows, the scattered gradients, their product and its rows with nodes (grad_v: a result)
+        rows_on = max(held + max(making, forward), max(making, forward + grid * n_pos))
+    else:
+        rows_on = max(making, (1 + batch) * slots * n_pos * itemsize)
+    return qk * (qk_itemsize + (4 if qk_itemsize < 4 else 0)) + rows_on + 8 * slots * (3 + 2 * batch)
 
 
 class _Plan(NamedTuple):
     steps: list[RowStep]
     groups: torch.Tensor  # (pieces,) the QK head of each piece, in the steps' order
     slot_node: torch.Tensor  # (slots,) the node in each slot, n (the padding's dummy node) where padded
+    # the head product's (empty lists for the gather): per step, the values' column of each (head, OV head) of its
+    # heads (``(heads·group_size,)``, n_values where that OV head has no node), and the places of those with nodes
+    head_cols: list[torch.Tensor]
+    valid: list[torch.Tensor]
 
 
 class PatternRows:
@@ -477,15 +511,29 @@ class PatternRows:
         q, k: ``(n_qk, pos, d_qk)`` frozen queries and keys (QK-norm and RoPE applied).
         group: ``(n,)`` QK head of each node; ``qpos``: ``(n,)`` its query position.
         scale: the divisor of the scores (``LorsaConfig.scale``).
+        heads: ``(n,)`` each node's OV head (``group · group_size`` + its place in the QK head's group) and
+            ``group_size``: for the head product (:data:`HEAD_PRODUCT`), with :func:`z_pre`'s values' columns the
+            OV heads ``heads.unique()`` in order. None: the gather only.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: Int[torch.Tensor, " n"], qpos: Int[torch.Tensor, " n"],
-                 scale: float) -> None:
+                 scale: float, heads: Int[torch.Tensor, " n"] | None = None, group_size: int = 0) -> None:
         self.q, self.k, self.scale, self.n = q, k, scale, group.numel()
         # a padded slot's node: query position 0 (its row attends to key 0 alone: finite, never all masked)
         self.qpos_pad = torch.cat([qpos, qpos.new_zeros(1)])
         self.order = torch.argsort(group, stable=True)  # nodes by QK head, each head's in their order
         self.counts = torch.bincount(group, minlength=q.shape[0]).tolist()  # one host read per layer and pass
+        self.group_size = group_size if heads is not None and group_size > 0 and head_product(q.device) else 0
+        if heads is not None and self.group_size:
+            uniq = torch.unique(heads).to(HOST)  # one host read per layer and pass, as the counts
+            self.n_values = int(uniq.numel())
+            # on the host, for the plans: each (QK head, place in its group)'s values column, n_values (a zero
+            # column) where that OV head has no node
+            self.head_cols = torch.full((q.shape[0] * group_size,), self.n_values, dtype=torch.long, device=HOST)
+            self.head_cols[uniq] = torch.arange(self.n_values, device=HOST)
+            self.head_cols = self.head_cols.view(q.shape[0], group_size)
+            # each node's place in its QK head's group; the padding's (node n) 0
+            self.local_pad = torch.cat([torch.remainder(heads, group_size), heads.new_zeros(1)])
         self._plans: dict[tuple[int, int], _Plan] = {}
 
     def plan(self, batch: int) -> _Plan:
@@ -494,7 +542,7 @@ class PatternRows:
         elements = row_chunk_elements(self.q.device)
         key = (batch, elements)
         if key not in self._plans:
-            pieces, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements)
+            pieces, steps = plan_rows(self.counts, self.q.shape[1], batch, self.q.shape[2], elements, self.group_size)
             # the plan is made on the host (from the host counts) and copied to q's device once
             counts = torch.tensor(self.counts, dtype=torch.long, device=HOST)
             length, grp, col0 = torch.tensor(pieces, dtype=torch.long, device=HOST).reshape(-1, 3).unbind(1)
@@ -506,14 +554,26 @@ class PatternRows:
                 parts.append(torch.where(cols < length[sl, None], at0[sl, None] + cols, self.n).reshape(-1))
             flat = torch.cat(parts).to(self.q.device)
             order_pad = torch.cat([self.order, self.order.new_full((1,), self.n)])
-            self._plans[key] = _Plan(steps, flat[:len(pieces)], order_pad[flat[len(pieces):]])
+            head_cols: list[torch.Tensor] = []
+            valid: list[torch.Tensor] = []
+            if self.group_size:  # per step its heads' values columns and the places with nodes, made on the host
+                per_step = []
+                for st in steps:
+                    cols = self.head_cols[grp[st.piece:st.piece + st.heads]].reshape(-1)
+                    per_step += [cols, (cols < self.n_values).nonzero().flatten()]
+                if per_step:
+                    sizes = [t.numel() for t in per_step]
+                    on_device = list(torch.cat(per_step).to(self.q.device).split(sizes))  # one host→device copy
+                    head_cols, valid = on_device[0::2], on_device[1::2]
+            self._plans[key] = _Plan(steps, flat[:len(pieces)], order_pad[flat[len(pieces):]], head_cols, valid)
         return self._plans[key]
 
-    def tiles(self, batch: int, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``(slots' nodes, their pattern rows transposed, (pos, slots))`` per step: the scores in at least fp32
-        (:func:`~nnsight_lorsa._placement.bmm_f32`: bf16 / fp16 queries and keys on tensor cores with an fp32
-        result on an accelerator), causal softmax, cast to ``dtype``; a padded slot's node is ``n`` and its row
-        finite."""
+    def tiles(self, batch: int, dtype: torch.dtype, transposed: bool = True
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(slots' nodes, their pattern rows transposed, (pos, slots))`` per step (``transposed=False``: the rows as
+        made, ``(heads, width, pos)``): the scores in at least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`: bf16 /
+        fp16 queries and keys on tensor cores with an fp32 result on an accelerator), causal softmax, cast to
+        ``dtype``; a padded slot's node is ``n`` and its row finite."""
         plan = self.plan(batch)
         future_of = torch.arange(self.k.shape[1], device=self.k.device)
         for st in plan.steps:
@@ -522,6 +582,13 @@ class PatternRows:
             qpos = self.qpos_pad[nodes].view(st.heads, st.width)
             scores = bmm_f32(self.q[heads[:, None], qpos], self.k[heads].transpose(1, 2)).div_(self.scale)
             scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
+            if not transposed:
+                rows = scores.softmax(-1)
+                del scores  # not held while the rows are cast
+                rows = rows.to(dtype)
+                yield nodes, rows
+                del rows
+                continue
             rows = scores.softmax(-1).view(st.heads * st.width, -1)
             del scores  # not held while the rows are used, nor the fp32 rows once copied
             # (pos, slots), contiguous: the values' and the gradient's layout (a transposed view, read across the
@@ -541,6 +608,9 @@ class _ZPre(torch.autograd.Function):
         col_pad = torch.cat([col, col.new_zeros(1)])  # a padded slot reads column 0, written to the dummy node n
         ctx.rows, ctx.col_pad, ctx.shape = rows, col_pad, v.shape
         out = v.new_zeros(v.shape[0], n + 1)
+        if rows.group_size:
+            _head_product_forward(v, rows, out)
+            return out[:, :n]
         for nodes, r_t in rows.tiles(v.shape[0], v.dtype):
             vals = v[:, :, col_pad[nodes]]  # (batch, pos, slots): a step's heads are few, their columns near
             out.index_copy_(1, nodes, vals.mul_(r_t).sum(1))
@@ -551,11 +621,63 @@ class _ZPre(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         rows, col_pad = ctx.rows, ctx.col_pad
         grad_pad = torch.cat([grad, grad.new_zeros(grad.shape[0], 1)], 1)  # a padded slot's gradient: 0
+        if rows.group_size:
+            return _head_product_backward(grad_pad, rows, ctx.shape), None, None
         grad_v = grad.new_zeros(ctx.shape)
         for nodes, r_t in rows.tiles(grad.shape[0], grad.dtype):
             grad_v.index_add_(2, col_pad[nodes], r_t * grad_pad[:, None, nodes])
             del r_t
         return grad_v, None, None
+
+
+def _slot_grid(rows: PatternRows, nodes: torch.Tensor, heads: int, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(head, place, slot)`` index grids ``(heads, width)`` of a head-product step: each slot's place (its node's
+    OV head's place in its QK head's group) in the step's ``(heads, group_size)`` values."""
+    h = torch.arange(heads, device=nodes.device)[:, None].expand(heads, width)
+    w = torch.arange(width, device=nodes.device)[None].expand(heads, width)
+    return h, rows.local_pad[nodes].view(heads, width), w
+
+
+def _head_product_forward(v: torch.Tensor, rows: PatternRows, out: torch.Tensor) -> None:
+    """:func:`z_pre`'s head product (:data:`HEAD_PRODUCT`), into ``out: (batch, n + 1)``: per step the rows
+    ``(heads, width, pos)`` times every OV head's values of the step's QK heads, ``(heads, pos, group·batch)``
+    gathered from the values transposed once, ``(n_values + 1, batch, pos)`` (the last a zero column: an OV head
+    without nodes), then each slot's own OV head's entry."""
+    b, p, u = v.shape
+    g = rows.group_size
+    vt = torch.cat([v.permute(2, 0, 1), v.new_zeros(1, b, p)])  # (u + 1, batch, pos), contiguous
+    plan = rows.plan(b)
+    for st, cols, (nodes, r) in zip(plan.steps, plan.head_cols, rows.tiles(b, v.dtype, transposed=False),
+                                    strict=True):
+        vals = vt[cols].view(st.heads, g * b, p)
+        # the rows as made (a transposed operand of the larger is a copy on the CPU); (heads, width, group, batch)
+        prod = torch.bmm(r, vals.transpose(1, 2)).view(st.heads, st.width, g, b)
+        del vals, r
+        h, place, w = _slot_grid(rows, nodes, st.heads, st.width)
+        out.index_copy_(1, nodes, prod[h, w, place].reshape(-1, b).T)  # (heads, width, batch) -> (batch, slots)
+        del prod
+
+
+def _head_product_backward(grad_pad: torch.Tensor, rows: PatternRows, shape: torch.Size) -> torch.Tensor:
+    """``grad_v (batch, pos, n_values)`` of the head product: per step each slot's gradient scattered on the
+    ``(heads, group, batch, width)`` grid, times the rows, ``(heads, group·batch, pos)``; the rows of the OV heads
+    with nodes added to their columns (``(n_values, batch, pos)``, returned transposed: a view)."""
+    b, p, u = shape
+    g = rows.group_size
+    grad_vt = grad_pad.new_zeros(u, b, p)
+    plan = rows.plan(b)
+    for st, cols, valid, (nodes, r) in zip(plan.steps, plan.head_cols, plan.valid,
+                                           rows.tiles(b, grad_pad.dtype, transposed=False), strict=True):
+        grid = grad_pad.new_zeros(st.heads, g, b, st.width)
+        h, place, w = _slot_grid(rows, nodes, st.heads, st.width)
+        grid[h, place, :, w] = grad_pad[:, nodes].T.view(st.heads, st.width, b)  # a padded slot's: 0
+        grads = torch.bmm(grid.view(st.heads, g * b, st.width), r).view(st.heads * g, b, p)
+        del grid, r
+        # only the OV heads with nodes; a QK head is in a step once (only its last piece is not full): no column twice
+        grad_vt.index_add_(0, cols[valid], grads[valid])
+        del grads
+    return grad_vt.permute(1, 2, 0)
 
 
 def z_pre(v: Float[torch.Tensor, "batch pos u"], rows: PatternRows, col: Int[torch.Tensor, " n"]

@@ -342,7 +342,7 @@ class FrozenReplacement:
         if not self.store_patterns(x):
             q = self.const(f"L{layer}.lorsa.q", lambda: qk()[0])
             k = self.const(f"L{layer}.lorsa.k", lambda: qk()[1])
-            return z_pre(v, PatternRows(q[0], k[0], group, pos, lorsa.cfg.scale), col)
+            return z_pre(v, PatternRows(q[0], k[0], group, pos, lorsa.cfg.scale, heads, lorsa.cfg.group_size), col)
         slots = self.slots(f"L{layer}.lorsa.by_head", col, uniq.numel())
 
         def rows() -> torch.Tensor:  # (1, n, pos): node n's pattern row, query i_n of its QK head

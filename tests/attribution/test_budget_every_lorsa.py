@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import make_lorsa, make_transcoders, random_ids, rm, tiny_nnsight
 
+import nnsight_lorsa.attribution.frozen as frozen
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.attribution.budget import (
     PER_COPY_NUMBERS_GPU_SDPA,
@@ -39,12 +40,14 @@ def _setup(layers):
 
 @pytest.mark.parametrize("layers", [c for n in range(N_LAYERS + 1) for c in itertools.combinations(range(N_LAYERS), n)])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_the_gpu_path_counts_a_frozen_pass_without_sdpa_from_the_structure(layers, batch):
+def test_the_gpu_path_counts_a_frozen_pass_without_sdpa_from_the_structure(layers, batch, monkeypatch):
     """Every subset of the tiny Llama's layers with a Lorsa (SDPA attention, ``memory="lean"``): where every layer has
     one, the "cuda" estimate's per-copy bytes are the CPU's structural count and its shared bytes the CPU's but for
     the gathered sites' chunk temporaries (sized by the device's chunk) — the model's own parts (logits, MLP, norms)
     counted, as nothing fitted holds them; otherwise the per-copy bytes are the fitted coefficient's and the shared
-    bytes leave the model's own parts out, as before."""
+    bytes leave the model's own parts out, as before. Both estimates count the recomputed Lorsa rows' head product
+    (a GPU's ``z_pre``, ``frozen.HEAD_PRODUCT``; its steps and index vectors differ from the CPU's gather)."""
+    monkeypatch.setitem(frozen.HEAD_PRODUCT, "cpu", True)
     replacement, hf = _setup(layers)
     layout, info = layout_for_estimate(replacement, IDS, AttributionOptions(batch_size=batch, memory="lean"))
     assert info["store_patterns"] is False and set(info["mhsa_heads"]) == set(range(N_LAYERS)) - set(layers)

@@ -23,6 +23,18 @@ from nnsight_lorsa.attribution.frozen import PatternRows, z_pre
 
 
 @contextmanager
+def product(on: bool):
+    """The head product (``frozen.HEAD_PRODUCT``, a GPU's default) or the gather (the CPU's) on the CPU."""
+    old = dict(frozen.HEAD_PRODUCT)
+    frozen.HEAD_PRODUCT["cpu"] = on
+    try:
+        yield
+    finally:
+        frozen.HEAD_PRODUCT.clear()
+        frozen.HEAD_PRODUCT.update(old)
+
+
+@contextmanager
 def row_budget(elements: int):
     old = frozen.ROW_CHUNK_ELEMENTS
     frozen.ROW_CHUNK_ELEMENTS = elements
@@ -79,7 +91,8 @@ def layouts(draw):
         group = [draw(st.integers(0, n_qk - 1))] * n
     qpos = draw(st.lists(st.integers(0, pos - 1), min_size=n, max_size=n))
     return {"n_qk": n_qk, "pos": pos, "group": group, "qpos": qpos, "batch": draw(st.integers(1, 4)),
-            "d_qk": draw(st.integers(1, 8)), "u": draw(st.integers(1, 5)),
+            "d_qk": draw(st.integers(1, 8)), "group_size": draw(st.integers(1, 5)),
+            "product": draw(st.booleans()),
             "dtype": draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16])),
             "elements": draw(st.sampled_from([1, 7, 64, 300, 2**22])), "seed": draw(st.integers(0, 2**16))}
 
@@ -89,12 +102,18 @@ def make(case: dict[str, Any]):
     n_qk, pos, d, dtype = case["n_qk"], case["pos"], case["d_qk"], case["dtype"]
     q = (torch.randn(n_qk, pos, d, generator=gen) * 2).to(dtype)
     k = (torch.randn(n_qk, pos, d, generator=gen) * 2).to(dtype)
-    v = torch.randn(case["batch"], pos, case["u"], generator=gen).to(dtype)
     group = torch.tensor(case["group"], dtype=torch.long)
     qpos = torch.tensor(case["qpos"], dtype=torch.long)
-    col = torch.randint(0, case["u"], (group.numel(),), generator=gen)
+    # each node's OV head, one of its QK head's group; the values' columns: the OV heads with nodes, in order
+    heads = group * case["group_size"] + torch.randint(0, case["group_size"], (group.numel(),), generator=gen)
+    uniq, col = torch.unique(heads, return_inverse=True)
+    v = torch.randn(case["batch"], pos, max(1, uniq.numel()), generator=gen).to(dtype)
     grad = torch.randn(case["batch"], group.numel(), generator=gen).to(dtype)
-    return q, k, v, group, qpos, col, grad, math.sqrt(d)
+    return q, k, v, group, qpos, col, grad, math.sqrt(d), heads
+
+
+def pattern_rows(q, k, group, qpos, scale, heads, case):
+    return PatternRows(q, k, group, qpos, scale, heads, case["group_size"])
 
 
 def relative_bound(dtype: torch.dtype) -> float:
@@ -105,12 +124,15 @@ def relative_bound(dtype: torch.dtype) -> float:
 @settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_z_pre_and_its_value_gradient_match_a_per_node_reference(case):
-    q, k, v, group, qpos, col, grad, scale = make(case)
+    """Either contraction (the head product, a GPU's; the gather, the CPU's)."""
+    q, k, v, group, qpos, col, grad, scale, heads = make(case)
     ref, rows = reference(q, k, v, group, qpos, col, scale)
     vv = v.clone().requires_grad_(True)
-    with row_budget(case["elements"]):
-        out = z_pre(vv, PatternRows(q, k, group, qpos, scale), col)
+    with row_budget(case["elements"]), product(case["product"]):
+        pr = pattern_rows(q, k, group, qpos, scale, heads, case)
+        out = z_pre(vv, pr, col)
         out.backward(grad)
+    assert bool(pr.group_size) == case["product"]
     assert out.dtype == v.dtype and out.shape == (case["batch"], group.numel())
     assert torch.isfinite(out).all() and torch.isfinite(vv.grad).all()  # a padded slot's row adds no NaN
     tol = relative_bound(case["dtype"])
@@ -127,10 +149,10 @@ def test_z_pre_and_its_value_gradient_match_a_per_node_reference(case):
 @settings(max_examples=100, deadline=None)
 @given(layouts())
 def test_z_pre_matches_the_per_head_implementation_it_replaced(case):
-    q, k, v, group, qpos, col, _, scale = make(case)
+    q, k, v, group, qpos, col, _, scale, heads = make(case)
     old = old_z_pre(q, k, v, group, qpos, col, scale, case["elements"])
-    with row_budget(case["elements"]):
-        new = z_pre(v, PatternRows(q, k, group, qpos, scale), col)
+    with row_budget(case["elements"]), product(case["product"]):
+        new = z_pre(v, pattern_rows(q, k, group, qpos, scale, heads, case), col)
     _, rows = reference(q, k, v, group, qpos, col, scale)
     mass = torch.einsum("np,bpn->bn", rows, v.double().abs()[:, :, col])
     # fp32: the same fp32 scores up to the matmul's summation order
@@ -138,23 +160,26 @@ def test_z_pre_matches_the_per_head_implementation_it_replaced(case):
     assert ((new.double() - old.double()).abs() <= tol * mass + 1e-30).all()
 
 
-def _ops(n_qk: int, per_head: int = 3, pos: int = 16, batch: int = 4) -> int:
+def _ops(n_qk: int, per_head: int = 3, pos: int = 16, batch: int = 4, head_product: bool = False) -> int:
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, n_qk, pos, 8, generator=gen)
     group = torch.arange(n_qk).repeat_interleave(per_head)
     qpos = torch.randint(0, pos, (group.numel(),), generator=gen)
-    col = torch.randint(0, 5, (group.numel(),), generator=gen)
-    v = torch.randn(batch, pos, 5, generator=gen, requires_grad=True)
-    rows = PatternRows(q, k, group, qpos, math.sqrt(8))
-    with OpCount() as ops:
-        z_pre(v, rows, col).sum().backward()
+    heads = group * 4 + torch.randint(0, 4, (group.numel(),), generator=gen)
+    uniq, col = torch.unique(heads, return_inverse=True)
+    v = torch.randn(batch, pos, uniq.numel(), generator=gen, requires_grad=True)
+    with product(head_product):
+        rows = PatternRows(q, k, group, qpos, math.sqrt(8), heads, 4)
+        with OpCount() as ops:
+            z_pre(v, rows, col).sum().backward()
     return ops.count
 
 
-def test_dispatched_ops_per_forward_and_backward_do_not_grow_with_the_qk_heads():
+@pytest.mark.parametrize("head_product", [False, True])
+def test_dispatched_ops_per_forward_and_backward_do_not_grow_with_the_qk_heads(head_product):
     """64 QK heads of 3 nodes each fit one step (of the CPU's budget): as many operators as 4 heads — the
     per-head loop dispatched ~10 per head and direction (~1300 here)."""
-    few, many = _ops(4), _ops(64)
+    few, many = _ops(4, head_product=head_product), _ops(64, head_product=head_product)
     assert many <= few + 8, (few, many)
     assert many < 120, many
 
@@ -192,6 +217,7 @@ def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, 
     assert len(steps) <= bound
 
 
+@pytest.mark.parametrize("group_size", [0, 8])  # the gather; the head product, 8 OV heads per QK head
 @pytest.mark.parametrize(("n_qk", "pos", "d", "per_head", "batch", "u", "dtype", "qk_dtype", "elements"), [
     (16, 256, 32, 200, 1, 64, torch.float32, torch.float32, 2**22),  # one step: the scores dominate
     (16, 256, 32, 200, 4, 64, torch.float32, torch.float32, 2**22),  # the gathered values dominate
@@ -200,7 +226,7 @@ def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, 
     (16, 256, 32, 200, 2, 64, torch.float64, torch.float64, 2**21),  # fp64 queries and keys: fp64 scores
     (64, 128, 16, 50, 3, 300, torch.float32, torch.bfloat16, 2**18)])  # several blocks and steps
 def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_head, batch, u, dtype, qk_dtype,
-                                                           elements):
+                                                           elements, group_size):
     """``row_step_bytes`` (the ``row_chunks`` term of ``estimate_memory``) of the largest step, the kept slot
     indices, the output and ``grad_v`` bound what a ``z_pre`` forward + backward allocates (measured: 0.88-0.96 of
     it), on the CPU's allocation events."""
@@ -209,20 +235,29 @@ def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_hea
     gen = torch.Generator().manual_seed(0)
     group = torch.randint(0, n_qk, (per_head * n_qk,), generator=gen)
     qpos = torch.randint(0, pos, (group.numel(),), generator=gen)
-    col = torch.randint(0, u, (group.numel(),), generator=gen)
+    heads = None
+    if group_size:  # the head product: the nodes' OV heads, the values' columns those with nodes
+        heads = group * group_size + torch.randint(0, group_size, (group.numel(),), generator=gen)
+        uniq, col = torch.unique(heads, return_inverse=True)
+        u = uniq.numel()
+    else:
+        col = torch.randint(0, u, (group.numel(),), generator=gen)
     q, k = torch.randn(2, n_qk, pos, d, generator=gen).to(qk_dtype)
     v = torch.randn(batch, pos, u, generator=gen).to(dtype).requires_grad_(True)
 
     def call():
-        out = z_pre(v, PatternRows(q, k, group, qpos, math.sqrt(d)), col)
+        out = z_pre(v, PatternRows(q, k, group, qpos, math.sqrt(d), heads, group_size), col)
         out.backward(torch.ones_like(out))
 
-    with row_budget(elements):
+    with row_budget(elements), product(bool(group_size)):
         _, peak = allocation_peak(call)
-    pieces, steps = frozen.plan_rows(torch.bincount(group, minlength=n_qk).tolist(), pos, batch, d, elements)
+    pieces, steps = frozen.plan_rows(torch.bincount(group, minlength=n_qk).tolist(), pos, batch, d, elements,
+                                     group_size)
     size, qk_size = v.element_size(), q.element_size()
-    step = max(frozen.row_step_bytes(s, pos, batch, d, size, qk_size) for s in steps)
+    step = max(frozen.row_step_bytes(s, pos, batch, d, size, qk_size, group_size, u) for s in steps)
     n = group.numel()
     kept = 8 * (sum(s.heads * s.width for s in steps) + len(pieces) + 3 * (n + 1))
+    if group_size:  # each node's place; each step's heads' columns and places with nodes; the host's column map
+        kept += 8 * ((n + 1) + 2 * sum(s.heads for s in steps) * group_size + n_qk * group_size)
     results = (2 * batch * (n + 1) + batch * n + batch * pos * u) * size  # z_pre (padded), its gradient, grad_v
     assert 0.75 * (step + kept + results) <= peak <= step + kept + results, (peak, step, kept, results)
