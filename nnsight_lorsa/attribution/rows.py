@@ -72,12 +72,11 @@ SEARCH_READS = 64
 def refuse_non_finite_rows(row_sums: Float[torch.Tensor, " b"], rows: list[int], dtype: torch.dtype
                            ) -> Float[torch.Tensor, " b"]:
     """``row_sums`` (one value per edge row of a batch, on the rows' device, NaN / inf iff the row holds one: its
-    ``Σ |edges|`` in float64, or its largest ``|edge|``) copied to the host — the batch's one device read — and
-    checked there. Every storage path of
-    :class:`RowStore` calls it before it stores anything of the batch.
+    ``Σ |edges|`` in float64, or its largest ``|edge|``) copied to the host — one ``(b,)`` device read — and
+    checked there. Every storage path of :class:`RowStore` calls it before it stores anything of the batch.
 
     Raises:
-        NonFiniteError: a row's sum is NaN / inf (``tensor="edges"``); the message names the target ``rows`` whose
+        NonFiniteError: a row's value is NaN / inf (``tensor="edges"``); the message names the target ``rows`` whose
             edges hold one and ``dtype``, what they were computed in.
     """
     host = row_sums.to(HOST)
