@@ -94,8 +94,8 @@ class NonFiniteError(LorsaError, FloatingPointError):
     factor — and stopped before it reached the weights; or an evaluation's metric was NaN / inf (non-finite
     logits, :func:`~nnsight_lorsa.training.evaluate`: :attr:`step` is the batch, :attr:`tensor` the metric), or
     the logits an attribution starts from were (:func:`~nnsight_lorsa.attribution.attribute`, ``tensor="logits"``),
-    or its stored sparse edge rows (a budget, ``prune=`` with ``keep_mass < 1``: ``tensor="edges"``, before the batch is
-    stored — they would have been dropped from the rows),
+    or its edge rows (``tensor="edges"``, before anything of the batch is stored, on every storage path: stored
+    sparse they would have been dropped from the rows, in the full graph's blocks or a dense matrix kept as NaN edges),
     or a patching experiment's metric was (:mod:`~nnsight_lorsa.patching`, ``tensor="metric"``).
     The message names the step and the tensor (:attr:`step`, :attr:`tensor`); the trainer holds the state as
     it was before that step (weights, Adam state, dead counters, step), so nothing is lost and a checkpoint on

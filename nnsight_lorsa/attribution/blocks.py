@@ -136,7 +136,7 @@ class BlockAdjacency:
                                                         device=HOST)
             block[self._slot[rows[at]]] = part.to(self.dtype)
             kept += part.count_nonzero()
-        if int(kept) != int(g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
+        if bool(kept != g.count_nonzero()):  # a non-zero entry outside the blocks: find it, refuse the rows
             for i, cell in enumerate(cells.tolist()):
                 outside = g[i].clone()
                 outside[self.cols(cell)] = 0

@@ -69,6 +69,27 @@ SMALL_RUN_ENTRIES = 2**14
 SEARCH_READS = 64
 
 
+def refuse_non_finite_rows(row_sums: Float[torch.Tensor, " b"], rows: list[int], dtype: torch.dtype
+                           ) -> Float[torch.Tensor, " b"]:
+    """``row_sums`` (one value per edge row of a batch, on the rows' device, NaN / inf iff the row holds one: its
+    ``Σ |edges|`` in float64, or its largest ``|edge|``) copied to the host — one ``(b,)`` device read — and
+    checked there. Every storage path of :class:`RowStore` calls it before it stores anything of the batch.
+
+    Raises:
+        NonFiniteError: a row's value is NaN / inf (``tensor="edges"``); the message names the target ``rows`` whose
+            edges hold one and ``dtype``, what they were computed in.
+    """
+    host = row_sums.to(HOST)
+    bad = ~torch.isfinite(host)
+    if bool(bad.any()):  # a host tensor: no device read
+        named = [rows[i] for i in bad.nonzero().flatten().tolist()]
+        raise NonFiniteError(
+            f"attribute: the edge rows of target rows {named[:8]}{' …' if len(named) > 8 else ''} hold NaN or inf "
+            f"(computed in {dtype}; an fp16 frozen pass overflows past 65504: attribute(..., "
+            f"dtype=torch.float32)); nothing of this batch was stored", tensor="edges")
+    return host
+
+
 @dataclass
 class _Block:
     """Consecutive rows of a :class:`SparseRows`: ``col``/``val`` filled up to ``fill``; row
@@ -120,21 +141,15 @@ class SparseRows:
         Raises:
             NonFiniteError: a row holds NaN or inf (an fp16 frozen backward past 65504, a NaN in the model): it would
                 have been dropped from the row (``|NaN| > 0`` is false) with no word — a wrong graph. Read from each
-                row's ``Σ |edges|`` on the host, the copy made anyway (no extra device read); nothing is stored.
-                ``rows``: the batch's target rows, named in the message (None: the store's row numbers).
+                row's ``Σ |edges|`` on the host, the copy made anyway (no extra device read;
+                :func:`refuse_non_finite_rows`); nothing is stored. ``rows``: the batch's target rows, named in the
+                message (None: the store's row numbers).
         """
         g = grads.detach()
         a = g.abs()
         abs_row = a.sum(1, dtype=torch.float64)  # on grads' device; NaN / inf iff a row holds one
-        abs_total = abs_row.to(HOST)
-        bad = ~torch.isfinite(abs_total)
-        if bool(bad.any()):  # a host tensor: no device read
-            which = (rows if rows is not None else list(range(self.n_rows, self.n_rows + g.shape[0])))
-            named = [which[i] for i in bad.nonzero().flatten().tolist()]
-            raise NonFiniteError(
-                f"attribute: the edge rows of target rows {named[:8]}{' …' if len(named) > 8 else ''} hold NaN or inf "
-                f"(computed in {g.dtype}; an fp16 frozen pass overflows past 65504: attribute(..., "
-                f"dtype=torch.float32)); nothing of this batch was stored", tensor="edges")
+        abs_total = refuse_non_finite_rows(
+            abs_row, rows if rows is not None else list(range(self.n_rows, self.n_rows + g.shape[0])), g.dtype)
         if keep_mass is None or keep_mass >= 1.0:
             keep = a > 0
         else:
@@ -458,8 +473,18 @@ class RowStore:
         return torch.as_tensor(rows, dtype=torch.long, device=HOST)
 
     def record(self, rows: list[int], grads: torch.Tensor) -> None:
-        """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row."""
-        self.done.extend(rows)
+        """Store ``grads: (len(rows), n_sources)``, the incoming edges of each row.
+
+        Raises:
+            NonFiniteError: a row holds NaN or inf, on every storage path (:func:`refuse_non_finite_rows`, before
+                anything of the batch is stored, ``done`` included): the sparse rows check their ``Σ |edges|``
+                (computed there anyway), the blocks and the dense matrix each row's largest ``|edge|`` (from
+                ``aminmax`` on the rows' device: NaN propagates, no temporary of the batch, no overflow) — one
+                ``(b,)`` copy to the host a batch either way.
+        """
+        if (self._make_blocks is not None or self.dense_shape is not None) and grads.numel():
+            lo, hi = torch.aminmax(grads.detach(), dim=1)
+            refuse_non_finite_rows(torch.maximum(lo.abs(), hi.abs()), rows, grads.dtype)
         if self._make_blocks is not None:
             if self.rows is None:
                 self.rows = self._make_blocks(grads.dtype)
@@ -473,6 +498,7 @@ class RowStore:
         else:
             assert isinstance(self.rows, SparseRows)
             self.rows.append(grads, self.keep_mass, rows)
+        self.done.extend(rows)
         if len(self.done) % (TRIM_EVERY * len(rows)) < len(rows):
             release_free_memory()
         if self.progress is not None:

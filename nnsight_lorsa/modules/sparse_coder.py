@@ -227,6 +227,25 @@ def encode_and_pre_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.T
     return hook_post(activation(hook_pre(pre))), pre
 
 
+#: fp32 elements per draw of :func:`init_dictionary_`'s decoder on the CPU (64 MiB): a decoder is drawn in runs of rows
+#: this size (a multiple of 16 rows, ≥ 16 elements each: the CPU's ``randn`` fills blocks of 16 from consecutive
+#: uniforms, so the runs are the same stream, bit for bit, as one draw — ``tests/test_init_no_host_draw.py``)
+INIT_CHUNK_ELEMENTS = 2**24
+
+
+def _row_runs(n_rows: int, row_elements: int, device: torch.device) -> list[tuple[int, int]]:
+    """``[(r0, r1), …]`` covering ``n_rows`` rows: one run unless drawn on the CPU (another device's generator
+    streams differ when a draw is split: it is drawn whole); else runs of ≤ :data:`INIT_CHUNK_ELEMENTS` elements, a
+    multiple of 16 rows, the last of ≥ 16 elements (a shorter draw takes another path)."""
+    step = max(16, INIT_CHUNK_ELEMENTS // max(row_elements, 1) // 16 * 16)
+    if device.type != "cpu" or n_rows <= step:
+        return [(0, n_rows)]
+    runs = [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
+    if (runs[-1][1] - runs[-1][0]) * row_elements < 16:
+        runs[-2:] = [(runs[-2][0], n_rows)]
+    return runs
+
+
 @torch.no_grad()
 def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.Generator | None = None) -> None:
     """Random init: unit-norm decoder rows (as in Bricken et al. 2023, *Towards Monosemanticity*), encoder =
@@ -234,16 +253,27 @@ def init_dictionary_(W_enc: torch.Tensor, W_dec: torch.Tensor, generator: torch.
 
     ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``; where ``d_in != d_out`` (transcoders)
     the encoder gets its own draw of the same scale (SAELens initialises ``W_enc = W_decᵀ``).
+
+    Drawn in fp32 on ``generator``'s device (the CPU's default generator without one: the same init on every
+    device and in every dtype), then cast and copied. Parameters on ``meta`` are left as they are (nothing to
+    fill, nothing drawn: a module built on ``meta`` allocates nothing, and ``generator`` does not advance). A
+    decoder drawn on the CPU comes in runs of rows (:data:`INIT_CHUNK_ELEMENTS`, the same stream as one draw):
+    at most 64 MiB of it on the host at a time, whatever the decoder's size and device (a Llama-3.1-8B CLT's first
+    decoder is 4.3 G elements); the encoder's own draw is whole (one layer's ``d_in × d_sae``).
     """
+    device = generator.device if generator is not None else torch.device("cpu")
     d_sae, d_out = W_dec.shape
-    W_dec.copy_(torch.randn(d_sae, d_out, generator=generator, dtype=torch.float32).to(W_dec))
-    W_dec.div_(W_dec.norm(dim=-1, keepdim=True).clamp_min(1e-12))
-    if W_enc.shape == W_dec.T.shape:
+    if not W_dec.is_meta:
+        for r0, r1 in _row_runs(d_sae, d_out, device):
+            W_dec[r0:r1].copy_(torch.randn(r1 - r0, d_out, generator=generator, dtype=torch.float32, device=device))
+        W_dec.div_(W_dec.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    if W_enc.is_meta:
+        return
+    if W_enc.shape == W_dec.T.shape and not W_dec.is_meta:
         W_enc.copy_(W_dec.T)
     else:
-        draw = torch.randn(*W_enc.shape, generator=generator, dtype=torch.float32,
-                           device=generator.device if generator is not None else "cpu")
-        W_enc.copy_((draw / draw.norm(dim=0, keepdim=True).clamp_min(1e-12)).to(W_enc))
+        draw = torch.randn(*W_enc.shape, generator=generator, dtype=torch.float32, device=device)
+        W_enc.copy_(draw.div_(draw.norm(dim=0, keepdim=True).clamp_min(1e-12)))
 
 
 class SparseCoder(ReplacementModule):

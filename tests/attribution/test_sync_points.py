@@ -12,8 +12,9 @@ from nnsight_lorsa.attribution import PruneConfig, attribute
 
 #: measured (Lorsa + transcoders, 10 tokens, batch 8): the highest count of a batch after the first (the first
 #: also builds the full graph's block layout, once per prompt). Full graph: the batch's cells read once
-#: (``tolist``) and the kept-entry check (two ``int``); a budget: the sparse rows' keep (``nonzero``, counts) and
-#: the influence re-estimate over the stored rows.
+#: (``tolist``), the kept-entry check (one ``bool``; two ``int`` before 2026-11-27) and the edge rows' finiteness
+#: check (one ``bool`` of their per-row max copied to the host, ``rows.refuse_non_finite_rows``); a budget: the
+#: sparse rows' keep (``nonzero``, counts) and the influence re-estimate over the stored rows.
 MAX_SYNCS = {"default": 3, "lean": 3, "budget": 25, "prune": 3}
 
 
