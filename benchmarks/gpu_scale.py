@@ -507,11 +507,17 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
+        # what each batch pays (its backward, its rows recorded, the ranking) apart from what the call pays once
+        # (the clean pass and layout, the frozen forward, the assembly, the rest): the per-row cost of a graph of
+        # many rows, which a call of a few dozen rows hides under its fixed part
+        per_batch = sum(phases.get(k, 0.0) for k in ("backward", "record_rows", "next_rows_influence")) / batches
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
             "floor_measured_at_batch": floor_batch,
             "per_row_vs_floor": None if floor is None else seconds / batches / floor,
+            "steady_seconds_per_batch": per_batch, "fixed_seconds": seconds - per_batch * batches,
+            "steady_per_row_vs_floor": None if floor is None else per_batch / floor,
             "former_floor_seconds_per_batch": former_floor,  # with weight gradients: the floor before 2026-11-27
             "per_row_vs_former_floor": None if former_floor is None else seconds / batches / former_floor,
             "device_peak_above_resident": None if peak is None or before is None else peak - before,
@@ -612,6 +618,7 @@ def main() -> None:
         lorsa_layers = range(s["n_layers"]) if args.attr_lorsa == "all" else [int(args.attr_lorsa)]
         result["d_lorsa_layers"] = list(lorsa_layers)
         result["d_offload"] = args.offload
+        result["d_rows"] = args.attr_rows  # the feature budget: a run of another one has its own key in the record
         all_lorsas, tcs = LorsaSet(model), TranscoderSet(model)
         all_lorsas.offload = tcs.offload = args.offload  # offloaded: each module to the host once inserted
         progress(f"(d) building {len(lorsa_layers)} Lorsa(s) and {s['n_layers']} transcoders"

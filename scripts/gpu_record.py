@@ -110,8 +110,8 @@ def merge_suite(target: Path, record: dict[str, Any]) -> None:
 def d_key(run: dict[str, Any]) -> str:
     """Where a run's (d) rows go: ``d_attribution`` (resident, the Lorsa on the scale's layer), with
     ``_offload`` if offloaded and ``_all_lorsas`` / ``_lorsas_<layers>`` for other Lorsa layers, and
-    ``_memory_snapshot`` for a run under ``--memory-snapshot`` (its timed call records every allocation: its
-    seconds are not the other rows')."""
+    ``_rows_<n>`` for a feature budget other than 64 (``--attr-rows``), ``_memory_snapshot`` for a run under
+    ``--memory-snapshot`` (its timed call records every allocation: its seconds are not the other rows')."""
     shapes = run.get("shapes", {})
     layers = run.get("d_lorsa_layers", [shapes.get("layer")])
     key = "d_attribution" + ("_offload" if run.get("d_offload") else "")
@@ -119,6 +119,8 @@ def d_key(run: dict[str, Any]) -> str:
         key += "_all_lorsas"
     elif layers != [shapes.get("layer")]:
         key += "_lorsas_" + "_".join(str(x) for x in layers)
+    if run.get("d_rows", 64) != 64:  # another feature budget than the default's: rows not comparable with its
+        key += f"_rows_{run['d_rows']}"
     if run.get("d_memory_snapshot"):
         key += "_memory_snapshot"
     return key

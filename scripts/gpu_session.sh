@@ -31,6 +31,9 @@
 #            tokens the profiled call did not end in 147 s on an H200, 2026-11-27: a 32 s call, ~5x under the profiler)
 #   oprof    the offload step's run at 1024 tokens (a 35 s call) with --profile-kernels 40: where the offloaded
 #            all-layer call's 5-7x the floor goes (not in the default steps; timeout 420 s)
+#   orows    the offload step's run at 1024 tokens with 512 feature rows (--attr-rows 512; the default 64 rows are
+#            19 batches, under the call's fixed part: steady_per_row_vs_floor is each batch's own cost; ~150 s,
+#            not in the default steps; timeout 420 s) -> gpu_scale_orows.json
 #   zprod    zpre_head_product: one 8B Lorsa layer's recomputed-row z_pre, forward + backward, the gather against
 #            the head product (frozen.HEAD_PRODUCT) at 1024 and 4096 tokens, batch 2, bf16 (~60 s; not in the
 #            default steps) -> zpre_head_product.json
@@ -74,8 +77,9 @@ if [ "$SMALL" = 1 ]; then
   SCALE=(--scale small --device cpu --dtype float32 --repeats 1 --train-steps 1)
   LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
   VARIANTS=(--scale small --device cpu --dtype float32 --seq 64 --repeats 1)
-  ZPROD=(--device cpu --dtype float32 --tokens 64 --repeats 1)
+  ZPROD=(--device cpu --dtype float32 --tokens 64 --repeats 1); ROWS_MANY=16
 else
+  ROWS_MANY=512
   VARIANTS=(); ZPROD=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
@@ -158,11 +162,13 @@ for step in "${STEPS[@]}"; do
     oprof)   run_step oprof 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[0]}" --profile-kernels 40 --out "$OUT/gpu_scale_oprof.json" ;;
     pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
+    orows)   run_step orows 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
+               --tokens "${OFF_TOKENS[0]}" --attr-rows "$ROWS_MANY" --out "$OUT/gpu_scale_orows.json" ;;
     zprod)   run_step zprod 120 "$PY" -m benchmarks.zpre_head_product ${ZPROD[@]+"${ZPROD[@]}"} \
                --out "$OUT/zpre_head_product.json" ;;
     offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof oprof pin zprod)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof oprof orows pin zprod)" >&2; exit 2 ;;
   esac
 done
 pack

@@ -193,10 +193,13 @@ def test_a_small_budget_still_splits_the_steps():
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=64), st.integers(1, 64), st.integers(1, 4),
-       st.integers(1, 16), st.integers(1, 2**14))
-def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, elements):
-    pieces, steps = frozen.plan_rows(counts, pos, batch, d_qk, elements)
-    slots, most_heads = max(1, elements // (batch * pos)), max(1, elements // (pos * d_qk))
+       st.integers(1, 16), st.integers(1, 2**14), st.sampled_from([0, 1, 3, 8]))
+def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, elements, group_size):
+    """The gather's plan (``group_size`` 0) and the head product's (its slots held to ``elements // pos``, its heads'
+    ``(group_size·batch, pos)`` values to ``elements``)."""
+    pieces, steps = frozen.plan_rows(counts, pos, batch, d_qk, elements, group_size)
+    per_slot = pos if group_size else batch * pos
+    slots, most_heads = max(1, elements // per_slot), max(1, elements // (pos * max(d_qk, group_size * batch)))
     covered = {g: [] for g, c in enumerate(counts) if c}
     first = 0
     for s in steps:
@@ -213,7 +216,7 @@ def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, 
         assert sum(n for _, n in runs) == counts[g]
         assert sorted(c0 for c0, _ in runs) == list(range(0, counts[g], slots))
     n = sum(counts)
-    bound = 4 * batch * pos * n / elements + len(pieces) / most_heads + math.log2(max(counts) or 1) + 2
+    bound = 4 * per_slot * n / elements + len(pieces) / most_heads + math.log2(max(counts) or 1) + 2
     assert len(steps) <= bound
 
 
@@ -261,3 +264,33 @@ def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_hea
         kept += 8 * ((n + 1) + 2 * sum(s.heads for s in steps) * group_size + n_qk * group_size)
     results = (2 * batch * (n + 1) + batch * n + batch * pos * u) * size  # z_pre (padded), its gradient, grad_v
     assert 0.75 * (step + kept + results) <= peak <= step + kept + results, (peak, step, kept, results)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_graph_with_the_head_product_is_the_gathers(family, monkeypatch):
+    """``attribute(memory="lean")`` (the recomputed rows: a GPU's path) with the head product (a device's default,
+    forced on the CPU) gives the gather's graph within fp32 rounding, its edges summing to the node values as
+    closely — through the real layout's OV heads and groups (``replacement.lorsa_z_pre``)."""
+    from helpers import attribution_setup, random_ids, rm
+
+    from nnsight_lorsa.attribution import attribute
+
+    model, _, lorsas, tcs = attribution_setup(family)
+    assert all(lorsa.cfg.group_size > 1 for lorsa in lorsas.values())
+    ids = random_ids(1, 9, seed=3)[0]
+    calls = {"product": 0}
+    original = frozen._head_product_forward
+
+    def counted(*a):
+        calls["product"] += 1
+        return original(*a)
+
+    monkeypatch.setattr(frozen, "_head_product_forward", counted)
+    graphs = {}
+    for on in (False, True):
+        with product(on):
+            graphs[on] = attribute(rm(model, lorsas, tcs), ids, batch_size=5, memory="lean")
+        assert bool(calls["product"]) == on  # the frozen forward's z_pre took the forced contraction
+    a, b = graphs[False].densify(), graphs[True].densify()
+    assert a.abs().max() > 0 and torch.allclose(a, b, rtol=0, atol=1e-5 * float(a.abs().max()))
+    assert graphs[True].edge_sum_error("mass").max() < 1e-5
