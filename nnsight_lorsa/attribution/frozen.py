@@ -34,11 +34,14 @@ a head node ``n`` (OV head ``h_n`` of QK head ``g_n`` at query position ``i_n``)
 ``z_pre[n] = Σ_j A^{g_n}[i_n, j] · v_j^{h_n}`` (Lorsa paper §3.1); keeping every node's pattern row
 costs ``n·pos`` numbers, so the rows are recomputed from the constant ``q, k`` in every pass, forward and
 backward, many QK heads per step (:func:`plan_rows`): the nodes sit on a ``(QK heads, slots)`` grid, most nodes
-first, and a step is one ``bmm`` of its slots' queries with its heads' keys, the causal mask, an fp32 softmax and one
-contraction with (or, backward, one ``index_add_`` into) the values — ~20 dispatched operators a step, where a loop
+first, and a step is one ``bmm`` of its slots' queries with its heads' keys (:func:`~nnsight_lorsa._placement.bmm_f32`),
+the causal mask, an fp32 softmax and one contraction with the values — ~20 dispatched operators a step, where a loop
 over QK heads dispatched ~10 per head (256 heads a layer at the Llama-3.1-8B Lorsa's shape; on a GPU each a kernel
-launch: docs/attribution.md, "Recomputed Lorsa pattern rows"). A padded slot reads query position 0 (a finite
-row) and writes a dummy node.
+launch: docs/attribution.md, "Recomputed Lorsa pattern rows"). The contraction (:data:`HEAD_PRODUCT`, per device
+type) is, on the CPU, a gather of each node's value column (backward an ``index_add_`` into them), elsewhere the
+*head product*: one ``bmm`` of the rows with every OV head's values of the step's QK heads (backward, with the
+gradients scattered on that grid) — ``group_size``× the FLOPs on tensor cores for none of the gather's traffic and
+atomics. A padded slot reads query position 0 (a finite row) and writes a dummy node.
 
 torch only (these functions run inside a trace, also on an NDIF server).
 """
@@ -684,5 +687,8 @@ def _head_product_backward(grad_pad: torch.Tensor, rows: PatternRows, shape: tor
 def z_pre(v: Float[torch.Tensor, "batch pos u"], rows: PatternRows, col: Int[torch.Tensor, " n"]
           ) -> Float[torch.Tensor, "batch n"]:
     """The nodes' ``z_pre`` from ``v``: the values of the OV heads active somewhere (column ``col_n``
-    is node ``n``'s head), through their recomputed pattern rows."""
+    is node ``n``'s head; with ``rows`` made with ``heads``, the head product's columns ``heads.unique()`` in order:
+    the same), through their recomputed pattern rows — the gather or the head product, as ``rows`` was made
+    (:data:`HEAD_PRODUCT` of its device). ``(batch, n)`` in ``v``'s dtype, on its device; gradient to ``v`` only
+    (Lorsa paper §3.1)."""
     return _ZPre.apply(v, rows, col)
