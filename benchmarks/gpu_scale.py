@@ -507,10 +507,11 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
         offload_rows, used_batch = graph.meta["offload_rows"], graph.meta["batch_size"]
         n_rows = int(graph.feature_rows.sum())  # every computed row: features and logits
         batches = -(-n_rows // used_batch)
-        # what each batch pays (its backward, its rows recorded, the ranking) apart from what the call pays once
-        # (the clean pass and layout, the frozen forward, the assembly, the rest): the per-row cost of a graph of
-        # many rows, which a call of a few dozen rows hides under its fixed part
-        per_batch = sum(phases.get(k, 0.0) for k in ("backward", "record_rows", "next_rows_influence")) / batches
+        # what grows with the rows (each batch's backward, its rows recorded, the rankings, the assembly of every
+        # stored row) apart from what the call pays once (the clean pass and layout, the frozen forward, the rest):
+        # the per-row cost of a graph of many rows, which a call of a few dozen rows hides under its fixed part
+        per_batch = sum(phases.get(k, 0.0) for k in ("backward", "record_rows", "next_rows_influence", "assemble")
+                        ) / batches
         out.append({
             "tokens": n, "seconds": seconds, "target_rows": n_rows, "batches": batches,
             "seconds_per_batch": seconds / batches, "floor_seconds_per_batch": floor,
