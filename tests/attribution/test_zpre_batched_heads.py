@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -294,3 +295,35 @@ def test_a_graph_with_the_head_product_is_the_gathers(family, monkeypatch):
     a, b = graphs[False].densify(), graphs[True].densify()
     assert a.abs().max() > 0 and torch.allclose(a, b, rtol=0, atol=1e-5 * float(a.abs().max()))
     assert graphs[True].edge_sum_error("mass").max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_on_cuda_both_contractions_match_the_per_node_reference(device, dtype):
+    """On the device (``gpu``): the head product (its default there) and the gather, forced, against the per-node
+    fp64 reference, forward and ``grad_v`` — bf16 rows and values on tensor cores, fp32 scores by ``bmm_f32``."""
+    case = {"n_qk": 6, "pos": 40, "group": [g % 6 for g in range(300)], "qpos": [(7 * i) % 40 for i in range(300)],
+            "batch": 3, "d_qk": 16, "group_size": 8, "dtype": dtype, "elements": 2**12, "seed": 5}
+    q, k, v, group, qpos, col, grad, scale, heads = make(case)
+    ref, rows = reference(q, k, v, group, qpos, col, scale)
+    mass = torch.einsum("np,bpn->bn", rows, v.double().abs()[:, :, col])
+    want = torch.zeros(v.shape, dtype=torch.float64).index_add_(2, col, rows.T[None] * grad.double()[:, None, :])
+    scale_g = torch.zeros(v.shape, dtype=torch.float64).index_add_(
+        2, col, rows.T[None] * grad.double().abs()[:, None, :])
+    tol = relative_bound(dtype)
+    on = {name: t.to(device) for name, t in (("q", q), ("k", k), ("group", group), ("qpos", qpos), ("col", col),
+                                              ("grad", grad), ("heads", heads))}
+    old = dict(frozen.HEAD_PRODUCT)
+    try:
+        for head_product in (True, False):
+            frozen.HEAD_PRODUCT[torch.device(device).type] = head_product
+            vv = v.to(device).detach().clone().requires_grad_(True)
+            pr = PatternRows(on["q"], on["k"], on["group"], on["qpos"], scale, on["heads"], case["group_size"])
+            assert bool(pr.group_size) == head_product
+            out = z_pre(vv, pr, on["col"])
+            out.backward(on["grad"])
+            assert ((out.double().cpu() - ref).abs() <= tol * mass + 1e-30).all(), head_product
+            assert ((vv.grad.double().cpu() - want).abs() <= tol * scale_g + 1e-30).all(), head_product
+    finally:
+        frozen.HEAD_PRODUCT.clear()
+        frozen.HEAD_PRODUCT.update(old)
