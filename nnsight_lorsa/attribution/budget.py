@@ -126,6 +126,7 @@ from .frozen import (
 from .graph import HOST
 from .layout import Layout
 from .logit_targets import Targets
+from .nodes import count_distinct
 from .offload import (
     RowsPlace,
     any_offloaded,
@@ -332,7 +333,7 @@ def budget_blocks_bytes(layout: Layout, n_rows: int, budget: int, edge_itemsize:
     without a feature budget) — and the block index: one source list per target site (``8 B · n`` each, at most one
     per row) and two ``8 B · N`` row maps. Linear in ``P`` for a fixed budget."""
     n_src = layout.n_sources - (layout.n_features - budget)
-    n_sites = int(layout.nodes.sites()[:layout.n_features].unique().numel()) + 1  # the feature sites, the logits'
+    n_sites = count_distinct(layout.nodes.sites()[:layout.n_features]) + 1  # the feature sites, the logits'
     cells = n_rows * n_src if entries is None else min(entries, n_rows * n_src)
     return cells * edge_itemsize + min(n_rows, n_sites) * n_src * 8 + 2 * (n_src + layout.n_logits) * 8
 
@@ -383,7 +384,7 @@ def frozen_per_copy_bytes(layout: Layout, *, n_layers: int, d_model: int,
     transient = 3 * d
     for lay in layout.layers:
         if lay.lorsa is not None:
-            u = int(torch.unique(lay.lorsa_head).numel())
+            u = count_distinct(lay.lorsa_head)
             transient = max(transient, 2 * d + 2 * u)
         elif lay.attn_err_start is None:  # a frozen MHSA
             h, g = (mhsa_widths or {}).get(lay.layer, (d, d))
@@ -613,7 +614,7 @@ def lorsa_row_bytes(layout: Layout, batch: int, itemsize: int, module_itemsize: 
         group_size = cfg.group_size if head_product(device) else 0
         order, steps = plan_rows(counts, layout.n_pos, batch, cfg.d_qk_head, row_chunk_elements(device), group_size)
         qk_itemsize = module_itemsize or next(lay.lorsa.parameters()).element_size()
-        n_values = int(lay.lorsa_head.unique().numel()) if group_size else 0
+        n_values = count_distinct(lay.lorsa_head) if group_size else 0
         step = max([step] + [row_step_bytes(s, layout.n_pos, batch, cfg.d_qk_head, itemsize, qk_itemsize,
                                             group_size, n_values) for s in steps])
         n = lay.lorsa_head.numel()

@@ -44,6 +44,7 @@ from .._placement import fetched_bytes, offloaded
 from .batch_fit import largest_batch
 from .frozen import choose
 from .layout import LORSA_OUT, Layout
+from .nodes import count_distinct
 
 if TYPE_CHECKING:
     from .budget import MemoryEstimate
@@ -89,10 +90,6 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(_bytes(t) for t in [*module.parameters(), *module.buffers()])
 
 
-def _distinct(idx: torch.Tensor) -> int:
-    return int(torch.unique(idx).numel()) if idx.numel() else 0
-
-
 def any_offloaded(layout: Layout) -> bool:
     """Whether a Lorsa or transcoder of ``layout`` is offloaded (a cross-layer transcoder's layer: its CLT)."""
     return any(offloaded(lay.lorsa) or (lay.transcoder is not None and offloaded(lay.transcoder.weights_owner))
@@ -122,7 +119,7 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
 
     def distinct_features(lay: Any) -> int:
         if lay.layer not in features:
-            features[lay.layer] = _distinct(lay.tc_feat)
+            features[lay.layer] = count_distinct(lay.tc_feat)
         return features[lay.layer]
 
     def tc_owner(lay: Any) -> Any:
@@ -133,7 +130,7 @@ def offload_blocks(layout: Layout, *, d_model: int, node_vectors: str, itemsize:
     for lay in layout.layers:
         lorsa = lay.lorsa
         if lorsa is not None and offloaded(lorsa):
-            heads = _distinct(lay.lorsa_head)
+            heads = count_distinct(lay.lorsa_head)
             if choose(node_vectors, lay.lorsa_pos.numel(), d_model, dtype) == "gather":
                 blocks.append((f"L{lay.layer}.lorsa.w_o", heads * d_model * lorsa.W_O.element_size()))
             blocks.append((f"L{lay.layer}.lorsa.w_v", heads * d_model * itemsize))
