@@ -449,9 +449,11 @@ def plan_rows(counts: list[int], n_pos: int, batch: int, d_qk: int, elements: in
     the steps number at most ``4·batch·n_pos·n / elements + pieces / (elements // (n_pos·d_qk)) + log2(most) + 2``
     (``n`` nodes; a step ended by its padding halves the next one's width) — not one per QK head. ``group_size`` > 0
     (the head product, :data:`HEAD_PRODUCT`): no ``(batch, pos, slots)`` temporary, so a step's slots are held to
-    ``elements // n_pos`` (its rows, as the scores: ``batch``× fewer steps), and its heads' values
+    ``elements // max(n_pos, group_size·batch)`` (its rows, as the scores, and its product or scattered gradients,
+    ``(slots, group_size·batch)``: ``batch``× fewer steps past ``group_size`` tokens), and its heads' values
     ``(group_size·batch, n_pos)`` each fit ``elements`` too, instead of the keys where those are larger."""
-    slots = max(1, elements // max(1, (1 if group_size else batch) * n_pos))
+    per_slot = max(n_pos, group_size * batch) if group_size else batch * n_pos
+    slots = max(1, elements // max(1, per_slot))
     most_heads = max(1, elements // max(1, n_pos * max(d_qk, group_size * batch)))
     pieces = sorted(((min(slots, c - c0), g, c0) for g, c in enumerate(counts) for c0 in range(0, c, slots)),
                     key=lambda p: -p[0])

@@ -199,7 +199,7 @@ def test_the_plan_covers_every_node_once_in_few_steps(counts, pos, batch, d_qk, 
     """The gather's plan (``group_size`` 0) and the head product's (its slots held to ``elements // pos``, its heads'
     ``(group_size·batch, pos)`` values to ``elements``)."""
     pieces, steps = frozen.plan_rows(counts, pos, batch, d_qk, elements, group_size)
-    per_slot = pos if group_size else batch * pos
+    per_slot = max(pos, group_size * batch) if group_size else batch * pos
     slots, most_heads = max(1, elements // per_slot), max(1, elements // (pos * max(d_qk, group_size * batch)))
     covered = {g: [] for g, c in enumerate(counts) if c}
     first = 0
