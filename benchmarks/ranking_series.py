@@ -45,8 +45,8 @@ def former(rows: SparseRows, node: torch.Tensor, weight: torch.Tensor) -> torch.
 
 def main() -> None:
     args = parser(__doc__, cols=1_600_000, layers=32, features=64, logits=10, batch=4, interval=4, density=0.85,
-                  repeats=2, out="benchmarks/results/ranking_series.json").parse_args()
-    start(args, threads=1)
+                  repeats=2, threads=1, out="benchmarks/results/ranking_series.json").parse_args()
+    start(args)
     g = torch.Generator().manual_seed(0)
     per_layer = args.cols // args.layers
     n_cols = per_layer * args.layers
@@ -103,7 +103,8 @@ def main() -> None:
                 add(order[i:i + args.batch])
                 i += args.batch
     rank()
-    write_json(args.out, {"command": command("OMP_NUM_THREADS=1 PYTHONPATH=."), "torch": torch.__version__,
+    write_json(args.out, {"command": command(f"OMP_NUM_THREADS={args.threads} PYTHONPATH=."),
+                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                           "n_cols": n_cols, "layers": args.layers, "density": args.density, "rankings": runs,
                           "total_former_s": sum(r["former_s"] for r in runs),
                           "total_collapsed_s": sum(r["collapsed_s"] for r in runs)})
