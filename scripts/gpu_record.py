@@ -20,7 +20,8 @@ What it writes, ``<GPU>`` the device's name with every non-alphanumeric characte
 * ``lorsa_forward_variants_<scale>_<GPU>.json`` from ``lorsa_forward_variants.json`` (the benchmark's own JSON):
   replaces the file, the former record (its notes included) appended to ``history``.
 * ``offload_placement_rate_<GPU>.json`` from ``offload_placement_rate.json`` (step ``pin``) and
-  ``zpre_head_product_<GPU>.json`` from ``zpre_head_product.json`` (step ``zprod``): the same way.
+  ``zpre_head_product_<GPU>.json`` from ``zpre_head_product.json`` (step ``zprod``) and ``gathered_nodes_<GPU>.json``
+  from ``gathered_nodes.json`` (step ``gnodes``): the same way.
 * ``gpu_session_<GPU>.json``: every session's ``session.json`` (commit, versions, each step's exit status and
   seconds; a step stopped by its timeout has ``timed_out``), appended.
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         written.append(f"{target} <- {path.name}: {', '.join(keys)}")
     for source, stem in (("lorsa_forward_variants.json", None), ("offload_placement_rate.json",
                                                                   "offload_placement_rate"),
-                         ("zpre_head_product.json", "zpre_head_product")):
+                         ("zpre_head_product.json", "zpre_head_product"), ("gathered_nodes.json", "gathered_nodes")):
         record = load(folder / source)
         if not record or "skipped" in record:
             continue

@@ -37,6 +37,9 @@
 #   zprod    zpre_head_product: one 8B Lorsa layer's recomputed-row z_pre, forward + backward, the gather against
 #            the head product (frozen.HEAD_PRODUCT) at 1024 and 4096 tokens, batch 2, bf16 (~60 s; not in the
 #            default steps) -> zpre_head_product.json
+#   gnodes   gathered_nodes: a gathered site's node writes and reads at the 8B width, the former per-node products
+#            against the chunked grid products, 1024 and 4096 tokens, bf16 (~30 s; not in the default steps)
+#            -> gathered_nodes.json
 #   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
 #            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
 #   -> $OUT/gpu_scale_<step>.json (the benchmark's JSON), $OUT/<step>.log
@@ -78,8 +81,9 @@ if [ "$SMALL" = 1 ]; then
   LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
   VARIANTS=(--scale small --device cpu --dtype float32 --seq 64 --repeats 1)
   ZPROD=(--device cpu --dtype float32 --tokens 64 --repeats 1); ROWS_MANY=16
+  GNODES=(--device cpu --dtype float32 --tokens 32 --d 64 --repeats 1)
 else
-  ROWS_MANY=512
+  ROWS_MANY=512; GNODES=(--device cuda --dtype bfloat16 --tokens 1024 4096 --d 4096)
   VARIANTS=(); ZPROD=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
@@ -164,11 +168,12 @@ for step in "${STEPS[@]}"; do
     pin)     run_step pin 90 "$PY" -m benchmarks.offload_placement_rate --out "$OUT/offload_placement_rate.json" ;;
     orows)   run_step orows 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[0]}" --attr-rows "$ROWS_MANY" --out "$OUT/gpu_scale_orows.json" ;;
+    gnodes)  run_step gnodes 120 "$PY" -m benchmarks.gathered_nodes "${GNODES[@]}" --out "$OUT/gathered_nodes.json" ;;
     zprod)   run_step zprod 120 "$PY" -m benchmarks.zpre_head_product ${ZPROD[@]+"${ZPROD[@]}"} \
                --out "$OUT/zpre_head_product.json" ;;
     offload) run_step offload 420 "${GS[@]}" --skip a b c --offload --shared-weights --attr-lorsa all --cap-gb 80 \
                --tokens "${OFF_TOKENS[@]}" --out "$OUT/gpu_scale_offload.json" ;;
-    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof oprof orows pin zprod)" >&2; exit 2 ;;
+    *)       echo "unknown step $step (suite ab variants c d offload memsnap dprof oprof orows pin zprod gnodes)" >&2; exit 2 ;;
   esac
 done
 pack

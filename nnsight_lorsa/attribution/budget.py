@@ -43,8 +43,9 @@ per edge:
   the largest of those it copies per pass — :func:`plan_call` decides as ``attribute`` does, so the estimate is of
   the call's own choice); resident modules are not counted (the
   estimate is above the resident weights); a gathered site's chunk temporaries (``gather_chunks``: two
-  fp32-sized ``(batch, chunk, d)`` of at most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB
-  on a GPU); and without stored patterns the recomputed Lorsa pattern rows (``row_chunks``, :func:`lorsa_row_bytes`):
+  fp32-sized, a chunk of positions' ``(positions, width, d)`` grid and ``(positions, batch, d)`` product, each of at
+  most :func:`.frozen.node_chunk_elements` numbers, 32 MB on the CPU, 256 MB on a GPU); and without stored patterns
+  the recomputed Lorsa pattern rows (``row_chunks``, :func:`lorsa_row_bytes`):
   every Lorsa layer's int64 slot indices, kept until the last backward, and the largest step of
   :func:`.frozen.plan_rows` (``row_step``: its QK heads' fp32 keys and its slots' queries, the larger of its fp32
   scores and softmax and of its rows and one ``(batch, P, slots)`` values-sized temporary; ``batch·P·slots`` at most
@@ -513,7 +514,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     # making of a constant: the larger of the two is counted
     row_kept, row_step = (0, 0) if store_patterns else lorsa_row_bytes(layout, batch_size, model_itemsize,
                                                                        module_itemsize, torch.device(device))
-    node_grids = gathered = 0  # the grids kept; the most nodes of one gathered site (its chunk temporaries)
+    # the grids kept; the largest gathered site's chunk bound, max(batch, its most nodes at one position) · P numbers
+    node_grids = gathered = 0
     for lay in layout.layers:
         n_l, n_t = lay.lorsa_pos.numel(), lay.tc_pos.numel()
         shared += n_l * P * model_itemsize if store_patterns else 0
@@ -521,9 +523,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
         # every later one's, each kept under its own key by FrozenReplacement.mlp; one until 2026-11-26)
         n_dec = layout.decoder_targets(lay.layer)
         node_grids += grid(lay.lorsa_pos) + grid(lay.tc_pos) + n_dec * grid(lay.tc_pos, n_dec)
-        for n, copies in ((n_l, 1), (n_t, 1), (n_t, n_dec)):
+        for n, copies, site_pos in ((n_l, 1, lay.lorsa_pos), (n_t, 1, lay.tc_pos), (n_t, n_dec, lay.tc_pos)):
             if n and choose(node_vectors, n, d_model, dtype, copies) == "gather":
-                gathered = max(gathered, n)
+                gathered = max(gathered, max(batch_size, int(torch.bincount(site_pos).max())) * P)
         # error vectors (one per replaced module), and a Lorsa's frozen queries/keys without stored patterns
         shared += (2 if lay.lorsa is not None else 1) * P * d_model * model_itemsize
         if lay.lorsa is not None and not store_patterns:  # computed by the Lorsa, kept in its dtype
@@ -553,8 +555,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                             rows=offload_rows, blocks=row_blocks()) if device != "cpu" else {}  # on the CPU:
     # computed where stored
     shared += sum(offload.values())
-    # a gathered site's chunk temporaries (frozen.gather_write / gather_read): two fp32-sized (batch, chunk, d)
-    gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), batch_size * gathered * d_model)
+    # a gathered site's chunk temporaries (frozen.gather_write / gather_read, by chunks of positions): two fp32-sized,
+    # the chunk's (positions, width, d) grid and its (positions, batch, d) product, each at most the chunk budget
+    gather_chunks = 2 * 4 * min(node_chunk_elements(torch.device(device)), gathered * d_model)
     shared += gather_chunks
     shared += row_kept
     kept_graph = edge_scores = 0  # the pruning's value-sized parts: the kept graph, the edge scores and kept edges

@@ -216,6 +216,17 @@ class PositionSlots:
         # node i in slot i (sorted groups of equal size: a TopK coder's k per position): the grid is the nodes
         # themselves, no scatter into it nor gather out of it (in the forward or the backward)
         self.identity = n == n_pos * self.width and bool((self.flat == torch.arange(n, device=pos.device)).all())
+        self.order, self._counts = order, counts
+        self._bounds: list[int] | None = None  # each group's first node in ``order``, and n: read on first use
+
+    def spans(self, groups: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(g0, g1, s, e)``: runs of at most ``groups`` consecutive groups and their nodes, ``order[s:e]`` — the
+        chunks of :func:`gather_write` / :func:`gather_read` (one host read of the groups' sizes, on first use)."""
+        if self._bounds is None:
+            self._bounds = [0, *torch.cumsum(self._counts, 0).tolist()]
+        for g0 in range(0, self.n_pos, max(1, groups)):
+            g1 = min(g0 + max(1, groups), self.n_pos)
+            yield g0, g1, self._bounds[g0], self._bounds[g1]
 
     def grid(self, vectors: Float[torch.Tensor, "n d"]) -> Float[torch.Tensor, "pos width d"]:
         """Vectors placed on the grid (zeros in empty slots)."""
@@ -270,62 +281,113 @@ def node_chunk_elements(device: torch.device) -> int:
     return NODE_CHUNK_ELEMENTS if device.type == "cpu" else NODE_CHUNK_ELEMENTS_DEVICE
 
 
-def _chunk(batch: int, d: int, device: torch.device) -> int:
-    return max(1, node_chunk_elements(device) // max(1, batch * d))
+def _chunk_grid(slots: PositionSlots, W: torch.Tensor, idx: torch.Tensor, g0: int, g1: int, s: int, e: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The positions ``[g0, g1)``'s grid ``(g1 − g0, width, d)`` in ``dtype`` — their nodes' rows of ``W``
+    (``order[s:e]``) in their slots, zeros in empty ones — and where the nodes sit in it (``(e − s,)``; None: slot
+    ``i`` is node ``s + i``, :attr:`PositionSlots.identity`)."""
+    if slots.identity:
+        return W[idx[s:e]].to(dtype).view(g1 - g0, slots.width, -1), None
+    nodes = slots.order[s:e]
+    local = slots.flat[nodes] - g0 * slots.width
+    grid = torch.zeros((g1 - g0) * slots.width, W.shape[-1], dtype=dtype, device=W.device)
+    return grid.index_copy_(0, local, W[idx[nodes]].to(dtype)).view(g1 - g0, slots.width, -1), local
+
+
+def _positions_per_chunk(slots: PositionSlots, batch: int, d: int, device: torch.device) -> int:
+    """Positions per chunk of :func:`gather_write` / :func:`gather_read`: their grid ``(·, width, d)`` and their
+    ``(·, batch, d)`` product each at most :func:`node_chunk_elements` numbers."""
+    return max(1, node_chunk_elements(device) // max(1, max(slots.width, batch) * d))
 
 
 def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, n_pos: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """``out[b, p] = Σ_{i at p} coeff[b, i] · W[idx_i]``, ``(batch, n_pos, d)`` in ``dtype``.
 
-    In bf16/fp16 the nodes at one position are summed in fp32 and rounded once (a transient fp32 ``out``), so
-    the result does not depend on the order of the nodes (CUDA's atomic ``index_add_`` varies it from run to
-    run; summed in bf16, two runs of the same lean graph differed by up to 14 % of max |A| on an H200)."""
-    b, n = coeff.shape
+    By chunks of positions (:class:`PositionSlots` of ``pos``; :class:`GatheredNodes` makes them once), each a grid
+    product —
+    the chunk's nodes' rows gathered onto its ``(positions, width, d)`` grid, one ``bmm`` with their coefficients
+    (:meth:`PositionSlots.write`'s, on the chunk): ``n·d + batch·n_pos·d`` numbers read and written, where a
+    ``(batch, chunk, d)`` product per node was ``batch·n·d`` (3× that traffic at every chunk, the frozen backward's
+    largest cost on the CPU: 4.2 of 5.7 s at 512 tokens, issue 21).
+    In bf16/fp16 the nodes at one position are summed in fp32 and rounded once (an fp32 grid and ``out``), so the
+    result does not depend on the run (CUDA's atomic ``index_add_`` varied it; summed in bf16, two runs of the same
+    lean graph differed by up to 14 % of max |A| on an H200)."""
+    return _slot_write(coeff, W, idx, PositionSlots(pos, n_pos), dtype)
+
+
+def _slot_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: PositionSlots,
+                dtype: torch.dtype) -> torch.Tensor:
+    """:func:`gather_write` on the nodes' :class:`PositionSlots`."""
+    n_pos = slots.n_pos
+    b = coeff.shape[0]
     W = W.to(coeff.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
     acc = torch.float32 if dtype.itemsize < 4 else dtype  # bf16/fp16: summed in fp32, rounded once
     out = torch.zeros(b, n_pos, W.shape[-1], dtype=acc, device=coeff.device)
-    step = _chunk(b, W.shape[-1], coeff.device)
-    for s in range(0, n, step):
-        rows = W[idx[s:s + step]].to(acc)
-        out.index_add_(1, pos[s:s + step], coeff[:, s:s + step, None].to(acc) * rows[None])
+    for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], coeff.device)):
+        if e == s:
+            continue
+        grid, local = _chunk_grid(slots, W, idx, g0, g1, s, e, acc)
+        if local is None:
+            c = coeff[:, s:e].to(acc)
+        else:
+            c = coeff.new_zeros(b, (g1 - g0) * slots.width, dtype=acc).index_copy_(
+                1, local, coeff[:, slots.order[s:e]].to(acc))
+        out[:, g0:g1] = torch.bmm(c.view(b, g1 - g0, slots.width).transpose(0, 1), grid).transpose(0, 1)
+        del grid, c
     return out.to(dtype)
 
 
 def gather_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``out[b, i] = x[b, pos_i] · W[idx_i]``, ``(batch, n)`` in ``x``'s dtype."""
-    b, n = x.shape[0], idx.numel()
+    """``out[b, i] = x[b, pos_i] · W[idx_i]``, ``(batch, n)`` in ``x``'s dtype: by chunks of positions, each a grid
+    product (:func:`gather_write`; :meth:`PositionSlots.read`'s, on the chunk)."""
+    return _slot_read(x, W, idx, PositionSlots(pos, x.shape[1]))
+
+
+def _slot_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: PositionSlots) -> torch.Tensor:
+    """:func:`gather_read` on the nodes' :class:`PositionSlots`."""
+    b = x.shape[0]
     W = W.to(x.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
-    step = _chunk(b, W.shape[-1], x.device)
-    parts = [(x[:, pos[s:s + step]] * W[idx[s:s + step]].to(x.dtype)[None]).sum(-1) for s in range(0, n, step)]
-    return torch.cat(parts, dim=1) if parts else x.new_zeros(b, 0)
+    out = x.new_empty(b, idx.numel())
+    for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], x.device)):
+        if e == s:
+            continue
+        grid, local = _chunk_grid(slots, W, idx, g0, g1, s, e, x.dtype)
+        y = torch.bmm(x[:, g0:g1].transpose(0, 1), grid.transpose(1, 2)).transpose(0, 1)  # (batch, positions, width)
+        y = y.reshape(b, -1)
+        if local is None:
+            out[:, s:e] = y
+        else:
+            out[:, slots.order[s:e]] = y[:, local]
+        del grid, y
+    return out
 
 
 class _Write(torch.autograd.Function):
     """:func:`gather_write` with gradient to ``coeff`` only (``W`` is a constant of the frozen model)."""
 
     @staticmethod
-    def forward(ctx: Any, coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor,
-                n_pos: int, dtype: torch.dtype) -> torch.Tensor:
-        ctx.W, ctx.idx, ctx.pos, ctx.coeff_dtype = W, idx, pos, coeff.dtype
-        return gather_write(coeff, W, idx, pos, n_pos, dtype)
+    def forward(ctx: Any, coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: PositionSlots,
+                dtype: torch.dtype) -> torch.Tensor:
+        ctx.W, ctx.idx, ctx.slots, ctx.coeff_dtype = W, idx, slots, coeff.dtype
+        return _slot_write(coeff, W, idx, slots, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return gather_read(grad, ctx.W, ctx.idx, ctx.pos).to(ctx.coeff_dtype), None, None, None, None, None
+        return _slot_read(grad, ctx.W, ctx.idx, ctx.slots).to(ctx.coeff_dtype), None, None, None, None
 
 
 class _Read(torch.autograd.Function):
     """:func:`gather_read` with gradient to ``x`` only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ctx.W, ctx.idx, ctx.pos, ctx.n_pos, ctx.x_dtype = W, idx, pos, x.shape[1], x.dtype
-        return gather_read(x, W, idx, pos)
+    def forward(ctx: Any, x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: PositionSlots) -> torch.Tensor:
+        ctx.W, ctx.idx, ctx.slots, ctx.x_dtype = W, idx, slots, x.dtype
+        return _slot_read(x, W, idx, slots)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return gather_write(grad, ctx.W, ctx.idx, ctx.pos, ctx.n_pos, ctx.x_dtype), None, None, None
+        return _slot_write(grad, ctx.W, ctx.idx, ctx.slots, ctx.x_dtype), None, None, None
 
 
 class _StreamedLinear(torch.autograd.Function):
@@ -375,14 +437,16 @@ class GatheredNodes:
     """
 
     def __init__(self, W: torch.Tensor, idx: Int[torch.Tensor, " n"], pos: Int[torch.Tensor, " n"], n_pos: int,
-                 dtype: torch.dtype) -> None:
-        self.W, self.idx, self.pos, self.n_pos, self.dtype = W.detach(), idx, pos, n_pos, dtype
+                 dtype: torch.dtype, slots: PositionSlots | None = None) -> None:
+        self.W, self.idx, self.dtype = W.detach(), idx, dtype
+        # the nodes by position, made once: each pass's chunks are runs of positions (``slots``: the site's own)
+        self.slots = PositionSlots(pos, n_pos) if slots is None else slots
 
     def write(self, coeff: Float[torch.Tensor, "batch n"]) -> Float[torch.Tensor, "batch pos d"]:
-        return _Write.apply(coeff, self.W, self.idx, self.pos, self.n_pos, self.dtype)
+        return _Write.apply(coeff, self.W, self.idx, self.slots, self.dtype)
 
     def read(self, x: Float[torch.Tensor, "batch pos d"]) -> Float[torch.Tensor, "batch n"]:
-        return _Read.apply(x, self.W, self.idx, self.pos)
+        return _Read.apply(x, self.W, self.idx, self.slots)
 
 
 def choose(mode: str, n: int, d: int, dtype: torch.dtype, copies: int = 1) -> str:

@@ -56,8 +56,10 @@ def test_the_gpu_path_counts_a_frozen_pass_without_sdpa_from_the_structure(layer
     cpu, gpu = est["cpu"].terms, est["cuda"].terms
     L, d, P, b = N_LAYERS, hf.config.hidden_size, len(IDS), info["model_itemsize"]
     rows_part = ROW_BUFFERS * cpu["n_sources"] * info["edge_itemsize"] + info["mask_entry_bytes"] * P * P
-    chunks = {dev: 2 * 4 * min(node_chunk_elements(torch.device(dev)), batch * max(
-        max(lay.lorsa_pos.numel(), lay.tc_pos.numel()) for lay in layout.layers) * d) for dev in ("cpu", "cuda")}
+    # a gathered site's chunks: its (positions, width, d) grid and (positions, batch, d) product, fp32, to the budget
+    widest = max(max(batch, int(torch.bincount(p).max())) for lay in layout.layers
+                 for p in (lay.lorsa_pos, lay.tc_pos) if p.numel())
+    chunks = {dev: 2 * 4 * min(node_chunk_elements(torch.device(dev)), widest * P * d) for dev in ("cpu", "cuda")}
     assert cpu["gather_chunks"] == chunks["cpu"] and gpu["gather_chunks"] == chunks["cuda"]
     if len(layers) == N_LAYERS:
         assert gpu["frozen_per_copy"] == cpu["frozen_per_copy"]

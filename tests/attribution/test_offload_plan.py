@@ -196,15 +196,20 @@ def test_free_memory_rule_reads_each_blocks_device(offloaded, monkeypatch):
     assert on1 and len(on1) < len(blocks)
     devices = {lay.layer: CUDA1 if lay.layer >= 2 else CUDA0 for lay in layout.layers}
     kw = {"batch_size": 8, "max_feature_nodes": None, "max_memory": None, "devices": lambda: devices}
-    fake_cuda_memory(monkeypatch, {0: 0, 1: 0})
+
+    def free_memory(free: dict[int, int]) -> None:  # no cache free beside the driver's: a device of 0 has no room
+        fake_cuda_memory(monkeypatch, free)  # (its 2 MiB of cache would hold the tiny model's 1 MB estimate)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**20)
+
+    free_memory({0: 0, 1: 0})
     host = plan_call(layout, lambda: info, CUDA0, **kw).estimate("host", 8).device_bytes
     roomy = int(FREE_MEMORY_MARGIN * 4 * host)
-    fake_cuda_memory(monkeypatch, {0: roomy, 1: 0})
+    free_memory({0: roomy, 1: 0})
     plan = plan_call(layout, lambda: info, CUDA0, **kw)
     assert plan.rows == frozenset(k for k, _ in blocks if k not in on1)
-    fake_cuda_memory(monkeypatch, {0: 0, 1: roomy})
+    free_memory({0: 0, 1: roomy})
     assert plan_call(layout, lambda: info, CUDA0, **kw).rows == frozenset(on1)
-    fake_cuda_memory(monkeypatch, {0: roomy, 1: roomy})
+    free_memory({0: roomy, 1: roomy})
     assert plan_call(layout, lambda: info, CUDA0, **kw).rows == "device"
     assert plan_call(layout, lambda: info, CUDA0, **{**kw, "devices": None}).rows == "device"
 
