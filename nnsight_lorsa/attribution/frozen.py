@@ -58,7 +58,7 @@ from torch import nn
 from .._placement import HOST, bmm_f32
 from .._typing import Float, Int
 from ..adapters.base import UNIT_OFFSET_NORMS, MHSAWeights, mhsa_mask, mhsa_values, norm_gain
-from ..errors import UnsupportedArchitectureError
+from ..errors import ShapeError, UnsupportedArchitectureError
 
 
 def column(M: torch.Tensor, index: int | None) -> torch.Tensor | None:
@@ -207,6 +207,9 @@ class PositionSlots:
     def __init__(self, pos: Int[torch.Tensor, " n"], n_pos: int) -> None:
         n = pos.numel()
         counts = torch.bincount(pos, minlength=n_pos) if n else torch.zeros(n_pos, dtype=torch.long, device=pos.device)
+        if counts.numel() != n_pos:  # a group past the last (its length is known on the host: no device read)
+            raise ShapeError(f"PositionSlots: node group ids reach {counts.numel() - 1}, past the {n_pos} groups "
+                             f"(positions 0 … {n_pos - 1}); a node there would be in no chunk of the gathered passes")
         starts = torch.cumsum(counts, 0) - counts
         order = torch.argsort(pos, stable=True)  # identity for sorted positions
         slot = torch.empty_like(pos)

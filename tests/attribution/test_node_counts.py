@@ -50,3 +50,18 @@ def test_sites_are_the_masked_formula(kinds, layers):
 def test_count_distinct_is_uniques_count(values):
     idx = torch.tensor(values, dtype=torch.long)
     assert count_distinct(idx) == int(torch.unique(idx).numel())
+
+
+def test_position_slots_refuse_a_group_past_the_last():
+    """A node at a position past ``n_pos`` would be in no chunk of the gathered writes and reads (its read left
+    unwritten): a named error, read from the counts' length on the host."""
+    import pytest
+
+    from nnsight_lorsa.attribution.frozen import PositionSlots, gather_read
+    from nnsight_lorsa.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="past the 4 groups"):
+        PositionSlots(torch.tensor([0, 1, 5]), 4)
+    with pytest.raises(ShapeError):
+        gather_read(torch.randn(2, 4, 3), torch.randn(6, 3), torch.tensor([0, 1, 2]), torch.tensor([0, 3, 4]))
+    assert PositionSlots(torch.tensor([0, 3]), 4).width == 1
