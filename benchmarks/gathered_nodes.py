@@ -58,7 +58,7 @@ def measure(P: int, k: int, d: int, rows: int, batch: int, dtype: torch.dtype, d
     pos = torch.arange(P).repeat_interleave(k).to(device)  # k nodes per position, in order (a TopK site)
     coeff = torch.randn(batch, P * k, generator=g).to(dtype).to(device)
     x = torch.randn(batch, P, d, generator=g).to(dtype).to(device)
-    nodes = frozen.GatheredNodes(W, idx, pos, P, dtype)
+    nodes = frozen.GatheredNodes(W, idx, frozen.PositionSlots(pos, P), dtype)
 
     def now() -> tuple[torch.Tensor, torch.Tensor]:
         return nodes.write(coeff), nodes.read(x)

@@ -333,8 +333,8 @@ def f32(t: torch.Tensor) -> torch.Tensor:
 
 def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` (``(n, i, k) @ (n, k, j)``; or ``(..., i, k) @ (..., k, j)``, the same leading dims) with an
-    fp32 result for fp16 / bf16 inputs (fp32 / fp64:
-    their own dtype): the attention scores that patterns are made from (an fp16 ``q·k`` past 65504 would be ``inf``).
+    fp32 result for fp16 / bf16 inputs (fp32 / fp64: their own dtype): the attention scores that patterns are made
+    from (an fp16 ``q·k`` past 65504 would be ``inf``).
 
     On an accelerator, two half inputs of one dtype multiply in it with fp32 accumulation and output
     (``torch.bmm(..., out_dtype=torch.float32)``): the product of two bf16 or fp16 numbers is exact in fp32 (8 / 11

@@ -308,11 +308,10 @@ def gather_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: t
     """``out[b, p] = Σ_{i at p} coeff[b, i] · W[idx_i]``, ``(batch, n_pos, d)`` in ``dtype``.
 
     By chunks of positions (:class:`PositionSlots` of ``pos``; :class:`GatheredNodes` makes them once), each a grid
-    product —
-    the chunk's nodes' rows gathered onto its ``(positions, width, d)`` grid, one ``bmm`` with their coefficients
-    (:meth:`PositionSlots.write`'s, on the chunk): ``n·d + batch·n_pos·d`` numbers read and written, where a
-    ``(batch, chunk, d)`` product per node was ``batch·n·d`` (3× that traffic at every chunk, the frozen backward's
-    largest cost on the CPU: 4.2 of 5.7 s at 512 tokens, issue 21).
+    product — the chunk's nodes' rows gathered onto its ``(positions, width, d)`` grid, one ``bmm`` with their
+    coefficients (:meth:`PositionSlots.write`'s, on the chunk): ``n·d + batch·n_pos·d`` numbers read and written,
+    where a ``(batch, chunk, d)`` product per node was ``batch·n·d`` (3× that traffic at every chunk, the frozen
+    backward's largest cost on the CPU: 4.2 of 5.7 s at 512 tokens, issue 21).
     In bf16/fp16 the nodes at one position are summed in fp32 and rounded once (an fp32 grid and ``out``), so the
     result does not depend on the run (CUDA's atomic ``index_add_`` varied it; summed in bf16, two runs of the same
     lean graph differed by up to 14 % of max |A| on an H200)."""
@@ -429,21 +428,18 @@ class GridNodes:
 
 
 class GatheredNodes:
-    """Node vectors gathered from ``W`` chunk by chunk, in the forward and again in the backward.
+    """Node vectors gathered from ``W`` by chunks of positions, in the forward and again in the backward
+    (:func:`gather_write` / :func:`gather_read`).
 
     Args:
         W: ``(rows, d)`` the matrix whose row ``idx_i`` is node ``i``'s vector (detached).
         idx: ``(n,)`` int64 row of each node.
-        pos: ``(n,)`` int64 token position of each node.
-        n_pos: number of positions.
+        slots: the nodes' :class:`PositionSlots` over the prompt's positions (made once, the site's own).
         dtype: the dtype of the written output (the model's).
     """
 
-    def __init__(self, W: torch.Tensor, idx: Int[torch.Tensor, " n"], pos: Int[torch.Tensor, " n"], n_pos: int,
-                 dtype: torch.dtype, slots: PositionSlots | None = None) -> None:
-        self.W, self.idx, self.dtype = W.detach(), idx, dtype
-        # the nodes by position, made once: each pass's chunks are runs of positions (``slots``: the site's own)
-        self.slots = PositionSlots(pos, n_pos) if slots is None else slots
+    def __init__(self, W: torch.Tensor, idx: Int[torch.Tensor, " n"], slots: PositionSlots, dtype: torch.dtype) -> None:
+        self.W, self.idx, self.slots, self.dtype = W.detach(), idx, slots, dtype
 
     def write(self, coeff: Float[torch.Tensor, "batch n"]) -> Float[torch.Tensor, "batch pos d"]:
         return _Write.apply(coeff, self.W, self.idx, self.slots, self.dtype)
@@ -655,21 +651,17 @@ class PatternRows:
             qpos = self.qpos_pad[nodes].view(st.heads, st.width)
             scores = bmm_f32(self.q[heads[:, None], qpos], self.k[heads].transpose(1, 2)).div_(self.scale)
             scores.masked_fill_(future_of > qpos[..., None], float("-inf"))
-            if not transposed:
-                rows = scores.softmax(-1)
-                del scores  # not held while the rows are cast
+            rows = scores.softmax(-1)
+            del scores  # not held while the rows are cast, nor the fp32 rows once copied
+            if transposed:  # (pos, slots), contiguous: the gather's values' and gradient's layout (a transposed
+                # view, read across the slots at a stride of pos, made the products 2-3x slower on the CPU)
+                flat = rows.view(st.heads * st.width, -1)
+                rows = torch.empty(flat.shape[1], flat.shape[0], dtype=dtype, device=flat.device).copy_(flat.T)
+                del flat
+            else:
                 rows = rows.to(dtype)
-                yield nodes, rows
-                del rows
-                continue
-            rows = scores.softmax(-1).view(st.heads * st.width, -1)
-            del scores  # not held while the rows are used, nor the fp32 rows once copied
-            # (pos, slots), contiguous: the values' and the gradient's layout (a transposed view, read across the
-            # slots at a stride of pos, made the products 2-3x slower on the CPU)
-            rows_t = torch.empty(rows.shape[1], rows.shape[0], dtype=dtype, device=rows.device).copy_(rows.T)
+            yield nodes, rows
             del rows
-            yield nodes, rows_t
-            del rows_t
 
 
 class _ZPre(torch.autograd.Function):

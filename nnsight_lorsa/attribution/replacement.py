@@ -200,18 +200,15 @@ class FrozenReplacement:
                 with torch.no_grad():
                     sub = take_rows(fetch(W.detach(), like.device), rows)
                 self.device_rows[key] = sub.numel() * sub.element_size()
-                self._nodes[key] = GatheredNodes(sub, at, pos, self.layout.n_pos, like.dtype,
-                                                 self.slots(slot_key, pos))
+                self._nodes[key] = GatheredNodes(sub, at, self.slots(slot_key, pos), like.dtype)
             elif W.device == like.device:  # W is read in every pass, where it is
-                self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), pos, self.layout.n_pos, like.dtype,
-                                                 self.slots(slot_key, pos))
+                self._nodes[key] = GatheredNodes(W.detach(), idx.to(like.device), self.slots(slot_key, pos), like.dtype)
             else:  # W elsewhere (an offloaded module: the host): the nodes' distinct rows, kept where W is
                 # (pinned), are copied to the site for each pass only (frozen.gather_write / gather_read)
                 rows, at = torch.unique(idx, return_inverse=True)
                 with torch.no_grad():
                     sub = pinned(W.detach()[rows.to(W.device)])
-                self._nodes[key] = GatheredNodes(sub, at.to(like.device), pos, self.layout.n_pos, like.dtype,
-                                                 self.slots(slot_key, pos))
+                self._nodes[key] = GatheredNodes(sub, at.to(like.device), self.slots(slot_key, pos), like.dtype)
         return self._nodes[key]
 
     def grid(self, key: str, slots: PositionSlots, vectors: Callable[[], torch.Tensor]) -> torch.Tensor:

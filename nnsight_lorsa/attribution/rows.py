@@ -233,24 +233,18 @@ class SparseRows:
         if col_mask is not None and self._few_columns(scale, col_mask, den, out):
             return out
         buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
-        for block in self.blocks:
-            s = scale[block.row_start:block.row_start + len(block.ends)]
-            live = s.nonzero().flatten()
-            if not live.numel():
-                continue
-            weights = s[live].tolist()  # Python floats: the same float64 values
-            dens = [None] * len(weights) if den is None else den[live + block.row_start].tolist()
-            runs: list[tuple[int, int, float, float | None]] = []  # (entry start, end, scale, den) of consecutive rows
-            for i, w, d in zip(live.tolist(), weights, dens, strict=True):
-                start, end = block.ends[i - 1] if i else 0, block.ends[i]
-                for a in range(start, end, CHUNK_ENTRIES):  # a row longer than a chunk: in pieces
-                    b = min(a + CHUNK_ENTRIES, end)
-                    if runs and (runs[-1][1] != a or b - runs[0][0] > CHUNK_ENTRIES):
-                        self._add_runs(out, block, runs, buffer)
-                        runs = []
-                    runs.append((a, b, w, d))
-            if runs:
-                self._add_runs(out, block, runs, buffer)
+        runs: list[tuple[int, int, float, float | None]] = []  # (entry start, end, scale, den) of consecutive rows
+        at: _Block | None = None  # the block the runs are in (runs never span two)
+        for block, start, end, w, d in self._weighted_rows(scale, den):
+            for a in range(start, end, CHUNK_ENTRIES):  # a row longer than a chunk: in pieces
+                b = min(a + CHUNK_ENTRIES, end)
+                if runs and at is not None and (block is not at or runs[-1][1] != a or b - runs[0][0] > CHUNK_ENTRIES):
+                    self._add_runs(out, at, runs, buffer)
+                    runs = []
+                at = block
+                runs.append((a, b, w, d))
+        if runs and at is not None:
+            self._add_runs(out, at, runs, buffer)
         if col_mask is not None:  # the masked columns' sums (every term ``0 · x``: +0.0) — no per-entry mask
             out.masked_fill_(~col_mask, 0.0)
         return out
@@ -263,20 +257,11 @@ class SparseRows:
         (the same bits as the pass over every entry). False (``out`` untouched) where a row's entries are fewer than
         :data:`SEARCH_READS` per kept column on average: the pass reads less."""
         cols = col_mask.nonzero().flatten()
-        live = scale.nonzero().flatten()
-        if not live.numel():
-            return True
-        ends = [(b.ends[i - 1] if i else 0, b.ends[i]) for b in self.blocks for i in range(len(b.ends))]
-        entries = sum(ends[r][1] - ends[r][0] for r in live.tolist())
-        if entries < SEARCH_READS * cols.numel() * live.numel():
+        weighted = list(self._weighted_rows(scale, den))
+        if sum(end - start for _, start, end, _, _ in weighted) < SEARCH_READS * cols.numel() * len(weighted):
             return False
         cols32 = cols.to(torch.int32)
-        weights = scale[live].tolist()
-        dens = [None] * len(weights) if den is None else den[live].tolist()
-        block_of = [k for k, b in enumerate(self.blocks) for _ in b.ends]
-        for r, w, d in zip(live.tolist(), weights, dens, strict=True):
-            block = self.blocks[block_of[r]]
-            start, end = ends[r]
+        for block, start, end, w, d in weighted:
             if end == start:
                 continue
             row_cols = block.col[start:end]
@@ -287,6 +272,20 @@ class SparseRows:
                 contrib.div_(d)
             out.index_add_(0, cols[hit], contrib.mul_(w))
         return True
+
+    def _weighted_rows(self, scale: torch.Tensor, den: torch.Tensor | None
+                       ) -> Iterator[tuple[_Block, int, int, float, float | None]]:
+        """``(block, entry start, end, scale, den)`` of each stored row with a non-zero ``scale``, in storage order
+        (Python floats: the same float64 values; ``den`` None: None)."""
+        for block in self.blocks:
+            s = scale[block.row_start:block.row_start + len(block.ends)]
+            live = s.nonzero().flatten()
+            if not live.numel():
+                continue
+            weights = s[live].tolist()
+            dens = [None] * len(weights) if den is None else den[live + block.row_start].tolist()
+            for i, w, d in zip(live.tolist(), weights, dens, strict=True):
+                yield block, block.ends[i - 1] if i else 0, block.ends[i], w, d
 
     @staticmethod
     def _add_runs(out: torch.Tensor, block: _Block, runs: list[tuple[int, int, float, float | None]],

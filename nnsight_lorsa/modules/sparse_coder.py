@@ -229,7 +229,8 @@ def encode_and_pre_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.T
 
 #: fp32 elements per draw of :func:`init_dictionary_`'s decoder on the CPU (64 MiB): a decoder is drawn in runs of rows
 #: this size (a multiple of 16 rows, ≥ 16 elements each: the CPU's ``randn`` fills blocks of 16 from consecutive
-#: uniforms, so the runs are the same stream, bit for bit, as one draw — ``tests/test_init_no_host_draw.py``)
+#: uniforms, so the runs are the same stream, bit for bit, as one draw:
+#: ``tests/modules/test_dictionary_init_placement.py``)
 INIT_CHUNK_ELEMENTS = 2**24
 
 

@@ -578,7 +578,7 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
     idx = torch.tensor([3, 7, 3, 0, 10, 7, 1])
     pos = torch.tensor([0, 0, 1, 2, 2, 2, 4])
     grid = node_io.GridNodes(PositionSlots(pos, 6), PositionSlots(pos, 6).grid(W[idx]))
-    gath = node_io.GatheredNodes(W, idx, pos, 6, torch.float64)
+    gath = node_io.GatheredNodes(W, idx, PositionSlots(pos, 6), torch.float64)
     coeff = torch.randn(3, 7, dtype=torch.float64, generator=g, requires_grad=True)
     x = torch.randn(3, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
     for fn, inp in ((lambda io: io.write(coeff), coeff), (lambda io: io.read(x), x)):
