@@ -38,7 +38,8 @@
 #            the head product (frozen.HEAD_PRODUCT) at 1024 and 4096 tokens, batch 2, bf16 (~60 s; not in the
 #            default steps) -> zpre_head_product.json
 #   gnodes   gathered_nodes: a gathered site's node writes and reads at the 8B width, the former per-node products
-#            against the chunked grid products, 1024 and 4096 tokens, bf16 (~30 s; not in the default steps)
+#            against the chunked grid products, 1024 and 4096 tokens, bf16, and the chunked grid with chunks of
+#            2^23, 2^25 (frozen.NODE_CHUNK_ELEMENTS_DEVICE) and 2^27 numbers (~45 s; not in the default steps)
 #            -> gathered_nodes.json
 #   pin      offload_placement_rate: GB/s of moving modules to pinned host memory, default host allocator and
 #            cudaHostRegister with 8 threads (~30 s; not in the default steps) -> offload_placement_rate.json
@@ -81,9 +82,9 @@ if [ "$SMALL" = 1 ]; then
   LAYER=1; D_TOKENS=(32 64); OFF_TOKENS=(32); WORKERS="${GPU_SESSION_WORKERS:-0}"
   VARIANTS=(--scale small --device cpu --dtype float32 --seq 64 --repeats 1)
   ZPROD=(--device cpu --dtype float32 --tokens 64 --repeats 1); ROWS_MANY=16
-  GNODES=(--device cpu --dtype float32 --tokens 32 --d 64 --repeats 1)
+  GNODES=(--device cpu --dtype float32 --tokens 32 --d 64 --repeats 1 --chunks 10 12)
 else
-  ROWS_MANY=512; GNODES=(--device cuda --dtype bfloat16 --tokens 1024 4096 --d 4096)
+  ROWS_MANY=512; GNODES=(--device cuda --dtype bfloat16 --tokens 1024 4096 --d 4096 --chunks 23 25 27)
   VARIANTS=(); ZPROD=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
