@@ -187,6 +187,7 @@ def measure(s: dict[str, Any], tokens: int, batch: int, rows: int, dtype: torch.
     from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
     dev = torch.device("cpu")
+    torch.manual_seed(0)  # the same weights at every prompt length, whichever lengths run before
     model, hf = build(s, dev, dtype)
     adapter = get_adapter(model)
     lorsas, tcs = LorsaSet(model), TranscoderSet(model)

@@ -325,7 +325,9 @@ def _slot_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: 
     b = coeff.shape[0]
     W = W.to(coeff.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
     acc = torch.float32 if dtype.itemsize < 4 else dtype  # bf16/fp16: summed in fp32, rounded once
-    out = torch.zeros(b, n_pos, W.shape[-1], dtype=acc, device=coeff.device)
+    # positions first: each chunk's product lands in its rows (``bmm(out=)``, no copy a chunk) — fewer dispatched
+    # operators a chunk (issue 21, tests/attribution/test_gathered_chunk_kernels.py)
+    out = torch.zeros(n_pos, b, W.shape[-1], dtype=acc, device=coeff.device)
     for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], coeff.device)):
         if e == s:
             continue
@@ -335,9 +337,12 @@ def _slot_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: 
         else:
             c = coeff.new_zeros(b, (g1 - g0) * slots.width, dtype=acc).index_copy_(
                 1, local, coeff[:, slots.order[s:e]].to(acc))
-        out[:, g0:g1] = torch.bmm(c.view(b, g1 - g0, slots.width).transpose(0, 1), grid).transpose(0, 1)
+        torch.bmm(c.view(b, g1 - g0, slots.width).transpose(0, 1), grid, out=out[g0:g1])
         del grid, c
-    return out.to(dtype)
+    if acc == dtype:  # the sums are the result: its (batch, pos, d) view, no copy (the memory of the former layout)
+        return out.transpose(0, 1)
+    # rounded once to ``dtype`` by one transposing copy
+    return torch.empty(b, n_pos, W.shape[-1], dtype=dtype, device=coeff.device).copy_(out.transpose(0, 1))
 
 
 def gather_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -350,17 +355,23 @@ def _slot_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: Posit
     """:func:`gather_read` on the nodes' :class:`PositionSlots`."""
     b = x.shape[0]
     W = W.to(x.device, non_blocking=W.is_pinned())  # rows kept elsewhere (offloaded): here for this pass only
+    if slots.identity:  # positions first: each chunk's product lands in its rows (``bmm(out=)``), one
+        # transposing copy at the end — two operators a chunk where a reshape and a copy made four (issue 21)
+        out_t = x.new_empty(slots.n_pos, b, slots.width)
+        for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], x.device)):
+            grid, _ = _chunk_grid(slots, W, idx, g0, g1, s, e, x.dtype)
+            torch.bmm(x[:, g0:g1].transpose(0, 1), grid.transpose(1, 2), out=out_t[g0:g1])
+            del grid
+        out = x.new_empty(b, idx.numel())
+        out.view(b, slots.n_pos, slots.width).copy_(out_t.transpose(0, 1))
+        return out
     out = x.new_empty(b, idx.numel())
     for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], x.device)):
         if e == s:
             continue
         grid, local = _chunk_grid(slots, W, idx, g0, g1, s, e, x.dtype)
         y = torch.bmm(x[:, g0:g1].transpose(0, 1), grid.transpose(1, 2)).transpose(0, 1)  # (batch, positions, width)
-        y = y.reshape(b, -1)
-        if local is None:
-            out[:, s:e] = y
-        else:
-            out[:, slots.order[s:e]] = y[:, local]
+        out[:, slots.order[s:e]] = y.reshape(b, -1)[:, local]
         del grid, y
     return out
 

@@ -55,3 +55,16 @@ def test_tiny_run_counts_are_consistent(tmp_path):
         assert run[part]["top"] and all(r["frame"] for r in run[part]["top"])
     # the frozen pass's operators are attributed to the package's frames
     assert any(r["frame"] != "-" for r in run["per_batch"]["top"])
+
+
+def test_gathered_kernels_counts_a_small_site(tmp_path):
+    """``benchmarks/gathered_kernels.py`` at a small site: per pass of its one chunk, the rows' gather and the product
+    (and the bf16 write's cast), forward and backward, nothing else dispatched."""
+    from benchmarks.gathered_kernels import count
+
+    row = count(8, 4, 16, 32, 3, torch.bfloat16)
+    assert row["chunks_per_pass"] == 1
+    for name in ("write", "read"):
+        ops = row[name]["by_operator"]
+        assert ops["index"] == 2 and ops["bmm"] == 2, ops
+        assert row[name]["bytes"] > 0
