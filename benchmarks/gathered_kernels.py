@@ -20,15 +20,14 @@ import torch
 import nnsight_lorsa.attribution.frozen as frozen
 from benchmarks._timing import arg, command, parser, start, write_json
 from benchmarks.attribution_traffic import NO_TRAFFIC, Traffic, gpu_paths
+from benchmarks.gathered_nodes import site_inputs
 
 
 def count(P: int, k: int, d: int, rows: int, batch: int, dtype: torch.dtype) -> dict[str, Any]:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    W = torch.randn(rows, d, generator=g).to(dtype)
-    idx = torch.randint(0, rows, (P * k,), generator=g)
-    pos = torch.arange(P).repeat_interleave(k)
-    coeff = torch.randn(batch, P * k, generator=g).requires_grad_(True)
-    x = torch.randn(batch, P, d, generator=g).to(dtype).requires_grad_(True)
+    # the coefficients in fp32, as attribution's (activations times the fp32 multipliers)
+    W, idx, pos, coeff, x = site_inputs(P, k, d, rows, batch, dtype, torch.device("cpu"), torch.float32)
+    coeff.requires_grad_(True)
+    x.requires_grad_(True)
     out: dict[str, Any] = {}
     with gpu_paths():
         nodes = frozen.GatheredNodes(W, idx, frozen.PositionSlots(pos, P), dtype)

@@ -82,14 +82,23 @@ def timed(fn: Any, device: torch.device, repeats: int) -> tuple[float, Any]:
     return sorted(seconds)[len(seconds) // 2], out
 
 
-def measure(P: int, k: int, d: int, rows: int, batch: int, dtype: torch.dtype, device: torch.device,
-            repeats: int, chunks: list[int] | None = None) -> dict[str, Any]:
+def site_inputs(P: int, k: int, d: int, rows: int, batch: int, dtype: torch.dtype, device: torch.device,
+                coeff_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """``(W, idx, pos, coeff, x)`` of a site of ``k`` nodes at each of ``P`` positions, in order (a TopK site), their
+    rows drawn uniformly from ``W: (rows, d)``; ``coeff: (batch, P·k)`` in ``coeff_dtype`` (None: ``dtype``),
+    ``x: (batch, P, d)``; seeded."""
     g = torch.Generator().manual_seed(0)
     W = (torch.randn(rows, d, generator=g) / d**0.5).to(dtype).to(device)
     idx = torch.randint(0, rows, (P * k,), generator=g).to(device)
-    pos = torch.arange(P).repeat_interleave(k).to(device)  # k nodes per position, in order (a TopK site)
-    coeff = torch.randn(batch, P * k, generator=g).to(dtype).to(device)
+    pos = torch.arange(P).repeat_interleave(k).to(device)
+    coeff = torch.randn(batch, P * k, generator=g).to(coeff_dtype or dtype).to(device)
     x = torch.randn(batch, P, d, generator=g).to(dtype).to(device)
+    return W, idx, pos, coeff, x
+
+
+def measure(P: int, k: int, d: int, rows: int, batch: int, dtype: torch.dtype, device: torch.device,
+            repeats: int, chunks: list[int] | None = None) -> dict[str, Any]:
+    W, idx, pos, coeff, x = site_inputs(P, k, d, rows, batch, dtype, device)
     nodes = frozen.GatheredNodes(W, idx, frozen.PositionSlots(pos, P), dtype)
 
     def now() -> tuple[torch.Tensor, torch.Tensor]:
