@@ -239,15 +239,17 @@ def per_row(s: dict[str, Any], P: int, B: int, rows: int, c: dict[str, Any]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- measured
-def replacement(s: dict[str, Any], model: Any, hf: Any, lorsa_layers: list[int]) -> ReplacementModel:
-    """The paper's Lorsa on ``lorsa_layers`` and TopK transcoders on every MLP (fp32, CPU), as gpu_scale (d)."""
+def replacement(s: dict[str, Any], model: Any, hf: Any, lorsa_layers: Any,
+                dtype: torch.dtype = torch.float32) -> ReplacementModel:
+    """The paper's Lorsa on ``lorsa_layers`` and TopK transcoders on every MLP (CPU, in ``dtype``), as gpu_scale (d)
+    (also :mod:`benchmarks.attribution_traffic`'s)."""
     adapter, dev = get_adapter(model), torch.device("cpu")
     lorsas, tcs = LorsaSet(model), TranscoderSet(model)
     for L in lorsa_layers:
-        lorsas[L] = paper_lorsa(s, adapter, hf, L, dev, torch.float32)
+        lorsas[L] = paper_lorsa(s, adapter, hf, L, dev, dtype)
     for L in range(s["n_layers"]):
         tcs[L] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
-                                             activation_params={"k": s["k_tc"]}, layer=L))
+                                             activation_params={"k": s["k_tc"]}, layer=L), device=dev, dtype=dtype)
     return ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
 
 

@@ -20,7 +20,7 @@ queries and keys (``memory=("sdpa", "auto")``), the Lorsa pattern rows by the he
 ``node_chunk_elements``); in the model's dtype (bf16 by default).
 
 Each operator's roofline time on a device is ``max(bytes / bandwidth, FLOPs / peak)`` (:data:`DEVICES`: the H100's
-and H200's HBM bandwidth, dense bf16/fp16 tensor-core peak, fp32 without TF32); ``roofline_per_batch_vs_floor``
+and H200's HBM bandwidth, dense bf16/fp16 tensor-core peak, fp32 without TF32); ``per_batch_vs_floor``
 sets a batch's (its backward and recorded rows) against the floor's pass, ``frozen_forward_vs_floor`` the call's
 one frozen forward — what the GPU would take at full bandwidth and peak, a lower bound to compare the measured
 phases with (``gpu_scale``'s ``phases``, ``oprof``'s kernels).
@@ -30,7 +30,7 @@ phases with (``gpu_scale``'s ``phases``, ``oprof``'s kernels).
 a 32 K vocabulary, every layer with a Lorsa and a transcoder: per layer and batch the terms are the 8B's at that
 prompt length. ``tiny``: the CI smoke scale.
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python -m benchmarks.attribution_traffic --tokens 256 512 \\
+    OMP_NUM_THREADS=2 PYTHONPATH=. python -m benchmarks.attribution_traffic --tokens 256 512 1024 \\
         --out benchmarks/results/attribution_traffic_8b_wide.json
 """
 
@@ -49,8 +49,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from benchmarks._timing import arg, command, parser, start, write_json
-from benchmarks.attribution_flops import _sdpa_cpu, _sdpa_cpu_backward
-from benchmarks.gpu_scale import SCALES, build, floor_pass, paper_lorsa, phases_wrapped
+from benchmarks.attribution_flops import _sdpa_cpu, _sdpa_cpu_backward, replacement
+from benchmarks.gpu_scale import SCALES, build, floor_pass, phases_wrapped
 
 #: the Llama-3.1-8B's layer widths (``gpu_scale``'s ``8b``) on few layers and a 32 K vocabulary
 WIDE = {**SCALES["8b"], "vocab": 32000}
@@ -183,20 +183,11 @@ def summary(rows: list[dict[str, Any]], top: int) -> dict[str, Any]:
 
 def measure(s: dict[str, Any], tokens: int, batch: int, rows: int, dtype: torch.dtype, top: int) -> dict[str, Any]:
     """One prompt length: the floor's pass and one ``attribute`` call, counted."""
-    from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, attribute, get_adapter
-    from nnsight_lorsa.modules import Transcoder, TranscoderConfig
+    from nnsight_lorsa import attribute
 
-    dev = torch.device("cpu")
     torch.manual_seed(0)  # the same weights at every prompt length, whichever lengths run before
-    model, hf = build(s, dev, dtype)
-    adapter = get_adapter(model)
-    lorsas, tcs = LorsaSet(model), TranscoderSet(model)
-    for layer in range(s["n_layers"]):
-        lorsas[layer] = paper_lorsa(s, adapter, hf, layer, dev, dtype)
-        tcs[layer] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
-                                                 activation_params={"k": s["k_tc"]}, layer=layer),
-                                device=dev, dtype=dtype)
-    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
+    model, hf = build(s, torch.device("cpu"), dtype)
+    rm = replacement(s, model, hf, range(s["n_layers"]), dtype)
     ids = torch.randint(0, s["vocab"], (1, tokens), generator=torch.Generator(device="cpu").manual_seed(tokens))
     mode = Traffic()
     batches = [0]
