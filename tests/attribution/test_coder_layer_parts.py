@@ -73,13 +73,9 @@ def _bundle(kind: str) -> ReplacementModel:
     model, _, lorsas, tcs = attribution_setup("llama")  # transcoders: layer 0 plain, layer 2 a skip transcoder
     if kind == "transcoders":
         return ReplacementModel(model, lorsas=lorsas, transcoders=tcs, offload=True)
-    clt = CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk",
-                                         activation_params={"k": 5}, skip=kind == "clt_skip"))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for t in (clt.b_dec, clt.b_enc, *([clt.W_skip] if clt.W_skip is not None else [])):
-            t.copy_(0.05 * torch.randn(t.shape, generator=g))
-    bundle = rm(model, lorsas, clt)
+    # the parts do not depend on the weights' values: the CLT as initialised
+    bundle = rm(model, lorsas, CrossLayerTranscoder(CLTConfig(d_in=64, d_sae=96, n_layers=3, activation="topk",
+                                                              activation_params={"k": 5}, skip=kind == "clt_skip")))
     return ReplacementModel(bundle.model, **dict(bundle.sets()), offload=True)
 
 
