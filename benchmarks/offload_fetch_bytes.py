@@ -11,11 +11,11 @@ Per shape and block, ``whole`` (the module), ``before`` and ``after`` bytes:
 * frozen pass, a Lorsa's queries and keys: the whole Lorsa before, all but its OV circuit (``offload.LORSA_OV``) after;
 * frozen pass, a transcoder's MLP site: the whole module before, all but its encoder and decoders after
   (``offload.coder_site_leave``); a CLT's site: every layer's ``W_skip`` before, its own ``W_skip[layer]`` after
-  (``offload.coder_site_parts``);
+  (``layout.coder_layer_parts`` of ``layout.SITE_PARTS``);
 * clean pass (``layout.build_layout``), a Lorsa's heads: the whole Lorsa before, all but ``W_O`` / ``b_D``
   (``layout.LORSA_OUT``) after; a transcoder's encoder: the whole module before, all but its decoders and ``W_skip``
   (``layout.coder_decoders``) after, a CLT's its own layer's ``W_enc[layer]`` / ``b_enc[layer]`` of the stacks
-  (``layout.coder_encoder_parts``).
+  (``layout.coder_layer_parts`` of ``layout.ENCODER_PARTS``).
 
 Writes ``results/offload_fetch_bytes.json`` (``--name``).
 """
@@ -29,8 +29,14 @@ from benchmarks.gpu_scale import SCALES
 from benchmarks.offload_estimate_8b import SHAPE, offloaded_modules
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa._placement import fetched_bytes
-from nnsight_lorsa.attribution.layout import LORSA_OUT, coder_decoders, coder_encoder_parts
-from nnsight_lorsa.attribution.offload import LORSA_OV, coder_site_leave, coder_site_parts, module_bytes
+from nnsight_lorsa.attribution.layout import (
+    ENCODER_PARTS,
+    LORSA_OUT,
+    SITE_PARTS,
+    coder_decoders,
+    coder_layer_parts,
+)
+from nnsight_lorsa.attribution.offload import LORSA_OV, coder_site_leave, module_bytes
 from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 
@@ -59,12 +65,12 @@ def coder_rows(tc: torch.nn.Module, view: torch.nn.Module) -> dict[str, dict[str
     """The frozen-pass site and clean-pass encoder fetches of a transcoder or CLT ``tc`` (``view``: the layer the
     site serves, ``tc`` itself for a per-layer transcoder)."""
     whole = module_bytes(tc)
-    parts = coder_site_parts(view)
+    parts = coder_layer_parts(view, SITE_PARTS)
     site_before = fetched_bytes(tc, coder_site_leave(tc) - set(parts))  # a CLT: every layer's W_skip
     return {"site": {"whole": whole, "before": whole if not parts else site_before,
                      "after": fetched_bytes(tc, coder_site_leave(tc), parts)},
             "clean_encode": {"whole": whole, "before": whole,
-                             "after": fetched_bytes(tc, coder_decoders(tc), coder_encoder_parts(view))}}
+                             "after": fetched_bytes(tc, coder_decoders(tc), coder_layer_parts(view, ENCODER_PARTS))}}
 
 
 def main() -> None:

@@ -189,6 +189,21 @@ def shared_matmul(a: Float[torch.Tensor, "1 h p q"], v: Float[torch.Tensor, "bat
     return z.view(h, p, b, e).permute(2, 0, 1, 3)
 
 
+def _grid_write(c: torch.Tensor, grid: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of a write onto a grid: ``(positions, batch, d)``, positions first, ``[p, b] = Σ_s c[b, p·width +
+    s] · grid[p, s]`` for coefficients ``c (batch, positions·width)`` in their slots and ``grid (positions, width,
+    d)`` in their dtype — one ``bmm`` (into ``out``: a chunk's rows of a positions-first output, no copy).
+    :meth:`PositionSlots.write` on the whole grid, :func:`gather_write` on each chunk's."""
+    return torch.bmm(c.view(c.shape[0], grid.shape[0], grid.shape[1]).transpose(0, 1), grid, out=out)
+
+
+def _grid_read(x: torch.Tensor, grid: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of a read off a grid: ``(positions, batch, width)``, positions first, ``[p, b, s] = x[b, p] ·
+    grid[p, s]`` for ``x (batch, positions, d)`` and ``grid (positions, width, d)`` — one ``bmm`` (into ``out`` as
+    :func:`_grid_write`). :meth:`PositionSlots.read` on the whole grid, :func:`gather_read` on each chunk's."""
+    return torch.bmm(x.transpose(0, 1), grid.transpose(1, 2), out=out)
+
+
 class PositionSlots:
     """Nodes grouped by token position, for dense per-position matmuls instead of gathers.
 
@@ -243,14 +258,12 @@ class PositionSlots:
         """``out[b, p] = Σ_{i at p} coeff[b, i] · v_i`` for ``grid = self.grid(v)`` (the vectors placed)."""
         c = coeff if self.identity else coeff.new_zeros(coeff.shape[0], self.n_pos * self.width).index_copy(
             1, self.flat.to(coeff.device), coeff)
-        c = c.to(grid.dtype)
-        return torch.bmm(c.view(-1, self.n_pos, self.width).transpose(0, 1), grid).transpose(0, 1).contiguous()
+        return _grid_write(c.to(grid.dtype), grid).transpose(0, 1).contiguous()
 
     def read(self, x: Float[torch.Tensor, "batch pos d"], grid: Float[torch.Tensor, "pos width d"]
              ) -> Float[torch.Tensor, "batch n"]:
         """``out[b, i] = x[b, pos_i] · u_i`` for ``grid = self.grid(u)``."""
-        y = torch.bmm(x.transpose(0, 1), grid.transpose(1, 2)).transpose(0, 1)  # (batch, pos, width)
-        y = y.reshape(x.shape[0], -1)
+        y = _grid_read(x, grid).transpose(0, 1).reshape(x.shape[0], -1)  # (batch, pos · width)
         return y if self.identity else y[:, self.flat.to(x.device)]
 
 
@@ -337,7 +350,7 @@ def _slot_write(coeff: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: 
         else:
             c = coeff.new_zeros(b, (g1 - g0) * slots.width, dtype=acc).index_copy_(
                 1, local, coeff[:, slots.order[s:e]].to(acc))
-        torch.bmm(c.view(b, g1 - g0, slots.width).transpose(0, 1), grid, out=out[g0:g1])
+        _grid_write(c, grid, out=out[g0:g1])
         del grid, c
     if acc == dtype:  # the sums are the result: its (batch, pos, d) view, no copy (the memory of the former layout)
         return out.transpose(0, 1)
@@ -360,7 +373,7 @@ def _slot_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: Posit
         out_t = x.new_empty(slots.n_pos, b, slots.width)
         for g0, g1, s, e in slots.spans(_positions_per_chunk(slots, b, W.shape[-1], x.device)):
             grid, _ = _chunk_grid(slots, W, idx, g0, g1, s, e, x.dtype)
-            torch.bmm(x[:, g0:g1].transpose(0, 1), grid.transpose(1, 2), out=out_t[g0:g1])
+            _grid_read(x[:, g0:g1], grid, out=out_t[g0:g1])
             del grid
         out = x.new_empty(b, idx.numel())
         out.view(b, slots.n_pos, slots.width).copy_(out_t.transpose(0, 1))
@@ -370,7 +383,7 @@ def _slot_read(x: torch.Tensor, W: torch.Tensor, idx: torch.Tensor, slots: Posit
         if e == s:
             continue
         grid, local = _chunk_grid(slots, W, idx, g0, g1, s, e, x.dtype)
-        y = torch.bmm(x[:, g0:g1].transpose(0, 1), grid.transpose(1, 2)).transpose(0, 1)  # (batch, positions, width)
+        y = _grid_read(x[:, g0:g1], grid).transpose(0, 1)  # (batch, positions, width)
         out[:, slots.order[s:e]] = y.reshape(b, -1)[:, local]
         del grid, y
     return out

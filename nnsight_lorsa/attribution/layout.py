@@ -218,15 +218,34 @@ def coder_decoders(owner: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name, _ in owner.named_parameters() if name == "W_skip" or name.startswith("W_dec"))
 
 
-def coder_encoder_parts(tc: Any) -> dict[str, int]:
-    """``{name: index}`` of the tensors of ``tc``'s weights owner its encoder (the clean pass of :func:`build_layout`)
-    reads one index of (``resident``'s ``parts``): a cross-layer transcoder layer's
-    (:class:`~nnsight_lorsa.modules.clt.CLTLayer`) ``W_enc[layer]`` and ``b_enc[layer]``, not the stacks of every
-    layer; none for a per-layer transcoder."""
+LAYER_STACKS: dict[str, int] = {"W_enc": 3, "b_enc": 2, "W_skip": 3}
+"""The tensors a cross-layer transcoder (:class:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder`) stacks over its
+layers, each with its dimension so stacked (``W_enc (n_layers, d, f)``, ``b_enc (n_layers, f)``, ``W_skip
+(n_layers, d, d)``; a per-layer transcoder's have one fewer): what :func:`coder_layer_parts` may copy one layer of."""
+
+ENCODER_PARTS: tuple[str, ...] = ("W_enc", "b_enc")
+"""What a cross-layer transcoder layer's encoder (the clean pass of :func:`build_layout`) reads one layer of."""
+
+SITE_PARTS: tuple[str, ...] = ("W_skip",)
+"""What a cross-layer transcoder layer's MLP site in the frozen pass (:meth:`.replacement.FrozenReplacement.mlp`)
+reads one layer of inside its ``resident`` block: :meth:`~nnsight_lorsa.modules.clt.CLTLayer.skip`'s ``W_skip``."""
+
+
+def stacked(owner: Any, name: str) -> bool:
+    """Whether ``owner``'s tensor ``name`` (a key of :data:`LAYER_STACKS`) is a cross-layer transcoder's stack of
+    every layer's (a per-layer transcoder's, or none: False)."""
+    t = getattr(owner, name, None)
+    return isinstance(t, torch.Tensor) and t.dim() == LAYER_STACKS[name]
+
+
+def coder_layer_parts(tc: Any, names: tuple[str, ...]) -> dict[str, int]:
+    """``{name: index}`` of the tensors ``names`` (:data:`ENCODER_PARTS`, :data:`SITE_PARTS`) of ``tc``'s weights
+    owner that a ``resident`` block for ``tc`` copies one index of (``resident``'s ``parts``): a cross-layer
+    transcoder layer's (:class:`~nnsight_lorsa.modules.clt.CLTLayer`) ``name[layer]`` of each stacked one
+    (:func:`stacked`), not the stacks of every layer; none for a per-layer transcoder or an SAE (its tensors are its
+    layer's, copied whole)."""
     owner = tc.weights_owner
-    if owner is tc or not isinstance(getattr(owner, "W_enc", None), torch.Tensor) or owner.W_enc.dim() != 3:
-        return {}
-    return {"W_enc": tc.layer, "b_enc": tc.layer}
+    return {} if owner is tc else {name: tc.layer for name in names if stacked(owner, name)}
 
 
 def _nonzero(v: torch.Tensor | None) -> bool:
@@ -314,7 +333,7 @@ def build_layout(
                 x = mlp_inputs[layer]
                 traced = live is not None and layer in live.tc_acts
                 # offloaded: its encoder copied (a CLT: this layer's), its decoders left on the host
-                with resident(owner, x.device, coder_decoders(owner), coder_encoder_parts(tc)):
+                with resident(owner, x.device, coder_decoders(owner), coder_layer_parts(tc, ENCODER_PARTS)):
                     xm = to_module(x, owner)
                     if traced:  # also the pre-activations its nodes' rows sum to (FrozenReplacement.mlp's targets),
                         # from the same encoder matmul as the features

@@ -3,16 +3,15 @@
 
 An offloaded module's weights stay on the host; on the model's device the frozen pass holds
 
-* *fetch*: one module at a time, while it computes, only the tensors the frozen pass reads there: a Lorsa's
-  queries and keys or pattern rows, all but its OV circuit (:data:`LORSA_OV`: half of a paper-scale Lorsa); a
-  transcoder's skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a
-  cross-layer transcoder: its own layer's ``W_skip[layer]`` alone, :func:`coder_site_parts`, every layer's until
-  2026-11-27) — the largest such copy (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident``
-  copies; the whole module until 2026-11-27), or the whole weight a kept row block is gathered from
-  (:func:`block_sources`), whichever is larger. The clean pass's forwards (:func:`.layout.build_layout`: a Lorsa's
-  heads without its output projection, :data:`.layout.LORSA_OUT`; an encoder without its decoders,
-  :func:`.layout.coder_decoders`, a cross-layer transcoder's its own layer's, :func:`.layout.coder_encoder_parts`) run
-  before the frozen pass, not at its peak;
+* *fetch*: one module at a time, while it computes, only the tensors the frozen pass reads there: a Lorsa's queries
+  and keys or pattern rows, all but its OV circuit (:data:`LORSA_OV`: half of a paper-scale Lorsa); a transcoder's
+  skip path and encoder input, all but its encoder and decoders (:func:`coder_site_leave`; a cross-layer transcoder:
+  its own layer's ``W_skip[layer]`` alone, :func:`.layout.coder_layer_parts`, every layer's until 2026-11-27) — the
+  largest such copy (:func:`~nnsight_lorsa._placement.fetched_bytes`, the selection ``resident`` copies; the whole
+  module until 2026-11-27), or the whole weight a kept row block is gathered from (:func:`block_sources`), whichever
+  is larger. The clean pass's forwards (:func:`.layout.build_layout`: a Lorsa's heads without its output projection,
+  :data:`.layout.LORSA_OUT`; an encoder without its decoders, :func:`.layout.coder_decoders`, a cross-layer
+  transcoder's its own layer's, :func:`.layout.coder_layer_parts`) run before the frozen pass, not at its peak;
 * *rows*: the active nodes' rows it reads — a Lorsa layer's ``W_V`` rows of the OV heads active somewhere
   (``u·d``; kept on the device in the frozen model's dtype), a gathering site's distinct ``w_o`` / ``W_dec`` /
   ``W_enc`` rows (grid sites are counted in the shared term already; a transcoder's decoder: one block per
@@ -43,7 +42,7 @@ import torch
 from .._placement import fetched_bytes, offloaded
 from .batch_fit import largest_batch
 from .frozen import choose
-from .layout import LORSA_OUT, Layout
+from .layout import LORSA_OUT, SITE_PARTS, Layout, coder_layer_parts, stacked
 from .nodes import count_distinct
 
 if TYPE_CHECKING:
@@ -60,29 +59,16 @@ left on the host when an offloaded Lorsa is fetched for them (``resident(lorsa, 
 paper-scale Lorsa; its ``W_V`` rows and ``W_O`` rows reach the device as row blocks, :func:`offload_blocks`)."""
 
 
-def _stacked_skip(owner: torch.nn.Module) -> bool:
-    skip = getattr(owner, "W_skip", None)
-    return isinstance(skip, torch.Tensor) and skip.dim() == 3
-
-
 def coder_site_leave(owner: torch.nn.Module) -> frozenset[str]:
     """The tensors of a transcoder (or a cross-layer transcoder, ``owner``) its MLP site in the frozen pass does not
     read whole inside its ``resident`` block (the skip path and the encoder's input read the rest): the encoder
     ``W_enc`` / ``b_enc``, every decoder ``W_dec…`` and the activation's parameters — their active rows reach the
     device as row blocks (:func:`offload_blocks`) or per-node constants — and a cross-layer transcoder's stacked
-    ``W_skip`` (``(n_layers, d, d)``: the site copies its own layer's alone, :func:`coder_site_parts`)."""
+    ``W_skip`` (``(n_layers, d, d)``: the site copies its own layer's alone, :func:`.layout.coder_layer_parts` of
+    :data:`.layout.SITE_PARTS`)."""
     return frozenset(name for name, _ in [*owner.named_parameters(), *owner.named_buffers()]
                      if name in ("W_enc", "b_enc") or name.startswith(("W_dec", "activation."))
-                     or (name == "W_skip" and _stacked_skip(owner)))
-
-
-def coder_site_parts(tc: Any) -> dict[str, int]:
-    """``{name: index}`` of the tensors of ``tc``'s weights owner that its MLP site copies one index of
-    (``resident``'s ``parts``): a cross-layer transcoder layer's (:class:`~nnsight_lorsa.modules.clt.CLTLayer`)
-    ``W_skip[layer]``, what :meth:`~nnsight_lorsa.modules.clt.CLTLayer.skip` reads; none for a per-layer
-    transcoder (its ``W_skip``, if any, is its layer's and copied whole)."""
-    owner = tc.weights_owner
-    return {"W_skip": tc.layer} if owner is not tc and _stacked_skip(owner) else {}
+                     or (name == "W_skip" and stacked(owner, name)))
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -230,7 +216,7 @@ def offload_terms(layout: Layout, *, d_model: int, node_vectors: str, itemsize: 
         owner = None if tc is None else tc.weights_owner  # a CLT layer: its CLT, with that layer's W_skip
         if owner is None or not offloaded(owner):
             continue
-        fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner), coder_site_parts(tc)))
+        fetch = max(fetch, fetched_bytes(owner, coder_site_leave(owner), coder_layer_parts(tc, SITE_PARTS)))
         skip = getattr(owner, "W_skip", None)
         if isinstance(skip, torch.Tensor):
             skips += _bytes(skip) // (skip.shape[0] if skip.dim() == 3 else 1)  # a CLT: one layer's

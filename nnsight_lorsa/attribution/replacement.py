@@ -54,8 +54,8 @@ from .frozen import (
     take_rows,
     z_pre,
 )
-from .layout import Layout
-from .offload import LORSA_OV, coder_site_leave, coder_site_parts
+from .layout import SITE_PARTS, Layout, coder_layer_parts
+from .offload import LORSA_OV, coder_site_leave
 
 
 def first(positions: torch.Tensor) -> torch.Tensor:
@@ -375,7 +375,7 @@ class FrozenReplacement:
         owner = tc.weights_owner  # a CLT layer computes with its CLT's weights
         # offloaded: on the site's device for these calls, but its encoder and decoders (read by rows, self.nodes);
         # a CLT's W_skip: this layer's matrix alone (CLTLayer.skip reads that copy)
-        with resident(owner, x.device, coder_site_leave(owner), coder_site_parts(tc)):
+        with resident(owner, x.device, coder_site_leave(owner), coder_layer_parts(tc, SITE_PARTS)):
             xm = to_module(read, owner)  # run where the transcoder is, moved back to the site
             skip = tc.skip(xm, constant_weights=True)  # no copy of a prompt copy's input kept for W_skip's gradient
             skip = None if skip is None else skip.to(x)

@@ -843,8 +843,8 @@ def test_offloaded_clean_pass_copies_only_what_it_reads(kind, monkeypatch):
     """The clean pass's fetches (:func:`.layout.build_layout`) copy what they read, byte for byte: a Lorsa's heads
     all but its output projection ``W_O`` / ``b_D`` (``layout.LORSA_OUT``), a transcoder's (or a cross-layer
     transcoder's) encoder all but its decoders ``W_dec…`` and ``W_skip`` (``layout.coder_decoders``), a CLT's only its
-    own layer's ``W_enc[layer]`` / ``b_enc[layer]`` (``layout.coder_encoder_parts``) — the whole module until
-    2026-11-27 — and never read what they left (on another device here)."""
+    own layer's ``W_enc[layer]`` / ``b_enc[layer]`` (``layout.coder_layer_parts`` of ``layout.ENCODER_PARTS``) — the
+    whole module until 2026-11-27 — and never read what they left (on another device here)."""
     clean = [(m, n, lorsa) for where, m, n, lorsa in spied_blocks(kind, monkeypatch) if where == "clean"]
     assert any(lorsa for *_, lorsa in clean) and not all(lorsa for *_, lorsa in clean)
     for m, n, lorsa in clean:
