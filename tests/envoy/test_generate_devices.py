@@ -195,20 +195,62 @@ def traced_internals(device: str, dtype: torch.dtype, kind: str, ids: torch.Tens
     return dict(saved), logits
 
 
+@torch.no_grad()
+def direct_internals(kind: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The unedited internals without nnsight: the fp32 CPU modules applied to the plain fp32 CPU model's site
+    inputs, caught by plain PyTorch hooks (under error terms and no edit every site sees the plain model's input)."""
+    hf = tiny_hf_model("llama")
+    adapter = get_adapter(hf)
+    b = _base()
+    seen: dict[str, Any] = {}
+    handles = [adapter.attention_module(hf, LAYER).register_forward_pre_hook(
+        lambda m, args, kwargs: seen.__setitem__("attn", (args, kwargs)), with_kwargs=True),
+        hf.get_submodule(SAE_SITE).register_forward_hook(lambda m, args, out: seen.__setitem__("h1", out))]
+    for layer in range(adapter.n_layers):
+        handles.append(adapter.mlp_module(hf, layer).register_forward_pre_hook(
+            lambda m, args, kwargs, layer=layer: seen.__setitem__(f"mlp{layer}", adapter.mlp_input(args, kwargs)),
+            with_kwargs=True))
+    try:
+        hf(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    args, kwargs = seen["attn"]
+    x = adapter.attention_input(args, kwargs)
+    lorsa = b["lorsa"]
+    z, _ = lorsa.activation(lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
+                                                adapter.attention_mask(args, kwargs)))
+    h1 = seen["h1"][0] if isinstance(seen["h1"], tuple) else seen["h1"]
+    tc0, tc2, sae, clt = b["tcs"][0], b["tcs"][2], b["sae"], b["clt"]
+    acts = [clt.encode_layer(seen[f"mlp{layer}"], layer) for layer in range(3)]
+    return {
+        "lorsa": {"z": z, "out": lorsa.decode(z)},
+        "transcoder": {"acts": tc0.encode(seen["mlp0"]), "recons": tc0(seen["mlp0"])},
+        "sae": {"acts": sae.encode(h1), "recons": sae(h1)},
+        "clt": {"acts0": acts[0], "recons2": clt.reconstruct_layer(acts, 2, seen["mlp2"])},
+        "bundle": {"z": z, "out": lorsa.decode(z), "sae_acts": sae.encode(h1), "sae_recons": sae(h1),
+                   "tc2_acts": tc2.encode(seen["mlp2"]), "tc2_recons": tc2(seen["mlp2"])},
+    }[kind]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_internals_read_and_edited_on_device_match_the_cpu(device, dtype, kind):
     """fp32 modules on a model on ``device`` in ``dtype``: the internals saved as envoys (Lorsa ``hook_z`` /
     ``hook_out``, features ``hook_sae_acts_post``, reconstructions ``hook_sae_recons``) stay fp32 on the
-    device, and they and the logits — unedited and after the edit — match the fp32 CPU run within the module
-    docstring's bound."""
+    device. Unedited, they match the modules applied without nnsight to the plain fp32 CPU model's site inputs
+    (:func:`direct_internals`); the logits, unedited and after the edit, and the edited internals match the
+    fp32 CPU run; each within the module docstring's bound."""
     ids = random_ids(2, 12, seed=4)
     results = {}
     for edit in (False, True):
         want_int, want_logits = traced_internals("cpu", torch.float32, kind, ids, edit)
+        if not edit:
+            want_int = direct_internals(kind, ids)
         cpu = traced_internals("cpu", dtype, kind, ids, edit) if dtype != torch.float32 else None
         got_int, got_logits = traced_internals(device, dtype, kind, ids, edit)
+        assert got_int.keys() == want_int.keys()
         for name, value in got_int.items():
             assert value.device.type == torch.device(device).type and value.dtype == torch.float32, name
             cpu_err = 0.0 if cpu is None else rel(cpu[0][name], want_int[name])
@@ -218,4 +260,3 @@ def test_internals_read_and_edited_on_device_match_the_cpu(device, dtype, kind):
         assert rel(got_logits, want_logits) <= low_bound(dtype, cpu_err), edit
         results[edit] = want_logits
     assert rel(results[True], results[False]) > 100 * DEVICE_REL  # the edit matters
-
