@@ -197,17 +197,22 @@ def test_an_undispatched_model_places_the_modules_at_the_first_trace(tmp_path):
     assert torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_from_pretrained_reads_modules_in_the_model_dtype_unless_told(dtype):
+def test_from_pretrained_reads_modules_in_the_model_dtype_unless_told(dtype, device):
+    """The embedded model loaded by ``load_model(device=, dtype=)``: the packaged Lorsas and transcoders land on
+    its device in its dtype (``dtype=`` overrides the dtype, not the device); error terms are bit-exact."""
     from nnsight_lorsa.assets import default_lorsa_dir, default_transcoder_dir
     from nnsight_lorsa.envoy import load_model
 
-    model = load_model(dtype=dtype)
+    model = load_model(device=device, dtype=dtype)
     lorsas = LorsaSet.from_pretrained(model, default_lorsa_dir())
     tcs = TranscoderSet.from_pretrained(model, default_transcoder_dir())
-    assert {p.dtype for m in (*lorsas.values(), *tcs.values()) for p in m.parameters()} == {dtype}
+    where = torch.device(device).type
+    assert {(p.device.type, p.dtype) for m in (*lorsas.values(), *tcs.values()) for p in m.parameters()} == \
+        {(where, dtype)}
     kept = LorsaSet.from_pretrained(model, default_lorsa_dir(), dtype=torch.float32)
-    assert {p.dtype for m in kept.values() for p in m.parameters()} == {torch.float32}
+    assert {(p.device.type, p.dtype) for m in kept.values() for p in m.parameters()} == {(where, torch.float32)}
     ids = torch.tensor([[0, 10, 11, 12, 13, 14, 15]])
     rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs, error=True)
     assert torch.equal(_logits(model, ids, rm), _logits(model, ids))
