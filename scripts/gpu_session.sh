@@ -10,7 +10,7 @@
 #
 # Steps (times on an H200; the whole script is held to GPU_SESSION_BUDGET_S, default 540 s = 9 min, so that it
 # fits one 10-minute device command: a step gets min(its timeout, what is left), and is skipped with < 20 s):
-#   suite    python3 -m pytest -m gpu -n 8 (~40 s)                           -> $OUT/gpu_suite.xml, gpu_suite.log
+#   suite    python3 -m pytest -m gpu -n 8 (~100 s)                         -> $OUT/gpu_suite.xml, gpu_suite.log
 #   ab       gpu_scale --skip c d: (a) Lorsa forward vs floor, (b) replace vs plain trace (~100 s)
 #   variants lorsa_forward_variants: each stage of the Lorsa forward and its alternatives, RoPE's pair swap,
 #            split halves and one compiled kernel among them (~60 s + the compile) -> $OUT/lorsa_forward_variants.json
@@ -87,9 +87,10 @@ else
   ROWS_MANY=512; GNODES=(--device cuda --dtype bfloat16 --tokens 1024 4096 --d 4096 --chunks 23 25 27)
   VARIANTS=(); ZPROD=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
-# pytest-xdist runs the suite on WORKERS processes (~40 s on an H200); without it the suite runs serially: longer
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=90
-else XDIST=(); SUITE_S=240; echo "pytest-xdist not installed: the gpu suite runs serially (timeout ${SUITE_S}s)"; fi
+# pytest-xdist runs the suite on WORKERS processes (73 cases ~40-50 s on an H200; 178 since 2026-11-27 evening, not yet
+# timed there: their CPU cases take ~2.4x the former ones); without it the suite runs serially: longer
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=180
+else XDIST=(); SUITE_S=480; echo "pytest-xdist not installed: the gpu suite runs serially (timeout ${SUITE_S}s)"; fi
 
 # the session's record: device, versions, commit (GPU_SESSION_COMMIT, else git's, else unknown)
 COMMIT="${GPU_SESSION_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
