@@ -179,7 +179,7 @@ def to_neuronpedia(
         nodes)``, never a dense ``n_nodes²`` matrix.
 
     Raises:
-        ValueError: thresholds outside ``[0, 1]``.
+        ConfigMismatchError: (a ``ValueError``) thresholds outside ``[0, 1]``.
         ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
             index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
     """
