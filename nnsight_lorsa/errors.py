@@ -55,6 +55,14 @@ class TraceOrderError(LorsaError, RuntimeError):
     """A replacement was requested after the model already ran past the site it replaces."""
 
 
+class NotReadyError(LorsaError, RuntimeError):
+    """A step was asked for before the step it needs ran: a training objective's scale factors before they
+    were estimated (``Trainer.estimate_norms`` / the first ``train_step``), a
+    :class:`~nnsight_lorsa.training.distributed.DataParallel` before ``torch.distributed.init_process_group``,
+    an attribution's targets before its frozen forward reached the unembedding. The message names the step
+    to run first. Still a ``RuntimeError`` for callers that catch those."""
+
+
 class UnsupportedGenerationError(TraceOrderError):
     """A replacement cannot follow this generation (e.g. a Lorsa under beam search); raised before
     a token is returned, never a silently unreplaced one. The message names what to use instead."""
@@ -112,7 +120,9 @@ class NonFiniteError(LorsaError, FloatingPointError):
 class TooFewTokensError(LorsaError, ValueError):
     """A batch has too few counted tokens (``loss_mask`` True) for what training does with it: none in
     the batches the scale factors are estimated on, or (the Lorsa recipe's OV initialisation) fewer than
-    ``d_qk_head`` in its first batch. Raised before the first step; the message says what to change."""
+    ``d_qk_head`` in its first batch. Raised before the first step; the message says what to change. Also
+    raised by :class:`~nnsight_lorsa.training.TokenDataset`'s constructors when a text holds fewer tokens
+    than one window, or no document holds a token."""
 
 
 class GateConfigError(LorsaError, ValueError):
@@ -172,7 +182,8 @@ class SaveError(LorsaError, OSError):
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
            "HeldoutConstraintWarning", "InvokeRowsError", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
-           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "PlacementError", "SaveError",
+           "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "NotReadyError", "PlacementError",
+           "SaveError",
            "ServerVersionError", "ServerVersionWarning", "ShapeError",
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
            "VacuousConstraintError"]

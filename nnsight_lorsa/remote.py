@@ -338,7 +338,7 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
 
     Raises:
         LayerOutOfRangeError: a layer the set does not have.
-        ValueError: ``layers`` given for something other than a ReplacementModel or a replacement set.
+        ArgumentError: ``layers`` given for something other than a ReplacementModel or a replacement set.
     """
     if layers is not None:
         if isinstance(obj, ReplacementModel):
@@ -348,8 +348,8 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
             bundle = ReplacementModel(obj.model, **sets, adapter=obj.adapter)
             obj = getattr(_select(bundle, layers), obj.slot)
         else:
-            raise ValueError(f"layers= applies to a ReplacementModel or a replacement set, not to "
-                             f"{type(obj).__name__}")
+            raise ArgumentError(f"payload_report(layers=...) applies to a ReplacementModel or a replacement set, not "
+                                f"to a {type(obj).__name__}")
     label = name or getattr(obj, "slot", "") or "obj"  # a set's ReplacementModel attribute (the set contract)
     report = _report_from(_named_tensors(obj, label))
     if serialize:

@@ -409,11 +409,13 @@ class ArchitectureAdapter:
     def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
         """The model's RoPE, derived from its config (None without rotary); ``layer``: the layer whose RoPE,
         for a family whose layers rotate differently (Gemma-3), ignored by the others."""
-        raise NotImplementedError(f"{type(self).__name__} must implement rotary_config")
+        raise UnsupportedArchitectureError(f"{type(self).__name__} must implement rotary_config (the adapter of "
+                                           f"{self.family!r} gives no rotary embedding)")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement mhsa_weights")
+        raise UnsupportedArchitectureError(f"{type(self).__name__} must implement mhsa_weights (the adapter of "
+                                           f"{self.family!r} gives no attention weights)")
 
     @staticmethod
     def rope_parameters(config: Any) -> dict[str, Any]:

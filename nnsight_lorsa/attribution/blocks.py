@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._typing import Float, Int
-from ..errors import UnsupportedArchitectureError
+from ..errors import CheckpointError, ShapeError, UnsupportedArchitectureError
 from .nodes import HOST, NodeTable
 
 #: entries per temporary of the block passes (:meth:`BlockAdjacency.abs_sums`, :meth:`BlockAdjacency.weighted_abs`:
@@ -113,6 +113,7 @@ class BlockAdjacency:
         ``n_sources`` columns).
 
         Raises:
+            ShapeError: a row that is not one of this adjacency's, or ``grads`` of another column count.
             UnsupportedArchitectureError: a row has a non-zero entry outside its block — an edge from a
                 later position or site, which a causal decoder's frozen replacement model cannot have.
         """
@@ -121,7 +122,8 @@ class BlockAdjacency:
         cells = self._cell_of_row[rows]
         cell_list: list[int] = cells.tolist()  # the one host read of the batch's cells
         if min(cell_list, default=0) < 0 or g.shape[1] != self.n_sources:
-            raise ValueError(f"rows {rows.tolist()} / {g.shape[1]} columns do not fit this adjacency")
+            raise ShapeError(f"BlockAdjacency.write: rows {rows.tolist()} / {g.shape[1]} columns do not fit this "
+                             f"adjacency ({self.n_sources} columns; rows of its own nodes)")
         at_of: dict[int, list[int]] = {}  # each cell's batch rows, ascending (as cells.unique(), nonzero())
         for i, cell in enumerate(cell_list):
             at_of.setdefault(cell, []).append(i)
@@ -395,14 +397,14 @@ class BlockAdjacency:
         every cell's columns again).
 
         Raises:
-            ValueError: the values do not fill the blocks of those rows exactly.
+            CheckpointError: (a ``ValueError``) the values do not fill the blocks of those rows exactly.
         """
         flat = t["adjacency_blocks"]
         out = cls(nodes.sites(), nodes.pos, int(t["adjacency_sources"]), t["adjacency_rows"].long(), flat.dtype)
         sizes = [r.numel() * int(c) for r, c in zip(out.cell_rows, out.n_cols(), strict=True)]
         if sum(sizes) != flat.numel():
-            raise ValueError(f"tensor 'adjacency_blocks' has {flat.numel()} values; the blocks of "
-                             f"'adjacency_rows' take {sum(sizes)}")
+            raise CheckpointError(f"tensor 'adjacency_blocks' has {flat.numel()} values; the blocks of "
+                                  f"'adjacency_rows' take {sum(sizes)}")
         for c, part in enumerate(flat.split(sizes)):
             out.blocks[c] = part.view(out.cell_rows[c].numel(), -1).clone()
         return out

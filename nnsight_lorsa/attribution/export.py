@@ -74,11 +74,12 @@ def n_layers_of(graph: Graph) -> int:
     """The model's number of layers, read off the logit nodes (their ``layer`` is ``n_layers``).
 
     Raises:
-        ValueError: a graph without logit nodes.
+        ArgumentError: a graph without logit nodes.
     """
     ids = graph.logit_ids
     if ids.numel() == 0:
-        raise ValueError("the graph has no logit nodes")
+        raise ArgumentError(f"graph: no logit nodes (of {graph.n_nodes} nodes), so its number of layers is unknown: "
+                            "export a graph that attribute() made (it has at least one logit node)")
     return int(graph.nodes.layer[ids[0]])
 
 
@@ -178,9 +179,9 @@ def to_neuronpedia(
         nodes)``, never a dense ``n_nodes²`` matrix.
 
     Raises:
-        ValueError: a graph without logit nodes, thresholds outside ``[0, 1]``, or a prune result whose
-            node mask or edge index does not fit the graph.
-        ArgumentError: a prompt or logit token id outside ``tokenizer``'s vocabulary.
+        ConfigMismatchError: (a ``ValueError``) thresholds outside ``[0, 1]``.
+        ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
+            index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
@@ -188,8 +189,9 @@ def to_neuronpedia(
     e = prune_result.edge_index.to(HOST)  # a prune result made elsewhere (a device) reads like the graph's
     if prune_result.node_mask.shape != (N,) or e.dim() != 2 or e.shape[0] != 2 or (
             e.numel() and not (int(e.min()) >= 0 and int(e.max()) < N)):
-        raise ValueError(f"prune result: node mask {tuple(prune_result.node_mask.shape)} / edge index "
-                         f"{tuple(e.shape)} (node ids in [0, {N}) expected) do not fit a graph of {N} nodes")
+        raise ArgumentError(f"to_neuronpedia(prune_result=...): node mask {tuple(prune_result.node_mask.shape)} / "
+                            f"edge index {tuple(e.shape)} (node ids in [0, {N}) expected) do not fit a graph of "
+                            f"{N} nodes: pass prune(graph) of this graph")
     n, L = graph.nodes, n_layers_of(graph)
     last = int(graph.tokens.numel()) - 1
     triples = [_ids(graph, i, L, last) for i in range(N)]

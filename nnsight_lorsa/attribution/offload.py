@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._placement import fetched_bytes, offloaded
+from ..errors import ArgumentError
 from .batch_fit import largest_batch
 from .frozen import choose
 from .layout import LORSA_OUT, SITE_PARTS, Layout, coder_layer_parts, stacked
@@ -146,11 +147,12 @@ def block_layer(key: str) -> int:
     gathers them where its site computes, :meth:`.replacement.FrozenReplacement.nodes`).
 
     Raises:
-        ValueError: ``key`` is not a block name."""
+        ArgumentError: ``key`` is not a block name."""
     head, arrow, target = key.partition("->")
     name = target if arrow else head.split(".", 1)[0][1:]
     if not (key.startswith("L") and name.isdigit()):
-        raise ValueError(f"{key!r} names no offloaded row block (L<layer>.lorsa.w_o, L<layer>.tc.w_dec-><layer>, ...)")
+        raise ArgumentError(f"block_layer: {key!r} names no offloaded row block (L<layer>.lorsa.w_o, "
+                            "L<layer>.tc.w_dec-><layer>, ...: the names of offload_blocks)")
     return int(name)
 
 

@@ -32,15 +32,15 @@ def refuse_renamed(settings: dict[str, Any], where: str) -> None:
     spelling (:data:`.logit_targets.RENAMED`) with the new one, any other name as Python refuses an unknown keyword.
 
     Raises:
-        ArgumentError: ``logit_tokens``, ``desired_logit_prob`` or ``max_n_logits`` (now ``targets=``).
-        TypeError: another name.
+        ArgumentError: ``logit_tokens``, ``desired_logit_prob`` or ``max_n_logits`` (now ``targets=``); another
+            name (a ``TypeError``, as Python refuses an unknown keyword).
     """
     old = sorted(set(settings) & set(RENAMED))
     if old:
         raise ArgumentError(f"{where}({old[0]}=...) is gone: the logit targets are one setting now, "
                             f"{RENAMED[old[0]]} (None: the top logits to cumulative probability 0.95, at most 10)")
     if settings:
-        raise TypeError(f"{where}() got unexpected keyword argument(s) {sorted(settings)}")
+        raise ArgumentError(f"{where}() got unexpected keyword argument(s) {sorted(settings)}")
 
 
 @dataclass(frozen=True)
@@ -102,15 +102,15 @@ class AttributionOptions:
         whose call they are (its name in the errors, an unknown name refused as that call would refuse it).
 
         Raises:
-            TypeError: a name that is not a setting (as a function call with an unknown keyword would).
-            ArgumentError: an old setting name (:func:`refuse_renamed`); as the class.
+            ArgumentError: (a ``TypeError``) a name that is not a setting (as a function call with an unknown keyword
+                would); an old setting name (:func:`refuse_renamed`); as the class.
             ConfigMismatchError: as the class.
         """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(settings) - names)
         refuse_renamed({k: settings[k] for k in unknown if k in RENAMED or where is not None}, where or "attribute")
         if unknown:
-            raise TypeError(f"unknown attribution setting(s) {unknown}; the settings are {sorted(names)}")
+            raise ArgumentError(f"unknown attribution setting(s) {unknown}; the settings are {sorted(names)}")
         return cls(**settings)
 
     @property

@@ -35,7 +35,7 @@ from .._placement import fetch, offloaded, pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
-from ..errors import ConfigMismatchError, PlacementError, UnsupportedArchitectureError
+from ..errors import ArgumentError, ConfigMismatchError, NotReadyError, PlacementError, UnsupportedArchitectureError
 from ..formats.hook_sites import MLPSiteIO, has_resid_mid, hook_record, mlp_site_io
 from .frozen import (
     GatheredNodes,
@@ -118,8 +118,8 @@ class FrozenReplacement:
                  node_vectors: str = "auto", dtype: torch.dtype | None = None,
                  offload_rows: str | Collection[str] = "host") -> None:
         if isinstance(offload_rows, str) and offload_rows not in ("host", "device"):
-            raise ValueError(f"offload_rows must be 'host', 'device' or a collection of block keys, "
-                             f"got {offload_rows!r}")
+            raise ArgumentError(f"FrozenReplacement(offload_rows=...) must be 'host', 'device' or a collection of "
+                                f"block keys, got {offload_rows!r}")
         self.layout = layout
         self.M = M
         self.mhsa = mhsa
@@ -467,7 +467,8 @@ class FrozenReplacement:
     def target_pieces(self) -> list[torch.Tensor]:
         """The targets as recorded, in node order: ``(batch, n_i)`` per site, then the logits."""
         if self._logits is None:
-            raise RuntimeError("the frozen forward has not reached the unembedding")
+            raise NotReadyError("FrozenReplacement.target_pieces(): the frozen forward has not reached the "
+                                "unembedding yet: run the frozen forward (trace.frozen_forward_body) first")
         return [t.to(self.M.device) for t in (*self._features, self._logits)]  # sites on other devices: to M's
 
     def targets(self) -> Float[torch.Tensor, "batch n_targets"]:

@@ -89,7 +89,8 @@ def influence_series(
         if not bool(w.any()):
             return propagate(total.to(cur.dtype))
         total = total.to(cur.dtype).add_(w)
-    raise RuntimeError(f"influence did not converge in {max_iter} iterations (is the adjacency acyclic?)")
+    raise ArgumentError(f"influence: the series did not end in max_iter={max_iter} iterations: the adjacency has a "
+                        "cycle (a row node feeds itself back); an attribution graph's adjacency is acyclic")
 
 
 def influence(
@@ -103,7 +104,7 @@ def influence(
     logit rows, 0 elsewhere). A graph's influence is :func:`node_influence` (sparse, no dense matrix).
 
     Raises:
-        RuntimeError: the series did not terminate (a cycle: malformed adjacency).
+        ArgumentError: the series did not terminate (a cycle: malformed adjacency).
     """
     A = normalize_rows(rows)
     return influence_series(lambda w: w.to(A.dtype) @ A, row_node, row_weight.to(A.dtype), rows.shape[1], max_iter)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .files import load_safetensors, read_json_object, read_safetensors_header
@@ -63,7 +63,7 @@ __all__ = ["CONFIG_FILE", "FORMAT_TAG", "FORMAT_VERSION", "READER", "WEIGHTS_FIL
 
 
 # --------------------------------------------------------------------------- writer
-def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
+def save_lorsa(lorsa: Any, directory: str | os.PathLike[str]) -> Path:
     """Write ``lorsa`` to ``directory`` (created if needed) as ``config.json`` + ``model.safetensors``.
 
     Atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): the files and a ``checksums.json``
@@ -71,11 +71,11 @@ def save_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str]) -> Path:
     one, never a mix. Returns the directory.
 
     Raises:
-        TypeError: ``lorsa`` is not a :class:`Lorsa`.
+        ArgumentError: (a ``TypeError``) ``lorsa`` is not a :class:`Lorsa`.
         CheckpointError: the config (e.g. ``extra``) is not JSON-serialisable.
     """
     if not isinstance(lorsa, Lorsa):
-        raise TypeError(f"save_lorsa expects a Lorsa module, got {type(lorsa).__name__}")
+        raise ArgumentError(f"save_lorsa(lorsa=...) expects a Lorsa module, got {type(lorsa).__name__}")
     with file_errors(Path(directory) / CONFIG_FILE,
                      {(TypeError, ValueError): "the Lorsa config is not JSON-serialisable (check cfg.extra): {e}"}):
         config_text = json.dumps(

@@ -18,6 +18,7 @@ import torch
 
 from .._atomic import check, manifest_of
 from .._placement import check_placement_args
+from ..errors import ArgumentError
 from .files import resolve_checkpoint_dir
 from .validate import build_module
 
@@ -80,13 +81,14 @@ def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = 
     against it after them, so a save swapped in while they ran is refused, not read as a mix.
 
     Raises:
-        TypeError: an option ``reader.parse_config`` does not take.
+        ArgumentError: (a ``TypeError``) an option ``reader.parse_config`` does not take.
         CheckpointError: a file listed in ``checksums.json`` is missing, truncated or altered (named).
         CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the steps.
     """
     unknown = sorted(set(options) - reader.options)
     if unknown:
-        raise TypeError(f"the {reader.name} reader takes no option {unknown}; it takes {sorted(reader.options)}")
+        raise ArgumentError(f"the {reader.name} reader takes no option {unknown}; it takes {sorted(reader.options)} "
+                            f"(reading {os.fspath(path)})")
     entries = manifest_of(path)
     config = reader.parse_config(path, **options)
     state = reader.load_weights(path, config)

@@ -117,7 +117,8 @@ class ActivationSource:
 
     Raises:
         ActivationCacheError: a site is not in the cache, or positions are asked of a cache.
-        ValueError: a live source without a dataset; a constructor on a cache without ``adapter=``.
+        ArgumentError: (a ``ValueError``) a live source without a dataset; a constructor on a cache without
+            ``adapter=``; :meth:`shard`'s ``rank`` outside ``[0, world)``.
     """
 
     def __init__(self, data: Any, x: Any, y: Any = None, dataset: TokenDataset | None = None,
@@ -143,7 +144,8 @@ class ActivationSource:
                 self.d_model = self.cache.width(self.x_sites[0])
         else:
             if dataset is None:
-                raise ValueError("a live ActivationSource needs a TokenDataset")
+                raise ArgumentError(f"ActivationSource(dataset=None) on a {type(data).__name__}: a live source "
+                                    "(activations computed from a model) needs dataset=TokenDataset(...)")
             self.adapter = get_adapter(data)
             self.n_windows = len(dataset)
             if self.stacked:
@@ -157,7 +159,8 @@ class ActivationSource:
         if adapter is not None:
             return adapter
         if isinstance(data, ActivationCache):
-            raise ValueError("pass adapter= to build a source on an activation cache")
+            raise ArgumentError("ActivationSource on an ActivationCache: pass adapter= (the model's adapter names "
+                                "the sites the cache holds)")
         return get_adapter(data)
 
     @classmethod
@@ -208,10 +211,10 @@ class ActivationSource:
         ``world`` parts, ``torch.tensor_split``): only those windows are computed or read.
 
         Raises:
-            ValueError: ``rank`` not in ``[0, world)``.
+            ArgumentError: ``rank`` not in ``[0, world)``.
         """
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in [0, {world})")
+            raise ArgumentError(f"ActivationSource.shard: rank={rank!r} is not in [0, world={world!r})")
         out = copy.copy(self)
         out._shard = (rank, world)
         return out

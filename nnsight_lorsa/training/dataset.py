@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._typing import Int
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ShapeError, TooFewTokensError
 
 
 def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +167,7 @@ class TokenDataset:
             constructors from text pass ``config.vocab_size``). Kept by :meth:`split`.
 
     Raises:
-        ValueError: ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
+        ShapeError: (a ``ValueError``) ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
         ArgumentError: (a ``ValueError`` and ``TypeError``) ``tokens`` not an integer tensor (float or
             bool ids), a negative id, an id ``>= vocab_size``, or ``vocab_size`` not a positive int.
     """
@@ -179,9 +179,11 @@ class TokenDataset:
             what = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ArgumentError(f"tokens must be an integer tensor of token ids, got {what}")
         if tokens.dim() != 2 or tokens.shape[0] == 0:
-            raise ValueError(f"tokens must be a non-empty (n_windows, seq_len) tensor, got {tuple(tokens.shape)}")
+            raise ShapeError(f"TokenDataset: tokens must be a non-empty (n_windows, seq_len) tensor, got "
+                             f"{tuple(tokens.shape)}")
         if target_mask is not None and tuple(target_mask.shape) != tuple(tokens.shape):
-            raise ValueError(f"target_mask must be {tuple(tokens.shape)} like tokens, got {tuple(target_mask.shape)}")
+            raise ShapeError(f"TokenDataset: target_mask must be {tuple(tokens.shape)} like tokens, got "
+                             f"{tuple(target_mask.shape)}")
         if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
                                        or vocab_size < 1):
             raise ArgumentError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
@@ -233,7 +235,8 @@ class TokenDataset:
         body = seq_len - 1 if bos is not None else seq_len
         n = len(ids) // body
         if n == 0:
-            raise ValueError(f"{what} has {len(ids)} tokens, fewer than one window of {seq_len}")
+            raise TooFewTokensError(f"TokenDataset: {what} has {len(ids)} tokens, fewer than one window of "
+                                    f"seq_len={seq_len}: give a longer text or a smaller seq_len")
         t = torch.tensor(list(ids[: n * body]), dtype=torch.long, device="cpu").view(n, body)
         if bos is not None:
             t = torch.cat([torch.full((n, 1), bos, dtype=torch.long, device="cpu"), t], dim=1)
@@ -264,7 +267,7 @@ class TokenDataset:
                 size (``vocab_size``: every id is checked to be below it).
 
         Raises:
-            ValueError: no document has a token.
+            TooFewTokensError: (a ``ValueError``) no document has a token.
         """
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
                                     special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
@@ -285,7 +288,8 @@ class TokenDataset:
             rows.append(ids + [pad] * (seq_len - len(ids)))
             masks.append([True] * len(ids) + [False] * (seq_len - len(ids)))
         if not rows:
-            raise ValueError("no document has a token")
+            raise TooFewTokensError(f"TokenDataset: no document has a token (of {len(documents)} documents, "
+                                    "BOS aside): give non-empty documents")
         return cls(torch.tensor(rows, dtype=torch.long, device="cpu"),
                    torch.tensor(masks, dtype=torch.bool, device="cpu"), vocab_size=vocab_size)
 
@@ -310,7 +314,8 @@ class TokenDataset:
         Raises:
             ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
                 vocabulary, ``target_mask`` of another shape or with padding before a real token.
-            ValueError: fewer ids than one window (a stream of one document), or no document with a token.
+            TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
+                document with a token.
         """
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import NotReadyError
 from .master_weights import LOW_PRECISION
 
 
@@ -132,12 +133,13 @@ class DataParallel:
     (:func:`fp32_mean_hook`, registered on :attr:`ddp`); others reduce on DDP's default path.
 
     Raises:
-        RuntimeError: ``torch.distributed`` is not initialised.
+        NotReadyError: (a ``RuntimeError``) ``torch.distributed`` is not initialised.
     """
 
     def __init__(self, trainer: Any, process_group: Any = None, find_unused_parameters: bool = False) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DataParallel needs torch.distributed.init_process_group(...) first")
+            raise NotReadyError("DataParallel(trainer): torch.distributed is not initialised: call "
+                                "torch.distributed.init_process_group(...) first (torchrun sets its environment)")
         self.group = process_group
         #: where the collectives' tensors go: NCCL reduces CUDA tensors only, gloo (and the rest) CPU ones
         self.device = (torch.device("cuda", torch.cuda.current_device())

@@ -43,7 +43,8 @@ class LorsaObjective(_Objective):
     config_key = "lorsa_config"
     module_type = Lorsa
 
-    def __init__(self, module: Lorsa, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
+    def __init__(self, module: Any, mhsa: Any = None, recipe: LorsaRecipe | None = None) -> None:
+        # ``module: Any``: a module of another type reaches the named check (ArgumentError), not a type hook
         _check_module(type(self), module)
         super().__init__(module)
         self.mhsa = mhsa

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._placement import f32
-from ..errors import TooFewTokensError
+from ..errors import ArgumentError, NotReadyError, TooFewTokensError
 from .activations import Batch
 
 Metrics = dict[str, float]
@@ -170,7 +170,8 @@ def _require_tokens(t: TrainingState, n_tokens: int) -> None:
 
 def _require_norms(objective: _Objective) -> None:
     if objective.s_in is None or objective.s_out is None:
-        raise RuntimeError("norms are not estimated yet: train first")
+        raise NotReadyError(f"{type(objective).__name__}: the scale factors are not estimated yet: run "
+                            "Trainer.estimate_norms() or a train_step first")
 
 
 def _fits(cls: type[_Objective], module: Any) -> bool:
@@ -179,4 +180,4 @@ def _fits(cls: type[_Objective], module: Any) -> bool:
 
 def _check_module(cls: type[_Objective], module: Any) -> None:
     if not _fits(cls, module):
-        raise TypeError(f"{cls.__name__} trains a {cls.module_type.__name__}, got a {type(module).__name__}")
+        raise ArgumentError(f"{cls.__name__} trains a {cls.module_type.__name__}, got a {type(module).__name__}")

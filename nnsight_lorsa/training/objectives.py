@@ -38,7 +38,14 @@ from typing import Any
 import torch
 
 from .._placement import f32
-from ..errors import CheckpointError, ConfigMismatchError, ShapeError, UnsupportedArchitectureError
+from ..errors import (
+    ArgumentError,
+    CheckpointError,
+    ConfigMismatchError,
+    NotReadyError,
+    ShapeError,
+    UnsupportedArchitectureError,
+)
 from ..modules.activations import AbsTopK, BatchTopK, GroupMax, JumpReLU, TopK
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.sae import SAEConfig, SparseAutoencoder
@@ -308,7 +315,8 @@ class _CLTObjective(_DictionaryObjective):
     def _scales(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s_in, s_out)`` per layer, ``(n_layers, 1, 1)`` in ``like``'s dtype on its device."""
         if self.s_in_layers is None or self.s_out_layers is None:
-            raise RuntimeError("norms are not estimated yet: train first")
+            raise NotReadyError(f"{type(self).__name__}: the scale factors are not estimated yet: run "
+                                "Trainer.estimate_norms() or a train_step first")
         kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
         return (torch.tensor(self.s_in_layers, **kw)[:, None, None],
                 torch.tensor(self.s_out_layers, **kw)[:, None, None])
@@ -397,13 +405,13 @@ def _objective_for(module: Any) -> _Objective:
     """The objective of ``module`` (a Lorsa, SAE, (skip) transcoder or CLT), with its defaults.
 
     Raises:
-        TypeError: another module type.
+        ArgumentError: (a ``TypeError``) another module type.
     """
     for cls in _OBJECTIVES:
         if _fits(cls, module):
             return cls(module)
-    raise TypeError(f"cannot train a {type(module).__name__}: expected a Lorsa, SparseAutoencoder, "
-                    "Transcoder, SkipTranscoder or CrossLayerTranscoder")
+    raise ArgumentError(f"cannot train a {type(module).__name__}: expected a Lorsa, SparseAutoencoder, "
+                        "Transcoder, SkipTranscoder or CrossLayerTranscoder")
 
 
 def _objective_class(meta: dict[str, Any], path: Any) -> type[_Objective]:

@@ -208,7 +208,7 @@ class Trainer:
         scale factors folded into the weights (a dictionary in eval mode; see :mod:`.objectives`).
 
         Raises:
-            RuntimeError: the norms are not estimated yet (no step taken).
+            NotReadyError: (a ``RuntimeError``) the norms are not estimated yet (no step taken).
         """
         with self.masters.editing(self.module):  # a bf16 module's fold is computed on its fp32 masters, rounded once
             folded = self.objective.fold(self.state)

@@ -113,11 +113,14 @@ def _detail_block(item: Any) -> dict[str, Any]:
                     "rows": [[str(c), float(a)] for c, a in item["contexts"]]}
         if "heatmap" in item:
             return _heatmap(item["heatmap"], item.get("rows"), item.get("cols"), str(item.get("title", "")))
-        raise ValueError(f"a details dict needs one of 'html', 'text', 'contexts', 'heatmap'; got {sorted(item)}")
+        raise ArgumentError(f"render_html(details=...): a details dict needs one of 'html', 'text', 'contexts', "
+                            f"'heatmap'; got keys {sorted(item)}")
     if isinstance(item, Sequence) and all(isinstance(x, Sequence) and not isinstance(x, str) and len(x) == 2
                                           and isinstance(x[0], str) for x in item):
         return {"type": "contexts", "title": "Top activations", "rows": [[str(c), float(a)] for c, a in item]}
-    raise ValueError(f"unsupported details entry of type {type(item).__name__}")
+    raise ArgumentError(f"render_html(details=...): unsupported details entry of type {type(item).__name__} (a "
+                        "string, TrustedHTML, a dict with 'html' / 'text' / 'contexts' / 'heatmap', or (text, "
+                        "activation) pairs)")
 
 
 def normalize_details(details: Mapping[str, Any] | None) -> dict[str, list[dict[str, Any]]]:
@@ -192,16 +195,16 @@ def render_html(
         id="graph-data">`` with ``<``, ``>`` and ``&`` escaped, so token strings cannot close the script.
 
     Raises:
-        ValueError: a ``details`` entry of an unsupported form, ``clicked`` not among the drawn nodes,
-            or ``to_neuronpedia``'s errors.
-        ArgumentError: a ``details`` key that is no node id of ``graph``.
+        ArgumentError: (a ``ValueError``) a ``details`` entry of an unsupported form, ``clicked`` not among the
+            drawn nodes, a ``details`` key that is no node id of ``graph``; ``to_neuronpedia``'s errors.
     """
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)
     known = {n["node_id"] for n in data["nodes"]}
     if clicked is not None:
         if clicked not in known:
-            raise ValueError(f"clicked={clicked!r} is not an exported node")
+            raise ArgumentError(f"render_html(clicked={clicked!r}): not an exported node (of the pruned graph's "
+                                f"{len(known)} nodes)")
         data["qParams"]["clickedId"] = clicked
     given = normalize_details(details)
     unknown = sorted(set(given) - set(node_ids(graph)))
