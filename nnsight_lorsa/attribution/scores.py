@@ -75,7 +75,7 @@ def influence_series(
     result differs from ``Σ_k (w_k Â)`` by float64 rounding only (≤ 1e-12 relative, tested).
 
     Raises:
-        RuntimeError: the series did not terminate (a cycle: malformed adjacency).
+        ArgumentError: the series did not terminate (a cycle: malformed adjacency).
     """
     feed = propagate if feed is None else feed
     is_col = row_node < n_cols
@@ -237,7 +237,7 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     columns.
 
     Raises:
-        RuntimeError: the series did not terminate (a cycle: malformed adjacency).
+        ArgumentError: the series did not terminate (a cycle: malformed adjacency).
     """
     col_mask = None if node_mask is None else node_mask[:n_cols]
     row_ok = None if node_mask is None else node_mask[row_node]
