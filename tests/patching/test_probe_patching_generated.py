@@ -15,12 +15,13 @@ MHSA heads, Lorsa heads, transcoder features and SAE features at two sites. Chec
   0.11), which says nothing about the edit;
 * (ii) the HF model is bit-identical after the trace (parameters, buffers, modules, hooks), also after a trace that
   raised mid-body, and the same case run again gives the same logits;
-* (iii) ``attribute(rm, tracer=tracer)``: every Lorsa / transcoder node holds the edited pass's value, every active
+* (iii) ``attribute(rm, tracer=tracer)`` (Lorsa heads, transcoder features, MHSA heads of the Lorsa layer and SAE
+  features at an MLP output edited): every Lorsa / transcoder node holds the edited pass's value, every active
   value is a node, exactly the edited (node, position)s are marked, rows sum to their values (mass bound), the logit
   nodes are the trace's logits, and without an edit the graph is ``attribute(rm, prompt)``'s;
 * (iv) ``activation_patching`` (groups, chunked by ``groups_per_trace``), ``mean_activations`` + ``ablation_effect``
   (mode ``"mean"``) and ``path_patching`` (head, Lorsa and transcoder senders; later attention outputs frozen to the
-  clean run's) equal the same computation by hand.
+  clean run's; MHSA q / k / v receivers, GQA included) equal the same computation by hand.
 
 The fast cases run by default; ``@pytest.mark.slow`` runs the sweep at the size the probe measured.
 """
@@ -33,7 +34,7 @@ from typing import Any
 import nnsight
 import pytest
 import torch
-from helpers import make_lorsa, make_sae, make_transcoder, make_transcoders, module_state, rm, tiny_nnsight, unembed
+from helpers import make_lorsa, make_sae, make_transcoder, make_transcoders, module_state, tiny_nnsight, unembed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,7 +54,7 @@ from nnsight_lorsa.patching import (
     scale,
     steer,
 )
-from nnsight_lorsa.patching.path_patching import path_patching
+from nnsight_lorsa.patching.path_patching import HeadInput, path_patching
 
 FAMILIES = ("llama", "gemma2", "qwen3", "neox", "gpt2")
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 6e-3}
@@ -391,7 +392,8 @@ def attr_case(family: str, dtype: torch.dtype, layer: int) -> tuple:
         a = get_adapter(model)
         lorsas = {layer: make_lorsa(hf, a, layer).to(dtype)}
         tcs = {k: v.to(dtype) for k, v in make_transcoders((0, 2), skip_layer=2).items()}
-        _ATTR[key] = (model, a, rm(model, lorsas, tcs))
+        saes = {a.mlp_path(1): make_sae(seed=5).to(dtype)}  # layer 1's MLP has no transcoder: its error nodes
+        _ATTR[key] = (model, a, ReplacementModel(model, lorsas=lorsas, transcoders=tcs, saes=saes))
     return _ATTR[key]
 
 
@@ -407,15 +409,16 @@ def run_attribution(seed: int) -> None:
     ids[0] = 0
     edits, seen = [], set()
     for _ in range(rng.choice([0, 1, 2, 3])):
-        kind = rng.choice(["lorsa", "lorsa", "transcoder", "transcoder", "mhsa"])
+        kind = rng.choice(["lorsa", "lorsa", "transcoder", "transcoder", "mhsa", "sae"])
         t: Any = (LorsaHead(layer, rng.randrange(16 * a.n_heads)) if kind == "lorsa" else
                   Feature(rng.choice([0, 2]), rng.randrange(192), kind="transcoder") if kind == "transcoder" else
-                  MHSAHead(layer, rng.randrange(a.n_heads)))  # carried by the Lorsa layer's error nodes
+                  Feature(a.mlp_path(1), rng.randrange(128)) if kind == "sae" else  # carried by error nodes,
+                  MHSAHead(layer, rng.randrange(a.n_heads)))  # as the Lorsa layer's MHSA heads
         if t in seen:
             continue
         seen.add(t)
-        pos: Any = (None if kind == "mhsa" and rng.random() < 0.3 else rng.randrange(n_pos) if rng.random() < 0.5
-                    else sorted(rng.sample(range(n_pos), rng.randint(1, 3))))
+        pos: Any = (None if kind in ("mhsa", "sae") and rng.random() < 0.3 else
+                    rng.randrange(n_pos) if rng.random() < 0.5 else sorted(rng.sample(range(n_pos), rng.randint(1, 3))))
         val: Any = rng.choice([0.0, -1.5, 3.0, 25.0, 0.5, 1.0])
         op = rng.choice(["ablate", "scale", "steer", "patch"])
         if kind == "mhsa" and op in ("steer", "patch"):
@@ -443,10 +446,11 @@ def run_attribution(seed: int) -> None:
     acts = {k: v.detach()[0] for k, v in acts.items()}
     where = f"seed {seed}: {family} {dtype} Lorsa layer {layer}, edits " + \
         "; ".join(f"{e['op']} {e['t']} at {e['lib_pos']!r}" for e in edits)
-    # exactly the edited (node, position)s are marked (an MHSA head's edit: carried by the error nodes)
+    # exactly the edited (node, position)s are marked (an MHSA head's or an MLP-output SAE feature's edit: carried by
+    # the error nodes)
     want = {((LORSA, layer, p, e["t"].head) if isinstance(e["t"], LorsaHead) else
              (TRANSCODER, int(e["t"].site), p, e["t"].index))
-            for e in edits if not isinstance(e["t"], MHSAHead)
+            for e in edits if isinstance(e["t"], LorsaHead) or getattr(e["t"], "kind", None) == "transcoder"
             for p in ([e["lib_pos"]] if isinstance(e["lib_pos"], int) else e["lib_pos"])}
     marked = {(int(n.kind[i]), int(n.layer[i]), int(n.pos[i]), int(n.index[i]))
               for i in n.intervened.nonzero().flatten()}
@@ -631,8 +635,84 @@ def run_path_patching(seed: int) -> None:
             assert abs(float(res.patched[gi, j]) - logit_diff(case, out, c, w)) < 1e-4, where
 
 
+@torch.no_grad()
+def run_receivers(seed: int) -> None:
+    """``path_patching(receivers=...)``: MHSA heads' q / k / v inputs (GQA: a k / v receiver is its KV head) take
+    their values from the sender-patched, frozen run; everything else is the clean run."""
+    rng = random.Random(seed)
+    case = case_of(rng.choice(["llama", "qwen3", "gemma2"]), torch.float32, torch.float32)  # separate q/k/v
+    error = rng.random() < 0.6
+    r, a = case.bundle(error), case.adapter
+    batch = rng.randint(1, 2)
+    correct = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    wrong = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    clean = rows_of(rng, batch, rng.random() < 0.5)
+    corrupt = [[0] + [rng.randrange(2, 128) for _ in range(len(x) - 1)] for x in clean]
+    mode = rng.choice(["patch", "zero"])
+    sender: Any = MHSAHead(0, rng.randrange(a.n_heads))
+    if case.layer == 0 and rng.random() < 0.5:  # Gemma-2: a Lorsa head on the sliding layer 0
+        sender = LorsaHead(0, rng.randrange(case.lorsa.cfg.n_ov_heads))
+    receivers: list = []
+    for _ in range(rng.randint(1, 3)):
+        layer = rng.choice([1, 2]) if case.layer != 1 else 2
+        hi = HeadInput(MHSAHead(layer, rng.randrange(a.n_heads)), rng.choice(["q", "k", "v"]))
+        if hi not in receivers:
+            receivers.append(hi)
+    kw = dict(corrupt=as_input(corrupt)) if mode == "patch" else {}
+    res = path_patching(r, as_input(clean), [sender], mode=mode, correct_ids=correct, incorrect_ids=wrong,
+                        receivers=receivers, **kw)
+    spliced = needs([sender])
+    d, per_kv = a.head_dim, a.n_heads // case.hf.config.num_key_value_heads
+    last = max(x.head.layer for x in receivers)
+    where = f"seed {seed}: error={error} mode={mode} sender {sender} receivers {receivers}"
+    for j in range(batch):
+        attn: dict = {}
+        proj: dict = {}
+
+        def read_attention(layer, attn=attn):
+            module = a.attention_module(case.hf, layer)
+            return lambda: module.register_forward_hook(
+                lambda m, args, o: attn.__setitem__(layer, a.attention_output(o).clone()))
+
+        def freeze_attention(layer, attn=attn):
+            module = a.attention_module(case.hf, layer)
+            return lambda: module.register_forward_hook(lambda m, args, o: a.with_attention_output(o, attn[layer]))
+
+        def read_input(layer, which, proj=proj):
+            module = getattr(a.attention_module(case.hf, layer), f"{which}_proj")
+            return lambda: module.register_forward_hook(
+                lambda m, args, o: proj.__setitem__((layer, which), o.clone()))
+
+        def put_input(layer, which, cols_, proj=proj):
+            module = getattr(a.attention_module(case.hf, layer), f"{which}_proj")
+
+            def hook(m, args, o):
+                o = o.clone()
+                o[..., cols_] = proj[(layer, which)][..., cols_]
+                return o
+            return lambda: module.register_forward_hook(hook)
+
+        reference(case, clean[j], [], j, spliced, error, extra=[read_attention(lay) for lay in range(3)])
+        if mode == "patch":
+            read = one(case, sender, "capture", None)
+            reference(case, corrupt[j], [read], j, spliced, error)
+            edited = one(case, sender, "patch", None, read["store"][j])
+        else:
+            edited = one(case, sender, "ablate", None)
+        reference(case, clean[j], [edited], j, spliced, error,
+                  extra=[freeze_attention(lay) for lay in range(sender.layer + 1, last)] +
+                  [read_input(lay, w) for lay in range(3) for w in "qkv"])
+        puts = []
+        for x in receivers:
+            h = x.head.head if x.which == "q" else x.head.head // per_kv
+            puts.append(put_input(x.head.layer, x.which, slice(h * d, (h + 1) * d)))
+        want = logit_diff(case, reference(case, clean[j], [], j, spliced, error, extra=puts), int(correct[j]),
+                          int(wrong[j]))
+        assert abs(float(res.patched[0, j]) - want) < 1e-4, where
+
+
 EXPERIMENTS = {"activation_patching": run_activation_patching, "mean_ablation": run_mean_ablation,
-               "path_patching": run_path_patching}
+               "path_patching": run_path_patching, "path_patching_receivers": run_receivers}
 
 
 @pytest.mark.parametrize("experiment", list(EXPERIMENTS))
