@@ -13,8 +13,8 @@ MHSA heads, Lorsa heads, transcoder features and SAE features at two sites. Chec
   logits' scale in fp32 (measured: 5e-7; 0 in bf16/fp16 on single rows). Half precision runs single rows: on a padded
   batch the batched kernels' rounding can flip a top-k tie of a transcoder or Lorsa (seen once in ~900 half cases:
   0.11), which says nothing about the edit;
-* (ii) the HF model is bit-identical after the trace (parameters, buffers, modules, hooks), also after a trace that
-  raised mid-body, and the same case run again gives the same logits;
+* (ii) the HF model and every replacement module are bit-identical after the trace (parameters, buffers, modules,
+  hooks), also after a trace that raised mid-body, and the same case run again gives the same results;
 * (iii) ``attribute(rm, tracer=tracer)`` (Lorsa heads, transcoder features, MHSA heads of the Lorsa layer and SAE
   features at an MLP output edited): every Lorsa / transcoder node holds the edited pass's value, every active
   value is a node, exactly the edited (node, position)s are marked, rows sum to their values (mass bound), the logit
@@ -286,14 +286,23 @@ def edit(r: ReplacementModel, e: dict) -> None:
         patch(b, torch.as_tensor(e["val"]), positions=p)
 
 
-def snapshot(hf) -> tuple:
-    return module_state(hf), {k: v.clone() for k, v in hf.state_dict().items()}
+def modules_of(case: Case) -> dict[str, torch.nn.Module]:
+    """The HF model and every replacement module of the case."""
+    return {"hf": case.hf, "lorsa": case.lorsa, **{f"tc{k}": v for k, v in case.tcs.items()},
+            **{f"sae {k}": v for k, v in case.saes.items()}}
 
 
-def assert_unchanged(hf, snap: tuple) -> None:
-    assert module_state(hf) == snap[0]
-    for k, v in hf.state_dict().items():
-        assert torch.equal(v, snap[1][k]), k
+def snapshot(case: Case) -> dict:
+    return {name: (module_state(m), {k: v.clone() for k, v in m.state_dict().items()})
+            for name, m in modules_of(case).items()}
+
+
+def assert_unchanged(case: Case, snap: dict) -> None:
+    """Modules, hooks, parameters and buffers of the model and of every replacement as before, bit for bit."""
+    for name, m in modules_of(case).items():
+        assert module_state(m) == snap[name][0], name
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, snap[name][1][k]), f"{name}: {k}"
 
 
 def run_edits(seed: int, raise_mid: bool = False) -> float:
@@ -329,7 +338,7 @@ def run_edits(seed: int, raise_mid: bool = False) -> float:
             iv["input"] = {"input_ids": ids, "attention_mask": mask}
         else:
             iv["input"] = iv["rows"] if padding == "left" else torch.tensor(iv["rows"])
-    snap = snapshot(case.hf)
+    snap = snapshot(case)
     outs: list = []
     try:
         with torch.no_grad(), case.model.trace() as tracer:
@@ -343,10 +352,10 @@ def run_edits(seed: int, raise_mid: bool = False) -> float:
                     outs.append(unembed(case.model).output.save())
     except ArgumentError:
         assert raise_mid
-        assert_unchanged(case.hf, snap)
+        assert_unchanged(case, snap)
         return 0.0
     assert not raise_mid
-    assert_unchanged(case.hf, snap)
+    assert_unchanged(case, snap)
     worst = 0.0
     for iv, out in zip(invokes, outs, strict=True):
         for j, row in enumerate(iv["rows"]):
