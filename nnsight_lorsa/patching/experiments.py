@@ -154,7 +154,8 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         check_same_padding(clean_mask, corrupt_mask, "activation_patching")
         patched = []
         for start in range(0, len(groups), groups_per_trace):
-            outs = _patched_runs(replacement, corrupt, groups[start:start + groups_per_trace], values, positions)
+            outs = _patched_runs(replacement, corrupt, groups[start:start + groups_per_trace], values, positions,
+                                 every)
             patched += [score(o) for o in outs]
     return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched))
 
@@ -204,12 +205,15 @@ def _run(replacement: ReplacementModel, prompts: Any,
 
 
 def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tuple[Target, ...]],
-                  values: dict[Target, torch.Tensor], positions: Positions) -> list[torch.Tensor]:
+                  values: dict[Target, torch.Tensor], positions: Positions, every: list[Target]) -> list[torch.Tensor]:
+    """The logits of ``prompts`` with each group patched, one invoke each, every invoke through the replacements
+    ``every`` (all the call's targets) need — those of the baselines, whichever chunk of groups this trace runs
+    (until 2026-11-27 the chunk's only: with ``error=False`` a later chunk's runs measured their missing splices)."""
     outs = []
     with replacement.model.trace() as tracer:
         for group in groups:
             with tracer.invoke(prompts):
-                replacement.prepare(t for g in groups for t in g)  # every invoke: a splice replaces its callers' rows
+                replacement.prepare(every)  # every invoke: a splice replaces its callers' rows
                 for t in group:
                     patch(Bound(t, replacement), values[t], positions)
                 outs.append(saved_logits(replacement))
@@ -238,18 +242,28 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
     """
+    return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
+                     positions)
+
+
+def _ablation(replacement: ReplacementModel, prompts: Any, targets: Sequence[Target], splice: Sequence[Target],
+              metric: Metric | None, correct_ids: Any, incorrect_ids: Any, mode: Literal["zero", "mean"], means: Any,
+              positions: Positions) -> AblationResult:
+    """:func:`ablation_effect` with both runs through the replacements ``splice`` needs (a superset of the
+    targets': :func:`random_ablation_control` measures every draw through its whole pool's)."""
     score = make_metric(metric, correct_ids, incorrect_ids)
     ordered = replacement.sort(targets)
     for t in ordered:
         replacement.check(t)
+    spliced = replacement.sort(set(splice) | set(ordered))
     model = replacement.model
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(prompts):
             check_padded_positions(replacement, positions, metric is None)
-            replacement.prepare(ordered)  # the baseline runs through the same replacements, unedited
+            replacement.prepare(spliced)  # the baseline runs through the same replacements, unedited
             base = saved_logits(replacement)
         with tracer.invoke(prompts):
-            replacement.prepare(ordered)
+            replacement.prepare(spliced)
             for t in ordered:
                 ablate(Bound(t, replacement), mode, means, positions)
             edited = saved_logits(replacement)
@@ -276,7 +290,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
                             mode: Literal["zero", "mean"] = "zero", means: Any = None,
                             positions: Positions = None) -> RandomControl:
     """Ablate ``k`` targets drawn at random from ``pool`` (e.g. all heads of the layer but the
-    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to.
+    attributed ones), ``n_samples`` times: the control an attributed set's effect is compared to. Every run (the
+    baseline and each draw) goes through the replacements the whole pool needs, so the draws share one baseline.
 
     Raises:
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
@@ -294,9 +309,9 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen, device=HOST)[:k])
              for _ in range(n_samples)]
     samples, baseline = [], None
-    for draw in draws:
-        res = ablation_effect(replacement, prompts, draw, metric=metric, correct_ids=correct_ids,
-                              incorrect_ids=incorrect_ids, mode=mode, means=means, positions=positions)
+    for draw in draws:  # every draw through the pool's replacements: one baseline for all (until 2026-11-27 the
+        # draw's own: with error=False draws splicing different sets were compared with the last draw's baseline)
+        res = _ablation(replacement, prompts, draw, pool, metric, correct_ids, incorrect_ids, mode, means, positions)
         baseline = res.baseline
         samples.append(res.ablated)
     assert baseline is not None
