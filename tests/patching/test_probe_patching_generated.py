@@ -602,6 +602,17 @@ def run_mean_ablation(seed: int) -> None:
 
 
 @torch.no_grad()
+def attention_hook(case: Case, layer: int, attn: dict, *, freeze: bool) -> Any:
+    """A hook installer for :func:`reference`'s ``extra``: on layer ``layer``'s attention module, record its output
+    into ``attn[layer]`` (``freeze`` False) or replace its output with the recorded one (True)."""
+    a = case.adapter
+    module = a.attention_module(case.hf, layer)
+    if freeze:
+        return lambda: module.register_forward_hook(lambda m, args, o: a.with_attention_output(o, attn[layer]))
+    return lambda: module.register_forward_hook(
+        lambda m, args, o: attn.__setitem__(layer, a.attention_output(o).clone()))
+
+
 def run_path_patching(seed: int) -> None:
     rng, case, error, r, batch, correct, wrong = experiment_setup(seed)
     a = case.adapter
@@ -621,13 +632,10 @@ def run_path_patching(seed: int) -> None:
         attn: dict = {}
 
         def read_attention(layer, attn=attn):
-            module = a.attention_module(case.hf, layer)
-            return lambda: module.register_forward_hook(
-                lambda m, args, o: attn.__setitem__(layer, a.attention_output(o).clone()))
+            return attention_hook(case, layer, attn, freeze=False)
 
         def freeze_attention(layer, attn=attn):
-            module = a.attention_module(case.hf, layer)
-            return lambda: module.register_forward_hook(lambda m, args, o: a.with_attention_output(o, attn[layer]))
+            return attention_hook(case, layer, attn, freeze=True)
 
         base = reference(case, clean[j], [], j, spliced, error, extra=[read_attention(lay) for lay in range(3)])
         assert abs(float(res.clean[j]) - logit_diff(case, base, c, w)) < 1e-4, where
@@ -679,13 +687,10 @@ def run_receivers(seed: int) -> None:
         proj: dict = {}
 
         def read_attention(layer, attn=attn):
-            module = a.attention_module(case.hf, layer)
-            return lambda: module.register_forward_hook(
-                lambda m, args, o: attn.__setitem__(layer, a.attention_output(o).clone()))
+            return attention_hook(case, layer, attn, freeze=False)
 
         def freeze_attention(layer, attn=attn):
-            module = a.attention_module(case.hf, layer)
-            return lambda: module.register_forward_hook(lambda m, args, o: a.with_attention_output(o, attn[layer]))
+            return attention_hook(case, layer, attn, freeze=True)
 
         def read_input(layer, which, proj=proj):
             module = getattr(a.attention_module(case.hf, layer), f"{which}_proj")
