@@ -181,9 +181,11 @@ def check_values_against_trace(model, hf, rep, lorsas, tcs, ids, g, zp, dt, mdt,
         env = rep.replace(error=True)
         reads = [(ly, 0, "L", e) for ly, e in env.get("lorsas", {}).items()]
         if isinstance(tcs, dict):
-            reads += [(ly, 1, "T", e) for ly, e in env["transcoders"].items()]
+            reads += [(ly, 1, "T", e.hook_sae_acts_post) for ly, e in env["transcoders"].items()]
+        elif tcs is not None:  # a cross-layer transcoder: one hook per layer
+            reads += [(ly, 1, "T", env["transcoders"].hook_sae_acts_post[ly]) for ly in range(tcs.cfg.n_layers)]
         for ly, _, k, e in sorted(reads, key=lambda r: r[:2]):
-            acts[(k, ly)] = nnsight.save(e.hook_z.output if k == "L" else e.hook_sae_acts_post.output)
+            acts[(k, ly)] = nnsight.save(e.hook_z.output if k == "L" else e.output)
     T = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 3e-2, torch.float16: 5e-3}
     tol = max(T[dt], T[mdt])
     for (k, ly), a in acts.items():
