@@ -60,8 +60,9 @@ MASS_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3, to
 MASS_BOUND_MANY = {torch.float32: 5e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-10}
 # the tolerance for "same graph up to rounding" (relative to the row mass)
 SAME = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float64: 1e-10}
-#: the same for the setups of MASS_BOUND_MANY (their small rows round at the scale of the dot products inside them)
-SAME_MANY = {**SAME, torch.float32: 5e-5}
+#: the same for the setups of MASS_BOUND_MANY (their small rows round at the scale of the dot products inside them:
+#: measured up to 6.4e-2 of the mass in bf16 between memory modes, 1.2e-2 in fp16, 2.5e-5 in fp32)
+SAME_MANY = {**SAME, torch.float32: 5e-5, torch.bfloat16: 0.15, torch.float16: 0.05}
 SAME_NOW = SAME
 
 _models: dict = {}
@@ -215,7 +216,8 @@ def check_values_against_trace(model, hf, rep, lorsas, tcs, ids, g, zp, dt, mdt,
         recast = g.meta["dtype_option"] not in (None, "None", str(mdt))
         if recast:  # the replacement recomputed in another dtype: ties at the top-k / threshold may flip
             common = act_set & node_set
-            if len(act_set ^ node_set) > max(2, 0.05 * len(act_set)):
+            # (ReLU-like coders: every feature near 0 may flip, up to 4 here; top-k coders: ties, up to 2)
+            if len(act_set ^ node_set) > max(4 if SAME_NOW is SAME_MANY else 2, 0.05 * len(act_set)):
                 fails.append(f"values {k}{ly}: node set far from the trace's ({len(act_set ^ node_set)} differ)")
             keep = torch.zeros_like(exp, dtype=torch.bool)
             for p, i in common:
