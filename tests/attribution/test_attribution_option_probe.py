@@ -466,7 +466,7 @@ def test_attribution_option_probe(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(1000, 1400))
 def test_attribution_option_probe_sweep(case):
-    """The sweep of docs/reliability.md (400 cases, ~40 min on one core)."""
+    """The sweep of docs/reliability.md (400 cases, ~30 min on one core)."""
     desc, fails = probe_case(random.Random(case))
     assert not fails, (desc, fails)
 
