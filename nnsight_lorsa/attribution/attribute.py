@@ -136,7 +136,7 @@ def attribute(
 
     Raises:
         ConfigMismatchError: a bad option (``batch_size < 1``, unknown ``memory``, a bad ``prune``, a
-            ``zero_positions`` outside ``[0, pos)``, empty ``targets``),
+            ``zero_positions`` outside ``[0, pos)``, empty ``targets`` or a target token named twice),
             a logit target outside the vocabulary or a target string that is not one token, ``remote``
             with a cache, or a cache without the replacement layers' tensors.
         ShapeError: a prompt that is not one sequence, or cache tensors of the wrong shape.

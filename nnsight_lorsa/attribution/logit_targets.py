@@ -84,7 +84,8 @@ def check_targets(targets: Any) -> CheckedTargets:
     Raises:
         ArgumentError: a value of another type: a bare string (one target is ``[" Paris"]``), a number, a
             tensor that is not integer or has 2+ dimensions, a sequence mixing kinds or holding floats / bools.
-        ConfigMismatchError: no tokens, a negative id, an empty string.
+        ConfigMismatchError: no tokens, a negative id, an empty string, a token named twice
+            (:func:`refuse_repeated`).
     """
     if targets is None:
         return TOP_LOGITS
@@ -113,13 +114,30 @@ def check_targets(targets: Any) -> CheckedTargets:
     if all(isinstance(t, str) for t in items):
         if not all(items):
             raise ConfigMismatchError(f"attribute(targets={list(items)!r}): an empty string is no token")
-        return items
+        return refuse_repeated(items, items)
     if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
         raise ArgumentError(f"attribute(targets=...) must be all integer token ids or all token strings, "
                             f"got {list(items)!r}")
     items = tuple(int(t) for t in items)  # numpy integers too
     if min(items) < 0:
         raise ConfigMismatchError(f"attribute(targets=...): logit tokens must be ids >= 0, got {list(items)}")
+    return refuse_repeated(items, items)
+
+
+def refuse_repeated(items: tuple, named: tuple) -> tuple:
+    """``items`` (token ids or strings) unless one is there twice: two logit nodes of one token, whose influence
+    pruning and a feature budget would weigh twice and whose export would hold two nodes of one ``node_id``.
+    ``named``: the targets as the call gave them (for the message).
+
+    Raises:
+        ConfigMismatchError: a token named twice (or, for ``named`` strings, two strings of one token).
+    """
+    seen: dict[Any, int] = {}
+    for i, t in enumerate(items):
+        if t in seen:
+            raise ConfigMismatchError(f"attribute(targets={list(named)!r}): token {t!r} is named twice "
+                                      f"({named[seen[t]]!r} and {named[i]!r}); each logit target once")
+        seen[t] = i
     return items
 
 
@@ -129,7 +147,8 @@ def token_ids(targets: CheckedTargets, model: Any) -> LogitTargets | tuple[int, 
     multi-token string (with a warning); here a target is one token or refused.
 
     Raises:
-        ConfigMismatchError: a string that is not exactly one token (its ids in the message).
+        ConfigMismatchError: a string that is not exactly one token (its ids in the message); two strings of
+            one token (:func:`refuse_repeated`).
         MissingTokenizerError: strings for a model without a tokenizer.
     """
     if isinstance(targets, LogitTargets) or not any(isinstance(t, str) for t in targets):
@@ -142,7 +161,7 @@ def token_ids(targets: CheckedTargets, model: Any) -> LogitTargets | tuple[int, 
             raise ConfigMismatchError(f"attribute(targets=[..., {s!r}, ...]): {s!r} is {len(got)} tokens {got} of the "
                                       f"model's tokenizer; a logit target is one token")
         ids.append(int(got[0]))
-    return tuple(ids)
+    return refuse_repeated(tuple(ids), tuple(targets))
 
 
 def target_logits(logits: torch.Tensor, targets: LogitTargets | tuple[int, ...], *,
