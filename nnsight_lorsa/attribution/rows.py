@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,12 +96,20 @@ def add_in_order(total: Float[torch.Tensor, " 1"], run: Float[torch.Tensor, " m"
     float64 sum, as ``index_add_`` of them into one place adds them (the bits of every residual and row mass the
     stored rows' passes sum). ``total: (1,)`` and ``run: (≥ n + 1,)`` float64 on the host, the entries at ``run[1:n +
     1]``; ``run[0]`` is overwritten with ``total`` and ``run[:n + 1]`` with the running sums. A host ``cumsum`` is one
-    sequential scan (``cpu_cum_base_kernel``), its last running sum the ``index_add_``'s result bit for bit
-    (``tests/attribution/test_add_in_order.py``): a chunk of 2**18 entries copied in and summed at ~1.0 ns an entry
-    against ~2.4 for the ``index_add_`` (``python -m benchmarks.sequential_sums``)."""
+    sequential scan (``cpu_cum_base_kernel``, from +0.0: a ``total`` of -0.0 is set back where every entry is -0.0),
+    its last running sum the ``index_add_``'s result bit for bit
+    (``tests/attribution/test_add_in_order.py``): a chunk of 2**18 entries copied in and summed at 1.0-1.6 ns an entry
+    against 2.4-2.9 for the ``index_add_`` (``python -m benchmarks.sequential_sums``)."""
+    # the scan's sums start from +0.0 (its first is ``0 + total``): a total of -0.0 comes out +0.0 where every entry is
+    # -0.0 too (the sequential sum stays -0.0), and is the same number anywhere else (one host read of ``total``)
+    start = float(total)
+    stays_negative_zero = start == 0.0 and math.copysign(1.0, start) < 0 and bool(
+        torch.signbit(run[1:n + 1]).logical_and_(run[1:n + 1] == 0).all())
     run[:1].copy_(total)
     run[:n + 1].cumsum_(0)
     total.copy_(run[n:n + 1])
+    if stays_negative_zero:
+        total.fill_(-0.0)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution.rows import add_in_order
@@ -22,6 +22,8 @@ def _bits(x: float) -> int:
 
 
 @settings(max_examples=200, deadline=None)
+@example(start=-0.0, values=[-0.0, -0.0], spare=0, threads=1)  # a scan's sums start from +0.0: stays -0.0 here
+@example(start=-0.0, values=[-0.0, 0.0, -0.0], spare=1, threads=1)  # and is +0.0 once a +0.0 is added
 @given(start=VALUES, values=st.lists(VALUES, min_size=1, max_size=300), spare=st.integers(0, 3),
        threads=st.sampled_from([1, 2]))
 def test_add_in_order_is_the_sequential_sum_bit_for_bit(start, values, spare, threads):
