@@ -47,20 +47,14 @@ def _digest(graph: Any) -> str:
 def assembly(tokens: int, keep_mass: float | None, repeats: int) -> dict[str, Any]:
     """CPU seconds of one assembly (median of ``repeats`` interleaved) with each sum, and whether the graphs agree."""
     from benchmarks import gpu_scale as g
-    from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, attribute, get_adapter
+    from benchmarks.attribution_flops import replacement
+    from nnsight_lorsa import attribute
     from nnsight_lorsa.attribution import PruneConfig, engine
-    from nnsight_lorsa.modules import Transcoder, TranscoderConfig
 
     torch.manual_seed(0)
-    s, dev, dt = g.SCALES["small"], torch.device("cpu"), torch.float32
-    model, hf = g.build(s, dev, dt)
-    adapter = get_adapter(model)
-    lorsas, tcs = LorsaSet(model), TranscoderSet(model)
-    for layer in range(s["n_layers"]):
-        lorsas[layer] = g.paper_lorsa(s, adapter, hf, layer, dev, dt)
-        tcs[layer] = Transcoder(TranscoderConfig(d_in=s["d_model"], d_sae=s["d_tc"], activation="topk",
-                                                 activation_params={"k": s["k_tc"]}, layer=layer), device=dev, dtype=dt)
-    rm = ReplacementModel(model, lorsas=lorsas, transcoders=tcs)
+    s = g.SCALES["small"]
+    model, hf = g.build(s, torch.device("cpu"), torch.float32)
+    rm = replacement(s, model, hf, range(s["n_layers"]))
     ids = torch.randint(0, s["vocab"], (1, tokens), generator=torch.Generator().manual_seed(tokens))
     name = "assemble" if keep_mass is None else "assemble_pruned"
     original: Callable[..., Any] = getattr(engine, name)
