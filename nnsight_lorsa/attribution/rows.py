@@ -49,7 +49,7 @@ from ..errors import NonFiniteError
 from .blocks import BlockAdjacency
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, MLP_ERROR, Graph
 from .layout import Layout
-from .scores import find_threshold, prune_rows, row_influence
+from .scores import EntryRows, find_threshold, prune_rows, row_influence
 
 #: entries per storage block of :class:`SparseRows` (int32 column + value: 64 MiB each at fp32): above
 #: glibc's largest mmap threshold (32 MiB), so a block is mapped and unmapped whole and the stored rows
@@ -65,8 +65,9 @@ CHUNK_ENTRIES = 2**18
 #: an influence step multiplies a run of ≥ 3 rows with at most this many entries by one repeated weight vector
 #: (128 KiB: a heap allocation, no fresh pages), a longer run row by row in place
 SMALL_RUN_ENTRIES = 2**14
-#: an influence step over few columns searches each weighted row (:meth:`SparseRows.weighted_abs`) where its rows hold
-#: at least this many entries per searched column (a binary search's reads, ~log2 of a row, and its per-row calls)
+#: the influence steps' entries (:meth:`SparseRows.restricted`) are found by a binary search in each row of a storage
+#: block whose rows hold at least this many entries per searched column (a search's reads, ~log2 of a row, and its
+#: per-row calls), else by one pass over the block
 SEARCH_READS = 64
 
 
@@ -252,8 +253,6 @@ class SparseRows:
         series' steps reuse one (a fresh ``n_cols`` vector a step is its page faults: 39 ms against 14 ms for
         zeroing one at 6.3M columns, the 8B shape's all-layer graph, measured on CPU)."""
         out = torch.zeros(self.n_cols, dtype=torch.float64, device=HOST) if out is None else out.zero_()
-        if col_mask is not None and self._few_columns(scale, col_mask, den, out):
-            return out
         buffer = torch.empty(min(CHUNK_ENTRIES, max(self.nnz, 1)), dtype=torch.float64, device=HOST)
         runs: list[tuple[int, int, float, float | None]] = []  # (entry start, end, scale, den) of consecutive rows
         at: _Block | None = None  # the block the runs are in (runs never span two)
@@ -271,29 +270,53 @@ class SparseRows:
             out.masked_fill_(~col_mask, 0.0)
         return out
 
-    def _few_columns(self, scale: torch.Tensor, col_mask: torch.Tensor, den: torch.Tensor | None,
-                     out: torch.Tensor) -> bool:
-        """:meth:`weighted_abs` where ``col_mask`` keeps few columns (an influence step's row-node columns): each
-        weighted row's entries at those columns found by a binary search in its column-sorted entries, ``m · log``
-        reads a row instead of all of them; the same terms ``(|v| / den) · w`` added to each column in storage order
-        (the same bits as the pass over every entry). False (``out`` untouched) where a row's entries are fewer than
-        :data:`SEARCH_READS` per kept column on average: the pass reads less."""
-        cols = col_mask.nonzero().flatten()
-        weighted = list(self._weighted_rows(scale, den))
-        if sum(end - start for _, start, end, _, _ in weighted) < SEARCH_READS * cols.numel() * len(weighted):
-            return False
+    def restricted(self, cols: Int[torch.Tensor, " m"]) -> EntryRows:
+        """The stored entries at the columns ``cols`` (``(m,)`` int64, ascending, unique) as an
+        :class:`.scores.EntryRows` over ``m`` columns (an entry's column: its place in ``cols``), in storage order —
+        what an influence step over those columns reads (:func:`.scores.row_influence` gathers them once per series
+        and runs every step on them, where each step read the stored rows again: 8 passes over every entry per
+        ranking on the small all-layer model). Rows holding at least :data:`SEARCH_READS` entries per column are
+        binary-searched, each in its column-sorted entries; the others are read in one pass, a chunk at a time,
+        through a column → place table (``int32 (n_cols,)``, made only then). Memory: the found entries (int64 row
+        and place, the value; 8 B + the value each, int32 place) and the table."""
+        m = int(cols.numel())
+        rows: list[torch.Tensor] = []
+        places: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
         cols32 = cols.to(torch.int32)
-        for block, start, end, w, d in weighted:
-            if end == start:
+        table: torch.Tensor | None = None
+        for block in self.blocks:
+            n = len(block.ends)
+            if not n or not m:
                 continue
-            row_cols = block.col[start:end]
-            at = torch.searchsorted(row_cols, cols32).clamp_max_(end - start - 1)
-            hit = row_cols[at] == cols32
-            contrib = block.val[start:end][at[hit]].to(torch.float64).abs_()
-            if d is not None:
-                contrib.div_(d)
-            out.index_add_(0, cols[hit], contrib.mul_(w))
-        return True
+            if block.fill >= SEARCH_READS * m * n:  # long rows: a binary search of the m columns in each
+                start = 0
+                for i, end in enumerate(block.ends):
+                    if end > start:
+                        row_cols = block.col[start:end]
+                        at = torch.searchsorted(row_cols, cols32).clamp_max_(end - start - 1)
+                        hit = (row_cols[at] == cols32).nonzero().flatten()
+                        rows.append(torch.full((hit.numel(),), block.row_start + i, dtype=torch.long, device=HOST))
+                        places.append(hit)
+                        vals.append(block.val[start:end][at[hit]])
+                    start = end
+                continue
+            if table is None:
+                table = torch.full((self.n_cols,), -1, dtype=torch.int32, device=HOST)
+                table[cols] = torch.arange(m, dtype=torch.int32, device=HOST)
+            ends = torch.tensor(block.ends, dtype=torch.long, device=HOST)
+            for e0 in range(0, block.fill, CHUNK_ENTRIES):
+                e1 = min(e0 + CHUNK_ENTRIES, block.fill)
+                place = table.index_select(0, block.col[e0:e1])
+                hit = (place >= 0).nonzero().flatten()
+                rows.append(torch.searchsorted(ends, hit + e0, right=True).add_(block.row_start))
+                places.append(place[hit].long())
+                vals.append(block.val[e0:e1][hit])
+        dtype = self.blocks[0].val.dtype if self.blocks else torch.float32
+        if not rows:
+            empty = torch.zeros(0, dtype=torch.long, device=HOST)
+            return EntryRows(empty, empty, torch.zeros(0, dtype=dtype, device=HOST), self.n_rows, m)
+        return EntryRows(torch.cat(rows), torch.cat(places), torch.cat(vals), self.n_rows, m)
 
     def _weighted_rows(self, scale: torch.Tensor, den: torch.Tensor | None
                        ) -> Iterator[tuple[_Block, int, int, float, float | None]]:
@@ -439,6 +462,9 @@ class _SparseSource:
     def weighted_abs(self, weight: torch.Tensor, den: torch.Tensor, col_mask: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         return self.rows.weighted_abs(weight, col_mask, den, out)
+
+    def restricted(self, cols: torch.Tensor) -> EntryRows:
+        return self.rows.restricted(cols)
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
         return self.rows.count_edges(col_mask, row_mask)

@@ -233,8 +233,10 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     entry ``(|v| / den[r]) · w[r]`` in float64, added per column in the storage's row order (ascending targets for a
     graph's entries and blocks: the same bits from either) — and :func:`influence_series` feeds column
     ``row_node[r]`` back in until nothing is left; the steps' row weights summed are propagated once over every
-    column. Memory: the storage's step temporaries (a chunk, a cell) and a few float64 vectors over the rows and
-    columns.
+    column. A storage with ``restricted(cols)`` (sparse rows: :meth:`.rows.SparseRows.restricted`) hands over the
+    entries at the row nodes' columns once, as an :class:`EntryRows`, and every step runs on those — the same terms
+    in the same order, so the same bits, without reading the stored rows at each step. Memory: the storage's step
+    temporaries (a chunk, a cell), the restricted entries and a few float64 vectors over the rows and columns.
 
     Raises:
         ArgumentError: the series did not terminate (a cycle: malformed adjacency).
@@ -255,15 +257,32 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     if col_mask is not None:
         fed &= col_mask
 
-    def propagate(w: torch.Tensor, mask: torch.Tensor | None = col_mask) -> torch.Tensor:
+    def weights(w: torch.Tensor) -> torch.Tensor:
         w = w.double()
-        w = w if row_ok is None else w * row_ok
-        if step is not None:
-            return rows.weighted_abs(w, den, mask, out=step)  # type: ignore[call-arg]
-        return rows.weighted_abs(w, den, mask)
+        return w if row_ok is None else w * row_ok
 
-    return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter,
-                            feed=lambda w: propagate(w, fed))
+    def propagate(w: torch.Tensor, mask: torch.Tensor | None = col_mask) -> torch.Tensor:
+        if step is not None:
+            return rows.weighted_abs(weights(w), den, mask, out=step)  # type: ignore[call-arg]
+        return rows.weighted_abs(weights(w), den, mask)
+
+    restricted = getattr(rows, "restricted", None)
+    if restricted is None:
+        return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter,
+                                feed=lambda w: propagate(w, fed))
+    # the steps' entries gathered once (sparse rows): each step a pass over those, not over every stored entry — the
+    # same terms added per column in the same order (the storage's), so the same bits
+    fed_cols = fed.nonzero().flatten()
+    sub = restricted(fed_cols)
+    row_cols = row_node[row_node < n_cols]
+    unfed = row_cols[~fed[row_cols]]  # row nodes outside the mask: fed back 0
+    back = torch.empty(n_cols, dtype=torch.float64, device=HOST)  # only the row nodes' columns are ever read
+
+    def feed(w: torch.Tensor) -> torch.Tensor:
+        back.index_fill_(0, unfed, 0.0)
+        return back.index_copy_(0, fed_cols, sub.weighted_abs(weights(w), den))
+
+    return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter, feed=feed)
 
 
 class EntryRows:

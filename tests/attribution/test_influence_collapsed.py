@@ -1,9 +1,9 @@
 """The influence series summed on the rows, then propagated once (:func:`.scores.influence_series`), and its steps
-over the row nodes' columns only (:meth:`.rows.SparseRows.weighted_abs`'s binary searches): the same influence as the
-step-by-step series (the former code: one pass over every stored entry per step) to float64 rounding, the searched
-steps the same bits as the full pass, and a ranking that reads each stored entry once in its pass over every column
-(issue 21, goal 4(d): the ranking of the 8B-shaped all-layer graph, ~6 s of 35 s at 1024 tokens, read every stored
-entry at each of its steps)."""
+over the row nodes' columns only (on sparse rows, their entries gathered once per series:
+:meth:`.rows.SparseRows.restricted`): the same influence as the step-by-step series (the former code: one pass over
+every stored entry per step) to float64 rounding, the restricted steps the same bits as the full pass, and a ranking
+that reads each stored entry once in its pass over every column (issue 21, goal 4(d): the ranking of the 8B-shaped
+all-layer graph, ~6 s of 35 s at 1024 tokens, read every stored entry at each of its steps)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.attribution.rows import SparseRows, _SparseSource
-from nnsight_lorsa.attribution.scores import EntryRows, row_influence
+from nnsight_lorsa.attribution.scores import EntryRows, influence_series, row_influence
 
 ROWS = sys.modules["nnsight_lorsa.attribution.rows"]
 
@@ -102,10 +102,11 @@ def test_the_collapsed_series_is_the_step_by_step_series_to_float64_rounding(
 @given(seed=st.integers(0, 2**16), n_rows=st.integers(1, 12), n_cols=st.integers(1, 300),
        zero_frac=st.floats(0.0, 1.0), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
        n_kept=st.integers(0, 12), with_den=st.booleans(), chunk=st.sampled_from([3, 7, 2**18]))
-def test_a_step_over_few_columns_searched_is_the_full_pass_bit_for_bit(
+def test_a_step_on_the_restricted_entries_is_the_full_pass_bit_for_bit(
         seed, n_rows, n_cols, zero_frac, dtype, n_kept, with_den, chunk):
-    """:meth:`SparseRows.weighted_abs` with a mask of few columns, each weighted row binary-searched, against the
-    pass over every entry (rows in pieces of ``chunk`` entries): the same bits, zero-weight rows left out."""
+    """A step over few columns on :meth:`SparseRows.restricted`'s entries (gathered once per series; rows
+    binary-searched or read in one pass through a column table, in pieces of ``chunk`` entries) against the pass over
+    every entry (:meth:`SparseRows.weighted_abs`, zero-weight rows left out): the same bits at those columns."""
     g = torch.Generator().manual_seed(seed)
     grads = torch.randn(n_rows, n_cols, generator=g, dtype=torch.float64)
     grads[torch.rand(grads.shape, generator=g) < zero_frac] = 0
@@ -117,20 +118,24 @@ def test_a_step_over_few_columns_searched_is_the_full_pass_bit_for_bit(
     den = torch.rand(n_rows, generator=g, dtype=torch.float64) + 0.5 if with_den else None
     col_mask = torch.zeros(n_cols, dtype=torch.bool)
     col_mask[torch.randperm(n_cols, generator=g)[:n_kept]] = True
+    cols = col_mask.nonzero().flatten()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ROWS, "CHUNK_ENTRIES", chunk)
-        mp.setattr(ROWS, "SEARCH_READS", 10**18)  # never searched: the pass
-        want = rows.weighted_abs(scale, col_mask, den)
-        mp.setattr(ROWS, "SEARCH_READS", 0)  # always searched
-        got = rows.weighted_abs(scale, col_mask, den)
-    assert torch.equal(got, want)
+        want = rows.weighted_abs(scale, col_mask, den)[cols]
+        for reads in (10**18, 0):  # every block read in one pass; every row searched
+            mp.setattr(ROWS, "SEARCH_READS", reads)
+            sub = rows.restricted(cols)
+            assert sub.n_cols == cols.numel() and sub.n_rows == n_rows
+            got = sub.weighted_abs(scale, torch.ones(n_rows, dtype=torch.float64) if den is None else den)
+            assert torch.equal(got, want), reads
 
 
 @pytest.mark.parametrize("n_layers", [3, 8])
 def test_a_ranking_reads_each_stored_entry_once_outside_its_searches(n_layers, monkeypatch):
     """The influence of long stored rows (an all-layer graph's ranking): the entries its passes read (``_add_runs``)
-    are the stored rows' once — the steps search the row nodes' columns; the former series read the weighted rows'
-    every entry at each of its ``n_layers``-deep steps."""
+    are the stored rows' once — the steps run on the row nodes' columns' entries, gathered once
+    (:meth:`SparseRows.restricted`); the former series read the weighted rows' every entry at each of its
+    ``n_layers``-deep steps."""
     rows, nodes, weight, n_cols, _ = layered_rows(0, n_layers, 3000, 3, 2, 1.0, torch.float32)
     read = {"entries": 0}
     original = SparseRows._add_runs
@@ -143,3 +148,38 @@ def test_a_ranking_reads_each_stored_entry_once_outside_its_searches(n_layers, m
     infl = row_influence(_SparseSource(rows), nodes, weight, n_cols)
     assert bool(infl.any())
     assert read["entries"] <= rows.nnz, (read["entries"], rows.nnz)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n_layers=st.integers(1, 6), per_layer=st.integers(1, 40),
+       rows_per_layer=st.integers(0, 6), n_logits=st.integers(1, 3), density=st.floats(0.0, 1.0),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), masked=st.booleans(),
+       search=st.booleans())
+def test_the_ranking_on_restricted_steps_is_the_ranking_on_full_passes_bit_for_bit(
+        seed, n_layers, per_layer, rows_per_layer, n_logits, density, dtype, masked, search):
+    """:func:`row_influence` on sparse rows (its steps on the entries :meth:`SparseRows.restricted` gathers once)
+    against the same series whose every step is a masked pass over the stored rows (the code before 2026-11-27's
+    second session): the same bits — the feature budget's ranking picks the same rows."""
+    rows_per_layer = min(rows_per_layer, per_layer)
+    rows, nodes, weight, n_cols, _ = layered_rows(seed, n_layers, per_layer, rows_per_layer, n_logits, density, dtype)
+    g = torch.Generator().manual_seed(seed + 2)
+    mask = torch.rand(n_cols + n_logits, generator=g) < 0.7 if masked else None
+    if mask is not None:
+        mask[n_cols:] = True
+    col_mask = None if mask is None else mask[:n_cols]
+    row_ok = None if mask is None else mask[nodes]
+    den = rows.abs_sums(col_mask, row_ok).clamp_min(1e-30)
+    fed = torch.zeros(n_cols, dtype=torch.bool)
+    fed[nodes[nodes < n_cols]] = True
+    if col_mask is not None:
+        fed &= col_mask
+
+    def step(w, m):
+        w = w.double() if row_ok is None else w.double() * row_ok
+        return rows.weighted_abs(w, m, den)
+
+    want = influence_series(lambda w: step(w, col_mask), nodes, weight, n_cols, feed=lambda w: step(w, fed))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ROWS, "SEARCH_READS", 0 if search else 10**18)
+        got = row_influence(_SparseSource(rows), nodes, weight, n_cols, mask)
+    assert torch.equal(got, want)
