@@ -10,7 +10,7 @@ counters, AuxK, checkpoints, data parallelism).
   normalised space ``x · s_in -> y · s_out``; AuxK against dead heads; unit-norm ``w_o`` after every
   step (footnote 1); QK optionally initialised from the MHSA once the norms are known (App. B.3).
 * SAE / transcoder / skip transcoder: ``‖y − ŷ‖²`` plus the activation's sparsity term
-  (:func:`_sparsity_terms`): AuxK for TopK / BatchTopK (Gao et al. 2024), ``l0_coef`` · L0 through
+  (:func:`_sparsity_terms`): AuxK for TopK / BatchTopK / AbsTopK / GroupMax (Gao et al. 2024), ``l0_coef`` · L0 through
   the straight-through estimator for JumpReLU (Rajamanoharan et al. 2024), decoder-norm-weighted
   L1 for ReLU (Bricken et al. 2023). TopK / BatchTopK train through the sparse kernels of
   :mod:`~..modules.sparse_decode` (``TrainConfig.sparse_kernels``; same values and gradients up to

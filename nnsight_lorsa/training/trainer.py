@@ -68,7 +68,7 @@ class Trainer:
         module: a :class:`~..modules.lorsa.Lorsa`, :class:`~..modules.sae.SparseAutoencoder`,
             :class:`~..modules.transcoder.Transcoder` / ``SkipTranscoder`` or
             :class:`~..modules.clt.CrossLayerTranscoder`; its type picks the objective (the
-            activation — TopK, BatchTopK, JumpReLU, ReLU — picks a dictionary's sparsity term).
+            activation — TopK, BatchTopK, AbsTopK, GroupMax, JumpReLU, ReLU — picks a dictionary's sparsity term).
             Or an objective holding the module with its own settings: a Lorsa's MHSA initialisation
             and recipe go in :class:`~.objectives.LorsaObjective` (``LorsaObjective(lorsa, mhsa=...,
             recipe=LorsaRecipe(...))``).
