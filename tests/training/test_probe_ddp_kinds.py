@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from helpers import ROOT, TESTS
 
@@ -142,6 +143,7 @@ def _run_ranks(tmp_path, world: int, timeout: float = 180) -> None:
     assert all(p.returncode == 0 for p in procs), [log.read_text(errors="replace") for log in logs]
 
 
+@pytest.mark.slow  # 10 s (two processes start): tests/training/test_distributed.py is the default run's DDP test
 def test_two_gloo_processes_equal_one_process_for_every_other_kind(tmp_path):
     from safetensors.torch import load_file
 

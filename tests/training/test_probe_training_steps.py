@@ -212,6 +212,7 @@ class Case:
     seed: int
     steps: int
     config: dict  # TrainConfig keyword arguments; a TrainConfig once the test runs (:func:`configured`)
+    resume_at: int = 0  # > 0: save a checkpoint before this step and go on from Trainer.resume
 
 
 def configured(case):
@@ -315,8 +316,22 @@ def reference_run(case: Case, coder: torch.nn.Module, batches: list[Batch]) -> l
     return out
 
 
+def maybe_resumed(trainer: Trainer, step: int, resume_at: int) -> Trainer:
+    """At ``step == resume_at > 0``: a checkpoint round trip (``Trainer.resume``), to go on against the same
+    reference; else ``trainer``."""
+    if not step or step != resume_at:
+        return trainer
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer.save_checkpoint(d)
+        event("resumed from a checkpoint")
+        return Trainer.resume(d, trainer.source)
+
+
 def compare_trainer(case: Case, reference: list[dict], trainer: Trainer) -> None:
     for step, want in enumerate(reference):
+        trainer = maybe_resumed(trainer, step, case.resume_at)
         got = trainer.train_step()
         where = f"{case.kind}/{case.act} step {step}"
         if step == 0:
@@ -361,7 +376,7 @@ def coder_cases(draw, acts=ACTIVATIONS, kinds=KINDS, min_width: int = 2, **fixed
         sparse_kernels=draw(st.booleans()), log_every=1)
     config.update(fixed)
     return Case(kind=kind, act=act, d_in=d_in, d_out=d_out, d_sae=d_sae, k=k, seed=draw(st.integers(0, 10_000)),
-                steps=steps, config=config)
+                steps=steps, config=config, resume_at=draw(st.integers(0, steps - 1)))
 
 
 def run_case(case: Case) -> None:
@@ -515,6 +530,7 @@ def run_clt_case(drawn: tuple[Case, int, bool]) -> None:
     reference = reference_clt_run(case, n_layers, skip, copy.deepcopy(clt), batches)
     trainer = Trainer(clt, batches.__getitem__, case.config)
     for step, want in enumerate(reference):
+        trainer = maybe_resumed(trainer, step, case.resume_at)
         got = trainer.train_step()
         where = f"CLT/{case.act}/{n_layers} layers step {step}"
         if step == 0:
@@ -565,6 +581,7 @@ class LorsaCase:
     seed: int
     steps: int
     config: dict
+    resume_at: int = 0
 
 
 @st.composite
@@ -576,7 +593,7 @@ def lorsa_cases(draw, remedy: str = "auxk", rank_by_norm: bool = True) -> LorsaC
     return LorsaCase(d=draw(st.integers(3, 6)), n_qk=n_qk, d_qk=draw(st.integers(1, 3)), group=group, top_k=top_k,
                      k0=k0, rank_by_norm=rank_by_norm, remedy=remedy,
                      remedy_until=draw(st.sampled_from([0.0, 0.5, 1.0, 1.0])), seed=base.seed, steps=base.steps,
-                     config=base.config)
+                     config=base.config, resume_at=base.resume_at)
 
 
 def lorsa_batches(seed: int, n: int, b: int, p: int, d: int) -> list[Batch]:
@@ -678,6 +695,7 @@ def run_lorsa_case(case: LorsaCase) -> None:
                          remedy_until=case.remedy_until)
     trainer = Trainer(LorsaObjective(lorsa, recipe=recipe), batches.__getitem__, case.config)
     for step, want in enumerate(reference):
+        trainer = maybe_resumed(trainer, step, case.resume_at)
         got = trainer.train_step()
         where = f"Lorsa step {step}"
         if step == 0:
