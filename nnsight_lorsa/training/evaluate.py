@@ -146,7 +146,7 @@ class _SiteProbe:
         z = self.z[keep.to(self.z.device)]
         self.acc.update(target.float(), out.float())
         self.shrinkage.update(target, out, z)
-        active = z > 0
+        active = z != 0  # fired: non-zero (an AbsTopK feature fires negative too; as feature_density)
         self.l0_sum += float(active.sum())
         self.l0_n += active.shape[0]
         self.fired |= active.any(0).cpu()
@@ -200,7 +200,7 @@ class _CLTProbe:
         recon = clt.decode(acts, x)
         for layer, acc in enumerate(self.accs):
             acc.update(y[layer].float(), recon[layer].float())
-        active = acts > 0
+        active = acts != 0  # fired: non-zero (an AbsTopK feature fires negative too)
         self.l0_sum += active.sum((1, 2)).double().cpu()
         self.n_kept += x.shape[1]
         self.fired |= active.any(1).cpu()

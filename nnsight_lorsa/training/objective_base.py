@@ -48,9 +48,9 @@ class TrainingState:
         return self._trainer.count_fired(fired, n_tokens)
 
     def aux_k_loss(self, pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_dec: torch.Tensor,
-                   default_k: int) -> torch.Tensor:
+                   default_k: int, signed: bool = False) -> torch.Tensor:
         """:meth:`~.trainer.Trainer.aux_k_loss` (AuxK, fp32 scalar on ``pre``'s device)."""
-        return self._trainer.aux_k_loss(pre, dead, err, W_dec, default_k)
+        return self._trainer.aux_k_loss(pre, dead, err, W_dec, default_k, signed)
 
     def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`~.trainer.Trainer.batch_mean`: the (global) batch mean of per-token ``values``."""

@@ -10,7 +10,7 @@ counters, AuxK, checkpoints, data parallelism).
   normalised space ``x · s_in -> y · s_out``; AuxK against dead heads; unit-norm ``w_o`` after every
   step (footnote 1); QK optionally initialised from the MHSA once the norms are known (App. B.3).
 * SAE / transcoder / skip transcoder: ``‖y − ŷ‖²`` plus the activation's sparsity term
-  (:func:`_sparsity_terms`): AuxK for TopK / BatchTopK (Gao et al. 2024), ``l0_coef`` · L0 through
+  (:func:`_sparsity_terms`): AuxK for TopK / BatchTopK / AbsTopK / GroupMax (Gao et al. 2024), ``l0_coef`` · L0 through
   the straight-through estimator for JumpReLU (Rajamanoharan et al. 2024), decoder-norm-weighted
   L1 for ReLU (Bricken et al. 2023). TopK / BatchTopK train through the sparse kernels of
   :mod:`~..modules.sparse_decode` (``TrainConfig.sparse_kernels``; same values and gradients up to
@@ -75,16 +75,18 @@ def _sparsity_terms(t: TrainingState, act: torch.nn.Module, pre: torch.Tensor, a
     ``pre, acts (n, d_sae)`` pre-activations and activations of ``act``; ``dead (d_sae,)`` the dead
     mask; ``err (n, d_out)`` the error ``y − ŷ``; ``W_dec (d_sae, d_out)`` the decoder (a CLT passes a
     source layer's decoder over all its targets, flattened, and the matching error). ``penalty`` is
-    what the loss adds: TopK / BatchTopK — ``aux_k_coef · AuxK`` when some latent is dead; JumpReLU —
-    ``l0_coef · mean L0`` (straight-through); ReLU — ``l1_coef · Σ acts_i ‖W_dec[i]‖``. ``aux`` and
-    ``sparsity`` are the unweighted terms (zero where they do not apply).
+    what the loss adds: the k-sparse TopK / BatchTopK / AbsTopK / GroupMax — ``aux_k_coef · AuxK`` when some
+    latent is dead (AbsTopK: dead latents picked by ``|pre|``, signed, as SAELens ``abstopk``; GroupMax: as TopK,
+    as sparsify); JumpReLU — ``l0_coef · mean L0`` (straight-through); ReLU — ``l1_coef · Σ acts_i ‖W_dec[i]‖``.
+    ``aux`` and ``sparsity`` are the unweighted terms (zero where they do not apply). (Until 2026-11-27 AbsTopK and
+    GroupMax fell to the ReLU branch: an "L1" of AbsTopK's signed activations, which rewards negative ones.)
     """
     config = t.config
     sparsity = torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
     aux = torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
     penalty: torch.Tensor | None = None
-    if isinstance(act, (TopK, BatchTopK)):
-        aux = t.aux_k_loss(pre, dead, err, W_dec, 2 * act.k)
+    if isinstance(act, (TopK, BatchTopK, AbsTopK, GroupMax)):
+        aux = t.aux_k_loss(pre, dead, err, W_dec, 2 * act.k, signed=isinstance(act, AbsTopK))
         if config.aux_k_coef > 0 and dead.any():
             penalty = config.aux_k_coef * aux
     elif isinstance(act, JumpReLU):
@@ -178,7 +180,7 @@ class _SparseCoderObjective(_DictionaryObjective):
         acts = coder.activation(pre)
         out, err, mse = self._reconstruction(x, y, coder.decode(acts))
         loss = mse
-        active = acts > 0
+        active = acts != 0  # fired: non-zero (AbsTopK's features fire negative too)
         dead = t.count_fired(active.any(0), x.shape[0])
         penalty, aux, sparsity = _sparsity_terms(t, coder.activation, pre, acts, dead, err, coder.W_dec)
         if penalty is not None:
@@ -338,7 +340,7 @@ class _CLTObjective(_DictionaryObjective):
         err = f32(y) - f32(out)                                      # the loss in fp32
         mse = err.pow(2).sum(-1).mean(-1).sum()
         loss = mse
-        active = acts > 0
+        active = acts != 0  # fired: non-zero (AbsTopK's features fire negative too)
         dead = t.count_fired(active.any(1).reshape(-1), n_tok).view(n_layers, -1)
         aux = torch.zeros((), dtype=mse.dtype, device=mse.device)
         sparsity = torch.zeros((), dtype=mse.dtype, device=mse.device)

@@ -68,7 +68,7 @@ class Trainer:
         module: a :class:`~..modules.lorsa.Lorsa`, :class:`~..modules.sae.SparseAutoencoder`,
             :class:`~..modules.transcoder.Transcoder` / ``SkipTranscoder`` or
             :class:`~..modules.clt.CrossLayerTranscoder`; its type picks the objective (the
-            activation — TopK, BatchTopK, JumpReLU, ReLU — picks a dictionary's sparsity term).
+            activation — TopK, BatchTopK, AbsTopK, GroupMax, JumpReLU, ReLU — picks a dictionary's sparsity term).
             Or an objective holding the module with its own settings: a Lorsa's MHSA initialisation
             and recipe go in :class:`~.objectives.LorsaObjective` (``LorsaObjective(lorsa, mhsa=...,
             recipe=LorsaRecipe(...))``).
@@ -229,18 +229,23 @@ class Trainer:
         return self.tokens_since_fired >= self.config.dead_after_tokens
 
     def aux_k_loss(self, pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_dec: torch.Tensor,
-                   default_k: int) -> torch.Tensor:
+                   default_k: int, signed: bool = False) -> torch.Tensor:
         """AuxK (Gao et al. 2024): dead latents' top-``aux_k`` (ReLU'd) reconstruct the error ``err``.
 
         ``pre (n, n_latents)`` pre-activations, ``W_dec (n_latents, d)``; normalised by ``‖err‖²``.
-        Zero when nothing is dead or ``aux_k_coef`` is 0. All on one device; computed in fp32 (a
+        ``signed``: the dead latents of largest ``|pre|``, with their sign (an AbsTopK coder's, as SAELens
+        ``abstopk``). Zero when nothing is dead or ``aux_k_coef`` is 0. All on one device; computed in fp32 (a
         scalar on ``pre``'s device).
         """
         if not dead.any() or self.config.aux_k_coef <= 0:
             return torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
         k_aux = min(self.config.aux_k or default_k, int(dead.sum()))
-        vals, idx = pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1)
-        z_aux = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
+        if signed:
+            idx = pre.detach().abs().masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1).indices
+            z_aux = torch.zeros_like(pre).scatter(-1, idx, pre.gather(-1, idx))
+        else:
+            vals, idx = pre.masked_fill(~dead, float("-inf")).topk(k_aux, dim=-1)
+            z_aux = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
         e = f32(err.detach())
         return (f32(z_aux @ W_dec) - e).pow(2).sum(-1).mean() / self.batch_mean(e.pow(2).sum(-1)).clamp_min(1e-12)
 
@@ -301,12 +306,13 @@ class Trainer:
             raise
         if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
             torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
             self.objective.post_step(self.state)
         self.step += 1
-        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["lr"] = lr
         return metrics
 
     def _non_finite(self, what: str, value: float) -> NonFiniteError:
