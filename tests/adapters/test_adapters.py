@@ -19,6 +19,7 @@ from helpers import rope_kwargs
 from transformers import AutoModelForCausalLM
 
 from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward, mhsa_pattern
+from nnsight_lorsa.adapters.gemma import GemmaAdapter
 from nnsight_lorsa.adapters.gemma2 import Gemma2Adapter, Gemma3Adapter
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
 from nnsight_lorsa.adapters.llama import LlamaAdapter
@@ -78,6 +79,8 @@ def _config(family: str) -> transformers.PretrainedConfig:
     if family == "phi3":  # fused qkv_proj (GQA), partial rotary 0.5, a sliding window on every layer shorter than SEQ
         return transformers.Phi3Config(**_COMMON, num_key_value_heads=2, sliding_window=5, pad_token_id=1,
                                        bos_token_id=0, eos_token_id=1, rope_parameters=PHI3_ROPE)
+    if family == "gemma":  # Gemma-1: 1 + weight RMSNorms, scaled embeddings, MQA (one KV head)
+        return transformers.GemmaConfig(**_COMMON, num_key_value_heads=1, head_dim=16)
     raise KeyError(family)
 
 
@@ -92,7 +95,7 @@ GEMMA3 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_s
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}}
 FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv",
-            "gemma2", "gemma2_sliding", "gemma3", "olmo2", "phi3"]
+            "gemma2", "gemma2_sliding", "gemma3", "olmo2", "phi3", "gemma"]
 ROTARY_FAMILIES = [f for f in FAMILIES if not f.startswith("gpt2")]
 #: one RoPE for every layer (Gemma-3: one per layer type, test_gemma3_rope_per_layer_type)
 SHARED_ROPE_FAMILIES = [f for f in ROTARY_FAMILIES if f != "gemma3"]
@@ -100,7 +103,7 @@ ADAPTER_OF = {"llama": LlamaAdapter, "llama_linear": LlamaAdapter, "mistral": Ll
               "qwen2": LlamaAdapter, "qwen2_sliding": LlamaAdapter, "qwen3": LlamaAdapter,
               "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter,
               "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter, "gemma3": Gemma3Adapter,
-              "olmo2": Olmo2Adapter, "phi3": Phi3Adapter}
+              "olmo2": Olmo2Adapter, "phi3": Phi3Adapter, "gemma": GemmaAdapter}
 #: families whose transformers refuses ``attn_implementation="sdpa"`` (Gemma-2: SDPA has no soft-capping)
 NO_SDPA = ("gemma2", "gemma2_sliding")
 

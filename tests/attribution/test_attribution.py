@@ -26,7 +26,7 @@ def llama():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2", "gemma2", "gemma3", "olmo2",
-                                    "phi3"])
+                                    "phi3", "gemma"])
 def test_incoming_edges_sum_to_node_values(family):
     """Check 1: every feature, Lorsa-head and logit node's incoming edges sum to its value."""
     model, _, lorsas, tcs = attribution_setup(family)
@@ -613,7 +613,7 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2", "gemma2",
-                                    "gemma3", "olmo2", "phi3"])
+                                    "gemma3", "olmo2", "phi3", "gemma"])
 def test_attribution_from_a_cache_equals_the_traced_graph(family):
     """``attribute(replacement, cache)``: the frozen model wired as plain tensor code from a cache of
     one clean trace (no model forward) gives the traced graph — sequential and parallel (NeoX)
