@@ -488,7 +488,7 @@ def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
     return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma"])
 def test_lorsa_init_from_mhsa_copies_qk(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -523,7 +523,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3", "gemma"])
 def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,
     QK-norm), and initialised with ``init_from_mhsa`` has every QK head's attention pattern equal to its

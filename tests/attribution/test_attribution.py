@@ -140,7 +140,7 @@ def test_nnsight_and_hook_engines_agree(llama):
     assert torch.equal(g.nodes.kind, g2.nodes.kind)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "olmo2"])
 def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     """The long-prompt path (constant queries/keys: SDPA for MHSA, Lorsa pattern rows recomputed in
     chunks of nodes in every pass — several chunks here) gives the same graph (Gemma-2's soft-capped MHSA
@@ -251,7 +251,7 @@ def test_trained_model_graph_is_exact():
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "olmo2", "phi3"])
 def test_qk_pairs_sum_to_the_attention_score(family):
     """QK attribution: node pairs sum to the Lorsa head's score, which is the Lorsa's own q·k/scale."""
     from nnsight_lorsa.attribution.qk import qk_attribution
