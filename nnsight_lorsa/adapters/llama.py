@@ -63,7 +63,10 @@ class LlamaAdapter(ArchitectureAdapter):
         return None
 
     def rotary_config(self, layer: int | None = None) -> RotaryConfig:
-        partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", 1.0))
+        """Half-split RoPE on the first ``int(head_dim * partial_rotary_factor)`` dims of each head: the factor from
+        ``rope_parameters`` (transformers 5), else ``config.partial_rotary_factor`` (transformers 4's Phi-3), else 1."""
+        fallback = getattr(self.config, "partial_rotary_factor", None) or 1.0
+        partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", fallback))
         return self._rotary_from_params(self.head_dim, int(self.head_dim * partial), interleaved=False)
 
     def qkv_projections(self, attn: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -456,6 +456,10 @@ def test_phi3_fused_qkv_partial_rotary_window_and_longrope_refused():
                                    original_max_position_embeddings=64, rope_parameters={
                                        "rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0] * 8,
                                        "long_factor": [2.0] * 8})
+    legacy = copy.deepcopy(tiny_model("phi3").config)  # transformers 4 keeps the factor on the config
+    legacy.rope_parameters = None
+    legacy.rope_scaling, legacy.rope_theta, legacy.partial_rotary_factor = None, 500.0, 0.5
+    assert get_adapter(legacy).rotary_config() == w.rotary
     phi = get_adapter(long)
     with pytest.raises(UnsupportedArchitectureError, match="longrope"):
         phi.rotary_config()
