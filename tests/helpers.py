@@ -46,7 +46,7 @@ LLAMA3_ROPE = {
 _COMMON = {"hidden_size": D_MODEL, "num_attention_heads": N_HEADS, "num_hidden_layers": N_LAYERS,
            "vocab_size": VOCAB, "intermediate_size": 128, "max_position_embeddings": 128}
 
-FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma3")
+FAMILIES = ("llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma3", "olmo2", "phi3", "gemma")
 #: the families transformers runs with ``attn_implementation="sdpa"`` (it refuses Gemma-2: SDPA cannot soft-cap)
 SDPA_FAMILIES = tuple(f for f in FAMILIES if f != "gemma2")
 
@@ -110,6 +110,17 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}},
             pad_token_id=1, bos_token_id=0, eos_token_id=1, initializer_range=0.1)
+    if family == "olmo2":  # QK-norm over the whole projection, post-norms only (no pre-norms); weights at std 0.1
+        # as Gemma-2's (at 0.02 the post-norms scale the sublayer outputs up ~100x: fp32 edge sums to 1e-3, fp64 1e-12)
+        return transformers.Olmo2Config(**_COMMON, num_key_value_heads=2, pad_token_id=1, bos_token_id=0,
+                                        eos_token_id=1, initializer_range=0.1)
+    if family == "phi3":  # fused qkv_proj / gate_up_proj, partial rotary 0.5, window 4 on every layer
+        return transformers.Phi3Config(**_COMMON, num_key_value_heads=2, sliding_window=4, pad_token_id=1,
+                                       bos_token_id=0, eos_token_id=1, rope_parameters={
+                                           "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5})
+    if family == "gemma":  # Gemma-1: 1 + weight RMSNorms, sqrt(d)-scaled embeddings, MQA; weights at std 0.1
+        return transformers.GemmaConfig(**_COMMON, num_key_value_heads=1, head_dim=16, pad_token_id=1, bos_token_id=0,
+                                        eos_token_id=1, initializer_range=0.1)
     raise KeyError(family)
 
 

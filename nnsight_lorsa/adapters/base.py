@@ -73,7 +73,10 @@ class MHSAWeights(FieldsRepr):
         W_K, W_V: ``(n_kv_heads, d_model, head_dim)``; ``b_K, b_V: (n_kv_heads, head_dim)``
             (``n_kv_heads < n_heads`` under GQA: query head ``h`` reads KV head ``h // (n_heads/n_kv)``).
         W_O: ``(n_heads, head_dim, d_model)``; ``b_O: (d_model,)``.
-        q_norm, k_norm: QK-norm weights ``(head_dim,)`` (Qwen3) or None; ``qk_norm_eps`` their eps.
+        q_norm, k_norm: QK-norm weights ``(head_dim,)`` (Qwen3, Gemma-3: an RMSNorm over each head) or None;
+            ``qk_norm_eps`` their eps. With ``qk_norm_per_head=False`` (OLMo-2) one RMSNorm over the whole
+            projection, before it is split into heads: ``q_norm (n_heads * head_dim,)``,
+            ``k_norm (n_kv_heads * head_dim,)`` (head ``h``'s gain is ``q_norm[h*head_dim:(h+1)*head_dim]``).
         rotary: RoPE of the layer, None without rotary (GPT-2).
         scale: scores are multiplied by this (``1/sqrt(head_dim)`` for most supported families;
             GPT-2 with ``scale_attn_by_inverse_layer_idx`` also divides by ``layer + 1``; Gemma-2
@@ -99,6 +102,7 @@ class MHSAWeights(FieldsRepr):
     qk_norm_eps: float = 1e-6
     sliding_window: int | None = None
     softcap: float | None = None
+    qk_norm_per_head: bool = True
 
     @property
     def n_heads(self) -> int:
@@ -131,11 +135,13 @@ def norm_gain(norm: nn.Module) -> torch.Tensor | None:
     return 1.0 + w.float() if type(norm).__name__ in UNIT_OFFSET_NORMS else w
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, gain_in_fp32: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim as transformers computes it: normalised in fp32, then the gain applied after the
+    cast back (Llama, Qwen3) or, ``gain_in_fp32``, before it (``Olmo2RMSNorm``)."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(dtype)
+    return (w * x).to(dtype) if gain_in_fp32 else w * x.to(dtype)
 
 
 def mhsa_qk(
@@ -148,7 +154,11 @@ def mhsa_qk(
     q = torch.einsum("bsd,hde->bhse", x, w.W_Q) + w.b_Q[None, :, None]
     k = torch.einsum("bsd,hde->bhse", x, w.W_K) + w.b_K[None, :, None]
     if w.q_norm is not None and w.k_norm is not None:
-        q, k = _rms(q, w.q_norm, w.qk_norm_eps), _rms(k, w.k_norm, w.qk_norm_eps)
+        if w.qk_norm_per_head:
+            q, k = _rms(q, w.q_norm, w.qk_norm_eps), _rms(k, w.k_norm, w.qk_norm_eps)
+        else:  # OLMo-2: over all heads of the projection at once
+            q, k = (_rms(t.transpose(1, 2).flatten(2), n, w.qk_norm_eps, gain_in_fp32=True)
+                    .unflatten(2, t.shape[1::2]).transpose(1, 2) for t, n in ((q, w.q_norm), (k, w.k_norm)))
     if w.rotary is not None:
         pos = torch.arange(s, device=x.device) if positions is None else positions
         cos, sin = rotary_cos_sin(w.rotary, pos)
@@ -241,9 +251,17 @@ class ArchitectureAdapter:
     #: the unembedding; :func:`~nnsight_lorsa.adapters.get_adapter` sets it per model from the model's
     #: ``get_output_embeddings()`` (the class value is the default for an adapter built from a config).
     lm_head_path: str = "lm_head"
-    #: names (inside a decoder layer) of the norms before the attention and before the MLP
+    #: names (inside a decoder layer) of the norms before the attention and before the MLP ("": none, OLMo-2)
     attention_norm_name: ClassVar[str] = ""
     mlp_norm_name: ClassVar[str] = ""
+    #: the modules (inside the attention) whose outputs hold each head's query / key / value input, split into heads
+    #: by column and not mixed across heads afterwards (path patching's MHSA receivers): the projections, or
+    #: OLMo-2's ``q_norm`` / ``k_norm``, which mix all heads' projections
+    head_input_names: ClassVar[dict[str, str]] = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+    #: names of the norms after the attention and after the MLP, applied before each residual add (Gemma-2/3,
+    #: OLMo-2; "": none)
+    attention_post_norm_name: ClassVar[str] = ""
+    mlp_post_norm_name: ClassVar[str] = ""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -283,25 +301,29 @@ class ArchitectureAdapter:
     def mlp_path(self, layer: int) -> str:
         return f"{self.layer_path(layer)}.{self.mlp_name}"
 
-    def attention_norm_path(self, layer: int) -> str:
-        """The norm whose output the attention reads (``input_layernorm``, GPT-2 ``ln_1``)."""
-        return f"{self.layer_path(layer)}.{self.attention_norm_name}"
+    def _sub_path(self, layer: int, name: str) -> str | None:
+        path = self.layer_path(layer)
+        return f"{path}.{name}" if name else None
 
-    def mlp_norm_path(self, layer: int) -> str:
-        """The norm whose output the MLP reads (``post_attention_layernorm``, GPT-2 ``ln_2``)."""
-        return f"{self.layer_path(layer)}.{self.mlp_norm_name}"
+    def attention_norm_path(self, layer: int) -> str | None:
+        """The norm whose output the attention reads (``input_layernorm``, GPT-2 ``ln_1``), or None: a family
+        without pre-norms (OLMo-2), whose attention reads the residual stream itself."""
+        return self._sub_path(layer, self.attention_norm_name)
+
+    def mlp_norm_path(self, layer: int) -> str | None:
+        """The norm whose output the MLP reads (``post_attention_layernorm``, GPT-2 ``ln_2``), or None (OLMo-2:
+        the MLP reads the residual stream)."""
+        return self._sub_path(layer, self.mlp_norm_name)
 
     def attention_post_norm_path(self, layer: int) -> str | None:
-        """The norm the attention output goes through before the residual add (Gemma-2's
+        """The norm the attention output goes through before the residual add (Gemma-2's and OLMo-2's
         ``post_attention_layernorm``), or None: the families without post-norms add it as it is."""
-        self.check_layer(layer)
-        return None
+        return self._sub_path(layer, self.attention_post_norm_name)
 
     def mlp_post_norm_path(self, layer: int) -> str | None:
-        """The norm the MLP output goes through before the residual add (Gemma-2's
+        """The norm the MLP output goes through before the residual add (Gemma-2's and OLMo-2's
         ``post_feedforward_layernorm``), or None."""
-        self.check_layer(layer)
-        return None
+        return self._sub_path(layer, self.mlp_post_norm_name)
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding-window size of layer ``layer``'s attention, or None (full causal; the families without

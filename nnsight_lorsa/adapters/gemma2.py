@@ -62,17 +62,8 @@ class Gemma2Adapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("gemma2",)
     family: ClassVar[str] = "gemma2"
     mlp_norm_name = "pre_feedforward_layernorm"
-    #: the norms after the attention and after the MLP, inside a decoder layer (applied before each residual add)
-    attention_post_norm_name: ClassVar[str] = "post_attention_layernorm"
-    mlp_post_norm_name: ClassVar[str] = "post_feedforward_layernorm"
-
-    def attention_post_norm_path(self, layer: int) -> str:
-        """``post_attention_layernorm``: the norm the attention output (the Lorsa site's output) goes through."""
-        return f"{self.layer_path(layer)}.{self.attention_post_norm_name}"
-
-    def mlp_post_norm_path(self, layer: int) -> str:
-        """``post_feedforward_layernorm``: the norm the MLP output (the transcoder site's output) goes through."""
-        return f"{self.layer_path(layer)}.{self.mlp_post_norm_name}"
+    attention_post_norm_name = "post_attention_layernorm"
+    mlp_post_norm_name = "post_feedforward_layernorm"
 
     def _cap(self, name: str) -> float | None:
         cap = getattr(self.config, name, None)

@@ -23,12 +23,16 @@ from torch import nn
 from ..modules.rotary import RotaryConfig
 from .base import ArchitectureAdapter, MHSAWeights
 
+#: families with one sliding window on every layer (``config.sliding_window``, no ``layer_types``)
+EVERY_LAYER_WINDOW = ("mistral", "phi3")
 
-def _heads(linear: nn.Linear, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``nn.Linear(d_model -> n*head_dim)`` as ``W: (n, d_model, head_dim)``, ``b: (n, head_dim)``."""
-    w = linear.weight.detach()
+
+def _heads(w: torch.Tensor, bias: torch.Tensor | None, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``nn.Linear(d_model -> n*head_dim)``'s weight ``(n*head_dim, d_model)`` and bias (or a slice of a fused
+    projection's) as ``W: (n, d_model, head_dim)``, ``b: (n, head_dim)`` (zeros without a bias)."""
+    w = w.detach()
     W = w.view(n, head_dim, w.shape[1]).transpose(1, 2)
-    b = linear.bias.detach().view(n, head_dim) if linear.bias is not None else w.new_zeros(n, head_dim)
+    b = bias.detach().view(n, head_dim) if bias is not None else w.new_zeros(n, head_dim)
     return W, b
 
 
@@ -52,15 +56,23 @@ class LlamaAdapter(ArchitectureAdapter):
         layer_types = getattr(c, "layer_types", None)
         if layer_types is not None:
             return int(window) if layer_types[self.check_layer(layer)] == "sliding_attention" else None
-        if c.model_type == "mistral":
+        if c.model_type in EVERY_LAYER_WINDOW:
             return int(window)
         if getattr(c, "use_sliding_window", False):  # transformers-4 Qwen2: layers >= max_window_layers
             return int(window) if self.check_layer(layer) >= int(getattr(c, "max_window_layers", 0)) else None
         return None
 
     def rotary_config(self, layer: int | None = None) -> RotaryConfig:
-        partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", 1.0))
+        """Half-split RoPE on the first ``int(head_dim * partial_rotary_factor)`` dims of each head: the factor from
+        ``rope_parameters`` (transformers 5), else ``config.partial_rotary_factor`` (transformers 4's Phi-3), else 1."""
+        fallback = getattr(self.config, "partial_rotary_factor", None) or 1.0
+        partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", fallback))
         return self._rotary_from_params(self.head_dim, int(self.head_dim * partial), interleaved=False)
+
+    def qkv_projections(self, attn: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``[(weight, bias)]`` of the query, key and value projections (``q_proj``, ``k_proj``, ``v_proj``; bias
+        None where there is none), each weight ``(heads * head_dim, d_model)``."""
+        return [(p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """``W_Q: (n_heads, d_model, head_dim)``, ``W_K/W_V: (n_kv_heads, d_model, head_dim)``,
@@ -69,9 +81,9 @@ class LlamaAdapter(ArchitectureAdapter):
         attn: Any = self.attention_module(root, layer)
         c, e = self.config, self.head_dim
         n_kv = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-        W_Q, b_Q = _heads(attn.q_proj, c.num_attention_heads, e)
-        W_K, b_K = _heads(attn.k_proj, n_kv, e)
-        W_V, b_V = _heads(attn.v_proj, n_kv, e)
+        (W_Q, b_Q), (W_K, b_K), (W_V, b_V) = (
+            _heads(w, b, n, e) for (w, b), n in zip(self.qkv_projections(attn), (c.num_attention_heads, n_kv, n_kv),
+                                                    strict=True))
         o = attn.o_proj.weight.detach()  # (d_model, n_heads*e)
         W_O = o.T.reshape(c.num_attention_heads, e, o.shape[0])
         b_O = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else o.new_zeros(o.shape[0])

@@ -9,13 +9,16 @@ from torch import nn
 from .._placement import torch_module
 from ..errors import UnsupportedArchitectureError
 from .base import ArchitectureAdapter
+from .gemma import GemmaAdapter
 from .gemma2 import Gemma2Adapter, Gemma3Adapter
 from .gpt2 import GPT2Adapter
 from .llama import LlamaAdapter
 from .neox import GPTNeoXAdapter
+from .olmo2 import Olmo2Adapter
+from .phi3 import Phi3Adapter
 
 ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, GPTNeoXAdapter, GPT2Adapter, Gemma2Adapter,
-                                                    Gemma3Adapter)
+                                                    Gemma3Adapter, Olmo2Adapter, Phi3Adapter, GemmaAdapter)
 
 
 def _config_of(model: Any) -> Any:

@@ -46,11 +46,11 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
         # tensors go there; a cache loaded on the CPU goes to the model's device
         at = device_of(get(root, adapter.attention_path(layer)), h.device)
         h = h.to(at)
-        x = frozen.norm(get(root, adapter.attention_norm_path(layer)), h, layer, "attn_norm")
+        x = post_norm(frozen, root, adapter.attention_norm_path(layer), h, layer, "attn_norm")
         a = frozen.attention(layer, x, cache.positions.to(at), cache.attn_out.get(layer, x).to(at))
         a = post_norm(frozen, root, adapter.attention_post_norm_path(layer), a, layer, "attn_post_norm")
         after = h if parallel else h + a
-        y = frozen.norm(get(root, adapter.mlp_norm_path(layer)), after, layer, "mlp_norm")
+        y = post_norm(frozen, root, adapter.mlp_norm_path(layer), after, layer, "mlp_norm")
         m = frozen.mlp(layer, y, cache.mlp_out[layer].to(at))
         if layer in cache.mlp_post_out:  # a traced pass: the post-norm's output as it ran, the writes' reference
             frozen.post_refs[layer] = cache.mlp_post_out[layer]
@@ -63,7 +63,8 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
 
 def post_norm(frozen: FrozenReplacement, root: torch.nn.Module, path: str | None, out: torch.Tensor, layer: int,
               role: str) -> torch.Tensor:
-    """``out`` through the frozen post-norm at ``path`` (Gemma-2), or as it is (``path`` None)."""
+    """``out`` through the frozen norm at ``path`` (a post-norm: Gemma-2, OLMo-2; a pre-norm), or as it is
+    (``path`` None: no such norm in the family, e.g. OLMo-2's pre-norms)."""
     return out if path is None else frozen.norm(ArchitectureAdapter.get_module(root, path), out, layer, role)
 
 

@@ -618,8 +618,8 @@ def replacement_modules(model: Any, adapter: ArchitectureAdapter, lorsas: dict[i
         adapter.check_layer(layer)
     mhsa = {layer: adapter.mhsa_weights(root, layer) for layer in range(adapter.n_layers) if layer not in lorsas}
 
-    def bias(path: str) -> Any:
-        return getattr(adapter.get_module(root, path), "bias", None)
+    def bias(path: str | None) -> Any:  # None: no such norm (OLMo-2 has no pre-norms)
+        return None if path is None else getattr(adapter.get_module(root, path), "bias", None)
 
     norm_biases: dict[str, Any] = {"final_norm": bias(adapter.final_norm_path)}
     for layer in range(adapter.n_layers):

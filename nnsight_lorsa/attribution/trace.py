@@ -263,17 +263,21 @@ class FrozenSite:
 
 
 def frozen_sites(adapter: ArchitectureAdapter) -> list[FrozenSite]:
-    """The replaced modules in forward order (the embeddings are scaled in place, not replaced); Gemma-2's
-    post-attention / post-feedforward norms after the attention / MLP they normalise."""
+    """The replaced modules in forward order (the embeddings are scaled in place, not replaced); Gemma-2's and
+    OLMo-2's post-attention / post-feedforward norms after the attention / MLP they normalise; no pre-norm sites
+    where the family has none (OLMo-2)."""
     sites = []
+
+    def norm(path: str | None, layer: int, role: str) -> list[FrozenSite]:
+        return [] if path is None else [FrozenSite(path, "norm", layer, role)]
+
     for layer in range(adapter.n_layers):
-        attn_post, mlp_post = adapter.attention_post_norm_path(layer), adapter.mlp_post_norm_path(layer)
-        sites += [FrozenSite(adapter.attention_norm_path(layer), "norm", layer, "attn_norm"),
+        sites += [*norm(adapter.attention_norm_path(layer), layer, "attn_norm"),
                   FrozenSite(adapter.attention_path(layer), "attention", layer),
-                  *([FrozenSite(attn_post, "norm", layer, "attn_post_norm")] if attn_post else []),
-                  FrozenSite(adapter.mlp_norm_path(layer), "norm", layer, "mlp_norm"),
+                  *norm(adapter.attention_post_norm_path(layer), layer, "attn_post_norm"),
+                  *norm(adapter.mlp_norm_path(layer), layer, "mlp_norm"),
                   FrozenSite(adapter.mlp_path(layer), "mlp", layer),
-                  *([FrozenSite(mlp_post, "norm", layer, "mlp_post_norm")] if mlp_post else [])]
+                  *norm(adapter.mlp_post_norm_path(layer), layer, "mlp_post_norm")]
     return [*sites, FrozenSite(adapter.final_norm_path, "norm", None, "final_norm"),
             FrozenSite(adapter.lm_head_path, "head")]
 

@@ -272,6 +272,11 @@ class MLPSiteIO(FieldsRepr):
         return self.input_path == self.output_path == adapter.mlp_path(layer) and self.eps is None
 
 
+#: why ``ln2.hook_normalized`` has no site in a family without a pre-MLP norm
+NO_PRE_NORM = ("the family has no pre-MLP norm (OLMo-2: the MLP reads the residual stream, its norm comes after it), "
+               "so there is no normalised MLP input")
+
+
 def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
     """Where ``module`` (a transcoder, CLT, or :class:`~nnsight_lorsa.modules.clt.CLTLayer`) reads and writes at
     ``layer``, by its circuit-tracer hooks (:func:`check_mlp_hooks` accepted them):
@@ -291,8 +296,10 @@ def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
     mlp = adapter.mlp_path(layer)
     inp, eps = mlp, None
     hook = record.get("feature_input_hook")
-    if hook == RESID_MID_HOOK:
-        inp = adapter.mlp_norm_path(layer)
+    if hook == RESID_MID_HOOK:  # the pre-MLP norm's input; the MLP's own without one (OLMo-2)
+        inp = adapter.mlp_norm_path(layer) or mlp
+    elif hook == NORMALIZED_HOOK and adapter.mlp_norm_path(layer) is None:  # check_mlp_hooks refuses it first
+        raise UnsupportedArchitectureError(f"{adapter.family}: ln2.hook_normalized at layer {layer}: {NO_PRE_NORM}")
     elif hook == NORMALIZED_HOOK and not _norm_is_identity(root, adapter, layer):
         inp, eps = adapter.mlp_norm_path(layer), _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer)))
         if eps is None:  # check_mlp_hooks refuses it first; never read the norm's raw input in its place
@@ -324,6 +331,8 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
         if hook in MLP_INPUT_HOOKS:
             return None
         if hook == NORMALIZED_HOOK:
+            if adapter.mlp_norm_path(layer) is None:
+                return NO_PRE_NORM
             same = _norm_is_identity(root, adapter, layer)
             if same or _rms_eps(root.get_submodule(adapter.mlp_norm_path(layer))) is not None:
                 return None  # the MLP input, or x / rms(x) computed from the RMSNorm's input (mlp_site_io)

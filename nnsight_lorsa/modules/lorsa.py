@@ -232,7 +232,9 @@ class Lorsa(ReplacementModule):
 
         QK: each MHSA head's ``W_Q``/``W_K`` (KV heads expanded for GQA) is copied to the
         ``n_qk_heads / n_heads`` consecutive QK heads that replace it, with biases and QK-norm
-        weights. OV: OV head ``h`` (in QK group ``g``, which descends from MHSA head ``m``) gets a
+        weights (an MHSA QK-norm over the whole projection, OLMo-2's: each head's slice of its gain, in the
+        Lorsa's per-head norm — a different normaliser, so those QK heads start near, not at, the MHSA
+        head's pattern). OV: OV head ``h`` (in QK group ``g``, which descends from MHSA head ``m``) gets a
         random rank-1 slice of head ``m``'s OV circuit, ``w_v = W_V^m u``, ``w_o ∝ u W_O^m``
         with ``u ~ N(0, I)``, then ``w_o`` is normalised (the norm moves into ``w_v``).
 
@@ -275,8 +277,13 @@ class Lorsa(ReplacementModule):
         if cfg.qk_norm:
             if mhsa.q_norm is None or mhsa.k_norm is None:
                 raise ShapeError("Lorsa has qk_norm=True but the MHSA has no QK-norm weights")
-            self.ln_q.w.view(n_heads, rep, head_dim).copy_(mhsa.q_norm.expand(n_heads, head_dim)[:, None])
-            self.ln_k.w.view(n_heads, rep, head_dim).copy_(mhsa.k_norm.expand(n_heads, head_dim)[:, None])
+            # one gain per head (Qwen3, Gemma-3), or the head's slice of a whole-projection norm's gain (OLMo-2:
+            # the Lorsa's normaliser is per head, the MHSA's spans all heads, so the initial pattern is not its own)
+            q_gain, k_gain = (g.reshape(-1, head_dim) for g in (mhsa.q_norm, mhsa.k_norm))
+            q_gain, k_gain = (g.expand(n_heads, head_dim) if g.shape[0] == 1 else
+                              g.repeat_interleave(n_heads // g.shape[0], 0) for g in (q_gain, k_gain))
+            self.ln_q.w.view(n_heads, rep, head_dim).copy_(q_gain[:, None])
+            self.ln_k.w.view(n_heads, rep, head_dim).copy_(k_gain[:, None])
         # OV: the OV heads of MHSA head m are the contiguous block [m·per_head, (m+1)·per_head)
         # (mhsa_of_ov = arange(n_ov) // G // rep); u drawn at once (as before: the same draws)
         per_head = cfg.n_ov_heads // n_heads

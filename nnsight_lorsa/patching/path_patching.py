@@ -65,17 +65,14 @@ from .metrics import relative_effect
 Metric = Callable[[torch.Tensor], torch.Tensor]
 Projection = Literal["q", "k", "v"]
 
-#: names of separate q/k/v projections (Llama, Mistral, Qwen2, Qwen3)
-QKV_PROJECTIONS = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
-
-
 @dataclass(frozen=True, repr=False)
 class HeadInput(FieldsRepr):
     """A receiver: the ``which`` (``"q"``, ``"k"`` or ``"v"``) input of an MHSA or Lorsa head.
 
     MHSA heads: the head's columns of ``q_proj``'s output (``k``/``v``: its KV head's columns of
-    ``k_proj``/``v_proj`` — under GQA shared by ``n_heads / n_kv_heads`` query heads). Needs
-    separate q/k/v projections (Llama, Mistral, Qwen2/3; not GPT-2's ``c_attn`` / NeoX's fused QKV).
+    ``k_proj``/``v_proj`` — under GQA shared by ``n_heads / n_kv_heads`` query heads; OLMo-2: of ``q_norm`` /
+    ``k_norm``'s output, ``adapter.head_input_names``). Needs separate q/k/v projections (Llama, Mistral, Qwen2/3,
+    OLMo-2; not GPT-2's ``c_attn`` / NeoX's / Phi-3's fused QKV).
     Lorsa heads: ``hook_q``/``hook_k`` of the head's QK head (shared by its ``group_size`` OV heads),
     or ``hook_v[..., head]``.
     """
@@ -263,7 +260,7 @@ class _Plan:
         if site.kind == "proj_out":
             return r.model.get(r.output_projection_path(site.layer)).output
         if site.kind == "qkv":
-            return r.model.get(f"{a.attention_path(site.layer)}.{QKV_PROJECTIONS[site.name]}").output
+            return r.model.get(f"{a.attention_path(site.layer)}.{a.head_input_names[site.name]}").output
         if site.kind == "coder":  # hook_sae_acts_post of the spliced SAE / transcoder
             return r.location(self.coders[site])[0]
         envoy = r.lorsas.replace(site.layer, error=r.error)
@@ -343,9 +340,9 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
         replacement.check(r.head)
         if isinstance(r.head, MHSAHead):
             attn = a.attention_module(hf_module(replacement.model), r.head.layer)
-            if not isinstance(getattr(attn, QKV_PROJECTIONS[r.which], None), torch.nn.Module):
+            if not isinstance(getattr(attn, a.head_input_names[r.which], None), torch.nn.Module):
                 raise ConfigMismatchError(
-                    f"{a.family} attention has no separate {QKV_PROJECTIONS[r.which]}: MHSA receivers need "
+                    f"{a.family} attention has no separate {a.head_input_names[r.which]}: MHSA receivers need "
                     "separate q/k/v projections (Llama, Mistral, Qwen)")
         for g in groups:
             for t in g:

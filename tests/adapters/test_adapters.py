@@ -8,6 +8,7 @@ output and head-major MHSA weights -- must reproduce the model's own attention o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 
 import numpy as np
@@ -18,10 +19,13 @@ from helpers import rope_kwargs
 from transformers import AutoModelForCausalLM
 
 from nnsight_lorsa.adapters.base import ArchitectureAdapter, MHSAWeights, check_rope_read, mhsa_forward, mhsa_pattern
+from nnsight_lorsa.adapters.gemma import GemmaAdapter
 from nnsight_lorsa.adapters.gemma2 import Gemma2Adapter, Gemma3Adapter
 from nnsight_lorsa.adapters.gpt2 import GPT2Adapter
 from nnsight_lorsa.adapters.llama import LlamaAdapter
 from nnsight_lorsa.adapters.neox import GPTNeoXAdapter
+from nnsight_lorsa.adapters.olmo2 import Olmo2Adapter
+from nnsight_lorsa.adapters.phi3 import Phi3Adapter
 from nnsight_lorsa.adapters.registry import get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
 from nnsight_lorsa.modules.lorsa import Lorsa
@@ -69,9 +73,18 @@ def _config(family: str) -> transformers.PretrainedConfig:
             {"layer_types": ["full_attention", "sliding_attention"]} if family == "gemma2_sliding" else {}))
     if family == "gemma3":  # QK-norm (1 + w), RoPE per layer type: layer 0 local (sliding), layer 1 global (1M, x8)
         return transformers.Gemma3TextConfig(**GEMMA3)
+    if family == "olmo2":  # QK-norm over the whole projection (GQA: k_norm over 2 KV heads), post-norms only
+        return transformers.Olmo2Config(**_COMMON, num_key_value_heads=2, rope_parameters={
+            "rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})
+    if family == "phi3":  # fused qkv_proj (GQA), partial rotary 0.5, a sliding window on every layer shorter than SEQ
+        return transformers.Phi3Config(**_COMMON, num_key_value_heads=2, sliding_window=5, pad_token_id=1,
+                                       bos_token_id=0, eos_token_id=1, rope_parameters=PHI3_ROPE)
+    if family == "gemma":  # Gemma-1: 1 + weight RMSNorms, scaled embeddings, MQA (one KV head)
+        return transformers.GemmaConfig(**_COMMON, num_key_value_heads=1, head_dim=16)
     raise KeyError(family)
 
 
+PHI3_ROPE = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}
 #: Gemma-2: GQA, head_dim 16 scaled by 24 ** -0.5, attention logits capped at 1.5 (random scores reach ~5),
 #: final logits at 3; ``gemma2``: layer 1 global (transformers' default alternation), ``gemma2_sliding``:
 #: layer 1 a sliding layer with a window of 4 < SEQ
@@ -82,14 +95,15 @@ GEMMA3 = {**_COMMON, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_s
           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}}
 FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_sliding", "qwen3", "neox", "gpt2", "gpt2_inv",
-            "gemma2", "gemma2_sliding", "gemma3"]
+            "gemma2", "gemma2_sliding", "gemma3", "olmo2", "phi3", "gemma"]
 ROTARY_FAMILIES = [f for f in FAMILIES if not f.startswith("gpt2")]
 #: one RoPE for every layer (Gemma-3: one per layer type, test_gemma3_rope_per_layer_type)
 SHARED_ROPE_FAMILIES = [f for f in ROTARY_FAMILIES if f != "gemma3"]
 ADAPTER_OF = {"llama": LlamaAdapter, "llama_linear": LlamaAdapter, "mistral": LlamaAdapter,
               "qwen2": LlamaAdapter, "qwen2_sliding": LlamaAdapter, "qwen3": LlamaAdapter,
               "neox": GPTNeoXAdapter, "gpt2": GPT2Adapter, "gpt2_inv": GPT2Adapter,
-              "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter, "gemma3": Gemma3Adapter}
+              "gemma2": Gemma2Adapter, "gemma2_sliding": Gemma2Adapter, "gemma3": Gemma3Adapter,
+              "olmo2": Olmo2Adapter, "phi3": Phi3Adapter, "gemma": GemmaAdapter}
 #: families whose transformers refuses ``attn_implementation="sdpa"`` (Gemma-2: SDPA has no soft-capping)
 NO_SDPA = ("gemma2", "gemma2_sliding")
 
@@ -403,6 +417,57 @@ def test_neox_rotary_fraction_from_config_variants():
 # --------------------------------------------------------------------------- Lorsa init (App. B.3)
 
 
+def test_olmo2_whole_projection_qk_norm_and_sites():
+    """OLMo-2's QK-norm spans the whole projection (``q_norm`` of width ``n_heads * head_dim``): the same gains as
+    one RMSNorm per head give another output (no vacuous pass); no pre-norms, post-norms on both sublayers; the
+    Lorsa's per-head QK-norm gets each head's slice of the gain, its initial pattern near, not at, the MHSA's."""
+    model, adapter, w, x, positions, expected = captured_layer("olmo2")
+    assert not w.qk_norm_per_head and w.q_norm is not None and w.k_norm is not None
+    assert w.q_norm.shape == (N_HEADS * w.head_dim,) and w.k_norm.shape == (2 * w.head_dim,)
+    assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
+    per_head = MHSAWeights(**{**w.__dict__, "qk_norm_per_head": True, "q_norm": w.q_norm[:w.head_dim],
+                              "k_norm": w.k_norm[:w.head_dim]})
+    assert (mhsa_forward(per_head, x, positions) - expected).abs().max() > 1e-3
+    assert adapter.attention_norm_path(1) is None and adapter.mlp_norm_path(1) is None
+    assert adapter.attention_post_norm_path(1) == "model.layers.1.post_attention_layernorm"
+    assert adapter.mlp_post_norm_path(1) == "model.layers.1.post_feedforward_layernorm"
+    for path in (adapter.attention_post_norm_path(1), adapter.mlp_post_norm_path(1)):
+        assert isinstance(adapter.get_module(model, path), torch.nn.Module)
+    lorsa = Lorsa(LorsaConfig.from_mhsa(w, n_ov_heads=4 * w.n_heads, top_k=4, qk_heads_per_mhsa_head=2, layer=LAYER))
+    lorsa.init_from_mhsa(w, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lorsa.ln_q.w.detach().view(N_HEADS, 2, -1)[:, 0].flatten(), w.q_norm)
+    assert torch.equal(lorsa.ln_k.w.detach().view(N_HEADS, 2, -1)[::2, 0].flatten(), w.k_norm)
+    got = lorsa.attention_pattern(x, positions=positions)
+    ref = mhsa_pattern(w, x, positions).repeat_interleave(2, 1)
+    assert 1e-4 < (got - ref).abs().max() < 0.5
+
+
+def test_phi3_fused_qkv_partial_rotary_window_and_longrope_refused():
+    """Phi-3: the fused ``qkv_proj`` sliced ``[q | k | v]`` (a wrong slicing, partial rotary or window changes the
+    output: no vacuous pass); ``longrope`` (the 128k checkpoints) is refused by name — never another RoPE."""
+    model, adapter, w, x, positions, expected = captured_layer("phi3")
+    assert w.sliding_window == 5 < SEQ and w.rotary is not None and w.rotary.rotary_dim == w.head_dim // 2
+    assert (mhsa_forward(w, x, positions) - expected).abs().max() < TOL
+    for change in ({"sliding_window": None}, {"W_K": w.W_V, "W_V": w.W_K},
+                   {"rotary": dataclasses.replace(w.rotary, rotary_dim=w.head_dim)}):
+        other = MHSAWeights(**{**w.__dict__, **change})
+        assert (mhsa_forward(other, x, positions) - expected).abs().max() > 1e-3, change
+    long = transformers.Phi3Config(**_COMMON, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=1,
+                                   original_max_position_embeddings=64, rope_parameters={
+                                       "rope_type": "longrope", "rope_theta": 500.0, "short_factor": [1.0] * 8,
+                                       "long_factor": [2.0] * 8})
+    legacy = copy.deepcopy(tiny_model("phi3").config)  # transformers 4 keeps the factor on the config
+    legacy.rope_parameters = None
+    legacy.rope_scaling, legacy.rope_theta, legacy.partial_rotary_factor = None, 500.0, 0.5
+    assert get_adapter(legacy).rotary_config() == w.rotary
+    phi = get_adapter(long)
+    with pytest.raises(UnsupportedArchitectureError, match="longrope"):
+        phi.rotary_config()
+    long_model = AutoModelForCausalLM.from_config(long)
+    with pytest.raises(UnsupportedArchitectureError, match="longrope"):
+        phi.mhsa_weights(long_model, 0)
+
+
 def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
     """The model's own rotated queries ``(b, n_heads, s, e)`` and keys ``(b, n_kv, s, e)``."""
     attn = get_adapter(model).attention_module(model, LAYER)
@@ -427,7 +492,7 @@ def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
     return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma"])
 def test_lorsa_init_from_mhsa_copies_qk(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -462,7 +527,7 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3", "gemma"])
 def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,
     QK-norm), and initialised with ``init_from_mhsa`` has every QK head's attention pattern equal to its

@@ -25,7 +25,8 @@ def llama():
     return model, hf, lorsas, tcs, ids, attribute(rm(model, lorsas, tcs), ids, batch_size=48)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "qwen2", "gemma2", "gemma3", "olmo2",
+                                    "phi3", "gemma"])
 def test_incoming_edges_sum_to_node_values(family):
     """Check 1: every feature, Lorsa-head and logit node's incoming edges sum to its value."""
     model, _, lorsas, tcs = attribution_setup(family)
@@ -80,6 +81,35 @@ def test_replacement_with_errors_reproduces_the_logits(llama):
     assert (got - ref).abs().max() < 1e-5
 
 
+def _graph_checks_2_3(model, hf, lorsas, tcs, ids):
+    """The graph of ``ids``; check 2 (edges equal interventions: tokens / errors / biases and 24 sampled features)
+    and check 3 (the frozen model with its errors gives the unembedding's output). Returns the graph, the
+    replacement's logits and the largest edge checked."""
+    g = attribute(rm(model, lorsas, tcs), ids, batch_size=48)
+    k = g.nodes.kind
+    others = ((k == EMBEDDING) | (k == MLP_ERROR) | (k == ATTN_ERROR) | (k == BIAS)).nonzero().flatten()
+    feats = g.feature_ids[torch.randperm(len(g.feature_ids), generator=torch.Generator().manual_seed(0))[:24]]
+    by_intervention, from_graph = intervention_edges(rm(model, lorsas, tcs), g, torch.cat([others, feats]))
+    scale = float(from_graph.abs().max())
+    assert scale > 0 and (by_intervention - from_graph).abs().max() < 1e-5 * max(1.0, scale)
+    got = replacement_logits(rm(model, lorsas, tcs), ids)
+    assert (got - head_logits(hf, ids[None])).abs().max() < 1e-5
+    return g, got, scale
+
+
+def test_olmo2_graph_is_exact():
+    """OLMo-2 (no pre-norms: the attention and the MLP read the residual stream; post-attention / post-feedforward
+    RMSNorms; QK-norm over the whole projection): only the post-norms are frozen norm sites; checks 2 and 3; the hook
+    engine gives the same graph."""
+    model, hf, lorsas, tcs = attribution_setup("olmo2")
+    roles = [s.role or s.kind for s in frozen_sites(get_adapter(model)) if s.layer == 0]
+    assert roles == ["attention", "attn_post_norm", "mlp", "mlp_post_norm"]
+    ids = random_ids(1, 9, seed=5)[0]
+    g, _, scale = _graph_checks_2_3(model, hf, lorsas, tcs, ids)
+    g2 = attribute_with_hooks(rm(model, lorsas, tcs), ids, batch_size=13)
+    assert torch.allclose(g.densify(), g2.densify(), atol=1e-5 * scale)
+
+
 def test_gemma2_graph_is_exact():
     """Gemma-2 (post-attention / post-feedforward RMSNorms with ``1 + weight`` gains, attention and final logit
     soft-capping, sliding-window layers shorter than the prompt): the post-norms are frozen sites; check 2 (edges
@@ -91,15 +121,7 @@ def test_gemma2_graph_is_exact():
     roles = [s.role for s in frozen_sites(adapter) if s.layer == 0]
     assert roles == ["attn_norm", "", "attn_post_norm", "mlp_norm", "", "mlp_post_norm"]
     ids = random_ids(1, 9, seed=5)[0]
-    g = attribute(rm(model, lorsas, tcs), ids, batch_size=48)
-    k = g.nodes.kind
-    others = ((k == EMBEDDING) | (k == MLP_ERROR) | (k == ATTN_ERROR) | (k == BIAS)).nonzero().flatten()
-    feats = g.feature_ids[torch.randperm(len(g.feature_ids), generator=torch.Generator().manual_seed(0))[:24]]
-    by_intervention, from_graph = intervention_edges(rm(model, lorsas, tcs), g, torch.cat([others, feats]))
-    scale = float(from_graph.abs().max())
-    assert scale > 0 and (by_intervention - from_graph).abs().max() < 1e-5 * max(1.0, scale)
-    got = replacement_logits(rm(model, lorsas, tcs), ids)
-    assert (got - head_logits(hf, ids[None])).abs().max() < 1e-5
+    g, got, scale = _graph_checks_2_3(model, hf, lorsas, tcs, ids)
     cap = adapter.final_logit_softcap()
     with torch.no_grad():
         logits = hf(ids[None]).logits
@@ -118,7 +140,7 @@ def test_nnsight_and_hook_engines_agree(llama):
     assert torch.equal(g.nodes.kind, g2.nodes.kind)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "olmo2"])
 def test_sdpa_frozen_attention_equals_stored_patterns(family, monkeypatch):
     """The long-prompt path (constant queries/keys: SDPA for MHSA, Lorsa pattern rows recomputed in
     chunks of nodes in every pass — several chunks here) gives the same graph (Gemma-2's soft-capped MHSA
@@ -229,7 +251,7 @@ def test_trained_model_graph_is_exact():
     assert g.edge_sum_error().max() < 1e-4  # relative to each node's value, fp32
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "olmo2", "phi3"])
 def test_qk_pairs_sum_to_the_attention_score(family):
     """QK attribution: node pairs sum to the Lorsa head's score, which is the Lorsa's own q·k/scale."""
     from nnsight_lorsa.attribution.qk import qk_attribution
@@ -591,7 +613,7 @@ def test_gathered_writes_and_reads_match_the_grid(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "neox_sequential", "gpt2", "qwen2", "gemma2",
-                                    "gemma3"])
+                                    "gemma3", "olmo2", "phi3", "gemma"])
 def test_attribution_from_a_cache_equals_the_traced_graph(family):
     """``attribute(replacement, cache)``: the frozen model wired as plain tensor code from a cache of
     one clean trace (no model forward) gives the traced graph — sequential and parallel (NeoX)

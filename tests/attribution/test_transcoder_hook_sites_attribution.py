@@ -25,7 +25,8 @@ NORMALIZED, RESID_MID = "ln2.hook_normalized", "hook_resid_mid"
 CASES = [("llama", NORMALIZED, "mlp.hook_out"), ("llama", RESID_MID, "mlp.hook_out"),
          ("gpt2", RESID_MID, "hook_mlp_out"), ("gemma2", NORMALIZED, "hook_mlp_out"),
          ("gemma2", RESID_MID, "hook_mlp_out"),
-         ("gemma3", RESID_MID, "hook_mlp_out"), ("gemma3", NORMALIZED, "hook_mlp_out")]
+         ("gemma3", RESID_MID, "hook_mlp_out"), ("gemma3", NORMALIZED, "hook_mlp_out"),
+         ("olmo2", RESID_MID, "hook_mlp_out")]
 
 
 def _hooked(module: Any, feature_input_hook: str, feature_output_hook: str) -> Any:
@@ -82,7 +83,10 @@ def test_graphs_of_transcoders_read_and_written_off_the_mlp_call_are_exact(famil
     tcs = _transcoders(model, kind, (hook_in, hook_out))
     adapter = get_adapter(model)
     io = tcs.site(LAYERS[0]) if kind == "tc" else tcs.site()
-    assert adapter.mlp_path(0) not in io.input_paths  # not the MLP call: the new path
+    if family == "olmo2":  # no pre-MLP norm: hook_resid_mid is the MLP's input; the output is the post-norm's
+        assert io.input_paths[0] == adapter.mlp_path(0) and io.site_paths[0] == adapter.mlp_post_norm_path(0)
+    else:
+        assert adapter.mlp_path(0) not in io.input_paths  # not the MLP call: the new path
     r = rm(model, None, tcs)
     g = attribute(r, ids, batch_size=40)
     assert g.edge_sum_error("mass").max() < 1e-5

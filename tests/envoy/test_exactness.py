@@ -31,7 +31,9 @@ def test_error_terms_reproduce_the_model_up_to_its_context_length(family):
     rm = ReplacementModel(
         model, lorsas=LorsaSet(model, {layer: make_lorsa(hf, adapter, layer) for layer in range(n_layers)}),
         transcoders=TranscoderSet(model, make_transcoders(range(n_layers), skip_layer=1)),
-        saes=SAESet(model, {adapter.attention_norm_path(0): make_sae()}), error=True)
+        # an SAE on a norm's output (OLMo-2 has no pre-norm: its post-attention norm)
+        saes=SAESet(model, {adapter.attention_norm_path(0) or adapter.attention_post_norm_path(0): make_sae()}),
+        error=True)
     g = torch.Generator().manual_seed(7)
     for length in (4, n_ctx):
         ids = torch.randint(2, hf.config.vocab_size, (1, length), generator=g)

@@ -27,8 +27,9 @@ from nnsight_lorsa.attribution import attribute
 from nnsight_lorsa.attribution.graph import LORSA
 
 #: (family, attention implementation, sliding layer with the Lorsa): windows of 4 on layer 1 of Mistral (every
-#: layer sliding) and layer 0 of Gemma-2 (eager only) / Gemma-3 (SDPA)
-CASES = [("mistral", "eager", 1), ("mistral", "sdpa", 1), ("gemma2", "eager", 0), ("gemma3", "sdpa", 0)]
+#: layer sliding) and layer 0 of Gemma-2 (eager only) / Gemma-3 (SDPA); Phi-3's layer 1 (every layer sliding)
+CASES = [("mistral", "eager", 1), ("mistral", "sdpa", 1), ("gemma2", "eager", 0), ("gemma3", "sdpa", 0),
+         ("phi3", "sdpa", 1)]
 _SETUPS: dict[tuple[str, str, int], tuple] = {}
 
 

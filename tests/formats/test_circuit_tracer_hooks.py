@@ -593,3 +593,29 @@ def test_gemmascope_transcoder_on_a_bf16_gemma2_reads_the_fp32_normalisation() -
         assert torch.allclose(recons, tc(x), rtol=1e-6, atol=1e-6)
         assert not torch.allclose(recons, tc(x.to(torch.bfloat16).float()), rtol=1e-6, atol=1e-6)  # not rounded
     assert torch.equal(logits, plain)
+
+
+def test_olmo2_without_pre_norms_reads_resid_mid_at_the_mlp_and_refuses_hook_normalized(tmp_path: Path) -> None:
+    """OLMo-2 has no pre-MLP norm: ``hook_resid_mid`` is the MLP's own input (``error=True``: the plain logits bit for
+    bit; without: the module on the MLP's input), and ``ln2.hook_normalized`` has no site there — refused by name."""
+    model, hf = tiny_nnsight("olmo2")
+    adapter = get_adapter(model)
+    assert adapter.mlp_norm_path(LAYER) is None
+    ids = random_ids()
+    plain = head_logits(hf, ids)
+    tc = _resid_mid(_relu_tc())
+    tcs = TranscoderSet(model, {LAYER: tc})
+    for error in (True, False):
+        with model.trace(ids):
+            site = tcs.replace(LAYER, error=error)
+            mlp_in = model.get(adapter.mlp_path(LAYER)).inputs[0][0].save()
+            recons = site.hook_sae_recons.output.save()
+            logits = unembed(model).output.save()
+        with torch.no_grad():
+            assert torch.allclose(recons, tc(mlp_in), rtol=1e-5, atol=1e-6)
+        assert torch.equal(logits, plain) == error
+    tc_dir, clt_dir = _files(tmp_path, "normalized", feature_input_hook="ln2.hook_normalized",
+                             feature_output_hook="mlp.hook_out")
+    for directory, loader in ((tc_dir, TranscoderSet.from_pretrained), (clt_dir, CLTSet.from_pretrained)):
+        with pytest.raises(UnsupportedArchitectureError, match=r"ln2.hook_normalized.*no pre-MLP norm"):
+            loader(model, directory)

@@ -47,7 +47,7 @@ from nnsight_lorsa.modules import (
     make_activation,
 )
 
-FAMILIES = ("llama", "neox", "gpt2", "gemma2")
+FAMILIES = ("llama", "neox", "gpt2", "gemma2", "olmo2", "phi3", "gemma")
 LAYER = 1
 
 

@@ -42,7 +42,8 @@ from nnsight_lorsa.patching.experiments import (
     random_ablation_control,
 )
 
-PROJ = {"llama": "o_proj", "neox": "dense", "gpt2": "c_proj", "gemma2": "o_proj", "gemma3": "o_proj"}
+PROJ = {"llama": "o_proj", "neox": "dense", "gpt2": "c_proj", "gemma2": "o_proj", "gemma3": "o_proj", "olmo2": "o_proj",
+        "phi3": "o_proj", "gemma": "o_proj"}
 
 
 def proj_module(hf, adapter, family, layer):
@@ -56,7 +57,7 @@ def with_proj_edit(hf, adapter, family, layer, edit):
     return proj_module(hf, adapter, family, layer).register_forward_pre_hook(pre)
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gemma2", "gemma3", "olmo2", "phi3", "gemma"])
 @torch.no_grad()
 def test_mhsa_interventions_match_hook_reference(family):
     model, hf = tiny_nnsight(family)

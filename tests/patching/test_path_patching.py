@@ -34,11 +34,12 @@ def o_proj(hf, layer):
 
 
 @torch.no_grad()
-def reference(hf, adapter, clean, corrupt, layer, head, *, freeze=True, receiver=None, sender_delta=None):
+def reference(hf, adapter, clean, corrupt, layer, head, *, freeze=True, receiver=None, sender_delta=None,
+              q_module="q_proj"):
     """Wang et al. path patching with forward hooks: sender MHSA head ``(layer, head)`` takes its
     corrupt value (or, with ``sender_delta(x_attn_out) -> delta``, the attention output of ``layer``
     is shifted), every later o_proj output is frozen to its clean value; with ``receiver=(R, h)``
-    only head h's q input at layer R sees the change."""
+    only head h's q input at layer R (its columns of ``q_module``'s output) sees the change."""
     d = adapter.head_dim
     cols = slice(head * d, (head + 1) * d)
     rec: dict = {}
@@ -66,7 +67,7 @@ def reference(hf, adapter, clean, corrupt, layer, head, *, freeze=True, receiver
     for L in range(layer + 1, last if freeze else layer + 1):
         handles.append(o_proj(hf, L).register_forward_hook(lambda m, a, o, L=L: rec[("out", L)]))
     if receiver is not None:
-        q = hf.model.layers[receiver[0]].self_attn.q_proj
+        q = getattr(hf.model.layers[receiver[0]].self_attn, q_module)
         handles.append(q.register_forward_hook(lambda m, a, o: rec.__setitem__("q", o.clone())))
     logits = hf(clean).logits
     for h in handles:
@@ -80,7 +81,7 @@ def reference(hf, adapter, clean, corrupt, layer, head, *, freeze=True, receiver
         o[..., qc] = rec["q"][..., qc]
         return o
 
-    h = hf.model.layers[receiver[0]].self_attn.q_proj.register_forward_hook(patch_q)
+    h = getattr(hf.model.layers[receiver[0]].self_attn, q_module).register_forward_hook(patch_q)
     logits = hf(clean).logits
     h.remove()
     return metric(logits)
@@ -133,6 +134,22 @@ def test_receiver_q_input_matches_reference(llama):
     torch.testing.assert_close(res.patched[0], want, atol=1e-4, rtol=1e-4)
     logits_only = path_patching(r, clean, [MHSAHead(0, 2)], corrupt=corrupt, metric=metric)
     assert (logits_only.patched[0] - res.patched[0]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_olmo2_receiver_q_input_is_the_normed_projection():
+    """OLMo-2's QK-norm spans every head's projection: a receiver head's q input is its columns of ``q_norm``'s
+    output (only that head's query changes); patching its ``q_proj`` columns would move every head's query through
+    the shared denominator — another result."""
+    model, hf = tiny_nnsight("olmo2")
+    adapter = get_adapter(model)
+    clean, corrupt = prompts()
+    res = path_patching(ReplacementModel(model), clean, [MHSAHead(0, 2)], corrupt=corrupt, metric=metric,
+                        receivers=[HeadInput(MHSAHead(2, 1), "q")])
+    want = reference(hf, adapter, clean, corrupt, 0, 2, receiver=(2, 1), q_module="q_norm")
+    torch.testing.assert_close(res.patched[0], want, atol=1e-4, rtol=1e-4)
+    before_norm = reference(hf, adapter, clean, corrupt, 0, 2, receiver=(2, 1))
+    assert (before_norm - want).abs().max() > 1e-3
 
 
 @torch.no_grad()

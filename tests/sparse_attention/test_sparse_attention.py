@@ -75,9 +75,12 @@ def test_open_gates_reproduce_the_model(family: str) -> None:
     def allowed(n: int, window: int | None) -> int:  # causal edges of n tokens, each seeing its last `window` keys
         return sum(min(i + 1, window or n) for i in range(n))
 
-    # a row of 10 tokens and one of 7 (3 padded), per layer: Gemma-2's sliding layers see their window only
-    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
-    windows = [model.config.sliding_window if t == "sliding_attention" else None for t in types]
+    # a row of 10 tokens and one of 7 (3 padded), per layer: Gemma-2's sliding layers see their window only, Phi-3's
+    # every layer (a window and no layer_types)
+    window = getattr(model.config, "sliding_window", None)
+    types = getattr(model.config, "layer_types", None) or [
+        "full_attention" if window is None else "sliding_attention"] * model.config.num_hidden_layers
+    windows = [window if t == "sliding_attention" else None for t in types]
     expected = torch.tensor([float(allowed(seq, w) + allowed(seq - 3, w)) for w in windows])
     assert torch.equal(st.possible, expected[:, None].expand_as(st.possible))
     uninstall_gated_attention(model)
