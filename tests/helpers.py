@@ -34,6 +34,39 @@ if TYPE_CHECKING:  # nnsight_lorsa is imported inside the factories: the loopbac
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
+
+def run_ranks(script: str, world: int, tmp_path: Path, extra: tuple[str, ...] = (), timeout: float = 120) -> None:
+    """Runs ``python script rank world init out_prefix *extra`` in ``world`` processes (a gloo group's ranks: the
+    worker reads them from its argv; ``out_prefix`` is ``tmp_path / f"rank{r}"``), with this tree and the tests on
+    the path and one thread each.
+
+    Fails (AssertionError with every rank's output) when a rank fails or ``timeout`` seconds pass; no rank outlives
+    the call: once one rank has failed, the others (which would wait in a collective until gloo's 30-minute timeout)
+    are killed, as are all ranks on a timeout or any error here. Logs go to files, not pipes: a full pipe cannot
+    block a rank."""
+    import time
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    init, out = str(tmp_path / "init"), str(tmp_path / "rank")
+    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for r, log in enumerate(logs):
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen([sys.executable, script, str(r), str(world), init, f"{out}{r}", *extra],
+                                              env=env, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+               and all(p.returncode in (None, 0) for p in procs)):
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert all(p.returncode == 0 for p in procs), [log.read_text(errors="replace") for log in logs]
+
 VOCAB = 128
 D_MODEL = 64
 N_HEADS = 4

@@ -11,13 +11,12 @@ launcher's own test (a rank that fails, one that never ends).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from helpers import ROOT, TESTS
+from helpers import run_ranks
 
 D, F, K, STEPS = 24, 96, 4, 6
 KINDS = ("topk", "relu")
@@ -176,31 +175,9 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, mode: str) -
 
 
 def _run_ranks(tmp_path, world: int, mode: str, timeout: float = 120) -> None:
-    """Runs :func:`_worker` in ``world`` gloo processes; rank ``r`` writes ``tmp_path / f"rank{r}_*"``.
-
-    Fails (AssertionError with every rank's output) when a rank fails or ``timeout`` seconds pass; no rank
-    outlives the call: once one rank has failed, the others (which would wait in a collective until gloo's
-    30-minute timeout) are killed, as are all ranks on a timeout or any error here."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    init, out = str(tmp_path / "init"), str(tmp_path / "rank")
-    args = [[sys.executable, __file__, str(r), str(world), init, f"{out}{r}", mode] for r in range(world)]
-    logs = [tmp_path / f"rank{r}.log" for r in range(world)]  # files, not pipes: a full pipe cannot block a rank
-    procs: list[subprocess.Popen] = []
-    try:
-        for a, log in zip(args, logs, strict=True):
-            with open(log, "wb") as f:
-                procs.append(subprocess.Popen(a, env=env, stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-               and all(p.returncode in (None, 0) for p in procs)):
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), [log.read_text(errors="replace") for log in logs]
+    """Runs :func:`_worker` in ``world`` gloo processes; rank ``r`` writes ``tmp_path / f"rank{r}_*"``
+    (:func:`helpers.run_ranks`: no rank outlives the call)."""
+    run_ranks(__file__, world, tmp_path, (mode,), timeout)
 
 
 def test_two_gloo_processes_equal_one_process(tmp_path):

@@ -14,14 +14,11 @@ the one-process run's on the global batches (1e-8 of the norm; a Lorsa's ``b_K``
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from helpers import ROOT, TESTS
+from helpers import run_ranks
 
 DT = torch.float64
 KINDS = ("jumprelu", "abstopk", "groupmax", "clt", "lorsa", "lorsa_auxk")
@@ -120,27 +117,8 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
 
 
 def _run_ranks(tmp_path, world: int, timeout: float = 180) -> None:
-    """:func:`_worker` in ``world`` processes (as ``test_distributed._run_ranks``: logs in files, no rank left)."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    init, out = str(tmp_path / "init"), str(tmp_path / "rank")
-    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
-    procs: list[subprocess.Popen] = []
-    try:
-        for r, log in enumerate(logs):
-            with open(log, "wb") as f:
-                procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(world), init, f"{out}{r}"],
-                                              env=env, stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-               and all(p.returncode in (None, 0) for p in procs)):
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    assert all(p.returncode == 0 for p in procs), [log.read_text(errors="replace") for log in logs]
+    """:func:`_worker` in ``world`` processes (:func:`helpers.run_ranks`: logs in files, no rank left)."""
+    run_ranks(__file__, world, tmp_path, timeout=timeout)
 
 
 @pytest.mark.slow  # 10 s (two processes start): tests/training/test_distributed.py is the default run's DDP test

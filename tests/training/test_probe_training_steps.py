@@ -199,6 +199,17 @@ def close(got: torch.Tensor | float, want: torch.Tensor | float, what: str, tol:
     assert err <= tol, f"{what}: relative error {err:.3g} (got {got}, want {want})" if want_t.numel() == 1 \
         else f"{what}: relative error {err:.3g}"
 
+def check_state(trainer, want: dict, where: str) -> None:
+    """Every parameter, both Adam moments and the dead counters of ``trainer`` against the reference's ``want``."""
+    params = dict(trainer.module.named_parameters())
+    for name, value in want["params"].items():
+        close(params[name].detach(), value, f"{where}: parameter {name}", PARAM_TOL, floor=0.1)
+        state = trainer.optimizer.state[params[name]]
+        close(state["exp_avg"], want["m"][name], f"{where}: Adam m of {name}", PARAM_TOL, floor=1e-6)
+        close(state["exp_avg_sq"], want["v"][name], f"{where}: Adam v of {name}", PARAM_TOL, floor=1e-12)
+    assert torch.equal(trainer.tokens_since_fired.cpu(), want["counters"]), f"{where}: dead counters"
+
+
 
 # ------------------------------------------------------------------------------------- sparse coders
 @dataclass
@@ -341,13 +352,7 @@ def compare_trainer(case: Case, reference: list[dict], trainer: Trainer) -> None
             if name == "sparsity" and case.act in ("topk", "batchtopk") and case.config.sparse_kernels:
                 continue  # the sparse path logs no sparsity term (there is none for TopK / BatchTopK)
             close(got[name], value, f"{where}: metric {name}", METRIC_TOL)
-        params = dict(trainer.module.named_parameters())
-        for name, value in want["params"].items():
-            close(params[name].detach(), value, f"{where}: parameter {name}", PARAM_TOL, floor=0.1)
-            state = trainer.optimizer.state[params[name]]
-            close(state["exp_avg"], want["m"][name], f"{where}: Adam m of {name}", PARAM_TOL, floor=1e-6)
-            close(state["exp_avg_sq"], want["v"][name], f"{where}: Adam v of {name}", PARAM_TOL, floor=1e-12)
-        assert torch.equal(trainer.tokens_since_fired.cpu(), want["counters"]), f"{where}: dead counters"
+        check_state(trainer, want, where)
         if case.act == "batchtopk":
             close(float(trainer.module.activation.threshold), want["bt_theta"], f"{where}: BatchTopK threshold")
 
@@ -539,13 +544,7 @@ def run_clt_case(drawn: tuple[Case, int, bool]) -> None:
         assert set(got) >= set(want["metrics"]), f"{where}: metrics {sorted(got)}"
         for name, value in want["metrics"].items():
             close(got[name], value, f"{where}: metric {name}", METRIC_TOL)
-        params = dict(trainer.module.named_parameters())
-        for name, value in want["params"].items():
-            close(params[name].detach(), value, f"{where}: parameter {name}", PARAM_TOL, floor=0.1)
-            state = trainer.optimizer.state[params[name]]
-            close(state["exp_avg"], want["m"][name], f"{where}: Adam m of {name}", PARAM_TOL, floor=1e-6)
-            close(state["exp_avg_sq"], want["v"][name], f"{where}: Adam v of {name}", PARAM_TOL, floor=1e-12)
-        assert torch.equal(trainer.tokens_since_fired.cpu(), want["counters"]), f"{where}: dead counters"
+        check_state(trainer, want, where)
         if case.act == "batchtopk":
             close(torch.tensor([float(a.threshold) for a in trainer.module.activation]),
                   torch.tensor(want["bt_theta"]), f"{where}: BatchTopK thresholds")
