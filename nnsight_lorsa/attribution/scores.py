@@ -275,11 +275,10 @@ def row_influence(rows: RowSource, row_node: Int[torch.Tensor, " n_rows"], row_w
     fed_cols = fed.nonzero().flatten()
     sub = restricted(fed_cols)
     row_cols = row_node[row_node < n_cols]
-    unfed = row_cols[~fed[row_cols]]  # row nodes outside the mask: fed back 0
-    back = torch.empty(n_cols, dtype=torch.float64, device=HOST)  # only the row nodes' columns are ever read
+    back = torch.empty(n_cols, dtype=torch.float64, device=HOST)  # only the row nodes' columns are ever read:
+    back.index_fill_(0, row_cols[~fed[row_cols]], 0.0)  # those outside the mask feed back 0, the others are written
 
     def feed(w: torch.Tensor) -> torch.Tensor:
-        back.index_fill_(0, unfed, 0.0)
         return back.index_copy_(0, fed_cols, sub.weighted_abs(weights(w), den))
 
     return influence_series(propagate, row_node, row_weight.double(), n_cols, max_iter, feed=feed)
