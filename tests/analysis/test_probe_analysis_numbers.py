@@ -201,6 +201,11 @@ def _zp_case(family, b, s, offset, pad, bf16, seed):
     """RoPE / QK-norm families, position offsets, key padding, fp32 and bf16: the z-pattern's contributions summed
     over keys == the Lorsa's own ``z_pre`` (SDPA path), and ``z`` wherever the head is active; patterns are
     distributions over the allowed keys."""
+    _zp_check(family, b, s, offset, pad, bf16, seed)
+
+
+@torch.no_grad()
+def _zp_check(family, b, s, offset, pad, bf16, seed):
     dtype = torch.bfloat16 if bf16 else torch.float32
     lorsa = _setup(family)[3]
     lorsa = lorsa.to(dtype) if bf16 else lorsa
