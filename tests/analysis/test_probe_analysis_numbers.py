@@ -101,7 +101,8 @@ def _check_top(top, z: torch.Tensor, n_top: int, skip_start: int, distinct: bool
 
 
 _TOP = dict(n=st.integers(1, 6), pos=st.integers(2, 10), n_top=st.integers(1, 9), batch_size=st.integers(1, 7),
-       skip=st.integers(0, 3), distinct=st.booleans(), family=st.sampled_from(["llama", "gpt2", "gemma2"]),
+       skip=st.integers(0, 3), distinct=st.booleans(),
+       family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox", "olmo2", "phi3"]),
        seed=st.integers(0, 2**16))
 
 
@@ -119,7 +120,7 @@ def _top_case(n, pos, n_top, batch_size, skip, distinct, family, seed):
 
 
 test_top_activations_match_a_brute_force_pass = _generated(_top_case, _TOP, 12)
-test_sweep_top_activations_match_a_brute_force_pass = pytest.mark.slow(_generated(_top_case, _TOP, 300))
+test_sweep_top_activations_match_a_brute_force_pass = pytest.mark.slow(_generated(_top_case, _TOP, 1000))
 
 
 def test_top_activations_with_ties_and_a_bf16_model():
@@ -239,7 +240,7 @@ def _zp_check(family, b, s, offset, pad, bf16, seed):
 
 
 test_z_pattern_sums_to_z_pre = _generated(_zp_case, _ZP, 10)
-test_sweep_z_pattern_sums_to_z_pre = pytest.mark.slow(_generated(_zp_case, _ZP, 300))
+test_sweep_z_pattern_sums_to_z_pre = pytest.mark.slow(_generated(_zp_case, _ZP, 1000))
 
 
 # ----------------------------------------------------------- MHSA correlation
@@ -263,7 +264,9 @@ def _per_head_outputs(hf, adapter, layer: int, ids: torch.Tensor) -> torch.Tenso
                         w.double().unflatten(1, (n_heads, e)))
 
 
-@pytest.mark.parametrize(("family", "layer"), [("llama", LAYER), ("gpt2", LAYER), ("gemma2", 0), ("qwen3", LAYER)])
+@pytest.mark.parametrize(("family", "layer"), [("llama", LAYER), ("gpt2", LAYER), ("gemma2", 0), ("qwen3", LAYER),
+                                               ("neox", LAYER), ("olmo2", LAYER), ("phi3", LAYER), ("gemma3", 0),
+                                               ("mistral", LAYER), ("gemma", LAYER), ("qwen2", LAYER)])
 def test_mhsa_correlation_against_per_token_least_squares(family, layer):
     """App. E.1 by hand: at every non-BOS token, least squares (fp64) of each MHSA head's output (read by a hook
     on the output projection) on the active Lorsa heads' ``z_h w_o^h`` (``z`` from the plain-hook splice);
@@ -475,11 +478,11 @@ def _circuit_case(family, error, b, seed):
 
 
 test_circuit_size_and_component_scores_by_hand = _generated(_circuit_case, _CIRCUIT, 4)
-test_sweep_circuit_size_and_component_scores_by_hand = pytest.mark.slow(_generated(_circuit_case, _CIRCUIT, 40))
+test_sweep_circuit_size_and_component_scores_by_hand = pytest.mark.slow(_generated(_circuit_case, _CIRCUIT, 150))
 
 
-_SWAP = dict(family=st.sampled_from(["llama", "gpt2", "gemma2"]), error=st.booleans(), swap=st.booleans(),
-       pos=st.sampled_from([-1, 3, [1, 4], None]), b=st.integers(1, 3), seed=st.integers(0, 2**16))
+_SWAP = dict(family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox"]), error=st.booleans(),
+       swap=st.booleans(), pos=st.sampled_from([-1, 3, [1, 4], None]), b=st.integers(1, 3), seed=st.integers(0, 2**16))
 
 
 def _swap_case(family, error, swap, pos, b, seed):
@@ -518,4 +521,4 @@ def _swap_case(family, error, swap, pos, b, seed):
 
 
 test_head_swap_by_hand = _generated(_swap_case, _SWAP, 8)
-test_sweep_head_swap_by_hand = pytest.mark.slow(_generated(_swap_case, _SWAP, 150))
+test_sweep_head_swap_by_hand = pytest.mark.slow(_generated(_swap_case, _SWAP, 400))
