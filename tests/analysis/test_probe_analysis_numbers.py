@@ -134,6 +134,56 @@ def test_top_activations_with_ties_and_a_bf16_model():
         _check_top(top, z, 4, 1, distinct, 1e-2 * float(z.abs().max()))
 
 
+
+_UPDATES = dict(n_heads=st.integers(1, 4), n_top=st.integers(1, 6), distinct=st.booleans(),
+                batches=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 6), st.integers(0, 2**16)),
+                                 min_size=1, max_size=5), pos=st.integers(1, 5), levels=st.sampled_from([3, 1000]))
+
+
+def _updates_case(n_heads, n_top, distinct, batches, pos, levels):
+    """``TopActivations.update`` streamed over batches (overlapping windows when ``distinct``: the same window given
+    again, with other values) with few value levels (ties) and random keep masks == the definition on everything
+    given: per window its largest kept value (distinct) or every kept token, the top ``n_top`` of those."""
+    from nnsight_lorsa.analysis import TopActivations
+
+    top = TopActivations.empty(n_heads, n_top, distinct_windows=distinct)
+    seen: dict = {}  # (window, position) -> list of value vectors (n_heads,) given there
+    n_tokens, count = 0, torch.zeros(n_heads, dtype=torch.long)
+    nxt = 0
+    for b, first, seed in batches:
+        g = torch.Generator().manual_seed(seed)
+        first = first if distinct else nxt  # without distinct_windows a window is given once
+        nxt = first + b
+        z = torch.randint(0, levels, (b, pos, n_heads), generator=g).float() / levels - 0.2
+        keep = torch.rand(b, pos, generator=g) > 0.3
+        top.update(z, first, keep)
+        n_tokens += int(keep.sum())
+        count += ((z > 0) & keep[..., None]).sum((0, 1))
+        for r, p in keep.nonzero().tolist():
+            seen.setdefault((first + r, p), []).append(z[r, p])
+    assert top.n_tokens == n_tokens and torch.equal(top.count, count)
+    for h in range(n_heads):
+        per_loc = {k: max(float(v[h]) for v in vals) for k, vals in seen.items()}
+        if distinct:
+            best: dict = {}
+            for (w, _), v in per_loc.items():
+                best[w] = max(best.get(w, float("-inf")), v)
+            cand = sorted(best.values(), reverse=True)
+        else:
+            cand = sorted(per_loc.values(), reverse=True)
+        m = min(n_top, len(cand))
+        got_v, got_w, got_p = top.values[h].tolist(), top.window[h].tolist(), top.position[h].tolist()
+        assert got_v[:m] == pytest.approx(cand[:m], abs=1e-6), (h, got_v, cand)
+        assert all(v == float("-inf") for v in got_v[m:]) and all(w == -1 for w in got_w[m:])
+        pairs = list(zip(got_w[:m], got_p[:m], strict=True))
+        assert len(set(pairs)) == m and (not distinct or len({w for w, _ in pairs}) == m), pairs
+        for (w, p), v in zip(pairs, got_v[:m], strict=True):
+            assert (w, p) in per_loc and abs(per_loc[(w, p)] - v) <= 1e-6, (h, w, p, v)
+
+
+test_top_activations_updates_by_definition = _generated(_updates_case, _UPDATES, 60)
+test_sweep_top_activations_updates_by_definition = pytest.mark.slow(_generated(_updates_case, _UPDATES, 3000))
+
 # ------------------------------------------------------------------ z-pattern
 def _hand_pattern(lorsa, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``A[b, g, i, j] = softmax_j(q_i·k_j / scale)`` over ``j ≤ i`` with ``mask[b, j]`` (a row with no key: itself),
@@ -296,7 +346,7 @@ def test_mhsa_correlation_against_per_token_least_squares(family, layer):
     assert corr.n_tokens == 3 * 8
     assert torch.equal(corr.count, count)
     rel = float((corr.contrib.double() - want).abs().max() / want.abs().max())
-    assert rel <= 1e-3, rel
+    assert rel <= 1e-5, rel  # measured 4e-8 – 7e-8 over the 11 families
 
 
 # ------------------------------------------------------------------ logit lens
