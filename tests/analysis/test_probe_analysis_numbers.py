@@ -572,3 +572,28 @@ def _swap_case(family, error, swap, pos, b, seed):
 
 test_head_swap_by_hand = _generated(_swap_case, _SWAP, 8)
 test_sweep_head_swap_by_hand = pytest.mark.slow(_generated(_swap_case, _SWAP, 400))
+
+
+@torch.no_grad()
+def test_top_activations_of_an_fp32_lorsa_on_a_bf16_model():
+    """A bf16 model with an fp32 Lorsa (the Lorsa sees the attention input in its own dtype): the table == the top
+    of the fp32 Lorsa's ``z`` on the bf16 input captured by a hook, bit for bit; counts equal."""
+    for family in ("llama", "gemma2"):
+        model, hf = tiny_nnsight(family, dtype=torch.bfloat16)
+        adapter = get_adapter(model)
+        lorsa = make_lorsa(hf.float(), adapter)
+        hf.to(torch.bfloat16)
+        rm = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
+        ids = _ids(3, 9, 2)
+        xs: list = []
+        handle = adapter.attention_module(hf, LAYER).register_forward_hook(
+            lambda m, a, kw, o, xs=xs, adapter=adapter: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
+        try:
+            hf(ids)
+        finally:
+            handle.remove()
+        assert xs[0].dtype == torch.bfloat16
+        z = lorsa(xs[0].float(), return_cache=True)[1].z
+        for distinct in (False, True):
+            top = collect_top_activations(rm, LAYER, ids, n_top=3, batch_size=2, distinct_windows=distinct)
+            _check_top(top, z, 3, 1, distinct, 0.0)
