@@ -314,15 +314,9 @@ def _per_head_outputs(hf, adapter, layer: int, ids: torch.Tensor) -> torch.Tenso
                         w.double().unflatten(1, (n_heads, e)))
 
 
-@pytest.mark.parametrize(("family", "layer"), [("llama", LAYER), ("gpt2", LAYER), ("gemma2", 0), ("qwen3", LAYER),
-                                               ("neox", LAYER), ("olmo2", LAYER), ("phi3", LAYER), ("gemma3", 0),
-                                               ("mistral", LAYER), ("gemma", LAYER), ("qwen2", LAYER)])
-def test_mhsa_correlation_against_per_token_least_squares(family, layer):
-    """App. E.1 by hand: at every non-BOS token, least squares (fp64) of each MHSA head's output (read by a hook
-    on the output projection) on the active Lorsa heads' ``z_h w_o^h`` (``z`` from the plain-hook splice);
-    mean per Lorsa head over its active tokens. Gemma-2 layer 0: sliding window 4 and soft-capped scores."""
-    _, hf, adapter, lorsa, rm = _setup(family, layer)
-    ids = _ids(3, 9, 5)
+def _correlation_reference(family: str, layer: int, ids: torch.Tensor, skip_first: bool):
+    """App. E.1 by hand: ``(mean coefficients (n_ov, H) fp64, active counts (n_ov,))``."""
+    _, hf, adapter, lorsa, _ = _setup(family, layer)
     o = _per_head_outputs(hf, adapter, layer, ids)
     store: list = []
     with torch.no_grad(), _capture_z(hf, adapter, layer, lorsa, store):
@@ -333,7 +327,7 @@ def test_mhsa_correlation_against_per_token_least_squares(family, layer):
     count = torch.zeros(n_ov, dtype=torch.long)
     w_o = lorsa.W_O.detach().double()
     for b in range(ids.shape[0]):
-        for s in range(1, ids.shape[1]):
+        for s in range(1 if skip_first else 0, ids.shape[1]):
             act = (z[b, s] > 0).nonzero().flatten()
             if act.numel() == 0:
                 continue
@@ -341,12 +335,54 @@ def test_mhsa_correlation_against_per_token_least_squares(family, layer):
             coef = torch.linalg.lstsq(basis, o[b, s].T, driver="gelsd").solution  # (k, H)
             contrib[act] += coef
             count[act] += 1
-    want = contrib / count.clamp_min(1)[:, None]
+    return contrib / count.clamp_min(1)[:, None], count
+
+
+@pytest.mark.parametrize(("family", "layer"), [("llama", LAYER), ("gpt2", LAYER), ("gemma2", 0), ("qwen3", LAYER),
+                                               ("neox", LAYER), ("olmo2", LAYER), ("phi3", LAYER), ("gemma3", 0),
+                                               ("mistral", LAYER), ("gemma", LAYER), ("qwen2", LAYER)])
+def test_mhsa_correlation_against_per_token_least_squares(family, layer):
+    """App. E.1 by hand: at every non-BOS token, least squares (fp64) of each MHSA head's output (read by a hook
+    on the output projection) on the active Lorsa heads' ``z_h w_o^h`` (``z`` from the plain-hook splice);
+    mean per Lorsa head over its active tokens. Gemma-2 layer 0: sliding window 4 and soft-capped scores."""
+    _, _, _, _, rm = _setup(family, layer)
+    ids = _ids(3, 9, 5)
+    want, count = _correlation_reference(family, layer, ids, True)
     corr = mhsa_correlation(rm, layer, ids, batch_size=2)
     assert corr.n_tokens == 3 * 8
     assert torch.equal(corr.count, count)
     rel = float((corr.contrib.double() - want).abs().max() / want.abs().max())
     assert rel <= 1e-5, rel  # measured 4e-8 – 7e-8 over the 11 families
+
+
+_CORR = dict(family=st.sampled_from([("llama", LAYER), ("gemma2", 0), ("gpt2", LAYER), ("olmo2", LAYER)]),
+             n=st.integers(1, 4), pos=st.integers(2, 9), batch_size=st.integers(1, 4), skip_first=st.booleans(),
+             seed=st.integers(0, 2**16))
+
+
+def _correlation_case(family, n, pos, batch_size, skip_first, seed):
+    """``mhsa_correlation`` over drawn windows, batch sizes and ``skip_first`` == the hand App. E.1; its
+    ``heads_spanned`` == the fewest largest normalised contributions whose sum reaches 90% (0 for inactive heads)."""
+    fam, layer = family
+    rm = _setup(fam, layer)[4]
+    ids = _ids(n, pos, seed)
+    want, count = _correlation_reference(fam, layer, ids, skip_first)
+    corr = mhsa_correlation(rm, layer, ids, batch_size=batch_size, skip_first=skip_first)
+    assert corr.n_tokens == n * (pos - 1 if skip_first else pos) and torch.equal(corr.count, count)
+    scale = max(float(want.abs().max()), 1e-12)
+    assert float((corr.contrib.double() - want).abs().max()) <= 1e-5 * scale
+    spanned = corr.heads_spanned().tolist()
+    for h in range(want.shape[0]):
+        if count[h] == 0:
+            assert spanned[h] == 0
+            continue
+        frac = (corr.contrib[h] / corr.contrib[h].sum()).sort(descending=True).values.cumsum(0)
+        if bool(((frac - 0.9).abs() > 1e-6).all()) and float(frac[-1]) >= 0.9:  # no sum on the bar
+            assert spanned[h] == int((frac >= 0.9).nonzero()[0]) + 1, (h, frac, spanned[h])
+
+
+test_mhsa_correlation_generated = _generated(_correlation_case, _CORR, 6)
+test_sweep_mhsa_correlation_generated = pytest.mark.slow(_generated(_correlation_case, _CORR, 200))
 
 
 # ------------------------------------------------------------------ logit lens
