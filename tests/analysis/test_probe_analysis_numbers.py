@@ -691,3 +691,20 @@ def test_qk_feature_impacts_by_hand_on_gpt2():
     assert scale > 0
     assert float((res.q_kl.double() - q_kl).abs().max()) <= 1e-5 * scale + 1e-7
     assert float((res.k_kl.double() - k_kl).abs().max()) <= 1e-5 * scale + 1e-7
+
+
+@pytest.mark.parametrize(("family", "layer"), [("gemma2", 0), ("mistral", LAYER), ("gemma3", 0), ("phi3", LAYER)])
+@torch.no_grad()
+def test_top_activations_on_a_sliding_window_layer(family, layer):
+    """A Lorsa on a sliding-window layer (window 4, windows of 10 tokens) is global: the table == the top of the
+    ``z`` the plain-hook splice computes with the causal mask alone."""
+    _, hf, adapter, lorsa, rm = _setup(family, layer)
+    assert adapter.sliding_window(layer) == 4
+    ids = _ids(3, 10, 4)
+    store: list = []
+    with _capture_z(hf, adapter, layer, lorsa, store):
+        hf(ids)
+    z = store[0].float()
+    for distinct in (False, True):
+        top = collect_top_activations(rm, layer, ids, n_top=4, batch_size=2, distinct_windows=distinct)
+        _check_top(top, z, 4, 1, distinct, 1e-5 * float(z.abs().max()))
