@@ -84,7 +84,8 @@ class MHSACorrelation(FieldsRepr):
 
     def heads_spanned(self, threshold: float = 0.9) -> torch.Tensor:
         """``(n_ov_heads,)`` int64 App. E.2 ``n``: the fewest MHSA heads (largest contributions first)
-        whose cumulative normalised contribution exceeds ``threshold``; 0 for never-active heads."""
+        whose cumulative normalised contribution reaches ``threshold`` (``≥``; App. E.2 says *exceeds*: the two
+        differ only where a sum lands exactly on it); 0 for never-active heads."""
         frac = self.fractions().nan_to_num(0.0)
         cum = frac.sort(-1, descending=True).values.cumsum(-1)
         n = (cum < threshold).sum(-1) + 1

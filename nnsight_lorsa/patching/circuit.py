@@ -16,6 +16,7 @@ ranking by the batch-mean score, ``f`` on the batch-mean metric).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -45,7 +46,8 @@ class CircuitSize(FieldsRepr):
         ks: ``(K,)`` the circuit sizes evaluated (0 … n).
         per_prompt_curve: ``(K, batch)`` recovered fraction keeping each prompt's top-k.
         global_curve: ``(K,)`` recovered fraction (batch-mean metric) keeping the global top-k.
-        per_prompt_k: ``(batch,)`` smallest evaluated k with ``f ≥ threshold`` (n if none).
+        per_prompt_k: ``(batch,)`` smallest evaluated k with ``f ≥ threshold`` (n if none; n also where the
+            prompt's metric does not move, ``m_all = m_0``: its curve is NaN, and :func:`circuit_size` warns).
         global_k: the same for the global ranking.
         threshold: the fraction to recover (0.9).
         metric_all, metric_none: ``(batch,)`` metric with no component / every component ablated
@@ -246,6 +248,13 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     i0, i_all = 0, len(kk) - 1
     per = (mp - mp[i0]) / (mp[i_all] - mp[i0])
     glob = (mg.mean(1) - mg[i0].mean()) / (mg[i_all].mean() - mg[i0].mean())
+    flat = (mp[i_all] == mp[i0]).nonzero().flatten().tolist()
+    if flat:  # 0 / 0: no fraction to recover — said, not reported as a circuit of all n components
+        warnings.warn(f"circuit_size: prompts {flat} have the same metric with every component kept and with none "
+                      f"(m_all = m_0): their recovered fraction is 0/0 (NaN in per_prompt_curve) and their "
+                      f"per_prompt_k is n={n}, not a circuit size{' (so is global_k)' if len(flat) == b else ''} — "
+                      "e.g. correct_ids equal to incorrect_ids, or components that do not reach the metric",
+                      stacklevel=2)
     kt = torch.tensor(kk, device=HOST)
     reached = per >= threshold  # (K, b)
     first = torch.where(reached.any(0), reached.float().argmax(0), torch.full((b,), len(kk) - 1, device=HOST))

@@ -119,9 +119,10 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
     """Repeated random tokens: clean ``[BOS] s s[:-1]`` predicts ``s[-1]`` by induction.
 
     The corrupt prompt repeats nothing (``[BOS] s' s[:-1]`` with a fresh ``s'``): same length, same
-    last tokens, no earlier occurrence to copy from. ``incorrect_ids`` is a random pool token not
-    in ``s``. ``token_pool`` (default: all non-special ids of the vocabulary) restricts the tokens,
-    e.g. to single-token names for "repeated-name" prompts.
+    last tokens, no earlier occurrence to copy from — where the pool holds at least ``2·seq_len + 1`` tokens;
+    a smaller pool draws ``s'`` from all of it, so ``s'`` may share tokens with ``s``. ``incorrect_ids`` is a
+    random pool token not in ``s``. ``token_pool`` (default: all non-special ids of the vocabulary) restricts the
+    tokens, e.g. to single-token names for "repeated-name" prompts.
 
     Returns:
         :class:`TaskBatch` with ``clean, corrupt: (n_prompts, 1 + 2·seq_len − 1)`` (BOS if any).

@@ -125,3 +125,19 @@ def test_circuit_size_matches_manual_keep_only():
     assert sc.shape == (3, len(lheads)) and (sc != 0).any()
     with pytest.raises(TargetIndexError):
         circuit_size(r, task, [LorsaHead(LAYER, 10_000)])
+
+
+@torch.no_grad()
+def test_circuit_size_warns_for_a_prompt_whose_metric_does_not_move():
+    """A prompt whose correct and incorrect ids are the same has a logit difference of 0 with any components kept:
+    its recovered fraction is 0/0. It used to come back as ``per_prompt_k = n`` with no word; now a warning names
+    the prompt (the others' results are kept: nothing is lost) and its curve is NaN."""
+    model, hf = tiny_nnsight("llama")
+    r = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: make_lorsa(hf, get_adapter(model))}))
+    task = induction_task(model.tokenizer, n_prompts=3, seq_len=6, seed=0)
+    task.incorrect_ids[1] = task.correct_ids[1]
+    heads = [MHSAHead(layer, h) for layer in range(N_LAYERS) for h in range(N_HEADS)]
+    with pytest.warns(UserWarning, match=r"circuit_size: prompts \[1\] have the same metric"):
+        cs = circuit_size(r, task, heads)
+    assert cs.per_prompt_curve[:, 1].isnan().all() and int(cs.per_prompt_k[1]) == len(heads)
+    assert not cs.per_prompt_curve[:, [0, 2]].isnan().any()
