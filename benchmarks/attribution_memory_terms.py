@@ -10,10 +10,10 @@
 transcoder layer's first rows), against ``estimate_memory``'s ``frozen_per_copy · B + frozen_shared`` — on the
 models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabulary 16× ``L·d``; ``mlp``: an MLP
 32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`) and on a Gemma-2 and a Gemma-3
-of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers;
-:data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation, eager or SDPA — Gemma-3 only,
-transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype`` (``model``: the model's),
-with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped layers keep their patterns
+of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers; and
+``olmo2``: post-norms without pre-norms; :data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation,
+eager or SDPA — transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype``
+(``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped layers keep their patterns
 either way).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
