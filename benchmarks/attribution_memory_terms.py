@@ -13,8 +13,8 @@ models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabu
 of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers; and
 ``olmo2``: post-norms without pre-norms; :data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation,
 eager or SDPA — transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype``
-(``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped layers keep their patterns
-either way).
+(``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped
+layers keep their patterns either way).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
 default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
