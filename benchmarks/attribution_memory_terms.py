@@ -10,11 +10,11 @@
 transcoder layer's first rows), against ``estimate_memory``'s ``frozen_per_copy · B + frozen_shared`` — on the
 models above and on random Llamas of other shapes (``tiny``; ``vocab``: a vocabulary 16× ``L·d``; ``mlp``: an MLP
 32× ``d``; ``heads``: 16 query heads of 16 over 2 KV heads; :data:`RANDOM_SHAPES`) and on a Gemma-2 and a Gemma-3
-of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers;
-:data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation, eager or SDPA — Gemma-3 only,
-transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype`` (``model``: the model's),
-with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped layers keep their patterns
-either way).
+of the test suite's tiny shape (``gemma2``, ``gemma3``: post-norms, soft-capped attention, sliding layers; and
+``olmo2``: post-norms without pre-norms; :data:`TINY_FAMILIES`; ``--attn``: the model's attention implementation,
+eager or SDPA — transformers refuses SDPA for Gemma-2), built in ``--model-dtype``, computed in ``--dtype``
+(``model``: the model's), with stored patterns or SDPA (``--patterns sdpa``, the GPU's path; Gemma-2's soft-capped
+layers keep their patterns either way).
 
 The embedded tinyshakespeare Llama with its packaged transcoders on all four MLPs (no Lorsa; ``--model tc``, the
 default), or with its packaged Lorsa on layer 2 too (``bundle``), or a random Llama of ``benchmarks/gpu_scale.py``'s
@@ -75,8 +75,9 @@ RANDOM_SHAPES = {
 #: tiny Gemma-2 and Gemma-3 (``--model gemma2|gemma3``, :func:`tiny_gemma`): the test suite's shape (3 layers of d 64,
 #: 4 heads of 16 over 2 KV heads, layers 0 and 2 sliding with a window of 4, Gemma-2's attention soft-capped at 1.5),
 #: a Lorsa on layer 1, a TopK transcoder on layer 0 and a JumpReLU skip transcoder on layer 2 (its nodes per position
-#: vary: the grids' padding) — the post-norms, soft-capped patterns and sliding-window masks of ``estimate_memory``
-TINY_FAMILIES = ("gemma2", "gemma3")
+#: vary: the grids' padding) — the post-norms, soft-capped patterns and sliding-window masks of ``estimate_memory``;
+#: and an OLMo-2 of that shape (no sliding layers, no pre-norms: only its post-norms and final norm frozen)
+TINY_FAMILIES = ("gemma2", "gemma3", "olmo2")
 MODELS = ("tc", "bundle", *RANDOM_SHAPES, *TINY_FAMILIES)
 
 
@@ -113,7 +114,8 @@ def replacement_model(which: str, model_dtype: str = "float32", attn: str = "eag
 
 
 def tiny_gemma(family: str, attn: str, dtype):
-    """The replacement model of ``--model gemma2|gemma3`` (:data:`TINY_FAMILIES`), random (seed 0), in ``dtype``."""
+    """The replacement model of ``--model gemma2|gemma3|olmo2`` (:data:`TINY_FAMILIES`), random (seed 0), in
+    ``dtype``."""
     import warnings
 
     import torch
@@ -129,8 +131,12 @@ def tiny_gemma(family: str, attn: str, dtype):
                   num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=4096,
                   query_pre_attn_scalar=24, sliding_window=4, initializer_range=0.1,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if family == "olmo2":  # Olmo2Config takes no head_dim (d / heads = 16), window, scalar or layer types
+        common = {k: v for k, v in common.items()
+                  if k not in ("head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types")}
     cfg = (transformers.Gemma2Config(**common, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
-           if family == "gemma2" else transformers.Gemma3TextConfig(**common))
+           if family == "gemma2" else transformers.Gemma3TextConfig(**common) if family == "gemma3"
+           else transformers.Olmo2Config(**common, pad_token_id=1, eos_token_id=1))
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()

@@ -251,9 +251,11 @@ def check_values_against_trace(model, hf, rep, lorsas, tcs, ids, g, zp, dt, mdt,
         fails.append(f"logit values differ from demeaned logits by {err:.3g} of row mass")
 
 
-def probe_case(rng):
-    """One drawn case: ``(description, failures)``; every failure a string naming the check and the numbers."""
-    family = rng.choice(FAMILIES)
+def probe_case(rng, family=None):
+    """One drawn case: ``(description, failures)``; every failure a string naming the check and the numbers.
+    ``family`` forces the family (the draw from ``FAMILIES`` is still taken, so every other draw is the case's own)."""
+    drawn = rng.choice(FAMILIES)
+    family = family or drawn
     kind = rng.choice(KINDS)
     mdt = rng.choice(DTYPES)
     seed = rng.randrange(3)
@@ -468,6 +470,47 @@ def test_attribution_option_probe(case):
 def test_attribution_option_probe_sweep(case):
     """The sweep of docs/reliability.md (400 cases, ~30 min on one core)."""
     desc, fails = probe_case(random.Random(case))
+    assert not fails, (desc, fails)
+
+
+#: the families added after the sweep (OLMo-2: no pre-norms, QK-norm over the whole projection, post-norms; Phi-3:
+#: fused qkv, partial rotary, a window on every layer; Gemma-1): the same drawn cases with the family forced
+#: (``probe_case(rng, family=…)``; ``FAMILIES`` unchanged, so the cases above draw as before)
+NEW_FAMILIES = ("olmo2", "phi3", "gemma")
+#: cheap forced-family cases (< 2 s each here): a cross-layer transcoder, mixed activations in bf16, skip transcoders
+#: in fp64, a Lorsa with transcoders at n = 1 and n = 12
+FAST_NEW = [("olmo2", 1011), ("phi3", 1013), ("phi3", 1022), ("gemma", 1006), ("gemma", 1025)]
+#: failures of the sweep below that are rounding of the tiny random models, not wrong results (each case's other
+#: checks pass; docs/reliability.md): ``(family, case)`` -> the prefix of the one failure it gives
+#: - Phi-3, 1017 (fp16 model, mixed activations, 4 tokens): a pruned graph's row is measured against its own mass
+#:   ``Σ|kept| + |residual|``, far below the full row's where the dropped edges cancel: 3 kept (logit) rows, one's
+#:   |Σ edges + residual − value| 0.0761 in the full graph and the pruned one alike — 5.7e-5 of the full row's mass
+#:   1335, 3.5e-3 of the pruned row's 22.0 (residual 10.9 of 1313 dropped); computed in fp64 both 2e-15.
+#: - Gemma-1, 1022 (fp64 model traced in bf16, 3 tokens): one QK probe (score 0.015) has a pair sum error of 0.060
+#:   of its pairs' mass in bf16, 0.031 in fp16, 1.6e-5 in fp32, 1.5e-14 in fp64 (the model's dtype): rounding.
+KNOWN_NEW = {("phi3", 1017): "prune(0.3,0.5,1.0): edge sum error over 0.003",
+             ("gemma", 1022): "qk4-lean: pair sum error"}
+
+
+@pytest.mark.parametrize(("family", "case"), FAST_NEW)
+def test_attribution_option_probe_new_families(family, case):
+    desc, fails = probe_case(random.Random(case), family=family)
+    assert desc["family"] == family
+    assert not fails, (desc, fails)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("case", range(1000, 1040))
+def test_attribution_option_probe_new_families_sweep(family, case):
+    """The sweep of docs/reliability.md on the new families (40 cases each, ~7 min in all on one core); the known
+    rounding failures (:data:`KNOWN_NEW`) must be the case's only failure, and still occur."""
+    desc, fails = probe_case(random.Random(case), family=family)
+    assert desc["family"] == family
+    known = KNOWN_NEW.get((family, case))
+    if known is not None:
+        assert len(fails) == 1 and fails[0].startswith(known), (desc, fails)
+        return
     assert not fails, (desc, fails)
 
 
