@@ -73,6 +73,18 @@ def _reference_z(family: str, ids: torch.Tensor, dtype: torch.dtype = torch.floa
     return store[0].float()  # (n, pos, n_ov)
 
 
+def _attention_input(hf, adapter, ids: torch.Tensor) -> torch.Tensor:
+    """The input of layer ``LAYER``'s attention in a plain forward of ``ids`` (a forward hook, no nnsight)."""
+    xs: list = []
+    handle = adapter.attention_module(hf, LAYER).register_forward_hook(
+        lambda m, a, kw, o: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
+    try:
+        hf(ids)
+    finally:
+        handle.remove()
+    return xs[0]
+
+
 def _check_top(top, z: torch.Tensor, n_top: int, skip_start: int, distinct: bool, tol: float) -> None:
     """``top`` against the brute-force definition on the reference ``z`` (n, pos, heads)."""
     n, pos, heads = z.shape
@@ -422,14 +434,7 @@ def test_dashboard_contributions_sum_to_z():
     head = int(top.top_heads(1)[0])
     data = head_dashboard_data(rm, LAYER, head, top, ids, window=40)
     assert data["contexts"]
-    xs: list = []
-    handle = adapter.attention_module(hf, LAYER).register_forward_hook(
-        lambda m, a, kw, o: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
-    try:
-        hf(ids)
-    finally:
-        handle.remove()
-    x = xs[0]
+    x = _attention_input(hf, adapter, ids)
     a = _hand_pattern(lorsa, x, None)[:, head // lorsa.cfg.group_size]
     v = x.double() @ lorsa.W_V[head].double() + float(lorsa.b_V[head])
     for ctx in data["contexts"]:
@@ -621,15 +626,9 @@ def test_top_activations_of_an_fp32_lorsa_on_a_bf16_model():
         hf.to(torch.bfloat16)
         rm = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
         ids = _ids(3, 9, 2)
-        xs: list = []
-        handle = adapter.attention_module(hf, LAYER).register_forward_hook(
-            lambda m, a, kw, o, xs=xs, adapter=adapter: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
-        try:
-            hf(ids)
-        finally:
-            handle.remove()
-        assert xs[0].dtype == torch.bfloat16
-        z = lorsa(xs[0].float(), return_cache=True)[1].z
+        x = _attention_input(hf, adapter, ids)
+        assert x.dtype == torch.bfloat16
+        z = lorsa(x.float(), return_cache=True)[1].z
         for distinct in (False, True):
             top = collect_top_activations(rm, LAYER, ids, n_top=3, batch_size=2, distinct_windows=distinct)
             _check_top(top, z, 3, 1, distinct, 0.0)
@@ -648,14 +647,8 @@ def test_qk_feature_impacts_by_hand_on_gpt2():
     _, hf, adapter, lorsa, rm = _setup("gpt2")
     sae = make_sae(seed=3, d_in=lorsa.cfg.d_model, d_sae=48, activation="topk", activation_params={"k": 6})
     ids = _ids(3, 8, 31)
-    xs: list = []
-    handle = adapter.attention_module(hf, LAYER).register_forward_hook(
-        lambda m, a, kw, o: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
-    try:
-        hf(ids)
-    finally:
-        handle.remove()
-    x = xs[0].double()
+    x_model = _attention_input(hf, adapter, ids)
+    x = x_model.double()
     z = _reference_z("gpt2", ids)
     head = int((z[:, 1:] > 0).sum((0, 1)).argmax())
     g = head // lorsa.cfg.group_size
@@ -669,7 +662,7 @@ def test_qk_feature_impacts_by_hand_on_gpt2():
         return float((p * (p.log() - (q @ k.T / lorsa.cfg.scale).log_softmax(-1))).sum())
     n_act = 0
     for b in range(ids.shape[0]):
-        a = sae.encode(xs[0][b]).double()  # (s, n_f)
+        a = sae.encode(x_model[b]).double()  # (s, n_f)
         for i in range(1, ids.shape[1]):
             if z[b, i, head] <= 0:
                 continue
