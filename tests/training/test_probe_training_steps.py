@@ -176,6 +176,17 @@ class RefAdam:
             v_hat = self.v[k] / (1 - self.b2 ** self.t)
             params[k] = params[k] - lr * m_hat / (v_hat.sqrt() + 1e-8)
 
+    def update(self, loss: torch.Tensor, leaves: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+               cfg: TrainConfig, step: int) -> float:
+        """One reference optimizer step: ``loss``'s gradients of ``leaves``, clipped to ``cfg.grad_clip``, applied to
+        ``params`` at the WSD schedule's learning rate of ``step``; returns that rate (what the step logs)."""
+        loss.backward()
+        grads = {k: v.grad.clone() for k, v in leaves.items()}
+        clip(grads, cfg.grad_clip)
+        lr = cfg.lr * wsd(step, cfg.total_steps, cfg.warmup_frac, cfg.decay_frac, cfg.decay_to)
+        self.step(params, grads, lr)
+        return lr
+
 
 def clip(grads: dict[str, torch.Tensor], max_norm: float) -> None:
     """``clip_grad_norm_``: scale all gradients by ``min(1, max_norm / (‖g‖ + 1e-6))``."""
@@ -199,11 +210,13 @@ def close(got: torch.Tensor | float, want: torch.Tensor | float, what: str, tol:
     assert err <= tol, f"{what}: relative error {err:.3g} (got {got}, want {want})" if want_t.numel() == 1 \
         else f"{what}: relative error {err:.3g}"
 
-def check_state(trainer, want: dict, where: str) -> None:
-    """Every parameter, both Adam moments and the dead counters of ``trainer`` against the reference's ``want``."""
+def check_state(trainer, want: dict, where: str, param_tol: dict[str, float] | None = None) -> None:
+    """Every parameter, both Adam moments and the dead counters of ``trainer`` against the reference's ``want``
+    (``param_tol``: a parameter's own tolerance where it is not :data:`PARAM_TOL`)."""
     params = dict(trainer.module.named_parameters())
     for name, value in want["params"].items():
-        close(params[name].detach(), value, f"{where}: parameter {name}", PARAM_TOL, floor=0.1)
+        tol = (param_tol or {}).get(name, PARAM_TOL)
+        close(params[name].detach(), value, f"{where}: parameter {name}", tol, floor=0.1)
         state = trainer.optimizer.state[params[name]]
         close(state["exp_avg"], want["m"][name], f"{where}: Adam m of {name}", PARAM_TOL, floor=1e-6)
         close(state["exp_avg_sq"], want["v"][name], f"{where}: Adam v of {name}", PARAM_TOL, floor=1e-12)
@@ -303,11 +316,7 @@ def reference_run(case: Case, coder: torch.nn.Module, batches: list[Batch]) -> l
         else:
             sparsity = (acts * Q["W_dec"].norm(dim=-1)).sum(-1).mean()
             loss = loss + cfg.l1_coef * sparsity
-        loss.backward()
-        grads = {k: v.grad.clone() for k, v in Q.items()}
-        clip(grads, cfg.grad_clip)
-        lr = cfg.lr * wsd(step, cfg.total_steps, cfg.warmup_frac, cfg.decay_frac, cfg.decay_to)
-        adam.step(P, grads, lr)
+        lr = adam.update(loss, Q, P, cfg, step)
         if normalize:
             P["W_dec"] = P["W_dec"] / P["W_dec"].norm(dim=-1, keepdim=True)
         if case.act == "batchtopk":
@@ -340,14 +349,22 @@ def maybe_resumed(trainer: Trainer, step: int, resume_at: int) -> Trainer:
         return Trainer.resume(d, trainer.source)
 
 
+def take_step(trainer: Trainer, step: int, want: dict, resume_at: int | None, where: str,
+              scales: tuple[str, str] = ("s_in", "s_out")) -> tuple[Trainer, dict]:
+    """One step of ``trainer`` (resumed from a checkpoint first at ``resume_at``): ``(trainer, its metrics)``, its
+    scale factors (the attributes ``scales``) checked against the reference's at the first step."""
+    trainer = maybe_resumed(trainer, step, resume_at)
+    got = trainer.train_step()
+    if step == 0:
+        for attr, value in zip(scales, want["s"], strict=True):
+            close(torch.as_tensor(getattr(trainer, attr)), torch.as_tensor(value), f"{where}: {attr}")
+    return trainer, got
+
+
 def compare_trainer(case: Case, reference: list[dict], trainer: Trainer) -> None:
     for step, want in enumerate(reference):
-        trainer = maybe_resumed(trainer, step, case.resume_at)
-        got = trainer.train_step()
         where = f"{case.kind}/{case.act} step {step}"
-        if step == 0:
-            close(trainer.s_in, want["s"][0], f"{where}: s_in")
-            close(trainer.s_out, want["s"][1], f"{where}: s_out")
+        trainer, got = take_step(trainer, step, want, case.resume_at, where)
         for name, value in want["metrics"].items():
             if name == "sparsity" and case.act in ("topk", "batchtopk") and case.config.sparse_kernels:
                 continue  # the sparse path logs no sparsity term (there is none for TopK / BatchTopK)
@@ -481,11 +498,7 @@ def reference_clt_run(case: Case, n_layers: int, skip: bool, clt: CrossLayerTran
             else:
                 s = (acts[src] * W.norm(dim=-1)).sum(-1).mean()
                 loss, sparsity = loss + cfg.l1_coef * s, sparsity + s.detach()
-        loss.backward()
-        grads = {k: v.grad.clone() for k, v in Q.items()}
-        clip(grads, cfg.grad_clip)
-        lr = cfg.lr * wsd(step, cfg.total_steps, cfg.warmup_frac, cfg.decay_frac, cfg.decay_to)
-        adam.step(P, grads, lr)
+        lr = adam.update(loss, Q, P, cfg, step)
         if normalize:
             for src in range(n_layers):
                 W = P[f"W_dec_{src}"]
@@ -535,12 +548,8 @@ def run_clt_case(drawn: tuple[Case, int, bool]) -> None:
     reference = reference_clt_run(case, n_layers, skip, copy.deepcopy(clt), batches)
     trainer = Trainer(clt, batches.__getitem__, case.config)
     for step, want in enumerate(reference):
-        trainer = maybe_resumed(trainer, step, case.resume_at)
-        got = trainer.train_step()
         where = f"CLT/{case.act}/{n_layers} layers step {step}"
-        if step == 0:
-            close(torch.tensor(trainer.s_in_layers), torch.tensor(want["s"][0]), f"{where}: s_in_layers")
-            close(torch.tensor(trainer.s_out_layers), torch.tensor(want["s"][1]), f"{where}: s_out_layers")
+        trainer, got = take_step(trainer, step, want, case.resume_at, where, ("s_in_layers", "s_out_layers"))
         assert set(got) >= set(want["metrics"]), f"{where}: metrics {sorted(got)}"
         for name, value in want["metrics"].items():
             close(got[name], value, f"{where}: metric {name}", METRIC_TOL)
@@ -653,11 +662,7 @@ def reference_lorsa_run(case: LorsaCase, lorsa: torch.nn.Module, batches: list[B
             event("Lorsa AuxK active")
             aux = ref_auxk("topk", z_pre[b.loss_mask], dead, err, Q["W_O"], cfg.aux_k or 2 * case.top_k)
             loss = loss + cfg.aux_k_coef * aux
-        loss.backward()
-        grads = {kk: v.grad.clone() for kk, v in Q.items()}
-        clip(grads, cfg.grad_clip)
-        lr = cfg.lr * wsd(step, cfg.total_steps, cfg.warmup_frac, cfg.decay_frac, cfg.decay_to)
-        adam.step(P, grads, lr)
+        lr = adam.update(loss, Q, P, cfg, step)
         if not case.rank_by_norm:  # unit-norm w_o, its norm moved into w_v, b_v (footnote 1)
             norm = P["W_O"].norm(dim=1)
             P["W_O"], P["W_V"], P["b_V"] = P["W_O"] / norm[:, None], P["W_V"] * norm[:, None], P["b_V"] * norm
@@ -694,23 +699,12 @@ def run_lorsa_case(case: LorsaCase) -> None:
                          remedy_until=case.remedy_until)
     trainer = Trainer(LorsaObjective(lorsa, recipe=recipe), batches.__getitem__, case.config)
     for step, want in enumerate(reference):
-        trainer = maybe_resumed(trainer, step, case.resume_at)
-        got = trainer.train_step()
         where = f"Lorsa step {step}"
-        if step == 0:
-            close(trainer.s_in, want["s"][0], f"{where}: s_in")
-            close(trainer.s_out, want["s"][1], f"{where}: s_out")
+        trainer, got = take_step(trainer, step, want, case.resume_at, where)
         for name, value in want["metrics"].items():
             close(got[name], value, f"{where}: metric {name}", METRIC_TOL)
-        params = dict(trainer.module.named_parameters())
-        for name, value in want["params"].items():
-            # b_K's exact gradient is 0 (softmax is shift-invariant): Adam moves it by lr·g/ε with g rounding noise
-            tol = 1e-6 if name == "b_K" else PARAM_TOL
-            close(params[name].detach(), value, f"{where}: parameter {name}", tol, floor=0.1)
-            state = trainer.optimizer.state[params[name]]
-            close(state["exp_avg"], want["m"][name], f"{where}: Adam m of {name}", PARAM_TOL, floor=1e-6)
-            close(state["exp_avg_sq"], want["v"][name], f"{where}: Adam v of {name}", PARAM_TOL, floor=1e-12)
-        assert torch.equal(trainer.tokens_since_fired.cpu(), want["counters"]), f"{where}: dead counters"
+        # b_K's exact gradient is 0 (softmax is shift-invariant): Adam moves it by lr·g/ε with g rounding noise
+        check_state(trainer, want, where, param_tol={"b_K": 1e-6})
 
 
 @pytest.mark.parametrize("remedy", ["auxk", "none"])
