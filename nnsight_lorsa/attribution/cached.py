@@ -46,22 +46,22 @@ def frozen_forward_cached(root: torch.nn.Module, adapter: ArchitectureAdapter, f
         # tensors go there; a cache loaded on the CPU goes to the model's device
         at = device_of(get(root, adapter.attention_path(layer)), h.device)
         h = h.to(at)
-        x = post_norm(frozen, root, adapter.attention_norm_path(layer), h, layer, "attn_norm")
+        x = frozen_norm_at(frozen, root, adapter.attention_norm_path(layer), h, layer, "attn_norm")
         a = frozen.attention(layer, x, cache.positions.to(at), cache.attn_out.get(layer, x).to(at))
-        a = post_norm(frozen, root, adapter.attention_post_norm_path(layer), a, layer, "attn_post_norm")
+        a = frozen_norm_at(frozen, root, adapter.attention_post_norm_path(layer), a, layer, "attn_post_norm")
         after = h if parallel else h + a
-        y = post_norm(frozen, root, adapter.mlp_norm_path(layer), after, layer, "mlp_norm")
+        y = frozen_norm_at(frozen, root, adapter.mlp_norm_path(layer), after, layer, "mlp_norm")
         m = frozen.mlp(layer, y, cache.mlp_out[layer].to(at))
         if layer in cache.mlp_post_out:  # a traced pass: the post-norm's output as it ran, the writes' reference
             frozen.post_refs[layer] = cache.mlp_post_out[layer]
-        h = after + post_norm(frozen, root, adapter.mlp_post_norm_path(layer), m, layer, "mlp_post_norm") + (
+        h = after + frozen_norm_at(frozen, root, adapter.mlp_post_norm_path(layer), m, layer, "mlp_post_norm") + (
             a if parallel else 0.0)
     lm_head = get(root, adapter.lm_head_path)
     x = frozen.norm(get(root, adapter.final_norm_path), h.to(device_of(lm_head, h.device)), None, "final_norm")
     frozen.unembed(lm_head, x)
 
 
-def post_norm(frozen: FrozenReplacement, root: torch.nn.Module, path: str | None, out: torch.Tensor, layer: int,
+def frozen_norm_at(frozen: FrozenReplacement, root: torch.nn.Module, path: str | None, out: torch.Tensor, layer: int,
               role: str) -> torch.Tensor:
     """``out`` through the frozen norm at ``path`` (a post-norm: Gemma-2, OLMo-2; a pre-norm), or as it is
     (``path`` None: no such norm in the family, e.g. OLMo-2's pre-norms)."""
