@@ -727,7 +727,7 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
                           free_bytes=free, block_device=where)
     batch = batch_size
     if max_memory is not None:
-        batch = largest_batch(estimate(rows or "host"), max_memory, batch_size, device.type)
+        batch = largest_batch(lambda b: estimate(rows or "host", b), max_memory, batch_size, device.type)
     kept = None if rows is None else 0 if rows == "host" else kept_bytes(blocks(), rows)
     return CallPlan(batch, rows, estimate, kept)
 

@@ -298,7 +298,7 @@ def kept_per_device(placed: list[tuple[str, int, torch.device]], free: Mapping[t
     return frozenset(kept) if kept else "host"
 
 
-def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPlace], MemoryEstimate],
+def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPlace, int], MemoryEstimate],
                    blocks: Callable[[], list[tuple[str, int]]], *, batch_size: int, max_memory: int | None,
                    free_bytes: int | Mapping[torch.device, int | None] | None,
                    block_device: Callable[[str], torch.device] | None = None) -> RowsPlace | None:
@@ -318,8 +318,8 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
     Args:
         offloaded_any: some Lorsa or transcoder is offloaded (:func:`any_offloaded`).
         device: the model's device type (``"cpu"``, ``"cuda"``, ...).
-        estimate: ``rows`` → the call's :class:`~.budget.MemoryEstimate` at ``batch_size`` with the rows kept
-            there (:func:`offload_terms`); called (with ``"host"``) only where the rule needs it.
+        estimate: ``(rows, batch)`` → the call's :class:`~.budget.MemoryEstimate` at ``batch`` with the rows
+            kept there (:func:`offload_terms`); called (with ``"host"``) only where the rule needs it.
         blocks: → the offloaded row blocks, ``[(key, bytes)]`` in the forward's order (:func:`offload_blocks`);
             called only where the rule needs it.
         batch_size: the call's batch.
@@ -339,15 +339,14 @@ def rows_placement(offloaded_any: bool, device: str, estimate: Callable[[RowsPla
         free_bytes = {torch.device(device): free_bytes}
     if max_memory is None and (free_bytes is None or all(f is None for f in free_bytes.values())):
         return "host"
-    host = estimate("host")
     if max_memory is None and free_bytes is not None:
         first = next(iter(free_bytes))
         where = block_device or (lambda key: first)
-        return kept_per_device([(key, size, where(key)) for key, size in blocks()], free_bytes, host.device_bytes)
+        return kept_per_device([(key, size, where(key)) for key, size in blocks()], free_bytes,
+                               estimate("host", batch_size).device_bytes)
     assert max_memory is not None  # (free_bytes None: "host" above)
-    batch = largest_batch(host, max_memory, batch_size, device)
-    # device_bytes is linear in the batch (largest_batch): the host estimate at that batch
-    slack = max_memory - (host.terms["frozen_shared"] + batch * host.terms["frozen_per_copy"])
+    batch = largest_batch(lambda b: estimate("host", b), max_memory, batch_size, device)
+    slack = max_memory - estimate("host", batch).device_bytes  # the rows on the host at that batch
     found = blocks()
     kept = kept_blocks(found, slack)
     if slack >= 0 and len(kept) == len(found):

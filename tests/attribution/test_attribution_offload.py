@@ -576,9 +576,9 @@ def test_rows_placement_rule(offloaded_any, device, max_memory, free, expected):
 
     asked: list[str] = []
 
-    def estimate(rows):
+    def estimate(rows, batch):
         asked.append(rows)
-        return _estimate(100, 1000, 8)
+        return _estimate(100, 1000, batch)
 
     def blocks():
         asked.append("blocks")
@@ -595,7 +595,7 @@ def test_rows_placement_refuses_a_budget_the_host_rows_do_not_fit():
     from nnsight_lorsa.errors import MemoryBudgetError
 
     with pytest.raises(MemoryBudgetError):
-        rows_placement(True, "cuda", lambda rows: _estimate(100, 1000, 8), lambda: RULE_BLOCKS, batch_size=8,
+        rows_placement(True, "cuda", lambda rows, batch: _estimate(100, 1000, batch), lambda: RULE_BLOCKS, batch_size=8,
                        max_memory=1050, free_bytes=None)
 
 
@@ -653,7 +653,7 @@ def test_plan_call_keeps_the_rows_where_they_never_shrink_the_batch():
     host, kept = estimate("host", 8), estimate("device", 8)
     assert kept.device_bytes > host.device_bytes and kept.offload_rows == "device" and host.offload_rows == "host"
     budget = host.device_bytes + 1  # batch 8 on the host; the kept rows need more
-    assert largest_batch(kept, budget, 8, "cuda") < 8
+    assert largest_batch(lambda b: estimate("device", b), budget, 8, "cuda") < 8
     assert plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)[:2] == (8, "host")
     assert attribute(off, ids, batch_size=8).meta["offload_rows"] == "host"
     assert estimate_memory(off, ids, batch_size=8).offload_rows == "host"
@@ -765,7 +765,8 @@ def test_plan_call_keeps_the_blocks_that_fit_where_all_would_shrink_the_batch():
     blocks = blocks_of(off, ids, "lean")
     assert every.device_bytes - host.device_bytes == rows_cost(blocks, [k for k, _ in blocks]) - rows_cost(blocks, ())
     budget = every.device_bytes - 1
-    assert largest_batch(every, budget, 8, "cuda") < 8 == largest_batch(host, budget, 8, "cuda")
+    assert largest_batch(lambda b: estimate("device", b), budget, 8, "cuda") < 8 == largest_batch(
+        lambda b: estimate("host", b), budget, 8, "cuda")
     batch, rows, estimate, _ = plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)
     assert batch == 8 and isinstance(rows, frozenset) and 0 < len(rows) < len(blocks)
     est = estimate(rows, 8)
