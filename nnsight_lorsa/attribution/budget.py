@@ -140,7 +140,7 @@ from .offload import (
     rows_placement,
 )
 from .options import AttributionOptions, refuse_renamed
-from .rows import CHUNK_ENTRIES, full_graph_blocks
+from .rows import CHUNK_ENTRIES, DEVICE_CHUNK_ENTRIES, full_graph_blocks
 from .scores import CHUNK as SCORES_CHUNK
 from .trace import AttributionCache, Prepared, frozen_sites, multiplier_dtype, prepare, refuse_inside_trace
 
@@ -210,7 +210,8 @@ class MemoryEstimate(FieldsRepr):
             gathered site's chunk temporaries,
             :func:`.frozen.node_chunk_elements`, and ``node_grids``, the node vectors kept on grids (a Lorsa's
             ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
-            in ``frozen_shared``)
+            in ``frozen_shared``; ``ranking_device``, a feature budget's ranking pass on the device,
+            :meth:`.rows.SparseRows.weighted_abs`, also in ``frozen_shared``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
         offload_rows: where the offloaded modules' active rows are counted: ``"device"`` (every block kept there
             for the whole call, ``offload_rows`` term), ``"host"`` (copied per pass: the largest block; on a CPU
@@ -582,8 +583,14 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     # rows, and float64 vectors over the sources), while the frozen pass is held
     selection = (SELECTION_BYTES_PER_CHUNK_ENTRY * min(CHUNK_ENTRIES, max(entries, 1)) + SELECTION_VECTORS * 8 * S
                  if budget < layout.n_features else 0)
+    # the ranking pass on the device (SparseRows.weighted_abs with long rows): its float64 sums over the sources and one
+    # step's entries (int32 column, the value, its float64 term), between two batches while the frozen pass is held
+    ranking_device = (8 * S + DEVICE_CHUNK_ENTRIES * (4 + edge_itemsize + 8)
+                      if budget < layout.n_features and device != "cpu" else 0)
+    shared += ranking_device
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
+             "ranking_device": ranking_device,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
              "row_chunks": row_kept + row_step, "row_step": row_step,
