@@ -586,7 +586,7 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     # the ranking pass on the device (SparseRows.weighted_abs with long rows): its float64 sums over the sources and one
     # step's entries (int32 column, the value, its float64 term), between two batches while the frozen pass is held
     ranking_device = (8 * S + DEVICE_CHUNK_ENTRIES * (4 + edge_itemsize + 8)
-                      if budget < layout.n_features and device != "cpu" else 0)
+                      if budget < layout.n_features and device == "cuda" else 0)
     shared += ranking_device
     frozen = per_copy * batch_size + shared
     terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,

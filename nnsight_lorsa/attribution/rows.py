@@ -69,8 +69,8 @@ SMALL_RUN_ENTRIES = 2**14
 #: block whose rows hold at least this many entries per searched column (a search's reads, ~log2 of a row, and its
 #: per-row calls), else by one pass over the block
 SEARCH_READS = 64
-#: the feature budget's ranking pass (:meth:`SparseRows.weighted_abs`) runs on the device the rows were computed on
-#: (not the CPU) when the stored rows hold at least this many entries each on average: one scatter-add per row there
+#: the feature budget's ranking pass (:meth:`SparseRows.weighted_abs`) runs on the CUDA device the rows were computed
+#: on when the stored rows hold at least this many entries each on average: one scatter-add per row there
 #: instead of the host's serial ``index_add_`` (~3 ns an entry: 3.5 s a ranking, 77 % of the call, with the paper's
 #: Lorsa on every layer of the 8B shape at 1024 tokens and 512 feature rows on an H200, 2026-11-27)
 DEVICE_ROW_ENTRIES = 2**16
@@ -264,7 +264,7 @@ class SparseRows:
         series' steps reuse one (a fresh ``n_cols`` vector a step is its page faults: 39 ms against 14 ms for
         zeroing one at 6.3M columns, the 8B shape's all-layer graph, measured on CPU).
 
-        Long rows computed on an accelerator (:meth:`pass_device`) are summed there: each row's entries copied over
+        Long rows computed on a CUDA device (:meth:`pass_device`) are summed there: each row's entries copied over
         (:data:`DEVICE_CHUNK_ENTRIES` at a time) and added by one scatter-add per row, whose columns are distinct —
         each column's terms added in storage order, as on the host: the same bits (the sums copied back to ``out``
         on the host). Device memory: ``n_cols`` float64 and one step's entries (counted in the estimate's term
@@ -291,9 +291,10 @@ class SparseRows:
         return out
 
     def pass_device(self) -> torch.device:
-        """Where :meth:`weighted_abs` sums: the rows' device (:attr:`device`) when it is not the CPU and the rows
-        hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average (per-row steps pay off), else the host."""
-        if self.device.type in ("cpu", "meta") or self.nnz < DEVICE_ROW_ENTRIES * max(self.n_rows, 1):
+        """Where :meth:`weighted_abs` sums: the rows' device (:attr:`device`) when it is a CUDA device (float64
+        arithmetic; MPS has none) and the rows hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average
+        (per-row steps pay off), else the host."""
+        if self.device.type != "cuda" or self.nnz < DEVICE_ROW_ENTRIES * max(self.n_rows, 1):
             return HOST
         return self.device
 

@@ -63,7 +63,7 @@ def test_the_per_row_pass_is_the_host_pass_bit_for_bit(seed, n_rows, n_cols, zer
 
 
 def test_the_pass_runs_where_the_rows_were_computed_when_they_are_long(monkeypatch):
-    """The rule: the host for rows computed on the CPU (or ``meta``); the rows' device where they hold
+    """The rule: the host for rows computed on the CPU (or ``meta``, or MPS: no float64); the CUDA device where they hold
     :data:`DEVICE_ROW_ENTRIES` entries or more each on average."""
     rows = stored(0, 6, 50, 0.0, torch.float32)
     assert rows.device == HOST and rows.pass_device() == HOST
@@ -74,9 +74,10 @@ def test_the_pass_runs_where_the_rows_were_computed_when_they_are_long(monkeypat
     assert rows.pass_device() == cuda
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", rows.nnz // rows.n_rows + 1)  # one more than their average
     assert rows.pass_device() == HOST
-    rows.device = torch.device("meta")
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", 1)
-    assert rows.pass_device() == HOST
+    for other in ("meta", "mps"):  # a remote model's copy; a device without float64
+        rows.device = torch.device(other)
+        assert rows.pass_device() == HOST, other
     assert SparseRows(5).pass_device() == HOST  # nothing stored
 
 
