@@ -63,8 +63,8 @@ def test_the_per_row_pass_is_the_host_pass_bit_for_bit(seed, n_rows, n_cols, zer
 
 
 def test_the_pass_runs_where_the_rows_were_computed_when_they_are_long(monkeypatch):
-    """The rule: the host for rows computed on the CPU (or ``meta``, or MPS: no float64); the CUDA device where they hold
-    :data:`DEVICE_ROW_ENTRIES` entries or more each on average."""
+    """The rule: the host for rows computed on the CPU (or ``meta``, or MPS: no float64); the CUDA device where they
+    hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average."""
     rows = stored(0, 6, 50, 0.0, torch.float32)
     assert rows.device == HOST and rows.pass_device() == HOST
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", 1)
