@@ -292,9 +292,12 @@ class SparseRows:
 
     def pass_device(self) -> torch.device:
         """Where :meth:`weighted_abs` sums: the rows' device (:attr:`device`) when it is a CUDA device (float64
-        arithmetic; MPS has none) and the rows hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average
-        (per-row steps pay off), else the host."""
+        arithmetic; MPS has none) this process has — rows computed remotely come back to a client that may have
+        none — and the rows hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average (per-row steps pay
+        off), else the host."""
         if self.device.type != "cuda" or self.nnz < DEVICE_ROW_ENTRIES * max(self.n_rows, 1):
+            return HOST
+        if not torch.cuda.is_available() or (self.device.index or 0) >= torch.cuda.device_count():
             return HOST
         return self.device
 

@@ -63,15 +63,23 @@ def test_the_per_row_pass_is_the_host_pass_bit_for_bit(seed, n_rows, n_cols, zer
 
 
 def test_the_pass_runs_where_the_rows_were_computed_when_they_are_long(monkeypatch):
-    """The rule: the host for rows computed on the CPU (or ``meta``, or MPS: no float64); the CUDA device where they
-    hold :data:`DEVICE_ROW_ENTRIES` entries or more each on average."""
+    """The rule: the host for rows computed on the CPU (or ``meta``, or MPS: no float64, or a CUDA device this process
+    lacks: rows back from a remote server); the CUDA device where they hold :data:`DEVICE_ROW_ENTRIES` entries or
+    more each on average."""
     rows = stored(0, 6, 50, 0.0, torch.float32)
     assert rows.device == HOST and rows.pass_device() == HOST
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", 1)
     assert rows.pass_device() == HOST  # computed on the CPU
     cuda = torch.device("cuda", 0)
     rows.device = cuda
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # rows computed remotely, back on a CPU client
+    assert rows.pass_device() == HOST
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert rows.pass_device() == cuda
+    rows.device = torch.device("cuda", 1)  # a device this process does not have
+    assert rows.pass_device() == HOST
+    rows.device = cuda
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", rows.nnz // rows.n_rows + 1)  # one more than their average
     assert rows.pass_device() == HOST
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", 1)
