@@ -77,9 +77,16 @@ def _split_at(stream: list[int], eos: int) -> list[list[int]]:
     return docs
 
 
+#: each family's decoder layers, and the attention and MLP module names in a layer, written out by hand
+BLOCKS = {"llama": ("model.layers", "self_attn", "mlp"), "qwen2": ("model.layers", "self_attn", "mlp"),
+          "neox": ("gpt_neox.layers", "attention", "mlp"), "gpt2": ("transformer.h", "attn", "mlp")}
+
+
 def _hooked_values(hf, ids: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
     """Every site kind of ``layer`` on one unpadded window ``ids (n,)`` with plain forward hooks."""
-    blk = hf.model.layers[layer]
+    layers, attn, mlp = BLOCKS[{"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                                "GPTNeoXForCausalLM": "neox", "GPT2LMHeadModel": "gpt2"}[type(hf).__name__]]
+    blk = hf.get_submodule(layers)[layer]
     seen: dict[str, torch.Tensor] = {}
 
     def grab(name_in, name_out):
@@ -90,8 +97,8 @@ def _hooked_values(hf, ids: torch.Tensor, layer: int) -> dict[str, torch.Tensor]
             seen[name_out] = (out[0] if isinstance(out, tuple) else out)[0].detach().clone()
         return hook
 
-    hs = [blk.self_attn.register_forward_hook(grab("attn_input", "attn_output"), with_kwargs=True),
-          blk.mlp.register_forward_hook(grab("mlp_input", "mlp_output"), with_kwargs=True),
+    hs = [getattr(blk, attn).register_forward_hook(grab("attn_input", "attn_output"), with_kwargs=True),
+          getattr(blk, mlp).register_forward_hook(grab("mlp_input", "mlp_output"), with_kwargs=True),
           blk.register_forward_hook(grab(None, "resid_post"), with_kwargs=True)]
     try:
         with torch.no_grad():
@@ -114,7 +121,7 @@ def corpora(draw) -> tuple[TokenDataset, dict]:
     """A TokenDataset from generated documents, and what was drawn (for the reference)."""
     seq_len = draw(st.integers(3, 9))
     bos = draw(st.sampled_from([0, None]))
-    eos = draw(st.sampled_from([1, 7]))
+    eos = draw(st.sampled_from([1, 7] + ([0] if bos == 0 else [])))  # EOS = BOS as GPT-2's <|endoftext|>
     pad = draw(st.sampled_from(sorted({1, eos, 0, 5})))  # equal to EOS, to BOS (0), or neither
     n_docs = draw(st.integers(1, 6))
     words = st.integers(2, VOCAB - 1).filter(lambda t: t not in (eos, pad))
@@ -209,10 +216,32 @@ def _check_batch(hf, ds: TokenDataset, batch, window_ids: torch.Tensor, names: l
         assert torch.equal(pos[want_mask], torch.arange(ds.seq_len).expand(want_mask.shape)[want_mask])
 
 
+@functools.lru_cache(maxsize=4)
+def _family(family: str):
+    if family == "llama":
+        return _setup()[:3]
+    from helpers import tiny_nnsight
+
+    from nnsight_lorsa import get_adapter
+
+    model, hf = tiny_nnsight(family)
+    return model, hf, get_adapter(model)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(corpus=corpora(), batch_size=st.integers(1, 4), seed=st.integers(0, 9), index=st.integers(0, 5))
 def test_every_site_kind_equals_plain_hooks_at_the_real_positions(corpus, batch_size, seed, index):
-    model, hf, adapter, _ = _setup()
+    _sites_vs_hooks("llama", corpus, batch_size, seed, index)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(corpus=corpora(), batch_size=st.integers(1, 4), seed=st.integers(0, 9), index=st.integers(0, 5))
+def test_every_site_kind_on_gpt2(corpus, batch_size, seed, index):
+    _sites_vs_hooks("gpt2", corpus, batch_size, seed, index)
+
+
+def _sites_vs_hooks(family, corpus, batch_size, seed, index):
+    model, hf, adapter = _family(family)
     make, drawn = corpus
     ds, _ = _built(make, drawn)
     if ds is None:
@@ -300,9 +329,12 @@ def test_generated_left_padding_is_refused_and_other_masks_are_not(lengths, extr
     right = torch.stack([torch.cat([ids[r][mask[r]], ids[r][~mask[r]]]) for r in range(len(lengths))])
     TokenDataset(right, torch.arange(seq)[None] < torch.tensor(lengths)[:, None])
     TokenDataset(right, torch.arange(seq)[None].expand(len(lengths), seq) > 0)
+    # an answers-only mask (the last token) on prompts of BOS then other tokens
+    prompts = torch.randint(2, VOCAB, ids.shape, generator=torch.Generator().manual_seed(seed))
+    prompts[:, 0] = 0
     answers = torch.zeros(ids.shape, dtype=torch.bool)
     answers[:, -1] = True
-    TokenDataset(right, answers)
+    TokenDataset(prompts, answers)
 
 
 # ------------------------------------------------------------------ the activation cache
@@ -385,7 +417,11 @@ def test_shuffling_is_a_reproducible_permutation_per_epoch(n, batch_size, seed, 
 
 
 @pytest.mark.slow
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(corpus=corpora(), batch_size=st.integers(1, 6), seed=st.integers(0, 99), index=st.integers(0, 12))
-def test_every_site_kind_equals_plain_hooks_wide_sweep(corpus, batch_size, seed, index):
-    test_every_site_kind_equals_plain_hooks_at_the_real_positions.hypothesis.inner_test(corpus, batch_size, seed, index)
+@pytest.mark.parametrize("family", sorted(BLOCKS))
+def test_every_site_kind_equals_plain_hooks_wide_sweep(family):
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(corpus=corpora(), batch_size=st.integers(1, 6), seed=st.integers(0, 99), index=st.integers(0, 12))
+    def sweep(corpus, batch_size, seed, index):
+        _sites_vs_hooks(family, corpus, batch_size, seed, index)
+
+    sweep()
