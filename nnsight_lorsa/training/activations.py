@@ -32,7 +32,7 @@ from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError, ArgumentError
+from ..errors import ActivationCacheError, ArgumentError, ShapeError
 from .activation_cache import ActivationCache
 from .dataset import TokenDataset, _loss_mask, _refuse_left_padding, _window_ids
 
@@ -244,11 +244,15 @@ class ActivationSource:
         Raises:
             ActivationCacheError: a cached source.
             ArgumentError: a ``target_mask`` of left padding (as :class:`~.dataset.TokenDataset` refuses).
+            ShapeError: a ``target_mask`` of another shape than ``input_ids``.
             PlacementError: the model is on the meta device (not dispatched).
         """
         if self.cache is not None:
             raise ActivationCacheError("a cached source reads its own windows: call source(index)")
         if target_mask is not None:
+            if tuple(target_mask.shape) != tuple(input_ids.shape):
+                raise ShapeError(f"ActivationSource.read: target_mask must be {tuple(input_ids.shape)} like "
+                                 f"input_ids, got {tuple(target_mask.shape)}")
             _refuse_left_padding(input_ids, target_mask, "ActivationSource.read")
         return self._read(input_ids, target_mask)
 

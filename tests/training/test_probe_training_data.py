@@ -337,6 +337,19 @@ def test_generated_left_padding_is_refused_and_other_masks_are_not(lengths, extr
     TokenDataset(prompts, answers)
 
 
+def test_read_refuses_a_target_mask_of_another_shape():
+    """Before: the batch's ``loss_mask`` took the mask's shape ((2, 15) or (1, 16) against (2, 16) windows)."""
+    from nnsight_lorsa.errors import ShapeError
+
+    model, hf, adapter, data = _setup()
+    source = ActivationSource.transcoder(model, LAYER, data, batch_size=2)
+    ids = data.tokens[:2]
+    for shape in ((2, 15), (1, 16), (3, 16)):
+        with pytest.raises(ShapeError, match="target_mask"):
+            source.read(ids, torch.ones(shape, dtype=torch.bool))
+    assert source.read(ids, torch.ones(2, 16, dtype=torch.bool)).loss_mask.shape == (2, 16)
+
+
 # ------------------------------------------------------------------ the activation cache
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
