@@ -32,9 +32,9 @@ from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError, ArgumentError
+from ..errors import ActivationCacheError, ArgumentError, ShapeError
 from .activation_cache import ActivationCache
-from .dataset import TokenDataset, _loss_mask, _window_ids
+from .dataset import TokenDataset, _loss_mask, _refuse_left_padding, _window_ids
 
 
 @dataclass
@@ -243,10 +243,21 @@ class ActivationSource:
 
         Raises:
             ActivationCacheError: a cached source.
+            ArgumentError: a ``target_mask`` of left padding (as :class:`~.dataset.TokenDataset` refuses).
+            ShapeError: a ``target_mask`` of another shape than ``input_ids``.
             PlacementError: the model is on the meta device (not dispatched).
         """
         if self.cache is not None:
             raise ActivationCacheError("a cached source reads its own windows: call source(index)")
+        if target_mask is not None:
+            if tuple(target_mask.shape) != tuple(input_ids.shape):
+                raise ShapeError(f"ActivationSource.read: target_mask must be {tuple(input_ids.shape)} like "
+                                 f"input_ids, got {tuple(target_mask.shape)}")
+            _refuse_left_padding(input_ids, target_mask, "ActivationSource.read")
+        return self._read(input_ids, target_mask)
+
+    def _read(self, input_ids: torch.Tensor, target_mask: torch.Tensor | None) -> Batch:
+        """:meth:`read` of a dataset's windows (its mask checked once, at the whole dataset)."""
         sites = {f"s{i}": s for i, s in enumerate(dict.fromkeys((*self.x_sites, *self.y_sites)))}
         if self.positions_site is not None:
             sites["positions"] = self.positions_site
@@ -260,6 +271,6 @@ class ActivationSource:
         if self.cache is None:
             assert self.dataset is not None
             mask = self.dataset.target_mask
-            return self.read(self.dataset.tokens[ids], None if mask is None else mask[ids])
+            return self._read(self.dataset.tokens[ids], None if mask is None else mask[ids])
         values = {s: self.cache.windows(name, ids) for s, name in self._names.items()}
         return self._assemble(values, self.cache.windows("loss_mask", ids), None)

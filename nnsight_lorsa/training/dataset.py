@@ -24,6 +24,33 @@ def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None)
     return loss_mask
 
 
+def _refuse_left_padding(tokens: torch.Tensor, target_mask: torch.Tensor, where: str) -> None:
+    """Raise :class:`ArgumentError` where ``target_mask`` has the signature of left padding (a Hugging Face
+    ``attention_mask`` of a tokenizer with ``padding_side="left"``): every row is ``k`` positions outside the
+    mask then counted to the end, the ``k`` vary between rows or some ``k`` is 2 or more, and every position
+    outside the mask holds the one same id (a pad id). The model runs without an attention mask, so pads on
+    the left change every later token's activations, and the BOS after them would count. A mask that keeps
+    only the answers, or only leaves BOS out, or right padding, is not that signature."""
+    mask = target_mask.to("cpu", torch.bool)
+    seq = mask.shape[1]
+    k = (~mask).to(torch.int64).cumprod(dim=1).sum(dim=1)  # each row's positions outside the mask before its first
+    if int(k.max()) == 0 or not bool((mask == (torch.arange(seq, device="cpu") >= k[:, None])).all()):
+        return
+    if len(set(k.tolist())) == 1 and int(k.max()) < 2:
+        return
+    pads = tokens.to("cpu")[~mask]
+    if not bool((pads == pads[0]).all()):
+        return
+    rows = (k > 0).nonzero().flatten().tolist()
+    raise ArgumentError(
+        f"{where}: target_mask looks like left padding — rows {rows[:8]}{' …' if len(rows) > 8 else ''} start with "
+        f"{sorted(set(k[rows].tolist()))[:8]} positions of the one id {int(pads[0])} outside the mask, then count to "
+        "the end. The model runs without an attention mask, so pads on the left change every later token's "
+        "activations (and the BOS after them would count): pad on the right (tokenizer.padding_side = 'right'), "
+        "or pass the rows and their attention_mask, padded on the right, to TokenDataset.from_ids(ids, seq_len, "
+        "target_mask=attention_mask)")
+
+
 def _vocab_size(config: Any) -> int | None:
     """``config.vocab_size`` when it is a positive int, else None (unknown)."""
     v = getattr(config, "vocab_size", None)
@@ -161,7 +188,10 @@ class TokenDataset:
             a kept position count in training (loss, scale factors, dead counters) and in FVU / L0 /
             dead fraction (BOS, column 0, never does). False at padding (:meth:`from_documents`) or
             outside the answers of a task dataset. Padding must sit on the right of the real tokens
-            (causal attention then leaves the real tokens' activations untouched).
+            (causal attention then leaves the real tokens' activations untouched); a mask with the
+            signature of left padding (each row pads of one id outside the mask, then counted to the
+            end, the pad counts varying or reaching 2: a left-padding tokenizer's ``attention_mask``)
+            is refused.
 
         vocab_size: the model's vocabulary size, when known: every id must be below it (the
             constructors from text pass ``config.vocab_size``). Kept by :meth:`split`.
@@ -169,7 +199,8 @@ class TokenDataset:
     Raises:
         ShapeError: (a ``ValueError``) ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
         ArgumentError: (a ``ValueError`` and ``TypeError``) ``tokens`` not an integer tensor (float or
-            bool ids), a negative id, an id ``>= vocab_size``, or ``vocab_size`` not a positive int.
+            bool ids), a negative id, an id ``>= vocab_size``, ``vocab_size`` not a positive int, or a
+            ``target_mask`` of left padding.
     """
 
     def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None, *,
@@ -193,6 +224,8 @@ class TokenDataset:
                 raise ArgumentError(f"tokens holds a negative token id ({low})")
             if vocab_size is not None and high >= vocab_size:
                 raise ArgumentError(f"tokens holds token id {high}, outside the vocabulary of {vocab_size} ids")
+        if target_mask is not None:
+            _refuse_left_padding(tokens, target_mask, "TokenDataset")
         self.tokens = tokens
         self.target_mask = None if target_mask is None else target_mask.bool()
         self.vocab_size = vocab_size
@@ -366,10 +399,15 @@ class TokenDataset:
     def split(self, holdout_fraction: float) -> tuple[TokenDataset, TokenDataset]:
         """(train, held-out): the last ``holdout_fraction`` of windows are held out."""
         n_hold = max(1, int(len(self) * holdout_fraction))
-        m = self.target_mask
-        v = self.vocab_size
-        return (TokenDataset(self.tokens[:-n_hold], None if m is None else m[:-n_hold], vocab_size=v),
-                TokenDataset(self.tokens[-n_hold:], None if m is None else m[-n_hold:], vocab_size=v))
+        return self._rows(slice(None, -n_hold)), self._rows(slice(-n_hold, None))
+
+    def _rows(self, rows: slice) -> TokenDataset:
+        """The windows ``rows`` of this dataset, its mask and vocabulary kept (checked once, here at the whole:
+        a part of a mask the whole passed may look like left padding on its own)."""
+        out = object.__new__(TokenDataset)
+        out.tokens, out.vocab_size = self.tokens[rows], self.vocab_size
+        out.target_mask = None if self.target_mask is None else self.target_mask[rows]
+        return out
 
     def targets(self, start: int, stop: int) -> torch.Tensor | None:
         """``target_mask`` of windows ``start:stop`` (None: every token counts)."""
