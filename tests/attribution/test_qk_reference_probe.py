@@ -278,7 +278,7 @@ def _case(draw):
     kp = draw(st.sampled_from([0, qp, draw(st.integers(0, qp))]))
     return dict(family=family, layer=layer, P=P, qp=qp, kp=kp, seed=draw(st.integers(0, 50)),
                 fp64=draw(st.booleans()), with_tc=draw(st.booleans()), upstream=draw(st.booleans()),
-                head=draw(st.integers(0, 63)))
+                head=draw(st.integers(0, 63)), batch_size=draw(st.sampled_from([None, 5, 13])))
 
 
 def _check_against_reference(c):
@@ -287,7 +287,7 @@ def _check_against_reference(c):
     adapter = get_adapter(model)
     ids = random_ids(1, c["P"], seed=c["seed"])[0]
     r = qk_attribution(rm(model, lorsas, tcs), ids, layer=c["layer"], head=c["head"], query_pos=c["qp"],
-                       key_pos=c["kp"])
+                       key_pos=c["kp"], batch_size=c.get("batch_size"))
     lorsa = lorsas[c["layer"]]
     group = c["head"] // (lorsa.cfg.n_ov_heads // lorsa.cfg.n_qk_heads)
     assert r.probe.group == group
