@@ -144,9 +144,10 @@ class QKAttribution(FieldsRepr):
         return "bias (b_Q/b_K)" if i == len(self.nodes) else self.nodes.label(i)
 
     def top_pairs(self, n: int = 10) -> list[tuple[str, str, float]]:
-        """The ``n`` largest ``|pair|`` terms as ``(query node, key node, value)``."""
+        """The ``n`` largest ``|pair|`` terms as ``(query node, key node, value)``, largest first; equal ones
+        by the smaller row-major (query node, key node) index (:func:`top_abs`)."""
         flat = self.pairs.flatten()
-        idx = flat.abs().topk(min(n, flat.numel())).indices
+        idx = top_abs(flat, n)
         m = self.pairs.shape[1]
         return [(self.label(int(i) // m), self.label(int(i) % m), float(flat[i])) for i in idx]
 
@@ -230,34 +231,56 @@ def trace_probes(replacement: Any, prepared: Any, probes: list[QKProbe], batch_s
 QK_FIELDS = ("probe", "score", "pair_sum_error", "pair_index", "pair_value", "query_marginal", "key_marginal")
 
 
+def top_abs(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``min(k, n)`` largest ``|values|`` of a 1-D tensor, largest first; equal magnitudes by the
+    smaller index (NaN counted as ``+inf``). ``topk`` alone picks among ties in no documented order (on the CPU
+    not the first ones), so which of several equal pair terms a graph stores would depend on the backend."""
+    k = min(k, values.numel())
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long, device=values.device)
+    mag = values.abs()
+    mag = torch.where(mag.isnan(), torch.full_like(mag, float("inf")), mag)
+    kth = mag.topk(k).values[-1]
+    above = (mag > kth).nonzero().flatten()
+    ties = (mag == kth).nonzero().flatten()[:k - above.numel()]  # nonzero: ascending indices
+    idx = torch.cat([above, ties]).sort().values
+    return idx[mag[idx].sort(descending=True, stable=True).indices]
+
+
 def top_pairs(query: torch.Tensor, key: torch.Tensor, scale: float, k: int, chunk: int = 1024
               ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """The ``k`` largest ``|query_a·key_b| / scale`` pair terms ``((k, 2) indices, (k,) values)``, and the
-    sums ``Σ pairs`` and ``Σ |pairs|`` — in query chunks, without the ``(n+1)²`` pair matrix."""
+    """The ``k`` largest ``|query_a·key_b| / scale`` pair terms ``((k, 2) indices, (k,) values)``, largest first,
+    equal ones by the smaller row-major ``(a, b)`` (:func:`top_abs`), and the sums ``Σ pairs`` and ``Σ |pairs|`` —
+    in query chunks, without the ``(n+1)²`` pair matrix."""
+    m = key.shape[0]
     best_v = query.new_zeros(0)
-    best_i = torch.zeros(0, 2, dtype=torch.long, device=HOST)
+    best_i = torch.zeros(0, dtype=torch.long, device=query.device)  # row-major flat indices, ascending
     total, mass = 0.0, 0.0
     for a0 in range(0, query.shape[0], chunk):
         block = query[a0:a0 + chunk] @ key.T / scale
         total += float(block.double().sum())
         mass += float(block.double().abs().sum())
         flat = block.flatten()
-        top = flat.abs().topk(min(k, flat.numel())).indices
-        idx = torch.stack([top // key.shape[0] + a0, top % key.shape[0]], 1)
-        best_v, best_i = torch.cat([best_v, flat[top]]), torch.cat([best_i, idx])
-        keep = best_v.abs().topk(min(k, best_v.numel())).indices
+        top = top_abs(flat, k).sort().values  # this chunk's indices all follow the earlier chunks'
+        best_v, best_i = torch.cat([best_v, flat[top]]), torch.cat([best_i, top + a0 * m])
+        keep = top_abs(best_v, k)
         best_v, best_i = best_v[keep], best_i[keep]
-    return best_i, best_v, total, mass
+        order = best_i.sort().indices  # ascending again: ties in the next merge go to the smaller index
+        best_v, best_i = best_v[order], best_i[order]
+    keep = top_abs(best_v, k)
+    best_v, best_i = best_v[keep], best_i[keep].to(HOST)
+    return torch.stack([best_i // m, best_i % m], 1), best_v, total, mass
 
 
 def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: int, batch_size: int,
                  dtype: torch.dtype | None = None, offload_rows: RowsPlace = "host") -> dict[str, torch.Tensor]:
     """Batched QK tracing of the graph's ``n_heads`` most influential Lorsa heads (distinct ``(layer, QK
-    head, query)``; each at the key its head attends to most), as ``Graph.qk`` tensors (:data:`QK_FIELDS`):
-    ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos); ``score (n,)``; ``pair_sum_error (n,)``
-    = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check); ``pair_index (n, k, 2)`` = the ``k`` largest
-    pair terms' (query-side, key-side) graph nodes (``-1``: a node not in the graph; ``n_nodes``: the
-    ``b_Q``/``b_K`` term), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
+    head, query)``, equal influence by node id; each at the key its head attends to most), as ``Graph.qk``
+    tensors (:data:`QK_FIELDS`): ``probe (n, 5)`` = (graph node, layer, QK head, query pos, key pos);
+    ``score (n,)``; ``pair_sum_error (n,)`` = ``|Σ pairs − score| / Σ |pairs|`` (the exactness check);
+    ``pair_index (n, k, 2)`` = the ``k`` largest pair terms' (query-side, key-side) graph nodes (``-1``: a node
+    not in the graph; ``n_nodes``: the ``b_Q``/``b_K`` term; equal terms by the smaller prompt-node index,
+    :func:`top_pairs`), ``pair_value (n, k)``; ``query_marginal`` / ``key_marginal (n, n_nodes + 1)``
     over the graph's nodes (last: the bias term); traced in ``dtype`` as the graph (:func:`trace_probes`), the
     offloaded modules' rows where the graph's pass kept them (``offload_rows``, ``graph.meta["offload_rows"]``).
     Llamascopium's ``circuits/attribution.py`` does the same."""
@@ -267,7 +290,7 @@ def qk_for_graph(replacement: Any, prepared: Any, graph: Any, n_heads: int, k: i
     if n_heads <= 0 or heads.numel() == 0:
         return {}
     infl = node_influence(graph)[heads]
-    order = heads[infl.argsort(descending=True)]
+    order = heads[infl.argsort(descending=True, stable=True)]  # equal influence: the smaller node id first
     layout = prepared.layout
     probes: list[QKProbe] = []
     nodes: list[int] = []
