@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TESTS, attribution_setup, autograd_nodes, head_logits, random_ids, rm
+from helpers import FAMILIES, TESTS, attribution_setup, autograd_nodes, head_logits, random_ids, rm
 
 from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -652,12 +652,31 @@ def test_attribution_from_a_bad_cache_raises(llama):
         attribute(rm(model, lorsas), cache, memory="dense")
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "qwen2"])
+def feature_activations(graph: Graph) -> dict[tuple[int, int, int, int], float]:
+    """``{(kind, layer, position, feature): activation}`` of a graph's feature nodes."""
+    n = graph.nodes
+    f = (n.kind == LORSA) | (n.kind == TRANSCODER)
+    rows = zip(n.kind[f], n.layer[f], n.pos[f], n.index[f], n.activation[f], strict=True)
+    return {(int(k), int(a), int(b), int(c)): float(v) for k, a, b, c, v in rows}
+
+
+#: the fp32 traced graph of a bf16 model against the one from its cache (linearised at the bf16 forward's stream), as
+#: a fraction of the largest edge: where the two streams differ most — Gemma's scaled embeddings and GELU, OLMo-2's
+#: norms after each sublayer — the linearisation point, not rounding, decides the gap (measured on seed 7: Gemma
+#: 4.4e-3, Gemma-2 4.8e-3, Gemma-3 3.8e-3, OLMo-2 1.4e-2, where the bf16 graph itself is as far from the cache's:
+#: 0.9-2.4x; Llama 6.7e-4, the others 3.4e-4-1.8e-3, the bf16 graph 15-180x farther)
+STREAM_GAP = {"gemma": 1e-2, "gemma2": 1e-2, "gemma3": 1e-2, "olmo2": 3e-2}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     """A bf16 model: the traced graph runs (biased families used to mix fp32 bias terms into bf16
     attention) with sums to ~1 % of a row's mass; ``dtype=torch.float32`` — traced (nnsight and
     hooks) or from a cache — computes the same model's graph with sums exact to fp32 rounding, on
-    copies (the user's modules stay bf16)."""
+    copies (the user's modules stay bf16), its nodes the bf16 graph's (on the newer families up to
+    1 % of the features, at a selection boundary: the fp32 copies encode the bf16 stream). The traced
+    fp32 graph is the cache's to :data:`STREAM_GAP` of the largest edge (3e-3 elsewhere) and, where
+    the bf16 graph has the same nodes and rounding dominates, 3x nearer to it than the bf16 graph."""
     model, hf, lorsas, tcs = attribution_setup(family)
     hf.to(torch.bfloat16)
     for m in [*lorsas.values(), *tcs.values()]:
@@ -669,16 +688,25 @@ def test_bf16_models_traced_and_exact_from_a_cache_in_fp32(family):
     exact = attribute(rm(model, lorsas, tcs), cache, batch_size=40, dtype=torch.float32)
     assert exact.densify().dtype == torch.float32 and exact.edge_sum_error("mass").max() < 1e-6
     assert exact.edge_sum_error("mass").max() < traced.edge_sum_error("mass").max() / 100
-    assert torch.equal(exact.layout_ids, traced.layout_ids)
+    if family in ("llama", "neox", "gpt2", "qwen2"):
+        assert torch.equal(exact.layout_ids, traced.layout_ids)
+    else:  # the fp32 copies select features from the bf16 stream: those at a selection boundary may differ (Phi-3,
+        # seed 7: 4 of 855 — two JumpReLU features at 0.0501 against the threshold 0.05, a Lorsa top-k swap)
+        ours, theirs = feature_activations(exact), feature_activations(traced)
+        differ = set(ours) ^ set(theirs)
+        assert len(differ) <= 0.01 * len(ours), {f: {**theirs, **ours}[f] for f in differ}
     # the traced path in fp32 too (both engines): exact sums, and the cache's graph up to where the
     # two linearise (the traced one at its own fp32 stream, the cache at the bf16 forward's): ~1e-3 of
     # the largest edge, against 1e-2–1e-1 for the bf16 graph
     scale = float(exact.densify().abs().max())
+    same_nodes = traced.densify().shape == exact.densify().shape
     for engine, run in (("nnsight", attribute), ("hooks", attribute_with_hooks)):
         fp32 = run(rm(model, lorsas, tcs), ids, batch_size=40, dtype=torch.float32)
         assert fp32.edge_sum_error("mass").max() < 1e-6, engine
         gap = float((fp32.densify() - exact.densify()).abs().max())
-        assert gap < 3e-3 * scale and gap < float((traced.densify() - exact.densify()).abs().max()) / 3, engine
+        assert gap < STREAM_GAP.get(family, 3e-3) * scale, (engine, gap / scale)
+        if same_nodes and family not in STREAM_GAP:
+            assert gap < float((traced.densify() - exact.densify()).abs().max()) / 3, engine
     assert all(p.dtype == torch.bfloat16 for m in [hf, *lorsas.values(), *tcs.values()] for p in m.parameters())
 
 
