@@ -31,7 +31,7 @@ from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseT
 from nnsight_lorsa.training import TokenDataset
 
 FAST = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BOS = 1  # the tiny Llama's config.bos_token_id (EOS is 2: streams draw from 3 … 127)
 
 
@@ -189,12 +189,12 @@ def _adamw(params, grads, state, lr, betas, wd, eps=1e-8):
 
 
 _train_args = st.fixed_dictionaries({
-    "data": st.sampled_from(["stream", "documents"]), "lora": st.booleans(), "steps": st.integers(1, 3),
+    "data": st.sampled_from(["stream", "documents"]), "lora": st.booleans(), "steps": st.integers(1, 4),
     "init_bias": st.sampled_from([-0.5, 0.5, 2.0]), "lr": st.sampled_from([1e-4, 1e-3, 1e-2]),
     "gate_lr": st.sampled_from([1e-2, 5e-2]), "grad_clip": st.sampled_from([0.0, 0.05, 1.0]),
     "weight_decay": st.sampled_from([0.0, 0.1]), "init_lambda": st.sampled_from([0.5, 1.0, 8.0]),
     "target_ce": st.sampled_from([None, 4.0, 6.0]), "target_margin": st.sampled_from([0.0, 0.2]),
-    "decay_frac": st.sampled_from([0.0, 0.5]), "recover_fraction": st.sampled_from([0.0, 0.4]),
+    "decay_frac": st.sampled_from([0.0, 0.75]), "recover_fraction": st.sampled_from([0.0, 0.4]),
     "geco_ema": st.sampled_from([0.0, 0.9]), "seed": st.integers(0, 3)})
 
 
