@@ -361,14 +361,23 @@ _REF: dict = {}  # layer -> bias, and the running edge counts of the reference f
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Eq. 2 in eval mode for a causal model without padding masks: ``([s + b > 0] ⊙ softmax(s)) V``,
-    ``s = q·kᵀ·scaling``, with the per-head bias ``b`` of this layer; counts Eq. 3's Σσ(s + b)."""
+    ``s = q·kᵀ·scaling``, with the per-head bias ``b`` of this layer (or the top-k / dense gate); counts Eq. 3's
+    Σσ(s + b)."""
     n_rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
     s = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     allowed = _causal(s.shape[-1])[-s.shape[-2]:]
     probs = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
     logit = s + _REF["bias"][module.layer_idx][None, :, None, None]
-    gate = ((logit > 0) & allowed).to(s.dtype)
+    if _REF["mode"] == "gated":
+        gate = ((logit > 0) & allowed).to(s.dtype)
+    elif _REF["mode"] == "dense":
+        gate = allowed.expand_as(s).to(s.dtype)
+    else:  # top-k baseline (paper Fig. 2a): the k largest weights of each query row (all of a shorter row)
+        vals = s.masked_fill(~allowed, -math.inf)
+        k = min(_REF["top_k"], s.shape[-1])
+        kth = vals.sort(dim=-1, descending=True).values[..., k - 1: k]
+        gate = ((vals >= kth) & allowed).to(s.dtype)
     _REF["expected"] += float(torch.sigmoid(logit).masked_fill(~allowed, 0).sum())
     _REF["active"] += float(gate.sum())
     _REF["possible"] += float(allowed.sum()) * s.shape[0] * s.shape[1]
@@ -376,7 +385,7 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     return torch.matmul(w, value).transpose(1, 2).contiguous(), w
 
 
-def _reference_model(biases: dict[int, torch.Tensor]) -> torch.nn.Module:
+def _reference_model(biases: dict[int, torch.Tensor], mode: str = "gated", top_k: int = 1) -> torch.nn.Module:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -385,6 +394,7 @@ def _reference_model(biases: dict[int, torch.Tensor]) -> torch.nn.Module:
     model = tiny_hf_model("llama")
     model.set_attn_implementation(REF_IMPL)
     _REF["bias"] = biases
+    _REF["mode"], _REF["top_k"] = mode, top_k
     return model
 
 
@@ -393,13 +403,14 @@ _eval_args = st.fixed_dictionaries({
     "biases": st.lists(_bias, min_size=12, max_size=12), "seq_len": st.integers(3, 14),
     "batch_size": st.integers(1, 5), "data": st.sampled_from(["stream", "documents"]),
     "length": st.integers(2, 90), "max_windows": st.one_of(st.none(), st.integers(1, 6)),
-    "bos": st.sampled_from([None, "config", "given"]), "seed": st.integers(0, 100)})
+    "bos": st.sampled_from([None, "config", "given"]), "seed": st.integers(0, 100),
+    "mode": st.sampled_from(["gated", "gated", "topk", "dense"]), "top_k": st.integers(1, 4)})
 
 
 def _check_evaluate(a) -> None:
     biases = {layer: torch.tensor(a["biases"][4 * layer: 4 * layer + 4]) for layer in range(3)}
     model = tiny_hf_model("llama")
-    install_gated_attention(model, init_bias=0.0)
+    install_gated_attention(model, init_bias=0.0, mode=a["mode"], top_k=a["top_k"])
     with torch.no_grad():
         for layer, gate in get_gates(model).items():
             gate.bias.copy_(biases[layer])
@@ -428,7 +439,7 @@ def _check_evaluate(a) -> None:
     n = len(windows) if a["max_windows"] is None else min(len(windows), a["max_windows"])
     windows = windows[:n]
     mask = None if mask is None else mask[:n]
-    ref = _reference_model(biases)
+    ref = _reference_model(biases, a["mode"], a["top_k"])
     _REF.update(expected=0.0, active=0.0, possible=0.0)
     with torch.no_grad():
         ce_sum, count = _ce(ref(input_ids=windows).logits, windows, mask)
