@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,14 +199,18 @@ class LorsaRecipe:
 
 def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:
     """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
-    ``k_anneal_frac · total_steps`` (rounded up), ``top_k`` after; ``top_k`` without annealing."""
+    ``k_anneal_frac · total_steps`` (each k rounded up), ``top_k`` after; ``top_k`` without annealing.
+
+    Computed in exact rationals, ``k_anneal_frac`` taken as the decimal it is written as (``0.3`` is 3/10): in
+    floats ``0.3 · 10`` is 3.0000000000000004 and ``64 − 48 · 1/1.2`` is 24.000000000000004, each rounded up to
+    one k too many (step 3 of 10 at ``top_k + 1``; 25 for 24)."""
     k0 = recipe.k_anneal_from
     if k0 is None or k0 <= top_k:
         return top_k
-    span = recipe.k_anneal_frac * total_steps
+    span = Fraction(repr(float(recipe.k_anneal_frac))) * total_steps
     if span <= 0 or step >= span:
         return top_k
-    return max(top_k, math.ceil(k0 + (top_k - k0) * step / span))
+    return max(top_k, math.ceil(k0 + (top_k - k0) * Fraction(step) / span))
 
 
 class HeadBalance:
@@ -411,10 +416,14 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
 
 def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     """Ghost-grads loss: dead heads' ``exp(z_pre)`` decode the error ``err (n, d)`` (detached), rescaled
-    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool."""
+    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool.
+    No head dead: the ghost is the empty sum, 0, and the loss 1 (no gradient)."""
     e = err.detach()
     zd = z_pre[:, dead]
-    ghost = torch.exp(zd - zd.detach().amax(-1, keepdim=True).clamp_min(0)) @ W_O[dead]
+    # exp(z − max(z, 0)) per token, for range (the factor cancels in the rescaling); the 0 column keeps the
+    # maximum defined when no head is dead (amax of an empty row raised IndexError)
+    shift = torch.cat([zd.detach(), zd.new_zeros(zd.shape[0], 1)], -1).amax(-1, keepdim=True)
+    ghost = torch.exp(zd - shift) @ W_O[dead]
     scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
     return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
 
