@@ -420,9 +420,11 @@ def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: 
     No head dead: the ghost is the empty sum, 0, and the loss 1 (no gradient)."""
     e = err.detach()
     zd = z_pre[:, dead]
-    # exp(z − max(z, 0)) per token, for range (the factor cancels in the rescaling); the 0 column keeps the
-    # maximum defined when no head is dead (amax of an empty row raised IndexError)
-    shift = torch.cat([zd.detach(), zd.new_zeros(zd.shape[0], 1)], -1).amax(-1, keepdim=True)
+    # exp(z − max_h z) per token: the rescaling to half the error's norm cancels any per-token factor (value and
+    # gradient), and the largest term is 1, so no pre-activation, however negative, underflows the ghost to nothing
+    # (the shift was max(z, 0): below about −28 the ghost's norm fell under the 1e-12 clamp, below −87 in fp32 exp
+    # underflowed — no gradient where ghost grads are for); the −inf column keeps it defined when no head is dead
+    shift = torch.cat([zd.detach(), zd.new_full((zd.shape[0], 1), -torch.inf)], -1).amax(-1, keepdim=True)
     ghost = torch.exp(zd - shift) @ W_O[dead]
     scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
     return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
