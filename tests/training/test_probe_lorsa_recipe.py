@@ -174,11 +174,12 @@ def init_cases(draw):
     lens = [draw(st.integers(3, s)) for _ in range(b)]
     n_ov = n_heads * rep * g
     top_k = draw(st.integers(1, n_ov))
+    k_init = draw(st.one_of(st.none(), st.integers(1, n_ov)))          # the k in force at step 0 (annealing)
     recipe = LorsaRecipe(ov_init=draw(st.sampled_from(["value_svd", "output_svd", "mhsa"])),
                          center_b_v=draw(st.booleans()), scale_init=draw(st.booleans()),
                          b_d_init=draw(st.booleans()), scale_into=draw(st.sampled_from([None, "w_v"])))
     return dict(n_kv=n_kv, n_heads=n_heads, e=e, d=d, rep=rep, g=g, rot=rot, qk_norm=qk_norm, b=b, s=s, seed=seed,
-                lens=lens, top_k=top_k, recipe=recipe)
+                lens=lens, top_k=top_k, k_init=k_init, recipe=recipe)
 
 
 def make_mhsa(c, gen: torch.Generator) -> MHSAWeights:
@@ -246,7 +247,7 @@ def _init_lorsa_matches_the_reference(c):
     seed = c["seed"] + 1
     with MaxAlloc() as peak:
         info = init_lorsa(lorsa, x.float(), y.float(), mask, s_in=s_in, s_out=s_out, mhsa=mhsa, recipe=recipe,
-                          generator=torch.Generator().manual_seed(seed))
+                          top_k=c["k_init"], generator=torch.Generator().manual_seed(seed))
     W = {k: v.detach().to(D64) for k, v in lorsa.state_dict().items()}
 
     # memory: no intermediate above 2x the larger of the module, one batch-shaped activation, the attention scores
@@ -312,7 +313,7 @@ def _init_lorsa_matches_the_reference(c):
         b_v = b_v - z_pre_of(w_v, b_v)[mask].mean(0)
     yn = y * s_out
     zp = z_pre_of(w_v, b_v)
-    idx = zp.topk(c["top_k"], -1).indices
+    idx = zp.topk(c["top_k"] if c["k_init"] is None else c["k_init"], -1).indices
     z = torch.zeros_like(zp).scatter(-1, idx, zp.gather(-1, idx).relu())
     D = (z @ w_o)[mask]
     t = yn[mask]
@@ -348,7 +349,7 @@ test_init_lorsa_matches_the_reference, test_init_lorsa_matches_the_reference_swe
 def test_init_lorsa_ignores_padded_tokens():
     """Garbage at padded (and BOS) positions, out of ``loss_mask``, changes nothing of the initialisation."""
     c = dict(n_kv=1, n_heads=2, e=4, d=12, rep=2, g=2, rot="full", qk_norm=False, b=3, s=9, seed=5, lens=[9, 5, 4],
-             top_k=3)
+             top_k=3, k_init=None)
     gen = torch.Generator().manual_seed(0)
     mhsa = make_mhsa(c, gen)
     x, y, mask = batch(c, mhsa, gen)
@@ -613,3 +614,53 @@ def test_ghost_grads_reach_a_head_however_negative(dtype, level):
     shifted = ghost_loss(z_pre.detach() - level, dead, err, W_O.detach())    # the same heads, pre-activations near 0
     assert float(loss.detach()) == pytest.approx(float(shifted), rel=1e-4)
     assert bool((z_pre.grad[:, dead].abs().sum(0) > 0).all()) and bool((W_O.grad[dead].abs().sum(-1) > 0).all())
+
+
+ATTN = {"neox": "gpt_neox.layers.{}.attention", "gpt2": "transformer.h.{}.attn"}
+
+
+def family_patterns(family: str, layer: int, seed: int = 0):
+    """A tiny model's attention input ``x`` at ``layer`` and its heads' softmax patterns (transformers' eager
+    attention, ``output_attentions``) on random windows, read with a plain forward pre-hook."""
+    from helpers import random_ids, tiny_nnsight
+
+    from nnsight_lorsa import get_adapter
+
+    model, hf = tiny_nnsight(family, seed)
+    got = {}
+    mod = hf.get_submodule(ATTN.get(family, "model.layers.{}.self_attn").format(layer))
+    def read(m, a, kw):
+        got["x"] = a[0] if a else kw["hidden_states"]
+
+    h = mod.register_forward_pre_hook(read, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = hf(random_ids(batch=2, seq=9, seed=seed + 1), output_attentions=True)
+    finally:
+        h.remove()
+    adapter = get_adapter(model)
+    return adapter.mhsa_weights(hf, layer), got["x"].detach(), out.attentions[layer].detach()
+
+
+# global layers only: a Lorsa attends globally (docs/adapters.md), so sliding layers are left out; OLMo-2's QK-norm
+# spans the whole projection and the Lorsa's is per head (init_from_mhsa: "near, not at"); Gemma-2 soft-caps
+FAMILY_LAYERS = [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("neox", 1), ("gpt2", 1), ("gemma3", 1), ("gemma", 1)]
+
+
+@pytest.mark.parametrize("family,layer", FAMILY_LAYERS)
+def test_init_lorsa_qk_heads_attend_as_the_models_heads(family, layer):
+    """After ``init_lorsa`` (on ``x · s_in``), QK head ``h`` attends exactly as the model's head ``h // rep``
+    (GQA, RoPE convention, QK-norm, score scale), against the model's own eager attention probabilities."""
+    mhsa, x, probs = family_patterns(family, layer)
+    rep = 2
+    lorsa = Lorsa(LorsaConfig.from_mhsa(mhsa, n_ov_heads=mhsa.n_heads * rep * 2, top_k=2, qk_heads_per_mhsa_head=rep))
+    mask = torch.ones(x.shape[:2], dtype=torch.bool)
+    mask[:, 0] = False
+    s_in = 0.37
+    init_lorsa(lorsa, x, torch.randn_like(x), mask, s_in=s_in, s_out=2.0, mhsa=mhsa,
+               generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pat = lorsa.attention_pattern(x * s_in)
+    for h in range(lorsa.cfg.n_qk_heads):
+        diff = float((pat[:, h] - probs[:, h // rep]).abs().max())
+        assert diff < 2e-5, (family, h, diff)
