@@ -560,7 +560,8 @@ def _head_balance_matches_the_gains(c):
     lorsa = small_lorsa(1, n_ov, 4, 2, k, c["seed"])
     gen = torch.Generator().manual_seed(c["seed"])
     bal = HeadBalance(n_ov, k)
-    freq = torch.full((n_ov,), k / n_ov, dtype=D64)
+    # the firing-rate EMA in fp32, as stored (so that a rate exactly at the floor is compared as the code sees it)
+    freq = torch.full((n_ov,), k / n_ov, dtype=torch.float32)
     log_gain = torch.zeros(n_ov, dtype=D64)
     b_v = lorsa.b_V.detach().clone().to(D64)
     at_stop = None
@@ -571,10 +572,11 @@ def _head_balance_matches_the_gains(c):
         counts = torch.randint(0, n + 1, (n_ov,), generator=gen) * (~c["dead"][step])   # the dead never fire
         z_max = torch.randn(n_ov, generator=gen) - 1.5 * c["dead"][step].float()
         bal.update(lorsa, r, counts, z_max, n, step, total)
-        freq = (1 - r.balance_ema) * freq + r.balance_ema * counts.to(D64) / max(n, 1)
+        freq = freq * (1 - r.balance_ema) + r.balance_ema * counts.float() / max(n, 1)
         if step < stop:
-            assume(bool(((freq - floor).abs() > 1e-6).all()))                   # fp32 vs fp64 at the floor
-            under = freq < floor
+            under = freq < floor                                                 # at the floor: not under
+            if bool((freq == torch.tensor(floor, dtype=torch.float32)).any()):
+                event("a rate exactly at the floor")
             log_gain = (log_gain + torch.where(under, r.balance_rate, -r.balance_rate)).clamp(0, r.balance_max)
             stuck = under & (z_max.to(D64) <= 0) & (log_gain >= r.balance_max - 1e-12)
             lift = -z_max.to(D64) + 1e-3 * float(z_max.clamp_min(0).max())
@@ -586,7 +588,7 @@ def _head_balance_matches_the_gains(c):
                 at_stop = log_gain.clone()
             if not r.balance_hold:
                 log_gain = at_stop * max(0.0, (total - step - 1) / max(total - stop, 1.0))
-        torch.testing.assert_close(bal.freq.to(D64), freq, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bal.freq, freq, rtol=0, atol=0)
         torch.testing.assert_close(bal.log_gain.to(D64), log_gain, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lorsa.b_V.detach().to(D64), b_v, rtol=1e-5, atol=1e-5)
         assert (bal.at_stop is None) == (at_stop is None)
@@ -664,3 +666,14 @@ def test_init_lorsa_qk_heads_attend_as_the_models_heads(family, layer):
     for h in range(lorsa.cfg.n_qk_heads):
         diff = float((pat[:, h] - probs[:, h // rep]).abs().max())
         assert diff < 2e-5, (family, h, diff)
+
+
+def test_head_balance_gain_falls_for_a_head_exactly_at_the_floor():
+    """A head's log-gain "rises ... while its firing rate is below ``balance_floor · k / n_ov`` and falls
+    otherwise": exactly at the floor it falls."""
+    lorsa = small_lorsa(1, 2, 4, 2, 1, 0)
+    r = LorsaRecipe(balance_floor=1.0, balance_ema=1.0, balance_rate=0.25, balance_max=1.0)
+    bal = HeadBalance(2, 1)
+    bal.log_gain.fill_(0.5)
+    bal.update(lorsa, r, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]), 2, 0, 10)   # rates 0.5 (= floor), 0
+    assert bal.log_gain.tolist() == [0.25, 0.75]
