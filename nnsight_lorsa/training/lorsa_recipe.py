@@ -201,9 +201,8 @@ def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> 
     """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
     ``k_anneal_frac · total_steps`` (each k rounded up), ``top_k`` after; ``top_k`` without annealing.
 
-    Computed in exact rationals, ``k_anneal_frac`` taken as the decimal it is written as (``0.3`` is 3/10): in
-    floats ``0.3 · 10`` is 3.0000000000000004 and ``64 − 48 · 1/1.2`` is 24.000000000000004, each rounded up to
-    one k too many (step 3 of 10 at ``top_k + 1``; 25 for 24)."""
+    Computed in exact rationals, ``k_anneal_frac`` taken as the decimal it is written as (``0.2`` is 1/5): in
+    floats ``64 − 48 · 1/1.2`` (step 1 of 6, ``k_anneal_frac=0.2``) is 24.000000000000007, rounded up to 25."""
     k0 = recipe.k_anneal_from
     if k0 is None or k0 <= top_k:
         return top_k

@@ -90,9 +90,10 @@ test_k_schedule_anneals_linearly, test_k_schedule_anneals_linearly_sweep = drawn
 
 
 def test_k_schedule_reaches_top_k_at_the_documented_step_without_float_noise():
-    # 0.3 · 10 = 3 steps: step 3 is at top_k (3.0000000000000004 in floats left it one above); 64 − 48·(1/1.2) = 24
-    assert k_schedule(3, 10, 16, LorsaRecipe(k_anneal_from=64, k_anneal_frac=0.3)) == 16
+    # 64 − 48 · 1/1.2 = 24 and 28 − 27 · 17/18.36 = 3 exactly; in floats 24.000000000000007 and 3.0000000000000036,
+    # rounded up to 25 and 4 (failed before the fix)
     assert k_schedule(1, 6, 16, LorsaRecipe(k_anneal_from=64, k_anneal_frac=0.2)) == 24
+    assert k_schedule(17, 54, 1, LorsaRecipe(k_anneal_from=28, k_anneal_frac=0.34)) == 3
 
 
 # ------------------------------------------------------------------------------------------- references
