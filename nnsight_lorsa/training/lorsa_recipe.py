@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError
 from ..modules.lorsa import Lorsa, _normal_
@@ -178,8 +179,18 @@ class LorsaRecipe:
         if self.scale_into == "w_o" and not self.rank_by_decoder_norm:
             raise ConfigMismatchError("LorsaRecipe.scale_into='w_o' needs rank_by_decoder_norm=True (without it "
                                       "w_o is renormalised after every step, which moves the scale back into w_v)")
-        if not 0.0 <= self.k_anneal_frac <= 1.0:
-            raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+        # counts: a positive int or None (init_windows=-1 took all windows but the last, k_anneal_from=True was k=1)
+        for name in ("k_anneal_from", "init_windows"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise ConfigMismatchError(f"LorsaRecipe.{name} must be None or an int >= 1, got {v!r}")
+        # fractions and weights: a negative ghost_coef switched ghost grads off, a negative revive_margin pushed revived
+        # heads short of the threshold, a NaN remedy_until never ran the remedy — all without a word
+        for name, lo, hi in (("k_anneal_frac", 0.0, 1.0), ("remedy_until", 0.0, 1.0), ("ghost_coef", 0.0, math.inf),
+                             ("revive_margin", 0.0, math.inf)):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v) or not lo <= v <= hi:
+                raise ConfigMismatchError(f"LorsaRecipe.{name} must be a finite number in [{lo}, {hi}], got {v!r}")
 
     @property
     def scale_target(self) -> str:

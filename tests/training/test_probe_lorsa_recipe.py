@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.adapters.base import MHSAWeights
+from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.modules.rotary import RotaryConfig
 from nnsight_lorsa.training.lorsa_recipe import (
     HeadBalance,
@@ -71,7 +72,7 @@ FRACS = st.one_of(st.integers(0, 100).map(lambda n: n / 100), st.sampled_from([0
 
 
 def _k_schedule_anneals_linearly(total, top_k, extra, frac):
-    k0 = None if extra is None else top_k + extra
+    k0 = None if extra is None else max(1, top_k + extra)          # at most top_k too: no annealing
     recipe = LorsaRecipe(k_anneal_from=k0, k_anneal_frac=frac)
     ks = [k_schedule(s, total, top_k, recipe) for s in range(total + 2)]
     want = [ref_k(s, total, top_k, k0, frac) for s in range(total + 2)]
@@ -678,3 +679,30 @@ def test_head_balance_gain_falls_for_a_head_exactly_at_the_floor():
     bal.log_gain.fill_(0.5)
     bal.update(lorsa, r, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]), 2, 0, 10)   # rates 0.5 (= floor), 0
     assert bal.log_gain.tolist() == [0.25, 0.75]
+
+
+# values of the annotated types (the test-time type hook refuses the others before the recipe's own checks)
+BAD_RECIPE_VALUES = {
+    "k_anneal_from": [0, -4, True],
+    "init_windows": [0, -1, True],
+    "k_anneal_frac": [-0.1, 1.5, float("nan")],
+    "remedy_until": [-0.5, 1.01, float("nan"), float("inf")],
+    "ghost_coef": [-1.0, float("nan"), float("inf")],
+    "revive_margin": [-0.05, float("nan")],
+}
+
+
+@pytest.mark.parametrize("field_value", [(f, v) for f, vs in BAD_RECIPE_VALUES.items() for v in vs], ids=repr)
+def test_a_recipe_with_an_out_of_range_setting_is_refused_naming_it(field_value):
+    """Out-of-range counts, fractions and weights were taken without a word (``init_windows=-1`` dropped the last
+    window, ``ghost_coef=-1`` switched ghost grads off, ``revive_margin < 0`` revived heads short of the threshold)."""
+    name, value = field_value
+    with pytest.raises(ConfigMismatchError, match=f"LorsaRecipe.{name}"):
+        LorsaRecipe(**{name: value})
+
+
+def test_in_range_recipe_settings_are_accepted():
+    LorsaRecipe(k_anneal_from=64, init_windows=1, k_anneal_frac=0.0, remedy_until=0.0, ghost_coef=0.0,
+                revive_margin=0.0)
+    LorsaRecipe(k_anneal_from=17, init_windows=3, k_anneal_frac=1.0, remedy_until=1.0, ghost_coef=2.5,
+                revive_margin=1.0)
