@@ -85,10 +85,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._checks import is_int, is_real
 from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError
 from ..modules.lorsa import Lorsa, _normal_
@@ -177,8 +179,18 @@ class LorsaRecipe:
         if self.scale_into == "w_o" and not self.rank_by_decoder_norm:
             raise ConfigMismatchError("LorsaRecipe.scale_into='w_o' needs rank_by_decoder_norm=True (without it "
                                       "w_o is renormalised after every step, which moves the scale back into w_v)")
-        if not 0.0 <= self.k_anneal_frac <= 1.0:
-            raise ConfigMismatchError(f"LorsaRecipe.k_anneal_frac must be in [0, 1], got {self.k_anneal_frac}")
+        # counts: a positive int or None (init_windows=-1 took all windows but the last, k_anneal_from=True was k=1)
+        for name in ("k_anneal_from", "init_windows"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise ConfigMismatchError(f"LorsaRecipe.{name} must be None or an int >= 1, got {v!r}")
+        # fractions and weights: a negative ghost_coef switched ghost grads off, a negative revive_margin pushed revived
+        # heads short of the threshold, a NaN remedy_until never ran the remedy — all without a word
+        for name, lo, hi in (("k_anneal_frac", 0.0, 1.0), ("remedy_until", 0.0, 1.0), ("ghost_coef", 0.0, math.inf),
+                             ("revive_margin", 0.0, math.inf)):
+            v = getattr(self, name)
+            if not is_real(v) or not math.isfinite(v) or not lo <= v <= hi:
+                raise ConfigMismatchError(f"LorsaRecipe.{name} must be a finite number in [{lo}, {hi}], got {v!r}")
 
     @property
     def scale_target(self) -> str:
@@ -198,14 +210,17 @@ class LorsaRecipe:
 
 def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:
     """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
-    ``k_anneal_frac · total_steps`` (rounded up), ``top_k`` after; ``top_k`` without annealing."""
+    ``k_anneal_frac · total_steps`` (each k rounded up), ``top_k`` after; ``top_k`` without annealing.
+
+    Computed in exact rationals, ``k_anneal_frac`` taken as the decimal it is written as (``0.2`` is 1/5): in
+    floats ``64 − 48 · 1/1.2`` (step 1 of 6, ``k_anneal_frac=0.2``) is 24.000000000000007, rounded up to 25."""
     k0 = recipe.k_anneal_from
     if k0 is None or k0 <= top_k:
         return top_k
-    span = recipe.k_anneal_frac * total_steps
+    span = Fraction(repr(float(recipe.k_anneal_frac))) * total_steps
     if span <= 0 or step >= span:
         return top_k
-    return max(top_k, math.ceil(k0 + (top_k - k0) * step / span))
+    return max(top_k, math.ceil(k0 + (top_k - k0) * Fraction(step) / span))
 
 
 class HeadBalance:
@@ -411,10 +426,16 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
 
 def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     """Ghost-grads loss: dead heads' ``exp(z_pre)`` decode the error ``err (n, d)`` (detached), rescaled
-    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool."""
+    to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool.
+    No head dead: the ghost is the empty sum, 0, and the loss 1 (no gradient)."""
     e = err.detach()
     zd = z_pre[:, dead]
-    ghost = torch.exp(zd - zd.detach().amax(-1, keepdim=True).clamp_min(0)) @ W_O[dead]
+    # exp(z − max_h z) per token: the rescaling to half the error's norm cancels any per-token factor (value and
+    # gradient), and the largest term is 1, so no pre-activation, however negative, underflows the ghost to nothing
+    # (the shift was max(z, 0): below about −28 the ghost's norm fell under the 1e-12 clamp, below −87 in fp32 exp
+    # underflowed — no gradient where ghost grads are for); the −inf column keeps it defined when no head is dead
+    shift = torch.cat([zd.detach(), zd.new_full((zd.shape[0], 1), -torch.inf)], -1).amax(-1, keepdim=True)
+    ghost = torch.exp(zd - shift) @ W_O[dead]
     scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
     return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import pytest
 import torch
@@ -641,9 +642,10 @@ def reference_lorsa_run(case: LorsaCase, lorsa: torch.nn.Module, batches: list[B
     for step in range(case.steps):
         b = batches[step]
         k = case.top_k
-        span = 0.3 * cfg.total_steps  # LorsaRecipe.k_anneal_frac: k0 at step 0, linearly down to top_k at 30%
+        # LorsaRecipe.k_anneal_frac: k0 at step 0, linearly down to top_k at 30%, in exact rationals (0.3 is 3/10)
+        span = Fraction(3, 10) * cfg.total_steps
         if case.k0 is not None and step < span:
-            k = max(case.top_k, math.ceil(case.k0 + (case.top_k - case.k0) * step / span))
+            k = max(case.top_k, math.ceil(case.k0 + (case.top_k - case.k0) * Fraction(step) / span))
         Q = {kk: v.clone().requires_grad_(True) for kk, v in P.items()}
         x, y = b.x * s_in, b.y * s_out
         z_pre = ref_z_pre(Q, x, b.attn_mask, case.group)
