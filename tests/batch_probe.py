@@ -6,7 +6,7 @@ activation), the unmodified model (``error=True``), a loop of full-sequence trac
 (generation), or a refusal the case expects (``ArgumentError``). Script only (pytest does not collect it); the
 fast, generated-case checks of what it found are ``tests/patching/test_patching_padding.py``::
 
-    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (533 cases); exit 1 on any wrong case
+    PYTHONPATH=. python tests/batch_probe.py            # ~15 s (1,163 cases); exit 1 on any wrong case
     PYTHONPATH=. python tests/batch_probe.py --only patching
 
 Outcomes per case: ``correct`` (within the bound), ``named_error`` (an expected ``LorsaError``) or ``wrong``.
