@@ -6,7 +6,7 @@ activation), the unmodified model (``error=True``), a loop of full-sequence trac
 (generation), or a refusal the case expects (``ArgumentError``). Script only (pytest does not collect it); the
 fast, generated-case checks of what it found are ``tests/patching/test_patching_padding.py``::
 
-    PYTHONPATH=. python tests/batch_probe.py            # ~30 s (533 cases); exit 1 on any wrong case
+    PYTHONPATH=. python tests/batch_probe.py            # ~15 s (1,163 cases); exit 1 on any wrong case
     PYTHONPATH=. python tests/batch_probe.py --only patching
 
 Outcomes per case: ``correct`` (within the bound), ``named_error`` (an expected ``LorsaError``) or ``wrong``.
@@ -33,6 +33,16 @@ from nnsight_lorsa.errors import LorsaError  # noqa: E402
 LAYER = 1
 REL = 1e-4  # max |row − reference| / max |reference| (fp32; observed ≤ 5e-7)
 RECORDS: list[tuple[str, str, str]] = []
+#: the families added after this probe (OLMo-2, Phi-3, Gemma-1), each probe runs them too (eager and SDPA);
+#: ``--families`` replaces both lists (``--families olmo2 phi3 gemma``: the new ones only)
+NEW_FAMILIES = ("olmo2", "phi3", "gemma")
+ONLY_FAMILIES: list[str] | None = None
+
+
+def _runs(first: list[tuple[str, str]], attns: tuple[str, ...] = ("eager", "sdpa")) -> list[tuple[str, str]]:
+    """``(family, attn)`` pairs a probe runs: its own list, then the later families in ``attns``."""
+    runs = first + [(f, a) for f in NEW_FAMILIES for a in attns]
+    return [r for r in runs if ONLY_FAMILIES is None or r[0] in ONLY_FAMILIES]
 
 
 def record(name: str, ok: bool, detail: str = "", outcome: str = "correct") -> None:
@@ -113,8 +123,8 @@ def spliced(model, adapter, kind: str, module, error: bool):
 @torch.no_grad()
 def probe_padding() -> None:
     """Row i of a padded batch (right; left, with position ids given or left to nnsight) vs the prompt alone."""
-    for family, attn in [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager"),
-                         ("qwen3", "sdpa")]:
+    for family, attn in _runs([("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager"),
+                               ("qwen3", "sdpa")]):
         model, hf = tiny_nnsight(family, attn=attn)
         adapter = get_adapter(model)
         mods = {"lorsa": make_lorsa(hf, adapter, LAYER), "tc": make_transcoder(), "sae": make_sae()}
@@ -149,7 +159,7 @@ def probe_padding() -> None:
 @torch.no_grad()
 def probe_invokes() -> None:
     """Several invokes in one trace: edits per invoke, prompts of different lengths, an empty invoke."""
-    for family, attn in [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager")]:
+    for family, attn in _runs([("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager")]):
         _invokes(family, attn)
 
 
@@ -232,6 +242,10 @@ def _invokes(family: str, attn: str) -> None:
 
 def no_cache_loop(model, make_site: Callable[[], object], edit: Callable[[object], None] | None,
                   p: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding by full-sequence traces; the end-of-sequence ids never chosen, as ``generate`` with
+    ``min_new_tokens=steps`` does (OLMo-2's tiny model, eos 1 in the vocabulary, picks it greedily)."""
+    eos = model.generation_config.eos_token_id
+    eos = [e for e in ([eos] if isinstance(eos, int) else eos or []) if e < VOCAB]
     seq, logits = p[None], []
     for _ in range(steps):
         with model.trace(seq):
@@ -239,7 +253,9 @@ def no_cache_loop(model, make_site: Callable[[], object], edit: Callable[[object
             if edit is not None:
                 edit(site)
             logits.append(nnsight.save(unembed(model).output[:, -1]))
-        seq = torch.cat([seq, logits[-1].argmax(-1, keepdim=True)], 1)
+        allowed = logits[-1].clone()
+        allowed[..., eos] = float("-inf")
+        seq = torch.cat([seq, allowed.argmax(-1, keepdim=True)], 1)
     return seq[0], torch.stack(logits, 1)[0]
 
 
@@ -247,8 +263,8 @@ def no_cache_loop(model, make_site: Callable[[], object], edit: Callable[[object
 def probe_generate(steps: int = 4) -> None:
     """generate() with the KV cache vs a no-cache loop of full-sequence traces: invokes of different lengths
     with their own edits, nnsight's left padding, batch 1 vs B."""
-    for family, attn in [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager"),
-                         ("qwen3", "eager")]:
+    for family, attn in _runs([("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "eager"),
+                               ("qwen3", "eager")]):
         model, hf = tiny_nnsight(family, attn=attn)
         adapter = get_adapter(model)
         tag = f"generate/{family}-{attn}"
@@ -333,8 +349,10 @@ def probe_clt_sparse_batch() -> None:
     from nnsight_lorsa.sparse_attention import edge_statistics, install_gated_attention, set_gate_mode
     from nnsight_lorsa.sparse_attention.install import uninstall_gated_attention
 
-    for family in ("llama", "gpt2", "neox"):
-        model, hf = tiny_nnsight(family, attn="sdpa")
+    # SDPA only, as the first three: under eager the rows of a pad query (every key masked) are the model's
+    # own arbitrary numbers, which the whole-batch comparison below would read (tokens agree bit for bit)
+    for family, attn in _runs([("llama", "sdpa"), ("gpt2", "sdpa"), ("neox", "sdpa")], attns=("sdpa",)):
+        model, hf = tiny_nnsight(family, attn=attn)
         adapter = get_adapter(model)
         ps = prompts([8, 3, 6], seed=41)
         lists, n = [p.tolist() for p in ps], 8
@@ -358,7 +376,8 @@ def probe_clt_sparse_batch() -> None:
         with model.trace(lists):
             out = unembed(model).output.save()
         heads = edge_statistics(model).possible.shape[-1]
-        allowed = sum(len(p) * (len(p) + 1) // 2 for p in lists) * heads
+        window = adapter.sliding_window(LAYER) or n  # Phi-3's window 4: the edges a query can have
+        allowed = sum(min(t + 1, window) for p in lists for t in range(len(p))) * heads
         st = edge_statistics(model)
         record(f"sparse/{family}/open_gates_equal_model_padded", rel(out, ref) < REL, f"{rel(out, ref):.2e}")
         record(f"sparse/{family}/possible_edges_padded", float(st.possible[LAYER].sum()) == allowed)
@@ -467,7 +486,10 @@ PROBES = {"padding": probe_padding, "invokes": probe_invokes, "generate": probe_
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(PROBES), action="append")
+    parser.add_argument("--families", nargs="+", help="run only these families (default: all)")
     args = parser.parse_args()
+    global ONLY_FAMILIES
+    ONLY_FAMILIES = args.families
     warnings.simplefilter("ignore")
     for name in args.only or PROBES:
         PROBES[name]()

@@ -188,7 +188,7 @@ def test_get_adapter_unsupported_names_model_type():
         get_adapter(object())
 
 
-@pytest.mark.parametrize("family", ["llama", "neox", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "olmo2", "phi3", "gemma"])
 def test_check_layer(family):
     adapter = get_adapter(_config(family))
     assert adapter.check_layer(0) == 0 and adapter.check_layer(N_LAYERS - 1) == N_LAYERS - 1
@@ -482,6 +482,12 @@ def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
         qkv = attn.query_key_value(x).view(b, s, N_HEADS, -1).transpose(1, 2)
         q, k, _ = qkv.chunk(3, dim=-1)
         return apply_rotary_pos_emb(q, k, cos, sin)
+    if family == "phi3":  # fused [q | k | v], partial rotary
+        from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
+
+        e, n_kv = attn.head_dim, model.config.num_key_value_heads
+        q, k, _ = attn.qkv_proj(x).split([N_HEADS * e, n_kv * e, n_kv * e], dim=-1)
+        return phi3_rope(q.view(b, s, -1, e).transpose(1, 2), k.view(b, s, -1, e).transpose(1, 2), cos, sin)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     head_dim = attn.head_dim
@@ -492,7 +498,9 @@ def _reference_qk(family: str, model, x: torch.Tensor, positions: torch.Tensor):
     return apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma"])
+# not OLMo-2: its QK-norm spans the whole projection, the Lorsa's is per head (``init_from_mhsa``: "near, not at");
+# Gemma-3's RoPE per layer type: test_gemma3_rope_per_layer_type
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "neox", "gpt2", "gemma2", "gemma", "phi3"])
 def test_lorsa_init_from_mhsa_copies_qk(family):
     model = tiny_model(family)
     adapter = get_adapter(model)
@@ -527,6 +535,8 @@ def test_lorsa_init_from_mhsa_copies_qk(family):
         assert (W_V[m] @ sol - lorsa.W_V[ov].detach()[:, None]).abs().max() < 1e-4
 
 
+# not OLMo-2 (whole-projection QK-norm: near, not at) nor Phi-3 (window 4 on every layer, shorter than SEQ: the
+# MHSA's pattern is windowed, a Lorsa's global by design — docs/adapters.md)
 @pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "gpt2_inv", "qwen3", "gemma3", "gemma"])
 def test_lorsa_from_mhsa_reproduces_the_heads_attention_pattern(family):
     """A Lorsa configured from ``mhsa_weights`` alone, as the training recipe does (rotary, score scale,

@@ -114,7 +114,7 @@ def _check_top(top, z: torch.Tensor, n_top: int, skip_start: int, distinct: bool
 
 _TOP = dict(n=st.integers(1, 6), pos=st.integers(2, 10), n_top=st.integers(1, 9), batch_size=st.integers(1, 7),
        skip=st.integers(0, 3), distinct=st.booleans(),
-       family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox", "olmo2", "phi3"]),
+       family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox", "olmo2", "phi3", "gemma"]),
        seed=st.integers(0, 2**16))
 
 
@@ -255,7 +255,8 @@ def test_z_pattern_against_the_definition_with_padding():
         <= 1e-5 * float(z_pre.abs().max())
 
 
-_ZP = dict(family=st.sampled_from(["llama", "qwen3", "neox", "gemma2", "olmo2"]), b=st.integers(1, 3),
+_ZP = dict(family=st.sampled_from(["llama", "qwen3", "neox", "gemma2", "olmo2", "phi3", "gemma"]),
+           b=st.integers(1, 3),
        s=st.integers(1, 9), offset=st.integers(0, 20), pad=st.integers(0, 4), bf16=st.booleans(),
        seed=st.integers(0, 2**16))
 
@@ -367,7 +368,8 @@ def test_mhsa_correlation_against_per_token_least_squares(family, layer):
     assert rel <= 1e-5, rel  # measured 4e-8 – 7e-8 over the 11 families
 
 
-_CORR = dict(family=st.sampled_from([("llama", LAYER), ("gemma2", 0), ("gpt2", LAYER), ("olmo2", LAYER)]),
+_CORR = dict(family=st.sampled_from([("llama", LAYER), ("gemma2", 0), ("gpt2", LAYER), ("olmo2", LAYER),
+                                     ("phi3", LAYER), ("gemma", LAYER)]),
              n=st.integers(1, 4), pos=st.integers(2, 9), batch_size=st.integers(1, 4), skip_first=st.booleans(),
              seed=st.integers(0, 2**16))
 
@@ -454,11 +456,12 @@ def _hand_edits(hf, adapter, lorsa, error: bool, z_edit=None, mhsa_edit=None):
     edited plus the unedited error term; else the Lorsa's output) with ``z_edit(z) -> z'``, and ``mhsa_edit(layer,
     heads_concat) -> heads_concat`` on every layer's output-projection input; plain forward hooks."""
     handles = []
+    sliding = adapter.sliding_window(LAYER) is not None  # Phi-3 (window on every layer): a Lorsa is global (unpadded)
 
     def lorsa_hook(module, args, kwargs, output):
         x = adapter.attention_input(args, kwargs)
         z_pre = lorsa.compute_z_pre(x, adapter.attention_positions(args, kwargs, x),
-                                    adapter.attention_mask(args, kwargs))
+                                    None if sliding else adapter.attention_mask(args, kwargs))
         z, _ = lorsa.activation(z_pre)
         ze = z if z_edit is None else z_edit(z.clone())
         out = lorsa.decode(ze)
@@ -490,7 +493,8 @@ def _lm_logits(hf, ids) -> torch.Tensor:
     return seen[0].double()
 
 
-_CIRCUIT = dict(family=st.sampled_from(["llama", "gpt2"]), error=st.booleans(), b=st.integers(1, 3),
+_CIRCUIT = dict(family=st.sampled_from(["llama", "gpt2", "olmo2", "phi3", "gemma"]), error=st.booleans(),
+                b=st.integers(1, 3),
                 seed=st.integers(0, 2**16))
 
 
@@ -572,7 +576,8 @@ test_circuit_size_and_component_scores_by_hand = _generated(_circuit_case, _CIRC
 test_sweep_circuit_size_and_component_scores_by_hand = pytest.mark.slow(_generated(_circuit_case, _CIRCUIT, 150))
 
 
-_SWAP = dict(family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox"]), error=st.booleans(),
+_SWAP = dict(family=st.sampled_from(["llama", "gpt2", "gemma2", "qwen3", "neox", "olmo2", "phi3", "gemma"]),
+             error=st.booleans(),
        swap=st.booleans(), pos=st.sampled_from([-1, 3, [1, 4], None]), b=st.integers(1, 3), seed=st.integers(0, 2**16))
 
 

@@ -79,7 +79,8 @@ def coordinate_sae(d: int) -> SparseAutoencoder:
     return sae
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])  # llama3 RoPE + GQA, QK-norm, no rotary
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "olmo2", "phi3", "gemma"])  # + whole-projection QK-norm,
+# fused qkv with partial rotary, MQA
 @torch.no_grad()
 def test_kl_equals_reference_on_edited_inputs(family):
     model, hf, lorsa, ls = sharp_setup(family)
@@ -140,7 +141,7 @@ def _span_directions(lorsa, g: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: (v / v.norm()).float() for k, v in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "phi3", "gemma"])
 @torch.no_grad()
 def test_orthogonal_feature_has_no_impact_aligned_one_does(family):
     model, hf, lorsa, ls = sharp_setup(family)

@@ -267,7 +267,7 @@ def test_a_steps_transient_bytes_bound_the_allocation_peak(n_qk, pos, d, per_hea
     assert 0.75 * (step + kept + results) <= peak <= step + kept + results, (peak, step, kept, results)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "neox", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "neox", "gpt2", "olmo2", "phi3", "gemma"])
 def test_a_graph_with_the_head_product_is_the_gathers(family, monkeypatch):
     """``attribute(memory="lean")`` (the recomputed rows: a GPU's path) with the head product (a device's default,
     forced on the CPU) gives the gather's graph within fp32 rounding, its edges summing to the node values as

@@ -77,7 +77,9 @@ def lorsa_set(family: str, attn: str = "eager"):
 
 
 @pytest.mark.parametrize(("family", "attn"), [("llama", "eager"), ("llama", "sdpa"), ("qwen3", "eager"),
-                                              ("neox", "eager"), ("gpt2", "sdpa")])
+                                              ("neox", "eager"), ("gpt2", "sdpa"),
+                                              ("olmo2", "eager"), ("olmo2", "sdpa"), ("phi3", "eager"),
+                                              ("phi3", "sdpa"), ("gemma", "eager"), ("gemma", "sdpa")])
 def test_lorsa_generate_matches_no_cache_loop(family, attn):
     model, hf, lorsa = lorsa_set(family, attn)
     ids = random_ids(2, 6)

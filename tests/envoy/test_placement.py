@@ -34,7 +34,9 @@ def _modules(family: str) -> tuple[dict, dict, dict]:
     hf = tiny_hf_model(family)
     adapter = get_adapter(hf)
     lorsas = {layer: make_lorsa(hf, adapter, layer) for layer in range(adapter.n_layers)}
-    return lorsas, make_transcoders(range(adapter.n_layers), skip_layer=1), {adapter.attention_norm_path(0): make_sae()}
+    # OLMo-2 has no pre-norms: its SAE on the attention's post-norm
+    norm = adapter.attention_norm_path(0) or adapter.attention_post_norm_path(0)
+    return lorsas, make_transcoders(range(adapter.n_layers), skip_layer=1), {norm: make_sae()}
 
 
 def _logits(model, ids, rm=None, edit=None):
@@ -50,7 +52,7 @@ def _logits(model, ids, rm=None, edit=None):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("module_dtype", ["fp32", "model"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "olmo2", "phi3", "gemma"])
 def test_error_terms_give_the_plain_logits_bit_for_bit(device, dtype, module_dtype, family):
     lorsas, tcs, saes = _modules(family)
     model, _ = tiny_nnsight(family, device=device, dtype=dtype)

@@ -20,7 +20,10 @@ from nnsight_lorsa.formats import load
 from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_clt, save_circuit_tracer_transcoders
 from nnsight_lorsa.formats.hook_sites import check_mlp_hooks
 
-FAMILIES = ("llama", "gpt2", "neox", "gemma2")
+FAMILIES = ("llama", "gpt2", "neox", "gemma2", "olmo2", "phi3", "gemma")
+#: the families with a pre-MLP norm (OLMo-2 has none: no ``ln2`` to read and ``hook_resid_mid`` is the MLP's own
+#: input, ``test_olmo2_without_pre_norms_reads_resid_mid_at_the_mlp_and_refuses_hook_normalized``)
+PRE_NORM_FAMILIES = tuple(f for f in FAMILIES if f != "olmo2")
 LAYER = 1
 
 
@@ -90,7 +93,7 @@ def _resid_mid(module):
     return module
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "phi3", "gemma"])  # OLMo-2: PRE_NORM_FAMILIES
 def test_hook_resid_mid_transcoders_read_the_norm_input(family: str) -> None:
     """A ``hook_resid_mid`` transcoder / CLT reads the residual BEFORE the pre-MLP norm (the norm's input) and
     writes the MLP output: its reconstruction equals the module applied to the hooked resid_mid by hand (and not to
@@ -189,7 +192,7 @@ def test_hook_resid_mid_attribution_and_evaluate_read_resid_mid() -> None:
         assert ev.fvu[layer] == pytest.approx(float(acc.value()), rel=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PRE_NORM_FAMILIES)
 def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> None:
     """``ln2.hook_normalized`` is the pre-MLP norm BEFORE its gain (and bias). On an RMSNorm (Llama, Gemma-2) with a
     gain it is computed from the norm's input (``x / rms(x)``, as the norm computes it): the reconstruction equals the
@@ -202,7 +205,7 @@ def test_ln2_hook_normalized_before_the_gain(family: str, tmp_path: Path) -> Non
     tc_dir, clt_dir = _files(tmp_path, "ln2", feature_input_hook="ln2.hook_normalized", feature_output_hook=output)
     norm = adapter.mlp_norm_path(LAYER)
     rms = "RMSNorm" in type(hf.get_submodule(norm)).__name__
-    assert rms == (family in ("llama", "gemma2"))
+    assert rms == (family in ("llama", "gemma2", "phi3", "gemma"))
     if rms:
         tcs = TranscoderSet(model, {LAYER: load(tc_dir)[LAYER]})
         CLTSet.from_pretrained(model, clt_dir)

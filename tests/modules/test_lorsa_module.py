@@ -171,7 +171,7 @@ def test_primitives_import_and_run_without_nnsight():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "neox", "gpt2", "olmo2", "phi3", "gemma"])
 def test_config_from_mhsa_takes_every_field_from_the_mhsa(family):
     """``LorsaConfig.from_mhsa``: the one derivation of a Lorsa's config from an MHSA (shape, RoPE, scale,
     QK norm), so that a Lorsa initialised from it reproduces the MHSA's QK scores."""

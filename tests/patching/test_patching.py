@@ -470,7 +470,7 @@ def test_replacement_model_splices_every_set_and_reproduces_the_model():
         ReplacementModel(model, saes=[make_sae()])
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "phi3", "gemma"])
 @torch.no_grad()
 def test_site_order_is_the_execution_order(family):
     """The order interventions are run in (``ReplacementModel.order_path``) and path patching's SAE-sender steps

@@ -56,7 +56,7 @@ from nnsight_lorsa.patching import (
 )
 from nnsight_lorsa.patching.path_patching import HeadInput, path_patching
 
-FAMILIES = ("llama", "gemma2", "qwen3", "neox", "gpt2")
+FAMILIES = ("llama", "gemma2", "qwen3", "neox", "gpt2", "olmo2", "phi3", "gemma")
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 4e-2, torch.float16: 6e-3}
 SEEDS = st.integers(0, 2**31 - 1)
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
@@ -75,7 +75,8 @@ class Case:
         self.lorsa = make_lorsa(self.hf, a, self.layer).to(mdtype)
         self.tcs = {1: make_transcoder(skip=True, seed=1).to(mdtype), 2: make_transcoder(skip=False, seed=2).to(mdtype)}
         second = {"llama": a.attention_path(2), "gemma2": a.mlp_norm_path(1), "qwen3": a.mlp_path(0),
-                  "neox": a.attention_norm_path(2), "gpt2": a.mlp_path(0)}[family]
+                  "neox": a.attention_norm_path(2), "gpt2": a.mlp_path(0), "olmo2": a.mlp_post_norm_path(1),
+                  "phi3": a.attention_path(2), "gemma": a.attention_norm_path(2)}[family]
         self.saes = {a.layer_path(1): make_sae(seed=3).to(mdtype), second: make_sae(seed=4).to(mdtype)}
         self.sets = dict(lorsas=LorsaSet(self.model, {self.layer: self.lorsa}),
                          transcoders=TranscoderSet(self.model, self.tcs), saes=SAESet(self.model, self.saes))
@@ -657,7 +658,8 @@ def run_receivers(seed: int) -> None:
     """``path_patching(receivers=...)``: MHSA heads' q / k / v inputs (GQA: a k / v receiver is its KV head) take
     their values from the sender-patched, frozen run; everything else is the clean run."""
     rng = random.Random(seed)
-    case = case_of(rng.choice(["llama", "qwen3", "gemma2"]), torch.float32, torch.float32)  # separate q/k/v
+    # separate q/k/v inputs (OLMo-2: its QK-norms' outputs); not Phi-3, whose fused qkv_proj has no head input
+    case = case_of(rng.choice(["llama", "qwen3", "gemma2", "olmo2", "gemma"]), torch.float32, torch.float32)
     error = rng.random() < 0.6
     r, a = case.bundle(error), case.adapter
     batch = rng.randint(1, 2)
@@ -692,13 +694,13 @@ def run_receivers(seed: int) -> None:
         def freeze_attention(layer, attn=attn):
             return attention_hook(case, layer, attn, freeze=True)
 
-        def read_input(layer, which, proj=proj):
-            module = getattr(a.attention_module(case.hf, layer), f"{which}_proj")
+        def read_input(layer, which, proj=proj):  # OLMo-2: its whole-projection QK-norm's output (the adapter's)
+            module = getattr(a.attention_module(case.hf, layer), a.head_input_names[which])
             return lambda: module.register_forward_hook(
                 lambda m, args, o: proj.__setitem__((layer, which), o.clone()))
 
         def put_input(layer, which, cols_, proj=proj):
-            module = getattr(a.attention_module(case.hf, layer), f"{which}_proj")
+            module = getattr(a.attention_module(case.hf, layer), a.head_input_names[which])
 
             def hook(m, args, o):
                 o = o.clone()

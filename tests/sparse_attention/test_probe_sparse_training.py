@@ -535,7 +535,8 @@ def test_checkpoint_resume_sweep(a, tmp_path_factory) -> None:
 # 5. gates fully open == the unmodified model; gate files round trip
 # ---------------------------------------------------------------------------------------------------------------
 @FAST
-@given(st.sampled_from(["llama", "gpt2", "neox", "qwen3", "gemma2"]), st.integers(1, 3), st.integers(2, 12),
+@given(st.sampled_from(["llama", "gpt2", "neox", "qwen3", "gemma2", "olmo2", "phi3", "gemma"]), st.integers(1, 3),
+       st.integers(2, 12),
        st.integers(0, 11), st.booleans(), st.integers(0, 50))
 def test_open_gates_equal_the_unmodified_model(family, batch, seq, pad, training, seed) -> None:
     pad = min(pad, seq - 1)

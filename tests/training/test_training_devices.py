@@ -266,10 +266,11 @@ def _old_init_from_mhsa(lorsa: Lorsa, mhsa, generator: torch.Generator) -> dict[
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "phi3", "gemma"])
 @torch.no_grad()
 def test_init_from_mhsa_on_device_equals_the_former_formula(device, family):
-    """MHSA (GQA; Qwen3 with QK-norm) and Lorsa on ``device``, with and without a generator: QK copied
+    """MHSA (GQA; Qwen3 with QK-norm, OLMo-2 with it over the whole projection; Phi-3 fused qkv; Gemma-1 MQA) and
+    Lorsa on ``device``, with and without a generator: QK copied
     exactly, OV equal to the former formula's on the CPU (relative 1e-5) — the same draws everywhere."""
     _, hf = tiny_nnsight(family, device=device)
     adapter = get_adapter(hf)
@@ -290,9 +291,15 @@ def test_init_from_mhsa_on_device_equals_the_former_formula(device, family):
                 assert torch.equal(got.cpu(), value), name
             else:
                 assert _rel_t(got, value) < 1e-5, name
-        if cfg.qk_norm:
+        if cfg.qk_norm and cpu_w.q_norm.numel() == cfg.d_qk_head:  # one gain shared by the heads (Qwen3)
             assert torch.equal(lorsa.ln_q.w.cpu(), cpu_w.q_norm.expand(cfg.n_qk_heads, -1))
             assert torch.equal(lorsa.ln_k.w.cpu(), cpu_w.k_norm.expand(cfg.n_qk_heads, -1))
+        elif cfg.qk_norm:  # a gain over the whole projection (OLMo-2): QK head j gets its MHSA head's slice
+            rep, kv_rep, d = cfg.n_qk_heads // w.n_heads, w.n_heads // w.W_K.shape[0], cfg.d_qk_head
+            for j in range(cfg.n_qk_heads):
+                m = j // rep
+                assert torch.equal(lorsa.ln_q.w[j].cpu(), cpu_w.q_norm[m * d:(m + 1) * d]), j
+                assert torch.equal(lorsa.ln_k.w[j].cpu(), cpu_w.k_norm[m // kv_rep * d:(m // kv_rep + 1) * d]), j
 
 
 # --------------------------------------------------------------------------- memory
