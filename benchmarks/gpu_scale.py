@@ -530,6 +530,9 @@ def attribution(rm: ReplacementModel, hf: Any, tokens: list[int], batch: int, ro
             "phase_peaks": phase_peaks, "memory_snapshot": snapshot, "kernel_profile": kernel_profile,
             "offload_rows": offload_rows, "offload_rows_kept_bytes": graph.meta.get("offload_rows_kept_bytes"),
             "batch_size": used_batch, "max_memory": max_memory,
+            # the stored rows kept on the device for the ranking (SparseRows' mirror), kept / planned
+            "ranking_mirror_bytes": graph.meta.get("ranking_mirror_bytes"),
+            "ranking_mirror_planned": est.terms.get("ranking_mirror"),
             "estimate_is_call_plan": (offload_rows, used_batch, graph.meta.get("offload_rows_kept_bytes"))
             == (est.offload_rows, est.batch_size, est.offload_rows_kept_bytes),
         })

@@ -95,7 +95,12 @@ per edge:
   with 4096 tokens;
 * *selection* (host, a feature budget only, between two batches while the frozen pass is held): the
   influence estimate over the stored rows, in place in one float64 chunk buffer per step
-  (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources.
+  (:data:`SELECTION_BYTES_PER_CHUNK_ENTRY`) and :data:`SELECTION_VECTORS` float64 vectors over the ``S`` sources;
+* *the ranking's device copy of the rows* (device, a feature budget on a CUDA model; term ``ranking_mirror``): what
+  the memory plan leaves free on the model's device at the call's batch (:func:`plan_call`), at most the stored
+  rows' entries (4 B + an edge each), held by the stored rows for the ranking pass (:class:`.rows.SparseRows`,
+  ``mirror_bytes``) — added to ``device_bytes`` of the call's estimate (:meth:`CallPlan.call_estimate`), not to the
+  estimates the batch is fitted with: it fills what the fitted batch leaves.
 
 Peak = rows + max(frozen pass + selection, pruning) on a CPU model; host rows + max(selection, pruning)
 on a GPU one. The remaining coefficients are measured on the embedded model
@@ -129,6 +134,7 @@ from .layout import Layout
 from .logit_targets import Targets
 from .nodes import count_distinct
 from .offload import (
+    FREE_MEMORY_MARGIN,
     RowsPlace,
     any_offloaded,
     block_layer,
@@ -140,7 +146,7 @@ from .offload import (
     rows_placement,
 )
 from .options import AttributionOptions, refuse_renamed
-from .rows import CHUNK_ENTRIES, DEVICE_CHUNK_ENTRIES, full_graph_blocks
+from .rows import CHUNK_ENTRIES, DEVICE_CHUNK_ENTRIES, full_graph_blocks, mirrors
 from .scores import CHUNK as SCORES_CHUNK
 from .trace import AttributionCache, Prepared, frozen_sites, multiplier_dtype, prepare, refuse_inside_trace
 
@@ -211,7 +217,9 @@ class MemoryEstimate(FieldsRepr):
             :func:`.frozen.node_chunk_elements`, and ``node_grids``, the node vectors kept on grids (a Lorsa's
             ``w_o``; a transcoder's encoder and one decoder grid per replaced MLP it writes into), both included
             in ``frozen_shared``; ``ranking_device``, a feature budget's ranking pass on the device,
-            :meth:`.rows.SparseRows.weighted_abs`, also in ``frozen_shared``)
+            :meth:`.rows.SparseRows.weighted_abs`, also in ``frozen_shared``; in :func:`estimate_memory`'s estimate
+            ``ranking_mirror``, the stored rows' device copy for that pass, :func:`ranking_mirror`, in
+            ``device_bytes``)
             and counts (``n_sources``, ``n_rows``, ``stored_entries``).
         offload_rows: where the offloaded modules' active rows are counted: ``"device"`` (every block kept there
             for the whole call, ``offload_rows`` term), ``"host"`` (copied per pass: the largest block; on a CPU
@@ -656,6 +664,37 @@ class CallPlan(NamedTuple):
     #: bytes of the offloaded rows kept on the device (``Graph.meta["offload_rows_kept_bytes"]``: 0 with
     #: ``"host"``, None where nothing is offloaded)
     kept_bytes: int | None
+    #: device bytes the feature budget's stored rows may keep a copy in for the ranking pass (:func:`ranking_mirror`;
+    #: :class:`.rows.SparseRows`' ``mirror_bytes``): 0 without a budget or off CUDA
+    ranking_mirror: int = 0
+
+    def call_estimate(self) -> MemoryEstimate:
+        """The call's own estimate: ``estimate(rows or "host", batch)`` with :attr:`ranking_mirror` in
+        ``device_bytes`` and as the term ``ranking_mirror`` (what :func:`estimate_memory` returns)."""
+        est = self.estimate(self.rows or "host", self.batch)
+        return MemoryEstimate(est.host_bytes, est.device_bytes + self.ranking_mirror, est.batch_size,
+                              {**est.terms, "ranking_mirror": self.ranking_mirror}, est.offload_rows,
+                              est.offload_rows_kept_bytes)
+
+
+def ranking_mirror(estimate: MemoryEstimate, device: torch.device, *, ranked: bool, max_memory: int | None,
+                   edge_itemsize: int) -> int:
+    """Device bytes a feature budget's stored rows may keep a copy in for the ranking pass (:class:`.rows.SparseRows`'
+    ``mirror_bytes``): the call's slack on the model's ``device`` — ``max_memory`` (or, without it, the bytes torch
+    can allocate there now over :data:`.offload.FREE_MEMORY_MARGIN`, :func:`.offload.device_free_bytes`) less the
+    call's ``estimate.device_bytes`` (at its batch, with its offloaded rows) — at most the stored entries
+    (``stored_entries`` × (4 B + ``edge_itemsize``)), never below 0. 0 unless ``ranked`` (a feature budget below the
+    prompt's features) on a CUDA ``device`` (:func:`.rows.mirrors`)."""
+    if not ranked or not mirrors(device):
+        return 0
+    room = max_memory
+    if room is None:
+        free = device_free_bytes(device)
+        room = None if free is None else int(free / FREE_MEMORY_MARGIN)
+    if room is None:
+        return 0
+    entries = estimate.terms.get("stored_entries", 0) * (4 + edge_itemsize)
+    return max(0, min(room - estimate.device_bytes, entries))
 
 
 def layer_devices(root: torch.nn.Module, adapter: Any) -> dict[int, torch.device]:
@@ -736,7 +775,10 @@ def plan_call(layout: Layout, info: Callable[[], dict[str, Any]], device: torch.
     if max_memory is not None:
         batch = largest_batch(lambda b: estimate(rows or "host", b), max_memory, batch_size, device.type)
     kept = None if rows is None else 0 if rows == "host" else kept_bytes(blocks(), rows)
-    return CallPlan(batch, rows, estimate, kept)
+    ranked = max_feature_nodes is not None and max_feature_nodes < layout.n_features
+    mirror = ranking_mirror(estimate(rows or "host", batch), device, ranked=ranked, max_memory=max_memory,
+                            edge_itemsize=shapes()["edge_itemsize"]) if ranked and mirrors(device) else 0
+    return CallPlan(batch, rows, estimate, kept, mirror)
 
 
 def attention_mask_entry_bytes(adapter: Any, implementation: str | None, itemsize: int) -> int:
@@ -868,4 +910,4 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     plan = plan_call(layout, lambda: info, next(root.parameters()).device, batch_size=options.batch_size,
                      max_feature_nodes=options.max_feature_nodes, max_memory=options.max_memory,
                      devices=lambda: layer_devices(root, replacement.adapter))
-    return plan.estimate(plan.rows or "host", plan.batch)
+    return plan.call_estimate()

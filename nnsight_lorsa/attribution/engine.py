@@ -163,7 +163,8 @@ def build_graph(replacement: Any, prompt: Any, *, options: AttributionOptions | 
     graph = compute_graph(prepared.layout, run, max_feature_nodes=o.max_feature_nodes,
                           update_interval=o.update_interval, zero_positions=o.zero_positions,
                           progress=show_progress(o.progress) and not remote, prune=config,
-                          prompt=prompt if isinstance(prompt, str) else "", meta=meta)
+                          prompt=prompt if isinstance(prompt, str) else "", meta=meta,
+                          ranking_mirror=plan.ranking_mirror)
     if o.qk_heads:
         graph.qk = qk_for_graph(replacement, prepared, graph, o.qk_heads, QK_TOP_PAIRS, batch_size, dtype,
                                 offload_rows or "host")
@@ -191,18 +192,32 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
 
 def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *, max_feature_nodes: int | None,
                   update_interval: int = 4, zero_positions: int = 0, progress: bool, prune: PruneConfig | None,
-                  prompt: str, meta: dict[str, Any]) -> Graph:
+                  prompt: str, meta: dict[str, Any], ranking_mirror: int = 0) -> Graph:
     """Schedule the target rows, let ``run`` compute them (returning the target values), and
-    assemble the dense or pruned :class:`Graph`."""
+    assemble the dense or pruned :class:`Graph`. ``ranking_mirror``: device bytes the stored rows may keep a copy in
+    for the ranking (:class:`.rows.SparseRows`' ``mirror_bytes``; what was kept: ``meta["ranking_mirror_bytes"]``),
+    freed when the graph is assembled."""
     bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
                desc="attribution rows", disable=not progress)
     scheduler = RowScheduler(layout, max_feature_nodes, bar if progress else None,
                              keep_mass=None if prune is None else prune.keep_mass, update_interval=update_interval,
-                             zero_positions=zero_positions)
+                             zero_positions=zero_positions, mirror_bytes=ranking_mirror)
     try:
         values = run(scheduler)
     finally:
         bar.close()
+    stored = scheduler.rows if isinstance(scheduler.rows, SparseRows) else None
+    meta["ranking_mirror_bytes"] = 0 if stored is None else stored.mirrored_bytes
+    try:
+        return _assembled(layout, scheduler, values, prune, prompt, meta)
+    finally:
+        if stored is not None:  # the device copies go with the call (pruning's influence read them)
+            stored.drop_mirror()
+
+
+def _assembled(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prune: PruneConfig | None, prompt: str,
+               meta: dict[str, Any]) -> Graph:
+    """:func:`compute_graph`'s assembly of the computed rows: the pruned or the full :class:`Graph`."""
     if prune is not None or isinstance(scheduler.rows, SparseRows):  # pruning allocates: first the frozen pass's
         # leftovers and their heap pages go. Its autograd graph is freed already (refcounts: the backward tracers'
         # cycles hold no graph, trace.nnsight_backward); the young generations hold the tracers' last cycles

@@ -78,6 +78,13 @@ DEVICE_ROW_ENTRIES = 2**16
 DEVICE_CHUNK_ENTRIES = 2**22
 
 
+def mirrors(device: torch.device) -> bool:
+    """Whether rows computed on ``device`` may keep a device copy for the ranking pass (:class:`SparseRows`'
+    ``mirror_bytes``): a CUDA device (where :meth:`SparseRows.pass_device` sums; the rows' own device, so this process
+    has it)."""
+    return device.type == "cuda"
+
+
 def refuse_non_finite_rows(row_sums: Float[torch.Tensor, " b"], rows: list[int], dtype: torch.dtype
                            ) -> Float[torch.Tensor, " b"]:
     """``row_sums`` (one value per edge row of a batch, on the rows' device, NaN / inf iff the row holds one: its
@@ -130,6 +137,18 @@ class _Block:
     row_start: int
     fill: int = 0
     ends: list[int] = field(default_factory=list)
+    #: device copies of some of its batches (:class:`SparseRows`' ``mirror_bytes``): ``(entry start, col, val)``,
+    #: each batch's entries ``[start, start + len(col))``, in storage order; ``mirror_starts`` their starts
+    mirror: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    mirror_starts: list[int] = field(default_factory=list)
+
+    def mirrored(self, start: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """The device copy holding entries ``[start, end)`` (one row's: a batch's rows are copied whole), or None."""
+        i = bisect.bisect_right(self.mirror_starts, start) - 1
+        if i < 0:
+            return None
+        s0, col, val = self.mirror[i]
+        return (s0, col, val) if end <= s0 + col.numel() else None
 
 
 class SparseRows:
@@ -143,14 +162,28 @@ class SparseRows:
     the rows goes through :meth:`chunks`, at most :data:`CHUNK_ENTRIES` entries at a time: no per-entry
     temporary of the whole store exists.
 
+    A feature budget's ranking reads every stored entry at each ranking (:meth:`weighted_abs`); on a CUDA device that
+    pass copies each entry over from the host every time (pageable memory: ~5.7 GB/s on an H200, 203 GB over a
+    512-row call at the 8B shape's 1024 tokens, 2026-11-27). With ``mirror_bytes > 0`` the batches computed on a
+    CUDA device (:func:`mirrors`) keep their kept entries there too — the tensors :meth:`append` copies to the host
+    anyway, no extra work — while they fit ``mirror_bytes`` (the first batches: once one does not fit, no later one
+    is kept), and the pass reads those from the device. The sums are the same bits either way (the same terms in the
+    same order); :meth:`drop_mirror` frees the copies.
+
     Args:
         n_cols: sources per row.
+        mirror_bytes: device bytes the copies may take (int ≥ 0; 0: none kept). ``attribute`` gives what its memory
+            plan leaves free on the model's device (:attr:`.budget.CallPlan.ranking_mirror`).
     """
 
-    def __init__(self, n_cols: int) -> None:
+    def __init__(self, n_cols: int, mirror_bytes: int = 0) -> None:
         self.n_cols = n_cols
         #: where the rows were computed (the first :meth:`append`'s ``grads``): the ranking pass's device
         self.device = HOST
+        self.mirror_bytes = mirror_bytes
+        #: bytes of the device copies kept (≤ ``mirror_bytes``)
+        self.mirrored_bytes = 0
+        self._mirror_open = mirror_bytes > 0
         self.blocks: list[_Block] = []
         self.n_rows = 0
         self.nnz = 0
@@ -223,6 +256,14 @@ class SparseRows:
         # straight from the model's device into the block (no intermediate host copy: fresh pages per batch)
         block.col[block.fill:block.fill + n].copy_(c)
         block.val[block.fill:block.fill + n].copy_(val)
+        if self._mirror_open and n:  # the device's own tensors kept for the ranking pass, while they fit
+            size = n * (4 + val.element_size())  # int32 columns (on a device ``c`` is int32 already)
+            if mirrors(val.device) and self.mirrored_bytes + size <= self.mirror_bytes:
+                block.mirror.append((block.fill, c.to(torch.int32), val))
+                block.mirror_starts.append(block.fill)
+                self.mirrored_bytes += size
+            else:
+                self._mirror_open = False
         block.ends.extend(block.fill + e for e in ends)
         block.fill += n
         self.n_rows += g.shape[0]
@@ -267,8 +308,8 @@ class SparseRows:
         Long rows computed on a CUDA device (:meth:`pass_device`) are summed there: each row's entries copied over
         (:data:`DEVICE_CHUNK_ENTRIES` at a time) and added by one scatter-add per row, whose columns are distinct —
         each column's terms added in storage order, as on the host: the same bits (the sums copied back to ``out``
-        on the host). Device memory: ``n_cols`` float64 and one step's entries (counted in the estimate's term
-        ``ranking_device``)."""
+        on the host); the rows kept there (``mirror_bytes``) are read in place, not copied. Device memory: ``n_cols``
+        float64 and one step's entries (counted in the estimate's term ``ranking_device``)."""
         device = self.pass_device()
         if device != HOST:
             return self._weighted_abs_on(device, scale, col_mask, den, out)
@@ -307,19 +348,31 @@ class SparseRows:
         adds one term per column, in storage order across the rows — the host's bits)."""
         acc = torch.zeros(self.n_cols, dtype=torch.float64, device=device)
         for block, start, end, w, d in self._weighted_rows(scale, den):
+            kept = block.mirrored(start, end)  # the row's entries kept on the device, or None: copied over
             for a in range(start, end, DEVICE_CHUNK_ENTRIES):
                 b = min(a + DEVICE_CHUNK_ENTRIES, end)
-                col = block.col[a:b].to(device)
-                contrib = block.val[a:b].to(device).to(torch.float64).abs_()
+                if kept is not None:
+                    s0, kcol, kval = kept
+                    col, val = kcol[a - s0:b - s0], kval[a - s0:b - s0]
+                else:
+                    col, val = block.col[a:b].to(device), block.val[a:b].to(device)
+                contrib = val.to(torch.float64, copy=True).abs_()  # a fresh tensor: never the stored values
                 if d is not None:
                     contrib.div_(d)
                 acc.index_add_(0, col, contrib.mul_(w))
-                del col, contrib
+                del col, val, contrib
         out = torch.empty(self.n_cols, dtype=torch.float64, device=HOST) if out is None else out
         out.copy_(acc)
         if col_mask is not None:  # as on the host: the masked columns' sums +0.0
             out.masked_fill_(~col_mask, 0.0)
         return out
+
+    def drop_mirror(self) -> None:
+        """Free the device copies (:attr:`mirrored_bytes` stays, what was kept); later batches keep none."""
+        for block in self.blocks:
+            block.mirror.clear()
+            block.mirror_starts.clear()
+        self._mirror_open = False
 
     def restricted(self, cols: Int[torch.Tensor, " m"]) -> EntryRows:
         """The stored entries at the columns ``cols`` (``(m,)`` int64, ascending, unique) as an
@@ -554,16 +607,17 @@ class RowStore:
     Rows go, as each batch is computed, either into a dense matrix of ``dense_shape`` at the row
     :meth:`position` says, or into the full graph's :class:`.blocks.BlockAdjacency` made by ``blocks(dtype)``
     (at the row :meth:`position` says: the graph's adjacency itself, no second copy of the rows), or
-    sparse into a :class:`SparseRows` (``keep_mass`` as there; None keeps every non-zero entry)."""
+    sparse into a :class:`SparseRows` (``keep_mass`` as there; None keeps every non-zero entry; ``mirror_bytes``
+    its device copies' bytes)."""
 
     def __init__(self, n_sources: int, keep_mass: float | None = None, progress: Any = None,
-                 dense_shape: tuple[int, int] | None = None, blocks: Any = None) -> None:
+                 dense_shape: tuple[int, int] | None = None, blocks: Any = None, mirror_bytes: int = 0) -> None:
         self.n_sources, self.keep_mass, self.progress = n_sources, keep_mass, progress
         self.dense_shape = dense_shape
         self._make_blocks = blocks
         self.done: list[int] = []
         self.rows: torch.Tensor | SparseRows | BlockAdjacency | None = (
-            None if dense_shape is not None or blocks is not None else SparseRows(n_sources))
+            None if dense_shape is not None or blocks is not None else SparseRows(n_sources, mirror_bytes))
 
     def position(self, rows: list[int]) -> torch.Tensor:
         """Where rows ``rows`` go in the dense matrix (here: their numbers)."""
@@ -633,14 +687,18 @@ class RowScheduler(RowStore):
             ``attribution/attribute.py``).
         zero_positions: the prompt's first positions without feature nodes (``attribute(zero_positions=)``): the
             ranking leaves out their error nodes, as it leaves out the bias nodes (:meth:`feature_influence`).
+        mirror_bytes: with a budget, the device bytes the stored rows may keep a copy in for the ranking
+            (:class:`SparseRows`); without one nothing is ranked and none is kept.
     """
 
     def __init__(self, layout: Layout, max_feature_nodes: int | None = None, progress: Any = None,
-                 keep_mass: float | None = None, update_interval: int = 4, zero_positions: int = 0) -> None:
+                 keep_mass: float | None = None, update_interval: int = 4, zero_positions: int = 0,
+                 mirror_bytes: int = 0) -> None:
         budget = layout.n_features if max_feature_nodes is None else min(max_feature_nodes, layout.n_features)
         full = (keep_mass is None or keep_mass >= 1.0) and budget == layout.n_features
         super(RowScheduler, self).__init__(layout.n_sources, keep_mass, progress,
-                                           blocks=functools.partial(full_graph_blocks, layout) if full else None)
+                                           blocks=functools.partial(full_graph_blocks, layout) if full else None,
+                                           mirror_bytes=mirror_bytes if budget < layout.n_features else 0)
         self.layout = layout
         self.budget = budget
         self._pending_logits = list(range(layout.n_features, layout.n_targets))
