@@ -641,14 +641,14 @@ def test_plan_call_keeps_the_rows_where_they_never_shrink_the_batch():
     cuda = torch.device("cuda")
     kw = {"batch_size": 8, "max_feature_nodes": None}
     res_layout, res_info = layout_for_estimate(rep, ids, AttributionOptions(batch_size=8, memory="lean"))
-    batch, rows, estimate, _ = plan_call(res_layout, lambda: {**res_info, "device": "cuda"}, cuda, max_memory=10**12,
+    batch, rows, estimate, *_ = plan_call(res_layout, lambda: {**res_info, "device": "cuda"}, cuda, max_memory=10**12,
                                       **kw)
     assert (batch, rows) == (8, None) and estimate("host", batch).offload_rows is None
     assert attribute(rep, ids, batch_size=8).meta["offload_rows"] is None
     off = ReplacementModel(rep.model, **dict(rep.sets()), offload=True)  # rep's sets, offloaded
     layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory="lean"))
     info = {**info, "device": "cuda"}
-    batch, rows, estimate, _ = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
+    batch, rows, estimate, *_ = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
     assert (batch, rows) == (8, "device")
     host, kept = estimate("host", 8), estimate("device", 8)
     assert kept.device_bytes > host.device_bytes and kept.offload_rows == "device" and host.offload_rows == "host"
@@ -760,14 +760,14 @@ def test_plan_call_keeps_the_blocks_that_fit_where_all_would_shrink_the_batch():
     layout, info = layout_for_estimate(off, ids, AttributionOptions(batch_size=8, memory="lean"))
     info = {**info, "device": "cuda"}
     kw = {"batch_size": 8, "max_feature_nodes": None}
-    _, _, estimate, _ = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
+    _, _, estimate, *_ = plan_call(layout, lambda: info, cuda, max_memory=10**12, **kw)
     host, every = estimate("host", 8), estimate("device", 8)
     blocks = blocks_of(off, ids, "lean")
     assert every.device_bytes - host.device_bytes == rows_cost(blocks, [k for k, _ in blocks]) - rows_cost(blocks, ())
     budget = every.device_bytes - 1
     assert largest_batch(lambda b: estimate("device", b), budget, 8, "cuda") < 8 == largest_batch(
         lambda b: estimate("host", b), budget, 8, "cuda")
-    batch, rows, estimate, _ = plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)
+    batch, rows, estimate, *_ = plan_call(layout, lambda: info, cuda, max_memory=budget, **kw)
     assert batch == 8 and isinstance(rows, frozenset) and 0 < len(rows) < len(blocks)
     est = estimate(rows, 8)
     assert est.device_bytes <= budget and est.offload_rows == "partial" and est.offload_rows_kept_bytes > 0

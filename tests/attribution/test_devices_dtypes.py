@@ -633,8 +633,8 @@ def test_bf16_device_graph_post_processing_reads_the_blocks_on_the_host(device, 
 @pytest.mark.parametrize("device", DEVICES)
 def test_estimate_memory_of_a_bf16_model_on_device(device):
     """``estimate_memory`` of a bf16 model on ``device`` in each mode (full, budget, pruning while building):
-    positive counts, and ``max_memory`` from the estimate gives a graph whose batch's estimate fits it and whose
-    tensors are on the host."""
+    positive counts, and ``max_memory`` from the estimate gives a graph whose batch's estimate (the call's plan at
+    that cap) fits it and whose tensors are on the host."""
     rep = setup(device, torch.bfloat16)
     for kw in ({}, {"max_feature_nodes": 30}, {"prune": PruneConfig(0.8, 0.98, keep_mass=0.99)}):
         est = estimate_memory(rep, IDS, batch_size=8, **kw)
@@ -643,6 +643,8 @@ def test_estimate_memory_of_a_bf16_model_on_device(device):
         g = attribute(rep, IDS, batch_size=40, max_memory=budget, **kw)
         b = g.meta["batch_size"]
         assert 8 <= b <= 40, kw  # batch 8 fits by construction (more where pruning's bytes dominate the host's)
-        at = estimate_memory(rep, IDS, batch_size=b, **kw)
+        # the call's own plan at that batch (on CUDA a budget's ranking copy fills what the batch leaves of the cap)
+        at = estimate_memory(rep, IDS, batch_size=b, max_memory=budget, **kw)
+        assert at.batch_size == b, (kw, b)
         assert (at.device_bytes if device != "cpu" else at.host_bytes) <= budget, (kw, b)
         assert_on_host(graph_tensors(g), str(kw))
