@@ -43,7 +43,8 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   resampling, adapted to attention): token ``i`` drawn with probability ``∝ ‖err_i‖²``, ``w_o`` the
   error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
   at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
-  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
+  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset (a head whose
+  token gives no direction — one counted token — is left, still dead, for the next batch).
 * ``"balance"`` (default, weak and kept on to the end: ``balance_max = 0.5``, ``remedy_until = 1``) —
   frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
   router, made multiplicative so that it folds): the top-k ranks heads by ``z_pre · g_h`` (the output
