@@ -15,6 +15,8 @@ The module is torch-only. One instance sits on each attention module (``self_att
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -42,7 +44,9 @@ class AttentionGate(nn.Module):
     ``expected_edges`` (Σσ(logit), Eq. 3), ``possible_edges`` (number of allowed edges) and
     ``expected_edges_grad`` (the same sum, *not* detached, for the sparsity loss). The attention
     function adds ``active_edges`` (non-zero entries of the gate matrix it multiplied with, i.e. after
-    any edit made through nnsight).
+    any edit made through nnsight). A copy (``copy.deepcopy``, pickling) keeps the detached statistics
+    but not ``expected_edges_grad`` (None in the copy: a node of the original's autograd graph, which
+    ``deepcopy`` refuses; the copy's own forward sets it).
 
     Args:
         n_heads: query heads of the attention module.
@@ -70,6 +74,14 @@ class AttentionGate(nn.Module):
         self.expected_edges: torch.Tensor | None = None
         self.possible_edges: torch.Tensor | None = None
         self.active_edges: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the last forward's differentiable edge count is a non-leaf tensor of that forward's graph: deepcopy refuses
+        # it (a model deep-copied after a training forward failed), and a copy must not backpropagate into the
+        # original's graph — the copy starts without it (as after an eval forward)
+        state = dict(super(AttentionGate, self).__getstate__())
+        state["expected_edges_grad"] = None
+        return state
 
     @property
     def n_heads(self) -> int:

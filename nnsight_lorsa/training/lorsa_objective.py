@@ -14,7 +14,16 @@ from ..errors import ConfigMismatchError, TooFewTokensError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .activations import Batch
-from .lorsa_recipe import HeadBalance, LorsaRecipe, ghost_loss, init_lorsa, k_schedule, resample_dead, revive_dead
+from .lorsa_recipe import (
+    HeadBalance,
+    LorsaRecipe,
+    check_k_anneal,
+    ghost_loss,
+    init_lorsa,
+    k_schedule,
+    resample_dead,
+    revive_dead,
+)
 from .metrics import fvu
 from .objective_base import Metrics, TrainingState, _check_module, _Objective, _require_norms
 
@@ -36,6 +45,7 @@ class LorsaObjective(_Objective):
 
     Raises:
         TypeError: ``module`` is not a Lorsa.
+        ConfigMismatchError: the recipe's ``k_anneal_from`` is below the Lorsa's ``top_k``.
     """
 
     desc = "Lorsa"
@@ -49,6 +59,7 @@ class LorsaObjective(_Objective):
         super().__init__(module)
         self.mhsa = mhsa
         self.recipe = recipe or LorsaRecipe()
+        check_k_anneal(self.recipe, int(module.cfg.top_k))
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -35,14 +35,16 @@ head counts as dead after ``TrainConfig.dead_after_tokens`` tokens without firin
   pre-activation), rescaled to half the error's norm; weighted by ``ghost_coef`` relative to the MSE.
 * ``"revive"`` — after a step, a dead head's ``w_v, b_v`` are capped at the median live head's
   ``‖w_v‖`` and ``b_v`` (which shifts ``z_pre`` at every token, attention rows summing to 1) is raised
-  by the head's gap to the top-k threshold on its best token of the batch (plus ``revive_margin``);
+  by the head's gap to the top-k threshold on its best token of the batch (plus ``revive_margin`` times the
+  mean active selected score, or the selected scores' mean ``|score|`` when the whole Lorsa is silent there);
   with ``revive_aim`` its ``w_o`` is pointed at that token's error. Its Adam moments and dead counter
   are reset (at most one move per dead window).
 * ``"resample"`` — dead heads are re-initialised toward high-error tokens (Bricken et al. 2023's
   resampling, adapted to attention): token ``i`` drawn with probability ``∝ ‖err_i‖²``, ``w_o`` the
   error's direction there, ``w_v`` the direction of the head's QK group's attention-weighted input
   at ``i`` (centred over the batch) with a typical live head's norm, ``b_v`` such that the head fires
-  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset.
+  where that projection exceeds half of token ``i``'s; Adam moments and dead counter reset (a head whose
+  token gives no direction — one counted token — is left, still dead, for the next batch).
 * ``"balance"`` (default, weak and kept on to the end: ``balance_max = 0.5``, ``remedy_until = 1``) —
   frequency-based load balancing (the bias-only balancing of DeepSeek-V3's MoE
   router, made multiplicative so that it folds): the top-k ranks heads by ``z_pre · g_h`` (the output
@@ -122,7 +124,8 @@ class LorsaRecipe:
             ``"w_v"`` (module docstring, "Where the output scale lives").
         b_d_init: set ``b_D`` to the data mean (minus the heads' mean output at the chosen scale).
         init_windows: windows of batch 0 used by the initialisation (None: all).
-        k_anneal_from: initial top-k (None: no annealing); annealed linearly to ``top_k``.
+        k_anneal_from: initial top-k (None, or the Lorsa's ``top_k``: no annealing); annealed linearly down to
+            ``top_k``. Below ``top_k`` it is refused (``ConfigMismatchError`` when the Lorsa objective is built).
         k_anneal_frac: fraction of ``total_steps`` over which k reaches ``top_k``.
         rank_by_decoder_norm: top-k ranks heads by ``z · ‖w_o‖`` and ``w_o`` is not renormalised
             during training (folding renormalises exactly); with ``scale_into=None`` the closed-form
@@ -140,8 +143,9 @@ class LorsaRecipe:
             :meth:`~.lorsa_objective.LorsaObjective.fold` moves them into the weights exactly) instead of
             decaying linearly to 1 by the last step (False: the decay).
         ghost_coef: weight of the ghost-grads loss. revive_margin: how far past the threshold a
-            revived head is pushed, as a fraction of the mean active ``z``. revive_aim: a revived
-            head's ``w_o`` is also pointed at the error of its best token.
+            revived head is pushed, as a fraction of the mean active selected score (of the mean ``|score|`` of
+            the selected ones when none is active: the whole Lorsa silent on the batch; :func:`revive_dead`).
+            revive_aim: a revived head's ``w_o`` is also pointed at the error of its best token.
     """
 
     ov_init: str = "value_svd"
@@ -208,14 +212,33 @@ class LorsaRecipe:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def check_k_anneal(recipe: LorsaRecipe, top_k: int) -> None:
+    """``k_anneal_from`` anneals *down* to ``top_k``: None or equal to ``top_k`` is no annealing; below it is refused
+    (it meant no annealing without a word).
+
+    Raises:
+        ConfigMismatchError: ``k_anneal_from < top_k``.
+    """
+    k0 = recipe.k_anneal_from
+    if k0 is not None and k0 < top_k:
+        raise ConfigMismatchError(f"LorsaRecipe.k_anneal_from={k0} is below the Lorsa's top_k={top_k}: k anneals down "
+                                  f"from k_anneal_from to top_k; use k_anneal_from > {top_k} to anneal, or None "
+                                  f"(or {top_k}) for none")
+
+
 def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:
     """The top-k at ``step``: ``k_anneal_from`` at step 0, linearly down to ``top_k`` at
-    ``k_anneal_frac · total_steps`` (each k rounded up), ``top_k`` after; ``top_k`` without annealing.
+    ``k_anneal_frac · total_steps`` (each k rounded up), ``top_k`` after; ``top_k`` without annealing
+    (``k_anneal_from`` None or equal to ``top_k``).
+
+    Raises:
+        ConfigMismatchError: ``k_anneal_from < top_k`` (:func:`check_k_anneal`).
 
     Computed in exact rationals, ``k_anneal_frac`` taken as the decimal it is written as (``0.2`` is 1/5): in
     floats ``64 − 48 · 1/1.2`` (step 1 of 6, ``k_anneal_frac=0.2``) is 24.000000000000007, rounded up to 25."""
+    check_k_anneal(recipe, top_k)
     k0 = recipe.k_anneal_from
-    if k0 is None or k0 <= top_k:
+    if k0 is None or k0 == top_k:
         return top_k
     span = Fraction(repr(float(recipe.k_anneal_frac))) * total_steps
     if span <= 0 or step >= span:
@@ -449,7 +472,11 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
     the decoder norms when heads are ranked by ``z · ‖w_o‖`` (else None). A dead head's ``w_v, b_v``
     are first scaled down to at most the median live head's ``‖w_v‖`` (so that repeated revivals
     cannot grow them), then ``b_v`` is raised by the gap to the top-``k`` threshold at its best token
-    plus ``margin`` times the mean selected score. Returns the indices of the moved heads (the caller
+    plus ``margin`` times the mean selected score (ReLU'd: the mean active score). When no selected score of
+    the batch is above 0 (the whole Lorsa silent there) that mean is 0 and would leave the head at exactly 0,
+    not firing: the margin is then a fraction of the mean ``|score|`` of the selected ones (1 if those are all
+    0), so that with ``margin > 0`` the head always ends above the threshold and above 0 at its best token
+    (``margin = 0``: exactly at the threshold). Returns the indices of the moved heads (the caller
     resets their dead counters and optimiser state, so each head is moved at most once per dead window).
     With ``err (n, d)`` (the batch's errors), ``w_o`` is set to the error direction at that token.
     """
@@ -466,7 +493,12 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
     z_dead = f * z_pre[:, idx]                                           # after scaling w_v and b_v by f
     unit = torch.ones_like(f) if norms is None else norms[idx].clamp_min(1e-12)
     gap, best = (threshold[:, None] / unit - z_dead).min(0)
-    push = gap.clamp_min(0) + margin * top.clamp_min(0).mean() / unit
+    ref = top.clamp_min(0).mean()                                        # the mean active selected score
+    if not bool(ref > 0):  # the whole Lorsa silent on the batch: the selected scores' size (was 0: no firing)
+        ref = top.abs().mean()
+        if not bool(ref > 0):
+            ref = torch.ones_like(ref)
+    push = gap.clamp_min(0) + margin * ref / unit
     lorsa.W_V[idx] *= f[:, None].to(lorsa.W_V.dtype)
     lorsa.b_V[idx] = (f * lorsa.b_V[idx] + push).to(lorsa.b_V.dtype)
     if err is not None:
@@ -484,7 +516,10 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     ``x (b, s, d)`` the training-space input, ``err (b, s, d)`` the error ``y − ŷ`` (training space),
     ``loss_mask (b, s)`` (all on the Lorsa's device). The tokens are drawn on ``generator``'s device
     (the CPU without one), so the draw does not depend on the Lorsa's. Returns the indices of the
-    re-initialised heads.
+    re-initialised heads. A head whose drawn token gives no direction — its attended input equal to the
+    mean over the counted tokens, as when the batch counts a single token — is left as it was and not
+    returned (it was given ``w_v = 0``, ``b_v = 0``: never firing, and reported re-initialised, so its dead
+    counter was reset); the caller keeps counting it dead and the next batch tries again.
     """
     idx = dead.nonzero().flatten()
     if idx.numel() == 0:
@@ -503,7 +538,15 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     xbar = pattern.float() @ x[:, None].float()                                  # (b, n_qk, s, d): attended input
     mu = (xbar * loss_mask[:, None, :, None]).sum((0, 2)) / loss_mask.sum()   # (n_qk, d): mean over tokens
     b_i, s_i = pos[pick, 0], pos[pick, 1]
-    dirs = xbar[b_i, groups, s_i] - mu[groups]                           # (n_dead, d)
+    at = xbar[b_i, groups, s_i]
+    dirs = at - mu[groups]                                               # (n_dead, d)
+    # no direction (one counted token: x̄_i is the mean; or several with the same attended input): leave the head
+    # (the difference of two equal fp32 sums is rounding, a few ulps of their size: not a direction)
+    tiny = 64 * torch.finfo(torch.float32).eps * torch.maximum(at.norm(dim=-1), mu[groups].norm(dim=-1))
+    real = dirs.norm(dim=-1) > tiny
+    idx, groups, pick, dirs = idx[real], groups[real], pick[real], dirs[real]
+    if idx.numel() == 0:
+        return idx
     alive = ~dead
     norm = lorsa.W_V[alive].norm(dim=-1).median() if bool(alive.any()) else lorsa.W_V.norm(dim=-1).median()
     w_v = dirs / dirs.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norm.float()   # a typical live head's norm

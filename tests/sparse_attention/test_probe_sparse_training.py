@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from nnsight_lorsa.errors import GateConfigError, NonFiniteError
 from nnsight_lorsa.sparse_attention import evaluate_sparse, install_gated_attention, load_gates
 from nnsight_lorsa.sparse_attention.geco import GECO
-from nnsight_lorsa.sparse_attention.install import get_gates
+from nnsight_lorsa.sparse_attention.install import expected_edge_fraction, get_gates
 from nnsight_lorsa.sparse_attention.io import save_gates
 from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig
 from nnsight_lorsa.training import TokenDataset
@@ -343,6 +343,47 @@ def _check_train_steps(a) -> None:
 @given(_train_args)
 def test_train_step_matches_a_hand_written_lagrangian_and_adamw(a) -> None:
     _check_train_steps(a)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_train_args)
+def test_a_model_deep_copies_after_training_steps(a) -> None:
+    """``copy.deepcopy`` of the model after gated training steps (failed before the fix: each gate kept its last
+    forward's non-leaf ``expected_edges_grad``, which ``deepcopy`` refuses). The copy computes what the model does —
+    eval and training forwards (the same RNG state: the same gate noise), the sparsity term and its gradient — and
+    its gradients reach its own gates only; the model trains on afterwards."""
+    if a["lora"]:
+        pytest.importorskip("peft")
+    tr, _, _ = _make_trainer(a, 4)
+    for _ in range(min(a["steps"], 2)):
+        tr.train_step()
+    assert any(g.expected_edges_grad is not None for g in get_gates(tr.hf).values())   # what made deepcopy fail
+    twin = copy.deepcopy(tr.hf)
+    for n, p in twin.named_parameters():
+        assert torch.equal(p, dict(tr.hf.named_parameters())[n]), n
+    x = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(a["seed"]))
+    x[:, 0] = BOS
+    for m in (tr.hf, twin):
+        m.eval()
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=x).logits, tr.hf(input_ids=x).logits)
+    fractions, grads = [], []
+    for m in (tr.hf, twin):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(a["seed"])
+        logits = m(input_ids=x).logits
+        frac = expected_edge_fraction(m)
+        (frac + logits.float().pow(2).mean()).backward()
+        fractions.append((logits.detach(), frac.detach()))
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if n.endswith("gate.bias")})
+    assert torch.equal(fractions[0][0], fractions[1][0]) and torch.equal(fractions[0][1], fractions[1][1])
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+    tr.hf.zero_grad(set_to_none=True)
+    rec = tr.train_step()
+    assert math.isfinite(rec.ce)
 
 
 @pytest.mark.slow

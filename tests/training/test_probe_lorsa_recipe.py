@@ -38,6 +38,7 @@ from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.adapters.base import MHSAWeights
 from nnsight_lorsa.errors import ConfigMismatchError
 from nnsight_lorsa.modules.rotary import RotaryConfig
+from nnsight_lorsa.training import LorsaObjective
 from nnsight_lorsa.training.lorsa_recipe import (
     HeadBalance,
     LorsaRecipe,
@@ -72,8 +73,12 @@ FRACS = st.one_of(st.integers(0, 100).map(lambda n: n / 100), st.sampled_from([0
 
 
 def _k_schedule_anneals_linearly(total, top_k, extra, frac):
-    k0 = None if extra is None else max(1, top_k + extra)          # at most top_k too: no annealing
+    k0 = None if extra is None else max(1, top_k + extra)          # top_k: no annealing; below it: refused
     recipe = LorsaRecipe(k_anneal_from=k0, k_anneal_frac=frac)
+    if k0 is not None and k0 < top_k:
+        with pytest.raises(ConfigMismatchError, match="k_anneal_from"):
+            k_schedule(0, total, top_k, recipe)
+        return
     ks = [k_schedule(s, total, top_k, recipe) for s in range(total + 2)]
     want = [ref_k(s, total, top_k, k0, frac) for s in range(total + 2)]
     assert ks == want, [(s, a, b) for s, (a, b) in enumerate(zip(ks, want, strict=True)) if a != b][:5]
@@ -95,6 +100,20 @@ def test_k_schedule_reaches_top_k_at_the_documented_step_without_float_noise():
     # rounded up to 25 and 4 (failed before the fix)
     assert k_schedule(1, 6, 16, LorsaRecipe(k_anneal_from=64, k_anneal_frac=0.2)) == 24
     assert k_schedule(17, 54, 1, LorsaRecipe(k_anneal_from=28, k_anneal_frac=0.34)) == 3
+
+
+def test_k_anneal_from_below_top_k_is_refused_naming_it():
+    """``k_anneal_from < top_k`` (annealing *up*?) meant no annealing, without a word (failed before the fix): now
+    ``ConfigMismatchError`` naming the field, from the schedule and when the Lorsa objective is built; equal to
+    ``top_k`` is no annealing, as documented."""
+    for step in (0, 3, 99):
+        with pytest.raises(ConfigMismatchError, match="LorsaRecipe.k_anneal_from=4 .*top_k=8"):
+            k_schedule(step, 100, 8, LorsaRecipe(k_anneal_from=4))
+    lorsa = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=16, top_k=8))
+    with pytest.raises(ConfigMismatchError, match="LorsaRecipe.k_anneal_from=7 .*top_k=8"):
+        LorsaObjective(lorsa, recipe=LorsaRecipe(k_anneal_from=7))
+    assert [k_schedule(s, 10, 8, LorsaRecipe(k_anneal_from=8)) for s in range(11)] == [8] * 11
+    LorsaObjective(lorsa, recipe=LorsaRecipe(k_anneal_from=8))
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -429,7 +448,18 @@ def revive_cases(draw):
     n_ov = n_qk * g
     return dict(n_qk=n_qk, g=g, d=draw(st.integers(2, 6)), n=draw(st.integers(1, 10)), k=draw(st.integers(1, n_ov)),
                 dead=draw(dead_masks(n_ov)), seed=draw(st.integers(0, 2 ** 16)), by_norm=draw(st.booleans()),
-                aim=draw(st.booleans()), margin=draw(st.sampled_from([0.0, 0.05, 0.5])))
+                aim=draw(st.booleans()), margin=draw(st.sampled_from([0.0, 0.05, 0.5])), silent=draw(st.booleans()))
+
+
+def margin_scale(top: torch.Tensor) -> float:
+    """What ``revive_margin`` is a fraction of: the mean selected score over the batch's ``top (n, k)`` scores (ReLU'd:
+    the mean active score); when the whole Lorsa is silent there (no selected score above 0) the mean ``|score|`` of
+    the selected ones, so that the margin still lifts the head above 0; 1 when those are all exactly 0."""
+    pos = float(top.clamp_min(0).mean())
+    if pos > 0:
+        return pos
+    mag = float(top.abs().mean())
+    return mag if mag > 0 else 1.0
 
 
 def _revive_dead_matches_the_rule(c):
@@ -441,6 +471,8 @@ def _revive_dead_matches_the_rule(c):
         lorsa.b_V.copy_(torch.randn(n_ov, generator=gen))
         lorsa.W_O.mul_(0.5 + torch.rand(n_ov, 1, generator=gen))
     z_pre = torch.randn(c["n"], n_ov, generator=gen) - 2 * dead.float()        # dead heads mostly negative
+    if c["silent"]:                                                            # the whole Lorsa silent on the batch
+        z_pre = -z_pre.abs() - 0.01
     err = torch.randn(c["n"], c["d"], generator=gen)
     before = {k_: v.detach().clone().to(D64) for k_, v in lorsa.state_dict().items()}
     norms = lorsa.W_O.detach().norm(dim=1) if c["by_norm"] else None
@@ -459,7 +491,7 @@ def _revive_dead_matches_the_rule(c):
         f = min(1.0, float(cap / wn[h]))
         gaps = thr / unit_n[h] - f * zp[:, h]
         best = int(gaps.argmin())
-        push = max(float(gaps[best]), 0.0) + c["margin"] * float(top.clamp_min(0).mean()) / float(unit_n[h])
+        push = max(float(gaps[best]), 0.0) + c["margin"] * margin_scale(top) / float(unit_n[h])
         want["W_V"][h] = f * before["W_V"][h]
         want["b_V"][h] = f * before["b_V"][h] + push
         if c["aim"]:
@@ -467,14 +499,48 @@ def _revive_dead_matches_the_rule(c):
         # the point of it: the head's new score at its best token reaches the old k-th score (and is positive)
         new = (f * zp[best, h] + push) * unit_n[h]
         assert new >= thr[best] - 1e-5
-        if c["margin"] > 0 and float(top.clamp_min(0).mean()) > 0:
-            assert new > thr[best]
+        if c["margin"] > 0:                     # past the threshold and above 0 (it fires), silent Lorsa or not
+            assert new > thr[best] and new >= c["margin"] * margin_scale(top) * (1 - 1e-5) - 1e-6
     for name in want:
         assert (W[name] - want[name]).abs().max() <= 1e-5 * max(float(want[name].abs().max()), 1.0), name
 
 
 test_revive_dead_matches_the_rule, test_revive_dead_matches_the_rule_sweep = drawn(
     _revive_dead_matches_the_rule, 60, 1000, c=revive_cases())
+
+
+@st.composite
+def silent_cases(draw):
+    n_qk, g = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    return dict(n_qk=n_qk, g=g, d=draw(st.integers(2, 6)), b=draw(st.integers(1, 3)), s=draw(st.integers(1, 6)),
+                k=draw(st.integers(1, n_qk * g)), dead=draw(st.integers(0, n_qk * g - 1)),
+                seed=draw(st.integers(0, 2 ** 16)), by_norm=draw(st.booleans()),
+                margin=draw(st.sampled_from([1e-3, 0.05, 0.5])), depth=draw(st.sampled_from([0.01, 1.0, 30.0])))
+
+
+def _a_revived_head_fires_when_the_whole_lorsa_is_silent(c):
+    """Every head's pre-activation negative on every token of the batch (the whole Lorsa silent): the revived head
+    fires, through the Lorsa's own forward, on its best token. Before the fix the margin was a fraction of the mean
+    selected score — 0 here — and the head was lifted to exactly 0 (ReLU: silent, dead again)."""
+    lorsa = small_lorsa(c["n_qk"], c["g"], c["d"], 2, c["k"], c["seed"])
+    n_ov = lorsa.cfg.n_ov_heads
+    x = torch.randn(c["b"], c["s"], c["d"], generator=torch.Generator().manual_seed(c["seed"]))
+    with torch.no_grad():
+        z0 = lorsa.compute_z_pre(x).flatten(0, 1)
+        lorsa.b_V.sub_(z0.amax(0) + c["depth"])                                # every z_pre at most −depth
+        z_pre = lorsa.compute_z_pre(x).flatten(0, 1)
+    assert bool((z_pre < 0).all())
+    dead = torch.arange(n_ov) == c["dead"]
+    norms = lorsa.W_O.detach().norm(dim=1) if c["by_norm"] else None
+    idx = revive_dead(lorsa, z_pre, dead, c["k"], c["margin"], norms)
+    assert idx.tolist() == [c["dead"]]
+    with torch.no_grad():
+        z, _ = lorsa.activation(lorsa.compute_z_pre(x), c["k"])
+    assert float(z.flatten(0, 1)[:, c["dead"]].max()) > 0, "the revived head does not fire"
+
+
+test_a_revived_head_fires_when_the_whole_lorsa_is_silent, test_a_revived_head_fires_when_silent_sweep = drawn(
+    _a_revived_head_fires_when_the_whole_lorsa_is_silent, 40, 500, c=silent_cases())
 
 
 @st.composite
@@ -504,10 +570,11 @@ def _resample_dead_matches_the_rule_off_padding(c):
         lorsa.W_V.mul_(torch.rand(n_ov, 1, generator=gen) * 3)
     before = {k_: v.detach().clone().to(D64) for k_, v in lorsa.state_dict().items()}
     idx = resample_dead(lorsa, x, err, mask, dead, torch.Generator().manual_seed(7))
-    assert idx.tolist() == dead.nonzero().flatten().tolist()
+    one = int(mask.sum()) == 1           # one counted token: no direction; the heads are left and not reported
+    assert idx.tolist() == ([] if one else dead.nonzero().flatten().tolist())
     W = {k_: v.detach().to(D64) for k_, v in lorsa.state_dict().items()}
     want = {k_: v.clone() for k_, v in before.items()}
-    if bool(dead.any()):
+    if bool(dead.any()) and not one:
         e = err[mask].to(D64)                                                    # counted tokens, row-major
         pick = torch.multinomial((e.pow(2).sum(-1) / e.pow(2).sum()).float(), int(dead.sum()), replacement=True,
                                  generator=torch.Generator().manual_seed(7))
@@ -528,7 +595,7 @@ def _resample_dead_matches_the_rule_off_padding(c):
             grp = h // c["g"]
             mu = counted[grp].mean(0)
             dirn = counted[grp][int(pick[j])] - mu
-            w_v = dirn / dirn.norm().clamp_min(1e-12) * med                    # one counted token: no direction, 0
+            w_v = dirn / dirn.norm() * med
             want["W_V"][h] = w_v
             want["b_V"][h] = -(mu @ w_v) - 0.5 * (dirn @ w_v)
             want["W_O"][h] = unit(e[int(pick[j])])
@@ -542,6 +609,42 @@ def _resample_dead_matches_the_rule_off_padding(c):
 
 test_resample_dead_matches_the_rule_off_padding, test_resample_dead_matches_the_rule_off_padding_sweep = drawn(
     _resample_dead_matches_the_rule_off_padding, 60, 1000, c=resample_cases())
+
+
+@st.composite
+def one_token_cases(draw):
+    n_qk, g = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    b, s = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    return dict(n_qk=n_qk, g=g, d=draw(st.integers(2, 6)), b=b, s=s, at=(draw(st.integers(0, b - 1)),
+                draw(st.integers(0, s - 1))), dead=draw(dead_masks(n_qk * g).filter(lambda m: bool(m.any()))),
+                seed=draw(st.integers(0, 2 ** 16)), rotary=draw(st.booleans()))
+
+
+def _resample_dead_with_one_counted_token_leaves_no_zero_w_v(c):
+    """One counted token: its attended input centred over the counted tokens is 0 — no direction. Before the fix the
+    dead heads were given ``w_v = 0`` (and ``b_v = 0``: never firing again) and reported as re-initialised, so the
+    caller reset their dead counters; now they are left as they were and not reported (the next batch retries)."""
+    lorsa = small_lorsa(c["n_qk"], c["g"], c["d"], 2, 1, c["seed"], c["rotary"])
+    gen = torch.Generator().manual_seed(c["seed"])
+    x = torch.randn(c["b"], c["s"], c["d"], generator=gen)
+    err = torch.randn(c["b"], c["s"], c["d"], generator=gen)
+    mask = torch.zeros(c["b"], c["s"], dtype=torch.bool)
+    mask[c["at"]] = True
+    before = {k_: v.detach().clone() for k_, v in lorsa.state_dict().items()}
+    idx = resample_dead(lorsa, x, err, mask, c["dead"], torch.Generator().manual_seed(3))
+    moved = torch.zeros_like(c["dead"])
+    moved[idx] = True
+    assert not bool((moved & ~c["dead"]).any())
+    for h in range(lorsa.cfg.n_ov_heads):
+        if bool(moved[h]):                                   # a re-initialised head has a real value direction
+            assert float(lorsa.W_V[h].norm()) > 0.5 * float(before["W_V"].norm(dim=1).min()), h
+        else:                                                # the others are untouched
+            for name in ("W_V", "b_V", "W_O"):
+                assert torch.equal(lorsa.state_dict()[name][h], before[name][h]), (h, name)
+
+
+test_resample_dead_with_one_counted_token_leaves_no_zero_w_v, test_resample_one_token_sweep = drawn(
+    _resample_dead_with_one_counted_token_leaves_no_zero_w_v, 30, 300, c=one_token_cases())
 
 
 @st.composite
