@@ -178,7 +178,8 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     ``token_ids`` a :class:`~..training.dataset.TokenDataset`: its windows as they are (e.g. one per
     document, :meth:`~..training.dataset.TokenDataset.from_documents`), CE over the predictions its
     ``target_mask`` keeps (padding excluded); ``seq_len`` and ``bos_id`` are not used. A 1-D stream
-    (one long text): cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
+    (one long text; one holding the model's EOS id is a corpus of documents and refused, as the trainer
+    refuses it: :func:`check_one_text`): cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
     ``[BOS] + window`` (every token predicted once; BOS: ``bos_id``, default the model's own, see
     :func:`resolve_bos_id`). Works in every gate mode (``topk`` and ``dense`` report their kept edges
     as active). Edge fractions count every position of the windows (padding included).
@@ -188,11 +189,14 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         allowed edges), ``active_fraction_per_head`` (``[layer][head]``), ``windows``, ``tokens``.
 
     Raises:
-        GateConfigError: a stream shorter than one window, or no BOS id for a stream.
+        GateConfigError: a stream shorter than one window, holding the model's EOS id (:func:`check_one_text`:
+            pass ``TokenDataset.from_documents`` / ``TokenDataset.from_ids`` windows instead), or no BOS id for a
+            stream.
     """
     hf = hf_module(model)
     if not isinstance(token_ids, TokenDataset):
         bos = resolve_bos_id(model, bos_id)
+        check_one_text(model, token_ids)  # as the trainer: a stream of documents is no one text
         if token_ids.numel() < seq_len - 1 or (max_windows is not None and max_windows < 1):
             raise GateConfigError(f"need at least {seq_len - 1} tokens for one window, got {token_ids.numel()}")
         token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
