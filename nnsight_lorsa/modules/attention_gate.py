@@ -40,7 +40,8 @@ class AttentionGate(nn.Module):
     shape of ``scores``, values in ``{0, 1}`` (float, the scores' dtype) and is 0 wherever ``valid``
     is ``False``. The gate logit is ``scores + bias[head]``, computed in fp32.
 
-    After each call the module keeps (detached, fp32, per head, summed over batch and allowed edges):
+    After each call the module keeps (detached, fp32, per head, summed over batch and allowed edges — of the
+    query rows of :attr:`counted_queries` when set):
     ``expected_edges`` (Σσ(logit), Eq. 3), ``possible_edges`` (number of allowed edges) and
     ``expected_edges_grad`` (the same sum, *not* detached, for the sparsity loss). The attention
     function adds ``active_edges`` (non-zero entries of the gate matrix it multiplied with, i.e. after
@@ -74,6 +75,27 @@ class AttentionGate(nn.Module):
         self.expected_edges: torch.Tensor | None = None
         self.possible_edges: torch.Tensor | None = None
         self.active_edges: torch.Tensor | None = None
+        #: ``(batch, positions)`` bool or None (default): the query positions whose edges the statistics count
+        #: (None: every position). Set for one forward by
+        #: :func:`~nnsight_lorsa.sparse_attention.install.counting_positions` (the padding of right-padded
+        #: windows left out); the gate matrix itself does not depend on it.
+        self.counted_queries: torch.Tensor | None = None
+
+    def counted(self, valid: Bool[torch.Tensor, "*b"]) -> Bool[torch.Tensor, "*c"]:
+        """``valid`` restricted to the query rows of :attr:`counted_queries` (its last ``q`` positions for the
+        ``q`` queries of ``valid``): the edges the statistics count.
+
+        Raises:
+            GateConfigError: :attr:`counted_queries` not ``(batch, ≥ q)`` for ``valid``'s batch and queries.
+        """
+        rows = self.counted_queries
+        if rows is None:
+            return valid
+        q = valid.shape[-2]
+        if rows.dim() != 2 or rows.shape[1] < q or valid.shape[0] not in (1, rows.shape[0]):
+            raise GateConfigError(f"counted_queries is {tuple(rows.shape)}, the attention has {valid.shape[0]} "
+                                  f"windows of {q} queries: pass one (batch, positions) mask per forward")
+        return valid & rows[:, -q:].to(valid.device, torch.bool)[:, None, :, None]
 
     def __getstate__(self) -> dict[str, Any]:
         # the last forward's differentiable edge count is a non-leaf tensor of that forward's graph: deepcopy refuses
@@ -118,16 +140,17 @@ class AttentionGate(nn.Module):
         """
         self.check()
         valid = valid.to(scores.device).expand_as(scores)
+        counted = self.counted(valid)  # the edges the statistics count (padding's query rows left out)
         logits = self.logits(scores)
         if self.mode == "gated" and torch.is_grad_enabled():
-            expected = torch.sigmoid(logits).masked_fill(~valid, 0.0).sum(dim=(0, 2, 3))
+            expected = torch.sigmoid(logits).masked_fill(~counted, 0.0).sum(dim=(0, 2, 3))
             self.expected_edges_grad = expected
         else:
             with torch.no_grad():
-                expected = torch.sigmoid(logits).masked_fill(~valid, 0.0).sum(dim=(0, 2, 3))
+                expected = torch.sigmoid(logits).masked_fill(~counted, 0.0).sum(dim=(0, 2, 3))
             self.expected_edges_grad = None
         self.expected_edges = expected.detach()
-        self.possible_edges = valid.sum(dim=(0, 2, 3)).to(torch.float32)
+        self.possible_edges = counted.sum(dim=(0, 2, 3)).to(torch.float32)
         zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
         if self.mode == "dense":
             return torch.where(valid, torch.ones_like(scores), zero)

@@ -108,7 +108,7 @@ def gated_attention_forward(
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     gate_matrix = gate(scores, valid)
     with torch.no_grad():
-        gate.active_edges = ((gate_matrix != 0) & valid).sum(dim=(0, 2, 3)).to(torch.float32)
+        gate.active_edges = ((gate_matrix != 0) & gate.counted(valid)).sum(dim=(0, 2, 3)).to(torch.float32)
     weights = gate_matrix.to(probs.dtype) * probs
     out = torch.matmul(weights, value).transpose(1, 2).contiguous()
     return out, weights

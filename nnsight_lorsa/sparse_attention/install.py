@@ -12,6 +12,8 @@ model's own forward computes Q/K/V and RoPE and calls the function through trans
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +134,26 @@ def get_gates(model: Any) -> dict[int, AttentionGate]:
             raise GateNotInstalledError(f"layer {layer} has no gate; call install_gated_attention(model) first")
         out[layer] = gate
     return out
+
+
+@contextmanager
+def counting_positions(model: Any, positions: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, every gate's edge statistics (expected, active and allowed edges: the sparsity term and
+    the logged fractions) count only the query rows ``positions`` marks: ``(batch, seq)`` bool for the windows of
+    the forward passes run inside, e.g. each right-padded window's real tokens (its padding left out). ``None``:
+    every position, as outside the block. The gates' matrices, and so the model's outputs, do not change.
+
+    Raises:
+        GateNotInstalledError: no gates.
+    """
+    gates = list(get_gates(model).values())
+    for gate in gates:
+        gate.counted_queries = positions
+    try:
+        yield
+    finally:
+        for gate in gates:
+            gate.counted_queries = None
 
 
 def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:

@@ -9,7 +9,9 @@ mode (hard straight-through gate samples), and descends the Lagrangian (Eq. 5)
     L = E|A| / N_allowed  +  λ (CE − τ)
 
 where ``E|A|/N_allowed`` is the expected fraction of open edges over all layers, heads and allowed
-(causal) query-key pairs (Eq. 3, normalised so that λ is on a nats scale) and λ follows the GECO rule
+(causal) query-key pairs of the windows' real tokens (Eq. 3, normalised so that λ is on a nats scale; a
+right-padded window's padding, after its last ``target_mask`` position, counts neither there nor in the logged
+fractions: :func:`real_positions`) and λ follows the GECO rule
 (:class:`~.geco.GECO`). CE counts the predictions the windows' ``target_mask`` keeps, for τ and for
 the constraint alike. At the start the base model's CE on the training windows is measured; a τ that
 is slack by more than ``max_initial_slack`` of it (the constraint would hold from step 0 and only
@@ -58,6 +60,7 @@ from ..training.metrics import next_token_ce
 from ..training.train_config import OptimConfig
 from .geco import GECO
 from .install import (
+    counting_positions,
     edge_statistics,
     expected_edge_fraction,
     get_gates,
@@ -170,6 +173,21 @@ def check_one_text(model: Any, ids: torch.Tensor) -> None:
             "seq_len, config=model.config) (one window per document, from its start) instead of the stream")
 
 
+def real_positions(target_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``(batch, seq)`` bool: each window's positions up to its last counted one (``target_mask`` True) — the
+    window without its right padding, whose edges count in the sparsity term and the edge fractions. None
+    (every position) for None. A window with no counted position has none. The positions after a task mask's
+    last counted token (an EOS after the answer) are left out with the padding: no counted prediction
+    depends on their edges (causal attention)."""
+    if target_mask is None:
+        return None
+    mask = target_mask.to(torch.bool)
+    seq = mask.shape[1]
+    last = torch.where(mask.any(dim=1), seq - 1 - mask.flip(1).to(torch.int64).argmax(dim=1),
+                       torch.full((mask.shape[0],), -1, dtype=torch.int64, device=mask.device))
+    return torch.arange(seq, device=mask.device)[None, :] <= last[:, None]
+
+
 @torch.no_grad()
 def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDataset, seq_len: int = 64,
                     batch_size: int = 16, max_windows: int | None = None, bos_id: int | None = None) -> dict[str, Any]:
@@ -178,21 +196,27 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     ``token_ids`` a :class:`~..training.dataset.TokenDataset`: its windows as they are (e.g. one per
     document, :meth:`~..training.dataset.TokenDataset.from_documents`), CE over the predictions its
     ``target_mask`` keeps (padding excluded); ``seq_len`` and ``bos_id`` are not used. A 1-D stream
-    (one long text): cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
+    (one long text; one holding the model's EOS id is a corpus of documents and refused, as the trainer
+    refuses it: :func:`check_one_text`): cut into consecutive windows of ``seq_len - 1`` tokens, each evaluated as
     ``[BOS] + window`` (every token predicted once; BOS: ``bos_id``, default the model's own, see
     :func:`resolve_bos_id`). Works in every gate mode (``topk`` and ``dense`` report their kept edges
-    as active). Edge fractions count every position of the windows (padding included).
+    as active). Edge fractions count each window's positions up to its last counted one
+    (:func:`real_positions`: right padding left out; every position of stream windows), as training's
+    sparsity term does.
 
     Returns:
         ``ce`` (nats/token), ``active_fraction`` and ``expected_fraction`` (over all layers, heads and
         allowed edges), ``active_fraction_per_head`` (``[layer][head]``), ``windows``, ``tokens``.
 
     Raises:
-        GateConfigError: a stream shorter than one window, or no BOS id for a stream.
+        GateConfigError: a stream shorter than one window, holding the model's EOS id (:func:`check_one_text`:
+            pass ``TokenDataset.from_documents`` / ``TokenDataset.from_ids`` windows instead), or no BOS id for a
+            stream.
     """
     hf = hf_module(model)
     if not isinstance(token_ids, TokenDataset):
         bos = resolve_bos_id(model, bos_id)
+        check_one_text(model, token_ids)  # as the trainer: a stream of documents is no one text
         if token_ids.numel() < seq_len - 1 or (max_windows is not None and max_windows < 1):
             raise GateConfigError(f"need at least {seq_len - 1} tokens for one window, got {token_ids.numel()}")
         token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
@@ -206,7 +230,10 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     device = next(hf.parameters()).device
     for i in range(0, n, batch_size):
         x = windows[i:i + batch_size].to(device)
-        ce, k = next_token_ce(hf(input_ids=x).logits, x, None if mask is None else mask[i:i + batch_size])
+        kept = None if mask is None else mask[i:i + batch_size]
+        with counting_positions(hf, real_positions(kept)):  # the padding's edges count nowhere
+            logits = hf(input_ids=x).logits
+        ce, k = next_token_ce(logits, x, kept)
         nll += ce.item()
         count += k
         st = edge_statistics(hf)
@@ -404,7 +431,9 @@ class SparseAttentionTrainer:
             for gate in get_gates(self.hf).values():
                 gate.eval()
         x, mask = self._batch(self.step, self.gen)
-        ce_sum, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
+        with counting_positions(self.hf, real_positions(mask)):  # right padding: not in the sparsity term
+            logits = self.hf(input_ids=x).logits
+        ce_sum, n = next_token_ce(logits, x, mask)
         ce = ce_sum / max(n, 1)
         density = expected_edge_fraction(self.hf).to(ce.device)
         loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)

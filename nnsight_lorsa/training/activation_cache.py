@@ -6,10 +6,17 @@
 :func:`~..envoy.read.read_sites`) into safetensors shards::
 
     <dir>/manifest.json                 format, version, model name + config hash, dataset hash,
-                                        seq_len, n_windows, n_tokens, n_loss_tokens, dtype,
+                                        seq_len, n_windows, n_tokens, n_loss_tokens, dtype, has_target_mask,
                                         sites {name: {path, kind, d}}, shards [{file, start, n_windows}]
     <dir>/shard_00000.safetensors       per window: "<site name>" (n, seq_len, d) for every site,
-                                        "input_ids" (n, seq_len) int64, "loss_mask" (n, seq_len) bool
+                                        "input_ids" (n, seq_len) int64, "loss_mask" (n, seq_len) bool,
+                                        "target_mask" (n, seq_len) bool (the dataset's; all True without one)
+
+Version 2 stores the dataset's ``target_mask`` (``has_target_mask``: whether it had one), so
+:meth:`ActivationCache.dataset` gives back the windows and their mask. Version 1 caches (no
+``target_mask``) load and read as before; their :meth:`~ActivationCache.dataset` is the ids alone where
+nothing was masked (``loss_mask`` all True past BOS) and an :class:`~..errors.ActivationCacheError`
+otherwise (``loss_mask`` has column 0 False whatever the mask held there: the mask cannot be recovered).
 
 The write is atomic (:func:`nnsight_lorsa._atomic.atomic_directory`): the shards and the manifest are
 staged in a sibling directory with a ``checksums.json`` (every file's size and sha256) and swapped in
@@ -62,7 +69,9 @@ from ..formats.validate import check_member_file
 from .dataset import TokenDataset, _loss_mask
 
 FORMAT = "nnsight-lorsa-activation-cache"
-VERSION = 1
+VERSION = 2
+#: versions a cache is read at: 1 (before ``target_mask`` was stored) and :data:`VERSION`
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -135,7 +144,7 @@ def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Si
     for name, s in named.items():
         if not isinstance(s, Site):
             raise ActivationCacheError(f"site {name!r} is {type(s).__name__}, not a Site")
-        if name in ("input_ids", "loss_mask"):
+        if name in ("input_ids", "loss_mask", "target_mask"):
             raise ActivationCacheError(f"site name {name!r} is reserved")
         if s.kind == "positions":
             raise ActivationCacheError(f"site {name!r}: positions are not cached (only inputs and outputs)")
@@ -210,7 +219,8 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
     for start in range(0, len(dataset), batch_size):
         ids = tokens[start:start + batch_size]
         values = read_sites(model, named, ids.to(device))
-        mask = _loss_mask(ids, dataset.targets(start, start + batch_size))
+        targets = dataset.targets(start, start + batch_size)
+        mask = _loss_mask(ids, targets)
         n_loss += int(mask.sum())
         for name, v in values.items():
             widths.setdefault(name, int(v.shape[-1]))
@@ -221,6 +231,8 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
             pending.setdefault(name, []).append(v.detach().to("cpu", dtype))
         pending.setdefault("input_ids", []).append(ids.to("cpu", torch.int64))
         pending.setdefault("loss_mask", []).append(mask)
+        pending.setdefault("target_mask", []).append(
+            torch.ones_like(mask) if targets is None else targets.to("cpu", torch.bool))
         pending_n += ids.shape[0]
         bar.update(ids.shape[0])
         if pending_n >= windows_per_shard:
@@ -232,6 +244,7 @@ def _write_shards(stage: Staging, model: Any, named: dict[str, Site], dataset: T
         "format": FORMAT, "version": VERSION, "model": model_fingerprint(model),
         "dataset_hash": tokens_hash(tokens), "seq_len": dataset.seq_len, "n_windows": len(dataset),
         "n_tokens": len(dataset) * dataset.seq_len, "n_loss_tokens": n_loss, "dtype": dtype_name,
+        "has_target_mask": dataset.target_mask is not None,
         "sites": {name: {"path": s.path, "kind": s.kind, "d": widths[name]} for name, s in named.items()},
         "shards": shards,
     }
@@ -267,8 +280,10 @@ class ActivationCache:
         except CheckpointError as e:
             raise ActivationCacheError(f"{e} (not a {FORMAT} manifest)") from e
         m = self.manifest
-        if m.get("format") != FORMAT or m.get("version") != VERSION or isinstance(m.get("version"), bool):
-            raise ActivationCacheError(f"{path}: not a {FORMAT} v{VERSION} manifest "
+        if m.get("format") != FORMAT or m.get("version") not in READABLE_VERSIONS or isinstance(m.get("version"),
+                                                                                                  bool):
+            raise ActivationCacheError(f"{path}: not a {FORMAT} manifest of version "
+                                       f"{' or '.join(map(str, READABLE_VERSIONS))} "
                                        f"(format {m.get('format')!r}, version {m.get('version')!r})")
         self._handles: dict[str, Any] = {}
         try:
@@ -311,6 +326,9 @@ class ActivationCache:
         for key in ("seq_len", "n_windows"):
             if not isinstance(m.get(key), int) or isinstance(m.get(key), bool) or m[key] < 0:
                 raise ActivationCacheError(f"{path}: key {key!r} must be an int >= 0, got {m.get(key)!r}")
+        if m["version"] >= 2 and not isinstance(m.get("has_target_mask"), bool):
+            raise ActivationCacheError(f"{path}: key 'has_target_mask' must be true or false, got "
+                                       f"{m.get('has_target_mask')!r}")
         if not isinstance(m.get("dataset_hash"), str):
             raise ActivationCacheError(f"{path}: key 'dataset_hash' must be a string, got {m.get('dataset_hash')!r}")
         if not isinstance(m.get("model"), dict):
@@ -486,6 +504,8 @@ class ActivationCache:
             n, s = shard["n_windows"], m["seq_len"]
             want = {name: [n, s, v["d"]] for name, v in m["sites"].items()}
             want.update(input_ids=[n, s], loss_mask=[n, s])
+            if m["version"] >= 2:
+                want.update(target_mask=[n, s])
             for key, shape in want.items():
                 if key not in keys:
                     raise ActivationCacheError(f"{path}: missing tensor {key!r}")
@@ -507,7 +527,8 @@ class ActivationCache:
 
     # ------------------------------------------------------------ reading
     def windows(self, key: str, index: Int[torch.Tensor, " n"]) -> torch.Tensor:
-        """Tensor ``key`` (a site name, ``"input_ids"`` or ``"loss_mask"``) of windows ``index``, in that order."""
+        """Tensor ``key`` (a site name, ``"input_ids"``, ``"loss_mask"`` or — version 2 — ``"target_mask"``) of
+        windows ``index``, in that order."""
         shard_of = torch.searchsorted(self._starts, index, right=True) - 1
         parts = []
         for w, s in zip(index.tolist(), shard_of.tolist(), strict=True):
@@ -519,5 +540,33 @@ class ActivationCache:
         return torch.cat(parts)
 
     def dataset(self) -> TokenDataset:
-        """The cached windows' token ids as a :class:`~.activations.TokenDataset`."""
-        return TokenDataset(self.windows("input_ids", torch.arange(self.n_windows, device="cpu")))
+        """The cached windows as a :class:`~.activations.TokenDataset`: their token ids and the ``target_mask``
+        the dataset written had (None where it had none). The mask is not checked again (a part of a dataset,
+        e.g. of ``split``, is written as it is), only against the cached ``loss_mask``.
+
+        Raises:
+            ActivationCacheError: a version 1 cache whose ``loss_mask`` leaves out a position past BOS (its
+                ``target_mask`` was not stored and cannot be recovered: write the cache again, or keep the
+                dataset it was written from: :meth:`check_dataset`); a stored ``target_mask`` that does not give
+                the cached ``loss_mask`` (the file altered).
+        """
+        every = torch.arange(self.n_windows, device="cpu")
+        data = TokenDataset(self.windows("input_ids", every))
+        loss = self.windows("loss_mask", every).bool()
+        if self.manifest["version"] < 2:
+            if bool(loss[:, 1:].all()):
+                return data
+            rows = (~loss[:, 1:]).any(dim=1).nonzero().flatten().tolist()
+            raise ActivationCacheError(
+                f"{self.directory / MANIFEST}: a version 1 cache, written before the dataset's target_mask was "
+                f"stored, and its loss_mask leaves out positions of windows {rows[:8]}{' …' if len(rows) > 8 else ''}"
+                ": the target_mask cannot be recovered (column 0 of loss_mask is always False). Write the cache "
+                "again, or use the TokenDataset it was written from (cache.check_dataset(dataset) checks it)")
+        if not self.manifest["has_target_mask"]:
+            return data
+        target = self.windows("target_mask", every).bool()
+        if not torch.equal(_loss_mask(data.tokens, target), loss):
+            raise ActivationCacheError(f"{self.directory / MANIFEST}: the shards' target_mask does not give their "
+                                       "loss_mask (a shard altered)")
+        data.target_mask = target  # checked when it was written; a split's part is not checked alone
+        return data

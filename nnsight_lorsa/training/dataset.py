@@ -82,6 +82,54 @@ def _pad_id(tokenizer: Any, given: int | None, config: Any = None) -> int:
     return 0
 
 
+def _known_pad_id(tokenizer: Any, config: Any) -> int | None:
+    """:func:`_pad_id` without its last resort: the tokenizer's pad id, else its EOS id, else the config's pad /
+    first EOS id; None when none of them says (the 0 :func:`_pad_id` falls back to is no one's pad)."""
+    pad = _pad_id(tokenizer, None, config)
+    if pad != 0:
+        return pad
+    eos = getattr(config, "eos_token_id", None)
+    said = (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+            getattr(config, "pad_token_id", None), eos[0] if isinstance(eos, (list, tuple)) and eos else eos)
+    return 0 if any(isinstance(v, int) and not isinstance(v, bool) and v == 0 for v in said) else None
+
+
+def _trailing_run(ids: torch.Tensor, value: int) -> torch.Tensor:
+    """``(rows,)`` int64: how many positions at the end of each row of 2-D ``ids`` hold ``value``."""
+    return (ids.flip(1) == value).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _rows_mask(ids: torch.Tensor, pad: int | None, specials: set[int]) -> torch.Tensor:
+    """The real tokens of 2-D ``ids`` given without a mask (:meth:`TokenDataset.from_ids`): each row's positions
+    before its trailing run of the pad id when the pad id is known and is no EOS / BOS id (a dedicated pad
+    token is not text); every position when no row ends with what could be padding.
+
+    Raises:
+        ArgumentError: the pad id equals an EOS or BOS id (GPT-2's ``<|endoftext|>``, Llama's ``</s>`` as pad)
+            and some row ends with it — a pad or the document's own EOS, the ids cannot tell; or no pad id is
+            known and some row ends with 2 or more copies of one id (as padding does).
+    """
+    n_rows, width = ids.shape
+    if pad is not None and pad not in specials:
+        return torch.arange(width, device="cpu") < (width - _trailing_run(ids, pad))[:, None]
+    if pad is not None:
+        run = _trailing_run(ids, pad)
+        why = f"the pad id {pad} is also an EOS / BOS id, so a trailing {pad} may be padding or the document's own"
+    else:
+        run = (ids.flip(1) == ids[:, -1:]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        run = torch.where(run >= 2, run, torch.zeros_like(run))
+        why = ("no pad id is known (no tokenizer or config pad / EOS id) and a row ending with 2 or more copies of "
+               "one id looks padded")
+    rows = (run > 0).nonzero().flatten().tolist()
+    if rows:
+        raise ArgumentError(
+            f"TokenDataset.from_ids: 2-D ids without target_mask, and rows {rows[:8]}{' …' if len(rows) > 8 else ''} "
+            f"end with {sorted(set(run[rows].tolist()))[:8]} positions of what may be padding: {why}. Pass the "
+            "rows' attention_mask as target_mask (padding on the right; torch.ones_like(ids, dtype=torch.bool) "
+            "when every id is a real token)")
+    return torch.ones(n_rows, width, dtype=torch.bool, device="cpu")
+
+
 def _eos_ids(tokenizer: Any, config: Any, given: int | Sequence[int] | None) -> set[int]:
     """The end-of-text ids a token stream is cut at: ``given``, else the tokenizer's, else ``config``'s
     (an int or a list of ints, as Llama 3's config has); empty when none is known."""
@@ -338,15 +386,22 @@ class TokenDataset:
           document's start as :meth:`from_documents` makes them. A stream without an EOS id, or with a single
           document, is one document cut into consecutive windows as :meth:`from_text` does.
         * ``ids`` 2-D ``(n_documents, length)``: one document per row, its real tokens those of
-          ``target_mask`` (the Hugging Face ``attention_mask``, padding on the right; default all), one window
-          from each row's start.
+          ``target_mask`` (the Hugging Face ``attention_mask``, padding on the right), one window from each
+          row's start. Without ``target_mask`` the padding comes from the pad id (the tokenizer's pad id, else
+          its EOS id, else the config's pad / EOS id): a pad id that is no EOS or BOS id marks each row's
+          trailing run of it as padding; a pad id equal to an EOS or BOS id (GPT-2, Llama without a pad
+          token) cannot tell a pad from a document's own EOS, so rows ending with it are refused; with no pad
+          id known, a row ending with 2 or more copies of one id is refused (one pad after the longest row's
+          length cannot be told from text); otherwise every id is real. Pass ``target_mask`` whenever the rows
+          were padded.
 
         BOS is prepended as in :meth:`from_text` (``bos_token_id``, else the tokenizer's, else the config's),
         unless the document already starts with it. ``config.vocab_size`` bounds the ids when given.
 
         Raises:
             ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
-                vocabulary, ``target_mask`` of another shape or with padding before a real token.
+                vocabulary, ``target_mask`` of another shape or with padding before a real token, or 2-D ``ids``
+                without ``target_mask`` whose padding is ambiguous (above).
             TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
                 document with a token.
         """
@@ -363,8 +418,10 @@ class TokenDataset:
         if ids.numel() and int(ids.min()) < 0:
             raise ArgumentError(f"ids holds a negative token id ({int(ids.min())})")
         if ids.dim() == 2:
-            if target_mask is None:
-                target_mask = torch.ones_like(ids, dtype=torch.bool)
+            if target_mask is None:  # the padding from the pad id where that is unambiguous, else refused
+                specials = _eos_ids(tokenizer, config, eos_token_id) | ({bos} if bos is not None else set())
+                target_mask = _rows_mask(ids, _known_pad_id(tokenizer, config), specials) if ids.numel() \
+                    else torch.ones_like(ids, dtype=torch.bool)
             if tuple(target_mask.shape) != tuple(ids.shape):
                 raise ArgumentError(f"target_mask must be {tuple(ids.shape)} like ids, got {tuple(target_mask.shape)}")
             mask = target_mask.to("cpu").bool()

@@ -223,6 +223,12 @@ def test_qk_feature_impacts_and_dashboard_data_on_device(device):
     assert f1.keys() == f0.keys() and rel([f1[k] for k in f0], list(f0.values())) < 1e-2
 
 
+def _one_text(stream: torch.Tensor, hf: Any) -> torch.Tensor:
+    """``stream`` with the config's EOS id (2 in the tiny Llama; ``random_ids`` draws it) replaced by 3: one text,
+    as ``evaluate_sparse`` takes a stream (a stream holding EOS is a corpus of documents, refused)."""
+    return torch.where(stream == hf.config.eos_token_id, torch.full_like(stream, 3), stream)
+
+
 def _sparse_run(device: str, dtype: torch.dtype = torch.float32, steps: int = 3) -> dict[str, Any]:
     from nnsight_lorsa.sparse_attention import SparseTrainConfig, evaluate_sparse
     from nnsight_lorsa.sparse_attention.install import get_gates
@@ -230,7 +236,7 @@ def _sparse_run(device: str, dtype: torch.dtype = torch.float32, steps: int = 3)
 
     model, hf = tiny_nnsight("llama", device=device, dtype=dtype)
     stream = random_ids(batch=1, seq=400, seed=4).flatten()
-    held = random_ids(batch=1, seq=200, seed=8).flatten()
+    held = _one_text(random_ids(batch=1, seq=200, seed=8).flatten(), hf)
     # init_bias 30: every gate open (P(closed) < e^-20 per edge), so the sampled training gates do not
     # depend on the device's random stream and the run is comparable across devices; the gate path
     # (noise drawn on the device, straight-through, edge statistics, GECO) runs all the same
@@ -323,7 +329,7 @@ def test_gate_statistics_stay_exact_in_reduced_precision(dtype):
     from nnsight_lorsa.sparse_attention import edge_statistics, evaluate_sparse, install_gated_attention
     from nnsight_lorsa.sparse_attention.install import get_gates
 
-    held = random_ids(batch=1, seq=1200, seed=8).flatten()
+    held = _one_text(random_ids(batch=1, seq=1200, seed=8).flatten(), tiny_nnsight("llama")[1])
     evs = []
     for dt in (torch.float32, dtype):
         model, hf = tiny_nnsight("llama", dtype=dt)

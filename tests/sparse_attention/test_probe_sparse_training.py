@@ -159,15 +159,26 @@ class _Capture:
             h.remove()
 
 
-def _density(cap: _Capture, hf: torch.nn.Module, n: int, batch: int) -> tuple[torch.Tensor, float]:
-    """(Σ_l Σ_heads Σ_allowed σ(score + b) / #allowed — Eq. 3 over every layer, normalised;  active fraction)."""
-    allowed = _causal(n)
+def _unpadded(mask: torch.Tensor | None, n: int, batch: int) -> torch.Tensor:
+    """``(batch, n)`` bool: each window's positions up to its last counted one (every position without a mask):
+    the documented real tokens, whose query rows alone count edges (right padding after them does not)."""
+    if mask is None:
+        return torch.ones(batch, n, dtype=torch.bool)
+    return torch.tensor([[j <= max([i for i in range(n) if row[i]], default=-1) for j in range(n)]
+                         for row in mask.tolist()], dtype=torch.bool)
+
+
+def _density(cap: _Capture, hf: torch.nn.Module, n: int, batch: int,
+             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """(Σ_l Σ_heads Σ_allowed σ(score + b) / #allowed — Eq. 3 over every layer, normalised;  active fraction),
+    the allowed edges those of the real tokens' query rows (:func:`_unpadded`)."""
+    allowed = _causal(n)[None, None] & _unpadded(mask, n, batch)[:, None, :, None]
     num, act, den = 0.0, 0.0, 0.0
     for layer, gate in get_gates(hf).items():
         logit = cap.scores[layer].float() + gate.bias.float()[None, :, None, None]
         num = num + torch.sigmoid(logit).masked_fill(~allowed, 0.0).sum()
         act += float(((cap.gates[layer] != 0) & allowed).sum())
-        den += float(allowed.sum()) * batch * gate.bias.numel()
+        den += float(allowed.sum()) * gate.bias.numel()
     return num / den, act / den
 
 
@@ -297,7 +308,7 @@ def _check_train_steps(a) -> None:
         rcap.remove()
         ce_sum, count = _ce(logits, x, mask)
         ce = ce_sum / count
-        density, active = _density(rcap, ref, x.shape[1], x.shape[0])
+        density, active = _density(rcap, ref, x.shape[1], x.shape[0], mask)
         loss = ce if recovering else density + lam * (ce - tau)
         grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
         grads = [None if g is None else g.float() for g in grads]
@@ -409,6 +420,8 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     s = torch.matmul(query, key.transpose(2, 3)) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     allowed = _causal(s.shape[-1])[-s.shape[-2]:]
     probs = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
+    real = _REF.get("real")  # the windows' real query rows: the edges counted (right padding's are not)
+    counted = allowed[None, None] if real is None else allowed[None, None] & real[:, None, -s.shape[-2]:, None]
     logit = s + _REF["bias"][module.layer_idx][None, :, None, None]
     if _REF["mode"] == "gated":
         gate = ((logit > 0) & allowed).to(s.dtype)
@@ -419,9 +432,10 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         k = min(_REF["top_k"], s.shape[-1])
         kth = vals.sort(dim=-1, descending=True).values[..., k - 1: k]
         gate = ((vals >= kth) & allowed).to(s.dtype)
-    _REF["expected"] += float(torch.sigmoid(logit).masked_fill(~allowed, 0).sum())
-    _REF["active"] += float(gate.sum())
-    _REF["possible"] += float(allowed.sum()) * s.shape[0] * s.shape[1]
+    counted = counted.expand_as(s)
+    _REF["expected"] += float(torch.sigmoid(logit).masked_fill(~counted, 0).sum())
+    _REF["active"] += float((gate.bool() & counted).sum())
+    _REF["possible"] += float(counted.sum())
     w = gate * probs
     return torch.matmul(w, value).transpose(1, 2).contiguous(), w
 
@@ -481,7 +495,7 @@ def _check_evaluate(a) -> None:
     windows = windows[:n]
     mask = None if mask is None else mask[:n]
     ref = _reference_model(biases, a["mode"], a["top_k"])
-    _REF.update(expected=0.0, active=0.0, possible=0.0)
+    _REF.update(expected=0.0, active=0.0, possible=0.0, real=None if mask is None else _unpadded(mask, seq, n))
     with torch.no_grad():
         ce_sum, count = _ce(ref(input_ids=windows).logits, windows, mask)
     assert got["windows"] == n and got["tokens"] == count

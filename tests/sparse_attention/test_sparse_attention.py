@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 from helpers import FAMILIES, SDPA_FAMILIES, random_ids, tiny_hf_model, tiny_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nnsight_lorsa.errors import (
     CheckpointError,
@@ -502,6 +504,32 @@ def test_a_stream_of_documents_is_refused_whatever_target_ce_is():
                                 allow_slack_constraint=True)
         with pytest.raises(GateConfigError, match=rf"holds the model's EOS id {eos} 8 time\(s\).*from_documents"):
             SparseAttentionTrainer(model, stream, cfg)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(8, 160), st.lists(st.integers(0, 159), min_size=1, max_size=5), st.integers(3, 12),
+       st.booleans())
+def test_evaluate_sparse_refuses_a_stream_of_documents_as_the_trainer_does(length, at, seq_len, nnsight_model):
+    """``evaluate_sparse`` on a 1-D stream holding the model's EOS id (the nnsight model's tokenizer's, else the
+    config's): the trainer's ``GateConfigError`` (``check_one_text``), not a CE over windows that start
+    mid-document. Before: evaluated as one text. The same stream without EOS is still evaluated."""
+    from helpers import tiny_nnsight
+
+    from nnsight_lorsa.errors import GateConfigError
+
+    model, hf = tiny_nnsight("llama") if nnsight_model else (None, tiny_hf_model("llama"))
+    target = model if nnsight_model else hf
+    eos = model.tokenizer.eos_token_id if nnsight_model else hf.config.eos_token_id
+    install_gated_attention(hf, init_bias=30.0)
+    stream = torch.randint(3, 128, (length,), generator=torch.Generator().manual_seed(length))
+    stream[torch.tensor([i % length for i in at])] = eos
+    count = int((stream == eos).sum())
+    with pytest.raises(GateConfigError, match=rf"holds the model's EOS id {eos} {count} time\(s\)"):
+        evaluate_sparse(target, stream, seq_len=seq_len, bos_id=0)
+    one_text = torch.where(stream == eos, torch.full_like(stream, 5), stream)
+    if one_text.numel() >= seq_len - 1:
+        assert evaluate_sparse(target, one_text, seq_len=seq_len, bos_id=0)["windows"] == one_text.numel() // (
+            seq_len - 1)
 
 
 def test_held_out_ce_is_reported_and_checked_against_the_constraint(monkeypatch) -> None:

@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 from helpers import tiny_nnsight, tiny_training_setup
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.envoy.read import Site
 from nnsight_lorsa.errors import ActivationCacheError, CheckpointError
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
-from nnsight_lorsa.training import ActivationSource, TrainConfig, Trainer
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer
 from nnsight_lorsa.training.activation_cache import ActivationCache, site_name, write_activation_cache
 
 
@@ -172,3 +172,72 @@ def test_a_site_of_another_kind_is_an_argument_error(kind, path):
     with pytest.raises(ArgumentError, match=r"Site\(.*\)\.kind must be one of") as info:
         Site(path, kind)
     assert isinstance(info.value, ValueError)
+
+
+def _drawn_mask(kind: str, n: int, seq: int, seed: int) -> torch.Tensor | None:
+    """None, right padding (each window's first 1 … seq positions), or a task mask of drawn positions."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "right":
+        return torch.arange(seq)[None, :] < torch.randint(1, seq + 1, (n, 1), generator=g)
+    return torch.rand(n, seq, generator=g) < 0.5
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["none", "right", "task"]), st.integers(1, 9), st.integers(1, 4), st.integers(0, 1000))
+def test_the_cache_gives_back_its_dataset_ids_and_mask(setup, tmp_path_factory, kind, n, per_shard, seed):
+    """``ActivationCache.dataset()`` round-trips the windows *and* their ``target_mask`` (None stays None).
+    Before: the ids only — a padded dataset came back with every pad counted (the shards keep ``loss_mask``, whose
+    column 0 is always False, so the mask could not be recovered)."""
+    model, hf, adapter, data = setup
+    ds = TokenDataset(data.tokens[:n], _drawn_mask(kind, n, data.seq_len, seed))
+    cache = write_activation_cache(model, [Site.mlp_input(adapter, 0)], ds, tmp_path_factory.mktemp("rt"),
+                                   batch_size=3, windows_per_shard=per_shard)
+    back = ActivationCache(cache.directory).dataset()
+    assert torch.equal(back.tokens, ds.tokens)
+    assert (back.target_mask is None) == (ds.target_mask is None)
+    if ds.target_mask is not None:
+        assert torch.equal(back.target_mask, ds.target_mask)
+    # a part of a dataset (split) is not checked again on its own: nor is its cache's
+    train, held = TokenDataset(data.tokens[:6], _drawn_mask("right", 6, data.seq_len, seed)).split(0.5)
+    again = write_activation_cache(model, [Site.mlp_input(adapter, 0)], held, tmp_path_factory.mktemp("part"))
+    assert torch.equal(again.dataset().target_mask, held.target_mask)
+
+
+def _as_version_1(d) -> None:
+    """Rewrite a cache as version 1 wrote it: no ``target_mask`` tensors, version 1, no ``has_target_mask``, no
+    per-shard sha256 or checksums.json (the file hashes would name the rewritten shards)."""
+    from safetensors.torch import load_file, save_file
+
+    m = json.loads((d / "manifest.json").read_text())
+    for s in m["shards"]:
+        tensors = load_file(d / s["file"])
+        tensors.pop("target_mask", None)
+        save_file(tensors, d / s["file"])
+        s.pop("sha256")
+    m["version"] = 1
+    m.pop("has_target_mask", None)
+    (d / "manifest.json").write_text(json.dumps(m))
+    (d / "checksums.json").unlink()
+
+
+@pytest.mark.parametrize("kind", ["none", "right", "task"])
+def test_a_version_1_cache_loads_and_its_dataset_is_never_silently_unmasked(setup, tmp_path, kind):
+    """A cache written before the mask was stored: everything loads as before; ``dataset()`` gives the ids
+    without a mask where nothing was masked (its ``loss_mask`` all True past BOS: exact), and an
+    ``ActivationCacheError`` saying so where something was (the mask's column 0 is not in the cache)."""
+    model, hf, adapter, data = setup
+    ds = TokenDataset(data.tokens[:5], _drawn_mask(kind, 5, data.seq_len, 3))
+    cache = write_activation_cache(model, [Site.mlp_input(adapter, 0)], ds, tmp_path / "c", windows_per_shard=2)
+    loss = cache.windows("loss_mask", torch.arange(5))
+    _as_version_1(cache.directory)
+    old = ActivationCache(cache.directory)
+    assert old.manifest["version"] == 1
+    assert torch.equal(old.windows("loss_mask", torch.arange(5)), loss)
+    if ds.target_mask is None or bool(ds.target_mask[:, 1:].all()):  # nothing masked past BOS: exact
+        back = old.dataset()
+        assert torch.equal(back.tokens, ds.tokens) and back.target_mask is None
+    else:
+        with pytest.raises(ActivationCacheError, match="version 1.*target_mask"):
+            old.dataset()

@@ -3,6 +3,7 @@ everywhere"). Each layout is checked against the text path it stands for (the sa
 
 from __future__ import annotations
 
+import functools
 import pickle
 
 import numpy as np
@@ -158,3 +159,44 @@ def test_a_mask_with_padding_before_a_real_token_is_refused():
     with pytest.raises(ArgumentError, match="prefix"):
         TokenDataset.from_ids(torch.ones(2, 3, dtype=torch.long), 4,
                               target_mask=torch.tensor([[True, False, True], [True, True, True]]), tokenizer=TOK)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(2, 40), min_size=0, max_size=10), min_size=1, max_size=5),
+       st.integers(0, 3), st.sampled_from(["dedicated", "eos", "bos", "unknown"]), st.integers(2, 12))
+def test_rows_without_a_mask_never_count_their_padding(docs, extra, pad_kind, seq_len):
+    """2-D ids without ``target_mask``: right-padded rows give the windows of their documents (a dedicated pad id,
+    no EOS or BOS, marks the padding), or an ``ArgumentError`` asking for the mask (a pad id equal to EOS or BOS
+    and rows ending with it; no pad id known and a row ending with 2 or more copies of one id); never the pads as
+    real tokens, except the one documented case: no pad id known and one pad after the longest row. Before: every
+    id was real."""
+    from types import SimpleNamespace
+
+    from nnsight_lorsa.errors import TooFewTokensError
+
+    pad = {"dedicated": 45, "eos": EOS, "bos": BOS, "unknown": 47}[pad_kind]
+    tok = SimpleNamespace(bos_token_id=BOS, eos_token_id=EOS if pad_kind != "unknown" else None,
+                          pad_token_id=pad if pad_kind != "unknown" else None)
+    width = max(1, max(map(len, docs))) + extra
+    ids = torch.tensor([d + [pad] * (width - len(d)) for d in docs], dtype=torch.long)
+    real = torch.tensor([[True] * len(d) + [False] * (width - len(d)) for d in docs])
+    padded = not bool(real.all())
+    rows = [d + [pad] * (width - len(d)) for d in docs]
+    runs = [next((k for k in range(1, width + 1) if r[-k] != r[-1]), width + 1) - 1 for r in rows]
+    ambiguous = {"dedicated": False, "eos": padded, "bos": padded, "unknown": max(runs) >= 2}[pad_kind]
+    make = functools.partial(TokenDataset.from_ids, ids, seq_len, tokenizer=tok)
+    if ambiguous:
+        with pytest.raises(ArgumentError, match="target_mask"):
+            make()
+        return
+    # what a researcher means: the documents (no padding where none was detectable, all real)
+    want_mask = real if pad_kind == "dedicated" else torch.ones_like(real)
+    try:
+        want = TokenDataset.from_ids(ids, seq_len, target_mask=want_mask, tokenizer=tok)
+    except TooFewTokensError:
+        with pytest.raises(TooFewTokensError):
+            make()
+        return
+    _same(make(), want)
+    if pad_kind == "dedicated":
+        assert not bool((make().tokens[make().target_mask] == pad).any())
