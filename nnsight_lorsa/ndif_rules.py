@@ -87,53 +87,97 @@ _GETS = {"GET", "BINGET", "LONG_BINGET"}
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _SUBIMPORTS = {("cloudpickle.cloudpickle", "subimport"), ("cloudpickle.cloudpickle", "dynamic_subimport"),
                ("cloudpickle.cloudpickle_fast", "subimport"), ("cloudpickle", "subimport")}
-_SUBIMPORT = object()  # what a pushed cloudpickle subimport function is tracked as
+_SUBIMPORT = object()  # what cloudpickle's subimport / dynamic_subimport function is tracked as on the stack
+#: What :func:`pickled_modules` reports for a module name computed while unpickling (no whitelist allows it).
+COMPUTED = "<computed module name>"
 
 
 def pickled_modules(data: bytes) -> set[str]:
-    """The modules unpickling ``data`` would resolve: every ``GLOBAL``/``STACK_GLOBAL`` module and every module
-    cloudpickle re-imports (``subimport``/``dynamic_subimport`` arguments). Read from the opcodes with
+    """The modules unpickling ``data`` would resolve: every ``GLOBAL``/``STACK_GLOBAL``/``INST`` module and every
+    module cloudpickle re-imports (``subimport``/``dynamic_subimport`` arguments). Read from the opcodes with
     ``pickletools``; ``data`` is never unpickled.
 
+    What the opcodes cannot name is reported as a pseudo-module no whitelist allows, so :func:`check_request`
+    refuses it: ``"<computed module name>"`` (a ``STACK_GLOBAL`` or ``subimport`` whose name is computed while
+    unpickling, not a string of the pickle) and ``"<copyreg extension code N>"`` (an ``EXT`` opcode: the server
+    resolves ``N`` in its own ``copyreg`` registry, not the client's).
+
     Args:
-        data: an uncompressed pickle (protocol 2 or later), e.g. nnsight's request body before zstd.
+        data: an uncompressed pickle (any protocol), e.g. nnsight's request body before zstd.
 
     Raises:
         ValueError: ``data`` is not a well-formed pickle.
     """
     modules: set[str] = set()
-    pushed: list[object] = []  # values pushed, strings kept (the arguments of STACK_GLOBAL are the last two)
+    stack: list[object] = []  # the unpickler's stack, symbolically: strings, tuples of them, _SUBIMPORT, else None
+    marks: list[int] = []  # the stack's length at each open MARK
     memo: dict[int, object] = {}
-    subimport = False  # the next string pushed is a module cloudpickle re-imports
+
+    def pop_mark() -> list[object]:
+        at = marks.pop() if marks else 0
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    def called(fn: object, args: object) -> None:  # fn(*args) runs while unpickling: subimport names a module
+        if fn is _SUBIMPORT:
+            first = args[0] if isinstance(args, tuple) and args else None
+            modules.add(first if isinstance(first, str) else COMPUTED)
+
     for op, arg, _ in pickletools.genops(data):
         name = op.name
-        value: object = None
-        if name in _STRINGS:
-            value = arg.decode("latin-1") if isinstance(arg, bytes) else arg
+        if name == "MARK":
+            marks.append(len(stack))
+        elif name in _STRINGS:
+            stack.append(arg.decode("latin-1") if isinstance(arg, bytes) else arg)
         elif name in _GETS:
-            value = memo.get(arg)  # type: ignore[arg-type]  # a memoized string, or the subimport function again
+            stack.append(memo.get(arg))  # type: ignore[arg-type]
         elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-            continue
+            memo[len(memo)] = stack[-1] if stack else None
         elif name in _PUTS:
-            memo[arg] = pushed[-1] if pushed else None  # type: ignore[index]
-            continue
-        elif name in ("GLOBAL", "STACK_GLOBAL"):
-            if name == "GLOBAL":
+            memo[arg] = stack[-1] if stack else None  # type: ignore[index]
+        elif name == "DUP":
+            stack.append(stack[-1] if stack else None)
+        elif name in ("GLOBAL", "STACK_GLOBAL", "INST"):
+            if name == "STACK_GLOBAL":
+                attr = stack.pop() if stack else None
+                module = stack.pop() if stack else None
+            else:  # GLOBAL and INST: "module name"
                 module, _, attr = str(arg).partition(" ")
-            else:
-                module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)  # type: ignore[assignment]
-            if isinstance(module, str):
-                modules.add(module)
-            value = _SUBIMPORT if (module, attr) in _SUBIMPORTS else None
-        elif not op.stack_after:
-            continue
-        if value is _SUBIMPORT:
-            subimport = True
-        elif subimport and isinstance(value, str):
-            modules.add(value)
-            subimport = False
-        pushed.append(value)
+            modules.add(module if isinstance(module, str) else COMPUTED)
+            fn = _SUBIMPORT if (module, attr) in _SUBIMPORTS else None
+            if name == "INST":  # the class called on the MARKed arguments
+                called(fn, tuple(pop_mark()))
+                fn = None
+            stack.append(fn)
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            modules.add(f"<copyreg extension code {arg}>")
+            stack.append(None)
+        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"):
+            n = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}.get(name)
+            items = pop_mark() if n is None else stack[len(stack) - n:] if n else []
+            if n:
+                del stack[len(stack) - n:]
+            stack.append(tuple(items))
+        elif name == "REDUCE":
+            args = stack.pop() if stack else None
+            fn = stack.pop() if stack else None
+            called(fn, args)
+            stack.append(None)
+        elif name == "OBJ":  # MARK cls *args OBJ: cls(*args)
+            items = pop_mark()
+            if items:
+                called(items[0], tuple(items[1:]))
+            stack.append(None)
+        elif name == "POP" and len(stack) == (marks[-1] if marks else 0) and marks:
+            marks.pop()  # the unpickler's POP on an empty frame drops the mark
+        else:  # the generic effect: pop what the opcode takes (down to its MARK), push what it leaves
+            before = [s.name for s in op.stack_before]
+            if "mark" in before:
+                pop_mark()
+                before = before[:before.index("mark")]
+            del stack[max(0, len(stack) - len(before)):]
+            stack.extend([None] * len(op.stack_after))
     return modules
 
 
