@@ -8,10 +8,14 @@ Source, ``github.com/ndif-team/ndif`` (pinned; see docs/remote.md, "NDIF's rules
   name only; not strict: the name and its submodules, minus ``blocked_submodules``; without that branch's "OPEN
   SANDBOX" allowance of the whole standard library, marked branch-only in its comments);
 - the mechanisms at :data:`NDIF_MECHANISM_COMMIT`: requests are unpickled under
-  ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` (``find_class``, ``cloudpickle.subimport`` and
-  ``dynamic_subimport`` refuse a module outside the list) and run under ``Protector(WHITELISTED_MODULES)``
-  (``__import__`` refuses one), the model's modules wrapped by ``protect()`` (no ``setattr``), and queued in Redis
-  as ``pickle.dumps(backend_request)`` (``proto-max-bulk-len``: 512 MiB by default).
+  ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` and run under ``Protector(WHITELISTED_MODULES)``
+  (``__import__`` refuses a module outside the list), the model's modules wrapped by ``protect()`` (no
+  ``setattr``), and queued in Redis as ``pickle.dumps(backend_request)`` (``proto-max-bulk-len``: 512 MiB by
+  default);
+- the unpickling hooks at :data:`NDIF_UNPICKLING_COMMIT` (``src/ndif/services/ray/nn/security/protector.py``): the
+  ``Protector`` also makes ``CustomCloudUnpickler.find_class``, ``cloudpickle.subimport`` and ``dynamic_subimport``
+  refuse a module outside the list (``is_module_allowed``). At :data:`NDIF_MECHANISM_COMMIT` the ``Protector``
+  patches ``__import__`` only, which ``find_class`` and ``subimport`` bypass for a module already imported.
 
 :func:`pickled_modules` reads which modules a pickle would resolve **without unpickling it** (``pickletools``
 opcodes only), so a request can be checked before it is sent (:func:`check_request`).
@@ -33,6 +37,9 @@ NDIF_REPO = "ndif-team/ndif"
 NDIF_LIST_COMMIT = "b9e9fa65599443ed2ab6f1eb86d0da5325fe4bcf"
 #: The commit the mechanisms (where each list applies, ``protect()``, the Redis queue) are read from.
 NDIF_MECHANISM_COMMIT = "b7ac71f4e4a96fa95b1f155d613eba6069441db1"
+#: The commit of ``src/ndif/services/ray/nn/security/protector.py`` the unpickling hooks (``find_class``,
+#: ``subimport``, ``dynamic_subimport``) are read from.
+NDIF_UNPICKLING_COMMIT = "b8950c97358acaa0c9c97b2350b80ce5f97dde63"
 
 #: One whitelist entry: ``(name, strict, blocked_submodules)``.
 Entry = tuple[str, bool, tuple[str, ...]]
@@ -200,6 +207,7 @@ def check_request(data: bytes, entries: Iterable[Entry] = NDIF_DESERIALIZATION_M
 
 
 __all__ = [
-    "NDIF_DESERIALIZATION_MODULES", "NDIF_LIST_COMMIT", "NDIF_MECHANISM_COMMIT", "NDIF_REPO", "NDIF_RUNTIME_MODULES",
+    "COMPUTED", "NDIF_DESERIALIZATION_MODULES", "NDIF_LIST_COMMIT", "NDIF_MECHANISM_COMMIT", "NDIF_REPO",
+    "NDIF_RUNTIME_MODULES", "NDIF_UNPICKLING_COMMIT",
     "NotWhitelistedError", "check_request", "module_allowed", "pickled_modules",
 ]
