@@ -2,9 +2,10 @@
 server process that cannot import nnsight_lorsa and applies NDIF's rules, ``tests/loopback.py``) the same numbers
 as the local run, bit for bit (fp32, CPU on both sides), on drawn prompts, batches, layers, heads, edits and
 positions: ``replace`` with and without the error term, the patching interventions (``ablate`` / ``scale`` /
-``steer`` on a Lorsa head at drawn positions), reading the model's internals before and after the splice, and a
-session of traces (one request). Every request goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps,
-the opcode check of ``ndif_rules``) and the loopback asserts that no rule was broken and nothing stayed attached.
+``steer`` on a Lorsa head at drawn positions), reading the model's internals before and after the splice, a
+session of traces (one request), ``generate`` with an edit, and ``attribute(rm, prompt, remote=True)`` (the
+adjacency). Every request goes through ``register()``'s ``MeasuredRemoteBackend`` (size caps, the opcode check of
+``ndif_rules``) and the loopback asserts that no rule was broken and nothing stayed attached.
 
 One client (and one server) per drawn list of cases: the default run draws one list; the sweep (``slow``) more.
 """
@@ -22,7 +23,7 @@ CLIENT = r'''
 import json, torch, nnsight
 from loopback import LoopbackServer, build_model, loopback
 from helpers import make_lorsa, random_ids
-from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
+from nnsight_lorsa import LorsaSet, ReplacementModel, attribute, get_adapter
 from nnsight_lorsa.patching import LorsaHead, ablate, read, scale, steer
 from nnsight_lorsa.remote import for_remote, register
 
@@ -73,17 +74,39 @@ def two(r, ids, layer, head, kind, alpha, pos, remote):   # a session: two trace
     return {"clean": clean, "z": z, "edited": edited}
 
 
+def gen(r, ids, layer, head, kind, alpha, pos, remote, steps=2):   # the body's edit as nnsight's generate applies it
+    with model.generate(ids, max_new_tokens=steps, do_sample=False, remote=remote) as tracer:
+        r.prepare([LorsaHead(layer, head)])
+        target = r(LorsaHead(layer, head))
+        if kind == "ablate":
+            ablate(target, positions=pos)
+        elif kind == "scale":
+            scale(target, alpha, positions=pos)
+        elif kind == "steer":
+            steer(target, alpha, positions=pos)
+        tokens = nnsight.save(tracer.result)
+    return {"tokens": tokens}
+
+
+def graph(r, ids, remote):   # attribute(rm, prompt, remote=True): both traces on the server
+    return {"adjacency": attribute(r, ids, remote=remote).densify()}
+
+
 out = []
 for c in CASES:
     ids = random_ids(c["batch"], c["seq"], c["seed"])
     r = bundles[c["error"]]
     head = int(c["head"] * r.lorsas[c["layer"]].cfg.n_ov_heads)
-    run = two if c["session"] else one
+    run = {"trace": one, "session": two, "generate": gen}[c["flow"]]
     args = (r, ids, c["layer"], head, c["kind"], c["alpha"], POSITIONS[c["pos"]])
     local, remote = run(*args, remote=False), run(*args, remote=True)
     out.append({k: {"equal": torch.equal(local[k], remote[k]), "same_dtype": local[k].dtype == remote[k].dtype,
                     "device": str(remote[k].device), "shape": list(remote[k].shape),
                     "max_abs": float((local[k].float() - remote[k].float()).abs().max())} for k in local})
+ids = random_ids(1, CASES[0]["seq"], CASES[0]["seed"])
+a, b = graph(bundles[False], ids, False)["adjacency"], graph(bundles[False], ids, True)["adjacency"]
+out.append({"adjacency": {"equal": torch.equal(a, b), "same_dtype": a.dtype == b.dtype, "device": str(b.device),
+                          "shape": list(b.shape), "max_abs": float((a - b).abs().max())}})
 server.close()
 print(json.dumps(out))
 '''
@@ -93,14 +116,15 @@ _case = st.fixed_dictionaries({
     "layer": st.sampled_from([1, 2]),
     "head": st.floats(0, 1, exclude_max=True), "kind": st.sampled_from(["none", "ablate", "scale", "steer"]),
     "alpha": st.floats(-3, 3, allow_nan=False).map(lambda a: round(a, 3)), "error": st.booleans(),
-    "session": st.booleans(), "pos": st.sampled_from(["all", "last", "first", "ends", "tail"]),
+    "flow": st.sampled_from(["trace", "session", "generate"]),
+    "pos": st.sampled_from(["all", "last", "first", "ends", "tail"]),
 })
 
 
 def _check(cases: list[dict]) -> None:
     out = run_client(CLIENT.replace("CASES_JSON", repr(json.dumps(cases))), timeout=400)
-    assert len(out) == len(cases)
-    for case, result in zip(cases, out, strict=True):
+    assert len(out) == len(cases) + 1  # the cases, then the attribution graph of the first case's first prompt
+    for case, result in zip([*cases, "attribute"], out, strict=True):
         for name, r in result.items():
             assert r["equal"] and r["same_dtype"] and r["device"] == "cpu", (case, name, r)
 
