@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import FAMILIES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loopback import run_client
@@ -29,20 +30,22 @@ from nnsight_lorsa.remote import for_remote, register
 
 CASES = json.loads(CASES_JSON)
 POSITIONS = {"all": None, "last": -1, "first": 0, "ends": [0, -1], "tail": slice(1, None)}
-server = LoopbackServer()
+server = LoopbackServer(family=FAMILY)
 loopback(server)                    # remote=True goes to the loopback, through register()'s MeasuredRemoteBackend
-model, hf = build_model()
+model, hf = build_model(family=FAMILY)
 adapter = get_adapter(model)
 lorsas = LorsaSet(model, {L: make_lorsa(hf, adapter, layer=L, seed=L) for L in (1, 2)})
 register()
+paths = {"attn0": adapter.attention_path(0), "layer": {L: adapter.layer_path(L) for L in (1, 2)},
+         "mlp": {L: adapter.mlp_path(L) for L in (1, 2)}}   # the family's module paths
 bundles = {e: for_remote(ReplacementModel(model, lorsas=lorsas, error=e)) for e in (False, True)}
 
 
 def one(r, ids, layer, head, kind, alpha, pos, remote):
     with model.trace(ids, remote=remote):
         r.prepare([LorsaHead(layer, head)])
-        before = nnsight.save(model.model.layers[0].self_attn.output[0])      # an internal before the splice
-        x = nnsight.save(model.model.layers[layer].input_layernorm.output)     # the spliced layer's input
+        before = nnsight.save(model.get(paths["attn0"]).output[0])             # an internal before the splice
+        x = nnsight.save(model.get(paths["layer"][layer]).input)               # the spliced layer's input
         target = r(LorsaHead(layer, head))
         if kind == "ablate":
             ablate(target, positions=pos)
@@ -51,7 +54,7 @@ def one(r, ids, layer, head, kind, alpha, pos, remote):
         elif kind == "steer":
             steer(target, alpha, positions=pos)
         z = read(target)
-        after = nnsight.save(model.model.layers[layer].mlp.output)             # an internal after it
+        after = nnsight.save(model.get(paths["mlp"][layer]).output)            # an internal after it
         logits = nnsight.save(model.lm_head.output)
     return {"before": before, "x": x, "z": z, "after": after, "logits": logits}
 
@@ -121,8 +124,9 @@ _case = st.fixed_dictionaries({
 })
 
 
-def _check(cases: list[dict]) -> None:
-    out = run_client(CLIENT.replace("CASES_JSON", repr(json.dumps(cases))), timeout=400)
+def _check(cases: list[dict], family: str = "llama") -> None:
+    out = run_client(CLIENT.replace("CASES_JSON", repr(json.dumps(cases))).replace("FAMILY", repr(family)),
+                     timeout=400)
     assert len(out) == len(cases) + 1  # the cases, then the attribution graph of the first case's first prompt
     for case, result in zip([*cases, "attribute"], out, strict=True):
         for name, r in result.items():
@@ -130,9 +134,10 @@ def _check(cases: list[dict]) -> None:
 
 
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(cases=st.lists(_case, min_size=4, max_size=4))
-def test_remote_workflows_equal_the_local_run(cases: list[dict]) -> None:
-    _check(cases)
+@given(family=st.sampled_from(FAMILIES), cases=st.lists(_case, min_size=4, max_size=4))
+def test_remote_workflows_equal_the_local_run(family: str, cases: list[dict]) -> None:
+    """A drawn family (Llama, Qwen2/3, GPT-NeoX, GPT-2, Gemma 1/2/3, OLMo-2, Phi-3) and four drawn cases."""
+    _check(cases, family)
 
 
 @pytest.mark.slow
@@ -140,3 +145,14 @@ def test_remote_workflows_equal_the_local_run(cases: list[dict]) -> None:
 @given(cases=st.lists(_case, min_size=8, max_size=8))
 def test_remote_workflows_equal_the_local_run_sweep(cases: list[dict]) -> None:
     _check(cases)
+
+
+_OTHER_FAMILIES = [f for f in FAMILIES if f != "llama"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", _OTHER_FAMILIES)
+@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(cases=st.lists(_case, min_size=6, max_size=6))
+def test_remote_workflows_of_every_family_equal_the_local_run_sweep(family: str, cases: list[dict]) -> None:
+    _check(cases, family)
