@@ -8,10 +8,14 @@ Source, ``github.com/ndif-team/ndif`` (pinned; see docs/remote.md, "NDIF's rules
   name only; not strict: the name and its submodules, minus ``blocked_submodules``; without that branch's "OPEN
   SANDBOX" allowance of the whole standard library, marked branch-only in its comments);
 - the mechanisms at :data:`NDIF_MECHANISM_COMMIT`: requests are unpickled under
-  ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` (``find_class``, ``cloudpickle.subimport`` and
-  ``dynamic_subimport`` refuse a module outside the list) and run under ``Protector(WHITELISTED_MODULES)``
-  (``__import__`` refuses one), the model's modules wrapped by ``protect()`` (no ``setattr``), and queued in Redis
-  as ``pickle.dumps(backend_request)`` (``proto-max-bulk-len``: 512 MiB by default).
+  ``Protector(WHITELISTED_MODULES_DESERIALIZATION)`` and run under ``Protector(WHITELISTED_MODULES)``
+  (``__import__`` refuses a module outside the list), the model's modules wrapped by ``protect()`` (no
+  ``setattr``), and queued in Redis as ``pickle.dumps(backend_request)`` (``proto-max-bulk-len``: 512 MiB by
+  default);
+- the unpickling hooks at :data:`NDIF_UNPICKLING_COMMIT` (``src/ndif/services/ray/nn/security/protector.py``): the
+  ``Protector`` also makes ``CustomCloudUnpickler.find_class``, ``cloudpickle.subimport`` and ``dynamic_subimport``
+  refuse a module outside the list (``is_module_allowed``). At :data:`NDIF_MECHANISM_COMMIT` the ``Protector``
+  patches ``__import__`` only, which ``find_class`` and ``subimport`` bypass for a module already imported.
 
 :func:`pickled_modules` reads which modules a pickle would resolve **without unpickling it** (``pickletools``
 opcodes only), so a request can be checked before it is sent (:func:`check_request`).
@@ -33,6 +37,9 @@ NDIF_REPO = "ndif-team/ndif"
 NDIF_LIST_COMMIT = "b9e9fa65599443ed2ab6f1eb86d0da5325fe4bcf"
 #: The commit the mechanisms (where each list applies, ``protect()``, the Redis queue) are read from.
 NDIF_MECHANISM_COMMIT = "b7ac71f4e4a96fa95b1f155d613eba6069441db1"
+#: The commit of ``src/ndif/services/ray/nn/security/protector.py`` the unpickling hooks (``find_class``,
+#: ``subimport``, ``dynamic_subimport``) are read from.
+NDIF_UNPICKLING_COMMIT = "b8950c97358acaa0c9c97b2350b80ce5f97dde63"
 
 #: One whitelist entry: ``(name, strict, blocked_submodules)``.
 Entry = tuple[str, bool, tuple[str, ...]]
@@ -87,53 +94,97 @@ _GETS = {"GET", "BINGET", "LONG_BINGET"}
 _PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _SUBIMPORTS = {("cloudpickle.cloudpickle", "subimport"), ("cloudpickle.cloudpickle", "dynamic_subimport"),
                ("cloudpickle.cloudpickle_fast", "subimport"), ("cloudpickle", "subimport")}
-_SUBIMPORT = object()  # what a pushed cloudpickle subimport function is tracked as
+_SUBIMPORT = object()  # what cloudpickle's subimport / dynamic_subimport function is tracked as on the stack
+#: What :func:`pickled_modules` reports for a module name computed while unpickling (no whitelist allows it).
+COMPUTED = "<computed module name>"
 
 
 def pickled_modules(data: bytes) -> set[str]:
-    """The modules unpickling ``data`` would resolve: every ``GLOBAL``/``STACK_GLOBAL`` module and every module
-    cloudpickle re-imports (``subimport``/``dynamic_subimport`` arguments). Read from the opcodes with
+    """The modules unpickling ``data`` would resolve: every ``GLOBAL``/``STACK_GLOBAL``/``INST`` module and every
+    module cloudpickle re-imports (``subimport``/``dynamic_subimport`` arguments). Read from the opcodes with
     ``pickletools``; ``data`` is never unpickled.
 
+    What the opcodes cannot name is reported as a pseudo-module no whitelist allows, so :func:`check_request`
+    refuses it: ``"<computed module name>"`` (a ``STACK_GLOBAL`` or ``subimport`` whose name is computed while
+    unpickling, not a string of the pickle) and ``"<copyreg extension code N>"`` (an ``EXT`` opcode: the server
+    resolves ``N`` in its own ``copyreg`` registry, not the client's).
+
     Args:
-        data: an uncompressed pickle (protocol 2 or later), e.g. nnsight's request body before zstd.
+        data: an uncompressed pickle (any protocol), e.g. nnsight's request body before zstd.
 
     Raises:
         ValueError: ``data`` is not a well-formed pickle.
     """
     modules: set[str] = set()
-    pushed: list[object] = []  # values pushed, strings kept (the arguments of STACK_GLOBAL are the last two)
+    stack: list[object] = []  # the unpickler's stack, symbolically: strings, tuples of them, _SUBIMPORT, else None
+    marks: list[int] = []  # the stack's length at each open MARK
     memo: dict[int, object] = {}
-    subimport = False  # the next string pushed is a module cloudpickle re-imports
+
+    def pop_mark() -> list[object]:
+        at = marks.pop() if marks else 0
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    def called(fn: object, args: object) -> None:  # fn(*args) runs while unpickling: subimport names a module
+        if fn is _SUBIMPORT:
+            first = args[0] if isinstance(args, tuple) and args else None
+            modules.add(first if isinstance(first, str) else COMPUTED)
+
     for op, arg, _ in pickletools.genops(data):
         name = op.name
-        value: object = None
-        if name in _STRINGS:
-            value = arg.decode("latin-1") if isinstance(arg, bytes) else arg
+        if name == "MARK":
+            marks.append(len(stack))
+        elif name in _STRINGS:
+            stack.append(arg.decode("latin-1") if isinstance(arg, bytes) else arg)
         elif name in _GETS:
-            value = memo.get(arg)  # type: ignore[arg-type]  # a memoized string, or the subimport function again
+            stack.append(memo.get(arg))  # type: ignore[arg-type]
         elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None
-            continue
+            memo[len(memo)] = stack[-1] if stack else None
         elif name in _PUTS:
-            memo[arg] = pushed[-1] if pushed else None  # type: ignore[index]
-            continue
-        elif name in ("GLOBAL", "STACK_GLOBAL"):
-            if name == "GLOBAL":
+            memo[arg] = stack[-1] if stack else None  # type: ignore[index]
+        elif name == "DUP":
+            stack.append(stack[-1] if stack else None)
+        elif name in ("GLOBAL", "STACK_GLOBAL", "INST"):
+            if name == "STACK_GLOBAL":
+                attr = stack.pop() if stack else None
+                module = stack.pop() if stack else None
+            else:  # GLOBAL and INST: "module name"
                 module, _, attr = str(arg).partition(" ")
-            else:
-                module, attr = (pushed[-2], pushed[-1]) if len(pushed) >= 2 else (None, None)  # type: ignore[assignment]
-            if isinstance(module, str):
-                modules.add(module)
-            value = _SUBIMPORT if (module, attr) in _SUBIMPORTS else None
-        elif not op.stack_after:
-            continue
-        if value is _SUBIMPORT:
-            subimport = True
-        elif subimport and isinstance(value, str):
-            modules.add(value)
-            subimport = False
-        pushed.append(value)
+            modules.add(module if isinstance(module, str) else COMPUTED)
+            fn = _SUBIMPORT if (module, attr) in _SUBIMPORTS else None
+            if name == "INST":  # the class called on the MARKed arguments
+                called(fn, tuple(pop_mark()))
+                fn = None
+            stack.append(fn)
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            modules.add(f"<copyreg extension code {arg}>")
+            stack.append(None)
+        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE"):
+            n = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}.get(name)
+            items = pop_mark() if n is None else stack[len(stack) - n:] if n else []
+            if n:
+                del stack[len(stack) - n:]
+            stack.append(tuple(items))
+        elif name == "REDUCE":
+            args = stack.pop() if stack else None
+            fn = stack.pop() if stack else None
+            called(fn, args)
+            stack.append(None)
+        elif name == "OBJ":  # MARK cls *args OBJ: cls(*args)
+            items = pop_mark()
+            if items:
+                called(items[0], tuple(items[1:]))
+            stack.append(None)
+        elif name == "POP" and len(stack) == (marks[-1] if marks else 0) and marks:
+            marks.pop()  # the unpickler's POP on an empty frame drops the mark
+        else:  # the generic effect: pop what the opcode takes (down to its MARK), push what it leaves
+            before = [s.name for s in op.stack_before]
+            if "mark" in before:
+                pop_mark()
+                before = before[:before.index("mark")]
+            del stack[max(0, len(stack) - len(before)):]
+            stack.extend([None] * len(op.stack_after))
     return modules
 
 
@@ -156,6 +207,7 @@ def check_request(data: bytes, entries: Iterable[Entry] = NDIF_DESERIALIZATION_M
 
 
 __all__ = [
-    "NDIF_DESERIALIZATION_MODULES", "NDIF_LIST_COMMIT", "NDIF_MECHANISM_COMMIT", "NDIF_REPO", "NDIF_RUNTIME_MODULES",
+    "COMPUTED", "NDIF_DESERIALIZATION_MODULES", "NDIF_LIST_COMMIT", "NDIF_MECHANISM_COMMIT", "NDIF_REPO",
+    "NDIF_RUNTIME_MODULES", "NDIF_UNPICKLING_COMMIT",
     "NotWhitelistedError", "check_request", "module_allowed", "pickled_modules",
 ]

@@ -60,8 +60,9 @@ NNSIGHT_OWN_RUNTIME_IMPORTS: tuple[tuple[str, str], ...] = (
 REDIS_PROTO_MAX_BULK_LEN = 512 * 1024 * 1024
 
 
-def build_model(seed: int = 0, dtype: str = "float32") -> tuple[Any, Any]:
+def build_model(seed: int = 0, dtype: str = "float32", family: str = "llama") -> tuple[Any, Any]:
     """The tiny Llama-3.1-architecture model (GQA, llama3 rope scaling) wrapped by nnsight; nothing attached.
+    ``family``: another of ``helpers.FAMILIES`` instead (the remote probe runs every family through the loopback).
 
     Client and loopback server both build it with this function (the server gets its source).
     """
@@ -71,7 +72,7 @@ def build_model(seed: int = 0, dtype: str = "float32") -> tuple[Any, Any]:
     from helpers import tiny_hf_model, tiny_tokenizer
     from nnsight import TransformersModel
 
-    hf = tiny_hf_model("llama", seed).to(getattr(torch, dtype))
+    hf = tiny_hf_model(family, seed).to(getattr(torch, dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device="cpu"), hf
@@ -95,6 +96,7 @@ class _NotOnServer(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _NotOnServer())
 TESTS, SEED, DTYPE, RULES = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+FAMILY = sys.argv[5]
 sys.path = [p for p in sys.path if p not in ("", os.getcwd())] + [TESTS]  # TESTS: for helpers.py only
 
 import cloudpickle.cloudpickle as cp
@@ -111,7 +113,7 @@ RUNTIME = tuple((n, s, tuple(b)) for n, s, b in RULES["runtime"])
 DESERIALIZATION = tuple((n, s, tuple(b)) for n, s, b in RULES["deserialization"])
 MAX_REQUEST = RULES["max_request_bytes"]
 EXEMPT = tuple(tuple(e) for e in RULES["exempt"])
-model, _ = build_model(SEED, DTYPE)
+model, _ = build_model(SEED, DTYPE, FAMILY)
 baseline_modules = {n for n, _ in model._module.named_modules()}
 resolved = set()          # every module unpickling resolved (find_class, subimport, dynamic_subimport)
 refused = []              # [rule, what, detail]: what the server refused
@@ -323,7 +325,7 @@ class LoopbackServer:
     server's nnsight among them); :func:`loopback` serves it over HTTP.
 
     Args:
-        seed, dtype: the server's model (:func:`build_model`).
+        seed, dtype, family: the server's model (:func:`build_model`).
         max_request_bytes: the queue's limit, default Redis' ``proto-max-bulk-len`` (512 MiB); small in tests.
         runtime, deserialization: the module whitelists, default NDIF's (:data:`NDIF_RUNTIME_MODULES`,
             :data:`NDIF_DESERIALIZATION_MODULES`).
@@ -332,7 +334,7 @@ class LoopbackServer:
 
     def __init__(self, *, seed: int = 0, dtype: str = "float32", max_request_bytes: int = REDIS_PROTO_MAX_BULK_LEN,
                  runtime: tuple = NDIF_RUNTIME_MODULES, deserialization: tuple = NDIF_DESERIALIZATION_MODULES,
-                 nnsight_version: str | None = None) -> None:
+                 nnsight_version: str | None = None, family: str = "llama") -> None:
         script = (SERVER_SCRIPT.replace("BUILD_MODEL", textwrap.dedent(inspect.getsource(build_model)))
                   .replace("MODULE_ALLOWED", textwrap.dedent(inspect.getsource(module_allowed))))
         rules = json.dumps({"runtime": runtime, "deserialization": deserialization,
@@ -340,7 +342,7 @@ class LoopbackServer:
                             "nnsight_version": nnsight_version})
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, for its lifetime
-        self.proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(seed), dtype, rules],
+        self.proc = subprocess.Popen([sys.executable, "-c", script, str(TESTS), str(seed), dtype, rules, family],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      cwd=tempfile.gettempdir(), env=env)
 
