@@ -24,7 +24,9 @@ keys distinct:
 
 * Lorsa head ``h``: ``node_id`` ``A{L}_{h}_{p}``, ``layer`` ``L``, ``feature`` ``-2 - 2·cantor(L, h)``,
   ``jsNodeId`` ``A{L}_{h}-0``;
-* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-1``, ``AE_{L}-{p}``;
+* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-2``, ``AE_{L}-{p}`` (circuit-tracer's frontend keys an error node by
+  ``{layer}_{feature}_{ctx_idx}__err_idx_{n_pos - ctx_idx}``: ``-1``, the MLP error's, gave the Lorsa error and the
+  MLP error of one layer and position one key);
 * bias ``b``: ``B_{b}_0``, ``L`` (``n`` for the final norm / unembedding), ``-3 - 2·b``, ``B_{b}-0``.
 
 A Lorsa head of layer ``L`` shares the row of layer ``L``'s transcoder features (circuit-tracer's
@@ -127,7 +129,7 @@ def _ids(graph: Graph, i: int, n_layers: int, last: int) -> tuple[str, int, str]
     if kind == LORSA:
         return f"A{layer}_{idx}_{pos}", -2 - 2 * _cantor(layer, idx), f"A{layer}_{idx}-0"
     if kind == ATTN_ERROR:
-        return f"AE_{layer}_{pos}", -1, f"AE_{layer}-{pos}"
+        return f"AE_{layer}_{pos}", -2, f"AE_{layer}-{pos}"
     return f"B_{idx}_0", -3 - 2 * idx, f"B_{idx}-0"  # bias
 
 

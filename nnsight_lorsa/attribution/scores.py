@@ -116,7 +116,8 @@ class PruneResult(FieldsRepr):
     (2, k)`` int64 the kept edges ``[targets; sources]`` (between kept nodes, target-major, sources
     ascending: ``16 B`` per kept edge, never ``n²``); ``node_influence: (n,)`` float64 influence on the
     logits; ``cumulative: (n,)`` float64 each node's cumulative-influence rank score (fraction of total
-    influence of nodes at least as influential). :attr:`edge_mask` is the dense ``(n, n)`` bool view."""
+    influence of nodes at least as influential; nodes of equal influence get one score, :func:`cumulative_scores`).
+    :attr:`edge_mask` is the dense ``(n, n)`` bool view."""
 
     node_mask: torch.Tensor
     edge_index: torch.Tensor
@@ -512,10 +513,21 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     infl[:n_cols] = row_influence(rows, ids, lw, n_cols)
     node_mask = (infl >= find_threshold(infl, node_threshold)) | always
     node_mask, edge_index = prune_rows(rows, ids, lw, node_mask, always, kind, float(edge_threshold), n_cols)
+    return PruneResult(node_mask, edge_index, infl, cumulative_scores(infl))
+
+
+def cumulative_scores(infl: Float[torch.Tensor, " n"]) -> Float[torch.Tensor, " n"]:
+    """Each node's cumulative-influence rank score: the share of the total influence held by the nodes at least
+    as influential as it (``Σ_{j: infl_j ≥ infl_i} infl_j / Σ infl``; circuit-tracer's ``prune_graph`` writes the
+    running sum in its sort's order, which gives nodes of equal influence different scores, the first of them one
+    that leaves the others out — here every node of a run of equal influence gets the run's last running sum)."""
     order = infl.sort(descending=True)
+    run = order.values.cumsum(0) / infl.sum().clamp_min(1e-30)
+    _, counts = torch.unique_consecutive(order.values, return_counts=True)
+    ends = counts.cumsum(0) - 1  # the last running sum of each run of equal values, for every member of the run
     cumulative = torch.zeros_like(infl)
-    cumulative[order.indices] = order.values.cumsum(0) / infl.sum().clamp_min(1e-30)
-    return PruneResult(node_mask, edge_index, infl, cumulative)
+    cumulative[order.indices] = run[ends].repeat_interleave(counts)
+    return cumulative
 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
