@@ -54,7 +54,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NonFiniteError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .scores import PruneResult, prune
 
@@ -184,6 +184,8 @@ def to_neuronpedia(
         ConfigMismatchError: (a ``ValueError``) thresholds outside ``[0, 1]``.
         ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
             index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
+        NonFiniteError: a NaN / inf weight on an exported edge, or NaN / inf logit probabilities (strict JSON
+            holds neither).
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
@@ -203,6 +205,12 @@ def to_neuronpedia(
     edges = kept[t] & kept[s]  # the kept edges between kept nodes, in edge_index's (target-major) order
     targets, sources = t[edges], s[edges]
     weights = graph.edge_values(targets, sources).tolist()  # from the causal blocks if kept: no n² matrix
+    bad = [i for i, w in enumerate(weights) if not math.isfinite(w)]
+    if bad or not bool(graph.logit_probs.isfinite().all()):  # strict JSON has neither; no silent null either
+        where = (f"edge {ids[int(sources[bad[0]])]} -> {ids[int(targets[bad[0]])]} = {weights[bad[0]]}" if bad
+                 else f"logit probabilities {graph.logit_probs.tolist()}")
+        raise NonFiniteError(f"to_neuronpedia: the graph holds NaN or inf values ({where}): a graph built by hand? "
+                             "attribute() and Graph.load refuse them", tensor="edges" if bad else "logit_probs")
     links = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights, strict=True)]
     connected = set(targets.tolist()) | set(sources.tolist())

@@ -43,7 +43,7 @@ import torch
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import ArgumentError, ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError
 from .blocks import BlockAdjacency, segments
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 
@@ -76,6 +76,8 @@ def influence_series(
 
     Raises:
         ArgumentError: the series did not terminate (a cycle: malformed adjacency).
+        NonFiniteError: a step's weights went NaN / inf (non-finite entries in the rows: NaN never reaches 0, and the
+            series ran to ``max_iter`` and blamed a cycle).
     """
     feed = propagate if feed is None else feed
     is_col = row_node < n_cols
@@ -86,6 +88,10 @@ def influence_series(
         cur = feed(w)
         w = torch.zeros_like(row_weight, dtype=cur.dtype)
         w[is_col] = cur[cols]
+        if not bool(w.isfinite().all()):
+            raise NonFiniteError("influence: the series' weights went NaN / inf: the adjacency's rows hold non-finite "
+                                 "entries (a graph built by hand? attribute() and Graph.load refuse them)",
+                                 tensor="edges")
         if not bool(w.any()):
             return propagate(total.to(cur.dtype))
         total = total.to(cur.dtype).add_(w)
@@ -406,6 +412,9 @@ def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
     for _, _, score in rows.edge_scores(factor, den, col_mask, row_mask):
         scores[at:at + score.numel()] = score
         at += score.numel()
+    if not bool(scores.isfinite().all()):  # NaN sorts anywhere: the threshold, hence the kept edges, arbitrary
+        raise NonFiniteError("prune: edge scores are NaN / inf: the graph holds non-finite edges among the kept nodes "
+                             "(a graph built by hand? attribute() and Graph.load refuse them)", tensor="edges")
     threshold = find_threshold_(scores, edge_threshold) if scores.numel() else None
     del scores
     feature = (kind == TRANSCODER) | (kind == LORSA)
@@ -498,6 +507,8 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
 
     Raises:
         ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included).
+        NonFiniteError: NaN / inf logit probabilities or edges (a graph built by hand: :func:`.attribute.attribute`
+            and :meth:`.graph.Graph.load` refuse them) — their influence would be NaN, the nodes it reaches dropped.
     """
     for name, v in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
@@ -510,7 +521,14 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     n = graph.n_nodes
     ids, lw = torch.arange(n, device=HOST), logit_weights(graph)
     infl = torch.zeros(n, dtype=torch.float64, device=HOST)
+    if not bool(torch.isfinite(lw).all()):  # NaN influence would rank nowhere: nodes dropped, scores NaN, silently
+        raise NonFiniteError(f"prune: the graph's logit probabilities hold NaN or inf ({graph.logit_probs.tolist()})",
+                             tensor="logit_probs")
     infl[:n_cols] = row_influence(rows, ids, lw, n_cols)
+    if not bool(torch.isfinite(infl).all()):
+        bad = (~torch.isfinite(infl)).nonzero().flatten()
+        raise NonFiniteError(f"prune: the influence of {bad.numel()} node(s) is NaN or inf (e.g. node {int(bad[0])}, "
+                             f"{graph.nodes.label(int(bad[0]))}): the graph holds non-finite edges", tensor="edges")
     node_mask = (infl >= find_threshold(infl, node_threshold)) | always
     node_mask, edge_index = prune_rows(rows, ids, lw, node_mask, always, kind, float(edge_threshold), n_cols)
     return PruneResult(node_mask, edge_index, infl, cumulative_scores(infl))
