@@ -441,3 +441,37 @@ def test_dashboard_contexts_are_the_top_activations_whatever_the_window(llama):
         page = render_dashboard(wide)
         m = re.search(r"<script type='application/json' id='head-data'>(.*?)</script>", page, re.S)
         assert m is not None and json.loads(m.group(1)) == wide
+
+
+def test_exported_qk_tracing_is_the_graphs(llama):
+    """``qk_tracing`` in the export: per traced head, its Lorsa node (at the probe's layer and query position, of the
+    probe's QK group), score and exactness as stored, and the non-zero top pair terms with their query- and key-side
+    nodes by the graph's node ids (``"bias"`` for the ``b_Q`` / ``b_K`` term); a query-side node sits at or before
+    the query position, a key-side one at or before the key position."""
+    from nnsight_lorsa.attribution.export import node_ids
+
+    model, r = llama
+    g = attribute(r, random_ids(1, 6, seed=4)[0], batch_size=64, qk_heads=3)
+    ids = node_ids(g)
+    d = to_neuronpedia(g, prune(g), slug="qk", tokenizer=model.tokenizer)
+    qk = g.qk
+    assert len(d["qk_tracing"]) == qk["probe"].shape[0] > 0
+    group = r.lorsas[1].cfg.group_size
+    n = g.n_nodes
+    pos = g.nodes.pos.tolist()
+    for e, probe, score, err, pi, pv in zip(d["qk_tracing"], qk["probe"].tolist(), qk["score"].tolist(),
+                                            qk["pair_sum_error"].tolist(), qk["pair_index"].tolist(),
+                                            qk["pair_value"].tolist(), strict=True):
+        node, layer, head, q, k = probe
+        assert int(g.nodes.kind[node]) == LORSA and int(g.nodes.layer[node]) == layer == e["layer"]
+        assert int(g.nodes.pos[node]) == q == e["query_pos"] and int(g.nodes.index[node]) // group == head
+        assert e["node_id"] == ids[node] and e["qk_head"] == head and e["key_pos"] == k <= q
+        assert e["score"] == score and e["pair_sum_error"] == err
+        want = [{"query": "bias" if a == n else ids[a] if a >= 0 else None,
+                 "key": "bias" if b == n else ids[b] if b >= 0 else None, "value": v}
+                for (a, b), v in zip(pi, pv, strict=True) if v != 0]
+        assert e["pairs"] == want
+        for (a, b), v in zip(pi, pv, strict=True):
+            if v != 0:
+                assert a == n or a < 0 or pos[a] <= q
+                assert b == n or b < 0 or pos[b] <= k
