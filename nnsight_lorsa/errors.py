@@ -104,7 +104,9 @@ class NonFiniteError(LorsaError, FloatingPointError):
     the logits an attribution starts from were (:func:`~nnsight_lorsa.attribution.attribute`, ``tensor="logits"``),
     or its edge rows (``tensor="edges"``, before anything of the batch is stored, on every storage path: stored
     sparse they would have been dropped from the rows, in the full graph's blocks or a dense matrix kept as NaN edges),
-    or a patching experiment's metric was (:mod:`~nnsight_lorsa.patching`, ``tensor="metric"``).
+    or a patching experiment's metric was (:mod:`~nnsight_lorsa.patching`, ``tensor="metric"``), or a graph's edges or
+    logit probabilities are, where :func:`~nnsight_lorsa.attribution.prune` or the export reads them (a graph built
+    by hand: ``tensor="edges"`` / ``"logit_probs"``).
     The message names the step and the tensor (:attr:`step`, :attr:`tensor`); the trainer holds the state as
     it was before that step (weights, Adam state, dead counters, step), so nothing is lost and a checkpoint on
     disk is the last good one."""

@@ -124,13 +124,14 @@ class TopActivations:
         return self.count.float() / max(self.n_tokens, 1)
 
     def top_heads(self, n: int) -> list[int]:
-        """The ``n`` heads with the largest maximum activation among heads that fired at all.
+        """The ``n`` heads with the largest maximum activation among heads that fired at all (fewer where fewer
+        fired: a head that never did is not listed), best first, heads of equal maximum by index.
 
         Raises:
             ArgumentError: ``n`` not an int ``>= 0``.
         """
         if not is_int(n) or n < 0:
             raise ArgumentError(f"TopActivations.top_heads: n must be an int >= 0, got {n!r}")
-        score = self.values[:, 0].clone()
-        score[self.count == 0] = float("-inf")
-        return score.topk(min(n, score.numel())).indices.tolist()
+        fired = (self.count > 0).nonzero().flatten()
+        order = self.values[fired, 0].argsort(descending=True, stable=True)  # stable: equal maxima by head index
+        return fired[order][:n].tolist()

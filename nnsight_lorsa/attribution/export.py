@@ -24,7 +24,9 @@ keys distinct:
 
 * Lorsa head ``h``: ``node_id`` ``A{L}_{h}_{p}``, ``layer`` ``L``, ``feature`` ``-2 - 2·cantor(L, h)``,
   ``jsNodeId`` ``A{L}_{h}-0``;
-* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-1``, ``AE_{L}-{p}``;
+* Lorsa error: ``AE_{L}_{p}``, ``L``, ``-2``, ``AE_{L}-{p}`` (circuit-tracer's frontend keys an error node by
+  ``{layer}_{feature}_{ctx_idx}__err_idx_{n_pos - ctx_idx}``: ``-1``, the MLP error's, gave the Lorsa error and the
+  MLP error of one layer and position one key);
 * bias ``b``: ``B_{b}_0``, ``L`` (``n`` for the final norm / unembedding), ``-3 - 2·b``, ``B_{b}-0``.
 
 A Lorsa head of layer ``L`` shares the row of layer ``L``'s transcoder features (circuit-tracer's
@@ -52,7 +54,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NonFiniteError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from .scores import PruneResult, prune
 
@@ -127,7 +129,7 @@ def _ids(graph: Graph, i: int, n_layers: int, last: int) -> tuple[str, int, str]
     if kind == LORSA:
         return f"A{layer}_{idx}_{pos}", -2 - 2 * _cantor(layer, idx), f"A{layer}_{idx}-0"
     if kind == ATTN_ERROR:
-        return f"AE_{layer}_{pos}", -1, f"AE_{layer}-{pos}"
+        return f"AE_{layer}_{pos}", -2, f"AE_{layer}-{pos}"
     return f"B_{idx}_0", -3 - 2 * idx, f"B_{idx}-0"  # bias
 
 
@@ -182,6 +184,8 @@ def to_neuronpedia(
         ConfigMismatchError: (a ``ValueError``) thresholds outside ``[0, 1]``.
         ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
             index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
+        NonFiniteError: a NaN / inf weight on an exported edge, or NaN / inf logit probabilities (strict JSON
+            holds neither).
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
@@ -201,6 +205,12 @@ def to_neuronpedia(
     edges = kept[t] & kept[s]  # the kept edges between kept nodes, in edge_index's (target-major) order
     targets, sources = t[edges], s[edges]
     weights = graph.edge_values(targets, sources).tolist()  # from the causal blocks if kept: no n² matrix
+    bad = [i for i, w in enumerate(weights) if not math.isfinite(w)]
+    if bad or not bool(graph.logit_probs.isfinite().all()):  # strict JSON has neither; no silent null either
+        where = (f"edge {ids[int(sources[bad[0]])]} -> {ids[int(targets[bad[0]])]} = {weights[bad[0]]}" if bad
+                 else f"logit probabilities {graph.logit_probs.tolist()}")
+        raise NonFiniteError(f"to_neuronpedia: the graph holds NaN or inf values ({where}): a graph built by hand? "
+                             "attribute() and Graph.load refuse them", tensor="edges" if bad else "logit_probs")
     links = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights, strict=True)]
     connected = set(targets.tolist()) | set(sources.tolist())

@@ -43,7 +43,7 @@ import torch
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import ArgumentError, ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError
 from .blocks import BlockAdjacency, segments
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 
@@ -76,6 +76,8 @@ def influence_series(
 
     Raises:
         ArgumentError: the series did not terminate (a cycle: malformed adjacency).
+        NonFiniteError: a step's weights went NaN / inf (non-finite entries in the rows: NaN never reaches 0, and the
+            series ran to ``max_iter`` and blamed a cycle).
     """
     feed = propagate if feed is None else feed
     is_col = row_node < n_cols
@@ -86,6 +88,10 @@ def influence_series(
         cur = feed(w)
         w = torch.zeros_like(row_weight, dtype=cur.dtype)
         w[is_col] = cur[cols]
+        if not bool(w.isfinite().all()):
+            raise NonFiniteError("influence: the series' weights went NaN / inf: the adjacency's rows hold non-finite "
+                                 "entries (a graph built by hand? attribute() and Graph.load refuse them)",
+                                 tensor="edges")
         if not bool(w.any()):
             return propagate(total.to(cur.dtype))
         total = total.to(cur.dtype).add_(w)
@@ -116,7 +122,8 @@ class PruneResult(FieldsRepr):
     (2, k)`` int64 the kept edges ``[targets; sources]`` (between kept nodes, target-major, sources
     ascending: ``16 B`` per kept edge, never ``n²``); ``node_influence: (n,)`` float64 influence on the
     logits; ``cumulative: (n,)`` float64 each node's cumulative-influence rank score (fraction of total
-    influence of nodes at least as influential). :attr:`edge_mask` is the dense ``(n, n)`` bool view."""
+    influence of nodes at least as influential; nodes of equal influence get one score, :func:`cumulative_scores`).
+    :attr:`edge_mask` is the dense ``(n, n)`` bool view."""
 
     node_mask: torch.Tensor
     edge_index: torch.Tensor
@@ -405,6 +412,9 @@ def prune_rows(rows: PrunableRows, row_node: Int[torch.Tensor, " n_rows"],
     for _, _, score in rows.edge_scores(factor, den, col_mask, row_mask):
         scores[at:at + score.numel()] = score
         at += score.numel()
+    if not bool(scores.isfinite().all()):  # NaN sorts anywhere: the threshold, hence the kept edges, arbitrary
+        raise NonFiniteError("prune: edge scores are NaN / inf: the graph holds non-finite edges among the kept nodes "
+                             "(a graph built by hand? attribute() and Graph.load refuse them)", tensor="edges")
     threshold = find_threshold_(scores, edge_threshold) if scores.numel() else None
     del scores
     feature = (kind == TRANSCODER) | (kind == LORSA)
@@ -497,6 +507,8 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
 
     Raises:
         ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included).
+        NonFiniteError: NaN / inf logit probabilities or edges (a graph built by hand: :func:`.attribute.attribute`
+            and :meth:`.graph.Graph.load` refuse them) — their influence would be NaN, the nodes it reaches dropped.
     """
     for name, v in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
@@ -509,13 +521,31 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
     n = graph.n_nodes
     ids, lw = torch.arange(n, device=HOST), logit_weights(graph)
     infl = torch.zeros(n, dtype=torch.float64, device=HOST)
+    if not bool(torch.isfinite(lw).all()):  # NaN influence would rank nowhere: nodes dropped, scores NaN, silently
+        raise NonFiniteError(f"prune: the graph's logit probabilities hold NaN or inf ({graph.logit_probs.tolist()})",
+                             tensor="logit_probs")
     infl[:n_cols] = row_influence(rows, ids, lw, n_cols)
+    if not bool(torch.isfinite(infl).all()):
+        bad = (~torch.isfinite(infl)).nonzero().flatten()
+        raise NonFiniteError(f"prune: the influence of {bad.numel()} node(s) is NaN or inf (e.g. node {int(bad[0])}, "
+                             f"{graph.nodes.label(int(bad[0]))}): the graph holds non-finite edges", tensor="edges")
     node_mask = (infl >= find_threshold(infl, node_threshold)) | always
     node_mask, edge_index = prune_rows(rows, ids, lw, node_mask, always, kind, float(edge_threshold), n_cols)
+    return PruneResult(node_mask, edge_index, infl, cumulative_scores(infl))
+
+
+def cumulative_scores(infl: Float[torch.Tensor, " n"]) -> Float[torch.Tensor, " n"]:
+    """Each node's cumulative-influence rank score: the share of the total influence held by the nodes at least
+    as influential as it (``Σ_{j: infl_j ≥ infl_i} infl_j / Σ infl``; circuit-tracer's ``prune_graph`` writes the
+    running sum in its sort's order, which gives nodes of equal influence different scores, the first of them one
+    that leaves the others out — here every node of a run of equal influence gets the run's last running sum)."""
     order = infl.sort(descending=True)
+    run = order.values.cumsum(0) / infl.sum().clamp_min(1e-30)
+    _, counts = torch.unique_consecutive(order.values, return_counts=True)
+    ends = counts.cumsum(0) - 1  # the last running sum of each run of equal values, for every member of the run
     cumulative = torch.zeros_like(infl)
-    cumulative[order.indices] = order.values.cumsum(0) / infl.sum().clamp_min(1e-30)
-    return PruneResult(node_mask, edge_index, infl, cumulative)
+    cumulative[order.indices] = run[ends].repeat_interleave(counts)
+    return cumulative
 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
