@@ -456,6 +456,16 @@ def attribution_setup(family):
     return model, hf, lorsas, make_transcoders((0, 2), skip_layer=2)
 
 
+def attribution_replacement_on(device: str):
+    """:func:`attribution_setup`'s tiny Llama with its Lorsa and transcoders moved to ``device``, as a replacement
+    bundle (:func:`rm`)."""
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    hf.to(device)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(device)
+    return rm(model, lorsas, tcs)
+
+
 def check_resume_bit_exact(make, source, ckpt: Path, check_resumed=None):
     """Train ``make()`` 6 steps straight, and 3 steps + checkpoint + :meth:`Trainer.resume` + 3 more:
     the two runs must end bit-equal (state dict, dead counters, last history entry). ``check_resumed(

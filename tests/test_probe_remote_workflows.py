@@ -41,19 +41,23 @@ paths = {"attn0": adapter.attention_path(0), "layer": {L: adapter.layer_path(L) 
 bundles = {e: for_remote(ReplacementModel(model, lorsas=lorsas, error=e)) for e in (False, True)}
 
 
+def edited_head(target, kind, alpha, pos):
+    """Apply the drawn edit (``ablate`` / ``scale`` / ``steer``, or none) to ``target`` in a trace; its read value."""
+    if kind == "ablate":
+        ablate(target, positions=pos)
+    elif kind == "scale":
+        scale(target, alpha, positions=pos)
+    elif kind == "steer":
+        steer(target, alpha, positions=pos)
+    return read(target)
+
+
 def one(r, ids, layer, head, kind, alpha, pos, remote):
     with model.trace(ids, remote=remote):
         r.prepare([LorsaHead(layer, head)])
         before = nnsight.save(model.get(paths["attn0"]).output[0])             # an internal before the splice
         x = nnsight.save(model.get(paths["layer"][layer]).input)               # the spliced layer's input
-        target = r(LorsaHead(layer, head))
-        if kind == "ablate":
-            ablate(target, positions=pos)
-        elif kind == "scale":
-            scale(target, alpha, positions=pos)
-        elif kind == "steer":
-            steer(target, alpha, positions=pos)
-        z = read(target)
+        z = edited_head(r(LorsaHead(layer, head)), kind, alpha, pos)
         after = nnsight.save(model.get(paths["mlp"][layer]).output)            # an internal after it
         logits = nnsight.save(model.lm_head.output)
     return {"before": before, "x": x, "z": z, "after": after, "logits": logits}
@@ -65,14 +69,7 @@ def two(r, ids, layer, head, kind, alpha, pos, remote):   # a session: two trace
             clean = nnsight.save(model.lm_head.output)
         with model.trace(ids):
             r.prepare([LorsaHead(layer, head)])
-            target = r(LorsaHead(layer, head))
-            if kind == "ablate":
-                ablate(target, positions=pos)
-            elif kind == "scale":
-                scale(target, alpha, positions=pos)
-            elif kind == "steer":
-                steer(target, alpha, positions=pos)
-            z = read(target)
+            z = edited_head(r(LorsaHead(layer, head)), kind, alpha, pos)
             edited = nnsight.save(model.lm_head.output)
     return {"clean": clean, "z": z, "edited": edited}
 

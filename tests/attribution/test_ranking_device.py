@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import DEVICES, attribution_setup, random_ids, rm
+from helpers import DEVICES, attribution_replacement_on, random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,11 +94,7 @@ def test_a_budgeted_graph_ranked_on_the_device_is_the_host_ranked_graph(device, 
     """``attribute`` with a feature budget whose every ranking pass runs per row on the device (on the CPU: on
     ``cpu:0``) gives the graph of the host's pass bit for bit — the same feature rows, the same edges — and the
     estimate on a device counts the pass's bytes."""
-    model, hf, lorsas, tcs = attribution_setup("llama")
-    hf.to(device)
-    for m in [*lorsas.values(), *tcs.values()]:
-        m.to(device)
-    rep = rm(model, lorsas, tcs)
+    rep = attribution_replacement_on(device)
     ids = random_ids(1, 10, seed=3)[0]
     kw = {"batch_size": 3, "max_feature_nodes": 12}
     host = attribute(rep, ids, **kw)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import DEVICES, attribution_setup, random_ids, rm
+from helpers import DEVICES, attribution_replacement_on, random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,11 +136,7 @@ def test_a_budgeted_graph_ranked_on_kept_rows_is_the_host_ranked_graph(device, m
     ``cpu:0``; with ``max_memory`` on the CPU, the host's budget, so that the plan has a slack) gives the graph of the
     host's pass bit for bit, says what it kept (``meta["ranking_mirror_bytes"]``, > 0, within the plan's
     ``ranking_mirror``) and frees it; ``estimate_memory`` counts the plan's copy in ``device_bytes``."""
-    model, hf, lorsas, tcs = attribution_setup("llama")
-    hf.to(device)
-    for m in [*lorsas.values(), *tcs.values()]:
-        m.to(device)
-    rep = rm(model, lorsas, tcs)
+    rep = attribution_replacement_on(device)
     ids = random_ids(1, 10, seed=3)[0]
     kw = {"batch_size": 3, "max_feature_nodes": 12}
     monkeypatch.setattr(ROWS, "DEVICE_ROW_ENTRIES", 1)
