@@ -41,14 +41,19 @@ paths = {"attn0": adapter.attention_path(0), "layer": {L: adapter.layer_path(L) 
 bundles = {e: for_remote(ReplacementModel(model, lorsas=lorsas, error=e)) for e in (False, True)}
 
 
-def edited_head(target, kind, alpha, pos):
-    """Apply the drawn edit (``ablate`` / ``scale`` / ``steer``, or none) to ``target`` in a trace; its read value."""
+def edit(target, kind, alpha, pos):
+    """Apply the drawn edit (``ablate`` / ``scale`` / ``steer``, or none) to ``target`` in a trace."""
     if kind == "ablate":
         ablate(target, positions=pos)
     elif kind == "scale":
         scale(target, alpha, positions=pos)
     elif kind == "steer":
         steer(target, alpha, positions=pos)
+
+
+def edited_head(target, kind, alpha, pos):
+    """:func:`edit`, then the target's read value."""
+    edit(target, kind, alpha, pos)
     return read(target)
 
 
@@ -77,13 +82,7 @@ def two(r, ids, layer, head, kind, alpha, pos, remote):   # a session: two trace
 def gen(r, ids, layer, head, kind, alpha, pos, remote, steps=2):   # the body's edit as nnsight's generate applies it
     with model.generate(ids, max_new_tokens=steps, do_sample=False, remote=remote) as tracer:
         r.prepare([LorsaHead(layer, head)])
-        target = r(LorsaHead(layer, head))
-        if kind == "ablate":
-            ablate(target, positions=pos)
-        elif kind == "scale":
-            scale(target, alpha, positions=pos)
-        elif kind == "steer":
-            steer(target, alpha, positions=pos)
+        edit(r(LorsaHead(layer, head)), kind, alpha, pos)
         tokens = nnsight.save(tracer.result)
     return {"tokens": tokens}
 
