@@ -26,13 +26,23 @@ from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, Transcoder
 from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.errors import ArgumentError
 
-FAMILIES = ("llama", "qwen3", "gpt2")
+FAMILIES = ("llama", "qwen3", "gpt2", "gemma2", "neox")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 #: the hook points in the order the model computes them (an edit in a trace body must follow it)
 HOOKS = ("s.hook_sae_acts_pre", "s.hook_sae_acts_post", "s.hook_sae_recons", "s.hook_error",
          "l.hook_q", "l.hook_k", "l.hook_v", "l.hook_z_pre", "l.hook_z", "l.hook_out", "l.hook_error",
          "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_sae_recons", "t.hook_error")
 LORSA_LAYER, TC_LAYER, SAE_LAYER = 1, 2, 0
+
+
+def generated(examples: int, sweep: int, **strategies):
+    """A hypothesis test with ``examples`` cases by default, and its sweep ``test_sweep_<name>`` (``slow``) with
+    ``sweep`` cases."""
+    def wrap(fn):
+        name = fn.__name__.replace("test_", "test_sweep_", 1)
+        globals()[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
+        return settings(max_examples=examples, **SETTINGS)(given(**strategies)(fn))
+    return wrap
 
 
 @functools.cache
@@ -229,8 +239,7 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> bool:
 
 
 # -------------------------------------------------------------------- reads
-@settings(max_examples=30, **SETTINGS)
-@given(family=st.sampled_from(FAMILIES), batch=st.integers(1, 3), length=st.integers(2, 9),
+@generated(30, 400, family=st.sampled_from(FAMILIES), batch=st.integers(1, 3), length=st.integers(2, 9),
        pads=st.lists(st.integers(0, 3), min_size=3, max_size=3), error=st.booleans(), seed=st.integers(0, 99))
 def test_every_internal_read_in_a_trace_is_the_modules_own_value(family, batch, length, pads, error, seed):
     """Reads of every hook point of three replacement sets on a (left-padded) batch = the module's weights applied to
@@ -268,9 +277,8 @@ def test_every_internal_read_in_a_trace_is_the_modules_own_value(family, batch, 
 
 
 # -------------------------------------------------------------------- edits
-@settings(max_examples=80, **SETTINGS)
-@given(data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 3), length=st.integers(2, 8),
-       error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
+@generated(80, 1500, data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 3),
+           length=st.integers(2, 8), error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
 def test_drawn_edits_on_three_sets_equal_the_same_edits_by_hand(data, family, batch, length, error, order, seed):
     """An SAE on layer 0's output, a Lorsa on layer 1 and a transcoder on layer 2's MLP declared in any order, 1-4
     drawn edits at any of their hook points (queries, keys, values, pre-activations, features, outputs, error
@@ -283,8 +291,7 @@ def test_drawn_edits_on_three_sets_equal_the_same_edits_by_hand(data, family, ba
     assert close(logits, want), (edits, float((logits - want).abs().max()))
 
 
-@settings(max_examples=40, **SETTINGS)
-@given(data=st.data(), family=st.sampled_from(FAMILIES), error=st.booleans(),
+@generated(40, 600, data=st.data(), family=st.sampled_from(FAMILIES), error=st.booleans(),
        invokes=st.lists(st.tuples(st.integers(2, 7), st.text("lts", max_size=3).map(lambda s: "".join(sorted(set(s))))),
                         min_size=1, max_size=3), seed=st.integers(0, 99))
 def test_drawn_edits_per_invoke_stay_in_their_rows(data, family, error, invokes, seed):
@@ -317,8 +324,7 @@ GENERATE_HOOKS = ("s.hook_sae_acts_post", "s.hook_error", "l.hook_k", "l.hook_v"
                   "l.hook_error", "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_error")
 
 
-@settings(max_examples=20, **SETTINGS)
-@given(data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 2), length=st.integers(2, 6),
+@generated(20, 300, data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 2), length=st.integers(2, 6),
        error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
 def test_drawn_edits_at_chosen_generation_steps_equal_full_sequence_edits(data, family, batch, length, error, order,
                                                                        seed):
@@ -537,16 +543,3 @@ def test_an_sae_spliced_after_the_replacement_at_its_site_reconstructs_its_outpu
         plain = nnsight.save(unembed(w.model).output)
     assert not close(zeroed, plain, 1e-4)
 
-
-# ------------------------------------------------------------------ sweeps
-SWEEPS = [(test_every_internal_read_in_a_trace_is_the_modules_own_value, 400),
-          (test_drawn_edits_on_three_sets_equal_the_same_edits_by_hand, 1500),
-          (test_drawn_edits_per_invoke_stay_in_their_rows, 600),
-          (test_drawn_edits_at_chosen_generation_steps_equal_full_sequence_edits, 300)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("test, examples", SWEEPS, ids=[t.__name__ for t, _ in SWEEPS])
-def test_sweep(test, examples):
-    """The generated tests above with many more examples (docs/reliability.md gives the counts and the time)."""
-    settings(max_examples=examples, **SETTINGS)(test)()
