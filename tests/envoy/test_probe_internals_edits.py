@@ -33,6 +33,8 @@ HOOKS = ("s.hook_sae_acts_pre", "s.hook_sae_acts_post", "s.hook_sae_recons", "s.
          "l.hook_q", "l.hook_k", "l.hook_v", "l.hook_z_pre", "l.hook_z", "l.hook_out", "l.hook_error",
          "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_sae_recons", "t.hook_error")
 LORSA_LAYER, TC_LAYER, SAE_LAYER = 1, 2, 0
+#: what the site-edit tests add at one position: not a constant vector, which a LayerNorm (GPT-2, GPT-NeoX) removes
+RAMP = torch.linspace(-1.0, 2.0, 64)
 
 
 def generated(examples: int, sweep: int, **strategies):
@@ -116,13 +118,18 @@ def edit_lists(draw, sets: str, error: bool, length: int, hooks=HOOKS, w=None) -
 # -------------------------------------------------------------- reference
 def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: bool, sets: str = "lts",
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                     capture: dict | None = None) -> torch.Tensor:
+                     capture: dict | None = None, site_edits: dict | None = None) -> torch.Tensor:
     """The logits (the unembedding's output) of the plain HF model with the replacements in ``sets`` and ``edits``
     applied by hand in forward hooks: the error term ``true − clean`` of the unedited replacement added back with
     ``error``. ``capture`` receives every internal of the replacements (unedited values as the module computes them
-    and the edited ones the trace's hooks carry)."""
+    and the edited ones the trace's hooks carry). ``site_edits``: ``{kind: fn}`` applied to what the site of ``kind``
+    returns (after its replacement; a copy), ``{"l.in": fn}`` to the attention's input before it runs."""
     a, lorsa, hf = w.adapter, w.lorsa, w.hf
     cap = capture if capture is not None else {}
+    after = site_edits or {}
+
+    def then(kind: str, value: torch.Tensor) -> torch.Tensor:
+        return after[kind](value.clone()) if kind in after else value
 
     def lorsa_hook(module, args, kwargs, output):
         x = a.attention_input(args, kwargs)
@@ -143,7 +150,7 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
             e = true - clean
             cap["l.hook_error"] = edited(e, edits, "l.hook_error")
             out = true + (out - clean) + (cap["l.hook_error"] - e)
-        return a.with_attention_output(output, out)
+        return a.with_attention_output(output, then("l", out))
 
     def coder_hook(coder, key, read_input, get, put):
         def hook(module, args, kwargs, output):
@@ -166,7 +173,7 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
                 e = true - clean
                 cap[f"{key}.hook_error"] = edited(e, edits, f"{key}.hook_error")
                 out = true + (out - clean) + (cap[f"{key}.hook_error"] - e)
-            return put(output, out)
+            return put(output, then(key, out))
         return hook
 
     def first(output):
@@ -179,6 +186,12 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
     if "s" in sets:
         handles.append(a.get_module(hf, w.sae_site).register_forward_hook(
             coder_hook(w.sae, "s", lambda args, kwargs, true: true, first, with_first), with_kwargs=True))
+    if "l.in" in after:
+        def edit_input(module, args, kwargs):
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": then("l.in", kwargs["hidden_states"])}
+            return (then("l.in", args[0]), *args[1:]), kwargs
+        handles.append(a.attention_module(hf, LORSA_LAYER).register_forward_pre_hook(edit_input, with_kwargs=True))
     if "l" in sets:
         handles.append(a.attention_module(hf, LORSA_LAYER).register_forward_hook(lorsa_hook, with_kwargs=True))
     if "t" in sets:
@@ -388,6 +401,38 @@ def test_traces_with_edits_leave_the_model_and_the_modules_bit_identical():
     assert torch.equal(first, again)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("error", [False, True])
+@pytest.mark.parametrize("where", ["s", "l.in", "l", "t"])
+def test_an_edit_of_a_replaced_sites_own_input_or_output_acts_on_the_replacement(family, where, error):
+    """After ``replace``, an edit of the site's own output (the SAE's decoder layer, the Lorsa's attention, the
+    transcoder's MLP) acts on what the replacement returns there (with its error term), and one of the attention's
+    input reaches both the MHSA and the Lorsa (docs/nnsight.md, "Rules of the road")."""
+    w = world(family)
+    a, ids = w.adapter, random_ids(2, 6, seed=1)
+    path = {"s": w.sae_site, "l.in": a.attention_path(LORSA_LAYER), "l": a.attention_path(LORSA_LAYER),
+            "t": a.mlp_path(TC_LAYER)}[where]
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        x[:, 2] += RAMP
+        return x
+
+    with torch.no_grad(), w.model.trace(ids):
+        for kind in "lts":
+            splice(w, kind, error)
+        envoy = w.model.get(path)
+        if where == "l.in":
+            args, kwargs = envoy.inputs
+            bump(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+        else:
+            out = envoy.output
+            bump(out[0] if isinstance(out, tuple) else out)
+        logits = nnsight.save(unembed(w.model).output)
+    want = reference_logits(w, ids, [], error, site_edits={where: bump})
+    assert close(logits, want), float((logits - want).abs().max())
+    assert not close(want, reference_logits(w, ids, [], error), 1e-4)  # the edit moves the logits
+
+
 # ---------------------------------------------------------- found and fixed
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("assign", [False, True])
@@ -395,23 +440,23 @@ def test_an_edit_of_an_sae_input_changes_the_output_by_the_saes_change_only(fami
     """With ``error=True`` an SAE's input is the site's own output: the model gets ``x + SAE(x') − SAE(x)`` for an
     edit ``x → x'`` of it, in place or assigned (the error term holds ``x − SAE(x)``, as a Lorsa's or a transcoder's
     holds the site's output whatever their inputs' edits). Before, an in-place edit (``sae.input[:, 2] += 1``)
-    reached the error term's true output too: ``x' + SAE(x') − SAE(x)``, 0.2 off the assigned edit's logits."""
+    reached the error term's true output too: ``x' + SAE(x') − SAE(x)``, 0.18 – 1.0 off the assigned edit's logits."""
     w = world(family)
     ids = random_ids(2, 6, seed=3)
     with torch.no_grad(), w.model.trace(ids):
         site = splice(w, "s", True)
         if assign:
             x = site.input.clone()
-            x[:, 2, :] += 1.0
+            x[:, 2, :] += RAMP
             site.input = x
         else:
-            site.input[:, 2, :] += 1.0
+            site.input[:, 2, :] += RAMP
         logits = nnsight.save(unembed(w.model).output)
 
     def hook(module, args, kwargs, output):
         true = output[0] if isinstance(output, tuple) else output
         moved = true.clone()
-        moved[:, 2, :] += 1.0
+        moved[:, 2, :] += RAMP
         new = true + w.sae(moved) - w.sae(true)
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
