@@ -474,21 +474,18 @@ def _check_not_lost(interleaver: Any, this: Any, chain: SpliceChain, module: nn.
 def _lost_outputs(first: tuple, second: tuple) -> list[tuple[tuple, tuple, bool]]:
     """``[(lost, over, same_site)]`` for two splices ``(chain, module, error)``, ``first`` swapping before ``second``
     at a site they share: the one whose output the other (reading no site output, without an error term) overwrites
-    unread — at the same site (spliced before it), at a module inside one of its sites, or at (or inside) a module
-    whose input it reads in place of its site's (``input_paths``: the pre-MLP norm of a ``hook_resid_mid``
-    transcoder, the MLP of one replacing Gemma's post-MLP norm; their outputs feed only the replaced site)."""
+    unread — at the same site (spliced before it) or at a module inside one of its sites. (A module whose input the
+    other reads in place of its site's, ``input_paths``, is left alone: its output is the site's own input, which the
+    other may be meant to bypass — a ``hook_resid_mid`` transcoder beside an SAE on the pre-MLP norm.)"""
     found = []
     for lost, over in ((first, second), (second, first)):
         over_chain, _, over_error = over
         if over_chain.reads_output or over_error:
             continue
-        inputs = over_chain.input_paths or over_chain.site_paths
-        fed = [r for r, p in zip(inputs, over_chain.site_paths, strict=True) if r != p]
         for q in lost[0].site_paths:
             for p in over_chain.site_paths:
                 if q.startswith(p + ".") or (q == p and over is second):
                     found.append((lost, over, q == p))
-            found.extend((lost, over, False) for r in fed if q == r or q.startswith(r + "."))
     return found[:1]
 
 
