@@ -109,6 +109,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             get_output=site_output,
             set_output=with_site_output,
             error_hook=lambda module, i: module.get_submodule("hook_error"),
+            reads_output=True,
         )
 
     def replace(self, site: Any = None, *, error: bool = False) -> Any:  # checked by replace_keys

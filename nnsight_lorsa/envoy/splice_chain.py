@@ -69,6 +69,7 @@ from .nnsight_internals import (
     find_worker,
     invoke_rows,
     is_instrumented,
+    is_splice,
     park_or_end,
     pinned_step,
     ran_since_start,
@@ -187,6 +188,19 @@ class InvokeRows:
         elif not self.covers(group):
             self.groups.append(group)
 
+    def overlaps(self, other: InvokeRows) -> bool:
+        """Whether some row is replaced by both (``all`` overlaps everything, an empty set nothing)."""
+        if self.all or other.all:
+            return bool(self.all or self.groups) and bool(other.all or other.groups)
+        return any(s < t + m and t < s + n for s, n in self.groups for t, m in other.groups)
+
+    def with_group(self, group: tuple[int, int] | None) -> InvokeRows:
+        """A copy with the rows of ``group`` added."""
+        out = InvokeRows()
+        out.all, out.groups = self.all, list(self.groups)
+        out.add(group)
+        return out
+
     def index(self, total: int | None, device: torch.device) -> torch.Tensor | None:
         """The replaced rows as an int64 index on ``device``, None when that is every row of the ``total``."""
         if self.all or total is None:
@@ -225,6 +239,10 @@ class SpliceChain(FieldsRepr):
             receives instead of the site's own — a module the model runs after the previous site's and before this
             one's output (a transcoder reading ``hook_resid_mid`` or GemmaScope's ``ln2.hook_normalized``: the pre-MLP
             norm, whose input is the residual before the norm). None: each site's own inputs.
+        reads_output: the step hands the site's own output to the module (an SAE reconstructs it); False: the step
+            computes from the site's inputs only (a Lorsa, a transcoder, a CLT) and so, without an error term,
+            overwrites the site's output unread — :func:`splice_chain` refuses to splice such a chain where another
+            replacement's output at the same site (spliced before it) or at a module inside the site would be lost.
     """
 
     site_paths: tuple[str, ...]
@@ -236,6 +254,7 @@ class SpliceChain(FieldsRepr):
     error_hook: Callable[[nn.Module, int], nn.Module]
     check_call: Callable[[tuple, dict], None] | None = None
     input_paths: tuple[str, ...] | None = None
+    reads_output: bool = False
 
 
 def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: bool = False) -> Any:
@@ -256,7 +275,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
 
     Raises:
         TraceOrderError: called outside a trace.
-        ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag.
+        ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag; or its output
+            or another splice's would never reach the model (:func:`_check_not_lost`: a chain that does not read its
+            site's output, without an error term, spliced after another one at the same site or around one inside
+            its site's module, for rows they share).
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass (for the caller's rows, when
             another invoke spliced the chain first), or the parent already has a child module or envoy named
@@ -298,11 +320,13 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         rows: InvokeRows = existing.rows
         if not rows.covers(group):  # a further invoke: its rows too, if the model has not run the sites yet
             _check_not_started(me, chain, sites, f" for {describe_rows(group)}", readers)
+            _check_not_lost(interleaver, existing, chain, module, error, rows.with_group(group))
             rows.add(group)
         return getattr(parent, chain.attach_name)
     _check_not_started(me, chain, sites, "", readers)
     rows = InvokeRows()
     rows.add(group)
+    _check_not_lost(interleaver, None, chain, module, error, rows)
     # undoes the attachment (and nnsight's instrumentation, unless the module had it before)
     undo = partial(detach, parent, chain.attach_name, module, is_instrumented(module))
     envoy = attach(parent, chain.attach_name, module)
@@ -356,6 +380,7 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 "every invoke, or once in an empty tracer.invoke()")
         diverged = diverged or (error and bool(waiting))
         clean_out = None
+        true_kept = true_out
         try:
             with resident(module, true_out.device):  # an offloaded module: on the site's device for this step only
                 # two passes: one encoder matmul (of a sparse coder, on the same unedited input) for both
@@ -364,6 +389,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                     if diverged:
                         clean_out = stood_down(interleaver, partial(chain.step, module, i, args, kwargs, true_out,
                                                                     clean))
+                    if error and diverged and chain.reads_output:
+                        # the module's input is the site's output itself: an edit of it in place (``sae.input[...] +=``)
+                        # must reach the module, not the error term's true output (an assigned one never does)
+                        true_kept = true_out.clone()
                     out = chain.step(module, i, args, kwargs, true_out, live)  # observed by the trace
                 finally:
                     if shared:
@@ -383,22 +412,81 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 clean.clear()
                 clean.update(live)
                 clean_out = out
-            out = with_error(true_out, out, clean_out, chain.error_hook(module, i), what + " with its error term",
+            out = with_error(true_kept, out, clean_out, chain.error_hook(module, i), what + " with its error term",
                              edited=diverged, rows=idx)  # not diverged: nothing could edit, the sum is true_out
         else:
             out = to_site(pick(out), pick(true_out), what)
         if idx is not None:  # the other invokes' rows: the site's own output, bit for bit
-            out = true_out.index_copy(0, idx, out)
+            out = true_kept.index_copy(0, idx, out)
         site.output = chain.set_output(original, out)
         return diverged
 
     try:
+        earlier = frozenset(m.tag for m in interleaver.mediators if is_splice(m) and m.alive)
         worker = spawn_worker(interleaver, body, tag)
-        worker.spec, worker.rows = (module, error), rows
+        # what _check_not_lost reads: the splices declared before this one (at one site they swap first)
+        worker.spec, worker.rows, worker.chain, worker.earlier = (module, error), rows, chain, earlier
     except BaseException:
         undo()
         raise
     return envoy
+
+
+def _check_not_lost(interleaver: Any, this: Any, chain: SpliceChain, module: nn.Module, error: bool,
+                    rows: InvokeRows) -> None:
+    """Refuse a splice (``chain`` with ``module``; ``this``: its worker when it exists already and gains ``rows``) that,
+    together with another splice of the trace on rows both replace, would make one replacement's output never reach
+    the model: a chain that does not read its site's output (a Lorsa, a transcoder, a CLT), without an error term,
+    overwrites that output unread — so a replacement spliced before it at the same site (they swap in the order they
+    were spliced) and one at a module inside its site (run before the site returns) are computed, served to the trace
+    and editable for nothing. Spliced the other way round at one site, or with an error term (which then carries the
+    other's output), both reach the model. Nothing is read: the check runs on the host at ``replace()``.
+
+    Raises:
+        ArgumentError: names both replacements, their sites and the ways out.
+    """
+    tag = None if this is None else this.tag
+    for other in interleaver.mediators:
+        if not is_splice(other) or not other.alive or other.tag == tag or not hasattr(other, "chain"):
+            continue
+        if not other.rows.overlaps(rows):
+            continue
+        other_module, other_error = other.spec
+        # ``first`` swaps before ``second`` at a site they share
+        this_first = this is not None and this.tag in other.earlier
+        mine = (chain, module, error)
+        theirs = (other.chain, other_module, other_error)
+        first, second = (mine, theirs) if this_first else (theirs, mine)
+        for lost, over, same in _lost_outputs(first, second):
+            lost_chain, lost_module, _ = lost
+            over_chain, over_module, _ = over
+            lost_name, over_name = type(lost_module).__name__, type(over_module).__name__
+            hint = (f"splice the {over_name} first (an {lost_name} spliced after it at that site reconstructs its "
+                    "output: ReplacementModel.replace's order), " if same and lost_chain.reads_output else "")
+            raise ArgumentError(
+                f"the {lost_name} at {lost_chain.site_paths[0]} would never reach the model: the {over_name} at "
+                f"{over_chain.site_paths[0]} replaces {'that same output' if same else 'what it feeds'} from its own "
+                f"inputs, without an error term, for rows both replace, so the {lost_name} would be computed, read "
+                f"and edited for nothing. To keep both, {hint}pass error=True to the {over_name} (its error term then "
+                f"carries the {lost_name}'s output), or splice them in separate traces or invokes")
+
+
+def _lost_outputs(first: tuple, second: tuple) -> list[tuple[tuple, tuple, bool]]:
+    """``[(lost, over, same_site)]`` for two splices ``(chain, module, error)``, ``first`` swapping before ``second``
+    at a site they share: the one whose output the other (reading no site output, without an error term) overwrites
+    unread — at the same site (spliced before it) or at a module inside one of its sites. (A module whose input the
+    other reads in place of its site's, ``input_paths``, is left alone: its output is the site's own input, which the
+    other may be meant to bypass — a ``hook_resid_mid`` transcoder beside an SAE on the pre-MLP norm.)"""
+    found = []
+    for lost, over in ((first, second), (second, first)):
+        over_chain, _, over_error = over
+        if over_chain.reads_output or over_error:
+            continue
+        for q in lost[0].site_paths:
+            for p in over_chain.site_paths:
+                if q.startswith(p + ".") or (q == p and over is second):
+                    found.append((lost, over, q == p))
+    return found[:1]
 
 
 def _check_not_started(me: Any, chain: SpliceChain, sites: list, whom: str, readers: list) -> None:
