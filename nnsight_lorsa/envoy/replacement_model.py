@@ -35,6 +35,7 @@ from .nnsight_internals import check_one_thread, hf_module
 from .padding import arm_padding_check
 from .replacement_set import ReplacementSet, check_flag
 from .sae_set import SAESet
+from .splice_chain import refuse_discarded_edit
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index
 from .transcoder_set import TranscoderSet
 
@@ -292,6 +293,18 @@ class ReplacementModel:
 
     def _set(self, target: LorsaHead | Feature) -> Any:
         return self.lorsas if isinstance(target, LorsaHead) else self.saes if target.kind == "sae" else self.transcoders
+
+    def check_editable(self, target: Target) -> None:
+        """Inside a trace body, before an edit of ``target``: raise if a replacement spliced in this trace would
+        discard it — an MHSA head of a layer whose attention a Lorsa replaces without an error term, on rows the
+        calling invoke edits (:func:`~.splice_chain.refuse_discarded_edit`: the edit would move nothing). Lorsa heads
+        and features are the replacements' own values: always editable.
+
+        Raises:
+            ArgumentError: the edit would be discarded (names the target, the replacement and the ways out).
+        """
+        if isinstance(target, MHSAHead):
+            refuse_discarded_edit(self.output_projection_path(target.layer), str(target))
 
     def location(self, target: Target) -> tuple[Any, tuple]:
         """Inside a trace body: ``(tensor, index)`` such that ``tensor[index]`` is the target's value.

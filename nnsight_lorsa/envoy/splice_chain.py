@@ -471,6 +471,39 @@ def _check_not_lost(interleaver: Any, this: Any, chain: SpliceChain, module: nn.
                 f"carries the {lost_name}'s output), or splice them in separate traces or invokes")
 
 
+def refuse_discarded_edit(path: str, what: str) -> None:
+    """Refuse an edit of the model's own module at envoy path ``path`` (``what``: the edited target, for the message)
+    from the calling trace body when a splice of this trace discards it: a replacement that does not read its site's
+    output (a Lorsa, a transcoder, a CLT), without an error term, spliced at a module containing ``path``, on rows
+    the calling invoke edits — its site's output is then computed from the site's input alone, so the edit would
+    move nothing, without a word (e.g. ``ablate(r(MHSAHead(1, 0)))`` under a Lorsa on layer 1 with
+    ``error=False``: the logits moved by 0.0). With an error term the edit reaches the model through it; a splice
+    made later in the body cannot start once the model has run the edited module (:func:`_check_not_started`).
+    Nothing is read: the check runs on the host.
+
+    Raises:
+        ArgumentError: names the edit, the replacement and its site, and the ways out.
+        TraceOrderError: called outside a trace body.
+    """
+    me = current_worker("an edit")
+    rows = InvokeRows()
+    rows.add(invoke_rows(me))
+    for other in me.interleaver.mediators:
+        if not is_splice(other) or not other.alive or not hasattr(other, "chain"):
+            continue
+        module, error = other.spec
+        if error or other.chain.reads_output or not other.rows.overlaps(rows):
+            continue
+        site = next((p for p in other.chain.site_paths if path.startswith(p + ".")), None)
+        if site is not None:
+            name = type(module).__name__
+            raise ArgumentError(
+                f"{what} (at {path}) would be discarded: the {name} replacing {site} in this trace, without an error "
+                f"term, computes that output from the site's input alone, so the edit would move nothing. Edit it "
+                f"with the {name} spliced with error=True (its error term carries the edit), or in a trace or invoke "
+                f"that does not replace {site}")
+
+
 def _lost_outputs(first: tuple, second: tuple) -> list[tuple[tuple, tuple, bool]]:
     """``[(lost, over, same_site)]`` for two splices ``(chain, module, error)``, ``first`` swapping before ``second``
     at a site they share: the one whose output the other (reading no site output, without an error term) overwrites

@@ -74,9 +74,13 @@ def check_positions(positions: Positions, seq: int) -> None:
                             f"(valid: [-{seq}, {seq}))")
 
 
-def _loc(target: Bound, positions: Positions) -> tuple[Any, tuple]:
+def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, tuple]:
+    """``(tensor, index)`` of ``target`` at ``positions`` in this trace; for an ``edit``, refused first where a
+    replacement of the trace would discard it (:meth:`~.ReplacementModel.check_editable`)."""
     if not isinstance(target, Bound):
         raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
+    if edit:
+        target.replacement.check_editable(target.target)
     tensor, cols = target.location()
     check_positions(positions, int(tensor.shape[1]))
     check_not_padding(noted_padding(), positions, "positions")  # once padding_mask() read the batch's mask
@@ -136,7 +140,7 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
     """The target's current value (a saved copy): ``(batch, n_pos[, head_dim])``."""
-    tensor, idx = _loc(target, positions)
+    tensor, idx = _loc(target, positions, edit=False)
     return tensor[idx].clone().save()
 
 
@@ -146,6 +150,11 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
 
     ``means``: a tensor (the target's mean value) or the mapping returned by
     :func:`mean_activations` (keyed by target).
+
+    Raises:
+        ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
+            error term, on rows this invoke edits: the edit would be discarded
+            (:meth:`.ReplacementModel.check_editable`).
     """
     if not isinstance(mode, str) or mode not in ("zero", "mean"):
         raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
@@ -172,6 +181,9 @@ def scale(target: Bound, alpha: Any, positions: Positions = None) -> None:
 
     Raises:
         ArgumentError: ``alpha`` not a finite number / tensor (NaN, inf, bool, string, None); bad ``positions``.
+        ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
+            error term, on rows this invoke edits: the edit would be discarded
+            (:meth:`.ReplacementModel.check_editable`).
         ShapeError: an ``alpha`` tensor that does not fit the edited values.
     """
     tensor, idx = _loc(target, positions)
@@ -186,6 +198,9 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
 
     Raises:
         ArgumentError: ``delta`` not a finite number / tensor (NaN, inf, bool, string, None); bad ``positions``.
+        ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
+            error term, on rows this invoke edits: the edit would be discarded
+            (:meth:`.ReplacementModel.check_editable`).
         ShapeError: a ``delta`` tensor that does not fit the target or the edited values.
     """
     tensor, idx = _loc(target, positions)
@@ -201,6 +216,9 @@ def patch(target: Bound, source_values: torch.Tensor, positions: Positions = Non
     Raises:
         ShapeError: ``source_values`` that do not fit the target or the edited values.
         ArgumentError: bad ``positions``.
+        ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
+            error term, on rows this invoke edits: the edit would be discarded
+            (:meth:`.ReplacementModel.check_editable`).
     """
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)

@@ -339,6 +339,11 @@ def run_edits(seed: int, raise_mid: bool = False) -> float:
             iv["input"] = {"input_ids": ids, "attention_mask": mask}
         else:
             iv["input"] = iv["rows"] if padding == "left" else torch.tensor(iv["rows"])
+    # an MHSA head of the Lorsa's layer edited in an invoke that splices the Lorsa without its error term: the edit
+    # would be discarded, so it is refused (ReplacementModel.check_editable; the edit moved nothing before)
+    discarded = not error and any(
+        any(isinstance(e["t"], LorsaHead) for e in iv["edits"])
+        and any(isinstance(e["t"], MHSAHead) and e["t"].layer == case.layer for e in iv["edits"]) for iv in invokes)
     snap = snapshot(case)
     outs: list = []
     try:
@@ -351,11 +356,11 @@ def run_edits(seed: int, raise_mid: bool = False) -> float:
                     if raise_mid:
                         ablate(r(iv["edits"][-1]["t"]), positions=999)
                     outs.append(unembed(case.model).output.save())
-    except ArgumentError:
-        assert raise_mid
+    except ArgumentError as e:
+        assert raise_mid or (discarded and "would be discarded" in str(e)), e
         assert_unchanged(case, snap)
         return 0.0
-    assert not raise_mid
+    assert not raise_mid and not discarded
     assert_unchanged(case, snap)
     worst = 0.0
     for iv, out in zip(invokes, outs, strict=True):
@@ -534,6 +539,14 @@ def targets_of(rng: random.Random, case: Case) -> list:
     return out + [Feature(site, rng.randrange(128)) for site in case.saes]
 
 
+def discards(error: bool, case: Case, targets: Any) -> bool:
+    """Whether a run editing ``targets`` through the replacements they need edits an MHSA head of the Lorsa's layer
+    with the Lorsa spliced there without its error term: refused (``ReplacementModel.check_editable``)."""
+    ts = list(targets)
+    return not error and any(isinstance(t, LorsaHead) for t in ts) and \
+        any(isinstance(t, MHSAHead) and t.layer == case.layer for t in ts)
+
+
 def experiment_setup(seed: int) -> tuple:
     rng = random.Random(seed)
     case = case_of(rng.choice(FAMILIES), torch.float32, torch.float32)
@@ -556,6 +569,11 @@ def run_activation_patching(seed: int) -> None:
         g = tuple(rng.sample(pool, rng.randint(1, 3)))
         groups.append(g[0] if len(g) == 1 and rng.random() < 0.5 else g)
     per_trace = rng.choice([1, 2, 8])
+    if discards(error, case, (t for g in groups for t in (g if isinstance(g, tuple) else (g,)))):
+        with pytest.raises(ArgumentError, match="would be discarded"):
+            activation_patching(r, as_input(clean), as_input(corrupt), groups, correct_ids=correct,
+                                incorrect_ids=wrong, positions=pos, groups_per_trace=per_trace)
+        return
     res = activation_patching(r, as_input(clean), as_input(corrupt), groups, correct_ids=correct,
                               incorrect_ids=wrong, positions=pos, groups_per_trace=per_trace)
     spliced = needs(t for g in groups for t in (g if isinstance(g, tuple) else (g,)))
@@ -592,6 +610,11 @@ def run_mean_ablation(seed: int) -> None:
         assert float((means[t].double() - m).abs().max()) < 1e-5, where
         by_hand_means[t] = m.float()
     pos = rng.choice([None, [-1], [-2, -1]])
+    if discards(error, case, targets):
+        with pytest.raises(ArgumentError, match="would be discarded"):
+            ablation_effect(r, as_input(prompts), targets, correct_ids=correct, incorrect_ids=wrong, mode="mean",
+                            means=means, positions=pos)
+        return
     res = ablation_effect(r, as_input(prompts), targets, correct_ids=correct, incorrect_ids=wrong, mode="mean",
                           means=means, positions=pos)
     for j in range(batch):
