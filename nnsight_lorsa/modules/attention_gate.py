@@ -82,16 +82,21 @@ class AttentionGate(nn.Module):
         self.counted_queries: torch.Tensor | None = None
 
     def counted(self, valid: Bool[torch.Tensor, "*b"]) -> Bool[torch.Tensor, "*c"]:
-        """``valid`` restricted to the query rows of :attr:`counted_queries` (its last ``q`` positions for the
-        ``q`` queries of ``valid``): the edges the statistics count.
+        """``valid`` restricted to the real query rows — those whose own key (query ``i`` of ``q`` is position
+        ``k − q + i``) is allowed: a padded position's row is left out, so right padding's rows, which see the real
+        keys before them, count no edges — and to the query rows of :attr:`counted_queries` (its last ``q``
+        positions for the ``q`` queries of ``valid``): the edges the statistics count.
 
         Raises:
             GateConfigError: :attr:`counted_queries` not ``(batch, ≥ q)`` for ``valid``'s batch and queries.
         """
+        q, k = valid.shape[-2], valid.shape[-1]
+        if q <= k:  # a query row whose own key is masked is padding (its real keys are not its edges to count)
+            own = valid[..., torch.arange(q, device=valid.device), torch.arange(k - q, k, device=valid.device)]
+            valid = valid & own[..., None]
         rows = self.counted_queries
         if rows is None:
             return valid
-        q = valid.shape[-2]
         if rows.dim() != 2 or rows.shape[1] < q or valid.shape[0] not in (1, rows.shape[0]):
             raise GateConfigError(f"counted_queries is {tuple(rows.shape)}, the attention has {valid.shape[0]} "
                                   f"windows of {q} queries: pass one (batch, positions) mask per forward")
