@@ -40,7 +40,8 @@ from nnsight_lorsa.errors import PlacementError
 FAMILIES = ("llama", "qwen3", "gpt2", "gemma2", "neox")
 #: (model dtype, modules' dtype)
 DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
-          (torch.float16, torch.float32), (torch.float32, torch.bfloat16))
+          (torch.float16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16))
 
 
 def generated(examples: int, sweep: int, **strategies):
@@ -323,7 +324,7 @@ BIG = 1e6
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dt", [1, 3])  # fp16 model: fp16 modules / fp32 modules
+@pytest.mark.parametrize("dt", [1, 3, 6])  # fp16 model: fp16 / fp32 / bf16 modules
 @pytest.mark.parametrize("hook", ["s.hook_sae_acts_post", "l.hook_z", "l.hook_out", "t.hook_sae_acts_post",
                                   "t.hook_error"])
 @pytest.mark.parametrize("error", [False, True])
@@ -393,3 +394,41 @@ def test_the_edit_log_marks_exactly_the_edited_nodes_in_half_precision(data, dty
               for i in g.intervened.nonzero().flatten().tolist()}
     assert marked == set(chosen), (chosen, ops, marked)
     assert len(handle.graph.meta["intervened"]) == len(chosen)
+
+
+@pytest.mark.parametrize("op", ["steer", "scale", "patch", "patch_mhsa"])
+def test_a_patching_edit_past_fp16_range_is_an_argument_error(op):
+    """``steer`` / ``scale`` / ``patch`` of an fp16 model's MHSA head or an fp16 module's head or feature with a
+    finite value past fp16's range raise ``ArgumentError`` in the trace (docs/nnsight.md: they check the range),
+    before anything is written. (``patch`` wrote a finite fp32 value past the range as ``inf``: on an MHSA head the
+    logits then held NaN without a word.)"""
+    from nnsight_lorsa.errors import ArgumentError
+    from nnsight_lorsa.patching import Feature, LorsaHead, MHSAHead, patch, steer
+    from nnsight_lorsa.patching import scale as scale_edit
+
+    model, bundle, ids, _ = attribution_world(torch.float16)
+    with pytest.raises(ArgumentError, match="range"), torch.no_grad(), model.trace(ids):
+        bundle.replace()
+        head, feature = bundle(LorsaHead(1, 0)), bundle(Feature(2, 0, kind="transcoder"))
+        if op == "steer":
+            steer(head, BIG, positions=3)
+        elif op == "scale":
+            scale_edit(feature, BIG, positions=3)
+        elif op == "patch":
+            patch(feature, torch.full((1, 8), BIG))
+        else:
+            cfg = model.config
+            patch(bundle(MHSAHead(1, 0)), torch.full((1, 8, cfg.hidden_size // cfg.num_attention_heads), BIG))
+
+
+def test_a_patch_of_non_finite_source_values_still_writes_them():
+    """``patch`` writes a source run's values as they are, ``inf`` included (its contract): only finite values that
+    the cast to the target's dtype would turn into ``inf`` are refused. On an fp16 Lorsa the ``inf`` then ends in
+    the site's ``PlacementError``."""
+    from nnsight_lorsa.patching import LorsaHead, patch
+
+    model, bundle, ids, _ = attribution_world(torch.float16)
+    with pytest.raises(PlacementError, match="inf or NaN"), torch.no_grad(), model.trace(ids):
+        bundle.replace()
+        patch(bundle(LorsaHead(1, 0)), torch.full((1, 8), float("inf"), dtype=torch.float16))
+        model.lm_head.output.save()
