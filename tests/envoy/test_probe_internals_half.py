@@ -6,7 +6,9 @@ another one (fp32 modules on a bf16 / fp16 model, bf16 modules on an fp32 model:
 its dtype"). The references are plain forward hooks on the Hugging Face model doing what the splice documents, op
 for op in the same dtypes: the site's input cast to the module's dtype, the module's own ops in its dtype, its
 output cast back to the site's dtype, or with ``error=True`` the sum ``true + (out − clean) + (hook(e) − e)`` in
-fp32 (``e`` in fp32) cast to the site's dtype. Edits past fp16's range end in ``PlacementError``.
+fp32 (``e`` in fp32) cast to the site's dtype. Direct writes past fp16's range end in ``PlacementError``, the
+patching edits' values past it in ``ArgumentError``. Found and fixed here: ``patch`` wrote finite values past the
+target dtype's range as ``inf``.
 """
 
 from __future__ import annotations
