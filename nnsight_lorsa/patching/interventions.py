@@ -130,8 +130,10 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     if finite and not bool(torch.isfinite(value).all()):
         raise ArgumentError(f"{name} holds NaN or inf values")
     cast = value.to(dtype=site.dtype)  # the same rounding on every device
-    # ints, or e.g. fp32 on fp16: the cast may turn finite values into inf
-    if finite and narrows_range(value.dtype, cast.dtype) and not bool(torch.isfinite(cast).all()):
+    # ints, or e.g. fp32 on fp16: the cast may turn finite values into inf (refused even without ``finite``: a
+    # patch writes a source run's inf / NaN as they are, but no finite value may become inf on the way)
+    if narrows_range(value.dtype, cast.dtype) and not bool(
+            torch.isfinite(cast).all() if finite else (torch.isfinite(cast) | ~torch.isfinite(value)).all()):
         raise ArgumentError(f"{name} holds values beyond the range of the edited values' dtype {site.dtype} "
                             f"(max |v| = {float(value.detach().abs().max()):.6g} > {torch.finfo(site.dtype).max:.6g}): "
                             "cast to it they would be inf")
@@ -211,11 +213,12 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
 
 def patch(target: Bound, source_values: torch.Tensor, positions: Positions = None) -> None:
     """Overwrite the target by ``source_values`` (e.g. read from another prompt's run; activations are
-    written as they are, non-finite values included).
+    written as they are, non-finite values included; finite values that the cast to the target's dtype would turn
+    into ``inf``, e.g. fp32 values past fp16's range, are an ``ArgumentError``).
 
     Raises:
         ShapeError: ``source_values`` that do not fit the target or the edited values.
-        ArgumentError: bad ``positions``.
+        ArgumentError: bad ``positions``; finite ``source_values`` past the range of the target's dtype.
         ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).

@@ -1,0 +1,436 @@
+"""Probe: reading and editing the replacements' internals in half precision, against plain PyTorch.
+
+docs/reliability.md, "Half-precision internals probe (2026-11-27)". The fp32 probe
+(``test_probe_internals_edits.py``) again on bf16 and fp16 models, with the modules in the model's dtype and in
+another one (fp32 modules on a bf16 / fp16 model, bf16 modules on an fp32 model: docs/nnsight.md, "a module keeps
+its dtype"). The references are plain forward hooks on the Hugging Face model doing what the splice documents, op
+for op in the same dtypes: the site's input cast to the module's dtype, the module's own ops in its dtype, its
+output cast back to the site's dtype, or with ``error=True`` the sum ``true + (out − clean) + (hook(e) − e)`` in
+fp32 (``e`` in fp32) cast to the site's dtype. Direct writes past fp16's range end in ``PlacementError``, the
+patching edits' values past it in ``ArgumentError``. Found and fixed here: ``patch`` wrote finite values past the
+target dtype's range as ``inf``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from types import SimpleNamespace
+
+import nnsight
+import pytest
+import torch
+from helpers import random_ids, tiny_nnsight, unembed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_probe_internals_edits import (
+    HOOKS,
+    LORSA_LAYER,
+    SAE_LAYER,
+    SETTINGS,
+    TC_LAYER,
+    apply_edit,
+    edit_lists,
+    edited,
+    execution_rank,
+)
+from test_probe_internals_edits import world as fp32_world
+
+from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.errors import PlacementError
+
+FAMILIES = ("llama", "qwen3", "gpt2", "gemma2", "neox")
+#: (model dtype, modules' dtype)
+DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+          (torch.float16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16))
+
+
+def generated(examples: int, sweep: int, **strategies):
+    def wrap(fn):
+        name = fn.__name__.replace("test_", "test_sweep_", 1)
+        globals()[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
+        return settings(max_examples=examples, **SETTINGS)(given(**strategies)(fn))
+    return wrap
+
+
+@functools.cache
+def world(family: str, model_dtype: torch.dtype, module_dtype: torch.dtype) -> SimpleNamespace:
+    """The fp32 probe's setting (same weights) with the model in ``model_dtype`` and the modules in ``module_dtype``."""
+    base = fp32_world(family)
+    model, hf = tiny_nnsight(family, dtype=model_dtype)
+    adapter = get_adapter(model)
+    lorsa, tc, sae = (copy.deepcopy(m).to(module_dtype) for m in (base.lorsa, base.tc, base.sae))
+    sae_site = adapter.layer_path(SAE_LAYER)
+    return SimpleNamespace(
+        model=model, hf=hf, adapter=adapter, lorsa=lorsa, tc=tc, sae=sae, sae_site=sae_site, mdt=module_dtype,
+        sets={"l": LorsaSet(model, {LORSA_LAYER: lorsa}), "t": TranscoderSet(model, {TC_LAYER: tc}),
+              "s": SAESet(model, {sae_site: sae})},
+        widths=base.widths)
+
+
+def splice(w: SimpleNamespace, kind: str, error: bool):
+    key = {"l": LORSA_LAYER, "t": TC_LAYER, "s": w.sae_site}[kind]
+    return w.sets[kind].replace(key, error=error)
+
+
+def fused(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x W + b`` rounded once, as the coders compute it (one ``addmm``): in half precision ``x @ W + b`` rounds the
+    product first and differs by an ulp."""
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
+
+
+def site_sum(true: torch.Tensor, out: torch.Tensor, clean: torch.Tensor, e_edited: torch.Tensor | None,
+             error: bool) -> torch.Tensor:
+    """What the site returns: ``out`` cast to the site's dtype, or the error-term sum in fp32 cast back."""
+    if not error:
+        return out.to(true.dtype)
+    work = torch.promote_types(true.dtype, torch.float32)
+    t, c = true.to(work), clean.to(work)
+    e = t - c
+    return (t + (out.to(work) - c) + (e_edited - e)).to(true.dtype)
+
+
+def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: bool, sets: str = "lts",
+                     attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                     capture: dict | None = None) -> torch.Tensor:
+    """The unembedding's output of the plain HF model with the replacements in ``sets`` and ``edits`` by hand,
+    with the splice's casts (docs/nnsight.md): ``capture`` gets every internal as the trace's hooks carry it."""
+    a, lorsa, hf, mdt = w.adapter, w.lorsa, w.hf, w.mdt
+    cap = capture if capture is not None else {}
+
+    def error_term(key: str, true: torch.Tensor, clean: torch.Tensor):
+        e = true.to(torch.promote_types(true.dtype, torch.float32)) - clean.to(torch.promote_types(true.dtype,
+                                                                                                    torch.float32))
+        cap[f"{key}.hook_error"] = edited(e, edits, f"{key}.hook_error")
+        return cap[f"{key}.hook_error"]
+
+    def lorsa_hook(module, args, kwargs, output):
+        x = a.attention_input(args, kwargs).to(mdt)
+        pos, mask = a.attention_positions(args, kwargs, x), a.attention_mask(args, kwargs)
+        z0, _ = lorsa.activation(lorsa.compute_z_pre(x, pos, mask))
+        clean = lorsa.decode(z0)
+        q, k = lorsa.qk(x, pos)
+        cap["l.input"] = x
+        q, k = cap["l.hook_q"], cap["l.hook_k"] = edited(q, edits, "l.hook_q"), edited(k, edits, "l.hook_k")
+        v = cap["l.hook_v"] = edited(lorsa.values(x), edits, "l.hook_v")
+        z_pre = lorsa._attend(q, k, v, mask, x.shape[0], x.shape[1], x.device)
+        z_pre = cap["l.hook_z_pre"] = edited(z_pre, edits, "l.hook_z_pre")
+        z = cap["l.hook_z"] = edited(lorsa.activation(z_pre)[0], edits, "l.hook_z")
+        out = cap["l.hook_out"] = edited(lorsa.decode(z), edits, "l.hook_out")
+        true = a.attention_output(output)
+        e = error_term("l", true, clean) if error else None
+        return a.with_attention_output(output, site_sum(true, out, clean, e, error))
+
+    def coder_hook(coder, key, read_input, get, put):
+        def hook(module, args, kwargs, output):
+            true = get(output)
+            x = read_input(args, kwargs, true).to(mdt)
+
+            def run(edits):
+                pre = edited(fused(coder.encoder_input(x), coder.W_enc, coder.b_enc), edits, f"{key}.hook_sae_acts_pre")
+                acts = edited(coder.activation(pre), edits, f"{key}.hook_sae_acts_post")
+                out = fused(acts, coder.W_dec, coder.b_dec)
+                skip = coder.skip(x)
+                out = edited(out if skip is None else out + skip, edits, f"{key}.hook_sae_recons")
+                return pre, acts, out
+
+            clean = run([])[2]
+            cap[f"{key}.input"] = x
+            cap[f"{key}.hook_sae_acts_pre"], cap[f"{key}.hook_sae_acts_post"], out = run(edits)
+            cap[f"{key}.hook_sae_recons"] = out
+            e = error_term(key, true, clean) if error else None
+            return put(output, site_sum(true, out, clean, e, error))
+        return hook
+
+    def first(output):
+        return output[0] if isinstance(output, tuple) else output
+
+    def with_first(output, new):
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handles = []
+    if "s" in sets:
+        handles.append(a.get_module(hf, w.sae_site).register_forward_hook(
+            coder_hook(w.sae, "s", lambda args, kwargs, true: true, first, with_first), with_kwargs=True))
+    if "l" in sets:
+        handles.append(a.attention_module(hf, LORSA_LAYER).register_forward_hook(lorsa_hook, with_kwargs=True))
+    if "t" in sets:
+        handles.append(a.mlp_module(hf, TC_LAYER).register_forward_hook(
+            coder_hook(w.tc, "t", lambda args, kwargs, true: a.mlp_input(args, kwargs), a.mlp_output,
+                       a.with_mlp_output), with_kwargs=True))
+    seen: list = []
+    handles.append(hf.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out)))
+    try:
+        with torch.no_grad():
+            hf(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen[0]
+
+
+def traced_logits(w: SimpleNamespace, inputs, edits: list, error: bool, order: str, reads: tuple = ()) -> tuple:
+    with torch.no_grad(), w.model.trace(inputs):
+        env = {kind: splice(w, kind, error) for kind in order}
+        got = nnsight.save({})
+        pending = list(edits)
+        for hook in sorted(set(reads) | {e[0] for e in edits}, key=execution_rank):
+            value = env[hook[0]].input if hook.endswith(".input") else getattr(env[hook[0]], hook[2:]).output
+            if hook in reads:
+                got[hook] = value.clone()
+            for e in [e for e in pending if e[0] == hook]:
+                apply_edit(value, *e)
+        logits = nnsight.save(unembed(w.model).output)
+    return logits, got
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def bound(w: SimpleNamespace, b: torch.Tensor) -> float:
+    """The tolerance: 0 (the same ops on the same values, in the same dtypes) — see docs/reliability.md."""
+    return 0.0
+
+
+dtype_ids = st.sampled_from(range(len(DTYPES)))
+
+
+@generated(15, 300, family=st.sampled_from(FAMILIES), dt=dtype_ids, batch=st.integers(1, 3), length=st.integers(2, 9),
+           pads=st.lists(st.integers(0, 3), min_size=3, max_size=3), error=st.booleans(), seed=st.integers(0, 99))
+def test_every_internal_read_in_half_precision_is_the_modules_own_value(family, dt, batch, length, pads, error, seed):
+    """Every hook point of the three sets on a left-padded batch, in half precision: the trace's value (dtype and
+    numbers) = the module's own ops on the cast site input, by hand; the logits too."""
+    w = world(family, *DTYPES[dt])
+    ids = random_ids(batch, length, seed=seed)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(batch):
+        mask[row, :min(pads[row], length - 1)] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    hooks = [h for h in HOOKS if error or not h.endswith("hook_error")]
+    reads = (*hooks, "l.input", "t.input", "s.input")
+    logits, got = traced_logits(w, {"input_ids": ids, "attention_mask": mask}, [], error, "lts", reads)
+    cap: dict = {}
+    want = reference_logits(w, ids, [], error, "lts", mask, position_ids, cap)
+    assert logits.dtype == want.dtype and gap(logits, want) <= bound(w, want), gap(logits, want)
+    for hook in reads:
+        assert got[hook].dtype == cap[hook].dtype and got[hook].shape == cap[hook].shape, hook
+        assert gap(got[hook], cap[hook]) <= bound(w, cap[hook]), (hook, gap(got[hook], cap[hook]))
+    lorsa, x = w.lorsa, got["l.input"]
+    heads = list(range(0, lorsa.cfg.n_ov_heads, 7))
+    zp = lorsa.z_pattern(x, heads, position_ids, mask.bool())
+    # the z-pattern is a sum over keys in the module's dtype: its rounding differs from the attention's, so the bound
+    # is the dtype's eps times the key count times the largest term
+    tol = torch.finfo(zp.dtype).eps * length * max(float(zp.abs().max()), 1e-3) * 2
+    assert gap(zp.sum(-1).transpose(1, 2), got["l.hook_z_pre"][..., heads]) <= tol
+    pattern = lorsa.attention_pattern(x, None, position_ids, mask.bool())
+    assert gap(pattern.sum(-1), torch.ones_like(pattern.sum(-1))) <= torch.finfo(pattern.dtype).eps * length * 2
+
+
+@generated(40, 800, data=st.data(), family=st.sampled_from(FAMILIES), dt=dtype_ids, batch=st.integers(1, 3),
+           length=st.integers(2, 8), error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
+def test_drawn_half_precision_edits_on_three_sets_equal_the_same_edits_by_hand(data, family, dt, batch, length, error,
+                                                                              order, seed):
+    """1-4 drawn edits (set / scale / add at drawn units and positions, several sets at once in any order) in half
+    precision: the logits = the same edits by hand with the splice's casts."""
+    w = world(family, *DTYPES[dt])
+    edits = data.draw(edit_lists("lts", error, length, w=w))
+    ids = random_ids(batch, length, seed=seed)
+    logits, _ = traced_logits(w, ids, edits, error, "".join(order))
+    want = reference_logits(w, ids, edits, error)
+    assert gap(logits, want) <= bound(w, want), (edits, gap(logits, want))
+
+
+@generated(20, 300, data=st.data(), family=st.sampled_from(FAMILIES), dt=dtype_ids, error=st.booleans(),
+           invokes=st.lists(st.tuples(st.integers(2, 7),
+                                      st.text("lts", max_size=3).map(lambda s: "".join(sorted(set(s))))),
+                            min_size=1, max_size=3), seed=st.integers(0, 99))
+def test_half_precision_edits_per_invoke_stay_in_their_rows(data, family, dt, error, invokes, seed):
+    """Invokes of different lengths (left-padded by nnsight), each with its own sets and edits, in half precision:
+    each invoke's logits = its prompt alone with its sets and edits by hand. Padding changes the attention's
+    reductions' lengths, so this one's bound is the dtype's rounding (docs/reliability.md)."""
+    w = world(family, *DTYPES[dt])
+    longest = max(n for n, _ in invokes)
+    plans = []
+    for i, (n, sets) in enumerate(invokes):
+        ids = random_ids(1, n, seed=seed * 10 + i)
+        plans.append((ids, sets, data.draw(edit_lists(sets, error, n, w=w)) if sets else []))
+    with torch.no_grad(), w.model.trace() as tracer:
+        outs = nnsight.save([])
+        for ids, sets, edits in plans:
+            with tracer.invoke(ids):
+                env = {kind: splice(w, kind, error) for kind in sets}
+                shift = longest - ids.shape[1]
+                for hook, op, unit, positions, value in edits:
+                    moved = (positions + shift if isinstance(positions, int) else
+                             [p + shift for p in positions] if isinstance(positions, list) else
+                             slice(None if positions.start is None else positions.start + shift, None))
+                    apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, moved, value)
+                outs.append(unembed(w.model).output[:, shift:])
+    for (ids, sets, edits), got in zip(plans, outs, strict=True):
+        want = reference_logits(w, ids, edits, error, sets)
+        # a padded row against its prompt alone: the same ops except the masked keys' (zero-weight) terms
+        assert gap(got, want) <= padded_bound(w, want, longest), (sets, edits, gap(got, want))
+
+
+def padded_bound(w: SimpleNamespace, want: torch.Tensor, length: int) -> float:
+    """A padded batch (or a cached decoding step) against the prompt alone in one forward: the same ops, but matmuls
+    of other shapes (more rows, more keys) may sum in another order — the plain model differs the same way (fp32:
+    1.8e-7 on the logits with no set spliced). Each reduction is then off by about ``eps`` of its scale, and where
+    the module is narrower than the model (bf16 modules, fp32 model) such a change can flip the rounding of the
+    module's input, an ``eps`` of the narrower dtype: ``4 eps(narrower dtype) max(|logits|, 1)``. Measured
+    (``-m slow``, 300 + 150 cases): at most 4.6 eps(fp32) (fp32 model, bf16 modules), 0.125 eps(fp16), 0 for bf16."""
+    narrow = min((want.dtype, w.mdt), key=lambda d: torch.finfo(d).bits)
+    return 4 * torch.finfo(narrow).eps * max(float(want.abs().max()), 1.0)
+
+
+GENERATE_HOOKS = ("s.hook_sae_acts_post", "s.hook_error", "l.hook_k", "l.hook_v", "l.hook_z_pre", "l.hook_z",
+                  "l.hook_error", "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_error")
+
+
+@generated(10, 150, data=st.data(), family=st.sampled_from(FAMILIES), dt=dtype_ids, batch=st.integers(1, 2),
+           length=st.integers(2, 6), error=st.booleans(), seed=st.integers(0, 99))
+def test_half_precision_edits_at_generation_steps_equal_full_sequence_edits(data, family, dt, batch, length, error,
+                                                                           seed):
+    """``generate`` in half precision with edits at drawn steps: each step's logits = a full-sequence forward of the
+    generated tokens with the edits at the positions of the steps that made them, by hand (the cached decode's
+    reductions run in another order than the full forward's: the bound is the dtype's rounding)."""
+    w = world(family, *DTYPES[dt])
+    steps = 3
+    drawn = data.draw(edit_lists("lts", error, 1, hooks=GENERATE_HOOKS, w=w))
+    edits = [(h, op, unit, value, data.draw(st.lists(st.integers(0, steps - 1), min_size=1, max_size=steps,
+                                                         unique=True)))
+             for h, op, unit, _, value in drawn]
+    ids = random_ids(batch, length, seed=seed)
+    with torch.no_grad(), w.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False) as tracer:
+        env = {kind: splice(w, kind, error) for kind in "lts"}
+        got = nnsight.save([])
+        for step in tracer.iter[:steps]:
+            for hook, op, unit, value, at in edits:
+                if step in at:
+                    apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, slice(None), value)
+            got.append(unembed(w.model).output[:, -1].clone())
+        result = nnsight.save(tracer.result)
+    for step in range(steps):
+        full = [(hook, op, unit, sorted({p for s in at if s <= step for p in
+                                         (range(length) if s == 0 else [length + s - 1])}), value)
+                for hook, op, unit, value, at in edits]
+        full = [e for e in full if e[3]]
+        want = reference_logits(w, result[:, :length + step], full, error)[:, -1]
+        assert gap(got[step], want) <= padded_bound(w, want, length + step), (step, edits, gap(got[step], want))
+
+
+#: hook points where an fp16-range-breaking write is possible, with the value written (finite in fp32)
+BIG = 1e6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dt", [1, 3, 6])  # fp16 model: fp16 / fp32 / bf16 modules
+@pytest.mark.parametrize("hook", ["s.hook_sae_acts_post", "l.hook_z", "l.hook_out", "t.hook_sae_acts_post",
+                                  "t.hook_error"])
+@pytest.mark.parametrize("error", [False, True])
+def test_an_edit_past_fp16_range_is_a_placement_error_naming_the_site(family, dt, hook, error):
+    """``hook.output[...] = 1e6`` on an fp16 model (docs/nnsight.md, "Direct writes in a trace"): an fp16 module's
+    ``inf`` output, or a wider module's output past fp16's range, is a ``PlacementError`` naming the site — not NaN
+    logits."""
+    if hook.endswith("hook_error") and not error:
+        return
+    w = world(family, *DTYPES[dt])
+    ids = random_ids(1, 5, seed=3)
+    site = {"s": w.sae_site, "l": w.adapter.attention_path(LORSA_LAYER), "t": w.adapter.mlp_path(TC_LAYER)}[hook[0]]
+    with pytest.raises(PlacementError, match=site.replace(".", r"\.")):
+        traced_logits(w, ids, [(hook, "set", 1, 2, BIG)], error, "lts")
+    # within range the same edit runs and its logits are finite
+    logits, _ = traced_logits(w, ids, [(hook, "set", 1, 2, 100.0)], error, "lts")
+    assert bool(torch.isfinite(logits).all())
+
+
+@functools.cache
+def attribution_world(dtype: torch.dtype) -> tuple:
+    """The attribution tests' tiny Llama (Lorsa at layer 1, transcoders) in ``dtype``, with its clean graph."""
+    from helpers import attribution_setup, rm
+
+    from nnsight_lorsa.attribution import attribute
+
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    hf.to(dtype)
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.to(dtype)
+    bundle = rm(model, lorsas, tcs)
+    ids = random_ids(1, 8, seed=7)[0]
+    with model.trace(ids) as tracer:
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+    return model, bundle, ids, handle.graph
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_the_edit_log_marks_exactly_the_edited_nodes_in_half_precision(data, dtype):
+    """1-3 patching edits (ablate / scale / steer) of distinct active nodes (Lorsa heads, transcoder features) in a
+    bf16 / fp16 trace with ``attribute(tracer=)``: the graph marks exactly those nodes, and lists each once."""
+    from nnsight_lorsa.attribution import attribute
+    from nnsight_lorsa.attribution.graph import LORSA, TRANSCODER
+    from nnsight_lorsa.patching import Feature, LorsaHead, ablate, steer
+    from nnsight_lorsa.patching import scale as scale_edit
+
+    model, bundle, ids, clean = attribution_world(dtype)
+    n = clean.nodes
+    nodes = [(int(n.kind[i]), int(n.layer[i]), int(n.pos[i]), int(n.index[i])) for i in range(len(n.kind))
+             if int(n.kind[i]) in (LORSA, TRANSCODER)]
+    chosen = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=3, unique=True))
+    ops = [data.draw(st.sampled_from(["ablate", "scale", "steer"])) for _ in chosen]
+    with model.trace(ids) as tracer:
+        bundle.replace()
+        handle = attribute(bundle, tracer=tracer, batch_size=40)
+        for (kind, layer, pos, index), op in sorted(zip(chosen, ops, strict=True), key=lambda c: c[0][1]):
+            target = bundle(LorsaHead(layer, index) if kind == LORSA else Feature(layer, index, kind="transcoder"))
+            if op == "ablate":
+                ablate(target, positions=pos)
+            elif op == "scale":
+                scale_edit(target, 3.0, positions=pos)
+            else:
+                steer(target, 0.5, positions=pos)
+    g = handle.graph.nodes
+    marked = {(int(g.kind[i]), int(g.layer[i]), int(g.pos[i]), int(g.index[i]))
+              for i in g.intervened.nonzero().flatten().tolist()}
+    assert marked == set(chosen), (chosen, ops, marked)
+    assert len(handle.graph.meta["intervened"]) == len(chosen)
+
+
+@pytest.mark.parametrize("op", ["steer", "scale", "patch", "patch_mhsa"])
+def test_a_patching_edit_past_fp16_range_is_an_argument_error(op):
+    """``steer`` / ``scale`` / ``patch`` of an fp16 model's MHSA head or an fp16 module's head or feature with a
+    finite value past fp16's range raise ``ArgumentError`` in the trace (docs/nnsight.md: they check the range),
+    before anything is written. (``patch`` wrote a finite fp32 value past the range as ``inf``: on an MHSA head the
+    logits then held NaN without a word.)"""
+    from nnsight_lorsa.errors import ArgumentError
+    from nnsight_lorsa.patching import Feature, LorsaHead, MHSAHead, patch, steer
+    from nnsight_lorsa.patching import scale as scale_edit
+
+    model, bundle, ids, _ = attribution_world(torch.float16)
+    with pytest.raises(ArgumentError, match="range"), torch.no_grad(), model.trace(ids):
+        bundle.replace()
+        head, feature = bundle(LorsaHead(1, 0)), bundle(Feature(2, 0, kind="transcoder"))
+        if op == "steer":
+            steer(head, BIG, positions=3)
+        elif op == "scale":
+            scale_edit(feature, BIG, positions=3)
+        elif op == "patch":
+            patch(feature, torch.full((1, 8), BIG))
+        else:
+            cfg = model.config
+            patch(bundle(MHSAHead(1, 0)), torch.full((1, 8, cfg.hidden_size // cfg.num_attention_heads), BIG))
+
+
+def test_a_patch_of_non_finite_source_values_still_writes_them():
+    """``patch`` writes a source run's values as they are, ``inf`` included (its contract): only finite values that
+    the cast to the target's dtype would turn into ``inf`` are refused. On an fp16 Lorsa the ``inf`` then ends in
+    the site's ``PlacementError``."""
+    from nnsight_lorsa.patching import LorsaHead, patch
+
+    model, bundle, ids, _ = attribution_world(torch.float16)
+    with pytest.raises(PlacementError, match="inf or NaN"), torch.no_grad(), model.trace(ids):
+        bundle.replace()
+        patch(bundle(LorsaHead(1, 0)), torch.full((1, 8), float("inf"), dtype=torch.float16))
+        model.lm_head.output.save()
