@@ -196,23 +196,25 @@ def compute_graph(layout: Layout, run: Callable[[RowScheduler], torch.Tensor], *
     """Schedule the target rows, let ``run`` compute them (returning the target values), and
     assemble the dense or pruned :class:`Graph`. ``ranking_mirror``: device bytes the stored rows may keep a copy in
     for the ranking (:class:`.rows.SparseRows`' ``mirror_bytes``; what was kept: ``meta["ranking_mirror_bytes"]``),
-    freed when the graph is assembled."""
+    freed when the graph is assembled, or when the call fails (its traceback keeps this frame)."""
     bar = tqdm(total=layout.n_logits + min(max_feature_nodes or layout.n_features, layout.n_features),
                desc="attribution rows", disable=not progress)
     scheduler = RowScheduler(layout, max_feature_nodes, bar if progress else None,
                              keep_mass=None if prune is None else prune.keep_mass, update_interval=update_interval,
                              zero_positions=zero_positions, mirror_bytes=ranking_mirror)
     try:
-        values = run(scheduler)
-    finally:
-        bar.close()
-    stored = scheduler.rows if isinstance(scheduler.rows, SparseRows) else None
-    meta["ranking_mirror_bytes"] = 0 if stored is None else stored.mirrored_bytes
-    try:
+        try:
+            values = run(scheduler)
+        finally:
+            bar.close()
+        stored = scheduler.rows if isinstance(scheduler.rows, SparseRows) else None
+        meta["ranking_mirror_bytes"] = 0 if stored is None else stored.mirrored_bytes
         return _assembled(layout, scheduler, values, prune, prompt, meta)
     finally:
-        if stored is not None:  # the device copies go with the call (pruning's influence read them)
-            stored.drop_mirror()
+        # the device copies go with the call (pruning's influence read them), also with a call that failed: its
+        # traceback (``except ... as e``, a notebook's ``sys.last_traceback``) holds this frame and the store
+        if isinstance(scheduler.rows, SparseRows):
+            scheduler.rows.drop_mirror()
 
 
 def _assembled(layout: Layout, scheduler: RowScheduler, values: torch.Tensor, prune: PruneConfig | None, prompt: str,

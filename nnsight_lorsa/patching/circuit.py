@@ -105,6 +105,9 @@ def _keep_only(replacement: ReplacementModel, components: Sequence[Component], k
             tensor = replacement.model.get(replacement.output_projection_path(layer)).input
             for j, i in enumerate(idx):
                 c = components[i]
+                # edited here, not through interventions.ablate: refused as there where the Lorsa spliced on this
+                # layer without an error term would discard it (its score would be 0.0, without a word)
+                replacement.check_editable(c)
                 cols = slice(c.head * d, (c.head + 1) * d)
                 kj = k[:, j, None, None].to(device=tensor.device, dtype=tensor.dtype)
                 fill = like(_fill(c, mode, means), tensor)
@@ -211,7 +214,9 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     Raises:
         ConfigMismatchError: no/unknown components, mean mode without means, ``ks`` outside ``[0, n]``.
         ArgumentError: ``threshold`` not a finite number, ``ks`` not ints, non-finite ``scores``, a metric
-            that does not return ``(batch,)``.
+            that does not return ``(batch,)``; an :class:`~.targets.MHSAHead` of a layer whose Lorsa (a component's)
+            is spliced without an error term (``replacement.error`` False): its ablation would be discarded
+            (:meth:`.ReplacementModel.check_editable`).
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
     """
     _check_components(replacement, components)
