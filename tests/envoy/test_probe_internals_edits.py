@@ -42,7 +42,8 @@ def generated(examples: int, sweep: int, **strategies):
     ``sweep`` cases."""
     def wrap(fn):
         name = fn.__name__.replace("test_", "test_sweep_", 1)
-        globals()[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
+        # in the test's own module (``fn.__globals__``): the half-precision probe decorates its tests with this too
+        fn.__globals__[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
         return settings(max_examples=examples, **SETTINGS)(given(**strategies)(fn))
     return wrap
 
@@ -116,6 +117,24 @@ def edit_lists(draw, sets: str, error: bool, length: int, hooks=HOOKS, w=None) -
 
 
 # -------------------------------------------------------------- reference
+def fused(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x W + b`` rounded once, as the coders compute it (one ``addmm``): in half precision ``x @ W + b`` rounds the
+    product first and differs by an ulp."""
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
+
+
+def site_sum(true: torch.Tensor, out: torch.Tensor, clean: torch.Tensor, e_edited: torch.Tensor | None,
+             error: bool) -> torch.Tensor:
+    """What the site returns: ``out`` cast to the site's dtype, or the error-term sum ``true + (out − clean) +
+    (e_edited − e)`` in at least fp32, cast back (docs/nnsight.md)."""
+    if not error:
+        return out.to(true.dtype)
+    work = torch.promote_types(true.dtype, torch.float32)
+    t, c = true.to(work), clean.to(work)
+    e = t - c
+    return (t + (out.to(work) - c) + (e_edited - e)).to(true.dtype)
+
+
 def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: bool, sets: str = "lts",
                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                      capture: dict | None = None, site_edits: dict | None = None) -> torch.Tensor:
@@ -123,16 +142,26 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
     applied by hand in forward hooks: the error term ``true − clean`` of the unedited replacement added back with
     ``error``. ``capture`` receives every internal of the replacements (unedited values as the module computes them
     and the edited ones the trace's hooks carry). ``site_edits``: ``{kind: fn}`` applied to what the site of ``kind``
-    returns (after its replacement; a copy), ``{"l.in": fn}`` to the attention's input before it runs."""
+    returns (after its replacement; a copy), ``{"l.in": fn}`` to the attention's input before it runs. With
+    ``w.mdt`` (the modules' dtype, when it may differ from the model's) the splice's casts: each replacement's input
+    cast to it, the error term and its sum in at least fp32, the result cast to the site's dtype."""
     a, lorsa, hf = w.adapter, w.lorsa, w.hf
+    mdt = getattr(w, "mdt", None)
     cap = capture if capture is not None else {}
     after = site_edits or {}
 
     def then(kind: str, value: torch.Tensor) -> torch.Tensor:
         return after[kind](value.clone()) if kind in after else value
 
+    def error_term(key: str, true: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+        work = torch.promote_types(true.dtype, torch.float32)
+        e = true.to(work) - clean.to(work)
+        cap[f"{key}.hook_error"] = edited(e, edits, f"{key}.hook_error")
+        return cap[f"{key}.hook_error"]
+
     def lorsa_hook(module, args, kwargs, output):
         x = a.attention_input(args, kwargs)
+        x = x if mdt is None else x.to(mdt)
         pos, mask = a.attention_positions(args, kwargs, x), a.attention_mask(args, kwargs)
         z0, _ = lorsa.activation(lorsa.compute_z_pre(x, pos, mask))
         clean = lorsa.decode(z0)
@@ -146,21 +175,19 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
         out = cap["l.hook_out"] = edited(lorsa.decode(z), edits, "l.hook_out")
         true = cap["l.true"] = a.attention_output(output)
         cap["l.positions"] = pos
-        if error:
-            e = true - clean
-            cap["l.hook_error"] = edited(e, edits, "l.hook_error")
-            out = true + (out - clean) + (cap["l.hook_error"] - e)
-        return a.with_attention_output(output, then("l", out))
+        e = error_term("l", true, clean) if error else None
+        return a.with_attention_output(output, then("l", site_sum(true, out, clean, e, error)))
 
     def coder_hook(coder, key, read_input, get, put):
         def hook(module, args, kwargs, output):
             true = get(output)
             x = read_input(args, kwargs, true)
+            x = x if mdt is None else x.to(mdt)
 
             def run(edits):
-                pre = edited(coder.encoder_input(x) @ coder.W_enc + coder.b_enc, edits, f"{key}.hook_sae_acts_pre")
+                pre = edited(fused(coder.encoder_input(x), coder.W_enc, coder.b_enc), edits, f"{key}.hook_sae_acts_pre")
                 acts = edited(coder.activation(pre), edits, f"{key}.hook_sae_acts_post")
-                out = acts @ coder.W_dec + coder.b_dec
+                out = fused(acts, coder.W_dec, coder.b_dec)
                 skip = coder.skip(x)
                 out = edited(out if skip is None else out + skip, edits, f"{key}.hook_sae_recons")
                 return pre, acts, out
@@ -169,11 +196,8 @@ def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: 
             cap[f"{key}.input"] = x
             cap[f"{key}.hook_sae_acts_pre"], cap[f"{key}.hook_sae_acts_post"], out = run(edits)
             cap[f"{key}.hook_sae_recons"] = out
-            if error:
-                e = true - clean
-                cap[f"{key}.hook_error"] = edited(e, edits, f"{key}.hook_error")
-                out = true + (out - clean) + (cap[f"{key}.hook_error"] - e)
-            return put(output, then(key, out))
+            e = error_term(key, true, clean) if error else None
+            return put(output, then(key, site_sum(true, out, clean, e, error)))
         return hook
 
     def first(output):

@@ -23,7 +23,7 @@ import torch
 from helpers import random_ids, tiny_nnsight, unembed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_probe_internals_edits import (
+from test_probe_internals_edits import (  # the fp32 probe's references, with the splice's casts (``w.mdt``)
     HOOKS,
     LORSA_LAYER,
     SAE_LAYER,
@@ -31,8 +31,10 @@ from test_probe_internals_edits import (
     TC_LAYER,
     apply_edit,
     edit_lists,
-    edited,
-    execution_rank,
+    generated,
+    reference_logits,
+    splice,
+    traced_logits,
 )
 from test_probe_internals_edits import world as fp32_world
 
@@ -44,14 +46,6 @@ FAMILIES = ("llama", "qwen3", "gpt2", "gemma2", "neox")
 DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
           (torch.float16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
           (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16))
-
-
-def generated(examples: int, sweep: int, **strategies):
-    def wrap(fn):
-        name = fn.__name__.replace("test_", "test_sweep_", 1)
-        globals()[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
-        return settings(max_examples=examples, **SETTINGS)(given(**strategies)(fn))
-    return wrap
 
 
 @functools.cache
@@ -67,122 +61,6 @@ def world(family: str, model_dtype: torch.dtype, module_dtype: torch.dtype) -> S
         sets={"l": LorsaSet(model, {LORSA_LAYER: lorsa}), "t": TranscoderSet(model, {TC_LAYER: tc}),
               "s": SAESet(model, {sae_site: sae})},
         widths=base.widths)
-
-
-def splice(w: SimpleNamespace, kind: str, error: bool):
-    key = {"l": LORSA_LAYER, "t": TC_LAYER, "s": w.sae_site}[kind]
-    return w.sets[kind].replace(key, error=error)
-
-
-def fused(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x W + b`` rounded once, as the coders compute it (one ``addmm``): in half precision ``x @ W + b`` rounds the
-    product first and differs by an ulp."""
-    return torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], W.shape[-1])
-
-
-def site_sum(true: torch.Tensor, out: torch.Tensor, clean: torch.Tensor, e_edited: torch.Tensor | None,
-             error: bool) -> torch.Tensor:
-    """What the site returns: ``out`` cast to the site's dtype, or the error-term sum in fp32 cast back."""
-    if not error:
-        return out.to(true.dtype)
-    work = torch.promote_types(true.dtype, torch.float32)
-    t, c = true.to(work), clean.to(work)
-    e = t - c
-    return (t + (out.to(work) - c) + (e_edited - e)).to(true.dtype)
-
-
-def reference_logits(w: SimpleNamespace, ids: torch.Tensor, edits: list, error: bool, sets: str = "lts",
-                     attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                     capture: dict | None = None) -> torch.Tensor:
-    """The unembedding's output of the plain HF model with the replacements in ``sets`` and ``edits`` by hand,
-    with the splice's casts (docs/nnsight.md): ``capture`` gets every internal as the trace's hooks carry it."""
-    a, lorsa, hf, mdt = w.adapter, w.lorsa, w.hf, w.mdt
-    cap = capture if capture is not None else {}
-
-    def error_term(key: str, true: torch.Tensor, clean: torch.Tensor):
-        e = true.to(torch.promote_types(true.dtype, torch.float32)) - clean.to(torch.promote_types(true.dtype,
-                                                                                                    torch.float32))
-        cap[f"{key}.hook_error"] = edited(e, edits, f"{key}.hook_error")
-        return cap[f"{key}.hook_error"]
-
-    def lorsa_hook(module, args, kwargs, output):
-        x = a.attention_input(args, kwargs).to(mdt)
-        pos, mask = a.attention_positions(args, kwargs, x), a.attention_mask(args, kwargs)
-        z0, _ = lorsa.activation(lorsa.compute_z_pre(x, pos, mask))
-        clean = lorsa.decode(z0)
-        q, k = lorsa.qk(x, pos)
-        cap["l.input"] = x
-        q, k = cap["l.hook_q"], cap["l.hook_k"] = edited(q, edits, "l.hook_q"), edited(k, edits, "l.hook_k")
-        v = cap["l.hook_v"] = edited(lorsa.values(x), edits, "l.hook_v")
-        z_pre = lorsa._attend(q, k, v, mask, x.shape[0], x.shape[1], x.device)
-        z_pre = cap["l.hook_z_pre"] = edited(z_pre, edits, "l.hook_z_pre")
-        z = cap["l.hook_z"] = edited(lorsa.activation(z_pre)[0], edits, "l.hook_z")
-        out = cap["l.hook_out"] = edited(lorsa.decode(z), edits, "l.hook_out")
-        true = a.attention_output(output)
-        e = error_term("l", true, clean) if error else None
-        return a.with_attention_output(output, site_sum(true, out, clean, e, error))
-
-    def coder_hook(coder, key, read_input, get, put):
-        def hook(module, args, kwargs, output):
-            true = get(output)
-            x = read_input(args, kwargs, true).to(mdt)
-
-            def run(edits):
-                pre = edited(fused(coder.encoder_input(x), coder.W_enc, coder.b_enc), edits, f"{key}.hook_sae_acts_pre")
-                acts = edited(coder.activation(pre), edits, f"{key}.hook_sae_acts_post")
-                out = fused(acts, coder.W_dec, coder.b_dec)
-                skip = coder.skip(x)
-                out = edited(out if skip is None else out + skip, edits, f"{key}.hook_sae_recons")
-                return pre, acts, out
-
-            clean = run([])[2]
-            cap[f"{key}.input"] = x
-            cap[f"{key}.hook_sae_acts_pre"], cap[f"{key}.hook_sae_acts_post"], out = run(edits)
-            cap[f"{key}.hook_sae_recons"] = out
-            e = error_term(key, true, clean) if error else None
-            return put(output, site_sum(true, out, clean, e, error))
-        return hook
-
-    def first(output):
-        return output[0] if isinstance(output, tuple) else output
-
-    def with_first(output, new):
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    handles = []
-    if "s" in sets:
-        handles.append(a.get_module(hf, w.sae_site).register_forward_hook(
-            coder_hook(w.sae, "s", lambda args, kwargs, true: true, first, with_first), with_kwargs=True))
-    if "l" in sets:
-        handles.append(a.attention_module(hf, LORSA_LAYER).register_forward_hook(lorsa_hook, with_kwargs=True))
-    if "t" in sets:
-        handles.append(a.mlp_module(hf, TC_LAYER).register_forward_hook(
-            coder_hook(w.tc, "t", lambda args, kwargs, true: a.mlp_input(args, kwargs), a.mlp_output,
-                       a.with_mlp_output), with_kwargs=True))
-    seen: list = []
-    handles.append(hf.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out)))
-    try:
-        with torch.no_grad():
-            hf(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen[0]
-
-
-def traced_logits(w: SimpleNamespace, inputs, edits: list, error: bool, order: str, reads: tuple = ()) -> tuple:
-    with torch.no_grad(), w.model.trace(inputs):
-        env = {kind: splice(w, kind, error) for kind in order}
-        got = nnsight.save({})
-        pending = list(edits)
-        for hook in sorted(set(reads) | {e[0] for e in edits}, key=execution_rank):
-            value = env[hook[0]].input if hook.endswith(".input") else getattr(env[hook[0]], hook[2:]).output
-            if hook in reads:
-                got[hook] = value.clone()
-            for e in [e for e in pending if e[0] == hook]:
-                apply_edit(value, *e)
-        logits = nnsight.save(unembed(w.model).output)
-    return logits, got
 
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -91,20 +91,27 @@ def _register() -> None:
     AttentionMaskInterface.register(REF_IMPL, eager_mask)
 
 
-def _models(family: str, biases, dtype=torch.float32, mode: str = "gated", top_k: int = 1):
-    """(gated model, reference model) of the same weights."""
+def _gated(model, family: str, biases, dtype=torch.float32, mode: str = "gated", top_k: int = 1):
+    """Gated attention installed on ``model`` (a Hugging Face or nnsight model of ``family``), its gates' biases set
+    to ``biases`` (one list per layer), and the reference model of the same weights running the test's attention
+    (``_REF`` reset for it)."""
     _register()
-    gated = tiny_hf_model(family).to(dtype)
     ref = tiny_hf_model(family).to(dtype)
     ref.set_attn_implementation(REF_IMPL)
-    install_gated_attention(gated, init_bias=0.0)
+    install_gated_attention(model, init_bias=0.0)
     with torch.no_grad():
-        for layer, gate in get_gates(gated).items():
+        for layer, gate in get_gates(model).items():
             gate.bias.copy_(torch.tensor(biases[layer]))
-    set_gate_mode(gated, mode, top_k)
+    set_gate_mode(model, mode, top_k)
     _REF.update(config=ref.config, bias={layer: torch.tensor(b) for layer, b in enumerate(biases)},
                 gates={}, expected={}, active={}, possible={}, mode=mode, top_k=top_k)
-    return gated, ref
+    return ref
+
+
+def _models(family: str, biases, dtype=torch.float32, mode: str = "gated", top_k: int = 1):
+    """(gated model, reference model) of the same weights."""
+    gated = tiny_hf_model(family).to(dtype)
+    return gated, _gated(gated, family, biases, dtype, mode, top_k)
 
 
 def _batch(seed: int, batch: int, seq: int, side: str, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,16 +278,8 @@ def test_save_load_round_trip_gives_equal_logits(a, bf16, tmp_path_factory) -> N
 def test_gate_envoys_read_the_reference_gate_and_edits_are_exact(family, biases, seed, layer, head) -> None:
     import nnsight
 
-    _register()
     model, hf = tiny_nnsight(family)
-    install_gated_attention(model, init_bias=0.0)
-    with torch.no_grad():
-        for i, gate in get_gates(model).items():
-            gate.bias.copy_(torch.tensor(biases[i]))
-    ref = tiny_hf_model(family)
-    ref.set_attn_implementation(REF_IMPL)
-    _REF.update(config=ref.config, bias={i: torch.tensor(b) for i, b in enumerate(biases)},
-                gates={}, expected={}, active={}, possible={})
+    ref = _gated(model, family, biases)
     ids, mask = _batch(seed, 1, 6, "left", [0])
     _REF["am"] = mask
     with torch.no_grad():
@@ -352,16 +351,8 @@ def test_nnsight_generate_reads_each_steps_reference_gate(family, biases, seed, 
     window, closed in the reference)."""
     import nnsight
 
-    _register()
     model, _ = tiny_nnsight(family)
-    install_gated_attention(model, init_bias=0.0)
-    with torch.no_grad():
-        for i, gate in get_gates(model).items():
-            gate.bias.copy_(torch.tensor(biases[i]))
-    ref = tiny_hf_model(family)
-    ref.set_attn_implementation(REF_IMPL)
-    _REF.update(config=ref.config, bias={i: torch.tensor(b) for i, b in enumerate(biases)},
-                gates={}, expected={}, active={}, possible={})
+    ref = _gated(model, family, biases)
     ids, _ = _batch(seed, 1, length, "left", [0])
     attn = model.get(_attn_path(model, layer))
     gen = {"max_new_tokens": steps, "min_new_tokens": steps, "do_sample": False, "pad_token_id": 1}
