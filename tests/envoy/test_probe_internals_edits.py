@@ -328,13 +328,10 @@ def test_drawn_edits_on_three_sets_equal_the_same_edits_by_hand(data, family, ba
     assert close(logits, want), (edits, float((logits - want).abs().max()))
 
 
-@generated(40, 600, data=st.data(), family=st.sampled_from(FAMILIES), error=st.booleans(),
-       invokes=st.lists(st.tuples(st.integers(2, 7), st.text("lts", max_size=3).map(lambda s: "".join(sorted(set(s))))),
-                        min_size=1, max_size=3), seed=st.integers(0, 99))
-def test_drawn_edits_per_invoke_stay_in_their_rows(data, family, error, invokes, seed):
-    """Invokes of different lengths (nnsight left-pads them), each splicing its own sets with its own edits: each
-    invoke's logits = its prompt alone with its sets and edits by hand; the others' edits and sets do not leak."""
-    w = world(family)
+def invoke_runs(w: SimpleNamespace, data, error: bool, invokes: list, seed: int) -> tuple[int, list]:
+    """Invokes of different lengths (nnsight left-pads them), each splicing its own sets with its own drawn edits:
+    ``(longest, [(got, want, sets, edits)])`` — each invoke's logits, and its prompt alone with its sets and edits by
+    hand (:func:`reference_logits`)."""
     longest = max(n for n, _ in invokes)
     plans = []
     for i, (n, sets) in enumerate(invokes):
@@ -352,8 +349,18 @@ def test_drawn_edits_per_invoke_stay_in_their_rows(data, family, error, invokes,
                              slice(None if positions.start is None else positions.start + shift, None))
                     apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, moved, value)
                 outs.append(unembed(w.model).output[:, shift:])
-    for (ids, sets, edits), got in zip(plans, outs, strict=True):
-        want = reference_logits(w, ids, edits, error, sets)
+    return longest, [(got, reference_logits(w, ids, edits, error, sets), sets, edits)
+                     for (ids, sets, edits), got in zip(plans, outs, strict=True)]
+
+
+@generated(40, 600, data=st.data(), family=st.sampled_from(FAMILIES), error=st.booleans(),
+       invokes=st.lists(st.tuples(st.integers(2, 7), st.text("lts", max_size=3).map(lambda s: "".join(sorted(set(s))))),
+                        min_size=1, max_size=3), seed=st.integers(0, 99))
+def test_drawn_edits_per_invoke_stay_in_their_rows(data, family, error, invokes, seed):
+    """Invokes of different lengths (nnsight left-pads them), each splicing its own sets with its own edits: each
+    invoke's logits = its prompt alone with its sets and edits by hand; the others' edits and sets do not leak."""
+    w = world(family)
+    for got, want, sets, edits in invoke_runs(w, data, error, invokes, seed)[1]:
         assert close(got, want), (sets, edits, float((got - want).abs().max()))
 
 
@@ -361,14 +368,12 @@ GENERATE_HOOKS = ("s.hook_sae_acts_post", "s.hook_error", "l.hook_k", "l.hook_v"
                   "l.hook_error", "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_error")
 
 
-@generated(20, 300, data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 2), length=st.integers(2, 6),
-       error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
-def test_drawn_edits_at_chosen_generation_steps_equal_full_sequence_edits(data, family, batch, length, error, order,
-                                                                       seed):
-    """``generate`` with the three sets and drawn edits at drawn steps (a step's edit acts on its new positions;
-    edited keys and values stay in the Lorsa's cache): each step's logits = a full-sequence forward of the generated
-    tokens with the edits at the positions of the steps that made them, by hand."""
-    w = world(family)
+def generation_runs(w: SimpleNamespace, data, batch: int, length: int, error: bool, order: str, seed: int
+                    ) -> tuple[list, list]:
+    """``generate`` 3 steps with the sets spliced in ``order`` and drawn edits at drawn steps (a step's edit acts on
+    its new positions; edited keys and values stay in the Lorsa's cache): ``(edits, [(step, got, want)])`` — each
+    step's last logits, and a full-sequence forward of the generated tokens with the edits at the positions of the
+    steps that made them, by hand."""
     steps = 3
     drawn = data.draw(edit_lists("lts", error, 1, hooks=GENERATE_HOOKS, w=w))
     edits = [(h, op, unit, value, data.draw(st.lists(st.integers(0, steps - 1), min_size=1, max_size=steps,
@@ -385,13 +390,27 @@ def test_drawn_edits_at_chosen_generation_steps_equal_full_sequence_edits(data, 
             got.append(unembed(w.model).output[:, -1].clone())
         result = nnsight.save(tracer.result)
     assert result.shape == (batch, length + steps)
+    runs = []
     for step in range(steps):  # along the generated tokens (min_new_tokens keeps the EOS id out of them)
         full = [(hook, op, unit, sorted({p for s in at if s <= step for p in
                                          (range(length) if s == 0 else [length + s - 1])}), value)
                 for hook, op, unit, value, at in edits]
         full = [e for e in full if e[3]]
-        want = reference_logits(w, result[:, :length + step], full, error)[:, -1]
-        assert close(got[step], want), (step, edits, float((got[step] - want).abs().max()))
+        runs.append((step, got[step], reference_logits(w, result[:, :length + step], full, error)[:, -1]))
+    return edits, runs
+
+
+@generated(20, 300, data=st.data(), family=st.sampled_from(FAMILIES), batch=st.integers(1, 2), length=st.integers(2, 6),
+       error=st.booleans(), order=st.permutations("lts"), seed=st.integers(0, 99))
+def test_drawn_edits_at_chosen_generation_steps_equal_full_sequence_edits(data, family, batch, length, error, order,
+                                                                       seed):
+    """``generate`` with the three sets and drawn edits at drawn steps (a step's edit acts on its new positions;
+    edited keys and values stay in the Lorsa's cache): each step's logits = a full-sequence forward of the generated
+    tokens with the edits at the positions of the steps that made them, by hand."""
+    w = world(family)
+    edits, runs = generation_runs(w, data, batch, length, error, "".join(order), seed)
+    for step, got, want in runs:
+        assert close(got, want), (step, edits, float((got - want).abs().max()))
 
 
 # ------------------------------------------------------------ the model after

@@ -17,10 +17,9 @@ import copy
 import functools
 from types import SimpleNamespace
 
-import nnsight
 import pytest
 import torch
-from helpers import random_ids, tiny_nnsight, unembed
+from helpers import random_ids, tiny_nnsight
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_probe_internals_edits import (  # the fp32 probe's references, with the splice's casts (``w.mdt``)
@@ -29,11 +28,11 @@ from test_probe_internals_edits import (  # the fp32 probe's references, with th
     SAE_LAYER,
     SETTINGS,
     TC_LAYER,
-    apply_edit,
     edit_lists,
     generated,
+    generation_runs,
+    invoke_runs,
     reference_logits,
-    splice,
     traced_logits,
 )
 from test_probe_internals_edits import world as fp32_world
@@ -129,25 +128,8 @@ def test_half_precision_edits_per_invoke_stay_in_their_rows(data, family, dt, er
     each invoke's logits = its prompt alone with its sets and edits by hand. Padding changes the attention's
     reductions' lengths, so this one's bound is the dtype's rounding (docs/reliability.md)."""
     w = world(family, *DTYPES[dt])
-    longest = max(n for n, _ in invokes)
-    plans = []
-    for i, (n, sets) in enumerate(invokes):
-        ids = random_ids(1, n, seed=seed * 10 + i)
-        plans.append((ids, sets, data.draw(edit_lists(sets, error, n, w=w)) if sets else []))
-    with torch.no_grad(), w.model.trace() as tracer:
-        outs = nnsight.save([])
-        for ids, sets, edits in plans:
-            with tracer.invoke(ids):
-                env = {kind: splice(w, kind, error) for kind in sets}
-                shift = longest - ids.shape[1]
-                for hook, op, unit, positions, value in edits:
-                    moved = (positions + shift if isinstance(positions, int) else
-                             [p + shift for p in positions] if isinstance(positions, list) else
-                             slice(None if positions.start is None else positions.start + shift, None))
-                    apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, moved, value)
-                outs.append(unembed(w.model).output[:, shift:])
-    for (ids, sets, edits), got in zip(plans, outs, strict=True):
-        want = reference_logits(w, ids, edits, error, sets)
+    longest, runs = invoke_runs(w, data, error, invokes, seed)
+    for got, want, sets, edits in runs:
         # a padded row against its prompt alone: the same ops except the masked keys' (zero-weight) terms
         assert gap(got, want) <= padded_bound(w, want, longest), (sets, edits, gap(got, want))
 
@@ -163,10 +145,6 @@ def padded_bound(w: SimpleNamespace, want: torch.Tensor, length: int) -> float:
     return 4 * torch.finfo(narrow).eps * max(float(want.abs().max()), 1.0)
 
 
-GENERATE_HOOKS = ("s.hook_sae_acts_post", "s.hook_error", "l.hook_k", "l.hook_v", "l.hook_z_pre", "l.hook_z",
-                  "l.hook_error", "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_error")
-
-
 @generated(10, 150, data=st.data(), family=st.sampled_from(FAMILIES), dt=dtype_ids, batch=st.integers(1, 2),
            length=st.integers(2, 6), error=st.booleans(), seed=st.integers(0, 99))
 def test_half_precision_edits_at_generation_steps_equal_full_sequence_edits(data, family, dt, batch, length, error,
@@ -175,28 +153,9 @@ def test_half_precision_edits_at_generation_steps_equal_full_sequence_edits(data
     generated tokens with the edits at the positions of the steps that made them, by hand (the cached decode's
     reductions run in another order than the full forward's: the bound is the dtype's rounding)."""
     w = world(family, *DTYPES[dt])
-    steps = 3
-    drawn = data.draw(edit_lists("lts", error, 1, hooks=GENERATE_HOOKS, w=w))
-    edits = [(h, op, unit, value, data.draw(st.lists(st.integers(0, steps - 1), min_size=1, max_size=steps,
-                                                         unique=True)))
-             for h, op, unit, _, value in drawn]
-    ids = random_ids(batch, length, seed=seed)
-    with torch.no_grad(), w.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False) as tracer:
-        env = {kind: splice(w, kind, error) for kind in "lts"}
-        got = nnsight.save([])
-        for step in tracer.iter[:steps]:
-            for hook, op, unit, value, at in edits:
-                if step in at:
-                    apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, slice(None), value)
-            got.append(unembed(w.model).output[:, -1].clone())
-        result = nnsight.save(tracer.result)
-    for step in range(steps):
-        full = [(hook, op, unit, sorted({p for s in at if s <= step for p in
-                                         (range(length) if s == 0 else [length + s - 1])}), value)
-                for hook, op, unit, value, at in edits]
-        full = [e for e in full if e[3]]
-        want = reference_logits(w, result[:, :length + step], full, error)[:, -1]
-        assert gap(got[step], want) <= padded_bound(w, want, length + step), (step, edits, gap(got[step], want))
+    edits, runs = generation_runs(w, data, batch, length, error, "lts", seed)
+    for step, got, want in runs:
+        assert gap(got, want) <= padded_bound(w, want, length + step), (step, edits, gap(got, want))
 
 
 #: hook points where an fp16-range-breaking write is possible, with the value written (finite in fp32)
