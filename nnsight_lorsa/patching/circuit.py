@@ -106,8 +106,10 @@ def _keep_only(replacement: ReplacementModel, components: Sequence[Component], k
             for j, i in enumerate(idx):
                 c = components[i]
                 # edited here, not through interventions.ablate: refused as there where the Lorsa spliced on this
-                # layer without an error term would discard it (its score would be 0.0, without a word)
-                replacement.check_editable(c)
+                # layer without an error term would discard it (its score would be 0.0, without a word) — when some
+                # row ablates it (a run keeping it everywhere edits nothing)
+                if not bool(k[:, j].all()):
+                    replacement.check_editable(c)
                 cols = slice(c.head * d, (c.head + 1) * d)
                 kj = k[:, j, None, None].to(device=tensor.device, dtype=tensor.dtype)
                 fill = like(_fill(c, mode, means), tensor)
