@@ -45,7 +45,8 @@ class LorsaObjective(_Objective):
 
     Raises:
         TypeError: ``module`` is not a Lorsa.
-        ConfigMismatchError: the recipe's ``k_anneal_from`` is below the Lorsa's ``top_k``.
+        ConfigMismatchError: the recipe's ``k_anneal_from`` is below the Lorsa's ``top_k`` or above its
+            ``n_ov_heads``.
     """
 
     desc = "Lorsa"
@@ -59,7 +60,7 @@ class LorsaObjective(_Objective):
         super().__init__(module)
         self.mhsa = mhsa
         self.recipe = recipe or LorsaRecipe()
-        check_k_anneal(self.recipe, int(module.cfg.top_k))
+        check_k_anneal(self.recipe, int(module.cfg.top_k), int(module.cfg.n_ov_heads))
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
         self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -212,18 +212,24 @@ class LorsaRecipe:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def check_k_anneal(recipe: LorsaRecipe, top_k: int) -> None:
+def check_k_anneal(recipe: LorsaRecipe, top_k: int, n_ov_heads: int | None = None) -> None:
     """``k_anneal_from`` anneals *down* to ``top_k``: None or equal to ``top_k`` is no annealing; below it is refused
-    (it meant no annealing without a word).
+    (it meant no annealing without a word), and so is more than the Lorsa's ``n_ov_heads`` (given): the first
+    training step's top-k would fail deep in the forward (before: ``ArgumentError`` from ``Lorsa.activation``
+    after the recipe's initialisation had run).
 
     Raises:
-        ConfigMismatchError: ``k_anneal_from < top_k``.
+        ConfigMismatchError: ``k_anneal_from < top_k`` or ``k_anneal_from > n_ov_heads``.
     """
     k0 = recipe.k_anneal_from
     if k0 is not None and k0 < top_k:
         raise ConfigMismatchError(f"LorsaRecipe.k_anneal_from={k0} is below the Lorsa's top_k={top_k}: k anneals down "
                                   f"from k_anneal_from to top_k; use k_anneal_from > {top_k} to anneal, or None "
                                   f"(or {top_k}) for none")
+    if k0 is not None and n_ov_heads is not None and k0 > n_ov_heads:
+        raise ConfigMismatchError(f"LorsaRecipe.k_anneal_from={k0} is above the Lorsa's n_ov_heads={n_ov_heads}: "
+                                  f"the top-k keeps at most every OV head; use k_anneal_from in "
+                                  f"[{top_k}, {n_ov_heads}]")
 
 
 def k_schedule(step: int, total_steps: int, top_k: int, recipe: LorsaRecipe) -> int:

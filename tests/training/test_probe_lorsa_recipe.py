@@ -116,6 +116,16 @@ def test_k_anneal_from_below_top_k_is_refused_naming_it():
     LorsaObjective(lorsa, recipe=LorsaRecipe(k_anneal_from=8))
 
 
+def test_k_anneal_from_above_n_ov_heads_is_refused_when_the_objective_is_built():
+    """``k_anneal_from > n_ov_heads`` failed only at the first training step, deep in ``Lorsa.activation`` after the
+    recipe's initialisation had run (seen failing before the fix: no error at construction); now
+    ``ConfigMismatchError`` naming both numbers when the objective is built. ``n_ov_heads`` itself anneals."""
+    lorsa = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=4, n_ov_heads=16, top_k=8))
+    with pytest.raises(ConfigMismatchError, match="LorsaRecipe.k_anneal_from=17 .*n_ov_heads=16"):
+        LorsaObjective(lorsa, recipe=LorsaRecipe(k_anneal_from=17))
+    LorsaObjective(lorsa, recipe=LorsaRecipe(k_anneal_from=16))
+
+
 # ------------------------------------------------------------------------------------------- references
 def rms(q: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
     if gain is None:
