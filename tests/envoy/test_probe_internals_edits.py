@@ -368,27 +368,39 @@ GENERATE_HOOKS = ("s.hook_sae_acts_post", "s.hook_error", "l.hook_k", "l.hook_v"
                   "l.hook_error", "t.hook_sae_acts_pre", "t.hook_sae_acts_post", "t.hook_error")
 
 
-def generation_runs(w: SimpleNamespace, data, batch: int, length: int, error: bool, order: str, seed: int
-                    ) -> tuple[list, list]:
+def generation_runs(w: SimpleNamespace, data, batch: int, length: int, error: bool, order: str, seed: int,
+                    captures: list | None = None) -> tuple[list, list]:
     """``generate`` 3 steps with the sets spliced in ``order`` and drawn edits at drawn steps (a step's edit acts on
     its new positions; edited keys and values stay in the Lorsa's cache): ``(edits, [(step, got, want)])`` — each
     step's last logits, and a full-sequence forward of the generated tokens with the edits at the positions of the
-    steps that made them, by hand."""
+    steps that made them, by hand. ``captures`` receives each step's reference internals (``reference_logits``'
+    ``capture``), in step order, each with ``"decoded"``: ``{kind: (batch, length + step, width)}``, what each set's
+    selection (the Lorsa's top-k, the coders' activations) gave at those positions during ``generate``."""
     steps = 3
     drawn = data.draw(edit_lists("lts", error, 1, hooks=GENERATE_HOOKS, w=w))
     edits = [(h, op, unit, value, data.draw(st.lists(st.integers(0, steps - 1), min_size=1, max_size=steps,
                                                          unique=True)))
              for h, op, unit, _, value in drawn]
     ids = random_ids(batch, length, seed=seed)
-    with torch.no_grad(), w.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False) as tracer:
-        env = {kind: splice(w, kind, error) for kind in order}
-        got = nnsight.save([])
-        for step in tracer.iter[:steps]:
-            for hook, op, unit, value, at in edits:
-                if step in at:
-                    apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, slice(None), value)
-            got.append(unembed(w.model).output[:, -1].clone())
-        result = nnsight.save(tracer.result)
+    decoded: dict[str, list] = {"l": [], "t": [], "s": []}
+    handles = [] if captures is None else [  # plain torch hooks: what each selection gave, step by step
+        w.lorsa.hook_z.register_forward_hook(lambda m, i, o: decoded["l"].append(i[0].detach().clone())),
+        w.tc.activation.register_forward_hook(lambda m, i, o: decoded["t"].append(o.detach().clone())),
+        w.sae.activation.register_forward_hook(lambda m, i, o: decoded["s"].append(o.detach().clone()))]
+    try:
+        with torch.no_grad(), w.model.generate(ids, max_new_tokens=steps, min_new_tokens=steps,
+                                               do_sample=False) as tracer:
+            env = {kind: splice(w, kind, error) for kind in order}
+            got = nnsight.save([])
+            for step in tracer.iter[:steps]:
+                for hook, op, unit, value, at in edits:
+                    if step in at:
+                        apply_edit(getattr(env[hook[0]], hook[2:]).output, hook, op, unit, slice(None), value)
+                got.append(unembed(w.model).output[:, -1].clone())
+            result = nnsight.save(tracer.result)
+    finally:
+        for handle in handles:
+            handle.remove()
     assert result.shape == (batch, length + steps)
     runs = []
     for step in range(steps):  # along the generated tokens (min_new_tokens keeps the EOS id out of them)
@@ -396,7 +408,11 @@ def generation_runs(w: SimpleNamespace, data, batch: int, length: int, error: bo
                                          (range(length) if s == 0 else [length + s - 1])}), value)
                 for hook, op, unit, value, at in edits]
         full = [e for e in full if e[3]]
-        runs.append((step, got[step], reference_logits(w, result[:, :length + step], full, error)[:, -1]))
+        cap: dict = {}
+        runs.append((step, got[step], reference_logits(w, result[:, :length + step], full, error, capture=cap)[:, -1]))
+        if captures is not None:
+            cap["decoded"] = {kind: torch.cat(parts, 1)[:, :length + step] for kind, parts in decoded.items()}
+            captures.append(cap)
     return edits, runs
 
 

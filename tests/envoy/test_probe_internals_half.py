@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import random_ids, tiny_nnsight
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_probe_internals_edits import (  # the fp32 probe's references, with the splice's casts (``w.mdt``)
     HOOKS,
@@ -139,10 +139,11 @@ def padded_bound(w: SimpleNamespace, want: torch.Tensor, length: int) -> float:
     of other shapes (more rows, more keys) may sum in another order — the plain model differs the same way (fp32:
     1.8e-7 on the logits with no set spliced). Each reduction is then off by about ``eps`` of its scale, and where
     the module is narrower than the model (bf16 modules, fp32 model) such a change can flip the rounding of the
-    module's input, an ``eps`` of the narrower dtype: ``4 eps(narrower dtype) max(|logits|, 1)``. Measured
+    module's input, an ``eps`` of the coarser dtype: ``4 eps(coarser dtype) max(|logits|, 1)`` (bf16's beside
+    fp16: both have 16 bits, and picking by bits took fp16's for bf16 modules on an fp16 model). Measured
     (``-m slow``, 300 + 150 cases): at most 4.6 eps(fp32) (fp32 model, bf16 modules), 0.125 eps(fp16), 0 for bf16."""
-    narrow = min((want.dtype, w.mdt), key=lambda d: torch.finfo(d).bits)
-    return 4 * torch.finfo(narrow).eps * max(float(want.abs().max()), 1.0)
+    eps = max(torch.finfo(want.dtype).eps, torch.finfo(w.mdt).eps)  # the coarser: bf16's beside fp16 (same bits)
+    return 4 * eps * max(float(want.abs().max()), 1.0)
 
 
 @generated(10, 150, data=st.data(), family=st.sampled_from(FAMILIES), dt=dtype_ids, batch=st.integers(1, 2),
@@ -153,9 +154,40 @@ def test_half_precision_edits_at_generation_steps_equal_full_sequence_edits(data
     generated tokens with the edits at the positions of the steps that made them, by hand (the cached decode's
     reductions run in another order than the full forward's: the bound is the dtype's rounding)."""
     w = world(family, *DTYPES[dt])
-    edits, runs = generation_runs(w, data, batch, length, error, "lts", seed)
-    for step, got, want in runs:
+    captures: list = []
+    edits, runs = generation_runs(w, data, batch, length, error, "lts", seed, captures)
+    for (step, got, want), cap in zip(runs, captures, strict=True):
+        if gap(got, want) > padded_bound(w, want, length + step):
+            # a selection at a near-tie may go either way under another summation order: not a wrong edit
+            assume(not at_selection_boundary(w, cap))
         assert gap(got, want) <= padded_bound(w, want, length + step), (step, edits, gap(got, want))
+
+
+def at_selection_boundary(w: SimpleNamespace, cap: dict, ulps: int = 8) -> bool:
+    """Whether a selection went another way in ``generate`` than in the reference's full forward ``cap`` (a
+    ``generation_runs`` capture) at a row where the reference is within ``ulps`` units of rounding (of the coarser of
+    the model's and the modules' dtypes, at the row's scale) of a tie: the Lorsa's and the transcoder's top-k (the
+    k-th against the (k+1)-th pre-activation) and the SAE's JumpReLU threshold. Decode and full forward sum in other
+    orders, so such a selection may flip between them: not a wrong edit (docs/reliability.md, "Half-precision
+    internals probe": Qwen3, an exact bf16 tie 2.078125 = 2.078125 at the transcoder's 8th / 9th feature)."""
+    eps = max(torch.finfo(w.mdt).eps, torch.finfo(w.hf.dtype).eps) * ulps
+    pre = {"l": cap["l.hook_z_pre"], "t": cap["t.hook_sae_acts_pre"], "s": cap["s.hook_sae_acts_pre"]}
+    with torch.no_grad():
+        chosen = {"l": w.lorsa.activation(pre["l"])[0], "t": w.tc.activation(pre["t"]), "s": w.sae.activation(pre["s"])}
+
+    def margin(kind: str) -> torch.Tensor:  # (batch, pos): the distance to a flip, in the row's scale
+        x = pre[kind].double()
+        if kind == "s":
+            gap = (x - w.sae.activation.threshold.double()).abs().amin(-1)
+        else:
+            k = w.lorsa.cfg.top_k if kind == "l" else w.tc.activation.k
+            top = x.topk(k + 1, dim=-1).values
+            gap = top[..., k - 1] - top[..., k]
+        return gap / x.abs().amax(-1).clamp_min(1.0)
+
+    return any(bool(((cap["decoded"][kind] != 0) != (chosen[kind] != 0)).any(-1).logical_and(margin(kind) <= eps)
+                    .any()) for kind in pre)
+
 
 
 #: hook points where an fp16-range-breaking write is possible, with the value written (finite in fp32)
