@@ -15,7 +15,8 @@ Every argument and the output directory are checked before any work (:func:`run_
 :class:`~.errors.ArgumentError`; the command line prints the message and exits with status 2): sizes
 are positive (``seq_len >= 2``), the output directory is created and a probe file written and removed,
 and — once the model's config is known, before the Lorsa exists — the Lorsa's shape fits the model and
-its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory.
+its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory, and
+``seq_len`` is within the model's positions (``max_position_embeddings``).
 With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation.
 
 Ctrl-C during training stops at the end of the step under way (a second Ctrl-C stops at once): the
@@ -244,7 +245,8 @@ def _training_bytes(d_model: int, n_qk: int, d_qk: int, n_ov: int, batch: int, s
 
 
 def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int) -> None:
-    """The Lorsa's shape against the model and the machine's memory, before anything is allocated.
+    """The Lorsa's shape against the model and the machine's memory, before anything is allocated
+    (then :func:`_check_positions`).
 
     Raises:
         ArgumentError: ``n_ov_heads`` not a multiple of the QK head count, ``top_k > n_ov_heads``, or a
@@ -261,6 +263,22 @@ def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int)
                             f"batch {cfg.batch_size} x {cfg.seq_len} tokens) needs at least {need / 2**30:.3g} GiB, "
                             f"more than this machine's {have / 2**30:.3g} GiB: lower --n-ov-heads, "
                             "--qk-heads-per-mhsa-head, --batch-size or --seq-len")
+
+
+def _check_positions(cfg: DemoConfig, config: Any) -> None:
+    """``seq_len`` against the positions the model has (``max_position_embeddings`` / ``n_positions`` of its
+    text config): GPT-2's learned position table raised a raw ``IndexError`` past it, a rotary model ran
+    silently on positions it was never trained on.
+
+    Raises:
+        ArgumentError: ``seq_len`` above the model's positions.
+    """
+    text = getattr(config, "get_text_config", lambda: config)()
+    limits = [v for v in (getattr(text, k, None) for k in ("max_position_embeddings", "n_positions"))
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if limits and cfg.seq_len > min(limits):
+        raise ArgumentError(f"--seq-len {cfg.seq_len} exceeds the model's {min(limits)} positions "
+                            "(max_position_embeddings in its config.json): lower --seq-len")
 
 
 @contextmanager
@@ -386,6 +404,7 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
     mhsa = adapter.mhsa_weights(hf_module(model), layer)
     n_ov = cfg.n_ov_heads or 8 * adapter.d_model
     _check_sizes(cfg, adapter.d_model, mhsa.n_heads * cfg.qk_heads_per_mhsa_head, mhsa.head_dim, n_ov)
+    _check_positions(cfg, model.config)
     if token_file is not None:  # a stream cut at the model's EOS ids, or one document per row
         try:
             data = TokenDataset.from_ids(token_file[0], cfg.seq_len, target_mask=token_file[1],

@@ -109,8 +109,8 @@ def _refused(pairs: list[tuple[str, str]], root: Path) -> set[str]:
     """The flags whose values the documented rules refuse (``"--text and --tokens"`` for both given); empty when
     every check passes. Written from the help text and docs/reliability.md, not from the demo's code; where
     several are bad, any one of them may be the one named."""
-    if any(v.startswith("--") for _, v in pairs):  # argparse reads it as an option: its own usage error
-        return {"--"}
+    if any(v.startswith("-") and not re.fullmatch(r"-\d+|-\d*\.\d+", v) for _, v in pairs):
+        return {"--"}  # argparse reads it as an option (-inf, -1e-3, --steps): its own usage error naming the flag
     unparsable = {f for f, v in pairs if (f in INT_FLAGS and _parse_int(v) is None)
                   or (f == "--lr" and _parse_float(v) is None)}
     if unparsable:  # argparse converts each occurrence
@@ -294,6 +294,35 @@ def test_a_directory_that_is_not_a_loadable_model_exits_1_in_one_line_naming_it(
     assert ("config.json" in lines[0]) == how.startswith(("config", "unknown", "no model")), lines[0]
 
 
+@pytest.mark.parametrize(("family", "seq_len", "refused"), [("gpt2", 129, True), ("gpt2", 128, False),
+                                                       ("llama", 129, True)])
+def test_a_window_longer_than_the_models_positions_exits_2_naming_seq_len(files, tmp_path, family, seq_len, refused,
+                                                                         monkeypatch, capsys):
+    """Seen failing: GPT-2 (128 learned positions) with ``--seq-len 129`` ended in torch's raw ``IndexError`` from
+    the position table; a rotary Llama trained and reported numbers on positions it was never trained on."""
+    from nnsight_lorsa.training import ActivationSource
+
+    d = tmp_path / family
+    tiny_hf_model(family).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    (tmp_path / "long.txt").write_text(" ".join(f"w{i % 100 + 2}" for i in range(3000)))
+
+    def stop(*a, **k):
+        raise _Checked
+
+    monkeypatch.setattr(ActivationSource, "attention", stop)  # the run would train from here
+    argv = ["demo", "--model", str(d), "--text", str(tmp_path / "long.txt"), "--seq-len", str(seq_len),
+            "--batch-size", "4", "--no-progress"]
+    if not refused:
+        with pytest.raises(_Checked):
+            main(argv)
+        return
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--seq-len {seq_len} exceeds the model's 128 positions" in err, err
+
+
 def test_a_bad_token_file_is_refused_naming_the_option_on_one_line(files, tmp_path, capsys):
     torch.save({"x": 1}, tmp_path / "t.pt")
     (tmp_path / "g.pt").write_bytes(b"garbage")  # torch's message runs over many lines
@@ -308,13 +337,14 @@ def test_a_bad_token_file_is_refused_naming_the_option_on_one_line(files, tmp_pa
 
 
 # ----------------------------------------------------------------------------------- the numbers it reports
-def _reference(model_dir: Path, lorsa, text: str, seq_len: int, heldout_windows: int, layer: int):
+def _reference(model_dir: Path, lorsa, text: str, seq_len: int, heldout_windows: int, layer: int,
+               dtype: torch.dtype = torch.float32):
     """Held-out windows, FVU / L0 / dead fraction / CEs and z from plain torch: the Hugging Face model with forward
     hooks on the attention of ``layer`` and the saved Lorsa's own forward (its primitive)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = tok(text, add_special_tokens=False)["input_ids"]
     body = seq_len - 1
     n = len(ids) // body
@@ -329,8 +359,8 @@ def _reference(model_dir: Path, lorsa, text: str, seq_len: int, heldout_windows:
     def hook(module, args, kwargs, out):
         x = kwargs.get("hidden_states", args[0] if args else None)
         seen["x"], seen["y"] = x.detach(), out[0].detach()
-        if mode["m"] == "lorsa":
-            new, cache = lorsa(x, return_cache=True)
+        if mode["m"] == "lorsa":  # the Lorsa in fp32 beside a half-precision model, its output cast back
+            new, cache = lorsa(x.float(), return_cache=True)
             seen["z"] = cache.z.detach()
             return (new.to(out[0].dtype), *out[1:])
         if mode["m"] == "zero":
@@ -347,7 +377,7 @@ def _reference(model_dir: Path, lorsa, text: str, seq_len: int, heldout_windows:
                 if m == "orig":
                     ys = seen["y"]
                 if m == "lorsa":
-                    zs, outs = seen["z"], lorsa(seen["x"])
+                    zs, outs = seen["z"], lorsa(seen["x"].float())
     finally:
         h.remove()
     keep = torch.ones_like(held, dtype=torch.bool)
@@ -374,30 +404,38 @@ def _run(files, out: Path, extra: list[str], capsys) -> tuple[int, str, str]:
     return code, printed.out, printed.err
 
 
-def test_the_numbers_printed_and_written_equal_the_api_and_a_plain_torch_reference(files, tmp_path, capsys):
+#: the plain-torch reference's bound per model dtype (relative): fp32 rounding only; a half-precision model's
+#: attention output rounded in its dtype where the demo's trace and the reference cast at other points
+BOUND = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+
+
+def _numbers(files, tmp_path, capsys, dtype: str) -> None:
     from nnsight_lorsa import LorsaSet, load
     from nnsight_lorsa.envoy import load_model
     from nnsight_lorsa.training import TokenDataset, evaluate
 
     out = tmp_path / "out"
-    code, printed, err = _run(files, out, ["--no-progress", "--no-pictures"], capsys)
+    code, printed, err = _run(files, out, ["--no-progress", "--no-pictures", "--dtype", dtype], capsys)
     assert code == 0, err
     result = json.loads((out / "demo_results.json").read_text())
     ev, layer = result["eval"], result["layer"]
-    # the library API on the saved Lorsa: the same numbers, exactly
-    model = load_model(str(files / "model"))
+    bound = BOUND[dtype]
+    # the library API on the saved Lorsa, the model in the same dtype: the same numbers, exactly
+    model = load_model(str(files / "model"), dtype=getattr(torch, dtype))
     data = TokenDataset.from_text(model.tokenizer, TEXT, 16, config=model.config)
     _, held = data.split(min(0.2, 4 / len(data)))
-    api = evaluate(LorsaSet.from_pretrained(model, out / "lorsa"), held, at=layer, batch_size=4, progress=False)
+    # (the demo's Lorsa is fp32 beside the model; from_pretrained would cast it to the model's dtype)
+    lorsas = LorsaSet.from_pretrained(model, out / "lorsa", dtype=torch.float32)
+    api = evaluate(lorsas, held, at=layer, batch_size=4, progress=False)
     assert api.summary() == ev  # the JSON holds them rounded to 4 decimals (Evaluation.summary)
     full = api.to_dict()
     # plain torch
     lorsa = load(out / "lorsa" / f"layer_{layer}")
-    ref = _reference(files / "model", lorsa, TEXT, 16, 4, layer)
+    ref = _reference(files / "model", lorsa, TEXT, 16, 4, layer, getattr(torch, dtype))
     assert torch.equal(ref["held"], held.tokens)
     for k in ("fvu", "l0", "dead_frac", "ce_orig", "ce_spliced", "ce_zero"):
-        assert abs(full[k] - ref[k]) <= 1e-5 * max(1.0, abs(ref[k])), (k, full[k], ref[k])
-        assert abs(ev[k] - ref[k]) <= 5e-5 + 1e-5 * abs(ref[k]), (k, ev[k], ref[k])
+        assert abs(full[k] - ref[k]) <= bound * max(1.0, abs(ref[k])), (k, full[k], ref[k])
+        assert abs(ev[k] - full[k]) <= 5e-5, (k, ev[k], full[k])
     # the printout says the written numbers, to its digits
     m = re.search(r"held-out evaluation \((\d+) tokens\):\n  FVU ([\d.]+)   L0 ([\d.]+)   dead heads ([\d.]+)%\n"
                   r"  CE orig ([\d.]+)   CE lorsa ([\d.]+)   CE zero-ablated ([\d.]+)", printed)
@@ -413,26 +451,40 @@ def test_the_numbers_printed_and_written_equal_the_api_and_a_plain_torch_referen
     z_last = {}
 
     def hook(module, args, kwargs, o):
-        new, cache = lorsa(kwargs.get("hidden_states", args[0] if args else None), return_cache=True)
+        new, cache = lorsa(kwargs.get("hidden_states", args[0] if args else None).float(), return_cache=True)
         z_last["z"] = cache.z[0, -1]
-        return (new, *o[1:])
+        return (new.to(o[0].dtype), *o[1:])
 
     h = attn.register_forward_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            next_id = int(ref["hf"](ids).logits[0, -1].argmax())
+            last = ref["hf"](ids).logits[0, -1].double()
+            next_id = int(last.argmax())
     finally:
         h.remove()
     active = (z_last["z"] > 0).nonzero().flatten().tolist()
     line = next(x for x in printed.splitlines() if "lorsa.replace(layer=" in x)
-    assert f"-> next token {ref['tok'].decode([next_id])!r}; {len(active)} heads active" in line, line
-    assert line.endswith(f"{active[:10]}"), line
+    if dtype == "float32" or float(last.topk(2).values.diff().abs()) > 0.05:  # no near-tie in half precision
+        assert f"-> next token {ref['tok'].decode([next_id])!r}; " in line, line
+    if dtype == "float32":
+        assert f"; {len(active)} heads active" in line and line.endswith(f"{active[:10]}"), line
     # the top heads' z: the Lorsa's own z at the written window and position
     assert result["top_heads"], printed
     for entry in result["top_heads"]:
         z = float(ref["z"][entry["window"], entry["position"], entry["head"]])
-        assert abs(entry["z"] - z) <= 1e-5 * max(1.0, abs(z)) and entry["position"] >= demo.SKIP_START, entry
+        assert abs(entry["z"] - z) <= bound * max(1.0, abs(z)) and entry["position"] >= demo.SKIP_START, entry
         assert f"z={entry['z']:6.2f}" in printed
+
+
+def test_the_numbers_printed_and_written_equal_the_api_and_a_plain_torch_reference(files, tmp_path, capsys):
+    _numbers(files, tmp_path, capsys, "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_numbers_of_a_half_precision_model_equal_the_api_and_a_plain_torch_reference(files, tmp_path, capsys,
+                                                                                         dtype):
+    _numbers(files, tmp_path, capsys, dtype)
 
 
 def _comparable(printed: str) -> list[str]:
