@@ -323,6 +323,25 @@ def test_a_window_longer_than_the_models_positions_exits_2_naming_seq_len(files,
     assert info.value.code == 2 and f"--seq-len {seq_len} exceeds the model's 128 positions" in err, err
 
 
+@pytest.mark.parametrize("text", [" <eos> ".join([""] * 40), "<eos>\n<eos>", "\n\n\n\n"])
+def test_a_text_of_separators_only_exits_2_not_trained_on_the_separators(files, tmp_path, text, monkeypatch,
+                                                                          capsys):
+    """Seen failing: a text that is only EOS markers (``document_separator="auto"`` finding no document) was taken
+    as one document and cut into windows of EOS tokens — the demo trained and reported numbers on them (exit 0)."""
+    from nnsight_lorsa.training import ActivationSource
+
+    def stop(*a, **k):
+        raise _Checked
+
+    monkeypatch.setattr(ActivationSource, "attention", stop)
+    (tmp_path / "t.txt").write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--model", str(files / "model"), "--text", str(tmp_path / "t.txt"), "--seq-len", "4",
+              "--batch-size", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--text {tmp_path / 't.txt'}: " in err and "no document" in err, err
+
+
 def test_a_bad_token_file_is_refused_naming_the_option_on_one_line(files, tmp_path, capsys):
     torch.save({"x": 1}, tmp_path / "t.pt")
     (tmp_path / "g.pt").write_bytes(b"garbage")  # torch's message runs over many lines
