@@ -514,7 +514,8 @@ def _comparable(printed: str) -> list[str]:
             block = True
         elif not (block and line.startswith("  ")) and not line.startswith(("total time", "saved the")):
             block = False
-            kept.append(line)
+            if line:  # the pictures block adds a blank line before it
+                kept.append(line)
     return kept
 
 
