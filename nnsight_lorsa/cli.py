@@ -4,7 +4,8 @@ Bad arguments (checked before any work, :func:`~.demo.run_demo`) print a usage e
 status 2; another named error (e.g. a layer outside the model, a training that turns non-finite —
 ``NonFiniteError``, or batches with too few counted tokens — ``TooFewTokensError``) prints its message on
 one line and exits with 1, without a traceback. Ctrl-C during training checkpoints it
-(:class:`~.demo.TrainingInterrupted`), prints where and the command that resumes, and exits with 130.
+(:class:`~.demo.TrainingInterrupted`), prints where and the command that resumes, and exits with 130; Ctrl-C
+at another stage (:class:`~.demo.DemoInterrupted`) prints the stage and what was kept, and exits with 130.
 
 The embedded model is rebuilt by ``python scripts/tinymodel.py`` in the source repository (not installed).
 """
@@ -111,7 +112,7 @@ def _resume_command(argv: list[str], checkpoint: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .demo import DemoConfig, TrainingInterrupted
+    from .demo import DemoConfig, DemoInterrupted, TrainingInterrupted
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, demo = _parser()
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nnsight-lorsa demo: interrupted after step {e.step}: the checkpoint is in {e.checkpoint}, "
                   f"the Lorsa trained so far in {e.lorsa}\nresume with: {_resume_command(argv, str(e.checkpoint))}",
                   file=sys.stderr)
+        return 130
+    except DemoInterrupted as e:
+        kept = f"the trained Lorsa is in {e.kept}" if e.kept is not None else "no trained Lorsa was saved"
+        print(f"nnsight-lorsa demo: interrupted while {e.stage}: {kept}; every file written is whole (none "
+              "half-written)", file=sys.stderr)
         return 130
     return 0
 

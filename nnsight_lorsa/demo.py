@@ -15,7 +15,8 @@ Every argument and the output directory are checked before any work (:func:`run_
 :class:`~.errors.ArgumentError`; the command line prints the message and exits with status 2): sizes
 are positive (``seq_len >= 2``), the output directory is created and a probe file written and removed,
 and — once the model's config is known, before the Lorsa exists — the Lorsa's shape fits the model and
-its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory.
+its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory, and
+``seq_len`` is within the model's positions (``max_position_embeddings``).
 With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation.
 
 Ctrl-C during training stops at the end of the step under way (a second Ctrl-C stops at once): the
@@ -51,12 +52,14 @@ from typing import Any
 
 import torch
 
+from ._atomic import atomic_file
 from ._placement import check_device_arg
 from .envoy.loading import load_model  # re-exported: the loader lives in the glue layer (envoy)
 from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError, PlacementError
 
-__all__ = ["PROMPT", "SKIP_START", "DemoConfig", "TrainingInterrupted", "load_model", "run_demo", "write_pictures"]
+__all__ = ["PROMPT", "SKIP_START", "DemoConfig", "DemoInterrupted", "TrainingInterrupted", "load_model", "run_demo",
+           "write_pictures"]
 
 #: positions at the start of every window left out of the top activations (BOS and the first tokens,
 #: where some heads fire only because the window looks like a document start)
@@ -107,9 +110,27 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.checkpoint, self.lorsa, self.step = checkpoint, lorsa, step
 
 
+class DemoInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the demo outside its training (loading, evaluating, writing pictures or results).
+
+    Every file the demo writes is replaced atomically (a sibling temporary renamed over it), so an interrupted
+    run leaves each output whole or absent, never half-written.
+
+    Attributes:
+        stage: what the run was doing (``"loading the model and the data"``, ``"evaluating"``, …).
+        kept: the trained Lorsa's directory when it was already saved (``out_dir/lorsa``), else None.
+    """
+
+    def __init__(self, stage: str, kept: Path | None) -> None:
+        super().__init__(f"interrupted while {stage}")
+        self.stage, self.kept = stage, kept
+
+
 #: below this difference (nats) between zero-ablated and original CE, "CE recovered" is not reported
 _MIN_CE_GAP = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``--threads`` above this and above the machine's CPU count is refused (oversubscribing a few times is allowed)
+_MAX_THREADS = 256
 _POSITIVE = ("seq_len", "batch_size", "steps", "qk_heads_per_mhsa_head", "top_k", "heldout_windows")
 
 
@@ -118,8 +139,10 @@ def _check_config(cfg: DemoConfig) -> None:
 
     Raises:
         ArgumentError: a non-positive or non-integer size (``seq_len < 2``), a negative ``layer`` or
-            ``n_show``, a non-finite or non-positive ``lr``, a missing model directory or text file, a
-            text file that is not UTF-8, a model directory without ``config.json`` or weights.
+            ``n_show``, a non-finite or non-positive ``lr``, a ``seed`` outside torch's range
+            ``[-2**63, 2**64)``, ``threads`` above both the CPU count and :data:`_MAX_THREADS`, a missing model
+            directory or text file, a text file that is not UTF-8, a model directory without ``config.json`` or
+            weights.
     """
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -138,13 +161,17 @@ def _check_config(cfg: DemoConfig) -> None:
         raise ArgumentError(f"--n-show must be a non-negative integer, got {cfg.n_show!r}")
     if cfg.threads is not None and (not is_int(cfg.threads) or cfg.threads < 1):
         raise ArgumentError(f"--threads must be a positive integer, got {cfg.threads!r}")
+    cpus = os.cpu_count() or 1
+    if cfg.threads is not None and cfg.threads > max(cpus, _MAX_THREADS):  # libgomp aborts the process on 10**9
+        raise ArgumentError(f"--threads {cfg.threads}: more than this machine's {cpus} CPUs can use "
+                            f"(at most {max(cpus, _MAX_THREADS)})")
     if cfg.resume is not None and not (Path(cfg.resume) / "trainer.json").is_file():
         raise ArgumentError(f"--resume {cfg.resume}: not a demo checkpoint (no trainer.json); it is the directory "
                             "an interrupted run printed")
     if not isinstance(cfg.pictures, bool):
         raise ArgumentError(f"pictures must be True or False, got {cfg.pictures!r}")
-    if not is_int(cfg.seed):
-        raise ArgumentError(f"--seed must be an integer, got {cfg.seed!r}")
+    if not is_int(cfg.seed) or not -2**63 <= cfg.seed < 2**64:  # torch.manual_seed's range (a raw ValueError)
+        raise ArgumentError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {cfg.seed!r}")
     if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise ArgumentError(f"--lr must be a positive finite number, got {cfg.lr!r}")
     if cfg.dtype not in _DTYPES:
@@ -218,7 +245,8 @@ def _training_bytes(d_model: int, n_qk: int, d_qk: int, n_ov: int, batch: int, s
 
 
 def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int) -> None:
-    """The Lorsa's shape against the model and the machine's memory, before anything is allocated.
+    """The Lorsa's shape against the model and the machine's memory, before anything is allocated
+    (then :func:`_check_positions`).
 
     Raises:
         ArgumentError: ``n_ov_heads`` not a multiple of the QK head count, ``top_k > n_ov_heads``, or a
@@ -235,6 +263,22 @@ def _check_sizes(cfg: DemoConfig, d_model: int, n_qk: int, d_qk: int, n_ov: int)
                             f"batch {cfg.batch_size} x {cfg.seq_len} tokens) needs at least {need / 2**30:.3g} GiB, "
                             f"more than this machine's {have / 2**30:.3g} GiB: lower --n-ov-heads, "
                             "--qk-heads-per-mhsa-head, --batch-size or --seq-len")
+
+
+def _check_positions(cfg: DemoConfig, config: Any) -> None:
+    """``seq_len`` against the positions the model has (``max_position_embeddings`` / ``n_positions`` of its
+    text config): GPT-2's learned position table raised a raw ``IndexError`` past it, a rotary model ran
+    silently on positions it was never trained on.
+
+    Raises:
+        ArgumentError: ``seq_len`` above the model's positions.
+    """
+    text = getattr(config, "get_text_config", lambda: config)()
+    limits = [v for v in (getattr(text, k, None) for k in ("max_position_embeddings", "n_positions"))
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if limits and cfg.seq_len > min(limits):
+        raise ArgumentError(f"--seq-len {cfg.seq_len} exceeds the model's {min(limits)} positions "
+                            "(max_position_embeddings in its config.json): lower --seq-len")
 
 
 @contextmanager
@@ -313,7 +357,20 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         CheckpointError: ``cfg.resume`` is not a readable checkpoint of this layer's Lorsa.
         TrainingInterrupted: Ctrl-C during training; the trainer was checkpointed first (see the module
             docstring).
+        DemoInterrupted: Ctrl-C anywhere else; it names the stage and what was kept (every file the run
+            writes is replaced atomically, so none is left half-written).
     """
+    state: dict[str, Any] = {"stage": "checking the arguments", "kept": None}
+    try:
+        return _run(cfg, state)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise DemoInterrupted(state["stage"], state["kept"]) from None
+
+
+def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_demo`'s work; ``state["stage"]`` says what it is doing, ``state["kept"]`` what it has written."""
     from .adapters.registry import get_adapter
     from .analysis.top_activations import TopActivations
     from .assets import default_corpus_path
@@ -328,7 +385,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.tokens_path is not None:  # read before any work: a bad file is an argument error
         from .training.dataset import read_token_ids
 
-        token_file = read_token_ids(cfg.tokens_path)
+        try:
+            token_file = read_token_ids(cfg.tokens_path)
+        except ArgumentError as e:  # the message names the file; the command line's names the option too
+            why = str(e).removeprefix(f"{cfg.tokens_path}: ").strip().splitlines()[0]
+            raise ArgumentError(f"--tokens {cfg.tokens_path}: {why}") from None
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     out = None if cfg.out_dir is None else Path(cfg.out_dir)
@@ -336,12 +397,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         _check_out_dir(cfg.out_dir)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
+    state["stage"] = "loading the model and the data"
     model = load_model(cfg.model_dir, device=cfg.device, dtype=_DTYPES[cfg.dtype])
     adapter = get_adapter(model)
     layer = adapter.n_layers // 2 if cfg.layer is None else adapter.check_layer(cfg.layer)
     mhsa = adapter.mhsa_weights(hf_module(model), layer)
     n_ov = cfg.n_ov_heads or 8 * adapter.d_model
     _check_sizes(cfg, adapter.d_model, mhsa.n_heads * cfg.qk_heads_per_mhsa_head, mhsa.head_dim, n_ov)
+    _check_positions(cfg, model.config)
     if token_file is not None:  # a stream cut at the model's EOS ids, or one document per row
         try:
             data = TokenDataset.from_ids(token_file[0], cfg.seq_len, target_mask=token_file[1],
@@ -391,7 +454,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if saved is None or saved.to_dict() != lcfg.to_dict():  # another kind's config differs too
             raise CheckpointError(f"--resume {cfg.resume}: its Lorsa is not the one these arguments train "
                                   "(give the interrupted run's --model, --text, --layer and Lorsa sizes)")
+        given = {"--steps": (trainer.config.total_steps, cfg.steps), "--lr": (trainer.config.lr, cfg.lr)}
+        differ = [f"{k} {new} (the checkpoint's: {old})" for k, (old, new) in given.items() if old != new]
+        if differ:  # the saved TrainConfig rules on resume: another value given would be ignored silently
+            raise CheckpointError(f"--resume {cfg.resume}: the interrupted run trained with other settings: "
+                                  f"{', '.join(differ)}; give the interrupted run's values")
         print(f"resuming from {cfg.resume} at step {trainer.step} of {trainer.config.total_steps}")
+    state["stage"] = "training"
     try:
         with _stop_at_step_end(trainer):
             trainer.train(progress=cfg.progress)
@@ -403,10 +472,13 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": trainer.config.total_steps,
                               "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1),
                               "train_history": trainer.config.history[-1:]}
+    state["stage"] = "saving the trained Lorsa" if out is not None else "evaluating"
     if out is not None:  # the training is kept whatever happens next
         lorsas.save(out / "lorsa")
-        (out / "demo_results.json").write_text(json.dumps(result, indent=1))
+        atomic_file(out / "demo_results.json", json.dumps(result, indent=1).encode("utf-8"))
+        state["kept"] = out / "lorsa"
         print(f"saved the trained Lorsa to {out / 'lorsa'}")
+    state["stage"] = "evaluating"
 
     ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size, progress=None if cfg.progress else False)
     numbers = ev.summary()
@@ -463,6 +535,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             shown.append({"head": h, "z": v, "window": w, "position": p})
     result.update({"eval": numbers, "top_heads": shown})
     if cfg.pictures:
+        state["stage"] = "writing the pictures"
         t_pics = time.time()
         where = out if out is not None else Path(tempfile.mkdtemp(prefix="nnsight-lorsa-demo-"))
         pictures = write_pictures(where, model, lorsas, layer, trainer.config.history, top, heldout.tokens,
@@ -478,7 +551,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     result["total_seconds"] = round(time.time() - t0, 1)
     print(f"\ntotal time {result['total_seconds']} s (training {result['train_seconds']} s)")
     if out is not None:
-        (out / "demo_results.json").write_text(json.dumps(result, indent=1))
+        state["stage"] = "saving the results"
+        atomic_file(out / "demo_results.json", json.dumps(result, indent=1).encode("utf-8"))
         print(f"saved the results to {out / 'demo_results.json'}")
     return result
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._placement import check_device_arg, check_dtype_arg
+from ..errors import CheckpointError, LorsaError
 
 __all__ = ["load_model"]
 
@@ -40,6 +41,9 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
 
     Raises:
         MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
+        CheckpointError: a ``config.json`` transformers cannot load (not JSON, no or an unknown ``model_type``),
+            or weights it cannot load (a damaged file, shapes other than the config's); the message names the
+            directory and the cause's first line.
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
             a ``device`` that is not one (checked before anything is read).
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
@@ -56,8 +60,23 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
         check_device_arg(device, f"load_model({path!r})")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        try:  # first: a broken config.json is named as such, not as a tokenizer that cannot be loaded
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises OSError / ValueError / KeyError … for a bad config
+            raise CheckpointError(f"{path}: config.json is not a model config transformers can load "
+                                  f"({_first_line(e)})") from e
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
         where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
-        return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True, dtype=dtype,
-                                 config=config, local_files_only=True, **where)
+        try:
+            return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True, dtype=dtype,
+                                     config=config, local_files_only=True, **where)
+        except (LorsaError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # a damaged weights file, weights of other shapes than config.json's, …
+            raise CheckpointError(f"{path}: the model's weights could not be loaded ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (transformers' and torch's messages run over many lines)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

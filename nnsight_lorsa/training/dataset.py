@@ -295,7 +295,8 @@ class TokenDataset:
         the common ones of other tokenizers (:data:`END_OF_TEXT`: ``<|endoftext|>``, ``</s>``, …; a corpus
         prepared for another model's tokenizer keeps its own marker) — and only when none occurs on blank
         lines; if that finds a single document, ``text`` is that one document (consecutive windows, as
-        with ``None``). :func:`auto_separator` says which it picks.
+        with ``None``); if it finds none (the text is only separators), :meth:`from_documents` refuses it.
+        :func:`auto_separator` says which it picks.
 
         BOS: ``bos_token_id`` if given, else the tokenizer's, else ``config.bos_token_id`` (the model
         config); if none exists no BOS is prepended (windows then start with the text's first token).
@@ -303,7 +304,7 @@ class TokenDataset:
         if document_separator is not None:
             sep = document_separator if document_separator != "auto" else auto_separator(tokenizer, text)
             docs = [d for d in (d.strip() for d in text.split(sep)) if d]
-            if len(docs) > 1 or document_separator != "auto":
+            if len(docs) != 1 or document_separator != "auto":  # none: refused there (not the separators' ids)
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
         bos = special_token_id(tokenizer, config, bos_token_id)

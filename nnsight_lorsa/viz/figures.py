@@ -21,11 +21,19 @@ from ..errors import ArgumentError  # noqa: E402
 
 
 def _save(fig: "plt.Figure", path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (format from its suffix) atomically: rendered in memory, then a sibling temporary
+    renamed over ``path`` (:func:`~nnsight_lorsa._atomic.atomic_file`), so Ctrl-C never leaves half a picture."""
+    import io
+
+    from .._atomic import atomic_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=path.suffix[1:].lower() or None, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return atomic_file(path, buf.getvalue())
 
 
 def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, title: str = "") -> Path:
