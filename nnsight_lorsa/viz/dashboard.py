@@ -158,7 +158,7 @@ const ctxs = el('div', {id: 'contexts'});
 for (const c of d.contexts) {
   const row = el('div', {className: 'ctx'});
   row.appendChild(el('span', {className: 'z'}, 'z=' + fx(c.z, 2)));
-  const m = Math.max(1e-9, ...c.contrib.map(Math.abs));
+  const m = c.contrib.reduce((a, x) => Math.max(a, Math.abs(x)), 1e-9);  // no spread: a long window is fine
   c.tokens.forEach((t, i) => {
     const s = el('span', {className: 'tok'}, t.replace(/\\n/g, '\\u23ce'));
     const a = (c.contrib[i] || 0) / m;

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from ..errors import ArgumentError  # noqa: E402
+from ..errors import ArgumentError, NonFiniteError  # noqa: E402
 
 
 def _save(fig: "plt.Figure", path: str | Path) -> Path:
@@ -36,13 +36,57 @@ def _save(fig: "plt.Figure", path: str | Path) -> Path:
     return atomic_file(path, buf.getvalue())
 
 
+def _matrix(values: Any, name: str, fn: str) -> torch.Tensor:
+    """``values`` as a 2-D fp32 host tensor (any real float or integer dtype, any device with data).
+
+    Raises:
+        ArgumentError: not a real tensor, not 2-D, or empty."""
+    if not isinstance(values, torch.Tensor) or values.is_complex() or values.dtype == torch.bool or values.is_meta:
+        raise ArgumentError(f"{fn}: {name} must be a real tensor on a device with data, got "
+                            f"{getattr(values, 'dtype', type(values).__name__)}")
+    if values.dim() != 2 or values.numel() == 0:
+        raise ArgumentError(f"{fn}: {name} must be a non-empty 2-D tensor, got shape {tuple(values.shape)}")
+    return values.detach().to("cpu", torch.float32)
+
+
+def _inf_error(values: torch.Tensor, name: str, fn: str) -> NonFiniteError:
+    i, j = (int(x) for x in torch.isinf(values).nonzero()[0])
+    return NonFiniteError(f"{fn}: {name}[{i}, {j}] is {float(values[i, j])} (or beyond float32's range): no colour "
+                          "scale shows it; its neighbours would all look 0", tensor=name)
+
+
 def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, title: str = "") -> Path:
-    """Heatmap of one head's z-pattern ``zp (q_pos, k_pos)`` (query rows, key columns; causal)."""
-    zp = zp.detach().float().cpu()
-    m = float(zp.abs().max()) or 1.0
+    """Heatmap of one head's z-pattern ``zp (q_pos, k_pos)`` (query rows, key columns; causal:
+    :meth:`~nnsight_lorsa.modules.Lorsa.z_pattern`'s ``[b, n]``), the tokens on both axes. The colour scale
+    is symmetric about 0 (``RdBu_r``, ``±max |zp|``); the cells above the diagonal (keys after the query,
+    masked by causal attention) are drawn grey, not as 0. Writes a PNG.
+
+    Args:
+        zp: ``(n, n)`` any real dtype (bf16 / fp16 are shown as their fp32 values), any device.
+        tokens: the ``n`` token strings (``\n`` shown as ``⏎``).
+
+    Raises:
+        ArgumentError: ``zp`` not a non-empty square matrix of ``len(tokens)`` rows, or non-zero above its diagonal
+            (a key after its query: a pattern passed transposed, ``(k_pos, q_pos)``, or no causal one).
+        NonFiniteError: a NaN / inf in ``zp`` (``tensor="zp"``; the message names the query and key).
+    """
+    z = _matrix(zp, "zp", "plot_z_pattern")
     n = len(tokens)
+    if tuple(z.shape) != (n, n):
+        raise ArgumentError(f"plot_z_pattern: zp of shape {tuple(z.shape)} does not fit {n} tokens: it must be "
+                            f"({n}, {n}) (query rows, key columns)")
+    if not bool(torch.isfinite(z).all()):
+        i, j = (int(x) for x in (~torch.isfinite(z)).nonzero()[0])
+        raise NonFiniteError(f"plot_z_pattern: zp[{i}, {j}] (query {i}, key {j}) is {float(z[i, j])}", tensor="zp")
+    upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+    if bool((z[upper] != 0).any()):
+        i, j = (int(x) for x in ((z != 0) & upper).nonzero()[0])
+        raise ArgumentError(f"plot_z_pattern: zp[{i}, {j}] = {float(z[i, j]):.4g} is a key after its query; a "
+                            "z-pattern is causal with query rows and key columns (was it passed transposed? zp.T)")
+    m = float(z.abs().max()) or 1.0
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.85")
     fig, ax = plt.subplots(figsize=(0.28 * n + 2, 0.28 * n + 1.5))
-    im = ax.imshow(zp.numpy(), cmap="RdBu_r", vmin=-m, vmax=m)
+    im = ax.imshow(z.masked_fill(upper, float("nan")).numpy(), cmap=cmap, vmin=-m, vmax=m)
     labels = [t.replace("\n", "⏎") for t in tokens]
     ax.set_xticks(range(n), labels, rotation=90, fontsize=7)
     ax.set_yticks(range(n), labels, fontsize=7)
@@ -55,12 +99,44 @@ def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, ti
 
 def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[int] | None = None,
                       title: str = "") -> Path:
-    """Operand plot (Lorsa paper Fig. 7): ``grid[op1, op2]`` (e.g. a head's z at the last token)."""
-    g = grid.detach().float().cpu()
+    """Operand plot (Lorsa paper Fig. 7): ``grid[op1, op2]`` (e.g. a head's z at the last token; op1 rows from
+    the top, op2 columns). ``operands``: the operand value of each row / column (e.g. ``range(100)``; any order,
+    any spacing: an evenly spaced one labels the axes by value, another by its values at the tick positions).
+    Colours: ``viridis`` over the data's range where no value is negative, else ``RdBu_r`` symmetric about 0.
+    NaN cells (prompts left out: :meth:`~nnsight_lorsa.patching.tasks.ArithmeticGrid.assemble`) stay blank.
+
+    Raises:
+        ArgumentError: ``grid`` not a non-empty 2-D tensor; ``operands`` not ints, or not one per row and column.
+        NonFiniteError: an inf in ``grid`` (``tensor="grid"``).
+    """
+    g = _matrix(grid, "grid", "plot_operand_grid")
+    if bool(torch.isinf(g).any()):
+        raise _inf_error(g, "grid", "plot_operand_grid")
+    ops: list[int] | None = None
+    if operands is not None:
+        ops = list(operands)
+        if not all(isinstance(o, int) and not isinstance(o, bool) for o in ops):
+            raise ArgumentError(f"plot_operand_grid: operands must be ints, got {ops[:5]}")
+        if g.shape[0] != len(ops) or g.shape[1] != len(ops):
+            raise ArgumentError(f"plot_operand_grid: {len(ops)} operands do not label a grid of shape "
+                                f"{tuple(g.shape)} (one operand per row and per column)")
     fig, ax = plt.subplots(figsize=(5, 4.4))
-    ext = None if operands is None else (min(operands) - 0.5, max(operands) + 0.5, max(operands) + 0.5,
-                                         min(operands) - 0.5)
-    im = ax.imshow(g.numpy(), cmap="viridis", extent=ext)
+    ext = None
+    steps = {b - a for a, b in zip(ops, ops[1:], strict=False)} if ops else set()
+    if ops and len(steps) <= 1 and 0 not in steps:  # evenly spaced: the axes are the operand values
+        d = steps.pop() if steps else 1
+        ext = (ops[0] - d / 2, ops[-1] + d / 2, ops[-1] + d / 2, ops[0] - d / 2)
+    finite = g[torch.isfinite(g)]
+    lo = float(finite.min()) if finite.numel() else 0.0
+    if lo < 0:
+        m = float(finite.abs().max())
+        im = ax.imshow(g.numpy(), cmap="RdBu_r", vmin=-m, vmax=m, extent=ext)
+    else:
+        im = ax.imshow(g.numpy(), cmap="viridis", extent=ext)
+    if ops and ext is None:  # uneven or repeated operands: ticks at cells, labelled with their operands
+        at = sorted({round(k * (len(ops) - 1) / min(9, len(ops) - 1)) for k in range(min(9, len(ops) - 1) + 1)})
+        ax.set_xticks(at, [str(ops[k]) for k in at])
+        ax.set_yticks(at, [str(ops[k]) for k in at])
     ax.set_xlabel("op2")
     ax.set_ylabel("op1")
     ax.set_title(title or "operand plot")
@@ -69,8 +145,26 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
 
 
 def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "") -> Path:
-    """Fig. 13: how many MHSA heads each Lorsa head spans (``n`` of App. E.2; 0 = never active, dropped)."""
-    n = n_spanned.detach().cpu()
+    """Fig. 13: how many MHSA heads each Lorsa head spans (``n`` of App. E.2; 0 = never active, dropped):
+    bar ``k`` is the fraction of the active Lorsa heads that span ``k`` MHSA heads. Writes a PNG.
+
+    Args:
+        n_spanned: ``(n_heads,)`` counts (:meth:`~nnsight_lorsa.analysis.heads.MHSACorrelation.heads_spanned`), any
+            integer dtype or a float one holding whole numbers.
+
+    Raises:
+        ArgumentError: not a real 1-D tensor, or a count that is negative, NaN / inf or not a whole number (it would
+            have been dropped or truncated into another bar).
+    """
+    if not isinstance(n_spanned, torch.Tensor) or n_spanned.is_complex() or n_spanned.is_meta or n_spanned.dim() != 1:
+        raise ArgumentError(f"plot_heads_spanned: n_spanned must be a 1-D tensor of counts, got "
+                            f"{getattr(n_spanned, 'shape', type(n_spanned).__name__)}")
+    n = n_spanned.detach().cpu().double()
+    bad = ~torch.isfinite(n) | (n < 0) | (n != n.round())
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ArgumentError(f"plot_heads_spanned: n_spanned[{i}] = {float(n[i])} is no count of MHSA heads "
+                            "(a whole number >= 0)")
     n = n[n > 0].long()
     counts = torch.bincount(n, minlength=int(n.max()) + 1 if n.numel() else 1)[1:]
     frac = counts.float() / max(int(n.numel()), 1)

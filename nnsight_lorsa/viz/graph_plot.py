@@ -3,7 +3,8 @@
 Nodes sit at ``x = token position`` and ``y = layer`` (embeddings below layer 0, logits above the
 last layer; within a layer the attention's Lorsa heads and errors sit below its MLP's features and
 errors); edges are lines whose width and opacity grow with ``|weight|`` (blue positive, red
-negative). Bias nodes, which sum over positions, are drawn at the right edge. Local-only (matplotlib).
+negative; at most ``max_edges``, the largest). Bias nodes, which sum over positions, are drawn at the right edge.
+Local-only (matplotlib).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from ..attribution.scores import PruneResult
+from ..errors import ArgumentError, NonFiniteError
 
 _STYLE = {TRANSCODER: ("tab:green", "o", "transcoder feature"), LORSA: ("tab:purple", "D", "Lorsa head"),
           MLP_ERROR: ("0.55", "s", "MLP error"), ATTN_ERROR: ("0.75", "s", "Lorsa error"),
@@ -42,17 +44,41 @@ def node_xy(graph: Graph, n_layers: int) -> torch.Tensor:
 
 def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = None, path: str | Path | None = None,
                title: str = "", max_edges: int = 400) -> Any:
-    """Draw the pruned graph; returns the matplotlib figure (saved to ``path`` if given)."""
+    """Draw the pruned graph; returns the matplotlib figure (saved to ``path`` if given).
+
+    Args:
+        graph: the attribution graph; ``pruned``: :func:`~nnsight_lorsa.attribution.prune` of this graph (its kept
+            nodes are drawn, and its kept edges up to ``max_edges``).
+        tokens: the x-axis labels, one per position of ``graph.tokens`` (default: the token ids).
+        max_edges: the cap on drawn edges (an int >= 0): the ``max_edges`` kept edges of largest ``|weight|`` are
+            drawn; the default title then says how many of the kept edges are shown.
+
+    Raises:
+        ArgumentError: ``pruned`` not of this graph (another node count), ``tokens`` not one per position,
+            ``max_edges`` not an int >= 0.
+        NonFiniteError: a NaN / inf weight among the kept edges (``tensor="edges"``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if pruned.node_mask.numel() != graph.n_nodes:
+        raise ArgumentError(f"plot_graph: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
+                            f"{graph.n_nodes}: prune this graph (prune(graph))")
+    if tokens is not None and len(tokens) != len(graph.tokens):
+        raise ArgumentError(f"plot_graph: {len(tokens)} token labels for the graph's {len(graph.tokens)} positions")
+    if not isinstance(max_edges, int) or isinstance(max_edges, bool) or max_edges < 0:
+        raise ArgumentError(f"plot_graph: max_edges must be an int >= 0, got {max_edges!r}")
     n_layers = int(graph.nodes.layer[graph.logit_ids].max()) if len(graph.logit_ids) else 1
     xy = node_xy(graph, n_layers)
     keep = pruned.node_mask
     t, s = pruned.edge_index
     w = graph.edge_values(t, s).float()  # the kept edges only (from the causal blocks if kept: no n² matrix)
+    if not bool(torch.isfinite(w).all()):
+        i = int((~torch.isfinite(w)).nonzero()[0])
+        raise NonFiniteError(f"plot_graph: the kept edge {int(s[i])} -> {int(t[i])} (source -> target node) has weight "
+                             f"{float(w[i])}", tensor="edges")
     order = w.abs().argsort(descending=True)[:max_edges]
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(graph.tokens) + 3), 6))
     wmax = float(w.abs().max()) if len(w) else 1.0
@@ -71,7 +97,9 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     ax.set_xticklabels([repr(x)[1:-1] for x in labels], rotation=70, fontsize=7)
     ax.set_yticks(range(-1, n_layers + 1))
     ax.set_yticklabels(["emb", *[f"L{i}" for i in range(n_layers)], "logit"])
-    ax.set_title(title or f"attribution graph: {int(keep.sum())} nodes, {pruned.edge_index.shape[1]} edges")
+    n_edges = pruned.edge_index.shape[1]
+    shown = "" if len(order) == n_edges else f" ({len(order)} of largest |weight| drawn)"
+    ax.set_title(title or f"attribution graph: {int(keep.sum())} nodes, {n_edges} edges{shown}")
     ax.legend(loc="upper left", fontsize=7, ncol=4)
     fig.tight_layout()
     if path is not None:

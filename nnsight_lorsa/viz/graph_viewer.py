@@ -31,6 +31,7 @@ legend ``#legend``, the zoom toolbar ``#zoom`` (its scale in ``#zoom-level`` and
 from __future__ import annotations
 
 import html
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 from ..attribution.export import node_ids, to_neuronpedia
 from ..attribution.graph import Graph
 from ..attribution.scores import PruneResult
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NonFiniteError
 from .page import embed_json, static_text, token_pieces
 
 __all__ = ["MIN_FIRST_SCALE", "TrustedHTML", "normalize_details", "render_html"]
@@ -54,7 +55,8 @@ def _heatmap(values: Any, rows: Sequence[str] | None = None, cols: Sequence[str]
     """A heatmap block of ``values`` (a real 1-D / 2-D array or tensor, any float dtype and device: shown as fp32).
 
     Raises:
-        ArgumentError: complex, bool or ``meta`` values, a shape that is not 1-D / 2-D, or labels that do not fit."""
+        ArgumentError: complex, bool or ``meta`` values, a shape that is not 1-D / 2-D, or labels that do not fit.
+        NonFiniteError: an inf value (NaN is shown as an empty cell), or an fp64 one beyond float32's range."""
     if isinstance(values, torch.Tensor) and (values.is_complex() or values.dtype == torch.bool or values.is_meta):
         raise ArgumentError(f"a heatmap needs real numbers on a device with data, got a {values.dtype} tensor on "
                             f"{values.device}")
@@ -73,8 +75,32 @@ def _heatmap(values: Any, rows: Sequence[str] | None = None, cols: Sequence[str]
     c = [str(x) for x in cols] if cols is not None else [str(i) for i in range(v.shape[1])]
     if len(r) != v.shape[0] or len(c) != v.shape[1]:
         raise ArgumentError(f"heatmap labels {len(r)}×{len(c)} do not fit values {tuple(v.shape)}")
+    if bool(torch.isinf(v).any()):
+        i, j = (int(x) for x in torch.isinf(v).nonzero()[0])
+        raise NonFiniteError(f"heatmap {title!r}: values[{i}, {j}] (row {r[i]!r}, column {c[j]!r}) is inf (or beyond "
+                             "float32's range): its colour scale would show every other cell as 0", tensor="heatmap")
     vals = [[None if x != x else float(x) for x in row] for row in v.tolist()]
     return {"type": "heatmap", "title": title, "rows": r, "cols": c, "values": vals}
+
+
+def _contexts(rows: Any, title: str) -> dict[str, Any]:
+    """A contexts block: ``(text, activation)`` rows; a NaN activation is shown as "–" (``null``).
+
+    Raises:
+        ArgumentError: a row that is no (text, number) pair. NonFiniteError: an infinite activation (the shading is
+            relative to the largest)."""
+    out = []
+    for k, row in enumerate(rows):
+        try:
+            text, act = row
+            a = float(act)
+        except (TypeError, ValueError) as e:
+            raise ArgumentError(f"contexts {title!r}: row {k} is no (text, activation) pair: {row!r}") from e
+        if math.isinf(a):
+            raise NonFiniteError(f"contexts {title!r}: row {k} ({str(text)[:40]!r}) has activation {a}: the shading "
+                                 "is relative to the largest activation", tensor="contexts")
+        out.append([str(text), None if a != a else a])
+    return {"type": "contexts", "title": title, "rows": out}
 
 
 class TrustedHTML(str):
@@ -109,15 +135,14 @@ def _detail_block(item: Any) -> dict[str, Any]:
         if "text" in item:
             return {"type": "text", "text": str(item["text"])}
         if "contexts" in item:
-            return {"type": "contexts", "title": str(item.get("title", "Top activations")),
-                    "rows": [[str(c), float(a)] for c, a in item["contexts"]]}
+            return _contexts(item["contexts"], str(item.get("title", "Top activations")))
         if "heatmap" in item:
             return _heatmap(item["heatmap"], item.get("rows"), item.get("cols"), str(item.get("title", "")))
         raise ArgumentError(f"render_html(details=...): a details dict needs one of 'html', 'text', 'contexts', "
                             f"'heatmap'; got keys {sorted(item)}")
     if isinstance(item, Sequence) and all(isinstance(x, Sequence) and not isinstance(x, str) and len(x) == 2
                                           and isinstance(x[0], str) for x in item):
-        return {"type": "contexts", "title": "Top activations", "rows": [[str(c), float(a)] for c, a in item]}
+        return _contexts(item, "Top activations")
     raise ArgumentError(f"render_html(details=...): unsupported details entry of type {type(item).__name__} (a "
                         "string, TrustedHTML, a dict with 'html' / 'text' / 'contexts' / 'heatmap', or (text, "
                         "activation) pairs)")
@@ -129,6 +154,8 @@ def normalize_details(details: Mapping[str, Any] | None) -> dict[str, list[dict[
     Raises:
         ValueError: an entry of an unsupported form (ArgumentError, a ValueError, for a heatmap that cannot be
             shown: complex, bool or ``meta`` values, not 1-D / 2-D, labels that do not fit).
+        NonFiniteError: an inf in a heatmap or a contexts table's activations (``tensor="heatmap"`` /
+            ``"contexts"``; NaN is shown as empty / "–"). It was json's bare ``ValueError`` from the page's JSON.
     """
     out: dict[str, list[dict[str, Any]]] = {}
     for node_id, entry in (details or {}).items():
@@ -197,6 +224,7 @@ def render_html(
     Raises:
         ArgumentError: (a ``ValueError``) a ``details`` entry of an unsupported form, ``clicked`` not among the
             drawn nodes, a ``details`` key that is no node id of ``graph``; ``to_neuronpedia``'s errors.
+        NonFiniteError: an inf in a ``details`` heatmap or contexts table (:func:`normalize_details`).
     """
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)

@@ -46,16 +46,28 @@ g.nodes.forEach(n => { const k = rowKey(n) + '|' + col(n); (cells[k] = cells[k] 
 const colW = colMax.map((m, c) => Math.max(Math.min(m, 12) * 13 + 20, Math.min(110, 7 * label(c).length + 14)));
 const colX = []; { let x = 0; colW.forEach(w => { colX.push(x); x += w; }); }
 const rowH = 54, left = 70, top = 20, R = 5;
-const W = left + colW.reduce((a, b) => a + b, 0) + 20, H = top + layers.length * rowH + 40;
+const perRowOf = c => Math.max(1, Math.floor((colW[c] - 16) / 13));
+// a row is as tall as its most stacked cell needs (a cell of more nodes than fit side by side stacks them 12 px
+// apart): rowH for up to 3 stacked lines, so that no node is drawn inside the row of another layer
+const lines = {};
+for (const k in cells) {
+  const layer = k.slice(0, k.lastIndexOf('|')), c = +k.slice(k.lastIndexOf('|') + 1);
+  lines[layer] = Math.max(lines[layer] || 1, Math.ceil(cells[k].length / perRowOf(c)));
+}
+const rowHt = layers.map(l => Math.max(rowH, 12 * lines[l] + 24));
+const rowTop = [];  // the rows from the top of the drawing: the last of `layers` (logits) first
+{ let y = top; for (let i = layers.length - 1; i >= 0; i--) { rowTop[i] = y; y += rowHt[i]; } }
+const rowBase = i => rowTop[i] + rowHt[i] - rowH / 2;  // the line of a row's first (lowest) nodes
+const W = left + colW.reduce((a, b) => a + b, 0) + 20, H = top + rowHt.reduce((a, b) => a + b, 0) + 40;
 const pos = {};
 for (const k in cells) {
   const list = cells[k].sort((a,b) => (a.influence ?? 1) - (b.influence ?? 1));
   const [layer, c] = [k.slice(0, k.lastIndexOf('|')), +k.slice(k.lastIndexOf('|') + 1)];
-  const perRow = Math.max(1, Math.floor((colW[c] - 16) / 13));
+  const perRow = perRowOf(c);
   list.forEach((n, i) => {
     const r = Math.floor(i / perRow), j = i % perRow, inRow = Math.min(perRow, list.length - r * perRow);
     pos[n.node_id] = [left + colX[c] + colW[c] / 2 + (j - (inRow - 1) / 2) * 13,
-                      top + (layers.length - 1 - layers.indexOf(layer)) * rowH + rowH / 2 - r * 12];
+                      rowBase(layers.indexOf(layer)) - r * 12];
   });
 }
 const main = document.getElementById('main');
@@ -63,15 +75,20 @@ const svg = el('svg', {width: W, height: H, viewBox: '0 0 ' + W + ' ' + H, id: '
   main, true);
 svg.style.display = 'block';
 layers.forEach((l, i) => {
-  const y = top + (layers.length - 1 - i) * rowH + rowH / 2;
-  el('line', {x1: left, x2: W - 20, y1: y, y2: y, stroke: '#eee'}, svg, true);
+  const y = rowBase(i);
+  el('line', {x1: left, x2: W - 20, y1: y, y2: y, stroke: '#eee', class: 'row-line'}, svg, true);
 });
+for (let c = 1; c < nCols; c++)  // column boundaries: a wide column's outer nodes belong to its own token
+  el('line', {x1: left + colX[c], x2: left + colX[c], y1: top, y2: H - 30, stroke: '#f3f3f3', class: 'col-line'},
+    svg, true);
 for (let c = 0; c < nCols; c++) {
   const t = el('text', {x: left + colX[c] + colW[c] / 2, y: H - 14, 'text-anchor': 'middle', class: 'token'},
     svg, true);
   t.textContent = label(c);
 }
-const maxW = Math.max(1e-30, ...g.links.map(l => Math.abs(l.weight)));
+// (a loop, not Math.max(...spread): a spread of more than ~1e5 arguments throws RangeError, a blank page)
+const maxAbs = (xs, floor) => xs.reduce((m, x) => Math.max(m, Math.abs(x)), floor);
+const maxW = maxAbs(g.links.map(l => l.weight), 1e-30);
 const linkEls = [];
 const gl = el('g', {}, svg, true), gn = el('g', {}, svg, true);
 g.links.forEach(l => {
@@ -83,11 +100,12 @@ g.links.forEach(l => {
 });
 // row names in a group drawn last and moved with the horizontal scroll, so they stay at the left edge
 const rowLabels = el('g', {id: 'row-labels', 'pointer-events': 'none'}, null, true);
-el('rect', {x: 0, y: 0, width: left - 8, height: top + layers.length * rowH, fill: '#fff', 'fill-opacity': 0.85},
+el('rect', {x: 0, y: 0, width: left - 8, height: H - 30, fill: '#fff', 'fill-opacity': 0.85},
   rowLabels, true);
 layers.forEach((l, i) => {
-  const y = top + (layers.length - 1 - i) * rowH + rowH / 2 + 4;
-  const t = el('text', {x: 6, y: y, class: 'axis'}, rowLabels, true);
+  const y = rowBase(i) + 4;  // data-top / data-bottom: the row's band (its nodes lie inside)
+  const t = el('text', {x: 6, y: y, class: 'axis', 'data-row': l, 'data-top': rowTop[i],
+    'data-bottom': rowTop[i] + rowHt[i]}, rowLabels, true);
   t.textContent = rowName(l);
 });
 const nodeEls = {};
@@ -165,14 +183,14 @@ function block(b, panel){
   if (b.title) txt('h3', b.title, panel);
   if (b.type === 'contexts') {
     const t = el('table', {class: 'contexts'}, panel);
-    const m = Math.max(1e-30, ...b.rows.map(r => Math.abs(r[1])));
+    const m = maxAbs(b.rows.map(r => r[1]), 1e-30);
     b.rows.forEach(r => { const tr = el('tr', {}, t);
       const shade = (0.6 * Math.abs(r[1]) / m).toFixed(3);
       txt('td', show(r[0]), tr, {class: 'ctx', style: 'background:rgba(245,133,24,' + shade + ')'});
       txt('td', num(r[1]), tr, {class: 'num'}); });
   } else if (b.type === 'heatmap') {
     const t = el('table', {class: 'heat'}, panel);
-    const flat = b.values.flat().filter(v => v !== null), m = Math.max(1e-30, ...flat.map(Math.abs));
+    const m = maxAbs(b.values.flat().filter(v => v !== null), 1e-30);
     const hr = el('tr', {}, t); el('td', {}, hr); b.cols.forEach(c => txt('td', show(c), hr, {class: 'axis'}));
     b.values.forEach((row, i) => { const tr = el('tr', {}, t); txt('td', show(b.rows[i]), tr, {class: 'axis'});
       row.forEach((v, j) => { const a = v === null ? 0 : Math.abs(v) / m;
