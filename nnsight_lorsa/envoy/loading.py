@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._placement import check_device_arg, check_dtype_arg
+from ..errors import PlacementError
 
 __all__ = ["load_model"]
 
@@ -42,7 +43,7 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
         MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
             a ``device`` that is not one (checked before anything is read).
-        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA), or ``"meta"`` (no weights).
     """
     from nnsight import TransformersModel
     from transformers import AutoConfig
@@ -53,7 +54,10 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
     path = str(model_dir or default_model_dir())
     check_dtype_arg(dtype, f"load_model({path!r})")
     if str(device) != "auto":
-        check_device_arg(device, f"load_model({path!r})")
+        checked = check_device_arg(device, f"load_model({path!r})")
+        if checked is not None and checked.type == "meta":
+            raise PlacementError(f"load_model({path!r}): device='meta' loads no weights, so the model could not run "
+                                 "(a trace fails inside torch); load on 'cpu' or a GPU")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files

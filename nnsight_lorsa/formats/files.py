@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from .._atomic import resolve
+from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
-__all__ = ["load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
+__all__ = ["checkpoint_name", "load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
            "resolve_checkpoint_dir"]
 
 
@@ -42,8 +43,9 @@ def resolve_checkpoint_dir(
 
     Raises:
         CheckpointError: the path is a file, a :class:`Path` that does not exist, a string that
-            is neither a directory nor a valid repo id, the download failed, or ``subfolder`` is
-            not a folder there.
+            is neither a directory nor a valid repo id, the download failed (the message names the
+            repo, the revision and the subfolder), or ``subfolder`` is not a folder there.
+        ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo).
     """
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
@@ -62,10 +64,12 @@ def resolve_checkpoint_dir(
     with file_errors(repr(repo_id), {HFValidationError: "neither an existing local directory nor a valid Hugging "
                                                          "Face repo id ({e})"}):
         validate_repo_id(repo_id)
+    subfolder = _repo_folder(repo_id, subfolder)
     prefix = f"{subfolder}/" if subfolder else ""
-    # network, auth, missing repo, offline cache miss: all end the load
-    with file_errors(repr(repo_id), {Exception: "not a local directory and could not be fetched from the Hugging "
-                                                f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
+    where = f"{repo_id!r} (revision {revision or 'main'!r}" + (f", subfolder {subfolder!r})" if subfolder else ")")
+    # network, auth, missing repo, unknown revision, offline cache miss, an incomplete cached snapshot: all end the load
+    with file_errors(where, {Exception: "not a local directory and could not be fetched from the Hugging "
+                                        f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
         snapshot = snapshot_download(
             repo_id=repo_id,
             allow_patterns=[prefix + p for p in allow_patterns],
@@ -73,8 +77,33 @@ def resolve_checkpoint_dir(
             revision=revision,
         )
     path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
-    require(path.is_dir(), None, f"hub repo {repo_id!r} has no folder {subfolder!r}")
+    require(path.is_dir(), None, f"hub repo {where} has no folder {subfolder!r}")
     return path
+
+
+def _repo_folder(repo_id: str, subfolder: Any) -> str | None:
+    """``subfolder`` as a folder inside the repo (``None`` or ``""``: its top; surrounding ``/`` dropped).
+
+    Raises:
+        ArgumentError: not a str, an absolute path or one with a ``..`` part (``snapshot / "/x"`` is ``/x``,
+            and ``..`` climbs out of the snapshot: files that are not the repo's would load as its own).
+    """
+    if subfolder is None or subfolder == "":
+        return None
+    if not isinstance(subfolder, str) or subfolder.startswith("/") or ".." in subfolder.split("/"):
+        raise ArgumentError(f"{repo_id!r}: subfolder must be a relative folder path inside the repo (no '..', not "
+                            f"absolute), got {subfolder!r}")
+    return subfolder.strip("/") or None
+
+
+def checkpoint_name(directory: Path) -> str | None:
+    """The name a checkpoint folder gives its module (a sparsify hookpoint is its folder's name): the folder's
+    name, or None for the top of a ``huggingface_hub`` cache snapshot (``models--owner--name/snapshots/<commit>``,
+    what :func:`resolve_checkpoint_dir` returns for a repo's top), whose name is a commit hash, not the repo's."""
+    parent = directory.parent
+    if parent.name == "snapshots" and parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return None
+    return directory.name
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
