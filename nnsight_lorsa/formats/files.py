@@ -45,10 +45,15 @@ def resolve_checkpoint_dir(
         CheckpointError: the path is a file, a :class:`Path` that does not exist, a string that
             is neither a directory nor a valid repo id, the download failed (the message names the
             repo, the revision and the subfolder), or ``subfolder`` is not a folder there.
-        ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo).
+        ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo); a
+            ``revision`` with a local path (it has none: the revision asked for would not be the one read).
     """
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
+        if revision is not None:  # a local directory has no revisions: the one asked for would not be the one read
+            raise ArgumentError(f"{os.fspath(source)!r} is a local path, which has no revisions; revision={revision!r} "
+                                "applies to a Hugging Face repo id (a local directory wins over a repo id of the same "
+                                "spelling: run elsewhere, or pass revision=None)")
         require(local.exists(), None, f"checkpoint directory {str(local)!r} does not exist")
         require(local.is_dir(), None, f"{str(local)!r} is a file; expected a checkpoint directory")
         if subfolder:

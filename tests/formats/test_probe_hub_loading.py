@@ -375,3 +375,21 @@ def test_a_transcoder_set_keeps_its_layers_through_the_cache(tmp_path, cache, ti
     assert list(back) == [0, 2]
     for k in back:
         assert_placed(back[k], tcs[k], "cpu", torch.float32, reference=tcs[k])
+
+
+def test_a_revision_with_a_local_path_is_refused(tmp_path, cache, tiny):
+    """A local directory wins over a repo id of the same spelling; a revision asked of it would be silently
+    ignored (the files read would not be that revision's)."""
+    from nnsight_lorsa import Graph
+
+    save(make_sae(), tmp_path / "me" / "sae")
+    os.chdir(tmp_path)
+    with pytest.raises(ArgumentError, match=r"'me/sae' is a local path.*revision='v2'"):
+        load("me/sae", revision="v2")
+    assert load("me/sae").cfg.d_sae == 128  # without a revision: the local directory, as documented
+    lorsas = LorsaSet(tiny[0], {1: make_lorsa(tiny[1], tiny[2], 1)})
+    lorsas.save(tmp_path / "set")
+    with pytest.raises(ArgumentError, match="revision"):
+        LorsaSet.from_pretrained(tiny[0], tmp_path / "set", revision="v2")
+    with pytest.raises(ArgumentError, match="revision"):
+        Graph.load(tmp_path / "set", revision="v2")
