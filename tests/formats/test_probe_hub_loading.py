@@ -114,7 +114,19 @@ def assert_placed(module: torch.nn.Module, like: torch.nn.Module, device: str, d
 
 # ----------------------------------------------------------------------------------- generated loads
 
+_TINY: list = []
+
+
+def tiny_lorsa():
+    if not _TINY:
+        model, hf = tiny_nnsight("llama")
+        _TINY.extend([hf, get_adapter(model)])
+    return make_lorsa(*_TINY, 1)
+
+
 KINDS = {  # kind: (make the module, format written)
+    "lorsa": (tiny_lorsa, "nnsight_lorsa"),
+    "llamascopium_lorsa": (tiny_lorsa, "llamascopium"),
     "sae": (lambda: make_sae(), "nnsight_lorsa"),
     "skip_transcoder": (lambda: make_transcoder(), "nnsight_lorsa"),
     "saelens_sae": (lambda: make_sae(activation="relu"), "saelens"),
@@ -154,6 +166,8 @@ def check_load_case(tmp_path: Path, cache: Cache, case: dict, n: int) -> None:
     hub = load(source, revision=revision, **kwargs, **placement)
     from_folder = load(local, **placement)
     dtype = case["dtype"] or case["stored"]
+    if fmt == "llamascopium" and case["dtype"] is None:  # its bf16/fp16 files load upcast (docs/formats.md)
+        dtype = torch.promote_types(dtype, torch.float32)
     device = case["device"] or "cpu"
     assert_placed(hub, from_folder, device, dtype, reference=module if fmt == "nnsight_lorsa" else None)
     assert type(hub) is type(from_folder)
