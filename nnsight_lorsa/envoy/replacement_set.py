@@ -193,10 +193,14 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     if incomplete:
         where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
         where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
+        absent = [f for f in incomplete if not (local / f).is_dir()]
         why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in failures.items())
-        raise CheckpointError(f"{where}: the set's card lists the folders {listed}, but {incomplete} are missing from "
-                              f"the downloaded snapshot {str(local)!r} or did not load{f' ({why})' if why else ''}: an "
-                              "incomplete download (delete that snapshot and download again, with network access)")
+        raise CheckpointError(
+            f"{where}: the set's card lists the folders {listed}, but "
+            + (f"{absent} are missing from the downloaded snapshot {str(local)!r}" if absent else "")
+            + (" and " if absent and why else "") + (f"these did not load: {why}" if why else "")
+            + ": an incomplete download (delete that snapshot and download again, with network access)"
+            + ("" if absent or format == "auto" else f", or not format={format!r}"))
     return loaded
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._atomic import resolve
+from .._atomic import MANIFEST, resolve
 from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
@@ -37,7 +37,7 @@ def resolve_checkpoint_dir(
     ``<source>.old`` when only that exists: a save killed between its two renames, :mod:`.._atomic`);
     ``subfolder`` is then a folder inside it. Otherwise ``source`` must be a valid Hugging Face
     repo id, or ``"repo_id:subfolder"`` (the Llamascopium hub layout); the files matching
-    ``allow_patterns`` (relative to ``subfolder``) are fetched with
+    ``allow_patterns`` (relative to ``subfolder``) and the manifest ``checksums.json`` are fetched with
     ``huggingface_hub.snapshot_download`` (``local_files_only`` and ``revision`` passed through)
     and ``snapshot/subfolder`` is returned.
 
@@ -77,7 +77,8 @@ def resolve_checkpoint_dir(
                                         f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
         snapshot = snapshot_download(
             repo_id=repo_id,
-            allow_patterns=[prefix + p for p in allow_patterns],
+            # the manifest too, whatever the reader's files: read_dir checks the files against it
+            allow_patterns=[prefix + p for p in sorted({*allow_patterns, MANIFEST})],
             local_files_only=local_files_only,
             revision=revision,
         )
@@ -87,7 +88,8 @@ def resolve_checkpoint_dir(
 
 
 def _repo_folder(repo_id: str, subfolder: Any) -> str | None:
-    """``subfolder`` as a folder inside the repo (``None`` or ``""``: its top; surrounding ``/`` dropped).
+    """``subfolder`` as a folder inside the repo, as its paths are spelled (``a/./b/`` is ``a/b``; ``None``, ``""``
+    or ``"."``: its top).
 
     Raises:
         ArgumentError: not a str, an absolute path or one with a ``..`` part (``snapshot / "/x"`` is ``/x``,
@@ -98,7 +100,8 @@ def _repo_folder(repo_id: str, subfolder: Any) -> str | None:
     if not isinstance(subfolder, str) or subfolder.startswith("/") or ".." in subfolder.split("/"):
         raise ArgumentError(f"{repo_id!r}: subfolder must be a relative folder path inside the repo (no '..', not "
                             f"absolute), got {subfolder!r}")
-    return subfolder.strip("/") or None
+    # as the repo's paths are spelled (the download patterns match them as strings): no "", "." parts
+    return "/".join(part for part in subfolder.split("/") if part not in ("", ".")) or None
 
 
 def checkpoint_name(directory: Path) -> str | None:

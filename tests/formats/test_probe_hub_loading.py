@@ -28,6 +28,7 @@ from nnsight_lorsa.formats import load, resolve_release, save
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 from huggingface_hub import constants  # noqa: E402
+from huggingface_hub.utils import filter_repo_objects  # noqa: E402
 
 
 def probe(n: int) -> settings:
@@ -45,6 +46,7 @@ class Cache:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.calls: list[dict] = []
 
     def store(self, repo_id: str) -> Path:
         return self.root / ("models--" + repo_id.replace("/", "--"))
@@ -77,11 +79,22 @@ class Cache:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
+    """The cache, offline; each ``snapshot_download`` call's arguments recorded in ``cache.calls`` (offline, the
+    cached snapshot is returned whole: the recorded ``allow_patterns`` say what a download would have fetched)."""
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # repo ids are no local paths here
-    return Cache(tmp_path / "hf-cache")
+    out = Cache(tmp_path / "hf-cache")
+    out.calls = []
+    real = huggingface_hub.snapshot_download
+
+    def recorded(*args, **kwargs):
+        out.calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recorded)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +152,7 @@ def draw_case(data: st.DataObject) -> dict:
     return {"kind": data.draw(st.sampled_from(sorted(KINDS)), "kind"),
             "stored": data.draw(st.sampled_from(DTYPES), "stored"),
             "subfolder": data.draw(st.sampled_from(["", "a", "a/b-c.1", "blocks.3.hook_resid_post"]), "subfolder"),
+            "spelling": data.draw(st.sampled_from(["", "./", "/"]), "spelling"),  # "./a/", "a/": the same folder
             "spelled": data.draw(st.sampled_from(["kwarg", "colon"]), "spelled"),
             "revision": data.draw(st.sampled_from([None, "main", "v1.0", "commit"]), "revision"),
             "dtype": data.draw(st.sampled_from([None, *DTYPES]), "dtype"),
@@ -156,14 +170,19 @@ def check_load_case(tmp_path: Path, cache: Cache, case: dict, n: int) -> None:
     before = cache.listing()
     source, kwargs = repo, {}
     if case["subfolder"]:
+        spelled = case["subfolder"] + case["spelling"] if case["spelling"] != "./" else "./" + case["subfolder"]
         if case["spelled"] == "colon":
-            source = f"{repo}:{case['subfolder']}"
+            source = f"{repo}:{spelled}"
         else:
-            kwargs["subfolder"] = case["subfolder"]
+            kwargs["subfolder"] = spelled
     revision = commit if case["revision"] == "commit" else case["revision"]
     placement = {"dtype": case["dtype"], "device": case["device"],
                  "format": fmt if case["format"] == "given" else "auto"}
     hub = load(source, revision=revision, **kwargs, **placement)
+    # online, the download would fetch every file of the checkpoint (its manifest included) and nothing else
+    patterns = cache.calls[-1]["allow_patterns"]
+    in_repo = [f"{case['subfolder']}/{rel}" if case["subfolder"] else rel for rel in files_under(local)]
+    assert sorted(filter_repo_objects(in_repo, allow_patterns=patterns)) == sorted(in_repo), patterns
     from_folder = load(local, **placement)
     dtype = case["dtype"] or case["stored"]
     if fmt == "llamascopium" and case["dtype"] is None:  # its bf16/fp16 files load upcast (docs/formats.md)
@@ -209,6 +228,8 @@ def test_a_set_from_the_hub_is_on_its_model_in_its_dtype(tmp_path, cache, layers
     cache.put(repo, local, prefix=subfolder)
     back = LorsaSet.from_pretrained(model, f"{repo}:{subfolder}" if subfolder else repo, dtype=dtype)
     assert back.layers == sorted(layers)
+    in_repo = [f"{subfolder}/{rel}" if subfolder else rel for rel in files_under(local)]
+    assert sorted(filter_repo_objects(in_repo, allow_patterns=cache.calls[-1]["allow_patterns"])) == sorted(in_repo)
     for layer in layers:
         assert_placed(back[layer], LorsaSet.from_pretrained(model, local, dtype=dtype)[layer], "cpu",
                       dtype or model_dtype, reference=lorsas[layer])
