@@ -428,3 +428,79 @@ def test_a_revision_with_a_local_path_is_refused(tmp_path, cache, tiny):
         LorsaSet.from_pretrained(tiny[0], tmp_path / "set", revision="v2")
     with pytest.raises(ArgumentError, match="revision"):
         Graph.load(tmp_path / "set", revision="v2")
+
+
+# ----------------------------------------------------------------------------------- the peers' own files
+
+PEERS = Path(__file__).resolve().parent.parent / "fixtures" / "peers"
+
+
+def peer_checkpoints() -> list[str]:
+    """Every folder of the peer fixtures (SAELens, sparsify, Llamascopium, circuit-tracer files written by the peers'
+    own code) that holds a config (whether or not it loads: a refusal must be the same from the Hub)."""
+    names = ("cfg.json", "config.json", "config.yaml")
+    return sorted({p.parent.relative_to(PEERS).as_posix() for n in names for p in PEERS.rglob(n)
+                   if "fields" not in p.relative_to(PEERS).parts})
+
+
+def outcome(source, **kwargs):
+    """``(module or None, error type name or None, warning categories)`` of ``load(source, **kwargs)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            module, error = load(source, **kwargs), None
+        except LorsaError as e:
+            module, error = None, type(e).__name__
+    return module, error, sorted(type(w.message).__name__ for w in caught)
+
+
+def check_peer_from_the_hub(tmp_path: Path, cache: Cache, rel: str) -> None:
+    """The peer folder ``rel`` in a repo as an online download would leave it (only the files matching the patterns
+    the load asks for: recorded on a full snapshot first), loaded by repo id, with ``format="auto"`` and with the
+    detected format given: the local folder's outcome, bit for bit (its module, or its error and warnings)."""
+    from nnsight_lorsa.errors import FormatDetectionError
+    from nnsight_lorsa.formats import detect_format
+
+    src = PEERS / rel
+    try:
+        formats = ["auto", detect_format(src)]
+    except FormatDetectionError:
+        formats = ["auto"]
+    for n, fmt in enumerate(formats):
+        check_peer_download(cache, rel, src, fmt, f"me/{n}-" + rel.replace("/", "-").replace("_", "-"))
+
+
+def check_peer_download(cache: Cache, rel: str, src: Path, fmt: str, repo: str) -> None:
+    prefix = f"peers/{rel}"  # the folder keeps its name (a sparsify hookpoint) and its parents' (checkpoints/step_N)
+    cache.put(repo + "-all", src, prefix=prefix)
+    outcome(repo + "-all", subfolder=prefix, format=fmt)
+    patterns = cache.calls[-1]["allow_patterns"]
+    files = files_under(src)
+    fetched = set(filter_repo_objects([f"{prefix}/{f}" for f in files], allow_patterns=patterns))
+    cache.put(repo, src, prefix=prefix, skip=tuple(f for f in files if f"{prefix}/{f}" not in fetched))
+    hub, hub_error, hub_warnings = outcome(repo, subfolder=prefix, format=fmt)
+    local, local_error, local_warnings = outcome(src, format=fmt)
+    assert (hub_error, hub_warnings) == (local_error, local_warnings), (rel, fmt, sorted(fetched))
+    if local is not None:  # a circuit-tracer set: each layer's transcoder
+        hubs, locals_ = (getattr(m, "transcoders", {"": m}) for m in (hub, local))
+        assert hubs.keys() == locals_.keys()
+        for key, module in locals_.items():
+            a, b = hubs[key].state_dict(), module.state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (rel, key)
+            assert hubs[key].cfg == module.cfg
+
+
+SAMPLE = ["saelens/trainer_standard_whitening/128", "saelens/trainer_topk_expected_average/128",
+          "saelens/norm_expected_average_only_in", "sparsify/run/layers.0", "llamascopium/train_lorsa_output",
+          "circuit_tracer/clt"]
+
+
+@pytest.mark.parametrize("rel", [r for r in SAMPLE if r in peer_checkpoints()])
+def test_a_peer_checkpoint_downloaded_is_its_local_folder(tmp_path, cache, rel):
+    check_peer_from_the_hub(tmp_path, cache, rel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel", peer_checkpoints())
+def test_every_peer_checkpoint_downloaded_is_its_local_folder(tmp_path, cache, rel):
+    check_peer_from_the_hub(tmp_path, cache, rel)
