@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._placement import check_device_arg, check_dtype_arg
-from ..errors import PlacementError
+from ..errors import CheckpointError, LorsaError, PlacementError
 
 __all__ = ["load_model"]
 
@@ -41,6 +41,8 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
 
     Raises:
         MissingTokenizerError: tokenizer files that cannot be loaded (the message names the cause).
+        CheckpointError: ``model_dir`` is no directory with a config and weights transformers can load (nor a repo
+            id in the local Hugging Face cache); the message names it and transformers' error.
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
             a ``device`` that is not one (checked before anything is read).
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA), or ``"meta"`` (no weights).
@@ -60,8 +62,14 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
                                  "(a trace fails inside torch); load on 'cpu' or a GPU")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
-        return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True, dtype=dtype,
-                                 config=config, local_files_only=True, **where)
+        try:
+            tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
+            return TransformersModel(path, task="text-generation", tokenizer=tokenizer, dispatch=True, dtype=dtype,
+                                     config=config, local_files_only=True, **where)
+        except LorsaError:
+            raise
+        except (OSError, ValueError) as e:  # transformers': no such directory, no config / model_type, no weights
+            raise CheckpointError(f"load_model({path!r}): not a loadable Hugging Face model directory (nor a repo id "
+                                  f"in the local Hugging Face cache): {type(e).__name__}: {e}") from e

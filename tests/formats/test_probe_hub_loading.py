@@ -504,3 +504,14 @@ def test_a_peer_checkpoint_downloaded_is_its_local_folder(tmp_path, cache, rel):
 @pytest.mark.parametrize("rel", peer_checkpoints())
 def test_every_peer_checkpoint_downloaded_is_its_local_folder(tmp_path, cache, rel):
     check_peer_from_the_hub(tmp_path, cache, rel)
+
+
+def test_load_model_of_no_model_is_a_checkpoint_error(tmp_path, cache):
+    from nnsight_lorsa.envoy import load_model
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text('{"model_type": "llama"}')
+    for source in ("me/not-cached", tmp_path / "absent", tmp_path / "empty", tmp_path / "config-only"):
+        with pytest.raises(CheckpointError, match=fr"load_model\('{source}'\): not a loadable"):
+            load_model(str(source))
