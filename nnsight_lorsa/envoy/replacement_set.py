@@ -177,8 +177,8 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     fmt = FORMATS.get(format)
     files = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
     local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(files), **hub)
-    listed = card_folders(local)
-    if listed is None:
+    listed = [f for f in card_folders(local) or [] if f != "."]  # ".": a module at the top (a CLT set's)
+    if not listed:
         return load_all(local, format=format, **opts)
     with warnings.catch_warnings():  # a folder that fails is reported below, as the download's
         warnings.simplefilter("ignore", PartialLoadWarning)

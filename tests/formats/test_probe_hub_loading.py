@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 
@@ -515,3 +516,24 @@ def test_load_model_of_no_model_is_a_checkpoint_error(tmp_path, cache):
     for source in ("me/not-cached", tmp_path / "absent", tmp_path / "empty", tmp_path / "config-only"):
         with pytest.raises(CheckpointError, match=fr"load_model\('{source}'\): not a loadable"):
             load_model(str(source))
+
+
+def test_a_pushed_clt_set_comes_back_and_its_card_names_its_top(tmp_path, cache, tiny, monkeypatch):
+    """A CLT set is saved at the top of its folder: its card listed a ``clt/`` folder that no push writes, which
+    the card check would have read as an incomplete download of any set loaded from the repo."""
+    from helpers import make_clt
+
+    from nnsight_lorsa import CLTSet
+    from nnsight_lorsa.errors import ConfigMismatchError
+    from nnsight_lorsa.formats import hub
+
+    published = tmp_path / "published"
+    monkeypatch.setattr(hub, "push_folder", lambda folder, repo_id, **kwargs: str(shutil.copytree(folder, published)))
+    clts = CLTSet(tiny[0], make_clt())
+    clts.push_to_hub("me/clt")
+    assert "| clt | `./` | CrossLayerTranscoder |" in (published / "README.md").read_text()
+    cache.put("me/clt", published)
+    back = CLTSet.from_pretrained(tiny[0], "me/clt", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(back.clt.state_dict().values(), clts.clt.state_dict().values()))
+    with pytest.raises(ConfigMismatchError, match="CrossLayerTranscoder"):
+        TranscoderSet.from_pretrained(tiny[0], "me/clt")
