@@ -534,6 +534,7 @@ def test_a_pushed_clt_set_comes_back_and_its_card_names_its_top(tmp_path, cache,
     assert "| clt | `./` | CrossLayerTranscoder |" in (published / "README.md").read_text()
     cache.put("me/clt", published)
     back = CLTSet.from_pretrained(tiny[0], "me/clt", dtype=torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(back.clt.state_dict().values(), clts.clt.state_dict().values()))
+    a, b = back.clt.state_dict(), clts.clt.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigMismatchError, match="CrossLayerTranscoder"):
         TranscoderSet.from_pretrained(tiny[0], "me/clt")
