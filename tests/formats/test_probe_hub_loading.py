@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import make_lorsa, make_sae, make_transcoder, tiny_nnsight
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa import LorsaSet, TranscoderSet, get_adapter
@@ -538,3 +538,40 @@ def test_a_pushed_clt_set_comes_back_and_its_card_names_its_top(tmp_path, cache,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigMismatchError, match="CrossLayerTranscoder"):
         TranscoderSet.from_pretrained(tiny[0], "me/clt")
+
+
+# ----------------------------------------------------------------------------------- generated sources
+
+PART = st.text(alphabet="ab-_.:/\\ \x00é*?~", max_size=12)
+SOURCES = st.one_of(st.text(max_size=20), st.builds(lambda a, b, c: f"{a}/{b}{c}", PART, PART, PART),
+                    st.sampled_from(["", ".", "..", "/", "./", "me/x:", "me/x:.", "me/x:..", "me--x/y", "me/x/y"]))
+
+
+def check_source(model, loader: str, source: str, subfolder, revision) -> None:
+    """Every source string, subfolder and revision ends in a named error (nothing cached, nothing local)."""
+    from nnsight_lorsa import Graph
+
+    with pytest.raises(LorsaError):
+        if loader == "load":
+            load(source, subfolder=subfolder, revision=revision)
+        elif loader == "graph":
+            Graph.load(source, subfolder=subfolder, revision=revision)
+        else:
+            LorsaSet.from_pretrained(model, source, subfolder=subfolder, revision=revision)
+
+
+@probe(40)
+@given(loader=st.sampled_from(["load", "graph", "set"]), source=SOURCES, subfolder=st.one_of(st.none(), PART),
+       revision=st.one_of(st.none(), PART))
+@example(loader="load", source="", subfolder=None, revision=None)  # Path("").with_name: a ValueError
+@example(loader="set", source="/", subfolder=None, revision=None)
+def test_every_source_string_ends_in_a_named_error(cache, tiny, loader, source, subfolder, revision):
+    check_source(tiny[0], loader, source, subfolder, revision)
+
+
+@pytest.mark.slow
+@probe(2000)
+@given(loader=st.sampled_from(["load", "graph", "set"]), source=SOURCES, subfolder=st.one_of(st.none(), PART),
+       revision=st.one_of(st.none(), PART))
+def test_every_source_string_ends_in_a_named_error_sweep(cache, tiny, loader, source, subfolder, revision):
+    check_source(tiny[0], loader, source, subfolder, revision)
