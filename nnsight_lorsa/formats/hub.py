@@ -17,7 +17,9 @@ A Hub repo (or a ``subfolder`` of one) holds exactly what the local ``save`` wri
 (:mod:`nnsight_lorsa._atomic`: staged, fsynced, manifest last, swapped in), then uploads it with
 ``HfApi.create_repo(exist_ok=True)`` + ``HfApi.upload_folder``. ``from_pretrained(model, "owner/name")`` /
 ``Graph.load("owner/name")`` download the files of the layout with ``snapshot_download`` (``revision=``,
-``subfolder=``, ``local_files_only=``) and read the snapshot as a local directory, manifests checked.
+``subfolder=``, ``local_files_only=``; each folder's ``checksums.json`` always among the patterns) and read the
+snapshot as a local directory, manifests checked; a downloaded set must hold every folder its card lists
+(:func:`card_folders`: an interrupted download is refused, not read as a smaller set).
 ``huggingface_hub`` is imported only for a repo id.
 """
 
