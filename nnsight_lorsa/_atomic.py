@@ -318,6 +318,8 @@ def resolve(directory: str | os.PathLike[str]) -> Path:
     old directory is renamed back first (the interrupted save rolled back), or, while a live process's
     save is between those renames, or where the rename fails (read-only), ``<directory>.old`` itself."""
     d = Path(directory)
+    if not d.name:  # "." (also ""), "/": no sibling ``.old`` to name
+        return d
     old = d.with_name(f"{d.name}.old")
     if d.exists() or not old.is_dir():
         return d

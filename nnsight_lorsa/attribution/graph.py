@@ -282,6 +282,7 @@ class Graph(FieldsRepr):
                 indices outside their ranges, probabilities outside [0, 1], or ``graph.json`` fields
                 of the wrong type — naming the file and the key; a file that differs from what
                 ``checksums.json`` records (truncated, altered); a repo id that could not be fetched.
+            ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo.
         """
         from .._atomic import check, manifest_of, resolve
         from ..formats.files import load_safetensors, read_json_object, resolve_checkpoint_dir
@@ -291,8 +292,14 @@ class Graph(FieldsRepr):
             directory = resolve_checkpoint_dir(
                 directory, allow_patterns=["graph.json", "graph.safetensors", "checksums.json", CARD],
                 subfolder=subfolder, revision=revision, local_files_only=local_files_only)
-        elif subfolder:
-            directory = Path(directory) / subfolder
+        else:
+            if revision is not None:
+                from ..errors import ArgumentError
+
+                raise ArgumentError(f"Graph.load: {os.fspath(directory)!r} is a local path, which has no revisions; "
+                                    f"revision={revision!r} applies to a Hugging Face repo id")
+            if subfolder:
+                directory = Path(directory) / subfolder
         d = resolve(directory)  # `<directory>.old` when a save was killed between its two renames
         entries = manifest_of(d)
         info_path, tensors_path = d / "graph.json", d / "graph.safetensors"

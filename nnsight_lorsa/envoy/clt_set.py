@@ -150,6 +150,10 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
         save(self.clt, directory)
 
+    def folder(self, key: str) -> str:
+        """``"."``: :meth:`save` writes the CLT at the set's top (its card lists it there)."""
+        return "."
+
     def subset(self, keys: Any = None, transform: Any = None) -> CLTSet:
         """This CLT (it spans every MLP, so ``keys`` selects nothing), passed through ``transform``."""
         return CLTSet(self.model, self.clt if transform is None else transform(self.clt), self.adapter)

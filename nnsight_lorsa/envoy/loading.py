@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._placement import check_device_arg, check_dtype_arg
-from ..errors import CheckpointError, LorsaError
+from ..errors import CheckpointError, LorsaError, PlacementError
 
 __all__ = ["load_model"]
 
@@ -46,7 +46,7 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
             directory and the cause's first line.
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
             a ``device`` that is not one (checked before anything is read).
-        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
+        PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA), or ``"meta"`` (no weights).
     """
     from nnsight import TransformersModel
     from transformers import AutoConfig
@@ -57,14 +57,18 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
     path = str(model_dir or default_model_dir())
     check_dtype_arg(dtype, f"load_model({path!r})")
     if str(device) != "auto":
-        check_device_arg(device, f"load_model({path!r})")
+        checked = check_device_arg(device, f"load_model({path!r})")
+        if checked is not None and checked.type == "meta":
+            raise PlacementError(f"load_model({path!r}): device='meta' loads no weights, so the model could not run "
+                                 "(a trace fails inside torch); load on 'cpu' or a GPU")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:  # first: a broken config.json is named as such, not as a tokenizer that cannot be loaded
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # transformers raises OSError / ValueError / KeyError … for a bad config
-            raise CheckpointError(f"{path}: config.json is not a model config transformers can load "
-                                  f"({_first_line(e)})") from e
+            raise CheckpointError(f"load_model({path!r}): no model config transformers can load (not a model "
+                                  f"directory, nor a repo id in the local Hugging Face cache, or a damaged config.json: "
+                                  f"{_first_line(e)})") from e
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
         where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
         try:
@@ -73,7 +77,8 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
         except (LorsaError, MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # a damaged weights file, weights of other shapes than config.json's, …
-            raise CheckpointError(f"{path}: the model's weights could not be loaded ({_first_line(e)})") from e
+            raise CheckpointError(f"load_model({path!r}): the model's weights could not be loaded "
+                                  f"({_first_line(e)})") from e
 
 
 def _first_line(e: BaseException) -> str:

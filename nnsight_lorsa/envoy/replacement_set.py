@@ -156,12 +156,19 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     (:mod:`~..formats.hub`: every format's checkpoint files at the top and in its folders, with ``revision``,
     ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory.
 
+    A downloaded set with a model card (``push_to_hub``'s) must hold every folder its card lists, each loading.
+
     Raises:
         CheckpointError: the repo could not be fetched (network, authentication, offline cache miss, no such
-            repo or ``subfolder``); then as :func:`~..formats.registry.load_all`."""
+            repo or ``subfolder``); a folder the set's card lists is missing or does not load (an incomplete
+            download, e.g. an interrupted one that a huggingface_hub without its tree-listing cache hands over);
+            then as :func:`~..formats.registry.load_all`."""
+    import warnings  # local, as the others here: what a set shipped by value imports stays small
+
+    from ..errors import CheckpointError
     from ..formats.files import resolve_checkpoint_dir
-    from ..formats.hub import looks_like_repo_id, set_download_patterns
-    from ..formats.registry import FORMATS, load_all
+    from ..formats.hub import card_folders, looks_like_repo_id, set_download_patterns
+    from ..formats.registry import FORMATS, LoadedModules, PartialLoadWarning, load_all
 
     if not looks_like_repo_id(src):
         return load_all(src, format=format, **kwargs)
@@ -170,7 +177,31 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     fmt = FORMATS.get(format)
     files = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
     local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(files), **hub)
-    return load_all(local, format=format, **opts)
+    listed = [f for f in card_folders(local) or [] if f != "."]  # ".": a module at the top (a CLT set's)
+    if not listed:
+        return load_all(local, format=format, **opts)
+    with warnings.catch_warnings():  # a folder that fails is reported below, as the download's
+        warnings.simplefilter("ignore", PartialLoadWarning)
+        failures: dict[str, Exception]
+        try:
+            loaded = load_all(local, format=format, **opts)
+        except CheckpointError as e:  # none of the folders loaded
+            loaded, failures = LoadedModules(), {"(all)": e}
+        else:
+            failures = dict(loaded.failures)
+    incomplete = [f for f in listed if f not in loaded]
+    if incomplete:
+        where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
+        where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
+        absent = [f for f in incomplete if not (local / f).is_dir()]
+        why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in failures.items())
+        raise CheckpointError(
+            f"{where}: the set's card lists the folders {listed}, but "
+            + (f"{absent} are missing from the downloaded snapshot {str(local)!r}" if absent else "")
+            + (" and " if absent and why else "") + (f"these did not load: {why}" if why else "")
+            + ": an incomplete download (delete that snapshot and download again, with network access)"
+            + ("" if absent or format == "auto" else f", or not format={format!r}"))
+    return loaded
 
 
 class ReplacementSet(Generic[K, M]):

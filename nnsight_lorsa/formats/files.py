@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from .._atomic import resolve
+from .._atomic import MANIFEST, resolve
+from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
-__all__ = ["load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
+__all__ = ["checkpoint_name", "load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
            "resolve_checkpoint_dir"]
 
 
@@ -36,17 +37,23 @@ def resolve_checkpoint_dir(
     ``<source>.old`` when only that exists: a save killed between its two renames, :mod:`.._atomic`);
     ``subfolder`` is then a folder inside it. Otherwise ``source`` must be a valid Hugging Face
     repo id, or ``"repo_id:subfolder"`` (the Llamascopium hub layout); the files matching
-    ``allow_patterns`` (relative to ``subfolder``) are fetched with
+    ``allow_patterns`` (relative to ``subfolder``) and the manifest ``checksums.json`` are fetched with
     ``huggingface_hub.snapshot_download`` (``local_files_only`` and ``revision`` passed through)
     and ``snapshot/subfolder`` is returned.
 
     Raises:
         CheckpointError: the path is a file, a :class:`Path` that does not exist, a string that
-            is neither a directory nor a valid repo id, the download failed, or ``subfolder`` is
-            not a folder there.
+            is neither a directory nor a valid repo id, the download failed (the message names the
+            repo, the revision and the subfolder), or ``subfolder`` is not a folder there.
+        ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo); a
+            ``revision`` with a local path (it has none: the revision asked for would not be the one read).
     """
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
+        if revision is not None:  # a local directory has no revisions: the one asked for would not be the one read
+            raise ArgumentError(f"{os.fspath(source)!r} is a local path, which has no revisions; revision={revision!r} "
+                                "applies to a Hugging Face repo id (a local directory wins over a repo id of the same "
+                                "spelling: run elsewhere, or pass revision=None)")
         require(local.exists(), None, f"checkpoint directory {str(local)!r} does not exist")
         require(local.is_dir(), None, f"{str(local)!r} is a file; expected a checkpoint directory")
         if subfolder:
@@ -62,19 +69,49 @@ def resolve_checkpoint_dir(
     with file_errors(repr(repo_id), {HFValidationError: "neither an existing local directory nor a valid Hugging "
                                                          "Face repo id ({e})"}):
         validate_repo_id(repo_id)
+    subfolder = _repo_folder(repo_id, subfolder)
     prefix = f"{subfolder}/" if subfolder else ""
-    # network, auth, missing repo, offline cache miss: all end the load
-    with file_errors(repr(repo_id), {Exception: "not a local directory and could not be fetched from the Hugging "
-                                                f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
+    where = f"{repo_id!r} (revision {revision or 'main'!r}" + (f", subfolder {subfolder!r})" if subfolder else ")")
+    # network, auth, missing repo, unknown revision, offline cache miss, an incomplete cached snapshot: all end the load
+    with file_errors(where, {Exception: "not a local directory and could not be fetched from the Hugging "
+                                        f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
         snapshot = snapshot_download(
             repo_id=repo_id,
-            allow_patterns=[prefix + p for p in allow_patterns],
+            # the manifest too, whatever the reader's files: read_dir checks the files against it
+            allow_patterns=[prefix + p for p in sorted({*allow_patterns, MANIFEST})],
             local_files_only=local_files_only,
             revision=revision,
         )
     path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
-    require(path.is_dir(), None, f"hub repo {repo_id!r} has no folder {subfolder!r}")
+    require(path.is_dir(), None, f"hub repo {where} has no folder {subfolder!r}")
     return path
+
+
+def _repo_folder(repo_id: str, subfolder: Any) -> str | None:
+    """``subfolder`` as a folder inside the repo, as its paths are spelled (``a/./b/`` is ``a/b``; ``None``, ``""``
+    or ``"."``: its top).
+
+    Raises:
+        ArgumentError: not a str, an absolute path or one with a ``..`` part (``snapshot / "/x"`` is ``/x``,
+            and ``..`` climbs out of the snapshot: files that are not the repo's would load as its own).
+    """
+    if subfolder is None or subfolder == "":
+        return None
+    if not isinstance(subfolder, str) or subfolder.startswith("/") or ".." in subfolder.split("/"):
+        raise ArgumentError(f"{repo_id!r}: subfolder must be a relative folder path inside the repo (no '..', not "
+                            f"absolute), got {subfolder!r}")
+    # as the repo's paths are spelled (the download patterns match them as strings): no "", "." parts
+    return "/".join(part for part in subfolder.split("/") if part not in ("", ".")) or None
+
+
+def checkpoint_name(directory: Path) -> str | None:
+    """The name a checkpoint folder gives its module (a sparsify hookpoint is its folder's name): the folder's
+    name, or None for the top of a ``huggingface_hub`` cache snapshot (``models--owner--name/snapshots/<commit>``,
+    what :func:`resolve_checkpoint_dir` returns for a repo's top), whose name is a commit hash, not the repo's."""
+    parent = directory.parent
+    if parent.name == "snapshots" and parent.parent.name.startswith(("models--", "datasets--", "spaces--")):
+        return None
+    return directory.name
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -17,7 +17,9 @@ A Hub repo (or a ``subfolder`` of one) holds exactly what the local ``save`` wri
 (:mod:`nnsight_lorsa._atomic`: staged, fsynced, manifest last, swapped in), then uploads it with
 ``HfApi.create_repo(exist_ok=True)`` + ``HfApi.upload_folder``. ``from_pretrained(model, "owner/name")`` /
 ``Graph.load("owner/name")`` download the files of the layout with ``snapshot_download`` (``revision=``,
-``subfolder=``, ``local_files_only=``) and read the snapshot as a local directory, manifests checked.
+``subfolder=``, ``local_files_only=``; each folder's ``checksums.json`` always among the patterns) and read the
+snapshot as a local directory, manifests checked; a downloaded set must hold every folder its card lists
+(:func:`card_folders`: an interrupted download is refused, not read as a smaller set).
 ``huggingface_hub`` is imported only for a repo id.
 """
 
@@ -33,8 +35,8 @@ from typing import Any
 from .._atomic import atomic_file
 from ..errors import ArgumentError, MissingDependencyError
 
-__all__ = ["CARD", "check_push_args", "graph_card", "looks_like_repo_id", "metrics_table", "push_folder",
-           "set_card", "set_download_patterns", "stage_and_push", "write_card"]
+__all__ = ["CARD", "card_folders", "check_push_args", "graph_card", "looks_like_repo_id", "metrics_table",
+           "push_folder", "set_card", "set_download_patterns", "stage_and_push", "write_card"]
 
 #: the model card's file name
 CARD = "README.md"
@@ -127,6 +129,24 @@ def write_card(directory: str | os.PathLike[str], *, title: str, tags: list[str]
     meta.append("---")
     text = "\n".join(meta) + f"\n\n# {title}\n\n{body.strip()}\n"
     return atomic_file(Path(directory) / CARD, text.encode("utf-8"))
+
+
+_CARD_ROW = re.compile(r"^\| [^|\n]* \| `([^`/\n]+)/` \| ", re.MULTILINE)
+
+
+def card_folders(directory: str | os.PathLike[str]) -> list[str] | None:
+    """The module folders a replacement set's model card (``directory/README.md``, written by :func:`set_card`)
+    lists, in its order; None where ``directory`` holds no card of ours (``library_name: nnsight-lorsa``) or the
+    card lists none (a graph's). What ``from_pretrained`` checks a downloaded set against: a folder the card lists
+    that the snapshot lacks is an incomplete download, not a smaller set."""
+    card = Path(directory) / CARD
+    try:
+        text = card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.startswith("---\nlibrary_name: nnsight-lorsa\n"):
+        return None
+    return _CARD_ROW.findall(text) or None
 
 
 def _target(repo_id: str, subfolder: str | None) -> str:

@@ -115,7 +115,8 @@ def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | Non
     Raises:
         CheckpointError: an unusable source (see :func:`.files.resolve_checkpoint_dir`) or file.
         TypeError: an unknown option.
-        ArgumentError: a ``dtype`` a module cannot compute in, or a ``device`` that is not one.
+        ArgumentError: a ``dtype`` a module cannot compute in, or a ``device`` that is not one; a ``revision``
+            with a local path; a hub ``subfolder`` that leaves the repo.
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
     """
     device = check_placement_args(device, dtype, f"loading {source}")

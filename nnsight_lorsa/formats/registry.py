@@ -231,7 +231,9 @@ def load(
         ConfigMismatchError: ``d_model`` given and different from the checkpoint's.
         TypeError: an option the chosen reader does not take.
         ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``; a ``dtype`` other
-            than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one.
+            than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one; a
+            ``revision`` with a local path; a hub ``subfolder`` that is absolute or climbs with ``..``; a
+            ``release`` / ``sae_id`` that is not a str.
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
     """
     device = check_placement_args(device, dtype, f"load({str(path_or_repo_id)!r})")

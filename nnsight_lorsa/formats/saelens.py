@@ -425,7 +425,9 @@ def _fold_whitening(module: SparseAutoencoder | Transcoder, path: Path) -> None:
     module.b_dec.copy_(module.b_dec.double() @ M_inv + mean)
 
 
-READER = Reader("saelens", (CFG_FILE, WEIGHTS_FILE), parse_config, load_weights, build)
+# the trainer checkpoint's scaler and whitening files too: read when present (a download without them loaded the
+# weights unfolded, or refused the whitening, where the local folder loads folded)
+READER = Reader("saelens", (CFG_FILE, WEIGHTS_FILE, SCALER_FILE, WHITENING_FILE), parse_config, load_weights, build)
 
 
 def load_saelens(directory: str | os.PathLike[str], **kwargs: Any) -> SparseAutoencoder | Transcoder:

@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedArchitectureError
+from ..errors import ArgumentError, UnsupportedArchitectureError
 from .validate import file_errors, refuse, require, require_file
 
 REGISTRY_FILE = "pretrained_saes.yaml"
@@ -86,7 +86,7 @@ def _read(path: Path, mtime: float) -> dict[str, Any]:
     return data  # type: ignore[no-any-return]
 
 
-def resolve_release(release: str, sae_id: str, *,
+def resolve_release(release: Any, sae_id: Any, *,  # each a str, checked below (a named error)
                     registry: str | os.PathLike[str] | None = None) -> SAELensRelease:
     """Look ``(release, sae_id)`` up in SAELens's registry (module docstring).
 
@@ -96,19 +96,29 @@ def resolve_release(release: str, sae_id: str, *,
         registry: a ``pretrained_saes.yaml`` (default: the installed sae-lens's, :func:`installed_registry`).
 
     Raises:
+        ArgumentError: ``release`` or ``sae_id`` not a str.
         CheckpointError: no registry, an unknown release or sae_id (the message lists some valid
-            ones), an entry without ``repo_id`` / ``path``.
+            ones), an entry without ``repo_id`` / ``path``, a malformed entry (``saes`` not a list, a ``path``
+            outside the repo, a ``norm_scaling_factor`` that is not a number, ``config_overrides`` not a mapping).
         UnsupportedArchitectureError: the release needs a SAELens converter (``conversion_func``), or
             the SAE is a pickle (``.pt``), which we never load.
     """
+    for name, value in (("release", release), ("sae_id", sae_id)):
+        if not isinstance(value, str):
+            raise ArgumentError(f"resolve_release: {name} must be a str (a name of SAELens's registry), got {value!r} "
+                                f"({type(value).__name__})")
     path = Path(registry) if registry is not None else installed_registry()
     require_file(path, " (the release registry)")
     data = _read(path.resolve(), path.stat().st_mtime)
     entry = data.get(release)
     if not isinstance(entry, dict):
-        near = sorted(r for r in data if release.split("-")[0] in r)[:8] or sorted(data)[:8]
-        refuse(path, f"no release {release!r}; e.g. {near}")
-    saes = {s.get("id"): s for s in entry.get("saes", []) if isinstance(s, dict)}
+        near = sorted(str(r) for r in data if release.split("-")[0] in str(r))[:8] or sorted(map(str, data))[:8]
+        refuse(path, f"no release {release!r}" + ("" if entry is None else f" (its entry is a {type(entry).__name__}, "
+                                                                            "not a mapping)") + f"; e.g. {near}")
+    listed = entry.get("saes", [])
+    require(isinstance(listed, list), path, f"release {release!r}: 'saes' must be a list of SAE entries, got "
+                                            f"{type(listed).__name__}")
+    saes = {s.get("id"): s for s in listed if isinstance(s, dict) and isinstance(s.get("id"), str)}
     require(sae_id in saes, path, f"release {release!r} has no sae_id {sae_id!r}; valid ids include {list(saes)[:8]}")
     converter = entry.get("conversion_func")
     if converter is not None:
@@ -121,11 +131,18 @@ def resolve_release(release: str, sae_id: str, *,
     if not isinstance(repo_id, str) or folder is None:
         refuse(path, f"release {release!r} / {sae_id!r} lacks 'repo_id' or 'path'")
     folder = str(folder)
+    require(not folder.startswith("/") and ".." not in folder.split("/"), path,
+            f"release {release!r} / {sae_id!r}: 'path' {folder!r} is not a folder inside the repo {repo_id!r} "
+            "(absolute, or with a '..' part)")
     if folder.endswith((".pt", ".pth", ".pkl")):
         raise UnsupportedArchitectureError(f"release {release!r} / {sae_id!r} is the pickle {folder!r}; "
                                            "pickles are never loaded")
     factor = sae.get("norm_scaling_factor")
+    require(factor is None or (isinstance(factor, (int, float)) and not isinstance(factor, bool)), path,
+            f"release {release!r} / {sae_id!r}: 'norm_scaling_factor' must be a number, got {factor!r}")
     overrides = entry.get("config_overrides") or {}
+    require(isinstance(overrides, dict), path, f"release {release!r}: 'config_overrides' must be a mapping of "
+                                               f"cfg.json keys, got {type(overrides).__name__}")
     return SAELensRelease(release=release, sae_id=sae_id, repo_id=repo_id, path=folder,
                           norm_scaling_factor=None if factor is None else float(factor),
-                          config_overrides=dict(overrides) if isinstance(overrides, dict) else {})
+                          config_overrides=dict(overrides))

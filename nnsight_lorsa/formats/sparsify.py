@@ -47,7 +47,7 @@ from .._atomic import atomic_directory
 from ..errors import UnsupportedArchitectureError
 from ..modules.sae import SAEConfig, SparseAutoencoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
-from .files import load_safetensors, read_json_object
+from .files import checkpoint_name, load_safetensors, read_json_object
 from .hook_sites import site_record
 from .reader import Parsed, Reader, read
 from .sparse_coder_format import kind_of
@@ -80,7 +80,7 @@ __all__ = ["FIELDS", "READER", "TENSORS", "build", "load_sparsify", "load_weight
 
 def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = None) -> Parsed:
     """``cfg.json`` -> ``Parsed(directory, SAEConfig | TranscoderConfig, settings)``; the hookpoint
-    is the directory's name.
+    is the directory's name (None at the top of a hub repo: :func:`.files.checkpoint_name`).
 
     Raises:
         CheckpointError: missing file/key, ``d_in`` / ``k`` / latent count not a positive int.
@@ -103,7 +103,7 @@ def parse_config(directory: Path, *, d_model: int | None = None, adapter: Any = 
         num_latents = scaled_size(d_in, raw.get("expansion_factor"), cfg_path, "expansion_factor")
     require(activation != "groupmax" or not num_latents % k, cfg_path,
             f"'groupmax' needs num_latents={num_latents} to be a multiple of k={k}")
-    name = directory.name
+    name = checkpoint_name(directory)  # None at the top of a hub snapshot (its name is a commit hash)
     site = site_record(name, adapter, sparsify_transcode=transcode)
     extra = {"sparsify": {
         "hookpoint": name, "transcode": transcode, "skip_connection": skip,
