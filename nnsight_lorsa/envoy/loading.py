@@ -67,8 +67,8 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # transformers raises OSError / ValueError / KeyError … for a bad config
             raise CheckpointError(f"load_model({path!r}): no model config transformers can load (not a model "
-                                  f"directory, nor a repo id in the local Hugging Face cache, or a damaged config.json: "
-                                  f"{_first_line(e)})") from e
+                                  f"directory, nor a repo id in the local Hugging Face cache, or a damaged "
+                                  f"config.json: {_first_line(e)})") from e
         tokenizer = load_tokenizer(path)  # an ids-only stand-in when the directory has no tokenizer files
         where = {"device_map": "auto"} if str(device) == "auto" else {"device": device}
         try:
