@@ -1,4 +1,4 @@
-"""Command-line probe (docs/reliability.md, "Command-line probe (2026-11-28)").
+"""Command-line probe (docs/reliability.md, "Command-line probe (2026-11-27)").
 
 ``nnsight-lorsa demo`` driven through ``cli.main(argv)`` in-process (and once through a subprocess):
 
