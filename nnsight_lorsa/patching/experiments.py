@@ -24,7 +24,7 @@ from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
-from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
+from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read
 from .metrics import logit_difference, relative_effect
@@ -85,7 +85,9 @@ def _finite(value: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _groups(replacement: ReplacementModel, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:
+def _groups(replacement: ReplacementModel, targets: Any) -> list[tuple[Target, ...]]:  # checked here
+    if isinstance(targets, (MHSAHead, LorsaHead, Feature, str)) or not isinstance(targets, Sequence):
+        raise ConfigMismatchError(f"targets must be a list (or tuple) of targets or groups of them, got {targets!r}")
     groups: list[tuple[Target, ...]] = []
     for g in targets:
         group: tuple[Target, ...] = tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,)  # type: ignore[arg-type,assignment]
@@ -177,15 +179,18 @@ def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target]
 def check_padded_positions(replacement: ReplacementModel, positions: Positions,
                            default_metric: bool) -> torch.Tensor | None:
     """First thing in a trace body (or invoke) of an experiment: the batch's padding mask
-    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` — and, for the default metric
-    (``default_metric``), the last position it reads — that are padding in some row.
+    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` out of the batch's range (also
+    for unpadded prompts given as lists or texts) or — and, for the default metric (``default_metric``), the last
+    position it reads — that are padding in some row.
 
     Raises:
         ArgumentError: ``positions`` out of range (:func:`~.interventions.check_positions`) or padding in a row.
     """
     mask = padding_mask(replacement.model)
+    ids = replacement.model.inputs[1].get("input_ids")  # unpadded prompts given as lists or texts: their length
+    if mask is not None or isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        check_positions(positions, int(mask.shape[1] if mask is not None else ids.shape[1]))
     if mask is not None:
-        check_positions(positions, int(mask.shape[1]))
         check_not_padding(mask, positions, "positions")
         if default_metric:
             check_not_padding(mask, -1, "the metric (the logit difference at the last position)")
