@@ -107,6 +107,15 @@ def _stack(rows: list[list[int]], what: str) -> torch.Tensor:
     return _host_ids(rows)
 
 
+def _pair(clean: list[list[int]], corrupt: list[list[int]], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean and corrupt prompts stacked, refused unless all of them (clean *and* corrupt) share one length."""
+    for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)):
+        if len(a) != len(b):
+            raise TaskTokenizationError(f"{what}: prompt {i} tokenizes to {len(a)} tokens clean and {len(b)} corrupt: "
+                                        "clean and corrupt prompts must share one length")
+    return _stack(clean, what), _stack(corrupt, what)
+
+
 def _host_ids(rows: Any) -> torch.Tensor:
     """Token ids as an int64 tensor on the CPU (host-side: nnsight moves a trace's inputs to the
     model's device; the metrics move the answer ids to the logits' device)."""
@@ -229,7 +238,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         correct.append(ta)
         incorrect.append(tb)
         meta.append({"text": text, "io": a, "s": b, "order": "ABBA" if abba else "BABA", "corrupt_text": text_c})
-    return TaskBatch("ioi", _stack(clean, "IOI"), _stack(corrupt, "IOI"), _host_ids(correct),
+    return TaskBatch("ioi", *_pair(clean, corrupt, "IOI"), _host_ids(correct),
                      _host_ids(incorrect), meta)
 
 
@@ -287,7 +296,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
         correct.append(c_id)
         incorrect.append(i_id)
         meta.append({"text": text, "corrupt_text": text_c})
-    return TaskBatch("greater_than", _stack(clean, "greater-than"), _stack(corrupt, "greater-than"),
+    return TaskBatch("greater_than", *_pair(clean, corrupt, "greater-than"),
                      _host_ids(correct), _host_ids(incorrect), meta)
 
 
@@ -331,7 +340,7 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:
-        TaskTokenizationError: a prompt cannot be tokenized as needed, or prompts differ in length.
+        TaskTokenizationError: a prompt cannot be tokenized as needed, or prompts (clean or corrupt) differ in length.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
     if pairs is None:
@@ -351,7 +360,7 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         correct.append(ans)
         incorrect.append(wrong)
         meta.append({"op1": a, "op2": b, "corrupt_op2": b2})
-    return TaskBatch("arithmetic", _stack(clean, "arithmetic"), _stack(corrupt, "arithmetic"),
+    return TaskBatch("arithmetic", *_pair(clean, corrupt, "arithmetic"),
                      _host_ids(correct), _host_ids(incorrect), meta)
 
 

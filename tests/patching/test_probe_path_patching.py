@@ -22,7 +22,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_probe_patching_generated import as_input, attention_hook, by_hand, case_of, combine, needs, one, reference
+from test_probe_patching_generated import (
+    as_input,
+    attention_hook,
+    by_hand,
+    case_of,
+    combine,
+    dtype_of,
+    needs,
+    one,
+    reference,
+)
 
 from nnsight_lorsa.errors import ArgumentError, ConfigMismatchError, ShapeError
 from nnsight_lorsa.patching import (
@@ -132,7 +142,7 @@ def make_metric(kind: str, correct: torch.Tensor, wrong: torch.Tensor, clean_log
 
 
 @torch.no_grad()
-def run_groups(seed: int) -> None:
+def run_groups(seed: int) -> str:
     rng, case, dtype = row_rng(seed)
     a = case.adapter
     error = rng.random() < 0.6
@@ -187,7 +197,7 @@ def run_groups(seed: int) -> None:
     if refusal is not None:
         with pytest.raises(refusal):
             call()
-        return
+        return "refused"
     res = call()
     for j in range(batch):
         attn, oin, oout, zclean = records[j]
@@ -239,6 +249,7 @@ def run_groups(seed: int) -> None:
             want = ref_metric(out, j)
             got = float(res.patched[gi, j])
             assert abs(got - want) <= tol, f"{where}: group {g} row {j}: {got} vs {want} (tol {tol:.2e})"
+    return "compared"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
@@ -253,6 +264,147 @@ def test_generated_group_path_patching_equals_the_hooks_reference(seed):
 def test_generated_group_path_patching_sweep(seed):
     run_groups(seed)
 
+
+SEPARATE_QKV = ("llama", "qwen3", "gemma2", "olmo2", "gemma")  # MHSA receivers need separate q/k/v projections
+
+
+@torch.no_grad()
+def run_receivers(seed: int) -> str:
+    """Sender groups → MHSA and Lorsa q / k / v receivers: the receivers' inputs from the sender-patched run (frozen
+    from the group's first attention to the last receiver's layer), everything else the clean run's."""
+    rng = random.Random(seed)
+    case = case_of(rng.choice(FAMILIES), torch.float32, torch.float32)
+    a = case.adapter
+    error = rng.random() < 0.6
+    r = case.bundle(error)
+    batch = rng.randint(1, 2)
+    padded = batch > 1 and rng.random() < 0.4
+    lens = [rng.randint(5, 9) for _ in range(batch)] if padded else [rng.randint(5, 9)] * batch
+    clean = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
+    corrupt = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
+    correct = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    wrong = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    mode = rng.choice(["patch", "zero"])
+    pos = rng.choice(POSITIONS)
+    receivers: list = []
+    for _ in range(rng.randint(1, 3)):
+        lorsa = case.layer == 1 and (a.family not in SEPARATE_QKV or rng.random() < 0.5)
+        if lorsa:
+            hi = HeadInput(LorsaHead(1, rng.randrange(case.lorsa.cfg.n_ov_heads)), rng.choice(["q", "k", "v"]))
+        elif a.family in SEPARATE_QKV:
+            hi = HeadInput(MHSAHead(rng.choice([1, 2]), rng.randrange(a.n_heads)), rng.choice(["q", "k", "v"]))
+        else:
+            continue
+        if hi not in receivers:
+            receivers.append(hi)
+    if not receivers:
+        return "skipped"
+    low = min(x.head.layer for x in receivers)
+    pool = [MHSAHead(0, rng.randrange(a.n_heads)), MHSAHead(0, rng.randrange(a.n_heads))]
+    pool += [Feature(site, rng.randrange(128)) for site in case.saes if first_of(case, Feature(site, 0)) <= low]
+    if low == 2:
+        pool += [MHSAHead(1, rng.randrange(a.n_heads)), Feature(1, rng.randrange(128), kind="transcoder")]
+    groups = [tuple(dict.fromkeys(rng.choice(pool) for _ in range(rng.randint(1, 2))))
+              for _ in range(rng.randint(1, 2))]
+    flat = list(dict.fromkeys(t for g in groups for t in g))
+    spliced = needs(flat + [x.head for x in receivers])
+    kw = dict(corrupt=as_input(corrupt)) if mode == "patch" else {}
+    where = f"seed {seed}: {a.family} error={error} mode={mode} pos={pos} groups {groups} receivers {receivers}"
+    call = lambda: path_patching(r, as_input(clean), groups, mode=mode, positions=pos,  # noqa: E731
+                                 correct_ids=correct, incorrect_ids=wrong, receivers=receivers, **kw)
+    lorsa_layers = {x.head.layer for x in receivers if isinstance(x.head, LorsaHead)}
+    if not error and any(isinstance(x.head, MHSAHead) and x.head.layer in lorsa_layers for x in receivers):
+        with pytest.raises(ArgumentError, match="would be discarded"):
+            call()
+        return "refused"
+    res = call()
+    d, per_kv = a.head_dim, a.n_heads // getattr(case.hf.config, "num_key_value_heads", a.n_heads)
+    last = max(x.head.layer for x in receivers)
+    for j in range(batch):
+        attn: dict = {}
+        got: dict = {}
+
+        def module_of(x):
+            if isinstance(x.head, LorsaHead):
+                return getattr(case.lorsa, f"hook_{x.which}")
+            return getattr(a.attention_module(case.hf, x.head.layer), a.head_input_names[x.which])
+
+        def index_of(x):
+            if isinstance(x.head, LorsaHead):  # hook_q / hook_k (batch, n_qk, pos, d); hook_v (batch, pos, n_ov)
+                h = x.head.head
+                return (Ellipsis, h) if x.which == "v" else (slice(None), h // case.lorsa.cfg.group_size)
+            h = x.head.head if x.which == "q" else x.head.head // per_kv
+            return (Ellipsis, slice(h * d, (h + 1) * d))
+
+        def record(x, got=got):
+            return lambda: module_of(x).register_forward_hook(lambda m, args, o: got.__setitem__(x, o.clone()))
+
+        live = {"on": True}
+
+        def put(x, got=got, live=live):
+            def hook(m, args, o):
+                if not live["on"]:
+                    return o
+                o = o.clone()
+                o[index_of(x)] = got[x][index_of(x)]
+                return o
+            return lambda: module_of(x).register_forward_hook(hook)
+
+        def error_of_the_unedited_lorsa(live=live):
+            """With the error term, ``MHSA − Lorsa`` is the *unedited* Lorsa's (the splice's clean pass): the
+            receivers' q / k / v edits reach the output as ``true + (live − clean)``."""
+            lorsa, sliding = case.lorsa, a.sliding_window(case.layer) is not None
+
+            def hook(m, args, kwargs, output):
+                x = a.attention_input(args, kwargs).to(dtype_of(lorsa))
+                mask = None if sliding else a.attention_mask(args, kwargs)
+                where_ = (x, a.attention_positions(args, kwargs, x), mask)
+                live["on"] = False
+                zc = lorsa.activation(lorsa.compute_z_pre(*where_))[0]
+                live["on"] = True
+                zl = lorsa.activation(lorsa.compute_z_pre(*where_))[0]
+                return a.with_attention_output(output, combine(a.attention_output(output), lorsa.decode(zl),
+                                                               lorsa.decode(zc), error))
+            return lambda: a.attention_module(case.hf, case.layer).register_forward_hook(hook, with_kwargs=True)
+        puts = [put(x) for x in receivers]
+        if error and any(isinstance(x.head, LorsaHead) for x in receivers):
+            puts.append(error_of_the_unedited_lorsa())
+
+        reference(case, clean[j], [], j, spliced, error,
+                  extra=[attention_hook(case, L, attn, freeze=False) for L in range(3)])
+        for gi, g in enumerate(groups):
+            ts = r.sort(list(g))
+            if mode == "patch":
+                reads = [one(case, t, "capture", pos) for t in ts]
+                reference(case, corrupt[j], reads, j, spliced, error)
+                edits = [one(case, t, "patch", pos, e["store"][j]) for t, e in zip(ts, reads, strict=True)]
+            else:
+                edits = [one(case, t, "ablate", pos) for t in ts]
+            first = min(first_of(case, t) for t in ts)
+            frozen = [attention_hook(case, L, attn, freeze=True) for L in range(first, last)
+                      if not any(isinstance(t, MHSAHead) and t.layer == L for t in ts)]
+            if any(isinstance(t, MHSAHead) and first <= t.layer < last for t in ts):
+                return "skipped"  # a frozen layer around a sender head: run_groups checks it
+            got.clear()
+            reference(case, clean[j], edits, j, spliced, error, extra=frozen + [record(x) for x in receivers])
+            out = a.final_logits(reference(case, clean[j], [], j, spliced, error, extra=puts))
+            want = float(out[-1, int(correct[j])] - out[-1, int(wrong[j])])
+            assert abs(float(res.patched[gi, j]) - want) <= 1e-4 * max(1.0, float(out.abs().max())), \
+                f"{where}: group {g} row {j}: {float(res.patched[gi, j])} vs {want}"
+    return "compared"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=SEEDS)
+def test_generated_receivers_equal_the_hooks_reference(seed):
+    run_receivers(seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=SEEDS)
+def test_generated_receivers_sweep(seed):
+    run_receivers(seed)
 
 # ------------------------------------------------------------------------------------ bugs the probe found
 @pytest.fixture(scope="module")
