@@ -112,7 +112,13 @@ class PatchingResult:
         return (self.patched - self.corrupt) / (self.clean - self.corrupt)
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
-        """The ``k`` groups with the largest batch-mean normalized effect."""
+        """The ``k`` groups with the largest batch-mean normalized effect (all of them where ``k`` is larger).
+
+        Raises:
+            ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+        """
+        if not is_int(k) or k < 0:
+            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
         order = self.normalized.mean(-1).argsort(descending=True)
         return [self.groups[int(i)] for i in order[:k]]
 

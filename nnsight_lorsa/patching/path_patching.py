@@ -120,7 +120,13 @@ class PathPatchingResult(FieldsRepr):
         return self.effect / (self.clean - self.corrupt)[None]
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
-        """The ``k`` sender groups with the largest batch-mean effect."""
+        """The ``k`` sender groups with the largest batch-mean effect (all of them where ``k`` is larger).
+
+        Raises:
+            ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+        """
+        if not is_int(k) or k < 0:
+            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
         order = self.effect.mean(-1).argsort(descending=True)
         return [self.senders[int(i)] for i in order[:k]]
 

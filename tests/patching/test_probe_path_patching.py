@@ -538,3 +538,21 @@ def test_generated_logit_difference_and_relative_effect_equal_their_formulas(see
     torch.testing.assert_close(res.effect, base.float()[None] - patched)
     torch.testing.assert_close(res.normalized, (base.float()[None] - patched) / (base.float() - new.float())[None])
     torch.testing.assert_close(res.relative, (base.float().mean() - patched.mean(-1)) / base.float().mean())
+    k = rng.randint(0, 4)
+    order = sorted(range(3), key=lambda i: -float((base.float()[None] - patched).mean(-1)[i]))
+    assert res.top(k) == [res.senders[i] for i in order[:k]]
+
+
+def test_top_refuses_a_k_that_is_not_a_count():
+    """``top(-1)`` returned every group but the last (``order[:-1]``), ``top(1.5)`` a raw ``TypeError``."""
+    from nnsight_lorsa.patching.experiments import PatchingResult
+    from nnsight_lorsa.patching.path_patching import PathPatchingResult
+    z = torch.zeros(3, 2)
+    results = (PathPatchingResult([(MHSAHead(0, i),) for i in range(3)], [], z[0] + 1, z[0], z),
+               PatchingResult([(MHSAHead(0, i),) for i in range(3)], z[0] + 1, z[0], z))
+    for res in results:
+        top = getattr(type(res).top, "__wrapped__", type(res).top)  # as a user calls it: no type hook
+        for k in (-1, 1.5, True, None):
+            with pytest.raises(ArgumentError, match="k must be an int >= 0"):
+                top(res, k)
+        assert len(top(res, 5)) == 3 and top(res, 0) == []
