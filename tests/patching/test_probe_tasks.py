@@ -1,6 +1,7 @@
 """Generated probe of the task builders (docs/reliability.md, "Path patching, tasks and metrics probe (2026-11-28)"):
 on BPE tokenizers trained here on the embedded corpus (GPT-2-style byte-level, byte-level with single digits, and
-SentencePiece-style Metaspace; three vocabulary sizes) and the tinyshakespeare model's own, every batch a builder
+SentencePiece-style Metaspace; three vocabulary sizes), the tinyshakespeare model's own and the IOI / greater-than
+benchmark model's (two-digit year tokens: greater-than's two-digit form), every batch a builder
 returns must be what it claims — or the builder refuses with ``TaskTokenizationError``:
 
 * clean and corrupt ``(batch, pos)`` int64 of one shape, BOS first;
@@ -36,17 +37,21 @@ from nnsight_lorsa.patching.tasks import (
     ioi_task,
 )
 
-KINDS = ("bytelevel", "bytelevel_digits", "metaspace", "shakespeare")
+KINDS = ("bytelevel", "bytelevel_digits", "metaspace", "shakespeare", "benchmark")
 SEEDS = st.integers(0, 2**31 - 1)
 
 
 @cache
 def tokenizer(kind: str, vocab: int) -> PreTrainedTokenizerFast:
     """A BPE trained on the embedded tinyshakespeare text plus year / sum / name sentences (so that names, years and
-    numbers can be single tokens at the larger sizes)."""
+    numbers can be single tokens at the larger sizes); ``shakespeare`` / ``benchmark``: the embedded model's and the
+    IOI / greater-than benchmark model's own."""
     if kind == "shakespeare":
         from nnsight_lorsa.envoy import load_model
         return load_model().tokenizer
+    if kind == "benchmark":  # the IOI / greater-than model's word-level tokenizer: single-token names and years
+        import importlib
+        return importlib.import_module("benchmarks.ioi_greater_than_model").build_tokenizer()
     from pathlib import Path
     text = (Path(nnsight_lorsa.__file__).parent / "assets" / "tinyshakespeare.txt").read_text()[:200_000]
     extra = " ".join(f"The war lasted from the year 13{y:02d} to 13{y + 1:02d}. {y} + {(7 * y) % 100} = "
@@ -75,7 +80,7 @@ def encode(tok, text: str) -> list[int]:
 def run_task(seed: int) -> str:
     rng = random.Random(seed)
     kind = rng.choice(KINDS)
-    tok = tokenizer(kind, rng.choice([300, 1000, 3000]) if kind != "shakespeare" else 0)
+    tok = tokenizer(kind, rng.choice([300, 1000, 3000]) if kind not in ("shakespeare", "benchmark") else 0)
     task = rng.choice(["ioi", "greater_than", "arithmetic"])
     n = rng.randint(1, 6)
     try:
@@ -144,3 +149,16 @@ def test_clean_and_corrupt_prompts_of_different_lengths_are_refused():
     tok = tokenizer("metaspace", 300)
     with pytest.raises(TaskTokenizationError, match="prompt 0 tokenizes to 12 tokens clean and 11 corrupt"):
         arithmetic_task(tok, pairs=[(66, 21)])
+
+
+def test_prompts_holding_the_unknown_token_are_refused():
+    """On the IOI / greater-than model's word-level tokenizer (which has no "+" nor three-digit sums, nor " 10" /
+    " 20") ``arithmetic_task`` built "55 + 88 =" as ``55 <unk> <unk> …`` — clean and corrupt prompts the same ids,
+    with the answers " 14" / " 15" — and ``greater_than_task(century=10)`` "… the year <unk>51 to <unk>": prompts
+    that hold neither the operands nor the century. Now ``TaskTokenizationError`` names the prompt."""
+    tok = tokenizer("benchmark", 0)
+    with pytest.raises(TaskTokenizationError, match="unknown token"):
+        arithmetic_task(tok, pairs=[(55, 88)])
+    with pytest.raises(TaskTokenizationError, match="unknown token"):
+        greater_than_task(tok, 2, century=10)
+    assert tok.unk_token_id not in greater_than_task(tok, 2, century=13).clean  # the century it spells builds
