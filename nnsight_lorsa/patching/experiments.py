@@ -26,7 +26,7 @@ from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
-from .interventions import ablate, check_positions, patch, read
+from .interventions import ablate, check_positions, patch, read, refuse_inside_trace
 from .metrics import logit_difference, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -146,6 +146,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
             position) that are padding in some row (:mod:`..envoy.padding`; before the patched runs).
         ConfigMismatchError: no targets.
     """
+    refuse_inside_trace("activation_patching")
     if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
@@ -253,6 +254,7 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
     """
+    refuse_inside_trace("ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
                      positions)
 
@@ -308,6 +310,7 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
     """
+    refuse_inside_trace("random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
     if not is_int(n_samples) or n_samples < 1:
@@ -344,6 +347,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
             (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
     """
+    refuse_inside_trace("head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
     pos = positions_index(positions)

@@ -33,10 +33,11 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
+from ..envoy.nnsight_internals import current_worker
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Positions, Target, index_at, positions_index
-from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError
 
 
 def check_positions(positions: Positions, seq: int) -> None:
@@ -72,6 +73,20 @@ def check_positions(positions: Positions, seq: int) -> None:
     if bad:
         raise ArgumentError(f"positions {bad} are out of range for a sequence of {seq} positions "
                             f"(valid: [-{seq}, {seq}))")
+
+
+def refuse_inside_trace(what: str) -> None:
+    """Raise :class:`~nnsight_lorsa.errors.TraceOrderError` when experiment ``what`` (which runs its own traces:
+    :func:`mean_activations`, the experiments of :mod:`.experiments`, :mod:`.path_patching`, :mod:`.circuit`) is
+    called inside a ``model.trace`` / ``generate`` body — nnsight cannot run a model inside its running forward (it
+    said ``ValueError: Cannot invoke while the model is already running``)."""
+    try:
+        current_worker(what)
+    except TraceOrderError:
+        return  # not inside a trace body: fine
+    raise TraceOrderError(f"{what}(replacement, ...) runs its own traces and cannot be called inside a "
+                          "model.trace(...) / generate(...) body: call it before or after the trace; inside a trace, "
+                          "edit with ablate / scale / steer / patch on replacement(target)")
 
 
 def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, tuple]:
@@ -269,6 +284,7 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
         ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
             before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
     """
+    refuse_inside_trace("mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

@@ -59,7 +59,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits
-from .interventions import _value, check_positions, means_at
+from .interventions import _value, check_positions, means_at, refuse_inside_trace
 from .metrics import relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -473,6 +473,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             metric, the last position) that are padding in some row, clean and corrupt prompts padded
             differently (:mod:`..envoy.padding`).
     """
+    refuse_inside_trace("path_patching")
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
     if not is_int(groups_per_trace) \
