@@ -163,12 +163,21 @@ def means_at(target: Bound, means: Any, positions: Positions, seq: int) -> Any:
 
     Raises:
         ShapeError: a per-position mean of another length than ``seq`` (nor 1).
+        ArgumentError: a per-position mean on a padded batch (its mask read by :func:`~..envoy.padding.padding_mask`
+            in this body): position ``p`` is a different token in rows padded differently (as
+            ``mean_activations(per_position=True)`` refuses padded prompts).
     """
     if not isinstance(means, torch.Tensor):
         return means
     per_pos = 1 if target.replacement.width(target.target) is None else 2
     if means.dim() != per_pos or means.shape[0] == 1 and seq != 1:
         return means
+    mask = noted_padding()
+    if mask is not None:
+        rows = (~mask).any(-1).nonzero().flatten().tolist()
+        raise ArgumentError(f"per-position means of {target.target} on a padded batch (rows {rows} are padded): "
+                            "position p is a different token in each row. Give prompts of one length, or one mean "
+                            "for all positions (mean_activations(per_position=False))")
     if means.shape[0] != seq:
         raise ShapeError(f"per-position means of {target.target} hold {means.shape[0]} positions "
                          f"(shape {tuple(means.shape)}), the prompts {seq}: give means of prompts of this length "

@@ -54,7 +54,7 @@ from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
-from ..envoy.padding import check_same_padding
+from ..envoy.padding import check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
@@ -539,6 +539,8 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
                 if role in ("A", "B"):  # first: the model's inputs
                     masks[role] = nnsight.save(check_padded_positions(replacement, positions,
                                                                       default_metric and role == "A"))
+                elif role == "C" and mode == "mean":  # noted for means_at (per-position means on padding)
+                    padding_mask(replacement.model)
                 _splice_all(replacement, lorsa_layers, features)  # every invoke: a splice replaces its callers' rows
                 for site, barrier in zip(plan.sites, barriers, strict=True):
                     _before(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, recv_sites)

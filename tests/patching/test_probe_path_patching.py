@@ -438,7 +438,9 @@ def test_a_per_position_mean_at_an_int_position_is_that_position_s_mean(llama):
     """``mean_activations(per_position=True)`` gives ``(pos[, head_dim])``; at an int position (which drops the
     position axis of the edited values) ``ablate`` broadcast it along the *batch* — row ``b`` got the mean of position
     ``b`` when batch == pos — and ``path_patching`` wrote it unchecked (the same; ``[p]`` a raw RuntimeError). Now
-    the mean of the edited position is written: ``positions=p`` and ``[p]`` agree."""
+    the mean of the edited position is written: ``positions=p`` and ``[p]`` agree. On a padded batch a per-position
+    mean mixed tokens up (position ``p`` is another token in a shifted row; ``mean_activations(per_position=True)``
+    refuses padded prompts): refused."""
     case, clean, _, kw = llama
     r = case.bundle(True)
     heads = [MHSAHead(1, 0), Feature(case.adapter.layer_path(1), 7)]
@@ -455,6 +457,11 @@ def test_a_per_position_mean_at_an_int_position_is_that_position_s_mean(llama):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ShapeError, match="per-position means"):
         path_patching(r, clean[:, :2], heads[:1], mode="mean", means=means, **kw)
+    padded = [clean[0].tolist(), clean[1, :2].tolist(), clean[2].tolist()]  # left-padded to 3: row 1 shifted
+    with pytest.raises(ArgumentError, match="per-position means of .* on a padded batch"):
+        path_patching(r, padded, heads[:1], mode="mean", means=means, **kw)
+    with pytest.raises(ArgumentError, match="per-position means of .* on a padded batch"):
+        ablation_effect(r, padded, heads[:1], mode="mean", means=means, **kw)
 
 
 @torch.no_grad()
