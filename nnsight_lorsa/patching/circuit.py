@@ -30,6 +30,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
+from .interventions import refuse_inside_trace
 from .tasks import TaskBatch
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -151,6 +152,7 @@ def component_scores(replacement: ReplacementModel, task: TaskBatch, components:
     (a Lorsa head with ``z = 0`` on every token of the batch is skipped: its zero-ablation is exact
     identity, score 0). ``"patching"``: activation patching clean → corrupt, ``m_patched − m_corrupt``.
     """
+    refuse_inside_trace("component_scores")
     _check_components(replacement, components)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if method == "patching":
@@ -221,6 +223,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
             (:meth:`.ReplacementModel.check_editable`).
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
     """
+    refuse_inside_trace("circuit_size")
     _check_components(replacement, components)
     if not is_real(threshold) or not math.isfinite(threshold):
         raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "

@@ -24,9 +24,9 @@ from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
-from ..envoy.targets import Bound, LorsaHead, Positions, Target, positions_index
+from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
-from .interventions import ablate, check_positions, patch, read
+from .interventions import ablate, check_positions, patch, read, refuse_inside_trace
 from .metrics import logit_difference, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -85,7 +85,9 @@ def _finite(value: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _groups(replacement: ReplacementModel, targets: Sequence[Target | Sequence[Target]]) -> list[tuple[Target, ...]]:
+def _groups(replacement: ReplacementModel, targets: Any) -> list[tuple[Target, ...]]:  # checked here
+    if isinstance(targets, (MHSAHead, LorsaHead, Feature, str)) or not isinstance(targets, Sequence):
+        raise ConfigMismatchError(f"targets must be a list (or tuple) of targets or groups of them, got {targets!r}")
     groups: list[tuple[Target, ...]] = []
     for g in targets:
         group: tuple[Target, ...] = tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,)  # type: ignore[arg-type,assignment]
@@ -110,7 +112,13 @@ class PatchingResult:
         return (self.patched - self.corrupt) / (self.clean - self.corrupt)
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
-        """The ``k`` groups with the largest batch-mean normalized effect."""
+        """The ``k`` groups with the largest batch-mean normalized effect (all of them where ``k`` is larger).
+
+        Raises:
+            ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+        """
+        if not is_int(k) or k < 0:
+            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
         order = self.normalized.mean(-1).argsort(descending=True)
         return [self.groups[int(i)] for i in order[:k]]
 
@@ -138,6 +146,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
             position) that are padding in some row (:mod:`..envoy.padding`; before the patched runs).
         ConfigMismatchError: no targets.
     """
+    refuse_inside_trace("activation_patching")
     if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
@@ -177,15 +186,18 @@ def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target]
 def check_padded_positions(replacement: ReplacementModel, positions: Positions,
                            default_metric: bool) -> torch.Tensor | None:
     """First thing in a trace body (or invoke) of an experiment: the batch's padding mask
-    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` — and, for the default metric
-    (``default_metric``), the last position it reads — that are padding in some row.
+    (:func:`~..envoy.padding.padding_mask`), after refusing edited ``positions`` out of the batch's range (also
+    for unpadded prompts given as lists or texts) or — and, for the default metric (``default_metric``), the last
+    position it reads — that are padding in some row.
 
     Raises:
         ArgumentError: ``positions`` out of range (:func:`~.interventions.check_positions`) or padding in a row.
     """
     mask = padding_mask(replacement.model)
+    ids = replacement.model.inputs[1].get("input_ids")  # unpadded prompts given as lists or texts: their length
+    if mask is not None or isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        check_positions(positions, int(mask.shape[1] if mask is not None else ids.shape[1]))
     if mask is not None:
-        check_positions(positions, int(mask.shape[1]))
         check_not_padding(mask, positions, "positions")
         if default_metric:
             check_not_padding(mask, -1, "the metric (the logit difference at the last position)")
@@ -242,6 +254,7 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
     """
+    refuse_inside_trace("ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
                      positions)
 
@@ -297,6 +310,7 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
     """
+    refuse_inside_trace("random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
     if not is_int(n_samples) or n_samples < 1:
@@ -333,6 +347,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
             (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
     """
+    refuse_inside_trace("head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
     pos = positions_index(positions)

@@ -33,10 +33,11 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
+from ..envoy.nnsight_internals import current_worker
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
-from ..envoy.targets import Bound, Positions, Target, index_at
-from ..errors import ArgumentError, ConfigMismatchError, ShapeError
+from ..envoy.targets import Bound, Positions, Target, index_at, positions_index
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError
 
 
 def check_positions(positions: Positions, seq: int) -> None:
@@ -72,6 +73,20 @@ def check_positions(positions: Positions, seq: int) -> None:
     if bad:
         raise ArgumentError(f"positions {bad} are out of range for a sequence of {seq} positions "
                             f"(valid: [-{seq}, {seq}))")
+
+
+def refuse_inside_trace(what: str) -> None:
+    """Raise :class:`~nnsight_lorsa.errors.TraceOrderError` when experiment ``what`` (which runs its own traces:
+    :func:`mean_activations`, the experiments of :mod:`.experiments`, :mod:`.path_patching`, :mod:`.circuit`) is
+    called inside a ``model.trace`` / ``generate`` body — nnsight cannot run a model inside its running forward (it
+    said ``ValueError: Cannot invoke while the model is already running``)."""
+    try:
+        current_worker(what)
+    except TraceOrderError:
+        return  # not inside a trace body: fine
+    raise TraceOrderError(f"{what}(replacement, ...) runs its own traces and cannot be called inside a "
+                          "model.trace(...) / generate(...) body: call it before or after the trace; inside a trace, "
+                          "edit with ablate / scale / steer / patch on replacement(target)")
 
 
 def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, tuple]:
@@ -140,6 +155,36 @@ def _value(target: Bound, value: Any, site: torch.Tensor, name: str, *, finite: 
     return cast.to(device=site.device) if to_dtype else value.to(device=site.device)
 
 
+def means_at(target: Bound, means: Any, positions: Positions, seq: int) -> Any:
+    """``means`` at the edited ``positions``: a per-position mean (:func:`mean_activations` with
+    ``per_position=True``: ``(pos,)`` per feature / Lorsa head, ``(pos, head_dim)`` per MHSA head) of a
+    ``seq``-position batch is indexed at ``positions`` (so that position ``p`` gets the mean of position ``p``
+    also where ``positions`` is an int, which drops the position axis); anything else is returned as it is.
+
+    Raises:
+        ShapeError: a per-position mean of another length than ``seq`` (nor 1).
+        ArgumentError: a per-position mean on a padded batch (its mask read by :func:`~..envoy.padding.padding_mask`
+            in this body): position ``p`` is a different token in rows padded differently (as
+            ``mean_activations(per_position=True)`` refuses padded prompts).
+    """
+    if not isinstance(means, torch.Tensor):
+        return means
+    per_pos = 1 if target.replacement.width(target.target) is None else 2
+    if means.dim() != per_pos or means.shape[0] == 1 and seq != 1:
+        return means
+    mask = noted_padding()
+    if mask is not None:
+        rows = (~mask).any(-1).nonzero().flatten().tolist()
+        raise ArgumentError(f"per-position means of {target.target} on a padded batch (rows {rows} are padded): "
+                            "position p is a different token in each row. Give prompts of one length, or one mean "
+                            "for all positions (mean_activations(per_position=False))")
+    if means.shape[0] != seq:
+        raise ShapeError(f"per-position means of {target.target} hold {means.shape[0]} positions "
+                         f"(shape {tuple(means.shape)}), the prompts {seq}: give means of prompts of this length "
+                         "(mean_activations(per_position=True)) or one mean for all positions")
+    return means[positions_index(positions)]
+
+
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
     """The target's current value (a saved copy): ``(batch, n_pos[, head_dim])``."""
     tensor, idx = _loc(target, positions, edit=False)
@@ -151,12 +196,14 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     """Set the target to 0 (``mode="zero"``) or to its mean (``mode="mean"``).
 
     ``means``: a tensor (the target's mean value) or the mapping returned by
-    :func:`mean_activations` (keyed by target).
+    :func:`mean_activations` (keyed by target); a per-position mean (``per_position=True``) is taken at
+    ``positions`` (:func:`means_at`: position ``p`` gets the mean of position ``p``, also for an int ``p``).
 
     Raises:
         ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
+        ShapeError: means that do not fit the edited values; a per-position mean of another length than the prompts.
     """
     if not isinstance(mode, str) or mode not in ("zero", "mean"):
         raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
@@ -172,7 +219,8 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
     # on the target's device, in its dtype (means may come from anywhere)
-    tensor[idx] = like(_value(target, means, tensor[idx], "means"), tensor)
+    tensor[idx] = like(_value(target, means_at(target, means, positions, int(tensor.shape[1])), tensor[idx],
+                              "means"), tensor)
     _edited(target, positions, "ablate")
 
 
@@ -245,6 +293,7 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
         ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
             before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
     """
+    refuse_inside_trace("mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

@@ -54,12 +54,12 @@ from .._checks import is_int
 from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
-from ..envoy.padding import check_same_padding
+from ..envoy.padding import check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
-from ..envoy.targets import Feature, LorsaHead, MHSAHead, Positions, Target, index_at
+from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits
-from .interventions import check_positions
+from .interventions import _value, check_positions, means_at, refuse_inside_trace
 from .metrics import relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -120,7 +120,13 @@ class PathPatchingResult(FieldsRepr):
         return self.effect / (self.clean - self.corrupt)[None]
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
-        """The ``k`` sender groups with the largest batch-mean effect."""
+        """The ``k`` sender groups with the largest batch-mean effect (all of them where ``k`` is larger).
+
+        Raises:
+            ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+        """
+        if not is_int(k) or k < 0:
+            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
         order = self.effect.mean(-1).argsort(descending=True)
         return [self.senders[int(i)] for i in order[:k]]
 
@@ -352,6 +358,14 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
                         f"receiver {r} must be in a later layer than sender {t}: the first attention after "
                         f"that sender is layer {first}")
     lorsa_layers, features = _call_splices(groups, receivers)
+    heads = [(t, "sender") for g in groups for t in g] + [(r.head, f"receiver ({r.which})") for r in receivers]
+    for t, role in heads if not replacement.error else ():
+        if isinstance(t, MHSAHead) and t.layer in lorsa_layers:  # as activation_patching (check_editable) refuses it
+            raise ArgumentError(
+                f"path_patching: MHSA {role} {t} would be discarded: the Lorsa this call splices into layer {t.layer} "
+                "(for a Lorsa head there) replaces that attention's output without an error term "
+                "(ReplacementModel(error=False)), so nothing of the head reaches it. Use error=True, or path-patch "
+                "the MHSA head in a call without Lorsa heads of that layer")
     tc_layers = {int(f.site) for f in features if f.kind == "transcoder"}
     replaced_by = {1.95: ("Lorsa", lorsa_layers),  # an SAE on an attention / MLP output the call also replaces
                    2.6: ("transcoder", tc_layers),  # (or only feeds the post-norm whose output the transcoder replaces)
@@ -373,11 +387,35 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
                     "term mixes them): path-patch the group in a call without Lorsa heads of that layer")
     if mode not in ("patch", "zero", "mean"):
         raise ConfigMismatchError(f"mode must be 'patch', 'zero' or 'mean', got {mode!r}")
+    for name, prompts in (("clean", clean), ("corrupt", corrupt if mode == "patch" else None)):
+        if isinstance(prompts, torch.Tensor) and (prompts.dtype.is_floating_point or prompts.dtype.is_complex
+                                                  or prompts.dtype == torch.bool or not 1 <= prompts.dim() <= 2
+                                                  or prompts.shape[-1] == 0):
+            raise ArgumentError(f"path_patching: {name} must be token ids (pos,) or (batch, pos) with pos >= 1, "
+                                f"an integer tensor; got shape {tuple(prompts.shape)} dtype {prompts.dtype}")
     if mode == "patch":
         if corrupt is None:
             raise ConfigMismatchError("mode='patch' needs corrupt= prompts (or use mode='zero'/'mean')")
         if isinstance(clean, torch.Tensor) and isinstance(corrupt, torch.Tensor) and clean.shape != corrupt.shape:
             raise ShapeError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} differ in shape")
+        rows, rows_c = _rows(clean), _rows(corrupt)
+        if rows is not None and rows_c is not None and rows != rows_c:
+            raise ShapeError(f"path_patching: {rows} clean prompts but {rows_c} corrupt ones: give one corrupt "
+                             "prompt per clean prompt")
+
+
+def _rows(prompts: Any) -> int | None:
+    """How many prompts (batch rows) ``prompts`` holds, where its form says (token ids, texts, lists of them, a dict
+    with ``input_ids``); else None."""
+    if isinstance(prompts, dict):
+        return _rows(prompts.get("input_ids"))
+    if isinstance(prompts, torch.Tensor):
+        return int(prompts.shape[0]) if prompts.dim() == 2 else 1 if prompts.dim() == 1 else None
+    if isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts and all(is_int(x) for x in prompts):
+        return 1
+    if isinstance(prompts, (list, tuple)) and all(isinstance(x, (str, list, tuple, torch.Tensor)) for x in prompts):
+        return len(prompts)
+    return None
 
 
 def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[Target | Sequence[Target]], *,
@@ -403,7 +441,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         senders: :class:`~.targets.MHSAHead` / :class:`~.targets.LorsaHead` /
             :class:`~.targets.Feature` (SAE or transcoder), or tuples of them (mixed kinds allowed).
         means: ``{target: mean}`` (``()`` or ``(pos,)`` per feature / Lorsa head, ``(…, head_dim)``
-            per MHSA head), ``mode="mean"``.
+            per MHSA head), ``mode="mean"``; a per-position mean is taken at ``positions``
+            (:func:`~.interventions.means_at`).
         corrupt: token ids of the same shape (``mode="patch"``).
         receivers: :class:`HeadInput` receivers (default: the logits).
         metric: logits ``(batch, pos, vocab)`` → ``(batch,)``; default the logit difference of
@@ -416,18 +455,25 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         :class:`PathPatchingResult` (metric ``(n_groups, batch)`` and baselines ``(batch,)``).
 
     Raises:
-        ConfigMismatchError: a receiver not in a layer after every sender of a group, an SAE
+        ArgumentError: with ``replacement.error`` False, an MHSA sender or receiver in a layer whose Lorsa the call
+            splices (for a Lorsa head there): its edit would be discarded. Token-id tensors that are not integer
+            ``(pos,)`` / ``(batch, pos)`` with ``pos >= 1``.
+        ConfigMismatchError: ``senders`` / ``receivers`` not lists (a bare target or :class:`HeadInput`), a receiver
+            not in a layer after every sender of a group, an SAE
             sender site path patching cannot place (inside the attention / MLP module) or whose
             output a Lorsa / transcoder of the call also replaces, an MHSA sender in a spliced
             Lorsa layer after an earlier sender of its group, a feature whose set is missing,
             MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts.
-        LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes differ,
-            means of the wrong width. ArgumentError: ``freeze`` not a bool, ``groups_per_trace`` not an int
-            ``>= 1``, ``positions`` not valid for the prompts (:func:`~.interventions.check_positions`).
-            All raised before the model runs. ArgumentError (from the run): ``positions`` (or, for the default
+        LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes (or numbers of
+            prompts) differ, means of the wrong width (from the run: per-position means of another length than the
+            prompts, or means that do not broadcast to the edited values). ArgumentError: ``freeze`` not a bool,
+            ``groups_per_trace`` not an int ``>= 1``, ``positions`` not valid for the prompts
+            (:func:`~.interventions.check_positions`). All raised before the model runs. ArgumentError (from the
+            run): ``positions`` out of range of prompts given as lists or texts; ``positions`` (or, for the default
             metric, the last position) that are padding in some row, clean and corrupt prompts padded
             differently (:mod:`..envoy.padding`).
     """
+    refuse_inside_trace("path_patching")
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
     if not is_int(groups_per_trace) \
@@ -435,6 +481,9 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         raise ArgumentError(f"path_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
     seq = int(clean.shape[-1]) if isinstance(clean, torch.Tensor) and clean.dim() >= 1 else 2**62
     check_positions(positions, seq)  # the prompts' length where known (token ids), else the types only
+    for name, given in (("senders", senders), ("receivers", receivers)):
+        if isinstance(given, (Target, HeadInput, str)) or not isinstance(given, Sequence):
+            raise ConfigMismatchError(f"path_patching: {name} must be a list (or tuple) of them, got {given!r}")
     groups: list[tuple[Target, ...]] = [
         tuple(replacement.sort(g)) if isinstance(g, (list, tuple)) else (g,) for g in senders  # type: ignore[misc]
     ]
@@ -490,6 +539,8 @@ def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], 
                 if role in ("A", "B"):  # first: the model's inputs
                     masks[role] = nnsight.save(check_padded_positions(replacement, positions,
                                                                       default_metric and role == "A"))
+                elif role == "C" and mode == "mean":  # noted for means_at (per-position means on padding)
+                    padding_mask(replacement.model)
                 _splice_all(replacement, lorsa_layers, features)  # every invoke: a splice replaces its callers' rows
                 for site, barrier in zip(plan.sites, barriers, strict=True):
                     _before(role, gi, site, plan, shared, groups, sender_idx, frozen_by, sender_by, recv_sites)
@@ -540,8 +591,10 @@ def _after(role: str, gi: int, site: _Site, plan: _Plan, shared: dict, groups: l
                     tensor[idx] = shared[("B", t)]
                 elif mode == "zero":
                     tensor[idx] = 0
-                else:
-                    tensor[idx] = like(means[t], tensor)
+                else:  # a per-position mean at the edited positions, checked as ablate checks it
+                    b = Bound(t, plan.replacement)
+                    tensor[idx] = like(_value(b, means_at(b, means[t], idx[1], int(tensor.shape[1])), tensor[idx],
+                                              "means"), tensor)
     elif role == "D" and site in plan.receiver_sites:
         tensor = plan.tensor(site)
         src = shared[("C", gi, site)]

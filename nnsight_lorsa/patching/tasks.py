@@ -10,7 +10,8 @@ Every builder returns a :class:`TaskBatch` of equal-length clean and corrupt tok
 metric is the logit difference ``correct − incorrect`` at the last position. Names, years and
 numbers are split by the tokenizer as it will: a template that cannot be tokenized as the task
 needs (a name that is not one token, an answer that is not one token, clean and corrupt prompts
-of different lengths) raises :class:`TaskTokenizationError` naming the culprit.
+of different lengths, a prompt holding the tokenizer's unknown token) raises :class:`TaskTokenizationError` naming
+the culprit.
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def _stack(rows: list[list[int]], what: str) -> torch.Tensor:
     if len(lengths) != 1:
         raise TaskTokenizationError(f"{what}: prompts tokenize to different lengths {sorted(lengths)}")
     return _host_ids(rows)
+
+
+def _pair(tokenizer: Any, clean: list[list[int]], corrupt: list[list[int]],
+          what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean and corrupt prompts stacked, refused unless all of them (clean *and* corrupt) share one length and
+    none holds the tokenizer's unknown token."""
+    for i, (a, b) in enumerate(zip(clean, corrupt, strict=True)):
+        if len(a) != len(b):
+            raise TaskTokenizationError(f"{what}: prompt {i} tokenizes to {len(a)} tokens clean and {len(b)} corrupt: "
+                                        "clean and corrupt prompts must share one length")
+    _check_known(tokenizer, clean + corrupt, what)
+    return _stack(clean, what), _stack(corrupt, what)
+
+
+def _check_known(tokenizer: Any, rows: list[list[int]], what: str) -> None:
+    """Refuse prompts holding the tokenizer's unknown token: the words it stands for (operands, a century, a
+    template's word) are not in the prompt the model sees, and clean and corrupt prompts may even be equal."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return
+    for row in rows:
+        if int(unk) in row:
+            raise TaskTokenizationError(f"{what}: the prompt {tokenizer.decode(row)!r} holds the unknown token "
+                                        f"{tokenizer.unk_token!r}: the tokenizer cannot spell it")
 
 
 def _host_ids(rows: Any) -> torch.Tensor:
@@ -202,7 +227,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
 
     Raises:
         TaskTokenizationError: fewer than 5 single-token names, or a template whose clean and
-            corrupt prompts tokenize to different lengths.
+            corrupt prompts tokenize to different lengths or hold the unknown token.
         ConfigMismatchError: an unknown ``order``.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
@@ -229,7 +254,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         correct.append(ta)
         incorrect.append(tb)
         meta.append({"text": text, "io": a, "s": b, "order": "ABBA" if abba else "BABA", "corrupt_text": text_c})
-    return TaskBatch("ioi", _stack(clean, "IOI"), _stack(corrupt, "IOI"), _host_ids(correct),
+    return TaskBatch("ioi", *_pair(tokenizer, clean, corrupt, "IOI"), _host_ids(correct),
                      _host_ids(incorrect), meta)
 
 
@@ -248,7 +273,8 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
     last digit 1–8 and a decade digit 1–9).
 
     Raises:
-        TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts.
+        TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts without
+            the unknown token (e.g. a century the tokenizer cannot spell).
         ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
@@ -287,7 +313,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
         correct.append(c_id)
         incorrect.append(i_id)
         meta.append({"text": text, "corrupt_text": text_c})
-    return TaskBatch("greater_than", _stack(clean, "greater-than"), _stack(corrupt, "greater-than"),
+    return TaskBatch("greater_than", *_pair(tokenizer, clean, corrupt, "greater-than"),
                      _host_ids(correct), _host_ids(incorrect), meta)
 
 
@@ -331,7 +357,8 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:
-        TaskTokenizationError: a prompt cannot be tokenized as needed, or prompts differ in length.
+        TaskTokenizationError: a prompt cannot be tokenized as needed, holds the unknown token, or prompts (clean or
+            corrupt) differ in length.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
     """
     if pairs is None:
@@ -351,7 +378,7 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         correct.append(ans)
         incorrect.append(wrong)
         meta.append({"op1": a, "op2": b, "corrupt_op2": b2})
-    return TaskBatch("arithmetic", _stack(clean, "arithmetic"), _stack(corrupt, "arithmetic"),
+    return TaskBatch("arithmetic", *_pair(tokenizer, clean, corrupt, "arithmetic"),
                      _host_ids(correct), _host_ids(incorrect), meta)
 
 
@@ -385,7 +412,8 @@ class ArithmeticGrid(FieldsRepr):
 def arithmetic_grid(tokenizer: Any, operands: Sequence[int] = range(100), *,
                     template: str = "{op1} + {op2} =") -> ArithmeticGrid:
     """All ``len(operands)²`` prompts of the operand plot (Lorsa paper Fig. 7), grouped by length so
-    each group runs as one batch. Raises :class:`TaskTokenizationError` if a prompt cannot be tokenized."""
+    each group runs as one batch. Raises :class:`TaskTokenizationError` if a prompt cannot be tokenized (or holds
+    the unknown token)."""
     bos = _bos(tokenizer)
     by_len: dict[int, list[tuple[list[int], int, int]]] = {}
     for a in operands:
@@ -393,6 +421,7 @@ def arithmetic_grid(tokenizer: Any, operands: Sequence[int] = range(100), *,
             ids = bos + _encode(tokenizer, template.format(op1=a, op2=b))
             if len(ids) <= len(bos):
                 raise TaskTokenizationError(f"empty prompt for {a}, {b}")
+            _check_known(tokenizer, [ids], "arithmetic grid")
             by_len.setdefault(len(ids), []).append((ids, a, b))
     groups = [(_host_ids([r[0] for r in rows]), _host_ids([r[1] for r in rows]),
                _host_ids([r[2] for r in rows])) for _, rows in sorted(by_len.items())]

@@ -647,6 +647,10 @@ def run_path_patching(seed: int) -> None:
                           LorsaHead(case.layer, rng.randrange(case.lorsa.cfg.n_ov_heads)),
                           Feature(1, rng.randrange(128), kind="transcoder")], rng.randint(1, 3))
     kw = dict(corrupt=as_input(corrupt)) if mode == "patch" else {}
+    if discards(error, case, senders):  # refused as activation_patching refuses it (test_probe_path_patching.py)
+        with pytest.raises(ArgumentError, match="would be discarded"):
+            path_patching(r, as_input(clean), senders, mode=mode, correct_ids=correct, incorrect_ids=wrong, **kw)
+        return
     res = path_patching(r, as_input(clean), senders, mode=mode, correct_ids=correct, incorrect_ids=wrong,
                         groups_per_trace=rng.choice([1, 3]), **kw)
     spliced = needs(senders)
