@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -610,3 +611,18 @@ def dense_budget_assembly(layout, scheduler, entries_of=None) -> tuple[torch.Ten
         adjacency[row_at[row[k]], index[col[k]]] = val[k]
         residual.index_add_(0, row_at[row[~k]], val[~k].double())
     return adjacency, residual.to(adjacency.dtype)
+
+
+#: hypothesis settings of the generated probes: no deadline (a tiny model's first forward compiles), large draws
+PROBE_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                            HealthCheck.filter_too_much])
+
+
+def generated(examples: int, sweep: int, **strategies):
+    """A hypothesis test with ``examples`` cases by default, and its sweep ``test_sweep_<name>`` (``slow``) with
+    ``sweep`` cases, registered in the test's own module (``fn.__globals__``)."""
+    def wrap(fn):
+        name = fn.__name__.replace("test_", "test_sweep_", 1)
+        fn.__globals__[name] = pytest.mark.slow(settings(max_examples=sweep, **PROBE_SETTINGS)(given(**strategies)(fn)))
+        return settings(max_examples=examples, **PROBE_SETTINGS)(given(**strategies)(fn))
+    return wrap

@@ -18,8 +18,17 @@ from types import SimpleNamespace
 import nnsight
 import pytest
 import torch
-from helpers import make_clt, make_lorsa, make_sae, make_transcoder, module_state, random_ids, tiny_nnsight, unembed
-from hypothesis import HealthCheck, given, settings
+from helpers import (
+    generated,
+    make_clt,
+    make_lorsa,
+    make_sae,
+    make_transcoder,
+    module_state,
+    random_ids,
+    tiny_nnsight,
+    unembed,
+)
 from hypothesis import strategies as st
 
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
@@ -27,7 +36,6 @@ from nnsight_lorsa.envoy.read import attention_activations
 from nnsight_lorsa.errors import ArgumentError
 
 FAMILIES = ("llama", "qwen3", "gpt2", "gemma2", "neox")
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 #: the hook points in the order the model computes them (an edit in a trace body must follow it)
 HOOKS = ("s.hook_sae_acts_pre", "s.hook_sae_acts_post", "s.hook_sae_recons", "s.hook_error",
          "l.hook_q", "l.hook_k", "l.hook_v", "l.hook_z_pre", "l.hook_z", "l.hook_out", "l.hook_error",
@@ -35,17 +43,6 @@ HOOKS = ("s.hook_sae_acts_pre", "s.hook_sae_acts_post", "s.hook_sae_recons", "s.
 LORSA_LAYER, TC_LAYER, SAE_LAYER = 1, 2, 0
 #: what the site-edit tests add at one position: not a constant vector, which a LayerNorm (GPT-2, GPT-NeoX) removes
 RAMP = torch.linspace(-1.0, 2.0, 64)
-
-
-def generated(examples: int, sweep: int, **strategies):
-    """A hypothesis test with ``examples`` cases by default, and its sweep ``test_sweep_<name>`` (``slow``) with
-    ``sweep`` cases."""
-    def wrap(fn):
-        name = fn.__name__.replace("test_", "test_sweep_", 1)
-        # in the test's own module (``fn.__globals__``): the half-precision probe decorates its tests with this too
-        fn.__globals__[name] = pytest.mark.slow(settings(max_examples=sweep, **SETTINGS)(given(**strategies)(fn)))
-        return settings(max_examples=examples, **SETTINGS)(given(**strategies)(fn))
-    return wrap
 
 
 @functools.cache

@@ -19,17 +19,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import random_ids, tiny_nnsight
+from helpers import PROBE_SETTINGS, generated, random_ids, tiny_nnsight
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_probe_internals_edits import (  # the fp32 probe's references, with the splice's casts (``w.mdt``)
     HOOKS,
     LORSA_LAYER,
     SAE_LAYER,
-    SETTINGS,
     TC_LAYER,
     edit_lists,
-    generated,
     generation_runs,
     invoke_runs,
     reference_logits,
@@ -233,7 +231,7 @@ def attribution_world(dtype: torch.dtype) -> tuple:
     return model, bundle, ids, handle.graph
 
 
-@settings(max_examples=6, **SETTINGS)
+@settings(max_examples=6, **PROBE_SETTINGS)
 @given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_the_edit_log_marks_exactly_the_edited_nodes_in_half_precision(data, dtype):
     """1-3 patching edits (ablate / scale / steer) of distinct active nodes (Lorsa heads, transcoder features) in a

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import generated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_probe_patching_generated import (
@@ -252,16 +253,8 @@ def run_groups(seed: int) -> str:
     return "compared"
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
+@generated(10, 400, seed=SEEDS)
 def test_generated_group_path_patching_equals_the_hooks_reference(seed):
-    run_groups(seed)
-
-
-@pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
-def test_generated_group_path_patching_sweep(seed):
     run_groups(seed)
 
 
@@ -393,16 +386,8 @@ def run_receivers(seed: int) -> str:
     return "compared"
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
+@generated(8, 300, seed=SEEDS)
 def test_generated_receivers_equal_the_hooks_reference(seed):
-    run_receivers(seed)
-
-
-@pytest.mark.slow
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
-def test_generated_receivers_sweep(seed):
     run_receivers(seed)
 
 # ------------------------------------------------------------------------------------ bugs the probe found

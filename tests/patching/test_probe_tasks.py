@@ -21,7 +21,7 @@ import re
 from functools import cache
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from helpers import generated
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -128,16 +128,8 @@ def run_task(seed: int) -> str:
     return "checked"
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
+@generated(12, 600, seed=SEEDS)
 def test_generated_task_batches_hold_what_they_claim(seed):
-    run_task(seed)
-
-
-@pytest.mark.slow
-@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=SEEDS)
-def test_generated_task_batches_sweep(seed):
     run_task(seed)
 
 
