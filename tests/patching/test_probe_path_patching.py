@@ -142,6 +142,18 @@ def make_metric(kind: str, correct: torch.Tensor, wrong: torch.Tensor, clean_log
     return lib_kl, ref_kl
 
 
+def draw_prompts(rng: random.Random, batch: int) -> tuple[bool, list, list, torch.Tensor, torch.Tensor]:
+    """``(padded, clean, corrupt, correct, wrong)``: ``batch`` clean / corrupt token rows of 5–9 tokens (BOS 0;
+    padded to different lengths with probability 0.4 when ``batch > 1``) and each row's two answer tokens."""
+    padded = batch > 1 and rng.random() < 0.4
+    lens = [rng.randint(5, 9) for _ in range(batch)] if padded else [rng.randint(5, 9)] * batch
+    clean = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
+    corrupt = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
+    correct = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    wrong = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    return padded, clean, corrupt, correct, wrong
+
+
 @torch.no_grad()
 def run_groups(seed: int) -> str:
     rng, case, dtype = row_rng(seed)
@@ -149,12 +161,7 @@ def run_groups(seed: int) -> str:
     error = rng.random() < 0.6
     r = case.bundle(error)
     batch = 1 if dtype != torch.float32 else rng.randint(1, 3)  # half precision: single rows (batched rounding)
-    padded = batch > 1 and rng.random() < 0.4
-    lens = [rng.randint(5, 9) for _ in range(batch)] if padded else [rng.randint(5, 9)] * batch
-    clean = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
-    corrupt = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
-    correct = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
-    wrong = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    padded, clean, corrupt, correct, wrong = draw_prompts(rng, batch)
     mode = rng.choice(["patch", "zero", "mean"])
     pos = rng.choice(POSITIONS)
     groups = draw_groups(rng, case)
@@ -270,12 +277,7 @@ def run_receivers(seed: int) -> str:
     error = rng.random() < 0.6
     r = case.bundle(error)
     batch = 1 if dtype != torch.float32 else rng.randint(1, 2)
-    padded = batch > 1 and rng.random() < 0.4
-    lens = [rng.randint(5, 9) for _ in range(batch)] if padded else [rng.randint(5, 9)] * batch
-    clean = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
-    corrupt = [[0] + [rng.randrange(2, 128) for _ in range(n - 1)] for n in lens]
-    correct = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
-    wrong = torch.tensor([rng.randrange(2, 128) for _ in range(batch)])
+    padded, clean, corrupt, correct, wrong = draw_prompts(rng, batch)
     mode = rng.choice(["patch", "zero"])
     pos = rng.choice(POSITIONS)
     receivers: list = []
