@@ -78,7 +78,7 @@ def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, ti
     if not bool(torch.isfinite(z).all()):
         i, j = (int(x) for x in (~torch.isfinite(z)).nonzero()[0])
         raise NonFiniteError(f"plot_z_pattern: zp[{i}, {j}] (query {i}, key {j}) is {float(z[i, j])}", tensor="zp")
-    upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+    upper = torch.ones(n, n, dtype=torch.bool, device=z.device).triu(1)
     if bool((z[upper] != 0).any()):
         i, j = (int(x) for x in ((z != 0) & upper).nonzero()[0])
         raise ArgumentError(f"plot_z_pattern: zp[{i}, {j}] = {float(z[i, j]):.4g} is a key after its query; a "
