@@ -1,0 +1,317 @@
+"""Mixed-precision training probe: bf16 / fp16 modules and activations against plain-torch references written here.
+
+* A bf16 transcoder trained by :class:`~nnsight_lorsa.training.Trainer` with its fp32 master weights, next to the
+  scheme docs/training.md states, written out here: an fp32 master copy of every parameter, the forward and backward
+  in bf16 on the master's rounding, the gradient widened to fp32, ``clip_grad_norm_``'s rule, Adam (Kingma & Ba,
+  fp32 moments) on the master, unit-norm decoder rows on the master, the module's weight the master rounded once.
+* Scale factors ``√d / E‖·‖`` of fp16 / bf16 activations whose squares overflow fp16 (|x| > 256), against fp64.
+* The logged metrics (loss, FVU, L0, dead fraction) of a bf16 step, and :func:`~nnsight_lorsa.training.metrics.fvu`
+  of half-precision values, against fp64 of the same values.
+* A non-finite half gradient stops the step with the state (weights, masters, Adam state) untouched.
+* Checkpoint -> resume of a bf16 run (SAE, CLT, Lorsa) bit-equal to the uninterrupted run; masters and Adam
+  moments fp32 in the files.
+
+Bounds are relative, in the dtype's eps (bf16 ``2^-8``, fp16 ``2^-11``, fp32 ``2^-24``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from nnsight_lorsa.errors import NonFiniteError
+from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+from nnsight_lorsa.training import TrainConfig, Trainer
+from nnsight_lorsa.training.activations import Batch
+from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
+from tests.helpers import generated
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+EPS = {BF16: 2.0 ** -8, F16: 2.0 ** -11, F32: 2.0 ** -24}
+
+
+def batches(seed: int, n: int, b: int, p: int, d_in: int, d_out: int, dtype: torch.dtype, scale: float = 1.0,
+            layers: int = 0, sae: bool = False) -> list[Batch]:
+    """``n`` batches of ``b × p`` in ``dtype`` (drawn in fp64, rounded once): BOS column and right padding out of
+    ``loss_mask``; ``scale`` multiplies the activations (``> 256``: their squares overflow fp16)."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (layers,) if layers else ()
+    proj = torch.randn(d_in, d_out, generator=g, dtype=F64) / math.sqrt(d_in)
+    out = []
+    for _ in range(n):
+        x = (torch.randn(*lead, b, p, d_in, generator=g, dtype=F64) * 1.5 + 0.3) * scale
+        y = x if sae else (torch.tanh(x / scale @ proj) * 1.7 + 0.1 * torch.randn(*lead, b, p, d_out, generator=g,
+                                                                              dtype=F64)) * scale
+        lengths = torch.randint(2, p + 1, (b,), generator=g)
+        mask = torch.arange(p)[None] < lengths[:, None]
+        mask[:, 0] = False
+        xs = x.clamp(-6e4, 6e4).to(dtype)  # finite in fp16 (largest 65504)
+        out.append(Batch(xs, xs if sae else y.clamp(-6e4, 6e4).to(dtype), mask))
+    return out
+
+
+def ref_scale(bs: list[Batch], field: str, layer: int | None = None) -> float:
+    """``√d / mean ‖v‖`` over the counted tokens, in fp64 of the stored values."""
+    norms = []
+    for b in bs:
+        v = getattr(b, field).double()
+        v = v if layer is None else v[layer]
+        norms.append(v[b.loss_mask].norm(dim=-1))
+    return math.sqrt(v.shape[-1]) / float(torch.cat(norms).mean())
+
+
+# ------------------------------------------------------------------------------------ master weights vs reference
+class RefMixedTranscoder:
+    """The documented scheme, in plain torch: fp32 masters, bf16 forward/backward on their rounding, fp32 Adam."""
+
+    def __init__(self, params: dict[str, torch.Tensor], cfg: TrainConfig, activation: str, k: int) -> None:
+        self.m = {n: v.detach().float().clone() for n, v in params.items()}
+        self.adam = {n: (torch.zeros_like(v), torch.zeros_like(v)) for n, v in self.m.items()}
+        self.cfg, self.activation, self.k, self.t = cfg, activation, k, 0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: v.to(BF16) for n, v in self.m.items()}
+
+    def step(self, batch: Batch, s_in: float, s_out: float) -> dict[str, float]:
+        w = {n: v.clone().requires_grad_(True) for n, v in self.weights().items()}
+        mask = batch.loss_mask
+        x = batch.x.to(BF16)[mask] * s_in
+        y = batch.y.to(BF16)[mask] * s_out
+        pre = torch.addmm(w["b_enc"], x, w["W_enc"])
+        if self.activation == "relu":
+            acts = pre.relu()
+        else:
+            vals, idx = pre.topk(self.k, dim=-1)
+            acts = torch.zeros_like(pre).scatter(-1, idx, vals.relu())
+        out = torch.addmm(w["b_dec"], acts, w["W_dec"])
+        err = y.float() - out.float()
+        mse = err.pow(2).sum(-1).mean()
+        loss = mse
+        if self.activation == "relu":
+            loss = loss + self.cfg.l1_coef * (acts * w["W_dec"].norm(dim=-1)).float().sum(-1).mean()
+        loss.backward()
+        grads = {n: w[n].grad.float() for n in w}
+        if self.cfg.grad_clip:
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+            coef = torch.clamp(self.cfg.grad_clip / (total + 1e-6), max=1.0)
+            grads = {n: g * coef for n, g in grads.items()}
+        self.t += 1
+        b1, b2 = self.cfg.betas
+        for n, g in grads.items():
+            mom, var = self.adam[n]
+            mom.mul_(b1).add_(g, alpha=1 - b1)
+            var.mul_(b2).add_(g * g, alpha=1 - b2)
+            mhat = mom / (1 - b1 ** self.t)
+            vhat = var / (1 - b2 ** self.t)
+            self.m[n] -= self.cfg.lr * mhat / (vhat.sqrt() + 1e-8)
+        W = self.m["W_dec"]
+        W /= W.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        y64, out64 = y.double(), out.detach().double()
+        fvu64 = float((y64 - out64).pow(2).sum() / (y64 - y64.mean(0)).pow(2).sum())
+        return {"loss": float(loss.detach()), "mse": float(mse.detach()), "fvu": fvu64,
+                "l0": float((acts != 0).sum(-1).double().mean())}
+
+
+@generated(6, 60, seed=st.integers(0, 2 ** 16), activation=st.sampled_from(["relu", "topk"]),
+           steps=st.integers(1, 4), clip=st.sampled_from([0.0, 0.05, 100.0]),
+           act_dtype=st.sampled_from([F32, BF16, F16]), lr=st.sampled_from([1e-4, 1e-3, 1e-2]))
+def test_a_bf16_transcoder_trains_as_the_fp32_master_scheme(seed, activation, steps, clip, act_dtype, lr):
+    """The bf16 weights are the masters rounded once after every step; masters and Adam moments are fp32; the
+    masters stay within 2 % (of the reference's own update) of the plain-torch scheme's; metrics within bf16 eps."""
+    torch.manual_seed(seed)
+    d_in, d_out, d_sae, k = 6, 5, 16, 3
+    cfg_t = TranscoderConfig(d_in=d_in, d_out=d_out, d_sae=d_sae, activation=activation,
+                             activation_params={"k": k} if activation == "topk" else {})
+    module = Transcoder(cfg_t).to(BF16)
+    bs = batches(seed, steps + 2, 3, 7, d_in, d_out, act_dtype)
+    config = TrainConfig(total_steps=steps, lr=lr, warmup_frac=0.0, decay_frac=0.0, grad_clip=clip, norm_batches=2,
+                         log_every=1, dead_after_tokens=10 ** 6, sparse_kernels=False)
+    ref = RefMixedTranscoder(dict(module.named_parameters()), config, activation, k)
+    start = {n: v.clone() for n, v in ref.m.items()}
+    trainer = Trainer(module, lambda i: bs[i], config)
+    s_in, s_out = trainer.estimate_norms()
+    assert s_in == pytest.approx(ref_scale(bs[:2], "x"), rel=1e-6)
+    assert s_out == pytest.approx(ref_scale(bs[:2], "y"), rel=1e-6)
+    for i in range(steps):
+        got = trainer.train_step()
+        want = ref.step(bs[i], s_in, s_out)
+        masters = trainer.masters.named(module)
+        assert set(masters) == {n for n, _ in module.named_parameters()}
+        for n, p in module.named_parameters():
+            m = masters[n]
+            assert p.dtype == BF16 and m.dtype == F32, n
+            assert torch.equal(p.detach(), m.detach().to(BF16)), n  # the weight is the master rounded once
+            for v in trainer.optimizer.state[m].values():
+                assert v.dtype == F32 or v.dim() == 0, n
+            update = (ref.m[n] - start[n]).double().norm()
+            dist = (m.detach().double() - ref.m[n].double()).norm()
+            assert dist <= 0.02 * update + 4 * EPS[F32] * ref.m[n].double().norm(), (i, n, float(dist), float(update))
+        # metrics of the same bf16 values: fp32 sums of bf16 products
+        for key in ("mse", "fvu"):
+            assert got[key] == pytest.approx(want[key], rel=8 * EPS[BF16], abs=1e-6), key
+        if i == 0:  # later steps' L0 may differ where a rounding flips a pre-activation's sign
+            assert got["l0"] == pytest.approx(want["l0"], rel=1e-6)
+        assert got["dead_frac"] == 0.0
+
+
+# ------------------------------------------------------------------------------------ scale factors
+@generated(6, 60, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F16, BF16]),
+           scale=st.sampled_from([1.0, 300.0, 3000.0, 2.0e4]), kind=st.sampled_from(["sae", "transcoder", "clt"]))
+def test_scale_factors_of_half_activations_match_fp64(seed, dtype, scale, kind):
+    """``estimate_norms`` on fp16 / bf16 activations past 256 (whose squares overflow fp16's 65504) gives the fp64
+    value of the same stored numbers to fp32 accuracy, for one site and per CLT layer."""
+    d = 8
+    layers = 2 if kind == "clt" else 0
+    bs = batches(seed, 3, 2, 6, d, d, dtype, scale=scale, layers=layers, sae=kind == "sae")
+    torch.manual_seed(seed)
+    if kind == "sae":
+        module: torch.nn.Module = SparseAutoencoder(SAEConfig(d_in=d, d_sae=16, activation="relu"))
+    elif kind == "transcoder":
+        module = Transcoder(TranscoderConfig(d_in=d, d_out=d, d_sae=16, activation="relu"))
+    else:
+        module = CrossLayerTranscoder(CLTConfig(n_layers=2, d_in=d, d_sae=8, activation="relu"))
+    trainer = Trainer(module.to(BF16), lambda i: bs[i], TrainConfig(total_steps=1, norm_batches=3))
+    trainer.estimate_norms()
+    for b in bs:
+        assert torch.isfinite(b.x).all()
+    if kind == "clt":
+        for layer in range(2):
+            assert trainer.s_in_layers[layer] == pytest.approx(ref_scale(bs, "x", layer), rel=1e-6)
+            assert trainer.s_out_layers[layer] == pytest.approx(ref_scale(bs, "y", layer), rel=1e-6)
+    else:
+        assert trainer.s_in == pytest.approx(ref_scale(bs, "x"), rel=1e-6)
+        assert trainer.s_out == pytest.approx(ref_scale(bs, "x" if kind == "sae" else "y"), rel=1e-6)
+    m = trainer.train_step()  # the normalised batch is O(1): the step is finite
+    assert all(math.isfinite(v) for v in m.values())
+
+
+# ------------------------------------------------------------------------------------ metrics in half precision
+@generated(8, 100, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F16, BF16]),
+           scale=st.sampled_from([1e-3, 1.0, 300.0, 5000.0]), offset=st.sampled_from([0.0, 5.0]),
+           n=st.integers(2, 300))
+def test_fvu_of_half_values_matches_fp64(seed, dtype, scale, offset, n):
+    """``fvu`` and ``FVUAccumulator`` of fp16 / bf16 ``y, ŷ`` (values past 256 included) equal the fp64 FVU of the same
+    stored numbers to fp32 accuracy (relative to the conditioning ``Σ‖y‖² / Σ‖y − ȳ‖²``)."""
+    g = torch.Generator().manual_seed(seed)
+    y = ((torch.randn(n, 7, generator=g, dtype=F64) + offset) * scale).clamp(-6e4, 6e4).to(dtype)
+    y_hat = (y.double() + 0.3 * scale * torch.randn(n, 7, generator=g, dtype=F64)).clamp(-6e4, 6e4).to(dtype)
+    y64, h64 = y.double(), y_hat.double()
+    total = (y64 - y64.mean(0)).pow(2).sum()
+    want = float((y64 - h64).pow(2).sum() / total)
+    cond = float(y64.pow(2).sum() / total)
+    got = float(fvu(y, y_hat))
+    assert math.isfinite(got)
+    assert got == pytest.approx(want, rel=64 * EPS[F32] * cond)
+    acc = FVUAccumulator()
+    acc.update(y[: n // 2], y_hat[: n // 2])
+    acc.update(y[n // 2:], y_hat[n // 2:])
+    assert acc.value() == pytest.approx(want, rel=1e-9 * cond)
+
+
+# ------------------------------------------------------------------------------------ non-finite half gradients
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_a_non_finite_bf16_gradient_stops_the_step_with_the_state_kept(master_weights):
+    """An inf in a bf16 parameter's gradient (a hook puts it there at step 2) raises ``NonFiniteError`` naming the
+    parameter, with clipping on; the weights, masters and Adam state are those after step 1."""
+    torch.manual_seed(0)
+    module = Transcoder(TranscoderConfig(d_in=6, d_out=5, d_sae=16, activation="relu")).to(BF16)
+    bs = batches(1, 4, 3, 7, 6, 5, BF16)
+    trainer = Trainer(module, lambda i: bs[i], TrainConfig(total_steps=4, grad_clip=1.0, norm_batches=2,
+                                                           master_weights=master_weights))
+    trainer.train_step()
+    before = {n: trainer.masters.held(p).detach().clone() for n, p in module.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
+    handle = module.W_enc.register_hook(lambda g: g * torch.tensor(float("inf"), dtype=g.dtype))
+    with pytest.raises(NonFiniteError, match=r"step 1.*W_enc\.grad"):
+        trainer.train_step()
+    handle.remove()
+    assert trainer.step == 1
+    for n, p in module.named_parameters():
+        assert torch.equal(p.detach(), weights[n]) and torch.equal(trainer.masters.held(p).detach(), before[n]), n
+    for p, s in trainer.optimizer.state.items():
+        for key, v in s.items():
+            assert torch.equal(v, state[id(p)][key])
+    trainer.train_step()  # goes on from the kept state
+    assert trainer.step == 2
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def _module(kind: str) -> torch.nn.Module:
+    torch.manual_seed(3)
+    if kind == "sae":
+        return SparseAutoencoder(SAEConfig(d_in=6, d_sae=16, activation="topk", activation_params={"k": 3}))
+    return CrossLayerTranscoder(CLTConfig(n_layers=2, d_in=6, d_sae=8, activation="relu"))
+
+
+@pytest.mark.parametrize("kind", ["sae", "clt"])
+def test_a_bf16_run_resumed_from_a_checkpoint_is_bit_equal_to_the_uninterrupted_run(kind, tmp_path):
+    """3 steps, save, resume, 2 more vs 5 steps straight: bf16 weights, fp32 masters, fp32 Adam moments and dead
+    counters identical; the files hold the masters and the moments in fp32."""
+    layers = 2 if kind == "clt" else 0
+    bs = batches(5, 6, 3, 7, 6, 6, BF16, layers=layers, sae=kind == "sae")
+    config = dict(total_steps=5, lr=1e-3, warmup_frac=0.2, decay_frac=0.4, grad_clip=1.0, norm_batches=2,
+                  dead_after_tokens=30)
+    straight = Trainer(_module(kind).to(BF16), lambda i: bs[i], TrainConfig(**config))
+    straight.train()
+    first = Trainer(_module(kind).to(BF16), lambda i: bs[i], TrainConfig(**config))
+    first.train(3)
+    first.save_checkpoint(tmp_path / "ck")
+    opt = load_file(str(tmp_path / "ck" / "optimizer.safetensors"))
+    assert {v.dtype for k, v in opt.items() if not k.endswith(".step")} == {F32}
+    assert {v.dtype for v in load_file(str(tmp_path / "ck" / "masters.safetensors")).values()} == {F32}
+    again = Trainer.resume(tmp_path / "ck", lambda i: bs[i])
+    again.train()
+    for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
+        assert q.dtype == BF16 and torch.equal(p, q), n
+        ms, ma = straight.masters.held(p), again.masters.held(q)
+        assert ma.dtype == F32 and torch.equal(ms, ma), n
+        for key, v in straight.optimizer.state[ms].items():
+            assert torch.equal(v, again.optimizer.state[ma][key]), (n, key)
+    assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
+    assert straight.s_in == again.s_in and straight.s_out == again.s_out
+
+
+# ------------------------------------------------------------------------------------ caches from half models
+@pytest.mark.parametrize("model_dtype", [BF16, F16], ids=str)
+@pytest.mark.parametrize("store", [None, BF16, F32], ids=str)
+def test_a_cache_of_a_half_model_holds_its_activations_in_the_documented_dtype(model_dtype, store, tmp_path):
+    """A cache written from a bf16 / fp16 tiny Llama: by default stored as float32 (an exact widening, bit-equal to
+    the model's values read by a plain forward hook), with ``dtype=`` as that dtype (the values rounded once);
+    the cached transcoder stream (``ActivationSource.transcoder(cache, …)``) returns them in the stored dtype."""
+    from helpers import random_ids, tiny_nnsight
+
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.envoy.read import Site
+    from nnsight_lorsa.training import ActivationSource, TokenDataset
+    from nnsight_lorsa.training.activation_cache import site_name, write_activation_cache
+
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    adapter = get_adapter(model)
+    data = TokenDataset(random_ids(batch=6, seq=8, seed=2))
+    seen: dict[str, torch.Tensor] = {}
+    mlp = hf.model.layers[1].mlp
+    handle = mlp.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach(), y=out.detach()))
+    with torch.no_grad():
+        hf(data.tokens)
+    handle.remove()
+    assert seen["y"].dtype == model_dtype
+    site = Site.mlp_output(adapter, 1)
+    cache = write_activation_cache(model, [site, Site.mlp_input(adapter, 1)], data, tmp_path / "c", batch_size=4,
+                                   windows_per_shard=4, dtype=store)
+    want = F32 if store is None else store
+    got = cache.windows(site_name(site), torch.arange(6))
+    assert got.dtype == want
+    assert torch.equal(got, seen["y"].to(want))
+    b = ActivationSource.transcoder(cache, 1, batch_size=6, seed=0, adapter=adapter)(0)  # the 6 windows, permuted
+    assert b.x.dtype == want and b.y.dtype == want
+    ref_x, ref_y = seen["x"].to(want), seen["y"].to(want)
+    for row in range(6):
+        w = [i for i in range(6) if torch.equal(b.y[row], ref_y[i])]
+        assert len(w) >= 1 and torch.equal(b.x[row], ref_x[w[0]]), row
