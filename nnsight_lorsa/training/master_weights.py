@@ -104,6 +104,16 @@ class MasterWeights:
             value = entry[3]
         buf.copy_(value.to(device=buf.device, dtype=buf.dtype))
 
+    def buffer_masters(self) -> list[torch.Tensor]:
+        """The buffers' fp32 masters (:meth:`add_buffers`), in the order they were added."""
+        return [entry[3] for entry in self._buffers.values()]
+
+    @torch.no_grad()
+    def round_buffers_(self) -> None:
+        """Every buffer with a master becomes its master rounded to its dtype (after the masters were set)."""
+        for _, _, buf, master in self._buffers.values():
+            buf.copy_(master)
+
     def has_buffer(self, buf: torch.Tensor) -> bool:
         """Whether buffer ``buf`` has an fp32 master."""
         return id(buf) in self._buffers
@@ -143,12 +153,13 @@ class MasterWeights:
         """Inside, ``module`` (and its submodules) holds each master in its parameter's place (``module.W_dec`` is
         the fp32 master): in-place edits of the module's weights (``module.W_dec.div_(...)``, ``module.b_V[idx] =
         ...``) and anything computed from them act on the masters in fp32. On leaving (also on an error) the
-        parameters are put back, holding the masters rounded once. No gradient is recorded inside.
+        parameters are put back, holding the masters rounded once. No gradient is recorded inside. Buffers with a
+        master (:meth:`add_buffers`) are held as in :meth:`estimating` (an edit of BatchTopK's ``θ`` reaches it).
 
         The parameters themselves are not touched until then (their tensors, hooks and gradient accumulators —
         DDP's — stay as they are; swapping their ``.data`` to another dtype would drop DDP's hooks)."""
         swapped: list[tuple[dict[str, nn.Parameter | None], str, nn.Parameter]] = []
-        with torch.no_grad():
+        with torch.no_grad(), self.estimating(module):  # buffers with masters hold them too
             try:
                 for sub in module.modules():
                     for name, p in sub._parameters.items():

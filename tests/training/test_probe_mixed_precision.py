@@ -469,3 +469,54 @@ def test_a_bf16_batchtopk_run_resumes_bit_exactly_with_its_threshold_master(tmp_
                        again.masters.named_buffers(again.module)["activation.threshold"])
     for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
         assert torch.equal(p, q), n
+    # resumed in fp32: the threshold is the master, not its bf16 rounding
+    wide = Trainer.resume(tmp_path / "ck", lambda i: bs[i], dtype=F32)
+    assert torch.equal(wide.module.activation.threshold, saved["activation.threshold"])
+    # an edit between steps inside masters.editing reaches the master (the next forward does not undo it)
+    with again.masters.editing(again.module):
+        again.module.activation.set_threshold(0.3)
+    assert float(again.masters.named_buffers(again.module)["activation.threshold"]) == pytest.approx(0.3, rel=1e-7)
+    assert torch.equal(again.module.activation.threshold, torch.tensor(0.3, dtype=BF16))
+
+
+@pytest.mark.parametrize("recipe", ["revive", "resample", "balance"])
+def test_a_bf16_lorsa_run_resumes_bit_exactly(recipe, tmp_path):
+    """A bf16 Lorsa (tiny Llama's layer 1, a bf16 model; the recipe's initialisation, dead-head remedy and k annealing
+    active): 4 steps straight equal 2 + checkpoint + resume + 2 — weights, fp32 masters, fp32 Adam moments, dead
+    counters and the head-balancing state."""
+    from helpers import random_ids, tiny_nnsight
+
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.modules.lorsa import Lorsa, LorsaConfig
+    from nnsight_lorsa.training import ActivationSource, LorsaObjective, LorsaRecipe, TokenDataset
+
+    model, hf = tiny_nnsight("llama", dtype=BF16)
+    adapter = get_adapter(model)
+    source = ActivationSource.attention(model, 1, TokenDataset(random_ids(batch=12, seq=10, seed=3)), batch_size=4)
+    rec = LorsaRecipe(ov_init="mhsa", dead_remedy=recipe, remedy_until=1.0, k_anneal_from=6, k_anneal_frac=0.5)
+    config = dict(total_steps=4, lr=1e-3, norm_batches=1, dead_after_tokens=10, grad_clip=1.0)
+
+    def new():
+        torch.manual_seed(0)
+        lorsa = Lorsa(LorsaConfig(d_model=adapter.d_model, n_qk_heads=4, d_qk_head=16, n_ov_heads=16, top_k=3,
+                                  rotary=adapter.rotary_config(), layer=1)).to(BF16)
+        return Trainer(LorsaObjective(lorsa, mhsa=adapter.mhsa_weights(hf, 1), recipe=rec), source,
+                       TrainConfig(**config))
+
+    straight = new()
+    straight.train(progress=False)
+    first = new()
+    first.train(2, progress=False)
+    first.save_checkpoint(tmp_path / "ck")
+    again = Trainer.resume(tmp_path / "ck", source)
+    again.objective.mhsa = None  # (the MHSA is used by the initialisation only)
+    again.train(progress=False)
+    for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
+        assert q.dtype == BF16 and torch.equal(p, q), n
+        ms, ma = straight.masters.held(p), again.masters.held(q)
+        assert ma.dtype == F32 and torch.equal(ms, ma), n
+        for key, v in straight.optimizer.state[ms].items():
+            assert torch.equal(v, again.optimizer.state[ma][key]), (n, key)
+    assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
+    if recipe == "balance":
+        assert straight.objective.balance.to_dict() == again.objective.balance.to_dict()
