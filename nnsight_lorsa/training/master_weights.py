@@ -64,7 +64,7 @@ class MasterWeights:
 
     def add_buffers(self, module: nn.Module) -> None:
         """Give each low-precision buffer that ``module``'s submodules list in ``trained_buffers`` an fp32 master
-        (none when disabled, or for fp32 / fp64 buffers)."""
+        (none when disabled, or for fp32 / fp64 / integer buffers)."""
         if not self._enabled:
             return
         for sub in module.modules():
@@ -103,6 +103,27 @@ class MasterWeights:
             entry[3].copy_(value.to(device=entry[3].device, dtype=entry[3].dtype))
             value = entry[3]
         buf.copy_(value.to(device=buf.device, dtype=buf.dtype))
+
+    def estimates(self, module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(tensor, copy)]`` of every buffer ``module``'s submodules list in ``trained_buffers`` (any dtype; with
+        its master, if any): what a forward in training mode changes in place, for :meth:`restore_estimates` when the
+        step is refused."""
+        out = []
+        for sub in module.modules():
+            for name in getattr(sub, "trained_buffers", ()):
+                buf = sub._buffers.get(name)
+                if buf is not None:
+                    out.append((buf, buf.detach().clone()))
+                    if id(buf) in self._buffers:
+                        master = self._buffers[id(buf)][3]
+                        out.append((master, master.detach().clone()))
+        return out
+
+    @torch.no_grad()
+    def restore_estimates(self, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put back what :meth:`estimates` copied."""
+        for tensor, value in saved:
+            tensor.copy_(value)
 
     def buffer_masters(self) -> list[torch.Tensor]:
         """The buffers' fp32 masters (:meth:`add_buffers`), in the order they were added."""

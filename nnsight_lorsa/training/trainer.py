@@ -275,6 +275,7 @@ class Trainer:
         if self.s_in is None:
             self.estimate_norms()
         counters = self.tokens_since_fired.clone()  # (n_latents,) ints: what count_fired changes
+        estimates = self.masters.estimates(self.module)  # what the forward changes in place (BatchTopK's θ)
         try:
             if self.dist is None:
                 loss, metrics = self.loss(self.source(self.step))
@@ -304,6 +305,7 @@ class Trainer:
         except NonFiniteError:
             self.optimizer.zero_grad(set_to_none=True)
             self.tokens_since_fired = counters
+            self.masters.restore_estimates(estimates)
             self.objective.discard_step(self.state)
             raise
         if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above

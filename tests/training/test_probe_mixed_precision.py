@@ -520,3 +520,28 @@ def test_a_bf16_lorsa_run_resumes_bit_exactly(recipe, tmp_path):
     assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
     if recipe == "balance":
         assert straight.objective.balance.to_dict() == again.objective.balance.to_dict()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_a_refused_step_leaves_the_batchtopk_threshold_as_it_was(dtype):
+    """A step refused as non-finite (an ``inf`` gradient) leaves the trainer as after the step before: BatchTopK's
+    threshold estimate and its update count too (and a bf16 one's fp32 master). The forward had already folded the
+    refused batch into them."""
+    torch.manual_seed(4)
+    sae = SparseAutoencoder(SAEConfig(d_in=6, d_sae=16, activation="batchtopk", activation_params={"k": 3}))
+    bs = _drifting(dtype, 6)
+    trainer = Trainer(sae.to(dtype), lambda i: bs[i], TrainConfig(total_steps=6, lr=1e-3, norm_batches=1))
+    trainer.train_step()
+    trainer.train_step()
+    act = trainer.module.activation
+    before = (act.threshold.clone(), act.n_updates.clone(),
+              {n: m.clone() for n, m in trainer.masters.named_buffers(trainer.module).items()})
+    handle = trainer.module.W_enc.register_hook(lambda g: g * torch.tensor(float("inf"), dtype=g.dtype))
+    with pytest.raises(NonFiniteError, match="W_enc"):
+        trainer.train_step()
+    handle.remove()
+    assert torch.equal(act.threshold, before[0]) and torch.equal(act.n_updates, before[1])
+    masters = trainer.masters.named_buffers(trainer.module)
+    assert set(masters) == set(before[2]) == ({"activation.threshold"} if dtype == BF16 else set())
+    for n, m in masters.items():
+        assert torch.equal(m, before[2][n]), n
