@@ -545,3 +545,53 @@ def test_a_refused_step_leaves_the_batchtopk_threshold_as_it_was(dtype):
     assert set(masters) == set(before[2]) == ({"activation.threshold"} if dtype == BF16 else set())
     for n, m in masters.items():
         assert torch.equal(m, before[2][n]), n
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_prefix: str) -> None:
+    """One gloo rank: a bf16 BatchTopK SAE whose threshold master differs on rank 1, wrapped in ``DataParallel``
+    (rank 0's broadcast), then 3 steps; writes the threshold and its master."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from nnsight_lorsa.training.distributed import DataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        bs = _drifting(BF16, 4)
+        torch.manual_seed(2)
+        sae = SparseAutoencoder(SAEConfig(d_in=6, d_sae=16, activation="batchtopk", activation_params={"k": 3}))
+        trainer = Trainer(sae.to(BF16), lambda i: bs[i], TrainConfig(total_steps=3, lr=1e-3, norm_batches=1))
+        if rank == 1:
+            trainer.masters.buffer_masters()[0].fill_(5.0)
+        DataParallel(trainer)
+        master = trainer.masters.buffer_masters()[0]
+        out = {"master_start": master.clone(), "buffer_start": sae.activation.threshold.clone()}
+        trainer.train(progress=False)
+        save_file({**out, "master": master.clone(), "buffer": sae.activation.threshold.clone()},
+                  f"{out_prefix}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_broadcasts_the_batchtopk_threshold_master_from_rank_0(tmp_path):
+    """Under ``DataParallel`` a bf16 BatchTopK's threshold master starts as rank 0's on every rank (rank 1's set
+    elsewhere), its buffer the master's rounding; after training each buffer is still its master's rounding."""
+    from helpers import run_ranks
+
+    run_ranks(__file__, 2, tmp_path, timeout=120)
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    for r in ranks:
+        assert float(r["master_start"]) == 0.0 and float(r["buffer_start"]) == 0.0
+        assert r["master"].dtype == F32 and torch.equal(r["buffer"], r["master"].to(BF16))
+        assert float(r["master"]) > 0
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    _ddp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    sys.stdout.flush()
+    os._exit(0)  # (gloo's threads can abort the interpreter's shutdown: as tests/training/test_distributed.py)
