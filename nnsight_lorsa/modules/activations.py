@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -181,6 +181,11 @@ class BatchTopK(nn.Module):
     """
 
     threshold: torch.Tensor
+    #: buffers that a training forward updates (an estimate, not a gradient step): the
+    #: :class:`~nnsight_lorsa.training.trainer.Trainer` puts them back when it refuses a step, and keeps fp32 masters
+    #: of the bf16 / fp16 ones (an EMA step of rate ``threshold_lr`` below half a bf16 step of ``θ`` would round
+    #: away: the estimate would stall)
+    trained_buffers: ClassVar[tuple[str, ...]] = ("threshold", "n_updates")
     n_updates: torch.Tensor
 
     def __init__(self, k: int, d_sae: int, threshold_lr: float = 0.01) -> None:

@@ -167,12 +167,13 @@ class DataParallel:
         # a bf16 module's fp32 masters follow rank 0's too (DDP has just broadcast its bf16 weights): every
         # rank then steps the same masters with the same reduced gradients
         src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        for m in trainer.masters.masters():
+        for m in [*trainer.masters.masters(), *trainer.masters.buffer_masters()]:  # (BatchTopK's θ: its master)
             buf = m.detach().to(self.device)
             dist.broadcast(buf, src=src, group=process_group)
             with torch.no_grad():
                 m.copy_(buf)
         trainer.masters.round_()
+        trainer.masters.round_buffers_()
         trainer.dist = self
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:

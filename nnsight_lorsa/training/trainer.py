@@ -145,6 +145,7 @@ class Trainer:
         self._wandb: WandbRun | None = None
         #: the fp32 master weights of a bf16 module (none for an fp32 / fp64 one, or with ``master_weights=False``)
         self.masters = MasterWeights(trained.parameters(), enabled=config.master_weights)
+        self.masters.add_buffers(trained)  # estimates the forward updates (BatchTopK's threshold): fp32 masters too
         #: what the optimizer steps: each parameter's master, or the parameter itself
         self._params = self.masters.optimized(trained.parameters())
         self.optimizer = torch.optim.Adam(self._params, lr=config.lr, betas=config.betas)
@@ -200,7 +201,8 @@ class Trainer:
         Raises:
             ShapeError: (CLT) the batch does not fit the module.
         """
-        return self.objective.loss(self.state, batch)
+        with self.masters.estimating(self.module):  # a bf16 module's estimates (BatchTopK's θ) updated in fp32
+            return self.objective.loss(self.state, batch)
 
     @torch.no_grad()
     def folded(self) -> torch.nn.Module:
@@ -273,6 +275,7 @@ class Trainer:
         if self.s_in is None:
             self.estimate_norms()
         counters = self.tokens_since_fired.clone()  # (n_latents,) ints: what count_fired changes
+        estimates = self.masters.estimates(self.module)  # what the forward changes in place (BatchTopK's θ)
         try:
             if self.dist is None:
                 loss, metrics = self.loss(self.source(self.step))
@@ -302,6 +305,7 @@ class Trainer:
         except NonFiniteError:
             self.optimizer.zero_grad(set_to_none=True)
             self.tokens_since_fired = counters
+            self.masters.restore_estimates(estimates)
             self.objective.discard_step(self.state)
             raise
         if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
@@ -465,7 +469,8 @@ class Trainer:
         """
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         names = {id(self.masters.held(p)): n for n, p in self.module.named_parameters()}
-        masters = {n: m.detach().contiguous() for n, m in self.masters.named(self.module).items()}
+        masters = {n: m.detach().contiguous() for n, m in {**self.masters.named(self.module),
+                                                           **self.masters.named_buffers(self.module)}.items()}
         opt_tensors: dict[str, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -603,14 +608,18 @@ class Trainer:
         goes on from the masters, not from their bf16 rounding); without that file (an fp32 run, or a bf16
         checkpoint written before masters existed), this trainer's masters come from the saved weights."""
         params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
         if MASTERS_FILE in listed:
             path, saved = d / MASTERS_FILE, load_file(str(d / MASTERS_FILE))
         else:
             path, saved = d / self.objective.weights_file, {}
-            if len(self.masters):
-                weights = load_file(str(path))
-                saved = {n: weights[n] for n, p in params.items() if self.masters.has(p) and n in weights}
+            weights = load_file(str(path)) if len(self.masters) or self.masters.named_buffers(self.module) else {}
+            saved = {n: weights[n] for n, p in params.items() if self.masters.has(p) and n in weights}
+            saved.update({n: weights[n] for n, b in buffers.items() if self.masters.has_buffer(b) and n in weights})
         for name, value in saved.items():
+            if name in buffers and name not in params and tuple(value.shape) == tuple(buffers[name].shape):
+                self.masters.set_buffer(buffers[name], value)  # an estimate's master (BatchTopK's threshold)
+                continue
             if name not in params or tuple(value.shape) != tuple(params[name].shape):
                 has = "has no such parameter" if name not in params else \
                     f"has it as {tuple(params[name].shape)}"
