@@ -77,10 +77,24 @@ _TL_SITES = {
 }
 
 
-def _site(layer: int, site: str, where: str, io: str, adapter: Any) -> HookSite:
+def _mlp_out_path(layer: int, adapter: Any, transformer_lens: bool) -> str:
+    """The module whose output is layer ``layer``'s MLP output: TransformerLens's ``hook_mlp_out`` is taken after
+    the post-MLP norm where the family has one (Gemma-2/3, OLMo-2: ``ln2_post`` runs before the hook, "that which is
+    added to the residual stream"), a sparsify hookpoint is the Hugging Face MLP module itself."""
+    post_norm = getattr(adapter, "mlp_post_norm_path", None)  # (an adapter-like object may have no post-norms)
+    post = post_norm(layer) if transformer_lens and post_norm is not None else None
+    return str(post or adapter.mlp_path(layer))
+
+
+def _site(layer: int, site: str, where: str, io: str, adapter: Any, transformer_lens: bool = False) -> HookSite:
     path = None
     if adapter is not None and where:
-        path = adapter.layer_path(layer) if where == "layer" else adapter.mlp_path(layer)
+        if where == "layer":
+            path = adapter.layer_path(layer)
+        elif site == "mlp_out":
+            path = _mlp_out_path(layer, adapter, transformer_lens)
+        else:
+            path = adapter.mlp_path(layer)
     return HookSite(layer, site, path, io)
 
 
@@ -95,7 +109,7 @@ def transformer_lens_hook_site(hook_name: str, adapter: Any = None) -> HookSite:
         raise UnsupportedArchitectureError(
             f"hook {hook_name!r} has no site mapping; known: blocks.<L>.{{{', '.join(_TL_SITES)}}}")
     site, where, io = _TL_SITES[m.group(2)]
-    return _site(int(m.group(1)), site, where, io, adapter)
+    return _site(int(m.group(1)), site, where, io, adapter, transformer_lens=True)
 
 
 def sparsify_hookpoint_site(hookpoint: str, *, transcode: bool, adapter: Any = None) -> HookSite:
@@ -133,13 +147,16 @@ def site_record(hook: Any, adapter: Any = None, *, sparsify_transcode: bool | No
 
 # ------------------------------------------------------------------ loaded modules -> sites
 def _site_records(module: Any) -> list[dict[str, Any]]:
-    """The site records a loader left in ``cfg.extra`` (what the module reconstructs first)."""
+    """The site records a loader left in ``cfg.extra`` (what the module reconstructs first), each with
+    ``"transformer_lens"``: whether it came from a TransformerLens hook name (SAELens, llamascopium) rather than a
+    sparsify hookpoint (a Hugging Face module name)."""
     extra = getattr(module.cfg, "extra", None) or {}
     out: list[dict[str, Any]] = []
     for fmt, keys in (("saelens", ("site",)), ("sparsify", ("site",)), ("llamascopium", ("site_out", "site_in"))):
         record = extra.get(fmt)
         if isinstance(record, dict):
-            out.extend(record[k] for k in keys if isinstance(record.get(k), dict))
+            out.extend({**record[k], "transformer_lens": fmt != "sparsify"} for k in keys
+                       if isinstance(record.get(k), dict))
     return out
 
 
@@ -147,11 +164,14 @@ def _output_path(site: dict[str, Any], adapter: Any) -> str:
     """The module whose OUTPUT carries ``site`` (resid_pre of layer L = output of layer L−1 / the embedding)."""
     layer = site.get("layer")
     if site.get("site") == "resid_pre" and isinstance(layer, int):
-        return str(adapter.layer_path(layer - 1) if layer > 0 else adapter.embed_path)
+        return str(adapter.layer_path(layer - 1) if layer > 0
+               else getattr(adapter, "residual_start_path", adapter.embed_path))
+    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "mlp_out":
+        return _mlp_out_path(layer, adapter, bool(site.get("transformer_lens", True)))
     if site.get("io") == "output" and site.get("module_path"):
         return str(site["module_path"])
-    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") in ("resid_post", "mlp_out"):
-        return str(adapter.layer_path(layer) if site["site"] == "resid_post" else adapter.mlp_path(layer))
+    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "resid_post":
+        return str(adapter.layer_path(layer))
     raise ConfigMismatchError(f"the SAE reads site {site.get('site')!r} of layer {layer} (a module input); an "
                               "SAESet replaces module outputs: pass {site_path: checkpoint} explicitly")
 
