@@ -14,13 +14,14 @@ the same replacement done by hand. Names without a site are named errors naming 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
-from helpers import FAMILIES, generated, make_sae, random_ids, tiny_nnsight, unembed
+from helpers import FAMILIES, generated, make_sae, make_transcoder, random_ids, tiny_nnsight, unembed
 from hypothesis import strategies as st
 
-from nnsight_lorsa import SAESet, get_adapter
+from nnsight_lorsa import SAESet, TranscoderSet, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, UnsupportedArchitectureError
 from nnsight_lorsa.formats.hook_sites import sae_site_path, transformer_lens_hook_site
 
@@ -146,3 +147,110 @@ def test_an_sae_on_a_hook_without_a_module_output_is_a_named_error(family, hook)
 def test_the_hook_table_names_the_unmapped_hook():
     with pytest.raises(UnsupportedArchitectureError, match=r"blocks\.0\.attn\.hook_z"):
         transformer_lens_hook_site("blocks.0.attn.hook_z")
+
+
+# ------------------------------------------------------------------ transcoders by their circuit-tracer hooks
+#: circuit-tracer ``feature_input_hook`` / ``feature_output_hook`` values the package accepts (``hook_mlp_in`` left
+#: out: legacy TransformerLens and TransformerLens 3 disagree on it, docs/reliability.md)
+TC_INPUT_HOOKS = ("mlp.hook_in", "hook_resid_mid", "ln2.hook_normalized")
+TC_OUTPUT_HOOKS = ("mlp.hook_out", "hook_mlp_out")
+
+
+def pre_mlp_norm(block) -> torch.nn.Module | None:
+    """The norm the MLP reads through; None for OLMo-2 (its norms come after the attention and the MLP)."""
+    for name in ("ln_2", "pre_feedforward_layernorm"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    return None if hasattr(block, "post_feedforward_layernorm") else block.post_attention_layernorm
+
+
+def attention_of(block) -> torch.nn.Module:
+    for name in ("self_attn", "attn", "attention"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    raise AssertionError(type(block).__name__)
+
+
+def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
+    """Handles that record TransformerLens's ``in_hook`` of ``layer`` into ``seen`` (cast to the transcoder's dtype)
+    and replace ``out_hook``'s tensor by ``transcoder`` of it: ``resid_mid = resid_pre + attn_out`` (after a
+    post-attention norm where the family has post-norms), ``ln2.hook_normalized`` its ``x / rms(x)`` in fp32."""
+    block = blocks(hf)[layer]
+    post_norms = hasattr(block, "post_feedforward_layernorm")
+    parts: dict = {}
+    handles = []
+
+    def resid_pre(module, args, kwargs):
+        parts["pre"] = args[0] if args else kwargs["hidden_states"]
+
+    def attn_out(module, args, output):
+        parts["attn"] = output[0] if isinstance(output, tuple) else output
+
+    def mlp_in(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        if in_hook == "mlp.hook_in":
+            value = x
+        else:
+            mid = parts["pre"] + parts["attn"]
+            if in_hook == "ln2.hook_normalized":
+                norm = pre_mlp_norm(block)
+                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+                mid = mid.float() * torch.rsqrt(mid.float().pow(2).mean(-1, keepdim=True) + eps)
+            value = mid
+        seen.append(value.to(next(transcoder.parameters()).dtype))
+
+    def out(module, args, output):
+        return transcoder(seen[-1]).to(output.dtype)
+
+    handles.append(block.register_forward_pre_hook(resid_pre, with_kwargs=True))
+    attn_site = block.post_attention_layernorm if post_norms else attention_of(block)
+    handles.append(attn_site.register_forward_hook(attn_out))
+    handles.append(block.mlp.register_forward_pre_hook(mlp_in, with_kwargs=True))
+    out_module = block.post_feedforward_layernorm if post_norms and out_hook == "hook_mlp_out" else block.mlp
+    handles.append(out_module.register_forward_hook(out))
+    return handles
+
+
+@generated(12, 400, family=st.sampled_from(FAMILIES), dt=st.sampled_from(tuple(DTYPES)),
+           in_hook=st.sampled_from(TC_INPUT_HOOKS), out_hook=st.sampled_from(TC_OUTPUT_HOOKS),
+           layer=st.integers(0, 2), skip=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(family, dt, in_hook, out_hook, layer, skip,
+                                                                         seed):
+    check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed)
+
+
+@torch.no_grad()
+def check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed):
+    model, hf, adapter = world(family, dt)
+    layer = min(layer, adapter.n_layers - 1)
+    record = {"feature_input_hook": in_hook, "feature_output_hook": out_hook}
+    tc = make_transcoder(skip=skip, seed=seed % 5, extra={"circuit_tracer": record}).to(DTYPES[dt])
+    block = blocks(hf)[layer]
+    refused = ((in_hook == "hook_resid_mid" and getattr(hf.config, "use_parallel_residual", False))
+               or (in_hook == "ln2.hook_normalized"
+                   and isinstance(pre_mlp_norm(block), (torch.nn.LayerNorm, type(None)))))
+    if refused:  # no such tensor, or not computable from the norm's input: a named error naming family and hook
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{adapter.family}.*{re.escape(in_hook)}"):
+            TranscoderSet(model, {layer: tc}, adapter)
+        return
+    ids = random_ids(batch=2, seq=6, seed=seed)
+    want_in: list = []
+    handles = reference_transcoder_hooks(hf, layer, in_hook, out_hook, tc, want_in)
+    logits: list = []
+    handles.append(hf.get_output_embeddings().register_forward_hook(lambda m, a, out: logits.append(out)))
+    try:
+        hf(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    got_in: list = []
+    handle = tc.register_forward_pre_hook(lambda m, args: got_in.append(args[0].detach().clone()))
+    try:
+        with model.trace(ids):
+            TranscoderSet(model, {layer: tc}, adapter).replace(layer)
+            got = unembed(model).output.save()
+    finally:
+        handle.remove()
+    where = (family, dt, in_hook, out_hook, layer)
+    assert len(got_in) == 1 and torch.equal(got_in[0], want_in[0]), (*where, (got_in[0] - want_in[0]).abs().max())
+    assert torch.equal(got, logits[0]), (*where, (got - logits[0]).abs().max())
