@@ -13,12 +13,15 @@ source hook                                        site          module path    
 ``blocks.L.hook_resid_pre``                        resid_pre     ``layer_path(L)``           input
 ``blocks.L.ln2.hook_normalized``, ``hook_mlp_in``,
 ``mlp.hook_in``; sparsify transcoder ``layers.L.mlp``   mlp_in   ``mlp_path(L)``             input
-``blocks.L.hook_mlp_out``, ``mlp.hook_out``;
+``blocks.L.hook_mlp_out``, ``mlp.hook_out``      mlp_out       ``mlp_path(L)``, or         output
+                                                                 ``mlp_post_norm_path(L)``
+                                                                 (Gemma-2/3, OLMo-2)
 sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``             output
 ``blocks.L.hook_resid_mid``                        resid_mid     none (pre-norm residual)    —
 =================================================  ============  ==========================  ======
 
-circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
+Transcoder / CLT files (circuit-tracer's hooks, or a SAELens / llamascopium / sparsify file's hook names:
+:func:`hook_record`) are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
 the pre-MLP norm has gain 1 and no bias (it is then the MLP input) or is an RMSNorm (``x / rms(x)`` is computed from
 the norm's input, as the norm does: GemmaScope on Gemma-2), ``hook_mlp_out`` everywhere (the MLP output; on
 Gemma-2/3 ``post_feedforward_layernorm``'s output), and ``hook_resid_mid`` (the residual before the pre-MLP norm)
@@ -238,12 +241,35 @@ def has_resid_mid(adapter: Any) -> bool:
     return not bool(getattr(adapter.config, "use_parallel_residual", False))
 
 
+def _tl_suffix(hook: Any) -> Any:
+    """``ln2.hook_normalized`` of ``blocks.3.ln2.hook_normalized``; anything else unchanged."""
+    m = _TL.match(hook) if isinstance(hook, str) else None
+    return hook if m is None else m.group(2)
+
+
 def hook_record(module: Any) -> dict[str, Any]:
-    """The circuit-tracer hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s
-    through its ``clt``); empty without one."""
+    """The hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s through its
+    ``clt``): circuit-tracer's ``feature_input_hook`` / ``feature_output_hook``, else the same keys from the hook
+    names its file recorded (llamascopium ``hook_point_in`` / ``hook_point_out``, SAELens ``hook_name`` (the input;
+    the output is not kept), a sparsify hookpoint that is no MLP) without their ``blocks.L.`` prefix, so that
+    :func:`check_mlp_hooks` and :func:`mlp_site_io` place them by what they name; empty without any."""
     module = getattr(module, "clt", module)
-    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
-    return record if isinstance(record, dict) else {}
+    extra = getattr(module.cfg, "extra", None) or {}
+    record = extra.get("circuit_tracer")
+    if isinstance(record, dict):
+        return record
+    llamascopium, saelens, sparsify = (extra.get(k) for k in ("llamascopium", "saelens", "sparsify"))
+    if isinstance(llamascopium, dict) and llamascopium.get("hook_point_in") != llamascopium.get("hook_point_out"):
+        return {"feature_input_hook": _tl_suffix(llamascopium.get("hook_point_in")),
+                "feature_output_hook": _tl_suffix(llamascopium.get("hook_point_out"))}
+    if isinstance(saelens, dict) and isinstance(saelens.get("hook_name"), str):
+        return {"feature_input_hook": _tl_suffix(saelens["hook_name"])}
+    if isinstance(sparsify, dict) and isinstance(sparsify.get("hookpoint"), str):
+        site = sparsify_hookpoint_site(sparsify["hookpoint"], transcode=True) if re.match(
+            r"^(?:.*\.)?(?:layers|h)\.[0-9]+(\.mlp)?$", sparsify["hookpoint"]) else None
+        if site is None or site.site != "mlp_in":  # a transcoder on a whole layer, or an unknown hookpoint
+            return {"feature_input_hook": sparsify["hookpoint"]}
+    return {}
 
 
 def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -387,8 +413,9 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
     norm's input: GemmaScope on Gemma-2); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
     transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`); output
     :data:`MLP_OUTPUT_HOOKS` and ``hook_mlp_out`` (on Gemma-2/3 the output of ``post_feedforward_layernorm``, which
-    the sets then replace). :func:`mlp_site_io` says where the sets read and write. Modules without that record
-    pass.
+    the sets then replace). :func:`mlp_site_io` says where the sets read and write. The record is
+    :func:`hook_record`'s: circuit-tracer's, else the hook names of a SAELens / llamascopium / sparsify file; modules
+    without any pass.
 
     Args:
         module: the transcoder / CLT (its ``cfg.extra``).

@@ -213,18 +213,54 @@ def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
 
 @generated(12, 400, family=st.sampled_from(FAMILIES), dt=st.sampled_from(tuple(DTYPES)),
            in_hook=st.sampled_from(TC_INPUT_HOOKS), out_hook=st.sampled_from(TC_OUTPUT_HOOKS),
-           layer=st.integers(0, 2), skip=st.booleans(), seed=st.integers(0, 2**16))
+           layer=st.integers(0, 2), skip=st.booleans(), seed=st.integers(0, 2**16),
+           source=st.sampled_from(("circuit_tracer", "llamascopium", "saelens")))
 def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(family, dt, in_hook, out_hook, layer, skip,
-                                                                         seed):
-    check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed)
+                                                                         seed, source):
+    check_transcoder_site(family, dt, in_hook, out_hook if source != "saelens" else "mlp.hook_out", layer, skip,
+                          seed, source)
+
+
+@pytest.mark.parametrize(("family", "in_hook", "out_hook", "source"), [
+    ("llama", "hook_resid_mid", "mlp.hook_out", "saelens"),  # the residual before the norm (was: the MLP input)
+    ("qwen3", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # x / rms(x) before the gain (was: after it)
+    ("gemma2", "ln2.hook_normalized", "hook_mlp_out", "llamascopium"),  # and after the post-norm
+    ("gemma3", "hook_resid_mid", "hook_mlp_out", "llamascopium"),
+    ("gpt2", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # LayerNorm with a gain: refused by name
+    ("neox", "hook_resid_mid", "mlp.hook_out", "llamascopium"),  # parallel residual: refused by name
+])
+@pytest.mark.parametrize("dt", tuple(DTYPES))
+def test_saelens_and_llamascopium_transcoders_run_where_their_hook_names_say(family, in_hook, out_hook, source, dt):
+    check_transcoder_site(family, dt, in_hook, out_hook, 1, True, 5, source)
+
+
+@pytest.mark.parametrize(("extra", "hook"), [
+    ({"saelens": {"hook_name": "blocks.1.hook_resid_pre"}}, "hook_resid_pre"),
+    ({"llamascopium": {"hook_point_in": "blocks.1.hook_resid_pre", "hook_point_out": "blocks.1.hook_resid_post"}},
+     "hook_resid_pre"),
+    ({"sparsify": {"hookpoint": "layers.1", "transcode": True}}, "layers.1"),
+])
+def test_a_transcoder_file_naming_no_mlp_site_is_a_named_error(extra, hook):
+    model, hf, adapter = world("llama", "fp32")
+    with pytest.raises(UnsupportedArchitectureError, match=rf"llama.*{re.escape(hook)}.*layer 1"):
+        TranscoderSet(model, {1: make_transcoder(extra=extra)}, adapter)
+
+
+def transcoder_extra(source, layer, in_hook, out_hook):
+    if source == "circuit_tracer":
+        return {"circuit_tracer": {"feature_input_hook": in_hook, "feature_output_hook": out_hook}}
+    if source == "llamascopium":
+        return {"llamascopium": {"hook_point_in": f"blocks.{layer}.{in_hook}",
+                                 "hook_point_out": f"blocks.{layer}.{out_hook}"}}
+    return {"saelens": {"hook_name": f"blocks.{layer}.{in_hook}"}}
 
 
 @torch.no_grad()
-def check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed):
+def check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed, source="circuit_tracer"):
     model, hf, adapter = world(family, dt)
     layer = min(layer, adapter.n_layers - 1)
-    record = {"feature_input_hook": in_hook, "feature_output_hook": out_hook}
-    tc = make_transcoder(skip=skip, seed=seed % 5, extra={"circuit_tracer": record}).to(DTYPES[dt])
+    extra = transcoder_extra(source, layer, in_hook, out_hook)
+    tc = make_transcoder(skip=skip, seed=seed % 5, extra=extra).to(DTYPES[dt])
     block = blocks(hf)[layer]
     refused = ((in_hook == "hook_resid_mid" and getattr(hf.config, "use_parallel_residual", False))
                or (in_hook == "ln2.hook_normalized"
