@@ -250,8 +250,8 @@ def _tl_suffix(hook: Any) -> Any:
 def hook_record(module: Any) -> dict[str, Any]:
     """The hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s through its
     ``clt``): circuit-tracer's ``feature_input_hook`` / ``feature_output_hook``, else the same keys from the hook
-    names its file recorded (llamascopium ``hook_point_in`` / ``hook_point_out``, SAELens ``hook_name`` (the input;
-    the output is not kept), a sparsify hookpoint that is no MLP) without their ``blocks.L.`` prefix, so that
+    names its file recorded (llamascopium ``hook_point_in`` / ``hook_point_out``, SAELens ``hook_name`` /
+    ``hook_name_out``, a sparsify hookpoint that is no MLP) without their ``blocks.L.`` prefix, so that
     :func:`check_mlp_hooks` and :func:`mlp_site_io` place them by what they name; empty without any."""
     module = getattr(module, "clt", module)
     extra = getattr(module.cfg, "extra", None) or {}
@@ -263,7 +263,9 @@ def hook_record(module: Any) -> dict[str, Any]:
         return {"feature_input_hook": _tl_suffix(llamascopium.get("hook_point_in")),
                 "feature_output_hook": _tl_suffix(llamascopium.get("hook_point_out"))}
     if isinstance(saelens, dict) and isinstance(saelens.get("hook_name"), str):
-        return {"feature_input_hook": _tl_suffix(saelens["hook_name"])}
+        out = saelens.get("hook_name_out")
+        return {"feature_input_hook": _tl_suffix(saelens["hook_name"]),
+                **({"feature_output_hook": _tl_suffix(out)} if isinstance(out, str) and out else {})}
     if isinstance(sparsify, dict) and isinstance(sparsify.get("hookpoint"), str):
         site = sparsify_hookpoint_site(sparsify["hookpoint"], transcode=True) if re.match(
             r"^(?:.*\.)?(?:layers|h)\.[0-9]+(\.mlp)?$", sparsify["hookpoint"]) else None

@@ -217,8 +217,7 @@ def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
            source=st.sampled_from(("circuit_tracer", "llamascopium", "saelens")))
 def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(family, dt, in_hook, out_hook, layer, skip,
                                                                          seed, source):
-    check_transcoder_site(family, dt, in_hook, out_hook if source != "saelens" else "mlp.hook_out", layer, skip,
-                          seed, source)
+    check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed, source)
 
 
 @pytest.mark.parametrize(("family", "in_hook", "out_hook", "source"), [
@@ -226,6 +225,7 @@ def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(famil
     ("qwen3", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # x / rms(x) before the gain (was: after it)
     ("gemma2", "ln2.hook_normalized", "hook_mlp_out", "llamascopium"),  # and after the post-norm
     ("gemma3", "hook_resid_mid", "hook_mlp_out", "llamascopium"),
+    ("gemma2", "hook_resid_mid", "hook_mlp_out", "saelens"),
     ("gpt2", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # LayerNorm with a gain: refused by name
     ("neox", "hook_resid_mid", "mlp.hook_out", "llamascopium"),  # parallel residual: refused by name
 ])
@@ -252,7 +252,7 @@ def transcoder_extra(source, layer, in_hook, out_hook):
     if source == "llamascopium":
         return {"llamascopium": {"hook_point_in": f"blocks.{layer}.{in_hook}",
                                  "hook_point_out": f"blocks.{layer}.{out_hook}"}}
-    return {"saelens": {"hook_name": f"blocks.{layer}.{in_hook}"}}
+    return {"saelens": {"hook_name": f"blocks.{layer}.{in_hook}", "hook_name_out": f"blocks.{layer}.{out_hook}"}}
 
 
 @torch.no_grad()
@@ -290,3 +290,25 @@ def check_transcoder_site(family, dt, in_hook, out_hook, layer, skip, seed, sour
     where = (family, dt, in_hook, out_hook, layer)
     assert len(got_in) == 1 and torch.equal(got_in[0], want_in[0]), (*where, (got_in[0] - want_in[0]).abs().max())
     assert torch.equal(got, logits[0]), (*where, (got - logits[0]).abs().max())
+
+
+def test_a_saelens_transcoder_file_keeps_its_output_hook(tmp_path):
+    """``hook_name_out`` (SAELens ``TranscoderConfig``) read from the file: on Gemma-2 ``hook_mlp_out`` is
+    ``post_feedforward_layernorm``'s output, ``hook_resid_mid`` the pre-MLP norm's input."""
+    import json
+
+    from nnsight_lorsa.formats.hook_sites import mlp_site_io
+    from nnsight_lorsa.formats.saelens import save_saelens
+
+    model, hf, adapter = world("gemma2", "fp32")
+    save_saelens(make_transcoder(skip=False, activation="relu", activation_params={}), tmp_path / "tc",
+                 hook_name="blocks.1.hook_resid_mid")
+    cfg_path = tmp_path / "tc" / "cfg.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["metadata"]["hook_name_out"] = "blocks.1.hook_mlp_out"
+    cfg_path.write_text(json.dumps(cfg))
+    (tmp_path / "tc" / "checksums.json").unlink()  # ours, which the edit would fail (a SAELens file has none)
+    tcs = TranscoderSet.from_pretrained(model, tmp_path / "tc", adapter=adapter)
+    io = mlp_site_io(tcs[1], adapter, hf, 1)
+    assert (io.input_path, io.output_path, io.eps) == (
+        "model.layers.1.pre_feedforward_layernorm", "model.layers.1.post_feedforward_layernorm", None)
