@@ -266,11 +266,12 @@ def hook_record(module: Any) -> dict[str, Any]:
         out = saelens.get("hook_name_out")
         return {"feature_input_hook": _tl_suffix(saelens["hook_name"]),
                 **({"feature_output_hook": _tl_suffix(out)} if isinstance(out, str) and out else {})}
-    if isinstance(sparsify, dict) and isinstance(sparsify.get("hookpoint"), str):
-        site = sparsify_hookpoint_site(sparsify["hookpoint"], transcode=True) if re.match(
-            r"^(?:.*\.)?(?:layers|h)\.[0-9]+(\.mlp)?$", sparsify["hookpoint"]) else None
-        if site is None or site.site != "mlp_in":  # a transcoder on a whole layer, or an unknown hookpoint
-            return {"feature_input_hook": sparsify["hookpoint"]}
+    hookpoint = sparsify.get("hookpoint") if isinstance(sparsify, dict) else None
+    # a sparsify transcoder reads its hookpoint's input: the MLP's for layers.L.mlp (sparsify_hookpoint_site), else
+    # (a whole layer, an unknown module) no MLP site. No HookSite here: its dataclass repr names _thread, which NDIF's
+    # unpickler refuses where this runs shipped by value (MLPSiteIO)
+    if isinstance(hookpoint, str) and not re.match(r"^(?:.*\.)?(?:layers|h)\.[0-9]+\.mlp$", hookpoint):
+        return {"feature_input_hook": hookpoint}
     return {}
 
 
