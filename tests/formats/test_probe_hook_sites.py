@@ -312,3 +312,37 @@ def test_a_saelens_transcoder_file_keeps_its_output_hook(tmp_path):
     io = mlp_site_io(tcs[1], adapter, hf, 1)
     assert (io.input_path, io.output_path, io.eps) == (
         "model.layers.1.pre_feedforward_layernorm", "model.layers.1.post_feedforward_layernorm", None)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox"])
+def test_an_sae_on_the_residual_before_layer_0_runs_first_in_a_replacement_model(family):
+    """``blocks.0.hook_resid_pre`` sits on ``adapter.residual_start_path`` (GPT-2 ``transformer.drop``), which the
+    replacement model orders before the layers (it was sorted after them all: edits at both ran out of order)."""
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.envoy.targets import Feature
+    from nnsight_lorsa.patching import steer
+
+    model, hf, adapter = world(family, "fp32")
+    saes = {sae_site_path(make_sae(seed=i, hook=f"blocks.{i}.hook_resid_pre"), adapter): make_sae(seed=i)
+            for i in range(2)}
+    assert list(saes)[0] == adapter.residual_start_path
+    rm = ReplacementModel(model, saes=SAESet(model, saes, adapter), error=False)
+    first, second = (Feature(path, 3) for path in saes)
+    assert rm.sort([second, first]) == [first, second]
+    ids = random_ids(batch=1, seq=5)
+    with torch.no_grad(), model.trace(ids):
+        rm.replace()
+        logits = unembed(model).output.save()
+    with torch.no_grad(), model.trace(ids):
+        rm.prepare([second, first])
+        for target in rm.sort([second, first]):  # the order the model runs them
+            steer(rm(target), 0.0)
+        same = unembed(model).output.save()
+    assert torch.equal(same, logits)
+    handles = [reference_hook(hf, "hook_resid_pre", i, replace=saes[path]) for i, path in enumerate(saes)]
+    try:
+        want = run_reference(hf, "hook_resid_post", 0, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(logits, want)
