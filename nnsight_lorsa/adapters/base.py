@@ -247,6 +247,9 @@ class ArchitectureAdapter:
     attention_name: ClassVar[str] = ""
     mlp_name: ClassVar[str] = ""
     embed_path: ClassVar[str] = ""
+    #: the module whose output is the residual stream before layer 0 (TransformerLens ``blocks.0.hook_resid_pre``),
+    #: where that is not the token embedding's own output ("": it is): GPT-2's ``transformer.drop`` (``wte + wpe``)
+    residual_start_name: ClassVar[str] = ""
     final_norm_path: ClassVar[str] = ""
     #: the unembedding; :func:`~nnsight_lorsa.adapters.get_adapter` sets it per model from the model's
     #: ``get_output_embeddings()`` (the class value is the default for an adapter built from a config).
@@ -300,6 +303,13 @@ class ArchitectureAdapter:
 
     def mlp_path(self, layer: int) -> str:
         return f"{self.layer_path(layer)}.{self.mlp_name}"
+
+    @property
+    def residual_start_path(self) -> str:
+        """The module whose output is the residual stream entering layer 0 (TransformerLens
+        ``blocks.0.hook_resid_pre``): :attr:`embed_path`, or where the model adds more to the token embedding
+        (GPT-2's position embedding) the module after that add (:attr:`residual_start_name`)."""
+        return self.residual_start_name or self.embed_path
 
     def _sub_path(self, layer: int, name: str) -> str | None:
         path = self.layer_path(layer)

@@ -43,6 +43,7 @@ class GPT2Adapter(ArchitectureAdapter):
     embed_path = "transformer.wte"
     #: learned absolute position embeddings ``(n_positions, d_model)``, added to ``wte`` output.
     pos_embed_path: ClassVar[str] = "transformer.wpe"
+    residual_start_name: ClassVar[str] = "transformer.drop"  # dropout(wte + wpe): the input of layer 0
     final_norm_path = "transformer.ln_f"
     lm_head_path = "lm_head"
     attention_norm_name = "ln_1"

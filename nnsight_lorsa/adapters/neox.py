@@ -58,6 +58,7 @@ class GPTNeoXAdapter(ArchitectureAdapter):
     attention_name = "attention"
     mlp_name = "mlp"
     embed_path = "gpt_neox.embed_in"
+    residual_start_name = "gpt_neox.emb_dropout"  # dropout(embed_in): the input of layer 0
     final_norm_path = "gpt_neox.final_layer_norm"
     #: default for an adapter built from a bare config; ``get_adapter(model)`` reads the model's own
     #: ``get_output_embeddings()`` (``embed_out`` in transformers 4 and 5.0, ``lm_head`` later).

@@ -603,7 +603,7 @@ def layer_modules(replacement: Any) -> tuple[dict[int, Any], dict[int, Any]]:
         try:
             site_kinds(io, adapter, layer)
         except UnsupportedArchitectureError as e:
-            raise UnsupportedArchitectureError(f"{e} (trained with {hooks}, per its circuit-tracer config.yaml); "
+            raise UnsupportedArchitectureError(f"{e} (trained with {hooks}, per its file's hooks); "
                                                "attribution of such a transcoder is not supported (replace() / "
                                                "evaluate run it where it was trained)") from None
     return ({} if lorsas is None else lorsas.by_layer()), by_layer

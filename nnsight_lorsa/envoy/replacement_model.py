@@ -259,6 +259,8 @@ class ReplacementModel:
         a = self.adapter
         if path == a.embed_path:
             return (-1.0, 0.0)
+        if path == a.residual_start_path:  # GPT-2's transformer.drop (wte + wpe), after the embeddings
+            return (-1.0, 0.5)
         m = re.match(rf"{re.escape(a.layers_path)}\.([0-9]+)(\.(.*))?$", path)
         if m is None:
             return (float(a.n_layers), 0.0)

@@ -80,7 +80,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         layer = rf"{re.escape(a.layers_path)}\.[0-9]+"
         parts = (a.attention_name, a.mlp_name)
         pattern = rf"{layer}(\.({'|'.join(re.escape(p) for p in parts if p)}))?"
-        if re.fullmatch(pattern, path) or path == a.embed_path:
+        if re.fullmatch(pattern, path) or path in (a.embed_path, a.residual_start_path):
             return a.d_model
         return None
 

@@ -10,7 +10,8 @@ Usage::
         logits = model.lm_head.output.save()
 
 A transcoder reads what the MLP is called with (the hidden states after the pre-MLP norm:
-``adapter.mlp_input``) and replaces what the MLP returns (``adapter.mlp_output``); a circuit-tracer file's hooks may
+``adapter.mlp_input``) and replaces what the MLP returns (``adapter.mlp_output``); a file's hooks (circuit-tracer's,
+or a SAELens / llamascopium transcoder's hook names: :func:`~nnsight_lorsa.formats.hook_sites.hook_record`) may
 move either (:func:`~nnsight_lorsa.formats.hook_sites.mlp_site_io`): ``feature_input_hook: hook_resid_mid`` reads
 what the pre-MLP norm is called with (the residual before the norm), ``ln2.hook_normalized`` on an RMSNorm with a
 gain reads that residual's ``x / rms(x)`` before the gain (fp32, as the norm computes it), and

@@ -13,12 +13,15 @@ source hook                                        site          module path    
 ``blocks.L.hook_resid_pre``                        resid_pre     ``layer_path(L)``           input
 ``blocks.L.ln2.hook_normalized``, ``hook_mlp_in``,
 ``mlp.hook_in``; sparsify transcoder ``layers.L.mlp``   mlp_in   ``mlp_path(L)``             input
-``blocks.L.hook_mlp_out``, ``mlp.hook_out``;
+``blocks.L.hook_mlp_out``, ``mlp.hook_out``      mlp_out       ``mlp_path(L)``, or         output
+                                                                 ``mlp_post_norm_path(L)``
+                                                                 (Gemma-2/3, OLMo-2)
 sparsify SAE ``layers.L.mlp``                      mlp_out       ``mlp_path(L)``             output
 ``blocks.L.hook_resid_mid``                        resid_mid     none (pre-norm residual)    —
 =================================================  ============  ==========================  ======
 
-circuit-tracer transcoder / CLT files are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
+Transcoder / CLT files (circuit-tracer's hooks, or a SAELens / llamascopium / sparsify file's hook names:
+:func:`hook_record`) are stricter: :func:`check_mlp_hooks` accepts ``ln2.hook_normalized`` where
 the pre-MLP norm has gain 1 and no bias (it is then the MLP input) or is an RMSNorm (``x / rms(x)`` is computed from
 the norm's input, as the norm does: GemmaScope on Gemma-2), ``hook_mlp_out`` everywhere (the MLP output; on
 Gemma-2/3 ``post_feedforward_layernorm``'s output), and ``hook_resid_mid`` (the residual before the pre-MLP norm)
@@ -77,10 +80,24 @@ _TL_SITES = {
 }
 
 
-def _site(layer: int, site: str, where: str, io: str, adapter: Any) -> HookSite:
+def _mlp_out_path(layer: int, adapter: Any, transformer_lens: bool) -> str:
+    """The module whose output is layer ``layer``'s MLP output: TransformerLens's ``hook_mlp_out`` is taken after
+    the post-MLP norm where the family has one (Gemma-2/3, OLMo-2: ``ln2_post`` runs before the hook, "that which is
+    added to the residual stream"), a sparsify hookpoint is the Hugging Face MLP module itself."""
+    post_norm = getattr(adapter, "mlp_post_norm_path", None)  # (an adapter-like object may have no post-norms)
+    post = post_norm(layer) if transformer_lens and post_norm is not None else None
+    return str(post or adapter.mlp_path(layer))
+
+
+def _site(layer: int, site: str, where: str, io: str, adapter: Any, transformer_lens: bool = False) -> HookSite:
     path = None
     if adapter is not None and where:
-        path = adapter.layer_path(layer) if where == "layer" else adapter.mlp_path(layer)
+        if where == "layer":
+            path = adapter.layer_path(layer)
+        elif site == "mlp_out":
+            path = _mlp_out_path(layer, adapter, transformer_lens)
+        else:
+            path = adapter.mlp_path(layer)
     return HookSite(layer, site, path, io)
 
 
@@ -95,7 +112,7 @@ def transformer_lens_hook_site(hook_name: str, adapter: Any = None) -> HookSite:
         raise UnsupportedArchitectureError(
             f"hook {hook_name!r} has no site mapping; known: blocks.<L>.{{{', '.join(_TL_SITES)}}}")
     site, where, io = _TL_SITES[m.group(2)]
-    return _site(int(m.group(1)), site, where, io, adapter)
+    return _site(int(m.group(1)), site, where, io, adapter, transformer_lens=True)
 
 
 def sparsify_hookpoint_site(hookpoint: str, *, transcode: bool, adapter: Any = None) -> HookSite:
@@ -133,13 +150,16 @@ def site_record(hook: Any, adapter: Any = None, *, sparsify_transcode: bool | No
 
 # ------------------------------------------------------------------ loaded modules -> sites
 def _site_records(module: Any) -> list[dict[str, Any]]:
-    """The site records a loader left in ``cfg.extra`` (what the module reconstructs first)."""
+    """The site records a loader left in ``cfg.extra`` (what the module reconstructs first), each with
+    ``"transformer_lens"``: whether it came from a TransformerLens hook name (SAELens, llamascopium) rather than a
+    sparsify hookpoint (a Hugging Face module name)."""
     extra = getattr(module.cfg, "extra", None) or {}
     out: list[dict[str, Any]] = []
     for fmt, keys in (("saelens", ("site",)), ("sparsify", ("site",)), ("llamascopium", ("site_out", "site_in"))):
         record = extra.get(fmt)
         if isinstance(record, dict):
-            out.extend(record[k] for k in keys if isinstance(record.get(k), dict))
+            out.extend({**record[k], "transformer_lens": fmt != "sparsify"} for k in keys
+                       if isinstance(record.get(k), dict))
     return out
 
 
@@ -147,11 +167,14 @@ def _output_path(site: dict[str, Any], adapter: Any) -> str:
     """The module whose OUTPUT carries ``site`` (resid_pre of layer L = output of layer L−1 / the embedding)."""
     layer = site.get("layer")
     if site.get("site") == "resid_pre" and isinstance(layer, int):
-        return str(adapter.layer_path(layer - 1) if layer > 0 else adapter.embed_path)
+        return str(adapter.layer_path(layer - 1) if layer > 0
+               else getattr(adapter, "residual_start_path", adapter.embed_path))
+    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "mlp_out":
+        return _mlp_out_path(layer, adapter, bool(site.get("transformer_lens", True)))
     if site.get("io") == "output" and site.get("module_path"):
         return str(site["module_path"])
-    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") in ("resid_post", "mlp_out"):
-        return str(adapter.layer_path(layer) if site["site"] == "resid_post" else adapter.mlp_path(layer))
+    if site.get("io") == "output" and isinstance(layer, int) and site.get("site") == "resid_post":
+        return str(adapter.layer_path(layer))
     raise ConfigMismatchError(f"the SAE reads site {site.get('site')!r} of layer {layer} (a module input); an "
                               "SAESet replaces module outputs: pass {site_path: checkpoint} explicitly")
 
@@ -218,12 +241,38 @@ def has_resid_mid(adapter: Any) -> bool:
     return not bool(getattr(adapter.config, "use_parallel_residual", False))
 
 
+def _tl_suffix(hook: Any) -> Any:
+    """``ln2.hook_normalized`` of ``blocks.3.ln2.hook_normalized``; anything else unchanged."""
+    m = _TL.match(hook) if isinstance(hook, str) else None
+    return hook if m is None else m.group(2)
+
+
 def hook_record(module: Any) -> dict[str, Any]:
-    """The circuit-tracer hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s
-    through its ``clt``); empty without one."""
+    """The hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s through its
+    ``clt``): circuit-tracer's ``feature_input_hook`` / ``feature_output_hook``, else the same keys from the hook
+    names its file recorded (llamascopium ``hook_point_in`` / ``hook_point_out``, SAELens ``hook_name`` /
+    ``hook_name_out``, a sparsify hookpoint that is no MLP) without their ``blocks.L.`` prefix, so that
+    :func:`check_mlp_hooks` and :func:`mlp_site_io` place them by what they name; empty without any."""
     module = getattr(module, "clt", module)
-    record = (getattr(module.cfg, "extra", None) or {}).get("circuit_tracer")
-    return record if isinstance(record, dict) else {}
+    extra = getattr(module.cfg, "extra", None) or {}
+    record = extra.get("circuit_tracer")
+    if isinstance(record, dict):
+        return record
+    llamascopium, saelens, sparsify = (extra.get(k) for k in ("llamascopium", "saelens", "sparsify"))
+    if isinstance(llamascopium, dict) and llamascopium.get("hook_point_in") != llamascopium.get("hook_point_out"):
+        return {"feature_input_hook": _tl_suffix(llamascopium.get("hook_point_in")),
+                "feature_output_hook": _tl_suffix(llamascopium.get("hook_point_out"))}
+    if isinstance(saelens, dict) and isinstance(saelens.get("hook_name"), str):
+        out = saelens.get("hook_name_out")
+        return {"feature_input_hook": _tl_suffix(saelens["hook_name"]),
+                **({"feature_output_hook": _tl_suffix(out)} if isinstance(out, str) and out else {})}
+    hookpoint = sparsify.get("hookpoint") if isinstance(sparsify, dict) else None
+    # a sparsify transcoder reads its hookpoint's input: the MLP's for layers.L.mlp (sparsify_hookpoint_site), else
+    # (a whole layer, an unknown module) no MLP site. No HookSite here: its dataclass repr names _thread, which NDIF's
+    # unpickler refuses where this runs shipped by value (MLPSiteIO)
+    if isinstance(hookpoint, str) and not re.match(r"^(?:.*\.)?(?:layers|h)\.[0-9]+\.mlp$", hookpoint):
+        return {"feature_input_hook": hookpoint}
+    return {}
 
 
 def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -367,8 +416,9 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
     norm's input: GemmaScope on Gemma-2); ``hook_resid_mid`` (circuit-tracer's default: GPT-2 / Llama / Gemma-3
     transcoders; the residual BEFORE the norm) where the family has one (:func:`has_resid_mid`); output
     :data:`MLP_OUTPUT_HOOKS` and ``hook_mlp_out`` (on Gemma-2/3 the output of ``post_feedforward_layernorm``, which
-    the sets then replace). :func:`mlp_site_io` says where the sets read and write. Modules without that record
-    pass.
+    the sets then replace). :func:`mlp_site_io` says where the sets read and write. The record is
+    :func:`hook_record`'s: circuit-tracer's, else the hook names of a SAELens / llamascopium / sparsify file; modules
+    without any pass.
 
     Args:
         module: the transcoder / CLT (its ``cfg.extra``).

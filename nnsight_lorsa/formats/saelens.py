@@ -327,6 +327,8 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
         "reshape_activations": reshape, "hook_head_index": head_index, "site": site,
     }}
+    if kind != "sae":  # SAELens TranscoderConfig.hook_name_out: where the transcoder writes (hook_sites.hook_record)
+        extra["saelens"]["hook_name_out"] = (metadata or {}).get("hook_name_out") or raw.get("hook_name_out")
     cfg: SAEConfig | TranscoderConfig
     if kind == "sae":
         cfg = SAEConfig(d_in=d_in, d_sae=d_sae, activation=activation, activation_params=params, extra=extra,
