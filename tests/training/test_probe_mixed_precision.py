@@ -20,8 +20,10 @@ import math
 
 import pytest
 import torch
+from helpers import generated
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from test_probe_padded_source_eval import _hooked
 
 from nnsight_lorsa.errors import NonFiniteError
 from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
@@ -30,7 +32,6 @@ from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
 from nnsight_lorsa.training import TrainConfig, Trainer
 from nnsight_lorsa.training.activations import Batch
 from nnsight_lorsa.training.metrics import FVUAccumulator, fvu
-from tests.helpers import generated
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 EPS = {BF16: 2.0 ** -8, F16: 2.0 ** -11, F32: 2.0 ** -24}
@@ -263,6 +264,18 @@ def _module(kind: str) -> torch.nn.Module:
     return CrossLayerTranscoder(CLTConfig(n_layers=2, d_in=6, d_sae=8, activation="relu"))
 
 
+def assert_resumed_bit_exactly(straight, again) -> None:
+    """A resumed bf16 run equals the uninterrupted one: each bf16 parameter, its fp32 master and their Adam state,
+    and the dead counters, bit for bit."""
+    for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
+        assert q.dtype == BF16 and torch.equal(p, q), n
+        ms, ma = straight.masters.held(p), again.masters.held(q)
+        assert ma.dtype == F32 and torch.equal(ms, ma), n
+        for key, v in straight.optimizer.state[ms].items():
+            assert torch.equal(v, again.optimizer.state[ma][key]), (n, key)
+    assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
+
+
 @pytest.mark.parametrize("kind", ["sae", "clt"])
 def test_a_bf16_run_resumed_from_a_checkpoint_is_bit_equal_to_the_uninterrupted_run(kind, tmp_path):
     """3 steps, save, resume, 2 more vs 5 steps straight: bf16 weights, fp32 masters, fp32 Adam moments and dead
@@ -281,13 +294,7 @@ def test_a_bf16_run_resumed_from_a_checkpoint_is_bit_equal_to_the_uninterrupted_
     assert {v.dtype for v in load_file(str(tmp_path / "ck" / "masters.safetensors")).values()} == {F32}
     again = Trainer.resume(tmp_path / "ck", lambda i: bs[i])
     again.train()
-    for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
-        assert q.dtype == BF16 and torch.equal(p, q), n
-        ms, ma = straight.masters.held(p), again.masters.held(q)
-        assert ma.dtype == F32 and torch.equal(ms, ma), n
-        for key, v in straight.optimizer.state[ms].items():
-            assert torch.equal(v, again.optimizer.state[ma][key]), (n, key)
-    assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
+    assert_resumed_bit_exactly(straight, again)
     assert straight.s_in == again.s_in and straight.s_out == again.s_out
 
 
@@ -331,27 +338,6 @@ def test_a_cache_of_a_half_model_holds_its_activations_in_the_documented_dtype(m
 
 
 # ------------------------------------------------------------------------------------ evaluate on half models
-def _hooked_batch(hf, module, ids, replace=None):
-    """``(logits, module input, module output)`` of ``hf`` on ``ids``; ``replace(x, out)``: the output used."""
-    seen = {}
-
-    def hook(m, args, kwargs, out):
-        x = args[0] if args else kwargs["hidden_states"]
-        seen["x"], seen["y"] = x, out[0] if isinstance(out, tuple) else out
-        if replace is not None:
-            new = replace(x, seen["y"])
-            return (new, *out[1:]) if isinstance(out, tuple) else new
-        return None
-
-    h = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            logits = hf(ids).logits
-    finally:
-        h.remove()
-    return logits, seen["x"], seen["y"]
-
-
 @pytest.mark.parametrize("model_dtype", [BF16, F16], ids=str)
 @pytest.mark.parametrize("tc_dtype", ["model", F32], ids=str)
 def test_evaluate_on_a_half_model_matches_a_plain_reference(model_dtype, tc_dtype):
@@ -377,10 +363,10 @@ def test_evaluate_on_a_half_model_matches_a_plain_reference(model_dtype, tc_dtyp
     kl, ys, outs, acts = 0.0, [], [], []
     for i in range(0, 4, 2):
         ids = tokens[i:i + 2]
-        lo, x, y = _hooked_batch(hf, mlp, ids)
+        lo, x, y = _hooked(hf, mlp, ids)
         with torch.no_grad():
-            ls, _, _ = _hooked_batch(hf, mlp, ids, lambda x_, out: tc(x_.to(dt)).to(model_dtype))
-            lz, _, _ = _hooked_batch(hf, mlp, ids, lambda x_, out: torch.zeros_like(out))
+            ls, _, _ = _hooked(hf, mlp, ids, lambda x_, out: tc(x_.to(dt)).to(model_dtype))
+            lz, _, _ = _hooked(hf, mlp, ids, lambda x_, out: torch.zeros_like(out))
             ys.append(y[:, 1:].reshape(-1, y.shape[-1]).double())
             outs.append(tc(x[:, 1:].to(dt)).reshape(-1, y.shape[-1]).double())
             acts.append(tc.encode(x[:, 1:].to(dt)).reshape(-1, 32))
@@ -511,13 +497,7 @@ def test_a_bf16_lorsa_run_resumes_bit_exactly(recipe, tmp_path):
     again = Trainer.resume(tmp_path / "ck", source)
     again.objective.mhsa = None  # (the MHSA is used by the initialisation only)
     again.train(progress=False)
-    for (n, p), q in zip(straight.module.named_parameters(), again.module.parameters(), strict=True):
-        assert q.dtype == BF16 and torch.equal(p, q), n
-        ms, ma = straight.masters.held(p), again.masters.held(q)
-        assert ma.dtype == F32 and torch.equal(ms, ma), n
-        for key, v in straight.optimizer.state[ms].items():
-            assert torch.equal(v, again.optimizer.state[ma][key]), (n, key)
-    assert torch.equal(straight.tokens_since_fired, again.tokens_since_fired)
+    assert_resumed_bit_exactly(straight, again)
     if recipe == "balance":
         assert straight.objective.balance.to_dict() == again.objective.balance.to_dict()
 

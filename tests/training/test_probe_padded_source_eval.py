@@ -49,7 +49,8 @@ def ragged(draw) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
 
 
 def _hooked(hf, module, ids, replace=None):
-    """``(logits, module input, module output)`` of ``hf`` on ``ids (1, n)``; ``replace(x, out)``: the output used."""
+    """``(logits, module input, module output)`` of ``hf`` on ``ids (batch, n)``; ``replace(x, out)``: the output
+    used."""
     seen = {}
 
     def hook(m, args, kwargs, out):
