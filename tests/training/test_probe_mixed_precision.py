@@ -76,6 +76,8 @@ class RefMixedTranscoder:
         self.adam = {n: (torch.zeros_like(v), torch.zeros_like(v)) for n, v in self.m.items()}
         self.cfg, self.activation, self.k, self.t = cfg, activation, k, 0
         self.since = torch.zeros(params["W_enc"].shape[1], dtype=torch.long)  # tokens since each latent fired
+        #: elements whose gradient was at rounding level (≤ 2 bf16 eps of the tensor's largest, not 0) at some step
+        self.noisy: dict[str, torch.Tensor] = {}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: v.to(BF16) for n, v in self.m.items()}
@@ -109,6 +111,9 @@ class RefMixedTranscoder:
             loss = loss + self.cfg.aux_k_coef * aux
         loss.backward()
         grads = {n: w[n].grad.float() for n in w}
+        for n, g in grads.items():  # rounding-level gradients: their sign (so Adam's ±lr step) is the kernels' choice
+            noisy = (g != 0) & (g.abs() <= 2 * EPS[BF16] * g.abs().max())  # exact zeros: no step
+            self.noisy[n] = noisy if n not in self.noisy else self.noisy[n] | noisy
         if self.cfg.grad_clip:
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
             coef = torch.clamp(self.cfg.grad_clip / (total + 1e-6), max=1.0)
@@ -137,7 +142,9 @@ class RefMixedTranscoder:
 def test_a_bf16_transcoder_trains_as_the_fp32_master_scheme(seed, activation, steps, clip, act_dtype, lr, sparse,
                                                             dead_after):
     """The bf16 weights are the masters rounded once after every step; masters and Adam moments are fp32; the
-    masters stay within 2 % (of the reference's own update) of the plain-torch scheme's; metrics within bf16 eps."""
+    masters stay within 2 % (of the reference's own update) of the plain-torch scheme's, plus 2 lr a step for each
+    element whose gradient was at rounding level (Adam's step of it is ±lr, its sign the summation order's: seen
+    in CI's draw seed=40, topk, sparse kernels, AuxK on); metrics within bf16 eps."""
     torch.manual_seed(seed)
     d_in, d_out, d_sae, k = 6, 5, 16, 3
     cfg_t = TranscoderConfig(d_in=d_in, d_out=d_out, d_sae=d_sae, activation=activation,
@@ -165,7 +172,12 @@ def test_a_bf16_transcoder_trains_as_the_fp32_master_scheme(seed, activation, st
                 assert v.dtype == F32 or v.dim() == 0, n
             update = (ref.m[n] - start[n]).double().norm()
             dist = (m.detach().double() - ref.m[n].double()).norm()
-            assert dist <= 0.02 * update + 4 * EPS[F32] * ref.m[n].double().norm(), (i, n, float(dist), float(update))
+            # Adam steps a rounding-level gradient by ±lr whatever its size, its sign the summation order's (the
+            # sparse kernels sum in another order than the reference): each such element may be 2 lr off a step
+            # (and, through W_dec's row normalisation, its row with it)
+            noise = 2 * lr * (i + 1) * float(ref.noisy[n].sum()) ** 0.5
+            assert dist <= 0.02 * update + noise + 4 * EPS[F32] * ref.m[n].double().norm(), \
+                (i, n, float(dist), float(update), noise)
         # metrics of the same bf16 values: fp32 sums of bf16 products
         for key in ("mse", "fvu", "loss"):
             assert got[key] == pytest.approx(want[key], rel=8 * EPS[BF16], abs=1e-6), key
