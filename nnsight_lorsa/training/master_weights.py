@@ -39,6 +39,16 @@ from torch import nn
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _trained_buffers(module: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """``(submodule, name, buffer)`` of each buffer that ``module``'s submodules list in ``trained_buffers`` and
+    hold (updated by the training forward in place: BatchTopK's threshold)."""
+    for sub in module.modules():
+        for name in getattr(sub, "trained_buffers", ()):
+            buf = sub._buffers.get(name)
+            if buf is not None:
+                yield sub, name, buf
+
+
 class MasterWeights:
     """fp32 masters of the low-precision (:data:`LOW_PRECISION`) parameters among ``params``.
 
@@ -67,11 +77,9 @@ class MasterWeights:
         (none when disabled, or for fp32 / fp64 / integer buffers)."""
         if not self._enabled:
             return
-        for sub in module.modules():
-            for name in getattr(sub, "trained_buffers", ()):
-                buf = sub._buffers.get(name)
-                if buf is not None and buf.dtype in LOW_PRECISION:
-                    self._buffers[id(buf)] = (sub, name, buf, buf.detach().to(torch.float32))
+        for sub, name, buf in _trained_buffers(module):
+            if buf.dtype in LOW_PRECISION:
+                self._buffers[id(buf)] = (sub, name, buf, buf.detach().to(torch.float32))
 
     @contextmanager
     def estimating(self, module: nn.Module) -> Iterator[None]:
@@ -109,14 +117,11 @@ class MasterWeights:
         its master, if any): what a forward in training mode changes in place, for :meth:`restore_estimates` when the
         step is refused."""
         out = []
-        for sub in module.modules():
-            for name in getattr(sub, "trained_buffers", ()):
-                buf = sub._buffers.get(name)
-                if buf is not None:
-                    out.append((buf, buf.detach().clone()))
-                    if id(buf) in self._buffers:
-                        master = self._buffers[id(buf)][3]
-                        out.append((master, master.detach().clone()))
+        for _, _, buf in _trained_buffers(module):
+            out.append((buf, buf.detach().clone()))
+            if id(buf) in self._buffers:
+                master = self._buffers[id(buf)][3]
+                out.append((master, master.detach().clone()))
         return out
 
     @torch.no_grad()
