@@ -117,10 +117,20 @@ class PatchingResult:
         Raises:
             ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
         """
-        if not is_int(k) or k < 0:
-            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
-        order = self.normalized.mean(-1).argsort(descending=True)
-        return [self.groups[int(i)] for i in order[:k]]
+        return top_groups(self.groups, self.normalized, k)
+
+
+def top_groups(groups: Sequence[tuple[Target, ...]], scores: torch.Tensor, k: Any) -> list[tuple[Target, ...]]:
+    """The ``k`` of ``groups`` with the largest batch mean of ``scores (n_groups, batch)`` (all where ``k`` is
+    larger); what :meth:`PatchingResult.top` and :meth:`~.path_patching.PathPatchingResult.top` return.
+
+    Raises:
+        ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+    """
+    if not is_int(k) or k < 0:
+        raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
+    order = scores.mean(-1).argsort(descending=True)
+    return [groups[int(i)] for i in order[:k]]
 
 
 def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,

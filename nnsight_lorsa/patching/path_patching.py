@@ -58,7 +58,7 @@ from ..envoy.padding import check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
-from .experiments import check_padded_positions, make_metric, saved_logits
+from .experiments import check_padded_positions, make_metric, saved_logits, top_groups
 from .interventions import _value, check_positions, means_at, refuse_inside_trace
 from .metrics import relative_effect
 
@@ -125,10 +125,7 @@ class PathPatchingResult(FieldsRepr):
         Raises:
             ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
         """
-        if not is_int(k) or k < 0:
-            raise ArgumentError(f"top: k must be an int >= 0, got {k!r}")
-        order = self.effect.mean(-1).argsort(descending=True)
-        return [self.senders[int(i)] for i in order[:k]]
+        return top_groups(self.senders, self.effect, k)
 
 
 # ---------------------------------------------------------------- locations
