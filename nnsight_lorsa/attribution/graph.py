@@ -285,7 +285,7 @@ class Graph(FieldsRepr):
             ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo.
         """
         from .._atomic import check, manifest_of, resolve
-        from ..formats.files import load_safetensors, read_json_object, resolve_checkpoint_dir
+        from ..formats.files import load_safetensors, read_json_object, refuse_local_revision, resolve_checkpoint_dir
         from ..formats.hub import CARD, looks_like_repo_id
 
         if looks_like_repo_id(directory):
@@ -293,11 +293,7 @@ class Graph(FieldsRepr):
                 directory, allow_patterns=["graph.json", "graph.safetensors", "checksums.json", CARD],
                 subfolder=subfolder, revision=revision, local_files_only=local_files_only)
         else:
-            if revision is not None:
-                from ..errors import ArgumentError
-
-                raise ArgumentError(f"Graph.load: {os.fspath(directory)!r} is a local path, which has no revisions; "
-                                    f"revision={revision!r} applies to a Hugging Face repo id")
+            refuse_local_revision(directory, revision, "Graph.load: ")
             if subfolder:
                 directory = Path(directory) / subfolder
         d = resolve(directory)  # `<directory>.old` when a save was killed between its two renames

@@ -20,7 +20,7 @@ from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
 __all__ = ["checkpoint_name", "load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
-           "resolve_checkpoint_dir"]
+           "refuse_local_revision", "resolve_checkpoint_dir"]
 
 
 def resolve_checkpoint_dir(
@@ -50,10 +50,7 @@ def resolve_checkpoint_dir(
     """
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
-        if revision is not None:  # a local directory has no revisions: the one asked for would not be the one read
-            raise ArgumentError(f"{os.fspath(source)!r} is a local path, which has no revisions; revision={revision!r} "
-                                "applies to a Hugging Face repo id (a local directory wins over a repo id of the same "
-                                "spelling: run elsewhere, or pass revision=None)")
+        refuse_local_revision(source, revision)
         require(local.exists(), None, f"checkpoint directory {str(local)!r} does not exist")
         require(local.is_dir(), None, f"{str(local)!r} is a file; expected a checkpoint directory")
         if subfolder:
@@ -85,6 +82,19 @@ def resolve_checkpoint_dir(
     path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
     require(path.is_dir(), None, f"hub repo {where} has no folder {subfolder!r}")
     return path
+
+
+def refuse_local_revision(source: str | os.PathLike[str], revision: str | None, caller: str = "") -> None:
+    """Refuse ``revision`` with a local ``source``: a local directory has no revisions, so the one asked for would
+    not be the one read (a local directory wins over a repo id of the same spelling).
+
+    Raises:
+        ArgumentError: ``revision`` is not None; ``caller`` (e.g. ``"Graph.load: "``) prefixes the message.
+    """
+    if revision is not None:
+        raise ArgumentError(f"{caller}{os.fspath(source)!r} is a local path, which has no revisions; "
+                            f"revision={revision!r} applies to a Hugging Face repo id (a local directory wins over a "
+                            "repo id of the same spelling: run elsewhere, or pass revision=None)")
 
 
 def _repo_folder(repo_id: str, subfolder: Any) -> str | None:
