@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ._atomic import atomic_file
+from ._checks import is_int
 from ._placement import check_device_arg
 from .envoy.loading import load_model  # re-exported: the loader lives in the glue layer (envoy)
 from .envoy.nnsight_internals import hf_module
@@ -144,9 +145,6 @@ def _check_config(cfg: DemoConfig) -> None:
             directory or text file, a text file that is not UTF-8, a model directory without ``config.json`` or
             weights.
     """
-    def is_int(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     for name in _POSITIVE:
         v = getattr(cfg, name)
         if not is_int(v) or v < 1:
@@ -275,7 +273,7 @@ def _check_positions(cfg: DemoConfig, config: Any) -> None:
     """
     text = getattr(config, "get_text_config", lambda: config)()
     limits = [v for v in (getattr(text, k, None) for k in ("max_position_embeddings", "n_positions"))
-              if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0]  # (narrows for mypy)
     if limits and cfg.seq_len > min(limits):
         raise ArgumentError(f"--seq-len {cfg.seq_len} exceeds the model's {min(limits)} positions "
                             "(max_position_embeddings in its config.json): lower --seq-len")

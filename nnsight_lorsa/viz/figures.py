@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from .._checks import is_int  # noqa: E402
 from ..errors import ArgumentError, NonFiniteError  # noqa: E402
 
 
@@ -115,7 +116,7 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
     ops: list[int] | None = None
     if operands is not None:
         ops = list(operands)
-        if not all(isinstance(o, int) and not isinstance(o, bool) for o in ops):
+        if not all(is_int(o) for o in ops):
             raise ArgumentError(f"plot_operand_grid: operands must be ints, got {ops[:5]}")
         if g.shape[0] != len(ops) or g.shape[1] != len(ops):
             raise ArgumentError(f"plot_operand_grid: {len(ops)} operands do not label a grid of shape "

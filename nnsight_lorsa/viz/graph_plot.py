@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from ..attribution.scores import PruneResult
 from ..errors import ArgumentError, NonFiniteError
@@ -68,7 +69,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
                             f"{graph.n_nodes}: prune this graph (prune(graph))")
     if tokens is not None and len(tokens) != len(graph.tokens):
         raise ArgumentError(f"plot_graph: {len(tokens)} token labels for the graph's {len(graph.tokens)} positions")
-    if not isinstance(max_edges, int) or isinstance(max_edges, bool) or max_edges < 0:
+    if not is_int(max_edges) or max_edges < 0:
         raise ArgumentError(f"plot_graph: max_edges must be an int >= 0, got {max_edges!r}")
     n_layers = int(graph.nodes.layer[graph.logit_ids].max()) if len(graph.logit_ids) else 1
     xy = node_xy(graph, n_layers)
