@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._placement import check_dtype_arg, past_range
+from ._placement import HOST, check_dtype_arg, past_range
 from .attribution.remote_handles import check_block_calls, mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
@@ -426,8 +426,11 @@ def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torc
 
 
 def _cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A fresh module (no nnsight state, no persistent id) with ``module``'s weights in ``dtype``."""
-    state = {k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in module.state_dict().items()}
+    """A fresh module (no nnsight state, no persistent id) with ``module``'s weights in ``dtype``, on the host (the
+    server's splice moves it to its layer's device on first use; a client's ``cuda:N`` / ``mps`` would travel in the
+    pickle and name a device the server may not have)."""
+    state = {k: v.detach().to(device=HOST, dtype=dtype if v.is_floating_point() else v.dtype)
+             for k, v in module.state_dict().items()}
     copy = type(module)(module.cfg, device="meta")  # type: ignore[call-arg]
     copy.load_state_dict(state, assign=True)
     leftover = [k for k, t in (*copy.named_parameters(), *copy.named_buffers()) if t.device.type == "meta"]
@@ -442,7 +445,9 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
     ``dtype``, ready to name in a remote trace.
 
     The copies are fresh modules (no nnsight instrumentation, nothing nnsight would send by
-    reference); when ``dtype`` equals a weight's dtype the copy shares its storage (no memory).
+    reference), on the host whatever the client's device (a ``cuda:N`` or ``mps`` weight would
+    travel with its device name; the server's splice moves each module to its layer's device on
+    first use); when ``dtype`` equals a host weight's dtype the copy shares its storage (no memory).
     SAEs and a cross-layer transcoder are kept whole (cast).
 
     Args:
@@ -455,7 +460,8 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
     Raises:
         LayerOutOfRangeError: a layer with neither a Lorsa nor a transcoder.
         ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64.
-        PlacementError: a module's weight holds finite values past ``dtype``'s range (an fp32 weight above
+        PlacementError: a module's weight is on the ``meta`` device (never loaded: the server would get
+            no values), naming the module and the tensor; or a module's weight holds finite values past ``dtype``'s range (an fp32 weight above
             65504 cast to fp16 would be ``inf``), naming the module, the tensor and its largest value.
     """
     check_dtype_arg(dtype, "for_remote")
@@ -464,6 +470,10 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
     for slot, rset in _select(replacement, chosen).sets():  # the modules that travel, before any copy
         for key in rset:
             for name, t in rset[key].state_dict().items():
+                if t.device.type == "meta":
+                    raise PlacementError(
+                        f"for_remote: {slot}[{key!r}].{name} is on the meta device (its values were never loaded): "
+                        "load the module's weights (e.g. from_pretrained) before sending it")
                 big = past_range(t, target) if t.is_floating_point() else None
                 if big is not None:
                     raise PlacementError(

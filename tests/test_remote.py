@@ -975,3 +975,48 @@ def test_same_version_compares_releases() -> None:
     assert same_version("0.8.1", "0.8.1") and same_version("0.8.1+cu121", "0.8.1")
     assert not same_version("0.8.1", "0.7.0") and not same_version("0.8.1", "0.8.2")
     assert not same_version("0.8.1", "0.8.1.dev3")
+
+
+@pytest.mark.parametrize("kind", ["lorsas", "transcoders", "saes"])
+def test_for_remote_refuses_a_module_never_loaded(kind) -> None:
+    """An NDIF client's model is on the ``meta`` device, so its sets keep a replacement that is on ``meta`` too (built,
+    never loaded); ``for_remote`` sent it as a meta copy and the server got a module with no values. It is a
+    PlacementError naming the module and the tensor; loaded replacements on a meta model still travel."""
+    from helpers import make_lorsa, make_sae, make_transcoder
+
+    from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
+    from nnsight_lorsa.errors import PlacementError
+    from nnsight_lorsa.remote import for_remote
+
+    model, hf = tiny_nnsight("llama", device="meta")
+    real = tiny_nnsight("llama")[1]
+    lorsas = LorsaSet(model, {L: make_lorsa(real, get_adapter(model), layer=L) for L in (1, 2)})
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.2": make_sae()})
+    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.2"}[kind]
+    sent = for_remote(rm, layers=[1], dtype=torch.bfloat16)
+    assert all(p.device.type == "cpu" for p in getattr(sent, kind)[key].parameters())
+    getattr(rm, kind)[key].to("meta")
+    with pytest.raises(PlacementError, match=rf"{kind}\[{key!r}\]\.\w+ is on the meta device"):
+        for_remote(rm, layers=[1], dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_for_remote_sends_host_copies_of_modules_on_a_gpu() -> None:
+    """A client holding its replacements on ``cuda:N`` sent that device name in the pickle (the server may have no
+    such device); the copies are on the host, equal to the cast weights, and the originals stay where they were."""
+    from helpers import make_sae, make_transcoder
+
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.remote import for_remote
+
+    model, lorsas = _tiny_set()
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.2": make_sae()})
+    for kind, key in (("lorsas", 1), ("transcoders", 1), ("saes", "model.layers.2")):
+        getattr(rm, kind)[key].to("cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        sent = for_remote(rm, layers=[1], dtype=dtype)
+        for kind, key in (("lorsas", 1), ("transcoders", 1), ("saes", "model.layers.2")):
+            original, copy = getattr(rm, kind)[key], getattr(sent, kind)[key]
+            for (name, t), (_, c) in zip(original.state_dict().items(), copy.state_dict().items(), strict=True):
+                assert c.device.type == "cpu" and t.device.type == "cuda", (kind, name)
+                assert torch.equal(c, t.to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype))
