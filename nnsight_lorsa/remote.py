@@ -461,8 +461,9 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
         LayerOutOfRangeError: a layer with neither a Lorsa nor a transcoder.
         ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64.
         PlacementError: a module's weight is on the ``meta`` device (never loaded: the server would get
-            no values), naming the module and the tensor; or a module's weight holds finite values past ``dtype``'s range (an fp32 weight above
-            65504 cast to fp16 would be ``inf``), naming the module, the tensor and its largest value.
+            no values), naming the module and the tensor; or a module's weight holds finite values past
+            ``dtype``'s range (an fp32 weight above 65504 cast to fp16 would be ``inf``), naming the module,
+            the tensor and its largest value.
     """
     check_dtype_arg(dtype, "for_remote")
     chosen = _layer_list(replacement, layers)
