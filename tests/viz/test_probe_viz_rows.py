@@ -9,6 +9,7 @@ written atomically: an error while rendering or writing leaves the previous file
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -23,7 +24,7 @@ from test_probe_export_dashboards import THRESHOLDS, graphs
 from test_probe_viz_pictures import HC, check_plot, finite_graph, ref_cell
 
 from nnsight_lorsa import _atomic
-from nnsight_lorsa.attribution import prune
+from nnsight_lorsa.attribution import prune, to_neuronpedia
 from nnsight_lorsa.attribution.graph import BIAS, LOGIT, Graph, NodeTable
 from nnsight_lorsa.viz import plot_graph
 
@@ -164,3 +165,77 @@ def test_plot_graph_writes_its_png_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(_atomic, "_boundary", lambda event: None)
     plt.close(plot_graph(g, pr, path=path, title="new"))
     assert path.read_bytes() != old and path.read_bytes().startswith(b"\x89PNG") and leftovers(tmp_path) == ["sub"]
+
+
+# ----------------------------------------------------------------------------- the viewer's panel
+def _num(text: str) -> float | None:
+    return None if text == "\u2013" else float(text)
+
+
+def check_panel(g: Graph, pr, node: int, path) -> None:
+    """The panel of node ``node`` opened on load (``clicked=``): its kind, layer, position and activation, and its
+    strongest 10 incoming and outgoing links' weights (4 significant digits), against the Graph's own tensors."""
+    from helpers import render_dom
+    from test_probe_viz_pictures import _Dom
+
+    from nnsight_lorsa.attribution.export import node_ids
+    from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, KIND_NAMES, LORSA, MLP_ERROR, TRANSCODER
+    from nnsight_lorsa.viz import render_html
+
+    ids = node_ids(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        render_html(g, pr, path=path, clicked=ids[node])
+    dom = _Dom(render_dom(path))
+    props = {d["class"][len("prop-"):]: d["_text"] for d in dom.items if d.get("class", "").startswith("prop-")}
+    k, layer, pos = int(g.nodes.kind[node]), int(g.nodes.layer[node]), int(g.nodes.pos[node])
+    n_layers = int(g.nodes.layer[g.logit_ids].max())
+    assert props["node_id"] == ids[node] and props["type"] == KIND_NAMES[k]
+    assert props["layer"] == ("E" if k == EMBEDDING else str(n_layers + 1) if k == LOGIT else str(min(layer, n_layers)))
+    assert props["position"].split(" ")[0] == str(0 if k == BIAS else pos)
+    act = float(g.nodes.activation[node])
+    shown = _num(props["activation"])
+    if k in (TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR) and math.isfinite(act):
+        assert shown is not None and abs(shown - act) <= 5e-4 * abs(act) + 1e-30, (shown, act)
+    else:
+        assert shown is None
+    # the links: the kept edges between kept nodes, into / out of this node, 10 of largest |weight|
+    keep = pr.node_mask
+    t, s = pr.edge_index
+    kept = keep[t] & keep[s]
+    t, s = t[kept], s[kept]
+    w = g.adjacency[t, s].double()
+    tables = [d for d in dom.items if d["_tag"] == "table" and d.get("class") == "edges"]
+    cells = [d for d in dom.items if d["_tag"] == "td" and d.get("class") == "num"]
+    heads = [d["_text"] for d in dom.items if d["_tag"] == "h3"]
+    assert heads[:2] == ["Incoming", "Outgoing"]
+    got = [_num(c["_text"]) for c in cells]
+    want = []
+    for side in (t, s):
+        ws = sorted(w[side == node].tolist(), key=abs, reverse=True)[:10]
+        want += ws
+    assert len(tables) == 2 and len(got) == len(want), (got, want)
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 5e-4 * abs(b) + 1e-30, (got, want)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=HC)
+@given(g=named_graphs(), nt=THRESHOLDS, et=THRESHOLDS, pick=st.integers(0, 10**6))
+def test_viewer_panel_shows_the_graphs_node_and_links_sweep(tmp_path_factory, g, nt, et, pick):
+    from helpers import require_chromium
+
+    from nnsight_lorsa.attribution.export import node_ids
+
+    require_chromium()
+    if not finite_graph(g):
+        return
+    pr = prune(g, node_threshold=nt, edge_threshold=et)
+    ids = node_ids(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shown = {n["node_id"] for n in to_neuronpedia(g, pr, slug="x")["nodes"]}  # kept and linked (or emb / logit)
+    unique = [i for i in range(g.n_nodes) if ids[i] in shown and ids.count(ids[i]) == 1]
+    if not unique:
+        return
+    check_panel(g, pr, unique[pick % len(unique)], tmp_path_factory.mktemp("panel") / "g.html")
