@@ -6,6 +6,7 @@ its residual-stream site order. What the rows and columns of :class:`.graph.Grap
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,10 @@ HOST = torch.device("cpu")
 #: embeddings 0, biases -1, logits ``2l + 3``)
 _SITE_MULT = (2, 2, 2, 2, 0, 0, 2)
 _SITE_OFFSET = (2, 1, 2, 1, 0, -1, 3)
+#: the bias names (:mod:`.layout`) a layer's attention side adds: its pre-attention norm's, the Lorsa's ``b_V`` /
+#: ``b_D``, the (frozen, possibly sparse) MHSA's ``b_V`` / ``b_O``; the MLP side's are ``L<l>.mlp_norm.bias`` and
+#: ``L<l>.transcoder.*``, the top's ``final_norm.bias`` / ``lm_head.bias``
+ATTENTION_BIAS = re.compile(r"L[0-9]+\.(attn_norm|lorsa|attn)\.")
 
 
 def count_distinct(idx: torch.Tensor) -> int:
@@ -89,6 +94,15 @@ class NodeTable(FieldsRepr):
         if k == LOGIT:
             return f"logit tok{idx}"
         return f"{SHORT_NAMES[k]} L{layer} {'h' if k == LORSA else 'f'}{idx} @{pos}"
+
+    def attention_side(self) -> torch.Tensor:
+        """``(n,)`` bool: the nodes of a layer's attention rather than its MLP — Lorsa heads, Lorsa errors and the
+        biases the attention side adds (:data:`ATTENTION_BIAS`: ``L<l>.attn_norm.bias``, ``L<l>.lorsa.b_V`` /
+        ``b_D``, ``L<l>.attn.b_V`` / ``b_O``). Where a picture puts a node on its layer's attention row."""
+        out = (self.kind == LORSA) | (self.kind == ATTN_ERROR)
+        for i in (self.kind == BIAS).nonzero().flatten().tolist():
+            out[i] = ATTENTION_BIAS.match(self.bias_names[int(self.index[i])]) is not None
+        return out
 
     def sites(self) -> torch.Tensor:
         """``(n,)`` int64 each node's site in the residual stream's order: embeddings 0, layer ``l``'s

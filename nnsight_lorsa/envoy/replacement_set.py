@@ -156,30 +156,32 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     (:mod:`~..formats.hub`: every format's checkpoint files at the top and in its folders, with ``revision``,
     ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory.
 
-    A downloaded set with a model card (``push_to_hub``'s) must hold every folder its card lists, each loading.
+    The download fetches the card and the configs first, then the weights those call for (:mod:`~..formats.hub`).
+    A downloaded set with a model card (``push_to_hub``'s) must hold every folder its card lists, each loading; one
+    without must load every folder the snapshot holds checkpoint files of (a folder missing whole is not seen).
 
     Raises:
         CheckpointError: the repo could not be fetched (network, authentication, offline cache miss, no such
             repo or ``subfolder``); a folder the set's card lists is missing or does not load (an incomplete
-            download, e.g. an interrupted one that a huggingface_hub without its tree-listing cache hands over);
-            then as :func:`~..formats.registry.load_all`."""
+            download, e.g. an interrupted one that a huggingface_hub without its tree-listing cache hands over); a
+            folder of a set without a card that does not load; then as :func:`~..formats.registry.load_all`."""
     import warnings  # local, as the others here: what a set shipped by value imports stays small
 
     from ..errors import CheckpointError
     from ..formats.files import resolve_checkpoint_dir
-    from ..formats.hub import card_folders, looks_like_repo_id, set_download_patterns
-    from ..formats.registry import FORMATS, LoadedModules, PartialLoadWarning, load_all
+    from ..formats.hub import card_folders, looks_like_repo_id, set_download_patterns, set_weight_patterns
+    from ..formats.reader import hub_configs
+    from ..formats.registry import LoadedModules, PartialLoadWarning, load_all, readers_of
 
     if not looks_like_repo_id(src):
         return load_all(src, format=format, **kwargs)
     opts = dict(kwargs)
     hub = {name: opts.pop(name) for name in ("subfolder", "revision", "local_files_only") if name in opts}
-    fmt = FORMATS.get(format)
-    files = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
-    local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(files), **hub)
+    readers = readers_of(format)
+    # the card and every folder's configs first; then the weights they call for, at the top and one folder down
+    local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(hub_configs(readers)),
+                                   then=lambda d: set_weight_patterns(readers, d), **hub)
     listed = [f for f in card_folders(local) or [] if f != "."]  # ".": a module at the top (a CLT set's)
-    if not listed:
-        return load_all(local, format=format, **opts)
     with warnings.catch_warnings():  # a folder that fails is reported below, as the download's
         warnings.simplefilter("ignore", PartialLoadWarning)
         failures: dict[str, Exception]
@@ -189,10 +191,22 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
             loaded, failures = LoadedModules(), {"(all)": e}
         else:
             failures = dict(loaded.failures)
+    where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
+    where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
+    if not listed and failures:  # no card: a folder whose files are missing or torn is an incomplete download
+        if "(all)" in failures:
+            raise failures["(all)"]
+        torn = {k: e for k, e in failures.items() if isinstance(e, CheckpointError)}
+        if torn:
+            why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in torn.items())
+            raise CheckpointError(
+                f"{where}: these folders of the downloaded snapshot {str(local)!r} did not load: {why}: a folder "
+                "with a config but not the files it calls for is an incomplete download (delete that snapshot and "
+                "download again, with network access); the set has no card listing its folders, so a folder missing "
+                "whole cannot be told from a smaller set")
+        warnings.warn(PartialLoadWarning(local, failures), stacklevel=3)  # as load_all of the folder warns
     incomplete = [f for f in listed if f not in loaded]
     if incomplete:
-        where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
-        where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
         absent = [f for f in incomplete if not (local / f).is_dir()]
         why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in failures.items())
         raise CheckpointError(

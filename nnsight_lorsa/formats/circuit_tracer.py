@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .._atomic import Staging, atomic_directory
-from ..errors import ArgumentError, UnsupportedArchitectureError
+from ..errors import ArgumentError, LorsaError, UnsupportedArchitectureError
 from ..modules.clt import CLTConfig, CrossLayerTranscoder
 from ..modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
 from .files import load_safetensors, read_safetensors_header, read_yaml_object
@@ -67,7 +67,7 @@ CONFIG_FILE = "config.yaml"
 #: transcoder's ``activation_function``); :data:`LEGACY_THRESHOLD_KEY` is read too
 THRESHOLD_KEY = "activation_function.threshold"
 LEGACY_THRESHOLD_KEY = "threshold"
-HUB_FILES = (CONFIG_FILE, "*.safetensors")
+HUB_FILES = (CONFIG_FILE,)  # and the weights of hub_weight_files
 KINDS = ("transcoder_set", "cross_layer_transcoder")
 #: a per-layer file (their names and layout); ``W_skip`` and the threshold (either key) when present
 LAYER_TENSORS = TensorSpec({"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_out"), "b_enc": ("d_sae",),
@@ -139,6 +139,26 @@ def choose_reader(directory: Path) -> Reader:
             f"key 'model_kind' is {kind!r}; supported: 'transcoder_set', 'cross_layer_transcoder'",
             error=UnsupportedArchitectureError)
     return CLT_READER if kind == "cross_layer_transcoder" else TRANSCODERS_READER
+
+
+def hub_weight_files(directory: Path) -> list[str]:
+    """What a hub load fetches once ``config.yaml`` (if any) is in ``directory``: the files its ``transcoders`` list
+    names, and every ``layer_<i>`` / ``W_enc_<i>`` / ``W_dec_<i>`` ``.safetensors`` with 1 to 6 ASCII digits, spelled
+    digit by digit (``fnmatch``'s ``*`` spans ``/``: ``layer_*.safetensors`` would also fetch a set's
+    ``layer_1/model.safetensors`` and any deeper file so named). A YAML that does not parse names nothing: the
+    reader then refuses it by name."""
+    import glob
+
+    names = [f"{stem}_{'[0-9]' * n}.safetensors" for stem in ("layer", "W_enc", "W_dec") for n in range(1, 7)]
+    try:
+        listed = read_yaml_object(directory / CONFIG_FILE).get("transcoders")
+    except LorsaError:
+        listed = None
+    for entry in listed if isinstance(listed, list) else []:
+        ref = entry.get("filepath") if isinstance(entry, dict) else entry
+        if isinstance(ref, str) and ref.split("?")[0].rsplit("/", 1)[-1]:
+            names.append(glob.escape(ref.split("?")[0].rsplit("/", 1)[-1]))
+    return names
 
 
 # --------------------------------------------------------------------------- per-layer transcoders
@@ -272,7 +292,7 @@ def build_transcoders(parsed: Parsed, states: dict[int, dict[str, torch.Tensor]]
 
 
 TRANSCODERS_READER = Reader("circuit_tracer_transcoders", HUB_FILES, parse_transcoders_config,
-                            load_transcoders_weights, build_transcoders)
+                            load_transcoders_weights, build_transcoders, hub_weight_files)
 
 
 def load_circuit_tracer_transcoders(directory: str | os.PathLike[str], **kwargs: Any) -> CircuitTracerTranscoders:
@@ -368,7 +388,7 @@ def build_clt(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.d
     return parsed.build_module(CrossLayerTranscoder, state, "", device=device, dtype=dtype)
 
 
-CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_weights, build_clt)
+CLT_READER = Reader("circuit_tracer_clt", HUB_FILES, parse_clt_config, load_clt_weights, build_clt, hub_weight_files)
 
 
 def load_circuit_tracer_clt(directory: str | os.PathLike[str], **kwargs: Any) -> CrossLayerTranscoder:

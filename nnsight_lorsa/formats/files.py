@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ def resolve_checkpoint_dir(
     subfolder: str | None = None,
     local_files_only: bool = False,
     revision: str | None = None,
+    then: Callable[[Path], list[str]] | None = None,
 ) -> Path:
     """A local checkpoint directory for ``source``: a local directory, or a downloaded hub snapshot.
 
@@ -39,7 +41,9 @@ def resolve_checkpoint_dir(
     repo id, or ``"repo_id:subfolder"`` (the Llamascopium hub layout); the files matching
     ``allow_patterns`` (relative to ``subfolder``) and the manifest ``checksums.json`` are fetched with
     ``huggingface_hub.snapshot_download`` (``local_files_only`` and ``revision`` passed through)
-    and ``snapshot/subfolder`` is returned.
+    and ``snapshot/subfolder`` is returned. With ``then``, ``then(snapshot/subfolder)`` — given what that first
+    download fetched (the configs) — names further patterns (relative to ``subfolder``: the files the configs call
+    for), fetched by a second download of the same commit. A local directory is returned as it is (``then`` unused).
 
     Raises:
         CheckpointError: the path is a file, a :class:`Path` that does not exist, a string that
@@ -80,6 +84,16 @@ def resolve_checkpoint_dir(
             revision=revision,
         )
     path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
+    # the folder may hold no config (circuit-tracer's numbered weights alone): its weights make it, if any
+    more = then(path) if then is not None else []
+    if more:
+        with file_errors(where, {Exception: "not a local directory and could not be fetched from the Hugging "
+                                            f"Face hub (local_files_only={local_files_only}): {{type}}: {{e}}"}):
+            snapshot = snapshot_download(
+                repo_id=repo_id, allow_patterns=[prefix + p for p in more], local_files_only=local_files_only,
+                revision=Path(snapshot).name,  # the commit of the configs just read, whatever a branch says now
+            )
+        path = Path(snapshot) / subfolder if subfolder else Path(snapshot)
     require(path.is_dir(), None, f"hub repo {where} has no folder {subfolder!r}")
     return path
 

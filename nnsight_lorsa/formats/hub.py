@@ -18,8 +18,13 @@ A Hub repo (or a ``subfolder`` of one) holds exactly what the local ``save`` wri
 ``HfApi.create_repo(exist_ok=True)`` + ``HfApi.upload_folder``. ``from_pretrained(model, "owner/name")`` /
 ``Graph.load("owner/name")`` download the files of the layout with ``snapshot_download`` (``revision=``,
 ``subfolder=``, ``local_files_only=``; each folder's ``checksums.json`` always among the patterns) and read the
-snapshot as a local directory, manifests checked; a downloaded set must hold every folder its card lists
-(:func:`card_folders`: an interrupted download is refused, not read as a smaller set).
+snapshot as a local directory, manifests checked. A set comes in two downloads of one commit: the card, the
+manifests and every folder's configs (:func:`set_download_patterns`), then the weights those call for at the top
+and one folder down (:func:`set_weight_patterns`: the files each manifest lists, each format's weights where its
+config came) — not every ``.safetensors`` of the repo. A downloaded set must hold every folder its card lists
+(:func:`card_folders`: an interrupted download is refused, not read as a smaller set); without a card, every
+folder holding a checkpoint's files must load (a folder with a config but not its weights is refused), but a
+folder missing whole cannot be seen.
 ``huggingface_hub`` is imported only for a repo id.
 """
 
@@ -36,7 +41,7 @@ from .._atomic import atomic_file
 from ..errors import ArgumentError, MissingDependencyError
 
 __all__ = ["CARD", "card_folders", "check_push_args", "graph_card", "looks_like_repo_id", "metrics_table",
-           "push_folder", "set_card", "set_download_patterns", "stage_and_push", "write_card"]
+           "push_folder", "set_card", "set_download_patterns", "set_weight_patterns", "stage_and_push", "write_card"]
 
 #: the model card's file name
 CARD = "README.md"
@@ -54,11 +59,25 @@ def looks_like_repo_id(source: Any) -> bool:
 
 
 def set_download_patterns(file_patterns: list[str]) -> list[str]:
-    """The ``snapshot_download`` patterns of a set's layout: each checkpoint file pattern at the top and in
-    folders (``layer_<L>/config.json``; huggingface_hub matches with ``fnmatch``, whose ``*`` also spans
-    ``/``), the manifests and the card."""
+    """The first ``snapshot_download`` patterns of a set's layout: each config file (:func:`.reader.hub_configs`)
+    at the top and in folders (``layer_<L>/config.json``; huggingface_hub matches with ``fnmatch``, whose ``*``
+    also spans ``/``: the configs of deeper folders come too, small files), the manifests and the card."""
     names = sorted({*file_patterns, "checksums.json"})
     return [*names, *(f"*/{n}" for n in names), CARD]
+
+
+def set_weight_patterns(readers: list[Any], directory: Path) -> list[str]:
+    """The second download of a set (``directory``: the snapshot holding what :func:`set_download_patterns`
+    fetched): :func:`.reader.hub_weights` of the top and of each folder directly in it (``layer_<L>/…``), the
+    folders' names escaped. Deeper folders, which a set does not read, get none."""
+    import glob
+
+    from .reader import hub_weights
+
+    out = hub_weights(readers, directory)
+    for folder in sorted(p for p in directory.iterdir() if p.is_dir()) if directory.is_dir() else []:
+        out += [f"{glob.escape(folder.name)}/{p}" for p in hub_weights(readers, folder)]
+    return out
 
 
 def _number(v: Any) -> bool:

@@ -7,6 +7,7 @@ hub repo id and runs the three steps; the registry (:mod:`.registry`) picks the 
 
 from __future__ import annotations
 
+import glob
 import inspect
 import os
 from collections.abc import Callable
@@ -22,7 +23,10 @@ from ..errors import ArgumentError
 from .files import resolve_checkpoint_dir
 from .validate import build_module
 
-__all__ = ["Parsed", "Reader", "read", "read_dir"]
+__all__ = ["Parsed", "Reader", "hub_configs", "hub_weights", "read", "read_dir"]
+
+#: the suffix of the weight files the readers read (everything else they read is a small config)
+WEIGHTS_SUFFIX = ".safetensors"
 
 
 @dataclass
@@ -50,10 +54,15 @@ class Reader:
 
     Attributes:
         name: what it reads, e.g. ``"saelens"``, ``"llamascopium_lorsa"``.
-        hub_files: the files to fetch from a hub snapshot (glob patterns, relative to the folder).
+        hub_files: the files it reads, relative to the folder (its config first): a hub load fetches those that
+            are no ``.safetensors`` (the configs) first, then the weights (:meth:`weight_files`).
         parse_config: ``(path, **options) -> Parsed`` (validated, nothing allocated).
         load_weights: ``(path, parsed) -> state`` (tensors in our names and layout).
         build: ``(parsed, state, *, device, dtype) -> module`` (validated against the module).
+        hub_weights: ``(folder holding the fetched configs) -> patterns`` of the weight files to fetch (default:
+            the ``.safetensors`` of ``hub_files`` where the config ``hub_files[0]`` was fetched). Patterns are
+            ``fnmatch``'s, whose ``*`` also spans ``/``: a reader whose weights are numbered names them digit by
+            digit (circuit-tracer's), never ``*.safetensors``, which would fetch every weight file of the repo.
     """
 
     name: str
@@ -61,12 +70,43 @@ class Reader:
     parse_config: Callable[..., Any]
     load_weights: Callable[[Path, Any], Any]
     build: Callable[..., Any]
+    hub_weights: Callable[[Path], list[str]] | None = None
+
+    def weight_files(self, directory: Path) -> list[str]:
+        """The patterns of the weight files to fetch into ``directory``, which holds what :func:`hub_configs`
+        fetched (see ``hub_weights``)."""
+        if self.hub_weights is not None:
+            return list(self.hub_weights(directory))
+        if not (directory / self.hub_files[0]).is_file():
+            return []
+        return [glob.escape(f) for f in self.hub_files if f.endswith(WEIGHTS_SUFFIX)]
 
     @property
     def options(self) -> frozenset[str]:
         """The keyword options ``parse_config`` takes (beyond the path)."""
         params = list(inspect.signature(self.parse_config).parameters.values())[1:]
         return frozenset(p.name for p in params)
+
+
+def hub_configs(readers: list[Reader] | tuple[Reader, ...]) -> list[str]:
+    """What a hub load of a checkpoint read by one of ``readers`` fetches first: their configs (every ``hub_files``
+    entry that is no ``.safetensors``; the manifest ``checksums.json`` is always added by
+    :func:`.files.resolve_checkpoint_dir`)."""
+    return sorted({f for r in readers for f in r.hub_files if not f.endswith(WEIGHTS_SUFFIX)})
+
+
+def hub_weights(readers: list[Reader] | tuple[Reader, ...], directory: Path) -> list[str]:
+    """What a hub load fetches once the configs are in ``directory`` (:func:`hub_configs`): every file its manifest
+    lists (``checksums.json``, written by every save of this package) and each reader's weights
+    (:meth:`Reader.weight_files`); patterns relative to ``directory``, names escaped.
+
+    Raises:
+        CheckpointError: a corrupt manifest (naming it).
+    """
+    names = {glob.escape(name) for name in manifest_of(directory) or {}}
+    for reader in readers:
+        names.update(reader.weight_files(directory))
+    return sorted(names)
 
 
 def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = None,
@@ -120,6 +160,7 @@ def read(reader: Reader, source: str | os.PathLike[str], *, subfolder: str | Non
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA).
     """
     device = check_placement_args(device, dtype, f"loading {source}")
-    path = resolve_checkpoint_dir(source, allow_patterns=list(reader.hub_files), subfolder=subfolder,
-                                  local_files_only=local_files_only, revision=revision)
+    path = resolve_checkpoint_dir(source, allow_patterns=hub_configs([reader]), subfolder=subfolder,
+                                  local_files_only=local_files_only, revision=revision,
+                                  then=lambda d: hub_weights([reader], d))
     return read_dir(reader, path, device=device, dtype=dtype, **options)

@@ -16,8 +16,10 @@ format                  files that identify it                                  
 ======================  ==========================================================  =============================
 
 No match, or more than one, raises :class:`~nnsight_lorsa.errors.FormatDetectionError` listing
-what was looked for; ``format=`` skips detection. A hub repo id is fetched first (the files every
-candidate format reads, under ``subfolder`` or ``"repo_id:subfolder"``) and detected in the snapshot.
+what was looked for; ``format=`` skips detection. A hub repo id is fetched first, in two downloads of one
+commit (under ``subfolder`` or ``"repo_id:subfolder"``): the candidate formats' configs and the manifest, then the
+weights those call for (the files the manifest lists, each format's weights where its config came; circuit-tracer's
+numbered files digit by digit), never every ``*.safetensors`` of the repo; it is then detected in the snapshot.
 :func:`load_all` loads every checkpoint of a folder (a sparsify run, a ``LorsaSet.save`` directory,
 a circuit-tracer transcoder set) by name.
 """
@@ -58,10 +60,10 @@ from . import (
     sparsify,
 )
 from .files import read_json_object, resolve_checkpoint_dir
-from .reader import Reader, read_dir
+from .reader import Reader, hub_configs, hub_weights, read_dir
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
-           "load_all", "register_format", "save"]
+           "load_all", "readers_of", "register_format", "save"]
 
 #: what :func:`save` writes unless told otherwise
 DEFAULT_FORMAT = "nnsight_lorsa"
@@ -91,7 +93,7 @@ class Format:
 
     @property
     def hub_files(self) -> list[str]:
-        """The files to fetch from a hub snapshot for any of its readers."""
+        """The files its readers read (configs and named weights; :attr:`Reader.hub_files`)."""
         return sorted({f for r in self.readers for f in r.hub_files})
 
 
@@ -160,6 +162,17 @@ def _format(name: str) -> Format:
     if name not in FORMATS:
         raise UnsupportedArchitectureError(f"unknown checkpoint format {name!r}; known: {['auto', *FORMATS]}")
     return FORMATS[name]
+
+
+def readers_of(format: str) -> list[Reader]:
+    """The readers of ``format`` (every format's for ``"auto"``): what a hub load fetches the files of
+    (:func:`.reader.hub_configs`, then :func:`.reader.hub_weights`).
+
+    Raises:
+        UnsupportedArchitectureError: an unknown format.
+    """
+    formats = FORMATS.values() if format == "auto" else [_format(format)]
+    return [r for f in formats for r in f.readers]
 
 
 def _looked_for() -> str:
@@ -243,9 +256,10 @@ def load(
     if "release_registry" in options:
         raise ArgumentError("release_registry= applies to a SAELens (release, sae_id); no sae_id was given")
     fmt = None if format == "auto" else _format(format)
-    patterns = fmt.hub_files if fmt is not None else sorted({p for f in FORMATS.values() for p in f.hub_files})
-    path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=patterns, subfolder=subfolder,
-                                  local_files_only=local_files_only, revision=revision)
+    readers = readers_of(format)  # a repo id: their configs first, then the weights those configs call for
+    path = resolve_checkpoint_dir(path_or_repo_id, allow_patterns=hub_configs(readers), subfolder=subfolder,
+                                  local_files_only=local_files_only, revision=revision,
+                                  then=lambda d: hub_weights(readers, d))
     fmt = fmt or FORMATS[detect_format(path)]
     reader = fmt.choose(path)
     options = {k: v for k, v in options.items() if k in reader.options or k not in _SHARED_OPTIONS}

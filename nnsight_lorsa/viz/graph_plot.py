@@ -2,18 +2,21 @@
 
 Nodes sit at ``x = token position`` and ``y = layer`` (embeddings below layer 0, logits above the
 last layer; within a layer the attention's Lorsa heads and errors sit below its MLP's features and
-errors); edges are lines whose width and opacity grow with ``|weight|`` (blue positive, red
+errors, and so do the biases each side adds: :meth:`~nnsight_lorsa.attribution.graph.NodeTable.attention_side`);
+edges are lines whose width and opacity grow with ``|weight|`` (blue positive, red
 negative; at most ``max_edges``, the largest). Bias nodes, which sum over positions, are drawn at the right edge.
 Local-only (matplotlib).
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._atomic import atomic_file
 from .._checks import is_int
 from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from ..attribution.scores import PruneResult
@@ -29,7 +32,7 @@ def node_xy(graph: Graph, n_layers: int) -> torch.Tensor:
     """``(n_nodes, 2)`` plot coordinates (see the module docstring)."""
     k, layer, pos = graph.nodes.kind, graph.nodes.layer.float(), graph.nodes.pos.float()
     y = layer.clone()
-    y[(k == LORSA) | (k == ATTN_ERROR)] -= 0.45
+    y[graph.nodes.attention_side()] -= 0.45  # Lorsa heads, Lorsa errors, attention-side biases
     y[k == EMBEDDING] = -1.0
     y[k == LOGIT] = float(n_layers)
     x = pos.clone()
@@ -45,7 +48,9 @@ def node_xy(graph: Graph, n_layers: int) -> torch.Tensor:
 
 def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = None, path: str | Path | None = None,
                title: str = "", max_edges: int = 400) -> Any:
-    """Draw the pruned graph; returns the matplotlib figure (saved to ``path`` if given).
+    """Draw the pruned graph; returns the matplotlib figure (saved to ``path`` if given, as a PNG unless its suffix
+    names another format, atomically: rendered in memory, then written through
+    :func:`~nnsight_lorsa._atomic.atomic_file`, so an error or Ctrl-C while saving leaves the previous file or none).
 
     Args:
         graph: the attribution graph; ``pruned``: :func:`~nnsight_lorsa.attribution.prune` of this graph (its kept
@@ -104,5 +109,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     ax.legend(loc="upper left", fontsize=7, ncol=4)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=130)
+        buf = io.BytesIO()
+        fig.savefig(buf, format=Path(path).suffix[1:].lower() or "png", dpi=130)
+        atomic_file(path, buf.getvalue())
     return fig

@@ -697,9 +697,9 @@ def test_load_hub_repo_id_fetches_then_detects(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     loaded = load("org/saes:blocks.1", revision="main")
     assert isinstance(loaded, SparseAutoencoder)
-    repo_id, patterns, revision = calls[0]
-    assert repo_id == "org/saes" and revision == "main"
-    assert "blocks.1/cfg.json" in patterns and "blocks.1/sae_weights.safetensors" in patterns
+    (repo_id, patterns, revision), (_, weights, commit) = calls  # the configs, then the weights they call for
+    assert repo_id == "org/saes" and revision == "main" and commit == "snap"  # the first download's commit
+    assert "blocks.1/cfg.json" in patterns and "blocks.1/sae_weights.safetensors" in weights
 
 
 # --------------------------------------------------------------------------- the validation layer

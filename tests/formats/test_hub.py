@@ -6,10 +6,10 @@ downloads read, applying the allow / delete patterns with huggingface_hub's own 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ class FakeHub:
     """Repos as folders under ``root``; records every call."""
 
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.root, self.calls = root, []
+        self.root, self.calls, self.commits = root, [], set()
         hub = self
 
         def create_repo(api, repo_id, *, repo_type=None, private=None, exist_ok=False, **kwargs):
@@ -63,7 +63,14 @@ class FakeHub:
             src = hub.root / repo_id
             if not src.is_dir():
                 raise huggingface_hub.errors.RepositoryNotFoundError(f"404: {repo_id}")
-            snapshot = Path(tempfile.mkdtemp(dir=hub.root.parent, prefix="snapshot-"))
+            # one snapshot folder per commit, which later downloads of that commit add to (as huggingface_hub's
+            # cache does): the commit is the repo's content now, or the one asked for by its hash
+            state = hashlib.sha1(repr([(r, (src / r).stat().st_size, (src / r).stat().st_mtime_ns)
+                                       for r in files_under(src)]).encode()).hexdigest()
+            commit = revision if revision in hub.commits else state
+            hub.commits.add(commit)
+            snapshot = hub.root.parent / "snapshots" / repo_id.replace("/", "--") / commit
+            snapshot.mkdir(parents=True, exist_ok=True)
             for rel in filter_repo_objects(files_under(src), allow_patterns=allow_patterns):
                 (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src / rel, snapshot / rel)
@@ -120,8 +127,10 @@ def test_a_lorsa_set_round_trips_through_the_hub_layout(hub, tiny):
     assert "n_ov_heads=" in card and "`layer_2/`" in card
 
     back = LorsaSet.from_pretrained(model, "me/tiny-lorsa", revision="v1")
-    (download,) = hub.named("snapshot_download")
-    assert download["revision"] == "v1" and "*/model.safetensors" in download["allow_patterns"]
+    configs, weights = hub.named("snapshot_download")  # the card and configs, then the weights they call for
+    assert configs["revision"] == "v1" and "*/config.json" in configs["allow_patterns"]
+    assert not any(p.endswith(".safetensors") for p in configs["allow_patterns"])
+    assert weights["revision"] in hub.commits and "layer_1/model.safetensors" in weights["allow_patterns"]
     assert back.layers == [1, 2]
     for layer in (1, 2):
         assert same_weights(back[layer], lorsas[layer]) and back[layer].cfg == lorsas[layer].cfg

@@ -57,10 +57,13 @@ def finite_graph(g: Graph) -> bool:
 # ----------------------------------------------------------------------------- plot_graph
 def ref_cell(g: Graph, i: int, n_layers: int) -> tuple[float, float]:
     """The documented place of node ``i``: x = its position (biases: one column right of the last), y = its layer
-    (embeddings -1, logits n_layers, a layer's Lorsa heads and Lorsa errors 0.45 below its MLP's nodes)."""
+    (embeddings -1, logits n_layers, a layer's Lorsa heads, Lorsa errors and attention-side biases — named
+    ``L<l>.attn_norm.bias``, ``L<l>.lorsa.*``, ``L<l>.attn.*`` by the layout — 0.45 below its MLP's nodes)."""
     k, layer, pos = int(g.nodes.kind[i]), int(g.nodes.layer[i]), int(g.nodes.pos[i])
     x = len(g.tokens) + 0.5 if k == BIAS else float(pos)
-    y = {EMBEDDING: -1.0, LOGIT: float(n_layers)}.get(k, layer - 0.45 if k in (LORSA, ATTN_ERROR) else float(layer))
+    attn = k in (LORSA, ATTN_ERROR) or k == BIAS and g.nodes.bias_names[int(g.nodes.index[i])].split(".")[1:2] in (
+        ["attn_norm"], ["lorsa"], ["attn"])
+    y = {EMBEDDING: -1.0, LOGIT: float(n_layers)}.get(k, layer - 0.45 if attn else float(layer))
     return x, round(y, 5)
 
 
