@@ -1,4 +1,4 @@
-"""Demo outputs probe (docs/reliability.md, "Demo outputs and resume probe (2026-11-27)").
+"""Demo outputs probe (docs/reliability.md, "Demo outputs, normalized effect and SentencePiece IOI probe (2026-11-27)").
 
 ``nnsight-lorsa demo`` driven through ``cli.main(argv)`` in-process on a tiny Llama directory:
 
@@ -94,6 +94,7 @@ def test_overwrite_refuses_to_delete_a_directory_that_is_not_the_demos(files, tm
     assert (out / "checkpoint" / "mine.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_an_out_dir_of_other_files_is_used_as_before(files, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -155,8 +156,8 @@ def test_the_results_json_says_ce_recovered_is_null_where_the_printout_says_n_a(
 
 # ----------------------------------------------------------------------------------- (c) --resume settings
 @pytest.mark.parametrize("option, value, saved, text", [
-    ("--batch-size", "2", "4", "corpus.txt"),
     ("--text", None, None, "other.txt"),
+    pytest.param("--batch-size", "2", "4", "corpus.txt", marks=pytest.mark.slow),
     pytest.param("--seq-len", "12", "16", "corpus.txt", marks=pytest.mark.slow),
     pytest.param("--seed", "5", "0", "corpus.txt", marks=pytest.mark.slow),
     pytest.param("--dtype", "bfloat16", "float32", "corpus.txt", marks=pytest.mark.slow),

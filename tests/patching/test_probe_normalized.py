@@ -1,5 +1,5 @@
 """The normalized patching effect where clean and corrupt metrics are equal or within rounding (docs/reliability.md,
-"Normalized effect probe (2026-11-27)").
+"Demo outputs, normalized effect and SentencePiece IOI probe (2026-11-27)").
 
 ``PatchingResult.normalized = (patched − corrupt) / (clean − corrupt)`` and ``PathPatchingResult.normalized =
 (clean − patched) / (clean − corrupt)`` divide by the clean–corrupt gap. Where it is 0 the division gave ±inf / NaN,
