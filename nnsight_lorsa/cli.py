@@ -51,8 +51,8 @@ HELP = {
     "out_dir": "directory for the trained Lorsa (lorsa/), demo_results.json, the pictures (training_curves.png, "
                "dashboards/, graph.html, graph.json) and, on Ctrl-C, the checkpoint (checkpoint/, "
                "lorsa_interrupted/); one that holds an earlier run's outputs is refused unless --overwrite, or "
-               "--resume continues the interrupted run there (default: none; the pictures and an interrupted "
-               "run's checkpoint then go to a new temporary directory, printed)",
+               "--resume DIR/checkpoint continues the interrupted run there (default: none; the pictures and an "
+               "interrupted run's checkpoint then go to a new temporary directory, printed)",
     "seed": "seed of the Lorsa's initialisation and the batch order (default: %(default)s)",
     "device": "where the model runs: cpu, cuda, cuda:1, or auto (device_map=auto over the visible GPUs) "
               "(default: %(default)s)",

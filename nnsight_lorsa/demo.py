@@ -258,8 +258,8 @@ def _check_earlier_outputs(cfg: DemoConfig) -> None:
     """An ``out_dir`` holding an earlier run's outputs (:data:`OUTPUT_FILES`, :data:`OUTPUT_DIRS`) is refused, so
     that no reader mistakes them for this run's (another head's dashboard, pictures under ``--no-pictures``);
     with ``cfg.overwrite`` they are deleted first (the dashboards folder's ``L*_H*.html`` pages only) and named.
-    With ``cfg.resume``, the interrupted run's ``checkpoint/`` and ``lorsa_interrupted/`` are expected (the run
-    continues in its directory; a new interrupt replaces them); the checkpoint resumed from is never deleted.
+    With ``cfg.resume`` = ``out_dir/checkpoint`` the run continues in the interrupted run's directory: its
+    ``checkpoint/`` and ``lorsa_interrupted/`` are expected there (a new interrupt replaces them) and never deleted.
 
     Raises:
         ArgumentError: earlier outputs without ``overwrite`` (naming them, ``--overwrite`` and, for an
@@ -268,7 +268,7 @@ def _check_earlier_outputs(cfg: DemoConfig) -> None:
     """
     assert cfg.out_dir is not None
     out = Path(cfg.out_dir)
-    resumed = None if cfg.resume is None else Path(cfg.resume).resolve()
+    in_place = cfg.resume is not None and Path(cfg.resume).resolve() == (out / "checkpoint").resolve()
     found: list[Path] = [out / f for f in OUTPUT_FILES if (out / f).exists()]
     for name in OUTPUT_DIRS:
         d = out / name
@@ -279,7 +279,7 @@ def _check_earlier_outputs(cfg: DemoConfig) -> None:
             raise ArgumentError(f"--out-dir {out}: {name}{'/' if d.is_dir() else ''} there is not the demo's output "
                                 f"(the run writes {name}/ there) and is not deleted, also not with --overwrite: "
                                 "move it or choose another --out-dir")
-        if ours and not (resumed is not None and (d.resolve() == resumed or name == "lorsa_interrupted")):
+        if ours and not (in_place and name in ("checkpoint", "lorsa_interrupted")):
             found.append(d)
     if not found:
         return

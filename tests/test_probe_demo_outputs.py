@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import tiny_hf_model, tiny_tokenizer
+from helpers import generated, tiny_hf_model, tiny_tokenizer
+from hypothesis import strategies as st
 
 import nnsight_lorsa.demo as demo
 from nnsight_lorsa.cli import main
@@ -177,3 +178,68 @@ def test_resume_with_another_batch_size_seq_len_seed_dtype_or_data_is_refused_na
         assert f"{option} {value} (the checkpoint's: {saved})" in err, err
     code, printed, err = _main(_args(files, "--resume", str(out / "checkpoint")), capsys)  # the same: resumes
     assert code == 0 and "at step 1 of 2" in printed, err
+
+
+# ----------------------------------------------------------------------------------- (a) generated directories
+#: what can lie in an --out-dir: (relative path, bytes or None for a directory, whether it is the demo's output)
+PLANTS = {
+    "results": [("demo_results.json", b"{}", True)],
+    "curves": [("training_curves.png", b"png", True)],
+    "graph": [("graph.html", b"<html>", True), ("graph.json", b"{}", True)],
+    "lorsa": [("lorsa/layer_1/config.json", b"{}", True)],
+    "interrupted": [("lorsa_interrupted/layer_1/config.json", b"{}", True)],
+    "checkpoint": [("checkpoint/trainer.json", b"{}", True)],
+    "dashboard": [("dashboards/L1_H7.html", b"<html>", True)],
+    "dashboard_and_mine": [("dashboards/L1_H8.html", b"<html>", True), ("dashboards/notes.md", b"mine", False)],
+    "user_file": [("notes.txt", b"mine", False)],
+    "user_dir": [("figures/a.png", b"mine", False)],
+    "foreign_checkpoint": [("checkpoint/mine.txt", b"mine", False)],
+    "foreign_lorsa": [("lorsa/weights.bin", b"mine", False)],
+    "empty_dashboards": [("dashboards", None, False)],
+}
+
+
+@generated(60, 1500, plants=st.sets(st.sampled_from(sorted(PLANTS)), max_size=5), overwrite=st.booleans(),
+           resume=st.sampled_from([None, "inside", "elsewhere"]))
+def test_generated_out_dirs_are_refused_or_cleared_as_the_rules_say(plants, overwrite, resume):
+    """``_check_earlier_outputs`` on generated directories against an oracle written from the help text: a foreign
+    directory of an output's name is refused always; the demo's outputs are refused without ``--overwrite`` (with
+    ``--resume``, the interrupted run's ``checkpoint/`` and ``lorsa_interrupted/`` are expected) and deleted with it,
+    every other byte staying."""
+    import tempfile
+
+    import nnsight_lorsa.demo as d
+    from nnsight_lorsa.errors import ArgumentError
+
+    if "foreign_checkpoint" in plants and "checkpoint" in plants or "foreign_lorsa" in plants and "lorsa" in plants:
+        return  # one directory cannot be both
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        out.mkdir()
+        ours, theirs = set(), set()
+        for plant in plants:
+            for rel, data, is_ours in PLANTS[plant]:
+                p = out / rel
+                if data is None:
+                    p.mkdir(parents=True, exist_ok=True)
+                    continue
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(data)
+                (ours if is_ours else theirs).add(rel)
+        resumed = {"inside": str(out / "checkpoint"), "elsewhere": str(Path(tmp) / "other"), None: None}[resume]
+        cfg = d.DemoConfig(out_dir=str(out), overwrite=overwrite, resume=resumed)
+        foreign = {"foreign_checkpoint", "foreign_lorsa"} & plants
+        expected_ok = {r for r in ours if resume == "inside" and r.split("/")[0] in ("checkpoint", "lorsa_interrupted")}
+        stale = ours - expected_ok
+        before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        try:
+            d._check_earlier_outputs(cfg)
+        except ArgumentError as e:
+            assert foreign or (stale and not overwrite), (plants, overwrite, resume, e)
+            assert "--out-dir" in str(e)
+            after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+            assert after == before  # a refusal deletes nothing
+            return
+        assert not foreign and (not stale or overwrite), (plants, overwrite, resume)
+        after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert after == {k: v for k, v in before.items() if k not in stale}, (plants, overwrite, resume)
