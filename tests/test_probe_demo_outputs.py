@@ -243,3 +243,15 @@ def test_generated_out_dirs_are_refused_or_cleared_as_the_rules_say(plants, over
         assert not foreign and (not stale or overwrite), (plants, overwrite, resume)
         after = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
         assert after == {k: v for k, v in before.items() if k not in stale}, (plants, overwrite, resume)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_run_settings_resumes_saying_they_cannot_be_checked(files, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A checkpoint written before ``run_info`` existed (none recorded) resumes, with a note, not a refusal."""
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(demo, "_run_info", lambda cfg, train: {})
+        _interrupted(files, out, monkeypatch, capsys)
+    code, printed, err = _main(_args(files, "--seed", "3", "--resume", str(out / "checkpoint")), capsys)
+    assert code == 0 and "cannot be checked" in printed and "at step 1 of 2" in printed, err
