@@ -49,8 +49,10 @@ HELP = {
     "heldout_windows": "windows held out for evaluation, at most 20%% of the text (default: %(default)s)",
     "n_show": "top heads shown with their contexts and z-patterns (default: %(default)s)",
     "out_dir": "directory for the trained Lorsa (lorsa/), demo_results.json, the pictures (training_curves.png, "
-               "dashboards/, graph.html, graph.json) and, on Ctrl-C, the checkpoint (default: none; the pictures "
-               "and an interrupted run's checkpoint then go to a new temporary directory, printed)",
+               "dashboards/, graph.html, graph.json) and, on Ctrl-C, the checkpoint (checkpoint/, "
+               "lorsa_interrupted/); one that holds an earlier run's outputs is refused unless --overwrite, or "
+               "--resume DIR/checkpoint continues the interrupted run there (default: none; the pictures and an "
+               "interrupted run's checkpoint then go to a new temporary directory, printed)",
     "seed": "seed of the Lorsa's initialisation and the batch order (default: %(default)s)",
     "device": "where the model runs: cpu, cuda, cuda:1, or auto (device_map=auto over the visible GPUs) "
               "(default: %(default)s)",
@@ -58,7 +60,8 @@ HELP = {
     "threads": "torch's CPU threads (torch.set_num_threads): lower it (e.g. to 1) on a machine busy with other "
                "work, where the default can make each step several times slower (default: torch's own)",
     "resume": "continue the training saved by an interrupted run (the checkpoint directory it printed); give "
-              "the same other arguments (default: start afresh)",
+              "the same other arguments: another --steps, --lr, --batch-size, --seq-len, --seed, --dtype or data "
+              "than the checkpoint records is refused (default: start afresh)",
 }
 
 
@@ -82,7 +85,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--text", dest="text_path", metavar="FILE", help=HELP["text_path"])
     demo.add_argument("--tokens", dest="tokens_path", metavar="FILE", help=HELP["tokens_path"])
     for f in fields(DemoConfig):
-        if f.name in ("model_dir", "text_path", "tokens_path", "progress", "pictures"):
+        if f.name in ("model_dir", "text_path", "tokens_path", "progress", "pictures", "overwrite"):
             continue
         default = getattr(defaults, f.name)
         kind = int if isinstance(default, int) or f.name in ("layer", "n_ov_heads", "threads") else (
@@ -95,6 +98,10 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--no-pictures", dest="pictures", action="store_false",
                       help="write no pictures: no head dashboards, attribution graph or training curves (default: "
                            "written to --out-dir or a new temporary directory, paths printed)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="delete the outputs an earlier run left in --out-dir (only the demo's own: lorsa/, "
+                           "demo_results.json, the pictures, checkpoint/, lorsa_interrupted/; other files stay) "
+                           "before this run writes its own (default: such a directory is refused)")
     return parser, demo
 
 

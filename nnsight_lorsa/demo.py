@@ -17,7 +17,11 @@ are positive (``seq_len >= 2``), the output directory is created and a probe fil
 and — once the model's config is known, before the Lorsa exists — the Lorsa's shape fits the model and
 its training (weights, gradients, Adam state, one batch's activations) fits in this machine's memory, and
 ``seq_len`` is within the model's positions (``max_position_embeddings``).
-With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation.
+With ``out_dir`` the trained Lorsa is saved as soon as training ends, before evaluation. An ``out_dir`` holding an
+earlier run's outputs (:data:`OUTPUT_FILES`, :data:`OUTPUT_DIRS`) is refused unless ``overwrite`` (``--overwrite``:
+those, and only those, are deleted first) or ``resume`` continues the interrupted run whose directory it is.
+``--resume`` refuses another batch size, window length, seed, model dtype or training data than the checkpoint's
+run recorded (``Trainer.run_info``; ``CheckpointError`` naming the option and both values).
 
 Ctrl-C during training stops at the end of the step under way (a second Ctrl-C stops at once): the
 trainer is checkpointed to ``out_dir/checkpoint`` (a new temporary directory without ``out_dir``) and
@@ -38,9 +42,12 @@ start-of-document artefacts: heads that fire only at a window's first tokens) an
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import tempfile
 import time
@@ -94,6 +101,7 @@ class DemoConfig:
     threads: int | None = None  # torch's intra-op CPU threads (torch.set_num_threads); default: torch's own
     resume: str | None = None  # a checkpoint written by an interrupted run (its directory): training continues
     pictures: bool = True  # write the dashboards, the attribution graph and the training curves (module docstring)
+    overwrite: bool = False  # delete an earlier run's outputs (only the demo's own, OUTPUTS) in out_dir first
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -166,8 +174,9 @@ def _check_config(cfg: DemoConfig) -> None:
     if cfg.resume is not None and not (Path(cfg.resume) / "trainer.json").is_file():
         raise ArgumentError(f"--resume {cfg.resume}: not a demo checkpoint (no trainer.json); it is the directory "
                             "an interrupted run printed")
-    if not isinstance(cfg.pictures, bool):
-        raise ArgumentError(f"pictures must be True or False, got {cfg.pictures!r}")
+    for flag in ("pictures", "overwrite"):
+        if not isinstance(getattr(cfg, flag), bool):
+            raise ArgumentError(f"{flag} must be True or False, got {getattr(cfg, flag)!r}")
     if not is_int(cfg.seed) or not -2**63 <= cfg.seed < 2**64:  # torch.manual_seed's range (a raw ValueError)
         raise ArgumentError(f"--seed must be an integer from -2**63 to 2**64 - 1, got {cfg.seed!r}")
     if not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
@@ -223,6 +232,75 @@ def _check_out_dir(out_dir: str) -> None:
     except OSError as e:
         raise ArgumentError(f"--out-dir {out_dir}: cannot be created or written ({e.strerror or e}); "
                             "nothing was trained") from e
+
+
+#: what a run writes into ``out_dir`` (files, then directories); an earlier run's are refused or, with
+#: ``overwrite``, deleted (only these names, and a directory only where it holds what the demo writes there)
+OUTPUT_FILES = ("demo_results.json", "training_curves.png", "graph.html", "graph.json")
+OUTPUT_DIRS = ("lorsa", "lorsa_interrupted", "checkpoint", "dashboards")
+_DASHBOARD = re.compile(r"L\d+_H\d+\.html")
+
+
+def _ours(d: Path) -> bool | None:
+    """Whether the directory ``out_dir/d.name`` holds what the demo writes there: a saved Lorsa set (``layer_*``
+    folders), a trainer checkpoint (``trainer.json``), head dashboards; None where it is empty."""
+    children = list(d.iterdir())
+    if not children:
+        return None
+    if d.name in ("lorsa", "lorsa_interrupted"):
+        return all(c.is_dir() and re.fullmatch(r"layer_\d+", c.name) for c in children)
+    if d.name == "checkpoint":
+        return (d / "trainer.json").is_file()
+    return any(c.is_file() and _DASHBOARD.fullmatch(c.name) for c in children)  # dashboards
+
+
+def _check_earlier_outputs(cfg: DemoConfig) -> None:
+    """An ``out_dir`` holding an earlier run's outputs (:data:`OUTPUT_FILES`, :data:`OUTPUT_DIRS`) is refused, so
+    that no reader mistakes them for this run's (another head's dashboard, pictures under ``--no-pictures``);
+    with ``cfg.overwrite`` they are deleted first (the dashboards folder's ``L*_H*.html`` pages only) and named.
+    With ``cfg.resume`` = ``out_dir/checkpoint`` the run continues in the interrupted run's directory: its
+    ``checkpoint/`` and ``lorsa_interrupted/`` are expected there (a new interrupt replaces them) and never deleted.
+
+    Raises:
+        ArgumentError: earlier outputs without ``overwrite`` (naming them, ``--overwrite`` and, for an
+            interrupted run's checkpoint, ``--resume``), or a directory of one of those names that is not the
+            demo's (never deleted).
+    """
+    assert cfg.out_dir is not None
+    out = Path(cfg.out_dir)
+    in_place = cfg.resume is not None and Path(cfg.resume).resolve() == (out / "checkpoint").resolve()
+    found: list[Path] = [out / f for f in OUTPUT_FILES if (out / f).exists()]
+    for name in OUTPUT_DIRS:
+        d = out / name
+        if not d.exists():
+            continue
+        ours = _ours(d) if d.is_dir() else False
+        if ours is False:
+            raise ArgumentError(f"--out-dir {out}: {name}{'/' if d.is_dir() else ''} there is not the demo's output "
+                                f"(the run writes {name}/ there) and is not deleted, also not with --overwrite: "
+                                "move it or choose another --out-dir")
+        if ours and not (in_place and name in ("checkpoint", "lorsa_interrupted")):
+            found.append(d)
+    if not found:
+        return
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
+    if not cfg.overwrite:
+        hint = (f", or --resume {out / 'checkpoint'} to continue the interrupted run"
+                if (out / "checkpoint").is_dir() and cfg.resume is None else "")
+        raise ArgumentError(f"--out-dir {out}: holds an earlier run's outputs ({names}) that this run would leave "
+                            f"beside its own: give --overwrite to delete those (only those), another --out-dir{hint}")
+    for p in found:
+        if p.name == "dashboards":
+            for page in p.iterdir():
+                if page.is_file() and _DASHBOARD.fullmatch(page.name):
+                    page.unlink()
+            if not any(p.iterdir()):
+                p.rmdir()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    print(f"--overwrite: removed the earlier run's {names} from {out}")
 
 
 def _memory_bytes() -> int | None:
@@ -324,6 +402,20 @@ def _save_interrupted(trainer: Any, model: Any, layer: int, out: Path | None) ->
     return TrainingInterrupted(where / "checkpoint", where / "lorsa_interrupted", trainer.step)
 
 
+#: the run's settings a resume must share (with the data's hash, :func:`_run_info`), beside ``--steps`` / ``--lr``
+_RUN_OPTIONS = ("batch_size", "seq_len", "seed", "dtype")
+
+
+def _run_info(cfg: DemoConfig, train: Any) -> dict[str, Any]:
+    """What a checkpoint records of the run (``Trainer.run_info``) so that ``--resume`` can refuse another: the
+    batch size, window length, seed and model dtype, and the sha256 of the training windows' token ids (and target
+    mask), which the text / token file, the tokenizer, ``--seq-len`` and the held-out split determine."""
+    digest = hashlib.sha256(train.tokens.to("cpu", torch.int64).contiguous().numpy().tobytes())
+    if train.target_mask is not None:
+        digest.update(train.target_mask.to("cpu", torch.bool).contiguous().numpy().tobytes())
+    return {**{k: getattr(cfg, k) for k in _RUN_OPTIONS}, "data_sha256": digest.hexdigest()}
+
+
 def _model_kind(config: Any, adapter: Any) -> str:
     """The model's own ``model_type`` (``qwen2``), with the adapter family where it differs
     (``qwen2, llama adapter``: Qwen2 and Mistral are served by the Llama adapter)."""
@@ -346,13 +438,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     completes — a failure later does not lose the training.
 
     Raises:
-        ArgumentError: a bad setting (see the module docstring), before any work.
+        ArgumentError: a bad setting (see the module docstring), or an ``out_dir`` holding an earlier run's
+            outputs without ``overwrite``, before any work.
         LayerOutOfRangeError: ``cfg.layer`` outside the model.
         TooFewTokensError: the first batch has fewer counted tokens than the Lorsa's ``d_qk_head`` (raise
             ``batch_size`` or ``seq_len``), before the first step.
         NonFiniteError: training turned non-finite (e.g. a far too large ``lr``); the message names the step
             and the tensor.
-        CheckpointError: ``cfg.resume`` is not a readable checkpoint of this layer's Lorsa.
+        CheckpointError: ``cfg.resume`` is not a readable checkpoint of this layer's Lorsa, or its run had other
+            steps, learning rate, batch size, window length, seed, dtype or data (named, with both values).
         TrainingInterrupted: Ctrl-C during training; the trainer was checkpointed first (see the module
             docstring).
         DemoInterrupted: Ctrl-C anywhere else; it names the stage and what was kept (every file the run
@@ -393,6 +487,7 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
     out = None if cfg.out_dir is None else Path(cfg.out_dir)
     if cfg.out_dir is not None:
         _check_out_dir(cfg.out_dir)
+        _check_earlier_outputs(cfg)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
     state["stage"] = "loading the model and the data"
@@ -442,8 +537,10 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
           f"{docs_note if data.target_mask is not None else ''}")
     print(f"Lorsa for layer {layer}: {lcfg.n_qk_heads} QK heads x {lcfg.d_qk_head}, {n_ov} OV heads, top_k {cfg.top_k}")
     source = ActivationSource.attention(model, layer, train, cfg.batch_size, seed=cfg.seed)
+    run_info = _run_info(cfg, train)
     if cfg.resume is None:
         trainer = Trainer(LorsaObjective(lorsa, mhsa=mhsa), source, TrainConfig(total_steps=cfg.steps, lr=cfg.lr))
+        trainer.run_info = run_info
     else:
         from .errors import CheckpointError
 
@@ -452,11 +549,22 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
         if saved is None or saved.to_dict() != lcfg.to_dict():  # another kind's config differs too
             raise CheckpointError(f"--resume {cfg.resume}: its Lorsa is not the one these arguments train "
                                   "(give the interrupted run's --model, --text, --layer and Lorsa sizes)")
-        given = {"--steps": (trainer.config.total_steps, cfg.steps), "--lr": (trainer.config.lr, cfg.lr)}
+        given = {"--steps": (trainer.config.total_steps, cfg.steps), "--lr": (trainer.config.lr, cfg.lr),
+                 **{f"--{k.replace('_', '-')}": (trainer.run_info[k], run_info[k]) for k in _RUN_OPTIONS
+                    if k in trainer.run_info}}
         differ = [f"{k} {new} (the checkpoint's: {old})" for k, (old, new) in given.items() if old != new]
+        saved_data = trainer.run_info.get("data_sha256")
+        if saved_data is not None and saved_data != run_info["data_sha256"]:  # --text / --tokens / --model, split
+            differ.append(f"the data: training token ids of sha256 {run_info['data_sha256'][:12]}… (the "
+                          f"checkpoint's: {str(saved_data)[:12]}…; give the same --text / --tokens, --model and "
+                          "--heldout-windows)")
         if differ:  # the saved TrainConfig rules on resume: another value given would be ignored silently
             raise CheckpointError(f"--resume {cfg.resume}: the interrupted run trained with other settings: "
                                   f"{', '.join(differ)}; give the interrupted run's values")
+        if not trainer.run_info:  # a checkpoint of a run before these were recorded: said, not silent
+            print(f"note: {cfg.resume} does not record the interrupted run's --batch-size, --seq-len, --seed, "
+                  "--dtype or data: they cannot be checked")
+        trainer.run_info = run_info
         print(f"resuming from {cfg.resume} at step {trainer.step} of {trainer.config.total_steps}")
     state["stage"] = "training"
     try:
@@ -468,7 +576,7 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
     folded: Any = trainer.folded()  # the trained Lorsa (LorsaSet refuses another kind)
     lorsas = LorsaSet(model, {layer: folded})
     result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": trainer.config.total_steps,
-                              "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "train_seconds": round(t_train, 1),
+                              **run_info, "train_seconds": round(t_train, 1),
                               "train_history": trainer.config.history[-1:]}
     state["stage"] = "saving the trained Lorsa" if out is not None else "evaluating"
     if out is not None:  # the training is kept whatever happens next
@@ -480,12 +588,15 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
 
     ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size, progress=None if cfg.progress else False)
     numbers = ev.summary()
+    gap = ev.ce_zero - ev.ce_orig
+    if not gap >= _MIN_CE_GAP:  # the JSON says what the printout says: no ratio, and why
+        numbers["ce_recovered"] = None
+        numbers["ce_recovered_note"] = (f"zero-ablating the layer changes CE by {gap:+.4f} nats, under "
+                                        f"{_MIN_CE_GAP}, so the ratio means nothing here")
     print(f"\nheld-out evaluation ({ev.n_tokens} tokens):")
     print(f"  FVU {ev.fvu:.4f}   L0 {ev.l0:.2f}   dead heads {ev.dead_frac:.1%}")
-    gap = ev.ce_zero - ev.ce_orig
-    recovered = (f"CE recovered {ev.ce_recovered:.1%}" if gap >= _MIN_CE_GAP else
-                 f"CE recovered n/a: zero-ablating the layer changes CE by {gap:+.4f} nats, under {_MIN_CE_GAP}, "
-                 "so the ratio means nothing here")
+    recovered = (f"CE recovered {ev.ce_recovered:.1%}" if numbers["ce_recovered"] is not None else
+                 f"CE recovered n/a: {numbers['ce_recovered_note']}")
     print(f"  CE orig {ev.ce_orig:.4f}   CE lorsa {ev.ce_spliced:.4f}   CE zero-ablated {ev.ce_zero:.4f}   "
           f"({recovered})")
 

@@ -190,3 +190,9 @@ __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "Concurre
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
            "VacuousConstraintError"]
 
+
+
+class UndefinedNormalizationError(LorsaError, ZeroDivisionError):
+    """A normalized patching effect divides by ``clean − corrupt`` where the clean and corrupt metrics are equal or
+    within the logits' rounding (``PatchingResult.normalized``, ``PathPatchingResult.normalized``): the message names
+    the rows and both metrics."""

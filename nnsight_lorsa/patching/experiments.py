@@ -27,7 +27,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read, refuse_inside_trace
-from .metrics import logit_difference, relative_effect
+from .metrics import logit_difference, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
@@ -99,23 +99,35 @@ def _groups(replacement: ReplacementModel, targets: Any) -> list[tuple[Target, .
 
 @dataclass
 class PatchingResult:
-    """Metric per group of targets: ``patched[i]`` is ``(batch,)`` with group ``i`` patched clean→corrupt."""
+    """Metric per group of targets: ``patched[i]`` is ``(batch,)`` with group ``i`` patched clean→corrupt.
+
+    ``rounding``: the eps of the logits' dtype the metrics were computed from (``torch.finfo(dtype).eps``; set by
+    :func:`activation_patching`), which decides where :attr:`normalized` is undefined."""
 
     groups: list[tuple[Target, ...]]
     clean: torch.Tensor
     corrupt: torch.Tensor
     patched: torch.Tensor
+    rounding: float = torch.finfo(torch.float32).eps
 
     @property
     def normalized(self) -> torch.Tensor:
-        """``(patched − corrupt) / (clean − corrupt)``: 1 = the group restores the clean behaviour."""
-        return (self.patched - self.corrupt) / (self.clean - self.corrupt)
+        """``(n_groups, batch)``: ``(patched − corrupt) / (clean − corrupt)``: 1 = the group restores the clean
+        behaviour.
+
+        Raises:
+            UndefinedNormalizationError: rows whose clean and corrupt metrics are equal within the logits' rounding
+                (:func:`~.metrics.normalized_effect`; the ratio was ±inf / NaN there).
+        """
+        return normalized_effect(self.patched - self.corrupt, self.clean, self.corrupt, self.rounding,
+                                 "PatchingResult.normalized")
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
         """The ``k`` groups with the largest batch-mean normalized effect (all of them where ``k`` is larger).
 
         Raises:
             ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+            UndefinedNormalizationError: as :attr:`normalized`.
         """
         return top_groups(self.groups, self.normalized, k)
 
@@ -176,7 +188,8 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
             outs = _patched_runs(replacement, corrupt, groups[start:start + groups_per_trace], values, positions,
                                  every)
             patched += [score(o) for o in outs]
-    return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched))
+    return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched),
+                          torch.finfo(clean_logits.dtype).eps)
 
 
 def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target], positions: Positions,

@@ -1,5 +1,5 @@
-"""Behavioural metrics on logits (the logit difference of Wang et al. 2023, *Interpretability in the Wild*) and the
-relative effect of an intervention."""
+"""Behavioural metrics on logits (the logit difference of Wang et al. 2023, *Interpretability in the Wild*), the
+relative effect of an intervention and the normalized effect of a patch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .._checks import is_int, is_real
-from ..errors import ArgumentError, ShapeError
+from ..errors import ArgumentError, ShapeError, UndefinedNormalizationError
 
 
 def _ids(ids: Any, batch: int, vocab: int, device: torch.device, name: str) -> torch.Tensor:
@@ -77,3 +77,36 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
     b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
                                                                                             device="cpu")
     return (b - torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)) / b
+
+
+#: clean and corrupt metrics closer than this many units of the logits' rounding (``finfo(logits dtype).eps`` times
+#: the larger ``|metric|``) leave :func:`normalized_effect` undefined
+NORMALIZATION_TOLERANCE = 4
+
+
+def normalized_effect(numerator: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor, rounding: float,
+                      what: str) -> torch.Tensor:
+    """``numerator / (clean − corrupt)`` per prompt (``numerator``: ``(n_groups, batch)``; ``clean``, ``corrupt``:
+    ``(batch,)``; fp32 like them): the share of the clean–corrupt gap a patch moves (Wang et al. 2023's normalized
+    logit difference; Heimersheim & Nanda 2024, "How to use and interpret activation patching").
+
+    The ratio is undefined where the gap is 0 and meaningless where it is rounding: a row with
+    ``|clean − corrupt| <= NORMALIZATION_TOLERANCE · rounding · max(|clean|, |corrupt|)`` (``rounding``: the eps of
+    the logits' dtype the metrics come from, e.g. ``2**-7`` for bf16) is refused rather than returned as ±inf, NaN or
+    a huge quotient of rounding noise; drop those prompts (their corrupt prompt does not change the metric) or read
+    the unnormalized difference (``numerator``).
+
+    Raises:
+        UndefinedNormalizationError: naming ``what``, the rows and their clean and corrupt metrics.
+    """
+    gap = clean - corrupt
+    scale = torch.maximum(clean.abs(), corrupt.abs())
+    flat = gap.abs() <= NORMALIZATION_TOLERANCE * rounding * scale
+    if bool(flat.any()):
+        rows = flat.nonzero().flatten().tolist()
+        shown = ", ".join(f"{float(clean[i]):.6g} vs {float(corrupt[i]):.6g}" for i in rows[:5])
+        raise UndefinedNormalizationError(
+            f"{what}: the clean and corrupt metrics are equal within the logits' rounding at rows {rows} ({shown}"
+            f"{', …' if len(rows) > 5 else ''}): (…) / (clean − corrupt) is undefined there; drop those prompts "
+            "(their corrupt prompt does not move the metric) or read the unnormalized difference")
+    return numerator / gap[None]

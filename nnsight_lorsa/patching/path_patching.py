@@ -60,7 +60,7 @@ from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Targ
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits, top_groups
 from .interventions import _value, check_positions, means_at, refuse_inside_trace
-from .metrics import relative_effect
+from .metrics import normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 Projection = Literal["q", "k", "v"]
@@ -94,6 +94,8 @@ class PathPatchingResult(FieldsRepr):
         clean: ``(batch,)`` metric of the clean run.
         corrupt: ``(batch,)`` metric of the corrupt run, or None for zero / mean ablation.
         patched: ``(n_groups, batch)`` metric with group ``i`` path-patched.
+        rounding: the eps of the logits' dtype the metrics were computed from (``torch.finfo(dtype).eps``), which
+            decides where :attr:`normalized` is undefined.
     """
 
     senders: list[tuple[Target, ...]]
@@ -101,6 +103,7 @@ class PathPatchingResult(FieldsRepr):
     clean: torch.Tensor
     corrupt: torch.Tensor | None
     patched: torch.Tensor
+    rounding: float = torch.finfo(torch.float32).eps
 
     @property
     def effect(self) -> torch.Tensor:
@@ -114,10 +117,16 @@ class PathPatchingResult(FieldsRepr):
 
     @property
     def normalized(self) -> torch.Tensor:
-        """``(n_groups, batch)``: ``(clean − patched) / (clean − corrupt)`` (needs a corrupt run)."""
+        """``(n_groups, batch)``: ``(clean − patched) / (clean − corrupt)`` (needs a corrupt run).
+
+        Raises:
+            ConfigMismatchError: no corrupt run (``mode`` zero or mean).
+            UndefinedNormalizationError: rows whose clean and corrupt metrics are equal within the logits' rounding
+                (:func:`~.metrics.normalized_effect`; the ratio was ±inf / NaN there).
+        """
         if self.corrupt is None:
             raise ConfigMismatchError("normalized needs a corrupt prompt (mode='patch')")
-        return self.effect / (self.clean - self.corrupt)[None]
+        return normalized_effect(self.effect, self.clean, self.corrupt, self.rounding, "PathPatchingResult.normalized")
 
     def top(self, k: int) -> list[tuple[Target, ...]]:
         """The ``k`` sender groups with the largest batch-mean effect (all of them where ``k`` is larger).
@@ -492,6 +501,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
     score = make_metric(metric, correct_ids, incorrect_ids)
     clean_m: torch.Tensor | None = None
     corrupt_m: torch.Tensor | None = None
+    rounding = torch.finfo(torch.float32).eps
     patched: list[torch.Tensor] = []
     with torch.no_grad():
         for start in range(0, len(groups), groups_per_trace):
@@ -501,9 +511,10 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             if clean_m is None:
                 clean_m = score(logits["clean"])
                 corrupt_m = score(logits["corrupt"]) if "corrupt" in logits else None
+                rounding = torch.finfo(logits["clean"].dtype).eps  # the metrics' resolution: the logits' dtype
             patched += [score(x) for x in logits["patched"]]
     assert clean_m is not None
-    return PathPatchingResult(groups, recv, clean_m, corrupt_m, torch.stack(patched))
+    return PathPatchingResult(groups, recv, clean_m, corrupt_m, torch.stack(patched), rounding)
 
 
 def _run_chunk(replacement: ReplacementModel, groups: list[tuple[Target, ...]], receivers: list[HeadInput], clean: Any,

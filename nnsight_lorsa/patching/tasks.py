@@ -94,11 +94,42 @@ def _bos(tokenizer: Any) -> list[int]:
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:
-    """The id of ``text`` if the tokenizer encodes it as exactly one token, else None."""
+    """The id of ``text`` if the tokenizer encodes it as exactly one token, else None (alone: for a word as it stands
+    after another — ``" Mary"`` on a SentencePiece tokenizer — :func:`word_token`)."""
     ids = _encode(tokenizer, text)
     if len(ids) != 1 or tokenizer.decode(ids) != text:  # an unknown-token fallback is not the text
         return None
     return ids[0]
+
+
+#: the word a name is encoded after (:func:`word_token`): names stand after a word in every IOI template
+_BEFORE = "and"
+
+
+def word_token(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` (a word with its leading space, e.g. ``" Mary"``) as the one token the tokenizer gives it
+    after a word (``"and Mary"`` encodes as ``"and"``'s ids plus that token, and decodes back to ``"and"``'s text plus
+    ``text``), else None.
+
+    In context, not alone: a SentencePiece / Llama-style tokenizer writes the space as the word-start mark ``▁``
+    and decodes ``▁Mary`` alone as ``"Mary"`` (the leading space stripped), so :func:`single_token` finds no word
+    there; a byte-level BPE (``ĠMary``) gives the same id both ways. A word spelled through several pieces,
+    byte-fallback tokens (``<0xC3>``…) or the unknown token is not one token.
+    """
+    before = _encode(tokenizer, _BEFORE)
+    ids = _encode(tokenizer, _BEFORE + text)
+    if len(ids) != len(before) + 1 or ids[:len(before)] != before \
+            or tokenizer.decode(ids) != tokenizer.decode(before) + text:  # (a tokenizer may add a prefix space)
+        return None
+    return ids[-1]
+
+
+def _word_text(tokenizer: Any, tid: int) -> str:
+    """What token ``tid`` adds to the text after a word: ``" Mary"`` for ``▁Mary`` and ``ĠMary`` alike."""
+    before = _encode(tokenizer, _BEFORE)
+    head = tokenizer.decode(before)
+    full = tokenizer.decode([*before, tid])
+    return full[len(head):] if full.startswith(head) else ""
 
 
 def _stack(rows: list[list[int]], what: str) -> torch.Tensor:
@@ -191,18 +222,23 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
 
 def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^ [A-Z][a-z]+$",
                 min_count: int = 2, search_vocab: bool = True) -> list[tuple[str, int]]:
-    """Names that are single tokens: those of ``names`` first, then (``search_vocab``) vocabulary
-    tokens matching ``pattern`` (e.g. the small BPE of the tinyshakespeare model has few names).
+    """Names that are single tokens where they stand in a prompt, after a word (:func:`word_token`: ``ĠMary`` of a
+    byte-level BPE, ``▁Mary`` of a SentencePiece / Llama-style one): those of ``names`` first, then
+    (``search_vocab``) vocabulary tokens whose text after a word matches ``pattern`` (e.g. the small BPE of the
+    tinyshakespeare model has few names; byte-fallback tokens never match).
+
+    Returns:
+        ``[(name, token id), ...]``, the name as given (``" Mary"``).
 
     Raises:
         TaskTokenizationError: fewer than ``min_count`` single-token names.
     """
-    found = [(n, t) for n in names if (t := single_token(tokenizer, n)) is not None]
+    found = [(n, t) for n in names if (t := word_token(tokenizer, n)) is not None]
     if search_vocab and len(found) < min_count:
         seen = {t for _, t in found}
         for tid in range(len(tokenizer)):
-            text = tokenizer.decode([tid])
-            if tid not in seen and re.match(pattern, text) and single_token(tokenizer, text) == tid:
+            text = _word_text(tokenizer, tid)
+            if tid not in seen and re.match(pattern, text) and word_token(tokenizer, text) == tid:
                 found.append((text, tid))
     if len(found) < min_count:
         raise TaskTokenizationError(f"only {len(found)} single-token names ({[n for n, _ in found]}); "

@@ -142,6 +142,10 @@ class Trainer:
         self.dist: Any = None
         #: the W&B run's id (``TrainConfig.wandb_project``; kept in checkpoints), None before the run starts
         self.wandb_run_id: str | None = None
+        #: the caller's record of the run (JSON values: e.g. the demo's batch size, seed and data hash), kept in
+        #: checkpoints (``trainer.json``'s ``run_info``) and restored by :meth:`resume`, so that a resume can be
+        #: checked against the run it continues; empty by default
+        self.run_info: dict[str, Any] = {}
         self._wandb: WandbRun | None = None
         #: the fp32 master weights of a bf16 module (none for an fp32 / fp64 one, or with ``master_weights=False``)
         self.masters = MasterWeights(trained.parameters(), enabled=config.master_weights)
@@ -460,7 +464,7 @@ class Trainer:
         ``masters.safetensors``: the fp32 master weights, when the module has some) + ``manifest.json`` (each
         file's size and sha256), atomically: into ``<directory>.tmp-<pid>``,
         fsynced, then renamed into place; the previous checkpoint at ``directory`` stays until the
-        new one is complete.
+        new one is complete. ``trainer.json`` holds :attr:`run_info` when it is set.
 
         Raises:
             CheckpointError: ``directory`` exists and is neither empty nor a checkpoint.
@@ -486,6 +490,7 @@ class Trainer:
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,
                 **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id is not None else {}),
+                **({"run_info": self.run_info} if self.run_info else {}),
                 **self.objective.save_meta(self.state)}
         write_checkpoint(directory, {
             self.objective.weights_file: save_safetensors(weights),
@@ -582,6 +587,10 @@ class Trainer:
         if run_id is not None and not isinstance(run_id, str):
             raise CheckpointError(f"{d / 'trainer.json'}: key 'wandb_run_id' must be a string, got {run_id!r}")
         self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
+        run_info = meta.get("run_info", {})
+        if not isinstance(run_info, dict):
+            raise CheckpointError(f"{d / 'trainer.json'}: key 'run_info' must be an object, got {run_info!r}")
+        self.run_info = dict(run_info)
         self._restore_masters(d, listed)
         params = {n: self.masters.held(p) for n, p in self.module.named_parameters()}
         for key, value in load_file(str(d / "optimizer.safetensors")).items():
