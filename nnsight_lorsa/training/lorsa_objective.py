@@ -124,8 +124,9 @@ class LorsaObjective(_Objective):
             self.balance.update(lorsa, self.recipe, counts, z_max, n, t.step, t.config.total_steps)
             self._fired = None
         if self._resample is not None:
-            x, err, mask, dead = self._resample
-            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step))
+            x, err, mask, dead, positions, attn_mask = self._resample
+            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step),
+                                  positions=positions, attn_mask=attn_mask)
         self._last = self._resample = None
         if moved is not None and moved.numel():
             t.reset_latents((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved)
@@ -179,7 +180,7 @@ class LorsaObjective(_Objective):
         elif remedy == "revive" and dead.any():
             self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():
-            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
+            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone(), batch.positions, batch.attn_mask)
         if recipe.dead_remedy == "balance":
             zp = z_pre.detach()[mask]
             z_max = zp.amax(0) if zp.shape[0] else torch.full_like(z_pre[0, 0], -torch.inf)
