@@ -128,6 +128,8 @@ class LorsaObjective(_Objective):
             moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step),
                                   positions=positions, attn_mask=attn_mask)
         self._last = self._resample = None
+        if moved is not None and t.dist is not None:  # each rank edited from its shard: all take rank 0's edit
+            moved = t.dist.broadcast_edit((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved, lorsa.cfg.n_ov_heads)
         if moved is not None and moved.numel():
             t.reset_latents((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved)
         if not self.recipe.rank_by_decoder_norm:
