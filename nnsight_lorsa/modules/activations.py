@@ -42,7 +42,6 @@ from .._typing import Float
 from ..errors import CheckpointError
 from .sparse_decode import batch_topk_indices, topk_indices
 
-
 #: dtypes whose BatchTopK threshold keeps an fp32 running estimate beside it
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: the rank-combining function of :func:`global_batch` (None: one process)

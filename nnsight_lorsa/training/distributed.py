@@ -49,10 +49,13 @@ the logged metrics (FVU, L0, …) are rank-local. BatchTopK's inference threshol
 each update's statistic (the smallest kept activation) is the mean of the ranks', weighted by their kept entries
 (:meth:`DataParallel.combine_threshold`, inside :meth:`DataParallel.loss`); until 2026-11-27 each rank's threshold
 followed its own shard and the ranks' saved thresholds differed. It approximates one process on the concatenated
-batch (whose statistic is the smallest of the global top ``k · N``, between the ranks' smallest and largest). Save checkpoints from one rank (all hold the same
-state). Devices: the collectives run where the backend needs them (NCCL: the current CUDA device;
-gloo and others: the CPU), whatever device the module and the combined tensors are on; results come
-back on the inputs' devices. Needs torch only (plus the trainer's own imports).
+batch (whose statistic is the smallest of the global top ``k · N``, between the ranks' smallest and largest).
+Save checkpoints from one rank (all hold the same state). A rank whose source raises at a step stops every rank
+there: the others raise :class:`~..errors.RankFailedError` (told with the step's first collective; an error later in
+the step, inside the forward, still leaves the others waiting in the backward's all-reduce). Devices: the collectives
+run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever device the module
+and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
+own imports).
 """
 
 # (no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects, not strings)
@@ -261,9 +264,9 @@ class DataParallel:
             n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
         except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
             failure, n_local = e, 0
-        counts = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
-        counts[0], counts[1 + self.rank] = n_local, failure is not None
-        counts = self._all_reduce(counts).tolist()
+        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
+        flags[0], flags[1 + self.rank] = n_local, failure is not None
+        counts: list[int] = self._all_reduce(flags).tolist()
         failed = [r for r in range(self.world_size) if counts[1 + r]]
         if failure is not None:
             raise failure
@@ -272,7 +275,7 @@ class DataParallel:
                                   f"{', '.join(map(str, failed))} of the data-parallel run failed getting its part of "
                                   "the batch (see its own error); this rank stopped at the same step", step=step,
                                   ranks=failed)
-        n_global = counts[0]
+        n_global = int(counts[0])
         with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
             loss, metrics = self.ddp(batch)
         return loss * (n_local * self.world_size / max(1, n_global)), metrics

@@ -63,7 +63,9 @@ class LorsaObjective(_Objective):
         check_k_anneal(self.recipe, int(module.cfg.top_k), int(module.cfg.n_ov_heads))
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
-        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: (x, err, loss_mask, dead, positions, attn_mask) of the batch the ``resample`` remedy draws from
+        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None] | None = None
         self.balance: HeadBalance | None = None        # dead_remedy="balance"
         self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
