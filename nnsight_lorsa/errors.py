@@ -119,6 +119,20 @@ class NonFiniteError(LorsaError, FloatingPointError):
         self.tensor = tensor
 
 
+class RankFailedError(LorsaError, RuntimeError):
+    """Another rank of a data-parallel run (:class:`~nnsight_lorsa.training.distributed.DataParallel`) failed at
+    this step: its source raised while getting its part of the batch (that rank raises its own error). Every rank
+    stops at the same step, before any collective of the step would wait for the failed one; the message names the
+    failed ranks and the step (:attr:`ranks`, :attr:`step`)."""
+
+    def __init__(self, message: str, *, step: int, ranks: list[int]) -> None:
+        super().__init__(message)
+        #: the step the ranks failed at
+        self.step = step
+        #: the failed ranks (in the process group)
+        self.ranks = ranks
+
+
 class TooFewTokensError(LorsaError, ValueError):
     """A batch has too few counted tokens (``loss_mask`` True) for what training does with it: none in
     the batches the scale factors are estimated on, or (the Lorsa recipe's OV initialisation) fewer than
@@ -185,6 +199,7 @@ __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "Concurre
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
            "HeldoutConstraintWarning", "InvokeRowsError", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
            "MissingDependencyError", "MissingTokenizerError", "NonFiniteError", "NotReadyError", "PlacementError",
+           "RankFailedError",
            "SaveError",
            "ServerVersionError", "ServerVersionWarning", "ShapeError",
            "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",

@@ -29,7 +29,9 @@ Needs torch only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +41,31 @@ from .._checks import is_int, is_real
 from .._typing import Float
 from ..errors import CheckpointError
 from .sparse_decode import batch_topk_indices, topk_indices
+
+#: dtypes whose BatchTopK threshold keeps an fp32 running estimate beside it
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: the rank-combining function of :func:`global_batch` (None: one process)
+_GLOBAL_BATCH: ContextVar[Callable[[torch.Tensor, int], torch.Tensor | None] | None] = \
+    ContextVar("nnsight_lorsa_global_batch", default=None)
+
+
+@contextmanager
+def global_batch(reduce: Callable[[torch.Tensor, int], torch.Tensor | None]) -> Iterator[None]:
+    """Inside, every :class:`BatchTopK` training update combines its statistic over the ranks of a data-parallel run.
+
+    ``reduce(smallest, kept)`` is called on every rank at every update with this rank's smallest kept positive
+    activation (a 0-d tensor in the estimate's dtype, fp32 at least; any value when ``kept == 0``) and the number of
+    entries the batch rule kept on this rank (``k`` per row; ``0``: this rank kept no positive activation); it must
+    return the same 0-d tensor on every rank
+    (:meth:`~nnsight_lorsa.training.distributed.DataParallel.combine_threshold`: the mean over the ranks with
+    ``kept > 0``, weighted by ``kept``), or None on every rank when no rank had one (no update). Set per thread (a
+    context variable).
+    """
+    token = _GLOBAL_BATCH.set(reduce)
+    try:
+        yield
+    finally:
+        _GLOBAL_BATCH.reset(token)
 
 
 def _topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -169,6 +196,20 @@ class BatchTopK(nn.Module):
     activation (first batch: set; then an exponential moving average of rate ``threshold_lr``,
     as SAELens's ``topk_threshold``).
 
+    The estimate is updated in fp32 (fp64 for an fp64 module) whatever the module's dtype: a bf16 / fp16
+    module keeps its running estimate as an fp32 tensor of its own (not in the state dict) and the ``threshold``
+    buffer (what is saved and used at inference) as its rounding. Updated in bf16 an EMA step below half a bf16
+    step of ``θ`` (``threshold_lr · |Δ| < 2^-9 θ``: batch minima within 20 % of ``θ``) rounds away and the estimate
+    stalls (until 2026-11-27 it did, outside the :class:`~nnsight_lorsa.training.trainer.Trainer`'s fp32 masters). A
+    write to the buffer from outside (``load_state_dict``, :meth:`set_threshold`, ``threshold.mul_``) restarts the
+    running estimate from the buffer's value.
+
+    Under data parallelism (:func:`global_batch`, which :class:`~nnsight_lorsa.training.distributed.DataParallel`
+    sets around each loss) the statistic the estimate is updated from is combined over the ranks (the mean of the
+    ranks' smallest kept activations, weighted by their kept entries), so every rank holds the same estimate. The
+    batch rule itself stays per rank (``k · n`` of the rank's ``n`` rows), so the estimate approximates, not equals,
+    that of one process on the concatenated batch (whose statistic is the smallest of the global top ``k · N``).
+
     Inference (eval mode): ``x · 1[x > θ]`` per row — independent of the rest of the batch, as
     the paper prescribes. Until a threshold has been estimated (``n_updates == 0``) and none was
     set, eval mode falls back to the batch rule. :meth:`to_jumprelu` exports ``θ`` as the
@@ -183,8 +224,8 @@ class BatchTopK(nn.Module):
     threshold: torch.Tensor
     #: buffers that a training forward updates (an estimate, not a gradient step): the
     #: :class:`~nnsight_lorsa.training.trainer.Trainer` puts them back when it refuses a step, and keeps fp32 masters
-    #: of the bf16 / fp16 ones (an EMA step of rate ``threshold_lr`` below half a bf16 step of ``θ`` would round
-    #: away: the estimate would stall)
+    #: of the bf16 / fp16 ones (saved in its checkpoints and resumed: the module's own fp32 estimate is not in the
+    #: state dict)
     trained_buffers: ClassVar[tuple[str, ...]] = ("threshold", "n_updates")
     n_updates: torch.Tensor
 
@@ -202,6 +243,10 @@ class BatchTopK(nn.Module):
         # other than by these methods is read once again (:meth:`_batch_rule`)
         self._estimated = False
         self._seen = self._stamp()
+        #: the fp32 running estimate of a bf16 / fp16 ``threshold`` (None: not made yet, or dropped), valid while the
+        #: buffer is as :meth:`update_threshold` left it (``_exact_seen``: its object and in-place version)
+        self._exact: torch.Tensor | None = None
+        self._exact_seen: tuple[int, int] = (0, -1)
 
     def _stamp(self) -> tuple[int, int]:
         return id(self.n_updates), self.n_updates._version
@@ -213,10 +258,28 @@ class BatchTopK(nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``.to`` / ``.cuda`` / ``.half``...: the moved ``n_updates`` holds the same value, still mirrored."""
         fresh = self._stamp() == self._seen
+        exact = self._exact if self._exact_seen == self._threshold_stamp() else None
         out = super(BatchTopK, self)._apply(fn, *args, **kwargs)
         if fresh:
             self._seen = self._stamp()
+        self._exact = None
+        if exact is not None and self.threshold.dtype in _LOW_PRECISION:  # still low precision: the estimate moves
+            self._exact = exact.to(self.threshold.device)
+            self._exact_seen = self._threshold_stamp()
         return out
+
+    def _threshold_stamp(self) -> tuple[int, int]:
+        return id(self.threshold), self.threshold._version
+
+    def _running(self) -> torch.Tensor:
+        """The running estimate of ``θ`` in at least fp32: the buffer itself when it is fp32 / fp64, else the fp32
+        estimate kept beside it (made again from the buffer when the buffer was written from outside)."""
+        theta = self.threshold
+        if theta.dtype not in _LOW_PRECISION:
+            return theta
+        if self._exact is None or self._exact_seen != self._threshold_stamp() or self._exact.device != theta.device:
+            self._exact = theta.detach().to(torch.float32)
+        return self._exact
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """A host ``n_updates`` in the loaded state is mirrored as it is read (one on a device: at the next
@@ -238,15 +301,30 @@ class BatchTopK(nn.Module):
 
     @torch.no_grad()
     def update_threshold(self, acts: torch.Tensor) -> None:
-        """Fold the smallest positive kept activation of a batch into the threshold estimate."""
+        """Fold the smallest positive kept activation of a batch into the threshold estimate (in fp32 at least; the
+        statistic combined over the ranks inside :func:`global_batch`)."""
         positive = acts[acts > 0]
-        if positive.numel() == 0:
+        reduce = _GLOBAL_BATCH.get()
+        running = self._running()
+        if reduce is not None:  # every rank takes part, with or without a positive activation
+            # weight: the entries kept (k per row: the dense acts' k · rows, the sparse path's nnz)
+            kept = min(self.k * (acts.numel() // acts.shape[-1]), acts.numel()) if acts.dim() > 1 else acts.numel()
+            local = positive.min().to(running.dtype) if positive.numel() else running.new_zeros(())
+            found = reduce(local, kept if positive.numel() else 0)
+            if found is None:
+                return
+            smallest = found.to(device=running.device, dtype=running.dtype)
+        elif positive.numel() == 0:
             return
-        smallest = positive.min().to(self.threshold.dtype)
-        if not self._batch_estimated():
-            self.threshold.copy_(smallest)
         else:
-            self.threshold.lerp_(smallest, self.threshold_lr)
+            smallest = positive.min().to(running.dtype)
+        if not self._batch_estimated():
+            running.copy_(smallest)
+        else:
+            running.lerp_(smallest, self.threshold_lr)
+        if running is not self.threshold:
+            self.threshold.copy_(running)  # rounded once
+            self._exact_seen = self._threshold_stamp()
         self.n_updates += 1
         self._note(True)
 

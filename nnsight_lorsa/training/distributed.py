@@ -20,6 +20,8 @@ callable yielding stacked CLT batches must shard itself). What makes the result 
   masks OR-ed, token counts summed), and AuxK's normaliser ``E‖e‖²`` is the global mean
   (:meth:`DataParallel.global_mean`), so AuxK matches too;
 * the dataset-norm factors are estimated on the global batches by every rank;
+* a Lorsa's ``revive`` / ``resample`` remedies edit the dead heads from one batch: every rank takes rank 0's edit
+  (:meth:`DataParallel.broadcast_edit`; computed from rank 0's shard, not the global batch);
 * gradient clipping, Adam and the decoder renormalisation then run identically on every rank; a bf16
   module's fp32 master weights (:mod:`.master_weights`) are broadcast from rank 0 with its weights, and
   take the reduced gradients, widened to fp32.
@@ -43,10 +45,17 @@ and give the masters a second source of gradients besides ``move_grads``, stale 
 step that consumes it.
 
 Not identical: BatchTopK picks its ``k · n`` activations per rank (its batch is the shard), and
-the logged metrics (FVU, L0, …) are rank-local. Save checkpoints from one rank (all hold the same
-state). Devices: the collectives run where the backend needs them (NCCL: the current CUDA device;
-gloo and others: the CPU), whatever device the module and the combined tensors are on; results come
-back on the inputs' devices. Needs torch only (plus the trainer's own imports).
+the logged metrics (FVU, L0, …) are rank-local. BatchTopK's inference threshold is one estimate on every rank:
+each update's statistic (the smallest kept activation) is the mean of the ranks', weighted by their kept entries
+(:meth:`DataParallel.combine_threshold`, inside :meth:`DataParallel.loss`); until 2026-11-27 each rank's threshold
+followed its own shard and the ranks' saved thresholds differed. It approximates one process on the concatenated
+batch (whose statistic is the smallest of the global top ``k · N``, between the ranks' smallest and largest).
+Save checkpoints from one rank (all hold the same state). A rank whose source raises at a step stops every rank
+there: the others raise :class:`~..errors.RankFailedError` (told with the step's first collective; an error later in
+the step, inside the forward, still leaves the others waiting in the backward's all-reduce). Devices: the collectives
+run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever device the module
+and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
+own imports).
 """
 
 # (no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects, not strings)
@@ -58,7 +67,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import NotReadyError
+from ..errors import NotReadyError, RankFailedError
+from ..modules.activations import global_batch
 from .master_weights import LOW_PRECISION
 
 
@@ -167,6 +177,7 @@ class DataParallel:
         # a bf16 module's fp32 masters follow rank 0's too (DDP has just broadcast its bf16 weights): every
         # rank then steps the same masters with the same reduced gradients
         src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        self._src = src
         for m in [*trainer.masters.masters(), *trainer.masters.buffer_masters()]:  # (BatchTopK's θ: its master)
             buf = m.detach().to(self.device)
             dist.broadcast(buf, src=src, group=process_group)
@@ -205,6 +216,34 @@ class DataParallel:
         t = self._all_reduce(t)
         return (t[0] / t[1]).to(total.dtype)
 
+    def combine_threshold(self, smallest: torch.Tensor, kept: int) -> torch.Tensor | None:
+        """The statistic of a :class:`~..modules.activations.BatchTopK` threshold update over the ranks
+        (:func:`~..modules.activations.global_batch`): the mean of the ranks' smallest kept positive activations
+        ``smallest`` (0-d), weighted by their kept entries ``kept`` (0: none positive on this rank; its value is not
+        used), computed in fp64 and returned in ``smallest``'s dtype and device — the same on every rank; None on
+        every rank when no rank had one."""
+        t = torch.stack([smallest.detach().to(torch.float64).reshape(()) * kept,
+                         torch.tensor(float(kept), dtype=torch.float64, device=smallest.device)])
+        t = self._all_reduce(t)
+        if not bool(t[1] > 0):
+            return None
+        return (t[0] / t[1]).to(smallest.dtype)
+
+    @torch.no_grad()
+    def broadcast_edit(self, tensors: tuple[torch.Tensor, ...], moved: torch.Tensor, n: int) -> torch.Tensor:
+        """Rank 0's values of ``tensors`` (written in place on every rank) and its ``moved`` indices (1-D, into
+        ``[0, n)``), returned on every rank: the edit of a remedy computed from one rank's shard (a Lorsa's
+        ``revive`` / ``resample``), made the same on every rank (until 2026-11-27 each rank kept its own edit and the
+        ranks' weights parted)."""
+        mask = torch.zeros(n, dtype=torch.int32, device=self.device)
+        mask[moved.to(self.device)] = 1
+        dist.broadcast(mask, src=self._src, group=self.group)
+        for t in tensors:
+            buf = t.detach().to(self.device)
+            dist.broadcast(buf, src=self._src, group=self.group)
+            t.copy_(buf)
+        return mask.nonzero().flatten().to(moved.device)
+
     def all_finite(self, finite: torch.Tensor) -> torch.Tensor:
         """A bool scalar: ``finite`` (this rank's bool scalar) is True on every rank — so that a
         non-finite loss or gradient stops every rank at the same step (:meth:`~.trainer.Trainer.train_step`)."""
@@ -212,10 +251,31 @@ class DataParallel:
 
     def loss(self, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's loss on its part of global batch ``step``, through DDP, scaled so that the
-        averaged gradient is the global batch's."""
-        batch = self.source(step)
-        mask = getattr(batch, "loss_mask", None)
-        n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
-        n_global = self._count(n_local)
-        loss, metrics = self.ddp(batch)
+        averaged gradient is the global batch's.
+
+        Raises:
+            RankFailedError: another rank's source raised at this step (this rank's source raising: its own error,
+                after the other ranks were told; no rank waits in a collective for a failed one).
+        """
+        failure: BaseException | None = None
+        try:  # a rank-local error: told to the other ranks with the step's first collective (none waits in one)
+            batch = self.source(step)
+            mask = getattr(batch, "loss_mask", None)
+            n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
+        except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
+            failure, n_local = e, 0
+        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
+        flags[0], flags[1 + self.rank] = n_local, failure is not None
+        counts: list[int] = self._all_reduce(flags).tolist()
+        failed = [r for r in range(self.world_size) if counts[1 + r]]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RankFailedError(f"step {step}: rank{'s' if len(failed) > 1 else ''} "
+                                  f"{', '.join(map(str, failed))} of the data-parallel run failed getting its part of "
+                                  "the batch (see its own error); this rank stopped at the same step", step=step,
+                                  ranks=failed)
+        n_global = int(counts[0])
+        with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
+            loss, metrics = self.ddp(batch)
         return loss * (n_local * self.world_size / max(1, n_global)), metrics

@@ -63,7 +63,9 @@ class LorsaObjective(_Objective):
         check_k_anneal(self.recipe, int(module.cfg.top_k), int(module.cfg.n_ov_heads))
         self.init_info: dict[str, float] = {}
         self._last: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None
-        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: (x, err, loss_mask, dead, positions, attn_mask) of the batch the ``resample`` remedy draws from
+        self._resample: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None] | None = None
         self.balance: HeadBalance | None = None        # dead_remedy="balance"
         self._fired: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
@@ -124,9 +126,12 @@ class LorsaObjective(_Objective):
             self.balance.update(lorsa, self.recipe, counts, z_max, n, t.step, t.config.total_steps)
             self._fired = None
         if self._resample is not None:
-            x, err, mask, dead = self._resample
-            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step))
+            x, err, mask, dead, positions, attn_mask = self._resample
+            moved = resample_dead(lorsa, x, err, mask, dead, torch.Generator(device="cpu").manual_seed(t.step),
+                                  positions=positions, attn_mask=attn_mask)
         self._last = self._resample = None
+        if moved is not None and t.dist is not None:  # each rank edited from its shard: all take rank 0's edit
+            moved = t.dist.broadcast_edit((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved, lorsa.cfg.n_ov_heads)
         if moved is not None and moved.numel():
             t.reset_latents((lorsa.W_V, lorsa.b_V, lorsa.W_O), moved)
         if not self.recipe.rank_by_decoder_norm:
@@ -179,7 +184,7 @@ class LorsaObjective(_Objective):
         elif remedy == "revive" and dead.any():
             self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():
-            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone())
+            self._resample = (x.detach(), (y - out).detach(), mask, dead.clone(), batch.positions, batch.attn_mask)
         if recipe.dead_remedy == "balance":
             zp = z_pre.detach()[mask]
             z_max = zp.amax(0) if zp.shape[0] else torch.full_like(z_pre[0, 0], -torch.inf)

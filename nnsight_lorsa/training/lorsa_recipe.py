@@ -516,11 +516,16 @@ def revive_dead(lorsa: Lorsa, z_pre: torch.Tensor, dead: torch.Tensor, k: int, m
 
 @torch.no_grad()
 def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: torch.Tensor, dead: torch.Tensor,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, positions: torch.Tensor | None = None,
+                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Re-initialise the ``dead (n_ov,)`` heads toward high-error tokens of one batch (module docstring).
 
     ``x (b, s, d)`` the training-space input, ``err (b, s, d)`` the error ``y − ŷ`` (training space),
-    ``loss_mask (b, s)`` (all on the Lorsa's device). The tokens are drawn on ``generator``'s device
+    ``loss_mask (b, s)`` (all on the Lorsa's device); ``positions`` and ``attn_mask`` the batch's RoPE positions
+    and key-padding mask, as for the Lorsa forward (:meth:`~..modules.lorsa.Lorsa.attention_pattern`): only the
+    counted tokens are drawn and averaged, and they attend to real tokens only, so the values at padded positions
+    never count (until 2026-11-27 the pattern was computed without them: left-padded tokens attended to the
+    padding before them). The tokens are drawn on ``generator``'s device
     (the CPU without one), so the draw does not depend on the Lorsa's. Returns the indices of the
     re-initialised heads. A head whose drawn token gives no direction — its attended input equal to the
     mean over the counted tokens, as when the batch counts a single token — is left as it was and not
@@ -540,7 +545,7 @@ def resample_dead(lorsa: Lorsa, x: torch.Tensor, err: torch.Tensor, loss_mask: t
     pick = torch.multinomial((weights / weights.sum()).to(gen_device), idx.numel(), replacement=True,
                              generator=generator).to(weights.device)
     groups = idx // lorsa.cfg.group_size
-    pattern = lorsa.attention_pattern(x)                                  # (b, n_qk, s, s)
+    pattern = lorsa.attention_pattern(x, None, positions, attn_mask)     # (b, n_qk, s, s)
     xbar = pattern.float() @ x[:, None].float()                                  # (b, n_qk, s, d): attended input
     mu = (xbar * loss_mask[:, None, :, None]).sum((0, 2)) / loss_mask.sum()   # (n_qk, d): mean over tokens
     b_i, s_i = pos[pick, 0], pos[pick, 1]

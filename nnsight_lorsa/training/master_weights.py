@@ -19,7 +19,9 @@ inference threshold, an EMA of rate ``threshold_lr``) get an fp32 master too (:m
 while the loss runs (:meth:`MasterWeights.estimating`) the module holds it in the buffer's place, and the buffer is
 then its rounding. In bf16 an EMA step below half a bf16 step of the estimate (``threshold_lr · |Δ| < 2^-9 θ``:
 batch minima within 20 % of ``θ``) rounds away, and the threshold stalls (until 2026-11-27: a bf16 BatchTopK's
-threshold stayed at 1.0 where the batches' smallest kept activation moved to 1.15; fp16: 1.10).
+threshold stayed at 1.0 where the batches' smallest kept activation moved to 1.15; fp16: 1.10). Since then the
+module's own update is exact too (a bf16 BatchTopK keeps an fp32 running estimate beside its buffer, not in its state
+dict); the master is what the trainer's checkpoints save, restores on a refused step and broadcasts under DDP.
 
 Memory per trained parameter: bf16 weight 2 B + fp32 master 4 B + two fp32 Adam moments 8 B = 14 B (without
 masters: 2 + 4 = 6 B, the moments in bf16); fp32 training needs 4 + 8 = 12 B. Gradients come on top: 4 B on
