@@ -1001,6 +1001,7 @@ def test_for_remote_refuses_a_module_never_loaded(kind) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_for_remote_sends_host_copies_of_modules_on_a_gpu() -> None:
     """A client holding its replacements on ``cuda:N`` sent that device name in the pickle (the server may have no
     such device); the copies are on the host, equal to the cast weights, and the originals stay where they were."""
