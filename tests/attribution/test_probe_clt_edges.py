@@ -3,12 +3,15 @@ Jacobian of a frozen replacement model built by hand.
 
 The frozen model is written here from the definition (Ameisen et al. 2025, *Circuit Tracing*; docs/attribution.md,
 "What a graph is"), as Hugging Face hooks on the unmodified model: every attention pattern and every RMSNorm's
-``1/rms`` frozen at the prompt's values (eager attention patched), MLP ``l < n_layers`` replaced by
+``1/rms`` (LayerNorm's ``1/σ``, its centring live) frozen at the prompt's values (eager attention patched), MLP
+``l < n_layers`` replaced by
 ``Σ_{s ≤ l} m_s ⊙ acts_s · W_dec_s[:, l − s] + b_dec[l] + x_l W_skip[l]ᵀ + m_err[l] ⊙ error_l`` with the clean
 features ``acts_s = σ(x_s W_enc[s] + b_enc[s])`` held fixed and ``error_l`` the clean MLP output minus the clean
 reconstruction, MLP ``l ≥ n_layers`` by ``m_err[l] ⊙`` its clean output, the embedding scaled by ``m_emb``. An
 edge ``s → t`` is ``∂t/∂m_s`` at ``m = 1`` (``t`` a feature's pre-activation ``x_l' W_enc[l'] + b_enc[l']`` or a
-demeaned logit). No ``nnsight_lorsa`` code runs in the reference; the CLT's weights are read as tensors.
+demeaned logit). No ``nnsight_lorsa`` computation runs in the reference (the adapter gives module paths; the CLT's
+weights are read as tensors) but a Lorsa's QK pattern, taken from its own ``attention_pattern`` (the Lorsa's
+patterns are probed elsewhere).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from nnsight_lorsa.attribution import attribute
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LORSA, MLP_ERROR, TRANSCODER
 from nnsight_lorsa.modules import CLTConfig, CrossLayerTranscoder
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
 D = 64
 
 
@@ -88,7 +91,7 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
             st_["pattern"][id(module)] = w.detach()
             return out, w
         w = st_["pattern"][id(module)]
-        v = arch.repeat_kv(value, module.num_key_value_groups)
+        v = arch.repeat_kv(value, module.num_key_value_groups) if hasattr(arch, "repeat_kv") else value
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
     monkeypatch.setattr(arch, "eager_attention_forward", attention)
@@ -123,12 +126,18 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
         return out if W_skip is None else out + x @ W_skip[layer].T
 
     def norm_hook(name):
+        layer_norm = isinstance(hf.get_submodule(name), torch.nn.LayerNorm)  # GPT-2: centred, with a bias
+
         def hook(module, args, out):
             x = args[0]
+            if layer_norm:
+                x = x - x.mean(-1, keepdim=True)  # linear: live
             if st_["mode"] == "record":
-                st_["scale"][name] = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+                eps = module.eps if layer_norm else module.variance_epsilon
+                st_["scale"][name] = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
                 return out
-            return (x.float() * st_["scale"][name]).to(x.dtype) * module.weight
+            y = (x.float() * st_["scale"][name]).to(x.dtype) * module.weight
+            return y + module.bias if layer_norm else y
         return hook
 
     def mlp_hook(layer):
@@ -154,14 +163,15 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
         return hook
 
     handles = [m.register_forward_hook(norm_hook(name)) for name, m in hf.named_modules()
-               if type(m).__name__.endswith("RMSNorm")]
-    handles += [hf.model.layers[layer].mlp.register_forward_hook(mlp_hook(layer)) for layer in range(n_model)]
+               if type(m).__name__.endswith("RMSNorm") or isinstance(m, torch.nn.LayerNorm)]
+    handles += [hf.get_submodule(adapter.mlp_path(layer)).register_forward_hook(mlp_hook(layer))
+                for layer in range(n_model)]
     if lorsa is not None:
         handles.append(adapter.attention_module(hf, 1).register_forward_hook(lorsa_hook, with_kwargs=True))
-    handles.append(hf.model.embed_tokens.register_forward_hook(
+    handles.append(hf.get_submodule(adapter.residual_start_path).register_forward_hook(
         lambda m, a, o: o if st_["mode"] == "record" else o * st_["m_emb"][None, :, None]))
     seen: list = []
-    handles.append(hf.lm_head.register_forward_hook(lambda m, a, o: seen.append(o)))
+    handles.append(hf.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(o)))
     with torch.no_grad():
         hf(ids[None])
     acts = st_["acts"]
@@ -187,10 +197,10 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
            seq=st.integers(2, 7), with_lorsa=st.booleans())
 def test_clt_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family, n_layers, kind, skip, seed, seq,
                                                                       with_lorsa):
-    """``attribute`` of a CLT over the first ``n_layers`` MLPs (the rest error nodes) on tiny Llama / Qwen2 / Qwen3
-    (fp32): the feature nodes are the clean active features with their activations; each computed row's value is the
-    target's (pre-activation / demeaned logit); the edges into the top logit and into the 4 largest features of every
-    layer ≥ 1 from every embedding, every CLT feature of an earlier layer (its decoders into every MLP in between,
+    """``attribute`` of a CLT over the first ``n_layers`` MLPs (the rest error nodes) on tiny Llama / Qwen2 / Qwen3 /
+    GPT-2 (fp32): the feature nodes are the clean active features with their activations; each computed row's value is
+    the target's (pre-activation / demeaned logit); the edges into the top logit and into the 4 largest features of
+    every layer ≥ 1 from every embedding, every CLT feature of an earlier layer (its decoders into every MLP in between,
     the paths through the frozen attention included) and every MLP error node of an earlier layer equal the
     Jacobian, within 1e-4 of the row's largest edge. ``with_lorsa``: a Lorsa also replaces attention layer 1's
     output (one graph with both): its head nodes are the clean ``z``, the edges into its 4 largest heads (from the
