@@ -62,7 +62,7 @@ def act_ref(pre: torch.Tensor, clt: CrossLayerTranscoder, layer: int) -> torch.T
 
 
 def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkeypatch: Any, edit: Any = None,
-                   lorsa: Any = None):
+                   lorsa: Any = None, reads: str = "mlp"):
     """Returns ``(the pass's features {layer: (pos, d_sae)}, run, handles)``; ``run(m, m_err, m_emb)`` runs the
     frozen model and returns ``({layer: pre-activations (pos, d_sae)}, unembedding output (pos, vocab))``.
 
@@ -75,11 +75,15 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
     (from the Lorsa's own ``attention_pattern`` on the clean input) and its top-k choice are fixed; its heads are
     nodes, so its output is ``(m_lorsa ⊙ z_clean) W_O + b_D + m_attn_err ⊙ error``, and ``run`` also returns the live
     ``z_pre = A v (pos, n_ov)`` (values ``x W_Vᵀ + b_V`` of the live input; each group of ``n_ov / n_qk``
-    consecutive OV heads shares a QK head), the heads' rows."""
+    consecutive OV heads shares a QK head), the heads' rows.
+
+    ``reads``: what layer ``l``'s encoder (and skip path) reads — ``"mlp"``: the MLP's input (the frozen pre-MLP
+    norm's output); ``"resid_mid"``: the pre-MLP norm's input (circuit-tracer ``hook_resid_mid``), live;
+    ``"normalized"``: that input times the norm's frozen ``1/rms``, without the gain (``ln2.hook_normalized``)."""
     arch = importlib.import_module(type(hf).__module__)
     original = arch.eager_attention_forward
     st_: dict[str, Any] = {"mode": "record", "pattern": {}, "scale": {}, "x": {}, "mlp_out": {}, "acts": {},
-                           "clean": {}}
+                           "clean": {}, "mid": {}}
     n, n_model = clt.n_layers, hf.config.num_hidden_layers
     W_enc, b_enc, b_dec = clt.W_enc.detach(), clt.b_enc.detach(), clt.b_dec.detach()
     W_dec = [getattr(clt, f"W_dec_{layer}").detach() for layer in range(n)]
@@ -130,6 +134,8 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
 
         def hook(module, args, out):
             x = args[0]
+            if name in mid_norms:
+                st_["mid"][mid_norms[name]] = x if st_["mode"] == "frozen" else x.detach()  # resid_mid
             if layer_norm:
                 x = x - x.mean(-1, keepdim=True)  # linear: live
             if st_["mode"] == "record":
@@ -140,10 +146,21 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
             return y + module.bias if layer_norm else y
         return hook
 
+    mid_norms = {adapter.mlp_norm_path(layer): layer for layer in range(n)}
+
+    def read(layer: int, mlp_in: torch.Tensor) -> torch.Tensor:
+        if reads == "mlp" or layer >= n:
+            return mlp_in
+        mid = st_["mid"][layer]
+        if reads == "resid_mid":
+            return mid
+        return (mid.float() * st_["scale"][adapter.mlp_norm_path(layer)]).to(mid.dtype)
+
     def mlp_hook(layer):
         def hook(module, args, out):
+            x = read(layer, args[0])
             if st_["mode"] == "record":
-                x = args[0].detach()
+                x = x.detach()
                 if layer < n:
                     clean = act_ref(x @ W_enc[layer] + b_enc[layer], clt, layer)
                     st_["clean"][layer] = clean
@@ -154,12 +171,12 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
                     out = out + (recon(layer, st_["acts"], x) - recon(layer, st_["clean"], x))
                 st_["x"][layer], st_["mlp_out"][layer] = x, out.detach()
                 return out
-            st_["live_x"][layer] = args[0]
+            st_["live_x"][layer] = x
             err = st_["m_err"][layer][None, :, None] * st_["error"][layer]
             if layer >= n:
                 return err
             acts = {s: st_["acts"][s] * st_["m"][s] for s in range(layer + 1)}
-            return recon(layer, acts, args[0]) + err
+            return recon(layer, acts, x) + err
         return hook
 
     handles = [m.register_forward_hook(norm_hook(name)) for name, m in hf.named_modules()
@@ -194,9 +211,9 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
 
 @generated(2, 200, family=st.sampled_from(FAMILIES), n_layers=st.integers(1, 3),
            kind=st.sampled_from(("relu", "jumprelu", "topk")), skip=st.booleans(), seed=st.integers(0, 2**16),
-           seq=st.integers(2, 7), with_lorsa=st.booleans())
+           seq=st.integers(2, 7), with_lorsa=st.booleans(), reads=st.sampled_from(("mlp", "resid_mid", "normalized")))
 def test_clt_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family, n_layers, kind, skip, seed, seq,
-                                                                      with_lorsa):
+                                                                      with_lorsa, reads):
     """``attribute`` of a CLT over the first ``n_layers`` MLPs (the rest error nodes) on tiny Llama / Qwen2 / Qwen3 /
     GPT-2 (fp32): the feature nodes are the clean active features with their activations; each computed row's value is
     the target's (pre-activation / demeaned logit); the edges into the top logit and into the 4 largest features of
@@ -205,10 +222,18 @@ def test_clt_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family, n_
     Jacobian, within 1e-4 of the row's largest edge. ``with_lorsa``: a Lorsa also replaces attention layer 1's
     output (one graph with both): its head nodes are the clean ``z``, the edges into its 4 largest heads (from the
     embeddings and layer 0's features and error nodes, through its live values and frozen pattern) and from its heads
-    and error nodes into every later target equal the Jacobian too."""
+    and error nodes into every later target equal the Jacobian too. ``reads``: the CLT reads (and its skip path
+    reads) the MLP's input, or, as a circuit-tracer file recording ``hook_resid_mid`` / ``ln2.hook_normalized`` says,
+    the pre-MLP norm's input or that input times the norm's frozen ``1/rms``."""
     model, hf = tiny_nnsight(family)
     ids = random_ids(1, seq, seed=seed)[0]
     clt = build_clt(n_layers, kind, skip, seed)
+    if family == "gpt2" and reads == "normalized":
+        reads = "resid_mid"  # ln2.hook_normalized on a LayerNorm with a gain is refused by name (hook_sites)
+    if reads != "mlp":  # a circuit-tracer file's hooks (docs/attribution.md, "Transcoders off the MLP call")
+        clt.cfg.extra["circuit_tracer"] = {
+            "feature_input_hook": {"resid_mid": "hook_resid_mid", "normalized": "ln2.hook_normalized"}[reads],
+            "feature_output_hook": "hook_mlp_out" if family == "gpt2" else "mlp.hook_out"}
     lorsa = None
     if with_lorsa:
         with torch.random.fork_rng():
@@ -216,7 +241,7 @@ def test_clt_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family, n_
             lorsa = make_lorsa(hf, get_adapter(hf), 1, seed=seed)
     g = attribute(rm(model, None if lorsa is None else {1: lorsa}, CLTSet(model, clt)), ids, batch_size=64)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        check_edges(hf, clt, g, ids, seq, n_layers, monkeypatch, lorsa=lorsa)
+        check_edges(hf, clt, g, ids, seq, n_layers, monkeypatch, lorsa=lorsa, reads=reads)
 
 
 @generated(2, 200, family=st.sampled_from(FAMILIES), n_layers=st.integers(1, 3),
@@ -244,9 +269,9 @@ def test_intervened_clt_edges_equal_the_jacobian_of_the_edited_pass(family, n_la
         check_edges(hf, clt, handle.graph, ids, seq, n_layers, monkeypatch, edit)
 
 
-def check_edges(hf, clt, g, ids, seq, n_layers, monkeypatch, edit=None, lorsa=None) -> None:
+def check_edges(hf, clt, g, ids, seq, n_layers, monkeypatch, edit=None, lorsa=None, reads="mlp") -> None:
     """The node activations and the edges of ``g`` against :func:`frozen_by_hand` (see the tests)."""
-    acts, run, handles = frozen_by_hand(hf, clt, ids, monkeypatch, edit, lorsa)
+    acts, run, handles = frozen_by_hand(hf, clt, ids, monkeypatch, edit, lorsa, reads)
     try:
         nodes = g.nodes
 
