@@ -170,13 +170,15 @@ class CrossLayerTranscoder(ReplacementModule):
     def _check_acts(self, acts: Sequence[torch.Tensor], layer: int) -> None:
         """``acts[0..layer]``: tensors ``(*batch, d_sae)`` of one batch shape, in the decoder's dtype
         (shapes and dtypes only: no value is read)."""
-        first = acts[layer]
-        for source in range(layer + 1):
+        for source in range(layer + 1):  # every width first: a wrong one is named, not the others' batch shape
             a = acts[source]
             if not isinstance(a, torch.Tensor) or a.dim() < 1 or a.shape[-1] != self.cfg.d_sae:
                 got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
                 raise ShapeError(f"{self._kind} expects acts[{source}] of shape (*batch, d_sae={self.cfg.d_sae}), "
                                  f"got {got}")
+        first = acts[layer]
+        for source in range(layer + 1):
+            a = acts[source]
             if a.shape != first.shape:
                 raise ShapeError(f"{self._kind}: acts[{source}] has shape {tuple(a.shape)}, acts[{layer}] "
                                  f"{tuple(first.shape)} (one batch shape for every layer)")
