@@ -332,14 +332,15 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
                       noun: str = "war", years: Sequence[int] | None = None) -> TaskBatch:
     """Greater-than (Draye et al. 2025 App. A.1): "The war lasted from the year 1363 to 13" → "64"…"99".
 
-    If the tokenizer has every two-digit number as a single token after the century prefix, the
-    answer is the two-digit token (correct: ``YY+1``, incorrect: ``YY−1``); otherwise (digit
+    If the tokenizer has every two-digit number as a single token after the century prefix (as it spells it after
+    the prompt, :func:`next_token`: ``64`` after "… to 13", not the word-start ``▁64`` a SentencePiece tokenizer
+    gives "64" alone), the answer is the two-digit token (correct: ``YY+1``, incorrect: ``YY−1``); otherwise (digit
     tokenizers, like Llama-3's or the tinyshakespeare BPE) the prompt ends one digit later —
-    "from the year 1363 to 136" — and the answer is the final digit (correct ``Y+1``, incorrect
-    ``Y−1``; the App. A.1 simplification for LLaMA). One ``noun`` per batch (see :data:`NOUNS`).
-    Corrupt prompts start in year ``..01`` / ``..0``. ``years``: the start years' last two digits to
-    draw from (e.g. held-out ones; default all usable: 02–97, or with one-digit answers those with a
-    last digit 1–8 and a decade digit 1–9).
+    "from the year 1363 to 136" — and the answer is the final digit as the tokenizer continues the number with it
+    (correct ``Y+1``, incorrect ``Y−1``; the App. A.1 simplification for LLaMA; never a byte-fallback token).
+    One ``noun`` per batch (see :data:`NOUNS`). Corrupt prompts start in year ``..01`` / ``..0``. ``years``: the start
+    years' last two digits to draw from (e.g. held-out ones; default all usable: 02–97, or with one-digit answers
+    those with a last digit 1–8 and a decade digit 1–9).
 
     Raises:
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts without
@@ -424,7 +425,9 @@ def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[i
 def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = None, *,
                     template: str = "{op1} + {op2} =", n_prompts: int = 8, seed: int = 0) -> TaskBatch:
     """``op1 + op2 =`` prompts (Lorsa paper §6.2): correct = the answer's first token, incorrect = the
-    first token of a wrong sum. Corrupt prompts change ``op2``. Default pairs: random two-digit
+    first token of a wrong sum, each as the tokenizer encodes the prompt followed by the sum (a leading
+    whitespace-only token, e.g. Llama-2's ``▁`` before its single digits, moves into the prompt; never a
+    byte-fallback token). Corrupt prompts change ``op2``. Default pairs: random two-digit
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:
