@@ -209,5 +209,6 @@ __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "Concurre
 
 class UndefinedNormalizationError(LorsaError, ZeroDivisionError):
     """A normalized patching effect divides by ``clean − corrupt`` where the clean and corrupt metrics are equal or
-    within the logits' rounding (``PatchingResult.normalized``, ``PathPatchingResult.normalized``): the message names
-    the rows and both metrics."""
+    within the logits' rounding (``PatchingResult.normalized``, ``PathPatchingResult.normalized``; so do
+    ``circuit_size``'s ``m_all − m_0`` and ``relative_effect``'s baseline, ``patching.metrics.check_gap``): the
+    message names the rows and both metrics."""

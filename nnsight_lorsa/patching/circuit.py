@@ -16,7 +16,6 @@ ranking by the batch-mean score, ``f`` on the batch-mean metric).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +30,7 @@ from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
 from .interventions import refuse_inside_trace
+from .metrics import check_gap
 from .tasks import TaskBatch
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -47,12 +47,11 @@ class CircuitSize(FieldsRepr):
         ks: ``(K,)`` the circuit sizes evaluated (0 … n).
         per_prompt_curve: ``(K, batch)`` recovered fraction keeping each prompt's top-k.
         global_curve: ``(K,)`` recovered fraction (batch-mean metric) keeping the global top-k.
-        per_prompt_k: ``(batch,)`` smallest evaluated k with ``f ≥ threshold`` (n if none; n also where the
-            prompt's metric does not move, ``m_all = m_0``: its curve is NaN, and :func:`circuit_size` warns).
+        per_prompt_k: ``(batch,)`` smallest evaluated k with ``f ≥ threshold`` (n if none).
         global_k: the same for the global ranking.
         threshold: the fraction to recover (0.9).
         metric_all, metric_none: ``(batch,)`` metric with no component / every component ablated
-            (``m_all``, ``m_0``; a small ``m_all − m_0`` makes the fractions noisy).
+            (``m_all``, ``m_0``; a small ``m_all − m_0`` makes the fractions noisy, one within rounding is refused).
     """
 
     components: list[Component]
@@ -216,6 +215,10 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
         :class:`CircuitSize`; ``per_prompt_k: (batch,)``, ``global_k``, the curves ``(K, batch)``, ``(K,)``.
 
     Raises:
+        UndefinedNormalizationError: prompts (or the batch mean) whose metric with every component kept and with none
+            are equal within the logits' rounding (:func:`~.metrics.check_gap`, the rule of ``normalized``): their
+            ``f(k)`` would be 0/0 or rounding noise (until 2026-11-27 a warning and NaN for an exact tie only, noise
+            fractions otherwise); drop those prompts (``task.select``).
         ConfigMismatchError: no/unknown components, mean mode without means, ``ks`` outside ``[0, n]``.
         ArgumentError: ``threshold`` not a finite number, ``ks`` not ints, non-finite ``scores``, a metric
             that does not return ``(batch,)``; an :class:`~.targets.MHSAHead` of a layer whose Lorsa (a component's)
@@ -256,15 +259,15 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     m = torch.stack([score(x) for x in logits]).view(len(kk), 2, b)
     mp, mg = m[:, 0], m[:, 1]
     i0, i_all = 0, len(kk) - 1
-    per = (mp - mp[i0]) / (mp[i_all] - mp[i0])
-    glob = (mg.mean(1) - mg[i0].mean()) / (mg[i_all].mean() - mg[i0].mean())
-    flat = (mp[i_all] == mp[i0]).nonzero().flatten().tolist()
-    if flat:  # 0 / 0: no fraction to recover — said, not reported as a circuit of all n components
-        warnings.warn(f"circuit_size: prompts {flat} have the same metric with every component kept and with none "
-                      f"(m_all = m_0): their recovered fraction is 0/0 (NaN in per_prompt_curve) and their "
-                      f"per_prompt_k is n={n}, not a circuit size{' (so is global_k)' if len(flat) == b else ''} — "
-                      "e.g. correct_ids equal to incorrect_ids, or components that do not reach the metric",
-                      stacklevel=2)
+    rounding = torch.finfo(logits[0].dtype).eps  # the metrics' resolution: the logits' dtype
+    # a prompt the components do not move beyond rounding has no fraction to recover: refused as normalized refuses
+    advice = ("the components do not move the metric there (e.g. correct_ids equal to incorrect_ids, or components "
+              "that do not reach it): drop those prompts (task.select)")
+    per = (mp - mp[i0]) / check_gap(mp[i_all], mp[i0], rounding, "circuit_size",
+                                    ("m_all (every component kept)", "m_0 (none)"), advice=advice)
+    glob = (mg.mean(1) - mg[i0].mean()) / check_gap(mg[i_all].mean(), mg[i0].mean(), rounding,
+                                                    "circuit_size (the batch-mean metric)",
+                                                    ("m_all (every component kept)", "m_0 (none)"), advice=advice)
     kt = torch.tensor(kk, device=HOST)
     reached = per >= threshold  # (K, b)
     first = torch.where(reached.any(0), reached.float().argmax(0), torch.full((b,), len(kk) - 1, device=HOST))

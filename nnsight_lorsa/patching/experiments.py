@@ -264,6 +264,8 @@ class AblationResult:
 
     @property
     def relative(self) -> torch.Tensor:
+        """``(batch,)`` ``(baseline − ablated) / baseline`` (:func:`~.metrics.relative_effect`: a zero or
+        rounding-sized baseline raises ``UndefinedNormalizationError`` naming the rows)."""
         return relative_effect(self.baseline, self.ablated)
 
 
@@ -316,7 +318,8 @@ class RandomControl:
 
     @property
     def relative(self) -> torch.Tensor:
-        """Relative effect per draw (batch-mean metric): ``(n_samples,)``."""
+        """Relative effect per draw (batch-mean metric): ``(n_samples,)`` (:func:`~.metrics.relative_effect`: a zero or
+        rounding-sized batch-mean baseline raises ``UndefinedNormalizationError``)."""
         return relative_effect(self.baseline.mean(), self.samples.mean(-1))
 
 

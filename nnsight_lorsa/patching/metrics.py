@@ -61,10 +61,14 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
 def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float) -> torch.Tensor:
     """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect.
 
-    In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU). Undefined
-    where the baseline is 0: ``±inf`` or NaN there (as the division gives).
+    In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU). Undefined where the
+    baseline is 0 or rounding-sized (``|baseline| <= NORMALIZATION_TOLERANCE · eps(fp32) · max(|baseline|,
+    |intervened|)``, :func:`check_gap`'s rule): refused there, as :func:`normalized_effect` refuses (until 2026-11-27
+    ``±inf``, NaN or a quotient of rounding noise).
 
     Raises:
+        UndefinedNormalizationError: naming the rows (elements) and both values where the baseline is 0 or
+            rounding-sized.
         ArgumentError: ``baseline`` or ``intervened`` not a real number or real tensor (bools, strings, None,
             non-finite numbers).
     """
@@ -76,12 +80,42 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
             raise ArgumentError(f"relative_effect: {name} must be a finite number or a tensor, got {value!r}")
     b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
                                                                                             device="cpu")
-    return (b - torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)) / b
+    i = torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)
+    check_gap(b, torch.zeros_like(b), torch.finfo(torch.float32).eps, "relative_effect", ("the baseline", "0"),
+              torch.maximum(b.abs(), i.abs()), "an effect relative to a zero baseline is undefined; read the "
+              "difference baseline − intervened")
+    return (b - i) / b
 
 
 #: clean and corrupt metrics closer than this many units of the logits' rounding (``finfo(logits dtype).eps`` times
 #: the larger ``|metric|``) leave :func:`normalized_effect` undefined
 NORMALIZATION_TOLERANCE = 4
+
+
+def check_gap(first: torch.Tensor, second: torch.Tensor, rounding: float, what: str,
+              names: tuple[str, str] = ("clean", "corrupt"), scale: torch.Tensor | None = None,
+              advice: str = "drop those prompts (their corrupt prompt does not move the metric) or read the "
+                            "unnormalized difference") -> torch.Tensor:
+    """``first − second`` (fp32, any shape), refused where it is 0 or rounding: a denominator with
+    ``|first − second| <= NORMALIZATION_TOLERANCE · rounding · scale`` (``scale`` default ``max(|first|, |second|)``;
+    ``rounding``: the eps of the logits' dtype the metrics come from, e.g. ``2**-7`` for bf16) would give ±inf, NaN or
+    a huge quotient of rounding noise. The one check of :func:`normalized_effect`, :func:`relative_effect` and
+    :func:`~.circuit.circuit_size`.
+
+    Raises:
+        UndefinedNormalizationError: naming ``what``, the rows (flat indices), both values (``names``) and ``advice``.
+    """
+    gap = first - second
+    scale = torch.maximum(first.abs(), second.abs()) if scale is None else scale
+    flat = (gap.abs() <= NORMALIZATION_TOLERANCE * rounding * scale).flatten()
+    if bool(flat.any()):
+        rows = flat.nonzero().flatten().tolist()
+        a, b = first.flatten(), second.expand_as(first).flatten()
+        shown = ", ".join(f"{float(a[i]):.6g} vs {float(b[i]):.6g}" for i in rows[:5])
+        raise UndefinedNormalizationError(
+            f"{what}: {names[0]} and {names[1]} are equal within the logits' rounding at rows {rows} ({shown}"
+            f"{', …' if len(rows) > 5 else ''}): a ratio over ({names[0]} − {names[1]}) is undefined there; {advice}")
+    return gap
 
 
 def normalized_effect(numerator: torch.Tensor, clean: torch.Tensor, corrupt: torch.Tensor, rounding: float,
@@ -93,20 +127,10 @@ def normalized_effect(numerator: torch.Tensor, clean: torch.Tensor, corrupt: tor
     The ratio is undefined where the gap is 0 and meaningless where it is rounding: a row with
     ``|clean − corrupt| <= NORMALIZATION_TOLERANCE · rounding · max(|clean|, |corrupt|)`` (``rounding``: the eps of
     the logits' dtype the metrics come from, e.g. ``2**-7`` for bf16) is refused rather than returned as ±inf, NaN or
-    a huge quotient of rounding noise; drop those prompts (their corrupt prompt does not change the metric) or read
-    the unnormalized difference (``numerator``).
+    a huge quotient of rounding noise (:func:`check_gap`); drop those prompts (their corrupt prompt does not change the
+    metric) or read the unnormalized difference (``numerator``).
 
     Raises:
         UndefinedNormalizationError: naming ``what``, the rows and their clean and corrupt metrics.
     """
-    gap = clean - corrupt
-    scale = torch.maximum(clean.abs(), corrupt.abs())
-    flat = gap.abs() <= NORMALIZATION_TOLERANCE * rounding * scale
-    if bool(flat.any()):
-        rows = flat.nonzero().flatten().tolist()
-        shown = ", ".join(f"{float(clean[i]):.6g} vs {float(corrupt[i]):.6g}" for i in rows[:5])
-        raise UndefinedNormalizationError(
-            f"{what}: the clean and corrupt metrics are equal within the logits' rounding at rows {rows} ({shown}"
-            f"{', …' if len(rows) > 5 else ''}): (…) / (clean − corrupt) is undefined there; drop those prompts "
-            "(their corrupt prompt does not move the metric) or read the unnormalized difference")
-    return numerator / gap[None]
+    return numerator / check_gap(clean, corrupt, rounding, what, ("the clean", "corrupt metrics"))[None]

@@ -112,7 +112,9 @@ class PathPatchingResult(FieldsRepr):
 
     @property
     def relative(self) -> torch.Tensor:
-        """``(n_groups,)`` relative effect on the batch-mean metric, ``(clean − patched) / clean``."""
+        """``(n_groups,)`` relative effect on the batch-mean metric, ``(clean − patched) / clean``
+        (:func:`~.metrics.relative_effect`: a zero or rounding-sized clean mean raises
+        ``UndefinedNormalizationError``)."""
         return relative_effect(self.clean.mean(), self.patched.mean(-1))
 
     @property

@@ -109,19 +109,52 @@ _BEFORE = "and"
 def word_token(tokenizer: Any, text: str) -> int | None:
     """The id of ``text`` (a word with its leading space, e.g. ``" Mary"``) as the one token the tokenizer gives it
     after a word (``"and Mary"`` encodes as ``"and"``'s ids plus that token, and decodes back to ``"and"``'s text plus
-    ``text``), else None.
+    ``text``), else None: :func:`next_token` after ``"and"``.
 
     In context, not alone: a SentencePiece / Llama-style tokenizer writes the space as the word-start mark ``▁``
     and decodes ``▁Mary`` alone as ``"Mary"`` (the leading space stripped), so :func:`single_token` finds no word
     there; a byte-level BPE (``ĠMary``) gives the same id both ways. A word spelled through several pieces,
     byte-fallback tokens (``<0xC3>``…) or the unknown token is not one token.
     """
-    before = _encode(tokenizer, _BEFORE)
-    ids = _encode(tokenizer, _BEFORE + text)
-    if len(ids) != len(before) + 1 or ids[:len(before)] != before \
-            or tokenizer.decode(ids) != tokenizer.decode(before) + text:  # (a tokenizer may add a prefix space)
+    return next_token(tokenizer, _BEFORE, text)
+
+
+def continuation(tokenizer: Any, before: str, text: str) -> list[int] | None:
+    """The ids ``text`` adds after ``before`` where the tokenizer encodes them together: ``encode(before + text)`` is
+    ``encode(before)`` plus these ids and decodes back to ``before``'s decoded text plus ``text``; None where
+    ``before``'s tokens change (``text`` merges with its last token), or the text does not decode back (an
+    unknown-token fallback). Without special tokens.
+
+    The token a model predicts after a prompt is this, not ``text`` encoded alone: a SentencePiece / Llama-style
+    tokenizer spells a digit that continues a number (``"136"`` + ``"4"``) as ``4`` and the same digit alone as the
+    word-start ``▁4``.
+    """
+    head = _encode(tokenizer, before)
+    ids = _encode(tokenizer, before + text)
+    if len(ids) <= len(head) or ids[:len(head)] != head \
+            or tokenizer.decode(ids) != tokenizer.decode(head) + text:  # (a tokenizer may add a prefix space)
         return None
-    return ids[-1]
+    return ids[len(head):]
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def is_byte_token(tokenizer: Any, tid: int) -> bool:
+    """Whether ``tid`` is a byte-fallback token (SentencePiece's ``<0xNN>``: one byte of a character the vocabulary
+    does not hold)."""
+    piece = tokenizer.convert_ids_to_tokens(int(tid))
+    return isinstance(piece, str) and _BYTE_TOKEN.fullmatch(piece) is not None
+
+
+def next_token(tokenizer: Any, before: str, text: str) -> int | None:
+    """The id of ``text`` as the one token the tokenizer gives it after ``before`` (:func:`continuation` of one
+    token, not a byte-fallback token), else None: the answer token of a prompt ``before`` whose answer is ``text``.
+    """
+    ids = continuation(tokenizer, before, text)
+    if ids is None or len(ids) != 1 or is_byte_token(tokenizer, ids[0]):
+        return None
+    return ids[0]
 
 
 def _word_text(tokenizer: Any, tid: int) -> str:
@@ -299,14 +332,15 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
                       noun: str = "war", years: Sequence[int] | None = None) -> TaskBatch:
     """Greater-than (Draye et al. 2025 App. A.1): "The war lasted from the year 1363 to 13" → "64"…"99".
 
-    If the tokenizer has every two-digit number as a single token after the century prefix, the
-    answer is the two-digit token (correct: ``YY+1``, incorrect: ``YY−1``); otherwise (digit
+    If the tokenizer has every two-digit number as a single token after the century prefix (as it spells it after
+    the prompt, :func:`next_token`: ``64`` after "… to 13", not the word-start ``▁64`` a SentencePiece tokenizer
+    gives "64" alone), the answer is the two-digit token (correct: ``YY+1``, incorrect: ``YY−1``); otherwise (digit
     tokenizers, like Llama-3's or the tinyshakespeare BPE) the prompt ends one digit later —
-    "from the year 1363 to 136" — and the answer is the final digit (correct ``Y+1``, incorrect
-    ``Y−1``; the App. A.1 simplification for LLaMA). One ``noun`` per batch (see :data:`NOUNS`).
-    Corrupt prompts start in year ``..01`` / ``..0``. ``years``: the start years' last two digits to
-    draw from (e.g. held-out ones; default all usable: 02–97, or with one-digit answers those with a
-    last digit 1–8 and a decade digit 1–9).
+    "from the year 1363 to 136" — and the answer is the final digit as the tokenizer continues the number with it
+    (correct ``Y+1``, incorrect ``Y−1``; the App. A.1 simplification for LLaMA; never a byte-fallback token).
+    One ``noun`` per batch (see :data:`NOUNS`). Corrupt prompts start in year ``..01`` / ``..0``. ``years``: the start
+    years' last two digits to draw from (e.g. held-out ones; default all usable: 02–97, or with one-digit answers
+    those with a last digit 1–8 and a decade digit 1–9).
 
     Raises:
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts without
@@ -318,10 +352,11 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
     _check_int(seed, "seed")
     rng = random.Random(seed)
     bos = _bos(tokenizer)
-    two = [single_token(tokenizer, f"{y:02d}") for y in range(100)]
-    prefix_ok = _encode(tokenizer, f" {century}63")[-1:] == [two[63]] if two[63] is not None else False
+    # the answers as the tokenizer spells them after the prompt (next_token), not alone: a SentencePiece tokenizer
+    # writes "64" alone as "▁64" (or "▁ 6 4"), after "… to 13" as "64"
+    tail = f"The {noun} lasted from the year {century}63 to {century}"
     clean, corrupt, correct, incorrect, meta = [], [], [], [], []
-    two_digit = all(t is not None for t in two) and prefix_ok
+    two_digit = all(next_token(tokenizer, tail, f"{y:02d}") is not None for y in range(1, 99))
     usable = [yy for yy in range(100) if (2 <= yy <= 97 if two_digit else 1 <= yy % 10 <= 8 and yy >= 10)]
     pool = usable if years is None else [int(y) for y in years]
     if not pool or any(y not in usable for y in pool):
@@ -332,7 +367,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
             yy = rng.randrange(2, 98) if years is None else rng.choice(pool)
             text = f"The {noun} lasted from the year {century}{yy:02d} to {century}"
             text_c = f"The {noun} lasted from the year {century}01 to {century}"
-            c_id, i_id = two[yy + 1], two[yy - 1]
+            c_id, i_id = next_token(tokenizer, text, f"{yy + 1:02d}"), next_token(tokenizer, text, f"{yy - 1:02d}")
         else:
             if years is None:
                 y, decade = rng.randrange(1, 9), rng.randrange(1, 10)
@@ -340,10 +375,11 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
                 decade, y = divmod(rng.choice(pool), 10)
             text = f"The {noun} lasted from the year {century}{decade}{y} to {century}{decade}"
             text_c = f"The {noun} lasted from the year {century}{decade}0 to {century}{decade}"
-            c_id, i_id = single_token(tokenizer, str(y + 1)), single_token(tokenizer, str(y - 1))
-            if c_id is None or i_id is None:
-                raise TaskTokenizationError(
-                    "greater-than: neither two-digit nor single-digit answers are single tokens")
+            c_id, i_id = next_token(tokenizer, text, str(y + 1)), next_token(tokenizer, text, str(y - 1))
+        if c_id is None or i_id is None:
+            raise TaskTokenizationError(
+                f"greater-than: neither two-digit nor single-digit answers are single tokens after {text!r} (the "
+                "answer must be one token, not a byte-fallback one, that continues the prompt's last number)")
         clean.append(bos + _encode(tokenizer, text))
         corrupt.append(bos + _encode(tokenizer, text_c))
         correct.append(c_id)
@@ -375,21 +411,23 @@ def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[i
         while len(full) > len(prompt) + 1 and not tokenizer.decode(full[len(prompt):len(prompt) + 1]).strip():
             prompt.append(full[len(prompt)])
         ans = full[len(prompt)]
-        if not _spells(tokenizer, ans, total):  # e.g. an unknown-token fallback
+        if not _spells(tokenizer, ans, total) or is_byte_token(tokenizer, ans):  # an unknown / byte-fallback token
             continue
         for wrong in (total + 10, total + 1, total - 1, total + 50, total - 50, total + 100, total // 2 + 1):
             w = _encode(tokenizer, text + sep + str(wrong))
             if (wrong >= 0 and w[:len(prompt)] == prompt and len(w) > len(prompt) and w[len(prompt)] != ans
-                    and _spells(tokenizer, w[len(prompt)], wrong)):
+                    and _spells(tokenizer, w[len(prompt)], wrong) and not is_byte_token(tokenizer, w[len(prompt)])):
                 return prompt, ans, w[len(prompt)]
     raise TaskTokenizationError(f"arithmetic: {text!r} + answer does not tokenize with the prompt as a prefix "
-                                "and a distinct first answer token")
+                                "and a distinct first answer token (not a byte-fallback one)")
 
 
 def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = None, *,
                     template: str = "{op1} + {op2} =", n_prompts: int = 8, seed: int = 0) -> TaskBatch:
     """``op1 + op2 =`` prompts (Lorsa paper §6.2): correct = the answer's first token, incorrect = the
-    first token of a wrong sum. Corrupt prompts change ``op2``. Default pairs: random two-digit
+    first token of a wrong sum, each as the tokenizer encodes the prompt followed by the sum (a leading
+    whitespace-only token, e.g. Llama-2's ``▁`` before its single digits, moves into the prompt; never a
+    byte-fallback token). Corrupt prompts change ``op2``. Default pairs: random two-digit
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:

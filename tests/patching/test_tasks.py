@@ -8,6 +8,7 @@ from helpers import LAYER, N_HEADS, N_LAYERS, make_lorsa, tiny_nnsight, tiny_tok
 
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.envoy import load_model
+from nnsight_lorsa.errors import UndefinedNormalizationError
 from nnsight_lorsa.patching import LorsaHead, MHSAHead, ReplacementModel, TargetIndexError
 from nnsight_lorsa.patching.circuit import circuit_size, component_scores
 from nnsight_lorsa.patching.experiments import ablation_effect
@@ -128,16 +129,15 @@ def test_circuit_size_matches_manual_keep_only():
 
 
 @torch.no_grad()
-def test_circuit_size_warns_for_a_prompt_whose_metric_does_not_move():
+def test_circuit_size_refuses_a_prompt_whose_metric_does_not_move():
     """A prompt whose correct and incorrect ids are the same has a logit difference of 0 with any components kept:
-    its recovered fraction is 0/0. It used to come back as ``per_prompt_k = n`` with no word; now a warning names
-    the prompt (the others' results are kept: nothing is lost) and its curve is NaN."""
+    its recovered fraction is 0/0. It used to come back as ``per_prompt_k = n`` with no word, then with a warning and
+    a NaN curve; now ``UndefinedNormalizationError`` names the prompt, as ``normalized`` does (the rule of
+    ``metrics.check_gap``; ``tests/patching/test_probe_rounding_gaps.py``)."""
     model, hf = tiny_nnsight("llama")
     r = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: make_lorsa(hf, get_adapter(model))}))
     task = induction_task(model.tokenizer, n_prompts=3, seq_len=6, seed=0)
     task.incorrect_ids[1] = task.correct_ids[1]
     heads = [MHSAHead(layer, h) for layer in range(N_LAYERS) for h in range(N_HEADS)]
-    with pytest.warns(UserWarning, match=r"circuit_size: prompts \[1\] have the same metric"):
-        cs = circuit_size(r, task, heads)
-    assert cs.per_prompt_curve[:, 1].isnan().all() and int(cs.per_prompt_k[1]) == len(heads)
-    assert not cs.per_prompt_curve[:, [0, 2]].isnan().any()
+    with pytest.raises(UndefinedNormalizationError, match=r"circuit_size: m_all \(every .* rows \[1\]"):
+        circuit_size(r, task, heads)
