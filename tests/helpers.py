@@ -18,7 +18,7 @@ import tempfile
 import traceback
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -400,6 +400,27 @@ def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
     torch.manual_seed(seed)
     kw = {"d_in": D, "d_sae": 128, "activation": "jumprelu", **cfg}
     return randomize_(SparseAutoencoder(SAEConfig(**kw)), seed)
+
+
+def drawn_clt(n_layers: int, d_sae: int, kind: str, skip: bool, seed: int, d_model: int = 64) -> Any:
+    """A CrossLayerTranscoder with drawn weights away from its initialisation: JumpReLU thresholds in
+    ``[0, 0.4)``, a small skip, every other weight perturbed; TopK's ``k`` is ``d_sae // 6`` (at least 1)."""
+    from nnsight_lorsa.modules import CLTConfig, CrossLayerTranscoder
+
+    params = {"k": max(1, d_sae // 6)} if kind == "topk" else {}
+    clt = CrossLayerTranscoder(CLTConfig(d_in=d_model, d_sae=d_sae, n_layers=n_layers, activation=kind,
+                                         activation_params=params, skip=skip))
+    g = torch.Generator().manual_seed(seed)
+    clt.reset_parameters(g)
+    with torch.no_grad():
+        for name, p in clt.named_parameters():
+            if name.endswith("threshold"):
+                p.copy_(0.4 * torch.rand(p.shape, generator=g))
+            elif name == "W_skip":
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return clt
 
 
 def make_clt(n_layers: int = 3, skip: bool = False, seed: int = 0) -> CrossLayerTranscoder:

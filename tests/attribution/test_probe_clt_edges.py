@@ -21,33 +21,20 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import generated, make_lorsa, random_ids, rm, tiny_nnsight
+from helpers import drawn_clt, generated, make_lorsa, random_ids, rm, tiny_nnsight
 from hypothesis import strategies as st
 
 from nnsight_lorsa import CLTSet, get_adapter
 from nnsight_lorsa.attribution import attribute
 from nnsight_lorsa.attribution.graph import ATTN_ERROR, EMBEDDING, LORSA, MLP_ERROR, TRANSCODER
-from nnsight_lorsa.modules import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.modules import CrossLayerTranscoder
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gpt2")
 D = 64
 
 
 def build_clt(n_layers: int, kind: str, skip: bool, seed: int, d_sae: int = 24) -> CrossLayerTranscoder:
-    params = {"k": 4} if kind == "topk" else {}
-    clt = CrossLayerTranscoder(CLTConfig(d_in=D, d_sae=d_sae, n_layers=n_layers, activation=kind,
-                                         activation_params=params, skip=skip))
-    g = torch.Generator().manual_seed(seed)
-    clt.reset_parameters(g)
-    with torch.no_grad():
-        for name, p in clt.named_parameters():
-            if name.endswith("threshold"):
-                p.copy_(0.4 * torch.rand(p.shape, generator=g))
-            elif name == "W_skip":
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return clt
+    return drawn_clt(n_layers, d_sae, kind, skip, seed, D)
 
 
 def act_ref(pre: torch.Tensor, clt: CrossLayerTranscoder, layer: int) -> torch.Tensor:

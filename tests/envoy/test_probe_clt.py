@@ -19,13 +19,13 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import generated, hooked, make_lorsa, random_ids, tiny_nnsight, unembed
+from helpers import drawn_clt, generated, hooked, make_lorsa, random_ids, tiny_nnsight, unembed
 from hypothesis import assume
 from hypothesis import strategies as st
 
 from nnsight_lorsa import CLTSet, ReplacementModel, get_adapter
 from nnsight_lorsa.errors import ConfigMismatchError, LayerOutOfRangeError, ShapeError
-from nnsight_lorsa.modules import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.modules import CrossLayerTranscoder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -81,20 +81,7 @@ def decode_ref(p: dict, acts: list[torch.Tensor], layer: int, x: torch.Tensor | 
 
 
 def build_clt(n_layers: int, d_sae: int, kind: str, skip: bool, seed: int, d_model: int = D) -> CrossLayerTranscoder:
-    params = {"k": max(1, d_sae // 6)} if kind == "topk" else {}
-    clt = CrossLayerTranscoder(CLTConfig(d_in=d_model, d_sae=d_sae, n_layers=n_layers, activation=kind,
-                                         activation_params=params, skip=skip))
-    g = torch.Generator().manual_seed(seed)
-    clt.reset_parameters(g)
-    with torch.no_grad():
-        for name, p in clt.named_parameters():
-            if name.endswith("threshold"):
-                p.copy_(0.4 * torch.rand(p.shape, generator=g))
-            elif name == "W_skip":
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return clt
+    return drawn_clt(n_layers, d_sae, kind, skip, seed, d_model)
 
 
 # ----------------------------------------------------------------------------------------- the module
