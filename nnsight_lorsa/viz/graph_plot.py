@@ -98,9 +98,13 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
         if m.any():
             ax.scatter(xy[m, 0], xy[m, 1], c=color, marker=marker, s=40, label=f"{label} ({int(m.sum())})",
                        zorder=2, edgecolors="k", linewidths=0.3)
-    labels = tokens if tokens is not None else [str(int(i)) for i in graph.tokens]
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels([repr(x)[1:-1] for x in labels], rotation=70, fontsize=7)
+    labels = [repr(x)[1:-1] for x in (tokens if tokens is not None else [str(int(i)) for i in graph.tokens])]
+    ticks: list[float] = list(range(len(labels)))
+    if bool((keep & (graph.nodes.kind == BIAS)).any()):  # the bias nodes' column, right of the last position
+        ticks.append(float(len(graph.tokens)) + 0.5)
+        labels.append("bias")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, rotation=70, fontsize=7)
     ax.set_yticks(range(-1, n_layers + 1))
     ax.set_yticklabels(["emb", *[f"L{i}" for i in range(n_layers)], "logit"])
     n_edges = pruned.edge_index.shape[1]

@@ -127,8 +127,9 @@ def check_plot(g: Graph, pr, max_edges: int, tokens: list[str] | None = None) ->
         assert f"{len(keep)} nodes, {len(w)} edges" in title, title
         assert (str(n_draw) in title.split("edges", 1)[1]) == (n_draw < len(w)), title
         labels = tokens if tokens is not None else [str(int(i)) for i in g.tokens]
-        assert [x.get_text() for x in ax.get_xticklabels()] == [repr(x)[1:-1] for x in labels]
-        assert list(ax.get_xticks()) == list(range(len(g.tokens)))
+        bias = any(int(g.nodes.kind[i]) == BIAS for i in keep)  # the bias column's label, where one is drawn
+        assert [x.get_text() for x in ax.get_xticklabels()] == [repr(x)[1:-1] for x in labels] + ["bias"] * bias
+        assert list(ax.get_xticks()) == list(range(len(g.tokens))) + [len(g.tokens) + 0.5] * bias
         assert [x.get_text() for x in ax.get_yticklabels()] == ["emb", *[f"L{i}" for i in range(n_layers)], "logit"]
         assert list(ax.get_yticks()) == list(range(-1, n_layers + 1))
     finally:

@@ -25,7 +25,7 @@ from test_probe_viz_pictures import HC, check_plot, finite_graph, ref_cell
 
 from nnsight_lorsa import _atomic
 from nnsight_lorsa.attribution import prune, to_neuronpedia
-from nnsight_lorsa.attribution.graph import BIAS, LOGIT, Graph, NodeTable
+from nnsight_lorsa.attribution.graph import BIAS, EMBEDDING, LOGIT, Graph, NodeTable
 from nnsight_lorsa.viz import plot_graph
 
 #: what the layout names a layer's biases (attribution/layout.py), and whether the attention side adds it
@@ -86,6 +86,34 @@ def test_attention_side_biases_are_on_the_attention_row():
     attn = sum(a for _, a in LAYER_BIASES)
     assert want == sorted([0.55] * attn + [1.0] * (len(LAYER_BIASES) - attn) + [2.0, 2.0])
     assert got == want
+
+
+def test_the_bias_column_has_its_tick_label():
+    """The bias nodes sit in a column right of the last position (``len(tokens) + 0.5``), which had no tick label;
+    it is labelled ``bias`` where a bias node is drawn, and only there."""
+    names = ["L0.attn.o_proj.bias", "L0.mlp.down_proj.bias"]
+    nodes = NodeTable(torch.tensor([BIAS, BIAS, LOGIT]), torch.tensor([0, 0, 1]), torch.tensor([-1, -1, 0]),
+                      torch.tensor([0, 1, 3]), torch.zeros(3), names)
+    A = torch.zeros(3, 3)
+    A[-1, :2] = torch.tensor([1.0, 2.0])
+    g = Graph(tokens=torch.tensor([3, 4]), nodes=nodes, adjacency=A, values=torch.full((3,), float("nan")),
+              logit_probs=torch.tensor([1.0]), feature_rows=torch.tensor([False, False, True]),
+              layout_ids=torch.arange(3))
+    without = Graph(tokens=torch.tensor([3, 4]), nodes=NodeTable(
+        torch.tensor([EMBEDDING, LOGIT]), torch.tensor([0, 1]), torch.tensor([1, 0]), torch.tensor([0, 3]),
+        torch.zeros(2), ["emb", "logit"]), adjacency=torch.tensor([[0.0, 0.0], [1.0, 0.0]]),
+        values=torch.full((2,), float("nan")), logit_probs=torch.tensor([1.0]),
+        feature_rows=torch.tensor([False, True]), layout_ids=torch.arange(2))
+    for graph, want in ((g, True), (without, False)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fig = plot_graph(graph, prune(graph, node_threshold=1.0, edge_threshold=1.0), tokens=["a", "b"])
+        try:
+            ax = fig.axes[0]
+            ticks = dict(zip(ax.get_xticks().tolist(), [t.get_text() for t in ax.get_xticklabels()], strict=True))
+            assert (ticks.get(2.5) == "bias") is want and ticks[0.0] == "a" and ticks[1.0] == "b", ticks
+        finally:
+            plt.close(fig)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=HC)
