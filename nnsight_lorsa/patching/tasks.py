@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,11 +254,13 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
 
 
 def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^ [A-Z][a-z]+$",
-                min_count: int = 2, search_vocab: bool = True) -> list[tuple[str, int]]:
+                min_count: int = 2, search_vocab: bool = True, exclude: Collection[str] = ()) -> list[tuple[str, int]]:
     """Names that are single tokens where they stand in a prompt, after a word (:func:`word_token`: ``ĠMary`` of a
     byte-level BPE, ``▁Mary`` of a SentencePiece / Llama-style one): those of ``names`` first, then
     (``search_vocab``) vocabulary tokens whose text after a word matches ``pattern`` (e.g. the small BPE of the
-    tinyshakespeare model has few names; byte-fallback tokens never match).
+    tinyshakespeare model has few names; byte-fallback tokens never match). ``exclude``: words (without their
+    leading space) never taken as names — a prompt template's own words (a vocabulary search on a small vocabulary
+    otherwise finds ``" When"``, and "When … When gave …" holds the subject three times).
 
     Returns:
         ``[(name, token id), ...]``, the name as given (``" Mary"``).
@@ -266,12 +268,14 @@ def name_tokens(tokenizer: Any, names: Sequence[str] = NAMES, pattern: str = r"^
     Raises:
         TaskTokenizationError: fewer than ``min_count`` single-token names.
     """
-    found = [(n, t) for n in names if (t := word_token(tokenizer, n)) is not None]
+    banned = {w.strip() for w in exclude}
+    found = [(n, t) for n in names if n.strip() not in banned and (t := word_token(tokenizer, n)) is not None]
     if search_vocab and len(found) < min_count:
         seen = {t for _, t in found}
         for tid in range(len(tokenizer)):
             text = _word_text(tokenizer, tid)
-            if tid not in seen and re.match(pattern, text) and word_token(tokenizer, text) == tid:
+            if tid not in seen and re.match(pattern, text) and text.strip() not in banned \
+                    and word_token(tokenizer, text) == tid:
                 found.append((text, tid))
     if len(found) < min_count:
         raise TaskTokenizationError(f"only {len(found)} single-token names ({[n for n, _ in found]}); "
@@ -302,7 +306,8 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
     """
     if order not in ("BABA", "ABBA", "mixed"):
         raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
-    pool = name_tokens(tokenizer, names, min_count=5)
+    words = set(re.findall(r"[^\W\d_]+", re.sub(r"\[[ABS]\]", " ", template)))  # the template's own words
+    pool = name_tokens(tokenizer, names, min_count=5, exclude=words)
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")
     rng = random.Random(seed)
@@ -318,6 +323,10 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         if len(ids) != len(ids_c):
             raise TaskTokenizationError(f"IOI template {template!r}: clean/corrupt lengths differ with names "
                                         f"{a, b} vs {c, d, e}")
+        if ids.count(ta) != 1 or ids.count(tb) != 2:  # a name's token also spelled by the template's other words
+            raise TaskTokenizationError(f"IOI template {template!r} with names {a, b}: the prompt holds the IO "
+                                        f"token {ids.count(ta)} times and the subject's {ids.count(tb)} times "
+                                        "(1 and 2 expected); pass other names=")
         clean.append(bos + ids)
         corrupt.append(bos + ids_c)
         correct.append(ta)
@@ -396,20 +405,26 @@ def _spells(tokenizer: Any, token: int, number: int) -> bool:
     return bool(text) and str(number).startswith(text)
 
 
-def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[int], int, int]:
-    """(prompt ids, first token of the answer, first token of a wrong answer) or raise.
+def _arith_prompt(tokenizer: Any, a: int, b: int, template: str, like: tuple[str, int] | None = None
+                  ) -> tuple[list[int], int, int, tuple[str, int]]:
+    """(prompt ids, first token of the answer, first token of a wrong answer, form) or raise.
 
-    A whitespace-only first answer token (" 122" → " ", "1", …) moves into the prompt."""
+    A whitespace-only first answer token (" 122" → " ", "1", …) moves into the prompt. ``form``: ``(sep, moved)``,
+    the separator between the prompt and the sum (``" "``, else ``""``) and how many whitespace-only tokens moved;
+    ``like``: a form the prompt must have (a corrupt prompt has its clean prompt's: "… is ▁" and "… is" — or
+    "… is 104" and "… is104" — would answer different questions)."""
     text = template.format(op1=a, op2=b)
     ids = _encode(tokenizer, text)
     total = a + b
-    for sep in (" ", ""):
+    for sep in (" ", "") if like is None else (like[0],):
         full = _encode(tokenizer, text + sep + str(total))
         if full[:len(ids)] != ids or len(full) <= len(ids):
             continue
         prompt = list(ids)
         while len(full) > len(prompt) + 1 and not tokenizer.decode(full[len(prompt):len(prompt) + 1]).strip():
             prompt.append(full[len(prompt)])
+        if like is not None and len(prompt) - len(ids) != like[1]:
+            continue
         ans = full[len(prompt)]
         if not _spells(tokenizer, ans, total) or is_byte_token(tokenizer, ans):  # an unknown / byte-fallback token
             continue
@@ -417,9 +432,10 @@ def _arith_prompt(tokenizer: Any, a: int, b: int, template: str) -> tuple[list[i
             w = _encode(tokenizer, text + sep + str(wrong))
             if (wrong >= 0 and w[:len(prompt)] == prompt and len(w) > len(prompt) and w[len(prompt)] != ans
                     and _spells(tokenizer, w[len(prompt)], wrong) and not is_byte_token(tokenizer, w[len(prompt)])):
-                return prompt, ans, w[len(prompt)]
+                return prompt, ans, w[len(prompt)], (sep, len(prompt) - len(ids))
+    shape = "" if like is None else f" in its clean prompt's form (separator {like[0]!r}, {like[1]} space tokens moved)"
     raise TaskTokenizationError(f"arithmetic: {text!r} + answer does not tokenize with the prompt as a prefix "
-                                "and a distinct first answer token (not a byte-fallback one)")
+                                f"and a distinct first answer token (not a byte-fallback one){shape}")
 
 
 def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = None, *,
@@ -427,7 +443,8 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
     """``op1 + op2 =`` prompts (Lorsa paper §6.2): correct = the answer's first token, incorrect = the
     first token of a wrong sum, each as the tokenizer encodes the prompt followed by the sum (a leading
     whitespace-only token, e.g. Llama-2's ``▁`` before its single digits, moves into the prompt; never a
-    byte-fallback token). Corrupt prompts change ``op2``. Default pairs: random two-digit
+    byte-fallback token). Corrupt prompts change ``op2`` and keep their clean prompt's form (the same separator
+    before the sum and the same whitespace token moved, or the pair is refused). Default pairs: random two-digit
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:
@@ -443,17 +460,24 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
                                                    for _ in range(n_prompts)]
     bos = _bos(tokenizer)
     clean, corrupt, correct, incorrect, meta = [], [], [], [], []
+    unlike: list[TaskTokenizationError] = []  # corrupt prompts only buildable in another form than their clean one
     for a, b in pairs:
-        ids, ans, wrong = _arith_prompt(tokenizer, a, b, template)
+        ids, ans, wrong, form = _arith_prompt(tokenizer, a, b, template)
         b2 = (b + 37) % 90 + 10 if b >= 10 else (b + 3) % 10
-        ids_c, _, _ = _arith_prompt(tokenizer, a, b2, template)
+        try:
+            ids_c = _arith_prompt(tokenizer, a, b2, template, like=form)[0]
+        except TaskTokenizationError as e:  # refused below: by the lengths / unknown-token check first, else this
+            ids_c = _arith_prompt(tokenizer, a, b2, template)[0]
+            unlike.append(e)
         clean.append(bos + ids)
         corrupt.append(bos + ids_c)
         correct.append(ans)
         incorrect.append(wrong)
         meta.append({"op1": a, "op2": b, "corrupt_op2": b2})
-    return TaskBatch("arithmetic", *_pair(tokenizer, clean, corrupt, "arithmetic"),
-                     _host_ids(correct), _host_ids(incorrect), meta)
+    paired = _pair(tokenizer, clean, corrupt, "arithmetic")
+    if unlike:
+        raise unlike[0]
+    return TaskBatch("arithmetic", *paired, _host_ids(correct), _host_ids(incorrect), meta)
 
 
 @dataclass(repr=False)

@@ -154,3 +154,22 @@ def test_prompts_holding_the_unknown_token_are_refused():
     with pytest.raises(TaskTokenizationError, match="unknown token"):
         greater_than_task(tok, 2, century=10)
     assert tok.unk_token_id not in greater_than_task(tok, 2, century=13).clean  # the century it spells builds
+
+
+def test_a_corrupt_arithmetic_prompt_keeps_its_clean_prompts_form():
+    """Seen failing (the generated check's seed 35058): on a Metaspace BPE of 300 tokens " 104" starts with a bare
+    ``▁``, so "Q: 49 plus 55 is" was built glued ("… is104", answer ``1``) while its corrupt "… plus 12 is" took the
+    ``▁`` into the prompt: the two prompts asked different questions and the clean answer token was no next token of
+    the corrupt prompt. The corrupt prompt now has its clean prompt's separator and moved tokens, or is refused."""
+    tok = tokenizer("metaspace", 300)
+    for pair in [(49, 55), (81, 52), (85, 55), *((a, b) for a in range(40, 60, 3) for b in range(50, 60, 4))]:
+        try:
+            batch = arithmetic_task(tok, pairs=[pair], template="Q: {op1} plus {op2} is")
+        except TaskTokenizationError as e:
+            assert "form" in str(e) or "length" in str(e), e
+            continue
+        clean, corrupt = batch.clean[0].tolist(), batch.corrupt[0].tolist()
+        assert (tok.decode(clean[-1:]).strip() == "") == (tok.decode(corrupt[-1:]).strip() == ""), pair
+        for row in (clean, corrupt):
+            for ans in (int(batch.correct_ids[0]), int(batch.incorrect_ids[0])):
+                assert encode(tok, tok.decode(row[1:] + [ans])) == row[1:] + [ans], pair
