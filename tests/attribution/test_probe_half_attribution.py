@@ -218,9 +218,12 @@ def fp32_rotary_(hf: Any, fp32: Any) -> None:
                 setattr(hf.get_submodule(name), buf, getattr(module, buf).clone())
 
 
-def build(family: str, dtype: torch.dtype, setup: str, kind: str, skip: bool, seed: int):
+def build(family: str, dtype: torch.dtype, setup: str, kind: str, skip: bool, seed: int, modules: str = "model"):
+    """The model in ``dtype``, the replacement modules in it too (``modules="model"``) or in fp32 (``"fp32"``)."""
     model, hf = tiny_nnsight(family, dtype=dtype)
     fp32_rotary_(hf, tiny_nnsight(family)[1])
+    at = dtype
+    dtype = torch.float32 if modules == "fp32" else dtype
     lorsa = tcs = clt = None
     if "lorsa" in setup:
         with torch.random.fork_rng():
@@ -231,6 +234,7 @@ def build(family: str, dtype: torch.dtype, setup: str, kind: str, skip: bool, se
     if "clt" in setup:
         clt = drawn_clt(3 if kind == "topk" else 2, 24, kind, skip, seed).to(dtype)
     bundle = rm(model, None if lorsa is None else {1: lorsa}, CLTSet(model, clt) if clt is not None else tcs)
+    assert next(hf.parameters()).dtype == at
     return model, hf, bundle, lorsa, tcs, clt
 
 
@@ -325,16 +329,16 @@ def check(g, hf, cache, spec, lorsa, monkeypatch, bound: float, relative_to_mass
 
 DRAWS = dict(family=st.sampled_from(FAMILIES), dtype=st.sampled_from((torch.bfloat16, torch.float16)),
              setup=st.sampled_from(SETUPS), kind=st.sampled_from(("relu", "jumprelu", "topk")), skip=st.booleans(),
-             seed=st.integers(0, 2**16), seq=st.integers(2, 7))
+             seed=st.integers(0, 2**16), seq=st.integers(2, 7), modules=st.sampled_from(("model", "fp32")))
 
 
 @generated(3, 150, **DRAWS)
 def test_a_half_models_fp64_graph_from_its_cache_is_the_fp64_jacobian_of_the_cached_frozen_model(
-        family, dtype, setup, kind, skip, seed, seq):
+        family, dtype, setup, kind, skip, seed, seq, modules):
     """``attribute(rm, cache, dtype=torch.float64)`` of a bf16 / fp16 model: node activations, row values and
     every edge into the drawn rows (module docstring) = the fp64 Jacobian of the frozen model built by hand from the
     same cache, within 1e-6 of the row's largest edge."""
-    model, hf, bundle, lorsa, tcs, clt = build(family, dtype, setup, kind, skip, seed)
+    model, hf, bundle, lorsa, tcs, clt = build(family, dtype, setup, kind, skip, seed, modules)
     ids = random_ids(1, seq, seed=seed)[0]
     cache = cache_for_attribution(bundle, ids)
     g = attribute(bundle, cache, batch_size=64, dtype=torch.float64)
@@ -370,27 +374,27 @@ def flipped_at_a_near_tie(g, g64, cache, spec, lorsa, dtype) -> bool:
 
 @generated(3, 150, **DRAWS)
 def test_a_half_models_graph_from_its_cache_is_the_fp64_jacobian_within_its_dtypes_bound(
-        family, dtype, setup, kind, skip, seed, seq):
+        family, dtype, setup, kind, skip, seed, seq, modules):
     """``attribute(rm, cache)`` of a bf16 / fp16 model, computed in its dtype: node activations within
     ``EDGE_BOUND[dtype]`` of the layer's largest, row values and every edge into the drawn rows (module docstring)
     within ``EDGE_BOUND[dtype]`` of the row's absolute mass against the fp64 Jacobian of the same cache's frozen
     model; every computed row sums to its value within ``BOUND[dtype]`` of its mass (ReLU-like coders: within 0.57,
     the documented worst, the rows past ``BOUND`` counted in ``RELU_ROWS``). Draws whose node set differs from the
     fp64 graph's at a near-tie are left out (``LEFT_OUT``)."""
-    model, hf, bundle, lorsa, tcs, clt = build(family, dtype, setup, kind, skip, seed)
+    model, hf, bundle, lorsa, tcs, clt = build(family, dtype, setup, kind, skip, seed, modules)
     ids = random_ids(1, seq, seed=seed)[0]
     cache = cache_for_attribution(bundle, ids)
     g = attribute(bundle, cache, batch_size=64)
     g64 = attribute(bundle, cache, batch_size=64, dtype=torch.float64)
     spec = coders(tcs, clt)
     if flipped_at_a_near_tie(g, g64, cache, spec, lorsa, dtype):
-        LEFT_OUT.append((family, dtype, setup, kind, skip, seed, seq))
+        LEFT_OUT.append((family, dtype, setup, kind, skip, seed, seq, modules))
         assume(False)
     err = g.edge_sum_error("mass")
     if (clt is not None and kind != "topk") or (tcs is not None and skip):  # ReLU-like coders (JumpReLU, ReLU):
         # docs/attribution.md item 4 — a pre-activation that is a small difference of large terms rounds at their
         # scale: up to 0.57 of the mass on a few per cent of the rows
-        RELU_ROWS.append(((family, dtype, setup, kind, skip, seed, seq), float(err.max()),
+        RELU_ROWS.append(((family, dtype, setup, kind, skip, seed, seq, modules), float(err.max()),
                           float((err > BOUND[dtype]).float().mean())))
         assert float(err.max()) < 0.57, float(err.max())
     else:
