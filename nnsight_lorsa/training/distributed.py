@@ -185,6 +185,8 @@ class DataParallel:
                 m.copy_(buf)
         trainer.masters.round_()
         trainer.masters.round_buffers_()
+        #: the step whose forward is under way (None outside one): the combining collectives check the ranks first
+        self._forward_step: int | None = None
         trainer.dist = self
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
@@ -193,24 +195,55 @@ class DataParallel:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
         return buf.to(t.device)
 
+    def _check(self, failed: bool = False) -> list[int]:
+        """The ranks that failed in the forward of step :attr:`_forward_step` (this rank: ``failed``), told to every
+        rank with one ``(world_size,)`` all-reduce. Every rank makes one of these before each combining collective
+        of the forward and one after it; a rank whose forward raised makes just one more, which meets the others'
+        next (whatever collective of the forward they were about to enter), so no rank waits for a failed one.
+
+        Raises:
+            RankFailedError: another rank failed (when this one did not).
+        """
+        flags = torch.zeros(self.world_size, dtype=torch.long, device=self.device)
+        flags[self.rank] = failed
+        failed_ranks = [r for r, f in enumerate(self._all_reduce(flags).tolist()) if f]
+        if failed_ranks and not failed:
+            step, self._forward_step = self._forward_step, None  # told: the forward's except does not tell again
+            raise self._rank_failed(step, failed_ranks, "in the forward pass (its loss)")
+        return failed_ranks
+
+    def _rank_failed(self, step: int | None, ranks: list[int], where: str) -> RankFailedError:
+        """The :class:`RankFailedError` of this rank when ``ranks`` failed at ``step`` ``where``."""
+        return RankFailedError(f"step {step}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of "
+                               f"the data-parallel run failed {where} (see its own error); this rank stopped at the "
+                               "same step", step=-1 if step is None else step, ranks=ranks)
+
+    def _checked(self) -> None:
+        """:meth:`_check` when inside a forward (the combining collectives' first step)."""
+        if self._forward_step is not None:
+            self._check()
+
     def _count(self, n: int) -> int:
         """``Σ_ranks n``."""
         return int(self._all_reduce(torch.tensor([n], dtype=torch.long, device=self.device)))
 
     def combine_firing(self, fired: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, int]:
         """``(fired on any rank, tokens on all ranks)`` for the dead-latent counters."""
+        self._checked()
         f = self._all_reduce(fired.to(torch.int32), dist.ReduceOp.MAX)
         return f.bool(), self._count(n_tokens)
 
     def combine_counts(self, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics."""
+        self._checked()
         c = self._all_reduce(counts.to(torch.float64))
         z = self._all_reduce(z_max.detach().clone(), dist.ReduceOp.MAX)
         return c, z, self._count(n_tokens)
 
     def global_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch."""
+        self._checked()
         t = torch.stack([total.detach().to(torch.float64).reshape(()),
                          torch.tensor(float(count), dtype=torch.float64, device=total.device)])
         t = self._all_reduce(t)
@@ -222,6 +255,7 @@ class DataParallel:
         ``smallest`` (0-d), weighted by their kept entries ``kept`` (0: none positive on this rank; its value is not
         used), computed in fp64 and returned in ``smallest``'s dtype and device — the same on every rank; None on
         every rank when no rank had one."""
+        self._checked()
         t = torch.stack([smallest.detach().to(torch.float64).reshape(()) * kept,
                          torch.tensor(float(kept), dtype=torch.float64, device=smallest.device)])
         t = self._all_reduce(t)
@@ -254,8 +288,8 @@ class DataParallel:
         averaged gradient is the global batch's.
 
         Raises:
-            RankFailedError: another rank's source raised at this step (this rank's source raising: its own error,
-                after the other ranks were told; no rank waits in a collective for a failed one).
+            RankFailedError: another rank's source or forward pass raised at this step (this rank's raising: its own
+                error, after the other ranks were told; no rank waits in a collective for a failed one).
         """
         failure: BaseException | None = None
         try:  # a rank-local error: told to the other ranks with the step's first collective (none waits in one)
@@ -271,11 +305,20 @@ class DataParallel:
         if failure is not None:
             raise failure
         if failed:
-            raise RankFailedError(f"step {step}: rank{'s' if len(failed) > 1 else ''} "
-                                  f"{', '.join(map(str, failed))} of the data-parallel run failed getting its part of "
-                                  "the batch (see its own error); this rank stopped at the same step", step=step,
-                                  ranks=failed)
+            raise self._rank_failed(step, failed, "getting its part of the batch")
         n_global = int(counts[0])
-        with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
-            loss, metrics = self.ddp(batch)
+        # an error in the forward (the objective, the module, the loss) is told with one small all-reduce after it
+        # (:meth:`_check`, also made before each combining collective of the forward), before the backward's
+        self._forward_step = step
+        try:
+            with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
+                loss, metrics = self.ddp(batch)
+        except Exception:
+            if self._forward_step is not None:  # this rank's own error (not another's, told by _check): tell them
+                self._check(failed=True)
+            raise
+        else:
+            self._check()
+        finally:
+            self._forward_step = None
         return loss * (n_local * self.world_size / max(1, n_global)), metrics

@@ -35,7 +35,8 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import check_placement_args, f32, placement
-from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
+from ..errors import (ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, RankFailedError,
+                      TooFewTokensError)
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .master_weights import MasterWeights
@@ -275,6 +276,8 @@ class Trainer:
             NonFiniteError: the loss, a gradient or the learning rate is not finite (the message names
                 the step and the tensor: the batch's non-finite activations, a parameter, …).
             TooFewTokensError: see :meth:`estimate_norms` (first step only).
+            RankFailedError: (data parallel) another rank failed getting its batch or in its forward pass at this
+                step; the trainer is left as after step ``step - 1``, as for ``NonFiniteError``.
         """
         if self.s_in is None:
             self.estimate_norms()
@@ -306,7 +309,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 if not math.isfinite(group["lr"]):
                     raise self._non_finite("lr", group["lr"])
-        except NonFiniteError:
+        except (NonFiniteError, RankFailedError):  # (another rank failed: this one stops as after step - 1 too)
             self.optimizer.zero_grad(set_to_none=True)
             self.tokens_since_fired = counters
             self.masters.restore_estimates(estimates)
