@@ -35,8 +35,14 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import check_placement_args, f32, placement
-from ..errors import (ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, RankFailedError,
-                      TooFewTokensError)
+from ..errors import (
+    ArgumentError,
+    CheckpointError,
+    ConfigMismatchError,
+    NonFiniteError,
+    RankFailedError,
+    TooFewTokensError,
+)
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .master_weights import MasterWeights

@@ -160,7 +160,8 @@ def test_a_failing_rank_meets_the_others_at_their_next_check_and_they_raise_rank
     for point in ("forward", "loss"):
         shapes, error, _, step = _recorded(tmp_path / point, point)
         assert isinstance(error, ShapeError) and step == FAIL_STEP, (point, error)
-        assert shapes[-1] == ((2,), torch.long) and shapes == healthy[:len(shapes)] and len(shapes) - 1 in checks, (point, shapes)
+        assert shapes[-1] == ((2,), torch.long) and len(shapes) - 1 in checks, (point, shapes)
+        assert shapes == healthy[:len(shapes)], (point, shapes, healthy)
     for at in range(len(checks)):
         shapes, error, kept, step = _recorded(tmp_path / f"told{at}", None, failed=[1], at=at)
         assert isinstance(error, RankFailedError), (at, error)
