@@ -218,6 +218,44 @@ class DataParallel:
                                f"the data-parallel run failed {where} (see its own error); this rank stopped at the "
                                "same step", step=-1 if step is None else step, ranks=ranks)
 
+    def _between(self, n_local: int = 0, failed: tuple[int, bool] | None = None, own: bool = False) -> int:
+        """The collective the ranks make between two steps' work (the first of :meth:`loss`, the one before
+        :meth:`broadcast_edit`, :meth:`finish`, :meth:`tell_failed`): ``(1 + world_size,)`` longs, ``Σ_ranks
+        n_local`` and, per rank, ``1 + 2·step + after`` where it failed (``failed = (step, after)``: ``after`` False
+        getting its batch, True after its forward pass), else 0. Returns ``Σ_ranks n_local``.
+
+        Raises:
+            RankFailedError: another rank failed (unless ``own``: this rank raises its own error).
+        """
+        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
+        flags[0] = n_local
+        if failed is not None:
+            flags[1 + self.rank] = 1 + 2 * failed[0] + failed[1]
+        counts: list[int] = self._all_reduce(flags).tolist()
+        told = {r: divmod(v - 1, 2) for r, v in enumerate(counts[1:]) if v}
+        if told and not own:
+            step, after = told[min(told)]
+            raise self._rank_failed(step, sorted(told), "after its forward pass (in its optimizer step, a dead-latent "
+                                    "remedy, logging or saving a checkpoint)" if after else
+                                    "getting its part of the batch")
+        return int(counts[0])
+
+    def tell_failed(self, step: int) -> None:
+        """Tell the other ranks that this rank failed after its forward pass of step ``step`` (its own error is then
+        raised by the caller, :class:`~.trainer.Trainer`): they raise :class:`RankFailedError` at their next step's
+        first collective, before a remedy's :meth:`broadcast_edit` or at the end of :meth:`~.trainer.Trainer.train`
+        (:meth:`finish`), whichever they reach first."""
+        self._between(0, (step, True), own=True)
+
+    def finish(self) -> None:
+        """The end of a :meth:`~.trainer.Trainer.train` call on every rank: a rank that failed after its last forward
+        pass is heard here (:meth:`tell_failed`). One small all-reduce per call.
+
+        Raises:
+            RankFailedError: another rank failed after its forward pass.
+        """
+        self._between()
+
     def _checked(self) -> None:
         """:meth:`_check` when inside a forward (the combining collectives' first step)."""
         if self._forward_step is not None:
@@ -269,6 +307,7 @@ class DataParallel:
         ``[0, n)``), returned on every rank: the edit of a remedy computed from one rank's shard (a Lorsa's
         ``revive`` / ``resample``), made the same on every rank (until 2026-11-27 each rank kept its own edit and the
         ranks' weights parted)."""
+        self._between()  # a rank that failed in its optimizer step tells here (tell_failed), not in the broadcast
         mask = torch.zeros(n, dtype=torch.int32, device=self.device)
         mask[moved.to(self.device)] = 1
         dist.broadcast(mask, src=self._src, group=self.group)
@@ -298,15 +337,9 @@ class DataParallel:
             n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
         except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
             failure, n_local = e, 0
-        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
-        flags[0], flags[1 + self.rank] = n_local, failure is not None
-        counts: list[int] = self._all_reduce(flags).tolist()
-        failed = [r for r in range(self.world_size) if counts[1 + r]]
+        n_global = self._between(n_local, None if failure is None else (step, False), own=failure is not None)
         if failure is not None:
             raise failure
-        if failed:
-            raise self._rank_failed(step, failed, "getting its part of the batch")
-        n_global = int(counts[0])
         # an error in the forward (the objective, the module, the loss) is told with one small all-reduce after it
         # (:meth:`_check`, also made before each combining collective of the forward), before the backward's
         self._forward_step = step

@@ -321,13 +321,20 @@ class Trainer:
             self.masters.restore_estimates(estimates)
             self.objective.discard_step(self.state)
             raise
-        if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
-        self.optimizer.step()
-        self.scheduler.step()
-        with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
-            self.objective.post_step(self.state)
+        try:
+            if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
+            lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
+            self.optimizer.step()
+            self.scheduler.step()
+            with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
+                self.objective.post_step(self.state)
+        except RankFailedError:
+            raise
+        except Exception:
+            if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
+                self.dist.tell_failed(self.step)
+            raise
         self.step += 1
         metrics["lr"] = lr
         return metrics
@@ -415,21 +422,36 @@ class Trainer:
         try:
             while self.step < end:
                 m = self.train_step()
-                bar.update(1)
-                if self.step % self.config.log_every == 0 or self.step == end:
-                    m["step"] = self.step
-                    self.config.history.append(m)
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
-                                    dead=f"{m['dead_frac']:.2f}")
-                    if logger is not None:
-                        logger.log(flat_metrics(m, "train"), step=self.step)
-                    if on_log is not None:
-                        on_log(m)
-                if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
-                    self.save_checkpoint(checkpoint_dir)
+                try:
+                    self._after_step(m, end, bar, logger, on_log, checkpoint_dir, checkpoint_every)
+                except RankFailedError:
+                    raise
+                except Exception:
+                    if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
+                        self.dist.tell_failed(self.step)
+                    raise
+            if self.dist is not None:  # a rank that failed after its last forward pass is heard here
+                self.dist.finish()
         finally:
             bar.close()
         return self.config.history
+
+    def _after_step(self, m: dict[str, float], end: int, bar: Any, logger: Any,
+                    on_log: Callable[[dict[str, float]], None] | None, checkpoint_dir: str | Path | None,
+                    checkpoint_every: int) -> None:
+        """:meth:`train`'s work after each step: progress, history, logging, checkpoint."""
+        bar.update(1)
+        if self.step % self.config.log_every == 0 or self.step == end:
+            m["step"] = self.step
+            self.config.history.append(m)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
+                            dead=f"{m['dead_frac']:.2f}")
+            if logger is not None:
+                logger.log(flat_metrics(m, "train"), step=self.step)
+            if on_log is not None:
+                on_log(m)
+        if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
+            self.save_checkpoint(checkpoint_dir)
 
     # -------------------------------------------------------- W&B logging
     def _wandb_run(self) -> WandbRun | None:

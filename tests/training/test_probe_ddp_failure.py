@@ -21,8 +21,8 @@ import torch
 from helpers import run_ranks
 
 D, F, STEPS, FAIL_STEP = 6, 24, 4, 2
-#: where rank 1 raises at step FAIL_STEP; the first three are inside the forward pass (told, fixed)
-POINTS = ("source", "forward", "loss")
+#: where rank 1 raises at step FAIL_STEP (``_last``: at the last step); the last three after the forward pass
+POINTS = ("source", "forward", "loss", "optimizer", "checkpoint", "optimizer_last")
 
 
 def _batch(index: int):
@@ -42,6 +42,8 @@ def make_trainer(point: str | None = None, failing: bool = False):
     from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
     from nnsight_lorsa.training import TrainConfig, Trainer
 
+    fail_step = STEPS - 1 if point is not None and point.endswith("_last") else FAIL_STEP
+    point = None if point is None else point.removesuffix("_last")
     torch.manual_seed(0)
     sae = SparseAutoencoder(SAEConfig(d_in=D, d_sae=F, activation="batchtopk", activation_params={"k": 3}))
     cfg = TrainConfig(total_steps=STEPS, lr=2e-2, norm_batches=2, dead_after_tokens=8, aux_k_coef=0.5,
@@ -49,8 +51,8 @@ def make_trainer(point: str | None = None, failing: bool = False):
     trainer = Trainer(sae.to(torch.float64), _batch, cfg)
 
     def boom(where: str) -> None:
-        if failing and trainer.step == FAIL_STEP and where == point:
-            raise ShapeError(f"step {FAIL_STEP}: injected at the {where}")
+        if failing and trainer.step == fail_step and where == point:
+            raise ShapeError(f"step {fail_step}: injected at the {where}")
 
     def source(i):
         boom("source")
@@ -66,6 +68,14 @@ def make_trainer(point: str | None = None, failing: bool = False):
         return dead
 
     trainer.count_fired = counted
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: boom("optimizer"))
+    save = trainer.save_checkpoint
+
+    def saved(directory):
+        boom("checkpoint")
+        return save(directory)
+
+    trainer.save_checkpoint = saved
     return trainer
 
 
@@ -81,7 +91,7 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, point: str) 
         trainer = make_trainer(point, failing=rank == 1)
         DataParallel(trainer)
         try:
-            trainer.train(progress=False)
+            trainer.train(progress=False, checkpoint_dir=f"{out_prefix}.ck", checkpoint_every=1)
         except LorsaError as e:
             with open(f"{out_prefix}.error", "w") as f:
                 f.write(f"{type(e).__name__}: {e} | at step {trainer.step}")
@@ -94,10 +104,15 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, point: str) 
 def test_a_rank_raising_in_its_step_ends_every_rank_in_a_named_error(tmp_path, point):
     run_ranks(__file__, 2, tmp_path, (point,), timeout=90)
     errors = [(tmp_path / f"rank{r}.error").read_text() for r in range(2)]
-    assert errors[1].startswith(f"ShapeError: step {FAIL_STEP}: injected at the {point}"), errors
-    assert errors[0].startswith("RankFailedError: ") and "rank 1" in errors[0] and f"step {FAIL_STEP}" in errors[0]
-    for e in errors:  # both stopped at the failed step: the trainer as after step FAIL_STEP - 1
-        assert e.endswith(f"| at step {FAIL_STEP}"), errors
+    step = STEPS - 1 if point.endswith("_last") else FAIL_STEP
+    assert errors[1].startswith(f"ShapeError: step {step}: injected at the {point.removesuffix('_last')}"), errors
+    assert errors[0].startswith(f"RankFailedError: step {step}: rank 1 "), errors
+    # where each stopped: the failed step (the trainer as after the step before), or the next one where rank 1
+    # failed in its optimizer step (rank 0 took that step: it hears at the next step's first collective or at the
+    # end of train())
+    at = [step + (point.startswith("optimizer")), step]
+    for r in range(2):
+        assert errors[r].endswith(f"| at step {at[r]}"), errors
 
 
 class _Recorder:
