@@ -50,9 +50,19 @@ each update's statistic (the smallest kept activation) is the mean of the ranks'
 (:meth:`DataParallel.combine_threshold`, inside :meth:`DataParallel.loss`); until 2026-11-27 each rank's threshold
 followed its own shard and the ranks' saved thresholds differed. It approximates one process on the concatenated
 batch (whose statistic is the smallest of the global top ``k · N``, between the ranks' smallest and largest).
-Save checkpoints from one rank (all hold the same state). A rank whose source raises at a step stops every rank
-there: the others raise :class:`~..errors.RankFailedError` (told with the step's first collective; an error later in
-the step, inside the forward, still leaves the others waiting in the backward's all-reduce). Devices: the collectives
+Save checkpoints from one rank (all hold the same state). A rank-local error stops every rank: the failed rank
+raises its own error, the others :class:`~..errors.RankFailedError` naming it and the step, and no rank waits in a
+collective for a failed one. Its source raising is told with the step's first collective; an error in its forward pass
+(the module, the objective, the loss) with one small all-reduce (:meth:`DataParallel._check`, ``world_size`` longs)
+that every rank makes before each combining collective of the forward (the threshold's, the dead counters', AuxK's
+mean: the failed rank's one more meets the others' next, whichever it is) and after the forward, before the backward's
+gradient all-reduce (three to four per step for a BatchTopK SAE with AuxK; on 2 busy CPU cores with gloo a tiny
+all-reduce took ~0.36 ms, +2.5 ms on a 12 ms toy step, nothing next to a real model's step); an error after the
+forward pass (optimizer step, a remedy, logging, saving a checkpoint in :meth:`~.trainer.Trainer.train`) at the
+others' next step's first collective, before a remedy's :meth:`DataParallel.broadcast_edit`, or at the end of
+``train()`` (:meth:`DataParallel.finish`, one all-reduce per call). Not covered: an error inside the backward pass
+(an autograd hook or function raising on one rank) leaves the others in DDP's gradient all-reduce until the failed
+process exits (gloo's "Connection closed by peer") or gloo's timeout. Devices: the collectives
 run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever device the module
 and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
 own imports).
