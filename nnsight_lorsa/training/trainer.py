@@ -411,6 +411,10 @@ class Trainer:
             ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
+            RankFailedError: (data parallel) another rank failed: getting its batch or in its forward pass at this
+                step (:meth:`train_step`), or after its forward pass (its optimizer step, a remedy, logging, saving a
+                checkpoint), heard at this rank's next collective or at the end of the call. An error of this rank
+                after its forward pass is told to the others before it is raised.
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
