@@ -27,7 +27,8 @@ Ctrl-C during training stops at the end of the step under way (a second Ctrl-C s
 trainer is checkpointed to ``out_dir/checkpoint`` (a new temporary directory without ``out_dir``) and
 the Lorsa trained so far saved beside it (``lorsa_interrupted/``); :func:`run_demo` then raises
 :class:`TrainingInterrupted` (a ``KeyboardInterrupt`` naming both), and the command line prints where they
-are and the command that resumes (``--resume DIR``) and exits with status 130.
+are and the command that resumes (``--resume DIR``) and exits with status 130. The resumed run, once it has
+written its ``lorsa/`` (and ``demo_results.json``), removes the superseded ``lorsa_interrupted/`` beside it.
 
 The run ends with pictures (unless ``pictures=False``, ``--no-pictures``), written to ``out_dir`` (a new
 temporary directory ``nnsight-lorsa-demo-*`` without it) and their paths printed
@@ -584,6 +585,9 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
         atomic_file(out / "demo_results.json", json.dumps(result, indent=1).encode("utf-8"))
         state["kept"] = out / "lorsa"
         print(f"saved the trained Lorsa to {out / 'lorsa'}")
+        stale = out / "lorsa_interrupted"  # an interrupted run's Lorsa, superseded now that lorsa/ is written
+        if cfg.resume is not None and stale.is_dir() and _ours(stale) is not False:
+            shutil.rmtree(stale)
     state["stage"] = "evaluating"
 
     ev = evaluate(lorsas, heldout, at=layer, batch_size=cfg.batch_size, progress=None if cfg.progress else False)

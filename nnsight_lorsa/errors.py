@@ -121,9 +121,10 @@ class NonFiniteError(LorsaError, FloatingPointError):
 
 class RankFailedError(LorsaError, RuntimeError):
     """Another rank of a data-parallel run (:class:`~nnsight_lorsa.training.distributed.DataParallel`) failed at
-    this step: its source raised while getting its part of the batch (that rank raises its own error). Every rank
-    stops at the same step, before any collective of the step would wait for the failed one; the message names the
-    failed ranks and the step (:attr:`ranks`, :attr:`step`)."""
+    this step: its source raised while getting its part of the batch, or its forward pass (the module, the
+    objective, the loss) raised (that rank raises its own error). Every rank stops at the same step, before any
+    collective of the step would wait for the failed one (the backward's gradient all-reduce included); the message
+    names the failed ranks and the step (:attr:`ranks`, :attr:`step`)."""
 
     def __init__(self, message: str, *, step: int, ranks: list[int]) -> None:
         super().__init__(message)

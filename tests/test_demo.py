@@ -350,6 +350,9 @@ def test_ctrl_c_in_training_keeps_a_checkpoint_exits_130_and_the_printed_command
     assert "resuming from" in printed and "at step 3 of 6" in printed
     result = json.loads((out / "demo_results.json").read_text())
     assert result["steps"] == 6 and result["train_history"][-1]["step"] == 6
+    # the finished run's Lorsa replaces the interrupted one: no stale lorsa_interrupted/ beside lorsa/ (was kept)
+    assert load(out / "lorsa" / "layer_1").W_O.dtype == torch.float32
+    assert not (out / "lorsa_interrupted").exists()
 
 
 def test_ctrl_c_without_out_dir_saves_to_a_temporary_directory(local_model, tmp_path, monkeypatch, capsys):

@@ -50,9 +50,19 @@ each update's statistic (the smallest kept activation) is the mean of the ranks'
 (:meth:`DataParallel.combine_threshold`, inside :meth:`DataParallel.loss`); until 2026-11-27 each rank's threshold
 followed its own shard and the ranks' saved thresholds differed. It approximates one process on the concatenated
 batch (whose statistic is the smallest of the global top ``k · N``, between the ranks' smallest and largest).
-Save checkpoints from one rank (all hold the same state). A rank whose source raises at a step stops every rank
-there: the others raise :class:`~..errors.RankFailedError` (told with the step's first collective; an error later in
-the step, inside the forward, still leaves the others waiting in the backward's all-reduce). Devices: the collectives
+Save checkpoints from one rank (all hold the same state). A rank-local error stops every rank: the failed rank
+raises its own error, the others :class:`~..errors.RankFailedError` naming it and the step, and no rank waits in a
+collective for a failed one. Its source raising is told with the step's first collective; an error in its forward pass
+(the module, the objective, the loss) with one small all-reduce (:meth:`DataParallel._check`, ``world_size`` longs)
+that every rank makes before each combining collective of the forward (the threshold's, the dead counters', AuxK's
+mean: the failed rank's one more meets the others' next, whichever it is) and after the forward, before the backward's
+gradient all-reduce (three to four per step for a BatchTopK SAE with AuxK; on 2 busy CPU cores with gloo a tiny
+all-reduce took ~0.36 ms, +2.5 ms on a 12 ms toy step, nothing next to a real model's step); an error after the
+forward pass (optimizer step, a remedy, logging, saving a checkpoint in :meth:`~.trainer.Trainer.train`) at the
+others' next step's first collective, before a remedy's :meth:`DataParallel.broadcast_edit`, or at the end of
+``train()`` (:meth:`DataParallel.finish`, one all-reduce per call). Not covered: an error inside the backward pass
+(an autograd hook or function raising on one rank) leaves the others in DDP's gradient all-reduce until the failed
+process exits (gloo's "Connection closed by peer") or gloo's timeout. Devices: the collectives
 run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever device the module
 and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
 own imports).
@@ -185,6 +195,8 @@ class DataParallel:
                 m.copy_(buf)
         trainer.masters.round_()
         trainer.masters.round_buffers_()
+        #: the step whose forward is under way (None outside one): the combining collectives check the ranks first
+        self._forward_step: int | None = None
         trainer.dist = self
 
     def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
@@ -193,24 +205,93 @@ class DataParallel:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
         return buf.to(t.device)
 
+    def _check(self, failed: bool = False) -> list[int]:
+        """The ranks that failed in the forward of step :attr:`_forward_step` (this rank: ``failed``), told to every
+        rank with one ``(world_size,)`` all-reduce. Every rank makes one of these before each combining collective
+        of the forward and one after it; a rank whose forward raised makes just one more, which meets the others'
+        next (whatever collective of the forward they were about to enter), so no rank waits for a failed one.
+
+        Raises:
+            RankFailedError: another rank failed (when this one did not).
+        """
+        flags = torch.zeros(self.world_size, dtype=torch.long, device=self.device)
+        flags[self.rank] = failed
+        failed_ranks = [r for r, f in enumerate(self._all_reduce(flags).tolist()) if f]
+        if failed_ranks and not failed:
+            step, self._forward_step = self._forward_step, None  # told: the forward's except does not tell again
+            raise self._rank_failed(step, failed_ranks, "in the forward pass (its loss)")
+        return failed_ranks
+
+    def _rank_failed(self, step: int | None, ranks: list[int], where: str) -> RankFailedError:
+        """The :class:`RankFailedError` of this rank when ``ranks`` failed at ``step`` ``where``."""
+        return RankFailedError(f"step {step}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of "
+                               f"the data-parallel run failed {where} (see its own error); this rank stopped at the "
+                               "same step", step=-1 if step is None else step, ranks=ranks)
+
+    def _between(self, n_local: int = 0, failed: tuple[int, bool] | None = None, own: bool = False) -> int:
+        """The collective the ranks make between two steps' work (the first of :meth:`loss`, the one before
+        :meth:`broadcast_edit`, :meth:`finish`, :meth:`tell_failed`): ``(1 + world_size,)`` longs, ``Σ_ranks
+        n_local`` and, per rank, ``1 + 2·step + after`` where it failed (``failed = (step, after)``: ``after`` False
+        getting its batch, True after its forward pass), else 0. Returns ``Σ_ranks n_local``.
+
+        Raises:
+            RankFailedError: another rank failed (unless ``own``: this rank raises its own error).
+        """
+        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
+        flags[0] = n_local
+        if failed is not None:
+            flags[1 + self.rank] = 1 + 2 * failed[0] + failed[1]
+        counts: list[int] = self._all_reduce(flags).tolist()
+        told = {r: divmod(v - 1, 2) for r, v in enumerate(counts[1:]) if v}
+        if told and not own:
+            step, after = told[min(told)]
+            raise self._rank_failed(step, sorted(told), "after its forward pass (in its optimizer step, a dead-latent "
+                                    "remedy, logging or saving a checkpoint)" if after else
+                                    "getting its part of the batch")
+        return int(counts[0])
+
+    def tell_failed(self, step: int) -> None:
+        """Tell the other ranks that this rank failed after its forward pass of step ``step`` (its own error is then
+        raised by the caller, :class:`~.trainer.Trainer`): they raise :class:`RankFailedError` at their next step's
+        first collective, before a remedy's :meth:`broadcast_edit` or at the end of :meth:`~.trainer.Trainer.train`
+        (:meth:`finish`), whichever they reach first."""
+        self._between(0, (step, True), own=True)
+
+    def finish(self) -> None:
+        """The end of a :meth:`~.trainer.Trainer.train` call on every rank: a rank that failed after its last forward
+        pass is heard here (:meth:`tell_failed`). One small all-reduce per call.
+
+        Raises:
+            RankFailedError: another rank failed after its forward pass.
+        """
+        self._between()
+
+    def _checked(self) -> None:
+        """:meth:`_check` when inside a forward (the combining collectives' first step)."""
+        if self._forward_step is not None:
+            self._check()
+
     def _count(self, n: int) -> int:
         """``Σ_ranks n``."""
         return int(self._all_reduce(torch.tensor([n], dtype=torch.long, device=self.device)))
 
     def combine_firing(self, fired: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, int]:
         """``(fired on any rank, tokens on all ranks)`` for the dead-latent counters."""
+        self._checked()
         f = self._all_reduce(fired.to(torch.int32), dist.ReduceOp.MAX)
         return f.bool(), self._count(n_tokens)
 
     def combine_counts(self, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics."""
+        self._checked()
         c = self._all_reduce(counts.to(torch.float64))
         z = self._all_reduce(z_max.detach().clone(), dist.ReduceOp.MAX)
         return c, z, self._count(n_tokens)
 
     def global_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch."""
+        self._checked()
         t = torch.stack([total.detach().to(torch.float64).reshape(()),
                          torch.tensor(float(count), dtype=torch.float64, device=total.device)])
         t = self._all_reduce(t)
@@ -222,6 +303,7 @@ class DataParallel:
         ``smallest`` (0-d), weighted by their kept entries ``kept`` (0: none positive on this rank; its value is not
         used), computed in fp64 and returned in ``smallest``'s dtype and device — the same on every rank; None on
         every rank when no rank had one."""
+        self._checked()
         t = torch.stack([smallest.detach().to(torch.float64).reshape(()) * kept,
                          torch.tensor(float(kept), dtype=torch.float64, device=smallest.device)])
         t = self._all_reduce(t)
@@ -235,6 +317,7 @@ class DataParallel:
         ``[0, n)``), returned on every rank: the edit of a remedy computed from one rank's shard (a Lorsa's
         ``revive`` / ``resample``), made the same on every rank (until 2026-11-27 each rank kept its own edit and the
         ranks' weights parted)."""
+        self._between()  # a rank that failed in its optimizer step tells here (tell_failed), not in the broadcast
         mask = torch.zeros(n, dtype=torch.int32, device=self.device)
         mask[moved.to(self.device)] = 1
         dist.broadcast(mask, src=self._src, group=self.group)
@@ -254,8 +337,8 @@ class DataParallel:
         averaged gradient is the global batch's.
 
         Raises:
-            RankFailedError: another rank's source raised at this step (this rank's source raising: its own error,
-                after the other ranks were told; no rank waits in a collective for a failed one).
+            RankFailedError: another rank's source or forward pass raised at this step (this rank's raising: its own
+                error, after the other ranks were told; no rank waits in a collective for a failed one).
         """
         failure: BaseException | None = None
         try:  # a rank-local error: told to the other ranks with the step's first collective (none waits in one)
@@ -264,18 +347,21 @@ class DataParallel:
             n_local = int(mask.sum()) if mask is not None else int(next(iter(vars(batch).values())).shape[0])
         except Exception as e:  # noqa: BLE001 (re-raised below, after the others know)
             failure, n_local = e, 0
-        flags = torch.zeros(1 + self.world_size, dtype=torch.long, device=self.device)
-        flags[0], flags[1 + self.rank] = n_local, failure is not None
-        counts: list[int] = self._all_reduce(flags).tolist()
-        failed = [r for r in range(self.world_size) if counts[1 + r]]
+        n_global = self._between(n_local, None if failure is None else (step, False), own=failure is not None)
         if failure is not None:
             raise failure
-        if failed:
-            raise RankFailedError(f"step {step}: rank{'s' if len(failed) > 1 else ''} "
-                                  f"{', '.join(map(str, failed))} of the data-parallel run failed getting its part of "
-                                  "the batch (see its own error); this rank stopped at the same step", step=step,
-                                  ranks=failed)
-        n_global = int(counts[0])
-        with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
-            loss, metrics = self.ddp(batch)
+        # an error in the forward (the objective, the module, the loss) is told with one small all-reduce after it
+        # (:meth:`_check`, also made before each combining collective of the forward), before the backward's
+        self._forward_step = step
+        try:
+            with global_batch(self.combine_threshold):  # BatchTopK thresholds: one estimate on every rank
+                loss, metrics = self.ddp(batch)
+        except Exception:
+            if self._forward_step is not None:  # this rank's own error (not another's, told by _check): tell them
+                self._check(failed=True)
+            raise
+        else:
+            self._check()
+        finally:
+            self._forward_step = None
         return loss * (n_local * self.world_size / max(1, n_global)), metrics

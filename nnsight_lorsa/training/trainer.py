@@ -35,7 +35,14 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import check_placement_args, f32, placement
-from ..errors import ArgumentError, CheckpointError, ConfigMismatchError, NonFiniteError, TooFewTokensError
+from ..errors import (
+    ArgumentError,
+    CheckpointError,
+    ConfigMismatchError,
+    NonFiniteError,
+    RankFailedError,
+    TooFewTokensError,
+)
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .master_weights import MasterWeights
@@ -275,6 +282,8 @@ class Trainer:
             NonFiniteError: the loss, a gradient or the learning rate is not finite (the message names
                 the step and the tensor: the batch's non-finite activations, a parameter, …).
             TooFewTokensError: see :meth:`estimate_norms` (first step only).
+            RankFailedError: (data parallel) another rank failed getting its batch or in its forward pass at this
+                step; the trainer is left as after step ``step - 1``, as for ``NonFiniteError``.
         """
         if self.s_in is None:
             self.estimate_norms()
@@ -306,19 +315,26 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 if not math.isfinite(group["lr"]):
                     raise self._non_finite("lr", group["lr"])
-        except NonFiniteError:
+        except (NonFiniteError, RankFailedError):  # (another rank failed: this one stops as after step - 1 too)
             self.optimizer.zero_grad(set_to_none=True)
             self.tokens_since_fired = counters
             self.masters.restore_estimates(estimates)
             self.objective.discard_step(self.state)
             raise
-        if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
-        self.optimizer.step()
-        self.scheduler.step()
-        with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
-            self.objective.post_step(self.state)
+        try:
+            if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
+            lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
+            self.optimizer.step()
+            self.scheduler.step()
+            with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
+                self.objective.post_step(self.state)
+        except RankFailedError:
+            raise
+        except Exception:
+            if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
+                self.dist.tell_failed(self.step)
+            raise
         self.step += 1
         metrics["lr"] = lr
         return metrics
@@ -395,6 +411,10 @@ class Trainer:
             ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
+            RankFailedError: (data parallel) another rank failed: getting its batch or in its forward pass at this
+                step (:meth:`train_step`), or after its forward pass (its optimizer step, a remedy, logging, saving a
+                checkpoint), heard at this rank's next collective or at the end of the call. An error of this rank
+                after its forward pass is told to the others before it is raised.
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
@@ -406,21 +426,36 @@ class Trainer:
         try:
             while self.step < end:
                 m = self.train_step()
-                bar.update(1)
-                if self.step % self.config.log_every == 0 or self.step == end:
-                    m["step"] = self.step
-                    self.config.history.append(m)
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
-                                    dead=f"{m['dead_frac']:.2f}")
-                    if logger is not None:
-                        logger.log(flat_metrics(m, "train"), step=self.step)
-                    if on_log is not None:
-                        on_log(m)
-                if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
-                    self.save_checkpoint(checkpoint_dir)
+                try:
+                    self._after_step(m, end, bar, logger, on_log, checkpoint_dir, checkpoint_every)
+                except RankFailedError:
+                    raise
+                except Exception:
+                    if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
+                        self.dist.tell_failed(self.step)
+                    raise
+            if self.dist is not None:  # a rank that failed after its last forward pass is heard here
+                self.dist.finish()
         finally:
             bar.close()
         return self.config.history
+
+    def _after_step(self, m: dict[str, float], end: int, bar: Any, logger: Any,
+                    on_log: Callable[[dict[str, float]], None] | None, checkpoint_dir: str | Path | None,
+                    checkpoint_every: int) -> None:
+        """:meth:`train`'s work after each step: progress, history, logging, checkpoint."""
+        bar.update(1)
+        if self.step % self.config.log_every == 0 or self.step == end:
+            m["step"] = self.step
+            self.config.history.append(m)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
+                            dead=f"{m['dead_frac']:.2f}")
+            if logger is not None:
+                logger.log(flat_metrics(m, "train"), step=self.step)
+            if on_log is not None:
+                on_log(m)
+        if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
+            self.save_checkpoint(checkpoint_dir)
 
     # -------------------------------------------------------- W&B logging
     def _wandb_run(self) -> WandbRun | None:
