@@ -402,6 +402,24 @@ def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
     return randomize_(SparseAutoencoder(SAEConfig(**kw)), seed)
 
 
+def pattern_holding_attention(arch: Any, recording: Any, patterns: dict) -> Any:
+    """A stand-in for ``arch.eager_attention_forward`` (``arch``: a transformers model module): while ``recording()``
+    it runs the original and keeps each attention module's pattern in ``patterns`` (by ``id(module)``); otherwise it
+    holds that pattern (a frozen attention: ``pattern @ value``, differentiable in the value only)."""
+    original = arch.eager_attention_forward
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if recording():
+            out, w = original(module, query, key, value, attention_mask, *args, **kwargs)
+            patterns[id(module)] = w.detach()
+            return out, w
+        w = patterns[id(module)]
+        v = arch.repeat_kv(value, module.num_key_value_groups) if hasattr(arch, "repeat_kv") else value
+        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+    return attention
+
+
 def drawn_clt(n_layers: int, d_sae: int, kind: str, skip: bool, seed: int, d_model: int = 64) -> Any:
     """A CrossLayerTranscoder with drawn weights away from its initialisation: JumpReLU thresholds in
     ``[0, 0.4)``, a small skip, every other weight perturbed; TopK's ``k`` is ``d_sae // 6`` (at least 1)."""

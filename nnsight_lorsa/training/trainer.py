@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,20 @@ class Trainer:
         return self.dist.global_mean(values.sum(), values.numel())
 
     # -------------------------------------------------------------- step
+    @contextmanager
+    def _told(self) -> Iterator[None]:
+        """Under data parallelism, a rank-local error raised inside (after the forward pass: the optimizer step, a
+        remedy, logging, a checkpoint) is told to the other ranks at their next collective
+        (:meth:`.distributed.DataParallel.tell_failed`), then re-raised; another rank's failure passes through."""
+        try:
+            yield
+        except RankFailedError:
+            raise
+        except Exception:
+            if self.dist is not None:
+                self.dist.tell_failed(self.step)
+            raise
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step on batch ``step`` (the scale factors are estimated first if needed); its metrics.
 
@@ -321,7 +336,7 @@ class Trainer:
             self.masters.restore_estimates(estimates)
             self.objective.discard_step(self.state)
             raise
-        try:
+        with self._told():
             if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
                 torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
             lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
@@ -329,12 +344,6 @@ class Trainer:
             self.scheduler.step()
             with self.masters.editing(self.module):  # constraints and remedies act on the masters, then rounded
                 self.objective.post_step(self.state)
-        except RankFailedError:
-            raise
-        except Exception:
-            if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
-                self.dist.tell_failed(self.step)
-            raise
         self.step += 1
         metrics["lr"] = lr
         return metrics
@@ -426,14 +435,8 @@ class Trainer:
         try:
             while self.step < end:
                 m = self.train_step()
-                try:
+                with self._told():
                     self._after_step(m, end, bar, logger, on_log, checkpoint_dir, checkpoint_every)
-                except RankFailedError:
-                    raise
-                except Exception:
-                    if self.dist is not None:  # a rank-local error: the other ranks hear it at their next collective
-                        self.dist.tell_failed(self.step)
-                    raise
             if self.dist is not None:  # a rank that failed after its last forward pass is heard here
                 self.dist.finish()
         finally:

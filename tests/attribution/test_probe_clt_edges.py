@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import drawn_clt, generated, make_lorsa, random_ids, rm, tiny_nnsight
+from helpers import drawn_clt, generated, make_lorsa, pattern_holding_attention, random_ids, rm, tiny_nnsight
 from hypothesis import strategies as st
 
 from nnsight_lorsa import CLTSet, get_adapter
@@ -68,7 +68,6 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
     norm's output); ``"resid_mid"``: the pre-MLP norm's input (circuit-tracer ``hook_resid_mid``), live;
     ``"normalized"``: that input times the norm's frozen ``1/rms``, without the gain (``ln2.hook_normalized``)."""
     arch = importlib.import_module(type(hf).__module__)
-    original = arch.eager_attention_forward
     st_: dict[str, Any] = {"mode": "record", "pattern": {}, "scale": {}, "x": {}, "mlp_out": {}, "acts": {},
                            "clean": {}, "mid": {}}
     n, n_model = clt.n_layers, hf.config.num_hidden_layers
@@ -76,16 +75,8 @@ def frozen_by_hand(hf: Any, clt: CrossLayerTranscoder, ids: torch.Tensor, monkey
     W_dec = [getattr(clt, f"W_dec_{layer}").detach() for layer in range(n)]
     W_skip = None if clt.W_skip is None else clt.W_skip.detach()
 
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if st_["mode"] == "record":
-            out, w = original(module, query, key, value, attention_mask, *args, **kwargs)
-            st_["pattern"][id(module)] = w.detach()
-            return out, w
-        w = st_["pattern"][id(module)]
-        v = arch.repeat_kv(value, module.num_key_value_groups) if hasattr(arch, "repeat_kv") else value
-        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
-
-    monkeypatch.setattr(arch, "eager_attention_forward", attention)
+    monkeypatch.setattr(arch, "eager_attention_forward",
+                        pattern_holding_attention(arch, lambda: st_["mode"] == "record", st_["pattern"]))
     adapter = get_adapter(hf)
 
     def lorsa_hook(module, args, kwargs, output):

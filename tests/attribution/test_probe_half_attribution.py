@@ -39,7 +39,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import drawn_clt, generated, make_lorsa, make_transcoders, random_ids, rm, tiny_nnsight
+from helpers import (
+    drawn_clt,
+    generated,
+    make_lorsa,
+    make_transcoders,
+    pattern_holding_attention,
+    random_ids,
+    rm,
+    tiny_nnsight,
+)
 from hypothesis import assume
 from hypothesis import strategies as st
 
@@ -102,7 +111,6 @@ def frozen_fp64(hf: Any, cache: Any, spec: dict, lorsa: Any, monkeypatch: Any):
     logits (pos, vocab))``; the first call (record, all multipliers 1) freezes the constants."""
     hf = copy.deepcopy(hf).double()
     arch = importlib.import_module(type(hf).__module__)
-    original = arch.eager_attention_forward
     adapter = get_adapter(hf)
     enc, dec, b_dec, skip = spec["enc"], spec["dec"], spec["b_dec"], spec["skip"]
     n_model = hf.config.num_hidden_layers
@@ -121,16 +129,8 @@ def frozen_fp64(hf: Any, cache: Any, spec: dict, lorsa: Any, monkeypatch: Any):
         z_clean = torch.zeros_like(zp).scatter(-1, idx, vals.clamp(min=0))
         err_attn = cache.attn_out[1].double() - (z_clean @ lorsa.W_O.detach() + lorsa.b_D.detach())
 
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if st_["record"]:
-            out, w = original(module, query, key, value, attention_mask, *args, **kwargs)
-            st_["pattern"][id(module)] = w.detach()
-            return out, w
-        w = st_["pattern"][id(module)]
-        v = arch.repeat_kv(value, module.num_key_value_groups) if hasattr(arch, "repeat_kv") else value
-        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
-
-    monkeypatch.setattr(arch, "eager_attention_forward", attention)
+    monkeypatch.setattr(arch, "eager_attention_forward",
+                        pattern_holding_attention(arch, lambda: st_["record"], st_["pattern"]))
 
     def lorsa_hook(module, args, kwargs, output):
         x = adapter.attention_input(args, kwargs)
