@@ -1021,3 +1021,50 @@ def test_for_remote_sends_host_copies_of_modules_on_a_gpu() -> None:
             for (name, t), (_, c) in zip(original.state_dict().items(), copy.state_dict().items(), strict=True):
                 assert c.device.type == "cpu" and t.device.type == "cuda", (kind, name)
                 assert torch.equal(c, t.to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype))
+
+
+SHIP_ACTIVATION = """
+import sys, torch
+from nnsight.intervention.serialization import dumps, loads
+from nnsight_lorsa.modules.activations import make_activation
+from nnsight_lorsa.ndif_rules import check_request
+from nnsight_lorsa.remote import register, unregister
+name = sys.argv[1]
+params = {"topk": {"k": 4}, "batchtopk": {"k": 4}, "abstopk": {"k": 4}, "groupmax": {"k": 4},
+          "jumprelu": {"threshold": 0.1}}.get(name, {})
+act = make_activation(name, 16, params)  # in training mode, as a fresh module (and for_remote keeps the mode)
+x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+register(guard=False)  # nnsight's own serializer ships the package by value, as a request does
+try:
+    blob = dumps(act)
+finally:
+    unregister()
+assert not any(m.split(".")[0] == "nnsight_lorsa" for m in check_request(blob))  # by value, whitelisted
+copy = loads(blob)
+for training in (True, False, True):
+    assert torch.equal(copy.train(training)(x), act.train(training)(x)), training
+print("shipped")
+"""
+
+
+@pytest.mark.parametrize("name", ["relu", "topk", "batchtopk", "jumprelu", "abstopk", "groupmax"])
+def test_every_activation_kind_ships_to_ndif(name) -> None:
+    """A sparse coder's activation travels to NDIF by value (``remote.register``, nnsight's serializer): the pickle
+    names only modules NDIF's unpickling whitelist allows, and the copy computes what the original does, in training
+    and eval mode. In a fresh process (this one's jaxtyping hook rewrites the package's functions). Seen failing: a
+    BatchTopK in training mode read the data-parallel reducer from a module global, which nnsight's serializer does
+    not ship (``NameError: name '_GLOBAL_BATCH' is not defined`` on the server); it is now a class attribute
+    (``BatchTopK.global_batch``), its context manager in ``training.distributed``."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    from nnsight_lorsa.modules.activations import ACTIVATIONS
+
+    assert name in ACTIVATIONS
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", SHIP_ACTIVATION, name], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and "shipped" in run.stdout, run.stderr[-2000:]

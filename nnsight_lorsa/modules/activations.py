@@ -29,9 +29,7 @@ Needs torch only.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -44,30 +42,6 @@ from .sparse_decode import batch_topk_indices, topk_indices
 
 #: dtypes whose BatchTopK threshold keeps an fp32 running estimate beside it
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-#: the rank-combining function of :func:`global_batch` (None: one process)
-_GLOBAL_BATCH: ContextVar[Callable[[torch.Tensor, int], torch.Tensor | None] | None] = \
-    ContextVar("nnsight_lorsa_global_batch", default=None)
-
-
-@contextmanager
-def global_batch(reduce: Callable[[torch.Tensor, int], torch.Tensor | None]) -> Iterator[None]:
-    """Inside, every :class:`BatchTopK` training update combines its statistic over the ranks of a data-parallel run.
-
-    ``reduce(smallest, kept)`` is called on every rank at every update with this rank's smallest kept positive
-    activation (a 0-d tensor in the estimate's dtype, fp32 at least; any value when ``kept == 0``) and the number of
-    entries the batch rule kept on this rank (``k`` per row; ``0``: this rank kept no positive activation); it must
-    return the same 0-d tensor on every rank
-    (:meth:`~nnsight_lorsa.training.distributed.DataParallel.combine_threshold`: the mean over the ranks with
-    ``kept > 0``, weighted by ``kept``), or None on every rank when no rank had one (no update). Set per thread (a
-    context variable).
-    """
-    token = _GLOBAL_BATCH.set(reduce)
-    try:
-        yield
-    finally:
-        _GLOBAL_BATCH.reset(token)
-
-
 def _topk_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """``x`` with all but its ``k`` largest entries along the last dim set to zero, then ReLU'd."""
     vals, idx = x.topk(min(k, x.shape[-1]), dim=-1, sorted=False)
@@ -204,9 +178,10 @@ class BatchTopK(nn.Module):
     write to the buffer from outside (``load_state_dict``, :meth:`set_threshold`, ``threshold.mul_``) restarts the
     running estimate from the buffer's value.
 
-    Under data parallelism (:func:`global_batch`, which :class:`~nnsight_lorsa.training.distributed.DataParallel`
-    sets around each loss) the statistic the estimate is updated from is combined over the ranks (the mean of the
-    ranks' smallest kept activations, weighted by their kept entries), so every rank holds the same estimate. The
+    Under data parallelism (:func:`~nnsight_lorsa.training.distributed.global_batch`, which
+    :class:`~nnsight_lorsa.training.distributed.DataParallel` sets around each loss) the statistic the estimate is
+    updated from is combined over the ranks (the mean of the ranks' smallest kept activations, weighted by their kept
+    entries), so every rank holds the same estimate. The
     batch rule itself stays per rank (``k · n`` of the rank's ``n`` rows), so the estimate approximates, not equals,
     that of one process on the concatenated batch (whose statistic is the smallest of the global top ``k · N``).
 
@@ -227,6 +202,11 @@ class BatchTopK(nn.Module):
     #: of the bf16 / fp16 ones (saved in its checkpoints and resumed: the module's own fp32 estimate is not in the
     #: state dict)
     trained_buffers: ClassVar[tuple[str, ...]] = ("threshold", "n_updates")
+    #: the rank-combining functions of :func:`~nnsight_lorsa.training.distributed.global_batch` (the innermost last;
+    #: empty: one process). A class attribute, not a module global (nor a ``contextvars.ContextVar``): this class
+    #: travels to NDIF by value (``remote.register``), with its own attributes but not its module's globals
+    #: (``tests/test_remote.py``, ``test_every_activation_kind_ships_to_ndif``)
+    global_batch: ClassVar[list[Callable[[torch.Tensor, int], torch.Tensor | None]]] = []
     n_updates: torch.Tensor
 
     def __init__(self, k: int, d_sae: int, threshold_lr: float = 0.01) -> None:
@@ -302,9 +282,9 @@ class BatchTopK(nn.Module):
     @torch.no_grad()
     def update_threshold(self, acts: torch.Tensor) -> None:
         """Fold the smallest positive kept activation of a batch into the threshold estimate (in fp32 at least; the
-        statistic combined over the ranks inside :func:`global_batch`)."""
+        statistic combined over the ranks inside :func:`~nnsight_lorsa.training.distributed.global_batch`)."""
         positive = acts[acts > 0]
-        reduce = _GLOBAL_BATCH.get()
+        reduce = self.global_batch[-1] if self.global_batch else None
         running = self._running()
         if reduce is not None:  # every rank takes part, with or without a positive activation
             # weight: the entries kept (k per row: the dense acts' k · rows, the sparse path's nnz)

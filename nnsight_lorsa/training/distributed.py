@@ -70,6 +70,8 @@ own imports).
 
 # (no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects, not strings)
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import NotReadyError, RankFailedError
-from ..modules.activations import global_batch
+from ..modules.activations import BatchTopK
 from .master_weights import LOW_PRECISION
 
 
@@ -139,6 +141,26 @@ def fp32_mean_hook(process_group: Any, bucket: dist.GradBucket):
         return buffer
 
     return dist.all_reduce(wide, group=group, async_op=True).get_future().then(mean)
+
+
+
+@contextmanager
+def global_batch(reduce: Callable[[torch.Tensor, int], torch.Tensor | None]) -> Iterator[None]:
+    """Inside, every :class:`~..modules.activations.BatchTopK` training update combines its statistic over the ranks
+    of a data-parallel run.
+
+    ``reduce(smallest, kept)`` is called on every rank at every update with this rank's smallest kept positive
+    activation (a 0-d tensor in the estimate's dtype, fp32 at least; any value when ``kept == 0``) and the number of
+    entries the batch rule kept on this rank (``k`` per row; ``0``: this rank kept no positive activation); it must
+    return the same 0-d tensor on every rank (:meth:`DataParallel.combine_threshold`: the mean over the ranks with
+    ``kept > 0``, weighted by ``kept``), or None on every rank when no rank had one (no update). Per process (the
+    innermost ``global_batch`` holds; ranks are processes).
+    """
+    BatchTopK.global_batch.append(reduce)
+    try:
+        yield
+    finally:
+        BatchTopK.global_batch.pop()
 
 
 class DataParallel:

@@ -95,7 +95,7 @@ def test_an_outside_write_restarts_the_estimate_and_moves_keep_it():
 def test_inside_global_batch_the_update_takes_the_combined_statistic(sparse):
     """The reducer sees this rank's smallest kept activation and its kept entries (``k`` per row), and the estimate
     follows what it returns (None: no update at all, as a batch without a positive activation)."""
-    from nnsight_lorsa.modules.activations import global_batch
+    from nnsight_lorsa.training.distributed import global_batch
 
     act = BatchTopK(3, 8, threshold_lr=0.1).train()
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) + 0.5
