@@ -257,16 +257,20 @@ def _patched_runs(replacement: ReplacementModel, prompts: Any, groups: list[tupl
 
 @dataclass
 class AblationResult:
-    """Metric ``(batch,)`` without and with the ablation, and the relative effect (§10.4)."""
+    """Metric ``(batch,)`` without and with the ablation, and the relative effect (§10.4).
+
+    ``rounding``: the eps of the logits' dtype the metrics were computed from (set by :func:`ablation_effect`),
+    which decides where :attr:`relative` is undefined."""
 
     baseline: torch.Tensor
     ablated: torch.Tensor
+    rounding: float = torch.finfo(torch.float32).eps
 
     @property
     def relative(self) -> torch.Tensor:
         """``(batch,)`` ``(baseline − ablated) / baseline`` (:func:`~.metrics.relative_effect`: a zero or
         rounding-sized baseline raises ``UndefinedNormalizationError`` naming the rows)."""
-        return relative_effect(self.baseline, self.ablated)
+        return relative_effect(self.baseline, self.ablated, rounding=self.rounding)
 
 
 def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequence[Target], *,
@@ -305,22 +309,24 @@ def _ablation(replacement: ReplacementModel, prompts: Any, targets: Sequence[Tar
             for t in ordered:
                 ablate(Bound(t, replacement), mode, means, positions)
             edited = saved_logits(replacement)
-    return AblationResult(score(base), score(edited))
+    return AblationResult(score(base), score(edited), torch.finfo(base.dtype).eps)
 
 
 @dataclass
 class RandomControl:
-    """``samples[i]``: metric ``(batch,)`` with the i-th random draw of ``k`` targets ablated."""
+    """``samples[i]``: metric ``(batch,)`` with the i-th random draw of ``k`` targets ablated; ``rounding``: the eps
+    of the logits' dtype the metrics were computed from (set by :func:`random_ablation_control`)."""
 
     baseline: torch.Tensor
     samples: torch.Tensor
     draws: list[tuple[Target, ...]]
+    rounding: float = torch.finfo(torch.float32).eps
 
     @property
     def relative(self) -> torch.Tensor:
         """Relative effect per draw (batch-mean metric): ``(n_samples,)`` (:func:`~.metrics.relative_effect`: a zero or
         rounding-sized batch-mean baseline raises ``UndefinedNormalizationError``)."""
-        return relative_effect(self.baseline.mean(), self.samples.mean(-1))
+        return relative_effect(self.baseline.mean(), self.samples.mean(-1), rounding=self.rounding)
 
 
 def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: Sequence[Target], k: int, *,
@@ -348,14 +354,14 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     gen = torch.Generator(device=HOST).manual_seed(seed)  # draws on the CPU: the same on every device
     draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen, device=HOST)[:k])
              for _ in range(n_samples)]
-    samples, baseline = [], None
+    samples, baseline, rounding = [], None, torch.finfo(torch.float32).eps
     for draw in draws:  # every draw through the pool's replacements: one baseline for all (until 2026-11-27 the
         # draw's own: with error=False draws splicing different sets were compared with the last draw's baseline)
         res = _ablation(replacement, prompts, draw, pool, metric, correct_ids, incorrect_ids, mode, means, positions)
-        baseline = res.baseline
+        baseline, rounding = res.baseline, res.rounding
         samples.append(res.ablated)
     assert baseline is not None
-    return RandomControl(baseline, torch.stack(samples), draws)
+    return RandomControl(baseline, torch.stack(samples), draws, rounding)
 
 
 def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head: int, prompts: Any, *,

@@ -58,19 +58,23 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
     return last[rows, correct] - last[rows, incorrect]
 
 
-def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float) -> torch.Tensor:
+def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | float, *,
+                    rounding: float | None = None) -> torch.Tensor:
     """``(baseline − intervened) / baseline``: 1 means the intervention removed the behaviour, 0 no effect.
 
     In fp32 on ``baseline``'s device (``intervened`` is moved there; numbers go to the CPU). Undefined where the
-    baseline is 0 or rounding-sized (``|baseline| <= NORMALIZATION_TOLERANCE · eps(fp32) · max(|baseline|,
+    baseline is 0 or rounding-sized (``|baseline| <= NORMALIZATION_TOLERANCE · rounding · max(|baseline|,
     |intervened|)``, :func:`check_gap`'s rule): refused there, as :func:`normalized_effect` refuses (until 2026-11-27
-    ``±inf``, NaN or a quotient of rounding noise).
+    ``±inf``, NaN or a quotient of rounding noise). ``rounding``: the eps of the logits' dtype the metrics come from
+    (``torch.finfo(dtype).eps``, e.g. ``2**-7`` for a bf16 model: the experiments' results pass theirs); default the
+    eps of the coarser of the inputs' dtypes, at least fp32's (until 2026-11-28 always fp32's, so a bf16 model's
+    rounding-sized baseline gave a quotient of noise).
 
     Raises:
         UndefinedNormalizationError: naming the rows (elements) and both values where the baseline is 0 or
             rounding-sized.
         ArgumentError: ``baseline`` or ``intervened`` not a real number or real tensor (bools, strings, None,
-            non-finite numbers).
+            non-finite numbers); ``rounding`` not a finite number in ``[0, 1)``.
     """
     for name, value in (("baseline", baseline), ("intervened", intervened)):
         if isinstance(value, torch.Tensor):
@@ -78,10 +82,16 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
                 raise ArgumentError(f"relative_effect: {name} must be a real tensor, got dtype {value.dtype}")
         elif not is_real(value) or not math.isfinite(value):
             raise ArgumentError(f"relative_effect: {name} must be a finite number or a tensor, got {value!r}")
+    if rounding is None:
+        rounding = max([torch.finfo(torch.float32).eps] + [
+            torch.finfo(v.dtype).eps for v in (baseline, intervened)
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point])
+    elif not is_real(rounding) or not 0 <= rounding < 1:
+        raise ArgumentError(f"relative_effect: rounding must be a number in [0, 1) (a dtype's eps), got {rounding!r}")
     b = baseline.to(torch.float32) if isinstance(baseline, torch.Tensor) else torch.tensor(float(baseline),
                                                                                             device="cpu")
     i = torch.as_tensor(intervened).to(device=b.device, dtype=torch.float32)
-    check_gap(b, torch.zeros_like(b), torch.finfo(torch.float32).eps, "relative_effect", ("the baseline", "0"),
+    check_gap(b, torch.zeros_like(b), float(rounding), "relative_effect", ("the baseline", "0"),
               torch.maximum(b.abs(), i.abs()), "an effect relative to a zero baseline is undefined; read the "
               "difference baseline − intervened")
     return (b - i) / b

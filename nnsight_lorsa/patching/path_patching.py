@@ -115,7 +115,7 @@ class PathPatchingResult(FieldsRepr):
         """``(n_groups,)`` relative effect on the batch-mean metric, ``(clean − patched) / clean``
         (:func:`~.metrics.relative_effect`: a zero or rounding-sized clean mean raises
         ``UndefinedNormalizationError``)."""
-        return relative_effect(self.clean.mean(), self.patched.mean(-1))
+        return relative_effect(self.clean.mean(), self.patched.mean(-1), rounding=self.rounding)
 
     @property
     def normalized(self) -> torch.Tensor:

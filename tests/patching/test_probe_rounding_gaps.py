@@ -13,8 +13,8 @@ from helpers import LAYER, N_HEADS, N_LAYERS, generated, make_lorsa, tiny_nnsigh
 from hypothesis import strategies as st
 
 from nnsight_lorsa import LorsaSet, get_adapter
-from nnsight_lorsa.errors import UndefinedNormalizationError
-from nnsight_lorsa.patching import MHSAHead, ReplacementModel, relative_effect
+from nnsight_lorsa.errors import ArgumentError, UndefinedNormalizationError
+from nnsight_lorsa.patching import MHSAHead, ReplacementModel, ablation_effect, relative_effect
 from nnsight_lorsa.patching.circuit import circuit_size
 from nnsight_lorsa.patching.tasks import induction_task
 
@@ -67,11 +67,38 @@ def test_relative_effect_refuses_a_zero_or_rounding_sized_baseline():
     torch.testing.assert_close(relative_effect(torch.tensor([2.0, -4.0]), 1.0), torch.tensor([0.5, 1.25]))
 
 
+def test_relative_effect_takes_the_rounding_of_the_logits_dtype(setup):
+    """Seen failing: the rule always used fp32's eps, so a bf16 model's baseline of 1/64 of the ablated metric (below
+    bf16's rounding at that scale) gave a relative effect of -63 from noise. Now ``rounding`` (default the inputs'
+    dtype's eps), which ``ablation_effect`` / ``random_ablation_control`` / ``PathPatchingResult`` set from the
+    logits' dtype."""
+    from nnsight_lorsa.patching.experiments import AblationResult, RandomControl
+    bf16 = torch.finfo(torch.bfloat16).eps
+    base, new = torch.tensor([1 / 64, 1.0]), torch.tensor([1.0, 0.5])
+    torch.testing.assert_close(relative_effect(base, new), (base - new) / base)  # fp32: defined
+    for call in (lambda: relative_effect(base.bfloat16(), new.bfloat16()),
+                 lambda: relative_effect(base, new, rounding=bf16),
+                 lambda: AblationResult(base, new, bf16).relative,
+                 lambda: RandomControl(base[:1], new[None, :1], [()], bf16).relative):
+        with pytest.raises(UndefinedNormalizationError, match=r"relative_effect: .* rows \[0\]"):
+            call()
+    with pytest.raises(ArgumentError, match="rounding must be a number in"):
+        relative_effect(base, new, rounding=float("nan"))
+    r, task, heads = setup
+    r.model.to(torch.bfloat16)
+    try:
+        res = ablation_effect(r, task.clean, heads[:1], correct_ids=task.correct_ids,
+                              incorrect_ids=task.incorrect_ids)
+    finally:
+        r.model.to(torch.float32)
+    assert res.rounding == bf16
+
+
 @generated(40, 2000, seed=st.integers(0, 2**31 - 1))
 def test_generated_relative_effects_are_the_formula_or_refused(seed):
     """Baselines from exactly 0 through a few rounding units to 10³ × the intervened values' scale, fp32 / bf16 /
-    fp16 tensors or floats: the formula in float64 (relative 1e-5) where ``|b| > 4 · eps32 · max(|b|, |i|)``, else the
-    error naming exactly those elements."""
+    fp16 tensors or floats: the formula in float64 (relative 1e-5) where ``|b| > 4 · eps · max(|b|, |i|)`` (``eps``:
+    the tensors' dtype's, fp32's for floats), else the error naming exactly those elements."""
     rng = random.Random(seed)
     n = rng.randint(1, 5)
     scale = 10 ** rng.uniform(-3, 4)
@@ -85,8 +112,9 @@ def test_generated_relative_effects_are_the_formula_or_refused(seed):
         b, i = b.clamp(-6e4, 6e4), i.clamp(-6e4, 6e4)
     bd, id_ = b.double(), i.double()
     bf, if_ = bd.float().double(), id_.float().double()
-    flat = [k for k in range(n) if abs(float(bf[k])) <= 4 * EPS * max(abs(float(bf[k])), abs(float(if_[k])))]
     args = (b, i) if rng.random() < 0.7 or n > 1 else (float(b[0]), float(i[0]))
+    eps = torch.finfo(dtype).eps if isinstance(args[0], torch.Tensor) else EPS
+    flat = [k for k in range(n) if abs(float(bf[k])) <= 4 * eps * max(abs(float(bf[k])), abs(float(if_[k])))]
     if flat:
         with pytest.raises(UndefinedNormalizationError, match=re.escape(f"rows {flat}")):
             relative_effect(*args)
