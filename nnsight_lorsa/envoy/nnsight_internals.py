@@ -10,7 +10,8 @@ nnsight version is checked here and nowhere else. What is used:
   reads it (:class:`EndedEnvoy`), ``interleaver.envoys``, ``Interleaver.instrument``
   / ``fragments`` and ``source.install_controller`` — an envoy for a replacement module that is not a child of
   the model's modules (:func:`attach`, :func:`detach`); ``Envoy._drop_envoy`` — unmounting a real child module
-  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention);
+  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention); ``Envoy._edits``
+  — the edits ``model.edit()`` stored (:func:`stored_edits`);
 * ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
   ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
   ``Mediator.counts_at_start`` / ``Mediator.iteration`` — a per-trace worker that runs a replacement in
@@ -81,6 +82,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.envoy.Envoy", "_module", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "__init__", "callable"),
     ("nnsight.intervention.envoy.Envoy", "_drop_envoy", "callable"),
+    # the edits model.edit() stored on an envoy (stored_edits)
+    ("nnsight.intervention.envoy.Envoy", "_edits", "instance attribute"),
     ("nnsight.intervention.source", "install_controller", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "instrument", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "fragments", "instance attribute"),
@@ -147,6 +150,12 @@ def hf_module(model: Any) -> Any:
     """The torch module an nnsight envoy wraps (``envoy._module``: for a model, the Hugging Face model),
     or ``model`` itself when it is not an envoy (a plain ``nn.Module``)."""
     return getattr(model, "_module", model)
+
+
+def stored_edits(model: Any) -> int:
+    """How many edit blocks ``model.edit()`` stored on the envoy ``model`` (``Envoy._edits``; replayed on every trace
+    of it): 0 for an envoy without edits or an object that is no envoy."""
+    return len(getattr(model, "__dict__", {}).get("_edits", ()) or ())
 
 
 def is_envoy(obj: Any) -> bool:

@@ -24,8 +24,9 @@ import torch
 from helpers import generated, make_lorsa, make_sae, make_transcoder, module_state, random_ids, tiny_nnsight, unembed
 from hypothesis import strategies as st
 
-from nnsight_lorsa import LorsaSet, SAESet, TranscoderSet, get_adapter
-from nnsight_lorsa.errors import LorsaError, TraceOrderError
+from nnsight_lorsa import LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
+from nnsight_lorsa.attribution import attribute
+from nnsight_lorsa.errors import ArgumentError, LorsaError, TraceOrderError
 
 REL = 1e-5  # fp32: max |trace − hooks| <= REL · max |hooks|
 LORSA_LAYER, TC_LAYER, SAE_LAYER = 1, 2, 0
@@ -512,3 +513,34 @@ def test_scan_with_replacements_and_edits():
         scanned = nnsight.save(unembed(w.model).output)
     assert rel(scanned, reference(w, ids, "lorsa", False)) <= REL
     assert_unmodified(w, ids, state)
+
+
+# ------------------------------------------------------------------ attribution of an edited model
+def test_attribute_of_a_model_with_stored_edits():
+    """``attribute(rm, prompt)`` of a model carrying ``model.edit(inplace=True)`` edits raises ``ArgumentError``
+    (before: a graph with the unedited model's nodes and edges of neither model); ``attribute(rm, tracer=tracer)`` inside a
+    trace of it gives the graph of the same edit made in the trace body, exactly."""
+    w = world()
+    rm = ReplacementModel(w.model, lorsas=w.sets["lorsa"])
+    ids = random_ids(1, 6, seed=12)[0]
+    cap: dict = {}
+    reference(w, ids[None], "lorsa", False, None, cap)
+    head = int(cap["latent"][0].sum(0).argmax())  # an active head: its ablation moves the graph
+    with w.model.trace(ids) as tracer:
+        site = replace(w, "lorsa", True)
+        handle = attribute(rm, tracer=tracer, batch_size=32)
+        site.hook_z.output[..., head] = 0
+    in_body = handle.graph
+    with w.model.edit(inplace=True):
+        site = replace(w, "lorsa", True)
+        site.hook_z.output[..., head] = 0
+    try:
+        with pytest.raises(ArgumentError, match="model.edit"):
+            attribute(rm, ids, batch_size=32)
+        with w.model.trace(ids) as tracer:
+            handle = attribute(rm, tracer=tracer, batch_size=32)
+        stored = handle.graph
+    finally:
+        w.model.clear_edits()
+    assert stored.n_nodes == in_body.n_nodes
+    assert torch.equal(stored.densify(), in_body.densify())
