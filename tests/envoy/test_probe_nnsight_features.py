@@ -518,8 +518,8 @@ def test_scan_with_replacements_and_edits():
 # ------------------------------------------------------------------ attribution of an edited model
 def test_attribute_of_a_model_with_stored_edits():
     """``attribute(rm, prompt)`` of a model carrying ``model.edit(inplace=True)`` edits raises ``ArgumentError``
-    (before: a graph with the unedited model's nodes and edges of neither model); ``attribute(rm, tracer=tracer)`` inside a
-    trace of it gives the graph of the same edit made in the trace body, exactly."""
+    (before: a graph with the unedited model's nodes and edges of neither model); ``attribute(rm, tracer=tracer)``
+    inside a trace of it gives the graph of the same edit made in the trace body, exactly."""
     w = world()
     rm = ReplacementModel(w.model, lorsas=w.sets["lorsa"])
     ids = random_ids(1, 6, seed=12)[0]
