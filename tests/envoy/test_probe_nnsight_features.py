@@ -515,6 +515,33 @@ def test_scan_with_replacements_and_edits():
     assert_unmodified(w, ids, state)
 
 
+
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.float32])
+def test_scan_with_fp16_replacements(model_dtype):
+    """``model.scan`` with fp16 replacement modules (an fp16 module's output is checked for inf / NaN, a cast into
+    fp16 for values past its range: reads a fake tensor has no values for) gives the shapes; before, torch's
+    ``GuardOnDataDependentSymNode`` from the check. ``trace(..., scan=True)`` then runs the checks on real values."""
+    model, hf = tiny_nnsight("llama", dtype=model_dtype)
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf.float(), adapter, LORSA_LAYER).half()
+    hf.to(model_dtype)
+    saes = SAESet(model, {adapter.layer_path(SAE_LAYER): make_sae(seed=5).half()})
+    lorsas = LorsaSet(model, {LORSA_LAYER: lorsa})
+    ids = random_ids(1, 6, seed=9)
+    with torch.no_grad(), model.scan(ids):
+        site = saes.replace(adapter.layer_path(SAE_LAYER), error=True)
+        site.hook_sae_acts_post.output[..., 3] = 0
+        lorsas.replace(LORSA_LAYER)
+        shape = nnsight.save(unembed(model).output.shape)
+    assert tuple(shape) == (1, 6, 128)
+    with torch.no_grad(), model.trace(ids, scan=True):
+        lorsas.replace(LORSA_LAYER)
+        scanned = nnsight.save(unembed(model).output)
+    with torch.no_grad(), model.trace(ids):
+        lorsas.replace(LORSA_LAYER)
+        traced = nnsight.save(unembed(model).output)
+    assert torch.equal(scanned, traced)
+
 # ------------------------------------------------------------------ attribution of an edited model
 def test_attribute_of_a_model_with_stored_edits():
     """``attribute(rm, prompt)`` of a model carrying ``model.edit(inplace=True)`` edits raises ``ArgumentError``
