@@ -236,6 +236,8 @@ def test_cache_records_the_replaced_output(declared_first, family, kind, error, 
     assert rel(logits, ref) <= REL
     assert rel(first(cache[site_path].output), cap["site"]) <= REL
     assert rel(cache[latent_path].output, cap["latent"]) <= REL
+    # one visit each: the clean pass an edit with error=True runs apart is stood down, unseen by the cache
+    assert len(cache[site_path]) == 1 and len(cache[latent_path]) == 1
 
 
 def test_cache_names_check():
