@@ -14,6 +14,7 @@ site made nnsight warn about a ``tracer.iter`` loop nobody wrote; a replacement'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from types import SimpleNamespace
@@ -294,6 +295,31 @@ def test_every_exit_leaves_the_model_unmodified(kind, how):
         assert not [s for s in seen if "never reached" in str(s.message)], [str(s.message) for s in seen]
     assert_unmodified(w, ids, state)
 
+
+
+@pytest.mark.parametrize("how", ["stop", "raise"])
+def test_a_generate_ended_mid_loop_leaves_the_model_unmodified(how):
+    """A ``generate`` with a Lorsa (error term, a head ablated at every step) stopped or raising at step 1 of its
+    ``tracer.iter`` loop: the next plain ``generate`` gives the plain tokens and the next trace the plain logits."""
+    w = world()
+    ids = random_ids(1, 5, seed=13)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=1)
+    state = module_state(w.hf)
+    with torch.no_grad(), w.model.generate(ids, **gen) as tracer:
+        plain = nnsight.save(tracer.result)
+    with pytest.raises(KeyError) if how == "raise" else contextlib.nullcontext():  # noqa: SIM117  (as above)
+        with torch.no_grad(), w.model.generate(ids, **gen) as tracer:
+            site = replace(w, "lorsa", True)
+            for step in tracer.iter[:4]:
+                site.hook_z.output[..., 3] = 0
+                if step == 1:
+                    if how == "stop":
+                        tracer.stop()
+                    raise KeyError("raised at step 1")
+    with torch.no_grad(), w.model.generate(ids, **gen) as tracer:
+        again = nnsight.save(tracer.result)
+    assert torch.equal(again, plain)
+    assert_unmodified(w, ids, state)
 
 # ------------------------------------------------------------------ .skip()
 @pytest.mark.parametrize("error", [False, True])
