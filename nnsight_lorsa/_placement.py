@@ -393,10 +393,19 @@ def narrows_range(src: torch.dtype, dst: torch.dtype) -> bool:
     return 2 * torch.finfo(dst).max < torch.finfo(src).max
 
 
+def is_fake(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a fake tensor — shapes and dtypes, no values to read: nnsight's ``model.scan`` (and
+    ``trace(..., scan=True)``) runs the forward under torch's ``FakeTensorMode``, where reading a value (``bool(t)``)
+    raises torch's ``GuardOnDataDependentSymNode``. Told by the class's name (``FakeTensor``, torch 2.x), not by an
+    import of torch's private ``torch._subclasses``."""
+    return any(c.__name__ == "FakeTensor" for c in type(x).__mro__)
+
+
 def past_range(x: torch.Tensor, dtype: torch.dtype) -> float | None:
     """The largest finite ``|x|`` that the cast of ``x`` to ``dtype`` turns into ``inf``, or None when there is
-    none. Reads one value (a device sync) only where the cast narrows the range (:func:`narrows_range`)."""
-    if not narrows_range(x.dtype, dtype):
+    none. Reads one value (a device sync) only where the cast narrows the range (:func:`narrows_range`); a fake
+    tensor (:func:`is_fake`: ``model.scan``) has none to read and gives None."""
+    if not narrows_range(x.dtype, dtype) or is_fake(x):
         return None
     limit = torch.finfo(dtype).max
     a = x.detach().abs()
@@ -411,8 +420,8 @@ def overflowed(x: torch.Tensor) -> bool:
     """Whether ``x`` is in a floating dtype of narrower exponent range than fp32 (fp16: ``|x| <= 65504``) and holds
     an ``inf`` or NaN. fp16 is the one dtype whose computations overflow in practice from finite inputs and finite
     weights, so only there is ``x`` read (one reduction and one value, a device sync); a bf16 / fp32 / fp64 (or
-    integer) ``x`` is not read and gives False."""
-    return narrows_range(torch.float32, x.dtype) and not bool(torch.isfinite(x).all())
+    integer) ``x`` is not read and gives False, as does a fake tensor (:func:`is_fake`: ``model.scan``)."""
+    return narrows_range(torch.float32, x.dtype) and not is_fake(x) and not bool(torch.isfinite(x).all())
 
 
 def to_module(x: torch.Tensor, module: Any, name: str | None = None) -> torch.Tensor:

@@ -68,9 +68,12 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
         TraceOrderError: (not ``in_trace``) called inside a trace body (:func:`.trace.refuse_inside_trace`).
         ArgumentError: ``replacement`` not a :class:`ReplacementModel`.
         ConcurrentTraceError: another thread is tracing the model now (nnsight traces are per-thread).
+        ArgumentError: (not ``in_trace``) the model carries edits stored on it by ``model.edit()`` (nnsight replays
+            them in every trace, the engine's passes included): the graph would be of neither the edited nor the
+            unedited model; ``tracer=`` inside a trace of it attributes the edited pass.
     """
     from ..envoy import ReplacementModel
-    from ..envoy.nnsight_internals import check_one_thread
+    from ..envoy.nnsight_internals import check_one_thread, stored_edits
 
     if not in_trace:
         refuse_inside_trace("attribute")
@@ -79,6 +82,15 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
                             f"transcoders=...), got a {type(replacement).__name__}")
     if not in_trace:  # inside its own trace the model's interleaver is this thread's
         check_one_thread(replacement.model, "attribute")
+    if not in_trace and stored_edits(replacement.model):
+        # nnsight replays them in every trace of the model, the engine's passes included (seen: a graph with the
+        # unedited model's nodes whose edges differ from its graph's, and from the edited pass's graph)
+        raise ArgumentError(
+            f"attribute(rm, prompt): the model carries {stored_edits(replacement.model)} edit block(s) stored on it by "
+            "model.edit(), which nnsight replays in every trace of it; the prompt engine's passes would mix the "
+            "edited and the unedited model. Attribute the "
+            "edited pass inside a trace of it — `with model.trace(prompt) as tracer: handle = attribute(rm, "
+            "tracer=tracer)` (the stored edits run there like edits in the body) — or call model.clear_edits() first")
 
 
 def narrowest(model_dtype: torch.dtype, *modules: dict[int, Any]) -> torch.dtype:

@@ -193,7 +193,9 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         Raises (when the trace runs):
             UnsupportedGenerationError: a cached step under a decoding strategy it cannot follow.
             LorsaError: the model's KV cache holds positions this Lorsa did not see (a generation
-                continued from a ``past_key_values`` made outside the trace).
+                continued from a ``past_key_values`` made outside the trace), or the trace skipped the Lorsa's forward
+                (``site.skip(value)``: the site returns ``value``) in an earlier forward pass of the generation, whose
+                keys and values a cached step would attend to.
         """
         adapter = self.adapter
         hf_config = getattr(hf_module(self.model), "generation_config", None)
@@ -216,6 +218,12 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 if not state.get("checked"):
                     check_generation(run_kwargs, hf_config)
                     state["checked"] = True
+                if state.get("skipped"):
+                    raise LorsaError(
+                        f"layer {layer}: the Lorsa's forward was skipped (site.skip(...)) in an earlier forward pass "
+                        "of this generation, so its keys and values of those positions were never computed and this "
+                        "cached step cannot attend to them. Edit the Lorsa's output instead (site.output[...] = value, "
+                        "or its hook_out), which keeps them, or skip it in a model.trace of the full sequence")
                 if past is None or past.length < past_len or past.v.shape[0] != x.shape[0]:
                     have = 0 if past is None else past.length
                     raise LorsaError(
@@ -248,7 +256,12 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             holder: dict = {}
             # the module itself (not forward_step): its envoy's .input / .output are served in the trace
             out = module(x, positions, mask, past=past, kv_out=holder)
-            state["kv"] = holder["kv"]
+            # no "kv": the trace skipped the Lorsa's forward (``site.skip(value)``: nnsight returns ``value`` without
+            # running it), so the keys and values of these positions were never computed; a later cached step of a
+            # generation, which would attend to them, is refused above (state["skipped"])
+            state["kv"] = holder.get("kv")
+            if state["kv"] is None:
+                state["skipped"] = True
             return out  # the splice casts it to the attention's device and dtype
 
         return SpliceChain(

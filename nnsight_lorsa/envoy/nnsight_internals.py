@@ -6,10 +6,12 @@ nnsight version is checked here and nowhere else. What is used:
 
 * ``nnsight.intervention.source.STATE`` / ``Controller`` — nnsight's per-module instrumentation, removed
   from a replacement module when it is unmounted (:func:`strip_nnsight`);
-* ``Envoy(module, path=, interleaver=, parent=)``, ``Envoy._module``, ``interleaver.envoys``, ``Interleaver.instrument``
+* ``Envoy(module, path=, interleaver=, parent=)``, ``Envoy._module``, ``Envoy.path`` as ``eproperty._location``
+  reads it (:class:`EndedEnvoy`), ``interleaver.envoys``, ``Interleaver.instrument``
   / ``fragments`` and ``source.install_controller`` — an envoy for a replacement module that is not a child of
   the model's modules (:func:`attach`, :func:`detach`); ``Envoy._drop_envoy`` — unmounting a real child module
-  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention);
+  (:func:`mount`, :func:`unmount`: a lasting local change, e.g. the gates of sparse attention); ``Envoy._edits``
+  — the edits ``model.edit()`` stored (:func:`stored_edits`);
 * ``nnsight.intervention.interleaver.Mediator`` (subclassed), ``Mediator.current``,
   ``interleaver.mediators`` / ``_reindex_parked`` / ``parked`` / ``interleaving`` / ``counts`` and
   ``Mediator.counts_at_start`` / ``Mediator.iteration`` — a per-trace worker that runs a replacement in
@@ -80,11 +82,16 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.envoy.Envoy", "_module", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "__init__", "callable"),
     ("nnsight.intervention.envoy.Envoy", "_drop_envoy", "callable"),
+    # the edits model.edit() stored on an envoy (stored_edits)
+    ("nnsight.intervention.envoy.Envoy", "_edits", "instance attribute"),
     ("nnsight.intervention.source", "install_controller", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "instrument", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "fragments", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "interleaver", "instance attribute"),
     ("nnsight.intervention.envoy.Envoy", "path", "instance attribute"),
+    # an ended replacement's envoy (EndedEnvoy): nnsight builds a location from the envoy's ``path`` attribute
+    ("nnsight.intervention.eproperty.eproperty", "_location", "callable"),
+    ("nnsight.intervention.eproperty.eproperty._location", "path", "in source"),
     ("nnsight.intervention.interleaver.Interleaver", "envoys", "instance attribute"),
     # workers (FunctionWorker, spawn_worker, stood_down, waiting_under, ran_since_start, park_or_end, ...)
     ("nnsight.intervention.interleaver", "Mediator", "class"),
@@ -145,6 +152,12 @@ def hf_module(model: Any) -> Any:
     return getattr(model, "_module", model)
 
 
+def stored_edits(model: Any) -> int:
+    """How many edit blocks ``model.edit()`` stored on the envoy ``model`` (``Envoy._edits``; replayed on every trace
+    of it): 0 for an envoy without edits or an object that is no envoy."""
+    return len(getattr(model, "__dict__", {}).get("_edits", ()) or ())
+
+
 def is_envoy(obj: Any) -> bool:
     """Whether ``obj`` wraps a torch module the way an nnsight envoy does."""
     return isinstance(getattr(obj, "_module", None), nn.Module)
@@ -199,6 +212,47 @@ def detach(site_envoy: Any, name: str, module: nn.Module, instrumented_before: b
     if held is not None and getattr(held, "_module", None) is module:
         del site_envoy.__dict__[name]
     _forget(site_envoy, name, module, instrumented_before)
+    if held is not None and getattr(held, "_module", None) is module:
+        end_envoy(held)
+
+
+class EndedEnvoy(Envoy):
+    """A replacement's envoy (or one of its hook points') after its trace ended (:func:`end_envoy`): outside a trace it
+    is the envoy it was (``repr``, ``path``); inside any trace body its ``path`` — from which nnsight builds every
+    ``.output`` / ``.input`` location — raises :class:`TraceOrderError` (:func:`_ended_path`). A property on the
+    class wins over the instance's own ``path``."""
+
+    path = property(lambda self: _ended_path(self))  # type: ignore[assignment]
+
+
+def _ended_path(envoy: Any) -> str:
+    """The ``path`` of an :class:`EndedEnvoy`: its path outside a trace; inside a trace body (an intervention is
+    running: ``Mediator.current``'s test) a :class:`TraceOrderError` naming it."""
+    path = envoy.__dict__.get("path", "")
+    if getattr(_current_greenlet(), "mediator", None) is None:
+        return path
+    raise TraceOrderError(
+        f"{path}: this envoy came from replace() in a trace that has ended. A replacement is spliced for one trace "
+        "only and its envoy is forgotten with it, so here it would wait on a module this trace never runs (nnsight "
+        "reports that as an OutOfOrderError, 'the model already ran past it'). Call replace() again in this trace and "
+        "use the envoy it returns; in a model.session(), pass values (tensors) from one trace to the next, not "
+        "envoys")
+
+
+def end_envoy(envoy: Any) -> None:
+    """Make ``envoy`` (a replacement's, detached when its trace ended) and its descendants :class:`EndedEnvoy`: used
+    in a later trace, reading or editing them raises :class:`TraceOrderError` instead of nnsight's misleading
+    ``OutOfOrderError``. Only envoys of nnsight's own ``Envoy`` class are changed (:func:`attach` makes them, new ones
+    every trace)."""
+    stack = [envoy]
+    while stack:
+        e = stack.pop()
+        if type(e) is not Envoy:
+            continue
+        e.__class__ = EndedEnvoy
+        prefix = e.__dict__.get("path", "") + "."
+        stack.extend(c for c in e.__dict__.values() if isinstance(c, Envoy) and c.__dict__.get("path", "")
+                     .startswith(prefix))
 
 
 def _forget(site_envoy: Any, name: str, module: nn.Module, instrumented_before: bool) -> None:

@@ -341,13 +341,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 for i, (site, reader) in enumerate(zip(sites, readers, strict=True)):
                     if not (first and i == 0):  # (spawned last: the first time it is there already)
                         serve_last(worker)  # the input as the body's edits left it
-                    if not first and i == 0:
-                        more, call = park_or_end(partial(getattr, reader, "inputs"))
-                        if not more:  # the run is over (no further step)
-                            return
-                        args, kwargs = call
-                    else:
-                        args, kwargs = reader.inputs
+                    more, call = park_or_end(partial(getattr, reader, "inputs"))
+                    if not more:  # the run is over: no further step, or a tracer.stop() before this site
+                        return  # (nnsight's warning about a tracer.iter loop that outran the run would be wrong)
+                    args, kwargs = call
                     diverged = serve(i, site, args, kwargs, live, clean, diverged)
                 first = False
         finally:
