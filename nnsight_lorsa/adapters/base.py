@@ -13,6 +13,7 @@ Adapters need torch and transformers only (no nnsight), so they also run on an N
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,7 +25,7 @@ from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
-from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
+from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 
 def check_rope_read(config: Any, transformers_major: int | None = None) -> None:
@@ -443,6 +444,76 @@ class ArchitectureAdapter:
         for a family whose layers rotate differently (Gemma-3), ignored by the others."""
         raise UnsupportedArchitectureError(f"{type(self).__name__} must implement rotary_config (the adapter of "
                                            f"{self.family!r} gives no rotary embedding)")
+
+    def rotary_buffers(self, root: nn.Module, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, buffer)]``: the model's inverse-frequency buffers that may rotate layer ``layer``'s queries and
+        keys — buffers named ``inv_freq`` or ``{layer_type}_inv_freq`` (Gemma-3 in transformers 5: one per
+        ``config.layer_types`` entry; ``*original_inv_freq``, the copy dynamic RoPE restores, is not one), held by a
+        module inside the layer (a per-attention rotary module) or else outside every layer (transformers 5's one
+        ``model.rotary_emb``). Empty for a model without such buffers (GPT-2, a custom rotary)."""
+        layer = self.check_layer(layer)
+        layer_types = getattr(self.config, "layer_types", None)
+        kind = layer_types[layer] if isinstance(layer_types, (list, tuple)) and len(layer_types) > layer else None
+        names = {"inv_freq"} | ({f"{kind}_inv_freq"} if isinstance(kind, str) else set())
+        inside, outside = [], []
+        own, layers = self.layer_path(layer) + ".", self.layers_path + "."
+        for name, buf in root.named_buffers():
+            if name.rpartition(".")[2] not in names:
+                continue
+            if name.startswith(own):
+                inside.append((name, buf))
+            elif not name.startswith(layers):
+                outside.append((name, buf))
+        return inside or outside
+
+    def model_rotary(self, root: nn.Module, layer: int, cfg: RotaryConfig | None) -> RotaryConfig | None:
+        """``cfg`` (the RoPE :meth:`rotary_config` derives from the config) as the model ``root`` computes it, read
+        from its rotary buffer (:meth:`rotary_buffers`): :attr:`RotaryConfig.inv_freq_dtype` set where the buffer's
+        values are the frequencies rounded to bf16 / fp16 — a model cast after loading (``.to(torch.bfloat16)``,
+        ``.half()``; also one cast back to fp32 / fp64 after that, which keeps the rounded values), whose forward
+        upcasts the buffer to fp32. Where the buffer holds values (not on ``meta``) :func:`rotary_inv_freq` of the
+        returned config, computed on the CPU as transformers computes the buffer at its init, equals the buffer upcast
+        to fp32 bit for bit (tried: the rounding of the buffer's own dtype, none, bf16, fp16; several candidate
+        buffers: the first that matches); on ``meta`` the buffer's dtype decides. One small copy of each candidate
+        buffer to the host per call.
+
+        Raises:
+            ConfigMismatchError: no candidate buffer equals the frequencies derived from the config under any of
+                these roundings (naming the layer, the buffer, the largest difference): a RoPE this package derives
+                wrongly is refused, never attributed silently; or a buffer of another dtype than fp64 / fp32 / bf16 /
+                fp16.
+        """
+        if cfg is None:
+            return None
+        found = self.rotary_buffers(root, layer)
+        if not found:
+            return cfg
+        rounding = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: None, torch.float64: None}
+        failures = []
+        for name, buf in found:
+            if buf.dtype not in rounding:
+                failures.append(f"{name} is {buf.dtype} (expected float32, float64, bfloat16 or float16)")
+                continue
+            own = rounding[buf.dtype]
+            if buf.device.type == "meta":
+                return dataclasses.replace(cfg, inv_freq_dtype=own)
+            theirs = buf.detach().to(device="cpu", dtype=torch.float32)
+            gap: float | str | None = None
+            for dtype in dict.fromkeys((own, None, "bfloat16", "float16")):
+                out = dataclasses.replace(cfg, inv_freq_dtype=dtype)
+                ours = rotary_inv_freq(out, device=torch.device("cpu"))
+                if theirs.shape != ours.shape:
+                    gap = f"shape {tuple(theirs.shape)} != {tuple(ours.shape)}"
+                    break
+                if torch.equal(theirs, ours):
+                    return out
+                if dtype == own:
+                    gap = float((theirs - ours).abs().max())
+            failures.append(f"{name} ({buf.dtype}) differs from the config's by {gap}")
+        raise ConfigMismatchError(
+            f"{self.family} layer {layer}: the model's rotary inverse frequencies are not those derived from its "
+            f"config ({cfg}): {'; '.join(failures)}. Its queries and keys rotate differently from the frozen MHSA's; "
+            "refused rather than attributed with another RoPE")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""

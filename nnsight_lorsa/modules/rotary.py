@@ -42,6 +42,13 @@ class RotaryConfig(FieldsRepr):
         table_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: cos and sin are rounded to
             this dtype (then used in float32 or the input's dtype), for checkpoints whose author code
             reads its rotary tables back from a file stored in that precision (Llamascopium).
+        inv_freq_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: the inverse frequencies are rounded
+            to this dtype, then used in float32 — what a Hugging Face model cast after loading
+            (``model.to(torch.bfloat16)``, ``.half()``) computes: the cast rounds its rotary module's ``inv_freq``
+            buffer, which its forward upcasts to float32 (``from_pretrained(..., dtype=...)`` keeps the buffer in
+            float32). Set by the adapters' ``mhsa_weights`` from the model's buffer
+            (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.model_rotary`), never by a Lorsa
+            (``LorsaConfig.from_mhsa`` drops it).
 
     Raises:
         CheckpointError: a field of the wrong type or out of range (named in the message), or a rope type
@@ -57,6 +64,7 @@ class RotaryConfig(FieldsRepr):
     scaling: dict[str, float] = field(default_factory=dict)
     attention_scaling: float = 1.0
     table_dtype: str | None = None
+    inv_freq_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "rotary_dim"):
@@ -82,9 +90,10 @@ class RotaryConfig(FieldsRepr):
             raise CheckpointError(
                 f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
-        if self.table_dtype not in (None, "bfloat16", "float16"):
-            raise CheckpointError(
-                f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
+        for name in ("table_dtype", "inv_freq_dtype"):
+            if getattr(self, name) not in (None, "bfloat16", "float16"):
+                raise CheckpointError(
+                    f"RotaryConfig.{name} must be None, 'bfloat16' or 'float16', got {getattr(self, name)!r}")
         required = {"linear": ("factor",), "llama3": (
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]
@@ -101,7 +110,8 @@ class RotaryConfig(FieldsRepr):
 
 
 def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:
-    """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``."""
+    """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``; with
+    ``cfg.inv_freq_dtype`` rounded to that dtype and back (the buffer of a model cast after loading)."""
     dim = cfg.rotary_dim
     # the exponents made on ``device`` itself: a host arange copied there (transformers' form, run once at its
     # init) would be a host-to-device copy in every forward, which on CUDA waits for the queued kernels
@@ -120,6 +130,8 @@ def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Fl
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    if cfg.inv_freq_dtype is not None:
+        inv_freq = inv_freq.to(getattr(torch, cfg.inv_freq_dtype)).float()
     return inv_freq
 
 
