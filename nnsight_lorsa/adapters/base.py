@@ -14,6 +14,7 @@ Adapters need torch and transformers only (no nnsight), so they also run on an N
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -533,11 +534,61 @@ class ArchitectureAdapter:
 
     def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool,
                             params: dict[str, Any] | None = None) -> RotaryConfig:
-        params = self.rope_parameters(self.config) if params is None else params
-        rope_type = params.get("rope_type", "default")
+        """The :class:`RotaryConfig` of ``params`` (default the config's :meth:`rope_parameters`; Gemma-3: one layer
+        type's), its scaling keys resolved as transformers 5 resolves them (``standardize_rope_params`` and the
+        ``ROPE_INIT_FUNCTIONS``): llama3 / yarn ``original_max_position_embeddings`` from ``config`` where it has the
+        attribute (Phi-3's priority, one global dict), else the parameters', else ``max_position_embeddings``; yarn's
+        ``factor`` None as ``max_position_embeddings / original_max_position_embeddings``, ``beta_fast`` /
+        ``beta_slow`` falsy as 32 / 1, ``truncate`` read from the *global* ``rope_parameters`` (as transformers does,
+        so never from a layer type's dict), ``attention_factor`` given or derived from ``factor``, ``mscale``,
+        ``mscale_all_dim`` (into :attr:`RotaryConfig.attention_scaling`).
+
+        Raises:
+            UnsupportedArchitectureError: a rope type :class:`RotaryConfig` does not describe (``dynamic`` /
+                ``longrope``: sequence-length-dependent frequencies, said so).
+            CheckpointError: parameters out of range (from :class:`RotaryConfig`).
+        """
+        top = self.rope_parameters(self.config)
+        nested = any(isinstance(v, dict) for v in top.values())  # one dict per layer type (Gemma-3)
+        params = top if params is None else params
+        rope_type = params.get("rope_type", params.get("type", "default"))
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: float(v) for k, v in params.items() if k in keys and v is not None}
+        attention_scaling = 1.0
+        if rope_type in ("llama3", "yarn"):
+            c = self.config
+            if not nested and hasattr(c, "original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = float(c.original_max_position_embeddings)
+            elif params.get("original_max_position_embeddings") is None:
+                scaling["original_max_position_embeddings"] = float(c.max_position_embeddings)
+        if rope_type == "yarn":
+            attention_scaling = self._yarn_scaling(params, top, scaling)
         return RotaryConfig(
             head_dim=head_dim, rotary_dim=rotary_dim, base=float(params.get("rope_theta", 10000.0)),
-            interleaved=interleaved, rope_type=rope_type, scaling=scaling,
+            interleaved=interleaved, rope_type=rope_type, scaling=scaling, attention_scaling=attention_scaling,
         )
+
+    def _yarn_scaling(self, params: dict[str, Any], top: dict[str, Any], scaling: dict[str, float]) -> float:
+        """Fill ``scaling`` with yarn's ``factor``, ``beta_fast``, ``beta_slow``, ``truncate`` and return its
+        attention factor, as transformers' ``_compute_yarn_parameters`` (Python floats)."""
+        factor = params.get("factor")
+        if factor is None:
+            factor = self.config.max_position_embeddings / scaling["original_max_position_embeddings"]
+        scaling["factor"] = float(factor)
+        scaling["beta_fast"] = float(params.get("beta_fast") or 32)
+        scaling["beta_slow"] = float(params.get("beta_slow") or 1)
+        scaling["truncate"] = 1.0 if top.get("truncate", True) else 0.0
+
+        def get_mscale(scale: Any, mscale: Any = 1) -> float:  # ints as the config gives them
+            if scale <= 1:
+                return 1.0
+            return 0.1 * mscale * math.log(scale) + 1.0
+
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            else:
+                attention_factor = get_mscale(factor)
+        return float(attention_factor)

@@ -3,7 +3,7 @@
 transformers layout: ``model.layers[i].self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``
 (``nn.Linear``, weight ``(out, in)``), optional ``q_norm``/``k_norm`` (RMSNorm over head_dim,
 applied before RoPE), half-split RoPE from ``config.rope_parameters`` (``default``, ``linear``,
-``llama3``), scaling ``head_dim ** -0.5``, GQA (``num_key_value_heads``; query head ``h`` reads
+``llama3``, ``yarn``), scaling ``head_dim ** -0.5``, GQA (``num_key_value_heads``; query head ``h`` reads
 KV head ``h // (n_heads / n_kv_heads)``, as ``repeat_kv``). The attention is called with keyword
 ``hidden_states`` (after ``input_layernorm``), ``position_ids`` and ``position_embeddings``
 (cos, sin), and returns ``(attn_output, attn_weights)``.

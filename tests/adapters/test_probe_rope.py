@@ -172,3 +172,176 @@ def test_a_model_on_meta_takes_the_buffers_dtype():
     adapter = get_adapter(hf)
     assert adapter.mhsa_weights(hf, 0).rotary.inv_freq_dtype is None  # type: ignore[union-attr]
     assert adapter.mhsa_weights(hf.to(torch.float16), 0).rotary.inv_freq_dtype == "float16"  # type: ignore[union-attr]
+
+
+# ---- every supported rope type x partial rotary x head dims, against the Hugging Face rotary module --------------
+
+#: families and the rope types their configs take (Phi-3's config turns "yarn" into "longrope" and allows no other)
+TYPED_FAMILIES = {"llama": ("default", "linear", "llama3", "yarn"), "qwen2": ("default", "linear", "llama3", "yarn"),
+                  "qwen3": ("default", "linear", "llama3", "yarn"), "neox": ("default", "linear", "llama3", "yarn"),
+                  "olmo2": ("default", "linear", "llama3", "yarn"), "gemma": ("default", "linear", "llama3", "yarn"),
+                  "gemma2": ("default", "linear", "llama3", "yarn"), "gemma3": ("default", "linear", "llama3", "yarn"),
+                  "phi3": ("default",)}
+#: the families whose attention rotates only the first ``partial_rotary_factor`` of each head
+PARTIAL = {"neox": (0.25, 0.5, 1.0), "phi3": (0.5, 0.75, 1.0)}
+
+
+@st.composite
+def rope_params(draw, rope_type: str, partial: float) -> dict:
+    """One ``rope_parameters`` dict of ``rope_type`` with drawn values (optional keys drawn absent or None)."""
+    p: dict = {"rope_type": rope_type, "rope_theta": draw(st.sampled_from([10000.0, 500000.0, 1e6, 160.0, 12345.5]))}
+    if partial != 1.0:
+        p["partial_rotary_factor"] = partial
+    if rope_type == "linear":
+        p["factor"] = draw(st.sampled_from([2.0, 8.0, 0.5]))
+    elif rope_type == "llama3":
+        p.update(factor=draw(st.sampled_from([8.0, 32.0, 2.0])), low_freq_factor=draw(st.sampled_from([1.0, 2.0])),
+                 high_freq_factor=draw(st.sampled_from([4.0, 8.0])),
+                 original_max_position_embeddings=draw(st.sampled_from([16, 64, 8192])))
+    elif rope_type == "yarn":
+        old = draw(st.sampled_from([16, 64, 4096]))
+        p.update(factor=draw(st.sampled_from([None, 2.0, 4, 32.0, 40.0])), original_max_position_embeddings=old)
+        for key, values in (("beta_fast", [32, 16.0, 64]), ("beta_slow", [1, 2.0, 0.5]), ("mscale", [0.707, 1.0, 1]),
+                            ("mscale_all_dim", [0.707, 1.0]), ("attention_factor", [0.9, 1.25]),
+                            ("truncate", [True, False])):
+            if draw(st.booleans()):
+                p[key] = draw(st.sampled_from(values))
+    return p
+
+
+@st.composite
+def rope_models(draw) -> tuple[str, object]:
+    """(family, transformers config) of a tiny 2-layer model with drawn RoPE: type, partial rotary, head dim."""
+    import transformers
+
+    family = draw(st.sampled_from(sorted(TYPED_FAMILIES)))
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    head_dim = 64 // heads
+    partial = draw(st.sampled_from(PARTIAL.get(family, (1.0,))))
+    assume_even = int(head_dim * partial) % 2 == 0 and int(head_dim * partial) > 0
+    if not assume_even:
+        partial = 1.0
+    common = dict(hidden_size=64, num_attention_heads=heads, num_hidden_layers=2, vocab_size=128,
+                  intermediate_size=64, max_position_embeddings=draw(st.sampled_from([128, 4096])))
+    kinds = TYPED_FAMILIES[family]
+    if family == "gemma3":
+        rope = {k: draw(rope_params(draw(st.sampled_from(kinds)), 1.0)) for k in ("sliding_attention",
+                                                                               "full_attention")}
+        cfg = transformers.Gemma3TextConfig(**common, num_key_value_heads=1, head_dim=head_dim,
+                                            layer_types=["sliding_attention", "full_attention"], sliding_window=4096,
+                                            rope_parameters=rope, pad_token_id=1, bos_token_id=0, eos_token_id=1)
+        return family, cfg
+    rope = draw(rope_params(draw(st.sampled_from(kinds)), partial))
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "neox": transformers.GPTNeoXConfig, "olmo2": transformers.Olmo2Config, "gemma": transformers.GemmaConfig,
+           "gemma2": transformers.Gemma2Config, "phi3": transformers.Phi3Config}[family]
+    extra: dict = {"neox": {}, "phi3": {"num_key_value_heads": heads, "original_max_position_embeddings": 4096}}.get(
+        family, {"num_key_value_heads": heads})
+    if family in ("qwen3", "gemma", "gemma2"):
+        extra["head_dim"] = head_dim
+    if family in ("olmo2", "gemma", "gemma2", "phi3"):
+        extra.update(pad_token_id=1, bos_token_id=0, eos_token_id=1)
+    return family, cls(**common, **extra, rope_parameters=rope)
+
+
+def rotary_module_cos_sin(hf, adapter, layer: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own rotary module's cos / sin in fp32 (x fp32) at ``pos`` (1, n)."""
+    rotary = next(m for n, m in hf.named_modules() if n.endswith("rotary_emb"))
+    x = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        if adapter.family == "gemma3":
+            return rotary(x, pos, adapter.config.layer_types[layer])
+        return rotary(x, pos)
+
+
+@generated(6, 300, drawn=rope_models(), seed=st.integers(0, 2 ** 16))
+def test_every_rope_type_is_the_models_own_cos_sin_and_patterns(drawn, seed):
+    """Drawn configs (every supported rope type, yarn's optional keys present or not, partial rotary, head dims 8–64,
+    Gemma-3's two layer types): ``mhsa_weights(model, layer).rotary`` is accepted by the buffer check (its frequencies
+    are the buffer's bit for bit), ``rotary_cos_sin`` equals the Hugging Face rotary module's fp32 cos / sin bit for
+    bit at positions 0–8,191, and the frozen MHSA's patterns equal the model's own (eager) within 1e-5 of a row's L1
+    at 48 tokens."""
+    import transformers
+
+    family, cfg = drawn
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    adapter = get_adapter(hf)
+    pos = torch.arange(8192)[None]
+    for layer in range(adapter.n_layers):
+        rot = adapter.mhsa_weights(hf, layer).rotary
+        assert rot is not None and rot.inv_freq_dtype is None
+        cos, sin = rotary_module_cos_sin(hf, adapter, layer, pos)
+        ours = rotary_cos_sin(rot, pos)
+        assert torch.equal(ours[0], cos) and torch.equal(ours[1], sin), (family, layer, rot, cfg.rope_parameters)
+    gap = pattern_gap(hf, 48, seed)
+    assert gap <= 1e-5, (family, gap, cfg.rope_parameters)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}], ids=["dynamic", "longrope"])
+def test_sequence_length_dependent_rope_is_refused_saying_why(rope):
+    """``dynamic`` / ``longrope`` (their frequencies change with the prompt's length) are a named
+    ``UnsupportedArchitectureError`` saying so, from ``rotary_config`` and ``mhsa_weights``."""
+    import transformers
+
+    cls = transformers.Phi3Config if rope["rope_type"] == "longrope" else transformers.LlamaConfig
+    cfg = cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1, vocab_size=128,
+              intermediate_size=64, max_position_embeddings=128, rope_parameters=dict(rope),
+              pad_token_id=1, bos_token_id=0, eos_token_id=1,
+              **({"original_max_position_embeddings": 64} if cls is transformers.Phi3Config else {}))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    adapter = get_adapter(hf)
+    for call in (lambda: adapter.rotary_config(0), lambda: adapter.mhsa_weights(hf, 0)):
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{rope['rope_type']}.*sequence length"):
+            call()
+
+
+def test_a_yarn_lorsa_round_trips_and_llamascopium_refuses_it(tmp_path):
+    """A Lorsa initialised from a yarn model carries yarn (its ``truncate``, ``attention_scaling``) through our format
+    and rotates as the model; Llamascopium's config cannot express yarn: refused, named."""
+    import transformers
+
+    from nnsight_lorsa import load, save
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                   vocab_size=128, intermediate_size=64, max_position_embeddings=256,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 64, "truncate": False,
+                                                    "mscale": 0.707, "mscale_all_dim": 1.0})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    adapter = get_adapter(hf)
+    lorsa = make_lorsa(hf, adapter, 1)
+    rot = lorsa.cfg.rotary
+    assert rot is not None and rot.rope_type == "yarn" and rot.scaling["truncate"] == 0.0
+    assert rot.attention_scaling != 1.0
+    assert load(save(lorsa, tmp_path / "ours")).cfg.rotary == rot
+    with pytest.raises(UnsupportedArchitectureError, match="yarn"):
+        save(lorsa, tmp_path / "theirs", format="llamascopium")
+
+
+def test_gemma3_yarn_truncates_as_transformers_whatever_the_layer_types_dict_says():
+    """transformers reads yarn's ``truncate`` from the global ``rope_parameters`` (``config.rope_parameters.get``),
+    so a Gemma-3 layer type's ``truncate: False`` is not applied: the adapter reads it there too (the per-type value
+    gives other frequencies than the model's buffer)."""
+    import transformers
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0,
+                               "original_max_position_embeddings": 64, "truncate": False}}
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_hidden_layers=2, vocab_size=128,
+        intermediate_size=64, max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=rope, pad_token_id=1, bos_token_id=0, eos_token_id=1)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    adapter = get_adapter(hf)
+    rot = adapter.mhsa_weights(hf, 1).rotary
+    assert rot is not None and rot.scaling["truncate"] == 1.0
+    pos = torch.arange(2048)[None]
+    assert all(torch.equal(a, b) for a, b in zip(rotary_cos_sin(rot, pos), rotary_module_cos_sin(hf, adapter, 1, pos),
+                                                 strict=True))
+    untruncated = dataclasses.replace(rot, scaling={**rot.scaling, "truncate": 0.0})
+    assert not torch.equal(rotary_cos_sin(untruncated, pos)[0], rotary_module_cos_sin(hf, adapter, 1, pos)[0])
