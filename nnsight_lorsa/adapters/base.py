@@ -473,10 +473,10 @@ class ArchitectureAdapter:
         values are the frequencies rounded to bf16 / fp16 — a model cast after loading (``.to(torch.bfloat16)``,
         ``.half()``; also one cast back to fp32 / fp64 after that, which keeps the rounded values), whose forward
         upcasts the buffer to fp32. Where the buffer holds values (not on ``meta``) :func:`rotary_inv_freq` of the
-        returned config, computed on the CPU as transformers computes the buffer at its init, equals the buffer upcast
-        to fp32 bit for bit (tried: the rounding of the buffer's own dtype, none, bf16, fp16; several candidate
-        buffers: the first that matches); on ``meta`` the buffer's dtype decides. One small copy of each candidate
-        buffer to the host per call.
+        returned config, computed on the CPU as transformers computes the buffer at its init (or on the buffer's
+        device, for a model built there), equals the buffer upcast to fp32 bit for bit (tried: the rounding of the
+        buffer's own dtype, none, bf16, fp16; several candidate buffers: the first that matches); on ``meta`` the
+        buffer's dtype decides. One small copy of each candidate buffer to the host per call.
 
         Raises:
             ConfigMismatchError: no candidate buffer equals the frequencies derived from the config under any of
@@ -500,15 +500,19 @@ class ArchitectureAdapter:
                 return dataclasses.replace(cfg, inv_freq_dtype=own)
             theirs = buf.detach().to(device="cpu", dtype=torch.float32)
             gap: float | str | None = None
-            for dtype in dict.fromkeys((own, None, "bfloat16", "float16")):
+            # computed on the CPU (transformers' init), else on the buffer's device (a model built under
+            # ``torch.device("cuda")``: its kernels' roundings)
+            devices = dict.fromkeys((torch.device("cpu"), buf.device))
+            roundings = dict.fromkeys((own, None, "bfloat16", "float16"))
+            for dtype, device in ((r, d) for r in roundings for d in devices):
                 out = dataclasses.replace(cfg, inv_freq_dtype=dtype)
-                ours = rotary_inv_freq(out, device=torch.device("cpu"))
+                ours = rotary_inv_freq(out, device=device).cpu()
                 if theirs.shape != ours.shape:
                     gap = f"shape {tuple(theirs.shape)} != {tuple(ours.shape)}"
                     break
                 if torch.equal(theirs, ours):
                     return out
-                if dtype == own:
+                if dtype == own and gap is None:
                     gap = float((theirs - ours).abs().max())
             failures.append(f"{name} ({buf.dtype}) differs from the config's by {gap}")
         raise ConfigMismatchError(

@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import generated, make_lorsa, tiny_hf_model
+from helpers import DEVICES, generated, make_lorsa, tiny_config, tiny_hf_model
 from hypothesis import strategies as st
 
 from nnsight_lorsa import get_adapter
@@ -247,7 +247,7 @@ def rope_models(draw) -> tuple[str, object]:
 def rotary_module_cos_sin(hf, adapter, layer: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own rotary module's cos / sin in fp32 (x fp32) at ``pos`` (1, n)."""
     rotary = next(m for n, m in hf.named_modules() if n.endswith("rotary_emb"))
-    x = torch.zeros(1, dtype=torch.float32)
+    x = torch.zeros(1, dtype=torch.float32, device=pos.device)
     with torch.no_grad():
         if adapter.family == "gemma3":
             return rotary(x, pos, adapter.config.layer_types[layer])
@@ -345,3 +345,24 @@ def test_gemma3_yarn_truncates_as_transformers_whatever_the_layer_types_dict_say
                                                  strict=True))
     untruncated = dataclasses.replace(rot, scaling={**rot.scaling, "truncate": 0.0})
     assert not torch.equal(rotary_cos_sin(untruncated, pos)[0], rotary_module_cos_sin(hf, adapter, 1, pos)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_model_built_or_moved_onto_the_device_passes_the_buffer_check_and_rotates_as_it(family, device):
+    """Moved there (``.to(device)``, its buffer computed on the CPU) or built there (``with torch.device(device)``: its
+    buffer computed by that device's kernels): ``mhsa_weights`` accepts the buffer and ``rotary_cos_sin`` on the
+    device equals the model's rotary module's cos / sin there, bit for bit (fp32, positions 0–4,095)."""
+    import transformers
+
+    pos = torch.arange(4096, device=device)[None]
+    with torch.device(device):
+        built = transformers.AutoModelForCausalLM.from_config(tiny_config(family))
+    for hf in (tiny_hf_model(family).to(device), built):
+        adapter = get_adapter(hf)
+        for layer in range(adapter.n_layers):
+            rot = adapter.mhsa_weights(hf, layer).rotary
+            assert rot is not None
+            want = rotary_module_cos_sin(hf, adapter, layer, pos)
+            got = rotary_cos_sin(rot, pos)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (family, device, layer)
