@@ -13,6 +13,8 @@ Adapters need torch and transformers only (no nnsight), so they also run on an N
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,7 +26,7 @@ from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
-from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin
+from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 
 def check_rope_read(config: Any, transformers_major: int | None = None) -> None:
@@ -444,6 +446,80 @@ class ArchitectureAdapter:
         raise UnsupportedArchitectureError(f"{type(self).__name__} must implement rotary_config (the adapter of "
                                            f"{self.family!r} gives no rotary embedding)")
 
+    def rotary_buffers(self, root: nn.Module, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, buffer)]``: the model's inverse-frequency buffers that may rotate layer ``layer``'s queries and
+        keys — buffers named ``inv_freq`` or ``{layer_type}_inv_freq`` (Gemma-3 in transformers 5: one per
+        ``config.layer_types`` entry; ``*original_inv_freq``, the copy dynamic RoPE restores, is not one), held by a
+        module inside the layer (a per-attention rotary module) or else outside every layer (transformers 5's one
+        ``model.rotary_emb``). Empty for a model without such buffers (GPT-2, a custom rotary)."""
+        layer = self.check_layer(layer)
+        layer_types = getattr(self.config, "layer_types", None)
+        kind = layer_types[layer] if isinstance(layer_types, (list, tuple)) and len(layer_types) > layer else None
+        names = {"inv_freq"} | ({f"{kind}_inv_freq"} if isinstance(kind, str) else set())
+        inside, outside = [], []
+        own, layers = self.layer_path(layer) + ".", self.layers_path + "."
+        for name, buf in root.named_buffers():
+            if name.rpartition(".")[2] not in names:
+                continue
+            if name.startswith(own):
+                inside.append((name, buf))
+            elif not name.startswith(layers):
+                outside.append((name, buf))
+        return inside or outside
+
+    def model_rotary(self, root: nn.Module, layer: int, cfg: RotaryConfig | None) -> RotaryConfig | None:
+        """``cfg`` (the RoPE :meth:`rotary_config` derives from the config) as the model ``root`` computes it, read
+        from its rotary buffer (:meth:`rotary_buffers`): :attr:`RotaryConfig.inv_freq_dtype` set where the buffer's
+        values are the frequencies rounded to bf16 / fp16 — a model cast after loading (``.to(torch.bfloat16)``,
+        ``.half()``; also one cast back to fp32 / fp64 after that, which keeps the rounded values), whose forward
+        upcasts the buffer to fp32. Where the buffer holds values (not on ``meta``) :func:`rotary_inv_freq` of the
+        returned config, computed on the CPU as transformers computes the buffer at its init (or on the buffer's
+        device, for a model built there), equals the buffer upcast to fp32 bit for bit (tried: the rounding of the
+        buffer's own dtype, none, bf16, fp16; several candidate buffers: the first that matches); on ``meta`` the
+        buffer's dtype decides. One small copy of each candidate buffer to the host per call.
+
+        Raises:
+            ConfigMismatchError: no candidate buffer equals the frequencies derived from the config under any of
+                these roundings (naming the layer, the buffer, the largest difference): a RoPE this package derives
+                wrongly is refused, never attributed silently; or a buffer of another dtype than fp64 / fp32 / bf16 /
+                fp16.
+        """
+        if cfg is None:
+            return None
+        found = self.rotary_buffers(root, layer)
+        if not found:
+            return cfg
+        rounding = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: None, torch.float64: None}
+        failures = []
+        for name, buf in found:
+            if buf.dtype not in rounding:
+                failures.append(f"{name} is {buf.dtype} (expected float32, float64, bfloat16 or float16)")
+                continue
+            own = rounding[buf.dtype]
+            if buf.device.type == "meta":
+                return dataclasses.replace(cfg, inv_freq_dtype=own)
+            theirs = buf.detach().to(device="cpu", dtype=torch.float32)
+            gap: float | str | None = None
+            # computed on the CPU (transformers' init), else on the buffer's device (a model built under
+            # ``torch.device("cuda")``: its kernels' roundings)
+            devices = dict.fromkeys((torch.device("cpu"), buf.device))
+            roundings = dict.fromkeys((own, None, "bfloat16", "float16"))
+            for dtype, device in ((r, d) for r in roundings for d in devices):
+                out = dataclasses.replace(cfg, inv_freq_dtype=dtype)
+                ours = rotary_inv_freq(out, device=device).cpu()
+                if theirs.shape != ours.shape:
+                    gap = f"shape {tuple(theirs.shape)} != {tuple(ours.shape)}"
+                    break
+                if torch.equal(theirs, ours):
+                    return out
+                if dtype == own and gap is None:
+                    gap = float((theirs - ours).abs().max())
+            failures.append(f"{name} ({buf.dtype}) differs from the config's by {gap}")
+        raise ConfigMismatchError(
+            f"{self.family} layer {layer}: the model's rotary inverse frequencies are not those derived from its "
+            f"config ({cfg}): {'; '.join(failures)}. Its queries and keys rotate differently from the frozen MHSA's; "
+            "refused rather than attributed with another RoPE")
+
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""
         raise UnsupportedArchitectureError(f"{type(self).__name__} must implement mhsa_weights (the adapter of "
@@ -462,11 +538,61 @@ class ArchitectureAdapter:
 
     def _rotary_from_params(self, head_dim: int, rotary_dim: int, interleaved: bool,
                             params: dict[str, Any] | None = None) -> RotaryConfig:
-        params = self.rope_parameters(self.config) if params is None else params
-        rope_type = params.get("rope_type", "default")
+        """The :class:`RotaryConfig` of ``params`` (default the config's :meth:`rope_parameters`; Gemma-3: one layer
+        type's), its scaling keys resolved as transformers 5 resolves them (``standardize_rope_params`` and the
+        ``ROPE_INIT_FUNCTIONS``): llama3 / yarn ``original_max_position_embeddings`` from ``config`` where it has the
+        attribute (Phi-3's priority, one global dict), else the parameters', else ``max_position_embeddings``; yarn's
+        ``factor`` None as ``max_position_embeddings / original_max_position_embeddings``, ``beta_fast`` /
+        ``beta_slow`` falsy as 32 / 1, ``truncate`` read from the *global* ``rope_parameters`` (as transformers does,
+        so never from a layer type's dict), ``attention_factor`` given or derived from ``factor``, ``mscale``,
+        ``mscale_all_dim`` (into :attr:`RotaryConfig.attention_scaling`).
+
+        Raises:
+            UnsupportedArchitectureError: a rope type :class:`RotaryConfig` does not describe (``dynamic`` /
+                ``longrope``: sequence-length-dependent frequencies, said so).
+            CheckpointError: parameters out of range (from :class:`RotaryConfig`).
+        """
+        top = self.rope_parameters(self.config)
+        nested = any(isinstance(v, dict) for v in top.values())  # one dict per layer type (Gemma-3)
+        params = top if params is None else params
+        rope_type = params.get("rope_type", params.get("type", "default"))
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         scaling = {k: float(v) for k, v in params.items() if k in keys and v is not None}
+        attention_scaling = 1.0
+        if rope_type in ("llama3", "yarn"):
+            c = self.config
+            if not nested and hasattr(c, "original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = float(c.original_max_position_embeddings)
+            elif params.get("original_max_position_embeddings") is None:
+                scaling["original_max_position_embeddings"] = float(c.max_position_embeddings)
+        if rope_type == "yarn":
+            attention_scaling = self._yarn_scaling(params, top, scaling)
         return RotaryConfig(
             head_dim=head_dim, rotary_dim=rotary_dim, base=float(params.get("rope_theta", 10000.0)),
-            interleaved=interleaved, rope_type=rope_type, scaling=scaling,
+            interleaved=interleaved, rope_type=rope_type, scaling=scaling, attention_scaling=attention_scaling,
         )
+
+    def _yarn_scaling(self, params: dict[str, Any], top: dict[str, Any], scaling: dict[str, float]) -> float:
+        """Fill ``scaling`` with yarn's ``factor``, ``beta_fast``, ``beta_slow``, ``truncate`` and return its
+        attention factor, as transformers' ``_compute_yarn_parameters`` (Python floats)."""
+        factor = params.get("factor")
+        if factor is None:
+            factor = self.config.max_position_embeddings / scaling["original_max_position_embeddings"]
+        scaling["factor"] = float(factor)
+        scaling["beta_fast"] = float(params.get("beta_fast") or 32)
+        scaling["beta_slow"] = float(params.get("beta_slow") or 1)
+        scaling["truncate"] = 1.0 if top.get("truncate", True) else 0.0
+
+        def get_mscale(scale: Any, mscale: Any = 1) -> float:  # ints as the config gives them
+            if scale <= 1:
+                return 1.0
+            return 0.1 * mscale * math.log(scale) + 1.0
+
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            else:
+                attention_factor = get_mscale(factor)
+        return float(attention_factor)

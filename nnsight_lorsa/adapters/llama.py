@@ -3,7 +3,7 @@
 transformers layout: ``model.layers[i].self_attn`` with ``q_proj``/``k_proj``/``v_proj``/``o_proj``
 (``nn.Linear``, weight ``(out, in)``), optional ``q_norm``/``k_norm`` (RMSNorm over head_dim,
 applied before RoPE), half-split RoPE from ``config.rope_parameters`` (``default``, ``linear``,
-``llama3``), scaling ``head_dim ** -0.5``, GQA (``num_key_value_heads``; query head ``h`` reads
+``llama3``, ``yarn``), scaling ``head_dim ** -0.5``, GQA (``num_key_value_heads``; query head ``h`` reads
 KV head ``h // (n_heads / n_kv_heads)``, as ``repeat_kv``). The attention is called with keyword
 ``hidden_states`` (after ``input_layernorm``), ``position_ids`` and ``position_embeddings``
 (cos, sin), and returns ``(attn_output, attn_weights)``.
@@ -77,7 +77,12 @@ class LlamaAdapter(ArchitectureAdapter):
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """``W_Q: (n_heads, d_model, head_dim)``, ``W_K/W_V: (n_kv_heads, d_model, head_dim)``,
         ``W_O: (n_heads, head_dim, d_model)`` from ``q_proj``/``k_proj``/``v_proj``/``o_proj``
-        (missing biases as zeros), Qwen3 ``q_norm``/``k_norm`` weights ``(head_dim,)``."""
+        (missing biases as zeros), Qwen3 ``q_norm``/``k_norm`` weights ``(head_dim,)``; ``rotary`` as the model
+        computes it (:meth:`~.base.ArchitectureAdapter.model_rotary`: the rounding of a cast model's buffer).
+
+        Raises:
+            ConfigMismatchError: the model's rotary buffer differs from the frequencies its config gives.
+        """
         attn: Any = self.attention_module(root, layer)
         c, e = self.config, self.head_dim
         n_kv = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
@@ -91,7 +96,8 @@ class LlamaAdapter(ArchitectureAdapter):
         k_norm = getattr(attn, "k_norm", None)
         return MHSAWeights(
             W_Q=W_Q, b_Q=b_Q, W_K=W_K, b_K=b_K, W_V=W_V, b_V=b_V, W_O=W_O, b_O=b_O,
-            rotary=self.rotary_config(layer), scale=float(getattr(attn, "scaling", e ** -0.5)),
+            rotary=self.model_rotary(root, layer, self.rotary_config(layer)),
+            scale=float(getattr(attn, "scaling", e ** -0.5)),
             q_norm=None if q_norm is None else q_norm.weight.detach(),
             k_norm=None if k_norm is None else k_norm.weight.detach(),
             qk_norm_eps=float(getattr(q_norm, "variance_epsilon", getattr(c, "rms_norm_eps", 1e-6))),

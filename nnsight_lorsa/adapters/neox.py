@@ -115,5 +115,6 @@ class GPTNeoXAdapter(ArchitectureAdapter):
         b_O = attn.dense.bias.detach() if attn.dense.bias is not None else o.new_zeros(d)
         return MHSAWeights(
             W_Q=Ws[0], b_Q=bs[0], W_K=Ws[1], b_K=bs[1], W_V=Ws[2], b_V=bs[2], W_O=W_O, b_O=b_O,
-            rotary=self.rotary_config(), scale=float(getattr(attn, "scaling", e ** -0.5)),
+            rotary=self.model_rotary(root, layer, self.rotary_config()),
+            scale=float(getattr(attn, "scaling", e ** -0.5)),
         )

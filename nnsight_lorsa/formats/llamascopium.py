@@ -647,10 +647,12 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     state["IGNORE"] = torch.tensor(-torch.inf, device="cpu")
     rot = cfg.rotary
     if rot is not None:
-        if rot.rope_type not in ("default", "llama3") or rot.attention_scaling != 1 or float(rot.base) != int(rot.base):
+        if (rot.rope_type not in ("default", "llama3") or rot.attention_scaling != 1 or float(rot.base) != int(rot.base)
+                or rot.inv_freq_dtype is not None):
             raise UnsupportedArchitectureError(
                 f"Llamascopium's config cannot express rope_type={rot.rope_type!r}, "
-                f"attention_scaling={rot.attention_scaling}, base={rot.base} (default/llama3 RoPE, integer base)")
+                f"attention_scaling={rot.attention_scaling}, base={rot.base}, inv_freq_dtype={rot.inv_freq_dtype!r} "
+                "(default/llama3 RoPE, integer base, fp32 frequencies)")
         doc.update(rotary_dim=rot.rotary_dim, rotary_base=int(rot.base), rotary_adjacent_pairs=rot.interleaved,
                    use_NTK_by_parts_rope=rot.rope_type == "llama3")
         if rot.rope_type == "llama3":

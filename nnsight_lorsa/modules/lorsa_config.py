@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -102,11 +103,20 @@ class LorsaConfig(FieldsRepr):
         ``n_qk_heads = qk_heads_per_mhsa_head · mhsa.n_heads`` (Table 1: 256 independent QK heads for
         Llama-3.1-8B's 32, i.e. 8); ``n_ov_heads`` and ``top_k`` as given (Table 1: 32K and 128).
 
+        The Lorsa keeps its own exact fp32 RoPE: ``mhsa.rotary.inv_freq_dtype`` (the bf16 / fp16 rounding of a model
+        cast after loading, :meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.model_rotary`) is dropped. The
+        rounding belongs to how that model object was cast, not to the model: the same weights loaded with
+        ``from_pretrained(..., dtype=...)`` rotate with fp32 frequencies, a Lorsa trained on one runs on the other,
+        and the Lorsa file formats (Llamascopium's config) cannot express it. Such a Lorsa's QK heads, initialised
+        from the MHSA's, rotate as the MHSA would with fp32 frequencies; at long prompts their patterns differ from
+        that cast model's own by more than rounding.
+
         Raises:
             CheckpointError: sizes that do not divide (see the class).
         """
         return cls(d_model=int(mhsa.d_model), n_qk_heads=qk_heads_per_mhsa_head * int(mhsa.n_heads),
-                   d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k, rotary=mhsa.rotary,
+                   d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k,
+                   rotary=None if mhsa.rotary is None else dataclasses.replace(mhsa.rotary, inv_freq_dtype=None),
                    attn_scale=1.0 / float(mhsa.scale), qk_norm=mhsa.q_norm is not None,
                    qk_norm_eps=float(mhsa.qk_norm_eps), layer=layer, architecture=architecture)
 

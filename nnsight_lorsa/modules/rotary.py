@@ -4,8 +4,10 @@ Lorsa applies RoPE to its QK heads "in the same way as the target model" (Lorsa 
 This module covers the variants of the supported families: half-split pairs (Llama, Qwen,
 GPT-NeoX: dimension ``i`` rotates with ``i + rotary_dim/2``), interleaved/adjacent pairs
 (GPT-J: ``2i`` with ``2i+1``), partial rotary (GPT-NeoX ``rotary_pct``: only the first
-``rotary_dim`` of ``head_dim`` dimensions rotate) and the frequency scalings ``linear`` and
-``llama3`` (Llama-3.1's NTK-by-parts). The arithmetic follows ``transformers.modeling_rope_utils``
+``rotary_dim`` of ``head_dim`` dimensions rotate) and the frequency scalings ``linear``,
+``llama3`` (Llama-3.1's NTK-by-parts) and ``yarn`` (gpt-oss, DeepSeek, Qwen long-context configs). The sequence-length
+dependent types ``dynamic`` and ``longrope`` are not described (their frequencies change with the prompt's length).
+The arithmetic follows ``transformers.modeling_rope_utils``
 operation for operation so that fp32 results agree with the model's own cos/sin bit for bit.
 
 Needs torch only.
@@ -23,7 +25,10 @@ from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import CheckpointError, UnsupportedArchitectureError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: transformers' rope types whose frequencies depend on the sequence length: recomputed in the forward
+#: (``dynamic_rope_update``), not one table per position; refused, with the reason
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclass(frozen=True, repr=False)
@@ -35,18 +40,29 @@ class RotaryConfig(FieldsRepr):
         rotary_dim: how many leading dimensions of a head rotate (``head_dim`` unless partial rotary).
         base: RoPE base ``theta`` (inverse frequencies ``base ** (-2i / rotary_dim)``).
         interleaved: ``True`` for GPT-J adjacent pairs, ``False`` for half-split pairs (Llama, NeoX).
-        rope_type: ``"default"``, ``"linear"`` or ``"llama3"``.
+        rope_type: ``"default"``, ``"linear"``, ``"llama3"`` or ``"yarn"``.
         scaling: the rope-type's parameters (``factor``; for llama3 also ``low_freq_factor``,
-            ``high_freq_factor``, ``original_max_position_embeddings``).
-        attention_scaling: factor multiplied into cos and sin (1.0 for the supported types).
+            ``high_freq_factor``, ``original_max_position_embeddings``; for yarn ``factor``,
+            ``original_max_position_embeddings`` and optionally ``beta_fast`` (default 32), ``beta_slow`` (default 1),
+            ``truncate`` (1.0 default / 0.0: whether the correction range is rounded to whole dimensions)).
+        attention_scaling: factor multiplied into cos and sin (1.0 except for yarn: its ``attention_factor``,
+            given or derived from ``factor`` / ``mscale`` / ``mscale_all_dim`` by the adapters, as transformers).
         table_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: cos and sin are rounded to
             this dtype (then used in float32 or the input's dtype), for checkpoints whose author code
             reads its rotary tables back from a file stored in that precision (Llamascopium).
+        inv_freq_dtype: ``None`` (default) or ``"bfloat16"``/``"float16"``: the inverse frequencies are rounded
+            to this dtype, then used in float32 — what a Hugging Face model cast after loading
+            (``model.to(torch.bfloat16)``, ``.half()``) computes: the cast rounds its rotary module's ``inv_freq``
+            buffer, which its forward upcasts to float32 (``from_pretrained(..., dtype=...)`` keeps the buffer in
+            float32). Set by the adapters' ``mhsa_weights`` from the model's buffer
+            (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.model_rotary`), never by a Lorsa
+            (``LorsaConfig.from_mhsa`` drops it).
 
     Raises:
         CheckpointError: a field of the wrong type or out of range (named in the message), or a rope type
             without its scaling parameters (a ``ValueError`` subclass, as before).
-        UnsupportedArchitectureError: an unknown ``rope_type``.
+        UnsupportedArchitectureError: an unknown ``rope_type``; ``"dynamic"`` / ``"longrope"`` with the reason
+            (sequence-length-dependent frequencies).
     """
 
     head_dim: int
@@ -57,6 +73,7 @@ class RotaryConfig(FieldsRepr):
     scaling: dict[str, float] = field(default_factory=dict)
     attention_scaling: float = 1.0
     table_dtype: str | None = None
+    inv_freq_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "rotary_dim"):
@@ -70,10 +87,17 @@ class RotaryConfig(FieldsRepr):
         if not isinstance(self.interleaved, bool):
             raise CheckpointError(f"RotaryConfig.interleaved must be a bool, got {self.interleaved!r}")
         if not isinstance(self.scaling, dict) or any(
-                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0
-                for v in self.scaling.values()):
+                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or (v not in (0, 1) if k == "truncate" else v <= 0) for k, v in self.scaling.items()):
             raise CheckpointError(
-                f"RotaryConfig.scaling must map names to positive finite numbers, got {self.scaling!r}")
+                "RotaryConfig.scaling must map names to positive finite numbers (truncate: 0 or 1), "
+                f"got {self.scaling!r}")
+        if self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope_type {self.rope_type!r} is not supported: its frequencies depend on the sequence length "
+                "(transformers recomputes them in the forward from the longest position: dynamic NTK past "
+                "max_position_embeddings, longrope's long factors past original_max_position_embeddings), which one "
+                f"cos/sin per position cannot describe (supported: {SUPPORTED_ROPE_TYPES})")
         if not isinstance(self.rope_type, str) or self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
                 f"rope_type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
@@ -82,11 +106,13 @@ class RotaryConfig(FieldsRepr):
             raise CheckpointError(
                 f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
             )
-        if self.table_dtype not in (None, "bfloat16", "float16"):
-            raise CheckpointError(
-                f"RotaryConfig.table_dtype must be None, 'bfloat16' or 'float16', got {self.table_dtype!r}")
+        for name in ("table_dtype", "inv_freq_dtype"):
+            if getattr(self, name) not in (None, "bfloat16", "float16"):
+                raise CheckpointError(
+                    f"RotaryConfig.{name} must be None, 'bfloat16' or 'float16', got {getattr(self, name)!r}")
         required = {"linear": ("factor",), "llama3": (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings")}
         missing = [k for k in required.get(self.rope_type, ()) if k not in self.scaling]
         if missing:
             raise CheckpointError(f"rope_type {self.rope_type!r} needs scaling parameters {missing}")
@@ -101,7 +127,8 @@ class RotaryConfig(FieldsRepr):
 
 
 def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:
-    """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``."""
+    """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``; with
+    ``cfg.inv_freq_dtype`` rounded to that dtype and back (the buffer of a model cast after loading)."""
     dim = cfg.rotary_dim
     # the exponents made on ``device`` itself: a host arange copied there (transformers' form, run once at its
     # init) would be a host-to-device copy in every forward, which on CUDA waits for the queued kernels
@@ -120,7 +147,36 @@ def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Fl
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif cfg.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(cfg, device)
+    if cfg.inv_freq_dtype is not None:
+        inv_freq = inv_freq.to(getattr(torch, cfg.inv_freq_dtype)).float()
     return inv_freq
+
+
+def _yarn_inv_freq(cfg: RotaryConfig, device: torch.device | None) -> Float[torch.Tensor, " half"]:
+    """YaRN's inverse frequencies, transformers' ``_compute_yarn_parameters`` operation for operation: the correction
+    range in Python floats, the ramp and the blend in float32 (the attention factor is ``cfg.attention_scaling``)."""
+    dim, base = cfg.rotary_dim, cfg.base
+    factor = cfg.scaling["factor"]
+    old_len = cfg.scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = cfg.scaling.get("beta_fast", 32), cfg.scaling.get("beta_slow", 1)
+
+    def correction_dim(rotations: float | int) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if cfg.scaling.get("truncate", 1):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers: "Prevent singularity"
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
 def rotary_cos_sin(

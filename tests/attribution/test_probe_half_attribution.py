@@ -23,8 +23,9 @@ transcoders' and CLT's weights read as fp64 tensors (activations written out), a
   ``< 3e-3`` fp16, the same item, for top-k coders; ReLU-like coders within its documented worst, 0.57).
 
 The half models' rotary frequencies are put back in fp32 (:func:`fp32_rotary_`): ``.to(torch.bfloat16)`` rounds
-transformers' ``inv_freq`` buffer, which ``from_pretrained(..., dtype=...)`` keeps in fp32 and the adapters compute
-from the config (docs/reliability.md, "Half-precision attribution probe").
+transformers' ``inv_freq`` buffer, which ``from_pretrained(..., dtype=...)`` keeps in fp32; the adapters follow the
+buffer (``RotaryConfig.inv_freq_dtype``, docs/reliability.md, "RoPE probe"), the fp64 reference copy here rotates in
+fp32 (docs/reliability.md, "Half-precision attribution probe").
 
 A draw is left out (hypothesis ``assume``) only where the default graph's node set differs from the fp64 one at a
 selection within 8 units of the half dtype's rounding of its boundary (the CLT probe's rule), counted in
@@ -210,7 +211,7 @@ def frozen_fp64(hf: Any, cache: Any, spec: dict, lorsa: Any, monkeypatch: Any):
 
 def fp32_rotary_(hf: Any, fp32: Any) -> None:
     """The rotary frequencies of ``fp32`` (the same model in fp32) put back into ``hf``: ``from_pretrained(...,
-    dtype=torch.bfloat16)`` keeps them in fp32, as the adapters compute them from the config; ``.to(dtype)`` (the tiny
+    dtype=torch.bfloat16)`` keeps them in fp32, as the fp64 reference copy uses them; ``.to(dtype)`` (the tiny
     models' cast) rounds them to bf16 / fp16 (docs/reliability.md, "Half-precision attribution probe")."""
     for name, module in fp32.named_modules():
         for buf in ("inv_freq", "original_inv_freq"):

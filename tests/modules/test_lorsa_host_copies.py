@@ -22,6 +22,9 @@ ROTARIES = {
     "linear": RotaryConfig(head_dim=16, rotary_dim=8, base=500.0, rope_type="linear", scaling={"factor": 2.0}),
     "llama3": RotaryConfig(head_dim=16, rotary_dim=16, base=500000.0, rope_type="llama3", scaling=LLAMA3,
                            interleaved=True),
+    "yarn": RotaryConfig(head_dim=16, rotary_dim=16, base=10000.0, rope_type="yarn", attention_scaling=1.2,
+                         scaling={"factor": 4.0, "original_max_position_embeddings": 64, "truncate": 0.0},
+                         inv_freq_dtype="bfloat16"),
 }
 
 
