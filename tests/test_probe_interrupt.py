@@ -1,0 +1,256 @@
+"""Probe: an interruption or a failure in the middle of a long-running workflow leaves the model as it was.
+
+docs/reliability.md, "Interruption probe (2026-11-28)". Crash injection: a forward pre-hook on a drawn module of
+the model (or of a replacement module), or a drawn internal function, raises ``KeyboardInterrupt``, a fake CUDA
+``torch.OutOfMemoryError`` or a ``RuntimeError`` at its N-th call (N drawn below the calls an uninterrupted run
+makes). After it: the exception propagates as itself; the model and its replacement modules are unmodified (the
+same parameter objects, values bit for bit, ``requires_grad``, train / eval mode, dtype and device, no hook, no
+module or attribute left behind); a plain trace gives the original logits bit for bit; and the workflow re-run at
+once gives the uninterrupted run's result exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import nnsight
+import pytest
+import torch
+from helpers import attribution_setup, generated, random_ids, rm, unembed
+from hypothesis import strategies as st
+
+from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation
+from nnsight_lorsa.attribution import attribute
+from nnsight_lorsa.patching import (
+    LorsaHead,
+    MHSAHead,
+    TaskBatch,
+    ablation_effect,
+    activation_patching,
+    circuit_size,
+    head_swap,
+    mean_activations,
+    path_patching,
+    random_ablation_control,
+)
+from nnsight_lorsa.patching.circuit import component_scores
+from nnsight_lorsa.training import TokenDataset, evaluate
+
+FAILURES: dict[str, Callable[[], BaseException]] = {
+    "interrupt": KeyboardInterrupt,
+    "oom": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
+    "runtime": lambda: RuntimeError("injected failure"),
+}
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+               "_load_state_dict_pre_hooks")
+
+
+def snapshot(*roots: torch.nn.Module) -> list:
+    """Everything an interrupted workflow could leave changed on ``roots`` (compared with ``==``): per module its
+    name, type, identity, mode, hooks and instance attributes; per parameter / buffer its identity, dtype, device,
+    ``requires_grad``, whether it holds a ``.grad``, and its bytes."""
+    out: list = []
+    for root in roots:
+        for name, m in root.named_modules():
+            out.append((name, type(m).__name__, id(m), m.training,
+                        tuple(len(getattr(m, d, {})) for d in _HOOK_DICTS), tuple(sorted(vars(m)))))
+        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+            out.append((name, id(t), t.dtype, t.device, t.requires_grad, t.grad is None,
+                        t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+    return out
+
+
+@contextlib.contextmanager
+def failing_at(module: torch.nn.Module, n: int, failure: str) -> Iterator[list[int]]:
+    """``module``'s ``n``-th forward call (1-based) raises ``FAILURES[failure]()``; yields the call counter. The
+    hook is removed on leaving."""
+    calls = [0]
+
+    def hook(mod, args):
+        calls[0] += 1
+        if calls[0] == n:
+            raise FAILURES[failure]()
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+@functools.cache
+def world() -> SimpleNamespace:
+    """The attribution tests' tiny Llama: a Lorsa on layer 1, transcoders on layers 0 and 2 (skip)."""
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    return SimpleNamespace(model=model, hf=hf, lorsas=lorsas, tcs=tcs, rm=rm(model, lorsas, tcs),
+                           replacements=[*lorsas.values(), *tcs.values()])
+
+
+@torch.no_grad()
+def plain_logits(w: SimpleNamespace, ids: torch.Tensor) -> torch.Tensor:
+    with w.model.trace(ids):
+        logits = nnsight.save(unembed(w.model).output)
+    return logits
+
+
+def injection_sites(w: SimpleNamespace) -> dict[str, torch.nn.Module]:
+    hf = w.hf
+    sites = {f"layer{i}.{part}": getattr(hf.model.layers[i], part) for i in range(len(hf.model.layers))
+             for part in ("self_attn", "mlp")}
+    sites.update({f"layer{i}.input_layernorm": hf.model.layers[i].input_layernorm for i in range(len(hf.model.layers))})
+    sites["lm_head"] = hf.lm_head
+    sites.update({f"lorsa{k}": m for k, m in w.lorsas.items()})
+    sites.update({f"transcoder{k}": m for k, m in w.tcs.items()})
+    return sites
+
+
+def same(a, b) -> bool:
+    """Results compared exactly (tensors bit for bit, NaN equal to NaN), through dataclasses, dicts and sequences."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and bool(
+            torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                  and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "__dict__") and not isinstance(a, torch.nn.Module):
+        return type(a) is type(b) and same(vars(a), vars(b))
+    return a == b
+
+
+def check_interrupted(w: SimpleNamespace, run: Callable[[], object], site: str, n: int, failure: str,
+                      expected: object = None) -> None:
+    """Run ``run`` with ``site``'s call ``n`` failing (``n`` beyond the calls made: no failure, the result must be
+    ``expected``), then check the model, a plain trace and a re-run."""
+    ids = random_ids(batch=1, seq=7, seed=11)
+    before, logits = snapshot(w.hf, *w.replacements), plain_logits(w, ids)
+    with failing_at(injection_sites(w)[site], n, failure) as calls:
+        try:
+            result = run()
+        except BaseException as e:  # noqa: BLE001 — we inspect what came out
+            raised: BaseException | None = e
+        else:
+            raised = None
+    if calls[0] >= n:
+        assert raised is not None, f"{site} call {n} failed ({failure}) but the workflow returned"
+        chain, c = [], raised
+        while c is not None:
+            chain.append(c)
+            c = c.__cause__ or c.__context__
+        assert any(type(c) is type(FAILURES[failure]()) for c in chain), f"{site}#{n}: {raised!r}"
+    else:
+        assert raised is None, f"no failure injected, yet {raised!r}"
+        assert same(result, expected)
+    assert snapshot(w.hf, *w.replacements) == before, f"{site}#{n} {failure}: the model or a module changed"
+    assert torch.equal(plain_logits(w, ids), logits)
+    if expected is not None:
+        assert same(run(), expected), "the re-run after the interruption differs from an uninterrupted run"
+
+
+# ------------------------------------------------------------------ workflows
+IDS = random_ids(batch=2, seq=8, seed=4)
+
+
+TASK = TaskBatch("probe", IDS, IDS.flip(1), torch.tensor([3, 4]), torch.tensor([5, 6]))
+TARGETS = [LorsaHead(1, 3), MHSAHead(0, 1), (LorsaHead(1, 0), MHSAHead(2, 1))]
+METRIC = dict(correct_ids=5, incorrect_ids=6)
+
+
+def wf_attribute(w, memory: str = "auto", offload: bool = False, qk_heads: int = 0, prune: bool = False):
+    kw: dict = {"batch_size": 16, "memory": memory, "qk_heads": qk_heads}
+    if prune:
+        kw["prune"] = (0.8, 0.98)
+    if not offload:
+        return attribute(w.rm, IDS[0], **kw)
+    w.rm.lorsas.offload = w.rm.transcoders.offload = True
+    try:
+        return attribute(w.rm, IDS[0], **kw)
+    finally:
+        w.rm.lorsas.offload = w.rm.transcoders.offload = False
+
+
+WORKFLOWS: dict[str, Callable] = {
+    "attribute-auto": lambda w: wf_attribute(w),
+    "attribute-fast": lambda w: wf_attribute(w, "fast"),
+    "attribute-lean": lambda w: wf_attribute(w, "lean"),
+    "attribute-qk": lambda w: wf_attribute(w, qk_heads=2),
+    "attribute-prune": lambda w: wf_attribute(w, prune=True),
+    "attribute-offload": lambda w: wf_attribute(w, "lean", offload=True),
+    "activation_patching": lambda w: activation_patching(w.rm, IDS, IDS.flip(1), TARGETS, groups_per_trace=2,
+                                                         **METRIC),
+    "ablation_effect": lambda w: ablation_effect(w.rm, IDS, TARGETS[:2], **METRIC),
+    "random_ablation_control": lambda w: random_ablation_control(
+        w.rm, IDS, [LorsaHead(1, h) for h in range(6)], 2, n_samples=3, **METRIC),
+    "path_patching": lambda w: path_patching(w.rm, IDS, TARGETS[:2], corrupt=IDS.flip(1), groups_per_trace=1,
+                                             **METRIC),
+    "head_swap": lambda w: head_swap(w.rm, 1, 3, 4, IDS),
+    "mean_activations": lambda w: mean_activations(w.rm, TARGETS[:2], IDS),
+    "component_scores": lambda w: component_scores(w.rm, TASK, TARGETS[:2], per_trace=1),
+    "circuit_size": lambda w: circuit_size(w.rm, TASK, TARGETS[:2], ks=[1, 2]),
+    "evaluate": lambda w: evaluate(w.rm.lorsas, TokenDataset(random_ids(batch=6, seq=8, seed=2)), batch_size=2),
+    "mhsa_correlation": lambda w: mhsa_correlation(w.rm, 1, random_ids(batch=4, seq=8, seed=2), batch_size=2),
+    "collect_top_activations": lambda w: collect_top_activations(w.rm, 1, random_ids(batch=4, seq=8, seed=2),
+                                                                 batch_size=2),
+}
+
+
+@functools.cache
+def uninterrupted(name: str) -> object:
+    return WORKFLOWS[name](world())
+
+
+@generated(6, 200, name=st.sampled_from(sorted(WORKFLOWS)), site=st.sampled_from(sorted(injection_sites(world()))),
+           n=st.integers(1, 9), failure=st.sampled_from(sorted(FAILURES)))
+def test_an_interrupted_workflow_leaves_the_model_as_it_was(name, site, n, failure):
+    w = world()
+    check_interrupted(w, lambda: WORKFLOWS[name](w), site, n, failure, uninterrupted(name))
+
+
+# ------------------------------------------------------------------ offload: a copy to the device that fails
+OFFLOADED = {
+    "attribute": lambda w: attribute(w.rm, IDS[0], batch_size=16, memory="lean"),
+    "ablation_effect": lambda w: ablation_effect(w.rm, IDS, TARGETS[:2], **METRIC),
+    "evaluate": lambda w: evaluate(w.rm.lorsas, TokenDataset(random_ids(batch=6, seq=8, seed=2)), batch_size=2),
+}
+
+
+@contextlib.contextmanager
+def offloaded(w: SimpleNamespace) -> Iterator[None]:
+    w.rm.lorsas.offload = w.rm.transcoders.offload = True
+    try:
+        yield
+    finally:
+        w.rm.lorsas.offload = w.rm.transcoders.offload = False
+
+
+@generated(3, 60, name=st.sampled_from(sorted(OFFLOADED)), n=st.integers(1, 40), failure=st.sampled_from(sorted(FAILURES)))
+def test_a_failed_copy_of_an_offloaded_module_puts_every_tensor_back(name, n, failure):
+    """An offloaded module's tensors are copied to the site's device one by one (``_placement.fetch``; on a CPU
+    model the copy is ``t`` itself, so the stand-in clones, as a copy to a GPU would): the N-th copy fails (a CUDA
+    OOM while copying the weights in) and every parameter and buffer must still be the host tensor it was."""
+    from nnsight_lorsa import _placement
+
+    w = world()
+    calls = [0]
+
+    def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == n:
+            raise FAILURES[failure]()
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    with offloaded(w):
+        expected = OFFLOADED[name](w)
+        before = snapshot(w.hf, *w.replacements)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_placement, "fetch", fetch)
+            with contextlib.suppress(type(FAILURES[failure]())):
+                OFFLOADED[name](w)
+        assert snapshot(w.hf, *w.replacements) == before, f"copy {n} of {calls[0]} failed: a module kept copies"
+        assert same(OFFLOADED[name](w), expected)
