@@ -254,3 +254,44 @@ def test_a_failed_copy_of_an_offloaded_module_puts_every_tensor_back(name, n, fa
                 OFFLOADED[name](w)
         assert snapshot(w.hf, *w.replacements) == before, f"copy {n} of {calls[0]} failed: a module kept copies"
         assert same(OFFLOADED[name](w), expected)
+
+
+# ------------------------------------------------------------------ sparse attention: evaluation
+@functools.cache
+def gated_world() -> SimpleNamespace:
+    from helpers import tiny_hf_model
+
+    from nnsight_lorsa.sparse_attention import install_gated_attention
+    from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig
+
+    hf = tiny_hf_model("llama")
+    install_gated_attention(hf, init_bias=1.0)
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
+    cfg = SparseTrainConfig(total_steps=4, batch_size=4, seq_len=16, init_bias=1.0, target_batches=2)
+    return SimpleNamespace(hf=hf, stream=stream, trainer=SparseAttentionTrainer(hf, stream, cfg))
+
+
+SPARSE_EVALS = {
+    "evaluate_sparse": lambda g: __import__("nnsight_lorsa.sparse_attention.train", fromlist=["x"]).evaluate_sparse(
+        g.hf, g.stream, seq_len=16, batch_size=4, max_windows=12),
+    "measure_train_ce": lambda g: g.trainer.measure_train_ce(3),
+}
+
+
+@generated(3, 60, name=st.sampled_from(sorted(SPARSE_EVALS)), layer=st.integers(0, 3), n=st.integers(1, 3),
+           failure=st.sampled_from(sorted(FAILURES)), training=st.booleans())
+def test_an_interrupted_sparse_evaluation_keeps_the_mode(name, layer, n, failure, training):
+    """``evaluate_sparse`` and ``SparseAttentionTrainer.measure_train_ce`` switch the model to eval mode for the
+    deterministic gates: a failure in the N-th forward of a drawn layer must leave the model in the mode (and the
+    gates as) it was, and a re-run give the same numbers."""
+    g = gated_world()
+    g.hf.train(training)
+    expected = SPARSE_EVALS[name](g)
+    before = snapshot(g.hf)
+    layers = g.hf.model.layers
+    with failing_at(layers[layer % len(layers)], n, failure) as calls:
+        with contextlib.suppress(type(FAILURES[failure]())):
+            SPARSE_EVALS[name](g)
+    assert calls[0] >= n
+    assert snapshot(g.hf) == before, f"{name}: the model's mode (or a gate) changed after a failure"
+    assert SPARSE_EVALS[name](g) == expected

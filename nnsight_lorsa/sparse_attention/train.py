@@ -228,19 +228,21 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     nll, count = 0.0, 0
     exp = act = pos = None
     device = next(hf.parameters()).device
-    for i in range(0, n, batch_size):
-        x = windows[i:i + batch_size].to(device)
-        kept = None if mask is None else mask[i:i + batch_size]
-        with counting_positions(hf, real_positions(kept)):  # the padding's edges count nowhere
-            logits = hf(input_ids=x).logits
-        ce, k = next_token_ce(logits, x, kept)
-        nll += ce.item()
-        count += k
-        st = edge_statistics(hf)
-        exp = st.expected if exp is None else exp + st.expected
-        act = st.active if act is None else act + st.active
-        pos = st.possible if pos is None else pos + st.possible
-    hf.train(was_training)
+    try:  # the model's mode comes back also when a batch fails (a CUDA OOM, Ctrl-C)
+        for i in range(0, n, batch_size):
+            x = windows[i:i + batch_size].to(device)
+            kept = None if mask is None else mask[i:i + batch_size]
+            with counting_positions(hf, real_positions(kept)):  # the padding's edges count nowhere
+                logits = hf(input_ids=x).logits
+            ce, k = next_token_ce(logits, x, kept)
+            nll += ce.item()
+            count += k
+            st = edge_statistics(hf)
+            exp = st.expected if exp is None else exp + st.expected
+            act = st.active if act is None else act + st.active
+            pos = st.possible if pos is None else pos + st.possible
+    finally:
+        hf.train(was_training)
     assert exp is not None and act is not None and pos is not None
     return {"ce": nll / count, "active_fraction": float(act.sum() / pos.sum()),
             "expected_fraction": float(exp.sum() / pos.sum()),
@@ -393,11 +395,13 @@ class SparseAttentionTrainer:
         was = self.hf.training
         self.hf.eval()
         total, count = 0.0, 0
-        for i in range(max(1, n_batches)):
-            x, mask = self._batch(i, gen)
-            ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
-            total, count = total + ce.item(), count + n
-        self.hf.train(was)
+        try:  # the model's mode comes back also when a batch fails (a CUDA OOM, Ctrl-C)
+            for i in range(max(1, n_batches)):
+                x, mask = self._batch(i, gen)
+                ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
+                total, count = total + ce.item(), count + n
+        finally:
+            self.hf.train(was)
         if count == 0:
             raise GateConfigError("the training windows have no counted prediction (target_mask)")
         return total / count
