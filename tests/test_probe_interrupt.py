@@ -50,18 +50,19 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_load_state_dict_pre_hooks")
 
 
-def snapshot(*roots: torch.nn.Module) -> list:
+def snapshot(*roots: torch.nn.Module, ids: bool = True) -> list:
     """Everything an interrupted workflow could leave changed on ``roots`` (compared with ``==``): per module its
     name, type, identity, mode, hooks and instance attributes; per parameter / buffer its identity, dtype, device,
-    ``requires_grad``, whether it holds a ``.grad``, and its bytes."""
+    ``requires_grad``, whether it holds a ``.grad``, and its bytes (``ids=False``: not the identities, to compare
+    two copies)."""
     out: list = []
     for root in roots:
         for name, m in root.named_modules():
-            out.append((name, type(m).__name__, id(m), m.training,
+            out.append((name, type(m).__name__, id(m) if ids else None, m.training,
                         tuple(len(getattr(m, d, {})) for d in _HOOK_DICTS), tuple(sorted(vars(m)))))
         for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
-            out.append((name, id(t), t.dtype, t.device, t.requires_grad, t.grad is None,
-                        t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""))
+            out.append((name, id(t) if ids else None, t.dtype, t.device, t.requires_grad, t.grad is None,
+                        t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()))
     return out
 
 
@@ -295,3 +296,87 @@ def test_an_interrupted_sparse_evaluation_keeps_the_mode(name, layer, n, failure
     assert calls[0] >= n
     assert snapshot(g.hf) == before, f"{name}: the model's mode (or a gate) changed after a failure"
     assert SPARSE_EVALS[name](g) == expected
+
+
+# ------------------------------------------------------------------ training: a step that fails part-way
+TRAIN_POINTS = ("source", "forward", "backward", "clip")
+
+
+def sae_trainer(batches: list):
+    from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+    from nnsight_lorsa.training import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    sae = SparseAutoencoder(SAEConfig(d_in=8, d_sae=24, activation="batchtopk", activation_params={"k": 3}))
+    sae.double()
+    cfg = TrainConfig(total_steps=6, lr=1e-2, norm_batches=1, aux_k=4, aux_k_coef=0.5, dead_after_tokens=6,
+                      log_every=1, warmup_frac=0.0, sparse_kernels=False)
+    return Trainer(sae, batches.__getitem__, cfg)
+
+
+def trainer_state(trainer) -> list:
+    # a ``.grad`` is not state: the next step sets it anew (``zero_grad(set_to_none=True)`` first)
+    module = [e[:5] + e[6:] if len(e) == 7 else e for e in snapshot(trainer.module, ids=False)]
+    return [trainer.step, module, trainer.tokens_since_fired.clone().tolist(),
+            [(k, [(n, v.clone() if isinstance(v, torch.Tensor) else v) for n, v in sorted(s.items())])
+             for k, s in sorted(trainer.optimizer.state_dict()["state"].items())]]
+
+
+def same_state(a: list, b: list) -> bool:
+    return a[:3] == b[:3] and same(a[3], b[3])
+
+
+@generated(3, 60, step=st.integers(0, 5), point=st.sampled_from(TRAIN_POINTS), failure=st.sampled_from(sorted(FAILURES)))
+def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
+    """A ``Trainer`` step of a BatchTopK SAE (its threshold estimated in the forward, AuxK against dead latents)
+    fails at a drawn point (getting its batch, in the forward after the threshold's update, in the backward, clipping
+    the gradients before the optimizer's update):
+    the trainer is left as after the step before, and running on gives the uninterrupted run's weights, Adam state
+    and dead counters bit for bit."""
+    from nnsight_lorsa.training.activations import Batch
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(6)]
+    batches = [Batch(x, x, torch.ones(2, 5, dtype=torch.bool)) for x in xs]
+    straight = sae_trainer(batches)
+    for _ in range(6):
+        straight.train_step()
+    expected = trainer_state(straight)
+
+    trainer = sae_trainer(batches)
+    for _ in range(step):
+        trainer.train_step()
+    before = trainer_state(trainer)
+    armed = [True]
+
+    def fail(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            raise FAILURES[failure]()
+
+    handles = []
+    if point == "source":
+        source = trainer.source
+        trainer.source = lambda i: (fail(), source(i))[1]
+    elif point == "forward":
+        handles.append(trainer.module.activation.register_forward_hook(lambda *a: fail()))
+    elif point == "backward":
+        handles.append(trainer.module.W_enc.register_post_accumulate_grad_hook(lambda p: fail()))
+    patches = pytest.MonkeyPatch()
+    if point == "clip":
+        clip = torch.nn.utils.clip_grads_with_norm_
+        patches.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: (fail(), clip(*a, **k))[1])
+    try:
+        with pytest.raises(type(FAILURES[failure]())):
+            trainer.train_step()
+    finally:
+        patches.undo()
+    for h in handles:
+        h.remove()
+    if point == "source":
+        trainer.source = source
+    after = trainer_state(trainer)
+    assert same_state(after, before), f"step {step} failed at {point}: the trainer is not as after step {step - 1}"
+    while trainer.step < 6:
+        trainer.train_step()
+    assert same_state(trainer_state(trainer), expected), "the run went on from a failed step with another state"
