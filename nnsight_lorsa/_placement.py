@@ -257,8 +257,9 @@ def fetched_part(module: Any, name: str, index: int) -> torch.Tensor | None:
 class resident:  # noqa: N801  (a context manager, named for what holds inside it)
     """``with resident(module, device):`` an offloaded ``module``'s parameters and buffers are copies on
     ``device`` (:func:`fetch`) for the block; on exit (also on error, and when a copy fails on entry: a CUDA OOM
-    or an interrupt part-way through the copies) its host tensors are put back and the copies dropped (freed once nothing else holds them: under grad mode a graph that saved them for its
-    backward keeps them until it is freed). A module that is not offloaded, or a ``None`` / ``meta``
+    or an interrupt part-way through the copies) its host tensors are put back and the copies dropped (freed
+    once nothing else holds them: under grad mode a graph that saved them for its backward keeps them until it
+    is freed). A module that is not offloaded, or a ``None`` / ``meta``
     ``device``, is left as it is (the block runs wherever the module is). Not re-entrant for one module.
 
     Args:

@@ -23,7 +23,7 @@ from helpers import attribution_setup, generated, random_ids, rm, unembed
 from hypothesis import strategies as st
 
 from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation
-from nnsight_lorsa.attribution import attribute
+from nnsight_lorsa.attribution import attribute, estimate_memory
 from nnsight_lorsa.patching import (
     LorsaHead,
     MHSAHead,
@@ -37,6 +37,7 @@ from nnsight_lorsa.patching import (
     random_ablation_control,
 )
 from nnsight_lorsa.patching.circuit import component_scores
+from nnsight_lorsa.remote import for_remote
 from nnsight_lorsa.training import TokenDataset, evaluate
 
 FAILURES: dict[str, Callable[[], BaseException]] = {
@@ -183,6 +184,9 @@ WORKFLOWS: dict[str, Callable] = {
     "attribute-qk": lambda w: wf_attribute(w, qk_heads=2),
     "attribute-prune": lambda w: wf_attribute(w, prune=True),
     "attribute-offload": lambda w: wf_attribute(w, "lean", offload=True),
+    "estimate_memory": lambda w: estimate_memory(w.rm, IDS[0], batch_size=16),
+    "for_remote": lambda w: [(name, [(k, m.state_dict()) for k, m in held.items()])
+                             for name, held in for_remote(w.rm, dtype=torch.float64).sets()],
     "activation_patching": lambda w: activation_patching(w.rm, IDS, IDS.flip(1), TARGETS, groups_per_trace=2,
                                                          **METRIC),
     "ablation_effect": lambda w: ablation_effect(w.rm, IDS, TARGETS[:2], **METRIC),
@@ -230,7 +234,8 @@ def offloaded(w: SimpleNamespace) -> Iterator[None]:
         w.rm.lorsas.offload = w.rm.transcoders.offload = False
 
 
-@generated(3, 60, name=st.sampled_from(sorted(OFFLOADED)), n=st.integers(1, 40), failure=st.sampled_from(sorted(FAILURES)))
+@generated(3, 60, name=st.sampled_from(sorted(OFFLOADED)), n=st.integers(1, 40),
+           failure=st.sampled_from(sorted(FAILURES)))
 def test_a_failed_copy_of_an_offloaded_module_puts_every_tensor_back(name, n, failure):
     """An offloaded module's tensors are copied to the site's device one by one (``_placement.fetch``; on a CPU
     model the copy is ``t`` itself, so the stand-in clones, as a copy to a GPU would): the N-th copy fails (a CUDA
@@ -279,7 +284,7 @@ SPARSE_EVALS = {
 }
 
 
-@generated(3, 60, name=st.sampled_from(sorted(SPARSE_EVALS)), layer=st.integers(0, 3), n=st.integers(1, 3),
+@generated(3, 60, name=st.sampled_from(sorted(SPARSE_EVALS)), layer=st.integers(0, 2), n=st.integers(1, 3),
            failure=st.sampled_from(sorted(FAILURES)), training=st.booleans())
 def test_an_interrupted_sparse_evaluation_keeps_the_mode(name, layer, n, failure, training):
     """``evaluate_sparse`` and ``SparseAttentionTrainer.measure_train_ce`` switch the model to eval mode for the
@@ -290,9 +295,8 @@ def test_an_interrupted_sparse_evaluation_keeps_the_mode(name, layer, n, failure
     expected = SPARSE_EVALS[name](g)
     before = snapshot(g.hf)
     layers = g.hf.model.layers
-    with failing_at(layers[layer % len(layers)], n, failure) as calls:
-        with contextlib.suppress(type(FAILURES[failure]())):
-            SPARSE_EVALS[name](g)
+    with failing_at(layers[layer % len(layers)], n, failure) as calls, contextlib.suppress(type(FAILURES[failure]())):
+        SPARSE_EVALS[name](g)
     assert calls[0] >= n
     assert snapshot(g.hf) == before, f"{name}: the model's mode (or a gate) changed after a failure"
     assert SPARSE_EVALS[name](g) == expected
@@ -326,7 +330,8 @@ def same_state(a: list, b: list) -> bool:
     return a[:3] == b[:3] and same(a[3], b[3])
 
 
-@generated(3, 60, step=st.integers(0, 5), point=st.sampled_from(TRAIN_POINTS), failure=st.sampled_from(sorted(FAILURES)))
+@generated(3, 60, step=st.integers(0, 5), point=st.sampled_from(TRAIN_POINTS),
+           failure=st.sampled_from(sorted(FAILURES)))
 def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
     """A ``Trainer`` step of a BatchTopK SAE (its threshold estimated in the forward, AuxK against dead latents)
     fails at a drawn point (getting its batch, in the forward after the threshold's update, in the backward, clipping
@@ -380,3 +385,93 @@ def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
     while trainer.step < 6:
         trainer.train_step()
     assert same_state(trainer_state(trainer), expected), "the run went on from a failed step with another state"
+
+
+# ------------------------------------------------------------------ activation caches
+@generated(2, 40, site=st.sampled_from(["layer0.mlp", "layer1.self_attn", "layer2.mlp"]),
+           n=st.integers(1, 4), failure=st.sampled_from(sorted(FAILURES)))
+def test_an_interrupted_activation_cache_leaves_no_directory(site, n, failure, tmp_path_factory):
+    """``write_activation_cache`` failing in the N-th batch's forward: no cache directory (nor a temporary beside
+    it), the model as it was, and the re-run writes the uninterrupted run's shards byte for byte."""
+    from nnsight_lorsa import get_adapter
+    from nnsight_lorsa.training.activation_cache import write_activation_cache
+    from nnsight_lorsa.training.activations import Site
+
+    w = world()
+    adapter = get_adapter(w.model)
+    sites = [Site.mlp_input(adapter, 1), Site.mlp_output(adapter, 2)]
+    data = TokenDataset(random_ids(batch=8, seq=6, seed=9))
+    root = tmp_path_factory.mktemp("cache")
+
+    def run(name: str):
+        return write_activation_cache(w.model, sites, data, root / name, batch_size=2, windows_per_shard=3)
+
+    reference = run("straight")
+    before, ids = snapshot(w.hf, *w.replacements), random_ids(batch=1, seq=7, seed=11)
+    logits = plain_logits(w, ids)
+    with failing_at(injection_sites(w)[site], n, failure) as calls, pytest.raises(type(FAILURES[failure]())):
+        run("cut")
+    assert calls[0] >= n
+    assert sorted(p.name for p in root.iterdir()) == ["straight"], "an interrupted cache left files"
+    assert snapshot(w.hf, *w.replacements) == before
+    assert torch.equal(plain_logits(w, ids), logits)
+    run("cut")
+    for f in sorted((root / "straight").iterdir()):
+        if f.suffix == ".safetensors":
+            assert f.read_bytes() == (root / "cut" / f.name).read_bytes(), f.name
+    assert reference.n_windows == len(data)
+
+
+# ------------------------------------------------------------------ sparse attention: a training step that fails
+def sparse_trainer():
+    from helpers import tiny_hf_model
+
+    from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig
+
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
+    torch.manual_seed(0)  # the gates' noise
+    cfg = SparseTrainConfig(total_steps=4, batch_size=4, seq_len=16, init_bias=1.0, target_batches=1)
+    return SparseAttentionTrainer(tiny_hf_model("llama"), stream, cfg)
+
+
+@functools.cache
+def sparse_straight() -> tuple:
+    trainer = sparse_trainer()
+    trainer.train(4, progress=False)
+    return [r.ce for r in trainer.history], [p.detach().clone() for p in trainer.hf.parameters()]
+
+
+@generated(2, 30, step=st.integers(0, 3), point=st.sampled_from(["batch", "forward", "backward"]),
+           layer=st.integers(0, 2), failure=st.sampled_from(sorted(FAILURES)))
+def test_a_failed_sparse_training_step_is_as_if_it_never_ran(step, point, layer, failure):
+    """``SparseAttentionTrainer.train_step`` failing at a drawn point before the update (drawing its windows, in a
+    drawn layer's forward, in the backward): running on gives the uninterrupted run's CEs and weights bit for bit
+    (the stream windows and the gates' noise are drawn again as the failed step drew them)."""
+    trainer = sparse_trainer()
+    trainer.train(step, progress=False)
+    armed = [True]
+
+    def fail(*args):
+        if armed[0]:
+            armed[0] = False
+            raise FAILURES[failure]()
+
+    handles = []
+    if point == "batch":
+        draw = trainer._batch
+        trainer._batch = lambda *a: (fail(), draw(*a))[1]
+    elif point == "forward":
+        handles.append(trainer.hf.model.layers[layer].register_forward_pre_hook(fail))
+    else:
+        handles.append(trainer.hf.model.layers[layer].self_attn.q_proj.weight.register_post_accumulate_grad_hook(fail))
+    with pytest.raises(type(FAILURES[failure]())):
+        trainer.train_step()
+    for h in handles:
+        h.remove()
+    if point == "batch":
+        del trainer._batch
+    assert trainer.step == step
+    trainer.train(4 - step, progress=False)
+    ces, params = sparse_straight()
+    assert [r.ce for r in trainer.history] == ces
+    assert all(torch.equal(p, q) for p, q in zip(trainer.hf.parameters(), params, strict=True))

@@ -406,6 +406,17 @@ class SparseAttentionTrainer:
             raise GateConfigError("the training windows have no counted prediction (target_mask)")
         return total / count
 
+    def _rng_states(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The random states a step draws from: torch's global one, the data generator's, each CUDA device's."""
+        return (torch.get_rng_state(), self.gen.get_state(),
+                {i: torch.cuda.get_rng_state(i) for i in self._cuda_devices()})
+
+    def _set_rng_states(self, states: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]) -> None:
+        torch.set_rng_state(states[0])
+        self.gen.set_state(states[1])
+        for i, state in states[2].items():
+            torch.cuda.set_rng_state(state, i)
+
     @property
     def _device(self) -> torch.device:
         return next(self.hf.parameters()).device
@@ -419,8 +430,10 @@ class SparseAttentionTrainer:
 
         Raises:
             NonFiniteError: the loss or the gradient norm is NaN / inf (e.g. a far too large ``lr`` or a NaN in
-                the model); nothing was updated (weights, gates, Adam state, GECO's λ, the step count), so
-                the trainer and a checkpoint on disk hold the last good state.
+                the model); nothing was updated (weights, gates, Adam state, GECO's λ, the step count, the random
+                states), so the trainer and a checkpoint on disk hold the last good state. Any other exception
+                before the optimizer's update (a CUDA out-of-memory error, ``Ctrl-C``) passes through and leaves the
+                trainer so too: calling :meth:`train_step` again runs the step as an uninterrupted run would.
         """
         cfg = self.config
         self.hf.train()
@@ -434,27 +447,33 @@ class SparseAttentionTrainer:
         if recovering:
             for gate in get_gates(self.hf).values():
                 gate.eval()
-        x, mask = self._batch(self.step, self.gen)
-        with counting_positions(self.hf, real_positions(mask)):  # right padding: not in the sparsity term
-            logits = self.hf(input_ids=x).logits
-        ce_sum, n = next_token_ce(logits, x, mask)
-        ce = ce_sum / max(n, 1)
-        density = expected_edge_fraction(self.hf).to(ce.device)
-        loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
-        self.optimizer.zero_grad(set_to_none=True)
-        if not bool(torch.isfinite(loss.detach())):  # before any gradient: the weights stay the last good ones
-            raise NonFiniteError(f"sparse-attention training: step {self.step}: the loss is {float(loss):.4g} "
-                                 f"(CE {float(ce):.4g}); the model and gates are as before this step",
-                                 step=self.step, tensor="loss")
-        loss.backward()
-        self.masters.move_grads()  # a low-precision parameter's gradient goes to its fp32 master
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if not bool(torch.isfinite(norm)):
+        rng = self._rng_states()  # what the batch (stream windows) and the gates' noise draw from
+        try:
+            x, mask = self._batch(self.step, self.gen)
+            with counting_positions(self.hf, real_positions(mask)):  # right padding: not in the sparsity term
+                logits = self.hf(input_ids=x).logits
+            ce_sum, n = next_token_ce(logits, x, mask)
+            ce = ce_sum / max(n, 1)
+            density = expected_edge_fraction(self.hf).to(ce.device)
+            loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"sparse-attention training: step {self.step}: the gradient norm is "
-                                 f"{float(norm):.4g}; the model and gates are as before this step",
-                                 step=self.step, tensor="grad")
+            if not bool(torch.isfinite(loss.detach())):  # before any gradient: the weights stay the last good ones
+                raise NonFiniteError(f"sparse-attention training: step {self.step}: the loss is {float(loss):.4g} "
+                                     f"(CE {float(ce):.4g}); the model and gates are as before this step",
+                                     step=self.step, tensor="loss")
+            loss.backward()
+            self.masters.move_grads()  # a low-precision parameter's gradient goes to its fp32 master
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if not bool(torch.isfinite(norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"sparse-attention training: step {self.step}: the gradient norm is "
+                                     f"{float(norm):.4g}; the model and gates are as before this step",
+                                     step=self.step, tensor="grad")
+        except BaseException:  # a non-finite value, a CUDA OOM, Ctrl-C before the update: as after step - 1,
+            self.optimizer.zero_grad(set_to_none=True)  # the random states too (the retry draws what this step drew)
+            self._set_rng_states(rng)
+            raise
         self.optimizer.step()
         self.masters.round_()  # the model's low-precision weights: the updated masters, rounded once
         lam = self.geco.update(ce.item())
