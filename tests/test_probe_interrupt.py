@@ -306,16 +306,23 @@ def test_an_interrupted_sparse_evaluation_keeps_the_mode(name, layer, n, failure
 TRAIN_POINTS = ("source", "forward", "backward", "clip")
 
 
-def sae_trainer(batches: list):
+def make_trainer(kind: str, batches: list):
+    """A fp64 BatchTopK SAE (threshold estimated in the forward) or a Lorsa (AuxK, k annealed from 4), with AuxK
+    against latents dead after 6 tokens."""
+    from nnsight_lorsa.modules.lorsa import Lorsa
+    from nnsight_lorsa.modules.lorsa_config import LorsaConfig
     from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
-    from nnsight_lorsa.training import TrainConfig, Trainer
+    from nnsight_lorsa.training import LorsaObjective, LorsaRecipe, TrainConfig, Trainer
 
     torch.manual_seed(0)
-    sae = SparseAutoencoder(SAEConfig(d_in=8, d_sae=24, activation="batchtopk", activation_params={"k": 3}))
-    sae.double()
     cfg = TrainConfig(total_steps=6, lr=1e-2, norm_batches=1, aux_k=4, aux_k_coef=0.5, dead_after_tokens=6,
                       log_every=1, warmup_frac=0.0, sparse_kernels=False)
-    return Trainer(sae, batches.__getitem__, cfg)
+    if kind == "sae":
+        sae = SparseAutoencoder(SAEConfig(d_in=8, d_sae=24, activation="batchtopk", activation_params={"k": 3}))
+        return Trainer(sae.double(), batches.__getitem__, cfg), sae.activation
+    lorsa = Lorsa(LorsaConfig(d_model=8, n_qk_heads=2, d_qk_head=2, n_ov_heads=8, top_k=2)).double()
+    recipe = LorsaRecipe(ov_init="random", center_b_v=False, scale_init=False, b_d_init=False, k_anneal_from=4)
+    return Trainer(LorsaObjective(lorsa, recipe=recipe), batches.__getitem__, cfg), lorsa.hook_v
 
 
 def trainer_state(trainer) -> list:
@@ -330,11 +337,11 @@ def same_state(a: list, b: list) -> bool:
     return a[:3] == b[:3] and same(a[3], b[3])
 
 
-@generated(3, 60, step=st.integers(0, 5), point=st.sampled_from(TRAIN_POINTS),
-           failure=st.sampled_from(sorted(FAILURES)))
-def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
-    """A ``Trainer`` step of a BatchTopK SAE (its threshold estimated in the forward, AuxK against dead latents)
-    fails at a drawn point (getting its batch, in the forward after the threshold's update, in the backward, clipping
+@generated(3, 60, kind=st.sampled_from(["sae", "lorsa"]), step=st.integers(0, 5),
+           point=st.sampled_from(TRAIN_POINTS), failure=st.sampled_from(sorted(FAILURES)))
+def test_a_failed_training_step_is_as_if_it_never_ran(kind, step, point, failure):
+    """A ``Trainer`` step of a BatchTopK SAE (its threshold estimated in the forward, AuxK against dead latents) or
+    of a Lorsa (AuxK, k annealed) fails at a drawn point (getting its batch, in the forward after the threshold's update, in the backward, clipping
     the gradients before the optimizer's update):
     the trainer is left as after the step before, and running on gives the uninterrupted run's weights, Adam state
     and dead counters bit for bit."""
@@ -342,13 +349,17 @@ def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
 
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(6)]
-    batches = [Batch(x, x, torch.ones(2, 5, dtype=torch.bool)) for x in xs]
-    straight = sae_trainer(batches)
+    real = torch.ones(2, 5, dtype=torch.bool)
+    if kind == "sae":
+        batches = [Batch(x, x, real) for x in xs]
+    else:
+        batches = [Batch(x, x.flip(-1).tanh(), real, torch.arange(5), real.long()) for x in xs]
+    straight = make_trainer(kind, batches)[0]
     for _ in range(6):
         straight.train_step()
     expected = trainer_state(straight)
 
-    trainer = sae_trainer(batches)
+    trainer, forward_module = make_trainer(kind, batches)
     for _ in range(step):
         trainer.train_step()
     before = trainer_state(trainer)
@@ -364,9 +375,10 @@ def test_a_failed_training_step_is_as_if_it_never_ran(step, point, failure):
         source = trainer.source
         trainer.source = lambda i: (fail(), source(i))[1]
     elif point == "forward":
-        handles.append(trainer.module.activation.register_forward_hook(lambda *a: fail()))
+        handles.append(forward_module.register_forward_hook(lambda *a: fail()))
     elif point == "backward":
-        handles.append(trainer.module.W_enc.register_post_accumulate_grad_hook(lambda p: fail()))
+        first = next(trainer.module.parameters())
+        handles.append(first.register_post_accumulate_grad_hook(lambda p: fail()))
     patches = pytest.MonkeyPatch()
     if point == "clip":
         clip = torch.nn.utils.clip_grads_with_norm_
