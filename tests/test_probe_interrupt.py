@@ -341,10 +341,10 @@ def same_state(a: list, b: list) -> bool:
            point=st.sampled_from(TRAIN_POINTS), failure=st.sampled_from(sorted(FAILURES)))
 def test_a_failed_training_step_is_as_if_it_never_ran(kind, step, point, failure):
     """A ``Trainer`` step of a BatchTopK SAE (its threshold estimated in the forward, AuxK against dead latents) or
-    of a Lorsa (AuxK, k annealed) fails at a drawn point (getting its batch, in the forward after the threshold's update, in the backward, clipping
-    the gradients before the optimizer's update):
-    the trainer is left as after the step before, and running on gives the uninterrupted run's weights, Adam state
-    and dead counters bit for bit."""
+    of a Lorsa (AuxK, k annealed) fails at a drawn point (getting its batch, in the forward — after the SAE's
+    threshold update —, in the backward, clipping the gradients before the optimizer's update): the trainer is left
+    as after the step before, and running on gives the uninterrupted run's weights, Adam state and dead counters bit
+    for bit."""
     from nnsight_lorsa.training.activations import Batch
 
     g = torch.Generator().manual_seed(3)
