@@ -256,9 +256,10 @@ def fetched_part(module: Any, name: str, index: int) -> torch.Tensor | None:
 
 class resident:  # noqa: N801  (a context manager, named for what holds inside it)
     """``with resident(module, device):`` an offloaded ``module``'s parameters and buffers are copies on
-    ``device`` (:func:`fetch`) for the block; on exit (also on error) its host tensors are put back and the
-    copies dropped (freed once nothing else holds them: under grad mode a graph that saved them for its
-    backward keeps them until it is freed). A module that is not offloaded, or a ``None`` / ``meta``
+    ``device`` (:func:`fetch`) for the block; on exit (also on error, and when a copy fails on entry: a CUDA OOM
+    or an interrupt part-way through the copies) its host tensors are put back and the copies dropped (freed
+    once nothing else holds them: under grad mode a graph that saved them for its backward keeps them until it
+    is freed). A module that is not offloaded, or a ``None`` / ``meta``
     ``device``, is left as it is (the block runs wherever the module is). Not re-entrant for one module.
 
     Args:
@@ -284,16 +285,20 @@ class resident:  # noqa: N801  (a context manager, named for what holds inside i
         if not offloaded(self.module) or device is None or device.type == "meta":
             return self.module
         copies: dict[int, torch.Tensor] = {}  # a tensor shared by two names (tied weights) is copied once
-        for store, name, t in fetched_entries(self.module, self.leave):
-            # on ``device`` already (a CPU model), ``fetch`` returns ``t`` itself
-            if id(t) not in copies:
-                copies[id(t)] = fetch(t, device)
-            self.saved.append((store, name, t))
-            store[name] = copies[id(t)]
-        if self.leave or self.parts:  # placement and fetched_part read what the block left and copied in part
-            self.module.__dict__[RESIDENT_ATTR] = (
-                frozenset(self.leave), {(name, i): fetch(_part_of(self.module, name)[i], device)
-                                        for name, i in self.parts.items()})
+        try:
+            for store, name, t in fetched_entries(self.module, self.leave):
+                # on ``device`` already (a CPU model), ``fetch`` returns ``t`` itself
+                if id(t) not in copies:
+                    copies[id(t)] = fetch(t, device)
+                self.saved.append((store, name, t))
+                store[name] = copies[id(t)]
+            if self.leave or self.parts:  # placement and fetched_part read what the block left and copied in part
+                self.module.__dict__[RESIDENT_ATTR] = (
+                    frozenset(self.leave), {(name, i): fetch(_part_of(self.module, name)[i], device)
+                                            for name, i in self.parts.items()})
+        except BaseException:  # a copy failed part-way (a CUDA OOM, Ctrl-C): the host tensors go back
+            self.__exit__()
+            raise
         return self.module
 
     def __exit__(self, *exc: Any) -> None:

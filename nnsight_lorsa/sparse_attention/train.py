@@ -228,19 +228,21 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     nll, count = 0.0, 0
     exp = act = pos = None
     device = next(hf.parameters()).device
-    for i in range(0, n, batch_size):
-        x = windows[i:i + batch_size].to(device)
-        kept = None if mask is None else mask[i:i + batch_size]
-        with counting_positions(hf, real_positions(kept)):  # the padding's edges count nowhere
-            logits = hf(input_ids=x).logits
-        ce, k = next_token_ce(logits, x, kept)
-        nll += ce.item()
-        count += k
-        st = edge_statistics(hf)
-        exp = st.expected if exp is None else exp + st.expected
-        act = st.active if act is None else act + st.active
-        pos = st.possible if pos is None else pos + st.possible
-    hf.train(was_training)
+    try:  # the model's mode comes back also when a batch fails (a CUDA OOM, Ctrl-C)
+        for i in range(0, n, batch_size):
+            x = windows[i:i + batch_size].to(device)
+            kept = None if mask is None else mask[i:i + batch_size]
+            with counting_positions(hf, real_positions(kept)):  # the padding's edges count nowhere
+                logits = hf(input_ids=x).logits
+            ce, k = next_token_ce(logits, x, kept)
+            nll += ce.item()
+            count += k
+            st = edge_statistics(hf)
+            exp = st.expected if exp is None else exp + st.expected
+            act = st.active if act is None else act + st.active
+            pos = st.possible if pos is None else pos + st.possible
+    finally:
+        hf.train(was_training)
     assert exp is not None and act is not None and pos is not None
     return {"ce": nll / count, "active_fraction": float(act.sum() / pos.sum()),
             "expected_fraction": float(exp.sum() / pos.sum()),
@@ -393,14 +395,27 @@ class SparseAttentionTrainer:
         was = self.hf.training
         self.hf.eval()
         total, count = 0.0, 0
-        for i in range(max(1, n_batches)):
-            x, mask = self._batch(i, gen)
-            ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
-            total, count = total + ce.item(), count + n
-        self.hf.train(was)
+        try:  # the model's mode comes back also when a batch fails (a CUDA OOM, Ctrl-C)
+            for i in range(max(1, n_batches)):
+                x, mask = self._batch(i, gen)
+                ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
+                total, count = total + ce.item(), count + n
+        finally:
+            self.hf.train(was)
         if count == 0:
             raise GateConfigError("the training windows have no counted prediction (target_mask)")
         return total / count
+
+    def _rng_states(self) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The random states a step draws from: torch's global one, the data generator's, each CUDA device's."""
+        return (torch.get_rng_state(), self.gen.get_state(),
+                {i: torch.cuda.get_rng_state(i) for i in self._cuda_devices()})
+
+    def _set_rng_states(self, states: tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]) -> None:
+        torch.set_rng_state(states[0])
+        self.gen.set_state(states[1])
+        for i, state in states[2].items():
+            torch.cuda.set_rng_state(state, i)
 
     @property
     def _device(self) -> torch.device:
@@ -415,8 +430,10 @@ class SparseAttentionTrainer:
 
         Raises:
             NonFiniteError: the loss or the gradient norm is NaN / inf (e.g. a far too large ``lr`` or a NaN in
-                the model); nothing was updated (weights, gates, Adam state, GECO's λ, the step count), so
-                the trainer and a checkpoint on disk hold the last good state.
+                the model); nothing was updated (weights, gates, Adam state, GECO's λ, the step count, the random
+                states), so the trainer and a checkpoint on disk hold the last good state. Any other exception
+                before the optimizer's update (a CUDA out-of-memory error, ``Ctrl-C``) passes through and leaves the
+                trainer so too: calling :meth:`train_step` again runs the step as an uninterrupted run would.
         """
         cfg = self.config
         self.hf.train()
@@ -430,27 +447,33 @@ class SparseAttentionTrainer:
         if recovering:
             for gate in get_gates(self.hf).values():
                 gate.eval()
-        x, mask = self._batch(self.step, self.gen)
-        with counting_positions(self.hf, real_positions(mask)):  # right padding: not in the sparsity term
-            logits = self.hf(input_ids=x).logits
-        ce_sum, n = next_token_ce(logits, x, mask)
-        ce = ce_sum / max(n, 1)
-        density = expected_edge_fraction(self.hf).to(ce.device)
-        loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
-        self.optimizer.zero_grad(set_to_none=True)
-        if not bool(torch.isfinite(loss.detach())):  # before any gradient: the weights stay the last good ones
-            raise NonFiniteError(f"sparse-attention training: step {self.step}: the loss is {float(loss):.4g} "
-                                 f"(CE {float(ce):.4g}); the model and gates are as before this step",
-                                 step=self.step, tensor="loss")
-        loss.backward()
-        self.masters.move_grads()  # a low-precision parameter's gradient goes to its fp32 master
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if not bool(torch.isfinite(norm)):
+        rng = self._rng_states()  # what the batch (stream windows) and the gates' noise draw from
+        try:
+            x, mask = self._batch(self.step, self.gen)
+            with counting_positions(self.hf, real_positions(mask)):  # right padding: not in the sparsity term
+                logits = self.hf(input_ids=x).logits
+            ce_sum, n = next_token_ce(logits, x, mask)
+            ce = ce_sum / max(n, 1)
+            density = expected_edge_fraction(self.hf).to(ce.device)
+            loss = ce if recovering else density + self.geco.lam * (ce - self.geco.target)
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"sparse-attention training: step {self.step}: the gradient norm is "
-                                 f"{float(norm):.4g}; the model and gates are as before this step",
-                                 step=self.step, tensor="grad")
+            if not bool(torch.isfinite(loss.detach())):  # before any gradient: the weights stay the last good ones
+                raise NonFiniteError(f"sparse-attention training: step {self.step}: the loss is {float(loss):.4g} "
+                                     f"(CE {float(ce):.4g}); the model and gates are as before this step",
+                                     step=self.step, tensor="loss")
+            loss.backward()
+            self.masters.move_grads()  # a low-precision parameter's gradient goes to its fp32 master
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if not bool(torch.isfinite(norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"sparse-attention training: step {self.step}: the gradient norm is "
+                                     f"{float(norm):.4g}; the model and gates are as before this step",
+                                     step=self.step, tensor="grad")
+        except BaseException:  # a non-finite value, a CUDA OOM, Ctrl-C before the update: as after step - 1,
+            self.optimizer.zero_grad(set_to_none=True)  # the random states too (the retry draws what this step drew)
+            self._set_rng_states(rng)
+            raise
         self.optimizer.step()
         self.masters.round_()  # the model's low-precision weights: the updated masters, rounded once
         lam = self.geco.update(ce.item())

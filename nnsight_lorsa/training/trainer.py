@@ -291,7 +291,11 @@ class Trainer:
         Guarded: a non-finite loss (checked on the float the metrics already hold), gradient (through
         the gradient norm that clipping computes anyway) or learning rate stops the step before the
         optimizer changes anything, and the dead counters and the objective's per-step records are put
-        back — the trainer is left exactly as after step ``step - 1``.
+        back — the trainer is left exactly as after step ``step - 1``. So is it by any other exception raised
+        before the optimizer's update (a CUDA out-of-memory error in the forward or backward pass, ``Ctrl-C``,
+        a failing batch source), which passes through: calling :meth:`train_step` again runs the step as an
+        uninterrupted run would. An exception inside the optimizer's update or after it (the objective's
+        remedies, a checkpoint) leaves the step partly applied.
 
         Raises:
             NonFiniteError: the loss, a gradient or the learning rate is not finite (the message names
@@ -330,15 +334,16 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 if not math.isfinite(group["lr"]):
                     raise self._non_finite("lr", group["lr"])
-        except (NonFiniteError, RankFailedError):  # (another rank failed: this one stops as after step - 1 too)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.tokens_since_fired = counters
-            self.masters.restore_estimates(estimates)
-            self.objective.discard_step(self.state)
+        except BaseException:  # refused (another rank failed: this one stops as after step - 1 too), or failed (a
+            self._undo_step(counters, estimates)  # CUDA OOM in the backward, Ctrl-C): the forward's changes go back
             raise
         with self._told():
-            if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
+            try:
+                if self.config.grad_clip:  # torch.nn.utils.clip_grad_norm_, with the norm computed above
+                    torch.nn.utils.clip_grads_with_norm_(self._params, self.config.grad_clip, norm)
+            except BaseException:  # still before the update
+                self._undo_step(counters, estimates)
+                raise
             lr = float(self.optimizer.param_groups[0]["lr"])  # the LR of this step (the scheduler then moves on)
             self.optimizer.step()
             self.scheduler.step()
@@ -347,6 +352,14 @@ class Trainer:
         self.step += 1
         metrics["lr"] = lr
         return metrics
+
+    def _undo_step(self, counters: torch.Tensor, estimates: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put back what a step changed before its optimizer update (the dead counters, the estimates its forward
+        updates in place, the objective's per-step records; the gradients dropped): as after step ``step - 1``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_since_fired = counters
+        self.masters.restore_estimates(estimates)
+        self.objective.discard_step(self.state)
 
     def _non_finite(self, what: str, value: float) -> NonFiniteError:
         """The :class:`NonFiniteError` of step :attr:`step` for a non-finite ``what`` (``"loss"``, ``"grad"``,
