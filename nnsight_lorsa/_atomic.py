@@ -90,11 +90,12 @@ class Staging:
         """Write ``data`` as ``name`` (fsynced), and record it."""
         target = self._target(name)
         half = len(data) // 2
+        view = memoryview(data)  # slices of a view copy nothing (bytes slices copy)
         with open(target, "wb") as f:
-            f.write(data[:half])
+            f.write(view[:half])
             f.flush()
             self._boundary(f"partial:{name}")
-            f.write(data[half:])
+            f.write(view[half:])
             f.flush()
             os.fsync(f.fileno())
         self.files[_check_name(name)] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -109,10 +110,17 @@ class Staging:
         self.write_text(name, json.dumps(obj, **dumps))
 
     def save_tensors(self, name: str, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
-        """Write ``tensors`` (CPU, contiguous) as the safetensors file ``name`` (serialised in memory)."""
-        from safetensors.torch import save
+        """Write ``tensors`` (CPU, contiguous) as the safetensors file ``name``, streamed from the tensors'
+        memory (``safetensors.torch.save_file``: no serialised copy of the file in memory — issue 21: the
+        in-memory ``save`` held the whole file, and its two halves again, 2x a module at the paper's scale);
+        then fsynced and hashed from the file (:meth:`record`). The ``partial:{name}`` boundary falls after
+        the data is written and before it is flushed and recorded."""
+        from safetensors.torch import save_file
 
-        self.write_bytes(name, save(tensors, metadata=metadata))
+        target = self._target(name)
+        save_file(tensors, str(target), metadata=metadata)
+        self._boundary(f"partial:{name}")
+        self.record(name)
 
     def record(self, name: str) -> None:
         """Record ``name``, a file written at ``path / name`` by other code (fsynced and hashed here)."""

@@ -262,7 +262,7 @@ def load_transcoders_weights(directory: Path, parsed: Parsed) -> dict[int, dict[
     for layer, (file, tcfg, _, _) in parsed.settings["layers"].items():
         state = load_safetensors(file)
         check_file_tensors(file, state)
-        ours = {"W_enc": state["W_enc"].T.contiguous(), "b_enc": state["b_enc"], "W_dec": state["W_dec"],
+        ours = {"W_enc": state["W_enc"].T, "b_enc": state["b_enc"], "W_dec": state["W_dec"],
                 "b_dec": state["b_dec"]}
         if "W_skip" in state:
             ours["W_skip"] = state["W_skip"]

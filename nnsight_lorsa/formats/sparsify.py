@@ -137,7 +137,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     check_file_tensors(weights_path, state)
     check_declared_tensors(weights_path, state, TENSORS, {"d_in": d_in, "num_latents": num_latents},
                            parsed.settings["source"], with_=("W_skip",) if skip else ())
-    ours = {"W_enc": state["encoder.weight"].T.contiguous(), "b_enc": state["encoder.bias"],
+    ours = {"W_enc": state["encoder.weight"].T, "b_enc": state["encoder.bias"],
             "W_dec": state["W_dec"], "b_dec": state["b_dec"]}
     if skip:
         ours["W_skip"] = state["W_skip"]

@@ -209,16 +209,20 @@ def test_a_writer_failing_after_its_first_file_loses_nothing(tmp_path: Path, mon
 
     d = save(old, tmp_path / "m", **kw)
     before = {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-    real, calls = safetensors.torch.save, []
+    calls: list[int] = []
 
-    def failing(*args: Any, **kwargs: Any) -> bytes:
-        calls.append(1)
-        if len(calls) > 1 or name in ("nnsight_lorsa:Lorsa", "nnsight_lorsa:SAE", "nnsight_lorsa:CLT", "saelens",
-                                      "sparsify", "llamascopium"):  # single-tensor-file writers: fail on it
-            raise OSError(28, "No space left on device (injected)")
-        return real(*args, **kwargs)
+    def failing(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) > 1 or name in ("nnsight_lorsa:Lorsa", "nnsight_lorsa:SAE", "nnsight_lorsa:CLT", "saelens",
+                                          "sparsify", "llamascopium"):  # single-tensor-file writers: fail on it
+                raise OSError(28, "No space left on device (injected)")
+            return real(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(safetensors.torch, "save", failing)
+    # tensor files are streamed by save_file (the atomic stage), other writers may serialise with save
+    monkeypatch.setattr(safetensors.torch, "save", failing(safetensors.torch.save))
+    monkeypatch.setattr(safetensors.torch, "save_file", failing(safetensors.torch.save_file))
     # named, still an OSError (callers catching disk errors keep working), naming the directory and the cause
     with pytest.raises(SaveError, match=r"m: .*injected.*previous files there are intact") as info:
         save(new, d, **kw)
