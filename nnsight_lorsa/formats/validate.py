@@ -470,7 +470,10 @@ def count_non_finite(tensor: torch.Tensor) -> int:
     if tensor.dim() == 0 or tensor.numel() == 0:
         return int((~torch.isfinite(tensor)).sum())
     rows = max(1, FINITE_CHUNK // max(1, tensor[0].numel()))
-    return sum(int((~torch.isfinite(part)).sum()) for part in tensor.split(rows))
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for part in tensor.split(rows):  # summed where the tensor is: one value read at the end (one sync on a GPU)
+        total += (~torch.isfinite(part)).sum()
+    return int(total)
 
 
 def check_tensors(path: Path | str, state: Mapping[str, torch.Tensor],
