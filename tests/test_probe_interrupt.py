@@ -51,6 +51,18 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_load_state_dict_pre_hooks")
 
 
+def fail_once(failure: str) -> Callable[..., None]:
+    """A hook / wrapper that raises ``FAILURES[failure]`` on its first call and does nothing after."""
+    armed = [True]
+
+    def fail(*args: object, **kwargs: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise FAILURES[failure]()
+
+    return fail
+
+
 def snapshot(*roots: torch.nn.Module, ids: bool = True) -> list:
     """Everything an interrupted workflow could leave changed on ``roots`` (compared with ``==``): per module its
     name, type, identity, mode, hooks and instance attributes; per parameter / buffer its identity, dtype, device,
@@ -363,12 +375,7 @@ def test_a_failed_training_step_is_as_if_it_never_ran(kind, step, point, failure
     for _ in range(step):
         trainer.train_step()
     before = trainer_state(trainer)
-    armed = [True]
-
-    def fail(*args, **kwargs):
-        if armed[0]:
-            armed[0] = False
-            raise FAILURES[failure]()
+    fail = fail_once(failure)
 
     handles = []
     if point == "source":
@@ -461,12 +468,7 @@ def test_a_failed_sparse_training_step_is_as_if_it_never_ran(step, point, layer,
     (the stream windows and the gates' noise are drawn again as the failed step drew them)."""
     trainer = sparse_trainer()
     trainer.train(step, progress=False)
-    armed = [True]
-
-    def fail(*args):
-        if armed[0]:
-            armed[0] = False
-            raise FAILURES[failure]()
+    fail = fail_once(failure)
 
     handles = []
     if point == "batch":
