@@ -30,7 +30,7 @@ from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
 from .interventions import refuse_inside_trace
-from .metrics import check_gap
+from .metrics import check_gap, metric_rounding
 from .tasks import TaskBatch
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -259,7 +259,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     m = torch.stack([score(x) for x in logits]).view(len(kk), 2, b)
     mp, mg = m[:, 0], m[:, 1]
     i0, i_all = 0, len(kk) - 1
-    rounding = torch.finfo(logits[0].dtype).eps  # the metrics' resolution: the logits' dtype
+    rounding = metric_rounding(logits[0])
     # a prompt the components do not move beyond rounding has no fraction to recover: refused as normalized refuses
     advice = ("the components do not move the metric there (e.g. correct_ids equal to incorrect_ids, or components "
               "that do not reach it): drop those prompts (task.select)")

@@ -27,7 +27,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read, refuse_inside_trace
-from .metrics import logit_difference, normalized_effect, relative_effect
+from .metrics import logit_difference, metric_rounding, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
@@ -189,7 +189,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
                                  every)
             patched += [score(o) for o in outs]
     return PatchingResult(groups, score(clean_logits), score(corrupt_logits), torch.stack(patched),
-                          torch.finfo(clean_logits.dtype).eps)
+                          metric_rounding(clean_logits))
 
 
 def _read_all(replacement: ReplacementModel, prompts: Any, targets: list[Target], positions: Positions,
@@ -309,7 +309,7 @@ def _ablation(replacement: ReplacementModel, prompts: Any, targets: Sequence[Tar
             for t in ordered:
                 ablate(Bound(t, replacement), mode, means, positions)
             edited = saved_logits(replacement)
-    return AblationResult(score(base), score(edited), torch.finfo(base.dtype).eps)
+    return AblationResult(score(base), score(edited), metric_rounding(base))
 
 
 @dataclass

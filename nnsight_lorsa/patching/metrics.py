@@ -97,6 +97,13 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
     return (b - i) / b
 
 
+def metric_rounding(logits: torch.Tensor) -> float:
+    """The rounding of metrics read from ``logits``: the eps of the logits' dtype (``2**-7`` for bf16), at least
+    fp32's, the dtype the experiments' metrics are in (:func:`~.experiments.make_metric`); an fp64 model's metrics
+    are rounded to fp32 all the same. What the experiments' results carry as ``rounding``."""
+    return max(torch.finfo(logits.dtype).eps, torch.finfo(torch.float32).eps)
+
+
 #: clean and corrupt metrics closer than this many units of the logits' rounding (``finfo(logits dtype).eps`` times
 #: the larger ``|metric|``) leave :func:`normalized_effect` undefined
 NORMALIZATION_TOLERANCE = 4

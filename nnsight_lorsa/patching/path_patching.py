@@ -60,7 +60,7 @@ from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Targ
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits, top_groups
 from .interventions import _value, check_positions, means_at, refuse_inside_trace
-from .metrics import normalized_effect, relative_effect
+from .metrics import metric_rounding, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
 Projection = Literal["q", "k", "v"]
@@ -513,7 +513,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             if clean_m is None:
                 clean_m = score(logits["clean"])
                 corrupt_m = score(logits["corrupt"]) if "corrupt" in logits else None
-                rounding = torch.finfo(logits["clean"].dtype).eps  # the metrics' resolution: the logits' dtype
+                rounding = metric_rounding(logits["clean"])
             patched += [score(x) for x in logits["patched"]]
     assert clean_m is not None
     return PathPatchingResult(groups, recv, clean_m, corrupt_m, torch.stack(patched), rounding)

@@ -71,7 +71,7 @@ def test_relative_effect_takes_the_rounding_of_the_logits_dtype(setup):
     """Seen failing: the rule always used fp32's eps, so a bf16 model's baseline of 1/64 of the ablated metric (below
     bf16's rounding at that scale) gave a relative effect of -63 from noise. Now ``rounding`` (default the inputs'
     dtype's eps), which ``ablation_effect`` / ``random_ablation_control`` / ``PathPatchingResult`` set from the
-    logits' dtype."""
+    logits' dtype (``metrics.metric_rounding``: at least fp32's, the metrics' own dtype, for an fp64 model)."""
     from nnsight_lorsa.patching.experiments import AblationResult, RandomControl
     bf16 = torch.finfo(torch.bfloat16).eps
     base, new = torch.tensor([1 / 64, 1.0]), torch.tensor([1.0, 0.5])
@@ -85,13 +85,14 @@ def test_relative_effect_takes_the_rounding_of_the_logits_dtype(setup):
     with pytest.raises(ArgumentError, match="rounding must be a number in"):
         relative_effect(base, new, rounding=float("nan"))
     r, task, heads = setup
-    r.model.to(torch.bfloat16)
-    try:
-        res = ablation_effect(r, task.clean, heads[:1], correct_ids=task.correct_ids,
-                              incorrect_ids=task.incorrect_ids)
-    finally:
-        r.model.to(torch.float32)
-    assert res.rounding == bf16
+    for dtype, want in ((torch.bfloat16, bf16), (torch.float64, EPS)):  # fp64 logits: the metrics are fp32 still
+        r.model.to(dtype)
+        try:
+            res = ablation_effect(r, task.clean, heads[:1], correct_ids=task.correct_ids,
+                                  incorrect_ids=task.incorrect_ids)
+        finally:
+            r.model.to(torch.float32)
+        assert res.rounding == want, dtype
 
 
 @generated(40, 2000, seed=st.integers(0, 2**31 - 1))
