@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._typing import Int
@@ -530,7 +529,7 @@ class SparseAttentionTrainer:
                 "param_names": self.param_names, "param_groups": groups,
                 "optim_keys": {str(i): sorted(st) for i, st in opt["state"].items()},
                 "history": [asdict(r) for r in self.history]}
-        write_checkpoint(directory, {CHECKPOINT_TENSORS: save_safetensors(tensors),
+        write_checkpoint(directory, {CHECKPOINT_TENSORS: tensors,
                                      CHECKPOINT_JSON: (json.dumps(meta) + "\n").encode()})
         return directory
 

@@ -12,7 +12,10 @@ file against the manifest before anything is read; unlike a module's, a checkpoi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+
+import torch
 
 from .._atomic import atomic_directory, resolve, verify
 from ..errors import CheckpointError
@@ -36,8 +39,11 @@ def _is_replaceable(d: Path, names: tuple[str, ...]) -> bool:
     return not any(d.iterdir()) or any((d / n).is_file() for n in (MANIFEST, "trainer.json", *names))
 
 
-def write_checkpoint(directory: str | Path, files: dict[str, bytes]) -> None:
-    """Write ``files`` (name -> content, in order) + the manifest as checkpoint ``directory``, atomically.
+def write_checkpoint(directory: str | Path, files: Mapping[str, bytes | Mapping[str, torch.Tensor]]) -> None:
+    """Write ``files`` (name -> content, in order) + the manifest as checkpoint ``directory``, atomically. A content
+    that is a mapping of tensors is written as a safetensors file streamed from the tensors (``Staging.save_tensors``:
+    no serialised copy of the file in memory; until 2026-11-28 each file was built as bytes first, the module and its
+    optimizer state twice over at a save).
 
     Raises:
         CheckpointError: ``directory`` exists and holds something other than a checkpoint.
@@ -48,7 +54,10 @@ def write_checkpoint(directory: str | Path, files: dict[str, bytes]) -> None:
     with atomic_directory(directory, manifest=MANIFEST, carry=False, boundary=_forward,
                            replaceable=lambda d: _is_replaceable(d, tuple(files))) as stage:
         for name, data in files.items():
-            stage.write_bytes(name, data)
+            if isinstance(data, bytes):
+                stage.write_bytes(name, data)
+            else:
+                stage.save_tensors(name, dict(data))
 
 
 def checkpoint_exists(directory: str | Path) -> bool:

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from .._placement import check_placement_args, f32, placement
@@ -544,10 +543,10 @@ class Trainer:
                 **({"run_info": self.run_info} if self.run_info else {}),
                 **self.objective.save_meta(self.state)}
         write_checkpoint(directory, {
-            self.objective.weights_file: save_safetensors(weights),
-            "optimizer.safetensors": save_safetensors(opt_tensors),
-            "state.safetensors": save_safetensors({"tokens_since_fired": self.tokens_since_fired.contiguous()}),
-            **({MASTERS_FILE: save_safetensors(masters)} if masters else {}),
+            self.objective.weights_file: weights,
+            "optimizer.safetensors": opt_tensors,
+            "state.safetensors": {"tokens_since_fired": self.tokens_since_fired.contiguous()},
+            **({MASTERS_FILE: masters} if masters else {}),
             "trainer.json": json.dumps(meta, indent=1).encode(),
         })
 

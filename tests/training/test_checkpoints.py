@@ -168,3 +168,33 @@ def test_sigkill_at_every_save_boundary_resumes_bit_exactly(tmp_path):
         assert sorted(p.name for p in d.parent.iterdir()) == ["ckpt"]  # no .old, no stale .tmp-<pid>
         assert Trainer.resume(d, ns["source"]).step == 6
     assert events == [f"file:{n}" for n in FILES] + ["rename:old", "rename:new", "removed:old"]
+
+
+def test_checkpoints_stream_their_tensor_files_without_an_in_memory_copy(saved, tmp_path, monkeypatch):
+    """Seen failing: both trainers serialised each checkpoint file in memory (``safetensors.torch.save``: the module
+    and its Adam state twice over at a save). Now streamed from the tensors (``save_file``); the checkpoint resumes
+    to the same tensors."""
+    import safetensors.torch
+    from helpers import tiny_hf_model
+    from safetensors.torch import load_file
+
+    from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig
+
+    def serialised(*args, **kwargs):
+        raise AssertionError("a checkpoint file was serialised in memory (safetensors.serialize)")
+
+    d, source = saved
+    trainer = Trainer.resume(d, source)
+    stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
+    sparse = SparseAttentionTrainer(tiny_hf_model("llama"), stream, SparseTrainConfig(
+        total_steps=1, batch_size=2, seq_len=16, target_batches=1))
+    monkeypatch.setattr(safetensors.torch, "serialize", serialised)
+    trainer.save_checkpoint(tmp_path / "coder")
+    sparse.save_checkpoint(tmp_path / "sparse")
+    monkeypatch.undo()
+    for name in FILES[:3]:
+        want, got = load_file(d / name), load_file(tmp_path / "coder" / name)
+        assert sorted(want) == sorted(got), name
+        for k in want:
+            assert torch.equal(want[k], got[k]), (name, k)
+    sparse.load_checkpoint(tmp_path / "sparse")
