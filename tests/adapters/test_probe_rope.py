@@ -285,6 +285,32 @@ def test_every_rope_type_is_the_models_own_cos_sin_and_patterns(drawn, seed):
     assert gap <= 1e-5, (family, gap, cfg.rope_parameters)
 
 
+@pytest.mark.parametrize(("beta_fast", "beta_slow", "truncate", "old"), [
+    (32, 3, True, 16), (32, 2.5, True, 12), (8, 8, False, 64), (2, 2, False, 16)])
+def test_yarn_with_a_collapsed_correction_range_is_the_models_own(beta_fast, beta_slow, truncate, old):
+    """A collapsed yarn correction range (``low == high``: transformers moves ``high`` by 0.001, "Prevent
+    singularity"), which the drawn sweep above never reaches: with ``truncate`` and ``original_max_position_embeddings
+    <= 2π·beta_slow`` both ends clamp to 0 (the first frequency's ramp is 0 / 0 without the guard); with
+    ``beta_fast == beta_slow`` and no ``truncate`` both are one number. ``rotary_cos_sin`` equals the Hugging Face
+    rotary module's fp32 cos / sin bit for bit at positions 0–4,095."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                   vocab_size=128, intermediate_size=64, max_position_embeddings=256,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": old,
+                                                    "beta_fast": beta_fast, "beta_slow": beta_slow,
+                                                    "truncate": truncate})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    adapter = get_adapter(hf)
+    rot = adapter.mhsa_weights(hf, 0).rotary
+    assert rot is not None and rot.rope_type == "yarn"
+    pos = torch.arange(4096)[None]
+    cos, sin = rotary_module_cos_sin(hf, adapter, 0, pos)
+    ours = rotary_cos_sin(rot, pos)
+    assert torch.equal(ours[0], cos) and torch.equal(ours[1], sin)
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
     {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
