@@ -236,11 +236,35 @@ def replace_vs_trace(model: Any, lorsas: LorsaSet, ids: torch.Tensor, layer: int
         lorsas[layer](x)
         sync(dev)
 
-    res = time_interleaved({"plain_trace": plain, "replace": replaced, "lorsa_alone": lorsa_alone}, repeats=repeats)
+    attention = model.model.layers[layer].self_attn
+    skipped_value = (torch.zeros(*ids.shape, lorsas[layer].cfg.d_model, device=dev,
+                                 dtype=next(model._module.parameters()).dtype), None)
+
+    @torch.no_grad()
+    def replaced_mhsa_skipped() -> Any:
+        # the same replacement with the MHSA's own forward skipped (nnsight's .skip() of the attention module: the
+        # Lorsa, reading the attention's input, replaces the skip value; docs/nnsight.md) -- what error=False
+        # would cost if the discarded MHSA output were not computed (a plain trace only: a generation's KV cache
+        # needs the MHSA's keys and values)
+        with model.trace(ids):
+            lorsas.replace(layer=layer)
+            attention.skip(skipped_value)
+            out = nnsight.save(model.lm_head.output)
+        sync(dev)
+        return out
+
+    with torch.no_grad(), model.trace(ids):
+        lorsas.replace(layer=layer)
+        expected = nnsight.save(model.lm_head.output)
+    same = bool(torch.equal(replaced_mhsa_skipped(), expected))  # the MHSA's output is discarded: the same logits
+    res = time_interleaved({"plain_trace": plain, "replace": replaced, "lorsa_alone": lorsa_alone,
+                            "replace_mhsa_skipped": replaced_mhsa_skipped}, repeats=repeats)
     # what the splice adds beyond the plain trace and the module's own forward (nnsight's and ours)
     splice = res["replace"]["median_s"] - res["plain_trace"]["median_s"] - res["lorsa_alone"]["median_s"]
     return {**res, "ratio": res["replace"]["median_s"] / res["plain_trace"]["median_s"], "goal": 1.10,
-            "splice_overhead_s": splice}
+            "splice_overhead_s": splice,
+            "ratio_mhsa_skipped": res["replace_mhsa_skipped"]["median_s"] / res["plain_trace"]["median_s"],
+            "mhsa_skipped_same_logits": same}
 
 
 def training(model: Any, hf: Any, lorsa: Lorsa, s: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["scale"] == "tiny"
     assert result["a_forward_vs_floor"]["ratio"] > 0 and result["b_replace_vs_trace"]["ratio"] > 0
+    assert result["b_replace_vs_trace"]["mhsa_skipped_same_logits"]  # skipping the discarded MHSA changes nothing
     assert result["c_training"]["tokens_per_s_with_model"] > 0
     (row,) = result["d_attribution"]
     assert row["tokens"] == 16 and row["target_rows"] > 0 and row["estimate_device_bytes"] > 0
