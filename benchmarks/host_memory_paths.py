@@ -70,6 +70,7 @@ def nbytes(m):
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
 from nnsight_lorsa import formats
 from nnsight_lorsa.training import TrainConfig, Trainer
 from nnsight_lorsa.training.activations import Batch
@@ -81,6 +82,8 @@ def tc(n=262144, act="topk", **kw):
                                        activation_params={"k": 64} if act == "topk" else {}, **kw))
 def sae(n=262144):
     return SparseAutoencoder(SAEConfig(d_in=D, d_sae=n, activation="topk", activation_params={"k": 16}))
+def clt(n=131072):                                     # 168 MB: W_enc 2 layers, W_dec 3 (layer, later) blocks
+    return CrossLayerTranscoder(CLTConfig(d_in=D, d_sae=n, n_layers=2))
 def source(i):
     g = torch.Generator().manual_seed(i)
     x = torch.randn(2, 8, D, generator=g)
@@ -142,6 +145,19 @@ CASES: list[tuple[str, str, str, float]] = [
     ("load_all, 4 transcoder layers (ours)", _TSET, "m = formats.load_all(tmp + '/tset')", 1.0),
     ("load_all, 4 transcoder layers, dtype=bf16", _TSET,
      "m = formats.load_all(tmp + '/tset', dtype=torch.bfloat16)", 0.5),
+    ("CLT save (ours)", "m = clt(); SIZE = nbytes(m)", "formats.save(m, tmp + '/x')", 0.0),
+    ("CLT load (ours)", _saved("clt()", "nnsight_lorsa", "/x"), "m = formats.load(tmp + '/x')", 1.0),
+    ("CLT save (circuit_tracer)", "m = clt(); SIZE = nbytes(m)",
+     "formats.save(m, tmp + '/x', format='circuit_tracer', **CT)", 0.0),
+    ("CLT load (circuit_tracer)", _saved("clt()", "circuit_tracer", "/x", **{
+        "feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}),
+     "m = formats.load(tmp + '/x', format='circuit_tracer')", 1.0),
+    ("CLT load (circuit_tracer) device=meta", _saved("clt()", "circuit_tracer", "/x", **{
+        "feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}),
+     "m = formats.load(tmp + '/x', format='circuit_tracer', device='meta')", 0.0),
+    ("SAE convert sparsify -> saelens", _saved("sae()", "sparsify", "/s"),
+     "formats.save(formats.load(tmp + '/s', d_model=D), tmp + '/s2', format='saelens', "
+     "hook_name='blocks.0.hook_resid_post')", 1.0),
     ("Trainer.folded (SAE, fp32)", _TRAIN, "f = t.folded()", 1.0),
     ("Trainer.folded (SAE, bf16 + fp32 masters)", _TRAIN_BF16, "f = t.folded()", 1.0),
     ("Trainer.save_checkpoint (SAE, fp32)", _TRAIN, "t.save_checkpoint(tmp + '/ck')", 0.0),

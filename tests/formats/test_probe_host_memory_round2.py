@@ -241,10 +241,16 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "load_all, 2 Lorsa layers (ours)": (1.9, 1.01),      # the set + one layer's mapped file
     "load_all, 4 transcoder layers (ours)": (1.7, 1.01),
     "load_all, 4 transcoder layers, dtype=bf16": (1.3, 1.01),
+    "CLT save (ours)": (0.3, 0.01),
+    "CLT load (ours)": (2.8, 1.01),                          # the mapped files + the module, as every load
+    "CLT save (circuit_tracer)": (0.5, 0.01),                # one layer's transposed W_enc at a time
+    "CLT load (circuit_tracer)": (2.8, 1.01),
+    "CLT load (circuit_tracer) device=meta": (0.2, 0.01),
+    "SAE convert sparsify -> saelens": (2.8, 1.01),
     "Trainer.folded (SAE, fp32)": (1.3, 0.01),
     "Trainer.folded (SAE, bf16 + fp32 masters)": (2.9, 0.01),  # the fold on the fp32 masters, then rounded
-    "Trainer.save_checkpoint (SAE, fp32)": (0.4, 0.01),
-    "Trainer.save_checkpoint (SAE, bf16 + fp32 masters)": (0.6, 0.01),
+    "Trainer.save_checkpoint (SAE, fp32)": (0.6, 0.01),
+    "Trainer.save_checkpoint (SAE, bf16 + fp32 masters)": (0.9, 0.01),
     "Trainer.resume (SAE, fp32)": (3.5, 3.1),
     "Trainer.resume (SAE, bf16 + fp32 masters)": (7.5, 7.1),
 }
