@@ -33,7 +33,7 @@ from ..errors import ConfigMismatchError
 from ..formats.hook_sites import check_mlp_hooks, mlp_site_io
 from ..modules.clt import CrossLayerTranscoder
 from .nnsight_internals import hf_module
-from .replacement_set import ReplacementSet, check_flag, site_placement
+from .replacement_set import ReplacementSet, check_flag, check_load_placement, site_placement
 from .splice_chain import SpliceChain
 
 #: the one key of a CLTSet
@@ -130,10 +130,12 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             CheckpointError: no recognisable checkpoint, a malformed one.
             ConfigMismatchError: the checkpoint holds no CLT, or one that does not fit the model.
             ArgumentError: ``offload`` not a bool; a bad ``dtype`` or ``device`` (``formats.load``).
+            PlacementError: a ``device`` this machine lacks, or ``meta`` (before anything is read).
         """
         from ..formats.registry import load
 
         offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
+        check_load_placement(kwargs)
         adapter = get_adapter(model) if adapter is None else adapter
         if kwargs.get("dtype") is None:
             kwargs["dtype"] = site_placement(model, "")[1]

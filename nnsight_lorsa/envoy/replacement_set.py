@@ -32,7 +32,7 @@ from .._placement import (
 )
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ArgumentError, ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError, PlacementError
 from .nnsight_internals import hf_module
 from .splice_chain import SpliceChain, splice_chain
 
@@ -102,6 +102,22 @@ def site_placement(model: Any, path: str) -> tuple[torch.device | None, torch.dt
     return None, None
 
 
+def check_load_placement(kwargs: Mapping[str, Any]) -> None:
+    """A set's ``from_pretrained`` ``device=`` / ``dtype=`` (``kwargs``) checked before anything is read
+    (:func:`~.._placement.check_placement_args`), ``device="meta"`` refused: a set computes with its modules at their
+    sites, and a module on ``meta`` holds no weights (the set would refuse it once loaded, naming the site).
+
+    Raises:
+        ArgumentError: a ``dtype`` other than fp16 / bf16 / fp32 / fp64 or a ``device`` that is not one.
+        PlacementError: a ``device`` this machine lacks, or ``meta``."""
+    device = check_placement_args(kwargs.get("device"), kwargs.get("dtype"), "from_pretrained")
+    if device is not None and device.type == "meta":
+        raise PlacementError("from_pretrained(device='meta'): a set's modules compute at their sites and a module on "
+                             "meta holds no weights; leave device= out (the files are read to the CPU and each "
+                             "module moved to its site's device), or read shapes only with "
+                             "formats.load(..., device='meta')")
+
+
 def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[str, Any], Any], *, format: str,
                noun: str, key_name: str, hint: str = "", **kwargs: Any) -> dict:
     """``{key: module}`` from checkpoints (each through ``formats.load_all``), for ``from_pretrained``.
@@ -121,13 +137,13 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
             ``{key: source}``), two modules for one key.
         ArgumentError: ``offload`` not a bool; a ``dtype`` other than fp16 / bf16 / fp32 / fp64 or a ``device``
             that is not one (before anything is read or downloaded).
-        PlacementError: a ``device`` this machine lacks.
+        PlacementError: a ``device`` this machine lacks, or ``meta`` (:func:`check_load_placement`).
         CheckpointError, UnsupportedArchitectureError: from the readers.
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
     offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
-    check_placement_args(kwargs.get("device"), kwargs.get("dtype"), "from_pretrained")
+    check_load_placement(kwargs)
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
     items = sources.items() if isinstance(sources, Mapping) else [

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,8 @@ from .._atomic import MANIFEST, resolve
 from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
-__all__ = ["checkpoint_name", "load_safetensors", "read_json_object", "read_safetensors_header", "read_yaml_object",
-           "refuse_local_revision", "resolve_checkpoint_dir"]
+__all__ = ["checkpoint_name", "headers_only", "load_safetensors", "read_json_object", "read_safetensors_header",
+           "read_yaml_object", "refuse_local_revision", "resolve_checkpoint_dir"]
 
 
 def resolve_checkpoint_dir(
@@ -190,15 +192,60 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dic
     return shapes, metadata
 
 
+#: set while a ``device="meta"`` load reads its files (:func:`headers_only`)
+_HEADERS_ONLY: ContextVar[bool] = ContextVar("nnsight_lorsa_headers_only", default=False)
+
+#: safetensors' dtype names (the header's ``dtype`` field) -> torch dtypes
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+@contextmanager
+def headers_only() -> Iterator[None]:
+    """Within it, :func:`load_safetensors` reads each file's header only: every tensor of more than one element
+    comes back as an empty ``meta`` tensor of its stored shape and dtype (no tensor bytes read); scalars (a
+    Llamascopium file's dataset-norm factors, which a reader checks and folds) are read. What a ``device="meta"``
+    load reads its files under (:func:`.reader.read_dir`)."""
+    token = _HEADERS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _HEADERS_ONLY.reset(token)
+
+
+def _header_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as :func:`headers_only` gives them (meta, scalars read; a dtype not
+    in ``_SAFETENSORS_DTYPES`` read, so that the reader refuses it as a full load would)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in list(f.keys()):
+            piece = f.get_slice(key)
+            shape, dtype = tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype())
+            numel = 1
+            for s in shape:
+                numel *= s
+            out[key] = f.get_tensor(key) if dtype is None or numel <= 1 else \
+                torch.empty(shape, dtype=dtype, device="meta")
+    return out
+
+
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file, on CPU.
+    """All tensors of a safetensors file, on CPU; under :func:`headers_only`, those of more than one element as
+    empty ``meta`` tensors of their stored shape and dtype, from the header (no tensor bytes read).
 
     Raises:
-        CheckpointError: the file is missing or its tensors cannot be read.
+        CheckpointError: the file is missing or its tensors cannot be read (or, under :func:`headers_only`, its
+            header).
     """
     from safetensors.torch import load_file
 
     require_file(path)
+    if _HEADERS_ONLY.get():
+        with file_errors(path, {Exception: "cannot load tensors ({type}: {e})"}):
+            return _header_tensors(path)
     with file_errors(path, {Exception: "cannot load tensors ({type}: {e})"}):
         tensors = load_file(str(path), device="cpu")
     return tensors

@@ -427,7 +427,8 @@ def parse_config(directory: Path, *, layer: int | None = None, weights_folded: b
 def _check_buffers(
     path: os.PathLike[str], state: dict[str, torch.Tensor], cfg: LorsaConfig, n_ctx: int
 ) -> None:
-    """Shapes of the saved buffers, and their values against the config (layout, base, causality)."""
+    """Shapes of the saved buffers, and their values against the config (layout, base, causality; not on a
+    header-only ``device="meta"`` load, whose buffers hold no values)."""
     ignore = tuple(state["IGNORE"].shape) if "IGNORE" in state else ()
     require(ignore == (), path, f"buffer 'IGNORE' should be a scalar, got shape {ignore}")
     if "mask" in state:
@@ -435,7 +436,8 @@ def _check_buffers(
         require(tuple(mask.shape) == (n_ctx, n_ctx), path,
                 f"buffer 'mask' has shape {tuple(mask.shape)}, {CONFIG_FILE} n_ctx={n_ctx}")
         m = min(n_ctx, _N_CHECK)
-        if not torch.equal(mask[:m, :m].bool(), torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()):
+        causal = torch.ones(m, m, dtype=torch.bool, device=mask.device).tril()
+        if not mask.is_meta and not torch.equal(mask[:m, :m].bool(), causal):  # meta: header-only, no values
             raise UnsupportedArchitectureError(
                 f"{path}: buffer 'mask' (tensor key 'mask') is not the plain causal mask "
                 "(local/windowed attention is not supported)"
@@ -451,7 +453,7 @@ def _check_buffers(
     m = min(n_ctx, _N_CHECK)
     cos, sin = rotary_cos_sin(cfg.rotary, torch.arange(m, device="cpu"))
     for key, ours in (("rotary_cos", cos), ("rotary_sin", sin)):
-        if key in state:
+        if key in state and not state[key].is_meta:  # meta: a header-only load (device="meta"), no values
             err = (state[key][:m].float() - ours).abs().max().item()
             # bf16 storage ~4e-3; a wrong layout/base/scaling is O(1)
             require(err <= 1e-2, path, f"buffer {key!r} disagrees with {CONFIG_FILE}'s RoPE settings (max |diff| "

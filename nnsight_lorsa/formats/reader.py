@@ -7,6 +7,7 @@ hub repo id and runs the three steps; the registry (:mod:`.registry`) picks the 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import inspect
 import os
@@ -20,7 +21,7 @@ import torch
 from .._atomic import check, manifest_of
 from .._placement import check_placement_args
 from ..errors import ArgumentError
-from .files import resolve_checkpoint_dir
+from .files import headers_only, resolve_checkpoint_dir
 from .validate import build_module
 
 __all__ = ["Parsed", "Reader", "hub_configs", "hub_weights", "read", "read_dir"]
@@ -120,6 +121,11 @@ def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = 
     directory) gets the manifest's. The manifest is read before the steps and the files checked
     against it after them, so a save swapped in while they ran is refused, not read as a mix.
 
+    ``device="meta"`` (shapes and dtypes, no values) reads the tensor files' headers only
+    (:func:`.files.headers_only`: no tensor bytes; the value checks — NaN/inf, a Llamascopium mask's and rotary
+    tables' values — are skipped, names, shapes, dtypes and configs checked as for any load) and checks the
+    manifest's sizes, not its hashes (which would read every byte).
+
     Raises:
         ArgumentError: (a ``TypeError``) an option ``reader.parse_config`` does not take.
         CheckpointError: a file listed in ``checksums.json`` is missing, truncated or altered (named).
@@ -131,10 +137,12 @@ def read_dir(reader: Reader, path: Path, *, device: torch.device | str | None = 
                             f"(reading {os.fspath(path)})")
     entries = manifest_of(path)
     config = reader.parse_config(path, **options)
-    state = reader.load_weights(path, config)
+    meta = device is not None and torch.device(device).type == "meta"
+    with headers_only() if meta else contextlib.nullcontext():
+        state = reader.load_weights(path, config)
     module = reader.build(config, state, device=device, dtype=dtype)
     if entries is not None:
-        check(path, entries)
+        check(path, entries, hashes=not meta)
     return module
 
 
