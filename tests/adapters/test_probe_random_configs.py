@@ -34,6 +34,7 @@ from helpers import (
     relative,
     unembed,
 )
+from hypothesis import event
 from hypothesis import strategies as st
 
 from nnsight_lorsa import Lorsa, LorsaConfig, ReplacementModel, get_adapter, load, save
@@ -58,6 +59,12 @@ def build(drawn, seed: int, attn: str = "eager"):
     family, cfg = drawn
     hf = drawn_hf_model(cfg, seed, "eager" if family == "gemma2" else attn)
     adapter = get_adapter(hf)
+    window = getattr(cfg, "sliding_window", None)
+    event(f"{family}{' refused' if partial_rotary_refused(cfg) else ''}")
+    event(f"GQA {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads}/{cfg.num_attention_heads}, "
+          f"head_dim {'own' if adapter.head_dim * adapter.n_heads != adapter.d_model else 'd/n'}, "
+          f"window {'none' if not window else '<= 8' if window <= 8 else '> 8'}, "
+          f"d_model {'odd' if adapter.d_model % 2 else 'even'}")  # --hypothesis-show-statistics: what was drawn
     if partial_rotary_refused(cfg):
         with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor"):
             adapter.mhsa_weights(hf, 0)
@@ -194,6 +201,40 @@ def test_a_lorsa_from_the_mhsa_has_its_patterns_on_drawn_models(drawn, seed, lay
     check_patterns(drawn, seed, layer, n)
 
 
+def check_mhsa_recompute(drawn, seed: int, n: int, attn_impl: str) -> None:
+    """``mhsa_forward`` of ``mhsa_weights`` (the frozen MHSA of attribution, QK tracing, head analysis) on each
+    layer's captured input equals that attention module's own output (windows biting, soft-caps, any head layout)."""
+    from nnsight_lorsa.adapters.base import mhsa_forward
+
+    built = build(drawn, seed, attn_impl)
+    if built is None:
+        return
+    family, hf, _, adapter = built
+    seen: dict[int, tuple] = {}
+
+    def capture(m, a, k, out, layer):  # type: ignore[no-untyped-def]
+        x = adapter.attention_input(a, k)
+        seen[layer] = (x, adapter.attention_positions(a, k, x), adapter.attention_output(out))
+    handles = [adapter.attention_module(hf, i).register_forward_hook(
+        lambda m, a, k, out, i=i: capture(m, a, k, out, i), with_kwargs=True) for i in range(adapter.n_layers)]
+    try:
+        with torch.no_grad():
+            hf(prompt(n, seed))
+    finally:
+        for h in handles:
+            h.remove()
+    for layer, (x, pos, out) in seen.items():
+        with torch.no_grad():
+            got = mhsa_forward(adapter.mhsa_weights(hf, layer), x, pos)
+        assert relative(got, out) < 1e-5, (family, drawn[1], layer, relative(got, out))
+
+
+@generated(3, 300, drawn=drawn_configs(), seed=st.integers(0, 2 ** 16), n=st.integers(1, 30),
+           attn=st.sampled_from(["eager", "sdpa"]))
+def test_the_frozen_mhsa_is_the_attention_on_drawn_models(drawn, seed, n, attn):
+    check_mhsa_recompute(drawn, seed, n, attn)
+
+
 # ---- 4: attribution ------------------------------------------------------------------------------------------------
 
 def check_attribution(drawn, seed: int, layer_pick: int, n: int, budget: int | None, attn: str = "eager") -> None:
@@ -233,6 +274,51 @@ def check_attribution(drawn, seed: int, layer_pick: int, n: int, budget: int | N
            n=st.integers(2, 9), budget=st.sampled_from([None, 4, 16]), attn=st.sampled_from(["eager", "sdpa"]))
 def test_attribution_rows_sum_on_drawn_models(drawn, seed, layer, n, budget, attn):
     check_attribution(drawn, seed, layer, n, budget, attn)
+
+
+def check_qk(drawn, seed: int, layer_pick: int, n: int, head_pick: int, q_pick: int, k_pick: int) -> None:
+    """QK attribution of a drawn Lorsa head: the score is the Lorsa's own ``q·k / scale`` on the model's captured
+    attention input (fp64), and the node pairs sum to it."""
+    from nnsight_lorsa.attribution.qk import qk_attribution
+
+    built = build(drawn, seed)
+    if built is None:
+        return
+    family, hf, model, adapter = built
+    if getattr(hf.config, "reorder_and_upcast_attn", False):  # transformers' own forward refuses fp64 there
+        return
+    layer = layer_pick % adapter.n_layers
+    lorsas, tcs, _ = modules_for(hf, adapter, layer, seed)
+    hf.double()
+    for m in [*lorsas.values(), *tcs.values()]:
+        m.double()
+    ids = prompt(n, seed)[0]
+    lor = lorsas[layer]
+    head, qpos = head_pick % lor.cfg.n_ov_heads, q_pick % n
+    kpos = k_pick % (qpos + 1)
+    r = qk_attribution(ReplacementModel(model, lorsas=lorsas, transcoders=tcs), ids, layer=layer, head=head,
+                       query_pos=qpos, key_pos=kpos)
+    seen = {}
+    handle = adapter.attention_module(hf, layer).register_forward_pre_hook(
+        lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            hf(ids[None])
+    finally:
+        handle.remove()
+    x = adapter.attention_input(seen["a"], seen["k"])
+    with torch.no_grad():
+        q, k = lor.qk(x, adapter.attention_positions(seen["a"], seen["k"], x))
+    g = head // lor.cfg.group_size
+    ref = float(q[0, g, qpos] @ k[0, g, kpos]) / lor.cfg.scale
+    assert abs(r.score - ref) < 1e-6 * max(1.0, abs(ref)), (family, drawn[1], r.score, ref)
+    assert abs(float(r.pairs.sum()) - r.score) < 1e-9 * max(1.0, float(r.pairs.abs().sum())), (family, drawn[1])
+
+
+@generated(2, 100, drawn=drawn_configs(), seed=st.integers(0, 2 ** 16), layer=st.integers(0, 3), n=st.integers(1, 9),
+           head=st.integers(0, 10 ** 6), qpos=st.integers(0, 10 ** 6), kpos=st.integers(0, 10 ** 6))
+def test_qk_attribution_sums_to_the_score_on_drawn_models(drawn, seed, layer, n, head, qpos, kpos):
+    check_qk(drawn, seed, layer, n, head, qpos, kpos)
 
 
 # ---- 5: save -> load -----------------------------------------------------------------------------------------------
