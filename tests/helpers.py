@@ -709,7 +709,7 @@ def drawn_configs(families: tuple[str, ...] = DRAWN_FAMILIES):  # type: ignore[n
         else:
             # transformers validates hidden_size % num_attention_heads (also with a head_dim of its own)
             d = n_heads * draw(st.integers(max(1, -(-24 // n_heads)), 96 // n_heads))
-            head_dim = draw(st.sampled_from([4, 6, 8, 12, 16, 24]))
+            head_dim = draw(st.sampled_from([4, 6, 8, 12, 16, 24, 32]))  # 32: above a d_model of 24–31 too
             if d % n_heads == 0 and (d // n_heads) % 2 == 0 and draw(st.booleans()):
                 head_dim = d // n_heads  # the implicit head size
         own_head_dim = {"head_dim": head_dim}
