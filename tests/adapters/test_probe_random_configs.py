@@ -17,6 +17,8 @@ The default run takes a few fixed draws (``generated``: a handful of examples); 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import (
@@ -55,10 +57,8 @@ def sae_site(adapter, layer: int) -> str:
 
 def event(what: str) -> None:
     """``hypothesis.event`` inside a generated test (``--hypothesis-show-statistics``), nothing in a fixed one."""
-    try:
+    with contextlib.suppress(InvalidArgument):
         hypothesis_event(what)
-    except InvalidArgument:
-        pass
 
 
 def build(drawn, seed: int, attn: str = "eager"):
