@@ -319,7 +319,8 @@ def _principal_directions(coeffs: torch.Tensor, basis: torch.Tensor, n: int) -> 
     ``values = coeffs @ basis`` (``coeffs (tokens, e)``, ``basis (e, d)``: one MHSA head's values or outputs, of
     rank ``≤ e = d_head``; fewer than ``n`` rows where there are fewer tokens, or ``d < e``), each signed so
     that its largest-magnitude entry is positive: an SVD's signs are arbitrary and differ between LAPACK (CPU)
-    and cuSOLVER (CUDA), and the init mixes these rows with random coefficients, so without a fixed sign the same data and draws would give a different Lorsa on each device.
+    and cuSOLVER (CUDA), and the init mixes these rows with random coefficients, so without a fixed sign the
+    same data and draws would give a different Lorsa on each device.
 
     Computed in float64 without forming ``values``: with ``basisᵀ = Q R`` (thin QR, ``Q (d, e)`` orthonormal),
     ``values = (coeffs Rᵀ) Qᵀ``, so its right singular vectors are ``Q`` times those of the ``(tokens, e)``
