@@ -665,3 +665,148 @@ def generated(examples: int, sweep: int, **strategies):
         fn.__globals__[name] = pytest.mark.slow(settings(max_examples=sweep, **PROBE_SETTINGS)(given(**strategies)(fn)))
         return settings(max_examples=examples, **PROBE_SETTINGS)(given(**strategies)(fn))
     return wrap
+
+
+# ---- drawn model configurations (the random-configs probe; any other test may draw models from here) -------------
+
+#: every adapter family (Mistral rides Llama's adapter) by its short name here
+DRAWN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "neox", "gpt2", "gemma", "gemma2", "gemma3", "olmo2", "phi3")
+_TOKENS = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def drawn_configs(families: tuple[str, ...] = DRAWN_FAMILIES):  # type: ignore[no-untyped-def]
+    """A hypothesis strategy of ``(family, transformers config)``: a tiny random model of ``families`` with drawn
+    shapes — ``d_model`` 24–96 odd or even (GPT-2 / GPT-NeoX: ``n_heads · head_dim``, their head size fixed by it),
+    1–8 heads, KV heads among the divisors (MHA, GQA, MQA), a ``head_dim`` of its own where the family reads
+    ``config.head_dim``, 1–4 layers, intermediate sizes, ``rope_theta``, biases, tied embeddings, partial rotary
+    (GPT-NeoX, Phi-3: odd rotary sizes too, which :func:`partial_rotary_refused` says the adapter refuses; a
+    ``partial_rotary_factor`` the other families' attention ignores), GPT-NeoX's parallel residual, GPT-2's scale
+    options (inverse-layer, none) and reordered upcast, sliding windows of 2–24 tokens (Mistral, Phi-3 every layer;
+    Qwen2/3 ``max_window_layers``; Gemma-2/3 ``layer_types`` drawn), Gemma-2 soft-caps
+    and ``query_pre_attn_scalar``. Configs transformers refuses are filtered out (``assume``)."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from hypothesis import assume
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_config(draw):  # type: ignore[no-untyped-def]
+        family = draw(st.sampled_from(families))
+        n_layers = draw(st.integers(1, 4))
+        n_heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+        n_kv = draw(st.sampled_from(_divisors(n_heads)))
+        theta = draw(st.sampled_from([10000.0, 500000.0, 160.0, 1e6]))
+        inter = draw(st.integers(8, 96))
+        tie = draw(st.booleans())
+        window = draw(st.sampled_from([2, 3, 5, 8, 24]))
+        common = {"num_hidden_layers": n_layers, "vocab_size": VOCAB, "tie_word_embeddings": tie}
+        if family in ("gpt2", "neox"):
+            head_dim = draw(st.sampled_from([4, 6, 8, 10, 12, 16]))
+            d = n_heads * head_dim
+        else:
+            # transformers validates hidden_size % num_attention_heads (also with a head_dim of its own)
+            d = n_heads * draw(st.integers(max(1, -(-24 // n_heads)), 96 // n_heads))
+            head_dim = draw(st.sampled_from([4, 6, 8, 12, 16, 24, 32]))  # 32: above a d_model of 24–31 too
+            if d % n_heads == 0 and (d // n_heads) % 2 == 0 and draw(st.booleans()):
+                head_dim = d // n_heads  # the implicit head size
+        own_head_dim = {"head_dim": head_dim}
+        llama = {"hidden_size": d, "num_attention_heads": n_heads, "num_key_value_heads": n_kv,
+                 "intermediate_size": inter, "max_position_embeddings": 64, **common}
+        rope = {"rope_type": "default", "rope_theta": theta}
+        if family not in ("gpt2", "neox", "phi3", "gemma3") and draw(st.booleans()):
+            rope["partial_rotary_factor"] = 0.5  # read by transformers' config, ignored by these families' attention
+        try:
+            if family == "gpt2":
+                cfg = transformers.GPT2Config(
+                    n_embd=d, n_head=n_heads, n_layer=n_layers, vocab_size=VOCAB, n_positions=64,
+                    n_inner=draw(st.sampled_from([None, inter])), tie_word_embeddings=tie,
+                    scale_attn_by_inverse_layer_idx=draw(st.booleans()), scale_attn_weights=draw(st.booleans()),
+                    reorder_and_upcast_attn=draw(st.booleans()))
+            elif family == "neox":  # an odd int(head_dim * pct) is drawn too: the adapter must refuse it, named
+                pct = draw(st.sampled_from([0.25, 0.5, 1.0]))
+                cfg = transformers.GPTNeoXConfig(
+                    hidden_size=d, num_attention_heads=n_heads, intermediate_size=inter, max_position_embeddings=64,
+                    rope_parameters={**rope, "partial_rotary_factor": pct}, attention_bias=draw(st.booleans()),
+                    use_parallel_residual=draw(st.booleans()), **common)
+            elif family == "phi3":
+                pct = draw(st.sampled_from([0.5, 0.75, 1.0]))
+                cfg = transformers.Phi3Config(**llama, **own_head_dim, sliding_window=draw(st.sampled_from([None,
+                                              window])), rope_parameters={**rope, "partial_rotary_factor": pct},
+                                              **_TOKENS)
+            elif family in ("llama", "mistral", "olmo2", "gemma"):
+                cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                       "olmo2": transformers.Olmo2Config, "gemma": transformers.GemmaConfig}[family]
+                extra: dict = {"attention_bias": draw(st.booleans())}
+                if family == "llama":
+                    extra["mlp_bias"] = draw(st.booleans())
+                if family == "mistral":
+                    extra = {"sliding_window": draw(st.sampled_from([None, window]))}
+                cfg = cls(**llama, **own_head_dim, **extra, rope_parameters=rope, **_TOKENS)
+            elif family in ("qwen2", "qwen3"):
+                sliding = draw(st.booleans())
+                extra = {"attention_bias": draw(st.booleans())} if family == "qwen3" else {}
+                cls = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+                cfg = cls(**llama, **own_head_dim, **extra, rope_parameters=rope, use_sliding_window=sliding,
+                          sliding_window=window if sliding else None,
+                          max_window_layers=draw(st.integers(0, n_layers)))
+            else:  # gemma2, gemma3
+                types = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=n_layers,
+                                      max_size=n_layers))
+                extra = {"query_pre_attn_scalar": draw(st.sampled_from([head_dim, 24, 7])),
+                         "attention_bias": draw(st.booleans()), "sliding_window": window, "layer_types": types,
+                         "initializer_range": 0.1}
+                if family == "gemma2":
+                    cfg = transformers.Gemma2Config(
+                        **llama, **own_head_dim, **extra, rope_parameters=rope, **_TOKENS,
+                        attn_logit_softcapping=draw(st.sampled_from([None, 1.5, 50.0])),
+                        final_logit_softcapping=draw(st.sampled_from([None, 3.0])))
+                else:
+                    local = draw(st.sampled_from([10000.0, 160.0]))
+                    kind = draw(st.sampled_from(["default", "linear"]))
+                    cfg = transformers.Gemma3TextConfig(
+                        **llama, **own_head_dim, **extra, **_TOKENS, rope_parameters={
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                            "full_attention": {"rope_type": kind, "rope_theta": theta,
+                                               **({"factor": 8.0} if kind == "linear" else {})}})
+        except (ValueError, TypeError, StrictDataclassClassValidationError) as e:  # transformers' own validation
+            assume(False)
+            raise AssertionError from e  # pragma: no cover - assume(False) raises
+        return family, cfg
+
+    return draw_config()
+
+
+def partial_rotary_refused(cfg: transformers.PretrainedConfig) -> bool:
+    """Whether a drawn GPT-NeoX / Phi-3 config rotates an odd or empty ``int(head_dim * partial_rotary_factor)``
+    (refused by the adapters with ``UnsupportedArchitectureError``, naming ``partial_rotary_factor``)."""
+    if cfg.model_type not in ("gpt_neox", "phi3"):
+        return False
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if cfg.model_type == "gpt_neox":
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rotary = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    return rotary <= 0 or rotary % 2 == 1
+
+
+@torch.no_grad()
+def drawn_hf_model(cfg: transformers.PretrainedConfig, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
+    """The model of a drawn config with random weights, biases and norm gains perturbed as :func:`tiny_hf_model`'s."""
+    torch.manual_seed(seed)
+    cfg._attn_implementation = attn
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name or "ln" in name.split(".")[-2:][0]:
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def nnsight_of(hf: torch.nn.Module, device: str | torch.device = "cpu"):  # type: ignore[no-untyped-def]
+    """The nnsight ``TransformersModel`` around a ready Hugging Face model (as :func:`tiny_nnsight` wraps)."""
+    from nnsight import TransformersModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformersModel(hf, task="text-generation", tokenizer=tiny_tokenizer(), device=device)

@@ -66,6 +66,25 @@ def check_rope_read(config: Any, transformers_major: int | None = None) -> None:
             "Add the same settings as 'rope_scaling' and 'rope_theta' to config.json, or install transformers>=5")
 
 
+def partial_rotary_dim(adapter: Any, fraction: float) -> int:
+    """``int(head_dim * fraction)``: the dims of each head that a partial-rotary family (GPT-NeoX, Phi-3) rotates.
+
+    Raises:
+        UnsupportedArchitectureError: that size is odd (transformers' rotary module then rotates the next even
+            number of dims with frequencies ``base ** (-2i / odd)``, which no :class:`RotaryConfig` describes) or zero
+            (naming the family, ``head_dim`` and ``partial_rotary_factor``); was a ``CheckpointError`` about
+            ``rotary_dim`` from the config's constructor, naming no config field.
+    """
+    head_dim = int(adapter.head_dim)
+    rotary_dim = int(head_dim * fraction)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise UnsupportedArchitectureError(
+            f"{adapter.family}: partial_rotary_factor={fraction} of head_dim={head_dim} rotates int({head_dim} * "
+            f"{fraction}) = {rotary_dim} dims per head; only an even, non-zero number of rotary dims is supported "
+            "(the model's rotary module rounds an odd one up with other frequencies)")
+    return rotary_dim
+
+
 @dataclass(repr=False)
 class MHSAWeights(FieldsRepr):
     """One layer's multi-head self-attention in head-major form.

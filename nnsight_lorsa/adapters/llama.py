@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..modules.rotary import RotaryConfig
-from .base import ArchitectureAdapter, MHSAWeights
+from .base import ArchitectureAdapter, MHSAWeights, partial_rotary_dim
 
 #: families with one sliding window on every layer (``config.sliding_window``, no ``layer_types``)
 EVERY_LAYER_WINDOW = ("mistral", "phi3")
@@ -62,12 +62,23 @@ class LlamaAdapter(ArchitectureAdapter):
             return int(window) if self.check_layer(layer) >= int(getattr(c, "max_window_layers", 0)) else None
         return None
 
+    #: whether the family's attention rotates only the first ``partial_rotary_factor`` of each head (Phi-3); the
+    #: Llama, Mistral, Qwen2/3, Gemma and OLMo-2 models of transformers rotate the whole head whatever the config says
+    partial_rotary: ClassVar[bool] = False
+
     def rotary_config(self, layer: int | None = None) -> RotaryConfig:
-        """Half-split RoPE on the first ``int(head_dim * partial_rotary_factor)`` dims of each head: the factor from
-        ``rope_parameters`` (transformers 5), else ``config.partial_rotary_factor`` (transformers 4's Phi-3), else 1."""
+        """Half-split RoPE on each whole head, or (:attr:`partial_rotary`, Phi-3) on its first
+        ``int(head_dim * partial_rotary_factor)`` dims: the factor from ``rope_parameters`` (transformers 5), else
+        ``config.partial_rotary_factor`` (transformers 4's Phi-3), else 1.
+
+        Raises:
+            UnsupportedArchitectureError: a partial rotary size that is odd or zero (named,
+                :func:`~.base.partial_rotary_dim`)."""
+        if not self.partial_rotary:
+            return self._rotary_from_params(self.head_dim, self.head_dim, interleaved=False)
         fallback = getattr(self.config, "partial_rotary_factor", None) or 1.0
         partial = float(self.rope_parameters(self.config).get("partial_rotary_factor", fallback))
-        return self._rotary_from_params(self.head_dim, int(self.head_dim * partial), interleaved=False)
+        return self._rotary_from_params(self.head_dim, partial_rotary_dim(self, partial), interleaved=False)
 
     def qkv_projections(self, attn: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """``[(weight, bias)]`` of the query, key and value projections (``q_proj``, ``k_proj``, ``v_proj``; bias

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..errors import UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig
-from .base import ArchitectureAdapter, MHSAWeights
+from .base import ArchitectureAdapter, MHSAWeights, partial_rotary_dim
 
 
 def _transformers_major() -> int:
@@ -84,8 +84,11 @@ class GPTNeoXAdapter(ArchitectureAdapter):
         return 1.0
 
     def rotary_config(self, layer: int | None = None) -> RotaryConfig:
-        """Half-split partial RoPE on the first ``int(head_dim * rotary_fraction())`` dims of each head."""
-        rotary_dim = int(self.head_dim * self.rotary_fraction())
+        """Half-split partial RoPE on the first ``int(head_dim * rotary_fraction())`` dims of each head.
+
+        Raises:
+            UnsupportedArchitectureError: that size odd or zero (named, :func:`~.base.partial_rotary_dim`)."""
+        rotary_dim = partial_rotary_dim(self, self.rotary_fraction())
         cfg = self._rotary_from_params(self.head_dim, rotary_dim, interleaved=False)
         params = getattr(self.config, "rope_parameters", None)
         has_theta = isinstance(params, dict) and "rope_theta" in params

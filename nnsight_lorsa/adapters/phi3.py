@@ -29,6 +29,7 @@ from .llama import LlamaAdapter
 class Phi3Adapter(LlamaAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("phi3",)
     family: ClassVar[str] = "phi3"
+    partial_rotary: ClassVar[bool] = True
 
     def qkv_projections(self, attn: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The query, key and value rows of the fused ``qkv_proj`` (``[q | k | v]``), with its bias's slices."""

@@ -315,11 +315,12 @@ class HeadBalance:
 
 
 def _principal_directions(coeffs: torch.Tensor, basis: torch.Tensor, n: int) -> torch.Tensor:
-    """The top ``n`` right singular vectors ``(n, d)`` of the demeaned rows of ``values = coeffs @ basis``
-    (``coeffs (tokens, e)``, ``basis (e, d)``: one MHSA head's values or outputs, of rank ``≤ e = d_head``),
-    each signed so that its largest-magnitude entry is positive: an SVD's signs are arbitrary and differ
-    between LAPACK (CPU) and cuSOLVER (CUDA), and the init mixes these rows with random coefficients,
-    so without a fixed sign the same data and draws would give a different Lorsa on each device.
+    """The top ``n`` right singular vectors ``(min(n, tokens, e, d), d)`` of the demeaned rows of
+    ``values = coeffs @ basis`` (``coeffs (tokens, e)``, ``basis (e, d)``: one MHSA head's values or outputs, of
+    rank ``≤ e = d_head``; fewer than ``n`` rows where there are fewer tokens, or ``d < e``), each signed so
+    that its largest-magnitude entry is positive: an SVD's signs are arbitrary and differ between LAPACK (CPU)
+    and cuSOLVER (CUDA), and the init mixes these rows with random coefficients, so without a fixed sign the
+    same data and draws would give a different Lorsa on each device.
 
     Computed in float64 without forming ``values``: with ``basisᵀ = Q R`` (thin QR, ``Q (d, e)`` orthonormal),
     ``values = (coeffs Rᵀ) Qᵀ``, so its right singular vectors are ``Q`` times those of the ``(tokens, e)``
@@ -355,15 +356,18 @@ def _init_ov(lorsa: Lorsa, mhsa: MHSAWeights, x: torch.Tensor, loss_mask: torch.
         W_O = mhsa.W_O[m].to(where, torch.float32) * s_out               # writes y·s_out
         ov = W_V @ W_O                                                   # (d_model, d_model)
         c = torch.randn(per_head, cfg.d_qk_head, generator=generator, device=gen_device).to(where)
+        # the basis has min(d_head, counted tokens, d_model) rows: a first batch with fewer counted tokens than
+        # d_head, or d_head > d_model, has fewer principal directions (c @ basis was a bare shape RuntimeError):
+        # combine those (c's first columns: the same draws, the data's whole span)
         if mode == "value_svd":
             basis = _principal_directions(xf @ W_V, W_V.T, cfg.d_qk_head)    # of x W_V W_Vᵀ
-            w_v = c @ basis
+            w_v = c[:, :basis.shape[0]] @ basis
             w_o = w_v @ ov
         else:  # output_svd: the head's outputs A^m (x W_V^m) W_O^m, A^m from the copied QK head
             pattern = lorsa.attention_pattern(x, [m * rep], positions, attn_mask)[:, 0].float()   # (b, s, s)
             heads = pattern @ (x.float() @ W_V)                 # (b, s, d_head): the head's output is heads @ W_O
             basis = _principal_directions(heads[loss_mask], W_O, cfg.d_qk_head)
-            w_o = c @ basis
+            w_o = c[:, :basis.shape[0]] @ basis
             w_v = w_o @ ov.T
         rows = slice(m * per_head, (m + 1) * per_head)
         lorsa.W_V[rows].copy_(w_v / w_v.norm(dim=1, keepdim=True).clamp_min(1e-12))
