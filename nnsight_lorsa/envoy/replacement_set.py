@@ -455,7 +455,9 @@ class ReplacementSet(Generic[K, M]):
         (docs/attribution.md, "Offloaded replacement modules"). Results are the same as without.
         Setting it moves every module (to the host, or back to its site's device); until it is set, each
         module is as it is marked (a copy of an offloaded module is offloaded), and this reads True when
-        every module is.
+        every module is. A switch that fails part-way (a CUDA out-of-memory error moving a module to the
+        device, ``Ctrl-C``) is undone before the error propagates: the flag, every module's mark and every
+        module moved so far are as before the switch.
 
         Raises:
             ArgumentError: not a bool. PlacementError: as :meth:`place`.
@@ -466,8 +468,21 @@ class ReplacementSet(Generic[K, M]):
 
     @offload.setter
     def offload(self, value: Any) -> None:  # checked here: a named error, not a type-checker one
-        self._offload = check_flag(value, "offload", type(self).__name__)
-        self.place()
+        flag = check_flag(value, "offload", type(self).__name__)
+        before, marks = self._offload, {k: offloaded(m) for k, m in self._by_key.items()}
+        self._offload = flag
+        reached: list[K] = []
+        try:
+            for k in list(self):
+                reached.append(k)
+                self._place_one(k, self._by_key[k])
+        except BaseException:  # until 2026-11-28 the flag stayed switched with the modules after k not moved
+            self._offload = None  # each module back as it was marked, and moved back (freed memory: it fits)
+            for k in reached:
+                set_offload(self._by_key[k], marks[k])
+                self._place_one(k, self._by_key[k])
+            self._offload = before
+            raise
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""
