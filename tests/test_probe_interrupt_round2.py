@@ -204,3 +204,163 @@ def test_an_interrupted_first_step_initialises_again(point, n):
     skipped the initialisation and trained the half-initialised Lorsa)."""
     test_a_failed_step_of_every_objective_is_as_if_it_never_ran.hypothesis.inner_test(
         kind="lorsa", step=0, point=point, n=n, failure="interrupt")
+
+
+# ------------------------------------------------------------------ 3. writers failing at every boundary
+def _set_sig(d: Path) -> tuple:
+    from test_atomic_writes import _module_sig
+
+    from nnsight_lorsa.formats import load
+
+    return tuple((sub.name, _module_sig(load(sub))) for sub in sorted(d.iterdir()) if sub.is_dir())
+
+
+def _checkpoint_sig(d: Path) -> tuple:
+    from test_atomic_writes import _tensors_sig
+
+    from nnsight_lorsa.training import Trainer
+
+    meta, _, module = Trainer.load_checkpoint(d)
+    return meta["step"], _tensors_sig(module.state_dict())
+
+
+def _file_sig(p: Path) -> bytes:
+    """A file's bytes, but the creation time the Neuronpedia JSON holds."""
+    import re
+
+    return re.sub(rb'"create_time_ms": ?[0-9]+', b"", p.read_bytes())
+
+
+def _trainers() -> tuple:
+    batches = round2_batches("transcoder")
+    old = round2_trainer("transcoder", batches)[0]
+    old.train_step()
+    new = round2_trainer("transcoder", batches)[0]
+    for _ in range(2):
+        new.train_step()
+    return old, new
+
+
+@pytest.fixture(scope="module")
+def all_writers(tmp_path_factory) -> dict:
+    return writers(tmp_path_factory.mktemp("writers"))
+
+
+def writers(root: Path) -> dict:
+    from helpers import attribution_setup
+    from test_atomic_writes import Writer, _writers
+
+    from nnsight_lorsa.attribution import save_neuronpedia
+    from nnsight_lorsa.viz import render_html
+
+    out = dict(_writers(root))
+    model, hf, lorsas, _ = attribution_setup("llama")
+    from helpers import make_lorsa
+
+    from nnsight_lorsa import get_adapter
+
+    adapter = get_adapter(hf)
+    old_set = {layer: make_lorsa(hf, adapter, layer, seed=layer) for layer in range(3)}
+    new_set = {layer: make_lorsa(hf, adapter, layer, seed=10 + layer) for layer in range(3)}
+    out["LorsaSet.save"] = Writer("LorsaSet.save", old_set, new_set,
+                                  lambda o, d: LorsaSet(model, o).save(d), _set_sig)
+    old_t, new_t = _trainers()
+    out["Trainer.save_checkpoint"] = Writer("Trainer.save_checkpoint", old_t, new_t,
+                                            lambda t, d: t.save_checkpoint(d), _checkpoint_sig)
+    g_old, g_new = out["Graph.save"].old, out["Graph.save"].new
+    out["save_neuronpedia"] = Writer("save_neuronpedia", g_old, g_new, lambda g, p: save_neuronpedia(g, p),
+                                     _file_sig)
+    out["render_html"] = Writer("render_html", g_old, g_new, lambda g, p: render_html(g, path=p), _file_sig)
+    return out
+
+
+class Injected:
+    """Every boundary of a save (``_atomic._boundary``, a checkpoint's ``checkpoint_io._boundary``) counted; the
+    ``k``-th raises ``WRITE_FAILURES[failure]()`` (``k`` 0: none)."""
+
+    def __init__(self, k: int, failure: str) -> None:
+        self.k, self.failure, self.events = k, failure, []
+
+    def __call__(self, event: str) -> None:
+        self.events.append(event)
+        if len(self.events) == self.k:
+            raise WRITE_FAILURES[self.failure]()
+
+    @contextlib.contextmanager
+    def armed(self):
+        from nnsight_lorsa import _atomic
+        from nnsight_lorsa.training import checkpoint_io
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_atomic, "_boundary", self)
+            mp.setattr(checkpoint_io, "_boundary", self)
+            yield self
+
+
+WRITER_NAMES = ["nnsight_lorsa:Lorsa", "nnsight_lorsa:Transcoder", "saelens:SAE", "sparsify:SAE", "llamascopium:Lorsa",
+                "circuit_tracer:CLT", "circuit_tracer:transcoders", "Graph.save", "save_gates",
+                "write_activation_cache", "LorsaSet.save", "Trainer.save_checkpoint", "save_neuronpedia",
+                "render_html"]
+
+
+def check_writer_failing_at_every_boundary(w, root: Path, name: str, kinds: list[str]) -> None:
+    from nnsight_lorsa.errors import SaveError
+
+    file_like = name in ("save_neuronpedia", "render_html")
+    leaf = "out.json" if file_like else "dir"
+    refs = {}
+    for label in ("old", "new"):
+        if not (label == "old" and w.absent_old):
+            w.write(getattr(w, label), root / f"ref_{name}_{label}" / leaf)
+            refs[label] = w.read(root / f"ref_{name}_{label}" / leaf)
+    counting = Injected(0, "runtime")
+    if not w.absent_old:
+        w.write(w.old, root / f"count_{name}" / leaf)
+    with counting.armed():
+        w.write(w.new, root / f"count_{name}" / leaf)
+    n_events = len(counting.events)
+    assert n_events >= 2, counting.events
+    swapped_at = n_events - counting.events[::-1].index("rename:new")  # the last rename: the new content in
+    for k in range(1, n_events + 1):
+        for failure in kinds:
+            d = root / f"{name}_{k}_{failure}" / leaf
+            if not w.absent_old:
+                w.write(w.old, d)
+            inject = Injected(k, failure)
+            with inject.armed(), pytest.raises(BaseException) as info:
+                w.write(w.new, d)
+            expected = type(WRITE_FAILURES[failure]())
+            assert isinstance(info.value, expected) or (failure == "disk-full" and isinstance(info.value, SaveError)
+                                                       and isinstance(info.value.__cause__, OSError)), \
+                f"{name}: boundary {k} ({inject.events[-1]}) {failure}: {info.value!r}"
+            event = inject.events[-1]
+            renamed = k >= swapped_at
+            if d.exists() or not w.absent_old:
+                got = w.read(d)
+                assert got == refs["new" if renamed else "old"], f"{name}: boundary {k} ({event}) {failure}: a mix"
+            listing = sorted(p.name for p in d.parent.iterdir())
+            assert listing in ([leaf], []), f"{name}: boundary {k} ({event}) {failure}: left {listing}"
+            if not (w.absent_old and renamed):  # (a cache is never written over)
+                w.write(w.new, d)  # the retry
+            assert w.read(d) == refs["new"], f"{name}: the retry after boundary {k} ({event}) {failure}"
+            assert sorted(p.name for p in d.parent.iterdir()) == [leaf]
+
+
+@pytest.mark.parametrize("name", WRITER_NAMES)
+def test_a_writer_failing_at_any_boundary_leaves_old_or_new(name, all_writers, tmp_path_factory):
+    """Every writer (modules in every format, a set, a graph, the Neuronpedia JSON, the graph viewer's page, gates,
+    an activation cache, a training checkpoint) over an existing one, failing in this process at each of its
+    boundaries (half a file written, a file written, the manifest, each rename): the injected exception (an
+    ``OSError`` inside the staging as our ``SaveError``), the path reads exactly as before (or, past the last
+    rename, exactly as after), nothing beside it (no temporary, no ``.old``), and the retried write gives the new
+    content. One failure kind per boundary, in turn; the sweep: every kind at every boundary."""
+    root = tmp_path_factory.mktemp("w")
+    kinds = sorted(WRITE_FAILURES)
+    check_writer_failing_at_every_boundary(all_writers[name], root, name, [kinds[WRITER_NAMES.index(name) % 4]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WRITER_NAMES)
+def test_sweep_a_writer_failing_at_any_boundary_leaves_old_or_new(name, all_writers, tmp_path_factory):
+    check_writer_failing_at_every_boundary(all_writers[name], tmp_path_factory.mktemp("w"), name,
+                                           sorted(WRITE_FAILURES))

@@ -362,13 +362,24 @@ class ReplacementSet(Generic[K, M]):
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write each module to ``directory/<folder(key)>/`` (safetensors + JSON, ``formats.save`` in the
         ``"nnsight_lorsa"`` format); the set's ``from_pretrained`` reads the directory back, each module at
-        its key, on its site's device (the model's dtype unless given ``dtype=``)."""
-        from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
+        its key, on its site's device (the model's dtype unless given ``dtype=``).
 
+        Atomic as a whole (:func:`~.._atomic.atomic_directory`): the folders are written into a staging directory
+        swapped in when all are written, so a failure part-way (``Ctrl-C``, a full disk) leaves the set saved
+        there before, whole (until 2026-11-28 each folder was swapped in on its own: a set interrupted part-way
+        loaded as a mix of the two sets). Entries of ``directory`` the save does not write (a README, folders of
+        keys the set does not hold) are kept.
+
+        Raises:
+            SaveError: an ``OSError`` while writing (disk full, permission); ``directory`` is left as it was.
+            CheckpointError: ``directory`` is a file or the working directory.
+        """
+        from .._atomic import atomic_directory
         from ..formats.registry import save
 
-        for key in self:
-            save(self[key], Path(directory) / self.folder(key))
+        with atomic_directory(directory, manifest=None) as stage:  # each folder has its manifest
+            for key in self:
+                save(self[key], stage.path / self.folder(key))
 
     def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
                     private: bool | None = None, token: str | None = None,
