@@ -303,64 +303,232 @@ WRITER_NAMES = ["nnsight_lorsa:Lorsa", "nnsight_lorsa:Transcoder", "saelens:SAE"
                 "render_html"]
 
 
-def check_writer_failing_at_every_boundary(w, root: Path, name: str, kinds: list[str]) -> None:
-    from nnsight_lorsa.errors import SaveError
-
-    file_like = name in ("save_neuronpedia", "render_html")
-    leaf = "out.json" if file_like else "dir"
-    refs = {}
-    for label in ("old", "new"):
-        if not (label == "old" and w.absent_old):
-            w.write(getattr(w, label), root / f"ref_{name}_{label}" / leaf)
-            refs[label] = w.read(root / f"ref_{name}_{label}" / leaf)
+def writer_events(w, root: Path, name: str) -> tuple[list[str], str]:
+    """The boundary events of ``w`` writing its new content over its old one, and the path's leaf name."""
+    leaf = "out.json" if name in ("save_neuronpedia", "render_html") else "dir"
     counting = Injected(0, "runtime")
     if not w.absent_old:
         w.write(w.old, root / f"count_{name}" / leaf)
     with counting.armed():
         w.write(w.new, root / f"count_{name}" / leaf)
-    n_events = len(counting.events)
-    assert n_events >= 2, counting.events
-    swapped_at = n_events - counting.events[::-1].index("rename:new")  # the last rename: the new content in
-    for k in range(1, n_events + 1):
-        for failure in kinds:
-            d = root / f"{name}_{k}_{failure}" / leaf
-            if not w.absent_old:
-                w.write(w.old, d)
-            inject = Injected(k, failure)
-            with inject.armed(), pytest.raises(BaseException) as info:
-                w.write(w.new, d)
-            expected = type(WRITE_FAILURES[failure]())
-            assert isinstance(info.value, expected) or (failure == "disk-full" and isinstance(info.value, SaveError)
-                                                       and isinstance(info.value.__cause__, OSError)), \
-                f"{name}: boundary {k} ({inject.events[-1]}) {failure}: {info.value!r}"
-            event = inject.events[-1]
-            renamed = k >= swapped_at
-            if d.exists() or not w.absent_old:
-                got = w.read(d)
-                assert got == refs["new" if renamed else "old"], f"{name}: boundary {k} ({event}) {failure}: a mix"
-            listing = sorted(p.name for p in d.parent.iterdir())
-            assert listing in ([leaf], []), f"{name}: boundary {k} ({event}) {failure}: left {listing}"
-            if not (w.absent_old and renamed):  # (a cache is never written over)
-                w.write(w.new, d)  # the retry
-            assert w.read(d) == refs["new"], f"{name}: the retry after boundary {k} ({event}) {failure}"
-            assert sorted(p.name for p in d.parent.iterdir()) == [leaf]
+    assert len(counting.events) >= 2, counting.events
+    return counting.events, leaf
 
 
-@pytest.mark.parametrize("name", WRITER_NAMES)
-def test_a_writer_failing_at_any_boundary_leaves_old_or_new(name, all_writers, tmp_path_factory):
-    """Every writer (modules in every format, a set, a graph, the Neuronpedia JSON, the graph viewer's page, gates,
-    an activation cache, a training checkpoint) over an existing one, failing in this process at each of its
-    boundaries (half a file written, a file written, the manifest, each rename): the injected exception (an
-    ``OSError`` inside the staging as our ``SaveError``), the path reads exactly as before (or, past the last
-    rename, exactly as after), nothing beside it (no temporary, no ``.old``), and the retried write gives the new
-    content. One failure kind per boundary, in turn; the sweep: every kind at every boundary."""
+def check_writer_failing_at(w, root: Path, name: str, k: int, failure: str) -> None:
+    """``w`` writing its new content over its old one, failing with ``failure`` at boundary ``k``: the injected
+    exception (or our ``SaveError`` of an ``OSError``), the path as before (past the last rename: as after), nothing
+    beside it, and the retried write gives the new content."""
+    from nnsight_lorsa.errors import SaveError
+
+    events, leaf = writer_events(w, root, name) if name not in _EVENTS else _EVENTS[name]
+    _EVENTS[name] = events, leaf
+    swapped_at = len(events) - events[::-1].index("rename:new")  # the last rename: the new content in
+    refs = _REFS.setdefault(name, {})
+    for label in ("old", "new"):
+        if not (label == "old" and w.absent_old) and label not in refs:
+            w.write(getattr(w, label), root / f"ref_{name}_{label}" / leaf)
+            refs[label] = w.read(root / f"ref_{name}_{label}" / leaf)
+    d = root / f"{name}_{k}_{failure}" / leaf
+    if not w.absent_old:
+        w.write(w.old, d)
+    inject = Injected(k, failure)
+    with inject.armed(), pytest.raises(BaseException) as info:
+        w.write(w.new, d)
+    expected = type(WRITE_FAILURES[failure]())
+    event = inject.events[-1]
+    assert isinstance(info.value, expected) or (failure == "disk-full" and isinstance(info.value, SaveError)
+                                               and isinstance(info.value.__cause__, OSError)), \
+        f"{name}: boundary {k} ({event}) {failure}: {info.value!r}"
+    renamed = k >= swapped_at
+    if d.exists() or not w.absent_old:
+        assert w.read(d) == refs["new" if renamed else "old"], f"{name}: boundary {k} ({event}) {failure}: a mix"
+    listing = sorted(p.name for p in d.parent.iterdir())
+    assert listing in ([leaf], []), f"{name}: boundary {k} ({event}) {failure}: left {listing}"
+    if not (w.absent_old and renamed):  # (a cache is never written over)
+        w.write(w.new, d)  # the retry
+    assert w.read(d) == refs["new"], f"{name}: the retry after boundary {k} ({event}) {failure}"
+    assert sorted(p.name for p in d.parent.iterdir()) == [leaf]
+
+
+_EVENTS: dict[str, tuple[list[str], str]] = {}
+_REFS: dict[str, dict] = {}
+
+#: (writer, the boundary event, which of its occurrences, failure): the default cases — between two folders of a
+#: set, between the two renames, half a checkpoint file, a single file's temporary
+WRITER_CASES = [("LorsaSet.save", "removed:old", 1, "interrupt"), ("nnsight_lorsa:Lorsa", "rename:old", 1, "disk-full"),
+                ("Trainer.save_checkpoint", "file:optimizer.safetensors", 1, "oom"),
+                ("save_neuronpedia", "file:out.json", 1, "runtime"), ("Graph.save", "rename:new", 1, "interrupt")]
+
+
+@pytest.mark.parametrize(("name", "at", "nth", "failure"), WRITER_CASES)
+def test_a_writer_failing_at_a_boundary_leaves_old_or_new(name, at, nth, failure, all_writers, tmp_path_factory):
+    """Writers over an existing file or directory, failing in this process at a boundary (half a file written, a
+    file written, the manifest, each rename): the injected exception (an ``OSError`` inside the staging as our
+    ``SaveError``), the path reads exactly as before (or, past the last rename, exactly as after), nothing beside it
+    (no temporary, no ``.old``), and the retried write gives the new content. The sweep: every writer (modules in
+    every format, a set, a graph, the Neuronpedia JSON, the graph viewer's page, gates, an activation cache, a
+    training checkpoint), every boundary, every failure kind."""
     root = tmp_path_factory.mktemp("w")
-    kinds = sorted(WRITE_FAILURES)
-    check_writer_failing_at_every_boundary(all_writers[name], root, name, [kinds[WRITER_NAMES.index(name) % 4]])
+    w = all_writers[name]
+    events, _ = writer_events(w, root, name)
+    k = [i + 1 for i, e in enumerate(events) if e == at][nth - 1]
+    check_writer_failing_at(w, root, name, k, failure)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", WRITER_NAMES)
 def test_sweep_a_writer_failing_at_any_boundary_leaves_old_or_new(name, all_writers, tmp_path_factory):
-    check_writer_failing_at_every_boundary(all_writers[name], tmp_path_factory.mktemp("w"), name,
-                                           sorted(WRITE_FAILURES))
+    root = tmp_path_factory.mktemp("w")
+    w = all_writers[name]
+    events, _ = writer_events(w, root, name)
+    for k in range(1, len(events) + 1):
+        for failure in sorted(WRITE_FAILURES):
+            check_writer_failing_at(w, root, name, k, failure)
+
+
+@generated(2, 30, kind=st.sampled_from(["clt", "transcoder", "lorsa"]), k=st.integers(1, 20),
+           failure=st.sampled_from(sorted(WRITE_FAILURES)))
+def test_a_checkpoint_write_that_fails_keeps_the_last_one_and_resumes_bit_exactly(kind, k, failure, tmp_path_factory):
+    """``Trainer.train(checkpoint_every=1)`` whose checkpoint write after step 3 fails at a drawn boundary: the
+    checkpoint left at the path is step 2's (or, past the last rename, step 3's), whole, and a trainer resumed from it
+    trains to the uninterrupted run's state bit for bit."""
+    from nnsight_lorsa.training import Trainer
+
+    d = tmp_path_factory.mktemp("ckpt") / "run"
+    batches = round2_batches(kind)
+    trainer = round2_trainer(kind, batches)[0]
+    trainer.train(2, progress=False, checkpoint_dir=d, checkpoint_every=1)
+    trainer.train_step()
+    events = Injected(0, "runtime")
+    with events.armed():
+        trainer.save_checkpoint(d.with_name("count"))
+    k = 1 + (k - 1) % len(events.events)
+    with Injected(k, failure).armed(), pytest.raises(BaseException):
+        trainer.save_checkpoint(d)
+    assert sorted(p.name for p in d.parent.iterdir()) == ["count", "run"]
+    resumed = Trainer.resume(d, batches.__getitem__)
+    assert resumed.step in (2, 3)
+    while resumed.step < 5:
+        resumed.train_step()
+    straight = straight_run(kind)
+    assert same_state(full_state(resumed), straight) and full_state(resumed)[4:] == straight[4:]
+
+
+# ------------------------------------------------------------------ 4. attribute: offloaded, under max_memory
+def wf_attribute_offloaded(w, max_memory: int | None, **kw):
+    from test_probe_interrupt import IDS
+
+    from nnsight_lorsa.attribution import attribute
+
+    w.rm.lorsas.offload = w.rm.transcoders.offload = True
+    try:
+        return attribute(w.rm, IDS[0], batch_size=16, max_memory=max_memory, **kw)
+    finally:
+        w.rm.lorsas.offload = w.rm.transcoders.offload = False
+
+
+#: a budget that fits a batch of fewer than 16 rows on the tiny Llama (``estimate_memory``: 10.5 MB at 16, 9.9 MB at 4)
+BUDGET = 9_900_000
+ATTRIBUTIONS = {
+    "offload-budget": lambda w: wf_attribute_offloaded(w, BUDGET),
+    "offload-budget-lean-prune": lambda w: wf_attribute_offloaded(w, 11_600_000, memory="lean", prune=(0.8, 0.98)),
+    "offload-qk-fast": lambda w: wf_attribute_offloaded(w, None, memory="fast", qk_heads=2),
+}
+
+
+@functools.cache
+def uninterrupted_attribution(name: str):
+    from test_probe_interrupt import world
+
+    return ATTRIBUTIONS[name](world())
+
+
+def test_the_budget_makes_a_smaller_batch():
+    assert uninterrupted_attribution("offload-budget").meta["batch_size"] < 16
+
+
+@generated(3, 80, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 9),
+           failure=st.sampled_from(sorted(FAILURES)), site=st.sampled_from(["layer0.mlp", "layer1.self_attn",
+                                                                             "layer2.input_layernorm", "lm_head",
+                                                                             "lorsa1", "transcoder0", "transcoder2"]))
+def test_an_interrupted_offloaded_attribution_under_a_budget_reruns_bit_exactly(name, n, failure, site):
+    """``attribute`` with offloaded sets (under ``max_memory``: a smaller batch; pruned; QK heads), the N-th forward
+    of a drawn module failing (the clean pass, the frozen pass, a batch's pass, the ranking's passes): the injected
+    exception, the model and modules as before (``test_probe_interrupt.snapshot``: no hook, no device copy, no
+    attribute left), and the re-run gives the uninterrupted graph bit for bit."""
+    from test_probe_interrupt import check_interrupted, world
+
+    w = world()
+    check_interrupted(w, lambda: ATTRIBUTIONS[name](w), site, n, failure, uninterrupted_attribution(name))
+
+
+@generated(2, 40, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 60),
+           failure=st.sampled_from(sorted(FAILURES)))
+def test_a_failed_copy_in_an_offloaded_attribution_under_a_budget_reruns_bit_exactly(name, n, failure):
+    """The N-th copy of an offloaded module's tensor to the device (``_placement.fetch``, a cloning stand-in on the
+    CPU) fails during ``attribute`` under a budget: every tensor is the host tensor it was, the flag as it was, and
+    the re-run gives the uninterrupted graph."""
+    from nnsight_lorsa import _placement
+    from test_probe_interrupt import world
+
+    w = world()
+    expected = uninterrupted_attribution(name)
+    before = snapshot(w.hf, *w.replacements)
+    calls = [0]
+
+    def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == n:
+            raise FAILURES[failure]()
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_placement, "fetch", fetch)
+        with contextlib.suppress(type(FAILURES[failure]())):
+            ATTRIBUTIONS[name](w)
+    assert snapshot(w.hf, *w.replacements) == before, f"copy {n} of {calls[0]} failed: a module kept copies"
+    assert not w.rm.lorsas.offload and not w.rm.transcoders.offload
+    assert same(ATTRIBUTIONS[name](w), expected)
+
+
+# ------------------------------------------------------------------ 5. generate with replacements
+def generate_with(w, ids: torch.Tensor, offload: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``model.generate`` of 4 tokens with the Lorsa and the transcoders spliced in; the tokens and each
+    step's last logits."""
+    import nnsight
+    from test_probe_interrupt import unembed
+
+    w.rm.lorsas.offload = w.rm.transcoders.offload = offload
+    try:
+        with torch.no_grad(), w.model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                               pad_token_id=1) as tracer:
+            w.rm.replace()
+            steps = nnsight.save([])
+            for _ in tracer.iter[:4]:
+                steps.append(unembed(w.model).output[:, -1].clone())
+            out = nnsight.save(tracer.result)
+    finally:
+        w.rm.lorsas.offload = w.rm.transcoders.offload = False
+    return out, torch.stack(list(steps))
+
+
+@functools.cache
+def uninterrupted_generation(offload: bool):
+    from test_probe_interrupt import world
+
+    return generate_with(world(), random_ids(batch=2, seq=6, seed=8), offload)
+
+
+@generated(3, 80, n=st.integers(1, 4), offload=st.booleans(), failure=st.sampled_from(sorted(FAILURES)),
+           site=st.sampled_from(["layer0.mlp", "layer1.self_attn", "layer2.mlp", "lm_head", "lorsa1", "transcoder2"]))
+def test_an_interrupted_generation_generates_the_same_tokens_again(n, offload, failure, site):
+    """``model.generate`` with the Lorsa (its own keys and values of the earlier tokens) and the transcoders spliced
+    in, a drawn module failing at generation step N (its N-th forward: the prompt, then one per token): the
+    injected exception, the model and modules as before, a plain trace as before, and generating again gives the
+    uninterrupted run's tokens and logits bit for bit."""
+    from test_probe_interrupt import check_interrupted, world
+
+    w = world()
+    ids = random_ids(batch=2, seq=6, seed=8)
+    check_interrupted(w, lambda: generate_with(w, ids, offload), site, n, failure, uninterrupted_generation(offload))
