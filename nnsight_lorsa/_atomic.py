@@ -186,8 +186,9 @@ def _carry_over(old: Path, staging: Staging, manifest: str | None, replace: bool
                 size, sha = previous[rel]
                 staging.files[rel] = {"size": size, "sha256": sha}
         return
-    listed = _old_manifest_names(old, manifest) | {manifest}
-    written_tops = {n.split("/", 1)[0] for n in staging.files} | {p.name for p in staging.path.iterdir()} | {manifest}
+    own = {manifest} if manifest is not None else set()
+    listed = _old_manifest_names(old, manifest) | own
+    written_tops = {n.split("/", 1)[0] for n in staging.files} | {p.name for p in staging.path.iterdir()} | own
     for entry in sorted(old.iterdir()):
         if entry.name in written_tops:
             continue
@@ -243,10 +244,11 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str | None 
     docstring); an exception in the block leaves ``directory`` untouched and removes the staging.
 
     Args:
-        manifest: the manifest's file name (None: none written; a set's folders, each with its own). carry: link unrelated entries of the old directory into the
-            new one (training checkpoints: no). replace: the new save replaces every file the old
-            manifest lists (a module, a graph); False: only the files it writes (gates saved beside a
-            model), the others keep their manifest entries. replaceable: ``(old directory) -> bool``; False refuses.
+        manifest: the manifest's file name (None: none written; a set's folders, each with its own). carry: link
+            unrelated entries of the old directory into the new one (training checkpoints: no). replace: the new
+            save replaces every file the old manifest lists (a module, a graph); False: only the files it writes
+            (gates saved beside a model), the others keep their manifest entries. replaceable:
+            ``(old directory) -> bool``; False refuses.
         boundary: called after each step (default: this module's ``_boundary``, looked up at each call).
 
     Raises:

@@ -355,10 +355,9 @@ _EVENTS: dict[str, tuple[list[str], str]] = {}
 _REFS: dict[str, dict] = {}
 
 #: (writer, the boundary event, which of its occurrences, failure): the default cases — between two folders of a
-#: set, between the two renames, half a checkpoint file, a single file's temporary
+#: set, between the two renames, a checkpoint's file
 WRITER_CASES = [("LorsaSet.save", "removed:old", 1, "interrupt"), ("nnsight_lorsa:Lorsa", "rename:old", 1, "disk-full"),
-                ("Trainer.save_checkpoint", "file:optimizer.safetensors", 1, "oom"),
-                ("save_neuronpedia", "file:out.json", 1, "runtime"), ("Graph.save", "rename:new", 1, "interrupt")]
+                ("Trainer.save_checkpoint", "file:optimizer.safetensors", 1, "oom")]
 
 
 @pytest.mark.parametrize(("name", "at", "nth", "failure"), WRITER_CASES)
@@ -404,7 +403,9 @@ def test_a_checkpoint_write_that_fails_keeps_the_last_one_and_resumes_bit_exactl
     with events.armed():
         trainer.save_checkpoint(d.with_name("count"))
     k = 1 + (k - 1) % len(events.events)
-    with Injected(k, failure).armed(), pytest.raises(BaseException):
+    from nnsight_lorsa.errors import SaveError
+
+    with Injected(k, failure).armed(), pytest.raises((type(WRITE_FAILURES[failure]()), SaveError)):
         trainer.save_checkpoint(d)
     assert sorted(p.name for p in d.parent.iterdir()) == ["count", "run"]
     resumed = Trainer.resume(d, batches.__getitem__)
@@ -444,11 +445,12 @@ def uninterrupted_attribution(name: str):
     return ATTRIBUTIONS[name](world())
 
 
+@pytest.mark.slow
 def test_the_budget_makes_a_smaller_batch():
     assert uninterrupted_attribution("offload-budget").meta["batch_size"] < 16
 
 
-@generated(3, 80, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 9),
+@generated(1, 80, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 9),
            failure=st.sampled_from(sorted(FAILURES)), site=st.sampled_from(["layer0.mlp", "layer1.self_attn",
                                                                              "layer2.input_layernorm", "lm_head",
                                                                              "lorsa1", "transcoder0", "transcoder2"]))
@@ -463,14 +465,15 @@ def test_an_interrupted_offloaded_attribution_under_a_budget_reruns_bit_exactly(
     check_interrupted(w, lambda: ATTRIBUTIONS[name](w), site, n, failure, uninterrupted_attribution(name))
 
 
-@generated(2, 40, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 60),
+@generated(1, 40, name=st.sampled_from(sorted(ATTRIBUTIONS)), n=st.integers(1, 60),
            failure=st.sampled_from(sorted(FAILURES)))
 def test_a_failed_copy_in_an_offloaded_attribution_under_a_budget_reruns_bit_exactly(name, n, failure):
     """The N-th copy of an offloaded module's tensor to the device (``_placement.fetch``, a cloning stand-in on the
     CPU) fails during ``attribute`` under a budget: every tensor is the host tensor it was, the flag as it was, and
     the re-run gives the uninterrupted graph."""
-    from nnsight_lorsa import _placement
     from test_probe_interrupt import world
+
+    from nnsight_lorsa import _placement
 
     w = world()
     expected = uninterrupted_attribution(name)
@@ -520,7 +523,7 @@ def uninterrupted_generation(offload: bool):
     return generate_with(world(), random_ids(batch=2, seq=6, seed=8), offload)
 
 
-@generated(3, 80, n=st.integers(1, 4), offload=st.booleans(), failure=st.sampled_from(sorted(FAILURES)),
+@generated(2, 80, n=st.integers(1, 4), offload=st.booleans(), failure=st.sampled_from(sorted(FAILURES)),
            site=st.sampled_from(["layer0.mlp", "layer1.self_attn", "layer2.mlp", "lm_head", "lorsa1", "transcoder2"]))
 def test_an_interrupted_generation_generates_the_same_tokens_again(n, offload, failure, site):
     """``model.generate`` with the Lorsa (its own keys and values of the earlier tokens) and the transcoders spliced

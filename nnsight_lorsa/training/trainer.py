@@ -41,7 +41,6 @@ from ..errors import (
     ConfigMismatchError,
     NonFiniteError,
     RankFailedError,
-    TooFewTokensError,
 )
 from .activations import Batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
