@@ -304,7 +304,10 @@ WRITER_NAMES = ["nnsight_lorsa:Lorsa", "nnsight_lorsa:Transcoder", "saelens:SAE"
 
 
 def writer_events(w, root: Path, name: str) -> tuple[list[str], str]:
-    """The boundary events of ``w`` writing its new content over its old one, and the path's leaf name."""
+    """The boundary events of ``w`` writing its new content over its old one, and the path's leaf name (once per
+    writer)."""
+    if name in _EVENTS:
+        return _EVENTS[name]
     leaf = "out.json" if name in ("save_neuronpedia", "render_html") else "dir"
     counting = Injected(0, "runtime")
     if not w.absent_old:
@@ -312,7 +315,8 @@ def writer_events(w, root: Path, name: str) -> tuple[list[str], str]:
     with counting.armed():
         w.write(w.new, root / f"count_{name}" / leaf)
     assert len(counting.events) >= 2, counting.events
-    return counting.events, leaf
+    _EVENTS[name] = counting.events, leaf
+    return _EVENTS[name]
 
 
 def check_writer_failing_at(w, root: Path, name: str, k: int, failure: str) -> None:
@@ -321,8 +325,7 @@ def check_writer_failing_at(w, root: Path, name: str, k: int, failure: str) -> N
     beside it, and the retried write gives the new content."""
     from nnsight_lorsa.errors import SaveError
 
-    events, leaf = writer_events(w, root, name) if name not in _EVENTS else _EVENTS[name]
-    _EVENTS[name] = events, leaf
+    events, leaf = writer_events(w, root, name)
     swapped_at = len(events) - events[::-1].index("rename:new")  # the last rename: the new content in
     refs = _REFS.setdefault(name, {})
     for label in ("old", "new"):
