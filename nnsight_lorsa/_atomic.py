@@ -140,7 +140,9 @@ class Staging:
                 self.record(name)
 
 
-def _old_manifest_names(d: Path, manifest: str) -> set[str]:
+def _old_manifest_names(d: Path, manifest: str | None) -> set[str]:
+    if manifest is None:
+        return set()
     try:
         files = json.loads((d / manifest).read_text(encoding="utf-8"))["files"]
         return {str(n) for n in files}
@@ -165,13 +167,13 @@ def _link_tree(src: Path, dst: Path) -> None:
         link(str(src), str(dst))
 
 
-def _carry_over(old: Path, staging: Staging, manifest: str, replace: bool) -> None:
+def _carry_over(old: Path, staging: Staging, manifest: str | None, replace: bool) -> None:
     """Link into the staging directory the entries of ``old`` the new save neither writes nor replaces:
     not the old manifest, nor a name the new save wrote, nor (``replace``) a file the old manifest
     lists. Without ``replace`` the old manifest's entries of the files carried over are kept."""
     if not replace:
         try:
-            previous = manifest_of(old, manifest=manifest) or {}
+            previous = (manifest_of(old, manifest=manifest) if manifest is not None else None) or {}
         except CheckpointError:
             previous = {}
         for entry in sorted(old.rglob("*")):
@@ -184,8 +186,9 @@ def _carry_over(old: Path, staging: Staging, manifest: str, replace: bool) -> No
                 size, sha = previous[rel]
                 staging.files[rel] = {"size": size, "sha256": sha}
         return
-    listed = _old_manifest_names(old, manifest) | {manifest}
-    written_tops = {n.split("/", 1)[0] for n in staging.files} | {manifest}
+    own = {manifest} if manifest is not None else set()
+    listed = _old_manifest_names(old, manifest) | own
+    written_tops = {n.split("/", 1)[0] for n in staging.files} | {p.name for p in staging.path.iterdir()} | own
     for entry in sorted(old.iterdir()):
         if entry.name in written_tops:
             continue
@@ -234,23 +237,26 @@ def _target_dir(directory: str | os.PathLike[str]) -> Path:
 
 
 @contextmanager
-def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, carry: bool = True,
+def atomic_directory(directory: str | os.PathLike[str], *, manifest: str | None = MANIFEST, carry: bool = True,
                      replace: bool = True, replaceable: Callable[[Path], bool] | None = None,
                      boundary: Callable[[str], Any] | None = None) -> Iterator[Staging]:
     """Stage a directory's files and swap it in as ``directory`` when the ``with`` block ends (module
     docstring); an exception in the block leaves ``directory`` untouched and removes the staging.
 
     Args:
-        manifest: the manifest's file name. carry: link unrelated entries of the old directory into the
-            new one (training checkpoints: no). replace: the new save replaces every file the old
-            manifest lists (a module, a graph); False: only the files it writes (gates saved beside a
-            model), the others keep their manifest entries. replaceable: ``(old directory) -> bool``; False refuses.
+        manifest: the manifest's file name (None: none written; a set's folders, each with its own). carry: link
+            unrelated entries of the old directory into the new one (training checkpoints: no). replace: the new
+            save replaces every file the old manifest lists (a module, a graph); False: only the files it writes
+            (gates saved beside a model), the others keep their manifest entries. replaceable:
+            ``(old directory) -> bool``; False refuses.
         boundary: called after each step (default: this module's ``_boundary``, looked up at each call).
 
     Raises:
         CheckpointError: ``directory`` is a file, the working directory, or not ``replaceable``.
         SaveError: an ``OSError`` inside the block (disk full, permission, I/O; its ``__cause__``): the staging
-            is removed and ``directory`` is untouched. Other exceptions propagate as they are.
+            is removed and ``directory`` is untouched; or one while swapping the directories in (the message says
+            which is in place). Other exceptions propagate as they are: in the block or before the new directory is
+            renamed in, ``directory`` is left as it was; after, it is the new one (no ``.old``, no staging left).
     """
     d = _target_dir(directory)
     if d.exists() and not d.is_dir():
@@ -267,12 +273,13 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
         previous = d if d.is_dir() else old if old.is_dir() else None
         if carry and previous is not None:
             _carry_over(previous, stage, manifest, replace)
-        text = json.dumps({"format": MANIFEST_FORMAT, "files": stage.files}, indent=1)
-        with open(tmp / manifest, "wb") as f:
-            f.write(text.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        stage._boundary(f"file:{manifest}")
+        if manifest is not None:
+            text = json.dumps({"format": MANIFEST_FORMAT, "files": stage.files}, indent=1)
+            with open(tmp / manifest, "wb") as f:
+                f.write(text.encode())
+                f.flush()
+                os.fsync(f.fileno())
+            stage._boundary(f"file:{manifest}")
         for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: -len(p.parts)):
             _fsync(sub)
     except BaseException as e:
@@ -281,18 +288,32 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str = MANIF
             raise SaveError(f"{d}: the save failed while writing its files ({type(e).__name__}: {e}); the "
                             "previous files there are intact (nothing was replaced)") from e
         raise
-    if d.exists():
-        if old.exists():  # a leftover of an earlier interrupted swap; `d` is complete
-            shutil.rmtree(old)
-        d.rename(old)
-        stage._boundary("rename:old")
-    tmp.rename(d)
-    _fsync(d.parent)
-    stage._boundary("rename:new")
-    if old.exists():
-        shutil.rmtree(old)
+    try:
+        if d.exists():
+            if old.exists():  # a leftover of an earlier interrupted swap; `d` is complete
+                shutil.rmtree(old)
+            d.rename(old)
+            stage._boundary("rename:old")
+        tmp.rename(d)
         _fsync(d.parent)
-    stage._boundary("removed:old")
+        stage._boundary("rename:new")
+        if old.exists():
+            shutil.rmtree(old)
+            _fsync(d.parent)
+        stage._boundary("removed:old")
+    except BaseException as e:  # in this process (Ctrl-C, a rename's OSError): the old directory back, or the new
+        swapped = not tmp.exists()  # one whole; until 2026-11-28 `d` stayed missing beside `.old` and the staging
+        if swapped:
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if not d.exists() and old.is_dir():
+                old.rename(d)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, LorsaError):
+            raise SaveError(f"{d}: the save failed while swapping the directories in ({type(e).__name__}: {e}); "
+                            + ("the new files are in place" if swapped else "the previous files there are intact "
+                               "(nothing was replaced)")) from e
+        raise
     _remove_stale_temporaries(d)
 
 

@@ -378,13 +378,24 @@ class ReplacementSet(Generic[K, M]):
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write each module to ``directory/<folder(key)>/`` (safetensors + JSON, ``formats.save`` in the
         ``"nnsight_lorsa"`` format); the set's ``from_pretrained`` reads the directory back, each module at
-        its key, on its site's device (the model's dtype unless given ``dtype=``)."""
-        from pathlib import Path  # local: pathlib is not on NDIF's unpickling whitelist
+        its key, on its site's device (the model's dtype unless given ``dtype=``).
 
+        Atomic as a whole (:func:`~.._atomic.atomic_directory`): the folders are written into a staging directory
+        swapped in when all are written, so a failure part-way (``Ctrl-C``, a full disk) leaves the set saved
+        there before, whole (until 2026-11-28 each folder was swapped in on its own: a set interrupted part-way
+        loaded as a mix of the two sets). Entries of ``directory`` the save does not write (a README, folders of
+        keys the set does not hold) are kept.
+
+        Raises:
+            SaveError: an ``OSError`` while writing (disk full, permission); ``directory`` is left as it was.
+            CheckpointError: ``directory`` is a file or the working directory.
+        """
+        from .._atomic import atomic_directory
         from ..formats.registry import save
 
-        for key in self:
-            save(self[key], Path(directory) / self.folder(key))
+        with atomic_directory(directory, manifest=None) as stage:  # each folder has its manifest
+            for key in self:
+                save(self[key], stage.path / self.folder(key))
 
     def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
                     private: bool | None = None, token: str | None = None,
@@ -471,7 +482,9 @@ class ReplacementSet(Generic[K, M]):
         (docs/attribution.md, "Offloaded replacement modules"). Results are the same as without.
         Setting it moves every module (to the host, or back to its site's device); until it is set, each
         module is as it is marked (a copy of an offloaded module is offloaded), and this reads True when
-        every module is.
+        every module is. A switch that fails part-way (a CUDA out-of-memory error moving a module to the
+        device, ``Ctrl-C``) is undone before the error propagates: the flag, every module's mark and every
+        module moved so far are as before the switch.
 
         Raises:
             ArgumentError: not a bool. PlacementError: as :meth:`place`.
@@ -482,8 +495,21 @@ class ReplacementSet(Generic[K, M]):
 
     @offload.setter
     def offload(self, value: Any) -> None:  # checked here: a named error, not a type-checker one
-        self._offload = check_flag(value, "offload", type(self).__name__)
-        self.place()
+        flag = check_flag(value, "offload", type(self).__name__)
+        before, marks = self._offload, {k: offloaded(m) for k, m in self._by_key.items()}
+        self._offload = flag
+        reached: list[K] = []
+        try:
+            for k in list(self):
+                reached.append(k)
+                self._place_one(k, self._by_key[k])
+        except BaseException:  # until 2026-11-28 the flag stayed switched with the modules after k not moved
+            self._offload = None  # each module back as it was marked, and moved back (freed memory: it fits)
+            for k in reached:
+                set_offload(self._by_key[k], marks[k])
+                self._place_one(k, self._by_key[k])
+            self._offload = before
+            raise
 
     def splice_one(self, key: K, module: M, error: bool) -> Any:
         """Splice ``module`` at ``key`` into the current trace along :meth:`site`; return its envoy."""

@@ -41,7 +41,6 @@ from ..errors import (
     ConfigMismatchError,
     NonFiniteError,
     RankFailedError,
-    TooFewTokensError,
 )
 from ..formats.validate import count_non_finite
 from .activations import Batch
@@ -177,16 +176,25 @@ class Trainer:
                 fewer counted tokens in batch 0 than its initialisation needs; nothing is changed.
             NonFiniteError: a scale factor is not a finite positive number (non-finite or all-zero
                 activations); the scale factors are left unset and the module unchanged.
+
+        Any other exception on the way (a failing batch source, a CUDA out-of-memory error or ``Ctrl-C`` in the
+        initialisation) also leaves the scale factors unset and the weights as they were, and passes through: the
+        next :meth:`train_step` estimates and initialises again, as an uninterrupted run does.
         """
+        tensors = {id(t): t for t in (*self.module.parameters(), *self.module.buffers(), *self._params,
+                                      *self.masters.buffer_masters())}
+        saved = [(t, t.detach().clone()) for t in tensors.values()]  # what an initialisation writes (once per run)
         try:
             self.objective.estimate_norms(self.state)
             self._check_scales()
             self.objective.check_init_batch(self.state)
-        except (NonFiniteError, TooFewTokensError):
-            self.objective.reset_scales()
+            with self.masters.editing(self.module):  # an initialisation that writes the weights writes the masters
+                self.objective.after_norms(self.state)
+        except BaseException:  # until 2026-11-28 only the refusals: an initialisation interrupted part-way kept the
+            self.objective.reset_scales()  # scale factors, and the next step trained the half-initialised module
+            for t, value in saved:
+                t.copy_(value)
             raise
-        with self.masters.editing(self.module):  # an initialisation that writes the weights writes the masters
-            self.objective.after_norms(self.state)
         assert self.s_in is not None and self.s_out is not None
         return self.s_in, self.s_out
 
