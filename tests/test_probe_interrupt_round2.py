@@ -137,6 +137,22 @@ def straight_run(kind: str) -> list:
     return full_state(trainer)
 
 
+@functools.cache
+def first_step_source_calls(kind: str) -> int:
+    """How many times an uninterrupted first step calls its batch source (a CLT's first step makes fewer calls than
+    a Lorsa's, whose initialisation reads batch 0 again)."""
+    trainer = round2_trainer(kind, round2_batches(kind))[0]
+    source, calls = trainer.source, [0]
+
+    def counting(i: int):
+        calls[0] += 1
+        return source(i)
+
+    trainer.source = counting
+    trainer.train_step()
+    return calls[0]
+
+
 @generated(4, 90, kind=st.sampled_from(["clt", "transcoder", "lorsa"]), step=st.integers(0, 4),
            point=st.sampled_from(STEP_POINTS), n=st.integers(1, 4), failure=st.sampled_from(sorted(FAILURES)))
 def test_a_failed_step_of_every_objective_is_as_if_it_never_ran(kind, step, point, n, failure):
@@ -156,7 +172,7 @@ def test_a_failed_step_of_every_objective_is_as_if_it_never_ran(kind, step, poin
     handles = []
     source = trainer.source
     if point == "source":
-        n = n if step == 0 else 1
+        n = min(n, first_step_source_calls(kind)) if step == 0 else 1
 
         def failing_source(i: int):
             calls[0] += 1
