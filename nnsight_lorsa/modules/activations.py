@@ -327,8 +327,9 @@ class BatchTopK(nn.Module):
 
     def _batch_estimated(self) -> bool:
         """``n_updates > 0``, from the host mirror; read from the buffer (a device read) only when it was written or
-        replaced from outside (e.g. ``n_updates.zero_()``, a copy of the module), once."""
-        if self._stamp() != self._seen:
+        replaced from outside (e.g. ``n_updates.zero_()``, a copy of the module), once. On ``meta`` (a module moved
+        there for shapes: nothing to read) the mirror is kept as it is."""
+        if self._stamp() != self._seen and not self.n_updates.is_meta:
             self._note(int(self.n_updates) != 0)
         return self._estimated
 

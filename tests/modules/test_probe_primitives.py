@@ -1,0 +1,516 @@
+"""Primitives probe: the modules used as plain PyTorch modules, outside nnsight (what another library does with them).
+
+Each check compares against an independent plain-torch reference written from the papers' formulas (Lorsa paper §3:
+causal softmax of the rotated ``q·k / attn_scale``, rank-1 values, ReLU + top-k over the heads, ``z W_O + b_D``;
+Bricken et al. 2023 / SAELens for the sparse coders: ``σ(x̃ W_enc + b_enc) W_dec + b_dec``), in fp64 on the module's
+own (rounded) weights, with relative bounds: ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.double()`` /
+``.to("meta")``, ``torch.autocast("cpu", bfloat16)``, ``copy.deepcopy``, ``state_dict`` round trips (strict,
+``assign=True``), ``torch.func.functional_call``, ``requires_grad_(False)``, ``train()`` / ``eval()``,
+``torch.autograd.gradcheck`` in fp64, unusual input shapes and layouts, ``torch.compile`` (``aot_eager``: no C++
+compiler needed) and plain ``register_forward_hook`` edits on the hook points.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import ROOT, generated
+from hypothesis import assume
+from hypothesis import strategies as st
+from jaxtyping import TypeCheckError
+
+from nnsight_lorsa.errors import ShapeError
+from nnsight_lorsa.modules import (
+    CLTConfig,
+    CrossLayerTranscoder,
+    Lorsa,
+    LorsaConfig,
+    RotaryConfig,
+    SAEConfig,
+    SkipTranscoder,
+    SparseAutoencoder,
+    TranscoderConfig,
+)
+from nnsight_lorsa.modules.activations import BatchTopK
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+#: relative bound on an output computed in ``dtype`` against the fp64 reference on the same (rounded) weights
+REL = {F64: 1e-10, F32: 1e-4, BF16: 3e-2, F16: 4e-3}
+ACTS = {"relu": {}, "topk": {"k": 3}, "batchtopk": {"k": 3}, "jumprelu": {"threshold": 0.05},
+        "abstopk": {"k": 3}, "groupmax": {"k": 4}}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().to(F64), b.detach().to(F64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------ references
+def ref_rotate(t: torch.Tensor, pos: torch.Tensor, rot: RotaryConfig) -> torch.Tensor:
+    """Half-split RoPE (Su et al.; Llama): dimension i rotates with i + rotary_dim/2, angle pos · base^(-2i/rot)."""
+    r = rot.rotary_dim
+    inv = 1.0 / (rot.base ** (torch.arange(0, r, 2, dtype=F64) / r))
+    ang = pos.to(F64)[:, None] * inv  # (s, r/2)
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = t[..., : r // 2], t[..., r // 2: r]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, t[..., r:]], -1)
+
+
+def ref_lorsa_z_pre(m: Lorsa, x: torch.Tensor) -> torch.Tensor:
+    """``z^h_i = Σ_{j≤i} A^{g(h)}_ij v^h_j`` in fp64, from the module's weights (read, not run)."""
+    c = m.cfg
+    p = {n: t.detach().to(F64) for n, t in m.named_parameters()}
+    x = x.to(F64)
+    b, s, _ = x.shape
+    q = torch.einsum("bsd,hde->bhse", x, p["W_Q"]) + p["b_Q"][None, :, None]
+    k = torch.einsum("bsd,hde->bhse", x, p["W_K"]) + p["b_K"][None, :, None]
+    if c.qk_norm:
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + c.qk_norm_eps) * p["ln_q.w"][:, None]
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + c.qk_norm_eps) * p["ln_k.w"][:, None]
+    if c.rotary is not None:
+        pos = torch.arange(s)
+        q, k = ref_rotate(q, pos, c.rotary), ref_rotate(k, pos, c.rotary)
+    scores = q @ k.transpose(-1, -2) / c.scale
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), -math.inf)
+    a = scores.softmax(-1)  # (b, n_qk, s, s)
+    v = x @ p["W_V"].T + p["b_V"]  # (b, s, n_ov)
+    g = c.group_size
+    a_ov = a.repeat_interleave(g, dim=1)  # (b, n_ov, s, s): OV head h uses QK head h // G
+    return torch.einsum("bhij,bjh->bih", a_ov, v)
+
+
+def ref_lorsa_out(m: Lorsa, z: torch.Tensor) -> torch.Tensor:
+    out = z.to(F64) @ m.W_O.detach().to(F64)
+    return out if m.b_D is None else out + m.b_D.detach().to(F64)
+
+
+def ref_topk(z_pre: torch.Tensor, k: int) -> torch.Tensor:
+    vals, idx = z_pre.topk(k, -1)
+    return torch.zeros_like(z_pre).scatter(-1, idx, vals.relu())
+
+
+def topk_margin(z_pre: torch.Tensor, k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th largest entries (relative to the row's scale): the top-k
+    selection is only determined up to rounding where it is larger than the rounding."""
+    if k >= z_pre.shape[-1]:
+        return math.inf
+    top = z_pre.to(F64).topk(k + 1, -1).values
+    gap = (top[..., k - 1] - top[..., k]) / z_pre.to(F64).abs().amax(-1).clamp_min(1e-30)
+    return float(gap.min()) if gap.numel() else math.inf
+
+
+def make_lorsa(seed: int, *, qk_norm: bool = False, rotary: bool = True, rot_frac: int = 1, d: int = 16,
+               n_qk: int = 2, e: int = 8, g: int = 4, k: int = 3, bias: bool = True) -> Lorsa:
+    rot = RotaryConfig(head_dim=e, rotary_dim=e // rot_frac) if rotary else None
+    m = Lorsa(LorsaConfig(d_model=d, n_qk_heads=n_qk, d_qk_head=e, n_ov_heads=n_qk * g, top_k=k, rotary=rot,
+                          qk_norm=qk_norm, use_decoder_bias=bias))
+    gen = torch.Generator().manual_seed(seed)
+    m.reset_parameters(gen)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return m
+
+
+def ref_sae(s: SparseAutoencoder | SkipTranscoder, x: torch.Tensor) -> torch.Tensor:
+    """SAELens's forward in fp64 on the module's weights (eval-mode activations)."""
+    p = {n: t.detach().to(F64) for n, t in s.named_parameters()}
+    b = {n: t.detach() for n, t in s.named_buffers()}
+    cfg = s.cfg
+    x = x.to(F64)
+    xin = x
+    norm = getattr(cfg, "normalize_activations", "none")
+    if norm == "constant_norm_rescale":
+        xin = x * (cfg.d_in ** 0.5 / x.norm(dim=-1, keepdim=True))
+    elif norm == "layer_norm":
+        mu, sd = x.mean(-1, keepdim=True), (x - x.mean(-1, keepdim=True)).std(-1, keepdim=True)
+        xin = (x - mu) / (sd + 1e-5)
+    if getattr(cfg, "apply_b_dec_to_input", False):
+        xin = xin - p["b_dec"]
+    pre = xin @ p["W_enc"] + p["b_enc"]
+    a, prm = cfg.activation, cfg.activation_params
+    if a == "relu":
+        acts = pre.relu()
+    elif a == "topk":
+        acts = ref_topk(pre, prm["k"])
+    elif a == "jumprelu":
+        acts = pre * (pre > p["activation.threshold"]).to(F64)
+    elif a == "batchtopk":
+        acts = pre * (pre > b["activation.threshold"].to(F64)).to(F64)
+    elif a == "abstopk":
+        idx = pre.abs().topk(prm["k"], -1).indices
+        acts = torch.zeros_like(pre).scatter(-1, idx, pre.gather(-1, idx))
+    else:  # groupmax
+        grp = pre.relu().unflatten(-1, (prm["k"], -1))
+        acts = (grp * (grp == grp.amax(-1, keepdim=True))).flatten(-2)
+    out = acts @ p["W_dec"] + p["b_dec"]
+    if "W_skip" in p:
+        out = out + x @ p["W_skip"].T
+    if norm == "constant_norm_rescale":
+        out = out * (x.norm(dim=-1, keepdim=True) / cfg.d_in ** 0.5)
+    elif norm == "layer_norm":
+        mu = x.mean(-1, keepdim=True)
+        out = out * (x - mu).std(-1, keepdim=True) + mu
+    return out
+
+
+def sae_pre(s: SparseAutoencoder, x: torch.Tensor) -> torch.Tensor:
+    """The fp64 pre-activations (for the selection margin of the top-k kinds)."""
+    return s.encoder_input(x.to(s.W_enc.dtype)).to(F64) @ s.W_enc.detach().to(F64) + s.b_enc.detach().to(F64)
+
+
+def make_sae(seed: int, act: str, norm: str = "none", d: int = 16, f: int = 32) -> SparseAutoencoder:
+    s = SparseAutoencoder(SAEConfig(d_in=d, d_sae=f, activation=act, activation_params=dict(ACTS[act]),
+                                    normalize_activations=norm))
+    gen = torch.Generator().manual_seed(seed)
+    s.reset_parameters(gen)
+    with torch.no_grad():
+        s.b_enc.add_(0.1 * torch.randn(f, generator=gen))
+        s.b_dec.add_(0.1 * torch.randn(d, generator=gen))
+    if act == "batchtopk":
+        s.activation.set_threshold(0.05)
+    return s.eval()
+
+
+#: the smallest relative gap at the k-th pre-activation for which the selection is determined at that dtype
+MARGIN = {F64: 1e-9, F32: 1e-5, BF16: 3e-2, F16: 4e-3}
+
+
+def dtype_margin_ok(margin: float, dtype: torch.dtype) -> bool:
+    return margin > MARGIN[dtype]
+
+
+# ------------------------------------------------------------------------------------------------ 1. dtypes
+@generated(examples=6, sweep=600, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F64, F32, BF16, F16]),
+           qk_norm=st.booleans(), rotary=st.booleans(), rot_frac=st.sampled_from([1, 2]), bias=st.booleans(),
+           b=st.integers(1, 3), s=st.integers(1, 7), how=st.sampled_from(["to", "method"]))
+def test_lorsa_cast_matches_the_reference_at_that_dtype(seed, dtype, qk_norm, rotary, rot_frac, bias, b, s, how):
+    m = make_lorsa(seed, qk_norm=qk_norm, rotary=rotary, rot_frac=rot_frac, bias=bias)
+    m = m.to(dtype) if how == "to" else {F64: m.double, F32: m.float, BF16: m.bfloat16, F16: m.half}[dtype]()
+    assert all(p.dtype == dtype for p in m.parameters())
+    x = torch.randn(b, s, m.cfg.d_model, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out, cache = m(x, return_cache=True)
+    assert out.dtype == dtype and cache.z.dtype == dtype
+    z_pre = ref_lorsa_z_pre(m, x)
+    # RoPE's cos / sin are made in fp32 whatever the dtype (transformers' tables, bit for bit): an fp64 Lorsa with
+    # rotary is exact to fp32's rounding of the angles' cos / sin, not to fp64's
+    bound = 1e-6 if dtype == F64 and (rotary or qk_norm) else REL[dtype]
+    assert rel(cache.z_pre, z_pre) < bound
+    assume(dtype_margin_ok(topk_margin(z_pre, m.cfg.top_k), dtype))
+    z = ref_topk(z_pre, m.cfg.top_k)
+    assert rel(cache.z, z) < bound
+    assert rel(out, ref_lorsa_out(m, z)) < 2 * bound
+
+
+@generated(examples=6, sweep=600, seed=st.integers(0, 2 ** 16), act=st.sampled_from(sorted(ACTS)),
+           norm=st.sampled_from(["none", "constant_norm_rescale", "layer_norm"]),
+           dtype=st.sampled_from([F64, F32, BF16, F16]), rows=st.integers(1, 5))
+def test_sae_cast_matches_the_reference_at_that_dtype(seed, act, norm, dtype, rows):
+    s = make_sae(seed, act, norm).to(dtype)
+    if act in ("jumprelu", "batchtopk"):
+        assert s.activation.threshold.dtype == dtype  # the threshold follows .to()
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    if act in ("topk", "abstopk"):
+        pre = sae_pre(s, x)
+        assume(dtype_margin_ok(topk_margin(pre.abs() if act == "abstopk" else pre, 3), dtype))
+    if act in ("jumprelu", "batchtopk"):  # no pre-activation within rounding of the threshold
+        pre = sae_pre(s, x)
+        assume(bool(((pre - 0.05).abs() > MARGIN[dtype] * pre.abs().amax()).all()))
+    if act == "groupmax":
+        grp = sae_pre(s, x).relu().unflatten(-1, (4, -1)).sort(-1, descending=True).values
+        assume(bool((grp[..., 0] - grp[..., 1] > MARGIN[dtype] * grp[..., 0].abs().clamp_min(1e-3)).all()))
+    out = s(x)
+    assert out.dtype == dtype
+    assert rel(out, ref_sae(s, x)) < 4 * REL[dtype]
+
+
+def test_meta_forward_gives_meta_outputs_of_the_right_shape():
+    """``.to("meta")`` then a forward: shapes and dtypes only, no value read (a BatchTopK copied before the move
+    read its ``n_updates`` mirror on ``meta``: ``RuntimeError: Tensor.item() cannot be called on meta tensors``)."""
+    m = copy.deepcopy(make_lorsa(0, qk_norm=True)).to("meta")
+    out = m(torch.empty(2, 5, 16, device="meta"))
+    assert out.is_meta and out.shape == (2, 5, 16)
+    for act in sorted(ACTS):
+        s = copy.deepcopy(make_sae(0, act)).to("meta")
+        out = s(torch.empty(3, 16, device="meta"))
+        assert out.is_meta and out.shape == (3, 16)
+    clt = copy.deepcopy(CrossLayerTranscoder(CLTConfig(d_in=16, d_sae=8, n_layers=3, activation="jumprelu",
+                                                      skip=True))).to("meta")
+    assert clt(torch.empty(3, 2, 16, device="meta")).shape == (3, 2, 16)
+
+
+def test_batchtopk_copied_then_moved_to_meta_keeps_its_rule():
+    act = copy.deepcopy(BatchTopK(2, 6)).eval().to("meta")
+    assert act(torch.empty(4, 6, device="meta")).shape == (4, 6)
+
+
+# ------------------------------------------------------------------------------------------------ 2. autocast
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), qk_norm=st.booleans(), rotary=st.booleans(),
+           grad=st.booleans(), s=st.integers(1, 6))
+def test_lorsa_under_cpu_autocast_matches_the_bf16_rounding_of_the_reference(seed, qk_norm, rotary, grad, s):
+    m = make_lorsa(seed, qk_norm=qk_norm, rotary=rotary)
+    x = torch.randn(2, s, 16, generator=torch.Generator().manual_seed(seed + 1), requires_grad=grad)
+    z_pre = ref_lorsa_z_pre(m, x.detach())
+    assume(dtype_margin_ok(topk_margin(z_pre, m.cfg.top_k), BF16))
+    with torch.autocast("cpu", dtype=BF16):
+        out, cache = m(x, return_cache=True)
+    z = ref_topk(z_pre, m.cfg.top_k)
+    assert rel(cache.z_pre, z_pre) < REL[BF16]
+    assert rel(cache.z, z) < REL[BF16]
+    assert rel(out, ref_lorsa_out(m, z)) < 2 * REL[BF16]
+    if grad:
+        out.float().sum().backward()
+        assert x.grad is not None and x.grad.dtype == F32 and torch.isfinite(x.grad).all()
+
+
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), act=st.sampled_from(sorted(ACTS)),
+           norm=st.sampled_from(["none", "constant_norm_rescale", "layer_norm"]))
+def test_sparse_coders_under_cpu_autocast_match_the_reference(seed, act, norm):
+    s = make_sae(seed, act, norm)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed + 1))
+    pre = sae_pre(s, x)
+    if act in ("topk", "abstopk"):
+        assume(dtype_margin_ok(topk_margin(pre.abs() if act == "abstopk" else pre, 3), BF16))
+    if act in ("jumprelu", "batchtopk"):
+        assume(bool(((pre - 0.05).abs() > MARGIN[BF16] * pre.abs().amax()).all()))
+    if act == "groupmax":
+        grp = pre.relu().unflatten(-1, (4, -1)).sort(-1, descending=True).values
+        assume(bool((grp[..., 0] - grp[..., 1] > MARGIN[BF16] * grp[..., 0].abs().clamp_min(1e-3)).all()))
+    with torch.autocast("cpu", dtype=BF16):
+        out = s(x)
+    assert rel(out, ref_sae(s, x)) < 4 * REL[BF16]
+
+
+# ------------------------------------------------------------------------------------------------ 3. copies, state
+def _lorsa_and_sae():
+    m = make_lorsa(3, qk_norm=True)
+    s = SkipTranscoder(TranscoderConfig(d_in=16, d_sae=32, d_out=12, activation="jumprelu",
+                                        activation_params={"threshold": 0.05}))
+    with torch.no_grad():
+        s.W_skip.normal_(generator=torch.Generator().manual_seed(2))
+    return m, s
+
+
+def test_deepcopy_state_dict_and_assign_load_give_the_same_outputs():
+    m, s = _lorsa_and_sae()
+    x, xs = torch.randn(2, 5, 16), torch.randn(4, 16)
+    for mod, inp, make in ((m, x, lambda: Lorsa(m.cfg)), (s, xs, lambda: SkipTranscoder(s.cfg))):
+        want = mod(inp)
+        assert torch.equal(copy.deepcopy(mod)(inp), want)
+        fresh = make()
+        fresh.load_state_dict(mod.state_dict(), strict=True)
+        assert torch.equal(fresh(inp), want)
+        assigned = make().to("meta")
+        assigned.load_state_dict({k: v.clone() for k, v in mod.state_dict().items()}, strict=True, assign=True)
+        assert torch.equal(assigned(inp), want)
+        assert not any(p.is_meta for p in assigned.parameters()) and not any(b.is_meta for b in assigned.buffers())
+
+
+def test_batchtopk_state_dict_round_trip_keeps_the_inference_rule():
+    s = make_sae(0, "batchtopk")
+    x = torch.randn(5, 16)
+    want = s(x)
+    fresh = SparseAutoencoder(s.cfg).eval()  # no estimate yet: the batch rule
+    fresh.load_state_dict(s.state_dict())
+    assert torch.equal(fresh(x), want)
+    fresh = SparseAutoencoder(s.cfg).to("meta").eval()
+    fresh.load_state_dict(s.state_dict(), assign=True)
+    assert torch.equal(fresh(x), want)
+
+
+def test_functional_call_uses_the_swapped_parameters():
+    m, s = _lorsa_and_sae()
+    x, xs = torch.randn(2, 5, 16), torch.randn(4, 16)
+    for mod, inp in ((m, x), (s, xs)):
+        other = copy.deepcopy(mod)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.mul_(1.5)
+        swapped = {k: v for k, v in other.named_parameters()}
+        got = torch.func.functional_call(mod, swapped, (inp,))
+        assert torch.equal(got, other(inp))
+        assert not torch.equal(got, mod(inp))
+
+
+def test_frozen_modules_still_pass_gradients_to_the_input_and_modes_do_not_matter():
+    m, s = _lorsa_and_sae()
+    for mod, inp in ((m, torch.randn(2, 5, 16)), (s, torch.randn(4, 16))):
+        mod.requires_grad_(False)
+        x = inp.clone().requires_grad_()
+        out = mod(x)
+        out.sum().backward()
+        assert x.grad is not None and all(p.grad is None for p in mod.parameters())
+        assert torch.equal(mod.train()(inp), mod.eval()(inp))  # no dropout, no mode-dependent rule
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_lorsa_gradcheck_in_fp64_with_a_fixed_selection(rotary):
+    m = make_lorsa(5, rotary=rotary, n_qk=1, g=3, k=2, d=6, e=4).double()
+    x = torch.randn(1, 3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+    z_pre = ref_lorsa_z_pre(m, x)
+    assert topk_margin(z_pre, 2) > 1e-3 and bool((z_pre.topk(2, -1).values.abs() > 1e-3).all())
+    names = ["W_Q", "W_V", "W_O", "b_K"]
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    def f(x, *ws):
+        return torch.func.functional_call(m, {**params, **dict(zip(names, ws, strict=True))}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x.requires_grad_(), *(params[n].requires_grad_() for n in names)))
+
+
+def test_lorsa_qk_norm_jacobian_matches_the_reference():
+    """With QK-norm the per-head RMSNorm runs in fp32 even in an fp64 Lorsa (transformers' ``LlamaRMSNorm`` /
+    ``Qwen3RMSNorm`` do the same): no fp64 ``gradcheck``, but the Jacobian agrees with the fp64 reference's (fixed
+    selection) to fp32's rounding."""
+    m = make_lorsa(5, qk_norm=True, n_qk=1, g=3, k=2, d=6, e=4).double()
+    x = torch.randn(1, 3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
+    idx = ref_lorsa_z_pre(m, x).topk(2, -1).indices
+
+    def ref(x):
+        zp = ref_lorsa_z_pre(m, x)
+        return ref_lorsa_out(m, torch.zeros_like(zp).scatter(-1, idx, zp.gather(-1, idx).relu()))
+
+    jac = torch.autograd.functional.jacobian
+    assert rel(jac(lambda x: m(x), x), jac(ref, x)) < 1e-6
+
+
+def test_jumprelu_and_topk_gradients_are_as_documented():
+    s = make_sae(1, "jumprelu").double()
+    x = torch.randn(6, 16, dtype=F64, requires_grad=True)
+    pre = sae_pre(s, x.detach())
+    acts = s.encode(x)
+    acts.sum().backward()
+    # ∂/∂θ = −(θ/ε) Σ K((pre − θ)/ε)  (Rajamanoharan et al. 2024, eq. 11)
+    eps, theta = s.activation.bandwidth, s.activation.threshold.detach()
+    kern = (((pre - theta) / eps).abs() < 0.5).to(F64)
+    assert torch.allclose(s.activation.threshold.grad, -(theta / eps) * kern.sum(0))
+    # ∂acts/∂x = H(pre − θ) W_encᵀ
+    want = (pre > theta).to(F64) @ s.W_enc.detach().T
+    assert torch.allclose(x.grad, want)
+    t = make_sae(1, "topk").double()
+    x = torch.randn(6, 16, dtype=F64, requires_grad=True)
+    pre = sae_pre(t, x.detach())
+    t.encode(x).sum().backward()
+    keep = (ref_topk(pre, 3) > 0).to(F64)
+    assert torch.allclose(x.grad, keep @ t.W_enc.detach().T)
+
+
+# ------------------------------------------------------------------------------------------------ 4. shapes
+def test_unusual_shapes_and_layouts():
+    m = make_lorsa(2)
+    assert m(torch.randn(0, 5, 16)).shape == (0, 5, 16)
+    x1 = torch.randn(3, 1, 16)
+    assert rel(m(x1), ref_lorsa_out(m, ref_topk(ref_lorsa_z_pre(m, x1), 3))) < REL[F32]
+    x = torch.randn(5, 3, 16).transpose(0, 1)  # non-contiguous
+    assert torch.allclose(m(x), m(x.contiguous()), rtol=1e-5, atol=1e-6)
+    xe = torch.randn(1, 5, 16).expand(3, 5, 16)
+    out = m(xe)
+    assert torch.allclose(out, m(xe.contiguous()), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out[0], out[2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeError, match="weights' dtype"):
+        m(torch.randn(2, 5, 16, dtype=F16))
+    with pytest.raises(ShapeError, match="weights' dtype"):
+        copy.deepcopy(m).half()(torch.randn(2, 5, 16))
+    with pytest.raises((ShapeError, TypeCheckError), match="pos"):  # jaxtyping's check fires first in tests
+        m(torch.randn(2, 3, 5, 16))
+    s = make_sae(0, "topk")
+    assert s(torch.randn(0, 16)).shape == (0, 16)
+    xs = torch.randn(2, 3, 4, 16)  # *batch
+    assert rel(s(xs), ref_sae(s, xs)) < REL[F32]
+    xt = torch.randn(16, 6).T
+    assert rel(s(xt), ref_sae(s, xt)) < REL[F32]
+    with pytest.raises(ShapeError, match="weights' dtype"):
+        s(torch.randn(3, 16, dtype=F16))
+    with pytest.raises(ShapeError, match=r"\(\*batch, 16\)"):
+        s(torch.randn(16))
+
+
+# ------------------------------------------------------------------------------------------------ 5. compile
+#: run in a fresh interpreter: the tests' jaxtyping + beartype import hook (conftest.py) wraps the forwards in checks
+#: that dynamo cannot trace (beartype's desynchronization error); a user's process has no such hook
+_COMPILE_SCRIPT = r"""
+import torch
+from nnsight_lorsa.modules import *
+torch.manual_seed(0)
+rot = RotaryConfig(head_dim=8, rotary_dim=8)
+lorsa = Lorsa(LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=8, n_ov_heads=8, top_k=3, rotary=rot, qk_norm=True))
+cases = {"lorsa": (lorsa, torch.randn(2, 6, 16)),
+         "clt": (CrossLayerTranscoder(CLTConfig(d_in=16, d_sae=8, n_layers=3, activation="jumprelu", skip=True)),
+                 torch.randn(3, 2, 16))}
+for act, p in [("relu", {}), ("topk", {"k": 3}), ("batchtopk", {"k": 3}), ("jumprelu", {"threshold": 0.05}),
+               ("abstopk", {"k": 3}), ("groupmax", {"k": 4})]:
+    for norm in ("none", "layer_norm"):
+        sae = SparseAutoencoder(SAEConfig(d_in=16, d_sae=32, activation=act, activation_params=p,
+                                          normalize_activations=norm)).eval()
+        cases[f"sae-{act}-{norm}"] = (sae, torch.randn(4, 16))
+skip = SkipTranscoder(TranscoderConfig(d_in=16, d_sae=32, d_out=12, activation="topk", activation_params={"k": 3}))
+torch.nn.init.normal_(skip.W_skip)
+cases["skip"] = (skip, torch.randn(2, 3, 16))
+for name, (mod, x) in cases.items():
+    torch._dynamo.reset()
+    got = torch.compile(mod, backend="aot_eager")(x)
+    want = mod(x)
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    assert err < 1e-5, (name, err)
+    print(name, "ok")
+"""
+
+
+@pytest.mark.slow
+def test_compiled_modules_match_eager():
+    """``torch.compile(module, backend="aot_eager")`` (no C++ compiler needed) gives eager's outputs for Lorsa
+    (QK-norm, RoPE), every SAE activation kind (plain and layer-norm input), a skip transcoder and a CLT."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(" ok") == 15
+
+
+# ------------------------------------------------------------------------------------------------ 6. hooks
+def test_plain_forward_hooks_on_hook_points_edit_as_envoy_edits_do():
+    """A ``register_forward_hook`` returning a new value on ``hook_z`` / ``hook_sae_acts_post`` is what an envoy
+    edit ``lorsa.hook_z.output = ...`` does (docs/lorsa.md): the decode reads the edited value."""
+    m = make_lorsa(6)
+    x = torch.randn(2, 5, 16)
+    z_pre = ref_lorsa_z_pre(m, x)
+    z = ref_topk(z_pre, 3)
+    z[..., 0] = 0.0  # ablate OV head 0
+    h = m.hook_z.register_forward_hook(lambda mod, inp, out: out.index_fill(-1, torch.tensor([0]), 0.0))
+    try:
+        out = m(x)
+    finally:
+        h.remove()
+    assert rel(out, ref_lorsa_out(m, z)) < REL[F32]
+    seen = {}
+    hs = [getattr(m, n).register_forward_hook(lambda mod, inp, out, n=n: seen.__setitem__(n, out))
+          for n in ("hook_q", "hook_k", "hook_v", "hook_z_pre", "hook_z", "hook_out")]
+    try:
+        out = m(x)
+    finally:
+        for h in hs:
+            h.remove()
+    assert seen["hook_q"].shape == (2, 2, 5, 8) and seen["hook_v"].shape == (2, 5, 8)
+    assert rel(seen["hook_z_pre"], z_pre) < REL[F32] and torch.equal(seen["hook_out"], out)
+    # editing v through hook_v: z_pre is A · (edited v)
+    h = m.hook_v.register_forward_hook(lambda mod, inp, out: out * 2)
+    try:
+        _, cache = m(x, return_cache=True)
+    finally:
+        h.remove()
+    assert rel(cache.z_pre, 2 * z_pre) < REL[F32]
+    s = make_sae(0, "relu")
+    xs = torch.randn(4, 16)
+    h = s.hook_sae_acts_post.register_forward_hook(lambda mod, inp, out: out * 0)
+    try:
+        assert torch.allclose(s(xs), s.b_dec.detach().expand(4, 16))
+    finally:
+        h.remove()
+
