@@ -59,8 +59,9 @@ def ref_rotate(t: torch.Tensor, pos: torch.Tensor, rot: RotaryConfig) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, t[..., r:]], -1)
 
 
-def ref_lorsa_z_pre(m: Lorsa, x: torch.Tensor) -> torch.Tensor:
-    """``z^h_i = Σ_{j≤i} A^{g(h)}_ij v^h_j`` in fp64, from the module's weights (read, not run)."""
+def ref_lorsa_z_pre(m: Lorsa, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """``z^h_i = Σ_{j≤i} A^{g(h)}_ij v^h_j`` in fp64, from the module's weights (read, not run); ``keys``: a
+    ``(batch, pos)`` key-padding mask (1 = token; a query with no key left attends to itself, as documented)."""
     c = m.cfg
     p = {n: t.detach().to(F64) for n, t in m.named_parameters()}
     x = x.to(F64)
@@ -74,7 +75,11 @@ def ref_lorsa_z_pre(m: Lorsa, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(s)
         q, k = ref_rotate(q, pos, c.rotary), ref_rotate(k, pos, c.rotary)
     scores = q @ k.transpose(-1, -2) / c.scale
-    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), -math.inf)
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    if keys is not None:
+        allowed = allowed & keys.bool()[:, None, None, :]
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & torch.eye(s, dtype=torch.bool))
+    scores = scores.masked_fill(~allowed, -math.inf)
     a = scores.softmax(-1)  # (b, n_qk, s, s)
     v = x @ p["W_V"].T + p["b_V"]  # (b, s, n_ov)
     g = c.group_size
@@ -159,7 +164,8 @@ def ref_sae(s: SparseAutoencoder | SkipTranscoder, x: torch.Tensor) -> torch.Ten
 
 def sae_pre(s: SparseAutoencoder, x: torch.Tensor) -> torch.Tensor:
     """The fp64 pre-activations (for the selection margin of the top-k kinds)."""
-    return s.encoder_input(x.to(s.W_enc.dtype)).to(F64) @ s.W_enc.detach().to(F64) + s.b_enc.detach().to(F64)
+    with torch.no_grad():
+        return s.encoder_input(x.to(s.W_enc.dtype)).to(F64) @ s.W_enc.to(F64) + s.b_enc.to(F64)
 
 
 def make_sae(seed: int, act: str, norm: str = "none", d: int = 16, f: int = 32) -> SparseAutoencoder:
@@ -282,6 +288,115 @@ def test_sparse_coders_under_cpu_autocast_match_the_reference(seed, act, norm):
     with torch.autocast("cpu", dtype=BF16):
         out = s(x)
     assert rel(out, ref_sae(s, x)) < 4 * REL[BF16]
+
+
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F32, BF16, F16, None]),
+           qk_norm=st.booleans(), s=st.integers(2, 7), split=st.integers(1, 6), masked=st.booleans())
+def test_lorsa_masked_and_stepwise_forwards_match_the_reference(seed, dtype, qk_norm, s, split, masked):
+    """A key-padding mask and a decoding run (:meth:`Lorsa.forward_step` over ``past``) at each dtype, and under
+    CPU autocast (``dtype=None``): the whole-sequence reference at every position."""
+    split = min(split, s - 1)
+    m = make_lorsa(seed, qk_norm=qk_norm)
+    if dtype is not None:
+        m = m.to(dtype)
+    work = BF16 if dtype is None else dtype
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, s, 16, generator=g).to(m.W_Q.dtype)
+    keys = (torch.rand(2, s, generator=g) > 0.3).long() if masked else None
+    z_pre = ref_lorsa_z_pre(m, x, keys)
+    assume(dtype_margin_ok(topk_margin(z_pre, m.cfg.top_k), work))
+    want = ref_lorsa_out(m, ref_topk(z_pre, m.cfg.top_k))
+    with torch.autocast("cpu", dtype=BF16, enabled=dtype is None):
+        whole = m(x, attn_mask=keys)
+        first, past = m.forward_step(x[:, :split], attn_mask=None if keys is None else keys[:, :split])
+        second, past = m.forward_step(x[:, split:], attn_mask=keys, past=past)
+    assert past.length == s
+    assert rel(whole, want) < 2 * REL[work]
+    assert rel(torch.cat([first, second], 1), want) < 2 * REL[work]
+
+
+def ref_clt(clt: CrossLayerTranscoder, xs: torch.Tensor) -> torch.Tensor:
+    """``ŷ_l' = Σ_{l ≤ l'} σ(x_l W_enc[l] + b_enc[l]) W_dec_l[:, l' − l] + b_dec[l'] (+ x_l' W_skip[l']ᵀ)`` in fp64
+    (Ameisen et al. 2025), JumpReLU ``σ``."""
+    p = {n: t.detach().to(F64) for n, t in clt.named_parameters()}
+    xs = xs.to(F64)
+    n = clt.cfg.n_layers
+    acts = []
+    for layer in range(n):
+        pre = xs[layer] @ p["W_enc"][layer] + p["b_enc"][layer]
+        acts.append(pre * (pre > p[f"activation.{layer}.threshold"]).to(F64))
+    outs = []
+    for target in range(n):
+        out = p["b_dec"][target] + sum(acts[src] @ p[f"W_dec_{src}"][:, target - src] for src in range(target + 1))
+        if "W_skip" in p:
+            out = out + xs[target] @ p["W_skip"][target].T
+        outs.append(out)
+    return torch.stack(outs)
+
+
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F64, F32, BF16, F16, None]),
+           skip=st.booleans(), n_layers=st.integers(1, 4), rows=st.integers(0, 4))
+def test_clt_cast_and_autocast_match_the_reference(seed, dtype, skip, n_layers, rows):
+    clt = CrossLayerTranscoder(CLTConfig(d_in=16, d_sae=8, n_layers=n_layers, activation="jumprelu",
+                                         activation_params={"threshold": 0.02}, skip=skip))
+    g = torch.Generator().manual_seed(seed)
+    clt.reset_parameters(g)
+    with torch.no_grad():
+        clt.b_dec.normal_(generator=g)
+        if skip:
+            clt.W_skip.normal_(0, 0.2, generator=g)
+    work = BF16 if dtype is None else dtype
+    if dtype is not None:
+        clt = clt.to(dtype)
+        assert all(t.dtype == dtype for t in clt.parameters())
+    xs = torch.randn(n_layers, rows, 16, generator=g).to(clt.b_dec.dtype)
+    pre = torch.stack([xs[i].to(F64) @ clt.W_enc[i].detach().to(F64) + clt.b_enc[i].detach().to(F64)
+                       for i in range(n_layers)])
+    assume(rows == 0 or bool(((pre - 0.02).abs() > MARGIN[work] * pre.abs().amax()).all()))
+    with torch.autocast("cpu", dtype=BF16, enabled=dtype is None):
+        out = clt(xs)
+    assert out.shape == (n_layers, rows, 16)
+    if rows:
+        assert rel(out, ref_clt(clt, xs)) < 4 * REL[work]
+
+
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), act=st.sampled_from(["topk", "batchtopk"]),
+           train=st.booleans(), rows=st.integers(1, 6))
+def test_sparse_fast_path_under_cpu_autocast_matches_the_dense_reference(seed, act, train, rows):
+    """``encode_sparse`` / ``decode_sparse`` under ``torch.autocast("cpu", bfloat16)``: the values are bf16, the
+    decoder fp32; ``embedding_bag`` is no autocast op and refused the mix (``RuntimeError: Expected tensor for
+    argument #1 'weight' to have the same type ...``, forward and backward) until the values were cast to the
+    weights' dtype. Values and input gradients against the fp32 dense path at bf16's rounding."""
+    s = make_sae(seed, act).train(train)
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(seed + 1))
+    pre = sae_pre(s, x)
+    if act == "topk":
+        assume(dtype_margin_ok(topk_margin(pre, 3), BF16))
+    else:  # the batch rule over the flattened batch, or the threshold rule
+        flat = pre.reshape(1, -1).relu()
+        assume(dtype_margin_ok(topk_margin(flat, min(3 * rows, flat.shape[-1])), BF16) if train
+               else bool(((pre - 0.05).abs() > MARGIN[BF16] * pre.abs().amax()).all()))
+    dense_s = copy.deepcopy(s)
+    xd = x.clone().requires_grad_()
+    want = dense_s.decode(dense_s.encode(xd))
+    want.sum().backward()
+    xs = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=BF16):
+        _, acts = s.encode_sparse(xs)
+        out = s.decode_sparse(acts)
+    assert out.dtype == F32  # the decoder's dtype (embedding_bag is no autocast op)
+    assert rel(out, want) < 2 * REL[BF16]
+    out.sum().backward()
+    assert xs.grad.dtype == F32 and s.W_enc.grad.dtype == F32
+    assert rel(xs.grad, xd.grad) < 2 * REL[BF16]
+    assert rel(s.W_dec.grad, dense_s.W_dec.grad) < 2 * REL[BF16]
+
+
+def test_decode_sparse_refuses_values_of_another_dtype_outside_autocast():
+    s = make_sae(0, "topk")
+    _, acts = s.encode_sparse(torch.randn(3, 16))
+    with pytest.raises(ShapeError, match="acts.vals"):
+        copy.deepcopy(s).to(BF16).decode_sparse(acts)
 
 
 # ------------------------------------------------------------------------------------------------ 3. copies, state
