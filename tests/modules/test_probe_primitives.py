@@ -13,6 +13,7 @@ compiler needed) and plain ``register_forward_hook`` edits on the hook points.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -22,7 +23,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
-from nnsight_lorsa.errors import ShapeError
+from nnsight_lorsa.errors import GateConfigError, ShapeError
 from nnsight_lorsa.modules import (
     CLTConfig,
     CrossLayerTranscoder,
@@ -35,6 +36,7 @@ from nnsight_lorsa.modules import (
     TranscoderConfig,
 )
 from nnsight_lorsa.modules.activations import BatchTopK
+from nnsight_lorsa.modules.attention_gate import AttentionGate
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 #: relative bound on an output computed in ``dtype`` against the fp64 reference on the same (rounded) weights
@@ -629,3 +631,65 @@ def test_plain_forward_hooks_on_hook_points_edit_as_envoy_edits_do():
     finally:
         h.remove()
 
+
+
+# ------------------------------------------------------------------------------------------------ the attention gate
+@generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F32, BF16, F16, None]),
+           mode=st.sampled_from(["gated", "topk", "dense"]), q=st.integers(0, 5), extra=st.integers(0, 3),
+           batch=st.integers(0, 2), copied=st.sampled_from(["no", "deepcopy", "state_dict"]))
+def test_attention_gate_as_a_plain_module_matches_the_reference(seed, dtype, mode, q, extra, batch, copied):
+    """Eval gate (Draye et al. 2025 §3.1): ``A = [scores + b_h > 0]`` (fp32 logits) on allowed edges; ``topk``: the
+    ``top_k`` largest allowed scores per query; ``dense``: every allowed edge — after ``.to(dtype)``, under CPU
+    autocast (``dtype=None``), a deep copy or a state-dict round trip, with empty batches and query/key axes."""
+    g = torch.Generator().manual_seed(seed)
+    gate = AttentionGate(3, init_bias=0.3, mode=mode, top_k=2)
+    with torch.no_grad():
+        gate.bias.normal_(generator=g)
+    gate.eval()
+    if copied == "deepcopy":
+        gate = copy.deepcopy(gate)
+    elif copied == "state_dict":
+        fresh = AttentionGate(3, mode=mode, top_k=2).eval()
+        fresh.load_state_dict(gate.state_dict())
+        gate = fresh
+    k = q + extra
+    work = F32 if dtype is None else dtype
+    if dtype is not None:
+        gate = gate.to(dtype)
+    scores = torch.randn(batch, 3, q, k, generator=g).to(work)
+    valid = torch.ones(q, k, dtype=torch.bool).tril(extra)
+    with torch.autocast("cpu", dtype=BF16, enabled=dtype is None):
+        got = gate(scores, valid)
+    assert got.shape == scores.shape and got.dtype == work
+    s64 = scores.to(F64)
+    if mode == "gated":
+        want = (s64 + gate.bias.detach().to(F64)[None, :, None, None] > 0) & valid
+        if k:  # fp32 logits of low-precision scores: the decision is determined away from 0
+            assume(bool(((s64 + gate.bias.detach().to(F64)[None, :, None, None]).abs() > 1e-5).all()))
+    elif mode == "dense":
+        want = valid.expand_as(s64)
+    else:
+        masked = s64.masked_fill(~valid, -math.inf)
+        want = torch.zeros_like(valid.expand_as(s64))
+        if k:
+            top = masked.topk(min(2, k), -1)
+            want = want.scatter(-1, top.indices, True) & valid
+            if k > 2:
+                ranked = masked.sort(-1, descending=True).values
+                assume(bool((ranked[..., 1] > ranked[..., 2]).all() | (ranked[..., 2] == -math.inf).all()))
+    assert torch.equal(got.to(torch.bool), want)
+    assert torch.equal(got, got.to(torch.bool).to(work))  # 0 / 1 exactly
+
+
+@pytest.mark.parametrize("kwargs", [{"n_heads": 2.5}, {"n_heads": "3"}, {"n_heads": 0}, {"temperature": "x"},
+                                    {"temperature": 0.0}, {"init_bias": float("nan")}, {"init_bias": "1"},
+                                    {"top_k": 1.5}, {"top_k": 0}, {"mode": "softmax"}])
+def test_attention_gate_settings_are_named_errors(kwargs):
+    """Until 2026-11-28 a float or string head count, a string temperature or a float ``top_k`` escaped as
+    ``TypeError`` / ``ValueError`` of torch or Python, and a NaN ``init_bias`` closed every gate silently."""
+    kw = {"n_heads": 3, **kwargs}
+    # the constructor itself: in the tests beartype (conftest.py) refuses a float or a string for an int / float
+    # annotation before our check runs; a user's process has no such hook
+    init = inspect.unwrap(AttentionGate.__init__)
+    with pytest.raises(GateConfigError, match=next(iter(kwargs))):
+        init(AttentionGate.__new__(AttentionGate), **kw)
