@@ -515,6 +515,42 @@ def test_jumprelu_and_topk_gradients_are_as_documented():
     assert torch.allclose(x.grad, keep @ t.W_enc.detach().T)
 
 
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_torch_func_transforms_take_every_activation(act):
+    """``torch.func.grad`` (of the input and of the parameters through ``functional_call``), ``vmap`` over a leading
+    dim and ``jvp`` give what autograd gives. A JumpReLU's ``autograd.Function`` lacked ``setup_context`` and
+    ``torch.func`` refused it (``RuntimeError: In order to use an autograd.Function with functorch transforms ...``)
+    until 2026-11-28; its forward-mode derivative is the same pseudo-derivative as the backward."""
+    s = make_sae(2, act)
+    x = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(3))
+    xr = x.clone().requires_grad_()
+    s(xr).pow(2).sum().backward()
+    grads = {n: p.grad for n, p in s.named_parameters()}
+    assert torch.allclose(torch.func.grad(lambda x: s(x).pow(2).sum())(x), xr.grad, rtol=1e-5, atol=1e-6)
+    params = {n: p.detach() for n, p in s.named_parameters()}
+    got = torch.func.grad(lambda p: torch.func.functional_call(s, p, (x,)).pow(2).sum())(params)
+    for n, g in grads.items():
+        assert torch.allclose(got[n], g, rtol=1e-5, atol=1e-6), n
+    assert torch.allclose(torch.func.vmap(s)(x), s(x), rtol=1e-5, atol=1e-6)
+    tangent = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(4))
+    _, jvp = torch.func.jvp(s, (x,), (tangent,))
+    _, vjp_fn = torch.func.vjp(s, x)
+    cot = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(5))
+    (vjp,) = vjp_fn(cot)
+    assert torch.allclose((jvp * cot).sum(), (vjp * tangent).sum(), rtol=1e-4, atol=1e-5)  # <J t, c> = <t, Jᵀ c>
+
+
+def test_jumprelu_threshold_forward_mode_derivative_is_the_pseudo_derivative():
+    act = make_sae(0, "jumprelu").activation.double()
+    x = torch.linspace(-0.1, 0.2, 301, dtype=F64).reshape(-1, 1).expand(-1, 32).contiguous()
+    theta = act.threshold.detach()
+    t_t = torch.randn(32, dtype=F64)
+    _, jvp = torch.func.jvp(lambda th: torch.func.functional_call(act, {"threshold": th}, (x,)), (theta,), (t_t,))
+    kern = (((x - theta) / act.bandwidth).abs() < 0.5).to(F64)
+    assert torch.allclose(jvp, -(theta / act.bandwidth) * kern * t_t)
+    assert kern.sum() > 0
+
+
 # ------------------------------------------------------------------------------------------------ 4. shapes
 def test_unusual_shapes_and_layouts():
     m = make_lorsa(2)
