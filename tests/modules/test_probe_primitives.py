@@ -540,6 +540,21 @@ def test_torch_func_transforms_take_every_activation(act):
     assert torch.allclose((jvp * cot).sum(), (vjp * tangent).sum(), rtol=1e-4, atol=1e-5)  # <J t, c> = <t, Jᵀ c>
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_lorsa_under_vmap_equals_a_loop_and_func_grad_equals_autograd():
+    """``torch.func.vmap(lorsa)`` over a leading axis of ``(n, batch, pos, d_model)``: the rotary's ``out=`` adds
+    have no batching rule (torch's ``RuntimeError: Batching rule not implemented for aten::add.out``, until
+    2026-11-28); under a transform the rotation takes its autograd form."""
+    m = make_lorsa(7, qk_norm=True)
+    x = torch.randn(3, 2, 5, 16, generator=torch.Generator().manual_seed(8))
+    got = torch.func.vmap(m)(x)
+    want = torch.stack([m(xi) for xi in x])
+    assert rel(got, want) < REL[F32]
+    xr = x[0].clone().requires_grad_()
+    m(xr).pow(2).sum().backward()
+    assert rel(torch.func.grad(lambda x: m(x).pow(2).sum())(x[0]), xr.grad) < REL[F32]
+
+
 def test_jumprelu_threshold_forward_mode_derivative_is_the_pseudo_derivative():
     act = make_sae(0, "jumprelu").activation.double()
     x = torch.linspace(-0.1, 0.2, 301, dtype=F64).reshape(-1, 1).expand(-1, 32).contiguous()
