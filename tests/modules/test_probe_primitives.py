@@ -623,6 +623,11 @@ for name, (mod, x) in cases.items():
     want = mod(x)
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     assert err < 1e-5, (name, err)
+    if name in ("lorsa", "sae-jumprelu-none", "clt"):  # the backward of the compiled graph too
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.compile(mod, backend="aot_eager")(xa).pow(2).sum().backward()
+        mod(xb).pow(2).sum().backward()
+        assert float((xa.grad - xb.grad).norm() / xb.grad.norm()) < 1e-5, name
     print(name, "ok")
 """
 
