@@ -54,13 +54,24 @@ def _rectangle(u: torch.Tensor) -> torch.Tensor:
 
 
 class _JumpReLUFunction(torch.autograd.Function):
-    """``x · H(x − θ)``; backward: ``∂/∂x = H(x − θ)``, ``∂/∂θ = −(θ/ε) K((x − θ)/ε)`` (eq. 11)."""
+    """``x · H(x − θ)``; backward: ``∂/∂x = H(x − θ)``, ``∂/∂θ = −(θ/ε) K((x − θ)/ε)`` (eq. 11).
+
+    In the ``setup_context`` form with a vmap rule and a forward-mode derivative (the same pseudo-derivatives):
+    ``torch.func`` transforms (``grad``, ``vmap``, ``jvp``, ``jacrev``) take it (until 2026-11-28 they refused it
+    with torch's ``RuntimeError: ... it must override the setup_context staticmethod``)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
-        ctx.save_for_backward(x, threshold)
-        ctx.bandwidth = bandwidth
+    def forward(x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
         return x * (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, threshold, bandwidth = inputs
+        ctx.save_for_backward(x, threshold)
+        ctx.save_for_forward(x, threshold)
+        ctx.bandwidth = bandwidth
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -70,15 +81,31 @@ class _JumpReLUFunction(torch.autograd.Function):
         grad_t = -(threshold / eps) * _rectangle((x - threshold) / eps) * grad
         return grad_x, grad_t.sum_to_size(threshold.shape), None
 
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor | None, t_t: torch.Tensor | None, _: Any) -> torch.Tensor:
+        x, threshold = ctx.saved_tensors
+        out = torch.zeros_like(x) if x_t is None else x_t * (x > threshold).to(x.dtype)
+        if t_t is not None:
+            out = out - (threshold / ctx.bandwidth) * _rectangle((x - threshold) / ctx.bandwidth) * t_t
+        return out
+
 
 class _StepFunction(torch.autograd.Function):
-    """``H(x − θ)``; backward: ``∂/∂x = 0``, ``∂/∂θ = −(1/ε) K((x − θ)/ε)`` (eq. 12)."""
+    """``H(x − θ)``; backward: ``∂/∂x = 0``, ``∂/∂θ = −(1/ε) K((x − θ)/ε)`` (eq. 12); ``torch.func``-ready as
+    :class:`_JumpReLUFunction`."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
-        ctx.save_for_backward(x, threshold)
-        ctx.bandwidth = bandwidth
+    def forward(x: torch.Tensor, threshold: torch.Tensor, bandwidth: float) -> torch.Tensor:
         return (x > threshold).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, threshold, bandwidth = inputs
+        ctx.save_for_backward(x, threshold)
+        ctx.save_for_forward(x, threshold)
+        ctx.bandwidth = bandwidth
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -86,6 +113,14 @@ class _StepFunction(torch.autograd.Function):
         eps = ctx.bandwidth
         grad_t = -(1.0 / eps) * _rectangle((x - threshold) / eps) * grad
         return torch.zeros_like(x), grad_t.sum_to_size(threshold.shape), None
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor | None, t_t: torch.Tensor | None, _: Any) -> torch.Tensor:
+        x, threshold = ctx.saved_tensors
+        out = torch.zeros_like(x)
+        if t_t is not None:
+            out = out - (1.0 / ctx.bandwidth) * _rectangle((x - threshold) / ctx.bandwidth) * t_t
+        return out
 
 
 class ReLU(nn.Module):
@@ -327,8 +362,9 @@ class BatchTopK(nn.Module):
 
     def _batch_estimated(self) -> bool:
         """``n_updates > 0``, from the host mirror; read from the buffer (a device read) only when it was written or
-        replaced from outside (e.g. ``n_updates.zero_()``, a copy of the module), once."""
-        if self._stamp() != self._seen:
+        replaced from outside (e.g. ``n_updates.zero_()``, a copy of the module), once. On ``meta`` (a module moved
+        there for shapes: nothing to read) the mirror is kept as it is."""
+        if self._stamp() != self._seen and not self.n_updates.is_meta:
             self._note(int(self.n_updates) != 0)
         return self._estimated
 

@@ -15,11 +15,13 @@ The module is torch-only. One instance sits on each attention module (``self_att
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._checks import is_int, is_real
 from .._typing import Bool, Float
 from ..errors import GateConfigError
 
@@ -58,14 +60,24 @@ class AttentionGate(nn.Module):
         top_k: edges kept per query in ``topk`` mode (>= 1).
 
     Raises:
-        GateConfigError: unknown ``mode``, ``n_heads < 1``, ``temperature <= 0`` or ``top_k < 1``.
+        GateConfigError: unknown ``mode``, ``n_heads`` not an int ``>= 1``, ``init_bias`` not a finite number,
+            ``temperature`` not a number ``> 0`` or ``top_k`` not an int ``>= 1`` (until 2026-11-28 a float or
+            string head count, temperature or ``top_k`` escaped as torch's / Python's ``TypeError`` / ``ValueError``,
+            and a NaN ``init_bias`` closed every gate silently).
     """
 
     def __init__(self, n_heads: int, init_bias: float = 10.0, temperature: float = 1.0,
                  mode: str = "gated", top_k: int = 1) -> None:
         super(AttentionGate, self).__init__()
-        if n_heads < 1:
-            raise GateConfigError(f"n_heads must be >= 1, got {n_heads}")
+        if not is_int(n_heads) or int(n_heads) < 1:
+            raise GateConfigError(f"n_heads must be an int >= 1, got {n_heads!r}")
+        if not is_real(init_bias) or not math.isfinite(init_bias):
+            raise GateConfigError(f"init_bias must be a finite number, got {init_bias!r}")
+        if not is_real(temperature):
+            raise GateConfigError(f"temperature must be a number > 0, got {temperature!r}")
+        if not is_int(top_k):
+            raise GateConfigError(f"top_k must be an int >= 1, got {top_k!r}")
+        n_heads = int(n_heads)
         self.bias = nn.Parameter(torch.full((n_heads,), float(init_bias), device="cpu"))  # placed by install
         self.temperature = float(temperature)
         self.mode = mode

@@ -253,7 +253,10 @@ def apply_rotary(
     half = rot // 2
     first, second = (slice(0, rot, 2), slice(1, rot, 2)) if interleaved else (slice(0, half), slice(half, rot))
     out = torch.empty_like(x)
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+    # the former form also under torch.func transforms (vmap has no batching rule for the out= adds: until
+    # 2026-11-28 ``torch.func.vmap(lorsa)`` failed with torch's "Batching rule not implemented for aten::add.out")
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad) \
+            or torch._C._are_functorch_transforms_active():
         cos = cos.to(x.dtype)
         sin = sin.to(x.dtype)
         if cos.dim() == 3:

@@ -406,7 +406,12 @@ class SparseCoder(ReplacementModule):
 
     def decode_sparse(self, acts: SparseActs) -> Float[torch.Tensor, "n d_out"]:
         """``acts W_dec + b_dec`` from :class:`~.sparse_decode.SparseActs` (one ``embedding_bag``; no skip path,
-        no hook): equals :meth:`decode` of ``acts.to_dense()``."""
+        no hook): equals :meth:`decode` of ``acts.to_dense()``.
+
+        Raises:
+            ShapeError: ``acts.vals`` not in the decoder's dtype outside ``torch.autocast`` (under autocast they are
+                cast to it, and the output is in the decoder's dtype: :func:`~.sparse_decode.sparse_decode`)."""
+        check_dtype(acts.vals, self.W_dec, self._kind, "acts.vals")
         return sparse_decode(acts, self.W_dec, self.b_dec)
 
     # ------------------------------------------------------------- utilities

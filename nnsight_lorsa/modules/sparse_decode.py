@@ -127,10 +127,13 @@ class GatheredPreact(torch.autograd.Function):
         x, W_enc, cols, offsets = ctx.saved_tensors
         grad_x = grad_W = grad_b = None
         g = g.contiguous()
+        # in the weights' dtype: under autocast the gathered values (and so g) are bf16 / fp16, the weights fp32,
+        # and embedding_bag takes no mix (autograd casts each gradient back to its input's dtype)
         if ctx.needs_input_grad[0]:
-            grad_x = F.embedding_bag(cols, W_enc.t().contiguous(), offsets, mode="sum", per_sample_weights=g)
+            grad_x = F.embedding_bag(cols, W_enc.t().contiguous(), offsets, mode="sum",
+                                     per_sample_weights=g.to(W_enc.dtype))
         if ctx.needs_input_grad[1]:
-            grad_W = _scatter_rows(cols, offsets, g, x, W_enc.shape[1]).t()
+            grad_W = _scatter_rows(cols, offsets, g.to(x.dtype), x, W_enc.shape[1]).t()
         if ctx.needs_input_grad[2]:
             grad_b = torch.zeros(W_enc.shape[1], dtype=g.dtype, device=g.device).index_add_(0, cols, g)
         return grad_x, grad_W, grad_b, None, None, None, None
@@ -151,6 +154,12 @@ def sparse_decode(acts: SparseActs, W_dec: Float[torch.Tensor, "d_sae d_out"],
 
     Equals ``acts.to_dense() @ W_dec (+ b_dec)`` up to summation order; gradients to ``acts.vals``
     and ``W_dec`` (selected rows only) through ``embedding_bag``'s own backward.
+
+    ``embedding_bag`` is not an autocast op: values in another float dtype than ``W_dec`` (bf16 values of a coder
+    run under ``torch.autocast``) are cast to ``W_dec``'s dtype (the output is in ``W_dec``'s dtype; until
+    2026-11-28 torch's own dtype error escaped; callers that refuse a mismatch outside autocast check it first,
+    :meth:`~.sparse_coder.SparseCoder.decode_sparse`).
     """
-    out = F.embedding_bag(acts.cols, W_dec, acts.offsets, mode="sum", per_sample_weights=acts.vals)
+    vals = acts.vals if acts.vals.dtype == W_dec.dtype else acts.vals.to(W_dec.dtype)
+    out = F.embedding_bag(acts.cols, W_dec, acts.offsets, mode="sum", per_sample_weights=vals)
     return out if b_dec is None else out + b_dec
