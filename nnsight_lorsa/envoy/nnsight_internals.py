@@ -63,7 +63,7 @@ from nnsight.intervention import interleaver as nnsight_interleaver
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
-from nnsight.intervention.source import STATE, Controller, install_controller
+from nnsight.intervention.source import NO_SKIP, STATE, Controller, install_controller
 from torch import nn
 
 from ..errors import ConcurrentTraceError, TraceOrderError
@@ -464,6 +464,35 @@ def park_or_end(read: Callable[[], Any]) -> tuple[bool, Any]:
         if pending is not None and f"'{pending}'" not in str(e):
             raise
         return False, None
+
+
+def enclosing(root: Any, site_path: str, reader_path: str) -> str | None:
+    """The path (below ``root``) of the module nearest above the site at ``site_path`` (below ``root``) that also
+    holds the module at envoy path ``reader_path`` (whose input the splice reads) and that the model calls (not a
+    ``ModuleList`` / ``ModuleDict``; not the root): the module a trace's ``.skip(...)`` of which bypasses the site, a
+    decoder layer for an attention or an MLP. None when there is none."""
+    parts = site_path.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        below = ".".join(parts[:n])
+        envoy = root.get(below)
+        if isinstance(envoy._module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        return below if reader_path.startswith(envoy.path + ".") else None
+    return None
+
+
+def inside_now(worker: Mediator, envoy_path: str) -> bool:
+    """Whether the model is inside a call of the module at ``envoy_path`` now, in the run of ``worker`` (a trace
+    body's): it entered it more often than it left it since the worker started (a ``replace()`` made from a read
+    within that module, after its ``.skip`` gate). The interleaver's counts run on over the model's traces."""
+    return ran_since_start(worker, envoy_path) > worker.occurrence(f"{envoy_path}.output")
+
+
+def skip_gate(envoy_path: str) -> bool:
+    """Park the calling worker on the ``.skip`` gate of the module at ``envoy_path`` (asked before the module runs)
+    and return whether the trace skipped that call (``envoy.skip(value)``: its body does not run). Served after the
+    trace body's interventions there (:func:`serve_last`), so it sees their skip."""
+    return Mediator.value(f"{envoy_path}.skip") is not NO_SKIP
 
 
 def run_kwargs(interleaver: Any) -> dict:
