@@ -60,10 +60,11 @@ from collections.abc import Callable
 from typing import Any
 
 from nnsight.intervention import interleaver as nnsight_interleaver
+from nnsight.intervention import source as nnsight_source
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
-from nnsight.intervention.source import NO_SKIP, STATE, Controller, install_controller
+from nnsight.intervention.source import STATE, Controller, install_controller
 from torch import nn
 
 from ..errors import ConcurrentTraceError, TraceOrderError
@@ -491,8 +492,10 @@ def inside_now(worker: Mediator, envoy_path: str) -> bool:
 def skip_gate(envoy_path: str) -> bool:
     """Park the calling worker on the ``.skip`` gate of the module at ``envoy_path`` (asked before the module runs)
     and return whether the trace skipped that call (``envoy.skip(value)``: its body does not run). Served after the
-    trace body's interventions there (:func:`serve_last`), so it sees their skip."""
-    return Mediator.value(f"{envoy_path}.skip") is not NO_SKIP
+    trace body's interventions there (:func:`serve_last`), so it sees their skip. nnsight's ``NO_SKIP`` sentinel is
+    looked up on its module when called: code shipped by value to NDIF would carry a copy of the object, never the
+    server's sentinel (every call then looked skipped)."""
+    return Mediator.value(f"{envoy_path}.skip") is not nnsight_source.NO_SKIP
 
 
 def run_kwargs(interleaver: Any) -> dict:
