@@ -108,6 +108,13 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.interleaver.Mediator", "pending", "instance attribute"),
     ("nnsight.intervention.interleaver.Mediator", "iteration", "instance attribute"),
     ("nnsight.intervention.interleaver.Mediator", "counts_at_start", "instance attribute"),
+    # the skip gate of the module holding a splice's site (skip_gate, inside_now): the location "{path}.skip" the
+    # controller asks, its sentinel for "not skipped", and a worker's count of a location
+    ("nnsight.intervention.source", "NO_SKIP", "in source"),
+    ("nnsight.intervention.source.Controller.__call__", "NO_SKIP", "in source"),
+    ("nnsight.intervention.source.State", "skip", "in source"),
+    ("nnsight.intervention.interleaver.Mediator", "value", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "occurrence", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "_reindex_parked", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "mediators", "instance attribute"),
     ("nnsight.intervention.interleaver.Interleaver", "parked", "instance attribute"),
