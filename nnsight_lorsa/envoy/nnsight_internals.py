@@ -60,6 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nnsight.intervention import interleaver as nnsight_interleaver
+from nnsight.intervention import source as nnsight_source
 from nnsight.intervention.backends.remote import RemoteBackend
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator, OutOfOrderError
@@ -107,6 +108,13 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("nnsight.intervention.interleaver.Mediator", "pending", "instance attribute"),
     ("nnsight.intervention.interleaver.Mediator", "iteration", "instance attribute"),
     ("nnsight.intervention.interleaver.Mediator", "counts_at_start", "instance attribute"),
+    # the skip gate of the module holding a splice's site (skip_gate, inside_now): the location "{path}.skip" the
+    # controller asks, its sentinel for "not skipped", and a worker's count of a location
+    ("nnsight.intervention.source", "NO_SKIP", "in source"),
+    ("nnsight.intervention.source.Controller.__call__", "NO_SKIP", "in source"),
+    ("nnsight.intervention.source.State", "skip", "in source"),
+    ("nnsight.intervention.interleaver.Mediator", "value", "callable"),
+    ("nnsight.intervention.interleaver.Mediator", "occurrence", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "_reindex_parked", "callable"),
     ("nnsight.intervention.interleaver.Interleaver", "mediators", "instance attribute"),
     ("nnsight.intervention.interleaver.Interleaver", "parked", "instance attribute"),
@@ -464,6 +472,37 @@ def park_or_end(read: Callable[[], Any]) -> tuple[bool, Any]:
         if pending is not None and f"'{pending}'" not in str(e):
             raise
         return False, None
+
+
+def enclosing(root: Any, site_path: str, reader_path: str) -> str | None:
+    """The path (below ``root``) of the module nearest above the site at ``site_path`` (below ``root``) that also
+    holds the module at envoy path ``reader_path`` (whose input the splice reads) and that the model calls (not a
+    ``ModuleList`` / ``ModuleDict``; not the root): the module a trace's ``.skip(...)`` of which bypasses the site, a
+    decoder layer for an attention or an MLP. None when there is none."""
+    parts = site_path.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        below = ".".join(parts[:n])
+        envoy = root.get(below)
+        if isinstance(envoy._module, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        return below if reader_path.startswith(envoy.path + ".") else None
+    return None
+
+
+def inside_now(worker: Mediator, envoy_path: str) -> bool:
+    """Whether the model is inside a call of the module at ``envoy_path`` now, in the run of ``worker`` (a trace
+    body's): it entered it more often than it left it since the worker started (a ``replace()`` made from a read
+    within that module, after its ``.skip`` gate). The interleaver's counts run on over the model's traces."""
+    return ran_since_start(worker, envoy_path) > worker.occurrence(f"{envoy_path}.output")
+
+
+def skip_gate(envoy_path: str) -> bool:
+    """Park the calling worker on the ``.skip`` gate of the module at ``envoy_path`` (asked before the module runs)
+    and return whether the trace skipped that call (``envoy.skip(value)``: its body does not run). Served after the
+    trace body's interventions there (:func:`serve_last`), so it sees their skip. nnsight's ``NO_SKIP`` sentinel is
+    looked up on its module when called: code shipped by value to NDIF would carry a copy of the object, never the
+    server's sentinel (every call then looked skipped)."""
+    return Mediator.value(f"{envoy_path}.skip") is not nnsight_source.NO_SKIP
 
 
 def run_kwargs(interleaver: Any) -> dict:

@@ -66,7 +66,9 @@ from .nnsight_internals import (
     batch_rows,
     current_worker,
     detach,
+    enclosing,
     find_worker,
+    inside_now,
     invoke_rows,
     is_instrumented,
     is_splice,
@@ -75,6 +77,7 @@ from .nnsight_internals import (
     ran_since_start,
     serve_first,
     serve_last,
+    skip_gate,
     spawn_worker,
     stood_down,
     waiting_under,
@@ -331,6 +334,11 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
     undo = partial(detach, parent, chain.attach_name, module, is_instrumented(module))
     envoy = attach(parent, chain.attach_name, module)
 
+    # the module enclosing each site whose ``.skip(...)`` would bypass it (a decoder layer): watched before the site
+    gate_below = [enclosing(root, path, reader.path) for path, reader in zip(chain.site_paths, readers, strict=True)]
+    gates = [None if g is None else root.get(g).path for g in gate_below]
+    inside = gates[0] is not None and inside_now(me, gates[0])  # replace() called within it: gate passed
+
     def body() -> None:
         live: dict = {}
         clean: dict = {}
@@ -341,6 +349,18 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 for i, (site, reader) in enumerate(zip(sites, readers, strict=True)):
                     if not (first and i == 0):  # (spawned last: the first time it is there already)
                         serve_last(worker)  # the input as the body's edits left it
+                    gate = gates[i]
+                    if gate is not None and not (first and i == 0 and inside):
+                        more, skipped = park_or_end(partial(skip_gate, gate))
+                        if not more:
+                            return
+                        if skipped:  # the site does not run in this forward pass
+                            refuse_skipped(i, gate)
+                            # past the skipped call (a wait on the gate now would be this same visit's)
+                            more, _ = park_or_end(partial(getattr, root.get(gate_below[i]), "output"))
+                            if not more:
+                                return
+                            continue
                     more, call = park_or_end(partial(getattr, reader, "inputs"))
                     if not more:  # the run is over: no further step, or a tracer.stop() before this site
                         return  # (nnsight's warning about a tracer.iter loop that outran the run would be wrong)
@@ -349,6 +369,26 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
                 first = False
         finally:
             undo()
+
+    def refuse_skipped(i: int, gate: str) -> None:
+        """Site ``i`` is bypassed in this forward pass: the trace skipped ``gate``, the module holding it. The site
+        returns nothing of the replacement (the skip value is the module's output, as without it); refuse what would
+        be silently wrong: the trace body reading or editing the replacement's internals there (they are never
+        computed; nnsight's ``OutOfOrderError`` said the model "ran past" them), and a chain whose later sites use
+        this one's state (a cross-layer transcoder decodes layer ``i``'s features into every later MLP)."""
+        where = (f"the trace skipped {gate} ({gate}.skip(...)), which holds {chain.site_paths[i]}: the "
+                 f"{type(module).__name__} replacing it does not run in that forward pass")
+        waiting = waiting_under(interleaver, f"{envoy.path}.")
+        if waiting:
+            raise TraceOrderError(
+                f"{envoy.path}: read or edited, but {where}, so its internals have no value there. Read them in a "
+                f"trace that does not skip {gate}, or skip the replacement's site alone (its output is then the "
+                "skip value, its internals computed)")
+        if i < len(sites) - 1:
+            raise TraceOrderError(
+                f"{where}, and its later sites ({', '.join(chain.site_paths[i + 1:])}) decode what it computes there "
+                f"(a cross-layer transcoder's features of that layer): they would be replaced without them. Skip a "
+                f"layer outside the {type(module).__name__}'s layers, or do not replace() it in this trace")
 
     def serve(i: int, site: Any, args: tuple, kwargs: dict, live: dict, clean: dict, diverged: bool) -> bool:
         """Swap site ``i``'s output in this forward pass; return whether the clean pass now runs apart."""
