@@ -16,7 +16,9 @@ tensors in place of some parameters and buffers) and raises.
 
 from __future__ import annotations
 
+import copy
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,8 +27,18 @@ from hypothesis import strategies as st
 from test_probe_interrupt import FAILURES
 
 import nnsight_lorsa.envoy.replacement_set as replacement_set
+import nnsight_lorsa.training.objective_base as objective_base
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet
 from nnsight_lorsa._placement import OFFLOAD_ATTR
+from nnsight_lorsa.modules.activations import AbsTopK, BatchTopK, GroupMax, JumpReLU, TopK
+from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+from nnsight_lorsa.modules.transcoder import SkipTranscoder, Transcoder, TranscoderConfig
+from nnsight_lorsa.training.lorsa_objective import LorsaObjective
+from nnsight_lorsa.training.lorsa_recipe import HeadBalance
+from nnsight_lorsa.training.master_weights import MasterWeights
+from nnsight_lorsa.training.objective_base import TrainingState
+from nnsight_lorsa.training.objectives import _objective_for
 
 
 def held_state(module: torch.nn.Module) -> tuple:
@@ -126,3 +138,128 @@ def test_a_failed_placement_leaves_the_module_and_the_set_as_before(offload, mar
     assert dict(s._by_key) == held and all(s._by_key[k] is held[k] for k in held), "the set changed"
     s[key] = new  # the retry places it
     assert s[key] is new
+
+
+# ------------------------------------------------------------------ 1. the fold, row chunk by row chunk
+def former_fold(obj, module):
+    """The fold as it was until 2026-11-28 (written out here): a deep copy of the module as held inside
+    ``editing`` (a bf16 module's fp32 masters), folded whole in place."""
+    out = copy.deepcopy(module)
+    if isinstance(module, CrossLayerTranscoder):
+        kw = {"dtype": module.W_enc.dtype, "device": module.W_enc.device}
+        s_in = torch.tensor(obj.s_in_layers, **kw)[:, None, None]
+        s_out = torch.tensor(obj.s_out_layers, **kw)[:, None, None]
+        out.eval()
+        out.W_enc.mul_(s_in)
+        for layer in range(out.n_layers):
+            out.W_dec(layer).div_(s_out[layer:, 0, 0][None, :, None])
+        out.b_dec.div_(s_out[:, 0])
+        if out.W_skip is not None:
+            out.W_skip.mul_(s_in / s_out)
+        return out
+    if isinstance(obj, LorsaObjective):
+        for w in (out.W_Q, out.W_K, out.W_V):
+            w.mul_(obj.s_in)
+        out.W_O.div_(obj.s_out)
+        if out.b_D is not None:
+            out.b_D.div_(obj.s_out)
+        norm = out.W_O.norm(dim=1).clamp_min(1e-12)
+        out.W_O.div_(norm[:, None])
+        out.W_V.mul_(norm[:, None])
+        out.b_V.mul_(norm)
+        if obj.balance is not None and bool((obj.balance.log_gain != 0).any()):
+            g = obj.balance.gain().to(out.W_V)
+            out.W_V.mul_(g[:, None])
+            out.b_V.mul_(g)
+            out.W_O.div_(g[:, None])
+        return out
+    out.eval()
+    out.W_enc.mul_(obj.s_in)
+    out.W_dec.div_(obj.s_out)
+    out.b_dec.div_(obj.s_out)
+    if getattr(out, "W_skip", None) is not None:
+        out.W_skip.mul_(obj.s_in / obj.s_out)
+    if isinstance(out.activation, (TopK, AbsTopK, GroupMax)):
+        common = out.W_dec.norm(dim=-1).mean().clamp_min(1e-12)
+        out.W_dec.div_(common)
+        out.W_enc.mul_(common)
+        out.b_enc.mul_(common)
+    elif not isinstance(out.activation, BatchTopK):
+        norm = out.W_dec.norm(dim=-1).clamp_min(1e-12)
+        out.W_dec.div_(norm[:, None])
+        out.W_enc.mul_(norm[None, :])
+        out.b_enc.mul_(norm)
+        if isinstance(out.activation, JumpReLU):
+            out.activation.threshold.mul_(norm)
+    return out
+
+
+SPARSE_ACTS = {"relu": {}, "jumprelu": {"threshold": 0.05}, "topk": {"k": 4}, "abstopk": {"k": 4},
+               "groupmax": {"k": 4}, "batchtopk": {"k": 4}}
+
+
+def drawn_module(kind: str, act: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "lorsa":
+        _, hf, adapter = world()
+        return make_lorsa(hf, adapter, 1, seed=seed)
+    if kind == "clt":
+        clt = CrossLayerTranscoder(CLTConfig(d_in=12, d_sae=20, n_layers=3, activation=act,
+                                             activation_params=SPARSE_ACTS[act], skip=seed % 2 == 0))
+        for p in clt.parameters():
+            p.data.normal_(0, 0.5)
+        return clt
+    if kind == "sae":
+        m = SparseAutoencoder(SAEConfig(d_in=12, d_sae=40, activation=act, activation_params=SPARSE_ACTS[act]))
+    else:
+        cls = SkipTranscoder if kind == "skip" else Transcoder
+        m = cls(TranscoderConfig(d_in=12, d_out=10, d_sae=40, activation=act, activation_params=SPARSE_ACTS[act]))
+    for name, p in m.named_parameters():
+        if "threshold" not in name:
+            p.data.normal_(0, 0.5)
+    return m
+
+
+def bits(module: torch.nn.Module) -> dict:
+    return {k: (v.dtype, tuple(v.shape), v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for k, v in module.state_dict().items()}
+
+
+@generated(12, 200, kind=st.sampled_from(["lorsa", "sae", "transcoder", "skip", "clt"]),
+           act=st.sampled_from(sorted(SPARSE_ACTS)), dtype=st.sampled_from([torch.float32, torch.bfloat16,
+                                                                             torch.float16]),
+           s_in=st.floats(0.05, 20), s_out=st.floats(0.05, 20), chunk=st.integers(1, 400), seed=st.integers(0, 99),
+           gain=st.booleans())
+def test_the_chunked_fold_bit_equals_the_former_fold(kind, act, dtype, s_in, s_out, chunk, seed, gain):
+    """``objective.fold`` (row chunks of ``chunk`` elements written into the rounded copy) bit-equals the former
+    fold (the whole module copied as held in ``editing``, folded in place, each parameter then rounded once) for
+    every objective, activation and master dtype (bf16 / fp16: fp32 masters holding values off the low-precision
+    grid; fp32: none); a Lorsa with balancing gains (``gain``). State dicts compared byte for byte, dtypes too."""
+    module = drawn_module(kind, act, seed).to(dtype)
+    obj = _objective_for(module)
+    g = torch.Generator().manual_seed(seed)
+    masters = MasterWeights(module.parameters())
+    masters.add_buffers(module)
+    with torch.no_grad():
+        for m in [*masters.masters(), *masters.buffer_masters()]:
+            m.add_(1e-3 * torch.randn(m.shape, generator=g) * m.abs().clamp_min(1e-3))  # off the bf16 grid
+        masters.round_()
+        masters.round_buffers_()
+    if kind == "clt":
+        n = module.n_layers
+        obj.s_in_layers = [s_in * (1 + 0.1 * i) for i in range(n)]
+        obj.s_out_layers = [s_out * (1 - 0.05 * i) for i in range(n)]
+    else:
+        obj.s_in, obj.s_out = s_in, (s_in if kind == "sae" else s_out)
+    if kind == "lorsa" and gain:
+        obj.balance = HeadBalance(module.cfg.n_ov_heads, module.cfg.top_k)
+        obj.balance.log_gain = 0.3 * torch.randn(module.cfg.n_ov_heads, generator=g)
+    state = TrainingState(SimpleNamespace(masters=masters))
+    with masters.editing(module):
+        want = former_fold(obj, module)
+    want = masters.low_precision_copy(want, module)  # (outside: the module's own parameters again)
+    with pytest.MonkeyPatch.context() as mp, masters.editing(module):
+        mp.setattr(objective_base, "FOLD_CHUNK", chunk)
+        got = obj.fold(state)
+    assert type(got) is type(want) and got.training == want.training
+    assert bits(got) == bits(want), f"{kind} {act} {dtype}: the fold differs"
