@@ -175,7 +175,7 @@ def _require_tokens(t: TrainingState, n_tokens: int) -> None:
 
 
 #: elements of one parameter a fold (:func:`fold_rows`) holds in fp32 at once: 2^22 (16 MB)
-FOLD_CHUNK = 1 << 22
+FOLD_CHUNK = 1 << 20
 
 
 def row_chunks(t: torch.Tensor) -> list[slice]:
