@@ -90,6 +90,13 @@ def source(i):
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[:, 0] = False
     return Batch(x=x, y=x, loss_mask=mask)
+def clt_source(i):                                     # the same tokens at both layers: (2, batch, pos, D)
+    b = source(i)
+    return Batch(x=torch.stack([b.x, b.x]), y=torch.stack([b.x, b.x]), loss_mask=b.loss_mask)
+def norms_only(m, src=None):                           # scale factors estimated, no step (nothing else held)
+    t = Trainer(m, src or source, TrainConfig(total_steps=4, lr=1e-3, norm_batches=1))
+    t.estimate_norms()
+    return t
 def trainer(m, steps=1):
     t = Trainer(m, source, TrainConfig(total_steps=4, lr=1e-3, norm_batches=1))
     for _ in range(steps):
@@ -122,6 +129,7 @@ _TSET = ("m = {i: tc(131072, layer=i) for i in (0, 1, 2, 3)}; SIZE = sum(map(nby
          "del m, x")
 _TRAIN = "t = trainer(sae()); SIZE = nbytes(t.module)"
 _TRAIN_BF16 = "t = trainer(sae().to(torch.bfloat16)); SIZE = nbytes(t.module)"
+_FOLD_BF16 = "t = norms_only({}.to(torch.bfloat16){}); SIZE = nbytes(t.module)"
 _CKPT = _TRAIN + "; t.save_checkpoint(tmp + '/ck'); del t; gc.collect()"
 _CKPT_BF16 = _TRAIN_BF16 + "; t.save_checkpoint(tmp + '/ck'); del t; gc.collect()"
 
@@ -160,6 +168,10 @@ CASES: list[tuple[str, str, str, float]] = [
      "hook_name='blocks.0.hook_resid_post')", 1.0),
     ("Trainer.folded (SAE, fp32)", _TRAIN, "f = t.folded()", 1.0),
     ("Trainer.folded (SAE, bf16 + fp32 masters)", _TRAIN_BF16, "f = t.folded()", 1.0),
+    ("Trainer.folded (Lorsa, bf16 + fp32 masters)", _FOLD_BF16.format("lorsa()", ""), "f = t.folded()", 1.0),
+    ("Trainer.folded (TopK transcoder, bf16 + fp32 masters)", _FOLD_BF16.format("tc()", ""), "f = t.folded()", 1.0),
+    ("Trainer.folded (CLT, bf16 + fp32 masters)", _FOLD_BF16.format("clt()", ", clt_source"), "f = t.folded()",
+     1.0),
     ("Trainer.save_checkpoint (SAE, fp32)", _TRAIN, "t.save_checkpoint(tmp + '/ck')", 0.0),
     ("Trainer.save_checkpoint (SAE, bf16 + fp32 masters)", _TRAIN_BF16, "t.save_checkpoint(tmp + '/ck')", 0.0),
     ("Trainer.resume (SAE, fp32)", _CKPT, "t = Trainer.resume(tmp + '/ck', source)", 3.0),

@@ -25,7 +25,8 @@ through its ``weights_owner`` (:class:`~nnsight_lorsa.modules.replacement_module
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import contextlib
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -160,6 +161,7 @@ def place(module: torch.nn.Module, device: torch.device, where: str) -> None:
 
 #: the attribute an offloaded module carries (set by ``ReplacementSet.offload``; travels with copies)
 OFFLOAD_ATTR = "nnsight_lorsa_offload"
+_ABSENT = object()  # a mark never set (kept_on_failure restores its absence)
 
 
 def offloaded(module: Any) -> bool:
@@ -170,6 +172,36 @@ def offloaded(module: Any) -> bool:
 def set_offload(module: torch.nn.Module, on: bool) -> None:
     """Mark (``on``) or unmark ``module`` as offloaded; :func:`store_on_host` / :func:`place` then move it."""
     module.__dict__[OFFLOAD_ATTR] = bool(on)
+
+
+@contextlib.contextmanager
+def kept_on_failure(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Inside, ``modules`` may be marked (:func:`set_offload`) and moved (:func:`place`, :func:`store_on_host`);
+    on an error (a failed move, ``Ctrl-C``) each is put back exactly as it was on entering — its offload mark
+    (or its absence) and each parameter's and buffer's tensor (the same objects, the same storage: nothing is moved
+    back, so the undo cannot fail) — before the error propagates. Holds references to the tensors until leaving."""
+    saved = []
+    for m in modules:
+        mark = m.__dict__.get(OFFLOAD_ATTR, _ABSENT)
+        subs = [(sub, dict(sub._parameters), dict(sub._buffers),
+                 {n: p.data for n, p in sub._parameters.items() if p is not None}) for sub in m.modules()]
+        saved.append((m, mark, subs))
+    try:
+        yield
+    except BaseException:
+        for m, mark, subs in saved:
+            if mark is _ABSENT:
+                m.__dict__.pop(OFFLOAD_ATTR, None)
+            else:
+                m.__dict__[OFFLOAD_ATTR] = mark
+            for sub, params, buffers, data in subs:
+                sub._parameters.clear()
+                sub._parameters.update(params)
+                sub._buffers.clear()
+                sub._buffers.update(buffers)
+                for n, d in data.items():
+                    params[n].data = d  # type: ignore[union-attr]
+        raise
 
 
 def store_on_host(module: torch.nn.Module, where: str, pin: bool | None = None) -> None:

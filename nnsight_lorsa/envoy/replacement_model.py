@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._placement import set_offload
+from .._placement import kept_on_failure, set_offload
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ConfigMismatchError, ShapeError
@@ -87,7 +87,8 @@ class ReplacementModel:
             run reproduces the model and only an edit changes it (Ameisen et al. 2025, *Circuit Tracing*: error nodes).
         offload: True / False sets :attr:`~.replacement_set.ReplacementSet.offload` on every set held
             (weights stored on the host, each module copied to its site's device only while it computes);
-            None (default) leaves the sets as they are.
+            None (default) leaves the sets as they are. All or nothing: a switch that fails on some set (an
+            out-of-memory move, ``Ctrl-C``) leaves every set's flag and every module's mark and tensors as before.
         adapter: the model family's adapter (default :func:`~nnsight_lorsa.adapters.registry.get_adapter`).
 
     Attributes:
@@ -105,18 +106,27 @@ class ReplacementModel:
         # error: a bool, checked below (a named error, not bool("False") == True)
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model)
-        if offload is not None:  # modules given bare are marked first: their sets never put them on the device
-            check_flag(offload, "offload", "ReplacementModel")
-            for value in (lorsas, transcoders, saes):
-                for m in _bare_modules(value):
-                    set_offload(m, offload)
-        self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
-        self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
-        self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
-        self.error = check_flag(error, "error", "ReplacementModel")
         if offload is not None:
-            for _, held in self.sets():
-                held.offload = offload
+            check_flag(offload, "offload", "ReplacementModel")
+        given = [v for v in (lorsas, transcoders, saes) if isinstance(v, ReplacementSet)]
+        bare = [m for v in (lorsas, transcoders, saes) for m in _bare_modules(v)]
+        flags = [(s, s._offload) for s in given]
+        kept = [*bare, *(m for s in given for m in s.values())] if offload is not None else []
+        try:  # all or nothing: until 2026-11-28 a switch failing on the second set left the first switched
+            with kept_on_failure(kept):  # every module's mark and tensors as before on a failure
+                for m in bare if offload is not None else []:  # marked first: their sets never move them to the device
+                    set_offload(m, offload)
+                self.lorsas: Any = _bound_set(model, self.adapter, lorsas, "lorsas")
+                self.transcoders: Any = _bound_set(model, self.adapter, transcoders, "transcoders")
+                self.saes: Any = _bound_set(model, self.adapter, saes, "saes")
+                self.error = check_flag(error, "error", "ReplacementModel")
+                if offload is not None:
+                    for _, held in self.sets():
+                        held.offload = offload
+        except BaseException:
+            for held, flag in flags:  # the sets given switched before the failure: their flags back
+                held._offload = flag
+            raise
 
     def sets(self) -> list[tuple[str, ReplacementSet]]:
         """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``."""

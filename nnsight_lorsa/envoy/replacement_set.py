@@ -25,6 +25,7 @@ from torch import nn
 from .._placement import (
     check_one_dtype,
     check_placement_args,
+    kept_on_failure,
     offloaded,
     place,
     set_offload,
@@ -521,7 +522,8 @@ class ReplacementSet(Generic[K, M]):
             raise ConfigMismatchError(self.wrong_kind(key, module))
         k = self.check(key, module)
         check_one_dtype(module, f"the {type(module).__name__} for {self.site_path(k)}")
-        self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
+        with kept_on_failure([module]):  # until 2026-11-28 a failed placement left it marked / partly moved
+            self._place_one(k, module)  # before insertion: a module that cannot be placed is not added
         self._by_key[k] = module
 
     def update(self, modules: Mapping[K, M]) -> None:

@@ -4,7 +4,6 @@ MHSA output in the normalised space, AuxK against dead heads, unit-norm ``w_o``;
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -25,7 +24,15 @@ from .lorsa_recipe import (
     revive_dead,
 )
 from .metrics import fvu
-from .objective_base import Metrics, TrainingState, _check_module, _Objective, _require_norms
+from .objective_base import (
+    Metrics,
+    TrainingState,
+    _check_module,
+    _Objective,
+    _require_norms,
+    fold_rows,
+    row_norms,
+)
 
 
 # --------------------------------------------------------------------------- Lorsa
@@ -230,18 +237,29 @@ class LorsaObjective(_Objective):
         then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``); balancing gains still on
         (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``."""
         _require_norms(self)
-        out = copy.deepcopy(self.module)
-        for w in (out.W_Q, out.W_K, out.W_V):
-            w.mul_(self.s_in)
-        out.W_O.div_(self.s_out)
-        if out.b_D is not None:
-            out.b_D.div_(self.s_out)
-        out.normalize_decoder_()
+        src = self.module  # inside the trainer's ``editing``: a bf16 module's parameters are its fp32 masters
+        out = t.fold_copy(src)  # written row chunk by row chunk below, each rounded once into its dtype
+        s_in, s_out = self.s_in, self.s_out
+        for name in ("W_Q", "W_K"):
+            fold_rows(getattr(out, name), getattr(src, name), lambda w, r: w.mul_(s_in))
+        norm = row_norms(src.W_O, lambda w: w.div_(s_out), dim=1).clamp_min(1e-12)  # normalize_decoder_
+        g = None
         if self.balance is not None and bool((self.balance.log_gain != 0).any()):
-            g = self.balance.gain().to(out.W_V)
-            out.W_V.mul_(g[:, None])
-            out.b_V.mul_(g)
-            out.W_O.div_(g[:, None])
+            g = self.balance.gain().to(src.W_V)
+        fold_rows(out.W_V, src.W_V, lambda w, r: _times(w.mul_(s_in).mul_(norm[r, None]), g, r))
+        fold_rows(out.b_V, src.b_V, lambda w, r: _times(w.mul_(norm[r]), g, r))
+        fold_rows(out.W_O, src.W_O,
+                  lambda w, r: w.div_(s_out).div_(norm[r, None]) if g is None
+                  else w.div_(s_out).div_(norm[r, None]).div_(g[r, None]))
+        if out.b_D is not None:
+            fold_rows(out.b_D, src.b_D, lambda w, r: w.div_(s_out))
         return out
+
+
+def _times(w: torch.Tensor, g: torch.Tensor | None, r: slice) -> torch.Tensor:
+    """``w ·= g[r]`` per row (broadcast over ``w``'s trailing axes); ``w`` as it is for ``g`` None."""
+    if g is None:
+        return w
+    return w.mul_(g[r].reshape(-1, *([1] * (w.dim() - 1))))
 
 

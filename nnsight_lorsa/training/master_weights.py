@@ -31,11 +31,15 @@ the masters (as in fp32 training; 2 B without masters), and the bf16 gradient (2
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 #: the dtypes whose parameters get an fp32 master (below fp32's precision)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -199,6 +203,18 @@ class MasterWeights:
                 for params, name, p in swapped:
                     params[name] = p
                 self.round_()
+
+    def rounded_copy(self, module: ModuleT) -> ModuleT:
+        """A deep copy of ``module`` made inside :meth:`editing` (its parameters the fp32 masters) in which each
+        master is its parameter's dtype again, rounded once (``master.to(dtype)``, one parameter at a time): no fp32
+        copy of the module is made (a fold, :func:`~.objective_base.fold_rows`, then writes its rows into it).
+        Buffers are copied as they are (a buffer's fp32 master as held inside ``editing``); no gradients."""
+        low = {id(m): p.dtype for p, m in self._pairs.values()}
+        memo: dict[int, object] = {}
+        for q in module.parameters():
+            if id(q) in low:
+                memo[id(q)] = nn.Parameter(q.detach().to(low[id(q)]), requires_grad=q.requires_grad)
+        return copy.deepcopy(module, memo)
 
     def low_precision_copy(self, copy: nn.Module, module: nn.Module) -> nn.Module:
         """``copy`` (a copy of ``module`` made inside :meth:`editing`, so in fp32 where ``module`` has masters)

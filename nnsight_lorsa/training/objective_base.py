@@ -5,7 +5,7 @@ sees (:class:`TrainingState`), and the checks every objective shares; the object
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -14,6 +14,7 @@ from ..errors import ArgumentError, NotReadyError, TooFewTokensError
 from .activations import Batch
 
 Metrics = dict[str, float]
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 class TrainingState:
@@ -55,6 +56,11 @@ class TrainingState:
     def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`~.trainer.Trainer.batch_mean`: the (global) batch mean of per-token ``values``."""
         return self._trainer.batch_mean(values)
+
+    def fold_copy(self, module: ModuleT) -> ModuleT:
+        """The copy a fold writes into (:meth:`~.master_weights.MasterWeights.rounded_copy`, inside ``editing``):
+        ``module``'s deep copy, each parameter with an fp32 master in its own (low-precision) dtype."""
+        return self._trainer.masters.rounded_copy(module)
 
     def reset_latents(self, params: Any, moved: torch.Tensor) -> None:
         """Latents ``moved`` (indices) start afresh: their rows of the Adam moments of ``params`` (those
@@ -166,6 +172,36 @@ def _require_tokens(t: TrainingState, n_tokens: int) -> None:
                                 "loss_mask entry is False (BOS and padding are never counted; a target_mask that "
                                 "keeps nothing?): give windows with counted tokens (longer windows, a target_mask "
                                 "with True entries) or raise norm_batches")
+
+
+#: elements of one parameter a fold (:func:`fold_rows`) holds in fp32 at once: 2^22 (16 MB)
+FOLD_CHUNK = 1 << 20
+
+
+def row_chunks(t: torch.Tensor) -> list[slice]:
+    """Slices of ``t``'s first axis of at most ~:data:`FOLD_CHUNK` elements each (one row at least; one slice
+    of everything for a 0-dim ``t``)."""
+    if t.dim() == 0:
+        return [slice(None)]
+    step = max(1, FOLD_CHUNK // max(1, t[0].numel()))
+    return [slice(i, i + step) for i in range(0, t.shape[0], step)]
+
+
+@torch.no_grad()
+def fold_rows(dst: torch.Tensor, src: torch.Tensor, fn: Any) -> None:
+    """``dst[r] = fn(src[r] copied, r)`` for each of :func:`row_chunks`; ``fn`` edits the copy in place and returns
+    it, in ``src``'s dtype (a bf16 parameter's fp32 master), and ``dst`` takes it rounded once to its own dtype (as
+    ``.to(dtype)``). A fold so holds one chunk in ``src``'s dtype at a time, not a copy of the module.
+    ``dst (rows, *)`` and ``src`` of the same shape."""
+    for r in row_chunks(src):
+        dst[r] = fn(src[r].clone(), r)
+
+
+@torch.no_grad()
+def row_norms(src: torch.Tensor, fn: Any, dim: int = -1) -> torch.Tensor:
+    """``fn(src).norm(dim=dim)`` computed per :func:`row_chunks` (``fn`` elementwise, on a copy; ``dim`` not 0):
+    the norms of the rows a fold writes, without a copy of ``src``."""
+    return torch.cat([fn(src[r].clone()).norm(dim=dim) for r in row_chunks(src)])
 
 
 def _require_norms(objective: _Objective) -> None:

@@ -31,7 +31,6 @@ is :mod:`.lorsa_objective`, the contract they share (:class:`_Objective`, :class
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -64,6 +63,8 @@ from .objective_base import (  # noqa: F401 - TrainingState / _Objective: the tr
     _ratio,
     _require_norms,
     _require_tokens,
+    fold_rows,
+    row_norms,
 )
 
 
@@ -230,19 +231,28 @@ class _SparseCoderObjective(_DictionaryObjective):
         rank ``pre_i · ‖W_dec_i‖`` instead of ``pre_i`` and pick other features where the norms differ
         (``normalize_decoder=False``); BatchTopK's rows stay at ``1/s_out`` so that its threshold stays valid."""
         _require_norms(self)
-        out = copy.deepcopy(self.module).eval()
-        out.W_enc.mul_(self.s_in)
-        out.W_dec.div_(self.s_out)
-        out.b_dec.div_(self.s_out)
+        src = self.module  # inside the trainer's ``editing``: a bf16 module's parameters are its fp32 masters
+        out = t.fold_copy(src).eval()  # written row chunk by row chunk below, each rounded once into its dtype
+        s_in, s_out = self.s_in, self.s_out
+        act = out.activation
+        if isinstance(act, (TopK, AbsTopK, GroupMax)):  # one factor: every feature's rank kept
+            common = row_norms(src.W_dec, lambda w: w.div_(s_out)).mean().clamp_min(1e-12)
+            fold_rows(out.W_dec, src.W_dec, lambda w, r: w.div_(s_out).div_(common))
+            fold_rows(out.W_enc, src.W_enc, lambda w, r: w.mul_(s_in).mul_(common))
+            fold_rows(out.b_enc, src.b_enc, lambda w, r: w.mul_(common))
+        elif not isinstance(act, BatchTopK):  # fold_decoder_norm_ of the scaled decoder: each row to unit norm
+            norm = row_norms(src.W_dec, lambda w: w.div_(s_out)).clamp_min(1e-12)
+            fold_rows(out.W_dec, src.W_dec, lambda w, r: w.div_(s_out).div_(norm[r, None]))
+            fold_rows(out.W_enc, src.W_enc, lambda w, r: w.mul_(s_in).mul_(norm[None, :]))
+            fold_rows(out.b_enc, src.b_enc, lambda w, r: w.mul_(norm[r]))
+            if isinstance(act, JumpReLU):
+                fold_rows(act.threshold, src.activation.threshold, lambda w, r: w.mul_(norm[r]))
+        else:  # BatchTopK: rows stay at 1/s_out
+            fold_rows(out.W_dec, src.W_dec, lambda w, r: w.div_(s_out))
+            fold_rows(out.W_enc, src.W_enc, lambda w, r: w.mul_(s_in))
+        fold_rows(out.b_dec, src.b_dec, lambda w, r: w.div_(s_out))
         if getattr(out, "W_skip", None) is not None:  # a skip transcoder's linear path
-            out.W_skip.mul_(self.s_in / self.s_out)
-        if isinstance(out.activation, (TopK, AbsTopK, GroupMax)):
-            common = out.W_dec.norm(dim=-1).mean().clamp_min(1e-12)  # one factor: every feature's rank kept
-            out.W_dec.div_(common)
-            out.W_enc.mul_(common)
-            out.b_enc.mul_(common)
-        elif not isinstance(out.activation, BatchTopK):
-            out.fold_decoder_norm_()
+            fold_rows(out.W_skip, src.W_skip, lambda w, r: w.mul_(s_in / s_out))
         return out
 
 
@@ -387,14 +397,18 @@ class _CLTObjective(_DictionaryObjective):
         """``ŷ_raw_l' = ŷ_l'(x · s_in) / s_out[l']`` (eval mode): ``W_enc[l] *= s_in[l]`` (the same
         features fire with the same values, so thresholds stay valid), ``W_dec_l[:, l' − l] /= s_out[l']``,
         ``b_dec[l] /= s_out[l]``, ``W_skip[l] *= s_in[l] / s_out[l]``; decoder rows are not renormalised."""
-        s_in, s_out = self._scales(self.module.W_enc)
-        out = copy.deepcopy(self.module).eval()
-        out.W_enc.mul_(s_in)
+        src = self.module  # inside the trainer's ``editing``: a bf16 module's parameters are its fp32 masters
+        s_in, s_out = self._scales(src.W_enc)
+        out = t.fold_copy(src).eval()  # written row chunk by row chunk below, each rounded once into its dtype
         for layer in range(out.n_layers):
-            out.W_dec(layer).div_(s_out[layer:, 0, 0][None, :, None])
-        out.b_dec.div_(s_out[:, 0])
+            fold_rows(out.W_enc[layer], src.W_enc[layer], lambda w, r, s=s_in[layer]: w.mul_(s))
+            fold_rows(out.W_dec(layer), src.W_dec(layer),
+                      lambda w, r, s=s_out[layer:, 0, 0][None, :, None]: w.div_(s))
+        fold_rows(out.b_dec, src.b_dec, lambda w, r: w.div_(s_out[r, 0]))
         if out.W_skip is not None:
-            out.W_skip.mul_(s_in / s_out)
+            ratio = s_in / s_out
+            for layer in range(out.n_layers):
+                fold_rows(out.W_skip[layer], src.W_skip[layer], lambda w, r, s=ratio[layer]: w.mul_(s))
         return out
 
 

@@ -233,8 +233,7 @@ class Trainer:
             NotReadyError: (a ``RuntimeError``) the norms are not estimated yet (no step taken).
         """
         with self.masters.editing(self.module):  # a bf16 module's fold is computed on its fp32 masters, rounded once
-            folded = self.objective.fold(self.state)
-        return self.masters.low_precision_copy(folded, self.module)
+            return self.objective.fold(self.state)  # row chunk by row chunk: no fp32 copy of the module (2026-11-28)
 
     # -------------------------------------------------------------- loss helpers
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
