@@ -158,16 +158,8 @@ def tiny_config(family: str) -> transformers.PretrainedConfig:
     raise KeyError(family)
 
 
-@torch.no_grad()
 def tiny_hf_model(family: str, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = tiny_config(family)
-    cfg._attn_implementation = attn
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    for name, p in model.named_parameters():
-        if name.endswith("bias") or "norm" in name or "ln" in name.split(".")[-2:][0]:
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return drawn_hf_model(tiny_config(family), seed, attn)
 
 
 def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -793,7 +785,8 @@ def partial_rotary_refused(cfg: transformers.PretrainedConfig) -> bool:
 
 @torch.no_grad()
 def drawn_hf_model(cfg: transformers.PretrainedConfig, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
-    """The model of a drawn config with random weights, biases and norm gains perturbed as :func:`tiny_hf_model`'s."""
+    """The model of a config (drawn, or :func:`tiny_config`'s) with random weights, its biases and norm gains perturbed
+    (by 0.1 of a standard normal)."""
     torch.manual_seed(seed)
     cfg._attn_implementation = attn
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()

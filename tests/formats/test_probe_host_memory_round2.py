@@ -18,22 +18,13 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_transcoder
+from test_probe_host_memory import WRITERS  # the writers the first round measured
 
 from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa import _atomic as A
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.formats import load, load_all, save
 from nnsight_lorsa.formats import validate as V
-
-WRITERS: list[tuple[str, str, dict[str, Any]]] = [
-    ("lorsa", "nnsight_lorsa", {}),
-    ("lorsa", "llamascopium", {"hook_point_in": "blocks.0.ln1.hook_normalized",
-                                "hook_point_out": "blocks.0.hook_attn_out"}),
-    ("relu", "nnsight_lorsa", {}),
-    ("relu", "saelens", {"hook_name": "blocks.0.ln2.hook_normalized"}),
-    ("topk", "sparsify", {}),
-    ("relu_set", "circuit_tracer", {"feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out"}),
-]
 
 
 def _module(kind: str) -> Any:
