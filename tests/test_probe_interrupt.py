@@ -63,6 +63,21 @@ def fail_once(failure: str) -> Callable[..., None]:
     return fail
 
 
+def failing_fetch(n: int, failure: str) -> tuple[Callable[..., torch.Tensor], list[int]]:
+    """A stand-in for ``_placement.fetch`` (an offloaded tensor's copy to its site's device) that clones, as a copy
+    to a GPU would (on a CPU model the real copy is ``t`` itself), and raises ``FAILURES[failure]`` at the ``n``-th
+    copy; with the list counting the copies asked for."""
+    calls = [0]
+
+    def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == n:
+            raise FAILURES[failure]()
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    return fetch, calls
+
+
 def snapshot(*roots: torch.nn.Module, ids: bool = True) -> list:
     """Everything an interrupted workflow could leave changed on ``roots`` (compared with ``==``): per module its
     name, type, identity, mode, hooks and instance attributes; per parameter / buffer its identity, dtype, device,
@@ -255,14 +270,7 @@ def test_a_failed_copy_of_an_offloaded_module_puts_every_tensor_back(name, n, fa
     from nnsight_lorsa import _placement
 
     w = world()
-    calls = [0]
-
-    def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == n:
-            raise FAILURES[failure]()
-        return t.detach().clone().requires_grad_(t.requires_grad)
-
+    fetch, calls = failing_fetch(n, failure)
     with offloaded(w):
         expected = OFFLOADED[name](w)
         before = snapshot(w.hf, *w.replacements)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import generated, make_transcoders, random_ids, tiny_nnsight
 from hypothesis import strategies as st
-from test_probe_interrupt import FAILURES, fail_once, same, same_state, snapshot, trainer_state
+from test_probe_interrupt import FAILURES, fail_once, failing_fetch, same, same_state, snapshot, trainer_state
 
 import nnsight_lorsa.envoy.replacement_set as replacement_set
 from nnsight_lorsa import LorsaSet, TranscoderSet
@@ -497,14 +497,7 @@ def test_a_failed_copy_in_an_offloaded_attribution_under_a_budget_reruns_bit_exa
     w = world()
     expected = uninterrupted_attribution(name)
     before = snapshot(w.hf, *w.replacements)
-    calls = [0]
-
-    def fetch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == n:
-            raise FAILURES[failure]()
-        return t.detach().clone().requires_grad_(t.requires_grad)
-
+    fetch, calls = failing_fetch(n, failure)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_placement, "fetch", fetch)
         with contextlib.suppress(type(FAILURES[failure]())):

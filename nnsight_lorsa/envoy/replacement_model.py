@@ -66,12 +66,13 @@ def _bound_set(model: Any, adapter: ArchitectureAdapter, value: Any, slot: str) 
     raise ConfigMismatchError(f"{slot} must be a {kinds[0].__name__} or a mapping, got {type(value).__name__}")
 
 
-def _bare_modules(value: Any) -> list[torch.nn.Module]:
-    """The modules of a slot's value given as a mapping or a single module (not yet in a set)."""
-    if value is None or isinstance(value, ReplacementSet):
-        return []
-    items = value.values() if isinstance(value, Mapping) else [value]
-    return [m for m in items if isinstance(m, torch.nn.Module)]
+def _slot_modules(value: Any) -> tuple[ReplacementSet | None, list[torch.nn.Module]]:
+    """A slot's value as ``(set, its modules)`` when given as a set, else ``(None, the modules)`` of a mapping or a
+    single module (not yet in a set; none for None)."""
+    if isinstance(value, ReplacementSet):
+        return value, list(value.values())
+    items = [] if value is None else value.values() if isinstance(value, Mapping) else [value]
+    return None, [m for m in items if isinstance(m, torch.nn.Module)]
 
 
 class ReplacementModel:
@@ -108,10 +109,10 @@ class ReplacementModel:
         self.adapter = adapter if adapter is not None else get_adapter(model)
         if offload is not None:
             check_flag(offload, "offload", "ReplacementModel")
-        given = [v for v in (lorsas, transcoders, saes) if isinstance(v, ReplacementSet)]
-        bare = [m for v in (lorsas, transcoders, saes) for m in _bare_modules(v)]
-        flags = [(s, s._offload) for s in given]
-        kept = [*bare, *(m for s in given for m in s.values())] if offload is not None else []
+        slots = [_slot_modules(v) for v in (lorsas, transcoders, saes)]
+        bare = [m for held, modules in slots if held is None for m in modules]
+        flags = [(held, held._offload) for held, _ in slots if held is not None]
+        kept = [m for _, modules in slots for m in modules] if offload is not None else []
         try:  # all or nothing: until 2026-11-28 a switch failing on the second set left the first switched
             with kept_on_failure(kept):  # every module's mark and tensors as before on a failure
                 for m in bare if offload is not None else []:  # marked first: their sets never move them to the device

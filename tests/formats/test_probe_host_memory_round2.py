@@ -18,28 +18,12 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_transcoder
-from test_probe_host_memory import WRITERS  # the writers the first round measured
+from test_probe_host_memory import WRITERS, _module, _state  # the first round's writers and modules
 
-from nnsight_lorsa import Lorsa, LorsaConfig
 from nnsight_lorsa import _atomic as A
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.formats import load, load_all, save
 from nnsight_lorsa.formats import validate as V
-
-
-def _module(kind: str) -> Any:
-    if kind == "lorsa":
-        return Lorsa(LorsaConfig(d_model=32, n_qk_heads=4, d_qk_head=8, n_ov_heads=64, top_k=8))
-    if kind == "relu_set":
-        return {i: make_transcoder(False, activation="relu", activation_params={}, layer=i) for i in (0, 1)}
-    return make_transcoder(False, activation=kind, activation_params={"k": 4} if kind == "topk" else {})
-
-
-def _state(obj: Any) -> dict[str, torch.Tensor]:
-    if isinstance(obj, dict) or hasattr(obj, "transcoders"):
-        items = obj.items() if isinstance(obj, dict) else obj.transcoders.items()
-        return {f"{i}.{k}": v for i, m in items for k, v in m.state_dict().items()}
-    return dict(obj.state_dict())
 
 
 def _spy_reads(monkeypatch: Any) -> list[str]:
