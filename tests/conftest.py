@@ -16,12 +16,17 @@ import pytest
 # each nested team alive — one suite run reached 1009 threads (945 idle) and a load of 200, stuck in
 # test_lorsa_recipe (py-spy: GOMP_parallel <- mkl_blas_dgemm <- mkl_lapack_dlasd3 <- dgesdd).
 os.environ.setdefault("OMP_MAX_ACTIVE_LEVELS", "1")
+# An xdist worker (the default run: one a core) takes one OpenMP / torch thread: two workers of two threads each on
+# two cores spin-wait against each other (libgomp), and the suite ran ~5x slower than serially.
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from jaxtyping import install_import_hook
 
 sys.path.insert(0, os.path.dirname(__file__))
 install_import_hook("nnsight_lorsa", "beartype.beartype")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1 if XDIST_WORKER else min(2, torch.get_num_threads()))
 
 # Property-based tests: random examples on a developer's machine (they explore), the same examples on CI
 # (``CI`` set: derandomized, so a landing never hinges on which inputs a run happened to draw).
