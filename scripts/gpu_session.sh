@@ -88,13 +88,14 @@ else
   VARIANTS=(); ZPROD=(); SCALE=(); LAYER=15; D_TOKENS=(512 1024 2048 4096); OFF_TOKENS=(1024 4096); WORKERS="${GPU_SESSION_WORKERS:-8}"
 fi
 # pytest-xdist runs the suite on WORKERS processes (73 cases ~40-50 s on an H200; 178 since 2026-11-27 evening, not yet
-# timed there: their CPU cases take ~2.4x the former ones); without it the suite runs serially: longer
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS"); SUITE_S=180
-else XDIST=(); SUITE_S=480; echo "pytest-xdist not installed: the gpu suite runs serially (timeout ${SUITE_S}s)"; fi
+# timed there: their CPU cases take ~2.4x the former ones); without it the suite runs serially: longer (and pyproject's
+# addopts, which name -n, are replaced)
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS" --maxprocesses "$WORKERS"); XDIST_ON=1; SUITE_S=180
+else XDIST=(-o "addopts=-ra"); XDIST_ON=0; SUITE_S=480; echo "pytest-xdist not installed: the gpu suite runs serially (timeout ${SUITE_S}s)"; fi
 
 # the session's record: device, versions, commit (GPU_SESSION_COMMIT, else git's, else unknown)
 COMMIT="${GPU_SESSION_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-"$PY" - "$OUT/session.json" "$COMMIT" "$SMALL" "$BUDGET" "${#XDIST[@]}" <<'EOF'
+"$PY" - "$OUT/session.json" "$COMMIT" "$SMALL" "$BUDGET" "$XDIST_ON" <<'EOF'
 import datetime, importlib, json, sys
 path, commit, small, budget = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 info = {"commit": commit, "small": small, "budget_s": budget, "xdist": sys.argv[5] != "0",

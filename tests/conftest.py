@@ -22,7 +22,7 @@ XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
-from jaxtyping import install_import_hook
+from jaxtyping import install_import_hook  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 install_import_hook("nnsight_lorsa", "beartype.beartype")

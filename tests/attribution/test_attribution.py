@@ -461,7 +461,7 @@ print("ok", int(remote.feature_rows.sum()))
 """
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_attribution_under_nnsight_remote_local_simulation(family):
     """Both traces serialized by nnsight (our code by value) and run back: the same graph, bit for bit (Gemma-2:
     its adapter and post-norm sites travel too). In a fresh interpreter: the test-time type-checking wrappers are

@@ -84,7 +84,7 @@ def estimated(est) -> tuple:
 # ---------------------------------------------------------------- 1. estimate_memory(max_memory=) is the call's plan
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_estimate_memory_with_max_memory_is_the_plan_attribute_makes(offloaded, device, monkeypatch):
     """For caps drawn around the estimate (from below batch 1 to above every row kept at the asked batch):
     ``estimate_memory(max_memory=cap)`` is the estimate of the call ``attribute(max_memory=cap)`` makes — the same

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from helpers import ROOT
 
 
@@ -34,7 +33,6 @@ def test_gpu_scale_runs_at_the_tiny_scale_on_cpu(tmp_path):
     assert all(r["cpu_ms"] >= 0 and r["calls"] > 0 for r in profile["cpu"])
 
 
-@pytest.mark.slow
 def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
     """Part (d) with ``--offload`` (the Lorsas and transcoders offloaded to the host) runs and records it."""
     out = tmp_path / "gpu_scale.json"
@@ -52,7 +50,6 @@ def test_gpu_scale_attribution_offloaded_at_the_tiny_scale_on_cpu(tmp_path):
     assert row["phase_peaks"] is None and row["memory_snapshot"] is None and result["d_memory_snapshot"] is False
 
 
-@pytest.mark.slow
 def test_gpu_scale_trains_a_bf16_lorsa_through_masters_at_the_tiny_scale_on_cpu(tmp_path):
     """Part (c) with a bf16 model also trains a bf16 Lorsa (fp32 master weights) and records its throughput."""
     out = tmp_path / "gpu_scale.json"

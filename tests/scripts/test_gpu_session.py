@@ -228,7 +228,6 @@ def test_gpu_record_carries_phase_peaks_and_keeps_a_memory_snapshot_run_apart(tm
     assert parsed.out.endswith("gpu_scale_memsnap.json") and parsed.tokens == [1024]
 
 
-@pytest.mark.slow
 def test_the_profile_steps_profile_the_d_and_offload_runs_at_1024_tokens(tmp_path, monkeypatch):
     """``dprof`` and ``oprof`` (not default steps): the ``d`` step's Lorsa layer and the ``offload`` step's all-layer
     run at 1024 tokens (4096 did not finish under the profiler on an H200), with one more call under the profiler

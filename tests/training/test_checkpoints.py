@@ -136,7 +136,6 @@ FIRST_SAVE = 7  # 5 files, rename into place, (nothing old to remove): boundarie
 SECOND_SAVE = 8  # 5 files, old aside, new into place, old removed: the step-4 save
 
 
-@pytest.mark.slow
 def test_sigkill_at_every_save_boundary_resumes_bit_exactly(tmp_path):
     ns: dict = {}
     exec(COMMON, ns)

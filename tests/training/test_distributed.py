@@ -253,7 +253,6 @@ def test_two_gloo_processes_equal_one_process(tmp_path):
     assert torch.equal(half.positions, a.positions) and torch.equal(half.loss_mask, b.loss_mask[3:])
 
 
-@pytest.mark.slow
 def test_ddp_averages_bf16_gradients_in_fp32_rounded_once(tmp_path):
     """3 ranks: a bf16 module's masters get the fp32 average of the ranks' bf16 gradients rounded once to bf16,
     where DDP's own bf16 path (each gradient divided by 3 in bf16, then summed in bf16) differs; an fp32 module
