@@ -174,31 +174,48 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     ``subfolder`` and ``local_files_only`` from ``kwargs``), then read as a local directory.
 
     The download fetches the card and the configs first, then the weights those call for (:mod:`~..formats.hub`).
-    A downloaded set with a model card (``push_to_hub``'s) must hold every folder its card lists, each loading; one
-    without must load every folder the snapshot holds checkpoint files of (a folder missing whole is not seen).
+    A downloaded set with a model card (``push_to_hub``'s) or a set index (``set.json``, what ``save`` writes since
+    2026-11-28) must hold every folder its card (else its index) lists, each loading; one without either must load
+    every folder the snapshot holds checkpoint files of (a folder missing whole is not seen). A local directory with
+    a set index must likewise hold every folder it lists, each loading; one without is read as it is.
 
     Raises:
         CheckpointError: the repo could not be fetched (network, authentication, offline cache miss, no such
-            repo or ``subfolder``); a folder the set's card lists is missing or does not load (an incomplete
-            download, e.g. an interrupted one that a huggingface_hub without its tree-listing cache hands over); a
-            folder of a set without a card that does not load; then as :func:`~..formats.registry.load_all`."""
+            repo or ``subfolder``); a folder the set's card or index lists is missing, holds no checkpoint files or
+            does not load (an incomplete download, e.g. an interrupted one that a huggingface_hub without its
+            tree-listing cache hands over; a partial copy of a local directory); a folder of a downloaded set
+            without a card or index that does not load; a malformed ``set.json``; then as
+            :func:`~..formats.registry.load_all`."""
     import warnings  # local, as the others here: what a set shipped by value imports stays small
+    from pathlib import Path
 
     from ..errors import CheckpointError
     from ..formats.files import resolve_checkpoint_dir
-    from ..formats.hub import card_folders, looks_like_repo_id, set_download_patterns, set_weight_patterns
+    from ..formats.hub import (
+        card_folders,
+        looks_like_repo_id,
+        set_download_patterns,
+        set_index_folders,
+        set_weight_patterns,
+    )
     from ..formats.reader import hub_configs
     from ..formats.registry import LoadedModules, PartialLoadWarning, load_all, readers_of
 
-    if not looks_like_repo_id(src):
-        return load_all(src, format=format, **kwargs)
+    downloaded = looks_like_repo_id(src)
     opts = dict(kwargs)
     hub = {name: opts.pop(name) for name in ("subfolder", "revision", "local_files_only") if name in opts}
-    readers = readers_of(format)
-    # the card and every folder's configs first; then the weights they call for, at the top and one folder down
-    local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(hub_configs(readers)),
-                                   then=lambda d: set_weight_patterns(readers, d), **hub)
-    listed = [f for f in card_folders(local) or [] if f != "."]  # ".": a module at the top (a CLT set's)
+    if downloaded:
+        readers = readers_of(format)
+        # the card and every folder's configs first; then the weights they call for, at the top and one folder down
+        local = resolve_checkpoint_dir(src, allow_patterns=set_download_patterns(hub_configs(readers)),
+                                       then=lambda d: set_weight_patterns(readers, d), **hub)
+        listed = card_folders(local) or set_index_folders(local) or []
+    else:
+        local = Path(src)
+        listed = (set_index_folders(local) if local.is_dir() and not hub else None) or []
+        if not listed:  # a directory without a set index (saved before 2026-11-28, another library's): as it is
+            return load_all(src, format=format, **kwargs)
+    listed = [f for f in listed if f != "."]  # ".": a module at the top (a CLT set's)
     with warnings.catch_warnings():  # a folder that fails is reported below, as the download's
         warnings.simplefilter("ignore", PartialLoadWarning)
         failures: dict[str, Exception]
@@ -208,8 +225,14 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
             loaded, failures = LoadedModules(), {"(all)": e}
         else:
             failures = dict(loaded.failures)
-    where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
-    where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
+    if downloaded:
+        where = f"{src!r} (revision {hub.get('revision') or 'main'!r}"
+        where += f", subfolder {hub['subfolder']!r})" if hub.get("subfolder") else ")"
+        what, remedy = "the downloaded snapshot", "an incomplete download (delete that snapshot and download again, " \
+            "with network access)"
+    else:
+        where, what = repr(str(src)), "the directory"
+        remedy = "a partial copy of the saved set (copy it again, whole)"
     if not listed and failures:  # no card: a folder whose files are missing or torn is an incomplete download
         if "(all)" in failures:
             raise failures["(all)"]
@@ -225,13 +248,17 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     incomplete = [f for f in listed if f not in loaded]
     if incomplete:
         absent = [f for f in incomplete if not (local / f).is_dir()]
+        empty = [f for f in incomplete if f not in absent and f not in failures and "(all)" not in failures]
         why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in failures.items())
-        raise CheckpointError(
-            f"{where}: the set's card lists the folders {listed}, but "
-            + (f"{absent} are missing from the downloaded snapshot {str(local)!r}" if absent else "")
-            + (" and " if absent and why else "") + (f"these did not load: {why}" if why else "")
-            + ": an incomplete download (delete that snapshot and download again, with network access)"
-            + ("" if absent or format == "auto" else f", or not format={format!r}"))
+        lister = "card" if downloaded and card_folders(local) else f"index ({local / 'set.json'})"
+        parts = [*([f"{absent} are missing from {what} {str(local)!r}"] if absent else []),
+                 *([f"{empty} hold no checkpoint files"] if empty else []),
+                 *([f"these did not load: {why}"] if why else [])]
+        raise CheckpointError(f"{where}: the set's {lister} lists the folders {listed}, but " + " and ".join(parts)
+                              + f": {remedy}" + ("" if absent or format == "auto" else f", or not format={format!r}"))
+    unlisted = {k: e for k, e in failures.items() if k not in listed}
+    if listed and unlisted:  # a folder beside the set's (copied in by hand) that does not load: as load_all warns
+        warnings.warn(PartialLoadWarning(local, unlisted), stacklevel=3)
     return loaded
 
 
@@ -385,18 +412,26 @@ class ReplacementSet(Generic[K, M]):
         swapped in when all are written, so a failure part-way (``Ctrl-C``, a full disk) leaves the set saved
         there before, whole (until 2026-11-28 each folder was swapped in on its own: a set interrupted part-way
         loaded as a mix of the two sets). Entries of ``directory`` the save does not write (a README, folders of
-        keys the set does not hold) are kept.
+        keys the set does not hold) are kept. The set index ``set.json`` (:mod:`~..formats.hub`) lists every module
+        folder the directory then holds (these keys' and those kept), so that :meth:`from_pretrained` refuses a
+        partial copy of it instead of reading a smaller set.
 
         Raises:
             SaveError: an ``OSError`` while writing (disk full, permission); ``directory`` is left as it was.
             CheckpointError: ``directory`` is a file or the working directory.
         """
+        from pathlib import Path
+
         from .._atomic import atomic_directory
-        from ..formats.registry import save
+        from ..formats.hub import SET_INDEX, set_index
+        from ..formats.registry import checkpoint_folders, save
 
         with atomic_directory(directory, manifest=None) as stage:  # each folder has its manifest
-            for key in self:
-                save(self[key], stage.path / self.folder(key))
+            written = [self.folder(key) for key in self]
+            for key, folder in zip(self, written, strict=True):
+                save(self[key], stage.path / folder)
+            kept = [p.name for p in checkpoint_folders(Path(directory)) if p.name not in written]  # carried over
+            stage.write_json(SET_INDEX, set_index(written + kept), indent=1)
 
     def push_to_hub(self, repo_id: str, *, metrics: Any = None, subfolder: str | None = None,
                     private: bool | None = None, token: str | None = None,

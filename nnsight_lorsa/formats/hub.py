@@ -23,8 +23,15 @@ manifests and every folder's configs (:func:`set_download_patterns`), then the w
 and one folder down (:func:`set_weight_patterns`: the files each manifest lists, each format's weights where its
 config came) — not every ``.safetensors`` of the repo. A downloaded set must hold every folder its card lists
 (:func:`card_folders`: an interrupted download is refused, not read as a smaller set); without a card, every
-folder holding a checkpoint's files must load (a folder with a config but not its weights is refused), but a
-folder missing whole cannot be seen.
+folder holding a checkpoint's files must load (a folder with a config but not its weights is refused), and a
+folder missing whole is seen only through the set index.
+
+``set.json``, the set index (:data:`SET_INDEX`, written by ``ReplacementSet.save`` since 2026-11-28, so also in every
+``push_to_hub`` folder): ``{"format": "nnsight_lorsa.set", "folders": [...]}``, the module folders the directory
+holds after the save (the set's own and those an earlier save left there). ``from_pretrained`` of a local
+directory or a downloaded snapshot refuses one that lacks a listed folder, or where a listed folder does not load
+(a partial copy, an interrupted download: not a smaller set). Directories saved before it have none and load as
+before.
 ``huggingface_hub`` is imported only for a repo id.
 """
 
@@ -39,12 +46,19 @@ from typing import Any
 
 from .._atomic import atomic_file
 from ..errors import ArgumentError, MissingDependencyError
+from .files import read_json_object
+from .validate import require
 
-__all__ = ["CARD", "card_folders", "check_push_args", "graph_card", "looks_like_repo_id", "metrics_table",
-           "push_folder", "set_card", "set_download_patterns", "set_weight_patterns", "stage_and_push", "write_card"]
+__all__ = ["CARD", "SET_INDEX", "SET_INDEX_FORMAT", "card_folders", "check_push_args", "graph_card",
+           "looks_like_repo_id", "metrics_table", "push_folder", "set_card", "set_download_patterns", "set_index",
+           "set_index_folders", "set_weight_patterns", "stage_and_push", "write_card"]
 
 #: the model card's file name
 CARD = "README.md"
+#: the set index's file name (module docstring)
+SET_INDEX = "set.json"
+#: the set index's ``"format"``
+SET_INDEX_FORMAT = "nnsight_lorsa.set"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 
 
@@ -63,7 +77,7 @@ def set_download_patterns(file_patterns: list[str]) -> list[str]:
     at the top and in folders (``layer_<L>/config.json``; huggingface_hub matches with ``fnmatch``, whose ``*``
     also spans ``/``: the configs of deeper folders come too, small files), the manifests and the card."""
     names = sorted({*file_patterns, "checksums.json"})
-    return [*names, *(f"*/{n}" for n in names), CARD]
+    return [*names, *(f"*/{n}" for n in names), CARD, SET_INDEX]
 
 
 def set_weight_patterns(readers: list[Any], directory: Path) -> list[str]:
@@ -166,6 +180,33 @@ def card_folders(directory: str | os.PathLike[str]) -> list[str] | None:
     if not text.startswith("---\nlibrary_name: nnsight-lorsa\n"):
         return None
     return _CARD_ROW.findall(text) or None
+
+
+def set_index(folders: list[str]) -> dict[str, Any]:
+    """The set index (module docstring) listing ``folders``, as written to ``SET_INDEX``."""
+    return {"format": SET_INDEX_FORMAT, "folders": list(folders)}
+
+
+def set_index_folders(directory: str | os.PathLike[str]) -> list[str] | None:
+    """The module folders the set index ``directory/set.json`` lists, in its order; None where ``directory`` holds
+    none (a set saved before 2026-11-28, another library's folder). What ``from_pretrained`` checks a set's
+    directory against, local or downloaded: a listed folder that is missing or does not load is a partial copy.
+
+    Raises:
+        CheckpointError: the file is not JSON, not a set index (``"format"``), or its ``"folders"`` are not distinct
+            relative folder names (naming the file).
+    """
+    path = Path(directory) / SET_INDEX
+    if not path.exists():
+        return None
+    data = read_json_object(path)
+    require(data.get("format") == SET_INDEX_FORMAT, path, f'not a set index: its "format" is not {SET_INDEX_FORMAT!r}')
+    folders = data.get("folders")
+    require(isinstance(folders, list) and len(set(map(str, folders))) == len(folders) and all(
+        isinstance(f, str) and f and f == f.strip() and not Path(f).is_absolute() and ".." not in Path(f).parts
+        and "\\" not in f for f in folders), path, '"folders" must be a list of distinct relative folder names, '
+            f"got {folders!r}")
+    return [str(f) for f in folders or []]
 
 
 def _target(repo_id: str, subfolder: str | None) -> str:

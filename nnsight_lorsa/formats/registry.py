@@ -62,8 +62,8 @@ from . import (
 from .files import read_json_object, resolve_checkpoint_dir
 from .reader import Reader, hub_configs, hub_weights, read_dir
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "detect_format", "load",
-           "load_all", "readers_of", "register_format", "save"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "checkpoint_folders",
+           "detect_format", "load", "load_all", "readers_of", "register_format", "save"]
 
 #: what :func:`save` writes unless told otherwise
 DEFAULT_FORMAT = "nnsight_lorsa"
@@ -321,6 +321,15 @@ def _checkpoint_like(p: Path) -> bool:
     return any((p / n).is_file() for n in names) or any(p.glob("*.safetensors"))
 
 
+def checkpoint_folders(directory: Path, fmt: Format | None = None) -> list[Path]:
+    """The subfolders of ``directory`` that :func:`load_all` reads as modules (in natural order): those a format
+    (``fmt``, default any) recognises, or holding files a format reads (:func:`_checkpoint_like`)."""
+    subs = sorted((p for p in directory.iterdir() if p.is_dir()), key=lambda p: _natural(p.name)) \
+        if directory.is_dir() else []
+    return [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))
+            or _checkpoint_like(p)]
+
+
 def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwargs: Any) -> LoadedModules:
     """Every module of a checkpoint folder, by name: the folder itself when it is a checkpoint, else
     each subfolder that is one (a sparsify run, a ``LorsaSet.save`` directory), in natural order.
@@ -357,9 +366,7 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
         elif not (d.is_dir() and fmt.detect(d)):
             raise FormatDetectionError(f"{d}: no {fmt.name} checkpoint files ({fmt.looks_for})")
     except FormatDetectionError:
-        subs = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: _natural(p.name)) if d.is_dir() else []
-        candidates = [p for p in subs if any(f.detect(p) for f in (FORMATS.values() if fmt is None else [fmt]))
-                      or _checkpoint_like(p)]
+        candidates = checkpoint_folders(d, fmt)
         if not candidates:
             raise
         for p in candidates:

@@ -172,6 +172,10 @@ def test_a_set_folder_that_is_not_layer_digits_is_refused(lorsa_set_dir, tmp_pat
     odd = tmp_path / "odd"
     shutil.copytree(d, odd)
     (odd / "layer_1").rename(odd / name)
+    with pytest.raises(CheckpointError, match=r"set\.json\) lists the folders \['layer_1'\], but \['layer_1'\] are "
+                       "missing"):  # the set index lists the folder its save wrote
+        LorsaSet.from_pretrained(model, odd)
+    (odd / "set.json").unlink()  # a directory built by hand (or saved before the set index)
     with pytest.raises(ConfigMismatchError, match=r"is not a layer folder name: only layer_<digits>"):
         LorsaSet.from_pretrained(model, odd)
     assert list(LorsaSet.from_pretrained(model, d)) == [1]

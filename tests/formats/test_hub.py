@@ -115,7 +115,7 @@ def test_a_lorsa_set_round_trips_through_the_hub_layout(hub, tiny):
     (upload,) = hub.named("upload_folder")
     assert upload["path_in_repo"] is None and upload["delete_patterns"] == ["layer_*"]
     layout = ["README.md", "layer_1/checksums.json", "layer_1/config.json", "layer_1/model.safetensors",
-              "layer_2/checksums.json", "layer_2/config.json", "layer_2/model.safetensors"]
+              "layer_2/checksums.json", "layer_2/config.json", "layer_2/model.safetensors", "set.json"]
     assert upload["files"] == layout == files_under(hub.repo("me/tiny-lorsa"))
 
     card = (hub.repo("me/tiny-lorsa") / "README.md").read_text()
@@ -157,7 +157,7 @@ def test_a_transcoder_set_in_a_subfolder_with_per_layer_metrics(hub, tiny):
 
     # a later push of fewer layers leaves no stale layer folder behind (deleted in the same commit)
     TranscoderSet(model, {1: tcs[1]}).push_to_hub("me/mix", subfolder="tiny/transcoders")
-    assert sorted({f.split("/")[0] for f in files_under(where)}) == ["README.md", "layer_1"]
+    assert sorted({f.split("/")[0] for f in files_under(where)}) == ["README.md", "layer_1", "set.json"]
     assert list(TranscoderSet.from_pretrained(model, "me/mix:tiny/transcoders")) == [1]
 
 

@@ -215,7 +215,10 @@ def test_a_set_without_a_card_refuses_a_folder_without_its_weights(tmp_path, rem
             LorsaSet.from_pretrained(model, "me/torn")
     remote.put("me/gone", tmp_path / "set")
     shutil.rmtree(remote.repos / "me/gone" / "layer_2")
-    assert LorsaSet.from_pretrained(model, "me/gone").layers == [1]  # not seen without a card
+    with pytest.raises(CheckpointError, match=r"'me/gone'.*set\.json\) lists the folders.*\['layer_2'\] are missing"):
+        LorsaSet.from_pretrained(model, "me/gone")  # the set index (save's, since 2026-11-28) lists layer_2
+    (remote.repos / "me/gone" / "set.json").unlink()  # a set saved before the set index
+    assert LorsaSet.from_pretrained(model, "me/gone").layers == [1]  # not seen without a card or an index
     with_card = tmp_path / "carded"
     shutil.copytree(tmp_path / "set", with_card)
     set_card(with_card, kind="LorsaSet", what="Lorsa", key_name="layer",
