@@ -66,6 +66,7 @@ from ._placement import check_device_arg
 from .envoy.loading import load_model  # re-exported: the loader lives in the glue layer (envoy)
 from .envoy.nnsight_internals import hf_module
 from .errors import ArgumentError, PlacementError
+from .formats.hub import SET_INDEX
 
 __all__ = ["PROMPT", "SKIP_START", "DemoConfig", "DemoInterrupted", "TrainingInterrupted", "load_model", "run_demo",
            "write_pictures"]
@@ -244,12 +245,14 @@ _DASHBOARD = re.compile(r"L\d+_H\d+\.html")
 
 def _ours(d: Path) -> bool | None:
     """Whether the directory ``out_dir/d.name`` holds what the demo writes there: a saved Lorsa set (``layer_*``
-    folders), a trainer checkpoint (``trainer.json``), head dashboards; None where it is empty."""
+    folders, and the set index ``set.json`` since 2026-11-28), a trainer checkpoint (``trainer.json``), head
+    dashboards; None where it is empty."""
     children = list(d.iterdir())
     if not children:
         return None
     if d.name in ("lorsa", "lorsa_interrupted"):
-        return all(c.is_dir() and re.fullmatch(r"layer_\d+", c.name) for c in children)
+        return all((c.is_dir() and re.fullmatch(r"layer_\d+", c.name)) or (c.is_file() and c.name == SET_INDEX)
+                   for c in children)
     if d.name == "checkpoint":
         return (d / "trainer.json").is_file()
     return any(c.is_file() and _DASHBOARD.fullmatch(c.name) for c in children)  # dashboards
