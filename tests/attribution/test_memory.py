@@ -171,6 +171,9 @@ def test_sparse_rows_across_blocks_and_chunks(monkeypatch):
     assert len(sp.blocks) > 1 and sp.nnz == int((dense != 0).sum())
     assert torch.equal(sp.dense(), dense)
     assert torch.allclose(sp.row_sums(), dense.double().sum(1))
+    pruned = rows_module.SparseRows(n_cols)  # kept mass < 1: the dropped entries' sum is each row's residual
+    pruned.append(dense, keep_mass=0.5)  # (mutation probe 2026-11-28: row_sums without it passed)
+    assert pruned.nnz < sp.nnz and torch.allclose(pruned.row_sums(), dense.double().sum(1))
     # an acyclic graph: row r is node r + 3 (columns 0..2 are sources only); the last rows carry weight
     row_node = torch.arange(n_rows) + 3
     dag = dense * (torch.arange(n_cols)[None] < row_node[:, None])

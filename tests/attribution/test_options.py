@@ -156,3 +156,22 @@ def test_each_way_of_naming_targets_gives_the_same_graph():
     assert one.nodes.index[one.logit_ids].tolist() == top[:1]
     with pytest.raises(ConfigMismatchError, match="2 tokens"):
         attribute(r, ids, targets=["w3 w7"])
+
+
+def test_logit_targets_take_the_fewest_tokens_that_reach_the_probability():
+    """Mutation probe (2026-11-28): ``LogitTargets`` keeps the most likely tokens up to the first whose cumulative
+    probability reaches ``cumulative_prob`` (circuit-tracer: ``searchsorted(cumsum, p) + 1``), capped by ``max_n``;
+    keeping one fewer passed every other test (the peer graph's target count is set by its ``max_n``)."""
+    from nnsight_lorsa.attribution import LogitTargets
+    from nnsight_lorsa.attribution.logit_targets import target_logits
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = 3 * torch.randn(40, generator=g)
+        p_want = float(torch.rand((), generator=g)) * 0.98 + 0.01
+        max_n = int(torch.randint(1, 12, (), generator=g))
+        probs, order = logits.softmax(-1).sort(descending=True)
+        n = min(int(torch.searchsorted(probs.cumsum(0), torch.tensor(p_want))) + 1, max_n)
+        ids, p = target_logits(logits, LogitTargets(max_n=max_n, cumulative_prob=p_want))
+        assert ids.tolist() == order[:n].tolist()
+        assert torch.allclose(p, probs[:n], rtol=1e-6, atol=0)

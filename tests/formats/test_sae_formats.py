@@ -222,6 +222,23 @@ def test_saelens_gated_and_batchtopk_match_reference(tmp_path: Path, arch: str) 
     _close(m.train()(x), (acts / norms) @ st["W_dec"] + st["b_dec"])
 
 
+def test_saelens_rescaled_batchtopk_with_expected_average_only_in(tmp_path: Path) -> None:
+    """Mutation probe (2026-11-28): the ``norm_scaling_factor`` fold of a rescaled BatchTopK divides its threshold by
+    ``s`` (it is in units of ``pre·‖W_dec‖`` and ``W_dec /= s``); multiplying passed every other test. SAELens on
+    ``s·x``, its output divided by ``s``, in plain torch."""
+    cfg, st = _saelens_gated_or_batchtopk(tmp_path, "batchtopk", rescale=True)
+    cfg["normalize_activations"] = "expected_average_only_in"
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    s = 2.5
+    m = load_saelens(tmp_path, adapter=ADAPTER, d_model=D, norm_scaling_factor=s).eval()
+    x = torch.randn(64, D, generator=_g(9)) * 2
+    norms = st["W_dec"].norm(dim=-1)
+    pre = ((s * x - st["b_dec"]) @ st["W_enc"] + st["b_enc"]) * norms
+    acts = pre.relu() * (pre > float(st["topk_threshold"])).float()
+    assert 0 < int((acts > 0).sum()) < acts.numel()
+    _close(m(x), ((acts / norms) @ st["W_dec"] + st["b_dec"]) / s)
+
+
 def test_saelens_gated_and_batchtopk_bad_input(tmp_path: Path) -> None:
     _, st = _saelens_gated_or_batchtopk(tmp_path / "g", "gated")
     del st["r_mag"]

@@ -63,6 +63,43 @@ def test_forward_matches_per_head_reference(qk_norm, rotary):
     assert torch.equal(cache.active, cache.z > 0)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@torch.no_grad()
+def test_forward_matches_a_plain_reference_off_the_defaults(qk_norm):
+    """Mutation probe (2026-11-28): a set ``attn_scale`` (not ``sqrt(d_qk_head)``) divides the scores, and a head
+    among the top k whose ``z_pre`` is negative is ReLU'd to 0 (``b_V`` shifted down so that most ``z_pre`` are
+    negative: a top-k that forgot the ReLU, an SDPA left at its default scale, or a QK-norm over the wrong dim passed
+    the reference above, which takes q and k from the module).
+    Plain torch, no call into the module but its parameters."""
+    torch.manual_seed(1)
+    cfg = LorsaConfig(d_model=24, n_qk_heads=3, d_qk_head=8, n_ov_heads=12, top_k=5, attn_scale=2.5,
+                      qk_norm=qk_norm)
+    lorsa = Lorsa(cfg)
+    for p in lorsa.parameters():
+        p.add_(0.3 * torch.randn_like(p))
+    lorsa.b_V.sub_(1.0)
+    x = torch.randn(2, 7, 24)
+    out, cache = lorsa(x, return_cache=True)
+    q = torch.einsum("bsd,hde->bhse", x, lorsa.W_Q) + lorsa.b_Q[None, :, None]
+    k = torch.einsum("bsd,hde->bhse", x, lorsa.W_K) + lorsa.b_K[None, :, None]
+    if qk_norm:  # RMSNorm over each head's d_qk, a weight per head
+        eps = cfg.qk_norm_eps
+        q = q * (q.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * lorsa.ln_q.w[:, None]
+        k = k * (k.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * lorsa.ln_k.w[:, None]
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    pattern = (q @ k.transpose(-1, -2) / 2.5).masked_fill(~causal, float("-inf")).softmax(-1)  # (b, n_qk, s, s)
+    v = x @ lorsa.W_V.T + lorsa.b_V  # (b, s, n_ov)
+    g = cfg.group_size
+    z_pre = torch.stack([(pattern[:, h // g] @ v[..., h, None])[..., 0] for h in range(cfg.n_ov_heads)], -1)
+    top = z_pre.topk(5, -1)
+    z = torch.zeros_like(z_pre).scatter(-1, top.indices, top.values.clamp_min(0))
+    assert bool((top.values < 0).any()), "the draw must put a negative z_pre among the top k"
+    want = z @ lorsa.W_O + lorsa.b_D
+    assert (cache.z_pre - z_pre).abs().max() <= 1e-5 * z_pre.abs().max()
+    assert (cache.z - z).abs().max() <= 1e-5 * z.abs().max()
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("rotary", [ROPE, None], ids=["rope", "no-rope"])

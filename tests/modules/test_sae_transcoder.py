@@ -101,7 +101,9 @@ def test_transcoders_match_formula(skip):
 @torch.no_grad()
 def test_fold_decoder_norm_and_batchtopk_export_keep_outputs():
     sae = make_sae(d_in=16, d_sae=32)  # jumprelu
-    x = torch.randn(4, 16)
+    with torch.no_grad():  # decoder norms far from 1 (mutation probe 2026-11-28: near-unit norms let a fold that
+        sae.W_dec.mul_(torch.linspace(0.3, 3.0, 32)[:, None])  # divided the threshold pass)
+    x = torch.randn(16, 16)
     before = sae(x)
     sae.fold_decoder_norm_()
     assert torch.allclose(sae.W_dec.norm(dim=-1), torch.ones(32), atol=1e-6)
@@ -222,10 +224,11 @@ def test_batchtopk_training_inference_and_export():
 def test_jumprelu_forward_and_straight_through_gradients():
     eps = 0.1
     act = JumpReLU(3, threshold=torch.tensor([0.2, 0.5, 0.8]), bandwidth=eps)
-    x = torch.tensor([[0.1, 0.52, 0.9], [0.25, 0.3, 0.79], [-1.0, 0.46, 0.84]], requires_grad=True)
+    # x[1, 1] == θ_1 exactly: H(0) = 0, as SAELens's ``pre > threshold`` (mutation probe 2026-11-28: ``>=`` passed)
+    x = torch.tensor([[0.1, 0.52, 0.9], [0.25, 0.5, 0.79], [-1.0, 0.46, 0.84]], requires_grad=True)
     y = act(x)
     theta = act.threshold.detach()
-    assert torch.equal(y, torch.where(x > theta, x, 0.0))
+    assert torch.equal(y, torch.where(x > theta, x, 0.0)) and y[1, 1] == 0
     g = torch.randn(3, 3)
     y.backward(g)
     rect = ((x - theta).abs() < eps / 2).float()
