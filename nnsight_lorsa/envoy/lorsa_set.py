@@ -86,6 +86,8 @@ def _own_tokens(mask: torch.Tensor | None, batch: int, new: int, device: torch.d
 class LorsaSet(ReplacementSet[int, Lorsa]):
     """The Lorsas of one model, keyed by layer; ``replace(layer=L)`` splices them into a trace.
 
+    Source: Lorsa paper (He et al. 2025) §3 (one Lorsa replaces one layer's attention); docs/lorsa.md.
+
     Args:
         model: an nnsight ``TransformersModel``/``LanguageModel`` (the root envoy).
         lorsas: ``{layer: Lorsa}``; each must fit the model (``d_model``; ``cfg.layer`` if set). Each is

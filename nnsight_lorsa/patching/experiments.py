@@ -161,6 +161,13 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         targets: targets, or tuples of targets patched together.
         positions: positions patched (None: all).
 
+    Returns:
+        :class:`PatchingResult`: ``clean`` and ``corrupt`` metrics ``(batch,)``, ``patched`` ``(n_groups, batch)``
+        (the metric's dtype and device), ``groups`` in the order scored.
+
+    Source: activation patching as in Heimersheim & Nanda 2024, "How to use and interpret activation
+    patching"; the targets and where each lives: docs/patching.md.
+
     Raises:
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
         ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``;
