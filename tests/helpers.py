@@ -177,6 +177,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
+_TINY_LLAMA: list = []
+
+
+def tiny_llama_shared():
+    """``[model, hf, adapter]`` of one tiny Llama (``tiny_nnsight("llama")``) built once per process and shared by
+    the tests that only read it (sets saved and loaded against it)."""
+    if not _TINY_LLAMA:
+        from nnsight_lorsa import get_adapter
+
+        model, hf = tiny_nnsight("llama")
+        _TINY_LLAMA.extend([model, hf, get_adapter(model)])
+    return _TINY_LLAMA
+
+
 def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager", device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
     """(nnsight TransformersModel, underlying HF model) for a tiny random model on ``device`` in ``dtype``

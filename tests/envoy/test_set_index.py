@@ -10,22 +10,15 @@ import warnings
 
 import pytest
 import torch
-from helpers import generated, make_lorsa, make_transcoder, tiny_nnsight
+from helpers import generated, make_lorsa, make_transcoder, tiny_llama_shared
 from hypothesis import strategies as st
 
-from nnsight_lorsa import LorsaSet, TranscoderSet, get_adapter
+from nnsight_lorsa import LorsaSet, TranscoderSet
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.formats.hub import SET_INDEX_FORMAT, set_index_folders
 from nnsight_lorsa.formats.registry import PartialLoadWarning
 
-_TINY: list = []
-
-
-def tiny():
-    if not _TINY:
-        model, hf = tiny_nnsight("llama")
-        _TINY.extend([model, hf, get_adapter(model)])
-    return _TINY
+tiny = tiny_llama_shared
 
 
 def saved(tmp_path, layers=(1, 2)):

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_clt, make_lorsa, make_sae, make_transcoder, tiny_nnsight
+from helpers import make_clt, make_lorsa, make_sae, make_transcoder, tiny_llama_shared
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_probe_hub_loading import assert_placed, files_under, probe
 
-from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa import LorsaSet
 from nnsight_lorsa.errors import CheckpointError
 from nnsight_lorsa.formats import load, save
 from nnsight_lorsa.formats.hub import set_card
@@ -72,14 +72,7 @@ def remote(tmp_path, monkeypatch):
     return Remote(tmp_path, monkeypatch)
 
 
-_TINY: list = []
-
-
-def tiny():
-    if not _TINY:
-        model, hf = tiny_nnsight("llama")
-        _TINY.extend([model, hf, get_adapter(model)])
-    return _TINY
+tiny = tiny_llama_shared
 
 
 def relu_transcoders(layers) -> dict:
