@@ -319,21 +319,34 @@ def atomic_directory(directory: str | os.PathLike[str], *, manifest: str | None 
 
 def atomic_file(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write the single file ``path`` atomically: a sibling temporary, fsynced, renamed over ``path``
-    (a crash leaves the old file or the new one). Returns ``path``."""
+    (a crash leaves the old file or the new one). Returns ``path``.
+
+    Raises:
+        SaveError: an ``OSError`` (disk full, permission, I/O; its ``__cause__``) while writing: the temporary is
+            removed and ``path`` is as before (the old file, or none); or one while syncing the folder after the
+            rename (the new file is in place). Until 2026-11-28 the bare ``OSError``, naming no file of ours.
+    """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         _boundary(f"file:{p.name}")
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, LorsaError):
+            raise SaveError(f"{p}: the write failed ({type(e).__name__}: {e}); the file there before, if any, is "
+                            "intact (nothing was replaced)") from e
         raise
-    _fsync(p.parent)
+    try:
+        _fsync(p.parent)
+    except OSError as e:
+        raise SaveError(f"{p}: written and renamed into place, but syncing its folder failed ({type(e).__name__}: "
+                        f"{e}); the new file is in place") from e
     _boundary("rename:new")
     for stale in p.parent.glob(f".{p.name}.tmp-*"):  # left by writes whose process is gone
         pid = stale.name[len(p.name) + len("..tmp-"):].split("-", 1)[0]
