@@ -121,3 +121,26 @@ def test_inside_global_batch_the_update_takes_the_combined_statistic(sparse):
     assert calls[-1][1] == 0
     _feed(act, x, sparse)  # outside: the local statistic
     assert float(act.threshold) == pytest.approx(2.2 + 0.1 * (want - 2.2), rel=1e-6)
+
+
+@generated(examples=6, sweep=100, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([BF16, F16]),
+           at=st.integers(1, 20), sparse=st.booleans(), nested=st.booleans())
+def test_a_deep_copy_keeps_the_fp32_estimate(seed, dtype, at, sparse, nested):
+    """``copy.deepcopy`` mid-run (alone, or inside a module): the copy then tracks the original bit for bit (seen
+    failing: the copy's stamps named the original's buffers, so it restarted from the rounded buffer and drifted
+    from the original within a few updates)."""
+    import copy
+
+    act = BatchTopK(2, 8, threshold_lr=0.01).to(dtype).train()
+    batches = _batches(seed, 40, 4, 8, 0.0, dtype)
+    for x in batches[:at]:
+        _feed(act, x, sparse)
+    twin = copy.deepcopy(torch.nn.Sequential(act))[0] if nested else copy.deepcopy(act)
+    for i, x in enumerate(batches[at:]):
+        _feed(act, x, sparse)
+        _feed(twin, x, sparse)
+        assert torch.equal(act.threshold, twin.threshold) and int(act.n_updates) == int(twin.n_updates), i
+        assert act._running().dtype == twin._running().dtype == torch.float32
+        assert torch.equal(act._running(), twin._running()), i
+    twin.threshold.fill_(0.25)  # the copy's own buffers: a write to it leaves the original as it is
+    assert not torch.equal(act.threshold, twin.threshold)
