@@ -28,7 +28,6 @@ Needs torch only.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -287,20 +286,23 @@ class BatchTopK(nn.Module):
     def _threshold_stamp(self) -> tuple[int, int]:
         return id(self.threshold), self.threshold._version
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> BatchTopK:
-        """``copy.deepcopy``: the copy's stamps name its own buffers, so that it keeps the fp32 running estimate and
-        the host mirror (nn.Module's deep copy, which copies both, made the stamps stale: the copy restarted its
-        estimate from the rounded bf16 / fp16 buffer until 2026-11-28)."""
-        exact = self._exact is not None and self._exact_seen == self._threshold_stamp()
-        fresh = self._stamp() == self._seen
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (``copy.deepcopy``, ``pickle``): the state, with whether the fp32 running estimate and
+        the host mirror are valid, so that :meth:`__setstate__` stamps the copy's own buffers (nn.Module's deep copy
+        copied both but left their stamps naming the original's buffers: the copy restarted its estimate from the
+        rounded bf16 / fp16 buffer until 2026-11-28)."""
+        state = dict(self.__dict__)
+        state["_stamps_valid"] = (self._exact is not None and self._exact_seen == self._threshold_stamp(),
+                                  self._stamp() == self._seen)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        exact, fresh = state.pop("_stamps_valid", (False, False))
+        super(BatchTopK, self).__setstate__(state)
         if exact:
-            new._exact_seen = new._threshold_stamp()
+            self._exact_seen = self._threshold_stamp()
         if fresh:
-            new._seen = new._stamp()
-        return new
+            self._seen = self._stamp()
 
     def _running(self) -> torch.Tensor:
         """The running estimate of ``θ`` in at least fp32: the buffer itself when it is fp32 / fp64, else the fp32

@@ -124,18 +124,21 @@ def test_inside_global_batch_the_update_takes_the_combined_statistic(sparse):
 
 
 @generated(examples=6, sweep=100, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([BF16, F16]),
-           at=st.integers(1, 20), sparse=st.booleans(), nested=st.booleans())
-def test_a_deep_copy_keeps_the_fp32_estimate(seed, dtype, at, sparse, nested):
-    """``copy.deepcopy`` mid-run (alone, or inside a module): the copy then tracks the original bit for bit (seen
-    failing: the copy's stamps named the original's buffers, so it restarted from the rounded buffer and drifted
-    from the original within a few updates)."""
+           at=st.integers(1, 20), sparse=st.booleans(), nested=st.booleans(),
+           how=st.sampled_from(["deepcopy", "pickle"]))
+def test_a_deep_copy_keeps_the_fp32_estimate(seed, dtype, at, sparse, nested, how):
+    """``copy.deepcopy`` (or a pickle round trip: the module's own process, no file) mid-run, alone or inside a
+    module: the copy then tracks the original bit for bit (seen failing: the copy's stamps named the original's
+    buffers, so it restarted from the rounded buffer and drifted from the original within a few updates)."""
     import copy
+    import pickle
 
     act = BatchTopK(2, 8, threshold_lr=0.01).to(dtype).train()
     batches = _batches(seed, 40, 4, 8, 0.0, dtype)
     for x in batches[:at]:
         _feed(act, x, sparse)
-    twin = copy.deepcopy(torch.nn.Sequential(act))[0] if nested else copy.deepcopy(act)
+    dup = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))  # noqa: S301
+    twin = dup(torch.nn.Sequential(act))[0] if nested else dup(act)
     for i, x in enumerate(batches[at:]):
         _feed(act, x, sparse)
         _feed(twin, x, sparse)
