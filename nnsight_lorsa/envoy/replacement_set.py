@@ -192,6 +192,7 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
     from ..errors import CheckpointError
     from ..formats.files import resolve_checkpoint_dir
     from ..formats.hub import (
+        SET_INDEX,
         card_folders,
         looks_like_repo_id,
         set_download_patterns,
@@ -250,7 +251,7 @@ def _load_source(src: Any, format: str, kwargs: dict[str, Any]) -> Any:
         absent = [f for f in incomplete if not (local / f).is_dir()]
         empty = [f for f in incomplete if f not in absent and f not in failures and "(all)" not in failures]
         why = "; ".join(f"{k}: {type(e).__name__}: {e}" for k, e in failures.items())
-        lister = "card" if downloaded and card_folders(local) else f"index ({local / 'set.json'})"
+        lister = "card" if downloaded and card_folders(local) else f"index ({local / SET_INDEX})"
         parts = [*([f"{absent} are missing from {what} {str(local)!r}"] if absent else []),
                  *([f"{empty} hold no checkpoint files"] if empty else []),
                  *([f"these did not load: {why}"] if why else [])]
