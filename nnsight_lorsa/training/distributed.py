@@ -272,6 +272,43 @@ class DataParallel:
                                     "getting its part of the batch")
         return int(counts[0])
 
+    def _store(self) -> Any:
+        """The group's key-value store (the one ``init_process_group`` made; reached through torch's private
+        ``distributed_c10d._get_process_group_store``), or None where this torch has no such function."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            group = self.group if self.group is not None else c10d._get_default_group()
+            return c10d._get_process_group_store(group)
+        except Exception:  # noqa: BLE001 (a private function: without it, the raw error stays)
+            return None
+
+    def backward_failed(self, step: int) -> RankFailedError | None:
+        """Called by :meth:`~.trainer.Trainer.train_step` on every rank whose backward pass of step ``step``
+        raised. A rank whose own backward raised (an autograd hook or function) cannot meet the others' gradient
+        all-reduce: they wait in it until that process closes its connections (it exits or destroys its group), then
+        gloo raises its raw ``RuntimeError`` ("Connection closed by peer") in their backward. So the failed rank
+        records ``step`` in the group's store (one key, only on failure: no cost per step) and its own error goes on;
+        a rank whose backward raised while another's key of the step is there returns the
+        :class:`RankFailedError` naming those ranks (the caller raises it from the raw error). Returns None (the
+        caller re-raises its error) for this rank's own failure, or where the store cannot be reached.
+
+        Not bounded by this: while the failed process lives on (its error caught, the group kept), the others wait
+        in the all-reduce (gloo's timeout, 30 minutes by default).
+        """
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            others = [r for r in range(self.world_size)
+                      if r != self.rank and store.check([f"nnsight_lorsa/backward_failed/{r}/{step}"])]
+            if not others:
+                store.set(f"nnsight_lorsa/backward_failed/{self.rank}/{step}", str(step))
+                return None
+        except Exception:  # noqa: BLE001 (the store is gone too: the raw error stays)
+            return None
+        return self._rank_failed(step, others, "in its backward pass (an autograd hook or function raised)")
+
     def tell_failed(self, step: int) -> None:
         """Tell the other ranks that this rank failed after its forward pass of step ``step`` (its own error is then
         raised by the caller, :class:`~.trainer.Trainer`): they raise :class:`RankFailedError` at their next step's

@@ -325,7 +325,15 @@ class Trainer:
                 raise self._non_finite("loss", loss_value)
             self.optimizer.zero_grad(set_to_none=True)
             self.module.zero_grad(set_to_none=True)  # (a bf16 module's own gradients: moved to the masters below)
-            loss.backward()
+            try:
+                loss.backward()
+            except Exception as e:  # (DDP) this rank's own error is recorded; a peer's recorded one is named
+                if self.dist is None:
+                    raise
+                told = self.dist.backward_failed(self.step)
+                if told is None:
+                    raise
+                raise told from e
             self.masters.move_grads()  # a bf16 module's gradients go to its fp32 masters (DDP has reduced them)
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
