@@ -186,8 +186,14 @@ class LorsaObjective(_Objective):
             if t.config.aux_k_coef > 0 and dead.any():
                 loss = loss + t.config.aux_k_coef * aux
         elif remedy == "ghost" and dead.any() and recipe.ghost_coef > 0:
-            aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O)
-            loss = loss + recipe.ghost_coef * aux * (mse.detach() / aux.detach().clamp_min(1e-12))
+            aux = ghost_loss(z_pre[mask], dead, err, lorsa.W_O, t.batch_mean)
+            if t.dist is None:  # rescaled to the MSE's size
+                ratio = mse.detach() / aux.detach().clamp_min(1e-12)
+            else:  # the global batch's MSE and ghost loss (each rank's own ratio weighted the ranks' gradients
+                n = int(mask.sum())  # unevenly until 2026-11-28: the ranks' sum was not one process's gradient)
+                ratio = t.batch_mean(err.detach().pow(2).sum(-1)) / \
+                    t.batch_mean(aux.detach().expand(n)).clamp_min(1e-12)
+            loss = loss + recipe.ghost_coef * aux * ratio
         elif remedy == "revive" and dead.any():
             self._last = (z_pre[mask].detach(), dead.clone(), k, err.detach())
         elif remedy == "resample" and dead.any():

@@ -86,6 +86,7 @@ Stronger balance costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.js
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -457,10 +458,13 @@ def init_lorsa(lorsa: Lorsa, x: torch.Tensor, y: torch.Tensor, loss_mask: torch.
     return {"scale": scale, "fvu_init": fvu0}
 
 
-def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: torch.Tensor,
+               mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Ghost-grads loss: dead heads' ``exp(z_pre)`` decode the error ``err (n, d)`` (detached), rescaled
     to half its norm per token; normalised by ``‖err‖²``. ``z_pre (n, n_ov)``, ``dead (n_ov,)`` bool.
-    No head dead: the ghost is the empty sum, 0, and the loss 1 (no gradient)."""
+    No head dead: the ghost is the empty sum, 0, and the loss 1 (no gradient). ``mean``: the normaliser's mean of
+    the per-token ``‖err‖² (n,)`` (default: this batch's; the trainer passes
+    :meth:`~.trainer.Trainer.batch_mean`, the global batch's under data parallelism)."""
     e = err.detach()
     zd = z_pre[:, dead]
     # exp(z − max_h z) per token: the rescaling to half the error's norm cancels any per-token factor (value and
@@ -470,7 +474,8 @@ def ghost_loss(z_pre: torch.Tensor, dead: torch.Tensor, err: torch.Tensor, W_O: 
     shift = torch.cat([zd.detach(), zd.new_full((zd.shape[0], 1), -torch.inf)], -1).amax(-1, keepdim=True)
     ghost = torch.exp(zd - shift) @ W_O[dead]
     scale = (e.norm(dim=-1, keepdim=True) / (2 * ghost.detach().norm(dim=-1, keepdim=True).clamp_min(1e-12)))
-    return (ghost * scale - e).pow(2).sum(-1).mean() / e.pow(2).sum(-1).mean().clamp_min(1e-12)
+    sq = e.pow(2).sum(-1)
+    return (ghost * scale - e).pow(2).sum(-1).mean() / (sq.mean() if mean is None else mean(sq)).clamp_min(1e-12)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from helpers import run_ranks
-from test_probe_ddp_topk import _close, make_lorsa_trainer, state
+from test_probe_ddp_topk import make_lorsa_trainer, state
 from test_probe_ddp_topk import make_trainer as make_coder_trainer
 
 #: the runs of ``steps``: (name, builder)
@@ -35,6 +35,8 @@ SAME_AS_ONE = ("sae_topk", "lorsa_ghost")
 #: relative bound (Frobenius norm of the difference / of one process's tensor, fp64) against one process, per step:
 #: the first DDP probe's bound for the final TopK SAE (``test_probe_ddp_topk.py``), kept
 REL = 1e-8
+#: the norm below which a tensor is held to ``REL * FLOOR`` (absolute)
+FLOOR = 1e-3
 FAIL_STEP = 2
 
 
@@ -130,7 +132,10 @@ def test_every_rank_holds_the_same_state_after_every_step_and_per_token_rules_eq
                     if value.dtype in (torch.long, torch.int32, torch.bool):
                         assert torch.equal(got, value), (name, step, key)
                     else:
-                        assert _close(got, value, REL), (name, step, key, float((got - value).norm()))
+                        # (b_K's gradient is 0 analytically, softmax being shift-invariant: its value is rounding
+                        # noise, ~1e-13, held to REL of FLOOR)
+                        diff = float((got - value).norm())
+                        assert diff <= REL * max(float(value.norm()), FLOOR), (name, step, key, diff)
 
 
 @pytest.mark.slow  # two processes start for each case (~5 s each on 2 busy cores)
