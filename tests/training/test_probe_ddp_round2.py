@@ -37,6 +37,10 @@ SAME_AS_ONE = ("sae_topk", "lorsa_ghost")
 REL = 1e-8
 #: the norm below which a tensor is held to ``REL * FLOOR`` (absolute)
 FLOOR = 1e-3
+#: BatchTopK's threshold against one process's at every step (the first DDP probe's bound for the final one; 5.2 %
+#: at most measured here): the statistic is the kept-weighted mean of the ranks' smallest kept activations, where one
+#: process takes the smallest of the global top ``k · N`` (both lie between the ranks' smallest and largest)
+THETA_REL = 0.1
 FAIL_STEP = 2
 
 
@@ -50,7 +54,8 @@ def _steps(out_prefix: str) -> None:
         DataParallel(trainer)
         out = {}
         for step in range(trainer.config.total_steps):
-            trainer.train(step + 1, progress=False)
+            trainer.train(1, progress=False)  # (one more step)
+            assert trainer.step == step + 1
             out.update({f"{step}.{k}": v for k, v in state(trainer).items()})
         save_file(out, f"{out_prefix}_{name}.safetensors")
 
@@ -107,7 +112,7 @@ def _single(name: str) -> list[dict[str, torch.Tensor]]:
         trainer = RUNS[name]()
         out = []
         for step in range(trainer.config.total_steps):
-            trainer.train(step + 1, progress=False)
+            trainer.train(1, progress=False)
             out.append(state(trainer))
         return out
     finally:
@@ -124,6 +129,10 @@ def test_every_rank_holds_the_same_state_after_every_step_and_per_token_rules_eq
         assert ranks[0].keys() == ranks[1].keys()
         for key in ranks[0]:
             assert torch.equal(ranks[0][key], ranks[1][key]), (name, key)
+        if name == "transcoder_batchtopk":  # the batch rule stays per rank (k · n of its rows): a bound, not equality
+            for step, want in enumerate(_single(name)):
+                got, value = ranks[0][f"{step}.buffer.activation.threshold"], want["buffer.activation.threshold"]
+                assert abs(float(got - value)) <= THETA_REL * abs(float(value)), (step, float(got), float(value))
         if name in SAME_AS_ONE:
             single = _single(name)
             for step, want in enumerate(single):
