@@ -61,9 +61,10 @@ def _steps(out_prefix: str) -> None:
 
 
 def _backward(rank: int, out_prefix: str, linger: float) -> None:
+    from test_probe_ddp_failure import make_trainer
+
     from nnsight_lorsa.errors import ShapeError
     from nnsight_lorsa.training.distributed import DataParallel
-    from test_probe_ddp_failure import make_trainer
 
     trainer = make_trainer()
 
@@ -111,7 +112,7 @@ def _single(name: str) -> list[dict[str, torch.Tensor]]:
     try:
         trainer = RUNS[name]()
         out = []
-        for step in range(trainer.config.total_steps):
+        for _ in range(trainer.config.total_steps):
             trainer.train(1, progress=False)
             out.append(state(trainer))
         return out
@@ -157,7 +158,7 @@ def test_a_rank_raising_in_its_backward_ends_every_rank_in_a_named_error(tmp_pat
     run_ranks(__file__, 2, tmp_path, ("backward", str(linger)), timeout=90)
     raised = float((tmp_path / "rank1.raised").read_text())
     ended, errors = zip(*((float(t), e) for t, e in
-                          (((tmp_path / f"rank{r}.error").read_text().split("\n", 1)) for r in range(2))))
+                          (((tmp_path / f"rank{r}.error").read_text().split("\n", 1)) for r in range(2))), strict=True)
     assert errors[1] == f"nnsight_lorsa.errors.ShapeError: step {FAIL_STEP}: injected in the backward | at step " \
         f"{FAIL_STEP}", errors
     assert errors[0].startswith(f"nnsight_lorsa.errors.RankFailedError: step {FAIL_STEP}: rank 1 of the data-parallel "
@@ -171,9 +172,9 @@ def _one_rank(tmp_path, peer_failed: bool, own: BaseException):
     step FAIL_STEP raises ``own``; rank 1's failure at that step recorded in the store when ``peer_failed``.
     Returns (the error, whether the trainer is as after step FAIL_STEP - 1, the keys of the store, its step)."""
     import torch.distributed as dist
+    from test_probe_ddp_failure import make_trainer
 
     from nnsight_lorsa.training.distributed import DataParallel
-    from test_probe_ddp_failure import make_trainer
 
     tmp_path.mkdir()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
