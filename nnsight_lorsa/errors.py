@@ -124,7 +124,9 @@ class RankFailedError(LorsaError, RuntimeError):
     this step: its source raised while getting its part of the batch, or its forward pass (the module, the
     objective, the loss) raised (that rank raises its own error). Every rank stops at the same step, before any
     collective of the step would wait for the failed one (the backward's gradient all-reduce included); the message
-    names the failed ranks and the step (:attr:`ranks`, :attr:`step`)."""
+    names the failed ranks and the step (:attr:`ranks`, :attr:`step`). A rank whose backward pass raised (an autograd
+    hook or function) is named too, once its process has exited or destroyed its group (the others wait in the
+    gradient all-reduce until then; raised from gloo's error)."""
 
     def __init__(self, message: str, *, step: int, ranks: list[int]) -> None:
         super().__init__(message)

@@ -60,9 +60,11 @@ gradient all-reduce (three to four per step for a BatchTopK SAE with AuxK; on 2 
 all-reduce took ~0.36 ms, +2.5 ms on a 12 ms toy step, nothing next to a real model's step); an error after the
 forward pass (optimizer step, a remedy, logging, saving a checkpoint in :meth:`~.trainer.Trainer.train`) at the
 others' next step's first collective, before a remedy's :meth:`DataParallel.broadcast_edit`, or at the end of
-``train()`` (:meth:`DataParallel.finish`, one all-reduce per call). Not covered: an error inside the backward pass
-(an autograd hook or function raising on one rank) leaves the others in DDP's gradient all-reduce until the failed
-process exits (gloo's "Connection closed by peer") or gloo's timeout. Devices: the collectives
+``train()`` (:meth:`DataParallel.finish`, one all-reduce per call). An error inside the backward pass (an autograd
+hook or function raising on one rank) cannot be met (the others wait in DDP's gradient all-reduce): they stop when the
+failed process exits or destroys its group, with :class:`~..errors.RankFailedError` naming it
+(:meth:`DataParallel.backward_failed`: the failed rank records the step in the group's store; no cost per step; until
+2026-11-28 gloo's raw "Connection closed by peer"); while it lives on, they wait until gloo's timeout. Devices: the collectives
 run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever device the module
 and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
 own imports).

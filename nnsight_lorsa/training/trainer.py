@@ -309,7 +309,9 @@ class Trainer:
                 the step and the tensor: the batch's non-finite activations, a parameter, …).
             TooFewTokensError: see :meth:`estimate_norms` (first step only).
             RankFailedError: (data parallel) another rank failed getting its batch or in its forward pass at this
-                step; the trainer is left as after step ``step - 1``, as for ``NonFiniteError``.
+                step, or in its backward pass (heard once its process ended:
+                :meth:`.distributed.DataParallel.backward_failed`); the trainer is left as after step ``step - 1``,
+                as for ``NonFiniteError``.
         """
         if self.s_in is None:
             self.estimate_norms()
