@@ -66,8 +66,8 @@ failed process exits or destroys its group, with :class:`~..errors.RankFailedErr
 (:meth:`DataParallel.backward_failed`: the failed rank records the step in the group's store; no cost per step; until
 2026-11-28 gloo's raw "Connection closed by peer"); while it lives on, they wait until gloo's timeout. Devices: the
 collectives run where the backend needs them (NCCL: the current CUDA device; gloo and others: the CPU), whatever
-device the module and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus the trainer's
-own imports).
+device the module and the combined tensors are on; results come back on the inputs' devices. Needs torch only (plus
+the trainer's own imports).
 """
 
 # (no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects, not strings)
