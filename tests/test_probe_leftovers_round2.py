@@ -68,12 +68,12 @@ def test_a_full_disk_in_a_single_file_write_is_our_save_error_and_leaves_the_fil
     target = tmp_path / "README.md"
     if before is not None:
         target.write_bytes(before)
-    monkeypatch.setattr(atomic, "open", lambda p, mode="r", *a, **k: _Full(open(p, mode, *a, **k)), raising=False)
+    monkeypatch.setattr(atomic, "open", lambda p, mode="r", *a, **k: _Full(open(p, mode, *a, **k)),  # noqa: SIM115
+                        raising=False)
+    write = (lambda: atomic.atomic_file(target, b"new contents " * 1000)) if writer == "atomic_file" else \
+        (lambda: write_card(tmp_path, title="t", tags=["x"], base_model=None, body="new " * 1000))
     with pytest.raises(SaveError, match="README.md") as info:
-        if writer == "atomic_file":
-            atomic.atomic_file(target, b"new contents " * 1000)
-        else:
-            write_card(tmp_path, title="t", tags=["x"], base_model=None, body="new " * 1000)
+        write()
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert [p.name for p in tmp_path.iterdir()] == ([] if before is None else ["README.md"])  # no temporary
     if before is not None:
