@@ -127,11 +127,11 @@ def _project(lorsa: Any, g: int, raw: torch.Tensor, positions: torch.Tensor, sid
     if cfg.qk_norm:
         ln = lorsa.ln_q if side == "q" else lorsa.ln_k
         dtype = out.dtype
-        v = out.to(torch.float32)
+        v = out.to(torch.promote_types(dtype, torch.float32))
         v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + ln.eps)
         out = ln.w[g] * v.to(dtype)
     if cfg.rotary is not None:
-        cos, sin = rotary_cos_sin(cfg.rotary, positions)
+        cos, sin = rotary_cos_sin(cfg.rotary, positions, dtype=torch.promote_types(out.dtype, torch.float32))
         out = apply_rotary(out[None, None], cos, sin, cfg.rotary.interleaved)[0, 0]
     return out
 

@@ -64,7 +64,7 @@ def _frozen_side(frozen: FrozenReplacement, lorsa: Any, x: torch.Tensor, positio
         pre, bias = w_norm * pre * scale, w_norm * bias * scale[:1]
     if lorsa.cfg.rotary is not None:
         p = positions.reshape(-1, positions.shape[-1])[0, pos:pos + 1]
-        cos, sin = rotary_cos_sin(lorsa.cfg.rotary, p)
+        cos, sin = rotary_cos_sin(lorsa.cfg.rotary, p, dtype=torch.promote_types(x.dtype, torch.float32))
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
 
         def rot(v: torch.Tensor) -> torch.Tensor:

@@ -271,15 +271,24 @@ class BatchTopK(nn.Module):
         self._seen = self._stamp()
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``.to`` / ``.cuda`` / ``.half``...: the moved ``n_updates`` holds the same value, still mirrored."""
+        """``.to`` / ``.cuda`` / ``.half``...: the moved ``n_updates`` holds the same value, still mirrored. A valid
+        fp32 running estimate of a bf16 / fp16 ``threshold`` is carried: cast to another low-precision dtype, the
+        buffer is the estimate's rounding to it; to fp32 / fp64, the buffer is the estimate itself (until 2026-11-28
+        the cast of the rounded buffer: a bf16 module's ``.float()`` lost the estimate, 1.0781 where it was 1.0771)."""
         fresh = self._stamp() == self._seen
         exact = self._exact if self._exact_seen == self._threshold_stamp() else None
+        dtype = self.threshold.dtype
         out = super(BatchTopK, self)._apply(fn, *args, **kwargs)
         if fresh:
             self._seen = self._stamp()
         self._exact = None
-        if exact is not None and self.threshold.dtype in _LOW_PRECISION:  # still low precision: the estimate moves
-            self._exact = exact.to(self.threshold.device)
+        theta = self.threshold
+        if exact is not None and (theta.dtype != dtype or exact.device != theta.device) \
+                and theta.device.type != "meta" and theta.dtype.is_floating_point:
+            with torch.no_grad():
+                theta.copy_(exact)  # the estimate, rounded to the new dtype (exact where fp32 / fp64)
+        if exact is not None and theta.dtype in _LOW_PRECISION:  # still low precision: the estimate moves
+            self._exact = exact.to(theta.device)
             self._exact_seen = self._threshold_stamp()
         return out
 

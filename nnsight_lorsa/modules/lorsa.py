@@ -65,7 +65,8 @@ def _normal_(w: torch.Tensor, std: float, generator: torch.Generator | None) -> 
 class PerHeadRMSNorm(nn.Module):
     """RMSNorm over the last dim of ``(batch, heads, seq, d_head)`` with a weight per head.
 
-    ``w: (n_heads, d_head)``; computed in fp32 like transformers' ``LlamaRMSNorm`` (Qwen3 QK-norm).
+    ``w: (n_heads, d_head)``; computed in fp32 like transformers' ``LlamaRMSNorm`` (Qwen3 QK-norm), in fp64 for an
+    fp64 input (transformers' downcasts it to fp32: until 2026-11-28 ours did too, exact to ~1e-8 only).
     """
 
     def __init__(self, n_heads: int, d_head: int, eps: float, *, device: torch.device | str | None = None,
@@ -76,7 +77,7 @@ class PerHeadRMSNorm(nn.Module):
 
     def forward(self, x: Float[torch.Tensor, "batch heads seq d"]) -> Float[torch.Tensor, "batch heads seq d"]:
         dtype = x.dtype
-        x = x.to(torch.float32)
+        x = x.to(torch.promote_types(dtype, torch.float32))  # fp32 for bf16 / fp16 / fp32, fp64 for fp64
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.w[:, None, :] * x.to(dtype)
 
@@ -375,7 +376,8 @@ class Lorsa(ReplacementModule):
             q, k = self.ln_q(q), self.ln_k(k)
         if self.cfg.rotary is not None:
             inter = self.cfg.rotary.interleaved
-            cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions))
+            cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions),
+                                      dtype=torch.promote_types(q.dtype, torch.float32))  # fp64 for an fp64 Lorsa
             # without autograd: the (cos, ±sin) factors built once in q's dtype for both q and k
             table = None if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) or q.dtype != k.dtype \
                 else rotary_table(cos, sin, q.dtype, inter)

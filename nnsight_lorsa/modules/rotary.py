@@ -126,14 +126,17 @@ class RotaryConfig(FieldsRepr):
         return cls(**{**d, "scaling": dict(scaling) if isinstance(scaling, dict) else scaling})
 
 
-def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Float[torch.Tensor, " half"]:
+def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float32) -> Float[torch.Tensor, " half"]:
     """Inverse frequencies ``(rotary_dim // 2,)`` float32, as transformers' ``ROPE_INIT_FUNCTIONS``; with
-    ``cfg.inv_freq_dtype`` rounded to that dtype and back (the buffer of a model cast after loading)."""
+    ``cfg.inv_freq_dtype`` rounded to that dtype and back (the buffer of a model cast after loading). ``dtype``
+    ``torch.float64``: the same operations in fp64 (an fp64 Lorsa's, exact to fp64; transformers computes them in
+    fp32 whatever the model's dtype)."""
     dim = cfg.rotary_dim
     # the exponents made on ``device`` itself: a host arange copied there (transformers' form, run once at its
     # init) would be a host-to-device copy in every forward, which on CUDA waits for the queued kernels
     # (tests/modules/test_lorsa_host_copies.py); the same integers, so the same bits
-    inv_freq = 1.0 / (cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    inv_freq = 1.0 / (cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim))
     if cfg.rope_type == "linear":
         inv_freq = inv_freq / cfg.scaling["factor"]
     elif cfg.rope_type == "llama3":
@@ -148,13 +151,14 @@ def rotary_inv_freq(cfg: RotaryConfig, device: torch.device | None = None) -> Fl
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif cfg.rope_type == "yarn":
-        inv_freq = _yarn_inv_freq(cfg, device)
+        inv_freq = _yarn_inv_freq(cfg, device, dtype)
     if cfg.inv_freq_dtype is not None:
-        inv_freq = inv_freq.to(getattr(torch, cfg.inv_freq_dtype)).float()
+        inv_freq = inv_freq.to(getattr(torch, cfg.inv_freq_dtype)).to(dtype)
     return inv_freq
 
 
-def _yarn_inv_freq(cfg: RotaryConfig, device: torch.device | None) -> Float[torch.Tensor, " half"]:
+def _yarn_inv_freq(cfg: RotaryConfig, device: torch.device | None,
+                   dtype: torch.dtype = torch.float32) -> Float[torch.Tensor, " half"]:
     """YaRN's inverse frequencies, transformers' ``_compute_yarn_parameters`` operation for operation: the correction
     range in Python floats, the ramp and the blend in float32 (the attention factor is ``cfg.attention_scaling``)."""
     dim, base = cfg.rotary_dim, cfg.base
@@ -171,31 +175,33 @@ def _yarn_inv_freq(cfg: RotaryConfig, device: torch.device | None) -> Float[torc
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers: "Prevent singularity"
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim)
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=dtype, device=device) - low) / (high - low), 0, 1)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
 def rotary_cos_sin(
-    cfg: RotaryConfig, positions: Int[torch.Tensor, "*batch seq"], device: torch.device | None = None
+    cfg: RotaryConfig, positions: Int[torch.Tensor, "*batch seq"], device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Float[torch.Tensor, "*batch seq rotary_dim"], Float[torch.Tensor, "*batch seq rotary_dim"]]:
-    """cos and sin ``(*batch, seq, rotary_dim)`` float32 for integer ``positions``.
+    """cos and sin ``(*batch, seq, rotary_dim)`` float32 for integer ``positions`` (``dtype=torch.float64``: made
+    in fp64, as an fp64 :class:`~.lorsa.Lorsa` uses them since 2026-11-28; they were fp32, exact to ~1e-8).
 
     Half-split layout repeats the frequencies as ``[f, f]`` (transformers' ``cat((freqs, freqs))``);
     interleaved layout as ``[f0, f0, f1, f1, ...]``.
     """
-    inv_freq = rotary_inv_freq(cfg, device=positions.device if device is None else device)
-    freqs = positions[..., None].float() * inv_freq
+    inv_freq = rotary_inv_freq(cfg, device=positions.device if device is None else device, dtype=dtype)
+    freqs = positions[..., None].to(dtype) * inv_freq
     emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if cfg.attention_scaling != 1.0:  # a product by 1.0 is the identity: two passes over the tables saved
         cos, sin = cos * cfg.attention_scaling, sin * cfg.attention_scaling
     if cfg.table_dtype is not None:
         rounded = getattr(torch, cfg.table_dtype)
-        cos, sin = cos.to(rounded).float(), sin.to(rounded).float()
+        cos, sin = cos.to(rounded).to(dtype), sin.to(rounded).to(dtype)
     return cos, sin
 
 

@@ -408,9 +408,14 @@ class SparseCoder(ReplacementModule):
         """``acts W_dec + b_dec`` from :class:`~.sparse_decode.SparseActs` (one ``embedding_bag``; no skip path,
         no hook): equals :meth:`decode` of ``acts.to_dense()``.
 
+        Output dtype: the decoder's; under ``torch.autocast`` the dtype autocast gives :meth:`decode` (bf16 / fp16;
+        the sum made in the decoder's dtype, then rounded: :func:`~.sparse_decode.sparse_decode`; until 2026-11-28
+        the decoder's dtype there too). :meth:`encode_sparse`'s ``pre`` and ``acts.vals`` are, like :meth:`encode`'s
+        output, in autocast's dtype there.
+
         Raises:
             ShapeError: ``acts.vals`` not in the decoder's dtype outside ``torch.autocast`` (under autocast they are
-                cast to it, and the output is in the decoder's dtype: :func:`~.sparse_decode.sparse_decode`)."""
+                cast to it for the sum: :func:`~.sparse_decode.sparse_decode`)."""
         check_dtype(acts.vals, self.W_dec, self._kind, "acts.vals")
         return sparse_decode(acts, self.W_dec, self.b_dec)
 

@@ -156,10 +156,16 @@ def sparse_decode(acts: SparseActs, W_dec: Float[torch.Tensor, "d_sae d_out"],
     and ``W_dec`` (selected rows only) through ``embedding_bag``'s own backward.
 
     ``embedding_bag`` is not an autocast op: values in another float dtype than ``W_dec`` (bf16 values of a coder
-    run under ``torch.autocast``) are cast to ``W_dec``'s dtype (the output is in ``W_dec``'s dtype; until
-    2026-11-28 torch's own dtype error escaped; callers that refuse a mismatch outside autocast check it first,
-    :meth:`~.sparse_coder.SparseCoder.decode_sparse`).
+    run under ``torch.autocast``) are cast to ``W_dec``'s dtype (until 2026-11-28 torch's own dtype error escaped;
+    callers that refuse a mismatch outside autocast check it first, :meth:`~.sparse_coder.SparseCoder.decode_sparse`).
+    The output's dtype is the dense product's: ``W_dec``'s outside autocast; under ``torch.autocast`` the dtype
+    autocast gives ``acts.to_dense() @ W_dec`` (bf16 / fp16: the sum is made in ``W_dec``'s dtype, then rounded;
+    until 2026-11-28 it stayed in ``W_dec``'s dtype, where the dense ``decode`` gave bf16).
     """
     vals = acts.vals if acts.vals.dtype == W_dec.dtype else acts.vals.to(W_dec.dtype)
     out = F.embedding_bag(acts.cols, W_dec, acts.offsets, mode="sum", per_sample_weights=vals)
-    return out if b_dec is None else out + b_dec
+    out = out if b_dec is None else out + b_dec
+    if torch.is_autocast_enabled(W_dec.device.type):  # the dense product's dtype there (an empty product: no work)
+        dense = torch.mm(acts.vals.new_empty((0, W_dec.shape[0])), W_dec[:, :0]).dtype
+        out = out.to(dense)
+    return out
