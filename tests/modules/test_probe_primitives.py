@@ -463,13 +463,16 @@ def test_frozen_modules_still_pass_gradients_to_the_input_and_modes_do_not_matte
         assert torch.equal(mod.train()(inp), mod.eval()(inp))  # no dropout, no mode-dependent rule
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_lorsa_gradcheck_in_fp64_with_a_fixed_selection(rotary):
-    m = make_lorsa(5, rotary=rotary, n_qk=1, g=3, k=2, d=6, e=4).double()
+def test_lorsa_gradcheck_in_fp64_with_a_fixed_selection(rotary, qk_norm):
+    """fp64 ``gradcheck`` of the Lorsa, with and without RoPE and QK-norm (the QK-norm and RoPE of an fp64 Lorsa run
+    in fp64 since 2026-11-28; before, in fp32, and this check could not include QK-norm)."""
+    m = make_lorsa(5, rotary=rotary, qk_norm=qk_norm, n_qk=1, g=3, k=2, d=6, e=4).double()
     x = torch.randn(1, 3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
     z_pre = ref_lorsa_z_pre(m, x)
     assert topk_margin(z_pre, 2) > 1e-3 and bool((z_pre.topk(2, -1).values.abs() > 1e-3).all())
-    names = ["W_Q", "W_V", "W_O", "b_K"]
+    names = ["W_Q", "W_V", "W_O", "b_K"] + (["ln_q.w", "ln_k.w"] if qk_norm else [])
     params = {n: p.detach().clone() for n, p in m.named_parameters()}
 
     def f(x, *ws):
@@ -479,9 +482,8 @@ def test_lorsa_gradcheck_in_fp64_with_a_fixed_selection(rotary):
 
 
 def test_lorsa_qk_norm_jacobian_matches_the_reference():
-    """With QK-norm the per-head RMSNorm runs in fp32 even in an fp64 Lorsa (transformers' ``LlamaRMSNorm`` /
-    ``Qwen3RMSNorm`` do the same): no fp64 ``gradcheck``, but the Jacobian agrees with the fp64 reference's (fixed
-    selection) to fp32's rounding."""
+    """With QK-norm, the Jacobian of an fp64 Lorsa (fixed selection) equals the fp64 reference's to fp64's rounding
+    (the per-head RMSNorm runs in fp64 there since 2026-11-28; fp32 before: 1e-6 was the bound)."""
     m = make_lorsa(5, qk_norm=True, n_qk=1, g=3, k=2, d=6, e=4).double()
     x = torch.randn(1, 3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))
     idx = ref_lorsa_z_pre(m, x).topk(2, -1).indices
@@ -491,7 +493,7 @@ def test_lorsa_qk_norm_jacobian_matches_the_reference():
         return ref_lorsa_out(m, torch.zeros_like(zp).scatter(-1, idx, zp.gather(-1, idx).relu()))
 
     jac = torch.autograd.functional.jacobian
-    assert rel(jac(lambda x: m(x), x), jac(ref, x)) < 1e-6
+    assert rel(jac(lambda x: m(x), x), jac(ref, x)) < 1e-12
 
 
 def test_jumprelu_and_topk_gradients_are_as_documented():
