@@ -15,6 +15,7 @@ another's failure raises :class:`~nnsight_lorsa.errors.RankFailedError` with the
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -135,6 +136,21 @@ class _Recorder:
         return out
 
 
+def step_and_check_kept(trainer: Any) -> tuple[Exception | None, bool]:
+    """One ``trainer.train_step()``: its error (None where it passed) and whether the module's state and the dead
+    counters are as before the step."""
+    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    counters = trainer.tokens_since_fired.clone()
+    try:
+        trainer.train_step()
+        error = None
+    except Exception as e:  # noqa: BLE001 (returned to the test)
+        error = e
+    kept = all(torch.equal(v, trainer.module.state_dict()[k]) for k, v in before.items()) and \
+        torch.equal(counters, trainer.tokens_since_fired)
+    return error, kept
+
+
 def _recorded(tmp_path, point: str | None, failed: list[int] | None = None, at: int = 0):
     import torch.distributed as dist
 
@@ -148,15 +164,7 @@ def _recorded(tmp_path, point: str | None, failed: list[int] | None = None, at: 
         dp.world_size = 2  # plays rank 0 of 2 (the flags' length); its own collectives are real, over one rank
         trainer.train(FAIL_STEP, progress=False)
         rec = dp._all_reduce = _Recorder(dp, 2, failed, at)
-        before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-        counters = trainer.tokens_since_fired.clone()
-        try:
-            trainer.train_step()
-            error = None
-        except Exception as e:  # noqa: BLE001 (returned to the test)
-            error = e
-        kept = all(torch.equal(v, trainer.module.state_dict()[k]) for k, v in before.items()) and \
-            torch.equal(counters, trainer.tokens_since_fired)
+        error, kept = step_and_check_kept(trainer)
         return rec.shapes, error, kept, trainer.step
     finally:
         dist.destroy_process_group()

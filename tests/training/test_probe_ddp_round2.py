@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 from helpers import run_ranks
+from test_probe_ddp_failure import step_and_check_kept
 from test_probe_ddp_topk import make_lorsa_trainer, state
 from test_probe_ddp_topk import make_trainer as make_coder_trainer
 
@@ -194,15 +195,7 @@ def _one_rank(tmp_path, peer_failed: bool, own: BaseException):
         store = dp._store()
         if peer_failed:
             store.set(f"nnsight_lorsa/backward_failed/1/{FAIL_STEP}", str(FAIL_STEP))
-        before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
-        counters = trainer.tokens_since_fired.clone()
-        try:
-            trainer.train_step()
-            error = None
-        except Exception as e:  # noqa: BLE001 (returned to the test)
-            error = e
-        kept = all(torch.equal(v, trainer.module.state_dict()[k]) for k, v in before.items()) and \
-            torch.equal(counters, trainer.tokens_since_fired)
+        error, kept = step_and_check_kept(trainer)
         keys = [r for r in range(2) if store.check([f"nnsight_lorsa/backward_failed/{r}/{FAIL_STEP}"])]
         return error, kept, keys, trainer.step
     finally:
