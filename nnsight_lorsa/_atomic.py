@@ -61,11 +61,20 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_name(name: str) -> str:
+def is_relative_name(name: object) -> bool:
+    """Whether ``name`` is a non-empty relative POSIX name of a file or folder inside a directory: no absolute
+    path, no ``..``, no backslash, no surrounding whitespace (what :class:`Staging` writes and the set index
+    lists)."""
+    if not isinstance(name, str) or not name or name != name.strip() or "\\" in name:
+        return False
     p = PurePosixPath(name)
-    if not name or p.is_absolute() or any(part in ("", ".", "..") for part in p.parts) or "\\" in name:
+    return not p.is_absolute() and all(part not in ("", ".", "..") for part in p.parts)
+
+
+def _check_name(name: str) -> str:
+    if not is_relative_name(name):
         raise CheckpointError(f"{name!r}: not a relative file name inside the directory")
-    return p.as_posix()
+    return PurePosixPath(name).as_posix()
 
 
 class Staging:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._atomic import atomic_file
+from .._atomic import atomic_file, is_relative_name
 from ..errors import ArgumentError, MissingDependencyError
 from .files import read_json_object
 from .validate import require
@@ -202,10 +202,9 @@ def set_index_folders(directory: str | os.PathLike[str]) -> list[str] | None:
     data = read_json_object(path)
     require(data.get("format") == SET_INDEX_FORMAT, path, f'not a set index: its "format" is not {SET_INDEX_FORMAT!r}')
     folders = data.get("folders")
-    require(isinstance(folders, list) and len(set(map(str, folders))) == len(folders) and all(
-        isinstance(f, str) and f and f == f.strip() and not Path(f).is_absolute() and ".." not in Path(f).parts
-        and "\\" not in f for f in folders), path, '"folders" must be a list of distinct relative folder names, '
-            f"got {folders!r}")
+    require(isinstance(folders, list) and len(set(map(str, folders))) == len(folders)
+            and all(map(is_relative_name, folders)), path,
+            f'"folders" must be a list of distinct relative folder names, got {folders!r}')
     return [str(f) for f in folders or []]
 
 
