@@ -196,6 +196,15 @@ SELECTION_BYTES_PER_CHUNK_ENTRY = 8
 #: fixed cost of a call (clean pass, layout, nnsight) in bytes (measured: the clean pass's growth, 3–22 MB at
 #: 64–512 tokens, ``benchmarks/results/attribution_memory_terms.json``)
 FIXED_BYTES = 8 * 2**20
+#: on a CPU model, batches of per-copy frozen-pass memory the C heap keeps resident after they are freed: glibc's
+#: dynamic mmap threshold rises to the size of the largest freed block (up to 32 MiB), so a batch's large freed
+#: temporaries stay in the heap while the next batch allocates. Measured (2026-11-28, the embedded model with its
+#: transcoders, batch 64, 256 tokens, ``benchmarks/attribution_memory_terms.py``): the frozen pass's resident-set
+#: growth 197-229 MB against its allocation-level peak of 109 MB (``frozen_per_copy · B + frozen_shared`` = 119 MB,
+#: of which 94 MB per copy); with ``MALLOC_MMAP_THRESHOLD_`` fixed, 113 MB (but 1.3x the CPU time). One batch's
+#: per-copy bytes (``heap_retained``) brings the host total from 0.68-0.77x to about 0.9-1.1x the measured peak at
+#: 64-256 tokens; other C libraries return freed blocks sooner (the term is then on the safe side)
+HOST_HEAP_RETAINED_BATCHES = 1
 
 
 @dataclass(repr=False)
@@ -209,8 +218,10 @@ class MemoryEstimate(FieldsRepr):
         batch_size: the batch the estimate is for: with ``max_memory`` the one the call fits
             (``graph.meta["batch_size"]``), else the asked ``batch_size``.
         terms: the terms in bytes (``frozen_per_copy``, ``frozen_shared``, ``rows``, ``pruning``, ``selection``,
-            ``fixed``; ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores
-            and kept edges, of which ``pruning`` holds the larger (0 unpruned);
+            ``fixed``; ``heap_retained``, on a CPU model the frozen pass's freed per-copy bytes the C heap keeps
+            resident, :data:`HOST_HEAP_RETAINED_BATCHES` batches, in ``device_bytes`` there (0 on a device);
+            ``kept_graph`` and ``edge_scores``, the pruned graph's adjacency and the pruning's edge scores and kept
+            edges, of which ``pruning`` holds the larger (0 unpruned);
             on a device also ``offload_fetch`` and ``offload_rows``, the offloaded modules' (0 where none is;
             the rows as :attr:`offload_rows` places them), included in ``frozen_shared``; ``gather_chunks``, a
             gathered site's chunk temporaries,
@@ -597,7 +608,9 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
                       if budget < layout.n_features and device == "cuda" else 0)
     shared += ranking_device
     frozen = per_copy * batch_size + shared
-    terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "rows": rows, "pruning": pruning,
+    heap_retained = HOST_HEAP_RETAINED_BATCHES * per_copy * batch_size if device == "cpu" else 0
+    terms = {"frozen_per_copy": per_copy, "frozen_shared": shared, "heap_retained": heap_retained,
+             "rows": rows, "pruning": pruning,
              "ranking_device": ranking_device,
              "selection": selection, "kept_graph": kept_graph, "edge_scores": edge_scores, "fixed": FIXED_BYTES,
              "n_sources": S, "n_rows": n_rows, "stored_entries": entries, "gather_chunks": gather_chunks,
@@ -606,7 +619,8 @@ def estimate_layout(layout: Layout, *, n_layers: int, d_model: int, mhsa_heads: 
     place = None if not any_offloaded(layout) else "host" if device in ("cpu", "meta") else offload_rows
     # the blocks kept on the device, in bytes ("host": none, no block needed)
     kept = None if place is None else 0 if place == "host" else kept_bytes(row_blocks(), place)
-    if device == "cpu":
+    if device == "cpu":  # the frozen pass's resident set: its allocations and what the heap keeps of a batch's
+        frozen += heap_retained
         host = rows + max(frozen + selection, pruning) + FIXED_BYTES
         return MemoryEstimate(host, frozen, batch_size, terms, rows_label(place), kept)
     return MemoryEstimate(rows + max(selection, pruning) + FIXED_BYTES, frozen, batch_size, terms, rows_label(place),
@@ -855,8 +869,11 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
                     max_memory: int | None = None, **renamed: Any) -> MemoryEstimate:
     """Predict the peak host and device memory of ``attribute(replacement, prompt, ...)`` with the same
     settings, from one clean forward (the prompt's active nodes) and the model's shapes — nothing is
-    attributed. See the module docstring for the terms. Measured against it: the host total within 20 % at
-    64–512 tokens on the embedded model (``benchmarks/attribution_vs_circuit_tracer.py``), −4 % to +28 % per mode
+    attributed. See the module docstring for the terms. Measured against it: the host total 0.88–1.11× the full
+    graph's resident-set peak at 64–256 tokens, batch 64, on the embedded model (2026-11-28, with the C heap's retained
+    batch, :data:`HOST_HEAP_RETAINED_BATCHES`; 0.68–0.77× without it:
+    ``benchmarks/results/attribution_host_estimate_heap.json``, ``benchmarks/attribution_vs_circuit_tracer.py``),
+    −4 % to +28 % per mode
     at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
     single frozen passes vary by ~±25 % in the resident set, before this model of the frozen pass); the frozen pass's
     allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,

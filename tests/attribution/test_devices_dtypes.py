@@ -208,7 +208,8 @@ def test_estimate_memory_on_device_separates_device_and_host_bytes(device):
     expected = structural if device == "cpu" else int(PER_COPY_NUMBERS_GPU_SDPA * activations)
     assert est.terms["frozen_per_copy"] == expected + rows_part + mask
     t = est.terms
-    assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"]
+    assert est.device_bytes == t["frozen_per_copy"] * 8 + t["frozen_shared"] + t["heap_retained"]
+    assert (t["heap_retained"] > 0) == (device == "cpu")  # the C heap's retained batch: a CPU model's only
     if device == "cpu":
         assert est.host_bytes == t["rows"] + max(est.device_bytes, t["pruning"]) + t["fixed"]
     else:
