@@ -57,4 +57,5 @@ def test_public_api_is_found():
 
 def test_every_public_name_has_a_source_line():
     missing = sorted(key for key, obj in public_api().items() if not SOURCE.search(inspect.getdoc(obj) or ""))
-    assert not missing, f"{len(missing)} public names without a 'Source:' line in their docstring:\n" + "\n".join(missing)
+    assert not missing, (f"{len(missing)} public names without a 'Source:' line in their docstring:\n"
+                         + "\n".join(missing))
