@@ -60,6 +60,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         ConfigMismatchError: the model has no module at a site path, or the site is one whose
             width is known (a decoder layer, its attention or MLP, the embedding) and differs
             from the SAE's ``d_in``. Other sites are checked when the trace runs (:class:`ShapeError`).
+
+    Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
     """
 
     key_type = str
@@ -75,7 +77,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         super(SAESet, self).__init__(model, saes, adapter)
 
     def known_width(self, path: str) -> int | None:
-        """``d_model`` for the residual-width sites of the adapter, None for others."""
+        """``d_model`` for the residual-width sites of the adapter, None for others.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
+        """
         a = self.adapter
         layer = rf"{re.escape(a.layers_path)}\.[0-9]+"
         parts = (a.attention_name, a.mlp_name)
@@ -100,7 +105,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         return key
 
     def site(self, path: str) -> SpliceChain:
-        """How the output of ``path`` is spliced."""
+        """How the output of ``path`` is spliced.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
+        """
         return SpliceChain(
             site_paths=(path,),
             attach_path=path,
@@ -137,6 +145,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             TraceOrderError: called outside a trace.
             InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
         """
         return super(SAESet, self).replace(site, error=error)
 
@@ -162,6 +172,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             ConfigMismatchError: a file names no site (pass ``{site_path: directory}``), a site that is
                 not a module output, a site of another width; a file that holds a transcoder.
             CheckpointError, UnsupportedArchitectureError: from the loaders.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
         """
         from ..adapters.registry import get_adapter
         from ..formats.hook_sites import sae_site_path
