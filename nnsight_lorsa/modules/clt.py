@@ -190,6 +190,9 @@ class CrossLayerTranscoder(ReplacementModule):
 
         ``acts``: the features of layers ``0 … layer`` (at least ``layer + 1`` tensors ``(*batch, d_sae)``).
 
+        Raises:
+            ShapeError: ``acts`` holds fewer than ``layer + 1`` layers' features.
+
         Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
         ``transcoder/cross_layer_transcoder.py``.
         """

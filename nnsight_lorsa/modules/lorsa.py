@@ -512,6 +512,9 @@ class Lorsa(ReplacementModule):
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
         """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros.
 
+        Raises:
+            ArgumentError: ``top_k`` given and not an int in ``[1, n_ov_heads]``.
+
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
         k = self.cfg.top_k if top_k is None else top_k
@@ -578,6 +581,12 @@ class Lorsa(ReplacementModule):
                 new :class:`LorsaKV` is stored as ``kv_out["kv"]`` — so that a splice calls the module
                 itself (its envoy's ``.input`` / ``.output`` are then served in a trace) and still keeps
                 the keys and values. Not with ``return_cache`` / ``top_k``.
+
+        Raises:
+            ShapeError: ``x`` not a ``(batch, pos, d_model)`` tensor in the weights' dtype; ``positions`` or
+                ``attn_mask`` of the wrong shape or dtype; ``past`` / ``kv_out`` given with ``return_cache`` or
+                ``top_k``.
+            ArgumentError: ``top_k`` not an int in ``[1, n_ov_heads]``.
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """

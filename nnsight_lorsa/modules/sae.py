@@ -77,7 +77,8 @@ class SparseAutoencoder(SparseCoder):
     cfg: SAEConfig
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``.
+        """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``:
+        ``(*batch, d_in)``, the shape of ``x``.
 
         Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
         """
