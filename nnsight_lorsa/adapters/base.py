@@ -470,6 +470,9 @@ class ArchitectureAdapter:
     def get_module(root: nn.Module, path: str) -> nn.Module:
         """``root.get_submodule(path)`` with a clear error naming the missing piece.
 
+        Raises:
+            UnsupportedArchitectureError: ``root`` has no module at ``path``.
+
         Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
         MLP, norms and RoPE).
         """
@@ -511,6 +514,10 @@ class ArchitectureAdapter:
         """The hidden states ``(batch, pos, d_model)`` the attention module was called with
         (keyword ``hidden_states`` as Llama's decoder layer passes it, or the first positional
         argument as GPT-2's and GPT-NeoX's do).
+
+        Raises:
+            UnsupportedArchitectureError: the attention was called without a hidden-states tensor (first argument or
+                ``hidden_states=``).
 
         Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
         MLP, norms and RoPE).
@@ -572,6 +579,9 @@ class ArchitectureAdapter:
         ``post_attention_layernorm``; ``GPT2Block`` ``self.mlp(ln_2(h))``; ``GPTNeoXLayer``
         ``self.mlp(post_attention_layernorm(·))``, of the layer input under parallel residual).
 
+        Raises:
+            UnsupportedArchitectureError: the MLP was called without a hidden-states tensor.
+
         Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
         MLP, norms and RoPE).
         """
@@ -601,6 +611,9 @@ class ArchitectureAdapter:
     def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
         """The model's RoPE, derived from its config (None without rotary); ``layer``: the layer whose RoPE,
         for a family whose layers rotate differently (Gemma-3), ignored by the others.
+
+        Raises:
+            UnsupportedArchitectureError: the adapter does not implement it (the base class).
 
         Source: Lorsa paper (He et al. 2025) App. A (RoPE as the target model applies it); transformers
         ``modeling_rope_utils.py``.
@@ -691,6 +704,9 @@ class ArchitectureAdapter:
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
         """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters).
+
+        Raises:
+            UnsupportedArchitectureError: the adapter does not implement it (the base class).
 
         Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
         """
