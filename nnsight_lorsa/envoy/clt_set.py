@@ -89,6 +89,14 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
                 "(per-layer transcoders go in a TranscoderSet)")
 
     def check(self, key: Any, module: CrossLayerTranscoder) -> str:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a key other than ``"clt"``, a CLT whose ``d_in`` is not the model's ``d_model``, or
+                one with more layers than the model.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         if key != KEY:
             raise ConfigMismatchError(f"a CLTSet holds one CLT under the key {KEY!r}, got {key!r}")
         if module.cfg.d_in != self.adapter.d_model:

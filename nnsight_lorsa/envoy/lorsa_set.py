@@ -115,6 +115,15 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 "in a TranscoderSet, SAEs in an SAESet)")
 
     def check(self, key: Any, module: Lorsa) -> int:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a Lorsa whose ``d_model`` differs from the model's, or trained for another layer
+                (``cfg.layer``).
+            LayerOutOfRangeError: ``key`` not a layer in ``[0, n_layers)``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         layer = self.adapter.check_layer(key)
         cfg = module.cfg
         if cfg.d_model != self.adapter.d_model:

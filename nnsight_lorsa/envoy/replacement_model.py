@@ -208,6 +208,9 @@ class ReplacementModel:
     def output_projection_path(self, layer: int) -> str:
         """Module path of layer ``layer``'s attention output projection (its input is head-major).
 
+        Raises:
+            ConfigMismatchError: the attention module has none of the output projections the adapters know.
+
         Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
         none).
         """

@@ -90,6 +90,14 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         return None
 
     def check(self, key: Any, module: SparseAutoencoder) -> str:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a key that is not a module path of the model, or an SAE whose ``d_in`` is not the
+                site's known width.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         if not isinstance(key, str) or not key:
             raise ConfigMismatchError(f"an SAE site is a module path (str), got {key!r}")
         try:

@@ -74,6 +74,15 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         super(TranscoderSet, self).__init__(model, transcoders, adapter)
 
     def check(self, key: Any, module: Transcoder) -> int:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a transcoder whose ``d_in`` / ``d_out`` differ from the model's ``d_model``, or
+                trained for another layer.
+            LayerOutOfRangeError: ``key`` not a layer in ``[0, n_layers)``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         layer = self.adapter.check_layer(key)
         d = self.adapter.d_model
         cfg = module.cfg
