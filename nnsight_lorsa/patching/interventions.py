@@ -207,6 +207,8 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
         ShapeError: means that do not fit the edited values; a per-position mean of another length than the prompts.
+        ConfigMismatchError: ``mode`` not ``"zero"`` / ``"mean"``; ``mode="mean"`` without ``means``, or a ``means``
+            mapping without this target.
 
     Source: *From Tokenization to Attribution Graphs* §10.1 (feature ablation).
     """
