@@ -483,7 +483,8 @@ class TokenDataset:
         return out
 
     def targets(self, start: int, stop: int) -> torch.Tensor | None:
-        """``target_mask`` of windows ``start:stop`` (None: every token counts).
+        """``target_mask`` of windows ``start:stop``: rows of the ``(n_windows, seq_len)`` mask (None: every token
+        counts).
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
