@@ -192,7 +192,7 @@ class Graph(FieldsRepr):
         return len(self.nodes)
 
     def ids_of(self, kind: int) -> torch.Tensor:
-        """Indices of the nodes of one kind (e.g. ``Graph.LORSA``).
+        """Indices of the nodes of one kind (e.g. ``Graph.LORSA``): ``(n_kind,)`` int64, ascending.
 
         Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
         nodes are ours).
@@ -210,7 +210,7 @@ class Graph(FieldsRepr):
 
     @property
     def feature_ids(self) -> torch.Tensor:
-        """Feature-like nodes (transcoder features and Lorsa heads).
+        """Feature-like nodes (transcoder features and Lorsa heads): ``(n_features,)`` int64 node indices, ascending.
 
         Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
         nodes are ours).
