@@ -599,6 +599,16 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         self._bundles: dict[int, Any] = {}
 
     def serialize_request(self, tracer: Any) -> bytes:
+        """The request's bytes as nnsight serializes them, measured and checked before anything is sent (class
+        docstring).
+
+        Raises:
+            PayloadTooLargeError: the request exceeds the cap.
+            QueueLimitError: the request exceeds the queue's limit (``queue_limit_bytes``).
+            NotWhitelistedError: ``check_rules`` and the request names objects of modules NDIF does not unpickle.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         names = block_names(tracer)
         check_block_calls(block_body(tracer), names)  # attribute(...)'s call-time checks: the block runs remotely
         self._bundles = mark_bundles(names)  # the attribute(rm, tracer=tracer) handles come back on these
