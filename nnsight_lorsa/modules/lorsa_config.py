@@ -30,6 +30,10 @@ class LorsaConfig(FieldsRepr):
         architecture: target model family (metadata, e.g. ``"llama"``).
         extra: free-form metadata carried through save/load (e.g. training metrics).
 
+    Raises:
+        CheckpointError: at construction, a field of the wrong type or range (sizes not positive ints, ``n_ov_heads``
+            not a multiple of ``n_qk_heads``, ``top_k > n_ov_heads``, ``rotary.head_dim != d_qk_head``, ...).
+
     Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
     (``LorsaConfig``).
     """

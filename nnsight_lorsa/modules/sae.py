@@ -70,6 +70,10 @@ class SparseAutoencoder(SparseCoder):
     ``SparseAutoencoder(cfg: SAEConfig, *, device=None, dtype=None)``; ``encode(x) -> acts``,
     ``decode(acts) -> x̂``, ``forward(x) -> x̂`` (all ``(*batch, ·)``).
 
+    Raises:
+        ShapeError: an ``encode`` / ``forward`` input not ``(*batch, d_in)``, a ``decode`` input not
+            ``(*batch, d_sae)``, or either not in the weights' dtype.
+
     Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
     """
 

@@ -64,6 +64,10 @@ class Transcoder(SparseCoder):
 
     ``Transcoder(cfg: TranscoderConfig, *, device=None, dtype=None)``.
 
+    Raises:
+        ShapeError: an ``encode`` / ``forward`` input not ``(*batch, d_in)``, a ``decode`` input not
+            ``(*batch, d_sae)``, or either not in the weights' dtype.
+
     Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
     ``sparsify/sparse_coder.py`` (skip transcoder).
     """
