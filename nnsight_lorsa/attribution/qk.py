@@ -122,8 +122,8 @@ class QKAttribution(FieldsRepr):
         score: the attention score ``q_i·k_j / attn_scale`` (pre-softmax logit).
         probe: which head / positions.
 
-    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-    tracing.
+    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+    ``src/llamascopium/circuits/attribution.py`` (QK tracing).
     """
 
     nodes: NodeTable
@@ -137,8 +137,8 @@ class QKAttribution(FieldsRepr):
     def query_marginal(self) -> torch.Tensor:
         """``(n_nodes + 1,)`` ``q^(a)·k_j / attn_scale``.
 
-        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-        tracing.
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
         """
         return self.pairs.sum(1)
 
@@ -146,16 +146,16 @@ class QKAttribution(FieldsRepr):
     def key_marginal(self) -> torch.Tensor:
         """``(n_nodes + 1,)`` ``q_i·k^(b) / attn_scale``.
 
-        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-        tracing.
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
         """
         return self.pairs.sum(0)
 
     def label(self, i: int) -> str:
         """Label of pair side ``i``: a node's label, or ``"bias (b_Q/b_K)"`` for ``i == len(nodes)``.
 
-        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-        tracing.
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
         """
         return "bias (b_Q/b_K)" if i == len(self.nodes) else self.nodes.label(i)
 
@@ -163,8 +163,8 @@ class QKAttribution(FieldsRepr):
         """The ``n`` largest ``|pair|`` terms as ``(query node, key node, value)``, largest first; equal ones
         by the smaller row-major (query node, key node) index (:func:`top_abs`).
 
-        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-        tracing.
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
         """
         flat = self.pairs.flatten()
         idx = top_abs(flat, n)
@@ -191,8 +191,8 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
 
-    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium QK
-    tracing.
+    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+    ``src/llamascopium/circuits/attribution.py`` (QK tracing).
     """
     prepared = prepare(replacement, prompt)
     layout, adapter = prepared.layout, prepared.adapter
