@@ -70,6 +70,8 @@ class NotWhitelistedError(LorsaError, ValueError):
 
     Attributes:
         modules: the refused modules (full dotted names), sorted.
+
+    Source: NDIF ``src/ndif/services/ray/nn/security/whitelist.yaml`` (module docstring).
     """
 
     def __init__(self, message: str, modules: list[str]) -> None:

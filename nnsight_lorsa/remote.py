@@ -82,6 +82,8 @@ class QueueLimitError(LorsaError, ValueError):
     Attributes:
         request_bytes: the serialized request (what would be POSTed).
         limit_bytes: the queue's limit it exceeds (with :data:`QUEUE_OVERHEAD_BYTES`).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
 
     def __init__(self, message: str, request_bytes: int, limit_bytes: int) -> None:
@@ -96,6 +98,8 @@ class PayloadTooLargeError(LorsaError, ValueError):
     Attributes:
         report: the :class:`PayloadReport` that was measured.
         cap_bytes: the cap it exceeded.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
 
     def __init__(self, message: str, report: PayloadReport, cap_bytes: int) -> None:
@@ -118,6 +122,8 @@ def register(*, guard: bool = True) -> None:
        name in ``nnsight.intervention.backends.remote`` by a subclass; :func:`unregister` undoes it.
 
     Call it before the trace (nnsight decides how to pickle at serialization time).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     import nnsight
 
@@ -127,7 +133,10 @@ def register(*, guard: bool = True) -> None:
 
 
 def unregister() -> None:
-    """Undo :func:`register`: nnsight's own ``RemoteBackend`` again, and this package by reference."""
+    """Undo :func:`register`: nnsight's own ``RemoteBackend`` again, and this package by reference.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+    """
     from cloudpickle import unregister_pickle_by_value
 
     install_remote_backend(None)
@@ -147,6 +156,8 @@ class TensorSize:
         nbytes: bytes pickling ships for it: its whole storage (a view ships its base tensor's
             storage), 0 if an earlier tensor of the report already shipped that storage.
         layer: the Lorsa layer it belongs to, when it belongs to a :class:`LorsaSet`.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
 
     name: str
@@ -166,6 +177,8 @@ class PayloadReport:
             (``payload_report(..., serialize=True)``, or a request sent through
             :class:`MeasuredRemoteBackend`), else None.
         compressed: whether ``serialized_bytes`` is after nnsight's zstd compression.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
 
     tensors: tuple[TensorSize, ...]
@@ -174,28 +187,43 @@ class PayloadReport:
 
     @property
     def total_tensor_bytes(self) -> int:
-        """Bytes of tensor data (each storage counted once)."""
+        """Bytes of tensor data (each storage counted once).
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         return sum(t.nbytes for t in self.tensors)
 
     @property
     def total_bytes(self) -> int:
-        """The serialized size when measured, else the tensor bytes (what the cap is checked against)."""
+        """The serialized size when measured, else the tensor bytes (what the cap is checked against).
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         return self.serialized_bytes if self.serialized_bytes is not None else self.total_tensor_bytes
 
     @property
     def by_layer(self) -> dict[int | None, int]:
-        """Tensor bytes per Lorsa layer (key None: tensors outside a LorsaSet)."""
+        """Tensor bytes per Lorsa layer (key None: tensors outside a LorsaSet).
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         out: dict[int | None, int] = {}
         for t in self.tensors:
             out[t.layer] = out.get(t.layer, 0) + t.nbytes
         return out
 
     def largest(self, n: int = 5) -> list[TensorSize]:
-        """The ``n`` largest tensors."""
+        """The ``n`` largest tensors.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         return list(self.tensors[:n])
 
     def format(self, n: int = 5) -> str:
-        """A short human-readable summary: totals, bytes per layer, the ``n`` largest tensors."""
+        """A short human-readable summary: totals, bytes per layer, the ``n`` largest tensors.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         lines = [f"tensors: {format_bytes(self.total_tensor_bytes)} in {len(self.tensors)} tensors"]
         if self.serialized_bytes is not None:
             how = "zstd-compressed" if self.compressed else "uncompressed"
@@ -212,7 +240,10 @@ class PayloadReport:
 
 
 def format_bytes(n: int) -> str:
-    """``604069888`` -> ``"604.1 MB"`` (decimal units)."""
+    """``604069888`` -> ``"604.1 MB"`` (decimal units).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+    """
     for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -225,6 +256,8 @@ def parse_bytes(value: Any) -> int:
     Raises:
         ArgumentError: (a ``ValueError`` and a ``TypeError``) an unknown unit, a malformed or non-positive
             number, a bool, a float or any other type.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ArgumentError(f"a byte count is an int or a string such as '1.5GB', got {value!r} "
@@ -242,7 +275,10 @@ def parse_bytes(value: Any) -> int:
 
 
 def default_cap_bytes() -> int:
-    """The payload cap: ``$NNSIGHT_LORSA_MAX_PAYLOAD`` if set, else :data:`DEFAULT_CAP_BYTES` (500 MB)."""
+    """The payload cap: ``$NNSIGHT_LORSA_MAX_PAYLOAD`` if set, else :data:`DEFAULT_CAP_BYTES` (500 MB).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+    """
     value = os.environ.get(CAP_ENV)
     return DEFAULT_CAP_BYTES if not value else parse_bytes(value)
 
@@ -310,6 +346,8 @@ def serialized_size(obj: Any, *, compress: bool | None = None) -> int:
     compression as ``RequestModel.serialize``. Call :func:`register` first so that this package's
     code is counted by value, as a remote request ships it. Needs ``obj`` to be picklable by
     cloudpickle (not, e.g., under the test suite's beartype import hook).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     from nnsight import CONFIG
 
@@ -339,6 +377,8 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
     Raises:
         LayerOutOfRangeError: a layer the set does not have.
         ArgumentError: ``layers`` given for something other than a ReplacementModel or a replacement set.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     if layers is not None:
         if isinstance(obj, ReplacementModel):
@@ -387,6 +427,8 @@ def check_payload(obj: Any, cap_bytes: Any = None, layers: int | Iterable[int] |
     Raises:
         PayloadTooLargeError: above the cap; the message names the five largest tensors and the
             bytes per layer.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     cap = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
     report = payload_report(obj, layers, serialize=serialize)
@@ -414,7 +456,10 @@ def _select(replacement: ReplacementModel, layers: int | Iterable[int] | None,
 
 
 def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torch.dtype:
-    """The floating dtype of the model's attention at ``layer`` (default: the first replaced layer, else 0)."""
+    """The floating dtype of the model's attention at ``layer`` (default: the first replaced layer, else 0).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+    """
     if layer is None:
         replaced = _layer_list(replacement, None)
         layer = replaced[0] if replaced else 0
@@ -464,6 +509,8 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
             no values), naming the module and the tensor; or a module's weight holds finite values past
             ``dtype``'s range (an fp32 weight above 65504 cast to fp16 would be ``inf``), naming the module,
             the tensor and its largest value.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     check_dtype_arg(dtype, "for_remote")
     chosen = _layer_list(replacement, layers)
@@ -490,6 +537,8 @@ def request_report(tracer: Any) -> PayloadReport:
 
     Uses nnsight's own reduction of the block (``reduce_block``: the globals and locals the
     block's source references), so it sees what ``RequestModel.serialize`` will pickle.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     names = block_names(tracer)
     return _report_from(item for key in sorted(names) for item in _named_tensors(names[key], key))
@@ -530,6 +579,8 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
 
     The handles of ``attribute(rm, tracer=tracer)`` saved in a remote trace or session come back as handles on the
     bundle the request named (:mod:`~nnsight_lorsa.attribution.remote_handles`).
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
 
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
@@ -548,6 +599,16 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         self._bundles: dict[int, Any] = {}
 
     def serialize_request(self, tracer: Any) -> bytes:
+        """The request's bytes as nnsight serializes them, measured and checked before anything is sent (class
+        docstring).
+
+        Raises:
+            PayloadTooLargeError: the request exceeds the cap.
+            QueueLimitError: the request exceeds the queue's limit (``queue_limit_bytes``).
+            NotWhitelistedError: ``check_rules`` and the request names objects of modules NDIF does not unpickle.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         names = block_names(tracer)
         check_block_calls(block_body(tracer), names)  # attribute(...)'s call-time checks: the block runs remotely
         self._bundles = mark_bundles(names)  # the attribute(rm, tracer=tracer) handles come back on these
@@ -585,6 +646,11 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         return blob
 
     def request(self, request: Any, tracer: Any) -> Any:
+        """Measure and send the request (after the server-version check); with ``dry_run`` keep its bytes in ``blob``
+        and send nothing.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         if self.dry_run:
             self.blob, self.envelope = self.serialize_request(tracer), request
             return None
@@ -592,9 +658,18 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         return rebuild_results(super().request(request, tracer), self._bundles)
 
     def finalize(self, content: bytes) -> Any:
+        """nnsight's result, with the ``attribute(rm, tracer=tracer)`` handles rebuilt.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         return rebuild_results(super().finalize(content), self._bundles)
 
     def submit(self, tracer: Any) -> None:
+        """Measure and submit the request (after the server-version check); with ``dry_run`` keep its bytes and
+        envelope and send nothing.
+
+        Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
+        """
         if self.dry_run:
             self.blob = self.serialize_request(tracer)
             self.envelope = request_envelope(self.model_key, self.compress, self.env)
@@ -618,6 +693,8 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
         check_rules: refuse a request NDIF would not unpickle, before sending it (:class:`MeasuredRemoteBackend`).
         check_version: refuse a request to a server of another nnsight version (:class:`MeasuredRemoteBackend`).
         **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
+
+    Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     if model_key is None:
         try:

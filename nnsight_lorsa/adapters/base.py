@@ -106,6 +106,8 @@ class MHSAWeights(FieldsRepr):
             (transformers' ``sliding_window_overlay``: Mistral, Qwen2/Qwen3, Gemma-2 ``sliding_attention`` layers).
         softcap: attention-logit soft-capping (Gemma-2 ``attn_logit_softcapping``): the scaled scores become
             ``softcap · tanh(scores / softcap)`` before the mask and softmax; None: no capping.
+
+    Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
     """
 
     W_Q: torch.Tensor
@@ -127,18 +129,34 @@ class MHSAWeights(FieldsRepr):
 
     @property
     def n_heads(self) -> int:
+        """Number of query heads (``W_Q.shape[0]``).
+
+        Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
+        """
         return self.W_Q.shape[0]
 
     @property
     def n_kv_heads(self) -> int:
+        """Number of key/value heads (``W_K.shape[0]``; fewer than :attr:`n_heads` under GQA).
+
+        Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
+        """
         return self.W_K.shape[0]
 
     @property
     def head_dim(self) -> int:
+        """Width of one head (``W_Q.shape[2]``).
+
+        Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
+        """
         return self.W_Q.shape[2]
 
     @property
     def d_model(self) -> int:
+        """Width of the residual stream (``W_Q.shape[1]``).
+
+        Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
+        """
         return self.W_Q.shape[1]
 
 
@@ -241,6 +259,9 @@ def mhsa_forward(
     Returns the attention output ``(batch, pos, d_model)`` including ``b_O``, or with
     ``per_head=True`` each head's contribution ``(batch, pos, n_heads, d_model)`` (without
     ``b_O``; they sum to the output minus ``b_O``).
+
+    Source: *From Tokenization to Attribution Graphs* §3.3 (multi-head self-attention); transformers
+    ``eager_attention_forward``.
     """
     z = mhsa_pattern(w, x, positions) @ mhsa_values(w, x)  # (b, h, s, e)
     if per_head:
@@ -256,6 +277,9 @@ class ArchitectureAdapter:
 
     Paths are dotted module paths from the Hugging Face ``*ForCausalLM`` root (the same paths
     nnsight envoys use below the wrapper: ``model.<path>``).
+
+    Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention, MLP,
+    norms and RoPE).
     """
 
     #: transformers ``config.model_type`` values this adapter serves.
@@ -293,10 +317,20 @@ class ArchitectureAdapter:
 
     @property
     def n_layers(self) -> int:
+        """Number of decoder layers (``config.num_hidden_layers``).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return int(self.config.num_hidden_layers)
 
     @property
     def d_model(self) -> int:
+        """Width of the residual stream (``config.hidden_size``).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return int(self.config.hidden_size)
 
     def check_layer(self, layer: Any) -> int:
@@ -304,6 +338,9 @@ class ArchitectureAdapter:
 
         Integer-likes (``numpy.int64``, 0-d integer tensors) are accepted; bools, floats and
         negative indices are not.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
         """
         try:
             index = None if isinstance(layer, bool) else operator.index(layer)
@@ -317,19 +354,39 @@ class ArchitectureAdapter:
         return index
 
     def layer_path(self, layer: int) -> str:
+        """Module path of decoder layer ``layer``. Raises :class:`~nnsight_lorsa.errors.LayerOutOfRangeError` outside
+        ``[0, n_layers)``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return f"{self.layers_path}.{self.check_layer(layer)}"
 
     def attention_path(self, layer: int) -> str:
+        """Module path of layer ``layer``'s attention (as :meth:`layer_path`).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return f"{self.layer_path(layer)}.{self.attention_name}"
 
     def mlp_path(self, layer: int) -> str:
+        """Module path of layer ``layer``'s MLP (as :meth:`layer_path`).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return f"{self.layer_path(layer)}.{self.mlp_name}"
 
     @property
     def residual_start_path(self) -> str:
         """The module whose output is the residual stream entering layer 0 (TransformerLens
         ``blocks.0.hook_resid_pre``): :attr:`embed_path`, or where the model adds more to the token embedding
-        (GPT-2's position embedding) the module after that add (:attr:`residual_start_name`)."""
+        (GPT-2's position embedding) the module after that add (:attr:`residual_start_name`).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self.residual_start_name or self.embed_path
 
     def _sub_path(self, layer: int, name: str) -> str | None:
@@ -338,22 +395,38 @@ class ArchitectureAdapter:
 
     def attention_norm_path(self, layer: int) -> str | None:
         """The norm whose output the attention reads (``input_layernorm``, GPT-2 ``ln_1``), or None: a family
-        without pre-norms (OLMo-2), whose attention reads the residual stream itself."""
+        without pre-norms (OLMo-2), whose attention reads the residual stream itself.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self._sub_path(layer, self.attention_norm_name)
 
     def mlp_norm_path(self, layer: int) -> str | None:
         """The norm whose output the MLP reads (``post_attention_layernorm``, GPT-2 ``ln_2``), or None (OLMo-2:
-        the MLP reads the residual stream)."""
+        the MLP reads the residual stream).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self._sub_path(layer, self.mlp_norm_name)
 
     def attention_post_norm_path(self, layer: int) -> str | None:
         """The norm the attention output goes through before the residual add (Gemma-2's and OLMo-2's
-        ``post_attention_layernorm``), or None: the families without post-norms add it as it is."""
+        ``post_attention_layernorm``), or None: the families without post-norms add it as it is.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self._sub_path(layer, self.attention_post_norm_name)
 
     def mlp_post_norm_path(self, layer: int) -> str | None:
         """The norm the MLP output goes through before the residual add (Gemma-2's and OLMo-2's
-        ``post_feedforward_layernorm``), or None."""
+        ``post_feedforward_layernorm``), or None.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self._sub_path(layer, self.mlp_post_norm_name)
 
     def sliding_window(self, layer: int) -> int | None:
@@ -362,13 +435,20 @@ class ArchitectureAdapter:
 
         Raises:
             LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
         """
         self.check_layer(layer)
         return None
 
     def final_logit_softcap(self) -> float | None:
         """The cap ``c`` of the model's final logits, ``c · tanh(lm_head(x) / c)`` after the unembedding
-        (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output."""
+        (Gemma-2's ``final_logit_softcapping``), or None: the logits are the unembedding's output.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return None
 
     def final_logits(self, head_out: torch.Tensor) -> torch.Tensor:
@@ -376,7 +456,11 @@ class ArchitectureAdapter:
         where :meth:`final_logit_softcap` is set, ``c · tanh(head_out / c)`` computed as transformers' Gemma-2 does,
         in ``head_out``'s dtype (each step rounded to bf16 / fp16 for such a model: its logits bit for bit; an fp32
         upcast first gave a third of a bf16 model's logits one ulp off), else ``head_out`` itself. Pass the
-        unembedding's output in the model's dtype, not upcast."""
+        unembedding's output in the model's dtype, not upcast.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         cap = self.final_logit_softcap()
         if cap is None:
             return head_out
@@ -384,7 +468,14 @@ class ArchitectureAdapter:
 
     @staticmethod
     def get_module(root: nn.Module, path: str) -> nn.Module:
-        """``root.get_submodule(path)`` with a clear error naming the missing piece."""
+        """``root.get_submodule(path)`` with a clear error naming the missing piece.
+
+        Raises:
+            UnsupportedArchitectureError: ``root`` has no module at ``path``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         try:
             return root.get_submodule(path)
         except AttributeError as e:
@@ -393,49 +484,92 @@ class ArchitectureAdapter:
             ) from e
 
     def attention_module(self, root: nn.Module, layer: int) -> nn.Module:
+        """Layer ``layer``'s attention module under ``root`` (at :meth:`attention_path`).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self.get_module(root, self.attention_path(layer))
 
     # ---- the attention module's call --------------------------------------
     @property
     def n_heads(self) -> int:
+        """Number of query heads (``config.num_attention_heads``).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return int(self.config.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
-        """Head size: ``config.head_dim`` where the family has one, else ``d_model // n_heads``."""
+        """Head size: ``config.head_dim`` where the family has one, else ``d_model // n_heads``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return int(getattr(self.config, "head_dim", None) or self.d_model // self.n_heads)
 
     def attention_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The hidden states ``(batch, pos, d_model)`` the attention module was called with
         (keyword ``hidden_states`` as Llama's decoder layer passes it, or the first positional
-        argument as GPT-2's and GPT-NeoX's do)."""
+        argument as GPT-2's and GPT-NeoX's do).
+
+        Raises:
+            UnsupportedArchitectureError: the attention was called without a hidden-states tensor (first argument or
+                ``hidden_states=``).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         x = kwargs.get("hidden_states", args[0] if args else None)
         if not isinstance(x, torch.Tensor):
             raise UnsupportedArchitectureError(f"{self.family}: attention was called without hidden_states")
         return x
 
     def attention_positions(self, args: tuple, kwargs: dict, x: torch.Tensor) -> torch.Tensor:
-        """Token positions of the call, ``(batch, pos)`` or ``(pos,)`` (default ``arange(pos)``)."""
+        """Token positions of the call, ``(batch, pos)`` or ``(pos,)`` (default ``arange(pos)``).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         pos = kwargs.get("position_ids")
         if pos is None:
             pos = kwargs.get("cache_position")
         return torch.arange(x.shape[1], device=x.device) if pos is None else pos
 
     def attention_mask(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """The ``(batch, 1, pos, pos)`` mask the attention was called with, or None (plain causal)."""
+        """The ``(batch, 1, pos, pos)`` mask the attention was called with, or None (plain causal).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         mask = kwargs.get("attention_mask")
         return mask if isinstance(mask, torch.Tensor) and mask.dim() == 4 else None
 
     def attention_output(self, output: Any) -> torch.Tensor:
-        """The attention output ``(batch, pos, d_model)`` inside the module's return value."""
+        """The attention output ``(batch, pos, d_model)`` inside the module's return value.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return output[0] if isinstance(output, tuple) else output
 
     def with_attention_output(self, output: Any, new: torch.Tensor) -> Any:
-        """The module's return value with its attention output replaced by ``new``."""
+        """The module's return value with its attention output replaced by ``new``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
     # ---- the MLP module's call ----------------------------------------------
     def mlp_module(self, root: nn.Module, layer: int) -> nn.Module:
+        """Layer ``layer``'s MLP module under ``root`` (at :meth:`mlp_path`).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return self.get_module(root, self.mlp_path(layer))
 
     def mlp_input(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -443,7 +577,14 @@ class ArchitectureAdapter:
         pre-MLP norm, passed as the first positional argument by every supported family
         (transformers 5: ``LlamaDecoderLayer``/Qwen2/Qwen3 ``self.mlp(hidden_states)`` after
         ``post_attention_layernorm``; ``GPT2Block`` ``self.mlp(ln_2(h))``; ``GPTNeoXLayer``
-        ``self.mlp(post_attention_layernorm(·))``, of the layer input under parallel residual)."""
+        ``self.mlp(post_attention_layernorm(·))``, of the layer input under parallel residual).
+
+        Raises:
+            UnsupportedArchitectureError: the MLP was called without a hidden-states tensor.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
         if not isinstance(x, torch.Tensor):
             raise UnsupportedArchitectureError(f"{self.family}: the MLP was called without hidden states")
@@ -451,17 +592,32 @@ class ArchitectureAdapter:
 
     def mlp_output(self, output: Any) -> torch.Tensor:
         """The MLP output ``(batch, pos, d_model)`` inside the module's return value (a tensor in
-        the supported families; the first element of a tuple otherwise, e.g. MoE blocks)."""
+        the supported families; the first element of a tuple otherwise, e.g. MoE blocks).
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return output[0] if isinstance(output, tuple) else output
 
     def with_mlp_output(self, output: Any, new: torch.Tensor) -> Any:
-        """The MLP's return value with its output replaced by ``new``."""
+        """The MLP's return value with its output replaced by ``new``.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
     # ---- weights -----------------------------------------------------------
     def rotary_config(self, layer: int | None = None) -> RotaryConfig | None:
         """The model's RoPE, derived from its config (None without rotary); ``layer``: the layer whose RoPE,
-        for a family whose layers rotate differently (Gemma-3), ignored by the others."""
+        for a family whose layers rotate differently (Gemma-3), ignored by the others.
+
+        Raises:
+            UnsupportedArchitectureError: the adapter does not implement it (the base class).
+
+        Source: Lorsa paper (He et al. 2025) App. A (RoPE as the target model applies it); transformers
+        ``modeling_rope_utils.py``.
+        """
         raise UnsupportedArchitectureError(f"{type(self).__name__} must implement rotary_config (the adapter of "
                                            f"{self.family!r} gives no rotary embedding)")
 
@@ -470,7 +626,11 @@ class ArchitectureAdapter:
         keys — buffers named ``inv_freq`` or ``{layer_type}_inv_freq`` (Gemma-3 in transformers 5: one per
         ``config.layer_types`` entry; ``*original_inv_freq``, the copy dynamic RoPE restores, is not one), held by a
         module inside the layer (a per-attention rotary module) or else outside every layer (transformers 5's one
-        ``model.rotary_emb``). Empty for a model without such buffers (GPT-2, a custom rotary)."""
+        ``model.rotary_emb``). Empty for a model without such buffers (GPT-2, a custom rotary).
+
+        Source: Lorsa paper (He et al. 2025) App. A (RoPE as the target model applies it); transformers
+        ``modeling_rope_utils.py``.
+        """
         layer = self.check_layer(layer)
         layer_types = getattr(self.config, "layer_types", None)
         kind = layer_types[layer] if isinstance(layer_types, (list, tuple)) and len(layer_types) > layer else None
@@ -502,6 +662,9 @@ class ArchitectureAdapter:
                 these roundings (naming the layer, the buffer, the largest difference): a RoPE this package derives
                 wrongly is refused, never attributed silently; or a buffer of another dtype than fp64 / fp32 / bf16 /
                 fp16.
+
+        Source: Lorsa paper (He et al. 2025) App. A (RoPE as the target model applies it); transformers
+        ``modeling_rope_utils.py``.
         """
         if cfg is None:
             return None
@@ -540,13 +703,23 @@ class ArchitectureAdapter:
             "refused rather than attributed with another RoPE")
 
     def mhsa_weights(self, root: nn.Module, layer: int) -> MHSAWeights:
-        """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters)."""
+        """Layer ``layer``'s MHSA weights (detached views/copies of the live parameters).
+
+        Raises:
+            UnsupportedArchitectureError: the adapter does not implement it (the base class).
+
+        Source: Elhage et al. 2021, *A Mathematical Framework for Transformer Circuits* (head-major MHSA weights).
+        """
         raise UnsupportedArchitectureError(f"{type(self).__name__} must implement mhsa_weights (the adapter of "
                                            f"{self.family!r} gives no attention weights)")
 
     @staticmethod
     def rope_parameters(config: Any) -> dict[str, Any]:
-        """transformers-5 ``rope_parameters`` (or transformers-4 ``rope_theta``/``rope_scaling``)."""
+        """transformers-5 ``rope_parameters`` (or transformers-4 ``rope_theta``/``rope_scaling``).
+
+        Source: Lorsa paper (He et al. 2025) App. A (RoPE as the target model applies it); transformers
+        ``modeling_rope_utils.py``.
+        """
         params = getattr(config, "rope_parameters", None)
         if isinstance(params, dict) and params:
             return dict(params)

@@ -48,6 +48,8 @@ def get_adapter(model_or_config: Any) -> ArchitectureAdapter:
     Raises:
         UnsupportedArchitectureError: no adapter serves the model's ``model_type`` (the message
             lists the supported ones), or the object has no transformers config.
+
+    Source: ours (dispatch on ``config.model_type`` over this package's adapters).
     """
     config = model_or_config if hasattr(model_or_config, "model_type") else _config_of(model_or_config)
     model_type = getattr(config, "model_type", None)

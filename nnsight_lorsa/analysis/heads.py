@@ -71,6 +71,8 @@ class MHSACorrelation(FieldsRepr):
             that explain their token's attention output sum to about 1.
         count: ``(n_ov_heads,)`` int64 tokens each Lorsa head was active on.
         n_tokens: tokens seen.
+
+    Source: Lorsa paper (He et al. 2025) App. E.
     """
 
     contrib: torch.Tensor
@@ -78,14 +80,20 @@ class MHSACorrelation(FieldsRepr):
     n_tokens: int
 
     def fractions(self) -> torch.Tensor:
-        """``(n_ov_heads, n_heads)`` contributions normalised to sum to 1 per Lorsa head (NaN if never active)."""
+        """``(n_ov_heads, n_heads)`` contributions normalised to sum to 1 per Lorsa head (NaN if never active).
+
+        Source: Lorsa paper (He et al. 2025) App. E.
+        """
         total = self.contrib.sum(-1, keepdim=True)
         return torch.where(self.count[:, None] > 0, self.contrib / total, torch.nan)
 
     def heads_spanned(self, threshold: float = 0.9) -> torch.Tensor:
         """``(n_ov_heads,)`` int64 App. E.2 ``n``: the fewest MHSA heads (largest contributions first)
         whose cumulative normalised contribution reaches ``threshold`` (``≥``; App. E.2 says *exceeds*: the two
-        differ only where a sum lands exactly on it); 0 for never-active heads."""
+        differ only where a sum lands exactly on it); 0 for never-active heads.
+
+        Source: Lorsa paper (He et al. 2025) App. E.
+        """
         frac = self.fractions().nan_to_num(0.0)
         cum = frac.sort(-1, descending=True).values.cumsum(-1)
         n = (cum < threshold).sum(-1) + 1
@@ -109,6 +117,8 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
         ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``. LayerOutOfRangeError: no Lorsa at
         ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas. PlacementError: the Lorsa is on ``meta``.
         ArgumentError: ``batch_size`` not an int ``>= 1``.
+
+    Source: Lorsa paper (He et al. 2025) App. E.
     """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     _check_tokens(tokens)
@@ -183,6 +193,8 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
         PlacementError: the unembedding or the Lorsa is on ``meta``.
         ArgumentError: ``heads`` not head indices in ``[0, n_ov_heads)`` (:func:`~nnsight_lorsa.modules.lorsa.
         head_indices`; ShapeError out of range), ``k`` not an int in ``[1, vocab]``.
+
+    Source: Lorsa paper (He et al. 2025) §5.1, Fig. 4 ("Logits via OV").
     """
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     adapter = get_adapter(model)
@@ -228,6 +240,8 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
             ``(n_features, d_model)``.
         ArgumentError: ``head`` not an int, ``k`` not an int ``>= 1``.
         PlacementError: the Lorsa or an SAE matrix is on ``meta`` (never loaded).
+
+    Source: Lorsa paper (He et al. 2025) App. F.
     """
     placement(lorsa, "the Lorsa")
     if not is_int(head):
@@ -271,6 +285,8 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
         ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``. LayerOutOfRangeError: no Lorsa
         at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int ``>= 1``; ``skip_start`` not an
         int in ``[0, pos)``.
+
+    Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
     """
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     _check_tokens(tokens)

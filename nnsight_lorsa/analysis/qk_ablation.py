@@ -51,6 +51,8 @@ class QKFeatureImpacts(FieldsRepr):
         k_kl, k_window, k_position, k_count: the same with the feature removed from every key
             (present = active at some key position ``j ≤ i``); the position is the query's.
         n_activations: activation locations of the head evaluated. n_tokens: tokens seen.
+
+    Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
     """
 
     layer: int
@@ -70,6 +72,11 @@ class QKFeatureImpacts(FieldsRepr):
     @classmethod
     def empty(cls, layer: int, head: int, qk_head: int, n_features: int) -> QKFeatureImpacts:
         # host-side tables: update() brings each evaluated batch to the CPU
+        """Zeroed impact tables for ``n_features`` features of head ``head`` (QK head ``qk_head``) of ``layer``: fp32
+        on the CPU.
+
+        Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
+        """
         def z() -> torch.Tensor:
             return torch.zeros(n_features, dtype=torch.float32, device="cpu")
 
@@ -88,17 +95,26 @@ class QKFeatureImpacts(FieldsRepr):
         return [(int(f), float(v), int(win[f]), int(pos[f])) for v, f in zip(vals, idx, strict=True)]
 
     def top_query_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
-        """The ``n`` features with the largest impact on Q: ``[(feature, max KL, window, position), …]``."""
+        """The ``n`` features with the largest impact on Q: ``[(feature, max KL, window, position), …]``.
+
+        Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
+        """
         return self._top("q", n)
 
     def top_key_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
-        """The ``n`` features with the largest impact on K: ``[(feature, max KL, window, query position), …]``."""
+        """The ``n`` features with the largest impact on K: ``[(feature, max KL, window, query position), …]``.
+
+        Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
+        """
         return self._top("k", n)
 
     @torch.no_grad()
     def update(self, side: str, kl: Float[torch.Tensor, " m"], feature: Int[torch.Tensor, " m"],
                window: Int[torch.Tensor, " m"], position: Int[torch.Tensor, " m"]) -> None:
-        """Merge ``m`` evaluated (activation, feature) pairs of ``side`` (``"q"`` or ``"k"``)."""
+        """Merge ``m`` evaluated (activation, feature) pairs of ``side`` (``"q"`` or ``"k"``).
+
+        Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
+        """
         if kl.numel() == 0:
             return
         kl, feature, window, position = (t.detach().cpu() for t in (kl, feature, window, position))
@@ -208,6 +224,8 @@ def qk_feature_impacts(
 
     The ablations run on the Lorsa's device in fp32 (the attention input and the SAE's activations are
     moved there; the Lorsa and the SAE each see their input in their own dtype); the result is on the CPU.
+
+    Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
     """
     from ..adapters.registry import get_adapter
     from ..envoy.read import attention_activations

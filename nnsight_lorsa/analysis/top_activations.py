@@ -32,6 +32,8 @@ class TopActivations:
         n_tokens: tokens seen.
         distinct_windows: keep at most one entry per (head, window), the window's largest activation
             (window indices are the corpus rows given to :meth:`update`).
+
+    Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
     """
 
     values: torch.Tensor
@@ -47,6 +49,8 @@ class TopActivations:
 
         Raises:
             ArgumentError: ``n_heads`` or ``n_top`` not a positive int.
+
+        Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
         """
         for name, value in (("n_heads", n_heads), ("n_top", n_top)):
             if not is_int(value) or value < 1:
@@ -72,6 +76,8 @@ class TopActivations:
                 holding NaN or ±inf (NaN and inf would rank above every activation, -inf read as an empty slot);
                 ``keep`` not ``(batch, pos)``;
                 ``first_window`` not an int ``>= 0``.
+
+        Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
         """
         n_heads = self.values.shape[0]
         if not isinstance(z, torch.Tensor) or z.dim() != 3 or z.shape[-1] != n_heads or not z.dtype.is_floating_point:
@@ -120,7 +126,10 @@ class TopActivations:
 
     @property
     def frequency(self) -> torch.Tensor:
-        """``(n_heads,)`` fraction of tokens on which each head is active."""
+        """``(n_heads,)`` fraction of tokens on which each head is active.
+
+        Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
+        """
         return self.count.float() / max(self.n_tokens, 1)
 
     def top_heads(self, n: int) -> list[int]:
@@ -129,6 +138,8 @@ class TopActivations:
 
         Raises:
             ArgumentError: ``n`` not an int ``>= 0``.
+
+        Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
         """
         if not is_int(n) or n < 0:
             raise ArgumentError(f"TopActivations.top_heads: n must be an int >= 0, got {n!r}")

@@ -158,6 +158,8 @@ def attribute(
         block, the errors of the call's checks before anything is sent.
         NonFiniteError: after the frozen pass, the model's logits at the attributed position hold NaN / inf (an
             fp16 model's logits past 65504 are inf): the graph would be NaN.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/attribution/attribute.py``.
     """
     settings = {"max_feature_nodes": max_feature_nodes, "batch_size": batch_size,
                 "update_interval": update_interval, "targets": targets,

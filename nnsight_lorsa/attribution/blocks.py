@@ -41,6 +41,8 @@ class BlockAdjacency:
         n_sources: the columns that can be sources (the first ``n_sources`` nodes).
         rows: ``(r,)`` int64 the node ids of the rows that will be written (targets).
         dtype: the edges' dtype.
+
+    Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
     """
 
     def __init__(self, site: torch.Tensor, pos: torch.Tensor, n_sources: int, rows: torch.Tensor,
@@ -81,30 +83,49 @@ class BlockAdjacency:
 
     # ------------------------------------------------------------------ structure
     def cols(self, cell: int) -> torch.Tensor:
-        """``(c,)`` int64 the source columns of cell ``cell``'s block, in the block's order."""
+        """``(c,)`` int64 the source columns of cell ``cell``'s block, in the block's order.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return torch.cat([self._upstream[self._site_of_cell[cell]][:self._prefix_of_cell[cell]], self._free])
 
     def n_cols(self) -> torch.Tensor:
-        """``(n_cells,)`` the number of columns of each cell's block (without building them)."""
+        """``(n_cells,)`` the number of columns of each cell's block (without building them).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return self._prefix + self._free.numel()
 
     def entries(self) -> int:
-        """Stored entries once every row is written (``Σ`` rows × columns over the cells)."""
+        """Stored entries once every row is written (``Σ`` rows × columns over the cells).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         sizes = torch.tensor([r.numel() for r in self.cell_rows], dtype=torch.long, device=HOST)
         return int((sizes * self.n_cols()).sum())
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(n, n)``, as the dense matrix it stands for.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return (self.n, self.n)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the written blocks (the edges)."""
+        """Bytes of the written blocks (the edges).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return sum(b.numel() * b.element_size() for b in self.blocks if b is not None)
 
     @property
     def index_nbytes(self) -> int:
-        """Bytes of the block index: each target site's source list and the two ``(n,)`` int64 row maps."""
+        """Bytes of the block index: each target site's source list and the two ``(n,)`` int64 row maps.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return 8 * (sum(u.numel() for u in self._upstream.values()) + self._cell_of_row.numel() + self._slot.numel())
 
     # ------------------------------------------------------------------ writing
@@ -116,6 +137,8 @@ class BlockAdjacency:
             ShapeError: a row that is not one of this adjacency's, or ``grads`` of another column count.
             UnsupportedArchitectureError: a row has a non-zero entry outside its block — an edge from a
                 later position or site, which a causal decoder's frozen replacement model cannot have.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
         """
         rows = rows.to(HOST, torch.long)
         g = grads.detach().to(HOST)  # the rows of a batch, from the model's device
@@ -153,7 +176,10 @@ class BlockAdjacency:
 
     # ------------------------------------------------------------------ reading
     def items(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(rows (r,), cols (c,), block (r, c))`` of every written cell: ``A[rows[i], cols[j]] = block[i, j]``."""
+        """``(rows (r,), cols (c,), block (r, c))`` of every written cell: ``A[rows[i], cols[j]] = block[i, j]``.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         for cell, block in enumerate(self.blocks):
             if block is not None:
                 yield self.cell_rows[cell], self.cols(cell), block
@@ -161,7 +187,10 @@ class BlockAdjacency:
     def coo(self) -> tuple[Int[torch.Tensor, " k"], Int[torch.Tensor, " k"], Float[torch.Tensor, " k"]]:
         """``(row, col, val)``: the ``k`` non-zero stored entries in row-major order (``row`` ascending, then
         ``col``; int64, int64, the blocks' dtype) — the order, and so the values, of ``dense().nonzero()``
-        without the ``(n, n)`` matrix. Memory ``20 B · k`` (+ one cell's block copy at a time)."""
+        without the ``(n, n)`` matrix. Memory ``20 B · k`` (+ one cell's block copy at a time).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         parts = []
         for rows, cols, block in self.items():
             perm = cols.argsort()
@@ -225,7 +254,10 @@ class BlockAdjacency:
         ``col_mask: (n_sources,)`` is True, if given; 0 for rows never written, and for rows outside the bool
         ``row_mask: (n,)`` if given), each summed in ascending source order — the order, and so the bits, of
         ``index_add`` over :meth:`coo`'s entries. Temporaries: one cell's block in float64 at a time (at most
-        :data:`CHUNK` entries)."""
+        :data:`CHUNK` entries).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         out = torch.zeros(self.n, dtype=torch.float64, device=HOST)
         sorting = self._sorted_columns()
         for cell, block in enumerate(self.blocks):
@@ -257,7 +289,10 @@ class BlockAdjacency:
         order — the arithmetic, and so the bits, of ``index_add`` over :meth:`coo`'s entries (a zero entry adds an
         exact 0). Only the rows of non-zero weight are read: per run of rows of one cell, their contributions
         (``rows × cols`` float64, at most :data:`CHUNK` entries at a time) behind the running sums, summed down
-        the rows with ``cumsum`` (sequential)."""
+        the rows with ``cumsum`` (sequential).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         out = torch.zeros(self.n_sources, dtype=torch.float64, device=HOST)
         buffer = torch.empty(CHUNK, dtype=torch.float64, device=HOST)  # reused by every part
         for cell, s0, s1 in self._row_runs():
@@ -315,14 +350,20 @@ class BlockAdjacency:
                 yield rows[at], cols, block[(at + s0)[:, None], perm[None, :]]
 
     def count_edges(self, col_mask: torch.Tensor, row_mask: torch.Tensor) -> int:
-        """The non-zero entries between ``row_mask: (n,)`` rows and ``col_mask: (n_sources,)`` columns (bool)."""
+        """The non-zero entries between ``row_mask: (n,)`` rows and ``col_mask: (n_sources,)`` columns (bool).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return sum(int(sub.count_nonzero()) for _, _, sub in self._masked_parts(col_mask, row_mask))
 
     def edge_scores(self, factor: Float[torch.Tensor, " n"], den: Float[torch.Tensor, " n"], col_mask: torch.Tensor,
                     row_mask: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(target (k,) int64, source (k,) int64, score (k,) float64)`` of the non-zero entries between
         ``row_mask`` rows and ``col_mask`` columns, score ``|v| / den[t] · factor[t]`` (``factor``, ``den``:
-        ``(n,)`` float64), row-major with sources ascending (:meth:`coo`'s order), a part at a time."""
+        ``(n,)`` float64), row-major with sources ascending (:meth:`coo`'s order), a part at a time.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         for rows, cols, sub in self._masked_parts(col_mask, row_mask):
             i, j = sub.nonzero(as_tuple=True)
             t = rows[i]
@@ -335,6 +376,8 @@ class BlockAdjacency:
 
         Raises:
             IndexError: a node id outside ``[0, n)``.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
         """
         rows, cols = torch.broadcast_tensors(rows.to(HOST, torch.long), cols.to(HOST, torch.long))
         shape, rows, cols = rows.shape, rows.flatten(), cols.flatten()
@@ -363,27 +406,40 @@ class BlockAdjacency:
         return out.view(shape)
 
     def dense(self) -> Float[torch.Tensor, "n n"]:
-        """The ``(n, n)`` matrix (``4 B · n²`` at fp32; zeros outside the blocks)."""
+        """The ``(n, n)`` matrix (``4 B · n²`` at fp32; zeros outside the blocks).
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         out = torch.zeros(self.n, self.n, dtype=self.dtype, device=HOST)
         for rows, cols, block in self.items():
             out[rows[:, None], cols[None, :]] = block
         return out
 
     def row_sums(self, rows: torch.Tensor, absolute: bool = False) -> Float[torch.Tensor, " r"]:
-        """``(r,)`` float64 ``Σ_s A[t, s]`` (or ``Σ_s |A[t, s]|``) of the node ids ``rows``."""
+        """``(r,)`` float64 ``Σ_s A[t, s]`` (or ``Σ_s |A[t, s]|``) of the node ids ``rows``.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         sums = torch.zeros(self.n, dtype=torch.float64, device=HOST)
         for r, _, block in self.items():
             sums[r] = (block.abs() if absolute else block).sum(1, dtype=torch.float64)
         return sums[rows.long()]
 
     def count_nonzero(self) -> int:
+        """Number of non-zero entries over the stored blocks.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         return sum(int((b != 0).sum()) for b in self.blocks if b is not None)
 
     # ------------------------------------------------------------------ files
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """What :meth:`Graph.save` writes: ``adjacency_rows`` ``(r,)`` int64 the written rows cell by cell,
         ``adjacency_blocks`` ``(Σ rows × cols,)`` their blocks flattened in the same order, ``adjacency_sources``
-        ``(1,)`` int64 — the blocks' bytes once more (a copy), never ``n²``."""
+        ``(1,)`` int64 — the blocks' bytes once more (a copy), never ``n²``.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
+        """
         written = [c for c, b in enumerate(self.blocks) if b is not None]
         rows = [self.cell_rows[c] for c in written]
         vals = [b.flatten() for b in self.blocks if b is not None]
@@ -398,6 +454,8 @@ class BlockAdjacency:
 
         Raises:
             CheckpointError: (a ``ValueError``) the values do not fill the blocks of those rows exactly.
+
+        Source: ours (the causal-block storage of the adjacency; circuit-tracer keeps it dense).
         """
         flat = t["adjacency_blocks"]
         out = cls(nodes.sites(), nodes.pos, int(t["adjacency_sources"]), t["adjacency_rows"].long(), flat.dtype)

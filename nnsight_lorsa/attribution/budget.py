@@ -240,6 +240,8 @@ class MemoryEstimate(FieldsRepr):
         offload_rows_kept_bytes: bytes of the offloaded rows kept on the device (the kept blocks,
             :func:`.offload.offload_blocks`; 0 with ``"host"``, None where nothing is offloaded;
             ``Graph.meta["offload_rows_kept_bytes"]``).
+
+    Source: ours (memory model of this package's attribution engine; docs/attribution.md).
     """
 
     host_bytes: int
@@ -917,6 +919,8 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
             check :func:`.attribute.attribute` makes too; ``max_memory`` not an int ≥ 1 or None); an old setting
             name (:func:`.options.refuse_renamed`).
         MemoryBudgetError: ``max_memory`` too small even for batch 1 (as ``attribute`` refuses it).
+
+    Source: ours (memory model of this package's attribution engine; docs/attribution.md).
     """
     refuse_inside_trace("estimate_memory")
     refuse_renamed(renamed, "estimate_memory")

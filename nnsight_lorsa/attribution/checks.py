@@ -40,7 +40,11 @@ from .trace import frozen_logits, prepare
 class CircuitMetrics(FieldsRepr):
     """``baseline``/``ablated``: Δℓ without / with the whole circuit ablated; ``effects: (n,)`` single
     ablations; ``attribution: (n,)`` the features' influence; ``completeness``, ``minimal_fraction``,
-    ``faithfulness`` (Spearman ρ) as in the module docstring; ``nodes``: the circuit's graph node ids."""
+    ``faithfulness`` (Spearman ρ) as in the module docstring; ``nodes``: the circuit's graph node ids.
+
+    Source: *From Tokenization to Attribution Graphs* §11 (completeness, minimality, faithfulness); Ameisen et al.
+    2025, *Circuit Tracing*.
+    """
 
     baseline: float
     ablated: float
@@ -112,6 +116,9 @@ def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneRe
 
     Returns:
         :class:`CircuitMetrics` (logit units; ``effects``/``attribution`` ``(n_circuit,)``).
+
+    Source: *From Tokenization to Attribution Graphs* §11 (completeness, minimality, faithfulness); Ameisen et al.
+    2025, *Circuit Tracing*.
     """
     replacement = ReplacementModel(replacement.model, lorsas=replacement.lorsas,
                                    transcoders=replacement.transcoders, error=True, adapter=replacement.adapter)

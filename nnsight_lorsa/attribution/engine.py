@@ -193,6 +193,8 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
 
     Raises:
         LayerOutOfRangeError, ShapeError: bad layers or prompt.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/attribution/attribute.py``.
     """
     model, adapter = replacement.model, replacement.adapter
     lor, tcs = layer_modules(replacement)

@@ -186,6 +186,8 @@ def to_neuronpedia(
             index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
         NonFiniteError: a NaN / inf weight on an exported edge, or NaN / inf logit probabilities (strict JSON
             holds neither).
+
+    Source: circuit-tracer ``frontend/graph_models.py`` (field names, node ids).
     """
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
@@ -295,6 +297,8 @@ def save_neuronpedia(
     ``kwargs`` are :func:`to_neuronpedia`'s (``slug`` defaults to the file's stem). The JSON is strict
     (no NaN / Infinity). Written atomically (:func:`nnsight_lorsa._atomic.atomic_file`: a sibling
     temporary renamed over ``path``), so a crash leaves the old file or the new one.
+
+    Source: circuit-tracer ``frontend/graph_models.py`` (field names, node ids).
     """
     from .._atomic import atomic_file
 

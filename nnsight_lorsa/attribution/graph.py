@@ -75,6 +75,9 @@ class Graph(FieldsRepr):
             prune=PruneConfig(...))`` — the summed edges from dropped nodes and dropped entries).
         qk: QK tracing of the top Lorsa heads (``attribute(..., qk_heads=n)``; :func:`.qk.qk_for_graph`
             names the tensors), empty otherwise.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias nodes
+    are ours).
     """
 
     tokens: torch.Tensor
@@ -112,14 +115,20 @@ class Graph(FieldsRepr):
     @property
     def block_adjacency(self) -> BlockAdjacency | None:
         """The adjacency's causal blocks (:class:`BlockAdjacency`) while the graph keeps them
-        (a full graph of :func:`.attribute.attribute` until ``adjacency`` is first read), else None."""
+        (a full graph of :func:`.attribute.attribute` until ``adjacency`` is first read), else None.
+
+        Source: ours (the causal-block storage, :class:`BlockAdjacency`).
+        """
         a = self._adjacency
         return None if isinstance(a, torch.Tensor) else a
 
     def densify(self) -> torch.Tensor:
         """The dense ``(n_nodes, n_nodes)`` adjacency, which the graph keeps from now on (:attr:`adjacency`
         reads it): built from the causal blocks (``4 B · n_nodes²`` at fp32, on the host; the blocks are
-        dropped), or the matrix the graph already holds (a densified or loaded graph; no copy)."""
+        dropped), or the matrix the graph already holds (a densified or loaded graph; no copy).
+
+        Source: ours (the causal-block storage, :class:`BlockAdjacency`).
+        """
         a = self._adjacency
         if not isinstance(a, torch.Tensor):
             a = a.dense()
@@ -130,7 +139,11 @@ class Graph(FieldsRepr):
         """``(target, source, value)`` of the ``k`` non-zero edges in row-major order (target ascending, then
         source; int64, int64, the adjacency's dtype) — ``adjacency.nonzero()`` and its values, the same
         tensors whether the graph keeps its causal blocks (read from them: ``20 B · k``, no ``n_nodes²``
-        matrix; :meth:`BlockAdjacency.coo`) or the dense matrix. What :mod:`.scores` computes on."""
+        matrix; :meth:`BlockAdjacency.coo`) or the dense matrix. What :mod:`.scores` computes on.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         a = self._adjacency
         if isinstance(a, torch.Tensor):
             t, s = a.nonzero(as_tuple=True)
@@ -142,7 +155,11 @@ class Graph(FieldsRepr):
         """``adjacency[targets, sources]`` (node ids; the two broadcast together, e.g. ``rows[:, None]`` and
         ``cols[None, :]`` for a sub-matrix), in the adjacency's dtype — from the causal blocks if the graph
         keeps them (:meth:`BlockAdjacency.gather`: memory of the result, no ``n_nodes²`` matrix). The ids may be on
-        any device (a graph lives on the host; the result does too), like the blocks' path."""
+        any device (a graph lives on the host; the result does too), like the blocks' path.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         a = self._adjacency
         if isinstance(a, torch.Tensor):
             return a[targets.to(a.device, torch.long), sources.to(a.device, torch.long)]
@@ -150,7 +167,11 @@ class Graph(FieldsRepr):
 
     @property
     def n_edges(self) -> int:
-        """The number of non-zero edges (from the blocks, if kept: no dense matrix)."""
+        """The number of non-zero edges (from the blocks, if kept: no dense matrix).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         a = self._adjacency
         return int((a != 0).sum()) if isinstance(a, torch.Tensor) else a.count_nonzero()
 
@@ -163,25 +184,46 @@ class Graph(FieldsRepr):
 
     @property
     def n_nodes(self) -> int:
+        """Number of nodes ``n`` (rows/columns of the ``(n, n)`` adjacency).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         return len(self.nodes)
 
     def ids_of(self, kind: int) -> torch.Tensor:
-        """Indices of the nodes of one kind (e.g. ``Graph.LORSA``)."""
+        """Indices of the nodes of one kind (e.g. ``Graph.LORSA``): ``(n_kind,)`` int64, ascending.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         return (self.nodes.kind == kind).nonzero().flatten()
 
     @property
     def logit_ids(self) -> torch.Tensor:
+        """Node indices of the logit nodes: ``(n_logits,)`` int64 (:meth:`ids_of` ``LOGIT``).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         return self.ids_of(LOGIT)
 
     @property
     def feature_ids(self) -> torch.Tensor:
-        """Feature-like nodes (transcoder features and Lorsa heads)."""
+        """Feature-like nodes (transcoder features and Lorsa heads): ``(n_features,)`` int64 node indices, ascending.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         return ((self.nodes.kind == TRANSCODER) | (self.nodes.kind == LORSA)).nonzero().flatten()
 
     def edge_sum_error(self, relative_to: str = "value") -> torch.Tensor:
         """The exactness check over the computed target rows: ``|Σ_s A[t, s] − value_t|`` divided by
         ``|value_t|`` (``relative_to="value"``) or by the row's mass ``Σ_s |A[t, s]|`` (+ ``|residual|``; ``"mass"``:
-        the scale of fp rounding in a sum of terms that may cancel). ``(n_rows,)``, 0 up to rounding."""
+        the scale of fp rounding in a sum of terms that may cancel). ``(n_rows,)``, 0 up to rounding.
+
+        Source: ours (bias nodes make a node's incoming edges sum to its value; circuit-tracer has no bias nodes).
+        """
         rows = self.feature_rows.nonzero().flatten()
         v = self.values[rows].double()
         assert self.residual is not None
@@ -204,6 +246,8 @@ class Graph(FieldsRepr):
 
         Raises:
             ArgumentError: ``meta`` (or the prompt) is not JSON-serialisable (nothing is written).
+
+        Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from .._atomic import atomic_directory
         from ..errors import ArgumentError
@@ -251,6 +295,8 @@ class Graph(FieldsRepr):
                 ``commit_message``; ``metrics`` that are not metrics; ``meta`` not JSON-serialisable
                 (nothing is uploaded).
             MissingDependencyError: ``huggingface_hub`` is not installed.
+
+        Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from ..formats.hub import check_push_args, graph_card, metrics_table, stage_and_push
 
@@ -283,6 +329,8 @@ class Graph(FieldsRepr):
                 of the wrong type — naming the file and the key; a file that differs from what
                 ``checksums.json`` records (truncated, altered); a repo id that could not be fetched.
             ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo.
+
+        Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from .._atomic import check, manifest_of, resolve
         from ..formats.files import load_safetensors, read_json_object, refuse_local_revision, resolve_checkpoint_dir
@@ -338,7 +386,11 @@ class Graph(FieldsRepr):
         return graph
 
     def summary(self) -> dict[str, int]:
-        """Node counts by kind and the number of non-zero edges."""
+        """Node counts by kind and the number of non-zero edges.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
+        nodes are ours).
+        """
         k = self.nodes.kind
         return {"features": int((k == TRANSCODER).sum()), "lorsa_heads": int((k == LORSA).sum()),
                 "errors": int(((k == MLP_ERROR) | (k == ATTN_ERROR)).sum()), "embeddings": int((k == EMBEDDING).sum()),
@@ -347,6 +399,12 @@ class Graph(FieldsRepr):
 
 
 def _get_adjacency(self: Graph) -> torch.Tensor:
+    """The dense ``(n, n)`` adjacency (row = target, column = source). Raises
+    :class:`~nnsight_lorsa.errors.DenseAdjacencyError` on a graph that keeps only its causal blocks.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias nodes
+    are ours).
+    """
     from ..errors import DenseAdjacencyError
 
     a = self._adjacency

@@ -91,6 +91,8 @@ class IntervenedAttribution:
     Attributes:
         replacement: the :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`.
         edits: the interventions reported so far (:class:`~..envoy.edit_log.Edit`), in order.
+
+    Source: ours (attribution of an intervened nnsight trace; no peer has it).
     """
 
     # Graph, AttributionOptions and the engine are named only in quoted annotations and function-local imports:
@@ -125,6 +127,10 @@ class IntervenedAttribution:
 
     @property
     def edits(self) -> list[Edit]:
+        """The interventions recorded in the pass, in order (a copy).
+
+        Source: ours (attribution of an intervened nnsight trace; no peer has it).
+        """
         return list(self._log.edits)
 
     # ------------------------------------------------------------ checks (in the trace body)
@@ -243,6 +249,8 @@ class IntervenedAttribution:
             ConfigMismatchError, MemoryBudgetError: as :func:`.attribute.attribute` for the options (of a pass
                 recorded on a server, also the call's checks of them: :func:`check_traced_call`).
             TypeError, ArgumentError: (a pass recorded on a server) as :func:`check_traced_call`.
+
+        Source: ours (attribution of an intervened nnsight trace; no peer has it).
         """
         if self._graph is not None:
             return self._graph

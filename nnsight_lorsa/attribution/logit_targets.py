@@ -47,6 +47,8 @@ class LogitTargets:
     Raises:
         ArgumentError: ``max_n`` not an int, ``cumulative_prob`` not a number.
         ConfigMismatchError: ``max_n < 1``, ``cumulative_prob`` outside ``(0, 1]`` (NaN included).
+
+    Source: circuit-tracer ``circuit_tracer/attribution/targets.py``.
     """
 
     max_n: int = 10

@@ -121,6 +121,9 @@ class QKAttribution(FieldsRepr):
         pairs: ``(n_nodes + 1, n_nodes + 1)`` ``query @ key.T / attn_scale`` — sums to ``score``.
         score: the attention score ``q_i·k_j / attn_scale`` (pre-softmax logit).
         probe: which head / positions.
+
+    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+    ``src/llamascopium/circuits/attribution.py`` (QK tracing).
     """
 
     nodes: NodeTable
@@ -132,20 +135,37 @@ class QKAttribution(FieldsRepr):
 
     @property
     def query_marginal(self) -> torch.Tensor:
-        """``(n_nodes + 1,)`` ``q^(a)·k_j / attn_scale``."""
+        """``(n_nodes + 1,)`` ``q^(a)·k_j / attn_scale``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
+        """
         return self.pairs.sum(1)
 
     @property
     def key_marginal(self) -> torch.Tensor:
-        """``(n_nodes + 1,)`` ``q_i·k^(b) / attn_scale``."""
+        """``(n_nodes + 1,)`` ``q_i·k^(b) / attn_scale``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
+        """
         return self.pairs.sum(0)
 
     def label(self, i: int) -> str:
+        """Label of pair side ``i``: a node's label, or ``"bias (b_Q/b_K)"`` for ``i == len(nodes)``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
+        """
         return "bias (b_Q/b_K)" if i == len(self.nodes) else self.nodes.label(i)
 
     def top_pairs(self, n: int = 10) -> list[tuple[str, str, float]]:
         """The ``n`` largest ``|pair|`` terms as ``(query node, key node, value)``, largest first; equal ones
-        by the smaller row-major (query node, key node) index (:func:`top_abs`)."""
+        by the smaller row-major (query node, key node) index (:func:`top_abs`).
+
+        Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+        ``src/llamascopium/circuits/attribution.py`` (QK tracing).
+        """
         flat = self.pairs.flatten()
         idx = top_abs(flat, n)
         m = self.pairs.shape[1]
@@ -170,6 +190,9 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
+
+    Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
+    ``src/llamascopium/circuits/attribution.py`` (QK tracing).
     """
     prepared = prepare(replacement, prompt)
     layout, adapter = prepared.layout, prepared.adapter

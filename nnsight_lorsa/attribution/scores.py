@@ -123,7 +123,11 @@ class PruneResult(FieldsRepr):
     ascending: ``16 B`` per kept edge, never ``n²``); ``node_influence: (n,)`` float64 influence on the
     logits; ``cumulative: (n,)`` float64 each node's cumulative-influence rank score (fraction of total
     influence of nodes at least as influential; nodes of equal influence get one score, :func:`cumulative_scores`).
-    :attr:`edge_mask` is the dense ``(n, n)`` bool view."""
+    :attr:`edge_mask` is the dense ``(n, n)`` bool view.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (influence, pruning,
+    scores).
+    """
 
     node_mask: torch.Tensor
     edge_index: torch.Tensor
@@ -133,7 +137,11 @@ class PruneResult(FieldsRepr):
     @property
     def edge_mask(self) -> torch.Tensor:
         """``(n, n)`` bool ``[target, source]``, True at the kept edges — built from :attr:`edge_index`
-        (``n²`` bytes: for small graphs; a long prompt's graph reads ``edge_index``)."""
+        (``n²`` bytes: for small graphs; a long prompt's graph reads ``edge_index``).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (influence,
+        pruning, scores).
+        """
         n = self.node_mask.numel()
         out = torch.zeros(n, n, dtype=torch.bool, device=HOST)
         out[self.edge_index[0], self.edge_index[1]] = True
@@ -157,6 +165,9 @@ class PruneConfig:
 
     Raises:
         ConfigMismatchError: a threshold outside ``[0, 1]`` or ``keep_mass`` outside ``(0, 1]``.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (influence, pruning,
+    scores).
     """
 
     node_threshold: float = 0.8
@@ -176,6 +187,9 @@ class PruneConfig:
 
         Raises:
             ConfigMismatchError: anything else, or bad values.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (influence,
+        pruning, scores).
         """
         if prune is None or isinstance(prune, PruneConfig):
             return prune
@@ -509,6 +523,8 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
         ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included).
         NonFiniteError: NaN / inf logit probabilities or edges (a graph built by hand: :func:`.attribute.attribute`
             and :meth:`.graph.Graph.load` refuse them) — their influence would be NaN, the nodes it reaches dropped.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (``prune_graph``).
     """
     for name, v in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
@@ -553,7 +569,11 @@ def graph_scores(graph: Graph) -> tuple[float, float]:
     docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). Computed on the
     graph's stored rows (:func:`graph_rows`: its causal blocks in place, or its dense matrix's non-zero entries)
     in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
-    vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix."""
+    vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py``
+    (``compute_graph_scores``).
+    """
     kind = graph.nodes.kind
     error = (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     inputs = (kind == EMBEDDING) | (kind == BIAS)

@@ -67,6 +67,8 @@ class AttributionCache(FieldsRepr):
             ``post_feedforward_layernorm``) of each layer whose transcoder writes it (``hook_mlp_out``), as a traced
             pass ran it (:mod:`.intervened`: the splice's output, edits included), the reference of that layer's
             error nodes; a layer not in it (a clean pass): the frozen post-norm of ``mlp_out``.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/attribution/attribute.py``.
     """
 
     tokens: torch.Tensor

@@ -60,6 +60,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         ConfigMismatchError: not a CrossLayerTranscoder; its ``d_model`` differs from the model's, or it
             spans more layers than the model has.
         PlacementError: a CLT on the meta device for a model whose weights are loaded.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+    (``docs/patterns/sae-and-auxiliary-modules.md``).
     """
 
     attach_name = "clt"
@@ -74,7 +77,11 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     @property
     def clt(self) -> CrossLayerTranscoder:
-        """The cross-layer transcoder."""
+        """The cross-layer transcoder.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         return self[KEY]
 
     def wrong_kind(self, key: Any, module: Any) -> str:
@@ -82,6 +89,14 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
                 "(per-layer transcoders go in a TranscoderSet)")
 
     def check(self, key: Any, module: CrossLayerTranscoder) -> str:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a key other than ``"clt"``, a CLT whose ``d_in`` is not the model's ``d_model``, or
+                one with more layers than the model.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         if key != KEY:
             raise ConfigMismatchError(f"a CLTSet holds one CLT under the key {KEY!r}, got {key!r}")
         if module.cfg.d_in != self.adapter.d_model:
@@ -98,7 +113,11 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         return self.adapter.mlp_path(0)  # the CLT runs where its first MLP does
 
     def n_latents(self, key: str = KEY) -> int:
-        """``n_layers · d_sae``: every layer's features."""
+        """``n_layers · d_sae``: every layer's features.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         return int(self.clt.n_layers * self.clt.cfg.d_sae)
 
     def feature_module(self, target: Any) -> Any:
@@ -109,7 +128,11 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     def by_layer(self) -> dict[int, Any]:
         """``{layer: CLTLayer}``: each layer of the CLT seen as a transcoder
-        (:meth:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder.by_layer`)."""
+        (:meth:`~nnsight_lorsa.modules.clt.CrossLayerTranscoder.by_layer`).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         return dict(self.clt.by_layer())
 
     def envoys(self, spliced: dict[str, Any]) -> Any:
@@ -131,6 +154,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             ConfigMismatchError: the checkpoint holds no CLT, or one that does not fit the model.
             ArgumentError: ``offload`` not a bool; a bad ``dtype`` or ``device`` (``formats.load``).
             PlacementError: a ``device`` this machine lacks, or ``meta`` (before anything is read).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
         """
         from ..formats.registry import load
 
@@ -147,17 +173,29 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write the CLT to ``directory`` (``formats.save``, the ``"nnsight_lorsa"`` format);
-        :meth:`from_pretrained` reads it back."""
+        :meth:`from_pretrained` reads it back.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         from ..formats.registry import save
 
         save(self.clt, directory)
 
     def folder(self, key: str) -> str:
-        """``"."``: :meth:`save` writes the CLT at the set's top (its card lists it there)."""
+        """``"."``: :meth:`save` writes the CLT at the set's top (its card lists it there).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         return "."
 
     def subset(self, keys: Any = None, transform: Any = None) -> CLTSet:
-        """This CLT (it spans every MLP, so ``keys`` selects nothing), passed through ``transform``."""
+        """This CLT (it spans every MLP, so ``keys`` selects nothing), passed through ``transform``.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         return CLTSet(self.model, self.clt if transform is None else transform(self.clt), self.adapter)
 
     def label(self, key: str) -> str:
@@ -167,7 +205,11 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
         return f"CLTSet({self.adapter.family}, n_layers={self.clt.n_layers}, d_sae={self.clt.cfg.d_sae})"
 
     def site(self, key: str = KEY) -> SpliceChain:
-        """The chain of MLP sites ``0 … n_layers−1`` and the per-layer step."""
+        """The chain of MLP sites ``0 … n_layers−1`` and the per-layer step.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
+        """
         adapter, root = self.adapter, hf_module(self.model)
         ios = [mlp_site_io(self.clt, adapter, root, layer) for layer in range(self.clt.n_layers)]
 
@@ -213,6 +255,9 @@ class CLTSet(ReplacementSet[str, CrossLayerTranscoder]):
             TraceOrderError: the model already ran one of the MLPs in this pass.
             TraceOrderError: called outside a trace.
             InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); nnsight 0.8 envoys
+        (``docs/patterns/sae-and-auxiliary-modules.md``).
         """
         check_flag(error, "error", "CLTSet.replace")
         return self.splice_one(KEY, self[KEY if key is None else key], error)

@@ -47,6 +47,8 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
             a ``device`` that is not one (checked before anything is read).
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA), or ``"meta"`` (no weights).
+
+    Source: ours (offline loading into nnsight's ``TransformersModel``).
     """
     from nnsight import TransformersModel
     from transformers import AutoConfig

@@ -115,6 +115,15 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 "in a TranscoderSet, SAEs in an SAESet)")
 
     def check(self, key: Any, module: Lorsa) -> int:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a Lorsa whose ``d_model`` differs from the model's, or trained for another layer
+                (``cfg.layer``).
+            LayerOutOfRangeError: ``key`` not a layer in ``[0, n_layers)``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         layer = self.adapter.check_layer(key)
         cfg = module.cfg
         if cfg.d_model != self.adapter.d_model:
@@ -139,6 +148,10 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
     @property
     def layers(self) -> list[int]:
+        """The layers that have a Lorsa, in key order.
+
+        Source: Lorsa paper (He et al. 2025) §3 (one Lorsa replaces one layer's attention); docs/lorsa.md.
+        """
         return list(self)
 
     def __repr__(self) -> str:
@@ -166,6 +179,8 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             CheckpointError: no recognisable checkpoint (``FormatDetectionError``), a malformed one.
             ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
                 for a layer; a Lorsa that does not fit the model.
+
+        Source: Lorsa paper (He et al. 2025) §3 (one Lorsa replaces one layer's attention); docs/lorsa.md.
         """
         out = cls(model, {}, adapter)
 
@@ -198,6 +213,8 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 continued from a ``past_key_values`` made outside the trace), or the trace skipped the Lorsa's forward
                 (``site.skip(value)``: the site returns ``value``) in an earlier forward pass of the generation, whose
                 keys and values a cached step would attend to.
+
+        Source: Lorsa paper (He et al. 2025) §3 (one Lorsa replaces one layer's attention); docs/lorsa.md.
         """
         adapter = self.adapter
         hf_config = getattr(hf_module(self.model), "generation_config", None)
@@ -310,6 +327,8 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                 comes from the model's ``generation_config`` (where the traced method cannot be told,
                 e.g. on a server, at the first cached step).
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
+
+        Source: Lorsa paper (He et al. 2025) §3 (one Lorsa replaces one layer's attention); docs/lorsa.md.
         """
         check_flag(error, "error", "LorsaSet.replace")
         layers, single = replace_keys(layer, int, self.layers, "LorsaSet.replace(layer=...)")

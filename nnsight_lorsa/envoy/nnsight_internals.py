@@ -590,7 +590,10 @@ class SerializingRemoteBackend(RemoteBackend):
         return self.serialize_request(tracer)
 
     def serialize_request(self, tracer: Any) -> bytes:
-        """The request's bytes, as nnsight serializes them (override to measure; call ``super()``)."""
+        """The request's bytes, as nnsight serializes them (override to measure; call ``super()``).
+
+        Source: ours (the nnsight 0.8.1 internals this package relies on, in one place).
+        """
         return RemoteBackend._serialize(self, tracer)
 
 

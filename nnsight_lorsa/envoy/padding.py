@@ -43,6 +43,8 @@ def padding_mask(model: Any) -> torch.Tensor | None:
     Raises:
         TraceOrderError: outside a trace body, or after the body read something the model computes (the
             model's inputs come first).
+
+    Source: ours (nnsight's left padding of a trace's prompts).
     """
     worker = current_worker("padding_mask")
     if ran_since_start(worker, model.path) > 0:

@@ -45,6 +45,8 @@ class Site:
 
     Raises:
         ArgumentError: another ``kind`` or a ``path`` that is not a string (a ``ValueError`` too).
+
+    Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
     """
 
     path: str
@@ -62,32 +64,49 @@ class Site:
 
         Raises:
             LayerOutOfRangeError: ``layer`` outside the model.
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
         return cls(adapter.mlp_path(adapter.check_layer(layer)), "input")
 
     @classmethod
     def mlp_output(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
-        """What layer ``layer``'s MLP returns: a transcoder's target."""
+        """What layer ``layer``'s MLP returns: a transcoder's target.
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
+        """
         return cls(adapter.mlp_path(adapter.check_layer(layer)), "output")
 
     @classmethod
     def attn_input(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
-        """What layer ``layer``'s attention reads (after the pre-attention norm): a Lorsa's input."""
+        """What layer ``layer``'s attention reads (after the pre-attention norm): a Lorsa's input.
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
+        """
         return cls(adapter.attention_path(adapter.check_layer(layer)), "input")
 
     @classmethod
     def attn_output(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
-        """What layer ``layer``'s attention returns (after the output projection): a Lorsa's target."""
+        """What layer ``layer``'s attention returns (after the output projection): a Lorsa's target.
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
+        """
         return cls(adapter.attention_path(adapter.check_layer(layer)), "output")
 
     @classmethod
     def attn_positions(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
-        """The token positions layer ``layer``'s attention is called with (RoPE)."""
+        """The token positions layer ``layer``'s attention is called with (RoPE).
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
+        """
         return cls(adapter.attention_path(adapter.check_layer(layer)), "positions")
 
     @classmethod
     def resid_post(cls, adapter: ArchitectureAdapter, layer: int) -> Site:
-        """The residual stream after decoder layer ``layer`` (its output)."""
+        """The residual stream after decoder layer ``layer`` (its output).
+
+        Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
+        """
         return cls(adapter.layer_path(adapter.check_layer(layer)), "output")
 
 

@@ -100,6 +100,8 @@ class ReplacementModel:
         ConfigMismatchError: a set bound to another model, or a value of the wrong type.
         LayerOutOfRangeError: a module keyed by a layer the model does not have.
         ArgumentError: ``offload`` neither a bool nor None; ``error`` not a bool.
+
+    Source: circuit-tracer ``circuit_tracer/replacement_model.py`` (its nnsight-native counterpart).
     """
 
     def __init__(self, model: Any, *, lorsas: Any = None, transcoders: Any = None, saes: Any = None,
@@ -130,11 +132,19 @@ class ReplacementModel:
             raise
 
     def sets(self) -> list[tuple[str, ReplacementSet]]:
-        """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``."""
+        """``[(slot, set)]`` for the sets this bundle holds, in the order ``lorsas``, ``transcoders``, ``saes``.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         return [(slot, getattr(self, slot)) for slot in SLOTS if getattr(self, slot) is not None]
 
     def with_sets(self, transform: Any) -> ReplacementModel:
-        """A bundle of the same model, error flag and adapter holding ``transform(set)`` for each set."""
+        """A bundle of the same model, error flag and adapter holding ``transform(set)`` for each set.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         return ReplacementModel(self.model, **{slot: transform(s) for slot, s in self.sets()}, error=self.error,
                                 adapter=self.adapter)
 
@@ -149,6 +159,8 @@ class ReplacementModel:
         Raises:
             ConcurrentTraceError: another thread is running a trace of the same model (nnsight traces are
                 per-thread; docs/nnsight.md).
+
+        Source: circuit-tracer ``circuit_tracer/replacement_model.py`` (its nnsight-native counterpart).
         """
         check_one_thread(self.model, "ReplacementModel.trace")
         return self.model.trace(*args, **kwargs)
@@ -166,6 +178,8 @@ class ReplacementModel:
             TraceOrderError: called outside a trace.
             InvokeRowsError: (in the run) a replacement's internals read or edited from an invoke that did not
                 splice it.
+
+        Source: circuit-tracer ``circuit_tracer/replacement_model.py`` (its nnsight-native counterpart).
         """
         err = self.error if error is None else check_flag(error, "error", "ReplacementModel.replace")
         held = self.sets()
@@ -183,10 +197,23 @@ class ReplacementModel:
         return Bound(target, self)
 
     def bind_all(self, targets: Iterable[Target]) -> list[Bound]:
+        """Each target bound to this model (``[self(t) for t in targets]``); raises as :meth:`__call__` does for an
+        invalid target.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         return [self(t) for t in targets]
 
     def output_projection_path(self, layer: int) -> str:
-        """Module path of layer ``layer``'s attention output projection (its input is head-major)."""
+        """Module path of layer ``layer``'s attention output projection (its input is head-major).
+
+        Raises:
+            ConfigMismatchError: the attention module has none of the output projections the adapters know.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         attn_path = self.adapter.attention_path(layer)
         attn = self.adapter.get_module(hf_module(self.model), attn_path)
         for name in OUTPUT_PROJECTIONS:
@@ -200,6 +227,9 @@ class ReplacementModel:
         Raises:
             ConfigMismatchError: this ReplacementModel holds no set of that kind (the message names
                 ``user`` and the argument to pass).
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
         """
         value = getattr(self, kind)
         if value is None:
@@ -214,6 +244,9 @@ class ReplacementModel:
             LayerOutOfRangeError: the layer is outside the model, or the set has no module there.
             TargetIndexError: the head/feature index is outside its range.
             ConfigMismatchError: unknown SAE site, no set for the target's kind, unknown target type.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
         """
         if isinstance(target, MHSAHead):
             self.adapter.check_layer(target.layer)
@@ -235,11 +268,19 @@ class ReplacementModel:
         return self.require(slot, target).feature_module(target)
 
     def width(self, target: Target) -> int | None:
-        """Size of the last axis of one position's value: ``head_dim`` for MHSA heads, None (scalar) else."""
+        """Size of the last axis of one position's value: ``head_dim`` for MHSA heads, None (scalar) else.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         return self.adapter.head_dim if isinstance(target, MHSAHead) else None
 
     def check_values(self, target: Target, values: torch.Tensor) -> None:
-        """Raise :class:`ShapeError` if ``values`` cannot be one target's per-position value(s)."""
+        """Raise :class:`ShapeError` if ``values`` cannot be one target's per-position value(s).
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         if not isinstance(values, torch.Tensor):
             return
         width = self.width(target)
@@ -252,7 +293,11 @@ class ReplacementModel:
     # ------------------------------------------------------------ ordering
     def order(self, target: Target) -> tuple[float, float]:
         """Where the model computes ``target`` (layer, step): interventions in one trace body must
-        run in this order (nnsight serves module values in execution order)."""
+        run in this order (nnsight serves module values in execution order).
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         if isinstance(target, MHSAHead):
             return (float(target.layer), 1.0)
         if isinstance(target, LorsaHead):
@@ -266,7 +311,11 @@ class ReplacementModel:
         return self.order_path(str(target.site))
 
     def order_path(self, path: str) -> tuple[float, float]:
-        """Where the model runs the module at envoy path ``path`` (layer, step), as :meth:`order`."""
+        """Where the model runs the module at envoy path ``path`` (layer, step), as :meth:`order`.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         a = self.adapter
         if path == a.embed_path:
             return (-1.0, 0.0)
@@ -288,6 +337,12 @@ class ReplacementModel:
         return (float(layer), step)
 
     def sort(self, targets: Iterable[Target]) -> list[Target]:
+        """``targets`` in the order the model computes them (:meth:`order`), the order interventions in one trace body
+        must run in.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         return sorted(targets, key=self.order)
 
     # ------------------------------------------------------------ in a trace
@@ -296,7 +351,11 @@ class ReplacementModel:
         targets need. A Lorsa must be spliced before anything inside its attention is read (e.g. an
         MHSA head of the same layer); splicing is idempotent within one trace. Called first in the body
         (or invoke), it also reads the batch's padding mask (:func:`~.padding.arm_padding_check`): the
-        body's interventions then refuse positions that are padding in some row (``ArgumentError``)."""
+        body's interventions then refuse positions that are padding in some row (``ArgumentError``).
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
+        """
         arm_padding_check(self.model)
         for t in self.sort(set(targets)):
             if isinstance(t, LorsaHead):
@@ -315,6 +374,9 @@ class ReplacementModel:
 
         Raises:
             ArgumentError: the edit would be discarded (names the target, the replacement and the ways out).
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
         """
         if isinstance(target, MHSAHead):
             refuse_discarded_edit(self.output_projection_path(target.layer), str(target))
@@ -326,6 +388,9 @@ class ReplacementModel:
         columns; Lorsa heads: ``hook_z`` output and the head; features: ``hook_sae_acts_post``.
         The index is ``(..., positions?, cols)`` without the position axis; see
         :func:`~.targets.index_at`.
+
+        Source: ours (target checks and trace ordering for interventions; circuit-tracer's ``ReplacementModel`` has
+        none).
         """
         if isinstance(target, MHSAHead):
             d = self.adapter.head_dim

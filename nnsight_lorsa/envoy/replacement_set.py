@@ -299,20 +299,32 @@ class ReplacementSet(Generic[K, M]):
 
     # ------------------------------------------------------------ subclasses
     def wrong_kind(self, key: Any, module: Any) -> str:
-        """The message refusing ``module`` (not a :attr:`module_type`) at ``key``."""
+        """The message refusing ``module`` (not a :attr:`module_type`) at ``key``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return (f"{type(self).__name__} holds {self.module_type.__name__} modules; got a {type(module).__name__} "
                 f"for {key!r}")
 
     def check(self, key: Any, module: M) -> K:
-        """Validate ``(key, module)`` for this model and return the normalised key."""
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return key
 
     def missing(self, key: Any) -> Exception:
-        """The error for a key the set has no module for."""
+        """The error for a key the set has no module for.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return KeyError(f"no {self.what} for {key!r}; this set has {list(self)}")
 
     def site_path(self, key: K) -> str:
-        """Envoy path of the module whose device the replacement at ``key`` runs on (its first site)."""
+        """Envoy path of the module whose device the replacement at ``key`` runs on (its first site).
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         raise NotImplementedError
 
     def site(self, key: K) -> SpliceChain:
@@ -334,7 +346,10 @@ class ReplacementSet(Generic[K, M]):
                           self.adapter)
 
     def n_latents(self, key: K) -> int:
-        """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size."""
+        """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         module: Any = self[key]
         return int(module.cfg.d_sae)
 
@@ -344,6 +359,8 @@ class ReplacementSet(Generic[K, M]):
         Raises:
             LayerOutOfRangeError, ConfigMismatchError: no module at ``target.site`` (the set's :meth:`missing`);
             a CLT set always (its features are not intervention targets).
+
+        Source: ours (the shared contract of this package's replacement sets).
         """
         return self[target.site]
 
@@ -361,16 +378,25 @@ class ReplacementSet(Generic[K, M]):
 
     def envoys(self, spliced: dict[K, Any]) -> Any:
         """What :meth:`~.replacement_model.ReplacementModel.replace` returns for this set, given the
-        envoys ``{key: envoy}`` of its spliced modules: that dict (a CLT set: its one envoy)."""
+        envoys ``{key: envoy}`` of its spliced modules: that dict (a CLT set: its one envoy).
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return spliced
 
     def latents_and_output(self, envoy: Any) -> tuple[Any, Any]:
         """``(latents, output)`` envoy values of a spliced module (``replace``'s return): what ``evaluate``
-        reads for L0 / dead latents and FVU. Dictionaries: ``hook_sae_acts_post``, ``hook_sae_recons``."""
+        reads for L0 / dead latents and FVU. Dictionaries: ``hook_sae_acts_post``, ``hook_sae_recons``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return envoy.hook_sae_acts_post.output, envoy.hook_sae_recons.output
 
     def label(self, key: K) -> str:
-        """How the module at ``key`` is named in reports: ``[2]``, ``['model.layers.3']``."""
+        """How the module at ``key`` is named in reports: ``[2]``, ``['model.layers.3']``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         return f"[{key!r}]"
 
     # -------------------------------------------------------------------- io

@@ -60,6 +60,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         ConfigMismatchError: the model has no module at a site path, or the site is one whose
             width is known (a decoder layer, its attention or MLP, the embedding) and differs
             from the SAE's ``d_in``. Other sites are checked when the trace runs (:class:`ShapeError`).
+
+    Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
     """
 
     key_type = str
@@ -75,7 +77,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         super(SAESet, self).__init__(model, saes, adapter)
 
     def known_width(self, path: str) -> int | None:
-        """``d_model`` for the residual-width sites of the adapter, None for others."""
+        """``d_model`` for the residual-width sites of the adapter, None for others.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
+        """
         a = self.adapter
         layer = rf"{re.escape(a.layers_path)}\.[0-9]+"
         parts = (a.attention_name, a.mlp_name)
@@ -85,6 +90,14 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         return None
 
     def check(self, key: Any, module: SparseAutoencoder) -> str:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a key that is not a module path of the model, or an SAE whose ``d_in`` is not the
+                site's known width.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         if not isinstance(key, str) or not key:
             raise ConfigMismatchError(f"an SAE site is a module path (str), got {key!r}")
         try:
@@ -100,7 +113,10 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         return key
 
     def site(self, path: str) -> SpliceChain:
-        """How the output of ``path`` is spliced."""
+        """How the output of ``path`` is spliced.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
+        """
         return SpliceChain(
             site_paths=(path,),
             attach_path=path,
@@ -137,6 +153,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             TraceOrderError: called outside a trace.
             InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
         """
         return super(SAESet, self).replace(site, error=error)
 
@@ -162,6 +180,8 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
             ConfigMismatchError: a file names no site (pass ``{site_path: directory}``), a site that is
                 not a module output, a site of another width; a file that holds a transcoder.
             CheckpointError, UnsupportedArchitectureError: from the loaders.
+
+        Source: nnsight 0.8 ``docs/patterns/sae-and-auxiliary-modules.md`` (an SAE spliced into a trace).
         """
         from ..adapters.registry import get_adapter
         from ..formats.hook_sites import sae_site_path

@@ -26,12 +26,18 @@ from ..errors import LorsaError
 
 
 class TargetIndexError(LorsaError, IndexError):
-    """A head or feature index is outside ``[0, n)`` of what it indexes."""
+    """A head or feature index is outside ``[0, n)`` of what it indexes.
+
+    Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+    """
 
 
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
 class MHSAHead(FieldsRepr):
-    """Head ``head`` of layer ``layer``'s multi-head self-attention."""
+    """Head ``head`` of layer ``layer``'s multi-head self-attention.
+
+    Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+    """
 
     layer: int
     head: int
@@ -39,7 +45,10 @@ class MHSAHead(FieldsRepr):
 
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
 class LorsaHead(FieldsRepr):
-    """Head ``head`` (an OV head, i.e. a column of ``hook_z``) of the Lorsa of ``layer``."""
+    """Head ``head`` (an OV head, i.e. a column of ``hook_z``) of the Lorsa of ``layer``.
+
+    Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+    """
 
     layer: int
     head: int
@@ -47,7 +56,10 @@ class LorsaHead(FieldsRepr):
 
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
 class Feature(FieldsRepr):
-    """Feature ``index`` of an SAE (``site`` a module path) or transcoder (``site`` a layer)."""
+    """Feature ``index`` of an SAE (``site`` a module path) or transcoder (``site`` a layer).
+
+    Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+    """
 
     site: str | int
     index: int
@@ -70,16 +82,28 @@ def positions_index(positions: Positions) -> Any:
 @dataclass(frozen=True, repr=False)  # FieldsRepr: no _thread in a request (NDIF's whitelist)
 class Bound(FieldsRepr):
     """A validated target together with the :class:`~.replacement_model.ReplacementModel` that finds
-    it in a trace (typed ``Any`` here: the bundle imports this module, not the other way round)."""
+    it in a trace (typed ``Any`` here: the bundle imports this module, not the other way round).
+
+    Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+    """
 
     target: Target
     replacement: Any
 
     def location(self) -> tuple[Any, tuple]:
+        """Inside a trace body: ``(tensor, index)`` with ``tensor[index]`` the target's value
+        (:meth:`~.replacement_model.ReplacementModel.location`).
+
+        Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+        """
         return self.replacement.location(self.target)
 
     @property
     def width(self) -> int | None:
+        """Size of the last axis of one position's value: ``head_dim`` for an MHSA head, None (a scalar) else.
+
+        Source: ours (intervention targets of this package; *From Tokenization to Attribution Graphs* §10).
+        """
         return self.replacement.width(self.target)
 
 

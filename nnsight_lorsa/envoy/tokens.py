@@ -82,6 +82,8 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     Raises:
         MissingTokenizerError: tokenizer files exist but cannot be loaded (e.g. a SentencePiece model
             without the ``sentencepiece`` package): the message names the files and the cause.
+
+    Source: ours (models without tokenizer files; transformers ``AutoTokenizer``).
     """
     from transformers import AutoConfig, AutoTokenizer
 

@@ -56,6 +56,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
         ConfigMismatchError: ``d_in``/``d_out`` differ from the model's ``d_model``, or the
             transcoder records another layer.
+
+    Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+    ``docs/patterns/sae-and-auxiliary-modules.md``.
     """
 
     key_type = int
@@ -71,6 +74,15 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
         super(TranscoderSet, self).__init__(model, transcoders, adapter)
 
     def check(self, key: Any, module: Transcoder) -> int:
+        """Validate ``(key, module)`` for this model and return the normalised key.
+
+        Raises:
+            ConfigMismatchError: a transcoder whose ``d_in`` / ``d_out`` differ from the model's ``d_model``, or
+                trained for another layer.
+            LayerOutOfRangeError: ``key`` not a layer in ``[0, n_layers)``.
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         layer = self.adapter.check_layer(key)
         d = self.adapter.d_model
         cfg = module.cfg
@@ -88,11 +100,20 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
     def site_path(self, key: int) -> str:
         """The layer's MLP, where its transcoder runs (the module whose output it replaces is :meth:`site`'s
-        ``site_paths[0]``: the MLP, or Gemma-2/3's ``post_feedforward_layernorm`` for ``hook_mlp_out``)."""
+        ``site_paths[0]``: the MLP, or Gemma-2/3's ``post_feedforward_layernorm`` for ``hook_mlp_out``).
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
+        """
         return self.adapter.mlp_path(key)
 
     @property
     def layers(self) -> list[int]:
+        """The layers that have a transcoder, in key order.
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
+        """
         return list(self)
 
     def feature_module(self, target: Any) -> Transcoder:
@@ -100,13 +121,20 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
 
         Raises:
             LayerOutOfRangeError: ``target.site`` is not an int layer, or the set has no transcoder there.
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
         """
         if not isinstance(target.site, int):
             raise LayerOutOfRangeError(f"a transcoder feature's site is a layer (int), got {target.site!r}")
         return self[target.site]
 
     def site(self, layer: int) -> SpliceChain:
-        """How layer ``layer``'s MLP is spliced (its path, input and output handling)."""
+        """How layer ``layer``'s MLP is spliced (its path, input and output handling).
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
+        """
         adapter = self.adapter
         io = mlp_site_io(self[layer], adapter, hf_module(self.model), layer)
 
@@ -152,6 +180,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
             TraceOrderError: called outside a trace.
             InvokeRowsError: (in the run) its internals read or edited from an invoke that did not call it.
             ArgumentError: a key of the wrong type (``2.0``, ``"2"`` for a layer) or an empty list.
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
         """
         return super(TranscoderSet, self).replace(layer, error=error)
 
@@ -177,6 +208,9 @@ class TranscoderSet(ReplacementSet[int, Transcoder]):
                 not the model's, two transcoders for one layer; a file that holds an SAE.
             LayerOutOfRangeError: a layer the model does not have.
             CheckpointError, UnsupportedArchitectureError: from the loaders.
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; nnsight 0.8
+        ``docs/patterns/sae-and-auxiliary-modules.md``.
         """
 
         from ..adapters.registry import get_adapter

@@ -82,6 +82,8 @@ class Format:
         readers: the :class:`Reader` s it holds.
         choose: ``(directory) -> Reader`` among ``readers`` (may raise a named error).
         writers: ``(types, write)`` pairs; ``write(obj, directory, **options) -> Path``.
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
 
     name: str
@@ -93,7 +95,10 @@ class Format:
 
     @property
     def hub_files(self) -> list[str]:
-        """The files its readers read (configs and named weights; :attr:`Reader.hub_files`)."""
+        """The files its readers read (configs and named weights; :attr:`Reader.hub_files`).
+
+        Source: ours (the format registry; the small per-architecture registry of SAELens).
+        """
         return sorted({f for r in self.readers for f in r.hub_files})
 
 
@@ -101,7 +106,10 @@ FORMATS: dict[str, Format] = {}
 
 
 def register_format(fmt: Format) -> Format:
-    """Add (or replace) ``fmt`` in :data:`FORMATS`; returns it."""
+    """Add (or replace) ``fmt`` in :data:`FORMATS`; returns it.
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
+    """
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -185,6 +193,8 @@ def detect_format(directory: str | os.PathLike[str]) -> str:
     Raises:
         FormatDetectionError: no format matches, or several do (the message lists the formats, the
             files each looks for, and what the directory holds).
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
     d = Path(directory)
     found = [f.name for f in FORMATS.values() if d.is_dir() and f.detect(d)]
@@ -248,6 +258,8 @@ def load(
             ``revision`` with a local path; a hub ``subfolder`` that is absolute or climbs with ``..``; a
             ``release`` / ``sae_id`` that is not a str.
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
     device = check_placement_args(device, dtype, f"load({str(path_or_repo_id)!r})")
     if sae_id is not None:
@@ -298,6 +310,8 @@ class PartialLoadWarning(UserWarning):
     Attributes:
         directory: the folder.
         failures: ``{subfolder name: the named error it raised}``.
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
 
     def __init__(self, directory: Path, failures: dict[str, Exception]) -> None:
@@ -309,7 +323,10 @@ class PartialLoadWarning(UserWarning):
 
 class LoadedModules(dict[str, Any]):
     """What :func:`load_all` returns: ``{name: module}``, plus ``failures``
-    (``{subfolder name: error}``; empty when everything loaded)."""
+    (``{subfolder name: error}``; empty when everything loaded).
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
+    """
 
     failures: dict[str, Exception]
 
@@ -350,6 +367,8 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
             error, with every failure listed in the message).
         ArgumentError, PlacementError: a bad ``dtype`` / ``device`` in ``kwargs`` (as :func:`load`), before
             any folder is read.
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
     check_placement_args(kwargs.get("device"), kwargs.get("dtype"), f"load_all({str(directory)!r})")
     d = Path(directory)
@@ -415,6 +434,8 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
         CheckpointError: a config that is not JSON-serialisable.
         PlacementError: a module (or one of a set's) has its weights on the ``meta`` device (never
             materialised): nothing is written.
+
+    Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
     _check_not_meta(obj, path)
     fmt = _format(format)

@@ -48,6 +48,8 @@ class SAELensRelease:
         path: the SAE's folder in the repo.
         norm_scaling_factor: the dataset-wide input scale of ``expected_average_only_in`` SAEs, if recorded.
         config_overrides: keys merged over the SAE's ``cfg.json``.
+
+    Source: SAELens ``sae_lens/loading/pretrained_saes_directory.py`` (``pretrained_saes.yaml``).
     """
 
     release: str
@@ -102,6 +104,8 @@ def resolve_release(release: Any, sae_id: Any, *,  # each a str, checked below (
             outside the repo, a ``norm_scaling_factor`` that is not a number, ``config_overrides`` not a mapping).
         UnsupportedArchitectureError: the release needs a SAELens converter (``conversion_func``), or
             the SAE is a pickle (``.pt``), which we never load.
+
+    Source: SAELens ``sae_lens/loading/pretrained_saes_directory.py`` (``pretrained_saes.yaml``).
     """
     for name, value in (("release", release), ("sae_id", sae_id)):
         if not isinstance(value, str):

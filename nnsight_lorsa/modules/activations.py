@@ -124,9 +124,16 @@ class _StepFunction(torch.autograd.Function):
 
 
 class ReLU(nn.Module):
-    """``max(0, x)``: the activation of L1-penalised SAEs (Bricken et al. 2023, *Towards Monosemanticity*)."""
+    """``max(0, x)``: the activation of L1-penalised SAEs (Bricken et al. 2023, *Towards Monosemanticity*).
+
+    Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/standard_sae.py``.
+    """
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` pre-activations -> ``max(0, x)``, same shape and dtype.
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/standard_sae.py``.
+        """
         return torch.relu(x)
 
 
@@ -135,6 +142,9 @@ class TopK(nn.Module):
 
     Gao et al. 2024 (arXiv:2406.04093), EleutherAI sparsify, SAELens ``topk``. Gradients flow to
     the kept entries only. Ties at the k-th value are broken by ``torch.topk``.
+
+    Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; SAELens ``sae_lens/saes/topk_sae.py``;
+    sparsify ``sparsify/fused_encoder.py``.
     """
 
     def __init__(self, k: int) -> None:
@@ -144,18 +154,36 @@ class TopK(nn.Module):
         self.k = k
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` -> same shape and dtype: the ``k`` largest of each row, ReLU'd; zeros elsewhere.
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; SAELens ``sae_lens/saes/topk_sae.py``;
+        sparsify ``sparsify/fused_encoder.py``.
+        """
         return _topk_mask(x, self.k)
 
     def select(self, pre: Float[torch.Tensor, "n d_sae"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, cols, offsets)`` of the entries :meth:`forward` keeps (sparse fast path,
-        :mod:`.sparse_decode`); ``pre`` is 2-D and should carry no graph."""
+        :mod:`.sparse_decode`); ``pre`` is 2-D and should carry no graph.
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; SAELens ``sae_lens/saes/topk_sae.py``;
+        sparsify ``sparsify/fused_encoder.py``.
+        """
         return topk_indices(pre, self.k)
 
     def activate_selected(self, selected: Float[torch.Tensor, " nnz"]) -> Float[torch.Tensor, " nnz"]:
-        """The kept entries' activations from their pre-activations (ReLU), as :meth:`forward`."""
+        """The kept entries' activations from their pre-activations (ReLU), as :meth:`forward`.
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; SAELens ``sae_lens/saes/topk_sae.py``;
+        sparsify ``sparsify/fused_encoder.py``.
+        """
         return selected.relu()
 
     def extra_repr(self) -> str:
+        """``k`` for ``repr``.
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders*; SAELens ``sae_lens/saes/topk_sae.py``;
+        sparsify ``sparsify/fused_encoder.py``.
+        """
         return f"k={self.k}"
 
 
@@ -173,6 +201,8 @@ class JumpReLU(nn.Module):
         d_sae: number of features (size of ``threshold``).
         threshold: initial threshold, a float for every feature or a ``(d_sae,)`` tensor.
         bandwidth: ``ε`` of the pseudo-derivatives (the paper uses 0.001).
+
+    Source: Rajamanoharan et al. 2024 (JumpReLU SAEs), eqs. 11–12; SAELens ``sae_lens/saes/jumprelu_sae.py``.
     """
 
     def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
@@ -186,13 +216,25 @@ class JumpReLU(nn.Module):
         self.bandwidth = float(bandwidth)
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` -> same shape and dtype: ``x · H(x − θ)`` (straight-through pseudo-derivatives for
+        ``θ`` in training).
+
+        Source: Rajamanoharan et al. 2024 (JumpReLU SAEs), eqs. 11–12; SAELens ``sae_lens/saes/jumprelu_sae.py``.
+        """
         return _JumpReLUFunction.apply(x, self.threshold.to(x.dtype), self.bandwidth)
 
     def l0(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch"]:
-        """Active features per row, ``Σ_i H(x_i − θ_i)``, differentiable in ``θ`` (eq. 12)."""
+        """Active features per row, ``Σ_i H(x_i − θ_i)``, differentiable in ``θ`` (eq. 12).
+
+        Source: Rajamanoharan et al. 2024 (JumpReLU SAEs), eqs. 11–12; SAELens ``sae_lens/saes/jumprelu_sae.py``.
+        """
         return _StepFunction.apply(x, self.threshold.to(x.dtype), self.bandwidth).sum(-1)
 
     def extra_repr(self) -> str:
+        """``d_sae`` and ``bandwidth`` for ``repr``.
+
+        Source: Rajamanoharan et al. 2024 (JumpReLU SAEs), eqs. 11–12; SAELens ``sae_lens/saes/jumprelu_sae.py``.
+        """
         return f"d_sae={self.threshold.shape[0]}, bandwidth={self.bandwidth}"
 
 
@@ -229,6 +271,8 @@ class BatchTopK(nn.Module):
         k: mean number of active features per row.
         d_sae: number of features (for :meth:`to_jumprelu`).
         threshold_lr: EMA rate of the threshold estimate.
+
+    Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
     """
 
     threshold: torch.Tensor
@@ -334,7 +378,10 @@ class BatchTopK(nn.Module):
             self._note(int(value) != 0)
 
     def batch_topk(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
-        """The training rule: keep the ``k · n_rows`` largest ReLU'd entries of the whole batch."""
+        """The training rule: keep the ``k · n_rows`` largest ReLU'd entries of the whole batch.
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         flat = x.reshape(-1)
         n_rows = flat.numel() // x.shape[-1] if x.shape[-1] else 0
         keep = min(self.k * n_rows, flat.numel())
@@ -344,7 +391,10 @@ class BatchTopK(nn.Module):
     @torch.no_grad()
     def update_threshold(self, acts: torch.Tensor) -> None:
         """Fold the smallest positive kept activation of a batch into the threshold estimate (in fp32 at least; the
-        statistic combined over the ranks inside :func:`~nnsight_lorsa.training.distributed.global_batch`)."""
+        statistic combined over the ranks inside :func:`~nnsight_lorsa.training.distributed.global_batch`).
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         positive = acts[acts > 0]
         reduce = self.global_batch[-1] if self.global_batch else None
         running = self._running()
@@ -371,12 +421,20 @@ class BatchTopK(nn.Module):
         self._note(True)
 
     def set_threshold(self, value: float) -> None:
-        """Set ``θ`` (e.g. measured on held-out data) and use it at inference from now on."""
+        """Set ``θ`` (e.g. measured on held-out data) and use it at inference from now on.
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         self.threshold.fill_(float(value))
         self.n_updates.clamp_(min=1)  # max(1, n_updates), on the buffer's device
         self._note(True)
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` -> same shape and dtype: the batch-wide top ``k · n_rows`` when the batch rule applies
+        (updating the threshold in training), else ``x · H(x − threshold)``.
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         if self._batch_rule():
             acts = self.batch_topk(x)
             if self.training:
@@ -397,7 +455,10 @@ class BatchTopK(nn.Module):
 
     def select(self, pre: Float[torch.Tensor, "n d_sae"]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rows, cols, offsets)`` of the entries :meth:`forward` keeps, sorted by row (sparse
-        fast path, :mod:`.sparse_decode`): the batch rule in training, ``pre > θ`` at inference."""
+        fast path, :mod:`.sparse_decode`): the batch rule in training, ``pre > θ`` at inference.
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         if self._batch_rule():
             return batch_topk_indices(pre, self.k)
         rows, cols = (pre > self.threshold.to(pre.dtype)).nonzero(as_tuple=True)
@@ -406,7 +467,10 @@ class BatchTopK(nn.Module):
 
     def activate_selected(self, selected: Float[torch.Tensor, " nnz"]) -> Float[torch.Tensor, " nnz"]:
         """The kept entries' activations (ReLU'd under the batch rule; the threshold estimate is
-        updated in training, as :meth:`forward` does)."""
+        updated in training, as :meth:`forward` does).
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         if not self._batch_rule():
             return selected
         acts = selected.relu()
@@ -418,10 +482,16 @@ class BatchTopK(nn.Module):
         """A :class:`JumpReLU` with per-feature threshold ``θ`` (all equal): the inference rule.
 
         Identical outputs to this module in eval mode (for ``θ ≥ 0``, ``x · 1[x > θ]``).
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
         """
         return JumpReLU(self.d_sae, threshold=float(self.threshold), bandwidth=bandwidth).to(self.threshold.device)
 
     def extra_repr(self) -> str:
+        """``k``, ``d_sae`` and the threshold for ``repr``.
+
+        Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
+        """
         return f"k={self.k}, d_sae={self.d_sae}, threshold={float(self.threshold):.4g}"
 
 
@@ -430,6 +500,8 @@ class AbsTopK(nn.Module):
 
     SAELens ``abstopk`` (``sae_lens/saes/abstopk_sae.py``; arXiv:2510.00404): features may fire
     negative. Ties at the k-th magnitude are broken by ``torch.topk``.
+
+    Source: SAELens ``sae_lens/saes/abstopk_sae.py``.
     """
 
     def __init__(self, k: int) -> None:
@@ -439,10 +511,19 @@ class AbsTopK(nn.Module):
         self.k = k
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` -> same shape and dtype: the ``k`` entries of largest ``|x|`` of each row, signed;
+        zeros elsewhere.
+
+        Source: SAELens ``sae_lens/saes/abstopk_sae.py``.
+        """
         idx = x.abs().topk(min(self.k, x.shape[-1]), dim=-1, sorted=False).indices
         return torch.zeros_like(x).scatter(-1, idx, x.gather(-1, idx))
 
     def extra_repr(self) -> str:
+        """``k`` for ``repr``.
+
+        Source: SAELens ``sae_lens/saes/abstopk_sae.py``.
+        """
         return f"k={self.k}"
 
 
@@ -451,6 +532,8 @@ class GroupMax(nn.Module):
 
     EleutherAI sparsify ``groupmax`` (``sparsify/fused_encoder.py``: ``relu(x).unflatten(-1, (k, -1))
     .max(-1)``): ``d_sae`` must be a multiple of ``k``; a row has at most ``k`` active features.
+
+    Source: sparsify ``sparsify/fused_encoder.py`` (``activation="groupmax"``).
     """
 
     def __init__(self, k: int, d_sae: int) -> None:
@@ -460,11 +543,20 @@ class GroupMax(nn.Module):
         self.k = k
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:
+        """``(*batch, d_sae)`` -> same shape and dtype: each of the ``k`` groups' largest ReLU'd entry; zeros
+        elsewhere.
+
+        Source: sparsify ``sparsify/fused_encoder.py`` (``activation="groupmax"``).
+        """
         vals, idx = x.relu().unflatten(-1, (self.k, -1)).max(dim=-1)
         idx = idx + torch.arange(0, x.shape[-1], x.shape[-1] // self.k, device=x.device)
         return torch.zeros_like(x).scatter(-1, idx, vals)
 
     def extra_repr(self) -> str:
+        """``k`` for ``repr``.
+
+        Source: sparsify ``sparsify/fused_encoder.py`` (``activation="groupmax"``).
+        """
         return f"k={self.k}"
 
 
@@ -539,6 +631,8 @@ def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = No
     Raises:
         CheckpointError: unknown name, or parameters the activation does not take or out of range
             (:func:`check_activation_params`).
+
+    Source: SAELens ``sae_lens/saes/*.py`` (a small registry per architecture name).
     """
     check_activation_params(name, d_sae, params)
     params = dict(params or {})

@@ -54,6 +54,9 @@ class CLTConfig(SparseCoderConfig):
     Attributes:
         n_layers: layers spanned (CLT layer ``l`` is model layer ``l``).
         skip: add a per-layer linear skip path ``x_l W_skip[l]ᵀ``.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+    ``transcoder/cross_layer_transcoder.py``.
     """
 
     n_layers: int
@@ -64,6 +67,11 @@ class CLTConfig(SparseCoderConfig):
 
     @property
     def d_model(self) -> int:
+        """Width of the residual stream, the MLP input and output (``d_in``).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         return self.d_in
 
 
@@ -82,6 +90,9 @@ class CrossLayerTranscoder(ReplacementModule):
     Raises:
         ShapeError: inputs of the wrong width or layer count.
         LayerOutOfRangeError: a layer outside ``[0, n_layers)``.
+
+    Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+    ``transcoder/cross_layer_transcoder.py``.
     """
 
     _kind: ClassVar[str] = "CrossLayerTranscoder"
@@ -111,19 +122,32 @@ class CrossLayerTranscoder(ReplacementModule):
 
     @property
     def n_layers(self) -> int:
+        """Number of MLP layers the CLT reads and writes (``cfg.n_layers``).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         return self.cfg.n_layers
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Per source layer: unit-norm random decoder rows over all its targets, encoder from them;
-        zero biases."""
+        zero biases.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         for layer in range(self.cfg.n_layers):
             init_dictionary_(self.W_enc[layer], self.W_dec(layer).view(self.cfg.d_sae, -1), generator)
         for bias in (self.b_enc, self.b_dec):
             bias.zero_()
 
     def W_dec(self, layer: int) -> Float[torch.Tensor, "d_sae n_out d_model"]:
-        """``W_dec_{layer}: (d_sae, n_layers − layer, d_model)``."""
+        """``W_dec_{layer}: (d_sae, n_layers − layer, d_model)``.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         return getattr(self, f"W_dec_{self._check_layer(layer)}")
 
     def _check_layer(self, layer: int) -> int:
@@ -133,7 +157,11 @@ class CrossLayerTranscoder(ReplacementModule):
 
     # ------------------------------------------------------------- per layer
     def encode_layer(self, x: Float[torch.Tensor, "*batch d_model"], layer: int) -> Float[torch.Tensor, "*batch d_sae"]:
-        """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``)."""
+        """Layer ``layer``'s features from its MLP input (through its ``hook_sae_acts_pre``/``_post``).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         pre = shared_pre(self, x, layer, lambda: affine(x, *self._encoder(layer)))
@@ -147,7 +175,11 @@ class CrossLayerTranscoder(ReplacementModule):
 
     def encode_layer_and_pre(self, x: Float[torch.Tensor, "*batch d_model"],
                              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(encode_layer(x, layer), x W_enc[layer] + b_enc[layer])`` from one encoder matmul."""
+        """``(encode_layer(x, layer), x W_enc[layer] + b_enc[layer])`` from one encoder matmul.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         self._check_layer(layer)
         check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return encode_and_pre_with(x, *self._encoder(layer), self.activation[layer],
@@ -157,6 +189,12 @@ class CrossLayerTranscoder(ReplacementModule):
         """``Σ_{l ≤ layer} acts[l] W_dec_l[:, layer − l] + b_dec[layer]``: ``(*batch, d_model)``.
 
         ``acts``: the features of layers ``0 … layer`` (at least ``layer + 1`` tensors ``(*batch, d_sae)``).
+
+        Raises:
+            ShapeError: ``acts`` holds fewer than ``layer + 1`` layers' features.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
         """
         self._check_layer(layer)
         if len(acts) <= layer:
@@ -193,6 +231,9 @@ class CrossLayerTranscoder(ReplacementModule):
             ShapeError: ``acts`` of the wrong width, batch shape or dtype; ``x`` missing (with a skip path)
                 or not ``(*batch, d_model)``.
             LayerOutOfRangeError: ``layer`` outside ``[0, n_layers)``.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
         """
         out = self.decode_layer(acts, layer)
         if self.W_skip is not None:
@@ -215,13 +256,21 @@ class CrossLayerTranscoder(ReplacementModule):
     def encode(
         self, xs: Float[torch.Tensor, "n_layers *batch d_model"]
     ) -> Float[torch.Tensor, "n_layers *batch d_sae"]:
-        """Every layer's features from the stacked MLP inputs ``xs``."""
+        """Every layer's features from the stacked MLP inputs ``xs``.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         self._check_stacked(xs, self.cfg.d_in, "xs")
         return torch.stack([self.encode_layer(xs[layer], layer) for layer in range(self.cfg.n_layers)])
 
     def decode(self, acts: Float[torch.Tensor, "n_layers *batch d_sae"],
                xs: torch.Tensor | None = None) -> Float[torch.Tensor, "n_layers *batch d_model"]:
-        """Every layer's reconstruction ``ŷ_l`` (``xs``, the MLP inputs, needed only with a skip path)."""
+        """Every layer's reconstruction ``ŷ_l`` (``xs``, the MLP inputs, needed only with a skip path).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         self._check_stacked(acts, self.cfg.d_sae, "acts")
         per_layer = list(acts.unbind(0))
         return torch.stack([self.reconstruct_layer(per_layer, layer, None if xs is None else xs[layer])
@@ -230,15 +279,28 @@ class CrossLayerTranscoder(ReplacementModule):
     def forward(
         self, xs: Float[torch.Tensor, "n_layers *batch d_model"]
     ) -> Float[torch.Tensor, "n_layers *batch d_model"]:
-        """``decode(encode(xs), xs)``: the predicted MLP outputs of every layer."""
+        """``decode(encode(xs), xs)``: the predicted MLP outputs of every layer.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); *From Tokenization to Attribution
+        Graphs* §7.1.
+        """
         return self.decode(self.encode(xs), xs)
 
     def extra_repr(self) -> str:
+        """``n_layers``, ``d_model``, ``d_sae`` and ``skip`` for ``repr``.
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         c = self.cfg
         return f"n_layers={c.n_layers}, d_model={c.d_in}, d_sae={c.d_sae}, skip={c.skip}"
 
     def by_layer(self) -> dict[int, CLTLayer]:
-        """``{layer: CLTLayer}``: each layer seen as a transcoder (the attribution graph's per-layer view)."""
+        """``{layer: CLTLayer}``: each layer seen as a transcoder (the attribution graph's per-layer view).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders); circuit-tracer
+        ``transcoder/cross_layer_transcoder.py``.
+        """
         return {layer: CLTLayer(self, layer) for layer in range(self.cfg.n_layers)}
 
 

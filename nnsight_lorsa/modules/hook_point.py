@@ -13,7 +13,14 @@ from torch import nn
 
 
 class HookPoint(nn.Module):
-    """``forward(x) = x``: an addressable location for a value computed inside a module."""
+    """``forward(x) = x``: an addressable location for a value computed inside a module.
+
+    Source: TransformerLens hook points (``transformer_lens/hook_points.py``).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` unchanged (any shape, dtype and device): the value nnsight reads or edits here.
+
+        Source: TransformerLens hook points (``transformer_lens/hook_points.py``).
+        """
         return x

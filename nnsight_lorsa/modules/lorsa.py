@@ -93,6 +93,8 @@ class LorsaKV(FieldsRepr):
     Attributes:
         k: rotated keys per QK head, ``(batch, n_qk_heads, past, d_qk_head)`` (after ``hook_k``).
         v: scalar values per OV head, ``(batch, past, n_ov_heads)`` (after ``hook_v``).
+
+    Source: ours (incremental decoding for a Lorsa; transformers keeps a KV cache the same way).
     """
 
     k: torch.Tensor
@@ -100,7 +102,10 @@ class LorsaKV(FieldsRepr):
 
     @property
     def length(self) -> int:
-        """How many positions it holds (``past``)."""
+        """How many positions it holds (``past``).
+
+        Source: ours (incremental decoding for a Lorsa; transformers keeps a KV cache the same way).
+        """
         return int(self.v.shape[1])
 
     def crop(self, length: int) -> LorsaKV:
@@ -109,6 +114,8 @@ class LorsaKV(FieldsRepr):
 
         Raises:
             ArgumentError: ``length`` not an int in ``[0, self.length]`` (no negative, Python-style crop).
+
+        Source: ours (incremental decoding for a Lorsa; transformers keeps a KV cache the same way).
         """
         if not is_int(length) or not 0 <= length <= self.length:
             raise ArgumentError(f"LorsaKV.crop: length must be an int in [0, {self.length}], got {length!r}")
@@ -175,6 +182,8 @@ class Lorsa(ReplacementModule):
 
     Raises:
         ShapeError: ``x`` is not ``(batch, pos, d_model)`` or positions/mask do not fit.
+
+    Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
     """
 
     def __init__(self, cfg: LorsaConfig, *, device: torch.device | str | None = None,
@@ -215,6 +224,8 @@ class Lorsa(ReplacementModule):
         The draws are made on ``generator``'s device (the CPU's default generator without one) in fp32, then
         cast and copied to the parameters' device and dtype: a Lorsa on CUDA or in bf16 / fp64 gets the same
         init as in fp32 on the CPU. Parameters on ``meta`` are left unset.
+
+        Source: Llamascopium ``src/llamascopium/models/lorsa.py`` (its random initialisation).
         """
         for w in (self.W_Q, self.W_K):
             fan = w.shape[1] + w.shape[2]
@@ -250,6 +261,9 @@ class Lorsa(ReplacementModule):
             ShapeError: ``d_model``/``d_qk_head`` differ from the MHSA's, or ``n_qk_heads`` is
                 not a multiple of its head count.
             PlacementError: the Lorsa's parameters or the MHSA weights are on ``meta`` (not materialised).
+
+        Source: Lorsa paper (He et al. 2025) App. B (QK initialised from the MHSA); Llamascopium
+        ``src/llamascopium/models/lorsa.py``.
         """
         cfg = self.cfg
         n_heads, d_model, head_dim = mhsa.W_Q.shape
@@ -307,6 +321,9 @@ class Lorsa(ReplacementModule):
         ``z^h ‖w_o^h‖`` (their output norms; Llamascopium's ``sparsity_include_decoder_norm``), so the
         output is unchanged whenever that ranking is (always when all norms are equal, as after
         training, where ``w_o`` is renormalised after every step).
+
+        Source: Lorsa paper (He et al. 2025) §3.1, footnote 1 (unit-norm ``w_o``); Llamascopium
+        ``src/llamascopium/models/lorsa.py``.
         """
         norm = self.W_O.norm(dim=1).clamp_min(1e-12)
         self.W_O.div_(norm[:, None])
@@ -354,7 +371,10 @@ class Lorsa(ReplacementModule):
     def qk(
         self, x: Float[torch.Tensor, "batch pos d_model"], positions: Int[torch.Tensor, "*b pos"] | None = None
     ) -> tuple[Float[torch.Tensor, "batch n_qk pos d_qk"], Float[torch.Tensor, "batch n_qk pos d_qk"]]:
-        """Queries and keys ``(batch, n_qk_heads, pos, d_qk_head)``: projection, QK-norm, RoPE."""
+        """Queries and keys ``(batch, n_qk_heads, pos, d_qk_head)``: projection, QK-norm, RoPE.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         self._check_input(x)
         b, s, d = x.shape
         h, e = self.cfg.n_qk_heads, self.cfg.d_qk_head
@@ -386,7 +406,10 @@ class Lorsa(ReplacementModule):
         return q, k
 
     def values(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos n_ov"]:
-        """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``."""
+        """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         return F.linear(x, self.W_V, self.b_V)
 
     def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device,
@@ -425,7 +448,10 @@ class Lorsa(ReplacementModule):
 
         The scores and the softmax run in at least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`, as attribution's
         pattern rows): an fp16 Lorsa's unscaled ``q·k`` past 65504 would be ``inf`` (and the pattern NaN) where its
-        forward, which scales before the product, is finite; the pattern is rounded once to ``q``'s dtype."""
+        forward, which scales before the product, is finite; the pattern is rounded once to ``q``'s dtype.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         seq = q.shape[-2]
         scores = bmm_f32(q, k.transpose(-1, -2)) / self.cfg.scale
         mask = self._mask(attn_mask, seq, q.device)
@@ -439,7 +465,10 @@ class Lorsa(ReplacementModule):
         positions: Int[torch.Tensor, "*b pos"] | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> Float[torch.Tensor, "batch pos n_ov"]:
-        """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``."""
+        """Head activations before the activation function: ``z^h_i = Σ_j A^{g(h)}_ij v^h_j``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         return self._z_pre_kv(x, positions, attn_mask, None)[0]
 
     def _z_pre_kv(self, x: torch.Tensor, positions: torch.Tensor | None, attn_mask: torch.Tensor | None,
@@ -481,7 +510,13 @@ class Lorsa(ReplacementModule):
     def activation(
         self, z_pre: Float[torch.Tensor, "batch pos n_ov"], top_k: int | None = None
     ) -> tuple[Float[torch.Tensor, "batch pos n_ov"], Int[torch.Tensor, "batch pos k"]]:
-        """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros."""
+        """ReLU then top-k over heads per token: ``(z, topk_indices)``; z is dense with zeros.
+
+        Raises:
+            ArgumentError: ``top_k`` given and not an int in ``[1, n_ov_heads]``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         k = self.cfg.top_k if top_k is None else top_k
         if top_k is not None and (not is_int(k)
                                   or not 1 <= k <= self.cfg.n_ov_heads):
@@ -495,7 +530,10 @@ class Lorsa(ReplacementModule):
 
         Raises:
             ShapeError: ``z`` not in the weights' dtype (e.g. an fp32 tensor put in place of an fp16 Lorsa's
-                ``hook_z`` output inside a trace; a dtype check, nothing read)."""
+                ``hook_z`` output inside a trace; a dtype check, nothing read).
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         check_dtype(z, self.W_O, "Lorsa", "z")
         if self.b_D is None:
             return z @ self.W_O
@@ -512,7 +550,10 @@ class Lorsa(ReplacementModule):
                Int[torch.Tensor, "batch pos k"]]:
         """``(z_pre, z, topk_indices)`` as :meth:`forward` computes them (through ``hook_z_pre`` and ``hook_z``),
         without the output: what attribution's layout reads (the active heads), not the dense ``z W_O`` decode
-        (``2·pos·n_ov·d_model`` FLOPs, more than the values' projection at the paper's scale)."""
+        (``2·pos·n_ov·d_model`` FLOPs, more than the values' projection at the paper's scale).
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         z_pre = self.hook_z_pre(self.compute_z_pre(x, positions, attn_mask))
         z, idx = self.activation(z_pre, top_k)
         return z_pre, self.hook_z(z), idx
@@ -540,6 +581,14 @@ class Lorsa(ReplacementModule):
                 new :class:`LorsaKV` is stored as ``kv_out["kv"]`` — so that a splice calls the module
                 itself (its envoy's ``.input`` / ``.output`` are then served in a trace) and still keeps
                 the keys and values. Not with ``return_cache`` / ``top_k``.
+
+        Raises:
+            ShapeError: ``x`` not a ``(batch, pos, d_model)`` tensor in the weights' dtype; ``positions`` or
+                ``attn_mask`` of the wrong shape or dtype; ``past`` / ``kv_out`` given with ``return_cache`` or
+                ``top_k``.
+            ArgumentError: ``top_k`` not an int in ``[1, n_ov_heads]``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
         if past is not None or kv_out is not None:
             if return_cache or top_k is not None:
@@ -582,6 +631,8 @@ class Lorsa(ReplacementModule):
 
         Raises:
             ShapeError: ``x`` not ``(batch, pos, d_model)``, a mask or ``past`` that does not fit.
+
+        Source: ours (incremental decoding for a Lorsa under ``generate``).
         """
         if past is not None:
             self._check_input(x)
@@ -613,6 +664,8 @@ class Lorsa(ReplacementModule):
             ShapeError: ``x``, ``positions`` or ``attn_mask`` that do not fit (see :meth:`forward`), or a head
                 index outside ``[0, n_qk_heads)``.
             ArgumentError: ``qk_heads`` that are not head indices (floats, bools, strings, nested, empty).
+
+        Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
         self._check_input(x)
         idx = None if qk_heads is None else head_indices(qk_heads, self.cfg.n_qk_heads, "qk_heads", x.device)
@@ -638,6 +691,8 @@ class Lorsa(ReplacementModule):
         Raises:
             ShapeError: ``x``, ``positions`` or ``attn_mask`` that do not fit, or a head outside ``[0, n_ov_heads)``.
             ArgumentError: ``ov_heads`` that are not head indices (floats, bools, strings, nested, empty).
+
+        Source: Lorsa paper (He et al. 2025) §5.1 (z-pattern); Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
         self._check_input(x)
         heads = head_indices(ov_heads, self.cfg.n_ov_heads, "ov_heads", x.device)

@@ -29,6 +29,13 @@ class LorsaConfig(FieldsRepr):
         layer: index of the target layer (metadata; checked when attached).
         architecture: target model family (metadata, e.g. ``"llama"``).
         extra: free-form metadata carried through save/load (e.g. training metrics).
+
+    Raises:
+        CheckpointError: at construction, a field of the wrong type or range (sizes not positive ints, ``n_ov_heads``
+            not a multiple of ``n_qk_heads``, ``top_k > n_ov_heads``, ``rotary.head_dim != d_qk_head``, ...).
+
+    Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+    (``LorsaConfig``).
     """
 
     d_model: int
@@ -84,12 +91,20 @@ class LorsaConfig(FieldsRepr):
 
     @property
     def scale(self) -> float:
-        """The divisor of attention scores (``attn_scale``, resolved to ``sqrt(d_qk_head)`` by default)."""
+        """The divisor of attention scores (``attn_scale``, resolved to ``sqrt(d_qk_head)`` by default).
+
+        Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``LorsaConfig``).
+        """
         return float(self.attn_scale if self.attn_scale is not None else math.sqrt(self.d_qk_head))
 
     @property
     def group_size(self) -> int:
-        """OV heads per QK head, ``G = n_ov_heads / n_qk_heads``."""
+        """OV heads per QK head, ``G = n_ov_heads / n_qk_heads``.
+
+        Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``LorsaConfig``).
+        """
         return self.n_ov_heads // self.n_qk_heads
 
     @classmethod
@@ -113,6 +128,9 @@ class LorsaConfig(FieldsRepr):
 
         Raises:
             CheckpointError: sizes that do not divide (see the class).
+
+        Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``LorsaConfig``).
         """
         return cls(d_model=int(mhsa.d_model), n_qk_heads=qk_heads_per_mhsa_head * int(mhsa.n_heads),
                    d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k,
@@ -121,12 +139,23 @@ class LorsaConfig(FieldsRepr):
                    qk_norm_eps=float(mhsa.qk_norm_eps), layer=layer, architecture=architecture)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-able dict (``rotary`` as a dict or None).
+
+        Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``LorsaConfig``).
+        """
         d = asdict(self)
         d["rotary"] = None if self.rotary is None else self.rotary.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LorsaConfig:
+        """The config from :meth:`to_dict`'s dict. Raises :class:`~nnsight_lorsa.errors.CheckpointError` on unknown
+        keys.
+
+        Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``LorsaConfig``).
+        """
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

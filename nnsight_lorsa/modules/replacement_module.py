@@ -14,10 +14,16 @@ from torch import nn
 
 
 class ReplacementModule(nn.Module):
-    """An ``nn.Module`` that replaces (or approximates) a model's sub-computation; see the module docstring."""
+    """An ``nn.Module`` that replaces (or approximates) a model's sub-computation; see the module docstring.
+
+    Source: ours (the base every replacement module shares).
+    """
 
     @property
     def weights_owner(self) -> nn.Module:
         """The module that holds the weights this one computes with (its parameters, its offload marker):
-        ``self``; a view (:class:`~.clt.CLTLayer`) returns the module it reads."""
+        ``self``; a view (:class:`~.clt.CLTLayer`) returns the module it reads.
+
+        Source: ours (the base every replacement module shares).
+        """
         return self

@@ -63,6 +63,8 @@ class RotaryConfig(FieldsRepr):
             without its scaling parameters (a ``ValueError`` subclass, as before).
         UnsupportedArchitectureError: an unknown ``rope_type``; ``"dynamic"`` / ``"longrope"`` with the reason
             (sequence-length-dependent frequencies).
+
+    Source: Lorsa paper (He et al. 2025) App. A; transformers ``modeling_rope_utils.py``.
     """
 
     head_dim: int
@@ -118,10 +120,18 @@ class RotaryConfig(FieldsRepr):
             raise CheckpointError(f"rope_type {self.rope_type!r} needs scaling parameters {missing}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-able dict.
+
+        Source: Lorsa paper (He et al. 2025) App. A; transformers ``modeling_rope_utils.py``.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RotaryConfig:
+        """The config from :meth:`to_dict`'s dict (``scaling`` copied).
+
+        Source: Lorsa paper (He et al. 2025) App. A; transformers ``modeling_rope_utils.py``.
+        """
         scaling = d.get("scaling") or {}
         return cls(**{**d, "scaling": dict(scaling) if isinstance(scaling, dict) else scaling})
 

@@ -47,6 +47,8 @@ class SAEConfig(SparseCoderConfig):
         hook: the site the SAE was trained on (metadata, e.g. ``"model.layers.3"``).
         normalize_activations: per-token input normalisation, one of :data:`NORMALIZATIONS`
             (module docstring; SAELens's name and values).
+
+    Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
     """
 
     apply_b_dec_to_input: bool = True
@@ -67,18 +69,31 @@ class SparseAutoencoder(SparseCoder):
 
     ``SparseAutoencoder(cfg: SAEConfig, *, device=None, dtype=None)``; ``encode(x) -> acts``,
     ``decode(acts) -> x̂``, ``forward(x) -> x̂`` (all ``(*batch, ·)``).
+
+    Raises:
+        ShapeError: an ``encode`` / ``forward`` input not ``(*batch, d_in)``, a ``decode`` input not
+            ``(*batch, d_sae)``, or either not in the weights' dtype.
+
+    Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
     """
 
     _kind: ClassVar[str] = "SparseAutoencoder"
     cfg: SAEConfig
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``."""
+        """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``:
+        ``(*batch, d_in)``, the shape of ``x``.
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
+        """
         x = self.normalize(x)
         return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
 
     def normalize(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
-        """``x`` under ``cfg.normalize_activations`` (identity for ``"none"``)."""
+        """``x`` under ``cfg.normalize_activations`` (identity for ``"none"``).
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
+        """
         mode = self.cfg.normalize_activations
         if mode == "constant_norm_rescale":
             return x * (self.cfg.d_in ** 0.5 / x.norm(dim=-1, keepdim=True))
@@ -89,7 +104,10 @@ class SparseAutoencoder(SparseCoder):
 
     def denormalize(self, x: Float[torch.Tensor, "*batch d_in"],
                     out: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
-        """A reconstruction ``out`` of ``normalize(x)`` back in ``x``'s scale (identity for ``"none"``)."""
+        """A reconstruction ``out`` of ``normalize(x)`` back in ``x``'s scale (identity for ``"none"``).
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
+        """
         mode = self.cfg.normalize_activations
         if mode == "constant_norm_rescale":
             return out * (x.norm(dim=-1, keepdim=True) / self.cfg.d_in ** 0.5)
@@ -99,12 +117,18 @@ class SparseAutoencoder(SparseCoder):
         return out
 
     def forward(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
-        """``denormalize(x, decode(encode(x)))``, through ``hook_sae_recons``."""
+        """``denormalize(x, decode(encode(x)))``, through ``hook_sae_recons``.
+
+        Source: *From Tokenization to Attribution Graphs* §6.1; SAELens ``sae_lens/saes/sae.py``.
+        """
         if self.cfg.normalize_activations == "none":
             return super(SparseAutoencoder, self).forward(x)
         return self.hook_sae_recons(self.denormalize(x, self.decode(self.encode(x))))
 
     @property
     def supports_sparse(self) -> bool:
-        """As :attr:`SparseCoder.supports_sparse`, and no run-time normalisation."""
+        """As :attr:`SparseCoder.supports_sparse`, and no run-time normalisation.
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
+        """
         return self.cfg.normalize_activations == "none" and super(SparseAutoencoder, self).supports_sparse

@@ -39,6 +39,9 @@ class TranscoderConfig(SparseCoderConfig):
     Attributes:
         d_out: width of the output (default ``d_in``: an MLP maps d_model to d_model).
         layer: the layer whose MLP it replaces (metadata; checked when attached to a model).
+
+    Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
+    ``sparsify/sparse_coder.py`` (skip transcoder).
     """
 
     d_out: int | None = None
@@ -60,6 +63,13 @@ class Transcoder(SparseCoder):
     """A per-layer transcoder ``(*batch, d_in) -> (*batch, d_out)``; see the module docstring.
 
     ``Transcoder(cfg: TranscoderConfig, *, device=None, dtype=None)``.
+
+    Raises:
+        ShapeError: an ``encode`` / ``forward`` input not ``(*batch, d_in)``, a ``decode`` input not
+            ``(*batch, d_sae)``, or either not in the weights' dtype.
+
+    Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
+    ``sparsify/sparse_coder.py`` (skip transcoder).
     """
 
     _kind: ClassVar[str] = "Transcoder"
@@ -67,7 +77,11 @@ class Transcoder(SparseCoder):
 
 
 class SkipTranscoder(Transcoder):
-    """A transcoder with a linear skip path ``x W_skipᵀ`` (``W_skip: (d_out, d_in)``, as sparsify/SAELens)."""
+    """A transcoder with a linear skip path ``x W_skipᵀ`` (``W_skip: (d_out, d_in)``, as sparsify/SAELens).
+
+    Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
+    ``sparsify/sparse_coder.py`` (skip transcoder).
+    """
 
     _kind: ClassVar[str] = "SkipTranscoder"
 
@@ -79,5 +93,9 @@ class SkipTranscoder(Transcoder):
     def skip(self, x: Float[torch.Tensor, "*batch d_in"], *,
              constant_weights: bool = False) -> Float[torch.Tensor, "*batch d_out"]:
         """The skip path ``x W_skipᵀ`` (``constant_weights``: ``W_skip`` detached, the gradient reaching ``x``
-        only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
+        only — :meth:`~.sparse_coder.SparseCoder.skip`).
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
+        ``sparsify/sparse_coder.py`` (skip transcoder).
+        """
         return F.linear(x, self.W_skip.detach() if constant_weights else self.W_skip)

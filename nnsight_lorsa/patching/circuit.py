@@ -52,6 +52,8 @@ class CircuitSize(FieldsRepr):
         threshold: the fraction to recover (0.9).
         metric_all, metric_none: ``(batch,)`` metric with no component / every component ablated
             (``m_all``, ``m_0``; a small ``m_all − m_0`` makes the fractions noisy, one within rounding is refused).
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2, Fig. 3.
     """
 
     components: list[Component]
@@ -66,7 +68,10 @@ class CircuitSize(FieldsRepr):
     metric_none: torch.Tensor
 
     def global_circuit(self) -> list[Component]:
-        """The ``global_k`` components of the global ranking."""
+        """The ``global_k`` components of the global ranking.
+
+        Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2, Fig. 3.
+        """
         order = self.scores.mean(0).argsort(descending=True)
         return [self.components[int(i)] for i in order[:self.global_k]]
 
@@ -225,6 +230,8 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
             is spliced without an error term (``replacement.error`` False): its ablation would be discarded
             (:meth:`.ReplacementModel.check_editable`).
         TargetIndexError, LayerOutOfRangeError: bad components (before anything runs).
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2, Fig. 3.
     """
     refuse_inside_trace("circuit_size")
     _check_components(replacement, components)

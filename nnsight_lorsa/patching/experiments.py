@@ -289,6 +289,8 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     Raises:
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
+
+    Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
@@ -348,6 +350,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     Raises:
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
+
+    Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
@@ -385,6 +389,8 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
         LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
             (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
+
+    Source: Lorsa paper (He et al. 2025) App. D.4 (perturbation results).
     """
     refuse_inside_trace("head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))

@@ -186,7 +186,10 @@ def means_at(target: Bound, means: Any, positions: Positions, seq: int) -> Any:
 
 
 def read(target: Bound, positions: Positions = None) -> torch.Tensor:
-    """The target's current value (a saved copy): ``(batch, n_pos[, head_dim])``."""
+    """The target's current value (a saved copy): ``(batch, n_pos[, head_dim])``.
+
+    Source: ours (a saved copy of a target's value inside a trace).
+    """
     tensor, idx = _loc(target, positions, edit=False)
     return tensor[idx].clone().save()
 
@@ -204,6 +207,10 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
         ShapeError: means that do not fit the edited values; a per-position mean of another length than the prompts.
+        ConfigMismatchError: ``mode`` not ``"zero"`` / ``"mean"``; ``mode="mean"`` without ``means``, or a ``means``
+            mapping without this target.
+
+    Source: *From Tokenization to Attribution Graphs* §10.1 (feature ablation).
     """
     if not isinstance(mode, str) or mode not in ("zero", "mean"):
         raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
@@ -235,6 +242,8 @@ def scale(target: Bound, alpha: Any, positions: Positions = None) -> None:
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
         ShapeError: an ``alpha`` tensor that does not fit the edited values.
+
+    Source: *From Tokenization to Attribution Graphs* §10.3 (feature steering); Lindsey et al. 2025 (inhibition).
     """
     tensor, idx = _loc(target, positions)
     site = tensor[idx]
@@ -252,6 +261,8 @@ def steer(target: Bound, delta: Any, positions: Positions = None) -> None:
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
         ShapeError: a ``delta`` tensor that does not fit the target or the edited values.
+
+    Source: *From Tokenization to Attribution Graphs* §10.3 (feature steering).
     """
     tensor, idx = _loc(target, positions)
     site = tensor[idx]
@@ -270,6 +281,8 @@ def patch(target: Bound, source_values: torch.Tensor, positions: Positions = Non
         ArgumentError: an MHSA head of a layer whose attention a replacement of this trace computes without an
             error term, on rows this invoke edits: the edit would be discarded
             (:meth:`.ReplacementModel.check_editable`).
+
+    Source: *From Tokenization to Attribution Graphs* §10.2 (activation patching).
     """
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
@@ -292,6 +305,8 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     Raises:
         ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
             before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
+
+    Source: *From Tokenization to Attribution Graphs* §10.1 (mean ablation).
     """
     refuse_inside_trace("mean_activations")
     if not isinstance(per_position, bool):

@@ -44,6 +44,9 @@ def logit_difference(logits: torch.Tensor, correct_ids: Any, incorrect_ids: Any,
         ShapeError: ``logits`` not ``(batch, pos, vocab)``.
         ArgumentError: ids that are not token ids of this vocabulary (floats, bools, negative, ``>= vocab``,
             the wrong count), or ``position`` not an int in range.
+
+    Source: *From Tokenization to Attribution Graphs* §4.4 (logit difference); Wang et al. 2023, *Interpretability in
+    the Wild*.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -75,6 +78,8 @@ def relative_effect(baseline: torch.Tensor | float, intervened: torch.Tensor | f
             rounding-sized.
         ArgumentError: ``baseline`` or ``intervened`` not a real number or real tensor (bools, strings, None,
             non-finite numbers); ``rounding`` not a finite number in ``[0, 1)``.
+
+    Source: *From Tokenization to Attribution Graphs* §10.4 (relative effect).
     """
     for name, value in (("baseline", baseline), ("intervened", intervened)):
         if isinstance(value, torch.Tensor):

@@ -75,6 +75,8 @@ class HeadInput(FieldsRepr):
     OLMo-2; not GPT-2's ``c_attn`` / NeoX's / Phi-3's fused QKV).
     Lorsa heads: ``hook_q``/``hook_k`` of the head's QK head (shared by its ``group_size`` OV heads),
     or ``hook_v[..., head]``.
+
+    Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
     """
 
     head: MHSAHead | LorsaHead
@@ -96,6 +98,8 @@ class PathPatchingResult(FieldsRepr):
         patched: ``(n_groups, batch)`` metric with group ``i`` path-patched.
         rounding: the eps of the logits' dtype the metrics were computed from (``torch.finfo(dtype).eps``), which
             decides where :attr:`normalized` is undefined.
+
+    Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
     """
 
     senders: list[tuple[Target, ...]]
@@ -107,14 +111,20 @@ class PathPatchingResult(FieldsRepr):
 
     @property
     def effect(self) -> torch.Tensor:
-        """``(n_groups, batch)``: ``clean − patched`` (positive: the path supports the behaviour)."""
+        """``(n_groups, batch)``: ``clean − patched`` (positive: the path supports the behaviour).
+
+        Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
+        """
         return self.clean[None] - self.patched
 
     @property
     def relative(self) -> torch.Tensor:
         """``(n_groups,)`` relative effect on the batch-mean metric, ``(clean − patched) / clean``
         (:func:`~.metrics.relative_effect`: a zero or rounding-sized clean mean raises
-        ``UndefinedNormalizationError``)."""
+        ``UndefinedNormalizationError``).
+
+        Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
+        """
         return relative_effect(self.clean.mean(), self.patched.mean(-1), rounding=self.rounding)
 
     @property
@@ -125,6 +135,8 @@ class PathPatchingResult(FieldsRepr):
             ConfigMismatchError: no corrupt run (``mode`` zero or mean).
             UndefinedNormalizationError: rows whose clean and corrupt metrics are equal within the logits' rounding
                 (:func:`~.metrics.normalized_effect`; the ratio was ±inf / NaN there).
+
+        Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
         """
         if self.corrupt is None:
             raise ConfigMismatchError("normalized needs a corrupt prompt (mode='patch')")
@@ -135,6 +147,8 @@ class PathPatchingResult(FieldsRepr):
 
         Raises:
             ArgumentError: ``k`` not an int ``>= 0`` (a negative ``k`` dropped the last groups).
+
+        Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
         """
         return top_groups(self.senders, self.effect, k)
 
@@ -480,6 +494,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             run): ``positions`` out of range of prompts given as lists or texts; ``positions`` (or, for the default
             metric, the last position) that are padding in some row, clean and corrupt prompts padded
             differently (:mod:`..envoy.padding`).
+
+    Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
     """
     refuse_inside_trace("path_patching")
     if not isinstance(freeze, bool):

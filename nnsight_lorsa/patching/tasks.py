@@ -52,6 +52,8 @@ class TaskBatch(FieldsRepr):
             on the CPU as built (``model.trace`` moves them to the model's device; :meth:`to` moves them all).
         correct_ids, incorrect_ids: ``(batch,)`` int64 next-token ids compared at the last position.
         meta: one dict per prompt (text, operands, names ...).
+
+    Source: ours (the clean/corrupt batch every task builder returns).
     """
 
     name: str
@@ -65,12 +67,18 @@ class TaskBatch(FieldsRepr):
         return int(self.clean.shape[0])
 
     def to(self, device: str | torch.device) -> TaskBatch:
-        """The same batch with its four id tensors on ``device``."""
+        """The same batch with its four id tensors on ``device``.
+
+        Source: ours (the clean/corrupt batch every task builder returns).
+        """
         return TaskBatch(self.name, self.clean.to(device), self.corrupt.to(device), self.correct_ids.to(device),
                          self.incorrect_ids.to(device), list(self.meta))
 
     def select(self, rows: Any) -> TaskBatch:
-        """The sub-batch ``rows`` (an index, slice or list)."""
+        """The sub-batch ``rows`` (an index, slice or list).
+
+        Source: ours (the clean/corrupt batch every task builder returns).
+        """
         idx = torch.arange(len(self), device="cpu")[rows]
         on = self.clean.device
         return TaskBatch(self.name, self.clean[idx.to(on)], self.corrupt[idx.to(self.corrupt.device)],
@@ -221,6 +229,8 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
         ArgumentError: ``n_prompts`` or ``seed`` not an int (``n_prompts >= 1``), ``seq_len`` not an int
             ``>= 2`` (one repeated token is no induction), a ``token_pool`` entry that is not a token id in
             ``[0, len(tokenizer))``.
+
+    Source: Lorsa paper (He et al. 2025) §6.1, App. E; Olsson et al. 2022 (induction heads).
     """
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seq_len, "seq_len", 2)
@@ -303,6 +313,9 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
             corrupt prompts tokenize to different lengths or hold the unknown token.
         ConfigMismatchError: an unknown ``order``.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.2; Wang et al.
+    2023, *Interpretability in the Wild*.
     """
     if order not in ("BABA", "ABBA", "mixed"):
         raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
@@ -356,6 +369,8 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
             the unknown token (e.g. a century the tokenizer cannot spell).
         ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.1.
     """
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")
@@ -451,6 +466,8 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         TaskTokenizationError: a prompt cannot be tokenized as needed, holds the unknown token, or prompts (clean or
             corrupt) differ in length.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+
+    Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
     if pairs is None:
         _check_int(n_prompts, "n_prompts", 1)

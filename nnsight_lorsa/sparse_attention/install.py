@@ -65,6 +65,9 @@ def install_gated_attention(model: Any, *, init_bias: float = 10.0, temperature:
             transformers' attention interface.
         GateConfigError: gates are already installed, or a bad gate setting.
         PlacementError: the model's weights are on the ``meta`` device.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.1 (the gated
+    attention layer).
     """
     if is_envoy(model) and getattr(model, "dispatched", True) is False:
         model.dispatch()  # an nnsight model loaded lazily: attach to the real weights, not the meta ones
@@ -161,6 +164,9 @@ def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:
 
     Raises:
         GateConfigError: unknown mode or ``top_k < 1``; GateNotInstalledError: no gates.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.1 (the gated
+    attention layer).
     """
     gates = list(get_gates(model).values())
     before = [(gate.mode, gate.top_k) for gate in gates]
@@ -205,6 +211,9 @@ def edge_statistics(model: Any) -> EdgeStatistics:
 
     Raises:
         GateNotInstalledError: no gates, or the model has not run since they were installed.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.1 (the gated
+    attention layer).
     """
     gates = get_gates(model)
     rows = []

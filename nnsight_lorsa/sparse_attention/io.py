@@ -72,6 +72,8 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
     Raises:
         CheckpointError: missing/malformed files (a non-finite or non-float bias included), or the
             gates do not fit the model (model type, layer or head count, tensor names or shapes).
+
+    Source: ours (a Hugging Face directory plus this package's gate files).
     """
     hf = hf_module(model)
     adapter = get_adapter(hf)
@@ -98,6 +100,8 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
     Raises:
         GateNotInstalledError: the model has no gates.
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
+
+    Source: ours (a Hugging Face directory plus this package's gate files).
     """
     hf = hf_module(model)
     gate_set = _gate_set(model, training)

@@ -98,6 +98,9 @@ class SparseTrainConfig(OptimConfig):
     the constraint holds from step 0 by a wide margin: GECO only lowers λ and the gates close as far
     as sparsity pushes them, whatever the CE. That raises :class:`~.errors.VacuousConstraintError`;
     ``allow_slack_constraint=True`` (experts: a deliberately loose τ) makes it a warning.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
+    optimisation).
     """
 
     total_steps: int = 300
@@ -211,6 +214,9 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         GateConfigError: a stream shorter than one window, holding the model's EOS id (:func:`check_one_text`:
             pass ``TokenDataset.from_documents`` / ``TokenDataset.from_ids`` windows instead), or no BOS id for a
             stream.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
+    optimisation).
     """
     hf = hf_module(model)
     if not isinstance(token_ids, TokenDataset):
@@ -615,6 +621,9 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
     Training CE alone cannot show a model that fits its training windows and lost the rest (a probe:
     training CE within τ, held-out 3.00 → 3.70). A violation is not silent: :class:`HeldoutConstraintWarning`
     names both numbers, and ``summary.heldout_violation`` is True.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
+    optimisation).
     """
     t0 = time.perf_counter()
     trainer = SparseAttentionTrainer(model, train_ids, config)

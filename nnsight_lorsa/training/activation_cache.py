@@ -172,6 +172,8 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
 
     Raises:
         ActivationCacheError: no sites, a reserved or unknown site, or ``directory`` already holds a cache.
+
+    Source: ours (this package's on-disk activation cache format).
     """
     named = _normalise_sites(sites)
     device = model_device(model)
@@ -261,6 +263,8 @@ class ActivationCache:
     Raises:
         ActivationCacheError: no manifest, wrong format/version, a shard missing or disagreeing
             with the manifest (file and key named), or any of the checks above failing.
+
+    Source: ours (this package's on-disk activation cache format).
     """
 
     def __init__(self, directory: str | Path, *, model: Any = None, sites: Iterable[str | Site] | None = None,
@@ -419,6 +423,8 @@ class ActivationCache:
         Raises:
             ActivationCacheError: a shard altered, swapped, copied from another cache or holding NaN/inf
                 (naming the file).
+
+        Source: ours (this package's on-disk activation cache format).
         """
         for shard in self.manifest["shards"]:
             if shard["file"] not in self._content_checked:
@@ -437,15 +443,26 @@ class ActivationCache:
     # ------------------------------------------------------------ metadata
     @property
     def n_windows(self) -> int:
+        """Number of windows in the cache (from the manifest).
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         return int(self.manifest["n_windows"])
 
     @property
     def seq_len(self) -> int:
+        """Tokens per window (from the manifest).
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         return int(self.manifest["seq_len"])
 
     @property
     def sites(self) -> dict[str, Site]:
-        """``{name: Site}`` of the cached sites."""
+        """``{name: Site}`` of the cached sites.
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         return {n: Site(v["path"], v["kind"]) for n, v in self.manifest["sites"].items()}
 
     def site(self, site: str | Site) -> str:
@@ -453,6 +470,8 @@ class ActivationCache:
 
         Raises:
             ActivationCacheError: the site is not in the cache.
+
+        Source: ours (this package's on-disk activation cache format).
         """
         sites = self.sites
         if isinstance(site, Site):
@@ -464,14 +483,20 @@ class ActivationCache:
         raise ActivationCacheError(f"{self.directory / MANIFEST}: site {site!r} is not cached; cached: {list(sites)}")
 
     def width(self, site: str | Site) -> int:
-        """The last-dim width ``d`` of a cached site."""
+        """The last-dim width ``d`` of a cached site.
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         return int(self.manifest["sites"][self.site(site)]["d"])
 
     def check_model(self, model: Any) -> None:
         """Raise :class:`ActivationCacheError` unless the cache was written from ``model``: same config
         hash, and same weights hash where both sides have one (a cache written before weights were
         hashed, or a model whose weights are not materialised, is checked by its config only). The
-        name (``name_or_path``) is informative: the same model loaded from another folder passes."""
+        name (``name_or_path``) is informative: the same model loaded from another folder passes.
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         want, have = self.manifest["model"], model_fingerprint(model)
         w_want, w_have = want.get("weights_hash", ""), have["weights_hash"]
         config = getattr(hf_module(model), "config", None)
@@ -485,7 +510,10 @@ class ActivationCache:
                                        f"{w_have[:12] or '?'}): their {what} differ")
 
     def check_dataset(self, dataset: TokenDataset) -> None:
-        """Raise :class:`ActivationCacheError` unless the cache holds exactly ``dataset``'s windows."""
+        """Raise :class:`ActivationCacheError` unless the cache holds exactly ``dataset``'s windows.
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         if tokens_hash(dataset.tokens) != self.manifest["dataset_hash"]:
             raise ActivationCacheError(f"{self.directory / MANIFEST}: written from a different token dataset")
 
@@ -528,7 +556,10 @@ class ActivationCache:
     # ------------------------------------------------------------ reading
     def windows(self, key: str, index: Int[torch.Tensor, " n"]) -> torch.Tensor:
         """Tensor ``key`` (a site name, ``"input_ids"``, ``"loss_mask"`` or — version 2 — ``"target_mask"``) of
-        windows ``index``, in that order."""
+        windows ``index``, in that order.
+
+        Source: ours (this package's on-disk activation cache format).
+        """
         shard_of = torch.searchsorted(self._starts, index, right=True) - 1
         parts = []
         for w, s in zip(index.tolist(), shard_of.tolist(), strict=True):
@@ -549,6 +580,8 @@ class ActivationCache:
                 ``target_mask`` was not stored and cannot be recovered: write the cache again, or keep the
                 dataset it was written from: :meth:`check_dataset`); a stored ``target_mask`` that does not give
                 the cached ``loss_mask`` (the file altered).
+
+        Source: ours (this package's on-disk activation cache format).
         """
         every = torch.arange(self.n_windows, device="cpu")
         data = TokenDataset(self.windows("input_ids", every))

@@ -119,6 +119,8 @@ class ActivationSource:
         ActivationCacheError: a site is not in the cache, or positions are asked of a cache.
         ArgumentError: (a ``ValueError``) a live source without a dataset; a constructor on a cache without
             ``adapter=``; :meth:`shard`'s ``rank`` outside ``[0, world)``.
+
+    Source: ours (the batch source of this package's trainer).
     """
 
     def __init__(self, data: Any, x: Any, y: Any = None, dataset: TokenDataset | None = None,
@@ -170,6 +172,8 @@ class ActivationSource:
 
         Raises:
             LayerOutOfRangeError: ``layer`` outside the model.
+
+        Source: Lorsa paper (He et al. 2025) §3.2 (attention input -> attention output).
         """
         a = get_adapter(model)
         return cls(model, Site.attn_input(a, layer), Site.attn_output(a, layer), dataset, batch_size, seed,
@@ -178,7 +182,10 @@ class ActivationSource:
     @classmethod
     def transcoder(cls, data: Any, layer: int, dataset: TokenDataset | None = None, batch_size: int = 16,
                    seed: int = 0, *, adapter: ArchitectureAdapter | None = None) -> ActivationSource:
-        """A transcoder's stream: layer ``layer``'s MLP input -> its output (live or cached)."""
+        """A transcoder's stream: layer ``layer``'s MLP input -> its output (live or cached).
+
+        Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits* (MLP input -> MLP output).
+        """
         a = cls._adapter(data, adapter)
         return cls(data, Site.mlp_input(a, layer), Site.mlp_output(a, layer), dataset, batch_size, seed)
 
@@ -189,6 +196,8 @@ class ActivationSource:
 
         Raises:
             ArgumentError: ``site`` is not a Site (e.g. a module path string).
+
+        Source: Bricken et al. 2023, *Towards Monosemanticity* (input = target).
         """
         return cls(data, site, None, dataset, batch_size, seed)
 
@@ -200,6 +209,8 @@ class ActivationSource:
 
         Raises:
             LayerOutOfRangeError: ``n_layers`` exceeds the model's layer count (or is < 1).
+
+        Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders).
         """
         a = cls._adapter(data, adapter)
         n = a.n_layers if n_layers is None else a.check_layer(n_layers - 1) + 1
@@ -212,6 +223,8 @@ class ActivationSource:
 
         Raises:
             ArgumentError: ``rank`` not in ``[0, world)``.
+
+        Source: ours (the batch source of this package's trainer).
         """
         if not 0 <= rank < world:
             raise ArgumentError(f"ActivationSource.shard: rank={rank!r} is not in [0, world={world!r})")
@@ -221,7 +234,10 @@ class ActivationSource:
 
     # ------------------------------------------------------------ reading
     def window_ids(self, index: int) -> Int[torch.Tensor, " n"]:
-        """The windows of batch ``index`` (this rank's part of it under :meth:`shard`)."""
+        """The windows of batch ``index`` (this rank's part of it under :meth:`shard`).
+
+        Source: ours (the batch source of this package's trainer).
+        """
         ids = _window_ids(self.n_windows, index, self.batch_size, self.seed)
         rank, world = self._shard
         return ids.tensor_split(world)[rank] if world > 1 else ids
@@ -246,6 +262,8 @@ class ActivationSource:
             ArgumentError: a ``target_mask`` of left padding (as :class:`~.dataset.TokenDataset` refuses).
             ShapeError: a ``target_mask`` of another shape than ``input_ids``.
             PlacementError: the model is on the meta device (not dispatched).
+
+        Source: ours (the batch source of this package's trainer).
         """
         if self.cache is not None:
             raise ActivationCacheError("a cached source reads its own windows: call source(index)")

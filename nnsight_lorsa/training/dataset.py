@@ -249,6 +249,8 @@ class TokenDataset:
         ArgumentError: (a ``ValueError`` and ``TypeError``) ``tokens`` not an integer tensor (float or
             bool ids), a negative id, an id ``>= vocab_size``, ``vocab_size`` not a positive int, or a
             ``target_mask`` of left padding.
+
+    Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
     """
 
     def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None, *,
@@ -300,6 +302,8 @@ class TokenDataset:
 
         BOS: ``bos_token_id`` if given, else the tokenizer's, else ``config.bos_token_id`` (the model
         config); if none exists no BOS is prepended (windows then start with the text's first token).
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         if document_separator is not None:
             sep = document_separator if document_separator != "auto" else auto_separator(tokenizer, text)
@@ -350,6 +354,8 @@ class TokenDataset:
 
         Raises:
             TooFewTokensError: (a ``ValueError``) no document has a token.
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
                                     special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
@@ -405,6 +411,8 @@ class TokenDataset:
                 without ``target_mask`` whose padding is ambiguous (above).
             TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
                 document with a token.
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
@@ -452,10 +460,17 @@ class TokenDataset:
 
     @property
     def seq_len(self) -> int:
+        """Tokens per window (``tokens.shape[1]``).
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         return self.tokens.shape[1]
 
     def split(self, holdout_fraction: float) -> tuple[TokenDataset, TokenDataset]:
-        """(train, held-out): the last ``holdout_fraction`` of windows are held out."""
+        """(train, held-out): the last ``holdout_fraction`` of windows are held out.
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         n_hold = max(1, int(len(self) * holdout_fraction))
         return self._rows(slice(None, -n_hold)), self._rows(slice(-n_hold, None))
 
@@ -468,16 +483,26 @@ class TokenDataset:
         return out
 
     def targets(self, start: int, stop: int) -> torch.Tensor | None:
-        """``target_mask`` of windows ``start:stop`` (None: every token counts)."""
+        """``target_mask`` of windows ``start:stop``: rows of the ``(n_windows, seq_len)`` mask (None: every token
+        counts).
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         return None if self.target_mask is None else self.target_mask[start:stop]
 
     def batch(self, index: int, batch_size: int, seed: int = 0) -> Int[torch.Tensor, "batch seq"]:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``):
-        the windows :func:`_window_ids` picks."""
+        the windows :func:`_window_ids` picks.
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         return self.tokens[_window_ids(len(self), index, batch_size, seed)]
 
     def batch_targets(self, index: int, batch_size: int, seed: int = 0) -> torch.Tensor | None:
-        """``target_mask`` of :meth:`batch` ``(index, batch_size, seed)`` (None: every token counts)."""
+        """``target_mask`` of :meth:`batch` ``(index, batch_size, seed)`` (None: every token counts).
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         m = self.target_mask
         return None if m is None else m[_window_ids(len(self), index, batch_size, seed)]
 
@@ -489,7 +514,10 @@ class TokenDataset:
         a stream, where a :class:`TokenDataset` has fixed windows).
 
         The starts are drawn on ``generator`` (a CPU generator: the same windows on every device); the
-        windows are on ``ids``' device (``ids``: 1-D, at least ``seq_len - 1`` tokens)."""
+        windows are on ``ids``' device (``ids``: 1-D, at least ``seq_len - 1`` tokens).
+
+        Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
+        """
         starts = torch.randint(0, ids.numel() - seq_len + 2, (batch_size,), generator=generator,
                                device=generator.device)
         body = torch.stack([ids[s: s + seq_len - 1] for s in starts.tolist()])

@@ -178,6 +178,8 @@ class DataParallel:
 
     Raises:
         NotReadyError: (a ``RuntimeError``) ``torch.distributed`` is not initialised.
+
+    Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
     """
 
     def __init__(self, trainer: Any, process_group: Any = None, find_unused_parameters: bool = False) -> None:
@@ -297,6 +299,8 @@ class DataParallel:
 
         Not bounded by this: while the failed process lives on (its error caught, the group kept), the others wait
         in the all-reduce (gloo's timeout, 30 minutes by default).
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
         """
         store = self._store()
         if store is None:
@@ -315,7 +319,10 @@ class DataParallel:
         """Tell the other ranks that this rank failed after its forward pass of step ``step`` (its own error is then
         raised by the caller, :class:`~.trainer.Trainer`): they raise :class:`RankFailedError` at their next step's
         first collective, before a remedy's :meth:`broadcast_edit` or at the end of :meth:`~.trainer.Trainer.train`
-        (:meth:`finish`), whichever they reach first."""
+        (:meth:`finish`), whichever they reach first.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._between(0, (step, True), own=True)
 
     def finish(self) -> None:
@@ -324,6 +331,8 @@ class DataParallel:
 
         Raises:
             RankFailedError: another rank failed after its forward pass.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
         """
         self._between()
 
@@ -337,21 +346,30 @@ class DataParallel:
         return int(self._all_reduce(torch.tensor([n], dtype=torch.long, device=self.device)))
 
     def combine_firing(self, fired: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, int]:
-        """``(fired on any rank, tokens on all ranks)`` for the dead-latent counters."""
+        """``(fired on any rank, tokens on all ranks)`` for the dead-latent counters.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._checked()
         f = self._all_reduce(fired.to(torch.int32), dist.ReduceOp.MAX)
         return f.bool(), self._count(n_tokens)
 
     def combine_counts(self, counts: torch.Tensor, z_max: torch.Tensor, n_tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics."""
+        """``(Σ_ranks counts, max_ranks z_max, Σ_ranks n_tokens)`` for per-latent firing statistics.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._checked()
         c = self._all_reduce(counts.to(torch.float64))
         z = self._all_reduce(z_max.detach().clone(), dist.ReduceOp.MAX)
         return c, z, self._count(n_tokens)
 
     def global_mean(self, total: torch.Tensor, count: int) -> torch.Tensor:
-        """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch."""
+        """``Σ_ranks total / Σ_ranks count`` (no gradient): a mean over the global batch.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._checked()
         t = torch.stack([total.detach().to(torch.float64).reshape(()),
                          torch.tensor(float(count), dtype=torch.float64, device=total.device)])
@@ -363,7 +381,10 @@ class DataParallel:
         (:func:`~..modules.activations.global_batch`): the mean of the ranks' smallest kept positive activations
         ``smallest`` (0-d), weighted by their kept entries ``kept`` (0: none positive on this rank; its value is not
         used), computed in fp64 and returned in ``smallest``'s dtype and device — the same on every rank; None on
-        every rank when no rank had one."""
+        every rank when no rank had one.
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._checked()
         t = torch.stack([smallest.detach().to(torch.float64).reshape(()) * kept,
                          torch.tensor(float(kept), dtype=torch.float64, device=smallest.device)])
@@ -377,7 +398,10 @@ class DataParallel:
         """Rank 0's values of ``tensors`` (written in place on every rank) and its ``moved`` indices (1-D, into
         ``[0, n)``), returned on every rank: the edit of a remedy computed from one rank's shard (a Lorsa's
         ``revive`` / ``resample``), made the same on every rank (until 2026-11-27 each rank kept its own edit and the
-        ranks' weights parted)."""
+        ranks' weights parted).
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         self._between()  # a rank that failed in its optimizer step tells here (tell_failed), not in the broadcast
         mask = torch.zeros(n, dtype=torch.int32, device=self.device)
         mask[moved.to(self.device)] = 1
@@ -390,7 +414,10 @@ class DataParallel:
 
     def all_finite(self, finite: torch.Tensor) -> torch.Tensor:
         """A bool scalar: ``finite`` (this rank's bool scalar) is True on every rank — so that a
-        non-finite loss or gradient stops every rank at the same step (:meth:`~.trainer.Trainer.train_step`)."""
+        non-finite loss or gradient stops every rank at the same step (:meth:`~.trainer.Trainer.train_step`).
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
+        """
         return self._all_reduce(finite.to(torch.int32).reshape(1), dist.ReduceOp.MIN).bool()[0]
 
     def loss(self, step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -400,6 +427,8 @@ class DataParallel:
         Raises:
             RankFailedError: another rank's source or forward pass raised at this step (this rank's raising: its own
                 error, after the other ranks were told; no rank waits in a collective for a failed one).
+
+        Source: ours (on ``torch.nn.parallel.DistributedDataParallel``).
         """
         failure: BaseException | None = None
         try:  # a rank-local error: told to the other ranks with the step's first collective (none waits in one)

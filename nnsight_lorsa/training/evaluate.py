@@ -51,6 +51,8 @@ class Evaluation:
         l2_norm_in, l2_norm_out, l2_ratio, relative_reconstruction_bias, feature_density: SAELens's
             shrinkage and density metrics of the module's output against the site's true value
             (the tokens FVU counts; :class:`~.metrics.ShrinkageAccumulator`); ``None`` for a CLT.
+
+    Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
     """
 
     fvu: float | list[float]
@@ -69,16 +71,25 @@ class Evaluation:
 
     @property
     def ce_recovered(self) -> float:
-        """``(ce_zero − ce_spliced) / (ce_zero − ce_orig)``: 1 = as good as the original, 0 = as zero-ablation."""
+        """``(ce_zero − ce_spliced) / (ce_zero − ce_orig)``: 1 = as good as the original, 0 = as zero-ablation.
+
+        Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
+        """
         return (self.ce_zero - self.ce_spliced) / (self.ce_zero - self.ce_orig)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields plus ``ce_recovered``."""
+        """The fields plus ``ce_recovered``.
+
+        Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
+        """
         return {**asdict(self), "ce_recovered": self.ce_recovered}
 
     def summary(self) -> dict[str, Any]:
         """:meth:`to_dict` with floats rounded to 4 decimals (for printing / JSON), without the
-        per-feature ``feature_density``."""
+        per-feature ``feature_density``.
+
+        Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
+        """
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.to_dict().items()
                 if k != "feature_density"}
 
@@ -272,6 +283,8 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         PlacementError: the model is on the meta device (not dispatched).
         NonFiniteError: a CE or the KL of a batch is NaN / inf, from non-finite logits (an fp16 model's past
             65504), naming the metric, the batch and the logits' dtype.
+
+    Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
     """
     replacements = _one_set(replacements)
     probe = _probe(replacements, at)

@@ -54,6 +54,8 @@ class LorsaObjective(_Objective):
         TypeError: ``module`` is not a Lorsa.
         ConfigMismatchError: the recipe's ``k_anneal_from`` is below the Lorsa's ``top_k`` or above its
             ``n_ov_heads``.
+
+    Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
     """
 
     desc = "Lorsa"
@@ -87,12 +89,18 @@ class LorsaObjective(_Objective):
                                       "use ActivationSource.attention(model, layer, …) or an activation cache")
 
     def top_k(self, t: TrainingState) -> int:
-        """The top-k in force at the trainer's step (k annealing)."""
+        """The top-k in force at the trainer's step (k annealing).
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         return k_schedule(t.step, t.config.total_steps, self.module.cfg.top_k, self.recipe)
 
     def check_init_batch(self, t: TrainingState) -> None:
         """The recipe's initialisation fits on the counted tokens of batch 0 (its first ``init_windows``):
-        at least ``d_qk_head`` for the SVD OV initialisations (one basis vector per token), else at least one."""
+        at least ``d_qk_head`` for the SVD OV initialisations (one basis vector per token), else at least one.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         b = t.source(0)
         n_win = self.recipe.init_windows
         mask = b.loss_mask if n_win is None else b.loss_mask[:n_win]
@@ -145,10 +153,19 @@ class LorsaObjective(_Objective):
             lorsa.normalize_decoder_()
 
     def module_config(self) -> dict[str, Any]:
+        """The Lorsa's config as a dict, saved in checkpoints.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         return self.module.cfg.to_dict()
 
     @classmethod
     def build_module(cls, meta: dict[str, Any]) -> torch.nn.Module:
+        """A fresh :class:`~nnsight_lorsa.modules.lorsa.Lorsa` from a checkpoint's metadata. Raises
+        :class:`~nnsight_lorsa.errors.CheckpointError` on unknown config keys.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         return Lorsa(LorsaConfig.from_dict(meta[cls.config_key]))
 
     def save_meta(self, t: TrainingState) -> dict[str, Any]:
@@ -210,7 +227,10 @@ class LorsaObjective(_Objective):
     def select(self, z_pre: torch.Tensor, k: int) -> torch.Tensor:
         """The training-time activation: per token the ``k`` heads of largest ``z_pre · g`` (``g`` =
         :meth:`selection_gain`; plain ``z_pre`` when None), their ``relu(z_pre)``, zeros elsewhere.
-        ``z_pre (…, n_ov)`` on the Lorsa's device and dtype; returns the same shape."""
+        ``z_pre (…, n_ov)`` on the Lorsa's device and dtype; returns the same shape.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         gain = self.selection_gain()
         if gain is None:
             return self.module.activation(z_pre, k)[0]
@@ -224,13 +244,19 @@ class LorsaObjective(_Objective):
         ``x (batch, pos, d_model)`` already scaled by ``s_in`` (``k`` default ``cfg.top_k``; no k
         annealing); :meth:`fold` makes the raw-space Lorsa compute ``training_output(x · s_in) / s_out``.
         The unfolded module's own forward ranks by plain ``z`` and differs from it whenever heads are
-        ranked by ``z · ‖w_o‖`` (``rank_by_decoder_norm``) or balancing gains are on."""
+        ranked by ``z · ‖w_o‖`` (``rank_by_decoder_norm``) or balancing gains are on.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         lorsa = self.module
         z_pre = lorsa.compute_z_pre(x, positions, attn_mask)
         return lorsa.decode(self.select(z_pre, lorsa.cfg.top_k if k is None else k))
 
     def selection_gain(self) -> torch.Tensor | None:
-        """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``)."""
+        """The per-head factor the top-k ranks ``z_pre`` by during training, or None (plain ``z_pre``).
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         g = self.module.W_O.detach().norm(dim=1) if self.recipe.rank_by_decoder_norm else None
         if self.balance is not None:
             e = self.balance.gain().to(self.module.W_O.device)
@@ -241,7 +267,10 @@ class LorsaObjective(_Objective):
     def fold(self, t: TrainingState) -> Lorsa:
         """``f_raw(x) = f(x · s_in) / s_out``: ``W_Q, W_K, W_V *= s_in``; ``W_O, b_D /= s_out``;
         then ``w_o`` is renormalised (its norm moves into ``w_v, b_v``); balancing gains still on
-        (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``."""
+        (``dead_remedy="balance"``) move in too: ``w_v, b_v ·= g``, ``w_o /= g``.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Llamascopium ``src/llamascopium/models/lorsa.py``.
+        """
         _require_norms(self)
         src = self.module  # inside the trainer's ``editing``: a bf16 module's parameters are its fp32 masters
         out = t.fold_copy(src)  # written row chunk by row chunk below, each rounded once into its dtype

@@ -147,6 +147,9 @@ class LorsaRecipe:
             revived head is pushed, as a fraction of the mean active selected score (of the mean ``|score|`` of
             the selected ones when none is active: the whole Lorsa silent on the batch; :func:`revive_dead`).
             revive_aim: a revived head's ``w_o`` is also pointed at the error of its best token.
+
+    Source: Lorsa paper (He et al. 2025) App. B; Llamascopium ``src/llamascopium/models/lorsa.py``
+    (``init_W_V_with_active_subspace_per_head``).
     """
 
     ov_init: str = "value_svd"
@@ -199,16 +202,30 @@ class LorsaRecipe:
 
     @property
     def scale_target(self) -> str:
-        """Where the closed-form scale goes: ``scale_into``, or by ``rank_by_decoder_norm`` when None."""
+        """Where the closed-form scale goes: ``scale_into``, or by ``rank_by_decoder_norm`` when None.
+
+        Source: Lorsa paper (He et al. 2025) App. B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``init_W_V_with_active_subspace_per_head``).
+        """
         if self.scale_into is not None:
             return self.scale_into
         return "w_o" if self.rank_by_decoder_norm else "w_v"
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as a JSON-able dict (saved with the trainer state).
+
+        Source: Lorsa paper (He et al. 2025) App. B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``init_W_V_with_active_subspace_per_head``).
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LorsaRecipe:
+        """The settings from :meth:`to_dict`'s dict; unknown keys are ignored.
+
+        Source: Lorsa paper (He et al. 2025) App. B; Llamascopium ``src/llamascopium/models/lorsa.py``
+        (``init_W_V_with_active_subspace_per_head``).
+        """
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -100,11 +100,17 @@ class _Objective:
         self.s_in = self.s_out = self.s_in_layers = self.s_out_layers = None
 
     def n_latents(self) -> int:
-        """Number of latents (heads, features) whose firing the dead counters follow."""
+        """Number of latents (heads, features) whose firing the dead counters follow.
+
+        Source: ours (the objective contract of this package's trainer).
+        """
         raise NotImplementedError
 
     def check_source(self, source: Any) -> None:
-        """Raise when ``source`` visibly does not fit the module (default: nothing to check)."""
+        """Raise when ``source`` visibly does not fit the module (default: nothing to check).
+
+        Source: ours (the objective contract of this package's trainer).
+        """
 
     @torch.no_grad()
     def estimate_norms(self, t: TrainingState) -> None:
@@ -128,17 +134,29 @@ class _Objective:
         (called before it, the scale factors known; default: nothing needed)."""
 
     def after_norms(self, t: TrainingState) -> None:
-        """Called once the scale factors are known (initialisation that depends on them)."""
+        """Called once the scale factors are known (initialisation that depends on them).
+
+        Source: ours (the objective contract of this package's trainer).
+        """
 
     def discard_step(self, t: TrainingState) -> None:
-        """Forget what :meth:`loss` recorded for :meth:`post_step` (the step was refused: non-finite)."""
+        """Forget what :meth:`loss` recorded for :meth:`post_step` (the step was refused: non-finite).
+
+        Source: ours (the objective contract of this package's trainer).
+        """
 
     def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
-        """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …)."""
+        """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``, …).
+
+        Source: ours (the objective contract of this package's trainer).
+        """
         raise NotImplementedError
 
     def post_step(self, t: TrainingState) -> None:
-        """Called after every optimizer step (the decoder constraint)."""
+        """Called after every optimizer step (the decoder constraint).
+
+        Source: ours (the objective contract of this package's trainer).
+        """
 
     def fold(self, t: TrainingState) -> torch.nn.Module:
         """A copy of the module acting on raw activations (scale factors folded into the weights)."""
@@ -152,11 +170,17 @@ class _Objective:
         raise NotImplementedError
 
     def save_meta(self, t: TrainingState) -> dict[str, Any]:
-        """Extra ``trainer.json`` entries."""
+        """Extra ``trainer.json`` entries.
+
+        Source: ours (the objective contract of this package's trainer).
+        """
         return {}
 
     def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
-        """Load what :meth:`save_meta` wrote."""
+        """Load what :meth:`save_meta` wrote.
+
+        Source: ours (the objective contract of this package's trainer).
+        """
 
 
 def _ratio(num: float, den: float) -> float:

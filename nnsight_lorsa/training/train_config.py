@@ -30,6 +30,8 @@ class OptimConfig:
 
     Raises:
         ArgumentError: a field of the wrong type or out of its range (:meth:`validate`), named with its value.
+
+    Source: Lorsa paper (He et al. 2025) §3.2 (Adam, warmup–stable–decay); ours (the fields and checks).
     """
 
     total_steps: int
@@ -47,6 +49,8 @@ class OptimConfig:
 
         Raises:
             ArgumentError: the first field that breaks its rule, named (``<Config>.<field>``) with its value.
+
+        Source: Lorsa paper (He et al. 2025) §3.2 (Adam, warmup–stable–decay); ours (the fields and checks).
         """
         who = type(self).__name__
         _check_int(who, "total_steps", self.total_steps)
@@ -89,6 +93,8 @@ class TrainConfig(OptimConfig):
 
     Raises:
         ArgumentError: a field of the wrong type or out of its range (:meth:`validate`), named with its value.
+
+    Source: Lorsa paper (He et al. 2025) §3.2 (Adam, warmup–stable–decay); ours (the fields and checks).
     """
 
     warmup_frac: float = 0.05
@@ -120,6 +126,8 @@ class TrainConfig(OptimConfig):
 
         Raises:
             ArgumentError: the first field that breaks its rule, named with its value.
+
+        Source: Lorsa paper (He et al. 2025) §3.2 (Adam, warmup–stable–decay); ours (the fields and checks).
         """
         super().validate()
         for name in ("norm_batches", "log_every", "dead_after_tokens"):

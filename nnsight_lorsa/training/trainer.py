@@ -113,6 +113,8 @@ class Trainer:
             count / width differs from the source's, a stacked (CLT) source for another module, or a Lorsa on an
             :class:`~.activations.ActivationSource` without positions. ShapeError: (CLT, from the
             first step) a batch that does not fit.
+
+    Source: Lorsa paper (He et al. 2025) §3.2; Gao et al. 2024 (AuxK); Llamascopium trainer.
     """
 
     s_in = _ObjectiveField("s_in")
@@ -180,6 +182,9 @@ class Trainer:
         Any other exception on the way (a failing batch source, a CUDA out-of-memory error or ``Ctrl-C`` in the
         initialisation) also leaves the scale factors unset and the weights as they were, and passes through: the
         next :meth:`train_step` estimates and initialises again, as an uninterrupted run does.
+
+        Source: Lorsa paper (He et al. 2025) §3.2 (dataset-wise norm scaling); Llamascopium
+        ``src/llamascopium/models/lorsa.py``.
         """
         tensors = {id(t): t for t in (*self.module.parameters(), *self.module.buffers(), *self._params,
                                       *self.masters.buffer_masters())}
@@ -220,6 +225,8 @@ class Trainer:
 
         Raises:
             ShapeError: (CLT) the batch does not fit the module.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Gao et al. 2024 (AuxK); Llamascopium trainer.
         """
         with self.masters.estimating(self.module):  # a bf16 module's estimates (BatchTopK's θ) updated in fp32
             return self.objective.loss(self.state, batch)
@@ -231,6 +238,9 @@ class Trainer:
 
         Raises:
             NotReadyError: (a ``RuntimeError``) the norms are not estimated yet (no step taken).
+
+        Source: Lorsa paper (He et al. 2025) §3.2 (dataset-wise norm scaling, folded into the weights); Llamascopium
+        ``src/llamascopium/models/lorsa.py``.
         """
         with self.masters.editing(self.module):  # a bf16 module's fold is computed on its fp32 masters, rounded once
             return self.objective.fold(self.state)  # row chunk by row chunk: no fp32 copy of the module (2026-11-28)
@@ -240,7 +250,10 @@ class Trainer:
         """Update the dead counters with ``fired (n_latents,)`` (latents active on some of the
         ``n_tokens`` tokens); return the dead mask, on ``fired``'s device (the counters follow it
         there). Under data parallelism (:attr:`dist`) both are first combined over the ranks, so every
-        rank keeps the counters of the global batch."""
+        rank keeps the counters of the global batch.
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders* (dead latents).
+        """
         if self.dist is not None:
             fired, n_tokens = self.dist.combine_firing(fired, n_tokens)
         if self.tokens_since_fired.device != fired.device:
@@ -257,6 +270,8 @@ class Trainer:
         ``signed``: the dead latents of largest ``|pre|``, with their sign (an AbsTopK coder's, as SAELens
         ``abstopk``). Zero when nothing is dead or ``aux_k_coef`` is 0. All on one device; computed in fp32 (a
         scalar on ``pre``'s device).
+
+        Source: Gao et al. 2024, *Scaling and evaluating sparse autoencoders* (AuxK).
         """
         if not dead.any() or self.config.aux_k_coef <= 0:
             return torch.zeros((), dtype=f32(pre).dtype, device=pre.device)
@@ -272,7 +287,10 @@ class Trainer:
 
     def batch_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean of per-token ``values (n,)`` over the batch, without gradient — over the *global*
-        batch under data parallelism (:meth:`~.distributed.DataParallel.global_mean`)."""
+        batch under data parallelism (:meth:`~.distributed.DataParallel.global_mean`).
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Gao et al. 2024 (AuxK); Llamascopium trainer.
+        """
         if self.dist is None:
             return values.detach().mean()
         return self.dist.global_mean(values.sum(), values.numel())
@@ -312,6 +330,8 @@ class Trainer:
                 step, or in its backward pass (heard once its process ended:
                 :meth:`.distributed.DataParallel.backward_failed`); the trainer is left as after step ``step - 1``,
                 as for ``NonFiniteError``.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Gao et al. 2024 (AuxK); Llamascopium trainer.
         """
         if self.s_in is None:
             self.estimate_norms()
@@ -454,6 +474,8 @@ class Trainer:
                 step (:meth:`train_step`), or after its forward pass (its optimizer step, a remedy, logging, saving a
                 checkpoint), heard at this rank's next collective or at the end of the call. An error of this rank
                 after its forward pass is told to the others before it is raised.
+
+        Source: Lorsa paper (He et al. 2025) §3.2; Gao et al. 2024 (AuxK); Llamascopium trainer.
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
@@ -512,6 +534,8 @@ class Trainer:
         Raises:
             ArgumentError: ``evaluation`` is neither an Evaluation nor a mapping.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed.
+
+        Source: ours (this package's checkpoint and logging format).
         """
         flat = flat_metrics(evaluation, "eval")
         logger = self._wandb_run()
@@ -521,7 +545,10 @@ class Trainer:
 
     def close_logging(self) -> None:
         """Finish the W&B run, if one is open (its files are then complete; wandb also finishes it when the
-        process exits). A later :meth:`train` or :meth:`log_evaluation` continues the same run."""
+        process exits). A later :meth:`train` or :meth:`log_evaluation` continues the same run.
+
+        Source: ours (this package's checkpoint and logging format).
+        """
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -538,6 +565,8 @@ class Trainer:
             CheckpointError: ``directory`` exists and is neither empty nor a checkpoint.
             NonFiniteError: a weight, master weight or Adam moment holds a non-finite value (named); nothing is written,
                 so the checkpoint already at ``directory`` (the last good one) stays.
+
+        Source: ours (this package's checkpoint and logging format).
         """
         weights = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         names = {id(self.masters.held(p)): n for n, p in self.module.named_parameters()}
@@ -581,6 +610,8 @@ class Trainer:
             CheckpointError: the manifest is missing or corrupt (also: a checkpoint written before
                 manifests existed), a file is missing, truncated or altered (the message names it),
                 or a file does not match the recorded configuration.
+
+        Source: ours (this package's checkpoint and logging format).
         """
         return Trainer._load(directory)[2:]
 
@@ -631,6 +662,8 @@ class Trainer:
             ArgumentError: ``dtype`` not a floating ``torch.dtype``, or ``device`` not a torch device
                 (:func:`~.._placement.check_placement_args`). PlacementError: a device this machine lacks.
             ConfigMismatchError: ``dtype=torch.float16`` (as the constructor).
+
+        Source: ours (this package's checkpoint and logging format).
         """
         device = check_placement_args(device, dtype, "Trainer.resume")
         d, listed, meta, config, module = cls._load(directory)
@@ -647,6 +680,8 @@ class Trainer:
         Raises:
             CheckpointError: a file missing or failing the manifest check, an unknown optimizer entry or master
                 weight, or (CLT) missing per-layer scale factors.
+
+        Source: ours (this package's checkpoint and logging format).
         """
         d, listed = verified_checkpoint(directory, ("trainer.json", "optimizer.safetensors", "state.safetensors"))
         self._restore_state(d, meta, listed)

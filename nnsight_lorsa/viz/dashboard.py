@@ -63,6 +63,8 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
 
     Raises:
         ConfigMismatchError: ``qk_features`` of another layer or head. PlacementError: the Lorsa is on ``meta``.
+
+    Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
     """
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     tok = model.tokenizer
@@ -200,7 +202,10 @@ def render_dashboard(data: dict[str, Any]) -> str:
     Any string (a title, an ``extra=`` field, a token) is inert: the JSON is embedded with ``<``, ``>``
     and ``&`` escaped (:func:`~.page.embed_json`), so no ``</script>`` or ``<!--`` can end
     or comment out the data; NaN / inf values are written as ``null`` and shown as "n/a" (they made the
-    page blank before). A legend (``#legend``) says what the colours of the contexts mean."""
+    page blank before). A legend (``#legend``) says what the colours of the contexts mean.
+
+    Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
+    """
     payload = embed_json(finite(data))
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(str(data.get('title', '')))}"
             f"</title><style>{_STYLE}</style></head><body><div id='app'></div>"
@@ -210,7 +215,10 @@ def render_dashboard(data: dict[str, Any]) -> str:
 
 def write_dashboard(path: str | Path, data: dict[str, Any]) -> Path:
     """Write :func:`render_dashboard` to ``path`` (parents created; atomically: a sibling temporary
-    renamed over it); returns the path."""
+    renamed over it); returns the path.
+
+    Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
+    """
     from .._atomic import atomic_file
 
     return atomic_file(path, render_dashboard(data).encode("utf-8"))

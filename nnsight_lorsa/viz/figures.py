@@ -70,6 +70,8 @@ def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, ti
         ArgumentError: ``zp`` not a non-empty square matrix of ``len(tokens)`` rows, or non-zero above its diagonal
             (a key after its query: a pattern passed transposed, ``(k_pos, q_pos)``, or no causal one).
         NonFiniteError: a NaN / inf in ``zp`` (``tensor="zp"``; the message names the query and key).
+
+    Source: Lorsa paper (He et al. 2025) §5.1 (z-pattern).
     """
     z = _matrix(zp, "zp", "plot_z_pattern")
     n = len(tokens)
@@ -109,6 +111,8 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
     Raises:
         ArgumentError: ``grid`` not a non-empty 2-D tensor; ``operands`` not ints, or not one per row and column.
         NonFiniteError: an inf in ``grid`` (``tensor="grid"``).
+
+    Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
     g = _matrix(grid, "grid", "plot_operand_grid")
     if bool(torch.isinf(g).any()):
@@ -156,6 +160,8 @@ def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "
     Raises:
         ArgumentError: not a real 1-D tensor, or a count that is negative, NaN / inf or not a whole number (it would
             have been dropped or truncated into another bar).
+
+    Source: Lorsa paper (He et al. 2025) App. E, Fig. 13.
     """
     if not isinstance(n_spanned, torch.Tensor) or n_spanned.is_complex() or n_spanned.is_meta or n_spanned.dim() != 1:
         raise ArgumentError(f"plot_heads_spanned: n_spanned must be a 1-D tensor of counts, got "
@@ -191,6 +197,8 @@ def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str | Path,
     Raises:
         ArgumentError: ``history`` empty, an entry that is no mapping or has no ``step``, or no numeric
             metric beside ``step``.
+
+    Source: ours (the training log of this package's trainer).
     """
     if not isinstance(history, Sequence) or isinstance(history, (str, bytes)) or not history:
         raise ArgumentError("plot_training_curves: history must be a non-empty list of logged entries "

@@ -63,6 +63,8 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
         ArgumentError: ``pruned`` not of this graph (another node count), ``tokens`` not one per position,
             ``max_edges`` not an int >= 0.
         NonFiniteError: a NaN / inf weight among the kept edges (``tensor="edges"``).
+
+    Source: ours (a static matplotlib picture of the graph).
     """
     import matplotlib
 

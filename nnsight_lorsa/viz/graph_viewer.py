@@ -111,6 +111,8 @@ class TrustedHTML(str):
     outputs or anything read from a file of unknown origin)::
 
         details = {node_id: TrustedHTML("<em>copies the previous token</em>")}
+
+    Source: ours (an offline page for the graph JSON of circuit-tracer ``frontend/graph_models.py``).
     """
 
     __slots__ = ()
@@ -225,6 +227,8 @@ def render_html(
         ArgumentError: (a ``ValueError``) a ``details`` entry of an unsupported form, ``clicked`` not among the
             drawn nodes, a ``details`` key that is no node id of ``graph``; ``to_neuronpedia``'s errors.
         NonFiniteError: an inf in a ``details`` heatmap or contexts table (:func:`normalize_details`).
+
+    Source: ours (an offline page for the graph JSON of circuit-tracer ``frontend/graph_models.py``).
     """
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)

@@ -71,6 +71,8 @@ def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
 
     Raises:
         ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple).
+
+    Source: ours (labels for tokens that split a character).
     """
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
