@@ -2,15 +2,15 @@
 model, and the exactness checks by intervention in the frozen model (the pure tensor math — influence,
 pruning, replacement/completeness scores — is :mod:`.scores`).
 
-*Circuit metrics* (:func:`circuit_metrics`; Ameisen et al. 2025, *Circuit Tracing*, §11): the circuit is
-the pruned graph's feature nodes. Ablations run in the *real* model with the replacements spliced with their error
-terms (:class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`, ``error=True``): an unedited
-run is the model itself, and zeroing a feature propagates through everything downstream,
-nonlinearities included. Completeness (§11.1): ``1 − Δℓ(all circuit features ablated) /
-Δℓ(baseline)``; minimality (§11.2): each feature's effect ``Δℓ(baseline) − Δℓ(feature ablated)``
-and the fraction with ``|effect| ≥ min_effect · |Δℓ(baseline)|``; faithfulness (§11.3): Spearman's
-ρ between each feature's influence and ``|effect|``. ``Δℓ`` is the demeaned logit of the graph's
-most likely target token at the last position, or a logit difference with ``incorrect_token``.
+*Circuit metrics* (:func:`circuit_metrics`; *From Tokenization to Attribution Graphs* §11, after Ameisen et al.
+2025, *Circuit Tracing*): the circuit is the pruned graph's feature nodes. Ablations run in the *real* model with
+the replacements spliced with their error terms (:class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel`,
+``error=True``): an unedited run is the model itself, and zeroing a feature propagates through everything
+downstream, nonlinearities included. Completeness (§11.1): ``1 − Δℓ(all circuit features ablated) / Δℓ(baseline)``;
+minimality (§11.2): each feature's effect ``Δℓ(baseline) − Δℓ(feature ablated)`` and the fraction with ``|effect| ≥
+min_effect · |Δℓ(baseline)|``; faithfulness (§11.3): Spearman's ρ between each feature's influence and ``|effect|``.
+``Δℓ`` is the demeaned logit of the graph's most likely target token at the last position, or a logit difference
+with ``incorrect_token``.
 
 *Checks* (circuit-tracer's verification): an edge ``s → t`` is the change in ``t`` when ``s``'s
 contribution is added once more with every other node's output held fixed — a forward of the
@@ -103,7 +103,8 @@ def _delta(replacement: ReplacementModel, ids: torch.Tensor, ablations: list[lis
 def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneResult, *,
                     incorrect_token: int | None = None, min_effect: float = 0.01, chunk: int = 16) -> CircuitMetrics:
     """Completeness, minimality and faithfulness of the pruned circuit (module docstring; paper
-    Ameisen et al. 2025, *Circuit Tracing*, §11), by zero-ablating its feature nodes in the real model.
+    *From Tokenization to Attribution Graphs* §11, after Ameisen et al. 2025), by zero-ablating its feature nodes in
+    the real model.
 
     Args:
         replacement: the :class:`~nnsight_lorsa.envoy.replacement_model.ReplacementModel` the graph
