@@ -215,7 +215,8 @@ def mhsa_mask(w: MHSAWeights, s: int, device: torch.device) -> torch.Tensor:
 
 
 def mhsa_pattern(
-    w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], positions: torch.Tensor | None = None
+    w: MHSAWeights, x: Float[torch.Tensor, "batch pos d_model"], positions: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> Float[torch.Tensor, "batch n_heads pos pos"]:
     """Causal attention patterns ``A[b, h, i, j]`` of every query head (rows sum to 1), in ``x``'s dtype: scores
     ``q·k * scale`` from :func:`mhsa_qk`, soft-capped (``softcap · tanh(scores / softcap)``) where
@@ -223,12 +224,19 @@ def mhsa_pattern(
     sliding-window) mask, softmax. The scores and the softmax
     run in at least fp32 (:func:`~nnsight_lorsa._placement.bmm_f32`: bf16 / fp16 q, k upcast on the CPU, multiplied
     with an fp32 result on an accelerator; eager's softmax is fp32 too): an fp16 model's unscaled ``q·k`` past 65504
-    would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype."""
+    would be ``inf`` (the pattern NaN) where the model (SDPA) is finite; rounded once to ``q``'s dtype.
+
+    ``key_mask``: optional ``(batch, pos)`` bool, True = token: padded keys are masked too (a query always keeps
+    itself, so a padded query's row is finite — and meaningless)."""
     q, k = mhsa_qk(w, x, positions)
     scores = bmm_f32(q, k.transpose(-1, -2)) * w.scale
     if w.softcap is not None:
         scores = torch.tanh(scores / w.softcap) * w.softcap
-    return scores.masked_fill(~mhsa_mask(w, x.shape[1], x.device), float("-inf")).softmax(-1).to(q.dtype)
+    allowed = mhsa_mask(w, x.shape[1], x.device)
+    if key_mask is not None:
+        eye = torch.eye(x.shape[1], dtype=torch.bool, device=x.device)
+        allowed = allowed & (key_mask.to(x.device).bool()[:, None, None, :] | eye)  # (batch, 1, pos, pos)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(q.dtype)
 
 
 def mhsa_values(
@@ -249,11 +257,13 @@ def mhsa_forward(
     positions: torch.Tensor | None = None,
     *,
     per_head: bool = False,
+    key_mask: torch.Tensor | None = None,
 ) -> Float[torch.Tensor, "batch pos d_model"] | Float[torch.Tensor, "batch pos n_heads d_model"]:
-    """Recompute causal MHSA from its pieces (eager, no padding mask).
+    """Recompute causal MHSA from its pieces (eager; no padding mask unless ``key_mask``).
 
     ``x``: the attention's input ``(batch, pos, d_model)``; ``positions``: ``(pos,)`` or
-    ``(batch, pos)`` token positions for RoPE (default ``arange(pos)``). Pattern as
+    ``(batch, pos)`` token positions for RoPE (default ``arange(pos)``); ``key_mask``: optional ``(batch, pos)``
+    bool, True = token (padded keys masked; padded queries' rows are meaningless). Pattern as
     :func:`mhsa_pattern`, then ``z = A v``, ``z @ W_O + b_O``.
 
     Returns the attention output ``(batch, pos, d_model)`` including ``b_O``, or with
@@ -263,7 +273,7 @@ def mhsa_forward(
     Source: *From Tokenization to Attribution Graphs* §3.3 (multi-head self-attention); transformers
     ``eager_attention_forward``.
     """
-    z = mhsa_pattern(w, x, positions) @ mhsa_values(w, x)  # (b, h, s, e)
+    z = mhsa_pattern(w, x, positions, key_mask) @ mhsa_values(w, x)  # (b, h, s, e)
     if per_head:
         return torch.einsum("bhse,hed->bshd", z, w.W_O)
     return torch.einsum("bhse,hed->bsd", z, w.W_O) + w.b_O

@@ -26,18 +26,110 @@ from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
-from ..envoy.nnsight_internals import hf_module
+from ..envoy.nnsight_internals import hf_module, stored_edits
 from ..envoy.read import attention_activations
-from ..errors import ArgumentError, ShapeError
+from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
 from ..modules.lorsa import head_indices
 from .top_activations import TopActivations
 
 
-def _check_tokens(tokens: Any) -> None:
+def check_tokens(tokens: Any, model: Any = None) -> None:
+    """``tokens`` a non-empty integer ``(n_windows, pos)`` tensor, and (with ``model``) of ids of its input
+    embedding's vocabulary (an id outside it was torch's ``IndexError`` from inside the trace).
+
+    Raises:
+        ShapeError: not a non-empty integer ``(n_windows, pos)`` tensor. ArgumentError: an id ``< 0`` or ``>=`` the
+        vocabulary size.
+    """
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1 \
             or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
+    embed = None if model is None else hf_module(model).get_input_embeddings()
+    vocab = getattr(embed, "num_embeddings", None)
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise ArgumentError(f"tokens must be token ids in [0, {vocab}) (the model's vocabulary), got ids from {low} "
+                            f"to {high}")
+
+
+def check_attention_mask(attention_mask: Any, tokens: torch.Tensor) -> torch.Tensor | None:
+    """``attention_mask`` (``None`` or ``(n_windows, pos)`` of 0 / 1 or bools, 1 = token) as a host bool tensor.
+
+    A row's tokens must be one run (left or right padding, or none): a row with holes would not be a prompt
+    that runs alone the same way. A row of padding only is allowed (it contributes nothing).
+
+    Raises:
+        ShapeError: not a tensor of ``tokens``' shape. ArgumentError: a float / complex dtype, values other
+        than 0 and 1, or a row whose tokens are not one contiguous run (the message names the rows).
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(tokens.shape):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ShapeError(f"attention_mask must be a tensor of the tokens' shape {tuple(tokens.shape)} (1 = token, "
+                         f"0 = padding), got {got}")
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ArgumentError(f"attention_mask must hold integers 0 / 1 or bools, got {attention_mask.dtype}")
+    m = attention_mask.to(HOST)
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ArgumentError("attention_mask must hold only 0 (padding) and 1 (token)")
+    m = m.bool()
+    runs = (m[:, 1:] & ~m[:, :-1]).sum(-1) + m[:, 0]  # starts of runs of tokens, per row
+    if bool((runs > 1).any()):
+        rows = (runs > 1).nonzero().flatten().tolist()
+        raise ArgumentError(f"attention_mask rows {rows[:8]} hold padding between tokens: each row's tokens must be "
+                            "one run (left or right padding)")
+    return m
+
+
+def kept_tokens(mask: torch.Tensor | None, shape: tuple[int, ...], skip: int) -> torch.Tensor:
+    """``(n_windows, pos)`` host bool: the tokens of each row (``mask``; None: every position) from the row's
+    ``skip``-th token on (its first ``skip`` tokens — BOS — left out; counted from the first token of a
+    left-padded row)."""
+    n, pos = shape
+    if mask is None:
+        keep = torch.ones(n, pos, dtype=torch.bool, device=HOST)
+        keep[:, :skip] = False
+        return keep
+    first = torch.where(mask.any(-1), mask.int().argmax(-1), pos)  # (n,) column of each row's first token
+    return mask & (torch.arange(pos, device=HOST)[None] >= first[:, None] + skip)
+
+
+def model_input(tokens: torch.Tensor, mask: torch.Tensor | None) -> Any:
+    """What ``model.trace`` takes for these windows: the ids, or ``{"input_ids", "attention_mask"}`` (nnsight then
+    counts the position ids from the mask, as for a left-padded list of prompts)."""
+    return tokens if mask is None else {"input_ids": tokens, "attention_mask": mask.long()}
+
+
+def refuse_in_trace(what: str) -> None:
+    """Raise :class:`~..errors.TraceOrderError` inside a ``model.trace`` / ``generate`` body: the analysis
+    functions run traces of their own, which nnsight cannot open in a running one (it ended in nnsight's
+    ``AttributeError: 'NoneType' object has no attribute 'event'``); they cannot measure the traced pass."""
+    from ..envoy.nnsight_internals import current_worker
+
+    try:
+        current_worker(what)
+    except TraceOrderError:
+        return  # not inside a trace body: fine
+    raise TraceOrderError(
+        f"{what}(replacement, layer, tokens) runs its own traces of the model and cannot be called inside a "
+        "model.trace(...) / generate(...) body (it would not measure that trace's edits either): call it before or "
+        "after the trace; a persistent change to measure is an edit stored by model.edit() (docs/analysis.md, "
+        "'What the analyses measure')")
+
+
+def refuse_stored_edits(model: Any, what: str, recomputed: str) -> None:
+    """Raise :class:`~..errors.ArgumentError` when ``model`` carries edits stored by ``model.edit()``: nnsight
+    replays them in the traces an analysis runs, but ``recomputed`` (from weights, on the attention input read
+    there) is out of their reach — an edit of the MHSA or of a stored Lorsa splice's internals would be ignored, an
+    edit upstream seen: a mix of the edited and the unedited model."""
+    if stored_edits(model):
+        raise ArgumentError(
+            f"{what}: the model carries {stored_edits(model)} edit block(s) stored by model.edit(); nnsight replays "
+            f"them in the traces it runs, but {recomputed} are recomputed from their weights, out of the edits' reach: "
+            "the result would mix the edited and the unedited model. Call model.clear_edits() first "
+            "(collect_top_activations measures the edited model)")
 
 
 def _check_count(value: Any, name: str, low: int = 1) -> None:
@@ -102,7 +194,7 @@ class MHSACorrelation(FieldsRepr):
 
 
 def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batch_size: int = 8,
-                     skip_first: bool = True) -> MHSACorrelation:
+                     skip_first: bool = True, attention_mask: torch.Tensor | None = None) -> MHSACorrelation:
     """Oblique-projection correlation of every Lorsa head of ``layer`` to the MHSA heads (App. E.1).
 
     For each token of ``tokens`` ``(n_windows, pos)`` (BOS skipped with ``skip_first``): the MHSA
@@ -110,19 +202,36 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     active Lorsa heads' outputs ``z_h w_o^h`` (:func:`oblique_coefficients`), and the coefficient
     is added to ``contrib[h, m]``; averaged per Lorsa head over its active tokens.
 
+    ``attention_mask``: optional ``(n_windows, pos)`` (1 = token, 0 = padding; left or right padding): padded
+    positions are no keys of the MHSA heads nor of the Lorsa and no tokens of the statistics, ``skip_first``
+    skips each row's first token; a prompt's numbers are those of the prompt alone.
+
+    What it measures: the attention input of ``layer`` read from a fresh trace of ``replacement.model`` (the
+    model's own: the bundle's other replacements are not spliced); the MHSA heads and the Lorsa are recomputed
+    from their weights on it. So a model carrying edits stored by ``model.edit()`` is refused: nnsight replays
+    them in the trace, but an edit of the MHSA itself (or of a stored Lorsa splice) would not reach the recomputed
+    heads.
+
     Runs on the Lorsa's device in fp32 (the MHSA weights and activations are moved there and cast; the
-    Lorsa sees its input in its own dtype); the result is on the CPU.
+    Lorsa sees its input in its own dtype; the least squares in fp64, the sums in fp64); the result is on the CPU.
 
     Raises:
-        ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``. LayerOutOfRangeError: no Lorsa at
-        ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas. PlacementError: the Lorsa is on ``meta``.
-        ArgumentError: ``batch_size`` not an int ``>= 1``.
+        ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``, ``attention_mask`` not of its shape
+        (ArgumentError: ids outside the model's vocabulary).
+        LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
+        PlacementError: the Lorsa is on ``meta``. ArgumentError: ``batch_size`` not an int ``>= 1``;
+        ``attention_mask`` not 0 / 1 or with padding between a row's tokens; the model carries stored edits.
+        TraceOrderError: called inside a trace body. NonFiniteError: the MHSA heads' or the active Lorsa
+        heads' outputs at a token are NaN / inf (e.g. an fp16 overflow).
 
     Source: Lorsa paper (He et al. 2025) App. E.
     """
+    refuse_in_trace("mhsa_correlation")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
-    _check_tokens(tokens)
+    check_tokens(tokens, model)
     _check_count(batch_size, "batch_size")
+    mask = check_attention_mask(attention_mask, tokens)
+    refuse_stored_edits(model, "mhsa_correlation", "the MHSA heads and the Lorsa")
     adapter = get_adapter(model)
     lorsa = lorsa_set[layer]
     device, _ = placement(lorsa, f"the Lorsa of layer {layer}")
@@ -132,22 +241,29 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     count = torch.zeros(n_ov, dtype=torch.long, device=device)
     n_tokens = 0
     w_o = lorsa.W_O.float()
+    keep_all = kept_tokens(mask, tuple(tokens.shape), 1 if skip_first else 0)
     for i in range(0, tokens.shape[0], batch_size):
-        act = attention_activations(model, layer, tokens[i:i + batch_size], adapter=adapter)
+        rows = slice(i, i + batch_size)
+        m = None if mask is None else mask[rows]
+        act = attention_activations(model, layer, tokens[rows], None if m is None else m.long(), adapter=adapter)
         x = act.x.to(device=device, dtype=torch.float32)
         positions = act.positions.to(device)
-        per_head = mhsa_forward(w, x, positions, per_head=True)  # (b, s, H, d)
-        _, cache = lorsa(to_module(act.x, lorsa, f"the Lorsa of layer {layer}"), positions, return_cache=True)
-        if skip_first:
-            per_head, z, idx = per_head[:, 1:], cache.z[:, 1:], cache.topk_indices[:, 1:]
-        else:
-            z, idx = cache.z, cache.topk_indices
-        zk = z.gather(-1, idx).float()  # (b, s, k)
-        basis = zk[..., None] * w_o[idx]  # (b, s, k, d)
-        k, d = idx.shape[-1], x.shape[-1]
-        coef = oblique_coefficients(basis.reshape(-1, k, d), per_head.reshape(-1, n_heads, d))  # (N, k, H)
-        active = (zk > 0).reshape(-1, k)
-        flat_idx = idx.reshape(-1, k)[active]
+        key_mask = None if m is None else m.to(device)
+        per_head = mhsa_forward(w, x, positions, per_head=True, key_mask=key_mask)  # (b, s, H, d)
+        _, cache = lorsa(to_module(act.x, lorsa, f"the Lorsa of layer {layer}"), positions, key_mask,
+                         return_cache=True)
+        keep = keep_all[rows].to(device)  # (b, s): the tokens counted
+        z, idx = cache.z[keep], cache.topk_indices[keep]  # (N, n_ov), (N, k)
+        per_head = per_head[keep]  # (N, H, d)
+        zk = z.gather(-1, idx).float()  # (N, k)
+        basis = zk[..., None] * w_o[idx]  # (N, k, d)
+        active = zk > 0
+        if not (bool(per_head.isfinite().all()) and bool(basis.isfinite().all())):
+            raise NonFiniteError(f"mhsa_correlation: NaN / inf MHSA head or active Lorsa head outputs at layer {layer} "
+                                 f"in windows {i}..{i + x.shape[0] - 1} (an overflow of a half-precision model or "
+                                 "Lorsa?)", tensor="z")
+        coef = oblique_coefficients(basis, per_head)  # (N, k, H)
+        flat_idx = idx[active]
         contrib.index_add_(0, flat_idx, coef[active].double())
         count += torch.bincount(flat_idx, minlength=n_ov)
         n_tokens += int(active.shape[0])
@@ -265,11 +381,18 @@ def ov_feature_cosines(lorsa: Any, head: int, sae_in_decoder: torch.Tensor | Non
 
 @torch.no_grad()
 def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, *, n_top: int = 8,
-                            batch_size: int = 8, skip_start: int = 1, distinct_windows: bool = True
-                            ) -> TopActivations:
+                            batch_size: int = 8, skip_start: int = 1, distinct_windows: bool = True,
+                            attention_mask: torch.Tensor | None = None) -> TopActivations:
     """Stream ``tokens`` ``(n_windows, pos)`` through the model with the Lorsa of ``layer`` spliced
     (error term on, so later layers see the true model) and keep every head's top ``n_top``
     activations and its activation frequency. Memory ``O(n_ov_heads · n_top)``.
+
+    What it measures: the Lorsa's ``z`` on the attention input of ``layer`` in a fresh trace of
+    ``replacement.model`` — the model's own (the bundle's other replacements are not spliced), with the edits
+    stored on it by ``model.edit()`` (nnsight replays them in the trace: an edit upstream of the layer is
+    measured, and so is an edit of ``hook_z`` in a stored splice of this Lorsa; a stored splice of the layer by
+    another module or error flag is an ``ArgumentError`` of ``replace``). It runs traces of its own, so not
+    inside a trace body (``TraceOrderError``).
 
     Args:
         skip_start: the first this many positions of every window are left out of the top activations
@@ -280,16 +403,27 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
             positions out (the demo does), ``0`` keeps BOS.
         distinct_windows: at most one entry per head and window (its largest activation there;
             :class:`~.top_activations.TopActivations`), so a dashboard's contexts are distinct texts.
+        attention_mask: optional ``(n_windows, pos)`` (1 = token, 0 = padding; left or right padding): padded
+            positions are no keys of the Lorsa and no entries, counts or ``n_tokens``; ``skip_start`` counts from
+            each row's first token. Positions are columns of ``tokens`` (``tokens[window, position]`` is the
+            token); otherwise a prompt's entries are those of the prompt alone. A row of padding only adds nothing.
+
+    ``n_top`` larger than the tokens seen leaves empty slots (value ``-inf``, window and position ``-1``); a head
+    that never fires keeps its largest (zero) activations with where they were, ``count`` 0.
 
     Raises:
-        ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``. LayerOutOfRangeError: no Lorsa
-        at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int ``>= 1``; ``skip_start`` not an
-        int in ``[0, pos)``.
+        ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``, ``attention_mask`` not of its shape
+        (ArgumentError: ids outside the model's vocabulary).
+        LayerOutOfRangeError: no Lorsa at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int
+        ``>= 1``; ``skip_start`` not an int in ``[0, pos)``; ``attention_mask`` not 0 / 1 or with padding between
+        a row's tokens; NaN / inf activations at a token (:meth:`TopActivations.update`). TraceOrderError: called
+        inside a trace body.
 
     Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
     """
+    refuse_in_trace("collect_top_activations")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
-    _check_tokens(tokens)
+    check_tokens(tokens, model)
     _check_count(n_top, "n_top")
     _check_count(batch_size, "batch_size")
     if not isinstance(skip_start, int) or isinstance(skip_start, bool) or not 0 <= skip_start < tokens.shape[-1]:
@@ -297,11 +431,13 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
                             f"got {skip_start!r}")
     n_ov = lorsa_set[layer].cfg.n_ov_heads
     top = TopActivations.empty(n_ov, n_top, distinct_windows=distinct_windows)
-    keep = torch.ones(tokens.shape, dtype=torch.bool, device=HOST)  # host-side, like the table it feeds
-    keep[:, :skip_start] = False
+    mask = check_attention_mask(attention_mask, tokens)
+    keep = kept_tokens(mask, tuple(tokens.shape), skip_start)  # host-side, like the table it feeds
     for i in range(0, tokens.shape[0], batch_size):
-        with model.trace(tokens[i:i + batch_size], use_cache=False) as tracer:
+        rows = slice(i, i + batch_size)
+        with model.trace(model_input(tokens[rows], None if mask is None else mask[rows]), use_cache=False) as tracer:
             z = nnsight.save(lorsa_set.replace(layer=layer, error=True).hook_z.output)
-            tracer.stop()  # nothing after the Lorsa is needed
-        top.update(z, i, keep[i:i + batch_size])
+            if not stored_edits(model):  # nothing after the Lorsa is needed (but by an edit stored by model.edit())
+                tracer.stop()
+        top.update(z, i, keep[rows])
     return top

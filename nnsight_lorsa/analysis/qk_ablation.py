@@ -175,8 +175,6 @@ def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor
             f"the SAE must read and write the Lorsa input of width d_model={d_model}; it has d_in={d_in}, "
             f"W_dec {shape}"
         )
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 1:
-        raise ShapeError(f"tokens must be (n_windows, pos), got {tuple(tokens.shape)}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
     keep = None
@@ -200,6 +198,7 @@ def qk_feature_impacts(
     features: Any = None,
     skip_first: bool = True,
     chunk: int = 1 << 22,
+    attention_mask: torch.Tensor | None = None,
 ) -> QKFeatureImpacts:
     """App. F.1: each SAE feature's maximum impact on Lorsa head ``head``'s Q and K over ``tokens``.
 
@@ -208,19 +207,32 @@ def qk_feature_impacts(
         head: OV head index of that Lorsa.
         sae: a sparse coder on the Lorsa input (``encode``, ``W_dec (n_features, d_model)``; e.g. a
             :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` on the pre-attention norm's output).
-        tokens: ``(n_windows, pos)`` unpadded token windows (BOS first), streamed ``batch_size`` at a time.
+        tokens: ``(n_windows, pos)`` token windows (BOS first), streamed ``batch_size`` at a time.
         features: only evaluate these feature indices (default: every feature that is active).
         skip_first: ignore activations at position 0 (BOS; its pattern row has a single entry).
         chunk: bound on the elements of one ablated-score tensor (memory knob).
+        attention_mask: optional ``(n_windows, pos)`` (1 = token, 0 = padding; left or right padding): padded
+            positions are no keys, no activation locations, no feature presences and no ``n_tokens``;
+            ``skip_first`` skips each row's first token; a prompt's numbers are those of the prompt alone
+            (positions are columns of ``tokens``).
 
     Returns:
         :class:`QKFeatureImpacts` (per feature: max KL for Q and for K, where, and how often present).
 
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
-        range, ``tokens`` not 2-D. ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
+        range, ``tokens`` not a non-empty integer ``(n_windows, pos)`` tensor (ArgumentError: ids outside the
+        model's vocabulary). ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
         PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` not an int
-        ``>= 1``, ``features`` not a non-empty list / integer tensor of ints. All before the model runs.
+        ``>= 1``, ``features`` not a non-empty list / integer tensor of ints, ``attention_mask`` not 0 / 1 or with
+        padding between a row's tokens (ShapeError: not of the tokens' shape), the model carries stored edits.
+        TraceOrderError: called inside a trace body. All before the model runs.
+
+    What it measures: the Lorsa's pattern, recomputed from its weights on the attention input of ``layer`` read
+    from a fresh trace of ``replacement.model`` — the model's own (the bundle's other replacements are not
+    spliced). A model carrying edits stored by ``model.edit()`` is refused (``ArgumentError``): nnsight would
+    replay them, but an edit of a stored splice of the Lorsa (its ``hook_z``, ``hook_q`` …) would not reach the
+    recomputation.
 
     The ablations run on the Lorsa's device in fp32 (the attention input and the SAE's activations are
     moved there; the Lorsa and the SAE each see their input in their own dtype); the result is on the CPU.
@@ -229,9 +241,15 @@ def qk_feature_impacts(
     """
     from ..adapters.registry import get_adapter
     from ..envoy.read import attention_activations
+    from .heads import check_attention_mask, check_tokens, kept_tokens, refuse_in_trace, refuse_stored_edits
 
+    refuse_in_trace("qk_feature_impacts")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
+    refuse_stored_edits(model, "qk_feature_impacts", "the Lorsa's queries and keys")
+    check_tokens(tokens, model)
     lorsa, keep = _check(lorsa_set, layer, head, sae, tokens, features, batch_size)
+    mask = check_attention_mask(attention_mask, tokens)
+    counted = kept_tokens(mask, tuple(tokens.shape), 1 if skip_first else 0)  # (n_windows, pos) host
     adapter = get_adapter(model)
     cfg = lorsa.cfg
     g = head // cfg.group_size
@@ -247,22 +265,24 @@ def qk_feature_impacts(
     scale = cfg.scale
     for start in range(0, tokens.shape[0], batch_size):
         ids = tokens[start:start + batch_size]
-        act = attention_activations(model, layer, ids, adapter=adapter)
+        m = None if mask is None else mask[start:start + batch_size].to(device)
+        act = attention_activations(model, layer, ids, None if m is None else m.long(), adapter=adapter)
         x = act.x.to(device=device, dtype=torch.float32)
         bsz, seq, _ = x.shape
         positions = act.positions.to(device)
         pos = positions.reshape(-1, seq).expand(bsz, seq)
-        _, cache = lorsa(to_module(act.x, lorsa, lorsa_name), positions, return_cache=True)
-        loc = cache.z[..., head] > 0  # (b, s) activation locations
-        if skip_first:
-            loc[:, 0] = False
-        result.n_tokens += bsz * (seq - 1 if skip_first else seq)
+        _, cache = lorsa(to_module(act.x, lorsa, lorsa_name), positions, m, return_cache=True)
+        here = counted[start:start + batch_size].to(device)  # (b, s) tokens counted (BOS and padding out)
+        loc = (cache.z[..., head] > 0) & here  # (b, s) activation locations
+        result.n_tokens += int(here.sum())
         if not loc.any():
             continue
         # the SAE encodes on its own device, in its dtype; its activations join the rest in fp32
         acts = sae.encode(to_module(act.x, sae, "the SAE")).to(device=device, dtype=torch.float32)
         if keep is not None:
             acts = acts * keep.to(acts.device)
+        if m is not None:
+            acts = acts * m[..., None]  # a feature at a padded position is present nowhere
         q_raw, k_raw = x @ w_q + b_q, x @ w_k + b_k  # (b, s, e)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
         for b in range(bsz):
@@ -272,7 +292,7 @@ def qk_feature_impacts(
             result.n_activations += int(qi.numel())
             q = _project(lorsa, g, q_raw[b], pos[b], "q")  # (s, e)
             k = _project(lorsa, g, k_raw[b], pos[b], "k")
-            valid = causal[qi]  # (p, s)
+            valid = causal[qi] if m is None else causal[qi] & m[b][None]  # (p, s): the keys of each row
             scores = q[qi] @ k.T / scale
             logp = scores.double().masked_fill(~valid, float("-inf")).log_softmax(-1)  # original rows log A_i
             _q_side(result, lorsa, g, acts[b], qi, q_raw[b], pos[b], k, logp, valid, dq, scale, start + b, chunk)

@@ -73,7 +73,8 @@ class TopActivations:
 
         Raises:
             ArgumentError: ``z`` not a ``(batch, pos, n_heads)`` float tensor of this table's ``n_heads``, or
-                holding NaN or ±inf (NaN and inf would rank above every activation, -inf read as an empty slot);
+                holding NaN or ±inf at a kept token (NaN and inf would rank above every activation, -inf read as an
+                empty slot; values where ``keep`` is False are not read: padding may hold anything);
                 ``keep`` not ``(batch, pos)``;
                 ``first_window`` not an int ``>= 0``.
 
@@ -88,15 +89,16 @@ class TopActivations:
             raise ArgumentError(f"TopActivations.update: first_window must be an int >= 0, got {first_window!r}")
         b, s, n = z.shape
         if keep is not None and (not isinstance(keep, torch.Tensor) or tuple(keep.shape) != (b, s)):
-            kept = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
-            raise ArgumentError(f"TopActivations.update: keep must be a (batch, pos) = {(b, s)} mask, got {kept}")
+            keep_got = tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ArgumentError(f"TopActivations.update: keep must be a (batch, pos) = {(b, s)} mask, got {keep_got}")
         z = z.detach().float().cpu()
-        if not bool(torch.isfinite(z).all()):
+        kept = None if keep is None else keep.cpu().bool()
+        if not bool(torch.isfinite(z if kept is None else z[kept]).all()):  # values at left-out tokens are not read
             raise ArgumentError("TopActivations.update: z holds NaN or inf activations (NaN and inf would rank first, "
                                 "-inf reads as an empty slot; an inf is an overflow, e.g. of an fp16 Lorsa): check the "
                                 "model / Lorsa for non-finite values")
-        if keep is not None:
-            z = z.masked_fill(~keep.cpu().bool()[..., None], float("-inf"))
+        if kept is not None:
+            z = z.masked_fill(~kept[..., None], float("-inf"))
         flat = z.reshape(b * s, n)
         self.count += (flat > 0).sum(0)
         self.n_tokens += int(keep.sum() if keep is not None else b * s)

@@ -5,8 +5,10 @@ A :class:`Site` names a value: the ``"input"`` (hidden states the module is call
 positions of the call, for RoPE) of the module at an envoy path (``"model.layers.1.mlp"``).
 :func:`read_sites` runs the model once on a batch of token ids and returns several sites' values,
 reading them in execution order and stopping the trace after the last one, so later layers are
-not computed. :func:`attention_activations` is the attention input / output / positions of one
-layer (what a Lorsa reads and reconstructs). Envoys are looked up with nnsight's ``Envoy.get``.
+not computed (unless the model carries edits stored by ``model.edit()``, which nnsight replays in the trace:
+then the pass runs to the end, for an edit past the sites). :func:`attention_activations` is the attention
+input / output / positions of one layer (what a Lorsa reads and reconstructs). Envoys are looked up with
+nnsight's ``Envoy.get``.
 
 Used by training (:class:`~nnsight_lorsa.training.ActivationSource`, the activation cache),
 ``analysis/`` and ``viz/``.
@@ -26,7 +28,7 @@ from .._typing import Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..errors import ActivationCacheError, ArgumentError
-from .nnsight_internals import hf_module
+from .nnsight_internals import hf_module, stored_edits
 
 _KINDS = ("input", "output", "positions")
 
@@ -140,8 +142,10 @@ def read_sites(model: Any, sites: Mapping[str, Site], input_ids: Int[torch.Tenso
                attention_mask: torch.Tensor | None = None,
                adapter: ArchitectureAdapter | None = None) -> dict[str, torch.Tensor]:
     """The values of every site on ``input_ids`` from one ``model.trace`` (sites read in execution
-    order; the trace stops after the last one): ``{name: (batch, pos, d)}`` (positions: ``(batch, pos)``
-    or ``(pos,)``). Names mapping to the same :class:`Site` share one tensor.
+    order; the trace stops after the last one, unless the model carries edits stored by ``model.edit()``: nnsight
+    replays them in the trace, and one past the sites needs the rest of the forward pass):
+    ``{name: (batch, pos, d)}`` (positions: ``(batch, pos)`` or ``(pos,)``). Names mapping to the same
+    :class:`Site` share one tensor.
 
     Args:
         model: nnsight-wrapped model. sites: ``{name: Site}``. input_ids: ``(batch, pos)`` token ids.
@@ -166,7 +170,8 @@ def read_sites(model: Any, sites: Mapping[str, Site], input_ids: Int[torch.Tenso
     with model.trace(inputs, use_cache=False) as tracer:
         for s in sorted(set(sites.values()), key=rank):
             saved[s] = nnsight.save(site_value(model.get(s.path), s, adapter))
-        tracer.stop()
+        if not stored_edits(model):  # edits stored by model.edit() run in this trace: one past the sites needs the rest
+            tracer.stop()
     return {name: saved[s] for name, s in sites.items()}
 
 

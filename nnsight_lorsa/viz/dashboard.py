@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from .._placement import to_module
-from ..analysis.heads import MHSACorrelation, ov_logit_lens
+from ..analysis.heads import MHSACorrelation, check_attention_mask, ov_logit_lens, refuse_in_trace, refuse_stored_edits
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError
 from .page import embed_json, finite, token_pieces
 
 #: tokens decoded before a context's first token, so that a character begun there is decoded whole
@@ -41,8 +41,8 @@ _LEAD = 4
 def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivations,
                         tokens: torch.Tensor, *, n_contexts: int = 8, window: int = 24, lens_k: int = 10,
                         correlation: MHSACorrelation | None = None, extra: dict[str, Any] | None = None,
-                        qk_features: Any = None, ov_features: dict[str, Any] | None = None, n_features: int = 8
-                        ) -> dict[str, Any]:
+                        qk_features: Any = None, ov_features: dict[str, Any] | None = None, n_features: int = 8,
+                        attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Everything the dashboard of Lorsa head ``(layer, head)`` shows, as a JSON-able dict.
 
     Args:
@@ -57,16 +57,26 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
             (App. F.1: max KL of its pattern with a feature ablated from Q / from K).
         ov_features: :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines` of this head (App. F.2).
         n_features: features listed per aspect.
+        attention_mask: the ``(n_windows, pos)`` mask ``top`` was collected with (1 = token; left or right
+            padding): each context is recomputed on its row's tokens alone (its ``position`` stays a column of
+            ``tokens``); without it a left-padded row would be recomputed with its padding as tokens.
 
     The model, the Lorsa and ``tokens`` may each be on any device and in any dtype: the z-patterns are
     computed on the Lorsa's device and every number is read back to the host.
 
     Raises:
         ConfigMismatchError: ``qk_features`` of another layer or head. PlacementError: the Lorsa is on ``meta``.
+        ShapeError / ArgumentError: ``attention_mask`` not of ``tokens``' shape, not 0 / 1, or with padding between
+        a row's tokens, or padding where ``top`` has an entry; the model carries edits stored by ``model.edit()``
+        (the z-patterns are recomputed from the Lorsa's weights, out of their reach). TraceOrderError: called inside
+        a trace body (it runs traces of its own).
 
     Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
     """
+    refuse_in_trace("head_dashboard_data")
+    mask = check_attention_mask(attention_mask, tokens)
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
+    refuse_stored_edits(model, "head_dashboard_data", "the contexts' z-patterns")
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
     shown: set[int] = set()
@@ -74,14 +84,19 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         if w < 0 or w in shown or not v > 0 or len(contexts) >= n_contexts:
             continue  # empty, a window already shown, or the head inactive there
         shown.add(w)
-        ids = tokens[w]
+        ids, col = tokens[w], p
+        if mask is not None:  # the row's tokens alone: a left-padded row's first token is its column 0
+            if not bool(mask[w, p]):
+                raise ArgumentError(f"head_dashboard_data: top's entry (window {w}, position {p}) is padding in "
+                                    "attention_mask: pass the mask top was collected with")
+            ids, col = ids[mask[w].to(ids.device)], p - int(mask[w].int().argmax())
         act = attention_activations(model, layer, ids[None])
         x_in = to_module(act.x, lorsa, f"the Lorsa of layer {layer}")  # on the Lorsa's device, in its dtype
-        zp = lorsa.z_pattern(x_in, [head], act.positions.to(x_in.device))[0, 0, p, : p + 1].float().cpu()
-        start = max(0, p - window)
+        zp = lorsa.z_pattern(x_in, [head], act.positions.to(x_in.device))[0, 0, col, : col + 1].float().cpu()
+        start = max(0, col - window)
         contexts.append({
             "z": round(float(v), 4), "window": int(w), "position": int(p),
-            "tokens": token_pieces(tok, ids[max(0, start - _LEAD):p + 1])[start - max(0, start - _LEAD):],
+            "tokens": token_pieces(tok, ids[max(0, start - _LEAD):col + 1])[start - max(0, start - _LEAD):],
             "contrib": [round(float(c), 4) for c in zp[start:]],
         })
     vals, ids_, strings = ov_logit_lens(replacement, layer, [head], lens_k)
