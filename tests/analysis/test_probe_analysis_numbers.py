@@ -73,6 +73,7 @@ def _reference_z(family: str, ids: torch.Tensor, dtype: torch.dtype = torch.floa
     return store[0].float()  # (n, pos, n_ov)
 
 
+@torch.no_grad()
 def _attention_input(hf, adapter, ids: torch.Tensor) -> torch.Tensor:
     """The input of layer ``LAYER``'s attention in a plain forward of ``ids`` (a forward hook, no nnsight)."""
     xs: list = []

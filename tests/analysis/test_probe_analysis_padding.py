@@ -20,6 +20,7 @@ import torch
 from helpers import LAYER, VOCAB, hooked, make_lorsa, make_sae, tiny_nnsight
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_probe_analysis_numbers import _attention_input
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation, qk_feature_impacts
@@ -79,17 +80,6 @@ def _z_alone(hf, adapter, lorsa, prompt: torch.Tensor) -> torch.Tensor:
         hf(prompt[None])
     return store[0][0].float()
 
-
-@torch.no_grad()
-def _attention_input(hf, adapter, ids: torch.Tensor) -> torch.Tensor:
-    xs: list = []
-    handle = adapter.attention_module(hf, LAYER).register_forward_hook(
-        lambda m, a, kw, o: xs.append(adapter.attention_input(a, kw)), with_kwargs=True)
-    try:
-        hf(ids)
-    finally:
-        handle.remove()
-    return xs[0]
 
 
 @torch.no_grad()
