@@ -314,7 +314,10 @@ def test_the_splice_with_edits_equals_the_definition_by_hooks(family, model_dtyp
     gap = float((got.float() - want.float()).abs().max())
     acts_close = all(torch.allclose(a.float(), b.float(), rtol=0, atol=eps * max(1.0, scale, float(b.abs().max())))
                      for a, b in zip(acts_got, acts_ref, strict=True))
-    if gap > bound or not acts_close:
+    pre_close = all(float((a.float() - b.float()).abs().max()) <= eps * max(1.0, scale, float(b.abs().max()))
+                    for a, b in zip(pre_got, pre_ref, strict=True))  # (the pre-activations' bound, asserted below)
+    if gap > bound or not acts_close or not pre_close:  # (until 2026-11-28 a flip seen only in the pre-activations
+        # failed the draw: seed 439, a bf16 CLT and a Lorsa whose top-k chose other heads at layer 1)
         assume(not flipped_near_boundary(clt, pre_got, pre_ref, cdt))
         assume(not lorsa_flip)  # the Lorsa's top-k chose other heads (its rounding: probed in test_probe_internals_*)
     assert gap <= bound, (gap, bound)
