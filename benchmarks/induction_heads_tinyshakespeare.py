@@ -119,13 +119,14 @@ def main() -> dict:
     top = collect_top_activations(r, LAYER, corpus, n_top=8)
     corr = mhsa_correlation(r, LAYER, corpus)
     spanned = corr.heads_spanned()
-    act_sp = spanned[spanned > 0]
-    res["heads_spanned"] = {"active_heads": int(act_sp.numel()),
+    act_sp = spanned[spanned > 0]  # -1: contributions summing to <= 0, n undefined (dropped, as the figure does)
+    res["heads_spanned"] = {"active_heads": int((corr.count > 0).sum()),
+                            "undefined_heads": int((spanned == -1).sum()),
                             "distribution": {str(k): int(v) for k, v in enumerate(torch.bincount(act_sp)) if k}}
     res["activation_frequency_top_heads"] = {str(x): round(float(top.frequency[x]), 4) for x in top_heads}
     FIG.mkdir(parents=True, exist_ok=True)
     plot_heads_spanned(spanned, FIG / "fig13_heads_spanned_tinyshakespeare.png",
-                       title=f"tinyshakespeare L{LAYER}: {int(act_sp.numel())} active Lorsa heads")
+                       title=f"tinyshakespeare L{LAYER}: {int(act_sp.numel())} Lorsa heads with a defined n")
     pages = []
     for rank, head in enumerate(top_heads):
         i = order[rank]

@@ -347,6 +347,20 @@ def make_lorsa(hf, adapter, layer: int = LAYER, seed: int = 0) -> Lorsa:
     return lorsa
 
 
+def attention_call_args(hf, adapter, layer: int, ids: torch.Tensor) -> tuple[tuple, dict]:
+    """Run ``hf`` on ``ids`` ``(batch, pos)`` without grad; return the (args, kwargs) of layer ``layer``'s attention
+    call (by a forward pre-hook, removed after)."""
+    seen: dict = {}
+    handle = adapter.attention_module(hf, layer).register_forward_pre_hook(
+        lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        handle.remove()
+    return seen["a"], seen["k"]
+
+
 @contextlib.contextmanager
 def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None, key_mask=None):
     """Reference: the same splice with plain PyTorch forward hooks (no nnsight). A Lorsa is global: on a

@@ -172,17 +172,24 @@ class MHSACorrelation(FieldsRepr):
     n_tokens: int
 
     def fractions(self) -> torch.Tensor:
-        """``(n_ov_heads, n_heads)`` contributions normalised to sum to 1 per Lorsa head (NaN if never active).
+        """``(n_ov_heads, n_heads)`` contributions normalised to sum to 1 per Lorsa head.
+
+        NaN rows: a head never active, and a head whose contributions (signed least-squares coefficients, which
+        sum to about 1 for a head that explains its tokens) sum to 0 or less, where no normalisation exists (dividing
+        gave inf or sign-flipped fractions).
 
         Source: Lorsa paper (He et al. 2025) App. E.
         """
         total = self.contrib.sum(-1, keepdim=True)
-        return torch.where(self.count[:, None] > 0, self.contrib / total, torch.nan)
+        defined = (self.count[:, None] > 0) & (total > 0)
+        return torch.where(defined, self.contrib / total.where(defined, 1.0), torch.nan)
 
     def heads_spanned(self, threshold: float = 0.9) -> torch.Tensor:
         """``(n_ov_heads,)`` int64 App. E.2 ``n``: the fewest MHSA heads (largest contributions first)
         whose cumulative normalised contribution reaches ``threshold`` (``≥``; App. E.2 says *exceeds*: the two
-        differ only where a sum lands exactly on it); 0 for never-active heads.
+        differ only where a sum lands exactly on it); 0 for never-active heads; -1 for an active head whose
+        contributions sum to 0 or less (its :meth:`fractions` are NaN: ``n`` is undefined, it was reported as
+        every head).
 
         Source: Lorsa paper (He et al. 2025) App. E.
         """
@@ -190,6 +197,7 @@ class MHSACorrelation(FieldsRepr):
         cum = frac.sort(-1, descending=True).values.cumsum(-1)
         n = (cum < threshold).sum(-1) + 1
         n = n.clamp(max=frac.shape[-1])
+        n = torch.where(self.contrib.sum(-1) > 0, n, torch.full_like(n, -1))
         return torch.where(self.count > 0, n, torch.zeros_like(n))
 
 

@@ -150,15 +150,16 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
 
 
 def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "") -> Path:
-    """Fig. 13: how many MHSA heads each Lorsa head spans (``n`` of App. E.2; 0 = never active, dropped):
-    bar ``k`` is the fraction of the active Lorsa heads that span ``k`` MHSA heads. Writes a PNG.
+    """Fig. 13: how many MHSA heads each Lorsa head spans (``n`` of App. E.2; 0 = never active, -1 = contributions
+    summing to 0 or less, both dropped): bar ``k`` is the fraction of the Lorsa heads with a defined ``n`` that span
+    ``k`` MHSA heads; the title says how many were dropped as undefined. Writes a PNG.
 
     Args:
         n_spanned: ``(n_heads,)`` counts (:meth:`~nnsight_lorsa.analysis.heads.MHSACorrelation.heads_spanned`), any
             integer dtype or a float one holding whole numbers.
 
     Raises:
-        ArgumentError: not a real 1-D tensor, or a count that is negative, NaN / inf or not a whole number (it would
+        ArgumentError: not a real 1-D tensor, or a count below -1, NaN / inf or not a whole number (it would
             have been dropped or truncated into another bar).
 
     Source: Lorsa paper (He et al. 2025) App. E, Fig. 13.
@@ -167,11 +168,12 @@ def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "
         raise ArgumentError(f"plot_heads_spanned: n_spanned must be a 1-D tensor of counts, got "
                             f"{getattr(n_spanned, 'shape', type(n_spanned).__name__)}")
     n = n_spanned.detach().cpu().double()
-    bad = ~torch.isfinite(n) | (n < 0) | (n != n.round())
+    bad = ~torch.isfinite(n) | (n < -1) | (n != n.round())
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise ArgumentError(f"plot_heads_spanned: n_spanned[{i}] = {float(n[i])} is no count of MHSA heads "
-                            "(a whole number >= 0)")
+                            "(a whole number >= 0, or -1 for undefined)")
+    undefined = int((n == -1).sum())
     n = n[n > 0].long()
     counts = torch.bincount(n, minlength=int(n.max()) + 1 if n.numel() else 1)[1:]
     frac = counts.float() / max(int(n.numel()), 1)
@@ -179,7 +181,8 @@ def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "
     ax.bar(range(1, len(frac) + 1), frac.numpy(), color="#1f77b4")
     ax.set_xlabel("MHSA heads spanned (90% of contribution)")
     ax.set_ylabel("fraction of Lorsa heads")
-    ax.set_title(title or f"{int(n.numel())} active Lorsa heads")
+    ax.set_title(title or f"{int(n.numel())} active Lorsa heads"
+                 + (f" ({undefined} undefined, dropped)" if undefined else ""))
     return _save(fig, path)
 
 

@@ -22,6 +22,7 @@ import contextlib
 import pytest
 import torch
 from helpers import (
+    attention_call_args,
     drawn_clt,
     drawn_configs,
     drawn_hf_model,
@@ -368,17 +369,10 @@ def check_qk(drawn, seed: int, layer_pick: int, n: int, head_pick: int, q_pick: 
     kpos = k_pick % (qpos + 1)
     r = qk_attribution(ReplacementModel(model, lorsas=lorsas, transcoders=tcs), ids, layer=layer, head=head,
                        query_pos=qpos, key_pos=kpos)
-    seen = {}
-    handle = adapter.attention_module(hf, layer).register_forward_pre_hook(
-        lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            hf(ids[None])
-    finally:
-        handle.remove()
-    x = adapter.attention_input(seen["a"], seen["k"])
+    args, kwargs = attention_call_args(hf, adapter, layer, ids[None])
+    x = adapter.attention_input(args, kwargs)
     with torch.no_grad():
-        q, k = lor.qk(x, adapter.attention_positions(seen["a"], seen["k"], x))
+        q, k = lor.qk(x, adapter.attention_positions(args, kwargs, x))
     g = head // lor.cfg.group_size
     ref = float(q[0, g, qpos] @ k[0, g, kpos]) / lor.cfg.scale
     assert abs(r.score - ref) < 1e-6 * max(1.0, abs(ref)), (family, drawn[1], r.score, ref)

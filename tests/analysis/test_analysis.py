@@ -35,6 +35,17 @@ def test_heads_spanned():
     assert corr.heads_spanned(0.5).tolist() == [1, 1, 2, 0]
 
 
+def test_fractions_and_heads_spanned_are_undefined_for_a_head_whose_contributions_do_not_sum_positive():
+    """An active head whose mean contributions sum to 0 or less (they are signed least-squares coefficients) has no
+    normalisation: NaN fractions and heads_spanned -1, not inf fractions and "all heads"."""
+    contrib = torch.tensor([[0.6, 0.4, 0.0], [0.5, -0.5, 0.0], [0.2, -0.7, 0.1], [0.0, 0.0, 0.0]])
+    corr = MHSACorrelation(contrib, torch.tensor([3, 3, 3, 0]), 9)
+    frac = corr.fractions()
+    torch.testing.assert_close(frac[0], torch.tensor([0.6, 0.4, 0.0]))
+    assert frac[1:].isnan().all()
+    assert corr.heads_spanned().tolist() == [2, -1, -1, 0]
+
+
 @torch.no_grad()
 def test_correlation_logit_lens_and_cosines_on_a_tiny_model():
     model, hf = tiny_nnsight("llama")

@@ -377,7 +377,8 @@ _CORR = dict(family=st.sampled_from([("llama", LAYER), ("gemma2", 0), ("gpt2", L
 
 def _correlation_case(family, n, pos, batch_size, skip_first, seed):
     """``mhsa_correlation`` over drawn windows, batch sizes and ``skip_first`` == the hand App. E.1; its
-    ``heads_spanned`` == the fewest largest normalised contributions whose sum reaches 90% (0 for inactive heads)."""
+    ``heads_spanned`` == the fewest largest normalised contributions whose sum reaches 90% (0 for inactive heads, -1
+    for heads whose contributions sum to 0 or less)."""
     fam, layer = family
     rm = _setup(fam, layer)[4]
     ids = _ids(n, pos, seed)
@@ -390,6 +391,9 @@ def _correlation_case(family, n, pos, batch_size, skip_first, seed):
     for h in range(want.shape[0]):
         if count[h] == 0:
             assert spanned[h] == 0
+            continue
+        if float(corr.contrib[h].double().sum()) <= 0:  # no normalisation: undefined (it was a nonsense count)
+            assert spanned[h] == -1 and corr.fractions()[h].isnan().all()
             continue
         frac = (corr.contrib[h] / corr.contrib[h].sum()).sort(descending=True).values.cumsum(0)
         if bool(((frac - 0.9).abs() > 1e-6).all()) and float(frac[-1]) >= 0.9:  # no sum on the bar

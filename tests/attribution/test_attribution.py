@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAMILIES, TESTS, attribution_setup, autograd_nodes, head_logits, random_ids, rm
+from helpers import FAMILIES, TESTS, attention_call_args, attribution_setup, autograd_nodes, head_logits, random_ids, rm
 
 from benchmarks.reference.attribution import attribute_with_hooks
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -263,18 +263,11 @@ def test_qk_pairs_sum_to_the_attention_score(family):
     ids = random_ids(1, 8, seed=2)[0]
     r = qk_attribution(rm(model, lorsas, tcs), ids, layer=1, head=37, query_pos=6, key_pos=2)
     adapter = get_adapter(model)
-    hooked = {}
-    handle = adapter.attention_module(hf, 1).register_forward_pre_hook(
-        lambda m, a, k: hooked.update(a=a, k=k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            hf(ids[None])
-    finally:
-        handle.remove()
-    x = adapter.attention_input(hooked["a"], hooked["k"])
+    args, kwargs = attention_call_args(hf, adapter, 1, ids[None])
+    x = adapter.attention_input(args, kwargs)
     lor = lorsas[1]
     with torch.no_grad():
-        q, k = lor.qk(x, adapter.attention_positions(hooked["a"], hooked["k"], x))
+        q, k = lor.qk(x, adapter.attention_positions(args, kwargs, x))
     g = 37 // lor.cfg.group_size
     ref = float(q[0, g, 6] @ k[0, g, 2]) / lor.cfg.scale
     # the Lorsa's own QK-norm runs in fp32 (as transformers'), hence 1e-6 against it

@@ -5,7 +5,7 @@ torch from the model's own attention input, or invariants of the exported JSON."
 from __future__ import annotations
 
 import torch
-from helpers import attribution_setup, random_ids, rm
+from helpers import attention_call_args, attribution_setup, random_ids, rm
 
 from nnsight_lorsa import get_adapter
 from nnsight_lorsa.attribution.qk import qk_attribution
@@ -37,16 +37,9 @@ def test_qk_norm_with_biases_the_bias_row_and_the_pairs_are_the_score():
     head, qp, kp = 21, 6, 3
     r = qk_attribution(rm(model, lorsas, tcs), ids, layer=1, head=head, query_pos=qp, key_pos=kp)
     adapter = get_adapter(model)
-    seen = {}
-    handle = adapter.attention_module(hf, 1).register_forward_pre_hook(
-        lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            hf(ids[None])
-    finally:
-        handle.remove()
-    x = adapter.attention_input(seen["a"], seen["k"])[0].double()
-    cos, sin = (t[0].double() for t in seen["k"]["position_embeddings"])
+    args, kwargs = attention_call_args(hf, adapter, 1, ids[None])
+    x = adapter.attention_input(args, kwargs)[0].double()
+    cos, sin = (t[0].double() for t in kwargs["position_embeddings"])
     grp = head // lor.cfg.group_size
     sides = []
     for W, b, norm, pos in ((lor.W_Q, lor.b_Q, lor.ln_q, qp), (lor.W_K, lor.b_K, lor.ln_k, kp)):

@@ -338,10 +338,12 @@ def test_operand_grid_refuses_misfits(monkeypatch):
 
 
 @settings(max_examples=30, deadline=None)
-@given(counts=st.lists(st.integers(0, 12), min_size=0, max_size=40), dtype=st.sampled_from([torch.long, torch.float32]))
+@given(counts=st.lists(st.integers(-1, 12), min_size=0, max_size=40),
+       dtype=st.sampled_from([torch.long, torch.float32]))
 def test_heads_spanned_bars_are_the_fractions_of_active_heads(counts, dtype):
-    """Bar k = the share of active Lorsa heads (n > 0) spanning k MHSA heads; a float 1.7 was truncated into bar 1 and
-    a negative count dropped: now refused (seen failing)."""
+    """Bar k = the share of active Lorsa heads with a defined n (n > 0) spanning k MHSA heads; -1 (undefined) is
+    dropped and counted in the title; a float 1.7 was truncated into bar 1 and a negative count dropped: now refused
+    (seen failing)."""
     with pytest.MonkeyPatch.context() as mp:
         cap = _Capture(mp)
         figures.plot_heads_spanned(torch.tensor(counts, dtype=dtype), "unused.png")
@@ -350,7 +352,9 @@ def test_heads_spanned_bars_are_the_fractions_of_active_heads(counts, dtype):
         assert set(bars) == set(range(1, max(active, default=0) + 1))
         for k, h in bars.items():
             assert math.isclose(h, active.count(k) / len(active), rel_tol=1e-6)
-        for bad in (1.7, -1.0, float("nan")):
+        if -1 in counts:
+            assert f"({counts.count(-1)} undefined, dropped)" in cap.ax.get_title()
+        for bad in (1.7, -2.0, float("nan")):
             with pytest.raises(ArgumentError, match="no count"):
                 figures.plot_heads_spanned(torch.tensor([*counts, bad]), "unused.png")
     plt.close("all")
