@@ -26,6 +26,7 @@ from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
+from ..attribution.export import decode_token
 from ..envoy.nnsight_internals import hf_module, stored_edits
 from ..envoy.read import attention_activations
 from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
@@ -309,7 +310,9 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     returned on the CPU.
 
     Returns:
-        ``(values (n, k), token_ids (n, k), token strings or None)`` for the ``n`` heads (all by default).
+        ``(values (n, k), token_ids (n, k), token strings or None)`` for the ``n`` heads (all by default); a token
+        holding part of a UTF-8 character is written by its bytes, ``<0xNN>`` (``decode_token(...,
+        partial_bytes=True)``; it decoded as ``"\ufffd"``, the same for every such token).
 
     Raises:
         ShapeError: the unembedding does not match ``d_model``.
@@ -341,7 +344,7 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
     logits = w_o @ w_u.float().T
     vals, ids = (t.to(HOST) for t in logits.topk(k, dim=-1))
     tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    strings = [[tok.decode([int(t)]) for t in row] for row in ids] if tok is not None else None
+    strings = [[decode_token(tok, int(t), partial_bytes=True) for t in row] for row in ids] if tok is not None else None
     return vals, ids, strings
 
 

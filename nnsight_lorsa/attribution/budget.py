@@ -875,9 +875,11 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     graph's resident-set peak at 64–256 tokens, batch 64, on the embedded model (2026-11-28, with the C heap's retained
     batch, :data:`HOST_HEAP_RETAINED_BATCHES`; 0.68–0.77× without it:
     ``benchmarks/results/attribution_host_estimate_heap.json``, ``benchmarks/attribution_vs_circuit_tracer.py``),
-    −4 % to +28 % per mode
-    at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, ``results/attribution_memory_terms*_estimate.json``;
-    single frozen passes vary by ~±25 % in the resident set, before this model of the frozen pass); the frozen pass's
+    and, per mode at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, re-measured 2026-11-28 with the heap
+    term: ``results/attribution_memory_terms_estimate_heap.json``, ``..._budget_estimate_heap.json``), the full graph
+    −12 % to −3 % of the call's peak, a feature budget of 64 (batch 16) −9 % to +39 %, ``prune=`` −3 % at 128 tokens
+    and +66 / +95 % at 256 / 512 (its pruning term is a bound, below); single frozen passes vary by ~±25 % in the
+    resident set between processes; the frozen pass's
     allocations 0.79–1.0× its terms (seven shapes, fp32/fp64/bf16, batches 1–8,
     ``results/attribution_memory_terms_frozen_*.json``; the tiny Gemma-2/3 — post-norms, soft-capped patterns,
     sliding-window masks — 0.72–0.96×, 128–512 tokens, ``results/attribution_memory_terms_frozen_gemma*.json``);

@@ -46,9 +46,11 @@ HTML page (the graph viewer lives in :mod:`nnsight_lorsa.viz.graph_viewer`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -85,12 +87,53 @@ def n_layers_of(graph: Graph) -> int:
     return int(graph.nodes.layer[ids[0]])
 
 
-def decode_token(tokenizer: Any, token_id: int) -> str:
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character each byte is written as -> the byte
+    (the ``bytes_to_unicode`` table of openai/gpt-2 ``src/encoder.py``, which Hugging Face's ``ByteLevel`` uses)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(kept)
+    shifted = 0
+    for b in range(256):
+        if b not in kept:  # the other bytes, in order, as the characters from 256 on
+            kept.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(kept, chars, strict=True)}
+
+
+def _bytes_label(raw: bytes) -> str:
+    """``raw`` as text, each byte that starts no complete UTF-8 character written ``<0xNN>``."""
+    out, i = [], 0
+    while i < len(raw):
+        for j in range(min(len(raw), i + 4), i, -1):
+            try:
+                out.append(raw[i:j].decode("utf-8"))
+                i = j
+                break
+            except UnicodeDecodeError:
+                continue
+        else:
+            out.append(f"<0x{raw[i]:02X}>")
+            i += 1
+    return "".join(out)
+
+
+def decode_token(tokenizer: Any, token_id: int, *, partial_bytes: bool = False) -> str:
     """``tokenizer.decode([token_id])``, or ``"tok{token_id}"`` without a tokenizer.
+
+    A token that holds part of a UTF-8 character (byte-level BPE splits one over tokens) decodes alone as
+    ``"\ufffd"``, the same for every such token. With ``partial_bytes`` it is labelled by its bytes instead, each
+    byte of no complete character written ``<0xNN>`` (``" <0xE2><0x80>"``), as SentencePiece's byte-fallback tokens
+    are already named; other tokenizers' tokens keep their decoded text. The graph export leaves it off: its files
+    keep circuit-tracer's per-token ``decode`` strings (the viewer draws whole characters, ``viz.token_pieces``);
+    the OV logit lens turns it on (a single token, no neighbour to complete it).
 
     Raises:
         ArgumentError: ``token_id`` outside the tokenizer's vocabulary ``[0, len(tokenizer))`` (a
             tokenizer decodes it as ``''``, which would label the node with nothing).
+
+    Source: ours (circuit-tracer labels with ``tokenizer.decode`` alone).
     """
     if tokenizer is None:
         return f"tok{token_id}"
@@ -99,7 +142,18 @@ def decode_token(tokenizer: Any, token_id: int) -> str:
         raise ArgumentError(f"token id {int(token_id)} is outside the tokenizer's vocabulary [0, {size}) "
                             "(it would decode as ''); pass the model's own tokenizer, or tokenizer=None for "
                             "tok<id> labels")
-    return str(tokenizer.decode([int(token_id)]))
+    text = str(tokenizer.decode([int(token_id)]))
+    if not partial_bytes or "\ufffd" not in text or not hasattr(tokenizer, "convert_ids_to_tokens"):
+        return text
+    raw = tokenizer.convert_ids_to_tokens(int(token_id))
+    if not isinstance(raw, str) or not raw:
+        return text
+    if re.fullmatch(r"(<0x[0-9A-Fa-f]{2}>)+", raw):  # SentencePiece byte fallback: already its bytes
+        return raw
+    alphabet = _byte_level_chars()
+    if all(ch in alphabet for ch in raw):  # byte-level BPE: the token is its bytes, one character each
+        return _bytes_label(bytes(alphabet[ch] for ch in raw))
+    return text
 
 
 def layer_name(graph: Graph, i: int, n_layers: int) -> str:

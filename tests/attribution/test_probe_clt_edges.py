@@ -288,7 +288,10 @@ def check_edges(hf, clt, g, ids, seq, n_layers, monkeypatch, edit=None, lorsa=No
         emb, errs, aerrs = g.ids_of(EMBEDDING), g.ids_of(MLP_ERROR), g.ids_of(ATTN_ERROR)
         leaves = [m_emb, *m.values(), *m_err.values()] + ([m_lorsa, m_aerr] if lorsa is not None else [])
         for r, value, layer, after_lorsa in targets:
-            assert torch.allclose(value.detach(), g.values[r], rtol=1e-4, atol=1e-5), (r, float(value))
+            # the two passes round differently: a value that cancels its terms (a logit of 0.3 from edges of
+            # |sum| 9206, seed 820) carries fp32 rounding of the terms, not of itself: 1e-6 of their magnitude
+            scale = float(A[r].abs().sum())
+            assert torch.allclose(value.detach(), g.values[r], rtol=1e-4, atol=1e-5 + 1e-6 * scale), (r, float(value))
             grads = [torch.zeros_like(t) if d is None else d
                      for t, d in zip(leaves, torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True),
                                      strict=True)]

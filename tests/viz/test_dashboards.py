@@ -7,7 +7,8 @@ import re
 
 import pytest
 import torch
-from helpers import render_dom, require_chromium, screenshot
+from helpers import generated, render_dom, require_chromium, screenshot
+from hypothesis import strategies as st
 
 from nnsight_lorsa import LorsaSet, ReplacementModel
 from nnsight_lorsa.analysis import qk_feature_impacts
@@ -141,6 +142,68 @@ def test_token_pieces_merge_characters_that_byte_level_bpe_splits(byte_bpe):
     k = next(i for i, a in enumerate(alone) if "\ufffd" in a)
     assert pieces[k] == "" or "\ufffd" not in pieces[k]
     assert token_pieces(byte_bpe, torch.tensor(ids)) == pieces and token_pieces(byte_bpe, []) == []
+
+
+def _label_bytes(label: str) -> bytes:
+    """A ``decode_token`` label back to bytes: ``<0xNN>`` is that byte, the rest its UTF-8."""
+    parts = re.split(r"<0x([0-9A-F]{2})>", label)
+    return b"".join(bytes([int(p, 16)]) if i % 2 else p.encode("utf-8") for i, p in enumerate(parts))
+
+
+@generated(40, 500, text=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="<\ufffd"),
+                                 min_size=1, max_size=24))
+def test_single_token_labels_are_the_tokens_bytes(byte_bpe, text):
+    """``decode_token(..., partial_bytes=True)`` of each token of any text: the labels' bytes (``<0xNN>`` a byte)
+    joined are the text's own bytes as the tokenizer decodes it whole; a token holding part of a character is no
+    longer ``"\ufffd"`` (the logit lens was a row of identical ``\ufffd`` for byte tokens; seen failing)."""
+    from nnsight_lorsa.attribution.export import decode_token
+
+    ids = byte_bpe(text, add_special_tokens=False)["input_ids"]
+    whole = byte_bpe.decode(ids)
+    labels = [decode_token(byte_bpe, i, partial_bytes=True) for i in ids]
+    assert "\ufffd" not in "".join(labels)
+    assert b"".join(_label_bytes(x) for x in labels) == whole.encode("utf-8")
+    for i, x in zip(ids, labels, strict=True):  # whole characters keep tokenizer.decode's text
+        if "\ufffd" not in byte_bpe.decode([i]):
+            assert x == byte_bpe.decode([i])
+
+
+def test_the_ov_logit_lens_names_byte_tokens_by_their_bytes():
+    """The embedded Lorsa's heads promote single-byte tokens (a dashboard's logit lens showed 7 of 10 as ``\ufffd``,
+    found by the demo's slow test): every string is the token's ``decode_token(..., partial_bytes=True)``."""
+    from nnsight_lorsa.analysis.heads import ov_logit_lens
+    from nnsight_lorsa.attribution.export import decode_token
+
+    model = load_model()
+    rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()))
+    _, ids, strings = ov_logit_lens(rm, 2, list(range(64)), 10)
+    assert strings is not None
+    flat = [(int(i), x) for row_i, row_s in zip(ids, strings, strict=True) for i, x in zip(row_i, row_s, strict=True)]
+    assert any("<0x" in x for _, x in flat)  # not vacuous: byte tokens among the promoted ones
+    assert all(x == decode_token(model.tokenizer, i, partial_bytes=True) and "\ufffd" not in x for i, x in flat)
+
+
+def test_byte_fallback_tokens_keep_their_names():
+    """A SentencePiece byte-fallback token (``<0xE2>``) is labelled by its name; a tokenizer of neither kind keeps
+    ``decode``'s text."""
+    from nnsight_lorsa.attribution.export import decode_token
+
+    class Pieces:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def __len__(self):
+            return 10
+
+        def decode(self, ids):
+            return "\ufffd"
+
+        def convert_ids_to_tokens(self, i):
+            return self.raw
+
+    assert decode_token(Pieces("<0xE2>"), 3, partial_bytes=True) == "<0xE2>"
+    assert decode_token(Pieces("<0xE2>"), 3) == "\ufffd"  # the graph export's label: circuit-tracer's
+    assert decode_token(Pieces("\u2581\u65e5"), 3, partial_bytes=True) == "\ufffd"  # neither kind: decode's text
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(2, 3, dtype=torch.long), torch.zeros(3), "abc", [1, 2.5], [True]])
