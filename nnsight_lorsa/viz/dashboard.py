@@ -53,6 +53,10 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         window: tokens of context shown before the query token (each context's ``tokens`` are its text
             pieces, :func:`~.page.token_pieces`).
         extra: free-form entries shown in the header (e.g. path-patching effect).
+        correlation: :func:`~nnsight_lorsa.analysis.heads.mhsa_correlation` of the layer: the MHSA heads listed
+            with their normalised ``fraction`` and mean coefficient ``contribution`` (largest coefficient first),
+            and ``heads_spanned`` (-1 — shown as undefined, fractions "n/a" — for a head whose contributions sum
+            to 0 or less).
         qk_features: a :class:`~nnsight_lorsa.analysis.qk_ablation.QKFeatureImpacts` of this head
             (App. F.1: max KL of its pattern with a feature ablated from Q / from K).
         ov_features: :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines` of this head (App. F.2).
@@ -110,9 +114,12 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         "extra": extra or {},
     }
     if correlation is not None and correlation.count[head] > 0:
-        frac = correlation.fractions()[head]
-        data["mhsa"] = [{"head": f"L{layer}.{m}", "fraction": round(float(frac[m]), 3)}
-                        for m in frac.argsort(descending=True).tolist()]
+        frac, contrib = correlation.fractions()[head], correlation.contrib[head]
+        # by the mean coefficient: the fractions' order where they are defined (a positive sum), and an order
+        # where they are not (NaN, shown "n/a"; heads_spanned -1, shown as undefined)
+        data["mhsa"] = [{"head": f"L{layer}.{m}", "fraction": round(float(frac[m]), 3),
+                         "contribution": round(float(contrib[m]), 4)}
+                        for m in contrib.argsort(descending=True).tolist()]
         data["heads_spanned"] = int(correlation.heads_spanned()[head])
     features: list[dict[str, Any]] = []
     if qk_features is not None:
@@ -156,7 +163,8 @@ meta.appendChild(el('span', {id: 'frequency'},
   'active on ' + fx(d.frequency === null ? null : 100 * d.frequency, 2) + '% of ' + d.n_tokens + ' tokens'));
 meta.appendChild(el('span', {}, 'QK head ' + d.qk_head));
 if (d.heads_spanned !== undefined)
-  meta.appendChild(el('span', {id: 'spanned'}, 'spans ' + d.heads_spanned + ' MHSA head(s)'));
+  meta.appendChild(el('span', {id: 'spanned'}, d.heads_spanned >= 0 ? 'spans ' + d.heads_spanned + ' MHSA head(s)'
+    : 'MHSA heads spanned: undefined (its contributions sum to 0 or less)'));
 for (const [k, v] of Object.entries(d.extra)) meta.appendChild(el('span', {className: 'extra'}, k + ': ' + v));
 root.appendChild(meta);
 root.appendChild(el('h2', {}, 'Top activations (z-pattern: contribution of each key token to z at the query)'));
@@ -196,7 +204,9 @@ if (d.mhsa) {
   root.appendChild(el('h2', {}, 'Correlated MHSA heads (oblique projection, App. E.1)'));
   const t = el('table', {id: 'mhsa'});
   for (const r of d.mhsa) { const tr = el('tr'); tr.appendChild(el('td', {}, r.head));
-    tr.appendChild(el('td', {}, fx(r.fraction, 3))); t.appendChild(tr); }
+    tr.appendChild(el('td', {}, fx(r.fraction, 3)));
+    if (r.contribution !== undefined) tr.appendChild(el('td', {className: 'contribution'}, fx(r.contribution, 4)));
+    t.appendChild(tr); }
   root.appendChild(t);
 }
 if (d.sae_features) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 import re
 
 import pytest
@@ -61,6 +62,33 @@ def test_dashboard_renders_in_chromium(dashboard_data, tmp_path):
     assert f"{100 * d['frequency']:.2f}% of" in dom
     png = screenshot(path, tmp_path / "head.png", size=(1000, 700))
     assert png.stat().st_size > 5000
+
+
+def test_a_head_with_no_normalisation_shows_its_coefficients_and_no_span(tmp_path):
+    """A head whose MHSA contributions sum to 0 or less: its fractions are "n/a", its mean coefficients listed
+    (largest first) and its span shown as undefined (it read "spans -1 MHSA head(s)")."""
+    import dataclasses
+
+    from nnsight_lorsa.analysis.heads import MHSACorrelation
+
+    require_chromium()
+    model = load_model()
+    rm = ReplacementModel(model, lorsas=LorsaSet.from_pretrained(model, default_lorsa_dir()))
+    tokens = TokenDataset.from_text(model.tokenizer, default_corpus_path().read_text(encoding="utf-8")[:4000],
+                                    48).tokens[:4]
+    top = collect_top_activations(rm, 2, tokens, n_top=2)
+    head = top.top_heads(1)[0]
+    corr = mhsa_correlation(rm, 2, tokens)
+    contrib = corr.contrib.clone()
+    contrib[head] = torch.tensor([0.5, -0.9, 0.1, 0.2])[: contrib.shape[1]]
+    corr = dataclasses.replace(corr, contrib=contrib)
+    assert isinstance(corr, MHSACorrelation) and corr.heads_spanned()[head] == -1
+    d = head_dashboard_data(rm, 2, head, top, tokens, n_contexts=1, correlation=corr)
+    assert d["heads_spanned"] == -1 and all(math.isnan(r["fraction"]) for r in d["mhsa"])  # null in the page
+    assert [r["contribution"] for r in d["mhsa"]] == [round(x, 4) for x in sorted(contrib[head].tolist(), reverse=True)]
+    dom = render_dom(write_dashboard(tmp_path / "h.html", d))
+    assert "MHSA heads spanned: undefined" in dom and "spans -1" not in dom
+    assert dom.count('<td class="contribution">') == len(d["mhsa"])
 
 
 def test_dashboard_refuses_another_heads_qk_features(dashboard_data):
