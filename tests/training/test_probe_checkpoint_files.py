@@ -38,7 +38,8 @@ def remanifest(d: Path, manifest: str = "manifest.json") -> None:
 
 
 def edited(base: Path, dst: Path, file: str, edit) -> Path:  # type: ignore[no-untyped-def]
-    """A copy of checkpoint ``base`` with ``file`` edited (tensors: ``edit(dict)``; JSON: ``edit(obj)``), re-manifested."""
+    """A copy of checkpoint ``base`` with ``file`` edited (tensors: ``edit(dict)``; JSON: ``edit(obj)``),
+    re-manifested."""
     shutil.copytree(base, dst)
     if file.endswith(".safetensors"):
         tensors = load_file(dst / file)
@@ -92,12 +93,14 @@ TAMPERED = [
      r"optimizer.safetensors: the Adam entry 'W_dec.exp_avg' is torch.int32"),
     ("Adam step of 3 entries", "optimizer.safetensors", _set("W_dec.step", torch.zeros(3)),
      r"optimizer.safetensors: the Adam entry 'W_dec.step' is torch.float32 \(3,\)"),
-    ("NaN moment", "optimizer.safetensors", _set("W_enc.exp_avg_sq", lambda t: t["W_enc.exp_avg_sq"].fill_(float("nan"))),
+    ("NaN moment", "optimizer.safetensors",
+     _set("W_enc.exp_avg_sq", lambda t: t["W_enc.exp_avg_sq"].fill_(float("nan"))),
      r"optimizer.safetensors: the tensor 'W_enc.exp_avg_sq' holds 1024 non-finite"),
     ("counters renamed", "state.safetensors", lambda t: t.__setitem__("other", t.pop("tokens_since_fired")),
      r"state.safetensors: holds \['other'\], not the one tensor 'tokens_since_fired'"),
     ("counters of another shape", "state.safetensors", _set("tokens_since_fired", torch.zeros(5, dtype=torch.long)),
-     r"state.safetensors: 'tokens_since_fired' is torch.int64 \(5,\); this SparseAutoencoder counts torch.int64 \(64,\)"),
+     r"state.safetensors: 'tokens_since_fired' is torch.int64 \(5,\); this SparseAutoencoder counts "
+     r"torch.int64 \(64,\)"),
     ("float counters", "state.safetensors", _set("tokens_since_fired", lambda t: t["tokens_since_fired"].float()),
      r"state.safetensors: 'tokens_since_fired' is torch.float32"),
     ("extra state tensor", "state.safetensors", _set("x", torch.zeros(2)), r"state.safetensors: holds \["),
@@ -107,7 +110,8 @@ TAMPERED = [
      r"coder.safetensors: the parameters are saved in several dtypes"),
     ("NaN weight", "coder.safetensors", _set("b_enc", lambda t: t["b_enc"].fill_(float("inf"))),
      r"coder.safetensors: the tensor 'b_enc' holds 64 non-finite"),
-    ("step missing", "trainer.json", lambda m: m.pop("step"), r"trainer.json: key 'step' must be an int >= 0, got None"),
+    ("step missing", "trainer.json", lambda m: m.pop("step"),
+     r"trainer.json: key 'step' must be an int >= 0, got None"),
     ("step a string", "trainer.json", _set("step", "3"), r"trainer.json: key 'step' must be an int >= 0, got '3'"),
     ("step negative", "trainer.json", _set("step", -1), r"key 'step' must be an int >= 0, got -1"),
     ("step fractional", "trainer.json", _set("step", 2.5), r"key 'step' must be an int >= 0, got 2.5"),
@@ -235,7 +239,8 @@ SPARSE_TAMPERED = [
     ("NaN parameter", _set("param.lm_head.weight", lambda t: t["param.lm_head.weight"].fill_(float("nan"))),
      r"param.lm_head.weight holds non-finite values"),
     ("parameter of another shape", _set("param.lm_head.weight", torch.zeros(3)), r"param.lm_head.weight is .* \(3,\)"),
-    ("RNG state of 3 bytes", _set("rng.global", torch.zeros(3, dtype=torch.uint8)), r"rng.global is torch.uint8 \(3,\)"),
+    ("RNG state of 3 bytes", _set("rng.global", torch.zeros(3, dtype=torch.uint8)),
+     r"rng.global is torch.uint8 \(3,\)"),
     ("unknown tensor", _set("zzz", torch.zeros(2)), r"unknown tensors \['zzz'\]"),
 ]
 SPARSE_META = [
