@@ -69,6 +69,20 @@ def test_a_gated_model_round_trips_bit_for_bit(tmp_path_factory, family, dtype, 
     assert _gate_settings(fresh) == _gate_settings(hf)
 
 
+def test_settings_and_mode_come_back(tmp_path):
+    """(Mutations 22, 26, 27: ``load_gates`` without ``top_k``, ``load_sparse_model`` / the gate reader without
+    ``eval()`` survived.) A top-3 model at temperature 0.5 loads as one, in eval mode."""
+    hf = _gated(0)
+    for gate in get_gates(hf).values():
+        gate.temperature = 0.5
+    set_gate_mode(hf, "topk", 3)
+    save_sparse_model(hf.train(), tmp_path / "m")
+    loaded = load_sparse_model(tmp_path / "m")
+    assert _gate_settings(loaded) == [(layer, 0.5, "topk", 3) for layer in range(3)]
+    assert not any(m.training for m in loaded.modules())
+    assert not any(g.training for g in load(tmp_path / "m", format="sparse_attention").gates.values())
+
+
 def test_the_gate_files_load_on_the_meta_device(tmp_path):
     """``load(..., format="sparse_attention", device="meta")`` (shapes only, the documented header read) raised
     torch's ``NotImplementedError`` ("Cannot copy out of meta tensor"): the bias was copied into a CPU gate before the

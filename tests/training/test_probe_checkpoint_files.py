@@ -159,6 +159,9 @@ def _assert_same_trainer(a: Trainer, b: Trainer) -> None:
                                                                          b.s_out_layers)
     assert torch.equal(a.tokens_since_fired, b.tokens_since_fired)
     assert [g["lr"] for g in a.optimizer.param_groups] == [g["lr"] for g in b.optimizer.param_groups]
+    assert (a.run_info, a.wandb_run_id) == (b.run_info, b.wandb_run_id)
+    for p in a.optimizer.state:  # each moment in its (master) parameter's dtype
+        assert all(v.dtype == p.dtype for k, v in a.optimizer.state[p].items() if k != "step")
     ma, mb = a.masters.named(a.module), b.masters.named(b.module)
     assert sorted(ma) == sorted(mb) and all(torch.equal(ma[n], mb[n]) for n in ma)
 
@@ -173,6 +176,7 @@ def test_a_resumed_run_is_the_uninterrupted_one(tmp_path_factory, kind, save_at)
     trainer, _ = round2_trainer(kind, batches)
     while trainer.step < save_at:
         trainer.train_step()
+    trainer.run_info, trainer.wandb_run_id = {"seed": save_at, "data": "drawn"}, f"run-{kind}"
     d = tmp_path_factory.mktemp("ckpt") / "c"
     trainer.save_checkpoint(d)
     resumed = Trainer.resume(d, batches.__getitem__)
@@ -198,7 +202,11 @@ def test_a_bf16_run_resumes_in_the_dtype_asked_for(tmp_path, dtype):
     masters = first.masters.named(first.module)
     for n, p in resumed.module.named_parameters():
         assert torch.equal(p, masters[n].to(want)), n
+    for p, slots in resumed.optimizer.state.items():  # moments in the dtype of what Adam steps (mutant 9)
+        assert {v.dtype for k, v in slots.items() if k != "step"} == {p.dtype}
+    resumed.train_step()
     if dtype in (None, torch.bfloat16):
+        resumed = Trainer.resume(tmp_path / "c", _source)
         _assert_same_trainer(first, resumed)
         resumed.train(progress=False)
         _assert_same_trainer(straight, resumed)
@@ -209,6 +217,31 @@ def test_resume_refuses_float16_and_the_meta_device_by_name(base):
         Trainer.resume(base, _source, dtype=torch.float16)
     with pytest.raises(PlacementError, match="meta device"):
         Trainer.resume(base, _source, device="meta")
+
+
+def test_save_refuses_a_non_finite_adam_moment_and_keeps_the_old_checkpoint(base, tmp_path):
+    """(Mutation 6: the Adam-state check of ``save_checkpoint`` dropped survived every test.)"""
+    from nnsight_lorsa.errors import NonFiniteError
+
+    trainer = Trainer.resume(base, _source)
+    trainer.save_checkpoint(tmp_path / "c")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()}
+    p = trainer.masters.held(trainer.module.W_enc)
+    trainer.optimizer.state[p]["exp_avg"][0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="Adam state W_enc.exp_avg hold non-finite"):
+        trainer.save_checkpoint(tmp_path / "c")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()} == before
+
+
+def test_a_file_the_manifest_does_not_list_is_not_read(base, tmp_path):
+    """(Mutation 4: ``verified_checkpoint``'s required names dropped survived.) ``trainer.json`` present but not in
+    the manifest: refused, never read unchecked."""
+    shutil.copytree(base, tmp_path / "c")
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    del m["files"]["trainer.json"]
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=r"trainer.json: missing checkpoint file \(not listed"):
+        Trainer.resume(tmp_path / "c", _source)
 
 
 # ---------------------------------------------------------------- the sparse-attention trainer's checkpoints
