@@ -569,7 +569,7 @@ class SparseAttentionTrainer:
         try:
             step = meta["step"]
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ValueError(f"key 'step' must be an int >= 0, got {step!r}")
+                raise CheckpointError(f"key 'step' must be an int >= 0, got {step!r}")
             optimized = [p for g in self.optimizer.param_groups for p in g["params"]]
             known = {f"param.{n}" for n in self.param_names} | {"rng.global", "rng.data"}
             for n in self.param_names:
@@ -583,11 +583,11 @@ class SparseAttentionTrainer:
                     _check_saved(state[int(i)][k], f"optim.{i}.{k}", () if k == "step" else shape)
             for name, like in (("rng.global", torch.get_rng_state()), ("rng.data", self.gen.get_state())):
                 if tensors[name].dtype != like.dtype or tensors[name].shape != like.shape:
-                    raise ValueError(f"{name} is {tensors[name].dtype} {tuple(tensors[name].shape)}, a generator's "
-                                     f"state is {like.dtype} {tuple(like.shape)}")
+                    raise CheckpointError(f"{name} is {tensors[name].dtype} {tuple(tensors[name].shape)}, a "
+                                          f"generator's state is {like.dtype} {tuple(like.shape)}")
             unknown = sorted(k for k in tensors if k not in known and not k.startswith("rng.cuda."))
             if unknown:
-                raise ValueError(f"unknown tensors {unknown}")
+                raise CheckpointError(f"unknown tensors {unknown}")
             geco = copy.deepcopy(self.geco)  # checked on a copy: GECO.load_state_dict raises before setting anything
             geco.load_state_dict(meta["geco"])
             history = [StepRecord(**r) for r in meta["history"]]
@@ -684,8 +684,8 @@ def _check_saved(value: torch.Tensor, name: str, shape: tuple[int, ...]) -> None
     """A checkpoint tensor of a parameter or its AdamW state: float, ``shape``, finite (the values a save writes).
 
     Raises:
-        ValueError: it is not (:meth:`SparseAttentionTrainer.load_checkpoint` names the file)."""
+        CheckpointError: it is not (:meth:`SparseAttentionTrainer.load_checkpoint` names the file)."""
     if not value.is_floating_point() or tuple(value.shape) != shape:
-        raise ValueError(f"{name} is {value.dtype} {tuple(value.shape)}, expected a float {shape}")
+        raise CheckpointError(f"{name} is {value.dtype} {tuple(value.shape)}, expected a float {shape}")
     if count_non_finite(value):
-        raise ValueError(f"{name} holds non-finite values")
+        raise CheckpointError(f"{name} holds non-finite values")
