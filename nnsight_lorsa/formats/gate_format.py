@@ -157,10 +157,12 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     cfg: GateConfig = parsed.config
     gates = {}
     for layer in range(cfg.n_layers):
-        gate = AttentionGate(cfg.n_heads, 0.0, cfg.temperature, cfg.mode, cfg.top_k)
+        # on the device first: ``device="meta"`` reads headers only (meta tensors), which a CPU bias cannot copy
+        gate = AttentionGate(cfg.n_heads, 0.0, cfg.temperature, cfg.mode, cfg.top_k).to("cpu" if device is None
+                                                                                        else device)
         with torch.no_grad():
             gate.bias.copy_(state[f"layers.{layer}.bias"])
-        gates[layer] = gate.to("cpu" if device is None else device).eval()
+        gates[layer] = gate.eval()
     return GateSet(cfg, gates)
 
 

@@ -31,6 +31,7 @@ from .._atomic import atomic_directory, check, manifest_of, resolve
 from ..adapters.registry import get_adapter
 from ..adapters.transformers_internals import children_removed, saved_attn_implementation
 from ..envoy.nnsight_internals import hf_module
+from ..errors import CheckpointError, GateConfigError
 from ..formats.gate_format import GateConfig, GateSet, write_gate_files
 from ..formats.registry import load, save
 from .attention import GATE_NAME
@@ -44,6 +45,11 @@ def _gate_set(model: Any, training: dict[str, Any] | None) -> GateSet:
     hf = hf_module(model)
     gates = get_gates(model)
     first = gates[0]
+    for layer, gate in gates.items():  # one setting for all (the file holds one): a layer's own was dropped silently
+        if (gate.temperature, gate.mode, gate.top_k) != (first.temperature, first.mode, first.top_k):
+            raise GateConfigError(f"layer {layer}'s gate has temperature={gate.temperature}, mode={gate.mode!r}, "
+                                  f"top_k={gate.top_k}, layer 0's {first.temperature}, {first.mode!r}, {first.top_k}: "
+                                  "the gate files hold one setting for every layer (set_gate_mode sets them all)")
     cfg = GateConfig(model_type=str(hf.config.model_type), n_layers=len(gates), n_heads=first.n_heads,
                      temperature=first.temperature, mode=first.mode, top_k=first.top_k, training=training)
     return GateSet(cfg, gates)
@@ -57,6 +63,7 @@ def save_gates(model: Any, directory: str | Path, training: dict[str, Any] | Non
 
     Raises:
         GateNotInstalledError: the model has no gates.
+        GateConfigError: the gates' temperature, mode or top_k differ between layers (nothing is written).
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
     """
     return save(_gate_set(model, training), directory, format="sparse_attention")
@@ -99,6 +106,7 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
 
     Raises:
         GateNotInstalledError: the model has no gates.
+        GateConfigError: the gates' temperature, mode or top_k differ between layers (nothing is written).
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
 
     Source: ours (a Hugging Face directory plus this package's gate files).
@@ -127,15 +135,18 @@ def load_sparse_model(directory: str | Path, **from_pretrained_kwargs: Any) -> A
     ``from_pretrained_kwargs`` give ``dtype=``.
 
     Raises:
-        CheckpointError: see :func:`load_gates`.
+        CheckpointError: see :func:`load_gates`; also no ``config.json`` in ``directory``, or a file failing
+            ``checksums.json`` (checked before transformers reads any).
     """
     from transformers import AutoModelForCausalLM
 
     directory = resolve(directory)
+    if not (directory / "config.json").is_file():  # transformers took a missing directory for a Hub id
+        raise CheckpointError(f"{directory / 'config.json'}: missing (not a directory written by save_sparse_model)")
     entries = manifest_of(directory)
+    if entries is not None:  # the model's files too, as saved: before transformers reads them (until 2026-11-28
+        check(directory, entries)  # after: a truncated model.safetensors raised safetensors' own error)
     kwargs = {"dtype": "auto", **from_pretrained_kwargs}  # the saved dtype (transformers 4's default was fp32)
     model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs).eval()
     load_gates(model, directory)
-    if entries is not None:
-        check(directory, entries)  # the model's files too, as saved
     return model

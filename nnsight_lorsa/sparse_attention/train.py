@@ -29,6 +29,7 @@ the BOS rule :func:`~..training.dataset.special_token_id`, the windows :class:`~
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -52,6 +53,7 @@ from ..errors import (
     NonFiniteError,
     VacuousConstraintError,
 )
+from ..formats.validate import count_non_finite
 from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.master_weights import MasterWeights
@@ -561,23 +563,50 @@ class SparseAttentionTrainer:
             raise CheckpointError(f"{jpath}: checkpoint parameters do not match the trainer's (LoRA vs full?)")
         tensors = load_file(str(tpath))
         params = dict(self.hf.named_parameters())
+        # everything checked before anything is set: until 2026-11-28 a bad entry left the trainer partly restored
+        # (parameters, RNG states), a wrong-shape moment loaded and failed at the next step, an int parameter or
+        # moment, an unknown tensor and a negative or fractional step were taken silently
         try:
-            with torch.no_grad():
-                for n in self.param_names:  # a master as saved, its low-precision parameter the rounding
-                    self.masters.set_(params[n], tensors[f"param.{n}"])
-            state = {int(i): {k: tensors[f"optim.{i}.{k}"] for k in keys} for i, keys in meta["optim_keys"].items()}
+            step = meta["step"]
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise CheckpointError(f"key 'step' must be an int >= 0, got {step!r}")
+            optimized = [p for g in self.optimizer.param_groups for p in g["params"]]
+            known = {f"param.{n}" for n in self.param_names} | {"rng.global", "rng.data"}
+            for n in self.param_names:
+                _check_saved(tensors[f"param.{n}"], f"param.{n}", tuple(params[n].shape))
+            state = {}
+            for i, keys in meta["optim_keys"].items():
+                state[int(i)] = {k: tensors[f"optim.{i}.{k}"] for k in keys}
+                shape = tuple(optimized[int(i)].shape)
+                for k in keys:
+                    known.add(f"optim.{i}.{k}")
+                    _check_saved(state[int(i)][k], f"optim.{i}.{k}", () if k == "step" else shape)
+            for name, like in (("rng.global", torch.get_rng_state()), ("rng.data", self.gen.get_state())):
+                if tensors[name].dtype != like.dtype or tensors[name].shape != like.shape:
+                    raise CheckpointError(f"{name} is {tensors[name].dtype} {tuple(tensors[name].shape)}, a "
+                                          f"generator's state is {like.dtype} {tuple(like.shape)}")
+            unknown = sorted(k for k in tensors if k not in known and not k.startswith("rng.cuda."))
+            if unknown:
+                raise CheckpointError(f"unknown tensors {unknown}")
+            geco = copy.deepcopy(self.geco)  # checked on a copy: GECO.load_state_dict raises before setting anything
+            geco.load_state_dict(meta["geco"])
+            history = [StepRecord(**r) for r in meta["history"]]
             groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+            # the optimizer checks its groups before it sets anything: first, so that its refusal leaves all as it was
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-            torch.set_rng_state(tensors["rng.global"])
-            self.gen.set_state(tensors["rng.data"])
-            for index in self._cuda_devices():
-                if f"rng.cuda.{index}" in tensors:
-                    torch.cuda.set_rng_state(tensors[f"rng.cuda.{index}"], index)
-            self.geco.load_state_dict(meta["geco"])
-            self.step = int(meta["step"])
-            self.history = [StepRecord(**r) for r in meta["history"]]
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, GateConfigError) as e:
             raise CheckpointError(f"{d}: checkpoint does not fit this trainer ({e!r})") from e
+        with torch.no_grad():
+            for n in self.param_names:  # a master as saved, its low-precision parameter the rounding
+                self.masters.set_(params[n], tensors[f"param.{n}"])
+        torch.set_rng_state(tensors["rng.global"])
+        self.gen.set_state(tensors["rng.data"])
+        for index in self._cuda_devices():
+            if f"rng.cuda.{index}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"rng.cuda.{index}"], index)
+        self.geco = geco
+        self.step = step
+        self.history = history
 
     def finished_model(self) -> Any:
         """The trained transformers model with gates, in eval mode (LoRA merged into the weights)."""
@@ -649,3 +678,14 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
                 "the held-out ones (TokenDataset.from_documents for documents), or tighten target_margin"),
                 stacklevel=2)
     return finished, summary
+
+
+def _check_saved(value: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
+    """A checkpoint tensor of a parameter or its AdamW state: float, ``shape``, finite (the values a save writes).
+
+    Raises:
+        CheckpointError: it is not (:meth:`SparseAttentionTrainer.load_checkpoint` names the file)."""
+    if not value.is_floating_point() or tuple(value.shape) != shape:
+        raise CheckpointError(f"{name} is {value.dtype} {tuple(value.shape)}, expected a float {shape}")
+    if count_non_finite(value):
+        raise CheckpointError(f"{name} holds non-finite values")

@@ -633,15 +633,25 @@ class Trainer:
             module = objective.build_module(meta)
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
+        _check_progress(meta, d / "trainer.json")
+        wpath = d / objective.weights_file
         try:
-            weights = load_file(str(d / objective.weights_file))
+            weights = load_file(str(wpath))
             params = {name for name, _ in module.named_parameters()}
-            saved = {t.dtype for name, t in weights.items() if name in params and t.is_floating_point()}
+            # one float dtype for every parameter (a save writes them so): an int or a second dtype was cast silently
+            for name, t in weights.items():
+                if name in params and not t.is_floating_point():
+                    raise CheckpointError(f"{wpath}: the parameter {name!r} is saved as {t.dtype}, not a float dtype")
+            _check_finite(wpath, weights)
+            saved = {t.dtype for name, t in weights.items() if name in params}
+            if len(saved) > 1:
+                raise CheckpointError(f"{wpath}: the parameters are saved in several dtypes {sorted(map(str, saved))}; "
+                                      "a checkpoint holds them in one")
             if len(saved) == 1:  # the parameters' dtype: the run's (a bf16 / fp64 run goes on as one, not in fp32)
                 module = module.to(dtype=saved.pop())
             module.load_state_dict(weights)
         except RuntimeError as e:
-            raise CheckpointError(f"{d / objective.weights_file}: does not match the config ({e})") from e
+            raise CheckpointError(f"{wpath}: does not match the config ({e})") from e
         return d, listed, meta, config, module
 
     @classmethod
@@ -687,26 +697,27 @@ class Trainer:
         self._restore_state(d, meta, listed)
 
     def _restore_state(self, d: Path, meta: dict[str, Any], listed: set[str]) -> None:
-        self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
+        # every file checked before anything is set (until 2026-11-28 a bad entry raised a KeyError / TypeError, or
+        # loaded and failed at the next step, or was taken silently — with the trainer then partly restored)
+        _check_progress(meta, d / "trainer.json")
         run_id = meta.get("wandb_run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise CheckpointError(f"{d / 'trainer.json'}: key 'wandb_run_id' must be a string, got {run_id!r}")
-        self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         run_info = meta.get("run_info", {})
         if not isinstance(run_info, dict):
             raise CheckpointError(f"{d / 'trainer.json'}: key 'run_info' must be an object, got {run_info!r}")
+        masters = self._saved_masters(d, listed)
+        adam = self._saved_adam_state(d / "optimizer.safetensors")
+        counters = self._saved_counters(d / "state.safetensors")
+        self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
+        self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         self.run_info = dict(run_info)
-        self._restore_masters(d, listed)
-        params = {n: self.masters.held(p) for n, p in self.module.named_parameters()}
-        for key, value in load_file(str(d / "optimizer.safetensors")).items():
-            name, _, slot = key.rpartition(".")
-            if name not in params:
-                raise CheckpointError(f"{d / 'optimizer.safetensors'}: unknown parameter {name!r}")
-            p = params[name]
-            if slot != "step":  # as Optimizer.load_state_dict: moments on the (master) parameter's device and dtype
-                value = value.to(device=p.device, dtype=p.dtype if value.is_floating_point() else value.dtype)
-            self.optimizer.state[p][slot] = value
-        counters = load_file(str(d / "state.safetensors"))["tokens_since_fired"]
+        self._restore_masters(masters)
+        for p, slots in adam:
+            for slot, value in slots.items():
+                if slot != "step":  # as Optimizer.load_state_dict: moments on the (master) parameter's device and dtype
+                    value = value.to(device=p.device, dtype=p.dtype)
+                self.optimizer.state[p][slot] = value
         self.tokens_since_fired = counters.to(self.tokens_since_fired.device)
         # LambdaLR has no state beyond its step count: set it and the LR it implies
         self.scheduler.last_epoch = self.step
@@ -715,12 +726,56 @@ class Trainer:
             group["lr"] = base * fn(self.step)
         self.objective.restore_meta(self.state, meta, d / "trainer.json")
 
-    def _restore_masters(self, d: Path, listed: set[str]) -> None:
-        """The training values of the parameters from the most precise copy the checkpoint holds: its fp32
-        masters (a bf16 run's ``masters.safetensors``) — into this trainer's masters, the module getting their
-        rounding, or into the module itself when it has none (a bf16 run resumed with ``dtype=torch.float32``
-        goes on from the masters, not from their bf16 rounding); without that file (an fp32 run, or a bf16
-        checkpoint written before masters existed), this trainer's masters come from the saved weights."""
+    def _saved_adam_state(self, path: Path) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """``[(parameter the optimizer steps, {slot: tensor})]`` of ``optimizer.safetensors``: each parameter's Adam
+        slots complete (``step``, ``exp_avg``, ``exp_avg_sq``), float, finite, of the parameter's shape (``step``
+        0-dim); a parameter without any entry has no state (it had no gradient).
+
+        Raises:
+            CheckpointError: an unknown parameter or slot, an incomplete state, a wrong shape or dtype (named)."""
+        params = {n: self.masters.held(p) for n, p in self.module.named_parameters()}
+        slots = {"step", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if self.optimizer.defaults["amsgrad"] else ())}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in load_file(str(path)).items():
+            name, _, slot = key.rpartition(".")
+            if name not in params:
+                raise CheckpointError(f"{path}: unknown parameter {name!r}")
+            if slot not in slots:
+                raise CheckpointError(f"{path}: unknown Adam entry {key!r} (a parameter's are {sorted(slots)})")
+            shape = () if slot == "step" else tuple(params[name].shape)
+            if tuple(value.shape) != shape or not value.is_floating_point():
+                raise CheckpointError(f"{path}: the Adam entry {key!r} is {value.dtype} {tuple(value.shape)}; the "
+                                      f"parameter {name!r} needs a float {shape}")
+            state.setdefault(name, {})[slot] = value
+        for name, entries in state.items():
+            if set(entries) != slots:
+                raise CheckpointError(f"{path}: the Adam state of {name!r} lacks {sorted(slots - set(entries))}")
+        _check_finite(path, {f"{n}.{k}": v for n, e in state.items() for k, v in e.items()})
+        return [(params[n], e) for n, e in state.items()]
+
+    def _saved_counters(self, path: Path) -> torch.Tensor:
+        """``state.safetensors``'s dead counters: its one tensor ``tokens_since_fired``, int64 ``(n_latents,)``.
+
+        Raises:
+            CheckpointError: other tensors, a wrong shape or dtype."""
+        tensors = load_file(str(path))
+        if set(tensors) != {"tokens_since_fired"}:
+            raise CheckpointError(f"{path}: holds {sorted(tensors)}, not the one tensor 'tokens_since_fired'")
+        counters, want = tensors["tokens_since_fired"], self.tokens_since_fired
+        if counters.shape != want.shape or counters.dtype != want.dtype:
+            raise CheckpointError(f"{path}: 'tokens_since_fired' is {counters.dtype} {tuple(counters.shape)}; this "
+                                  f"{type(self.module).__name__} counts {want.dtype} {tuple(want.shape)}")
+        return counters
+
+    def _saved_masters(self, d: Path, listed: set[str]) -> tuple[Path, dict[str, torch.Tensor]]:
+        """``(file, {name: value})``: the training values of the parameters from the most precise copy the checkpoint
+        holds: its fp32 masters (a bf16 run's ``masters.safetensors``) — into this trainer's masters, the module
+        getting their rounding, or into the module itself when it has none (a bf16 run resumed with
+        ``dtype=torch.float32`` goes on from the masters, not from their bf16 rounding); without that file (an fp32
+        run, or a bf16 checkpoint written before masters existed), this trainer's masters come from the saved weights.
+
+        Raises:
+            CheckpointError: a master of no parameter or buffer, of another shape, not float or not finite."""
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
         if MASTERS_FILE in listed:
@@ -732,11 +787,51 @@ class Trainer:
             saved.update({n: weights[n] for n, b in buffers.items() if self.masters.has_buffer(b) and n in weights})
         for name, value in saved.items():
             if name in buffers and name not in params and tuple(value.shape) == tuple(buffers[name].shape):
-                self.masters.set_buffer(buffers[name], value)  # an estimate's master (BatchTopK's threshold)
-                continue
-            if name not in params or tuple(value.shape) != tuple(params[name].shape):
+                pass  # an estimate's master (BatchTopK's threshold)
+            elif name not in params or tuple(value.shape) != tuple(params[name].shape):
                 has = "has no such parameter" if name not in params else \
                     f"has it as {tuple(params[name].shape)}"
                 raise CheckpointError(f"{path}: the master weight {name!r} {tuple(value.shape)} does not fit the "
                                       f"module ({type(self.module).__name__} {has})")
-            self.masters.set_(params[name], value)
+            if not value.is_floating_point():
+                raise CheckpointError(f"{path}: the master weight {name!r} is saved as {value.dtype}, not a float "
+                                      "dtype")
+        _check_finite(path, saved)
+        return path, saved
+
+    def _restore_masters(self, masters: tuple[Path, dict[str, torch.Tensor]]) -> None:
+        """Set the values :meth:`_saved_masters` checked."""
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        for name, value in masters[1].items():
+            if name in buffers and name not in params:
+                self.masters.set_buffer(buffers[name], value)
+            else:
+                self.masters.set_(params[name], value)
+
+
+def _check_progress(meta: dict[str, Any], path: Path) -> None:
+    """``trainer.json``'s ``step`` (an int >= 0) and scale factors ``s_in`` / ``s_out`` (positive finite numbers,
+    or both null before the first step).
+
+    Raises:
+        CheckpointError: a missing or malformed entry (named)."""
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: key 'step' must be an int >= 0, got {step!r}")
+    scales = [meta.get("s_in"), meta.get("s_out")]
+    if scales == [None, None] and step == 0:
+        return
+    for key, v in zip(("s_in", "s_out"), scales, strict=True):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise CheckpointError(f"{path}: key {key!r} must be a positive finite number at step {step} (both null "
+                                  f"before the first step), got {v!r}")
+
+
+def _check_finite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`CheckpointError` naming the first float tensor of ``tensors`` with a NaN / inf (a save refuses
+    them: such a file was not written by it)."""
+    for name, value in tensors.items():
+        if value.is_floating_point() and count_non_finite(value):
+            raise CheckpointError(f"{path}: the tensor {name!r} holds {count_non_finite(value)} non-finite values "
+                                  "(a checkpoint is saved finite)")
