@@ -8,7 +8,9 @@ logits on top), links as lines whose width is proportional to ``|weight|`` (gree
 negative), nodes coloured by kind with a colour legend above the graph. A token that decodes on its own
 to ``\ufffd`` (part of a character byte-level BPE split over tokens) is labelled with its piece of the
 decoded prompt (:func:`~.page.token_pieces`): the character on the token that completes it, nothing on the
-others; the JSON keeps circuit-tracer's per-token ``prompt_tokens``.
+others (a ``\ufffd`` that no token completes — one in the prompt, or a byte of ids cut mid-character — on the
+token after it), so the labels join to the decoded prompt; the JSON keeps circuit-tracer's per-token
+``prompt_tokens``.
 
 Zoom: the toolbar's buttons (fit to width, ``−``, ``+``, ``1:1``) and Ctrl + mouse wheel (or a
 trackpad pinch) zoom around the pointer. First paint: the whole graph fitted to the window's width
@@ -246,8 +248,8 @@ def render_html(
     blocks = {k: v for k, v in given.items() if k in known}  # nodes pruned from the drawing: nothing to show
     labels = list(data["metadata"]["prompt_tokens"])  # circuit-tracer's: each token decoded on its own
     if tokenizer is not None:  # a character split over tokens (byte-level BPE) shown whole, on its last token
-        pieces = token_pieces(tokenizer, graph.tokens.tolist())
-        labels = [p if "\ufffd" in t else t for t, p in zip(labels, pieces, strict=True)]
+        pieces = token_pieces(tokenizer, graph.tokens.tolist())  # a U+FFFD no token completes: on the next one
+        labels = [p if "\ufffd" in t or "\ufffd" in p else t for t, p in zip(labels, pieces, strict=True)]
     payload = embed_json({"graph": data, "details": blocks, "minFirstScale": MIN_FIRST_SCALE, "labels": labels})
     page_title = html.escape(title if title is not None else (graph.prompt or "attribution graph"))
     n_nodes, n_links = len(data["nodes"]), len(data["links"])
