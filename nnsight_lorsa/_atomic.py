@@ -400,8 +400,11 @@ def _manifest_entries(mpath: Path) -> list[tuple[str, int, str]]:
     return entries
 
 
-def verify_file(directory: Path, name: str, size: int, sha256: str | None, manifest: str = MANIFEST) -> None:
-    """Check ``directory / name`` against its manifest entry (``sha256`` None: the size only).
+def verify_file(directory: Path, name: str, size: int, sha256: str | None, manifest: str = MANIFEST,
+                optional: bool = True) -> None:
+    """Check ``directory / name`` against its manifest entry (``sha256`` None: the size only). ``optional``: the
+    directory loads without its manifest (then the message on an altered file says to delete it; a training
+    checkpoint's is required, and deleting it would leave the checkpoint unloadable).
 
     Raises:
         CheckpointError: the file is missing, truncated or altered (naming it).
@@ -414,8 +417,9 @@ def verify_file(directory: Path, name: str, size: int, sha256: str | None, manif
         raise CheckpointError(f"{path}: truncated or altered checkpoint file ({actual} bytes, "
                               f"{manifest} records {size})")
     if sha256 is not None and _sha256_file(path) != sha256:
-        raise CheckpointError(f"{path}: altered checkpoint file (sha256 differs from {manifest}; "
-                              f"if you edited it on purpose, delete {manifest})")
+        fix = (f"if you edited it on purpose, delete {manifest}" if optional else
+               f"a checkpoint of this kind needs its {manifest}: restore the file, or save the checkpoint again")
+        raise CheckpointError(f"{path}: altered checkpoint file (sha256 differs from {manifest}; {fix})")
 
 
 def manifest_of(directory: str | os.PathLike[str], *, manifest: str = MANIFEST) -> dict[str, tuple[int, str]] | None:
@@ -431,14 +435,15 @@ def manifest_of(directory: str | os.PathLike[str], *, manifest: str = MANIFEST) 
 
 
 def check(directory: str | os.PathLike[str], entries: dict[str, tuple[int, str]], *, manifest: str = MANIFEST,
-          hashes: bool = True) -> None:
-    """Check the files of ``directory`` against ``entries`` (:func:`manifest_of`).
+          hashes: bool = True, optional: bool = True) -> None:
+    """Check the files of ``directory`` against ``entries`` (:func:`manifest_of`; ``optional``: as
+    :func:`verify_file`'s).
 
     Raises:
         CheckpointError: a file is missing, truncated or altered (naming it).
     """
     for name, (size, sha) in entries.items():
-        verify_file(Path(directory), name, size, sha if hashes else None, manifest)
+        verify_file(Path(directory), name, size, sha if hashes else None, manifest, optional)
 
 
 def verify(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, required: tuple[str, ...] = (),
@@ -460,5 +465,5 @@ def verify(directory: str | os.PathLike[str], *, manifest: str = MANIFEST, requi
     for name in required:
         if name not in entries:
             raise CheckpointError(f"{d / name}: missing checkpoint file (not listed in {manifest})")
-    check(d, entries, manifest=manifest, hashes=hashes)
+    check(d, entries, manifest=manifest, hashes=hashes, optional=optional)
     return entries

@@ -400,7 +400,8 @@ class ActivationCache:
         want = shard.get("sha256")
         if want is not None:
             try:
-                verify_file(self.directory, file, (self.directory / file).stat().st_size, want, MANIFEST)
+                verify_file(self.directory, file, (self.directory / file).stat().st_size, want, MANIFEST,
+                            optional=False)
             except CheckpointError as e:
                 raise ActivationCacheError(f"{e} (the shard's sha256 in {MANIFEST}: a shard edited, swapped or "
                                            "copied from another cache)") from e

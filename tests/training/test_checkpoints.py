@@ -67,8 +67,10 @@ def test_damaged_file_raises_naming_it(saved, tmp_path, name, damage):
         (c / name).write_bytes(data[: len(data) // 2])
     else:  # same size, one byte flipped
         (c / name).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(CheckpointError, match=f"{name}: {damage}"):
+    with pytest.raises(CheckpointError, match=f"{name}: {damage}") as e:
         Trainer.resume(c, source)
+    # a training checkpoint's manifest is required: the advice is not to delete it (that left it unloadable)
+    assert "delete" not in str(e.value) and (damage != "altered" or "save the checkpoint again" in str(e.value))
     with pytest.raises(CheckpointError, match=name):
         Trainer.load_checkpoint(c)
 
