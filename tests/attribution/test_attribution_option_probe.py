@@ -59,7 +59,9 @@ MASS_BOUND = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3, to
 #: (check_sums; docs/reliability.md, "Attribution option probe (2026-11-27)")
 MASS_BOUND_MANY = {torch.float32: 5e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float64: 1e-10}
 # the tolerance for "same graph up to rounding" (relative to the row mass)
-SAME = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float64: 1e-10}
+#: fp16 2e-2: lean against fast memory differ by 1.03e-2 of the mass on case 1198 (Qwen3, fp16 transcoders, 18 tokens)
+#: at every batch 1–8, and by 1.1e-5 with the same model under dtype=torch.float32: fp16 rounding (~10 eps), not a bug
+SAME = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 2e-2, torch.float64: 1e-10}
 #: the same for the setups of MASS_BOUND_MANY (their small rows round at the scale of the dot products inside them:
 #: measured up to 6.4e-2 of the mass in bf16 between memory modes, 1.2e-2 in fp16, 2.2e-5 in fp32)
 SAME_MANY = {**SAME, torch.float32: 5e-5, torch.bfloat16: 0.15, torch.float16: 0.05}
@@ -482,14 +484,11 @@ NEW_FAMILIES = ("olmo2", "phi3", "gemma")
 FAST_NEW = [("olmo2", 1011), ("phi3", 1013), ("phi3", 1022), ("gemma", 1006), ("gemma", 1025)]
 #: failures of the sweep below that are rounding of the tiny random models, not wrong results (each case's other
 #: checks pass; docs/reliability.md): ``(family, case)`` -> the prefix of the one failure it gives
-#: - Phi-3, 1017 (fp16 model, mixed activations, 4 tokens): a pruned graph's row is measured against its own mass
-#:   ``Σ|kept| + |residual|``, far below the full row's where the dropped edges cancel: 3 kept (logit) rows, one's
-#:   |Σ edges + residual − value| 0.0761 in the full graph and the pruned one alike — 5.7e-5 of the full row's mass
-#:   1335, 3.5e-3 of the pruned row's 22.0 (residual 10.9 of 1313 dropped); computed in fp64 both 2e-15.
+#: - (Phi-3, 1017, fp16: a pruned row's 3.5e-3 sum error past fp16's 3e-3 — gone since 79b08c9, which gives the
+#:   Lorsa the fp16 model's own rounded RoPE frequencies: the case now passes, so it is no longer listed.)
 #: - Gemma-1, 1022 (fp64 model traced in bf16, 3 tokens): one QK probe (score 0.015) has a pair sum error of 0.060
 #:   of its pairs' mass in bf16, 0.031 in fp16, 1.6e-5 in fp32, 1.5e-14 in fp64 (the model's dtype): rounding.
-KNOWN_NEW = {("phi3", 1017): "prune(0.3,0.5,1.0): edge sum error over 0.003",
-             ("gemma", 1022): "qk4-lean: pair sum error"}
+KNOWN_NEW = {("gemma", 1022): "qk4-lean: pair sum error"}
 
 
 @pytest.mark.parametrize(("family", "case"), FAST_NEW)
