@@ -765,8 +765,11 @@ def patching_probes() -> list[Probe]:
         bad = [n for n in ("baseline", "intervened") if not (is_real(a[n]) and math.isfinite(a[n]))]
         if bad:
             return Err(tuple(bad))
-        if a["baseline"] == 0:  # documented: the relative effect is undefined there (inf / NaN)
-            return Ok(lambda out: isinstance(out, torch.Tensor) and out.dim() == 0)
+        # documented: computed in fp32, refused where the baseline is 0 or rounding-sized there
+        # (|b| <= 4 · eps32 · max(|b|, |i|)): a baseline that fp32 cannot hold (1e-177) is 0 to it
+        b32, i32 = (abs(float(torch.tensor(float(a[n]), dtype=torch.float32))) for n in ("baseline", "intervened"))
+        if b32 <= 4 * torch.finfo(torch.float32).eps * max(b32, i32):
+            return Err(("the baseline and 0 are equal",))
         return Ok(lambda out: finite(out))
 
     rand_args = mutated({"k": hostile(st.integers(1, 3)), "n_samples": hostile(st.integers(1, 2)),

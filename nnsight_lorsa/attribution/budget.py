@@ -876,7 +876,8 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
     batch, :data:`HOST_HEAP_RETAINED_BATCHES`; 0.68–0.77× without it:
     ``benchmarks/results/attribution_host_estimate_heap.json``, ``benchmarks/attribution_vs_circuit_tracer.py``),
     and, per mode at 128–512 tokens (``benchmarks/attribution_memory_terms.py``, re-measured 2026-11-28 with the heap
-    term: ``results/attribution_memory_terms_estimate_heap.json``, ``..._budget_estimate_heap.json``), the full graph
+    term: ``results/attribution_memory_terms_estimate_heap.json``,
+    ``attribution_memory_terms_budget_estimate_heap.json``), the full graph
     −12 % to −3 % of the call's peak, a feature budget of 64 (batch 16) −9 % to +39 %, ``prune=`` −3 % at 128 tokens
     and +66 / +95 % at 256 / 512 (its pruning term is a bound, below); single frozen passes vary by ~±25 % in the
     resident set between processes; the frozen pass's
