@@ -767,8 +767,8 @@ class Trainer:
                                   f"{type(self.module).__name__} counts {want.dtype} {tuple(want.shape)}")
         return counters
 
-    def _saved_masters(self, d: Path, listed: set[str]) -> tuple[Path, dict[str, torch.Tensor]]:
-        """``(file, {name: value})``: the training values of the parameters from the most precise copy the checkpoint
+    def _saved_masters(self, d: Path, listed: set[str]) -> dict[str, torch.Tensor]:
+        """``{name: value}``: the training values of the parameters from the most precise copy the checkpoint
         holds: its fp32 masters (a bf16 run's ``masters.safetensors``) — into this trainer's masters, the module
         getting their rounding, or into the module itself when it has none (a bf16 run resumed with
         ``dtype=torch.float32`` goes on from the masters, not from their bf16 rounding); without that file (an fp32
@@ -797,13 +797,13 @@ class Trainer:
                 raise CheckpointError(f"{path}: the master weight {name!r} is saved as {value.dtype}, not a float "
                                       "dtype")
         _check_finite(path, saved)
-        return path, saved
+        return saved
 
-    def _restore_masters(self, masters: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    def _restore_masters(self, masters: dict[str, torch.Tensor]) -> None:
         """Set the values :meth:`_saved_masters` checked."""
         params = dict(self.module.named_parameters())
         buffers = dict(self.module.named_buffers())
-        for name, value in masters[1].items():
+        for name, value in masters.items():
             if name in buffers and name not in params:
                 self.masters.set_buffer(buffers[name], value)
             else:
