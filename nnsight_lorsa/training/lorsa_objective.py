@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .._placement import f32
-from ..errors import ConfigMismatchError, TooFewTokensError
+from ..errors import CheckpointError, ConfigMismatchError, TooFewTokensError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from .activations import Batch
@@ -175,11 +175,16 @@ class LorsaObjective(_Objective):
         return meta
 
     def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
+        recipe, balance = self.recipe, self.balance
         if "lorsa_recipe" in meta:
-            self.recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+            try:  # until 2026-11-28 a malformed recipe raised ConfigMismatchError / AttributeError with nothing of path
+                recipe = LorsaRecipe.from_dict(meta["lorsa_recipe"])
+            except (ConfigMismatchError, AttributeError, TypeError) as e:
+                raise CheckpointError(f"{path}: key 'lorsa_recipe' is malformed ({e})") from e
         if "head_balance" in meta:
             cfg = self.module.cfg
-            self.balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
+            balance = HeadBalance.from_dict(meta["head_balance"], cfg.n_ov_heads, cfg.top_k, str(path))
+        self.recipe, self.balance = recipe, balance
 
     def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         lorsa, recipe = self.module, self.recipe

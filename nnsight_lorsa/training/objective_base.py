@@ -177,7 +177,13 @@ class _Objective:
         return {}
 
     def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
-        """Load what :meth:`save_meta` wrote.
+        """Load what :meth:`save_meta` wrote. Called after the checkpoint's files are checked and before any of the
+        trainer's state is set (``t`` still holds the state before the restore; ``meta["step"]`` is the saved step,
+        checked): every entry is checked before the objective's own fields are set.
+
+        Raises:
+            CheckpointError: a malformed entry, naming ``path`` and the key; the objective and the trainer are left
+                as they were.
 
         Source: ours (the objective contract of this package's trainer).
         """

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_real
 from .._placement import f32
 from ..errors import (
     ArgumentError,
@@ -329,9 +330,8 @@ class _CLTObjective(_DictionaryObjective):
         if self.s_in_layers is None or self.s_out_layers is None:
             raise NotReadyError(f"{type(self).__name__}: the scale factors are not estimated yet: run "
                                 "Trainer.estimate_norms() or a train_step first")
-        kw: dict[str, Any] = {"dtype": like.dtype, "device": like.device}
-        return (torch.tensor(self.s_in_layers, **kw)[:, None, None],
-                torch.tensor(self.s_out_layers, **kw)[:, None, None])
+        return (torch.tensor(self.s_in_layers, dtype=like.dtype, device=like.device)[:, None, None],
+                torch.tensor(self.s_out_layers, dtype=like.dtype, device=like.device)[:, None, None])
 
     def loss(self, t: TrainingState, batch: Batch) -> tuple[torch.Tensor, Metrics]:
         """``mse`` / ``aux`` / ``sparsity`` summed over layers, ``fvu`` / ``l0`` their means (per layer as
@@ -386,11 +386,20 @@ class _CLTObjective(_DictionaryObjective):
 
     def restore_meta(self, t: TrainingState, meta: dict[str, Any], path: Any) -> None:
         s_in, s_out = meta.get("s_in_layers"), meta.get("s_out_layers")
+        if s_in is None and s_out is None and meta["step"] == 0:  # saved before the scale factors were estimated
+            self.s_in_layers = self.s_out_layers = None
+            return
         n = self.module.n_layers
-        complete = isinstance(s_in, list) and isinstance(s_out, list) and len(s_in) == len(s_out) == n
-        if (s_in is not None or s_out is not None or t.step > 0) and not complete:
-            raise CheckpointError(f"{path}: needs s_in_layers and s_out_layers with {n} entries each")
-        self.s_in_layers, self.s_out_layers = s_in, s_out
+        checked = []
+        for key, values in (("s_in_layers", s_in), ("s_out_layers", s_out)):
+            # until 2026-11-28 only the lengths were checked: a string, zero or NaN entry was taken and every fold
+            # and loss went wrong silently from it
+            if not isinstance(values, list) or len(values) != n or not all(
+                    is_real(v) and math.isfinite(v) and v > 0 for v in values):
+                raise CheckpointError(f"{path}: key {key!r} must be a list of {n} positive finite numbers (one per "
+                                      f"layer; both null before the first step), got {values!r}")
+            checked.append([float(v) for v in values])
+        self.s_in_layers, self.s_out_layers = checked
 
     @torch.no_grad()
     def fold(self, t: TrainingState) -> CrossLayerTranscoder:

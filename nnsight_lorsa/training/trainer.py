@@ -709,6 +709,9 @@ class Trainer:
         masters = self._saved_masters(d, listed)
         adam = self._saved_adam_state(d / "optimizer.safetensors")
         counters = self._saved_counters(d / "state.safetensors")
+        # the objective's entries (a CLT's per-layer scales, a Lorsa's recipe): checked and set before the trainer's
+        # own state, so that their refusal leaves the trainer as it was (until 2026-11-28 it ran last)
+        self.objective.restore_meta(self.state, meta, d / "trainer.json")
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
         self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         self.run_info = dict(run_info)
@@ -724,7 +727,6 @@ class Trainer:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
-        self.objective.restore_meta(self.state, meta, d / "trainer.json")
 
     def _saved_adam_state(self, path: Path) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """``[(parameter the optimizer steps, {slot: tensor})]`` of ``optimizer.safetensors``: each parameter's Adam

@@ -8,6 +8,7 @@ or a silent load."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -306,3 +307,76 @@ def test_a_sparse_checkpoint_of_another_kind_is_refused_and_changes_nothing(spar
     assert repr(trainer.optimizer.state_dict()) == adam
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.gen.get_state(), data)
     assert (trainer.geco.state_dict(), trainer.step) == (geco, step)
+
+
+@functools.cache
+def _objective_base(kind: str, root: str) -> Path:
+    """A fp64 CLT or Lorsa trainer (:func:`round2_trainer`) checkpointed after 2 steps, under ``root``."""
+    trainer, _ = round2_trainer(kind, round2_batches(kind))
+    while trainer.step < 2:
+        trainer.train_step()
+    d = Path(root) / f"objective-{kind}"
+    trainer.save_checkpoint(d)
+    return d
+
+
+# (id, kind, edit of trainer.json, what the message must say): the objective's own entries. Before the fix the CLT
+# took any list of the right length (a string, zero, NaN or negative scale factor: every later fold and loss wrong
+# without a word), and a Lorsa's malformed recipe raised ConfigMismatchError / AttributeError without the file; both
+# were read after the trainer's state was set, so restore_state's refusal left that trainer half restored.
+OBJECTIVE_TAMPERED = [
+    ("CLT scale a string", "clt", _set("s_in_layers", lambda m: ["2", *m["s_in_layers"][1:]]),
+     r"trainer.json: key 's_in_layers' must be a list of 2 positive finite numbers .* got \['2'"),
+    ("CLT scale zero", "clt", _set("s_out_layers", lambda m: [0.0, *m["s_out_layers"][1:]]),
+     r"key 's_out_layers' must be a list of 2 positive finite numbers"),
+    ("CLT scale negative", "clt", _set("s_in_layers", lambda m: [-v for v in m["s_in_layers"]]),
+     r"key 's_in_layers' must be a list of 2"),
+    ("CLT scale NaN", "clt", _set("s_out_layers", lambda m: [float("nan")] * 2),
+     r"key 's_out_layers' must be a list of 2"),
+    ("CLT scale true", "clt", _set("s_out_layers", lambda m: [True, True]), r"key 's_out_layers' must be a list"),
+    ("CLT one layer short", "clt", _set("s_in_layers", lambda m: m["s_in_layers"][:1]),
+     r"key 's_in_layers' must be a list of 2"),
+    ("CLT scales missing", "clt", lambda m: m.pop("s_out_layers"), r"key 's_out_layers' must be a list of 2 .* None"),
+    ("Lorsa recipe of an unknown init", "lorsa", lambda m: m["lorsa_recipe"].__setitem__("ov_init", "bogus"),
+     r"trainer.json: key 'lorsa_recipe' is malformed \(LorsaRecipe.ov_init must be one of"),
+    ("Lorsa recipe not an object", "lorsa", _set("lorsa_recipe", [1, 2]), r"trainer.json: key 'lorsa_recipe' is "
+     r"malformed"),
+    ("Lorsa head balance of another size", "lorsa", _set("head_balance", {"log_gain": [0.0], "freq": [0.0]}),
+     r"trainer.json: head_balance must hold"),
+]
+
+
+@pytest.mark.parametrize(("kind", "edit", "match"), [c[1:] for c in OBJECTIVE_TAMPERED],
+                         ids=[c[0] for c in OBJECTIVE_TAMPERED])
+def test_the_objectives_entries_are_checked_before_anything_is_set(tmp_path_factory, tmp_path, kind, edit, match):
+    """Seen failing before the fix (the CLT cases resumed silently or with a raw error; the Lorsa recipe raised
+    without the file's name; restore_state left the trainer with the checkpoint's step, weights and moments).
+    ``Trainer.resume`` refuses the file by name, and ``restore_state`` into a trained trainer refuses it and leaves
+    that trainer bit for bit as it was."""
+    base_dir = _objective_base(kind, str(tmp_path_factory.getbasetemp()))
+    c = edited(base_dir, tmp_path / "c", "trainer.json", edit)
+    batches = round2_batches(kind)
+    with pytest.raises(CheckpointError, match=match):
+        Trainer.resume(c, batches.__getitem__)
+    trainer, _ = round2_trainer(kind, batches)
+    trainer.train_step()
+    before = full_state(trainer)
+    recipe = getattr(trainer.objective, "recipe", None)
+    with pytest.raises(CheckpointError, match=match):
+        trainer.restore_state(c, json.loads((c / "trainer.json").read_text()))
+    assert same_state(full_state(trainer), before)
+    assert getattr(trainer.objective, "recipe", None) is recipe
+
+
+@pytest.mark.parametrize("kind", ["clt", "lorsa"])
+def test_the_objectives_entries_round_trip(tmp_path_factory, kind):
+    """The checked entries are the saved ones: a CLT's per-layer scale factors and a Lorsa's recipe come back
+    equal (the fix converts the scale factors to float; JSON keeps them exactly)."""
+    base_dir = _objective_base(kind, str(tmp_path_factory.getbasetemp()))
+    meta = json.loads((base_dir / "trainer.json").read_text())
+    resumed = Trainer.resume(base_dir, round2_batches(kind).__getitem__)
+    if kind == "clt":
+        assert (resumed.s_in_layers, resumed.s_out_layers) == (meta["s_in_layers"], meta["s_out_layers"])
+        assert all(type(v) is float for v in resumed.s_in_layers + resumed.s_out_layers)
+    else:
+        assert resumed.objective.recipe.to_dict() == meta["lorsa_recipe"]
