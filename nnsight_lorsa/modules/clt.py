@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -101,19 +101,19 @@ class CrossLayerTranscoder(ReplacementModule):
                  dtype: torch.dtype | None = None) -> None:
         super(CrossLayerTranscoder, self).__init__()
         n, d, f = cfg.n_layers, cfg.d_in, cfg.d_sae
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.cfg = cfg
-        self.W_enc = nn.Parameter(torch.empty(n, d, f, **kw))
-        self.b_enc = nn.Parameter(torch.zeros(n, f, **kw))
+        self.W_enc = nn.Parameter(torch.empty(n, d, f, device=device, dtype=dtype))
+        self.b_enc = nn.Parameter(torch.zeros(n, f, device=device, dtype=dtype))
         for layer in range(n):
-            self.register_parameter(f"W_dec_{layer}", nn.Parameter(torch.empty(f, n - layer, d, **kw)))
-        self.b_dec = nn.Parameter(torch.zeros(n, d, **kw))
+            W_dec = torch.empty(f, n - layer, d, device=device, dtype=dtype)
+            self.register_parameter(f"W_dec_{layer}", nn.Parameter(W_dec))
+        self.b_dec = nn.Parameter(torch.zeros(n, d, device=device, dtype=dtype))
         if cfg.skip:
-            self.W_skip = nn.Parameter(torch.zeros(n, d, d, **kw))
+            self.W_skip = nn.Parameter(torch.zeros(n, d, d, device=device, dtype=dtype))
         else:
             self.register_parameter("W_skip", None)
-        self.activation = nn.ModuleList(make_activation(cfg.activation, f, cfg.activation_params).to(**kw)
-                                        for _ in range(n))
+        self.activation = nn.ModuleList(
+            make_activation(cfg.activation, f, cfg.activation_params).to(device=device, dtype=dtype) for _ in range(n))
         self.hook_sae_acts_pre = _hooks(n)
         self.hook_sae_acts_post = _hooks(n)
         self.hook_sae_recons = _hooks(n)

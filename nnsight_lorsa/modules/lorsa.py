@@ -190,22 +190,21 @@ class Lorsa(ReplacementModule):
                  dtype: torch.dtype | None = None) -> None:
         super(Lorsa, self).__init__()
         self.cfg = cfg
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         h, d, e, n = cfg.n_qk_heads, cfg.d_model, cfg.d_qk_head, cfg.n_ov_heads
-        self.W_Q = nn.Parameter(torch.empty(h, d, e, **kw))
-        self.W_K = nn.Parameter(torch.empty(h, d, e, **kw))
-        self.b_Q = nn.Parameter(torch.zeros(h, e, **kw))
-        self.b_K = nn.Parameter(torch.zeros(h, e, **kw))
-        self.W_V = nn.Parameter(torch.empty(n, d, **kw))
-        self.b_V = nn.Parameter(torch.zeros(n, **kw))
-        self.W_O = nn.Parameter(torch.empty(n, d, **kw))
+        self.W_Q = nn.Parameter(torch.empty(h, d, e, device=device, dtype=dtype))
+        self.W_K = nn.Parameter(torch.empty(h, d, e, device=device, dtype=dtype))
+        self.b_Q = nn.Parameter(torch.zeros(h, e, device=device, dtype=dtype))
+        self.b_K = nn.Parameter(torch.zeros(h, e, device=device, dtype=dtype))
+        self.W_V = nn.Parameter(torch.empty(n, d, device=device, dtype=dtype))
+        self.b_V = nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
+        self.W_O = nn.Parameter(torch.empty(n, d, device=device, dtype=dtype))
         if cfg.use_decoder_bias:
-            self.b_D = nn.Parameter(torch.zeros(d, **kw))
+            self.b_D = nn.Parameter(torch.zeros(d, device=device, dtype=dtype))
         else:
             self.register_parameter("b_D", None)
         if cfg.qk_norm:
-            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
-            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, **kw)
+            self.ln_q = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, device=device, dtype=dtype)
+            self.ln_k = PerHeadRMSNorm(h, e, cfg.qk_norm_eps, device=device, dtype=dtype)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()

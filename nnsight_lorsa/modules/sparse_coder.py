@@ -294,14 +294,14 @@ class SparseCoder(ReplacementModule):
                  dtype: torch.dtype | None = None) -> None:
         super(SparseCoder, self).__init__()
         self.cfg = cfg
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.d_out: int = getattr(cfg, "d_out", None) or cfg.d_in
-        self.W_enc = nn.Parameter(torch.empty(cfg.d_in, cfg.d_sae, **kw))
-        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, **kw))
-        self.W_dec = nn.Parameter(torch.empty(cfg.d_sae, self.d_out, **kw))
-        self.b_dec = nn.Parameter(torch.zeros(self.d_out, **kw))
+        self.W_enc = nn.Parameter(torch.empty(cfg.d_in, cfg.d_sae, device=device, dtype=dtype))
+        self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, device=device, dtype=dtype))
+        self.W_dec = nn.Parameter(torch.empty(cfg.d_sae, self.d_out, device=device, dtype=dtype))
+        self.b_dec = nn.Parameter(torch.zeros(self.d_out, device=device, dtype=dtype))
         self.reset_parameters()
-        self.activation = make_activation(cfg.activation, cfg.d_sae, cfg.activation_params).to(**kw)
+        self.activation = make_activation(cfg.activation, cfg.d_sae, cfg.activation_params).to(device=device,
+                                                                                                 dtype=dtype)
         self.hook_sae_acts_pre = HookPoint()  # x W_enc + b_enc        (*batch, d_sae)
         self.hook_sae_acts_post = HookPoint()  # the features σ(·)      (*batch, d_sae)
         self.hook_sae_recons = HookPoint()  # the output               (*batch, d_out)
