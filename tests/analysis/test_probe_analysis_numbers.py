@@ -645,11 +645,43 @@ def test_top_activations_of_an_fp32_lorsa_on_a_bf16_model():
 
 
 # ------------------------------------------------------------- QK feature ablation (App. F.1), by hand
+def qk_kl_reference(prompts, lorsa, head: int, decoder: torch.Tensor):
+    """App. F.1 written out in fp64 on GPT-2 (no RoPE / QK-norm: ``q = x W_Q^g + b_Q^g``), over ``prompts``: each
+    ``(x, a, z)`` of one prompt alone — the attention input ``(s, d_model)``, the SAE's activations ``(s, n_f)`` (both
+    fp64) and the head's ``z`` ``(s,)``. At every activation ``z_i > 0`` (BOS skipped), Q: the query from
+    ``x_i − a_f(x_i) d_f``; K: every key ``j ≤ i`` from ``x_j − a_f(x_j) d_f``; ``KL(A_i ‖ A'_i)``; per feature the
+    max and how many activations it was present at. Returns ``(q_kl, k_kl, q_count, k_count, n_activations)``."""
+    g = head // lorsa.cfg.group_size
+    wq, bq, wk, bk = (t.detach().double() for t in (lorsa.W_Q[g], lorsa.b_Q[g], lorsa.W_K[g], lorsa.b_K[g]))
+    d = decoder.detach().double()
+    n_f = d.shape[0]
+    q_kl, k_kl = torch.zeros(n_f, dtype=torch.float64), torch.zeros(n_f, dtype=torch.float64)
+    q_cnt, k_cnt = torch.zeros(n_f, dtype=torch.long), torch.zeros(n_f, dtype=torch.long)
+    n_act = 0
+    for x, a, z in prompts:
+        for i in range(1, x.shape[0]):
+            if z[i] <= 0:
+                continue
+            n_act += 1
+            k0, q0 = x[:i + 1] @ wk + bk, x[i] @ wq + bq
+            row = (q0 @ k0.T / lorsa.cfg.scale).softmax(-1)
+
+            def kl(q, k, row=row):  # KL of the original row vs one from (q, k), both over keys 0..i
+                return float((row * (row.log() - (q @ k.T / lorsa.cfg.scale).log_softmax(-1))).sum())
+            for f in range(n_f):
+                if a[i, f] != 0:
+                    q_cnt[f] += 1
+                    q_kl[f] = max(q_kl[f], kl((x[i] - a[i, f] * d[f]) @ wq + bq, k0))
+                if (a[:i + 1, f] != 0).any():
+                    k_cnt[f] += 1
+                    k_kl[f] = max(k_kl[f], kl(q0, (x[:i + 1] - a[:i + 1, f, None] * d[f]) @ wk + bk))
+    return q_kl, k_kl, q_cnt, k_cnt, n_act
+
+
 @torch.no_grad()
 def test_qk_feature_impacts_by_hand_on_gpt2():
-    """App. F.1 written out on GPT-2 (no RoPE / QK-norm: ``q = x W_Q^g + b_Q^g``): at every activation ``z^h_i > 0``
-    (BOS skipped), Q: the query from ``x_i − a_f(x_i) d_f``; K: every key ``j ≤ i`` from ``x_j − a_f(x_j) d_f``;
-    ``KL(A_i ‖ A'_i)`` in fp64; per feature the max, where, and how many activations it was present at."""
+    """:func:`qk_kl_reference` on three GPT-2 prompts == ``qk_feature_impacts`` on their batch (per feature the max
+    KL, where, and how many activations it was present at)."""
     from helpers import make_sae
 
     from nnsight_lorsa.analysis import qk_feature_impacts
@@ -658,35 +690,11 @@ def test_qk_feature_impacts_by_hand_on_gpt2():
     sae = make_sae(seed=3, d_in=lorsa.cfg.d_model, d_sae=48, activation="topk", activation_params={"k": 6})
     ids = _ids(3, 8, 31)
     x_model = _attention_input(hf, adapter, ids)
-    x = x_model.double()
     z = _reference_z("gpt2", ids)
     head = int((z[:, 1:] > 0).sum((0, 1)).argmax())
-    g = head // lorsa.cfg.group_size
-    wq, bq, wk, bk = (t.detach().double() for t in (lorsa.W_Q[g], lorsa.b_Q[g], lorsa.W_K[g], lorsa.b_K[g]))
-    d = sae.W_dec.detach().double()
-    n_f = d.shape[0]
-    q_kl, k_kl = torch.zeros(n_f, dtype=torch.float64), torch.zeros(n_f, dtype=torch.float64)
-    q_cnt, k_cnt = torch.zeros(n_f, dtype=torch.long), torch.zeros(n_f, dtype=torch.long)
-
-    def kl(q, k):  # KL of the original row vs one from (q, k), both over keys 0..i
-        return float((p * (p.log() - (q @ k.T / lorsa.cfg.scale).log_softmax(-1))).sum())
-    n_act = 0
-    for b in range(ids.shape[0]):
-        a = sae.encode(x_model[b]).double()  # (s, n_f)
-        for i in range(1, ids.shape[1]):
-            if z[b, i, head] <= 0:
-                continue
-            n_act += 1
-            k0 = x[b, :i + 1] @ wk + bk
-            q0 = x[b, i] @ wq + bq
-            p = (q0 @ k0.T / lorsa.cfg.scale).softmax(-1)
-            for f in range(n_f):
-                if a[i, f] != 0:
-                    q_cnt[f] += 1
-                    q_kl[f] = max(q_kl[f], kl((x[b, i] - a[i, f] * d[f]) @ wq + bq, k0))
-                if (a[:i + 1, f] != 0).any():
-                    k_cnt[f] += 1
-                    k_kl[f] = max(k_kl[f], kl(q0, (x[b, :i + 1] - a[:i + 1, f, None] * d[f]) @ wk + bk))
+    q_kl, k_kl, q_cnt, k_cnt, n_act = qk_kl_reference(
+        [(x_model[b].double(), sae.encode(x_model[b]).double(), z[b, :, head]) for b in range(ids.shape[0])],
+        lorsa, head, sae.W_dec)
     res = qk_feature_impacts(rm, LAYER, head, sae, ids, batch_size=2)
     assert res.n_activations == n_act > 0 and res.n_tokens == 3 * 7
     assert torch.equal(res.q_count, q_cnt) and torch.equal(res.k_count, k_cnt)

@@ -20,7 +20,7 @@ import torch
 from helpers import LAYER, VOCAB, hooked, make_lorsa, make_sae, tiny_nnsight
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_probe_analysis_numbers import _attention_input
+from test_probe_analysis_numbers import _attention_input, qk_kl_reference
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation, qk_feature_impacts
@@ -231,32 +231,10 @@ def test_qk_feature_impacts_padded_by_hand_on_gpt2(dtype):
     prompts = _prompts([4, 8, 6], 11)
     zs = [_z_alone(hf, adapter, lorsa, p) for p in prompts]
     head = int(sum((z[1:] > 0).sum(0) for z in zs).argmax())
-    g = head // lorsa.cfg.group_size
-    wq, bq, wk, bk = (t.detach().double() for t in (lorsa.W_Q[g], lorsa.b_Q[g], lorsa.W_K[g], lorsa.b_K[g]))
-    d = sae.W_dec.detach().double()
-    n_f = d.shape[0]
-    q_kl, k_kl = torch.zeros(n_f, dtype=torch.float64), torch.zeros(n_f, dtype=torch.float64)
-    q_cnt, k_cnt = torch.zeros(n_f, dtype=torch.long), torch.zeros(n_f, dtype=torch.long)
-    n_act = 0
-    for p, z in zip(prompts, zs, strict=True):
-        x_model = _attention_input(hf, adapter, p[None])[0]
-        x, a = x_model.double(), sae.encode(x_model).double()  # the SAE encodes in its dtype, as the call's
-        for i in range(1, len(p)):
-            if z[i, head] <= 0:
-                continue
-            n_act += 1
-            k0, q0 = x[:i + 1] @ wk + bk, x[i] @ wq + bq
-            row = (q0 @ k0.T / lorsa.cfg.scale).softmax(-1)
-
-            def kl(q, k, row=row):
-                return float((row * (row.log() - (q @ k.T / lorsa.cfg.scale).log_softmax(-1))).sum())
-            for f in range(n_f):
-                if a[i, f] != 0:
-                    q_cnt[f] += 1
-                    q_kl[f] = max(q_kl[f], kl((x[i] - a[i, f] * d[f]) @ wq + bq, k0))
-                if (a[:i + 1, f] != 0).any():
-                    k_cnt[f] += 1
-                    k_kl[f] = max(k_kl[f], kl(q0, (x[:i + 1] - a[:i + 1, f, None] * d[f]) @ wk + bk))
+    q_kl, k_kl, q_cnt, k_cnt, n_act = qk_kl_reference(
+        [(x_model.double(), sae.encode(x_model).double(), z[:, head])  # the SAE encodes in its dtype, as the call's
+         for x_model, z in ((_attention_input(hf, adapter, p[None])[0], z) for p, z in zip(prompts, zs, strict=True))],
+        lorsa, head, sae.W_dec)
     assert n_act > 0
     for sides in (["left"] * 3, ["right"] * 3, ["left", "right", "left"]):
         ids, mask, _ = _pad(prompts, sides, extra=1)
