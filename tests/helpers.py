@@ -233,6 +233,20 @@ def random_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:
     return ids
 
 
+def reconstruction_source(batch: int, seq: int, d: int):  # type: ignore[no-untyped-def]
+    """A trainer's batch source of seeded random activations: batch ``i`` is ``randn(batch, seq, d)`` from seed ``i``
+    as both ``x`` and ``y`` (an SAE's reconstruction), position 0 (BOS) not counted."""
+    from nnsight_lorsa.training.activations import Batch
+
+    def source(i: int) -> Batch:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(batch, seq, d, generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.bool)
+        mask[:, 0] = False
+        return Batch(x=x, y=x, loss_mask=mask)
+    return source
+
+
 def tiny_training_setup():
     """(nnsight model, HF model, adapter, TokenDataset of 48 random windows × 16) for training tests."""
     from nnsight_lorsa import get_adapter

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_transcoder
+from helpers import make_transcoder, reconstruction_source
 from test_probe_host_memory import WRITERS, _module, _state  # the first round's writers and modules
 
 from nnsight_lorsa import _atomic as A
@@ -147,15 +147,8 @@ def test_a_meta_load_still_checks_shapes_and_sizes(tmp_path: Path) -> None:
 def _sae_trainer() -> Any:
     from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
     from nnsight_lorsa.training import TrainConfig, Trainer
-    from nnsight_lorsa.training.activations import Batch
 
-    def source(i: int) -> Batch:
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(2, 6, 16, generator=g)
-        mask = torch.ones(2, 6, dtype=torch.bool)
-        mask[:, 0] = False
-        return Batch(x=x, y=x, loss_mask=mask)
-
+    source = reconstruction_source(2, 6, 16)
     torch.manual_seed(0)
     sae = SparseAutoencoder(SAEConfig(d_in=16, d_sae=64, activation="topk", activation_params={"k": 4}))
     t = Trainer(sae, source, TrainConfig(total_steps=4, lr=1e-2, norm_batches=1))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import generated, tiny_hf_model
+from helpers import generated, reconstruction_source, tiny_hf_model
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from test_probe_interrupt import same_state
@@ -25,7 +25,6 @@ from test_probe_interrupt_round2 import full_state, round2_batches, round2_train
 from nnsight_lorsa.errors import CheckpointError, ConfigMismatchError, PlacementError
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 from nnsight_lorsa.training import TrainConfig, Trainer
-from nnsight_lorsa.training.activations import Batch
 
 
 def remanifest(d: Path, manifest: str = "manifest.json") -> None:
@@ -54,12 +53,7 @@ def edited(base: Path, dst: Path, file: str, edit) -> Path:  # type: ignore[no-u
     return dst
 
 
-def _source(i: int) -> Batch:
-    g = torch.Generator().manual_seed(i)
-    x = torch.randn(4, 8, 16, generator=g)
-    mask = torch.ones(4, 8, dtype=torch.bool)
-    mask[:, 0] = False
-    return Batch(x=x, y=x, loss_mask=mask)
+_source = reconstruction_source(4, 8, 16)
 
 
 def _sae_trainer(dtype: torch.dtype = torch.float32) -> Trainer:
