@@ -549,8 +549,10 @@ class SparseAttentionTrainer:
 
         Raises:
             CheckpointError: no checkpoint there; the manifest missing or corrupt (also a checkpoint
-                written before manifests existed); a file missing, truncated or altered (named); or
-                parameter names / entries that do not match this trainer's.
+                written before manifests existed); a file missing, truncated or altered (named);
+                parameter names / entries that do not match this trainer's; or a checkpoint saved under another
+                :class:`SparseTrainConfig` (the settings named; only ``total_steps`` may differ). Nothing is set
+                before everything is checked.
         """
         d, _ = verified_checkpoint(directory, (CHECKPOINT_TENSORS, CHECKPOINT_JSON))
         tpath, jpath = d / CHECKPOINT_TENSORS, d / CHECKPOINT_JSON
@@ -561,6 +563,7 @@ class SparseAttentionTrainer:
             raise CheckpointError(f"{jpath}: malformed ({e!r})") from e
         if names != self.param_names:
             raise CheckpointError(f"{jpath}: checkpoint parameters do not match the trainer's (LoRA vs full?)")
+        self._check_saved_config(meta.get("config"), jpath)
         tensors = load_file(str(tpath))
         params = dict(self.hf.named_parameters())
         # everything checked before anything is set: until 2026-11-28 a bad entry left the trainer partly restored
@@ -607,6 +610,23 @@ class SparseAttentionTrainer:
         self.geco = geco
         self.step = step
         self.history = history
+
+    def _check_saved_config(self, saved: Any, jpath: Path) -> None:
+        """Refuse a checkpoint saved under another :class:`SparseTrainConfig`: a resume continues the run it was saved
+        from (until 2026-11-28 a trainer built with, say, another ``target_ce``, ``init_bias`` or ``geco_lr`` took the
+        saved weights, moments and λ and trained on under its own settings, a run neither config describes, without
+        a word). ``total_steps`` may differ (a run extended or cut short; with ``decay_frac`` or ``recover_fraction``
+        the schedule then follows the new count), and ``allow_slack_constraint`` (a start-up check's switch); a field
+        the checkpoint does not hold (saved before the field existed) is not compared."""
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{jpath}: key 'config' must be the saved SparseTrainConfig, got {saved!r}")
+        mine = json.loads(json.dumps(asdict(self.config)))  # as saved: tuples as lists
+        differ = [f"{k}={saved[k]!r} (this trainer: {mine[k]!r})" for k in mine
+                  if k in saved and k not in ("total_steps", "allow_slack_constraint") and saved[k] != mine[k]]
+        if differ:
+            raise CheckpointError(f"{jpath}: saved under another SparseTrainConfig: {'; '.join(differ)}. A checkpoint "
+                                  "resumes the run it was saved from: build the trainer with the saved settings "
+                                  "(the file's \"config\"; only total_steps may change)")
 
     def finished_model(self) -> Any:
         """The trained transformers model with gates, in eval mode (LoRA merged into the weights)."""

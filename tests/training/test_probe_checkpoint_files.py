@@ -240,13 +240,13 @@ def test_a_file_the_manifest_does_not_list_is_not_read(base, tmp_path):
 
 
 # ---------------------------------------------------------------- the sparse-attention trainer's checkpoints
-def _sparse_trainer():  # type: ignore[no-untyped-def]
+def _sparse_trainer(**config):  # type: ignore[no-untyped-def]
     from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, SparseTrainConfig
 
     torch.manual_seed(0)
     stream = torch.randint(3, 128, (400,), generator=torch.Generator().manual_seed(0))  # no EOS (2): one text
     return SparseAttentionTrainer(tiny_hf_model("llama"), stream, SparseTrainConfig(
-        total_steps=3, batch_size=2, seq_len=16, target_batches=1))
+        **{"total_steps": 3, "batch_size": 2, "seq_len": 16, "target_batches": 1, **config}))
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +276,7 @@ SPARSE_META = [
     ("step fractional", _set("step", 1.5), r"key 'step' must be an int >= 0, got 1.5"),
     ("GECO state missing", lambda m: m.pop("geco"), r"KeyError\('geco'\)"),
     ("GECO ema out of range", lambda m: m["geco"].__setitem__("ema", 7.0), r"GateConfigError"),
+    ("config not an object", _set("config", [1]), r"checkpoint.json: key 'config' must be the saved SparseTrainConfig"),
 ]
 
 
@@ -301,6 +302,31 @@ def test_a_sparse_checkpoint_of_another_kind_is_refused_and_changes_nothing(spar
     assert repr(trainer.optimizer.state_dict()) == adam
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.gen.get_state(), data)
     assert (trainer.geco.state_dict(), trainer.step) == (geco, step)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("init_bias", 2.0), ("target_ce", 4.0), ("gate_lr", 0.1), ("geco_lr", 0.5), ("betas", (0.9, 0.99)), ("seed", 1),
+    ("bos_id", 0), ("seq_len", 32), ("temperature", 0.5), ("recover_fraction", 0.5), ("decay_frac", 0.5)])
+def test_a_sparse_checkpoint_saved_under_another_config_is_refused(sparse_base, field, value):
+    """Seen failing before the fix (each loaded and trained on under the new settings, a run neither config
+    describes): a trainer built with another value of one setting refuses the checkpoint naming the setting and both
+    values, and stays as it was (weights, Adam state, step)."""
+    trainer = _sparse_trainer(**{field: value})
+    weights = {k: v.clone() for k, v in trainer.hf.state_dict().items()}
+    adam = repr(trainer.optimizer.state_dict())
+    with pytest.raises(CheckpointError, match=rf"saved under another SparseTrainConfig: {field}=.* \(this trainer: "):
+        trainer.load_checkpoint(sparse_base)
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.hf.state_dict().items())
+    assert repr(trainer.optimizer.state_dict()) == adam and trainer.step == 0
+
+
+def test_a_sparse_checkpoint_resumes_into_a_longer_run(sparse_base):
+    """``total_steps`` may change (a run extended): the checkpoint loads, its step and history as saved."""
+    trainer = _sparse_trainer(total_steps=6, allow_slack_constraint=True)
+    trainer.load_checkpoint(sparse_base)
+    assert trainer.step == 2 and len(trainer.history) == 2
+    trainer.train(steps=1, progress=False)
+    assert trainer.step == 3
 
 
 @functools.cache
