@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_training_setup
 
-from nnsight_lorsa.training import TokenDataset
+from nnsight_lorsa.modules.clt import CLTConfig, CrossLayerTranscoder
+from nnsight_lorsa.training import ActivationSource, TokenDataset, TrainConfig, Trainer
 
 
 @pytest.mark.parametrize(("n", "fraction"), [(10, 0.3), (7, 0.5), (5, 0.01), (4, 0.75)])
@@ -52,3 +54,25 @@ def test_batch_targets_are_the_masks_of_the_batchs_windows(index, batch_size, se
     ids, got = data.batch(index, batch_size, seed), data.batch_targets(index, batch_size, seed)
     want = mask[ids[:, 0] // seq]
     assert torch.equal(got, want)
+
+
+def test_a_folded_skip_clt_is_the_trained_one_on_raw_activations():
+    """``_CLTObjective.fold`` of a CLT with ``W_skip``: ``folded(x) = clt(x · s_in) / s_out`` per layer (its
+    docstring's equation, with the trainer's per-layer scales), the skip weights drawn non-zero so that their fold
+    shows (mutant: ``W_skip[l] *= s_out[l] / s_in[l]``)."""
+    model, _, adapter, data = tiny_training_setup()
+    source = ActivationSource.clt(model, data, batch_size=8)
+    torch.manual_seed(0)
+    cfg = CLTConfig(d_in=adapter.d_model, d_sae=32, n_layers=adapter.n_layers, activation="relu", skip=True)
+    trainer = Trainer(CrossLayerTranscoder(cfg), source, TrainConfig(total_steps=1, lr=1e-3, log_every=1))
+    trainer.train(progress=False)
+    with torch.no_grad():
+        trainer.module.W_skip.normal_(0.0, 0.1)
+        folded = trainer.folded()
+        b = source(0)
+        s_in = torch.tensor(trainer.s_in_layers)[:, None, None, None]
+        s_out = torch.tensor(trainer.s_out_layers)[:, None, None, None]
+        assert not torch.allclose(s_in, s_out, rtol=0.05)  # the two scales differ: an inverted ratio would show
+        want = trainer.module.eval()(b.x * s_in) / s_out
+        got = folded(b.x)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
