@@ -1,0 +1,30 @@
+"""Mutation probe, round 4 (sparse coders): tests for mutants the area's tests let pass (docs/reliability.md,
+"Mutation probe, round 4"). Each was seen failing with its mutant and passing on the clean tree."""
+
+from __future__ import annotations
+
+import torch
+
+from nnsight_lorsa.modules.activations import BatchTopK
+from nnsight_lorsa.modules.sparse_coder import encode_with
+
+
+def test_batchtopk_inference_zeroes_an_input_at_the_threshold():
+    """BatchTopK at inference is ``x · 1[x > θ]`` (Bussmann et al. 2024; SAELens' JumpReLU rule, strict), the same
+    as its :meth:`to_jumprelu` export: inputs exactly at ``θ`` give 0 (mutant: ``x ≥ θ``)."""
+    act = BatchTopK(k=2, d_sae=6)
+    act.set_threshold(0.5)
+    act.eval()
+    x = torch.tensor([[0.5, 0.25, 0.75, -1.0, 0.5, 2.0], [0.0, 0.5, 0.5, 0.625, 0.4375, 0.5]])
+    want = x * (x > 0.5).to(x.dtype)
+    assert torch.equal(act(x), want)
+    assert torch.equal(act.to_jumprelu()(x), want)
+
+
+def test_encode_with_is_its_documented_formula():
+    """``encode_with``: ``hook_post(σ(hook_pre(x W_enc + b_enc)))``, against plain torch with ReLU and identity
+    hooks (mutant: ``b_enc`` dropped; the package itself does not call it)."""
+    g = torch.Generator().manual_seed(0)
+    x, W, b = torch.randn(3, 5, generator=g), torch.randn(5, 7, generator=g), torch.randn(7, generator=g)
+    got = encode_with(x, W, b, torch.nn.ReLU(), torch.nn.Identity(), torch.nn.Identity())
+    torch.testing.assert_close(got, torch.relu(x @ W + b))
