@@ -17,7 +17,7 @@ layer (``activation.{l}``; a JumpReLU's threshold is ``activation.{l}.threshold`
 Hook points, one per layer (``nn.ModuleList`` of :class:`HookPoint`): ``hook_sae_acts_pre[l]``,
 ``hook_sae_acts_post[l]`` (layer ``l``'s features), ``hook_sae_recons[l]`` (``ŷ_l``) and
 ``hook_error[l]`` (``MLP_l − ŷ_l`` when spliced with ``error=True``). The encoder and decoder
-steps are those of every sparse coder (:func:`~.sparse_coder.encode_with`, :func:`~.sparse_coder.affine`).
+steps are those of every sparse coder (:func:`~.sparse_coder.encode_and_pre_with`, :func:`~.sparse_coder.affine`).
 Needs torch only.
 """
 

@@ -10,7 +10,7 @@ names and
 layouts: ``W_enc (d_in, d_sae)``, ``b_enc (d_sae,)``, ``W_dec (d_sae, d_out)``, ``b_dec (d_out,)``;
 row ``i`` of ``W_dec`` is feature ``i``'s direction). :class:`SparseCoder` is the base of
 :class:`~.sae.SparseAutoencoder` (``d_out = d_in``, optional ``b_dec`` centering) and of
-:class:`~.transcoder.Transcoder` / :class:`~.transcoder.SkipTranscoder`; :func:`encode_with` and
+:class:`~.transcoder.Transcoder` / :class:`~.transcoder.SkipTranscoder`; :func:`encode_and_pre_with` and
 :func:`affine` are the same steps for each layer of a :class:`~.clt.CrossLayerTranscoder`.
 
 Values pass through :class:`HookPoint` children — ``hook_sae_acts_pre``, ``hook_sae_acts_post``
@@ -212,17 +212,12 @@ def shared_pre(owner: nn.Module, x: Any, tag: Any, compute: Callable[[], Any]) -
     return result
 
 
-def encode_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"], b_enc: Float[torch.Tensor, " f"],
-                activation: nn.Module, hook_pre: nn.Module, hook_post: nn.Module) -> Float[torch.Tensor, "*batch f"]:
-    """``hook_post(σ(hook_pre(x W_enc + b_enc)))``: the encoder of every sparse coder."""
-    return hook_post(activation(hook_pre(affine(x, W_enc, b_enc))))
-
-
 def encode_and_pre_with(x: Float[torch.Tensor, "*batch d"], W_enc: Float[torch.Tensor, "d f"],
                         b_enc: Float[torch.Tensor, " f"], activation: nn.Module, hook_pre: nn.Module,
                         hook_post: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(encode_with(...), x W_enc + b_enc)`` from ONE encoder matmul: the features and the pre-activation the
-    matmul gave (before ``hook_pre``; the hook points are identities and no activation writes its input)."""
+    """``(hook_post(σ(hook_pre(x W_enc + b_enc))), x W_enc + b_enc)`` from ONE encoder matmul, the encoder of every
+    sparse coder: the features and the pre-activation the matmul gave (before ``hook_pre``; the hook points are
+    identities and no activation writes its input)."""
     pre = affine(x, W_enc, b_enc)
     return hook_post(activation(hook_pre(pre))), pre
 

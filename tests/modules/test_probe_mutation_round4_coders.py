@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from nnsight_lorsa.modules.activations import BatchTopK
-from nnsight_lorsa.modules.sparse_coder import encode_with
 
 
 def test_batchtopk_inference_zeroes_an_input_at_the_threshold():
@@ -20,11 +19,3 @@ def test_batchtopk_inference_zeroes_an_input_at_the_threshold():
     assert torch.equal(act(x), want)
     assert torch.equal(act.to_jumprelu()(x), want)
 
-
-def test_encode_with_is_its_documented_formula():
-    """``encode_with``: ``hook_post(σ(hook_pre(x W_enc + b_enc)))``, against plain torch with ReLU and identity
-    hooks (mutant: ``b_enc`` dropped; the package itself does not call it)."""
-    g = torch.Generator().manual_seed(0)
-    x, W, b = torch.randn(3, 5, generator=g), torch.randn(5, 7, generator=g), torch.randn(7, generator=g)
-    got = encode_with(x, W, b, torch.nn.ReLU(), torch.nn.Identity(), torch.nn.Identity())
-    torch.testing.assert_close(got, torch.relu(x @ W + b))
