@@ -713,7 +713,7 @@ class Trainer:
         masters = self._saved_masters(d, listed)
         if fresh:
             self._restore_masters(masters)
-            masters = {}
+            masters = {}  # set: none left for the setting below, and the file's pages let go
         adam = self._saved_adam_state(d / "optimizer.safetensors")
         counters = self._saved_counters(d / "state.safetensors")
         # the objective's entries (a CLT's per-layer scales, a Lorsa's recipe): checked and set before the trainer's
