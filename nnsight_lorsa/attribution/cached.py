@@ -21,6 +21,7 @@ model's own bf16 forward, so the graph is that of the bf16 model, computed exact
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -113,11 +114,11 @@ def attribute_cached(root: torch.nn.Module, prepared: Prepared, cache: Attributi
 
 
 def in_dtype(cache: AttributionCache, dtype: torch.dtype) -> AttributionCache:
-    """The cache with its floating tensors in ``dtype``."""
+    """The cache with its floating tensors in ``dtype``: every field's, the per-layer dicts' included (each field
+    read from the dataclass: a list of the dict fields here forgot none so far, but would forget the next)."""
     def cast(t: Any) -> Any:
+        if isinstance(t, dict):
+            return {k: cast(v) for k, v in t.items()}
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
-    return AttributionCache(tokens=cache.tokens, embeddings=cast(cache.embeddings), positions=cache.positions,
-                            last_logits=cast(cache.last_logits),
-                            **{name: {k: cast(v) for k, v in getattr(cache, name).items()}
-                               for name in ("attn_in", "attn_out", "mlp_in", "mlp_out", "mlp_post_out")})
+    return AttributionCache(**{f.name: cast(getattr(cache, f.name)) for f in fields(cache)})

@@ -64,3 +64,29 @@ def test_a_cache_without_the_last_layers_mlp_output_is_refused_by_name(llama):
     del cache.mlp_out[last]
     with pytest.raises(ConfigMismatchError, match=rf"mlp_out\[{last}\]"):
         attribute(rm(model, lorsas, tcs), cache, batch_size=40)
+
+
+def test_in_dtype_casts_every_floating_tensor_of_every_cache_field():
+    """``cached.in_dtype`` (a traced pass attributed with ``dtype=`` other than the model's): every field of
+    :class:`AttributionCache`, read from the dataclass here, comes back with its floating tensors in the dtype and its
+    ids untouched (mutant 22: ``mlp_post_out`` left out of the fields it cast)."""
+    import dataclasses
+
+    from nnsight_lorsa.attribution.cached import in_dtype
+    from nnsight_lorsa.attribution.trace import AttributionCache
+
+    kw: dict = {}
+    for f in dataclasses.fields(AttributionCache):
+        if f.name == "tokens":
+            kw[f.name] = torch.arange(4)
+        elif f.name in ("positions", "last_logits", "embeddings"):
+            kw[f.name] = torch.arange(4) if f.name == "positions" else torch.randn(4)
+        else:
+            kw[f.name] = {1: torch.randn(1, 4, 3), 2: torch.randn(1, 4, 3)}
+    got = in_dtype(AttributionCache(**kw), torch.float64)
+    for f in dataclasses.fields(AttributionCache):
+        a, b = getattr(got, f.name), kw[f.name]
+        pairs = list(zip(a.values(), b.values(), strict=True)) if isinstance(b, dict) else [(a, b)]
+        for x, y in pairs:
+            assert x.dtype == (torch.float64 if y.is_floating_point() else y.dtype), f.name
+            assert torch.equal(x, y.to(x.dtype)), f.name
