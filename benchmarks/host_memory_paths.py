@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 PRE = '''
-import gc, json, tempfile, ctypes, torch, safetensors, safetensors.torch
+import gc, json, os, ctypes, torch, safetensors, safetensors.torch
 torch.manual_seed(0)
 READ = [0]
 def _nb(t):
@@ -102,7 +103,7 @@ def trainer(m, steps=1):
     for _ in range(steps):
         t.train_step()
     return t
-tmp = tempfile.mkdtemp()
+tmp = os.environ["HOST_MEMORY_TMP"]                  # the parent's scratch folder, removed by it
 LS = dict(hook_point_in="blocks.0.ln1.hook_normalized", hook_point_out="blocks.0.hook_attn_out")
 CT = dict(feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out")
 w = Lorsa(LorsaConfig(d_model=D, n_qk_heads=4, d_qk_head=16, n_ov_heads=64, top_k=4))  # one-time costs (imports,
@@ -190,9 +191,10 @@ base = _st("VmRSS"); READ[0] = 0
 ''' + textwrap.dedent(operation) + '''
 print(json.dumps({"peak": _st("VmHWM") - base, "read": READ[0], "size": SIZE}))
 '''
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "PATH": "/usr/bin:/bin"}, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="host_memory_") as tmp:  # removed even when the child is killed
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                   "PATH": "/usr/bin:/bin", "HOST_MEMORY_TMP": tmp}, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])

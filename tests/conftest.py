@@ -65,3 +65,13 @@ def _no_leaked_torch_state():
         torch.set_grad_enabled(bool(before["grad enabled"]))
         torch.set_default_dtype(before["default dtype"])  # type: ignore[arg-type]
         pytest.fail(f"the test left torch's global state changed (before, after): {leaked}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The free disk under the temp folder: a run writes ~0.5 GB to tmp_path (passing tests' folders are removed,
+    ``tmp_path_retention_policy``), and a full disk shows up as errors at the setup of the run's last tests."""
+    import shutil
+    import tempfile
+
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def test_count_non_finite_matches_a_whole_tensor_count(seed: int, monkeypatch: A
 # ------------------------------------------------------------------ slow: peak RSS per path
 
 _PRE = '''
-import gc, json, tempfile, ctypes, torch
+import gc, json, os, ctypes, torch
 torch.manual_seed(0)
 def _st(key):
     for line in open("/proc/self/status"):
@@ -131,7 +132,7 @@ def lorsa(n_ov=262144):                                 # 134 MB of W_V + W_O in
 def tc(n=262144, act="topk", **kw):
     return Transcoder(TranscoderConfig(d_in=D, d_sae=n, activation=act,
                                        activation_params={"k": 64} if act == "topk" else {}, **kw))
-tmp = tempfile.mkdtemp()
+tmp = os.environ["HOST_MEMORY_TMP"]                  # the parent's scratch folder, removed by it
 LS = dict(hook_point_in="blocks.0.ln1.hook_normalized", hook_point_out="blocks.0.hook_attn_out")
 CT = dict(feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out")
 w = Lorsa(LorsaConfig(d_model=D, n_qk_heads=4, d_qk_head=16, n_ov_heads=64, top_k=4))  # one-time costs (imports,
@@ -201,9 +202,10 @@ base = _st("VmRSS")
 print(json.dumps({"peak": _st("VmHWM") - base, "size": SIZE}))
 '''
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                          env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "PATH": "/usr/bin:/bin"}, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="host_memory_") as tmp:  # removed even when the child is killed
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                              env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                   "PATH": "/usr/bin:/bin", "HOST_MEMORY_TMP": tmp}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return float(out["peak"]) / float(out["size"])
