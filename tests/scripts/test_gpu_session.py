@@ -22,7 +22,8 @@ def dry_run(tmp_path, *steps: str, **env) -> dict[str, list[str]]:
     """Each step's command of a dry run (``GPU_SESSION_DRY_RUN=1``) of ``steps`` (none: the default ones), as argv
     lists."""
     run_env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_SESSION_DRY_RUN": "1",
-               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "TMPDIR": str(tmp_path), **env}  # the raw folder (mktemp -d) inside the test's own
     proc = subprocess.run(["bash", str(SCRIPT), *steps], capture_output=True, text=True, timeout=300, env=run_env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
