@@ -67,11 +67,35 @@ def _no_leaked_torch_state():
         pytest.fail(f"the test left torch's global state changed (before, after): {leaked}")
 
 
+
+_TEMP_BEFORE: list[set[str]] = []  # the temp folder's entries when the run started (the controller's)
+_TEMP_OWN = ("pytest-of-", "torchinductor_")  # pytest's own base folder, torch.compile's cache
+
+
+def _temp_entries() -> set[str]:
+    import tempfile
+
+    return {p for p in os.listdir(tempfile.gettempdir()) if not p.startswith(_TEMP_OWN)}
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     """The free disk under the temp folder: a run writes ~0.5 GB to tmp_path (passing tests' folders are removed,
     ``tmp_path_retention_policy``), and a full disk shows up as errors at the setup of the run's last tests."""
     import shutil
     import tempfile
 
+    _TEMP_BEFORE.append(_temp_entries())
     free = shutil.disk_usage(tempfile.gettempdir()).free
     return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Names what appeared in the temp folder during the run outside pytest's own folders: a test (or a doc
+    example, a subprocess) that left it there. Other programs on the machine may add entries too, so this is a
+    report, not a failure; a clean CI machine shows none."""
+    if not _TEMP_BEFORE or hasattr(config, "workerinput"):
+        return
+    new = sorted(_temp_entries() - _TEMP_BEFORE[0])
+    if new:
+        terminalreporter.write_sep("=", f"{len(new)} entries appeared in the temp folder during the run")
+        terminalreporter.write_line(", ".join(new[:20]) + (" ..." if len(new) > 20 else ""))

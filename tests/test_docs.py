@@ -14,7 +14,12 @@ BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
 
 @pytest.mark.parametrize("path", [d for d in DOCS if BLOCK.search(d.read_text())], ids=lambda p: p.name)
-def test_doc_code_blocks_run(path: Path) -> None:
+def test_doc_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    # the examples write their files under tempfile.mkdtemp() (and wandb its media): inside this test's folder,
+    # removed with it (each run left ~10 folders in /tmp)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     namespace: dict = {"__name__": f"doc_{path.stem}"}
     for i, block in enumerate(BLOCK.findall(path.read_text())):
         try:
