@@ -70,6 +70,20 @@ def test_fvu_accumulator_matches_one_shot():
     assert float(fvu(y, y.mean(0, keepdim=True).expand_as(y))) == pytest.approx(1.0)
 
 
+
+def test_fvu_accumulator_is_exact_when_the_mean_is_large_against_the_spread():
+    """fp64 rows at an offset of 1e7 with unit spread, in uneven batches (one empty): the streamed FVU equals the
+    fp64 definition ``Σ‖y − ŷ‖² / Σ‖y − ȳ‖²`` (the difference-of-sums formula was 1.5% off here)."""
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(4000, 16, generator=g, dtype=torch.float64) + 1e7
+    y_hat = y + 0.5 * torch.randn(4000, 16, generator=g, dtype=torch.float64)
+    want = float((y - y_hat).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    acc = FVUAccumulator()
+    for a, b in ((0, 1), (1, 1), (1, 700), (700, 2300), (2300, 4000)):
+        acc.update(y[a:b], y_hat[a:b])
+    assert acc.value() == pytest.approx(want, rel=1e-9)
+    assert FVUAccumulator().value() != FVUAccumulator().value()  # NaN before any update
+
 @torch.no_grad()
 def test_activations_match_the_model(setup):
     model, hf, adapter, data = setup
