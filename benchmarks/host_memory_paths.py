@@ -180,6 +180,20 @@ CASES: list[tuple[str, str, str, float]] = [
 ]
 
 
+def run_fresh(code: str, timeout: float = 600) -> dict[str, Any]:
+    """Runs ``code`` in a fresh interpreter (the repository on its path, one OpenMP thread, offline) and returns
+    the JSON object its last line of output prints. Its scratch folder (``tmp`` in the code: the environment's
+    ``HOST_MEMORY_TMP``) is a ``TemporaryDirectory`` of this process, removed even when the child fails or is
+    killed by the timeout. Raises ``RuntimeError`` with the end of the child's stderr when it fails."""
+    with tempfile.TemporaryDirectory(prefix="host_memory_") as tmp:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                   "PATH": "/usr/bin:/bin", "HOST_MEMORY_TMP": tmp}, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def measure(setup: str, operation: str, timeout: float = 600) -> dict[str, float]:
     """``{"peak": x, "read": y}``: the peak resident memory of ``operation`` above the resident memory after
     ``setup`` and the tensor bytes read from safetensors files during it, each in module sizes (``SIZE``,
@@ -191,13 +205,7 @@ base = _st("VmRSS"); READ[0] = 0
 ''' + textwrap.dedent(operation) + '''
 print(json.dumps({"peak": _st("VmHWM") - base, "read": READ[0], "size": SIZE}))
 '''
-    with tempfile.TemporaryDirectory(prefix="host_memory_") as tmp:  # removed even when the child is killed
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                                   "PATH": "/usr/bin:/bin", "HOST_MEMORY_TMP": tmp}, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_fresh(code, timeout)
     return {"peak": out["peak"] / out["size"], "read": out["read"] / out["size"], "size_bytes": out["size"]}
 
 

@@ -67,7 +67,6 @@ def _no_leaked_torch_state():
         pytest.fail(f"the test left torch's global state changed (before, after): {leaked}")
 
 
-
 _TEMP_BEFORE: list[set[str]] = []  # the temp folder's entries when the run started (the controller's)
 _TEMP_OWN = ("pytest-of-", "torchinductor_")  # pytest's own base folder, torch.compile's cache
 

@@ -69,10 +69,10 @@ class FVUAccumulator:
         if self.mean is None:
             self.n, self.mean, self.m2 = n_b, mean_b, m2_b
             return
-        total = self.n + n_b
-        delta = mean_b - self.mean.to(y.device)
+        total, mean = self.n + n_b, self.mean.to(y.device)
+        delta = mean_b - mean
         self.m2 += m2_b + float(delta.pow(2).sum()) * self.n * n_b / total
-        self.mean = self.mean.to(y.device) + delta * (n_b / total)
+        self.mean = mean + delta * (n_b / total)
         self.n = total
 
     def value(self) -> float:

@@ -11,10 +11,6 @@ what a plain whole-tensor count does. Slow: the peak resident memory above the b
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -201,13 +197,9 @@ base = _st("VmRSS")
 ''' + textwrap.dedent(operation) + '''
 print(json.dumps({"peak": _st("VmHWM") - base, "size": SIZE}))
 '''
-    root = Path(__file__).resolve().parents[2]
-    with tempfile.TemporaryDirectory(prefix="host_memory_") as tmp:  # removed even when the child is killed
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                              env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                                   "PATH": "/usr/bin:/bin", "HOST_MEMORY_TMP": tmp}, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from benchmarks.host_memory_paths import run_fresh
+
+    out = run_fresh(code)
     return float(out["peak"]) / float(out["size"])
 
 
