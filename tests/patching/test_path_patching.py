@@ -360,6 +360,43 @@ def test_sae_feature_sender_matches_hook_reference_to_logits_and_receivers(llama
 
 
 @torch.no_grad()
+def test_embedding_and_final_norm_sae_senders_match_hook_reference(llama):
+    """SAE senders at the two sites outside the decoder layers: the embedding feeds every layer's attention (all of
+    them frozen; a receiver in layer 0 sees it) and the final norm feeds none (nothing frozen; a receiver in the
+    last layer is refused by name: no attention runs after it)."""
+    model, hf, adapter = llama
+    saes = {"model.embed_tokens": make_sae(seed=11), "model.norm": make_sae(seed=12)}
+    r = ReplacementModel(model, saes=SAESet(model, saes))
+    clean, corrupt = prompts()
+    rec = clean_o_proj(hf, clean)
+    for site, first in (("model.embed_tokens", 0), ("model.norm", N_LAYERS)):
+        sae, module = saes[site], hf.get_submodule(site)
+        a_clean = feature_acts(hf, clean, module, sae, site_out)
+        a_corrupt = feature_acts(hf, corrupt, module, sae, site_out)
+        i = most_changed(a_clean, a_corrupt)
+        feat = Feature(site, i)
+        edit = feature_edit(module, sae, i, a_corrupt[..., i], site_out)
+        res = path_patching(r, clean, [feat], corrupt=corrupt, metric=metric)
+        want = metric(run_hooked(hf, clean, [edit, *freeze_hooks(hf, rec, range(first, N_LAYERS))]))
+        torch.testing.assert_close(res.patched[0], want, atol=1e-5, rtol=1e-5)
+        assert (res.patched[0] - res.clean).abs().max() > 1e-3
+    v_proj = hf.model.layers[0].self_attn.v_proj
+    seen: dict = {}
+    emb = saes["model.embed_tokens"]
+    a_clean, a_corrupt = (feature_acts(hf, x, hf.model.embed_tokens, emb, site_out) for x in (clean, corrupt))
+    i = most_changed(a_clean, a_corrupt)
+    run_hooked(hf, clean, [feature_edit(hf.model.embed_tokens, emb, i, a_corrupt[..., i], site_out),
+                           (v_proj, "fwd", lambda m, a, o: seen.__setitem__("v", o.clone()))])
+    want_r = metric(run_hooked(hf, clean, [(v_proj, "fwd", lambda m, a, o: seen["v"])]))
+    got = path_patching(r, clean, [Feature("model.embed_tokens", i)], corrupt=corrupt, metric=metric,
+                        receivers=[HeadInput(MHSAHead(0, h), "v") for h in range(adapter.n_heads)])
+    torch.testing.assert_close(got.patched[0], want_r, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigMismatchError, match="must be in a later layer"):
+        path_patching(r, clean, [Feature("model.norm", 0)], corrupt=corrupt, metric=metric,
+                      receivers=[HeadInput(MHSAHead(N_LAYERS - 1, 0), "v")])
+
+
+@torch.no_grad()
 def test_feature_in_last_layer_path_equals_activation_patching(llama, coders):
     model, hf, adapter = llama
     r, tcs, saes = coders
