@@ -628,7 +628,8 @@ test_sweep_head_swap_by_hand = pytest.mark.slow(_generated(_swap_case, _SWAP, 40
 @torch.no_grad()
 def test_top_activations_of_an_fp32_lorsa_on_a_bf16_model():
     """A bf16 model with an fp32 Lorsa (the Lorsa sees the attention input in its own dtype): the table == the top
-    of the fp32 Lorsa's ``z`` on the bf16 input captured by a hook, bit for bit; counts equal."""
+    of the fp32 Lorsa's ``z`` on the bf16 input captured by a hook, to a few units of fp32 rounding (the table's
+    batches of 2 and the reference's batch of 3 round differently on an AVX-512 CPU); counts equal."""
     for family in ("llama", "gemma2"):
         model, hf = tiny_nnsight(family, dtype=torch.bfloat16)
         adapter = get_adapter(model)
@@ -639,9 +640,10 @@ def test_top_activations_of_an_fp32_lorsa_on_a_bf16_model():
         x = _attention_input(hf, adapter, ids)
         assert x.dtype == torch.bfloat16
         z = lorsa(x.float(), return_cache=True)[1].z
+        tol = 8 * torch.finfo(torch.float32).eps * float(z.abs().max())
         for distinct in (False, True):
             top = collect_top_activations(rm, LAYER, ids, n_top=3, batch_size=2, distinct_windows=distinct)
-            _check_top(top, z, 3, 1, distinct, 0.0)
+            _check_top(top, z, 3, 1, distinct, tol)
 
 
 # ------------------------------------------------------------- QK feature ablation (App. F.1), by hand

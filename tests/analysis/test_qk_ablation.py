@@ -115,10 +115,11 @@ def test_kl_equals_reference_on_edited_inputs(family):
         if q_ref[f] > 1e-3:
             b, i = int(res.q_window[f]), int(res.q_position[f])
             assert where[b, i] or abs(float(res.q_kl[f]) - q_ref[f]) < 1e-4
-    # chunking and batching do not change anything
+    # chunking and batching change nothing but the last bits: other matmul shapes round the scores differently (an
+    # AVX-512 CPU, two xdist workers: a KL of 0.117 2.7e-6 apart); 10x under the reference's bound
     again = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=3, chunk=7)
-    torch.testing.assert_close(again.q_kl, res.q_kl, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(again.k_kl, res.k_kl, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(again.q_kl, res.q_kl, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(again.k_kl, res.k_kl, atol=1e-5, rtol=1e-4)
     assert torch.equal(again.q_count, res.q_count) and torch.equal(again.k_count, res.k_count)
     top = res.top_query_features(3)
     assert [t[0] for t in top] == res.q_kl.topk(3).indices.tolist() and top[0][1] == float(res.q_kl.max())

@@ -278,7 +278,8 @@ def close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-6) -> bool:
 def test_every_internal_read_in_a_trace_is_the_modules_own_value(family, batch, length, pads, error, seed):
     """Reads of every hook point of three replacement sets on a (left-padded) batch = the module's weights applied to
     the activations plain hooks capture; the z-pattern of the traced input sums to ``hook_z_pre``; the attention
-    pattern's rows to 1; ``attention_activations`` = the attention's own input / output / positions."""
+    pattern's rows to 1; ``attention_activations`` = the attention's own input / output (to fp32 rounding) and
+    positions."""
     w = world(family)
     ids = random_ids(batch, length, seed=seed)
     mask = torch.ones(batch, length, dtype=torch.long)
@@ -306,7 +307,8 @@ def test_every_internal_read_in_a_trace_is_the_modules_own_value(family, batch, 
     plain: dict = {}
     reference_logits(w, ids, [], False, "l", mask, position_ids, plain)  # layer 1's own input: no SAE before it
     acts = attention_activations(w.model, LORSA_LAYER, ids, mask)
-    assert torch.equal(acts.x, plain["l.input"]) and torch.equal(acts.y, plain["l.true"])
+    # to the rounding, not bit for bit: its own run of the model may round differently (gpt2 on an AVX-512 CPU)
+    assert close(acts.x, plain["l.input"]) and close(acts.y, plain["l.true"])
     assert torch.equal(acts.positions.expand(batch, -1), plain["l.positions"].expand(batch, -1))
 
 
