@@ -29,7 +29,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
-from .interventions import refuse_inside_trace
+from .interventions import refuse_inside_trace, refuse_repeats
 from .metrics import check_gap, metric_rounding
 from .tasks import TaskBatch
 
@@ -83,6 +83,7 @@ def _check_components(replacement: ReplacementModel, components: Sequence[Compon
         if not isinstance(c, (MHSAHead, LorsaHead)):
             raise ConfigMismatchError(f"circuit components are MHSAHead / LorsaHead, got {c!r}")
         replacement.check(c)
+    refuse_repeats(components, "circuit components")
 
 
 def _fill(c: Component, mode: str, means: Any) -> Any:
@@ -224,7 +225,8 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
             are equal within the logits' rounding (:func:`~.metrics.check_gap`, the rule of ``normalized``): their
             ``f(k)`` would be 0/0 or rounding noise (until 2026-11-27 a warning and NaN for an exact tie only, noise
             fractions otherwise); drop those prompts (``task.select``).
-        ConfigMismatchError: no/unknown components, mean mode without means, ``ks`` outside ``[0, n]``.
+        ConfigMismatchError: no/unknown components, a component listed twice, mean mode without means, ``ks``
+            outside ``[0, n]``.
         ArgumentError: ``threshold`` not a finite number, ``ks`` not ints, non-finite ``scores``, a metric
             that does not return ``(batch,)``; an :class:`~.targets.MHSAHead` of a layer whose Lorsa (a component's)
             is spliced without an error term (``replacement.error`` False): its ablation would be discarded

@@ -26,7 +26,7 @@ from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
-from .interventions import ablate, check_positions, patch, read, refuse_inside_trace
+from .interventions import ablate, check_positions, patch, read, refuse_inside_trace, refuse_repeats
 from .metrics import logit_difference, metric_rounding, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -348,7 +348,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     baseline and each draw) goes through the replacements the whole pool needs, so the draws share one baseline.
 
     Raises:
-        ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``.
+        ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``; a target listed twice in ``pool`` (a draw of
+            ``k`` could hold fewer than ``k``).
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
 
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
@@ -362,6 +363,7 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
         raise ArgumentError(f"random_ablation_control: seed must be an int in [-2**63, 2**64), got {seed!r}")
     for t in pool:
         replacement.check(t)
+    refuse_repeats(pool, "random_ablation_control: the pool's targets")
     gen = torch.Generator(device=HOST).manual_seed(seed)  # draws on the CPU: the same on every device
     draws = [tuple(pool[int(i)] for i in torch.randperm(len(pool), generator=gen, device=HOST)[:k])
              for _ in range(n_samples)]

@@ -24,7 +24,7 @@ may stay on the CPU: nnsight moves a trace's input tensors to the model's device
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import nnsight
@@ -87,6 +87,17 @@ def refuse_inside_trace(what: str) -> None:
     raise TraceOrderError(f"{what}(replacement, ...) runs its own traces and cannot be called inside a "
                           "model.trace(...) / generate(...) body: call it before or after the trace; inside a trace, "
                           "edit with ablate / scale / steer / patch on replacement(target)")
+
+
+def refuse_repeats(targets: Sequence[Any], what: str) -> None:
+    """Raise :class:`~nnsight_lorsa.errors.ConfigMismatchError` naming the first target listed twice in
+    ``targets`` — a circuit's components, a control's pool — where each entry counts as one of ``n`` (a head listed
+    twice is one head: a circuit keeping one copy while ablating the other ablates it, a draw of ``k`` from the pool
+    may hold fewer than ``k``)."""
+    first: dict[Any, int] = {}
+    for i, t in enumerate(targets):
+        if first.setdefault(t, i) != i:
+            raise ConfigMismatchError(f"{what} must be distinct: {t} is listed at {first[t]} and {i}")
 
 
 def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, tuple]:

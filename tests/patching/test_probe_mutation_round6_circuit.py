@@ -127,3 +127,24 @@ def test_mhsa_and_lorsa_heads_of_the_same_layer_keep_only_runs_equal_ablating_th
             want_b = (m_kb - m_none[b]) / (m_all[b] - m_none[b])
             assert abs(float(cs.per_prompt_curve[k, b]) - float(want_b)) <= 1e-4 * scale / float(
                 (m_all[b] - m_none[b]).abs()), (k, b)
+
+
+def test_a_component_listed_twice_is_refused_by_name(setup):
+    """Found by the probe: a head listed twice is one head, and keeping one copy while the other is ablated ablated
+    it (the circuit of ``k`` held fewer than ``k`` heads, without a word); refused before anything runs."""
+    r, task = setup
+    comps = [MHSAHead(0, 1), LorsaHead(LAYER, 2), MHSAHead(0, 1)]
+    with pytest.raises(ConfigMismatchError, match=r"distinct: MHSAHead\(layer=0, head=1\) is listed at 0 and 2"):
+        circuit_size(r, task, comps, scores=torch.ones(len(task), 3), ks=[1])
+    with pytest.raises(ConfigMismatchError, match="distinct"):
+        component_scores(r, task, comps)
+
+
+def test_a_control_pool_with_a_target_listed_twice_is_refused_by_name(setup):
+    """A draw of ``k`` from a pool with a repeat could ablate fewer than ``k`` targets: refused before any run."""
+    from nnsight_lorsa.patching import random_ablation_control
+
+    r, task = setup
+    with pytest.raises(ConfigMismatchError, match=r"pool's targets must be distinct: MHSAHead\(layer=2, head=0\)"):
+        random_ablation_control(r, task.clean, [MHSAHead(2, 0), MHSAHead(2, 1), MHSAHead(2, 0)], 2,
+                                correct_ids=task.correct_ids, incorrect_ids=task.incorrect_ids)
