@@ -386,7 +386,11 @@ def test_the_cache_reads_back_the_direct_collection_and_resumes_exactly(tmp_path
     for i in (start, start + per_epoch):
         a = live(i)
         assert torch.equal(a.loss_mask, run[i].loss_mask)
-        assert torch.allclose(a.x, run[i].x, atol=1e-6, rtol=0) and torch.allclose(a.y, run[i].y, atol=1e-6, rtol=0)
+        # a few units of fp32 rounding of the largest value: the live batch and the windows written one per trace
+        # are other batch shapes (1.01e-6 apart on values up to 3.1 on an AVX-512 CPU: an atol of 1e-6 failed)
+        for got, want in ((a.x, run[i].x), (a.y, run[i].y)):
+            tol = 8 * torch.finfo(torch.float32).eps * max(float(want.abs().max()), 1.0)
+            assert float((got - want).abs().max()) <= tol, (float((got - want).abs().max()), tol)
     _check_batch(hf, ds, run[start], cached.window_ids(start), names[:2])
     # resumption: a fresh source started at `start` yields exactly the tail of the run from 0
     fresh = ActivationSource(ActivationCache(cache.directory), x, y, batch_size=batch_size, seed=seed)
