@@ -373,7 +373,8 @@ def probe_case(rng, family=None):
                 else:
                     sc = qk["score"].double().abs().max()
                     d = float((q2.qk["score"].double() - qk["score"].double()).abs().max() / sc.clamp_min(1e-30))
-                    if d > max(SAME_NOW[TOL], 1e-5):
+                    # fp32: 3e-5 (the scores of two batchings measured 1.24e-5 apart on an AVX-512 CPU, case 1262)
+                    if d > max(SAME_NOW[TOL], {torch.float32: 3e-5}.get(TOL, 1e-5)):
                         fails.append(f"qk{h}: scores differ across memory/batch by {d:.3g}")
         except Exception as e:
             fails.append(f"ERROR qk: {type(e).__name__}: {str(e)[:200]}")
