@@ -1,15 +1,23 @@
-"""Splice one replacement into several sites of a traced model, in execution order, for one trace.
+"""Splice one replacement into one or several sites of a traced model, in execution order, for one trace.
 
-The generalisation of :func:`.splice.splice` that SAEs and cross-layer transcoders need, on the
-same mechanism (make the module an envoy of this trace, so its hook points are, without adding it to the
-model's modules; a per-trace
-worker from :mod:`.nnsight_internals` that parks on the sites and swaps their outputs, detach when the
-worker ends, even if the trace raised). It differs in two ways:
+The shared mechanism behind ``LorsaSet.replace`` (attention), transcoders (MLP), SAEs (hook points) and
+cross-layer transcoders. Called from inside a ``model.trace(...)`` body, :func:`splice_chain`:
 
-* the replacement visits the sites of :attr:`SpliceChain.site_paths` one after the other and
-  carries a ``state`` dict from one to the next — a cross-layer transcoder encodes MLP ``l``'s
-  input at site ``l`` and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output;
-* each step also receives the site's true output — an SAE reconstructs it.
+1. makes the replacement module an envoy of this trace under :attr:`SpliceChain.attach_path` (it and its
+   :class:`~..modules.hook_point.HookPoint` children), without adding it to the model's modules
+   (:func:`~.nnsight_internals.attach`: NDIF refuses ``setattr`` on the model's modules);
+2. starts a per-trace worker (:mod:`.nnsight_internals`) that parks on the sites' inputs and outputs, calls
+   the replacement *observed* (its internals are served to the trace body, which can read and edit them), and
+   swaps each site's output for the replacement's;
+3. with ``error=True`` adds the error term (below; the error node of attribution graphs, Ameisen et al. 2025,
+   *Circuit Tracing*: error nodes);
+4. detaches the module when the worker ends — after its last swap, or when nnsight unwinds it because the trace
+   raised. Nothing survives the trace: no hook, no envoy, no controller.
+
+With several sites, the replacement visits the sites of :attr:`SpliceChain.site_paths` one after the other and
+carries a ``state`` dict from one to the next — a cross-layer transcoder encodes MLP ``l``'s input at site ``l``
+and decodes the features of every layer ``≤ l'`` into MLP ``l'``'s output; each step also receives the site's true
+output — an SAE reconstructs it.
 
 Rows: called inside ``tracer.invoke(...)`` it replaces that invoke's rows only — the module computes on the whole
 batch and each site writes back only the rows of the invokes that called it (the others keep the site's own output
