@@ -15,6 +15,7 @@ another's failure raises :class:`~nnsight_lorsa.errors.RankFailedError` with the
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,11 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, point: str) 
         # the DDP-wrapped trainer dropped before the group is destroyed (docs/training.md): left alive, a rank whose run
         # ended in an error could abort at its exit ("terminate called without an active exception"; 4 of 24 runs of
         # the [optimizer] case, none of 40 with this). The package's atexit drop of the DDP module
-        # (distributed._release_at_exit) lowers that rate but did not remove it under this harness (2 in ~50 runs)
-        del trainer
-        gc.collect()
+        # (distributed._release_at_exit) lowers that rate but did not remove it under this harness (2 in ~50 runs;
+        # measured with `PYTHONPATH=tests python THIS count N POINT keep`, which keeps the trainer)
+        if not os.environ.get("NNSIGHT_LORSA_PROBE_KEEP_TRAINER"):
+            del trainer
+            gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -227,7 +230,6 @@ def _kept_to_exit(init_file: str, out: str) -> None:
 def test_the_ddp_module_is_dropped_before_the_interpreter_finalizes(tmp_path):
     """A trainer kept to the process's exit: its DDP module (which holds the process group) is collected by the
     package's ``atexit`` handler, before the interpreter's finalization, where a rank could abort (SIGABRT)."""
-    import os
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -239,8 +241,37 @@ def test_the_ddp_module_is_dropped_before_the_interpreter_finalizes(tmp_path):
     assert (tmp_path / "out").read_text() == "collected"
 
 
+def _count_exits(n: int, point: str, keep: bool) -> None:
+    """``PYTHONPATH=tests python THIS count N POINT [keep]``: ``n`` two-rank runs of ``point`` (the worker dropping
+    its trainer before the group is destroyed, or, with ``keep``, keeping it alive past it), printing how often each
+    pair of exit codes came (-6: SIGABRT, the teardown abort): the measurement of docs/reliability.md's "DDP module
+    dropped at exit"."""
+    import collections
+    import subprocess
+    import tempfile
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNSIGHT_LORSA_PROBE_KEEP_TRAINER": "1" if keep else "",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    counts: collections.Counter = collections.Counter()
+    for _ in range(n):
+        with tempfile.TemporaryDirectory() as d:
+            procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", f"{d}/init", f"{d}/rank{r}", point],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+            try:
+                counts[tuple(p.wait(timeout=300) for p in procs)] += 1
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+    print(point, "trainer kept" if keep else "trainer dropped", dict(counts))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "exit":
         _kept_to_exit(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "count":
+        _count_exits(int(sys.argv[2]), sys.argv[3], sys.argv[4:] == ["keep"])
     else:
         _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
