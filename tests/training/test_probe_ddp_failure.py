@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import ROOT, TESTS, run_ranks
 
 D, F, STEPS, FAIL_STEP = 6, 24, 4, 2
 #: where rank 1 raises at step FAIL_STEP (``_last``: at the last step); the last three after the forward pass
@@ -204,6 +204,13 @@ def test_a_failing_rank_meets_the_others_at_their_next_check_and_they_raise_rank
         assert len(shapes) == checks[at] + 1, (at, shapes)  # stopped at that check: no collective after it
 
 
+def _script_env(**extra: str) -> dict[str, str]:
+    """The environment of this file run as a script: the tree and the tests on the path, one thread (as
+    :func:`helpers.run_ranks` gives its ranks), plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", **extra}
+
+
 def _kept_to_exit(init_file: str, out: str) -> None:
     """A one-rank run whose trainer (and its DDP module) is still alive at interpreter exit, after the group was
     destroyed; an ``atexit`` check registered before the :class:`DataParallel` (so run after the package's own
@@ -232,11 +239,8 @@ def test_the_ddp_module_is_dropped_before_the_interpreter_finalizes(tmp_path):
     package's ``atexit`` handler, before the interpreter's finalization, where a rank could abort (SIGABRT)."""
     import subprocess
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, __file__, "exit", str(tmp_path / "init"), str(tmp_path / "out")],
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=_script_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "out").read_text() == "collected"
 
@@ -250,9 +254,7 @@ def _count_exits(n: int, point: str, keep: bool) -> None:
     import subprocess
     import tempfile
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNSIGHT_LORSA_PROBE_KEEP_TRAINER": "1" if keep else "",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = _script_env(NNSIGHT_LORSA_PROBE_KEEP_TRAINER="1" if keep else "")
     counts: collections.Counter = collections.Counter()
     for _ in range(n):
         with tempfile.TemporaryDirectory() as d:
