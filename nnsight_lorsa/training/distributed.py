@@ -99,7 +99,7 @@ def _release_at_exit() -> None:
     ``destroy_process_group``, and a rank whose run had ended in an error could abort there ("terminate called without
     an active exception", SIGABRT, no Python frame): 3 of 64 runs of the failure probe's ``[optimizer]`` case run as a
     plain script on 2 CPU processes, none of 140 with this (2026-11-29). Not a guarantee: run through the probe's
-    pytest harness, 2 aborts in ~50 runs with it; dropping the trainer before ``destroy_process_group`` is what
+    pytest harness, 2 aborts in 96 runs with it; dropping the trainer before ``destroy_process_group`` is what
     docs/training.md advises. Registered with the first :class:`DataParallel`."""
     for dp in list(_LIVE):
         if hasattr(dp, "ddp"):

@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, init_file: str, out_prefix: str, point: str) 
         # the DDP-wrapped trainer dropped before the group is destroyed (docs/training.md): left alive, a rank whose run
         # ended in an error could abort at its exit ("terminate called without an active exception"; 4 of 24 runs of
         # the [optimizer] case, none of 40 with this). The package's atexit drop of the DDP module
-        # (distributed._release_at_exit) lowers that rate but did not remove it under this harness (2 in ~50 runs;
+        # (distributed._release_at_exit) lowers that rate but did not remove it under this harness (2 in 96 runs;
         # measured with `PYTHONPATH=tests python THIS count N POINT keep`, which keeps the trainer)
         if not os.environ.get("NNSIGHT_LORSA_PROBE_KEEP_TRAINER"):
             del trainer
