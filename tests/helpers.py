@@ -191,6 +191,12 @@ def tiny_llama_shared():
     return _TINY_LLAMA
 
 
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two modules hold the same state (the same names, every tensor equal bit for bit)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def tiny_nnsight(family: str, seed: int = 0, attn: str = "eager", device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
     """(nnsight TransformersModel, underlying HF model) for a tiny random model on ``device`` in ``dtype``

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import D, make_clt, make_lorsa, make_sae, tiny_nnsight
+from helpers import D, make_clt, make_lorsa, make_sae, same_weights, tiny_nnsight
 
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, get_adapter
 from nnsight_lorsa._placement import offloaded, set_offload
@@ -24,11 +24,6 @@ from nnsight_lorsa.formats import save as save_module
 def llama():
     model, hf = tiny_nnsight("llama")
     return model, hf, get_adapter(model)
-
-
-def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 # ------------------------------------------------------------------------------------------ load_keyed / key_of_folder

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import attribution_setup, make_lorsa, make_sae, make_transcoders, random_ids, rm, tiny_nnsight
+from helpers import (
+    attribution_setup,
+    make_lorsa,
+    make_sae,
+    make_transcoders,
+    random_ids,
+    rm,
+    same_weights,
+    tiny_nnsight,
+)
 
 from nnsight_lorsa import Graph, LorsaSet, SAESet, TranscoderSet, attribute, get_adapter
 from nnsight_lorsa.errors import ArgumentError, CheckpointError, MissingDependencyError
@@ -97,11 +106,6 @@ def hub(tmp_path, monkeypatch):
 def tiny():
     model, hf = tiny_nnsight("llama")
     return model, hf, get_adapter(model)
-
-
-def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_a_lorsa_set_round_trips_through_the_hub_layout(hub, tiny):
