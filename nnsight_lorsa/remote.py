@@ -314,7 +314,7 @@ def _named_tensors(obj: Any, name: str, depth: int = 0) -> Iterator[tuple[str, t
     elif isinstance(obj, ReplacementSet):  # every replacement kind, through the set contract
         for key, module in obj.items():
             for sub, t, _ in _named_tensors(module, f"{name}{obj.label(key)}", depth + 1):
-                yield sub, t, (key if isinstance(key, int) else None)
+                yield sub, t, obj.layer_of(key)
     elif isinstance(obj, nn.Module):
         for sub, t in (*obj.named_parameters(), *obj.named_buffers()):
             yield f"{name}.{sub}", t, None
@@ -438,20 +438,27 @@ def check_payload(obj: Any, cap_bytes: Any = None, layers: int | Iterable[int] |
 
 
 # ------------------------------------------------------------------ what to send
+def _layers_held(replacement: ReplacementModel) -> set[int]:
+    """The layers some module of ``replacement`` belongs to: a Lorsa's or transcoder's key, an SAE's site inside a
+    layer's block (a CLT spans every MLP and an SAE outside every layer names none)."""
+    return {layer for _, rset in replacement.sets() for key in rset if (layer := rset.layer_of(key)) is not None}
+
+
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
-    have = sorted({k for _, s in replacement.sets() for k in s if isinstance(k, int)})
+    have = sorted(_layers_held(replacement))
     chosen = have if layers is None else [layers] if isinstance(layers, int) else list(layers)
     for layer in chosen:
         if layer not in have:
-            raise LayerOutOfRangeError(f"no Lorsa or transcoder for layer {layer}; this ReplacementModel has layers "
-                                       f"{have}")
+            raise LayerOutOfRangeError(f"no Lorsa, transcoder or SAE at layer {layer}; this ReplacementModel has "
+                                       f"layers {have}")
     return chosen
 
 
 def _select(replacement: ReplacementModel, layers: int | Iterable[int] | None,
             copy: Any = None) -> ReplacementModel:
-    """``replacement`` with its per-layer sets cut to ``layers``, each module passed through ``copy``."""
-    chosen = _layer_list(replacement, layers)
+    """``replacement`` with its sets cut to ``layers`` (:meth:`~.envoy.replacement_set.ReplacementSet.subset`;
+    None: every module), each module passed through ``copy``."""
+    chosen = None if layers is None else _layer_list(replacement, layers)
     return replacement.with_sets(lambda s: s.subset(chosen, copy))
 
 
@@ -486,24 +493,26 @@ def _cast_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None = None,
                dtype: torch.dtype | None = None) -> ReplacementModel:
-    """A ReplacementModel with only the Lorsas / transcoders of ``layers``, every module cast to
+    """A ReplacementModel with only the Lorsas / transcoders / SAEs of ``layers``, every module cast to
     ``dtype``, ready to name in a remote trace.
 
     The copies are fresh modules (no nnsight instrumentation, nothing nnsight would send by
     reference), on the host whatever the client's device (a ``cuda:N`` or ``mps`` weight would
     travel with its device name; the server's splice moves each module to its layer's device on
     first use); when ``dtype`` equals a host weight's dtype the copy shares its storage (no memory).
-    SAEs and a cross-layer transcoder are kept whole (cast).
+    An SAE travels when its site is inside one of ``layers``' blocks (``model.layers.3``,
+    ``model.layers.3.mlp``: layer 3) or outside every layer (the embedding, the final norm: no layer names it); a
+    cross-layer transcoder always (it spans every MLP). (Until 2026-11-29 every SAE travelled whatever ``layers``.)
 
     Args:
         replacement: the model and its replacements.
-        layers: the layers the trace replaces (default: every layer with a Lorsa or transcoder).
+        layers: the layers the trace replaces (default: every module).
         dtype: default the model's dtype (:func:`model_dtype`). NDIF runs models in bfloat16; a
             client model built on the meta device without ``dtype=torch.bfloat16`` reports float32,
             so pass ``torch.bfloat16`` explicitly there.
 
     Raises:
-        LayerOutOfRangeError: a layer with neither a Lorsa nor a transcoder.
+        LayerOutOfRangeError: a layer with no Lorsa, transcoder or SAE.
         ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64.
         PlacementError: a module's weight is on the ``meta`` device (never loaded: the server would get
             no values), naming the module and the tensor; or a module's weight holds finite values past
@@ -515,7 +524,8 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
     check_dtype_arg(dtype, "for_remote")
     chosen = _layer_list(replacement, layers)
     target = dtype if dtype is not None else model_dtype(replacement, chosen[0] if chosen else None)
-    for slot, rset in _select(replacement, chosen).sets():  # the modules that travel, before any copy
+    keys = None if layers is None else chosen
+    for slot, rset in _select(replacement, keys).sets():  # the modules that travel, before any copy
         for key in rset:
             for name, t in rset[key].state_dict().items():
                 if t.device.type == "meta":
@@ -528,7 +538,7 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
                         f"for_remote: {slot}[{key!r}].{name} holds values beyond {target}'s range (max |v| = "
                         f"{big:.4g} > {torch.finfo(target).max:.4g}, stored in {t.dtype}): the cast would turn them "
                         "into inf and the remote trace compute NaN; pass dtype=torch.bfloat16 (fp32's range)")
-    return _select(replacement, chosen, copy=lambda m: _cast_copy(m, target))
+    return _select(replacement, keys, copy=lambda m: _cast_copy(m, target))
 
 
 # ------------------------------------------------------------------ requests

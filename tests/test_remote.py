@@ -385,19 +385,35 @@ def test_for_remote_casts_every_replacement_of_the_bundle() -> None:
     from helpers import make_sae, make_transcoder
 
     from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.errors import LayerOutOfRangeError
     from nnsight_lorsa.remote import for_remote, payload_report
 
     model, lorsas = _tiny_set()
+    saes = {"model.layers.2": make_sae(), "model.layers.1.mlp": make_sae(seed=1),
+            "model.embed_tokens": make_sae(seed=2)}
     rm = ReplacementModel(model, lorsas=lorsas, transcoders={0: make_transcoder(), 1: make_transcoder(seed=1)},
-                          saes={"model.layers.2": make_sae()})
+                          saes=saes)
     sent = for_remote(rm, layers=[1], dtype=torch.bfloat16)
-    assert sent.lorsas.layers == [1] and list(sent.transcoders) == [1] and list(sent.saes) == ["model.layers.2"]
-    for module in (sent.lorsas[1], sent.transcoders[1], sent.saes["model.layers.2"]):
+    # the SAEs inside layer 1's block and outside every layer travel; layer 2's does not (until 2026-11-29: all)
+    assert sent.lorsas.layers == [1] and list(sent.transcoders) == [1]
+    assert sorted(sent.saes) == ["model.embed_tokens", "model.layers.1.mlp"]
+    for module in (sent.lorsas[1], sent.transcoders[1], *sent.saes.values()):
         assert all(p.dtype == torch.bfloat16 for p in module.parameters())
     assert torch.equal(sent.transcoders[1].W_enc, rm.transcoders[1].W_enc.to(torch.bfloat16))
     names = {t.name for t in payload_report(sent).tensors}
-    assert {"lorsas[1].W_V", "transcoders[1].W_enc", "saes['model.layers.2'].W_enc"} <= names
-    assert payload_report(rm, layers=[1]).by_layer.keys() == {1, None}  # None: the SAE, kept whole
+    assert {"lorsas[1].W_V", "transcoders[1].W_enc", "saes['model.layers.1.mlp'].W_enc"} <= names
+    assert not any("model.layers.2" in n for n in names)
+    report = payload_report(rm, layers=[1])
+    assert report.by_layer.keys() == {1, None}  # None: the embedding's SAE
+    sae_bytes = sum(t.numel() * t.element_size() for t in saes["model.layers.1.mlp"].state_dict().values())
+    assert report.by_layer[None] == sae_bytes  # the embedding's SAE: same shapes as layer 1's
+    assert payload_report(rm).by_layer[2] == payload_report(rm.lorsas).by_layer[2] + sae_bytes
+    assert sorted(for_remote(rm, layers=[2]).saes) == ["model.embed_tokens", "model.layers.2"]
+    assert sorted(for_remote(rm).saes) == sorted(saes)  # no layers: every module
+    sae_only = ReplacementModel(model, saes=saes)
+    assert sorted(for_remote(sae_only, layers=2).saes) == ["model.embed_tokens", "model.layers.2"]
+    with pytest.raises(LayerOutOfRangeError, match="no Lorsa, transcoder or SAE at layer 0"):
+        for_remote(sae_only, layers=[0])
 
 
 @pytest.mark.parametrize("kind", ["lorsas", "transcoders", "saes"])
@@ -413,8 +429,8 @@ def test_for_remote_refuses_a_cast_that_turns_a_weight_into_inf(kind) -> None:
     from nnsight_lorsa.remote import for_remote
 
     model, lorsas = _tiny_set()
-    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.2": make_sae()})
-    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.2"}[kind]
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.1": make_sae()})
+    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.1"}[kind]
     module = getattr(rm, kind)[key]
     name = "b_D" if kind == "lorsas" else "b_dec"
     with torch.no_grad():
@@ -991,8 +1007,8 @@ def test_for_remote_refuses_a_module_never_loaded(kind) -> None:
     model, hf = tiny_nnsight("llama", device="meta")
     real = tiny_nnsight("llama")[1]
     lorsas = LorsaSet(model, {L: make_lorsa(real, get_adapter(model), layer=L) for L in (1, 2)})
-    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.2": make_sae()})
-    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.2"}[kind]
+    rm = ReplacementModel(model, lorsas=lorsas, transcoders={1: make_transcoder()}, saes={"model.layers.1": make_sae()})
+    key = {"lorsas": 1, "transcoders": 1, "saes": "model.layers.1"}[kind]
     sent = for_remote(rm, layers=[1], dtype=torch.bfloat16)
     assert all(p.device.type == "cpu" for p in getattr(sent, kind)[key].parameters())
     getattr(rm, kind)[key].to("meta")

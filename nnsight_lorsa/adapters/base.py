@@ -372,6 +372,22 @@ class ArchitectureAdapter:
         """
         return f"{self.layers_path}.{self.check_layer(layer)}"
 
+    def layer_of_path(self, path: str) -> int | None:
+        """The decoder layer whose block holds module ``path`` (:meth:`layer_path` itself or a module inside it,
+        e.g. an SAE's site ``model.layers.3.mlp`` → 3); None for a path outside every layer (the embedding, the
+        final norm, the unembedding) or naming no layer of this model.
+
+        Source: transformers ``models/<family>/modeling_<family>.py`` (where each family keeps its layers, attention,
+        MLP, norms and RoPE).
+        """
+        prefix = self.layers_path + "."
+        if not path.startswith(prefix):
+            return None
+        head = path[len(prefix):].split(".", 1)[0]
+        if not (head.isascii() and head.isdigit()) or str(int(head)) != head or int(head) >= self.n_layers:
+            return None  # "01", "٢", a layer past the model's: no module of this model
+        return int(head)
+
     def attention_path(self, layer: int) -> str:
         """Module path of layer ``layer``'s attention (as :meth:`layer_path`).
 

@@ -337,13 +337,38 @@ class ReplacementSet(Generic[K, M]):
         """A set of the same kind and model holding the modules at ``keys`` (default: all; keys the set
         lacks are skipped), each passed through ``transform`` (e.g. a copy cast to bf16 for a remote run).
         A per-layer set keeps the layers among ``keys``; an SAE set (keyed by site path) keeps the sites
-        among them, or all when ``keys`` holds no site path."""
+        among them and, for each layer number among them, the sites inside that layer's block
+        (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.layer_of_path`); with layer numbers, the sites
+        outside every layer (the embedding, the final norm) are kept too: no layer names them. (Until 2026-11-29 an
+        SAE set kept every site whenever ``keys`` held no site path, so ``for_remote(layers=...)`` shipped all SAEs.)
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
         keep = transform if transform is not None else (lambda m: m)
         wanted = None if keys is None else set(keys)
-        if wanted is not None and self.key_type is str and not any(isinstance(k, str) for k in wanted):
-            wanted = None  # layers select per-layer sets; SAEs (by site) travel whole
-        return type(self)(self.model, {k: keep(self[k]) for k in self if wanted is None or k in wanted},
-                          self.adapter)
+
+        layers = set() if wanted is None else {k for k in wanted if isinstance(k, int) and not isinstance(k, bool)}
+
+        def kept(key: Any) -> bool:
+            if wanted is None or key in wanted:
+                return True
+            if self.key_type is not str or not layers:
+                return False
+            layer = self.layer_of(key)
+            return layer is None or layer in layers
+
+        return type(self)(self.model, {k: keep(self[k]) for k in self if kept(k)}, self.adapter)
+
+    def layer_of(self, key: K) -> int | None:
+        """The decoder layer the module at ``key`` belongs to: a per-layer set's key itself; an SAE's site inside a
+        layer's block that layer (:meth:`~nnsight_lorsa.adapters.base.ArchitectureAdapter.layer_of_path`); None for
+        a site outside every layer (the embedding, the final norm) and for a CLT (it spans every MLP).
+
+        Source: ours (the shared contract of this package's replacement sets).
+        """
+        if isinstance(key, int) and not isinstance(key, bool):
+            return key
+        return self.adapter.layer_of_path(key) if self.key_type is str and isinstance(key, str) else None
 
     def n_latents(self, key: K) -> int:
         """How many latents (features, OV heads) the module at ``key`` has: its dead-latent count's size.

@@ -202,7 +202,7 @@ def test_a_saved_clt_lies_in_the_sets_own_folder_and_loads_back(llama, tmp_path)
 
 def test_a_subset_keeps_exactly_the_keys_it_names(llama):
     """``ReplacementSet.subset(keys)`` (what ``remote`` ships): a per-layer set keeps the layers among ``keys`` (none
-    for an empty list; keys it lacks skipped), an SAE set the sites among them, or all when ``keys`` names no site;
+    for an empty list; keys it lacks skipped), an SAE set the sites among them and those inside the layers among them;
     each kept module is ``transform``'s output."""
     model, hf, adapter = llama
     lorsas = LorsaSet(model, {layer: make_lorsa(hf, adapter, layer, seed=layer) for layer in (0, 1, 2)})
@@ -215,4 +215,6 @@ def test_a_subset_keeps_exactly_the_keys_it_names(llama):
     saes = SAESet(model, {site: make_sae(seed=i) for i, site in enumerate(sites)})
     assert list(saes.subset([sites[1]])) == [sites[1]]
     assert list(saes.subset([sites[0], 7])) == [sites[0]]
-    assert list(saes.subset([1])) == sites and list(saes.subset([])) == sites
+    # layer numbers keep the SAEs inside those layers' blocks (until 2026-11-29 an SAE set kept every site)
+    assert list(saes.subset([1])) == [] and list(saes.subset([])) == [] and list(saes.subset([2])) == [sites[1]]
+    assert list(saes.subset([0, sites[1]])) == sites and list(saes.subset(None)) == sites
