@@ -586,7 +586,11 @@ class Trainer:
                                          f"{directory} (a checkpoint already there is kept)",
                                          step=self.step, tensor=name)
         cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
+        # the parameters that have Adam state: a resume checks the optimizer file holds exactly these (a parameter
+        # with no entry would otherwise pass for one that never had a gradient, and restart its moments)
+        adam_params = sorted({name.rpartition(".")[0] for name in opt_tensors})
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
+                "adam_params": adam_params,
                 self.objective.config_key: self.objective.module_config(), "history": self.config.history,
                 **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id is not None else {}),
                 **({"run_info": self.run_info} if self.run_info else {}),
@@ -714,7 +718,7 @@ class Trainer:
         if fresh:
             self._restore_masters(masters)
             masters = {}  # set: none left for the setting below, and the file's pages let go
-        adam = self._saved_adam_state(d / "optimizer.safetensors")
+        adam = self._saved_adam_state(d / "optimizer.safetensors", meta.get("adam_params"), d / "trainer.json")
         counters = self._saved_counters(d / "state.safetensors")
         # the objective's entries (a CLT's per-layer scales, a Lorsa's recipe): checked and set before the trainer's
         # own state, so that their refusal leaves the trainer as it was (until 2026-11-28 it ran last)
@@ -735,13 +739,16 @@ class Trainer:
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
 
-    def _saved_adam_state(self, path: Path) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _saved_adam_state(self, path: Path, listed: Any = None,
+                          meta_path: Path | None = None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """``[(parameter the optimizer steps, {slot: tensor})]`` of ``optimizer.safetensors``: each parameter's Adam
         slots complete (``step``, ``exp_avg``, ``exp_avg_sq``), float, finite, of the parameter's shape (``step``
-        0-dim); a parameter without any entry has no state (it had no gradient).
+        0-dim), for exactly the parameters ``listed`` (``trainer.json``'s ``adam_params``, written since 2026-11-29);
+        in a checkpoint without that list, a parameter without any entry has no state (it had no gradient).
 
         Raises:
-            CheckpointError: an unknown parameter or slot, an incomplete state, a wrong shape or dtype (named)."""
+            CheckpointError: an unknown parameter or slot, an incomplete state, a wrong shape or dtype, a parameter
+                ``listed`` with no entry or one with entries not listed, a malformed list (named)."""
         params = {n: self.masters.held(p) for n, p in self.module.named_parameters()}
         slots = {"step", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if self.optimizer.defaults["amsgrad"] else ())}
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -759,6 +766,17 @@ class Trainer:
         for name, entries in state.items():
             if set(entries) != slots:
                 raise CheckpointError(f"{path}: the Adam state of {name!r} lacks {sorted(slots - set(entries))}")
+        if listed is not None:
+            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+                raise CheckpointError(f"{meta_path}: key 'adam_params' must be a list of parameter names, got "
+                                      f"{listed!r}")
+            if set(listed) != set(state):
+                missing, extra = sorted(set(listed) - set(state)), sorted(set(state) - set(listed))
+                raise CheckpointError(
+                    f"{path}: holds Adam state for other parameters than {meta_path} lists (adam_params): "
+                    + "; ".join(part for part in (f"missing {missing}" if missing else "",
+                                                  f"not listed {extra}" if extra else "") if part)
+                    + " (files of different saves?)")
         _check_finite(path, {f"{n}.{k}": v for n, e in state.items() for k, v in e.items()})
         return [(params[n], e) for n, e in state.items()]
 

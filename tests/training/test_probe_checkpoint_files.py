@@ -113,6 +113,15 @@ TAMPERED = [
     ("s_in missing", "trainer.json", lambda m: m.pop("s_in"), r"trainer.json: key 's_in' must be a positive finite"),
     ("s_out a string", "trainer.json", _set("s_out", "x"), r"key 's_out' must be a positive finite number .* got 'x'"),
     ("s_in negative", "trainer.json", _set("s_in", -1.0), r"key 's_in' must be a positive finite number .* got -1.0"),
+    # 2026-11-29: a parameter's whole Adam state gone resumed with fresh moments for it (taken as never stepped)
+    ("a parameter's whole Adam state missing", "optimizer.safetensors",
+     lambda t: [t.pop(k) for k in [k for k in t if k.startswith("W_dec.")]],
+     r"optimizer.safetensors: holds Adam state for other parameters than .*trainer.json lists .*missing \['W_dec'\]"),
+    ("a parameter's Adam state not listed", "trainer.json",
+     lambda m: m.__setitem__("adam_params", [n for n in m["adam_params"] if n != "b_enc"]),
+     r"optimizer.safetensors: holds Adam state .*not listed \['b_enc'\]"),
+    ("adam_params not a list", "trainer.json", _set("adam_params", "W_dec"),
+     r"trainer.json: key 'adam_params' must be a list of parameter names, got 'W_dec'"),
 ]
 
 
@@ -400,3 +409,13 @@ def test_the_objectives_entries_round_trip(tmp_path_factory, kind):
         assert all(type(v) is float for v in resumed.s_in_layers + resumed.s_out_layers)
     else:
         assert resumed.objective.recipe.to_dict() == meta["lorsa_recipe"]
+
+
+def test_a_checkpoint_without_the_adam_list_resumes_as_before(base, tmp_path):
+    """A checkpoint written before ``adam_params`` existed resumes (the list is optional), and the list a save writes
+    names every parameter the optimizer stepped."""
+    meta = json.loads((base / "trainer.json").read_text())
+    assert meta["adam_params"] == sorted(n for n, _ in _sae_trainer().module.named_parameters())
+    old = edited(base, tmp_path / "old", "trainer.json", lambda m: m.pop("adam_params"))
+    resumed = Trainer.resume(old, _source)
+    _assert_same_trainer(resumed, Trainer.resume(base, _source))
