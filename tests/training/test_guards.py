@@ -11,6 +11,7 @@ as they do for a user, not beartype's.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from typing import Any
 
@@ -128,6 +129,43 @@ def test_the_reported_configs_are_refused(field, value):
     kwargs = {"total_steps": 10, field: value}
     with pytest.raises(ArgumentError, match=rf"TrainConfig\.{field}\b.*{re.escape(repr(value))}"):
         construct(TrainConfig, **kwargs)
+
+
+_UP, _DOWN = math.nextafter(1.0, 2.0), math.nextafter(1.0, 0.0)
+_TINY = math.nextafter(0.0, 1.0)
+#: each range's edges, one ulp either side (the drawn values above reach them only by chance)
+EDGES = [
+    ("lr", _TINY, True), ("lr", 0.0, False), ("lr", -_TINY, False), ("lr", 1e308, True),
+    ("betas", (0.0, 0.0), True), ("betas", (_DOWN, _DOWN), True), ("betas", (1.0, 0.5), False),
+    ("betas", (0.5, 1.0), False), ("betas", (-_TINY, 0.5), False),
+    ("grad_clip", 0.0, True), ("grad_clip", -_TINY, False), ("aux_k_coef", 0, True), ("l1_coef", -_TINY, False),
+    ("decay_to", 0.0, True), ("decay_to", 1.0, True), ("decay_to", _UP, False), ("decay_to", -_TINY, False),
+    ("warmup_frac", 1.0, True), ("warmup_frac", _UP, False), ("warmup_frac", -_TINY, False),
+    ("decay_frac", 1.0, True), ("decay_frac", _UP, False),
+    (("warmup_frac", "decay_frac"), (0.25, 0.75), True), (("warmup_frac", "decay_frac"), (0.5, 0.5), True),
+    (("warmup_frac", "decay_frac"), (0.5, _UP - 0.5), False),  # the sum is 1 + 1 ulp
+    # the rule is on the floating sum: these round to exactly 1 (and the step counts, floors of the products, fit)
+    (("warmup_frac", "decay_frac"), (0.5, math.nextafter(0.5, 1.0)), True),
+    (("warmup_frac", "decay_frac"), (_TINY, 1.0), True),
+    ("total_steps", 1, True), ("norm_batches", 1, True), ("dead_after_tokens", 1, True), ("log_every", 1, True),
+    ("aux_k", 1, True), ("aux_k", 0, False),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "ok"), EDGES, ids=[f"{f}={v!r}" for f, v, _ in EDGES])
+def test_each_range_edge_is_accepted_or_refused_as_documented(field, value, ok):
+    """The documented ranges (``TrainConfig.validate``) at their edges: ``lr > 0``, ``betas`` in ``[0, 1)``, the
+    non-negative coefficients, ``decay_to`` / ``warmup_frac`` / ``decay_frac`` in ``[0, 1]`` with
+    ``warmup_frac + decay_frac <= 1``, the counts ``>= 1``."""
+    kwargs: dict[str, Any] = {"total_steps": 10, "warmup_frac": 0.0, "decay_frac": 0.0}
+    kwargs.update(dict(zip(field, value, strict=True)) if isinstance(field, tuple) else {field: value})
+    if ok:
+        got = construct(TrainConfig, **kwargs)
+        for name, v in kwargs.items():
+            assert getattr(got, name) == v
+    else:
+        with pytest.raises(ArgumentError, match=r"TrainConfig\."):
+            construct(TrainConfig, **kwargs)
 
 
 def test_a_field_set_after_construction_is_refused_by_the_trainer():
