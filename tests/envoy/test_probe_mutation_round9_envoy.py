@@ -5,14 +5,16 @@ follow, the padding checks), the unmodified model or a plain torch forward hook.
 
 from __future__ import annotations
 
+import shutil
+
 import nnsight
 import pytest
 import transformers
-from helpers import make_lorsa, random_ids, tiny_nnsight, unembed
+from helpers import make_lorsa, random_ids, same_weights, tiny_nnsight, unembed
 
-from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.envoy.lorsa_set import check_generation
-from nnsight_lorsa.errors import UnsupportedGenerationError
+from nnsight_lorsa.errors import ConfigMismatchError, UnsupportedGenerationError
 
 LAYER = 1
 
@@ -63,3 +65,39 @@ def test_generate_with_a_beam_search_generation_config_is_refused_before_any_tok
         lorsa.replace(layer=LAYER)
         reached.append(nnsight.save(unembed(model).output))
     assert not reached
+
+
+# ------------------------------------------------------------------------------------------------ LorsaSet.check / io
+def test_a_lorsa_wider_than_the_model_is_refused(llama):
+    """``d_model`` must equal the model's (the Lorsa reads and writes its residual stream): wider is refused like
+    narrower, before any trace."""
+    model, hf, _ = llama
+    d = hf.config.hidden_size
+    for width in (d // 2, 2 * d):
+        wrong = Lorsa(LorsaConfig(d_model=width, n_qk_heads=2, d_qk_head=16, n_ov_heads=8, top_k=2))
+        with pytest.raises(ConfigMismatchError, match=f"d_model={width}, the model has {d}"):
+            LorsaSet(model, {LAYER: wrong})
+
+
+def test_a_lorsa_trained_for_layer_0_is_refused_at_another_layer(llama):
+    """``cfg.layer`` records the layer it was trained for; 0 is a layer like any other (not "unset")."""
+    model, hf, _ = llama
+    adapter = get_adapter(model)
+    with pytest.raises(ConfigMismatchError, match="trained for layer 0, not layer 1"):
+        LorsaSet(model, {1: make_lorsa(hf, adapter, 0)})
+    assert list(LorsaSet(model, {0: make_lorsa(hf, adapter, 0)})) == [0]
+
+
+def test_a_folder_renamed_to_layer_0_names_layer_0(llama, tmp_path):
+    """``layer_0`` names layer 0 (from_pretrained's documented rule: the folder's name first, the checkpoint's
+    ``cfg.layer`` only where the name is none): a Lorsa of layer 1 copied by hand to ``layer_0`` is refused, not
+    quietly loaded back at layer 1; the set saved as it was loads at its own layers."""
+    model, hf, _ = llama
+    adapter = get_adapter(model)
+    lorsas = {0: make_lorsa(hf, adapter, 0, seed=5), 1: make_lorsa(hf, adapter, 1, seed=6)}
+    LorsaSet(model, lorsas).save(tmp_path / "set")
+    back = LorsaSet.from_pretrained(model, tmp_path / "set")
+    assert list(back) == [0, 1] and all(same_weights(back[k], lorsas[k]) for k in (0, 1))
+    shutil.copytree(tmp_path / "set" / "layer_1", tmp_path / "renamed" / "layer_0")
+    with pytest.raises(ConfigMismatchError, match="trained for layer 1, not layer 0"):
+        LorsaSet.from_pretrained(model, tmp_path / "renamed")
