@@ -13,6 +13,7 @@ import transformers
 from helpers import make_lorsa, random_ids, same_weights, tiny_nnsight, unembed
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
+from nnsight_lorsa.envoy import lorsa_set as lorsa_set_module
 from nnsight_lorsa.envoy.lorsa_set import check_generation
 from nnsight_lorsa.errors import ConfigMismatchError, UnsupportedGenerationError
 
@@ -101,3 +102,21 @@ def test_a_folder_renamed_to_layer_0_names_layer_0(llama, tmp_path):
     shutil.copytree(tmp_path / "set" / "layer_1", tmp_path / "renamed" / "layer_0")
     with pytest.raises(ConfigMismatchError, match="trained for layer 1, not layer 0"):
         LorsaSet.from_pretrained(model, tmp_path / "renamed")
+
+
+def test_beams_from_the_generation_config_are_refused_at_the_first_cached_step_where_the_method_is_unknown(
+        llama, monkeypatch):
+    """Where ``replace`` cannot tell the traced method (a remote server: ``traced_method`` is None) it ignores the
+    model's ``generation_config``; the first cached step then checks it (``LorsaSet.site``'s documented check), so a
+    beam search set only there is still refused, not run with a Lorsa that cannot follow the beams."""
+    model, hf, lorsa = llama
+    monkeypatch.setattr(lorsa_set_module, "traced_method", lambda interleaver: None)
+    monkeypatch.setattr(hf.generation_config, "num_beams", 2)
+    with pytest.raises(UnsupportedGenerationError, match="num_beams=2"), model.generate(
+            random_ids(1, 6), max_new_tokens=3, pad_token_id=1):
+        lorsa.replace(layer=LAYER)
+    monkeypatch.setattr(hf.generation_config, "num_beams", 1)
+    with model.generate(random_ids(1, 6), max_new_tokens=3, min_new_tokens=3, pad_token_id=1) as tracer:
+        lorsa.replace(layer=LAYER)
+        out = nnsight.save(tracer.result)
+    assert out.shape == (1, 9)
