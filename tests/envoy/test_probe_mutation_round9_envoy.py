@@ -9,6 +9,7 @@ import shutil
 
 import nnsight
 import pytest
+import torch
 import transformers
 from helpers import make_lorsa, random_ids, same_weights, tiny_nnsight, unembed
 
@@ -120,3 +121,26 @@ def test_beams_from_the_generation_config_are_refused_at_the_first_cached_step_w
         lorsa.replace(layer=LAYER)
         out = nnsight.save(tracer.result)
     assert out.shape == (1, 9)
+
+
+# ---------------------------------------------------------------------------------------------------- _own_tokens
+@pytest.mark.parametrize("additive", [False, True])
+@pytest.mark.parametrize("new", [None, 5])
+def test_a_padded_row_that_the_masking_code_unmasked_is_still_padding(additive, new):
+    """transformers 4's SDPA path (``AttentionMaskConverter._unmask_unattended``, torch < 2.5's fix) lets a fully
+    masked query row (a left pad: every key up to it is padding) attend everywhere, later keys included; such a row
+    is padding all the same (``_own_tokens``' documented rule). Reference: the batch's 2-D mask."""
+    from transformers import masking_utils as mu
+
+    from nnsight_lorsa.envoy.lorsa_set import _own_tokens
+
+    mask2d = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1]]).bool()
+    total = mask2d.shape[1]
+    q = total if new is None else new
+    allowed = mu.sdpa_mask(batch_size=3, q_length=q, kv_length=total, q_offset=total - q, allow_is_causal_skip=False,
+                           attention_mask=mask2d)
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # the unmasking: fully masked rows attend everywhere
+    assert bool(allowed[0, 0, 0].all())  # row 0's first query here is a pad, and now sees later keys too
+    mask = allowed if not additive else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    got = _own_tokens(mask, 3, q, torch.device("cpu"))
+    assert torch.equal(got, mask2d[:, total - q:])
