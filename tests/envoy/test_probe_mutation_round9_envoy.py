@@ -144,3 +144,131 @@ def test_a_padded_row_that_the_masking_code_unmasked_is_still_padding(additive, 
     mask = allowed if not additive else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     got = _own_tokens(mask, 3, q, torch.device("cpu"))
     assert torch.equal(got, mask2d[:, total - q:])
+
+
+# ----------------------------------------------------------------------------------------------------------- read.py
+def hooked_values(hf, adapter, layer: int, ids: torch.Tensor, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Plain torch reference: layer ``layer``'s attention input / output and the decoder layer's output, from forward
+    hooks on the Hugging Face model itself; and how often the last decoder layer ran."""
+    got: dict = {"last_ran": 0}
+    attn = adapter.attention_module(hf, layer)
+    block = hf.model.layers[layer]
+
+    def pre(module, args, kwargs):
+        got["x"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+
+    def post(module, args, out):
+        got["y"] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+
+    def block_post(module, args, out):
+        got["resid"] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+
+    def last(module, args, out):
+        got["last_ran"] += 1
+
+    hooks = [attn.register_forward_pre_hook(pre, with_kwargs=True), attn.register_forward_hook(post),
+             block.register_forward_hook(block_post), hf.model.layers[-1].register_forward_hook(last)]
+    try:
+        with torch.no_grad():
+            hf(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_read_sites_honours_the_attention_mask_of_a_left_padded_batch(llama):
+    """``read_sites(..., attention_mask=mask)`` reads what the model computes under that mask (its documented
+    argument): on a left-padded batch the token rows' attention input and output equal the hooked forward's with the
+    same mask — which differs from the unmasked one (the test would pass trivially otherwise)."""
+    from nnsight_lorsa.envoy.read import attention_activations
+
+    model, hf, _ = llama
+    adapter = get_adapter(model)
+    ids = random_ids(2, 7, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 1
+    acts = attention_activations(model, LAYER, ids, attention_mask=mask)
+    want = hooked_values(hf, adapter, LAYER, ids, mask)
+    unmasked = hooked_values(hf, adapter, LAYER, ids, None)
+    tok = mask.bool()
+    assert rel(acts.x[tok], want["x"][tok]) <= 1e-6 and rel(acts.y[tok], want["y"][tok]) <= 1e-6
+    assert rel(unmasked["y"][tok], want["y"][tok]) > 1e-3
+
+
+def test_a_site_without_a_kind_reads_the_modules_output(llama):
+    """``Site(path)``: ``kind`` defaults to ``"output"`` (the dataclass's documented default), the decoder layer's
+    output here, not its input."""
+    from nnsight_lorsa.envoy.read import Site, read_sites
+
+    model, hf, _ = llama
+    adapter = get_adapter(model)
+    assert Site(adapter.layer_path(LAYER)).kind == "output"
+    ids = random_ids(2, 6, seed=5)
+    got = read_sites(model, {"r": Site(adapter.layer_path(LAYER))}, ids)
+    want = hooked_values(hf, adapter, LAYER, ids, None)
+    assert rel(got["r"], want["resid"]) <= 1e-6
+
+
+def test_read_sites_stops_after_the_last_site_unless_edits_are_stored(llama):
+    """``read_sites`` stops the trace after its last site, so later layers are not computed (the documented cost),
+    unless ``model.edit()`` stored edits (nnsight replays them in the trace, the pass then runs to the end); the
+    values read are the hooked forward's either way."""
+    from nnsight_lorsa.envoy.read import Site, read_sites
+
+    model, hf, lorsa = llama
+    adapter = get_adapter(model)
+    ids = random_ids(2, 6, seed=6)
+    want = hooked_values(hf, adapter, 0, ids, None)
+    ran = []
+    hook = hf.model.layers[-1].register_forward_hook(lambda module, args, out: ran.append(1))
+    try:
+        got = read_sites(model, {"r": Site.resid_post(adapter, 0)}, ids)
+        assert not ran and rel(got["r"], want["resid"]) <= 1e-6
+        with model.edit(inplace=True):
+            lorsa.replace(layer=LAYER)
+        try:
+            got = read_sites(model, {"r": Site.resid_post(adapter, 0)}, ids)
+        finally:
+            model.clear_edits()
+        assert ran and rel(got["r"], want["resid"]) <= 1e-6
+    finally:
+        hook.remove()
+
+
+def test_each_named_site_reads_the_value_its_name_says(llama):
+    """``Site.mlp_input / mlp_output / attn_input / attn_output / resid_post / attn_positions`` against forward hooks
+    on the Hugging Face modules they name (the MLP, the attention, the decoder layer), all read in one trace."""
+    from nnsight_lorsa.envoy.read import Site, read_sites
+
+    model, hf, _ = llama
+    adapter = get_adapter(model)
+    block = hf.model.layers[LAYER]
+    mods = {"mlp": block.mlp, "attn": adapter.attention_module(hf, LAYER), "block": block}
+    want: dict = {}
+    hooks = []
+    for name, mod in mods.items():
+        hooks.append(mod.register_forward_pre_hook(
+            lambda m, a, k, name=name: want.__setitem__(f"{name}_in", (a[0] if a else k["hidden_states"]).clone()),
+            with_kwargs=True))
+        hooks.append(mod.register_forward_hook(
+            lambda m, a, o, name=name: want.__setitem__(f"{name}_out", (o[0] if isinstance(o, tuple) else o).clone())))
+    ids = random_ids(2, 6, seed=7)
+    try:
+        with torch.no_grad():
+            hf(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    sites = {"mlp_in": Site.mlp_input(adapter, LAYER), "mlp_out": Site.mlp_output(adapter, LAYER),
+             "attn_in": Site.attn_input(adapter, LAYER), "attn_out": Site.attn_output(adapter, LAYER),
+             "block_out": Site.resid_post(adapter, LAYER), "positions": Site.attn_positions(adapter, LAYER)}
+    got = read_sites(model, sites, ids)
+    for name in ("mlp_in", "mlp_out", "attn_in", "attn_out", "block_out"):
+        assert rel(got[name], want[name]) <= 1e-6, name
+    assert torch.equal(got["positions"].reshape(-1, 6)[0], torch.arange(6))
