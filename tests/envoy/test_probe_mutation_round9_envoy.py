@@ -272,3 +272,25 @@ def test_each_named_site_reads_the_value_its_name_says(llama):
     for name in ("mlp_in", "mlp_out", "attn_in", "attn_out", "block_out"):
         assert rel(got[name], want[name]) <= 1e-6, name
     assert torch.equal(got["positions"].reshape(-1, 6)[0], torch.arange(6))
+
+
+# -------------------------------------------------------------------------------------------------------- padding.py
+def test_padding_mask_is_none_for_a_4d_mask(llama):
+    """``padding_mask``: a 4-D ``attention_mask`` (the model's own shape, passed by hand) says nothing about which
+    positions are tokens — None, as documented — while the 2-D mask of the same padding gives the rows' tokens."""
+    from nnsight_lorsa.patching import padding_mask
+
+    model, hf, _ = llama
+    ids = random_ids(2, 5, seed=8)
+    mask2d = torch.ones_like(ids)
+    mask2d[0, :2] = 0
+    causal = torch.ones(5, 5).tril().bool()
+    allowed = causal[None, None] & mask2d.bool()[:, None, None, :]
+    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad(), model.trace(ids, attention_mask=additive):
+        four = nnsight.save([padding_mask(model)])
+    assert four == [None]
+    with torch.no_grad(), model.trace(ids, attention_mask=mask2d):
+        two = nnsight.save(padding_mask(model))
+    assert torch.equal(two, mask2d.bool())
