@@ -294,3 +294,22 @@ def test_padding_mask_is_none_for_a_4d_mask(llama):
     with torch.no_grad(), model.trace(ids, attention_mask=mask2d):
         two = nnsight.save(padding_mask(model))
     assert torch.equal(two, mask2d.bool())
+
+
+
+@pytest.mark.parametrize("clean_padded", [True, False])
+def test_a_padded_batch_against_an_unpadded_one_is_padded_differently(clean_padded):
+    """``check_same_padding``: None means no row padded, i.e. all ones (``padding_mask``'s documented None); so one
+    side padded and the other None is refused whichever side it is, while an all-ones mask equals None."""
+    from nnsight_lorsa.envoy.padding import check_same_padding
+    from nnsight_lorsa.errors import ArgumentError
+
+    padded = torch.ones(2, 5, dtype=torch.bool)
+    padded[1, :2] = False
+    clean, corrupt = (padded, None) if clean_padded else (None, padded)
+    with pytest.raises(ArgumentError, match=r"padded differently \(rows \[1\]\)"):
+        check_same_padding(clean, corrupt, "patching")
+    check_same_padding(None, None, "patching")
+    check_same_padding(torch.ones(2, 5, dtype=torch.bool), None, "patching")
+    check_same_padding(None, torch.ones(2, 5, dtype=torch.bool), "patching")
+    check_same_padding(padded, padded.clone(), "patching")
