@@ -313,3 +313,20 @@ def test_a_padded_batch_against_an_unpadded_one_is_padded_differently(clean_padd
     check_same_padding(torch.ones(2, 5, dtype=torch.bool), None, "patching")
     check_same_padding(None, torch.ones(2, 5, dtype=torch.bool), "patching")
     check_same_padding(padded, padded.clone(), "patching")
+
+
+# -------------------------------------------------------------------------------------------------------- targets.py
+@pytest.mark.parametrize("head", [True, False, -1, 4])
+def test_a_head_index_that_is_no_int_in_range_is_refused(llama, head):
+    """``MHSAHead(layer, True)`` is no head (a bool is an ``int`` to Python, not an index to a user): refused with
+    ``TargetIndexError`` like an index out of ``[0, n_heads)``, before any model runs; the heads in range bind."""
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.envoy.targets import MHSAHead, TargetIndexError
+
+    model, hf, _ = llama
+    r = ReplacementModel(model)
+    n = hf.config.num_attention_heads
+    assert n == 4
+    with pytest.raises(TargetIndexError, match="out of range"):
+        r(MHSAHead(LAYER, head))
+    assert [r(MHSAHead(LAYER, h)).target.head for h in range(n)] == list(range(n))
