@@ -330,3 +330,16 @@ def test_a_head_index_that_is_no_int_in_range_is_refused(llama, head):
     with pytest.raises(TargetIndexError, match="out of range"):
         r(MHSAHead(LAYER, head))
     assert [r(MHSAHead(LAYER, h)).target.head for h in range(n)] == list(range(n))
+
+
+def test_a_target_index_out_of_range_is_an_index_error_like_a_layer_out_of_range(llama):
+    """``TargetIndexError`` is an ``IndexError`` (Python's convention for an index outside its range, as
+    ``LayerOutOfRangeError`` is): code that catches ``IndexError`` around a bad head catches it."""
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.envoy.targets import MHSAHead
+
+    model, _, _ = llama
+    r = ReplacementModel(model)
+    for bad in (MHSAHead(LAYER, 4), MHSAHead(99, 0)):
+        with pytest.raises(IndexError, match="out of range"):
+            r(bad)
