@@ -343,3 +343,18 @@ def test_a_target_index_out_of_range_is_an_index_error_like_a_layer_out_of_range
     for bad in (MHSAHead(LAYER, 4), MHSAHead(99, 0)):
         with pytest.raises(IndexError, match="out of range"):
             r(bad)
+
+
+# ---------------------------------------------------------------------------------------------- nnsight_internals.py
+def test_a_site_with_a_real_child_of_the_splices_name_is_refused_not_shadowed():
+    """``attach``: the attention module has a child of its own named ``lorsa`` (the name the splice mounts under);
+    ``replace`` refuses it (``TraceOrderError``) instead of hiding that child behind the Lorsa's envoy."""
+    from nnsight_lorsa.errors import TraceOrderError
+
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = LorsaSet(model, {LAYER: make_lorsa(hf, adapter, LAYER)})
+    adapter.attention_module(hf, LAYER).add_module("lorsa", torch.nn.Identity())
+    with pytest.raises(TraceOrderError, match="already has a child module named 'lorsa'"), model.trace(
+            random_ids(1, 5)):
+        lorsa.replace(layer=LAYER)
