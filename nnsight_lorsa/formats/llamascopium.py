@@ -210,7 +210,8 @@ __all__ = ["CONFIG_FILE", "READER", "WEIGHTS_FILE", "build", "has_files", "is_tr
 def _n_ov_heads(raw: dict[str, Any], path: Path, d_model: int) -> int:
     d_sae = config_size(raw, "d_sae", path) if raw.get("d_sae") is not None else None
     if raw.get("expansion_factor") is not None:
-        n_ov = scaled_size(d_model, config_value(raw, "expansion_factor", path, float), path, "expansion_factor")
+        n_ov = scaled_size(d_model, config_value(raw, "expansion_factor", path, float), path, "expansion_factor",
+                           floor=True)
         require(d_sae is None or d_sae == n_ov, path,
                 f"key 'd_sae' ({d_sae}) disagrees with d_model * expansion_factor ({n_ov})")
         return n_ov

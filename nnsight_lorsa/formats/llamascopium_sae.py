@@ -80,7 +80,7 @@ THRESHOLD_KEY = "activation_function.log_jumprelu_threshold"
 _IGNORED = ("tokens_since_last_activation", "is_dead")
 
 _UNSUPPORTED = UnsupportedArchitectureError
-#: ``config.json`` fields read (``d_sae = d_model · expansion_factor``, :func:`.validate.scaled_size`;
+#: ``config.json`` fields read (``d_sae = int(d_model · expansion_factor)``, :func:`.validate.scaled_size`;
 #: ``top_k`` for ``act_fn: topk``)
 FIELDS = (Field("sae_type", str, choices=("sae",), error=_UNSUPPORTED), Field("d_model", size=True),
           Field("act_fn", str, "relu", choices=("relu", "topk", "jumprelu"), error=_UNSUPPORTED),
@@ -114,7 +114,7 @@ def parse_config(directory: Path, *, weights_folded: bool | None = None, d_model
     raw = read_json_object(cfg_path)
     d = read_fields(raw, cfg_path, FIELDS[:2])["d_model"]
     check_d_model(d, d_model, cfg_path, "d_model")
-    f = scaled_size(d, raw.get("expansion_factor"), cfg_path, "expansion_factor")
+    f = scaled_size(d, raw.get("expansion_factor"), cfg_path, "expansion_factor", floor=True)
     fields = read_fields(raw, cfg_path, FIELDS[2:])
     act, norm, use_bias = fields["act_fn"], fields["norm_activation"], fields["use_decoder_bias"]
     hook_in, hook_out = fields["hook_point_in"], fields["hook_point_out"]

@@ -127,16 +127,24 @@ def config_size(raw: Mapping[str, Any], key: str, path: Path | str, default: Any
     return check_size(value, path, key, maximum=maximum)
 
 
-def scaled_size(base: int, factor: Any, path: Path | str, key: str) -> int:
-    """``base · factor`` (e.g. ``d_model · expansion_factor``) as a size; it must be integral.
+def scaled_size(base: int, factor: Any, path: Path | str, key: str, *, floor: bool = False) -> int:
+    """``base · factor`` (e.g. ``d_model · expansion_factor``) as a size; it must be integral (within 1e-6, then
+    rounded). ``floor``: the format's own rule is ``int(base * factor)`` in floating point (Llamascopium's
+    ``d_sae`` property, ``models/sparse_dictionary.py``): that, whatever the product's fraction — a file written
+    with ``expansion_factor = d_sae / d_model`` whose product rounds to just below ``d_sae`` has ``d_sae − 1``
+    latents there, and so here.
 
     Raises:
-        CheckpointError: ``factor`` not a positive finite number, a non-integral product, or one
-            above :data:`MAX_SIZE`.
+        CheckpointError: ``factor`` not a positive finite number, a non-integral product (unless ``floor``), or a
+            size outside ``[1, MAX_SIZE]``.
     """
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor) or factor <= 0:
         raise CheckpointError(f"{path}: key {key!r} must be a positive number, got {factor!r}")
     product = base * factor
+    if not math.isfinite(product):
+        raise CheckpointError(f"{path}: key {key!r}: d_model * expansion_factor = {product} is no size")
+    if floor:
+        return check_size(int(product), path, key)
     if abs(product - round(product)) > 1e-6:
         raise CheckpointError(f"{path}: key {key!r}: d_model * expansion_factor = {product} is not an integer")
     return check_size(int(round(product)), path, key)

@@ -552,10 +552,11 @@ def _write(tmp_path, name, cfg_over=None, edit_params=None, **kw):
         ),
         ("no-d-model", lambda t: _write(t, "k", {"d_model": None}), CheckpointError, ["'d_model'"]),
         (
+            # int(16 * 0.3) = 4 OV heads by the peer's rule (their d_sae property), against weights of 16
             "bad-expansion",
             lambda t: _write(t, "l", {"expansion_factor": 0.3}),
             CheckpointError,
-            ["expansion_factor"],
+            ["'W_O'", "config.json implies (4, 16)"],
         ),
     ],
 )
