@@ -61,3 +61,48 @@ def test_a_checkpoint_resumes_only_under_its_own_settings(tmp_path, field):
     same = SparseAttentionTrainer(tiny_hf_model("llama"), _stream(), _cfg(total_steps=9))
     same.load_checkpoint(tmp_path / "ck")
     assert same.step == 1
+
+
+@pytest.mark.filterwarnings("ignore:the constraint")
+def test_gate_biases_of_a_bf16_model_train_through_fp32_masters_too():
+    """The module's rule: "fp16 and bf16 weights through fp32 master copies" — the gate biases included (gates
+    installed and the model then cast to bf16: bf16 biases). AdamW steps fp32 tensors only, and each bf16 gate bias
+    is its master rounded once."""
+    from nnsight_lorsa.sparse_attention import install_gated_attention
+    from nnsight_lorsa.sparse_attention.install import get_gates
+
+    hf = tiny_hf_model("llama")
+    install_gated_attention(hf, init_bias=2.0)
+    hf.to(torch.bfloat16)
+    tr = SparseAttentionTrainer(hf, _stream(), _cfg())
+    tr.train(1, progress=False)
+    assert {p.dtype for g in tr.optimizer.param_groups for p in g["params"]} == {torch.float32}
+    for gate in get_gates(tr.hf).values():
+        master = tr.masters.held(gate.bias)
+        assert gate.bias.dtype == torch.bfloat16 and torch.equal(gate.bias, master.to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:the constraint")
+def test_held_out_rise_within_the_training_allowance_is_no_violation(monkeypatch):
+    """``train_sparse_attention(heldout=)``: the trained model "may lose at most ``τ − base_ce`` ... plus
+    ``heldout_tolerance`` nats there". With τ far above the base CE a held-out rise of 2.8 nats is within it, and a
+    rise just past ``τ − base_ce + tolerance`` is not."""
+    import warnings
+
+    import nnsight_lorsa.sparse_attention.train as train_module
+    from nnsight_lorsa.errors import HeldoutConstraintWarning
+    from nnsight_lorsa.sparse_attention import train_sparse_attention
+
+    cfg = _cfg(total_steps=1, target_ce=20.0)
+    heldout = torch.randint(3, 128, (60,), generator=torch.Generator().manual_seed(1))
+    ces = iter([3.0, 5.8])
+    monkeypatch.setattr(train_module, "evaluate_sparse", lambda *a, **k: {"ce": next(ces)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HeldoutConstraintWarning)
+        _, ok = train_sparse_attention(tiny_hf_model("llama"), _stream(), cfg, progress=False, heldout=heldout)
+    assert ok.heldout_violation is False and ok.target_ce - ok.base_ce > 2.8
+    past = 3.0 + (ok.target_ce - ok.base_ce) + 0.05 + 1e-3
+    ces = iter([3.0, past])
+    with pytest.warns(HeldoutConstraintWarning):
+        _, bad = train_sparse_attention(tiny_hf_model("llama"), _stream(), cfg, progress=False, heldout=heldout)
+    assert bad.heldout_violation is True
