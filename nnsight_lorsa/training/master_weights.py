@@ -216,16 +216,6 @@ class MasterWeights:
                 memo[id(q)] = nn.Parameter(q.detach().to(low[id(q)]), requires_grad=q.requires_grad)
         return copy.deepcopy(module, memo)
 
-    def low_precision_copy(self, copy: nn.Module, module: nn.Module) -> nn.Module:
-        """``copy`` (a copy of ``module`` made inside :meth:`editing`, so in fp32 where ``module`` has masters)
-        with each such parameter rounded once to ``module``'s dtype: e.g. the scale-factor fold computed in
-        fp32. Parameters are matched by name; returns ``copy``."""
-        low = {name: p.dtype for name, p in module.named_parameters() if self.has(p)}
-        for name, q in copy.named_parameters():
-            if name in low and q.dtype != low[name]:
-                q.data = q.data.to(low[name])
-        return copy
-
     def named(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """``{name: master}`` of ``module``'s parameters that have one (what a checkpoint saves)."""
         return {name: self._pairs[id(p)][1] for name, p in module.named_parameters() if id(p) in self._pairs}
