@@ -11,7 +11,7 @@ import nnsight
 import pytest
 import torch
 import transformers
-from helpers import make_lorsa, random_ids, same_weights, tiny_nnsight, unembed
+from helpers import make_lorsa, random_ids, relative, same_weights, tiny_nnsight, unembed
 
 from nnsight_lorsa import Lorsa, LorsaConfig, LorsaSet, get_adapter
 from nnsight_lorsa.envoy import lorsa_set as lorsa_set_module
@@ -177,10 +177,6 @@ def hooked_values(hf, adapter, layer: int, ids: torch.Tensor, mask: torch.Tensor
     return got
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 def test_read_sites_honours_the_attention_mask_of_a_left_padded_batch(llama):
     """``read_sites(..., attention_mask=mask)`` reads what the model computes under that mask (its documented
     argument): on a left-padded batch the token rows' attention input and output equal the hooked forward's with the
@@ -197,8 +193,8 @@ def test_read_sites_honours_the_attention_mask_of_a_left_padded_batch(llama):
     want = hooked_values(hf, adapter, LAYER, ids, mask)
     unmasked = hooked_values(hf, adapter, LAYER, ids, None)
     tok = mask.bool()
-    assert rel(acts.x[tok], want["x"][tok]) <= 1e-6 and rel(acts.y[tok], want["y"][tok]) <= 1e-6
-    assert rel(unmasked["y"][tok], want["y"][tok]) > 1e-3
+    assert relative(acts.x[tok], want["x"][tok]) <= 1e-6 and relative(acts.y[tok], want["y"][tok]) <= 1e-6
+    assert relative(unmasked["y"][tok], want["y"][tok]) > 1e-3
 
 
 def test_a_site_without_a_kind_reads_the_modules_output(llama):
@@ -212,7 +208,7 @@ def test_a_site_without_a_kind_reads_the_modules_output(llama):
     ids = random_ids(2, 6, seed=5)
     got = read_sites(model, {"r": Site(adapter.layer_path(LAYER))}, ids)
     want = hooked_values(hf, adapter, LAYER, ids, None)
-    assert rel(got["r"], want["resid"]) <= 1e-6
+    assert relative(got["r"], want["resid"]) <= 1e-6
 
 
 def test_read_sites_stops_after_the_last_site_unless_edits_are_stored(llama):
@@ -229,14 +225,14 @@ def test_read_sites_stops_after_the_last_site_unless_edits_are_stored(llama):
     hook = hf.model.layers[-1].register_forward_hook(lambda module, args, out: ran.append(1))
     try:
         got = read_sites(model, {"r": Site.resid_post(adapter, 0)}, ids)
-        assert not ran and rel(got["r"], want["resid"]) <= 1e-6
+        assert not ran and relative(got["r"], want["resid"]) <= 1e-6
         with model.edit(inplace=True):
             lorsa.replace(layer=LAYER)
         try:
             got = read_sites(model, {"r": Site.resid_post(adapter, 0)}, ids)
         finally:
             model.clear_edits()
-        assert ran and rel(got["r"], want["resid"]) <= 1e-6
+        assert ran and relative(got["r"], want["resid"]) <= 1e-6
     finally:
         hook.remove()
 
@@ -270,7 +266,7 @@ def test_each_named_site_reads_the_value_its_name_says(llama):
              "block_out": Site.resid_post(adapter, LAYER), "positions": Site.attn_positions(adapter, LAYER)}
     got = read_sites(model, sites, ids)
     for name in ("mlp_in", "mlp_out", "attn_in", "attn_out", "block_out"):
-        assert rel(got[name], want[name]) <= 1e-6, name
+        assert relative(got[name], want[name]) <= 1e-6, name
     assert torch.equal(got["positions"].reshape(-1, 6)[0], torch.arange(6))
 
 
