@@ -25,7 +25,16 @@ import nnsight
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import VOCAB, make_clt, make_lorsa, make_sae, make_transcoder, tiny_nnsight, unembed  # noqa: E402
+from helpers import (  # noqa: E402
+    VOCAB,
+    make_clt,
+    make_lorsa,
+    make_sae,
+    make_transcoder,
+    relative,
+    tiny_nnsight,
+    unembed,
+)
 
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter  # noqa: E402
 from nnsight_lorsa.errors import LorsaError  # noqa: E402
@@ -58,10 +67,6 @@ def expect_refusal(name: str, fn: Callable[[], object]) -> None:
         record(name, True, str(e)[:120], "named_error")
         return
     record(name, False, "no error")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def prompts(lengths: list[int], seed: int) -> list[torch.Tensor]:
@@ -151,8 +156,8 @@ def probe_padding() -> None:
                         with model.trace(p[None]):
                             _, hook = spliced(model, adapter, kind, module, error)
                             z_alone = hook.output.save()
-                        r = rel(tokens(logits, i, len(p), side), want)
-                        rz = rel(tokens(z, i, len(p), side), z_alone[0])
+                        r = relative(tokens(logits, i, len(p), side), want)
+                        rz = relative(tokens(z, i, len(p), side), z_alone[0])
                         record(f"{name}/row{i}", r < REL and rz < REL, f"logits {r:.2e}, latents {rz:.2e}")
 
 
@@ -195,7 +200,7 @@ def _invokes(family: str, attn: str) -> None:
                 site.hook_z.output[..., 5] = 0
                 zb = site.hook_z.output.save()
                 lb = unembed(model).output.save()
-        ra, rb = rel(la[:, -len(a):], alone(a, 3)), rel(lb[:, -len(b):], alone(b, 5))
+        ra, rb = relative(la[:, -len(a):], alone(a, 3)), relative(lb[:, -len(b):], alone(b, 5))
         record(f"{tag}/edit_per_invoke", ra < REL and rb < REL and zb.shape[0] == 1, f"{ra:.2e} {rb:.2e}")
         with model.trace() as tracer:
             with tracer.invoke(a[None]):
@@ -203,7 +208,7 @@ def _invokes(family: str, attn: str) -> None:
                 la = unembed(model).output.save()
             with tracer.invoke(b[None]):
                 lb = unembed(model).output.save()
-        ra, rb = rel(la[:, -len(a):], hf(a[None]).logits), rel(lb[:, -len(b):], hf(b[None]).logits)
+        ra, rb = relative(la[:, -len(a):], hf(a[None]).logits), relative(lb[:, -len(b):], hf(b[None]).logits)
         record(f"{tag}/error_term_exact", ra < REL and rb < REL, f"{ra:.2e} {rb:.2e}")
         with model.trace() as tracer:
             with tracer.invoke(a[None]):
@@ -216,7 +221,7 @@ def _invokes(family: str, attn: str) -> None:
                 wa = unembed(model).output.save()
             with tracer.invoke(b[None]):
                 pass
-        rb = rel(lb[:, -len(b):], alone(b))
+        rb = relative(lb[:, -len(b):], alone(b))
         record(f"{tag}/replace_in_one_invoke", bool(torch.equal(la, wa)) and rb < REL, f"{rb:.2e}")
 
         def internals_from_another_invoke(a=a, b=b) -> None:
@@ -236,7 +241,7 @@ def _invokes(family: str, attn: str) -> None:
         with tracer.invoke():  # the whole batch
             ls.replace(LAYER).hook_z.output[..., 3] = 0
     want = alone(torch.stack([a, b]), 3)
-    r = rel(torch.cat([la, lb]), want)
+    r = relative(torch.cat([la, lb]), want)
     record(f"invokes/{family}-{attn}/empty_invoke_edits_every_row", r < REL, f"{r:.2e}")
 
 
@@ -302,7 +307,7 @@ def _generate(model, adapter, kind: str, module, steps: int, tag: str) -> None:
 
         for p, got, out, edit in ((a, la, oa, None), (b, lb, ob, zero3)):
             seq, want = no_cache_loop(model, make_site, edit, p, steps)
-            r = rel(torch.stack(list(got), 1)[0], want)
+            r = relative(torch.stack(list(got), 1)[0], want)
             record(f"{tag}/error={error}/invoke_len{len(p)}", bool(torch.equal(out[0, -len(seq):], seq)) and r < REL,
                    f"{r:.2e}")
     outs = {}
@@ -315,7 +320,7 @@ def _generate(model, adapter, kind: str, module, steps: int, tag: str) -> None:
                 lg.append(unembed(model).output[:, -1].clone())
             out = nnsight.save(tracer.result)
         outs[batch] = (out, torch.stack(list(lg), 1))
-    r = max(rel(outs[3][1][i], outs[1][1][0]) for i in range(3))
+    r = max(relative(outs[3][1][i], outs[1][1][0]) for i in range(3))
     same = all(torch.equal(outs[3][0][i], outs[1][0][0]) for i in range(3))
     record(f"{tag}/batch1_vs_3", same and r < 1e-5, f"{r:.2e}")
 
@@ -338,7 +343,7 @@ def _generate_left_padded(model, ls: LorsaSet, steps: int, tag: str) -> None:
     lg = torch.stack(list(lg), 1)
     for i, p in enumerate(ps):
         seq, want = no_cache_loop(model, lambda: ls.replace(LAYER), edit_kv, p, steps)
-        r = rel(lg[i], want)
+        r = relative(lg[i], want)
         record(f"{tag}/left_padded_row{i}", bool(torch.equal(out[i, -len(seq):], seq))
                and r < REL, f"{r:.2e}")
 
@@ -367,7 +372,7 @@ def probe_clt_sparse_batch() -> None:
                     site = clt.replace(error=error)
                     site.hook_sae_acts_post[0].output[..., 2] = 0
                     want = unembed(model).output.save()
-                r = rel(out[i, n - len(p):], want[0])
+                r = relative(out[i, n - len(p):], want[0])
                 record(f"clt/{family}/error={error}/padded_row{i}", r < REL, f"{r:.2e}")
         with model.trace(lists):
             ref = unembed(model).output.save()
@@ -379,7 +384,7 @@ def probe_clt_sparse_batch() -> None:
         window = adapter.sliding_window(LAYER) or n  # Phi-3's window 4: the edges a query can have
         allowed = sum(min(t + 1, window) for p in lists for t in range(len(p))) * heads
         st = edge_statistics(model)
-        record(f"sparse/{family}/open_gates_equal_model_padded", rel(out, ref) < REL, f"{rel(out, ref):.2e}")
+        record(f"sparse/{family}/open_gates_equal_model_padded", relative(out, ref) < REL, f"{relative(out, ref):.2e}")
         record(f"sparse/{family}/possible_edges_padded", float(st.possible[LAYER].sum()) == allowed)
         with model.trace() as tracer:
             with tracer.invoke([lists[0]]):
@@ -392,7 +397,7 @@ def probe_clt_sparse_batch() -> None:
         with model.trace([lists[2]]):
             gate.output[0, 1, -1, 0] = 0
             wb = unembed(model).output.save()
-        r = max(rel(la, wa), rel(lb[:, -6:], wb))
+        r = max(relative(la, wa), relative(lb[:, -6:], wb))
         record(f"sparse/{family}/gate_edit_per_invoke", r < REL, f"{r:.2e}")
         set_gate_mode(model, "topk", top_k=2)
         with model.trace(lists):
@@ -402,7 +407,7 @@ def probe_clt_sparse_batch() -> None:
         for i, p in enumerate(lists):
             with model.trace([p]):
                 want = unembed(model).output.save()
-            record(f"sparse/{family}/topk_padded_row{i}", rel(out[i, n - len(p):], want[0]) < REL)
+            record(f"sparse/{family}/topk_padded_row{i}", relative(out[i, n - len(p):], want[0]) < REL)
         uninstall_gated_attention(model)
         ls = LorsaSet(model, {LAYER: make_lorsa(hf, adapter, LAYER)})
         rm = ReplacementModel(model, lorsas=ls, transcoders=TranscoderSet(model, {0: make_transcoder()}), error=False)
@@ -412,7 +417,7 @@ def probe_clt_sparse_batch() -> None:
             with model.trace(p[None].repeat(batch, 1)):
                 rm.replace()
                 outs.append(unembed(model).output.save())
-        r = max(rel(outs[1][i], outs[0][0]) for i in range(4))
+        r = max(relative(outs[1][i], outs[0][0]) for i in range(4))
         record(f"batch/{family}/batch1_vs_4", r < 1e-5, f"{r:.2e}")
 
 
@@ -436,7 +441,8 @@ def probe_patching() -> None:
     alone = [pt.mean_activations(r, targets, [p], per_position=True) for p in clean]
     for t in targets:
         want = torch.cat([a[t] for a in alone]).mean(0)
-        record(f"patching/mean_activations_over_tokens/{t}", rel(means[t], want) < REL, f"{rel(means[t], want):.2e}")
+        gap = relative(means[t], want)
+        record(f"patching/mean_activations_over_tokens/{t}", gap < REL, f"{gap:.2e}")
     expect_refusal("patching/mean_activations_per_position_padded",
                    lambda: pt.mean_activations(r, targets, clean, per_position=True))
     other = [p.tolist() for p in prompts([7, 9, 5], seed=22)]

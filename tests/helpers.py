@@ -602,9 +602,16 @@ def assert_same_nodes(graph, other) -> None:
         assert torch.equal(getattr(graph.nodes, name), getattr(other.nodes, name)), name
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a − b| / max |b|`` in float64."""
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+def relative(a: Any, b: Any) -> float:
+    """``max |a − b| / max |b|`` in float64 on the CPU (tensors or numbers; detached)."""
+    x, y = (torch.as_tensor(t).detach().double().cpu() for t in (a, b))
+    return float((x - y).abs().max() / y.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def relative_norm(a: Any, b: Any) -> float:
+    """``‖a − b‖ / ‖b‖`` (Frobenius) in float64 on the CPU (tensors or numbers; detached)."""
+    x, y = (torch.as_tensor(t).detach().double().cpu() for t in (a, b))
+    return float((x - y).norm() / y.norm().clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def demeaned_logits(graph: "Graph", logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from helpers import generated
+from helpers import generated, relative_norm
 from hypothesis import assume
 from hypothesis import strategies as st
 
@@ -33,11 +33,6 @@ from nnsight_lorsa.modules.activations import BatchTopK
 from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().to(F64), b.detach().to(F64)
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 # ------------------------------------------------------------------------------------ 1. single-file writes
@@ -97,7 +92,7 @@ def _trained_bf16(seed: int, steps: int) -> tuple[BatchTopK, torch.Tensor]:
 @generated(examples=3, sweep=60, seed=st.integers(0, 2 ** 16), steps=st.integers(2, 30))
 def test_a_bf16_batchtopk_estimate_through_copies_casts_and_saves(tmp_path_factory, seed, steps):
     act, ref = _trained_bf16(seed, steps)
-    assert rel(act._running(), ref) < 1e-6  # the estimate is the fp32 EMA (reference)
+    assert relative_norm(act._running(), ref) < 1e-6  # the estimate is the fp32 EMA (reference)
     assert torch.equal(act.threshold, act._running().to(BF16))
     exact = act._running().clone()
     assume(not torch.equal(exact, act.threshold.float()))  # the estimate off the bf16 grid
@@ -154,7 +149,7 @@ def test_the_sparse_path_under_autocast_is_in_the_dense_paths_dtype(seed, act, t
     assert acts.vals.dtype == dense.dtype and pre.dtype == dense.dtype
     assert out.dtype == dense_out.dtype == dtype  # was fp32 (the decoder's dtype)
     assume(torch.equal(acts.to_dense(), dense.reshape(-1, 32)))  # the same selection (rounding may flip one)
-    assert rel(out, dense_out) < 2e-2
+    assert relative_norm(out, dense_out) < 2e-2
     # fp32 outside autocast, unchanged
     _, acts32 = s.encode_sparse(x)
     assert s.decode_sparse(acts32).dtype == F32
@@ -221,7 +216,8 @@ def test_an_fp64_lorsa_rotates_and_qk_normalises_to_fp64_accuracy(seed, qk_norm,
     q, k = m.qk(x)
     rq, rk = _ref_qk(m, x.detach(), F64)
     assert q.dtype == F64
-    assert rel(q, rq) < 1e-12 and rel(k, rk) < 1e-12  # was ~1e-8 (cos / sin and the RMSNorm in fp32)
+    # was ~1e-8 (cos / sin and the RMSNorm in fp32)
+    assert relative_norm(q, rq) < 1e-12 and relative_norm(k, rk) < 1e-12
 
 
 def _former_qk(m: Lorsa, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

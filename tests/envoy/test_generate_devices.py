@@ -39,6 +39,7 @@ from helpers import (
     make_sae,
     make_transcoders,
     random_ids,
+    relative,
     tiny_hf_model,
     tiny_nnsight,
     unembed,
@@ -116,12 +117,6 @@ def _coder(site, edit: bool, read: bool, prefix: str = "") -> dict:
             prefix + "recons": site.hook_sae_recons.output.save()} if read else {}
 
 
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max |got − want| / max |want|`` in float64 on the CPU."""
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    return float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
-
-
 def low_bound(dtype: torch.dtype, cpu_err: float) -> float:
     """The bound of a ``dtype`` run's error against the fp32 CPU run, from the CPU run's own error in ``dtype``."""
     return DEVICE_REL if dtype == torch.float32 else max(LOW_FACTOR * cpu_err, torch.finfo(dtype).eps)
@@ -157,7 +152,7 @@ def test_generate_under_error_terms_is_the_plain_generate_bit_for_bit(device, dt
     assert len(logits) == len(plain_logits) == STEPS
     for step, (a, b) in enumerate(zip(logits, plain_logits, strict=True)):
         assert a.dtype == b.dtype == dtype and a.device == b.device, step
-        assert torch.equal(a, b), (step, rel(a, b))
+        assert torch.equal(a, b), (step, relative(a, b))
     _, replaced = generated(model, ids, lambda: splice(False))  # not vacuous: the replacement changes the logits
     assert not torch.equal(replaced[0], plain_logits[0])
 
@@ -172,18 +167,18 @@ def test_an_edit_under_generate_on_device_changes_the_output_as_on_the_cpu(devic
     want_seq, want = edited_generate("cpu", torch.float32, kind, ids)
     with torch.no_grad():
         plain = tiny_hf_model("llama")(ids).logits[:, -1]
-    assert rel(want[0], plain) > 100 * DEVICE_REL  # the edit matters
+    assert relative(want[0], plain) > 100 * DEVICE_REL  # the edit matters
     cpu_err = 0.0
     if dtype != torch.float32:
         cpu_seq, cpu = edited_generate("cpu", dtype, kind, ids)
         n = same_prefix_steps(cpu_seq, want_seq, ids.shape[1])
-        cpu_err = max(rel(a, b) for a, b in zip(cpu[:n], want[:n], strict=True))
+        cpu_err = max(relative(a, b) for a, b in zip(cpu[:n], want[:n], strict=True))
     seq, got = edited_generate(device, dtype, kind, ids)
     assert seq.device.type == torch.device(device).type
     if dtype == torch.float32:
         assert torch.equal(seq.cpu(), want_seq)
     n = same_prefix_steps(seq, want_seq, ids.shape[1])
-    errs = [rel(a, b) for a, b in zip(got[:n], want[:n], strict=True)]
+    errs = [relative(a, b) for a, b in zip(got[:n], want[:n], strict=True)]
     assert all(a.dtype == dtype for a in got)
     assert max(errs) <= low_bound(dtype, cpu_err), (errs, cpu_err)
 
@@ -257,10 +252,10 @@ def test_internals_read_and_edited_on_device_match_the_cpu(device, dtype, kind):
         assert got_int.keys() == want_int.keys()
         for name, value in got_int.items():
             assert value.device.type == torch.device(device).type and value.dtype == torch.float32, name
-            cpu_err = 0.0 if cpu is None else rel(cpu[0][name], want_int[name])
-            assert rel(value, want_int[name]) <= low_bound(dtype, cpu_err), (edit, name)
+            cpu_err = 0.0 if cpu is None else relative(cpu[0][name], want_int[name])
+            assert relative(value, want_int[name]) <= low_bound(dtype, cpu_err), (edit, name)
         assert got_logits.dtype == dtype
-        cpu_err = 0.0 if cpu is None else rel(cpu[1], want_logits)
-        assert rel(got_logits, want_logits) <= low_bound(dtype, cpu_err), edit
+        cpu_err = 0.0 if cpu is None else relative(cpu[1], want_logits)
+        assert relative(got_logits, want_logits) <= low_bound(dtype, cpu_err), edit
         results[edit] = want_logits
-    assert rel(results[True], results[False]) > 100 * DEVICE_REL  # the edit matters
+    assert relative(results[True], results[False]) > 100 * DEVICE_REL  # the edit matters

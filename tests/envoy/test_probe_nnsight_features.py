@@ -22,7 +22,17 @@ from types import SimpleNamespace
 import nnsight
 import pytest
 import torch
-from helpers import generated, make_lorsa, make_sae, make_transcoder, module_state, random_ids, tiny_nnsight, unembed
+from helpers import (
+    generated,
+    make_lorsa,
+    make_sae,
+    make_transcoder,
+    module_state,
+    random_ids,
+    relative,
+    tiny_nnsight,
+    unembed,
+)
 from hypothesis import strategies as st
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, SAESet, TranscoderSet, get_adapter
@@ -55,10 +65,6 @@ def world(family: str = "llama") -> SimpleNamespace:
 
 def replace(w: SimpleNamespace, kind: str, error: bool):
     return w.sets[kind].replace(w.keys[kind], error=error)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.detach().double()).abs().max() / b.detach().double().abs().max())
 
 
 def first(value):
@@ -181,14 +187,14 @@ def test_persistent_edit_matches_hooks(inplace, family, kind, error, edited, uni
             for _ in range(2):  # replayed on every trace
                 with target.trace(ids):
                     logits = nnsight.save(unembed(target).output)
-                assert rel(logits, ref) <= REL
+                assert relative(logits, ref) <= REL
             with target.trace(ids):
                 site = replace(w, kind, error)  # the edit's splice: the same envoy
                 latent = nnsight.save(getattr(site, LATENT[kind]).output.clone())
                 logits = nnsight.save(unembed(target).output)
-            assert rel(latent, cap["latent"]) <= REL and rel(logits, ref) <= REL
+            assert relative(latent, cap["latent"]) <= REL and relative(logits, ref) <= REL
             direct = target.trace(ids, trace=False)  # one-shot call: the stored edits apply
-            assert rel(direct.logits, cap["final"]) <= REL
+            assert relative(direct.logits, cap["final"]) <= REL
     finally:
         target.clear_edits()
     assert_unmodified(w, ids, state)
@@ -234,9 +240,9 @@ def test_cache_records_the_replaced_output(declared_first, family, kind, error, 
         if edit is not None:
             getattr(site, LATENT[kind]).output[..., edit[0]] = edit[1]
         logits = nnsight.save(unembed(w.model).output)
-    assert rel(logits, ref) <= REL
-    assert rel(first(cache[site_path].output), cap["site"]) <= REL
-    assert rel(cache[latent_path].output, cap["latent"]) <= REL
+    assert relative(logits, ref) <= REL
+    assert relative(first(cache[site_path].output), cap["site"]) <= REL
+    assert relative(cache[latent_path].output, cap["latent"]) <= REL
     # one visit each: the clean pass an edit with error=True runs apart is stood down, unseen by the cache
     assert len(cache[site_path]) == 1 and len(cache[latent_path]) == 1
 
@@ -290,7 +296,7 @@ def test_every_exit_leaves_the_model_unmodified(kind, how):
         else:
             assert how in ("stop_before", "stop_after")
     if how == "stop_after":
-        assert rel(latent, cap["latent"]) <= REL
+        assert relative(latent, cap["latent"]) <= REL
     if how == "stop_before":
         assert not [s for s in seen if "never reached" in str(s.message)], [str(s.message) for s in seen]
     assert_unmodified(w, ids, state)
@@ -339,7 +345,7 @@ def test_skip_of_a_lorsa_is_its_output_replaced(error):
         out = w.model.get(w.paths["lorsa"]).output[0]
         out[:] = v if not error else out + (v - cap["site"])
         expected = nnsight.save(unembed(w.model).output)
-    assert rel(logits, expected) <= REL
+    assert relative(logits, expected) <= REL
     assert_unmodified(w, ids, module_state(w.hf))
 
 
@@ -364,7 +370,7 @@ def test_skip_of_the_replaced_module(kind, error):
             expected = nnsight.save(unembed(w.model).output)
     else:
         expected = reference(w, ids, kind, False)
-    assert rel(logits, expected) <= REL
+    assert relative(logits, expected) <= REL
     assert_unmodified(w, ids, module_state(w.hf))
 
 
@@ -402,7 +408,7 @@ def test_barrier_moves_a_latent_between_invokes(family, kind, error, seed, lengt
             getattr(site, LATENT[kind]).output[:] = latent
             b = nnsight.save(unembed(w.model).output)
     ref = transplanted(w, ids, kind, error)
-    assert rel(a, ref[:1]) <= REL and rel(b, ref[1:]) <= REL
+    assert relative(a, ref[:1]) <= REL and relative(b, ref[1:]) <= REL
 
 
 @torch.no_grad()
@@ -459,7 +465,7 @@ def test_session_passes_values_between_traces(kind):
     # relative to the summands: a transcoder's MLP output is ~1e-3 of its output and error term, which cancel
     scale = max(float(out.abs().max()), float(err.abs().max()), float(own.abs().max()))
     assert float((out.double() + err.double() - own.double()).abs().max()) <= REL * scale
-    assert rel(logits, plain_logits(w, ids)) <= REL
+    assert relative(logits, plain_logits(w, ids)) <= REL
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -492,7 +498,7 @@ def test_an_envoy_from_an_ended_trace_is_refused(kind, session):
     with torch.no_grad(), w.model.trace(ids):
         latent = nnsight.save(getattr(replace(w, kind, False), hook).output)
         logits = nnsight.save(unembed(w.model).output)
-    assert rel(latent, cap["latent"]) <= REL and rel(logits, ref) <= REL
+    assert relative(latent, cap["latent"]) <= REL and relative(logits, ref) <= REL
     assert_unmodified(w, ids, state)
 
 
@@ -515,7 +521,7 @@ def test_empty_invoke_replaces_every_row(kind):
             if not before:
                 with tracer.invoke():
                     replace(w, kind, False)
-        assert rel(a, ref[:1]) <= REL and rel(b, ref[1:]) <= REL
+        assert relative(a, ref[:1]) <= REL and relative(b, ref[1:]) <= REL
 
 
 def test_scan_with_replacements_and_edits():
@@ -533,7 +539,7 @@ def test_scan_with_replacements_and_edits():
     with torch.no_grad(), w.model.trace(ids, scan=True):
         replace(w, "lorsa", False)
         scanned = nnsight.save(unembed(w.model).output)
-    assert rel(scanned, reference(w, ids, "lorsa", False)) <= REL
+    assert relative(scanned, reference(w, ids, "lorsa", False)) <= REL
     assert_unmodified(w, ids, state)
 
 

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from helpers import ROOT, generated
+from helpers import ROOT, generated, relative_norm
 from hypothesis import assume
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
@@ -43,11 +43,6 @@ F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float1
 REL = {F64: 1e-10, F32: 1e-4, BF16: 3e-2, F16: 4e-3}
 ACTS = {"relu": {}, "topk": {"k": 3}, "batchtopk": {"k": 3}, "jumprelu": {"threshold": 0.05},
         "abstopk": {"k": 3}, "groupmax": {"k": 4}}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().to(F64), b.detach().to(F64)
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -206,11 +201,11 @@ def test_lorsa_cast_matches_the_reference_at_that_dtype(seed, dtype, qk_norm, ro
     # RoPE's cos / sin are made in fp32 whatever the dtype (transformers' tables, bit for bit): an fp64 Lorsa with
     # rotary is exact to fp32's rounding of the angles' cos / sin, not to fp64's
     bound = 1e-6 if dtype == F64 and (rotary or qk_norm) else REL[dtype]
-    assert rel(cache.z_pre, z_pre) < bound
+    assert relative_norm(cache.z_pre, z_pre) < bound
     assume(dtype_margin_ok(topk_margin(z_pre, m.cfg.top_k), dtype))
     z = ref_topk(z_pre, m.cfg.top_k)
-    assert rel(cache.z, z) < bound
-    assert rel(out, ref_lorsa_out(m, z)) < 2 * bound
+    assert relative_norm(cache.z, z) < bound
+    assert relative_norm(out, ref_lorsa_out(m, z)) < 2 * bound
 
 
 @generated(examples=6, sweep=600, seed=st.integers(0, 2 ** 16), act=st.sampled_from(sorted(ACTS)),
@@ -232,7 +227,7 @@ def test_sae_cast_matches_the_reference_at_that_dtype(seed, act, norm, dtype, ro
         assume(bool((grp[..., 0] - grp[..., 1] > MARGIN[dtype] * grp[..., 0].abs().clamp_min(1e-3)).all()))
     out = s(x)
     assert out.dtype == dtype
-    assert rel(out, ref_sae(s, x)) < 4 * REL[dtype]
+    assert relative_norm(out, ref_sae(s, x)) < 4 * REL[dtype]
 
 
 def test_meta_forward_gives_meta_outputs_of_the_right_shape():
@@ -266,9 +261,9 @@ def test_lorsa_under_cpu_autocast_matches_the_bf16_rounding_of_the_reference(see
     with torch.autocast("cpu", dtype=BF16):
         out, cache = m(x, return_cache=True)
     z = ref_topk(z_pre, m.cfg.top_k)
-    assert rel(cache.z_pre, z_pre) < REL[BF16]
-    assert rel(cache.z, z) < REL[BF16]
-    assert rel(out, ref_lorsa_out(m, z)) < 2 * REL[BF16]
+    assert relative_norm(cache.z_pre, z_pre) < REL[BF16]
+    assert relative_norm(cache.z, z) < REL[BF16]
+    assert relative_norm(out, ref_lorsa_out(m, z)) < 2 * REL[BF16]
     if grad:
         out.float().sum().backward()
         assert x.grad is not None and x.grad.dtype == F32 and torch.isfinite(x.grad).all()
@@ -289,7 +284,7 @@ def test_sparse_coders_under_cpu_autocast_match_the_reference(seed, act, norm):
         assume(bool((grp[..., 0] - grp[..., 1] > MARGIN[BF16] * grp[..., 0].abs().clamp_min(1e-3)).all()))
     with torch.autocast("cpu", dtype=BF16):
         out = s(x)
-    assert rel(out, ref_sae(s, x)) < 4 * REL[BF16]
+    assert relative_norm(out, ref_sae(s, x)) < 4 * REL[BF16]
 
 
 @generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), dtype=st.sampled_from([F32, BF16, F16, None]),
@@ -313,8 +308,8 @@ def test_lorsa_masked_and_stepwise_forwards_match_the_reference(seed, dtype, qk_
         first, past = m.forward_step(x[:, :split], attn_mask=None if keys is None else keys[:, :split])
         second, past = m.forward_step(x[:, split:], attn_mask=keys, past=past)
     assert past.length == s
-    assert rel(whole, want) < 2 * REL[work]
-    assert rel(torch.cat([first, second], 1), want) < 2 * REL[work]
+    assert relative_norm(whole, want) < 2 * REL[work]
+    assert relative_norm(torch.cat([first, second], 1), want) < 2 * REL[work]
 
 
 def ref_clt(clt: CrossLayerTranscoder, xs: torch.Tensor) -> torch.Tensor:
@@ -359,7 +354,7 @@ def test_clt_cast_and_autocast_match_the_reference(seed, dtype, skip, n_layers, 
         out = clt(xs)
     assert out.shape == (n_layers, rows, 16)
     if rows:
-        assert rel(out, ref_clt(clt, xs)) < 4 * REL[work]
+        assert relative_norm(out, ref_clt(clt, xs)) < 4 * REL[work]
 
 
 @generated(examples=4, sweep=400, seed=st.integers(0, 2 ** 16), act=st.sampled_from(["topk", "batchtopk"]),
@@ -387,11 +382,11 @@ def test_sparse_fast_path_under_cpu_autocast_matches_the_dense_reference(seed, a
         _, acts = s.encode_sparse(xs)
         out = s.decode_sparse(acts)
     assert out.dtype == BF16  # the dense decode's dtype there (was fp32, the decoder's, until 2026-11-28)
-    assert rel(out, want) < 2 * REL[BF16]
+    assert relative_norm(out, want) < 2 * REL[BF16]
     out.sum().backward()
     assert xs.grad.dtype == F32 and s.W_enc.grad.dtype == F32
-    assert rel(xs.grad, xd.grad) < 2 * REL[BF16]
-    assert rel(s.W_dec.grad, dense_s.W_dec.grad) < 2 * REL[BF16]
+    assert relative_norm(xs.grad, xd.grad) < 2 * REL[BF16]
+    assert relative_norm(s.W_dec.grad, dense_s.W_dec.grad) < 2 * REL[BF16]
 
 
 def test_decode_sparse_refuses_values_of_another_dtype_outside_autocast():
@@ -493,7 +488,7 @@ def test_lorsa_qk_norm_jacobian_matches_the_reference():
         return ref_lorsa_out(m, torch.zeros_like(zp).scatter(-1, idx, zp.gather(-1, idx).relu()))
 
     jac = torch.autograd.functional.jacobian
-    assert rel(jac(lambda x: m(x), x), jac(ref, x)) < 1e-12
+    assert relative_norm(jac(lambda x: m(x), x), jac(ref, x)) < 1e-12
 
 
 def test_jumprelu_and_topk_gradients_are_as_documented():
@@ -551,10 +546,10 @@ def test_lorsa_under_vmap_equals_a_loop_and_func_grad_equals_autograd():
     x = torch.randn(3, 2, 5, 16, generator=torch.Generator().manual_seed(8))
     got = torch.func.vmap(m)(x)
     want = torch.stack([m(xi) for xi in x])
-    assert rel(got, want) < REL[F32]
+    assert relative_norm(got, want) < REL[F32]
     xr = x[0].clone().requires_grad_()
     m(xr).pow(2).sum().backward()
-    assert rel(torch.func.grad(lambda x: m(x).pow(2).sum())(x[0]), xr.grad) < REL[F32]
+    assert relative_norm(torch.func.grad(lambda x: m(x).pow(2).sum())(x[0]), xr.grad) < REL[F32]
 
 
 def test_jumprelu_threshold_forward_mode_derivative_is_the_pseudo_derivative():
@@ -573,7 +568,7 @@ def test_unusual_shapes_and_layouts():
     m = make_lorsa(2)
     assert m(torch.randn(0, 5, 16)).shape == (0, 5, 16)
     x1 = torch.randn(3, 1, 16)
-    assert rel(m(x1), ref_lorsa_out(m, ref_topk(ref_lorsa_z_pre(m, x1), 3))) < REL[F32]
+    assert relative_norm(m(x1), ref_lorsa_out(m, ref_topk(ref_lorsa_z_pre(m, x1), 3))) < REL[F32]
     x = torch.randn(5, 3, 16).transpose(0, 1)  # non-contiguous
     assert torch.allclose(m(x), m(x.contiguous()), rtol=1e-5, atol=1e-6)
     xe = torch.randn(1, 5, 16).expand(3, 5, 16)
@@ -589,9 +584,9 @@ def test_unusual_shapes_and_layouts():
     s = make_sae(0, "topk")
     assert s(torch.randn(0, 16)).shape == (0, 16)
     xs = torch.randn(2, 3, 4, 16)  # *batch
-    assert rel(s(xs), ref_sae(s, xs)) < REL[F32]
+    assert relative_norm(s(xs), ref_sae(s, xs)) < REL[F32]
     xt = torch.randn(16, 6).T
-    assert rel(s(xt), ref_sae(s, xt)) < REL[F32]
+    assert relative_norm(s(xt), ref_sae(s, xt)) < REL[F32]
     with pytest.raises(ShapeError, match="weights' dtype"):
         s(torch.randn(3, 16, dtype=F16))
     with pytest.raises(ShapeError, match=r"\(\*batch, 16\)"):
@@ -663,7 +658,7 @@ def test_plain_forward_hooks_on_hook_points_edit_as_envoy_edits_do():
         out = m(x)
     finally:
         h.remove()
-    assert rel(out, ref_lorsa_out(m, z)) < REL[F32]
+    assert relative_norm(out, ref_lorsa_out(m, z)) < REL[F32]
     seen = {}
     hs = [getattr(m, n).register_forward_hook(lambda mod, inp, out, n=n: seen.__setitem__(n, out))
           for n in ("hook_q", "hook_k", "hook_v", "hook_z_pre", "hook_z", "hook_out")]
@@ -673,14 +668,14 @@ def test_plain_forward_hooks_on_hook_points_edit_as_envoy_edits_do():
         for h in hs:
             h.remove()
     assert seen["hook_q"].shape == (2, 2, 5, 8) and seen["hook_v"].shape == (2, 5, 8)
-    assert rel(seen["hook_z_pre"], z_pre) < REL[F32] and torch.equal(seen["hook_out"], out)
+    assert relative_norm(seen["hook_z_pre"], z_pre) < REL[F32] and torch.equal(seen["hook_out"], out)
     # editing v through hook_v: z_pre is A · (edited v)
     h = m.hook_v.register_forward_hook(lambda mod, inp, out: out * 2)
     try:
         _, cache = m(x, return_cache=True)
     finally:
         h.remove()
-    assert rel(cache.z_pre, 2 * z_pre) < REL[F32]
+    assert relative_norm(cache.z_pre, 2 * z_pre) < REL[F32]
     s = make_sae(0, "relu")
     xs = torch.randn(4, 16)
     h = s.hook_sae_acts_post.register_forward_hook(lambda mod, inp, out: out * 0)
