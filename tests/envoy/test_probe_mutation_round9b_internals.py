@@ -1,0 +1,43 @@
+"""Mutation probe, round 9b (nnsight internals: workers and registrations): tests for the mutants of
+``envoy/nnsight_internals.py`` that survived the area's tests (docs/reliability.md, "Mutation probe, round 9b: nnsight
+internals"). Each compares against an independent reference: the documented rule of the function (its docstring),
+the model without the splice, or a plain torch forward hook."""
+
+from __future__ import annotations
+
+import torch
+from helpers import make_lorsa, random_ids, tiny_nnsight
+from nnsight.intervention.envoy import Envoy
+
+from nnsight_lorsa import LorsaSet, get_adapter
+from nnsight_lorsa.envoy.nnsight_internals import mount, unmount
+
+LAYER = 1
+
+
+# ------------------------------------------------------------------------------------------------- registrations
+@torch.no_grad()
+def test_a_module_spliced_in_an_ended_trace_leaves_no_registration_behind():
+    """``_forget`` drops the interleaver's registration of the replacement module itself, not only its hook points'
+    (its docstring): with the envoy ``replace`` returned still held after the trace, the model's interleaver has no
+    entry for the Lorsa, and mounting the same module elsewhere later gives it its own envoy at the mounted path —
+    not the ended envoy of the earlier trace (nnsight aliases a module it already has an envoy for)."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter, LAYER)
+    lorsas = LorsaSet(model, {LAYER: lorsa})
+    kept = []  # the envoy kept after the trace, as a user's variable is
+    with model.trace(random_ids(1, 5)):
+        kept.append(lorsas.replace(layer=LAYER))
+    (ended,) = kept
+    site = model.model.layers[0].mlp
+    mounted = mount(site, "probe", lorsa)
+    try:
+        assert type(mounted) is Envoy
+        assert mounted.path == f"{site.path}.probe"
+        assert mounted is not ended
+    finally:
+        unmount(site, "probe", lorsa, False)
+    assert "probe" not in dict(hf.model.layers[0].mlp.named_children())
+    assert ended.path == f"{model.model.layers[LAYER].self_attn.path}.lorsa"  # still held here
+    assert not any(m is lorsa for m in (getattr(e, "_module", None) for e in model.interleaver.envoys.values()))
