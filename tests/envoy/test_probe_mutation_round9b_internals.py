@@ -6,7 +6,7 @@ the model without the splice, or a plain torch forward hook."""
 from __future__ import annotations
 
 import torch
-from helpers import make_lorsa, random_ids, tiny_nnsight
+from helpers import head_logits, hooked, make_lorsa, random_ids, tiny_nnsight, unembed
 from nnsight.intervention.envoy import Envoy
 
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -41,3 +41,37 @@ def test_a_module_spliced_in_an_ended_trace_leaves_no_registration_behind():
     assert "probe" not in dict(hf.model.layers[0].mlp.named_children())
     assert ended.path == f"{model.model.layers[LAYER].self_attn.path}.lorsa"  # still held here
     assert not any(m is lorsa for m in (getattr(e, "_module", None) for e in model.interleaver.envoys.values()))
+
+
+# ------------------------------------------------------------------------------------------------------- workers
+@torch.no_grad()
+def test_the_splice_reads_its_sites_input_as_the_trace_body_set_it():
+    """``spawn_worker`` appends the splice's worker after the trace body's (its docstring; the splice reads the site's
+    input "as the body's edits left it"): the attention's input set by the body after ``replace`` reaches the Lorsa.
+    Reference: plain torch hooks, a pre-hook doubling the attention's ``hidden_states`` and the Lorsa's forward hook
+    (``helpers.hooked``), which sees the doubled input."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    lorsa = make_lorsa(hf, adapter, LAYER)
+    lorsas = LorsaSet(model, {LAYER: lorsa})
+    ids = random_ids(2, 6)
+    attn_hf = adapter.attention_module(hf, LAYER)
+
+    def double(module, args, kwargs):
+        return args, {**kwargs, "hidden_states": 2 * kwargs["hidden_states"]}
+
+    handle = attn_hf.register_forward_pre_hook(double, with_kwargs=True)
+    try:
+        with hooked(hf, adapter, {LAYER: lorsa}):
+            want = head_logits(hf, ids)
+    finally:
+        handle.remove()
+    with hooked(hf, adapter, {LAYER: lorsa}):
+        undoubled = head_logits(hf, ids)
+    assert (want - undoubled).abs().max() > 1e-3  # the doubling shows in the logits
+    with model.trace(ids):
+        lorsas.replace(layer=LAYER)
+        attn = model.model.layers[LAYER].self_attn
+        attn.inputs = ((), {**attn.inputs[1], "hidden_states": 2 * attn.inputs[1]["hidden_states"]})
+        logits = unembed(model).output.save()
+    assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
