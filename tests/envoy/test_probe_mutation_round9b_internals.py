@@ -5,12 +5,15 @@ the model without the splice, or a plain torch forward hook."""
 
 from __future__ import annotations
 
+import nnsight
+import pytest
 import torch
 from helpers import head_logits, hooked, make_lorsa, random_ids, tiny_nnsight, unembed
 from nnsight.intervention.envoy import Envoy
 
 from nnsight_lorsa import LorsaSet, get_adapter
 from nnsight_lorsa.envoy.nnsight_internals import mount, unmount
+from nnsight_lorsa.errors import UnsupportedGenerationError
 
 LAYER = 1
 
@@ -75,3 +78,21 @@ def test_the_splice_reads_its_sites_input_as_the_trace_body_set_it():
         attn.inputs = ((), {**attn.inputs[1], "hidden_states": 2 * attn.inputs[1]["hidden_states"]})
         logits = unembed(model).output.save()
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_beam_search_asked_in_a_params_only_invoke_is_refused_for_a_lorsa():
+    """``run_kwargs``: the traced call's keyword arguments include those of an invoke that brings no rows (nnsight
+    folds them into ``Batcher.extra_kwargs`` and lays them onto the ``generate`` call, its documented rule), so
+    ``num_beams=2`` given there is refused for a Lorsa (``UnsupportedGenerationError``) as it is when passed to
+    ``model.generate`` itself (``test_generate.py``), not run with a cache that cannot follow the beams."""
+    model, hf = tiny_nnsight("llama")
+    lorsas = LorsaSet(model, {LAYER: make_lorsa(hf, get_adapter(model), LAYER)})
+    reached = []
+    with pytest.raises(UnsupportedGenerationError, match="num_beams"), model.generate(
+            max_new_tokens=3, pad_token_id=1) as tracer:
+        with tracer.invoke(random_ids(1, 6)):
+            lorsas.replace(layer=LAYER)
+            reached.append(nnsight.save(unembed(model).output))
+        with tracer.invoke(num_beams=2):
+            pass
+    assert not reached
