@@ -119,3 +119,12 @@ def test_resolve_of_a_missing_directory_is_that_directory(tmp_path):
     (d.with_name("ckpt.old")).mkdir()  # both: `<dir>` is complete, the `.old` a leftover
     (d.with_name("ckpt.old") / "stale").write_text("x")
     assert _atomic.resolve(d) == d and list(d.iterdir()) == []
+
+
+def test_a_directory_without_a_manifest_is_unchecked_only_where_the_manifest_is_optional(tmp_path):
+    d = tmp_path / "older"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"abc")
+    assert _atomic.verify(d) == {}  # written by an older version or another library: read as before
+    with pytest.raises(CheckpointError, match="missing checkpoint manifest"):
+        _atomic.verify(d, manifest="manifest.json", optional=False)  # a training checkpoint's is required
