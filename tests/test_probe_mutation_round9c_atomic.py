@@ -128,3 +128,26 @@ def test_a_directory_without_a_manifest_is_unchecked_only_where_the_manifest_is_
     assert _atomic.verify(d) == {}  # written by an older version or another library: read as before
     with pytest.raises(CheckpointError, match="missing checkpoint manifest"):
         _atomic.verify(d, manifest="manifest.json", optional=False)  # a training checkpoint's is required
+
+
+def test_a_required_file_the_manifest_does_not_list_is_refused(tmp_path):
+    d = tmp_path / "ckpt"
+    with _atomic.atomic_directory(d) as stage:
+        stage.write_bytes("a.bin", b"a")
+    _atomic.verify(d, required=("a.bin",))
+    for required in (("config.json",), ("a.bin", "config.json")):
+        with pytest.raises(CheckpointError, match="config.json"):
+            _atomic.verify(d, required=required)
+
+
+def test_resolve_gives_the_old_directory_where_it_cannot_be_renamed_back(tmp_path, monkeypatch):
+    """Only ``<dir>.old`` left and the rename refused (a read-only folder): ``<dir>.old`` itself (the docstring)."""
+    d = tmp_path / "ckpt"
+    old = d.with_name("ckpt.old")
+    old.mkdir()
+
+    def refuse(self, target):
+        raise PermissionError(13, "read-only", str(self))
+
+    monkeypatch.setattr(type(old), "rename", refuse)
+    assert _atomic.resolve(d) == old

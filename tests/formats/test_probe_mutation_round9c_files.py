@@ -47,3 +47,13 @@ def test_a_headers_only_read_reads_one_element_tensors(tmp_path, shape):
         out = load_safetensors(path)
     assert out["w"].is_meta
     assert not out["norm"].is_meta and tuple(out["norm"].shape) == shape and float(out["norm"].sum()) == 3.25
+
+
+@pytest.mark.parametrize(("given", "folder"), [("./a/./b/", "a/b"), ("a//b", "a/b"), (".", None), ("./", None),
+                                               ("", None), (None, None)])
+def test_a_hub_subfolder_is_spelled_as_the_repos_paths(given, folder):
+    """``_repo_folder``'s docstring: ``a/./b/`` is ``a/b``; ``""`` or ``"."`` the repo's top (the download patterns
+    match the repo's paths as strings: ``./a/x`` would match nothing)."""
+    from nnsight_lorsa.formats.files import _repo_folder
+
+    assert _repo_folder("me/repo", given) == folder

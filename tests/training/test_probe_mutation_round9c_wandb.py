@@ -54,3 +54,8 @@ def test_a_resumed_run_continues_the_same_id_with_resume_allow(monkeypatch):
 def test_a_history_entry_is_logged_without_its_step(monkeypatch):
     entry = {"step": 4, "loss": 0.25, "fvu": 0.5, "l0": 3, "lr": 1e-3}
     assert flat_metrics(entry, "train") == {"train/loss": 0.25, "train/fvu": 0.5, "train/l0": 3.0, "train/lr": 1e-3}
+
+
+def test_per_layer_values_in_a_tuple_are_logged_per_layer():
+    assert flat_metrics({"l0": (1.0, 2.0), "fvu": [0.5]}, "eval") == {
+        "eval/l0/layer_0": 1.0, "eval/l0/layer_1": 2.0, "eval/fvu/layer_0": 0.5}
