@@ -22,9 +22,9 @@ import contextlib
 import nnsight
 import pytest
 import torch
-from helpers import generated, make_clt, module_state, random_ids, unembed
+from helpers import generated, make_clt, module_state, random_ids, relative, unembed
 from hypothesis import strategies as st
-from test_probe_nnsight_features import REL, assert_unmodified, reference, rel, replace, world
+from test_probe_nnsight_features import REL, assert_unmodified, reference, replace, world
 
 from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, TranscoderSet
 from nnsight_lorsa.analysis import collect_top_activations
@@ -89,7 +89,7 @@ def test_skip_of_the_layer_holding_a_replacement(kind, error):
         s.replace(key, error=error)
         layer(w, SKIPPED).skip(v)
         logits = nnsight.save(unembed(w.model).output)
-    assert rel(logits, skipped_logits(w, ids, v)) <= REL
+    assert relative(logits, skipped_logits(w, ids, v)) <= REL
     with pytest.raises(TraceOrderError, match=r"skipped model\.model\.layers\.1 .*does not run"):  # noqa: SIM117
         with torch.no_grad(), w.model.trace(ids):
             site = s.replace(key, error=error)
@@ -116,8 +116,8 @@ def test_skip_of_the_layer_an_sae_reads(error):
     with torch.no_grad():
         ref_acts = sae.encode(v)
         out = v if error else sae.decode(ref_acts)
-    assert rel(acts, ref_acts) <= REL
-    assert rel(logits, skipped_logits(w, ids, out)) <= REL
+    assert relative(acts, ref_acts) <= REL
+    assert relative(logits, skipped_logits(w, ids, out)) <= REL
 
 
 def test_replace_called_inside_the_layer_still_replaces():
@@ -133,7 +133,7 @@ def test_replace_called_inside_the_layer_still_replaces():
         site = replace(w, "lorsa", False)
         site.hook_z.output[..., 3] = 1.5
         logits = nnsight.save(unembed(w.model).output)
-    assert rel(logits, ref) <= REL
+    assert relative(logits, ref) <= REL
 
 
 @pytest.mark.parametrize("kind", ["lorsa", "transcoder"])
@@ -200,7 +200,7 @@ def test_skip_of_a_clt_layer(where, run):
         with torch.no_grad(), w.model.trace(ids):
             w.model.get(w.adapter.layer_path(skipped)).skip(v)
             expected = nnsight.save(unembed(w.model).output)
-        assert rel(run_once(), expected) <= REL
+        assert relative(run_once(), expected) <= REL
     assert_unmodified(w, ids, module_state(w.hf))
 
 
@@ -453,7 +453,7 @@ def test_replace_and_edit_in_every_step(kind):
     assert len(steps) == 3
     for got in steps:
         ref = reference(w, seq, kind, False, (unit, 2.0))[:, -1]
-        assert rel(got, ref) <= REL
+        assert relative(got, ref) <= REL
         seq = torch.cat([seq, ref.argmax(-1, keepdim=True)], 1)
 
 
@@ -474,15 +474,15 @@ def test_invokes_replacing_different_sets(error):
             replace(w, "lorsa", error).hook_z.output[..., 1] = 1.0
             replace(w, "transcoder", error)
             c = nnsight.save(unembed(w.model).output)
-    assert rel(a, reference(w, ids[:1], "lorsa", error, (1, 1.0))) <= REL
-    assert rel(b, reference(w, ids[1:2], "transcoder", error)) <= REL
+    assert relative(a, reference(w, ids[:1], "lorsa", error, (1, 1.0))) <= REL
+    assert relative(b, reference(w, ids[1:2], "transcoder", error)) <= REL
     mlp = w.hf.get_submodule(w.paths["transcoder"])
     handle = mlp.register_forward_hook(transcoder_hook(w, error), with_kwargs=True)
     try:
         both = reference(w, ids[2:], "lorsa", error, (1, 1.0))
     finally:
         handle.remove()
-    assert rel(c, both) <= REL
+    assert relative(c, both) <= REL
 
 
 def transcoder_hook(w, error: bool):
@@ -519,5 +519,5 @@ def test_edit_inside_a_session():
         w.model.clear_edits()
     from test_probe_nnsight_features import plain_logits
     assert torch.equal(before, plain_logits(w, ids))
-    assert rel(after, reference(w, ids, "lorsa", False, (2, 1.0))) <= REL
+    assert relative(after, reference(w, ids, "lorsa", False, (2, 1.0))) <= REL
     assert_unmodified(w, ids, module_state(w.hf))
