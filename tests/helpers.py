@@ -426,6 +426,14 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return module
 
 
+def circuit_tracer_hooked(module: Any, feature_input_hook: str, feature_output_hook: str) -> Any:
+    """``module`` (a transcoder / CLT) recording these hooks as a circuit-tracer file does
+    (``cfg.extra["circuit_tracer"]``, what ``formats.hook_sites.mlp_site_io`` reads); returns ``module``."""
+    module.cfg.extra["circuit_tracer"] = {"feature_input_hook": feature_input_hook,
+                                          "feature_output_hook": feature_output_hook}
+    return module
+
+
 def make_transcoder(skip: bool = True, seed: int = 0, **cfg) -> Transcoder:
     from nnsight_lorsa.modules import SkipTranscoder, Transcoder, TranscoderConfig
 

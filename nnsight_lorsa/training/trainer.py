@@ -718,7 +718,7 @@ class Trainer:
         if fresh:
             self._restore_masters(masters)
             masters = {}  # set: none left for the setting below, and the file's pages let go
-        adam = self._saved_adam_state(d / "optimizer.safetensors", meta.get("adam_params"), d / "trainer.json")
+        adam = self._saved_adam_state(d / "optimizer.safetensors", meta.get("adam_params"))
         counters = self._saved_counters(d / "state.safetensors")
         # the objective's entries (a CLT's per-layer scales, a Lorsa's recipe): checked and set before the trainer's
         # own state, so that their refusal leaves the trainer as it was (until 2026-11-28 it ran last)
@@ -739,8 +739,7 @@ class Trainer:
                                    self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * fn(self.step)
 
-    def _saved_adam_state(self, path: Path, listed: Any = None,
-                          meta_path: Path | None = None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    def _saved_adam_state(self, path: Path, listed: Any = None) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """``[(parameter the optimizer steps, {slot: tensor})]`` of ``optimizer.safetensors``: each parameter's Adam
         slots complete (``step``, ``exp_avg``, ``exp_avg_sq``), float, finite, of the parameter's shape (``step``
         0-dim), for exactly the parameters ``listed`` (``trainer.json``'s ``adam_params``, written since 2026-11-29);
@@ -767,6 +766,7 @@ class Trainer:
             if set(entries) != slots:
                 raise CheckpointError(f"{path}: the Adam state of {name!r} lacks {sorted(slots - set(entries))}")
         if listed is not None:
+            meta_path = path.with_name("trainer.json")
             if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
                 raise CheckpointError(f"{meta_path}: key 'adam_params' must be a list of parameter names, got "
                                       f"{listed!r}")

@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_nodes, head_logits, make_clt, make_transcoder, random_ids, rm, tiny_nnsight
+from helpers import (
+    assert_same_nodes,
+    circuit_tracer_hooked,
+    head_logits,
+    make_clt,
+    make_transcoder,
+    random_ids,
+    rm,
+    tiny_nnsight,
+)
 
 from nnsight_lorsa import CLTSet, TranscoderSet, get_adapter
 from nnsight_lorsa.adapters.base import norm_gain
@@ -29,19 +38,12 @@ CASES = [("llama", NORMALIZED, "mlp.hook_out"), ("llama", RESID_MID, "mlp.hook_o
          ("olmo2", RESID_MID, "hook_mlp_out")]
 
 
-def _hooked(module: Any, feature_input_hook: str, feature_output_hook: str) -> Any:
-    """``module`` as a circuit-tracer file with these hooks records them (``cfg.extra["circuit_tracer"]``)."""
-    module.cfg.extra["circuit_tracer"] = {"feature_input_hook": feature_input_hook,
-                                          "feature_output_hook": feature_output_hook}
-    return module
-
-
 def _transcoders(model: Any, kind: str, hooks: tuple[str, str]) -> Any:
     """A per-layer set (a plain transcoder at layer 0, a skip transcoder at layer 2) or a 3-layer CLT."""
     if kind == "clt":
-        return CLTSet(model, _hooked(make_clt(), *hooks))
-    return TranscoderSet(model, {0: _hooked(make_transcoder(skip=False, seed=3), *hooks),
-                                 2: _hooked(make_transcoder(skip=True, seed=4), *hooks)})
+        return CLTSet(model, circuit_tracer_hooked(make_clt(), *hooks))
+    return TranscoderSet(model, {0: circuit_tracer_hooked(make_transcoder(skip=False, seed=3), *hooks),
+                                 2: circuit_tracer_hooked(make_transcoder(skip=True, seed=4), *hooks)})
 
 
 def _replace_acts(model: Any, tcs: Any, ids: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -116,14 +118,14 @@ def test_normalized_transcoder_graph_equals_the_mlp_call_transcoder_with_the_gai
         gain = norm_gain(hf.get_submodule(adapter.mlp_norm_path(layer))).float()
         assert (gain - 1).abs().max() > 0.05  # a gain that matters
         same = make_transcoder(skip=layer == 2, seed=3 if layer == 0 else 4)
-        unfolded[layer] = _hooked(same, "mlp.hook_in", "mlp.hook_out")
+        unfolded[layer] = circuit_tracer_hooked(same, "mlp.hook_in", "mlp.hook_out")
         f = make_transcoder(skip=layer == 2, seed=3 if layer == 0 else 4)
         with torch.no_grad():
             f.W_enc.div_(gain[:, None])
             if layer == 2:
                 f.W_skip.div_(gain[None, :])
-        folded[layer] = _hooked(f, "mlp.hook_in", "mlp.hook_out")
-        _hooked(tc, NORMALIZED, "mlp.hook_out")
+        folded[layer] = circuit_tracer_hooked(f, "mlp.hook_in", "mlp.hook_out")
+        circuit_tracer_hooked(tc, NORMALIZED, "mlp.hook_out")
     g = attribute(rm(model, None, TranscoderSet(model, normalized)), ids, batch_size=40)
     h = attribute(rm(model, None, TranscoderSet(model, folded)), ids, batch_size=40)
     assert torch.equal(g.nodes.kind, h.nodes.kind) and torch.equal(g.nodes.pos, h.nodes.pos)
@@ -253,8 +255,8 @@ def test_edges_equal_the_jacobian_of_a_frozen_model_built_by_hand(family: str, h
     writes (after the frozen post-MLP norm) included; the hand model's clean activations are the graph's."""
     model, hf = tiny_nnsight(family)
     ids = random_ids(1, 8, seed=2)[0]
-    tcs = {0: _hooked(make_transcoder(skip=False, seed=3), hook_in, hook_out),
-           2: _hooked(make_transcoder(skip=True, seed=4), hook_in, hook_out)}
+    tcs = {0: circuit_tracer_hooked(make_transcoder(skip=False, seed=3), hook_in, hook_out),
+           2: circuit_tracer_hooked(make_transcoder(skip=True, seed=4), hook_in, hook_out)}
     g = attribute(rm(model, None, TranscoderSet(model, tcs)), ids, batch_size=40)
     reads = "norm_input" if hook_in == RESID_MID else "normalized"
     writes = "post_norm" if hook_out == "hook_mlp_out" and family == "gemma2" else "mlp"
@@ -402,7 +404,7 @@ def test_what_the_frozen_pass_cannot_read_or_write_is_refused_by_name(monkeypatc
 
     model, _ = tiny_nnsight("llama")
     adapter = get_adapter(model)
-    tcs = TranscoderSet(model, {1: _hooked(make_transcoder(seed=3), RESID_MID, "mlp.hook_out")})
+    tcs = TranscoderSet(model, {1: circuit_tracer_hooked(make_transcoder(seed=3), RESID_MID, "mlp.hook_out")})
     r = rm(model, None, tcs)
     ids = random_ids(1, 6, seed=2)
     bad = MLPSiteIO(adapter.attention_norm_path(1), adapter.mlp_path(1))

@@ -15,17 +15,12 @@ from typing import Any
 import nnsight
 import pytest
 import torch
-from helpers import head_logits, make_transcoder, random_ids, relative, tiny_nnsight, unembed
+from helpers import circuit_tracer_hooked, head_logits, make_transcoder, random_ids, relative, tiny_nnsight, unembed
 
 from nnsight_lorsa import TranscoderSet
 
 LAYER = 1
 READS = ("mlp.hook_in", "hook_resid_mid", "ln2.hook_normalized")
-
-
-def _hooked(module: Any, hook_in: str) -> Any:
-    module.cfg.extra["circuit_tracer"] = {"feature_input_hook": hook_in, "feature_output_hook": "hook_mlp_out"}
-    return module
 
 
 def _read(layer_module: torch.nn.Module, hook_in: str, resid_mid: torch.Tensor, mlp_in: torch.Tensor) -> torch.Tensor:
@@ -78,7 +73,7 @@ def _reference(hf: torch.nn.Module, tc: Any, hook_in: str, ids: torch.Tensor, ze
 def test_hook_mlp_out_transcoders_replace_the_post_norm_output_through_the_envoy(family: str, hook_in: str) -> None:
     model, hf = tiny_nnsight(family)
     ids = random_ids(2, 9, seed=5)
-    tc = _hooked(make_transcoder(skip=True, seed=7), hook_in)
+    tc = circuit_tracer_hooked(make_transcoder(skip=True, seed=7), hook_in, "hook_mlp_out")
     tcs = TranscoderSet(model, {LAYER: tc})
     assert tcs.site(LAYER).site_paths == (f"model.layers.{LAYER}.post_feedforward_layernorm",)
 

@@ -18,6 +18,7 @@ from helpers import (
     make_transcoder,
     random_ids,
     tiny_hf_model,
+    tiny_llama_shared,
     tiny_nnsight,
 )
 
@@ -31,8 +32,7 @@ from nnsight_lorsa.errors import ConfigMismatchError
 
 @pytest.fixture(scope="module")
 def llama():
-    model, hf = tiny_nnsight("llama")
-    return model, hf, get_adapter(model)
+    return tiny_llama_shared()  # read only here: the one tiny Llama the process shares
 
 
 @contextlib.contextmanager

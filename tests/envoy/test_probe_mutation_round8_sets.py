@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
-from helpers import D, make_clt, make_lorsa, make_sae, same_weights, tiny_nnsight
+from helpers import D, make_clt, make_lorsa, make_sae, same_weights, tiny_llama_shared
 
-from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet, get_adapter
+from nnsight_lorsa import CLTSet, LorsaSet, ReplacementModel, SAESet
 from nnsight_lorsa._placement import offloaded, set_offload
 from nnsight_lorsa.envoy import replacement_set
 from nnsight_lorsa.errors import ConfigMismatchError
@@ -22,8 +22,7 @@ from nnsight_lorsa.formats import save as save_module
 
 @pytest.fixture(scope="module")
 def llama():
-    model, hf = tiny_nnsight("llama")
-    return model, hf, get_adapter(model)
+    return tiny_llama_shared()  # read only here: the one tiny Llama the process shares
 
 
 # ------------------------------------------------------------------------------------------ load_keyed / key_of_folder
