@@ -71,11 +71,14 @@ class Evaluation:
 
     @property
     def ce_recovered(self) -> float:
-        """``(ce_zero − ce_spliced) / (ce_zero − ce_orig)``: 1 = as good as the original, 0 = as zero-ablation.
+        """``(ce_zero − ce_spliced) / (ce_zero − ce_orig)``: 1 = as good as the original, 0 = as zero-ablation;
+        ``nan`` when zero-ablating the site leaves the CE unchanged (``ce_zero == ce_orig``: the score is
+        undefined there; SAELens' tensor division gives ``nan`` or ``±inf``).
 
         Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
         """
-        return (self.ce_zero - self.ce_spliced) / (self.ce_zero - self.ce_orig)
+        gap = self.ce_zero - self.ce_orig
+        return (self.ce_zero - self.ce_spliced) / gap if gap != 0 else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """The fields plus ``ce_recovered``.

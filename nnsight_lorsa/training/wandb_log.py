@@ -19,7 +19,6 @@ continues the same W&B run (``resume="allow"``). ``wandb``'s own settings apply 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +40,9 @@ def _import_wandb() -> Any:
 def flat_metrics(metrics: Any, prefix: str) -> dict[str, float]:
     """``{prefix/name: number}`` of an :class:`~.evaluate.Evaluation` (its ``to_dict()``) or a mapping of
     names to numbers; a list of numbers (a CLT's per-layer values) becomes ``prefix/name/layer_<i>``;
-    ``None``, ``feature_density`` and non-numeric entries are left out.
+    ``None``, ``feature_density`` and non-numeric entries are left out; a non-finite number (e.g. an undefined
+    ``ce_recovered``, ``nan``) is kept: W&B records it as ``NaN`` / ``Infinity`` (its line charts skip it), so an
+    undefined or diverged metric shows as such rather than as a missing point.
 
     Raises:
         ArgumentError: ``metrics`` is neither an Evaluation nor a mapping.
@@ -65,7 +66,7 @@ def flat_metrics(metrics: Any, prefix: str) -> dict[str, float]:
 
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class WandbRun:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import json
+import math
 import struct
 import sys
 import time
@@ -129,6 +130,28 @@ def test_training_and_evaluation_metrics_reach_the_offline_run(offline):
     assert not any("feature_density" in k for k in eval_row)
     assert config["train_config"]["total_steps"] == 6
     assert config["train_config"]["wandb_project"] == "nnsight-lorsa-test"
+
+
+def test_an_undefined_ce_recovered_is_nan_and_reaches_the_run_as_nan(offline):
+    """``ce_zero == ce_orig`` (zero-ablating the site leaves the CE unchanged): the score's denominator is 0, so
+    ``ce_recovered`` is undefined: ``nan`` (it was a ``ZeroDivisionError`` in ``to_dict`` / ``summary`` /
+    ``log_evaluation``), and W&B records it as NaN next to the other metrics instead of dropping it."""
+    ev = Evaluation(fvu=0.25, l0=2.0, dead_frac=0.125, ce_orig=3.0, ce_spliced=3.5, ce_zero=3.0, kl=0.4,
+                    n_tokens=96)
+    assert math.isnan(ev.ce_recovered)
+    assert math.isnan(ev.summary()["ce_recovered"])
+    defined = Evaluation(fvu=0.25, l0=2.0, dead_frac=0.125, ce_orig=3.0, ce_spliced=3.5, ce_zero=3.0 + 2.0 ** -40,
+                         kl=0.4, n_tokens=96)
+    assert defined.ce_recovered == (defined.ce_zero - 3.5) / (defined.ce_zero - 3.0)  # a tiny gap stays a number
+    trainer = Trainer(sae(), source, TrainConfig(total_steps=2, log_every=2, wandb_project="nnsight-lorsa-test"))
+    trainer.train(progress=False)
+    flat = trainer.log_evaluation(ev)
+    trainer.close_logging()
+    assert math.isnan(flat["eval/ce_recovered"]) and flat["eval/ce_zero"] == 3.0
+    rows, _ = logged(offline)
+    eval_row = next(r for r in rows if "eval/fvu" in r)
+    assert math.isnan(eval_row["eval/ce_recovered"]), eval_row
+    assert eval_row["eval/fvu"] == 0.25
 
 
 def test_a_resumed_trainer_continues_the_same_run(offline, tmp_path):
