@@ -158,6 +158,29 @@ def test_lorsa_edit_on_keys_and_values_matches_loop():
     assert_same(out, logits, seq, ref)
 
 
+def test_lorsa_reads_the_attention_input_as_the_body_set_it_at_every_step():
+    """The trace body doubles the attention's input at every step; the Lorsa replacing that attention must read
+    the doubled input at every step, not only the first: the splice's worker is moved behind the body's workers
+    before each later visit (``serve_last``; round 9b's mutant #56 put it second to last, so from the second step
+    on it read the input before the body's edit)."""
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(2, 6)
+
+    def double(_site=None):
+        attn = model.model.layers[LAYER].self_attn
+        attn.inputs = ((), {**attn.inputs[1], "hidden_states": 2 * attn.inputs[1]["hidden_states"]})
+
+    def setup_edit():
+        lorsa.replace(layer=LAYER)
+        double()
+
+    seq, ref = no_cache_loop(model, ids, setup_edit)
+    out, logits = generated(model, ids, lambda: lorsa.replace(layer=LAYER), each_step=double)
+    assert_same(out, logits, seq, ref)
+    undoubled, _ = no_cache_loop(model, ids, lambda: lorsa.replace(layer=LAYER))
+    assert not torch.equal(undoubled, seq)  # the doubling shows in the tokens
+
+
 def test_lorsa_error_term_generates_the_unmodified_model():
     model, _, lorsa = lorsa_set("llama")
     ids = random_ids(2, 6)
@@ -248,10 +271,15 @@ def test_lorsa_beams_from_the_checkpoint_config_raise_before_any_token():
 
 def test_replace_at_a_later_iter_step_says_to_call_it_before_the_loop():
     model, _, lorsa = lorsa_set("llama")
-    for steps in ("iter[1:3]", "after step 0"):
+    # "iter[1:3] after a read": nnsight drops a worker's step pin at its first value of a later step (the worker is
+    # then relaxed, ``iteration = None``); a relaxed worker is not at step 0 (round 9b's mutant #76 read it so, and
+    # the refusal then said the model "already ran" the site, not why)
+    for steps in ("iter[1:3]", "after step 0", "iter[1:3] after a read"):
         with pytest.raises(TraceOrderError, match="before the loop"), model.generate(random_ids(1, 6), **GEN) as tracer:
-            if steps == "iter[1:3]":
+            if steps.startswith("iter[1:3]"):
                 for _ in tracer.iter[1:3]:
+                    if steps.endswith("read"):
+                        nnsight.save(model.model.embed_tokens.output)
                     lorsa.replace(layer=LAYER)
             else:
                 for step in tracer.iter[:3]:

@@ -122,3 +122,78 @@ def test_two_threads_with_a_lock_both_get_the_model(setup):
         t.join(120)
     assert not errors, errors
     assert len(outs) == 6 and all(torch.allclose(o, reference, atol=1e-5) for o in outs)
+
+
+def test_a_run_past_its_trace_body_still_refuses_a_second_thread(setup):
+    """Thread A's trace body has ended (its worker is dead: it read layer 0 only) while A's model is still
+    running (held in a plain forward hook on the unembedding). The interleaver is in use with no live worker
+    of A's: a second thread's ``ReplacementModel.trace`` must still be refused (round 9b's mutant #79 accepted
+    it, and B's trace would have shared A's interleaver mid-run), and A's run finishes unharmed."""
+    model, hf, rm, lorsas, ids, reference = setup
+    inside, b_done = threading.Event(), threading.Event()
+    result: dict = {}
+
+    def hold(module, args, out):
+        if threading.current_thread().name == "A":
+            inside.set()
+            b_done.wait(60)
+
+    def a() -> None:
+        try:
+            with model.trace(ids):
+                result["early"] = nnsight.save(model.model.layers[0].output)
+            result["a"] = seen[-1]
+        except Exception as e:  # noqa: BLE001 — reported to the test
+            result["a"] = e
+        finally:
+            inside.set()
+
+    def b() -> None:
+        inside.wait(60)
+        try:
+            with rm.trace(ids):
+                rm.replace()
+            result["b"] = None
+        except Exception as e:  # noqa: BLE001
+            result["b"] = e
+        finally:
+            b_done.set()
+
+    seen: list = []
+    handles = [hf.lm_head.register_forward_hook(hold),
+               hf.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))]
+    try:
+        threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        for h in handles:
+            h.remove()
+    assert isinstance(result.get("b"), ConcurrentTraceError), result.get("b")
+    assert isinstance(result.get("a"), torch.Tensor), result.get("a")
+    assert torch.allclose(result["a"], reference, atol=1e-5)
+
+
+def test_a_finished_trace_leaves_no_worker_behind(setup):
+    """After a trace of thread A has ended, thread B's trace is accepted: nothing of A's run (no worker, dead or
+    alive) is left in the model's interleaver to be read as another thread's trace."""
+    model, hf, rm, lorsas, ids, reference = setup
+    with model.trace(ids):
+        nnsight.save(model.model.layers[0].output)
+    result: dict = {}
+
+    def b() -> None:
+        try:
+            with rm.trace(ids):
+                rm.replace()
+                result["b"] = nnsight.save(model.lm_head.output)
+        except Exception as e:  # noqa: BLE001
+            result["b"] = e
+
+    t = threading.Thread(target=b)
+    t.start()
+    t.join(120)
+    assert isinstance(result.get("b"), torch.Tensor), result.get("b")
+    assert torch.allclose(result["b"], reference, atol=1e-5)
