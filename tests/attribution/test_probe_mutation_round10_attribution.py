@@ -199,3 +199,16 @@ def test_circuit_metrics_combine_the_ablations_as_documented(monkeypatch):
     influence, size = [0.4, 0.1, 0.3, 0.2], [1.5, 0.01, 1.0, 0.3]
     assert cm.faithfulness == pytest.approx(1.0)  # the same order: rho of influence and |effect| is 1
     assert sorted(range(4), key=influence.__getitem__) == sorted(range(4), key=size.__getitem__)
+
+
+def test_a_traced_call_in_a_remote_block_accepts_a_model_with_stored_edits(bundle, monkeypatch):
+    """(Mutant: the block's replacement checked as a prompt's, ``in_trace=False``.) ``check_replacement``'s
+    docstring: edits stored by ``model.edit()`` refuse a prompt's graph, but ``tracer=`` inside a trace of the model
+    attributes the edited pass; the block's call is the traced one, so it is not refused before sending."""
+    from nnsight_lorsa.attribution.engine import check_replacement
+    from nnsight_lorsa.envoy import nnsight_internals
+
+    monkeypatch.setattr(nnsight_internals, "stored_edits", lambda model: 1)  # as after one model.edit() block
+    with pytest.raises(ArgumentError, match="model.edit"):
+        check_replacement(bundle)
+    _check("attribute(rm, tracer=t, batch_size=8)", rm=bundle)
