@@ -18,7 +18,7 @@ import torch
 from .._placement import resident, to_module
 from .._repr import FieldsRepr
 from ..envoy.targets import Feature, LorsaHead, Target
-from ..errors import ConfigMismatchError
+from ..errors import ArgumentError, ConfigMismatchError
 from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, NodeTable
 from .logit_targets import TOP_LOGITS, LogitTargets, target_logits
 
@@ -287,10 +287,13 @@ def build_layout(
             whatever their value.
 
     Raises:
-        ConfigMismatchError: ``zero_positions`` not an int in ``[0, pos)``, or a target id outside the vocabulary.
+        ArgumentError: ``zero_positions`` not an int.
+        ConfigMismatchError: ``zero_positions`` outside ``[0, pos)``, or a target id outside the vocabulary.
     """
     n_pos = int(tokens.numel())
-    if not isinstance(zero_positions, int) or isinstance(zero_positions, bool) or not 0 <= zero_positions < n_pos:
+    if not isinstance(zero_positions, int) or isinstance(zero_positions, bool):
+        raise ArgumentError(f"zero_positions must be an int, got {zero_positions!r}")
+    if not 0 <= zero_positions < n_pos:
         raise ConfigMismatchError(f"zero_positions must be an int in [0, {n_pos}) for this {n_pos}-token prompt, "
                                   f"got {zero_positions!r}")
     lorsas, transcoders = modules.get("lorsas", {}), modules.get("transcoders", {})

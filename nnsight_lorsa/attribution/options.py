@@ -89,8 +89,7 @@ class AttributionOptions:
         for name in ("zero_positions", "qk_heads"):  # zero_positions' upper bound is the prompt's length (layout)
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
-                raise (ConfigMismatchError if name == "zero_positions" else ArgumentError)(
-                    f"attribute({name}=...) must be an int, got {v!r}")
+                raise ArgumentError(f"attribute({name}=...) must be an int, got {v!r}")
             if v < 0:
                 raise ConfigMismatchError(f"attribute({name}=...) must be >= 0, got {v}")
         memory_modes(self.memory)

@@ -131,17 +131,19 @@ def test_an_unknown_setting_of_a_named_call_is_refused_as_python_refuses_an_unkn
         AttributionOptions.of({"bogus": 1})
 
 
-def test_qk_heads_of_the_wrong_type_is_an_argument_error():
+@pytest.mark.parametrize("name", ["qk_heads", "zero_positions"])
+def test_qk_heads_and_zero_positions_of_the_wrong_type_are_argument_errors(name):
     """(Mutant: every wrongly typed ``zero_positions`` / ``qk_heads`` a ConfigMismatchError.) The class docstring:
-    ``qk_heads`` of the wrong type is an ArgumentError (a TypeError); a negative one a ConfigMismatchError.
-    (``zero_positions`` of the wrong type stays a ConfigMismatchError, as :func:`.layout.build_layout` raises it.)"""
+    ``qk_heads`` / ``zero_positions`` of the wrong type is an ArgumentError (a TypeError); a negative one a
+    ConfigMismatchError. (``zero_positions`` of the wrong type was a ConfigMismatchError until 2026-11-29, against
+    the docstring; :func:`.layout.build_layout` now says the same.)"""
     for bad in ("2", 2.0, True):  # the checks themselves: the tests' type-check hook refuses these at __init__
         options = AttributionOptions()
-        object.__setattr__(options, "qk_heads", bad)
-        with pytest.raises(ArgumentError, match="qk_heads"):
+        object.__setattr__(options, name, bad)
+        with pytest.raises(ArgumentError, match=name):
             options.__post_init__()
-    with pytest.raises(ConfigMismatchError, match="qk_heads"):
-        AttributionOptions(qk_heads=-1)
+    with pytest.raises(ConfigMismatchError, match=name):
+        AttributionOptions(**{name: -1})
 
 
 # ------------------------------------------------------------------ attribution/checks.py
