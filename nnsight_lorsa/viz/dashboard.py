@@ -56,7 +56,8 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         correlation: :func:`~nnsight_lorsa.analysis.heads.mhsa_correlation` of the layer: the MHSA heads listed
             with their normalised ``fraction`` and mean coefficient ``contribution`` (largest coefficient first),
             and ``heads_spanned`` (-1 — shown as undefined, fractions "n/a" — for a head whose contributions sum
-            to 0 or less).
+            to 0 or less); no MHSA section for a head never active in the correlation's tokens (its
+            ``count`` 0: nothing to attribute).
         qk_features: a :class:`~nnsight_lorsa.analysis.qk_ablation.QKFeatureImpacts` of this head
             (App. F.1: max KL of its pattern with a feature ablated from Q / from K).
         ov_features: :func:`~nnsight_lorsa.analysis.heads.ov_feature_cosines` of this head (App. F.2).
