@@ -24,12 +24,13 @@ import nnsight
 import torch
 from tqdm.auto import tqdm
 
+from .._checks import is_int
 from .._placement import model_device
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
-from ..errors import ArgumentError, NonFiniteError
+from ..errors import ArgumentError, NonFiniteError, TooFewTokensError
 from ..formats.hook_sites import mlp_site_io
 from .dataset import TokenDataset, _loss_mask
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
@@ -282,13 +283,33 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
 
     Raises:
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
-            of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too).
+            of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too);
+            ``batch_size`` not an int >= 1, ``max_batches`` neither None nor an int >= 1, ``dataset`` not a
+            :class:`~.dataset.TokenDataset`.
+        TooFewTokensError: the windows evaluated hold no counted prediction (their ``target_mask`` keeps no token
+            after the first of a window): CE and KL would be 0 / 0. Raised before the model runs.
         PlacementError: the model is on the meta device (not dispatched).
         NonFiniteError: a CE or the KL of a batch is NaN / inf, from non-finite logits (an fp16 model's past
             65504), naming the metric, the batch and the logits' dtype.
 
     Source: SAELens ``sae_lens/evals.py`` (CE loss score, KL, shrinkage metrics).
     """
+    if not is_int(batch_size) or batch_size < 1:
+        raise ArgumentError(f"evaluate: batch_size must be an int >= 1, got {batch_size!r}")
+    if max_batches is not None and (not is_int(max_batches) or max_batches < 1):
+        raise ArgumentError(f"evaluate: max_batches must be None or an int >= 1, got {max_batches!r}")
+    if not isinstance(dataset, TokenDataset):
+        raise ArgumentError(f"evaluate: dataset must be a TokenDataset, got {type(dataset).__name__}")
+    batch_size = int(batch_size)
+    n_batches = (len(dataset) + batch_size - 1) // batch_size
+    if max_batches is not None:
+        n_batches = min(n_batches, int(max_batches))
+    kept = dataset.targets(0, n_batches * batch_size)
+    if kept is not None and not bool(kept[:, 1:].any()):
+        raise TooFewTokensError(
+            f"evaluate: the {min(len(dataset), n_batches * batch_size)} windows evaluated hold no counted prediction: "
+            "their target_mask keeps no token after the first of a window, so CE and KL are undefined (0 / 0). "
+            "Evaluate on windows with real tokens (TokenDataset's target_mask marks what counts)")
     replacements = _one_set(replacements)
     probe = _probe(replacements, at)
     model = replacements.model
@@ -296,9 +317,6 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
     lm_head_path = replacements.adapter.lm_head_path
     sums = {"orig": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
     n_tok = 0
-    n_batches = (len(dataset) + batch_size - 1) // batch_size
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
     for i in tqdm(range(n_batches), desc="evaluate", disable=not show_progress(progress), dynamic_ncols=True):
         ids = dataset.tokens[i * batch_size:(i + 1) * batch_size].to(device)
         lm_head = model.get(lm_head_path)
