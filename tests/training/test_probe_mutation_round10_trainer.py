@@ -295,3 +295,95 @@ def test_an_error_after_the_forward_is_told_to_the_other_ranks_but_another_ranks
     with pytest.raises(RankFailedError), trainer._told():
         raise RankFailedError("peer", step=3, ranks=[1])
     assert trainer.dist.told == [3]
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize(("s_in", "s_out"), [(None, None), (0.0, 1.5), (1.5, 0)])
+def test_a_checkpoint_past_step_0_without_positive_scale_factors_is_refused(tmp_path, s_in, s_out):
+    """trainer.json's s_in / s_out are positive finite numbers, or both null before the first step only
+    (_check_progress): a null pair at step 1 would make the resumed run estimate the factors again (a run no
+    uninterrupted one gives), a 0 factor would zero the module's inputs or outputs."""
+    import json
+
+    from test_probe_checkpoint_files import remanifest
+
+    from nnsight_lorsa.errors import CheckpointError
+    from nnsight_lorsa.training import Trainer
+
+    trainer = _trainer()
+    trainer.train(1, progress=False)
+    trainer.save_checkpoint(tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "trainer.json").read_text())
+    assert meta["step"] == 1 and meta["s_in"] > 0 and meta["s_out"] > 0
+    meta["s_in"], meta["s_out"] = s_in, s_out
+    (tmp_path / "ck" / "trainer.json").write_text(json.dumps(meta))
+    remanifest(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="trainer.json: key 's_(in|out)' must be a positive finite number"):
+        Trainer.resume(tmp_path / "ck", _source)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_of_a_data_parallel_run_logs_to_wandb(monkeypatch, rank):
+    """With wandb_project set, the W&B run is started on rank 0 only (_wandb_run's docstring): the other ranks log
+    nothing (one run per training run, not one per rank)."""
+    from nnsight_lorsa.training import trainer as module
+
+    started: list[str] = []
+
+    class Run(module.WandbRun):  # (the return type is checked at run time)
+        id = "run-id"
+
+        def __init__(self, project: str, *args: Any) -> None:
+            started.append(project)
+
+        def log(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    monkeypatch.setattr(module, "WandbRun", Run)
+    trainer = _trainer(wandb_project="probe")
+    trainer.dist = types.SimpleNamespace(rank=rank)
+    got = trainer.log_evaluation({"fvu": 0.5})
+    assert got == {"eval/fvu": 0.5}
+    assert started == (["probe"] if rank == 0 else [])
+
+
+def test_after_close_logging_the_next_log_goes_to_a_new_handle_of_the_same_run(monkeypatch):
+    """close_logging finishes the W&B run; a later log_evaluation continues the same run (its id) through a new
+    handle, not the finished one."""
+    from nnsight_lorsa.training import trainer as module
+
+    runs: list[Any] = []
+
+    class Run(module.WandbRun):  # (the return type is checked at run time)
+        def __init__(self, project: str, name: Any, config: Any, run_id: Any) -> None:
+            self.id, self.finished, self.logged = run_id or "run-id", False, []
+            runs.append(self)
+
+        def log(self, metrics: Any, step: int) -> None:
+            assert not self.finished, "logged to a finished run"
+            self.logged.append(metrics)
+
+        def finish(self) -> None:
+            self.finished = True
+
+    monkeypatch.setattr(module, "WandbRun", Run)
+    trainer = _trainer(wandb_project="probe")
+    trainer.log_evaluation({"fvu": 0.5})
+    trainer.close_logging()
+    trainer.log_evaluation({"fvu": 0.25})
+    assert [r.finished for r in runs] == [True, False] and runs[1].id == runs[0].id == trainer.wandb_run_id
+    assert runs[1].logged == [{"eval/fvu": 0.25}]
+
+
+def test_a_resumed_trainer_keeps_the_history_it_was_saved_with(tmp_path):
+    """The history (every logged entry) is part of a checkpoint: a resumed trainer's config.history is the saved
+    one, and a resumed train() appends to it."""
+    from nnsight_lorsa.training import Trainer
+
+    trainer = _trainer(log_every=1)
+    trainer.train(2, progress=False)
+    trainer.save_checkpoint(tmp_path / "ck")
+    resumed = Trainer.resume(tmp_path / "ck", _source)
+    assert resumed.config.history == trainer.config.history and [m["step"] for m in resumed.config.history] == [1, 2]
+    resumed.train(1, progress=False)
+    assert [m["step"] for m in resumed.config.history] == [1, 2, 3]
