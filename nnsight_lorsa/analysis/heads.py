@@ -29,6 +29,7 @@ from ..adapters.registry import get_adapter
 from ..attribution.export import decode_token
 from ..envoy.nnsight_internals import hf_module, stored_edits
 from ..envoy.read import attention_activations
+from ..envoy.replacement_model import check_replacement_model
 from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
 from ..modules.lorsa import head_indices
 from .top_activations import TopActivations
@@ -225,6 +226,8 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     Lorsa sees its input in its own dtype; the least squares in fp64, the sums in fp64); the result is on the CPU.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``, ``attention_mask`` not of its shape
         (ArgumentError: ids outside the model's vocabulary).
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
@@ -236,6 +239,7 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     Source: Lorsa paper (He et al. 2025) App. E.
     """
     refuse_in_trace("mhsa_correlation")
+    check_replacement_model(replacement, "mhsa_correlation")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     check_tokens(tokens, model)
     _check_count(batch_size, "batch_size")
@@ -315,6 +319,8 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
         partial_bytes=True)``; it decoded as ``"\ufffd"``, the same for every such token).
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ShapeError: the unembedding does not match ``d_model``.
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
         PlacementError: the unembedding or the Lorsa is on ``meta``.
@@ -323,6 +329,7 @@ def ov_logit_lens(replacement: Any, layer: int, heads: Any = None, k: int = 10,
 
     Source: Lorsa paper (He et al. 2025) §5.1, Fig. 4 ("Logits via OV").
     """
+    check_replacement_model(replacement, "ov_logit_lens")
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     adapter = get_adapter(model)
     w_u = _module(model, adapter.lm_head_path).weight  # (vocab, d)
@@ -423,6 +430,8 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     that never fires keeps its largest (zero) activations with where they were, ``count`` 0.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``, ``attention_mask`` not of its shape
         (ArgumentError: ids outside the model's vocabulary).
         LayerOutOfRangeError: no Lorsa at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int
@@ -433,6 +442,7 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
     """
     refuse_in_trace("collect_top_activations")
+    check_replacement_model(replacement, "collect_top_activations")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     check_tokens(tokens, model)
     _check_count(n_top, "n_top")

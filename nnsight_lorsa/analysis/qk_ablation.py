@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from .._placement import placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float, Int
+from ..envoy.replacement_model import check_replacement_model
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from ..modules.lorsa import head_indices
 from ..modules.rotary import apply_rotary, rotary_cos_sin
@@ -220,11 +222,13 @@ def qk_feature_impacts(
         :class:`QKFeatureImpacts` (per feature: max KL for Q and for K, where, and how often present).
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
         range, ``tokens`` not a non-empty integer ``(n_windows, pos)`` tensor (ArgumentError: ids outside the
         model's vocabulary). ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
-        PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` not an int
-        ``>= 1``, ``features`` not a non-empty list / integer tensor of ints, ``attention_mask`` not 0 / 1 or with
+        PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` or ``chunk`` not an
+        int ``>= 1``, ``features`` not a non-empty list / integer tensor of ints, ``attention_mask`` not 0 / 1 or with
         padding between a row's tokens (ShapeError: not of the tokens' shape), the model carries stored edits.
         TraceOrderError: called inside a trace body. All before the model runs.
 
@@ -244,6 +248,9 @@ def qk_feature_impacts(
     from .heads import check_attention_mask, check_tokens, kept_tokens, refuse_in_trace, refuse_stored_edits
 
     refuse_in_trace("qk_feature_impacts")
+    check_replacement_model(replacement, "qk_feature_impacts")
+    if not is_int(chunk) or chunk < 1:
+        raise ArgumentError(f"chunk must be an int >= 1 (elements of one ablated-score tensor), got {chunk!r}")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     refuse_stored_edits(model, "qk_feature_impacts", "the Lorsa's queries and keys")
     check_tokens(tokens, model)

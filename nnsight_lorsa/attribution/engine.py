@@ -72,14 +72,12 @@ def check_replacement(replacement: Any, *, in_trace: bool = False) -> None:
             them in every trace, the engine's passes included): the graph would be of neither the edited nor the
             unedited model; ``tracer=`` inside a trace of it attributes the edited pass.
     """
-    from ..envoy import ReplacementModel
     from ..envoy.nnsight_internals import check_one_thread, stored_edits
+    from ..envoy.replacement_model import check_replacement_model
 
     if not in_trace:
         refuse_inside_trace("attribute")
-    if not isinstance(replacement, ReplacementModel):
-        raise ArgumentError(f"attribute(replacement=...) must be a ReplacementModel(model, lorsas=..., "
-                            f"transcoders=...), got a {type(replacement).__name__}")
+    check_replacement_model(replacement, "attribute")
     if not in_trace:  # inside its own trace the model's interleaver is this thread's
         check_one_thread(replacement.model, "attribute")
     if not in_trace and stored_edits(replacement.model):

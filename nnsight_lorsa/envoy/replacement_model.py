@@ -28,7 +28,7 @@ import torch
 from .._placement import kept_on_failure, set_offload
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
-from ..errors import ConfigMismatchError, ShapeError
+from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
 from .nnsight_internals import check_one_thread, hf_module
@@ -401,3 +401,25 @@ class ReplacementModel:
             return site.hook_z.output, (target.head,)
         site = self._set(target).replace(target.site, error=self.error)
         return site.hook_sae_acts_post.output, (target.index,)
+
+
+def check_replacement_model(value: Any, where: str) -> ReplacementModel:
+    """``value`` when it is a :class:`ReplacementModel`; the one check of every entry point that takes one
+    (``attribute``, the analysis and patching functions), so that a set, a bare model or a module passed in its
+    place is a named error, not an ``AttributeError`` from deep inside (or, for ``head_swap``, arguments read
+    in the wrong places).
+
+    Raises:
+        ArgumentError: ``value`` is not a ReplacementModel; the message names ``where`` and how to wrap a set.
+
+    Source: ours (this package's entry points).
+    """
+    if isinstance(value, ReplacementModel):
+        return value
+    hint = ""
+    if isinstance(value, ReplacementSet):
+        slot = {"LorsaSet": "lorsas", "TranscoderSet": "transcoders", "CLTSet": "transcoders",
+                "SAESet": "saes"}.get(type(value).__name__, "lorsas")
+        hint = f"; wrap the set: ReplacementModel(model, {slot}=your_set)"
+    raise ArgumentError(f"{where}(replacement=...) must be a ReplacementModel(model, lorsas=..., transcoders=..., "
+                        f"saes=...), got a {type(value).__name__}{hint}")

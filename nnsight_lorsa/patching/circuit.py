@@ -25,7 +25,7 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
-from ..envoy.replacement_model import ReplacementModel
+from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
@@ -221,6 +221,8 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
         :class:`CircuitSize`; ``per_prompt_k: (batch,)``, ``global_k``, the curves ``(K, batch)``, ``(K,)``.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         UndefinedNormalizationError: prompts (or the batch mean) whose metric with every component kept and with none
             are equal within the logits' rounding (:func:`~.metrics.check_gap`, the rule of ``normalized``): their
             ``f(k)`` would be 0/0 or rounding noise (until 2026-11-27 a warning and NaN for an exact tie only, noise
@@ -236,6 +238,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2, Fig. 3.
     """
     refuse_inside_trace("circuit_size")
+    check_replacement_model(replacement, "circuit_size")
     _check_components(replacement, components)
     if not is_real(threshold) or not math.isfinite(threshold):
         raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "

@@ -23,7 +23,7 @@ import torch
 from .._checks import is_int
 from .._placement import HOST, host_f32
 from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
-from ..envoy.replacement_model import ReplacementModel
+from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
 from .interventions import ablate, check_positions, patch, read, refuse_inside_trace, refuse_repeats
@@ -169,6 +169,8 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
     patching"; the targets and where each lives: docs/patching.md.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ShapeError: ``clean`` and ``corrupt`` differ in shape. Target errors before anything runs.
         ArgumentError: ``groups_per_trace`` not an int ``>= 1``; a ``metric`` that does not return ``(batch,)``;
             ``clean`` and ``corrupt`` padded differently, ``positions`` (or, for the default metric, the last
@@ -176,6 +178,7 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
         ConfigMismatchError: no targets.
     """
     refuse_inside_trace("activation_patching")
+    check_replacement_model(replacement, "activation_patching")
     if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
@@ -287,12 +290,15 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     """Ablate ``targets`` together on ``prompts``; the metric before and after.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
 
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("ablation_effect")
+    check_replacement_model(replacement, "ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
                      positions)
 
@@ -348,6 +354,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     baseline and each draw) goes through the replacements the whole pool needs, so the draws share one baseline.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``; a target listed twice in ``pool`` (a draw of
             ``k`` could hold fewer than ``k``).
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
@@ -355,6 +363,7 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("random_ablation_control")
+    check_replacement_model(replacement, "random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
     if not is_int(n_samples) or n_samples < 1:
@@ -388,6 +397,8 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
         ``(baseline_logits, swapped_logits)``, both ``(batch, pos, vocab)``.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
             (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
@@ -395,6 +406,7 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     Source: Lorsa paper (He et al. 2025) App. D.4 (perturbation results).
     """
     refuse_inside_trace("head_swap")
+    check_replacement_model(replacement, "head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
     pos = positions_index(positions)

@@ -35,7 +35,7 @@ from .._placement import f32, like, narrows_range
 from ..envoy.edit_log import note_edit
 from ..envoy.nnsight_internals import current_worker
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
-from ..envoy.replacement_model import ReplacementModel
+from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Positions, Target, index_at, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError
 
@@ -314,12 +314,15 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     them to wherever they are written.
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
             before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
 
     Source: *From Tokenization to Attribution Graphs* §10.1 (mean ablation).
     """
     refuse_inside_trace("mean_activations")
+    check_replacement_model(replacement, "mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

@@ -55,7 +55,7 @@ from .._placement import like
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.padding import check_same_padding, padding_mask
-from ..envoy.replacement_model import ReplacementModel
+from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits, top_groups
@@ -477,6 +477,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
         :class:`PathPatchingResult` (metric ``(n_groups, batch)`` and baselines ``(batch,)``).
 
     Raises:
+        ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
+            model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: with ``replacement.error`` False, an MHSA sender or receiver in a layer whose Lorsa the call
             splices (for a Lorsa head there): its edit would be discarded. Token-id tensors that are not integer
             ``(pos,)`` / ``(batch, pos)`` with ``pos >= 1``.
@@ -498,6 +500,7 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
     Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
     """
     refuse_inside_trace("path_patching")
+    check_replacement_model(replacement, "path_patching")
     if not isinstance(freeze, bool):
         raise ArgumentError(f"path_patching: freeze must be a bool, got {freeze!r}")
     if not is_int(groups_per_trace) \
