@@ -137,18 +137,26 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
         ConfigMismatchError: a module not of ``module_type``, a file that names no key (pass
             ``{key: source}``), two modules for one key.
         ArgumentError: ``offload`` not a bool; a ``dtype`` other than fp16 / bf16 / fp32 / fp64 or a ``device``
-            that is not one (before anything is read or downloaded).
+            that is not one; ``sources`` none of the forms above, or a source in them not a ``str`` /
+            ``os.PathLike`` (before anything is read or downloaded).
         PlacementError: a ``device`` this machine lacks, or ``meta`` (:func:`check_load_placement`).
         CheckpointError, UnsupportedArchitectureError: from the readers.
     """
     import os  # local: os is not on NDIF's unpickling whitelist (the sets travel by value)
 
+    from ..formats.files import check_path
+
     offload = check_flag(kwargs.pop("offload", False), "offload", "from_pretrained")
     check_load_placement(kwargs)
     if kwargs.get("dtype") is None:
         kwargs["dtype"] = site_placement(model, "")[1]
+    if not isinstance(sources, (Mapping, str, os.PathLike, list, tuple)):
+        raise ArgumentError(f"from_pretrained: sources must be a directory or Hugging Face repo id (a str or "
+                            f"os.PathLike), a list of them, or {{{key_name}: source}}; got a {type(sources).__name__}")
     items = sources.items() if isinstance(sources, Mapping) else [
         (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
+    for _, src in items:
+        check_path(src, "from_pretrained")
     found: dict = {}
     names: dict = {}
     for key, src in items:
@@ -471,13 +479,16 @@ class ReplacementSet(Generic[K, M]):
         Raises:
             SaveError: an ``OSError`` while writing (disk full, permission); ``directory`` is left as it was.
             CheckpointError: ``directory`` is a file or the working directory.
+            ArgumentError: ``directory`` is not a ``str`` / ``os.PathLike``.
         """
         from pathlib import Path
 
         from .._atomic import atomic_directory
+        from ..formats.files import check_path
         from ..formats.hub import SET_INDEX, set_index
         from ..formats.registry import checkpoint_folders, save
 
+        check_path(directory, f"{type(self).__name__}.save", "a directory")
         with atomic_directory(directory, manifest=None) as stage:  # each folder has its manifest
             written = [self.folder(key) for key in self]
             for key, folder in zip(self, written, strict=True):
@@ -614,8 +625,17 @@ class ReplacementSet(Generic[K, M]):
         self._by_key[k] = module
 
     def update(self, modules: Mapping[K, M]) -> None:
-        """Add (or replace) several modules, each checked as by ``set[key] = module``."""
-        for key, module in modules.items():
+        """Add (or replace) several modules, each checked as by ``set[key] = module``.
+
+        Raises:
+            ArgumentError: ``modules`` is not a mapping ``{key: module}`` (e.g. a list of modules: which layer
+                each replaces is the key).
+        """
+        items = getattr(modules, "items", None)
+        if not callable(items):
+            raise ArgumentError(f"{type(self).__name__}: modules must be a mapping {{key: module}} (the key says "
+                                f"where each {self.what} goes, e.g. {{layer: module}}), got a {type(modules).__name__}")
+        for key, module in items():
             self[key] = module
 
     def __getitem__(self, key: K) -> M:

@@ -26,6 +26,19 @@ __all__ = ["checkpoint_name", "headers_only", "load_safetensors", "read_json_obj
            "read_yaml_object", "refuse_local_revision", "resolve_checkpoint_dir"]
 
 
+def check_path(path: Any, where: str, what: str = "a directory or a Hugging Face repo id") -> None:
+    """Refuse a path that is neither a ``str`` nor an ``os.PathLike`` (e.g. ``None``) with our error, before
+    any use of it (Python's own is a bare ``TypeError`` from deep inside ``pathlib`` / ``os``).
+
+    Raises:
+        ArgumentError: ``path`` is not a ``str`` / ``os.PathLike``; the message names ``where``.
+
+    Source: ours (every reader's and writer's first check).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(f"{where}: the path must be a str or os.PathLike ({what}), got a {type(path).__name__}")
+
+
 def resolve_checkpoint_dir(
     source: str | os.PathLike[str],
     *,
@@ -54,6 +67,7 @@ def resolve_checkpoint_dir(
         ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo); a
             ``revision`` with a local path (it has none: the revision asked for would not be the one read).
     """
+    check_path(source, "load")
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
         refuse_local_revision(source, revision)

@@ -59,7 +59,7 @@ from . import (
     sparse_coder_format,
     sparsify,
 )
-from .files import read_json_object, resolve_checkpoint_dir
+from .files import check_path, read_json_object, resolve_checkpoint_dir
 from .reader import Reader, hub_configs, hub_weights, read_dir
 
 __all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "LoadedModules", "PartialLoadWarning", "checkpoint_folders",
@@ -256,11 +256,12 @@ def load(
         ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``; a ``dtype`` other
             than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one; a
             ``revision`` with a local path; a hub ``subfolder`` that is absolute or climbs with ``..``; a
-            ``release`` / ``sae_id`` that is not a str.
+            ``release`` / ``sae_id`` that is not a str; a path that is not a ``str`` / ``os.PathLike``.
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
+    check_path(path_or_repo_id, "load")
     device = check_placement_args(device, dtype, f"load({str(path_or_repo_id)!r})")
     if sae_id is not None:
         return _load_release(str(path_or_repo_id), sae_id, format=format, subfolder=subfolder, device=device,
@@ -365,11 +366,12 @@ def load_all(directory: str | os.PathLike[str], *, format: str = "auto", **kwarg
         CheckpointError, UnsupportedArchitectureError, ConfigMismatchError: from the readers, when
             the folder itself is the checkpoint, or when no subfolder loaded (the first subfolder's
             error, with every failure listed in the message).
-        ArgumentError, PlacementError: a bad ``dtype`` / ``device`` in ``kwargs`` (as :func:`load`), before
-            any folder is read.
+        ArgumentError, PlacementError: a bad ``dtype`` / ``device`` in ``kwargs`` (as :func:`load`), or a
+            ``directory`` that is not a ``str`` / ``os.PathLike``, before any folder is read.
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
+    check_path(directory, "load_all")
     check_placement_args(kwargs.get("device"), kwargs.get("dtype"), f"load_all({str(directory)!r})")
     d = Path(directory)
     local = isinstance(directory, Path) or d.exists()
@@ -430,13 +432,15 @@ def save(obj: Any, path: str | os.PathLike[str], *, format: str = DEFAULT_FORMAT
     Raises:
         UnsupportedArchitectureError: an unknown format, one without a writer, or a module the
             format cannot express (e.g. a non-TopK coder for sparsify).
-        ArgumentError: an object the format does not write (a ``TypeError``).
+        ArgumentError: an object the format does not write, or ``path`` not a ``str`` / ``os.PathLike`` (a
+            ``TypeError``).
         CheckpointError: a config that is not JSON-serialisable.
         PlacementError: a module (or one of a set's) has its weights on the ``meta`` device (never
             materialised): nothing is written.
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
+    check_path(path, "save", "a directory")
     _check_not_meta(obj, path)
     fmt = _format(format)
     if not fmt.writers:

@@ -71,6 +71,23 @@ class Batch:
         return dataclasses.replace(self, **fields)
 
 
+def checked_batch(batch: Any, index: int) -> Batch:
+    """``batch`` — what a trainer's source returned for batch ``index`` — when it is a :class:`Batch`.
+
+    Raises:
+        ArgumentError: it is not (e.g. ``None`` or a bare tensor from a source written by hand); the message names
+            the index and what a source must return.
+
+    Source: ours (the trainer's source contract).
+    """
+    if not isinstance(batch, Batch):
+        raise ArgumentError(
+            f"the training source returned a {type(batch).__name__} for batch {index}, not a Batch: a source is a "
+            "callable index -> nnsight_lorsa.training.activations.Batch(x=..., y=..., loss_mask=...) "
+            "(e.g. an ActivationSource)")
+    return batch
+
+
 _SiteSpec = Site | Sequence[Site]
 
 

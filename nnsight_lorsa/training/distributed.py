@@ -86,6 +86,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import NotReadyError, RankFailedError
 from ..modules.activations import BatchTopK
+from .activations import checked_batch
 from .master_weights import LOW_PRECISION
 
 #: the live :class:`DataParallel` wrappers, whose DDP modules :func:`_release_at_exit` drops
@@ -222,7 +223,7 @@ class DataParallel:
             self.source = shard(self.rank, self.world_size)
         else:  # a plain callable: compute the global batch, keep this rank's part
             rank, world = self.rank, self.world_size
-            self.source = lambda index: shard_batch(source(index), rank, world)
+            self.source = lambda index: shard_batch(checked_batch(source(index), index), rank, world)
         # DDP broadcasts rank 0's parameters and buffers now; buffers (BatchTopK thresholds) are
         # not re-broadcast at every forward
         # (torch 2.13 deprecates broadcast_buffers for forward_sync_buffers)

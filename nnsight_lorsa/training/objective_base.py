@@ -41,8 +41,8 @@ class TrainingState:
         return self._trainer.dist
 
     def source(self, index: int) -> Batch:
-        """Batch ``index`` of the trainer's source."""
-        return self._trainer.source(index)
+        """Batch ``index`` of the trainer's source (:meth:`~.trainer.Trainer.batch`: checked to be a Batch)."""
+        return self._trainer.batch(index)
 
     def count_fired(self, fired: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """:meth:`~.trainer.Trainer.count_fired`: update the dead counters, return the dead mask."""

@@ -43,7 +43,7 @@ from ..errors import (
     RankFailedError,
 )
 from ..formats.validate import count_non_finite
-from .activations import Batch
+from .activations import Batch, checked_batch
 from .checkpoint_io import verified_checkpoint, write_checkpoint
 from .master_weights import MasterWeights
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
@@ -126,6 +126,9 @@ class Trainer:
                  config: TrainConfig) -> None:
         if not isinstance(config, TrainConfig):
             raise ArgumentError(f"config must be a TrainConfig, got {type(config).__name__}")
+        if not callable(source):
+            raise ArgumentError(f"source must be a callable index -> Batch (e.g. an ActivationSource), got a "
+                                f"{type(source).__name__}")
         config.validate()  # again: a field may have been set after construction
         given, trained = (module, module.module) if isinstance(module, _Objective) else (None, module)
         device, _ = placement(trained)
@@ -218,6 +221,16 @@ class Trainer:
                                      f"of the {side} over the counted tokens of the first {n} batches) is not a "
                                      f"finite positive number: the activations hold non-finite values or are all "
                                      f"zero; nothing was trained", step=self.step, tensor=which)
+
+    def batch(self, index: int) -> Batch:
+        """Batch ``index`` of the source (``source(index)``), checked to be a :class:`~.activations.Batch`.
+
+        Raises:
+            ArgumentError: the source returned something else (:func:`~.activations.checked_batch`).
+
+        Source: ours (the trainer's source contract).
+        """
+        return checked_batch(self.source(index), index)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss on one batch (normalised space) and its metrics (``loss``, ``fvu``, ``l0``, ``dead_frac``,
@@ -339,7 +352,7 @@ class Trainer:
         estimates = self.masters.estimates(self.module)  # what the forward changes in place (BatchTopK's θ)
         try:
             if self.dist is None:
-                loss, metrics = self.loss(self.source(self.step))
+                loss, metrics = self.loss(self.batch(self.step))
             else:
                 loss, metrics = self.dist.loss(self.step)
             loss_value = metrics["loss"] if "loss" in metrics else float(loss.detach())
@@ -434,7 +447,7 @@ class Trainer:
     def _batch_causes(self, k: int) -> list[tuple[str, str]]:
         """What is wrong with batch ``k`` (non-finite ``x`` / ``y`` values, no counted token); failing step only."""
         try:
-            batch = self.source(k)
+            batch = self.batch(k)
         except Exception:  # the diagnosis must not hide the NonFiniteError
             return []
         causes = []

@@ -27,20 +27,25 @@ def setup():
     return model, hf, rm, lorsas, ids, reference
 
 
-def _while_a_traces(setup, in_b):
-    """Thread A runs a replacement trace and waits inside it until thread B has run ``in_b``; returns
-    (A's logits or error, B's error)."""
+def _while_a_traces(setup, in_b, run_a=None):
+    """Thread A (named "A") runs a replacement trace and waits inside it until thread B has run ``in_b``; returns
+    (A's logits or error, B's error). ``run_a(inside, b_done)``: A's own run instead, returning its result; it sets
+    ``inside`` once B may start and waits for ``b_done``."""
     model, hf, rm, lorsas, ids, _ = setup
     inside, b_done = threading.Event(), threading.Event()
     result: dict = {}
 
+    def replacement_trace(inside, b_done):
+        with rm.trace(ids):
+            rm.replace()
+            inside.set()
+            b_done.wait(60)
+            logits = nnsight.save(model.lm_head.output)
+        return logits
+
     def a() -> None:
         try:
-            with rm.trace(ids):
-                rm.replace()
-                inside.set()
-                b_done.wait(60)
-                result["a"] = nnsight.save(model.lm_head.output)
+            result["a"] = (run_a or replacement_trace)(inside, b_done)
         except Exception as e:  # noqa: BLE001 — reported to the test
             result["a"] = e
         finally:
@@ -56,7 +61,7 @@ def _while_a_traces(setup, in_b):
         finally:
             b_done.set()
 
-    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
     for t in threads:
         t.start()
     for t in threads:
@@ -130,50 +135,31 @@ def test_a_run_past_its_trace_body_still_refuses_a_second_thread(setup):
     of A's: a second thread's ``ReplacementModel.trace`` must still be refused (round 9b's mutant #79 accepted
     it, and B's trace would have shared A's interleaver mid-run), and A's run finishes unharmed."""
     model, hf, rm, lorsas, ids, reference = setup
-    inside, b_done = threading.Event(), threading.Event()
-    result: dict = {}
+    seen: list = []
 
-    def hold(module, args, out):
-        if threading.current_thread().name == "A":
-            inside.set()
-            b_done.wait(60)
+    def run_a(inside, b_done):
+        def hold(module, args, out):
+            if threading.current_thread().name == "A":
+                inside.set()
+                b_done.wait(60)
+            seen.append(out.detach().clone())
 
-    def a() -> None:
+        handle = hf.lm_head.register_forward_hook(hold)
         try:
             with model.trace(ids):
-                result["early"] = nnsight.save(model.model.layers[0].output)
-            result["a"] = seen[-1]
-        except Exception as e:  # noqa: BLE001 — reported to the test
-            result["a"] = e
+                nnsight.save(model.model.layers[0].output)
         finally:
-            inside.set()
+            handle.remove()
+        return seen[-1]
 
-    def b() -> None:
-        inside.wait(60)
-        try:
-            with rm.trace(ids):
-                rm.replace()
-            result["b"] = None
-        except Exception as e:  # noqa: BLE001
-            result["b"] = e
-        finally:
-            b_done.set()
+    def in_b() -> None:
+        with rm.trace(ids):
+            rm.replace()
 
-    seen: list = []
-    handles = [hf.lm_head.register_forward_hook(hold),
-               hf.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))]
-    try:
-        threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        for h in handles:
-            h.remove()
-    assert isinstance(result.get("b"), ConcurrentTraceError), result.get("b")
-    assert isinstance(result.get("a"), torch.Tensor), result.get("a")
-    assert torch.allclose(result["a"], reference, atol=1e-5)
+    a, b = _while_a_traces(setup, in_b, run_a)
+    assert isinstance(b, ConcurrentTraceError), b
+    assert isinstance(a, torch.Tensor), a
+    assert torch.allclose(a, reference, atol=1e-5)
 
 
 def test_a_finished_trace_leaves_no_worker_behind(setup):

@@ -1,0 +1,48 @@
+"""Arguments of the wrong kind at the front door — a list where a set takes a mapping, ``None`` for a path, a
+training source that is not callable or returns no ``Batch`` — are named errors of ours saying what was expected,
+before anything is read, written or run. Each was a bare ``AttributeError`` / ``TypeError`` from deep inside (found
+by a probe of the public entry points, 2026-11-29). The cases run in a fresh interpreter without the suite's
+beartype hook (``tests/wrong_kind_cases.py``), which would refuse most of them first by their annotations."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import recorded_outcomes
+
+EXPECTED = {
+    "LorsaSet(model, [lorsa])": r"LorsaSet: modules must be a mapping {key: module}",
+    "LorsaSet(model, lorsa)": r"LorsaSet: modules must be a mapping {key: module}",
+    "LorsaSet(model, (layer, lorsa))": r"LorsaSet: modules must be a mapping {key: module}",
+    "TranscoderSet(model, [lorsa])": r"TranscoderSet: modules must be a mapping",
+    "SAESet(model, [sae])": r"SAESet: modules must be a mapping",
+    "Trainer(sae, None, config)": r"source must be a callable index -> Batch",
+    "Trainer(sae, 3, config)": r"source must be a callable index -> Batch",
+    **{f"save(lorsa, {p})": r"save: the path must be a str or os.PathLike (a directory)"
+       for p in ("None", "3", "bytes")},
+    **{f"load({p})": r"load: the path must be a str or os.PathLike" for p in ("None", "3", "bytes")},
+    **{f"load_all({p})": r"load_all: the path must be a str or os.PathLike" for p in ("None", "3", "bytes")},
+    **{f"LorsaSet.save({p})": r"LorsaSet.save: the path must be" for p in ("None", "3", "bytes")},
+    **{f"LorsaSet.from_pretrained(model, {p})": r"from_pretrained: sources must be a directory"
+       for p in ("None", "3", "bytes")},
+    **{f"LorsaSet.from_pretrained(model, [{p}])": r"the path must be a str or os.PathLike"
+       for p in ("None", "3", "bytes")},
+    **{f"Trainer source returning {label}": rf"the training source returned a {t} for batch 0, not a Batch"
+       for label, t in (("None", "NoneType"), ("Tensor", "Tensor"), ("dict", "dict"))},
+}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    return {r["case"]: r for r in recorded_outcomes("wrong_kind_cases.py", tmp_path_factory.mktemp("kinds"))}
+
+
+def test_every_case_ran(records):
+    assert set(records) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_the_wrong_kind_is_an_argument_error_saying_what_was_expected(records, case):
+    r = records[case]
+    assert r["error"] == "ArgumentError", r
+    assert EXPECTED[case] in r["message"], r
+    assert r["wrote"] == [], r  # nothing written where the process ran
