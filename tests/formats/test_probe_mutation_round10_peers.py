@@ -62,3 +62,23 @@ def test_a_log_threshold_is_the_log_of_the_jumprelu_threshold(tmp_path: Path) ->
     module = load(d)
     torch.testing.assert_close(module.activation.threshold, theta, rtol=1e-6, atol=0)
     check_coder(module, load_file(str(d / "reference.safetensors")))
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_a_folded_activation_scale_maps_raw_inputs_to_raw_outputs_for_batchtopk(rescale: bool, tmp_path: Path) -> None:
+    # module docstring / SAELens fold_activation_norm_scaling_factor: with s folded, ours(x_raw) is the
+    # unfolded SAE on x_raw·s, divided by s; its features are the unfolded SAE's on x_raw·s (same pre-activations;
+    # with rescale_acts_by_decoder_norm they are in units of ‖W_dec‖, which the fold divides by s)
+    s = 4.0
+    plain = load(_copy(SAELENS / "train_batchtopk", tmp_path / "a", rescale_acts_by_decoder_norm=rescale))
+    folded = load(_copy(SAELENS / "train_batchtopk", tmp_path / "b", rescale_acts_by_decoder_norm=rescale,
+                        normalize_activations="expected_average_only_in"), norm_scaling_factor=s)
+    assert folded.cfg.extra["saelens"]["norm_folded"] is True
+    x = load_file(str(SAELENS / "train_batchtopk" / "reference.safetensors"))["x"]
+    with torch.no_grad():
+        acts, ref_acts = folded.encode(x / s), plain.encode(x)
+        out, ref_out = folded(x / s), plain(x) / s
+    assert int((ref_acts != 0).sum()) > 0
+    assert torch.equal((acts != 0), (ref_acts != 0))
+    torch.testing.assert_close(acts * (s if rescale else 1.0), ref_acts, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
