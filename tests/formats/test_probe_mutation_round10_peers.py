@@ -82,3 +82,89 @@ def test_a_folded_activation_scale_maps_raw_inputs_to_raw_outputs_for_batchtopk(
     assert torch.equal((acts != 0), (ref_acts != 0))
     torch.testing.assert_close(acts * (s if rescale else 1.0), ref_acts, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- Llamascopium
+LLAMASCOPIUM = PEER_FIXTURES / "llamascopium"
+#: keys scripts/peer_fixtures/llamascopium.py passes to their LorsaConfig (make(): the rest of each config.json is
+#: what their model_dump wrote for their own defaults), and what each case passes besides
+PASSED = {"sae_type", "d_model", "expansion_factor", "n_qk_heads", "d_qk_head", "rotary_dim", "n_ctx", "hook_point_in",
+          "hook_point_out", "act_fn", "top_k", "norm_activation"}
+CASE_PASSED = {"folded_inference": set(), "relu_neox_qknorm": {"rotary_adjacent_pairs", "use_post_qk_ln",
+                                                               "normalization_type"},
+               "rotary_scale_2": {"rotary_scale"}}
+
+
+def _lorsa_copy(case: str, dst: Path, keep: set[str] | None = None, **changes: object) -> Path:
+    """A copy of a Llamascopium case; ``keep`` given: only those ``config.json`` keys stay; ``changes`` (``None``
+    removes a key)."""
+    shutil.copytree(LLAMASCOPIUM / case, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if keep is not None:
+        cfg = {k: v for k, v in cfg.items() if k in keep}
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return dst
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("case", sorted(CASE_PASSED))
+def test_a_lorsa_config_without_the_keys_the_peer_left_at_their_defaults_gives_the_peers_outputs(
+        case: str, tmp_path: Path) -> None:
+    # the keys the fixture script did not pass hold llamascopium's own defaults (rotary_base, rotary_adjacent_pairs,
+    # eps, attn_scale = √ of the stored d_qk_head, sparsity_include_decoder_norm, ...): our defaults must be theirs
+    d = _lorsa_copy(case, tmp_path / case, keep=PASSED | CASE_PASSED[case])
+    dropped = set(json.loads((LLAMASCOPIUM / case / "config.json").read_text())) - PASSED - CASE_PASSED[case]
+    assert {"rotary_base", "eps", "attn_scale", "sparsity_include_decoder_norm"} <= dropped
+    ref = load_file(str(d / "reference.safetensors"))
+    module = load(d)
+    with torch.no_grad():
+        out, cache = module(ref["x"], return_cache=True)
+    assert _rel(out, ref["out"]) <= 1e-5
+    assert _rel(cache.z, ref["head_act"]) <= 1e-5
+    assert torch.equal(cache.z != 0, ref["active"])
+
+
+def test_ntk_by_parts_without_old_context_len_takes_the_peers_default(tmp_path: Path) -> None:
+    # llamascopium wrote old_context_len=2048 where the fixture script passed none (folded_inference)
+    default = json.loads((LLAMASCOPIUM / "folded_inference" / "config.json").read_text())["old_context_len"]
+    d = _lorsa_copy("ntk_by_parts", tmp_path / "n", old_context_len=None)
+    state = load_file(str(d / "sae_weights.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.startswith("rotary_")}, str(d / "sae_weights.safetensors"))
+    rotary = load(d).cfg.rotary
+    assert rotary is not None and rotary.rope_type == "llama3"
+    assert rotary.scaling["original_max_position_embeddings"] == default
+
+
+def test_only_a_step_folder_under_checkpoints_is_read_as_a_trainer_checkpoint(tmp_path: Path) -> None:
+    # rule 2 of the module docstring: Trainer.save_checkpoint writes checkpoints/step_<N>/; a "dataset-wise" folder
+    # merely named step_<N> elsewhere is rule 3 (ambiguous: reading folded weights as unfolded applies the norm twice)
+    from nnsight_lorsa.errors import CheckpointError
+
+    elsewhere = _lorsa_copy("save_pretrained_dataset_wise", tmp_path / "runs" / "step_3")
+    with pytest.raises(CheckpointError, match="does not say whether the weights"):
+        load(elsewhere)
+    trainer = _lorsa_copy("save_pretrained_dataset_wise", tmp_path / "checkpoints" / "step_3")
+    ref = load_file(str(trainer / "reference.safetensors"))  # unfolded weights: the loader folds the norms
+    with torch.no_grad():
+        assert _rel(load(trainer)(ref["x"]), ref["out"]) <= 1e-5
+
+
+def test_the_layer_is_read_from_a_two_digit_hook_point(tmp_path: Path) -> None:
+    d = _lorsa_copy("folded_inference", tmp_path / "l", hook_point_in="blocks.12.ln1.hook_normalized",
+                    hook_point_out="blocks.12.hook_attn_out")
+    assert load(d).cfg.layer == 12
+
+
+def test_a_saved_lorsa_without_hook_points_names_its_layers_attention_hooks(tmp_path: Path) -> None:
+    # save_llamascopium_lorsa's documented default: TransformerLens names of cfg.layer
+    from nnsight_lorsa.formats.llamascopium import save_llamascopium_lorsa
+    from nnsight_lorsa.modules.lorsa import Lorsa
+    from nnsight_lorsa.modules.lorsa_config import LorsaConfig
+
+    lorsa = Lorsa(LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2, layer=3))
+    cfg = json.loads((save_llamascopium_lorsa(lorsa, tmp_path / "s") / "config.json").read_text())
+    assert (cfg["hook_point_in"], cfg["hook_point_out"]) == ("blocks.3.ln1.hook_normalized", "blocks.3.hook_attn_out")
