@@ -30,6 +30,10 @@ def _copy(case: Path, dst: Path, **changes: object) -> Path:
     return dst
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
 # --------------------------------------------------------------------------- SAELens
 @pytest.mark.parametrize("case", ["transcoder", "skip_transcoder"])
 @pytest.mark.parametrize("norm", ["layer_norm", "constant_norm_rescale"])
@@ -84,6 +88,61 @@ def test_a_folded_activation_scale_maps_raw_inputs_to_raw_outputs_for_batchtopk(
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
+def test_a_batchtopk_k_of_zero_is_refused(tmp_path: Path) -> None:
+    # module docstring: k must be a whole number (positive: BatchTopK of 0 keeps nothing)
+    d = _copy(SAELENS / "train_batchtopk", tmp_path / "b", k=0)
+    with pytest.raises(UnsupportedArchitectureError, match="positive whole number"):
+        load(d)
+
+
+def test_a_transcoder_config_without_architecture_is_refused_not_read_as_an_sae(tmp_path: Path) -> None:
+    # module docstring / _infer_architecture: a d_out (or W_skip) means a transcoder, and transcoders always name
+    # their architecture; the evidence then determines none
+    from nnsight_lorsa.errors import CheckpointError
+
+    d = _copy(SAELENS / "transcoder", tmp_path / "t", architecture=None)
+    with pytest.raises(CheckpointError, match="do not determine one"):
+        load(d)
+
+
+# --------------------------------------------------------------------------- circuit-tracer
+CIRCUIT_TRACER = PEER_FIXTURES / "circuit_tracer"
+
+
+def _set_copy(dst: Path, config: dict[str, object], names: dict[str, str] | None = None) -> Path:
+    """circuit-tracer's transcoders_relu set with its files renamed (``names``) and this ``config.yaml``."""
+    import yaml
+
+    dst.mkdir()
+    for name in ("layer_0.safetensors", "layer_1.safetensors"):
+        shutil.copy(CIRCUIT_TRACER / "transcoders_relu" / name, dst / (names or {}).get(name, name))
+    (dst / "config.yaml").write_text(yaml.safe_dump(config))
+    return dst
+
+
+def test_a_listed_set_without_model_kind_is_a_transcoder_set(tmp_path: Path) -> None:
+    # choose_reader: no model_kind -> a CLT only when W_enc_0.safetensors exists; files listed under other names
+    from nnsight_lorsa.formats.circuit_tracer import CircuitTracerTranscoders
+
+    d = _set_copy(tmp_path / "s", {"transcoders": ["first.safetensors", "second.safetensors"]},
+                  {"layer_0.safetensors": "first.safetensors", "layer_1.safetensors": "second.safetensors"})
+    ts = load(d, format="circuit_tracer")
+    assert isinstance(ts, CircuitTracerTranscoders) and sorted(ts.transcoders) == [0, 1]
+    ref = load_file(str(CIRCUIT_TRACER / "transcoders_relu" / "reference.safetensors"))
+    with torch.no_grad():
+        for i in range(2):
+            assert _rel(ts[i](ref["x"]), ref[f"forward_{i}"]) <= 1e-5
+
+
+def test_a_listed_file_named_for_another_layer_is_refused(tmp_path: Path) -> None:
+    # circuit-tracer's resolve_transcoder_paths loads entry i as layer i: layer_1.safetensors as entry 0 is refused
+    from nnsight_lorsa.errors import CheckpointError
+
+    d = _set_copy(tmp_path / "s", {"model_kind": "transcoder_set", "transcoders": ["layer_1.safetensors"]})
+    with pytest.raises(CheckpointError, match="named for layer 1"):
+        load(d)
+
+
 # --------------------------------------------------------------------------- Llamascopium
 LLAMASCOPIUM = PEER_FIXTURES / "llamascopium"
 #: keys scripts/peer_fixtures/llamascopium.py passes to their LorsaConfig (make(): the rest of each config.json is
@@ -107,10 +166,6 @@ def _lorsa_copy(case: str, dst: Path, keep: set[str] | None = None, **changes: o
     return dst
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("case", sorted(CASE_PASSED))
 def test_a_lorsa_config_without_the_keys_the_peer_left_at_their_defaults_gives_the_peers_outputs(
         case: str, tmp_path: Path) -> None:
@@ -121,6 +176,9 @@ def test_a_lorsa_config_without_the_keys_the_peer_left_at_their_defaults_gives_t
     assert {"rotary_base", "eps", "attn_scale", "sparsity_include_decoder_norm"} <= dropped
     ref = load_file(str(d / "reference.safetensors"))
     module = load(d)
+    written = json.loads((LLAMASCOPIUM / case / "config.json").read_text())
+    assert module.cfg.qk_norm_eps == written["eps"]  # 1e-6; barely changes these outputs, so checked as a value
+    assert module.cfg.attn_scale == pytest.approx(written["attn_scale"], rel=1e-12)
     with torch.no_grad():
         out, cache = module(ref["x"], return_cache=True)
     assert _rel(out, ref["out"]) <= 1e-5
