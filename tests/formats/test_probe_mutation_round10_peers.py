@@ -226,3 +226,30 @@ def test_a_saved_lorsa_without_hook_points_names_its_layers_attention_hooks(tmp_
     lorsa = Lorsa(LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2, layer=3))
     cfg = json.loads((save_llamascopium_lorsa(lorsa, tmp_path / "s") / "config.json").read_text())
     assert (cfg["hook_point_in"], cfg["hook_point_out"]) == ("blocks.3.ln1.hook_normalized", "blocks.3.hook_attn_out")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_a_saved_lorsa_with_uneven_decoder_norms_and_rope_reloads_with_the_same_heads_and_outputs(
+        interleaved: bool, tmp_path: Path) -> None:
+    # save_llamascopium_lorsa writes sparsity_include_decoder_norm: false (our top-k ranks z itself) and the pair
+    # layout of our RoPE; a reload that rescaled by ‖W_O‖ or rotated other pairs would pick other heads
+    from nnsight_lorsa.formats.llamascopium import save_llamascopium_lorsa
+    from nnsight_lorsa.modules.lorsa import Lorsa
+    from nnsight_lorsa.modules.lorsa_config import LorsaConfig
+    from nnsight_lorsa.modules.rotary import RotaryConfig
+
+    cfg = LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=8, n_ov_heads=12, top_k=3, layer=1,
+                      rotary=RotaryConfig(8, 8, 10000.0, interleaved))
+    lorsa = Lorsa(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lorsa.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        lorsa.W_O.mul_(torch.linspace(0.2, 3.0, 12)[:, None])  # decoder norms far from 1 and from each other
+    back = load(save_llamascopium_lorsa(lorsa, tmp_path / "s"))
+    x = torch.randn(2, 10, 16, generator=g)
+    with torch.no_grad():
+        out, cache = lorsa(x, return_cache=True)
+        out2, cache2 = back(x, return_cache=True)
+    assert torch.equal(cache.z != 0, cache2.z != 0)
+    assert _rel(out2, out) <= 1e-5 and _rel(cache2.z, cache.z) <= 1e-5
