@@ -105,6 +105,21 @@ def test_a_transcoder_config_without_architecture_is_refused_not_read_as_an_sae(
         load(d)
 
 
+def test_a_saved_head_index_survives_a_saelens_round_trip(tmp_path: Path) -> None:
+    # save_saelens keeps a loaded hook_z SAE's hook_head_index (SAELens reads one head's slice there)
+    from nnsight_lorsa.formats.saelens import save_saelens
+
+    src = _copy(SAELENS / "standard", tmp_path / "src")
+    cfg = json.loads((src / "cfg.json").read_text())
+    cfg["metadata"] = {**cfg.get("metadata", {}), "hook_name": "blocks.1.attn.hook_q", "hook_head_index": 2}
+    (src / "cfg.json").write_text(json.dumps(cfg))
+    module = load(src)
+    assert module.cfg.extra["saelens"]["hook_head_index"] == 2
+    out = save_saelens(module, tmp_path / "out", hook_name="blocks.1.attn.hook_q")
+    assert json.loads((out / "cfg.json").read_text())["metadata"]["hook_head_index"] == 2
+    assert load(out).cfg.extra["saelens"]["hook_head_index"] == 2
+
+
 # --------------------------------------------------------------------------- circuit-tracer
 CIRCUIT_TRACER = PEER_FIXTURES / "circuit_tracer"
 
@@ -141,6 +156,49 @@ def test_a_listed_file_named_for_another_layer_is_refused(tmp_path: Path) -> Non
     d = _set_copy(tmp_path / "s", {"model_kind": "transcoder_set", "transcoders": ["layer_1.safetensors"]})
     with pytest.raises(CheckpointError, match="named for layer 1"):
         load(d)
+
+
+def test_config_activation_jump_relu_is_circuit_tracers_jumprelu(tmp_path: Path) -> None:
+    # module docstring: config.yaml's optional activation; circuit-tracer spells JumpReLU 'jump_relu'
+    import yaml
+
+    d = tmp_path / "j"
+    shutil.copytree(CIRCUIT_TRACER / "transcoders_jumprelu", d)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    (d / "config.yaml").write_text(yaml.safe_dump({**cfg, "activation": "jump_relu"}))
+    ts = load(d)
+    ref = load_file(str(d / "reference.safetensors"))
+    with torch.no_grad():
+        for i in range(2):
+            assert ts[i].cfg.activation == "jumprelu"
+            assert _rel(ts[i](ref["x"]), ref[f"forward_{i}"]) <= 1e-5
+
+
+def test_a_transcoder_set_with_another_output_width_round_trips(tmp_path: Path) -> None:
+    # d_out is b_dec's length (our transcoders may write a width other than the one they read)
+    from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
+    from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+
+    torch.manual_seed(0)
+    tcs = {i: Transcoder(TranscoderConfig(d_in=8, d_sae=16, d_out=6, layer=i)) for i in range(2)}
+    with torch.no_grad():
+        for tc in tcs.values():
+            for p in tc.parameters():
+                p.copy_(torch.randn_like(p))
+    back = load(save_circuit_tracer_transcoders(tcs, tmp_path / "s"))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for i in range(2):
+            assert back[i].cfg.d_out == 6
+            assert _rel(back[i](x), tcs[i](x)) <= 1e-6
+
+
+def test_layer_files_of_two_widths_are_refused(tmp_path: Path) -> None:
+    # circuit-tracer's set is one width (peer fixture set_d_model_per_layer: 8 / 6 per layer fails there)
+    from nnsight_lorsa.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="disagree on"):
+        load(PEER_FIXTURES / "probe_circuit_tracer" / "set_d_model_per_layer")
 
 
 # --------------------------------------------------------------------------- Llamascopium
