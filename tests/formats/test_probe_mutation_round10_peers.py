@@ -193,6 +193,43 @@ def test_a_transcoder_set_with_another_output_width_round_trips(tmp_path: Path) 
             assert _rel(back[i](x), tcs[i](x)) <= 1e-6
 
 
+def _random_transcoders(layers: list[int]) -> dict[int, object]:
+    from nnsight_lorsa.modules.transcoder import Transcoder, TranscoderConfig
+
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for i in layers:  # in the order given
+        tc = Transcoder(TranscoderConfig(d_in=8, d_sae=16, layer=i))
+        with torch.no_grad():
+            for p in tc.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        out[i] = tc
+    return out
+
+
+def test_a_set_given_out_of_layer_order_is_saved_listed_in_layer_order(tmp_path: Path) -> None:
+    # circuit-tracer's config.yaml lists one file per layer in order (entry i is layer i)
+    from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
+
+    tcs = _random_transcoders([1, 0])
+    back = load(save_circuit_tracer_transcoders(tcs, tmp_path / "s"))  # type: ignore[arg-type]
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for i in (0, 1):
+            assert _rel(back[i](x), tcs[i](x)) <= 1e-6  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("hook", ["mlp.hook_out", "hook_resid_mid"])
+def test_an_input_hook_that_is_not_the_mlp_input_is_refused_on_save(hook: str, tmp_path: Path) -> None:
+    # _check_written_hooks: feature_input_hook must name the MLP module's input (hook_sites.MLP_INPUT_HOOKS)
+    from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
+
+    with pytest.raises(UnsupportedArchitectureError, match="feature_input_hook"):
+        save_circuit_tracer_transcoders(_random_transcoders([0]), tmp_path / "s",  # type: ignore[arg-type]
+                                        feature_input_hook=hook)
+    assert not (tmp_path / "s").exists()
+
+
 def test_layer_files_of_two_widths_are_refused(tmp_path: Path) -> None:
     # circuit-tracer's set is one width (peer fixture set_d_model_per_layer: 8 / 6 per layer fails there)
     from nnsight_lorsa.errors import CheckpointError
