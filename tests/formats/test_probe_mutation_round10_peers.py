@@ -219,6 +219,24 @@ def test_a_set_given_out_of_layer_order_is_saved_listed_in_layer_order(tmp_path:
             assert _rel(back[i](x), tcs[i](x)) <= 1e-6  # type: ignore[operator]
 
 
+def test_a_set_with_a_skip_path_on_one_layer_only_keeps_it_there(tmp_path: Path) -> None:
+    # each layer file is its own transcoder: W_skip in layer_1 only makes layer 1 (only) a SkipTranscoder
+    from nnsight_lorsa.formats.circuit_tracer import save_circuit_tracer_transcoders
+    from nnsight_lorsa.modules.transcoder import SkipTranscoder, TranscoderConfig
+
+    tcs = _random_transcoders([0])
+    skip = SkipTranscoder(TranscoderConfig(d_in=8, d_sae=16, layer=1))
+    with torch.no_grad():
+        for p in skip.parameters():
+            p.copy_(torch.randn_like(p))
+    tcs[1] = skip
+    back = load(save_circuit_tracer_transcoders(tcs, tmp_path / "s"))  # type: ignore[arg-type]
+    assert not isinstance(back[0], SkipTranscoder) and isinstance(back[1], SkipTranscoder)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert _rel(back[1](x), skip(x)) <= 1e-6
+
+
 @pytest.mark.parametrize("hook", ["mlp.hook_out", "hook_resid_mid"])
 def test_an_input_hook_that_is_not_the_mlp_input_is_refused_on_save(hook: str, tmp_path: Path) -> None:
     # _check_written_hooks: feature_input_hook must name the MLP module's input (hook_sites.MLP_INPUT_HOOKS)
