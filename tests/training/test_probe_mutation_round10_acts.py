@@ -96,3 +96,20 @@ def test_shards_partition_each_batch_in_order():
         parts = [src.shard(r, world).window_ids(1) for r in range(world)]
         assert [len(p) for p in parts] == [len(t) for t in torch.arange(6).tensor_split(world)]
         assert torch.equal(torch.cat(parts), src.window_ids(1))
+
+
+def test_a_cached_source_refuses_positions_by_name(tmp_path):
+    """ActivationSource's documented rule: positions are read live only; a cache holds none, and a cached source
+    asked for them raises ``ActivationCacheError`` (mutant A13: accepted, every batch's ``positions`` silently None,
+    a Lorsa then trained without its RoPE positions)."""
+    from nnsight_lorsa.errors import ActivationCacheError
+    from nnsight_lorsa.training import TokenDataset
+    from nnsight_lorsa.training.activation_cache import write_activation_cache
+
+    model, _, adapter, data = _setup()
+    small = TokenDataset(data.tokens[:4])
+    sites = [Site.attn_input(adapter, 1), Site.attn_output(adapter, 1)]
+    cache = write_activation_cache(model, sites, small, tmp_path / "cache", batch_size=4)
+    with pytest.raises(ActivationCacheError, match="positions are not cached"):
+        ActivationSource(cache, sites[0], sites[1], positions=Site.attn_positions(adapter, 1))
+    assert ActivationSource(cache, sites[0], sites[1], batch_size=2)(0).positions is None
