@@ -442,6 +442,21 @@ def make_transcoder(skip: bool = True, seed: int = 0, **cfg) -> Transcoder:
     return randomize_((SkipTranscoder if skip else Transcoder)(TranscoderConfig(**kw)), seed)
 
 
+def coordinate_sae(d: int) -> SparseAutoencoder:
+    """ReLU SAE with ``W_enc = [I, −I]``, ``W_dec = [I; −I]``: feature ``c`` is ``relu(x_c)`` along ``e_c``,
+    feature ``d + c`` is ``relu(−x_c)`` along ``−e_c`` — ablating either zeroes coordinate ``c``."""
+    from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
+
+    sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=2 * d, activation="relu"))
+    eye = torch.eye(d)
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.cat([eye, -eye], 1))
+        sae.W_dec.copy_(torch.cat([eye, -eye], 0))
+        sae.b_enc.zero_()
+        sae.b_dec.zero_()
+    return sae
+
+
 def make_sae(seed: int = 0, **cfg) -> SparseAutoencoder:
     from nnsight_lorsa.modules import SAEConfig, SparseAutoencoder
 

@@ -416,10 +416,7 @@ def check_replacement_model(value: Any, where: str) -> ReplacementModel:
     """
     if isinstance(value, ReplacementModel):
         return value
-    hint = ""
-    if isinstance(value, ReplacementSet):
-        slot = {"LorsaSet": "lorsas", "TranscoderSet": "transcoders", "CLTSet": "transcoders",
-                "SAESet": "saes"}.get(type(value).__name__, "lorsas")
-        hint = f"; wrap the set: ReplacementModel(model, {slot}=your_set)"
+    slot = getattr(value, "slot", None)  # a set's ReplacementModel attribute (ReplacementSet.slot)
+    hint = f"; wrap the set: ReplacementModel(model, {slot}=your_set)" if isinstance(slot, str) and slot else ""
     raise ArgumentError(f"{where}(replacement=...) must be a ReplacementModel(model, lorsas=..., transcoders=..., "
                         f"saes=...), got a {type(value).__name__}{hint}")

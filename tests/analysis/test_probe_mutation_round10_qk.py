@@ -5,23 +5,10 @@ App. F.1); each test seen failing with the mutant it names and passing without.
 from __future__ import annotations
 
 import torch
-from helpers import LAYER, make_lorsa, random_ids, tiny_nnsight
+from helpers import LAYER, coordinate_sae, make_lorsa, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import qk_feature_impacts
-from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
-
-
-def _coordinate_sae(d: int) -> SparseAutoencoder:
-    """ReLU SAE with ``W_enc = [I, −I]``, ``W_dec = [I; −I]``: feature ``c`` is ``relu(x_c)`` along ``e_c``."""
-    sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=2 * d, activation="relu"))
-    eye = torch.eye(d)
-    with torch.no_grad():
-        sae.W_enc.copy_(torch.cat([eye, -eye], 1))
-        sae.W_dec.copy_(torch.cat([eye, -eye], 0))
-        sae.b_enc.zero_()
-        sae.b_dec.zero_()
-    return sae
 
 
 @torch.no_grad()
@@ -35,7 +22,7 @@ def test_the_reported_window_is_the_corpus_row_of_the_maximum_whatever_the_batch
     lorsa.W_K.mul_(6.0)
     rm = ReplacementModel(model, lorsas=LorsaSet(model, {LAYER: lorsa}))
     tokens = random_ids(batch=4, seq=8, seed=11)
-    sae = _coordinate_sae(lorsa.cfg.d_model)
+    sae = coordinate_sae(lorsa.cfg.d_model)
     head = 0
     res = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=1)
     alone = [qk_feature_impacts(rm, LAYER, head, sae, tokens[w:w + 1], batch_size=1) for w in range(4)]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import LAYER, make_lorsa, random_ids, tiny_nnsight
+from helpers import LAYER, coordinate_sae, make_lorsa, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
@@ -64,19 +64,6 @@ class FixedCodes(SparseAutoencoder):
     def encode(self, x):
         assert x.shape[:2] == self.codes.shape[:2]
         return self.codes.clone()
-
-
-def coordinate_sae(d: int) -> SparseAutoencoder:
-    """ReLU SAE with ``W_enc = [I, −I]``, ``W_dec = [I; −I]``: feature ``c`` is ``relu(x_c)`` along ``e_c``,
-    feature ``d + c`` is ``relu(−x_c)`` along ``−e_c`` — ablating either zeroes coordinate ``c``."""
-    sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=2 * d, activation="relu"))
-    eye = torch.eye(d)
-    with torch.no_grad():
-        sae.W_enc.copy_(torch.cat([eye, -eye], 1))
-        sae.W_dec.copy_(torch.cat([eye, -eye], 0))
-        sae.b_enc.zero_()
-        sae.b_dec.zero_()
-    return sae
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2", "olmo2", "phi3", "gemma"])  # + whole-projection QK-norm,
