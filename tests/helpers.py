@@ -381,6 +381,22 @@ def attention_call_args(hf, adapter, layer: int, ids: torch.Tensor) -> tuple[tup
     return seen["a"], seen["k"]
 
 
+def hooked_logits_with_doubled_attention_input(hf, adapter, lorsas: dict[int, Lorsa], layer: int,
+                                               ids: torch.Tensor) -> torch.Tensor:
+    """Reference for an edit of a replaced attention's input: the plain model's logits (:func:`head_logits`) with
+    the Lorsas spliced by plain PyTorch hooks (:func:`hooked`) and a forward pre-hook doubling layer ``layer``'s
+    attention input (the adapter's ``attention_input``), which the Lorsa there then reads."""
+    def double(module, args, kwargs):
+        adapter.attention_input(args, kwargs).mul_(2)
+
+    handle = adapter.attention_module(hf, layer).register_forward_pre_hook(double, with_kwargs=True)
+    try:
+        with hooked(hf, adapter, lorsas):
+            return head_logits(hf, ids)
+    finally:
+        handle.remove()
+
+
 @contextlib.contextmanager
 def hooked(hf, adapter, lorsas: dict[int, Lorsa], edit=None, key_mask=None):
     """Reference: the same splice with plain PyTorch forward hooks (no nnsight). A Lorsa is global: on a

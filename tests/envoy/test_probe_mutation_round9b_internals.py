@@ -8,7 +8,15 @@ from __future__ import annotations
 import nnsight
 import pytest
 import torch
-from helpers import head_logits, hooked, make_lorsa, random_ids, tiny_nnsight, unembed
+from helpers import (
+    head_logits,
+    hooked,
+    hooked_logits_with_doubled_attention_input,
+    make_lorsa,
+    random_ids,
+    tiny_nnsight,
+    unembed,
+)
 from nnsight.intervention.envoy import Envoy
 
 from nnsight_lorsa import LorsaSet, get_adapter
@@ -58,17 +66,7 @@ def test_the_splice_reads_its_sites_input_as_the_trace_body_set_it():
     lorsa = make_lorsa(hf, adapter, LAYER)
     lorsas = LorsaSet(model, {LAYER: lorsa})
     ids = random_ids(2, 6)
-    attn_hf = adapter.attention_module(hf, LAYER)
-
-    def double(module, args, kwargs):
-        return args, {**kwargs, "hidden_states": 2 * kwargs["hidden_states"]}
-
-    handle = attn_hf.register_forward_pre_hook(double, with_kwargs=True)
-    try:
-        with hooked(hf, adapter, {LAYER: lorsa}):
-            want = head_logits(hf, ids)
-    finally:
-        handle.remove()
+    want = hooked_logits_with_doubled_attention_input(hf, adapter, {LAYER: lorsa}, LAYER, ids)
     with hooked(hf, adapter, {LAYER: lorsa}):
         undoubled = head_logits(hf, ids)
     assert (want - undoubled).abs().max() > 1e-3  # the doubling shows in the logits

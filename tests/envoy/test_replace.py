@@ -10,6 +10,7 @@ from helpers import (
     TESTS,
     head_logits,
     hooked,
+    hooked_logits_with_doubled_attention_input,
     make_lorsa,
     module_state,
     random_ids,
@@ -158,14 +159,7 @@ def test_the_site_read_and_edited_after_replace_is_the_replacement(setup):
         x = adapter.attention_input(args, kwargs)
         x[:] = 2 * x
         doubled = unembed(model).output.save()
-    def double(m, args, kwargs):
-        adapter.attention_input(args, kwargs).mul_(2)
-    handle = site.register_forward_pre_hook(double, with_kwargs=True)
-    try:
-        with hooked(hf, adapter, {LAYER: lorsa}):
-            want_doubled = head_logits(hf, ids)
-    finally:
-        handle.remove()
+    want_doubled = hooked_logits_with_doubled_attention_input(hf, adapter, {LAYER: lorsa}, LAYER, ids)
     assert (doubled - want_doubled).abs().max() <= 1e-5 * want_doubled.abs().max()
 
 
