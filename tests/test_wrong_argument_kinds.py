@@ -29,6 +29,19 @@ EXPECTED = {
     **{f"Trainer source returning {label}": rf"the training source returned a {t} for batch 0, not a Batch"
        for label, t in (("None", "NoneType"), ("Tensor", "Tensor"), ("dict", "dict"))},
 }
+# (case, error class, message): checked config fields (2026-11-29, fourth session) — each was accepted (and ran wrong
+# or failed deep in torch / peft) or was a bare TypeError
+FIELDS = {
+    **{f"SparseTrainConfig({n}={v!r})": ("ArgumentError", rf"SparseTrainConfig.{n} must be")
+       for n, v in (("batch_size", "x"), ("batch_size", 2.5), ("batch_size", True), ("seq_len", 2.5),
+                    ("gate_lr", "x"), ("target_ce", "x"), ("target_batches", 2.5), ("seed", 2.5),
+                    ("lora_rank", 2.5), ("bos_id", 2.5), ("allow_slack_constraint", "no"), ("init_bias", "x"),
+                    ("target_margin", None))},
+    **{f"PruneConfig({n}={v!r})": ("ConfigMismatchError", f"prune: {n} must be a number")
+       for n, v in (("node_threshold", "x"), ("edge_threshold", None), ("keep_mass", True))},
+    "SAEConfig(hook=['model.layers.3'])": ("CheckpointError", "SAEConfig.hook must be None or a str"),
+    "TokenDataset(tokens, target_mask=list)": ("ArgumentError", "TokenDataset: target_mask must be a bool tensor"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +50,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_every_case_ran(records):
-    assert set(records) == set(EXPECTED)
+    assert set(records) == set(EXPECTED) | set(FIELDS)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
@@ -46,3 +59,11 @@ def test_the_wrong_kind_is_an_argument_error_saying_what_was_expected(records, c
     assert r["error"] == "ArgumentError", r
     assert EXPECTED[case] in r["message"], r
     assert r["wrote"] == [], r  # nothing written where the process ran
+
+
+@pytest.mark.parametrize("case", sorted(FIELDS))
+def test_a_config_field_of_the_wrong_kind_is_a_named_error(records, case):
+    r = records[case]
+    error, message = FIELDS[case]
+    assert r["error"] == error, r
+    assert message in r["message"], r

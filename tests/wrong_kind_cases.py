@@ -18,8 +18,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from helpers import LAYER, make_lorsa, make_sae, tiny_nnsight  # noqa: E402
 
-from nnsight_lorsa import LorsaSet, SAESet, TrainConfig, Trainer, TranscoderSet, get_adapter, load, save  # noqa: E402
+from nnsight_lorsa import (  # noqa: E402
+    LorsaSet,
+    SAESet,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    TranscoderSet,
+    get_adapter,
+    load,
+    save,
+)
+from nnsight_lorsa.attribution import PruneConfig  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
+from nnsight_lorsa.sparse_attention import SparseTrainConfig  # noqa: E402
 
 
 def cases(lorsa, model, scratch: Path) -> dict:
@@ -44,6 +56,16 @@ def cases(lorsa, model, scratch: Path) -> dict:
         out[f"Trainer source returning {label}"] = (
             lambda v=value: Trainer(make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2}),
                                     lambda i: v, TrainConfig(total_steps=2)).train(progress=False))
+    for name, value in (("batch_size", "x"), ("batch_size", 2.5), ("batch_size", True), ("seq_len", 2.5),
+                        ("gate_lr", "x"), ("target_ce", "x"), ("target_batches", 2.5), ("seed", 2.5),
+                        ("lora_rank", 2.5), ("bos_id", 2.5), ("allow_slack_constraint", "no"),
+                        ("init_bias", "x"), ("target_margin", None)):
+        out[f"SparseTrainConfig({name}={value!r})"] = lambda n=name, v=value: SparseTrainConfig(**{n: v})
+    for name, value in (("node_threshold", "x"), ("edge_threshold", None), ("keep_mass", True)):
+        out[f"PruneConfig({name}={value!r})"] = lambda n=name, v=value: PruneConfig(**{n: v})
+    out["SAEConfig(hook=['model.layers.3'])"] = lambda: make_sae(d_in=8, d_sae=16, hook=["model.layers.3"])
+    out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
+                                                                          [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out
 
 

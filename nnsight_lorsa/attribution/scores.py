@@ -164,7 +164,8 @@ class PruneConfig:
             row is summed exactly into ``graph.residual``. Smaller saves host memory on long prompts.
 
     Raises:
-        ConfigMismatchError: a threshold outside ``[0, 1]`` or ``keep_mass`` outside ``(0, 1]``.
+        ConfigMismatchError: a threshold outside ``[0, 1]`` or ``keep_mass`` outside ``(0, 1]`` (NaN is outside
+            both), or any of them not a real number (a ``bool``, a str, None).
 
     Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (influence, pruning,
     scores).
@@ -175,6 +176,10 @@ class PruneConfig:
     keep_mass: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("node_threshold", "edge_threshold", "keep_mass"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigMismatchError(f"prune: {name} must be a number, got {value!r}")
         for name in ("node_threshold", "edge_threshold"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigMismatchError(f"prune: {name} must be in [0, 1], got {getattr(self, name)}")

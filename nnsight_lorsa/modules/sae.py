@@ -57,6 +57,8 @@ class SAEConfig(SparseCoderConfig):
 
     def __post_init__(self) -> None:
         super(SAEConfig, self).__post_init__()
+        if self.hook is not None and not isinstance(self.hook, str):
+            raise CheckpointError(f"SAEConfig.hook must be None or a str (the site's name), got {self.hook!r}")
         if self.normalize_activations not in NORMALIZATIONS:
             raise CheckpointError(f"SAEConfig.normalize_activations is {self.normalize_activations!r}; "
                                   f"known: {list(NORMALIZATIONS)}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from tqdm.auto import tqdm
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..errors import (
+    ArgumentError,
     CheckpointError,
     GateConfigError,
     GateNotInstalledError,
@@ -58,7 +58,7 @@ from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, wri
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.master_weights import MasterWeights
 from ..training.metrics import next_token_ce
-from ..training.train_config import OptimConfig
+from ..training.train_config import OptimConfig, _check_int, _check_real
 from .geco import GECO
 from .install import (
     counting_positions,
@@ -131,6 +131,49 @@ class SparseTrainConfig(OptimConfig):
     max_initial_slack: float = 0.1
     allow_slack_constraint: bool = False
 
+    def validate(self) -> None:
+        """Check every field (also run at construction, and by :class:`SparseAttentionTrainer` on the config it is
+        given): the shared fields as :meth:`~..training.train_config.OptimConfig.validate`; then integers are
+        ``int`` (``bool`` is not one) and floats finite real numbers: ``batch_size``, ``target_batches`` ≥ 1,
+        ``seq_len`` ≥ 2 (BOS and one predicted token); ``gate_lr``, ``temperature``, ``geco_lr``, ``lora_alpha``
+        > 0; ``weight_decay``, ``target_margin``, ``max_initial_slack`` ≥ 0; ``init_bias`` any finite number;
+        ``target_ce`` None or > 0 (nats); ``geco_ema`` in ``[0, 1)``; ``0 < min_lambda ≤ init_lambda ≤
+        max_lambda``; ``recover_fraction`` in ``[0, 1)`` (1 would never train the gates); ``lora_rank`` None or
+        ≥ 1; ``seed`` an int ≥ 0; ``bos_id`` None or an int ≥ 0 (the model's vocabulary bounds it:
+        :func:`resolve_bos_id`); ``allow_slack_constraint`` a bool.
+
+        Raises:
+            ArgumentError: the first field that breaks its rule, named (``SparseTrainConfig.<field>``) with its
+                value. A wrong value here would fail deep in torch or peft, or train silently wrong (a negative
+                ``gate_lr`` opens the gates; ``allow_slack_constraint="no"`` is truthy).
+
+        Source: Draye et al. 2025 §3.2 (the GECO constraint and its λ); ours (the fields and checks).
+        """
+        super().validate()
+        who = "SparseTrainConfig"
+        for name in ("batch_size", "target_batches"):
+            _check_int(who, name, getattr(self, name))
+        _check_int(who, "seq_len", self.seq_len, least=2)
+        _check_int(who, "seed", self.seed, least=0)
+        for name in ("gate_lr", "temperature", "geco_lr", "lora_alpha", "init_lambda", "min_lambda", "max_lambda"):
+            _check_real(who, name, getattr(self, name), positive=True)
+        for name in ("weight_decay", "target_margin", "max_initial_slack"):
+            _check_real(who, name, getattr(self, name))
+        _check_real(who, "init_bias", self.init_bias, signed=True)
+        _check_real(who, "geco_ema", self.geco_ema, upper=1.0, upper_open=True)
+        _check_real(who, "recover_fraction", self.recover_fraction, upper=1.0, upper_open=True)
+        if self.target_ce is not None:
+            _check_real(who, "target_ce", self.target_ce, positive=True)
+        if not self.min_lambda <= self.init_lambda <= self.max_lambda:
+            raise ArgumentError(f"{who} needs min_lambda <= init_lambda <= max_lambda, got {self.min_lambda!r}, "
+                                f"{self.init_lambda!r}, {self.max_lambda!r}")
+        if self.lora_rank is not None:
+            _check_int(who, "lora_rank", self.lora_rank)
+        if self.bos_id is not None:
+            _check_int(who, "bos_id", self.bos_id, least=0)
+        if not isinstance(self.allow_slack_constraint, bool):
+            raise ArgumentError(f"{who}.allow_slack_constraint must be a bool, got {self.allow_slack_constraint!r}")
+
 
 @dataclass
 class StepRecord:
@@ -149,9 +192,19 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
 
     Raises:
         GateConfigError: none of them gives one (pass ``bos_id``: every window starts with BOS).
+        ArgumentError: ``bos_id`` not an int ≥ 0 (``bool`` is not one; ``2.5`` is not rounded), or the id is
+            outside the model's vocabulary (its input embedding's rows).
     """
-    bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf_module(model), "config", None), bos_id)
+    if bos_id is not None and (not isinstance(bos_id, int) or isinstance(bos_id, bool) or bos_id < 0):
+        raise ArgumentError(f"bos_id must be None or an int >= 0 (a token id), got {bos_id!r}")
+    hf = hf_module(model)
+    bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf, "config", None), bos_id)
     if bos is not None:
+        embeddings = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+        vocab = getattr(embeddings, "num_embeddings", None)
+        if isinstance(vocab, int) and not 0 <= bos < vocab:
+            raise ArgumentError(f"the BOS id {bos} is outside the model's vocabulary of {vocab} tokens "
+                                f"({'bos_id' if bos_id is not None else 'from its tokenizer / config'})")
         return bos
     raise GateConfigError("the model has no BOS id (neither its tokenizer nor its config's bos_token_id); "
                           "windows start with BOS: pass bos_id")
@@ -284,16 +337,20 @@ class SparseAttentionTrainer:
             (``config.bos_id`` None and the model's tokenizer and config have none).
         VacuousConstraintError: τ slack by more than ``max_initial_slack · base_ce`` at the start
             (see :class:`SparseTrainConfig`), unless ``allow_slack_constraint``.
+        ArgumentError: ``config`` not a :class:`SparseTrainConfig` or a field out of its rule
+            (:meth:`SparseTrainConfig.validate`, run again here); a BOS id outside the vocabulary
+            (:func:`resolve_bos_id`).
         ImportError: ``lora_rank`` without ``peft``.
     """
 
     def __init__(self, model: Any, train_ids: Int[torch.Tensor, " n"] | TokenDataset, config: SparseTrainConfig,
                  augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None) -> None:
+        if not isinstance(config, SparseTrainConfig):
+            raise ArgumentError(f"SparseAttentionTrainer: config must be a SparseTrainConfig, got "
+                                f"{type(config).__name__}")
+        config.validate()  # again: a field may have been set after construction
         self.config = config
         self.augment = augment
-        slack = config.max_initial_slack
-        if not isinstance(slack, (int, float)) or not math.isfinite(slack) or slack < 0:
-            raise GateConfigError(f"max_initial_slack must be a finite number >= 0, got {slack!r}")
         self.bos_id = resolve_bos_id(model, config.bos_id)
         self.hf = hf_module(model)
         self.dataset, self.train_ids = self._training_windows(model, train_ids)

@@ -24,6 +24,16 @@ def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None)
     return loss_mask
 
 
+def _check_zero_one(mask: Any, where: str) -> None:
+    """``mask`` a tensor of booleans, or of numbers that are all 0 or 1 (an attention mask); else
+    :class:`ArgumentError` naming ``where`` (a mask of 0.5 would be read as True)."""
+    if not isinstance(mask, torch.Tensor):
+        raise ArgumentError(f"{where} must be a bool tensor (or of 0 / 1), got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        odd = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
+        raise ArgumentError(f"{where} must hold only 0 and 1 (or be a bool tensor), got the value {odd!r}")
+
+
 def _refuse_left_padding(tokens: torch.Tensor, target_mask: torch.Tensor, where: str) -> None:
     """Raise :class:`ArgumentError` where ``target_mask`` has the signature of left padding (a Hugging Face
     ``attention_mask`` of a tokenizer with ``padding_side="left"``): every row is ``k`` positions outside the
@@ -155,7 +165,8 @@ def read_token_ids(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]
 
     Raises:
         ArgumentError: an unknown suffix, an unreadable or corrupt file, no ids tensor in it, ids that are
-            not integers, or a mask of another shape; the message names the file.
+            not integers, or a mask of another shape or holding values other than 0 and 1; the message names the
+            file.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -189,6 +200,8 @@ def read_token_ids(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ArgumentError(f"{path}: {key!r} holds {ids.dtype} values, not integer token ids")
     mask = tensors.get("attention_mask")
+    if mask is not None:
+        _check_zero_one(mask, f"{path}: 'attention_mask'")
     if mask is not None and tuple(mask.shape) != tuple(ids.shape):
         raise ArgumentError(f"{path}: 'attention_mask' is {tuple(mask.shape)}, 'input_ids' {tuple(ids.shape)}")
     return ids.to("cpu", torch.long), None if mask is None else mask.to("cpu").bool()
@@ -247,8 +260,9 @@ class TokenDataset:
     Raises:
         ShapeError: (a ``ValueError``) ``tokens`` empty or not 2-D, or ``target_mask`` of another shape.
         ArgumentError: (a ``ValueError`` and ``TypeError``) ``tokens`` not an integer tensor (float or
-            bool ids), a negative id, an id ``>= vocab_size``, ``vocab_size`` not a positive int, or a
-            ``target_mask`` of left padding.
+            bool ids), a negative id, an id ``>= vocab_size``, ``vocab_size`` not a positive int, a
+            ``target_mask`` that is not a tensor of booleans or of 0 / 1 (a value of 0.5 is not read as True),
+            or one of left padding.
 
     Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
     """
@@ -262,6 +276,8 @@ class TokenDataset:
         if tokens.dim() != 2 or tokens.shape[0] == 0:
             raise ShapeError(f"TokenDataset: tokens must be a non-empty (n_windows, seq_len) tensor, got "
                              f"{tuple(tokens.shape)}")
+        if target_mask is not None:
+            _check_zero_one(target_mask, "TokenDataset: target_mask")
         if target_mask is not None and tuple(target_mask.shape) != tuple(tokens.shape):
             raise ShapeError(f"TokenDataset: target_mask must be {tuple(tokens.shape)} like tokens, got "
                              f"{tuple(target_mask.shape)}")
@@ -407,7 +423,8 @@ class TokenDataset:
 
         Raises:
             ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
-                vocabulary, ``target_mask`` of another shape or with padding before a real token, or 2-D ``ids``
+                vocabulary, ``target_mask`` not of booleans or 0 / 1, of another shape or with padding before a
+                real token, or 2-D ``ids``
                 without ``target_mask`` whose padding is ambiguous (above).
             TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
                 document with a token.
@@ -431,6 +448,7 @@ class TokenDataset:
                 specials = _eos_ids(tokenizer, config, eos_token_id) | ({bos} if bos is not None else set())
                 target_mask = _rows_mask(ids, _known_pad_id(tokenizer, config), specials) if ids.numel() \
                     else torch.ones_like(ids, dtype=torch.bool)
+            _check_zero_one(target_mask, "from_ids: target_mask")
             if tuple(target_mask.shape) != tuple(ids.shape):
                 raise ArgumentError(f"target_mask must be {tuple(ids.shape)} like ids, got {tuple(target_mask.shape)}")
             mask = target_mask.to("cpu").bool()

@@ -155,18 +155,22 @@ class TrainConfig(OptimConfig):
             raise ArgumentError(f"TrainConfig.history must be a list, got {type(self.history).__name__}")
 
 
-def _check_int(who: str, name: str, value: Any) -> None:
-    """``value`` an ``int`` (not a bool) ≥ 1, else :class:`ArgumentError` naming ``<who>.<name>``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ArgumentError(f"{who}.{name} must be a positive int, got {value!r}")
+def _check_int(who: str, name: str, value: Any, *, least: int = 1) -> None:
+    """``value`` an ``int`` (not a bool) ≥ ``least``, else :class:`ArgumentError` naming ``<who>.<name>``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        rule = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ArgumentError(f"{who}.{name} must be {rule}, got {value!r}")
 
 
 def _check_real(who: str, name: str, value: Any, *, positive: bool = False, upper: float | None = None,
-                upper_open: bool = False) -> None:
-    """``value`` a finite real number (int or float, not a bool), ``> 0`` if ``positive`` else ``≥ 0``, and at
-    most ``upper`` (below it if ``upper_open``); else :class:`ArgumentError` naming ``<who>.<name>``."""
+                upper_open: bool = False, signed: bool = False) -> None:
+    """``value`` a finite real number (int or float, not a bool), ``> 0`` if ``positive``, any sign if ``signed``,
+    else ``≥ 0``, and at most ``upper`` (below it if ``upper_open``); else :class:`ArgumentError` naming
+    ``<who>.<name>``."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ArgumentError(f"{who}.{name} must be a finite number, got {value!r}")
+    if signed:
+        return
     low_ok = value > 0 if positive else value >= 0
     high_ok = upper is None or (value < upper if upper_open else value <= upper)
     if not (low_ok and high_ok):
