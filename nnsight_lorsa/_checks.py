@@ -9,6 +9,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from .errors import ArgumentError
+
 
 def is_int(value: Any) -> bool:
     """An integer (Python or numpy: anything ``operator.index`` takes), never a bool."""
@@ -30,3 +32,17 @@ def is_real(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)
     return (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
             and getattr(dtype, "kind", "") in ("i", "u", "f"))
+
+
+def check_instance(value: Any, kind: type, where: str, name: str, hint: str = "") -> None:
+    """Refuse ``value`` unless it is a ``kind``: the first check of an entry point whose argument ``name`` is read
+    by its attributes (a ``Graph``, a ``PruneResult``), so that a tensor, None or arguments passed in the wrong
+    order are a named error, not an ``AttributeError`` from deep inside.
+
+    Raises:
+        ArgumentError: naming ``where``, ``name``, the kind expected and the one given, then ``hint``.
+
+    Source: ours (this package's entry points).
+    """
+    if not isinstance(value, kind):
+        raise ArgumentError(f"{where}({name}=...) must be a {kind.__name__}, got a {type(value).__name__}{hint}")

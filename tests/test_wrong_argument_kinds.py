@@ -41,6 +41,31 @@ FIELDS = {
        for n, v in (("node_threshold", "x"), ("edge_threshold", None), ("keep_mass", True))},
     "SAEConfig(hook=['model.layers.3'])": ("CheckpointError", "SAEConfig.hook must be None or a str"),
     "TokenDataset(tokens, target_mask=list)": ("ArgumentError", "TokenDataset: target_mask must be a bool tensor"),
+    "set_gate_mode(topk, top_k=2.5)": ("GateConfigError", "top_k must be an int >= 1, got 2.5"),
+}
+# a graph or prune result of the wrong kind, and graph file paths (2026-11-29, fourth session): each was an
+# AttributeError ('Tensor' object has no attribute 'nodes') or a bare TypeError from pathlib
+GRAPH = {
+    **{f"{fn}({label})": f"{where}(graph=...) must be a Graph, got a {label}"
+       for label in ("None", "Tensor", "PruneResult")
+       for fn, where in (("prune", "prune"), ("graph_scores", "graph_scores"), ("to_neuronpedia", "to_neuronpedia"),
+                         ("save_neuronpedia", "to_neuronpedia"))},
+    **{f"plot_graph({label}, pruned)": f"plot_graph(graph=...) must be a Graph, got a {label}"
+       for label in ("None", "Tensor", "PruneResult")},
+    **{f"circuit_metrics(replacement, {label}, pruned)": f"circuit_metrics(graph=...) must be a Graph, got a {label}"
+       for label in ("None", "Tensor", "PruneResult")},
+    **{f"to_neuronpedia(graph, {label})": f"to_neuronpedia(prune_result=...) must be a PruneResult, got a {label}"
+       for label in ("Tensor", "Graph")},
+    **{f"plot_graph(graph, {label})": f"plot_graph(pruned=...) must be a PruneResult, got a {label}"
+       for label in ("Tensor", "Graph")},
+    **{f"circuit_metrics(replacement, graph, {label})": f"circuit_metrics(pruned=...) must be a PruneResult, got "
+       f"a {label}" for label in ("Tensor", "Graph")},
+    "circuit_metrics(lorsas, graph, pruned)": "circuit_metrics(replacement=...) must be a ReplacementModel",
+    "circuit_metrics(incorrect_token=2.5)": "circuit_metrics(incorrect_token=...) must be None or a token id",
+    "Graph.save(None)": "Graph.save: the path must be a str or os.PathLike",
+    "Graph.load(None)": "Graph.load: the path must be a str or os.PathLike",
+    "save_neuronpedia(graph, None)": "save_neuronpedia: the path must be a str or os.PathLike",
+    "plot_graph(path=3)": "plot_graph: the path must be a str or os.PathLike",
 }
 
 
@@ -50,7 +75,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_every_case_ran(records):
-    assert set(records) == set(EXPECTED) | set(FIELDS)
+    assert set(records) == set(EXPECTED) | set(FIELDS) | set(GRAPH)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
@@ -67,3 +92,10 @@ def test_a_config_field_of_the_wrong_kind_is_a_named_error(records, case):
     error, message = FIELDS[case]
     assert r["error"] == error, r
     assert message in r["message"], r
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH))
+def test_a_graph_argument_of_the_wrong_kind_is_an_argument_error(records, case):
+    r = records[case]
+    assert r["error"] == "ArgumentError", r
+    assert GRAPH[case] in r["message"], r

@@ -16,7 +16,16 @@ warnings.simplefilter("ignore")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from helpers import LAYER, make_lorsa, make_sae, tiny_nnsight  # noqa: E402
+from helpers import (  # noqa: E402
+    LAYER,
+    attribution_setup,
+    make_lorsa,
+    make_sae,
+    random_ids,
+    rm,
+    tiny_hf_model,
+    tiny_nnsight,
+)
 
 from nnsight_lorsa import (  # noqa: E402
     LorsaSet,
@@ -29,9 +38,19 @@ from nnsight_lorsa import (  # noqa: E402
     load,
     save,
 )
-from nnsight_lorsa.attribution import PruneConfig  # noqa: E402
+from nnsight_lorsa.attribution import (  # noqa: E402
+    Graph,
+    PruneConfig,
+    attribute,
+    circuit_metrics,
+    graph_scores,
+    prune,
+    save_neuronpedia,
+    to_neuronpedia,
+)
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
-from nnsight_lorsa.sparse_attention import SparseTrainConfig  # noqa: E402
+from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
+from nnsight_lorsa.viz import plot_graph  # noqa: E402
 
 
 def cases(lorsa, model, scratch: Path) -> dict:
@@ -64,9 +83,41 @@ def cases(lorsa, model, scratch: Path) -> dict:
     for name, value in (("node_threshold", "x"), ("edge_threshold", None), ("keep_mass", True)):
         out[f"PruneConfig({name}={value!r})"] = lambda n=name, v=value: PruneConfig(**{n: v})
     out["SAEConfig(hook=['model.layers.3'])"] = lambda: make_sae(d_in=8, d_sae=16, hook=["model.layers.3"])
+    graph_cases(out, scratch)
+    gated = tiny_hf_model("llama")
+    install_gated_attention(gated)
+    out["set_gate_mode(topk, top_k=2.5)"] = lambda: set_gate_mode(gated, "topk", top_k=2.5)
     out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
                                                                           [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out
+
+
+def graph_cases(out: dict, scratch: Path) -> None:
+    """A graph or prune result of the wrong kind (arguments in the wrong order, None, the prompt's ids) at every
+    entry point that reads one, and a None path for a graph's files."""
+    model, _, lorsas, tcs = attribution_setup("llama")
+    replacement = rm(model, lorsas, tcs)
+    ids = random_ids(1, 6)[0]
+    graph = attribute(replacement, ids, batch_size=16)
+    pruned = prune(graph)
+    for label, bad in (("None", None), ("Tensor", ids), ("PruneResult", pruned)):
+        out[f"prune({label})"] = lambda b=bad: prune(b)
+        out[f"graph_scores({label})"] = lambda b=bad: graph_scores(b)
+        out[f"to_neuronpedia({label})"] = lambda b=bad: to_neuronpedia(b, slug="t")
+        out[f"save_neuronpedia({label})"] = lambda b=bad: save_neuronpedia(b, scratch / "g.json", slug="t")
+        out[f"plot_graph({label}, pruned)"] = lambda b=bad: plot_graph(b, pruned)
+        out[f"circuit_metrics(replacement, {label}, pruned)"] = lambda b=bad: circuit_metrics(replacement, b, pruned)
+    for label, bad in (("Tensor", ids), ("Graph", graph)):
+        out[f"to_neuronpedia(graph, {label})"] = lambda b=bad: to_neuronpedia(graph, b, slug="t")
+        out[f"plot_graph(graph, {label})"] = lambda b=bad: plot_graph(graph, b)
+        out[f"circuit_metrics(replacement, graph, {label})"] = lambda b=bad: circuit_metrics(replacement, graph, b)
+    out["circuit_metrics(lorsas, graph, pruned)"] = lambda: circuit_metrics(lorsas, graph, pruned)
+    out["circuit_metrics(incorrect_token=2.5)"] = lambda: circuit_metrics(replacement, graph, pruned,
+                                                                           incorrect_token=2.5)
+    out["Graph.save(None)"] = lambda: graph.save(None)
+    out["Graph.load(None)"] = lambda: Graph.load(None)
+    out["save_neuronpedia(graph, None)"] = lambda: save_neuronpedia(graph, None)
+    out["plot_graph(path=3)"] = lambda: plot_graph(graph, pruned, path=3)
 
 
 def main(out_path: str) -> None:

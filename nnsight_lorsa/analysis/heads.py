@@ -27,7 +27,7 @@ from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
 from ..attribution.export import decode_token
-from ..envoy.nnsight_internals import hf_module, stored_edits
+from ..envoy.nnsight_internals import hf_module, stored_edits, vocabulary_size
 from ..envoy.read import attention_activations
 from ..envoy.replacement_model import check_replacement_model
 from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
@@ -47,8 +47,7 @@ def check_tokens(tokens: Any, model: Any = None) -> None:
             or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
-    embed = None if model is None else hf_module(model).get_input_embeddings()
-    vocab = getattr(embed, "num_embeddings", None)
+    vocab = None if model is None else vocabulary_size(model)
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or (vocab is not None and high >= vocab):
         raise ArgumentError(f"tokens must be token ids in [0, {vocab}) (the model's vocabulary), got ids from {low} "

@@ -21,18 +21,21 @@ its error nodes is the model (:func:`replacement_logits`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._checks import check_instance, is_int, is_real
 from .._repr import FieldsRepr
-from ..envoy.replacement_model import ReplacementModel
+from ..envoy.nnsight_internals import vocabulary_size
+from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Feature, LorsaHead, index_at
-from ..errors import ConfigMismatchError
-from .graph import HOST, LORSA, TRANSCODER, Graph
+from ..errors import ArgumentError, ConfigMismatchError
+from .graph import GRAPH_HINT, HOST, LORSA, TRANSCODER, Graph
 from .layout import Layout
-from .scores import PruneResult
+from .scores import PRUNED_HINT, PruneResult
 from .trace import frozen_logits, prepare
 
 
@@ -118,9 +121,30 @@ def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneRe
     Returns:
         :class:`CircuitMetrics` (logit units; ``effects``/``attribution`` ``(n_circuit,)``).
 
+    Raises:
+        ArgumentError: before the model runs: ``replacement`` not a ReplacementModel, ``graph`` / ``pruned`` not a
+            Graph / PruneResult, ``pruned`` not of this graph (another node count), ``incorrect_token`` not None
+            or a token id of the model's vocabulary (``-1`` is no id: it would read the last logit), ``min_effect``
+            not a finite number ≥ 0, ``chunk`` not an int ≥ 1.
+
     Source: *From Tokenization to Attribution Graphs* §11 (completeness, minimality, faithfulness); Ameisen et al.
     2025, *Circuit Tracing*.
     """
+    replacement = check_replacement_model(replacement, "circuit_metrics")
+    check_instance(graph, Graph, "circuit_metrics", "graph", GRAPH_HINT)
+    check_instance(pruned, PruneResult, "circuit_metrics", "pruned", PRUNED_HINT)
+    if pruned.node_mask.shape != (graph.n_nodes,):
+        raise ArgumentError(f"circuit_metrics: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
+                            f"{graph.n_nodes}: prune this graph (prune(graph))")
+    vocab = vocabulary_size(replacement.model)
+    if incorrect_token is not None and (not is_int(incorrect_token) or incorrect_token < 0
+                                        or (vocab is not None and incorrect_token >= vocab)):
+        raise ArgumentError(f"circuit_metrics(incorrect_token=...) must be None or a token id in [0, {vocab}), got "
+                            f"{incorrect_token!r}")
+    if not is_real(min_effect) or not math.isfinite(min_effect) or min_effect < 0:
+        raise ArgumentError(f"circuit_metrics(min_effect=...) must be a finite number >= 0, got {min_effect!r}")
+    if not is_int(chunk) or chunk < 1:
+        raise ArgumentError(f"circuit_metrics(chunk=...) must be an int >= 1, got {chunk!r}")
     replacement = ReplacementModel(replacement.model, lorsas=replacement.lorsas,
                                    transcoders=replacement.transcoders, error=True, adapter=replacement.adapter)
     kind = graph.nodes.kind

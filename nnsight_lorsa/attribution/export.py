@@ -56,9 +56,22 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .._checks import check_instance, is_real
 from ..errors import ArgumentError, NonFiniteError
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, KIND_NAMES, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
-from .scores import PruneResult, prune
+from .graph import (
+    ATTN_ERROR,
+    BIAS,
+    EMBEDDING,
+    GRAPH_HINT,
+    HOST,
+    KIND_NAMES,
+    LOGIT,
+    LORSA,
+    MLP_ERROR,
+    TRANSCODER,
+    Graph,
+)
+from .scores import PRUNED_HINT, PruneResult, prune
 
 SCHEMA_VERSION = 1
 GENERATOR_NAME = "nnsight-lorsa"
@@ -237,12 +250,20 @@ def to_neuronpedia(
     Raises:
         ConfigMismatchError: (a ``ValueError``) thresholds outside ``[0, 1]``.
         ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
-            index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary.
+            index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary;
+            ``graph`` not a :class:`~.graph.Graph`, ``prune_result`` not None or a :class:`~.scores.PruneResult`,
+            ``sparsity_threshold`` not a number in ``[0, 1]``.
         NonFiniteError: a NaN / inf weight on an exported edge, or NaN / inf logit probabilities (strict JSON
             holds neither).
 
     Source: circuit-tracer ``frontend/graph_models.py`` (field names, node ids).
     """
+    check_instance(graph, Graph, "to_neuronpedia", "graph", GRAPH_HINT)
+    if prune_result is not None:
+        check_instance(prune_result, PruneResult, "to_neuronpedia", "prune_result", PRUNED_HINT)
+    if not is_real(sparsity_threshold) or not 0.0 <= sparsity_threshold <= 1.0:
+        raise ArgumentError(f"to_neuronpedia(sparsity_threshold=...) must be a number in [0, 1] (a feature-density "
+                            f"filter; 1 hides nothing), got {sparsity_threshold!r}")
     if prune_result is None:
         prune_result = prune(graph, node_threshold, edge_threshold)
     N = graph.n_nodes
@@ -352,10 +373,15 @@ def save_neuronpedia(
     (no NaN / Infinity). Written atomically (:func:`nnsight_lorsa._atomic.atomic_file`: a sibling
     temporary renamed over ``path``), so a crash leaves the old file or the new one.
 
+    Raises:
+        ArgumentError: ``path`` not a str / ``os.PathLike``; :func:`to_neuronpedia`'s errors (nothing written).
+
     Source: circuit-tracer ``frontend/graph_models.py`` (field names, node ids).
     """
     from .._atomic import atomic_file
+    from ..formats.files import check_path
 
+    check_path(path, "save_neuronpedia", "a .json file")
     p = Path(path)
     kwargs.setdefault("slug", p.stem)
     data = to_neuronpedia(graph, prune_result, **kwargs)

@@ -39,6 +39,8 @@ from .nodes import (  # the node kinds, HOST and NodeTable live in .nodes; impor
 )
 
 GRAPH_FORMAT = "nnsight-lorsa-graph/1"
+#: what a wrong-kind ``graph`` argument is told (``_checks.check_instance``)
+GRAPH_HINT = " (attribute(replacement, prompt) returns one; Graph.load(directory) reads a saved one)"
 
 
 @dataclass(repr=False)
@@ -245,13 +247,16 @@ class Graph(FieldsRepr):
         ``meta`` is checked before anything is written.
 
         Raises:
-            ArgumentError: ``meta`` (or the prompt) is not JSON-serialisable (nothing is written).
+            ArgumentError: ``meta`` (or the prompt) is not JSON-serialisable, or ``directory`` not a str /
+                ``os.PathLike`` (nothing is written).
 
         Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from .._atomic import atomic_directory
         from ..errors import ArgumentError
+        from ..formats.files import check_path
 
+        check_path(directory, "Graph.save", "a directory")
         n = self.nodes
         try:
             info = json.dumps({"format": GRAPH_FORMAT, "prompt": self.prompt, "bias_names": n.bias_names,
@@ -328,14 +333,22 @@ class Graph(FieldsRepr):
                 indices outside their ranges, probabilities outside [0, 1], or ``graph.json`` fields
                 of the wrong type — naming the file and the key; a file that differs from what
                 ``checksums.json`` records (truncated, altered); a repo id that could not be fetched.
-            ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo.
+            ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo; ``directory``
+                not a str / ``os.PathLike``.
 
         Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from .._atomic import check, manifest_of, resolve
-        from ..formats.files import load_safetensors, read_json_object, refuse_local_revision, resolve_checkpoint_dir
+        from ..formats.files import (
+            check_path,
+            load_safetensors,
+            read_json_object,
+            refuse_local_revision,
+            resolve_checkpoint_dir,
+        )
         from ..formats.hub import CARD, looks_like_repo_id
 
+        check_path(directory, "Graph.load")
         if looks_like_repo_id(directory):
             directory = resolve_checkpoint_dir(
                 directory, allow_patterns=["graph.json", "graph.safetensors", "checksums.json", CARD],

@@ -41,11 +41,12 @@ from typing import Protocol, runtime_checkable
 import numpy
 import torch
 
+from .._checks import check_instance
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError
 from .blocks import BlockAdjacency, segments
-from .graph import ATTN_ERROR, BIAS, EMBEDDING, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from .graph import ATTN_ERROR, BIAS, EMBEDDING, GRAPH_HINT, HOST, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 
 
 def normalize_rows(rows: Float[torch.Tensor, "n m"]) -> Float[torch.Tensor, "n m"]:
@@ -114,6 +115,10 @@ def influence(
     """
     A = normalize_rows(rows)
     return influence_series(lambda w: w.to(A.dtype) @ A, row_node, row_weight.to(A.dtype), rows.shape[1], max_iter)
+
+
+#: what a wrong-kind ``pruned`` / ``prune_result`` argument is told (``_checks.check_instance``)
+PRUNED_HINT = " (prune(graph) returns one)"
 
 
 @dataclass(repr=False)
@@ -528,12 +533,14 @@ def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float
         :class:`PruneResult` (the kept nodes, the kept ``[target, source]`` edges as an index list).
 
     Raises:
-        ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included).
+        ArgumentError: (a ``ValueError``) a threshold that is not a number in ``[0, 1]`` (``True`` included);
+            ``graph`` not a :class:`~.graph.Graph`.
         NonFiniteError: NaN / inf logit probabilities or edges (a graph built by hand: :func:`.attribute.attribute`
             and :meth:`.graph.Graph.load` refuse them) — their influence would be NaN, the nodes it reaches dropped.
 
     Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (``prune_graph``).
     """
+    check_instance(graph, Graph, "prune", "graph", GRAPH_HINT)
     for name, v in (("node_threshold", node_threshold), ("edge_threshold", edge_threshold)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
             raise ArgumentError(f"prune({name}=...) must be a number in [0, 1], got {v!r}")
@@ -579,9 +586,13 @@ def graph_scores(graph: Graph) -> tuple[float, float]:
     in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
     vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix.
 
+    Raises:
+        ArgumentError: ``graph`` not a :class:`~.graph.Graph`.
+
     Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py``
     (``compute_graph_scores``).
     """
+    check_instance(graph, Graph, "graph_scores", "graph", GRAPH_HINT)
     kind = graph.nodes.kind
     error = (kind == MLP_ERROR) | (kind == ATTN_ERROR)
     inputs = (kind == EMBEDDING) | (kind == BIAS)

@@ -160,6 +160,14 @@ def hf_module(model: Any) -> Any:
     return getattr(model, "_module", model)
 
 
+def vocabulary_size(model: Any) -> int | None:
+    """The number of token ids ``model`` (an envoy or a Hugging Face model) embeds: its input embedding's
+    ``num_embeddings``; None when it has no such embedding (then no id bound is known)."""
+    get = getattr(hf_module(model), "get_input_embeddings", None)
+    vocab = getattr(get() if callable(get) else None, "num_embeddings", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
 def stored_edits(model: Any) -> int:
     """How many edit blocks ``model.edit()`` stored on the envoy ``model`` (``Envoy._edits``; replayed on every trace
     of it): 0 for an envoy without edits or an object that is no envoy."""

@@ -132,8 +132,8 @@ class AttentionGate(nn.Module):
             raise GateConfigError(f"unknown gate mode {self.mode!r}; expected one of {GATE_MODES}")
         if not self.temperature > 0:
             raise GateConfigError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 1:
-            raise GateConfigError(f"top_k must be >= 1, got {self.top_k}")
+        if not is_int(self.top_k) or self.top_k < 1:  # 2.5 is not rounded, True is no count
+            raise GateConfigError(f"top_k must be an int >= 1, got {self.top_k!r}")
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, mode={self.mode!r}, temperature={self.temperature}, top_k={self.top_k}"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import is_int
 from .._placement import placement
 from ..adapters.registry import get_adapter
 from ..adapters.transformers_internals import attn_implementation, child, remove_child, set_attn_implementation
@@ -163,7 +164,8 @@ def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:
     """Set every gate's mode (``gated`` / ``topk`` / ``dense``) and, for ``topk``, ``top_k``.
 
     Raises:
-        GateConfigError: unknown mode or ``top_k < 1``; GateNotInstalledError: no gates.
+        GateConfigError: unknown mode or ``top_k`` not an int ≥ 1 (every gate keeps its settings);
+        GateNotInstalledError: no gates.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.1 (the gated
     attention layer).
@@ -174,7 +176,7 @@ def set_gate_mode(model: Any, mode: str, top_k: int | None = None) -> None:
         for gate in gates:
             gate.mode = mode
             if top_k is not None:
-                gate.top_k = int(top_k)
+                gate.top_k = int(top_k) if is_int(top_k) else top_k  # anything else: check() refuses it
             gate.check()
     except Exception:  # nothing half-applied: every gate keeps its previous settings
         for gate, (old_mode, old_k) in zip(gates, before, strict=True):

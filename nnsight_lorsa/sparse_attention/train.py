@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .._typing import Int
-from ..envoy.nnsight_internals import hf_module
+from ..envoy.nnsight_internals import hf_module, vocabulary_size
 from ..errors import (
     ArgumentError,
     CheckpointError,
@@ -200,9 +200,8 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
     hf = hf_module(model)
     bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf, "config", None), bos_id)
     if bos is not None:
-        embeddings = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-        vocab = getattr(embeddings, "num_embeddings", None)
-        if isinstance(vocab, int) and not 0 <= bos < vocab:
+        vocab = vocabulary_size(hf)
+        if vocab is not None and not 0 <= bos < vocab:
             raise ArgumentError(f"the BOS id {bos} is outside the model's vocabulary of {vocab} tokens "
                                 f"({'bos_id' if bos_id is not None else 'from its tokenizer / config'})")
         return bos
@@ -269,15 +268,22 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         GateConfigError: a stream shorter than one window, holding the model's EOS id (:func:`check_one_text`:
             pass ``TokenDataset.from_documents`` / ``TokenDataset.from_ids`` windows instead), or no BOS id for a
             stream.
+        ArgumentError: ``batch_size`` not an int ≥ 1, ``max_windows`` not None or an int ≥ 1, a stream's
+            ``seq_len`` not an int ≥ 2 (BOS and one predicted token), a BOS id outside the vocabulary
+            (:func:`resolve_bos_id`) — before the model runs.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
     optimisation).
     """
     hf = hf_module(model)
+    _check_int("evaluate_sparse", "batch_size", batch_size)
+    if max_windows is not None:
+        _check_int("evaluate_sparse", "max_windows", max_windows)
     if not isinstance(token_ids, TokenDataset):
+        _check_int("evaluate_sparse", "seq_len", seq_len, least=2)
         bos = resolve_bos_id(model, bos_id)
         check_one_text(model, token_ids)  # as the trainer: a stream of documents is no one text
-        if token_ids.numel() < seq_len - 1 or (max_windows is not None and max_windows < 1):
+        if token_ids.numel() < seq_len - 1:
             raise GateConfigError(f"need at least {seq_len - 1} tokens for one window, got {token_ids.numel()}")
         token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
     n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_file
-from .._checks import is_int
-from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
-from ..attribution.scores import PruneResult
+from .._checks import check_instance, is_int
+from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, GRAPH_HINT, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from ..attribution.scores import PRUNED_HINT, PruneResult
 from ..errors import ArgumentError, NonFiniteError
+from ..formats.files import check_path
 
 _STYLE = {TRANSCODER: ("tab:green", "o", "transcoder feature"), LORSA: ("tab:purple", "D", "Lorsa head"),
           MLP_ERROR: ("0.55", "s", "MLP error"), ATTN_ERROR: ("0.75", "s", "Lorsa error"),
@@ -60,8 +61,9 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
             drawn; the default title then says how many of the kept edges are shown.
 
     Raises:
-        ArgumentError: ``pruned`` not of this graph (another node count), ``tokens`` not one per position,
-            ``max_edges`` not an int >= 0.
+        ArgumentError: ``graph`` / ``pruned`` not a :class:`~nnsight_lorsa.attribution.Graph` / ``PruneResult``,
+            ``pruned`` not of this graph (another node count), ``tokens`` not one per position, ``max_edges`` not an
+            int >= 0, ``path`` not None, a str or ``os.PathLike``.
         NonFiniteError: a NaN / inf weight among the kept edges (``tensor="edges"``).
 
     Source: ours (a static matplotlib picture of the graph).
@@ -71,6 +73,10 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_instance(graph, Graph, "plot_graph", "graph", GRAPH_HINT)
+    check_instance(pruned, PruneResult, "plot_graph", "pruned", PRUNED_HINT)
+    if path is not None:
+        check_path(path, "plot_graph", "an image file")
     if pruned.node_mask.numel() != graph.n_nodes:
         raise ArgumentError(f"plot_graph: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
                             f"{graph.n_nodes}: prune this graph (prune(graph))")

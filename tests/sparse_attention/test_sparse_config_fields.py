@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nnsight_lorsa.errors import ArgumentError, GateNotInstalledError
-from nnsight_lorsa.sparse_attention import SparseTrainConfig, evaluate_sparse, train_sparse_attention
+from nnsight_lorsa.sparse_attention import (
+    SparseTrainConfig,
+    evaluate_sparse,
+    install_gated_attention,
+    train_sparse_attention,
+)
 from nnsight_lorsa.sparse_attention.install import get_gates
 from nnsight_lorsa.sparse_attention.train import SparseAttentionTrainer, resolve_bos_id
 
@@ -91,3 +96,21 @@ def test_a_bos_id_outside_the_vocabulary_is_refused_by_name():
             evaluate_sparse(hf, _stream(), seq_len=SEQ, bos_id=bad)
     with pytest.raises(GateNotInstalledError):
         get_gates(hf)
+
+
+@pytest.mark.parametrize(("kw", "name"), [({"batch_size": 0}, "batch_size"), ({"batch_size": -1}, "batch_size"),
+                                          ({"max_windows": 0}, "max_windows"), ({"max_windows": -2}, "max_windows"),
+                                          ({"seq_len": 1}, "seq_len"), ({"seq_len": 0}, "seq_len")])
+def test_evaluate_sparse_refuses_its_counts_by_name_before_the_model_runs(kw, name):
+    """``batch_size=0`` was "range() arg 3 must not be zero", ``-1`` an ``AssertionError``, ``seq_len=1`` a
+    ``ZeroDivisionError``, ``max_windows=0`` "need at least 7 tokens for one window, got 200"."""
+    hf = tiny_hf_model("llama")
+    hf.config.bos_token_id = 0
+    install_gated_attention(hf, init_bias=30.0)
+    calls = []
+    hf.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ArgumentError, match=rf"evaluate_sparse\.{name} must be"):
+        evaluate_sparse(hf, _stream(), **{"seq_len": SEQ, **kw})
+    assert calls == []
+    ok = evaluate_sparse(hf, _stream(), seq_len=SEQ, batch_size=1, max_windows=1)
+    assert ok["windows"] == 1 and calls == [1]
