@@ -67,6 +67,23 @@ GRAPH = {
     "save_neuronpedia(graph, None)": "save_neuronpedia: the path must be a str or os.PathLike",
     "plot_graph(path=3)": "plot_graph: the path must be a str or os.PathLike",
 }
+# activation sources, caches, datasets, a loader's subfolder (2026-11-29, fourth session): each was accepted (and failed
+# at the first batch) or an AttributeError / TypeError from inside
+TRAINING = {
+    "ActivationSource.sae(batch_size=2.5)": ("ArgumentError", "ActivationSource(batch_size=...) must be an int >= 1"),
+    "ActivationSource.sae(seed='x')": ("ArgumentError", "ActivationSource(seed=...) must be an int"),
+    "ActivationSource.sae(dataset=Tensor)": ("ArgumentError", "ActivationSource(dataset=Tensor)"),
+    "write_activation_cache(sites='x')": ("ArgumentError", "write_activation_cache(sites=...) must be a list of Sites"),
+    "write_activation_cache(sites=[3])": ("ArgumentError", "['3'] are not Sites"),
+    "write_activation_cache(dataset=Tensor)": ("ArgumentError", "write_activation_cache(dataset=...) must be a "
+                                                                "TokenDataset, got a Tensor"),
+    "write_activation_cache(directory=None)": ("ArgumentError", "write_activation_cache: the path must be a str"),
+    "write_activation_cache(batch_size=2.5)": ("ActivationCacheError", "must be positive ints, got 2.5"),
+    "ActivationCache(None)": ("ArgumentError", "ActivationCache: the path must be a str or os.PathLike"),
+    "TokenDataset.from_ids(seq_len=2.5)": ("ArgumentError", "from_ids: seq_len must be an int >= 2"),
+    "TokenDataset.batch(1.5, 2)": ("ArgumentError", "a batch index must be an int >= 0, got 1.5"),
+    "load(subfolder=3)": ("ArgumentError", "load: subfolder must be None or a str"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +92,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_every_case_ran(records):
-    assert set(records) == set(EXPECTED) | set(FIELDS) | set(GRAPH)
+    assert set(records) == set(EXPECTED) | set(FIELDS) | set(GRAPH) | set(TRAINING)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
@@ -99,3 +116,12 @@ def test_a_graph_argument_of_the_wrong_kind_is_an_argument_error(records, case):
     r = records[case]
     assert r["error"] == "ArgumentError", r
     assert GRAPH[case] in r["message"], r
+
+
+@pytest.mark.parametrize("case", sorted(TRAINING))
+def test_a_training_argument_of_the_wrong_kind_is_a_named_error(records, case):
+    r = records[case]
+    error, message = TRAINING[case]
+    assert r["error"] == error, r
+    assert message in r["message"], r
+    assert r["wrote"] == [], r

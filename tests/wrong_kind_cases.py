@@ -48,8 +48,10 @@ from nnsight_lorsa.attribution import (  # noqa: E402
     save_neuronpedia,
     to_neuronpedia,
 )
+from nnsight_lorsa.envoy import Site  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
 from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
+from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
 from nnsight_lorsa.viz import plot_graph  # noqa: E402
 
 
@@ -84,12 +86,35 @@ def cases(lorsa, model, scratch: Path) -> dict:
         out[f"PruneConfig({name}={value!r})"] = lambda n=name, v=value: PruneConfig(**{n: v})
     out["SAEConfig(hook=['model.layers.3'])"] = lambda: make_sae(d_in=8, d_sae=16, hook=["model.layers.3"])
     graph_cases(out, scratch)
+    training_cases(out, model, lorsa, scratch)
     gated = tiny_hf_model("llama")
     install_gated_attention(gated)
     out["set_gate_mode(topk, top_k=2.5)"] = lambda: set_gate_mode(gated, "topk", top_k=2.5)
     out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
                                                                           [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out
+
+
+def training_cases(out: dict, model, lorsa, scratch: Path) -> None:
+    """Activation sources, caches, datasets and a loader's subfolder given the wrong kinds."""
+    adapter = get_adapter(model)
+    data = TokenDataset(torch.randint(3, 100, (6, 8), generator=torch.Generator().manual_seed(0)))
+    site = Site.mlp_input(adapter, 1)
+    out["ActivationSource.sae(batch_size=2.5)"] = lambda: ActivationSource.sae(model, site, data, batch_size=2.5)
+    out["ActivationSource.sae(seed='x')"] = lambda: ActivationSource.sae(model, site, data, seed="x")
+    out["ActivationSource.sae(dataset=Tensor)"] = lambda: ActivationSource.sae(model, site, data.tokens)
+    out["write_activation_cache(sites='x')"] = lambda: write_activation_cache(model, "x", data, scratch / "c1")
+    out["write_activation_cache(sites=[3])"] = lambda: write_activation_cache(model, [3], data, scratch / "c2")
+    out["write_activation_cache(dataset=Tensor)"] = lambda: write_activation_cache(model, [site], data.tokens,
+                                                                                   scratch / "c3")
+    out["write_activation_cache(directory=None)"] = lambda: write_activation_cache(model, [site], data, None)
+    out["write_activation_cache(batch_size=2.5)"] = lambda: write_activation_cache(model, [site], data, scratch / "c4",
+                                                                                   batch_size=2.5)
+    out["ActivationCache(None)"] = lambda: ActivationCache(None)
+    out["TokenDataset.from_ids(seq_len=2.5)"] = lambda: TokenDataset.from_ids(torch.arange(3, 50), 2.5)
+    out["TokenDataset.batch(1.5, 2)"] = lambda: data.batch(1.5, 2)
+    save(lorsa, scratch / "saved")
+    out["load(subfolder=3)"] = lambda: load(scratch / "saved", subfolder=3)
 
 
 def graph_cases(out: dict, scratch: Path) -> None:

@@ -681,6 +681,12 @@ class ReplacementSet(Generic[K, M]):
         Returns the module's envoy for a single key, else a dict ``{key: envoy}``. See the
         subclass for what is replaced and the envoys' children. Inside ``tracer.invoke(...)``: for that invoke's
         rows only (:func:`~.splice_chain.splice_chain`, *Rows*).
+
+        Raises:
+            ArgumentError: ``error`` not a bool; a key it does not hold; the set built on a bare torch / Hugging Face
+                model, not the nnsight model a trace runs (:func:`~.splice_chain.splice_chain`).
+
+        Source: ours (the shared contract of this package's replacement sets).
         """
         check_flag(error, "error", f"{type(self).__name__}.replace")
         keys, single = replace_keys(key, self.key_type, list(self), f"{type(self).__name__}.replace")

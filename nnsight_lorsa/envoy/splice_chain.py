@@ -78,6 +78,7 @@ from .nnsight_internals import (
     find_worker,
     inside_now,
     invoke_rows,
+    is_envoy,
     is_instrumented,
     is_splice,
     park_or_end,
@@ -286,10 +287,11 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
 
     Raises:
         TraceOrderError: called outside a trace.
-        ArgumentError: the chain is already spliced in this trace with another module or ``error`` flag; or its output
-            or another splice's would never reach the model (:func:`_check_not_lost`: a chain that does not read its
-            site's output, without an error term, spliced after another one at the same site or around one inside
-            its site's module, for rows they share).
+        ArgumentError: ``root`` is not an nnsight model (a set built on a bare Hugging Face model: such a set serves
+            attribution from a cache only); the chain is already spliced in this trace with another module or
+            ``error`` flag; or its output or another splice's would never reach the model (:func:`_check_not_lost`: a
+            chain that does not read its site's output, without an error term, spliced after another one at the same
+            site or around one inside its site's module, for rows they share).
         LorsaError: ``error=True`` but ``chain.error_hook`` gives no module for some site.
         TraceOrderError: the model already ran one of the sites in this forward pass (for the caller's rows, when
             another invoke spliced the chain first), or the parent already has a child module or envoy named
@@ -298,6 +300,10 @@ def splice_chain(root: Any, chain: SpliceChain, module: nn.Module, *, error: boo
         InvokeRowsError: in the run, at a site: its internals are read or edited from rows it does not replace,
             or only some rows are replaced and the site's output is not batch-first (beam search).
     """
+    if not is_envoy(root):
+        raise ArgumentError(f"a replacement set built on a {type(root).__name__} cannot splice: build the set on the "
+                            "nnsight model you trace (e.g. LanguageModel(hf, tokenizer=...)); a set of a bare model "
+                            "serves attribution from a cache only")
     if not chain.site_paths:
         raise LorsaError("a splice chain needs at least one site")
     for i in range(len(chain.site_paths)) if error else ():

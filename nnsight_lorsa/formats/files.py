@@ -65,9 +65,13 @@ def resolve_checkpoint_dir(
             is neither a directory nor a valid repo id, the download failed (the message names the
             repo, the revision and the subfolder), or ``subfolder`` is not a folder there.
         ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo); a
-            ``revision`` with a local path (it has none: the revision asked for would not be the one read).
+            ``revision`` with a local path (it has none: the revision asked for would not be the one read); a
+            ``subfolder`` that is not a str.
     """
     check_path(source, "load")
+    if subfolder is not None and not isinstance(subfolder, str):
+        raise ArgumentError(f"load: subfolder must be None or a str (a folder inside {os.fspath(source)!r}), got a "
+                            f"{type(subfolder).__name__}")
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
         refuse_local_revision(source, revision)

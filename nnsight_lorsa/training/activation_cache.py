@@ -58,13 +58,14 @@ from tqdm.auto import tqdm
 
 from .._atomic import MANIFEST as ATOMIC_MANIFEST
 from .._atomic import Staging, atomic_directory, check, manifest_of, resolve, verify_file
+from .._checks import is_int
 from .._placement import model_device
 from .._progress import show_progress
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError, CheckpointError
-from ..formats.files import read_json_object
+from ..errors import ActivationCacheError, ArgumentError, CheckpointError
+from ..formats.files import check_path, read_json_object
 from ..formats.validate import check_member_file
 from .dataset import TokenDataset, _loss_mask
 
@@ -138,7 +139,15 @@ def _ids_sha256(ids: torch.Tensor) -> str:
 
 
 def _normalise_sites(sites: Mapping[str, Site] | Iterable[Site]) -> dict[str, Site]:
-    named = dict(sites) if isinstance(sites, Mapping) else {site_name(s): s for s in sites}
+    if isinstance(sites, (str, Site)) or not isinstance(sites, (Mapping, Iterable)):
+        raise ArgumentError(f"write_activation_cache(sites=...) must be a list of Sites or a mapping {{name: Site}}, "
+                            f"got a {type(sites).__name__} (e.g. [Site.mlp_input(adapter, layer)])")
+    named = dict(sites) if isinstance(sites, Mapping) else {site_name(s) if isinstance(s, Site) else repr(s): s
+                                                            for s in sites}
+    odd = [name for name, s in named.items() if not isinstance(s, Site)]
+    if odd:
+        raise ArgumentError(f"write_activation_cache(sites=...): {odd[:3]} are not Sites (Site.mlp_input(adapter, "
+                            "layer), Site.resid_post(...), ...)")
     if not named:
         raise ActivationCacheError("write_activation_cache needs at least one site")
     for name, s in named.items():
@@ -171,17 +180,25 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
     activations are copied to the CPU and written there, and the cache reads back CPU tensors.
 
     Raises:
-        ActivationCacheError: no sites, a reserved or unknown site, or ``directory`` already holds a cache.
+        ActivationCacheError: no sites, a reserved or unknown site, ``directory`` already holds a cache, or
+            ``batch_size`` / ``windows_per_shard`` not positive ints.
+        ArgumentError: ``sites`` not Sites (a str, a list holding something else), ``dataset`` not a
+            :class:`~.dataset.TokenDataset`, ``directory`` not a str / ``os.PathLike`` — before the model runs.
 
     Source: ours (this package's on-disk activation cache format).
     """
     named = _normalise_sites(sites)
+    if not isinstance(dataset, TokenDataset):
+        raise ArgumentError(f"write_activation_cache(dataset=...) must be a TokenDataset, got a "
+                            f"{type(dataset).__name__} (TokenDataset(tokens) for a tensor of windows)")
+    check_path(directory, "write_activation_cache", "a directory")
     device = model_device(model)
     if dtype is None:
         dtype = torch.promote_types(next(p for p in hf_module(model).parameters() if p.is_floating_point()).dtype,
                                     torch.float32)
-    if batch_size <= 0 or windows_per_shard <= 0:
-        raise ActivationCacheError("batch_size and windows_per_shard must be positive")
+    if not (is_int(batch_size) and is_int(windows_per_shard)) or batch_size <= 0 or windows_per_shard <= 0:
+        raise ActivationCacheError(f"batch_size and windows_per_shard must be positive ints, got {batch_size!r} and "
+                                   f"{windows_per_shard!r}")
     dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)
     if dtype_name is None:
         raise ActivationCacheError(f"unsupported cache dtype {dtype}; use one of {list(_DTYPES)}")
@@ -263,12 +280,14 @@ class ActivationCache:
     Raises:
         ActivationCacheError: no manifest, wrong format/version, a shard missing or disagreeing
             with the manifest (file and key named), or any of the checks above failing.
+        ArgumentError: ``directory`` not a str / ``os.PathLike``.
 
     Source: ours (this package's on-disk activation cache format).
     """
 
     def __init__(self, directory: str | Path, *, model: Any = None, sites: Iterable[str | Site] | None = None,
                  d: Mapping[str, int] | None = None) -> None:
+        check_path(directory, "ActivationCache", "a cache directory")
         self.directory = resolve(directory)  # `<directory>.old` when a write was killed between its renames
         try:
             self._checksums = manifest_of(self.directory) or {}

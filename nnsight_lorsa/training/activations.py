@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from .._placement import model_device
 from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
 from ..envoy.read import Site, read_sites
-from ..errors import ActivationCacheError, ArgumentError, ShapeError
+from ..errors import ActivationCacheError, ArgumentError, LayerOutOfRangeError, ShapeError
 from .activation_cache import ActivationCache
 from .dataset import TokenDataset, _loss_mask, _refuse_left_padding, _window_ids
 
@@ -134,7 +135,8 @@ class ActivationSource:
 
     Raises:
         ActivationCacheError: a site is not in the cache, or positions are asked of a cache.
-        ArgumentError: (a ``ValueError``) a live source without a dataset; a constructor on a cache without
+        ArgumentError: (a ``ValueError``) a live source without a :class:`TokenDataset` (None, or a tensor of
+            windows); ``batch_size`` not an int ≥ 1, ``seed`` not an int; a constructor on a cache without
             ``adapter=``; :meth:`shard`'s ``rank`` outside ``[0, world)``.
 
     Source: ours (the batch source of this package's trainer).
@@ -143,6 +145,10 @@ class ActivationSource:
     def __init__(self, data: Any, x: Any, y: Any = None, dataset: TokenDataset | None = None,
                  batch_size: int = 16, seed: int = 0, *, positions: Site | None = None) -> None:
         # x, y: a Site or a sequence of Sites (_SiteSpec), checked here: a named error, not a type-checker one
+        if not is_int(batch_size) or batch_size < 1:
+            raise ArgumentError(f"ActivationSource(batch_size=...) must be an int >= 1, got {batch_size!r}")
+        if not is_int(seed):
+            raise ArgumentError(f"ActivationSource(seed=...) must be an int, got {seed!r}")
         self.data = data
         self.stacked = not isinstance(x, Site)
         self.x_sites: tuple[Site, ...] = _sites(x, "x")
@@ -162,9 +168,10 @@ class ActivationSource:
             if self.stacked:
                 self.d_model = self.cache.width(self.x_sites[0])
         else:
-            if dataset is None:
-                raise ArgumentError(f"ActivationSource(dataset=None) on a {type(data).__name__}: a live source "
-                                    "(activations computed from a model) needs dataset=TokenDataset(...)")
+            if not isinstance(dataset, TokenDataset):
+                raise ArgumentError(f"ActivationSource(dataset={type(dataset).__name__}) on a {type(data).__name__}: "
+                                    "a live source (activations computed from a model) needs dataset=TokenDataset(...)"
+                                    " (TokenDataset(tokens) for a tensor of windows)")
             self.adapter = get_adapter(data)
             self.n_windows = len(dataset)
             if self.stacked:
@@ -230,6 +237,9 @@ class ActivationSource:
         Source: Ameisen et al. 2025, *Circuit Tracing* (cross-layer transcoders).
         """
         a = cls._adapter(data, adapter)
+        if n_layers is not None and (not is_int(n_layers) or n_layers < 1):
+            raise LayerOutOfRangeError(f"ActivationSource.clt(n_layers=...) must be None or an int in [1, "
+                                       f"{a.n_layers}] (the layers 0 … n_layers−1), got {n_layers!r}")
         n = a.n_layers if n_layers is None else a.check_layer(n_layers - 1) + 1
         return cls(data, [Site.mlp_input(a, layer) for layer in range(n)],
                    [Site.mlp_output(a, layer) for layer in range(n)], dataset, batch_size, seed)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int, is_real
 from .._typing import Int
 from ..errors import ArgumentError, ShapeError, TooFewTokensError
 
@@ -22,6 +23,14 @@ def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None)
     loss_mask = real.clone()
     loss_mask[:, 0] = False
     return loss_mask
+
+
+def _check_seq_len(seq_len: Any, where: str) -> None:
+    """``seq_len`` an int ≥ 2 (a window holds at least one predicted token after its first), else
+    :class:`ArgumentError` naming ``where``."""
+    if not is_int(seq_len) or seq_len < 2:
+        raise ArgumentError(f"{where}: seq_len must be an int >= 2 (a window's first token and at least one it "
+                            f"predicts), got {seq_len!r}")
 
 
 def _check_zero_one(mask: Any, where: str) -> None:
@@ -319,8 +328,12 @@ class TokenDataset:
         BOS: ``bos_token_id`` if given, else the tokenizer's, else ``config.bos_token_id`` (the model
         config); if none exists no BOS is prepended (windows then start with the text's first token).
 
+        Raises:
+            ArgumentError: ``seq_len`` not an int ≥ 2.
+
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
+        _check_seq_len(seq_len, "TokenDataset.from_text")
         if document_separator is not None:
             sep = document_separator if document_separator != "auto" else auto_separator(tokenizer, text)
             docs = [d for d in (d.strip() for d in text.split(sep)) if d]
@@ -370,9 +383,11 @@ class TokenDataset:
 
         Raises:
             TooFewTokensError: (a ``ValueError``) no document has a token.
+            ArgumentError: ``seq_len`` not an int ≥ 2.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
+        _check_seq_len(seq_len, "TokenDataset.from_documents")
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
                                     special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
                                     _vocab_size(config))
@@ -424,13 +439,14 @@ class TokenDataset:
         Raises:
             ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
                 vocabulary, ``target_mask`` not of booleans or 0 / 1, of another shape or with padding before a
-                real token, or 2-D ``ids``
-                without ``target_mask`` whose padding is ambiguous (above).
+                real token, or 2-D ``ids`` without ``target_mask`` whose padding is ambiguous (above); ``seq_len``
+                not an int ≥ 2.
             TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
                 document with a token.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
+        _check_seq_len(seq_len, "TokenDataset.from_ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             what = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -485,11 +501,23 @@ class TokenDataset:
         return self.tokens.shape[1]
 
     def split(self, holdout_fraction: float) -> tuple[TokenDataset, TokenDataset]:
-        """(train, held-out): the last ``holdout_fraction`` of windows are held out.
+        """(train, held-out): the last ``holdout_fraction`` of windows are held out (at least one; at least one
+        is kept for training).
+
+        Raises:
+            ArgumentError: ``holdout_fraction`` not a number in ``(0, 1)`` (``1.5`` held out every window and
+                left an empty training set).
+            TooFewTokensError: fewer than 2 windows (no split leaves both parts a window).
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
-        n_hold = max(1, int(len(self) * holdout_fraction))
+        if not is_real(holdout_fraction) or not 0.0 < holdout_fraction < 1.0:
+            raise ArgumentError(f"TokenDataset.split(holdout_fraction=...) must be a number in (0, 1), got "
+                                f"{holdout_fraction!r}")
+        if len(self) < 2:
+            raise TooFewTokensError(f"TokenDataset.split: {len(self)} window(s); a split needs at least 2 (one "
+                                    "for training, one held out)")
+        n_hold = min(len(self) - 1, max(1, int(len(self) * holdout_fraction)))
         return self._rows(slice(None, -n_hold)), self._rows(slice(-n_hold, None))
 
     def _rows(self, rows: slice) -> TokenDataset:
@@ -545,6 +573,12 @@ class TokenDataset:
 def _window_ids(n_windows: int, index: int, batch_size: int, seed: int) -> Int[torch.Tensor, " batch"]:
     """The windows of batch ``index`` of an endless stream over ``n_windows`` windows: a new seeded
     permutation each epoch (``seed * 1_000_003 + epoch``), cut into ``n_windows // batch_size`` batches."""
+    if not is_int(index) or index < 0:
+        raise ArgumentError(f"a batch index must be an int >= 0, got {index!r}")
+    if not is_int(batch_size) or batch_size < 1:
+        raise ArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if not is_int(seed):
+        raise ArgumentError(f"seed must be an int, got {seed!r}")
     per_epoch = max(1, n_windows // batch_size)
     epoch, k = divmod(index, per_epoch)
     g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)
