@@ -467,6 +467,9 @@ def model_dtype(replacement: ReplacementModel, layer: int | None = None) -> torc
 
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
+    from .envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "model_dtype")
     if layer is None:
         replaced = _layer_list(replacement, None)
         layer = replaced[0] if replaced else 0
@@ -521,6 +524,9 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
 
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
+    from .envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "for_remote")
     check_dtype_arg(dtype, "for_remote")
     chosen = _layer_list(replacement, layers)
     target = dtype if dtype is not None else model_dtype(replacement, chosen[0] if chosen else None)

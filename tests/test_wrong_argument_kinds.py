@@ -66,6 +66,15 @@ GRAPH = {
     "Graph.load(None)": "Graph.load: the path must be a str or os.PathLike",
     "save_neuronpedia(graph, None)": "save_neuronpedia: the path must be a str or os.PathLike",
     "plot_graph(path=3)": "plot_graph: the path must be a str or os.PathLike",
+    # figures and pages (2026-11-29, fourth session): pathlib's TypeError, an AttributeError, or a str drawn as labels
+    "plot_graph(tokens=str)": "plot_graph: tokens must be a list of str labels",
+    "render_html(path=3)": "render_html: the path must be a str or os.PathLike",
+    "render_html(details=list)": "render_html(details=...) must be None or a mapping",
+    **{f"{fn}(path=None)": f"{fn}: the path must be a str or os.PathLike"
+       for fn in ("plot_z_pattern", "plot_operand_grid", "plot_heads_spanned", "plot_training_curves")},
+    "write_dashboard(None, data)": "write_dashboard: the path must be a str or os.PathLike",
+    "write_dashboard(path, None)": "render_dashboard: data must be head_dashboard_data(...)'s dict",
+    "token_pieces(None, ids)": "token_pieces: tokenizer must be a tokenizer with decode",
 }
 # activation sources, caches, datasets, a loader's subfolder (2026-11-29, fourth session): each was accepted (and failed
 # at the first batch) or an AttributeError / TypeError from inside

@@ -52,7 +52,16 @@ from nnsight_lorsa.envoy import Site  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
 from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
 from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
-from nnsight_lorsa.viz import plot_graph  # noqa: E402
+from nnsight_lorsa.viz import (  # noqa: E402
+    plot_graph,
+    plot_heads_spanned,
+    plot_operand_grid,
+    plot_training_curves,
+    plot_z_pattern,
+    render_html,
+    token_pieces,
+    write_dashboard,
+)
 
 
 def cases(lorsa, model, scratch: Path) -> dict:
@@ -143,6 +152,16 @@ def graph_cases(out: dict, scratch: Path) -> None:
     out["Graph.load(None)"] = lambda: Graph.load(None)
     out["save_neuronpedia(graph, None)"] = lambda: save_neuronpedia(graph, None)
     out["plot_graph(path=3)"] = lambda: plot_graph(graph, pruned, path=3)
+    out["plot_graph(tokens=str)"] = lambda: plot_graph(graph, pruned, tokens="abcdef")
+    out["render_html(path=3)"] = lambda: render_html(graph, pruned, path=3)
+    out["render_html(details=list)"] = lambda: render_html(graph, pruned, details=[1])
+    out["plot_z_pattern(path=None)"] = lambda: plot_z_pattern(torch.ones(2, 2).tril(), ["a", "b"], None)
+    out["plot_operand_grid(path=None)"] = lambda: plot_operand_grid(torch.ones(2, 2), None)
+    out["plot_heads_spanned(path=None)"] = lambda: plot_heads_spanned(torch.tensor([1, 2]), None)
+    out["plot_training_curves(path=None)"] = lambda: plot_training_curves([{"step": 0, "loss": 1.0}], None)
+    out["write_dashboard(None, data)"] = lambda: write_dashboard(None, {"title": "t"})
+    out["write_dashboard(path, None)"] = lambda: write_dashboard(scratch / "d.html", None)
+    out["token_pieces(None, ids)"] = lambda: token_pieces(None, [1, 2])
 
 
 def main(out_path: str) -> None:

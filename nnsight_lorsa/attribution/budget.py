@@ -925,6 +925,9 @@ def estimate_memory(replacement: Any, prompt: Any, *, batch_size: int = 64, memo
 
     Source: ours (memory model of this package's attribution engine; docs/attribution.md).
     """
+    from ..envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "estimate_memory")
     refuse_inside_trace("estimate_memory")
     refuse_renamed(renamed, "estimate_memory")
     options = AttributionOptions(batch_size=batch_size, memory=memory, prune=prune, max_feature_nodes=max_feature_nodes,

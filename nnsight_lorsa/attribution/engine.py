@@ -194,6 +194,9 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
 
     Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/attribution/attribute.py``.
     """
+    from ..envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "cache_for_attribution")
     model, adapter = replacement.model, replacement.adapter
     lor, tcs = layer_modules(replacement)
     for layer in [*lor, *tcs]:

@@ -194,6 +194,9 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
     ``src/llamascopium/circuits/attribution.py`` (QK tracing).
     """
+    from ..envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "qk_attribution")
     prepared = prepare(replacement, prompt)
     layout, adapter = prepared.layout, prepared.adapter
     lorsa = layout.layers[adapter.check_layer(layer)].lorsa

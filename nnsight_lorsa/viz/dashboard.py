@@ -21,6 +21,7 @@ top activations are collected (:func:`~nnsight_lorsa.analysis.heads.collect_top_
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
 
     Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
     """
+    from ..envoy.replacement_model import check_replacement_model
+
+    check_replacement_model(replacement, "head_dashboard_data")
     refuse_in_trace("head_dashboard_data")
     mask = check_attention_mask(attention_mask, tokens)
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
@@ -230,8 +234,14 @@ def render_dashboard(data: dict[str, Any]) -> str:
     or comment out the data; NaN / inf values are written as ``null`` and shown as "n/a" (they made the
     page blank before). A legend (``#legend``) says what the colours of the contexts mean.
 
+    Raises:
+        ArgumentError: ``data`` not a mapping (:func:`head_dashboard_data`'s dict).
+
     Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
     """
+    if not isinstance(data, Mapping):
+        raise ArgumentError(f"render_dashboard: data must be head_dashboard_data(...)'s dict, got a "
+                            f"{type(data).__name__}")
     payload = embed_json(finite(data))
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(str(data.get('title', '')))}"
             f"</title><style>{_STYLE}</style></head><body><div id='app'></div>"
@@ -243,8 +253,13 @@ def write_dashboard(path: str | Path, data: dict[str, Any]) -> Path:
     """Write :func:`render_dashboard` to ``path`` (parents created; atomically: a sibling temporary
     renamed over it); returns the path.
 
+    Raises:
+        ArgumentError: ``path`` not a str / ``os.PathLike``; ``data`` not a mapping (nothing written).
+
     Source: Lorsa paper (He et al. 2025) §5.2 (visualization interface), Fig. 4.
     """
     from .._atomic import atomic_file
+    from ..formats.files import check_path
 
+    check_path(path, "write_dashboard", "an HTML file")
     return atomic_file(path, render_dashboard(data).encode("utf-8"))

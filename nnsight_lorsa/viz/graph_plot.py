@@ -11,6 +11,7 @@ Local-only (matplotlib).
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
 
     Raises:
         ArgumentError: ``graph`` / ``pruned`` not a :class:`~nnsight_lorsa.attribution.Graph` / ``PruneResult``,
-            ``pruned`` not of this graph (another node count), ``tokens`` not one per position, ``max_edges`` not an
+            ``pruned`` not of this graph (another node count), ``tokens`` not a list of str, one per position,
+            ``max_edges`` not an
             int >= 0, ``path`` not None, a str or ``os.PathLike``.
         NonFiniteError: a NaN / inf weight among the kept edges (``tensor="edges"``).
 
@@ -80,6 +82,10 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     if pruned.node_mask.numel() != graph.n_nodes:
         raise ArgumentError(f"plot_graph: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
                             f"{graph.n_nodes}: prune this graph (prune(graph))")
+    if tokens is not None and (isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence)
+                               or not all(isinstance(t, str) for t in tokens)):
+        raise ArgumentError(f"plot_graph: tokens must be a list of str labels, one per position, got a "
+                            f"{type(tokens).__name__}")
     if tokens is not None and len(tokens) != len(graph.tokens):
         raise ArgumentError(f"plot_graph: {len(tokens)} token labels for the graph's {len(graph.tokens)} positions")
     if not is_int(max_edges) or max_edges < 0:

@@ -156,11 +156,15 @@ def normalize_details(details: Mapping[str, Any] | None) -> dict[str, list[dict[
     """``{node_id: [block, …]}`` from :func:`render_html`'s ``details`` (see there).
 
     Raises:
+        ArgumentError: ``details`` not None or a mapping.
         ValueError: an entry of an unsupported form (ArgumentError, a ValueError, for a heatmap that cannot be
             shown: complex, bool or ``meta`` values, not 1-D / 2-D, labels that do not fit).
         NonFiniteError: an inf in a heatmap or a contexts table's activations (``tensor="heatmap"`` /
             ``"contexts"``; NaN is shown as empty / "–"). It was json's bare ``ValueError`` from the page's JSON.
     """
+    if details is not None and not isinstance(details, Mapping):
+        raise ArgumentError(f"render_html(details=...) must be None or a mapping {{node_id: block}}, got a "
+                            f"{type(details).__name__}")
     out: dict[str, list[dict[str, Any]]] = {}
     for node_id, entry in (details or {}).items():
         items = entry if isinstance(entry, list) and entry and all(
@@ -227,11 +231,16 @@ def render_html(
 
     Raises:
         ArgumentError: (a ``ValueError``) a ``details`` entry of an unsupported form, ``clicked`` not among the
-            drawn nodes, a ``details`` key that is no node id of ``graph``; ``to_neuronpedia``'s errors.
+            drawn nodes, a ``details`` key that is no node id of ``graph``, ``details`` not a mapping, ``path`` not
+            None, a str or ``os.PathLike``; ``to_neuronpedia``'s errors.
         NonFiniteError: an inf in a ``details`` heatmap or contexts table (:func:`normalize_details`).
 
     Source: ours (an offline page for the graph JSON of circuit-tracer ``frontend/graph_models.py``).
     """
+    if path is not None:
+        from ..formats.files import check_path
+
+        check_path(path, "render_html", "an HTML file")
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)
     known = {n["node_id"] for n in data["nodes"]}

@@ -70,10 +70,14 @@ def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
     Costs ``n`` decodes of up to ``n`` tokens.
 
     Raises:
-        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple).
+        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple); ``tokenizer`` without a
+            ``decode`` (None: the model was loaded without one).
 
     Source: ours (labels for tokens that split a character).
     """
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise ArgumentError(f"token_pieces: tokenizer must be a tokenizer with decode (e.g. model.tokenizer), got a "
+                            f"{type(tokenizer).__name__}")
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex():
             raise ArgumentError(f"token_pieces: ids must be a 1-D integer tensor, got {ids.dtype} "

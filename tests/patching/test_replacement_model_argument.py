@@ -16,8 +16,11 @@ from helpers import LAYER, make_lorsa, make_sae, make_transcoder, random_ids, ti
 from nnsight_lorsa import LorsaSet, ReplacementModel, TranscoderSet, attribute, get_adapter
 from nnsight_lorsa import analysis as A
 from nnsight_lorsa import patching as P
+from nnsight_lorsa.attribution import cache_for_attribution, circuit_metrics, estimate_memory, qk_attribution
 from nnsight_lorsa.errors import ArgumentError
 from nnsight_lorsa.patching import LorsaHead
+from nnsight_lorsa.remote import for_remote, model_dtype
+from nnsight_lorsa.viz import head_dashboard_data
 
 ENTRY_POINTS = {
     "activation_patching": lambda r: P.activation_patching(r, None, None, []),
@@ -32,6 +35,16 @@ ENTRY_POINTS = {
     "collect_top_activations": lambda r: A.collect_top_activations(r, LAYER, None),
     "qk_feature_impacts": lambda r: A.qk_feature_impacts(r, LAYER, 0, None, None),
     "attribute": lambda r: attribute(r, random_ids(1, 5)[0]),
+    # 2026-11-29, fourth session: these read the argument's attributes first ("'LorsaSet' object has no attribute
+    # 'lorsas'" / "'require'" / "'sets'")
+    "estimate_memory": lambda r: inspect.unwrap(estimate_memory)(r, random_ids(1, 5)[0]),
+    "cache_for_attribution": lambda r: inspect.unwrap(cache_for_attribution)(r, random_ids(1, 5)[0]),
+    "qk_attribution": lambda r: inspect.unwrap(qk_attribution)(r, random_ids(1, 5)[0], layer=LAYER, head=0,
+                                                               query_pos=3, key_pos=1),
+    "circuit_metrics": lambda r: inspect.unwrap(circuit_metrics)(r, None, None),
+    "head_dashboard_data": lambda r: inspect.unwrap(head_dashboard_data)(r, LAYER, 0, None, random_ids(2, 5)),
+    "model_dtype": lambda r: inspect.unwrap(model_dtype)(r),
+    "for_remote": lambda r: inspect.unwrap(for_remote)(r),
 }
 
 
