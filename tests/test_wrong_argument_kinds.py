@@ -75,6 +75,13 @@ GRAPH = {
     "write_dashboard(None, data)": "write_dashboard: the path must be a str or os.PathLike",
     "write_dashboard(path, None)": "render_dashboard: data must be head_dashboard_data(...)'s dict",
     "token_pieces(None, ids)": "token_pieces: tokenizer must be a tokenizer with decode",
+    # module constructors (2026-11-29, fourth session): an AttributeError or torch's TypeError from torch.empty
+    **{f"{kind}(dict)": f"{kind}(cfg=...) must be a {cfg}, got a dict" for kind, cfg in (
+        ("Lorsa", "LorsaConfig"), ("SparseAutoencoder", "SparseCoderConfig"))},
+    **{f"{kind}(None)": f"{kind}(cfg=...) must be a {cfg}, got a NoneType" for kind, cfg in (
+        ("Lorsa", "LorsaConfig"), ("SparseAutoencoder", "SparseCoderConfig"))},
+    **{f"{kind}(cfg, {label})": f"{kind}: {what} must be" for kind in ("Lorsa", "SparseAutoencoder")
+       for label, what in (("dtype='bf16'", "dtype"), ("dtype=float", "dtype"), ("device=3.5", "device"))},
 }
 # activation sources, caches, datasets, a loader's subfolder (2026-11-29, fourth session): each was accepted (and failed
 # at the first batch) or an AttributeError / TypeError from inside

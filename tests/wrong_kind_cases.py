@@ -50,6 +50,7 @@ from nnsight_lorsa.attribution import (  # noqa: E402
 )
 from nnsight_lorsa.envoy import Site  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
+from nnsight_lorsa.modules import Lorsa, SparseAutoencoder  # noqa: E402
 from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
 from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
 from nnsight_lorsa.viz import (  # noqa: E402
@@ -99,9 +100,23 @@ def cases(lorsa, model, scratch: Path) -> dict:
     gated = tiny_hf_model("llama")
     install_gated_attention(gated)
     out["set_gate_mode(topk, top_k=2.5)"] = lambda: set_gate_mode(gated, "topk", top_k=2.5)
+    module_cases(out, lorsa)
     out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
                                                                           [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out
+
+
+def module_cases(out: dict, lorsa) -> None:
+    """A replacement module's constructor given a dict or None for its config, or a dtype / device of the wrong
+    kind."""
+    sae = make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2})
+    kinds = {"Lorsa": (Lorsa, lorsa.cfg), "SparseAutoencoder": (SparseAutoencoder, sae.cfg)}
+    for name, (cls, cfg) in kinds.items():
+        out[f"{name}(dict)"] = lambda c=cls, f=cfg: c(f.to_dict())
+        out[f"{name}(None)"] = lambda c=cls: c(None)
+        for label, kw in (("dtype='bf16'", {"dtype": "bf16"}), ("dtype=float", {"dtype": float}),
+                          ("device=3.5", {"device": 3.5})):
+            out[f"{name}(cfg, {label})"] = lambda c=cls, f=cfg, k=kw: c(f, **k)
 
 
 def training_cases(out: dict, model, lorsa, scratch: Path) -> None:

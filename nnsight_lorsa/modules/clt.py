@@ -35,7 +35,7 @@ from .._typing import Float
 from ..errors import LayerOutOfRangeError, ShapeError
 from .activations import make_activation
 from .hook_point import HookPoint
-from .replacement_module import ReplacementModule
+from .replacement_module import ReplacementModule, check_construction
 from .sparse_coder import (
     SparseCoderConfig,
     affine,
@@ -100,6 +100,7 @@ class CrossLayerTranscoder(ReplacementModule):
     def __init__(self, cfg: CLTConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super(CrossLayerTranscoder, self).__init__()
+        check_construction(cfg, CLTConfig, device, dtype, "CrossLayerTranscoder")
         n, d, f = cfg.n_layers, cfg.d_in, cfg.d_sae
         self.cfg = cfg
         self.W_enc = nn.Parameter(torch.empty(n, d, f, device=device, dtype=dtype))

@@ -40,7 +40,7 @@ from .._typing import Float, Int
 from ..errors import ArgumentError, PlacementError, ShapeError
 from .hook_point import HookPoint
 from .lorsa_config import LorsaConfig
-from .replacement_module import ReplacementModule
+from .replacement_module import ReplacementModule, check_construction
 from .rotary import apply_rotary, rotary_cos_sin, rotary_table
 from .sparse_coder import check_dtype, shared_pre
 
@@ -189,6 +189,7 @@ class Lorsa(ReplacementModule):
     def __init__(self, cfg: LorsaConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super(Lorsa, self).__init__()
+        check_construction(cfg, LorsaConfig, device, dtype, "Lorsa")
         self.cfg = cfg
         h, d, e, n = cfg.n_qk_heads, cfg.d_model, cfg.d_qk_head, cfg.n_ov_heads
         self.W_Q = nn.Parameter(torch.empty(h, d, e, device=device, dtype=dtype))

@@ -10,7 +10,27 @@ that a view is fetched, placed and counted as the one module it reads. Needs tor
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
+
+from .._checks import check_instance
+from .._placement import check_placement_args
+
+
+def check_construction(cfg: Any, kind: type, device: Any, dtype: Any, where: str) -> None:
+    """A replacement module's constructor arguments, before any tensor is made: ``cfg`` a ``kind`` (a dict is
+    read with ``kind.from_dict``), ``device`` / ``dtype`` as every loader takes them.
+
+    Raises:
+        ArgumentError: ``cfg`` not a ``kind``; a dtype other than fp16 / bf16 / fp32 / fp64 (``float``, ``"bf16"``,
+            an integer dtype), a device that is not one. PlacementError: a device this machine lacks. Each was
+            torch's ``TypeError`` / ``RuntimeError`` / ``AssertionError`` from the first ``torch.empty``.
+
+    Source: ours (the base every replacement module shares).
+    """
+    check_instance(cfg, kind, where, "cfg", f" ({kind.__name__}(...); a dict: {kind.__name__}.from_dict(d))")
+    check_placement_args(device, dtype, where)
 
 
 class ReplacementModule(nn.Module):

@@ -34,7 +34,7 @@ from .._typing import Float
 from ..errors import CheckpointError, ShapeError
 from .activations import ACTIVATIONS, BatchTopK, JumpReLU, check_activation_params, make_activation
 from .hook_point import HookPoint
-from .replacement_module import ReplacementModule
+from .replacement_module import ReplacementModule, check_construction
 from .sparse_decode import SparseActs, gathered_preact, sparse_decode
 
 
@@ -288,6 +288,7 @@ class SparseCoder(ReplacementModule):
     def __init__(self, cfg: SparseCoderConfig, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super(SparseCoder, self).__init__()
+        check_construction(cfg, SparseCoderConfig, device, dtype, type(self).__name__)
         self.cfg = cfg
         self.d_out: int = getattr(cfg, "d_out", None) or cfg.d_in
         self.W_enc = nn.Parameter(torch.empty(cfg.d_in, cfg.d_sae, device=device, dtype=dtype))
