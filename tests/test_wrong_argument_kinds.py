@@ -75,6 +75,13 @@ GRAPH = {
     "write_dashboard(None, data)": "write_dashboard: the path must be a str or os.PathLike",
     "write_dashboard(path, None)": "render_dashboard: data must be head_dashboard_data(...)'s dict",
     "token_pieces(None, ids)": "token_pieces: tokenizer must be a tokenizer with decode",
+    # tasks, patch, the format registry, the tokenizer loader (2026-11-29, fourth session): 'NoneType' object is not
+    # callable / has no attribute 'replacement' / 'name', pathlib's TypeError
+    **{f"{task}(None)": f"{task}: tokenizer must be a tokenizer"
+       for task in ("ioi_task", "greater_than_task", "induction_task", "arithmetic_task")},
+    "detect_format(None)": "detect_format: the path must be a str or os.PathLike",
+    "load_tokenizer(None)": "load_tokenizer: the path must be a str or os.PathLike",
+    "register_format(None)": "register_format: fmt must be a Format",
     # module constructors (2026-11-29, fourth session): an AttributeError or torch's TypeError from torch.empty
     **{f"{kind}(dict)": f"{kind}(cfg=...) must be a {cfg}, got a dict" for kind, cfg in (
         ("Lorsa", "LorsaConfig"), ("SparseAutoencoder", "SparseCoderConfig"))},
@@ -103,7 +110,8 @@ TRAINING = {
 
 
 #: every case: (the error's class name, a part of its message)
-CASES = {**{case: ("ArgumentError", message) for case, message in {**EXPECTED, **GRAPH}.items()}, **FIELDS, **TRAINING}
+CASES = {**{case: ("ArgumentError", message) for case, message in {**EXPECTED, **GRAPH}.items()}, **FIELDS, **TRAINING,
+         "patch(None, values)": ("ConfigMismatchError", "bind targets first")}
 
 
 @pytest.fixture(scope="module")

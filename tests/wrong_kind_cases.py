@@ -36,6 +36,7 @@ from nnsight_lorsa import (  # noqa: E402
     TranscoderSet,
     get_adapter,
     load,
+    patching,  # noqa: E402
     save,
 )
 from nnsight_lorsa.attribution import (  # noqa: E402
@@ -48,7 +49,8 @@ from nnsight_lorsa.attribution import (  # noqa: E402
     save_neuronpedia,
     to_neuronpedia,
 )
-from nnsight_lorsa.envoy import Site  # noqa: E402
+from nnsight_lorsa.envoy import Site, load_tokenizer  # noqa: E402
+from nnsight_lorsa.formats import detect_format, register_format  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
 from nnsight_lorsa.modules import Lorsa, SparseAutoencoder  # noqa: E402
 from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
@@ -101,6 +103,12 @@ def cases(lorsa, model, scratch: Path) -> dict:
     install_gated_attention(gated)
     out["set_gate_mode(topk, top_k=2.5)"] = lambda: set_gate_mode(gated, "topk", top_k=2.5)
     module_cases(out, lorsa)
+    for task in ("ioi_task", "greater_than_task", "induction_task", "arithmetic_task"):
+        out[f"{task}(None)"] = lambda t=task: getattr(patching, t)(None)
+    out["patch(None, values)"] = lambda: patching.patch(None, torch.zeros(3))
+    out["detect_format(None)"] = lambda: detect_format(None)
+    out["load_tokenizer(None)"] = lambda: load_tokenizer(None)
+    out["register_format(None)"] = lambda: register_format(None)
     out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
                                                                           [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out

@@ -82,11 +82,15 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     Raises:
         MissingTokenizerError: tokenizer files exist but cannot be loaded (e.g. a SentencePiece model
             without the ``sentencepiece`` package): the message names the files and the cause.
+        ArgumentError: ``directory`` not a str / ``os.PathLike``.
 
     Source: ours (models without tokenizer files; transformers ``AutoTokenizer``).
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    from ..formats.files import check_path
+
+    check_path(directory, "load_tokenizer", "a model directory")
     d = Path(directory)
     present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
     if not present:

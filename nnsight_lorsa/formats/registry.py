@@ -108,8 +108,14 @@ FORMATS: dict[str, Format] = {}
 def register_format(fmt: Format) -> Format:
     """Add (or replace) ``fmt`` in :data:`FORMATS`; returns it.
 
+    Raises:
+        ArgumentError: ``fmt`` not a :class:`Format` (the registry is left as it was).
+
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
+    if not isinstance(fmt, Format):
+        raise ArgumentError(f"register_format: fmt must be a Format(name, looks_for, detect, readers), got a "
+                            f"{type(fmt).__name__}")
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -193,9 +199,11 @@ def detect_format(directory: str | os.PathLike[str]) -> str:
     Raises:
         FormatDetectionError: no format matches, or several do (the message lists the formats, the
             files each looks for, and what the directory holds).
+        ArgumentError: ``directory`` not a str / ``os.PathLike``.
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).
     """
+    check_path(directory, "detect_format", "a directory")
     d = Path(directory)
     found = [f.name for f in FORMATS.values() if d.is_dir() and f.detect(d)]
     if len(found) == 1:

@@ -100,11 +100,16 @@ def refuse_repeats(targets: Sequence[Any], what: str) -> None:
             raise ConfigMismatchError(f"{what} must be distinct: {t} is listed at {first[t]} and {i}")
 
 
+def _require_bound(target: Any) -> None:
+    """Refuse a target that is not bound to a replacement model (:class:`ConfigMismatchError`)."""
+    if not isinstance(target, Bound):
+        raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
+
+
 def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, tuple]:
     """``(tensor, index)`` of ``target`` at ``positions`` in this trace; for an ``edit``, refused first where a
     replacement of the trace would discard it (:meth:`~.ReplacementModel.check_editable`)."""
-    if not isinstance(target, Bound):
-        raise ConfigMismatchError(f"bind targets first: replacement(target), got {target!r}")
+    _require_bound(target)
     if edit:
         target.replacement.check_editable(target.target)
     tensor, cols = target.location()
@@ -295,6 +300,7 @@ def patch(target: Bound, source_values: torch.Tensor, positions: Positions = Non
 
     Source: *From Tokenization to Attribution Graphs* §10.2 (activation patching).
     """
+    _require_bound(target)
     target.replacement.check_values(target.target, source_values)
     tensor, idx = _loc(target, positions)
     tensor[idx] = _value(target, source_values, tensor[idx], "source_values", finite=False)

@@ -96,6 +96,19 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def check_tokenizer(tokenizer: Any, where: str) -> None:
+    """Refuse what is no tokenizer (None: a model loaded without one) before a task reads it: it must encode
+    (be callable or have ``encode``) and ``decode``.
+
+    Raises:
+        ArgumentError: naming ``where`` and what was given.
+    """
+    if not callable(getattr(tokenizer, "decode", None)) or not (callable(tokenizer)
+                                                                  or callable(getattr(tokenizer, "encode", None))):
+        raise ArgumentError(f"{where}: tokenizer must be a tokenizer (e.g. model.tokenizer; a model loaded without "
+                            f"one has None), got a {type(tokenizer).__name__}")
+
+
 def _bos(tokenizer: Any) -> list[int]:
     bos = getattr(tokenizer, "bos_token_id", None)
     return [] if bos is None else [int(bos)]
@@ -225,6 +238,7 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
         :class:`TaskBatch` with ``clean, corrupt: (n_prompts, 1 + 2·seq_len − 1)`` (BOS if any).
 
     Raises:
+        ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: the pool has fewer than ``seq_len + 1`` distinct tokens.
         ArgumentError: ``n_prompts`` or ``seed`` not an int (``n_prompts >= 1``), ``seq_len`` not an int
             ``>= 2`` (one repeated token is no induction), a ``token_pool`` entry that is not a token id in
@@ -232,6 +246,7 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
 
     Source: Lorsa paper (He et al. 2025) §6.1, App. E; Olsson et al. 2022 (induction heads).
     """
+    check_tokenizer(tokenizer, "induction_task")
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seq_len, "seq_len", 2)
     _check_int(seed, "seed")
@@ -309,6 +324,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
     capitalised vocabulary tokens).
 
     Raises:
+        ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: fewer than 5 single-token names, or a template whose clean and
             corrupt prompts tokenize to different lengths or hold the unknown token.
         ConfigMismatchError: an unknown ``order``.
@@ -317,6 +333,7 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.2; Wang et al.
     2023, *Interpretability in the Wild*.
     """
+    check_tokenizer(tokenizer, "ioi_task")
     if order not in ("BABA", "ABBA", "mixed"):
         raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
     words = set(re.findall(r"[^\W\d_]+", re.sub(r"\[[ABS]\]", " ", template)))  # the template's own words
@@ -365,6 +382,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
     those with a last digit 1–8 and a decade digit 1–9).
 
     Raises:
+        ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts without
             the unknown token (e.g. a century the tokenizer cannot spell).
         ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
@@ -372,6 +390,7 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.1.
     """
+    check_tokenizer(tokenizer, "greater_than_task")
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")
     rng = random.Random(seed)
@@ -463,12 +482,14 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
     operands (equal lengths). The App. D.4 "op2 = 3 → op2 = 5" style edits use these.
 
     Raises:
+        ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: a prompt cannot be tokenized as needed, holds the unknown token, or prompts (clean or
             corrupt) differ in length.
         ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
 
     Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
+    check_tokenizer(tokenizer, "arithmetic_task")
     if pairs is None:
         _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")
