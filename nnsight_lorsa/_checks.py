@@ -46,3 +46,11 @@ def check_instance(value: Any, kind: type, where: str, name: str, hint: str = ""
     """
     if not isinstance(value, kind):
         raise ArgumentError(f"{where}({name}=...) must be a {kind.__name__}, got a {type(value).__name__}{hint}")
+
+
+def check_flag(value: Any, name: str, what: str) -> bool:
+    """``value`` if it is a ``bool`` (``error=True``), else :class:`ArgumentError` naming ``what(name=...)`` (a
+    ``"no"`` or a ``0`` would read as a truth value)."""
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{what}({name}=...) must be True or False, got {value!r} ({type(value).__name__})")
+    return value

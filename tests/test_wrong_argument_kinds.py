@@ -106,6 +106,10 @@ TRAINING = {
     "TokenDataset.from_ids(seq_len=2.5)": ("ArgumentError", "from_ids: seq_len must be an int >= 2"),
     "TokenDataset.batch(1.5, 2)": ("ArgumentError", "a batch index must be an int >= 0, got 1.5"),
     "load(subfolder=3)": ("ArgumentError", "load: subfolder must be None or a str"),
+    "Trainer.train(checkpoint_dir=3)": ("ArgumentError", "Trainer.train: the path must be a str or os.PathLike"),
+    "Trainer.train(progress='no')": ("ArgumentError", "Trainer.train(progress=...) must be True or False"),
+    "Trainer.save_checkpoint(None)": ("ArgumentError", "checkpoint: the path must be a str or os.PathLike"),
+    "Trainer.resume(None, source)": ("ArgumentError", "checkpoint: the path must be a str or os.PathLike"),
 }
 
 

@@ -22,6 +22,7 @@ from helpers import (  # noqa: E402
     make_lorsa,
     make_sae,
     random_ids,
+    reconstruction_source,
     rm,
     tiny_hf_model,
     tiny_nnsight,
@@ -145,6 +146,14 @@ def training_cases(out: dict, model, lorsa, scratch: Path) -> None:
     out["ActivationCache(None)"] = lambda: ActivationCache(None)
     out["TokenDataset.from_ids(seq_len=2.5)"] = lambda: TokenDataset.from_ids(torch.arange(3, 50), 2.5)
     out["TokenDataset.batch(1.5, 2)"] = lambda: data.batch(1.5, 2)
+    def trainer() -> Trainer:
+        return Trainer(make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2}),
+                       reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1))
+
+    out["Trainer.train(checkpoint_dir=3)"] = lambda: trainer().train(progress=False, checkpoint_dir=3)
+    out["Trainer.train(progress='no')"] = lambda: trainer().train(progress="no")
+    out["Trainer.save_checkpoint(None)"] = lambda: trainer().save_checkpoint(None)
+    out["Trainer.resume(None, source)"] = lambda: Trainer.resume(None, reconstruction_source(2, 4, 8))
     save(lorsa, scratch / "saved")
     out["load(subfolder=3)"] = lambda: load(scratch / "saved", subfolder=3)
 

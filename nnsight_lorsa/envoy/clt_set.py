@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_flag
 from .._placement import set_offload, to_module
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
@@ -33,7 +34,7 @@ from ..errors import ConfigMismatchError
 from ..formats.hook_sites import check_mlp_hooks, mlp_site_io
 from ..modules.clt import CrossLayerTranscoder
 from .nnsight_internals import hf_module
-from .replacement_set import ReplacementSet, check_flag, check_load_placement, site_placement
+from .replacement_set import ReplacementSet, check_load_placement, site_placement
 from .splice_chain import SpliceChain
 
 #: the one key of a CLTSet

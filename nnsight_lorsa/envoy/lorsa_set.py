@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
+from .._checks import check_flag
 from .._placement import to_module
 from ..adapters.base import ArchitectureAdapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
 from ..modules.lorsa import Lorsa, LorsaKV
 from .nnsight_internals import current_worker, hf_module, run_kwargs, traced_method
-from .replacement_set import ReplacementSet, check_flag, load_keyed, replace_keys
+from .replacement_set import ReplacementSet, load_keyed, replace_keys
 from .splice_chain import SpliceChain, splice_chain
 
 #: ``generate`` settings under which the decoder rearranges or rolls back its KV cache in ways a

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._checks import check_flag
 from .._placement import kept_on_failure, set_offload
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
@@ -33,7 +34,7 @@ from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
 from .nnsight_internals import check_one_thread, hf_module
 from .padding import arm_padding_check
-from .replacement_set import ReplacementSet, check_flag
+from .replacement_set import ReplacementSet
 from .sae_set import SAESet
 from .splice_chain import refuse_discarded_edit
 from .targets import Bound, Feature, LorsaHead, MHSAHead, Target, check_index

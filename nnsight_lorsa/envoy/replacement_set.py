@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from .._checks import check_flag
 from .._placement import (
     check_one_dtype,
     check_placement_args,
@@ -52,13 +53,6 @@ def _one_key(key: Any, key_type: type, what: str) -> Any:
     if key_type is str and not isinstance(key, str):
         raise ArgumentError(f"{what} must be a module path (str), got {key!r} ({type(key).__name__})")
     return key
-
-
-def check_flag(value: Any, name: str, what: str) -> bool:
-    """``value`` if it is a ``bool`` (``error=True``), else :class:`ArgumentError` naming ``what(name=...)``."""
-    if not isinstance(value, bool):
-        raise ArgumentError(f"{what}({name}=...) must be True or False, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def replace_keys(key: Any, key_type: type, all_keys: list, what: str) -> tuple[list, bool]:

@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from .._checks import check_flag
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module, vocabulary_size
 from ..errors import (
@@ -54,7 +55,7 @@ from ..errors import (
     VacuousConstraintError,
 )
 from ..formats.validate import count_non_finite
-from ..training.checkpoint_io import checkpoint_exists, verified_checkpoint, write_checkpoint
+from ..training.checkpoint_io import check_checkpointing, checkpoint_exists, verified_checkpoint, write_checkpoint
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.master_weights import MasterWeights
 from ..training.metrics import next_token_ce
@@ -558,7 +559,16 @@ class SparseAttentionTrainer:
         """Run up to ``steps`` more steps (default: until ``config.total_steps``) with a tqdm bar (CE, λ, active edges).
 
         With ``checkpoint_dir``, a checkpoint is written every ``checkpoint_every`` steps and at the end.
+
+        Raises:
+            ArgumentError: before the first step: ``steps`` not None or an int ≥ 0 (``2.5`` ran 3 steps, ``-1``
+                none and saved), ``checkpoint_every`` not None or an int ≥ 0, or > 0 without ``checkpoint_dir``,
+                ``checkpoint_dir`` not None, a str or ``os.PathLike``, ``progress`` not a bool.
         """
+        if steps is not None:
+            _check_int("SparseAttentionTrainer.train", "steps", steps, least=0)
+        check_checkpointing(checkpoint_dir, checkpoint_every, "SparseAttentionTrainer.train")
+        check_flag(progress, "progress", "SparseAttentionTrainer.train")
         end = self.config.total_steps if steps is None else self.step + steps
         bar = tqdm(total=end - self.step, desc="sparse attention", disable=not progress, dynamic_ncols=True)
         while self.step < end:
@@ -737,6 +747,7 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
     optimisation).
     """
+    check_checkpointing(checkpoint_dir, checkpoint_every, "train_sparse_attention")  # before the model is touched
     t0 = time.perf_counter()
     trainer = SparseAttentionTrainer(model, train_ids, config)
     if checkpoint_dir is not None and checkpoint_exists(checkpoint_dir):

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .._atomic import atomic_directory, resolve, verify
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 
 MANIFEST = "manifest.json"
 
@@ -39,6 +40,37 @@ def _is_replaceable(d: Path, names: tuple[str, ...]) -> bool:
     return not any(d.iterdir()) or any((d / n).is_file() for n in (MANIFEST, "trainer.json", *names))
 
 
+def _check_directory(directory: Any) -> None:
+    """A checkpoint ``directory`` that is a str / ``os.PathLike`` (:class:`ArgumentError`, not pathlib's
+    ``TypeError``): every save, resume and existence check of both trainers comes through here."""
+    from ..formats.files import check_path
+
+    check_path(directory, "checkpoint", "a checkpoint directory")
+
+
+def check_checkpointing(checkpoint_dir: Any, checkpoint_every: Any, where: str) -> None:
+    """A trainer's ``train(checkpoint_dir=, checkpoint_every=)`` before its first step: ``checkpoint_every`` None or
+    an int ≥ 0 (0 / None: at the end only), > 0 only with a ``checkpoint_dir``, which is None, a str or an
+    ``os.PathLike`` — a wrong one was found at the first save, after the steps before it ran, and
+    ``checkpoint_every`` without a directory saved nothing.
+
+    Raises:
+        ArgumentError: naming ``where`` and the argument.
+    """
+    from .._checks import is_int
+
+    if checkpoint_every is not None and (not is_int(checkpoint_every) or checkpoint_every < 0):
+        raise ArgumentError(f"{where}: checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
+    if checkpoint_dir is None:
+        if checkpoint_every:
+            raise ArgumentError(f"{where}: checkpoint_every={checkpoint_every} without checkpoint_dir saves nothing: "
+                                "pass checkpoint_dir= (where the checkpoints go)")
+        return
+    from ..formats.files import check_path
+
+    check_path(checkpoint_dir, where, "a checkpoint directory")
+
+
 def write_checkpoint(directory: str | Path, files: Mapping[str, bytes | Mapping[str, torch.Tensor]]) -> None:
     """Write ``files`` (name -> content, in order) + the manifest as checkpoint ``directory``, atomically. A content
     that is a mapping of tensors is written as a safetensors file streamed from the tensors (``Staging.save_tensors``:
@@ -48,6 +80,7 @@ def write_checkpoint(directory: str | Path, files: Mapping[str, bytes | Mapping[
     Raises:
         CheckpointError: ``directory`` exists and holds something other than a checkpoint.
     """
+    _check_directory(directory)
     for name in files:
         if Path(name).name != name:
             raise CheckpointError(f"{name!r}: a checkpoint file name must not hold a folder")
@@ -63,6 +96,7 @@ def write_checkpoint(directory: str | Path, files: Mapping[str, bytes | Mapping[
 def checkpoint_exists(directory: str | Path) -> bool:
     """Whether ``directory`` (or ``<directory>.old``, a save interrupted between its renames) holds
     something a resume must read: a non-empty directory (:func:`verified_checkpoint` then checks it)."""
+    _check_directory(directory)
     d = Path(directory)
     return any(p.is_dir() and any(p.iterdir()) for p in (d, d.with_name(f"{d.name}.old")))
 
@@ -76,6 +110,7 @@ def verified_checkpoint(directory: str | Path, required: tuple[str, ...] = ()) -
         CheckpointError: no checkpoint there, the manifest is absent or corrupt (e.g. a checkpoint
             written before manifests existed), or a file is missing, truncated or altered (named).
     """
+    _check_directory(directory)
     d = resolve(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: no checkpoint directory")

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
+from .._checks import check_flag
 from .._placement import check_placement_args, f32, placement
 from ..errors import (
     ArgumentError,
@@ -44,7 +45,7 @@ from ..errors import (
 )
 from ..formats.validate import count_non_finite
 from .activations import Batch, checked_batch
-from .checkpoint_io import verified_checkpoint, write_checkpoint
+from .checkpoint_io import check_checkpointing, verified_checkpoint, write_checkpoint
 from .master_weights import MasterWeights
 from .objectives import TrainingState, _Objective, _objective_class, _objective_for
 from .schedule import wsd_lr_factor
@@ -467,7 +468,10 @@ class Trainer:
               on_log: Callable[[dict[str, float]], None] | None = None) -> list[dict[str, float]]:
         """Run until ``steps`` more steps (default: to ``total_steps``); return the logged metrics.
 
-        ``steps`` bounds this call (a long run in slices: ``train(1000)`` at a time, each resumable);
+        ``steps`` bounds this call (a long run in slices: ``train(1000)`` at a time, each resumable). With
+        ``checkpoint_dir`` a checkpoint is written every ``checkpoint_every`` steps (0: none between) and at the end
+        of the call (until 2026-11-29 a ``checkpoint_dir`` without ``checkpoint_every`` wrote nothing; the
+        sparse-attention trainer already saved at the end);
         ``on_log`` is called with every ``history`` entry as it is logged (every ``log_every`` steps and
         the last; with ``step``), e.g. to print or stop a run without the progress bar.
 
@@ -480,7 +484,9 @@ class Trainer:
         :meth:`log_evaluation` until :meth:`close_logging`.
 
         Raises:
-            ArgumentError: ``steps`` not a non-negative int, or ``checkpoint_every`` negative.
+            ArgumentError: ``steps`` not a non-negative int; ``checkpoint_every`` not an int ≥ 0, or > 0 without
+                ``checkpoint_dir`` (nothing would be saved); ``checkpoint_dir`` not None, a str or ``os.PathLike``;
+                ``progress`` not a bool — before the first step.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
             RankFailedError: (data parallel) another rank failed: getting its batch or in its forward pass at this
@@ -492,8 +498,8 @@ class Trainer:
         """
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 0):
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
-        if not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 0:
-            raise ArgumentError(f"checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
+        check_checkpointing(checkpoint_dir, checkpoint_every, "Trainer.train")
+        check_flag(progress, "progress", "Trainer.train")
         logger = self._wandb_run()  # before the first step: a missing wandb stops the run here
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)
@@ -522,7 +528,8 @@ class Trainer:
                 logger.log(flat_metrics(m, "train"), step=self.step)
             if on_log is not None:
                 on_log(m)
-        if checkpoint_dir is not None and checkpoint_every and self.step % checkpoint_every == 0:
+        due = self.step == end or (checkpoint_every and self.step % checkpoint_every == 0)  # and at the end
+        if checkpoint_dir is not None and due:
             self.save_checkpoint(checkpoint_dir)
 
     # -------------------------------------------------------- W&B logging

@@ -192,7 +192,7 @@ def _trainer(**config: Any) -> Any:
 def test_train_takes_that_many_more_steps_logs_on_its_cadence_and_checkpoints_on_its_own(tmp_path):
     """train(steps): ``steps`` more steps, never past total_steps; a history entry (with its step) every log_every
     steps and at the last step of each call; a checkpoint whenever the step count is a multiple of checkpoint_every
-    (train's docstring)."""
+    and at the end of the call (train's docstring; the end since 2026-11-29, as the sparse-attention trainer)."""
     from nnsight_lorsa.training import Trainer
 
     trainer, seen = _trainer(log_every=2), []
@@ -200,11 +200,14 @@ def test_train_takes_that_many_more_steps_logs_on_its_cadence_and_checkpoints_on
     assert trainer.step == 1
     trainer.train(2, progress=False, on_log=lambda m: seen.append(m["step"]))
     assert trainer.step == 3
+    saved, save = [], trainer.save_checkpoint
+    trainer.save_checkpoint = lambda d: (saved.append(trainer.step), save(d))  # type: ignore[method-assign]
     trainer.train(progress=False, on_log=lambda m: seen.append(m["step"]), checkpoint_dir=tmp_path / "ck",
                   checkpoint_every=2)
     assert trainer.step == 5
     assert seen == [1, 2, 3, 4, 5] and [m["step"] for m in trainer.config.history] == seen
-    assert Trainer.load_checkpoint(tmp_path / "ck")[0]["step"] == 4  # saved after step 4 (not 3 or 5)
+    assert saved == [4, 5]  # after step 4 (not 3), and at the end
+    assert Trainer.load_checkpoint(tmp_path / "ck")[0]["step"] == 5
     trainer.train(5, progress=False)
     assert trainer.step == 5  # total_steps reached: nothing more
 
