@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from .._checks import is_int
 from .._placement import to_module
 from ..analysis.heads import MHSACorrelation, check_attention_mask, ov_logit_lens, refuse_in_trace, refuse_stored_edits
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
+from ..envoy.targets import check_index
 from ..errors import ArgumentError, ConfigMismatchError
 from .page import embed_json, finite, token_pieces
 
@@ -72,6 +74,9 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
 
     Raises:
         ConfigMismatchError: ``qk_features`` of another layer or head. PlacementError: the Lorsa is on ``meta``.
+        TargetIndexError: ``head`` not an OV head of the layer's Lorsa. ArgumentError: ``top`` not a
+        :class:`~nnsight_lorsa.analysis.TopActivations` of as many heads; ``n_contexts``, ``window``, ``n_features``
+        not ints ≥ 0 (a negative ``window`` sliced the context from the wrong end).
         ShapeError / ArgumentError: ``attention_mask`` not of ``tokens``' shape, not 0 / 1, or with padding between
         a row's tokens, or padding where ``top`` has an entry; the model carries edits stored by ``model.edit()``
         (the z-patterns are recomputed from the Lorsa's weights, out of their reach). TraceOrderError: called inside
@@ -85,6 +90,14 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     refuse_in_trace("head_dashboard_data")
     mask = check_attention_mask(attention_mask, tokens)
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
+    check_index(head, lorsa.cfg.n_ov_heads, f"head_dashboard_data: layer {layer}'s Lorsa OV head")
+    if not isinstance(top, TopActivations) or top.values.shape[0] != lorsa.cfg.n_ov_heads:
+        got = f"one of {top.values.shape[0]} heads" if isinstance(top, TopActivations) else type(top).__name__
+        raise ArgumentError(f"head_dashboard_data: top must be collect_top_activations(...) of layer {layer}'s Lorsa "
+                            f"({lorsa.cfg.n_ov_heads} OV heads), got {got}")
+    for name, value in (("n_contexts", n_contexts), ("window", window), ("n_features", n_features)):
+        if not is_int(value) or value < 0:
+            raise ArgumentError(f"head_dashboard_data: {name} must be an int >= 0, got {value!r}")
     refuse_stored_edits(model, "head_dashboard_data", "the contexts' z-patterns")
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
