@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from .._checks import check_instance, is_int, is_real
+from .._checks import is_int, is_real
 from .._repr import FieldsRepr
 from ..envoy.nnsight_internals import vocabulary_size
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Feature, LorsaHead, index_at
 from ..errors import ArgumentError, ConfigMismatchError
-from .graph import GRAPH_HINT, HOST, LORSA, TRANSCODER, Graph
+from .graph import HOST, LORSA, TRANSCODER, Graph
 from .layout import Layout
-from .scores import PRUNED_HINT, PruneResult
+from .scores import PruneResult, check_pruned_graph
 from .trace import frozen_logits, prepare
 
 
@@ -131,11 +131,7 @@ def circuit_metrics(replacement: ReplacementModel, graph: Graph, pruned: PruneRe
     2025, *Circuit Tracing*.
     """
     replacement = check_replacement_model(replacement, "circuit_metrics")
-    check_instance(graph, Graph, "circuit_metrics", "graph", GRAPH_HINT)
-    check_instance(pruned, PruneResult, "circuit_metrics", "pruned", PRUNED_HINT)
-    if pruned.node_mask.shape != (graph.n_nodes,):
-        raise ArgumentError(f"circuit_metrics: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
-                            f"{graph.n_nodes}: prune this graph (prune(graph))")
+    check_pruned_graph(graph, pruned, "circuit_metrics")
     vocab = vocabulary_size(replacement.model)
     if incorrect_token is not None and (not is_int(incorrect_token) or incorrect_token < 0
                                         or (vocab is not None and incorrect_token >= vocab)):

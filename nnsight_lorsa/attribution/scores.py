@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy
 import torch
@@ -509,6 +509,22 @@ def find_threshold_(scores: torch.Tensor, fraction: float) -> torch.Tensor:
         if at < run.numel() - 1:
             return scores[i0 + at].clone()
     return scores[-1].clone()
+
+
+def check_pruned_graph(graph: Any, pruned: Any, where: str) -> None:
+    """``graph`` a :class:`~.graph.Graph` and ``pruned`` a :class:`PruneResult` of it (its node mask over the graph's
+    nodes): the first check of every entry point that takes both.
+
+    Raises:
+        ArgumentError: either of another kind, or ``pruned`` of another graph (another node count); naming ``where``.
+
+    Source: ours (this package's entry points).
+    """
+    check_instance(graph, Graph, where, "graph", GRAPH_HINT)
+    check_instance(pruned, PruneResult, where, "pruned", PRUNED_HINT)
+    if pruned.node_mask.shape != (graph.n_nodes,):
+        raise ArgumentError(f"{where}: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
+                            f"{graph.n_nodes}: prune this graph (prune(graph))")
 
 
 def prune(graph: Graph, node_threshold: float | int = 0.8, edge_threshold: float | int = 0.98) -> PruneResult:

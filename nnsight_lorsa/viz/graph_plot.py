@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_file
-from .._checks import check_instance, is_int
-from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, GRAPH_HINT, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
-from ..attribution.scores import PRUNED_HINT, PruneResult
+from .._checks import is_int
+from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
+from ..attribution.scores import PruneResult, check_pruned_graph
 from ..errors import ArgumentError, NonFiniteError
 from ..formats.files import check_path
 
@@ -75,13 +75,9 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    check_instance(graph, Graph, "plot_graph", "graph", GRAPH_HINT)
-    check_instance(pruned, PruneResult, "plot_graph", "pruned", PRUNED_HINT)
+    check_pruned_graph(graph, pruned, "plot_graph")
     if path is not None:
         check_path(path, "plot_graph", "an image file")
-    if pruned.node_mask.numel() != graph.n_nodes:
-        raise ArgumentError(f"plot_graph: the PruneResult is over {pruned.node_mask.numel()} nodes, the graph has "
-                            f"{graph.n_nodes}: prune this graph (prune(graph))")
     if tokens is not None and (isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence)
                                or not all(isinstance(t, str) for t in tokens)):
         raise ArgumentError(f"plot_graph: tokens must be a list of str labels, one per position, got a "
