@@ -1,7 +1,7 @@
-"""Mutation probe, round 11 (docs/reliability.md): the demo's checks before any work — the memory bound and which
-directories of an ``--out-dir`` are the demo's own. Each test was seen failing
-with a one-line mutant of ``demo.py`` that the default tests let through; the references are the functions'
-documented rules (their docstrings), written out here by hand."""
+"""Mutation probe, round 11 (docs/reliability.md): the demo's checks before any work — the memory bound, which
+directories of an ``--out-dir`` are the demo's own, and what a checkpoint records for ``--resume`` to check. Each
+test was seen failing with a one-line mutant of ``demo.py`` that the default tests let through; the references are
+the functions' documented rules (their docstrings), written out here by hand."""
 
 from __future__ import annotations
 
@@ -35,3 +35,23 @@ def test_a_lorsa_folder_with_a_file_of_the_users_is_not_the_demos_and_survives_o
     with pytest.raises(ArgumentError, match="not the demo's output"):
         demo._check_earlier_outputs(demo.DemoConfig(out_dir=str(out), overwrite=True))
     assert (out / "lorsa" / "notes.txt").read_text() == "mine" and (out / "lorsa" / "layer_0").is_dir()
+
+
+def test_the_run_info_a_resume_checks_records_the_batch_seq_seed_dtype_and_the_datas_hash():
+    """``_run_info``: "the batch size, window length, seed and model dtype, and the sha256 of the training windows'
+    token ids (and target mask)" — each recorded as given (a resume with another ``--dtype`` is refused only if it is
+    there), the hash ``hashlib.sha256`` of the int64 ids then the bool mask."""
+    import hashlib
+
+    import torch
+
+    from nnsight_lorsa.training import TokenDataset
+
+    tokens = torch.arange(12).reshape(3, 4)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 3] = False
+    cfg = demo.DemoConfig(batch_size=3, seq_len=4, seed=11, dtype="bfloat16")
+    info = demo._run_info(cfg, TokenDataset(tokens, mask))
+    want = hashlib.sha256(tokens.numpy().astype("int64").tobytes())
+    want.update(mask.numpy().tobytes())
+    assert info == {"batch_size": 3, "seq_len": 4, "seed": 11, "dtype": "bfloat16", "data_sha256": want.hexdigest()}

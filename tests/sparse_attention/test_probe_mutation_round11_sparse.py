@@ -1,6 +1,7 @@
 """Mutation probe, round 11 (docs/reliability.md): sparse-attention post-training's data windows, periodic
-checkpoints and a step-0 checkpoint. Each test was seen failing with a one-line mutant of ``sparse_attention/train.py``
-that the default tests let through; the references are the documented rules, replayed in plain torch."""
+checkpoints, a step-0 checkpoint and the gates' mode. Each test was seen failing with a one-line mutant of
+``sparse_attention/train.py`` that the default tests let through; the references are the documented rules, replayed
+in plain torch."""
 
 from __future__ import annotations
 
@@ -87,3 +88,19 @@ def test_a_checkpoint_saved_before_the_first_step_loads(tmp_path):
     fresh.load_checkpoint(tmp_path / "ck")  # the global and data random states as saved, before tr's step
     assert fresh.step == 0 and fresh.history == []
     assert fresh.train_step() == first
+
+
+@pytest.mark.filterwarnings("ignore:the constraint")
+@pytest.mark.parametrize("mode", ["dense", "topk"])
+def test_gates_installed_in_another_mode_train_gated(mode):
+    """The trainer trains the gates "in training mode (hard straight-through gate samples)": a model whose gates were
+    left in ``dense`` or ``topk`` mode (an evaluation before) has every gate in ``gated`` mode once the trainer is
+    built (a dense gate would train nothing into the gates: every edge open)."""
+    from nnsight_lorsa.sparse_attention import install_gated_attention, set_gate_mode
+    from nnsight_lorsa.sparse_attention.install import get_gates
+
+    hf = tiny_hf_model("llama")
+    install_gated_attention(hf, init_bias=0.0)
+    set_gate_mode(hf, mode, top_k=2 if mode == "topk" else None)
+    tr = SparseAttentionTrainer(hf, _stream(), _cfg())
+    assert {g.mode for g in get_gates(tr.hf).values()} == {"gated"}
