@@ -284,6 +284,16 @@ class SaveError(LorsaError, OSError):
     """
 
 
+class UndefinedNormalizationError(LorsaError, ZeroDivisionError):
+    """A normalized patching effect divides by ``clean − corrupt`` where the clean and corrupt metrics are equal or
+    within the logits' rounding (``PatchingResult.normalized``, ``PathPatchingResult.normalized``; so do
+    ``circuit_size``'s ``m_all − m_0`` and ``relative_effect``'s baseline, ``patching.metrics.check_gap``): the
+    message names the rows and both metrics.
+
+    Source: ours (this package's named errors).
+    """
+
+
 __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "ConcurrentTraceError", "ConfigMismatchError",
            "DenseAdjacencyError", "FormatDetectionError", "GateConfigError", "GateNotInstalledError",
            "HeldoutConstraintWarning", "InvokeRowsError", "LayerOutOfRangeError", "LorsaError", "MemoryBudgetError",
@@ -291,13 +301,5 @@ __all__ = ["ActivationCacheError", "ArgumentError", "CheckpointError", "Concurre
            "RankFailedError",
            "SaveError",
            "ServerVersionError", "ServerVersionWarning", "ShapeError",
-           "TooFewTokensError", "TraceOrderError", "UnsupportedArchitectureError", "UnsupportedGenerationError",
-           "VacuousConstraintError"]
-
-
-
-class UndefinedNormalizationError(LorsaError, ZeroDivisionError):
-    """A normalized patching effect divides by ``clean − corrupt`` where the clean and corrupt metrics are equal or
-    within the logits' rounding (``PatchingResult.normalized``, ``PathPatchingResult.normalized``; so do
-    ``circuit_size``'s ``m_all − m_0`` and ``relative_effect``'s baseline, ``patching.metrics.check_gap``): the
-    message names the rows and both metrics."""
+           "TooFewTokensError", "TraceOrderError", "UndefinedNormalizationError", "UnsupportedArchitectureError",
+           "UnsupportedGenerationError", "VacuousConstraintError"]

@@ -403,3 +403,15 @@ def test_data_parallel_needs_an_initialised_process_group():
     assert not (dist.is_available() and dist.is_initialized())
     with pytest.raises(errors.NotReadyError, match="init_process_group"):
         DataParallel(object())
+
+
+def test_every_named_error_is_exported():
+    """``from nnsight_lorsa.errors import *`` gives every error and warning the package raises
+    (``UndefinedNormalizationError`` was defined after ``__all__`` and left out of it until 2026-11-29)."""
+    import inspect
+
+    from nnsight_lorsa import errors
+
+    defined = {name for name, obj in vars(errors).items() if inspect.isclass(obj) and obj.__module__ == errors.__name__
+               and issubclass(obj, (errors.LorsaError, Warning))}
+    assert defined == set(errors.__all__)
