@@ -1,7 +1,8 @@
 """Type checks of public arguments, shared by the entry points.
 
-Only ``operator`` is imported: these run where the modules run, an NDIF server included, whose
-deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not).
+Of the standard library only ``operator`` is imported: these run where the modules run, an NDIF server included,
+whose deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not); of the
+package only :mod:`.errors` (the checks raise :class:`~.errors.ArgumentError`).
 """
 
 from __future__ import annotations

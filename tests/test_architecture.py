@@ -11,8 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnsight_lorsa"
 
 #: rank of each top-level part: a module may import only from parts of a lower rank (or its own part)
 RANKS = {
-    "errors": 0, "_typing": 0, "_repr": 0, "_version": 0, "assets": 0, "_progress": 0, "_checks": 0, "_memory": 0,
+    "errors": 0, "_typing": 0, "_repr": 0, "_version": 0, "assets": 0, "_progress": 0, "_memory": 0,
     "_placement": 0.5,  # imports only errors (0); the replacement modules (1) read its offload marker
+    "_checks": 0.5,  # imports only errors (0): its checks raise ArgumentError
     "modules": 1, "_atomic": 1, "ndif_rules": 1, "server_version": 1, "adapters": 2, "formats": 3,
     "envoy": 4,
     "attribution": 5, "patching": 5, "training": 5, "remote": 6, "sparse_attention": 6,

@@ -316,6 +316,9 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
     apply_b_dec = fields["apply_b_dec_to_input"]
     metadata = raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {}
     hook_name = (metadata or {}).get("hook_name") or raw.get("hook_name")
+    require(hook_name is None or isinstance(hook_name, str), cfg_path,
+            f"key 'hook_name' must be a string (the hook the coder reads, e.g. 'blocks.3.hook_resid_post'), got "
+            f"{hook_name!r}")
     _check_dtype_field(raw, cfg_path)
     reshape = _reshape_field(raw, cfg_path, hook_name)
     head_index = (metadata or {}).get("hook_head_index", raw.get("hook_head_index"))

@@ -200,6 +200,10 @@ def test_circuit_metrics_combine_the_ablations_as_documented(monkeypatch):
 
     monkeypatch.setattr(checks, "_delta", delta)
     monkeypatch.setattr(checks, "ReplacementModel", lambda *a, **k: None)
+    # the argument checks (tests/attribution/test_graph_argument_ranges.py) would refuse the stand-ins
+    monkeypatch.setattr(checks, "check_replacement_model", lambda value, where: value)
+    monkeypatch.setattr(checks, "check_pruned_graph", lambda graph, pruned, where: None)
+    monkeypatch.setattr(checks, "vocabulary_size", lambda model: None)
     monkeypatch.setattr(checks, "_targets", inspect.unwrap(checks._targets))  # stand-ins: past the type-check hook
     fake = SimpleNamespace(model=None, lorsas=None, transcoders=None, adapter=None)
     metrics = inspect.unwrap(checks.circuit_metrics)
