@@ -1,9 +1,9 @@
-"""Every public callable of the package (the subpackages' ``__all__``) called with None for each required argument,
-in a plain interpreter (without the suite's beartype hook, as a researcher's process runs): ``python
-tests/none_argument_cases.py --json OUT`` writes one record per callable, ``{"name", "kind", "error", "ours",
-"message"}`` (``kind``: ``record`` for a dataclass that holds what it is given, else ``entry``; ``error``: the
-exception's class name, None when the call returned; ``ours``: whether it is a ``LorsaError``). Read by
-``tests/test_none_arguments.py``."""
+"""Every public callable of the package (the subpackages' ``__all__``) called with the same wrong value — None, a
+str, an empty list — for each required argument, in a plain interpreter (without the suite's beartype hook, as a
+researcher's process runs) inside an empty scratch directory: ``python tests/none_argument_cases.py --json OUT``
+writes one record per callable and value, ``{"name", "value", "kind", "error", "ours", "message"}`` (``kind``:
+``record`` for a dataclass that holds what it is given, else ``entry``; ``error``: the exception's class name, None
+when the call returned; ``ours``: whether it is a ``LorsaError``). Read by ``tests/test_none_arguments.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -37,7 +39,12 @@ def public_callables() -> dict[str, object]:
     return out
 
 
-def record(name: str, obj: object) -> dict | None:
+#: the wrong values, each given to every required argument at once (a str is read as a relative path where one is
+#: taken: the probe runs in an empty scratch directory)
+VALUES: dict[str, object] = {"None": None, "'x'": "x", "[]": []}
+
+
+def record(name: str, obj: object, label: str, value: object) -> dict | None:
     fn = obj if isinstance(obj, type) else inspect.unwrap(obj)  # type: ignore[arg-type]
     try:
         params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
@@ -47,20 +54,25 @@ def record(name: str, obj: object) -> dict | None:
                 and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not required:
         return None
-    args = [None for p in required if p.kind != p.KEYWORD_ONLY]
-    kwargs = {p.name: None for p in required if p.kind == p.KEYWORD_ONLY}
+    args = [value for p in required if p.kind != p.KEYWORD_ONLY]
+    kwargs = {p.name: value for p in required if p.kind == p.KEYWORD_ONLY}
     kind = "record" if dataclasses.is_dataclass(obj) and not name.endswith("Config") else "entry"
     try:
         fn(*args, **kwargs)  # type: ignore[operator]
         error, ours, message = None, False, ""
     except Exception as e:  # noqa: BLE001 — recorded for the test
         error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
-    return {"name": name, "kind": kind, "error": error, "ours": ours, "message": message}
+    return {"name": name, "value": label, "kind": kind, "error": error, "ours": ours, "message": message}
 
 
 def main(out_path: str) -> None:
-    records = [r for name, obj in public_callables().items() if (r := record(name, obj)) is not None]
-    Path(out_path).write_text(json.dumps(records, indent=1))
+    out = Path(out_path).resolve()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)
+        records = [r for name, obj in public_callables().items() for label, value in VALUES.items()
+                   if (r := record(name, obj, label, value)) is not None]
+        written = sorted(os.listdir(scratch))
+    out.write_text(json.dumps({"records": records, "written": written}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A generated probe of the front door: every public callable given None for each required argument ends in a named
-error of ours (a ``LorsaError`` saying what was expected), not an ``AttributeError`` / ``TypeError`` from deep inside
-— the kind of failure the suite's beartype hook hides, since it refuses None by annotation first. The callables are
+"""A generated probe of the front door: every public callable given None (or a str, or an empty list) for each required
+argument ends in a named error of ours (a ``LorsaError`` saying what was expected), not an ``AttributeError`` /
+``TypeError`` from deep inside — the kind of failure the suite's beartype hook hides, since it refuses them by
+annotation first. The callables are
 read from the subpackages' ``__all__``: a new entry point is probed as soon as it is exported. On the code of
 2026-11-29's fourth session start (aff6069) it lists 30 raw errors (docs/reliability.md, "Config fields and mask
 values")."""
@@ -21,18 +22,28 @@ INTERNAL = {
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> list[dict]:
-    return recorded_outcomes("none_argument_cases.py", tmp_path_factory.mktemp("none"))
+def outcome(tmp_path_factory) -> dict:
+    return recorded_outcomes("none_argument_cases.py", tmp_path_factory.mktemp("none"))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def records(outcome) -> list[dict]:
+    return outcome["records"]
+
+
+def test_the_probe_wrote_nothing(outcome):
+    assert outcome["written"] == []
 
 
 def test_the_probe_reaches_the_front_door(records):
     names = {r["name"] for r in records}
     assert {"nnsight_lorsa.attribute", "nnsight_lorsa.load", "nnsight_lorsa.Trainer", "nnsight_lorsa.LorsaSet",
             "nnsight_lorsa.patching.ioi_task", "nnsight_lorsa.viz.plot_graph"} <= names
-    assert len([r for r in records if r["kind"] == "entry"]) >= 80
+    assert len([r for r in records if r["kind"] == "entry" and r["value"] == "None"]) >= 80
+    assert {r["value"] for r in records} == {"None", "'x'", "[]"}
 
 
-def test_every_entry_point_refuses_none_with_a_named_error(records):
-    raw = [f"{r['name']}: {r['error']}: {r['message'][:120]}" for r in records
+def test_every_entry_point_refuses_a_wrong_value_with_a_named_error(records):
+    raw = [f"{r['name']}({r['value']}): {r['error']}: {r['message'][:120]}" for r in records
            if r["kind"] == "entry" and r["name"] not in INTERNAL and not r["ours"]]
     assert raw == [], "\n".join(raw)

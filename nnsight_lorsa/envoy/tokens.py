@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from ..errors import MissingTokenizerError
+from ..errors import CheckpointError, MissingTokenizerError
 
 #: files any transformers tokenizer is loaded from (one of them must exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
@@ -83,6 +83,8 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
         MissingTokenizerError: tokenizer files exist but cannot be loaded (e.g. a SentencePiece model
             without the ``sentencepiece`` package): the message names the files and the cause.
         ArgumentError: ``directory`` not a str / ``os.PathLike``.
+        CheckpointError: no tokenizer files and no ``config.json`` transformers can load (a missing directory: it
+            was transformers' ``OSError`` about reaching huggingface.co, though the load is offline).
 
     Source: ours (models without tokenizer files; transformers ``AutoTokenizer``).
     """
@@ -94,7 +96,12 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     d = Path(directory)
     present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
     if not present:
-        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        except Exception as e:  # transformers raises OSError / ValueError / KeyError … for no or a bad config
+            raise CheckpointError(f"load_tokenizer({str(d)!r}): none of the tokenizer files {list(TOKENIZER_FILES)} "
+                                  f"and no model config transformers can load (not a model directory?): "
+                                  f"{type(e).__name__}") from e
         text_config = getattr(config, "get_text_config", lambda: config)()
         return ids_only_tokenizer(int(text_config.vocab_size), bos_token_id=_first_id(text_config.bos_token_id),
                                   eos_token_id=_first_id(text_config.eos_token_id),

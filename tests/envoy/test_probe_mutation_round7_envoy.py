@@ -218,3 +218,14 @@ def test_targets_sort_in_the_order_the_model_computes_them(llama):
     rm = ReplacementModel(model, transcoders={1: make_transcoder()}, saes={mlp: make_sae(), layer: make_sae(seed=1)})
     order = [Feature(1, 0, "transcoder"), Feature(mlp, 0, "sae"), Feature(layer, 0, "sae")]
     assert rm.sort(reversed(order)) == order
+
+
+def test_a_directory_without_tokenizer_files_or_a_config_is_a_named_error(tmp_path):
+    """No tokenizer files and no ``config.json`` (or no directory at all) was transformers' ``OSError`` about reaching
+    huggingface.co, though the load is offline (2026-11-29, fourth session): now a ``CheckpointError`` naming the
+    directory."""
+    from nnsight_lorsa.errors import CheckpointError
+
+    for d in (tmp_path, tmp_path / "missing"):
+        with pytest.raises(CheckpointError, match=rf"load_tokenizer\('{d}'\): none of the tokenizer files"):
+            load_tokenizer(d)
