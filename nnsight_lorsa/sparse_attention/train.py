@@ -461,13 +461,18 @@ class SparseAttentionTrainer:
         eval mode: the dataset's first ``n_batches`` batches (those steps ``0 … n_batches−1`` train on,
         counting its ``target_mask``), or stream windows from a generator of its own (seed
         ``config.seed + 1``, so the training batches are unaffected).
+
+        Raises:
+            ArgumentError: ``n_batches`` not an int ≥ 1 (0 or a negative count measured one batch).
+            GateConfigError: the batches hold no counted prediction.
         """
+        _check_int("SparseAttentionTrainer.measure_train_ce", "n_batches", n_batches)
         gen = torch.Generator(device="cpu").manual_seed(self.config.seed + 1)
         was = self.hf.training
         self.hf.eval()
         total, count = 0.0, 0
         try:  # the model's mode comes back also when a batch fails (a CUDA OOM, Ctrl-C)
-            for i in range(max(1, n_batches)):
+            for i in range(n_batches):
                 x, mask = self._batch(i, gen)
                 ce, n = next_token_ce(self.hf(input_ids=x).logits, x, mask)
                 total, count = total + ce.item(), count + n

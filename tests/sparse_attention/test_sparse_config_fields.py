@@ -114,3 +114,13 @@ def test_evaluate_sparse_refuses_its_counts_by_name_before_the_model_runs(kw, na
     assert calls == []
     ok = evaluate_sparse(hf, _stream(), seq_len=SEQ, batch_size=1, max_windows=1)
     assert ok["windows"] == 1 and calls == [1]
+
+
+def test_measure_train_ce_refuses_a_count_below_one():
+    """``measure_train_ce(0)`` (or a negative count) measured one batch (round 11b's note): now refused by name."""
+    trainer = SparseAttentionTrainer(tiny_hf_model("llama"), _stream(), _cfg())
+    one = trainer.measure_train_ce(1)
+    for bad in (0, -2):
+        with pytest.raises(ArgumentError, match=r"measure_train_ce\.n_batches must be a positive int"):
+            trainer.measure_train_ce(bad)
+    assert trainer.measure_train_ce(1) == one
