@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._checks import is_int
 from .._placement import resident, to_module
 from .._repr import FieldsRepr
-from ..errors import LayerOutOfRangeError, ShapeError
+from ..errors import ArgumentError, LayerOutOfRangeError, ShapeError
 from ..modules.rotary import apply_rotary, rotary_cos_sin
 from .graph import HOST, NodeTable
 from .layout import Layout
@@ -190,6 +191,7 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
+        ArgumentError: ``replacement`` not a ReplacementModel; ``batch_size`` not None or an int ≥ 1.
 
     Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
     ``src/llamascopium/circuits/attribution.py`` (QK tracing).
@@ -197,6 +199,8 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     from ..envoy.replacement_model import check_replacement_model
 
     check_replacement_model(replacement, "qk_attribution")
+    if batch_size is not None and (not is_int(batch_size) or batch_size < 1):  # 0 ran as the default
+        raise ArgumentError(f"qk_attribution(batch_size=...) must be None or an int >= 1, got {batch_size!r}")
     prepared = prepare(replacement, prompt)
     layout, adapter = prepared.layout, prepared.adapter
     lorsa = layout.layers[adapter.check_layer(layer)].lorsa

@@ -64,3 +64,13 @@ def test_to_neuronpedia_refuses_a_sparsity_threshold_outside_zero_one(setup, bad
         to_neuronpedia(graph, pruned, slug="t", sparsity_threshold=bad)
     for ok in (0.0, 0.25, 1.0):
         assert to_neuronpedia(graph, pruned, slug="t", sparsity_threshold=ok)["qParams"]["sparsityThreshold"] == ok
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_qk_attribution_refuses_a_batch_size_below_one(setup, bad):
+    """``batch_size=0`` ran as the default (``batch_size or 2·d_qk``), -1 reached the backward passes."""
+    from nnsight_lorsa.attribution import qk_attribution
+
+    _, replacement, _, _, _ = setup
+    with pytest.raises(ArgumentError, match=r"qk_attribution\(batch_size=\.\.\.\) must be None or an int >= 1"):
+        qk_attribution(replacement, random_ids(1, 6)[0], layer=1, head=0, query_pos=3, key_pos=1, batch_size=bad)
