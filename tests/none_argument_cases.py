@@ -1,5 +1,5 @@
 """Every public callable of the package (the subpackages' ``__all__``) called with the same wrong value — None, a
-str, an empty list — for each required argument, in a plain interpreter (without the suite's beartype hook, as a
+str, an empty list, NaN — for each required argument, in a plain interpreter (without the suite's beartype hook, as a
 researcher's process runs) inside an empty scratch directory: ``python tests/none_argument_cases.py --json OUT``
 writes one record per callable and value, ``{"name", "value", "kind", "error", "ours", "message"}`` (``kind``:
 ``record`` for a dataclass that holds what it is given, else ``entry``; ``error``: the exception's class name, None
@@ -41,7 +41,7 @@ def public_callables() -> dict[str, object]:
 
 #: the wrong values, each given to every required argument at once (a str is read as a relative path where one is
 #: taken: the probe runs in an empty scratch directory)
-VALUES: dict[str, object] = {"None": None, "'x'": "x", "[]": []}
+VALUES: dict[str, object] = {"None": None, "'x'": "x", "[]": [], "nan": float("nan")}
 
 
 def record(name: str, obj: object, label: str, value: object) -> dict | None:

@@ -1,10 +1,9 @@
-"""A generated probe of the front door: every public callable given None (or a str, or an empty list) for each required
-argument ends in a named error of ours (a ``LorsaError`` saying what was expected), not an ``AttributeError`` /
+"""A generated probe of the front door: every public callable given None (or a str, an empty list, NaN) for each
+required argument ends in a named error of ours (a ``LorsaError`` saying what was expected), not an ``AttributeError`` /
 ``TypeError`` from deep inside — the kind of failure the suite's beartype hook hides, since it refuses them by
-annotation first. The callables are
-read from the subpackages' ``__all__``: a new entry point is probed as soon as it is exported. On the code of
-2026-11-29's fourth session start (aff6069) it lists 30 raw errors (docs/reliability.md, "Config fields and mask
-values")."""
+annotation first. The callables are read from the subpackages' ``__all__``: a new entry point is probed as soon as it
+is exported. On the code of 2026-11-29's fourth session start (aff6069) it lists 30 raw errors for None alone
+(docs/reliability.md, "Config fields and mask values")."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def test_the_probe_reaches_the_front_door(records):
     assert {"nnsight_lorsa.attribute", "nnsight_lorsa.load", "nnsight_lorsa.Trainer", "nnsight_lorsa.LorsaSet",
             "nnsight_lorsa.patching.ioi_task", "nnsight_lorsa.viz.plot_graph"} <= names
     assert len([r for r in records if r["kind"] == "entry" and r["value"] == "None"]) >= 80
-    assert {r["value"] for r in records} == {"None", "'x'", "[]"}
+    assert {r["value"] for r in records} == {"None", "'x'", "[]", "nan"}
 
 
 def test_every_entry_point_refuses_a_wrong_value_with_a_named_error(records):
