@@ -1,12 +1,13 @@
 """Type checks of public arguments, shared by the entry points.
 
-Of the standard library only ``operator`` is imported: these run where the modules run, an NDIF server included,
+Of the standard library only ``operator`` and ``math`` are imported: these run where the modules run, an NDIF server included,
 whose deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not); of the
 package only :mod:`.errors` (the checks raise :class:`~.errors.ArgumentError`).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -55,3 +56,27 @@ def check_flag(value: Any, name: str, what: str) -> bool:
     if not isinstance(value, bool):
         raise ArgumentError(f"{what}({name}=...) must be True or False, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_int(who: str, name: str, value: Any, *, least: int = 1) -> None:
+    """``value`` an ``int`` (not a bool) ≥ ``least``, else :class:`ArgumentError` naming ``<who>.<name>``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        rule = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ArgumentError(f"{who}.{name} must be {rule}, got {value!r}")
+
+
+def check_real(who: str, name: str, value: Any, *, positive: bool = False, upper: float | None = None,
+               upper_open: bool = False, signed: bool = False) -> None:
+    """``value`` a finite real number (int or float, not a bool), ``> 0`` if ``positive``, any sign if ``signed``,
+    else ``≥ 0``, and at most ``upper`` (below it if ``upper_open``); else :class:`ArgumentError` naming
+    ``<who>.<name>``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ArgumentError(f"{who}.{name} must be a finite number, got {value!r}")
+    if signed:
+        return
+    low_ok = value > 0 if positive else value >= 0
+    high_ok = upper is None or (value < upper if upper_open else value <= upper)
+    if not (low_ok and high_ok):
+        lo = "(0" if positive else "[0"
+        hi = "inf)" if upper is None else (f"{upper:g})" if upper_open else f"{upper:g}]")
+        raise ArgumentError(f"{who}.{name} must be in {lo}, {hi}, got {value!r}")

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
-from .._checks import check_flag
+from .._checks import check_flag, check_int, check_real, is_int
 from .._typing import Int
 from ..envoy.nnsight_internals import hf_module, vocabulary_size
 from ..errors import (
@@ -59,7 +59,7 @@ from ..training.checkpoint_io import check_checkpointing, checkpoint_exists, ver
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.master_weights import MasterWeights
 from ..training.metrics import next_token_ce
-from ..training.train_config import OptimConfig, _check_int, _check_real
+from ..training.train_config import OptimConfig
 from .geco import GECO
 from .install import (
     counting_positions,
@@ -153,25 +153,25 @@ class SparseTrainConfig(OptimConfig):
         super().validate()
         who = "SparseTrainConfig"
         for name in ("batch_size", "target_batches"):
-            _check_int(who, name, getattr(self, name))
-        _check_int(who, "seq_len", self.seq_len, least=2)
-        _check_int(who, "seed", self.seed, least=0)
+            check_int(who, name, getattr(self, name))
+        check_int(who, "seq_len", self.seq_len, least=2)
+        check_int(who, "seed", self.seed, least=0)
         for name in ("gate_lr", "temperature", "geco_lr", "lora_alpha", "init_lambda", "min_lambda", "max_lambda"):
-            _check_real(who, name, getattr(self, name), positive=True)
+            check_real(who, name, getattr(self, name), positive=True)
         for name in ("weight_decay", "target_margin", "max_initial_slack"):
-            _check_real(who, name, getattr(self, name))
-        _check_real(who, "init_bias", self.init_bias, signed=True)
-        _check_real(who, "geco_ema", self.geco_ema, upper=1.0, upper_open=True)
-        _check_real(who, "recover_fraction", self.recover_fraction, upper=1.0, upper_open=True)
+            check_real(who, name, getattr(self, name))
+        check_real(who, "init_bias", self.init_bias, signed=True)
+        check_real(who, "geco_ema", self.geco_ema, upper=1.0, upper_open=True)
+        check_real(who, "recover_fraction", self.recover_fraction, upper=1.0, upper_open=True)
         if self.target_ce is not None:
-            _check_real(who, "target_ce", self.target_ce, positive=True)
+            check_real(who, "target_ce", self.target_ce, positive=True)
         if not self.min_lambda <= self.init_lambda <= self.max_lambda:
             raise ArgumentError(f"{who} needs min_lambda <= init_lambda <= max_lambda, got {self.min_lambda!r}, "
                                 f"{self.init_lambda!r}, {self.max_lambda!r}")
         if self.lora_rank is not None:
-            _check_int(who, "lora_rank", self.lora_rank)
+            check_int(who, "lora_rank", self.lora_rank)
         if self.bos_id is not None:
-            _check_int(who, "bos_id", self.bos_id, least=0)
+            check_int(who, "bos_id", self.bos_id, least=0)
         if not isinstance(self.allow_slack_constraint, bool):
             raise ArgumentError(f"{who}.allow_slack_constraint must be a bool, got {self.allow_slack_constraint!r}")
 
@@ -196,7 +196,7 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
         ArgumentError: ``bos_id`` not an int ≥ 0 (``bool`` is not one; ``2.5`` is not rounded), or the id is
             outside the model's vocabulary (its input embedding's rows).
     """
-    if bos_id is not None and (not isinstance(bos_id, int) or isinstance(bos_id, bool) or bos_id < 0):
+    if bos_id is not None and (not is_int(bos_id) or bos_id < 0):
         raise ArgumentError(f"bos_id must be None or an int >= 0 (a token id), got {bos_id!r}")
     hf = hf_module(model)
     bos = special_token_id(getattr(model, "tokenizer", None), getattr(hf, "config", None), bos_id)
@@ -277,11 +277,11 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     optimisation).
     """
     hf = hf_module(model)
-    _check_int("evaluate_sparse", "batch_size", batch_size)
+    check_int("evaluate_sparse", "batch_size", batch_size)
     if max_windows is not None:
-        _check_int("evaluate_sparse", "max_windows", max_windows)
+        check_int("evaluate_sparse", "max_windows", max_windows)
     if not isinstance(token_ids, TokenDataset):
-        _check_int("evaluate_sparse", "seq_len", seq_len, least=2)
+        check_int("evaluate_sparse", "seq_len", seq_len, least=2)
         bos = resolve_bos_id(model, bos_id)
         check_one_text(model, token_ids)  # as the trainer: a stream of documents is no one text
         if token_ids.numel() < seq_len - 1:
@@ -466,7 +466,7 @@ class SparseAttentionTrainer:
             ArgumentError: ``n_batches`` not an int ≥ 1 (0 or a negative count measured one batch).
             GateConfigError: the batches hold no counted prediction.
         """
-        _check_int("SparseAttentionTrainer.measure_train_ce", "n_batches", n_batches)
+        check_int("SparseAttentionTrainer.measure_train_ce", "n_batches", n_batches)
         gen = torch.Generator(device="cpu").manual_seed(self.config.seed + 1)
         was = self.hf.training
         self.hf.eval()
@@ -571,7 +571,7 @@ class SparseAttentionTrainer:
                 ``checkpoint_dir`` not None, a str or ``os.PathLike``, ``progress`` not a bool.
         """
         if steps is not None:
-            _check_int("SparseAttentionTrainer.train", "steps", steps, least=0)
+            check_int("SparseAttentionTrainer.train", "steps", steps, least=0)
         check_checkpointing(checkpoint_dir, checkpoint_every, "SparseAttentionTrainer.train")
         check_flag(progress, "progress", "SparseAttentionTrainer.train")
         end = self.config.total_steps if steps is None else self.step + steps

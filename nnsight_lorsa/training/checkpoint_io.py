@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory, resolve, verify
+from .._checks import is_int
 from ..errors import ArgumentError, CheckpointError
+from ..formats.files import check_path
 
 MANIFEST = "manifest.json"
 
@@ -43,8 +45,6 @@ def _is_replaceable(d: Path, names: tuple[str, ...]) -> bool:
 def _check_directory(directory: Any) -> None:
     """A checkpoint ``directory`` that is a str / ``os.PathLike`` (:class:`ArgumentError`, not pathlib's
     ``TypeError``): every save, resume and existence check of both trainers comes through here."""
-    from ..formats.files import check_path
-
     check_path(directory, "checkpoint", "a checkpoint directory")
 
 
@@ -57,8 +57,6 @@ def check_checkpointing(checkpoint_dir: Any, checkpoint_every: Any, where: str) 
     Raises:
         ArgumentError: naming ``where`` and the argument.
     """
-    from .._checks import is_int
-
     if checkpoint_every is not None and (not is_int(checkpoint_every) or checkpoint_every < 0):
         raise ArgumentError(f"{where}: checkpoint_every must be a non-negative int, got {checkpoint_every!r}")
     if checkpoint_dir is None:
@@ -66,8 +64,6 @@ def check_checkpointing(checkpoint_dir: Any, checkpoint_every: Any, where: str) 
             raise ArgumentError(f"{where}: checkpoint_every={checkpoint_every} without checkpoint_dir saves nothing: "
                                 "pass checkpoint_dir= (where the checkpoints go)")
         return
-    from ..formats.files import check_path
-
     check_path(checkpoint_dir, where, "a checkpoint directory")
 
 

@@ -9,10 +9,9 @@ betas, gradient clipping, the learning-rate decay at the end of the run — with
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
+from .._checks import check_int, check_real
 from ..errors import ArgumentError
 
 
@@ -53,14 +52,14 @@ class OptimConfig:
         Source: Lorsa paper (He et al. 2025) §3.2 (Adam, warmup–stable–decay); ours (the fields and checks).
         """
         who = type(self).__name__
-        _check_int(who, "total_steps", self.total_steps)
-        _check_real(who, "lr", self.lr, positive=True)
+        check_int(who, "total_steps", self.total_steps)
+        check_real(who, "lr", self.lr, positive=True)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ArgumentError(f"{who}.betas must be a pair of numbers in [0, 1), got {self.betas!r}")
         for i, b in enumerate(self.betas):
-            _check_real(who, f"betas[{i}]", b, upper=1.0, upper_open=True)
-        _check_real(who, "grad_clip", self.grad_clip)
-        _check_real(who, "decay_frac", self.decay_frac, upper=1.0)
+            check_real(who, f"betas[{i}]", b, upper=1.0, upper_open=True)
+        check_real(who, "grad_clip", self.grad_clip)
+        check_real(who, "decay_frac", self.decay_frac, upper=1.0)
 
 
 @dataclass
@@ -131,17 +130,17 @@ class TrainConfig(OptimConfig):
         """
         super().validate()
         for name in ("norm_batches", "log_every", "dead_after_tokens"):
-            _check_int("TrainConfig", name, getattr(self, name))
+            check_int("TrainConfig", name, getattr(self, name))
         if self.aux_k is not None:
-            _check_int("TrainConfig", "aux_k", self.aux_k)
-        _check_real("TrainConfig", "warmup_frac", self.warmup_frac, upper=1.0)
-        _check_real("TrainConfig", "decay_to", self.decay_to, upper=1.0)
+            check_int("TrainConfig", "aux_k", self.aux_k)
+        check_real("TrainConfig", "warmup_frac", self.warmup_frac, upper=1.0)
+        check_real("TrainConfig", "decay_to", self.decay_to, upper=1.0)
         if self.warmup_frac + self.decay_frac > 1:
             raise ArgumentError(f"TrainConfig.warmup_frac + decay_frac must be at most 1 (the warmup and the decay "
                                 f"are parts of one run), got warmup_frac={self.warmup_frac!r} + "
                                 f"decay_frac={self.decay_frac!r} = {self.warmup_frac + self.decay_frac!r}")
         for name in ("aux_k_coef", "l1_coef", "l0_coef"):
-            _check_real("TrainConfig", name, getattr(self, name))
+            check_real("TrainConfig", name, getattr(self, name))
         if self.normalize_decoder is not None and not isinstance(self.normalize_decoder, bool):
             raise ArgumentError(f"TrainConfig.normalize_decoder must be None or a bool, got {self.normalize_decoder!r}")
         for name in ("sparse_kernels", "master_weights"):
@@ -153,27 +152,3 @@ class TrainConfig(OptimConfig):
                 raise ArgumentError(f"TrainConfig.{name} must be None or a non-empty str, got {value!r}")
         if not isinstance(self.history, list):
             raise ArgumentError(f"TrainConfig.history must be a list, got {type(self.history).__name__}")
-
-
-def _check_int(who: str, name: str, value: Any, *, least: int = 1) -> None:
-    """``value`` an ``int`` (not a bool) ≥ ``least``, else :class:`ArgumentError` naming ``<who>.<name>``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        rule = "a positive int" if least == 1 else f"an int >= {least}"
-        raise ArgumentError(f"{who}.{name} must be {rule}, got {value!r}")
-
-
-def _check_real(who: str, name: str, value: Any, *, positive: bool = False, upper: float | None = None,
-                upper_open: bool = False, signed: bool = False) -> None:
-    """``value`` a finite real number (int or float, not a bool), ``> 0`` if ``positive``, any sign if ``signed``,
-    else ``≥ 0``, and at most ``upper`` (below it if ``upper_open``); else :class:`ArgumentError` naming
-    ``<who>.<name>``."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ArgumentError(f"{who}.{name} must be a finite number, got {value!r}")
-    if signed:
-        return
-    low_ok = value > 0 if positive else value >= 0
-    high_ok = upper is None or (value < upper if upper_open else value <= upper)
-    if not (low_ok and high_ok):
-        lo = "(0" if positive else "[0"
-        hi = "inf)" if upper is None else (f"{upper:g})" if upper_open else f"{upper:g}]")
-        raise ArgumentError(f"{who}.{name} must be in {lo}, {hi}, got {value!r}")
