@@ -1,7 +1,7 @@
 """Type checks of public arguments, shared by the entry points.
 
-Of the standard library only ``operator`` and ``math`` are imported: these run where the modules run, an NDIF server included,
-whose deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not); of the
+Of the standard library only ``operator`` and ``math`` are imported: these run where the modules run, an NDIF server
+included, whose deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not); of the
 package only :mod:`.errors` (the checks raise :class:`~.errors.ArgumentError`).
 """
 

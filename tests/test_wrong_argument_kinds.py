@@ -113,9 +113,65 @@ TRAINING = {
 }
 
 
+_PROMPTS = "must be prompts — a non-empty text, token ids"
+# (case, error class, message): experiments' prompts, arguments their mode ignores, flags and export fields
+# (2026-11-29, fifth session): path_patching(clean=None) and the ignored / truthy ones ran, the rest were raw errors
+PATCHING = {
+    **{f"{call}={label})": ("ArgumentError", f"{where}: {name} {_PROMPTS}")
+       for label in ("5", "None", "[]", "2.5", "['']")
+       for call, where, name in (("ablation_effect(prompts", "ablation_effect", "prompts"),
+                                 ("activation_patching(corrupt", "activation_patching", "corrupt"),
+                                 ("mean_activations(prompts", "mean_activations", "prompts"),
+                                 ("head_swap(prompts", "head_swap", "prompts"),
+                                 ("random_ablation_control(prompts", "random_ablation_control", "prompts"),
+                                 ("path_patching(clean", "path_patching", "clean"))},
+    "path_patching(corrupt=5)": ("ArgumentError", f"path_patching: corrupt {_PROMPTS}"),
+    **{f"{where}(means, mode='zero')": ("ConfigMismatchError", f"{where}: means= is read only with mode='mean'")
+       for where in ("ablation_effect", "random_ablation_control", "circuit_size")},
+    "path_patching(means, mode='patch')": ("ConfigMismatchError",
+                                           "path_patching: means= is read only with mode='mean'"),
+    "path_patching(corrupt, mode='zero')": ("ConfigMismatchError",
+                                            "path_patching: corrupt= is read only with mode='patch'"),
+    "circuit_size(task=Tensor)": ("ArgumentError", "circuit_size(task=...) must be a TaskBatch, got a Tensor"),
+    "circuit_size(scores='x')": ("ArgumentError", "circuit_size: scores must be None or a (batch, n) tensor"),
+    "circuit_size(ks=3)": ("ArgumentError", "circuit_size: ks must be a sequence of ints, got 3"),
+    "head_swap(swap='no')": ("ArgumentError", "head_swap(swap=...) must be True or False"),
+    "collect_top_activations(distinct_windows='no')": ("ArgumentError", "collect_top_activations(distinct_windows=...) "
+                                                       "must be True or False"),
+    "mhsa_correlation(skip_first='no')": ("ArgumentError", "mhsa_correlation(skip_first=...) must be True or False"),
+    "qk_feature_impacts(skip_first='no')": ("ArgumentError",
+                                            "qk_feature_impacts(skip_first=...) must be True or False"),
+    "ov_logit_lens(tokenizer=3)": ("ArgumentError", "tokenizer must be a tokenizer (with decode"),
+    "to_neuronpedia(slug=None)": ("ArgumentError", "to_neuronpedia(slug=...) must be a str, got a NoneType"),
+    "to_neuronpedia(slug=3)": ("ArgumentError", "to_neuronpedia(slug=...) must be a str, got a int"),
+    "to_neuronpedia(scan=nan)": ("ArgumentError", "to_neuronpedia(scan=...) must be a str, got a float"),
+    "to_neuronpedia(scan=['m'])": ("ArgumentError", "to_neuronpedia(scan=...) must be a str, got a list"),
+    "to_neuronpedia(creator_name=3)": ("ArgumentError", "to_neuronpedia(creator_name=...) must be a str"),
+    "to_neuronpedia(tokenizer='x')": ("ArgumentError", "tokenizer must be a tokenizer (with decode"),
+    "induction_task(token_pool=3)": ("ArgumentError", "induction_task: token_pool must be a list of ints, got 3"),
+    "ioi_task(template=None)": ("ArgumentError", "ioi_task: template must be a str, got None"),
+    "ioi_task(names=3)": ("ArgumentError", "ioi_task: names must be a list of str, got 3"),
+    "greater_than_task(years=5)": ("ArgumentError", "greater_than_task: years must be a list of ints, got 5"),
+    "greater_than_task(noun=3)": ("ArgumentError", "greater_than_task: noun must be a str, got 3"),
+    "greater_than_task(century='13')": ("ArgumentError", "century must be an int >= 0, got '13'"),
+    "arithmetic_task(pairs='x')": ("ArgumentError", "arithmetic_task: pairs must be a list of (op1, op2) pairs"),
+    "arithmetic_task(template=None)": ("ArgumentError", "arithmetic_task: template must be a str, got None"),
+    "cache_for_attribution(remote='x')": ("ArgumentError",
+                                          "cache_for_attribution(remote=...) must be True, False or 'local'"),
+    **{f"{kind}(adapter={label})": ("ArgumentError", f"{kind}(adapter=...) must be None (the model's own")
+       for kind in ("LorsaSet", "ReplacementModel") for label in ("'x'", "0", "[]")},
+    "head_dashboard_data(correlation=3)": ("ArgumentError", "correlation must be None or mhsa_correlation(...)"),
+    "head_dashboard_data(extra='x')": ("ArgumentError", "extra must be None or a mapping"),
+    "load(local_files_only='no')": ("ArgumentError", "load(local_files_only=...) must be True or False"),
+    "load(revision=3)": ("ArgumentError", "load: revision must be None or a str"),
+    "load(format=[])": ("UnsupportedArchitectureError", "unknown checkpoint format []"),
+    "LorsaSet.from_pretrained(adapter='x')": ("ArgumentError", "LorsaSet(adapter=...) must be None"),
+    "render_html(title=[])": ("ArgumentError", "render_html(title=...) must be None (the prompt) or a str"),
+}
+
 #: every case: (the error's class name, a part of its message)
 CASES = {**{case: ("ArgumentError", message) for case, message in {**EXPECTED, **GRAPH}.items()}, **FIELDS, **TRAINING,
-         "patch(None, values)": ("ConfigMismatchError", "bind targets first")}
+         **PATCHING, "patch(None, values)": ("ConfigMismatchError", "bind targets first")}
 
 
 @pytest.fixture(scope="module")

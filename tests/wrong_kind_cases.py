@@ -99,6 +99,7 @@ def cases(lorsa, model, scratch: Path) -> dict:
         out[f"PruneConfig({name}={value!r})"] = lambda n=name, v=value: PruneConfig(**{n: v})
     out["SAEConfig(hook=['model.layers.3'])"] = lambda: make_sae(d_in=8, d_sae=16, hook=["model.layers.3"])
     graph_cases(out, scratch)
+    patching_cases(out)
     training_cases(out, model, lorsa, scratch)
     gated = tiny_hf_model("llama")
     install_gated_attention(gated)
@@ -113,6 +114,70 @@ def cases(lorsa, model, scratch: Path) -> dict:
     out["TokenDataset(tokens, target_mask=list)"] = lambda: TokenDataset(torch.ones(2, 4, dtype=torch.long),
                                                                           [[1, 1, 1, 1], [1, 1, 1, 0]])
     return out
+
+
+def patching_cases(out: dict) -> None:
+    """Experiments and head analyses given prompts nnsight cannot batch, an argument their mode ignores, or a flag
+    that is not a bool (2026-11-29, fifth session: each raised deep in nnsight or ran ignoring it)."""
+    from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation, ov_logit_lens, qk_feature_impacts
+    from nnsight_lorsa import ReplacementModel
+    from nnsight_lorsa.attribution import cache_for_attribution
+    from nnsight_lorsa.patching import LorsaHead, MHSAHead, induction_task
+    from nnsight_lorsa.viz import head_dashboard_data
+
+    model, _, lorsas, tcs = attribution_setup("llama")
+    r = rm(model, lorsas, tcs)
+    task = induction_task(model.tokenizer, n_prompts=2, seq_len=3)
+    ids = dict(correct_ids=task.correct_ids, incorrect_ids=task.incorrect_ids)
+    head, heads = LorsaHead(1, 0), [LorsaHead(1, 0), LorsaHead(1, 1)]
+    means = patching.mean_activations(r, heads, task.clean)
+    for label, bad in (("5", 5), ("None", None), ("[]", []), ("2.5", 2.5), ("['']", [""])):
+        out[f"ablation_effect(prompts={label})"] = lambda b=bad: patching.ablation_effect(r, b, [head], **ids)
+        out[f"activation_patching(corrupt={label})"] = lambda b=bad: patching.activation_patching(
+            r, task.clean, b, [head], **ids)
+        out[f"mean_activations(prompts={label})"] = lambda b=bad: patching.mean_activations(r, [head], b)
+        out[f"head_swap(prompts={label})"] = lambda b=bad: patching.head_swap(r, 1, 0, 1, b)
+        out[f"random_ablation_control(prompts={label})"] = lambda b=bad: patching.random_ablation_control(
+            r, b, heads, 1, n_samples=1, **ids)
+        out[f"path_patching(clean={label})"] = lambda b=bad: patching.path_patching(
+            r, b, [MHSAHead(0, 0)], corrupt=task.corrupt, **ids)
+    out["path_patching(corrupt=5)"] = lambda: patching.path_patching(r, task.clean, [MHSAHead(0, 0)], corrupt=5, **ids)
+    out["ablation_effect(means, mode='zero')"] = lambda: patching.ablation_effect(r, task.clean, [head], means=means,
+                                                                                  **ids)
+    out["random_ablation_control(means, mode='zero')"] = lambda: patching.random_ablation_control(
+        r, task.clean, heads, 1, n_samples=1, means=means, **ids)
+    out["circuit_size(means, mode='zero')"] = lambda: patching.circuit_size(r, task, heads, means=means)
+    out["path_patching(means, mode='patch')"] = lambda: patching.path_patching(
+        r, task.clean, [head], corrupt=task.corrupt, means=means, **ids)
+    out["path_patching(corrupt, mode='zero')"] = lambda: patching.path_patching(
+        r, task.clean, [head], corrupt=task.corrupt, mode="zero", **ids)
+    out["circuit_size(task=Tensor)"] = lambda: patching.circuit_size(r, task.clean, heads)
+    out["circuit_size(scores='x')"] = lambda: patching.circuit_size(r, task, heads, scores="x")
+    out["circuit_size(ks=3)"] = lambda: patching.circuit_size(r, task, heads, ks=3)
+    out["head_swap(swap='no')"] = lambda: patching.head_swap(r, 1, 0, 1, task.clean, swap="no")
+    out["collect_top_activations(distinct_windows='no')"] = lambda: collect_top_activations(
+        r, 1, task.clean, distinct_windows="no")
+    out["mhsa_correlation(skip_first='no')"] = lambda: mhsa_correlation(r, 1, task.clean, skip_first="no")
+    sae = make_sae(d_in=64, d_sae=16, activation="topk", activation_params={"k": 2})
+    out["qk_feature_impacts(skip_first='no')"] = lambda: qk_feature_impacts(r, 1, 0, sae, task.clean,
+                                                                             skip_first="no")
+    out["ov_logit_lens(tokenizer=3)"] = lambda: ov_logit_lens(r, 1, tokenizer=3)
+    tok = model.tokenizer
+    out["induction_task(token_pool=3)"] = lambda: patching.induction_task(tok, token_pool=3)
+    out["ioi_task(template=None)"] = lambda: patching.ioi_task(tok, template=None)
+    out["ioi_task(names=3)"] = lambda: patching.ioi_task(tok, names=3)
+    out["greater_than_task(years=5)"] = lambda: patching.greater_than_task(tok, years=5)
+    out["greater_than_task(noun=3)"] = lambda: patching.greater_than_task(tok, noun=3)
+    out["greater_than_task(century='13')"] = lambda: patching.greater_than_task(tok, century="13")
+    out["arithmetic_task(pairs='x')"] = lambda: patching.arithmetic_task(tok, pairs="x")
+    out["arithmetic_task(template=None)"] = lambda: patching.arithmetic_task(tok, template=None)
+    out["cache_for_attribution(remote='x')"] = lambda: cache_for_attribution(r, task.clean[0], remote="x")
+    for label, bad in (("'x'", "x"), ("0", 0), ("[]", [])):
+        out[f"LorsaSet(adapter={label})"] = lambda b=bad: LorsaSet(model, lorsas, adapter=b)
+        out[f"ReplacementModel(adapter={label})"] = lambda b=bad: ReplacementModel(model, lorsas=lorsas, adapter=b)
+    top = collect_top_activations(r, 1, task.clean)
+    out["head_dashboard_data(correlation=3)"] = lambda: head_dashboard_data(r, 1, 0, top, task.clean, correlation=3)
+    out["head_dashboard_data(extra='x')"] = lambda: head_dashboard_data(r, 1, 0, top, task.clean, extra="x")
 
 
 def module_cases(out: dict, lorsa) -> None:
@@ -156,6 +221,11 @@ def training_cases(out: dict, model, lorsa, scratch: Path) -> None:
     out["Trainer.resume(None, source)"] = lambda: Trainer.resume(None, reconstruction_source(2, 4, 8))
     save(lorsa, scratch / "saved")
     out["load(subfolder=3)"] = lambda: load(scratch / "saved", subfolder=3)
+    out["load(local_files_only='no')"] = lambda: load(scratch / "saved", local_files_only="no")
+    out["load(revision=3)"] = lambda: load(scratch / "saved", revision=3)
+    out["load(format=[])"] = lambda: load(scratch / "saved", format=[])
+    out["LorsaSet.from_pretrained(adapter='x')"] = lambda: LorsaSet.from_pretrained(model, scratch / "saved",
+                                                                                      adapter="x")
 
 
 def graph_cases(out: dict, scratch: Path) -> None:
@@ -177,6 +247,10 @@ def graph_cases(out: dict, scratch: Path) -> None:
         out[f"to_neuronpedia(graph, {label})"] = lambda b=bad: to_neuronpedia(graph, b, slug="t")
         out[f"plot_graph(graph, {label})"] = lambda b=bad: plot_graph(graph, b)
         out[f"circuit_metrics(replacement, graph, {label})"] = lambda b=bad: circuit_metrics(replacement, graph, b)
+    for name, bad in (("slug", None), ("slug", 3), ("scan", float("nan")), ("scan", ["m"]), ("creator_name", 3),
+                      ("tokenizer", "x")):
+        kw = {"slug": "t", name: bad}
+        out[f"to_neuronpedia({name}={bad!r})"] = lambda k=kw: to_neuronpedia(graph, **k)
     out["circuit_metrics(lorsas, graph, pruned)"] = lambda: circuit_metrics(lorsas, graph, pruned)
     out["circuit_metrics(incorrect_token=2.5)"] = lambda: circuit_metrics(replacement, graph, pruned,
                                                                            incorrect_token=2.5)
@@ -186,6 +260,7 @@ def graph_cases(out: dict, scratch: Path) -> None:
     out["plot_graph(path=3)"] = lambda: plot_graph(graph, pruned, path=3)
     out["plot_graph(tokens=str)"] = lambda: plot_graph(graph, pruned, tokens="abcdef")
     out["render_html(path=3)"] = lambda: render_html(graph, pruned, path=3)
+    out["render_html(title=[])"] = lambda: render_html(graph, pruned, title=[])
     out["render_html(details=list)"] = lambda: render_html(graph, pruned, details=[1])
     out["plot_z_pattern(path=None)"] = lambda: plot_z_pattern(torch.ones(2, 2).tril(), ["a", "b"], None)
     out["plot_operand_grid(path=None)"] = lambda: plot_operand_grid(torch.ones(2, 2), None)

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from .._placement import torch_module
-from ..errors import UnsupportedArchitectureError
+from ..errors import ArgumentError, UnsupportedArchitectureError
 from .base import ArchitectureAdapter
 from .gemma import GemmaAdapter
 from .gemma2 import Gemma2Adapter, Gemma3Adapter
@@ -69,3 +69,22 @@ def get_adapter(model_or_config: Any) -> ArchitectureAdapter:
         f"no adapter for model_type {model_type!r}; supported: {supported}. An adapter says where the "
         "attention reads its input and writes its output, and how it applies RoPE (see docs/adapters.md)."
     )
+
+
+def adapter_for(model: Any, adapter: Any, where: str) -> ArchitectureAdapter:
+    """``adapter`` when given (an :class:`ArchitectureAdapter`), else :func:`get_adapter` of ``model``: the
+    ``adapter=`` argument of the sets and of ``ReplacementModel``.
+
+    Raises:
+        ArgumentError: ``adapter`` neither None nor an :class:`ArchitectureAdapter`, naming ``where`` (a falsy
+            one, ``0`` or ``[]``, was silently replaced by the model's own).
+        UnsupportedArchitectureError: no adapter serves the model (:func:`get_adapter`).
+
+    Source: ours.
+    """
+    if adapter is None:
+        return get_adapter(model)
+    if not isinstance(adapter, ArchitectureAdapter):
+        raise ArgumentError(f"{where}(adapter=...) must be None (the model's own, get_adapter(model)) or an "
+                            f"ArchitectureAdapter, got a {type(adapter).__name__}")
+    return adapter

@@ -20,7 +20,7 @@ from typing import Any
 import nnsight
 import torch
 
-from .._checks import is_int
+from .._checks import check_flag, is_int
 from .._placement import HOST, host_f32, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
@@ -230,8 +230,8 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
         ShapeError: ``tokens`` is not a non-empty integer ``(n, pos)``, ``attention_mask`` not of its shape
         (ArgumentError: ids outside the model's vocabulary).
         LayerOutOfRangeError: no Lorsa at ``layer``. ConfigMismatchError: ``replacement`` has no Lorsas.
-        PlacementError: the Lorsa is on ``meta``. ArgumentError: ``batch_size`` not an int ``>= 1``;
-        ``attention_mask`` not 0 / 1 or with padding between a row's tokens; the model carries stored edits.
+        PlacementError: the Lorsa is on ``meta``. ArgumentError: ``batch_size`` not an int ``>= 1``; ``skip_first``
+        not a bool; ``attention_mask`` not 0 / 1 or with padding between a row's tokens; the model carries stored edits.
         TraceOrderError: called inside a trace body. NonFiniteError: the MHSA heads' or the active Lorsa
         heads' outputs at a token are NaN / inf (e.g. an fp16 overflow).
 
@@ -242,6 +242,7 @@ def mhsa_correlation(replacement: Any, layer: int, tokens: torch.Tensor, *, batc
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")
     check_tokens(tokens, model)
     _check_count(batch_size, "batch_size")
+    check_flag(skip_first, "skip_first", "mhsa_correlation")
     mask = check_attention_mask(attention_mask, tokens)
     refuse_stored_edits(model, "mhsa_correlation", "the MHSA heads and the Lorsa")
     adapter = get_adapter(model)
@@ -434,9 +435,9 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
         ShapeError: ``tokens`` not a non-empty integer ``(n_windows, pos)``, ``attention_mask`` not of its shape
         (ArgumentError: ids outside the model's vocabulary).
         LayerOutOfRangeError: no Lorsa at ``layer``. ArgumentError: ``n_top`` or ``batch_size`` not an int
-        ``>= 1``; ``skip_start`` not an int in ``[0, pos)``; ``attention_mask`` not 0 / 1 or with padding between
-        a row's tokens; NaN / inf activations at a token (:meth:`TopActivations.update`). TraceOrderError: called
-        inside a trace body.
+        ``>= 1``; ``skip_start`` not an int in ``[0, pos)``; ``distinct_windows`` not a bool; ``attention_mask`` not
+        0 / 1 or with padding between a row's tokens; NaN / inf activations at a token
+        (:meth:`TopActivations.update`). TraceOrderError: called inside a trace body.
 
     Source: Lorsa paper (He et al. 2025) §5.1 (top activations of a head).
     """
@@ -446,6 +447,7 @@ def collect_top_activations(replacement: Any, layer: int, tokens: torch.Tensor, 
     check_tokens(tokens, model)
     _check_count(n_top, "n_top")
     _check_count(batch_size, "batch_size")
+    check_flag(distinct_windows, "distinct_windows", "collect_top_activations")
     if not isinstance(skip_start, int) or isinstance(skip_start, bool) or not 0 <= skip_start < tokens.shape[-1]:
         raise ArgumentError(f"skip_start must be an int in [0, {tokens.shape[-1]}) (the window length), "
                             f"got {skip_start!r}")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._checks import is_int
+from .._checks import check_flag, is_int
 from .._placement import placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float, Int
@@ -228,8 +228,9 @@ def qk_feature_impacts(
         range, ``tokens`` not a non-empty integer ``(n_windows, pos)`` tensor (ArgumentError: ids outside the
         model's vocabulary). ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
         PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` or ``chunk`` not an
-        int ``>= 1``, ``features`` not a non-empty list / integer tensor of ints, ``attention_mask`` not 0 / 1 or with
-        padding between a row's tokens (ShapeError: not of the tokens' shape), the model carries stored edits.
+        int ``>= 1``, ``skip_first`` not a bool, ``features`` not a non-empty list / integer tensor of ints,
+        ``attention_mask`` not 0 / 1 or with padding between a row's tokens (ShapeError: not of the tokens' shape),
+        the model carries stored edits.
         TraceOrderError: called inside a trace body. All before the model runs.
 
     What it measures: the Lorsa's pattern, recomputed from its weights on the attention input of ``layer`` read
@@ -249,6 +250,7 @@ def qk_feature_impacts(
 
     refuse_in_trace("qk_feature_impacts")
     check_replacement_model(replacement, "qk_feature_impacts")
+    check_flag(skip_first, "skip_first", "qk_feature_impacts")
     if not is_int(chunk) or chunk < 1:
         raise ArgumentError(f"chunk must be an int >= 1 (elements of one ablated-score tensor), got {chunk!r}")
     model, lorsa_set = replacement.model, replacement.require("lorsas", "head analysis")

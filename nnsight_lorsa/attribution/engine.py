@@ -32,7 +32,7 @@ from .cached import attribute_cached, check_cache, in_dtype
 from .graph import Graph
 from .layout import Layout, LiveNodes
 from .offload import rows_label
-from .options import AttributionOptions
+from .options import AttributionOptions, check_remote
 from .qk import qk_for_graph
 from .replacement import FrozenReplacement, layer_modules, transcoder_sites
 from .rows import RowScheduler, SparseRows, assemble, assemble_pruned
@@ -190,13 +190,15 @@ def cache_for_attribution(replacement: Any, prompt: Any, *, remote: Any = False)
     trace (``remote`` as in :func:`.attribute.attribute`).
 
     Raises:
-        LayerOutOfRangeError, ShapeError: bad layers or prompt.
+        LayerOutOfRangeError, ShapeError: bad layers or prompt. ArgumentError: ``remote`` not True, False or
+            ``"local"``.
 
     Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/attribution/attribute.py``.
     """
     from ..envoy.replacement_model import check_replacement_model
 
     check_replacement_model(replacement, "cache_for_attribution")
+    check_remote(remote, "cache_for_attribution")
     model, adapter = replacement.model, replacement.adapter
     lor, tcs = layer_modules(replacement)
     for layer in [*lor, *tcs]:

@@ -144,12 +144,16 @@ def decode_token(tokenizer: Any, token_id: int, *, partial_bytes: bool = False) 
 
     Raises:
         ArgumentError: ``token_id`` outside the tokenizer's vocabulary ``[0, len(tokenizer))`` (a
-            tokenizer decodes it as ``''``, which would label the node with nothing).
+            tokenizer decodes it as ``''``, which would label the node with nothing); ``tokenizer`` neither None nor
+            an object with ``decode``.
 
     Source: ours (circuit-tracer labels with ``tokenizer.decode`` alone).
     """
     if tokenizer is None:
         return f"tok{token_id}"
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise ArgumentError(f"tokenizer must be a tokenizer (with decode, e.g. model.tokenizer) or None for tok<id> "
+                            f"labels, got a {type(tokenizer).__name__}")
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
     if isinstance(size, int) and not 0 <= int(token_id) < size:
         raise ArgumentError(f"token id {int(token_id)} is outside the tokenizer's vocabulary [0, {size}) "
@@ -252,13 +256,19 @@ def to_neuronpedia(
         ArgumentError: (a ``ValueError``) a graph without logit nodes, a prune result whose node mask or edge
             index does not fit the graph, a prompt or logit token id outside ``tokenizer``'s vocabulary;
             ``graph`` not a :class:`~.graph.Graph`, ``prune_result`` not None or a :class:`~.scores.PruneResult`,
-            ``sparsity_threshold`` not a number in ``[0, 1]``.
+            ``sparsity_threshold`` not a number in ``[0, 1]``, ``slug`` / ``creator_name`` not a str, ``scan``
+            neither None nor a str, ``tokenizer`` neither None nor an object with ``decode``
+            (:func:`decode_token`).
         NonFiniteError: a NaN / inf weight on an exported edge, or NaN / inf logit probabilities (strict JSON
             holds neither).
 
     Source: circuit-tracer ``frontend/graph_models.py`` (field names, node ids).
     """
     check_instance(graph, Graph, "to_neuronpedia", "graph", GRAPH_HINT)
+    check_instance(slug, str, "to_neuronpedia", "slug")
+    check_instance(creator_name, str, "to_neuronpedia", "creator_name")
+    if scan is not None:
+        check_instance(scan, str, "to_neuronpedia", "scan", " (or None: the graph's model_type)")
     if prune_result is not None:
         check_instance(prune_result, PruneResult, "to_neuronpedia", "prune_result", PRUNED_HINT)
     if not is_real(sparsity_threshold) or not 0.0 <= sparsity_threshold <= 1.0:

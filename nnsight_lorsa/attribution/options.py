@@ -27,6 +27,16 @@ def _count(value: Any, name: str, none_ok: bool = False) -> None:
         raise ConfigMismatchError(f"attribute({name}=...) must be >= 1, got {value}")
 
 
+def check_remote(value: Any, where: str) -> None:
+    """``remote`` of an attribution call: True (NDIF), False (here) or ``"local"`` (the remote code path run here).
+
+    Raises:
+        ArgumentError: anything else, naming ``where`` (a truthy str or number would send the trace remote).
+    """
+    if not (isinstance(value, bool) or value == "local"):
+        raise ArgumentError(f"{where}(remote=...) must be True, False or 'local', got {value!r}")
+
+
 def refuse_renamed(settings: dict[str, Any], where: str) -> None:
     """Refuse keyword ``settings`` that are not settings of ``where`` (the function named in the error): an old
     spelling (:data:`.logit_targets.RENAMED`) with the new one, any other name as Python refuses an unknown keyword.
@@ -82,8 +92,7 @@ class AttributionOptions:
         object.__setattr__(self, "targets", check_targets(self.targets))
         if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
             raise ArgumentError(f"attribute(dtype=...) must be a floating torch dtype or None, got {self.dtype!r}")
-        if not (isinstance(self.remote, bool) or self.remote == "local"):
-            raise ArgumentError(f"attribute(remote=...) must be True, False or 'local', got {self.remote!r}")
+        check_remote(self.remote, "attribute")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ArgumentError(f"attribute(progress=...) must be True, False or None, got {self.progress!r}")
         for name in ("zero_positions", "qk_heads"):  # zero_positions' upper bound is the prompt's length (layout)

@@ -28,7 +28,7 @@ import torch
 from .._checks import check_flag
 from .._placement import kept_on_failure, set_offload
 from ..adapters.base import ArchitectureAdapter
-from ..adapters.registry import get_adapter
+from ..adapters.registry import adapter_for
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .clt_set import CLTSet
 from .lorsa_set import LorsaSet
@@ -109,7 +109,7 @@ class ReplacementModel:
                  error: Any = True, adapter: ArchitectureAdapter | None = None, offload: Any = None) -> None:
         # error: a bool, checked below (a named error, not bool("False") == True)
         self.model = model
-        self.adapter = adapter if adapter is not None else get_adapter(model)
+        self.adapter = adapter_for(model, adapter, "ReplacementModel")
         if offload is not None:
             check_flag(offload, "offload", "ReplacementModel")
         slots = [_slot_modules(v) for v in (lorsas, transcoders, saes)]

@@ -33,7 +33,7 @@ from .._placement import (
     store_on_host,
 )
 from ..adapters.base import ArchitectureAdapter
-from ..adapters.registry import get_adapter
+from ..adapters.registry import adapter_for
 from ..errors import ArgumentError, ConfigMismatchError, PlacementError
 from .nnsight_internals import hf_module
 from .splice_chain import SpliceChain, splice_chain
@@ -289,7 +289,7 @@ class ReplacementSet(Generic[K, M]):
 
     def __init__(self, model: Any, modules: Mapping[K, M] | None = None,
                  adapter: ArchitectureAdapter | None = None) -> None:
-        self.model, self.adapter = model, adapter or get_adapter(model)
+        self.model, self.adapter = model, adapter_for(model, adapter, type(self).__name__)
         self._by_key: dict[K, M] = {}
         self._offload: bool | None = None  # None: each module as it is flagged (a copy of an offloaded one is)
         self.update(modules or {})

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._atomic import MANIFEST, resolve
+from .._checks import check_flag
 from ..errors import ArgumentError
 from .validate import file_errors, require, require_file
 
@@ -66,9 +67,12 @@ def resolve_checkpoint_dir(
             repo, the revision and the subfolder), or ``subfolder`` is not a folder there.
         ArgumentError: a hub ``subfolder`` that is absolute or has a ``..`` part (it would leave the repo); a
             ``revision`` with a local path (it has none: the revision asked for would not be the one read); a
-            ``subfolder`` that is not a str.
+            ``subfolder`` or ``revision`` that is not a str; ``local_files_only`` not a bool.
     """
     check_path(source, "load")
+    check_flag(local_files_only, "local_files_only", "load")
+    if revision is not None and not isinstance(revision, str):
+        raise ArgumentError(f"load: revision must be None or a str (a branch, tag or commit), got {revision!r}")
     if subfolder is not None and not isinstance(subfolder, str):
         raise ArgumentError(f"load: subfolder must be None or a str (a folder inside {os.fspath(source)!r}), got a "
                             f"{type(subfolder).__name__}")

@@ -173,7 +173,7 @@ register_format(Format(
 
 
 def _format(name: str) -> Format:
-    if name not in FORMATS:
+    if not isinstance(name, str) or name not in FORMATS:
         raise UnsupportedArchitectureError(f"unknown checkpoint format {name!r}; known: {['auto', *FORMATS]}")
     return FORMATS[name]
 
@@ -264,7 +264,8 @@ def load(
         ArgumentError: ``sae_id`` with ``subfolder`` or a format other than ``"saelens"``; a ``dtype`` other
             than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``; a ``device`` that is not one; a
             ``revision`` with a local path; a hub ``subfolder`` that is absolute or climbs with ``..``; a
-            ``release`` / ``sae_id`` that is not a str; a path that is not a ``str`` / ``os.PathLike``.
+            ``release`` / ``sae_id`` that is not a str; a path that is not a ``str`` / ``os.PathLike``; a
+            ``revision`` that is not a str, ``local_files_only`` not a bool.
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA, a GPU index past the last).
 
     Source: ours (the format registry; the small per-architecture registry of SAELens).

@@ -22,14 +22,14 @@ from typing import Any, Literal
 
 import torch
 
-from .._checks import is_int, is_real
+from .._checks import check_instance, is_int, is_real
 from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
-from .interventions import refuse_inside_trace, refuse_repeats
+from .interventions import check_means_mode, refuse_inside_trace, refuse_repeats
 from .metrics import check_gap, metric_rounding
 from .tasks import TaskBatch
 
@@ -227,9 +227,10 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
             are equal within the logits' rounding (:func:`~.metrics.check_gap`, the rule of ``normalized``): their
             ``f(k)`` would be 0/0 or rounding noise (until 2026-11-27 a warning and NaN for an exact tie only, noise
             fractions otherwise); drop those prompts (``task.select``).
-        ConfigMismatchError: no/unknown components, a component listed twice, mean mode without means, ``ks``
-            outside ``[0, n]``.
-        ArgumentError: ``threshold`` not a finite number, ``ks`` not ints, non-finite ``scores``, a metric
+        ConfigMismatchError: no/unknown components, a component listed twice, mean mode without means, ``means``
+            with ``mode="zero"`` (they would be ignored), ``ks`` outside ``[0, n]``.
+        ArgumentError: ``task`` not a :class:`~.tasks.TaskBatch`, ``threshold`` not a finite number, ``ks`` not a
+            list / tuple / range of ints, ``scores`` not a tensor or non-finite, a metric
             that does not return ``(batch,)``; an :class:`~.targets.MHSAHead` of a layer whose Lorsa (a component's)
             is spliced without an error term (``replacement.error`` False): its ablation would be discarded
             (:meth:`.ReplacementModel.check_editable`).
@@ -239,12 +240,15 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     """
     refuse_inside_trace("circuit_size")
     check_replacement_model(replacement, "circuit_size")
+    check_instance(task, TaskBatch, "circuit_size", "task", " (a task builder's output, e.g. ioi_task(...))")
     _check_components(replacement, components)
+    check_means_mode(mode, means, "circuit_size")
+    if scores is not None and not isinstance(scores, torch.Tensor):
+        raise ArgumentError(f"circuit_size: scores must be None or a (batch, n) tensor, got a {type(scores).__name__}")
     if not is_real(threshold) or not math.isfinite(threshold):
         raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "
                             f"got {threshold!r}")
-    if ks is not None and (isinstance(ks, (str, bytes)) or not all(
-            is_int(k) for k in ks)):
+    if ks is not None and (not isinstance(ks, (list, tuple, range)) or not all(is_int(k) for k in ks)):
         raise ArgumentError(f"circuit_size: ks must be a sequence of ints, got {ks!r}")
     n, b = len(components), len(task)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)

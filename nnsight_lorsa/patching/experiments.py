@@ -20,13 +20,22 @@ from typing import Any, Literal
 import nnsight
 import torch
 
-from .._checks import is_int
+from .._checks import check_flag, is_int
 from .._placement import HOST, host_f32
 from ..envoy.padding import check_not_padding, check_same_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError, ShapeError
-from .interventions import ablate, check_positions, patch, read, refuse_inside_trace, refuse_repeats
+from .interventions import (
+    ablate,
+    check_means_mode,
+    check_positions,
+    check_prompts,
+    patch,
+    read,
+    refuse_inside_trace,
+    refuse_repeats,
+)
 from .metrics import logit_difference, metric_rounding, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -179,6 +188,8 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
     """
     refuse_inside_trace("activation_patching")
     check_replacement_model(replacement, "activation_patching")
+    check_prompts(clean, "activation_patching", "clean")
+    check_prompts(corrupt, "activation_patching", "corrupt")
     if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
@@ -299,6 +310,8 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
     """
     refuse_inside_trace("ablation_effect")
     check_replacement_model(replacement, "ablation_effect")
+    check_prompts(prompts, "ablation_effect")
+    check_means_mode(mode, means, "ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
                      positions)
 
@@ -364,6 +377,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     """
     refuse_inside_trace("random_ablation_control")
     check_replacement_model(replacement, "random_ablation_control")
+    check_prompts(prompts, "random_ablation_control")
+    check_means_mode(mode, means, "random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")
     if not is_int(n_samples) or n_samples < 1:
@@ -407,6 +422,8 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
     """
     refuse_inside_trace("head_swap")
     check_replacement_model(replacement, "head_swap")
+    check_prompts(prompts, "head_swap")
+    check_flag(swap, "swap", "head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model
     pos = positions_index(positions)

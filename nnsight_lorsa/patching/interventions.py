@@ -40,6 +40,58 @@ from ..envoy.targets import Bound, Positions, Target, index_at, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError
 
 
+def _is_ids(value: Any) -> bool:
+    """Token ids of one or more prompts: an integer (not bool) tensor ``(pos,)`` / ``(batch, pos)`` with
+    ``pos >= 1``, or a non-empty list / tuple of ints."""
+    if isinstance(value, torch.Tensor):
+        return not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
+            and 1 <= value.dim() <= 2 and value.shape[-1] >= 1
+    return isinstance(value, (list, tuple)) and bool(value) and all(is_int(v) for v in value)
+
+
+def check_prompts(prompts: Any, where: str, name: str = "prompts") -> None:
+    """Refuse what an experiment cannot run as prompts, before the model runs: a non-empty text, token ids
+    (:func:`_is_ids`), a mapping with ``input_ids`` (a tokenizer's ``BatchEncoding``), or a non-empty list /
+    tuple of texts and token ids (one prompt each). nnsight itself would take a number for a text and fail deep
+    in its batching (``TypeError: can only concatenate str``), and None as an empty batch.
+
+    Raises:
+        ArgumentError: naming ``where``, ``name`` and what was given.
+
+    Source: ours (the forms nnsight's ``LanguageModel`` batches: ``nnsight/modeling/language.py``).
+    """
+    if isinstance(prompts, Mapping) and "input_ids" in prompts:
+        ok = _is_ids(torch.as_tensor(prompts["input_ids"])) if isinstance(
+            prompts["input_ids"], (torch.Tensor, list, tuple)) else False
+    elif isinstance(prompts, str):
+        ok = bool(prompts)
+    elif isinstance(prompts, (list, tuple)) and prompts and not _is_ids(prompts):
+        ok = all((isinstance(p, str) and bool(p)) or _is_ids(p) and not (isinstance(p, torch.Tensor) and p.dim() != 1)
+                 for p in prompts)
+    else:
+        ok = _is_ids(prompts)
+    if not ok:
+        got = (f"a tensor of shape {tuple(prompts.shape)} dtype {prompts.dtype}" if isinstance(prompts, torch.Tensor)
+               else repr(prompts)[:80] if isinstance(prompts, (str, list, tuple)) else f"a {type(prompts).__name__}")
+        raise ArgumentError(f"{where}: {name} must be prompts — a non-empty text, token ids (an integer tensor (pos,) "
+                            "or (batch, pos), or a list of ints), a tokenizer's output with input_ids, or a "
+                            f"non-empty list of texts / token-id lists — got {got}")
+
+
+def check_means_mode(mode: Any, means: Any, where: str) -> None:
+    """Refuse ``means`` given with a ``mode`` other than ``"mean"``: they would be ignored (a zero ablation or a
+    patch run instead of the mean ablation the caller meant).
+
+    Raises:
+        ConfigMismatchError: naming ``where`` and the mode.
+
+    Source: ours.
+    """
+    if means is not None and mode != "mean":
+        raise ConfigMismatchError(f"{where}: means= is read only with mode='mean', got mode={mode!r}: the means would "
+                                  "be ignored. Pass mode='mean' (or drop means)")
+
+
 def check_positions(positions: Positions, seq: int) -> None:
     """Raise :class:`ArgumentError` unless ``positions`` selects at least one of ``seq`` positions: None
     (all), an int in ``[-seq, seq)`` (negative counts from the end, as Python indexing), a slice of ints
@@ -224,12 +276,13 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
             (:meth:`.ReplacementModel.check_editable`).
         ShapeError: means that do not fit the edited values; a per-position mean of another length than the prompts.
         ConfigMismatchError: ``mode`` not ``"zero"`` / ``"mean"``; ``mode="mean"`` without ``means``, or a ``means``
-            mapping without this target.
+            mapping without this target; ``means`` with ``mode="zero"`` (:func:`check_means_mode`).
 
     Source: *From Tokenization to Attribution Graphs* §10.1 (feature ablation).
     """
     if not isinstance(mode, str) or mode not in ("zero", "mean"):
         raise ConfigMismatchError(f"ablation mode must be 'zero' or 'mean', got {mode!r}")
+    check_means_mode(mode, means, "ablate")
     tensor, idx = _loc(target, positions)
     if mode == "zero":
         tensor[idx] = 0
@@ -329,6 +382,7 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     """
     refuse_inside_trace("mean_activations")
     check_replacement_model(replacement, "mean_activations")
+    check_prompts(prompts, "mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

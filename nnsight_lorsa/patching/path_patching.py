@@ -59,7 +59,7 @@ from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError
 from .experiments import check_padded_positions, make_metric, saved_logits, top_groups
-from .interventions import _value, check_positions, means_at, refuse_inside_trace
+from .interventions import _value, check_means_mode, check_positions, check_prompts, means_at, refuse_inside_trace
 from .metrics import metric_rounding, normalized_effect, relative_effect
 
 Metric = Callable[[torch.Tensor], torch.Tensor]
@@ -409,12 +409,13 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
                     "term mixes them): path-patch the group in a call without Lorsa heads of that layer")
     if mode not in ("patch", "zero", "mean"):
         raise ConfigMismatchError(f"mode must be 'patch', 'zero' or 'mean', got {mode!r}")
-    for name, prompts in (("clean", clean), ("corrupt", corrupt if mode == "patch" else None)):
-        if isinstance(prompts, torch.Tensor) and (prompts.dtype.is_floating_point or prompts.dtype.is_complex
-                                                  or prompts.dtype == torch.bool or not 1 <= prompts.dim() <= 2
-                                                  or prompts.shape[-1] == 0):
-            raise ArgumentError(f"path_patching: {name} must be token ids (pos,) or (batch, pos) with pos >= 1, "
-                                f"an integer tensor; got shape {tuple(prompts.shape)} dtype {prompts.dtype}")
+    check_means_mode(mode, means, "path_patching")
+    if corrupt is not None and mode != "patch":
+        raise ConfigMismatchError(f"path_patching: corrupt= is read only with mode='patch', got mode={mode!r}: the "
+                                  "corrupt prompts would be ignored. Pass mode='patch' (or drop corrupt)")
+    check_prompts(clean, "path_patching", "clean")
+    if corrupt is not None:
+        check_prompts(corrupt, "path_patching", "corrupt")
     if mode == "patch":
         if corrupt is None:
             raise ConfigMismatchError("mode='patch' needs corrupt= prompts (or use mode='zero'/'mean')")
@@ -487,7 +488,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             sender site path patching cannot place (inside the attention / MLP module) or whose
             output a Lorsa / transcoder of the call also replaces, an MHSA sender in a spliced
             Lorsa layer after an earlier sender of its group, a feature whose set is missing,
-            MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts.
+            MHSA receivers on a fused-QKV family, bad mode / missing means or corrupt prompts, ``means`` with a
+            mode other than ``"mean"`` or ``corrupt`` with one other than ``"patch"`` (they would be ignored).
         LayerOutOfRangeError, TargetIndexError: bad targets. ShapeError: clean/corrupt shapes (or numbers of
             prompts) differ, means of the wrong width (from the run: per-position means of another length than the
             prompts, or means that do not broadcast to the edited values). ArgumentError: ``freeze`` not a bool,

@@ -92,6 +92,25 @@ def _check_int(value: Any, name: str, low: int | None = None) -> None:
         raise ArgumentError(f"{name} must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
 
 
+def _check_items(value: Any, name: str, kind: str, where: str) -> None:
+    """Raise :class:`~nnsight_lorsa.errors.ArgumentError` unless ``value`` is a list / tuple / range of ``kind``
+    items: ``"str"`` (texts), ``"int"`` (ints, not bools) or ``"pair"`` (two ints each); ``"text"``: one str."""
+    if kind == "text":
+        ok = isinstance(value, str)
+    elif not isinstance(value, (list, tuple, range)):
+        ok = False
+    elif kind == "str":
+        ok = all(isinstance(v, str) for v in value)
+    elif kind == "int":
+        ok = all(is_int(v) for v in value)
+    else:
+        ok = all(isinstance(v, (list, tuple)) and len(v) == 2 and all(is_int(x) for x in v) for v in value)
+    if not ok:
+        what = {"text": "a str", "str": "a list of str", "int": "a list of ints",
+                "pair": "a list of (op1, op2) pairs of ints"}[kind]
+        raise ArgumentError(f"{where}: {name} must be {what}, got {value!r}"[:300])
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -241,8 +260,8 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
         ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: the pool has fewer than ``seq_len + 1`` distinct tokens.
         ArgumentError: ``n_prompts`` or ``seed`` not an int (``n_prompts >= 1``), ``seq_len`` not an int
-            ``>= 2`` (one repeated token is no induction), a ``token_pool`` entry that is not a token id in
-            ``[0, len(tokenizer))``.
+            ``>= 2`` (one repeated token is no induction), ``token_pool`` not a list of ints or an entry that is
+            not a token id in ``[0, len(tokenizer))``.
 
     Source: Lorsa paper (He et al. 2025) §6.1, App. E; Olsson et al. 2022 (induction heads).
     """
@@ -252,6 +271,7 @@ def induction_task(tokenizer: Any, n_prompts: int = 8, seq_len: int = 20, *, see
     _check_int(seed, "seed")
     vocab = len(tokenizer)
     if token_pool is not None:
+        _check_items(token_pool, "token_pool", "int", "induction_task")
         bad = [t for t in token_pool if not is_int(t)
                or not 0 <= t < vocab]
         if bad:
@@ -328,12 +348,15 @@ def ioi_task(tokenizer: Any, n_prompts: int = 8, *, template: str = IOI_TEMPLATE
         TaskTokenizationError: fewer than 5 single-token names, or a template whose clean and
             corrupt prompts tokenize to different lengths or hold the unknown token.
         ConfigMismatchError: an unknown ``order``.
-        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int; ``template`` not a str, ``names`` not
+            a list of str.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.2; Wang et al.
     2023, *Interpretability in the Wild*.
     """
     check_tokenizer(tokenizer, "ioi_task")
+    _check_items(template, "template", "text", "ioi_task")
+    _check_items(names, "names", "str", "ioi_task")
     if order not in ("BABA", "ABBA", "mixed"):
         raise ConfigMismatchError(f"order must be 'BABA', 'ABBA' or 'mixed', got {order!r}")
     words = set(re.findall(r"[^\W\d_]+", re.sub(r"\[[ABS]\]", " ", template)))  # the template's own words
@@ -386,13 +409,18 @@ def greater_than_task(tokenizer: Any, n_prompts: int = 8, *, seed: int = 0, cent
         TaskTokenizationError: neither form tokenizes into single answer tokens of equal-length prompts without
             the unknown token (e.g. a century the tokenizer cannot spell).
         ConfigMismatchError: ``years`` empty or holding a value the form cannot use.
-        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int; ``century`` not an int ``>= 0``,
+            ``noun`` not a str, ``years`` not a list of ints.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* App. A.1.
     """
     check_tokenizer(tokenizer, "greater_than_task")
     _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")
+    _check_int(century, "century", 0)
+    _check_items(noun, "noun", "text", "greater_than_task")
+    if years is not None:
+        _check_items(years, "years", "int", "greater_than_task")
     rng = random.Random(seed)
     bos = _bos(tokenizer)
     # the answers as the tokenizer spells them after the prompt (next_token), not alone: a SentencePiece tokenizer
@@ -485,11 +513,15 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: a prompt cannot be tokenized as needed, holds the unknown token, or prompts (clean or
             corrupt) differ in length.
-        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int; ``template`` not a str, ``pairs``
+            not a list of ``(op1, op2)`` pairs of ints.
 
     Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
     check_tokenizer(tokenizer, "arithmetic_task")
+    _check_items(template, "template", "text", "arithmetic_task")
+    if pairs is not None:
+        _check_items(pairs, "pairs", "pair", "arithmetic_task")
     if pairs is None:
         _check_int(n_prompts, "n_prompts", 1)
     _check_int(seed, "seed")

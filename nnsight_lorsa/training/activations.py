@@ -31,7 +31,7 @@ from .._checks import is_int
 from .._placement import model_device
 from .._typing import Bool, Float, Int
 from ..adapters.base import ArchitectureAdapter
-from ..adapters.registry import get_adapter
+from ..adapters.registry import adapter_for, get_adapter
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, ArgumentError, LayerOutOfRangeError, ShapeError
 from .activation_cache import ActivationCache
@@ -181,13 +181,10 @@ class ActivationSource:
     # ------------------------------------------------------------ constructors
     @staticmethod
     def _adapter(data: Any, adapter: ArchitectureAdapter | None) -> ArchitectureAdapter:
-
-        if adapter is not None:
-            return adapter
-        if isinstance(data, ActivationCache):
+        if adapter is None and isinstance(data, ActivationCache):
             raise ArgumentError("ActivationSource on an ActivationCache: pass adapter= (the model's adapter names "
                                 "the sites the cache holds)")
-        return get_adapter(data)
+        return adapter_for(data, adapter, "ActivationSource")
 
     @classmethod
     def attention(cls, model: Any, layer: int, dataset: TokenDataset, batch_size: int,

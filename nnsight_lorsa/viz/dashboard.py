@@ -76,7 +76,8 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         ConfigMismatchError: ``qk_features`` of another layer or head. PlacementError: the Lorsa is on ``meta``.
         TargetIndexError: ``head`` not an OV head of the layer's Lorsa. ArgumentError: ``top`` not a
         :class:`~nnsight_lorsa.analysis.TopActivations` of as many heads; ``n_contexts``, ``window``, ``n_features``
-        not ints ≥ 0 (a negative ``window`` sliced the context from the wrong end).
+        not ints ≥ 0 (a negative ``window`` sliced the context from the wrong end); ``correlation`` not None or a
+        :class:`~nnsight_lorsa.analysis.MHSACorrelation`, ``extra`` not None or a mapping.
         ShapeError / ArgumentError: ``attention_mask`` not of ``tokens``' shape, not 0 / 1, or with padding between
         a row's tokens, or padding where ``top`` has an entry; the model carries edits stored by ``model.edit()``
         (the z-patterns are recomputed from the Lorsa's weights, out of their reach). TraceOrderError: called inside
@@ -98,6 +99,12 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     for name, value in (("n_contexts", n_contexts), ("window", window), ("n_features", n_features)):
         if not is_int(value) or value < 0:
             raise ArgumentError(f"head_dashboard_data: {name} must be an int >= 0, got {value!r}")
+    if correlation is not None and not isinstance(correlation, MHSACorrelation):
+        raise ArgumentError(f"head_dashboard_data: correlation must be None or mhsa_correlation(...) of the layer, got "
+                            f"a {type(correlation).__name__}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ArgumentError(f"head_dashboard_data: extra must be None or a mapping {{label: value}}, got a "
+                            f"{type(extra).__name__}")
     refuse_stored_edits(model, "head_dashboard_data", "the contexts' z-patterns")
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []

@@ -232,7 +232,7 @@ def render_html(
     Raises:
         ArgumentError: (a ``ValueError``) a ``details`` entry of an unsupported form, ``clicked`` not among the
             drawn nodes, a ``details`` key that is no node id of ``graph``, ``details`` not a mapping, ``path`` not
-            None, a str or ``os.PathLike``; ``to_neuronpedia``'s errors.
+            None, a str or ``os.PathLike``, ``title`` not None or a str; ``to_neuronpedia``'s errors.
         NonFiniteError: an inf in a ``details`` heatmap or contexts table (:func:`normalize_details`).
 
     Source: ours (an offline page for the graph JSON of circuit-tracer ``frontend/graph_models.py``).
@@ -241,6 +241,8 @@ def render_html(
         from ..formats.files import check_path
 
         check_path(path, "render_html", "an HTML file")
+    if title is not None and not isinstance(title, str):
+        raise ArgumentError(f"render_html(title=...) must be None (the prompt) or a str, got a {type(title).__name__}")
     export_kwargs.setdefault("slug", "graph")
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)
     known = {n["node_id"] for n in data["nodes"]}

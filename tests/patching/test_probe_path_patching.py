@@ -469,7 +469,7 @@ def test_misuse_of_path_patching_is_named_before_or_in_the_run(llama):
     with pytest.raises(ConfigMismatchError, match="targets must be a list"):
         unchecked_ap(r, clean, corrupt, MHSAHead(0, 1), **kw)
     for bad in (clean.float(), clean[None], clean[:, :0]):
-        with pytest.raises(ArgumentError, match="clean must be token ids"):
+        with pytest.raises(ArgumentError, match="clean must be prompts"):
             path_patching(r, bad, [MHSAHead(0, 1)], mode="zero", **kw)
 
 
