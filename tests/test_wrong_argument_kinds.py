@@ -167,6 +167,37 @@ PATCHING = {
     "load(format=[])": ("UnsupportedArchitectureError", "unknown checkpoint format []"),
     "LorsaSet.from_pretrained(adapter='x')": ("ArgumentError", "LorsaSet(adapter=...) must be None"),
     "render_html(title=[])": ("ArgumentError", "render_html(title=...) must be None (the prompt) or a str"),
+    "Graph.edge_sum_error('values')": ("ArgumentError", "Graph.edge_sum_error(relative_to=...) must be 'value' or "
+                                                        "'mass', got 'values'"),
+    "Graph.load(subfolder=0)": ("ArgumentError", "Graph.load: subfolder must be None or a str"),
+    "Graph.load(local_files_only='no')": ("ArgumentError", "Graph.load(local_files_only=...) must be True or False"),
+    **{f"MHSACorrelation.heads_spanned({bad!r})": ("ArgumentError", "MHSACorrelation.heads_spanned.threshold must be")
+       for bad in (float("nan"), 2.5, -1)},
+    "QKAttribution.top_pairs(-1)": ("ArgumentError", "QKAttribution.top_pairs.n must be an int >= 0, got -1"),
+    "QKFeatureImpacts.top_query_features(-1)": ("ArgumentError",
+                                                "QKFeatureImpacts.top_query_features.n must be an int >= 0"),
+    "LorsaConfig.from_mhsa(qk_heads_per_mhsa_head=True)": ("ArgumentError", "LorsaConfig.from_mhsa."
+                                                           "qk_heads_per_mhsa_head must be a positive int, got True"),
+    **{f"TokenDataset.from_text(bos_token_id={bad!r})": ("ArgumentError", "bos_token_id must be None or a token id")
+       for bad in (2.5, True, "x")},
+    "TokenDataset.from_text(document_separator=3)": ("ArgumentError", "document_separator must be None, 'auto' or a "
+                                                                      "str, got 3"),
+    **{f"TokenDataset.from_documents(pad_token_id={bad!r})": ("ArgumentError", "pad_token_id must be None or a token "
+                                                                               "id")
+       for bad in (2.5, "x", -1)},
+    "TokenDataset.from_ids(1-D ids, target_mask)": ("ArgumentError", "from_ids: target_mask applies to 2-D ids"),
+    "TokenDataset.from_text(config=model)": ("ArgumentError", "config must be None or the model's config "
+                                                              "(model.config"),
+    "evaluate_sparse(ids outside the vocabulary)": ("ArgumentError", "evaluate_sparse: token_ids must be token ids in "
+                                                                     "[0, 128) (the model's vocabulary), got ids from"),
+    "train_sparse_attention(ids outside the vocabulary)": ("ArgumentError", "the training stream must be token ids in "
+                                                                            "[0, 128)"),
+    "arithmetic_task(template='x')": ("ArgumentError", "template must hold {op1} and {op2} and no other field"),
+    "BatchTopK(threshold_lr=nan)": ("CheckpointError", "batchtopk threshold_lr must be a number in [0, 1], got nan"),
+    "JumpReLU(threshold=nan)": ("CheckpointError", "jumprelu threshold must be a finite number, got nan"),
+    "load_model([])": ("ArgumentError", "load_model: the path must be a str or os.PathLike"),
+    "TokenDataset.from_ids(eos_token_id='x')": ("ArgumentError", "eos_token_id must be None, a token id or a "
+                                                                 "non-empty list of them, got 'x'"),
 }
 
 #: every case: (the error's class name, a part of its message)

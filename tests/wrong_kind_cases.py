@@ -50,11 +50,21 @@ from nnsight_lorsa.attribution import (  # noqa: E402
     save_neuronpedia,
     to_neuronpedia,
 )
-from nnsight_lorsa.envoy import Site, load_tokenizer  # noqa: E402
+from nnsight_lorsa.envoy import (  # noqa: E402
+    Site,
+    load_model,  # noqa: E402
+    load_tokenizer,
+)
 from nnsight_lorsa.formats import detect_format, register_format  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
-from nnsight_lorsa.modules import Lorsa, SparseAutoencoder  # noqa: E402
-from nnsight_lorsa.sparse_attention import SparseTrainConfig, install_gated_attention, set_gate_mode  # noqa: E402
+from nnsight_lorsa.modules import BatchTopK, JumpReLU, Lorsa, SparseAutoencoder  # noqa: E402  # noqa: E402
+from nnsight_lorsa.sparse_attention import (  # noqa: E402
+    SparseTrainConfig,
+    evaluate_sparse,
+    install_gated_attention,
+    set_gate_mode,
+    train_sparse_attention,
+)
 from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
 from nnsight_lorsa.viz import (  # noqa: E402
     plot_graph,
@@ -104,6 +114,13 @@ def cases(lorsa, model, scratch: Path) -> dict:
     gated = tiny_hf_model("llama")
     install_gated_attention(gated)
     out["set_gate_mode(topk, top_k=2.5)"] = lambda: set_gate_mode(gated, "topk", top_k=2.5)
+    out["evaluate_sparse(ids outside the vocabulary)"] = lambda: evaluate_sparse(gated, torch.arange(3, 200), seq_len=8)
+    out["train_sparse_attention(ids outside the vocabulary)"] = lambda: train_sparse_attention(
+        gated, torch.arange(3, 200), SparseTrainConfig(total_steps=1, batch_size=2, seq_len=8), progress=False)
+    out["arithmetic_task(template='x')"] = lambda: patching.arithmetic_task(model.tokenizer, template="x")
+    out["BatchTopK(threshold_lr=nan)"] = lambda: BatchTopK(2, 16, threshold_lr=float("nan"))
+    out["JumpReLU(threshold=nan)"] = lambda: JumpReLU(16, threshold=float("nan"))
+    out["load_model([])"] = lambda: load_model([])
     module_cases(out, lorsa)
     for task in ("ioi_task", "greater_than_task", "induction_task", "arithmetic_task"):
         out[f"{task}(None)"] = lambda t=task: getattr(patching, t)(None)
@@ -119,9 +136,10 @@ def cases(lorsa, model, scratch: Path) -> dict:
 def patching_cases(out: dict) -> None:
     """Experiments and head analyses given prompts nnsight cannot batch, an argument their mode ignores, or a flag
     that is not a bool (2026-11-29, fifth session: each raised deep in nnsight or ran ignoring it)."""
+    from nnsight_lorsa import LorsaConfig, ReplacementModel
     from nnsight_lorsa.analysis import collect_top_activations, mhsa_correlation, ov_logit_lens, qk_feature_impacts
-    from nnsight_lorsa import ReplacementModel
-    from nnsight_lorsa.attribution import cache_for_attribution
+    from nnsight_lorsa.attribution import cache_for_attribution, qk_attribution
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
     from nnsight_lorsa.patching import LorsaHead, MHSAHead, induction_task
     from nnsight_lorsa.viz import head_dashboard_data
 
@@ -162,6 +180,16 @@ def patching_cases(out: dict) -> None:
     out["qk_feature_impacts(skip_first='no')"] = lambda: qk_feature_impacts(r, 1, 0, sae, task.clean,
                                                                              skip_first="no")
     out["ov_logit_lens(tokenizer=3)"] = lambda: ov_logit_lens(r, 1, tokenizer=3)
+    corr = mhsa_correlation(r, 1, task.clean)
+    for bad in (float("nan"), 2.5, -1):
+        out[f"MHSACorrelation.heads_spanned({bad!r})"] = lambda b=bad: corr.heads_spanned(b)
+    qka = qk_attribution(r, task.clean[0], layer=1, head=0, query_pos=3, key_pos=1)
+    out["QKAttribution.top_pairs(-1)"] = lambda: qka.top_pairs(-1)
+    impacts = qk_feature_impacts(r, 1, 0, sae, task.clean)
+    out["QKFeatureImpacts.top_query_features(-1)"] = lambda: impacts.top_query_features(-1)
+    mhsa = get_adapter(model).mhsa_weights(hf_module(model), 1)
+    out["LorsaConfig.from_mhsa(qk_heads_per_mhsa_head=True)"] = lambda: LorsaConfig.from_mhsa(
+        mhsa, n_ov_heads=16, top_k=4, qk_heads_per_mhsa_head=True)
     tok = model.tokenizer
     out["induction_task(token_pool=3)"] = lambda: patching.induction_task(tok, token_pool=3)
     out["ioi_task(template=None)"] = lambda: patching.ioi_task(tok, template=None)
@@ -211,6 +239,20 @@ def training_cases(out: dict, model, lorsa, scratch: Path) -> None:
     out["ActivationCache(None)"] = lambda: ActivationCache(None)
     out["TokenDataset.from_ids(seq_len=2.5)"] = lambda: TokenDataset.from_ids(torch.arange(3, 50), 2.5)
     out["TokenDataset.batch(1.5, 2)"] = lambda: data.batch(1.5, 2)
+    tok, text = model.tokenizer, "ROMEO: But soft, what light through yonder window breaks? " * 4
+    for bad in (2.5, True, "x"):
+        out[f"TokenDataset.from_text(bos_token_id={bad!r})"] = lambda b=bad: TokenDataset.from_text(
+            tok, text, 8, bos_token_id=b)
+    out["TokenDataset.from_text(document_separator=3)"] = lambda: TokenDataset.from_text(tok, text, 8,
+                                                                                          document_separator=3)
+    for bad in (2.5, "x", -1):
+        out[f"TokenDataset.from_documents(pad_token_id={bad!r})"] = lambda b=bad: TokenDataset.from_documents(
+            tok, [text, text[:20]], 8, pad_token_id=b)
+    out["TokenDataset.from_ids(1-D ids, target_mask)"] = lambda: TokenDataset.from_ids(
+        torch.arange(3, 40), 8, target_mask=torch.ones(37, dtype=torch.bool))
+    out["TokenDataset.from_text(config=model)"] = lambda: TokenDataset.from_text(tok, text, 8, config=model)
+    out["TokenDataset.from_ids(eos_token_id='x')"] = lambda: TokenDataset.from_ids(torch.arange(3, 40), 8,
+                                                                                    eos_token_id="x")
     def trainer() -> Trainer:
         return Trainer(make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2}),
                        reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1))
@@ -260,6 +302,10 @@ def graph_cases(out: dict, scratch: Path) -> None:
     out["plot_graph(path=3)"] = lambda: plot_graph(graph, pruned, path=3)
     out["plot_graph(tokens=str)"] = lambda: plot_graph(graph, pruned, tokens="abcdef")
     out["render_html(path=3)"] = lambda: render_html(graph, pruned, path=3)
+    out["Graph.edge_sum_error('values')"] = lambda: graph.edge_sum_error("values")
+    graph.save(scratch / "graph")
+    out["Graph.load(subfolder=0)"] = lambda: Graph.load(scratch / "graph", subfolder=0)
+    out["Graph.load(local_files_only='no')"] = lambda: Graph.load(scratch / "graph", local_files_only="no")
     out["render_html(title=[])"] = lambda: render_html(graph, pruned, title=[])
     out["render_html(details=list)"] = lambda: render_html(graph, pruned, details=[1])
     out["plot_z_pattern(path=None)"] = lambda: plot_z_pattern(torch.ones(2, 2).tril(), ["a", "b"], None)

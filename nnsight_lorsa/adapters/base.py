@@ -22,10 +22,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._checks import check_flag
 from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float
-from ..errors import ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
+from ..errors import ArgumentError, ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin, rotary_inv_freq
 
 
@@ -270,9 +271,16 @@ def mhsa_forward(
     ``per_head=True`` each head's contribution ``(batch, pos, n_heads, d_model)`` (without
     ``b_O``; they sum to the output minus ``b_O``).
 
+    Raises:
+        ArgumentError: ``per_head`` not a bool, ``positions`` / ``key_mask`` not None or a tensor.
+
     Source: *From Tokenization to Attribution Graphs* §3.3 (multi-head self-attention); transformers
     ``eager_attention_forward``.
     """
+    check_flag(per_head, "per_head", "mhsa_forward")
+    for name, value in (("positions", positions), ("key_mask", key_mask)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ArgumentError(f"mhsa_forward({name}=...) must be None or a tensor, got a {type(value).__name__}")
     z = mhsa_pattern(w, x, positions, key_mask) @ mhsa_values(w, x)  # (b, h, s, e)
     if per_head:
         return torch.einsum("bhse,hed->bshd", z, w.W_O)

@@ -20,18 +20,19 @@ from typing import Any
 import nnsight
 import torch
 
-from .._checks import check_flag, is_int
+from .._checks import check_flag, check_real, is_int
 from .._placement import HOST, host_f32, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
 from ..attribution.export import decode_token
-from ..envoy.nnsight_internals import hf_module, stored_edits, vocabulary_size
+from ..envoy.nnsight_internals import check_in_vocabulary, hf_module, stored_edits
 from ..envoy.read import attention_activations
 from ..envoy.replacement_model import check_replacement_model
 from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
 from ..modules.lorsa import head_indices
+from ..training.dataset import check_zero_one
 from .top_activations import TopActivations
 
 
@@ -47,11 +48,7 @@ def check_tokens(tokens: Any, model: Any = None) -> None:
             or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
-    vocab = None if model is None else vocabulary_size(model)
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or (vocab is not None and high >= vocab):
-        raise ArgumentError(f"tokens must be token ids in [0, {vocab}) (the model's vocabulary), got ids from {low} "
-                            f"to {high}")
+    check_in_vocabulary(tokens, model, "tokens")
 
 
 def check_attention_mask(attention_mask: Any, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -73,8 +70,7 @@ def check_attention_mask(attention_mask: Any, tokens: torch.Tensor) -> torch.Ten
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
         raise ArgumentError(f"attention_mask must hold integers 0 / 1 or bools, got {attention_mask.dtype}")
     m = attention_mask.to(HOST)
-    if not bool(((m == 0) | (m == 1)).all()):
-        raise ArgumentError("attention_mask must hold only 0 (padding) and 1 (token)")
+    check_zero_one(m, "attention_mask")
     m = m.bool()
     runs = (m[:, 1:] & ~m[:, :-1]).sum(-1) + m[:, 0]  # starts of runs of tokens, per row
     if bool((runs > 1).any()):
@@ -192,8 +188,12 @@ class MHSACorrelation(FieldsRepr):
         contributions sum to 0 or less (its :meth:`fractions` are NaN: ``n`` is undefined, it was reported as
         every head).
 
+        Raises:
+            ArgumentError: ``threshold`` not a number in ``(0, 1]`` (NaN counted every head, above 1 every head).
+
         Source: Lorsa paper (He et al. 2025) App. E.
         """
+        check_real("MHSACorrelation.heads_spanned", "threshold", threshold, positive=True, upper=1.0)
         frac = self.fractions().nan_to_num(0.0)
         cum = frac.sort(-1, descending=True).values.cumsum(-1)
         n = (cum < threshold).sum(-1) + 1

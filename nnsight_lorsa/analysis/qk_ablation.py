@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_flag, is_int
+from .._checks import check_flag, check_int, is_int
 from .._placement import placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float, Int
@@ -91,6 +91,7 @@ class QKFeatureImpacts(FieldsRepr):
         return cls(layer, head, qk_head, z(), minus(), minus(), count(), z(), minus(), minus(), count())
 
     def _top(self, side: str, n: int) -> list[tuple[int, float, int, int]]:
+        check_int(f"QKFeatureImpacts.top_{'query' if side == 'q' else 'key'}_features", "n", n, least=0)
         kl, win, pos, cnt = (getattr(self, f"{side}_{a}") for a in ("kl", "window", "position", "count"))
         score = kl.masked_fill(cnt <= 0, float("-inf"))
         vals, idx = score.topk(min(n, int((cnt > 0).sum())))
@@ -99,12 +100,18 @@ class QKFeatureImpacts(FieldsRepr):
     def top_query_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
         """The ``n`` features with the largest impact on Q: ``[(feature, max KL, window, position), …]``.
 
+        Raises:
+            ArgumentError: ``n`` not an int ``>= 0``.
+
         Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
         """
         return self._top("q", n)
 
     def top_key_features(self, n: int = 10) -> list[tuple[int, float, int, int]]:
         """The ``n`` features with the largest impact on K: ``[(feature, max KL, window, query position), …]``.
+
+        Raises:
+            ArgumentError: ``n`` not an int ``>= 0``.
 
         Source: Lorsa paper (He et al. 2025) App. F (interaction between Lorsa heads and SAE features).
         """

@@ -23,7 +23,7 @@ import torch
 
 from .._repr import FieldsRepr
 from .._typing import Float, Int
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from .blocks import BlockAdjacency
 from .nodes import (  # the node kinds, HOST and NodeTable live in .nodes; imported from here too
     ATTN_ERROR,
@@ -224,8 +224,13 @@ class Graph(FieldsRepr):
         ``|value_t|`` (``relative_to="value"``) or by the row's mass ``Σ_s |A[t, s]|`` (+ ``|residual|``; ``"mass"``:
         the scale of fp rounding in a sum of terms that may cancel). ``(n_rows,)``, 0 up to rounding.
 
+        Raises:
+            ArgumentError: ``relative_to`` neither ``"value"`` nor ``"mass"`` (any other was read as ``"mass"``).
+
         Source: ours (bias nodes make a node's incoming edges sum to its value; circuit-tracer has no bias nodes).
         """
+        if not isinstance(relative_to, str) or relative_to not in ("value", "mass"):
+            raise ArgumentError(f"Graph.edge_sum_error(relative_to=...) must be 'value' or 'mass', got {relative_to!r}")
         rows = self.feature_rows.nonzero().flatten()
         v = self.values[rows].double()
         assert self.residual is not None
@@ -334,12 +339,14 @@ class Graph(FieldsRepr):
                 of the wrong type — naming the file and the key; a file that differs from what
                 ``checksums.json`` records (truncated, altered); a repo id that could not be fetched.
             ArgumentError: ``revision`` with a local path; a hub ``subfolder`` that leaves the repo; ``directory``
-                not a str / ``os.PathLike``.
+                not a str / ``os.PathLike``; ``subfolder`` / ``revision`` not None or a str, ``local_files_only`` not
+                a bool (:func:`~nnsight_lorsa.formats.files.check_hub_args`).
 
         Source: ours (the graph's files: safetensors + JSON, no pickle).
         """
         from .._atomic import check, manifest_of, resolve
         from ..formats.files import (
+            check_hub_args,
             check_path,
             load_safetensors,
             read_json_object,
@@ -349,6 +356,7 @@ class Graph(FieldsRepr):
         from ..formats.hub import CARD, looks_like_repo_id
 
         check_path(directory, "Graph.load")
+        check_hub_args("Graph.load", subfolder, revision, local_files_only)
         if looks_like_repo_id(directory):
             directory = resolve_checkpoint_dir(
                 directory, allow_patterns=["graph.json", "graph.safetensors", "checksums.json", CARD],

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._checks import is_int
+from .._checks import check_int, is_int
 from .._placement import resident, to_module
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, LayerOutOfRangeError, ShapeError
@@ -166,7 +166,11 @@ class QKAttribution(FieldsRepr):
 
         Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
         ``src/llamascopium/circuits/attribution.py`` (QK tracing).
+
+        Raises:
+            ArgumentError: ``n`` not an int ``>= 0``.
         """
+        check_int("QKAttribution.top_pairs", "n", n, least=0)
         flat = self.pairs.flatten()
         idx = top_abs(flat, n)
         m = self.pairs.shape[1]

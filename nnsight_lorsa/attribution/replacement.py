@@ -534,7 +534,7 @@ def memory_modes(memory: str | tuple[str, str]) -> tuple[str, str]:
             raise ConfigMismatchError("memory as a (patterns, node_vectors) pair must be (auto|store|sdpa, "
                                       f"auto|grid|gather), got {memory!r}")
         return patterns, node_vectors
-    if memory not in MEMORY_MODES:
+    if not isinstance(memory, str) or memory not in MEMORY_MODES:
         raise ConfigMismatchError(f"memory must be 'auto', 'fast' or 'lean', got {memory!r}")
     return MEMORY_MODES[memory]
 

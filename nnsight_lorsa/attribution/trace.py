@@ -29,7 +29,7 @@ import torch
 
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
-from ..envoy.nnsight_internals import hf_module, vocabulary_size
+from ..envoy.nnsight_internals import check_in_vocabulary, hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
 from ..formats.hook_sites import MLPSiteIO
@@ -159,10 +159,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
             ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ShapeError(f"a prompt must be one sequence of token ids, got shape {tuple(ids.shape)}")
-    vocab = vocabulary_size(model)
-    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ArgumentError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary), got "
-                            f"min {int(ids.min())}, max {int(ids.max())}")
+    check_in_vocabulary(ids, model, "a prompt")
     return ids
 
 

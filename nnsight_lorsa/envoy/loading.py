@@ -45,7 +45,8 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
             or weights it cannot load (a damaged file, shapes other than the config's); the message names the
             directory and the cause's first line.
         ArgumentError: a ``dtype`` other than ``torch.float16`` / ``bfloat16`` / ``float32`` / ``float64``, or
-            a ``device`` that is not one (checked before anything is read).
+            a ``device`` that is not one, ``model_dir`` not None, a str or ``os.PathLike`` (checked before anything
+            is read).
         PlacementError: a ``device`` this machine lacks (``"cuda"`` without CUDA), or ``"meta"`` (no weights).
 
     Source: ours (offline loading into nnsight's ``TransformersModel``).
@@ -56,7 +57,11 @@ def load_model(model_dir: str | None = None, *, device: Any = "cpu",  # str | to
     from ..assets import default_model_dir
     from .tokens import load_tokenizer
 
-    path = str(model_dir or default_model_dir())
+    if model_dir is not None:  # a falsy one ("", [], 0) loaded the embedded model instead
+        from ..formats.files import check_path
+
+        check_path(model_dir, "load_model", "a model directory")
+    path = str(default_model_dir() if model_dir is None else model_dir)
     check_dtype_arg(dtype, f"load_model({path!r})")
     if str(device) != "auto":
         checked = check_device_arg(device, f"load_model({path!r})")

@@ -67,7 +67,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.source import STATE, Controller, install_controller
 from torch import nn
 
-from ..errors import ConcurrentTraceError, TraceOrderError
+from ..errors import ArgumentError, ConcurrentTraceError, TraceOrderError
 
 #: every private or internal nnsight name this package relies on, as ``(owner, name, kind)``: ``owner``
 #: a dotted module, class or function path; ``kind`` one of ``"class"``, ``"callable"`` (function, method
@@ -166,6 +166,26 @@ def vocabulary_size(model: Any) -> int | None:
     get = getattr(hf_module(model), "get_input_embeddings", None)
     vocab = getattr(get() if callable(get) else None, "num_embeddings", None)
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def check_in_vocabulary(ids: Any, model: Any, what: str) -> None:
+    """Refuse token ids ``ids`` (an integer tensor) below 0 or at or past ``model``'s :func:`vocabulary_size` (none
+    without a model), before
+    the model runs (an id outside it is torch's ``IndexError`` from inside the embedding): the one id-range check of
+    prompts, analysis tokens and training / evaluation windows.
+
+    Raises:
+        ArgumentError: naming ``what``, the vocabulary and the ids' range.
+
+    Source: ours.
+    """
+    if ids.numel() == 0:
+        return
+    vocab = None if model is None else vocabulary_size(model)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise ArgumentError(f"{what} must be token ids in [0, {vocab}) (the model's vocabulary), got ids from {low} "
+                            f"to {high}")
 
 
 def stored_edits(model: Any) -> int:

@@ -40,6 +40,23 @@ def check_path(path: Any, where: str, what: str = "a directory or a Hugging Face
         raise ArgumentError(f"{where}: the path must be a str or os.PathLike ({what}), got a {type(path).__name__}")
 
 
+def check_hub_args(where: str, subfolder: Any, revision: Any, local_files_only: Any) -> None:
+    """The hub arguments of a load (:func:`resolve_checkpoint_dir`, ``Graph.load``): ``subfolder`` and ``revision``
+    None or a str, ``local_files_only`` a bool — checked for a local path too, where the last two are not read.
+
+    Raises:
+        ArgumentError: naming ``where`` and the argument.
+
+    Source: ours (``huggingface_hub.snapshot_download``'s arguments).
+    """
+    check_flag(local_files_only, "local_files_only", where)
+    if revision is not None and not isinstance(revision, str):
+        raise ArgumentError(f"{where}: revision must be None or a str (a branch, tag or commit), got {revision!r}")
+    if subfolder is not None and not isinstance(subfolder, str):
+        raise ArgumentError(f"{where}: subfolder must be None or a str (a folder inside the source), got a "
+                            f"{type(subfolder).__name__}")
+
+
 def resolve_checkpoint_dir(
     source: str | os.PathLike[str],
     *,
@@ -70,12 +87,7 @@ def resolve_checkpoint_dir(
             ``subfolder`` or ``revision`` that is not a str; ``local_files_only`` not a bool.
     """
     check_path(source, "load")
-    check_flag(local_files_only, "local_files_only", "load")
-    if revision is not None and not isinstance(revision, str):
-        raise ArgumentError(f"load: revision must be None or a str (a branch, tag or commit), got {revision!r}")
-    if subfolder is not None and not isinstance(subfolder, str):
-        raise ArgumentError(f"load: subfolder must be None or a str (a folder inside {os.fspath(source)!r}), got a "
-                            f"{type(subfolder).__name__}")
+    check_hub_args("load", subfolder, revision, local_files_only)
     local = resolve(Path(source))
     if isinstance(source, Path) or local.exists():
         refuse_local_revision(source, revision)

@@ -202,16 +202,17 @@ class JumpReLU(nn.Module):
         threshold: initial threshold, a float for every feature or a ``(d_sae,)`` tensor.
         bandwidth: ``ε`` of the pseudo-derivatives (the paper uses 0.001).
 
+    Raises:
+        CheckpointError: ``bandwidth`` not a positive finite number; ``threshold`` not a finite number or a finite
+            ``(d_sae,)`` tensor (:func:`check_activation_params`).
+
     Source: Rajamanoharan et al. 2024 (JumpReLU SAEs), eqs. 11–12; SAELens ``sae_lens/saes/jumprelu_sae.py``.
     """
 
     def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
         super(JumpReLU, self).__init__()
-        if not _real(bandwidth) or not math.isfinite(bandwidth) or bandwidth <= 0:
-            raise CheckpointError(f"JumpReLU bandwidth must be a positive finite number, got {bandwidth!r}")
+        check_activation_params("jumprelu", d_sae, {"threshold": threshold, "bandwidth": bandwidth})
         theta = torch.as_tensor(threshold, dtype=torch.float32, device="cpu")  # moved with the module
-        if theta.dim() > 1 or (theta.dim() == 1 and theta.shape[0] != d_sae):
-            raise CheckpointError(f"JumpReLU threshold must be a float or ({d_sae},), got {tuple(theta.shape)}")
         self.threshold = nn.Parameter(theta.expand(d_sae).clone())
         self.bandwidth = float(bandwidth)
 
@@ -272,6 +273,10 @@ class BatchTopK(nn.Module):
         d_sae: number of features (for :meth:`to_jumprelu`).
         threshold_lr: EMA rate of the threshold estimate.
 
+    Raises:
+        CheckpointError: ``k`` not a positive int, ``threshold_lr`` not a number in ``[0, 1]`` (NaN made every later
+            threshold NaN): :func:`check_activation_params`.
+
     Source: Bussmann et al. 2024, *BatchTopK Sparse Autoencoders*; SAELens ``sae_lens/saes/batchtopk_sae.py``.
     """
 
@@ -290,8 +295,7 @@ class BatchTopK(nn.Module):
 
     def __init__(self, k: int, d_sae: int, threshold_lr: float = 0.01) -> None:
         super(BatchTopK, self).__init__()
-        if not isinstance(k, int) or k <= 0:
-            raise CheckpointError(f"BatchTopK needs a positive int k, got {k!r}")
+        check_activation_params("batchtopk", None, {"k": k, "threshold_lr": threshold_lr})
         self.k = k
         self.d_sae = d_sae
         self.threshold_lr = float(threshold_lr)

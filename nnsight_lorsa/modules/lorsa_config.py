@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._checks import check_int
 from .._repr import FieldsRepr
 from ..errors import CheckpointError
 from .rotary import RotaryConfig
@@ -128,10 +129,12 @@ class LorsaConfig(FieldsRepr):
 
         Raises:
             CheckpointError: sizes that do not divide (see the class).
+            ArgumentError: ``qk_heads_per_mhsa_head`` not an int ``>= 1`` (``True`` was read as 1).
 
         Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
         (``LorsaConfig``).
         """
+        check_int("LorsaConfig.from_mhsa", "qk_heads_per_mhsa_head", qk_heads_per_mhsa_head)
         return cls(d_model=int(mhsa.d_model), n_qk_heads=qk_heads_per_mhsa_head * int(mhsa.n_heads),
                    d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k,
                    rotary=None if mhsa.rotary is None else dataclasses.replace(mhsa.rotary, inv_freq_dtype=None),

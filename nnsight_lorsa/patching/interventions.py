@@ -61,8 +61,9 @@ def check_prompts(prompts: Any, where: str, name: str = "prompts") -> None:
     Source: ours (the forms nnsight's ``LanguageModel`` batches: ``nnsight/modeling/language.py``).
     """
     if isinstance(prompts, Mapping) and "input_ids" in prompts:
-        ok = _is_ids(torch.as_tensor(prompts["input_ids"])) if isinstance(
-            prompts["input_ids"], (torch.Tensor, list, tuple)) else False
+        ids = prompts["input_ids"]
+        ok = _is_ids(ids) or isinstance(ids, (list, tuple)) and bool(ids) and all(
+            _is_ids(row) and not isinstance(row, torch.Tensor) for row in ids)
     elif isinstance(prompts, str):
         ok = bool(prompts)
     elif isinstance(prompts, (list, tuple)) and prompts and not _is_ids(prompts):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+import string
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -513,13 +514,20 @@ def arithmetic_task(tokenizer: Any, pairs: Sequence[tuple[int, int]] | None = No
         ArgumentError: ``tokenizer`` not a tokenizer (None: a model loaded without one).
         TaskTokenizationError: a prompt cannot be tokenized as needed, holds the unknown token, or prompts (clean or
             corrupt) differ in length.
-        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int; ``template`` not a str, ``pairs``
-            not a list of ``(op1, op2)`` pairs of ints.
+        ArgumentError: ``n_prompts`` not an int ``>= 1`` or ``seed`` not an int; ``template`` not a str holding
+            ``{op1}`` and ``{op2}`` and no other field, ``pairs`` not a list of ``(op1, op2)`` pairs of ints.
 
     Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
     check_tokenizer(tokenizer, "arithmetic_task")
     _check_items(template, "template", "text", "arithmetic_task")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:  # an unmatched brace
+        raise ArgumentError(f"arithmetic_task: template {template!r} is no format string: {e}") from e
+    if fields != {"op1", "op2"}:
+        raise ArgumentError(f"arithmetic_task: template must hold {{op1}} and {{op2}} and no other field, got "
+                            f"{template!r} (fields {sorted(fields)}): without them every prompt is the same text")
     if pairs is not None:
         _check_items(pairs, "pairs", "pair", "arithmetic_task")
     if pairs is None:

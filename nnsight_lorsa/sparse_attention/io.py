@@ -22,6 +22,7 @@ both steps for a plain transformers model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from .._atomic import atomic_directory, check, manifest_of, resolve
 from ..adapters.registry import get_adapter
 from ..adapters.transformers_internals import children_removed, saved_attn_implementation
 from ..envoy.nnsight_internals import hf_module
-from ..errors import CheckpointError, GateConfigError
+from ..errors import ArgumentError, CheckpointError, GateConfigError
 from ..formats.gate_format import GateConfig, GateSet, write_gate_files
 from ..formats.registry import load, save
 from .attention import GATE_NAME
@@ -108,9 +109,17 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
         GateNotInstalledError: the model has no gates.
         GateConfigError: the gates' temperature, mode or top_k differ between layers (nothing is written).
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
+        ArgumentError: ``tokenizer`` not None or an object with ``save_pretrained``, ``training`` not None or a
+            mapping (nothing is written).
 
     Source: ours (a Hugging Face directory plus this package's gate files).
     """
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise ArgumentError(f"save_sparse_model: tokenizer must be None or a tokenizer (with save_pretrained), got a "
+                            f"{type(tokenizer).__name__}")
+    if training is not None and not isinstance(training, Mapping):
+        raise ArgumentError(f"save_sparse_model: training must be None or a mapping of what the run was, got a "
+                            f"{type(training).__name__}")
     hf = hf_module(model)
     gate_set = _gate_set(model, training)
     gate_files = gate_set.files()  # checked before anything is written

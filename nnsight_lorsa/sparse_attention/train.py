@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_flag, check_int, check_real, is_int
 from .._typing import Int
-from ..envoy.nnsight_internals import hf_module, vocabulary_size
+from ..envoy.nnsight_internals import check_in_vocabulary, hf_module, vocabulary_size
 from ..errors import (
     ArgumentError,
     CheckpointError,
@@ -269,14 +269,23 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         GateConfigError: a stream shorter than one window, holding the model's EOS id (:func:`check_one_text`:
             pass ``TokenDataset.from_documents`` / ``TokenDataset.from_ids`` windows instead), or no BOS id for a
             stream.
-        ArgumentError: ``batch_size`` not an int ≥ 1, ``max_windows`` not None or an int ≥ 1, a stream's
+        ArgumentError: ``token_ids`` neither a ``TokenDataset`` nor a 1-D integer tensor, ``batch_size`` not an int
+            ≥ 1, ``max_windows`` not None or an int ≥ 1, a stream's
             ``seq_len`` not an int ≥ 2 (BOS and one predicted token), a BOS id outside the vocabulary
-            (:func:`resolve_bos_id`) — before the model runs.
+            (:func:`resolve_bos_id`), token ids outside it (they were torch's ``IndexError`` from the embedding) —
+            before the model runs.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
     optimisation).
     """
     hf = hf_module(model)
+    if not isinstance(token_ids, TokenDataset) and not (
+            isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 and not token_ids.dtype.is_floating_point
+            and not token_ids.dtype.is_complex and token_ids.dtype != torch.bool):
+        got = (f"a {token_ids.dim()}-D {token_ids.dtype} tensor" if isinstance(token_ids, torch.Tensor)
+               else f"a {type(token_ids).__name__}")
+        raise ArgumentError(f"evaluate_sparse: token_ids must be a TokenDataset or a 1-D integer token stream, got "
+                            f"{got}")
     check_int("evaluate_sparse", "batch_size", batch_size)
     if max_windows is not None:
         check_int("evaluate_sparse", "max_windows", max_windows)
@@ -289,6 +298,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
     n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)
     windows = token_ids.tokens[:n]
+    check_in_vocabulary(windows, model, "evaluate_sparse: token_ids")
     mask = token_ids.targets(0, n)
     was_training = hf.training
     hf.eval()
@@ -346,7 +356,7 @@ class SparseAttentionTrainer:
             (see :class:`SparseTrainConfig`), unless ``allow_slack_constraint``.
         ArgumentError: ``config`` not a :class:`SparseTrainConfig` or a field out of its rule
             (:meth:`SparseTrainConfig.validate`, run again here); a BOS id outside the vocabulary
-            (:func:`resolve_bos_id`).
+            (:func:`resolve_bos_id`), training token ids outside it.
         ImportError: ``lora_rank`` without ``peft``.
     """
 
@@ -387,10 +397,12 @@ class SparseAttentionTrainer:
                 raise GateConfigError(f"training window {first} starts with id {int(train_ids.tokens[first, 0])}, "
                                       f"not the model's BOS id {self.bos_id} ({bad.numel()} such windows): build the "
                                       "dataset with the model's BOS (TokenDataset.from_documents(..., config=...))")
+            check_in_vocabulary(train_ids.tokens, model, "train_sparse_attention: the training windows")
             return train_ids, train_ids.tokens
         stream = train_ids.long().flatten()
         if stream.numel() < cfg.seq_len:
             raise GateConfigError(f"training stream has {stream.numel()} tokens < seq_len {cfg.seq_len}")
+        check_in_vocabulary(stream, model, "train_sparse_attention: the training stream")
         check_one_text(model, stream)
         return None, stream
 
@@ -749,10 +761,16 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
     training CE within τ, held-out 3.00 → 3.70). A violation is not silent: :class:`HeldoutConstraintWarning`
     names both numbers, and ``summary.heldout_violation`` is True.
 
+    Raises:
+        ArgumentError: ``heldout_tolerance`` not a finite number ``>= 0``, ``heldout`` not a ``TokenDataset`` or a
+            1-D token stream (:func:`evaluate_sparse`, before training); the trainer's errors
+            (:class:`SparseAttentionTrainer`, :meth:`SparseAttentionTrainer.train`).
+
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
     optimisation).
     """
     check_checkpointing(checkpoint_dir, checkpoint_every, "train_sparse_attention")  # before the model is touched
+    check_real("train_sparse_attention", "heldout_tolerance", heldout_tolerance)
     t0 = time.perf_counter()
     trainer = SparseAttentionTrainer(model, train_ids, config)
     if checkpoint_dir is not None and checkpoint_exists(checkpoint_dir):

@@ -280,7 +280,8 @@ class ActivationCache:
     Raises:
         ActivationCacheError: no manifest, wrong format/version, a shard missing or disagreeing
             with the manifest (file and key named), or any of the checks above failing.
-        ArgumentError: ``directory`` not a str / ``os.PathLike``.
+        ArgumentError: ``directory`` not a str / ``os.PathLike``; ``sites`` not None or a list, ``d`` not None or a
+            mapping.
 
     Source: ours (this package's on-disk activation cache format).
     """
@@ -323,6 +324,10 @@ class ActivationCache:
         self._starts = torch.tensor([s["start"] for s in m["shards"]], dtype=torch.long, device="cpu")
         if model is not None:
             self.check_model(model)
+        if sites is not None and (isinstance(sites, (str, bytes, Site)) or not isinstance(sites, Iterable)):
+            raise ArgumentError(f"ActivationCache: sites must be None or a list of site names / Sites, got {sites!r}")
+        if d is not None and not isinstance(d, Mapping):
+            raise ArgumentError(f"ActivationCache: d must be None or a mapping {{site name: width}}, got {d!r}")
         for s in sites or ():
             self.site(s)
         for name, width in (d or {}).items():

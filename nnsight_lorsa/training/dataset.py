@@ -33,9 +33,12 @@ def _check_seq_len(seq_len: Any, where: str) -> None:
                             f"predicts), got {seq_len!r}")
 
 
-def _check_zero_one(mask: Any, where: str) -> None:
-    """``mask`` a tensor of booleans, or of numbers that are all 0 or 1 (an attention mask); else
-    :class:`ArgumentError` naming ``where`` (a mask of 0.5 would be read as True)."""
+def check_zero_one(mask: Any, where: str) -> None:
+    """``mask`` a tensor of booleans, or of numbers that are all 0 or 1 (an attention mask or a target mask: the
+    training data's and the head analyses' one rule); else :class:`ArgumentError` naming ``where`` (a mask of 0.5
+    would be read as True).
+
+    Source: ours."""
     if not isinstance(mask, torch.Tensor):
         raise ArgumentError(f"{where} must be a bool tensor (or of 0 / 1), got {type(mask).__name__}")
     if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
@@ -80,8 +83,14 @@ def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name
     """The model's special token id ``name`` (``"bos_token_id"``, ``"eos_token_id"``): ``given`` if not
     None, else the tokenizer's attribute ``name``, else the model config's, else None. The one rule for
     the BOS every window starts with (:class:`TokenDataset`, sparse-attention training). An attribute
-    that is not an int (a list of EOS ids, ``True``) does not count."""
+    that is not an int (a list of EOS ids, ``True``) does not count.
+
+    Raises:
+        ArgumentError: ``given`` neither None nor an int ``>= 0`` (2.5 was rounded, ``True`` read as 1).
+
+    Source: ours."""
     if given is not None:
+        _check_given_id(given, name)
         return int(given)
     for src in (tokenizer, config):
         value = getattr(src, name, None)
@@ -90,9 +99,32 @@ def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name
     return None
 
 
+def _check_special_sources(tokenizer: Any, config: Any, where: str) -> None:
+    """The objects the special token ids and the vocabulary size are read from (by attribute): ``config`` None or a
+    model config (a model itself, or an object with none of the attributes, would be passed over without a word:
+    no BOS, no vocabulary bound), ``tokenizer`` None or an object with token id attributes."""
+    ids = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+    if config is not None and (hasattr(config, "config") or not any(hasattr(config, a) for a in ids)):
+        raise ArgumentError(f"{where}: config must be None or the model's config (model.config: its vocab_size and "
+                            f"special token ids), got a {type(config).__name__}")
+    if tokenizer is not None and not any(hasattr(tokenizer, a) for a in ids[1:]):
+        raise ArgumentError(f"{where}: tokenizer must be None or a tokenizer (its bos / eos / pad token ids), got a "
+                            f"{type(tokenizer).__name__}")
+
+
+def _check_given_id(given: Any, name: str) -> None:
+    """A token id given by the caller (``bos_token_id=``, ``pad_token_id=``): an int ``>= 0``, else
+    :class:`ArgumentError` naming ``name``."""
+    if not is_int(given) or given < 0:
+        raise ArgumentError(f"{name} must be None or a token id (an int >= 0), got {given!r}")
+
+
 def _pad_id(tokenizer: Any, given: int | None, config: Any = None) -> int:
     """Padding id: ``given``, else the tokenizer's pad id, else its EOS id, else the config's pad / first EOS
-    id, else 0 (padding is masked out of every measure anyway)."""
+    id, else 0 (padding is masked out of every measure anyway). A ``given`` that is not a token id is refused
+    (:class:`ArgumentError`; it was passed over for the tokenizer's)."""
+    if given is not None:
+        _check_given_id(given, "pad_token_id")
     eos = getattr(config, "eos_token_id", None)
     for pad in (given, getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                 getattr(config, "pad_token_id", None), eos[0] if isinstance(eos, (list, tuple)) and eos else eos):
@@ -151,7 +183,14 @@ def _rows_mask(ids: torch.Tensor, pad: int | None, specials: set[int]) -> torch.
 
 def _eos_ids(tokenizer: Any, config: Any, given: int | Sequence[int] | None) -> set[int]:
     """The end-of-text ids a token stream is cut at: ``given``, else the tokenizer's, else ``config``'s
-    (an int or a list of ints, as Llama 3's config has); empty when none is known."""
+    (an int or a list of ints, as Llama 3's config has); empty when none is known. A ``given`` of another kind is
+    refused (:class:`ArgumentError`; it was passed over for the tokenizer's)."""
+    one_id = is_int(given) and int(given) >= 0  # type: ignore[arg-type]
+    if given is not None and not one_id and not (
+            isinstance(given, (list, tuple)) and given and all(is_int(v) and v >= 0 for v in given)):
+        raise ArgumentError(f"eos_token_id must be None, a token id or a non-empty list of them, got {given!r}")
+    if one_id:
+        given = int(given)  # type: ignore[arg-type]
     for src in (given, getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
         if isinstance(src, int) and not isinstance(src, bool):
             return {src}
@@ -210,7 +249,7 @@ def read_token_ids(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]
         raise ArgumentError(f"{path}: {key!r} holds {ids.dtype} values, not integer token ids")
     mask = tensors.get("attention_mask")
     if mask is not None:
-        _check_zero_one(mask, f"{path}: 'attention_mask'")
+        check_zero_one(mask, f"{path}: 'attention_mask'")
     if mask is not None and tuple(mask.shape) != tuple(ids.shape):
         raise ArgumentError(f"{path}: 'attention_mask' is {tuple(mask.shape)}, 'input_ids' {tuple(ids.shape)}")
     return ids.to("cpu", torch.long), None if mask is None else mask.to("cpu").bool()
@@ -286,7 +325,7 @@ class TokenDataset:
             raise ShapeError(f"TokenDataset: tokens must be a non-empty (n_windows, seq_len) tensor, got "
                              f"{tuple(tokens.shape)}")
         if target_mask is not None:
-            _check_zero_one(target_mask, "TokenDataset: target_mask")
+            check_zero_one(target_mask, "TokenDataset: target_mask")
         if target_mask is not None and tuple(target_mask.shape) != tuple(tokens.shape):
             raise ShapeError(f"TokenDataset: target_mask must be {tuple(tokens.shape)} like tokens, got "
                              f"{tuple(target_mask.shape)}")
@@ -329,11 +368,17 @@ class TokenDataset:
         config); if none exists no BOS is prepended (windows then start with the text's first token).
 
         Raises:
-            ArgumentError: ``seq_len`` not an int ≥ 2.
+            ArgumentError: ``seq_len`` not an int ≥ 2; ``bos_token_id`` not None or a token id (an int ≥ 0),
+                ``document_separator`` not None or a str; ``config`` not None or a model config (a model, or an
+                object without its token ids).
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         _check_seq_len(seq_len, "TokenDataset.from_text")
+        _check_special_sources(tokenizer, config, "TokenDataset.from_text")
+        if document_separator is not None and not isinstance(document_separator, str):
+            raise ArgumentError(f"TokenDataset.from_text: document_separator must be None, 'auto' or a str, got "
+                                f"{document_separator!r}")
         if document_separator is not None:
             sep = document_separator if document_separator != "auto" else auto_separator(tokenizer, text)
             docs = [d for d in (d.strip() for d in text.split(sep)) if d]
@@ -383,11 +428,13 @@ class TokenDataset:
 
         Raises:
             TooFewTokensError: (a ``ValueError``) no document has a token.
-            ArgumentError: ``seq_len`` not an int ≥ 2.
+            ArgumentError: ``seq_len`` not an int ≥ 2; ``bos_token_id`` / ``pad_token_id`` not None or a token id
+                (an int ≥ 0); ``config`` not None or a model config.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         _check_seq_len(seq_len, "TokenDataset.from_documents")
+        _check_special_sources(tokenizer, config, "TokenDataset.from_documents")
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
                                     special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
                                     _vocab_size(config))
@@ -439,14 +486,17 @@ class TokenDataset:
         Raises:
             ArgumentError: ``ids`` not an integer tensor, not 1-D or 2-D, a negative id or one outside the
                 vocabulary, ``target_mask`` not of booleans or 0 / 1, of another shape or with padding before a
-                real token, or 2-D ``ids`` without ``target_mask`` whose padding is ambiguous (above); ``seq_len``
-                not an int ≥ 2.
+                real token, or given with 1-D ``ids`` (a stream has no padding; it was ignored), or 2-D ``ids``
+                without ``target_mask`` whose padding is ambiguous (above); ``seq_len`` not an int ≥ 2;
+                ``bos_token_id`` not None or a token id, ``eos_token_id`` not None, a token id or a list of them;
+                ``config`` not None or a model config, ``tokenizer`` not None or an object with token id attributes.
             TooFewTokensError: (a ``ValueError``) fewer ids than one window (a stream of one document), or no
                 document with a token.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         _check_seq_len(seq_len, "TokenDataset.from_ids")
+        _check_special_sources(tokenizer, config, "TokenDataset.from_ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
                 or ids.dtype == torch.bool:
             what = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -454,6 +504,9 @@ class TokenDataset:
         if ids.dim() not in (1, 2):
             raise ArgumentError(f"ids must be a 1-D token stream or a 2-D (documents, length) tensor, got "
                                 f"{ids.dim()}-D {tuple(ids.shape)}")
+        if target_mask is not None and ids.dim() == 1:
+            raise ArgumentError("from_ids: target_mask applies to 2-D ids (one document per row, padding on the "
+                                "right); a 1-D token stream is cut at its EOS ids and has no padding")
         bos, vocab = special_token_id(tokenizer, config, bos_token_id), _vocab_size(config)
         pad = _pad_id(tokenizer, None, config)
         ids = ids.to("cpu", torch.long)
@@ -464,7 +517,7 @@ class TokenDataset:
                 specials = _eos_ids(tokenizer, config, eos_token_id) | ({bos} if bos is not None else set())
                 target_mask = _rows_mask(ids, _known_pad_id(tokenizer, config), specials) if ids.numel() \
                     else torch.ones_like(ids, dtype=torch.bool)
-            _check_zero_one(target_mask, "from_ids: target_mask")
+            check_zero_one(target_mask, "from_ids: target_mask")
             if tuple(target_mask.shape) != tuple(ids.shape):
                 raise ArgumentError(f"target_mask must be {tuple(ids.shape)} like ids, got {tuple(target_mask.shape)}")
             mask = target_mask.to("cpu").bool()

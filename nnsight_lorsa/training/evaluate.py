@@ -24,7 +24,7 @@ import nnsight
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import is_int
+from .._checks import check_flag, is_int
 from .._placement import model_device
 from .._progress import show_progress
 from ..envoy.nnsight_internals import hf_module
@@ -285,7 +285,7 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
             of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too);
             ``batch_size`` not an int >= 1, ``max_batches`` neither None nor an int >= 1, ``dataset`` not a
-            :class:`~.dataset.TokenDataset`.
+            :class:`~.dataset.TokenDataset`, ``progress`` neither None nor a bool.
         TooFewTokensError: the windows evaluated hold no counted prediction (their ``target_mask`` keeps no token
             after the first of a window): CE and KL would be 0 / 0. Raised before the model runs.
         PlacementError: the model is on the meta device (not dispatched).
@@ -300,6 +300,8 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         raise ArgumentError(f"evaluate: max_batches must be None or an int >= 1, got {max_batches!r}")
     if not isinstance(dataset, TokenDataset):
         raise ArgumentError(f"evaluate: dataset must be a TokenDataset, got {type(dataset).__name__}")
+    if progress is not None:
+        check_flag(progress, "progress", "evaluate")
     batch_size = int(batch_size)
     n_batches = (len(dataset) + batch_size - 1) // batch_size
     if max_batches is not None:

@@ -486,7 +486,7 @@ class Trainer:
         Raises:
             ArgumentError: ``steps`` not a non-negative int; ``checkpoint_every`` not an int ≥ 0, or > 0 without
                 ``checkpoint_dir`` (nothing would be saved); ``checkpoint_dir`` not None, a str or ``os.PathLike``;
-                ``progress`` not a bool — before the first step.
+                ``progress`` not a bool, ``on_log`` not None or a callable — before the first step.
             MissingDependencyError: ``wandb_project`` is set and ``wandb`` is not installed (before any step).
             NonFiniteError, TooFewTokensError: see :meth:`train_step`.
             RankFailedError: (data parallel) another rank failed: getting its batch or in its forward pass at this
@@ -500,6 +500,9 @@ class Trainer:
             raise ArgumentError(f"steps must be a non-negative int, got {steps!r}")
         check_checkpointing(checkpoint_dir, checkpoint_every, "Trainer.train")
         check_flag(progress, "progress", "Trainer.train")
+        if on_log is not None and not callable(on_log):
+            raise ArgumentError(f"Trainer.train(on_log=...) must be None or a callable taking each history entry, got "
+                                f"a {type(on_log).__name__}")
         logger = self._wandb_run()  # before the first step: a missing wandb stops the run here
         end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, disable=not progress, desc=self.objective.desc, dynamic_ncols=True)

@@ -30,6 +30,7 @@ import torch
 from .._checks import is_int
 from .._placement import to_module
 from ..analysis.heads import MHSACorrelation, check_attention_mask, ov_logit_lens, refuse_in_trace, refuse_stored_edits
+from ..analysis.qk_ablation import QKFeatureImpacts
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
 from ..envoy.targets import check_index
@@ -77,7 +78,8 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         TargetIndexError: ``head`` not an OV head of the layer's Lorsa. ArgumentError: ``top`` not a
         :class:`~nnsight_lorsa.analysis.TopActivations` of as many heads; ``n_contexts``, ``window``, ``n_features``
         not ints ≥ 0 (a negative ``window`` sliced the context from the wrong end); ``correlation`` not None or a
-        :class:`~nnsight_lorsa.analysis.MHSACorrelation`, ``extra`` not None or a mapping.
+        :class:`~nnsight_lorsa.analysis.MHSACorrelation`, ``qk_features`` not None or a
+        :class:`~nnsight_lorsa.analysis.QKFeatureImpacts`, ``ov_features`` / ``extra`` not None or a mapping.
         ShapeError / ArgumentError: ``attention_mask`` not of ``tokens``' shape, not 0 / 1, or with padding between
         a row's tokens, or padding where ``top`` has an entry; the model carries edits stored by ``model.edit()``
         (the z-patterns are recomputed from the Lorsa's weights, out of their reach). TraceOrderError: called inside
@@ -102,6 +104,12 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     if correlation is not None and not isinstance(correlation, MHSACorrelation):
         raise ArgumentError(f"head_dashboard_data: correlation must be None or mhsa_correlation(...) of the layer, got "
                             f"a {type(correlation).__name__}")
+    if qk_features is not None and not isinstance(qk_features, QKFeatureImpacts):
+        raise ArgumentError(f"head_dashboard_data: qk_features must be None or qk_feature_impacts(...) of this head, "
+                            f"got a {type(qk_features).__name__}")
+    if ov_features is not None and not isinstance(ov_features, Mapping):
+        raise ArgumentError(f"head_dashboard_data: ov_features must be None or ov_feature_cosines(...) of this head, "
+                            f"got a {type(ov_features).__name__}")
     if extra is not None and not isinstance(extra, Mapping):
         raise ArgumentError(f"head_dashboard_data: extra must be None or a mapping {{label: value}}, got a "
                             f"{type(extra).__name__}")

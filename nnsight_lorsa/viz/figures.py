@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .._checks import is_int  # noqa: E402
+from .._checks import check_instance, is_int  # noqa: E402
 from ..errors import ArgumentError, NonFiniteError  # noqa: E402
 from ..formats.files import check_path  # noqa: E402
 
@@ -71,11 +71,12 @@ def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, ti
         ArgumentError: ``zp`` not a non-empty square matrix of ``len(tokens)`` rows, or non-zero above its diagonal
             (a key after its query: a pattern passed transposed, ``(k_pos, q_pos)``, or no causal one).
         NonFiniteError: a NaN / inf in ``zp`` (``tensor="zp"``; the message names the query and key).
-        ArgumentError: ``path`` not a str / ``os.PathLike``.
+        ArgumentError: ``path`` not a str / ``os.PathLike``, ``title`` not a str.
 
     Source: Lorsa paper (He et al. 2025) §5.1 (z-pattern).
     """
     check_path(path, "plot_z_pattern", "an image file")
+    check_instance(title, str, "plot_z_pattern", "title")
     z = _matrix(zp, "zp", "plot_z_pattern")
     n = len(tokens)
     if tuple(z.shape) != (n, n):
@@ -112,18 +113,21 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
     NaN cells (prompts left out: :meth:`~nnsight_lorsa.patching.tasks.ArithmeticGrid.assemble`) stay blank.
 
     Raises:
-        ArgumentError: ``grid`` not a non-empty 2-D tensor; ``operands`` not ints, or not one per row and column;
-            ``path`` not a str / ``os.PathLike``.
+        ArgumentError: ``grid`` not a non-empty 2-D tensor; ``operands`` not a list / range of ints, or not one per
+            row and column; ``path`` not a str / ``os.PathLike``, ``title`` not a str.
         NonFiniteError: an inf in ``grid`` (``tensor="grid"``).
 
     Source: Lorsa paper (He et al. 2025) §6.2, Fig. 7.
     """
     check_path(path, "plot_operand_grid", "an image file")
+    check_instance(title, str, "plot_operand_grid", "title")
     g = _matrix(grid, "grid", "plot_operand_grid")
     if bool(torch.isinf(g).any()):
         raise _inf_error(g, "grid", "plot_operand_grid")
     ops: list[int] | None = None
     if operands is not None:
+        if isinstance(operands, (str, bytes)) or not isinstance(operands, (list, tuple, range, torch.Tensor)):
+            raise ArgumentError(f"plot_operand_grid: operands must be a list / range of ints, got {operands!r}"[:200])
         ops = list(operands)
         if not all(is_int(o) for o in ops):
             raise ArgumentError(f"plot_operand_grid: operands must be ints, got {ops[:5]}")
@@ -165,11 +169,12 @@ def plot_heads_spanned(n_spanned: torch.Tensor, path: str | Path, title: str = "
 
     Raises:
         ArgumentError: not a real 1-D tensor, or a count below -1, NaN / inf or not a whole number (it would have
-            been dropped or truncated into another bar); ``path`` not a str / ``os.PathLike``.
+            been dropped or truncated into another bar); ``path`` not a str / ``os.PathLike``, ``title`` not a str.
 
     Source: Lorsa paper (He et al. 2025) App. E, Fig. 13.
     """
     check_path(path, "plot_heads_spanned", "an image file")
+    check_instance(title, str, "plot_heads_spanned", "title")
     if not isinstance(n_spanned, torch.Tensor) or n_spanned.is_complex() or n_spanned.is_meta or n_spanned.dim() != 1:
         raise ArgumentError(f"plot_heads_spanned: n_spanned must be a 1-D tensor of counts, got "
                             f"{getattr(n_spanned, 'shape', type(n_spanned).__name__)}")
@@ -205,11 +210,12 @@ def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str | Path,
 
     Raises:
         ArgumentError: ``history`` empty, an entry that is no mapping or has no ``step``, or no numeric
-            metric beside ``step``; ``path`` not a str / ``os.PathLike``.
+            metric beside ``step``; ``path`` not a str / ``os.PathLike``, ``title`` not a str.
 
     Source: ours (the training log of this package's trainer).
     """
     check_path(path, "plot_training_curves", "an image file")
+    check_instance(title, str, "plot_training_curves", "title")
     if not isinstance(history, Sequence) or isinstance(history, (str, bytes)) or not history:
         raise ArgumentError("plot_training_curves: history must be a non-empty list of logged entries "
                             "(Trainer.config.history)")

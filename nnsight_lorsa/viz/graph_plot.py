@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_file
-from .._checks import is_int
+from .._checks import check_instance, is_int
 from ..attribution.graph import ATTN_ERROR, BIAS, EMBEDDING, LOGIT, LORSA, MLP_ERROR, TRANSCODER, Graph
 from ..attribution.scores import PruneResult, check_pruned_graph
 from ..errors import ArgumentError, NonFiniteError
@@ -64,8 +64,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
     Raises:
         ArgumentError: ``graph`` / ``pruned`` not a :class:`~nnsight_lorsa.attribution.Graph` / ``PruneResult``,
             ``pruned`` not of this graph (another node count), ``tokens`` not a list of str, one per position,
-            ``max_edges`` not an
-            int >= 0, ``path`` not None, a str or ``os.PathLike``.
+            ``max_edges`` not an int >= 0, ``path`` not None, a str or ``os.PathLike``, ``title`` not a str.
         NonFiniteError: a NaN / inf weight among the kept edges (``tensor="edges"``).
 
     Source: ours (a static matplotlib picture of the graph).
@@ -86,6 +85,7 @@ def plot_graph(graph: Graph, pruned: PruneResult, *, tokens: list[str] | None = 
         raise ArgumentError(f"plot_graph: {len(tokens)} token labels for the graph's {len(graph.tokens)} positions")
     if not is_int(max_edges) or max_edges < 0:
         raise ArgumentError(f"plot_graph: max_edges must be an int >= 0, got {max_edges!r}")
+    check_instance(title, str, "plot_graph", "title")
     n_layers = int(graph.nodes.layer[graph.logit_ids].max()) if len(graph.logit_ids) else 1
     xy = node_xy(graph, n_layers)
     keep = pruned.node_mask

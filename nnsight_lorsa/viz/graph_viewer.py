@@ -247,7 +247,7 @@ def render_html(
     data = to_neuronpedia(graph, prune_result, tokenizer=tokenizer, **export_kwargs)
     known = {n["node_id"] for n in data["nodes"]}
     if clicked is not None:
-        if clicked not in known:
+        if not isinstance(clicked, str) or clicked not in known:
             raise ArgumentError(f"render_html(clicked={clicked!r}): not an exported node (of the pruned graph's "
                                 f"{len(known)} nodes)")
         data["qParams"]["clickedId"] = clicked

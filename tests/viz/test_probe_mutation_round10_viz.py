@@ -143,12 +143,13 @@ def test_dashboard_header_and_contexts_are_the_heads(tiny_dashboard):
 def test_dashboard_q_and_k_rows_are_the_query_and_key_features(tiny_dashboard):
     """App. F.1: the ``Q`` rows are ``top_query_features``, the ``K`` rows ``top_key_features`` (seen failing: the
     two aspects' labels swapped — a dashboard's own test has 3 of each, so only the counts were read)."""
+    from nnsight_lorsa.analysis import QKFeatureImpacts
     from nnsight_lorsa.viz.dashboard import head_dashboard_data
 
     rm, _, tokens, top, head, layer = tiny_dashboard
 
-    class QK:
-        def __init__(self) -> None:
+    class QK(QKFeatureImpacts):  # a QKFeatureImpacts with hand-set rows (the dashboard refuses other kinds)
+        def __init__(self) -> None:  # noqa: D107 — no dataclass fields: only what the dashboard reads
             self.layer, self.head = layer, head
 
         def top_query_features(self, n: int) -> list[tuple[int, float, int, int]]:

@@ -1,0 +1,295 @@
+"""Every optional argument of the public entry points given a wrong value, in a plain interpreter (without the suite's
+beartype hook, as a researcher's process runs) inside an empty scratch directory: ``python
+tests/optional_argument_cases.py --json OUT`` writes one record per (entry point, argument, value),
+``{"name", "param", "default", "value", "error", "ours", "message"}`` (``error``: the exception's class name, None
+when the call returned; ``ours``: a ``LorsaError``), and the names of the exported callables with optional arguments
+(``"exported"``) so that the test can tell which are probed. Read by ``tests/test_optional_arguments.py``.
+
+Each entry point is called once per argument and value from a valid call (:func:`base_calls`) with that one argument
+replaced: None (where the default is not None), a str, an empty list, NaN, -1, 2.5 and True (where the default is
+not a bool) — the wrong kinds and ranges a typo or a mix-up gives. (0 and huge values are left out: most are valid
+and run the whole workflow.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+warnings.simplefilter("ignore")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from helpers import (  # noqa: E402
+    attribution_setup,
+    make_clt,
+    make_sae,
+    random_ids,
+    reconstruction_source,
+    rm,
+    tiny_hf_model,
+)
+from none_argument_cases import public_callables  # noqa: E402
+
+from nnsight_lorsa import (  # noqa: E402
+    CLTSet,
+    Graph,
+    LorsaConfig,
+    LorsaSet,
+    ReplacementModel,
+    SAESet,
+    TokenDataset,
+    TrainConfig,
+    Trainer,
+    TranscoderSet,
+    analysis,
+    attribute,
+    evaluate,
+    get_adapter,
+    load,
+    patching,
+    save,
+)
+from nnsight_lorsa.adapters import mhsa_forward  # noqa: E402
+from nnsight_lorsa.assets import default_model_dir  # noqa: E402
+from nnsight_lorsa.attribution import (  # noqa: E402
+    cache_for_attribution,
+    circuit_metrics,
+    estimate_memory,
+    prune,
+    qk_attribution,
+    save_neuronpedia,  # noqa: E402
+    to_neuronpedia,
+)
+from nnsight_lorsa.envoy import (  # noqa: E402
+    Site,
+    load_model,  # noqa: E402
+    load_tokenizer,
+)
+from nnsight_lorsa.errors import LorsaError  # noqa: E402
+from nnsight_lorsa.formats import load_all  # noqa: E402
+from nnsight_lorsa.modules import (  # noqa: E402
+    BatchTopK,
+    CrossLayerTranscoder,
+    JumpReLU,
+    Lorsa,
+    SkipTranscoder,
+    SparseAutoencoder,
+    Transcoder,
+    make_activation,
+)
+from nnsight_lorsa.patching import LorsaHead, MHSAHead  # noqa: E402
+from nnsight_lorsa.sparse_attention import (  # noqa: E402
+    SparseTrainConfig,
+    evaluate_sparse,
+    install_gated_attention,
+    save_sparse_model,
+    set_gate_mode,
+    train_sparse_attention,
+)
+from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
+from nnsight_lorsa.viz import (  # noqa: E402
+    head_dashboard_data,
+    plot_graph,
+    plot_heads_spanned,
+    plot_operand_grid,
+    plot_training_curves,
+    plot_z_pattern,
+    render_html,
+)
+
+#: the wrong values (None only where the default is not None, True only where it is not a bool)
+VALUES: dict[str, Any] = {"None": None, "'x'": "x", "[]": [], "nan": float("nan"), "-1": -1, "2.5": 2.5,
+                          "True": True}
+
+
+def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """``{name: (the function whose signature lists the optional arguments, call(**kwargs))}``: each call valid as
+    it stands (it is run once without a replaced argument, as the control)."""
+    model, hf, lorsas, tcs = attribution_setup("llama")
+    r = rm(model, lorsas, tcs)
+    ids = random_ids(1, 6)[0]
+    graph = attribute(r, ids, batch_size=16)
+    pruned = prune(graph)
+    data = TokenDataset(torch.randint(3, 100, (6, 8), generator=torch.Generator().manual_seed(0)))
+    batch = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    task = patching.induction_task(model.tokenizer, n_prompts=4, seq_len=4)
+    answers = dict(correct_ids=task.correct_ids, incorrect_ids=task.incorrect_ids)
+    site = Site.mlp_input(get_adapter(model), 1)
+    sae = make_sae(d_in=64, d_sae=16, activation="topk", activation_params={"k": 2})
+    top = analysis.collect_top_activations(r, 1, batch)
+    corr = analysis.mhsa_correlation(r, 1, batch)
+    qka = qk_attribution(r, ids, layer=1, head=0, query_pos=5, key_pos=2)
+    impacts = analysis.qk_feature_impacts(r, 1, 0, sae, batch)
+    LorsaSet(model, lorsas).save(scratch / "set")
+    graph.save(scratch / "graph")
+    heads = [LorsaHead(1, i) for i in range(4)]
+    gated = tiny_hf_model("llama")
+    install_gated_attention(gated)
+    words = load_tokenizer(default_model_dir())  # the embedded model's: names, digits (the tiny one has neither)
+    text = "ROMEO: But soft, what light through yonder window breaks? " * 4
+
+    def trainer(**kw: Any) -> Any:
+        sae8 = make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2})
+        return Trainer(sae8, reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1)).train(
+            **{"progress": False, **kw})
+
+    def in_trace(call: Callable[[], Any]) -> None:
+        with model.trace(ids[None]):
+            call()
+
+    def same(fn: Callable[..., Any], *args: Any, **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        return fn, lambda **kw: fn(*args, **{**fixed, **kw})
+
+    return {
+        "attribute": same(attribute, r, prompt=ids, batch_size=16),
+        "estimate_memory": same(estimate_memory, r, ids),
+        "evaluate": same(evaluate, r.lorsas, data),
+        "prune": same(prune, graph),
+        "to_neuronpedia": same(to_neuronpedia, graph, slug="t"),
+        "circuit_metrics": same(circuit_metrics, r, graph, pruned),
+        "qk_attribution": same(qk_attribution, r, ids, layer=1, head=0, query_pos=5, key_pos=2),
+        "cache_for_attribution": same(cache_for_attribution, r, ids),
+        "ablation_effect": same(patching.ablation_effect, r, task.clean, [LorsaHead(1, 0)], **answers),
+        "activation_patching": same(patching.activation_patching, r, task.clean, task.corrupt, [LorsaHead(1, 0)],
+                                    **answers),
+        "path_patching": same(patching.path_patching, r, task.clean, [MHSAHead(0, 0)], corrupt=task.corrupt,
+                              **answers),
+        "random_ablation_control": same(patching.random_ablation_control, r, task.clean, heads, 2, n_samples=2,
+                                        **answers),
+        "mean_activations": same(patching.mean_activations, r, [LorsaHead(1, 0)], task.clean),
+        "head_swap": same(patching.head_swap, r, 1, 0, 1, task.clean),
+        "circuit_size": same(patching.circuit_size, r, task, [MHSAHead(0, h) for h in range(4)]),
+        "induction_task": same(patching.induction_task, words, n_prompts=2, seq_len=3),
+        "ioi_task": same(patching.ioi_task, words, n_prompts=2),
+        "greater_than_task": same(patching.greater_than_task, words, n_prompts=2),
+        "arithmetic_task": same(patching.arithmetic_task, words, n_prompts=2),
+        "collect_top_activations": same(analysis.collect_top_activations, r, 1, batch),
+        "mhsa_correlation": same(analysis.mhsa_correlation, r, 1, batch),
+        "ov_logit_lens": same(analysis.ov_logit_lens, r, 1),
+        "ov_feature_cosines": same(analysis.ov_feature_cosines, lorsas[1], 0),
+        "qk_feature_impacts": same(analysis.qk_feature_impacts, r, 1, 0, sae, batch),
+        "MHSACorrelation.heads_spanned": same(corr.heads_spanned),
+        "QKAttribution.top_pairs": same(qka.top_pairs),
+        "QKFeatureImpacts.top_query_features": same(impacts.top_query_features),
+        "head_dashboard_data": same(head_dashboard_data, r, 1, 0, top, batch),
+        "render_html": same(render_html, graph, prune_result=pruned),
+        "plot_graph": same(plot_graph, graph, pruned),
+        "write_activation_cache": same(write_activation_cache, model, [site], data, scratch / "cache"),
+        "ActivationSource.sae": same(ActivationSource.sae, model, site, dataset=data),
+        "ActivationSource.transcoder": same(ActivationSource.transcoder, model, 1, dataset=data),
+        "ActivationSource.clt": same(ActivationSource.clt, model, dataset=data),
+        "ActivationSource.attention": same(ActivationSource.attention, model, 1, data, 2),
+        "LorsaSet.from_pretrained": same(LorsaSet.from_pretrained, model, scratch / "set"),
+        "LorsaSet": same(LorsaSet, model, lorsas=lorsas),
+        "LorsaSet.replace": (LorsaSet.replace, lambda **kw: in_trace(lambda: LorsaSet(model, lorsas).replace(
+            **{"layer": 1, **kw}))),
+        "ReplacementModel.replace": (type(r).replace, lambda **kw: in_trace(lambda: r.replace(**kw))),
+        "load": same(load, scratch / "set" / "layer_1"),
+        "save": same(save, lorsas[1], scratch / "saved"),
+        "Graph.load": same(Graph.load, scratch / "graph"),
+        "Graph.edge_sum_error": same(graph.edge_sum_error),
+        "TokenDataset.from_text": same(TokenDataset.from_text, model.tokenizer, text, 8),
+        "TokenDataset.from_documents": same(TokenDataset.from_documents, model.tokenizer, [text, text[:20]], 8),
+        "TokenDataset.from_ids": same(TokenDataset.from_ids, torch.arange(3, 40).view(1, -1), 8),
+        "LorsaConfig.from_mhsa": same(LorsaConfig.from_mhsa, get_adapter(model).mhsa_weights(hf, 1),
+                                      n_ov_heads=16, top_k=4),
+        "Trainer.train": (Trainer.train, trainer),
+        "evaluate_sparse": same(evaluate_sparse, gated, torch.arange(3, 120), seq_len=8),
+        "install_gated_attention": (install_gated_attention,
+                                    lambda **kw: install_gated_attention(tiny_hf_model("llama"), **kw)),
+        "set_gate_mode": same(set_gate_mode, gated, "topk"),
+        "train_sparse_attention": same(train_sparse_attention, tiny_hf_model("llama"), torch.arange(3, 120),
+                                       SparseTrainConfig(total_steps=1, batch_size=2, seq_len=8, target_batches=1,
+                                                         allow_slack_constraint=True), progress=False),
+        "save_sparse_model": same(save_sparse_model, gated, scratch / "sparse"),
+        "CLTSet": same(CLTSet, model, make_clt()),
+        "TranscoderSet": same(TranscoderSet, model, transcoders=tcs),
+        "SAESet": same(SAESet, model, saes={site.path: sae}),
+        "ReplacementModel": same(ReplacementModel, model, lorsas=lorsas, transcoders=tcs),
+        "TokenDataset": same(TokenDataset, data.tokens),
+        "ActivationCache": same(ActivationCache, scratch / "cache"),
+        "ablate": (patching.ablate, lambda **kw: in_trace(lambda: patching.ablate(r(LorsaHead(1, 0)), **kw))),
+        "patch": (patching.patch, lambda **kw: in_trace(lambda: patching.patch(r(LorsaHead(1, 0)),
+                                                                               torch.zeros(()), **kw))),
+        "read": (patching.read, lambda **kw: in_trace(lambda: patching.read(r(LorsaHead(1, 0)), **kw))),
+        "scale": (patching.scale, lambda **kw: in_trace(lambda: patching.scale(r(LorsaHead(1, 0)), 2.0, **kw))),
+        "steer": (patching.steer, lambda **kw: in_trace(lambda: patching.steer(r(LorsaHead(1, 0)), 1.0, **kw))),
+        "logit_difference": same(patching.logit_difference, torch.randn(2, 5, 128), torch.tensor([1, 2]),
+                                 torch.tensor([3, 4])),
+        "relative_effect": same(patching.relative_effect, torch.tensor([2.0, 3.0]), torch.tensor([1.0, 1.0])),
+        "save_neuronpedia": same(save_neuronpedia, graph, scratch / "graph.json", slug="t"),
+        "load_all": same(load_all, scratch / "set"),
+        "make_activation": same(make_activation, "topk", 16, params={"k": 2}),
+        "BatchTopK": same(BatchTopK, 2, 16),
+        "JumpReLU": same(JumpReLU, 16),
+        "mhsa_forward": same(mhsa_forward, get_adapter(model).mhsa_weights(hf, 1), torch.randn(1, 5, 64)),
+        "load_model": same(load_model),
+        "plot_z_pattern": same(plot_z_pattern, torch.ones(2, 2).tril(), ["a", "b"], scratch / "z.png"),
+        "plot_operand_grid": same(plot_operand_grid, torch.ones(2, 2), scratch / "grid.png"),
+        "plot_heads_spanned": same(plot_heads_spanned, torch.tensor([1, 2]), scratch / "spanned.png"),
+        "plot_training_curves": same(plot_training_curves, [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 0.5}],
+                                     scratch / "curves.png"),
+        **{kind.__name__: same(kind, cfg) for kind, cfg in ((Lorsa, lorsas[1].cfg), (SparseAutoencoder, sae.cfg),
+                                                            (Transcoder, tcs[0].cfg), (SkipTranscoder, tcs[2].cfg),
+                                                            (CrossLayerTranscoder, make_clt().cfg))},
+    }
+
+
+def optional(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """``fn``'s arguments that have a default (its ``self`` and ``**kwargs`` left out)."""
+    params = inspect.signature(inspect.unwrap(fn)).parameters.values()
+    return [p for p in params if p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def exported_with_options() -> list[str]:
+    """The exported callables (not records) that take optional arguments, by qualified name."""
+    out = []
+    for name, obj in public_callables().items():
+        if dataclasses.is_dataclass(obj):
+            continue
+        try:
+            if optional(obj if isinstance(obj, type) else obj):  # type: ignore[arg-type]
+                out.append(name)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def main(out_path: str) -> None:
+    out = Path(out_path).resolve()
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as d:
+        scratch = Path(d)
+        work = scratch / "cwd"
+        work.mkdir()
+        calls = base_calls(scratch)
+        os.chdir(work)
+        for name, (fn, call) in calls.items():
+            call()  # the control: valid as it stands
+            for p in optional(fn):
+                for label, value in VALUES.items():
+                    if (value is None and p.default is None) or (label == "True" and isinstance(p.default, bool)):
+                        continue
+                    try:
+                        call(**{p.name: value})
+                        error, ours, message = None, False, ""
+                    except Exception as e:  # noqa: BLE001 — recorded for the test
+                        error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
+                    records.append({"name": name, "param": p.name, "default": repr(p.default)[:40], "value": label,
+                                    "error": error, "ours": ours, "message": message})
+        written = sorted(os.listdir(work))
+    out.write_text(json.dumps({"records": records, "exported": exported_with_options(), "written": written},
+                              indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[sys.argv.index("--json") + 1])

@@ -1,0 +1,92 @@
+"""Every optional argument of the public entry points, given a wrong value (None, a str, an empty list, NaN, -1, 2.5,
+True), ends in a named error of ours — or is a value the argument takes, listed below with why — in a fresh
+interpreter without the suite's beartype hook (``tests/optional_argument_cases.py``). Generated over the signatures:
+an argument added to a probed entry point is probed at once, and an exported entry point with optional arguments must
+be probed or listed in ``NOT_PROBED``.
+
+Found by this probe (2026-11-29, fifth session), each fixed and now in the wrong-kind table
+(``tests/test_wrong_argument_kinds.py``): arguments that ran wrong (``Graph.edge_sum_error("values")`` normalised by
+the row's mass, ``path_patching(clean=None)``, ``means`` with ``mode="zero"``, ``bos_token_id=2.5`` / ``True``
+rounded, a ``pad_token_id`` / ``eos_token_id`` of another kind passed over for the tokenizer's, a ``target_mask``
+ignored with a 1-D stream, ``heads_spanned(nan)``, ``top_pairs(-1)``, truthy flags, a falsy ``adapter`` or
+``model_dir`` replaced by the default, ``BatchTopK(threshold_lr=nan)``, ``JumpReLU(threshold=nan)``, an arithmetic
+template without ``{op1}`` / ``{op2}``, a model passed as ``config``) and ~40 that were raw ``TypeError`` /
+``AttributeError`` / ``IndexError`` from deep inside (``evaluate_sparse`` of ids outside the vocabulary among them)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import recorded_outcomes
+
+#: ``(entry point, argument, value)`` that run, because the value is one the argument takes
+ALLOWED = {
+    # -1: the last position, as Python indexing (positions, logit_difference's position)
+    *{(name, "positions", "-1") for name in ("ablate", "ablation_effect", "activation_patching", "head_swap", "patch",
+                                             "path_patching", "random_ablation_control", "read", "scale", "steer")},
+    ("logit_difference", "position", "-1"),
+    ("head_swap", "positions", "None"),  # every position
+    # a seed of -1 seeds a generator as well as any other int
+    *{(name, "seed", "-1") for name in ("ActivationSource.attention", "ActivationSource.clt", "ActivationSource.sae",
+                                        "ActivationSource.transcoder", "arithmetic_task", "greater_than_task",
+                                        "induction_task", "ioi_task", "random_ablation_control")},
+    # texts, labels and paths: "x" is one
+    ("LorsaConfig.from_mhsa", "architecture", "'x'"), ("TokenDataset.from_text", "document_separator", "'x'"),
+    ("attribute", "prompt", "'x'"), ("greater_than_task", "noun", "'x'"), ("to_neuronpedia", "creator_name", "'x'"),
+    ("to_neuronpedia", "scan", "'x'"), ("plot_graph", "path", "'x'"), ("render_html", "path", "'x'"),
+    ("render_html", "title", "'x'"),
+    *{(name, "title", "'x'") for name in ("plot_graph", "plot_heads_spanned", "plot_operand_grid",
+                                          "plot_training_curves", "plot_z_pattern")},
+    # flags given True
+    ("attribute", "progress", "True"), ("evaluate", "progress", "True"), ("ReplacementModel", "offload", "True"),
+    ("ReplacementModel.replace", "error", "True"),
+    # empty collections: no modules, no receivers (the logits), the default ks only, no names (the vocabulary's)
+    ("LorsaSet", "lorsas", "[]"), ("SAESet", "saes", "[]"), ("TranscoderSet", "transcoders", "[]"),
+    ("ActivationCache", "sites", "[]"), ("path_patching", "receivers", "[]"), ("circuit_size", "ks", "[]"),
+    ("ioi_task", "names", "[]"),
+    # numbers in range: thresholds and biases of any sign or size, a bandwidth, a tolerance in nats
+    ("circuit_metrics", "min_effect", "2.5"), ("circuit_size", "threshold", "-1"), ("circuit_size", "threshold", "2.5"),
+    ("JumpReLU", "bandwidth", "2.5"), ("JumpReLU", "threshold", "-1"), ("JumpReLU", "threshold", "2.5"),
+    ("install_gated_attention", "init_bias", "-1"), ("install_gated_attention", "init_bias", "2.5"),
+    ("install_gated_attention", "temperature", "2.5"), ("train_sparse_attention", "heldout_tolerance", "2.5"),
+    # None: the default's meaning (never checkpoint; the model's own placement and dtype)
+    ("Trainer.train", "checkpoint_every", "None"), ("load_model", "device", "None"), ("load_model", "dtype", "None"),
+}
+#: exported entry points with optional arguments that the probe does not call, and why
+NOT_PROBED = {
+    "ActivationSource": "its constructor is called by its named constructors (probed: .sae, .transcoder, .clt, "
+                        ".attention)",
+    "DataParallel": "needs a torch.distributed process group (tests/training/test_ddp*.py)",
+    "LorsaObjective": "made by the Trainer from a Lorsa (tests/training/)",
+    "resolve_release": "needs a SAELens release registry file (tests/formats/test_saelens_releases*.py)",
+}
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> dict:
+    return recorded_outcomes("optional_argument_cases.py", tmp_path_factory.mktemp("optional"))
+
+
+def test_no_wrong_optional_argument_is_a_raw_error(probe):
+    raw = [r for r in probe["records"] if r["error"] is not None and not r["ours"]]
+    assert not raw, raw[:10]
+
+
+def test_the_wrong_values_that_run_are_values_the_argument_takes(probe):
+    ran = {(r["name"], r["param"], r["value"]) for r in probe["records"] if r["error"] is None}
+    assert ran - ALLOWED == set(), sorted(ran - ALLOWED)  # a wrong value accepted: a silent misuse
+    assert ALLOWED - ran == set(), sorted(ALLOWED - ran)  # the table says what runs, no more
+
+
+def test_a_flag_takes_only_true_or_false(probe):
+    flags = [r for r in probe["records"] if r["default"] in ("True", "False")]
+    assert flags and all(r["ours"] for r in flags), [r for r in flags if not r["ours"]]
+
+
+def test_every_exported_entry_point_with_optional_arguments_is_probed(probe):
+    probed = {r["name"].split(".")[-1] for r in probe["records"]} | {r["name"] for r in probe["records"]}
+    missing = {e.split(".")[-1] for e in probe["exported"]} - probed - set(NOT_PROBED)
+    assert not missing, sorted(missing)
+
+
+def test_a_wrong_optional_argument_writes_nothing(probe):
+    assert set(probe["written"]) <= {"x"}, probe["written"]  # "x": the paths given as "x" (a valid path)
