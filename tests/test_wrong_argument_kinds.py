@@ -169,6 +169,17 @@ PATCHING = {
     "render_html(title=[])": ("ArgumentError", "render_html(title=...) must be None (the prompt) or a str"),
     "Graph.edge_sum_error('values')": ("ArgumentError", "Graph.edge_sum_error(relative_to=...) must be 'value' or "
                                                         "'mass', got 'values'"),
+    "Graph.ids_of('lorsa')": ("ArgumentError", "Graph.ids_of(kind=...) must be one of the node kinds"),
+    "Graph.ids_of(7)": ("ArgumentError", "Graph.ids_of(kind=...) must be one of the node kinds"),
+    **{f"Graph.edge_values({side}={label})": ("ArgumentError", f"Graph.edge_values: {side} {what}")
+       for side in ("targets", "sources")
+       for label, what in (("-1", "hold node ids from -1"), ("n_nodes", "hold node ids from"),
+                           ("0.5", "must be an integer tensor of node ids, got a torch.float32 tensor"))},
+    **{f"TaskBatch.select({label})": ("ArgumentError", "TaskBatch.select")
+       for label in ("2.5", "[]", "[2]", "True")},
+    "TaskBatch.to('x')": ("ArgumentError", "TaskBatch.to: device 'x' is not a device"),
+    "Site.mlp_input(model, 1)": ("ArgumentError", "Site.mlp_input(adapter=...) must be a ArchitectureAdapter"),
+    "adapter.sliding_window('x')": ("LayerOutOfRangeError", "'x'"),
     "Graph.load(subfolder=0)": ("ArgumentError", "Graph.load: subfolder must be None or a str"),
     "Graph.load(local_files_only='no')": ("ArgumentError", "Graph.load(local_files_only=...) must be True or False"),
     **{f"MHSACorrelation.heads_spanned({bad!r})": ("ArgumentError", "MHSACorrelation.heads_spanned.threshold must be")

@@ -180,6 +180,11 @@ def patching_cases(out: dict) -> None:
     out["qk_feature_impacts(skip_first='no')"] = lambda: qk_feature_impacts(r, 1, 0, sae, task.clean,
                                                                              skip_first="no")
     out["ov_logit_lens(tokenizer=3)"] = lambda: ov_logit_lens(r, 1, tokenizer=3)
+    for label, bad in (("2.5", 2.5), ("[]", []), ("[2]", [2]), ("True", True)):
+        out[f"TaskBatch.select({label})"] = lambda b=bad: task.select(b)
+    out["TaskBatch.to('x')"] = lambda: task.to("x")
+    out["Site.mlp_input(model, 1)"] = lambda: Site.mlp_input(model, 1)
+    out["adapter.sliding_window('x')"] = lambda: get_adapter(model).sliding_window("x")
     corr = mhsa_correlation(r, 1, task.clean)
     for bad in (float("nan"), 2.5, -1):
         out[f"MHSACorrelation.heads_spanned({bad!r})"] = lambda b=bad: corr.heads_spanned(b)
@@ -303,6 +308,12 @@ def graph_cases(out: dict, scratch: Path) -> None:
     out["plot_graph(tokens=str)"] = lambda: plot_graph(graph, pruned, tokens="abcdef")
     out["render_html(path=3)"] = lambda: render_html(graph, pruned, path=3)
     out["Graph.edge_sum_error('values')"] = lambda: graph.edge_sum_error("values")
+    out["Graph.ids_of('lorsa')"] = lambda: graph.ids_of("lorsa")
+    out["Graph.ids_of(7)"] = lambda: graph.ids_of(7)
+    n, one = graph.n_nodes, torch.tensor([0])
+    for label, bad in (("-1", torch.tensor([-1])), ("n_nodes", torch.tensor([n])), ("0.5", torch.tensor([0.5]))):
+        out[f"Graph.edge_values(targets={label})"] = lambda b=bad: graph.edge_values(b, one)
+        out[f"Graph.edge_values(sources={label})"] = lambda b=bad: graph.edge_values(torch.tensor([n - 1]), b)
     graph.save(scratch / "graph")
     out["Graph.load(subfolder=0)"] = lambda: Graph.load(scratch / "graph", subfolder=0)
     out["Graph.load(local_files_only='no')"] = lambda: Graph.load(scratch / "graph", local_files_only="no")

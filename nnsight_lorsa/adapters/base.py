@@ -272,12 +272,19 @@ def mhsa_forward(
     ``b_O``; they sum to the output minus ``b_O``).
 
     Raises:
-        ArgumentError: ``per_head`` not a bool, ``positions`` / ``key_mask`` not None or a tensor.
+        ArgumentError: ``per_head`` not a bool, ``w`` not an :class:`MHSAWeights`, ``x`` not a 3-D tensor,
+            ``positions`` / ``key_mask`` not None or a tensor.
 
     Source: *From Tokenization to Attribution Graphs* §3.3 (multi-head self-attention); transformers
     ``eager_attention_forward``.
     """
     check_flag(per_head, "per_head", "mhsa_forward")
+    if not isinstance(w, MHSAWeights):
+        raise ArgumentError(f"mhsa_forward(w=...) must be an MHSAWeights (adapter.mhsa_weights(model, layer)), got a "
+                            f"{type(w).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise ArgumentError(f"mhsa_forward(x=...) must be a (batch, pos, d_model) tensor, got {got}")
     for name, value in (("positions", positions), ("key_mask", key_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ArgumentError(f"mhsa_forward({name}=...) must be None or a tensor, got a {type(value).__name__}")

@@ -48,7 +48,15 @@ class LlamaAdapter(ArchitectureAdapter):
     mlp_norm_name = "post_attention_layernorm"
 
     def sliding_window(self, layer: int) -> int | None:
-        """The sliding-window size of layer ``layer``'s attention, or None (full causal)."""
+        """The sliding-window size of layer ``layer``'s attention, or None (full causal).
+
+        Raises:
+            LayerOutOfRangeError: ``layer`` not a layer of the model (checked whether or not the family has sliding
+                layers: a wrong layer was None, full causal, on a model without).
+
+        Source: transformers ``models/{mistral,qwen2,qwen3}/modeling_*.py`` (``sliding_window``, ``layer_types``).
+        """
+        layer = self.check_layer(layer)
         c = self.config
         window = getattr(c, "sliding_window", None)
         if window is None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .._checks import is_int
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, CheckpointError
@@ -159,9 +160,22 @@ class Graph(FieldsRepr):
         keeps them (:meth:`BlockAdjacency.gather`: memory of the result, no ``n_nodes²`` matrix). The ids may be on
         any device (a graph lives on the host; the result does too), like the blocks' path.
 
+        Raises:
+            ArgumentError: ``targets`` / ``sources`` not integer tensors, or holding an id outside ``[0, n_nodes)``
+                (a negative id, one past the last or a fractional one read another node's edge, or 0, without a
+                word).
+
         Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
         nodes are ours).
         """
+        for name, ids in (("targets", targets), ("sources", sources)):
+            if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+                    or ids.dtype == torch.bool:
+                got = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"
+                raise ArgumentError(f"Graph.edge_values: {name} must be an integer tensor of node ids, got {got}")
+            if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n_nodes):
+                raise ArgumentError(f"Graph.edge_values: {name} hold node ids from {int(ids.min())} to "
+                                    f"{int(ids.max())}; a graph of {self.n_nodes} nodes has ids in [0, {self.n_nodes})")
         a = self._adjacency
         if isinstance(a, torch.Tensor):
             return a[targets.to(a.device, torch.long), sources.to(a.device, torch.long)]
@@ -196,9 +210,17 @@ class Graph(FieldsRepr):
     def ids_of(self, kind: int) -> torch.Tensor:
         """Indices of the nodes of one kind (e.g. ``Graph.LORSA``): ``(n_kind,)`` int64, ascending.
 
+        Raises:
+            ArgumentError: ``kind`` not one of the kinds (``Graph.TRANSCODER`` … ``Graph.LOGIT``, ints 0–6): a name
+                such as ``"lorsa"`` was a raw ``AttributeError``, an int past the kinds an empty result.
+
         Source: Ameisen et al. 2025, *Circuit Tracing*; circuit-tracer ``circuit_tracer/graph.py`` (node order; bias
         nodes are ours).
         """
+        if not is_int(kind) or not 0 <= kind < len(KIND_NAMES):
+            raise ArgumentError(f"Graph.ids_of(kind=...) must be one of the node kinds Graph.TRANSCODER, LORSA, "
+                                f"MLP_ERROR, ATTN_ERROR, EMBEDDING, BIAS, LOGIT (ints 0–{len(KIND_NAMES) - 1}), got "
+                                f"{kind!r}")
         return (self.nodes.kind == kind).nonzero().flatten()
 
     @property

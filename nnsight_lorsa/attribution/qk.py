@@ -195,7 +195,8 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     Raises:
         LayerOutOfRangeError: no Lorsa at ``layer``.
         ShapeError: a head or position out of range, or ``key_pos > query_pos`` (causal).
-        ArgumentError: ``replacement`` not a ReplacementModel; ``batch_size`` not None or an int ≥ 1.
+        ArgumentError: ``replacement`` not a ReplacementModel; ``batch_size`` not None or an int ≥ 1; ``layer``,
+            ``head``, ``query_pos`` or ``key_pos`` not an int (``True`` was head 1) — before the model runs.
 
     Source: Lorsa paper (He et al. 2025) §3.1 (QK heads); Kamath et al. 2025 (QK attribution); Llamascopium
     ``src/llamascopium/circuits/attribution.py`` (QK tracing).
@@ -203,6 +204,9 @@ def qk_attribution(replacement: Any, prompt: Any, *, layer: int, head: int, quer
     from ..envoy.replacement_model import check_replacement_model
 
     check_replacement_model(replacement, "qk_attribution")
+    for name, value in (("layer", layer), ("head", head), ("query_pos", query_pos), ("key_pos", key_pos)):
+        if not is_int(value):
+            raise ArgumentError(f"qk_attribution({name}=...) must be an int, got {value!r}")
     if batch_size is not None and (not is_int(batch_size) or batch_size < 1):  # 0 ran as the default
         raise ArgumentError(f"qk_attribution(batch_size=...) must be None or an int >= 1, got {batch_size!r}")
     prepared = prepare(replacement, prompt)

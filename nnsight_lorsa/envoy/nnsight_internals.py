@@ -199,6 +199,19 @@ def is_envoy(obj: Any) -> bool:
     return isinstance(getattr(obj, "_module", None), nn.Module)
 
 
+def check_traceable(model: Any, where: str) -> None:
+    """Refuse a ``model`` that is no nnsight model (an envoy wrapping a torch module) where one is traced.
+
+    Raises:
+        ArgumentError: naming ``where`` and what was given.
+
+    Source: ours (nnsight 0.8's ``Envoy._module``).
+    """
+    if not is_envoy(model):
+        raise ArgumentError(f"{where}: model must be the nnsight model to trace (LanguageModel(...), "
+                            f"nnsight_lorsa.envoy.load_model(...)), got a {type(model).__name__}")
+
+
 def strip_nnsight(module: nn.Module) -> None:
     """Undo nnsight's per-module instrumentation (controller forward + state) on a detached module."""
     for sub in module.modules():

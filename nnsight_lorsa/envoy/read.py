@@ -24,6 +24,7 @@ import nnsight
 import torch
 from torch import nn
 
+from .._checks import check_instance
 from .._typing import Float, Int
 from ..adapters.base import ArchitectureAdapter
 from ..adapters.registry import get_adapter
@@ -65,10 +66,12 @@ class Site:
         """What layer ``layer``'s MLP reads (after the pre-MLP norm): a transcoder's input.
 
         Raises:
-            LayerOutOfRangeError: ``layer`` outside the model.
+            LayerOutOfRangeError: ``layer`` outside the model. ArgumentError: ``adapter`` not an
+                :class:`ArchitectureAdapter` (``get_adapter(model)``; the same for every site constructor below).
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.mlp_input")
         return cls(adapter.mlp_path(adapter.check_layer(layer)), "input")
 
     @classmethod
@@ -77,6 +80,7 @@ class Site:
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.mlp_output")
         return cls(adapter.mlp_path(adapter.check_layer(layer)), "output")
 
     @classmethod
@@ -85,6 +89,7 @@ class Site:
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.attn_input")
         return cls(adapter.attention_path(adapter.check_layer(layer)), "input")
 
     @classmethod
@@ -93,6 +98,7 @@ class Site:
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.attn_output")
         return cls(adapter.attention_path(adapter.check_layer(layer)), "output")
 
     @classmethod
@@ -101,6 +107,7 @@ class Site:
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.attn_positions")
         return cls(adapter.attention_path(adapter.check_layer(layer)), "positions")
 
     @classmethod
@@ -109,7 +116,14 @@ class Site:
 
         Source: ours (reading sites of an nnsight trace; nnsight 0.8 envoys).
         """
+        _check_adapter(adapter, "Site.resid_post")
         return cls(adapter.layer_path(adapter.check_layer(layer)), "output")
+
+
+def _check_adapter(adapter: Any, where: str) -> None:
+    """A site constructor's ``adapter``: an :class:`ArchitectureAdapter` (the model itself, a common slip, is refused
+    with the remedy)."""
+    check_instance(adapter, ArchitectureAdapter, where, "adapter", " (get_adapter(model))")
 
 
 def site_value(envoy: Any, site: Site, adapter: ArchitectureAdapter) -> Any:

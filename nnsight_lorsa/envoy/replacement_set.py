@@ -149,6 +149,8 @@ def load_keyed(model: Any, sources: Any, module_type: type, key_of: Callable[[st
                             f"os.PathLike), a list of them, or {{{key_name}: source}}; got a {type(sources).__name__}")
     items = sources.items() if isinstance(sources, Mapping) else [
         (None, src) for src in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
+    if not items:  # an empty list loaded nothing, without a word
+        raise ArgumentError(f"from_pretrained: sources is empty ({sources!r}): give at least one checkpoint")
     for _, src in items:
         check_path(src, "from_pretrained")
     found: dict = {}

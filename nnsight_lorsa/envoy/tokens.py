@@ -19,13 +19,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from ..errors import CheckpointError, MissingTokenizerError
+from ..errors import ArgumentError, CheckpointError, MissingTokenizerError
 
 #: files any transformers tokenizer is loaded from (one of them must exist)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
                    "tokenizer.tiktoken")
 
-__all__ = ["TOKENIZER_FILES", "IdsOnlyTokenizer", "ids_only_tokenizer", "load_tokenizer", "tokenizer_of"]
+__all__ = ["TOKENIZER_FILES", "IdsOnlyTokenizer", "check_tokenizer", "ids_only_tokenizer", "load_tokenizer",
+           "tokenizer_of"]
 
 
 def _missing(what: str, where: str) -> MissingTokenizerError:
@@ -66,6 +67,21 @@ def ids_only_tokenizer(vocab_size: int, *, bos_token_id: int | None = None, eos_
     pad = pad_token_id if pad_token_id is not None else eos_token_id
     return IdsOnlyTokenizer(tokenizer_object=core, bos_token=tok(bos_token_id), eos_token=tok(eos_token_id),
                             pad_token=tok(pad), where=where, model_input_names=["input_ids", "attention_mask"])
+
+
+def check_tokenizer(tokenizer: Any, where: str) -> None:
+    """Refuse what is no tokenizer (None: a model loaded without one) before a task reads it: it must encode
+    (be callable or have ``encode``) and ``decode``.
+
+    Raises:
+        ArgumentError: naming ``where`` and what was given.
+
+    Source: ours (the task builders', ``TokenDataset``'s text constructors').
+    """
+    if not callable(getattr(tokenizer, "decode", None)) or not (callable(tokenizer)
+                                                                  or callable(getattr(tokenizer, "encode", None))):
+        raise ArgumentError(f"{where}: tokenizer must be a tokenizer (e.g. model.tokenizer; a model loaded without "
+                            f"one has None), got a {type(tokenizer).__name__}")
 
 
 def _first_id(value: Any) -> int | None:

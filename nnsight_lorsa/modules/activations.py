@@ -211,6 +211,7 @@ class JumpReLU(nn.Module):
 
     def __init__(self, d_sae: int, threshold: float | torch.Tensor = 0.0, bandwidth: float = 1e-3) -> None:
         super(JumpReLU, self).__init__()
+        check_width(d_sae, "JumpReLU")
         check_activation_params("jumprelu", d_sae, {"threshold": threshold, "bandwidth": bandwidth})
         theta = torch.as_tensor(threshold, dtype=torch.float32, device="cpu")  # moved with the module
         self.threshold = nn.Parameter(theta.expand(d_sae).clone())
@@ -295,7 +296,8 @@ class BatchTopK(nn.Module):
 
     def __init__(self, k: int, d_sae: int, threshold_lr: float = 0.01) -> None:
         super(BatchTopK, self).__init__()
-        check_activation_params("batchtopk", None, {"k": k, "threshold_lr": threshold_lr})
+        check_width(d_sae, "BatchTopK")
+        check_activation_params("batchtopk", d_sae, {"k": k, "threshold_lr": threshold_lr})
         self.k = k
         self.d_sae = d_sae
         self.threshold_lr = float(threshold_lr)
@@ -576,6 +578,12 @@ def _real(v: Any) -> bool:
     return is_real(v)
 
 
+def check_width(d_sae: Any, where: str) -> None:
+    """An activation's number of features: a positive int, else :class:`CheckpointError` naming ``where``."""
+    if not is_int(d_sae) or d_sae <= 0:
+        raise CheckpointError(f"{where}: d_sae (the number of features) must be a positive int, got {d_sae!r}")
+
+
 def check_activation_params(name: Any, d_sae: int | None, params: Any) -> None:
     """Raise :class:`CheckpointError` unless ``params`` are valid parameters of activation ``name`` for
     ``d_sae`` features (what :func:`make_activation` would build, checked without building it): known keys
@@ -585,7 +593,9 @@ def check_activation_params(name: Any, d_sae: int | None, params: Any) -> None:
 
     ``d_sae=None`` (what the configs check) skips the checks against the width (``k <= d_sae``, ``groupmax``
     divisibility, the threshold's length): the module constructor makes them, where the checkpoint loaders
-    name the file in the message."""
+    name the file in the message; a ``d_sae`` given must be a positive int."""
+    if d_sae is not None:
+        check_width(d_sae, str(name))
     if not isinstance(name, str) or name not in ACTIVATIONS:
         raise CheckpointError(f"unknown activation {name!r}; known: {list(ACTIVATIONS)}")
     if params is not None and not isinstance(params, Mapping):
@@ -638,6 +648,7 @@ def make_activation(name: str, d_sae: int, params: Mapping[str, Any] | None = No
 
     Source: SAELens ``sae_lens/saes/*.py`` (a small registry per architecture name).
     """
+    check_width(d_sae, f"make_activation({name!r})")
     check_activation_params(name, d_sae, params)
     params = dict(params or {})
     try:

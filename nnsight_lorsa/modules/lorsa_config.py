@@ -9,7 +9,7 @@ from typing import Any
 
 from .._checks import check_int
 from .._repr import FieldsRepr
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from .rotary import RotaryConfig
 
 
@@ -129,12 +129,16 @@ class LorsaConfig(FieldsRepr):
 
         Raises:
             CheckpointError: sizes that do not divide (see the class).
-            ArgumentError: ``qk_heads_per_mhsa_head`` not an int ``>= 1`` (``True`` was read as 1).
+            ArgumentError: ``qk_heads_per_mhsa_head`` not an int ``>= 1`` (``True`` was read as 1); ``mhsa`` not an
+                :class:`~nnsight_lorsa.adapters.base.MHSAWeights`.
 
         Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
         (``LorsaConfig``).
         """
         check_int("LorsaConfig.from_mhsa", "qk_heads_per_mhsa_head", qk_heads_per_mhsa_head)
+        if not all(hasattr(mhsa, a) for a in ("d_model", "n_heads", "head_dim", "rotary", "scale", "q_norm")):
+            raise ArgumentError(f"LorsaConfig.from_mhsa(mhsa=...) must be an MHSAWeights "
+                                f"(adapter.mhsa_weights(model, layer)), got a {type(mhsa).__name__}")
         return cls(d_model=int(mhsa.d_model), n_qk_heads=qk_heads_per_mhsa_head * int(mhsa.n_heads),
                    d_qk_head=int(mhsa.head_dim), n_ov_heads=n_ov_heads, top_k=top_k,
                    rotary=None if mhsa.rotary is None else dataclasses.replace(mhsa.rotary, inv_freq_dtype=None),

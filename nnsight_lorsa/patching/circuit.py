@@ -77,8 +77,8 @@ class CircuitSize(FieldsRepr):
 
 
 def _check_components(replacement: ReplacementModel, components: Sequence[Component]) -> None:
-    if not components:
-        raise ConfigMismatchError("circuit_size needs at least one component")
+    if not isinstance(components, (list, tuple)) or not components:
+        raise ConfigMismatchError(f"circuit_size needs a non-empty list of components, got {components!r}"[:200])
     for c in components:
         if not isinstance(c, (MHSAHead, LorsaHead)):
             raise ConfigMismatchError(f"circuit components are MHSAHead / LorsaHead, got {c!r}")

@@ -31,6 +31,7 @@ from .interventions import (
     check_means_mode,
     check_positions,
     check_prompts,
+    check_target_list,
     patch,
     read,
     refuse_inside_trace,
@@ -305,12 +306,15 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
             model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
+            ``prompts`` nnsight cannot batch (:func:`~.interventions.check_prompts`).
+        ConfigMismatchError: ``targets`` not a non-empty list of targets; ``means`` with ``mode="zero"``.
 
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("ablation_effect")
     check_replacement_model(replacement, "ablation_effect")
     check_prompts(prompts, "ablation_effect")
+    check_target_list(targets, "ablation_effect")
     check_means_mode(mode, means, "ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
                      positions)
@@ -369,7 +373,8 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     Raises:
         ArgumentError: ``replacement`` is not a :class:`~nnsight_lorsa.ReplacementModel` (a set, a bare
             model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
-        ConfigMismatchError: ``k`` not an int in ``[1, len(pool)]``; a target listed twice in ``pool`` (a draw of
+        ConfigMismatchError: ``pool`` not a non-empty list of targets; ``k`` not an int in ``[1, len(pool)]``; a
+            target listed twice in ``pool`` (a draw of
             ``k`` could hold fewer than ``k``).
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
 
@@ -378,6 +383,7 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
     refuse_inside_trace("random_ablation_control")
     check_replacement_model(replacement, "random_ablation_control")
     check_prompts(prompts, "random_ablation_control")
+    check_target_list(pool, "random_ablation_control", "pool")
     check_means_mode(mode, means, "random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
         raise ConfigMismatchError(f"k={k!r} must be an int in [1, {len(pool)}] (the pool's size)")

@@ -36,7 +36,7 @@ from ..envoy.edit_log import note_edit
 from ..envoy.nnsight_internals import current_worker
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
-from ..envoy.targets import Bound, Positions, Target, index_at, positions_index
+from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at, positions_index
 from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderError
 
 
@@ -77,6 +77,23 @@ def check_prompts(prompts: Any, where: str, name: str = "prompts") -> None:
         raise ArgumentError(f"{where}: {name} must be prompts — a non-empty text, token ids (an integer tensor (pos,) "
                             "or (batch, pos), or a list of ints), a tokenizer's output with input_ids, or a "
                             f"non-empty list of texts / token-id lists — got {got}")
+
+
+def check_target_list(targets: Any, where: str, name: str = "targets") -> None:
+    """Refuse ``targets`` unless it is a non-empty list / tuple of targets (:class:`~..envoy.targets.MHSAHead`,
+    :class:`~..envoy.targets.LorsaHead`, :class:`~..envoy.targets.Feature`), before the model runs (a bare target,
+    a str or a number was a raw ``TypeError`` / ``AttributeError``; an empty list ran an experiment of nothing).
+
+    Raises:
+        ConfigMismatchError: naming ``where``, ``name`` and what was given.
+
+    Source: ours.
+    """
+    if isinstance(targets, (list, tuple)) and targets and all(isinstance(t, (MHSAHead, LorsaHead, Feature))
+                                                              for t in targets):
+        return
+    raise ConfigMismatchError(f"{where}: {name} must be a non-empty list (or tuple) of MHSAHead / LorsaHead / Feature "
+                              f"targets, got {targets!r}"[:300])
 
 
 def check_means_mode(mode: Any, means: Any, where: str) -> None:
@@ -384,6 +401,7 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     refuse_inside_trace("mean_activations")
     check_replacement_model(replacement, "mean_activations")
     check_prompts(prompts, "mean_activations")
+    check_target_list(list(targets) if isinstance(targets, (set, frozenset)) else targets, "mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

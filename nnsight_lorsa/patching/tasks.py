@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from .._checks import is_int
+from .._placement import check_device_arg
 from .._repr import FieldsRepr
+from ..envoy.tokens import check_tokenizer
 from ..errors import ArgumentError, ConfigMismatchError, LorsaError
 
 IOI_TEMPLATES = (
@@ -70,17 +72,42 @@ class TaskBatch(FieldsRepr):
     def to(self, device: str | torch.device) -> TaskBatch:
         """The same batch with its four id tensors on ``device``.
 
+        Raises:
+            ArgumentError: ``device`` not a device (a str, ``torch.device`` or GPU index; ``_placement``'s check).
+            PlacementError: a device this machine lacks.
+
         Source: ours (the clean/corrupt batch every task builder returns).
         """
-        return TaskBatch(self.name, self.clean.to(device), self.corrupt.to(device), self.correct_ids.to(device),
-                         self.incorrect_ids.to(device), list(self.meta))
+        d = check_device_arg(device, "TaskBatch.to")
+        return TaskBatch(self.name, self.clean.to(d), self.corrupt.to(d), self.correct_ids.to(d),
+                         self.incorrect_ids.to(d), list(self.meta))
 
     def select(self, rows: Any) -> TaskBatch:
-        """The sub-batch ``rows`` (an index, slice or list).
+        """The sub-batch ``rows``: an index, a slice, a list / 1-D integer tensor of indices (negative ones count from
+        the end, as Python's) or a ``(len(self),)`` bool mask.
+
+        Raises:
+            ArgumentError: ``rows`` of another kind (a float, a bool, a string), an index outside ``[-n, n)``, or a
+                selection of no prompt (an empty task is no experiment).
 
         Source: ours (the clean/corrupt batch every task builder returns).
         """
-        idx = torch.arange(len(self), device="cpu")[rows]
+        n = len(self)
+        if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool and tuple(rows.shape) == (n,):
+            idx = rows.to("cpu").nonzero().flatten()
+        elif isinstance(rows, slice) and all(v is None or is_int(v) for v in (rows.start, rows.stop, rows.step)) \
+                and rows.step != 0:
+            idx = torch.arange(n, device="cpu")[rows]
+        else:
+            items = [rows] if is_int(rows) else rows.tolist() if isinstance(rows, torch.Tensor) and rows.dim() == 1 \
+                and not (rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool) \
+                else list(rows) if isinstance(rows, (list, tuple, range)) else None
+            if items is None or not all(is_int(i) and -n <= i < n for i in items):
+                raise ArgumentError(f"TaskBatch.select: rows must be an index, a slice, a list of indices in "
+                                    f"[-{n}, {n}) or a ({n},) bool mask, got {rows!r}"[:300])
+            idx = torch.tensor([int(i) % n for i in items], dtype=torch.long, device="cpu")
+        if idx.numel() == 0:
+            raise ArgumentError(f"TaskBatch.select({rows!r}) selects none of the {n} prompts")
         on = self.clean.device
         return TaskBatch(self.name, self.clean[idx.to(on)], self.corrupt[idx.to(self.corrupt.device)],
                          self.correct_ids[idx.to(self.correct_ids.device)],
@@ -114,19 +141,6 @@ def _check_items(value: Any, name: str, kind: str, where: str) -> None:
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def check_tokenizer(tokenizer: Any, where: str) -> None:
-    """Refuse what is no tokenizer (None: a model loaded without one) before a task reads it: it must encode
-    (be callable or have ``encode``) and ``decode``.
-
-    Raises:
-        ArgumentError: naming ``where`` and what was given.
-    """
-    if not callable(getattr(tokenizer, "decode", None)) or not (callable(tokenizer)
-                                                                  or callable(getattr(tokenizer, "encode", None))):
-        raise ArgumentError(f"{where}: tokenizer must be a tokenizer (e.g. model.tokenizer; a model loaded without "
-                            f"one has None), got a {type(tokenizer).__name__}")
 
 
 def _bos(tokenizer: Any) -> list[int]:

@@ -109,11 +109,14 @@ def save_sparse_model(model: Any, directory: str | Path, tokenizer: Any = None,
         GateNotInstalledError: the model has no gates.
         GateConfigError: the gates' temperature, mode or top_k differ between layers (nothing is written).
         CheckpointError: ``training`` is not JSON-serialisable (nothing is written).
-        ArgumentError: ``tokenizer`` not None or an object with ``save_pretrained``, ``training`` not None or a
-            mapping (nothing is written).
+        ArgumentError: ``directory`` not a str / ``os.PathLike``, ``tokenizer`` not None or an object with
+            ``save_pretrained``, ``training`` not None or a mapping (nothing is written).
 
     Source: ours (a Hugging Face directory plus this package's gate files).
     """
+    from ..formats.files import check_path
+
+    check_path(directory, "save_sparse_model", "a directory")
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise ArgumentError(f"save_sparse_model: tokenizer must be None or a tokenizer (with save_pretrained), got a "
                             f"{type(tokenizer).__name__}")

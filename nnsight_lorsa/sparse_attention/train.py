@@ -210,6 +210,19 @@ def resolve_bos_id(model: Any, bos_id: int | None = None) -> int:
                           "windows start with BOS: pass bos_id")
 
 
+def check_windows_kind(ids: Any, where: str, name: str) -> None:
+    """Training or evaluation windows: a :class:`~..training.dataset.TokenDataset` or a 1-D integer token stream.
+
+    Raises:
+        ArgumentError: anything else, naming ``where`` and ``name``.
+    """
+    if isinstance(ids, TokenDataset) or (isinstance(ids, torch.Tensor) and ids.dim() == 1 and not (
+            ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)):
+        return
+    got = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"
+    raise ArgumentError(f"{where}: {name} must be a TokenDataset or a 1-D integer token stream, got {got}")
+
+
 def check_one_text(model: Any, ids: torch.Tensor) -> None:
     """Refuse a 1-D stream that holds the model's EOS id: a concatenation of documents, not one long text.
 
@@ -279,13 +292,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
     optimisation).
     """
     hf = hf_module(model)
-    if not isinstance(token_ids, TokenDataset) and not (
-            isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 and not token_ids.dtype.is_floating_point
-            and not token_ids.dtype.is_complex and token_ids.dtype != torch.bool):
-        got = (f"a {token_ids.dim()}-D {token_ids.dtype} tensor" if isinstance(token_ids, torch.Tensor)
-               else f"a {type(token_ids).__name__}")
-        raise ArgumentError(f"evaluate_sparse: token_ids must be a TokenDataset or a 1-D integer token stream, got "
-                            f"{got}")
+    check_windows_kind(token_ids, "evaluate_sparse", "token_ids")
     check_int("evaluate_sparse", "batch_size", batch_size)
     if max_windows is not None:
         check_int("evaluate_sparse", "max_windows", max_windows)
@@ -356,7 +363,8 @@ class SparseAttentionTrainer:
             (see :class:`SparseTrainConfig`), unless ``allow_slack_constraint``.
         ArgumentError: ``config`` not a :class:`SparseTrainConfig` or a field out of its rule
             (:meth:`SparseTrainConfig.validate`, run again here); a BOS id outside the vocabulary
-            (:func:`resolve_bos_id`), training token ids outside it.
+            (:func:`resolve_bos_id`), training token ids outside it; ``train_ids`` neither a ``TokenDataset`` nor a
+            1-D integer tensor.
         ImportError: ``lora_rank`` without ``peft``.
     """
 
@@ -387,6 +395,7 @@ class SparseAttentionTrainer:
         """``(dataset or None, its tokens or the 1-D stream)``, checked against the config and the model
         (see the class's Raises)."""
         cfg = self.config
+        check_windows_kind(train_ids, "SparseAttentionTrainer", "train_ids")
         if isinstance(train_ids, TokenDataset):
             if train_ids.seq_len != cfg.seq_len:
                 raise GateConfigError(f"the training dataset's windows have {train_ids.seq_len} tokens, "

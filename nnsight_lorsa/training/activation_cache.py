@@ -62,7 +62,7 @@ from .._checks import is_int
 from .._placement import model_device
 from .._progress import show_progress
 from .._typing import Int
-from ..envoy.nnsight_internals import hf_module
+from ..envoy.nnsight_internals import check_traceable, hf_module
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, ArgumentError, CheckpointError
 from ..formats.files import check_path, read_json_object
@@ -183,7 +183,8 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         ActivationCacheError: no sites, a reserved or unknown site, ``directory`` already holds a cache, or
             ``batch_size`` / ``windows_per_shard`` not positive ints.
         ArgumentError: ``sites`` not Sites (a str, a list holding something else), ``dataset`` not a
-            :class:`~.dataset.TokenDataset`, ``directory`` not a str / ``os.PathLike`` — before the model runs.
+            :class:`~.dataset.TokenDataset`, ``directory`` not a str / ``os.PathLike``, ``model`` not an nnsight
+            model — before the model runs.
 
     Source: ours (this package's on-disk activation cache format).
     """
@@ -192,6 +193,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
         raise ArgumentError(f"write_activation_cache(dataset=...) must be a TokenDataset, got a "
                             f"{type(dataset).__name__} (TokenDataset(tokens) for a tensor of windows)")
     check_path(directory, "write_activation_cache", "a directory")
+    check_traceable(model, "write_activation_cache")
     device = model_device(model)
     if dtype is None:
         dtype = torch.promote_types(next(p for p in hf_module(model).parameters() if p.is_floating_point()).dtype,

@@ -112,6 +112,19 @@ def _check_special_sources(tokenizer: Any, config: Any, where: str) -> None:
                             f"{type(tokenizer).__name__}")
 
 
+def _check_text_args(tokenizer: Any, text: Any, where: str, name: str) -> None:
+    """The text constructors' ``tokenizer`` (:func:`~nnsight_lorsa.envoy.tokens.check_tokenizer`) and ``text`` (one
+    str) or ``documents`` (a list / tuple of str: a str would be read as one document per character)."""
+    from ..envoy.tokens import check_tokenizer  # a tokenizer needs transformers: not on the light install's path
+
+    check_tokenizer(tokenizer, where)
+    ok = isinstance(text, str) if name == "text" else isinstance(text, (list, tuple)) and all(
+        isinstance(d, str) for d in text)
+    if not ok:
+        what = "a str" if name == "text" else "a list of str (one per document)"
+        raise ArgumentError(f"{where}: {name} must be {what}, got {text!r}"[:300])
+
+
 def _check_given_id(given: Any, name: str) -> None:
     """A token id given by the caller (``bos_token_id=``, ``pad_token_id=``): an int ``>= 0``, else
     :class:`ArgumentError` naming ``name``."""
@@ -370,11 +383,12 @@ class TokenDataset:
         Raises:
             ArgumentError: ``seq_len`` not an int ≥ 2; ``bos_token_id`` not None or a token id (an int ≥ 0),
                 ``document_separator`` not None or a str; ``config`` not None or a model config (a model, or an
-                object without its token ids).
+                object without its token ids); ``tokenizer`` no tokenizer, ``text`` not a str.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         _check_seq_len(seq_len, "TokenDataset.from_text")
+        _check_text_args(tokenizer, text, "TokenDataset.from_text", "text")
         _check_special_sources(tokenizer, config, "TokenDataset.from_text")
         if document_separator is not None and not isinstance(document_separator, str):
             raise ArgumentError(f"TokenDataset.from_text: document_separator must be None, 'auto' or a str, got "
@@ -429,11 +443,13 @@ class TokenDataset:
         Raises:
             TooFewTokensError: (a ``ValueError``) no document has a token.
             ArgumentError: ``seq_len`` not an int ≥ 2; ``bos_token_id`` / ``pad_token_id`` not None or a token id
-                (an int ≥ 0); ``config`` not None or a model config.
+                (an int ≥ 0); ``config`` not None or a model config; ``tokenizer`` no tokenizer, ``documents`` not
+                a list of str (a str was one document per character).
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
         _check_seq_len(seq_len, "TokenDataset.from_documents")
+        _check_text_args(tokenizer, documents, "TokenDataset.from_documents", "documents")
         _check_special_sources(tokenizer, config, "TokenDataset.from_documents")
         return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
                                     special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
@@ -585,8 +601,14 @@ class TokenDataset:
         """``target_mask`` of windows ``start:stop``: rows of the ``(n_windows, seq_len)`` mask (None: every token
         counts).
 
+        Raises:
+            ArgumentError: ``start`` / ``stop`` not ints with ``0 <= start <= stop`` (checked with or without a mask).
+
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """
+        if not (is_int(start) and is_int(stop) and 0 <= start <= stop):
+            raise ArgumentError(f"TokenDataset.targets: start and stop must be ints with 0 <= start <= stop, got "
+                                f"{start!r}, {stop!r}")
         return None if self.target_mask is None else self.target_mask[start:stop]
 
     def batch(self, index: int, batch_size: int, seed: int = 0) -> Int[torch.Tensor, "batch seq"]:

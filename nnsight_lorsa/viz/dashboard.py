@@ -29,7 +29,14 @@ import torch
 
 from .._checks import is_int
 from .._placement import to_module
-from ..analysis.heads import MHSACorrelation, check_attention_mask, ov_logit_lens, refuse_in_trace, refuse_stored_edits
+from ..analysis.heads import (
+    MHSACorrelation,
+    check_attention_mask,
+    check_tokens,
+    ov_logit_lens,
+    refuse_in_trace,
+    refuse_stored_edits,
+)
 from ..analysis.qk_ablation import QKFeatureImpacts
 from ..analysis.top_activations import TopActivations
 from ..envoy.read import attention_activations
@@ -80,7 +87,9 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
         not ints ≥ 0 (a negative ``window`` sliced the context from the wrong end); ``correlation`` not None or a
         :class:`~nnsight_lorsa.analysis.MHSACorrelation`, ``qk_features`` not None or a
         :class:`~nnsight_lorsa.analysis.QKFeatureImpacts`, ``ov_features`` / ``extra`` not None or a mapping.
-        ShapeError / ArgumentError: ``attention_mask`` not of ``tokens``' shape, not 0 / 1, or with padding between
+        ShapeError / ArgumentError: ``tokens`` not a non-empty integer ``(n_windows, pos)`` tensor of the model's
+        vocabulary (``analysis.heads.check_tokens``; checked even where no context is shown); ``attention_mask``
+        not of ``tokens``' shape, not 0 / 1, or with padding between
         a row's tokens, or padding where ``top`` has an entry; the model carries edits stored by ``model.edit()``
         (the z-patterns are recomputed from the Lorsa's weights, out of their reach). TraceOrderError: called inside
         a trace body (it runs traces of its own).
@@ -91,6 +100,7 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
 
     check_replacement_model(replacement, "head_dashboard_data")
     refuse_in_trace("head_dashboard_data")
+    check_tokens(tokens, replacement.model)
     mask = check_attention_mask(attention_mask, tokens)
     model, lorsa = replacement.model, replacement.require("lorsas", "head analysis")[layer]
     check_index(head, lorsa.cfg.n_ov_heads, f"head_dashboard_data: layer {layer}'s Lorsa OV head")

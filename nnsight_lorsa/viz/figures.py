@@ -71,12 +71,14 @@ def plot_z_pattern(zp: torch.Tensor, tokens: Sequence[str], path: str | Path, ti
         ArgumentError: ``zp`` not a non-empty square matrix of ``len(tokens)`` rows, or non-zero above its diagonal
             (a key after its query: a pattern passed transposed, ``(k_pos, q_pos)``, or no causal one).
         NonFiniteError: a NaN / inf in ``zp`` (``tensor="zp"``; the message names the query and key).
-        ArgumentError: ``path`` not a str / ``os.PathLike``, ``title`` not a str.
+        ArgumentError: ``path`` not a str / ``os.PathLike``, ``title`` not a str, ``tokens`` not a list of str.
 
     Source: Lorsa paper (He et al. 2025) §5.1 (z-pattern).
     """
     check_path(path, "plot_z_pattern", "an image file")
     check_instance(title, str, "plot_z_pattern", "title")
+    if not isinstance(tokens, (list, tuple)) or not all(isinstance(t, str) for t in tokens):
+        raise ArgumentError(f"plot_z_pattern: tokens must be a list of str labels, got {tokens!r}"[:200])
     z = _matrix(zp, "zp", "plot_z_pattern")
     n = len(tokens)
     if tuple(z.shape) != (n, n):

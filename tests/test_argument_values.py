@@ -1,8 +1,8 @@
-"""Every optional argument of the public entry points, given a wrong value (None, a str, an empty list, NaN, -1, 2.5,
-True), ends in a named error of ours — or is a value the argument takes, listed below with why — in a fresh
-interpreter without the suite's beartype hook (``tests/optional_argument_cases.py``). Generated over the signatures:
-an argument added to a probed entry point is probed at once, and an exported entry point with optional arguments must
-be probed or listed in ``NOT_PROBED``.
+"""Every argument of the public entry points, given a wrong value (None, a str, an empty list, NaN, -1, 2.5, True) one
+at a time, ends in a named error of ours — or is a value the argument takes, listed below with why — in a fresh
+interpreter without the suite's beartype hook (``tests/argument_value_cases.py``). Generated over the signatures: an
+argument added to a probed entry point is probed at once, and an exported entry point with optional arguments must be
+probed or listed in ``NOT_PROBED``.
 
 Found by this probe (2026-11-29, fifth session), each fixed and now in the wrong-kind table
 (``tests/test_wrong_argument_kinds.py``): arguments that ran wrong (``Graph.edge_sum_error("values")`` normalised by
@@ -31,11 +31,15 @@ ALLOWED = {
                                         "induction_task", "ioi_task", "random_ablation_control")},
     # texts, labels and paths: "x" is one
     ("LorsaConfig.from_mhsa", "architecture", "'x'"), ("TokenDataset.from_text", "document_separator", "'x'"),
-    ("attribute", "prompt", "'x'"), ("greater_than_task", "noun", "'x'"), ("to_neuronpedia", "creator_name", "'x'"),
-    ("to_neuronpedia", "scan", "'x'"), ("plot_graph", "path", "'x'"), ("render_html", "path", "'x'"),
+    ("attribute", "prompt", "'x'"), ("estimate_memory", "prompt", "'x'"), ("cache_for_attribution", "prompt", "'x'"),
+    ("mean_activations", "prompts", "'x'"), ("head_swap", "prompts", "'x'"), ("to_neuronpedia", "slug", "'x'"),
+    ("save_neuronpedia", "path", "'x'"), ("greater_than_task", "noun", "'x'"),
+    ("to_neuronpedia", "creator_name", "'x'"), ("to_neuronpedia", "scan", "'x'"), ("render_html", "path", "'x'"),
     ("render_html", "title", "'x'"),
-    *{(name, "title", "'x'") for name in ("plot_graph", "plot_heads_spanned", "plot_operand_grid",
-                                          "plot_training_curves", "plot_z_pattern")},
+    *{(name, what, "'x'") for name in ("plot_graph", "plot_heads_spanned", "plot_operand_grid",
+                                       "plot_training_curves", "plot_z_pattern") for what in ("title", "path")},
+    # numbers: a metric's baseline and intervened values of any sign
+    *{("relative_effect", name, v) for name in ("baseline", "intervened") for v in ("-1", "2.5")},
     # flags given True
     ("attribute", "progress", "True"), ("evaluate", "progress", "True"), ("ReplacementModel", "offload", "True"),
     ("ReplacementModel.replace", "error", "True"),
@@ -63,10 +67,10 @@ NOT_PROBED = {
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> dict:
-    return recorded_outcomes("optional_argument_cases.py", tmp_path_factory.mktemp("optional"))
+    return recorded_outcomes("argument_value_cases.py", tmp_path_factory.mktemp("arguments"))
 
 
-def test_no_wrong_optional_argument_is_a_raw_error(probe):
+def test_no_wrong_argument_is_a_raw_error(probe):
     raw = [r for r in probe["records"] if r["error"] is not None and not r["ours"]]
     assert not raw, raw[:10]
 
@@ -88,5 +92,5 @@ def test_every_exported_entry_point_with_optional_arguments_is_probed(probe):
     assert not missing, sorted(missing)
 
 
-def test_a_wrong_optional_argument_writes_nothing(probe):
+def test_a_wrong_argument_writes_nothing(probe):
     assert set(probe["written"]) <= {"x"}, probe["written"]  # "x": the paths given as "x" (a valid path)

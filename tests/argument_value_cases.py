@@ -1,14 +1,16 @@
-"""Every optional argument of the public entry points given a wrong value, in a plain interpreter (without the suite's
-beartype hook, as a researcher's process runs) inside an empty scratch directory: ``python
-tests/optional_argument_cases.py --json OUT`` writes one record per (entry point, argument, value),
-``{"name", "param", "default", "value", "error", "ours", "message"}`` (``error``: the exception's class name, None
+"""Every argument of the public entry points given a wrong value, in a plain interpreter (without the suite's beartype
+hook, as a researcher's process runs) inside an empty scratch directory: ``python tests/argument_value_cases.py --json
+OUT`` writes one record per (entry point, argument, value), ``{"name", "param", "default", "value", "error", "ours",
+"message"}`` (``default``: ``"(required)"`` for an argument without one; ``error``: the exception's class name, None
 when the call returned; ``ours``: a ``LorsaError``), and the names of the exported callables with optional arguments
-(``"exported"``) so that the test can tell which are probed. Read by ``tests/test_optional_arguments.py``.
+(``"exported"``) so that the test can tell which are probed. Read by ``tests/test_argument_values.py``.
 
 Each entry point is called once per argument and value from a valid call (:func:`base_calls`) with that one argument
-replaced: None (where the default is not None), a str, an empty list, NaN, -1, 2.5 and True (where the default is
-not a bool) — the wrong kinds and ranges a typo or a mix-up gives. (0 and huge values are left out: most are valid
-and run the whole workflow.)"""
+replaced — every argument the valid call names, and every optional one — by None (where the default is not None), a
+str, an empty list, NaN, -1, 2.5 and True (where the default is not a bool): the wrong kinds and ranges a typo or a
+mix-up gives, one at a time, so that each check is reached (``tests/test_none_arguments.py`` gives None to every
+required argument at once: the first check answers). (0 and huge values are left out: most are valid and run the
+whole workflow.)"""
 
 from __future__ import annotations
 
@@ -146,7 +148,14 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
             call()
 
     def same(fn: Callable[..., Any], *args: Any, **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        return fn, lambda **kw: fn(*args, **{**fixed, **kw})
+        sig = inspect.signature(inspect.unwrap(fn))
+        bound = dict(sig.bind_partial(*args, **fixed).arguments)  # by name; **kwargs flattened
+        for p in sig.parameters.values():
+            if p.kind == p.VAR_KEYWORD:
+                bound.update(bound.pop(p.name, {}))
+        call = lambda **kw: fn(**{**bound, **kw})  # noqa: E731
+        call.required = [n for n in bound if n in required_names(fn)]  # type: ignore[attr-defined]
+        return fn, call
 
     return {
         "attribute": same(attribute, r, prompt=ids, batch_size=16),
@@ -243,6 +252,13 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
     }
 
 
+def required_names(fn: Callable[..., Any]) -> set[str]:
+    """``fn``'s arguments without a default (named ones: not ``*args`` / ``**kwargs``)."""
+    params = inspect.signature(inspect.unwrap(fn)).parameters.values()
+    return {p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def optional(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     """``fn``'s arguments that have a default (its ``self`` and ``**kwargs`` left out)."""
     params = inspect.signature(inspect.unwrap(fn)).parameters.values()
@@ -275,7 +291,8 @@ def main(out_path: str) -> None:
         os.chdir(work)
         for name, (fn, call) in calls.items():
             call()  # the control: valid as it stands
-            for p in optional(fn):
+            required = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in getattr(call, "required", [])]
+            for p in [*required, *optional(fn)]:
                 for label, value in VALUES.items():
                     if (value is None and p.default is None) or (label == "True" and isinstance(p.default, bool)):
                         continue
@@ -284,7 +301,8 @@ def main(out_path: str) -> None:
                         error, ours, message = None, False, ""
                     except Exception as e:  # noqa: BLE001 — recorded for the test
                         error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
-                    records.append({"name": name, "param": p.name, "default": repr(p.default)[:40], "value": label,
+                    default = "(required)" if p.default is inspect.Parameter.empty else repr(p.default)[:40]
+                    records.append({"name": name, "param": p.name, "default": default, "value": label,
                                     "error": error, "ours": ours, "message": message})
         written = sorted(os.listdir(work))
     out.write_text(json.dumps({"records": records, "exported": exported_with_options(), "written": written},
