@@ -27,6 +27,7 @@ See ``docs/remote.md`` for the NDIF walk-through (Llama-3.1-8B) and the two-phas
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -37,12 +38,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._checks import check_flag, is_int, is_real
 from ._placement import HOST, check_dtype_arg, past_range
 from .attribution.remote_handles import check_block_calls, mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
     SerializingRemoteBackend,
     block_body,
     block_names,
+    check_traceable,
     hf_module,
     install_remote_backend,
     remote_env,
@@ -123,10 +126,14 @@ def register(*, guard: bool = True) -> None:
 
     Call it before the trace (nnsight decides how to pickle at serialization time).
 
+    Raises:
+        ArgumentError: ``guard`` not a bool (before anything is registered).
+
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     import nnsight
 
+    check_flag(guard, "guard", "register")
     nnsight.register(sys.modules[__package__])
     if guard:
         install_remote_backend(MeasuredRemoteBackend)
@@ -242,8 +249,13 @@ class PayloadReport:
 def format_bytes(n: int) -> str:
     """``604069888`` -> ``"604.1 MB"`` (decimal units).
 
+    Raises:
+        ArgumentError: ``n`` not a finite number ``>= 0``.
+
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
+    if not is_real(n) or not math.isfinite(n) or n < 0:
+        raise ArgumentError(f"format_bytes: n must be a byte count (a finite number >= 0), got {n!r}")
     for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -347,10 +359,15 @@ def serialized_size(obj: Any, *, compress: bool | None = None) -> int:
     code is counted by value, as a remote request ships it. Needs ``obj`` to be picklable by
     cloudpickle (not, e.g., under the test suite's beartype import hook).
 
+    Raises:
+        ArgumentError: ``compress`` not None or a bool.
+
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
     from nnsight import CONFIG
 
+    if compress is not None:
+        check_flag(compress, "compress", "serialized_size")
     data = serialize(obj)
     if CONFIG.API.COMPRESS if compress is None else compress:
         import zstandard
@@ -376,7 +393,8 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
 
     Raises:
         LayerOutOfRangeError: a layer the set does not have.
-        ArgumentError: ``layers`` given for something other than a ReplacementModel or a replacement set.
+        ArgumentError: ``layers`` given for something other than a ReplacementModel or a replacement set, or not a
+            layer or a non-empty list of them; ``serialize`` not a bool, ``name`` not None or a str.
 
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
@@ -390,6 +408,9 @@ def payload_report(obj: Any, layers: int | Iterable[int] | None = None, *, seria
         else:
             raise ArgumentError(f"payload_report(layers=...) applies to a ReplacementModel or a replacement set, not "
                                 f"to a {type(obj).__name__}")
+    check_flag(serialize, "serialize", "payload_report")
+    if name is not None and not isinstance(name, str):
+        raise ArgumentError(f"payload_report(name=...) must be None or a str, got {name!r}")
     label = name or getattr(obj, "slot", "") or "obj"  # a set's ReplacementModel attribute (the set contract)
     report = _report_from(_named_tensors(obj, label))
     if serialize:
@@ -446,7 +467,11 @@ def _layers_held(replacement: ReplacementModel) -> set[int]:
 
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
     have = sorted(_layers_held(replacement))
-    chosen = have if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    if layers is not None and not is_int(layers) and not (
+            isinstance(layers, (list, tuple, range, set)) and layers and all(is_int(v) for v in layers)):
+        raise ArgumentError(f"layers must be None (every layer), a layer or a non-empty list of layers, got "
+                            f"{layers!r}"[:200])
+    chosen = have if layers is None else [int(layers)] if is_int(layers) else list(layers)  # type: ignore[arg-type]
     for layer in chosen:
         if layer not in have:
             raise LayerOutOfRangeError(f"no Lorsa, transcoder or SAE at layer {layer}; this ReplacementModel has "
@@ -516,7 +541,8 @@ def for_remote(replacement: ReplacementModel, layers: int | Iterable[int] | None
 
     Raises:
         LayerOutOfRangeError: a layer with no Lorsa, transcoder or SAE.
-        ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64.
+        ArgumentError: ``dtype`` not None nor one of fp16 / bf16 / fp32 / fp64; ``layers`` not None, a layer or a
+            non-empty list of them (an empty list sent no module).
         PlacementError: a module's weight is on the ``meta`` device (never loaded: the server would get
             no values), naming the module and the tensor; or a module's weight holds finite values past
             ``dtype``'s range (an fp32 weight above 65504 cast to fp16 would be ``inf``), naming the module,
@@ -554,9 +580,12 @@ def request_report(tracer: Any) -> PayloadReport:
     Uses nnsight's own reduction of the block (``reduce_block``: the globals and locals the
     block's source references), so it sees what ``RequestModel.serialize`` will pickle.
 
+    Raises:
+        ArgumentError: ``tracer`` not a captured nnsight trace or session (no ``info``).
+
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
-    names = block_names(tracer)
+    names = block_names(tracer, "request_report")
     return _report_from(item for key in sorted(names) for item in _named_tensors(names[key], key))
 
 
@@ -592,6 +621,8 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
         TypeError, ArgumentError, ConfigMismatchError: an ``attribute(rm, tracer=tracer, ...)`` call of the block
             fails its call-time checks (:func:`~nnsight_lorsa.attribution.remote_handles.check_block_calls`).
         ServerVersionError: the server runs another nnsight version (not for a dry run).
+    Raises (when built): ArgumentError: ``model_key`` not a str; ``cap_bytes`` / ``queue_limit_bytes`` not byte counts
+    (:func:`parse_bytes`); ``dry_run`` / ``check_rules`` / ``check_version`` not bools.
 
     The handles of ``attribute(rm, tracer=tracer)`` saved in a remote trace or session come back as handles on the
     bundle the request named (:mod:`~nnsight_lorsa.attribution.remote_handles`).
@@ -602,6 +633,11 @@ class MeasuredRemoteBackend(SerializingRemoteBackend):
     def __init__(self, model_key: str, *args: Any, cap_bytes: int | str | None = None, dry_run: bool = False,
                  queue_limit_bytes: int | str | None = NDIF_QUEUE_LIMIT_BYTES, check_rules: bool = True,
                  check_version: bool = True, **kwargs: Any) -> None:
+        if not isinstance(model_key, str):
+            raise ArgumentError(f"MeasuredRemoteBackend: model_key must be a str (model.to_model_key()), got "
+                                f"{model_key!r}")
+        for name, flag in (("dry_run", dry_run), ("check_rules", check_rules), ("check_version", check_version)):
+            check_flag(flag, name, "MeasuredRemoteBackend")
         super().__init__(model_key, *args, **kwargs)
         self.check_rules = check_rules
         self.cap_bytes = default_cap_bytes() if cap_bytes is None else parse_bytes(cap_bytes)
@@ -710,8 +746,12 @@ def remote_backend(model: Any, *, cap_bytes: int | str | None = None, dry_run: b
         check_version: refuse a request to a server of another nnsight version (:class:`MeasuredRemoteBackend`).
         **kwargs: ``host``, ``api_key``, ``blocking``, ``verbose`` as for nnsight's ``RemoteBackend``.
 
+    Raises:
+        ArgumentError: ``model`` not an nnsight model (``check_traceable``).
+
     Source: ours (sizing and shipping requests to NDIF; nnsight ``RemoteBackend``).
     """
+    check_traceable(model, "remote_backend")
     if model_key is None:
         try:
             model_key = model.to_model_key()

@@ -57,6 +57,7 @@ from nnsight_lorsa import (  # noqa: E402
     get_adapter,
     load,
     patching,
+    remote,
     save,
 )
 from nnsight_lorsa.adapters import mhsa_forward  # noqa: E402
@@ -246,6 +247,15 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "plot_heads_spanned": same(plot_heads_spanned, torch.tensor([1, 2]), scratch / "spanned.png"),
         "plot_training_curves": same(plot_training_curves, [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 0.5}],
                                      scratch / "curves.png"),
+        "for_remote": same(remote.for_remote, r, layers=[1]),
+        "model_dtype": same(remote.model_dtype, r),
+        "payload_report": same(remote.payload_report, lorsas[1]),
+        "check_payload": same(remote.check_payload, lorsas[1], "1GB"),
+        "remote_backend": same(remote.remote_backend, model, dry_run=True, model_key="local:test"),
+        "parse_bytes": same(remote.parse_bytes, "1.5GB"),
+        "format_bytes": same(remote.format_bytes, 1500),
+        "serialized_size": same(remote.serialized_size, torch.zeros(3)),
+        "MeasuredRemoteBackend": same(remote.MeasuredRemoteBackend, "local:test", dry_run=True),
         **{kind.__name__: same(kind, cfg) for kind, cfg in ((Lorsa, lorsas[1].cfg), (SparseAutoencoder, sae.cfg),
                                                             (Transcoder, tcs[0].cfg), (SkipTranscoder, tcs[2].cfg),
                                                             (CrossLayerTranscoder, make_clt().cfg))},

@@ -21,7 +21,7 @@ warnings.simplefilter("ignore")
 
 from nnsight_lorsa.errors import LorsaError  # noqa: E402
 
-SUBPACKAGES = ("", ".training", ".analysis", ".patching", ".attribution", ".formats", ".modules", ".envoy",
+SUBPACKAGES = ("", ".training", ".analysis", ".patching", ".attribution", ".formats", ".modules", ".envoy", ".remote",
                ".sparse_attention", ".adapters", ".viz")
 
 

@@ -42,6 +42,7 @@ ALLOWED = {
     *{("relative_effect", name, v) for name in ("baseline", "intervened") for v in ("-1", "2.5")},
     # flags given True
     ("attribute", "progress", "True"), ("evaluate", "progress", "True"), ("ReplacementModel", "offload", "True"),
+    ("serialized_size", "compress", "True"),
     ("ReplacementModel.replace", "error", "True"),
     # empty collections: no modules, no receivers (the logits), the default ks only, no names (the vocabulary's)
     ("LorsaSet", "lorsas", "[]"), ("SAESet", "saes", "[]"), ("TranscoderSet", "transcoders", "[]"),
@@ -52,6 +53,13 @@ ALLOWED = {
     ("JumpReLU", "bandwidth", "2.5"), ("JumpReLU", "threshold", "-1"), ("JumpReLU", "threshold", "2.5"),
     ("install_gated_attention", "init_bias", "-1"), ("install_gated_attention", "init_bias", "2.5"),
     ("install_gated_attention", "temperature", "2.5"), ("train_sparse_attention", "heldout_tolerance", "2.5"),
+    # the payload measures take any object (None, a str, a number: a few bytes of a request)
+    *{(name, "obj", v) for name in ("payload_report", "check_payload", "serialized_size")
+      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True")},
+    ("payload_report", "name", "'x'"),  # a label
+    *{(name, "model_key", "'x'") for name in ("remote_backend", "MeasuredRemoteBackend")},  # any str names a model
+    ("format_bytes", "n", "2.5"),  # a byte count from an estimate
+    *{(name, "queue_limit_bytes", "None") for name in ("remote_backend", "MeasuredRemoteBackend")},  # no limit
     # None: the default's meaning (never checkpoint; the model's own placement and dtype)
     ("Trainer.train", "checkpoint_every", "None"), ("load_model", "device", "None"), ("load_model", "dtype", "None"),
 }
@@ -62,6 +70,7 @@ NOT_PROBED = {
     "DataParallel": "needs a torch.distributed process group (tests/training/test_ddp*.py)",
     "LorsaObjective": "made by the Trainer from a Lorsa (tests/training/)",
     "resolve_release": "needs a SAELens release registry file (tests/formats/test_saelens_releases*.py)",
+    "register": "changes how this process's nnsight pickles (tests/test_remote.py; its guard flag is checked first)",
 }
 
 

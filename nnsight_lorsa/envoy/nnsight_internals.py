@@ -657,11 +657,17 @@ def sent_by_reference(module: nn.Module) -> bool:
     return PERSISTENT_ID in module.__dict__
 
 
-def block_names(tracer: Any) -> dict[str, Any]:
+def block_names(tracer: Any, where: str = "block_names") -> dict[str, Any]:
     """The globals and locals the captured block of ``tracer`` references, by name: what nnsight's
-    ``RequestModel.serialize`` will pickle (its own reduction, ``reduce_block``)."""
+    ``RequestModel.serialize`` will pickle (its own reduction, ``reduce_block``).
+
+    Raises:
+        ArgumentError: ``tracer`` not a captured nnsight trace or session (no ``info``), naming ``where``."""
     from nnsight.intervention.serialization import reduce_block
 
+    if getattr(tracer, "info", None) is None:
+        raise ArgumentError(f"{where}: tracer must be a captured nnsight trace or session (the object of "
+                            f"`with model.trace(...) as tracer`), got a {type(tracer).__name__}")
     frame = tracer.info.frame
     _, used_globals, used_locals = reduce_block(tracer.node, frame.f_globals, dict(frame.f_locals))
     return {**used_globals, **used_locals}
