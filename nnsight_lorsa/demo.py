@@ -442,8 +442,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     completes — a failure later does not lose the training.
 
     Raises:
-        ArgumentError: a bad setting (see the module docstring), or an ``out_dir`` holding an earlier run's
-            outputs without ``overwrite``, before any work.
+        ArgumentError: ``cfg`` not a :class:`DemoConfig`; a bad setting (see the module docstring), or an
+            ``out_dir`` holding an earlier run's outputs without ``overwrite``, before any work.
         LayerOutOfRangeError: ``cfg.layer`` outside the model.
         TooFewTokensError: the first batch has fewer counted tokens than the Lorsa's ``d_qk_head`` (raise
             ``batch_size`` or ``seq_len``), before the first step.
@@ -456,6 +456,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         DemoInterrupted: Ctrl-C anywhere else; it names the stage and what was kept (every file the run
             writes is replaced atomically, so none is left half-written).
     """
+    if not isinstance(cfg, DemoConfig):
+        raise ArgumentError(f"run_demo(cfg=...) must be a DemoConfig, got a {type(cfg).__name__}")
     state: dict[str, Any] = {"stage": "checking the arguments", "kept": None}
     try:
         return _run(cfg, state)
@@ -689,13 +691,25 @@ def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: li
         ``{"training_curves": Path, "dashboards": [Path, ...], "graph_html": Path, "graph_json": Path}``.
 
     Raises:
-        ArgumentError: an empty history (nothing trained). Attribution's errors for a model it cannot
-            attribute (e.g. ``UnsupportedArchitectureError``).
+        ArgumentError: an empty history (nothing trained); ``where`` not a str / ``os.PathLike``, ``model`` not an
+            nnsight model, ``lorsas`` not a ``LorsaSet`` — before anything is written. Attribution's errors for a
+            model it cannot attribute (e.g. ``UnsupportedArchitectureError``).
     """
+    from ._checks import check_instance
     from .attribution import Graph, attribute, prune, save_neuronpedia
+    from .envoy.lorsa_set import LorsaSet
+    from .envoy.nnsight_internals import check_traceable
     from .envoy.replacement_model import ReplacementModel
+    from .formats.files import check_path
     from .viz import head_dashboard_data, plot_training_curves, render_html, write_dashboard
 
+    check_path(where, "write_pictures", "a directory")  # every argument before the directory is made
+    check_traceable(model, "write_pictures")
+    check_instance(lorsas, LorsaSet, "write_pictures", "lorsas")
+    if not isinstance(history, list) or not history or not all(isinstance(e, dict) and "step" in e for e in history):
+        raise ArgumentError("write_pictures: history must be the trainer's non-empty list of logged entries "
+                            "(Trainer.config.history)")
+    where = Path(where)
     where.mkdir(parents=True, exist_ok=True)
     curves = plot_training_curves(history, where / "training_curves.png",
                                   title=f"Lorsa of layer {layer}: training ({history[-1]['step']:.0f} steps)"

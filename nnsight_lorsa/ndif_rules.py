@@ -29,7 +29,7 @@ from __future__ import annotations
 import pickletools
 from collections.abc import Iterable
 
-from .errors import LorsaError
+from .errors import ArgumentError, LorsaError
 
 #: The NDIF repository the rules are read from.
 NDIF_REPO = "ndif-team/ndif"
@@ -80,8 +80,21 @@ class NotWhitelistedError(LorsaError, ValueError):
 
 
 def module_allowed(name: str, entries: Iterable[Entry]) -> bool:
-    """NDIF's ``is_module_allowed``: some entry allows ``name`` (a full dotted module name) and none blocks it."""
-    entries = tuple(entries)
+    """NDIF's ``is_module_allowed``: some entry allows ``name`` (a full dotted module name) and none blocks it.
+
+    Raises:
+        ArgumentError: ``name`` not a str, ``entries`` not ``(name, strict, blocked)`` triples (a ``TypeError``
+            too).
+    """
+    if not isinstance(name, str):
+        raise ArgumentError(f"module_allowed: name must be a dotted module name (str), got {name!r}")
+    # builtins only on the valid path: a simulated server (tests/loopback.py) runs this function's source alone
+    try:
+        entries = () if isinstance(entries, (str, bytes)) else tuple(entries)
+    except TypeError:  # not iterable
+        entries = ()
+    if not entries or not all(isinstance(e, tuple) and len(e) == 3 for e in entries):
+        raise ArgumentError(f"module_allowed: entries must be (name, strict, blocked) triples, got {entries!r}"[:200])
 
     def under(prefix: str) -> bool:
         return name == prefix or name.startswith(prefix + ".")
@@ -116,7 +129,10 @@ def pickled_modules(data: bytes) -> set[str]:
 
     Raises:
         ValueError: ``data`` is not a well-formed pickle.
+        ArgumentError: ``data`` not bytes (a ``TypeError`` too).
     """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ArgumentError(f"pickled_modules: data must be the bytes of a pickle, got a {type(data).__name__}")
     modules: set[str] = set()
     stack: list[object] = []  # the unpickler's stack, symbolically: strings, tuples of them, _SUBIMPORT, else None
     marks: list[int] = []  # the stack's length at each open MARK
@@ -192,7 +208,13 @@ def pickled_modules(data: bytes) -> set[str]:
 
 def check_request(data: bytes, entries: Iterable[Entry] = NDIF_DESERIALIZATION_MODULES) -> set[str]:
     """Raise :class:`NotWhitelistedError` if unpickling ``data`` (an uncompressed request body) would resolve a
-    module outside ``entries`` (default NDIF's unpickling whitelist); else return the modules it resolves."""
+    module outside ``entries`` (default NDIF's unpickling whitelist); else return the modules it resolves.
+
+    Raises:
+        NotWhitelistedError: a module outside ``entries``. ArgumentError: ``data`` not bytes, ``entries`` not
+            ``(name, strict, blocked)`` triples."""
+    entries = tuple(entries) if isinstance(entries, Iterable) and not isinstance(entries, (str, bytes)) else ()
+    module_allowed("builtins", entries)  # its check of the entries, whether or not the pickle names a module
     modules = pickled_modules(data)
     refused = sorted(m for m in modules if not module_allowed(m, entries))
     if refused:

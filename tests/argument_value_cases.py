@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import json
 import os
+import pickle
 import sys
 import tempfile
 import warnings
@@ -88,6 +89,7 @@ from nnsight_lorsa.modules import (  # noqa: E402
     Transcoder,
     make_activation,
 )
+from nnsight_lorsa.ndif_rules import check_request  # noqa: E402
 from nnsight_lorsa.patching import LorsaHead, MHSAHead  # noqa: E402
 from nnsight_lorsa.sparse_attention import (  # noqa: E402
     SparseTrainConfig,
@@ -254,6 +256,7 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "remote_backend": same(remote.remote_backend, model, dry_run=True, model_key="local:test"),
         "parse_bytes": same(remote.parse_bytes, "1.5GB"),
         "format_bytes": same(remote.format_bytes, 1500),
+        "check_request": same(check_request, pickle.dumps([1, "a"])),
         "serialized_size": same(remote.serialized_size, torch.zeros(3)),
         "MeasuredRemoteBackend": same(remote.MeasuredRemoteBackend, "local:test", dry_run=True),
         **{kind.__name__: same(kind, cfg) for kind, cfg in ((Lorsa, lorsas[1].cfg), (SparseAutoencoder, sae.cfg),

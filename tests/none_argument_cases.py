@@ -22,6 +22,7 @@ warnings.simplefilter("ignore")
 from nnsight_lorsa.errors import LorsaError  # noqa: E402
 
 SUBPACKAGES = ("", ".training", ".analysis", ".patching", ".attribution", ".formats", ".modules", ".envoy", ".remote",
+               ".ndif_rules", ".demo",
                ".sparse_attention", ".adapters", ".viz")
 
 

@@ -70,6 +70,7 @@ NOT_PROBED = {
     "DataParallel": "needs a torch.distributed process group (tests/training/test_ddp*.py)",
     "LorsaObjective": "made by the Trainer from a Lorsa (tests/training/)",
     "resolve_release": "needs a SAELens release registry file (tests/formats/test_saelens_releases*.py)",
+    "write_pictures": "the demo's last stage: attributes a prompt and writes its pictures (tests/test_demo.py)",
     "register": "changes how this process's nnsight pickles (tests/test_remote.py; its guard flag is checked first)",
 }
 
