@@ -78,7 +78,7 @@ from nnsight_lorsa.envoy import (  # noqa: E402
     load_tokenizer,
 )
 from nnsight_lorsa.errors import LorsaError  # noqa: E402
-from nnsight_lorsa.formats import load_all  # noqa: E402
+from nnsight_lorsa.formats import detect_format, load_all  # noqa: E402
 from nnsight_lorsa.modules import (  # noqa: E402
     BatchTopK,
     CrossLayerTranscoder,
@@ -100,7 +100,7 @@ from nnsight_lorsa.sparse_attention import (  # noqa: E402
     train_sparse_attention,
 )
 from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
-from nnsight_lorsa.viz import (  # noqa: E402
+from nnsight_lorsa.viz import (  # noqa: E402  # noqa: E402
     head_dashboard_data,
     plot_graph,
     plot_heads_spanned,
@@ -108,6 +108,8 @@ from nnsight_lorsa.viz import (  # noqa: E402
     plot_training_curves,
     plot_z_pattern,
     render_html,
+    token_pieces,
+    write_dashboard,
 )
 
 #: the wrong values (None only where the default is not None, True only where it is not a bool)
@@ -146,12 +148,16 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         return Trainer(sae8, reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1)).train(
             **{"progress": False, **kw})
 
+    def trainer_obj() -> Any:
+        sae8 = make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2})
+        return Trainer(sae8, reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1))
+
     def in_trace(call: Callable[[], Any]) -> None:
         with model.trace(ids[None]):
             call()
 
     def same(fn: Callable[..., Any], *args: Any, **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        sig = inspect.signature(inspect.unwrap(fn))
+        sig = inspect.signature(fn)
         bound = dict(sig.bind_partial(*args, **fixed).arguments)  # by name; **kwargs flattened
         for p in sig.parameters.values():
             if p.kind == p.VAR_KEYWORD:
@@ -256,6 +262,29 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "remote_backend": same(remote.remote_backend, model, dry_run=True, model_key="local:test"),
         "parse_bytes": same(remote.parse_bytes, "1.5GB"),
         "format_bytes": same(remote.format_bytes, 1500),
+        "Lorsa.forward": same(lorsas[1].forward, torch.randn(1, 5, 64)),
+        "Lorsa.attention_pattern": same(lorsas[1].attention_pattern, torch.randn(1, 5, 64)),
+        "Lorsa.z_pattern": same(lorsas[1].z_pattern, torch.randn(1, 5, 64), [0, 1]),
+        "Lorsa.init_from_mhsa": same(Lorsa(lorsas[1].cfg).init_from_mhsa, get_adapter(model).mhsa_weights(hf, 1)),
+        "SparseAutoencoder.encode": same(sae.encode, torch.randn(2, 64)),
+        "SparseAutoencoder.forward": same(sae.forward, torch.randn(2, 64)),
+        "Trainer.save_checkpoint": (Trainer.save_checkpoint, lambda **kw: trainer_obj().save_checkpoint(
+            **{"directory": scratch / "ckpt", **kw})),
+        "LorsaSet.subset": same(LorsaSet(model, lorsas).subset),
+        "LorsaSet.save": same(LorsaSet(model, lorsas).save, scratch / "set2"),
+        "LorsaSet.get": same(LorsaSet(model, lorsas).get, 1),
+        "TokenDataset.split": same(data.split, 0.5),
+        "TokenDataset.batch": same(data.batch, 0, 2),
+        "TopActivations.top_heads": same(top.top_heads, 2),
+        "write_dashboard": same(write_dashboard, scratch / "d.html", {"title": "t"}),
+        "token_pieces": same(token_pieces, words, [3, 4, 5]),
+        "detect_format": same(detect_format, scratch / "set" / "layer_1"),
+        "LorsaConfig.from_dict": same(LorsaConfig.from_dict, lorsas[1].cfg.to_dict()),
+        "TaskBatch.select": same(task.select, [0, 1]),
+        "Site.mlp_input": same(Site.mlp_input, get_adapter(model), 1),
+        "Graph.edge_values": same(graph.edge_values, torch.tensor([graph.n_nodes - 1]), torch.tensor([0])),
+        "Graph.ids_of": same(graph.ids_of, 1),
+        "Graph.save": same(graph.save, scratch / "graph2"),
         "check_request": same(check_request, pickle.dumps([1, "a"])),
         "serialized_size": same(remote.serialized_size, torch.zeros(3)),
         "MeasuredRemoteBackend": same(remote.MeasuredRemoteBackend, "local:test", dry_run=True),
@@ -267,14 +296,14 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
 
 def required_names(fn: Callable[..., Any]) -> set[str]:
     """``fn``'s arguments without a default (named ones: not ``*args`` / ``**kwargs``)."""
-    params = inspect.signature(inspect.unwrap(fn)).parameters.values()
+    params = inspect.signature(fn).parameters.values()
     return {p.name for p in params if p.default is inspect.Parameter.empty
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def optional(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     """``fn``'s arguments that have a default (its ``self`` and ``**kwargs`` left out)."""
-    params = inspect.signature(inspect.unwrap(fn)).parameters.values()
+    params = inspect.signature(fn).parameters.values()
     return [p for p in params if p.default is not inspect.Parameter.empty
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 

@@ -60,6 +60,12 @@ ALLOWED = {
     *{(name, "model_key", "'x'") for name in ("remote_backend", "MeasuredRemoteBackend")},  # any str names a model
     ("format_bytes", "n", "2.5"),  # a byte count from an estimate
     *{(name, "queue_limit_bytes", "None") for name in ("remote_backend", "MeasuredRemoteBackend")},  # no limit
+    # a mapping's get: any key (absent: the default, any value)
+    *{("LorsaSet.get", name, v) for name in ("key", "default")
+      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True") if (name, v) != ("default", "None")},
+    ("LorsaSet.subset", "keys", "[]"),  # an empty subset
+    ("TaskBatch.select", "rows", "-1"), ("TokenDataset.batch", "seed", "-1"),  # the last row; a seed
+    ("token_pieces", "ids", "[]"), ("write_dashboard", "path", "'x'"),  # no token: no piece; a path
     # None: the default's meaning (never checkpoint; the model's own placement and dtype)
     ("Trainer.train", "checkpoint_every", "None"), ("load_model", "device", "None"), ("load_model", "dtype", "None"),
 }

@@ -346,8 +346,18 @@ class ReplacementSet(Generic[K, M]):
         outside every layer (the embedding, the final norm) are kept too: no layer names them. (Until 2026-11-29 an
         SAE set kept every site whenever ``keys`` held no site path, so ``for_remote(layers=...)`` shipped all SAEs.)
 
+        Raises:
+            ArgumentError: ``keys`` not None or a list / tuple / set of keys (a str is no list of keys: one site
+                path was read as its characters), ``transform`` not None or a callable.
+
         Source: ours (the shared contract of this package's replacement sets).
         """
+        if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple, set, frozenset,
+                                                                                          range))):
+            raise ArgumentError(f"{type(self).__name__}.subset: keys must be None or a list of keys, got {keys!r}")
+        if transform is not None and not callable(transform):
+            raise ArgumentError(f"{type(self).__name__}.subset: transform must be None or a callable module -> "
+                                f"module, got a {type(transform).__name__}")
         keep = transform if transform is not None else (lambda m: m)
         wanted = None if keys is None else set(keys)
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import is_int
+from .._checks import check_flag, is_int
 from .._placement import bmm_f32
 from .._repr import FieldsRepr
 from .._typing import Float, Int
@@ -261,10 +261,18 @@ class Lorsa(ReplacementModule):
             ShapeError: ``d_model``/``d_qk_head`` differ from the MHSA's, or ``n_qk_heads`` is
                 not a multiple of its head count.
             PlacementError: the Lorsa's parameters or the MHSA weights are on ``meta`` (not materialised).
+            ArgumentError: ``mhsa`` not an ``MHSAWeights`` (``adapter.mhsa_weights(model, layer)``), ``generator``
+                not None or a ``torch.Generator``.
 
         Source: Lorsa paper (He et al. 2025) App. B (QK initialised from the MHSA); Llamascopium
         ``src/llamascopium/models/lorsa.py``.
         """
+        if not all(isinstance(getattr(mhsa, n, None), torch.Tensor) for n in ("W_Q", "W_K", "W_V", "W_O", "b_Q")):
+            raise ArgumentError(f"Lorsa.init_from_mhsa(mhsa=...) must be an MHSAWeights "
+                                f"(adapter.mhsa_weights(model, layer)), got a {type(mhsa).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ArgumentError(f"Lorsa.init_from_mhsa(generator=...) must be None or a torch.Generator, got a "
+                                f"{type(generator).__name__}")
         cfg = self.cfg
         n_heads, d_model, head_dim = mhsa.W_Q.shape
         if d_model != cfg.d_model or head_dim != cfg.d_qk_head:
@@ -585,11 +593,15 @@ class Lorsa(ReplacementModule):
         Raises:
             ShapeError: ``x`` not a ``(batch, pos, d_model)`` tensor in the weights' dtype; ``positions`` or
                 ``attn_mask`` of the wrong shape or dtype; ``past`` / ``kv_out`` given with ``return_cache`` or
-                ``top_k``.
-            ArgumentError: ``top_k`` not an int in ``[1, n_ov_heads]``.
+                ``top_k``; ``kv_out`` not a dict.
+            ArgumentError: ``top_k`` not an int in ``[1, n_ov_heads]``; ``return_cache`` not a bool.
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
+        check_flag(return_cache, "return_cache", "Lorsa.forward")  # a truthy "no" returned a tuple
+        if kv_out is not None and not isinstance(kv_out, dict):
+            raise ShapeError(f"Lorsa.forward: kv_out must be None or a dict (the new LorsaKV is stored as "
+                             f"kv_out['kv']), got a {type(kv_out).__name__}")
         if past is not None or kv_out is not None:
             if return_cache or top_k is not None:
                 raise ShapeError("Lorsa.forward: past / kv_out (a decoding step) do not take return_cache or top_k")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .._checks import check_int
+from .._checks import check_instance, check_int
 from .._repr import FieldsRepr
 from ..errors import ArgumentError, CheckpointError
 from .rotary import RotaryConfig
@@ -163,6 +164,7 @@ class LorsaConfig(FieldsRepr):
         Source: Lorsa paper (He et al. 2025) §3.1, App. A–B; Llamascopium ``src/llamascopium/models/lorsa.py``
         (``LorsaConfig``).
         """
+        check_instance(d, Mapping, f"{cls.__name__}.from_dict", "d", " (to_dict()'s dict)")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

@@ -16,11 +16,13 @@ Needs torch only.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from .._checks import check_instance
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import CheckpointError, UnsupportedArchitectureError
@@ -132,6 +134,7 @@ class RotaryConfig(FieldsRepr):
 
         Source: Lorsa paper (He et al. 2025) App. A; transformers ``modeling_rope_utils.py``.
         """
+        check_instance(d, Mapping, f"{cls.__name__}.from_dict", "d", " (to_dict()'s dict)")
         scaling = d.get("scaling") or {}
         return cls(**{**d, "scaling": dict(scaling) if isinstance(scaling, dict) else scaling})
 

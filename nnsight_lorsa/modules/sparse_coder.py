@@ -22,13 +22,14 @@ Needs torch only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from .._checks import check_instance
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import CheckpointError, ShapeError
@@ -92,6 +93,7 @@ class SparseCoderConfig(FieldsRepr):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Any:
         """Inverse of :meth:`to_dict`. Raises :class:`CheckpointError` on unknown or missing keys."""
+        check_instance(d, Mapping, f"{cls.__name__}.from_dict", "d", " (to_dict()'s dict)")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

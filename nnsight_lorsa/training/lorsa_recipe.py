@@ -86,14 +86,14 @@ Stronger balance costs fidelity (``benchmarks/results/lorsa_recipe_mechanisms.js
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._checks import is_int, is_real
+from .._checks import check_instance, is_int, is_real
 from .._placement import f32
 from ..errors import CheckpointError, ConfigMismatchError
 from ..modules.lorsa import Lorsa, _normal_
@@ -226,6 +226,7 @@ class LorsaRecipe:
         Source: Lorsa paper (He et al. 2025) App. B; Llamascopium ``src/llamascopium/models/lorsa.py``
         (``init_W_V_with_active_subspace_per_head``).
         """
+        check_instance(d, Mapping, f"{cls.__name__}.from_dict", "d", " (to_dict()'s dict)")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
