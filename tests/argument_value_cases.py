@@ -82,6 +82,7 @@ from nnsight_lorsa.formats import detect_format, load_all  # noqa: E402
 from nnsight_lorsa.modules import (  # noqa: E402
     BatchTopK,
     CrossLayerTranscoder,
+    GroupMax,
     JumpReLU,
     Lorsa,
     SkipTranscoder,
@@ -89,12 +90,13 @@ from nnsight_lorsa.modules import (  # noqa: E402
     Transcoder,
     make_activation,
 )
-from nnsight_lorsa.ndif_rules import check_request  # noqa: E402
+from nnsight_lorsa.ndif_rules import NDIF_DESERIALIZATION_MODULES, check_request, module_allowed  # noqa: E402
 from nnsight_lorsa.patching import LorsaHead, MHSAHead  # noqa: E402
 from nnsight_lorsa.sparse_attention import (  # noqa: E402
     SparseTrainConfig,
     evaluate_sparse,
     install_gated_attention,
+    load_gates,
     save_sparse_model,
     set_gate_mode,
     train_sparse_attention,
@@ -285,6 +287,11 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "Graph.edge_values": same(graph.edge_values, torch.tensor([graph.n_nodes - 1]), torch.tensor([0])),
         "Graph.ids_of": same(graph.ids_of, 1),
         "Graph.save": same(graph.save, scratch / "graph2"),
+        "Trainer": same(Trainer, make_sae(d_in=8, d_sae=16, activation="topk", activation_params={"k": 2}),
+                        reconstruction_source(2, 4, 8), TrainConfig(total_steps=2, norm_batches=1)),
+        "GroupMax": same(GroupMax, 2, 16),
+        "module_allowed": same(module_allowed, "torch", NDIF_DESERIALIZATION_MODULES),
+        "load_gates": same(load_gates, tiny_hf_model("llama"), scratch / "sparse"),
         "check_request": same(check_request, pickle.dumps([1, "a"])),
         "serialized_size": same(remote.serialized_size, torch.zeros(3)),
         "MeasuredRemoteBackend": same(remote.MeasuredRemoteBackend, "local:test", dry_run=True),

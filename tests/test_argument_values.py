@@ -56,7 +56,7 @@ ALLOWED = {
     # the payload measures take any object (None, a str, a number: a few bytes of a request)
     *{(name, "obj", v) for name in ("payload_report", "check_payload", "serialized_size")
       for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True")},
-    ("payload_report", "name", "'x'"),  # a label
+    ("payload_report", "name", "'x'"), ("module_allowed", "name", "'x'"),  # a label; a module name
     *{(name, "model_key", "'x'") for name in ("remote_backend", "MeasuredRemoteBackend")},  # any str names a model
     ("format_bytes", "n", "2.5"),  # a byte count from an estimate
     *{(name, "queue_limit_bytes", "None") for name in ("remote_backend", "MeasuredRemoteBackend")},  # no limit

@@ -539,13 +539,16 @@ class GroupMax(nn.Module):
     EleutherAI sparsify ``groupmax`` (``sparsify/fused_encoder.py``: ``relu(x).unflatten(-1, (k, -1))
     .max(-1)``): ``d_sae`` must be a multiple of ``k``; a row has at most ``k`` active features.
 
+    Raises:
+        CheckpointError: ``d_sae`` not a positive int, ``k`` not a positive int dividing it (``True`` was ``k=1``).
+
     Source: sparsify ``sparsify/fused_encoder.py`` (``activation="groupmax"``).
     """
 
     def __init__(self, k: int, d_sae: int) -> None:
         super(GroupMax, self).__init__()
-        if not isinstance(k, int) or k <= 0 or d_sae % k:
-            raise CheckpointError(f"GroupMax needs a positive int k dividing d_sae={d_sae}, got {k!r}")
+        check_width(d_sae, "GroupMax")
+        check_activation_params("groupmax", d_sae, {"k": k})  # a positive int k (True is no k) dividing d_sae
         self.k = k
 
     def forward(self, x: Float[torch.Tensor, "*batch d_sae"]) -> Float[torch.Tensor, "*batch d_sae"]:

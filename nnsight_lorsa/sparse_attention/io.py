@@ -80,9 +80,13 @@ def load_gates(model: Any, directory: str | Path) -> dict[int, Any]:
     Raises:
         CheckpointError: missing/malformed files (a non-finite or non-float bias included), or the
             gates do not fit the model (model type, layer or head count, tensor names or shapes).
+        ArgumentError: ``directory`` not a str / ``os.PathLike``.
 
     Source: ours (a Hugging Face directory plus this package's gate files).
     """
+    from ..formats.files import check_path
+
+    check_path(directory, "load_gates", "a directory")
     hf = hf_module(model)
     adapter = get_adapter(hf)
     # `<directory>.old` when a save was killed between its two renames; verified against checksums.json
