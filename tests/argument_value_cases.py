@@ -102,7 +102,7 @@ from nnsight_lorsa.sparse_attention import (  # noqa: E402
     train_sparse_attention,
 )
 from nnsight_lorsa.training import ActivationCache, ActivationSource, write_activation_cache  # noqa: E402
-from nnsight_lorsa.viz import (  # noqa: E402  # noqa: E402
+from nnsight_lorsa.viz import (  # noqa: E402
     head_dashboard_data,
     plot_graph,
     plot_heads_spanned,

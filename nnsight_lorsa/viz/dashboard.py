@@ -111,18 +111,14 @@ def head_dashboard_data(replacement: Any, layer: int, head: int, top: TopActivat
     for name, value in (("n_contexts", n_contexts), ("window", window), ("n_features", n_features)):
         if not is_int(value) or value < 0:
             raise ArgumentError(f"head_dashboard_data: {name} must be an int >= 0, got {value!r}")
-    if correlation is not None and not isinstance(correlation, MHSACorrelation):
-        raise ArgumentError(f"head_dashboard_data: correlation must be None or mhsa_correlation(...) of the layer, got "
-                            f"a {type(correlation).__name__}")
-    if qk_features is not None and not isinstance(qk_features, QKFeatureImpacts):
-        raise ArgumentError(f"head_dashboard_data: qk_features must be None or qk_feature_impacts(...) of this head, "
-                            f"got a {type(qk_features).__name__}")
-    if ov_features is not None and not isinstance(ov_features, Mapping):
-        raise ArgumentError(f"head_dashboard_data: ov_features must be None or ov_feature_cosines(...) of this head, "
-                            f"got a {type(ov_features).__name__}")
-    if extra is not None and not isinstance(extra, Mapping):
-        raise ArgumentError(f"head_dashboard_data: extra must be None or a mapping {{label: value}}, got a "
-                            f"{type(extra).__name__}")
+    optional: tuple[tuple[str, Any, type, str], ...] = (
+        ("correlation", correlation, MHSACorrelation, "mhsa_correlation(...) of the layer"),
+        ("qk_features", qk_features, QKFeatureImpacts, "qk_feature_impacts(...) of this head"),
+        ("ov_features", ov_features, Mapping, "ov_feature_cosines(...) of this head"),
+        ("extra", extra, Mapping, "a mapping {label: value}"))
+    for name, given, kind, expected in optional:
+        if given is not None and not isinstance(given, kind):
+            raise ArgumentError(f"head_dashboard_data: {name} must be None or {expected}, got a {type(given).__name__}")
     refuse_stored_edits(model, "head_dashboard_data", "the contexts' z-patterns")
     tok = model.tokenizer
     contexts: list[dict[str, Any]] = []
