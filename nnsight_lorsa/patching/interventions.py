@@ -401,7 +401,9 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
     refuse_inside_trace("mean_activations")
     check_replacement_model(replacement, "mean_activations")
     check_prompts(prompts, "mean_activations")
-    check_target_list(list(targets) if isinstance(targets, (set, frozenset)) else targets, "mean_activations")
+    if isinstance(targets, Iterable) and not isinstance(targets, (str, bytes)):
+        targets = list(targets)  # any iterable of targets (a set, a generator), as documented
+    check_target_list(targets, "mean_activations")
     if not isinstance(per_position, bool):
         raise ArgumentError(f"mean_activations: per_position must be a bool, got {per_position!r}")
     ordered = replacement.sort(targets)

@@ -99,9 +99,14 @@ class TaskBatch(FieldsRepr):
                 and rows.step != 0:
             idx = torch.arange(n, device="cpu")[rows]
         else:
-            items = [rows] if is_int(rows) else rows.tolist() if isinstance(rows, torch.Tensor) and rows.dim() == 1 \
-                and not (rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool) \
-                else list(rows) if isinstance(rows, (list, tuple, range)) else None
+            items: list[Any] | None = None
+            if is_int(rows):
+                items = [rows]
+            elif isinstance(rows, (list, tuple, range)):
+                items = list(rows)
+            elif isinstance(rows, torch.Tensor) and rows.dim() == 1 and not (
+                    rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool):
+                items = rows.tolist()
             if items is None or not all(is_int(i) and -n <= i < n for i in items):
                 raise ArgumentError(f"TaskBatch.select: rows must be an index, a slice, a list of indices in "
                                     f"[-{n}, {n}) or a ({n},) bool mask, got {rows!r}"[:300])
