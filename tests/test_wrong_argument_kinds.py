@@ -197,6 +197,10 @@ PATCHING = {
                                                                                "id")
        for bad in (2.5, "x", -1)},
     "TokenDataset.from_ids(1-D ids, target_mask)": ("ArgumentError", "from_ids: target_mask applies to 2-D ids"),
+    "TokenDataset.from_text(bos_token_id past the tokenizer)": ("ArgumentError", "bos_token_id=133 is past the "
+                                                                                 "tokenizer's 128 ids"),
+    "TokenDataset.from_documents(pad_token_id past the tokenizer)": ("ArgumentError", "pad_token_id=133 is past the "
+                                                                                      "tokenizer's 128 ids"),
     "TokenDataset.from_text(config=model)": ("ArgumentError", "config must be None or the model's config "
                                                               "(model.config"),
     "evaluate_sparse(ids outside the vocabulary)": ("ArgumentError", "evaluate_sparse: token_ids must be token ids in "

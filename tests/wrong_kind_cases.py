@@ -255,6 +255,10 @@ def training_cases(out: dict, model, lorsa, scratch: Path) -> None:
             tok, [text, text[:20]], 8, pad_token_id=b)
     out["TokenDataset.from_ids(1-D ids, target_mask)"] = lambda: TokenDataset.from_ids(
         torch.arange(3, 40), 8, target_mask=torch.ones(37, dtype=torch.bool))
+    out["TokenDataset.from_text(bos_token_id past the tokenizer)"] = lambda: TokenDataset.from_text(
+        tok, text, 8, bos_token_id=len(tok) + 5)
+    out["TokenDataset.from_documents(pad_token_id past the tokenizer)"] = lambda: TokenDataset.from_documents(
+        tok, [text, text[:20]], 8, pad_token_id=len(tok) + 5)
     out["TokenDataset.from_text(config=model)"] = lambda: TokenDataset.from_text(tok, text, 8, config=model)
     out["TokenDataset.from_ids(eos_token_id='x')"] = lambda: TokenDataset.from_ids(torch.arange(3, 40), 8,
                                                                                     eos_token_id="x")

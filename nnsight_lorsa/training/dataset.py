@@ -99,6 +99,20 @@ def special_token_id(tokenizer: Any, config: Any, given: int | None = None, name
     return None
 
 
+def _check_given_ids_known(tokenizer: Any, config: Any, where: str, **given: Any) -> None:
+    """Without ``config.vocab_size`` (the windows' own bound), refuse a ``bos_token_id`` / ``pad_token_id`` the
+    caller gave past the tokenizer's ids (``len(tokenizer)`` and its special ids): it would be an ``IndexError`` in the
+    model's embedding later, not here."""
+    if _vocab_size(config) is not None or not hasattr(tokenizer, "__len__"):
+        return
+    specials = [i for i in (getattr(tokenizer, "all_special_ids", None) or []) if is_int(i)]
+    bound = max([len(tokenizer), *(int(i) + 1 for i in specials)])
+    for name, value in given.items():
+        if value is not None and value >= bound:
+            raise ArgumentError(f"{where}: {name}={value} is past the tokenizer's {bound} ids (pass "
+                                "config=model.config to bound ids by the model's vocabulary instead)")
+
+
 def _check_special_sources(tokenizer: Any, config: Any, where: str) -> None:
     """The objects the special token ids and the vocabulary size are read from (by attribute): ``config`` None or a
     model config (a model itself, or an object with none of the attributes, would be passed over without a word:
@@ -400,6 +414,7 @@ class TokenDataset:
                 return cls.from_documents(tokenizer, docs, seq_len, bos_token_id=bos_token_id, config=config)
         ids = _token_ids(tokenizer, text)  # the whole text: no warning that it exceeds the model's length
         bos = special_token_id(tokenizer, config, bos_token_id)
+        _check_given_ids_known(tokenizer, config, "TokenDataset.from_text", bos_token_id=bos_token_id)
         return cls._consecutive(ids, seq_len, bos, _vocab_size(config), "text")
 
     @classmethod
@@ -451,8 +466,10 @@ class TokenDataset:
         _check_seq_len(seq_len, "TokenDataset.from_documents")
         _check_text_args(tokenizer, documents, "TokenDataset.from_documents", "documents")
         _check_special_sources(tokenizer, config, "TokenDataset.from_documents")
-        return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len,
-                                    special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id),
+        bos, pad = special_token_id(tokenizer, config, bos_token_id), _pad_id(tokenizer, pad_token_id)  # kinds checked
+        _check_given_ids_known(tokenizer, config, "TokenDataset.from_documents", bos_token_id=bos_token_id,
+                               pad_token_id=pad_token_id)
+        return cls._one_window_each([_token_ids(tokenizer, doc) for doc in documents], seq_len, bos, pad,
                                     _vocab_size(config))
 
     @classmethod
