@@ -7,10 +7,10 @@ when the call returned; ``ours``: a ``LorsaError``), and the names of the export
 
 Each entry point is called once per argument and value from a valid call (:func:`base_calls`) with that one argument
 replaced — every argument the valid call names, and every optional one — by None (where the default is not None), a
-str, an empty list, NaN, -1, 2.5 and True (where the default is not a bool): the wrong kinds and ranges a typo or a
-mix-up gives, one at a time, so that each check is reached (``tests/test_none_arguments.py`` gives None to every
-required argument at once: the first check answers). (0 and huge values are left out: most are valid and run the
-whole workflow.)"""
+str, an empty list, NaN, -1, 2.5, True (where the default is not a bool), 10**9 and inf (not to counts, sizes, seeds,
+thresholds and positions: :data:`NOT_HUGE`): the wrong kinds and ranges a typo or a mix-up gives, one at a time, so
+that each check is reached (``tests/test_none_arguments.py`` gives None to every required argument at once: the first
+check answers). (0 is left out: it is valid almost everywhere.)"""
 
 from __future__ import annotations
 
@@ -116,7 +116,15 @@ from nnsight_lorsa.viz import (  # noqa: E402
 
 #: the wrong values (None only where the default is not None, True only where it is not a bool)
 VALUES: dict[str, Any] = {"None": None, "'x'": "x", "[]": [], "nan": float("nan"), "-1": -1, "2.5": 2.5,
-                          "True": True}
+                          "True": True, "1e9": 10**9, "inf": float("inf")}
+#: the huge values are not given to counts, sizes, seeds, thresholds and positions: most of them are valid there and
+#: run the workflow that long (a billion steps, samples, prompts) or are refused by the tests of their ranges
+NOT_HUGE = {"steps", "n_samples", "max_batches", "max_windows", "n_prompts", "checkpoint_every", "seq_len",
+            "windows_per_shard", "n_contexts", "window", "chunk", "batch_size", "n", "k", "max_feature_nodes",
+            "groups_per_trace", "n_top", "lens_k", "n_features", "max_edges", "update_interval", "max_memory",
+            "cap_bytes", "queue_limit_bytes", "n_layers", "zero_positions", "qk_heads", "min_effect", "seed",
+            "threshold", "init_bias", "temperature", "heldout_tolerance", "top_k", "d_sae", "bandwidth", "position",
+            "positions", "rows", "index", "n_ov_heads"}
 
 
 def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
@@ -343,7 +351,8 @@ def main(out_path: str) -> None:
             required = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in getattr(call, "required", [])]
             for p in [*required, *optional(fn)]:
                 for label, value in VALUES.items():
-                    if (value is None and p.default is None) or (label == "True" and isinstance(p.default, bool)):
+                    if (value is None and p.default is None) or (label == "True" and isinstance(p.default, bool)) \
+                            or (label in ("1e9", "inf") and p.name in NOT_HUGE):
                         continue
                     try:
                         call(**{p.name: value})

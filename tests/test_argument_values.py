@@ -55,14 +55,19 @@ ALLOWED = {
     ("install_gated_attention", "temperature", "2.5"), ("train_sparse_attention", "heldout_tolerance", "2.5"),
     # the payload measures take any object (None, a str, a number: a few bytes of a request)
     *{(name, "obj", v) for name in ("payload_report", "check_payload", "serialized_size")
-      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True")},
+      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True", "1e9", "inf")},
     ("payload_report", "name", "'x'"), ("module_allowed", "name", "'x'"),  # a label; a module name
     *{(name, "model_key", "'x'") for name in ("remote_backend", "MeasuredRemoteBackend")},  # any str names a model
     ("format_bytes", "n", "2.5"),  # a byte count from an estimate
+    # large values that are values: a billion bytes, a vocabulary, a metric, a year's century, a layer label (a Lorsa
+    # is placed by its set's key, which is checked against the model), ids of a stream no config or tokenizer bounds
+    ("parse_bytes", "value", "1e9"), ("TokenDataset", "vocab_size", "1e9"), ("relative_effect", "baseline", "1e9"),
+    ("greater_than_task", "century", "1e9"), ("LorsaConfig.from_mhsa", "layer", "1e9"),
+    ("TokenDataset.from_ids", "bos_token_id", "1e9"), ("TokenDataset.from_ids", "eos_token_id", "1e9"),
     *{(name, "queue_limit_bytes", "None") for name in ("remote_backend", "MeasuredRemoteBackend")},  # no limit
     # a mapping's get: any key (absent: the default, any value)
     *{("LorsaSet.get", name, v) for name in ("key", "default")
-      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True") if (name, v) != ("default", "None")},
+      for v in ("None", "'x'", "[]", "nan", "-1", "2.5", "True", "1e9", "inf") if (name, v) != ("default", "None")},
     ("LorsaSet.subset", "keys", "[]"),  # an empty subset
     ("TaskBatch.select", "rows", "-1"), ("TokenDataset.batch", "seed", "-1"),  # the last row; a seed
     ("token_pieces", "ids", "[]"), ("write_dashboard", "path", "'x'"),  # no token: no piece; a path
