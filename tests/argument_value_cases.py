@@ -166,6 +166,12 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         with model.trace(ids[None]):
             call()
 
+    def traced(fn: Callable[..., Any], **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``fn(**fixed)`` called inside a trace of the prompt (an intervention): each argument varied as ``same``'s."""
+        call = lambda **kw: in_trace(lambda: fn(**{**fixed, **kw}))  # noqa: E731
+        call.required = [n for n in fixed if n in required_names(fn)]  # type: ignore[attr-defined]
+        return fn, call
+
     def same(fn: Callable[..., Any], *args: Any, **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         sig = inspect.signature(fn)
         bound = dict(sig.bind_partial(*args, **fixed).arguments)  # by name; **kwargs flattened
@@ -244,12 +250,11 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         "ReplacementModel": same(ReplacementModel, model, lorsas=lorsas, transcoders=tcs),
         "TokenDataset": same(TokenDataset, data.tokens),
         "ActivationCache": same(ActivationCache, scratch / "cache"),
-        "ablate": (patching.ablate, lambda **kw: in_trace(lambda: patching.ablate(r(LorsaHead(1, 0)), **kw))),
-        "patch": (patching.patch, lambda **kw: in_trace(lambda: patching.patch(r(LorsaHead(1, 0)),
-                                                                               torch.zeros(()), **kw))),
-        "read": (patching.read, lambda **kw: in_trace(lambda: patching.read(r(LorsaHead(1, 0)), **kw))),
-        "scale": (patching.scale, lambda **kw: in_trace(lambda: patching.scale(r(LorsaHead(1, 0)), 2.0, **kw))),
-        "steer": (patching.steer, lambda **kw: in_trace(lambda: patching.steer(r(LorsaHead(1, 0)), 1.0, **kw))),
+        "ablate": traced(patching.ablate, target=r(LorsaHead(1, 0))),
+        "patch": traced(patching.patch, target=r(LorsaHead(1, 0)), source_values=torch.zeros(())),
+        "read": traced(patching.read, target=r(LorsaHead(1, 0))),
+        "scale": traced(patching.scale, target=r(LorsaHead(1, 0)), alpha=2.0),
+        "steer": traced(patching.steer, target=r(LorsaHead(1, 0)), delta=1.0),
         "logit_difference": same(patching.logit_difference, torch.randn(2, 5, 128), torch.tensor([1, 2]),
                                  torch.tensor([3, 4])),
         "relative_effect": same(patching.relative_effect, torch.tensor([2.0, 3.0]), torch.tensor([1.0, 1.0])),

@@ -59,6 +59,10 @@ ALLOWED = {
     ("payload_report", "name", "'x'"), ("module_allowed", "name", "'x'"),  # a label; a module name
     *{(name, "model_key", "'x'") for name in ("remote_backend", "MeasuredRemoteBackend")},  # any str names a model
     ("format_bytes", "n", "2.5"),  # a byte count from an estimate
+    # the edit values: any finite factor or shift; patch writes the values it is given as they are, non-finite ones
+    # included (documented: activations of another run are patched faithfully)
+    *{(name, arg, v) for name, arg in (("scale", "alpha"), ("steer", "delta")) for v in ("-1", "2.5", "1e9")},
+    *{("patch", "source_values", v) for v in ("-1", "2.5", "1e9", "nan", "inf")},
     # large values that are values: a billion bytes, a vocabulary, a metric, a year's century, a layer label (a Lorsa
     # is placed by its set's key, which is checked against the model), ids of a stream no config or tokenizer bounds
     ("parse_bytes", "value", "1e9"), ("TokenDataset", "vocab_size", "1e9"), ("relative_effect", "baseline", "1e9"),
