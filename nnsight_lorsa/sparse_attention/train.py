@@ -582,7 +582,10 @@ class SparseAttentionTrainer:
 
     def train(self, steps: int | None = None, progress: bool = True, checkpoint_dir: str | Path | None = None,
               checkpoint_every: int | None = None) -> list[StepRecord]:
-        """Run up to ``steps`` more steps (default: until ``config.total_steps``) with a tqdm bar (CE, λ, active edges).
+        """Run up to ``steps`` more steps (default: until ``config.total_steps``) with a tqdm bar (CE, λ, active edges),
+        never past ``config.total_steps``, as :meth:`~nnsight_lorsa.training.Trainer.train`: the LR decay and the
+        recovery phase are laid out over ``total_steps`` (until 2026-11-29 a call past it kept training at the
+        recovery phase's LR; raise ``total_steps`` to train longer).
 
         With ``checkpoint_dir``, a checkpoint is written every ``checkpoint_every`` steps and at the end.
 
@@ -595,7 +598,7 @@ class SparseAttentionTrainer:
             check_int("SparseAttentionTrainer.train", "steps", steps, least=0)
         check_checkpointing(checkpoint_dir, checkpoint_every, "SparseAttentionTrainer.train")
         check_flag(progress, "progress", "SparseAttentionTrainer.train")
-        end = self.config.total_steps if steps is None else self.step + steps
+        end = self.config.total_steps if steps is None else min(self.config.total_steps, self.step + steps)
         bar = tqdm(total=end - self.step, desc="sparse attention", disable=not progress, dynamic_ncols=True)
         while self.step < end:
             rec = self.train_step()

@@ -124,3 +124,15 @@ def test_measure_train_ce_refuses_a_count_below_one():
         with pytest.raises(ArgumentError, match=r"measure_train_ce\.n_batches must be a positive int"):
             trainer.measure_train_ce(bad)
     assert trainer.measure_train_ce(1) == one
+
+
+def test_train_never_runs_past_total_steps_as_the_trainer():
+    """``train(steps)`` stops at ``config.total_steps``, as ``Trainer.train`` (seen failing: a call past it kept
+    training at the recovery phase's LR, outside the schedule laid out over ``total_steps``)."""
+    trainer = SparseAttentionTrainer(tiny_hf_model("llama"), _stream(), _cfg(total_steps=3))
+    trainer.train(2, progress=False)
+    assert trainer.step == 2
+    trainer.train(5, progress=False)  # one step left
+    assert trainer.step == 3
+    trainer.train(4, progress=False)  # none left: nothing runs
+    assert trainer.step == 3
