@@ -31,7 +31,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -468,10 +468,11 @@ def _layers_held(replacement: ReplacementModel) -> set[int]:
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
     have = sorted(_layers_held(replacement))
     if layers is not None and not is_int(layers) and not (
-            isinstance(layers, (list, tuple, range, set)) and layers and all(is_int(v) for v in layers)):
+            isinstance(layers, Collection) and not isinstance(layers, (str, bytes, Mapping)) and len(layers)
+            and all(is_int(v) for v in layers)):
         raise ArgumentError(f"layers must be None (every layer), a layer or a non-empty list of layers, got "
                             f"{layers!r}"[:200])
-    chosen = have if layers is None else [int(layers)] if is_int(layers) else list(layers)  # type: ignore[arg-type]
+    chosen = have if layers is None else [int(layers)] if is_int(layers) else [int(v) for v in layers]  # type: ignore[arg-type,union-attr]
     for layer in chosen:
         if layer not in have:
             raise LayerOutOfRangeError(f"no Lorsa, transcoder or SAE at layer {layer}; this ReplacementModel has "

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
-from .._checks import check_flag
+from .._checks import check_flag, is_int
 from .._placement import (
     check_one_dtype,
     check_placement_args,
@@ -352,14 +352,15 @@ class ReplacementSet(Generic[K, M]):
 
         Source: ours (the shared contract of this package's replacement sets).
         """
-        if keys is not None and (isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple, set, frozenset,
-                                                                                          range))):
+        if keys is not None and (isinstance(keys, (str, bytes, Mapping)) or not isinstance(keys, Collection)):
             raise ArgumentError(f"{type(self).__name__}.subset: keys must be None or a list of keys, got {keys!r}")
         if transform is not None and not callable(transform):
             raise ArgumentError(f"{type(self).__name__}.subset: transform must be None or a callable module -> "
                                 f"module, got a {type(transform).__name__}")
         keep = transform if transform is not None else (lambda m: m)
-        wanted = None if keys is None else set(keys)
+        # an int-like key (a numpy int, a 0-d tensor of a tensor of layers) as the int it is: hashed by identity, a
+        # tensor matched no key and the subset came back empty
+        wanted = None if keys is None else {int(k) if is_int(k) else k for k in keys}
 
         layers = set() if wanted is None else {k for k in wanted if isinstance(k, int) and not isinstance(k, bool)}
 

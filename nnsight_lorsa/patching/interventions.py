@@ -42,7 +42,9 @@ from ..errors import ArgumentError, ConfigMismatchError, ShapeError, TraceOrderE
 
 def _is_ids(value: Any) -> bool:
     """Token ids of one or more prompts: an integer (not bool) tensor ``(pos,)`` / ``(batch, pos)`` with
-    ``pos >= 1``, or a non-empty list / tuple of ints."""
+    ``pos >= 1`` (a numpy array of them too), or a non-empty list / tuple of ints."""
+    if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None:
+        value = torch.as_tensor(value, device="cpu") if value.dtype.kind in "iu" else None
     if isinstance(value, torch.Tensor):
         return not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
             and 1 <= value.dim() <= 2 and value.shape[-1] >= 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,11 +126,12 @@ def _check_int(value: Any, name: str, low: int | None = None) -> None:
 
 
 def _check_items(value: Any, name: str, kind: str, where: str) -> None:
-    """Raise :class:`~nnsight_lorsa.errors.ArgumentError` unless ``value`` is a list / tuple / range of ``kind``
-    items: ``"str"`` (texts), ``"int"`` (ints, not bools) or ``"pair"`` (two ints each); ``"text"``: one str."""
+    """Raise :class:`~nnsight_lorsa.errors.ArgumentError` unless ``value`` is a collection (a list, tuple, range, set,
+    or a 1-D tensor / array) of ``kind`` items: ``"str"`` (texts), ``"int"`` (ints, not bools) or ``"pair"`` (two
+    ints each); ``"text"``: one str. A str, a mapping or a one-shot iterator is none."""
     if kind == "text":
         ok = isinstance(value, str)
-    elif not isinstance(value, (list, tuple, range)):
+    elif isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Collection):
         ok = False
     elif kind == "str":
         ok = all(isinstance(v, str) for v in value)
