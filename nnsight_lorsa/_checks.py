@@ -1,7 +1,8 @@
 """Type checks of public arguments, shared by the entry points.
 
-Of the standard library only ``operator`` and ``math`` are imported: these run where the modules run, an NDIF server
-included, whose deserializer admits whitelisted modules only (``operator`` and ``math`` are, ``numbers`` is not); of the
+Of the standard library only ``operator``, ``math`` and ``collections.abc`` are imported: these run where the modules
+run, an NDIF server included, whose deserializer admits whitelisted modules only (those three are, ``numbers`` is not:
+``ndif_rules.module_allowed``); of the
 package only :mod:`.errors` (the checks raise :class:`~.errors.ArgumentError`).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .errors import ArgumentError
@@ -34,6 +36,12 @@ def is_real(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)
     return (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
             and getattr(dtype, "kind", "") in ("i", "u", "f"))
+
+
+def is_collection(value: Any) -> bool:
+    """A collection of items where a list is documented: a list, tuple, range, set, 1-D tensor or array — not a str
+    or bytes (read as characters), a mapping, or a one-shot iterator (no length: checking it would consume it)."""
+    return isinstance(value, Collection) and not isinstance(value, (str, bytes, Mapping))
 
 
 def check_instance(value: Any, kind: type, where: str, name: str, hint: str = "") -> None:

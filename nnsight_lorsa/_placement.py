@@ -42,6 +42,12 @@ HOST = torch.device("cpu")
 MODULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def is_index_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be token ids, positions or indices: an integer dtype (not floating, complex or
+    bool), the one rule of every id check of the package."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_dtype_arg(dtype: Any, where: str) -> torch.dtype | None:
     """``dtype`` if it is None or one of :data:`MODULE_DTYPES` (a ``torch.dtype``; strings such as
     ``"bfloat16"`` are refused, not guessed); ``where`` names the call in the error.

@@ -31,14 +31,14 @@ import math
 import os
 import re
 import sys
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._checks import check_flag, is_int, is_real
+from ._checks import check_flag, is_collection, is_int, is_real
 from ._placement import HOST, check_dtype_arg, past_range
 from .attribution.remote_handles import check_block_calls, mark_bundles, rebuild_results
 from .envoy.nnsight_internals import (
@@ -468,8 +468,7 @@ def _layers_held(replacement: ReplacementModel) -> set[int]:
 def _layer_list(replacement: ReplacementModel, layers: int | Iterable[int] | None) -> list[int]:
     have = sorted(_layers_held(replacement))
     if layers is not None and not is_int(layers) and not (
-            isinstance(layers, Collection) and not isinstance(layers, (str, bytes, Mapping)) and len(layers)
-            and all(is_int(v) for v in layers)):
+            is_collection(layers) and len(layers) and all(is_int(v) for v in layers)):  # type: ignore[arg-type,union-attr]
         raise ArgumentError(f"layers must be None (every layer), a layer or a non-empty list of layers, got "
                             f"{layers!r}"[:200])
     chosen = have if layers is None else [int(layers)] if is_int(layers) else [int(v) for v in layers]  # type: ignore[arg-type,union-attr]

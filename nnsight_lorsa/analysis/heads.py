@@ -21,7 +21,7 @@ import nnsight
 import torch
 
 from .._checks import check_flag, check_real, is_int
-from .._placement import HOST, host_f32, placement, to_module
+from .._placement import HOST, host_f32, is_index_dtype, placement, to_module
 from .._repr import FieldsRepr
 from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
@@ -45,7 +45,7 @@ def check_tokens(tokens: Any, model: Any = None) -> None:
         vocabulary size.
     """
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1 \
-            or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            or not is_index_dtype(tokens.dtype):
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
     check_in_vocabulary(tokens, model, "tokens")

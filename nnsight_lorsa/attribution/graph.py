@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .._checks import is_int
+from .._placement import is_index_dtype
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, CheckpointError
@@ -169,8 +170,7 @@ class Graph(FieldsRepr):
         nodes are ours).
         """
         for name, ids in (("targets", targets), ("sources", sources)):
-            if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
-                    or ids.dtype == torch.bool:
+            if not isinstance(ids, torch.Tensor) or not is_index_dtype(ids.dtype):
                 got = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"
                 raise ArgumentError(f"Graph.edge_values: {name} must be an integer tensor of node ids, got {got}")
             if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n_nodes):

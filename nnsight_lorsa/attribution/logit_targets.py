@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from .._placement import is_index_dtype
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ConfigMismatchError, NonFiniteError
 from .graph import HOST
@@ -102,7 +103,7 @@ def check_targets(targets: Any) -> CheckedTargets:
         except (TypeError, ValueError, RuntimeError) as e:
             raise ArgumentError(f"attribute(targets=<array>) must hold integer token ids, got {targets!r}: {e}") from e
     if isinstance(targets, torch.Tensor):
-        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool or targets.dim() > 1:
+        if not is_index_dtype(targets.dtype) or targets.dim() > 1:
             raise ArgumentError(f"attribute(targets=<tensor>) must hold integer token ids in at most one dimension, "
                                 f"got dtype {targets.dtype}, shape {tuple(targets.shape)}")
         targets = targets.reshape(-1).tolist()

@@ -27,6 +27,7 @@ from typing import Any
 import nnsight
 import torch
 
+from .._placement import is_index_dtype
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
 from ..envoy.nnsight_internals import check_in_vocabulary, hf_module
@@ -152,7 +153,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
             raw = torch.as_tensor(prompt, device="cpu")
         except (TypeError, ValueError, RuntimeError) as e:
             raise ArgumentError(f"a prompt must be text or token ids, got {type(prompt).__name__}: {e}") from e
-        if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
+        if not is_index_dtype(raw.dtype):
             raise ArgumentError(f"prompt token ids must be integers, got dtype {raw.dtype}")
         ids = raw.long()
         if ids.dim() == 2 and ids.shape[0] == 1:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
-from .._checks import check_flag, is_int
+from .._checks import check_flag, is_collection, is_int
 from .._placement import (
     check_one_dtype,
     check_placement_args,
@@ -352,7 +352,7 @@ class ReplacementSet(Generic[K, M]):
 
         Source: ours (the shared contract of this package's replacement sets).
         """
-        if keys is not None and (isinstance(keys, (str, bytes, Mapping)) or not isinstance(keys, Collection)):
+        if keys is not None and not is_collection(keys):
             raise ArgumentError(f"{type(self).__name__}.subset: keys must be None or a list of keys, got {keys!r}")
         if transform is not None and not callable(transform):
             raise ArgumentError(f"{type(self).__name__}.subset: transform must be None or a callable module -> "

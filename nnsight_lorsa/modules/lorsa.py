@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_flag, is_int
-from .._placement import bmm_f32
+from .._placement import bmm_f32, is_index_dtype
 from .._repr import FieldsRepr
 from .._typing import Float, Int
 from ..errors import ArgumentError, PlacementError, ShapeError
@@ -155,7 +155,7 @@ def head_indices(heads: Any, n: int, what: str, device: torch.device | str) -> t
     if is_int(heads):
         heads = [int(heads)]
     if isinstance(heads, torch.Tensor):
-        if heads.dim() > 1 or heads.dtype.is_floating_point or heads.dtype.is_complex or heads.dtype == torch.bool:
+        if heads.dim() > 1 or not is_index_dtype(heads.dtype):
             raise ArgumentError(f"{what} must be head indices (a 1-D integer tensor), got shape {tuple(heads.shape)} "
                                 f"dtype {heads.dtype}")
         idx = heads.to(device=device, dtype=torch.long).reshape(-1)
@@ -372,7 +372,7 @@ class Lorsa(ReplacementModule):
         if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.shape[-1] != seq:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ShapeError(f"positions must be (pos,) or (batch, pos) with pos={seq}, got {got}")
-        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        if not is_index_dtype(positions.dtype):
             raise ShapeError(f"positions must be integer token positions, got dtype {positions.dtype}")
         return positions.to(x.device)
 

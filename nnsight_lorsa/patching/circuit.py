@@ -16,13 +16,13 @@ ranking by the batch-mean score, ``f`` on the batch-mean metric).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from .._checks import check_instance, is_int, is_real
+from .._checks import check_instance, is_collection, is_int, is_real
 from .._placement import HOST, host_f32, like
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
@@ -248,8 +248,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     if not is_real(threshold) or not math.isfinite(threshold):
         raise ArgumentError(f"circuit_size: threshold must be a finite number (a fraction, e.g. 0.9), "
                             f"got {threshold!r}")
-    if ks is not None and (isinstance(ks, (str, bytes, Mapping)) or not isinstance(ks, Collection)
-                           or not all(is_int(k) for k in ks)):
+    if ks is not None and (not is_collection(ks) or not all(is_int(k) for k in ks)):
         raise ArgumentError(f"circuit_size: ks must be a sequence of ints, got {ks!r}")
     n, b = len(components), len(task)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)

@@ -31,7 +31,7 @@ import nnsight
 import torch
 
 from .._checks import is_int, is_real
-from .._placement import f32, like, narrows_range
+from .._placement import f32, is_index_dtype, like, narrows_range
 from ..envoy.edit_log import note_edit
 from ..envoy.nnsight_internals import current_worker
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
@@ -46,8 +46,7 @@ def _is_ids(value: Any) -> bool:
     if type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None:
         value = torch.as_tensor(value, device="cpu") if value.dtype.kind in "iu" else None
     if isinstance(value, torch.Tensor):
-        return not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool) \
-            and 1 <= value.dim() <= 2 and value.shape[-1] >= 1
+        return is_index_dtype(value.dtype) and 1 <= value.dim() <= 2 and value.shape[-1] >= 1
     return isinstance(value, (list, tuple)) and bool(value) and all(is_int(v) for v in value)
 
 
@@ -129,8 +128,7 @@ def check_positions(positions: Positions, seq: int) -> None:
     if is_int(positions):
         items: list = [positions]
     elif isinstance(positions, torch.Tensor):
-        if positions.dim() > 1 or positions.dtype.is_floating_point or positions.dtype.is_complex \
-                or positions.dtype == torch.bool:
+        if positions.dim() > 1 or not is_index_dtype(positions.dtype):
             raise ArgumentError(f"positions must be a 1-D integer tensor, got shape {tuple(positions.shape)} "
                                 f"dtype {positions.dtype}")
         items = positions.reshape(-1).tolist()

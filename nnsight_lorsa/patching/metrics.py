@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._checks import is_int, is_real
+from .._placement import is_index_dtype
 from ..errors import ArgumentError, ShapeError, UndefinedNormalizationError
 
 
@@ -16,8 +17,7 @@ def _ids(ids: Any, batch: int, vocab: int, device: torch.device, name: str) -> t
     """``ids`` (a token id or one per row) as ``(batch,)`` int64 on ``device``, each in ``[0, vocab)``."""
     if is_int(ids):
         t = torch.tensor(int(ids), device="cpu")
-    elif isinstance(ids, torch.Tensor) and not (ids.dtype.is_floating_point or ids.dtype.is_complex
-                                                or ids.dtype == torch.bool):
+    elif isinstance(ids, torch.Tensor) and is_index_dtype(ids.dtype):
         t = ids
     elif isinstance(ids, (list, tuple)) and all(is_int(i) for i in ids):
         t = torch.tensor([int(i) for i in ids], dtype=torch.long, device="cpu")

@@ -19,14 +19,14 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._checks import is_int
-from .._placement import check_device_arg
+from .._checks import is_collection, is_int
+from .._placement import check_device_arg, is_index_dtype
 from .._repr import FieldsRepr
 from ..envoy.tokens import check_tokenizer
 from ..errors import ArgumentError, ConfigMismatchError, LorsaError
@@ -104,8 +104,7 @@ class TaskBatch(FieldsRepr):
                 items = [rows]
             elif isinstance(rows, (list, tuple, range)):
                 items = list(rows)
-            elif isinstance(rows, torch.Tensor) and rows.dim() == 1 and not (
-                    rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool):
+            elif isinstance(rows, torch.Tensor) and rows.dim() == 1 and is_index_dtype(rows.dtype):
                 items = rows.tolist()
             if items is None or not all(is_int(i) and -n <= i < n for i in items):
                 raise ArgumentError(f"TaskBatch.select: rows must be an index, a slice, a list of indices in "
@@ -131,7 +130,7 @@ def _check_items(value: Any, name: str, kind: str, where: str) -> None:
     ints each); ``"text"``: one str. A str, a mapping or a one-shot iterator is none."""
     if kind == "text":
         ok = isinstance(value, str)
-    elif isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Collection):
+    elif not is_collection(value):
         ok = False
     elif kind == "str":
         ok = all(isinstance(v, str) for v in value)

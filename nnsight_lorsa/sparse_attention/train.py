@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from .._checks import check_flag, check_int, check_real, is_int
+from .._placement import is_index_dtype
 from .._typing import Int
 from ..envoy.nnsight_internals import check_in_vocabulary, hf_module, vocabulary_size
 from ..errors import (
@@ -216,8 +217,8 @@ def check_windows_kind(ids: Any, where: str, name: str) -> None:
     Raises:
         ArgumentError: anything else, naming ``where`` and ``name``.
     """
-    if isinstance(ids, TokenDataset) or (isinstance(ids, torch.Tensor) and ids.dim() == 1 and not (
-            ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)):
+    if isinstance(ids, TokenDataset) or (isinstance(ids, torch.Tensor) and ids.dim() == 1
+                                        and is_index_dtype(ids.dtype)):
         return
     got = f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"
     raise ArgumentError(f"{where}: {name} must be a TokenDataset or a 1-D integer token stream, got {got}")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._checks import is_int, is_real
+from .._placement import is_index_dtype
 from .._typing import Int
 from ..errors import ArgumentError, ShapeError, TooFewTokensError
 
@@ -272,7 +273,7 @@ def read_token_ids(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]
         raise ArgumentError(f"{path}: no token ids in it (a tensor 'input_ids' or 'tokens', or a single tensor); "
                             f"it holds {sorted(map(str, found))[:8]}")
     ids = tensors[key]
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if not is_index_dtype(ids.dtype):
         raise ArgumentError(f"{path}: {key!r} holds {ids.dtype} values, not integer token ids")
     mask = tensors.get("attention_mask")
     if mask is not None:
@@ -344,8 +345,7 @@ class TokenDataset:
 
     def __init__(self, tokens: Int[torch.Tensor, "n seq"], target_mask: torch.Tensor | None = None, *,
                  vocab_size: int | None = None) -> None:
-        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() \
-                or tokens.dtype == torch.bool:
+        if not isinstance(tokens, torch.Tensor) or not is_index_dtype(tokens.dtype):
             what = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ArgumentError(f"tokens must be an integer tensor of token ids, got {what}")
         if tokens.dim() != 2 or tokens.shape[0] == 0:
@@ -530,8 +530,7 @@ class TokenDataset:
         """
         _check_seq_len(seq_len, "TokenDataset.from_ids")
         _check_special_sources(tokenizer, config, "TokenDataset.from_ids")
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() \
-                or ids.dtype == torch.bool:
+        if not isinstance(ids, torch.Tensor) or not is_index_dtype(ids.dtype):
             what = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise ArgumentError(f"ids must be an integer tensor of token ids, got {what}")
         if ids.dim() not in (1, 2):

@@ -7,7 +7,7 @@ Local only (matplotlib, Agg backend); each function writes a PNG and returns its
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .._checks import check_instance, is_int  # noqa: E402
+from .._checks import check_instance, is_collection, is_int  # noqa: E402
 from ..errors import ArgumentError, NonFiniteError  # noqa: E402
 from ..formats.files import check_path  # noqa: E402
 
@@ -128,7 +128,7 @@ def plot_operand_grid(grid: torch.Tensor, path: str | Path, operands: Sequence[i
         raise _inf_error(g, "grid", "plot_operand_grid")
     ops: list[int] | None = None
     if operands is not None:
-        if isinstance(operands, (str, bytes, Mapping)) or not isinstance(operands, Collection):
+        if not is_collection(operands):
             raise ArgumentError(f"plot_operand_grid: operands must be a list / range of ints, got {operands!r}"[:200])
         ops = list(operands)
         if not all(is_int(o) for o in ops):
