@@ -320,6 +320,9 @@ class ArchitectureAdapter:
     #: the module whose output is the residual stream before layer 0 (TransformerLens ``blocks.0.hook_resid_pre``),
     #: where that is not the token embedding's own output ("": it is): GPT-2's ``transformer.drop`` (``wte + wpe``)
     residual_start_name: ClassVar[str] = ""
+    #: learned absolute position embeddings ``(n_positions, d_model)`` added to the token embeddings (GPT-2's
+    #: ``transformer.wpe``; "": none, positions enter through RoPE): a prompt longer than its rows cannot run
+    pos_embed_path: ClassVar[str] = ""
     final_norm_path: ClassVar[str] = ""
     #: the unembedding; :func:`~nnsight_lorsa.adapters.get_adapter` sets it per model from the model's
     #: ``get_output_embeddings()`` (the class value is the default for an adapter built from a config).

@@ -27,7 +27,7 @@ from .._typing import Float
 from ..adapters.base import MHSAWeights, mhsa_forward, norm_gain
 from ..adapters.registry import get_adapter
 from ..attribution.export import decode_token
-from ..envoy.nnsight_internals import check_in_vocabulary, hf_module, stored_edits
+from ..envoy.nnsight_internals import check_token_ids, hf_module, stored_edits
 from ..envoy.read import attention_activations
 from ..envoy.replacement_model import check_replacement_model
 from ..errors import ArgumentError, NonFiniteError, ShapeError, TraceOrderError
@@ -48,7 +48,7 @@ def check_tokens(tokens: Any, model: Any = None) -> None:
             or not is_index_dtype(tokens.dtype):
         got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ShapeError(f"tokens must be a non-empty integer tensor (n_windows, pos), got {got}")
-    check_in_vocabulary(tokens, model, "tokens")
+    check_token_ids(tokens, model, "tokens")
 
 
 def check_attention_mask(attention_mask: Any, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ import torch
 from .._placement import is_index_dtype
 from .._repr import FieldsRepr
 from ..adapters.base import ArchitectureAdapter
-from ..envoy.nnsight_internals import check_in_vocabulary, hf_module
+from ..envoy.nnsight_internals import check_token_ids, hf_module
 from ..envoy.tokens import tokenizer_of
 from ..errors import ArgumentError, ShapeError, TraceOrderError
 from ..formats.hook_sites import MLPSiteIO
@@ -160,7 +160,7 @@ def tokenize(model: Any, prompt: Any) -> torch.Tensor:
             ids = ids[0]
     if ids.dim() != 1 or ids.numel() == 0:
         raise ShapeError(f"a prompt must be one sequence of token ids, got shape {tuple(ids.shape)}")
-    check_in_vocabulary(ids, model, "a prompt")
+    check_token_ids(ids, model, "a prompt")
     return ids
 
 

@@ -67,6 +67,7 @@ from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.source import STATE, Controller, install_controller
 from torch import nn
 
+from ..adapters.registry import ADAPTERS
 from ..errors import ArgumentError, ConcurrentTraceError, TraceOrderError
 
 #: every private or internal nnsight name this package relies on, as ``(owner, name, kind)``: ``owner``
@@ -168,17 +169,40 @@ def vocabulary_size(model: Any) -> int | None:
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
-def check_in_vocabulary(ids: Any, model: Any, what: str) -> None:
-    """Refuse token ids ``ids`` (an integer tensor) below 0 or at or past ``model``'s :func:`vocabulary_size` (none
-    without a model), before
-    the model runs (an id outside it is torch's ``IndexError`` from inside the embedding): the one id-range check of
-    prompts, analysis tokens and training / evaluation windows.
+def position_limit(model: Any) -> int | None:
+    """The number of positions ``model`` (an envoy or a Hugging Face model) embeds when it has learned absolute
+    position embeddings (its adapter's ``pos_embed_path``: GPT-2's ``transformer.wpe``, ``n_positions`` rows); None
+    for a model whose positions enter through RoPE (no table to index past) or that no adapter serves."""
+    module = hf_module(model)
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    path = next((a.pos_embed_path for a in ADAPTERS if model_type in a.model_types), "")
+    try:
+        table = module.get_submodule(path) if path else None
+    except AttributeError:  # a model of the family laid out otherwise: no table known
+        table = None
+    rows = getattr(table, "num_embeddings", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def check_token_ids(ids: Any, model: Any, what: str, length: int | None = None) -> None:
+    """Refuse token ids ``ids`` (an integer tensor ``(..., pos)``) below 0 or at or past ``model``'s
+    :func:`vocabulary_size`, or ``length`` (default ``pos``; a stream cut into windows later: the windows' length)
+    past its :func:`position_limit` (neither without a model), before the model
+    runs (an id outside the vocabulary, or a position past a learned position table, is torch's ``IndexError`` from
+    inside an embedding; on CUDA a device-side assert): the one check of the token ids of prompts, analysis tokens
+    and training / evaluation windows.
 
     Raises:
-        ArgumentError: naming ``what``, the vocabulary and the ids' range.
+        ArgumentError: naming ``what``, the vocabulary and the ids' range, or the positions and the ids' length.
 
     Source: ours.
     """
+    if length is None and ids.dim():
+        length = int(ids.shape[-1])
+    limit = None if model is None or length is None else position_limit(model)
+    if limit is not None and length is not None and length > limit:
+        raise ArgumentError(f"{what} must be at most {limit} tokens long (the model's learned position embeddings "
+                            f"have {limit} rows), got {length} tokens")
     if ids.numel() == 0:
         return
     vocab = None if model is None else vocabulary_size(model)

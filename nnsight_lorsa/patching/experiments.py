@@ -186,11 +186,13 @@ def activation_patching(replacement: ReplacementModel, clean: Any, corrupt: Any,
             ``clean`` and ``corrupt`` padded differently, ``positions`` (or, for the default metric, the last
             position) that are padding in some row (:mod:`..envoy.padding`; before the patched runs).
         ConfigMismatchError: no targets.
+        ArgumentError: ``clean`` / ``corrupt`` nnsight cannot batch, or holding an id outside the model's vocabulary
+            or more tokens than its learned positions (:func:`~.interventions.check_prompts`).
     """
     refuse_inside_trace("activation_patching")
     check_replacement_model(replacement, "activation_patching")
-    check_prompts(clean, "activation_patching", "clean")
-    check_prompts(corrupt, "activation_patching", "corrupt")
+    check_prompts(clean, "activation_patching", "clean", replacement.model)
+    check_prompts(corrupt, "activation_patching", "corrupt", replacement.model)
     if not is_int(groups_per_trace) \
             or groups_per_trace < 1:
         raise ArgumentError(f"activation_patching: groups_per_trace must be an int >= 1, got {groups_per_trace!r}")
@@ -306,14 +308,15 @@ def ablation_effect(replacement: ReplacementModel, prompts: Any, targets: Sequen
             model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: ``positions`` (or, for the default metric, the last position) that are padding in some
             row of padded ``prompts`` (:mod:`..envoy.padding`, in the trace before any edit); see :func:`make_metric`.
-            ``prompts`` nnsight cannot batch (:func:`~.interventions.check_prompts`).
+            ``prompts`` nnsight cannot batch, or holding an id outside the model's vocabulary or more tokens than its
+            learned positions (:func:`~.interventions.check_prompts`).
         ConfigMismatchError: ``targets`` not a non-empty list of targets; ``means`` with ``mode="zero"``.
 
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("ablation_effect")
     check_replacement_model(replacement, "ablation_effect")
-    check_prompts(prompts, "ablation_effect")
+    check_prompts(prompts, "ablation_effect", model=replacement.model)
     check_target_list(targets, "ablation_effect")
     check_means_mode(mode, means, "ablation_effect")
     return _ablation(replacement, prompts, targets, targets, metric, correct_ids, incorrect_ids, mode, means,
@@ -377,12 +380,14 @@ def random_ablation_control(replacement: ReplacementModel, prompts: Any, pool: S
             target listed twice in ``pool`` (a draw of
             ``k`` could hold fewer than ``k``).
         ArgumentError: ``n_samples`` not a positive int, ``seed`` not an int in ``[-2**63, 2**64)``.
+        ArgumentError: ``prompts`` nnsight cannot batch, or holding an id outside the model's vocabulary or more tokens
+            than its learned positions (:func:`~.interventions.check_prompts`).
 
     Source: *From Tokenization to Attribution Graphs* §10.4 (control experiments).
     """
     refuse_inside_trace("random_ablation_control")
     check_replacement_model(replacement, "random_ablation_control")
-    check_prompts(prompts, "random_ablation_control")
+    check_prompts(prompts, "random_ablation_control", model=replacement.model)
     check_target_list(pool, "random_ablation_control", "pool")
     check_means_mode(mode, means, "random_ablation_control")
     if not is_int(k) or not 0 < k <= len(pool):
@@ -423,12 +428,14 @@ def head_swap(replacement: ReplacementModel, layer: int, from_head: int, to_head
         LayerOutOfRangeError, TargetIndexError: no Lorsa at ``layer``, a head outside ``[0, n_ov_heads)``
             (before the model runs). ArgumentError: ``positions`` that select no position of the prompts
             (:func:`~.interventions.check_positions`), or that are padding in some row of padded prompts.
+        ArgumentError: ``prompts`` nnsight cannot batch, or holding an id outside the model's vocabulary or more tokens
+            than its learned positions (:func:`~.interventions.check_prompts`).
 
     Source: Lorsa paper (He et al. 2025) App. D.4 (perturbation results).
     """
     refuse_inside_trace("head_swap")
     check_replacement_model(replacement, "head_swap")
-    check_prompts(prompts, "head_swap")
+    check_prompts(prompts, "head_swap", model=replacement.model)
     check_flag(swap, "swap", "head_swap")
     src, dst = replacement(LorsaHead(layer, from_head)), replacement(LorsaHead(layer, to_head))
     model = replacement.model

@@ -33,7 +33,7 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import f32, is_index_dtype, like, narrows_range
 from ..envoy.edit_log import note_edit
-from ..envoy.nnsight_internals import current_worker
+from ..envoy.nnsight_internals import check_token_ids, current_worker, position_limit
 from ..envoy.padding import check_not_padding, noted_padding, padding_mask
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import Bound, Feature, LorsaHead, MHSAHead, Positions, Target, index_at, positions_index
@@ -50,11 +50,14 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(is_int(v) for v in value)
 
 
-def check_prompts(prompts: Any, where: str, name: str = "prompts") -> None:
+def check_prompts(prompts: Any, where: str, name: str = "prompts", model: Any = None) -> None:
     """Refuse what an experiment cannot run as prompts, before the model runs: a non-empty text, token ids
     (:func:`_is_ids`), a mapping with ``input_ids`` (a tokenizer's ``BatchEncoding``), or a non-empty list /
     tuple of texts and token ids (one prompt each). nnsight itself would take a number for a text and fail deep
-    in its batching (``TypeError: can only concatenate str``), and None as an empty batch.
+    in its batching (``TypeError: can only concatenate str``), and None as an empty batch. With ``model``, each
+    prompt's token ids are read against its vocabulary and its position table
+    (:func:`~..envoy.nnsight_internals.check_token_ids`; a text is tokenized for its length only when the model has
+    learned positions): an id outside them was torch's ``IndexError`` from inside the embedding.
 
     Raises:
         ArgumentError: naming ``where``, ``name`` and what was given.
@@ -78,6 +81,25 @@ def check_prompts(prompts: Any, where: str, name: str = "prompts") -> None:
         raise ArgumentError(f"{where}: {name} must be prompts — a non-empty text, token ids (an integer tensor (pos,) "
                             "or (batch, pos), or a list of ints), a tokenizer's output with input_ids, or a "
                             f"non-empty list of texts / token-id lists — got {got}")
+    if model is not None:
+        for row in _prompt_rows(prompts):
+            if isinstance(row, str):
+                tokenizer = getattr(model, "tokenizer", None)
+                if position_limit(model) is None or not callable(tokenizer):
+                    continue  # a text's ids are the tokenizer's own: only its length can be wrong
+                row = tokenizer(row)["input_ids"]
+            check_token_ids(torch.as_tensor(row, device="cpu"), model, f"{where}: {name}")
+
+
+def _prompt_rows(prompts: Any) -> list[Any]:
+    """The prompts :func:`check_prompts` accepted, one entry per tensor of ids (``(pos,)`` or ``(batch, pos)``),
+    id list or text."""
+    if isinstance(prompts, Mapping):
+        ids = prompts["input_ids"]
+        return [ids] if not isinstance(ids, (list, tuple)) or _is_ids(ids) else list(ids)
+    if isinstance(prompts, (list, tuple)) and not _is_ids(prompts):
+        return list(prompts)
+    return [prompts]
 
 
 def check_target_list(targets: Any, where: str, name: str = "targets") -> None:
@@ -395,12 +417,14 @@ def mean_activations(replacement: ReplacementModel, targets: Iterable[Target], p
             model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         ArgumentError: ``per_position`` not a bool; ``per_position=True`` on padded prompts (in the trace,
             before any target is read). ConfigMismatchError: no targets. Target errors before the model runs.
+        ArgumentError: ``prompts`` nnsight cannot batch, or holding an id outside the model's vocabulary or more tokens
+            than its learned positions (:func:`check_prompts`).
 
     Source: *From Tokenization to Attribution Graphs* §10.1 (mean ablation).
     """
     refuse_inside_trace("mean_activations")
     check_replacement_model(replacement, "mean_activations")
-    check_prompts(prompts, "mean_activations")
+    check_prompts(prompts, "mean_activations", model=replacement.model)
     if isinstance(targets, Iterable) and not isinstance(targets, (str, bytes)):
         targets = list(targets)  # any iterable of targets (a set, a generator), as documented
     check_target_list(targets, "mean_activations")

@@ -413,9 +413,9 @@ def _check(replacement: ReplacementModel, groups: list[tuple[Target, ...]], rece
     if corrupt is not None and mode != "patch":
         raise ConfigMismatchError(f"path_patching: corrupt= is read only with mode='patch', got mode={mode!r}: the "
                                   "corrupt prompts would be ignored. Pass mode='patch' (or drop corrupt)")
-    check_prompts(clean, "path_patching", "clean")
+    check_prompts(clean, "path_patching", "clean", replacement.model)
     if corrupt is not None:
-        check_prompts(corrupt, "path_patching", "corrupt")
+        check_prompts(corrupt, "path_patching", "corrupt", replacement.model)
     if mode == "patch":
         if corrupt is None:
             raise ConfigMismatchError("mode='patch' needs corrupt= prompts (or use mode='zero'/'mean')")
@@ -498,6 +498,8 @@ def path_patching(replacement: ReplacementModel, clean: Any, senders: Sequence[T
             run): ``positions`` out of range of prompts given as lists or texts; ``positions`` (or, for the default
             metric, the last position) that are padding in some row, clean and corrupt prompts padded
             differently (:mod:`..envoy.padding`).
+        ArgumentError: ``clean`` / ``corrupt`` nnsight cannot batch, or holding an id outside the model's vocabulary
+            or more tokens than its learned positions (:func:`~.interventions.check_prompts`).
 
     Source: Lorsa paper (He et al. 2025) §6; Wang et al. 2023, *Interpretability in the Wild*.
     """

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from .._checks import check_flag, check_int, check_real, is_int
 from .._placement import is_index_dtype
 from .._typing import Int
-from ..envoy.nnsight_internals import check_in_vocabulary, hf_module, vocabulary_size
+from ..envoy.nnsight_internals import check_token_ids, hf_module, vocabulary_size
 from ..errors import (
     ArgumentError,
     CheckpointError,
@@ -306,7 +306,7 @@ def evaluate_sparse(model: Any, token_ids: Int[torch.Tensor, " n"] | TokenDatase
         token_ids = TokenDataset.from_ids(token_ids, seq_len, bos_token_id=bos)
     n = len(token_ids) if max_windows is None else min(len(token_ids), max_windows)
     windows = token_ids.tokens[:n]
-    check_in_vocabulary(windows, model, "evaluate_sparse: token_ids")
+    check_token_ids(windows, model, "evaluate_sparse: token_ids")
     mask = token_ids.targets(0, n)
     was_training = hf.training
     hf.eval()
@@ -407,12 +407,12 @@ class SparseAttentionTrainer:
                 raise GateConfigError(f"training window {first} starts with id {int(train_ids.tokens[first, 0])}, "
                                       f"not the model's BOS id {self.bos_id} ({bad.numel()} such windows): build the "
                                       "dataset with the model's BOS (TokenDataset.from_documents(..., config=...))")
-            check_in_vocabulary(train_ids.tokens, model, "train_sparse_attention: the training windows")
+            check_token_ids(train_ids.tokens, model, "train_sparse_attention: the training windows")
             return train_ids, train_ids.tokens
         stream = train_ids.long().flatten()
         if stream.numel() < cfg.seq_len:
             raise GateConfigError(f"training stream has {stream.numel()} tokens < seq_len {cfg.seq_len}")
-        check_in_vocabulary(stream, model, "train_sparse_attention: the training stream")
+        check_token_ids(stream, model, "train_sparse_attention: the training stream", length=cfg.seq_len)
         check_one_text(model, stream)
         return None, stream
 

@@ -67,7 +67,7 @@ from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, ArgumentError, CheckpointError
 from ..formats.files import check_path, read_json_object
 from ..formats.validate import check_member_file
-from .dataset import TokenDataset, _loss_mask
+from .dataset import TokenDataset, _loss_mask, check_dataset_ids
 
 FORMAT = "nnsight-lorsa-activation-cache"
 VERSION = 2
@@ -184,7 +184,8 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
             ``batch_size`` / ``windows_per_shard`` not positive ints.
         ArgumentError: ``sites`` not Sites (a str, a list holding something else), ``dataset`` not a
             :class:`~.dataset.TokenDataset`, ``directory`` not a str / ``os.PathLike``, ``model`` not an nnsight
-            model — before the model runs.
+            model, a dataset holding an id outside the model's vocabulary or windows longer than its learned
+            positions (:func:`~.dataset.check_dataset_ids`) — before the model runs.
 
     Source: ours (this package's on-disk activation cache format).
     """
@@ -194,6 +195,7 @@ def write_activation_cache(model: Any, sites: Mapping[str, Site] | Iterable[Site
                             f"{type(dataset).__name__} (TokenDataset(tokens) for a tensor of windows)")
     check_path(directory, "write_activation_cache", "a directory")
     check_traceable(model, "write_activation_cache")
+    check_dataset_ids(dataset, model, "write_activation_cache")
     device = model_device(model)
     if dtype is None:
         dtype = torch.promote_types(next(p for p in hf_module(model).parameters() if p.is_floating_point()).dtype,

@@ -35,7 +35,7 @@ from ..adapters.registry import adapter_for, get_adapter
 from ..envoy.read import Site, read_sites
 from ..errors import ActivationCacheError, ArgumentError, LayerOutOfRangeError, ShapeError
 from .activation_cache import ActivationCache
-from .dataset import TokenDataset, _loss_mask, _refuse_left_padding, _window_ids
+from .dataset import TokenDataset, _loss_mask, _refuse_left_padding, _window_ids, check_dataset_ids
 
 
 @dataclass
@@ -137,7 +137,9 @@ class ActivationSource:
         ActivationCacheError: a site is not in the cache, or positions are asked of a cache.
         ArgumentError: (a ``ValueError``) a live source without a :class:`TokenDataset` (None, or a tensor of
             windows); ``batch_size`` not an int ≥ 1, ``seed`` not an int; a constructor on a cache without
-            ``adapter=``; :meth:`shard`'s ``rank`` outside ``[0, world)``.
+            ``adapter=``; :meth:`shard`'s ``rank`` outside ``[0, world)``; a live source's dataset holding an id
+            outside the model's vocabulary or windows longer than its learned positions
+            (:func:`~.dataset.check_dataset_ids`: at construction, not when the trainer reaches the window).
 
     Source: ours (the batch source of this package's trainer).
     """
@@ -173,6 +175,7 @@ class ActivationSource:
                                     "a live source (activations computed from a model) needs dataset=TokenDataset(...)"
                                     " (TokenDataset(tokens) for a tensor of windows)")
             self.adapter = get_adapter(data)
+            check_dataset_ids(dataset, data, "ActivationSource")
             self.n_windows = len(dataset)
             if self.stacked:
                 self.d_model = int(self.adapter.d_model)

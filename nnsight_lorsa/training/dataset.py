@@ -13,6 +13,7 @@ import torch
 from .._checks import is_int, is_real
 from .._placement import is_index_dtype
 from .._typing import Int
+from ..envoy.nnsight_internals import check_token_ids
 from ..errors import ArgumentError, ShapeError, TooFewTokensError
 
 
@@ -24,6 +25,21 @@ def _loss_mask(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None)
     loss_mask = real.clone()
     loss_mask[:, 0] = False
     return loss_mask
+
+
+def check_dataset_ids(dataset: Any, model: Any, where: str, n_windows: int | None = None) -> None:
+    """Refuse a :class:`TokenDataset` whose first ``n_windows`` windows (None: all) hold an id ``model`` does not
+    embed or are longer than its learned positions (:func:`~..envoy.nnsight_internals.check_token_ids`), before the
+    model runs on them: read at each call of ``where`` (its ``tokens`` may have been edited since it was built, and a
+    dataset built without a tokenizer or config knows no bound); an id outside the vocabulary was torch's
+    ``IndexError`` from inside the embedding (on CUDA a device-side assert, which ends the process's CUDA context).
+
+    Raises:
+        ArgumentError: naming ``where``, the vocabulary and the ids' range, or the positions and the windows' length.
+
+    Source: ours.
+    """
+    check_token_ids(dataset.tokens[:n_windows], model, f"{where}: the dataset's windows")
 
 
 def _check_seq_len(seq_len: Any, where: str) -> None:

@@ -32,7 +32,7 @@ from ..envoy.replacement_model import ReplacementModel
 from ..envoy.replacement_set import ReplacementSet
 from ..errors import ArgumentError, NonFiniteError, TooFewTokensError
 from ..formats.hook_sites import mlp_site_io
-from .dataset import TokenDataset, _loss_mask
+from .dataset import TokenDataset, _loss_mask, check_dataset_ids
 from .metrics import FVUAccumulator, ShrinkageAccumulator, next_token_ce
 
 
@@ -285,7 +285,8 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
         ArgumentError: ``at`` missing while the set holds several modules, or given for a CLT; not one
             of these sets, or a ReplacementModel holding none or several (a ``TypeError`` and a ``ValueError`` too);
             ``batch_size`` not an int >= 1, ``max_batches`` neither None nor an int >= 1, ``dataset`` not a
-            :class:`~.dataset.TokenDataset`, ``progress`` neither None nor a bool.
+            :class:`~.dataset.TokenDataset`, ``progress`` neither None nor a bool; a window evaluated holding an id
+            outside the model's vocabulary or longer than its learned positions (:func:`~.dataset.check_dataset_ids`).
         TooFewTokensError: the windows evaluated hold no counted prediction (their ``target_mask`` keeps no token
             after the first of a window): CE and KL would be 0 / 0. Raised before the model runs.
         PlacementError: the model is on the meta device (not dispatched).
@@ -315,6 +316,7 @@ def evaluate(replacements: ReplacementSet | ReplacementModel, dataset: TokenData
     replacements = _one_set(replacements)
     probe = _probe(replacements, at)
     model = replacements.model
+    check_dataset_ids(dataset, model, "evaluate", n_batches * batch_size)
     device = model_device(model)
     lm_head_path = replacements.adapter.lm_head_path
     sums = {"orig": 0.0, "spliced": 0.0, "zero": 0.0, "kl": 0.0}
