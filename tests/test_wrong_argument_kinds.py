@@ -215,9 +215,19 @@ PATCHING = {
                                                                  "non-empty list of them, got 'x'"),
 }
 
+# the Lorsa's primitives (2026-11-29, sixth session): a raw TypeError / RuntimeError, or (activation) a top-k over the
+# wrong width or over integers that ran
+PRIMITIVES = {
+    **{f"Lorsa.values({label})": ("ShapeError", "Lorsa expects x") for label in ("None", "list", "wrong width")},
+    "Lorsa.values(int tensor)": ("ShapeError", "Lorsa expects x in its weights' dtype"),
+    **{f"Lorsa.{method}({label})": ("ShapeError", f"Lorsa.{method}: {name} must be a floating tensor (..., n_ov_heads=")
+       for method, name in (("activation", "z_pre"), ("decode", "z"))
+       for label in ("None", "list", "wrong width", "int tensor")},
+}
+
 #: every case: (the error's class name, a part of its message)
 CASES = {**{case: ("ArgumentError", message) for case, message in {**EXPECTED, **GRAPH}.items()}, **FIELDS, **TRAINING,
-         **PATCHING, "patch(None, values)": ("ConfigMismatchError", "bind targets first")}
+         **PATCHING, **PRIMITIVES, "patch(None, values)": ("ConfigMismatchError", "bind targets first")}
 
 
 @pytest.fixture(scope="module")

@@ -224,6 +224,16 @@ def module_cases(out: dict, lorsa) -> None:
         for label, kw in (("dtype='bf16'", {"dtype": "bf16"}), ("dtype=float", {"dtype": float}),
                           ("device=3.5", {"device": 3.5})):
             out[f"{name}(cfg, {label})"] = lambda c=cls, f=cfg, k=kw: c(f, **k)
+    # the Lorsa's primitives (2026-11-29, sixth session): a raw TypeError / RuntimeError, or a top-k over the wrong
+    # width that ran
+    n, d = lorsa.cfg.n_ov_heads, lorsa.cfg.d_model
+    for label, bad in (("None", None), ("list", [[0.0] * d]), ("wrong width", torch.zeros(1, 2, d - 1)),
+                       ("int tensor", torch.zeros(1, 2, d, dtype=torch.long))):
+        out[f"Lorsa.values({label})"] = lambda b=bad: lorsa.values(b)
+    for label, bad in (("None", None), ("list", [[0.0] * n]), ("wrong width", torch.zeros(1, 2, n - 1)),
+                       ("int tensor", torch.zeros(1, 2, n, dtype=torch.long))):
+        out[f"Lorsa.activation({label})"] = lambda b=bad: lorsa.activation(b)
+        out[f"Lorsa.decode({label})"] = lambda b=bad: lorsa.decode(b)
 
 
 def training_cases(out: dict, model, lorsa, scratch: Path) -> None:

@@ -349,6 +349,14 @@ class Lorsa(ReplacementModule):
             )
         check_dtype(x, self.W_V, "Lorsa", "x")
 
+    def _check_per_head(self, t: Any, method: str, name: str) -> None:
+        """``t`` a floating tensor with one entry per OV head on its last dimension (``z_pre``, ``z``)."""
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] != self.cfg.n_ov_heads \
+                or not t.is_floating_point():
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ShapeError(f"Lorsa.{method}: {name} must be a floating tensor (..., n_ov_heads="
+                             f"{self.cfg.n_ov_heads}), got {got}")
+
     def _check_past(self, past: Any, batch: int) -> None:
         """``past`` a :class:`LorsaKV` of this Lorsa for ``batch`` rows: ``k (batch, n_qk_heads, past, d_qk_head)``
         and ``v (batch, past, n_ov_heads)`` of one length (shapes only)."""
@@ -416,8 +424,12 @@ class Lorsa(ReplacementModule):
     def values(self, x: Float[torch.Tensor, "batch pos d_model"]) -> Float[torch.Tensor, "batch pos n_ov"]:
         """Per-head scalar values ``v = x W_V^T + b_V``: ``(batch, pos, n_ov_heads)``.
 
+        Raises:
+            ShapeError: ``x`` not a ``(batch, pos, d_model)`` tensor in the weights' dtype (as :meth:`forward`).
+
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
+        self._check_input(x)
         return F.linear(x, self.W_V, self.b_V)
 
     def _mask(self, attn_mask: torch.Tensor | None, seq: int, device: torch.device,
@@ -522,9 +534,11 @@ class Lorsa(ReplacementModule):
 
         Raises:
             ArgumentError: ``top_k`` given and not an int in ``[1, n_ov_heads]``.
+            ShapeError: ``z_pre`` not a floating tensor ``(..., n_ov_heads)`` (a top-k over another width ran on it).
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
+        self._check_per_head(z_pre, "activation", "z_pre")
         k = self.cfg.top_k if top_k is None else top_k
         if top_k is not None and (not is_int(k)
                                   or not 1 <= k <= self.cfg.n_ov_heads):
@@ -537,11 +551,13 @@ class Lorsa(ReplacementModule):
         """``out = z W_O + b_D``.
 
         Raises:
-            ShapeError: ``z`` not in the weights' dtype (e.g. an fp32 tensor put in place of an fp16 Lorsa's
+            ShapeError: ``z`` not a tensor ``(..., n_ov_heads)`` (e.g. an edited ``hook_z`` output of another
+                width), or not in the weights' dtype (e.g. an fp32 tensor put in place of an fp16 Lorsa's
                 ``hook_z`` output inside a trace; a dtype check, nothing read).
 
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
+        self._check_per_head(z, "decode", "z")
         check_dtype(z, self.W_O, "Lorsa", "z")
         if self.b_D is None:
             return z @ self.W_O
