@@ -170,6 +170,7 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
         """``fn(**fixed)`` called inside a trace of the prompt (an intervention): each argument varied as ``same``'s."""
         call = lambda **kw: in_trace(lambda: fn(**{**fixed, **kw}))  # noqa: E731
         call.required = [n for n in fixed if n in required_names(fn)]  # type: ignore[attr-defined]
+        call.bound = fixed  # type: ignore[attr-defined]
         return fn, call
 
     def same(fn: Callable[..., Any], *args: Any, **fixed: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -180,6 +181,7 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
                 bound.update(bound.pop(p.name, {}))
         call = lambda **kw: fn(**{**bound, **kw})  # noqa: E731
         call.required = [n for n in bound if n in required_names(fn)]  # type: ignore[attr-defined]
+        call.bound = bound  # type: ignore[attr-defined]
         return fn, call
 
     return {
@@ -316,6 +318,27 @@ def base_calls(scratch: Path) -> dict[str, tuple[Callable[..., Any], Callable[..
     }
 
 
+#: an index far past every range (a vocabulary, a position, a head, a row, a layer): :func:`past_range`
+PAST = 10**6
+
+
+def past_range(value: Any) -> Any:
+    """``value`` — the valid call's integer tensor, list of ints or :class:`TokenDataset` — with its first entry
+    replaced by :data:`PAST` (token ids past the vocabulary, indices past their range: on CUDA a device-side assert
+    when they reach an embedding or a gather unchecked); None for a value of another kind (no such variant)."""
+    if isinstance(value, TokenDataset):
+        tokens = past_range(value.tokens)
+        return TokenDataset(tokens, value.target_mask)
+    if isinstance(value, torch.Tensor) and value.numel() and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        out = value.clone()
+        out.view(-1)[0] = PAST  # the first: inside the first window of a stream (its tail may be dropped)
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [PAST, *value[1:]]
+    return None
+
+
 def required_names(fn: Callable[..., Any]) -> set[str]:
     """``fn``'s arguments without a default (named ones: not ``*args`` / ``**kwargs``)."""
     params = inspect.signature(fn).parameters.values()
@@ -369,6 +392,17 @@ def main(out_path: str) -> None:
                     default = "(required)" if p.default is inspect.Parameter.empty else repr(p.default)[:40]
                     records.append({"name": name, "param": p.name, "default": default, "value": label,
                                     "error": error, "ours": ours, "message": message})
+            for param, value in getattr(call, "bound", {}).items():  # the valid value with an index past its range
+                bad = past_range(value)
+                if bad is None:
+                    continue
+                try:
+                    call(**{param: bad})
+                    error, ours, message = None, False, ""
+                except Exception as e:  # noqa: BLE001 — recorded for the test
+                    error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
+                records.append({"name": name, "param": param, "default": "(valid call)", "value": "past range",
+                                "error": error, "ours": ours, "message": message})
         written = sorted(os.listdir(work))
     out.write_text(json.dumps({"records": records, "exported": exported_with_options(), "written": written},
                               indent=1))

@@ -11,7 +11,14 @@ rounded, a ``pad_token_id`` / ``eos_token_id`` of another kind passed over for t
 ignored with a 1-D stream, ``heads_spanned(nan)``, ``top_pairs(-1)``, truthy flags, a falsy ``adapter`` or
 ``model_dir`` replaced by the default, ``BatchTopK(threshold_lr=nan)``, ``JumpReLU(threshold=nan)``, an arithmetic
 template without ``{op1}`` / ``{op2}``, a model passed as ``config``) and ~40 that were raw ``TypeError`` /
-``AttributeError`` / ``IndexError`` from deep inside (``evaluate_sparse`` of ids outside the vocabulary among them)."""
+``AttributeError`` / ``IndexError`` from deep inside (``evaluate_sparse`` of ids outside the vocabulary among them).
+
+Each integer tensor, list of ints or ``TokenDataset`` the valid call names is also given with its first entry replaced
+by 10**6 (``"past range"``: token ids past the vocabulary, indices past their range; on CUDA a device-side assert where
+one reaches an embedding or a gather unchecked). Found by it (2026-11-29, sixth session): every patching experiment's
+prompts, ``evaluate``'s / ``write_activation_cache``'s / ``ActivationSource``'s dataset (torch's ``IndexError`` from the
+embedding: ``tests/test_token_id_bounds.py``), and ``token_pieces`` of ids its tokenizer does not have (a label ``""``
+without a word)."""
 
 from __future__ import annotations
 
@@ -77,6 +84,10 @@ ALLOWED = {
     ("token_pieces", "ids", "[]"), ("write_dashboard", "path", "'x'"),  # no token: no piece; a path
     # None: the default's meaning (never checkpoint; the model's own placement and dtype)
     ("Trainer.train", "checkpoint_every", "None"), ("load_model", "device", "None"), ("load_model", "dtype", "None"),
+    # an index past its range (the valid call's integer tensor or list with its first entry 10**6): ids of a dataset
+    # no config or tokenizer bounds (read against the model where one runs on it: check_dataset_ids); counts
+    ("TokenDataset", "tokens", "past range"), ("TokenDataset.from_ids", "ids", "past range"),
+    ("plot_heads_spanned", "n_spanned", "past range"),
 }
 #: exported entry points with optional arguments that the probe does not call, and why
 NOT_PROBED = {

@@ -70,7 +70,8 @@ def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
     Costs ``n`` decodes of up to ``n`` tokens.
 
     Raises:
-        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple); ``tokenizer`` without a
+        ArgumentError: ``ids`` not a 1-D sequence of ints (a tensor, list or tuple), or holding an id below 0 or
+            past the tokenizer's ``len`` (its decode gave ``""`` for it, without a word); ``tokenizer`` without a
             ``decode`` (None: the model was loaded without one).
 
     Source: ours (labels for tokens that split a character).
@@ -85,6 +86,11 @@ def token_pieces(tokenizer: Any, ids: Any) -> list[str]:
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ArgumentError(f"token_pieces: ids must be a sequence of ints, got {type(ids).__name__}")
+    known = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    outside = [i for i in ids if i < 0 or known is not None and i >= known]
+    if outside:  # decoded as "" without a word: a label for a token the tokenizer does not have
+        raise ArgumentError(f"token_pieces: ids must be the tokenizer's token ids, in [0, {known}), got "
+                            f"{outside[:5]} (another model's tokenizer?)")
     pieces: list[str] = []
     prev = ""
     for k in range(len(ids)):
