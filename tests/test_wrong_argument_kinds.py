@@ -223,6 +223,10 @@ PRIMITIVES = {
     **{f"Lorsa.{method}({label})": ("ShapeError", f"Lorsa.{method}: {name} must be a floating tensor (..., n_ov_heads=")
        for method, name in (("activation", "z_pre"), ("decode", "z"))
        for label in ("None", "list", "wrong width", "int tensor")},
+    # mhsa_forward's x of another width or dtype than the weights: a matmul's RuntimeError
+    "mhsa_forward(x=wrong width)": ("ShapeError", "mhsa_forward expects x of shape (*batch, 64), got (1, 2, 63)"),
+    **{f"mhsa_forward(x={label})": ("ShapeError", "mhsa_forward expects x in its weights' dtype torch.float32")
+       for label in ("bf16", "fp64")},
 }
 
 #: every case: (the error's class name, a part of its message)

@@ -234,6 +234,12 @@ def module_cases(out: dict, lorsa) -> None:
                        ("int tensor", torch.zeros(1, 2, n, dtype=torch.long))):
         out[f"Lorsa.activation({label})"] = lambda b=bad: lorsa.activation(b)
         out[f"Lorsa.decode({label})"] = lambda b=bad: lorsa.decode(b)
+    from nnsight_lorsa.adapters import mhsa_forward
+
+    mhsa = get_adapter(tiny_hf_model("llama")).mhsa_weights(tiny_hf_model("llama"), lorsa.cfg.layer or 0)
+    for label, bad in (("wrong width", torch.zeros(1, 2, d - 1)), ("bf16", torch.zeros(1, 2, d, dtype=torch.bfloat16)),
+                       ("fp64", torch.zeros(1, 2, d, dtype=torch.float64))):
+        out[f"mhsa_forward(x={label})"] = lambda b=bad: mhsa_forward(mhsa, b)
 
 
 def training_cases(out: dict, model, lorsa, scratch: Path) -> None:

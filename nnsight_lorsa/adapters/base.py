@@ -28,6 +28,7 @@ from .._repr import FieldsRepr
 from .._typing import Float
 from ..errors import ArgumentError, ConfigMismatchError, LayerOutOfRangeError, UnsupportedArchitectureError
 from ..modules.rotary import RotaryConfig, apply_rotary, rotary_cos_sin, rotary_inv_freq
+from ..modules.sparse_coder import check_last_dim
 
 
 def check_rope_read(config: Any, transformers_major: int | None = None) -> None:
@@ -274,6 +275,8 @@ def mhsa_forward(
     Raises:
         ArgumentError: ``per_head`` not a bool, ``w`` not an :class:`MHSAWeights`, ``x`` not a 3-D tensor,
             ``positions`` / ``key_mask`` not None or a tensor.
+        ShapeError: ``x`` of another width than the weights' ``d_model`` or in another dtype (a matmul's raw
+            ``RuntimeError`` before).
 
     Source: *From Tokenization to Attribution Graphs* §3.3 (multi-head self-attention); transformers
     ``eager_attention_forward``.
@@ -288,6 +291,7 @@ def mhsa_forward(
     for name, value in (("positions", positions), ("key_mask", key_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ArgumentError(f"mhsa_forward({name}=...) must be None or a tensor, got a {type(value).__name__}")
+    check_last_dim(x, w.W_Q.shape[1], "mhsa_forward", "x", w.W_Q)  # the width and dtype of the weights
     z = mhsa_pattern(w, x, positions, key_mask) @ mhsa_values(w, x)  # (b, h, s, e)
     if per_head:
         return torch.einsum("bhse,hed->bshd", z, w.W_O)
