@@ -339,6 +339,20 @@ def past_range(value: Any) -> Any:
     return None
 
 
+#: the floating dtypes a valid call's float tensor is also given in (:func:`derived`)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def derived(value: Any) -> dict[str, Any]:
+    """The variants of a valid call's value: ``"past range"`` (:func:`past_range`) of an integer tensor, id list or
+    dataset; a floating tensor cast to each of :data:`DTYPES` (another model's or module's dtype: it runs, or the
+    dtype is named; a raw error is not)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return {label: value.to(dtype) for label, dtype in DTYPES.items() if dtype != value.dtype}
+    bad = past_range(value)
+    return {} if bad is None else {"past range": bad}
+
+
 def required_names(fn: Callable[..., Any]) -> set[str]:
     """``fn``'s arguments without a default (named ones: not ``*args`` / ``**kwargs``)."""
     params = inspect.signature(fn).parameters.values()
@@ -392,17 +406,15 @@ def main(out_path: str) -> None:
                     default = "(required)" if p.default is inspect.Parameter.empty else repr(p.default)[:40]
                     records.append({"name": name, "param": p.name, "default": default, "value": label,
                                     "error": error, "ours": ours, "message": message})
-            for param, value in getattr(call, "bound", {}).items():  # the valid value with an index past its range
-                bad = past_range(value)
-                if bad is None:
-                    continue
-                try:
-                    call(**{param: bad})
-                    error, ours, message = None, False, ""
-                except Exception as e:  # noqa: BLE001 — recorded for the test
-                    error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
-                records.append({"name": name, "param": param, "default": "(valid call)", "value": "past range",
-                                "error": error, "ours": ours, "message": message})
+            for param, value in getattr(call, "bound", {}).items():  # the valid value past its range, in other dtypes
+                for label, bad in derived(value).items():
+                    try:
+                        call(**{param: bad})
+                        error, ours, message = None, False, ""
+                    except Exception as e:  # noqa: BLE001 — recorded for the test
+                        error, ours, message = type(e).__name__, isinstance(e, LorsaError), str(e)[:300]
+                    records.append({"name": name, "param": param, "default": "(valid call)", "value": label,
+                                    "error": error, "ours": ours, "message": message})
         written = sorted(os.listdir(work))
     out.write_text(json.dumps({"records": records, "exported": exported_with_options(), "written": written},
                               indent=1))
