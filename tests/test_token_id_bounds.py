@@ -195,3 +195,40 @@ def test_the_bounds_themselves_run():
     ablation_effect(r, words, [MHSAHead(0, 0)], metric=metric)
     with pytest.raises(ArgumentError, match=rf"ablation_effect: prompts {expected('too long', vocab)}"):
         ablation_effect(r, [words + " w3", "w2"], [MHSAHead(0, 0)], metric=metric)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["circuit_size", "component_scores", "component_scores(method='patching')"])
+def test_a_task_built_with_another_tokenizer_is_refused_by_name_before_it_runs(family, name):
+    """A task built with another model's tokenizer (the embedded model's 1024 ids against the tiny models' 128) held
+    ids past the model's vocabulary: torch's ``IndexError`` inside ``circuit_size`` / ``component_scores``' first trace.
+    Each of the task builders, drawn."""
+    from nnsight_lorsa.assets import default_model_dir
+    from nnsight_lorsa.envoy import load_tokenizer
+    from nnsight_lorsa.patching import greater_than_task, induction_task, ioi_task
+    from nnsight_lorsa.patching.circuit import circuit_size, component_scores
+
+    _, r, vocab = setup(family)
+    words = load_tokenizer(default_model_dir())
+    comps = [MHSAHead(0, 0), MHSAHead(0, 1)]
+    call = {"circuit_size": lambda t: circuit_size(r, t, comps),
+            "component_scores": lambda t: component_scores(r, t, comps),
+            "component_scores(method='patching')": lambda t: component_scores(r, t, comps, method="patching")}[name]
+
+    @SETTINGS
+    @given(build=st.sampled_from([lambda s: induction_task(words, n_prompts=3, seq_len=6, seed=s),
+                                  lambda s: ioi_task(words, n_prompts=3, seed=s),
+                                  lambda s: greater_than_task(words, n_prompts=3, seed=s)]),
+           seed=st.integers(0, 2**16))
+    def check(build, seed):
+        task = build(seed)
+        if int(torch.cat([task.clean, task.corrupt]).max()) < vocab:
+            return  # every id of this draw is also one of the tiny model's
+        refused.append(seed)
+        where = name.split("(")[0]
+        with pytest.raises(ArgumentError, match=rf"{where}: task\.(clean|corrupt) {expected('id', vocab)}"):
+            call(task)
+
+    refused: list[int] = []
+    check()
+    assert refused  # the draws reached the check (the embedded tokenizer's names and numbers are past id 128)

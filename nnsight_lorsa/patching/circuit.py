@@ -29,7 +29,7 @@ from ..envoy.replacement_model import ReplacementModel, check_replacement_model
 from ..envoy.targets import LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
-from .interventions import check_means_mode, refuse_inside_trace, refuse_repeats
+from .interventions import check_means_mode, check_prompts, refuse_inside_trace, refuse_repeats
 from .metrics import check_gap, metric_rounding
 from .tasks import TaskBatch
 
@@ -148,6 +148,23 @@ def _keep_runs(replacement: ReplacementModel, prompts: torch.Tensor, components:
     return outs
 
 
+def check_task(replacement: Any, task: Any, where: str) -> None:
+    """``replacement`` a :class:`ReplacementModel` and ``task`` a :class:`~.tasks.TaskBatch` whose clean and corrupt
+    prompts the model can run (:func:`~.interventions.check_prompts`: a task built with another model's tokenizer
+    holds ids past this one's vocabulary — torch's ``IndexError`` inside the first trace before), before anything
+    runs.
+
+    Raises:
+        ArgumentError: naming ``where``.
+
+    Source: ours.
+    """
+    check_replacement_model(replacement, where)
+    check_instance(task, TaskBatch, where, "task", " (a task builder's output, e.g. ioi_task(...))")
+    check_prompts(task.clean, where, "task.clean", replacement.model)
+    check_prompts(task.corrupt, where, "task.corrupt", replacement.model)
+
+
 def component_scores(replacement: ReplacementModel, task: TaskBatch, components: Sequence[Component], *,
                      method: Literal["ablation", "patching"] = "ablation", mode: Literal["zero", "mean"] = "zero",
                      means: Any = None, metric: Metric | None = None, per_trace: int = 16) -> torch.Tensor:
@@ -156,8 +173,16 @@ def component_scores(replacement: ReplacementModel, task: TaskBatch, components:
     ``"ablation"``: ``m_clean − m_ablated`` with the component alone ablated on the clean prompts
     (a Lorsa head with ``z = 0`` on every token of the batch is skipped: its zero-ablation is exact
     identity, score 0). ``"patching"``: activation patching clean → corrupt, ``m_patched − m_corrupt``.
+
+    Raises:
+        ArgumentError: ``replacement`` not a :class:`~nnsight_lorsa.ReplacementModel`, ``task`` not a
+            :class:`~.tasks.TaskBatch` or holding ids the model cannot run (:func:`check_task`), before anything runs.
+        ConfigMismatchError, TargetIndexError, LayerOutOfRangeError: as :func:`circuit_size`.
+
+    Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2.
     """
     refuse_inside_trace("component_scores")
+    check_task(replacement, task, "component_scores")
     _check_components(replacement, components)
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if method == "patching":
@@ -229,7 +254,8 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
             fractions otherwise); drop those prompts (``task.select``).
         ConfigMismatchError: no/unknown components, a component listed twice, mean mode without means, ``means``
             with ``mode="zero"`` (they would be ignored), ``ks`` outside ``[0, n]``.
-        ArgumentError: ``task`` not a :class:`~.tasks.TaskBatch`, ``threshold`` not a finite number, ``ks`` not a
+        ArgumentError: ``task`` not a :class:`~.tasks.TaskBatch` or holding ids the model cannot run
+            (:func:`check_task`), ``threshold`` not a finite number, ``ks`` not a
             list / tuple / range of ints, ``scores`` not a tensor or non-finite, a metric
             that does not return ``(batch,)``; an :class:`~.targets.MHSAHead` of a layer whose Lorsa (a component's)
             is spliced without an error term (``replacement.error`` False): its ablation would be discarded
@@ -239,8 +265,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §4.2, Fig. 3.
     """
     refuse_inside_trace("circuit_size")
-    check_replacement_model(replacement, "circuit_size")
-    check_instance(task, TaskBatch, "circuit_size", "task", " (a task builder's output, e.g. ioi_task(...))")
+    check_task(replacement, task, "circuit_size")
     _check_components(replacement, components)
     check_means_mode(mode, means, "circuit_size")
     if scores is not None and not isinstance(scores, torch.Tensor):
