@@ -223,6 +223,9 @@ PRIMITIVES = {
     **{f"Lorsa.{method}({label})": ("ShapeError", f"Lorsa.{method}: {name} must be a floating tensor (..., n_ov_heads=")
        for method, name in (("activation", "z_pre"), ("decode", "z"))
        for label in ("None", "list", "wrong width", "int tensor")},
+    # a Lorsa without RoPE ignored positions of any kind (they are unused there; a wrong one is a misuse)
+    **{f"Lorsa without RoPE.forward(positions={label})": ("ShapeError", "positions must be")
+       for label in ("'x'", "list", "float", "wrong length")},
     # mhsa_forward's x of another width or dtype than the weights: a matmul's RuntimeError
     "mhsa_forward(x=wrong width)": ("ShapeError", "mhsa_forward expects x of shape (*batch, 64), got (1, 2, 63)"),
     **{f"mhsa_forward(x={label})": ("ShapeError", "mhsa_forward expects x in its weights' dtype torch.float32")

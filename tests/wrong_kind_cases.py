@@ -57,7 +57,7 @@ from nnsight_lorsa.envoy import (  # noqa: E402
 )
 from nnsight_lorsa.formats import detect_format, register_format  # noqa: E402
 from nnsight_lorsa.formats.registry import load_all  # noqa: E402
-from nnsight_lorsa.modules import BatchTopK, JumpReLU, Lorsa, SparseAutoencoder  # noqa: E402  # noqa: E402
+from nnsight_lorsa.modules import BatchTopK, JumpReLU, Lorsa, LorsaConfig, SparseAutoencoder  # noqa: E402
 from nnsight_lorsa.sparse_attention import (  # noqa: E402
     SparseTrainConfig,
     evaluate_sparse,
@@ -234,6 +234,9 @@ def module_cases(out: dict, lorsa) -> None:
                        ("int tensor", torch.zeros(1, 2, n, dtype=torch.long))):
         out[f"Lorsa.activation({label})"] = lambda b=bad: lorsa.activation(b)
         out[f"Lorsa.decode({label})"] = lambda b=bad: lorsa.decode(b)
+    plain = Lorsa(LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))  # no RoPE (GPT-2's)
+    for label, bad in (("'x'", "x"), ("list", [0, 1, 2]), ("float", torch.ones(3)), ("wrong length", torch.arange(2))):
+        out[f"Lorsa without RoPE.forward(positions={label})"] = lambda b=bad: plain(torch.zeros(1, 3, 16), b)
     from nnsight_lorsa.adapters import mhsa_forward
 
     mhsa = get_adapter(tiny_hf_model("llama")).mhsa_weights(tiny_hf_model("llama"), lorsa.cfg.layer or 0)

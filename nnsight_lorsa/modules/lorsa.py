@@ -374,15 +374,20 @@ class Lorsa(ReplacementModule):
                              f"n_ov_heads={c.n_ov_heads}) of one past length; got k {ks}, v {vs}")
 
     def _positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        seq = x.shape[1]
         if positions is None:
-            return torch.arange(seq, device=x.device)
+            return torch.arange(x.shape[1], device=x.device)
+        self._check_positions(x, positions)
+        return positions.to(x.device)
+
+    @staticmethod
+    def _check_positions(x: torch.Tensor, positions: Any) -> None:
+        """``positions`` an integer ``(pos,)`` or ``(batch, pos)`` tensor for ``x`` (shapes only: nothing read)."""
+        seq = x.shape[1]
         if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.shape[-1] != seq:
             got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ShapeError(f"positions must be (pos,) or (batch, pos) with pos={seq}, got {got}")
         if not is_index_dtype(positions.dtype):
             raise ShapeError(f"positions must be integer token positions, got dtype {positions.dtype}")
-        return positions.to(x.device)
 
     def qk(
         self, x: Float[torch.Tensor, "batch pos d_model"], positions: Int[torch.Tensor, "*b pos"] | None = None
@@ -410,6 +415,8 @@ class Lorsa(ReplacementModule):
             k = torch.baddbmm(self.b_K[:, None, :], xs, self.W_K).view(h, b, s, e).transpose(0, 1)
         if self.cfg.qk_norm:
             q, k = self.ln_q(q), self.ln_k(k)
+        if self.cfg.rotary is None and positions is not None:
+            self._check_positions(x, positions)  # unused without RoPE, but a wrong one is a misuse, not ignored
         if self.cfg.rotary is not None:
             inter = self.cfg.rotary.interleaved
             cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions),
