@@ -374,9 +374,9 @@ class Lorsa(ReplacementModule):
                              f"n_ov_heads={c.n_ov_heads}) of one past length; got k {ks}, v {vs}")
 
     def _positions(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """``positions`` (checked by :meth:`qk`) on ``x``'s device, default ``arange(pos)``."""
         if positions is None:
             return torch.arange(x.shape[1], device=x.device)
-        self._check_positions(x, positions)
         return positions.to(x.device)
 
     @staticmethod
@@ -397,6 +397,8 @@ class Lorsa(ReplacementModule):
         Source: Lorsa paper (He et al. 2025) §3.1; Llamascopium ``src/llamascopium/models/lorsa.py``.
         """
         self._check_input(x)
+        if positions is not None:  # before any work; checked without RoPE too (unused there, a wrong one a misuse)
+            self._check_positions(x, positions)
         b, s, d = x.shape
         h, e = self.cfg.n_qk_heads, self.cfg.d_qk_head
         if torch.is_grad_enabled() and x.requires_grad:
@@ -415,8 +417,6 @@ class Lorsa(ReplacementModule):
             k = torch.baddbmm(self.b_K[:, None, :], xs, self.W_K).view(h, b, s, e).transpose(0, 1)
         if self.cfg.qk_norm:
             q, k = self.ln_q(q), self.ln_k(k)
-        if self.cfg.rotary is None and positions is not None:
-            self._check_positions(x, positions)  # unused without RoPE, but a wrong one is a misuse, not ignored
         if self.cfg.rotary is not None:
             inter = self.cfg.rotary.interleaved
             cos, sin = rotary_cos_sin(self.cfg.rotary, self._positions(x, positions),
