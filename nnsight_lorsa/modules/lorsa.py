@@ -456,14 +456,23 @@ class Lorsa(ReplacementModule):
             raise ShapeError(f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.dim() == 2 and attn_mask.shape[-1] != keys:
             raise ShapeError(f"attn_mask (batch, keys) must have keys={keys}, got {tuple(attn_mask.shape)}")
+        if attn_mask.dtype.is_complex or (attn_mask.dim() == 2 and attn_mask.dtype.is_floating_point):
+            # a float (batch, keys) mask may be 0 / 1 or additive (0 = attend): read as 0 / 1, an additive one
+            # would be inverted, and telling them apart reads the device
+            raise ShapeError(
+                f"attn_mask {tuple(attn_mask.shape)} is {attn_mask.dtype}: a (batch, keys) key-padding mask is bool "
+                "or integer (1 = token, a tokenizer's attention_mask); an additive float mask (0 = may attend, "
+                "-inf = masked) is given as (batch, 1, pos, keys)")
         if attn_mask.dim() == 2:  # (batch, keys) key padding mask, 1 = real token
             causal = torch.ones(seq, keys, dtype=torch.bool, device=device).tril(offset)
             attn_mask = causal[None, None] & attn_mask.bool()[:, None, None, :]
         if attn_mask.dim() != 4 or attn_mask.shape[-2:] != (seq, keys):
             raise ShapeError(f"attn_mask must be (batch, keys) or (batch, 1, pos, keys) with pos={seq}, "
                              f"keys={keys}, got {tuple(attn_mask.shape)}")
-        if attn_mask.dtype != torch.bool:
+        if attn_mask.dtype.is_floating_point:  # additive: 0 may attend, the dtype's min / -inf masked
             attn_mask = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+        elif attn_mask.dtype != torch.bool:  # integer 0 / 1, as the 2-D key-padding mask: nonzero may attend
+            attn_mask = attn_mask != 0
         # a query that may attend nowhere (a left-pad row) attends to itself instead of giving NaN
         eye = (torch.arange(keys, device=device)[None] == torch.arange(seq, device=device)[:, None] + offset)
         return attn_mask | (~attn_mask.any(-1, keepdim=True) & eye[None, None])
@@ -605,8 +614,10 @@ class Lorsa(ReplacementModule):
         Args:
             x: attention input hidden states (after the pre-attention norm).
             positions: token positions ``(pos,)`` or ``(batch, pos)`` for RoPE; default ``arange(pos)``.
-            attn_mask: ``(batch, pos)`` key-padding mask (1 = token) or ``(batch, 1, pos, pos)``
-                (bool True = may attend, or additive float); default causal.
+            attn_mask: ``(batch, pos)`` key-padding mask, bool or integer (1 = token; a float one is refused:
+                0 / 1 and additive cannot be told apart without reading the device), or ``(batch, 1, pos, pos)``
+                (bool / integer: True / nonzero = may attend; float: additive, 0 = may attend, the dtype's
+                minimum or -inf masked); default causal.
             top_k: overrides ``cfg.top_k`` (k annealing during training).
             past, kv_out: a decoding step (:meth:`forward_step`): ``x`` attends to ``past`` too, and the
                 new :class:`LorsaKV` is stored as ``kv_out["kv"]`` — so that a splice calls the module
@@ -658,8 +669,8 @@ class Lorsa(ReplacementModule):
         Args:
             positions: ``(pos,)`` or ``(batch, pos)`` positions of ``x``'s tokens for RoPE
                 (default ``past … past+pos−1``).
-            attn_mask: ``(batch, past+pos)`` key-padding mask or ``(batch, 1, pos, past+pos)``;
-                default causal.
+            attn_mask: ``(batch, past+pos)`` key-padding mask or ``(batch, 1, pos, past+pos)`` (dtypes as
+                for :meth:`forward`); default causal.
 
         Returns:
             ``(out (batch, pos, d_model), LorsaKV with past+pos positions)``.
