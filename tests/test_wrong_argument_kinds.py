@@ -226,6 +226,16 @@ PRIMITIVES = {
     # a Lorsa without RoPE ignored positions of any kind (they are unused there; a wrong one is a misuse)
     **{f"Lorsa without RoPE.forward(positions={label})": ("ShapeError", "positions must be")
        for label in ("'x'", "list", "float", "wrong length")},
+    # the sparse coders' building blocks (seventh session): raw errors, or a wrong-width / integer input that ran
+    **{f"{name}({label})": ("ShapeError", f"{who} expects {what}")
+       for name, who, what in (("SAE.normalize", "SparseAutoencoder.normalize", "x"),
+                               ("SAE.encoder_input", "SparseAutoencoder", "x"),
+                               ("SAE.denormalize(x, out=·)", "SparseAutoencoder.denormalize", "out"),
+                               ("SkipTranscoder.skip", "Transcoder", "x"),
+                               ("Transcoder.encoder_input", "Transcoder", "x"),
+                               ("CLT layer.skip", "CrossLayerTranscoder layer 1", "x"),
+                               ("CLT layer.encoder_input", "CrossLayerTranscoder layer 1", "x"))
+       for label in ("None", "wrong width", "int tensor")},
     # mhsa_forward's x of another width or dtype than the weights: a matmul's RuntimeError
     "mhsa_forward(x=wrong width)": ("ShapeError", "mhsa_forward expects x of shape (*batch, 64), got (1, 2, 63)"),
     **{f"mhsa_forward(x={label})": ("ShapeError", "mhsa_forward expects x in its weights' dtype torch.float32")

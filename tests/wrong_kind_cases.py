@@ -19,8 +19,10 @@ import torch  # noqa: E402
 from helpers import (  # noqa: E402
     LAYER,
     attribution_setup,
+    make_clt,
     make_lorsa,
     make_sae,
+    make_transcoder,
     random_ids,
     reconstruction_source,
     rm,
@@ -237,6 +239,19 @@ def module_cases(out: dict, lorsa) -> None:
     plain = Lorsa(LorsaConfig(d_model=16, n_qk_heads=2, d_qk_head=4, n_ov_heads=8, top_k=2))  # no RoPE (GPT-2's)
     for label, bad in (("'x'", "x"), ("list", [0, 1, 2]), ("float", torch.ones(3)), ("wrong length", torch.arange(2))):
         out[f"Lorsa without RoPE.forward(positions={label})"] = lambda b=bad: plain(torch.zeros(1, 3, 16), b)
+    # the sparse coders' building blocks (2026-11-29, seventh session): a raw TypeError / RuntimeError, or a wrong-width
+    # / integer input that ran (normalize, encoder_input, a CLT layer's skip: integer weights)
+    norm_sae = make_sae(d_in=8, d_sae=16, normalize_activations="layer_norm", apply_b_dec_to_input=True)
+    skip_tc, clt_layer = make_transcoder(skip=True, d_in=8, d_sae=16), make_clt(skip=True).by_layer()[1]
+    blocks = {"SAE.normalize": norm_sae.normalize, "SAE.encoder_input": norm_sae.encoder_input,
+              "SAE.denormalize(x, out=·)": lambda b: norm_sae.denormalize(torch.ones(1, 2, 8), b),
+              "SkipTranscoder.skip": skip_tc.skip, "Transcoder.encoder_input": skip_tc.encoder_input,
+              "CLT layer.skip": clt_layer.skip, "CLT layer.encoder_input": clt_layer.encoder_input}
+    for name, call in blocks.items():
+        width = clt_layer.clt.cfg.d_in if name.startswith("CLT") else 8
+        for label, bad in (("None", None), ("wrong width", torch.zeros(1, 2, width - 1)),
+                           ("int tensor", torch.zeros(1, 2, width, dtype=torch.long))):
+            out[f"{name}({label})"] = lambda c=call, b=bad: c(b)
     from nnsight_lorsa.adapters import mhsa_forward
 
     mhsa = get_adapter(tiny_hf_model("llama")).mhsa_weights(tiny_hf_model("llama"), lorsa.cfg.layer or 0)

@@ -334,6 +334,12 @@ class CLTLayer(ReplacementModule):
         return self.clt.b_dec[self.layer]
 
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What layer ``layer``'s encoder multiplies: ``x`` itself ``(*batch, d_model)``.
+
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_model)`` tensor in the CLT's dtype.
+        """
+        check_last_dim(x, self.clt.cfg.d_in, f"{self.clt._kind} layer {self.layer}", "x", self.clt.b_dec)
         return x
 
     def encode(self, x: Float[torch.Tensor, "*batch d_model"]) -> Float[torch.Tensor, "*batch d_sae"]:
@@ -346,7 +352,12 @@ class CLTLayer(ReplacementModule):
 
     def skip(self, x: torch.Tensor, *, constant_weights: bool = False) -> torch.Tensor | None:
         """The skip path of MLP ``layer`` (None without one; ``constant_weights``: ``W_skip`` detached, the gradient
-        reaching ``x`` only — :meth:`~.sparse_coder.SparseCoder.skip`)."""
+        reaching ``x`` only — :meth:`~.sparse_coder.SparseCoder.skip`).
+
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_model)`` tensor in the CLT's dtype (also without a skip path).
+        """
+        check_last_dim(x, self.clt.cfg.d_in, f"{self.clt._kind} layer {self.layer}", "x", self.clt.b_dec)
         if self.clt.W_skip is None:
             return None
         # offloaded, in a resident block that fetched this layer's matrix alone (the attribution's MLP site): that copy

@@ -26,13 +26,13 @@ Hook points: ``hook_sae_acts_pre``, ``hook_sae_acts_post`` (the features), ``hoo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .._typing import Float
-from ..errors import CheckpointError
-from .sparse_coder import SparseCoder, SparseCoderConfig
+from ..errors import CheckpointError, ShapeError
+from .sparse_coder import SparseCoder, SparseCoderConfig, check_last_dim
 
 #: ``SAEConfig.normalize_activations`` values (module docstring)
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
@@ -86,16 +86,30 @@ class SparseAutoencoder(SparseCoder):
         """The normalised input (:meth:`normalize`), minus ``b_dec`` if ``cfg.apply_b_dec_to_input``:
         ``(*batch, d_in)``, the shape of ``x``.
 
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_in)`` tensor in the weights' dtype.
+
         Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
         """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         x = self.normalize(x)
         return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
+
+    def _check_floating(self, t: Any, method: str, name: str) -> None:
+        """``t`` a floating ``(*batch, d_in)`` tensor (any float dtype: the normalisation reads no weight)."""
+        check_last_dim(t, self.cfg.d_in, f"{self._kind}.{method}", name)
+        if not t.is_floating_point():
+            raise ShapeError(f"{self._kind}.{method} expects {name} as a floating tensor, got dtype {t.dtype}")
 
     def normalize(self, x: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
         """``x`` under ``cfg.normalize_activations`` (identity for ``"none"``).
 
+        Raises:
+            ShapeError: ``x`` is not a floating ``(*batch, d_in)`` tensor.
+
         Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
         """
+        self._check_floating(x, "normalize", "x")
         mode = self.cfg.normalize_activations
         if mode == "constant_norm_rescale":
             return x * (self.cfg.d_in ** 0.5 / x.norm(dim=-1, keepdim=True))
@@ -108,8 +122,16 @@ class SparseAutoencoder(SparseCoder):
                     out: Float[torch.Tensor, "*batch d_in"]) -> Float[torch.Tensor, "*batch d_in"]:
         """A reconstruction ``out`` of ``normalize(x)`` back in ``x``'s scale (identity for ``"none"``).
 
+        Raises:
+            ShapeError: ``x`` or ``out`` is not a floating ``(*batch, d_in)`` tensor, or their shapes differ.
+
         Source: Bricken et al. 2023, *Towards Monosemanticity*; SAELens ``sae_lens/saes/sae.py``.
         """
+        self._check_floating(x, "denormalize", "x")
+        self._check_floating(out, "denormalize", "out")
+        if out.shape != x.shape:
+            raise ShapeError(f"{self._kind}.denormalize expects out of x's shape {tuple(x.shape)}, got "
+                             f"{tuple(out.shape)}")
         mode = self.cfg.normalize_activations
         if mode == "constant_norm_rescale":
             return out * (x.norm(dim=-1, keepdim=True) / self.cfg.d_in ** 0.5)

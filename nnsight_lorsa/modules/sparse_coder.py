@@ -322,13 +322,24 @@ class SparseCoder(ReplacementModule):
 
     # --------------------------------------------------------------- forward
     def encoder_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the encoder multiplies (``x`` itself; SAEs may subtract ``b_dec``)."""
+        """What the encoder multiplies: ``x`` itself ``(*batch, d_in)`` (SAEs may normalise it and subtract
+        ``b_dec``).
+
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_in)`` tensor in the weights' dtype.
+        """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return x
 
     def skip(self, x: torch.Tensor, *, constant_weights: bool = False) -> torch.Tensor | None:
         """A linear path added to the output (None: no skip connection). ``constant_weights``: the weights taken
         detached (the gradient reaches ``x`` only, and autograd keeps no copy of ``x`` for a weight gradient: the
-        attribution's frozen pass)."""
+        attribution's frozen pass).
+
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_in)`` tensor in the weights' dtype (also without a skip path).
+        """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_enc)
         return None
 
     def decoders(self, layer: int) -> dict[int, torch.Tensor]:

@@ -29,7 +29,7 @@ from torch import nn
 
 from .._typing import Float
 from ..errors import CheckpointError
-from .sparse_coder import SparseCoder, SparseCoderConfig
+from .sparse_coder import SparseCoder, SparseCoderConfig, check_last_dim
 
 
 @dataclass(repr=False)
@@ -95,7 +95,11 @@ class SkipTranscoder(Transcoder):
         """The skip path ``x W_skipᵀ`` (``constant_weights``: ``W_skip`` detached, the gradient reaching ``x``
         only — :meth:`~.sparse_coder.SparseCoder.skip`).
 
+        Raises:
+            ShapeError: ``x`` is not a ``(*batch, d_in)`` tensor in the weights' dtype.
+
         Source: Dunefsky et al. 2024, *Transcoders Find Interpretable LLM Feature Circuits*; sparsify
         ``sparsify/sparse_coder.py`` (skip transcoder).
         """
+        check_last_dim(x, self.cfg.d_in, self._kind, "x", self.W_skip)
         return F.linear(x, self.W_skip.detach() if constant_weights else self.W_skip)
