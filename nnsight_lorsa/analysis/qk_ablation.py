@@ -170,12 +170,37 @@ def _kl_rows(logp: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> t
     return term.sum(-1).clamp_min(0.0)
 
 
+def _input_gain(sae: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """``(*batch, 1)`` fp32: the factor ``s(x)`` by which a feature's decoder row ``a_f d_f`` enters the SAE's
+    reconstruction of ``x`` in ``x``'s own scale — ``denormalize(x, out)`` is ``out · s(x) + c(x)`` for every
+    normalisation of :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` (``‖x‖ / √d_in`` for
+    ``constant_norm_rescale``, the standard deviation for ``layer_norm``, 1 for none) — or None for a coder without
+    ``denormalize`` (its decoder rows taken in the input's scale).
+
+    Source: SAELens ``sae_lens/saes/sae.py`` (``run_time_activation_norm_fn_out``); Lorsa paper App. F.1 (the
+    feature's contribution removed from the input).
+    """
+    denormalize = getattr(sae, "denormalize", None)
+    if denormalize is None:
+        return None
+    xf = x.float()
+    return (denormalize(xf, torch.ones_like(xf)) - denormalize(xf, torch.zeros_like(xf)))[..., :1]
+
+
 def _check(lorsa_set: Any, layer: int, head: int, sae: Any, tokens: torch.Tensor, features: Any,
            batch_size: int) -> tuple[Any, torch.Tensor | None]:
+    from ..envoy.sae_set import SAESet
+    from ..modules.replacement_module import ReplacementModule
+
     lorsa = lorsa_set[layer]  # LayerOutOfRangeError: no Lorsa at this layer
     n_ov, d_model = lorsa.cfg.n_ov_heads, lorsa.cfg.d_model
     if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < n_ov:
         raise ShapeError(f"head {head!r} out of range [0, {n_ov}) of the Lorsa of layer {layer}")
+    if isinstance(sae, ReplacementModule) and not SAESet.holds(sae):
+        # a transcoder's decoder rows are MLP-output directions, not directions of the input it reads
+        raise ConfigMismatchError(
+            f"qk_feature_impacts ablates SAE features of the Lorsa's input; got a {type(sae).__name__}, whose "
+            "decoder rows are not directions of its input (a SparseAutoencoder on the attention input is needed)")
     w_dec = getattr(sae, "W_dec", None)
     d_in = getattr(getattr(sae, "cfg", None), "d_in", None)
     if w_dec is None or w_dec.dim() != 2 or w_dec.shape[1] != d_model or d_in != d_model:
@@ -214,8 +239,12 @@ def qk_feature_impacts(
     Args:
         replacement: a :class:`~nnsight_lorsa.ReplacementModel` with a Lorsa at ``layer``.
         head: OV head index of that Lorsa.
-        sae: a sparse coder on the Lorsa input (``encode``, ``W_dec (n_features, d_model)``; e.g. a
-            :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` on the pre-attention norm's output).
+        sae: an SAE on the Lorsa input (``encode``, ``W_dec (n_features, d_model)``; e.g. a
+            :class:`~nnsight_lorsa.modules.sae.SparseAutoencoder` on the pre-attention norm's output). A feature's
+            contribution ``a_f d_f`` is taken in the input's scale: an SAE that normalises its input at run time
+            (``normalize_activations``) has it scaled back as its ``denormalize`` does (``‖x‖ / √d_in``, the
+            standard deviation). An object of another library is read through ``encode`` / ``W_dec`` alone (a
+            normalisation inside its ``encode`` is not undone: load its files with :func:`~nnsight_lorsa.load`).
         tokens: ``(n_windows, pos)`` token windows (BOS first), streamed ``batch_size`` at a time.
         features: only evaluate these feature indices (default: every feature that is active).
         skip_first: ignore activations at position 0 (BOS; its pattern row has a single entry).
@@ -233,7 +262,8 @@ def qk_feature_impacts(
             model or a module: wrap it, ``ReplacementModel(model, lorsas=...)``).
         LayerOutOfRangeError: no Lorsa at ``layer``. ShapeError: ``head`` or ``features`` out of
         range, ``tokens`` not a non-empty integer ``(n_windows, pos)`` tensor (ArgumentError: ids outside the
-        model's vocabulary). ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``.
+        model's vocabulary). ConfigMismatchError: the SAE's width is not the Lorsa's ``d_model``, or ``sae``
+        is a transcoder, CLT or Lorsa (its decoder rows are not directions of its input).
         PlacementError: the Lorsa or the SAE is on ``meta``. ArgumentError: ``batch_size`` or ``chunk`` not an
         int ``>= 1``, ``skip_first`` not a bool, ``features`` not a non-empty list / integer tensor of ints,
         ``attention_mask`` not 0 / 1 or with padding between a row's tokens (ShapeError: not of the tokens' shape),
@@ -294,7 +324,11 @@ def qk_feature_impacts(
         if not loc.any():
             continue
         # the SAE encodes on its own device, in its dtype; its activations join the rest in fp32
-        acts = sae.encode(to_module(act.x, sae, "the SAE")).to(device=device, dtype=torch.float32)
+        x_sae = to_module(act.x, sae, "the SAE")
+        acts = sae.encode(x_sae).to(device=device, dtype=torch.float32)
+        gain = _input_gain(sae, x_sae)
+        if gain is not None:  # a_f d_f in the input's scale: the SAE's run-time normalisation undone
+            acts = acts * gain.to(device)
         if keep is not None:
             acts = acts * keep.to(acts.device)
         if m is not None:

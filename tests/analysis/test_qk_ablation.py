@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import LAYER, coordinate_sae, make_lorsa, random_ids, tiny_nnsight
+from helpers import LAYER, coordinate_sae, make_clt, make_lorsa, make_transcoder, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
@@ -206,6 +206,10 @@ def test_bad_input_raises_before_the_model_runs():
             qk_feature_impacts(rm, LAYER, 0, SparseAutoencoder(SAEConfig(d_in=32, d_sae=8)), tokens)
         with pytest.raises(ShapeError, match="tokens"):
             qk_feature_impacts(rm, LAYER, 0, sae, tokens[0])
+        # a transcoder / CLT of the attention's width ran: its decoder rows are MLP-output directions
+        for coder in (make_transcoder(skip=False, d_in=64, d_sae=16), make_clt().by_layer()[0]):
+            with pytest.raises(ConfigMismatchError, match=f"got a {type(coder).__name__}, whose decoder rows"):
+                qk_feature_impacts(rm, LAYER, 0, coder, tokens)
         with pytest.raises(ShapeError, match="features"):
             qk_feature_impacts(rm, LAYER, 0, sae, tokens, features=[0, 128])
         assert calls == []
@@ -270,3 +274,45 @@ def test_kl_in_any_dtype_equals_the_fp64_reference_on_the_same_inputs(model_dtyp
         assert got.dtype == torch.float32 and got.device.type == "cpu"
         err = float((got.double() - want).abs().max() / want.abs().max())
         assert err <= 1e-4, (model_dtype, lorsa_dtype, err)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("gain", [0.5, 4.0])
+@torch.no_grad()
+def test_an_sae_normalising_its_input_ablates_in_the_inputs_scale(family, gain):
+    """The coordinate SAE with ``constant_norm_rescale``: feature ``c`` is ``relu(x_c) · √d / ‖x‖`` and its decoder
+    row, in the input's scale (``denormalize``: ``· ‖x‖ / √d``), is ``relu(x_c) e_c`` again — the plain coordinate
+    SAE's ablation, so the KLs must be the plain SAE's. The decoder row was taken as it stands (``a_f d_f`` in the
+    normalised scale): KLs off by the factor ``√d / ‖x‖`` in the edit (16x too small at a pre-attention gain of 4).
+    With ``layer_norm``, against the edit written out (``x_c − a_f · std(x)``)."""
+    model, hf, lorsa, ls = sharp_setup(family)
+    norm = hf.model.layers[LAYER].input_layernorm if family == "llama" else hf.transformer.h[LAYER].ln_1
+    norm.weight.mul_(gain)  # ‖x‖ / √d away from 1, as a trained pre-attention norm's gain
+    rm = ReplacementModel(model, lorsas=ls)
+    tokens = random_ids(batch=2, seq=9, seed=4)
+    head, x, positions, active = busiest_head(model, lorsa, tokens)
+    d = lorsa.cfg.d_model
+    plain = coordinate_sae(d)
+    res = {}
+    for mode in ("none", "constant_norm_rescale", "layer_norm"):
+        sae = SparseAutoencoder(SAEConfig(d_in=d, d_sae=2 * d, activation="relu", normalize_activations=mode))
+        sae.load_state_dict(plain.state_dict())
+        res[mode] = qk_feature_impacts(rm, LAYER, head, sae, tokens, batch_size=2)
+    assert res["none"].q_kl.max() > 1e-4 and res["none"].k_kl.max() > 1e-4  # not comparing zeros
+    rescaled = res["constant_norm_rescale"]
+    torch.testing.assert_close(rescaled.q_kl, res["none"].q_kl, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(rescaled.k_kl, res["none"].k_kl, atol=1e-6, rtol=1e-4)
+    assert torch.equal(rescaled.q_count, res["none"].q_count)
+    # layer_norm: feature c's activation relu(±(x_c − μ) / (σ + 1e-5)), its row back in the input's scale · σ
+    base = rows(lorsa, head, x, x, positions)
+    mu, sd = x.mean(-1, keepdim=True), x.std(-1, keepdim=True)
+    for f in range(0, 2 * d, 7):
+        c, sign = f % d, 1.0 if f < d else -1.0
+        a = (sign * (x[..., c] - mu[..., 0]) / (sd[..., 0] + 1e-5)).relu()
+        x_edit = x.clone()
+        x_edit[..., c] = x[..., c] - sign * a * sd[..., 0]
+        on = a > 0
+        q_ref = reference_max(kl(base, rows(lorsa, head, x_edit, x, positions)), active & on)
+        k_ref = reference_max(kl(base, rows(lorsa, head, x, x_edit, positions)), active & on.cummax(1).values)
+        assert abs(float(res["layer_norm"].q_kl[f]) - q_ref) <= 1e-3 * q_ref + 2e-6, f
+        assert abs(float(res["layer_norm"].k_kl[f]) - k_ref) <= 1e-3 * k_ref + 2e-6, f
