@@ -181,7 +181,7 @@ def train_lorsa(model, layer: int, train_rows: torch.Tensor, held_rows: torch.Te
     ev = evaluate(lorsas, TokenDataset(held_rows), at=layer, batch_size=64)
     info = {"layer": layer, "n_qk_heads": lcfg.n_qk_heads, "n_ov_heads": n_ov, "top_k": top_k, "steps": steps,
             "batch_rows": 32, **(extra or {}), "train_seconds": round(time.perf_counter() - t0, 1),
-            "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), "heldout_eval": ev.summary()}
+            "last_train_fvu": round(trainer.history[-1]["fvu"], 4), "heldout_eval": ev.summary()}
     write_json(cache / "train.json", info)
     return lorsas, info
 

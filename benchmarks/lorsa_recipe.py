@@ -221,7 +221,7 @@ def run_variant(name: str, model: Any, layer: int, train_cache: ActivationCache,
                            "train_s": round(wall, 1),
                            "train_config": tc_over, "recipe": LorsaRecipe(**recipe_over).to_dict(),
                            "init": trainer.objective.init_info,  # type: ignore[attr-defined]
-                           "fvu_at": {h["step"]: round(h["fvu"], 4) for h in trainer.config.history
+                           "fvu_at": {h["step"]: round(h["fvu"], 4) for h in trainer.history
                                       if h["step"] in (10, 20, 50, 100, 200, 400, 600)}}
     row.update(heldout_metrics(folded, held))
     if ce:

@@ -54,7 +54,7 @@ def get_sae(model, train: TokenDataset, heldout: TokenDataset, args) -> tuple[Sp
         save(sae, cache)
         train = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                  "train_windows": len(train), "train_seconds": round(time.perf_counter() - t, 1),
-                 "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4)}
+                 "last_train_fvu": round(trainer.history[-1]["fvu"], 4)}
         (cache / "train_info.json").write_text(json.dumps({"train": train}))
         info.update({"train": train, "trained_now": True})
     sae.eval()

@@ -71,7 +71,7 @@ def main() -> None:
             ev = evaluate(SAESet(model, {site: coder}), heldout)
         t_eval = time.time() - t - t_train
         row = {"dictionary": name, "train_seconds": round(t_train, 1), "eval_seconds": round(t_eval, 1),
-               "last_train_fvu": round(trainer.config.history[-1]["fvu"], 4), **ev.summary()}
+               "last_train_fvu": round(trainer.history[-1]["fvu"], 4), **ev.summary()}
         print(json.dumps(row), flush=True)
         results.append(row)
     out = {"command": "python " + " ".join(sys.argv), "steps": args.steps, "batch_size": args.batch_size,

@@ -583,7 +583,7 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
     lorsas = LorsaSet(model, {layer: folded})
     result: dict[str, Any] = {"layer": layer, "config": lcfg.to_dict(), "steps": trainer.config.total_steps,
                               **run_info, "train_seconds": round(t_train, 1),
-                              "train_history": trainer.config.history[-1:]}
+                              "train_history": trainer.history[-1:]}
     state["stage"] = "saving the trained Lorsa" if out is not None else "evaluating"
     if out is not None:  # the training is kept whatever happens next
         lorsas.save(out / "lorsa")
@@ -656,7 +656,7 @@ def _run(cfg: DemoConfig, state: dict[str, Any]) -> dict[str, Any]:
         state["stage"] = "writing the pictures"
         t_pics = time.time()
         where = out if out is not None else Path(tempfile.mkdtemp(prefix="nnsight-lorsa-demo-"))
-        pictures = write_pictures(where, model, lorsas, layer, trainer.config.history, top, heldout.tokens,
+        pictures = write_pictures(where, model, lorsas, layer, trainer.history, top, heldout.tokens,
                                   top.top_heads(cfg.n_show), embedded=cfg.model_dir is None, prompt=prompt)
         result["pictures"] = {k: str(v) if isinstance(v, Path) else [str(x) for x in v] for k, v in pictures.items()}
         result["pictures_seconds"] = round(time.time() - t_pics, 1)
@@ -681,7 +681,7 @@ def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: li
 
     Args:
         model: the nnsight model; lorsas: its :class:`~.envoy.lorsa_set.LorsaSet` (the trained Lorsa of
-            ``layer``); history: the trainer's logged history (``Trainer.config.history``).
+            ``layer``); history: the trainer's logged history (``Trainer.history``).
         top: the heads' :class:`~.analysis.top_activations.TopActivations` over ``tokens``
             ``(n_windows, seq_len)``; heads: the heads that get a dashboard.
         embedded: the embedded model: its shipped transcoders join the attribution graph.
@@ -708,7 +708,7 @@ def write_pictures(where: Path, model: Any, lorsas: Any, layer: int, history: li
     check_instance(lorsas, LorsaSet, "write_pictures", "lorsas")
     if not isinstance(history, list) or not history or not all(isinstance(e, dict) and "step" in e for e in history):
         raise ArgumentError("write_pictures: history must be the trainer's non-empty list of logged entries "
-                            "(Trainer.config.history)")
+                            "(Trainer.history)")
     where = Path(where)
     where.mkdir(parents=True, exist_ok=True)
     curves = plot_training_curves(history, where / "training_curves.png",

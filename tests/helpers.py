@@ -605,7 +605,7 @@ def check_resume_bit_exact(make, source, ckpt: Path, check_resumed=None):
     for (name, a), b in zip(straight.module.state_dict().items(), resumed.module.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(straight.tokens_since_fired, resumed.tokens_since_fired)
-    assert straight.config.history[-1] == resumed.config.history[-1]
+    assert straight.history[-1] == resumed.history[-1]
     return straight
 
 

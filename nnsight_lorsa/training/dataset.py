@@ -455,10 +455,10 @@ class TokenDataset:
 
         Each window is ``[BOS] + `` the document's first ``seq_len-1`` tokens (tokenized without special
         tokens; a longer document is truncated). A shorter document is padded on the right to
-        ``seq_len`` and its padding is left out of ``target_mask``, so the evaluations' CE and KL count
-        only the predictions of real tokens (right padding under causal attention leaves the real
-        tokens' activations untouched). FVU / L0 in :func:`~.evaluate.evaluate` and the activations a
-        trainer reads still include the padded positions: keep ``seq_len`` near the documents' length.
+        ``seq_len`` and its padding is left out of ``target_mask``, so the evaluations' CE, KL, FVU and
+        L0 and the positions a trainer learns from count real tokens only (right padding under causal
+        attention leaves the real tokens' activations untouched; the padded positions still run through
+        the model: keep ``seq_len`` near the documents' length for speed).
 
         Args:
             tokenizer: a Hugging Face tokenizer.
@@ -645,7 +645,10 @@ class TokenDataset:
 
     def batch(self, index: int, batch_size: int, seed: int = 0) -> Int[torch.Tensor, "batch seq"]:
         """Batch ``index`` of an endless shuffled stream (a new permutation each epoch, from ``seed``):
-        the windows :func:`_window_ids` picks.
+        the windows :func:`_window_ids` picks, ``(batch_size, seq)``. An epoch is ``n_windows // batch_size``
+        batches, no window twice: when ``batch_size`` does not divide ``n_windows`` each epoch leaves out the
+        ``n_windows % batch_size`` windows its permutation puts last (others each epoch); a ``batch_size`` above
+        ``n_windows`` gives every window in each batch, ``(n_windows, seq)``.
 
         Source: ours (BOS-started token windows, the inputs activations are collected and evaluated on).
         """

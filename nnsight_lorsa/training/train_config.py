@@ -9,7 +9,7 @@ betas, gradient clipping, the learning-rate decay at the end of the run — with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .._checks import check_int, check_real
 from ..errors import ArgumentError
@@ -84,7 +84,8 @@ class TrainConfig(OptimConfig):
             False: Adam steps the bf16 weights themselves (6 instead of 14 bytes per parameter, but an update
             below half a bf16 step of a weight is lost: at ``lr=1e-4`` most entries never move). No effect on
             fp32 / fp64 modules.
-        log_every: steps between entries of ``history`` (the logged metrics).
+        log_every: steps between entries of the trainer's ``history`` (the logged metrics;
+            :attr:`~.trainer.Trainer.history`).
         wandb_project: log the run to this Weights & Biases project (None: no W&B; needs ``pip install
             nnsight-lorsa[wandb]``): every ``history`` entry as ``train/<name>`` at its step, and
             :meth:`~.trainer.Trainer.log_evaluation` as ``eval/<name>`` (:mod:`.wandb_log`). wandb_run_name: the
@@ -110,7 +111,6 @@ class TrainConfig(OptimConfig):
     log_every: int = 10
     wandb_project: str | None = None
     wandb_run_name: str | None = None
-    history: list[dict[str, float]] = field(default_factory=list, repr=False)
 
     def validate(self) -> None:
         """Check every field (also run at construction, and by :class:`~.trainer.Trainer` on the config it is given).
@@ -121,7 +121,7 @@ class TrainConfig(OptimConfig):
         or ≥ 1; ``warmup_frac`` in ``[0, 1]`` with ``warmup_frac + decay_frac`` ≤ 1; ``aux_k_coef``,
         ``l1_coef``, ``l0_coef`` ≥ 0; ``normalize_decoder`` None or a bool; ``sparse_kernels`` and
         ``master_weights`` bools;
-        ``wandb_project``, ``wandb_run_name`` None or a non-empty str; ``history`` a list.
+        ``wandb_project``, ``wandb_run_name`` None or a non-empty str.
 
         Raises:
             ArgumentError: the first field that breaks its rule, named with its value.
@@ -150,5 +150,3 @@ class TrainConfig(OptimConfig):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ArgumentError(f"TrainConfig.{name} must be None or a non-empty str, got {value!r}")
-        if not isinstance(self.history, list):
-            raise ArgumentError(f"TrainConfig.history must be a list, got {type(self.history).__name__}")

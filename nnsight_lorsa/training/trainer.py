@@ -150,6 +150,10 @@ class Trainer:
         self.source = source
         self.config = config
         self.step = 0
+        #: the logged metrics, one dict per ``log_every`` steps and the last (``step``, ``loss``, ``fvu``, ``l0``,
+        #: ``dead_frac``, ``lr`` …); this trainer's own (a config shared by several trainers holds none: until
+        #: 2026-11-29 it was ``config.history``, and a second run on one config appended to the first's)
+        self.history: list[dict[str, float]] = []
         self.tokens_since_fired = torch.zeros(self.objective.n_latents(), dtype=torch.long, device=device)
         #: data-parallel context (:class:`~.distributed.DataParallel`) or None; set by ``DataParallel(trainer)``
         self.dist: Any = None
@@ -515,7 +519,7 @@ class Trainer:
                 self.dist.finish()
         finally:
             bar.close()
-        return self.config.history
+        return self.history
 
     def _after_step(self, m: dict[str, float], end: int, bar: Any, logger: Any,
                     on_log: Callable[[dict[str, float]], None] | None, checkpoint_dir: str | Path | None,
@@ -524,7 +528,7 @@ class Trainer:
         bar.update(1)
         if self.step % self.config.log_every == 0 or self.step == end:
             m["step"] = self.step
-            self.config.history.append(m)
+            self.history.append(m)
             bar.set_postfix(loss=f"{m['loss']:.4f}", fvu=f"{m['fvu']:.3f}", l0=f"{m['l0']:.1f}",
                             dead=f"{m['dead_frac']:.2f}")
             if logger is not None:
@@ -541,7 +545,7 @@ class Trainer:
         if self.config.wandb_project is None or (self.dist is not None and getattr(self.dist, "rank", 0) != 0):
             return None
         if self._wandb is None:
-            cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
+            cfg = asdict(self.config)
             config = {"train_config": cfg, self.objective.config_key: self.objective.module_config()}
             self._wandb = WandbRun(self.config.wandb_project, self.config.wandb_run_name, config, self.wandb_run_id)
             self.wandb_run_id = self._wandb.id
@@ -608,13 +612,13 @@ class Trainer:
                     raise NonFiniteError(f"step {self.step}: the {kind} {name} hold non-finite values: not saved to "
                                          f"{directory} (a checkpoint already there is kept)",
                                          step=self.step, tensor=name)
-        cfg = {k: v for k, v in asdict(self.config).items() if k != "history"}
+        cfg = asdict(self.config)
         # the parameters that have Adam state: a resume checks the optimizer file holds exactly these (a parameter
         # with no entry would otherwise pass for one that never had a gradient, and restart its moments)
         adam_params = sorted({name.rpartition(".")[0] for name in opt_tensors})
         meta = {"step": self.step, "s_in": self.s_in, "s_out": self.s_out, "train_config": cfg,
                 "adam_params": adam_params,
-                self.objective.config_key: self.objective.module_config(), "history": self.config.history,
+                self.objective.config_key: self.objective.module_config(), "history": self.history,
                 **({"wandb_run_id": self.wandb_run_id} if self.wandb_run_id is not None else {}),
                 **({"run_info": self.run_info} if self.run_info else {}),
                 **self.objective.save_meta(self.state)}
@@ -656,7 +660,7 @@ class Trainer:
         try:
             tc = meta["train_config"]
             tc["betas"] = tuple(tc["betas"])
-            config = TrainConfig(**tc, history=list(meta.get("history", [])))
+            config = TrainConfig(**tc)
             module = objective.build_module(meta)
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{d / 'trainer.json'}: malformed ({e})") from e
@@ -711,8 +715,8 @@ class Trainer:
         return trainer
 
     def restore_state(self, directory: str | Path, meta: dict[str, Any]) -> None:
-        """Load step, scale factors, master weights (see :meth:`resume`), Adam state, dead counters and the LR of
-        a checkpoint.
+        """Load step, history, scale factors, master weights (see :meth:`resume`), Adam state, dead counters and the
+        LR of a checkpoint.
 
         Raises:
             CheckpointError: a file missing or failing the manifest check, an unknown optimizer entry or master
@@ -737,6 +741,10 @@ class Trainer:
         run_info = meta.get("run_info", {})
         if not isinstance(run_info, dict):
             raise CheckpointError(f"{d / 'trainer.json'}: key 'run_info' must be an object, got {run_info!r}")
+        history = meta.get("history", [])
+        if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+            raise CheckpointError(f"{d / 'trainer.json'}: key 'history' must be a list of objects (the logged "
+                                  f"metrics), got {str(history)[:80]}")
         masters = self._saved_masters(d, listed)
         if fresh:
             self._restore_masters(masters)
@@ -749,6 +757,7 @@ class Trainer:
         self.step, self.s_in, self.s_out = meta["step"], meta["s_in"], meta["s_out"]
         self.wandb_run_id = run_id  # the W&B run (if any) goes on in the same run
         self.run_info = dict(run_info)
+        self.history = [dict(h) for h in history]
         self._restore_masters(masters)
         for p, slots in adam:
             for slot, value in slots.items():

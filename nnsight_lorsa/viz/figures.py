@@ -208,7 +208,7 @@ _LOG_SCALE = ("loss", "fvu", "mse", "aux")
 
 def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
     """The training curves of a run: one panel per logged metric against the step (a
-    :class:`~nnsight_lorsa.training.Trainer`'s ``config.history``: dicts with ``step`` and the metrics it
+    :class:`~nnsight_lorsa.training.Trainer`'s ``history``: dicts with ``step`` and the metrics it
     logs every ``log_every`` steps, e.g. ``loss``, ``fvu``, ``l0``, ``dead_frac``). ``loss`` and ``fvu``
     are drawn on a log scale where all positive; non-finite values are left out of a panel. Writes a PNG.
 
@@ -222,7 +222,7 @@ def plot_training_curves(history: Sequence[Mapping[str, Any]], path: str | Path,
     check_instance(title, str, "plot_training_curves", "title")
     if not isinstance(history, Sequence) or isinstance(history, (str, bytes)) or not history:
         raise ArgumentError("plot_training_curves: history must be a non-empty list of logged entries "
-                            "(Trainer.config.history)")
+                            "(Trainer.history)")
     for i, entry in enumerate(history):
         if not isinstance(entry, Mapping) or not isinstance(entry.get("step"), (int, float)):
             raise ArgumentError(f"plot_training_curves: history[{i}] is not a dict with a numeric 'step': {entry!r}")

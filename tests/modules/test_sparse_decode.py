@@ -155,8 +155,8 @@ def test_training_with_sparse_kernels_equals_dense_training(setup, kind):
     dense, fast = make(False), make(True)
     dense.train(progress=False)
     fast.train(progress=False)
-    assert any(h["aux"] > 0 for h in fast.config.history)
-    for h_d, h_f in zip(dense.config.history, fast.config.history, strict=True):
+    assert any(h["aux"] > 0 for h in fast.history)
+    for h_d, h_f in zip(dense.history, fast.history, strict=True):
         for key in ("loss", "fvu", "l0", "dead_frac", "aux"):
             assert h_f[key] == pytest.approx(h_d[key], rel=1e-4, abs=1e-6), key
     for (name, a), b in zip(dense.module.state_dict().items(), fast.module.state_dict().values(), strict=True):

@@ -230,7 +230,7 @@ def snapshot(t: Trainer) -> dict[str, Any]:
             out[f"adam.{names[id(p)]}.{key}"] = value.clone() if isinstance(value, torch.Tensor) else value
     out["tokens_since_fired"] = t.tokens_since_fired.clone()
     out["step"], out["lr"] = t.step, [g["lr"] for g in t.optimizer.param_groups]
-    out["history"] = [dict(h) for h in t.config.history]
+    out["history"] = [dict(h) for h in t.history]
     out["s"] = (t.s_in, t.s_out, t.s_in_layers, t.s_out_layers)
     balance = getattr(t.objective, "balance", None)
     if balance is not None:

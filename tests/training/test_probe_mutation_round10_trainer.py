@@ -205,7 +205,7 @@ def test_train_takes_that_many_more_steps_logs_on_its_cadence_and_checkpoints_on
     trainer.train(progress=False, on_log=lambda m: seen.append(m["step"]), checkpoint_dir=tmp_path / "ck",
                   checkpoint_every=2)
     assert trainer.step == 5
-    assert seen == [1, 2, 3, 4, 5] and [m["step"] for m in trainer.config.history] == seen
+    assert seen == [1, 2, 3, 4, 5] and [m["step"] for m in trainer.history] == seen
     assert saved == [4, 5]  # after step 4 (not 3), and at the end
     assert Trainer.load_checkpoint(tmp_path / "ck")[0]["step"] == 5
     trainer.train(5, progress=False)
@@ -379,7 +379,7 @@ def test_after_close_logging_the_next_log_goes_to_a_new_handle_of_the_same_run(m
 
 
 def test_a_resumed_trainer_keeps_the_history_it_was_saved_with(tmp_path):
-    """The history (every logged entry) is part of a checkpoint: a resumed trainer's config.history is the saved
+    """The history (every logged entry) is part of a checkpoint: a resumed trainer's history is the saved
     one, and a resumed train() appends to it."""
     from nnsight_lorsa.training import Trainer
 
@@ -387,6 +387,43 @@ def test_a_resumed_trainer_keeps_the_history_it_was_saved_with(tmp_path):
     trainer.train(2, progress=False)
     trainer.save_checkpoint(tmp_path / "ck")
     resumed = Trainer.resume(tmp_path / "ck", _source)
-    assert resumed.config.history == trainer.config.history and [m["step"] for m in resumed.config.history] == [1, 2]
+    assert resumed.history == trainer.history and [m["step"] for m in resumed.history] == [1, 2]
     resumed.train(1, progress=False)
-    assert [m["step"] for m in resumed.config.history] == [1, 2, 3]
+    assert [m["step"] for m in resumed.history] == [1, 2, 3]
+
+
+def test_trainers_sharing_one_config_keep_their_own_history(tmp_path):
+    """One ``TrainConfig`` for several runs (a loop over layers, a sweep): each trainer's history is its own, and the
+    config is unchanged by a run. Until 2026-11-29 the history was the config's field: the second run returned and
+    checkpointed both runs' entries (steps 1 … 4, 1 … 4), a training-curve plot of it mixed two runs."""
+    import dataclasses
+    import json
+
+    from nnsight_lorsa.errors import CheckpointError
+    from nnsight_lorsa.modules.sae import SAEConfig, SparseAutoencoder
+    from nnsight_lorsa.training import TrainConfig, Trainer
+
+    config = TrainConfig(total_steps=4, lr=1e-3, norm_batches=1, log_every=1)
+    before = dataclasses.asdict(config)
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        sae = SparseAutoencoder(SAEConfig(d_in=D, d_sae=16, activation="topk", activation_params={"k": 2}))
+        trainer = Trainer(sae, _source, config)
+        assert trainer.train(progress=False) is trainer.history
+        runs.append(trainer)
+    assert [[m["step"] for m in t.history] for t in runs] == [[1, 2, 3, 4]] * 2
+    assert runs[0].history != runs[1].history  # two modules, two runs
+    assert dataclasses.asdict(config) == before
+    runs[1].save_checkpoint(tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "trainer.json").read_text())
+    assert [m["step"] for m in meta["history"]] == [1, 2, 3, 4] and "history" not in meta["train_config"]
+    # restore_state sets the history too; a history that is not a list of objects is the checkpoint's error
+    fresh = Trainer(SparseAutoencoder(SAEConfig(d_in=D, d_sae=16, activation="topk", activation_params={"k": 2})),
+                    _source, config)
+    fresh.restore_state(tmp_path / "ck", meta)
+    assert fresh.history == runs[1].history and fresh.step == 4
+    for bad in ("steps", [1, 2], {"step": 1}):
+        with pytest.raises(CheckpointError, match="key 'history' must be a list of objects"):
+            fresh.restore_state(tmp_path / "ck", {**meta, "history": bad})
+    assert fresh.history == runs[1].history  # a refused restore changed nothing

@@ -250,7 +250,7 @@ def test_train_can_be_bounded_and_watched_without_a_progress_bar(setup):
     trainer = Trainer(new_lorsa(adapter), source, TrainConfig(total_steps=100, log_every=2))
     seen = []
     trainer.train(5, progress=False, on_log=seen.append)
-    assert trainer.step == 5 and [m["step"] for m in seen] == [2, 4, 5] and seen == trainer.config.history
+    assert trainer.step == 5 and [m["step"] for m in seen] == [2, 4, 5] and seen == trainer.history
     for bad in (-1, True):  # (a float is refused too; under the tests' type checker, by it)
         with pytest.raises(ArgumentError, match="steps"):
             trainer.train(bad, progress=False)

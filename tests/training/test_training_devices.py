@@ -137,7 +137,7 @@ def _reference(kind: str, recipe: str | None = None) -> Trainer:
 
 
 def _check_like_reference(trainer: Trainer, ref: Trainer, rel: float) -> None:
-    got, want = trainer.config.history, ref.config.history
+    got, want = trainer.history, ref.history
     assert len(got) == len(want) == ref.config.total_steps
     for g, w in zip(got, want, strict=True):
         assert all(torch.isfinite(torch.tensor(v)) for v in g.values())
@@ -169,7 +169,7 @@ def test_lorsa_trainer_on_device_matches_cpu(device, recipe):
     assert _rel(init["fvu_init"], init_ref["fvu_init"]) < REL_DEVICE
     _check_like_reference(trainer, ref, REL_DEVICE)
     assert trainer.tokens_since_fired.device.type == device
-    assert trainer.config.history[-1]["dead_frac"] == ref.config.history[-1]["dead_frac"]
+    assert trainer.history[-1]["dead_frac"] == ref.history[-1]["dead_frac"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -179,7 +179,7 @@ def test_dictionary_trainer_on_device_matches_cpu(device, kind):
     module on ``device``: losses, FVU, scale factors and folded weights within 1e-3 of the CPU run."""
     trainer = _train_coder(kind, device)
     _check_like_reference(trainer, _reference(kind), REL_DEVICE)
-    assert any(h["aux"] > 0 for h in trainer.config.history)  # AuxK ran (dead latents)
+    assert any(h["aux"] > 0 for h in trainer.history)  # AuxK ran (dead latents)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -373,10 +373,10 @@ def test_mixed_dtype_training_and_evaluation(kind, model_dtype, module_dtype):
         trainer, ref = _train_lorsa("cpu", recipe, model_dtype, module_dtype), _reference("lorsa", recipe)
     else:
         trainer, ref = _train_coder("transcoder", "cpu", model_dtype, module_dtype), _reference("transcoder")
-    for h in trainer.config.history:
+    for h in trainer.history:
         assert all(torch.isfinite(torch.tensor(v)) for v in h.values()), h
     assert all(p.dtype == module_dtype for p in trainer.module.parameters())
-    assert _rel(trainer.config.history[0]["fvu"], ref.config.history[0]["fvu"]) < REL_FVU
+    assert _rel(trainer.history[0]["fvu"], ref.history[0]["fvu"]) < REL_FVU
 
     def run(t: Trainer, dtype: torch.dtype):
         model, _, _ = _model("cpu", dtype)
@@ -504,9 +504,9 @@ def test_bf16_lorsa_with_the_default_recipe_trains_and_evaluates_on_device(devic
     model, on the device) close to the fp32 CPU run's (``REL_FVU``, ``REL_CE``)."""
     trainer = _train_lorsa(device, "default", BF16, BF16)
     ref = _reference("lorsa", "default")
-    for h in trainer.config.history:
+    for h in trainer.history:
         assert all(torch.isfinite(torch.tensor(v)) for v in h.values()), h
-    assert _rel(trainer.config.history[0]["fvu"], ref.config.history[0]["fvu"]) < REL_FVU
+    assert _rel(trainer.history[0]["fvu"], ref.history[0]["fvu"]) < REL_FVU
     dev = torch.device(device).type
     assert {(p.device.type, p.dtype) for p in trainer.module.parameters()} == {(dev, BF16)}
     assert all(v.device.type == dev for st in trainer.optimizer.state.values() for k, v in st.items() if k != "step")

@@ -5,6 +5,8 @@ at step ``s`` is theirs at ``s + 1``: ours reaches ``r`` on the last step, their
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from nnsight_lorsa.training.schedule import wsd_lr_factor
 
@@ -29,3 +31,20 @@ def test_our_schedule_is_the_authors_with_the_decay_one_step_earlier(total, warm
             assert ours[s] == pytest.approx(_theirs(s + 1, total, warm, cool, r), rel=1e-12, abs=1e-15), s
     assert ours[-1] == pytest.approx(r, abs=1e-15)
     assert _theirs(total - 1, total, warm, cool, r) == pytest.approx(r + (1 - r) / cool)
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(1, 400), warmup_frac=st.floats(0.0, 1.0), decay_frac=st.floats(0.0, 1.0),
+       r=st.sampled_from([0.0, 1 / 32, 0.1, 0.5]))
+def test_every_step_is_the_smaller_of_the_warmup_ramp_and_the_decay_line(total, warmup_frac, decay_frac, r) -> None:
+    """Any run length and fractions (``warmup_frac + decay_frac <= 1``, as ``TrainConfig`` requires): the factor is
+    ``min(1, (s + 1) / W, the decay line)`` as the authors' ``min``. A decay over the whole run with a warmup of under
+    one step (``W`` forced to 1) overlapped the two at step 0, where the warmup's 1.0 won: ``T = 4, decay_frac = 1``
+    gave ``[1.0, 0.5, 0.25, 0.0]``, now ``[0.75, 0.5, 0.25, 0.0]``."""
+    assume(warmup_frac + decay_frac <= 1.0)
+    warm, cool = max(1, int(total * warmup_frac)), int(total * decay_frac)
+    for s in range(total):
+        line = 1.0 if cool == 0 or s < total - cool else max(r, 1 - (1 - r) * (s - (total - cool) + 1) / cool)
+        assert wsd_lr_factor(s, total, warmup_frac, decay_frac, r) == pytest.approx(min(1.0, (s + 1) / warm, line),
+                                                                                    rel=1e-12, abs=1e-15), s
+    assert [wsd_lr_factor(s, 4, 0.0, 1.0) for s in range(4)] == [0.75, 0.5, 0.25, 0.0]
