@@ -68,6 +68,18 @@ def _cache_length(kwargs: dict, layer: int) -> int | None:
     return int(cache.get_seq_length(layer))
 
 
+def _cache_capacity(kwargs: dict, layer: int) -> int | None:
+    """The fixed number of key slots of the model's KV cache for ``layer`` (a static cache's ``max_cache_len``:
+    ``generate(cache_implementation="static")``, whose masks span every slot, slot ``i`` holding position ``i``);
+    None for a cache that grows (dynamic) or no cache. Host-only (no tensor read)."""
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "layer_past") if kwargs.get(k) is not None), None)
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, (list, tuple)) or not 0 <= layer < len(layers):
+        return None
+    size = getattr(layers[layer], "get_max_length", lambda: -1)()
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def _own_tokens(mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
     """Which of an attention call's own ``new`` positions are tokens (not padding): ``(batch, new)`` bool on
     ``device``, read from the model's 4-D mask ``(batch|1, 1, new, keys)`` (bool, True = may attend, or additive
@@ -270,6 +282,11 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                     tokens = torch.cat([state["tokens"][:, :past_len], tokens], 1)
                 state["tokens"] = tokens
                 mask = None if plain else tokens  # plain causal, or (batch, keys) key padding
+            if mask is not None and mask.shape[-1] != past_len + x.shape[1] \
+                    and mask.shape[-1] == _cache_capacity(kwargs, layer) and mask.shape[-1] > past_len + x.shape[1]:
+                # a static cache: the mask spans every slot, the slots past these positions empty (masked); the
+                # Lorsa's own keys are the positions so far
+                mask = mask[..., :past_len + x.shape[1]]
             if mask is not None and mask.shape[-1] != past_len + x.shape[1]:
                 raise LorsaError(f"layer {layer}: attention mask over {mask.shape[-1]} keys, expected "
                                  f"{past_len} cached + {x.shape[1]} new positions")

@@ -206,7 +206,11 @@ def _loc(target: Bound, positions: Positions, edit: bool = True) -> tuple[Any, t
         target.replacement.check_editable(target.target)
     tensor, cols = target.location()
     check_positions(positions, int(tensor.shape[1]))
-    check_not_padding(noted_padding(), positions, "positions")  # once padding_mask() read the batch's mask
+    mask = noted_padding()  # once padding_mask() read the batch's mask
+    if mask is not None and mask.shape[1] == tensor.shape[1]:
+        # (not in a cached step of a generation: its positions are the rows' new tokens, none of them padding —
+        # until 2026-11-29 positions=0 there was refused by the prompt's mask)
+        check_not_padding(mask, positions, "positions")
     return tensor, index_at(cols, positions)
 
 

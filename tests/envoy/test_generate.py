@@ -337,3 +337,71 @@ def test_transcoder_under_beam_search_is_allowed():
         tcs.replace(layer=LAYER)
         out = nnsight.save(tracer.result)
     assert out.shape == (1, 9)
+
+
+@pytest.mark.parametrize(("family", "attn"), [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"),
+                                              ("gemma2", "eager"), ("qwen3", "sdpa")])
+def test_lorsa_generate_with_a_static_cache_matches_no_cache_loop(family, attn):
+    """``generate(cache_implementation="static")``: the model's masks span every slot of the preallocated cache, so a
+    Lorsa on a full-attention layer (Gemma-2's layer 1 too) was refused at the prompt's forward — ``LorsaError:
+    attention mask over 11 keys, expected 0 cached + 7 new positions`` — even with ``error=True`` and no edit. The
+    slots past the positions so far are empty: the Lorsa takes the mask over its own keys. A left-padded batch."""
+    model, _, lorsa = lorsa_set(family, attn)
+    ids = random_ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 1
+    setup = lambda: lorsa.replace(layer=LAYER)  # noqa: E731
+    static = {**GEN, "cache_implementation": "static"}
+    with model.generate({"input_ids": ids, "attention_mask": mask}, **static) as tracer:
+        setup()
+        logits = nnsight.save([])
+        for _ in tracer.iter[:STEPS]:
+            logits.append(unembed(model).output[:, -1].clone())
+        out = nnsight.save(tracer.result)
+    seq, ref = no_cache_loop(model, ids, setup, mask=mask)
+    assert_same(out, logits, seq, ref)
+    with model.generate({"input_ids": ids, "attention_mask": mask}, **static) as tracer:  # the unmodified model
+        plain = nnsight.save(tracer.result)
+    with model.generate({"input_ids": ids, "attention_mask": mask}, **static) as tracer:
+        lorsa.replace(layer=LAYER, error=True)
+        exact = nnsight.save(tracer.result)
+    assert torch.equal(exact, plain) and not torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_an_edit_stored_by_model_edit_acts_on_the_prompt_pass_and_with_all_on_every_token(error):
+    """``model.edit()`` with a ``replace`` and an edit of its internals, then ``edited.generate``: the replacement is
+    spliced at every token, the stored edit — as any stored edit in nnsight, of the model's own modules too — acts
+    on the first forward (the prompt's) only; ``for _ in tracer.all():`` around it in the edit block makes it act on
+    every token. (docs/nnsight.md said every token for both until 2026-11-29: the edit stopped after the prompt.)"""
+    model, _, lorsa = lorsa_set("llama")
+    ids = random_ids(1, 6, seed=3)
+    n = ids.shape[1]
+
+    def ablated(prompt_only: bool):
+        def setup():
+            site = lorsa.replace(layer=LAYER, error=error)
+            if prompt_only:
+                site.hook_z.output[:, :n] = 0
+            else:
+                site.hook_z.output[:] = 0
+        return setup
+
+    with model.edit() as (_, once):
+        lorsa.replace(layer=LAYER, error=error).hook_z.output[:] = 0
+    with model.edit() as (tracer, every):
+        site = lorsa.replace(layer=LAYER, error=error)
+        for _ in tracer.all():
+            site.hook_z.output[:] = 0
+    for edited, prompt_only in ((once, True), (every, False)):
+        with edited.generate(ids, **GEN) as tracer:
+            logits = nnsight.save([])
+            for _ in tracer.iter[:STEPS]:
+                logits.append(unembed(edited).output[:, -1].clone())
+            out = nnsight.save(tracer.result)
+        seq, ref = no_cache_loop(model, ids, ablated(prompt_only))
+        assert_same(out, logits, seq, ref)
+    # the two readings differ after the prompt's step (the test tells them apart)
+    once_ref, every_ref = no_cache_loop(model, ids, ablated(True))[1], no_cache_loop(model, ids, ablated(False))[1]
+    assert max(rel_err(a, b) for a, b in zip(once_ref[1:], every_ref[1:], strict=True)) > 100 * REL

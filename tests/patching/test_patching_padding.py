@@ -186,3 +186,31 @@ def test_prepare_first_in_the_body_arms_the_check(setup):
         model.model.layers[0].output.save()
         r.prepare([target])
         ablate(r(target), positions=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("target", TARGETS, ids=str)
+def test_a_cached_generation_step_takes_position_0_of_a_padded_batch(setup, target):
+    """In ``model.generate`` over a left-padded batch, a cached step's positions are the rows' new tokens: an edit at
+    ``positions=0`` there is the edit at ``-1`` (the same, only, position). It was refused with the prompt's mask
+    (``position(s) 0 are padding in rows [1, 2]``); at the prompt's step (step 0) it still is."""
+    model, r = setup
+    ps = prompts([9, 4, 7], seed=5)
+    gen = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=1)
+
+    def run(position: int):
+        with model.generate(ps, **gen) as tracer:
+            r.prepare([target])
+            for step in tracer.iter[:3]:
+                if step >= 1:
+                    ablate(r(target), positions=position)
+                    read(r(target))  # the step's value, after the edit
+            out = nnsight.save(tracer.result)
+        return out
+
+    first, last = run(0), run(-1)
+    assert torch.equal(first, last)
+    with pytest.raises(ArgumentError, match=r"position\(s\) 0 are padding in rows \[1, 2\]"):
+        with model.generate(ps, **gen) as tracer:
+            r.prepare([target])
+            ablate(r(target), positions=0)
