@@ -210,7 +210,7 @@ def test_a_cached_generation_step_takes_position_0_of_a_padded_batch(setup, targ
 
     first, last = run(0), run(-1)
     assert torch.equal(first, last)
-    with pytest.raises(ArgumentError, match=r"position\(s\) 0 are padding in rows \[1, 2\]"):
-        with model.generate(ps, **gen) as tracer:
-            r.prepare([target])
-            ablate(r(target), positions=0)
+    with pytest.raises(ArgumentError, match=r"position\(s\) 0 are padding in rows \[1, 2\]"), \
+            model.generate(ps, **gen):
+        r.prepare([target])
+        ablate(r(target), positions=0)
