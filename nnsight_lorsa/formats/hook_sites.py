@@ -47,9 +47,9 @@ from .._repr import FieldsRepr
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["MLP_INPUT_HOOKS", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO", "check_mlp_hooks",
-           "has_resid_mid", "hook_record", "mlp_site_io", "rms_normalized", "sae_site_path", "site_record",
-           "sparsify_hookpoint_site", "transcoder_layer", "transformer_lens_hook_site"]
+__all__ = ["MLP_INPUT_HOOKS", "MLP_IN_HOOK", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO",
+           "check_mlp_hooks", "has_resid_mid", "hook_record", "mlp_site_io", "rms_normalized", "sae_site_path",
+           "site_record", "sparsify_hookpoint_site", "transcoder_layer", "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,11 @@ def transcoder_layer(module: Any) -> int | None:
 #: module's call) in every family: its ``ReplacementMLP.hook_in`` / ``hook_out`` (TransformerLens backend) and its
 #: nnsight mapping's ``mlp.hook_in`` = the pre-MLP norm's output, ``mlp.hook_out`` = the MLP's output
 #: (``utils/tl_nnsight_mapping.py``); TransformerLens's ``hook_mlp_in`` is the MLP's input too
-MLP_INPUT_HOOKS = ("mlp.hook_in", "hook_mlp_in")
+#: the MLP module's input (the pre-MLP norm's output, gain included): circuit-tracer's ``ReplacementMLP.hook_in``,
+#: TransformerLens 3's ``mlp.hook_in``. Not ``hook_mlp_in``: TransformerLens's (legacy ``components/
+#: transformer_block.py``: ``ln2(hook_mlp_in(resid_mid))``; 3.9's ``BlockBridge``: "pre-ln2") is the residual the
+#: pre-MLP norm reads, :data:`MLP_IN_HOOK`
+MLP_INPUT_HOOKS = ("mlp.hook_in",)
 MLP_OUTPUT_HOOKS = ("mlp.hook_out",)
 #: ``ln2.hook_normalized`` (the pre-MLP norm's ``x / rms`` or ``(x − mean) / std``, before its gain and bias) is the
 #: MLP input where that norm's gain is all ones and its bias zero, else computed from the norm's input where the norm
@@ -233,6 +237,9 @@ POST_NORM_OUTPUT_HOOK = "hook_mlp_out"
 
 
 RESID_MID_HOOK = "hook_resid_mid"
+#: TransformerLens's ``hook_mlp_in``: the input of the pre-MLP norm — ``resid_mid``, under GPT-NeoX's parallel residual
+#: ``resid_pre`` (the layer's input, which its pre-MLP norm reads), the MLP's own input without a pre-MLP norm (OLMo-2)
+MLP_IN_HOOK = "hook_mlp_in"
 
 
 def has_resid_mid(adapter: Any) -> bool:
@@ -330,7 +337,8 @@ def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
     """Where ``module`` (a transcoder, CLT, or :class:`~nnsight_lorsa.modules.clt.CLTLayer`) reads and writes at
     ``layer``, by its circuit-tracer hooks (:func:`check_mlp_hooks` accepted them):
 
-    - input: ``hook_resid_mid`` → the pre-MLP norm's input; ``ln2.hook_normalized`` → the MLP's input where the
+    - input: ``hook_resid_mid`` and ``hook_mlp_in`` → the pre-MLP norm's input (under a parallel residual, where
+      ``hook_mlp_in`` is the layer's input, too); ``ln2.hook_normalized`` → the MLP's input where the
       norm's gain is 1, else (an RMSNorm, e.g. GemmaScope on Gemma-2's ``1 + weight`` gain) ``x / rms(x)`` of the
       norm's input, computed as the norm computes it (:func:`rms_normalized`); otherwise the MLP's input;
     - output: ``hook_mlp_out`` in a family with post-norms (Gemma-2/3) → ``post_feedforward_layernorm``'s output
@@ -345,7 +353,7 @@ def mlp_site_io(module: Any, adapter: Any, root: Any, layer: int) -> MLPSiteIO:
     mlp = adapter.mlp_path(layer)
     inp, eps = mlp, None
     hook = record.get("feature_input_hook")
-    if hook == RESID_MID_HOOK:  # the pre-MLP norm's input; the MLP's own without one (OLMo-2)
+    if hook in (RESID_MID_HOOK, MLP_IN_HOOK):  # the pre-MLP norm's input; the MLP's own without one (OLMo-2)
         inp = adapter.mlp_norm_path(layer) or mlp
     elif hook == NORMALIZED_HOOK and adapter.mlp_norm_path(layer) is None:  # check_mlp_hooks refuses it first
         raise UnsupportedArchitectureError(f"{adapter.family}: ln2.hook_normalized at layer {layer}: {NO_PRE_NORM}")
@@ -389,6 +397,8 @@ def _hook_problem(key: str, hook: Any, root: Any, adapter: Any, layer: int) -> s
                     "(build the set after the model's weights load)" if same is None else
                     f"{adapter.mlp_norm_path(layer)!r} has a gain ≠ 1 (or a bias) and is no RMSNorm: the MLP reads "
                     "the norm's output with its gain, ln2.hook_normalized is the normalised residual before it")
+        if hook == MLP_IN_HOOK:
+            return None  # read at the pre-MLP norm's input (the layer's input under a parallel residual): input_path
         if hook == RESID_MID_HOOK:
             if not has_resid_mid(adapter):
                 return (f"{adapter.family} with a parallel residual has no residual stream between the attention and "

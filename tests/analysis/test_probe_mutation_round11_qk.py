@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYER, coordinate_sae, make_lorsa, make_transcoder, random_ids, tiny_nnsight
+from helpers import LAYER, coordinate_sae, make_lorsa, random_ids, tiny_nnsight
 
 from nnsight_lorsa import LorsaSet, ReplacementModel, get_adapter
 from nnsight_lorsa.analysis import QKFeatureImpacts, qk_feature_impacts
@@ -94,12 +94,15 @@ def tiny_bundle(tiny_qwen3):
 def test_an_sae_reading_another_width_is_refused_even_if_it_writes_d_model(tiny_bundle):
     """The documented ``ConfigMismatchError``: the SAE must *read* and write the Lorsa's input (``d_in`` and
     ``W_dec``'s width both ``d_model``); a coder whose decoder writes ``d_model`` but whose encoder reads another
-    width (a transcoder from ``d_model + 4``) is refused by name before the model runs (mutant E6: ``d_in`` not
-    compared: the coder accepted, numbers returned here, where head 0 never fires and ``encode`` never runs)."""
+    width (an object of another library with ``cfg.d_in = d_model + 4``; a transcoder of ours is refused as a
+    transcoder since 2026-11-29) is refused by name before the model runs (mutant E6: ``d_in`` not compared: the
+    coder accepted, numbers returned here, where head 0 never fires and ``encode`` never runs)."""
+    import types
+
     rm, lorsa = tiny_bundle
     d = lorsa.cfg.d_model
-    coder = make_transcoder(skip=False, d_in=d + 4, d_out=d, d_sae=16)
-    assert coder.W_dec.shape == (16, d)
+    coder = types.SimpleNamespace(W_dec=torch.zeros(16, d), cfg=types.SimpleNamespace(d_in=d + 4),
+                                  encode=lambda x: torch.zeros(*x.shape[:-1], 16))
     with pytest.raises(ConfigMismatchError, match=rf"it has d_in={d + 4}"):
         qk_feature_impacts(rm, LAYER, 0, coder, random_ids(batch=1, seq=4, seed=1))
 

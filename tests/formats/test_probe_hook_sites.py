@@ -150,9 +150,10 @@ def test_the_hook_table_names_the_unmapped_hook():
 
 
 # ------------------------------------------------------------------ transcoders by their circuit-tracer hooks
-#: circuit-tracer ``feature_input_hook`` / ``feature_output_hook`` values the package accepts (``hook_mlp_in`` left
-#: out: legacy TransformerLens and TransformerLens 3 disagree on it, docs/reliability.md)
-TC_INPUT_HOOKS = ("mlp.hook_in", "hook_resid_mid", "ln2.hook_normalized")
+#: circuit-tracer ``feature_input_hook`` / ``feature_output_hook`` values the package accepts (``hook_mlp_in``: the
+#: pre-MLP norm's input in legacy TransformerLens and in TransformerLens 3.9's ``BlockBridge`` alike; until
+#: 2026-11-29 read as the MLP's input, one norm late)
+TC_INPUT_HOOKS = ("mlp.hook_in", "hook_resid_mid", "ln2.hook_normalized", "hook_mlp_in")
 TC_OUTPUT_HOOKS = ("mlp.hook_out", "hook_mlp_out")
 
 
@@ -190,6 +191,8 @@ def reference_transcoder_hooks(hf, layer, in_hook, out_hook, transcoder, seen):
         x = args[0] if args else kwargs["hidden_states"]
         if in_hook == "mlp.hook_in":
             value = x
+        elif in_hook == "hook_mlp_in" and getattr(hf.config, "use_parallel_residual", False):
+            value = parts["pre"]  # TransformerLens: hook_mlp_in(resid_pre) under a parallel residual
         else:
             mid = parts["pre"] + parts["attn"]
             if in_hook == "ln2.hook_normalized":
@@ -228,6 +231,10 @@ def test_a_transcoder_placed_by_its_hooks_reads_and_replaces_those_tensors(famil
     ("gemma2", "hook_resid_mid", "hook_mlp_out", "saelens"),
     ("gpt2", "ln2.hook_normalized", "mlp.hook_out", "saelens"),  # LayerNorm with a gain: refused by name
     ("neox", "hook_resid_mid", "mlp.hook_out", "llamascopium"),  # parallel residual: refused by name
+    ("llama", "hook_mlp_in", "mlp.hook_out", "saelens"),  # the residual before the norm (was: the MLP input)
+    ("neox", "hook_mlp_in", "mlp.hook_out", "saelens"),  # parallel residual: the layer's input
+    ("gemma2", "hook_mlp_in", "hook_mlp_out", "circuit_tracer"),
+    ("olmo2", "hook_mlp_in", "mlp.hook_out", "llamascopium"),  # no pre-MLP norm: the MLP's input
 ])
 @pytest.mark.parametrize("dt", tuple(DTYPES))
 def test_saelens_and_llamascopium_transcoders_run_where_their_hook_names_say(family, in_hook, out_hook, source, dt):
