@@ -19,6 +19,7 @@ from .._checks import check_flag
 from .._placement import to_module
 from ..adapters.base import ArchitectureAdapter
 from ..errors import ConfigMismatchError, LayerOutOfRangeError, LorsaError, UnsupportedGenerationError
+from ..formats.hook_sites import check_lorsa_hooks, fold_attention_norm_
 from ..modules.lorsa import Lorsa, LorsaKV
 from .nnsight_internals import current_worker, hf_module, run_kwargs, traced_method
 from .replacement_set import ReplacementSet, load_keyed, replace_keys
@@ -132,7 +133,11 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
 
         Raises:
             ConfigMismatchError: a Lorsa whose ``d_model`` differs from the model's, or trained for another layer
-                (``cfg.layer``).
+                (``cfg.layer``); a Llamascopium Lorsa reading TransformerLens's ``ln1.hook_normalized`` (before the
+                norm's gain) not folded (:func:`~..formats.hook_sites.check_lorsa_hooks`: load it with
+                :meth:`from_pretrained`).
+            UnsupportedArchitectureError: a Llamascopium Lorsa whose hooks name another tensor than the attention's
+                input and output (``hook_attn_out`` after Gemma-2/3's and OLMo-2's post-attention norm).
             LayerOutOfRangeError: ``key`` not a layer in ``[0, n_layers)``.
 
         Source: ours (the shared contract of this package's replacement sets).
@@ -145,6 +150,7 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             )
         if cfg.layer is not None and cfg.layer != layer:
             raise ConfigMismatchError(f"Lorsa was trained for layer {cfg.layer}, not layer {layer}")
+        check_lorsa_hooks(module, self.adapter, hf_module(self.model), layer)
         return layer
 
     def missing(self, key: Any) -> Exception:
@@ -188,6 +194,13 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
         or ``"llamascopium"``; ``kwargs`` go to the reader (``device``, ``dtype``, ``weights_folded``,
         ``revision``, …). The layer is the folder's ``layer_<L>`` name, else the checkpoint's ``cfg.layer``.
 
+        A Lorsa of the authors' (Llamascopium) reads TransformerLens's ``ln1.hook_normalized`` — the pre-attention
+        norm **before** its gain and bias, which TransformerLens folds into the attention's weights — and the
+        attention reads the norm's output: the layer's gain and bias are folded into its ``W_Q``, ``W_K``, ``W_V``
+        here (:func:`~..formats.hook_sites.fold_attention_norm_`; ``W ← diag(1/g) W``), so that it computes on the
+        attention's input what it computed on theirs. Its ``hook_attn_out`` must be the attention module's output:
+        on Gemma-2/3 and OLMo-2 TransformerLens takes it after the post-attention norm, refused.
+
         Raises:
             CheckpointError: no recognisable checkpoint (``FormatDetectionError``), a malformed one.
             ConfigMismatchError: a checkpoint that holds no Lorsa, names no layer, or a second one
@@ -201,8 +214,11 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
             named = out.key_of_folder(name)
             return named if named is not None else module.cfg.layer
 
-        out.update(load_keyed(model, sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer",
-                              **kwargs))
+        loaded = load_keyed(model, sources, Lorsa, layer_of, format=format, noun="a Lorsa", key_name="layer", **kwargs)
+        for layer, lorsa in loaded.items():  # a Llamascopium Lorsa reads the norm before its gain: folded in
+            if isinstance(layer, int) and 0 <= layer < out.adapter.n_layers:
+                fold_attention_norm_(lorsa, out.adapter, hf_module(model), layer)
+        out.update(loaded)
         return out
 
     # -------------------------------------------------------------- splicing

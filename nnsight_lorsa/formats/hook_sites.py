@@ -47,9 +47,11 @@ from .._repr import FieldsRepr
 from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
-__all__ = ["MLP_INPUT_HOOKS", "MLP_IN_HOOK", "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO",
-           "check_mlp_hooks", "has_resid_mid", "hook_record", "mlp_site_io", "rms_normalized", "sae_site_path",
-           "site_record", "sparsify_hookpoint_site", "transcoder_layer", "transformer_lens_hook_site"]
+__all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE", "MLP_INPUT_HOOKS", "MLP_IN_HOOK",
+           "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO", "check_lorsa_hooks", "check_mlp_hooks",
+           "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
+           "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
+           "transformer_lens_hook_site"]
 
 
 @dataclass(frozen=True)
@@ -454,3 +456,150 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
                     f"{why}; "
                     "attaching it there would compute something it was not trained on (docs/formats.md, "
                     "circuit-tracer hooks)")
+
+
+# ------------------------------------------------------------------ a Lorsa's hooks (Llamascopium files)
+#: TransformerLens's ``ln1.hook_normalized``: the pre-attention norm **before** its gain and bias (``RMSNormPre`` /
+#: ``LayerNormPre`` once ``fold_ln`` folded them into ``W_Q``, ``W_K``, ``W_V``) — what Llamascopium, loading the
+#: model through TransformerLens with its default processing (``backend/language_model.py``:
+#: ``load_and_process_state_dict``), feeds a Lorsa whose ``hook_point_in`` names it
+ATTENTION_NORMALIZED_HOOK = "ln1.hook_normalized"
+#: TransformerLens's ``hook_attn_out``: the attention output added to the residual — after the post-attention norm
+#: where there is one (Gemma-2/3, OLMo-2: ``components/transformer_block.py``)
+ATTENTION_OUTPUT_HOOK = "hook_attn_out"
+#: a Lorsa that reads the attention module's input and replaces its output (every Lorsa of this package; a
+#: Llamascopium one once :func:`fold_attention_norm_` folded the norm in): ``cfg.extra["llamascopium"]["site"]``
+ATTENTION_SITE = "attention"
+
+
+def _lorsa_record(lorsa: Any) -> dict[str, Any] | None:
+    extra = getattr(lorsa.cfg, "extra", None)
+    record = extra.get("llamascopium") if isinstance(extra, dict) else None
+    return record if isinstance(record, dict) and ("hook_point_in" in record or "hook_point_out" in record) else None
+
+
+def lorsa_reads_attention_input(lorsa: Any) -> bool:
+    """Whether ``lorsa`` reads the attention module's input (the pre-attention norm's output, gain included) and
+    writes its output — a Lorsa of this package, a file this package wrote, or a Llamascopium Lorsa whose norm
+    :func:`fold_attention_norm_` folded in — rather than the TransformerLens hooks its Llamascopium file names."""
+    record = _lorsa_record(lorsa)
+    return record is None or record.get("site") == ATTENTION_SITE
+
+
+def _attention_norm(adapter: Any, root: Any, layer: int) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
+    path = adapter.attention_norm_path(layer)
+    norm = root.get_submodule(path)
+    bias = getattr(norm, "bias", None)
+    return path, norm_gain(norm), None if bias is None else bias.detach()
+
+
+def _lorsa_hook_problem(lorsa: Any, adapter: Any, root: Any, layer: int) -> tuple[type, str] | None:
+    """``(error class, why)`` a Llamascopium Lorsa cannot run at layer ``layer``'s attention as its hooks say (its
+    norm not yet folded in), or None."""
+    record = _lorsa_record(lorsa)
+    if record is None or record.get("site") == ATTENTION_SITE:
+        return None
+    problem = _hooks_problem(record, adapter, layer)
+    if problem is not None:
+        return problem
+    path, gain, bias = _attention_norm(adapter, root, layer)
+    if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
+        return ConfigMismatchError, (f"its input is {path!r} before the norm's gain, and the model's weights are not "
+                                     "loaded yet (build the set after they load)")
+    if (gain is None or bool((gain == 1).all())) and (bias is None or not bool(bias.any())):
+        return None  # the norm's output is ln1.hook_normalized itself
+    return ConfigMismatchError, (
+        f"it reads TransformerLens's ln1.hook_normalized, {path!r} BEFORE its gain and bias, while the attention "
+        "reads the norm's output: load it with LorsaSet.from_pretrained(model, directory), which folds the norm's "
+        "gain and bias into its W_Q, W_K, W_V")
+
+
+def _hooks_problem(record: dict[str, Any], adapter: Any, layer: int) -> tuple[type, str] | None:
+    """What in a Llamascopium Lorsa's hooks layer ``layer``'s attention site cannot give, whatever the norm's
+    weights: a hook of another layer, another input or output hook, a post-attention norm, no pre-attention norm."""
+    family = adapter.family
+    for key in ("hook_point_in", "hook_point_out"):
+        m = _TL.match(record.get(key) or "")
+        if m is not None and int(m.group(1)) != layer:
+            return ConfigMismatchError, f"its {key} {record[key]!r} is layer {m.group(1)}, not layer {layer}"
+    hook_in, hook_out = (_tl_suffix(record.get(k)) for k in ("hook_point_in", "hook_point_out"))
+    if hook_out != ATTENTION_OUTPUT_HOOK:
+        return UnsupportedArchitectureError, (f"its hook_point_out {record.get('hook_point_out')!r} is not the "
+                                              "attention's output (hook_attn_out), which a LorsaSet replaces")
+    if adapter.attention_post_norm_path(layer) is not None:
+        return UnsupportedArchitectureError, (
+            f"TransformerLens's hook_attn_out on {family} is the post-attention norm's output "
+            f"({adapter.attention_post_norm_path(layer)!r}), which a LorsaSet does not replace (it replaces the "
+            "attention module's output, before that norm)")
+    if hook_in != ATTENTION_NORMALIZED_HOOK:
+        return UnsupportedArchitectureError, (f"its hook_point_in {record.get('hook_point_in')!r} is not the "
+                                              "attention's normalised input (ln1.hook_normalized)")
+    if adapter.attention_norm_path(layer) is None:
+        return UnsupportedArchitectureError, (
+            f"{family} has no pre-attention norm: TransformerLens's ln1 there is the post-attention norm, so "
+            "ln1.hook_normalized is no input of the attention")
+    return None
+
+
+def check_lorsa_hooks(lorsa: Any, adapter: Any, root: Any, layer: int) -> None:
+    """Refuse a Lorsa whose Llamascopium file names hooks (``hook_point_in`` / ``hook_point_out``, kept by the
+    loader in ``cfg.extra["llamascopium"]``) that layer ``layer``'s attention site does not give: the site reads the
+    attention module's input (the pre-attention norm's output, gain and bias included) and replaces its output.
+    Accepted: a Lorsa without such hooks or marked :data:`ATTENTION_SITE` (this package's, or folded by
+    :func:`fold_attention_norm_`); ``ln1.hook_normalized`` → ``hook_attn_out`` where the pre-attention norm has gain
+    1 and no bias and the family no post-attention norm.
+
+    Raises:
+        ConfigMismatchError: ``ln1.hook_normalized`` before a norm with a gain or bias, not folded (load it with
+            ``LorsaSet.from_pretrained``); the norm's weights on ``meta``; a hook of another layer.
+        UnsupportedArchitectureError: another input or output hook; ``hook_attn_out`` on a family with a
+            post-attention norm (Gemma-2/3, OLMo-2: TransformerLens takes it after that norm); no pre-attention norm.
+
+    Source: Llamascopium ``backend/language_model.py`` (TransformerLens with ``fold_ln``); TransformerLens
+    ``components/rms_norm_pre.py``, ``components/transformer_block.py``.
+    """
+    problem = _lorsa_hook_problem(lorsa, adapter, root, layer)
+    if problem is not None:
+        error, why = problem
+        raise error(f"{adapter.family}: the Lorsa for layer {layer} cannot run at its attention: {why}")
+
+
+def fold_attention_norm_(lorsa: Any, adapter: Any, root: Any, layer: int) -> bool:
+    """Fold layer ``layer``'s pre-attention norm into a Llamascopium Lorsa that reads TransformerLens's
+    ``ln1.hook_normalized`` (the norm before its gain ``g`` and bias ``b``), so that it reads the attention module's
+    input ``x = g ⊙ x̂ + b`` as every Lorsa of this package does: ``W ← diag(1/g) W``, ``b ← b − (b_norm / g) W`` for
+    ``W_Q``, ``W_K``, ``W_V`` (in float64, cast back; the same values up to rounding of the model's dtype), and
+    marks it :data:`ATTENTION_SITE`. Nothing for a Lorsa without such a file record, or one already marked; False
+    then (and where :func:`check_lorsa_hooks` refuses it: another hook, no pre-attention norm, weights on ``meta``).
+
+    Raises:
+        ConfigMismatchError: a gain with zeros (that coordinate of ``x̂`` is lost in ``x``).
+
+    Source: TransformerLens ``HookedTransformer.fold_layer_norm`` (the fold it undoes); Llamascopium
+    ``models/lorsa.py`` (``init_from_mhsa`` from the folded ``W_Q``).
+    """
+    record = _lorsa_record(lorsa)
+    if record is None or record.get("site") == ATTENTION_SITE or _hooks_problem(record, adapter, layer) is not None:
+        return False
+    path, gain, bias = _attention_norm(adapter, root, layer)
+    if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
+        return False
+    with torch.no_grad():
+        device = lorsa.W_Q.device
+        g = torch.ones(lorsa.cfg.d_model, dtype=torch.float64, device=device) if gain is None else \
+            gain.to(device=device, dtype=torch.float64)
+        if bool((g == 0).any()):
+            raise ConfigMismatchError(
+                f"{adapter.family}: {path!r} has {int((g == 0).sum())} zero gains: the attention's input holds "
+                "nothing of those coordinates of ln1.hook_normalized, which the Lorsa reads")
+        shift = None if bias is None else bias.to(device=device, dtype=torch.float64) / g
+        for weight, b, spec in ((lorsa.W_Q, lorsa.b_Q, "hde,d->he"), (lorsa.W_K, lorsa.b_K, "hde,d->he"),
+                                (lorsa.W_V, lorsa.b_V, "nd,d->n")):
+            w64 = weight.double()
+            if shift is not None:
+                b.copy_((b.double() - torch.einsum(spec, w64, shift)).to(b.dtype))
+            scale = g[None, :, None] if weight.dim() == 3 else g[None, :]
+            weight.copy_((w64 / scale).to(weight.dtype))
+    record["site"] = ATTENTION_SITE
+    record["attention_norm_folded"] = path
+    return True

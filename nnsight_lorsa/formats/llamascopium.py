@@ -170,7 +170,8 @@ from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from ..modules.rotary import RotaryConfig, rotary_cos_sin
-from .files import load_safetensors, read_json_object
+from .files import load_safetensors, read_json_object, read_safetensors_header
+from .hook_sites import ATTENTION_SITE, lorsa_reads_attention_input
 from .reader import Parsed, Reader, read
 from .validate import (
     Field,
@@ -189,6 +190,10 @@ from .validate import (
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
+#: safetensors header key of files this package writes: :data:`~.hook_sites.ATTENTION_SITE` when the Lorsa reads the
+#: attention module's input (the pre-attention norm's output, gain included) and writes its output, as every Lorsa
+#: of this package does — their files (TransformerLens's ``ln1.hook_normalized``, before the gain) carry none
+SITE_METADATA_KEY = "nnsight_lorsa.site"
 TRAINER_STATE_FILE = "trainer.pt"  # their Trainer.save_checkpoint's pickle: only its presence is checked
 NORM_PREFIX = "dataset_average_activation_norm."
 # buffers their module registers (validated when present) or that some versions add (ignored)
@@ -500,6 +505,8 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
     cfg, settings = parsed.config, parsed.settings
     weights_path = _require_weights(directory)
     state = load_safetensors(weights_path)
+    # written by this package: its Lorsa reads the attention's input (SITE_METADATA_KEY); their files say nothing
+    site = read_safetensors_header(weights_path)[1].get(SITE_METADATA_KEY)
     params, norms_raw = _split_state(weights_path, state, cfg, settings["n_ctx"], settings["rotary_scale"])
     table = state.get("rotary_cos")
     if cfg.rotary is not None and table is not None and table.dtype in (torch.bfloat16, torch.float16):
@@ -542,6 +549,7 @@ def load_weights(directory: Path, parsed: Parsed) -> dict[str, torch.Tensor]:
             "decoder_norm_folded_by_loader": settings["sparsity_include_decoder_norm"],
             "stored_dtype": str(settings["stored_dtype"]).removeprefix("torch."),
             "source_config": settings["source_config"],
+            **({"site": ATTENTION_SITE} if site == ATTENTION_SITE else {}),
         }
     }
     return w
@@ -612,6 +620,13 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     ``cfg.extra["llamascopium"]`` (a Lorsa loaded from their files), else TransformerLens names of
     ``cfg.layer`` (``blocks.<L>.ln1.hook_normalized`` / ``blocks.<L>.hook_attn_out``) and 2048.
 
+    A Lorsa of this package reads the attention module's input — the pre-attention norm's output, **gain (and
+    bias) included** — where TransformerLens's ``ln1.hook_normalized`` (what Llamascopium feeds a Lorsa) is before
+    them: the file says so in its safetensors header (``nnsight_lorsa.site: attention``), which
+    :class:`~nnsight_lorsa.envoy.lorsa_set.LorsaSet` reads back (no fold), but Llamascopium ignores — there it
+    computes what it was trained on only where the layer's pre-attention norm has gain 1 and no bias. A Lorsa loaded
+    from their files and not folded (``load``) is written without the mark, as it came.
+
     Raises:
         UnsupportedArchitectureError: RoPE their config cannot express (``rope_type`` other than
             default/llama3, ``attention_scaling != 1``, a non-integer base).
@@ -668,7 +683,8 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     else:
         doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE
     text = json.dumps(doc, indent=1)
+    header = {"format": "pt", **({SITE_METADATA_KEY: ATTENTION_SITE} if lorsa_reads_attention_input(lorsa) else {})}
     with atomic_directory(directory) as stage:
-        stage.save_tensors(WEIGHTS_FILE, state, {"format": "pt"})
+        stage.save_tensors(WEIGHTS_FILE, state, header)
         stage.write_text(CONFIG_FILE, text)
     return Path(directory)
