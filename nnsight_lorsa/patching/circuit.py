@@ -23,13 +23,13 @@ from typing import Any, Literal
 import torch
 
 from .._checks import check_instance, is_collection, is_int, is_real
-from .._placement import HOST, host_f32, like
+from .._placement import HOST, host_f32
 from .._repr import FieldsRepr
 from ..envoy.replacement_model import ReplacementModel, check_replacement_model
-from ..envoy.targets import LorsaHead, MHSAHead
+from ..envoy.targets import Bound, LorsaHead, MHSAHead
 from ..errors import ArgumentError, ConfigMismatchError
 from .experiments import activation_patching, make_metric, saved_logits
-from .interventions import check_means_mode, check_prompts, refuse_inside_trace, refuse_repeats
+from .interventions import check_means_mode, check_prompts, mean_fill, refuse_inside_trace, refuse_repeats
 from .metrics import check_gap, metric_rounding
 from .tasks import TaskBatch
 
@@ -86,12 +86,24 @@ def _check_components(replacement: ReplacementModel, components: Sequence[Compon
     refuse_repeats(components, "circuit components")
 
 
-def _fill(c: Component, mode: str, means: Any) -> Any:
+def _fill(replacement: ReplacementModel, c: Component, mode: str, means: Any, site: torch.Tensor) -> Any:
+    """What ``c`` is ablated to in ``site`` (its values in the trace, ``(batch, pos[, head_dim])``): 0, or its mean
+    checked as :func:`~.interventions.ablate` checks it (a per-position mean at every position)."""
     if mode == "zero":
         return 0.0
-    if not isinstance(means, dict) or c not in means:
-        raise ConfigMismatchError(f"mode='mean' needs means[{c}] (see mean_activations)")
-    return means[c]
+    return mean_fill(Bound(c, replacement), means, site, int(site.shape[1]))
+
+
+def _check_means(replacement: ReplacementModel, components: Sequence[Component], mode: str, means: Any,
+                 seq: int) -> None:
+    """Before anything runs: each component's mean checked against a stand-in of its values on ``seq`` positions
+    (until 2026-11-29 a per-position Lorsa mean, or an MHSA mean of another length or width, was torch's
+    ``RuntimeError`` inside the trace, where :func:`~.interventions.ablate` names it)."""
+    if mode != "mean":
+        return
+    for c in components:
+        width = replacement.width(c)
+        _fill(replacement, c, mode, means, torch.zeros((1, seq) if width is None else (1, seq, width), device=HOST))
 
 
 def _keep_only(replacement: ReplacementModel, components: Sequence[Component], keep: torch.Tensor, mode: str,
@@ -118,13 +130,15 @@ def _keep_only(replacement: ReplacementModel, components: Sequence[Component], k
                     replacement.check_editable(c)
                 cols = slice(c.head * d, (c.head + 1) * d)
                 kj = k[:, j, None, None].to(device=tensor.device, dtype=tensor.dtype)
-                fill = like(_fill(c, mode, means), tensor)
+                fill = _fill(replacement, c, mode, means, tensor[:, :, cols])
                 tensor[:, :, cols] = tensor[:, :, cols] * kj + (1 - kj) * fill
         else:
             z = replacement.lorsas.replace(layer, error=replacement.error).hook_z.output
             heads = [components[i].head for i in idx]
-            fill = torch.stack([torch.as_tensor(_fill(components[i], mode, means)).to(device=z.device, dtype=z.dtype)
-                                .reshape(()) for i in idx])
+            # each head's fill (b, pos): a number, its mean, or its per-position mean
+            fill = 0.0 if mode == "zero" else torch.stack(
+                [torch.as_tensor(_fill(replacement, components[i], mode, means, z[:, :, h])).to(z).expand(z.shape[:2])
+                 for i, h in zip(idx, heads, strict=True)], -1)
             kk = k[:, None, :].to(device=z.device, dtype=z.dtype)
             z[:, :, heads] = z[:, :, heads] * kk + (1 - kk) * fill
 
@@ -184,6 +198,9 @@ def component_scores(replacement: ReplacementModel, task: TaskBatch, components:
     refuse_inside_trace("component_scores")
     check_task(replacement, task, "component_scores")
     _check_components(replacement, components)
+    check_means_mode(mode, means, "component_scores")
+    if method == "ablation":
+        _check_means(replacement, components, mode, means, int(task.clean.shape[1]))
     score = make_metric(metric, task.correct_ids, task.incorrect_ids)
     if method == "patching":
         res = activation_patching(replacement, task.clean, task.corrupt, list(components), metric=score,
@@ -268,6 +285,7 @@ metrics are fp32 on the CPU (given ``scores`` are moved there); the runs use the
     check_task(replacement, task, "circuit_size")
     _check_components(replacement, components)
     check_means_mode(mode, means, "circuit_size")
+    _check_means(replacement, components, mode, means, int(task.clean.shape[1]))
     if scores is not None and not isinstance(scores, torch.Tensor):
         raise ArgumentError(f"circuit_size: scores must be None or a (batch, n) tensor, got a {type(scores).__name__}")
     if not is_real(threshold) or not math.isfinite(threshold):

@@ -332,16 +332,30 @@ def ablate(target: Bound, mode: Literal["zero", "mean"] = "zero", means: Any = N
         tensor[idx] = 0
         _edited(target, positions, "ablate")
         return
+    # on the target's device, in its dtype (means may come from anywhere)
+    tensor[idx] = mean_fill(target, means, tensor[idx], int(tensor.shape[1]), positions)
+    _edited(target, positions, "ablate")
+
+
+def mean_fill(target: Bound, means: Any, site: torch.Tensor, seq: int, positions: Positions = None) -> Any:
+    """The value a mean ablation writes into ``site`` (the target's values at ``positions`` of a ``seq``-position
+    batch, ``(batch, n_pos[, head_dim])``): ``means[target]`` of a mapping (:func:`mean_activations`), else
+    ``means`` — a per-position mean indexed at ``positions`` (:func:`means_at`) — checked as :func:`ablate` checks it
+    and on ``site``'s device and dtype (a finite number stays a number).
+
+    Raises:
+        ConfigMismatchError: ``means`` None, or a mapping without ``target``.
+        ShapeError: means that do not fit the edited values; a per-position mean of another length than ``seq``.
+        ArgumentError: NaN / inf, or values beyond ``site``'s dtype.
+    """
     if isinstance(means, Mapping):
         if target.target not in means:
-            raise ConfigMismatchError(f"no mean for {target.target}")
+            raise ConfigMismatchError(f"no mean for {target.target} (mode='mean' needs one per target: "
+                                      "see mean_activations)")
         means = means[target.target]
     if means is None:
         raise ConfigMismatchError("mode='mean' needs means= (see mean_activations)")
-    # on the target's device, in its dtype (means may come from anywhere)
-    tensor[idx] = like(_value(target, means_at(target, means, positions, int(tensor.shape[1])), tensor[idx],
-                              "means"), tensor)
-    _edited(target, positions, "ablate")
+    return like(_value(target, means_at(target, means, positions, seq), site, "means"), site)
 
 
 def scale(target: Bound, alpha: Any, positions: Positions = None) -> None:

@@ -148,3 +148,38 @@ def test_a_control_pool_with_a_target_listed_twice_is_refused_by_name(setup):
     with pytest.raises(ConfigMismatchError, match=r"pool's targets must be distinct: MHSAHead\(layer=2, head=0\)"):
         random_ablation_control(r, task.clean, [MHSAHead(2, 0), MHSAHead(2, 1), MHSAHead(2, 0)], 2,
                                 correct_ids=task.correct_ids, incorrect_ids=task.incorrect_ids)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("per_position", [False, True])
+def test_mean_ablation_scores_are_ablation_effects_with_the_same_means(setup, per_position):
+    """``component_scores(mode="mean")`` of MHSA and Lorsa heads = ``ablation_effect`` of each alone with the same
+    means, also per position (``mean_activations(per_position=True)``: a Lorsa head's ``(pos,)`` mean was torch's
+    ``RuntimeError: shape '[]' is invalid`` inside the trace); means of another length or width are the
+    ``ShapeError`` ``ablation_effect`` names, before anything runs."""
+    from nnsight_lorsa.envoy.nnsight_internals import hf_module
+    from nnsight_lorsa.errors import ShapeError
+    from nnsight_lorsa.patching import mean_activations
+
+    r, task = setup
+    comps = [MHSAHead(0, 1), MHSAHead(LAYER, 2), LorsaHead(LAYER, 5), LorsaHead(LAYER, 9)]
+    means = mean_activations(r, comps, task.corrupt, per_position=per_position)
+    got = component_scores(r, task, comps, mode="mean", means=means)
+    kw = {"correct_ids": task.correct_ids, "incorrect_ids": task.incorrect_ids, "mode": "mean", "means": means}
+    for i, c in enumerate(comps):
+        ab = ablation_effect(r, task.clean, [c], **kw)
+        want = ab.baseline - ab.ablated
+        assert float((got[:, i] - want).abs().max()) <= 1e-5 * (float(ab.baseline.abs().max()) + 1.0), c
+    assert float(got.abs().max()) > 1e-4  # the means move the metric: the scores are not all zero
+    short = mean_activations(r, comps, task.corrupt[:, :4], per_position=True)
+    calls: list = []
+    handle = hf_module(r.model).get_input_embeddings().register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        for bad, match in ((short, "hold 4 positions"), ({**means, comps[0]: torch.zeros(17)}, "must end in head_dim")):
+            with pytest.raises(ShapeError, match=match):
+                circuit_size(r, task, comps, mode="mean", means=bad)
+            with pytest.raises(ShapeError, match=match):
+                component_scores(r, task, comps, mode="mean", means=bad)
+    finally:
+        handle.remove()
+    assert calls == []  # refused before the model ran
