@@ -225,7 +225,8 @@ def _normalization(raw: dict[str, Any], path: Path, kind: str) -> str:
 
 
 #: ``cfg.json`` ``dtype`` strings SAELens reads (``sae_lens.constants.DTYPE_MAP``; it casts the weights and
-#: every input to it). We load the stored dtype (or ``dtype=``): the same math, in at least its precision.
+#: every input to it). We load the wider of the stored dtype and it (or ``dtype=``): the same math, in at least its
+#: precision.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "torch.float32", "torch.float64", "torch.float16",
           "torch.bfloat16")
 
@@ -344,6 +345,7 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
                                extra=extra, layer=None if site is None else site["layer"])
     return Parsed(directory, cfg, {
         "architecture": arch, "kind": kind, "norm_scaling_factor": norm_scaling_factor,
+        "cfg_dtype": getattr(torch, str(raw["dtype"]).removeprefix("torch.")) if "dtype" in raw else None,
         "fold_decoder_norm": activation in ("topk", "batchtopk", "abstopk") and RESCALE.read(raw, cfg_path),
         "source": f"{CFG_FILE} (architecture {arch!r}, d_in={d_in}, d_sae={d_sae}, d_out={d_out})"})
 
@@ -384,6 +386,11 @@ def build(parsed: Parsed, state: dict[str, torch.Tensor], *, device: torch.devic
     """
     cfg, settings = parsed.config, parsed.settings
     cls = {"sae": SparseAutoencoder, "transcoder": Transcoder, "skip_transcoder": SkipTranscoder}[settings["kind"]]
+    stored = state.get("W_enc")
+    if dtype is None and settings.get("cfg_dtype") is not None and stored is not None and stored.is_floating_point():
+        # SAELens casts the weights and every input to cfg.json's dtype: at least its precision (bf16 weights
+        # stored under "dtype": "float32" were run in bf16 here until 2026-11-29, 3.7e-3 relative off)
+        dtype = torch.promote_types(stored.dtype, settings["cfg_dtype"])
     module: SparseAutoencoder | Transcoder = parsed.build_module(
         cls, state, WEIGHTS_FILE, device=device, dtype=dtype)
     extra = cfg.extra["saelens"]
@@ -446,7 +453,8 @@ def load_saelens(directory: str | os.PathLike[str], **kwargs: Any) -> SparseAuto
         kwargs: ``norm_scaling_factor`` (the ``s`` of ``normalize_activations="expected_average_only_in"``,
             folded), ``d_model`` (the model's width; a different ``d_in`` raises), ``adapter`` (resolves
             the hook site), ``subfolder`` (SAELens releases keep one folder per SAE id), ``device`` /
-            ``dtype`` (default CPU, the stored dtype), ``local_files_only`` / ``revision``.
+            ``dtype`` (default CPU, and the wider of the stored dtype and ``cfg.json``'s ``dtype``, which SAELens
+            computes in), ``local_files_only`` / ``revision``.
 
     Returns:
         :class:`SparseAutoencoder`, :class:`Transcoder` or :class:`SkipTranscoder` in eval mode

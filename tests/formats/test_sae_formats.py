@@ -629,3 +629,36 @@ def test_saving_a_module_that_is_no_sparse_coder_is_a_named_misuse(tmp_path):
     with pytest.raises(ArgumentError, match="save_sparse_coder: cannot save a Linear"):
         save_sparse_coder(torch.nn.Linear(2, 2), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(("stored", "declared", "loaded"), [
+    (torch.bfloat16, "float32", torch.float32),        # SAELens computes in fp32: so do we (was bf16)
+    (torch.bfloat16, "torch.float64", torch.float64),
+    (torch.float32, "bfloat16", torch.float32),         # at least SAELens's precision: the stored fp32 kept
+    (torch.float16, "float16", torch.float16),
+])
+def test_a_saelens_file_loads_in_at_least_the_dtype_its_cfg_says_saelens_computes_in(tmp_path, stored, declared,
+                                                                                      loaded):
+    """SAELens's ``SAE.from_pretrained`` casts the weights and every input to ``cfg.json``'s ``dtype``; the default
+    load is the wider of it and the stored dtype, and computes what fp32 arithmetic on the stored values gives."""
+    torch.manual_seed(0)
+    sae = SparseAutoencoder(SAEConfig(d_in=16, d_sae=32, activation="relu")).to(stored)
+    with torch.no_grad():
+        for p in sae.parameters():
+            p.normal_(0, 0.3)
+    save_saelens(sae, tmp_path / "s", hook_name="blocks.1.hook_resid_post")
+    cfg_path = tmp_path / "s" / "cfg.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["dtype"] = declared
+    cfg_path.write_text(json.dumps(raw))
+    (tmp_path / "s" / "checksums.json").unlink(missing_ok=True)
+    got = load(tmp_path / "s")
+    assert {p.dtype for p in got.parameters()} == {loaded}
+    assert load(tmp_path / "s", dtype=torch.bfloat16).W_enc.dtype == torch.bfloat16  # dtype= still decides
+    x = torch.randn(5, 16, dtype=torch.float64)
+    t = {k: v.double() for k, v in sae.state_dict().items()}
+    want = torch.relu((x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]) @ t["W_dec"] + t["b_dec"]
+    with torch.no_grad():
+        out = got(x.to(loaded)).double()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 5e-3}[loaded]
+    assert float((out - want).abs().max()) <= tol * float(want.abs().max())
