@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._placement import fetch, offloaded, pinned, resident, to_module
+from .._placement import HOST, fetch, offloaded, pinned, resident, to_module
 from .._typing import Float
 from ..adapters.base import ArchitectureAdapter, mhsa_pattern, mhsa_qk
 from ..envoy.nnsight_internals import hf_module
@@ -229,6 +229,17 @@ class FrozenReplacement:
                 self.constants[key] = compute().detach()[:1]
         return self.constants[key]
 
+    def error_const(self, key: str, compute: Callable[[], torch.Tensor], start: int) -> torch.Tensor:
+        """The frozen error vectors ``key`` ``(1, pos, d_model)`` (:meth:`const`); when first computed, each
+        position's norm is the activation of its error node (layout columns ``start … start + pos − 1``): the
+        graph's and the Neuronpedia export's error activations (0 before 2026-11-29, documented as the norm)."""
+        new = key not in self.constants
+        err = self.const(key, compute)
+        if new:
+            norms = err[0].detach().float().norm(dim=-1).to(HOST)
+            self.layout.nodes.activation[start:start + norms.numel()] = norms
+        return err
+
     # ------------------------------------------------------------------ sites
     def embed(self, e: Float[torch.Tensor, "batch pos d"]) -> torch.Tensor:
         """Token (and, for GPT-2, position) embeddings, one node per position."""
@@ -291,9 +302,9 @@ class FrozenReplacement:
             clean = io.write(z[None])
             return true_out[:1] - (clean + (b_d if b_d is not None else 0.0))
 
-        err = self.const(f"L{layer}.attn.error", error)
-        out = heads + scaled(b_d, column(M, lay.bias.get("lorsa_d")))
         e0 = int(lay.attn_err_start or 0)  # set for every Lorsa layer
+        err = self.error_const(f"L{layer}.attn.error", error, e0)
+        out = heads + scaled(b_d, column(M, lay.bias.get("lorsa_d")))
         out = out + per_position(err, M[:, e0:e0 + p])
         # targets: z_pre of each active head through its frozen QK pattern
         if n:
@@ -368,7 +379,7 @@ class FrozenReplacement:
         M, p = self.mult(x.device), self.layout.n_pos
         tc = lay.transcoder
         if tc is None:
-            err = self.const(f"L{layer}.mlp.error", lambda: true_out[:1])
+            err = self.error_const(f"L{layer}.mlp.error", lambda: true_out[:1], lay.mlp_err_start)
             return per_position(err, M[:, lay.mlp_err_start:lay.mlp_err_start + p]).to(self.dtype or true_out.dtype)
         read = x if lay.tc_reads == "mlp" else self._reads.pop(layer).to(x.device)
         n = lay.tc_pos.numel()
@@ -418,7 +429,7 @@ class FrozenReplacement:
             recon = sum((w.write(a[None]) for w, a in clean), torch.zeros_like(ref)) + b_dec
             return ref - (recon if skip is None else recon + skip[:1])
 
-        err = self.const(f"L{layer}.mlp.error", error)
+        err = self.error_const(f"L{layer}.mlp.error", error, lay.mlp_err_start)
         out = sum(writes, torch.zeros_like(x)) + scaled(b_dec, column(M, lay.bias.get("tc_dec")))
         out = out + per_position(err, M[:, lay.mlp_err_start:lay.mlp_err_start + p])
         return out if skip is None else out + skip

@@ -382,8 +382,12 @@ def attribute_in_trace(model: Any, adapter: ArchitectureAdapter, layout: Layout,
         frozen_forward_body(model, adapter, frozen)
         T = frozen.targets()
         backward_rows(frozen, M, scheduler, batch_size, nnsight_backward)
-        result = nnsight.save((T[0].detach(), scheduler.done, scheduler.rows))
-    values, scheduler.done, scheduler.rows = result
+        # the error nodes' activations, set in the frozen pass (FrozenReplacement.error_const): on a remote server
+        # into the server's copy of the layout
+        result = nnsight.save((T[0].detach(), scheduler.done, scheduler.rows, frozen.layout.nodes.activation))
+    values, scheduler.done, scheduler.rows, activation = result
+    if activation is not layout.nodes.activation:
+        layout.nodes.activation.copy_(activation.to(layout.nodes.activation.device))
     return values
 
 

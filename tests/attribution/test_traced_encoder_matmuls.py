@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nnsight_lorsa.attribution import attribute
+from nnsight_lorsa.attribution.nodes import ATTN_ERROR, MLP_ERROR
 from nnsight_lorsa.modules import CrossLayerTranscoder
 
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.matmul", "aten.linear")
@@ -57,7 +58,11 @@ def test_the_traced_graph_multiplies_each_transcoders_encoder_once() -> None:
     assert once.count == len(tcs)
     assert n == once.count, f"{n} encoder matmuls building the traced graph of {len(tcs)} transcoders (was 2 each)"
     clean = attribute(bundle, ids, batch_size=40)  # the same nodes as the prompt's graph (nothing was edited)
-    assert torch.equal(graph.nodes.activation, clean.nodes.activation)  # type: ignore[attr-defined]
+    # the features' activations bit for bit; the error nodes' (their error vectors' norms, since 2026-11-29) from
+    # the traced pass's own outputs, within rounding
+    errors = (graph.nodes.kind == MLP_ERROR) | (graph.nodes.kind == ATTN_ERROR)  # type: ignore[attr-defined]
+    assert torch.equal(graph.nodes.activation[~errors], clean.nodes.activation[~errors])  # type: ignore[attr-defined]
+    assert torch.allclose(graph.nodes.activation[errors], clean.nodes.activation[errors], rtol=1e-5)  # type: ignore
 
 
 def test_the_traced_graph_multiplies_each_clt_layers_encoder_once() -> None:
