@@ -92,20 +92,33 @@ class AttentionGate(nn.Module):
         #: :func:`~nnsight_lorsa.sparse_attention.install.counting_positions` (the padding of right-padded
         #: windows left out); the gate matrix itself does not depend on it.
         self.counted_queries: torch.Tensor | None = None
+        #: 0-d int tensor or None (default): the keys of this call that exist — a static KV cache's filled slots,
+        #: whose mask spans every preallocated slot (query ``i`` of ``q``'s own key is then ``key_extent − q + i``,
+        #: not ``k − q + i``). Set per call by the gated attention forward from the call's ``position_ids``.
+        self.key_extent: torch.Tensor | None = None
 
     def counted(self, valid: Bool[torch.Tensor, "*b"]) -> Bool[torch.Tensor, "*c"]:
         """``valid`` restricted to the real query rows — those whose own key (query ``i`` of ``q`` is position
-        ``k − q + i``) is allowed: a padded position's row is left out, so right padding's rows, which see the real
-        keys before them, count no edges — and to the query rows of :attr:`counted_queries` (its last ``q``
-        positions for the ``q`` queries of ``valid``): the edges the statistics count.
+        ``k − q + i``, or ``key_extent − q + i`` in a static cache's call) is allowed: a padded position's row is
+        left out, so right padding's rows, which see the real keys before them, count no edges — and to the query
+        rows of :attr:`counted_queries` (its last ``q`` positions for the ``q`` queries of ``valid``): the edges the
+        statistics count.
 
         Raises:
             GateConfigError: :attr:`counted_queries` not ``(batch, ≥ q)`` for ``valid``'s batch and queries.
         """
         q, k = valid.shape[-2], valid.shape[-1]
-        if q <= k:  # a query row whose own key is masked is padding (its real keys are not its edges to count)
+        extent = self.key_extent
+        if q <= k and extent is None:  # a query row whose own key is masked is padding (its real keys are not its
+            # edges to count)
             own = valid[..., torch.arange(q, device=valid.device), torch.arange(k - q, k, device=valid.device)]
             valid = valid & own[..., None]
+        elif q <= k and extent is not None:
+            # a static cache: the own keys end at the filled slots (until 2026-11-29 read at k − q + i there, in
+            # unfilled slots: every row taken for padding, no edge counted)
+            own_col = (extent.to(valid.device) - q + torch.arange(q, device=valid.device)).clamp(0, k - 1)
+            own = valid.gather(-1, own_col.view(*([1] * (valid.dim() - 2)), q, 1).expand(*valid.shape[:-1], 1))
+            valid = valid & own
         rows = self.counted_queries
         if rows is None:
             return valid

@@ -106,6 +106,12 @@ def gated_attention_forward(
         logits = scores.masked_fill(~valid, torch.finfo(scores.dtype).min)
     probs = nn.functional.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    # a static KV cache: keys in every preallocated slot, the filled ones up to the longest row's last position
+    # (a row of a padded batch is as long as the batch; the mask is read on the device, no host sync)
+    positions = kwargs.get("position_ids")
+    k_len, q_len = key.shape[2], query.shape[2]
+    gate.key_extent = (torch.clamp(positions.max() + 1, max=k_len)
+                       if isinstance(positions, torch.Tensor) and positions.numel() and k_len > q_len else None)
     gate_matrix = gate(scores, valid)
     with torch.no_grad():
         gate.active_edges = ((gate_matrix != 0) & gate.counted(valid)).sum(dim=(0, 2, 3)).to(torch.float32)

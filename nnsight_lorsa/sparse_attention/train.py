@@ -33,7 +33,8 @@ import copy
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from ..training.checkpoint_io import check_checkpointing, checkpoint_exists, ver
 from ..training.dataset import TokenDataset, special_token_id
 from ..training.master_weights import MasterWeights
 from ..training.metrics import next_token_ce
+from ..training.schedule import wsd_lr_factor
 from ..training.train_config import OptimConfig
 from .geco import GECO
 from .install import (
@@ -73,6 +75,21 @@ from .install import (
 
 CHECKPOINT_TENSORS = "checkpoint.safetensors"
 CHECKPOINT_JSON = "checkpoint.json"
+
+
+@contextmanager
+def _dense_gates(model: Any) -> Iterator[None]:
+    """Inside: every gate of ``model`` in ``dense`` mode — the base model's attention, every allowed edge open
+    (in eval mode a ``gated`` gate closes the edges whose logit is ≤ 0: at ``init_bias=5`` 17 % of the embedded
+    model's, 0.009 nats of CE that τ took in until 2026-11-29); after it, each gate's mode as before."""
+    gates = list(get_gates(model).values())
+    modes = [gate.mode for gate in gates]
+    set_gate_mode(model, "dense")
+    try:
+        yield
+    finally:
+        for gate, mode in zip(gates, modes, strict=True):
+            gate.mode = mode
 
 
 @dataclass
@@ -97,11 +114,12 @@ class SparseTrainConfig(OptimConfig):
     ``bos_id``: the id every window starts with; default (None) the model's own BOS, from its
     tokenizer, else its config's ``bos_token_id`` (:func:`resolve_bos_id`).
     ``max_initial_slack``: the vacuous-constraint bound. At the start the base model's CE on the
-    training windows (``base_ce``, eval mode) is measured; ``slack = (τ − target_margin) − base_ce``
-    (nats). ``slack > max_initial_slack · base_ce`` (default: τ more than 10% above the base CE) means
-    the constraint holds from step 0 by a wide margin: GECO only lowers λ and the gates close as far
-    as sparsity pushes them, whatever the CE. That raises :class:`~.errors.VacuousConstraintError`;
-    ``allow_slack_constraint=True`` (experts: a deliberately loose τ) makes it a warning.
+    training windows (``base_ce``, eval mode, every gate dense: the base model) is measured;
+    ``slack = (τ − target_margin) − base_ce`` (nats). ``slack > max_initial_slack · base_ce`` (default: τ more
+    than 10% above the base CE) means the constraint holds from step 0 by a wide margin: GECO only lowers λ and
+    the gates close as far as sparsity pushes them, whatever the CE. That raises
+    :class:`~.errors.VacuousConstraintError`; ``allow_slack_constraint=True`` (experts: a deliberately loose τ)
+    makes it a warning.
 
     Source: Draye et al. 2025, *Sparse Attention Post-Training for Mechanistic Interpretability* §3.2 (constrained
     optimisation).
@@ -352,8 +370,8 @@ class SparseAttentionTrainer:
             (e.g. ``_repeat_augment`` of ``scripts/tinymodel.py`` to keep in-context copying in the data).
 
     Attributes:
-        base_ce: the base model's CE on the training windows at the start (eval mode; τ itself when
-            ``target_ce`` is None). step, history, geco (τ: ``geco.target``).
+        base_ce: the base model's CE on the training windows at the start (eval mode, every gate dense: the
+            model before sparsification; τ itself when ``target_ce`` is None). step, history, geco (τ: ``geco.target``).
 
     Raises:
         GateConfigError: stream shorter than ``seq_len``, or holding the model's EOS id (a corpus of
@@ -385,7 +403,8 @@ class SparseAttentionTrainer:
         self.gen = torch.Generator(device="cpu").manual_seed(config.seed)  # data draws: CPU, the same on every device
         self.step = 0
         self.history: list[StepRecord] = []
-        self.base_ce = self.measure_train_ce(config.target_batches)
+        with _dense_gates(self.hf):  # the base model's CE: every edge open (eval mode closes those with logit <= 0)
+            self.base_ce = self.measure_train_ce(config.target_batches)
         target = (self.base_ce if config.target_ce is None else config.target_ce) - config.target_margin
         self._check_slack(target)
         self.geco = GECO(target, lr=config.geco_lr, ema=config.geco_ema, init_lambda=config.init_lambda,
@@ -535,10 +554,9 @@ class SparseAttentionTrainer:
         """
         cfg = self.config
         self.hf.train()
-        start = cfg.total_steps * (1.0 - cfg.decay_frac)
-        factor = 1.0
-        if cfg.decay_frac > 0 and self.step >= start:
-            factor = 1.0 - 0.9 * min(1.0, (self.step - start) / max(1.0, cfg.total_steps - start))
+        # the shared WSD line without warmup, to 10% on the last step (until 2026-11-29 one step late: the first
+        # step of the decay at 100%, the last at 1 − 0.9·(n−1)/n)
+        factor = wsd_lr_factor(self.step, cfg.total_steps, warmup_frac=0.0, decay_frac=cfg.decay_frac, min_factor=0.1)
         for group, base in zip(self.optimizer.param_groups, (cfg.lr, cfg.gate_lr), strict=True):
             group["lr"] = base * factor
         recovering = cfg.recover_fraction > 0 and self.step >= cfg.total_steps * (1.0 - cfg.recover_fraction)
@@ -790,7 +808,8 @@ def train_sparse_attention(model: Any, train_ids: Int[torch.Tensor, " n"] | Toke
         trainer.load_checkpoint(checkpoint_dir)
     before = None
     if heldout is not None:
-        before = float(evaluate_sparse(trainer.hf, heldout, seq_len=config.seq_len, bos_id=trainer.bos_id)["ce"])
+        with _dense_gates(trainer.hf):  # the base model's held-out CE, every edge open
+            before = float(evaluate_sparse(trainer.hf, heldout, seq_len=config.seq_len, bos_id=trainer.bos_id)["ce"])
     trainer.train(progress=progress, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
     summary = TrainingSummary(trainer.geco.target, trainer.base_ce, trainer.step, time.perf_counter() - t0,
                               trainer.history)

@@ -376,3 +376,35 @@ def test_nnsight_generate_reads_each_steps_reference_gate(family, biases, seed, 
         assert torch.equal(got, rows[..., -k:]), (t, got, want)
         seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out.cpu(), seq), (out, seq)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("left_pad", [0, 2])
+def test_edge_statistics_under_a_static_kv_cache_are_those_without_a_cache(family, left_pad) -> None:
+    """A static KV cache's masks span every preallocated slot: query ``i``'s own key was read at ``k − q + i``, an
+    unfilled slot there, so every row was taken for padding and no edge counted (``possible`` 0). The counts of a
+    forward with a ``StaticCache`` (the prompt's, then one cached step) equal those of the same forwards with a
+    dynamic cache, some gates closed, a left-padded batch."""
+    from transformers import DynamicCache, StaticCache
+
+    hf = tiny_hf_model(family).eval()
+    install_gated_attention(hf, init_bias=0.0)  # about half the edges closed (logit <= 0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :left_pad] = 0
+    counts = {}
+    for name, cache in (("dynamic", DynamicCache(config=hf.config)),
+                        ("static", StaticCache(config=hf.config, max_cache_len=12))):
+        stats = []
+        with torch.no_grad():
+            out = hf(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            stats.append(edge_statistics(hf))
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            hf(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=cache,
+               use_cache=True)
+            stats.append(edge_statistics(hf))
+        counts[name] = [(s.possible, s.active) for s in stats]
+    for (p_dyn, a_dyn), (p_st, a_st) in zip(counts["dynamic"], counts["static"], strict=True):
+        assert float(p_dyn.sum()) > 0 and 0 < float(a_dyn.sum()) < float(p_dyn.sum())
+        assert torch.equal(p_st, p_dyn) and torch.equal(a_st, a_dyn)

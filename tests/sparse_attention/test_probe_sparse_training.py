@@ -287,8 +287,11 @@ def _check_train_steps(a) -> None:
     tr.optimizer.step = recording_step
     lam, c_ema = a["init_lambda"], None
     for step in range(a["steps"]):
-        start = total * (1 - a["decay_frac"])
-        factor = 1.0 if a["decay_frac"] == 0 or step < start else 1 - 0.9 * (step - start) / (total - start)
+        # the last int(total · decay_frac) steps decay linearly to 10% (on the last step); until 2026-11-29 one
+        # step late, the decay's first step at 100% and its last at 1 − 0.9·(n−1)/n
+        n_decay = int(total * a["decay_frac"])
+        start = total - n_decay
+        factor = 1.0 if n_decay == 0 or step < start else 1 - 0.9 * (step - start + 1) / n_decay
         recovering = a["recover_fraction"] > 0 and step >= total * (1 - a["recover_fraction"])
         rng = torch.get_rng_state()
         gates0 = {n: p.detach().clone() for n, p in tr.hf.named_parameters() if n.endswith("gate.bias")}
@@ -629,3 +632,33 @@ def test_gate_files_round_trip(biases, temperature, mode, top_k, tmp_path_factor
     for layer, gate in get_gates(model).items():
         assert torch.equal(loaded[layer].bias, gate.bias)
         assert (loaded[layer].mode, loaded[layer].top_k, loaded[layer].temperature) == (mode, top_k, temperature)
+
+
+@pytest.mark.parametrize("init_bias", [0.0, 2.0])
+def test_tau_is_the_base_models_ce_with_every_edge_open(init_bias):
+    """``target_ce=None``: τ = ``base_ce`` is the CE of the model before sparsification on the τ windows. It was
+    measured through the gates as installed, whose eval rule closes the edges with ``logit ≤ 0`` (at ``init_bias=0``
+    about half the tiny model's edges): τ came out above the base model's CE. Reference: a copy of the model taken
+    before the gates were installed, on the same windows (drawn as the trainer draws them)."""
+    from nnsight_lorsa.training.metrics import next_token_ce
+
+    hf = tiny_hf_model("llama")
+    dense = copy.deepcopy(hf).eval()
+    cfg = SparseTrainConfig(total_steps=2, batch_size=3, seq_len=12, target_batches=2, init_bias=init_bias,
+                            allow_slack_constraint=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = SparseAttentionTrainer(hf, torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(4)),
+                                    cfg)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(cfg.target_batches):
+            x, mask = tr._batch(i, gen)
+            ce, n = next_token_ce(dense(input_ids=x).logits, x, mask)
+            total, count = total + float(ce), count + n
+    assert tr.base_ce == pytest.approx(total / count, rel=1e-6)
+    assert tr.geco.target == pytest.approx(total / count, rel=1e-6)
+    assert all(g.mode == "gated" for g in get_gates(tr.hf).values())  # the gates' mode is back
+    if init_bias == 0.0:  # the gated eval CE differs here: the test tells the two apart
+        assert abs(tr.measure_train_ce(cfg.target_batches) - tr.base_ce) > 1e-4
