@@ -504,8 +504,11 @@ def _lorsa_hook_problem(lorsa: Any, adapter: Any, root: Any, layer: int) -> tupl
         return problem
     path, gain, bias = _attention_norm(adapter, root, layer)
     if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
-        return ConfigMismatchError, (f"its input is {path!r} before the norm's gain, and the model's weights are not "
-                                     "loaded yet (build the set after they load)")
+        return ConfigMismatchError, (
+            f"its input is {path!r} before the norm's gain and bias, which are folded into it from the model's "
+            "weights, and those are not loaded (meta): load the model (TransformersModel(..., dispatch=True)) "
+            "first; for a model that stays on meta (NDIF), fold it once where the weights are — "
+            "LorsaSet.from_pretrained(loaded, directory).save(folder) — and load that folder")
     if (gain is None or bool((gain == 1).all())) and (bias is None or not bool(bias.any())):
         return None  # the norm's output is ln1.hook_normalized itself
     return ConfigMismatchError, (

@@ -163,3 +163,19 @@ def test_an_unfolded_llamascopium_lorsa_given_to_a_set_is_refused_where_the_norm
         norm.weight[3] = 0.0
     with pytest.raises(ConfigMismatchError, match="1 zero gains"):
         LorsaSet.from_pretrained(model, tmp_path / "theirs")
+
+
+def test_an_authors_lorsa_on_a_meta_model_is_refused_with_the_recipe_and_the_folded_folder_loads(tmp_path):
+    """On a model whose weights are on ``meta`` (an NDIF client's) the gain cannot be folded: a named error saying
+    how to fold it once where the weights are; the folder saved from a loaded model then loads on the meta one."""
+    model, hf = tiny_nnsight("llama")
+    adapter = get_adapter(model)
+    _norm_with_gain(hf, adapter)
+    save(_their_lorsa(hf, adapter), tmp_path / "theirs", format="llamascopium")
+    meta, _ = tiny_nnsight("llama", device="meta")
+    with pytest.raises(ConfigMismatchError, match=r"not loaded \(meta\).*LorsaSet.from_pretrained\(loaded, directory\)"
+                                                  r"\.save\(folder\)"):
+        LorsaSet.from_pretrained(meta, tmp_path / "theirs")
+    LorsaSet.from_pretrained(model, tmp_path / "theirs").save(tmp_path / "folded")
+    folded = LorsaSet.from_pretrained(meta, tmp_path / "folded")
+    assert folded[LAYER].cfg.extra["llamascopium"]["site"] == "attention"
