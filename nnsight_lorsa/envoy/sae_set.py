@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigMismatchError, ShapeError
+from ..formats.hook_sites import check_centred_residual
 from ..modules.sae import SparseAutoencoder
 from .nnsight_internals import hf_module
 from .replacement_set import ReplacementSet, load_keyed
@@ -95,6 +96,9 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         Raises:
             ConfigMismatchError: a key that is not a module path of the model, or an SAE whose ``d_in`` is not the
                 site's known width.
+            UnsupportedArchitectureError: an SAE trained on TransformerLens's centred residual (a Llamascopium file,
+                or SAELens with ``center_writing_weights``) on a LayerNorm family
+                (:func:`~..formats.hook_sites.check_centred_residual`).
 
         Source: ours (the shared contract of this package's replacement sets).
         """
@@ -107,6 +111,7 @@ class SAESet(ReplacementSet[str, SparseAutoencoder]):
         width = self.known_width(key)
         if width is not None and module.cfg.d_in != width:
             raise ConfigMismatchError(f"SAE for {key} has d_in={module.cfg.d_in}; that site's output has width {width}")
+        check_centred_residual(module, self.adapter, hf_module(self.model))
         return key
 
     def site_path(self, key: str) -> str:

@@ -56,7 +56,6 @@ from .validate import (
     check_file_tensors,
     check_numbered,
     check_size,
-    config_size,
     layer_of_name,
     looks_like_layer_name,
     require,
@@ -198,7 +197,7 @@ def _layer_files(path: Path, cfg: dict[str, Any], config_path: Path) -> dict[int
     return files
 
 
-def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any], cfg: dict[str, Any],
+def _layer_config(file: Path, layer: int, act_name: str, cfg: dict[str, Any],
                   d_model: int | None) -> tuple[TranscoderConfig, dict[str, tuple[int, ...]], str]:
     """One layer file's :class:`TranscoderConfig`, expected shapes and source note, from its header."""
     shapes, _ = read_safetensors_header(file)
@@ -209,9 +208,6 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
     threshold_keys = [k for k in (THRESHOLD_KEY, LEGACY_THRESHOLD_KEY) if k in shapes]
     require(len(threshold_keys) <= 1, file, f"both {THRESHOLD_KEY!r} and {LEGACY_THRESHOLD_KEY!r}; a JumpReLU "
                                             "transcoder has one threshold tensor")
-    require(not (threshold_keys and act_name == "topk"), file,
-            f"{CONFIG_FILE} says 'activation: topk' but the file has a JumpReLU threshold {threshold_keys[:1]}; "
-            "one of the two is wrong (circuit-tracer itself reads no 'activation' key: it would load JumpReLU)")
     activation = "jumprelu" if threshold_keys else act_name
     require(activation != "jumprelu" or threshold_keys, file,
             f"{CONFIG_FILE} says 'jump_relu' but the file has no {THRESHOLD_KEY!r} tensor")
@@ -219,7 +215,7 @@ def _layer_config(file: Path, layer: int, act_name: str, params: dict[str, Any],
     expected = check_declared_tensors(file, shapes, LAYER_TENSORS, {"d_sae": d_sae, "d_in": d_in, "d_out": d_out},
                                       src, with_=[k for k in ("W_skip", *threshold_keys) if k in shapes])
     tcfg = TranscoderConfig(d_in=d_in, d_sae=d_sae, d_out=d_out, activation=activation,
-                            activation_params=params if activation == "topk" else {},
+                            activation_params={},
                             layer=layer, extra={"circuit_tracer": {**_hooks(cfg), "file": file.name}})
     return tcfg, expected, src
 
@@ -229,20 +225,27 @@ def parse_transcoders_config(directory: Path, *, d_model: int | None = None) -> 
 
     Raises:
         CheckpointError: bad YAML, a missing file or tensor, a wrong shape (naming file and key),
-            layers that do not cover 0..n-1, a ``k`` that is not a positive int for ``topk``.
-        UnsupportedArchitectureError: another ``model_kind``, an ``activation`` we cannot build.
+            layers that do not cover 0..n-1.
+        UnsupportedArchitectureError: another ``model_kind``; an ``activation`` other than relu / jump_relu
+            (``topk`` included: circuit-tracer reads no such key and runs the file as ReLU).
         ConfigMismatchError: ``d_model`` given and different from the files'.
     """
     config_path = directory / CONFIG_FILE
     cfg = _model_kind(directory, "transcoder_set")
     act_name = cfg.get("activation") or "relu"
     act_name = {"jump_relu": "jumprelu"}.get(act_name, act_name) if isinstance(act_name, str) else act_name
-    require(act_name in ("relu", "topk", "jumprelu"), config_path,
-            f"key 'activation' is {act_name!r}; supported: relu, topk, jump_relu", error=UnsupportedArchitectureError)
-    params = {"k": config_size(cfg, "k", config_path)} if act_name == "topk" else {}
+    # circuit-tracer 0.5.0 reads no 'activation' key: it runs ReLU, JumpReLU where a layer file holds a threshold
+    # (utils/hf_utils.py, transcoder/single_layer_transcoder.py load_relu_transcoder). A TopK there ran as TopK
+    # here and as ReLU there until 2026-11-29 (L0 2 against 12-18)
+    require(act_name != "topk", config_path,
+            "key 'activation' is 'topk', which circuit-tracer (0.5.0) does not read: it runs these files as ReLU "
+            "(JumpReLU with a threshold tensor), so the file means two things; a TopK transcoder travels in this "
+            "package's format (save(..., format='nnsight_lorsa')) or SAELens's", error=UnsupportedArchitectureError)
+    require(act_name in ("relu", "jumprelu"), config_path,
+            f"key 'activation' is {act_name!r}; supported: relu, jump_relu", error=UnsupportedArchitectureError)
     layers: dict[int, Any] = {}
     for layer, file in sorted(_layer_files(directory, cfg, config_path).items()):
-        layers[layer] = (file, *_layer_config(file, layer, act_name, params, cfg, d_model))
+        layers[layer] = (file, *_layer_config(file, layer, act_name, cfg, d_model))
     check_numbered(layers, directory, "transcoders must cover layers")
     widths = {layer: (entry[1].d_in, entry[1].d_out) for layer, entry in layers.items()}
     require(len(set(widths.values())) <= 1, directory, "the layer files disagree on (d_model, d_out) (from W_enc / "

@@ -48,7 +48,8 @@ from ..adapters.base import norm_gain
 from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
 __all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE", "MLP_INPUT_HOOKS", "MLP_IN_HOOK",
-           "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "HookSite", "MLPSiteIO", "check_lorsa_hooks", "check_mlp_hooks",
+           "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "check_centred_residual",
+           "check_lorsa_hooks", "check_mlp_hooks",
            "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
            "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
            "transformer_lens_hook_site"]
@@ -440,8 +441,10 @@ def check_mlp_hooks(module: Any, adapter: Any, root: Any, layers: Iterable[int])
 
     Raises:
         UnsupportedArchitectureError: such a hook, naming the key, the hook, the layer, the site we would use
-            and why it differs.
+            and why it differs; a residual hook read from TransformerLens's centred residual on a LayerNorm family
+            (:func:`check_centred_residual`).
     """
+    check_centred_residual(module, adapter, root)
     record = hook_record(module)
     if not record:
         return
@@ -606,3 +609,67 @@ def fold_attention_norm_(lorsa: Any, adapter: Any, root: Any, layer: int) -> boo
     record["site"] = ATTENTION_SITE
     record["attention_norm_folded"] = path
     return True
+
+
+# ------------------------------------------------------------------ TransformerLens's centred residual stream
+#: TransformerLens hooks whose tensor is a sum of writing weights' outputs (the residual stream and the sublayer
+#: outputs added to it): mean-free over ``d_model`` once ``center_writing_weights`` centred ``W_E``, ``W_pos``,
+#: ``W_O``, ``W_out`` (TransformerLens ``weight_processing.py``, LayerNorm models only)
+CENTRED_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_mlp_in", "hook_mlp_out",
+                 "hook_attn_out")
+
+
+def _trained_centred(module: Any) -> bool:
+    """Whether ``module``'s file says it was trained on a TransformerLens model with centred writing weights:
+    every Llamascopium file (its TransformerLens backend loads the model with the default processing,
+    ``center_writing_weights=True``: ``backend/language_model.py``) and a SAELens file whose
+    ``metadata.model_from_pretrained_kwargs`` asks for it."""
+    module = getattr(module, "clt", module)
+    extra = getattr(module.cfg, "extra", None) or {}
+    llamascopium, saelens = extra.get("llamascopium"), extra.get("saelens")
+    if isinstance(llamascopium, dict) and ("hook_point_in" in llamascopium or "hook_point_out" in llamascopium):
+        return True
+    return isinstance(saelens, dict) and bool(saelens.get("center_writing_weights"))
+
+
+def _layer_norm_family(adapter: Any, root: Any) -> bool:
+    """Whether the model's norms are LayerNorms (GPT-2, GPT-NeoX), which TransformerLens's
+    ``center_writing_weights`` applies to (RMSNorm models are left as they are)."""
+    path = adapter.attention_norm_path(0) or adapter.mlp_norm_path(0)
+    return path is not None and isinstance(root.get_submodule(path), torch.nn.LayerNorm)
+
+
+def _input_hook(module: Any) -> Any:
+    """The hook name a module's file says it reads (circuit-tracer ``feature_input_hook``, llamascopium
+    ``hook_point_in``, SAELens ``hook_name``), or None."""
+    module = getattr(module, "clt", module)
+    extra = getattr(module.cfg, "extra", None) or {}
+    for fmt, key in (("circuit_tracer", "feature_input_hook"), ("llamascopium", "hook_point_in"),
+                     ("saelens", "hook_name")):
+        record = extra.get(fmt)
+        if isinstance(record, dict) and isinstance(record.get(key), str):
+            return record[key]
+    return None
+
+
+def check_centred_residual(module: Any, adapter: Any, root: Any) -> None:
+    """Refuse a module trained on TransformerLens's mean-free residual stream (:func:`_trained_centred`) that would
+    read the model's own residual here: a hook of :data:`CENTRED_HOOKS` it reads (its file's input hook) on a
+    LayerNorm family. The Hugging Face residual keeps its
+    mean: fed it, such an SAE's features were 1.3x off and every token's active set differed (a tiny GPT-2).
+
+    Raises:
+        UnsupportedArchitectureError: naming the family, the hook and the reason.
+
+    Source: TransformerLens ``weight_processing.py`` (``center_writing_weights``, LayerNorm models only);
+    Llamascopium ``backend/language_model.py``; SAELens ``saes/sae.py`` (``model_from_pretrained_kwargs``).
+    """
+    reads = _input_hook(module)
+    hook = _tl_suffix(reads)
+    if hook not in CENTRED_HOOKS or not _trained_centred(module) or not _layer_norm_family(adapter, root):
+        return
+    raise UnsupportedArchitectureError(
+        f"{adapter.family}: the module reads {reads!r}, which its file says was TransformerLens's residual with "
+        "centred writing weights (center_writing_weights: W_E, W_pos, W_O, W_out mean-free over d_model, on "
+        "LayerNorm models): the model's own residual keeps its mean, which this package does not remove at the "
+        "site — the module would run on another tensor than it was trained on")

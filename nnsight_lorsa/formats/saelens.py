@@ -330,6 +330,12 @@ def parse_config(directory: Path, *, norm_scaling_factor: float | None = None, d
         "architecture": arch, "hook_name": hook_name, "normalize_activations": norm,
         "norm_folded": False, "apply_b_dec_to_input": apply_b_dec if apply_b_dec is not None else kind == "sae",
         "reshape_activations": reshape, "hook_head_index": head_index, "site": site,
+        # trained on a TransformerLens model loaded with centred writing weights (SAELens: load the model with
+        # from_pretrained_no_processing(**these kwargs)): on LayerNorm families its residual is mean-free
+        # (hook_sites.check_centred_residual)
+        "center_writing_weights": bool(((metadata or {}).get("model_from_pretrained_kwargs") or {})
+                                       .get("center_writing_weights", False))
+        if isinstance((metadata or {}).get("model_from_pretrained_kwargs"), dict) else False,
     }}
     if kind != "sae":  # SAELens TranscoderConfig.hook_name_out: where the transcoder writes (hook_sites.hook_record)
         extra["saelens"]["hook_name_out"] = (metadata or {}).get("hook_name_out") or raw.get("hook_name_out")

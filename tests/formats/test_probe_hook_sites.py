@@ -353,3 +353,56 @@ def test_an_sae_on_the_residual_before_layer_0_runs_first_in_a_replacement_model
         for h in handles:
             h.remove()
     assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox", "llama"])
+@pytest.mark.parametrize("source", ["llamascopium", "saelens_centred", "saelens"])
+def test_a_module_trained_on_transformerlens_centred_residual_is_refused_on_layernorm_families(family, source):
+    """Llamascopium (its TransformerLens backend's default processing) and SAELens files whose
+    ``model_from_pretrained_kwargs`` ask for ``center_writing_weights`` were trained on a mean-free residual stream
+    on LayerNorm models (TransformerLens centres ``W_E``, ``W_pos``, ``W_O``, ``W_out`` there, not on RMSNorm
+    ones); the model's residual keeps its mean: on a tiny GPT-2 such an SAE's features were 1.3x off, every
+    token's active set different. Refused by name on GPT-2 / GPT-NeoX; RMSNorm families and plain SAELens files
+    run."""
+    model, hf, adapter = world(family, "fp32")
+    site = f"{'transformer.h' if family == 'gpt2' else 'gpt_neox.layers' if family == 'neox' else 'model.layers'}.1"
+    hook = "blocks.1.hook_resid_post"
+    extra = ({"llamascopium": {"hook_point_in": hook, "hook_point_out": hook}} if source == "llamascopium" else
+             {"saelens": {"hook_name": hook, "center_writing_weights": source == "saelens_centred"}})
+    sae = make_sae(extra=extra)
+    tc = make_transcoder(extra={"llamascopium": {"hook_point_in": "blocks.1.hook_resid_mid",
+                                                 "hook_point_out": "blocks.1.hook_mlp_out"}})
+    refused = family != "llama" and source != "saelens"
+    if refused:
+        with pytest.raises(UnsupportedArchitectureError, match=rf"{family}.*{re.escape(hook)}.*centred writing"):
+            SAESet(model, {site: sae}, adapter)
+    else:
+        SAESet(model, {site: sae}, adapter)
+    if family == "gpt2":  # a transcoder reading the centred residual (hook_resid_mid) too
+        with pytest.raises(UnsupportedArchitectureError, match="centred writing weights"):
+            TranscoderSet(model, {1: tc}, adapter)
+
+
+def test_a_saelens_file_asking_for_centred_writing_weights_is_refused_on_gpt2(tmp_path):
+    """The loader reads ``metadata.model_from_pretrained_kwargs.center_writing_weights`` (SAELens warns its users to
+    load the model with them); the set refuses the file on GPT-2, and the same file without it loads and runs."""
+    import json
+
+    from nnsight_lorsa import load
+    from nnsight_lorsa.formats.saelens import save_saelens
+
+    model, hf, adapter = world("gpt2", "fp32")
+    save_saelens(make_sae(), tmp_path / "s", hook_name="blocks.1.hook_resid_post")
+    cfg_path = tmp_path / "s" / "cfg.json"
+    raw = json.loads(cfg_path.read_text())
+    (tmp_path / "s" / "checksums.json").unlink(missing_ok=True)
+    for centred in (False, True):
+        raw.setdefault("metadata", {})["model_from_pretrained_kwargs"] = {"center_writing_weights": centred}
+        cfg_path.write_text(json.dumps(raw))
+        sae = load(tmp_path / "s")
+        assert sae.cfg.extra["saelens"]["center_writing_weights"] is centred
+        if centred:
+            with pytest.raises(UnsupportedArchitectureError, match="centred writing weights"):
+                SAESet(model, {"transformer.h.1": sae}, adapter)
+        else:
+            SAESet(model, {"transformer.h.1": sae}, adapter)

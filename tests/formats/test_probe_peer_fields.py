@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nnsight_lorsa.errors import LorsaError
+from nnsight_lorsa.errors import LorsaError, UnsupportedArchitectureError
 from nnsight_lorsa.formats import load
 
 PEERS = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
@@ -110,14 +110,25 @@ def test_train_sae_folder_refused_without_keyword() -> None:
         load(folder)
 
 
-def test_topk_config_with_a_threshold_tensor_is_refused(tmp_path: Path) -> None:
-    """``config.yaml`` ``activation: topk`` (our reader's extension; circuit-tracer reads no such key) next to a
-    layer file holding a JumpReLU threshold: the file loaded as JumpReLU, the TopK silently dropped."""
+@pytest.mark.parametrize("case", ["set_mixed_activation", "relu"])
+def test_a_topk_activation_key_is_refused(tmp_path: Path, case: str) -> None:
+    """``config.yaml`` ``activation: topk`` (with ``k``): circuit-tracer 0.5.0 reads no ``activation`` key and runs the
+    layer files as ReLU (JumpReLU where one holds a threshold), so the file means two things. It loaded as TopK here
+    (L0 2 against circuit-tracer's 12–18) — or, next to a threshold tensor, as JumpReLU with the TopK dropped; now
+    refused by name, both ways."""
     import shutil
 
-    src = PEERS / "probe_circuit_tracer" / "set_mixed_activation"
-    shutil.copytree(src, tmp_path / "s")
+    if case == "relu":  # ReLU layer files (no threshold), as our writer writes them
+        from nnsight_lorsa import save
+        from nnsight_lorsa.modules import Transcoder, TranscoderConfig
+
+        save({layer: Transcoder(TranscoderConfig(d_in=8, d_sae=16, layer=layer)) for layer in (0, 1)}, tmp_path / "s",
+             format="circuit_tracer")
+    else:
+        shutil.copytree(PEERS / "probe_circuit_tracer" / case, tmp_path / "s")
     cfg = (tmp_path / "s" / "config.yaml").read_text()
     (tmp_path / "s" / "config.yaml").write_text(cfg + "activation: topk\nk: 3\n")
-    with pytest.raises(LorsaError, match=r"layer_0\.safetensors.*activation: topk.*threshold"):
+    (tmp_path / "s" / "checksums.json").unlink(missing_ok=True)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'activation' is 'topk', which circuit-tracer \(0\.5\.0\) "
+                                                           r"does not read"):
         load(tmp_path / "s")
