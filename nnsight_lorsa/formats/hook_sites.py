@@ -222,10 +222,8 @@ def transcoder_layer(module: Any) -> int | None:
 
 #: circuit-tracer's ``feature_input_hook`` / ``feature_output_hook`` values that carry our MLP site (the MLP
 #: module's call) in every family: its ``ReplacementMLP.hook_in`` / ``hook_out`` (TransformerLens backend) and its
-#: nnsight mapping's ``mlp.hook_in`` = the pre-MLP norm's output, ``mlp.hook_out`` = the MLP's output
-#: (``utils/tl_nnsight_mapping.py``); TransformerLens's ``hook_mlp_in`` is the MLP's input too
-#: the MLP module's input (the pre-MLP norm's output, gain included): circuit-tracer's ``ReplacementMLP.hook_in``,
-#: TransformerLens 3's ``mlp.hook_in``. Not ``hook_mlp_in``: TransformerLens's (legacy ``components/
+#: nnsight mapping's ``mlp.hook_in`` = the pre-MLP norm's output (gain included), ``mlp.hook_out`` = the MLP's output
+#: (``utils/tl_nnsight_mapping.py``). Not ``hook_mlp_in``: TransformerLens's (legacy ``components/
 #: transformer_block.py``: ``ln2(hook_mlp_in(resid_mid))``; 3.9's ``BlockBridge``: "pre-ln2") is the residual the
 #: pre-MLP norm reads, :data:`MLP_IN_HOOK`
 MLP_INPUT_HOOKS = ("mlp.hook_in",)
