@@ -33,7 +33,8 @@ A Lorsa head of layer ``L`` shares the row of layer ``L``'s transcoder features 
 frontend draws one row per integer ``layer``); bias nodes sum over positions and sit at ``ctx_idx`` 0
 (the final-norm / unembedding biases at ``layer`` ``n``).
 ``feature_type``: :data:`.graph.KIND_NAMES`. ``influence``: the node's *cumulative* influence rank
-score (:attr:`.scores.PruneResult.cumulative`, what circuit-tracer writes there); ``activation``:
+score (:attr:`.scores.PruneResult.cumulative`, what circuit-tracer writes there; ``null`` on logit nodes, as
+circuit-tracer writes them); ``activation``:
 feature activation / Lorsa head ``z``, the error vector's norm for error nodes (circuit-tracer: None),
 ``None`` for the rest. ``intervened``: ``true`` on a node edited in the traced pass the graph is of
 (:attr:`.graph.NodeTable.intervened`; absent otherwise; such a node is exported whatever its influence,
@@ -275,6 +276,13 @@ def to_neuronpedia(
         raise ArgumentError(f"to_neuronpedia(sparsity_threshold=...) must be a number in [0, 1] (a feature-density "
                             f"filter; 1 hides nothing), got {sparsity_threshold!r}")
     if prune_result is None:
+        if isinstance(graph.meta, dict) and graph.meta.get("pruned"):
+            # the full graph is gone: influence and pruning can only be redone on the kept subgraph
+            warnings.warn(
+                "to_neuronpedia: this graph was pruned while it was built (attribute(..., prune=...)), so exporting "
+                f"prunes it again at node_threshold={node_threshold}, edge_threshold={edge_threshold} on the kept "
+                "nodes, with influence recomputed there: fewer nodes and other influence scores than circuit-tracer's "
+                "export of the full graph (to_neuronpedia(full, prune(full)) gives those)", stacklevel=2)
         prune_result = prune(graph, node_threshold, edge_threshold)
     N = graph.n_nodes
     e = prune_result.edge_index.to(HOST)  # a prune result made elsewhere (a device) reads like the graph's
@@ -331,8 +339,10 @@ def to_neuronpedia(
         else:  # logit
             p = probs.get(i, 0.0)
             tok = decode_token(tokenizer, idx)
+            # influence null, as circuit-tracer writes logit nodes (create_graph_files.py: no influence given; its
+            # frontend keeps logits whatever the slider) — a cumulative score here read 1.0000000000000002
             node.update(ctx_idx=n_pos - 1, token_prob=p, is_target_logit=i == top_logit,
-                        clerp=f'Output "{tok}" (p={p:.3f})')
+                        clerp=f'Output "{tok}" (p={p:.3f})', influence=None)
         nodes.append(node)
     seen: dict[str, int] = {}
     for node in nodes:

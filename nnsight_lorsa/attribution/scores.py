@@ -597,7 +597,11 @@ def cumulative_scores(infl: Float[torch.Tensor, " n"]) -> Float[torch.Tensor, " 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
     """``(replacement_score, completeness_score)``, both in ``[0, 1]``, of the unpruned graph (module
-    docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). Computed on the
+    docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). The replacement score is
+    circuit-tracer's; the completeness score averages over the nodes whose rows were computed, where
+    circuit-tracer sums over every node and counts the source-only ones (errors, embeddings — no incoming edges,
+    so no error fraction) as complete: on the same adjacency ours is the lower (0.794 against 0.867 on a tiny
+    Llama graph). Computed on the
     graph's stored rows (:func:`graph_rows`: its causal blocks in place, or its dense matrix's non-zero entries)
     in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
     vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from html.parser import HTMLParser
 
 import pytest
@@ -327,3 +328,19 @@ def test_a_token_id_beyond_the_vocabulary_is_refused_not_exported_as_empty(built
     with pytest.raises(ArgumentError, match=rf"token id {bad} is outside the tokenizer's vocabulary \[0, {len(tok)}\)"):
         to_neuronpedia(g2, pr, slug="x", tokenizer=tok)
     assert to_neuronpedia(g2, pr, slug="x")["metadata"]["prompt_tokens"]  # without a tokenizer: tok<id> labels
+
+
+def test_exporting_a_graph_pruned_while_built_warns_and_logits_have_no_influence(built):
+    """A graph pruned while built lost the full graph: its export re-prunes the kept nodes (fewer nodes, influence
+    recomputed on the subgraph: not circuit-tracer's export of the full graph) — said by a warning; logit nodes are
+    written with ``influence: null`` as circuit-tracer writes them (a cumulative score read 1.0000000000000002)."""
+    tok, g, pr, d = built
+    assert all(n["influence"] is None for n in d["nodes"] if n["feature_type"] == "logit")
+    assert all(n["influence"] is not None for n in d["nodes"] if n["feature_type"] != "logit")
+    model, _, lorsas, tcs = attribution_setup("llama")
+    gp = attribute(rm(model, lorsas, tcs), random_ids(1, 9, seed=5)[0], batch_size=48, prune=(0.8, 0.98))
+    with pytest.warns(UserWarning, match=r"pruned while it was built .* prunes it again"):
+        to_neuronpedia(gp, slug="tiny-llama", tokenizer=tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_neuronpedia(gp, prune(gp, 1.0, 1.0), slug="tiny-llama", tokenizer=tok)  # a prune of one's own: no warning

@@ -217,7 +217,8 @@ def ref_export(g: Graph, node: np.ndarray, edge: np.ndarray, cumulative: np.ndar
               BIAS: f"B_{idx[i]}-0"}[k[i]]
         c = float(cumulative[i])
         d = {"node_id": nid(i), "feature": feature, "layer": layer, "ctx_idx": ctx, "feature_type": KIND_NAMES[k[i]],
-             "jsNodeId": js, "influence": c if math.isfinite(c) else None,
+             # logit nodes: null, as circuit-tracer writes them (create_graph_files.py)
+             "jsNodeId": js, "influence": c if math.isfinite(c) and k[i] != LOGIT else None,
              "activation": (a if math.isfinite(a) else None) if k[i] in (TRANSCODER, LORSA, MLP_ERROR, ATTN_ERROR)
              else None,
              "is_target_logit": k[i] == LOGIT and i == first_top, "token_prob": probs.get(i, 0.0) if k[i] == LOGIT
