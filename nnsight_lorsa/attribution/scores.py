@@ -597,11 +597,11 @@ def cumulative_scores(infl: Float[torch.Tensor, " n"]) -> Float[torch.Tensor, " 
 
 def graph_scores(graph: Graph) -> tuple[float, float]:
     """``(replacement_score, completeness_score)``, both in ``[0, 1]``, of the unpruned graph (module
-    docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``). The replacement score is
-    circuit-tracer's; the completeness score averages over the nodes whose rows were computed, where
-    circuit-tracer sums over every node and counts the source-only ones (errors, embeddings — no incoming edges,
-    so no error fraction) as complete: on the same adjacency ours is the lower (0.794 against 0.867 on a tiny
-    Llama graph). Computed on the
+    docstring; circuit-tracer's ``compute_graph_scores``, ``circuit_tracer/graph.py``), as it computes them: the
+    completeness score sums over every node, the source-only ones (errors, embeddings, biases: no incoming edges,
+    no error fraction) counted complete — over the nodes whose rows were computed only until 2026-11-29 (0.794
+    against circuit-tracer's 0.867 on the same adjacency); a feature node whose row a budget left uncomputed (none
+    in circuit-tracer's graphs) is left out. Computed on the
     graph's stored rows (:func:`graph_rows`: its causal blocks in place, or its dense matrix's non-zero entries)
     in float64: :func:`row_influence` and two absolute row sums (all sources, error sources); memory: node-sized
     vectors and one chunk's temporaries, no per-edge copy, no dense ``n_nodes²`` matrix.
@@ -627,6 +627,6 @@ def graph_scores(graph: Graph) -> tuple[float, float]:
     to_errors = rows.abs_sums(error[:n_cols])
     non_error = 1.0 - to_errors / mass.clamp_min(1e-30)
     out = infl + lw.double()
-    computed = graph.feature_rows
-    completeness = float((non_error[computed] * out[computed]).sum() / out[computed].sum().clamp_min(1e-30))
+    counted = graph.feature_rows | ((kind != TRANSCODER) & (kind != LORSA))  # every node with its row, or none
+    completeness = float((non_error[counted] * out[counted]).sum() / out[counted].sum().clamp_min(1e-30))
     return replacement, completeness

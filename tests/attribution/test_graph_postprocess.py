@@ -83,7 +83,9 @@ def dense_prune_before(g: Graph, node_threshold: float = 0.8, edge_threshold: fl
         if torch.equal(before, nodes):
             break
     from_in, from_err = float(infl[(kind == EMBEDDING) | (kind == BIAS)].sum()), float(infl[error].sum())
-    out, rows = infl + lw, g.feature_rows
+    # circuit-tracer's compute_graph_scores: every node, source-only ones (no row) complete; a feature node whose
+    # row a budget left uncomputed (none in circuit-tracer's graphs) out
+    out, rows = infl + lw, g.feature_rows | ~feature
     non_error = 1.0 - normalize_rows(A)[:, error].sum(-1)
     complete = float((non_error[rows] * out[rows]).sum() / out[rows].sum())
     return nodes, edges, infl, (from_in / (from_in + from_err), complete)
