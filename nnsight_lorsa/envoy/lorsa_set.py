@@ -298,8 +298,8 @@ class LorsaSet(ReplacementSet[int, Lorsa]):
                     tokens = torch.cat([state["tokens"][:, :past_len], tokens], 1)
                 state["tokens"] = tokens
                 mask = None if plain else tokens  # plain causal, or (batch, keys) key padding
-            if mask is not None and mask.shape[-1] != past_len + x.shape[1] \
-                    and mask.shape[-1] == _cache_capacity(kwargs, layer) and mask.shape[-1] > past_len + x.shape[1]:
+            if mask is not None and mask.shape[-1] > past_len + x.shape[1] \
+                    and mask.shape[-1] == _cache_capacity(kwargs, layer):
                 # a static cache: the mask spans every slot, the slots past these positions empty (masked); the
                 # Lorsa's own keys are the positions so far
                 mask = mask[..., :past_len + x.shape[1]]
