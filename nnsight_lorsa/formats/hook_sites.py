@@ -49,7 +49,7 @@ from ..errors import ConfigMismatchError, UnsupportedArchitectureError
 
 __all__ = ["ATTENTION_NORMALIZED_HOOK", "ATTENTION_OUTPUT_HOOK", "ATTENTION_SITE", "MLP_INPUT_HOOKS", "MLP_IN_HOOK",
            "MLP_OUTPUT_HOOKS", "RESID_MID_HOOK", "CENTRED_HOOKS", "HookSite", "MLPSiteIO", "check_centred_residual",
-           "check_lorsa_hooks", "check_mlp_hooks",
+           "attention_norm_unfolded", "check_lorsa_hooks", "check_mlp_hooks",
            "fold_attention_norm_", "has_resid_mid", "hook_record", "lorsa_reads_attention_input", "mlp_site_io",
            "rms_normalized", "sae_site_path", "site_record", "sparsify_hookpoint_site", "transcoder_layer",
            "transformer_lens_hook_site"]
@@ -608,6 +608,44 @@ def fold_attention_norm_(lorsa: Any, adapter: Any, root: Any, layer: int) -> boo
     record["attention_norm_folded"] = path
     return True
 
+
+def attention_norm_unfolded(lorsa: Any, adapter: Any, root: Any, layer: int) -> dict[str, torch.Tensor]:
+    """``W_Q``, ``W_K``, ``W_V``, ``b_Q``, ``b_K``, ``b_V`` of ``lorsa`` — which reads the attention's input
+    ``x = g ⊙ x̂ + b`` — rewritten for TransformerLens's ``ln1.hook_normalized`` ``x̂`` (what Llamascopium feeds a
+    Lorsa): ``W ← diag(g) W``, ``b_W ← b_W + b W``, in float64, cast back; the inverse of
+    :func:`fold_attention_norm_`. The module is not changed.
+
+    Raises:
+        UnsupportedArchitectureError: a family without a pre-attention norm (OLMo-2), or with a post-attention norm
+            (Gemma-2/3, OLMo-2: TransformerLens's ``hook_attn_out`` is after it, the Lorsa's output before).
+        ConfigMismatchError: the norm's weights on ``meta``.
+
+    Source: TransformerLens ``HookedTransformer.fold_layer_norm``; Llamascopium ``backend/language_model.py``.
+    """
+    if adapter.attention_norm_path(layer) is None or adapter.attention_post_norm_path(layer) is not None:
+        raise UnsupportedArchitectureError(
+            f"{adapter.family}: a Lorsa of layer {layer} has no TransformerLens form: "
+            + ("the family has no pre-attention norm (ln1 there is the post-attention norm)"
+               if adapter.attention_norm_path(layer) is None else
+               f"hook_attn_out is {adapter.attention_post_norm_path(layer)!r}'s output there, the Lorsa writes the "
+               "attention module's output before it"))
+    path, gain, bias = _attention_norm(adapter, root, layer)
+    if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
+        raise ConfigMismatchError(f"{adapter.family}: {path!r}'s weights are on meta: its gain cannot be folded out")
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        device = lorsa.W_Q.device
+        g = torch.ones(lorsa.cfg.d_model, dtype=torch.float64, device=device) if gain is None else \
+            gain.to(device=device, dtype=torch.float64)
+        shift = None if bias is None else bias.to(device=device, dtype=torch.float64)
+        for w_name, b_name, spec in (("W_Q", "b_Q", "hde,d->he"), ("W_K", "b_K", "hde,d->he"),
+                                     ("W_V", "b_V", "nd,d->n")):
+            weight, b = getattr(lorsa, w_name), getattr(lorsa, b_name)
+            w64 = weight.detach().double()
+            out[b_name] = b.detach().clone() if shift is None else \
+                (b.detach().double() + torch.einsum(spec, w64, shift)).to(b.dtype)
+            out[w_name] = (w64 * (g[None, :, None] if weight.dim() == 3 else g[None, :])).to(weight.dtype)
+    return out
 
 # ------------------------------------------------------------------ TransformerLens's centred residual stream
 #: TransformerLens hooks whose tensor is a sum of writing weights' outputs (the residual stream and the sublayer

@@ -166,12 +166,13 @@ from typing import Any
 import torch
 
 from .._atomic import atomic_directory
+from .._placement import torch_module
 from ..errors import CheckpointError, UnsupportedArchitectureError
 from ..modules.lorsa import Lorsa
 from ..modules.lorsa_config import LorsaConfig
 from ..modules.rotary import RotaryConfig, rotary_cos_sin
 from .files import load_safetensors, read_json_object, read_safetensors_header
-from .hook_sites import ATTENTION_SITE, lorsa_reads_attention_input
+from .hook_sites import ATTENTION_SITE, attention_norm_unfolded, lorsa_reads_attention_input
 from .reader import Parsed, Reader, read
 from .validate import (
     Field,
@@ -609,7 +610,7 @@ def load_llamascopium_lorsa(directory: str | os.PathLike[str], **kwargs: Any) ->
 
 
 def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, hook_point_in: str | None = None,
-                            hook_point_out: str | None = None, n_ctx: int | None = None) -> Path:
+                            hook_point_out: str | None = None, n_ctx: int | None = None, model: Any = None) -> Path:
     """Write ``lorsa`` as Llamascopium does (``config.json`` + ``sae_weights.safetensors``), readable by
     their ``SparseDictionary.from_pretrained`` and by :func:`load_llamascopium_lorsa`.
 
@@ -625,12 +626,18 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     them: the file says so in its safetensors header (``nnsight_lorsa.site: attention``), which
     :class:`~nnsight_lorsa.envoy.lorsa_set.LorsaSet` reads back (no fold), but Llamascopium ignores — there it
     computes what it was trained on only where the layer's pre-attention norm has gain 1 and no bias. A Lorsa loaded
-    from their files and not folded (``load``) is written without the mark, as it came.
+    from their files and not folded (``load``) is written without the mark, as it came. ``model=`` (the model the
+    Lorsa belongs to, ``cfg.layer`` its layer) writes the TransformerLens form instead: the layer's norm gain and bias
+    folded out of ``W_Q``, ``W_K``, ``W_V`` (:func:`~.hook_sites.attention_norm_unfolded`), so that their library
+    feeding ``ln1.hook_normalized`` computes what the Lorsa computes here; no mark (a set folds it back).
 
     Raises:
         UnsupportedArchitectureError: RoPE their config cannot express (``rope_type`` other than
             default/llama3, ``attention_scaling != 1``, a non-integer base).
-        ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them.
+        ArgumentError: no hook points given and neither ``cfg.extra`` nor ``cfg.layer`` names them; ``model=`` for
+            a Lorsa without ``cfg.layer``, or one that reads ``ln1.hook_normalized`` already (theirs, not folded).
+        UnsupportedArchitectureError: ``model=`` of a family whose Lorsa has no TransformerLens form (a
+            post-attention norm: Gemma-2/3, OLMo-2).
     """
     from ..errors import ArgumentError
 
@@ -683,7 +690,19 @@ def save_llamascopium_lorsa(lorsa: Lorsa, directory: str | os.PathLike[str], *, 
     else:
         doc["rotary_dim"] = cfg.d_qk_head  # a required field of theirs, unused without RoPE
     text = json.dumps(doc, indent=1)
-    header = {"format": "pt", **({SITE_METADATA_KEY: ATTENTION_SITE} if lorsa_reads_attention_input(lorsa) else {})}
+    marked = lorsa_reads_attention_input(lorsa)
+    if model is not None:
+        if not marked or cfg.layer is None:
+            raise ArgumentError("save(format='llamascopium', model=...) folds the model's pre-attention norm out of a "
+                                "Lorsa of layer cfg.layer that reads the attention's input; "
+                                + ("this one reads ln1.hook_normalized already: save it without model="
+                                   if not marked else "this one has no cfg.layer"))
+        from ..adapters.registry import get_adapter
+
+        unfolded = attention_norm_unfolded(lorsa, get_adapter(model), torch_module(model), cfg.layer)
+        state.update({k: v.to("cpu").contiguous() for k, v in unfolded.items()})
+        marked = False  # the TransformerLens form: what their library feeds it
+    header = {"format": "pt", **({SITE_METADATA_KEY: ATTENTION_SITE} if marked else {})}
     with atomic_directory(directory) as stage:
         stage.save_tensors(WEIGHTS_FILE, state, header)
         stage.write_text(CONFIG_FILE, text)

@@ -179,3 +179,41 @@ def test_an_authors_lorsa_on_a_meta_model_is_refused_with_the_recipe_and_the_fol
     LorsaSet.from_pretrained(model, tmp_path / "theirs").save(tmp_path / "folded")
     folded = LorsaSet.from_pretrained(meta, tmp_path / "folded")
     assert folded[LAYER].cfg.extra["llamascopium"]["site"] == "attention"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "neox"])
+def test_a_lorsa_of_ours_saved_with_its_model_is_a_llamascopium_lorsa_of_ln1_hook_normalized(family, tmp_path):
+    """``save(lorsa, dir, format="llamascopium", model=model)`` folds the layer's norm gain and bias out: the file's
+    Lorsa, fed TransformerLens's ``x̂`` as their library feeds it, computes what ours computes on the attention's
+    input (without ``model=`` the file is right for their library only where the gain is 1); a set folds it back."""
+    model, hf = tiny_nnsight(family)
+    adapter = get_adapter(model)
+    norm = _norm_with_gain(hf, adapter)
+    ours = make_lorsa(hf, adapter, LAYER)
+    with torch.no_grad():
+        ours.b_Q.normal_(0, 0.1)
+        ours.b_V.normal_(0, 0.1)
+    save(ours, tmp_path / "l", format="llamascopium", model=model)
+    theirs = load(tmp_path / "l")
+    assert "site" not in theirs.cfg.extra["llamascopium"]  # no mark: the TransformerLens form
+    ids = random_ids(2, 8, seed=6)
+    want = _reference_logits(hf, adapter, theirs, norm, ids)
+    outs = []
+    for lorsas in (LorsaSet(model, {LAYER: ours}), LorsaSet.from_pretrained(model, tmp_path / "l")):
+        with torch.no_grad(), model.trace(ids):
+            lorsas.replace(layer=LAYER)
+            outs.append(unembed(model).output.save())
+    scale = float(want.abs().max())
+    assert float((outs[0] - want).abs().max()) <= 2e-5 * scale
+    assert float((outs[1] - outs[0]).abs().max()) <= 2e-5 * scale
+
+
+def test_save_with_the_model_refuses_what_has_no_transformerlens_form(tmp_path):
+    from nnsight_lorsa.errors import ArgumentError
+
+    model, hf = tiny_nnsight("gemma2")
+    with pytest.raises(UnsupportedArchitectureError, match="hook_attn_out is"):
+        save(make_lorsa(hf, get_adapter(model), LAYER), tmp_path / "g", format="llamascopium", model=model)
+    model, hf = tiny_nnsight("llama")
+    with pytest.raises(ArgumentError, match="reads ln1.hook_normalized already"):
+        save(_their_lorsa(hf, get_adapter(model)), tmp_path / "t", format="llamascopium", model=model)
