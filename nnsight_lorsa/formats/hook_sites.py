@@ -255,14 +255,20 @@ def _tl_suffix(hook: Any) -> Any:
     return hook if m is None else m.group(2)
 
 
+def _extra(module: Any) -> dict[str, Any]:
+    """``cfg.extra`` of a replacement module (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s: its CLT's), or
+    ``{}``."""
+    extra = getattr(getattr(module, "clt", module).cfg, "extra", None)
+    return extra if isinstance(extra, dict) else {}
+
+
 def hook_record(module: Any) -> dict[str, Any]:
     """The hook record of a transcoder / CLT (a :class:`~nnsight_lorsa.modules.clt.CLTLayer`'s through its
     ``clt``): circuit-tracer's ``feature_input_hook`` / ``feature_output_hook``, else the same keys from the hook
     names its file recorded (llamascopium ``hook_point_in`` / ``hook_point_out``, SAELens ``hook_name`` /
     ``hook_name_out``, a sparsify hookpoint that is no MLP) without their ``blocks.L.`` prefix, so that
     :func:`check_mlp_hooks` and :func:`mlp_site_io` place them by what they name; empty without any."""
-    module = getattr(module, "clt", module)
-    extra = getattr(module.cfg, "extra", None) or {}
+    extra = _extra(module)
     record = extra.get("circuit_tracer")
     if isinstance(record, dict):
         return record
@@ -473,9 +479,10 @@ ATTENTION_OUTPUT_HOOK = "hook_attn_out"
 ATTENTION_SITE = "attention"
 
 
-def _lorsa_record(lorsa: Any) -> dict[str, Any] | None:
-    extra = getattr(lorsa.cfg, "extra", None)
-    record = extra.get("llamascopium") if isinstance(extra, dict) else None
+def _lorsa_record(module: Any) -> dict[str, Any] | None:
+    """The Llamascopium hook record a loader left in ``cfg.extra`` (``hook_point_in`` / ``hook_point_out``), or
+    None."""
+    record = _extra(module).get("llamascopium")
     return record if isinstance(record, dict) and ("hook_point_in" in record or "hook_point_out" in record) else None
 
 
@@ -588,22 +595,13 @@ def fold_attention_norm_(lorsa: Any, adapter: Any, root: Any, layer: int) -> boo
     path, gain, bias = _attention_norm(adapter, root, layer)
     if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
         return False
+    if gain is not None and bool((gain == 0).any()):
+        raise ConfigMismatchError(
+            f"{adapter.family}: {path!r} has {int((gain == 0).sum())} zero gains: the attention's input holds "
+            "nothing of those coordinates of ln1.hook_normalized, which the Lorsa reads")
     with torch.no_grad():
-        device = lorsa.W_Q.device
-        g = torch.ones(lorsa.cfg.d_model, dtype=torch.float64, device=device) if gain is None else \
-            gain.to(device=device, dtype=torch.float64)
-        if bool((g == 0).any()):
-            raise ConfigMismatchError(
-                f"{adapter.family}: {path!r} has {int((g == 0).sum())} zero gains: the attention's input holds "
-                "nothing of those coordinates of ln1.hook_normalized, which the Lorsa reads")
-        shift = None if bias is None else bias.to(device=device, dtype=torch.float64) / g
-        for weight, b, spec in ((lorsa.W_Q, lorsa.b_Q, "hde,d->he"), (lorsa.W_K, lorsa.b_K, "hde,d->he"),
-                                (lorsa.W_V, lorsa.b_V, "nd,d->n")):
-            w64 = weight.double()
-            if shift is not None:
-                b.copy_((b.double() - torch.einsum(spec, w64, shift)).to(b.dtype))
-            scale = g[None, :, None] if weight.dim() == 3 else g[None, :]
-            weight.copy_((w64 / scale).to(weight.dtype))
+        for name, value in _input_projections(lorsa, gain, bias, normalized=False).items():
+            getattr(lorsa, name).copy_(value)
     record["site"] = ATTENTION_SITE
     record["attention_norm_folded"] = path
     return True
@@ -632,6 +630,15 @@ def attention_norm_unfolded(lorsa: Any, adapter: Any, root: Any, layer: int) -> 
     path, gain, bias = _attention_norm(adapter, root, layer)
     if any(t is not None and t.device.type == "meta" for t in (gain, bias)):
         raise ConfigMismatchError(f"{adapter.family}: {path!r}'s weights are on meta: its gain cannot be folded out")
+    return _input_projections(lorsa, gain, bias, normalized=True)
+
+
+def _input_projections(lorsa: Any, gain: torch.Tensor | None, bias: torch.Tensor | None,
+                       normalized: bool) -> dict[str, torch.Tensor]:
+    """``{W_Q, W_K, W_V, b_Q, b_K, b_V}`` of ``lorsa`` rewritten across a norm's gain ``g`` and bias ``b``
+    (``x = g ⊙ x̂ + b``; None: 1, 0), computed in float64 and cast back to each tensor's dtype, on its device. From
+    weights ``W`` reading ``x`` to weights reading ``x̂`` (``normalized``): ``diag(g) W`` and ``b_W + b W``; the
+    other way: ``diag(1/g) W`` and ``b_W − b diag(1/g) W`` (the gain without zeros)."""
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         device = lorsa.W_Q.device
@@ -642,9 +649,12 @@ def attention_norm_unfolded(lorsa: Any, adapter: Any, root: Any, layer: int) -> 
                                      ("W_V", "b_V", "nd,d->n")):
             weight, b = getattr(lorsa, w_name), getattr(lorsa, b_name)
             w64 = weight.detach().double()
+            scale = g[None, :, None] if weight.dim() == 3 else g[None, :]
+            # the x-reading weights: W itself (to x̂), or W / g (from x̂)
+            w_x = w64 if normalized else w64 / scale
+            out[w_name] = (w64 * scale if normalized else w_x).to(weight.dtype)
             out[b_name] = b.detach().clone() if shift is None else \
-                (b.detach().double() + torch.einsum(spec, w64, shift)).to(b.dtype)
-            out[w_name] = (w64 * (g[None, :, None] if weight.dim() == 3 else g[None, :])).to(weight.dtype)
+                (b.detach().double() + (1 if normalized else -1) * torch.einsum(spec, w_x, shift)).to(b.dtype)
     return out
 
 # ------------------------------------------------------------------ TransformerLens's centred residual stream
@@ -660,11 +670,9 @@ def _trained_centred(module: Any) -> bool:
     every Llamascopium file (its TransformerLens backend loads the model with the default processing,
     ``center_writing_weights=True``: ``backend/language_model.py``) and a SAELens file whose
     ``metadata.model_from_pretrained_kwargs`` asks for it."""
-    module = getattr(module, "clt", module)
-    extra = getattr(module.cfg, "extra", None) or {}
-    llamascopium, saelens = extra.get("llamascopium"), extra.get("saelens")
-    if isinstance(llamascopium, dict) and ("hook_point_in" in llamascopium or "hook_point_out" in llamascopium):
+    if _lorsa_record(module) is not None:
         return True
+    saelens = _extra(module).get("saelens")
     return isinstance(saelens, dict) and bool(saelens.get("center_writing_weights"))
 
 
@@ -678,8 +686,7 @@ def _layer_norm_family(adapter: Any, root: Any) -> bool:
 def _input_hook(module: Any) -> Any:
     """The hook name a module's file says it reads (circuit-tracer ``feature_input_hook``, llamascopium
     ``hook_point_in``, SAELens ``hook_name``), or None."""
-    module = getattr(module, "clt", module)
-    extra = getattr(module.cfg, "extra", None) or {}
+    extra = _extra(module)
     for fmt, key in (("circuit_tracer", "feature_input_hook"), ("llamascopium", "hook_point_in"),
                      ("saelens", "hook_name")):
         record = extra.get(fmt)
